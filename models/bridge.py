@@ -1,0 +1,175 @@
+"""Weight mapping between HF checkpoints and Megatron `GPTModel` chunks at any TP/PP/VPP.
+
+`load_hf_weights(chunks, reader, hf_config)` fills the local shards of every chunk of this rank
+from HF tensors. `export_hf_weights(chunks, hf_config)` yields `(hf_name, full_tensor)` for the
+layers this pipeline stage holds, gathering TP shards over the tensor-parallel group (a
+collective: every TP rank of the stage must iterate it together). Both handle the local and the
+Transformer Engine layer specs, fused QKV (per query group) and gate/up (per TP rank), vocab
+padding, PP/VPP layer offsets and tied embeddings.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from models import weight_mapping as wm
+from models.architectures import architecture_of
+from models.config_bridge import model_shape
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Megatron per-layer suffix -> (kind, HF suffixes under model.layers.{i}.)
+_LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
+    "input_layernorm.weight": ("replicated", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.layer_norm_weight": ("replicated", ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": (
+        "qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    "self_attention.linear_qkv.bias": (
+        "qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+    "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
+    "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
+    "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+}
+_TOP_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
+    "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
+    "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
+    "output_layer.weight": ("vocab", ("lm_head.weight",)),
+}
+
+
+@dataclass
+class _Mapping:
+    kind: str
+    hf_names: tuple[str, ...]
+
+
+def unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _mapping(chunk, name: str, tied: bool) -> _Mapping | None:
+    """HF names for one megatron parameter of `chunk`, or None for entries with no HF twin."""
+    match = _LAYER.match(name)
+    if match:
+        local, suffix = int(match.group(1)), match.group(2)
+        if suffix not in _LAYER_MAP:
+            return None
+        kind, names = _LAYER_MAP[suffix]
+        layer = chunk.decoder.layers[local].layer_number - 1
+        return _Mapping(kind, tuple(f"model.layers.{layer}.{n}" for n in names))
+    if name in _TOP_MAP:
+        kind, names = _TOP_MAP[name]
+        if name == "output_layer.weight" and tied:
+            names = ("model.embed_tokens.weight",)
+        return _Mapping(kind, names)
+    return None
+
+
+def _tp():
+    from megatron.core import parallel_state as ps
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+
+
+def _local_shard(kind: str, hf: list[torch.Tensor], cfg: dict, padded_vocab: int) -> torch.Tensor:
+    tp, rank = _tp()
+    if kind == "replicated":
+        return hf[0]
+    if kind == "row":
+        return hf[0].chunk(tp, dim=1)[rank]
+    if kind == "vocab":
+        return wm.pad_vocab(hf[0], padded_vocab).chunk(tp, dim=0)[rank]
+    if kind == "qkv":
+        heads = cfg["num_attention_heads"]
+        fused = wm.merge_qkv(*hf, heads, cfg.get("num_key_value_heads") or heads)
+        return fused.chunk(tp, dim=0)[rank]
+    if kind == "fc1":
+        return wm.merge_gate_up(hf[0], hf[1], tp)[rank]
+    raise ValueError(f"unknown mapping kind {kind}")
+
+
+def _tied(cfg: dict) -> bool:
+    return bool(cfg.get("tie_word_embeddings", False))
+
+
+def load_hf_weights(chunks: list, reader, hf_config: dict,
+                    progress: Callable[[int], None] | None = None) -> int:
+    """Copy HF weights into every parameter of `chunks` (this rank's shards). Returns the number
+    of parameters filled; raises if a parameter has no HF source or shapes disagree."""
+    architecture_of(hf_config)
+    shape = model_shape(hf_config)
+    filled = 0
+    for chunk in chunks:
+        model = unwrap(chunk)
+        for name, param in model.named_parameters():
+            mapping = _mapping(model, name, _tied(hf_config))
+            if mapping is None:
+                raise KeyError(f"megatron parameter {name!r} has no HF mapping")
+            tensors = [reader.get(n) for n in mapping.hf_names]
+            local = _local_shard(mapping.kind, tensors, hf_config, shape.padded_vocab_size)
+            if tuple(local.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: HF gives shape {tuple(local.shape)}, megatron expects "
+                                 f"{tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(local.to(param.dtype))
+            filled += 1
+            if progress:
+                progress(1)
+    return filled
+
+
+def _gather_tp(tensor: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    from megatron.core import parallel_state as ps
+    tp, _ = _tp()
+    if tp == 1:
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(tp)]
+    dist.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return parts
+
+
+def export_hf_weights(chunks: list, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for every weight held by this pipeline stage.
+
+    Collective over the TP group. The tied output layer is skipped (HF has no lm_head then);
+    padded vocab rows are removed."""
+    shape = model_shape(hf_config)
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    tied = _tied(hf_config)
+    seen: set[str] = set()
+    for chunk in chunks:
+        model = unwrap(chunk)
+        for name, param in model.named_parameters():
+            mapping = _mapping(model, name, tied)
+            if mapping is None or (tied and name == "output_layer.weight"):
+                continue
+            if mapping.hf_names[0] in seen:  # TE/local aliases of the same norm
+                continue
+            data = param.detach()
+            kind = mapping.kind
+            if kind == "replicated":
+                out = [data]
+            elif kind == "row":
+                out = [torch.cat(_gather_tp(data, 1), dim=1)]
+            elif kind == "vocab":
+                out = [wm.unpad_vocab(torch.cat(_gather_tp(data, 0), 0), shape.vocab_size)]
+            elif kind == "qkv":
+                out = list(wm.split_qkv(torch.cat(_gather_tp(data, 0), 0), heads, kv_heads))
+            elif kind == "fc1":
+                out = list(wm.split_gate_up(_gather_tp(data, 0)))
+            else:
+                raise ValueError(kind)
+            for hf_name, tensor in zip(mapping.hf_names, out):
+                seen.add(hf_name)
+                yield hf_name, tensor.contiguous()

@@ -1,0 +1,72 @@
+"""Reading and writing HF checkpoint folders (safetensors, config, tokenizer files)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                   "added_tokens.json", "generation_config.json")
+
+
+class HFCheckpointError(FileNotFoundError):
+    """An HF folder that cannot be read (missing, no config, no safetensors weights)."""
+
+
+def read_config(hf_dir: str | os.PathLike) -> dict:
+    path = Path(hf_dir)
+    if not path.is_dir():
+        raise HFCheckpointError(f"HF model directory not found: {path}")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise HFCheckpointError(f"no config.json in HF model directory {path}")
+    return json.loads(cfg.read_text())
+
+
+class SafetensorsReader:
+    """Lazy access to the tensors of an HF folder (single file or sharded with an index)."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (self.dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+            weight_map = None
+        else:
+            raise HFCheckpointError(
+                f"no model.safetensors or model.safetensors.index.json in {self.dir}")
+        self._handles = {f: safe_open(str(self.dir / f), framework="pt") for f in files}
+        if weight_map is None:
+            weight_map = {k: files[0] for k in self._handles[files[0]].keys()}
+        self._map = weight_map
+
+    def keys(self) -> list[str]:
+        return list(self._map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._map
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._map:
+            raise KeyError(f"tensor {name!r} not found in {self.dir}")
+        return self._handles[self._map[name]].get_tensor(name)
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer/generation files present in `src` to `dst`; return their names."""
+    os.makedirs(dst, exist_ok=True)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied

@@ -1,0 +1,194 @@
+"""Megatron-Core on a host without CUDA.
+
+Megatron-Core assumes a GPU in a handful of places (DESIGN section 7). This module is the only
+place in the project that knows the host may have none. `install()` is idempotent and a no-op
+when CUDA is available; it must run before megatron builds models, optimizers or schedules.
+
+What it provides on a CPU host:
+- `torch.cuda` stand-ins: current_device, synchronize, Stream/Event/stream, nvtx, empty_cache,
+  and an RNG (a dedicated CPU `torch.Generator`) behind get/set_rng_state and manual_seed, which
+  megatron's model-parallel RNG tracker forks;
+- a `TorchFunctionMode` (`CudaToCpuMode`) that maps `device="cuda"` arguments, `.cuda()`,
+  `.to("cuda")` and `pin_memory=True` to the CPU, and reports CUDA type names from
+  `Tensor.type()` (megatron's optimizer checks them);
+- `torch.distributed` all-gather/reduce-scatter "into tensor" variants that gloo lacks.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+_MODE: "CudaToCpuMode | None" = None
+_FAKE_GENERATOR = torch.Generator()
+
+_CPU_TYPE_TO_CUDA = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+}
+
+
+def cuda_available() -> bool:
+    """True when real CUDA devices exist (the runtime then does nothing)."""
+    return torch.cuda.is_available() and not _INSTALLED
+
+
+def _to_cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirects CUDA device requests to the CPU for every torch function call."""
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        name = getattr(func, "__name__", "")
+        if name == "cuda":
+            return args[0]
+        if name == "pin_memory":
+            return args[0]
+        if name == "is_pinned":
+            return False
+        if name == "type" and len(args) == 1 and not kwargs:
+            cpu_name = func(*args)
+            return _CPU_TYPE_TO_CUDA.get(cpu_name, cpu_name)
+        if name == "to":
+            args = tuple(_to_cpu_device(a) if isinstance(a, (str, torch.device)) else a
+                         for a in args)
+        if name == "record_stream":
+            return None
+        return func(*args, **kwargs)
+
+
+class _FakeStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _FakeEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _get_rng_state(device=None):
+    return _FAKE_GENERATOR.get_state()
+
+
+def _set_rng_state(state, device=None, graph_safe=False):
+    _FAKE_GENERATOR.set_state(state)
+
+
+def _manual_seed(seed):
+    _FAKE_GENERATOR.manual_seed(int(seed))
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.set_device = lambda *a, **k: None
+    cuda.device_count = lambda: 0
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _FakeStream
+    cuda.Event = _FakeEvent
+    cuda.current_stream = lambda *a, **k: _FakeStream()
+    cuda.default_stream = lambda *a, **k: _FakeStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.get_rng_state = _get_rng_state
+    cuda.set_rng_state = _set_rng_state
+    cuda.manual_seed = _manual_seed
+    cuda.manual_seed_all = _manual_seed
+    cuda.random.get_rng_state = _get_rng_state
+    cuda.random.set_rng_state = _set_rng_state
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    nvtx = types.SimpleNamespace(
+        range_push=lambda *a, **k: None,
+        range_pop=lambda *a, **k: None,
+        range=lambda *a, **k: contextlib.nullcontext(),
+        mark=lambda *a, **k: None,
+    )
+    cuda.nvtx = nvtx
+
+
+def _patch_megatron_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: _FAKE_GENERATOR.get_state()
+    mrandom._set_cuda_rng_state = _set_rng_state
+
+
+def install() -> None:
+    """Make megatron-core usable on this host. No-op when CUDA is present; idempotent."""
+    global _INSTALLED, _MODE
+    if _INSTALLED or torch.cuda.is_available():
+        return
+    _patch_torch_cuda()
+    _patch_megatron_rng()
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()
+    _INSTALLED = True
+
+
+def is_cpu_host() -> bool:
+    """True when the CPU runtime is active (no CUDA device on this host)."""
+    return _INSTALLED
+
+
+def device() -> torch.device:
+    """The device that tensors of this process should live on."""
+    return torch.device("cpu") if _INSTALLED or not torch.cuda.is_available() else torch.device(
+        "cuda", torch.cuda.current_device())

@@ -1,0 +1,92 @@
+"""The parallel layout of one run: tp x pp x cp x dp = world size.
+
+`ParallelLayout` is a pure value: it validates itself and explains every violated constraint,
+so configuration errors surface before any process group exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run; the message lists every violated constraint."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of each parallel dimension. `dp` is derived: world_size / (tp * pp * cp).
+
+    Rank order follows megatron parallel_state's default "tp-cp-ep-dp-pp".
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def problems(self, num_layers: int | None = None, num_heads: int | None = None,
+                 num_kv_heads: int | None = None, seq_length: int | None = None) -> list[str]:
+        """Every violated constraint, as sentences naming the config key (`parallel.*`)."""
+        out: list[str] = []
+        for key in ("tp", "pp", "cp"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                out.append(f"parallel.{key}={value!r} must be an integer >= 1")
+        if self.vpp is not None and (not isinstance(self.vpp, int) or self.vpp < 1):
+            out.append(f"parallel.vpp={self.vpp!r} must be null or an integer >= 1")
+        if out:
+            return out
+        if self.world_size % self.model_parallel_size:
+            out.append(
+                f"world size {self.world_size} is not divisible by parallel.tp x parallel.pp x "
+                f"parallel.cp = {self.tp} x {self.pp} x {self.cp} = {self.model_parallel_size}; "
+                f"valid (tp, pp, cp) products divide {self.world_size}: "
+                f"{_divisors(self.world_size)}")
+        if self.vpp is not None and self.vpp > 1 and self.pp < 2:
+            out.append(f"parallel.vpp={self.vpp} needs parallel.pp >= 2 (got pp={self.pp})")
+        if num_layers is not None:
+            chunks = self.pp * (self.vpp or 1)
+            if num_layers % chunks:
+                out.append(
+                    f"num_layers={num_layers} is not divisible by parallel.pp x parallel.vpp = "
+                    f"{self.pp} x {self.vpp or 1} = {chunks}; valid pp x vpp products: "
+                    f"{_divisors(num_layers)}")
+        if num_heads is not None and num_heads % (self.tp * self.cp):
+            out.append(
+                f"num_attention_heads={num_heads} is not divisible by parallel.tp x parallel.cp = "
+                f"{self.tp} x {self.cp}; valid tp x cp products: {_divisors(num_heads)}")
+        if num_kv_heads is not None:
+            if num_kv_heads % self.tp:
+                out.append(
+                    f"num_key_value_heads={num_kv_heads} is not divisible by parallel.tp="
+                    f"{self.tp} (fused QKV is split per query group); valid tp: "
+                    f"{_divisors(num_kv_heads)}")
+        if seq_length is not None and self.cp > 1 and seq_length % (2 * self.cp):
+            out.append(
+                f"train.seq_length={seq_length} must be divisible by 2 x parallel.cp = "
+                f"{2 * self.cp} (zigzag context-parallel sharding)")
+        return out
+
+    def validate(self, **model_dims) -> "ParallelLayout":
+        """Raise `LayoutError` listing every problem; return self when the layout is valid."""
+        problems = self.problems(**model_dims)
+        if problems:
+            raise LayoutError("invalid parallel layout:\n  - " + "\n  - ".join(problems))
+        return self
+
+    def describe(self) -> str:
+        vpp = f" vpp={self.vpp}" if self.vpp else ""
+        return f"world={self.world_size} dp={self.dp} tp={self.tp} pp={self.pp}{vpp} cp={self.cp}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,78 @@
+"""Process-group setup and teardown over megatron `parallel_state`.
+
+`init_distributed()` starts torch.distributed once per process (gloo on a CPU host, nccl on
+GPUs) from torchrun's environment, or as a single process when no launcher set it.
+`setup_model_parallel(layout)` (re)builds megatron's TP/PP/CP/DP groups; it may be called many
+times in one process (tests try many layouts in one launch); `teardown_model_parallel()` undoes it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from parallel import cpu_runtime
+from parallel.layout import ParallelLayout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
+    """Initialise torch.distributed from env (RANK, WORLD_SIZE, MASTER_ADDR/PORT); return
+    (rank, world_size). Without a launcher it starts a 1-process group."""
+    cpu_runtime.install()
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "gloo" if cpu_runtime.is_cpu_host() else "nccl"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def setup_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
+    """(Re)build megatron parallel_state for `layout` and seed its model-parallel RNG tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if layout.world_size != dist.get_world_size():
+        raise ValueError(f"layout world size {layout.world_size} != launched world size "
+                         f"{dist.get_world_size()}")
+    layout.validate()
+    teardown_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
+        context_parallel_size=layout.cp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def teardown_model_parallel() -> None:
+    """Destroy megatron's groups (if any), keeping the default process group alive."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def shutdown() -> None:
+    """Tear everything down at process exit."""
+    teardown_model_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,88 @@
+"""Ulysses (all-to-all) context-parallel attention.
+
+Each CP rank holds a zigzag shard of the sequence and all heads of its TP rank. An all-to-all
+gathers the whole sequence and scatters heads (each rank keeps heads/cp), attention runs on the
+whole sequence in natural order, and a second all-to-all returns to sequence shards. Both
+exchanges go through `torch.distributed.nn.functional.all_to_all`, which carries autograd and
+runs on gloo as well as nccl. KV heads are repeated to the query head count first when the
+local KV head count is not divisible by cp (GQA with fewer KV heads than cp).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed.nn.functional as dist_nn
+import torch.nn.functional as F
+
+from parallel import zigzag
+
+
+def _cp_group():
+    from megatron.core import parallel_state
+    return parallel_state.get_context_parallel_group()
+
+
+def seq_to_heads(x: torch.Tensor, group, seq_dim: int, head_dim: int) -> torch.Tensor:
+    """[.., s/cp, .., H, ..] -> [.., s, .., H/cp, ..]; the gathered sequence is in rank order."""
+    cp = torch.distributed.get_world_size(group)
+    inputs = [c.contiguous() for c in x.chunk(cp, dim=head_dim)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(cp)]
+    outputs = dist_nn.all_to_all(outputs, inputs, group=group)
+    return torch.cat(outputs, dim=seq_dim)
+
+
+def heads_to_seq(x: torch.Tensor, group, seq_dim: int, head_dim: int) -> torch.Tensor:
+    """Inverse of `seq_to_heads`."""
+    cp = torch.distributed.get_world_size(group)
+    inputs = [c.contiguous() for c in x.chunk(cp, dim=seq_dim)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(cp)]
+    outputs = dist_nn.all_to_all(outputs, inputs, group=group)
+    return torch.cat(outputs, dim=head_dim)
+
+
+def _segments(packed_seq_params, total: int) -> list[int]:
+    if packed_seq_params is None:
+        return [total]
+    cu = packed_seq_params.cu_seqlens_q_padded
+    if cu is None:
+        cu = packed_seq_params.cu_seqlens_q
+    bounds = cu.tolist()
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def ulysses_attention(query, key, value, scale: float, packed_seq_params=None) -> torch.Tensor:
+    """Causal attention over the CP group. sbhd: query [s/cp, b, h, d] -> [s/cp, b, h*d];
+    thd: query [t/cp, h, d] -> [t/cp, h*d]. Key/value carry g <= h heads."""
+    group = _cp_group()
+    cp = torch.distributed.get_world_size(group)
+    thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+    head_dim_index = 1 if thd else 2
+    heads, kv_heads = query.shape[head_dim_index], key.shape[head_dim_index]
+    if kv_heads % cp:
+        rep = heads // kv_heads
+        key = key.repeat_interleave(rep, dim=head_dim_index)
+        value = value.repeat_interleave(rep, dim=head_dim_index)
+    q, k, v = (seq_to_heads(x, group, 0, head_dim_index) for x in (query, key, value))
+    segments = _segments(packed_seq_params if thd else None, q.shape[0])
+    order = zigzag.gathered_to_natural(segments, cp).to(q.device)
+    q, k, v = (x.index_select(0, order) for x in (q, k, v))
+    rep = q.shape[head_dim_index] // k.shape[head_dim_index]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=head_dim_index)
+        v = v.repeat_interleave(rep, dim=head_dim_index)
+    if thd:
+        out = torch.empty_like(q)
+        bounds = [0]
+        for n in segments:
+            bounds.append(bounds[-1] + n)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            seg = [x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+            out[a:b] = F.scaled_dot_product_attention(*seg, is_causal=True,
+                                                      scale=scale)[0].transpose(0, 1)
+    else:
+        qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+        out = out.permute(2, 0, 1, 3)
+    inverse = torch.argsort(order)
+    out = out.index_select(0, inverse)
+    out = heads_to_seq(out, group, 0, head_dim_index)
+    return out.reshape(*out.shape[:head_dim_index], -1)
