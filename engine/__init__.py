@@ -1,0 +1,1 @@
+"""Training engines (SFT, RL) built on the models bridge and the parallel layer."""

@@ -1,0 +1,1 @@
+"""GRPO / DAPO reinforcement learning."""

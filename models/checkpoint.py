@@ -1,0 +1,90 @@
+"""Model checkpoints in Megatron's distributed format, loadable at any TP/PP/VPP.
+
+A checkpoint directory holds:
+  - the `megatron.core.dist_checkpointing` files (`metadata.json`, `*.distcp`, `common.pt`);
+    model weights live under the state-dict key `model` (training checkpoints add `optimizer`,
+    `scheduler`, `rng`, `data`, which model-only readers ignore);
+  - `hf/`: the HF `config.json` and tokenizer files, so later commands need no extra flags;
+  - `bridge.json`: architecture, padded vocab and format version.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from models.architectures import architecture_of
+from models.bridge import unwrap
+from models.config_bridge import model_shape
+from models.hf_io import copy_tokenizer_files
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(FileNotFoundError):
+    """A path that is not a readable checkpoint of this project."""
+
+
+def model_sharded_state_dict(chunks: list) -> dict:
+    """{"model": {"chunk0": ..., ...}}: sharded tensors with global (layout-free) keys."""
+    return {"model": {f"chunk{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}}
+
+
+def write_metadata(ckpt_dir: str | os.PathLike, hf_config: dict, tokenizer_dir: str | None
+                   ) -> None:
+    """Rank-0 writer of `hf/` and `bridge.json`."""
+    hf_dir = Path(ckpt_dir) / "hf"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    (hf_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+    if tokenizer_dir:
+        copy_tokenizer_files(tokenizer_dir, hf_dir)
+    meta = {"format_version": FORMAT_VERSION, "architecture": architecture_of(hf_config).name,
+            "vocab_size": hf_config["vocab_size"],
+            "padded_vocab_size": model_shape(hf_config).padded_vocab_size}
+    (Path(ckpt_dir) / "bridge.json").write_text(json.dumps(meta, indent=2))
+
+
+def save_checkpoint(state: dict, ckpt_dir: str | os.PathLike, hf_config: dict,
+                    tokenizer_dir: str | None) -> None:
+    """Collective: save a sharded state dict (containing at least `model`) plus metadata."""
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    dist_checkpointing.save(state, str(ckpt_dir))
+    if dist.get_rank() == 0:
+        write_metadata(ckpt_dir, hf_config, tokenizer_dir)
+    dist.barrier()
+
+
+def load_checkpoint(state: dict, ckpt_dir: str | os.PathLike) -> dict:
+    """Collective: load the entries of `state` (sharded for this layout) from `ckpt_dir`."""
+    from megatron.core import dist_checkpointing
+
+    check_checkpoint_dir(ckpt_dir)
+    return dist_checkpointing.load(state, str(ckpt_dir))
+
+
+def load_model(chunks: list, ckpt_dir: str | os.PathLike) -> None:
+    """Fill `chunks` (built for the current layout) from a checkpoint's `model` entry."""
+    loaded = load_checkpoint(model_sharded_state_dict(chunks), ckpt_dir)
+    for i, chunk in enumerate(chunks):
+        unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
+
+
+def check_checkpoint_dir(ckpt_dir: str | os.PathLike) -> None:
+    path = Path(ckpt_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path} is not a Megatron distributed checkpoint "
+                              f"(no metadata.json)")
+    if not (path / "hf" / "config.json").is_file():
+        raise CheckpointError(f"{path} has no hf/config.json: not written by this project")
+
+
+def read_hf_config(ckpt_dir: str | os.PathLike) -> dict:
+    """The HF config stored with a checkpoint."""
+    check_checkpoint_dir(ckpt_dir)
+    return json.loads((Path(ckpt_dir) / "hf" / "config.json").read_text())

@@ -1,0 +1,210 @@
+"""Checkpoint conversion between Hugging Face and Megatron-Core distributed checkpoints.
+
+  python tools/convert.py hf-to-mcore --hf-dir H --out C
+  python tools/convert.py mcore-to-hf --ckpt C --out O        (C may be a training iter_* dir
+                                                              or its parent run directory)
+  torchrun --nproc_per_node T*P tools/convert.py verify --hf-dir H --ckpt C --tp T --pp P
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MAX_SHARD_BYTES = 5 * 1024 ** 3
+
+
+def _fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _setup(tp: int = 1, pp: int = 1):
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import init_distributed, setup_model_parallel
+
+    _, world = init_distributed()
+    layout = ParallelLayout(world, tp=tp, pp=pp)
+    setup_model_parallel(layout)
+    return layout
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """A checkpoint dir itself, or a run dir whose latest_checkpointed_iteration.txt names one."""
+    p = Path(path)
+    marker = p / "latest_checkpointed_iteration.txt"
+    if marker.is_file():
+        return p / f"iter_{int(marker.read_text().strip()):07d}"
+    return p
+
+
+def hf_to_mcore(args) -> None:
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from models.bridge import load_hf_weights
+    from models.checkpoint import model_sharded_state_dict, save_checkpoint
+    from models.factory import build_model_chunks
+    from models.hf_io import SafetensorsReader, read_config
+
+    cfg = read_config(args.hf_dir)
+    reader = SafetensorsReader(args.hf_dir)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        _fail(f"--out {out} exists and is not empty")
+    layout = _setup(args.tp, args.pp)
+    layout.validate(num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
+                    num_kv_heads=cfg.get("num_key_value_heads"))
+    chunks = build_model_chunks(cfg)
+    total = sum(1 for c in chunks for _ in c.parameters())
+    with tqdm(total=total, desc="hf-to-mcore", disable=dist.get_rank() != 0) as bar:
+        load_hf_weights(chunks, reader, cfg, progress=bar.update)
+    save_checkpoint(model_sharded_state_dict(chunks), out, cfg, args.hf_dir)
+    if dist.get_rank() == 0:
+        print(f"wrote Megatron distributed checkpoint to {out}")
+
+
+def _write_safetensors(tensors: dict, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
+                                            for t in tensors.values())},
+             "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def mcore_to_hf(args) -> None:
+    from tqdm import tqdm
+
+    from models.bridge import export_hf_weights
+    from models.checkpoint import load_model, read_hf_config
+    from models.factory import build_model_chunks
+    from models.hf_io import copy_tokenizer_files
+
+    ckpt = resolve_checkpoint(args.ckpt)
+    cfg = read_hf_config(ckpt)
+    _setup(1, 1)
+    chunks = build_model_chunks(cfg)
+    load_model(chunks, ckpt)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, tensor in tqdm(export_hf_weights(chunks, cfg), desc="mcore-to-hf"):
+        dtype = getattr(__import__("torch"), args.dtype) if args.dtype else tensor.dtype
+        tensors[name] = tensor.to(dtype).clone()
+    _write_safetensors(tensors, out)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    copy_tokenizer_files(ckpt / "hf", out)
+    print(f"wrote HF checkpoint ({len(tensors)} tensors) to {out}")
+
+
+def verify(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from models.checkpoint import load_model, read_hf_config
+    from models.factory import build_model_chunks
+    from models.forward import forward_logits
+
+    ckpt = resolve_checkpoint(args.ckpt)
+    cfg = read_hf_config(ckpt)
+    layout = _setup(args.tp, args.pp)
+    layout.validate(num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
+                    num_kv_heads=cfg.get("num_key_value_heads"))
+    dtype = getattr(torch, args.dtype)
+    chunks = build_model_chunks(cfg, params_dtype=dtype)
+    load_model(chunks, ckpt)
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq_len), generator=gen)
+    logits = forward_logits(chunks, tokens, cfg["vocab_size"]).float().cpu()
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype)
+        if torch.cuda.is_available():
+            hf = hf.cuda()
+        with torch.no_grad():
+            ref = hf(tokens.to(next(hf.parameters()).device)).logits.float().cpu()
+        diff = (logits - ref).abs().max().item()
+        print(f"layout tp={args.tp} pp={args.pp} dtype={args.dtype} max_abs_diff={diff:.3e}")
+        ok = diff <= args.tolerance
+        print("verify: OK" if ok else f"verify: FAILED (tolerance {args.tolerance})")
+    else:
+        ok = True
+    flag = torch.tensor([0 if ok else 1])
+    dist.all_reduce(flag)
+    return int(flag.item() > 0)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="convert.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("hf-to-mcore", help="HF folder -> Megatron distributed checkpoint")
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tp", type=int, default=1, help="layout used while converting")
+    p.add_argument("--pp", type=int, default=1)
+    p = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF safetensors folder")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default=None, help="cast weights (e.g. bfloat16); default: as "
+                   "stored")
+    p = sub.add_parser("verify", help="logits parity of a checkpoint at a layout vs transformers")
+    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max abs logit difference allowed (default 1e-4 fp32, 5e-2 bf16)")
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if getattr(args, "tolerance", 0) is None:
+        args.tolerance = 1e-4 if args.dtype == "float32" else 5e-2
+    from models.architectures import UnsupportedArchitectureError
+    from models.checkpoint import CheckpointError
+    from models.hf_io import HFCheckpointError
+    from parallel.layout import LayoutError
+    try:
+        if args.cmd == "hf-to-mcore":
+            hf_to_mcore(args)
+            rc = 0
+        elif args.cmd == "mcore-to-hf":
+            mcore_to_hf(args)
+            rc = 0
+        else:
+            rc = verify(args)
+    except (UnsupportedArchitectureError, CheckpointError, HFCheckpointError, LayoutError) as e:
+        _fail(str(e))
+    from parallel.process_groups import shutdown
+    shutdown()
+    return rc
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())
