@@ -1,0 +1,47 @@
+"""Shared entry-point plumbing: parse and validate the config before any process group
+exists, report configuration errors once (rank 0) without a traceback and exit 2, then set up
+torch.distributed and megatron's parallel state and run."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def fail(message: str, code: int = 2) -> int:
+    if _rank() == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def run_entry(run: Callable, argv: list[str], schema=None,
+              validate: Callable | None = None) -> int:
+    """Load `schema` (default SFTConfig) from argv, validate (default validate_common), start
+    distributed + megatron state for the configured layout, call run(cfg, hf_config, flags)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from engine.config import ConfigError, SFTConfig, load_config, validate_common
+    from engine.data_files import DataError
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg, flags = load_config(schema or SFTConfig, argv)
+        hf_config = (validate or validate_common)(cfg, world)
+    except ConfigError as e:
+        return fail(str(e))
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
+
+    init_distributed()
+    setup_model_parallel(ParallelLayout(world, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+                                        vpp=cfg.parallel.vpp, cp=cfg.parallel.cp),
+                         seed=cfg.seed)
+    try:
+        rc = run(cfg, hf_config, flags)
+    except DataError as e:
+        rc = fail(f"data: {e}")
+    shutdown()
+    return rc

@@ -1,0 +1,141 @@
+"""Turn this rank's sequences and their loss weights into model-ready micro-batches.
+
+A `MicroBatch` holds tensors for one forward pass, already cut to this CP rank's zigzag shard:
+  padded:  tokens/labels/token_weights/position_ids [b, S/cp]
+  packed:  the same as [1, T/cp] plus `packed_seq_params` ("thd", cu_seqlens of the full row)
+`token_weights` = w_seq(t) * loss_mask(t): the GlobalLossNormalizer weight of the token's
+sequence, 0 on padding and untrained tokens. `seq_ids` [.., S/cp] maps tokens to the index of
+their sequence in this rank's list (-1 on padding) so per-sequence outputs can be gathered.
+`extras` carries per-token RL inputs (old/ref log-probs, advantages) sharded the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.batching import pack_sequences, pad_batch
+from parallel import zigzag
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    token_weights: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    seq_ids: torch.Tensor
+    packed_seq_params: object | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_tokens: int = 0           # real (unpadded) tokens before CP sharding
+    num_padding: int = 0
+
+
+@dataclass
+class SequenceData:
+    """One sequence of a mini-batch as lists of equal length."""
+    tokens: list[int]
+    labels: list[int]
+    loss_mask: list[int]
+    weight: float = 0.0
+    extras: dict[str, list[float]] = field(default_factory=dict)
+
+
+def _per_token(seq_values: list[float | int], lengths: list[int], total: int,
+               dtype=torch.float32) -> torch.Tensor:
+    out = torch.zeros(total, dtype=dtype)
+    start = 0
+    for value, n in zip(seq_values, lengths):
+        out[start:start + n] = value
+        start += n
+    return out
+
+
+def _extras_padded(seqs: list[SequenceData], width: int) -> dict[str, torch.Tensor]:
+    keys = seqs[0].extras.keys() if seqs else []
+    out = {}
+    for k in keys:
+        t = torch.zeros(len(seqs), width, dtype=torch.float32)
+        for i, s in enumerate(seqs):
+            t[i, :len(s.extras[k])] = torch.tensor(s.extras[k], dtype=torch.float32)
+        out[k] = t
+    return out
+
+
+def build_padded(seqs: list[SequenceData], seq_index: list[int], pad_multiple: int,
+                 length: int | None, cp: int, cp_rank: int, pad_id: int = 0) -> MicroBatch:
+    """A [b, S] micro-batch (S = `length` or the longest, rounded up to pad_multiple)."""
+    batch = pad_batch([(s.tokens, s.labels, s.loss_mask) for s in seqs],
+                      pad_multiple=pad_multiple, pad_id=pad_id, length=length)
+    width = batch["tokens"].shape[1]
+    weights = torch.tensor([s.weight for s in seqs], dtype=torch.float32).unsqueeze(1)
+    token_weights = batch["loss_mask"].float() * weights
+    seq_ids = torch.full((len(seqs), width), -1, dtype=torch.long)
+    for row, (s, idx) in enumerate(zip(seqs, seq_index)):
+        seq_ids[row, :len(s.tokens)] = idx
+    tensors = dict(tokens=batch["tokens"], labels=batch["labels"],
+                   token_weights=token_weights, loss_mask=batch["loss_mask"].float(),
+                   position_ids=batch["position_ids"], seq_ids=seq_ids)
+    extras = _extras_padded(seqs, width)
+    if cp > 1:
+        tensors = {k: zigzag.shard(v, [width], cp, cp_rank, dim=1) for k, v in tensors.items()}
+        extras = {k: zigzag.shard(v, [width], cp, cp_rank, dim=1) for k, v in extras.items()}
+    return MicroBatch(**tensors, extras=extras, num_tokens=sum(len(s.tokens) for s in seqs),
+                      num_padding=int(batch["num_padding"]))
+
+
+def build_packed(seqs: list[SequenceData], seq_index: list[int], pad_multiple: int,
+                 length: int | None, cp: int, cp_rank: int, pad_id: int = 0) -> MicroBatch:
+    """A packed [1, T] micro-batch with thd PackedSeqParams; `length` pads the row's tail
+    (as one extra masked segment) to a fixed size, needed with pipeline parallelism."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    row = pack_sequences([(s.tokens, s.labels, s.loss_mask) for s in seqs],
+                         pad_multiple=pad_multiple, pad_id=pad_id)
+    seq_lengths = list(row.seq_lengths)
+    tokens, labels, loss_mask, positions = row.tokens, row.labels, row.loss_mask, row.position_ids
+    total = int(tokens.numel())
+    num_padding = int(row.num_padding)
+    if length is not None and length > total:
+        extra = length - total
+        tokens = torch.cat([tokens, torch.full((extra,), pad_id, dtype=tokens.dtype)])
+        labels = torch.cat([labels, torch.full((extra,), pad_id, dtype=labels.dtype)])
+        loss_mask = torch.cat([loss_mask, torch.zeros(extra, dtype=loss_mask.dtype)])
+        positions = torch.cat([positions, torch.arange(extra, dtype=positions.dtype)])
+        seq_lengths.append(extra)
+        num_padding += extra
+        total = length
+    weights = _per_token([s.weight for s in seqs] + [0.0], seq_lengths, total)
+    token_weights = loss_mask.float() * weights
+    seq_ids = _per_token(list(seq_index) + [-1], seq_lengths, total, dtype=torch.long)
+    for i, s in enumerate(seqs):  # padding inside a sequence's segment belongs to no sequence
+        start = sum(seq_lengths[:i])
+        seq_ids[start + len(s.tokens):start + seq_lengths[i]] = -1
+    extras = {}
+    for k in (seqs[0].extras.keys() if seqs else []):
+        vals = torch.zeros(total, dtype=torch.float32)
+        start = 0
+        for s, n in zip(seqs, seq_lengths):
+            vals[start:start + len(s.extras[k])] = torch.tensor(s.extras[k], dtype=torch.float32)
+            start += n
+        extras[k] = vals.unsqueeze(0)
+    tensors = dict(tokens=tokens.unsqueeze(0), labels=labels.unsqueeze(0),
+                   token_weights=token_weights.unsqueeze(0),
+                   loss_mask=loss_mask.float().unsqueeze(0),
+                   position_ids=positions.unsqueeze(0), seq_ids=seq_ids.unsqueeze(0))
+    if cp > 1:
+        tensors = {k: zigzag.shard(v, seq_lengths, cp, cp_rank, dim=1) for k, v in tensors.items()}
+        extras = {k: zigzag.shard(v, seq_lengths, cp, cp_rank, dim=1) for k, v in extras.items()}
+    cu = torch.tensor([0] + list(torch.tensor(seq_lengths).cumsum(0).tolist()), dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                             max_seqlen_q=max(seq_lengths), max_seqlen_kv=max(seq_lengths))
+    return MicroBatch(**tensors, packed_seq_params=params, extras=extras,
+                      num_tokens=sum(len(s.tokens) for s in seqs), num_padding=num_padding)
+
+
+def dummy_sequence(pad_multiple: int, pad_id: int = 0) -> SequenceData:
+    """A fully masked sequence for DP ranks that hold fewer micro-batches than the others."""
+    n = max(pad_multiple, 1)
+    return SequenceData([pad_id] * n, [pad_id] * n, [0] * n, 0.0)

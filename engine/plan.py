@@ -1,0 +1,46 @@
+"""Plan a global mini-batch over DP ranks and micro-batches (DESIGN sections 3 and 6).
+
+Every rank computes the same plan from the lengths of the whole global mini-batch, so the
+micro-batch count is agreed across DP without communication: ranks with fewer micro-batches
+get fully masked dummy micro-batches (zero weight, zero gradient).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.batching import micro_batches_by_count, micro_batches_by_token_budget
+from engine.partition import (imbalance, partition_balanced, partition_contiguous,
+                              sequence_work)
+
+
+@dataclass
+class MiniBatchPlan:
+    ranks: list[list[list[int]]]   # ranks[dp_rank][micro_batch] -> indices into the mini-batch
+    dp_imbalance: float            # max/mean estimated work over DP ranks
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.ranks[0]) if self.ranks else 0
+
+
+def plan_mini_batch(lengths: list[int], dp: int, balance: bool, micro_batch_size: int,
+                    max_tokens_per_micro_batch: int | None) -> MiniBatchPlan:
+    """Partition sequence indices 0..n-1 over `dp` ranks (balanced by a*L + b*L^2 work, or
+    contiguous), then into the same number of micro-batches on every rank: by count
+    (`micro_batch_size` sequences at most) or by token budget."""
+    works = [sequence_work(n) for n in lengths]
+    groups = partition_balanced(works, dp) if balance else partition_contiguous(works, dp)
+    if max_tokens_per_micro_batch:
+        per_rank = [micro_batches_by_token_budget(g, [lengths[i] for i in g],
+                                                  max_tokens_per_micro_batch)
+                    if g else [] for g in groups]
+        count = max(1, max(len(m) for m in per_rank))
+        per_rank = [micro_batches_by_token_budget(g, [lengths[i] for i in g],
+                                                  max_tokens_per_micro_batch,
+                                                  min_count=min(count, len(g)))
+                    if g else [] for g in groups]
+    else:
+        count = max(1, max(-(-len(g) // micro_batch_size) for g in groups))
+        per_rank = [micro_batches_by_count(g, min(count, len(g))) if g else [] for g in groups]
+    ranks = [m + [[] for _ in range(count - len(m))] for m in per_rank]
+    return MiniBatchPlan(ranks=ranks, dp_imbalance=imbalance(works, groups))

@@ -1,0 +1,97 @@
+"""From a global mini-batch of samples to this rank's micro-batches with loss weights.
+
+Shared by SFT training, SFT evaluation and the RL policy update: plan over DP ranks (engine.plan),
+weights from the GlobalLossNormalizer (counts reduced over DP only), micro-batches padded or
+packed and cut to this CP rank's zigzag shard (engine.micro_batches).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.loss import GlobalLossNormalizer
+from engine.micro_batches import (MicroBatch, SequenceData, build_packed, build_padded,
+                                  dummy_sequence)
+from engine.plan import MiniBatchPlan, plan_mini_batch
+
+
+@dataclass
+class RankBatch:
+    micro_batches: list[MicroBatch]
+    plan: MiniBatchPlan
+    positions: list[int]        # mini-batch positions of this rank's sequences, in plan order
+    weights: torch.Tensor       # their loss weights (float64), same order
+    num_tokens: int             # real tokens of the whole mini-batch (all ranks)
+    num_padding: int            # padding tokens of the whole mini-batch (all ranks, all CP)
+
+
+def _layout():
+    from megatron.core import parallel_state as ps
+    return dict(dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                pp=ps.get_pipeline_model_parallel_world_size(), dp_group=ps.get_data_parallel_group())
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer | torch.Tensor,
+                     train_cfg, pad_id: int = 0, layout: dict | None = None) -> RankBatch:
+    """This rank's micro-batches for the mini-batch `seqs` (every rank passes the same list).
+
+    `train_cfg` supplies micro_batch_size, max_tokens_per_micro_batch, balance_dp, packing.
+    `normalizer`: a GlobalLossNormalizer (collective over the DP group), or a tensor of weights
+    already fixed for every sequence of `seqs` (e.g. evaluation over a whole eval set)."""
+    lay = layout or _layout()
+    lengths = [len(s.tokens) for s in seqs]
+    plan = plan_mini_batch(lengths, lay["dp"], train_cfg.balance_dp, train_cfg.micro_batch_size,
+                           train_cfg.max_tokens_per_micro_batch)
+    mine = plan.ranks[lay["dp_rank"]]
+    positions = [i for mb in mine for i in mb]
+    counts = torch.tensor([int(sum(seqs[i].loss_mask)) for i in positions], dtype=torch.long)
+    if isinstance(normalizer, torch.Tensor):
+        weights = normalizer[torch.tensor(positions, dtype=torch.long)].to(torch.float64)
+    else:
+        weights = normalizer.sequence_weights(counts)
+    weight_of = dict(zip(positions, weights.tolist()))
+    pad_multiple = 2 * lay["cp"] if lay["cp"] > 1 else 1
+    packing = bool(train_cfg.packing)
+    fixed = None
+    if lay["pp"] > 1:  # one p2p shape for every micro-batch of the step
+        if packing:
+            fixed = max(sum(_round_up(lengths[i], pad_multiple) for i in mb)
+                        for ranks in plan.ranks for mb in ranks) or pad_multiple
+        else:
+            fixed = _round_up(max(lengths), pad_multiple)
+    build = build_packed if packing else build_padded
+    micro_batches = []
+    for mb in mine:
+        chosen = [SequenceData(seqs[i].tokens, seqs[i].labels, seqs[i].loss_mask,
+                               weight_of[i], seqs[i].extras) for i in mb]
+        if not chosen:
+            chosen, mb = [dummy_sequence(pad_multiple, pad_id)], [-1]
+            if seqs and seqs[0].extras:
+                chosen[0].extras = {k: [0.0] * pad_multiple for k in seqs[0].extras}
+        micro_batches.append(build(chosen, mb, pad_multiple, fixed, lay["cp"], lay["cp_rank"],
+                                   pad_id))
+    total_tokens = sum(lengths)
+    padding = _global_padding(plan, lengths, pad_multiple, packing, fixed)
+    return RankBatch(micro_batches, plan, positions, weights, total_tokens, padding)
+
+
+def _global_padding(plan: MiniBatchPlan, lengths: list[int], pad_multiple: int, packing: bool,
+                    fixed: int | None) -> int:
+    """Padding tokens over all ranks' micro-batches (computed from the shared plan)."""
+    pad = 0
+    for ranks in plan.ranks:
+        for mb in ranks:
+            ls = [lengths[i] for i in mb] or [pad_multiple]
+            if packing:
+                row = sum(_round_up(n, pad_multiple) for n in ls)
+                pad += max(row, fixed or 0) - sum(lengths[i] for i in mb)
+            else:
+                width = fixed or _round_up(max(ls), pad_multiple)
+                pad += width * len(ls) - sum(lengths[i] for i in mb)
+    return pad

@@ -1,0 +1,96 @@
+"""Run one global mini-batch through megatron's pipeline schedule.
+
+`run_micro_batches` feeds this rank's micro-batches to `forward_backward_func` (1F1B, or
+interleaved with virtual PP), with a loss function that returns the *weighted sum* of per-token
+terms (engine.loss contract), and returns the report sums reduced to the global mini-batch:
+summed over micro-batches on the last pipeline stage, then over the DP x CP group, then shared
+with every PP stage. TP ranks hold identical values and are never summed.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from engine.micro_batches import MicroBatch
+
+# loss_fn(output_logits [b, s, V/tp], micro_batch) -> (loss_sum, {name: scalar sum tensor})
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def _to_device(mb: MicroBatch, device) -> MicroBatch:
+    for name in ("tokens", "labels", "token_weights", "loss_mask", "position_ids", "seq_ids"):
+        setattr(mb, name, getattr(mb, name).to(device))
+    mb.extras = {k: v.to(device) for k, v in mb.extras.items()}
+    if mb.packed_seq_params is not None:
+        p = mb.packed_seq_params
+        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+                     "cu_seqlens_kv_padded"):
+            setattr(p, name, getattr(p, name).to(device))
+    return mb
+
+
+def reduce_reports(reports: list[dict[str, torch.Tensor]], keys: list[str]) -> dict[str, float]:
+    """Sum report entries over micro-batches (last stage), DP x CP, then share over PP."""
+    from megatron.core import parallel_state as ps
+
+    vec = torch.zeros(len(keys), dtype=torch.float64)
+    for rep in reports:
+        for i, k in enumerate(keys):
+            if k in rep:
+                vec[i] += float(rep[k])
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        vec.zero_()
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(vec, group=group)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(vec, group=pp_group)
+    return {k: float(v) for k, v in zip(keys, vec)}
+
+
+def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: LossFn,
+                      forward_only: bool = False,
+                      output_fn: Callable[[torch.Tensor, MicroBatch], None] | None = None
+                      ) -> list[dict[str, torch.Tensor]]:
+    """Forward (and backward unless `forward_only`) of all micro-batches of this rank.
+
+    All micro-batches must share one shape when pp > 1 (the caller pads them). `output_fn`,
+    when given, sees each micro-batch's logits on the last stage (forward-only uses: recomputed
+    log-probs). Returns the per-micro-batch report dicts of the last stage (empty elsewhere).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from parallel import cpu_runtime
+
+    device = cpu_runtime.device()
+    batches = [_to_device(mb, device) for mb in micro_batches]
+    shape = batches[0].tokens.shape
+    from megatron.core import parallel_state as ps
+    cp = ps.get_context_parallel_world_size()
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+
+        def loss_func(output_tensor):
+            if output_fn is not None:
+                output_fn(output_tensor, mb)
+            loss, report = loss_fn(output_tensor, mb)
+            report = {k: v.detach() for k, v in report.items()}
+            return loss, torch.tensor(1, dtype=torch.int), report
+
+        return output, loss_func
+
+    vpp = len(chunks)
+    iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
+    packed = batches[0].packed_seq_params is not None
+    seq_length = shape[1] * cp
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators,
+        model=chunks if vpp > 1 else chunks[0], num_microbatches=len(batches),
+        seq_length=seq_length, micro_batch_size=1 if packed else shape[0],
+        forward_only=forward_only)
+    return list(reports)

@@ -1,0 +1,56 @@
+"""Per-token quantities from vocab-parallel logits (TP shards of the vocabulary).
+
+Logits arrive as [b, s, V_padded/tp] on each TP rank. Rows of the padded vocabulary (ids >=
+the real vocab size) are masked to -inf, so losses and log-probs equal those of the HF model.
+All functions are collective over the tensor-parallel group (megatron's vocab-parallel ops).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Set logits of padded vocab rows held by this TP rank to -inf (out of place)."""
+    from megatron.core import parallel_state as ps
+
+    local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * local
+    if start + local <= vocab_size:
+        return logits
+    ids = torch.arange(start, start + local, device=logits.device)
+    return logits.masked_fill(ids >= vocab_size, float("-inf"))
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log p(label) per token, [b, s] float32, from vocab-parallel logits [b, s, V/tp]."""
+    from megatron.core import tensor_parallel
+
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logits = mask_padded_vocab(logits, vocab_size)
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
+
+
+def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0
+                  ) -> torch.Tensor:
+    """Entropy of the next-token distribution per position, [b, s] float32 (differentiable)."""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_nn
+    from megatron.core import parallel_state as ps
+
+    logits = mask_padded_vocab(logits.float() / temperature, vocab_size)
+    group = ps.get_tensor_model_parallel_group()
+    local_max = logits.max(dim=-1, keepdim=True).values.detach()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - local_max
+    exp = torch.exp(shifted)
+    sum_exp = exp.sum(dim=-1, keepdim=True)
+    weighted = (exp * torch.nan_to_num(shifted, neginf=0.0)).sum(dim=-1, keepdim=True)
+    if dist.get_world_size(group) > 1:
+        sum_exp = dist_nn.all_reduce(sum_exp, group=group)
+        weighted = dist_nn.all_reduce(weighted, group=group)
+    # H = log Z - E[x], with x shifted by the max
+    return (torch.log(sum_exp) - weighted / sum_exp).squeeze(-1)
