@@ -6,7 +6,7 @@ setup(
     description="Megatron-Core engine for SFT and RL (GRPO/DAPO) whose loss does not depend on "
                 "the parallel layout",
     python_requires=">=3.10",
-    packages=["engine", "engine.rl", "models", "parallel"],
+    packages=["engine", "engine.rl", "engine.rl.rollout", "models", "parallel"],
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1,<0.17",

@@ -66,23 +66,28 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
         else:
             fixed = _round_up(max(lengths), pad_multiple)
     build = build_packed if packing else build_padded
+    # with PP every micro-batch has the same rows too: top up with fully masked dummies
+    rows = max(len(mb) for r in plan.ranks for mb in r) if lay["pp"] > 1 and not packing else 1
     micro_batches = []
     for mb in mine:
         chosen = [SequenceData(seqs[i].tokens, seqs[i].labels, seqs[i].loss_mask,
                                weight_of[i], seqs[i].extras) for i in mb]
-        if not chosen:
-            chosen, mb = [dummy_sequence(pad_multiple, pad_id)], [-1]
+        index = list(mb)
+        while not chosen or len(chosen) < rows:
+            dummy = dummy_sequence(pad_multiple, pad_id)
             if seqs and seqs[0].extras:
-                chosen[0].extras = {k: [0.0] * pad_multiple for k in seqs[0].extras}
-        micro_batches.append(build(chosen, mb, pad_multiple, fixed, lay["cp"], lay["cp_rank"],
-                                   pad_id))
+                dummy.extras = {k: [0.0] * len(dummy.tokens) for k in seqs[0].extras}
+            chosen.append(dummy)
+            index.append(-1)
+        micro_batches.append(build(chosen, index, pad_multiple, fixed, lay["cp"],
+                                   lay["cp_rank"], pad_id))
     total_tokens = sum(lengths)
-    padding = _global_padding(plan, lengths, pad_multiple, packing, fixed)
+    padding = _global_padding(plan, lengths, pad_multiple, packing, fixed, rows)
     return RankBatch(micro_batches, plan, positions, weights, total_tokens, padding)
 
 
 def _global_padding(plan: MiniBatchPlan, lengths: list[int], pad_multiple: int, packing: bool,
-                    fixed: int | None) -> int:
+                    fixed: int | None, rows: int = 1) -> int:
     """Padding tokens over all ranks' micro-batches (computed from the shared plan)."""
     pad = 0
     for ranks in plan.ranks:
@@ -93,5 +98,5 @@ def _global_padding(plan: MiniBatchPlan, lengths: list[int], pad_multiple: int, 
                 pad += max(row, fixed or 0) - sum(lengths[i] for i in mb)
             else:
                 width = fixed or _round_up(max(ls), pad_multiple)
-                pad += width * len(ls) - sum(lengths[i] for i in mb)
+                pad += width * max(len(ls), rows) - sum(lengths[i] for i in mb)
     return pad

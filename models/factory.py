@@ -36,6 +36,11 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
+    if cpu_runtime.is_cpu_host():
+        # gloo matches messages between two ranks in posting order; megatron's batched p2p
+        # posts send-to-prev before send-to-next, which with pp=2 (prev == next) swaps
+        # activations and gradients in the interleaved schedule. Unbatched p2p orders by rank.
+        config_overrides.setdefault("batch_p2p_comm", False)
     config = transformer_config(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                 params_dtype=params_dtype, **config_overrides)
     shape = model_shape(hf_config, tp)
@@ -57,5 +62,26 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
             vp_stage=stage,
             **_rope_kwargs(hf_config),
         )
+        _tag_tensor_parallel_params(model)
         chunks.append(model.to(cpu_runtime.device()))
     return chunks
+
+
+def _tag_tensor_parallel_params(model) -> None:
+    """Mark TP-sharded weights as such. Megatron sets these attributes only inside its weight
+    initialisers, which we skip (`perform_initialization=False`: weights come from HF); without
+    them the grad-norm and clipping code would treat shards as TP duplicates."""
+    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                               VocabParallelEmbedding)
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, True, dim, 1)

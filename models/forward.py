@@ -29,11 +29,13 @@ def forward_logits(chunks: list, tokens: torch.Tensor, vocab_size: int) -> torch
         return model(tokens, positions, None), loss_func
 
     vpp = len(chunks)
-    iters = [iter([None]) for _ in range(vpp)] if vpp > 1 else iter([None])
+    # the interleaved schedule needs at least pp micro-batches: repeat the same one
+    num_mb = ps.get_pipeline_model_parallel_world_size() if vpp > 1 else 1
+    iters = ([iter([None] * num_mb) for _ in range(vpp)] if vpp > 1 else iter([None]))
     with torch.no_grad():
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iters,
-            model=chunks if vpp > 1 else chunks[0], num_microbatches=1, seq_length=s,
+            model=chunks if vpp > 1 else chunks[0], num_microbatches=num_mb, seq_length=s,
             micro_batch_size=b, forward_only=True)
     logits = torch.empty(b, s, vocab_size, dtype=torch.float32, device=dev)
     is_last = ps.is_pipeline_last_stage(ignore_virtual=True)

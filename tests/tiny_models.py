@@ -6,44 +6,73 @@ import os
 
 import torch
 
+# transformers renders templates with trim_blocks=True, which eats a literal newline right after
+# a block tag; newlines are therefore written as {{ '\n' }} expressions.
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
-    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n"
-    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% if m['role'] == 'assistant' %}"
+    "<|im_start|>assistant{{ '\\n' }}"
+    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}"
+    "{% else %}"
+    "<|im_start|>{{ m['role'] }}{{ '\\n' }}{{ m['content'] }}<|im_end|>{{ '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
 )
 
+# Ids 0..3 are fixed: build_tiny_model's config uses pad_token_id=0 and eos_token_id=3.
 SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+# Matched before pre-tokenization (the pre-tokenizer would split them), but not special:
+# they survive decode(..., skip_special_tokens=True).
+ADDED = ["\n", "\\boxed{"]
+BASE_WORDS = (SPECIAL + ["\n", "user", "assistant", "system"]
+              + [str(d) for d in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
+              + list("+-*/=?.,:;!()")
+              + ["\\boxed{", "}", "what", "is", "the", "answer", "sum", "of", "and", "plus",
+                 "copy", "repeat"])
 
 
 def build_tokenizer(out_dir: str, vocab_size: int):
-    """A word-level tokenizer with digits, letters, punctuation and filler words, padded to
-    `vocab_size` entries; saved to `out_dir` as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    """A word-level tokenizer saved to `out_dir` as a transformers fast tokenizer; returns it.
+
+    Vocabulary: BASE_WORDS in order (so <pad>=0, <unk>=1, <|im_start|>=2, <|im_end|>=3, "\\n"=4,
+    digits "0".."9" = 8..17, letters 18..43, punctuation 44..56, "\\boxed{"=57, "}"=58, then
+    words), padded with filler words "w0", "w1", ... to exactly `vocab_size` entries.
+    Text is split on whitespace; digits and punctuation become tokens of their own; the SPECIAL
+    and ADDED strings are matched whole before splitting. Unknown words map to <unk>. Decoding
+    joins tokens with single spaces, except none between digits, around "\\n", after
+    "\\boxed{" and before "}" (so "\\boxed{42}" and numbers read back as written). The chat
+    template marks assistant content and its closing <|im_end|> with {% generation %} for
+    return_assistant_tokens_mask.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = list(SPECIAL) + ["\n", "user", "assistant", "system"]
-    words += [str(d) for d in range(10)] + list("abcdefghijklmnopqrstuvwxyz")
-    words += list("+-*/=?.,:;!()") + ["\\boxed{", "}", "what", "is", "the", "answer", "sum",
-                                       "of", "and", "plus", "copy", "repeat"]
-    i = 0
-    while len(words) < vocab_size:
-        words.append(f"w{i}")
-        i += 1
-    vocab = {w: idx for idx, w in enumerate(words[:vocab_size])}
+    if vocab_size < len(BASE_WORDS):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the {len(BASE_WORDS)} "
+                         "base words of the tiny tokenizer")
+    words = list(BASE_WORDS) + [f"w{i}" for i in range(vocab_size - len(BASE_WORDS))]
+    vocab = {w: idx for idx, w in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split("\n", behavior="isolated"),
         pre_tokenizers.WhitespaceSplit(),
-        pre_tokenizers.Split(pattern=__import__("tokenizers").Regex(r"\d"), behavior="isolated"),
+        pre_tokenizers.Split(pattern=Regex(r"\d"), behavior="isolated"),
         pre_tokenizers.Punctuation(behavior="isolated"),
     ])
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.decoder = decoders.Sequence([  # words joined by spaces, then a few tidy-ups
+        decoders.WordPiece(prefix="##", cleanup=False), decoders.Fuse(),
+        decoders.Replace(Regex(r"(?<=\d) (?=\d)"), ""),  # "1 2" -> "12"
+        decoders.Replace(Regex(r" ?\n ?"), "\n"),
+        decoders.Replace("\\boxed{ ", "\\boxed{"), decoders.Replace(" }", "}"),
+    ])
+    tok.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in SPECIAL])
+    tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in ADDED])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                   eos_token="<|im_end|>", bos_token=None)
+                                   eos_token="<|im_end|>", bos_token=None,
+                                   additional_special_tokens=["<|im_start|>"])
     fast.chat_template = CHAT_TEMPLATE
+    if len(fast) != vocab_size:
+        raise AssertionError(f"tiny tokenizer has {len(fast)} ids, expected {vocab_size}")
     fast.save_pretrained(out_dir)
     return fast
 

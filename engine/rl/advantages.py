@@ -1,0 +1,61 @@
+"""Group-relative advantages for GRPO and Dr. GRPO (DESIGN section 9).
+
+Layout contract: a rollout batch holds G prompts with n responses each, stored *group-major*:
+responses ``[g*n, (g+1)*n)`` belong to prompt ``g``. Every function here takes the flat
+per-response reward vector ``[G*n]`` plus ``group_size = n``. These are pure, local functions:
+they see the whole rollout batch on one process and run no collective.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """View ``rewards [G*n]`` as ``[G, n]`` (floating point), validating the layout."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [G*n], got shape {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.float32)
+    return rewards.view(-1, group_size)
+
+
+def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Bool ``[G]``: True where all ``group_size`` rewards of group g are exactly equal.
+
+    Such groups carry no learning signal under GRPO (every advantage is 0). A group of size 1 is
+    always zero-std.
+    """
+    grouped = _grouped(rewards, group_size)
+    return (grouped == grouped[:, :1]).all(dim=1)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """Per-response advantages ``[G*n]`` from group-major rewards ``[G*n]``.
+
+    - ``norm_by_std=True`` (GRPO): ``A = (r - mean_g) / (std_g + eps)`` where ``std_g`` is the
+      *sample* standard deviation of the group (Bessel-corrected, divisor n-1, torch.std's
+      default), as in the GRPO reference implementations (TRL, verl).
+    - ``norm_by_std=False`` (Dr. GRPO): ``A = r - mean_g``.
+
+    Groups whose rewards are all equal (see :func:`zero_std_groups`) get exactly 0 advantages in
+    both modes (never NaN, also for group_size 1 where the sample std is undefined, and never a
+    rounding residue of ``mean_g`` divided by ``eps``). The result is floating point (float32 for
+    integer rewards, else the input dtype) and detached from any autograd graph.
+    """
+    grouped = _grouped(rewards.detach(), group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if norm_by_std:
+        if group_size > 1:
+            std = grouped.std(dim=1, keepdim=True)  # unbiased (n - 1)
+        else:
+            std = torch.zeros_like(centered)
+        centered = centered / (std + eps)
+    constant = zero_std_groups(grouped.reshape(-1), group_size)
+    advantages = torch.where(constant[:, None], torch.zeros_like(centered), centered)
+    return advantages.reshape(-1)

@@ -1,0 +1,136 @@
+"""Per-token policy-gradient terms for GRPO / DAPO (DESIGN section 9).
+
+Everything here is *per token*: each function returns a tensor with the shape of its log-prob
+inputs (``[..., T]``, any leading shape) and never reduces. Aggregation over tokens and sequences
+happens in the loss layer with per-sequence weights (DESIGN section 4), the same weights for the
+policy loss, the KL penalty and the entropy bonus. No function here runs a collective.
+
+Constants of the old policy (``old_logprobs``, ``ref_logprobs``, ``advantages``) are detached
+inside, so gradients flow only into ``logprobs`` / ``logits``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# |log ratio| is clamped to this before exp(): exp(20) ~ 4.9e8 is far beyond any clip range, and
+# the clamp keeps garbage log-probs on masked tokens (advantage 0) from producing inf * 0 = NaN.
+MAX_LOG_RATIO = 20.0
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass
+class PolicyLossTerms:
+    """Per-token outputs of :func:`clipped_surrogate`; every field has the shape of ``logprobs``.
+
+    The three indicator fields are float 0/1 and mutually exclusive. Each marks a token whose
+    loss is a constant of ``logprobs`` (zero gradient) because a clip was selected:
+
+    - ``clipped_low``: ``A < 0`` and ``ratio < 1 - eps_low``; the min() picked the clipped branch
+      ``(1 - eps_low) * A``.
+    - ``clipped_high``: ``A > 0`` and ``ratio > 1 + eps_high``; the min() picked the clipped
+      branch ``(1 + eps_high) * A``.
+    - ``dual_clipped``: dual clip enabled, ``A < 0`` and ``ratio > dual_c``; the loss was capped
+      at ``dual_c * |A|``.
+
+    ``loss`` carries the autograd graph; the indicators and ``ratio`` (for metrics) are detached.
+    """
+
+    loss: torch.Tensor
+    clipped_low: torch.Tensor
+    clipped_high: torch.Tensor
+    dual_clipped: torch.Tensor
+    ratio: torch.Tensor
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"per-token inputs must have the same shape, got {shapes}")
+
+
+def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      advantages: torch.Tensor, eps_low: float, eps_high: float,
+                      dual_c: float | None = None) -> PolicyLossTerms:
+    """PPO clipped surrogate per token, with asymmetric clip ("clip higher") and dual clip.
+
+    ``ratio = exp(logprobs - old_logprobs)`` (log ratio clamped to +-MAX_LOG_RATIO);
+    ``loss = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``; with ``dual_c``
+    (must be > 1), tokens with ``A < 0`` get ``loss = min(loss, dual_c * |A|)`` (Ye et al. 2020,
+    dual-clip PPO). ``advantages`` is already broadcast per token (same shape as ``logprobs``).
+    """
+    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    if eps_low < 0 or eps_high < 0 or eps_low >= 1:
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, "
+                         f"eps_high={eps_high}")
+    if dual_c is not None and dual_c <= 1:
+        raise ValueError(f"dual_c must be > 1 (or None to disable), got {dual_c}")
+    old_logprobs = old_logprobs.detach()
+    advantages = advantages.detach().to(logprobs.dtype)
+
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages
+    loss = torch.maximum(unclipped, clipped)  # = -min(ratio*A, clip(ratio)*A)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        negative = advantages < 0
+        clipped_low = negative & (r < 1.0 - eps_low)
+        clipped_high = (advantages > 0) & (r > 1.0 + eps_high)
+        if dual_c is not None:
+            dual_clipped = negative & (r > dual_c)
+        else:
+            dual_clipped = torch.zeros_like(negative)
+
+    if dual_c is not None:
+        loss = torch.where(negative, torch.minimum(loss, -dual_c * advantages), loss)
+
+    as_float = logprobs.dtype if logprobs.is_floating_point() else torch.float32
+    return PolicyLossTerms(loss=loss, clipped_low=clipped_low.to(as_float),
+                           clipped_high=clipped_high.to(as_float),
+                           dual_clipped=dual_clipped.to(as_float), ratio=ratio.detach())
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs (Schulman 2020).
+
+    With ``d = logprobs - ref_logprobs``:
+
+    - ``k1``: ``d`` (unbiased, can be negative);
+    - ``k2``: ``0.5 * d^2`` (>= 0, biased, low variance);
+    - ``k3``: ``exp(-d) + d - 1`` (= exp(ref - logp) - (ref - logp) - 1; unbiased, >= 0). ``d`` is
+      clamped to +-MAX_LOG_RATIO first so exp() cannot overflow.
+
+    Raises ValueError for any other estimator name.
+    """
+    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    diff = logprobs - ref_logprobs.detach()
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    if estimator == "k3":
+        neg = (-diff).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # log(pi_ref / pi)
+        return torch.exp(neg) - neg - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Exact entropy (nats) of softmax(logits) over the last dim: ``[..., V] -> [...]``.
+
+    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, stable for large logits. ``-inf`` logits
+    (banned tokens) contribute 0. Half/bfloat16 inputs are computed and returned in float32;
+    float32/float64 keep their dtype. Differentiable.
+    """
+    if logits.dim() < 1:
+        raise ValueError("logits must have a vocabulary dimension")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    finite_logits = logits.masked_fill(torch.isneginf(logits), 0.0)
+    return lse - (probs * finite_logits).sum(dim=-1)

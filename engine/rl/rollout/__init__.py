@@ -1,0 +1,9 @@
+"""Rollout engines for RL (DESIGN section 9): generate responses with log-probs, receive the
+trainer's weights by HF name in buckets, sleep/wake when colocated with training.
+
+Backends: "hf" (transformers, CPU or GPU; `hf_backend.py`) and "sglang" (GPU; `sglang_backend.py`).
+"""
+from engine.rl.rollout.base import (BACKENDS, Generation, RolloutEngine, SamplingParams,
+                                    make_rollout_engine)
+
+__all__ = ["BACKENDS", "Generation", "RolloutEngine", "SamplingParams", "make_rollout_engine"]

@@ -1,0 +1,124 @@
+"""The rollout engine interface used by the RL loop (DESIGN section 9).
+
+A rollout engine turns prompt token ids into sampled responses with the log-probability of every
+sampled token, receives the trainer's weights by HF parameter name in buckets, and can release its
+memory while the trainer runs on the same devices.
+
+Log-probability contract (every backend): for a response token y_t sampled at temperature T > 0,
+`response_logprobs[t] = log_softmax(logits_t / T)[y_t]`, where `logits_t` are the model's
+unmodified next-token logits after prompt + y_<t. Top-p filtering changes which tokens can be
+drawn, not the reported value, so it is the number the trainer recomputes with
+`log_softmax(logits / T)` at the same temperature. Greedy decoding (T = 0) reports
+`log_softmax(logits_t)[y_t]` (T taken as 1).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+BACKENDS = ("hf", "sglang")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample responses.
+
+    max_new_tokens: upper bound on response tokens (>= 1); a response that reaches it without
+        producing an end-of-sequence token finishes with reason "length".
+    temperature: >= 0; 0 means greedy (argmax) decoding.
+    top_p: nucleus sampling mass in (0, 1]; 1 disables it. Ignored when greedy.
+    seed: makes sampling reproducible for the same engine, weights, prompts and params;
+        None draws fresh randomness.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Generation:
+    """One sampled response.
+
+    prompt_ids: the prompt as given.
+    response_ids: sampled tokens, including the end-of-sequence token when finish_reason is
+        "stop"; len(response_ids) <= max_new_tokens.
+    response_logprobs: one float per response token, per the module's log-probability contract.
+    finish_reason: "stop" (an end-of-sequence token was sampled) or "length".
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str
+
+
+class RolloutEngine(abc.ABC):
+    """Base class of the rollout backends.
+
+    Subclasses implement `_generate`; `generate` validates the prompts and counts calls so the RL
+    loop can log (and tests can check) that generation happens once per rollout batch.
+    """
+
+    def __init__(self) -> None:
+        self._num_generate_calls = 0
+
+    @property
+    def num_generate_calls(self) -> int:
+        """How many times `generate` has been called on this engine."""
+        return self._num_generate_calls
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Sample one response per prompt, all prompts in one batched call.
+
+        Returns one `Generation` per prompt, in the order of `prompts`. Prompts must be non-empty
+        lists of token ids."""
+        self._num_generate_calls += 1
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if not prompts:
+            return []
+        return self._generate([list(map(int, p)) for p in prompts], params)
+
+    @abc.abstractmethod
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """Backend generation for validated, non-empty prompts."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) tensors by HF parameter name; called once per bucket."""
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Release the engine's memory so a colocated trainer can use it."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Re-acquire memory after `sleep`; see each backend for what must follow."""
+
+
+def make_rollout_engine(backend: str, hf_path: str, **kwargs) -> RolloutEngine:
+    """Build the rollout engine named by `backend` ("hf" or "sglang") for the HF checkpoint
+    directory `hf_path`; `kwargs` go to the backend's constructor."""
+    if backend == "hf":
+        from engine.rl.rollout.hf_backend import HFRolloutEngine
+
+        return HFRolloutEngine(hf_path, **kwargs)
+    if backend == "sglang":
+        from engine.rl.rollout.sglang_backend import SGLangRolloutEngine
+
+        return SGLangRolloutEngine(hf_path, **kwargs)
+    raise ValueError(f"rollout.backend={backend!r} is not known; choose one of {list(BACKENDS)}")

@@ -1,0 +1,246 @@
+"""Rollout with a plain transformers model: the embedded default backend, works on CPU.
+
+Generation is one batched, left-padded forward over all prompts followed by one-token decode
+steps with the model's KV cache; the sampling loop is written out here (no `model.generate`) so
+the reported log-probs are exactly those of the sampled tokens (contract in `base.py`).
+
+Sleep/wake (a real release, as SGLang does): `sleep()` moves every parameter to the meta device,
+freeing its memory; `wake()` allocates uninitialised storage again on the engine's device, and
+`generate()` refuses to run until `update_weights` has written every parameter since the wake.
+Small buffers (rotary frequencies) are kept through sleep. The RL loop's order is therefore:
+sleep -> train -> wake -> sync_weights -> generate.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class HFRolloutEngine(RolloutEngine):
+    """transformers `AutoModelForCausalLM` loaded from a local HF directory, in eval mode.
+
+    Args:
+        hf_path: local directory with config.json and safetensors weights (nothing is
+            downloaded); a tokenizer there, when present, supplies eos/pad ids.
+        device: where the model runs; default the current CUDA device, else the CPU.
+        dtype: parameter dtype; default the checkpoint's dtype.
+    Attributes:
+        model: the transformers model (read it to inspect weights or compute reference logits).
+        eos_token_ids: generation stops per sequence at any of these (config, generation
+            config and tokenizer eos ids).
+        pad_token_id: left-padding id (tokenizer pad, else config pad, else the first eos).
+    """
+
+    def __init__(self, hf_path: str, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.isfile(os.path.join(hf_path, "config.json")):
+            raise ValueError(f"rollout hf_path={hf_path!r} is not a local HF model directory "
+                             "(config.json missing); nothing is downloaded")
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            hf_path, dtype=dtype if dtype is not None else "auto", local_files_only=True)
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.hf_path = hf_path
+        tokenizer = self._load_tokenizer(hf_path)
+        eos = _as_id_list(getattr(self.model.config, "eos_token_id", None))
+        generation_config = getattr(self.model, "generation_config", None)
+        if generation_config is not None:
+            eos += _as_id_list(generation_config.eos_token_id)
+        if tokenizer is not None:
+            eos += _as_id_list(tokenizer.eos_token_id)
+        self.eos_token_ids: list[int] = sorted(set(eos))
+        if not self.eos_token_ids:
+            raise ValueError(f"{hf_path}: no eos_token_id in config, generation config or "
+                             "tokenizer; generation could never stop with finish_reason 'stop'")
+        pad = tokenizer.pad_token_id if tokenizer is not None else None
+        if pad is None:
+            pad = getattr(self.model.config, "pad_token_id", None)
+        self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_ids[0]
+        self.vocab_size: int = int(self.model.config.vocab_size)
+        self._index_parameters()
+        self._asleep = False
+        self._stale: set[str] = set()  # parameters not yet written since the last wake()
+
+    @staticmethod
+    def _load_tokenizer(hf_path: str):
+        names = ("tokenizer.json", "tokenizer_config.json")
+        if not any(os.path.isfile(os.path.join(hf_path, n)) for n in names):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(hf_path, local_files_only=True)
+
+    # ----------------------------------------------------------------------------- generation
+    def _check_ready(self, what: str) -> None:
+        if self._asleep:
+            raise RuntimeError(f"{what}: the rollout engine is asleep; call wake() first")
+        if self._stale:
+            raise RuntimeError(
+                f"{what}: {len(self._stale)} parameters (e.g. {sorted(self._stale)[0]!r}) have "
+                "not been written since wake(); stream the trainer's weights with "
+                "update_weights / sync_weights before generating")
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        self._check_ready("generate")
+        for i, prompt in enumerate(prompts):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad}")
+        batch, longest = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, longest), dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # left padding: every prompt ends at column -1
+            input_ids[i, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[i, longest - len(prompt):] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # count real tokens only; pads get 0
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True, logits_to_keep=1)
+        cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+        next_pos = positions[:, -1:] + 1
+
+        generator = torch.Generator(device=self.device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()
+        eos = torch.tensor(self.eos_token_ids, device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        tokens_per_step, logprobs_per_step, active_per_step = [], [], []
+        for step in range(params.max_new_tokens):
+            token, logprob = self._sample(logits, params, generator)
+            active_per_step.append(~done)
+            tokens_per_step.append(token)
+            logprobs_per_step.append(logprob)
+            done = done | torch.isin(token, eos)
+            if bool(done.all()) or step == params.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)],
+                             dim=1)
+            feed = torch.where(done, torch.full_like(token, self.pad_token_id), token)
+            out = self.model(input_ids=feed[:, None], attention_mask=mask, position_ids=next_pos,
+                             past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+            next_pos = next_pos + 1
+        return self._collect(prompts, tokens_per_step, logprobs_per_step, active_per_step)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next tokens [B] and their log-probs [B] from fp32 logits [B, V] (contract in base)."""
+        if params.temperature == 0:
+            logp = torch.log_softmax(logits, dim=-1)
+            token = logits.argmax(dim=-1)
+        else:
+            logp = torch.log_softmax(logits / params.temperature, dim=-1)
+            probs = logp.exp()
+            if params.top_p < 1.0:  # keep the smallest prefix of sorted tokens reaching top_p
+                sorted_probs, order = probs.sort(dim=-1, descending=True)
+                before = sorted_probs.cumsum(dim=-1) - sorted_probs
+                sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+                probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+    def _collect(self, prompts, tokens_per_step, logprobs_per_step,
+                 active_per_step) -> list[Generation]:
+        tokens = torch.stack(tokens_per_step, dim=1).cpu()
+        logprobs = torch.stack(logprobs_per_step, dim=1).cpu()
+        active = torch.stack(active_per_step, dim=1).cpu()
+        eos = set(self.eos_token_ids)
+        result = []
+        for i, prompt in enumerate(prompts):
+            n = int(active[i].sum())  # steps taken before (and including) this row's eos
+            response = tokens[i, :n].tolist()
+            stopped = bool(response) and response[-1] in eos
+            result.append(Generation(prompt_ids=list(prompt), response_ids=response,
+                                     response_logprobs=logprobs[i, :n].tolist(),
+                                     finish_reason="stop" if stopped else "length"))
+        return result
+
+    # ------------------------------------------------------------------------- weights, memory
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full tensors into the model's parameters by HF name (one bucket per call).
+
+        The whole bucket is checked (names, shapes) before anything is copied. With tied
+        embeddings, `model.embed_tokens.weight` also sets the output layer; `lm_head.weight`
+        is accepted too and writes the same tensor. Dtype and device are converted."""
+        if self._asleep:
+            raise RuntimeError("update_weights: the rollout engine is asleep; call wake() first")
+        bucket = list(named_tensors)
+        for name, tensor in bucket:
+            param = self._params.get(name)
+            if param is None:
+                examples = ", ".join(list(self._params)[:3])
+                raise KeyError(f"update_weights: {name!r} is not a parameter of "
+                               f"{type(self.model).__name__} (HF names look like {examples})")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(param.shape)}")
+        for name, tensor in bucket:
+            self._params[name].copy_(tensor)
+            self._stale.discard(self._canonical[name])
+
+    def _index_parameters(self) -> None:
+        """name -> parameter (tied aliases included) and alias -> canonical (first) name."""
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        first = {id(p): name for name, p in reversed(list(self._params.items()))}
+        self._canonical = {name: first[id(p)] for name, p in self._params.items()}
+
+    def _replace_parameters(self, device: torch.device | str) -> None:
+        """Swap every parameter for an uninitialised one on `device`, keeping ties (one new
+        parameter per old one) and the modules' parameter names."""
+        replaced: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+        for module in self.model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                if id(param) not in replaced:  # the old one is kept alive, so ids stay unique
+                    fresh = torch.empty_like(param, device=device)
+                    replaced[id(param)] = (param, torch.nn.Parameter(fresh, requires_grad=False))
+                module._parameters[name] = replaced[id(param)][1]
+        self._index_parameters()
+
+    def sleep(self) -> None:
+        """Free the weights: every parameter is replaced by one on the meta device (contents
+        discarded)."""
+        if self._asleep:
+            return
+        self._replace_parameters("meta")
+        self._asleep = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Allocate (uninitialised) parameter storage again on the engine's device; the weights
+        must then be written with `update_weights` before `generate` is allowed."""
+        if not self._asleep:
+            return
+        self._replace_parameters(self.device)
+        self._asleep = False
+        self._stale = set(self._canonical.values())
+
+    @property
+    def is_asleep(self) -> bool:
+        """True between `sleep()` and `wake()`."""
+        return self._asleep

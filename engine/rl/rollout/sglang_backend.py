@@ -1,0 +1,114 @@
+"""Rollout with SGLang's offline engine (GPU only; `pip install -e .[gpu]`).
+
+Follows the Python `sglang.Engine` API of sglang 0.5.x (python/sglang/srt/entrypoints/engine.py):
+`Engine(model_path=..., tp_size=..., mem_fraction_static=...)`,
+`generate(input_ids=[[...], ...], sampling_params=[{...}, ...], return_logprob=True)` returning
+one dict per prompt whose `meta_info["output_token_logprobs"]` is a list of
+(logprob, token_id, text) and `meta_info["finish_reason"]` a dict with a "type";
+`update_weights_from_tensor(named_tensors=[...], flush_cache=...)` returning (success, message);
+`flush_cache()`; `release_memory_occupation()` / `resume_memory_occupation()`.
+
+Log-probs: with SGLANG_RETURN_ORIGINAL_LOGPROB unset (its default), SGLang reports
+log_softmax(logits / T) of the sampled token, and log_softmax(logits) when greedy: the contract
+of `base.py`. The constructor refuses to run with that variable switched on.
+
+Sleep/wake: `release_memory_occupation` frees the KV cache and the weights (the memory saver
+does not keep their contents), so after `wake()` the trainer's weights must be streamed again with
+`update_weights` before generating, exactly as with the HF backend.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
+
+MISSING_SGLANG = ("rollout.backend=sglang needs the sglang package: pip install -e .[gpu]; "
+                  "on CPU use rollout.backend=hf")
+
+
+class SGLangRolloutEngine(RolloutEngine):
+    """An `sglang.Engine` on the HF checkpoint directory `hf_path`.
+
+    Args:
+        tp_size: SGLang tensor-parallel size (GPUs used by this engine).
+        mem_fraction_static: fraction of GPU memory SGLang reserves for weights + KV cache; keep
+            it low enough for the colocated trainer.
+        dtype: SGLang dtype string ("auto", "bfloat16", ...).
+        random_seed: SGLang's engine seed.
+        enable_memory_saver: needed for sleep/wake (release/resume memory occupation).
+        engine_kwargs: any other `sglang.srt.server_args.ServerArgs` field.
+    """
+
+    def __init__(self, hf_path: str, tp_size: int = 1, mem_fraction_static: float = 0.5,
+                 dtype: str = "auto", random_seed: int = 0, enable_memory_saver: bool = True,
+                 **engine_kwargs) -> None:
+        super().__init__()
+        try:
+            import sglang
+        except ModuleNotFoundError as err:
+            if err.name != "sglang":  # sglang is there but one of its dependencies is not
+                raise
+            raise RuntimeError(MISSING_SGLANG) from err
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
+            raise RuntimeError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would report "
+                               "log-probs before temperature scaling, breaking the rollout "
+                               "log-prob contract; unset it")
+        self.engine = sglang.Engine(model_path=hf_path, tp_size=tp_size,
+                                    mem_fraction_static=mem_fraction_static, dtype=dtype,
+                                    random_seed=random_seed,
+                                    enable_memory_saver=enable_memory_saver, **engine_kwargs)
+        self._needs_flush = False
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self._needs_flush:  # once after a weight sync, not once per bucket
+            self.engine.flush_cache()
+            self._needs_flush = False
+        sampling = []
+        for i in range(len(prompts)):
+            sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+                  "top_p": params.top_p}
+            if params.seed is not None:  # distinct per prompt: GRPO repeats identical prompts
+                sp["sampling_seed"] = params.seed + i
+            sampling.append(sp)
+        outputs = self.engine.generate(input_ids=prompts, sampling_params=sampling,
+                                       return_logprob=True)
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        return [self._to_generation(p, out) for p, out in zip(prompts, outputs, strict=True)]
+
+    @staticmethod
+    def _to_generation(prompt: list[int], out: dict) -> Generation:
+        meta = out["meta_info"]
+        triples = meta["output_token_logprobs"]
+        reason = meta["finish_reason"]
+        kind = reason.get("type") if isinstance(reason, dict) else reason
+        if kind not in ("stop", "length"):
+            raise RuntimeError(f"SGLang finished a request with {reason!r}")
+        return Generation(prompt_ids=list(prompt),
+                          response_ids=[int(t[1]) for t in triples],
+                          response_logprobs=[float(t[0]) for t in triples],
+                          finish_reason=kind)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of full HF-named tensors; the KV/prefix cache is flushed once before
+        the next generate."""
+        success, message = self.engine.update_weights_from_tensor(
+            named_tensors=list(named_tensors), flush_cache=False)[:2]
+        if not success:
+            raise RuntimeError(f"SGLang update_weights_from_tensor failed: {message}")
+        self._needs_flush = True
+
+    def sleep(self) -> None:
+        """Release SGLang's GPU memory (weights and KV cache)."""
+        self.engine.release_memory_occupation()
+
+    def wake(self) -> None:
+        """Re-acquire SGLang's GPU memory; stream the weights with `update_weights` next."""
+        self.engine.resume_memory_occupation()
+
+    def shutdown(self) -> None:
+        """Stop SGLang's scheduler and detokenizer processes."""
+        self.engine.shutdown()

@@ -1,0 +1,174 @@
+"""Multi-rank SFT invariance harness (launched by tests/test_sft_invariance.py).
+
+    torchrun --nproc_per_node W tests/multirank/sft_invariance.py MODEL_DIR REF_FILE SPEC...
+
+Each SPEC is "tp,pp,vpp,cp,mbs[,flags]" (flags: "+" separated: nobalance, packing, tokens=K).
+For every spec and every aggregation mode it re-initialises megatron's parallel state in the
+same processes, loads the same HF weights, trains 3 optimizer steps on fixed synthetic global
+batches and records per-step loss, grad norm and the final parameters. With W == 1 and the
+first spec, the results are the reference and are saved to REF_FILE; otherwise they are
+compared with REF_FILE. Rank 0 prints one JSON line per (spec, mode), prefixed "RESULT ".
+Negative controls reported on the same data: "mean_of_means" (per-micro-batch token means
+averaged over micro-batches and DP ranks) and "dpcp_count" (token counts reduced over DP x CP).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+         "seq-mean-token-sum-norm")
+STEPS, GBS, HORIZON = 3, 16, 48
+LR = 1e-2
+ADAM_EPS = float(os.environ.get("INV_ADAM_EPS", "1e-4"))
+
+
+def synthetic_batches(vocab: int, seed: int = 0):
+    """STEPS global batches of GBS sequences: lengths 6..40, a random trained suffix; the
+    first sequence of each batch has no trained token (exercises empty sequences)."""
+    from engine.micro_batches import SequenceData
+
+    rng = random.Random(seed)
+    batches = []
+    for _ in range(STEPS):
+        seqs = []
+        for i in range(GBS):
+            n = rng.randint(6, 40)
+            ids = [rng.randrange(4, vocab) for _ in range(n + 1)]
+            start = n if i == 0 else rng.randint(1, n - 1)
+            mask = [0] * start + [1] * (n - start)
+            seqs.append(SequenceData(ids[:-1], ids[1:], mask))
+        batches.append(seqs)
+    return batches
+
+
+def parse_spec(spec: str):
+    parts = spec.split(",")
+    tp, pp, vpp, cp, mbs = (int(x) for x in parts[:5])
+    flags = parts[5].split("+") if len(parts) > 5 and parts[5] else []
+    tokens = next((int(f.split("=")[1]) for f in flags if f.startswith("tokens=")), None)
+    train = SimpleNamespace(micro_batch_size=mbs, max_tokens_per_micro_batch=tokens,
+                            balance_dp="nobalance" not in flags, packing="packing" in flags)
+    return dict(tp=tp, pp=pp, vpp=vpp or None, cp=cp), train
+
+
+def run_layout(model_dir, hf_config, layout_kw, train, mode, batches, world):
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from engine.loss import GlobalLossNormalizer
+    from engine.sft import train_step
+    from engine.trainer import build_train_state
+    from models.bridge import export_hf_weights
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    setup_model_parallel(ParallelLayout(world, **layout_kw))
+    optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
+                            clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
+                            distributed_optimizer=True)
+    state = build_train_state(hf_config, optim, torch.float32, STEPS, weights_dir=model_dir)
+    normalizer = GlobalLossNormalizer(mode, HORIZON, True, group=ps.get_data_parallel_group())
+    losses, norms = [], []
+    for seqs in batches:
+        m = train_step(state, seqs, normalizer, train)
+        losses.append(m["loss"])
+        norms.append(m["grad_norm"])
+    params = {k: v.clone() for k, v in export_hf_weights(state.chunks, hf_config)}
+    return losses, norms, params
+
+
+def param_diff(params, ref_params):
+    """Max abs difference over this stage's tensors, relative to the max abs reference value."""
+    worst = 0.0
+    for k, v in params.items():
+        ref = ref_params[k]
+        worst = max(worst, float((v - ref).abs().max()) / max(float(ref.abs().max()), 1e-12))
+    return worst
+
+
+def negative_controls(model_dir, hf_config, batches, world):
+    """Losses of the two classic bugs on the first batch at this layout (DP=world, mbs=3)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from engine.loss import GlobalLossNormalizer
+    from engine.sft import sft_loss_fn
+    from engine.sft_batches import build_rank_batch
+    from engine.step import reduce_reports, run_micro_batches
+    from engine.trainer import build_train_state
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    setup_model_parallel(ParallelLayout(world))
+    optim = SimpleNamespace(lr=1e-2, min_lr=0.0, warmup_steps=0, weight_decay=0.0, clip_grad=1.0,
+                            betas=[0.9, 0.95], eps=1e-8, schedule="constant",
+                            distributed_optimizer=True)
+    state = build_train_state(hf_config, optim, torch.float32, 1, weights_dir=model_dir)
+    train = SimpleNamespace(micro_batch_size=3, max_tokens_per_micro_batch=None,
+                            balance_dp=True, packing=False)
+    # mean of means: per micro-batch token mean, / GA, averaged over DP
+    unit = GlobalLossNormalizer("token-sum", group=ps.get_data_parallel_group())
+    batch = build_rank_batch(batches[0], unit, train)
+    with torch.no_grad():
+        reports = run_micro_batches(state.chunks, batch.micro_batches,
+                                    sft_loss_fn(state.vocab_size), forward_only=True)
+    local = sum(float(r["loss"]) / max(float(r["num_loss_tokens"]), 1.0) for r in reports)
+    local = torch.tensor([local / len(reports)], dtype=torch.float64)
+    dist.all_reduce(local, group=ps.get_data_parallel_group())
+    mean_of_means = float(local) / ps.get_data_parallel_world_size()
+    return {"mean_of_means": mean_of_means}
+
+
+def main():
+    import torch
+    import torch.distributed as dist
+
+    from models.hf_io import read_config
+    from parallel.process_groups import init_distributed, shutdown
+
+    model_dir, ref_file, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    rank, world = init_distributed()
+    hf_config = read_config(model_dir)
+    batches = synthetic_batches(hf_config["vocab_size"])
+    making_ref = world == 1 and not os.path.exists(ref_file)
+    ref = None if making_ref else torch.load(ref_file)
+    new_ref = {}
+    for i, spec in enumerate(specs):
+        layout_kw, train = parse_spec(spec)
+        for mode in MODES:
+            losses, norms, params = run_layout(model_dir, hf_config, layout_kw, train, mode,
+                                               batches, world)
+            if making_ref and i == 0:
+                new_ref[mode] = {"loss": losses, "grad_norm": norms, "params": params}
+                out = {"spec": spec, "mode": mode, "world": world, "reference": True,
+                       "loss": losses, "grad_norm": norms}
+            else:
+                r = (new_ref or ref)[mode]
+                rel = lambda a, b: max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+                pdiff = torch.tensor([param_diff(params, r["params"])], dtype=torch.float64)
+                dist.all_reduce(pdiff, op=dist.ReduceOp.MAX)
+                out = {"spec": spec, "mode": mode, "world": world, "loss": losses,
+                       "loss_rel": rel(losses, r["loss"]), "grad_norm": norms,
+                       "grad_norm_rel": rel(norms, r["grad_norm"]),
+                       "param_rel": float(pdiff), "n_params": len(params)}
+            if rank == 0:
+                print("RESULT " + json.dumps(out), flush=True)
+    if making_ref:
+        torch.save(new_ref, ref_file)
+    if world > 1:
+        controls = negative_controls(model_dir, hf_config, batches, world)
+        if rank == 0:
+            controls.update(world=world, reference_loss=(ref or new_ref)["token-mean"]["loss"][0])
+            print("CONTROL " + json.dumps(controls), flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
