@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# CPU demo: SFT of a tiny Qwen3-style model on 4 gloo ranks (TP2 x DP2), 1-3 minutes on 2 cores.
+# Prints the first and last loss; TensorBoard logs and metrics.jsonl land in runs/cpu_demo/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false PYTHONWARNINGS=ignore
+python tools/make_demo_assets.py --out "$OUT/demo_assets"
+torchrun --nproc_per_node 4 -m engine.sft \
+  model.hf_path="$OUT/demo_assets/model" \
+  data.train_files="[$OUT/demo_assets/sft_train.jsonl]" \
+  data.eval_files="[$OUT/demo_assets/sft_eval.jsonl]" \
+  parallel.tp=2 \
+  train.global_batch_size=16 train.micro_batch_size=4 train.seq_length=64 \
+  train.max_steps="${STEPS:-120}" train.eval_interval=40 \
+  optim.lr=3e-3 optim.min_lr=3e-4 optim.warmup_steps=10 optim.schedule=cosine \
+  loss.agg_mode=token-mean \
+  logging.dir="$OUT/cpu_demo" "$@"
+echo "metrics: $OUT/cpu_demo/metrics.jsonl  (tensorboard --logdir $OUT/cpu_demo)"
