@@ -32,7 +32,7 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int,
     if buffer == 0:
         return torch.where(lengths > max_len, -float(penalty), 0.0).to(torch.float32)
     start = max_len - buffer
-    fraction = ((lengths - start) / buffer).clamp(0.0)
+    fraction = ((lengths - start) / buffer).clamp(0.0, 1.0)
     return -penalty * fraction
 
 
