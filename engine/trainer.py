@@ -28,9 +28,11 @@ def finalize_grads(model, num_tokens=None, **kwargs):
 
 
 def build_train_state(hf_config: dict, optim_cfg, dtype: torch.dtype, max_steps: int,
-                      weights_dir: str | None = None, load_weights: bool = True) -> TrainState:
+                      weights_dir: str | None = None, load_weights: bool = True,
+                      **model_overrides) -> TrainState:
     """Build this rank's model chunks, load HF weights from `weights_dir`, wrap them in megatron
-    DDP and create the optimizer and LR scheduler."""
+    DDP and create the optimizer and LR scheduler. `model_overrides` go to the
+    TransformerConfig (e.g. cp_comm_type)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -39,7 +41,7 @@ def build_train_state(hf_config: dict, optim_cfg, dtype: torch.dtype, max_steps:
     from models.factory import build_model_chunks
     from models.hf_io import SafetensorsReader
 
-    raw = build_model_chunks(hf_config, params_dtype=dtype)
+    raw = build_model_chunks(hf_config, params_dtype=dtype, **model_overrides)
     if load_weights:
         load_hf_weights(raw, SafetensorsReader(weights_dir), hf_config)
     config = raw[0].config

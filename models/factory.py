@@ -41,6 +41,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         # posts send-to-prev before send-to-next, which with pp=2 (prev == next) swaps
         # activations and gradients in the interleaved schedule. Unbatched p2p orders by rank.
         config_overrides.setdefault("batch_p2p_comm", False)
+    if cp > 1:  # read by Transformer Engine's CP attention; our Ulysses path is always a2a
+        config_overrides.setdefault("cp_comm_type", "a2a")
     config = transformer_config(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                 params_dtype=params_dtype, **config_overrides)
     shape = model_shape(hf_config, tp)

@@ -3,14 +3,16 @@
 Each CP rank holds a zigzag shard of the sequence and all heads of its TP rank. An all-to-all
 gathers the whole sequence and scatters heads (each rank keeps heads/cp), attention runs on the
 whole sequence in natural order, and a second all-to-all returns to sequence shards. Both
-exchanges go through `torch.distributed.nn.functional.all_to_all`, which carries autograd and
-runs on gloo as well as nccl. KV heads are repeated to the query head count first when the
+exchanges go through `all_to_all` below, an autograd function (the backward of an all-to-all
+is the all-to-all of the gradients) that uses the backend's all-to-all on nccl and scatters
+on gloo, which has none. (torch.distributed.nn's own gloo fallback passes group ranks as
+global ranks, so it breaks whenever the CP group is not ranks 0..cp-1, e.g. TP2 x CP2.) KV heads are repeated to the query head count first when the
 local KV head count is not divisible by cp (GQA with fewer KV heads than cp).
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed.nn.functional as dist_nn
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel import zigzag
@@ -21,22 +23,45 @@ def _cp_group():
     return parallel_state.get_context_parallel_group()
 
 
+def _exchange(inputs: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Chunk i of this rank goes to group rank i; returns the chunks received, by source."""
+    inputs = [x.contiguous() for x in inputs]
+    outputs = [torch.empty_like(x) for x in inputs]
+    if dist.get_backend(group) == "nccl":
+        dist.all_to_all(outputs, inputs, group=group)
+        return outputs
+    me = dist.get_rank(group)
+    for src in range(len(inputs)):
+        dist.scatter(outputs[src], inputs if src == me else None, group=group, group_src=src)
+    return outputs
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *inputs):
+        ctx.group = group
+        return tuple(_exchange(list(inputs), group))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *_exchange(list(grads), ctx.group))
+
+
+def all_to_all(inputs: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Differentiable all-to-all of equally shaped chunks over `group`."""
+    return list(_AllToAll.apply(group, *inputs))
+
+
 def seq_to_heads(x: torch.Tensor, group, seq_dim: int, head_dim: int) -> torch.Tensor:
     """[.., s/cp, .., H, ..] -> [.., s, .., H/cp, ..]; the gathered sequence is in rank order."""
     cp = torch.distributed.get_world_size(group)
-    inputs = [c.contiguous() for c in x.chunk(cp, dim=head_dim)]
-    outputs = [torch.empty_like(inputs[0]) for _ in range(cp)]
-    outputs = dist_nn.all_to_all(outputs, inputs, group=group)
-    return torch.cat(outputs, dim=seq_dim)
+    return torch.cat(all_to_all(list(x.chunk(cp, dim=head_dim)), group), dim=seq_dim)
 
 
 def heads_to_seq(x: torch.Tensor, group, seq_dim: int, head_dim: int) -> torch.Tensor:
     """Inverse of `seq_to_heads`."""
     cp = torch.distributed.get_world_size(group)
-    inputs = [c.contiguous() for c in x.chunk(cp, dim=seq_dim)]
-    outputs = [torch.empty_like(inputs[0]) for _ in range(cp)]
-    outputs = dist_nn.all_to_all(outputs, inputs, group=group)
-    return torch.cat(outputs, dim=head_dim)
+    return torch.cat(all_to_all(list(x.chunk(cp, dim=seq_dim)), group), dim=head_dim)
 
 
 def _segments(packed_seq_params, total: int) -> list[int]:

@@ -24,9 +24,15 @@ TOL = 1e-5
 # spec: tp,pp,vpp,cp,micro_batch_size[,flags]
 LAUNCHES = {
     1: ["1,1,0,1,16", "1,1,0,1,3", "1,1,0,1,1"],           # reference, GA uneven, GA 16
-    2: ["1,1,0,1,3", "2,1,0,1,16", "1,2,0,1,4"],           # DP2, TP2, PP2
-    4: ["1,1,0,1,2", "2,1,0,1,3", "1,2,0,1,2", "1,2,2,1,2", "2,2,0,1,3"],
-    8: ["1,1,0,1,1", "2,2,0,1,3"],                          # DP8, DP2 x TP2 x PP2
+    # DP2, TP2, PP2, CP2, DP2 with packing
+    2: ["1,1,0,1,3", "2,1,0,1,16", "1,2,0,1,4", "1,1,0,2,16", "1,1,0,1,16,packing"],
+    # DP4, TP2xDP2, PP2xDP2, PP2xVPP2xDP2, TP2xPP2, CP2xTP2, CP2xPP2
+    4: ["1,1,0,1,2", "2,1,0,1,3", "1,2,0,1,2", "1,2,2,1,2", "2,2,0,1,3", "2,1,0,2,4",
+        "1,2,0,2,4"],
+    # DP8, DP2xTP2xPP2, CP8, CP2xDP4 balanced with token-budget micro-batches and packing,
+    # DP8 unbalanced with token-budget micro-batches (padded)
+    8: ["1,1,0,1,1", "2,2,0,1,3", "1,1,0,8,16", "1,1,0,2,16,packing+tokens=48",
+        "1,1,0,1,16,nobalance+tokens=40"],
 }
 
 
@@ -85,3 +91,12 @@ def test_negative_control_mean_of_means_is_caught(invariance_runs, world):
     (c,) = controls[world]
     rel = abs(c["mean_of_means"] - c["reference_loss"]) / c["reference_loss"]
     assert rel > 100 * TOL, c
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_negative_control_sp_duplicate_counting_gives_1_over_cp(invariance_runs, world):
+    """Counting tokens over DP x CP (every CP rank counts the same sequences) divides the
+    token-mean loss by cp: the bug the GlobalLossNormalizer's DP-only reduction prevents."""
+    _, controls = invariance_runs
+    (c,) = controls[world]
+    assert c["dpcp_count"] == pytest.approx(c["reference_loss"] / c["cp"], rel=1e-5), c

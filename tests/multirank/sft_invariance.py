@@ -123,7 +123,19 @@ def negative_controls(model_dir, hf_config, batches, world):
     local = torch.tensor([local / len(reports)], dtype=torch.float64)
     dist.all_reduce(local, group=ps.get_data_parallel_group())
     mean_of_means = float(local) / ps.get_data_parallel_world_size()
-    return {"mean_of_means": mean_of_means}
+    # SP-duplicate bug: count tokens over DP x CP from unsharded masks (each CP rank holds the
+    # same sequences): the loss of token-mean drops to 1/cp of the reference.
+    cp = world if world in (2, 8) else 2
+    setup_model_parallel(ParallelLayout(world, cp=cp))
+    state = build_train_state(hf_config, optim, torch.float32, 1, weights_dir=model_dir)
+    dup = GlobalLossNormalizer("token-mean",
+                               group=ps.get_data_parallel_group(with_context_parallel=True))
+    batch = build_rank_batch(batches[0], dup, train)
+    with torch.no_grad():
+        reports = run_micro_batches(state.chunks, batch.micro_batches,
+                                    sft_loss_fn(state.vocab_size), forward_only=True)
+    dpcp = reduce_reports(reports, ["loss"])["loss"]
+    return {"mean_of_means": mean_of_means, "dpcp_count": dpcp, "cp": cp}
 
 
 def main():

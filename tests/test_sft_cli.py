@@ -1,0 +1,89 @@
+"""`engine.sft` through the command line, as a user runs it: metrics files, CP/packing/
+balancing layouts matching the single-process run, and configuration errors (exit code 2)."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO_ROOT, run_python, run_torchrun
+
+STEPS = 3
+REQUIRED = ("step", "loss", "grad_norm", "lr", "num_tokens", "num_sequences", "time/step_s",
+            "throughput/tokens_per_s", "batch/dp_imbalance", "batch/padding_fraction")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli_assets")
+    proc = run_python("tools/make_demo_assets.py", "--out", str(out))
+    assert proc.returncode == 0
+    return out
+
+
+def _args(assets, log_dir, *extra):
+    return ["-m", "engine.sft", f"model.hf_path={assets / 'model'}",
+            f"data.train_files=[{assets / 'sft_train.jsonl'}]", "train.global_batch_size=16",
+            "train.micro_batch_size=4", "train.seq_length=64", f"train.max_steps={STEPS}",
+            "optim.lr=1e-3", "optim.schedule=constant", "optim.eps=1e-4",
+            "logging.progress_bar=false", f"logging.dir={log_dir}", *extra]
+
+
+def _metrics(log_dir):
+    return [json.loads(line) for line in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("ref_log")
+    proc = run_torchrun(1, *_args(assets, log_dir), timeout=600)
+    assert proc.returncode == 0
+    return _metrics(log_dir), log_dir
+
+
+def test_metrics_jsonl_and_tensorboard_written(reference):
+    rows, log_dir = reference
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        for key in REQUIRED:
+            assert key in r, key
+        assert r["num_sequences"] == 16 and r["num_tokens"] > 0
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert any(p.name.startswith("events.out.tfevents") for p in Path(log_dir).iterdir())
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    (2, ["parallel.cp=2"]),
+    (8, ["parallel.cp=8"]),
+    (4, ["parallel.cp=2", "parallel.tp=2"]),
+    (4, ["parallel.cp=2", "train.packing=true", "train.max_tokens_per_micro_batch=96"]),
+])
+def test_cli_layouts_match_single_process(assets, reference, tmp_path, nproc, extra):
+    ref_rows, _ = reference
+    proc = run_torchrun(nproc, *_args(assets, tmp_path, *extra), timeout=600)
+    assert proc.returncode == 0
+    rows = _metrics(tmp_path)
+    for a, b in zip(rows, ref_rows):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (extra, a["step"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (extra, a["step"])
+    assert len(rows) == STEPS
+
+
+@pytest.mark.parametrize("nproc,extra,needle", [
+    (1, ["train.nonexistent=1"], "train.nonexistent"),
+    (1, ["loss.agg_mode=mean"], "seq-mean-token-sum-norm"),
+    (2, ["parallel.tp=3"], "parallel.tp"),
+    (1, ["data.truncation=left"], "data.truncation"),
+])
+def test_config_errors_exit_2_with_the_key(assets, tmp_path, nproc, extra, needle):
+    proc = run_torchrun(nproc, *_args(assets, tmp_path, *extra), timeout=300)
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_model_path_is_reported(assets, tmp_path):
+    args = _args(assets, tmp_path)
+    args[2] = "model.hf_path=/nonexistent/model"
+    proc = run_torchrun(1, *args, timeout=300)
+    assert proc.returncode != 0 and "/nonexistent/model" in proc.stderr
