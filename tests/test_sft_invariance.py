@@ -26,13 +26,12 @@ LAUNCHES = {
     1: ["1,1,0,1,16", "1,1,0,1,3", "1,1,0,1,1"],           # reference, GA uneven, GA 16
     # DP2, TP2, PP2, CP2, DP2 with packing
     2: ["1,1,0,1,3", "2,1,0,1,16", "1,2,0,1,4", "1,1,0,2,16", "1,1,0,1,16,packing"],
-    # DP4, TP2xDP2, PP2xDP2, PP2xVPP2xDP2, TP2xPP2, CP2xTP2, CP2xPP2
+    # DP4, TP2xDP2, PP2xDP2, PP2xVPP2xDP2, TP2xPP2, CP2xTP2, CP2xPP2,
+    # DP4 unbalanced with token-budget (padded) micro-batches
     4: ["1,1,0,1,2", "2,1,0,1,3", "1,2,0,1,2", "1,2,2,1,2", "2,2,0,1,3", "2,1,0,2,4",
-        "1,2,0,2,4"],
-    # DP8, DP2xTP2xPP2, CP8, CP2xDP4 balanced with token-budget micro-batches and packing,
-    # DP8 unbalanced with token-budget micro-batches (padded)
-    8: ["1,1,0,1,1", "2,2,0,1,3", "1,1,0,8,16", "1,1,0,2,16,packing+tokens=48",
-        "1,1,0,1,16,nobalance+tokens=40"],
+        "1,2,0,2,4", "1,1,0,1,16,nobalance+tokens=40"],
+    # DP8, DP2xTP2xPP2, CP8, CP2xDP4 balanced with token-budget micro-batches and packing
+    8: ["1,1,0,1,1", "2,2,0,1,3", "1,1,0,8,16", "1,1,0,2,16,packing+tokens=48"],
 }
 
 
@@ -49,7 +48,7 @@ def invariance_runs(tmp_path_factory):
     ref = str(root / "reference.pt")
     results, controls = {}, {}
     for world, specs in LAUNCHES.items():
-        proc = run_torchrun(world, SCRIPT, model, ref, *specs, timeout=900)
+        proc = run_torchrun(world, SCRIPT, model, ref, *specs, timeout=1500)
         assert proc.returncode == 0, f"world {world} launch failed"
         results[world] = _parse(proc.stdout, "RESULT")
         controls[world] = _parse(proc.stdout, "CONTROL")
