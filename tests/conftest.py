@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny random HF models of the three supported architectures, built once per
+test session under pytest's tmp_path_factory, and their TP1 Megatron checkpoints.
+
+All models have 8 attention heads, 2 KV heads, 4 layers, hidden size 64. `initializer_range=0.2`
+(HF default 0.02) makes logits large enough (std ~1) that a logit parity check at 1e-5 means
+something.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.launch import run_python  # noqa: E402
+from tests.tiny_models import build_tiny_model  # noqa: E402
+
+CONVERT = "tools/convert.py"
+INIT_RANGE = 0.2
+
+# arch -> build_tiny_model kwargs (besides the shared shape)
+TINY_SPECS: dict[str, dict] = {
+    "qwen3": dict(arch="qwen3", tie_word_embeddings=True),
+    "llama": dict(arch="llama", tie_word_embeddings=False),
+    "qwen2": dict(arch="qwen2", vocab_size=1001, tie_word_embeddings=False),
+}
+ARCHS = tuple(TINY_SPECS)
+
+
+def build_arch(out_dir: Path, arch: str, seed: int = 0) -> str:
+    """Build the tiny model of `arch` (see TINY_SPECS) with `seed` into `out_dir`."""
+    spec = dict(TINY_SPECS[arch])
+    return build_tiny_model(str(out_dir), spec.pop("arch"), hidden=64, layers=4, heads=8,
+                            kv_heads=2, seed=seed, initializer_range=INIT_RANGE, **spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """{"qwen3": dir, "llama": dir, "qwen2": dir}: HF folders (fp32 safetensors + tokenizer)."""
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {arch: build_arch(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tiny_model_dirs) -> str:
+    """Qwen3, tied embeddings, vocab 200, q/k norms."""
+    return tiny_model_dirs["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_dirs) -> str:
+    """Llama, untied embeddings, vocab 200."""
+    return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tiny_model_dirs) -> str:
+    """Qwen2, untied, QKV bias, vocab 1001 (not a multiple of 8 x TP)."""
+    return tiny_model_dirs["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def mcore_ckpt_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
+    """{arch: Megatron checkpoint dir} written at TP1 by `tools/convert.py hf-to-mcore`."""
+    root = tmp_path_factory.mktemp("tiny_mcore")
+    out = {}
+    for arch, hf_dir in tiny_model_dirs.items():
+        ckpt = root / arch
+        proc = run_python(CONVERT, "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(ckpt),
+                          timeout=600)
+        assert proc.returncode == 0, f"hf-to-mcore failed for {arch}"
+        out[arch] = str(ckpt)
+    return out

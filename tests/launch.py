@@ -1,0 +1,98 @@
+"""Run multi-process test scripts under torchrun (gloo on CPU) and plain CLI subprocesses.
+
+`run_torchrun(nproc, script, *args)` launches `torchrun --nproc_per_node nproc --master_port
+<free port> script args...` from the repository root, waits at most `timeout` seconds and
+returns the `subprocess.CompletedProcess` (text stdout/stderr, returncode). It never raises on
+a non-zero exit; on failure or timeout it prints the (warning-filtered) output so pytest shows
+it. `run_python(script, *args)` does the same for a single `python script args...` process.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Lines of library noise (warnings and their source echo) dropped from printed output.
+_NOISE = ("Warning", "warnings.warn", "warn(", "FutureWarning", "DeprecationWarning",
+          "UserWarning")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def filter_noise(text: str) -> str:
+    """`text` without warning lines (megatron and transformers are noisy on CPU)."""
+    return "\n".join(line for line in text.splitlines()
+                     if not any(marker in line for marker in _NOISE))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid`, its process group and every descendant (torchrun starts its workers in
+    their own sessions, so killing the group alone leaves them running)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+
+
+def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own process group; on timeout kill it and all its descendants
+    (torchrun workers included) and return returncode 124."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        out, err = proc.communicate()
+        rc = 124
+        print(f"TIMEOUT after {timeout}s: {' '.join(cmd)}")
+    if rc != 0:
+        print(f"exit code {rc}: {' '.join(cmd)}\n--- stdout ---\n{filter_noise(out)}\n"
+              f"--- stderr ---\n{filter_noise(err)}")
+    return subprocess.CompletedProcess(cmd, rc, out, err)
+
+
+def run_torchrun(nproc: int, script: str, *args: str, timeout: int = 600
+                 ) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node nproc --master_port <free> script *args` from the repo root.
+
+    `script` is a path relative to the repository root (or absolute). Returns the completed
+    process; returncode 124 means it was killed after `timeout` seconds."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script),
+           *map(str, args)]
+    return _run(cmd, timeout)
+
+
+def run_python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python script *args` from the repo root, same contract as `run_torchrun`."""
+    return _run([sys.executable, str(script), *map(str, args)], timeout)
