@@ -3,8 +3,10 @@
 `load_config(schema, argv)` composes: the schema defaults, then an optional YAML file given as
 `--config FILE` (or `config=FILE`), then hydra-style overrides (`train.max_steps=5`,
 `data.train_files=[a.jsonl,b.jsonl]`). Unknown keys and wrong types are rejected by hydra with
-the key named; `validate_common` then checks values (choices, paths, layout arithmetic) before
-any process group exists. Errors raise `ConfigError`; entry points print it once and exit 2.
+the key named; `validate_common` (SFT and RL) and `validate_sft` then check values (choices,
+paths, layout arithmetic, checkpoint keys) before any process group exists, collecting every
+problem (`*_problems` functions, also used by `engine.recipe_validation`). Errors raise
+`ConfigError`; entry points print it once and exit 2.
 """
 from __future__ import annotations
 
@@ -23,6 +25,10 @@ class ConfigError(ValueError):
 class ModelConfig:
     hf_path: str = ""            # HF model directory (weights, config, tokenizer)
     dtype: str = "float32"       # float32 | bfloat16 (bf16 params, fp32 master weights)
+    # A preset of engine.recipe_validation.MODEL_SHAPES (e.g. "qwen3-8b"): the architecture a
+    # recipe is written for. `--validate` uses it when model.hf_path is not given; a training
+    # run checks that the HF config at model.hf_path has the same shape.
+    shape: Optional[str] = None
 
 
 @dataclass
@@ -51,7 +57,9 @@ class TrainConfig:
     seq_length: int = 512
     balance_dp: bool = True
     packing: bool = False
-    eval_interval: int = 0
+    eval_interval: int = 0               # eval/loss every N steps (0: never); needs eval_files
+    exit_interval: Optional[int] = None  # stop after a step number divisible by this
+    exit_duration_mins: Optional[float] = None  # stop after this much wall time (minutes)
 
 
 @dataclass
@@ -78,6 +86,28 @@ class LossConfig:
 class LoggingConfig:
     dir: Optional[str] = "runs/sft"
     progress_bar: bool = True
+    sample_ids: bool = False     # rank 0 appends {"step", "indices"} per step to samples.jsonl
+
+
+@dataclass
+class CheckpointConfig:
+    """Training checkpoints (engine.checkpointing): `dir`/iter_XXXXXXX/ per save."""
+
+    dir: Optional[str] = None          # run directory of checkpoints; null: never save
+    save_interval: int = 0             # save every N optimizer steps (0: only on exit)
+    keep_last: Optional[int] = None    # keep the newest N complete checkpoints (null: all)
+    resume: str = "auto"               # auto (newest complete in dir) | never | <path>
+    save_on_exit: bool = True          # save at the end, at exit_interval/duration, on signal
+
+
+@dataclass
+class RecipeConfig:
+    """Deployment facts of a recipe, read only by `--validate` (never by training)."""
+
+    nodes: int = 1                     # default node count to validate for
+    gpus_per_node: int = 8
+    gpu_memory_gib: float = 79.6       # H100 80GB HBM3 (81559 MiB)
+    expected_memory_gib: Optional[float] = None  # the per-GPU peak the recipe states
 
 
 @dataclass
@@ -89,6 +119,8 @@ class SFTConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
     seed: int = 1234
 
 
@@ -146,22 +178,39 @@ def load_config(schema: type, argv: list[str]) -> tuple[Any, list[str]]:
         raise ConfigError(f"invalid configuration: {detail}") from None
 
 
-def _choice(value: str, key: str, choices: tuple[str, ...]) -> None:
+# ----------------------------------------------------------------------------- validation
+# Each *_problems function returns every violated constraint as a sentence naming the key;
+# validate_* raise one ConfigError listing them all.
+
+def _choice(problems: list[str], value: str, key: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}")
+        problems.append(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}")
 
 
-def _positive(value, key: str, allow_zero: bool = False) -> None:
-    ok = value >= 0 if allow_zero else value > 0
-    if not isinstance(value, int) or not ok:
-        raise ConfigError(f"{key}={value!r} must be an integer {'>= 0' if allow_zero else '> 0'}")
+def _positive(problems: list[str], value, key: str, allow_zero: bool = False,
+              optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    ok = isinstance(value, int) and not isinstance(value, bool) and (
+        value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        problems.append(f"{key}={value!r} must be {'null or ' if optional else ''}an integer "
+                        f"{bound}")
 
 
-def validate_common(cfg, world_size: int) -> dict:
-    """Checks shared by SFT and RL; returns the HF config dict. Runs before process groups."""
+def raise_problems(problems: list[str]) -> None:
+    """Raise ConfigError naming every problem (the problem itself when there is one)."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def read_model_config(cfg) -> dict:
+    """The HF config dict at model.hf_path (architecture checked); raises ConfigError."""
     from models.architectures import UnsupportedArchitectureError, architecture_of
     from models.hf_io import HFCheckpointError, read_config
-    from parallel.layout import LayoutError, ParallelLayout
 
     if not cfg.model.hf_path:
         raise ConfigError("model.hf_path is required (an HF model directory)")
@@ -170,31 +219,100 @@ def validate_common(cfg, world_size: int) -> dict:
         architecture_of(hf_config)
     except (HFCheckpointError, UnsupportedArchitectureError) as e:
         raise ConfigError(f"model.hf_path={cfg.model.hf_path}: {e}") from None
-    _choice(cfg.model.dtype, "model.dtype", ("float32", "bfloat16"))
-    if not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty; give one or more .jsonl/.parquet files")
+    return hf_config
+
+
+def data_file_problems(cfg, require_train: bool = True) -> list[str]:
+    """Missing data files (and no train_files at all when `require_train`)."""
+    problems = []
+    if require_train and not cfg.data.train_files:
+        problems.append("data.train_files is empty; give one or more .jsonl/.parquet files")
     for key in ("train_files", "eval_files"):
         for f in getattr(cfg.data, key):
             if not os.path.isfile(f):
-                raise ConfigError(f"data.{key}: file not found: {f}")
-    _choice(cfg.data.truncation, "data.truncation", ("right", "error"))
-    _choice(cfg.loss.agg_mode, "loss.agg_mode", AGG_MODES)
-    _choice(cfg.optim.schedule, "optim.schedule", ("cosine", "constant"))
-    _choice(cfg.parallel.cp_comm_type, "parallel.cp_comm_type", ("a2a", "p2p", "all_gather"))
-    _positive(cfg.train.max_steps, "train.max_steps")
-    _positive(cfg.train.seq_length, "train.seq_length")
-    _positive(cfg.train.micro_batch_size, "train.micro_batch_size")
-    if cfg.train.max_tokens_per_micro_batch is not None:
-        _positive(cfg.train.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch")
+                problems.append(f"data.{key}: file not found: {f}")
+    return problems
+
+
+def value_problems(cfg) -> list[str]:
+    """Choices and ranges of the keys shared by SFT and RL (no file system access)."""
+    p: list[str] = []
+    _choice(p, cfg.model.dtype, "model.dtype", ("float32", "bfloat16"))
+    _choice(p, cfg.data.truncation, "data.truncation", ("right", "error"))
+    _choice(p, cfg.loss.agg_mode, "loss.agg_mode", AGG_MODES)
+    _choice(p, cfg.optim.schedule, "optim.schedule", ("cosine", "constant"))
+    _choice(p, cfg.parallel.cp_comm_type, "parallel.cp_comm_type", ("a2a", "p2p", "all_gather"))
+    _positive(p, cfg.train.max_steps, "train.max_steps")
+    _positive(p, cfg.train.seq_length, "train.seq_length")
+    _positive(p, cfg.train.micro_batch_size, "train.micro_batch_size")
+    _positive(p, cfg.train.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch",
+              optional=True)
     if len(cfg.optim.betas) != 2:
-        raise ConfigError(f"optim.betas={list(cfg.optim.betas)} must hold two numbers")
+        p.append(f"optim.betas={list(cfg.optim.betas)} must hold two numbers")
+    return p
+
+
+def layout_problems(cfg, world_size: int, hf_config: dict) -> list[str]:
+    """ParallelLayout constraints of cfg.parallel at `world_size` for this model shape."""
+    from parallel.layout import ParallelLayout
+
     layout = ParallelLayout(world_size, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                             vpp=cfg.parallel.vpp, cp=cfg.parallel.cp)
-    try:
-        layout.validate(num_layers=hf_config["num_hidden_layers"],
-                        num_heads=hf_config["num_attention_heads"],
-                        num_kv_heads=hf_config.get("num_key_value_heads"),
-                        seq_length=cfg.train.seq_length)
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
+    return layout.problems(num_layers=hf_config["num_hidden_layers"],
+                           num_heads=hf_config["num_attention_heads"],
+                           num_kv_heads=hf_config.get("num_key_value_heads"),
+                           seq_length=cfg.train.seq_length)
+
+
+def validate_common(cfg, world_size: int) -> dict:
+    """Checks shared by SFT and RL; returns the HF config dict. Runs before process groups."""
+    hf_config = read_model_config(cfg)
+    raise_problems(data_file_problems(cfg) + value_problems(cfg)
+                   + layout_problems(cfg, world_size, hf_config))
+    return hf_config
+
+
+def sft_problems(cfg) -> list[str]:
+    """SFT-only keys: train.global_batch_size, eval and exit intervals, cfg.checkpoint."""
+    from engine.checkpoint_io import list_iterations
+
+    p: list[str] = []
+    ck = cfg.checkpoint
+    _positive(p, cfg.train.global_batch_size, "train.global_batch_size")
+    _positive(p, ck.save_interval, "checkpoint.save_interval", allow_zero=True)
+    _positive(p, ck.keep_last, "checkpoint.keep_last", optional=True)
+    _positive(p, cfg.train.exit_interval, "train.exit_interval", optional=True)
+    _positive(p, cfg.train.eval_interval, "train.eval_interval", allow_zero=True)
+    if cfg.train.exit_duration_mins is not None and not cfg.train.exit_duration_mins > 0:
+        p.append(f"train.exit_duration_mins={cfg.train.exit_duration_mins!r} must be null or "
+                 "> 0")
+    if ck.dir is not None and os.path.exists(ck.dir) and not os.path.isdir(ck.dir):
+        p.append(f"checkpoint.dir={ck.dir} exists and is not a directory")
+    if ck.resume not in ("auto", "never") and not os.path.isdir(ck.resume):
+        p.append(f"checkpoint.resume={ck.resume!r}: no such directory; use auto, never or the "
+                 "path of a checkpoint (iter_XXXXXXX) or of a run's checkpoint.dir")
+    if ck.resume == "never" and ck.dir and list_iterations(ck.dir):
+        p.append(f"checkpoint.dir={ck.dir} already holds checkpoints (up to iter_"
+                 f"{list_iterations(ck.dir)[-1]:07d}) and checkpoint.resume=never: use an empty "
+                 "checkpoint.dir, or checkpoint.resume=auto to continue that run")
+    return p
+
+
+def shape_problems(cfg, hf_config: dict) -> list[str]:
+    """model.shape: a known preset, and (when given) the same shape as `hf_config`."""
+    from engine.recipe_validation import MODEL_SHAPES, shape_mismatches
+
+    if cfg.model.shape is None:
+        return []
+    if cfg.model.shape not in MODEL_SHAPES:
+        return [f"model.shape={cfg.model.shape!r} is not a known preset; choose one of "
+                f"{', '.join(MODEL_SHAPES)} (or leave it null)"]
+    return [f"model.shape={cfg.model.shape} does not match model.hf_path={cfg.model.hf_path}: "
+            f"{m}" for m in shape_mismatches(MODEL_SHAPES[cfg.model.shape], hf_config)]
+
+
+def validate_sft(cfg, world_size: int) -> dict:
+    """validate_common plus the SFT-only keys (checkpoint, exits, eval, model.shape)."""
+    hf_config = validate_common(cfg, world_size)
+    raise_problems(sft_problems(cfg) + shape_problems(cfg, hf_config))
     return hf_config

@@ -1,13 +1,21 @@
 """Supervised fine-tuning entry point.
 
     torchrun --nproc_per_node N -m engine.sft model.hf_path=DIR data.train_files=[a.jsonl] \
-        parallel.tp=2 train.global_batch_size=16 train.max_steps=100 loss.agg_mode=token-mean
+        parallel.tp=2 train.global_batch_size=16 train.max_steps=100 loss.agg_mode=token-mean \
+        checkpoint.dir=runs/x/checkpoints checkpoint.save_interval=50
+    python -m engine.sft --config recipes/sft/qwen3_8b_h100.yaml --validate --world-size 16 \
+        --nodes 2                      (layout/memory check of a recipe; no training)
 
 One optimizer step (DESIGN section 3): the global mini-batch of step k (layout-independent
 order) -> per-sequence weights from global counts (GlobalLossNormalizer, DP group only) ->
 balanced DP partition and micro-batches -> CP shards -> megatron forward/backward (weighted
 sums) -> gradients summed over DP x CP -> optimizer step. Metrics go to metrics.jsonl and
 TensorBoard on rank 0.
+
+Checkpoints (engine.checkpointing): with checkpoint.dir set, the run saves every
+checkpoint.save_interval steps and on exit, and (checkpoint.resume=auto) continues from the
+newest complete checkpoint in that directory, at any layout: steps already done are not re-run,
+the data stream continues at the saved step.
 """
 from __future__ import annotations
 
@@ -90,8 +98,27 @@ def evaluate(state, eval_seqs, cfg, pad_id: int = 0) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.sft [--config FILE] [key=value ...] [--validate ...]`."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if "--validate" in argv:  # recipe check: no process groups, no weights, no training
+        from engine.recipe_validation import validate_main
+        return validate_main(argv)
     from engine.cli import run_entry
-    return run_entry(_run, argv if argv is not None else sys.argv[1:])
+    from engine.config import validate_sft
+    return run_entry(_run, argv, validate=validate_sft)
+
+
+def _log_sample_ids(log_dir: str, step: int, indices: list[int]) -> None:
+    """Rank 0: append the dataset indices of optimizer step `step` to samples.jsonl."""
+    import json
+    os.makedirs(log_dir, exist_ok=True)
+    with open(os.path.join(log_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, "indices": indices}) + "\n")
+
+
+def _config_yaml(cfg) -> str:
+    from omegaconf import OmegaConf
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
 def _run(cfg, hf_config, flags) -> int:
@@ -99,12 +126,19 @@ def _run(cfg, hf_config, flags) -> int:
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
+    from engine.checkpoint_exit import StopMonitor
+    from engine.checkpoint_io import rewind_jsonl
+    from engine.checkpointing import (CheckpointError, DataPosition, ResumeMismatchError,
+                                      load_training_checkpoint, save_training_checkpoint,
+                                      select_resume_checkpoint)
+    from engine.cli import fail
     from engine.data import global_batch_indices, load_sft_dataset
     from engine.loss import GlobalLossNormalizer
     from engine.metrics import MetricsLogger, format_postfix, progress_bar
     from engine.trainer import build_train_state
 
     rank = dist.get_rank()
+    ck = cfg.checkpoint
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dataset = load_sft_dataset(cfg.data.train_files, tokenizer, cfg.train.seq_length,
@@ -116,33 +150,77 @@ def _run(cfg, hf_config, flags) -> int:
         eval_seqs = samples_to_sequences([eval_ds[i] for i in range(len(eval_ds))])
     if rank == 0:
         print(f"[sft] {len(dataset)} samples; data stats {dataset.stats}", flush=True)
+    gbs = cfg.train.global_batch_size
+    position = DataPosition(0, gbs, len(dataset), cfg.seed, cfg.data.shuffle)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    state = build_train_state(hf_config, cfg.optim, dtype, cfg.train.max_steps,
-                              weights_dir=cfg.model.hf_path)
+    try:
+        resume_from = select_resume_checkpoint(ck.resume, ck.dir)
+        state = build_train_state(hf_config, cfg.optim, dtype, cfg.train.max_steps,
+                                  weights_dir=cfg.model.hf_path,
+                                  load_weights=resume_from is None)
+        if resume_from is not None:
+            position = load_training_checkpoint(state, resume_from, position)
+    except (CheckpointError, ResumeMismatchError) as e:
+        return fail(f"checkpoint: {e}")
+    start = position.step
+    if start >= cfg.train.max_steps:
+        if rank == 0:
+            print(f"[sft] nothing to do: {start} steps done, train.max_steps="
+                  f"{cfg.train.max_steps}", flush=True)
+        return 0
+    if rank == 0 and start > 0 and cfg.logging.dir:  # steps after the checkpoint run again
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            rewind_jsonl(os.path.join(cfg.logging.dir, name), start)
     normalizer = GlobalLossNormalizer(cfg.loss.agg_mode,
                                       cfg.loss.norm_horizon or cfg.train.seq_length,
                                       cfg.loss.count_empty_sequences,
                                       group=ps.get_data_parallel_group())
     logger = MetricsLogger(cfg.logging.dir, enabled=rank == 0)
     bar = progress_bar(cfg.train.max_steps, enabled=rank == 0 and cfg.logging.progress_bar,
-                       desc="sft")
+                       desc="sft", initial=start)
+    monitor = StopMonitor(cfg.train.exit_interval, cfg.train.exit_duration_mins)
+    config_yaml = _config_yaml(cfg)
     first = last = None
-    for step in range(cfg.train.max_steps):
-        idx = global_batch_indices(len(dataset), cfg.train.global_batch_size, step, cfg.seed,
-                                   cfg.data.shuffle)
-        seqs = samples_to_sequences([dataset[i] for i in idx])
-        metrics = train_step(state, seqs, normalizer, cfg.train, pad_id)
-        if eval_seqs is not None and (step + 1) % cfg.train.eval_interval == 0:
-            metrics["eval/loss"] = evaluate(state, eval_seqs, cfg, pad_id)
-        logger.log(step + 1, metrics)
-        bar.update(1)
-        bar.set_postfix(format_postfix(metrics))
-        first = metrics["loss"] if first is None else first
-        last = metrics["loss"]
-    bar.close()
-    logger.close()
+    done = start
+    try:
+        for step in range(start, cfg.train.max_steps):
+            idx = global_batch_indices(len(dataset), gbs, step, cfg.seed, cfg.data.shuffle)
+            seqs = samples_to_sequences([dataset[i] for i in idx])
+            metrics = train_step(state, seqs, normalizer, cfg.train, pad_id)
+            done = step + 1
+            metrics["data/consumed_samples"] = done * gbs
+            metrics["data/epoch"] = done * gbs / len(dataset)
+            if eval_seqs is not None and done % cfg.train.eval_interval == 0:
+                metrics["eval/loss"] = evaluate(state, eval_seqs, cfg, pad_id)
+            logger.log(done, metrics)
+            if rank == 0 and cfg.logging.sample_ids and cfg.logging.dir:
+                _log_sample_ids(cfg.logging.dir, done, idx)
+            bar.update(1)
+            bar.set_postfix(format_postfix(metrics))
+            first = metrics["loss"] if first is None else first
+            last = metrics["loss"]
+            stop = monitor.should_stop(done) if done < cfg.train.max_steps else None
+            periodic = bool(ck.save_interval) and done % ck.save_interval == 0
+            on_exit = ck.save_on_exit and (stop is not None or done == cfg.train.max_steps)
+            if ck.dir and (periodic or on_exit):
+                path = save_training_checkpoint(
+                    state, ck.dir, DataPosition(done, gbs, len(dataset), cfg.seed,
+                                                cfg.data.shuffle),
+                    hf_config, cfg.model.hf_path, ck.keep_last, config_yaml)
+                if rank == 0:
+                    print(f"[checkpoint] saved {path}", flush=True)
+            if stop is not None:
+                if rank == 0:
+                    print(f"[sft] stopping after step {done}: {stop}", flush=True)
+                break
+    except CheckpointError as e:
+        return fail(f"checkpoint: {e}")
+    finally:
+        monitor.close()
+        bar.close()
+        logger.close()
     if rank == 0:
-        print(f"[sft] done: {cfg.train.max_steps} steps, first loss {first:.4f}, "
+        print(f"[sft] done: {done} of {cfg.train.max_steps} steps, first loss {first:.4f}, "
               f"last loss {last:.4f}", flush=True)
     return 0
 

@@ -37,8 +37,8 @@ def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.
                   ) -> torch.Tensor:
     """Entropy of the next-token distribution per position, [b, s] float32 (differentiable)."""
     import torch.distributed as dist
-    import torch.distributed.nn.functional as dist_nn
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     logits = mask_padded_vocab(logits.float() / temperature, vocab_size)
     group = ps.get_tensor_model_parallel_group()
@@ -50,7 +50,9 @@ def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.
     sum_exp = exp.sum(dim=-1, keepdim=True)
     weighted = (exp * torch.nan_to_num(shifted, neginf=0.0)).sum(dim=-1, keepdim=True)
     if dist.get_world_size(group) > 1:
-        sum_exp = dist_nn.all_reduce(sum_exp, group=group)
-        weighted = dist_nn.all_reduce(weighted, group=group)
+        # all-reduce forward, identity backward: every TP rank computes the same loss from
+        # these sums, so the gradient must not be summed over TP again
+        sum_exp = reduce_from_tensor_model_parallel_region(sum_exp)
+        weighted = reduce_from_tensor_model_parallel_region(weighted)
     # H = log Z - E[x], with x shifted by the max
     return (torch.log(sum_exp) - weighted / sum_exp).squeeze(-1)

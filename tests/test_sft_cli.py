@@ -1,7 +1,7 @@
 """`engine.sft` through the command line, as a user runs it: metrics files, CP/packing/
 balancing layouts matching the single-process run, and configuration errors (exit code 2)."""
 import json
-import os
+import re
 from pathlib import Path
 
 import pytest
@@ -79,7 +79,8 @@ def test_config_errors_exit_2_with_the_key(assets, tmp_path, nproc, extra, needl
     proc = run_torchrun(nproc, *_args(assets, tmp_path, *extra), timeout=300)
     assert proc.returncode != 0
     assert needle in proc.stderr
-    assert "Traceback" not in proc.stderr
+    # no traceback through our code (torchrun prints its own ChildFailedError trace)
+    assert not re.search(r'File ".*/(engine|models|parallel)/', proc.stderr)
 
 
 def test_missing_model_path_is_reported(assets, tmp_path):

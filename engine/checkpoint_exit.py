@@ -1,0 +1,64 @@
+"""When a run stops before train.max_steps, on every rank at the same step, so that it can
+save a checkpoint on exit (checkpoint.save_on_exit): engine.sft asks `StopMonitor.should_stop`
+after each optimizer step."""
+from __future__ import annotations
+
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class StopMonitor:
+    """Decides, identically on every rank, whether the run stops after the current step.
+
+    Reasons: SIGTERM or SIGUSR1 received by any rank (handlers installed on construction,
+    restored by `close`), `exit_interval` (stop after a step number that is a multiple of it),
+    `exit_duration_mins` (wall time since construction, in minutes). `should_stop` is collective
+    when torch.distributed is initialised (one all-reduce MAX of a 1-element tensor).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, exit_interval: Optional[int] = None,
+                 exit_duration_mins: Optional[float] = None):
+        self.exit_interval = exit_interval
+        self.exit_duration_mins = exit_duration_mins
+        self.start = time.monotonic()
+        self.signalled: Optional[int] = None
+        self._previous = {}
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: leave signals alone
+                break
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = signum
+
+    def should_stop(self, steps_done: int) -> Optional[str]:
+        """The reason to stop after `steps_done` steps (same on every rank), or None."""
+        code = 0
+        if self.signalled is not None:
+            code = 3
+        elif (self.exit_duration_mins is not None
+              and time.monotonic() - self.start >= 60.0 * self.exit_duration_mins):
+            code = 2
+        elif self.exit_interval and steps_done % self.exit_interval == 0:
+            code = 1
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            from parallel.cpu_runtime import device
+
+            flag = torch.tensor([code], dtype=torch.int32, device=device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            code = int(flag.item())
+        return {0: None, 1: f"train.exit_interval={self.exit_interval}",
+                2: f"train.exit_duration_mins={self.exit_duration_mins}",
+                3: "exit signal received"}[code]
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -1,0 +1,314 @@
+"""Training checkpoints: save and resume a run exactly, also at another parallel layout.
+
+A checkpoint (Megatron distributed format, `megatron.core.dist_checkpointing`) holds, under
+these state-dict keys:
+
+- `model`: {"chunk0": ...} sharded tensors with global, layout-free keys (models.checkpoint);
+- `optimizer`: the Megatron optimizer's sharded state. With the distributed optimizer the
+  sharding type is "fully_reshardable": on save, the DP shards of the fp32 master weights and
+  Adam moments are gathered (over gloo, onto DP rank 0's host memory) and stored per model
+  parameter in model space, so on load they are resharded to any DP/TP/PP/CP (each rank reads
+  the full tensors of its TP/PP shard, then keeps its DP slice);
+- `scheduler`: OptimizerParamScheduler.state_dict() (its step count sets the LR on load);
+- `data`: the data position (DataPosition: optimizer steps done, consumed samples, global batch
+  size, dataset size, seed, shuffle). The sample order of step k is a function of these only
+  (engine.data.global_batch_indices), so restoring the step restores the data stream;
+- `rng`: per-rank RNG states (python, numpy, torch CPU, torch CUDA, megatron's tracker), one
+  ShardedObject element per global rank. They are restored only at the same layout; after a
+  layout change they are left as seeded (the SFT step itself draws no random numbers: no
+  dropout, data order from the step);
+- `layout`, `iteration`, `format_version`: what was saved, for checks and humans.
+
+The directory layout and the atomic-save protocol are engine.checkpoint_io's. Functions here
+marked "collective" must be called by every rank of the default process group.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint_io import (CheckpointError, iteration_dir, prune, publish,
+                                  resolve_resume, staging_dir, write_complete_marker)
+
+FORMAT_VERSION = 1
+# "fully_reshardable": optimizer state gathered per parameter in model space (any DP/TP/PP/CP
+# on load); "mem_efficient": gathered over gloo onto DP rank 0's host memory only.
+SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                     "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+class ResumeMismatchError(ValueError):
+    """A checkpoint that cannot continue this run (different data stream); the message names
+    the config keys and both values."""
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a run stands in its data stream after `step` optimizer steps."""
+
+    step: int                 # optimizer steps done
+    global_batch_size: int    # sequences per optimizer step
+    num_samples: int          # samples in the training dataset
+    seed: int
+    shuffle: bool
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.step * self.global_batch_size
+
+    def mismatches(self, run: "DataPosition") -> list[str]:
+        """Why this saved position cannot continue `run` (the current configuration)."""
+        keys = {"global_batch_size": "train.global_batch_size",
+                "num_samples": "the training dataset size (data.train_files)",
+                "seed": "seed", "shuffle": "data.shuffle"}
+        return [f"{name}: checkpoint has {getattr(self, field)}, this run has "
+                f"{getattr(run, field)}" for field, name in keys.items()
+                if getattr(self, field) != getattr(run, field)]
+
+
+# ----------------------------------------------------------------------------- RNG
+
+def capture_rng() -> dict:
+    """This rank's RNG states: python, numpy, torch CPU, torch CUDA (the CPU host's stand-in
+    on a CPU host) and megatron's model-parallel tracker."""
+    from megatron.core import tensor_parallel
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def restore_rng(states: dict) -> None:
+    """Inverse of capture_rng on the same rank and layout."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    torch.cuda.set_rng_state(states["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+# ----------------------------------------------------------------------------- state dict
+
+def current_layout() -> dict:
+    """The layout of the current megatron parallel state (world, tp, pp, vpp, cp, dp)."""
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": dist.get_world_size(),
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+            "cp": ps.get_context_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def _prepare_optimizer_for_load(optimizer) -> None:
+    """Give a fresh distributed optimizer its (dummy) Adam state so that its sharded state
+    dict can be built; the loaded values then replace every entry of it (master weights,
+    moments, step)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _load_optimizer(optimizer, loaded) -> None:
+    """`optimizer.load_state_dict(loaded)`, working around megatron-core 0.16's
+    "fully_reshardable" load with torch's Adam (the fallback without TE/apex): torch keeps a
+    per-parameter "step" tensor, which that format does not store (the step lives in the param
+    groups), and megatron copies every state key (KeyError 'step'). The param groups and step
+    are loaded first, the step tensors are set aside while the tensors are copied, then put
+    back. Megatron also gives every parameter the same step tensor, which torch's Adam then
+    increments once per parameter: each parameter gets its own copy here."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))]
+    for opt, sd in zip(opts, states):
+        if not (isinstance(opt, DistributedOptimizer)
+                and sd.get("param_state_sharding_type") == "fully_reshardable"):
+            opt.load_state_dict(sd)
+            continue
+        sd = dict(sd)
+        param_state = sd.pop("param_state")
+        sd.pop("param_state_sharding_type")
+        opt.load_state_dict(sd)
+        steps = {p: s.pop("step") for p, s in opt.optimizer.state.items() if "step" in s}
+        try:
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for p, step in steps.items():
+                opt.optimizer.state[p]["step"] = step
+    for opt in opts:
+        inner = getattr(opt, "optimizer", None)
+        for s in (inner.state.values() if inner is not None else []):
+            if isinstance(s.get("step"), torch.Tensor):
+                s["step"] = s["step"].clone()
+    if len(opts) > 1 and hasattr(optimizer, "_synchronize_steps"):
+        optimizer._synchronize_steps()
+
+
+def training_state_dict(state, position: DataPosition, is_loading: bool,
+                        with_rng: bool = True) -> dict:
+    """The sharded state dict of a TrainState (keys in the module docstring). Collective
+    (the optimizer's sharded state dict gathers nothing, but must be built on every rank)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from models.checkpoint import model_sharded_state_dict
+
+    model_sd = model_sharded_state_dict(state.chunks)
+    if is_loading:
+        _prepare_optimizer_for_load(state.optimizer)
+    sd = {
+        "model": model_sd["model"],
+        "optimizer": state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                        metadata=SHARDING_METADATA),
+        "scheduler": state.scheduler.state_dict(),
+        "data": asdict(position),
+        "layout": current_layout(),
+        "iteration": position.step,
+        "format_version": FORMAT_VERSION,
+    }
+    if with_rng:
+        sd["rng"] = ShardedObject("rng_state", capture_rng(), (dist.get_world_size(),),
+                                  (dist.get_rank(),), replica_id=0)
+    return sd
+
+
+def _without_gathered_state(common: dict) -> dict:
+    """The common state compared across ranks before a save, without the optimizer's
+    param_state: with the mem-efficient gather only DP rank 0 holds it (None elsewhere)."""
+    opt = common.get("optimizer")
+    if isinstance(opt, dict) and "param_state" in opt:
+        common = {**common, "optimizer": {k: v for k, v in opt.items() if k != "param_state"}}
+    return common
+
+
+def _broadcast_error(message: Optional[str]) -> None:
+    """Collective: raise CheckpointError on every rank when rank 0 reports `message`."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise CheckpointError(box[0])
+
+
+def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosition,
+                             hf_config: dict, tokenizer_dir: Optional[str],
+                             keep_last: Optional[int] = None,
+                             config_yaml: Optional[str] = None) -> Path:
+    """Collective: save `state` after `position.step` optimizer steps as
+    `root/iter_%07d` (atomic, see engine.checkpoint_io), then prune to `keep_last`.
+    Returns the published directory; raises CheckpointError on every rank if rank 0 could not
+    verify or publish it."""
+    from megatron.core import dist_checkpointing
+
+    from models.checkpoint import write_metadata
+
+    rank = dist.get_rank()
+    stage = staging_dir(root, position.step)
+    if rank == 0:
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True)
+    dist.barrier()
+    sd = training_state_dict(state, position, is_loading=False)
+    # ends with a barrier: every rank's shards are written when it returns
+    dist_checkpointing.save(sd, str(stage),
+                            preprocess_common_before_consistancy_check=_without_gathered_state)
+    error = None
+    if rank == 0:
+        try:
+            write_metadata(stage, hf_config, tokenizer_dir)
+            if config_yaml is not None:
+                (stage / "config.yaml").write_text(config_yaml)
+            write_complete_marker(stage, position.step,
+                                  {"layout": sd["layout"], "data": sd["data"]})
+            publish(root, position.step)
+            for p in prune(root, keep_last):
+                print(f"[checkpoint] removed {p} (checkpoint.keep_last={keep_last})",
+                      flush=True)
+        except (OSError, CheckpointError) as e:
+            error = f"saving {iteration_dir(root, position.step)} failed: {e}"
+    _broadcast_error(error)
+    return iteration_dir(root, position.step)
+
+
+def read_checkpoint_info(ckpt_dir: str | os.PathLike) -> dict:
+    """The non-sharded part of a training checkpoint: data, scheduler, layout, iteration."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
+    if "data" not in common or "scheduler" not in common:
+        raise CheckpointError(f"{ckpt_dir} is a model-only checkpoint (no data position or "
+                              "optimizer state); use it as weights, not for checkpoint.resume")
+    return common
+
+
+def select_resume_checkpoint(resume: str, root: Optional[str]) -> Optional[Path]:
+    """Collective: rank 0 resolves `checkpoint.resume` (engine.checkpoint_io.resolve_resume),
+    printing a warning for every torn checkpoint it skips; every rank gets its answer."""
+    box: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            found = resolve_resume(resume, root,
+                                   lambda m: print(f"[checkpoint] warning: {m}", flush=True))
+            box[0] = str(found) if found else None
+        except CheckpointError as e:
+            box[1] = str(e)
+    dist.broadcast_object_list(box, src=0)
+    if box[1]:
+        raise CheckpointError(box[1])
+    return Path(box[0]) if box[0] else None
+
+
+def _schedule_differences(saved: dict, configured: dict) -> list[str]:
+    return [f"{k}: checkpoint {saved[k]!r}, config {configured[k]!r}"
+            for k in sorted(configured) if k != "num_steps" and k in saved
+            and saved[k] != configured[k]]
+
+
+def load_training_checkpoint(state, ckpt_dir: str | os.PathLike,
+                             run_position: DataPosition) -> DataPosition:
+    """Collective: load model, optimizer, scheduler (and RNG at the same layout) from
+    `ckpt_dir` into `state`, built for the current layout. `run_position` describes this run
+    (its step is ignored); raises ResumeMismatchError if the checkpoint belongs to another data
+    stream. Returns the saved position: training continues at its `step`."""
+    from megatron.core import dist_checkpointing
+
+    from models.bridge import unwrap
+
+    info = read_checkpoint_info(ckpt_dir)
+    saved = DataPosition(**info["data"])
+    problems = saved.mismatches(run_position)
+    if problems:
+        raise ResumeMismatchError(f"cannot resume from {ckpt_dir}: the data stream differs "
+                                  "(" + "; ".join(problems) + "); restore those settings, or "
+                                  "start over with an empty checkpoint.dir")
+    same_layout = info["layout"] == current_layout()
+    sd = training_state_dict(state, saved, is_loading=True, with_rng=same_layout)
+    loaded = dist_checkpointing.load(sd, str(ckpt_dir))
+    for i, chunk in enumerate(state.chunks):
+        unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
+    _load_optimizer(state.optimizer, loaded["optimizer"])
+    differences = _schedule_differences(loaded["scheduler"], state.scheduler.state_dict())
+    state.scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout:
+        restore_rng(loaded["rng"])
+    if dist.get_rank() == 0:
+        note = "" if same_layout else (f" (saved at layout {info['layout']}, RNG states "
+                                       "not restored)")
+        print(f"[checkpoint] resumed from {ckpt_dir}: {saved.step} steps done, "
+              f"{saved.consumed_samples} samples consumed{note}", flush=True)
+        if differences:
+            print("[checkpoint] warning: the LR schedule of the checkpoint is kept; it differs "
+                  "from the configuration: " + "; ".join(differences), flush=True)
+    return saved

@@ -1,0 +1,344 @@
+"""`python -m engine.sft --config RECIPE --validate [--world-size N] [--nodes M]`: check a
+recipe's layout arithmetic and memory for a cluster shape, without weights, GPUs or processes.
+
+The model shape comes from `model.hf_path` (its config.json) when given, else from the preset
+named by `model.shape` (MODEL_SHAPES: the public HF configs of the recipe models). Defaults:
+`--nodes` = recipe.nodes, `--gpus-per-node` = recipe.gpus_per_node, `--world-size` = their
+product. Exit 0 with a summary, or 2 with every problem.
+
+Memory per GPU (GiB = 2^30 bytes) is an estimate for the engine's GPU path (megatron DDP with
+fp32 gradient buffers, no activation recomputation, no TP sequence parallelism, flash SDPA):
+
+- weights: parameters of the fullest pipeline stage on one TP rank x 2 bytes (bf16) or 4;
+- grads: the same count x 4 bytes (`grad_reduce_in_fp32`);
+- optimizer: x 12 bytes in bf16 (fp32 master + Adam m, v) or x 8 in fp32 (Adam m, v), divided
+  by dp x cp with the distributed optimizer;
+- activations: per layer and micro-batch, t = tokens of the micro-batch / cp and
+  bytes = a x t x (4 h + (q_rot + kv_rep + attn_out + 2 kv + 3 ffn) / tp) with a = 2 (bf16) or
+  4 (q, kv = query and key/value widths; kv_rep = 2 q when GQA repeats KV heads for SDPA);
+  times the layers in flight on pipeline stage 0 (1F1B: min(pp, M) micro-batches of L/pp
+  layers; interleaved: min(M vpp, 2(pp-1) + (vpp-1)pp + 1) chunks of L/(pp vpp) layers);
+- logits (last stage): t x padded vocab / tp x (a + 12) bytes (bf16/fp32 logits, the fp32 copy,
+  the masked copy and its gradient in the vocab-parallel cross-entropy);
+- runtime: RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers and allocator slack.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from engine.config import (ConfigError, SFTConfig, data_file_problems, layout_problems,
+                           load_config, read_model_config, sft_problems, value_problems)
+
+GIB = 2 ** 30
+RUNTIME_OVERHEAD_GIB = 4.0
+WARN_FRACTION = 0.9          # warn when the estimate exceeds this share of GPU memory
+EXPECTED_TOLERANCE = 0.10    # recipe.expected_memory_gib must be within 10% of the estimate
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+MODEL_SHAPES: dict[str, dict] = {  # public HF config.json values of each model
+    "qwen3-8b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+    "llama-3.1-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0,
+                         rms_norm_eps=1e-5, rope_scaling=_LLAMA31_ROPE,
+                         tie_word_embeddings=False),
+    "llama-3.1-70b": dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                          hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=131072, rope_theta=500000.0,
+                          rms_norm_eps=1e-5, rope_scaling=_LLAMA31_ROPE,
+                          tie_word_embeddings=False),
+}
+_SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "vocab_size", "head_dim",
+               "tie_word_embeddings")
+
+
+def shape_mismatches(preset: dict, hf_config: dict) -> list[str]:
+    """Keys of _SHAPE_KEYS whose values differ between a preset and an HF config."""
+    def value(cfg, key):
+        if key == "head_dim":
+            return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        if key == "tie_word_embeddings":
+            return bool(cfg.get(key, False))
+        return cfg.get(key)
+    return [f"{k} {value(preset, k)!r} (preset) vs {value(hf_config, k)!r}"
+            for k in _SHAPE_KEYS if value(preset, k) != value(hf_config, k)]
+
+
+@dataclass
+class StageParams:
+    """Parameters one TP rank holds on the first and on the last pipeline stage."""
+
+    total: int               # whole model (HF count, unpadded vocab)
+    first_stage: int
+    last_stage: int
+    layers_per_stage: int
+
+
+def stage_parameters(hf: dict, tp: int, pp: int) -> StageParams:
+    from models.architectures import architecture_of
+    from models.config_bridge import padded_vocab_size
+
+    arch = architecture_of(hf)
+    h, ffn = hf["hidden_size"], hf["intermediate_size"]
+    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf[
+        "num_attention_heads"]
+    hd = hf.get("head_dim") or h // heads
+    q_dim, kv_dim = heads * hd, kv * hd
+    sharded = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * ffn
+    if arch.qkv_bias:
+        sharded += q_dim + 2 * kv_dim
+    replicated = 2 * h + (2 * hd if arch.qk_norm else 0)
+    layers = hf["num_hidden_layers"]
+    tied = bool(hf.get("tie_word_embeddings", False))
+    embedding = padded_vocab_size(hf["vocab_size"], tp) * h // tp
+    # tied weights with pp > 1: the last stage allocates its own copy of the shared matrix
+    output = embedding if (not tied or pp > 1) else 0
+    per_stage = layers // pp
+    body = per_stage * (sharded // tp + replicated)
+    if pp == 1:
+        first = last = body + embedding + output + h
+    else:
+        first, last = body + embedding, body + output + h
+    total = layers * (sharded + replicated) + hf["vocab_size"] * h * (1 if tied else 2) + h
+    return StageParams(total, first, last, per_stage)
+
+
+@dataclass
+class MemoryEstimate:
+    """Estimated peak GiB per GPU on the fullest pipeline stage, by component."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    runtime: float = RUNTIME_OVERHEAD_GIB
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
+                + self.runtime)
+
+
+def micro_batch_tokens(train) -> int:
+    """Tokens in the largest micro-batch: the token budget (a longer sequence still fits alone)
+    or micro_batch_size full-length sequences."""
+    if train.max_tokens_per_micro_batch:
+        return max(train.max_tokens_per_micro_batch, train.seq_length)
+    return train.micro_batch_size * train.seq_length
+
+
+def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: bool,
+                    micro_batches: int) -> MemoryEstimate:
+    """Per-GPU peak estimate (formulas in the module docstring) for `layout`
+    (a parallel.layout.ParallelLayout) and `micro_batches` per DP rank per step."""
+    from models.config_bridge import padded_vocab_size
+
+    tp, pp, cp, vpp = layout.tp, layout.pp, layout.cp, layout.vpp or 1
+    params = stage_parameters(hf, tp, pp)
+    a = 2 if bf16 else 4
+    h, ffn = hf["hidden_size"], hf["intermediate_size"]
+    heads = hf["num_attention_heads"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    hd = hf.get("head_dim") or h // heads
+    q, kv = heads * hd, kv_heads * hd
+    t = micro_batch_tokens(train) / cp
+    per_layer = a * t * (4 * h + (q + (2 * q if kv_heads < heads else 0) + q + 2 * kv
+                                  + 3 * ffn) / tp)
+    layers = hf["num_hidden_layers"]
+    if pp == 1:
+        first_layers = layers
+    elif vpp == 1:
+        first_layers = min(pp, micro_batches) * (layers // pp)
+    else:
+        chunks = min(micro_batches * vpp, 2 * (pp - 1) + (vpp - 1) * pp + 1)
+        first_layers = chunks * (layers // (pp * vpp))
+    logits = t * padded_vocab_size(hf["vocab_size"], tp) / tp * (a + 12)
+    opt_bytes = (12 if bf16 else 8) / (layout.dp * cp if distributed_optimizer else 1)
+
+    def stage(n_params: int, act_layers: float, with_logits: bool) -> MemoryEstimate:
+        return MemoryEstimate(weights=n_params * a / GIB, grads=n_params * 4 / GIB,
+                              optimizer=n_params * opt_bytes / GIB,
+                              activations=act_layers * per_layer / GIB,
+                              logits=logits / GIB if with_logits else 0.0,
+                              notes={"layers_in_flight": act_layers, "tokens_per_rank": t})
+
+    first = stage(params.first_stage, first_layers, pp == 1)
+    if pp == 1:
+        return first
+    last = stage(params.last_stage, layers // pp, True)
+    return max(first, last, key=lambda m: m.total)
+
+
+@dataclass
+class RecipeReport:
+    summary: list[str]
+    problems: list[str]
+    warnings: list[str]
+
+
+def _model_config(cfg, problems: list[str]) -> dict | None:
+    preset = MODEL_SHAPES.get(cfg.model.shape) if cfg.model.shape else None
+    if cfg.model.shape and preset is None:
+        problems.append(f"model.shape={cfg.model.shape!r} is not a known preset; choose one "
+                        f"of {', '.join(MODEL_SHAPES)}")
+    if cfg.model.hf_path:
+        try:
+            hf = read_model_config(cfg)
+        except ConfigError as e:
+            problems.append(str(e))
+            return None
+        if preset is not None:
+            problems += [f"model.shape={cfg.model.shape} does not match model.hf_path: {m}"
+                         for m in shape_mismatches(preset, hf)]
+        return hf
+    if preset is None and not cfg.model.shape:
+        problems.append("give model.shape (one of " + ", ".join(MODEL_SHAPES) + ") or "
+                        "model.hf_path so the model shape is known")
+    return preset
+
+
+def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
+    """Every problem and warning of running `cfg` on `nodes` nodes with `world_size` GPUs."""
+    from engine.plan import plan_mini_batch
+    from parallel.layout import ParallelLayout
+
+    problems = (value_problems(cfg) + sft_problems(cfg)
+                + data_file_problems(cfg, require_train=False))
+    warnings: list[str] = []
+    if not cfg.data.train_files:
+        warnings.append("data.train_files is not set (required to train)")
+    if not isinstance(nodes, int) or nodes < 1 or world_size < 1 or world_size % nodes:
+        problems.append(f"world size {world_size} is not a positive multiple of --nodes {nodes}")
+        return RecipeReport([], problems, warnings)
+    hf = _model_config(cfg, problems)
+    if hf is None:
+        return RecipeReport([], problems, warnings)
+    layout_issues = layout_problems(cfg, world_size, hf)
+    if layout_issues:
+        return RecipeReport([], problems + layout_issues, warnings)
+    p = cfg.parallel
+    layout = ParallelLayout(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp)
+    per_node = world_size // nodes
+    if per_node % (p.tp * p.cp):
+        warnings.append(f"tp x cp = {p.tp * p.cp} does not fit inside one node of {per_node} "
+                        "GPUs: tensor/context-parallel traffic crosses the network")
+    train = cfg.train
+    if train.global_batch_size < layout.dp:
+        warnings.append(f"train.global_batch_size={train.global_batch_size} < dp={layout.dp}: "
+                        "some DP ranks only run empty micro-batches")
+    plan = plan_mini_batch([train.seq_length] * train.global_batch_size, layout.dp,
+                           train.balance_dp, train.micro_batch_size,
+                           train.max_tokens_per_micro_batch)
+    m = plan.num_micro_batches
+    if p.pp > 1 and m < p.pp:
+        warnings.append(f"{m} micro-batches per step < parallel.pp={p.pp}: the pipeline "
+                        "bubble dominates; raise train.global_batch_size")
+    if train.seq_length > hf.get("max_position_embeddings", train.seq_length):
+        warnings.append(f"train.seq_length={train.seq_length} exceeds the model's "
+                        f"max_position_embeddings={hf['max_position_embeddings']}")
+    bf16 = cfg.model.dtype == "bfloat16"
+    mem = estimate_memory(hf, layout, train, bf16, cfg.optim.distributed_optimizer, m)
+    cap = cfg.recipe.gpu_memory_gib
+    if mem.total > cap:
+        problems.append(f"estimated memory per GPU {mem.total:.1f} GiB exceeds "
+                        f"recipe.gpu_memory_gib={cap}: raise tp/pp/cp or lower "
+                        "train.micro_batch_size / max_tokens_per_micro_batch")
+    elif mem.total > WARN_FRACTION * cap:
+        warnings.append(f"estimated memory per GPU {mem.total:.1f} GiB is over "
+                        f"{WARN_FRACTION:.0%} of {cap} GiB")
+    stated = cfg.recipe.expected_memory_gib
+    at_recipe_size = (nodes == cfg.recipe.nodes
+                      and world_size == cfg.recipe.nodes * cfg.recipe.gpus_per_node)
+    if stated is not None and at_recipe_size and abs(stated - mem.total) > (
+            EXPECTED_TOLERANCE * mem.total):
+        problems.append(f"recipe.expected_memory_gib={stated} but the estimate for "
+                        f"{nodes} node(s) is {mem.total:.1f} GiB; update the recipe")
+    params = stage_parameters(hf, p.tp, p.pp)
+    tokens = train.global_batch_size * train.seq_length
+    name = cfg.model.shape or hf.get("model_type")
+    summary = [
+        f"model: {name}, {params.total / 1e9:.2f} B parameters, {hf['num_hidden_layers']} "
+        f"layers, dtype {cfg.model.dtype}",
+        f"layout: {layout.describe()} on {nodes} node(s) x {per_node} GPUs; "
+        f"{params.layers_per_stage} layers per pipeline stage",
+        f"batch: {train.global_batch_size} sequences x {train.seq_length} tokens = {tokens} "
+        f"tokens per step (at most); {m} micro-batches per DP rank per step, "
+        f"{micro_batch_tokens(train)} tokens per micro-batch",
+        f"memory per GPU (estimate, GiB): weights {mem.weights:.1f} + grads {mem.grads:.1f} "
+        f"+ optimizer {mem.optimizer:.1f} + activations {mem.activations:.1f} "
+        f"({mem.notes['layers_in_flight']:g} layer passes of {mem.notes['tokens_per_rank']:g} "
+        f"tokens) + logits {mem.logits:.1f} + runtime {mem.runtime:.1f} = {mem.total:.1f} "
+        f"of {cap}",
+    ]
+    return RecipeReport(summary, problems, warnings)
+
+
+def _pop_flag(argv: list[str], name: str) -> str | None:
+    """Remove `--name V` / `--name=V` from argv and return V (None when absent)."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{name} needs a value")
+            value = argv[i + 1]
+            del argv[i:i + 2]
+            return value
+        if arg.startswith(name + "="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _int_flag(argv: list[str], name: str) -> int | None:
+    value = _pop_flag(argv, name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} must be an integer") from None
+
+
+def validate_main(argv: list[str]) -> int:
+    """CLI of `--validate`: prints the summary (exit 0) or the problems (exit 2)."""
+    argv = [a for a in argv if a != "--validate"]
+    try:
+        world = _int_flag(argv, "--world-size")
+        nodes = _int_flag(argv, "--nodes")
+        per_node = _int_flag(argv, "--gpus-per-node")
+        cfg, _ = load_config(SFTConfig, argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    nodes = nodes if nodes is not None else cfg.recipe.nodes
+    per_node = per_node if per_node is not None else cfg.recipe.gpus_per_node
+    world = world if world is not None else nodes * per_node
+    report = validate_recipe(cfg, world, nodes)
+    for line in report.summary:
+        print(line)
+    for w in report.warnings:
+        print(f"warning: {w}")
+    if report.problems:
+        print(f"recipe INVALID for world size {world} on {nodes} node(s):", file=sys.stderr)
+        for p in report.problems:
+            print(f"  - {p}", file=sys.stderr)
+        sys.stderr.flush()
+        return 2
+    print(f"recipe OK for world size {world} on {nodes} node(s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(validate_main(sys.argv[1:]))

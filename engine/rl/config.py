@@ -1,0 +1,229 @@
+"""Structured configuration of the GRPO / DAPO entry point (`python -m engine.rl`).
+
+`RLConfig` reuses the SFT parts (model, data, parallel, optim, loss, logging) and adds the RL
+groups. `algorithm` only chooses defaults; every behaviour is its own key:
+
+- `algorithm=grpo` (the schema defaults): symmetric clip 0.2, token-mean, KL to the initial
+  policy with beta 0.001 (k3), no dynamic sampling, no overlong shaping.
+- `algorithm=dapo` (DAPO paper): clip.eps_low 0.2, clip.eps_high 0.28, loss.agg_mode
+  token-mean, dapo.dynamic_sampling true, dapo.overlong_buffer = rollout.max_new_tokens // 5
+  (the paper's 4096 of 20480), kl.beta 0, optim.lr 1e-6. A key the user set explicitly (on the
+  command line or in the `--config` YAML) keeps the user's value.
+
+Units: lengths in tokens, times in seconds, `rollout.sync_bucket_mb` in MiB.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from engine.config import (ConfigError, DataConfig, LoggingConfig, LossConfig, ModelConfig,
+                           OptimConfig, ParallelConfig, validate_common)
+
+ALGORITHMS = ("grpo", "dapo")
+
+
+@dataclass
+class RLTrainConfig:
+    prompts_per_step: int = 8            # prompts per rollout batch (x rollout.n responses)
+    mini_batches_per_step: int = 1       # optimizer steps per rollout batch and epoch
+    epochs_per_rollout: int = 1          # passes over the rollout batch
+    micro_batch_size: int = 1
+    max_tokens_per_micro_batch: Optional[int] = None
+    max_steps: int = 10                  # RL steps (rollout batches)
+    seq_length: int = 512                # longest prompt + response (tokens) allowed
+    balance_dp: bool = True
+    packing: bool = False
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "math"                     # built-in name or "package.module:function"
+    timeout_s: Optional[float] = 30.0    # per call; null: sequential, no timeout
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "hf"                  # hf | sglang (generation runs on global rank 0)
+    n: int = 8                           # responses per prompt (the GRPO group size)
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    sync_bucket_mb: float = 512.0
+    sleep_during_train: bool = False     # release the engine's memory while training
+    tis_cap: Optional[float] = None      # truncated importance sampling cap (null: off)
+    check_weight_sync: bool = False      # after each sync compare engine vs trainer logits
+
+
+@dataclass
+class ClipConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_c: Optional[float] = None       # dual clip (> 1) for negative advantages
+
+
+@dataclass
+class KLConfig:
+    beta: float = 0.001                  # 0: no KL term and no reference model
+    estimator: str = "k3"                # k1 | k2 | k3
+
+
+@dataclass
+class AdvantageConfig:
+    norm_by_std: bool = True             # false: Dr. GRPO (r - group mean)
+
+
+@dataclass
+class DAPOConfig:
+    dynamic_sampling: bool = False       # drop groups whose scores all agree, generate more
+    max_gen_batches: int = 10            # generation batches per step at most
+    overlong_buffer: int = 0             # soft overlong punishment over the last N tokens
+    overlong_penalty: float = 1.0        # reward at max_new_tokens is -overlong_penalty
+
+
+@dataclass
+class RLConfig:
+    algorithm: str = "grpo"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: RLTrainConfig = field(default_factory=RLTrainConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
+    loss: LossConfig = field(default_factory=LossConfig)   # norm_horizon default: max_new_tokens
+    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(dir="runs/rl"))
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    clip: ClipConfig = field(default_factory=ClipConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    dapo: DAPOConfig = field(default_factory=DAPOConfig)
+    entropy_coef: float = 0.0
+    seed: int = 1234
+
+
+def _dapo_defaults(cfg: RLConfig) -> dict[str, Any]:
+    return {
+        "clip.eps_low": 0.2, "clip.eps_high": 0.28, "loss.agg_mode": "token-mean",
+        "dapo.dynamic_sampling": True, "dapo.overlong_buffer": cfg.rollout.max_new_tokens // 5,
+        "kl.beta": 0.0, "optim.lr": 1e-6,
+    }
+
+
+def _flatten(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        out = []
+        for k, v in node.items():
+            out += _flatten(v, f"{prefix}{k}.")
+        return out or [prefix.rstrip(".")]
+    return [prefix.rstrip(".")]
+
+
+def explicit_keys(argv: list[str]) -> set[str]:
+    """Dotted keys the user set: hydra overrides (`a.b=1`, `+a.b=1`, `~a.b`) and every leaf of
+    the `--config` / `config=` YAML file."""
+    from engine.config import _split_argv
+
+    config_file, overrides, _ = _split_argv(argv)
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    if config_file and os.path.isfile(config_file):
+        from omegaconf import OmegaConf
+        keys |= set(_flatten(OmegaConf.to_container(OmegaConf.load(config_file))))
+    return keys
+
+
+def _is_explicit(key: str, explicit: set[str]) -> bool:
+    parts = key.split(".")
+    return any(".".join(parts[:i]) in explicit for i in range(1, len(parts) + 1))
+
+
+def apply_algorithm_defaults(cfg: RLConfig, explicit: set[str]) -> RLConfig:
+    """Set the defaults of `cfg.algorithm` (module docstring) on every key not in `explicit`
+    (nor under an explicit group). Mutates and returns `cfg`."""
+    _choice(cfg.algorithm, "algorithm", ALGORITHMS)
+    if cfg.algorithm == "dapo":
+        for key, value in _dapo_defaults(cfg).items():
+            if not _is_explicit(key, explicit):
+                group, name = key.split(".")
+                setattr(getattr(cfg, group), name, value)
+    return cfg
+
+
+def _choice(value: str, key: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}")
+
+
+def rl_problems(cfg: RLConfig) -> list[str]:
+    """Every violated constraint of the RL-only keys, as sentences naming the key."""
+    from engine.rl.policy_loss import KL_ESTIMATORS
+    from engine.rl.rewards import load_reward_fn
+    from engine.rl.rollout import BACKENDS
+
+    t, r, c, d = cfg.train, cfg.rollout, cfg.clip, cfg.dapo
+    p: list[str] = []
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            p.append(message)
+
+    def choice(value: str, key: str, choices: tuple[str, ...]) -> None:
+        check(value in choices, f"{key}={value!r} is not valid; choose one of "
+              f"{', '.join(choices)}")
+
+    for key in ("prompts_per_step", "mini_batches_per_step", "epochs_per_rollout"):
+        value = getattr(t, key)
+        check(isinstance(value, int) and value >= 1, f"train.{key}={value!r} must be an "
+              "integer >= 1")
+    choice(r.backend, "rollout.backend", BACKENDS)
+    check(r.n >= 2, f"rollout.n={r.n} must be >= 2 (group-relative advantages need a group)")
+    check(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
+    check(t.seq_length > r.max_new_tokens, f"train.seq_length={t.seq_length} must exceed "
+          f"rollout.max_new_tokens={r.max_new_tokens} (room for the prompt)")
+    check(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0 (sampling)")
+    check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
+    check(r.sync_bucket_mb > 0, f"rollout.sync_bucket_mb={r.sync_bucket_mb} must be > 0")
+    check(r.tis_cap is None or r.tis_cap > 0, f"rollout.tis_cap={r.tis_cap} must be > 0 or null")
+    total = t.prompts_per_step * r.n
+    check(t.mini_batches_per_step <= total, f"train.mini_batches_per_step="
+          f"{t.mini_batches_per_step} exceeds the {total} responses of a rollout batch "
+          "(train.prompts_per_step x rollout.n)")
+    check(0 <= c.eps_low < 1, f"clip.eps_low={c.eps_low} must be in [0, 1)")
+    check(c.eps_high >= 0, f"clip.eps_high={c.eps_high} must be >= 0")
+    check(c.dual_c is None or c.dual_c > 1, f"clip.dual_c={c.dual_c} must be > 1 or null")
+    check(cfg.kl.beta >= 0, f"kl.beta={cfg.kl.beta} must be >= 0")
+    choice(cfg.kl.estimator, "kl.estimator", KL_ESTIMATORS)
+    check(d.max_gen_batches >= 1, f"dapo.max_gen_batches={d.max_gen_batches} must be >= 1")
+    check(0 <= d.overlong_buffer <= r.max_new_tokens, f"dapo.overlong_buffer="
+          f"{d.overlong_buffer} must be in [0, rollout.max_new_tokens={r.max_new_tokens}]")
+    check(d.overlong_penalty >= 0, f"dapo.overlong_penalty={d.overlong_penalty} must be >= 0")
+    check(cfg.reward.timeout_s is None or cfg.reward.timeout_s > 0,
+          f"reward.timeout_s={cfg.reward.timeout_s} must be > 0 or null")
+    try:
+        load_reward_fn(cfg.reward.fn)
+    except ValueError as e:
+        p.append(f"reward.fn: {e}")
+    return p
+
+
+def validate_rl(cfg: RLConfig, world_size: int) -> dict:
+    """validate_common (model, data files, shared values, layout) plus the RL keys; raises one
+    ConfigError listing every problem. Returns the HF config dict."""
+    from engine.config import raise_problems, shape_problems
+
+    _choice(cfg.algorithm, "algorithm", ALGORITHMS)
+    hf_config = validate_common(cfg, world_size)
+    raise_problems(rl_problems(cfg) + shape_problems(cfg, hf_config))
+    return hf_config
+
+
+def rl_validator(argv: list[str]):
+    """The `validate` hook for engine.cli.run_entry: algorithm defaults (explicit keys from
+    `argv` win), then validate_rl."""
+    explicit = explicit_keys(argv)
+
+    def validate(cfg: RLConfig, world_size: int) -> dict:
+        apply_algorithm_defaults(cfg, explicit)
+        return validate_rl(cfg, world_size)
+
+    return validate

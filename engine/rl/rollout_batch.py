@@ -1,0 +1,204 @@
+"""One rollout batch: prompts -> ONE generate call -> rewards -> DAPO shaping and dynamic
+sampling -> group advantages, then shared with every rank (DESIGN section 9).
+
+Generation runs on global rank 0 only (the embedded HF engine, or an SGLang engine owned by
+rank 0); `broadcast_rollout` sends the resulting token lists to every rank with
+`torch.distributed.broadcast_object_list` over the default (world) group. Everything here but
+`broadcast_rollout` is local to rank 0 and runs no collective.
+
+Prompt order: generation batch b (counted over the whole run; dynamic sampling may use several
+per step) takes prompts `global_batch_indices(len(rows), prompts_per_step, b, seed, shuffle)`,
+so the rollout batch never depends on the parallel layout. Responses are group-major:
+responses [g*n, (g+1)*n) answer prompt g.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from engine.data_files import DataError
+from engine.micro_batches import SequenceData
+
+
+@dataclass
+class RolloutBatch:
+    """The responses one RL step trains on (possibly none: dynamic sampling found no group
+    with signal), group-major, plus the rollout metrics. Identical on every rank."""
+
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    response_ids: list[list[int]] = field(default_factory=list)
+    rollout_logprobs: list[list[float]] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+def build_sequences(batch: RolloutBatch) -> list[SequenceData]:
+    """Training sequences of a rollout batch: tokens = prompt + response[:-1], labels = the next
+    tokens, loss_mask 1 on the response positions. Extras (aligned with labels, 0 on prompt
+    positions): "advantages" (the response's advantage on every response token) and
+    "rollout_logprobs" (the engine's log-probs of the sampled tokens)."""
+    seqs = []
+    for prompt, response, logprobs, adv in zip(batch.prompt_ids, batch.response_ids,
+                                               batch.rollout_logprobs, batch.advantages):
+        ids = list(prompt) + list(response)
+        head = len(prompt) - 1
+        seqs.append(SequenceData(
+            tokens=ids[:-1], labels=ids[1:], loss_mask=[0] * head + [1] * len(response),
+            extras={"advantages": [0.0] * head + [float(adv)] * len(response),
+                    "rollout_logprobs": [0.0] * head + [float(x) for x in logprobs]}))
+    return seqs
+
+
+def broadcast_rollout(batch: RolloutBatch | Exception | None) -> RolloutBatch:
+    """Share rank 0's rollout batch with every rank (collective over the world). Rank 0 passes
+    the batch, or the exception its rollout raised: then every rank raises (DataError stays a
+    DataError) instead of waiting forever. Other ranks pass None."""
+    payload = [None]
+    if dist.get_rank() == 0:
+        payload = [batch if not isinstance(batch, Exception)
+                   else ("error", isinstance(batch, DataError), f"{type(batch).__name__}: {batch}")]
+    dist.broadcast_object_list(payload, src=0)
+    value = payload[0]
+    if isinstance(value, tuple) and value and value[0] == "error":
+        if dist.get_rank() == 0 and isinstance(batch, Exception):
+            raise batch
+        raise (DataError if value[1] else RuntimeError)(f"rollout on rank 0 failed: {value[2]}")
+    return value
+
+
+class RolloutCollector:
+    """Rank 0's side of a rollout: renders prompts, generates, scores, shapes and filters.
+
+    Args:
+        engine: a RolloutEngine (engine.rl.rollout) holding the current policy.
+        rows: prompt rows (engine.data.load_prompt_rows).
+        tokenizer: renders prompts (chat template) and decodes responses for the reward.
+        reward_fn: fn(prompt=, response=, answer=, **fields) -> float.
+        cfg: the RLConfig (train, rollout, reward, dapo, advantage, data.shuffle, seed).
+    """
+
+    def __init__(self, engine, rows: list[dict], tokenizer, reward_fn, cfg) -> None:
+        self.engine, self.rows, self.tokenizer, self.reward_fn, self.cfg = (
+            engine, rows, tokenizer, reward_fn, cfg)
+        self.next_gen_batch = 0          # generation batches used so far in the run
+        self._rendered: dict[int, list[int]] = {}
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        from engine.data import render_prompt
+
+        if index not in self._rendered:
+            row = self.rows[index]
+            ids = render_prompt(row["prompt"], self.tokenizer, where=f"prompt row {index}")
+            limit = self.cfg.train.seq_length + 1 - self.cfg.rollout.max_new_tokens
+            if len(ids) > limit:
+                raise DataError(
+                    f"prompt row {index} of data.train_files renders to {len(ids)} tokens; "
+                    f"with rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} a sequence "
+                    f"could exceed train.seq_length={self.cfg.train.seq_length} (prompts may "
+                    f"have at most {limit} tokens)")
+            self._rendered[index] = ids
+        return self._rendered[index]
+
+    def _generation_batch(self) -> dict:
+        """One generation batch: prompts_per_step prompts x n responses in one generate call,
+        scored and shaped. Returns per-response lists/tensors (group-major) and timings."""
+        from engine.data import global_batch_indices
+        from engine.rl.dapo import overlong_penalty
+        from engine.rl.rewards import score_responses
+        from engine.rl.rollout import SamplingParams
+
+        cfg, r = self.cfg, self.cfg.rollout
+        b = self.next_gen_batch
+        self.next_gen_batch += 1
+        idx = global_batch_indices(len(self.rows), cfg.train.prompts_per_step, b, cfg.seed,
+                                   cfg.data.shuffle)
+        prompts = [self._prompt_ids(i) for i in idx for _ in range(r.n)]
+        rows = [self.rows[i] for i in idx for _ in range(r.n)]
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                top_p=r.top_p, seed=cfg.seed * 1_000_003 + b)
+        t0 = time.perf_counter()
+        gens = self.engine.generate(prompts, params)
+        gen_s = time.perf_counter() - t0
+        items = []
+        for row, prompt, gen in zip(rows, prompts, gens):
+            text = row["prompt"] if isinstance(row["prompt"], str) else self.tokenizer.decode(
+                prompt, skip_special_tokens=True)
+            extra = {k: v for k, v in row.items() if k not in ("prompt", "answer", "response")}
+            items.append({**extra, "prompt": text, "answer": row["answer"],
+                          "response": self.tokenizer.decode(gen.response_ids,
+                                                            skip_special_tokens=True)})
+        scores, errors = score_responses(self.reward_fn, items, cfg.reward.timeout_s)
+        lengths = torch.tensor([len(g.response_ids) for g in gens], dtype=torch.float32)
+        scores_t = torch.tensor(scores, dtype=torch.float32)
+        penalty = torch.zeros_like(scores_t)
+        if cfg.dapo.overlong_buffer > 0:
+            penalty = overlong_penalty(lengths, r.max_new_tokens, cfg.dapo.overlong_buffer,
+                                       cfg.dapo.overlong_penalty)
+        return {
+            "data": {"prompt_ids": prompts, "response_ids": [g.response_ids for g in gens],
+                     "rollout_logprobs": [g.response_logprobs for g in gens],
+                     "rewards": scores_t + penalty, "scores": scores_t},
+            "lengths": lengths, "penalty": penalty, "errors": errors, "gen_s": gen_s,
+            "clipped": [g.finish_reason == "length" for g in gens],
+        }
+
+    def collect(self) -> RolloutBatch:
+        """The next step's rollout batch (one generation batch, or with dapo.dynamic_sampling
+        as many as needed, up to dapo.max_gen_batches, to fill prompts_per_step groups with
+        score variance; a partial batch is used when the budget runs out)."""
+        from engine.rl.advantages import group_advantages, zero_std_groups
+        from engine.rl.dapo import DynamicSampler
+
+        cfg, n = self.cfg, self.cfg.rollout.n
+        t0 = time.perf_counter()
+        calls0 = self.engine.num_generate_calls
+        dynamic = cfg.dapo.dynamic_sampling
+        sampler = DynamicSampler(n, cfg.train.prompts_per_step, cfg.dapo.max_gen_batches,
+                                 allow_partial=True) if dynamic else None
+        parts = []
+        while True:
+            part = self._generation_batch()
+            parts.append(part)
+            if sampler is None:
+                data = part["data"]
+                break
+            sampler.add(part["data"], part["data"]["scores"])
+            if not sampler.needs_more():
+                data = sampler.result() if sampler.num_groups_kept else None
+                break
+        scores = torch.cat([p["data"]["scores"] for p in parts])
+        lengths = torch.cat([p["lengths"] for p in parts])
+        gen_s = sum(p["gen_s"] for p in parts)
+        clipped = [c for p in parts for c in p["clipped"]]
+        metrics = {
+            "reward/mean": float(scores.mean()),
+            "reward/std": float(scores.std(unbiased=False)),
+            "reward/frac_zero_std_groups": float(zero_std_groups(scores, n).float().mean()),
+            "reward/errors": float(sum(p["errors"] for p in parts)),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/clip_ratio": sum(clipped) / len(clipped),
+            "rollout/generate_calls": float(self.engine.num_generate_calls - calls0),
+            "rollout/num_gen_batches": float(len(parts)),
+            "rollout/tokens_per_s": float(lengths.sum()) / gen_s if gen_s > 0 else 0.0,
+        }
+        if cfg.dapo.overlong_buffer > 0:
+            metrics["reward/overlong_penalty_mean"] = float(
+                torch.cat([p["penalty"] for p in parts]).mean())
+        if sampler is not None:
+            metrics.update(sampler.stats())
+        batch = RolloutBatch(metrics=metrics)
+        if data is not None:
+            adv = group_advantages(data["rewards"], n, norm_by_std=cfg.advantage.norm_by_std)
+            batch = RolloutBatch(list(data["prompt_ids"]), list(data["response_ids"]),
+                                 list(data["rollout_logprobs"]), adv.tolist(), metrics)
+        metrics["train/groups"] = float(len(batch) // n)
+        metrics["time/rollout_s"] = time.perf_counter() - t0
+        return batch
+

@@ -1,0 +1,149 @@
+"""Round trip of a training checkpoint inside one launch (tests/test_checkpointing.py).
+
+    torchrun --nproc_per_node W tests/multirank/checkpoint_state.py MODEL_DIR OUT_DIR
+
+At the launched world size (data parallel), builds a TrainState from MODEL_DIR, trains 2 steps,
+saves a checkpoint with engine.checkpointing, records the optimizer state (fp32 master weights
+and Adam moments of every local parameter), the scheduler state and fresh draws of every RNG;
+then scrambles all of them, builds a second TrainState without weights, loads the checkpoint
+and compares. Also checks the refusals: a different global batch size (ResumeMismatchError) and
+a model-only checkpoint (CheckpointError). Rank 0 prints one line "RESULT {json}".
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+GBS = 8
+
+
+def batches(vocab: int, steps: int):
+    from engine.micro_batches import SequenceData
+
+    rng = random.Random(0)
+    out = []
+    for _ in range(steps):
+        seqs = []
+        for _ in range(GBS):
+            n = rng.randint(6, 20)
+            ids = [rng.randrange(4, vocab) for _ in range(n + 1)]
+            seqs.append(SequenceData(ids[:-1], ids[1:], [0] * 2 + [1] * (n - 2)))
+        out.append(seqs)
+    return out
+
+
+def _digest(t) -> str:
+    import hashlib
+    return hashlib.sha1(t.cpu().numpy().tobytes()).hexdigest()
+
+
+def rng_fingerprint() -> list:
+    """One draw of python, numpy and torch CPU RNGs, and digests of the CUDA (stand-in) RNG
+    and of megatron's tracker states."""
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return [random.random(), float(np.random.rand()), float(torch.rand(1)[0]),
+            _digest(torch.cuda.get_rng_state()),
+            {k: _digest(v) for k, v in sorted(tracker.items())}]
+
+
+def optimizer_tensors(optimizer) -> list:
+    """Every local fp32 master shard and Adam moment, in a fixed order."""
+    out = []
+    for opt in optimizer.chained_optimizers:
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                state = opt.optimizer.state[p]
+                out += [p.detach().clone(), state["exp_avg"].clone(),
+                        state["exp_avg_sq"].clone(), float(state["step"])]
+    return out
+
+
+def main() -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from engine.checkpointing import (CheckpointError, DataPosition, ResumeMismatchError,
+                                      load_training_checkpoint, save_training_checkpoint)
+    from engine.loss import GlobalLossNormalizer
+    from engine.sft import train_step
+    from engine.trainer import build_train_state
+    from megatron.core import parallel_state as ps
+    from models.checkpoint import model_sharded_state_dict, save_checkpoint
+    from models.hf_io import read_config
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
+
+    model_dir, out_dir = sys.argv[1], sys.argv[2]
+    rank, world = init_distributed()
+    setup_model_parallel(ParallelLayout(world))
+    hf = read_config(model_dir)
+    optim = SimpleNamespace(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.01,
+                            clip_grad=1.0, betas=[0.9, 0.95], eps=1e-8, schedule="cosine",
+                            distributed_optimizer=True)
+    train = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None,
+                            balance_dp=True, packing=False)
+    state = build_train_state(hf, optim, torch.float32, 6, weights_dir=model_dir)
+    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
+    for seqs in batches(hf["vocab_size"], 2):
+        train_step(state, seqs, normalizer, train)
+    position = DataPosition(2, GBS, 100, 7, True)
+    root = os.path.join(out_dir, "run")
+    path = save_training_checkpoint(state, root, position, hf, model_dir)
+    want_opt = optimizer_tensors(state.optimizer)
+    want_sched = state.scheduler.state_dict()
+    want_lr = state.optimizer.param_groups[0]["lr"]
+    want_rng = rng_fingerprint()
+    # scramble every RNG and build a fresh state without weights
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    setup_model_parallel(ParallelLayout(world), seed=4321)
+    fresh = build_train_state(hf, optim, torch.float32, 6, weights_dir=model_dir,
+                              load_weights=False)
+    got_position = load_training_checkpoint(fresh, path, DataPosition(0, GBS, 100, 7, True))
+    got_rng = rng_fingerprint()
+    got_opt = optimizer_tensors(fresh.optimizer)
+    got_sched = fresh.scheduler.state_dict()
+    got_lr = fresh.optimizer.param_groups[0]["lr"]
+    opt_equal = len(got_opt) == len(want_opt) and all(
+        (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+        for a, b in zip(got_opt, want_opt))
+    # the next step of both states is identical
+    nxt = batches(hf["vocab_size"], 3)[2]
+    loss_a = train_step(state, nxt, normalizer, train)["loss"]
+    loss_b = train_step(fresh, nxt, normalizer, train)["loss"]
+    errors = {}
+    try:
+        load_training_checkpoint(fresh, path, DataPosition(0, GBS * 2, 100, 7, True))
+    except ResumeMismatchError as e:
+        errors["gbs"] = str(e)
+    model_only = os.path.join(out_dir, "model_only")
+    save_checkpoint(model_sharded_state_dict(state.chunks), model_only, hf, model_dir)
+    try:
+        load_training_checkpoint(fresh, model_only, position)
+    except CheckpointError as e:
+        errors["model_only"] = str(e)
+    flag = torch.tensor([0 if opt_equal else 1])
+    dist.all_reduce(flag)
+    if rank == 0:
+        print("RESULT " + json.dumps({
+            "position": got_position.__dict__, "opt_equal": int(flag) == 0,
+            "n_opt_tensors": len(want_opt), "sched": [want_sched, got_sched],
+            "lr": [want_lr, got_lr],
+            "rng": [want_rng, got_rng], "loss_next": [loss_a, loss_b], "errors": errors}),
+            flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

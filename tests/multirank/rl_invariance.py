@@ -1,0 +1,229 @@
+"""Multi-rank RL policy-update invariance harness (launched by tests/test_rl_loop.py).
+
+    torchrun --nproc_per_node W tests/multirank/rl_invariance.py MODEL_DIR REF_FILE SPEC...
+
+Each SPEC is "tp,pp,cp,mbs[,packing]". On a FIXED synthetic rollout batch (prompts, responses,
+advantages, rollout/old/reference log-probs; no generation) and for every aggregation mode in
+MODES, it re-initialises megatron's parallel state in the same processes, loads the same HF
+weights and
+  1. recomputes the token log-probs forward-only (engine.rl.update.compute_token_logprobs);
+  2. runs STEPS optimizer steps (engine.rl.update.policy_update, one per mini-batch) with the
+     full GRPO/DAPO loss: asymmetric + dual clip, truncated IS, k3 KL and an entropy bonus;
+  3. streams the final weights to rank 0 through the RL weight sync (engine.rl.loop.
+     sync_to_rollout: TP gather + pipeline stages sent to rank 0) into a recording engine.
+With W == 1 and the first spec, the results are the reference, saved to REF_FILE; otherwise
+they are compared with it. Rank 0 prints one "RESULT {json}" line per (spec, mode).
+Negative control ("CONTROL" line, W > 1): the policy loss of the first mini-batch with the
+classic DDP bug (token-mean over each DP rank's own tokens, averaged over DP ranks).
+
+Adam eps is 1e-4 (as in sft_invariance.py): with eps 1e-8 Adam's first update is ~lr * sign(g)
+and amplifies reduction-order noise of tiny gradient entries to full-size parameter changes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+MODES = ("token-mean", "seq-mean-token-mean")
+GROUPS, N = 4, 4           # 4 prompts x 4 responses
+STEPS = 2                  # mini-batches = optimizer steps
+LR, ADAM_EPS, HORIZON = 1e-2, 1e-4, 24
+SETTINGS = dict(temperature=0.8, eps_low=0.2, eps_high=0.28, dual_c=3.0, kl_beta=0.05,
+                kl_estimator="k3", entropy_coef=0.01, tis_cap=2.0)
+METRIC_KEYS = ("policy/pg_loss", "policy/clipfrac_low", "policy/clipfrac_high", "policy/kl",
+               "policy/entropy")
+
+
+def synthetic_rollout(vocab: int, seed: int = 0):
+    """A fixed group-major RolloutBatch: prompts of 3..10 tokens, responses of 1..20 tokens,
+    group advantages of random 0/1 rewards (the last group all equal: zero advantages)."""
+    import torch
+
+    from engine.rl.advantages import group_advantages
+    from engine.rl.rollout_batch import RolloutBatch
+
+    rng = random.Random(seed)
+    prompts, responses, rewards = [], [], []
+    for g in range(GROUPS):
+        prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(3, 10))]
+        for _ in range(N):
+            prompts.append(prompt)
+            responses.append([rng.randrange(4, vocab) for _ in range(rng.randint(1, 20))])
+            rewards.append(1.0 if g == GROUPS - 1 else float(rng.random() < 0.5))
+    adv = group_advantages(torch.tensor(rewards), N).tolist()
+    logprobs = [[0.0] * len(r) for r in responses]  # replaced by perturbed recomputed values
+    return RolloutBatch(prompts, responses, logprobs, adv)
+
+
+def perturbed(table, seed: int, scale: float):
+    """table + seeded Gaussian noise: a layout-independent stand-in for another policy."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return table + scale * torch.randn(table.shape, generator=gen)
+
+
+class RecordingEngine:
+    """Receives the weight sync like a rollout engine and keeps copies of the tensors."""
+
+    def __init__(self):
+        self.tensors = {}
+
+    def update_weights(self, named_tensors):
+        for name, tensor in named_tensors:
+            self.tensors[name] = tensor.detach().cpu().clone()
+
+
+def _setup(model_dir, hf_config, layout_kw, world):
+    import torch
+
+    from engine.trainer import build_train_state
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    setup_model_parallel(ParallelLayout(world, **layout_kw))
+    optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
+                            clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
+                            distributed_optimizer=True)
+    return build_train_state(hf_config, optim, torch.float32, STEPS, weights_dir=model_dir)
+
+
+def _sequences(state, batch, train):
+    """Sequences with recomputed log-probs (returned too) and fixed synthetic extras."""
+    from engine.rl.rollout_batch import build_sequences
+    from engine.rl.update import attach_extra, compute_token_logprobs
+
+    seqs = build_sequences(batch)
+    table = compute_token_logprobs(state.chunks, seqs, train, state.vocab_size,
+                                   SETTINGS["temperature"])
+    attach_extra(seqs, "old_logprobs", perturbed(table, 1, 0.3))
+    attach_extra(seqs, "ref_logprobs", perturbed(table, 2, 0.3))
+    attach_extra(seqs, "rollout_logprobs", perturbed(table, 3, 0.3))
+    return seqs, table
+
+
+def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world):
+    import torch.distributed as dist
+
+    from engine.rl.loop import sync_to_rollout
+    from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
+
+    state = _setup(model_dir, hf_config, layout_kw, world)
+    seqs, table = _sequences(state, batch, train)
+    settings = PolicyLossSettings(vocab_size=state.vocab_size, **SETTINGS)
+    loss_cfg = SimpleNamespace(agg_mode=mode, count_empty_sequences=True)
+    results = []
+    for part in split_mini_batches(len(seqs), STEPS, seed=7, step=0, epoch=0):
+        results.append(policy_update(state, [seqs[i] for i in part], loss_cfg, train, settings,
+                                     HORIZON))
+    engine = RecordingEngine() if dist.get_rank() == 0 else None
+    sync_to_rollout(state.chunks, hf_config, engine, bucket_mb=0.05)
+    return results, table, (engine.tensors if engine else None)
+
+
+def negative_control(model_dir, hf_config, batch, world):
+    """Loss of the first mini-batch at DP=world with per-rank token-mean averaged over DP."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from engine.loss import GlobalLossNormalizer
+    from engine.rl.update import PolicyLossSettings, policy_loss_fn, split_mini_batches
+    from engine.sft_batches import build_rank_batch
+    from engine.step import run_micro_batches
+
+    train = SimpleNamespace(micro_batch_size=1, max_tokens_per_micro_batch=None,
+                            balance_dp=True, packing=False)
+    state = _setup(model_dir, hf_config, dict(), world)
+    seqs, _ = _sequences(state, batch, train)
+    part = split_mini_batches(len(seqs), STEPS, seed=7, step=0, epoch=0)[0]
+    local = GlobalLossNormalizer("token-mean", group=None)  # the bug: local counts
+    rank_batch = build_rank_batch([seqs[i] for i in part], local, train)
+    settings = PolicyLossSettings(vocab_size=state.vocab_size, **SETTINGS)
+    with torch.no_grad():
+        reports = run_micro_batches(state.chunks, rank_batch.micro_batches,
+                                    policy_loss_fn(settings), forward_only=True)
+    value = torch.tensor([sum(float(r["policy/loss"]) for r in reports)], dtype=torch.float64)
+    dist.all_reduce(value, group=ps.get_data_parallel_group())
+    return float(value) / ps.get_data_parallel_world_size()
+
+
+def parse_spec(spec: str):
+    parts = spec.split(",")
+    tp, pp, cp, mbs = (int(x) for x in parts[:4])
+    train = SimpleNamespace(micro_batch_size=mbs, max_tokens_per_micro_batch=None,
+                            balance_dp=True, packing=len(parts) > 4 and parts[4] == "packing")
+    return dict(tp=tp, pp=pp, cp=cp), train
+
+
+def _rel(a, b):
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def compare(results, table, params, ref):
+    losses = [r["policy/loss"] for r in results]
+    norms = [r["grad_norm"] for r in results]
+    out = {"loss": losses, "grad_norm": norms,
+           "loss_rel": _rel(losses, ref["loss"]), "grad_norm_rel": _rel(norms, ref["grad_norm"]),
+           "metrics_rel": max(_rel([r[k] for r in results], ref["metrics"][k])
+                              for k in ref["metrics"]),
+           "logprob_max_diff": float((table - ref["table"]).abs().max())}
+    if params is not None:
+        assert set(params) == set(ref["params"]), sorted(set(params) ^ set(ref["params"]))
+        out["param_rel"] = max(float((v - ref["params"][k]).abs().max())
+                               / max(float(ref["params"][k].abs().max()), 1e-12)
+                               for k, v in params.items())
+        out["n_params"] = len(params)
+    return out
+
+
+
+def main():
+    import torch
+
+    from models.hf_io import read_config
+    from parallel.process_groups import init_distributed, shutdown
+
+    model_dir, ref_file, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    rank, world = init_distributed()
+    hf_config = read_config(model_dir)
+    batch = synthetic_rollout(hf_config["vocab_size"])
+    making_ref = world == 1 and not os.path.exists(ref_file)
+    ref = None if making_ref else torch.load(ref_file)
+    new_ref = {}
+    for i, spec in enumerate(specs):
+        layout_kw, train = parse_spec(spec)
+        for mode in MODES:
+            results, table, params = run_layout(model_dir, hf_config, layout_kw, train, mode,
+                                                batch, world)
+            if making_ref and i == 0:
+                new_ref[mode] = {"loss": [r["policy/loss"] for r in results],
+                                 "grad_norm": [r["grad_norm"] for r in results],
+                                 "metrics": {k: [r[k] for r in results] for k in METRIC_KEYS},
+                                 "table": table, "params": params}
+                out = {"reference": True, "loss": new_ref[mode]["loss"],
+                       "grad_norm": new_ref[mode]["grad_norm"],
+                       "metrics": new_ref[mode]["metrics"]}
+            else:
+                out = compare(results, table, params, (new_ref or ref)[mode])
+            if rank == 0:
+                out.update(spec=spec, mode=mode, world=world)
+                print("RESULT " + json.dumps(out), flush=True)
+    if making_ref:
+        torch.save(new_ref, ref_file)
+    if world > 1:
+        control = negative_control(model_dir, hf_config, batch, world)
+        if rank == 0:
+            print("CONTROL " + json.dumps({"world": world, "mean_of_means": control,
+                                           "reference": ref["token-mean"]["loss"][0]}),
+                  flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""tools/bench.py: the fast benchmarks end to end (balance, sync, mfu skip on CPU) and the pieces
+of arithmetic the reports rest on, each against an independent reference."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT
+from tests.launch import run_python
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+import bench  # noqa: E402
+import bench_balance  # noqa: E402
+import bench_mfu  # noqa: E402
+import bench_overhead  # noqa: E402
+import bench_sync  # noqa: E402
+from bench_common import last_json_line  # noqa: E402
+
+BENCH = "tools/bench.py"
+
+
+def _run(*args: str, timeout: int = 300) -> tuple[str, dict]:
+    proc = run_python(BENCH, *args, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, last_json_line(proc.stdout)
+
+
+def test_balance_quick_meets_goals(tmp_path):
+    plot = tmp_path / "balance.png"
+    out, result = _run("balance", "--quick", "--plot", str(plot))
+    assert "| distribution | DP |" in out  # a readable table precedes the JSON line
+    for key in ("balance_max_over_mean", "naive_balance_max_over_mean", "padding_fraction"):
+        assert key in result
+    assert 1.0 <= result["balance_max_over_mean"] <= 1.02
+    assert result["padding_fraction"] < 0.01
+    # the baselines are far from balanced on these distributions (the benchmark discriminates)
+    assert result["naive_balance_max_over_mean"] > 1.3
+    assert result["sorted_rr_max_over_mean"] > result["balance_max_over_mean"] + 0.05
+    assert result["padded_padding_fraction"] > 0.3
+    assert result["goals"]["balance_max_over_mean"]["met"] is True
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sync_quick_reports_throughput():
+    out, result = _run("sync", "--quick")
+    assert "GB/s" in out
+    assert result["weight_sync_params"] >= 100_000_000
+    assert result["weight_sync_bytes"] == 4 * result["weight_sync_params"]  # fp32, every weight
+    assert set(result["weight_sync_per_bucket_gbps"]) == {"32", "128", "512"}
+    # the headline is the RL default bucket size (engine.rl.config rollout.sync_bucket_mb)
+    from engine.rl.config import RolloutConfig
+
+    assert bench_sync.DEFAULT_BUCKET_MB == RolloutConfig().sync_bucket_mb
+    assert result["weight_sync_gbps"] == result["weight_sync_per_bucket_gbps"]["512"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip path")
+def test_mfu_skips_without_cuda():
+    out, result = _run("mfu", timeout=120)
+    assert "skipped: no CUDA" in out
+    assert result["mfu"] is None and result["tflops_per_gpu"] is None
+
+
+def test_plan_padding_matches_engine_builders():
+    """The balance benchmark's padding arithmetic equals what pack_sequences / pad_batch produce
+    for the engine's plan (dummy micro-batches: pad_multiple masked tokens each)."""
+    from engine.batching import pack_sequences, pad_batch
+    from engine.plan import plan_mini_batch
+
+    lengths = [5, 17, 3, 40, 9, 12, 1, 30, 8, 22, 2]
+    sample = lambda n: ([7] * n, [7] * n, [1] * n)
+    for packing, pad_multiple, mbs, budget in ((True, 4, 1, 45), (False, 1, 2, None),
+                                               (False, 4, 1, 45), (True, 1, 1, 45)):
+        plan = plan_mini_batch(lengths, 3, True, mbs, budget)
+        expected = 0
+        for rank in plan.ranks:
+            for mb in rank:
+                if not mb:
+                    expected += pad_multiple
+                elif packing:
+                    expected += pack_sequences([sample(lengths[i]) for i in mb],
+                                               pad_multiple).num_padding
+                else:
+                    expected += pad_batch([sample(lengths[i]) for i in mb],
+                                          pad_multiple)["num_padding"]
+        got = bench_balance.plan_padding(lengths, 3, packing, pad_multiple, mbs, budget)
+        assert got == (expected, sum(lengths))
+
+
+def test_imbalance_lower_bound_by_hand():
+    # works L + L^2/4096: 4096 -> 8192, 1024 -> 1280; 2 ranks, mean 4736: bound 8192/4736
+    result = bench_balance.imbalances([4096, 1024, 1024, 1024, 1024, 1024, 1024], 2)
+    assert result["lower_bound"] == pytest.approx(8192 / ((8192 + 6 * 1280) / 2))
+    assert result["balanced"] == pytest.approx(result["lower_bound"])  # optimal: big one alone
+    assert result["contiguous"] == pytest.approx((8192 + 3 * 1280) / ((8192 + 6 * 1280) / 2))
+
+
+def test_train_flops_by_hand():
+    cfg = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=4, intermediate_size=16, vocab_size=10)
+    # per token weights: 2 layers x (8*(8+2*4) + 8*8 + 3*8*16) + 8*10 = 2*576 + 80 = 1232
+    # attention: lengths 3 and 2 -> 6 + 3 = 9 causal pairs; 2 layers x 2 x 2 x 8 x 9 = 576
+    forward = 2 * 1232 * 5 + 576
+    assert bench_mfu.train_flops(cfg, [3, 2]) == 3 * forward
+
+
+def test_peak_lookup():
+    assert bench_mfu.peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert bench_mfu.peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+    assert bench_mfu.peak_bf16_tflops("NVIDIA H200") == 989.4
+    assert bench_mfu.peak_bf16_tflops("Some Other GPU") is None
+
+
+def test_count_parameters_matches_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from models.hf_io import read_config
+    from tests.tiny_models import build_tiny_model
+
+    d = build_tiny_model(str(tmp_path / "m"), "qwen3", vocab_size=96, hidden=32, layers=2,
+                         heads=4, kv_heads=2, intermediate=48, tokenizer=False, head_dim=8)
+    model = AutoModelForCausalLM.from_pretrained(d)
+    assert bench_sync.count_parameters(read_config(d)) == sum(p.numel()
+                                                              for p in model.parameters())
+
+
+def test_overhead_ratio_of_medians_and_goals():
+    raw = {"engine_s": [1.0, 1.2, 5.0], "bare_s": [1.0, 0.9, 1.1], "build_s": [0.01] * 3,
+           "engine_loss": 2.0, "bare_loss": 2.0 + 2e-7,
+           "layout": "world=4 dp=2 tp=2 pp=1 cp=1", "model": "m", "warmup": 1, "seconds": 9.0}
+    summary = bench_overhead.overhead_result(raw, quick=True).summary
+    assert summary["overhead_ratio"] == pytest.approx(1.2 / 1.0)  # medians, not means
+    assert summary["overhead_paired_ratio"] == pytest.approx(1.2 / 0.9)  # pairs 1, 4/3, 50/11
+    assert summary["overhead_loss_rel_diff"] == pytest.approx(1e-7)
+    goals = bench.goal_report({"overhead_ratio": 1.2, "padding_fraction": 0.004,
+                               "generate_once_speedup": None})
+    assert goals["overhead_ratio"]["met"] is False
+    assert goals["padding_fraction"]["met"] is True
+    assert goals["generate_once_speedup"]["met"] is None
+    assert "balance_max_over_mean" not in goals
+    json.dumps(goals)

@@ -1,0 +1,262 @@
+"""The GRPO/DAPO loop: configuration, rollout batches, the command line end to end (one
+generate call per rollout batch, weight sync parity), and policy-loss layout invariance.
+
+Multi-rank parts run under torchrun with gloo on the tiny qwen3 model (4 layers, hidden 64)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from engine.config import ConfigError, load_config
+from engine.data_files import DataError
+from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, validate_rl
+from engine.rl.rollout import Generation, RolloutEngine
+from engine.rl.rollout_batch import RolloutBatch, RolloutCollector, build_sequences
+from engine.rl.update import split_mini_batches
+from tests.launch import run_python, run_torchrun
+from tests.tiny_models import build_tiny_model
+
+INVARIANCE = "tests/multirank/rl_invariance.py"
+REQUIRED_METRICS = (
+    "reward/mean", "reward/std", "reward/frac_zero_std_groups", "reward/errors",
+    "response/length_mean", "response/clip_ratio", "policy/loss", "policy/clipfrac_low",
+    "policy/clipfrac_high", "policy/kl", "policy/entropy", "grad_norm", "rollout/generate_calls",
+    "rollout/num_gen_batches", "rollout/logprob_diff", "rollout/tokens_per_s", "time/rollout_s",
+    "time/train_s", "time/weight_sync_s", "time/step_s")
+
+
+def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
+    """Fraction of digit characters in the response: varies within a group even for a random
+    model, so advantages (and the update) are non-zero. Used via reward.fn in the CLI test."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("rl_model")
+    return build_tiny_model(str(root / "qwen3"), "qwen3", hidden=64, layers=4, heads=8,
+                            kv_heads=2, seed=0, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("rl_data") / "add.jsonl"
+    with open(path, "w") as f:
+        for i in range(32):
+            a, b = i % 10, (3 * i + 1) % 10
+            f.write(json.dumps({"prompt": f"what is {a} plus {b} ?", "answer": a + b}) + "\n")
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- config
+
+def _config(argv: list[str]) -> RLConfig:
+    cfg, _ = load_config(RLConfig, argv)
+    return apply_algorithm_defaults(cfg, explicit_keys(argv))
+
+
+def test_dapo_sets_paper_defaults_and_explicit_overrides_win(tmp_path):
+    grpo = _config(["rollout.max_new_tokens=100"])
+    assert (grpo.clip.eps_low, grpo.clip.eps_high, grpo.kl.beta) == (0.2, 0.2, 0.001)
+    assert not grpo.dapo.dynamic_sampling and grpo.dapo.overlong_buffer == 0
+    assert grpo.loss.agg_mode == "token-mean"
+
+    dapo = _config(["algorithm=dapo", "rollout.max_new_tokens=100"])
+    assert (dapo.clip.eps_low, dapo.clip.eps_high, dapo.kl.beta) == (0.2, 0.28, 0.0)
+    assert dapo.dapo.dynamic_sampling and dapo.dapo.overlong_buffer == 20  # 100 // 5
+    assert dapo.loss.agg_mode == "token-mean" and dapo.optim.lr == 1e-6
+
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("kl:\n  beta: 0.5\nloss:\n  agg_mode: seq-mean-token-mean\n")
+    mixed = _config(["algorithm=dapo", "clip.eps_high=0.3", "dapo.dynamic_sampling=false",
+                     "--config", str(yaml)])
+    assert mixed.clip.eps_high == 0.3 and not mixed.dapo.dynamic_sampling
+    assert mixed.kl.beta == 0.5 and mixed.loss.agg_mode == "seq-mean-token-mean"
+    assert mixed.clip.eps_low == 0.2 and mixed.dapo.overlong_buffer == 256 // 5
+
+
+def test_validate_names_key_and_choices(model_dir, prompts_file):
+    base = [f"model.hf_path={model_dir}", f"data.train_files=[{prompts_file}]"]
+    assert validate_rl(_config(base), 1)["num_hidden_layers"] == 4
+    cases = {"kl.estimator=k4": "kl.estimator='k4' is not valid; choose one of k1, k2, k3",
+             "rollout.backend=vllm": "rollout.backend='vllm' is not valid; choose one of hf, "
+                                     "sglang",
+             "rollout.n=1": "rollout.n=1 must be >= 2",
+             "clip.dual_c=0.5": "clip.dual_c=0.5 must be > 1",
+             "reward.fn=nomodule": "reward.fn: reward function spec 'nomodule'",
+             "train.seq_length=64": "train.seq_length=64 must exceed rollout.max_new_tokens=256"}
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate_rl(_config(base + [override]), 1)
+
+
+def test_unknown_algorithm_exits_2_listing_choices(model_dir, prompts_file):
+    proc = run_python("-m", "engine.rl", "algorithm=ppo", f"model.hf_path={model_dir}",
+                      f"data.train_files=[{prompts_file}]", timeout=120)
+    assert proc.returncode == 2
+    assert "algorithm='ppo' is not valid; choose one of grpo, dapo" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- rollout batch
+
+class ScriptedEngine(RolloutEngine):
+    """Answers "what is a plus b ?" prompts from a script: call 1 answers "0" everywhere (every
+    group all wrong), later calls answer right at even positions and "0 0 0 0" (4 tokens, no
+    eos: a length-clipped response) at odd ones."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def _generate(self, prompts, params):
+        out = []
+        for i, prompt in enumerate(prompts):
+            a, b = (int(d) for d in re.findall(r"\d", self.tokenizer.decode(prompt)))
+            if self.num_generate_calls == 1:
+                text, stop = "0", True
+            else:
+                text, stop = (str(a + b), True) if i % 2 == 0 else ("0 0 0 0", False)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids += [self.tokenizer.eos_token_id] if stop else []
+            out.append(Generation(prompt, ids, [-0.5] * len(ids), "stop" if stop else "length"))
+        return out
+
+    def update_weights(self, named_tensors):
+        raise AssertionError("not used")
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+
+def _collector(model_dir, argv):
+    from transformers import AutoTokenizer
+
+    from engine.rl.rewards import load_reward_fn
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [{"prompt": f"what is {a} plus {b} ?", "answer": str(a + b)}
+            for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
+    cfg = _config(["rollout.n=2", "train.prompts_per_step=2", "rollout.max_new_tokens=4",
+                   "data.shuffle=false", "train.seq_length=64"] + argv)
+    return RolloutCollector(ScriptedEngine(tokenizer), rows, tokenizer, load_reward_fn("math"),
+                            cfg)
+
+
+def test_dynamic_sampling_generates_until_full(model_dir):
+    collector = _collector(model_dir, ["algorithm=dapo", "dapo.overlong_buffer=2"])
+    batch = collector.collect()
+    m = batch.metrics
+    assert m["rollout/generate_calls"] == 2 and m["rollout/num_gen_batches"] == 2
+    assert len(batch) == 4 and m["train/groups"] == 2
+    # call 1: 4 wrong (2 groups with zero std); call 2: 2 right, 2 wrong -> 2 of 8 right
+    assert m["reward/mean"] == pytest.approx(0.25)
+    assert m["reward/frac_zero_std_groups"] == pytest.approx(0.5)
+    assert m["response/clip_ratio"] == pytest.approx(0.25)
+    # 4-token responses at max_new_tokens=4, buffer 2: penalty -1 each (2 of 8)
+    assert m["reward/overlong_penalty_mean"] == pytest.approx(-0.25)
+    # group rewards [1, -1] (right / wrong and overlong): (r - 0) / (std=sqrt(2)) = +-0.7071
+    assert batch.advantages == pytest.approx([0.70710678, -0.70710678] * 2, abs=1e-5)
+    assert batch.prompt_ids[0] == batch.prompt_ids[1] != batch.prompt_ids[2]
+
+
+def test_grpo_generates_once_and_dapo_budget_can_run_out(model_dir):
+    grpo = _collector(model_dir, []).collect()
+    assert grpo.metrics["rollout/generate_calls"] == 1 and len(grpo) == 4
+    assert grpo.advantages == [0.0] * 4  # every group all wrong: zero advantages
+    empty = _collector(model_dir, ["algorithm=dapo", "dapo.max_gen_batches=1"]).collect()
+    assert len(empty) == 0 and empty.metrics["train/groups"] == 0
+    assert empty.metrics["rollout/num_gen_batches"] == 1
+
+
+def test_too_long_prompt_is_a_data_error(model_dir):
+    collector = _collector(model_dir, ["train.seq_length=8"])
+    with pytest.raises(DataError, match="prompt row .* renders to .* tokens"):
+        collector.collect()
+
+
+def test_sequences_align_extras_with_labels():
+    batch = RolloutBatch([[5, 6, 7], [5, 6, 7]], [[8, 3], [9]], [[-0.1, -0.2], [-0.3]],
+                         [0.5, -0.5])
+    a, b = build_sequences(batch)
+    assert (a.tokens, a.labels, a.loss_mask) == ([5, 6, 7, 8], [6, 7, 8, 3], [0, 0, 1, 1])
+    assert a.extras == {"advantages": [0, 0, 0.5, 0.5], "rollout_logprobs": [0, 0, -0.1, -0.2]}
+    assert (b.tokens, b.labels, b.loss_mask) == ([5, 6, 7], [6, 7, 9], [0, 0, 1])
+    assert b.extras["advantages"] == [0, 0, -0.5]
+
+
+def test_mini_batch_split_is_a_seeded_partition():
+    parts = split_mini_batches(10, 3, seed=1, step=4, epoch=0)
+    assert sorted(i for p in parts for i in p) == list(range(10))
+    assert [len(p) for p in parts] == [4, 3, 3]
+    assert parts == split_mini_batches(10, 3, seed=1, step=4, epoch=0)
+    assert parts != split_mini_batches(10, 3, seed=1, step=4, epoch=1)
+    assert split_mini_batches(4, 2, 1, 0, 0, shuffle=False) == [[0, 1], [2, 3]]
+
+
+# ----------------------------------------------------------------------------- end to end
+
+def _metrics(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_cli_generates_once_per_step_and_syncs_weights(model_dir, prompts_file, tmp_path):
+    log_dir = tmp_path / "run"
+    proc = run_torchrun(
+        2, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{prompts_file}]",
+        "parallel.tp=2", "rollout.n=4", "rollout.max_new_tokens=8", "train.prompts_per_step=4",
+        "train.mini_batches_per_step=2", "train.micro_batch_size=2", "train.max_steps=2",
+        "train.seq_length=64", "optim.lr=1e-3", "kl.beta=0.05", "entropy_coef=0.001",
+        "reward.fn=tests.test_rl_loop:digit_reward", "rollout.check_weight_sync=true",
+        f"logging.dir={log_dir}", "logging.progress_bar=false", timeout=400)
+    assert proc.returncode == 0
+    steps = _metrics(log_dir)
+    assert len(steps) == 2
+    for m in steps:
+        assert all(k in m for k in REQUIRED_METRICS), set(REQUIRED_METRICS) - set(m)
+        assert m["rollout/generate_calls"] == 1 and m["rollout/num_gen_batches"] == 1
+        # 16 responses -> 2 mini-batches of 8 -> 4 micro-batches of 2 each (accumulation)
+        assert m["train/optimizer_steps"] == 2 and m["train/micro_batches"] == 8
+        assert m["reward/errors"] == 0 and m["reward/std"] > 0
+        assert m["rollout/logprob_diff"] < 1e-3  # rollout engine == trainer weights
+        assert m["debug/sync_logit_max_diff"] < 1e-4  # HF engine logits == Megatron's
+        assert m["debug/sync_logit_change"] > 1e-2   # ... after the weights really moved
+        assert m["grad_norm"] > 0 and m["policy/kl"] > 0
+    assert "first reward" in proc.stdout
+    assert list(log_dir.glob("events.out.tfevents*"))
+
+
+def _lines(text: str, prefix: str) -> list[dict]:
+    return [json.loads(line[len(prefix):]) for line in text.splitlines()
+            if line.startswith(prefix)]
+
+
+def test_policy_update_is_layout_invariant(model_dir, tmp_path):
+    ref_file = str(tmp_path / "rl_ref.pt")
+    ref = run_torchrun(1, INVARIANCE, model_dir, ref_file, "1,1,1,2", timeout=600)
+    assert ref.returncode == 0
+    refs = {r["mode"]: r for r in _lines(ref.stdout, "RESULT ")}
+    for r in refs.values():  # the fixed batch exercises every term of the loss
+        m = r["metrics"]
+        assert min(m["policy/clipfrac_low"]) > 0 and min(m["policy/clipfrac_high"]) > 0
+        assert min(m["policy/kl"]) > 0 and min(m["policy/entropy"]) > 0
+    specs = ["1,1,1,1", "2,1,1,1", "1,2,1,1", "1,1,2,1,packing"]  # DP4, TP2, PP2, CP2 (x DP2)
+    proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *specs, timeout=600)
+    assert proc.returncode == 0
+    results = _lines(proc.stdout, "RESULT ")
+    assert len(results) == len(specs) * len(refs)
+    for r in results:
+        where = f"{r['spec']} {r['mode']}"
+        assert r["loss_rel"] <= 1e-5, where
+        assert r["grad_norm_rel"] <= 1e-5, where
+        assert r["metrics_rel"] <= 1e-5, where
+        assert r["param_rel"] <= 1e-5 and r["n_params"] == 46, where
+        assert r["logprob_max_diff"] <= 1e-5, where
+    control = _lines(proc.stdout, "CONTROL ")[0]
+    assert abs(control["mean_of_means"] - control["reference"]) > 1e-3 * abs(control["reference"])
