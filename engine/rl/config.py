@@ -54,6 +54,8 @@ class RolloutConfig:
     sleep_during_train: bool = False     # release the engine's memory while training
     tis_cap: Optional[float] = None      # truncated importance sampling cap (null: off)
     check_weight_sync: bool = False      # after each sync compare engine vs trainer logits
+    sglang_tp_size: int = 1              # SGLang engine tensor parallel size (its own workers)
+    sglang_mem_fraction: float = 0.5     # SGLang mem_fraction_static (colocated with training)
 
 
 @dataclass

@@ -223,7 +223,9 @@ def _make_engine(cfg, dtype: torch.dtype):
 
     if cfg.rollout.backend == "hf":
         return make_rollout_engine("hf", cfg.model.hf_path, dtype=dtype)
-    return make_rollout_engine("sglang", cfg.model.hf_path)
+    return make_rollout_engine("sglang", cfg.model.hf_path, tp_size=cfg.rollout.sglang_tp_size,
+                               mem_fraction_static=cfg.rollout.sglang_mem_fraction,
+                               random_seed=cfg.seed)
 
 
 def _run(cfg, hf_config, flags) -> int:
