@@ -57,7 +57,9 @@ def parse_spec(spec: str):
     return dict(tp=tp, pp=pp, vpp=vpp or None, cp=cp), train
 
 
-def run_layout(model_dir, hf_config, layout_kw, train, mode, batches, world):
+def run_layout(model_dir, hf_config, train, mode, batches):
+    """3 steps from the HF weights under the current parallel state (set up once per layout:
+    creating megatron's process groups is the slowest part of a gloo launch)."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -65,10 +67,7 @@ def run_layout(model_dir, hf_config, layout_kw, train, mode, batches, world):
     from engine.sft import train_step
     from engine.trainer import build_train_state
     from models.bridge import export_hf_weights
-    from parallel.layout import ParallelLayout
-    from parallel.process_groups import setup_model_parallel
 
-    setup_model_parallel(ParallelLayout(world, **layout_kw))
     optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
                             distributed_optimizer=True)
@@ -152,11 +151,14 @@ def main():
     making_ref = world == 1 and not os.path.exists(ref_file)
     ref = None if making_ref else torch.load(ref_file)
     new_ref = {}
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
     for i, spec in enumerate(specs):
         layout_kw, train = parse_spec(spec)
+        setup_model_parallel(ParallelLayout(world, **layout_kw))
         for mode in MODES:
-            losses, norms, params = run_layout(model_dir, hf_config, layout_kw, train, mode,
-                                               batches, world)
+            losses, norms, params = run_layout(model_dir, hf_config, train, mode, batches)
             if making_ref and i == 0:
                 new_ref[mode] = {"loss": losses, "grad_norm": norms, "params": params}
                 out = {"spec": spec, "mode": mode, "world": world, "reference": True,
