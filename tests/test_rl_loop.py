@@ -260,3 +260,22 @@ def test_policy_update_is_layout_invariant(model_dir, tmp_path):
         assert r["logprob_max_diff"] <= 1e-5, where
     control = _lines(proc.stdout, "CONTROL ")[0]
     assert abs(control["mean_of_means"] - control["reference"]) > 1e-3 * abs(control["reference"])
+
+
+def test_cli_dapo_on_4_ranks_with_tp2_and_accumulation(model_dir, prompts_file, tmp_path):
+    """DAPO end to end as a user launches it: 4 ranks (TP2 x DP2), accumulation, dynamic
+    sampling; every generation batch is one generate call."""
+    log_dir = tmp_path / "dapo"
+    proc = run_torchrun(
+        4, "-m", "engine.rl", "algorithm=dapo", f"model.hf_path={model_dir}",
+        f"data.train_files=[{prompts_file}]", "parallel.tp=2", "rollout.n=4",
+        "rollout.max_new_tokens=8", "train.prompts_per_step=4", "train.mini_batches_per_step=1",
+        "train.micro_batch_size=2", "train.max_steps=1", "train.seq_length=64", "optim.lr=1e-3",
+        "dapo.max_gen_batches=3", "reward.fn=tests.test_rl_loop:digit_reward",
+        f"logging.dir={log_dir}", "logging.progress_bar=false", timeout=400)
+    assert proc.returncode == 0
+    (m,) = _metrics(log_dir)
+    assert 1 <= m["rollout/num_gen_batches"] <= 3
+    assert m["rollout/generate_calls"] == m["rollout/num_gen_batches"]
+    assert m["train/micro_batches"] > m["train/optimizer_steps"] >= 1   # accumulation
+    assert m["rollout/logprob_diff"] < 1e-3
