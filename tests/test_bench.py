@@ -143,3 +143,20 @@ def test_overhead_ratio_of_medians_and_goals():
     assert goals["generate_once_speedup"]["met"] is None
     assert "balance_max_over_mean" not in goals
     json.dumps(goals)
+
+
+def test_all_keeps_going_when_one_benchmark_fails(monkeypatch):
+    from types import SimpleNamespace
+
+    def fake_run_one(name, args):
+        if name == "sync":
+            raise RuntimeError("boom\ntraceback lines")
+        return bench.BenchResult([], {"overhead_ratio": 1.01} if name == "overhead" else {})
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    summary = bench.run_all(SimpleNamespace(quick=True, plot=None)).summary
+    assert summary["errors"] == {"sync": "RuntimeError: boom"}
+    assert summary["weight_sync_gbps"] is None and summary["overhead_ratio"] == 1.01
+    assert summary["goals"]["overhead_ratio"]["met"] is True
+    assert summary["goals"]["generate_once_speedup"]["met"] is None  # not run: no verdict
+    json.dumps(summary)

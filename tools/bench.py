@@ -1,0 +1,157 @@
+"""Benchmarks of the engine: overhead, balancing, generate-once, weight sync, MFU.
+
+    python tools/bench.py overhead [--quick]   engine SFT step vs bare megatron-core (torchrun,
+                                               4 ranks, TP2 x DP2); goal ratio <= 1.05
+    python tools/bench.py balance  [--quick] [--plot PNG]
+                                               DP balance max/mean work (goal <= 1.02) and
+                                               padding fraction with packing (goal < 1%)
+    python tools/bench.py rollout  [--quick]   HF rollout backend: one generate call per rollout
+                                               batch vs one per micro-batch; goal >= 3x
+    python tools/bench.py sync     [--quick]   Megatron -> rollout engine weight sync GB/s per
+                                               bucket size (>= 100M-parameter model)
+    python tools/bench.py mfu      [--quick]   ~1B Qwen3-shaped SFT step, bf16, 4K packed rows:
+                                               TFLOP/s per GPU and MFU (CUDA only; one GPU, or
+                                               torchrun --nproc_per_node N for N DP ranks)
+    python tools/bench.py all      [--quick] [--plot PNG]
+
+Each prints readable tables (Markdown pipe tables) and, as its last stdout line, one JSON object.
+`all` prints the keys overhead_ratio, balance_max_over_mean, naive_balance_max_over_mean,
+padding_fraction, generate_once_speedup, weight_sync_gbps (plus mfu, goals and machine facts).
+`--quick` is the CI size: `all --quick` takes minutes on a 2-core CPU host. `all` keeps going
+when one benchmark fails (its keys are null, the error is under "errors", exit status 1).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import (BenchResult, Table, emit, machine_info, machine_table,  # noqa: E402
+                          quiet_libraries, setup_paths)
+
+setup_paths()
+
+# key -> (comparison, threshold): the issue's goals
+GOALS: dict[str, tuple[str, float]] = {
+    "overhead_ratio": ("<=", 1.05),
+    "balance_max_over_mean": ("<=", 1.02),
+    "padding_fraction": ("<", 0.01),
+    "generate_once_speedup": (">=", 3.0),
+}
+
+
+def goal_report(summary: dict) -> dict[str, dict]:
+    """{key: {value, goal, met}} for every goal whose key is in `summary` (met is None when the
+    value is None, i.e. the benchmark did not run)."""
+    out = {}
+    for key, (op, threshold) in GOALS.items():
+        if key not in summary:
+            continue
+        value = summary[key]
+        met = None if value is None else {"<=": value <= threshold, "<": value < threshold,
+                                          ">=": value >= threshold}[op]
+        out[key] = {"value": value, "goal": f"{op} {threshold}", "met": met}
+    return out
+
+
+def goals_table(goals: dict[str, dict]) -> Table:
+    rows = [[k, "n/a" if g["value"] is None else f"{g['value']:.4f}", g["goal"],
+             {True: "met", False: "MISSED", None: "not run"}[g["met"]]] for k, g in goals.items()]
+    return Table("Goals", ["metric", "value", "goal", "status"], rows)
+
+
+def run_one(name: str, args) -> BenchResult:
+    """Run the benchmark `name` in this process (overhead starts its own torchrun)."""
+    if name == "overhead":
+        from bench_overhead import run_overhead
+        return run_overhead(args.quick)
+    if name == "balance":
+        from bench_balance import run_balance
+        return run_balance(args.quick, args.plot)
+    if name == "rollout":
+        from bench_rollout import run_rollout
+        return run_rollout(args.quick)
+    if name == "sync":
+        from bench_sync import run_sync
+        return run_sync(args.quick)
+    if name == "mfu":
+        from bench_mfu import run_mfu
+        return run_mfu(args.quick)
+    raise ValueError(f"unknown benchmark {name!r}")
+
+
+# the keys `all` always reports (None when their benchmark failed)
+ALL_KEYS = ("overhead_ratio", "balance_max_over_mean", "naive_balance_max_over_mean",
+            "padding_fraction", "generate_once_speedup", "weight_sync_gbps", "mfu")
+
+
+def run_all(args) -> BenchResult:
+    """Every benchmark in turn; tables concatenated, summaries merged, goals checked. A failing
+    benchmark is reported (`errors`, its keys None) and the others still run."""
+    t0 = time.perf_counter()
+    tables: list[Table] = [machine_table(machine_info())]
+    summary: dict = {key: None for key in ALL_KEYS}
+    errors: dict[str, str] = {}
+    for name in ("balance", "rollout", "sync", "overhead", "mfu"):
+        start = time.perf_counter()
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        try:
+            result = run_one(name, args)
+        except Exception as e:  # noqa: BLE001 - reported in the table and JSON, run continues
+            errors[name] = f"{type(e).__name__}: {e}".splitlines()[0]
+            tables.append(Table(f"{name}: FAILED", ["error"], [[errors[name]]]))
+            print(f"[bench] {name} FAILED: {errors[name]}", file=sys.stderr, flush=True)
+            continue
+        print(f"[bench] {name} done in {time.perf_counter() - start:.0f} s", file=sys.stderr,
+              flush=True)
+        tables += result.tables
+        summary.update(result.summary)
+    goals = goal_report(summary)
+    tables.insert(1, goals_table(goals))
+    summary.update(goals=goals, errors=errors, machine=machine_info(),
+                   date=date.today().isoformat(), quick=args.quick,
+                   total_seconds=time.perf_counter() - t0)
+    return BenchResult(tables, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    public = ("overhead", "balance", "rollout", "sync", "mfu", "all")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(public) + "}")
+    for name in public:
+        p = sub.add_parser(name)
+        p.add_argument("--quick", action="store_true", help="CI size (fewer repeats, smaller)")
+        if name in ("balance", "all"):
+            p.add_argument("--plot", default=None,
+                           help="write the balance-vs-DP plot to this PNG path")
+    worker = sub.add_parser("_overhead_worker")  # internal: one torchrun rank of `overhead`
+    worker.add_argument("--model-dir", required=True)
+    worker.add_argument("--tp", type=int, default=2)
+    worker.add_argument("--pairs", type=int, default=10)
+    worker.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+    quiet_libraries()
+
+    if args.command == "_overhead_worker":
+        from bench_overhead import overhead_worker
+        overhead_worker(args.model_dir, args.tp, args.pairs, args.warmup)
+        return 0
+    if args.command == "all":
+        result = run_all(args)
+    else:
+        result = run_one(args.command, args)
+        result.summary["goals"] = goal_report(result.summary)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun (e.g. mfu on 8 GPUs): rank 0 prints
+        emit(result)
+    return 1 if result.summary.get("errors") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
