@@ -11,9 +11,9 @@ rank 0) or by a test. Layout of a run directory `root` (`checkpoint.dir`)::
     root/iter_0000020.tmp/                  a save in progress (or torn by a crash): never read
     root/latest_checkpointed_iteration.txt  "20": the newest published iteration, written last
 
-Save protocol (atomic): all ranks write into `iter_XXXXXXX.tmp/`; after a barrier, rank 0 checks
+Save protocol (atomic): all ranks write into `iter_NNNNNNN.tmp/`; after a barrier, rank 0 checks
 that `metadata.json` exists, writes `complete.json` (every file of the checkpoint with its size
-in bytes), renames the directory to `iter_XXXXXXX` and only then rewrites the latest file
+in bytes), renames the directory to `iter_NNNNNNN` and only then rewrites the latest file
 (write to a temporary file + `os.replace`). A crash at any point leaves either a `.tmp`
 directory (ignored) or a complete iteration. On resume, every candidate is verified against its
 marker (`checkpoint_problems`); a torn or damaged newest checkpoint is skipped with a warning in
@@ -213,7 +213,7 @@ def resolve_resume(resume: str, root: Optional[str], warn: Warn) -> Optional[Pat
         return path
     found = newest_complete(path, warn)
     if found is None:
-        raise CheckpointError(f"checkpoint.resume={resume}: no complete iter_XXXXXXX "
+        raise CheckpointError(f"checkpoint.resume={resume}: no complete iter_NNNNNNN "
                               "checkpoint in this directory")
     return found
 

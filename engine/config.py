@@ -91,7 +91,7 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Training checkpoints (engine.checkpointing): `dir`/iter_XXXXXXX/ per save."""
+    """Training checkpoints (engine.checkpointing): `dir`/iter_NNNNNNN/ per save."""
 
     dir: Optional[str] = None          # run directory of checkpoints; null: never save
     save_interval: int = 0             # save every N optimizer steps (0: only on exit)
@@ -290,7 +290,7 @@ def sft_problems(cfg) -> list[str]:
         p.append(f"checkpoint.dir={ck.dir} exists and is not a directory")
     if ck.resume not in ("auto", "never") and not os.path.isdir(ck.resume):
         p.append(f"checkpoint.resume={ck.resume!r}: no such directory; use auto, never or the "
-                 "path of a checkpoint (iter_XXXXXXX) or of a run's checkpoint.dir")
+                 "path of a checkpoint (iter_NNNNNNN) or of a run's checkpoint.dir")
     if ck.resume == "never" and ck.dir and list_iterations(ck.dir):
         p.append(f"checkpoint.dir={ck.dir} already holds checkpoints (up to iter_"
                  f"{list_iterations(ck.dir)[-1]:07d}) and checkpoint.resume=never: use an empty "

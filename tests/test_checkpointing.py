@@ -111,7 +111,7 @@ def test_resolve_resume_modes(tmp_path):
         resolve_resume(str(torn), None, print)
     with pytest.raises(CheckpointError, match="no such directory"):
         resolve_resume(str(tmp_path / "missing"), None, print)
-    with pytest.raises(CheckpointError, match="no complete iter_XXXXXXX"):
+    with pytest.raises(CheckpointError, match="no complete iter_NNNNNNN"):
         resolve_resume(str(tmp_path / "run" / "iter_0000002" / "hf"), None, print)
 
 
