@@ -109,9 +109,10 @@ def build_packed(seqs: list[SequenceData], seq_index: list[int], pad_multiple: i
     weights = _per_token([s.weight for s in seqs] + [0.0], seq_lengths, total)
     token_weights = loss_mask.float() * weights
     seq_ids = _per_token(list(seq_index) + [-1], seq_lengths, total, dtype=torch.long)
-    for i, s in enumerate(seqs):  # padding inside a sequence's segment belongs to no sequence
-        start = sum(seq_lengths[:i])
-        seq_ids[start + len(s.tokens):start + seq_lengths[i]] = -1
+    start = 0
+    for s, n in zip(seqs, seq_lengths):  # padding inside a segment belongs to no sequence
+        seq_ids[start + len(s.tokens):start + n] = -1
+        start += n
     extras = {}
     for k in (seqs[0].extras.keys() if seqs else []):
         vals = torch.zeros(total, dtype=torch.float32)

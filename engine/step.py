@@ -61,6 +61,7 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
     when given, sees each micro-batch's logits on the last stage (forward-only uses: recomputed
     log-probs). Returns the per-micro-batch report dicts of the last stage (empty elsewhere).
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from parallel import cpu_runtime
@@ -68,7 +69,6 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
     device = cpu_runtime.device()
     batches = [_to_device(mb, device) for mb in micro_batches]
     shape = batches[0].tokens.shape
-    from megatron.core import parallel_state as ps
     cp = ps.get_context_parallel_world_size()
 
     def forward_step(data_iterator, model):
