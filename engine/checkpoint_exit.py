@@ -1,8 +1,15 @@
 """When a run stops before train.max_steps, on every rank at the same step, so that it can
-save a checkpoint on exit (checkpoint.save_on_exit): engine.sft asks `StopMonitor.should_stop`
-after each optimizer step."""
+save a checkpoint on exit (checkpoint.save_on_exit): the training loops ask
+`StopMonitor.should_stop` after each optimizer step.
+
+Signals: SIGTERM (cluster preemption; torchrun forwards it to its workers), SIGUSR1 (e.g.
+`sbatch --signal=USR1@120`) and SIGINT (Ctrl-C) all mean "finish the current step, save, exit
+0". A second SIGINT more than `ABORT_AFTER_S` seconds after the first aborts at once
+(KeyboardInterrupt): the repeat inside that window is the same Ctrl-C arriving twice, once from
+the terminal and once forwarded by torchrun."""
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Optional
@@ -14,13 +21,14 @@ import torch.distributed as dist
 class StopMonitor:
     """Decides, identically on every rank, whether the run stops after the current step.
 
-    Reasons: SIGTERM or SIGUSR1 received by any rank (handlers installed on construction,
-    restored by `close`), `exit_interval` (stop after a step number that is a multiple of it),
+    Reasons: SIGTERM, SIGUSR1 or SIGINT received by any rank (handlers installed on
+    construction, restored by `close`), `exit_interval` (stop after a step number that is a multiple of it),
     `exit_duration_mins` (wall time since construction, in minutes). `should_stop` is collective
     when torch.distributed is initialised (one all-reduce MAX of a 1-element tensor).
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    ABORT_AFTER_S = 5.0
 
     def __init__(self, exit_interval: Optional[int] = None,
                  exit_duration_mins: Optional[float] = None):
@@ -28,6 +36,7 @@ class StopMonitor:
         self.exit_duration_mins = exit_duration_mins
         self.start = time.monotonic()
         self.signalled: Optional[int] = None
+        self._signalled_at = 0.0
         self._previous = {}
         for sig in self.SIGNALS:
             try:
@@ -36,7 +45,17 @@ class StopMonitor:
                 break
 
     def _on_signal(self, signum, frame) -> None:
-        self.signalled = signum
+        now = time.monotonic()
+        if (signum == signal.SIGINT and self.signalled == signal.SIGINT
+                and now - self._signalled_at > self.ABORT_AFTER_S):
+            raise KeyboardInterrupt
+        if self.signalled is None:
+            self.signalled, self._signalled_at = signum, now
+            if os.environ.get("RANK", "0") == "0":
+                print(f"[stop] {signal.Signals(signum).name} received: finishing the current step, "
+                      "then saving and exiting" + (" (Ctrl-C again to abort)"
+                                                   if signum == signal.SIGINT else ""),
+                      flush=True)
 
     def should_stop(self, steps_done: int) -> Optional[str]:
         """The reason to stop after `steps_done` steps (same on every rank), or None."""

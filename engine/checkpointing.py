@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from engine.checkpoint_io import (CheckpointError, iteration_dir, prune, publish,
                                   resolve_resume, staging_dir, write_complete_marker)
+from engine.fault_injection import maybe_crash
 
 FORMAT_VERSION = 1
 # "fully_reshardable": optimizer state gathered per parameter in model space (any DP/TP/PP/CP
@@ -220,6 +221,7 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
     dist.barrier()
+    maybe_crash("save", rank, position.step)
     sd = training_state_dict(state, position, is_loading=False)
     # ends with a barrier: every rank's shards are written when it returns
     dist_checkpointing.save(sd, str(stage),

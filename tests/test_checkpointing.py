@@ -150,7 +150,26 @@ def test_stop_monitor_interval_and_signal():
     finally:
         monitor.close()
     assert signal.getsignal(signal.SIGUSR1) is previous
-    assert StopMonitor(exit_duration_mins=1e-9).should_stop(1) == "train.exit_duration_mins=1e-09"
+    timed = StopMonitor(exit_duration_mins=1e-9)
+    try:
+        assert timed.should_stop(1) == "train.exit_duration_mins=1e-09"
+    finally:
+        timed.close()
+
+
+def test_stop_monitor_sigint_stops_then_a_late_second_one_aborts(monkeypatch):
+    previous = signal.getsignal(signal.SIGINT)
+    monitor = StopMonitor()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C forwarded by torchrun: no abort
+        assert monitor.should_stop(1) == "exit signal received"
+        monkeypatch.setattr(StopMonitor, "ABORT_AFTER_S", 0.0)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        monitor.close()
+    assert signal.getsignal(signal.SIGINT) is previous
 
 
 def test_data_position_mismatches():
