@@ -1,6 +1,8 @@
 """Shared entry-point plumbing: parse and validate the config before any process group
 exists, report configuration errors once (rank 0) without a traceback and exit 2, then set up
-torch.distributed and megatron's parallel state and run."""
+torch.distributed and megatron's parallel state and run. Exit codes: 0 done (also when
+stopped by a signal or train.exit_*), 2 configuration or data error, 1 run-time failure
+(engine.errors.RunError: diverged training, failed rollout backend)."""
 from __future__ import annotations
 
 import os
@@ -25,6 +27,7 @@ def run_entry(run: Callable, argv: list[str], schema=None,
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from engine.config import ConfigError, SFTConfig, load_config, validate_common
     from engine.data_files import DataError
+    from engine.errors import RunError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -43,5 +46,7 @@ def run_entry(run: Callable, argv: list[str], schema=None,
         rc = run(cfg, hf_config, flags)
     except DataError as e:
         rc = fail(f"data: {e}")
+    except RunError as e:
+        rc = fail(str(e), code=1)
     shutdown()
     return rc

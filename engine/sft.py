@@ -44,8 +44,12 @@ def samples_to_sequences(samples) -> list:
     return [SequenceData(s.tokens, s.labels, s.loss_mask) for s in samples]
 
 
-def train_step(state, seqs, normalizer, train_cfg, pad_id: int = 0) -> dict[str, float]:
-    """One optimizer step on the mini-batch `seqs`; returns globally reduced metrics."""
+def train_step(state, seqs, normalizer, train_cfg, pad_id: int = 0, step: int = 0
+               ) -> dict[str, float]:
+    """Optimizer step number `step` (1-based) on the mini-batch `seqs`; returns globally reduced
+    metrics. A non-finite loss or gradient skips the update (engine.nonfinite) and is counted in
+    `state.guard`; the caller logs the step, then calls `state.guard.raise_if_diverged()`."""
+    from engine.nonfinite import guarded_optimizer_step
     from engine.sft_batches import build_rank_batch
     from engine.step import reduce_reports, run_micro_batches
     from engine.trainer import current_lr
@@ -56,19 +60,21 @@ def train_step(state, seqs, normalizer, train_cfg, pad_id: int = 0) -> dict[str,
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     reports = run_micro_batches(state.chunks, batch.micro_batches, sft_loss_fn(state.vocab_size))
-    ok, grad_norm, _ = state.optimizer.step()
-    lr = current_lr(state.optimizer)
-    state.scheduler.step(increment=1)
     sums = reduce_reports(reports, ["loss", "num_loss_tokens"])
+    stepped, grad_norm = guarded_optimizer_step(state.optimizer, sums["loss"])
+    lr = current_lr(state.optimizer)
+    if stepped:
+        state.scheduler.step(increment=1)
+    state.guard.record(step, stepped, sums["loss"], grad_norm)
     dt = time.perf_counter() - t0
     return {
-        "loss": sums["loss"], "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-        "lr": lr, "num_tokens": batch.num_tokens, "num_loss_tokens": sums["num_loss_tokens"],
+        "loss": sums["loss"], "grad_norm": grad_norm, "lr": lr, "num_tokens": batch.num_tokens, "num_loss_tokens": sums["num_loss_tokens"],
         "num_sequences": len(seqs), "time/step_s": dt,
         "throughput/tokens_per_s": batch.num_tokens / dt if dt > 0 else 0.0,
         "batch/dp_imbalance": batch.plan.dp_imbalance,
         "batch/padding_fraction": batch.num_padding / max(batch.num_padding + batch.num_tokens, 1),
-        "train/update_skipped": 0.0 if ok else 1.0,
+        "train/update_skipped": 0.0 if stepped else 1.0,
+        "train/skipped_steps": float(state.guard.skipped),
     }
 
 
@@ -135,6 +141,7 @@ def _run(cfg, hf_config, flags) -> int:
     from engine.data import global_batch_indices, load_sft_dataset
     from engine.loss import GlobalLossNormalizer
     from engine.metrics import MetricsLogger, format_postfix, progress_bar
+    from engine.nonfinite import NonFiniteGuard
     from engine.trainer import build_train_state
 
     rank = dist.get_rank()
@@ -163,6 +170,9 @@ def _run(cfg, hf_config, flags) -> int:
     except (CheckpointError, ResumeMismatchError) as e:
         return fail(f"checkpoint: {e}")
     start = position.step
+    # a skipped step advances the data position but not the LR schedule
+    state.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps,
+                                 skipped=start - state.scheduler.num_steps)
     if start >= cfg.train.max_steps:
         if rank == 0:
             print(f"[sft] nothing to do: {start} steps done, train.max_steps="
@@ -186,7 +196,7 @@ def _run(cfg, hf_config, flags) -> int:
         for step in range(start, cfg.train.max_steps):
             idx = global_batch_indices(len(dataset), gbs, step, cfg.seed, cfg.data.shuffle)
             seqs = samples_to_sequences([dataset[i] for i in idx])
-            metrics = train_step(state, seqs, normalizer, cfg.train, pad_id)
+            metrics = train_step(state, seqs, normalizer, cfg.train, pad_id, step=step + 1)
             done = step + 1
             metrics["data/consumed_samples"] = done * gbs
             metrics["data/epoch"] = done * gbs / len(dataset)
@@ -197,6 +207,7 @@ def _run(cfg, hf_config, flags) -> int:
                 _log_sample_ids(cfg.logging.dir, done, idx)
             bar.update(1)
             bar.set_postfix(format_postfix(metrics))
+            state.guard.raise_if_diverged()
             first = metrics["loss"] if first is None else first
             last = metrics["loss"]
             stop = monitor.should_stop(done) if done < cfg.train.max_steps else None

@@ -6,9 +6,11 @@ so gradients are never divided by a token or micro-batch count.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from engine.nonfinite import NonFiniteGuard
 
 
 @dataclass
@@ -18,6 +20,7 @@ class TrainState:
     scheduler: object       # megatron OptimizerParamScheduler
     hf_config: dict
     vocab_size: int
+    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)  # skipped-step accounting
 
 
 def finalize_grads(model, num_tokens=None, **kwargs):

@@ -102,6 +102,7 @@ def compute_token_logprobs(chunks: list, seqs: list[SequenceData], train_cfg, vo
     from megatron.core import parallel_state as ps
 
     from engine.loss import GlobalLossNormalizer
+    from engine.nonfinite import guarded_optimizer_step
     from engine.sft_batches import build_rank_batch
     from engine.step import run_micro_batches
     from engine.token_losses import token_logprobs
@@ -163,10 +164,13 @@ def policy_update(state, seqs: list[SequenceData], loss_cfg, train_cfg,
                   settings: PolicyLossSettings, horizon: float, pad_id: int = 0
                   ) -> dict[str, float]:
     """One optimizer step on the mini-batch `seqs` (every rank passes the same list); returns
-    the globally reduced weighted sums (REPORT_KEYS), grad_norm and lr."""
+    the globally reduced weighted sums (REPORT_KEYS), grad_norm and lr. A non-finite loss or
+    gradient skips the update and is counted in `state.guard` (engine.nonfinite); the RL loop
+    calls `state.guard.raise_if_diverged()` after logging the step."""
     from megatron.core import parallel_state as ps
 
     from engine.loss import GlobalLossNormalizer
+    from engine.nonfinite import guarded_optimizer_step
     from engine.sft_batches import build_rank_batch
     from engine.step import reduce_reports, run_micro_batches
     from engine.trainer import current_lr
@@ -179,12 +183,15 @@ def policy_update(state, seqs: list[SequenceData], loss_cfg, train_cfg,
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     reports = run_micro_batches(state.chunks, batch.micro_batches, policy_loss_fn(settings))
-    ok, grad_norm, _ = state.optimizer.step()
-    lr = current_lr(state.optimizer)
-    state.scheduler.step(increment=1)
     out = reduce_reports(reports, REPORT_KEYS)
-    out.update({"grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": lr,
-                "train/update_skipped": 0.0 if ok else 1.0,
+    label = state.scheduler.num_steps + state.guard.skipped + 1  # optimizer steps attempted
+    stepped, grad_norm = guarded_optimizer_step(state.optimizer, out["policy/loss"])
+    lr = current_lr(state.optimizer)
+    if stepped:
+        state.scheduler.step(increment=1)
+    state.guard.record(label, stepped, out["policy/loss"], grad_norm)
+    out.update({"grad_norm": grad_norm, "lr": lr,
+                "train/update_skipped": 0.0 if stepped else 1.0,
                 "train/micro_batches": float(len(batch.micro_batches)),
                 "time/update_s": time.perf_counter() - t0})
     return out

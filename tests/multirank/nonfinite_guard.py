@@ -1,0 +1,107 @@
+"""Skipped non-finite steps leave no trace (launched by tests/test_nonfinite.py).
+
+    torchrun --nproc_per_node 2 tests/multirank/nonfinite_guard.py MODEL_DIR
+
+For each layout (DP2 with the distributed optimizer, TP2, PP2), in the same processes:
+- reference R: train_step on batches 0 and 2;
+- guarded G: train_step on batch 0; then the first parameter of every rank's first chunk is
+  filled with NaN and train_step runs batch 1 (must be skipped on every rank); the parameter
+  is restored and train_step runs batch 2. G must end bitwise equal to R (the skipped step
+  touched no weight, Adam moment, Adam step count or LR-schedule step);
+- negative control C: as G, but with megatron's plain `optimizer.step()` instead of the guard:
+  its parameters are no longer finite after batch 2.
+Rank 0 prints one line "RESULT {json}" per layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests.multirank.checkpoint_state import batches  # noqa: E402
+
+LAYOUTS = {"dp2": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
+
+
+def local_params(state) -> list:
+    return [p.detach().clone() for c in state.chunks for p in c.parameters()]
+
+
+def run(state, data, normalizer, train, poison: bool) -> list[dict]:
+    """train_step on data[0], then (poisoned when `poison`) data[1], then data[2]."""
+    from engine.sft import train_step
+
+    out = [train_step(state, data[0], normalizer, train, step=1)]
+    if poison:
+        param = next(state.chunks[0].parameters())
+        saved = param.detach().clone()
+        param.data.fill_(float("nan"))
+        out.append(train_step(state, data[1], normalizer, train, step=2))
+        param.data.copy_(saved)
+    out.append(train_step(state, data[2], normalizer, train, step=3))
+    return out
+
+
+def plain_megatron_step(optimizer, loss):
+    ok, grad_norm, _ = optimizer.step()
+    return bool(ok), float("nan") if grad_norm is None else float(grad_norm)
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import engine.nonfinite as nonfinite
+    from engine.loss import GlobalLossNormalizer
+    from engine.trainer import build_train_state
+    from models.hf_io import read_config
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
+
+    model_dir = sys.argv[1]
+    rank, world = init_distributed()
+    hf = read_config(model_dir)
+    optim = SimpleNamespace(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.01,
+                            clip_grad=1.0, betas=[0.9, 0.95], eps=1e-8, schedule="cosine",
+                            distributed_optimizer=True)
+    train = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None,
+                            balance_dp=True, packing=False)
+    data = batches(hf["vocab_size"], 3)
+    guarded = nonfinite.guarded_optimizer_step
+    for name, kw in LAYOUTS.items():
+        setup_model_parallel(ParallelLayout(world, **kw))
+        normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
+        results = {}
+        for variant in ("R", "G", "C"):
+            nonfinite.guarded_optimizer_step = plain_megatron_step if variant == "C" else guarded
+            state = build_train_state(hf, optim, torch.float32, 6, weights_dir=model_dir)
+            metrics = run(state, data, normalizer, train, poison=variant != "R")
+            results[variant] = (metrics, local_params(state), state)
+        nonfinite.guarded_optimizer_step = guarded
+        ref, got, ctl = (results[v][1] for v in "RGC")
+        diff = max(float((a - b).abs().max()) for a, b in zip(ref, got))
+        bad = torch.tensor([0.0 if all(torch.isfinite(p).all() for p in ctl) else 1.0])
+        err = torch.tensor([diff])
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        g_metrics, g_state = results["G"][0], results["G"][2]
+        if rank == 0:
+            print("RESULT " + json.dumps({
+                "layout": name,
+                "skipped": [m["train/update_skipped"] for m in g_metrics],
+                "skipped_steps": [m["train/skipped_steps"] for m in g_metrics],
+                "poisoned_grad_norm": g_metrics[1]["grad_norm"],
+                "guard_skipped": g_state.guard.skipped,
+                "scheduler_steps": [results[v][2].scheduler.num_steps for v in "RG"],
+                "lr": [results[v][0][-1]["lr"] for v in "RG"],
+                "max_abs_diff": float(err), "control_nonfinite": bool(bad.item()),
+            }), flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
