@@ -20,7 +20,12 @@ import torch
 import torch.distributed as dist
 
 from engine.data_files import DataError
+from engine.errors import RunError
 from engine.micro_batches import SequenceData
+
+
+class RolloutFailed(RunError):
+    """The rollout backend failed rollout.max_retries + 1 times in a row."""
 
 
 @dataclass
@@ -57,19 +62,27 @@ def build_sequences(batch: RolloutBatch) -> list[SequenceData]:
 
 def broadcast_rollout(batch: RolloutBatch | Exception | None) -> RolloutBatch:
     """Share rank 0's rollout batch with every rank (collective over the world). Rank 0 passes
-    the batch, or the exception its rollout raised: then every rank raises (DataError stays a
-    DataError) instead of waiting forever. Other ranks pass None."""
+    the batch, or the exception its rollout raised: then every rank raises instead of waiting
+    forever (rank 0 its own exception; the others a DataError, RunError or RuntimeError like
+    it, so the entry point reports data errors and run failures without a traceback). Other
+    ranks pass None."""
     payload = [None]
     if dist.get_rank() == 0:
-        payload = [batch if not isinstance(batch, Exception)
-                   else ("error", isinstance(batch, DataError), f"{type(batch).__name__}: {batch}")]
+        payload = [batch if not isinstance(batch, Exception) else
+                   ("error", _error_kind(batch), f"{type(batch).__name__}: {batch}")]
     dist.broadcast_object_list(payload, src=0)
     value = payload[0]
     if isinstance(value, tuple) and value and value[0] == "error":
         if dist.get_rank() == 0 and isinstance(batch, Exception):
             raise batch
-        raise (DataError if value[1] else RuntimeError)(f"rollout on rank 0 failed: {value[2]}")
+        kinds = {"data": DataError, "run": RunError, "other": RuntimeError}
+        raise kinds[value[1]](f"rollout on rank 0 failed: {value[2]}")
     return value
+
+
+def _error_kind(error: Exception) -> str:
+    return ("data" if isinstance(error, DataError) else "run" if isinstance(error, RunError)
+            else "other")
 
 
 class RolloutCollector:
@@ -123,7 +136,7 @@ class RolloutCollector:
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                 top_p=r.top_p, seed=cfg.seed * 1_000_003 + b)
         t0 = time.perf_counter()
-        gens = self.engine.generate(prompts, params)
+        gens, retries = self._generate(prompts, params, b)
         gen_s = time.perf_counter() - t0
         items = []
         for row, prompt, gen in zip(rows, prompts, gens):
@@ -145,8 +158,40 @@ class RolloutCollector:
                      "rollout_logprobs": [g.response_logprobs for g in gens],
                      "rewards": scores_t + penalty, "scores": scores_t},
             "lengths": lengths, "penalty": penalty, "errors": errors, "gen_s": gen_s,
+            "retries": retries,
             "clipped": [g.finish_reason == "length" for g in gens],
         }
+
+    def _generate(self, prompts: list[list[int]], params, gen_batch: int) -> tuple[list, int]:
+        """`engine.generate` with bounded retries: a call that raises (or returns a wrong
+        number of generations) is retried up to rollout.max_retries times, waiting
+        rollout.retry_wait_s * 2**(k-1) seconds before retry k. Sampling is seeded per
+        generation batch, so a retry gives what the first call would have. Returns
+        (generations, retries used); raises RolloutFailed when every attempt failed."""
+        r = self.cfg.rollout
+        attempts = r.max_retries + 1
+        for attempt in range(attempts):
+            try:
+                gens = self.engine.generate(prompts, params)
+                if len(gens) != len(prompts):
+                    raise RuntimeError(f"returned {len(gens)} generations for {len(prompts)} "
+                                       "prompts")
+                return gens, attempt
+            except Exception as e:  # noqa: BLE001 - any backend failure is retried
+                error = f"{type(e).__name__}: {e}"
+            if attempt + 1 < attempts:
+                wait = r.retry_wait_s * 2 ** attempt
+                print(f"[rollout] warning: generate failed on generation batch {gen_batch} "
+                      f"(attempt {attempt + 1} of {attempts}): {error}; retrying in {wait:g} s",
+                      flush=True)
+                time.sleep(wait)
+        raise RolloutFailed(
+            f"rollout backend {r.backend!r} failed {attempts} times in a row on generation "
+            f"batch {gen_batch} (rollout.max_retries={r.max_retries}); last error: {error}. "
+            "Check the backend's own log above; for sglang also GPU memory "
+            "(rollout.sglang_mem_fraction, rollout.sleep_during_train) and that the engine "
+            "process is alive. Raise rollout.max_retries / rollout.retry_wait_s for transient "
+            "failures; with checkpoint.dir set the run resumes from its newest checkpoint")
 
     def collect(self) -> RolloutBatch:
         """The next step's rollout batch (one generation batch, or with dapo.dynamic_sampling
@@ -186,6 +231,7 @@ class RolloutCollector:
             "response/clip_ratio": sum(clipped) / len(clipped),
             "rollout/generate_calls": float(self.engine.num_generate_calls - calls0),
             "rollout/num_gen_batches": float(len(parts)),
+            "rollout/retries": float(sum(p["retries"] for p in parts)),
             "rollout/tokens_per_s": float(lengths.sum()) / gen_s if gen_s > 0 else 0.0,
         }
         if cfg.dapo.overlong_buffer > 0:

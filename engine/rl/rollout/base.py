@@ -110,9 +110,30 @@ class RolloutEngine(abc.ABC):
         """Re-acquire memory after `sleep`; see each backend for what must follow."""
 
 
+def custom_backend_class(spec: str) -> type:
+    """The RolloutEngine subclass named by `"package.module:ClassName"` (a user's own
+    backend, e.g. a client of a remote inference service). Raises ValueError saying what is
+    wrong: not importable, no such class, or not a RolloutEngine subclass."""
+    import importlib
+
+    module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise ValueError(f"rollout.backend={spec!r} is not known; choose one of "
+                         f"{', '.join(BACKENDS)} or give your own as package.module:ClassName")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"rollout.backend={spec!r} cannot be loaded: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+        raise ValueError(f"rollout.backend={spec!r} is not a subclass of "
+                         "engine.rl.rollout.RolloutEngine")
+    return cls
+
+
 def make_rollout_engine(backend: str, hf_path: str, **kwargs) -> RolloutEngine:
-    """Build the rollout engine named by `backend` ("hf" or "sglang") for the HF checkpoint
-    directory `hf_path`; `kwargs` go to the backend's constructor."""
+    """Build the rollout engine named by `backend` ("hf", "sglang", or a
+    "package.module:ClassName" subclass of RolloutEngine) for the HF checkpoint directory
+    `hf_path`; `kwargs` go to the backend's constructor."""
     if backend == "hf":
         from engine.rl.rollout.hf_backend import HFRolloutEngine
 
@@ -121,4 +142,4 @@ def make_rollout_engine(backend: str, hf_path: str, **kwargs) -> RolloutEngine:
         from engine.rl.rollout.sglang_backend import SGLangRolloutEngine
 
         return SGLangRolloutEngine(hf_path, **kwargs)
-    raise ValueError(f"rollout.backend={backend!r} is not known; choose one of {list(BACKENDS)}")
+    return custom_backend_class(backend)(hf_path, **kwargs)

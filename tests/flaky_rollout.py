@@ -1,0 +1,30 @@
+"""Rollout backends that fail on purpose, for the retry tests (engine.rl.rollout_batch).
+
+Used as `rollout.backend=tests.flaky_rollout:FlakyHFEngine` (a user-supplied backend class,
+like any "package.module:Class"). Both are the HF backend with a failing `_generate`:
+- FlakyHFEngine: the first FLAKY_ROLLOUT_FAILURES (environment, default 2) generate calls raise
+  ConnectionError, later calls work: a transient failure the retries absorb;
+- BrokenHFEngine: every call raises RuntimeError: a backend that is gone for good.
+"""
+from __future__ import annotations
+
+import os
+
+from engine.rl.rollout.hf_backend import HFRolloutEngine
+
+
+class FlakyHFEngine(HFRolloutEngine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failures_left = int(os.environ.get("FLAKY_ROLLOUT_FAILURES", "2"))
+
+    def _generate(self, prompts, params):
+        if self.failures_left > 0:
+            self.failures_left -= 1
+            raise ConnectionError("simulated: connection to the inference server was reset")
+        return super()._generate(prompts, params)
+
+
+class BrokenHFEngine(HFRolloutEngine):
+    def _generate(self, prompts, params):
+        raise RuntimeError("simulated: CUDA error: an illegal memory access was encountered")
