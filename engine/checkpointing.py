@@ -17,13 +17,17 @@ these state-dict keys:
   ShardedObject element per global rank. They are restored only at the same layout; after a
   layout change they are left as seeded (the SFT step itself draws no random numbers: no
   dropout, data order from the step);
-- `layout`, `iteration`, `format_version`: what was saved, for checks and humans.
+- `layout`, `iteration`, `format_version`: what was saved, for checks and humans;
+- `extra` (optional; absent from SFT checkpoints): a dict of plain JSON values a training loop
+  needs besides the data position (the RL loop saves its rollout collector's
+  `next_gen_batch`). `read_checkpoint_info(dir)["extra"]` returns it ({} when absent).
 
 The directory layout and the atomic-save protocol are engine.checkpoint_io's. Functions here
 marked "collective" must be called by every rank of the default process group.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -37,6 +41,7 @@ import torch.distributed as dist
 
 from engine.checkpoint_io import (CheckpointError, iteration_dir, prune, publish,
                                   resolve_resume, staging_dir, write_complete_marker)
+from engine.checkpoint_writer import install as install_writer_queue
 from engine.fault_injection import maybe_crash
 
 FORMAT_VERSION = 1
@@ -65,9 +70,11 @@ class DataPosition:
     def consumed_samples(self) -> int:
         return self.step * self.global_batch_size
 
-    def mismatches(self, run: "DataPosition") -> list[str]:
-        """Why this saved position cannot continue `run` (the current configuration)."""
-        keys = {"global_batch_size": "train.global_batch_size",
+    def mismatches(self, run: "DataPosition",
+                   batch_key: str = "train.global_batch_size") -> list[str]:
+        """Why this saved position cannot continue `run` (the current configuration);
+        `batch_key` names the config key of global_batch_size in the messages."""
+        keys = {"global_batch_size": batch_key,
                 "num_samples": "the training dataset size (data.train_files)",
                 "seed": "seed", "shuffle": "data.shuffle"}
         return [f"{name}: checkpoint has {getattr(self, field)}, this run has "
@@ -159,10 +166,25 @@ def _load_optimizer(optimizer, loaded) -> None:
         optimizer._synchronize_steps()
 
 
+def _plain_extra(extra: dict) -> dict:
+    """A copy of `extra` after checking that it is a dict with str keys whose values survive a
+    JSON round trip unchanged (bool, int, float, str, None, lists and dicts of them); raises
+    TypeError otherwise."""
+    try:
+        ok = (isinstance(extra, dict) and all(isinstance(k, str) for k in extra)
+              and json.loads(json.dumps(extra)) == extra)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise TypeError(f"checkpoint extra must be a dict of plain JSON values, got {extra!r}")
+    return json.loads(json.dumps(extra))
+
+
 def training_state_dict(state, position: DataPosition, is_loading: bool,
-                        with_rng: bool = True) -> dict:
-    """The sharded state dict of a TrainState (keys in the module docstring). Collective
-    (the optimizer's sharded state dict gathers nothing, but must be built on every rank)."""
+                        with_rng: bool = True, extra: Optional[dict] = None) -> dict:
+    """The sharded state dict of a TrainState (keys in the module docstring), with `extra`
+    (plain values, the same on every rank) when given. Collective (the optimizer's sharded
+    state dict gathers nothing, but must be built on every rank)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from models.checkpoint import model_sharded_state_dict
@@ -180,6 +202,8 @@ def training_state_dict(state, position: DataPosition, is_loading: bool,
         "iteration": position.step,
         "format_version": FORMAT_VERSION,
     }
+    if extra is not None:
+        sd["extra"] = _plain_extra(extra)
     if with_rng:
         sd["rng"] = ShardedObject("rng_state", capture_rng(), (dist.get_world_size(),),
                                   (dist.get_rank(),), replica_id=0)
@@ -206,23 +230,30 @@ def _broadcast_error(message: Optional[str]) -> None:
 def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosition,
                              hf_config: dict, tokenizer_dir: Optional[str],
                              keep_last: Optional[int] = None,
-                             config_yaml: Optional[str] = None) -> Path:
+                             config_yaml: Optional[str] = None,
+                             extra: Optional[dict] = None) -> Path:
     """Collective: save `state` after `position.step` optimizer steps as
     `root/iter_%07d` (atomic, see engine.checkpoint_io), then prune to `keep_last`.
-    Returns the published directory; raises CheckpointError on every rank if rank 0 could not
-    verify or publish it."""
+    `extra`: optional plain JSON values (identical on every rank; rank 0's copy is stored),
+    returned by read_checkpoint_info(...)["extra"]; None stores no `extra` key (the SFT
+    checkpoint format). Returns the published directory; raises CheckpointError on every rank
+    if rank 0 could not verify or publish it (TypeError, before anything is written, when
+    `extra` is not plain)."""
     from megatron.core import dist_checkpointing
 
     from models.checkpoint import write_metadata
 
+    if extra is not None:
+        _plain_extra(extra)
     rank = dist.get_rank()
     stage = staging_dir(root, position.step)
     if rank == 0:
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
     dist.barrier()
+    install_writer_queue()   # megatron's writer helper process must die with this rank
     maybe_crash("save", rank, position.step)
-    sd = training_state_dict(state, position, is_loading=False)
+    sd = training_state_dict(state, position, is_loading=False, extra=extra)
     # ends with a barrier: every rank's shards are written when it returns
     dist_checkpointing.save(sd, str(stage),
                             preprocess_common_before_consistancy_check=_without_gathered_state)
@@ -232,8 +263,10 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
             write_metadata(stage, hf_config, tokenizer_dir)
             if config_yaml is not None:
                 (stage / "config.yaml").write_text(config_yaml)
-            write_complete_marker(stage, position.step,
-                                  {"layout": sd["layout"], "data": sd["data"]})
+            info = {"layout": sd["layout"], "data": sd["data"]}
+            if extra is not None:
+                info["extra"] = sd["extra"]
+            write_complete_marker(stage, position.step, info)
             publish(root, position.step)
             for p in prune(root, keep_last):
                 print(f"[checkpoint] removed {p} (checkpoint.keep_last={keep_last})",
@@ -245,13 +278,16 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
 
 
 def read_checkpoint_info(ckpt_dir: str | os.PathLike) -> dict:
-    """The non-sharded part of a training checkpoint: data, scheduler, layout, iteration."""
+    """The non-sharded part of a training checkpoint: data, scheduler, layout, iteration,
+    optimizer param groups and `extra` (the plain values given to save_training_checkpoint; {}
+    when none were saved). Reads the file system only (no collective)."""
     from megatron.core import dist_checkpointing
 
     common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
     if "data" not in common or "scheduler" not in common:
         raise CheckpointError(f"{ckpt_dir} is a model-only checkpoint (no data position or "
                               "optimizer state); use it as weights, not for checkpoint.resume")
+    common.setdefault("extra", {})
     return common
 
 
@@ -278,19 +314,21 @@ def _schedule_differences(saved: dict, configured: dict) -> list[str]:
             and saved[k] != configured[k]]
 
 
-def load_training_checkpoint(state, ckpt_dir: str | os.PathLike,
-                             run_position: DataPosition) -> DataPosition:
+def load_training_checkpoint(state, ckpt_dir: str | os.PathLike, run_position: DataPosition,
+                             batch_key: str = "train.global_batch_size") -> DataPosition:
     """Collective: load model, optimizer, scheduler (and RNG at the same layout) from
     `ckpt_dir` into `state`, built for the current layout. `run_position` describes this run
     (its step is ignored); raises ResumeMismatchError if the checkpoint belongs to another data
-    stream. Returns the saved position: training continues at its `step`."""
+    stream (`batch_key`: the config key of the batch size, named in that message). Returns the
+    saved position: training continues at its `step`. The saved `extra` values, if any, come
+    from read_checkpoint_info."""
     from megatron.core import dist_checkpointing
 
     from models.bridge import unwrap
 
     info = read_checkpoint_info(ckpt_dir)
     saved = DataPosition(**info["data"])
-    problems = saved.mismatches(run_position)
+    problems = saved.mismatches(run_position, batch_key)
     if problems:
         raise ResumeMismatchError(f"cannot resume from {ckpt_dir}: the data stream differs "
                                   "(" + "; ".join(problems) + "); restore those settings, or "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Callable
 
 
@@ -34,6 +35,8 @@ def run_entry(run: Callable, argv: list[str], schema=None,
         cfg, flags = load_config(schema or SFTConfig, argv)
         hf_config = (validate or validate_common)(cfg, world)
     except ConfigError as e:
+        if _rank() != 0:  # let rank 0 print before torchrun stops the job on the first exit
+            time.sleep(3)
         return fail(str(e))
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
@@ -48,5 +51,5 @@ def run_entry(run: Callable, argv: list[str], schema=None,
         rc = fail(f"data: {e}")
     except RunError as e:
         rc = fail(str(e), code=1)
-    shutdown()
+    shutdown(barrier=rc == 0)
     return rc

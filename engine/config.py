@@ -60,6 +60,7 @@ class TrainConfig:
     eval_interval: int = 0               # eval/loss every N steps (0: never); needs eval_files
     exit_interval: Optional[int] = None  # stop after a step number divisible by this
     exit_duration_mins: Optional[float] = None  # stop after this much wall time (minutes)
+    max_consecutive_nonfinite_steps: int = 3  # skipped (inf/NaN) steps in a row before stopping
 
 
 @dataclass
@@ -156,7 +157,7 @@ def load_config(schema: type, argv: list[str]) -> tuple[Any, list[str]]:
         base = OmegaConf.structured(schema)
         if config_file:
             if not os.path.isfile(config_file):
-                raise ConfigError(f"config file not found: {config_file}")
+                raise ConfigError(f"--config {config_file}: file not found")
             base = OmegaConf.merge(base, OmegaConf.load(config_file))
         name = f"_run_{schema.__name__}"
         ConfigStore.instance().store(name=name, node=base)
@@ -168,14 +169,57 @@ def load_config(schema: type, argv: list[str]) -> tuple[Any, list[str]]:
     except ConfigError:
         raise
     except (OmegaConfBaseException, Exception) as e:  # hydra wraps errors in several types
-        parts, err = [], e
-        while err is not None:
-            text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-            if text and text not in parts:
-                parts.append(text)
-            err = err.__cause__ or err.__context__
-        detail = "; ".join(parts)
-        raise ConfigError(f"invalid configuration: {detail}") from None
+        raise ConfigError(_describe_load_error(e, schema, config_file)) from None
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+    """`error` and the exceptions it was raised from, outermost first."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _group_keys(schema: type, group: str) -> list[str]:
+    """The keys of config group `group` of `schema` ("" for the top level; [] if no group)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(schema)
+    if group:
+        node = OmegaConf.select(node, group, default=None)
+    return [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []
+
+
+def _describe_load_error(error: BaseException, schema: type, config_file: Optional[str]) -> str:
+    """The message for a failure of load_config. An unknown key: the key, where it was given
+    and the valid keys of its group. A value of the wrong type: the key and what was wrong.
+    Anything else (YAML syntax, override syntax): the messages of the exception chain."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    chain = _error_chain(error)
+    origin = ("on the command line" if isinstance(chain[0], HydraException)
+              else f"in --config {config_file}")
+    for err in chain:
+        key = getattr(err, "full_key", None)
+        if not key:
+            continue
+        first_line = str(err).splitlines()[0].strip()
+        if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+            group = key.rpartition(".")[0]
+            valid = ", ".join(_group_keys(schema, group))
+            return (f"unknown key {key} {origin}; valid keys of "
+                    f"{group or 'the top level'}: {valid}")
+        if isinstance(err, ValidationError):
+            hint = (f"; write a list: {key}=[a,b]" if "ListConfig" in first_line else "")
+            return f"{key}: {first_line} ({origin}){hint}"
+    parts: list[str] = []
+    for err in chain:
+        text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        if text and text not in parts:
+            parts.append(text)
+    return f"invalid configuration {origin}: " + "; ".join(parts)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -223,15 +267,32 @@ def read_model_config(cfg) -> dict:
 
 
 def data_file_problems(cfg, require_train: bool = True) -> list[str]:
-    """Missing data files (and no train_files at all when `require_train`)."""
+    """Missing data files, files of an unsupported format (and no train_files at all when
+    `require_train`)."""
+    from engine.data_files import SUPPORTED_EXTENSIONS
+
     problems = []
     if require_train and not cfg.data.train_files:
-        problems.append("data.train_files is empty; give one or more .jsonl/.parquet files")
+        problems.append("data.train_files is empty; give one or more .jsonl/.parquet files: "
+                        "data.train_files=[a.jsonl,b.parquet]")
     for key in ("train_files", "eval_files"):
         for f in getattr(cfg.data, key):
-            if not os.path.isfile(f):
+            ext = os.path.splitext(f)[1].lower()
+            if ext not in SUPPORTED_EXTENSIONS:
+                problems.append(f"data.{key}: {f} has extension {ext or '(none)'!r}; supported: "
+                                f"{', '.join(SUPPORTED_EXTENSIONS)} (JSON lines or Parquet)")
+            elif not os.path.isfile(f):
                 problems.append(f"data.{key}: file not found: {f}")
     return problems
+
+
+def model_dir_problems(cfg) -> list[str]:
+    """What the folder at model.hf_path lacks for training (weights, tokenizer, chat
+    template); call after read_model_config accepted the folder."""
+    from models.hf_io import training_dir_problems
+
+    return [f"model.hf_path={cfg.model.hf_path}: {p}"
+            for p in training_dir_problems(cfg.model.hf_path)]
 
 
 def value_problems(cfg) -> list[str]:
@@ -247,6 +308,8 @@ def value_problems(cfg) -> list[str]:
     _positive(p, cfg.train.micro_batch_size, "train.micro_batch_size")
     _positive(p, cfg.train.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch",
               optional=True)
+    _positive(p, cfg.train.max_consecutive_nonfinite_steps,
+              "train.max_consecutive_nonfinite_steps")
     if len(cfg.optim.betas) != 2:
         p.append(f"optim.betas={list(cfg.optim.betas)} must hold two numbers")
     return p
@@ -267,22 +330,32 @@ def layout_problems(cfg, world_size: int, hf_config: dict) -> list[str]:
 def validate_common(cfg, world_size: int) -> dict:
     """Checks shared by SFT and RL; returns the HF config dict. Runs before process groups."""
     hf_config = read_model_config(cfg)
-    raise_problems(data_file_problems(cfg) + value_problems(cfg)
+    raise_problems(model_dir_problems(cfg) + data_file_problems(cfg) + value_problems(cfg)
                    + layout_problems(cfg, world_size, hf_config))
     return hf_config
 
 
 def sft_problems(cfg) -> list[str]:
-    """SFT-only keys: train.global_batch_size, eval and exit intervals, cfg.checkpoint."""
+    """SFT-only keys: train.global_batch_size, the eval interval, and (shared with RL)
+    checkpoint_config_problems."""
+    p: list[str] = []
+    _positive(p, cfg.train.global_batch_size, "train.global_batch_size")
+    _positive(p, cfg.train.eval_interval, "train.eval_interval", allow_zero=True)
+    return p + checkpoint_config_problems(cfg)
+
+
+def checkpoint_config_problems(cfg) -> list[str]:
+    """The checkpoint and exit keys shared by SFT and RL (cfg.checkpoint, train.exit_interval,
+    train.exit_duration_mins): ranges, checkpoint.dir, checkpoint.resume (reads the file
+    system: the resume path must exist; resume=never needs a checkpoint.dir without
+    checkpoints)."""
     from engine.checkpoint_io import list_iterations
 
     p: list[str] = []
     ck = cfg.checkpoint
-    _positive(p, cfg.train.global_batch_size, "train.global_batch_size")
     _positive(p, ck.save_interval, "checkpoint.save_interval", allow_zero=True)
     _positive(p, ck.keep_last, "checkpoint.keep_last", optional=True)
     _positive(p, cfg.train.exit_interval, "train.exit_interval", optional=True)
-    _positive(p, cfg.train.eval_interval, "train.eval_interval", allow_zero=True)
     if cfg.train.exit_duration_mins is not None and not cfg.train.exit_duration_mins > 0:
         p.append(f"train.exit_duration_mins={cfg.train.exit_duration_mins!r} must be null or "
                  "> 0")

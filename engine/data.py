@@ -51,15 +51,16 @@ class Sample:
 
 def _eos_id(tokenizer) -> int:
     if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos token; prompt/response rows need one")
+        raise DataError("the tokenizer (model.hf_path) has no eos token; prompt/response rows "
+                        "need one to end the response")
     return int(tokenizer.eos_token_id)
 
 
 def _chat_template_text(tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if not template:
-        raise ValueError("the tokenizer has no chat template; rows with messages or prompts "
-                         "are rendered with it")
+        raise DataError("the tokenizer (model.hf_path) has no chat template; rows with "
+                        "messages or prompts are rendered with it")
     return template if isinstance(template, str) else "\n".join(map(str, template.values()))
 
 
@@ -172,15 +173,18 @@ class SFTDataset:
     ``lengths[i]`` (sample length L) and ``loss_tokens[i]`` (trained positions) are numpy int64
     arrays, so any rank can get the shape and counts of a whole global batch without building
     Samples. ``stats``: rows read, truncated, dropped_empty (rendered to fewer than 2 ids, no
-    sample possible) and empty_loss (kept, but no trained token).
+    sample possible) and empty_loss (kept, but no trained token). ``seq_length`` and
+    ``truncation``: the limits it was loaded with (None when not given), named by describe().
     """
 
     def __init__(self, ids: np.ndarray, trained: np.ndarray, offsets: np.ndarray,
-                 stats: dict[str, int]):
+                 stats: dict[str, int], seq_length: int | None = None,
+                 truncation: str | None = None):
         self._ids = ids
         self._trained = trained
         self._offsets = offsets
         self.stats = stats
+        self.seq_length, self.truncation = seq_length, truncation
         self.lengths = (np.diff(offsets) - 1).astype(np.int64)
         cum = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
         starts = offsets[:-1] + 1  # the first rendered id never is a label
@@ -188,6 +192,16 @@ class SFTDataset:
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
+
+    def describe(self) -> str:
+        """One line for the run log with every count of `stats`: samples kept, rows truncated
+        (with the limit and data.truncation), dropped, and kept without a trained token."""
+        s = self.stats
+        limit = (f"longer than train.seq_length={self.seq_length} tokens, cut on the "
+                 f"{self.truncation}" if self.seq_length else "cut to the length limit")
+        return (f"{len(self)} samples from {s['rows']} rows; truncated: {s['truncated']} "
+                f"({limit}); dropped: {s['dropped_empty']} (under 2 tokens); "
+                f"no trained token: {s['empty_loss']} (kept)")
 
     def __getitem__(self, i: int) -> Sample:
         if not -len(self) <= i < len(self):
@@ -206,7 +220,9 @@ def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
     A rendered row may have at most seq_length + 1 ids (a Sample of at most seq_length tokens).
     Longer rows: truncation="right" keeps the first seq_length + 1 ids (stats["truncated"]);
     truncation="error" raises DataError with file:line and both lengths. Rows that end up with
-    no trained token are kept and counted in stats["empty_loss"]. No rows -> DataError.
+    no trained token are kept and counted in stats["empty_loss"]. Raises DataError (naming the
+    files and what to change) when no sample is left, or no sample has a trained token.
+    Messages name the config keys train.seq_length and data.truncation.
     """
     if truncation not in TRUNCATION_CHOICES:
         raise ValueError(f"truncation={truncation!r} is not one of {', '.join(TRUNCATION_CHOICES)}")
@@ -216,14 +232,18 @@ def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
     max_ids = int(seq_length) + 1
     ids_buf, trained_buf, offsets = array.array("q"), array.array("b"), [0]
     stats = {"rows": 0, "truncated": 0, "dropped_empty": 0, "empty_loss": 0}
+    longest = 0
     for path, line, row in read_rows(paths):
         loc = where_of(path, line)
         stats["rows"] += 1
         ids, trained = render_sft_row(row, tokenizer, loc)
+        longest = max(longest, len(ids))
         if len(ids) > max_ids:
             if truncation == "error":
                 raise DataError(f"{loc}: rendered row has {len(ids)} tokens, more than "
-                                f"seq_length + 1 = {max_ids}")
+                                f"train.seq_length + 1 = {max_ids} (data.truncation=error); "
+                                f"raise train.seq_length, shorten the row, or set "
+                                f"data.truncation=right to cut long rows")
             ids, trained = ids[:max_ids], trained[:max_ids]
             stats["truncated"] += 1
         if len(ids) < 2:
@@ -234,12 +254,31 @@ def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
         ids_buf.extend(ids)
         trained_buf.extend(trained)
         offsets.append(len(ids_buf))
-    if len(offsets) == 1:
-        raise DataError(f"no training samples in {', '.join(paths)} "
-                        f"({stats['rows']} rows read, {stats['dropped_empty']} too short)")
+    _check_not_empty(paths, stats, int(seq_length), longest)
     return SFTDataset(np.frombuffer(ids_buf, dtype=np.int64).copy(),
                       np.frombuffer(trained_buf, dtype=np.int8).copy(),
-                      np.asarray(offsets, dtype=np.int64), stats)
+                      np.asarray(offsets, dtype=np.int64), stats,
+                      seq_length=int(seq_length), truncation=truncation)
+
+
+def _check_not_empty(paths: list[str], stats: dict[str, int], seq_length: int,
+                     longest: int) -> None:
+    """Raise DataError when load_sft_dataset kept no sample, or no sample with a trained
+    token (a run that would train nothing), saying why and what to change. `longest`: the
+    most ids a row rendered to."""
+    files = ", ".join(paths)
+    kept = stats["rows"] - stats["dropped_empty"]
+    if stats["rows"] == 0:
+        raise DataError(f"no training samples in {files}: the files hold no rows")
+    if kept == 0:
+        raise DataError(f"no training samples in {files}: all {stats['rows']} rows were "
+                        "dropped (they render to fewer than 2 tokens)")
+    if stats["empty_loss"] == kept:
+        cause = (f"{stats['truncated']} rows were cut to train.seq_length={seq_length} tokens "
+                 f"(the longest needs {longest - 1}); raise train.seq_length"
+                 if stats["truncated"] else "rows need an assistant message or a response")
+        raise DataError(f"no training samples with a trained token in {files}: none of the "
+                        f"{kept} samples has an assistant/response token left; {cause}")
 
 
 def global_batch_indices(num_samples: int, global_batch_size: int, step: int, seed: int,
@@ -267,16 +306,19 @@ def global_batch_indices(num_samples: int, global_batch_size: int, step: int, se
 
 # ----------------------------------------------------------------------------- RL prompts
 
-def load_prompt_rows(files: str | Sequence[str]) -> list[dict]:
+def load_prompt_rows(files: str | Sequence[str], locations: list | None = None) -> list[dict]:
     """RL prompt rows ``{"prompt": str | messages, "answer": str, ...extra fields kept}``.
 
     An integer answer is turned into its decimal string. Raises DataError with file:line for a
-    missing or invalid prompt/answer, and naming the files when there is no row at all.
+    missing or invalid prompt/answer, and naming the files when there is no row at all. When
+    `locations` is a list, the "file:line" of every row is appended to it.
     """
     paths = as_file_list(files)
     rows: list[dict] = []
     for path, line, row in read_rows(paths):
         loc = where_of(path, line)
+        if locations is not None:
+            locations.append(loc)
         for key in ("prompt", "answer"):
             if key not in row:
                 raise DataError(f"{loc}: missing field {key!r}")

@@ -59,10 +59,11 @@ def _read_jsonl(path: str) -> Iterator[tuple[str, int, dict]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 raise DataError(f"{where(path, line_no)}: invalid JSON ({e.msg} at column "
-                                f"{e.colno})") from None
+                                f"{e.colno}); each line must hold one complete JSON object"
+                                ) from None
             if not isinstance(row, dict):
                 raise DataError(f"{where(path, line_no)}: expected a JSON object, got "
                                 f"{type(row).__name__}")

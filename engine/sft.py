@@ -155,8 +155,10 @@ def _run(cfg, hf_config, flags) -> int:
         eval_ds = load_sft_dataset(cfg.data.eval_files, tokenizer, cfg.train.seq_length,
                                    cfg.data.truncation)
         eval_seqs = samples_to_sequences([eval_ds[i] for i in range(len(eval_ds))])
+        if rank == 0:
+            print(f"[sft] eval data: {eval_ds.describe()}", flush=True)
     if rank == 0:
-        print(f"[sft] {len(dataset)} samples; data stats {dataset.stats}", flush=True)
+        print(f"[sft] train data: {dataset.describe()}", flush=True)
     gbs = cfg.train.global_batch_size
     position = DataPosition(0, gbs, len(dataset), cfg.seed, cfg.data.shuffle)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32

@@ -27,9 +27,11 @@ ARCHITECTURES: dict[str, Architecture] = {
 
 def architecture_of(hf_config) -> Architecture:
     """The Architecture for an HF config (object or dict), or a clear error listing the choices."""
-    model_type = hf_config["model_type"] if isinstance(hf_config, dict) else hf_config.model_type
+    model_type = (hf_config.get("model_type") if isinstance(hf_config, dict)
+                  else getattr(hf_config, "model_type", None))
     if model_type not in ARCHITECTURES:
+        supported = ", ".join(f"{a.name} ({a.hf_class})" for a in ARCHITECTURES.values())
         raise UnsupportedArchitectureError(
-            f"unsupported architecture model_type={model_type!r}; supported: "
-            f"{sorted(ARCHITECTURES)}")
+            f"unsupported architecture model_type={model_type!r} in config.json; supported "
+            f"model_type values: {supported}")
     return ARCHITECTURES[model_type]

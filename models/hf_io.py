@@ -24,7 +24,44 @@ def read_config(hf_dir: str | os.PathLike) -> dict:
     cfg = path / "config.json"
     if not cfg.is_file():
         raise HFCheckpointError(f"no config.json in HF model directory {path}")
-    return json.loads(cfg.read_text())
+    try:
+        return json.loads(cfg.read_text())
+    except ValueError as e:
+        raise HFCheckpointError(f"{cfg} is not valid JSON ({e})") from None
+
+
+# Files that hold a tokenizer's vocabulary (any one suffices) and the places transformers reads
+# a chat template from (besides the "chat_template" key of tokenizer_config.json).
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+
+
+def _has_chat_template(path: Path) -> bool:
+    if any((path / name).exists() for name in CHAT_TEMPLATE_FILES):
+        return True
+    try:
+        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def training_dir_problems(hf_dir: str | os.PathLike) -> list[str]:
+    """What an existing HF folder lacks for training from it (empty list: nothing): safetensors
+    weights, a tokenizer, and a chat template (every SFT row and RL prompt is rendered with
+    it). Reads the file system only."""
+    path = Path(hf_dir)
+    problems = []
+    if not ((path / "model.safetensors").is_file()
+            or (path / "model.safetensors.index.json").is_file()):
+        problems.append("no weights: model.safetensors or model.safetensors.index.json is "
+                        "missing")
+    if not any((path / name).is_file() for name in VOCAB_FILES):
+        problems.append(f"no tokenizer: none of {', '.join(VOCAB_FILES)} is present")
+    elif not _has_chat_template(path):
+        problems.append("the tokenizer has no chat template (no chat_template.jinja and no "
+                        "chat_template in tokenizer_config.json); use a chat/instruct model's "
+                        "tokenizer files or add a template")
+    return problems
 
 
 class SafetensorsReader:

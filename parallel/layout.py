@@ -50,30 +50,35 @@ class ParallelLayout:
                 f"world size {self.world_size} is not divisible by parallel.tp x parallel.pp x "
                 f"parallel.cp = {self.tp} x {self.pp} x {self.cp} = {self.model_parallel_size}; "
                 f"valid (tp, pp, cp) products divide {self.world_size}: "
-                f"{_divisors(self.world_size)}")
+                f"{_divisors(self.world_size)} (world size: processes launched, nodes x "
+                f"nproc_per_node)")
         if self.vpp is not None and self.vpp > 1 and self.pp < 2:
             out.append(f"parallel.vpp={self.vpp} needs parallel.pp >= 2 (got pp={self.pp})")
         if num_layers is not None:
             chunks = self.pp * (self.vpp or 1)
             if num_layers % chunks:
                 out.append(
-                    f"num_layers={num_layers} is not divisible by parallel.pp x parallel.vpp = "
-                    f"{self.pp} x {self.vpp or 1} = {chunks}; valid pp x vpp products: "
-                    f"{_divisors(num_layers)}")
+                    f"the model's num_hidden_layers={num_layers} is not divisible by parallel.pp "
+                    f"x parallel.vpp = {self.pp} x {self.vpp or 1} = {chunks}; valid pp x vpp "
+                    f"products: {_divisors(num_layers)}")
         if num_heads is not None and num_heads % (self.tp * self.cp):
             out.append(
-                f"num_attention_heads={num_heads} is not divisible by parallel.tp x parallel.cp = "
-                f"{self.tp} x {self.cp}; valid tp x cp products: {_divisors(num_heads)}")
+                f"the model's num_attention_heads={num_heads} is not divisible by parallel.tp x "
+                f"parallel.cp = {self.tp} x {self.cp} = {self.tp * self.cp}; valid tp x cp "
+                f"products: {_divisors(num_heads)}")
         if num_kv_heads is not None:
             if num_kv_heads % self.tp:
                 out.append(
-                    f"num_key_value_heads={num_kv_heads} is not divisible by parallel.tp="
-                    f"{self.tp} (fused QKV is split per query group); valid tp: "
+                    f"the model's num_key_value_heads={num_kv_heads} is not divisible by "
+                    f"parallel.tp={self.tp} (fused QKV is split per query group); valid tp: "
                     f"{_divisors(num_kv_heads)}")
         if seq_length is not None and self.cp > 1 and seq_length % (2 * self.cp):
+            step = 2 * self.cp
+            lower, upper = seq_length // step * step, (seq_length // step + 1) * step
+            nearest = f"{lower} or {upper}" if lower else f"{upper}"
             out.append(
-                f"train.seq_length={seq_length} must be divisible by 2 x parallel.cp = "
-                f"{2 * self.cp} (zigzag context-parallel sharding)")
+                f"train.seq_length={seq_length} must be divisible by 2 x parallel.cp = {step} "
+                f"(zigzag context-parallel sharding); nearest valid: {nearest}")
         return out
 
     def validate(self, **model_dims) -> "ParallelLayout":

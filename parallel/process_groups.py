@@ -70,9 +70,11 @@ def teardown_model_parallel() -> None:
     mrandom.initialize_rng_tracker(force_reset=True)
 
 
-def shutdown() -> None:
-    """Tear everything down at process exit."""
+def shutdown(barrier: bool = True) -> None:
+    """Tear everything down at process exit. `barrier=False` on error paths, where the other
+    ranks may be inside another collective (a barrier would pair with it or wait forever)."""
     teardown_model_parallel()
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()

@@ -6,7 +6,9 @@
 #       recipes/rl_multi_node.sh recipes/rl/qwen3_8b_grpo_h100.yaml [key=value ...]
 #
 # The rollout engine (SGLang, `pip install -e .[gpu]`) runs on global rank 0 and spawns its
-# own tensor-parallel workers on node 0's GPUs, colocated with training.
+# own tensor-parallel workers on node 0's GPUs, colocated with training. Checkpoints go to
+# $RUN_DIR/checkpoints (on a file system every node sees); rerunning the same command
+# resumes from the newest complete one (checkpoint.resume=auto).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RECIPE=${1:?usage: rl_multi_node.sh RECIPE.yaml [key=value ...]}; shift
@@ -15,4 +17,5 @@ RECIPE=${1:?usage: rl_multi_node.sh RECIPE.yaml [key=value ...]}; shift
 RUN_DIR=${RUN_DIR:-runs/$(basename "$RECIPE" .yaml)}
 exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "${NPROC_PER_NODE:-8}" \
   --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" -m engine.rl --config "$RECIPE" \
-  model.hf_path="$MODEL_DIR" data.train_files="[$TRAIN_FILES]" logging.dir="$RUN_DIR" "$@"
+  model.hf_path="$MODEL_DIR" data.train_files="[$TRAIN_FILES]" logging.dir="$RUN_DIR" \
+  checkpoint.dir="$RUN_DIR/checkpoints" "$@"

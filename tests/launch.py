@@ -62,17 +62,33 @@ def _kill_tree(pid: int) -> None:
             child.kill()
 
 
-def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: int, env: dict | None = None
+         ) -> subprocess.CompletedProcess:
     """Run `cmd` in its own process group; on timeout kill it and all its descendants
     (torchrun workers included) and return returncode 124."""
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return wait(start(cmd, env), timeout)
+
+
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    """Start `cmd` from the repository root in its own session, output captured (text);
+    `env` adds variables to the test environment."""
+    return subprocess.Popen(cmd, cwd=REPO_ROOT, env={**_env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait(proc: subprocess.Popen, timeout: int) -> subprocess.CompletedProcess:
+    """Wait for a process from `start`, with `_run`'s timeout and printing contract."""
+    cmd = proc.args
     try:
         out, err = proc.communicate(timeout=timeout)
         rc = proc.returncode
     except subprocess.TimeoutExpired:
         _kill_tree(proc.pid)
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # an orphan outside the tree holds the pipes
+            out, err = "", "(output lost: a process outside the launch still holds the pipes)"
         rc = 124
         print(f"TIMEOUT after {timeout}s: {' '.join(cmd)}")
     if rc != 0:
@@ -81,16 +97,20 @@ def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, rc, out, err)
 
 
-def run_torchrun(nproc: int, script: str, *args: str, timeout: int = 600
-                 ) -> subprocess.CompletedProcess:
+def torchrun_cmd(nproc: int, script: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script),
+            *map(str, args)]
+
+
+def run_torchrun(nproc: int, script: str, *args: str, timeout: int = 600,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node nproc --master_port <free> script *args` from the repo root.
 
-    `script` is a path relative to the repository root (or absolute). Returns the completed
-    process; returncode 124 means it was killed after `timeout` seconds."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script),
-           *map(str, args)]
-    return _run(cmd, timeout)
+    `script` is a path relative to the repository root (or absolute); `env` adds environment
+    variables. Returns the completed process; returncode 124 means it was killed after
+    `timeout` seconds."""
+    return _run(torchrun_cmd(nproc, script, *args), timeout, env)
 
 
 def run_python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -157,10 +157,15 @@ def test_truncation_right_and_error(tok, tmp_path):
     assert ds.stats == {"rows": 2, "truncated": 1, "dropped_empty": 0, "empty_loss": 0}
     assert ds[0].tokens == SINGLE_IDS[:14] and ds[0].labels == SINGLE_IDS[1:15]
     assert ds[0].loss_mask == [0] * 13 + [1] and ds[1].tokens == PR_IDS[:-1]
-    ds = load_sft_dataset(path, tok, seq_length=10)
-    assert ds.stats == {"rows": 2, "truncated": 2, "dropped_empty": 0, "empty_loss": 2}
-    assert ds.lengths.tolist() == [10, 10] and ds.loss_tokens.tolist() == [0, 0]
-    with pytest.raises(DataError, match=r"long\.jsonl:1: rendered row has 19 tokens.* = 15"):
+    assert "truncated: 1 (longer than train.seq_length=14 tokens, cut on the right)" in \
+        ds.describe()
+    # seq_length=10 cuts every trained token: nothing to train on is an error, not a no-op run
+    with pytest.raises(DataError, match=r"none of the 2 samples has an assistant/response token"
+                       r".*2 rows were cut to train.seq_length=10 tokens \(the longest needs "
+                       r"18\)"):
+        load_sft_dataset(path, tok, seq_length=10)
+    with pytest.raises(DataError, match=r"long\.jsonl:1: rendered row has 19 tokens, more "
+                       r"than train\.seq_length \+ 1 = 15"):
         load_sft_dataset(path, tok, seq_length=14, truncation="error")
     with pytest.raises(ValueError, match="right, error"):
         load_sft_dataset(path, tok, seq_length=14, truncation="left")

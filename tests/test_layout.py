@@ -27,7 +27,7 @@ VIOLATIONS = [
     (dict(world_size=4, pp=2, vpp=0), {}, ["parallel.vpp"]),
     (dict(world_size=6, tp=4), {}, ["parallel.tp", "parallel.pp", "parallel.cp", "6"]),
     (dict(world_size=4, vpp=2), {}, ["parallel.vpp", "parallel.pp"]),
-    (dict(world_size=4, pp=4), dict(num_layers=6), ["parallel.pp", "num_layers=6"]),
+    (dict(world_size=4, pp=4), dict(num_layers=6), ["parallel.pp", "num_hidden_layers=6"]),
     (dict(world_size=4, pp=2, vpp=4), dict(num_layers=4), ["parallel.pp", "parallel.vpp"]),
     (dict(world_size=16, tp=4, cp=4), dict(num_heads=8), ["parallel.tp", "parallel.cp",
                                                           "num_attention_heads=8"]),
@@ -53,7 +53,7 @@ def test_all_problems_reported_together():
     layout = ParallelLayout(8, tp=4, pp=2)  # valid sizes, wrong for this model
     problems = layout.problems(num_layers=3, num_heads=6, num_kv_heads=2)
     assert len(problems) == 3
-    assert any("num_layers=3" in p for p in problems)
+    assert any("num_hidden_layers=3" in p for p in problems)
     assert any("num_attention_heads=6" in p for p in problems)
     assert any("num_key_value_heads=2" in p for p in problems)
 

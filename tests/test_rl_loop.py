@@ -82,8 +82,8 @@ def test_validate_names_key_and_choices(model_dir, prompts_file):
     base = [f"model.hf_path={model_dir}", f"data.train_files=[{prompts_file}]"]
     assert validate_rl(_config(base), 1)["num_hidden_layers"] == 4
     cases = {"kl.estimator=k4": "kl.estimator='k4' is not valid; choose one of k1, k2, k3",
-             "rollout.backend=vllm": "rollout.backend='vllm' is not valid; choose one of hf, "
-                                     "sglang",
+             "rollout.backend=vllm": "rollout.backend='vllm' is not known; choose one of hf, "
+                                     "sglang or give your own as package.module:ClassName",
              "rollout.n=1": "rollout.n=1 must be >= 2",
              "clip.dual_c=0.5": "clip.dual_c=0.5 must be > 1",
              "reward.fn=nomodule": "reward.fn: reward function spec 'nomodule'",
@@ -173,6 +173,33 @@ def test_grpo_generates_once_and_dapo_budget_can_run_out(model_dir):
     empty = _collector(model_dir, ["algorithm=dapo", "dapo.max_gen_batches=1"]).collect()
     assert len(empty) == 0 and empty.metrics["train/groups"] == 0
     assert empty.metrics["rollout/num_gen_batches"] == 1
+
+
+def test_over_long_prompts_follow_data_truncation(model_dir, tmp_path, capsys):
+    """Checked for every prompt before training: "right" drops and counts, "error" names
+    file:line, nothing left is an error."""
+    from transformers import AutoTokenizer
+
+    from engine.data import load_prompt_rows
+    from engine.rl.rollout_batch import fit_prompt_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "answer": 1}) + "\n" for p in
+                            ["1 + 2 ?", "what is " + "9 plus " * 20 + "1 ?", "3 + 4 ?"]))
+    locations: list[str] = []
+    rows = load_prompt_rows([str(path)], locations)
+    assert locations == [f"{path}:{i}" for i in (1, 2, 3)]
+    limit_args = ["rollout.max_new_tokens=8", "train.seq_length=40"]
+    kept = fit_prompt_rows(rows, locations, tokenizer, _config(limit_args))
+    assert [r["prompt"] for r in kept] == ["1 + 2 ?", "3 + 4 ?"]
+    assert f"dropped 1 of 3 prompts longer than 33 tokens (data.truncation=right), first at " \
+        f"{path}:2" in capsys.readouterr().out
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: the prompt renders to")):
+        fit_prompt_rows(rows, locations, tokenizer, _config(limit_args + ["data.truncation=error"]))
+    with pytest.raises(DataError, match="every prompt of data.train_files is longer than"):
+        fit_prompt_rows(rows, locations, tokenizer, _config(["rollout.max_new_tokens=8",
+                                                             "train.seq_length=9"]))
 
 
 def test_too_long_prompt_is_a_data_error(model_dir):

@@ -1,12 +1,12 @@
 """`engine.sft` through the command line, as a user runs it: metrics files, CP/packing/
-balancing layouts matching the single-process run, and configuration errors (exit code 2)."""
+balancing layouts matching the single-process run. Configuration and data errors:
+tests/test_cli_errors.py."""
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO_ROOT, run_python, run_torchrun
+from tests.launch import run_python, run_torchrun
 
 STEPS = 3
 REQUIRED = ("step", "loss", "grad_norm", "lr", "num_tokens", "num_sequences", "time/step_s",
@@ -67,24 +67,3 @@ def test_cli_layouts_match_single_process(assets, reference, tmp_path, nproc, ex
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (extra, a["step"])
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (extra, a["step"])
     assert len(rows) == STEPS
-
-
-@pytest.mark.parametrize("nproc,extra,needle", [
-    (1, ["train.nonexistent=1"], "train.nonexistent"),
-    (1, ["loss.agg_mode=mean"], "seq-mean-token-sum-norm"),
-    (2, ["parallel.tp=3"], "parallel.tp"),
-    (1, ["data.truncation=left"], "data.truncation"),
-])
-def test_config_errors_exit_2_with_the_key(assets, tmp_path, nproc, extra, needle):
-    proc = run_torchrun(nproc, *_args(assets, tmp_path, *extra), timeout=300)
-    assert proc.returncode != 0
-    assert needle in proc.stderr
-    # no traceback through our code (torchrun prints its own ChildFailedError trace)
-    assert not re.search(r'File ".*/(engine|models|parallel)/', proc.stderr)
-
-
-def test_missing_model_path_is_reported(assets, tmp_path):
-    args = _args(assets, tmp_path)
-    args[2] = "model.hf_path=/nonexistent/model"
-    proc = run_torchrun(1, *args, timeout=300)
-    assert proc.returncode != 0 and "/nonexistent/model" in proc.stderr

@@ -1,7 +1,8 @@
 """Structured configuration of the GRPO / DAPO entry point (`python -m engine.rl`).
 
-`RLConfig` reuses the SFT parts (model, data, parallel, optim, loss, logging) and adds the RL
-groups. `algorithm` only chooses defaults; every behaviour is its own key:
+`RLConfig` reuses the SFT parts (model, data, parallel, optim, loss, logging, checkpoint;
+checkpoint.save_interval and train.exit_interval count RL steps) and adds the RL groups.
+`algorithm` only chooses defaults; every behaviour is its own key:
 
 - `algorithm=grpo` (the schema defaults): symmetric clip 0.2, token-mean, KL to the initial
   policy with beta 0.001 (k3), no dynamic sampling, no overlong shaping.
@@ -18,8 +19,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.config import (ConfigError, DataConfig, LoggingConfig, LossConfig, ModelConfig,
-                           OptimConfig, ParallelConfig, validate_common)
+from engine.config import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig,
+                           LossConfig, ModelConfig, OptimConfig, ParallelConfig,
+                           validate_common)
 
 ALGORITHMS = ("grpo", "dapo")
 
@@ -35,6 +37,9 @@ class RLTrainConfig:
     seq_length: int = 512                # longest prompt + response (tokens) allowed
     balance_dp: bool = True
     packing: bool = False
+    exit_interval: Optional[int] = None  # stop after an RL step number divisible by this
+    exit_duration_mins: Optional[float] = None  # stop after this much wall time (minutes)
+    max_consecutive_nonfinite_steps: int = 3  # skipped (inf/NaN) optimizer steps in a row
 
 
 @dataclass
@@ -45,7 +50,7 @@ class RewardConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"                  # hf | sglang (generation runs on global rank 0)
+    backend: str = "hf"                  # hf | sglang | package.module:Class (on global rank 0)
     n: int = 8                           # responses per prompt (the GRPO group size)
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -56,6 +61,8 @@ class RolloutConfig:
     check_weight_sync: bool = False      # after each sync compare engine vs trainer logits
     sglang_tp_size: int = 1              # SGLang engine tensor parallel size (its own workers)
     sglang_mem_fraction: float = 0.5     # SGLang mem_fraction_static (colocated with training)
+    max_retries: int = 2                 # generate calls retried after a backend failure
+    retry_wait_s: float = 5.0            # wait before retry k: retry_wait_s * 2**(k-1)
 
 
 @dataclass
@@ -100,6 +107,7 @@ class RLConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     dapo: DAPOConfig = field(default_factory=DAPOConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # steps: RL steps
     entropy_coef: float = 0.0
     seed: int = 1234
 
@@ -157,10 +165,13 @@ def _choice(value: str, key: str, choices: tuple[str, ...]) -> None:
 
 
 def rl_problems(cfg: RLConfig) -> list[str]:
-    """Every violated constraint of the RL-only keys, as sentences naming the key."""
+    """Every violated constraint of the RL keys, as sentences naming the key; the checkpoint
+    and exit keys through engine.config.checkpoint_config_problems (same messages as SFT)."""
+    from engine.config import checkpoint_config_problems
     from engine.rl.policy_loss import KL_ESTIMATORS
     from engine.rl.rewards import load_reward_fn
     from engine.rl.rollout import BACKENDS
+    from engine.rl.rollout.base import custom_backend_class
 
     t, r, c, d = cfg.train, cfg.rollout, cfg.clip, cfg.dapo
     p: list[str] = []
@@ -177,7 +188,14 @@ def rl_problems(cfg: RLConfig) -> list[str]:
         value = getattr(t, key)
         check(isinstance(value, int) and value >= 1, f"train.{key}={value!r} must be an "
               "integer >= 1")
-    choice(r.backend, "rollout.backend", BACKENDS)
+    if r.backend not in BACKENDS:
+        try:
+            custom_backend_class(r.backend)
+        except ValueError as e:
+            p.append(str(e))
+    check(isinstance(r.max_retries, int) and r.max_retries >= 0,
+          f"rollout.max_retries={r.max_retries!r} must be an integer >= 0")
+    check(r.retry_wait_s >= 0, f"rollout.retry_wait_s={r.retry_wait_s} must be >= 0")
     check(r.n >= 2, f"rollout.n={r.n} must be >= 2 (group-relative advantages need a group)")
     check(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
     check(t.seq_length > r.max_new_tokens, f"train.seq_length={t.seq_length} must exceed "
@@ -205,7 +223,7 @@ def rl_problems(cfg: RLConfig) -> list[str]:
         load_reward_fn(cfg.reward.fn)
     except ValueError as e:
         p.append(f"reward.fn: {e}")
-    return p
+    return p + checkpoint_config_problems(cfg)
 
 
 def validate_rl(cfg: RLConfig, world_size: int) -> dict:

@@ -15,9 +15,20 @@ One RL step (DESIGN section 9):
    is streamed to global rank 0, which loads it into the rollout engine in buckets.
 Rollout engine placement: one engine, on global rank 0 (simple and correct for the HF backend;
 with SGLang rank 0's engine serves the whole job).
+
+Checkpoints (engine.checkpointing, as for SFT): with checkpoint.dir set, the run saves every
+checkpoint.save_interval RL steps and on exit (end, train.exit_interval,
+train.exit_duration_mins, SIGTERM/SIGUSR1/SIGINT; checkpoint.save_on_exit) the policy's model,
+optimizer and scheduler, the data position (RL steps done, prompts_per_step, prompt rows, seed,
+shuffle) and, as the checkpoint's `extra`, the collector's next_gen_batch (ahead of the step
+count with DAPO dynamic sampling). checkpoint.resume=auto continues from the newest complete
+checkpoint: the policy is loaded from it, the rollout engine (started from model.hf_path) is
+synced with it before the first rollout, the KL reference stays the initial policy
+(model.hf_path), and metrics.jsonl is trimmed to the resumed step.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Iterator
@@ -221,56 +232,176 @@ def rl_step(state, ref_chunks, collector, engine, cfg, hf_config, step: int, pad
 def _make_engine(cfg, dtype: torch.dtype):
     from engine.rl.rollout import make_rollout_engine
 
-    if cfg.rollout.backend == "hf":
-        return make_rollout_engine("hf", cfg.model.hf_path, dtype=dtype)
-    return make_rollout_engine("sglang", cfg.model.hf_path, tp_size=cfg.rollout.sglang_tp_size,
-                               mem_fraction_static=cfg.rollout.sglang_mem_fraction,
-                               random_seed=cfg.seed)
+    if cfg.rollout.backend == "sglang":
+        return make_rollout_engine("sglang", cfg.model.hf_path,
+                                   tp_size=cfg.rollout.sglang_tp_size,
+                                   mem_fraction_static=cfg.rollout.sglang_mem_fraction,
+                                   random_seed=cfg.seed)
+    # hf, or a user's package.module:Class backend (constructed like the HF one)
+    return make_rollout_engine(cfg.rollout.backend, cfg.model.hf_path, dtype=dtype)
+
+
+def _config_yaml(cfg) -> str:
+    from omegaconf import OmegaConf
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _data_position(cfg, steps_done: int, num_rows: int):
+    """The RL run's DataPosition: RL steps done, prompts per step, prompt rows, seed, shuffle
+    (the prompt order of generation batch b depends on these only, engine.rl.rollout_batch)."""
+    from engine.checkpointing import DataPosition
+
+    return DataPosition(steps_done, cfg.train.prompts_per_step, num_rows, cfg.seed,
+                        cfg.data.shuffle)
+
+
+def _resume_or_build(cfg, hf_config, dtype: torch.dtype, num_rows: int):
+    """Collective: the policy's TrainState, from model.hf_path or, when checkpoint.resume finds
+    a checkpoint, from it (model, optimizer, scheduler). Returns (state, RL steps done, the
+    rollout collector's next generation batch). Raises CheckpointError / ResumeMismatchError."""
+    from engine.checkpointing import (load_training_checkpoint, read_checkpoint_info,
+                                      select_resume_checkpoint)
+    from engine.nonfinite import NonFiniteGuard
+    from engine.trainer import build_train_state
+
+    ck = cfg.checkpoint
+    resume_from = select_resume_checkpoint(ck.resume, ck.dir)
+    optimizer_steps = (cfg.train.max_steps * cfg.train.mini_batches_per_step
+                       * cfg.train.epochs_per_rollout)
+    state = build_train_state(hf_config, cfg.optim, dtype, optimizer_steps,
+                              weights_dir=cfg.model.hf_path, load_weights=resume_from is None)
+    state.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps)
+    if resume_from is None:
+        return state, 0, 0
+    saved = load_training_checkpoint(state, resume_from, _data_position(cfg, 0, num_rows),
+                                     batch_key="train.prompts_per_step")
+    extra = read_checkpoint_info(resume_from)["extra"]
+    state.guard.skipped = int(extra.get("skipped_steps", 0))
+    return state, saved.step, int(extra.get("next_gen_batch", saved.step))
+
+
+def _next_gen_batch(collector) -> int:
+    """Collective: rank 0's collector.next_gen_batch on every rank (the checkpoint's common
+    state must be the same on every rank)."""
+    box = [collector.next_gen_batch if collector is not None else None]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+def _save(state, cfg, hf_config, steps_done: int, num_rows: int, collector,
+          config_yaml: str) -> None:
+    """Collective: checkpoint after `steps_done` RL steps, with the collector's next_gen_batch
+    and the count of skipped (non-finite) optimizer steps as the checkpoint's `extra`. Raises CheckpointError on every rank when the save failed."""
+    from engine.checkpointing import save_training_checkpoint
+
+    ck = cfg.checkpoint
+    extra = {"next_gen_batch": _next_gen_batch(collector),
+             "skipped_steps": state.guard.skipped}
+    path = save_training_checkpoint(state, ck.dir, _data_position(cfg, steps_done, num_rows),
+                                    hf_config, cfg.model.hf_path, ck.keep_last, config_yaml,
+                                    extra=extra)
+    if dist.get_rank() == 0:
+        print(f"[checkpoint] saved {path}", flush=True)
+
+
+def _train(state, ref_chunks, collector, engine, cfg, hf_config, pad_id: int, start: int,
+           num_rows: int) -> tuple[int, list[float]]:
+    """Collective: RL steps start+1 .. train.max_steps, with checkpoints every
+    checkpoint.save_interval steps and on exit (checkpoint.save_on_exit), stopping early when
+    engine.checkpoint_exit.StopMonitor says so. Returns (RL steps done, reward/mean of each
+    step run here)."""
+    from engine.checkpoint_exit import StopMonitor
+    from engine.metrics import MetricsLogger, format_postfix, progress_bar
+
+    rank, ck, max_steps = dist.get_rank(), cfg.checkpoint, cfg.train.max_steps
+    logger = MetricsLogger(cfg.logging.dir, enabled=rank == 0)
+    bar = progress_bar(max_steps, enabled=rank == 0 and cfg.logging.progress_bar,
+                       desc=cfg.algorithm, initial=start)
+    monitor = StopMonitor(cfg.train.exit_interval, cfg.train.exit_duration_mins)
+    config_yaml = _config_yaml(cfg)
+    rewards, done = [], start
+    try:
+        for step in range(start, max_steps):
+            metrics = rl_step(state, ref_chunks, collector, engine, cfg, hf_config, step, pad_id)
+            metrics["train/skipped_steps"] = float(state.guard.skipped)
+            done = step + 1
+            logger.log(done, metrics)
+            state.guard.raise_if_diverged()  # after logging: the bad steps are in the log
+            bar.update(1)
+            bar.set_postfix({**format_postfix(metrics),
+                             "reward": f"{metrics['reward/mean']:.3f}"})
+            rewards.append(metrics["reward/mean"])
+            stop = monitor.should_stop(done) if done < max_steps else None
+            periodic = bool(ck.save_interval) and done % ck.save_interval == 0
+            on_exit = ck.save_on_exit and (stop is not None or done == max_steps)
+            if ck.dir and (periodic or on_exit):
+                _save(state, cfg, hf_config, done, num_rows, collector, config_yaml)
+            if stop is not None:
+                if rank == 0:
+                    print(f"[rl] stopping after step {done}: {stop}", flush=True)
+                break
+    finally:
+        monitor.close()
+        bar.close()
+        logger.close()
+    return done, rewards
 
 
 def _run(cfg, hf_config, flags) -> int:
     from transformers import AutoTokenizer
 
+    from engine.checkpoint_io import rewind_jsonl
+    from engine.checkpointing import CheckpointError, ResumeMismatchError
+    from engine.cli import fail
     from engine.data import load_prompt_rows
-    from engine.metrics import MetricsLogger, format_postfix, progress_bar
     from engine.rl.rewards import load_reward_fn
-    from engine.rl.rollout_batch import RolloutCollector
-    from engine.trainer import build_train_state
+    from engine.rl.rollout_batch import RolloutCollector, fit_prompt_rows
 
     rank = dist.get_rank()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    optimizer_steps = (cfg.train.max_steps * cfg.train.mini_batches_per_step
-                       * cfg.train.epochs_per_rollout)
-    state = build_train_state(hf_config, cfg.optim, dtype, optimizer_steps,
-                              weights_dir=cfg.model.hf_path)
+    # every rank, before the model is built: data errors stop every rank at once
+    locations: list[str] = []
+    rows = fit_prompt_rows(load_prompt_rows(cfg.data.train_files, locations), locations,
+                           tokenizer, cfg)
+    try:
+        state, start, next_gen_batch = _resume_or_build(cfg, hf_config, dtype, len(rows))
+    except (CheckpointError, ResumeMismatchError) as e:
+        return fail(f"checkpoint: {e}")
+    if start >= cfg.train.max_steps:
+        if rank == 0:
+            print(f"[rl] nothing to do: {start} steps done, train.max_steps="
+                  f"{cfg.train.max_steps}", flush=True)
+        return 0
+    if rank == 0 and start > 0 and cfg.logging.dir:  # steps after the checkpoint run again
+        rewind_jsonl(os.path.join(cfg.logging.dir, "metrics.jsonl"), start)
+    # the KL reference is the initial policy (model.hf_path), also after a resume
     ref_chunks = (_build_reference(hf_config, dtype, cfg.model.hf_path) if cfg.kl.beta > 0
                   else None)
-    rows = load_prompt_rows(cfg.data.train_files)  # every rank: data errors stop every rank
     engine = collector = None
     if rank == 0:
         engine = _make_engine(cfg, dtype)
         collector = RolloutCollector(engine, rows, tokenizer, load_reward_fn(cfg.reward.fn), cfg)
+        collector.next_gen_batch = next_gen_batch
         print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {cfg.train.prompts_per_step} x "
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}",
               flush=True)
-    logger = MetricsLogger(cfg.logging.dir, enabled=rank == 0)
-    bar = progress_bar(cfg.train.max_steps, enabled=rank == 0 and cfg.logging.progress_bar,
-                       desc=cfg.algorithm)
-    rewards = []
-    for step in range(cfg.train.max_steps):
-        metrics = rl_step(state, ref_chunks, collector, engine, cfg, hf_config, step, pad_id)
-        logger.log(step + 1, metrics)
-        bar.update(1)
-        bar.set_postfix({**format_postfix(metrics),
-                         "reward": f"{metrics['reward/mean']:.3f}"})
-        rewards.append(metrics["reward/mean"])
-    bar.close()
-    logger.close()
-    if hasattr(engine, "shutdown"):
-        engine.shutdown()
+    try:
+        if start > 0:  # the engine holds model.hf_path's weights: give it the trained ones
+            sync_to_rollout(state.chunks, hf_config, engine, cfg.rollout.sync_bucket_mb)
+            if rank == 0:
+                print(f"[rl] resumed at step {start} of {cfg.train.max_steps} (next generation "
+                      f"batch {next_gen_batch}); rollout engine synced with the checkpoint's "
+                      "weights", flush=True)
+        done, rewards = _train(state, ref_chunks, collector, engine, cfg, hf_config, pad_id,
+                               start, len(rows))
+    except CheckpointError as e:
+        return fail(f"checkpoint: {e}")
+    finally:
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
     if rank == 0:
-        print(f"[rl] done: {cfg.train.max_steps} steps, first reward {rewards[0]:.4f}, "
-              f"last reward {rewards[-1]:.4f}", flush=True)
+        print(f"[rl] done: {done} of {cfg.train.max_steps} steps, first reward "
+              f"{rewards[0]:.4f}, last reward {rewards[-1]:.4f}", flush=True)
     return 0

@@ -85,6 +85,39 @@ def _error_kind(error: Exception) -> str:
             else "other")
 
 
+def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg) -> list[dict]:
+    """The prompt rows whose rendered prompt leaves room for rollout.max_new_tokens within
+    train.seq_length (at most seq_length + 1 - max_new_tokens tokens). Over-long rows follow
+    data.truncation: "right" drops them (a prompt cut short would lose its question; the count
+    is printed on rank 0), "error" raises DataError naming file:line. Every rank calls it with
+    the same rows (the prompt count is part of the checkpointed data position)."""
+    from engine.data import render_prompt
+
+    limit = cfg.train.seq_length + 1 - cfg.rollout.max_new_tokens
+    kept, dropped = [], []
+    for row, loc in zip(rows, locations):
+        n = len(render_prompt(row["prompt"], tokenizer, where=loc))
+        if n <= limit:
+            kept.append(row)
+            continue
+        if cfg.data.truncation == "error":
+            raise DataError(
+                f"{loc}: the prompt renders to {n} tokens; with rollout.max_new_tokens="
+                f"{cfg.rollout.max_new_tokens} and train.seq_length={cfg.train.seq_length} "
+                f"prompts may have at most {limit} tokens (data.truncation=error). Raise "
+                "train.seq_length, lower rollout.max_new_tokens, or set data.truncation=right "
+                "to drop such prompts")
+        dropped.append(loc)
+    if dropped and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"[rl] dropped {len(dropped)} of {len(rows)} prompts longer than {limit} tokens "
+              f"(data.truncation=right), first at {dropped[0]}", flush=True)
+    if not kept:
+        raise DataError(f"every prompt of data.train_files is longer than {limit} tokens "
+                        f"(train.seq_length={cfg.train.seq_length} + 1 - rollout.max_new_tokens"
+                        f"={cfg.rollout.max_new_tokens}); raise train.seq_length")
+    return kept
+
+
 class RolloutCollector:
     """Rank 0's side of a rollout: renders prompts, generates, scores, shapes and filters.
 

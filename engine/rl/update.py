@@ -102,7 +102,6 @@ def compute_token_logprobs(chunks: list, seqs: list[SequenceData], train_cfg, vo
     from megatron.core import parallel_state as ps
 
     from engine.loss import GlobalLossNormalizer
-    from engine.nonfinite import guarded_optimizer_step
     from engine.sft_batches import build_rank_batch
     from engine.step import run_micro_batches
     from engine.token_losses import token_logprobs

@@ -1,0 +1,46 @@
+"""The results queue of megatron's checkpoint writer, served by a process that dies with its
+rank.
+
+megatron-core 0.16's `FileSystemWriterAsync` (used by every `dist_checkpointing.save`) creates,
+on the first save, a `multiprocessing` Manager server process (spawn) that lives as long as the
+rank and is never told when the rank dies. A rank killed by SIGKILL (out-of-memory killer, a
+failing node, a scheduler) leaves that server running as an orphan, holding the job's stdout
+and stderr open: `torchrun ... | tee log` and any supervisor reading the job's output then wait
+forever. `install()` starts the same kind of Manager ourselves, with the Linux parent-death
+signal set in the server (it gets SIGKILL when its rank exits for any reason), and hands
+megatron its queue. Elsewhere (no prctl) megatron's own queue is kept.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+
+_manager = None   # kept referenced: the queue's server process lives as long as this rank
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Manager server initializer: SIGKILL this process when its parent exits (Linux)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent_pid:   # the parent died before prctl took effect
+        os._exit(0)
+
+
+def install() -> None:
+    """Give megatron's FileSystemWriterAsync a results queue whose server process dies with
+    this rank. Idempotent; a no-op off Linux or when megatron already made its queue."""
+    global _manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not sys.platform.startswith("linux") or filesystem_async._results_queue is not None:
+        return
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _manager = manager
