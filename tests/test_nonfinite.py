@@ -88,3 +88,23 @@ def test_cli_blow_up_is_skipped_counted_and_stops(assets, tmp_path):
     assert [r["train/update_skipped"] for r in rows] == [0.0, 1.0, 1.0]
     assert [r["train/skipped_steps"] for r in rows] == [0.0, 1.0, 2.0]
     assert math.isfinite(rows[0]["grad_norm"]) and not math.isfinite(rows[1]["grad_norm"])
+
+
+def test_rl_cli_blow_up_stops_after_logging_the_step(assets, tmp_path):
+    """GRPO with 3 optimizer steps per RL step and optim.lr=1e30: the first update overflows
+    the weights, the next two are skipped; the RL step is logged, then the run stops (exit 1)."""
+    proc = run_torchrun(
+        2, "-m", "engine.rl", f"model.hf_path={assets / 'model'}",
+        f"data.train_files=[{assets / 'rl_prompts.jsonl'}]", "rollout.n=2",
+        "rollout.max_new_tokens=4", "train.prompts_per_step=3", "train.mini_batches_per_step=3",
+        "train.seq_length=64", "train.max_steps=3", "train.max_consecutive_nonfinite_steps=2",
+        "kl.beta=0", "reward.fn=tests.test_rl_loop:digit_reward", "rollout.temperature=2.0",
+        "optim.lr=1e30", "optim.schedule=constant", "logging.progress_bar=false",
+        f"logging.dir={tmp_path}", timeout=300)
+    assert proc.returncode != 0 and re.search(r"exitcode\s*:\s*1", proc.stderr)
+    assert "error: 2 optimizer steps in a row had a non-finite loss or gradient (step 2: " \
+        in proc.stderr
+    assert not re.search(r'File ".*/(engine|models|parallel)/', proc.stderr)
+    rows = [json.loads(line) for line in Path(tmp_path, "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["train/skipped_steps"] == 2.0
+    assert rows[0]["train/update_skipped"] == pytest.approx(2 / 3)

@@ -125,7 +125,7 @@ def test_grpo_stopped_and_resumed_matches_straight(runs):
     ckpt = runs["root"] / "B" / "ckpt"
     assert (iteration_dir(ckpt, 2) / "complete.json").is_file()
     marker = json.loads((iteration_dir(ckpt, 4) / "complete.json").read_text())
-    assert marker["extra"] == {"next_gen_batch": 4}
+    assert marker["extra"] == {"next_gen_batch": 4, "skipped_steps": 0}
     assert marker["data"]["global_batch_size"] == 2 and marker["data"]["num_samples"] == 16
 
 
@@ -143,7 +143,7 @@ def test_dapo_resume_restores_next_gen_batch(runs):
     used = int(first["rollout/num_gen_batches"])
     assert used > 1  # dynamic sampling needed more than one generation batch for step 1
     info = read_checkpoint_info(iteration_dir(runs["root"] / "D" / "ckpt", 1))
-    assert info["extra"] == {"next_gen_batch": used}
+    assert info["extra"] == {"next_gen_batch": used, "skipped_steps": 0}
     assert re.search(rf"resumed at step 1 of 2 \(next generation batch {used}\)",
                      runs["D2"].stdout)
     steps = _read_jsonl(runs["root"] / "D" / "metrics.jsonl")
