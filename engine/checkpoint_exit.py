@@ -1,6 +1,8 @@
-"""When a run stops before train.max_steps, on every rank at the same step, so that it can
-save a checkpoint on exit (checkpoint.save_on_exit): the training loops ask
-`StopMonitor.should_stop` after each optimizer step.
+"""When a training loop (SFT or RL) saves and stops, decided the same way on every rank.
+
+`StopMonitor.should_stop` says whether the run stops before train.max_steps after the current
+step; `checkpoint_due` whether that step is saved (checkpoint.save_interval, or on exit with
+checkpoint.save_on_exit); `prepare_resumed_run` handles a run that resumed at step `start`.
 
 Signals: SIGTERM (cluster preemption; torchrun forwards it to its workers), SIGUSR1 (e.g.
 `sbatch --signal=USR1@120`) and SIGINT (Ctrl-C) all mean "finish the current step, save, exit
@@ -81,3 +83,31 @@ class StopMonitor:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+def checkpoint_due(ck, done: int, max_steps: int, stop: Optional[str]) -> bool:
+    """Whether to save after `done` steps: a checkpoint.dir is set and the step is a multiple
+    of checkpoint.save_interval, or the run ends here (max_steps or `stop`) with
+    checkpoint.save_on_exit. `ck` is a CheckpointConfig."""
+    periodic = bool(ck.save_interval) and done % ck.save_interval == 0
+    on_exit = ck.save_on_exit and (stop is not None or done == max_steps)
+    return bool(ck.dir) and (periodic or on_exit)
+
+
+def prepare_resumed_run(tag: str, start: int, max_steps: int, log_dir: Optional[str],
+                        log_names: tuple[str, ...]) -> bool:
+    """For a run continuing after `start` steps: False (rank 0 says so) when nothing is left
+    to do; otherwise rank 0 trims the JSON-lines logs `log_names` in `log_dir` to `start`
+    (the steps after the checkpoint run again) and it returns True."""
+    from engine.checkpoint_io import rewind_jsonl
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if start >= max_steps:
+        if rank0:
+            print(f"[{tag}] nothing to do: {start} steps done, train.max_steps={max_steps}",
+                  flush=True)
+        return False
+    if rank0 and start > 0 and log_dir:
+        for name in log_names:
+            rewind_jsonl(os.path.join(log_dir, name), start)
+    return True

@@ -183,7 +183,7 @@ def _plain_extra(extra: dict) -> dict:
 def training_state_dict(state, position: DataPosition, is_loading: bool,
                         with_rng: bool = True, extra: Optional[dict] = None) -> dict:
     """The sharded state dict of a TrainState (keys in the module docstring), with `extra`
-    (plain values, the same on every rank) when given. Collective (the optimizer's sharded
+    (plain JSON values, checked by the caller, the same on every rank) when given. Collective (the optimizer's sharded
     state dict gathers nothing, but must be built on every rank)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -203,7 +203,7 @@ def training_state_dict(state, position: DataPosition, is_loading: bool,
         "format_version": FORMAT_VERSION,
     }
     if extra is not None:
-        sd["extra"] = _plain_extra(extra)
+        sd["extra"] = extra
     if with_rng:
         sd["rng"] = ShardedObject("rng_state", capture_rng(), (dist.get_world_size(),),
                                   (dist.get_rank(),), replica_id=0)
@@ -244,7 +244,7 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
     from models.checkpoint import write_metadata
 
     if extra is not None:
-        _plain_extra(extra)
+        extra = _plain_extra(extra)   # checked before anything is written
     rank = dist.get_rank()
     stage = staging_dir(root, position.step)
     if rank == 0:
@@ -265,7 +265,7 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
                 (stage / "config.yaml").write_text(config_yaml)
             info = {"layout": sd["layout"], "data": sd["data"]}
             if extra is not None:
-                info["extra"] = sd["extra"]
+                info["extra"] = extra
             write_complete_marker(stage, position.step, info)
             publish(root, position.step)
             for p in prune(root, keep_last):

@@ -143,6 +143,13 @@ def _split_argv(argv: list[str]) -> tuple[Optional[str], list[str], list[str]]:
     return config_file, overrides, flags
 
 
+def config_yaml(cfg) -> str:
+    """The resolved configuration as YAML (saved with every checkpoint, for humans)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
 def load_config(schema: type, argv: list[str]) -> tuple[Any, list[str]]:
     """Compose schema defaults, an optional YAML file and hydra overrides into a `schema`
     instance. Returns (config, flags)."""
@@ -226,7 +233,8 @@ def _describe_load_error(error: BaseException, schema: type, config_file: Option
 # Each *_problems function returns every violated constraint as a sentence naming the key;
 # validate_* raise one ConfigError listing them all.
 
-def _choice(problems: list[str], value: str, key: str, choices: tuple[str, ...]) -> None:
+def check_choice(problems: list[str], value: str, key: str, choices: tuple[str, ...]) -> None:
+    """Append the standard 'not valid; choose one of' sentence when `value` is not a choice."""
     if value not in choices:
         problems.append(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}")
 
@@ -298,11 +306,11 @@ def model_dir_problems(cfg) -> list[str]:
 def value_problems(cfg) -> list[str]:
     """Choices and ranges of the keys shared by SFT and RL (no file system access)."""
     p: list[str] = []
-    _choice(p, cfg.model.dtype, "model.dtype", ("float32", "bfloat16"))
-    _choice(p, cfg.data.truncation, "data.truncation", ("right", "error"))
-    _choice(p, cfg.loss.agg_mode, "loss.agg_mode", AGG_MODES)
-    _choice(p, cfg.optim.schedule, "optim.schedule", ("cosine", "constant"))
-    _choice(p, cfg.parallel.cp_comm_type, "parallel.cp_comm_type", ("a2a", "p2p", "all_gather"))
+    check_choice(p, cfg.model.dtype, "model.dtype", ("float32", "bfloat16"))
+    check_choice(p, cfg.data.truncation, "data.truncation", ("right", "error"))
+    check_choice(p, cfg.loss.agg_mode, "loss.agg_mode", AGG_MODES)
+    check_choice(p, cfg.optim.schedule, "optim.schedule", ("cosine", "constant"))
+    check_choice(p, cfg.parallel.cp_comm_type, "parallel.cp_comm_type", ("a2a", "p2p", "all_gather"))
     _positive(p, cfg.train.max_steps, "train.max_steps")
     _positive(p, cfg.train.seq_length, "train.seq_length")
     _positive(p, cfg.train.micro_batch_size, "train.micro_batch_size")

@@ -122,22 +122,17 @@ def _log_sample_ids(log_dir: str, step: int, indices: list[int]) -> None:
         f.write(json.dumps({"step": step, "indices": indices}) + "\n")
 
 
-def _config_yaml(cfg) -> str:
-    from omegaconf import OmegaConf
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
 def _run(cfg, hf_config, flags) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
-    from engine.checkpoint_exit import StopMonitor
-    from engine.checkpoint_io import rewind_jsonl
+    from engine.checkpoint_exit import StopMonitor, checkpoint_due, prepare_resumed_run
     from engine.checkpointing import (CheckpointError, DataPosition, ResumeMismatchError,
                                       load_training_checkpoint, save_training_checkpoint,
                                       select_resume_checkpoint)
     from engine.cli import fail
+    from engine.config import config_yaml
     from engine.data import global_batch_indices, load_sft_dataset
     from engine.loss import GlobalLossNormalizer
     from engine.metrics import MetricsLogger, format_postfix, progress_bar
@@ -175,14 +170,9 @@ def _run(cfg, hf_config, flags) -> int:
     # a skipped step advances the data position but not the LR schedule
     state.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps,
                                  skipped=start - state.scheduler.num_steps)
-    if start >= cfg.train.max_steps:
-        if rank == 0:
-            print(f"[sft] nothing to do: {start} steps done, train.max_steps="
-                  f"{cfg.train.max_steps}", flush=True)
+    if not prepare_resumed_run("sft", start, cfg.train.max_steps, cfg.logging.dir,
+                               ("metrics.jsonl", "samples.jsonl")):
         return 0
-    if rank == 0 and start > 0 and cfg.logging.dir:  # steps after the checkpoint run again
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            rewind_jsonl(os.path.join(cfg.logging.dir, name), start)
     normalizer = GlobalLossNormalizer(cfg.loss.agg_mode,
                                       cfg.loss.norm_horizon or cfg.train.seq_length,
                                       cfg.loss.count_empty_sequences,
@@ -191,7 +181,7 @@ def _run(cfg, hf_config, flags) -> int:
     bar = progress_bar(cfg.train.max_steps, enabled=rank == 0 and cfg.logging.progress_bar,
                        desc="sft", initial=start)
     monitor = StopMonitor(cfg.train.exit_interval, cfg.train.exit_duration_mins)
-    config_yaml = _config_yaml(cfg)
+    yaml = config_yaml(cfg)
     first = last = None
     done = start
     try:
@@ -213,13 +203,11 @@ def _run(cfg, hf_config, flags) -> int:
             first = metrics["loss"] if first is None else first
             last = metrics["loss"]
             stop = monitor.should_stop(done) if done < cfg.train.max_steps else None
-            periodic = bool(ck.save_interval) and done % ck.save_interval == 0
-            on_exit = ck.save_on_exit and (stop is not None or done == cfg.train.max_steps)
-            if ck.dir and (periodic or on_exit):
+            if checkpoint_due(ck, done, cfg.train.max_steps, stop):
                 path = save_training_checkpoint(
                     state, ck.dir, DataPosition(done, gbs, len(dataset), cfg.seed,
                                                 cfg.data.shuffle),
-                    hf_config, cfg.model.hf_path, ck.keep_last, config_yaml)
+                    hf_config, cfg.model.hf_path, ck.keep_last, yaml)
                 if rank == 0:
                     print(f"[checkpoint] saved {path}", flush=True)
             if stop is not None:

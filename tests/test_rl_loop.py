@@ -180,7 +180,7 @@ def test_over_long_prompts_follow_data_truncation(model_dir, tmp_path, capsys):
     file:line, nothing left is an error."""
     from transformers import AutoTokenizer
 
-    from engine.data import load_prompt_rows
+    from engine.data import load_prompt_rows, render_prompt
     from engine.rl.rollout_batch import fit_prompt_rows
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -191,8 +191,9 @@ def test_over_long_prompts_follow_data_truncation(model_dir, tmp_path, capsys):
     rows = load_prompt_rows([str(path)], locations)
     assert locations == [f"{path}:{i}" for i in (1, 2, 3)]
     limit_args = ["rollout.max_new_tokens=8", "train.seq_length=40"]
-    kept = fit_prompt_rows(rows, locations, tokenizer, _config(limit_args))
+    kept, ids = fit_prompt_rows(rows, locations, tokenizer, _config(limit_args))
     assert [r["prompt"] for r in kept] == ["1 + 2 ?", "3 + 4 ?"]
+    assert ids == [render_prompt(r["prompt"], tokenizer) for r in kept]
     assert f"dropped 1 of 3 prompts longer than 33 tokens (data.truncation=right), first at " \
         f"{path}:2" in capsys.readouterr().out
     with pytest.raises(DataError, match=re.escape(f"{path}:2: the prompt renders to")):

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.config import (CheckpointConfig, ConfigError, DataConfig, LoggingConfig,
+from engine.config import (CheckpointConfig, DataConfig, LoggingConfig,
                            LossConfig, ModelConfig, OptimConfig, ParallelConfig,
                            validate_common)
 
@@ -150,7 +150,7 @@ def _is_explicit(key: str, explicit: set[str]) -> bool:
 def apply_algorithm_defaults(cfg: RLConfig, explicit: set[str]) -> RLConfig:
     """Set the defaults of `cfg.algorithm` (module docstring) on every key not in `explicit`
     (nor under an explicit group). Mutates and returns `cfg`."""
-    _choice(cfg.algorithm, "algorithm", ALGORITHMS)
+    _check_algorithm(cfg)
     if cfg.algorithm == "dapo":
         for key, value in _dapo_defaults(cfg).items():
             if not _is_explicit(key, explicit):
@@ -159,15 +159,19 @@ def apply_algorithm_defaults(cfg: RLConfig, explicit: set[str]) -> RLConfig:
     return cfg
 
 
-def _choice(value: str, key: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not valid; choose one of {', '.join(choices)}")
+def _check_algorithm(cfg: RLConfig) -> None:
+    """Raise ConfigError unless cfg.algorithm is one of ALGORITHMS."""
+    from engine.config import check_choice, raise_problems
+
+    problems: list[str] = []
+    check_choice(problems, cfg.algorithm, "algorithm", ALGORITHMS)
+    raise_problems(problems)
 
 
 def rl_problems(cfg: RLConfig) -> list[str]:
     """Every violated constraint of the RL keys, as sentences naming the key; the checkpoint
     and exit keys through engine.config.checkpoint_config_problems (same messages as SFT)."""
-    from engine.config import checkpoint_config_problems
+    from engine.config import check_choice, checkpoint_config_problems
     from engine.rl.policy_loss import KL_ESTIMATORS
     from engine.rl.rewards import load_reward_fn
     from engine.rl.rollout import BACKENDS
@@ -179,10 +183,6 @@ def rl_problems(cfg: RLConfig) -> list[str]:
     def check(ok: bool, message: str) -> None:
         if not ok:
             p.append(message)
-
-    def choice(value: str, key: str, choices: tuple[str, ...]) -> None:
-        check(value in choices, f"{key}={value!r} is not valid; choose one of "
-              f"{', '.join(choices)}")
 
     for key in ("prompts_per_step", "mini_batches_per_step", "epochs_per_rollout"):
         value = getattr(t, key)
@@ -212,7 +212,7 @@ def rl_problems(cfg: RLConfig) -> list[str]:
     check(c.eps_high >= 0, f"clip.eps_high={c.eps_high} must be >= 0")
     check(c.dual_c is None or c.dual_c > 1, f"clip.dual_c={c.dual_c} must be > 1 or null")
     check(cfg.kl.beta >= 0, f"kl.beta={cfg.kl.beta} must be >= 0")
-    choice(cfg.kl.estimator, "kl.estimator", KL_ESTIMATORS)
+    check_choice(p, cfg.kl.estimator, "kl.estimator", KL_ESTIMATORS)
     check(d.max_gen_batches >= 1, f"dapo.max_gen_batches={d.max_gen_batches} must be >= 1")
     check(0 <= d.overlong_buffer <= r.max_new_tokens, f"dapo.overlong_buffer="
           f"{d.overlong_buffer} must be in [0, rollout.max_new_tokens={r.max_new_tokens}]")
@@ -231,7 +231,7 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
     ConfigError listing every problem. Returns the HF config dict."""
     from engine.config import raise_problems, shape_problems
 
-    _choice(cfg.algorithm, "algorithm", ALGORITHMS)
+    _check_algorithm(cfg)
     hf_config = validate_common(cfg, world_size)
     raise_problems(rl_problems(cfg) + shape_problems(cfg, hf_config))
     return hf_config

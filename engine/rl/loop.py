@@ -28,7 +28,6 @@ synced with it before the first rollout, the KL reference stays the initial poli
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Iterator
@@ -241,11 +240,6 @@ def _make_engine(cfg, dtype: torch.dtype):
     return make_rollout_engine(cfg.rollout.backend, cfg.model.hf_path, dtype=dtype)
 
 
-def _config_yaml(cfg) -> str:
-    from omegaconf import OmegaConf
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
 def _data_position(cfg, steps_done: int, num_rows: int):
     """The RL run's DataPosition: RL steps done, prompts per step, prompt rows, seed, shuffle
     (the prompt order of generation batch b depends on these only, engine.rl.rollout_batch)."""
@@ -289,16 +283,18 @@ def _next_gen_batch(collector) -> int:
 
 
 def _save(state, cfg, hf_config, steps_done: int, num_rows: int, collector,
-          config_yaml: str) -> None:
+          yaml: str) -> None:
     """Collective: checkpoint after `steps_done` RL steps, with the collector's next_gen_batch
-    and the count of skipped (non-finite) optimizer steps as the checkpoint's `extra`. Raises CheckpointError on every rank when the save failed."""
+    and the count of skipped (non-finite) optimizer steps as the checkpoint's `extra`; `yaml`
+    is the resolved configuration. Raises CheckpointError on every rank when the save
+    failed."""
     from engine.checkpointing import save_training_checkpoint
 
     ck = cfg.checkpoint
     extra = {"next_gen_batch": _next_gen_batch(collector),
              "skipped_steps": state.guard.skipped}
     path = save_training_checkpoint(state, ck.dir, _data_position(cfg, steps_done, num_rows),
-                                    hf_config, cfg.model.hf_path, ck.keep_last, config_yaml,
+                                    hf_config, cfg.model.hf_path, ck.keep_last, yaml,
                                     extra=extra)
     if dist.get_rank() == 0:
         print(f"[checkpoint] saved {path}", flush=True)
@@ -310,7 +306,8 @@ def _train(state, ref_chunks, collector, engine, cfg, hf_config, pad_id: int, st
     checkpoint.save_interval steps and on exit (checkpoint.save_on_exit), stopping early when
     engine.checkpoint_exit.StopMonitor says so. Returns (RL steps done, reward/mean of each
     step run here)."""
-    from engine.checkpoint_exit import StopMonitor
+    from engine.checkpoint_exit import StopMonitor, checkpoint_due
+    from engine.config import config_yaml
     from engine.metrics import MetricsLogger, format_postfix, progress_bar
 
     rank, ck, max_steps = dist.get_rank(), cfg.checkpoint, cfg.train.max_steps
@@ -318,7 +315,7 @@ def _train(state, ref_chunks, collector, engine, cfg, hf_config, pad_id: int, st
     bar = progress_bar(max_steps, enabled=rank == 0 and cfg.logging.progress_bar,
                        desc=cfg.algorithm, initial=start)
     monitor = StopMonitor(cfg.train.exit_interval, cfg.train.exit_duration_mins)
-    config_yaml = _config_yaml(cfg)
+    yaml = config_yaml(cfg)
     rewards, done = [], start
     try:
         for step in range(start, max_steps):
@@ -332,10 +329,8 @@ def _train(state, ref_chunks, collector, engine, cfg, hf_config, pad_id: int, st
                              "reward": f"{metrics['reward/mean']:.3f}"})
             rewards.append(metrics["reward/mean"])
             stop = monitor.should_stop(done) if done < max_steps else None
-            periodic = bool(ck.save_interval) and done % ck.save_interval == 0
-            on_exit = ck.save_on_exit and (stop is not None or done == max_steps)
-            if ck.dir and (periodic or on_exit):
-                _save(state, cfg, hf_config, done, num_rows, collector, config_yaml)
+            if checkpoint_due(ck, done, max_steps, stop):
+                _save(state, cfg, hf_config, done, num_rows, collector, yaml)
             if stop is not None:
                 if rank == 0:
                     print(f"[rl] stopping after step {done}: {stop}", flush=True)
@@ -350,7 +345,7 @@ def _train(state, ref_chunks, collector, engine, cfg, hf_config, pad_id: int, st
 def _run(cfg, hf_config, flags) -> int:
     from transformers import AutoTokenizer
 
-    from engine.checkpoint_io import rewind_jsonl
+    from engine.checkpoint_exit import prepare_resumed_run
     from engine.checkpointing import CheckpointError, ResumeMismatchError
     from engine.cli import fail
     from engine.data import load_prompt_rows
@@ -363,26 +358,23 @@ def _run(cfg, hf_config, flags) -> int:
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     # every rank, before the model is built: data errors stop every rank at once
     locations: list[str] = []
-    rows = fit_prompt_rows(load_prompt_rows(cfg.data.train_files, locations), locations,
-                           tokenizer, cfg)
+    rows, prompt_ids = fit_prompt_rows(load_prompt_rows(cfg.data.train_files, locations),
+                                       locations, tokenizer, cfg)
     try:
         state, start, next_gen_batch = _resume_or_build(cfg, hf_config, dtype, len(rows))
     except (CheckpointError, ResumeMismatchError) as e:
         return fail(f"checkpoint: {e}")
-    if start >= cfg.train.max_steps:
-        if rank == 0:
-            print(f"[rl] nothing to do: {start} steps done, train.max_steps="
-                  f"{cfg.train.max_steps}", flush=True)
+    if not prepare_resumed_run("rl", start, cfg.train.max_steps, cfg.logging.dir,
+                               ("metrics.jsonl",)):
         return 0
-    if rank == 0 and start > 0 and cfg.logging.dir:  # steps after the checkpoint run again
-        rewind_jsonl(os.path.join(cfg.logging.dir, "metrics.jsonl"), start)
     # the KL reference is the initial policy (model.hf_path), also after a resume
     ref_chunks = (_build_reference(hf_config, dtype, cfg.model.hf_path) if cfg.kl.beta > 0
                   else None)
     engine = collector = None
     if rank == 0:
         engine = _make_engine(cfg, dtype)
-        collector = RolloutCollector(engine, rows, tokenizer, load_reward_fn(cfg.reward.fn), cfg)
+        collector = RolloutCollector(engine, rows, tokenizer, load_reward_fn(cfg.reward.fn), cfg,
+                                     prompt_ids)
         collector.next_gen_batch = next_gen_batch
         print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {cfg.train.prompts_per_step} x "
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}",

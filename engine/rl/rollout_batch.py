@@ -85,20 +85,24 @@ def _error_kind(error: Exception) -> str:
             else "other")
 
 
-def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg) -> list[dict]:
+def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg
+                    ) -> tuple[list[dict], list[list[int]]]:
     """The prompt rows whose rendered prompt leaves room for rollout.max_new_tokens within
-    train.seq_length (at most seq_length + 1 - max_new_tokens tokens). Over-long rows follow
+    train.seq_length (at most seq_length + 1 - max_new_tokens tokens), and their rendered ids
+    (for RolloutCollector's `prompt_ids`, so no prompt is rendered twice). Over-long rows follow
     data.truncation: "right" drops them (a prompt cut short would lose its question; the count
     is printed on rank 0), "error" raises DataError naming file:line. Every rank calls it with
     the same rows (the prompt count is part of the checkpointed data position)."""
     from engine.data import render_prompt
 
     limit = cfg.train.seq_length + 1 - cfg.rollout.max_new_tokens
-    kept, dropped = [], []
+    kept, kept_ids, dropped = [], [], []
     for row, loc in zip(rows, locations):
-        n = len(render_prompt(row["prompt"], tokenizer, where=loc))
+        ids = render_prompt(row["prompt"], tokenizer, where=loc)
+        n = len(ids)
         if n <= limit:
             kept.append(row)
+            kept_ids.append(ids)
             continue
         if cfg.data.truncation == "error":
             raise DataError(
@@ -115,7 +119,7 @@ def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg) -> l
         raise DataError(f"every prompt of data.train_files is longer than {limit} tokens "
                         f"(train.seq_length={cfg.train.seq_length} + 1 - rollout.max_new_tokens"
                         f"={cfg.rollout.max_new_tokens}); raise train.seq_length")
-    return kept
+    return kept, kept_ids
 
 
 class RolloutCollector:
@@ -127,13 +131,16 @@ class RolloutCollector:
         tokenizer: renders prompts (chat template) and decodes responses for the reward.
         reward_fn: fn(prompt=, response=, answer=, **fields) -> float.
         cfg: the RLConfig (train, rollout, reward, dapo, advantage, data.shuffle, seed).
+        prompt_ids: the rows' rendered prompts, already checked against the length limit
+            (fit_prompt_rows); without them each prompt is rendered and checked on first use.
     """
 
-    def __init__(self, engine, rows: list[dict], tokenizer, reward_fn, cfg) -> None:
+    def __init__(self, engine, rows: list[dict], tokenizer, reward_fn, cfg,
+                 prompt_ids: list[list[int]] | None = None) -> None:
         self.engine, self.rows, self.tokenizer, self.reward_fn, self.cfg = (
             engine, rows, tokenizer, reward_fn, cfg)
         self.next_gen_batch = 0          # generation batches used so far in the run
-        self._rendered: dict[int, list[int]] = {}
+        self._rendered: dict[int, list[int]] = dict(enumerate(prompt_ids or []))
 
     def _prompt_ids(self, index: int) -> list[int]:
         from engine.data import render_prompt

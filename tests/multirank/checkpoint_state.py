@@ -20,6 +20,12 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 GBS = 8
+# Adam with warmup + cosine, distributed optimizer; 2-sequence micro-batches
+OPTIM = SimpleNamespace(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.01, clip_grad=1.0,
+                        betas=[0.9, 0.95], eps=1e-8, schedule="cosine",
+                        distributed_optimizer=True)
+TRAIN = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None, balance_dp=True,
+                        packing=False)
 
 
 def batches(vocab: int, steps: int):
@@ -87,11 +93,7 @@ def main() -> None:
     rank, world = init_distributed()
     setup_model_parallel(ParallelLayout(world))
     hf = read_config(model_dir)
-    optim = SimpleNamespace(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.01,
-                            clip_grad=1.0, betas=[0.9, 0.95], eps=1e-8, schedule="cosine",
-                            distributed_optimizer=True)
-    train = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None,
-                            balance_dp=True, packing=False)
+    optim, train = OPTIM, TRAIN
     state = build_train_state(hf, optim, torch.float32, 6, weights_dir=model_dir)
     normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
     for seqs in batches(hf["vocab_size"], 2):

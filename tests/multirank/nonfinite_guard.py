@@ -17,11 +17,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.multirank.checkpoint_state import batches  # noqa: E402
+from tests.multirank.checkpoint_state import OPTIM, TRAIN, batches  # noqa: E402
 
 LAYOUTS = {"dp2": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
 
@@ -65,11 +64,7 @@ def main() -> None:
     model_dir = sys.argv[1]
     rank, world = init_distributed()
     hf = read_config(model_dir)
-    optim = SimpleNamespace(lr=1e-2, min_lr=1e-3, warmup_steps=1, weight_decay=0.01,
-                            clip_grad=1.0, betas=[0.9, 0.95], eps=1e-8, schedule="cosine",
-                            distributed_optimizer=True)
-    train = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None,
-                            balance_dp=True, packing=False)
+    optim, train = OPTIM, TRAIN
     data = batches(hf["vocab_size"], 3)
     guarded = nonfinite.guarded_optimizer_step
     for name, kw in LAYOUTS.items():
