@@ -16,7 +16,7 @@ Agreeing on the micro-batch count across DP (all-reduce max of `len(mbs)` comput
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from engine.partition import (imbalance, partition_balanced, partition_contiguou
 __all__ = [
     "sequence_work", "partition_balanced", "partition_contiguous",
     "partition_sorted_round_robin", "imbalance", "micro_batches_by_count",
-    "micro_batches_by_token_budget", "restore_order", "gather_in_original_order", "PackedRow",
+    "micro_batches_by_token_budget", "PackedRow",
     "pack_sequences", "pad_batch", "padding_fraction",
 ]
 
@@ -118,32 +118,6 @@ def micro_batches_by_token_budget(indices: Sequence[int], lengths: Sequence[int]
         bins[target] = first
         bins.insert(target + 1, second)
     return bins
-
-
-def restore_order(groups: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    """For each original index i in 0..n-1, `(g, p)` with `groups[g][p] == i`.
-
-    `groups` must hold every index of 0..n-1 exactly once (n = total size), else ValueError.
-    """
-    n = sum(len(g) for g in groups)
-    where: list[tuple[int, int] | None] = [None] * n
-    for g, group in enumerate(groups):
-        for p, i in enumerate(group):
-            if not 0 <= i < n or where[i] is not None:
-                raise ValueError(f"groups must hold every index 0..{n - 1} exactly once; "
-                                 f"index {i} is out of range or repeated")
-            where[i] = (g, p)
-    return where  # type: ignore[return-value]  # all filled: n distinct in-range indices
-
-
-def gather_in_original_order(groups: Sequence[Sequence[int]],
-                             outputs_per_group: Sequence[Sequence[Any]]) -> list[Any]:
-    """Put per-sequence outputs back in original order: `outputs_per_group[g][p]` belongs to
-    sequence `groups[g][p]`; returns `out` with `out[i]` the output of sequence i."""
-    if len(outputs_per_group) != len(groups) or any(
-            len(o) != len(g) for o, g in zip(outputs_per_group, groups)):
-        raise ValueError("outputs_per_group must have exactly one output per index of groups")
-    return [outputs_per_group[g][p] for g, p in restore_order(groups)]
 
 
 @dataclass

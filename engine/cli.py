@@ -5,10 +5,17 @@ stopped by a signal or train.exit_*), 2 configuration or data error, 1 run-time 
 (engine.errors.RunError: diverged training, failed rollout backend)."""
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
 from typing import Callable
+
+from engine.config import ConfigError, SFTConfig, load_config, validate_common
+from engine.data_files import DataError
+from engine.errors import RunError
+from parallel.layout import ParallelLayout
+from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 
 
 def _rank() -> int:
@@ -21,15 +28,12 @@ def fail(message: str, code: int = 2) -> int:
     return code
 
 
-def run_entry(run: Callable, argv: list[str], schema=None,
+def run_entry(run: str, argv: list[str], schema=None,
               validate: Callable | None = None) -> int:
     """Load `schema` (default SFTConfig) from argv, validate (default validate_common), start
-    distributed + megatron state for the configured layout, call run(cfg, hf_config, flags)."""
+    distributed + megatron state for the configured layout, then import `run`
+    ("package.module:function") and call it as run(cfg, hf_config, flags)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from engine.config import ConfigError, SFTConfig, load_config, validate_common
-    from engine.data_files import DataError
-    from engine.errors import RunError
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg, flags = load_config(schema or SFTConfig, argv)
@@ -38,15 +42,18 @@ def run_entry(run: Callable, argv: list[str], schema=None,
         if _rank() != 0:  # let rank 0 print before torchrun stops the job on the first exit
             time.sleep(3)
         return fail(str(e))
-    from parallel.layout import ParallelLayout
-    from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
-
     init_distributed()
     setup_model_parallel(ParallelLayout(world, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                                         vpp=cfg.parallel.vpp, cp=cfg.parallel.cp),
                          seed=cfg.seed)
+    # imported only now: megatron takes ~5 s to import, a config error above exits in ~1 s
+    module_name, function = run.split(":")
+    run_fn = getattr(importlib.import_module(module_name), function)
+    from engine.checkpointing import CheckpointError, ResumeMismatchError  # megatron: as above
     try:
-        rc = run(cfg, hf_config, flags)
+        rc = run_fn(cfg, hf_config, flags)
+    except (CheckpointError, ResumeMismatchError) as e:
+        rc = fail(f"checkpoint: {e}")
     except DataError as e:
         rc = fail(f"data: {e}")
     except RunError as e:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
+from engine.data_files import SUPPORTED_EXTENSIONS
+from engine.config_loading import config_yaml, load_config, split_argv
+from engine.errors import ConfigError
 from engine.loss import AGG_MODES
+from parallel.layout import ParallelLayout
 
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key, the constraint and valid values."""
+__all__ = ["ConfigError", "config_yaml", "load_config", "split_argv"]  # re-exported
 
 
 @dataclass
@@ -125,110 +127,6 @@ class SFTConfig:
     seed: int = 1234
 
 
-def _split_argv(argv: list[str]) -> tuple[Optional[str], list[str], list[str]]:
-    """(config file, overrides, flags like --validate)."""
-    config_file, overrides, flags = None, [], []
-    it = iter(argv)
-    for arg in it:
-        if arg == "--config":
-            config_file = next(it, None)
-        elif arg.startswith("--config="):
-            config_file = arg.split("=", 1)[1]
-        elif arg.startswith("config="):
-            config_file = arg.split("=", 1)[1]
-        elif arg.startswith("--"):
-            flags.append(arg)
-        else:
-            overrides.append(arg)
-    return config_file, overrides, flags
-
-
-def config_yaml(cfg) -> str:
-    """The resolved configuration as YAML (saved with every checkpoint, for humans)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
-
-def load_config(schema: type, argv: list[str]) -> tuple[Any, list[str]]:
-    """Compose schema defaults, an optional YAML file and hydra overrides into a `schema`
-    instance. Returns (config, flags)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    config_file, overrides, flags = _split_argv(argv)
-    try:
-        base = OmegaConf.structured(schema)
-        if config_file:
-            if not os.path.isfile(config_file):
-                raise ConfigError(f"--config {config_file}: file not found")
-            base = OmegaConf.merge(base, OmegaConf.load(config_file))
-        name = f"_run_{schema.__name__}"
-        ConfigStore.instance().store(name=name, node=base)
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=os.path.abspath(os.path.dirname(__file__)),
-                                   version_base=None):
-            cfg = compose(config_name=name, overrides=overrides)
-        return OmegaConf.to_object(cfg), flags
-    except ConfigError:
-        raise
-    except (OmegaConfBaseException, Exception) as e:  # hydra wraps errors in several types
-        raise ConfigError(_describe_load_error(e, schema, config_file)) from None
-
-
-def _error_chain(error: BaseException) -> list[BaseException]:
-    """`error` and the exceptions it was raised from, outermost first."""
-    chain: list[BaseException] = []
-    while error is not None and error not in chain:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    return chain
-
-
-def _group_keys(schema: type, group: str) -> list[str]:
-    """The keys of config group `group` of `schema` ("" for the top level; [] if no group)."""
-    from omegaconf import OmegaConf
-
-    node = OmegaConf.structured(schema)
-    if group:
-        node = OmegaConf.select(node, group, default=None)
-    return [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []
-
-
-def _describe_load_error(error: BaseException, schema: type, config_file: Optional[str]) -> str:
-    """The message for a failure of load_config. An unknown key: the key, where it was given
-    and the valid keys of its group. A value of the wrong type: the key and what was wrong.
-    Anything else (YAML syntax, override syntax): the messages of the exception chain."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
-    chain = _error_chain(error)
-    origin = ("on the command line" if isinstance(chain[0], HydraException)
-              else f"in --config {config_file}")
-    for err in chain:
-        key = getattr(err, "full_key", None)
-        if not key:
-            continue
-        first_line = str(err).splitlines()[0].strip()
-        if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
-            group = key.rpartition(".")[0]
-            valid = ", ".join(_group_keys(schema, group))
-            return (f"unknown key {key} {origin}; valid keys of "
-                    f"{group or 'the top level'}: {valid}")
-        if isinstance(err, ValidationError):
-            hint = (f"; write a list: {key}=[a,b]" if "ListConfig" in first_line else "")
-            return f"{key}: {first_line} ({origin}){hint}"
-    parts: list[str] = []
-    for err in chain:
-        text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-        if text and text not in parts:
-            parts.append(text)
-    return f"invalid configuration {origin}: " + "; ".join(parts)
-
-
 # ----------------------------------------------------------------------------- validation
 # Each *_problems function returns every violated constraint as a sentence naming the key;
 # validate_* raise one ConfigError listing them all.
@@ -277,7 +175,6 @@ def read_model_config(cfg) -> dict:
 def data_file_problems(cfg, require_train: bool = True) -> list[str]:
     """Missing data files, files of an unsupported format (and no train_files at all when
     `require_train`)."""
-    from engine.data_files import SUPPORTED_EXTENSIONS
 
     problems = []
     if require_train and not cfg.data.train_files:
@@ -325,7 +222,6 @@ def value_problems(cfg) -> list[str]:
 
 def layout_problems(cfg, world_size: int, hf_config: dict) -> list[str]:
     """ParallelLayout constraints of cfg.parallel at `world_size` for this model shape."""
-    from parallel.layout import ParallelLayout
 
     layout = ParallelLayout(world_size, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                             vpp=cfg.parallel.vpp, cp=cfg.parallel.cp)
@@ -357,7 +253,7 @@ def checkpoint_config_problems(cfg) -> list[str]:
     train.exit_duration_mins): ranges, checkpoint.dir, checkpoint.resume (reads the file
     system: the resume path must exist; resume=never needs a checkpoint.dir without
     checkpoints)."""
-    from engine.checkpoint_io import list_iterations
+    from engine.checkpoint_io import list_iterations  # pulls in megatron: only when checked
 
     p: list[str] = []
     ck = cfg.checkpoint

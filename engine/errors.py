@@ -8,3 +8,7 @@ from __future__ import annotations
 
 class RunError(RuntimeError):
     """A failure of a running job whose message says what happened and what to do."""
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key, the constraint and valid values."""

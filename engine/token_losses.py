@@ -3,16 +3,22 @@
 Logits arrive as [b, s, V_padded/tp] on each TP rank. Rows of the padded vocabulary (ids >=
 the real vocab size) are masked to -inf, so losses and log-probs equal those of the HF model.
 All functions are collective over the tensor-parallel group (megatron's vocab-parallel ops).
+
+No function here modifies its `logits` argument: megatron's `vocab_parallel_cross_entropy`
+subtracts the max and exponentiates in place, so it only ever sees a private copy. Callers may
+read the same logits again (entropy after log-probs, an output hook before the loss).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Set logits of padded vocab rows held by this TP rank to -inf (out of place)."""
-    from megatron.core import parallel_state as ps
-
     local = logits.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * local
     if start + local <= vocab_size:
@@ -23,23 +29,21 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                    temperature: float = 1.0) -> torch.Tensor:
-    """log p(label) per token, [b, s] float32, from vocab-parallel logits [b, s, V/tp]."""
-    from megatron.core import tensor_parallel
-
-    logits = logits.float()
+    """log p(label) per token, [b, s] float32, from vocab-parallel logits [b, s, V/tp].
+    `logits` is left unchanged (the in-place cross-entropy works on a private copy)."""
+    scaled = logits.float()
     if temperature != 1.0:
-        logits = logits / temperature
-    logits = mask_padded_vocab(logits, vocab_size)
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
+        scaled = scaled / temperature
+    scaled = mask_padded_vocab(scaled, vocab_size)
+    if scaled.data_ptr() == logits.data_ptr():  # no op above copied: copy before mutating
+        scaled = scaled.clone()
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled.contiguous(), labels)
 
 
 def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0
                   ) -> torch.Tensor:
-    """Entropy of the next-token distribution per position, [b, s] float32 (differentiable)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
+    """Entropy of the next-token distribution per position, [b, s] float32 (differentiable).
+    Finite where some logits are -inf (banned tokens contribute 0)."""
     logits = mask_padded_vocab(logits.float() / temperature, vocab_size)
     group = ps.get_tensor_model_parallel_group()
     local_max = logits.max(dim=-1, keepdim=True).values.detach()

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.batching import (gather_in_original_order, imbalance, micro_batches_by_count,
+from engine.batching import (imbalance, micro_batches_by_count,
                              micro_batches_by_token_budget, pack_sequences, pad_batch,
                              padding_fraction, partition_balanced, partition_contiguous,
-                             partition_sorted_round_robin, restore_order, sequence_work)
+                             partition_sorted_round_robin, sequence_work)
 
 
 def max_load(works, groups) -> float:
@@ -200,32 +200,6 @@ def test_token_budget_errors():
     with pytest.raises(ValueError, match="parallel"):
         micro_batches_by_token_budget([0, 1], [5], 10)
     assert micro_batches_by_token_budget([], [], 10, min_count=0) == []
-
-
-# ---------------------------------------------------------------- order restoration
-
-def test_restore_order_round_trip():
-    rng = random.Random(11)
-    n = 50
-    perm = list(range(n))
-    rng.shuffle(perm)
-    cuts = sorted(rng.sample(range(1, n), 6))
-    groups = [perm[a:b] for a, b in zip([0] + cuts, cuts + [n])]
-    where = restore_order(groups)
-    assert len(where) == n
-    assert all(groups[g][p] == i for i, (g, p) in enumerate(where))
-    outputs = [[f"out{i}" for i in g] for g in groups]       # computed in micro-batch order
-    assert gather_in_original_order(groups, outputs) == [f"out{i}" for i in range(n)]
-    assert restore_order([[2, 0], [1]]) == [(0, 1), (1, 0), (0, 0)]
-
-
-def test_restore_order_errors():
-    with pytest.raises(ValueError):
-        restore_order([[0, 1], [1]])
-    with pytest.raises(ValueError):
-        restore_order([[0, 3]])
-    with pytest.raises(ValueError):
-        gather_in_original_order([[0, 1]], [["a"]])
 
 
 # ---------------------------------------------------------------- packing and padding

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint_exit import StopMonitor
+from engine.run_loop import StopMonitor
 from engine.checkpoint_io import (LATEST_FILE, CheckpointError, checkpoint_problems,
                                   iteration_dir, newest_complete, prune, publish, read_latest,
                                   resolve_resume, rewind_jsonl, staging_dir,

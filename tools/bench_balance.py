@@ -10,7 +10,7 @@ Padding: the engine's planner (`engine.plan.plan_mini_batch`) splits each rank's
 micro-batches, either packed (token budget, each sequence padded to a multiple of 2*cp, as
 `engine.batching.pack_sequences` does) or padded (fixed count, every row padded to the longest
 of its micro-batch, as `pad_batch` does). Ranks with fewer micro-batches than the most loaded
-rank get dummy micro-batches of `pad_multiple` masked tokens (`engine.sft_batches`); they count as
+rank get dummy micro-batches of `pad_multiple` masked tokens (`engine.rank_batch`); they count as
 padding. Padding fraction = padding tokens / all tokens processed.
 """
 from __future__ import annotations

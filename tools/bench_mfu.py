@@ -106,8 +106,8 @@ def measure_sft_step(hf_config: dict, micro_batches: int, steps: int, warmup: in
     from megatron.core import parallel_state as ps
 
     from engine.loss import GlobalLossNormalizer
-    from engine.sft import train_step
-    from engine.trainer import build_train_state
+    from engine.sft_training import train_step
+    from engine.train_engine import TrainEngine
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 
@@ -116,11 +116,12 @@ def measure_sft_step(hf_config: dict, micro_batches: int, steps: int, warmup: in
     optim = SimpleNamespace(lr=1e-5, min_lr=0.0, warmup_steps=0, weight_decay=0.0,
                             clip_grad=1.0, betas=[0.9, 0.95], eps=1e-8, schedule="constant",
                             distributed_optimizer=True)
-    state = build_train_state(hf_config, optim, dtype, steps + warmup, load_weights=False)
-    _init_weights(state)
-    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
     train_cfg = SimpleNamespace(micro_batch_size=1, max_tokens_per_micro_batch=SEQ_TOKENS,
                                 balance_dp=True, packing=True)
+    state = TrainEngine.build(hf_config, optim, dtype, steps + warmup, train_cfg,
+                              load_weights=False)
+    _init_weights(state)
+    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
     # ~97% of micro_batches x world full rows: first-fit decreasing then needs about that many
     seqs = make_sequences(hf_config["vocab_size"], int(0.97 * micro_batches * world * SEQ_TOKENS))
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -129,7 +130,7 @@ def measure_sft_step(hf_config: dict, micro_batches: int, steps: int, warmup: in
         sync()
         dist.barrier()
         start = time.perf_counter()
-        metrics = train_step(state, seqs, normalizer, train_cfg)
+        metrics = train_step(state, seqs, normalizer)
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - start)

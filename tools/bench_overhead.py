@@ -6,7 +6,7 @@ and parses the JSON line rank 0 prints last.
 
 In the worker both loops share one `TrainState` (the same DDP-wrapped GPTModel chunks and the
 same megatron distributed optimizer), so they differ only in what the engine adds:
-- engine: `engine.sft.train_step(state, seqs, normalizer, train_cfg)`: global loss weights
+- engine: `engine.sft_training.train_step(state, seqs, normalizer)`: global loss weights
   (GlobalLossNormalizer, an all-reduce over DP), the DP balance plan, micro-batches built from
   token lists, `run_micro_batches`, optimizer and LR scheduler step, reductions of the logged
   metrics over DP and PP;
@@ -184,9 +184,9 @@ def same_loss_check(state, seqs, prebuilt, normalizer, train_cfg) -> tuple[float
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from engine.sft import sft_loss_fn
-    from engine.sft_batches import build_rank_batch
-    from engine.step import reduce_reports, run_micro_batches
+    from engine.rank_batch import build_rank_batch
+    from engine.schedule import reduce_reports, run_micro_batches
+    from engine.sft_training import sft_loss_fn
 
     with torch.no_grad():
         batch = build_rank_batch(seqs, normalizer, train_cfg)
@@ -206,9 +206,9 @@ def overhead_worker(model_dir: str, tp: int, pairs: int, warmup: int) -> None:
     from megatron.core import parallel_state as ps
 
     from engine.loss import GlobalLossNormalizer
-    from engine.sft import train_step
-    from engine.sft_batches import build_rank_batch
-    from engine.trainer import build_train_state
+    from engine.rank_batch import build_rank_batch
+    from engine.sft_training import train_step
+    from engine.train_engine import TrainEngine
     from models.hf_io import read_config
     from parallel import cpu_runtime
     from parallel.layout import ParallelLayout
@@ -223,10 +223,11 @@ def overhead_worker(model_dir: str, tp: int, pairs: int, warmup: int) -> None:
                             betas=[0.9, 0.95], eps=1e-8, schedule="constant",
                             distributed_optimizer=True)
     steps = 2 * (pairs + warmup)
-    state = build_train_state(hf_config, optim, torch.float32, steps, weights_dir=model_dir)
-    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
     train_cfg = SimpleNamespace(micro_batch_size=MICRO_BATCH, max_tokens_per_micro_batch=None,
                                 balance_dp=True, packing=False)
+    state = TrainEngine.build(hf_config, optim, torch.float32, steps, train_cfg,
+                              weights_dir=model_dir)
+    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
     batches = synthetic_global_batches(hf_config["vocab_size"])
     # the bare loop's inputs: the very micro-batches (and weights) the engine builds, moved to
     # this rank's device once
@@ -251,7 +252,7 @@ def overhead_worker(model_dir: str, tp: int, pairs: int, warmup: int) -> None:
     engine_s, bare_s, build_s = [], [], []
     for i in range(warmup + pairs):
         b = i % NUM_BATCHES
-        run_engine = lambda: train_step(state, batches[b], normalizer, train_cfg)
+        run_engine = lambda: train_step(state, batches[b], normalizer)
         run_bare = lambda: bare_step(state, prebuilt[b])
         first, second = (run_engine, run_bare) if i % 2 == 0 else (run_bare, run_engine)
         t_first, t_second = timed(first), timed(second)

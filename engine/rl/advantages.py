@@ -7,6 +7,8 @@ they see the whole rollout batch on one process and run no collective.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 
 
@@ -59,3 +61,40 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool =
     constant = zero_std_groups(grouped.reshape(-1), group_size)
     advantages = torch.where(constant[:, None], torch.zeros_like(centered), centered)
     return advantages.reshape(-1)
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: ``A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean_g)`` per group of
+    ``n = group_size >= 2``; groups of equal rewards get exactly 0."""
+    grouped = _grouped(rewards.detach(), group_size)
+    if group_size < 2:
+        raise ValueError("leave-one-out advantages need group_size >= 2")
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    advantages = grouped - others
+    constant = zero_std_groups(grouped.reshape(-1), group_size)
+    return torch.where(constant[:, None], torch.zeros_like(advantages), advantages).reshape(-1)
+
+
+# Advantage estimators by name (`advantage.estimator=...`): fn(rewards [G*n] group-major,
+# group_size, advantage config) -> advantages [G*n]. A new estimator is one registered function.
+Estimator = Callable[[torch.Tensor, int, Any], torch.Tensor]
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_advantage(name: str) -> Callable[[Estimator], Estimator]:
+    def add(fn: Estimator) -> Estimator:
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+    return add
+
+
+@register_advantage("grpo")
+def grpo(rewards: torch.Tensor, group_size: int, cfg) -> torch.Tensor:
+    """Group-normalised (GRPO), or Dr. GRPO with advantage.norm_by_std=false."""
+    return group_advantages(rewards, group_size, norm_by_std=cfg.norm_by_std)
+
+
+@register_advantage("rloo")
+def rloo(rewards: torch.Tensor, group_size: int, cfg) -> torch.Tensor:
+    """REINFORCE leave-one-out baseline (Ahmadian et al. 2024)."""
+    return leave_one_out_advantages(rewards, group_size)

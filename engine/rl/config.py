@@ -4,12 +4,10 @@
 checkpoint.save_interval and train.exit_interval count RL steps) and adds the RL groups.
 `algorithm` only chooses defaults; every behaviour is its own key:
 
-- `algorithm=grpo` (the schema defaults): symmetric clip 0.2, token-mean, KL to the initial
-  policy with beta 0.001 (k3), no dynamic sampling, no overlong shaping.
-- `algorithm=dapo` (DAPO paper): clip.eps_low 0.2, clip.eps_high 0.28, loss.agg_mode
-  token-mean, dapo.dynamic_sampling true, dapo.overlong_buffer = rollout.max_new_tokens // 5
-  (the paper's 4096 of 20480), kl.beta 0, optim.lr 1e-6. A key the user set explicitly (on the
-  command line or in the `--config` YAML) keeps the user's value.
+presets live in engine.rl.algorithms (grpo: the schema defaults; dapo: the DAPO paper's). A
+key the user set explicitly (on the command line or in the `--config` YAML) keeps the user's
+value. `advantage.estimator` and `policy_loss` name entries of the registries in
+engine.rl.advantages and engine.rl.policy_loss.
 
 Units: lengths in tokens, times in seconds, `rollout.sync_bucket_mb` in MiB.
 """
@@ -19,11 +17,17 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from engine.config import (CheckpointConfig, DataConfig, LoggingConfig,
-                           LossConfig, ModelConfig, OptimConfig, ParallelConfig,
-                           validate_common)
+from omegaconf import OmegaConf
 
-ALGORITHMS = ("grpo", "dapo")
+from engine.config import (CheckpointConfig, DataConfig, LoggingConfig, LossConfig,
+                           ModelConfig, OptimConfig, ParallelConfig, check_choice,
+                           checkpoint_config_problems, raise_problems, shape_problems,
+                           split_argv, validate_common)
+from engine.rl.advantages import ADVANTAGE_ESTIMATORS
+from engine.rl.algorithms import ALGORITHMS
+from engine.rl.policy_loss import KL_ESTIMATORS, POLICY_LOSSES
+from engine.rl.rewards import load_reward_fn
+from engine.rl.rollout.base import BACKENDS, custom_backend_class
 
 
 @dataclass
@@ -49,6 +53,12 @@ class RewardConfig:
 
 
 @dataclass
+class SGLangConfig:
+    tp_size: int = 1                     # SGLang engine tensor parallel size (its own workers)
+    mem_fraction: float = 0.5            # SGLang mem_fraction_static (colocated with training)
+
+
+@dataclass
 class RolloutConfig:
     backend: str = "hf"                  # hf | sglang | package.module:Class (on global rank 0)
     n: int = 8                           # responses per prompt (the GRPO group size)
@@ -59,10 +69,9 @@ class RolloutConfig:
     sleep_during_train: bool = False     # release the engine's memory while training
     tis_cap: Optional[float] = None      # truncated importance sampling cap (null: off)
     check_weight_sync: bool = False      # after each sync compare engine vs trainer logits
-    sglang_tp_size: int = 1              # SGLang engine tensor parallel size (its own workers)
-    sglang_mem_fraction: float = 0.5     # SGLang mem_fraction_static (colocated with training)
     max_retries: int = 2                 # generate calls retried after a backend failure
     retry_wait_s: float = 5.0            # wait before retry k: retry_wait_s * 2**(k-1)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass
@@ -80,7 +89,8 @@ class KLConfig:
 
 @dataclass
 class AdvantageConfig:
-    norm_by_std: bool = True             # false: Dr. GRPO (r - group mean)
+    estimator: str = "grpo"              # engine.rl.advantages.ADVANTAGE_ESTIMATORS
+    norm_by_std: bool = True             # grpo only; false: Dr. GRPO (r - group mean)
 
 
 @dataclass
@@ -108,16 +118,9 @@ class RLConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     dapo: DAPOConfig = field(default_factory=DAPOConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # steps: RL steps
+    policy_loss: str = "ppo_clip"        # engine.rl.policy_loss.POLICY_LOSSES
     entropy_coef: float = 0.0
     seed: int = 1234
-
-
-def _dapo_defaults(cfg: RLConfig) -> dict[str, Any]:
-    return {
-        "clip.eps_low": 0.2, "clip.eps_high": 0.28, "loss.agg_mode": "token-mean",
-        "dapo.dynamic_sampling": True, "dapo.overlong_buffer": cfg.rollout.max_new_tokens // 5,
-        "kl.beta": 0.0, "optim.lr": 1e-6,
-    }
 
 
 def _flatten(node: Any, prefix: str = "") -> list[str]:
@@ -132,12 +135,9 @@ def _flatten(node: Any, prefix: str = "") -> list[str]:
 def explicit_keys(argv: list[str]) -> set[str]:
     """Dotted keys the user set: hydra overrides (`a.b=1`, `+a.b=1`, `~a.b`) and every leaf of
     the `--config` / `config=` YAML file."""
-    from engine.config import _split_argv
-
-    config_file, overrides, _ = _split_argv(argv)
+    config_file, overrides, _ = split_argv(argv)
     keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     if config_file and os.path.isfile(config_file):
-        from omegaconf import OmegaConf
         keys |= set(_flatten(OmegaConf.to_container(OmegaConf.load(config_file))))
     return keys
 
@@ -151,32 +151,23 @@ def apply_algorithm_defaults(cfg: RLConfig, explicit: set[str]) -> RLConfig:
     """Set the defaults of `cfg.algorithm` (module docstring) on every key not in `explicit`
     (nor under an explicit group). Mutates and returns `cfg`."""
     _check_algorithm(cfg)
-    if cfg.algorithm == "dapo":
-        for key, value in _dapo_defaults(cfg).items():
-            if not _is_explicit(key, explicit):
-                group, name = key.split(".")
-                setattr(getattr(cfg, group), name, value)
+    for key, value in ALGORITHMS[cfg.algorithm](cfg).items():
+        if not _is_explicit(key, explicit):
+            group, name = key.split(".")
+            setattr(getattr(cfg, group), name, value)
     return cfg
 
 
 def _check_algorithm(cfg: RLConfig) -> None:
     """Raise ConfigError unless cfg.algorithm is one of ALGORITHMS."""
-    from engine.config import check_choice, raise_problems
-
     problems: list[str] = []
-    check_choice(problems, cfg.algorithm, "algorithm", ALGORITHMS)
+    check_choice(problems, cfg.algorithm, "algorithm", tuple(ALGORITHMS))
     raise_problems(problems)
 
 
 def rl_problems(cfg: RLConfig) -> list[str]:
     """Every violated constraint of the RL keys, as sentences naming the key; the checkpoint
     and exit keys through engine.config.checkpoint_config_problems (same messages as SFT)."""
-    from engine.config import check_choice, checkpoint_config_problems
-    from engine.rl.policy_loss import KL_ESTIMATORS
-    from engine.rl.rewards import load_reward_fn
-    from engine.rl.rollout import BACKENDS
-    from engine.rl.rollout.base import custom_backend_class
-
     t, r, c, d = cfg.train, cfg.rollout, cfg.clip, cfg.dapo
     p: list[str] = []
 
@@ -213,6 +204,12 @@ def rl_problems(cfg: RLConfig) -> list[str]:
     check(c.dual_c is None or c.dual_c > 1, f"clip.dual_c={c.dual_c} must be > 1 or null")
     check(cfg.kl.beta >= 0, f"kl.beta={cfg.kl.beta} must be >= 0")
     check_choice(p, cfg.kl.estimator, "kl.estimator", KL_ESTIMATORS)
+    check_choice(p, cfg.advantage.estimator, "advantage.estimator",
+                 tuple(ADVANTAGE_ESTIMATORS))
+    check_choice(p, cfg.policy_loss, "policy_loss", tuple(POLICY_LOSSES))
+    check(r.sglang.tp_size >= 1, f"rollout.sglang.tp_size={r.sglang.tp_size} must be >= 1")
+    check(0 < r.sglang.mem_fraction < 1,
+          f"rollout.sglang.mem_fraction={r.sglang.mem_fraction} must be in (0, 1)")
     check(d.max_gen_batches >= 1, f"dapo.max_gen_batches={d.max_gen_batches} must be >= 1")
     check(0 <= d.overlong_buffer <= r.max_new_tokens, f"dapo.overlong_buffer="
           f"{d.overlong_buffer} must be in [0, rollout.max_new_tokens={r.max_new_tokens}]")
@@ -229,8 +226,6 @@ def rl_problems(cfg: RLConfig) -> list[str]:
 def validate_rl(cfg: RLConfig, world_size: int) -> dict:
     """validate_common (model, data files, shared values, layout) plus the RL keys; raises one
     ConfigError listing every problem. Returns the HF config dict."""
-    from engine.config import raise_problems, shape_problems
-
     _check_algorithm(cfg)
     hf_config = validate_common(cfg, world_size)
     raise_problems(rl_problems(cfg) + shape_problems(cfg, hf_config))

@@ -11,6 +11,7 @@ inside, so gradients flow only into ``logprobs`` / ``logits``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -119,18 +120,23 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Exact entropy (nats) of softmax(logits) over the last dim: ``[..., V] -> [...]``.
+# Policy losses by name (`policy_loss=...`): fn(logprobs, old_logprobs, advantages, settings)
+# -> PolicyLossTerms, per token; `settings` is engine.rl.update.PolicyLossSettings. A new loss
+# (e.g. a sequence-level ratio) is one registered function.
+PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], PolicyLossTerms]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
-    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, stable for large logits. ``-inf`` logits
-    (banned tokens) contribute 0. Half/bfloat16 inputs are computed and returned in float32;
-    float32/float64 keep their dtype. Differentiable.
-    """
-    if logits.dim() < 1:
-        raise ValueError("logits must have a vocabulary dimension")
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    probs = torch.softmax(logits, dim=-1)
-    finite_logits = logits.masked_fill(torch.isneginf(logits), 0.0)
-    return lse - (probs * finite_logits).sum(dim=-1)
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    def add(fn: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES[name] = fn
+        return fn
+    return add
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+             settings) -> PolicyLossTerms:
+    """GRPO/DAPO's token-level clipped surrogate (clip_surrogate with the clip.* settings)."""
+    return clipped_surrogate(logprobs, old_logprobs, advantages, settings.eps_low,
+                             settings.eps_high, settings.dual_c)

@@ -19,9 +19,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from engine.data import global_batch_indices, render_prompt
 from engine.data_files import DataError
 from engine.errors import RunError
 from engine.micro_batches import SequenceData
+from engine.rl.advantages import ADVANTAGE_ESTIMATORS, zero_std_groups
+from engine.rl.dapo import DynamicSampler, overlong_penalty
+from engine.rl.rewards import score_responses
+from engine.rl.rollout import SamplingParams
 
 
 class RolloutFailed(RunError):
@@ -93,8 +98,6 @@ def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg
     data.truncation: "right" drops them (a prompt cut short would lose its question; the count
     is printed on rank 0), "error" raises DataError naming file:line. Every rank calls it with
     the same rows (the prompt count is part of the checkpointed data position)."""
-    from engine.data import render_prompt
-
     limit = cfg.train.seq_length + 1 - cfg.rollout.max_new_tokens
     kept, kept_ids, dropped = [], [], []
     for row, loc in zip(rows, locations):
@@ -143,8 +146,6 @@ class RolloutCollector:
         self._rendered: dict[int, list[int]] = dict(enumerate(prompt_ids or []))
 
     def _prompt_ids(self, index: int) -> list[int]:
-        from engine.data import render_prompt
-
         if index not in self._rendered:
             row = self.rows[index]
             ids = render_prompt(row["prompt"], self.tokenizer, where=f"prompt row {index}")
@@ -161,11 +162,6 @@ class RolloutCollector:
     def _generation_batch(self) -> dict:
         """One generation batch: prompts_per_step prompts x n responses in one generate call,
         scored and shaped. Returns per-response lists/tensors (group-major) and timings."""
-        from engine.data import global_batch_indices
-        from engine.rl.dapo import overlong_penalty
-        from engine.rl.rewards import score_responses
-        from engine.rl.rollout import SamplingParams
-
         cfg, r = self.cfg, self.cfg.rollout
         b = self.next_gen_batch
         self.next_gen_batch += 1
@@ -229,7 +225,7 @@ class RolloutCollector:
             f"rollout backend {r.backend!r} failed {attempts} times in a row on generation "
             f"batch {gen_batch} (rollout.max_retries={r.max_retries}); last error: {error}. "
             "Check the backend's own log above; for sglang also GPU memory "
-            "(rollout.sglang_mem_fraction, rollout.sleep_during_train) and that the engine "
+            "(rollout.sglang.mem_fraction, rollout.sleep_during_train) and that the engine "
             "process is alive. Raise rollout.max_retries / rollout.retry_wait_s for transient "
             "failures; with checkpoint.dir set the run resumes from its newest checkpoint")
 
@@ -237,9 +233,6 @@ class RolloutCollector:
         """The next step's rollout batch (one generation batch, or with dapo.dynamic_sampling
         as many as needed, up to dapo.max_gen_batches, to fill prompts_per_step groups with
         score variance; a partial batch is used when the budget runs out)."""
-        from engine.rl.advantages import group_advantages, zero_std_groups
-        from engine.rl.dapo import DynamicSampler
-
         cfg, n = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
         calls0 = self.engine.num_generate_calls
@@ -281,7 +274,8 @@ class RolloutCollector:
             metrics.update(sampler.stats())
         batch = RolloutBatch(metrics=metrics)
         if data is not None:
-            adv = group_advantages(data["rewards"], n, norm_by_std=cfg.advantage.norm_by_std)
+            estimator = ADVANTAGE_ESTIMATORS[cfg.advantage.estimator]
+            adv = estimator(data["rewards"], n, cfg.advantage)
             batch = RolloutBatch(list(data["prompt_ids"]), list(data["response_ids"]),
                                  list(data["rollout_logprobs"]), adv.tolist(), metrics)
         metrics["train/groups"] = float(len(batch) // n)

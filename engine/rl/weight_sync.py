@@ -1,6 +1,9 @@
 """Stream the trainer's weights into a rollout engine in bounded buckets (DESIGN section 9).
 
-The producer is usually `models.bridge.export_hf_weights` (Megatron -> HF names, TP gathered,
+`sync_to_rollout` is the transport (collective): every pipeline stage exports its HF tensors
+(TP all-gathers inside models.bridge.export_hf_weights), stages > 0 stream theirs to global
+rank 0, which feeds the engine through `sync_weights`. `check_weight_sync` is the optional
+debug probe (rollout.check_weight_sync). The producer is usually `models.bridge.export_hf_weights` (Megatron -> HF names, TP gathered,
 vocab unpadded: the same code path as checkpoint conversion). Buckets are formed lazily, so at
 most one bucket of full tensors (plus the one tensor that did not fit) is alive at a time.
 Units: `bucket_bytes` in bytes; `bucket_mb` in MiB (1 MB here = 2**20 bytes).
@@ -12,8 +15,13 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from engine.rl.rollout.base import RolloutEngine
+from models.bridge import export_hf_weights
+from models.forward import forward_logits
+from parallel import cpu_runtime
 
 BYTES_PER_MB = 2 ** 20
 
@@ -80,3 +88,71 @@ def sync_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engine: Roll
         torch.cuda.synchronize()
     return SyncStats(num_tensors=num_tensors, num_buckets=num_buckets, total_bytes=total_bytes,
                      seconds=time.perf_counter() - start)
+
+
+def _send_tensor(name: str | None, tensor: torch.Tensor | None, dst: int) -> None:
+    dist.send_object_list([None if name is None else (name, tuple(tensor.shape), tensor.dtype)],
+                          dst=dst)
+    if name is not None:
+        dist.send(tensor.contiguous(), dst=dst)
+
+
+def _recv_stream(src: int) -> Iterator[tuple[str, torch.Tensor]]:
+    while True:
+        meta = [None]
+        dist.recv_object_list(meta, src=src)
+        if meta[0] is None:
+            return
+        name, shape, dtype = meta[0]
+        buf = torch.empty(shape, dtype=dtype, device=cpu_runtime.device())
+        dist.recv(buf, src=src)
+        yield name, buf
+
+
+def sync_to_rollout(chunks: list, hf_config: dict, engine: RolloutEngine | None,
+                    bucket_mb: float) -> SyncStats | None:
+    """Stream the trainer's weights (HF names, full tensors) into `engine` on global rank 0.
+
+    Collective over the world in effect: the TP group with DP = CP = 0 of every pipeline stage
+    runs models.bridge.export_hf_weights (TP all-gathers); stage s > 0 sends its tensors to
+    rank 0 point-to-point (its TP rank 0 sends). Returns SyncStats on rank 0, None elsewhere."""
+    exporter = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    stage = ps.get_pipeline_model_parallel_rank()
+    leader = exporter and ps.get_tensor_model_parallel_rank() == 0
+    if dist.get_rank() == 0:
+        stage_leaders = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+
+        def stream():
+            yield from export_hf_weights(chunks, hf_config)
+            for src in stage_leaders[1:]:
+                yield from _recv_stream(src)
+
+        return sync_weights(stream(), engine, bucket_mb)
+    if exporter:
+        for name, tensor in export_hf_weights(chunks, hf_config):
+            if leader and stage > 0:
+                _send_tensor(name, tensor, dst=0)
+        if leader and stage > 0:
+            _send_tensor(None, None, dst=0)
+    return None
+
+
+def probe_tokens(vocab_size: int, length: int = 24) -> torch.Tensor:
+    """The fixed [1, length] token probe of check_weight_sync."""
+    return torch.tensor([[(7 * i + 3) % vocab_size for i in range(length)]])
+
+
+def check_weight_sync(chunks: list, vocab_size: int, engine: RolloutEngine | None,
+                      before: torch.Tensor | None) -> dict[str, float]:
+    """Debug metrics after a sync: max |engine logits - trainer logits| on a fixed probe (fp32,
+    models.forward.forward_logits; collective over the world, needs cp == 1 and an engine whose
+    `supports_logit_probe`) and how far the engine's logits moved from `before`."""
+    probe = probe_tokens(vocab_size)
+    trainer = forward_logits(chunks, probe, vocab_size).cpu()
+    if dist.get_rank() != 0:
+        return {}
+    after = engine.probe_logits(probe)
+    out = {"debug/sync_logit_max_diff": float((after - trainer).abs().max())}
+    if before is not None:
+        out["debug/sync_logit_change"] = float((after - before).abs().max())
+    return out

@@ -81,8 +81,8 @@ def main() -> None:
     from engine.checkpointing import (CheckpointError, DataPosition, ResumeMismatchError,
                                       load_training_checkpoint, save_training_checkpoint)
     from engine.loss import GlobalLossNormalizer
-    from engine.sft import train_step
-    from engine.trainer import build_train_state
+    from engine.sft_training import train_step
+    from engine.train_engine import TrainEngine
     from megatron.core import parallel_state as ps
     from models.checkpoint import model_sharded_state_dict, save_checkpoint
     from models.hf_io import read_config
@@ -94,10 +94,10 @@ def main() -> None:
     setup_model_parallel(ParallelLayout(world))
     hf = read_config(model_dir)
     optim, train = OPTIM, TRAIN
-    state = build_train_state(hf, optim, torch.float32, 6, weights_dir=model_dir)
+    state = TrainEngine.build(hf, optim, torch.float32, 6, train, weights_dir=model_dir)
     normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
     for seqs in batches(hf["vocab_size"], 2):
-        train_step(state, seqs, normalizer, train)
+        train_step(state, seqs, normalizer)
     position = DataPosition(2, GBS, 100, 7, True)
     root = os.path.join(out_dir, "run")
     path = save_training_checkpoint(state, root, position, hf, model_dir)
@@ -110,7 +110,7 @@ def main() -> None:
     np.random.seed(99)
     torch.manual_seed(99)
     setup_model_parallel(ParallelLayout(world), seed=4321)
-    fresh = build_train_state(hf, optim, torch.float32, 6, weights_dir=model_dir,
+    fresh = TrainEngine.build(hf, optim, torch.float32, 6, train, weights_dir=model_dir,
                               load_weights=False)
     got_position = load_training_checkpoint(fresh, path, DataPosition(0, GBS, 100, 7, True))
     got_rng = rng_fingerprint()
@@ -122,8 +122,8 @@ def main() -> None:
         for a, b in zip(got_opt, want_opt))
     # the next step of both states is identical
     nxt = batches(hf["vocab_size"], 3)[2]
-    loss_a = train_step(state, nxt, normalizer, train)["loss"]
-    loss_b = train_step(fresh, nxt, normalizer, train)["loss"]
+    loss_a = train_step(state, nxt, normalizer)["loss"]
+    loss_b = train_step(fresh, nxt, normalizer)["loss"]
     errors = {}
     try:
         load_training_checkpoint(fresh, path, DataPosition(0, GBS * 2, 100, 7, True))

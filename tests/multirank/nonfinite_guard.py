@@ -31,16 +31,16 @@ def local_params(state) -> list:
 
 def run(state, data, normalizer, train, poison: bool) -> list[dict]:
     """train_step on data[0], then (poisoned when `poison`) data[1], then data[2]."""
-    from engine.sft import train_step
+    from engine.sft_training import train_step
 
-    out = [train_step(state, data[0], normalizer, train, step=1)]
+    out = [train_step(state, data[0], normalizer)]
     if poison:
         param = next(state.chunks[0].parameters())
         saved = param.detach().clone()
         param.data.fill_(float("nan"))
-        out.append(train_step(state, data[1], normalizer, train, step=2))
+        out.append(train_step(state, data[1], normalizer))
         param.data.copy_(saved)
-    out.append(train_step(state, data[2], normalizer, train, step=3))
+    out.append(train_step(state, data[2], normalizer))
     return out
 
 
@@ -56,7 +56,7 @@ def main() -> None:
 
     import engine.nonfinite as nonfinite
     from engine.loss import GlobalLossNormalizer
-    from engine.trainer import build_train_state
+    from engine.train_engine import TrainEngine
     from models.hf_io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
@@ -73,7 +73,8 @@ def main() -> None:
         results = {}
         for variant in ("R", "G", "C"):
             nonfinite.guarded_optimizer_step = plain_megatron_step if variant == "C" else guarded
-            state = build_train_state(hf, optim, torch.float32, 6, weights_dir=model_dir)
+            state = TrainEngine.build(hf, optim, torch.float32, 6, train,
+                                      weights_dir=model_dir)
             metrics = run(state, data, normalizer, train, poison=variant != "R")
             results[variant] = (metrics, local_params(state), state)
         nonfinite.guarded_optimizer_step = guarded

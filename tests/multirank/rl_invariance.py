@@ -79,10 +79,10 @@ class RecordingEngine:
             self.tensors[name] = tensor.detach().cpu().clone()
 
 
-def _setup(model_dir, hf_config, layout_kw, world):
+def _setup(model_dir, hf_config, layout_kw, world, train):
     import torch
 
-    from engine.trainer import build_train_state
+    from engine.train_engine import TrainEngine
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 
@@ -90,17 +90,17 @@ def _setup(model_dir, hf_config, layout_kw, world):
     optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
                             distributed_optimizer=True)
-    return build_train_state(hf_config, optim, torch.float32, STEPS, weights_dir=model_dir)
+    return TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
+                             weights_dir=model_dir)
 
 
-def _sequences(state, batch, train):
+def _sequences(state, batch):
     """Sequences with recomputed log-probs (returned too) and fixed synthetic extras."""
     from engine.rl.rollout_batch import build_sequences
-    from engine.rl.update import attach_extra, compute_token_logprobs
+    from engine.rl.logprobs import attach_extra, compute_token_logprobs
 
     seqs = build_sequences(batch)
-    table = compute_token_logprobs(state.chunks, seqs, train, state.vocab_size,
-                                   SETTINGS["temperature"])
+    table = compute_token_logprobs(state, seqs, SETTINGS["temperature"])
     attach_extra(seqs, "old_logprobs", perturbed(table, 1, 0.3))
     attach_extra(seqs, "ref_logprobs", perturbed(table, 2, 0.3))
     attach_extra(seqs, "rollout_logprobs", perturbed(table, 3, 0.3))
@@ -110,16 +110,16 @@ def _sequences(state, batch, train):
 def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world):
     import torch.distributed as dist
 
-    from engine.rl.loop import sync_to_rollout
     from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
+    from engine.rl.weight_sync import sync_to_rollout
 
-    state = _setup(model_dir, hf_config, layout_kw, world)
-    seqs, table = _sequences(state, batch, train)
+    state = _setup(model_dir, hf_config, layout_kw, world, train)
+    seqs, table = _sequences(state, batch)
     settings = PolicyLossSettings(vocab_size=state.vocab_size, **SETTINGS)
     loss_cfg = SimpleNamespace(agg_mode=mode, count_empty_sequences=True)
     results = []
     for part in split_mini_batches(len(seqs), STEPS, seed=7, step=0, epoch=0):
-        results.append(policy_update(state, [seqs[i] for i in part], loss_cfg, train, settings,
+        results.append(policy_update(state, [seqs[i] for i in part], loss_cfg, settings,
                                      HORIZON))
     engine = RecordingEngine() if dist.get_rank() == 0 else None
     sync_to_rollout(state.chunks, hf_config, engine, bucket_mb=0.05)
@@ -134,13 +134,13 @@ def negative_control(model_dir, hf_config, batch, world):
 
     from engine.loss import GlobalLossNormalizer
     from engine.rl.update import PolicyLossSettings, policy_loss_fn, split_mini_batches
-    from engine.sft_batches import build_rank_batch
-    from engine.step import run_micro_batches
+    from engine.rank_batch import build_rank_batch
+    from engine.schedule import run_micro_batches
 
     train = SimpleNamespace(micro_batch_size=1, max_tokens_per_micro_batch=None,
                             balance_dp=True, packing=False)
-    state = _setup(model_dir, hf_config, dict(), world)
-    seqs, _ = _sequences(state, batch, train)
+    state = _setup(model_dir, hf_config, dict(), world, train)
+    seqs, _ = _sequences(state, batch)
     part = split_mini_batches(len(seqs), STEPS, seed=7, step=0, epoch=0)[0]
     local = GlobalLossNormalizer("token-mean", group=None)  # the bug: local counts
     rank_batch = build_rank_batch([seqs[i] for i in part], local, train)

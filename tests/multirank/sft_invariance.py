@@ -64,18 +64,19 @@ def run_layout(model_dir, hf_config, train, mode, batches):
     from megatron.core import parallel_state as ps
 
     from engine.loss import GlobalLossNormalizer
-    from engine.sft import train_step
-    from engine.trainer import build_train_state
+    from engine.sft_training import train_step
+    from engine.train_engine import TrainEngine
     from models.bridge import export_hf_weights
 
     optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
                             distributed_optimizer=True)
-    state = build_train_state(hf_config, optim, torch.float32, STEPS, weights_dir=model_dir)
+    state = TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
+                              weights_dir=model_dir)
     normalizer = GlobalLossNormalizer(mode, HORIZON, True, group=ps.get_data_parallel_group())
     losses, norms = [], []
     for seqs in batches:
-        m = train_step(state, seqs, normalizer, train)
+        m = train_step(state, seqs, normalizer)
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
     params = {k: v.clone() for k, v in export_hf_weights(state.chunks, hf_config)}
@@ -98,10 +99,10 @@ def negative_controls(model_dir, hf_config, batches, world):
     from megatron.core import parallel_state as ps
 
     from engine.loss import GlobalLossNormalizer
-    from engine.sft import sft_loss_fn
-    from engine.sft_batches import build_rank_batch
-    from engine.step import reduce_reports, run_micro_batches
-    from engine.trainer import build_train_state
+    from engine.rank_batch import build_rank_batch
+    from engine.schedule import reduce_reports, run_micro_batches
+    from engine.sft_training import sft_loss_fn
+    from engine.train_engine import TrainEngine
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 
@@ -109,9 +110,9 @@ def negative_controls(model_dir, hf_config, batches, world):
     optim = SimpleNamespace(lr=1e-2, min_lr=0.0, warmup_steps=0, weight_decay=0.0, clip_grad=1.0,
                             betas=[0.9, 0.95], eps=1e-8, schedule="constant",
                             distributed_optimizer=True)
-    state = build_train_state(hf_config, optim, torch.float32, 1, weights_dir=model_dir)
     train = SimpleNamespace(micro_batch_size=3, max_tokens_per_micro_batch=None,
                             balance_dp=True, packing=False)
+    state = TrainEngine.build(hf_config, optim, torch.float32, 1, train, weights_dir=model_dir)
     # mean of means: per micro-batch token mean, / GA, averaged over DP
     unit = GlobalLossNormalizer("token-sum", group=ps.get_data_parallel_group())
     batch = build_rank_batch(batches[0], unit, train)
@@ -126,7 +127,7 @@ def negative_controls(model_dir, hf_config, batches, world):
     # same sequences): the loss of token-mean drops to 1/cp of the reference.
     cp = world if world in (2, 8) else 2
     setup_model_parallel(ParallelLayout(world, cp=cp))
-    state = build_train_state(hf_config, optim, torch.float32, 1, weights_dir=model_dir)
+    state = TrainEngine.build(hf_config, optim, torch.float32, 1, train, weights_dir=model_dir)
     dup = GlobalLossNormalizer("token-mean",
                                group=ps.get_data_parallel_group(with_context_parallel=True))
     batch = build_rank_batch(batches[0], dup, train)

@@ -4,6 +4,7 @@ trainer's weights by HF name in buckets, sleep/wake when colocated with training
 Backends: "hf" (transformers, CPU or GPU; `hf_backend.py`) and "sglang" (GPU; `sglang_backend.py`).
 """
 from engine.rl.rollout.base import (BACKENDS, Generation, RolloutEngine, SamplingParams,
-                                    make_rollout_engine)
+                                    backend_class, make_rollout_engine)
 
-__all__ = ["BACKENDS", "Generation", "RolloutEngine", "SamplingParams", "make_rollout_engine"]
+__all__ = ["BACKENDS", "Generation", "RolloutEngine", "SamplingParams", "backend_class",
+           "make_rollout_engine"]

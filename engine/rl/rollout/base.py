@@ -14,12 +14,15 @@ drawn, not the reported value, so it is the number the trainer recomputes with
 from __future__ import annotations
 
 import abc
+import importlib
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
-BACKENDS = ("hf", "sglang")
+# Built-in backends by name: module:class, imported on first use (sglang is a GPU-only extra).
+BACKENDS = {"hf": "engine.rl.rollout.hf_backend:HFRolloutEngine",
+            "sglang": "engine.rl.rollout.sglang_backend:SGLangRolloutEngine"}
 
 
 @dataclass
@@ -68,12 +71,42 @@ class Generation:
 class RolloutEngine(abc.ABC):
     """Base class of the rollout backends.
 
-    Subclasses implement `_generate`; `generate` validates the prompts and counts calls so the RL
-    loop can log (and tests can check) that generation happens once per rollout batch.
+    Subclasses implement `_generate`, `update_weights`, `sleep`, `wake`; `generate` validates
+    the prompts and counts calls so the RL loop can log (and tests can check) that generation
+    happens once per rollout batch. Everything the RL loop calls is declared here.
     """
+
+    # True when `probe_logits` works (rollout.check_weight_sync compares them with the trainer)
+    supports_logit_probe = False
 
     def __init__(self) -> None:
         self._num_generate_calls = 0
+        self._sleeping = False
+
+    @classmethod
+    def from_config(cls, hf_path: str, rollout_cfg, dtype: torch.dtype, seed: int
+                    ) -> "RolloutEngine":
+        """Build from the RL config: `rollout_cfg` is the `rollout` group (a backend reads its
+        own `rollout.<backend>` settings); `dtype` is model.dtype. Default: `cls(hf_path,
+        dtype=dtype)`, how a user's `package.module:Class` backend is constructed."""
+        return cls(hf_path, dtype=dtype)
+
+    @property
+    def is_asleep(self) -> bool:
+        """True between `sleep()` and `wake()` (as tracked by `mark_asleep`)."""
+        return self._sleeping
+
+    def mark_asleep(self, asleep: bool) -> None:
+        """Subclasses call this from `sleep`/`wake`."""
+        self._sleeping = asleep
+
+    def probe_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 CPU logits [1, s, V] of the engine's model for `input_ids` [1, s]; only when
+        `supports_logit_probe` (debug check of a weight sync)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot report logits")
+
+    def shutdown(self) -> None:
+        """Stop any processes the engine started (default: none)."""
 
     @property
     def num_generate_calls(self) -> int:
@@ -114,8 +147,6 @@ def custom_backend_class(spec: str) -> type:
     """The RolloutEngine subclass named by `"package.module:ClassName"` (a user's own
     backend, e.g. a client of a remote inference service). Raises ValueError saying what is
     wrong: not importable, no such class, or not a RolloutEngine subclass."""
-    import importlib
-
     module_name, _, class_name = spec.partition(":")
     if not module_name or not class_name:
         raise ValueError(f"rollout.backend={spec!r} is not known; choose one of "
@@ -130,16 +161,16 @@ def custom_backend_class(spec: str) -> type:
     return cls
 
 
+def backend_class(backend: str) -> type:
+    """The RolloutEngine class of `backend`: a BACKENDS name or "package.module:ClassName"."""
+    if backend in BACKENDS:
+        module_name, class_name = BACKENDS[backend].split(":")
+        return getattr(importlib.import_module(module_name), class_name)
+    return custom_backend_class(backend)
+
+
 def make_rollout_engine(backend: str, hf_path: str, **kwargs) -> RolloutEngine:
     """Build the rollout engine named by `backend` ("hf", "sglang", or a
     "package.module:ClassName" subclass of RolloutEngine) for the HF checkpoint directory
     `hf_path`; `kwargs` go to the backend's constructor."""
-    if backend == "hf":
-        from engine.rl.rollout.hf_backend import HFRolloutEngine
-
-        return HFRolloutEngine(hf_path, **kwargs)
-    if backend == "sglang":
-        from engine.rl.rollout.sglang_backend import SGLangRolloutEngine
-
-        return SGLangRolloutEngine(hf_path, **kwargs)
-    return custom_backend_class(backend)(hf_path, **kwargs)
+    return backend_class(backend)(hf_path, **kwargs)

@@ -43,6 +43,8 @@ class HFRolloutEngine(RolloutEngine):
         pad_token_id: left-padding id (tokenizer pad, else config pad, else the first eos).
     """
 
+    supports_logit_probe = True
+
     def __init__(self, hf_path: str, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -76,7 +78,6 @@ class HFRolloutEngine(RolloutEngine):
         self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_ids[0]
         self.vocab_size: int = int(self.model.config.vocab_size)
         self._index_parameters()
-        self._asleep = False
         self._stale: set[str] = set()  # parameters not yet written since the last wake()
 
     @staticmethod
@@ -90,7 +91,7 @@ class HFRolloutEngine(RolloutEngine):
 
     # ----------------------------------------------------------------------------- generation
     def _check_ready(self, what: str) -> None:
-        if self._asleep:
+        if self.is_asleep:
             raise RuntimeError(f"{what}: the rollout engine is asleep; call wake() first")
         if self._stale:
             raise RuntimeError(
@@ -185,7 +186,7 @@ class HFRolloutEngine(RolloutEngine):
         The whole bucket is checked (names, shapes) before anything is copied. With tied
         embeddings, `model.embed_tokens.weight` also sets the output layer; `lm_head.weight`
         is accepted too and writes the same tensor. Dtype and device are converted."""
-        if self._asleep:
+        if self.is_asleep:
             raise RuntimeError("update_weights: the rollout engine is asleep; call wake() first")
         bucket = list(named_tensors)
         for name, tensor in bucket:
@@ -224,23 +225,24 @@ class HFRolloutEngine(RolloutEngine):
     def sleep(self) -> None:
         """Free the weights: every parameter is replaced by one on the meta device (contents
         discarded)."""
-        if self._asleep:
+        if self.is_asleep:
             return
         self._replace_parameters("meta")
-        self._asleep = True
+        self.mark_asleep(True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def wake(self) -> None:
         """Allocate (uninitialised) parameter storage again on the engine's device; the weights
         must then be written with `update_weights` before `generate` is allowed."""
-        if not self._asleep:
+        if not self.is_asleep:
             return
         self._replace_parameters(self.device)
-        self._asleep = False
+        self.mark_asleep(False)
         self._stale = set(self._canonical.values())
 
-    @property
-    def is_asleep(self) -> bool:
-        """True between `sleep()` and `wake()`."""
-        return self._asleep
+    def probe_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 CPU logits [1, s, V] of the transformers model for `input_ids` [1, s]."""
+        self._check_ready("probe_logits")
+        with torch.no_grad():
+            return self.model(input_ids=input_ids.to(self.device)).logits.float().cpu()

@@ -42,6 +42,13 @@ class SGLangRolloutEngine(RolloutEngine):
         engine_kwargs: any other `sglang.srt.server_args.ServerArgs` field.
     """
 
+    @classmethod
+    def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int) -> "SGLangRolloutEngine":
+        """From the `rollout.sglang.*` keys (tp_size, mem_fraction); model.dtype is left to
+        SGLang ("auto": the checkpoint's dtype)."""
+        return cls(hf_path, tp_size=rollout_cfg.sglang.tp_size,
+                   mem_fraction_static=rollout_cfg.sglang.mem_fraction, random_seed=seed)
+
     def __init__(self, hf_path: str, tp_size: int = 1, mem_fraction_static: float = 0.5,
                  dtype: str = "auto", random_seed: int = 0, enable_memory_saver: bool = True,
                  **engine_kwargs) -> None:
@@ -104,10 +111,12 @@ class SGLangRolloutEngine(RolloutEngine):
     def sleep(self) -> None:
         """Release SGLang's GPU memory (weights and KV cache)."""
         self.engine.release_memory_occupation()
+        self.mark_asleep(True)
 
     def wake(self) -> None:
         """Re-acquire SGLang's GPU memory; stream the weights with `update_weights` next."""
         self.engine.resume_memory_occupation()
+        self.mark_asleep(False)
 
     def shutdown(self) -> None:
         """Stop SGLang's scheduler and detokenizer processes."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state as ps
 
 from engine.loss import GlobalLossNormalizer
 from engine.micro_batches import (MicroBatch, SequenceData, build_packed, build_padded,
@@ -27,7 +28,6 @@ class RankBatch:
 
 
 def _layout():
-    from megatron.core import parallel_state as ps
     return dict(dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
                 cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
                 pp=ps.get_pipeline_model_parallel_world_size(), dp_group=ps.get_data_parallel_group())

@@ -1,4 +1,4 @@
-"""Run one global mini-batch through megatron's pipeline schedule.
+"""Run this rank's micro-batches of one global mini-batch through megatron's pipeline schedule.
 
 `run_micro_batches` feeds this rank's micro-batches to `forward_backward_func` (1F1B, or
 interleaved with virtual PP), with a loss function that returns the *weighted sum* of per-token
@@ -12,8 +12,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from engine.micro_batches import MicroBatch
+from parallel import cpu_runtime
 
 # loss_fn(output_logits [b, s, V/tp], micro_batch) -> (loss_sum, {name: scalar sum tensor})
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -33,8 +36,6 @@ def _to_device(mb: MicroBatch, device) -> MicroBatch:
 
 def reduce_reports(reports: list[dict[str, torch.Tensor]], keys: list[str]) -> dict[str, float]:
     """Sum report entries over micro-batches (last stage), DP x CP, then share over PP."""
-    from megatron.core import parallel_state as ps
-
     vec = torch.zeros(len(keys), dtype=torch.float64)
     for rep in reports:
         for i, k in enumerate(keys):
@@ -61,11 +62,6 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
     when given, sees each micro-batch's logits on the last stage (forward-only uses: recomputed
     log-probs). Returns the per-micro-batch report dicts of the last stage (empty elsewhere).
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from parallel import cpu_runtime
-
     device = cpu_runtime.device()
     batches = [_to_device(mb, device) for mb in micro_batches]
     shape = batches[0].tokens.shape

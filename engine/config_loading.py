@@ -1,0 +1,115 @@
+"""Loading a configuration: schema defaults, an optional YAML file (`--config`) and hydra
+overrides composed into a structured dataclass, with errors that name the key, where it was
+given and the valid keys of its group."""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, OmegaConfBaseException,
+                              ValidationError)
+
+from engine.errors import ConfigError
+
+# Keys renamed in this release: refused with the new name.
+RENAMED_KEYS = {"rollout.sglang_tp_size": "rollout.sglang.tp_size",
+                "rollout.sglang_mem_fraction": "rollout.sglang.mem_fraction"}
+
+
+def split_argv(argv: list[str]) -> tuple[Optional[str], list[str], list[str]]:
+    """(config file, overrides, flags like --validate)."""
+    config_file, overrides, flags = None, [], []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--config":
+            config_file = next(it, None)
+        elif arg.startswith("--config="):
+            config_file = arg.split("=", 1)[1]
+        elif arg.startswith("config="):
+            config_file = arg.split("=", 1)[1]
+        elif arg.startswith("--"):
+            flags.append(arg)
+        else:
+            overrides.append(arg)
+    return config_file, overrides, flags
+
+
+def config_yaml(cfg) -> str:
+    """The resolved configuration as YAML (saved with every checkpoint, for humans)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def load_config(schema: type, argv: list[str]) -> tuple[Any, list[str]]:
+    """Compose schema defaults, an optional YAML file and hydra overrides into a `schema`
+    instance. Returns (config, flags)."""
+    config_file, overrides, flags = split_argv(argv)
+    try:
+        base = OmegaConf.structured(schema)
+        if config_file:
+            if not os.path.isfile(config_file):
+                raise ConfigError(f"--config {config_file}: file not found")
+            base = OmegaConf.merge(base, OmegaConf.load(config_file))
+        name = f"_run_{schema.__name__}"
+        ConfigStore.instance().store(name=name, node=base)
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=os.path.abspath(os.path.dirname(__file__)),
+                                   version_base=None):
+            cfg = compose(config_name=name, overrides=overrides)
+        return OmegaConf.to_object(cfg), flags
+    except ConfigError:
+        raise
+    except (OmegaConfBaseException, Exception) as e:  # hydra wraps errors in several types
+        raise ConfigError(_describe_load_error(e, schema, config_file)) from None
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+    """`error` and the exceptions it was raised from, outermost first."""
+    chain: list[BaseException] = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _group_keys(schema: type, group: str) -> list[str]:
+    """The keys of config group `group` of `schema` ("" for the top level; [] if no group)."""
+    node = OmegaConf.structured(schema)
+    if group:
+        node = OmegaConf.select(node, group, default=None)
+    return [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []
+
+
+def _describe_load_error(error: BaseException, schema: type, config_file: Optional[str]) -> str:
+    """The message for a failure of load_config. An unknown key: the key, where it was given
+    and the valid keys of its group. A value of the wrong type: the key and what was wrong.
+    Anything else (YAML syntax, override syntax): the messages of the exception chain."""
+    chain = _error_chain(error)
+    origin = ("on the command line" if isinstance(chain[0], HydraException)
+              else f"in --config {config_file}")
+    for err in chain:
+        key = getattr(err, "full_key", None)
+        if not key:
+            continue
+        first_line = str(err).splitlines()[0].strip()
+        if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+            if key in RENAMED_KEYS:
+                return (f"{key} ({origin}) was renamed to {RENAMED_KEYS[key]}; use the new "
+                        "key (README, configuration)")
+            group = key.rpartition(".")[0]
+            valid = ", ".join(_group_keys(schema, group))
+            return (f"unknown key {key} {origin}; valid keys of "
+                    f"{group or 'the top level'}: {valid}")
+        if isinstance(err, ValidationError):
+            hint = (f"; write a list: {key}=[a,b]" if "ListConfig" in first_line else "")
+            return f"{key}: {first_line} ({origin}){hint}"
+    parts: list[str] = []
+    for err in chain:
+        text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        if text and text not in parts:
+            parts.append(text)
+    return f"invalid configuration {origin}: " + "; ".join(parts)

@@ -1,0 +1,217 @@
+"""The run loop shared by SFT and RL: resume, steps, metrics, progress, checkpoints, stop.
+
+`RunLoop.run(step_fn)` calls `step_fn(step)` for every remaining step and owns everything
+around it: the metrics logger (metrics.jsonl + TensorBoard, rank 0), the progress bar, the
+non-finite divergence check after logging, the stop monitor, the save-due rule and the save
+(with the caller's checkpoint `extra`). `build_or_resume` is the resume preamble: it builds the
+TrainEngine fresh from HF weights or loads the newest checkpoint into it.
+
+When a run saves and stops is decided the same way on every rank: `StopMonitor.should_stop`
+says whether the run stops before train.max_steps after the current step; `checkpoint_due`
+whether that step is saved (checkpoint.save_interval, or on exit with checkpoint.save_on_exit);
+`prepare_resumed_run` handles a run that resumed at step `start`.
+
+Signals: SIGTERM (cluster preemption; torchrun forwards it to its workers), SIGUSR1 (e.g.
+`sbatch --signal=USR1@120`) and SIGINT (Ctrl-C) all mean "finish the current step, save, exit
+0". A second SIGINT more than `ABORT_AFTER_S` seconds after the first aborts at once
+(KeyboardInterrupt): the repeat inside that window is the same Ctrl-C arriving twice, once from
+the terminal and once forwarded by torchrun."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Optional
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint_io import rewind_jsonl
+from engine.checkpointing import (DataPosition, load_training_checkpoint, read_checkpoint_info,
+                                  save_training_checkpoint, select_resume_checkpoint)
+from engine.config import config_yaml
+from engine.metrics import MetricsLogger, format_postfix, progress_bar
+from engine.train_engine import TrainEngine
+from parallel.cpu_runtime import device
+
+
+class StopMonitor:
+    """Decides, identically on every rank, whether the run stops after the current step.
+
+    Reasons: SIGTERM, SIGUSR1 or SIGINT received by any rank (handlers installed on
+    construction, restored by `close`), `exit_interval` (stop after a step number that is a multiple of it),
+    `exit_duration_mins` (wall time since construction, in minutes). `should_stop` is collective
+    when torch.distributed is initialised (one all-reduce MAX of a 1-element tensor).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    ABORT_AFTER_S = 5.0
+
+    def __init__(self, exit_interval: Optional[int] = None,
+                 exit_duration_mins: Optional[float] = None):
+        self.exit_interval = exit_interval
+        self.exit_duration_mins = exit_duration_mins
+        self.start = time.monotonic()
+        self.signalled: Optional[int] = None
+        self._signalled_at = 0.0
+        self._previous = {}
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: leave signals alone
+                break
+
+    def _on_signal(self, signum, frame) -> None:
+        now = time.monotonic()
+        if (signum == signal.SIGINT and self.signalled == signal.SIGINT
+                and now - self._signalled_at > self.ABORT_AFTER_S):
+            raise KeyboardInterrupt
+        if self.signalled is None:
+            self.signalled, self._signalled_at = signum, now
+            if os.environ.get("RANK", "0") == "0":
+                print(f"[stop] {signal.Signals(signum).name} received: finishing the current step, "
+                      "then saving and exiting" + (" (Ctrl-C again to abort)"
+                                                   if signum == signal.SIGINT else ""),
+                      flush=True)
+
+    def should_stop(self, steps_done: int) -> Optional[str]:
+        """The reason to stop after `steps_done` steps (same on every rank), or None."""
+        code = 0
+        if self.signalled is not None:
+            code = 3
+        elif (self.exit_duration_mins is not None
+              and time.monotonic() - self.start >= 60.0 * self.exit_duration_mins):
+            code = 2
+        elif self.exit_interval and steps_done % self.exit_interval == 0:
+            code = 1
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([code], dtype=torch.int32, device=device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            code = int(flag.item())
+        return {0: None, 1: f"train.exit_interval={self.exit_interval}",
+                2: f"train.exit_duration_mins={self.exit_duration_mins}",
+                3: "exit signal received"}[code]
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def checkpoint_due(ck, done: int, max_steps: int, stop: Optional[str]) -> bool:
+    """Whether to save after `done` steps: a checkpoint.dir is set and the step is a multiple
+    of checkpoint.save_interval, or the run ends here (max_steps or `stop`) with
+    checkpoint.save_on_exit. `ck` is a CheckpointConfig."""
+    periodic = bool(ck.save_interval) and done % ck.save_interval == 0
+    on_exit = ck.save_on_exit and (stop is not None or done == max_steps)
+    return bool(ck.dir) and (periodic or on_exit)
+
+
+def prepare_resumed_run(tag: str, start: int, max_steps: int, log_dir: Optional[str],
+                        log_names: tuple[str, ...]) -> bool:
+    """For a run continuing after `start` steps: False (rank 0 says so) when nothing is left
+    to do; otherwise rank 0 trims the JSON-lines logs `log_names` in `log_dir` to `start`
+    (the steps after the checkpoint run again) and it returns True."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if start >= max_steps:
+        if rank0:
+            print(f"[{tag}] nothing to do: {start} steps done, train.max_steps={max_steps}",
+                  flush=True)
+        return False
+    if rank0 and start > 0 and log_dir:
+        for name in log_names:
+            rewind_jsonl(os.path.join(log_dir, name), start)
+    return True
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def build_or_resume(cfg, build: Callable[[bool], TrainEngine], position: DataPosition,
+                    batch_key: str = "train.global_batch_size"
+                    ) -> tuple[TrainEngine, DataPosition, dict]:
+    """Collective resume preamble. `build(load_weights)` makes the TrainEngine; when
+    checkpoint.resume finds a checkpoint in checkpoint.dir, it is built without HF weights and
+    the checkpoint (model, optimizer, scheduler, RNG at the same layout) is loaded into it.
+    Returns (engine, the data position to continue from, the checkpoint's `extra` or {}).
+    Raises CheckpointError / ResumeMismatchError (`position` describes this run; `batch_key`
+    names its batch-size key in that message)."""
+    resume_from = select_resume_checkpoint(cfg.checkpoint.resume, cfg.checkpoint.dir)
+    engine = build(resume_from is None)
+    if resume_from is None:
+        return engine, position, {}
+    saved = load_training_checkpoint(engine, resume_from, position, batch_key=batch_key)
+    return engine, saved, read_checkpoint_info(resume_from)["extra"]
+
+
+@dataclass
+class RunLoop:
+    """Steps `start`+1 .. train.max_steps of one run, on every rank.
+
+    `position(done)` is the DataPosition after `done` steps; `extra()` (collective, same value
+    on every rank) the checkpoint's `extra`; `log_names` the JSON-lines logs trimmed on
+    resume; `postfix(metrics)` extra progress-bar fields. `cfg` supplies train.max_steps,
+    train.exit_interval, train.exit_duration_mins, checkpoint.*, logging.* and is saved as the
+    checkpoint's config.yaml."""
+
+    tag: str                    # message prefix ("sft", "rl")
+    cfg: object
+    engine: TrainEngine
+    hf_config: dict
+    position: Callable[[int], DataPosition]
+    extra: Callable[[], dict] | None = None
+    log_names: tuple[str, ...] = ("metrics.jsonl",)
+    postfix: Callable[[dict], dict] = field(default=lambda metrics: {})
+    desc: str | None = None     # progress-bar label (default: tag)
+
+    def prepare(self, start: int) -> bool:
+        """Before building anything else: False (rank 0 says so) when `start` steps leave
+        nothing to do; else the logs are trimmed to `start` (prepare_resumed_run)."""
+        return prepare_resumed_run(self.tag, start, self.cfg.train.max_steps,
+                                   self.cfg.logging.dir, self.log_names)
+
+    def run(self, start: int, step_fn: Callable[[int], dict]) -> list[dict]:
+        """Run `step_fn(step)` (0-based; returns the step's metrics) from `start` (after
+        `prepare`) until train.max_steps or a stop reason; log, checkpoint and stop as the
+        module docstring says. Returns the metrics of the steps run here."""
+        cfg, max_steps = self.cfg, self.cfg.train.max_steps
+        rank0 = _rank0()
+        logger = MetricsLogger(cfg.logging.dir, enabled=rank0)
+        bar = progress_bar(max_steps, enabled=rank0 and cfg.logging.progress_bar,
+                           desc=self.desc or self.tag, initial=start)
+        monitor = StopMonitor(cfg.train.exit_interval, cfg.train.exit_duration_mins)
+        yaml = config_yaml(cfg)
+        history = []
+        try:
+            for step in range(start, max_steps):
+                metrics = step_fn(step)
+                done = step + 1
+                logger.log(done, metrics)
+                history.append(metrics)
+                bar.update(1)
+                bar.set_postfix({**format_postfix(metrics), **self.postfix(metrics)})
+                self.engine.guard.raise_if_diverged()  # after logging: bad steps are logged
+                stop = monitor.should_stop(done) if done < max_steps else None
+                if checkpoint_due(cfg.checkpoint, done, max_steps, stop):
+                    self._save(done, yaml)
+                if stop is not None:
+                    if rank0:
+                        print(f"[{self.tag}] stopping after step {done}: {stop}", flush=True)
+                    break
+        finally:
+            monitor.close()
+            bar.close()
+            logger.close()
+        return history
+
+    def _save(self, done: int, yaml: str) -> None:
+        ck = self.cfg.checkpoint
+        extra = self.extra() if self.extra is not None else None
+        path = save_training_checkpoint(self.engine, ck.dir, self.position(done), self.hf_config,
+                                        self.cfg.model.hf_path, ck.keep_last, yaml, extra=extra)
+        if _rank0():
+            print(f"[checkpoint] saved {path}", flush=True)

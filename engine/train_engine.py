@@ -1,0 +1,200 @@
+"""The training engine: model chunks, DDP, optimizer, LR schedule and non-finite guard of one run.
+
+Every optimizer step of the project (SFT, the RL policy update) is `TrainEngine.train_batch`;
+every forward-only pass (SFT evaluation, RL old/reference log-probs) is
+`TrainEngine.forward_only`. One step, as data flowing:
+
+    seqs (the global mini-batch, same list on every rank)
+      -> engine.rank_batch.build_rank_batch: DP plan, loss weights (GlobalLossNormalizer over
+         the DP group), this rank's padded/packed micro-batches cut to its CP shard
+      -> engine.schedule.run_micro_batches: megatron's pipeline schedule, loss_fn returns
+         weighted sums
+      -> engine.schedule.reduce_reports: report sums over micro-batches, DP x CP, shared on PP
+      -> engine.nonfinite.guarded_optimizer_step: grad norm, clip, step (or skip if non-finite)
+
+Gradient contract (see engine.loss): DDP with `calculate_per_token_loss=True` sums gradients
+over DP x CP; `finalize_grads` calls megatron's `finalize_model_grads` with `num_tokens=None`,
+so gradients are never divided by a token or micro-batch count.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       finalize_model_grads)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from engine.loss import GlobalLossNormalizer
+from engine.micro_batches import MicroBatch, SequenceData
+from engine.nonfinite import NonFiniteGuard, guarded_optimizer_step
+from engine.rank_batch import build_rank_batch
+from engine.schedule import LossFn, reduce_reports, run_micro_batches
+from models.bridge import load_hf_weights
+from models.factory import build_model_chunks
+from models.hf_io import SafetensorsReader
+
+# output_fn(output_logits [b, s, V/tp], micro_batch) -> None: sees each micro-batch's logits
+OutputFn = Callable[[torch.Tensor, MicroBatch], None]
+
+
+@dataclass
+class BatchSettings:
+    """How a global mini-batch becomes micro-batches (train.* keys of SFT and RL)."""
+
+    micro_batch_size: int = 1
+    max_tokens_per_micro_batch: int | None = None
+    balance_dp: bool = True
+    packing: bool = False
+
+    @classmethod
+    def from_config(cls, train_cfg) -> "BatchSettings":
+        return cls(train_cfg.micro_batch_size, train_cfg.max_tokens_per_micro_batch,
+                   train_cfg.balance_dp, train_cfg.packing)
+
+
+def finalize_grads(model, num_tokens=None, **kwargs):
+    """Megatron's finalize_model_grads with the token count dropped: our losses are already
+    globally normalised weighted sums (engine.loss)."""
+    return finalize_model_grads(model, None, **kwargs)
+
+
+def _optimizer(chunks: list, optim_cfg, dtype: torch.dtype):
+    return get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
+        weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.betas[0],
+        adam_beta2=optim_cfg.betas[1], adam_eps=optim_cfg.eps, clip_grad=optim_cfg.clip_grad,
+        bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        use_distributed_optimizer=optim_cfg.distributed_optimizer), chunks)
+
+
+def _scheduler(optimizer, optim_cfg, total_steps: int) -> OptimizerParamScheduler:
+    decay_steps = max(total_steps, optim_cfg.warmup_steps + 1)
+    cosine = optim_cfg.schedule == "cosine"
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim_cfg.warmup_steps else optim_cfg.lr,
+        max_lr=optim_cfg.lr, min_lr=optim_cfg.min_lr if cosine else optim_cfg.lr,
+        lr_warmup_steps=optim_cfg.warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style="cosine" if cosine else "constant",
+        start_wd=optim_cfg.weight_decay, end_wd=optim_cfg.weight_decay,
+        wd_incr_steps=decay_steps, wd_incr_style="constant")
+
+
+@dataclass
+class TrainEngine:
+    """This rank's part of the model and everything that updates it.
+
+    `optimizer`/`scheduler` are None for a frozen engine (e.g. the RL KL reference), which
+    supports `forward_only` only. All methods are collective over the whole world (every rank
+    passes the same `seqs`)."""
+
+    chunks: list                # GPTModel chunks of this rank (DDP-wrapped unless frozen)
+    optimizer: object | None    # megatron optimizer (distributed by default)
+    scheduler: object | None    # megatron OptimizerParamScheduler
+    hf_config: dict
+    batching: BatchSettings
+    pad_id: int = 0
+    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)  # skipped-step accounting
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def optimizer_steps_attempted(self) -> int:
+        """Optimizer steps taken plus those skipped as non-finite."""
+        return self.scheduler.num_steps + self.guard.skipped
+
+    @classmethod
+    def build(cls, hf_config: dict, optim_cfg, dtype: torch.dtype, total_steps: int,
+              batching: BatchSettings, pad_id: int = 0, weights_dir: str | None = None,
+              load_weights: bool = True, **model_overrides) -> "TrainEngine":
+        """Build this rank's model chunks, load HF weights from `weights_dir` (unless
+        `load_weights` is False: a checkpoint will be loaded), wrap them in megatron DDP and
+        create the optimizer and an LR schedule over `total_steps` optimizer steps.
+        `model_overrides` go to the TransformerConfig (e.g. cp_comm_type)."""
+        raw = build_model_chunks(hf_config, params_dtype=dtype, **model_overrides)
+        if load_weights:
+            load_hf_weights(raw, SafetensorsReader(weights_dir), hf_config)
+        config = raw[0].config
+        config.finalize_model_grads_func = finalize_grads
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=optim_cfg.distributed_optimizer,
+            overlap_grad_reduce=False, average_in_collective=False)
+        chunks = [DistributedDataParallel(config, ddp_config, module=c, disable_bucketing=i > 0)
+                  for i, c in enumerate(raw)]
+        for c in chunks:
+            c.broadcast_params()
+        optimizer = _optimizer(chunks, optim_cfg, dtype)
+        return cls(chunks, optimizer, _scheduler(optimizer, optim_cfg, total_steps), hf_config,
+                   batching, pad_id)
+
+    @classmethod
+    def frozen(cls, hf_config: dict, dtype: torch.dtype, weights_dir: str,
+               batching: BatchSettings, pad_id: int = 0) -> "TrainEngine":
+        """A forward-only copy of the HF weights in `weights_dir` (no DDP, no optimizer)."""
+        chunks = build_model_chunks(hf_config, params_dtype=dtype)
+        load_hf_weights(chunks, SafetensorsReader(weights_dir), hf_config)
+        for c in chunks:
+            c.eval().requires_grad_(False)
+        return cls(chunks, None, None, hf_config, batching, pad_id)
+
+    def train_batch(self, seqs: Sequence[SequenceData], normalizer: GlobalLossNormalizer,
+                    loss_fn: LossFn, report_keys: Sequence[str]) -> dict[str, float]:
+        """One optimizer step on the global mini-batch `seqs`.
+
+        `loss_fn(logits, mb)` returns (weighted loss sum, {key: sum}); the loss driving the
+        guard is report key `report_keys[0]`. Returns the report sums reduced over the whole
+        mini-batch plus grad_norm, lr (of this step), train/update_skipped,
+        train/micro_batches, batch/num_tokens, batch/num_padding, batch/dp_imbalance and
+        time/step_s. A non-finite loss or gradient skips the update (weights, Adam state and
+        LR schedule untouched) and is counted in `self.guard`; the caller logs the step, then
+        calls `self.guard.raise_if_diverged()`."""
+        t0 = time.perf_counter()
+        batch = build_rank_batch(list(seqs), normalizer, self.batching, self.pad_id)
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn)
+        out = reduce_reports(reports, list(report_keys))
+        label = self.optimizer_steps_attempted + 1
+        stepped, grad_norm = guarded_optimizer_step(self.optimizer, out[report_keys[0]])
+        lr = self.lr
+        if stepped:
+            self.scheduler.step(increment=1)
+        self.guard.record(label, stepped, out[report_keys[0]], grad_norm)
+        out.update({
+            "grad_norm": grad_norm, "lr": lr, "train/update_skipped": 0.0 if stepped else 1.0,
+            "train/micro_batches": float(len(batch.micro_batches)),
+            "batch/num_tokens": float(batch.num_tokens),
+            "batch/num_padding": float(batch.num_padding),
+            "batch/dp_imbalance": batch.plan.dp_imbalance,
+            "time/step_s": time.perf_counter() - t0})
+        return out
+
+    @torch.no_grad()
+    def forward_only(self, seqs: Sequence[SequenceData],
+                     weights: GlobalLossNormalizer | torch.Tensor | None = None,
+                     loss_fn: LossFn | None = None, report_keys: Sequence[str] = (),
+                     output_fn: OutputFn | None = None) -> dict[str, float]:
+        """Forward passes over the global mini-batch `seqs` in this engine's micro-batches
+        (memory does not grow with len(seqs)). `weights`: a normalizer or fixed per-sequence
+        weights (default token-sum, i.e. 1). `output_fn` sees each micro-batch's logits on
+        the last pipeline stage; `loss_fn` reports are reduced like `train_batch`'s."""
+        if weights is None:
+            weights = GlobalLossNormalizer("token-sum")
+        batch = build_rank_batch(list(seqs), weights, self.batching, self.pad_id)
+        reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn or _no_loss,
+                                    forward_only=True, output_fn=output_fn)
+        return reduce_reports(reports, list(report_keys))
+
+
+def _no_loss(logits: torch.Tensor, mb: MicroBatch):
+    return logits.sum() * 0.0, {}
