@@ -38,11 +38,17 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from engine.checkpoint_io import (CheckpointError, iteration_dir, prune, publish,
                                   resolve_resume, staging_dir, write_complete_marker)
 from engine.checkpoint_writer import install as install_writer_queue
 from engine.fault_injection import maybe_crash
+from models.bridge import unwrap
+from models.checkpoint import model_sharded_state_dict, write_metadata
 
 FORMAT_VERSION = 1
 # "fully_reshardable": optimizer state gathered per parameter in model space (any DP/TP/PP/CP
@@ -59,7 +65,6 @@ class ResumeMismatchError(ValueError):
 @dataclass(frozen=True)
 class DataPosition:
     """Where a run stands in its data stream after `step` optimizer steps."""
-
     step: int                 # optimizer steps done
     global_batch_size: int    # sequences per optimizer step
     num_samples: int          # samples in the training dataset
@@ -87,8 +92,6 @@ class DataPosition:
 def capture_rng() -> dict:
     """This rank's RNG states: python, numpy, torch CPU, torch CUDA (the CPU host's stand-in
     on a CPU host) and megatron's model-parallel tracker."""
-    from megatron.core import tensor_parallel
-
     return {"python": random.getstate(), "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(),
             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
@@ -96,8 +99,6 @@ def capture_rng() -> dict:
 
 def restore_rng(states: dict) -> None:
     """Inverse of capture_rng on the same rank and layout."""
-    from megatron.core import tensor_parallel
-
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])
@@ -109,8 +110,6 @@ def restore_rng(states: dict) -> None:
 
 def current_layout() -> dict:
     """The layout of the current megatron parallel state (world, tp, pp, vpp, cp, dp)."""
-    from megatron.core import parallel_state as ps
-
     return {"world_size": dist.get_world_size(),
             "tp": ps.get_tensor_model_parallel_world_size(),
             "pp": ps.get_pipeline_model_parallel_world_size(),
@@ -123,8 +122,6 @@ def _prepare_optimizer_for_load(optimizer) -> None:
     """Give a fresh distributed optimizer its (dummy) Adam state so that its sharded state
     dict can be built; the loaded values then replace every entry of it (master weights,
     moments, step)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
             opt._init_optimizer_states_with_dummy_values()
@@ -138,8 +135,6 @@ def _load_optimizer(optimizer, loaded) -> None:
     are loaded first, the step tensors are set aside while the tensors are copied, then put
     back. Megatron also gives every parameter the same step tensor, which torch's Adam then
     increments once per parameter: each parameter gets its own copy here."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
     states = [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))]
     for opt, sd in zip(opts, states):
@@ -185,9 +180,6 @@ def training_state_dict(state, position: DataPosition, is_loading: bool,
     """The sharded state dict of a TrainState (keys in the module docstring), with `extra`
     (plain JSON values, checked by the caller, the same on every rank) when given. Collective (the optimizer's sharded
     state dict gathers nothing, but must be built on every rank)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    from models.checkpoint import model_sharded_state_dict
 
     model_sd = model_sharded_state_dict(state.chunks)
     if is_loading:
@@ -239,9 +231,6 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
     checkpoint format). Returns the published directory; raises CheckpointError on every rank
     if rank 0 could not verify or publish it (TypeError, before anything is written, when
     `extra` is not plain)."""
-    from megatron.core import dist_checkpointing
-
-    from models.checkpoint import write_metadata
 
     if extra is not None:
         extra = _plain_extra(extra)   # checked before anything is written
@@ -281,8 +270,6 @@ def read_checkpoint_info(ckpt_dir: str | os.PathLike) -> dict:
     """The non-sharded part of a training checkpoint: data, scheduler, layout, iteration,
     optimizer param groups and `extra` (the plain values given to save_training_checkpoint; {}
     when none were saved). Reads the file system only (no collective)."""
-    from megatron.core import dist_checkpointing
-
     common = dist_checkpointing.load_common_state_dict(str(ckpt_dir))
     if "data" not in common or "scheduler" not in common:
         raise CheckpointError(f"{ckpt_dir} is a model-only checkpoint (no data position or "
@@ -322,9 +309,6 @@ def load_training_checkpoint(state, ckpt_dir: str | os.PathLike, run_position: D
     stream (`batch_key`: the config key of the batch size, named in that message). Returns the
     saved position: training continues at its `step`. The saved `extra` values, if any, come
     from read_checkpoint_info."""
-    from megatron.core import dist_checkpointing
-
-    from models.bridge import unwrap
 
     info = read_checkpoint_info(ckpt_dir)
     saved = DataPosition(**info["data"])

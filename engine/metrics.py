@@ -11,6 +11,8 @@ import numbers
 import os
 from typing import Any, Mapping
 
+from tqdm.auto import tqdm
+
 __all__ = ["MetricsLogger", "progress_bar", "format_postfix", "POSTFIX_KEYS"]
 
 # Progress-bar field -> metric names looked for, in order (a name also matches "<prefix>/name").
@@ -90,7 +92,6 @@ class MetricsLogger:
 
 def progress_bar(total: int, enabled: bool, desc: str, initial: int = 0):
     """A tqdm bar over `total` steps starting at `initial` (resume); silent when not enabled."""
-    from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from engine.batching import pack_sequences, pad_batch
 from parallel import zigzag
@@ -89,8 +90,6 @@ def build_packed(seqs: list[SequenceData], seq_index: list[int], pad_multiple: i
                  length: int | None, cp: int, cp_rank: int, pad_id: int = 0) -> MicroBatch:
     """A packed [1, T] micro-batch with thd PackedSeqParams; `length` pads the row's tail
     (as one extra masked segment) to a fixed size, needed with pipeline parallelism."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     row = pack_sequences([(s.tokens, s.labels, s.loss_mask) for s in seqs],
                          pad_multiple=pad_multiple, pad_id=pad_id)
     seq_lengths = list(row.seq_lengths)

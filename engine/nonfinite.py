@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from engine.errors import RunError
 
@@ -38,8 +39,6 @@ def guarded_optimizer_step(optimizer, loss: float) -> tuple[bool, float]:
     `optimizer` is a megatron MegatronOptimizer or ChainedOptimizer whose gradients are
     reduced (finalize_model_grads has run). Returns (stepped, grad_norm): grad_norm is the
     global L2 norm of the gradients before clipping (computed also when clip_grad is 0)."""
-    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
     found_inf = optimizer.prepare_grads()   # True only with an fp16 loss scaler
     grad_norm = float(optimizer.get_grad_norm())
     if found_inf or not math.isfinite(grad_norm) or not math.isfinite(loss):
@@ -63,7 +62,6 @@ class NonFiniteGuard:
     `raise_if_diverged` (called by the loop after it has logged the step's metrics) raises
     TrainingDiverged. `skipped` counts the whole run (a resumed run starts from the
     checkpoint's count), `streak` holds (step, loss, grad_norm) of the current run of skips."""
-
     limit: int = 3
     skipped: int = 0
     streak: list = field(default_factory=list)

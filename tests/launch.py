@@ -9,6 +9,7 @@ it. `run_python(script, *args)` does the same for a single `python script args..
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -116,3 +117,9 @@ def run_torchrun(nproc: int, script: str, *args: str, timeout: int = 600,
 def run_python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python script *args` from the repo root, same contract as `run_torchrun`."""
     return _run([sys.executable, str(script), *map(str, args)], timeout)
+
+
+def result_lines(stdout: str, prefix: str = "RESULT ") -> list[dict]:
+    """The JSON objects of the `prefix {json}` lines a multi-rank script printed, in order."""
+    return [json.loads(line[len(prefix):]) for line in stdout.splitlines()
+            if line.startswith(prefix)]

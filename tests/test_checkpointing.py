@@ -29,7 +29,8 @@ from engine.checkpoint_io import (LATEST_FILE, CheckpointError, checkpoint_probl
                                   resolve_resume, rewind_jsonl, staging_dir,
                                   write_complete_marker)
 from engine.checkpointing import DataPosition
-from tests.launch import REPO_ROOT, filter_noise, free_port, run_python, run_torchrun
+from tests.launch import (REPO_ROOT, filter_noise, free_port, result_lines, run_python,
+                          run_torchrun)
 
 STEPS, GBS, N_TRAIN = 4, 8, 32
 SAME_LAYOUT_TOL, OTHER_LAYOUT_TOL = 1e-6, 1e-4
@@ -405,8 +406,7 @@ def test_optimizer_scheduler_and_rng_round_trip(tmp_path, runs):
     proc = run_torchrun(2, "tests/multirank/checkpoint_state.py", runs["model"], str(tmp_path),
                         timeout=600)
     assert proc.returncode == 0
-    (res,) = [json.loads(line[7:]) for line in proc.stdout.splitlines()
-              if line.startswith("RESULT ")]
+    (res,) = result_lines(proc.stdout)
     assert res["position"] == {"step": 2, "global_batch_size": 8, "num_samples": 100,
                                "seed": 7, "shuffle": True}
     assert res["opt_equal"] and res["n_opt_tensors"] > 0

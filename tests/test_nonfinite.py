@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.nonfinite import NonFiniteGuard, TrainingDiverged
-from tests.launch import run_python, run_torchrun
+from tests.launch import result_lines, run_python, run_torchrun
 from tests.tiny_models import build_tiny_model
 
 
@@ -49,8 +49,7 @@ def test_skipped_step_leaves_no_trace_in_every_layout(tmp_path):
                              initializer_range=0.1)
     proc = run_torchrun(2, "tests/multirank/nonfinite_guard.py", model, timeout=600)
     assert proc.returncode == 0
-    results = {r["layout"]: r for r in (json.loads(line[7:]) for line in
-                                        proc.stdout.splitlines() if line.startswith("RESULT "))}
+    results = {r["layout"]: r for r in result_lines(proc.stdout)}
     assert sorted(results) == ["dp2", "pp2", "tp2"]
     for name, r in results.items():
         assert r["skipped"] == [0.0, 1.0, 0.0], name

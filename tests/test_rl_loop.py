@@ -16,7 +16,7 @@ from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, 
 from engine.rl.rollout import Generation, RolloutEngine
 from engine.rl.rollout_batch import RolloutBatch, RolloutCollector, build_sequences
 from engine.rl.update import split_mini_batches
-from tests.launch import run_python, run_torchrun
+from tests.launch import result_lines, run_python, run_torchrun
 from tests.tiny_models import build_tiny_model
 
 INVARIANCE = "tests/multirank/rl_invariance.py"
@@ -260,16 +260,11 @@ def test_cli_generates_once_per_step_and_syncs_weights(model_dir, prompts_file, 
     assert list(log_dir.glob("events.out.tfevents*"))
 
 
-def _lines(text: str, prefix: str) -> list[dict]:
-    return [json.loads(line[len(prefix):]) for line in text.splitlines()
-            if line.startswith(prefix)]
-
-
 def test_policy_update_is_layout_invariant(model_dir, tmp_path):
     ref_file = str(tmp_path / "rl_ref.pt")
     ref = run_torchrun(1, INVARIANCE, model_dir, ref_file, "1,1,1,2", timeout=600)
     assert ref.returncode == 0
-    refs = {r["mode"]: r for r in _lines(ref.stdout, "RESULT ")}
+    refs = {r["mode"]: r for r in result_lines(ref.stdout)}
     for r in refs.values():  # the fixed batch exercises every term of the loss
         m = r["metrics"]
         assert min(m["policy/clipfrac_low"]) > 0 and min(m["policy/clipfrac_high"]) > 0
@@ -277,7 +272,7 @@ def test_policy_update_is_layout_invariant(model_dir, tmp_path):
     specs = ["1,1,1,1", "2,1,1,1", "1,2,1,1", "1,1,2,1,packing"]  # DP4, TP2, PP2, CP2 (x DP2)
     proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *specs, timeout=600)
     assert proc.returncode == 0
-    results = _lines(proc.stdout, "RESULT ")
+    results = result_lines(proc.stdout)
     assert len(results) == len(specs) * len(refs)
     for r in results:
         where = f"{r['spec']} {r['mode']}"
@@ -286,8 +281,31 @@ def test_policy_update_is_layout_invariant(model_dir, tmp_path):
         assert r["metrics_rel"] <= 1e-5, where
         assert r["param_rel"] <= 1e-5 and r["n_params"] == 46, where
         assert r["logprob_max_diff"] <= 1e-5, where
-    control = _lines(proc.stdout, "CONTROL ")[0]
+    control = result_lines(proc.stdout, "CONTROL ")[0]
     assert abs(control["mean_of_means"] - control["reference"]) > 1e-3 * abs(control["reference"])
+
+
+def test_policy_update_is_layout_invariant_at_temperature_1_with_unpadded_vocab(tmp_path):
+    """fp32 logits at T = 1.0 with a vocabulary whose TP slices hold no padding rows and
+    entropy_coef != 0: nothing copies the logits before megatron's in-place cross-entropy, the
+    case where entropy used to be computed from mutated logits (loss and gradient wrong)."""
+    model_dir = build_tiny_model(str(tmp_path / "qwen3_v256"), "qwen3", vocab_size=256,
+                                 hidden=64, layers=2, heads=8, kv_heads=2, seed=1,
+                                 initializer_range=0.2)
+    ref_file = str(tmp_path / "rl_ref_t1.pt")
+    ref = run_torchrun(1, INVARIANCE, model_dir, ref_file, "1,1,1,2", "t1", timeout=600)
+    assert ref.returncode == 0
+    for r in result_lines(ref.stdout):
+        assert min(r["metrics"]["policy/entropy"]) > 0
+    specs = ["1,1,1,1", "2,1,1,1"]  # DP4, TP2 (x DP2): 128 vocab rows per TP rank, no padding
+    proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *specs, "t1", timeout=600)
+    assert proc.returncode == 0
+    results = result_lines(proc.stdout)
+    assert len(results) == 2 * len(specs)
+    for r in results:
+        where = f"{r['spec']} {r['mode']}"
+        assert r["loss_rel"] <= 1e-5 and r["grad_norm_rel"] <= 1e-5, where
+        assert r["metrics_rel"] <= 1e-5 and r["param_rel"] <= 1e-5, where
 
 
 def test_cli_dapo_on_4_ranks_with_tp2_and_accumulation(model_dir, prompts_file, tmp_path):

@@ -10,11 +10,10 @@ tokens, all-reduce trees), giving observed differences of 1e-8..1e-6. Adam eps i
 harness: with eps 1e-8, parameters whose gradient is ~1e-8 get updates of size ~lr that flip
 with reduction-order noise, which would hide real bugs under a loose tolerance.
 """
-import json
 
 import pytest
 
-from tests.launch import run_torchrun
+from tests.launch import result_lines, run_torchrun
 from tests.tiny_models import build_tiny_model
 
 # the module fixture runs four launches inside the first test's setup
@@ -38,11 +37,6 @@ LAUNCHES = {
 }
 
 
-def _parse(stdout, prefix):
-    return [json.loads(l[len(prefix) + 1:]) for l in stdout.splitlines()
-            if l.startswith(prefix + " ")]
-
-
 @pytest.fixture(scope="module")
 def invariance_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft_inv")
@@ -56,8 +50,8 @@ def invariance_runs(tmp_path_factory):
     for world, specs in LAUNCHES.items():
         proc = run_torchrun(world, SCRIPT, model, ref, *specs, timeout=1500)
         assert proc.returncode == 0, f"world {world} launch failed"
-        results[world] = _parse(proc.stdout, "RESULT")
-        controls[world] = _parse(proc.stdout, "CONTROL")
+        results[world] = result_lines(proc.stdout)
+        controls[world] = result_lines(proc.stdout, "CONTROL ")
     return results, controls
 
 

@@ -190,6 +190,9 @@ def main():
     from parallel.process_groups import init_distributed, shutdown
 
     model_dir, ref_file, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if "t1" in specs:  # temperature 1.0: no logits copy from a division (entropy defect check)
+        specs.remove("t1")
+        SETTINGS["temperature"] = 1.0
     rank, world = init_distributed()
     hf_config = read_config(model_dir)
     batch = synthetic_rollout(hf_config["vocab_size"])

@@ -16,6 +16,7 @@ import os
 from typing import Iterable
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 
@@ -42,14 +43,11 @@ class HFRolloutEngine(RolloutEngine):
             config and tokenizer eos ids).
         pad_token_id: left-padding id (tokenizer pad, else config pad, else the first eos).
     """
-
     supports_logit_probe = True
 
     def __init__(self, hf_path: str, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        from transformers import AutoModelForCausalLM
-
         if not os.path.isfile(os.path.join(hf_path, "config.json")):
             raise ValueError(f"rollout hf_path={hf_path!r} is not a local HF model directory "
                              "(config.json missing); nothing is downloaded")
@@ -85,8 +83,6 @@ class HFRolloutEngine(RolloutEngine):
         names = ("tokenizer.json", "tokenizer_config.json")
         if not any(os.path.isfile(os.path.join(hf_path, n)) for n in names):
             return None
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(hf_path, local_files_only=True)
 
     # ----------------------------------------------------------------------------- generation
