@@ -21,6 +21,7 @@ from megatron.core import parallel_state as ps
 from transformers import AutoTokenizer
 
 from engine.checkpointing import DataPosition
+from engine.config import SFTConfig
 from engine.data import global_batch_indices, load_sft_dataset
 from engine.loss import GlobalLossNormalizer, aggregate, weights_from_counts
 from engine.micro_batches import SequenceData
@@ -66,7 +67,7 @@ def train_step(engine: TrainEngine, seqs: list[SequenceData],
     }
 
 
-def evaluate(engine: TrainEngine, eval_seqs: list[SequenceData], cfg) -> float:
+def evaluate(engine: TrainEngine, eval_seqs: list[SequenceData], cfg: SFTConfig) -> float:
     """Exact global eval loss of the configured aggregation mode over the whole eval set:
     weights from the counts of all eval sequences, forward-only in chunks of the global batch."""
     counts = torch.tensor([int(sum(s.loss_mask)) for s in eval_seqs])
@@ -80,7 +81,7 @@ def evaluate(engine: TrainEngine, eval_seqs: list[SequenceData], cfg) -> float:
                for i in range(0, len(eval_seqs), gbs))
 
 
-def _load_data(cfg, tokenizer):
+def _load_data(cfg: SFTConfig, tokenizer):
     """(train dataset, eval sequences or None); rank 0 prints what was loaded."""
     dataset = load_sft_dataset(cfg.data.train_files, tokenizer, cfg.train.seq_length,
                                cfg.data.truncation)
@@ -103,7 +104,7 @@ def _log_sample_ids(log_dir: str, step: int, indices: list[int]) -> None:
         f.write(json.dumps({"step": step, "indices": indices}) + "\n")
 
 
-def run(cfg, hf_config: dict, flags: list[str]) -> int:
+def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
     """The SFT run on every rank (process groups and megatron state exist)."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

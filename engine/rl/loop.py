@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from engine.checkpointing import DataPosition
 from engine.data import load_prompt_rows
 from engine.nonfinite import NonFiniteGuard
+from engine.rl.config import RLConfig
 from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class
@@ -46,7 +47,7 @@ _UPDATE_MEAN_KEYS = ("policy/loss", "policy/pg_loss", "policy/clipfrac_low",
                      "train/update_skipped")
 
 
-def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, cfg,
+def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, cfg: RLConfig,
                      step: int) -> dict[str, float]:
     """Recompute old (and reference) log-probs, then run every mini-batch update of the step.
     Every rank passes the same rollout batch; returns the metrics of the policy side."""
@@ -77,7 +78,7 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
     return metrics
 
 
-def _sync(policy: TrainEngine, rollout, cfg, probe: bool) -> dict[str, float]:
+def _sync(policy: TrainEngine, rollout, cfg: RLConfig, probe: bool) -> dict[str, float]:
     """Collective: wake the engine if it slept, stream the policy's weights into it, and (with
     `probe`) compare its logits with the trainer's."""
     t0 = time.perf_counter()
@@ -97,8 +98,8 @@ def _sync(policy: TrainEngine, rollout, cfg, probe: bool) -> dict[str, float]:
     return metrics
 
 
-def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, rollout, cfg,
-            step: int) -> dict[str, float]:
+def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, rollout,
+            cfg: RLConfig, step: int) -> dict[str, float]:
     """One RL step on every rank (collective over the world); metrics are complete on rank 0."""
     t0 = time.perf_counter()
     batch = None
@@ -135,7 +136,7 @@ def _next_gen_batch(collector) -> int:
     return int(box[0])
 
 
-def run(cfg, hf_config: dict, flags: list[str]) -> int:
+def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     """The RL run on every rank (process groups and megatron state exist)."""
     rank = dist.get_rank()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)

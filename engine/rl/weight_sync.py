@@ -3,8 +3,9 @@
 `sync_to_rollout` is the transport (collective): every pipeline stage exports its HF tensors
 (TP all-gathers inside models.bridge.export_hf_weights), stages > 0 stream theirs to global
 rank 0, which feeds the engine through `sync_weights`. `check_weight_sync` is the optional
-debug probe (rollout.check_weight_sync). The producer is usually `models.bridge.export_hf_weights` (Megatron -> HF names, TP gathered,
-vocab unpadded: the same code path as checkpoint conversion). Buckets are formed lazily, so at
+debug probe (rollout.check_weight_sync). The producer is models.bridge.export_hf_weights
+(Megatron -> HF names, TP gathered, vocab unpadded: the same code path as checkpoint
+conversion). Buckets are formed lazily, so at
 most one bucket of full tensors (plus the one tensor that did not fit) is alive at a time.
 Units: `bucket_bytes` in bytes; `bucket_mb` in MiB (1 MB here = 2**20 bytes).
 """
