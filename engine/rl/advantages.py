@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from engine.rl.registry import registrar
+
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """View ``rewards [G*n]`` as ``[G, n]`` (floating point), validating the layout."""
@@ -80,12 +82,7 @@ def leave_one_out_advantages(rewards: torch.Tensor, group_size: int) -> torch.Te
 Estimator = Callable[[torch.Tensor, int, Any], torch.Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
 
-
-def register_advantage(name: str) -> Callable[[Estimator], Estimator]:
-    def add(fn: Estimator) -> Estimator:
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-    return add
+register_advantage = registrar(ADVANTAGE_ESTIMATORS)
 
 
 @register_advantage("grpo")

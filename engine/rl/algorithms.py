@@ -1,6 +1,6 @@
 """RL algorithm presets, looked up by name (`algorithm=...`).
 
-A preset only chooses defaults: `defaults(cfg)` returns {dotted key: value}, applied to every
+A preset only chooses defaults: `preset(cfg)` returns {dotted key: value}, applied to every
 key the user did not set explicitly (engine.rl.config.apply_algorithm_defaults). A new
 algorithm is one `register_algorithm` call here (plus, when it needs new math, an advantage
 estimator in engine.rl.advantages or a policy loss in engine.rl.policy_loss).
@@ -9,15 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from engine.rl.registry import registrar
+
 Preset = Callable[[Any], dict[str, Any]]
 ALGORITHMS: dict[str, Preset] = {}
 
-
-def register_algorithm(name: str) -> Callable[[Preset], Preset]:
-    def add(preset: Preset) -> Preset:
-        ALGORITHMS[name] = preset
-        return preset
-    return add
+register_algorithm = registrar(ALGORITHMS)
 
 
 @register_algorithm("grpo")

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 
+from engine.rl.registry import registrar
+
 # |log ratio| is clamped to this before exp(): exp(20) ~ 4.9e8 is far beyond any clip range, and
 # the clamp keeps garbage log-probs on masked tokens (advantage 0) from producing inf * 0 = NaN.
 MAX_LOG_RATIO = 20.0
@@ -126,12 +128,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], PolicyLossTerms]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
-
-def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    def add(fn: PolicyLoss) -> PolicyLoss:
-        POLICY_LOSSES[name] = fn
-        return fn
-    return add
+register_policy_loss = registrar(POLICY_LOSSES)
 
 
 @register_policy_loss("ppo_clip")
