@@ -54,7 +54,7 @@ def main() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    import engine.nonfinite as nonfinite
+    import engine.train_engine as train_engine  # the step TrainEngine.train_batch calls
     from engine.loss import GlobalLossNormalizer
     from engine.train_engine import TrainEngine
     from models.hf_io import read_config
@@ -66,18 +66,18 @@ def main() -> None:
     hf = read_config(model_dir)
     optim, train = OPTIM, TRAIN
     data = batches(hf["vocab_size"], 3)
-    guarded = nonfinite.guarded_optimizer_step
+    guarded = train_engine.guarded_optimizer_step
     for name, kw in LAYOUTS.items():
         setup_model_parallel(ParallelLayout(world, **kw))
         normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
         results = {}
         for variant in ("R", "G", "C"):
-            nonfinite.guarded_optimizer_step = plain_megatron_step if variant == "C" else guarded
+            train_engine.guarded_optimizer_step = plain_megatron_step if variant == "C" else guarded
             state = TrainEngine.build(hf, optim, torch.float32, 6, train,
                                       weights_dir=model_dir)
             metrics = run(state, data, normalizer, train, poison=variant != "R")
             results[variant] = (metrics, local_params(state), state)
-        nonfinite.guarded_optimizer_step = guarded
+        train_engine.guarded_optimizer_step = guarded
         ref, got, ctl = (results[v][1] for v in "RGC")
         diff = max(float((a - b).abs().max()) for a, b in zip(ref, got))
         bad = torch.tensor([0.0 if all(torch.isfinite(p).all() for p in ctl) else 1.0])
