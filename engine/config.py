@@ -18,6 +18,7 @@ from engine.data_files import SUPPORTED_EXTENSIONS
 from engine.config_loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
 from engine.loss import AGG_MODES
+from models.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
 
 __all__ = ["ConfigError", "config_yaml", "load_config", "split_argv"]  # re-exported
@@ -277,8 +278,6 @@ def checkpoint_config_problems(cfg) -> list[str]:
 
 def shape_problems(cfg, hf_config: dict) -> list[str]:
     """model.shape: a known preset, and (when given) the same shape as `hf_config`."""
-    from engine.recipe_validation import MODEL_SHAPES, shape_mismatches
-
     if cfg.model.shape is None:
         return []
     if cfg.model.shape not in MODEL_SHAPES:

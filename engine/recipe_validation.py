@@ -2,7 +2,7 @@
 recipe's layout arithmetic and memory for a cluster shape, without weights, GPUs or processes.
 
 The model shape comes from `model.hf_path` (its config.json) when given, else from the preset
-named by `model.shape` (MODEL_SHAPES: the public HF configs of the recipe models). Defaults:
+named by `model.shape` (models.presets.MODEL_SHAPES: the public HF configs of the recipe models). Defaults:
 `--nodes` = recipe.nodes, `--gpus-per-node` = recipe.gpus_per_node, `--world-size` = their
 product. Exit 0 with a summary, or 2 with every problem.
 
@@ -30,49 +30,12 @@ from dataclasses import dataclass, field
 
 from engine.config import (ConfigError, SFTConfig, data_file_problems, layout_problems,
                            load_config, read_model_config, sft_problems, value_problems)
+from models.presets import MODEL_SHAPES, shape_mismatches
 
 GIB = 2 ** 30
 RUNTIME_OVERHEAD_GIB = 4.0
 WARN_FRACTION = 0.9          # warn when the estimate exceeds this share of GPU memory
 EXPECTED_TOLERANCE = 0.10    # recipe.expected_memory_gib must be within 10% of the estimate
-
-_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-MODEL_SHAPES: dict[str, dict] = {  # public HF config.json values of each model
-    "qwen3-8b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=4096,
-                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False),
-    "llama-3.1-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"],
-                         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                         max_position_embeddings=131072, rope_theta=500000.0,
-                         rms_norm_eps=1e-5, rope_scaling=_LLAMA31_ROPE,
-                         tie_word_embeddings=False),
-    "llama-3.1-70b": dict(model_type="llama", architectures=["LlamaForCausalLM"],
-                          hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                          max_position_embeddings=131072, rope_theta=500000.0,
-                          rms_norm_eps=1e-5, rope_scaling=_LLAMA31_ROPE,
-                          tie_word_embeddings=False),
-}
-_SHAPE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "vocab_size", "head_dim",
-               "tie_word_embeddings")
-
-
-def shape_mismatches(preset: dict, hf_config: dict) -> list[str]:
-    """Keys of _SHAPE_KEYS whose values differ between a preset and an HF config."""
-    def value(cfg, key):
-        if key == "head_dim":
-            return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        if key == "tie_word_embeddings":
-            return bool(cfg.get(key, False))
-        return cfg.get(key)
-    return [f"{k} {value(preset, k)!r} (preset) vs {value(hf_config, k)!r}"
-            for k in _SHAPE_KEYS if value(preset, k) != value(hf_config, k)]
-
 
 @dataclass
 class StageParams:
