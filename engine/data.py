@@ -2,30 +2,36 @@
 
 Conventions:
 - A row renders to ``ids`` (the full token sequence) and ``trained`` (1 where ids[t] is a token
-  the model learns to produce: assistant turns, or response + eos).
+  the model learns to produce: assistant turns, or response + eos); see engine.data_render.
 - A rendered row of n ids becomes a Sample of length L = n - 1 by the next-token shift:
   ``tokens = ids[:-1]``, ``labels = ids[1:]``, ``loss_mask = trained[1:]``. Later stages
   (batching, CP sharding) never shift again.
+- Rendering runs once per input, in worker processes, into the memory-mapped cache of
+  engine.data_cache; every rank maps the same files (one copy per node in the page cache).
 - The order of samples in optimizer step k depends only on (dataset size, global batch size,
   k, seed, shuffle), never on the parallel layout; see global_batch_indices.
 """
 from __future__ import annotations
 
-import array
-import re
+import json
+import os
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from engine.data_files import DataError, as_file_list, read_rows, where as where_of
+from engine import data_cache as cache
+from engine.data_files import (DataError, RowUnit, read_rows, read_unit, resolve_data_files,
+                               where as where_of)
+from engine.data_render import (check_messages, render_messages, render_prompt,
+                                render_row_arrays, render_sft_row)
 
 __all__ = ["DataError", "Sample", "SFTDataset", "read_rows", "render_sft_row", "render_messages",
            "render_prompt", "load_sft_dataset", "global_batch_indices", "load_prompt_rows",
            "TRUNCATION_CHOICES"]
 
 TRUNCATION_CHOICES = ("right", "error")
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass
@@ -47,148 +53,36 @@ class Sample:
         return int(sum(self.loss_mask))
 
 
-# ----------------------------------------------------------------------------- rendering
-
-def _eos_id(tokenizer) -> int:
-    if tokenizer.eos_token_id is None:
-        raise DataError("the tokenizer (model.hf_path) has no eos token; prompt/response rows "
-                        "need one to end the response")
-    return int(tokenizer.eos_token_id)
-
-
-def _chat_template_text(tokenizer) -> str:
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise DataError("the tokenizer (model.hf_path) has no chat template; rows with "
-                        "messages or prompts are rendered with it")
-    return template if isinstance(template, str) else "\n".join(map(str, template.values()))
-
-
-def _check_messages(value: Any, field: str, where: str) -> list[dict]:
-    """`value` as a chat: a non-empty list of {"role": str, "content": str, ...} dicts."""
-    if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: field {field!r} must be a non-empty list of messages, got "
-                        f"{type(value).__name__}")
-    for i, m in enumerate(value):
-        if not isinstance(m, dict):
-            raise DataError(f"{where}: {field}[{i}] must be an object with 'role' and "
-                            f"'content', got {type(m).__name__}")
-        for key in ("role", "content"):
-            if key not in m:
-                raise DataError(f"{where}: {field}[{i}] is missing field {key!r}")
-            if not isinstance(m[key], str):
-                raise DataError(f"{where}: {field}[{i}].{key} must be a string, got "
-                                f"{type(m[key]).__name__}")
-    return value
-
-
-def _template(tokenizer, messages: list[dict], where: str, add_generation_prompt: bool,
-              assistant_mask: bool = False) -> dict:
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt,
-            return_assistant_tokens_mask=assistant_mask)
-    except Exception as e:  # jinja raise_exception / undefined access: a problem of this row
-        raise DataError(f"{where}: chat template failed: {e}") from e
-
-
-def render_messages(messages: list[dict], tokenizer, where: str) -> tuple[list[int], list[int]]:
-    """Render a chat; trained = 1 on assistant turns (content and closing eos), 0 elsewhere.
-
-    With ``{% generation %}`` blocks in the template, the mask is transformers' assistant mask.
-    Without them, assistant turn i spans from the end of the rendering of messages[:i] with the
-    generation prompt to the end of messages[:i+1], cut after its last eos token; a template
-    whose renderings are not prefixes of each other raises DataError (it needs generation tags).
-    """
-    messages = _check_messages(messages, "messages", where)
-    if _GENERATION_TAG.search(_chat_template_text(tokenizer)):
-        out = _template(tokenizer, messages, where, False, assistant_mask=True)
-        return list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
-    ids = list(_template(tokenizer, messages, where, False)["input_ids"])
-    trained = [0] * len(ids)
-    eos = tokenizer.eos_token_id
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        head = list(_template(tokenizer, messages[:i], where, True)["input_ids"]) if i else []
-        upto = list(_template(tokenizer, messages[: i + 1], where, False)["input_ids"])
-        if upto[: len(head)] != head or ids[: len(upto)] != upto:
-            raise DataError(f"{where}: the chat template does not render conversations as "
-                            "prefixes of each other; add {% generation %} tags to mark "
-                            "assistant turns")
-        end = len(upto)
-        span = upto[len(head):]
-        if eos is not None and eos in span:
-            end = len(head) + len(span) - span[::-1].index(eos)
-        trained[len(head):end] = [1] * (end - len(head))
-    return ids, trained
-
-
-def render_prompt(prompt: Any, tokenizer, where: str = "prompt") -> list[int]:
-    """Ids of a prompt ready for generation: a string is one user message, a list is a chat;
-    rendered with the chat template and add_generation_prompt=True."""
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list):
-        messages = _check_messages(prompt, "prompt", where)
-    else:
-        raise DataError(f"{where}: field 'prompt' must be a string or a list of messages, got "
-                        f"{type(prompt).__name__}")
-    return list(_template(tokenizer, messages, where, True)["input_ids"])
-
-
-def render_sft_row(row: dict, tokenizer, where: str) -> tuple[list[int], list[int]]:
-    """(ids, trained) of one SFT row.
-
-    ``{"messages": [...]}``: the chat template renders it; assistant turns are trained.
-    ``{"prompt": str | messages, "response": str}``: prompt ids (generation prompt added, not
-    trained) + response ids + eos (trained; eos not repeated if the response already ends in it).
-    Raises DataError naming `where` and the missing or invalid field.
-    """
-    if "messages" in row:
-        return render_messages(row["messages"], tokenizer, where)
-    if "prompt" not in row and "response" not in row:
-        raise DataError(f"{where}: row needs field 'messages', or fields 'prompt' and "
-                        f"'response'; found fields {sorted(row)}")
-    for key in ("prompt", "response"):
-        if key not in row:
-            raise DataError(f"{where}: missing field {key!r}")
-    response = row["response"]
-    if not isinstance(response, str):
-        raise DataError(f"{where}: field 'response' must be a string, got "
-                        f"{type(response).__name__}")
-    prompt_ids = render_prompt(row["prompt"], tokenizer, where)
-    response_ids = list(tokenizer.encode(response, add_special_tokens=False))
-    eos = _eos_id(tokenizer)
-    if not response_ids or response_ids[-1] != eos:
-        response_ids.append(eos)
-    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
-
-
 # ----------------------------------------------------------------------------- SFT dataset
 
 class SFTDataset:
-    """Rendered, shifted SFT samples held in flat arrays (built by load_sft_dataset).
+    """Rendered, shifted SFT samples held in flat (memory-mapped) arrays (load_sft_dataset).
 
     ``lengths[i]`` (sample length L) and ``loss_tokens[i]`` (trained positions) are numpy int64
     arrays, so any rank can get the shape and counts of a whole global batch without building
     Samples. ``stats``: rows read, truncated, dropped_empty (rendered to fewer than 2 ids, no
     sample possible) and empty_loss (kept, but no trained token). ``seq_length`` and
     ``truncation``: the limits it was loaded with (None when not given), named by describe().
+    ``cache_path``: the cache entry the arrays are mapped from (None when built in memory).
     """
 
     def __init__(self, ids: np.ndarray, trained: np.ndarray, offsets: np.ndarray,
                  stats: dict[str, int], seq_length: int | None = None,
-                 truncation: str | None = None):
+                 truncation: str | None = None, lengths: np.ndarray | None = None,
+                 loss_tokens: np.ndarray | None = None, cache_path: str | None = None):
         self._ids = ids
         self._trained = trained
         self._offsets = offsets
         self.stats = stats
         self.seq_length, self.truncation = seq_length, truncation
-        self.lengths = (np.diff(offsets) - 1).astype(np.int64)
-        cum = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
-        starts = offsets[:-1] + 1  # the first rendered id never is a label
-        self.loss_tokens = cum[offsets[1:]] - cum[starts]
+        self.cache_path = cache_path
+        if lengths is None:
+            lengths = (np.diff(offsets) - 1).astype(np.int64)
+        if loss_tokens is None:
+            cum = np.concatenate([[0], np.cumsum(trained, dtype=np.int64)])
+            starts = offsets[:-1] + 1  # the first rendered id never is a label
+            loss_tokens = cum[offsets[1:]] - cum[starts]
+        self.lengths, self.loss_tokens = lengths, loss_tokens
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -213,52 +107,126 @@ class SFTDataset:
                       loss_mask=self._trained[a + 1:b].astype(np.int64).tolist())
 
 
-def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
-                     truncation: str = "right") -> SFTDataset:
-    """Read and render every row of `files` once into an SFTDataset.
+_STATS = ("rows", "truncated", "dropped_empty", "empty_loss")
 
+
+def _sft_unit(k: int, unit: RowUnit, tmp: str, max_ids: int, truncation: str,
+              dtype: str) -> dict:
+    """Worker: render the rows of `unit` into part files ``part-<k>.ids`` / ``.trained`` of
+    `tmp`. Returns lengths (rendered ids per kept row), trained label counts, stats, the
+    longest rendering, and the first DataError's text (the unit stops there)."""
+    tokenizer = cache.worker_tokenizer()
+    stats = dict.fromkeys(_STATS, 0)
+    lengths: list[int] = []
+    losses: list[int] = []
+    longest, error, done = 0, None, 0
+    prefix = os.path.join(tmp, f"part-{k:07d}")
+    with open(prefix + ".ids", "wb") as fi, open(prefix + ".trained", "wb") as ft:
+        try:
+            for path, line, row in read_unit(unit):
+                loc = where_of(path, line)
+                stats["rows"] += 1
+                done += 1
+                if done % 64 == 0:
+                    cache.tick(64)
+                ids, trained = render_row_arrays(row, tokenizer, loc)
+                longest = max(longest, len(ids))
+                if len(ids) > max_ids:
+                    if truncation == "error":
+                        raise DataError(
+                            f"{loc}: rendered row has {len(ids)} tokens, more than "
+                            f"train.seq_length + 1 = {max_ids} (data.truncation=error); raise "
+                            f"train.seq_length, shorten the row, or set data.truncation=right "
+                            f"to cut long rows")
+                    ids, trained = ids[:max_ids], trained[:max_ids]
+                    stats["truncated"] += 1
+                if len(ids) < 2:
+                    stats["dropped_empty"] += 1
+                    continue
+                n_loss = int(trained[1:].sum())
+                if n_loss == 0:
+                    stats["empty_loss"] += 1
+                fi.write(np.asarray(ids, dtype=dtype).tobytes())
+                ft.write(np.ascontiguousarray(trained, dtype=np.uint8).tobytes())
+                lengths.append(len(ids))
+                losses.append(n_loss)
+        except DataError as e:
+            error = str(e)
+    cache.tick(done % 64)
+    return {"stats": stats, "lengths": np.asarray(lengths, dtype=np.int64),
+            "losses": np.asarray(losses, dtype=np.int64), "longest": longest, "error": error,
+            "parts": (prefix + ".ids", prefix + ".trained")}
+
+
+def _build_sft(tmp: str, paths: list[str], tokenizer, max_ids: int, truncation: str,
+               num_workers: int | None, key: dict) -> None:
+    dtype = cache.token_dtype(len(tokenizer))
+    units = cache.units_for(paths)
+    t0 = time.perf_counter()
+    results = cache.run_units(units, _sft_unit, (tmp, max_ids, truncation, dtype.name),
+                              tokenizer, num_workers, "rendering SFT rows")
+    stats = dict.fromkeys(_STATS, 0)
+    longest = 0
+    for r in results:  # the first error in file order, as a sequential pass would raise it
+        for name in _STATS:
+            stats[name] += r["stats"][name]
+        longest = max(longest, r["longest"])
+        if r["error"] is not None:
+            raise DataError(r["error"])
+    cache.concat_parts(tmp, [r["parts"][0] for r in results], "ids.bin")
+    cache.concat_parts(tmp, [r["parts"][1] for r in results], "trained.bin")
+    lengths = np.concatenate([r["lengths"] for r in results] or [np.zeros(0, np.int64)])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    np.save(os.path.join(tmp, "offsets.npy"), offsets)
+    np.save(os.path.join(tmp, "lengths.npy"), lengths - 1)
+    np.save(os.path.join(tmp, "loss_tokens.npy"),
+            np.concatenate([r["losses"] for r in results] or [np.zeros(0, np.int64)]))
+    seconds = time.perf_counter() - t0
+    cache.write_meta(tmp, {"key": key, "dtype": dtype.name, "stats": stats, "longest": longest,
+                           "num_samples": int(len(lengths)), "num_ids": int(offsets[-1]),
+                           "build_seconds": seconds})
+    cache.log(f"rendered {stats['rows']} rows ({int(offsets[-1])} ids) in {seconds:.1f} s "
+              f"({stats['rows'] / max(seconds, 1e-9):.0f} rows/s) into {os.path.dirname(tmp)}")
+
+
+def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
+                     truncation: str = "right", *, cache_dir: str | None = None,
+                     num_workers: int | None = None) -> SFTDataset:
+    """Every row of `files` rendered (once per input, shared by all ranks) into an SFTDataset.
+
+    `files`: files, globs and directories (engine.data_files.resolve_data_files).
     A rendered row may have at most seq_length + 1 ids (a Sample of at most seq_length tokens).
     Longer rows: truncation="right" keeps the first seq_length + 1 ids (stats["truncated"]);
     truncation="error" raises DataError with file:line and both lengths. Rows that end up with
     no trained token are kept and counted in stats["empty_loss"]. Raises DataError (naming the
     files and what to change) when no sample is left, or no sample has a trained token.
     Messages name the config keys train.seq_length and data.truncation.
+
+    `cache_dir` (default engine.data_cache.default_cache_dir()): where the rendered arrays are
+    kept; the first process to need them builds them with `num_workers` worker processes
+    (default: the usable cores; 0: in this process), every other process waits and maps them.
     """
     if truncation not in TRUNCATION_CHOICES:
         raise ValueError(f"truncation={truncation!r} is not one of {', '.join(TRUNCATION_CHOICES)}")
     if int(seq_length) < 1:
         raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-    paths = as_file_list(files)
+    paths = resolve_data_files(files)
     max_ids = int(seq_length) + 1
-    ids_buf, trained_buf, offsets = array.array("q"), array.array("b"), [0]
-    stats = {"rows": 0, "truncated": 0, "dropped_empty": 0, "empty_loss": 0}
-    longest = 0
-    for path, line, row in read_rows(paths):
-        loc = where_of(path, line)
-        stats["rows"] += 1
-        ids, trained = render_sft_row(row, tokenizer, loc)
-        longest = max(longest, len(ids))
-        if len(ids) > max_ids:
-            if truncation == "error":
-                raise DataError(f"{loc}: rendered row has {len(ids)} tokens, more than "
-                                f"train.seq_length + 1 = {max_ids} (data.truncation=error); "
-                                f"raise train.seq_length, shorten the row, or set "
-                                f"data.truncation=right to cut long rows")
-            ids, trained = ids[:max_ids], trained[:max_ids]
-            stats["truncated"] += 1
-        if len(ids) < 2:
-            stats["dropped_empty"] += 1
-            continue
-        if not any(trained[1:]):
-            stats["empty_loss"] += 1
-        ids_buf.extend(ids)
-        trained_buf.extend(trained)
-        offsets.append(len(ids_buf))
-    _check_not_empty(paths, stats, int(seq_length), longest)
-    return SFTDataset(np.frombuffer(ids_buf, dtype=np.int64).copy(),
-                      np.frombuffer(trained_buf, dtype=np.int8).copy(),
-                      np.asarray(offsets, dtype=np.int64), stats,
-                      seq_length=int(seq_length), truncation=truncation)
+    key = cache.cache_key("sft", paths, tokenizer,
+                          {"seq_length": int(seq_length), "truncation": truncation})
+    entry = cache.ensure_entry(cache_dir or cache.default_cache_dir(), key, lambda tmp: _build_sft(
+        tmp, paths, tokenizer, max_ids, truncation, num_workers, key))
+    meta = cache.read_meta(entry)
+    stats = {k: int(v) for k, v in meta["stats"].items()}
+    _check_not_empty(paths, stats, int(seq_length), int(meta["longest"]))
+    dtype = np.dtype(meta["dtype"])
+    return SFTDataset(cache.open_array(entry, "ids.bin", dtype),
+                      cache.open_array(entry, "trained.bin", np.uint8),
+                      cache.open_array(entry, "offsets.npy", np.int64), stats,
+                      seq_length=int(seq_length), truncation=truncation,
+                      lengths=cache.open_array(entry, "lengths.npy", np.int64),
+                      loss_tokens=cache.open_array(entry, "loss_tokens.npy", np.int64),
+                      cache_path=entry)
 
 
 def _check_not_empty(paths: list[str], stats: dict[str, int], seq_length: int,
@@ -306,34 +274,107 @@ def global_batch_indices(num_samples: int, global_batch_size: int, step: int, se
 
 # ----------------------------------------------------------------------------- RL prompts
 
-def load_prompt_rows(files: str | Sequence[str], locations: list | None = None) -> list[dict]:
+def _prompt_row(path: str, line: int, row: dict) -> dict:
+    """A checked prompt row (answer as a string), or DataError naming file:line."""
+    loc = where_of(path, line)
+    for key in ("prompt", "answer"):
+        if key not in row:
+            raise DataError(f"{loc}: missing field {key!r}")
+    prompt, answer = row["prompt"], row["answer"]
+    if isinstance(prompt, list):
+        check_messages(prompt, "prompt", loc)
+    elif not isinstance(prompt, str):
+        raise DataError(f"{loc}: field 'prompt' must be a string or a list of messages, "
+                        f"got {type(prompt).__name__}")
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str):
+        raise DataError(f"{loc}: field 'answer' must be a string, got "
+                        f"{type(answer).__name__}")
+    return {**row, "answer": answer}
+
+
+def _prompt_unit(k: int, unit: RowUnit, tmp: str, dtype: str) -> dict:
+    """Worker: check and render the prompt rows of `unit` into ``part-<k>.ids`` (rendered
+    prompts) and ``part-<k>.rows`` (JSON lines: location, row)."""
+    tokenizer = cache.worker_tokenizer()
+    lengths: list[int] = []
+    error, done = None, 0
+    prefix = os.path.join(tmp, f"part-{k:07d}")
+    with open(prefix + ".ids", "wb") as fi, open(prefix + ".rows", "w", encoding="utf-8") as fr:
+        try:
+            for path, line, row in read_unit(unit):
+                done += 1
+                row = _prompt_row(path, line, row)
+                loc = where_of(path, line)
+                ids = render_prompt(row["prompt"], tokenizer, loc, row.get("tools"))
+                fi.write(np.asarray(ids, dtype=dtype).tobytes())
+                fr.write(json.dumps([loc, row], ensure_ascii=False) + "\n")
+                lengths.append(len(ids))
+        except DataError as e:
+            error = str(e)
+    cache.tick(done)
+    return {"lengths": np.asarray(lengths, dtype=np.int64), "error": error,
+            "parts": (prefix + ".ids", prefix + ".rows")}
+
+
+def _build_prompts(tmp: str, paths: list[str], tokenizer, num_workers: int | None,
+                   key: dict) -> None:
+    dtype = cache.token_dtype(len(tokenizer))
+    results = cache.run_units(cache.units_for(paths), _prompt_unit, (tmp, dtype.name), tokenizer,
+                              num_workers, "rendering prompts")
+    for r in results:
+        if r["error"] is not None:
+            raise DataError(r["error"])
+    cache.concat_parts(tmp, [r["parts"][0] for r in results], "ids.bin")
+    cache.concat_parts(tmp, [r["parts"][1] for r in results], "rows.jsonl")
+    lengths = np.concatenate([r["lengths"] for r in results] or [np.zeros(0, np.int64)])
+    np.save(os.path.join(tmp, "offsets.npy"),
+            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    cache.write_meta(tmp, {"key": key, "dtype": dtype.name, "num_rows": int(len(lengths))})
+
+
+def load_prompt_rows(files: str | Sequence[str], locations: list | None = None, *,
+                     tokenizer=None, prompt_ids: list | None = None,
+                     cache_dir: str | None = None, num_workers: int | None = None
+                     ) -> list[dict]:
     """RL prompt rows ``{"prompt": str | messages, "answer": str, ...extra fields kept}``.
 
     An integer answer is turned into its decimal string. Raises DataError with file:line for a
     missing or invalid prompt/answer, and naming the files when there is no row at all. When
     `locations` is a list, the "file:line" of every row is appended to it.
+
+    With `tokenizer`, rows are checked and their prompts rendered (chat template, generation
+    prompt) once per input into the data cache (see load_sft_dataset for `cache_dir` and
+    `num_workers`); when `prompt_ids` is a list, every row's rendered prompt ids (a list of
+    ints, as render_prompt returns) are appended to it.
     """
-    paths = as_file_list(files)
-    rows: list[dict] = []
-    for path, line, row in read_rows(paths):
-        loc = where_of(path, line)
-        if locations is not None:
-            locations.append(loc)
-        for key in ("prompt", "answer"):
-            if key not in row:
-                raise DataError(f"{loc}: missing field {key!r}")
-        prompt, answer = row["prompt"], row["answer"]
-        if isinstance(prompt, list):
-            _check_messages(prompt, "prompt", loc)
-        elif not isinstance(prompt, str):
-            raise DataError(f"{loc}: field 'prompt' must be a string or a list of messages, "
-                            f"got {type(prompt).__name__}")
-        if isinstance(answer, int) and not isinstance(answer, bool):
-            answer = str(answer)
-        if not isinstance(answer, str):
-            raise DataError(f"{loc}: field 'answer' must be a string, got "
-                            f"{type(answer).__name__}")
-        rows.append({**row, "answer": answer})
+    if tokenizer is None:
+        if prompt_ids is not None:
+            raise ValueError("prompt_ids needs the tokenizer that renders them")
+        rows = []
+        for path, line, row in read_rows(files):
+            rows.append(_prompt_row(path, line, row))
+            if locations is not None:
+                locations.append(where_of(path, line))
+    else:
+        paths = resolve_data_files(files)
+        key = cache.cache_key("prompts", paths, tokenizer, {})
+        entry = cache.ensure_entry(cache_dir or cache.default_cache_dir(), key,
+                                   lambda tmp: _build_prompts(tmp, paths, tokenizer, num_workers,
+                                                              key))
+        rows = []
+        with open(os.path.join(entry, "rows.jsonl"), encoding="utf-8") as f:
+            for line in f:
+                loc, row = json.loads(line)
+                rows.append(row)
+                if locations is not None:
+                    locations.append(loc)
+        if prompt_ids is not None:
+            ids = cache.open_array(entry, "ids.bin", np.dtype(cache.read_meta(entry)["dtype"]))
+            offsets = np.load(os.path.join(entry, "offsets.npy"))
+            prompt_ids.extend(ids[offsets[i]:offsets[i + 1]].tolist()
+                              for i in range(len(offsets) - 1))
     if not rows:
-        raise DataError(f"no prompt rows in {', '.join(paths)}")
+        raise DataError(f"no prompt rows in {', '.join(resolve_data_files(files))}")
     return rows

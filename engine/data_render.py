@@ -1,0 +1,405 @@
+"""Rendering rows with the model's own chat template into ids and a trained mask.
+
+Row formats (normalize_row):
+- OpenAI ``{"messages": [...], "tools": [...]}``: roles system/user/assistant/tool; assistant
+  messages may carry ``tool_calls`` ([{"type": "function", "function": {"name", "arguments"}}],
+  arguments a dict or a JSON string, parsed to a dict as HF chat templates expect) with null or
+  missing content, and ``reasoning_content`` (rendered where the template renders it). Keys
+  whose value is null are dropped (Parquet fills absent struct fields with nulls).
+- ShareGPT ``{"conversations": [{"from": "human"|"gpt"|"system"|"tool"|..., "value": str}]}``,
+  optional row fields ``system`` (str) and ``tools`` (list, or a JSON string).
+- ``{"prompt": str | messages, "response": str}``.
+
+Trained tokens of a chat (render_messages): what each assistant turn of the FINAL rendering
+emits - content, reasoning where the template renders it, tool calls, and the closing
+end-of-turn token - and none of the template's headers. Templates are used as models ship them:
+- with ``{% generation %}`` blocks: transformers' assistant-token mask (one render);
+- otherwise, linear in turns: one render to text, one tokenization with character offsets.
+  The generation prompt G (the text add_generation_prompt appends) opens every assistant turn;
+  the k-th occurrence of G is the k-th assistant message, its trained span starts right after
+  G and ends after the first end-of-turn marker (the eos token, else the first added token the
+  template emits after an assistant message) following the message's content. This holds for
+  templates that rewrite earlier turns (Qwen3 drops their reasoning), where renderings of
+  prefixes are not prefixes of the full rendering;
+- if a template defeats that (G not found once per assistant message, no end-of-turn marker),
+  the prefix method: turn i spans from the rendering of messages[:i] with the generation
+  prompt to the rendering of messages[:i+1], cut after its last eos (two renders per turn);
+  a template whose renderings are not prefixes of each other then raises DataError.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.data_files import DataError
+
+# bump when rendering changes what a row becomes (the cache key holds it)
+RENDERER_VERSION = 2
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "model": "assistant", "system": "system", "tool": "tool",
+                  "observation": "tool", "function_response": "tool",
+                  "function_call": "assistant"}
+
+
+# ----------------------------------------------------------------------------- tokenizer facts
+
+def _eos_id(tokenizer) -> int:
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer (model.hf_path) has no eos token; prompt/response rows "
+                        "need one to end the response")
+    return int(tokenizer.eos_token_id)
+
+
+def chat_template_text(tokenizer) -> str:
+    """The tokenizer's chat template source (all named templates joined); DataError if none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise DataError("the tokenizer (model.hf_path) has no chat template; rows with "
+                        "messages or prompts are rendered with it")
+    return template if isinstance(template, str) else "\n".join(map(str, template.values()))
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    """What render_messages needs to know about a tokenizer's chat template (probed once)."""
+
+    generation_tags: bool          # {% generation %} blocks: use transformers' assistant mask
+    gen_prompt: str | None         # text add_generation_prompt appends after a user message
+    end_of_turn: str | None        # the marker closing an assistant turn
+    offsets: bool                  # the tokenizer returns character offsets (fast tokenizer)
+
+
+_INFO: dict[tuple[int, str], TemplateInfo] = {}
+
+
+def template_info(tokenizer) -> TemplateInfo:
+    """Probe the chat template with a one-turn chat (cached per tokenizer and template)."""
+    text = chat_template_text(tokenizer)
+    key = (id(tokenizer), text)
+    if key not in _INFO:
+        _INFO[key] = _probe(tokenizer, text)
+    return _INFO[key]
+
+
+def _probe(tokenizer, text: str) -> TemplateInfo:
+    tags = bool(_GENERATION_TAG.search(text))
+    gen_prompt = end = None
+    try:
+        user = [{"role": "user", "content": "X"}]
+        plain = tokenizer.apply_chat_template(user, tokenize=False)
+        with_gen = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        if with_gen.startswith(plain) and len(with_gen) > len(plain):
+            gen_prompt = with_gen[len(plain):]
+        reply = "Yq7Zr"
+        chat = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": reply}],
+                                             tokenize=False)
+        rest = chat[chat.rfind(reply) + len(reply):] if reply in chat else ""
+        eos = tokenizer.eos_token
+        if eos and eos in rest:
+            end = eos
+        else:
+            added = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+            found = [(rest.find(a), a) for a in added if a and a in rest]
+            end = min(found)[1] if found else None
+    except Exception:  # noqa: BLE001 - a template that cannot render the probe: prefix method
+        gen_prompt = end = None
+    return TemplateInfo(tags, gen_prompt, end, bool(getattr(tokenizer, "is_fast", False)))
+
+
+# ----------------------------------------------------------------------------- rows
+
+def _drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def _check_tool_calls(calls: Any, field: str, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise DataError(f"{where}: {field} must be a list of tool calls, got "
+                        f"{type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls):
+        f = f"{field}[{j}]"
+        if not isinstance(call, dict):
+            raise DataError(f"{where}: {f} must be an object, got {type(call).__name__}")
+        fn = call.get("function", call)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise DataError(f"{where}: {f}.function.name must be a string")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: {f}.function.arguments is not valid JSON ({e.msg})"
+                                ) from None
+        if not isinstance(args, dict):
+            raise DataError(f"{where}: {f}.function.arguments must be an object or a JSON "
+                            f"string of one, got {type(args).__name__}")
+        out.append({**call, "type": call.get("type", "function"),
+                    "function": {**fn, "arguments": args}})
+    return out
+
+
+def check_messages(value: Any, field: str, where: str) -> list[dict]:
+    """`value` as a chat: a non-empty list of {"role": str, "content": str, ...} dicts.
+
+    Null-valued keys are dropped; an assistant message with ``tool_calls`` may have null or no
+    content (it becomes ""); tool-call arguments given as JSON strings become dicts."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field {field!r} must be a non-empty list of messages, got "
+                        f"{type(value).__name__}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: {field}[{i}] must be an object with 'role' and "
+                            f"'content', got {type(m).__name__}")
+        m = _drop_nulls(m)
+        if "tool_calls" in m:
+            m["tool_calls"] = _check_tool_calls(m["tool_calls"], f"{field}[{i}].tool_calls",
+                                                where)
+            m.setdefault("content", "")
+        for key in ("role", "content"):
+            if key not in m:
+                raise DataError(f"{where}: {field}[{i}] is missing field {key!r}")
+            if not isinstance(m[key], str):
+                raise DataError(f"{where}: {field}[{i}].{key} must be a string, got "
+                                f"{type(m[key]).__name__}")
+        if "reasoning_content" in m and not isinstance(m["reasoning_content"], str):
+            raise DataError(f"{where}: {field}[{i}].reasoning_content must be a string, got "
+                            f"{type(m['reasoning_content']).__name__}")
+        out.append(m)
+    return out
+
+
+def _check_tools(value: Any, where: str) -> list[dict] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: field 'tools' is not valid JSON ({e.msg})") from None
+        if value is None:
+            return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"{where}: field 'tools' must be a list of tool objects (or a JSON "
+                        f"string of one), got {type(value).__name__}")
+    return value or None
+
+
+def _sharegpt_messages(row: dict, where: str) -> list[dict]:
+    turns = row["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: field 'conversations' must be a non-empty list of "
+                        f"{{'from', 'value'}} objects, got {type(turns).__name__}")
+    messages = []
+    if isinstance(row.get("system"), str) and row["system"]:
+        messages.append({"role": "system", "content": row["system"]})
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise DataError(f"{where}: conversations[{i}] must be an object with 'from' and "
+                            f"'value', got {type(t).__name__}")
+        for key in ("from", "value"):
+            if key not in t or t[key] is None:
+                raise DataError(f"{where}: conversations[{i}] is missing field {key!r}")
+        role, value = t["from"], t["value"]
+        if role not in SHAREGPT_ROLES:
+            raise DataError(f"{where}: conversations[{i}].from={role!r} is not one of "
+                            f"{', '.join(SHAREGPT_ROLES)}")
+        if not isinstance(value, str):
+            raise DataError(f"{where}: conversations[{i}].value must be a string, got "
+                            f"{type(value).__name__}")
+        if role == "function_call":
+            try:
+                call = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: conversations[{i}].value of a function_call must "
+                                f"be JSON {{'name', 'arguments'}} ({e.msg})") from None
+            calls = call if isinstance(call, list) else [call]
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": c} if isinstance(c, dict) else c
+                for c in calls]})
+        else:
+            messages.append({"role": SHAREGPT_ROLES[role], "content": value})
+    return messages
+
+
+@dataclass
+class Chat:
+    """A normalized chat row: messages (checked) and tools (None when absent)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
+def normalize_chat(row: dict, where: str) -> Chat:
+    """The chat of a ``messages`` or ``conversations`` row (see the module docstring)."""
+    tools = _check_tools(row.get("tools"), where)
+    if "messages" in row:
+        return Chat(check_messages(row["messages"], "messages", where), tools)
+    messages = _sharegpt_messages(row, where)
+    return Chat(check_messages(messages, "conversations", where), tools)
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def _apply(tokenizer, messages: list[dict], where: str, add_generation_prompt: bool,
+           tools: list[dict] | None = None, tokenize: bool = True, assistant_mask: bool = False):
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=tokenize, return_dict=tokenize,
+            add_generation_prompt=add_generation_prompt,
+            return_assistant_tokens_mask=assistant_mask)
+    except Exception as e:  # jinja raise_exception / undefined access: a problem of this row
+        raise DataError(f"{where}: chat template failed: {e}") from e
+
+
+def _linear_spans(text: str, messages: list[dict], info: TemplateInfo) -> list[tuple[int, int]] | None:
+    """Character spans [start, end) of the assistant turns in `text` (see the module
+    docstring), or None when the template defeats the G / end-of-turn rule."""
+    g, eot = info.gen_prompt, info.end_of_turn
+    if not g or not eot:
+        return None
+    opens, pos = [], text.find(g)
+    while pos >= 0:
+        opens.append(pos)
+        pos = text.find(g, pos + len(g))
+    assistants = [m for m in messages if m["role"] == "assistant"]
+    if len(opens) != len(assistants):
+        return None
+    spans = []
+    for k, m in enumerate(assistants):
+        start = opens[k] + len(g)
+        limit = opens[k + 1] if k + 1 < len(opens) else len(text)
+        search = start
+        content = m.get("content") or ""
+        if content:
+            at = text.find(content, start, limit)
+            if at >= 0:
+                search = at + len(content)
+        end = text.find(eot, search, limit)
+        if end < 0:
+            return None
+        spans.append((start, end + len(eot)))
+    return spans
+
+
+def _render_linear(chat: Chat, tokenizer, info: TemplateInfo, where: str
+                   ) -> tuple[list[int], np.ndarray] | None:
+    text = _apply(tokenizer, chat.messages, where, False, chat.tools, tokenize=False)
+    spans = _linear_spans(text, chat.messages, info)
+    if spans is None:
+        return None
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    starts = np.fromiter((a for a, _ in enc["offset_mapping"]), dtype=np.int64, count=len(ids))
+    trained = np.zeros(len(ids), dtype=np.uint8)
+    for a, b in spans:
+        trained[np.searchsorted(starts, a, "left"):np.searchsorted(starts, b, "left")] = 1
+    return ids, trained
+
+
+def _render_prefixes(chat: Chat, tokenizer, where: str) -> tuple[list[int], list[int]]:
+    """The prefix method (two renders per assistant turn); see the module docstring."""
+    messages, tools = chat.messages, chat.tools
+    ids = list(_apply(tokenizer, messages, where, False, tools)["input_ids"])
+    trained = [0] * len(ids)
+    eos = tokenizer.eos_token_id
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        head = list(_apply(tokenizer, messages[:i], where, True, tools)["input_ids"]) if i else []
+        upto = list(_apply(tokenizer, messages[: i + 1], where, False, tools)["input_ids"])
+        if upto[: len(head)] != head or ids[: len(upto)] != upto:
+            raise DataError(f"{where}: the chat template does not render conversations as "
+                            "prefixes of each other, and its assistant turns cannot be found "
+                            "in the full rendering (each must start with the generation prompt "
+                            "and end with the eos token); add {% generation %} tags to mark "
+                            "assistant turns")
+        end = len(upto)
+        span = upto[len(head):]
+        if eos is not None and eos in span:
+            end = len(head) + len(span) - span[::-1].index(eos)
+        trained[len(head):end] = [1] * (end - len(head))
+    return ids, trained
+
+
+def render_chat(chat: Chat, tokenizer, where: str) -> tuple[list[int], np.ndarray]:
+    """(ids, trained as uint8 array) of a normalized chat; see the module docstring."""
+    info = template_info(tokenizer)
+    if info.generation_tags:
+        out = _apply(tokenizer, chat.messages, where, False, chat.tools, assistant_mask=True)
+        return list(out["input_ids"]), np.asarray(out["assistant_masks"], dtype=np.uint8)
+    if info.offsets:
+        linear = _render_linear(chat, tokenizer, info, where)
+        if linear is not None:
+            return linear
+    ids, trained = _render_prefixes(chat, tokenizer, where)
+    return ids, np.asarray(trained, dtype=np.uint8)
+
+
+def render_messages(messages: list[dict], tokenizer, where: str,
+                    tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """Render a chat; trained = 1 on assistant turns (see the module docstring)."""
+    ids, trained = render_chat(Chat(check_messages(messages, "messages", where),
+                                    _check_tools(tools, where)), tokenizer, where)
+    return list(ids), trained.tolist()
+
+
+def render_prompt(prompt: Any, tokenizer, where: str = "prompt",
+                  tools: list[dict] | None = None) -> list[int]:
+    """Ids of a prompt ready for generation: a string is one user message, a list is a chat;
+    rendered with the chat template and add_generation_prompt=True."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list):
+        messages = check_messages(prompt, "prompt", where)
+    else:
+        raise DataError(f"{where}: field 'prompt' must be a string or a list of messages, got "
+                        f"{type(prompt).__name__}")
+    return list(_apply(tokenizer, messages, where, True, _check_tools(tools, where))["input_ids"])
+
+
+def render_row_arrays(row: dict, tokenizer, where: str) -> tuple[list[int], np.ndarray]:
+    """(ids, trained uint8 array) of one SFT row; see render_sft_row."""
+    if "messages" in row or "conversations" in row:
+        return render_chat(normalize_chat(row, where), tokenizer, where)
+    if "prompt" not in row and "response" not in row:
+        raise DataError(f"{where}: row needs field 'messages' (or 'conversations'), or fields "
+                        f"'prompt' and 'response'; found fields {sorted(row)}")
+    for key in ("prompt", "response"):
+        if key not in row:
+            raise DataError(f"{where}: missing field {key!r}")
+    response = row["response"]
+    if not isinstance(response, str):
+        raise DataError(f"{where}: field 'response' must be a string, got "
+                        f"{type(response).__name__}")
+    prompt_ids = render_prompt(row["prompt"], tokenizer, where, row.get("tools"))
+    response_ids = list(tokenizer.encode(response, add_special_tokens=False))
+    eos = _eos_id(tokenizer)
+    if not response_ids or response_ids[-1] != eos:
+        response_ids.append(eos)
+    trained = np.zeros(len(prompt_ids) + len(response_ids), dtype=np.uint8)
+    trained[len(prompt_ids):] = 1
+    return prompt_ids + response_ids, trained
+
+
+def render_sft_row(row: dict, tokenizer, where: str) -> tuple[list[int], list[int]]:
+    """(ids, trained) of one SFT row.
+
+    ``{"messages": [...]}`` or ``{"conversations": [...]}``: the chat template renders it;
+    assistant turns are trained. ``{"prompt": str | messages, "response": str}``: prompt ids
+    (generation prompt added, not trained) + response ids + eos (trained; eos not repeated if
+    the response already ends in it). Raises DataError naming `where` and the missing or
+    invalid field.
+    """
+    ids, trained = render_row_arrays(row, tokenizer, where)
+    return list(ids), trained.tolist()
