@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.data_files import SUPPORTED_EXTENSIONS
+from engine.data_files import SUPPORTED_EXTENSIONS, data_spec_problem
 from engine.config_loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
 from engine.loss import AGG_MODES
@@ -36,10 +36,16 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    # files (.jsonl, .parquet, .arrow), globs, directories, datasets.save_to_disk folders
     train_files: list[str] = field(default_factory=list)
     eval_files: list[str] = field(default_factory=list)
     shuffle: bool = True
     truncation: str = "right"    # right | error
+    # rendered-data cache (engine.data_cache); null: $MEGATRON_SFT_DATA_CACHE, else
+    # ${XDG_CACHE_HOME:-~/.cache}/megatron_sft_engine/data. Node-local or shared; one process
+    # per cache folder builds an entry, the others wait for it.
+    cache_dir: Optional[str] = None
+    num_workers: Optional[int] = None  # processes rendering a new entry; null: usable cores
 
 
 @dataclass
@@ -174,8 +180,8 @@ def read_model_config(cfg) -> dict:
 
 
 def data_file_problems(cfg, require_train: bool = True) -> list[str]:
-    """Missing data files, files of an unsupported format (and no train_files at all when
-    `require_train`)."""
+    """Missing data files, globs without a match, files of an unsupported format, a negative
+    data.num_workers (and no train_files at all when `require_train`)."""
 
     problems = []
     if require_train and not cfg.data.train_files:
@@ -184,11 +190,20 @@ def data_file_problems(cfg, require_train: bool = True) -> list[str]:
     for key in ("train_files", "eval_files"):
         for f in getattr(cfg.data, key):
             ext = os.path.splitext(f)[1].lower()
-            if ext not in SUPPORTED_EXTENSIONS:
+            if os.path.isdir(f) or set("*?[") & set(f):
+                problem = data_spec_problem(f)
+                if problem:
+                    problems.append(f"data.{key}: {problem}")
+            elif ext not in SUPPORTED_EXTENSIONS:
                 problems.append(f"data.{key}: {f} has extension {ext or '(none)'!r}; supported: "
-                                f"{', '.join(SUPPORTED_EXTENSIONS)} (JSON lines or Parquet)")
+                                f"{', '.join(SUPPORTED_EXTENSIONS)} (JSON lines, Parquet, Arrow), "
+                                "or a directory or glob of them")
             elif not os.path.isfile(f):
                 problems.append(f"data.{key}: file not found: {f}")
+    workers = getattr(cfg.data, "num_workers", None)
+    if workers is not None and workers < 0:
+        problems.append(f"data.num_workers={workers} must be >= 0 (0: render in the training "
+                        "process; null: one worker per usable core)")
     return problems
 
 
