@@ -38,10 +38,12 @@ from engine.data_render import RENDERER_VERSION, chat_template_text
 CACHE_FORMAT = 1
 ENV_CACHE_DIR = "MEGATRON_SFT_DATA_CACHE"
 IN_PROCESS_ROWS = 2000   # below this many rows, rendering in worker processes costs more
+ROWS_PER_UNIT = 256      # rows one worker task renders (units are handed out in file order)
 
 
 def default_cache_dir() -> str:
-    """``$MEGATRON_SFT_DATA_CACHE``, else ``${XDG_CACHE_HOME:-~/.cache}/megatron_sft_engine/data``."""
+    """``$MEGATRON_SFT_DATA_CACHE``, else
+    ``${XDG_CACHE_HOME:-~/.cache}/megatron_sft_engine/data``."""
     if os.environ.get(ENV_CACHE_DIR):
         return os.environ[ENV_CACHE_DIR]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -315,5 +317,6 @@ def read_meta(entry: str) -> dict:
         return json.load(f)
 
 
-def units_for(paths: Sequence[str], rows_per_unit: int = 1000) -> list[RowUnit]:
-    return row_units(paths, rows_per_unit)
+def units_for(paths: Sequence[str]) -> list[RowUnit]:
+    """The files split into worker tasks of ROWS_PER_UNIT rows."""
+    return row_units(paths, ROWS_PER_UNIT)
