@@ -38,6 +38,7 @@ from engine.data_render import RENDERER_VERSION, chat_template_text
 CACHE_FORMAT = 1
 ENV_CACHE_DIR = "MEGATRON_SFT_DATA_CACHE"
 IN_PROCESS_ROWS = 2000   # below this many rows, rendering in worker processes costs more
+BAR_ROWS = 1000          # builds of fewer rows show no progress bar
 ROWS_PER_UNIT = 256      # rows one worker task renders (units are handed out in file order)
 
 
@@ -161,7 +162,7 @@ def ensure_entry(cache_dir: str, key: dict, build: Callable[[str], None]) -> str
         except BlockingIOError:
             log(f"waiting for another process to build the data cache {entry}")
             fcntl.flock(lock, fcntl.LOCK_EX)
-            log(f"data cache ready after {time.time() - started:.1f} s of waiting")
+            log(f"the build finished after {time.time() - started:.1f} s of waiting")
         try:
             if _is_complete(entry):
                 return entry
@@ -247,7 +248,7 @@ def run_units(units: list[RowUnit], fn: Callable, args: tuple, tokenizer,
     use_fork = workers > 0 and "fork" in mp.get_all_start_methods()
     ctx = mp.get_context("fork" if use_fork else "spawn")
     counter = ctx.Value("q", 0)
-    bar = _progress(total, desc, workers)
+    bar = _progress(total, desc, workers) if total >= BAR_ROWS else None
     try:
         if workers == 0:
             saved = dict(_WORKER)

@@ -161,12 +161,13 @@ def row_units(paths: Sequence[str], rows_per_unit: int = 2000) -> list[RowUnit]:
 
 def _jsonl_units(path: str, rows_per_unit: int) -> list[RowUnit]:
     """Byte ranges ending at line ends, each holding `rows_per_unit` lines (the last fewer)."""
-    units, start, line, pos, count = [], 0, 1, 0, 0
+    units, start, line, pos, count, last = [], 0, 1, 0, 0, b"\n"
     with open(path, "rb") as f:
         while True:
             block = f.read(1 << 24)
             if not block:
                 break
+            last = block[-1:]
             i = 0
             while True:
                 j = block.find(b"\n", i)
@@ -180,7 +181,7 @@ def _jsonl_units(path: str, rows_per_unit: int) -> list[RowUnit]:
                     start, line, count = end, line + count, 0
             pos += len(block)
     if pos > start:
-        units.append(RowUnit(path, start, pos, line, count + 1))
+        units.append(RowUnit(path, start, pos, line, count + (last != b"\n")))
     return units
 
 

@@ -74,13 +74,13 @@ class TemplateInfo:
     offsets: bool                  # the tokenizer returns character offsets (fast tokenizer)
 
 
-_INFO: dict[tuple[int, str], TemplateInfo] = {}
+_INFO: dict[tuple[int, str, str], TemplateInfo] = {}
 
 
 def template_info(tokenizer) -> TemplateInfo:
     """Probe the chat template with a one-turn chat (cached per tokenizer and template)."""
     text = chat_template_text(tokenizer)
-    key = (id(tokenizer), text)
+    key = (id(tokenizer), text, str(tokenizer.eos_token))
     if key not in _INFO:
         _INFO[key] = _probe(tokenizer, text)
     return _INFO[key]
@@ -240,10 +240,22 @@ class Chat:
     tools: list[dict] | None = None
 
 
+def chat_field(row: dict) -> str | None:
+    """"messages" or "conversations" when `row` is a chat row, else None. A null field does
+    not count when the row has prompt/response fields (a Parquet file mixing row kinds gives
+    every row every column)."""
+    for key in ("messages", "conversations"):
+        if row.get(key) is not None:
+            return key
+    if "prompt" in row or "response" in row:
+        return None
+    return next((k for k in ("messages", "conversations") if k in row), None)
+
+
 def normalize_chat(row: dict, where: str) -> Chat:
     """The chat of a ``messages`` or ``conversations`` row (see the module docstring)."""
     tools = _check_tools(row.get("tools"), where)
-    if "messages" in row:
+    if chat_field(row) == "messages":
         return Chat(check_messages(row["messages"], "messages", where), tools)
     messages = _sharegpt_messages(row, where)
     return Chat(check_messages(messages, "conversations", where), tools)
@@ -262,7 +274,8 @@ def _apply(tokenizer, messages: list[dict], where: str, add_generation_prompt: b
         raise DataError(f"{where}: chat template failed: {e}") from e
 
 
-def _linear_spans(text: str, messages: list[dict], info: TemplateInfo) -> list[tuple[int, int]] | None:
+def _linear_spans(text: str, messages: list[dict], info: TemplateInfo
+                  ) -> list[tuple[int, int]] | None:
     """Character spans [start, end) of the assistant turns in `text` (see the module
     docstring), or None when the template defeats the G / end-of-turn rule."""
     g, eot = info.gen_prompt, info.end_of_turn
@@ -370,7 +383,7 @@ def render_prompt(prompt: Any, tokenizer, where: str = "prompt",
 
 def render_row_arrays(row: dict, tokenizer, where: str) -> tuple[list[int], np.ndarray]:
     """(ids, trained uint8 array) of one SFT row; see render_sft_row."""
-    if "messages" in row or "conversations" in row:
+    if chat_field(row) is not None:
         return render_chat(normalize_chat(row, where), tokenizer, where)
     if "prompt" not in row and "response" not in row:
         raise DataError(f"{where}: row needs field 'messages' (or 'conversations'), or fields "
