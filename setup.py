@@ -9,7 +9,14 @@ setup(
     packages=["engine", "engine.rl", "engine.rl.rollout", "models", "parallel"],
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.17",
+        # Tested: 0.16.1 (full suite) and the newest 0.19.x (.ci/run's second run); 0.17.1 and
+        # 0.18.2 passed the same subset. Releases from 0.17 declare Requires-Python >= 3.12, so
+        # on Python 3.10/3.11 pip resolves 0.16.1 and keeps a 0.17-0.19 installed by hand
+        # (README: "Tested Megatron-Core versions").
+        "megatron-core>=0.16.1,<0.20",
+        # megatron-core >= 0.18 imports triton when its pipeline schedules load (MoE paged
+        # stash) without declaring it; CUDA torch wheels bring it, CPU torch wheels do not.
+        "triton; sys_platform == 'linux' and python_version >= '3.12'",
         "transformers>=4.51",
         "safetensors>=0.4",
         "hydra-core>=1.3,<1.4",
