@@ -71,7 +71,7 @@ class TemplateInfo:
     generation_tags: bool          # {% generation %} blocks: use transformers' assistant mask
     gen_prompt: str | None         # text add_generation_prompt appends after a user message
     end_of_turn: str | None        # the marker closing an assistant turn
-    offsets: bool                  # the tokenizer returns character offsets (fast tokenizer)
+    offsets: bool                  # a fast tokenizer: its encodings map characters to tokens
 
 
 _INFO: dict[tuple[int, str, str], TemplateInfo] = {}
@@ -108,7 +108,8 @@ def _probe(tokenizer, text: str) -> TemplateInfo:
             end = min(found)[1] if found else None
     except Exception:  # noqa: BLE001 - a template that cannot render the probe: prefix method
         gen_prompt = end = None
-    return TemplateInfo(tags, gen_prompt, end, bool(getattr(tokenizer, "is_fast", False)))
+    fast = getattr(tokenizer, "is_fast", False) and hasattr(tokenizer, "backend_tokenizer")
+    return TemplateInfo(tags, gen_prompt, end, bool(fast))
 
 
 # ----------------------------------------------------------------------------- rows
@@ -311,12 +312,22 @@ def _render_linear(chat: Chat, tokenizer, info: TemplateInfo, where: str
     spans = _linear_spans(text, chat.messages, info)
     if spans is None:
         return None
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc["input_ids"]
-    starts = np.fromiter((a for a, _ in enc["offset_mapping"]), dtype=np.int64, count=len(ids))
+    # the tokenization apply_chat_template(tokenize=True) does, without building offset lists
+    enc = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
+    ids = enc.ids
     trained = np.zeros(len(ids), dtype=np.uint8)
+
+    def first_token_from(c: int) -> int:
+        """Index of the first token that starts at character c or later."""
+        while c < len(text):
+            t = enc.char_to_token(c)
+            if t is not None:
+                return t if enc.token_to_chars(t)[0] >= c else t + 1
+            c += 1  # a character no token covers (e.g. whitespace a pre-tokenizer drops)
+        return len(ids)
+
     for a, b in spans:
-        trained[np.searchsorted(starts, a, "left"):np.searchsorted(starts, b, "left")] = 1
+        trained[first_token_from(a):first_token_from(b)] = 1
     return ids, trained
 
 

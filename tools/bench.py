@@ -12,6 +12,9 @@
     python tools/bench.py mfu      [--quick]   ~1B Qwen3-shaped SFT step, bf16, 4K packed rows:
                                                TFLOP/s per GPU and MFU (CUDA only; one GPU, or
                                                torchrun --nproc_per_node N for N DP ranks)
+    python tools/bench.py data     [--quick]   data pipeline: chat rows rendered per second by
+                                               worker count, first SFT step with an empty and
+                                               a built cache (2 ranks), RSS per rank (2, 4)
     python tools/bench.py all      [--quick] [--plot PNG]
 
 Each prints readable tables (Markdown pipe tables) and, as its last stdout line, one JSON object.
@@ -42,6 +45,8 @@ GOALS: dict[str, tuple[str, float]] = {
     "balance_max_over_mean": ("<=", 1.02),
     "padding_fraction": ("<", 0.01),
     "generate_once_speedup": (">=", 3.0),
+    "first_step_s_uncached": ("<=", 60.0),   # data: 20k chat rows, 2 ranks, empty cache
+    "first_step_s_cached": ("<=", 20.0),
 }
 
 
@@ -82,6 +87,9 @@ def run_one(name: str, args) -> BenchResult:
     if name == "mfu":
         from bench_mfu import run_mfu
         return run_mfu(args.quick)
+    if name == "data":
+        from bench_data import run_data
+        return run_data(args.quick)
     raise ValueError(f"unknown benchmark {name!r}")
 
 
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    public = ("overhead", "balance", "rollout", "sync", "mfu", "all")
+    public = ("overhead", "balance", "rollout", "sync", "mfu", "data", "all")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(public) + "}")
     for name in public:
         p = sub.add_parser(name)
