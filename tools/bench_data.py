@@ -123,8 +123,10 @@ except SystemExit as e:
     code = e.code or 0
 status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
 mb = lambda k: int(status[k].split()[0]) / 1024 if k in status else None
-print("RSS " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "rss_mb": mb("VmRSS"),
-      "hwm_mb": mb("VmHWM"), "anon_mb": mb("RssAnon"), "file_mb": mb("RssFile")}), flush=True)
+rank = int(os.environ.get("RANK", 0))
+with open(os.path.join(os.environ["BENCH_RSS_DIR"], f"rank{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "rss_mb": mb("VmRSS"), "hwm_mb": mb("VmHWM"),
+               "anon_mb": mb("RssAnon"), "file_mb": mb("RssFile")}, f)
 sys.exit(code)
 """
 
@@ -139,8 +141,11 @@ def _sft_launch(model: str, data: str, cache_dir: str, ranks: int, log_dir: str,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            "--no-python", sys.executable, "-c", RANK_WRAPPER, *args]
+    rss_dir = os.path.join(log_dir, "rss")
+    os.makedirs(rss_dir, exist_ok=True)
+    env = {**subprocess_env(threads=1), "BENCH_RSS_DIR": rss_dir}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=subprocess_env(threads=1), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             cwd=str(REPO_ROOT))
     try:
@@ -153,8 +158,12 @@ def _sft_launch(model: str, data: str, cache_dir: str, ranks: int, log_dir: str,
     if proc.returncode != 0:
         raise RuntimeError(f"SFT launch failed (exit {proc.returncode}):\n"
                            + "\n".join(err.splitlines()[-30:]))
-    rss = sorted((json.loads(line[4:]) for line in out.splitlines() if line.startswith("RSS ")),
-                 key=lambda r: r["rank"])
+    rss = []
+    for name in sorted(os.listdir(rss_dir)):
+        with open(os.path.join(rss_dir, name), encoding="utf-8") as f:
+            rss.append(json.load(f))
+    if len(rss) != ranks:
+        raise RuntimeError(f"{len(rss)} of {ranks} ranks reported their memory")
     return {"seconds": seconds, "rss": rss}
 
 
