@@ -171,6 +171,9 @@ def ensure_entry(cache_dir: str, key: dict, build: Callable[[str], None]) -> str
                 if stale.startswith(name + ".tmp-"):
                     shutil.rmtree(os.path.join(cache_dir, stale), ignore_errors=True)
             tmp = tempfile.mkdtemp(prefix=name + ".tmp-", dir=cache_dir)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide a shared cache
             try:
                 build(tmp)
                 _fsync_tree(tmp)
