@@ -152,6 +152,8 @@ def row_units(paths: Sequence[str], rows_per_unit: int = 2000) -> list[RowUnit]:
     for path in paths:
         if _ext(path) == ".jsonl":
             units += _jsonl_units(path, rows_per_unit)
+        elif _ext(path) == ".parquet":
+            units += _parquet_units(path, rows_per_unit)
         else:
             n = _table_rows(path)
             units += [RowUnit(path, a, min(a + rows_per_unit, n), a + 1, min(rows_per_unit, n - a))
@@ -185,6 +187,29 @@ def _jsonl_units(path: str, rows_per_unit: int) -> list[RowUnit]:
     return units
 
 
+def _parquet_units(path: str, rows_per_unit: int) -> list[RowUnit]:
+    """Whole row groups per unit (a row group is decoded as a whole, so a unit never starts
+    inside one), adding groups until a unit has rows_per_unit rows."""
+    meta = _parquet_file(path).metadata
+    units, start, row = [], 0, 0
+    for g in range(meta.num_row_groups):
+        row += meta.row_group(g).num_rows
+        if row - start >= rows_per_unit or g == meta.num_row_groups - 1:
+            if row > start:
+                units.append(RowUnit(path, start, row, start + 1, row - start))
+            start = row
+    return units
+
+
+def _parquet_file(path: str):
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a corrupt or non-parquet file
+        raise DataError(f"{path}: cannot read as Parquet ({e})") from None
+
+
 def _open_arrow(path: str):
     import pyarrow as pa
 
@@ -197,12 +222,7 @@ def _open_arrow(path: str):
 
 def _table_rows(path: str) -> int:
     if _ext(path) == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.ParquetFile(path).metadata.num_rows
-        except Exception as e:  # pyarrow raises several types for a corrupt or non-parquet file
-            raise DataError(f"{path}: cannot read as Parquet ({e})") from None
+        return _parquet_file(path).metadata.num_rows
     try:
         return _open_arrow(path).num_rows
     except Exception as e:  # noqa: BLE001 - any pyarrow failure: not an Arrow file
@@ -215,30 +235,27 @@ def read_unit(unit: RowUnit) -> Iterator[tuple[str, int, dict]]:
         yield from _read_jsonl(unit)
         return
     if _ext(unit.path) == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            pf = pq.ParquetFile(unit.path)
-        except Exception as e:  # noqa: BLE001
-            raise DataError(f"{unit.path}: cannot read as Parquet ({e})") from None
-        groups, first_row, row0 = [], None, 0
+        pf = _parquet_file(unit.path)
+        groups, row0 = [], 0
         for g in range(pf.metadata.num_row_groups):
             n = pf.metadata.row_group(g).num_rows
             if row0 < unit.stop and row0 + n > unit.start:
                 groups.append(g)
-                first_row = row0 if first_row is None else first_row
             row0 += n
-        if not groups:
-            return
-        table = pf.read_row_groups(groups).slice(unit.start - first_row,
-                                                 unit.stop - unit.start)
+        row_no = 0
+        for g in range(groups[0] if groups else 0):
+            row_no += pf.metadata.row_group(g).num_rows
+        batches = pf.iter_batches(batch_size=1024, row_groups=groups) if groups else []
     else:
         table = _open_arrow(unit.path).slice(unit.start, unit.stop - unit.start)
-    row_no = unit.start
-    for batch in table.to_batches():
+        row_no, batches = unit.start, table.to_batches(max_chunksize=1024)
+    for batch in batches:
         for row in batch.to_pylist():
             row_no += 1
-            yield unit.path, row_no, row
+            if row_no > unit.stop:
+                return
+            if row_no > unit.start:
+                yield unit.path, row_no, row
 
 
 def _read_jsonl(unit: RowUnit) -> Iterator[tuple[str, int, dict]]:

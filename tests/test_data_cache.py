@@ -346,3 +346,22 @@ def test_prompt_rows_through_the_cache(tok, tmp_path):
     bad = write_jsonl(tmp_path / "q.jsonl", [rows[0], {"prompt": "b"}])
     with pytest.raises(DataError, match=r"q\.jsonl:2: missing field 'answer'"):
         load_prompt_rows([bad], tokenizer=tok, cache_dir=str(tmp_path / "c"))
+
+
+def test_parquet_units_are_whole_row_groups(tok, tmp_path, monkeypatch):
+    """Workers get whole row groups (never decoding one twice); rows keep their numbers."""
+    import pyarrow.parquet as pq
+
+    from engine.data_files import row_units
+
+    rows = [{"messages": SINGLE}, PR_ROW, PR_ROW] * 3
+    path = str(tmp_path / "g.parquet")
+    pq.write_table(table_of(rows), path, row_group_size=2)
+    units = row_units([path], rows_per_unit=3)
+    assert [(u.start, u.stop, u.first) for u in units] == [(0, 4, 1), (4, 8, 5), (8, 9, 9)]
+    assert [n for _, n, _ in read_rows(path)] == list(range(1, 10))
+    monkeypatch.setattr("engine.data_cache.ROWS_PER_UNIT", 3)
+    jsonl = write_jsonl(tmp_path / "g.jsonl", rows)
+    a = load_sft_dataset(path, tok, 64, cache_dir=str(tmp_path / "c"), num_workers=2)
+    b = load_sft_dataset(jsonl, tok, 64, cache_dir=str(tmp_path / "c"), num_workers=0)
+    assert samples(a) == samples(b) and len(a) == 9
