@@ -53,7 +53,7 @@ def _init_weights(chunk, seed: int) -> None:
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for i, (name, p) in enumerate(sorted(chunk.named_parameters())):
+        for _, p in sorted(chunk.named_parameters()):
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.2
             p.copy_(1.0 + 0.1 * noise if p.dim() == 1 else noise)
 
@@ -187,7 +187,9 @@ def check_dp(rank: int, world: int) -> dict:
                       if hasattr(b, "gradient_scaling_factor")})
     finalize = _RecordingFinalize()
     reports = _run_schedule(chunk, batches, TOKENS_PER_MICRO_BATCH, finalize)
-    expected_reports = [float(_weighted_loss(_forward(ref_model, t), l, w)) for t, l, w in batches]
+    with torch.no_grad():
+        expected_reports = [float(_weighted_loss(_forward(ref_model, t), l, w))
+                            for t, l, w in batches]
     results["dp_schedule_ddp_sum"] = {
         **_ratio(_main_grads(chunk), ref), "buffer_scaling_factors": factors,
         "finalize_num_tokens": finalize.num_tokens,
