@@ -165,16 +165,19 @@ def raise_problems(problems: list[str]) -> None:
 
 
 def read_model_config(cfg) -> dict:
-    """The HF config dict at model.hf_path (architecture checked); raises ConfigError."""
-    from models.architectures import UnsupportedArchitectureError, architecture_of
+    """The HF config dict at model.hf_path; raises ConfigError when the folder or its
+    config.json is unreadable, the architecture is not supported, or a config field that
+    changes the math does not map exactly (models.hf_config: one line naming the field)."""
+    from models.families import UnsupportedModelError
+    from models.hf_config import check_config
     from models.hf_io import HFCheckpointError, read_config
 
     if not cfg.model.hf_path:
         raise ConfigError("model.hf_path is required (an HF model directory)")
     try:
         hf_config = read_config(cfg.model.hf_path)
-        architecture_of(hf_config)
-    except (HFCheckpointError, UnsupportedArchitectureError) as e:
+        check_config(hf_config)
+    except (HFCheckpointError, UnsupportedModelError) as e:
         raise ConfigError(f"model.hf_path={cfg.model.hf_path}: {e}") from None
     return hf_config
 

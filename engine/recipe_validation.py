@@ -30,51 +30,13 @@ from dataclasses import dataclass, field
 
 from engine.config import (ConfigError, SFTConfig, data_file_problems, layout_problems,
                            load_config, read_model_config, sft_problems, value_problems)
+from models.families import StageParams, padded_vocab_size, stage_parameters  # noqa: F401
 from models.presets import MODEL_SHAPES, shape_mismatches
 
 GIB = 2 ** 30
 RUNTIME_OVERHEAD_GIB = 4.0
 WARN_FRACTION = 0.9          # warn when the estimate exceeds this share of GPU memory
 EXPECTED_TOLERANCE = 0.10    # recipe.expected_memory_gib must be within 10% of the estimate
-
-@dataclass
-class StageParams:
-    """Parameters one TP rank holds on the first and on the last pipeline stage."""
-
-    total: int               # whole model (HF count, unpadded vocab)
-    first_stage: int
-    last_stage: int
-    layers_per_stage: int
-
-
-def stage_parameters(hf: dict, tp: int, pp: int) -> StageParams:
-    from models.architectures import architecture_of
-    from models.config_bridge import padded_vocab_size
-
-    arch = architecture_of(hf)
-    h, ffn = hf["hidden_size"], hf["intermediate_size"]
-    heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf[
-        "num_attention_heads"]
-    hd = hf.get("head_dim") or h // heads
-    q_dim, kv_dim = heads * hd, kv * hd
-    sharded = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * ffn
-    if arch.qkv_bias:
-        sharded += q_dim + 2 * kv_dim
-    replicated = 2 * h + (2 * hd if arch.qk_norm else 0)
-    layers = hf["num_hidden_layers"]
-    tied = bool(hf.get("tie_word_embeddings", False))
-    embedding = padded_vocab_size(hf["vocab_size"], tp) * h // tp
-    # tied weights with pp > 1: the last stage allocates its own copy of the shared matrix
-    output = embedding if (not tied or pp > 1) else 0
-    per_stage = layers // pp
-    body = per_stage * (sharded // tp + replicated)
-    if pp == 1:
-        first = last = body + embedding + output + h
-    else:
-        first, last = body + embedding, body + output + h
-    total = layers * (sharded + replicated) + hf["vocab_size"] * h * (1 if tied else 2) + h
-    return StageParams(total, first, last, per_stage)
-
 
 @dataclass
 class MemoryEstimate:
@@ -106,8 +68,6 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
                     micro_batches: int) -> MemoryEstimate:
     """Per-GPU peak estimate (formulas in the module docstring) for `layout`
     (a parallel.layout.ParallelLayout) and `micro_batches` per DP rank per step."""
-    from models.config_bridge import padded_vocab_size
-
     tp, pp, cp, vpp = layout.tp, layout.pp, layout.cp, layout.vpp or 1
     params = stage_parameters(hf, tp, pp)
     a = 2 if bf16 else 4

@@ -16,9 +16,12 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state as ps
+
 from models import weight_mapping as wm
-from models.architectures import architecture_of
 from models.config_bridge import model_shape
+from models.families import UnmappedTensorsError, tensor_problems
+from models.hf_config import check_config
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -33,10 +36,13 @@ _LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_norm.weight",)),
     "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
     "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
+    "self_attention.linear_proj.bias": ("replicated", ("self_attn.o_proj.bias",)),
     "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc1.bias": ("fc1", ("mlp.gate_proj.bias", "mlp.up_proj.bias")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+    "mlp.linear_fc2.bias": ("replicated", ("mlp.down_proj.bias",)),
 }
 _TOP_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
@@ -77,7 +83,6 @@ def _mapping(chunk, name: str, tied: bool) -> _Mapping | None:
 
 
 def _tp():
-    from megatron.core import parallel_state as ps
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
@@ -105,8 +110,12 @@ def _tied(cfg: dict) -> bool:
 def load_hf_weights(chunks: list, reader, hf_config: dict,
                     progress: Callable[[int], None] | None = None) -> int:
     """Copy HF weights into every parameter of `chunks` (this rank's shards). Returns the number
-    of parameters filled; raises if a parameter has no HF source or shapes disagree."""
-    architecture_of(hf_config)
+    of parameters filled. Raises, before copying anything, UnsupportedConfigError when the
+    config does not map exactly and UnmappedTensorsError when the checkpoint's tensors are not
+    exactly the ones the mapping consumes (none dropped, none missing); afterwards, if a
+    parameter has no HF source or shapes disagree."""
+    check_config(hf_config)
+    check_tensors(hf_config, reader.keys())
     shape = model_shape(hf_config)
     filled = 0
     for chunk in chunks:
@@ -128,8 +137,14 @@ def load_hf_weights(chunks: list, reader, hf_config: dict,
     return filled
 
 
+def check_tensors(hf_config: dict, names) -> None:
+    """Raise UnmappedTensorsError unless `names` are exactly the HF tensors the mapping reads."""
+    problems = tensor_problems(hf_config, names)
+    if problems:
+        raise UnmappedTensorsError("; ".join(problems))
+
+
 def _gather_tp(tensor: torch.Tensor, dim: int) -> list[torch.Tensor]:
-    from megatron.core import parallel_state as ps
     tp, _ = _tp()
     if tp == 1:
         return [tensor]

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from models.architectures import architecture_of
 from models.bridge import unwrap
 from models.config_bridge import model_shape
+from models.families import family_of
 from models.hf_io import copy_tokenizer_files
 
 FORMAT_VERSION = 1
@@ -40,7 +40,7 @@ def write_metadata(ckpt_dir: str | os.PathLike, hf_config: dict, tokenizer_dir: 
     (hf_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
     if tokenizer_dir:
         copy_tokenizer_files(tokenizer_dir, hf_dir)
-    meta = {"format_version": FORMAT_VERSION, "architecture": architecture_of(hf_config).name,
+    meta = {"format_version": FORMAT_VERSION, "architecture": family_of(hf_config).model_type,
             "vocab_size": hf_config["vocab_size"],
             "padded_vocab_size": model_shape(hf_config).padded_vocab_size}
     (Path(ckpt_dir) / "bridge.json").write_text(json.dumps(meta, indent=2))

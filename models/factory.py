@@ -3,35 +3,27 @@ megatron parallel_state (one chunk, or `vpp` chunks with virtual pipeline parall
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                           VocabParallelEmbedding)
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-from models.architectures import architecture_of
 from models.config_bridge import model_shape, transformer_config
+from models.families import family_of
+from models.hf_config import check_config, hf_config_object
 from models.layer_spec import layer_spec
-
-
-def _rope_kwargs(hf_config: dict) -> dict:
-    scaling = hf_config.get("rope_scaling") or None
-    if scaling is None:
-        return {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind in (None, "default"):
-        return {}
-    if kind == "llama3":
-        return {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
-    raise ValueError(f"unsupported rope_scaling type {kind!r} in HF config; supported: "
-                     f"default, llama3")
+from models.rope import install_rope
+from parallel import cpu_runtime
 
 
 def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float32,
                        use_te: bool | None = None, **config_overrides) -> list:
     """GPTModel chunks of this rank (length vpp, or 1), in pipeline order, on this host's
-    device, uninitialised weights (load them with `models.bridge.load_hf_weights`)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-
-    from parallel import cpu_runtime
-
-    architecture_of(hf_config)
+    device, uninitialised weights (load them with `models.bridge.load_hf_weights`).
+    Raises UnsupportedArchitectureError / UnsupportedConfigError before building anything
+    when the HF config does not map exactly."""
+    check_config(hf_config)
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -46,7 +38,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     config = transformer_config(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                 params_dtype=params_dtype, **config_overrides)
     shape = model_shape(hf_config, tp)
-    spec = layer_spec(config, use_te)
+    biases = family_of(hf_config).biases(hf_config_object(hf_config))
+    spec = layer_spec(config, use_te, linear_proj_bias=biases.o_proj)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -62,8 +55,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
             position_embedding_type="rope",
             rotary_base=shape.rotary_base,
             vp_stage=stage,
-            **_rope_kwargs(hf_config),
         )
+        install_rope(model, hf_config)
         _tag_tensor_parallel_params(model)
         chunks.append(model.to(cpu_runtime.device()))
     return chunks
@@ -73,10 +66,6 @@ def _tag_tensor_parallel_params(model) -> None:
     """Mark TP-sharded weights as such. Megatron sets these attributes only inside its weight
     initialisers, which we skip (`perform_initialization=False`: weights come from HF); without
     them the grad-norm and clipping code would treat shards as TP duplicates."""
-    from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                               VocabParallelEmbedding)
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
             dim = 0

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from models.families import UnsupportedArchitectureError, tensor_problems
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
                    "added_tokens.json", "generation_config.json")
@@ -45,16 +47,30 @@ def _has_chat_template(path: Path) -> bool:
         return False
 
 
-def training_dir_problems(hf_dir: str | os.PathLike) -> list[str]:
-    """What an existing HF folder lacks for training from it (empty list: nothing): safetensors
-    weights, a tokenizer, and a chat template (every SFT row and RL prompt is rendered with
-    it). Reads the file system only."""
+def weight_problems(hf_dir: str | os.PathLike) -> list[str]:
+    """Safetensors weights present, holding exactly the tensors the bridge maps for the folder's
+    config (models.families.tensor_problems: none left over, none missing). Reads the
+    config and the tensor names (file headers), no tensor data."""
     path = Path(hf_dir)
-    problems = []
     if not ((path / "model.safetensors").is_file()
             or (path / "model.safetensors.index.json").is_file()):
-        problems.append("no weights: model.safetensors or model.safetensors.index.json is "
-                        "missing")
+        return ["no weights: model.safetensors or model.safetensors.index.json is missing"]
+    try:
+        names = SafetensorsReader(path).keys()
+        return tensor_problems(read_config(path), names)
+    except UnsupportedArchitectureError:
+        return []  # reported by the config check (models.hf_config)
+    except (OSError, ValueError, KeyError) as e:
+        return [f"cannot read the weights' tensor names ({e})"]
+
+
+def training_dir_problems(hf_dir: str | os.PathLike) -> list[str]:
+    """What an existing HF folder lacks for training from it (empty list: nothing): safetensors
+    weights holding exactly the tensors the bridge maps (`weight_problems`), a tokenizer, and
+    a chat template (every SFT row and RL prompt is rendered with it). Reads the file system
+    only."""
+    path = Path(hf_dir)
+    problems = weight_problems(path)
     if not any((path / name).is_file() for name in VOCAB_FILES):
         problems.append(f"no tokenizer: none of {', '.join(VOCAB_FILES)} is present")
     elif not _has_chat_template(path):

@@ -1,8 +1,13 @@
 """Transformer layer spec choice: Transformer Engine's when it imports, else the local spec with
-the project's SDPA core attention."""
+the project's SDPA core attention; optionally an attention output projection whose bias
+differs from the MLP's (megatron's `add_bias_linear` sets both)."""
 from __future__ import annotations
 
 import importlib.util
+
+import torch
+from megatron.core.models.gpt import gpt_layer_specs as specs
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from models.core_attention import SDPACoreAttention
 
@@ -14,20 +19,49 @@ def transformer_engine_available() -> bool:
         import transformer_engine.pytorch  # noqa: F401
     except Exception:  # a broken TE install (e.g. no CUDA) must not break the local path
         return False
-    import torch
     return torch.cuda.is_available()
 
 
-def layer_spec(config, use_te: bool | None = None):
-    """The GPT layer spec for `config`; `use_te=None` picks TE when available."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
+def _with_bias(linear_cls: type, bias: bool) -> type:
+    """`linear_cls` constructed with `bias=bias` whatever its caller passes."""
+    class Linear(linear_cls):
+        def __init__(self, *args, **kwargs):
+            kwargs["bias"] = bias
+            super().__init__(*args, **kwargs)
 
+    Linear.__name__ = f"{linear_cls.__name__}{'With' if bias else 'Without'}Bias"
+    Linear.__qualname__ = Linear.__name__
+    return Linear
+
+
+def _set_bias(spec, name: str, bias: bool) -> None:
+    """Force the bias of the attention projection `name` (linear_qkv / linear_proj)."""
+    attention = spec.submodules.self_attention.submodules
+    linear = getattr(attention, name)
+    if isinstance(linear, ModuleSpec):
+        linear.module = _with_bias(linear.module, bias)
+    else:
+        setattr(attention, name, _with_bias(linear, bias))
+
+
+def layer_spec(config, use_te: bool | None = None, linear_proj_bias: bool | None = None):
+    """The GPT layer spec for `config`; `use_te=None` picks TE when available.
+
+    Megatron's `add_bias_linear` biases linear_proj, the MLP and (with `add_qkv_bias`)
+    linear_qkv together. `linear_proj_bias` (the attention output projection's bias) lets
+    them differ, as in HF Llama with attention_bias but not mlp_bias, or the reverse; then
+    linear_qkv is biased exactly when `config.add_qkv_bias`."""
     if use_te is None:
         use_te = transformer_engine_available()
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=config.qk_layernorm)
-    spec = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
-                                          normalization=config.normalization)
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    else:
+        spec = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+                                              normalization=config.normalization)
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if linear_proj_bias is not None and linear_proj_bias != config.add_bias_linear:
+        _set_bias(spec, "linear_proj", linear_proj_bias)
+    if config.add_bias_linear and not config.add_qkv_bias:
+        _set_bias(spec, "linear_qkv", False)
     return spec

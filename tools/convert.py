@@ -46,15 +46,16 @@ def hf_to_mcore(args) -> None:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from models.architectures import architecture_of
-    from models.bridge import load_hf_weights
+    from models.bridge import check_tensors, load_hf_weights
     from models.checkpoint import model_sharded_state_dict, save_checkpoint
     from models.factory import build_model_chunks
+    from models.hf_config import check_config
     from models.hf_io import SafetensorsReader, read_config
 
     cfg = read_config(args.hf_dir)
-    architecture_of(cfg)
+    check_config(cfg)
     reader = SafetensorsReader(args.hf_dir)
+    check_tensors(cfg, reader.keys())
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         _fail(f"--out {out} exists and is not empty")
@@ -129,8 +130,11 @@ def verify(args) -> int:
     from models.factory import build_model_chunks
     from models.forward import forward_logits
 
+    from models.hf_config import check_config
+
     ckpt = resolve_checkpoint(args.ckpt)
     cfg = read_hf_config(ckpt)
+    check_config(cfg)
     layout = _setup(args.tp, args.pp)
     layout.validate(num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
                     num_kv_heads=cfg.get("num_key_value_heads"))
@@ -191,9 +195,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from models.architectures import UnsupportedArchitectureError
     from models.checkpoint import CheckpointError
     from models.hf_io import HFCheckpointError
+    from models.families import UnsupportedModelError
     from parallel.layout import LayoutError
     try:
         if args.cmd == "hf-to-mcore":
@@ -204,7 +208,7 @@ def main(argv=None) -> int:
             rc = 0
         else:
             rc = verify(args)
-    except (UnsupportedArchitectureError, CheckpointError, HFCheckpointError, LayoutError) as e:
+    except (UnsupportedModelError, CheckpointError, HFCheckpointError, LayoutError) as e:
         _fail(str(e))
     from parallel.process_groups import shutdown
     shutdown()

@@ -1,0 +1,137 @@
+"""What a model family declares for the bridge, and the errors for models it cannot convert.
+
+A family (one file per HF architecture under models/families/) is the single home of: its HF
+`model_type` and class, its config-field table (every field that changes the math, mapped
+exactly or refused), its Megatron `TransformerConfig` kwargs, the HF tensors of one layer, and
+its preset shapes. Parameter counts follow from these (models.families.counting).
+
+Plain Python and torch only: engine.config imports the presets at start-up, so neither
+megatron nor transformers is imported here. Field checks receive a transformers config object
+(models.hf_config.hf_config_object); shape and bias helpers accept a dict as well.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.nn.functional as F
+
+
+class UnsupportedModelError(ValueError):
+    """An HF model this bridge cannot convert exactly (base of the three errors below)."""
+
+
+class UnsupportedArchitectureError(UnsupportedModelError):
+    """The HF config names an architecture (model_type) this bridge does not convert."""
+
+
+class UnsupportedConfigError(UnsupportedModelError):
+    """An HF config field has a value the bridge cannot map exactly."""
+
+
+class UnmappedTensorsError(UnsupportedModelError):
+    """The HF checkpoint holds tensors the mapping would not consume, or lacks some it needs."""
+
+
+def field(cfg: Any, name: str, default: Any = None) -> Any:
+    """`cfg[name]` of a config.json dict or `cfg.name` of a transformers config (None -> default)."""
+    value = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+    return default if value is None else value
+
+
+def head_dim(cfg: Any) -> int:
+    """Per-head width: `head_dim` when set, else hidden_size // num_attention_heads (as HF)."""
+    return field(cfg, "head_dim") or field(cfg, "hidden_size") // field(cfg, "num_attention_heads")
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """One row of a family's config-field table.
+
+    `field`: the HF config field(s) as a user writes them; `supported`: the values that map and
+    what they map to; `problem(config)`: None when the value maps exactly, else one sentence
+    naming the field, its value and what is supported (None itself: every value maps)."""
+
+    field: str
+    supported: str
+    problem: Callable[[Any], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class Biases:
+    """Which projections carry a bias: fused q/k/v, the attention output o_proj, the MLP."""
+
+    qkv: bool = False
+    o_proj: bool = False
+    mlp: bool = False
+
+
+ACTIVATIONS: dict[str, Callable] = {  # HF hidden_act -> the same function in torch
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+# Suffixes under model.layers.{i}. that every family here has.
+BASE_LAYER_TENSORS = (
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+)
+
+
+class Family:
+    """A decoder-only HF architecture the bridge converts. Subclass, set the class attributes,
+    override `biases` (and `qk_norm`) where the family differs, and `register` an instance."""
+
+    model_type: str = ""
+    hf_class: str = ""
+    qk_norm: bool = False                  # RMSNorm on each head of q and k (Qwen3)
+    fields: tuple[FieldRule, ...] = ()     # the config-field table
+    presets: dict[str, dict] = {}          # model.shape name -> public config.json values
+
+    def biases(self, cfg: Any) -> Biases:
+        return Biases()
+
+    def problems(self, cfg: Any) -> list[str]:
+        """Why `cfg` (a transformers config) cannot be converted exactly; empty: it can."""
+        return [p for rule in self.fields if rule.problem and (p := rule.problem(cfg))]
+
+    def layer_tensors(self, cfg: Any) -> tuple[str, ...]:
+        """HF tensor suffixes of one decoder layer (under model.layers.{i}.)."""
+        b = self.biases(cfg)
+        names = list(BASE_LAYER_TENSORS)
+        if b.qkv:
+            names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+        if b.o_proj:
+            names.append("self_attn.o_proj.bias")
+        if b.mlp:
+            names += [f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
+        if self.qk_norm:
+            names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        return tuple(names)
+
+    def transformer_kwargs(self, cfg: Any) -> dict:
+        """Megatron TransformerConfig kwargs that carry the model's math (no layout, no dtype,
+        no RoPE: see models.config_bridge). `cfg` passed `problems` (empty)."""
+        b = self.biases(cfg)
+        heads = field(cfg, "num_attention_heads")
+        return dict(
+            num_layers=field(cfg, "num_hidden_layers"),
+            hidden_size=field(cfg, "hidden_size"),
+            num_attention_heads=heads,
+            num_query_groups=field(cfg, "num_key_value_heads", heads),
+            kv_channels=head_dim(cfg),
+            ffn_hidden_size=field(cfg, "intermediate_size"),
+            normalization="RMSNorm",
+            layernorm_epsilon=field(cfg, "rms_norm_eps", 1e-6),
+            gated_linear_unit=True,
+            activation_func=ACTIVATIONS[field(cfg, "hidden_act", "silu")],
+            add_qkv_bias=b.qkv,
+            add_bias_linear=b.mlp,  # MLP fc1/fc2; o_proj's bias: models.layer_spec
+            qk_layernorm=self.qk_norm,
+        )
+
+    def describe(self) -> str:
+        return f"{self.model_type} ({self.hf_class})"

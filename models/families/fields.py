@@ -1,0 +1,96 @@
+"""Config-field rows shared by the Llama, Qwen2 and Qwen3 tables (models.families.*).
+
+Every check receives a transformers config object, so both spellings of RoPE settings work
+(transformers >= 5 folds legacy `rope_scaling` and top-level `rope_theta` /
+`partial_rotary_factor` into `rope_parameters`). A check returns None when the value maps
+exactly, else one sentence naming the field, its value and what is supported.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from models.families.base import ACTIVATIONS, FieldRule, field
+
+# RoPE types whose inverse frequencies are fixed at build time: transformers' own function
+# computes them and models.rope installs them in megatron (attention_factor -> softmax scale).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_ROPE_WHY = {
+    "dynamic": "its frequencies change with the length of each batch",
+    "longrope": "it switches between two frequency sets with the length of each batch",
+}
+
+
+def rope_parameters(cfg: Any) -> dict:
+    params = field(cfg, "rope_parameters", {}) or {}
+    return params if isinstance(params, dict) else {}
+
+
+def _rope_type(cfg: Any) -> str | None:
+    kind = rope_parameters(cfg).get("rope_type", rope_parameters(cfg).get("type", "default"))
+    if kind in STATIC_ROPE_TYPES:
+        return None
+    why = _ROPE_WHY.get(kind, "the bridge does not implement it")
+    return (f"rope_parameters.rope_type={kind!r} (config.json rope_scaling/rope_parameters) is "
+            f"not supported: {why}; supported: {', '.join(STATIC_ROPE_TYPES)}")
+
+
+def _partial_rotary(cfg: Any) -> str | None:
+    factor = rope_parameters(cfg).get("partial_rotary_factor",
+                                      field(cfg, "partial_rotary_factor", 1.0))
+    if float(factor) == 1.0:
+        return None
+    return (f"partial_rotary_factor={factor!r} is not supported: this architecture rotates the "
+            "whole head dimension; supported: 1.0")
+
+
+def _hidden_act(cfg: Any) -> str | None:
+    act = field(cfg, "hidden_act", "silu")
+    if act in ACTIVATIONS:
+        return None
+    return f"hidden_act={act!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+
+
+def _attention_dropout(cfg: Any) -> str | None:
+    p = float(field(cfg, "attention_dropout", 0.0))
+    if p == 0.0:
+        return None
+    return (f"attention_dropout={p!r} is not supported (the bridge's attention has no "
+            "dropout); supported: 0.0")
+
+
+def _sliding_window(cfg: Any) -> str | None:
+    """HF Qwen2/Qwen3: layer i uses a sliding window when use_sliding_window and
+    i >= max_window_layers (transformers records this in `layer_types`)."""
+    types = list(field(cfg, "layer_types", []) or [])
+    window = field(cfg, "sliding_window")
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not sliding or window is None:
+        return None
+    return (f"use_sliding_window={field(cfg, 'use_sliding_window')!r} with "
+            f"sliding_window={window} and max_window_layers={field(cfg, 'max_window_layers')} "
+            f"gives layers {sliding[0]}..{sliding[-1]} sliding-window attention "
+            "(layer_types), which the bridge does not implement; supported: "
+            "use_sliding_window=false, or max_window_layers >= num_hidden_layers")
+
+
+ROPE = FieldRule("rope_parameters.rope_type / rope_scaling.rope_type (rope_theta anywhere)",
+                 "default, linear, llama3 (any factor/low_freq_factor/high_freq_factor/"
+                 "original_max_position_embeddings), yarn (any parameters): transformers' "
+                 "inverse frequencies installed in megatron, attention_factor folded into the "
+                 "softmax scale; refused: dynamic, longrope, others", _rope_type)
+PARTIAL_ROTARY = FieldRule("partial_rotary_factor (top level or in rope_parameters)",
+                           "1.0; refused: anything else", _partial_rotary)
+HIDDEN_ACT = FieldRule("hidden_act", f"{', '.join(ACTIVATIONS)} -> the same torch function "
+                       "in the gated MLP; refused: others", _hidden_act)
+ATTENTION_DROPOUT = FieldRule("attention_dropout", "0.0; refused: anything else",
+                              _attention_dropout)
+HEAD_DIM = FieldRule("head_dim", "any (default hidden_size // num_attention_heads) -> "
+                     "kv_channels")
+NORM = FieldRule("rms_norm_eps (norm type: RMSNorm, fixed by the architecture)",
+                 "any -> layernorm_epsilon of every RMSNorm (q/k norms included)")
+TIE = FieldRule("tie_word_embeddings", "true/false -> share_embeddings_and_output_weights")
+SLIDING_WINDOW = FieldRule("use_sliding_window / sliding_window / max_window_layers "
+                           "(layer_types)", "no layer with sliding-window attention; refused: "
+                           "any sliding layer", _sliding_window)
+
+COMMON_FIELDS = (ROPE, PARTIAL_ROTARY, HIDDEN_ACT, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE)
