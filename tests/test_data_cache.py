@@ -4,7 +4,6 @@ build errors reaching every rank, narrow token dtypes, every input format (JSON 
 globs, directories of shards, Arrow files, datasets.save_to_disk folders), RL prompts."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
