@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from engine.config import (ConfigError, SFTConfig, data_file_problems, layout_problems,
                            load_config, read_model_config, sft_problems, value_problems)
-from models.families import StageParams, padded_vocab_size, stage_parameters  # noqa: F401
+from models.families import padded_vocab_size, stage_parameters
 from models.presets import MODEL_SHAPES, shape_mismatches
 
 GIB = 2 ** 30

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
 from models.bridge import unwrap
 from models.config_bridge import model_shape
@@ -49,8 +50,6 @@ def write_metadata(ckpt_dir: str | os.PathLike, hf_config: dict, tokenizer_dir: 
 def save_checkpoint(state: dict, ckpt_dir: str | os.PathLike, hf_config: dict,
                     tokenizer_dir: str | None) -> None:
     """Collective: save a sharded state dict (containing at least `model`) plus metadata."""
-    from megatron.core import dist_checkpointing
-
     os.makedirs(ckpt_dir, exist_ok=True)
     dist_checkpointing.save(state, str(ckpt_dir))
     if dist.get_rank() == 0:
@@ -60,8 +59,6 @@ def save_checkpoint(state: dict, ckpt_dir: str | os.PathLike, hf_config: dict,
 
 def load_checkpoint(state: dict, ckpt_dir: str | os.PathLike) -> dict:
     """Collective: load the entries of `state` (sharded for this layout) from `ckpt_dir`."""
-    from megatron.core import dist_checkpointing
-
     check_checkpoint_dir(ckpt_dir)
     return dist_checkpointing.load(state, str(ckpt_dir))
 

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from parallel import cpu_runtime
 
 
 def forward_logits(chunks: list, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -11,11 +15,6 @@ def forward_logits(chunks: list, tokens: torch.Tensor, vocab_size: int) -> torch
     Collective over the whole world: runs megatron's schedule forward-only, gathers the
     vocab-parallel logits over TP on the last stage and broadcasts them from there.
     Requires cp == 1 (verification runs unsharded sequences)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from parallel import cpu_runtime
-
     dev = cpu_runtime.device()
     tokens = tokens.to(dev)
     b, s = tokens.shape

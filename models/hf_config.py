@@ -11,13 +11,13 @@ import json
 from functools import lru_cache
 from typing import Any
 
+from transformers import AutoConfig
+
 from models.families import UnsupportedConfigError, family_of
 
 
 @lru_cache(maxsize=16)
 def _config_object(config_json: str):
-    from transformers import AutoConfig  # lazy: engine.config imports models before it runs
-
     values = json.loads(config_json)
     model_type = values.pop("model_type")
     for key in ("transformers_version", "_name_or_path"):

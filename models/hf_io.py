@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from models.families import UnsupportedArchitectureError, tensor_problems
 
@@ -84,8 +85,6 @@ class SafetensorsReader:
     """Lazy access to the tensors of an HF folder (single file or sharded with an index)."""
 
     def __init__(self, hf_dir: str | os.PathLike):
-        from safetensors import safe_open
-
         self.dir = Path(hf_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():

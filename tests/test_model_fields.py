@@ -189,5 +189,114 @@ def test_mapped_field_matches_transformers(mapped_results, case, layout):
         assert rec["field_effect"] > MIN_FIELD_EFFECT, rec
 
 
+# ---------------------------------------------------------------- pytest: refused rows
+
+_BASE = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4,
+             intermediate_size=128, vocab_size=200, max_position_embeddings=64,
+             rope_theta=10000.0)
+# name -> (config.json values, text the refusal must contain)
+REFUSED: dict[str, tuple[dict, str]] = {
+    "rope_dynamic": (dict(model_type="llama", rope_scaling=dict(rope_type="dynamic",
+                                                                factor=2.0)),
+                     "rope_parameters.rope_type='dynamic'"),
+    "rope_longrope": (dict(model_type="qwen2", rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0] * 4, long_factor=[2.0] * 4, factor=2.0,
+        original_max_position_embeddings=32)), "rope_parameters.rope_type='longrope'"),
+    "rope_unknown_type": (dict(model_type="llama", rope_parameters=dict(
+        rope_type="proportional", rope_theta=10000.0)),
+                          "rope_parameters.rope_type='proportional'"),
+    "partial_rotary_factor": (dict(model_type="llama", partial_rotary_factor=0.5),
+                              "partial_rotary_factor=0.5 is not supported"),
+    "hidden_act_relu": (dict(model_type="qwen3", hidden_act="relu"),
+                        "hidden_act='relu' is not supported; supported: silu, gelu, "
+                        "gelu_pytorch_tanh"),
+    "attention_dropout": (dict(model_type="llama", attention_dropout=0.1),
+                          "attention_dropout=0.1 is not supported"),
+    "qwen2_sliding_window": (dict(model_type="qwen2", use_sliding_window=True,
+                                  sliding_window=16, max_window_layers=2),
+                             "use_sliding_window=True with sliding_window=16 and "
+                             "max_window_layers=2 gives layers 2..3 sliding-window attention"),
+    "qwen3_sliding_window": (dict(model_type="qwen3", use_sliding_window=True,
+                                  sliding_window=16, max_window_layers=0),
+                             "gives layers 0..3 sliding-window attention"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_refused_field_is_named(case):
+    from models.families import UnsupportedConfigError
+    from models.hf_config import check_config
+
+    values, needle = REFUSED[case]
+    with pytest.raises(UnsupportedConfigError) as err:
+        check_config({**_BASE, **values})
+    message = str(err.value)
+    assert needle in message and "\n" not in message, message
+
+
+def test_every_table_row_has_a_description():
+    from models.families import FAMILIES
+
+    for fam in FAMILIES.values():
+        table = " ".join(rule.field for rule in fam.fields)
+        for key in ("rope_parameters", "rope_scaling", "rope_theta", "hidden_act", "head_dim",
+                    "tie_word_embeddings", "rms_norm_eps", "partial_rotary_factor",
+                    "attention_dropout"):
+            assert key in table, (fam.model_type, key)
+        assert all(rule.supported for rule in fam.fields)
+
+
+def _with_extra_tensor(hf_dir: Path, name: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    tensors[name] = torch.zeros(2, 2)
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_tensor_problems_name_leftover_and_missing(tmp_path):
+    from models.families import tensor_problems
+    from models.hf_io import SafetensorsReader, read_config, training_dir_problems
+    from tests.tiny_models import build_tiny_model
+
+    hf_dir = Path(build_tiny_model(str(tmp_path / "m"), "llama", layers=2, seed=1,
+                                   tokenizer=False))
+    cfg = read_config(hf_dir)
+    names = SafetensorsReader(hf_dir).keys()
+    assert tensor_problems(cfg, names) == []
+    # transformers drops these on load too: old RoPE buffers; lm_head of a tied model
+    ignored = ["model.layers.0.self_attn.rotary_emb.inv_freq"]
+    assert tensor_problems({**cfg, "tie_word_embeddings": True}, names + ignored) == []
+    (problem,) = tensor_problems(cfg, names + ["model.layers.0.mlp.extra.weight"])
+    assert "1 tensor(s) the llama mapping would not consume" in problem
+    assert "model.layers.0.mlp.extra.weight" in problem
+    (problem,) = tensor_problems(cfg, [n for n in names if "o_proj" not in n])
+    assert "lacks 2 tensor(s)" in problem and "model.layers.1.self_attn.o_proj.weight" in problem
+    _with_extra_tensor(hf_dir, "model.layers.1.self_attn.o_proj.lora_A.weight")
+    assert any("model.layers.1.self_attn.o_proj.lora_A.weight" in p
+               for p in training_dir_problems(hf_dir))
+
+
+def test_convert_refuses_biases_the_config_does_not_declare(tmp_path):
+    """A Llama whose config.json says attention_bias=false while its weights hold q/k/v/o
+    biases: hf-to-mcore used to drop them silently (logits off by ~1.6)."""
+    from tests.launch import run_python
+    from tests.tiny_models import build_tiny_model
+
+    hf_dir = Path(build_tiny_model(str(tmp_path / "m"), "llama", layers=2, seed=1,
+                                   tokenizer=False, attention_bias=True))
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "attention_bias": False}))
+    proc = run_python("tools/convert.py", "hf-to-mcore", "--hf-dir", str(hf_dir),
+                      "--out", str(tmp_path / "out"), timeout=300)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "would not consume" in errors[0], proc.stderr[-2000:]
+    assert "model.layers.0.self_attn.k_proj.bias" in errors[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,7 +1,6 @@
 """Tiny random HF models and a local word-level tokenizer with a chat template (no downloads)."""
 from __future__ import annotations
 
-import json
 import os
 
 import torch

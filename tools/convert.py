@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MAX_SHARD_BYTES = 5 * 1024 ** 3
+# Imports live in the commands: `--help` and argument errors answer without loading megatron.
 
 
 def _fail(msg: str) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.families.base import field, head_dim
+from models.families.registry import family_of
 
 # Vocab rows are padded to a multiple of this (and of tp). For power-of-two tp <= 128 the padded
 # size does not depend on the layout, so one distributed checkpoint loads at any TP.
@@ -31,8 +32,6 @@ class StageParams:
 
 def _layer_parameters(hf: Any) -> tuple[int, int]:
     """(TP-sharded, replicated) parameters of one decoder layer."""
-    from models.families import family_of  # the registry imports this module
-
     fam = family_of(hf)
     b = fam.biases(hf)
     h, ffn = field(hf, "hidden_size"), field(hf, "intermediate_size")
