@@ -17,7 +17,8 @@ from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, OmegaConfBas
 from engine.errors import ConfigError
 
 # Keys renamed in this release: refused with the new name.
-RENAMED_KEYS = {"rollout.sglang_tp_size": "rollout.sglang.tp_size",
+RENAMED_KEYS = {"rollout.sglang_tp_size": "rollout.gpus_per_engine",
+                "rollout.sglang.tp_size": "rollout.gpus_per_engine",
                 "rollout.sglang_mem_fraction": "rollout.sglang.mem_fraction"}
 
 

@@ -5,8 +5,10 @@
 #   MODEL_DIR=/models/Qwen3-8B TRAIN_FILES=/data/prompts.jsonl [RUN_DIR=/shared/runs/grpo] \
 #       recipes/rl_multi_node.sh recipes/rl/qwen3_8b_grpo_h100.yaml [key=value ...]
 #
-# The rollout engine (SGLang, `pip install -e .[gpu]`) runs on global rank 0 and spawns its
-# own tensor-parallel workers on node 0's GPUs, colocated with training. Checkpoints go to
+# The recipes place one rollout engine per node (SGLang, `pip install -e .[gpu]`; see
+# rollout.num_engines / rollout.gpus_per_engine), owned by the node's local rank 0 and
+# colocated with training; each is fed its weights by its own node's model replica. Check the
+# placement first: python -m engine.rl --config RECIPE --validate --nodes $NNODES. Checkpoints go to
 # $RUN_DIR/checkpoints (on a file system every node sees); rerunning the same command
 # resumes from the newest complete one (checkpoint.resume=auto).
 set -euo pipefail

@@ -4,7 +4,10 @@ Used as `rollout.backend=tests.flaky_rollout:FlakyHFEngine` (a user-supplied bac
 like any "package.module:Class"). Both are the HF backend with a failing `_generate`:
 - FlakyHFEngine: the first FLAKY_ROLLOUT_FAILURES (environment, default 2) generate calls raise
   ConnectionError, later calls work: a transient failure the retries absorb;
-- BrokenHFEngine: every call raises RuntimeError: a backend that is gone for good.
+- BrokenHFEngine: every call raises RuntimeError: a backend that is gone for good;
+- DyingHFEngine: on its DYING_ROLLOUT_AT_CALL-th generate call (default 2) the engine "dies"
+  (`is_alive` False, every later call raises), once per run: only while the file named by
+  DYING_ROLLOUT_MARKER does not exist (it is created then), so the restarted engine works.
 """
 from __future__ import annotations
 
@@ -28,3 +31,24 @@ class FlakyHFEngine(HFRolloutEngine):
 class BrokenHFEngine(HFRolloutEngine):
     def _generate(self, prompts, params):
         raise RuntimeError("simulated: CUDA error: an illegal memory access was encountered")
+
+
+class DyingHFEngine(HFRolloutEngine):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dead = False
+
+    @property
+    def is_alive(self) -> bool:
+        return not self.dead
+
+    def _generate(self, prompts, params):
+        marker = os.environ.get("DYING_ROLLOUT_MARKER")
+        at_call = int(os.environ.get("DYING_ROLLOUT_AT_CALL", "2"))
+        if (not self.dead and marker and not os.path.exists(marker)
+                and self.num_generate_calls == at_call):
+            open(marker, "w").close()
+            self.dead = True
+        if self.dead:
+            raise RuntimeError("simulated: the engine's server process exited")
+        return super()._generate(prompts, params)

@@ -1,7 +1,8 @@
 """Run multi-process test scripts under torchrun (gloo on CPU) and plain CLI subprocesses.
 
 `run_torchrun(nproc, script, *args)` launches `torchrun --nproc_per_node nproc --master_port
-<free port> script args...` from the repository root, waits at most `timeout` seconds and
+<free port> script args...` from the repository root (`run_two_nodes`: the same as two
+torchrun "nodes" on localhost), waits at most `timeout` seconds and
 returns the `subprocess.CompletedProcess` (text stdout/stderr, returncode). It never raises on
 a non-zero exit; on failure or timeout it prints the (warning-filtered) output so pytest shows
 it. `run_python(script, *args)` does the same for a single `python script args...` process.
@@ -112,6 +113,20 @@ def run_torchrun(nproc: int, script: str, *args: str, timeout: int = 600,
     variables. Returns the completed process; returncode 124 means it was killed after
     `timeout` seconds."""
     return _run(torchrun_cmd(nproc, script, *args), timeout, env)
+
+
+def run_two_nodes(nproc_per_node: int, script: str, *args: str, timeout: int = 600,
+                  node_env: tuple[dict, dict] = ({}, {})) -> list[subprocess.CompletedProcess]:
+    """Two torchrun "nodes" on localhost (`--nnodes 2 --node_rank 0|1`, static rendezvous on
+    one free port), `nproc_per_node` ranks each: the multi-node rank numbering and
+    LOCAL_WORLD_SIZE without a second machine. `node_env[k]` adds variables to node k only.
+    Returns both completed processes (node 0 first)."""
+    port = str(free_port())
+    procs = [start([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                    "--node_rank", str(k), "--nproc_per_node", str(nproc_per_node),
+                    "--master_addr", "127.0.0.1", "--master_port", port, str(script),
+                    *map(str, args)], node_env[k]) for k in (0, 1)]
+    return [wait(p, timeout) for p in procs]
 
 
 def run_python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:

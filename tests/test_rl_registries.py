@@ -53,14 +53,15 @@ def test_unknown_estimator_and_policy_loss_name_the_choices():
     assert "policy_loss='gspo' is not valid; choose one of ppo_clip" in problems
 
 
-@pytest.mark.parametrize("old,new", [("rollout.sglang_tp_size=2", "rollout.sglang.tp_size"),
+@pytest.mark.parametrize("old,new", [("rollout.sglang_tp_size=2", "rollout.gpus_per_engine"),
+                                     ("rollout.sglang.tp_size=2", "rollout.gpus_per_engine"),
                                      ("rollout.sglang_mem_fraction=0.4",
                                       "rollout.sglang.mem_fraction")])
 def test_renamed_sglang_keys_are_refused_with_the_new_name(old, new):
     with pytest.raises(ConfigError, match=f"was renamed to {new}"):
         load_config(RLConfig, [old])
     cfg, _ = load_config(RLConfig, [f"{new}={old.split('=')[1]}"])
-    assert str(cfg.rollout.sglang.tp_size if "tp" in new else cfg.rollout.sglang.mem_fraction) \
+    assert str(cfg.rollout.gpus_per_engine if "tp" in old else cfg.rollout.sglang.mem_fraction) \
         == old.split("=")[1]
 
 

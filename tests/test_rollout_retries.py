@@ -10,7 +10,8 @@ import pytest
 
 from engine.config import ConfigError, load_config
 from engine.rl.config import RLConfig, validate_rl
-from engine.rl.rollout_batch import RolloutCollector, RolloutFailed
+from engine.rl.rollout.pool import RolloutFailed
+from engine.rl.rollout_batch import RolloutCollector
 from tests.flaky_rollout import BrokenHFEngine, FlakyHFEngine
 from tests.launch import run_torchrun
 from tests.tiny_models import build_tiny_model

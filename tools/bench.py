@@ -5,8 +5,11 @@
     python tools/bench.py balance  [--quick] [--plot PNG]
                                                DP balance max/mean work (goal <= 1.02) and
                                                padding fraction with packing (goal < 1%)
-    python tools/bench.py rollout  [--quick]   HF rollout backend: one generate call per rollout
-                                               batch vs one per micro-batch; goal >= 3x
+    python tools/bench.py rollout  [--quick] [--engines 1,2]
+                                               HF rollout backend: one generate call per rollout
+                                               batch vs one per micro-batch; goal >= 3x;
+                                               --engines: tokens/s and weight-sync time by
+                                               engine count (torchrun, 2 ranks)
     python tools/bench.py sync     [--quick]   Megatron -> rollout engine weight sync GB/s per
                                                bucket size (>= 100M-parameter model)
     python tools/bench.py mfu      [--quick]   ~1B Qwen3-shaped SFT step, bf16, 4K packed rows:
@@ -80,7 +83,13 @@ def run_one(name: str, args) -> BenchResult:
         return run_balance(args.quick, args.plot)
     if name == "rollout":
         from bench_rollout import run_rollout
-        return run_rollout(args.quick)
+        result = run_rollout(args.quick)
+        if getattr(args, "engines", None):
+            from bench_engines import run_engines
+            scaling = run_engines([int(c) for c in args.engines.split(",")], args.quick)
+            result = BenchResult(result.tables + scaling.tables,
+                                 {**result.summary, **scaling.summary})
+        return result
     if name == "sync":
         from bench_sync import run_sync
         return run_sync(args.quick)
@@ -139,13 +148,25 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("balance", "all"):
             p.add_argument("--plot", default=None,
                            help="write the balance-vs-DP plot to this PNG path")
+        if name == "rollout":
+            p.add_argument("--engines", default=None,
+                           help="also time rollout engine scaling for these engine counts, "
+                                "e.g. 1,2 (tools/bench_engines.py)")
     worker = sub.add_parser("_overhead_worker")  # internal: one torchrun rank of `overhead`
     worker.add_argument("--model-dir", required=True)
     worker.add_argument("--tp", type=int, default=2)
     worker.add_argument("--pairs", type=int, default=10)
     worker.add_argument("--warmup", type=int, default=2)
+    engines_worker = sub.add_parser("_engines_worker")  # internal: one rank of --engines
+    engines_worker.add_argument("--model-dir", required=True)
+    engines_worker.add_argument("--engines", type=int, required=True)
+    engines_worker.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     quiet_libraries()
+    if args.command == "_engines_worker":
+        from bench_engines import engines_worker as run_engines_worker
+        run_engines_worker(args.model_dir, args.engines, args.repeats)
+        return 0
 
     if args.command == "_overhead_worker":
         from bench_overhead import overhead_worker

@@ -3,6 +3,8 @@
     torchrun --nproc_per_node N -m engine.rl algorithm=grpo|dapo model.hf_path=DIR \
         data.train_files=[prompts.jsonl] rollout.n=8 train.prompts_per_step=32 \
         train.mini_batches_per_step=2 parallel.tp=2
+    python -m engine.rl --config recipes/rl/qwen3_8b_grpo_h100.yaml --validate --nodes 4
+                                       (layout and rollout placement of a recipe; no training)
 
 The configuration (algorithm presets applied, explicit keys win) is validated here, before
 any process group exists (exit code 2 on an error); the run itself is engine.rl.loop.run.
@@ -13,10 +15,13 @@ import sys
 
 from engine.cli import run_entry
 from engine.rl.config import RLConfig, rl_validator
+from engine.rl.recipe_check import rl_validate_main
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
+    if "--validate" in argv:  # recipe check: no process groups, no weights, no training
+        return rl_validate_main(argv)
     return run_entry("engine.rl.loop:run", argv, schema=RLConfig, validate=rl_validator(argv))
 
 

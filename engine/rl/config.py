@@ -20,7 +20,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from engine.config import (CheckpointConfig, DataConfig, LoggingConfig, LossConfig,
-                           ModelConfig, OptimConfig, ParallelConfig, check_choice,
+                           ModelConfig, OptimConfig, ParallelConfig, RecipeConfig, check_choice,
                            checkpoint_config_problems, raise_problems, shape_problems,
                            split_argv, validate_common)
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS
@@ -28,6 +28,7 @@ from engine.rl.algorithms import ALGORITHMS
 from engine.rl.policy_loss import KL_ESTIMATORS, POLICY_LOSSES
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.base import BACKENDS, custom_backend_class
+from engine.rl.rollout.placement import placement_problems, procs_per_node
 
 
 @dataclass
@@ -54,13 +55,14 @@ class RewardConfig:
 
 @dataclass
 class SGLangConfig:
-    tp_size: int = 1                     # SGLang engine tensor parallel size (its own workers)
     mem_fraction: float = 0.5            # SGLang mem_fraction_static (colocated with training)
 
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"                  # hf | sglang | package.module:Class (on global rank 0)
+    backend: str = "hf"                  # hf | sglang | package.module:Class
+    num_engines: Optional[int] = None    # rollout engines in the job (null: one per node)
+    gpus_per_engine: Optional[int] = None  # devices per engine, SGLang tp_size (null: node/engines)
     n: int = 8                           # responses per prompt (the GRPO group size)
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -118,6 +120,7 @@ class RLConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     dapo: DAPOConfig = field(default_factory=DAPOConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # steps: RL steps
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)  # --validate cluster shape
     policy_loss: str = "ppo_clip"        # engine.rl.policy_loss.POLICY_LOSSES
     entropy_coef: float = 0.0
     seed: int = 1234
@@ -207,7 +210,6 @@ def rl_problems(cfg: RLConfig) -> list[str]:
     check_choice(p, cfg.advantage.estimator, "advantage.estimator",
                  tuple(ADVANTAGE_ESTIMATORS))
     check_choice(p, cfg.policy_loss, "policy_loss", tuple(POLICY_LOSSES))
-    check(r.sglang.tp_size >= 1, f"rollout.sglang.tp_size={r.sglang.tp_size} must be >= 1")
     check(0 < r.sglang.mem_fraction < 1,
           f"rollout.sglang.mem_fraction={r.sglang.mem_fraction} must be in (0, 1)")
     check(d.max_gen_batches >= 1, f"dapo.max_gen_batches={d.max_gen_batches} must be >= 1")
@@ -228,7 +230,9 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
     ConfigError listing every problem. Returns the HF config dict."""
     _check_algorithm(cfg)
     hf_config = validate_common(cfg, world_size)
-    raise_problems(rl_problems(cfg) + shape_problems(cfg, hf_config))
+    raise_problems(rl_problems(cfg) + shape_problems(cfg, hf_config)
+                   + placement_problems(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
+                                        world_size, procs_per_node(world_size)))
     return hf_config
 
 

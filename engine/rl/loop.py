@@ -1,16 +1,19 @@
 """One GRPO / DAPO run: rollout, policy update, weight sync, repeated (DESIGN section 9).
 
 One RL step:
-1. rollout (global rank 0; engine.rl.rollout_batch): prompts_per_step prompts x rollout.n
-   responses in ONE generate call (more only with DAPO dynamic sampling), rewards, overlong
-   shaping, group advantages; the token lists are broadcast to every rank;
+1. rollout (driven by global rank 0; engine.rl.rollout_batch): prompts_per_step prompts x
+   rollout.n responses split over the job's engines, ONE generate call per engine (more only
+   with DAPO dynamic sampling or a failure), rewards, overlong shaping, group advantages; the
+   token lists are broadcast to every rank;
 2. old log-probs recomputed forward-only by the current policy, reference log-probs by a frozen
    copy of the initial policy (only when kl.beta > 0), in micro-batches (engine.rl.logprobs);
 3. epochs_per_rollout x mini_batches_per_step optimizer steps (engine.rl.update, each one
    TrainEngine.train_batch);
-4. weight sync (engine.rl.weight_sync): every pipeline stage's HF export is streamed to global
-   rank 0, which loads it into the rollout engine in buckets.
-Rollout engine placement: one engine, on global rank 0.
+4. weight sync (engine.rl.weight_sync): each engine's owner assembles the HF tensors from its
+   own model replica (TP gathered, pipeline stages streamed point-to-point) and loads them in
+   buckets; all engines in parallel.
+Rollout engine placement (engine.rl.rollout.placement): rollout.num_engines engines (default one
+per node), each owned by one rank, rollout.gpus_per_engine devices each; engine 0 on rank 0.
 
 Checkpoints (engine.run_loop, as for SFT): the policy's model, optimizer and scheduler, the data
 position (RL steps done, prompts_per_step, prompt rows, seed, shuffle) and, as the checkpoint's
@@ -34,6 +37,8 @@ from engine.rl.config import RLConfig
 from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class
+from engine.rl.rollout.placement import procs_per_node, resolve_placement
+from engine.rl.rollout.pool import RolloutPool
 from engine.rl.rollout_batch import (RolloutCollector, broadcast_rollout, build_sequences,
                                      fit_prompt_rows)
 from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
@@ -78,27 +83,31 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
     return metrics
 
 
-def _sync(policy: TrainEngine, rollout, cfg: RLConfig, probe: bool) -> dict[str, float]:
-    """Collective: wake the engine if it slept, stream the policy's weights into it, and (with
-    `probe`) compare its logits with the trainer's."""
+def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool
+          ) -> dict[str, float]:
+    """Collective: wake the engines that slept, stream the policy's weights into every engine,
+    and (with `probe`) compare their logits with the trainer's."""
     t0 = time.perf_counter()
     before = None
-    if rollout is not None:
-        if probe and not rollout.is_asleep:
-            before = rollout.probe_logits(probe_tokens(policy.vocab_size))
+    engine = pool.engine
+    if engine is not None:
+        if probe and not engine.is_asleep:
+            before = engine.probe_logits(probe_tokens(policy.vocab_size))
         if cfg.rollout.sleep_during_train:
-            rollout.wake()
-    stats = sync_to_rollout(policy.chunks, policy.hf_config, rollout, cfg.rollout.sync_bucket_mb)
+            engine.wake()
+    stats = sync_to_rollout(policy.chunks, policy.hf_config, engine,
+                            cfg.rollout.sync_bucket_mb, pool.placement.owners)
     metrics = {"time/weight_sync_s": time.perf_counter() - t0}
-    if stats is not None:
+    if stats is not None:  # rank 0's engine; every engine receives the same bytes
         metrics["weight_sync/gbps"] = stats.gbps
         metrics["weight_sync/buckets"] = float(stats.num_buckets)
+        metrics["rollout/sync_bytes_per_engine"] = float(stats.total_bytes)
     if probe:
-        metrics.update(check_weight_sync(policy.chunks, policy.vocab_size, rollout, before))
+        metrics.update(check_weight_sync(policy.chunks, policy.vocab_size, engine, before))
     return metrics
 
 
-def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, rollout,
+def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, pool: RolloutPool,
             cfg: RLConfig, step: int) -> dict[str, float]:
     """One RL step on every rank (collective over the world); metrics are complete on rank 0."""
     t0 = time.perf_counter()
@@ -108,9 +117,9 @@ def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, rollo
             batch = collector.collect()
         except Exception as e:  # every rank must learn about it, or they would wait forever
             batch = e
-        if cfg.rollout.sleep_during_train and not isinstance(batch, Exception):
-            rollout.sleep()
-    batch = broadcast_rollout(batch)
+    batch = broadcast_rollout(batch, pool)
+    if cfg.rollout.sleep_during_train and pool.engine is not None:
+        pool.engine.sleep()
     metrics = dict(batch.metrics)
     t1 = time.perf_counter()
     if len(batch):
@@ -118,14 +127,34 @@ def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, rollo
     else:
         metrics["train/update_skipped"] = 1.0
     metrics["time/train_s"] = time.perf_counter() - t1
-    # the weights changed, or the sleeping engine dropped them: stream them (same on all ranks)
+    # the weights changed, or the sleeping engines dropped them: stream them (same on all ranks)
     if len(batch) > 0 or cfg.rollout.sleep_during_train:
         probe = (cfg.rollout.check_weight_sync and cfg.parallel.cp == 1
                  and backend_class(cfg.rollout.backend).supports_logit_probe)
-        metrics.update(_sync(policy, rollout, cfg, probe))
+        metrics.update(_sync(policy, pool, cfg, probe))
     metrics["train/skipped_steps"] = float(policy.guard.skipped)
     metrics["time/step_s"] = time.perf_counter() - t0
     return metrics
+
+
+def build_pool(cfg: RLConfig, policy: TrainEngine, dtype: torch.dtype) -> RolloutPool:
+    """Every rank: the job's rollout engines (placement from rollout.num_engines /
+    rollout.gpus_per_engine and torchrun's LOCAL_WORLD_SIZE); the owners build theirs."""
+    placement = resolve_placement(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
+                                  dist.get_world_size(), procs_per_node(dist.get_world_size()))
+    mine = placement.engine_of(dist.get_rank())
+
+    def factory():
+        return backend_class(cfg.rollout.backend).from_config(
+            cfg.model.hf_path, cfg.rollout, dtype, cfg.seed,
+            gpus=(placement.local_slot(mine), placement.gpus_per_engine))
+
+    pool = RolloutPool(placement, factory() if mine is not None else None, cfg.rollout,
+                       factory=factory)
+    pool.resync = lambda targets: sync_to_rollout(
+        policy.chunks, policy.hf_config, pool.engine, cfg.rollout.sync_bucket_mb,
+        placement.owners, targets)
+    return pool
 
 
 def _next_gen_batch(collector) -> int:
@@ -169,28 +198,27 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     # the KL reference is the initial policy (model.hf_path), also after a resume
     reference = (TrainEngine.frozen(hf_config, dtype, cfg.model.hf_path, batching, pad_id)
                  if cfg.kl.beta > 0 else None)
-    rollout = collector = None
+    pool = build_pool(cfg, policy, dtype)
+    collector = None
     if rank == 0:
-        rollout = backend_class(cfg.rollout.backend).from_config(
-            cfg.model.hf_path, cfg.rollout, dtype, cfg.seed)
-        collector = RolloutCollector(rollout, rows, tokenizer, load_reward_fn(cfg.reward.fn),
+        collector = RolloutCollector(pool, rows, tokenizer, load_reward_fn(cfg.reward.fn),
                                      cfg, prompt_ids)
         collector.next_gen_batch = int(extra.get("next_gen_batch", start))
         print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {t.prompts_per_step} x "
-              f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}",
-              flush=True)
+              f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
+              f"{pool.placement.describe()}", flush=True)
     try:
-        if start > 0:  # the engine holds model.hf_path's weights: give it the trained ones
-            sync_to_rollout(policy.chunks, hf_config, rollout, cfg.rollout.sync_bucket_mb)
+        if start > 0:  # the engines hold model.hf_path's weights: give them the trained ones
+            pool.resync(None)
             if rank == 0:
                 print(f"[rl] resumed at step {start} of {t.max_steps} (next generation batch "
-                      f"{collector.next_gen_batch}); rollout engine synced with the "
+                      f"{collector.next_gen_batch}); rollout engines synced with the "
                       "checkpoint's weights", flush=True)
-        history = loop.run(start, lambda step: rl_step(policy, reference, collector, rollout,
+        history = loop.run(start, lambda step: rl_step(policy, reference, collector, pool,
                                                        cfg, step))
     finally:
-        if rollout is not None:
-            rollout.shutdown()
+        if pool.engine is not None:
+            pool.engine.shutdown()
     if rank == 0 and history:
         print(f"[rl] done: {start + len(history)} of {t.max_steps} steps, first reward "
               f"{history[0]['reward/mean']:.4f}, last reward {history[-1]['reward/mean']:.4f}",

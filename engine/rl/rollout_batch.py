@@ -1,10 +1,12 @@
-"""One rollout batch: prompts -> ONE generate call -> rewards -> DAPO shaping and dynamic
-sampling -> group advantages, then shared with every rank (DESIGN section 9).
+"""One rollout batch: prompts -> ONE generate call per engine -> rewards -> DAPO shaping and
+dynamic sampling -> group advantages, then shared with every rank (DESIGN section 9).
 
-Generation runs on global rank 0 only (the embedded HF engine, or an SGLang engine owned by
-rank 0); `broadcast_rollout` sends the resulting token lists to every rank with
-`torch.distributed.broadcast_object_list` over the default (world) group. Everything here but
-`broadcast_rollout` is local to rank 0 and runs no collective.
+Rank 0 drives the rollout (RolloutCollector): each generation batch is split over the job's
+engines by engine.rl.rollout.pool (one generate call per engine, results back in the global
+order), scored and shaped on rank 0; the other ranks serve their engines meanwhile, and
+`broadcast_rollout` ends that phase by sending the token lists to every rank over the default
+(world) group. Sampling is seeded per response (work_split.response_seed), so the batch does not
+depend on the engine count.
 
 Prompt order: generation batch b (counted over the whole run; dynamic sampling may use several
 per step) takes prompts `global_batch_indices(len(rows), prompts_per_step, b, seed, shuffle)`,
@@ -27,10 +29,8 @@ from engine.rl.advantages import ADVANTAGE_ESTIMATORS, zero_std_groups
 from engine.rl.dapo import DynamicSampler, overlong_penalty
 from engine.rl.rewards import score_responses
 from engine.rl.rollout import SamplingParams
-
-
-class RolloutFailed(RunError):
-    """The rollout backend failed rollout.max_retries + 1 times in a row."""
+from engine.rl.rollout.pool import RolloutPool
+from engine.rl.rollout.work_split import batch_seeds
 
 
 @dataclass
@@ -65,24 +65,35 @@ def build_sequences(batch: RolloutBatch) -> list[SequenceData]:
     return seqs
 
 
-def broadcast_rollout(batch: RolloutBatch | Exception | None) -> RolloutBatch:
-    """Share rank 0's rollout batch with every rank (collective over the world). Rank 0 passes
-    the batch, or the exception its rollout raised: then every rank raises instead of waiting
-    forever (rank 0 its own exception; the others a DataError, RunError or RuntimeError like
-    it, so the entry point reports data errors and run failures without a traceback). Other
-    ranks pass None."""
-    payload = [None]
+def broadcast_rollout(batch: RolloutBatch | Exception | None, pool: RolloutPool | None
+                      ) -> RolloutBatch:
+    """End the rollout phase and share rank 0's rollout batch with every rank (collective over
+    the world). Rank 0 passes the batch, or the exception its rollout raised: then every rank
+    raises instead of waiting forever (rank 0 its own exception; the others a DataError,
+    RunError or RuntimeError like it, so the entry point reports data errors and run failures
+    without a traceback). Other ranks pass None: they serve the rollout engines they own
+    (`pool.serve`) until rank 0's `pool.finish` delivers the batch. `pool` None: a plain
+    broadcast (no engine on ranks > 0)."""
+    payload = None
     if dist.get_rank() == 0:
-        payload = [batch if not isinstance(batch, Exception) else
-                   ("error", _error_kind(batch), f"{type(batch).__name__}: {batch}")]
-    dist.broadcast_object_list(payload, src=0)
-    value = payload[0]
-    if isinstance(value, tuple) and value and value[0] == "error":
+        payload = (batch if not isinstance(batch, Exception) else
+                   ("error", _error_kind(batch), f"{type(batch).__name__}: {batch}"))
+        if pool is not None:
+            pool.finish(payload)
+        else:
+            dist.broadcast_object_list([payload], src=0)
+    elif pool is not None:
+        payload = pool.serve()
+    else:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        payload = box[0]
+    if isinstance(payload, tuple) and payload and payload[0] == "error":
         if dist.get_rank() == 0 and isinstance(batch, Exception):
             raise batch
         kinds = {"data": DataError, "run": RunError, "other": RuntimeError}
-        raise kinds[value[1]](f"rollout on rank 0 failed: {value[2]}")
-    return value
+        raise kinds[payload[1]](f"rollout on rank 0 failed: {payload[2]}")
+    return payload
 
 
 def _error_kind(error: Exception) -> str:
@@ -129,7 +140,8 @@ class RolloutCollector:
     """Rank 0's side of a rollout: renders prompts, generates, scores, shapes and filters.
 
     Args:
-        engine: a RolloutEngine (engine.rl.rollout) holding the current policy.
+        engine: the RolloutPool of the job's engines (engine.rl.rollout.pool), or one
+            RolloutEngine used in this process (wrapped in `RolloutPool.local`).
         rows: prompt rows (engine.data.load_prompt_rows).
         tokenizer: renders prompts (chat template) and decodes responses for the reward.
         reward_fn: fn(prompt=, response=, answer=, **fields) -> float.
@@ -140,8 +152,9 @@ class RolloutCollector:
 
     def __init__(self, engine, rows: list[dict], tokenizer, reward_fn, cfg,
                  prompt_ids: list[list[int]] | None = None) -> None:
-        self.engine, self.rows, self.tokenizer, self.reward_fn, self.cfg = (
-            engine, rows, tokenizer, reward_fn, cfg)
+        self.pool = (engine if isinstance(engine, RolloutPool)
+                     else RolloutPool.local(engine, cfg.rollout))
+        self.rows, self.tokenizer, self.reward_fn, self.cfg = rows, tokenizer, reward_fn, cfg
         self.next_gen_batch = 0          # generation batches used so far in the run
         self._rendered: dict[int, list[int]] = dict(enumerate(prompt_ids or []))
 
@@ -170,9 +183,9 @@ class RolloutCollector:
         prompts = [self._prompt_ids(i) for i in idx for _ in range(r.n)]
         rows = [self.rows[i] for i in idx for _ in range(r.n)]
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                top_p=r.top_p, seed=cfg.seed * 1_000_003 + b)
+                                top_p=r.top_p, seeds=batch_seeds(cfg.seed, b, len(idx), r.n))
         t0 = time.perf_counter()
-        gens, retries = self._generate(prompts, params, b)
+        gens, stats = self.pool.generate(prompts, params, r.n, b)
         gen_s = time.perf_counter() - t0
         items = []
         for row, prompt, gen in zip(rows, prompts, gens):
@@ -194,40 +207,9 @@ class RolloutCollector:
                      "rollout_logprobs": [g.response_logprobs for g in gens],
                      "rewards": scores_t + penalty, "scores": scores_t},
             "lengths": lengths, "penalty": penalty, "errors": errors, "gen_s": gen_s,
-            "retries": retries,
+            "stats": stats,
             "clipped": [g.finish_reason == "length" for g in gens],
         }
-
-    def _generate(self, prompts: list[list[int]], params, gen_batch: int) -> tuple[list, int]:
-        """`engine.generate` with bounded retries: a call that raises (or returns a wrong
-        number of generations) is retried up to rollout.max_retries times, waiting
-        rollout.retry_wait_s * 2**(k-1) seconds before retry k. Sampling is seeded per
-        generation batch, so a retry gives what the first call would have. Returns
-        (generations, retries used); raises RolloutFailed when every attempt failed."""
-        r = self.cfg.rollout
-        attempts = r.max_retries + 1
-        for attempt in range(attempts):
-            try:
-                gens = self.engine.generate(prompts, params)
-                if len(gens) != len(prompts):
-                    raise RuntimeError(f"returned {len(gens)} generations for {len(prompts)} "
-                                       "prompts")
-                return gens, attempt
-            except Exception as e:  # noqa: BLE001 - any backend failure is retried
-                error = f"{type(e).__name__}: {e}"
-            if attempt + 1 < attempts:
-                wait = r.retry_wait_s * 2 ** attempt
-                print(f"[rollout] warning: generate failed on generation batch {gen_batch} "
-                      f"(attempt {attempt + 1} of {attempts}): {error}; retrying in {wait:g} s",
-                      flush=True)
-                time.sleep(wait)
-        raise RolloutFailed(
-            f"rollout backend {r.backend!r} failed {attempts} times in a row on generation "
-            f"batch {gen_batch} (rollout.max_retries={r.max_retries}); last error: {error}. "
-            "Check the backend's own log above; for sglang also GPU memory "
-            "(rollout.sglang.mem_fraction, rollout.sleep_during_train) and that the engine "
-            "process is alive. Raise rollout.max_retries / rollout.retry_wait_s for transient "
-            "failures; with checkpoint.dir set the run resumes from its newest checkpoint")
 
     def collect(self) -> RolloutBatch:
         """The next step's rollout batch (one generation batch, or with dapo.dynamic_sampling
@@ -235,7 +217,6 @@ class RolloutCollector:
         score variance; a partial batch is used when the budget runs out)."""
         cfg, n = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
-        calls0 = self.engine.num_generate_calls
         dynamic = cfg.dapo.dynamic_sampling
         sampler = DynamicSampler(n, cfg.train.prompts_per_step, cfg.dapo.max_gen_batches,
                                  allow_partial=True) if dynamic else None
@@ -262,9 +243,12 @@ class RolloutCollector:
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/clip_ratio": sum(clipped) / len(clipped),
-            "rollout/generate_calls": float(self.engine.num_generate_calls - calls0),
+            "rollout/engines": float(self.pool.num_engines),
+            "rollout/generate_calls": sum(p["stats"].calls for p in parts) / self.pool.num_engines,
             "rollout/num_gen_batches": float(len(parts)),
-            "rollout/retries": float(sum(p["retries"] for p in parts)),
+            "rollout/retries": float(sum(p["stats"].retries for p in parts)),
+            "rollout/restarts": float(sum(p["stats"].restarts for p in parts)),
+            "rollout/engine_imbalance": max(p["stats"].imbalance for p in parts),
             "rollout/tokens_per_s": float(lengths.sum()) / gen_s if gen_s > 0 else 0.0,
         }
         if cfg.dapo.overlong_buffer > 0:

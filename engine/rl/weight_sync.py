@@ -1,8 +1,9 @@
 """Stream the trainer's weights into a rollout engine in bounded buckets (DESIGN section 9).
 
-`sync_to_rollout` is the transport (collective): every pipeline stage exports its HF tensors
-(TP all-gathers inside models.bridge.export_hf_weights), stages > 0 stream theirs to global
-rank 0, which feeds the engine through `sync_weights`. `check_weight_sync` is the optional
+`sync_to_rollout` is the transport (collective): every pipeline stage of every model replica
+exports its HF tensors (TP all-gathers inside models.bridge.export_hf_weights); each engine's
+owner assembles the full model from its own replica's stages (its own export plus point-to-point
+streams from the other stages' TP rank 0) and feeds its engine through `sync_weights`. `check_weight_sync` is the optional
 debug probe (rollout.check_weight_sync). The producer is models.bridge.export_hf_weights
 (Megatron -> HF names, TP gathered, vocab unpadded: the same code path as checkpoint
 conversion). Buckets are formed lazily, so at
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -110,31 +111,57 @@ def _recv_stream(src: int) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, buf
 
 
+def _stage_sources(owner: int, table: list[tuple[int, int, int]]) -> list[int]:
+    """The ranks whose exports make up `owner`'s stream, in pipeline-stage order: for every
+    stage of the owner's replica (same data/context-parallel index), the owner itself when it
+    holds that stage, else the stage's TP rank 0. `table[r]` = (replica, stage, tp_rank)."""
+    replica, own_stage, _ = table[owner]
+    stages = sorted({s for rep, s, _ in table if rep == replica})
+    return [owner if s == own_stage else
+            next(r for r, (rep, st, tp) in enumerate(table) if rep == replica and st == s
+                 and tp == 0)
+            for s in stages]
+
+
 def sync_to_rollout(chunks: list, hf_config: dict, engine: RolloutEngine | None,
-                    bucket_mb: float) -> SyncStats | None:
-    """Stream the trainer's weights (HF names, full tensors) into `engine` on global rank 0.
+                    bucket_mb: float, owners: Sequence[int] = (0,),
+                    targets: Sequence[int] | None = None) -> SyncStats | None:
+    """Stream the trainer's weights (HF names, full tensors) into the rollout engines.
 
-    Collective over the world in effect: the TP group with DP = CP = 0 of every pipeline stage
-    runs models.bridge.export_hf_weights (TP all-gathers); stage s > 0 sends its tensors to
-    rank 0 point-to-point (its TP rank 0 sends). Returns SyncStats on rank 0, None elsewhere."""
-    exporter = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    stage = ps.get_pipeline_model_parallel_rank()
-    leader = exporter and ps.get_tensor_model_parallel_rank() == 0
-    if dist.get_rank() == 0:
-        stage_leaders = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    Collective over the world. `owners[e]` is the global rank owning engine e (`engine` is this
+    rank's own engine, or None); `targets` the engines to fill (default: all). Every rank runs
+    models.bridge.export_hf_weights for its pipeline stage (TP all-gathers inside each TP
+    group, every model replica in parallel). Each target owner takes its own replica's
+    tensors: its own stage's from its own export, the other stages' from their TP rank 0,
+    point-to-point. No tensor passes through a rank that does not need it, and replicas on
+    different nodes stream in parallel: with a replica inside a node (tp x pp <= GPUs per
+    node) nothing crosses nodes. Returns SyncStats on the target owners, None elsewhere."""
+    targets = list(range(len(owners))) if targets is None else list(targets)
+    dests = [owners[e] for e in targets]
+    me = dist.get_rank()
+    table: list = [None] * dist.get_world_size()
+    dist.all_gather_object(table, (ps.get_data_parallel_rank(with_context_parallel=True),
+                                   ps.get_pipeline_model_parallel_rank(),
+                                   ps.get_tensor_model_parallel_rank()))
+    # the owners (other than me) that take my export as their stream of my stage
+    receivers = [o for o in dests if o != me and me in _stage_sources(o, table)]
 
-        def stream():
-            yield from export_hf_weights(chunks, hf_config)
-            for src in stage_leaders[1:]:
-                yield from _recv_stream(src)
+    def my_export() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in export_hf_weights(chunks, hf_config):
+            for o in receivers:
+                _send_tensor(name, tensor, dst=o)
+            yield name, tensor
+        for o in receivers:
+            _send_tensor(None, None, dst=o)
+
+    if me in dests:
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for src in _stage_sources(me, table):
+                yield from (my_export() if src == me else _recv_stream(src))
 
         return sync_weights(stream(), engine, bucket_mb)
-    if exporter:
-        for name, tensor in export_hf_weights(chunks, hf_config):
-            if leader and stage > 0:
-                _send_tensor(name, tensor, dst=0)
-        if leader and stage > 0:
-            _send_tensor(None, None, dst=0)
+    for _ in my_export():
+        pass
     return None
 
 
@@ -145,15 +172,22 @@ def probe_tokens(vocab_size: int, length: int = 24) -> torch.Tensor:
 
 def check_weight_sync(chunks: list, vocab_size: int, engine: RolloutEngine | None,
                       before: torch.Tensor | None) -> dict[str, float]:
-    """Debug metrics after a sync: max |engine logits - trainer logits| on a fixed probe (fp32,
-    models.forward.forward_logits; collective over the world, needs cp == 1 and an engine whose
-    `supports_logit_probe`) and how far the engine's logits moved from `before`."""
+    """Debug metrics after a sync, on rank 0: the largest max |engine logits - trainer logits|
+    over all engines on a fixed probe (fp32, models.forward.forward_logits; collective over the
+    world, needs cp == 1 and engines whose `supports_logit_probe`), and how far rank 0's engine's
+    logits moved from `before`. `engine`: this rank's own engine, or None."""
     probe = probe_tokens(vocab_size)
     trainer = forward_logits(chunks, probe, vocab_size).cpu()
+    mine = None
+    if engine is not None:
+        after = engine.probe_logits(probe)
+        mine = (float((after - trainer).abs().max()),
+                float((after - before).abs().max()) if before is not None else None)
+    found: list = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
     if dist.get_rank() != 0:
         return {}
-    after = engine.probe_logits(probe)
-    out = {"debug/sync_logit_max_diff": float((after - trainer).abs().max())}
-    if before is not None:
-        out["debug/sync_logit_change"] = float((after - before).abs().max())
+    out = {"debug/sync_logit_max_diff": max(f[0] for f in found if f is not None)}
+    if mine is not None and mine[1] is not None:
+        out["debug/sync_logit_change"] = mine[1]
     return out

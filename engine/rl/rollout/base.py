@@ -35,12 +35,16 @@ class SamplingParams:
     top_p: nucleus sampling mass in (0, 1]; 1 disables it. Ignored when greedy.
     seed: makes sampling reproducible for the same engine, weights, prompts and params;
         None draws fresh randomness.
+    seeds: one seed per prompt (overrides `seed`): response i is sampled from its own
+        generator seeded with seeds[i], so it does not depend on the other prompts of the call
+        (the RL loop passes engine.rl.rollout.work_split.response_seed values).
     """
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    seeds: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -84,12 +88,20 @@ class RolloutEngine(abc.ABC):
         self._sleeping = False
 
     @classmethod
-    def from_config(cls, hf_path: str, rollout_cfg, dtype: torch.dtype, seed: int
-                    ) -> "RolloutEngine":
+    def from_config(cls, hf_path: str, rollout_cfg, dtype: torch.dtype, seed: int,
+                    gpus: tuple[int, int] = (0, 1)) -> "RolloutEngine":
         """Build from the RL config: `rollout_cfg` is the `rollout` group (a backend reads its
-        own `rollout.<backend>` settings); `dtype` is model.dtype. Default: `cls(hf_path,
-        dtype=dtype)`, how a user's `package.module:Class` backend is constructed."""
+        own `rollout.<backend>` settings); `dtype` is model.dtype; `gpus` = (first local device,
+        count) this engine may use on its node (engine.rl.rollout.placement). Default:
+        `cls(hf_path, dtype=dtype)` on the owner's current device, how a user's
+        `package.module:Class` backend is constructed."""
         return cls(hf_path, dtype=dtype)
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine cannot serve any more (e.g. its server process died): the RL
+        loop then restarts it instead of retrying (default: always True)."""
+        return True
 
     @property
     def is_asleep(self) -> bool:
@@ -119,6 +131,8 @@ class RolloutEngine(abc.ABC):
         Returns one `Generation` per prompt, in the order of `prompts`. Prompts must be non-empty
         lists of token ids."""
         self._num_generate_calls += 1
+        if params.seeds is not None and len(params.seeds) != len(prompts):
+            raise ValueError(f"{len(params.seeds)} seeds for {len(prompts)} prompts")
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")

@@ -115,16 +115,12 @@ class HFRolloutEngine(RolloutEngine):
         cache, logits = out.past_key_values, out.logits[:, -1, :].float()
         next_pos = positions[:, -1:] + 1
 
-        generator = torch.Generator(device=self.device)
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
-        else:
-            generator.seed()
+        generators = self._generators(params, batch)
         eos = torch.tensor(self.eos_token_ids, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         tokens_per_step, logprobs_per_step, active_per_step = [], [], []
         for step in range(params.max_new_tokens):
-            token, logprob = self._sample(logits, params, generator)
+            token, logprob = self._sample(logits, params, generators)
             active_per_step.append(~done)
             tokens_per_step.append(token)
             logprobs_per_step.append(logprob)
@@ -140,10 +136,25 @@ class HFRolloutEngine(RolloutEngine):
             next_pos = next_pos + 1
         return self._collect(prompts, tokens_per_step, logprobs_per_step, active_per_step)
 
+    def _generators(self, params: SamplingParams, batch: int) -> list[torch.Generator]:
+        """One generator for the whole call (`seed`, or fresh randomness), or one per row
+        (`seeds`): row i then draws only from its own generator, one draw per decode step,
+        whatever the other rows are."""
+        if params.seeds is not None:
+            return [torch.Generator(device=self.device).manual_seed(int(s))
+                    for s in params.seeds]
+        generator = torch.Generator(device=self.device)
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()
+        return [generator]
+
     @staticmethod
     def _sample(logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next tokens [B] and their log-probs [B] from fp32 logits [B, V] (contract in base)."""
+                generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next tokens [B] and their log-probs [B] from fp32 logits [B, V] (contract in base);
+        `generators`: one for the batch, or one per row."""
         if params.temperature == 0:
             logp = torch.log_softmax(logits, dim=-1)
             token = logits.argmax(dim=-1)
@@ -155,7 +166,11 @@ class HFRolloutEngine(RolloutEngine):
                 before = sorted_probs.cumsum(dim=-1) - sorted_probs
                 sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
                 probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            if params.seeds is None:
+                token = torch.multinomial(probs, 1, generator=generators[0]).squeeze(-1)
+            else:
+                token = torch.cat([torch.multinomial(row, 1, generator=g)
+                                   for row, g in zip(probs, generators)])
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
     def _collect(self, prompts, tokens_per_step, logprobs_per_step,

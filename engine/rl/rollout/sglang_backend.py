@@ -43,10 +43,12 @@ class SGLangRolloutEngine(RolloutEngine):
     """
 
     @classmethod
-    def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int) -> "SGLangRolloutEngine":
-        """From the `rollout.sglang.*` keys (tp_size, mem_fraction); model.dtype is left to
-        SGLang ("auto": the checkpoint's dtype)."""
-        return cls(hf_path, tp_size=rollout_cfg.sglang.tp_size,
+    def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int,
+                    gpus: tuple[int, int] = (0, 1)) -> "SGLangRolloutEngine":
+        """On the node's devices [gpus[0], gpus[0] + gpus[1]) (tp_size = gpus[1], the
+        placement's rollout.gpus_per_engine), with rollout.sglang.mem_fraction; model.dtype is
+        left to SGLang ("auto": the checkpoint's dtype)."""
+        return cls(hf_path, tp_size=gpus[1], base_gpu_id=gpus[0],
                    mem_fraction_static=rollout_cfg.sglang.mem_fraction, random_seed=seed)
 
     def __init__(self, hf_path: str, tp_size: int = 1, mem_fraction_static: float = 0.5,
@@ -77,7 +79,9 @@ class SGLangRolloutEngine(RolloutEngine):
         for i in range(len(prompts)):
             sp = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                   "top_p": params.top_p}
-            if params.seed is not None:  # distinct per prompt: GRPO repeats identical prompts
+            if params.seeds is not None:  # per response: independent of the call's other rows
+                sp["sampling_seed"] = params.seeds[i]
+            elif params.seed is not None:  # distinct per prompt: GRPO repeats identical prompts
                 sp["sampling_seed"] = params.seed + i
             sampling.append(sp)
         outputs = self.engine.generate(input_ids=prompts, sampling_params=sampling,
