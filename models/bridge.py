@@ -20,6 +20,8 @@ from megatron.core import parallel_state as ps
 
 from models import weight_mapping as wm
 from models.config_bridge import model_shape
+from models.expert_mapping import (EXPERT_KINDS, expert_local_shard, expert_mapping,
+                                   export_expert)
 from models.families import UnmappedTensorsError, tensor_problems
 from models.hf_config import check_config
 
@@ -43,6 +45,7 @@ _LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.linear_fc1.bias": ("fc1", ("mlp.gate_proj.bias", "mlp.up_proj.bias")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
     "mlp.linear_fc2.bias": ("replicated", ("mlp.down_proj.bias",)),
+    "mlp.router.weight": ("replicated", ("mlp.gate.weight",)),  # MoE router (models.families)
 }
 _TOP_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
@@ -69,10 +72,13 @@ def _mapping(chunk, name: str, tied: bool) -> _Mapping | None:
     match = _LAYER.match(name)
     if match:
         local, suffix = int(match.group(1)), match.group(2)
+        layer = chunk.decoder.layers[local].layer_number - 1
+        expert = expert_mapping(suffix, layer, chunk.config.num_moe_experts or 0)
+        if expert is not None:
+            return _Mapping(*expert)
         if suffix not in _LAYER_MAP:
             return None
         kind, names = _LAYER_MAP[suffix]
-        layer = chunk.decoder.layers[local].layer_number - 1
         return _Mapping(kind, tuple(f"model.layers.{layer}.{n}" for n in names))
     if name in _TOP_MAP:
         kind, names = _TOP_MAP[name]
@@ -100,6 +106,8 @@ def _local_shard(kind: str, hf: list[torch.Tensor], cfg: dict, padded_vocab: int
         return fused.chunk(tp, dim=0)[rank]
     if kind == "fc1":
         return wm.merge_gate_up(hf[0], hf[1], tp)[rank]
+    if kind in EXPERT_KINDS:
+        return expert_local_shard(kind, hf)
     raise ValueError(f"unknown mapping kind {kind}")
 
 
@@ -156,8 +164,10 @@ def _gather_tp(tensor: torch.Tensor, dim: int) -> list[torch.Tensor]:
 def export_hf_weights(chunks: list, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for every weight held by this pipeline stage.
 
-    Collective over the TP group. The tied output layer is skipped (HF has no lm_head then);
-    padded vocab rows are removed."""
+    Collective over the TP group, and for MoE models over the expert-parallel x expert-TP
+    group too (experts are gathered from every EP rank: every rank of a pipeline stage must
+    iterate it together). The tied output layer is skipped (HF has no lm_head then); padded
+    vocab rows are removed."""
     shape = model_shape(hf_config)
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
@@ -173,6 +183,10 @@ def export_hf_weights(chunks: list, hf_config: dict) -> Iterator[tuple[str, torc
                 continue
             data = param.detach()
             kind = mapping.kind
+            if kind in EXPERT_KINDS:
+                yield from export_expert(kind, data, mapping.hf_names,
+                                         model.config.num_moe_experts)
+                continue
             if kind == "replicated":
                 out = [data]
             elif kind == "row":

@@ -13,6 +13,7 @@ from models.config_bridge import model_shape, transformer_config
 from models.families import family_of
 from models.hf_config import check_config, hf_config_object
 from models.layer_spec import layer_spec
+from models import moe_compat
 from models.rope import install_rope
 from parallel import cpu_runtime
 
@@ -24,6 +25,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     Raises UnsupportedArchitectureError / UnsupportedConfigError before building anything
     when the HF config does not map exactly."""
     check_config(hf_config)
+    moe_compat.install()
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -33,6 +35,11 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         # posts send-to-prev before send-to-next, which with pp=2 (prev == next) swaps
         # activations and gradients in the interleaved schedule. Unbatched p2p orders by rank.
         config_overrides.setdefault("batch_p2p_comm", False)
+    if ps.get_expert_model_parallel_world_size() > 1:  # megatron refuses it for dense models
+        config_overrides.setdefault("expert_model_parallel_size",
+                                    ps.get_expert_model_parallel_world_size())
+        config_overrides.setdefault("expert_tensor_parallel_size",
+                                    ps.get_expert_tensor_parallel_world_size())
     if cp > 1:  # read by Transformer Engine's CP attention; our Ulysses path is always a2a
         config_overrides.setdefault("cp_comm_type", "a2a")
     config = transformer_config(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp,

@@ -55,9 +55,12 @@ def layer_spec(config, use_te: bool | None = None, linear_proj_bias: bool | None
         use_te = transformer_engine_available()
     if use_te:
         spec = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
             qk_layernorm=config.qk_layernorm)
-    else:
-        spec = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm,
+    else:  # MoE: megatron's local experts (SequentialMLP of ColumnParallel/RowParallel MLPs)
+        spec = specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                              moe_grouped_gemm=config.moe_grouped_gemm,
+                                              qk_layernorm=config.qk_layernorm,
                                               normalization=config.normalization)
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     if linear_proj_bias is not None and linear_proj_bias != config.add_bias_linear:

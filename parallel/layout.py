@@ -16,7 +16,10 @@ class LayoutError(ValueError):
 class ParallelLayout:
     """Sizes of each parallel dimension. `dp` is derived: world_size / (tp * pp * cp).
 
-    Rank order follows megatron parallel_state's default "tp-cp-ep-dp-pp".
+    Rank order follows megatron parallel_state's default "tp-cp-ep-dp-pp". Expert parallelism
+    (`ep`) is carved out of DP x CP as megatron does: the experts of an MoE layer are split
+    over `ep` ranks, expert weights are data-parallel over (dp x cp) / ep ranks, and expert
+    weights are tensor-parallel over the same `tp` as the dense layers.
     """
 
     world_size: int
@@ -24,6 +27,7 @@ class ParallelLayout:
     pp: int = 1
     vpp: int | None = None
     cp: int = 1
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -34,10 +38,13 @@ class ParallelLayout:
         return self.tp * self.pp * self.cp
 
     def problems(self, num_layers: int | None = None, num_heads: int | None = None,
-                 num_kv_heads: int | None = None, seq_length: int | None = None) -> list[str]:
-        """Every violated constraint, as sentences naming the config key (`parallel.*`)."""
+                 num_kv_heads: int | None = None, seq_length: int | None = None,
+                 num_experts: int | None = None) -> list[str]:
+        """Every violated constraint, as sentences naming the config key (`parallel.*`).
+        `num_experts`: experts per MoE layer (0: a dense model, which needs ep=1; None: not
+        checked)."""
         out: list[str] = []
-        for key in ("tp", "pp", "cp"):
+        for key in ("tp", "pp", "cp", "ep"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 out.append(f"parallel.{key}={value!r} must be an integer >= 1")
@@ -52,6 +59,7 @@ class ParallelLayout:
                 f"valid (tp, pp, cp) products divide {self.world_size}: "
                 f"{_divisors(self.world_size)} (world size: processes launched, nodes x "
                 f"nproc_per_node)")
+        out += self._expert_problems(num_experts)
         if self.vpp is not None and self.vpp > 1 and self.pp < 2:
             out.append(f"parallel.vpp={self.vpp} needs parallel.pp >= 2 (got pp={self.pp})")
         if num_layers is not None:
@@ -81,6 +89,26 @@ class ParallelLayout:
                 f"(zigzag context-parallel sharding); nearest valid: {nearest}")
         return out
 
+    def _expert_problems(self, num_experts: int | None) -> list[str]:
+        """parallel.ep constraints: it divides dp x cp (megatron carves expert parallelism
+        out of the data- and context-parallel ranks) and the model's experts per layer."""
+        if self.ep == 1:
+            return []
+        out = []
+        dpcp = self.dp * self.cp
+        if self.world_size % self.model_parallel_size == 0 and dpcp % self.ep:
+            out.append(
+                f"parallel.ep={self.ep} must divide dp x cp = {self.dp} x {self.cp} = {dpcp} "
+                f"(expert parallelism is carved out of the data- and context-parallel ranks); "
+                f"valid ep: {_divisors(dpcp)}")
+        if num_experts == 0:
+            out.append(f"parallel.ep={self.ep} needs a mixture-of-experts model (this model "
+                       "has no experts); valid: parallel.ep=1")
+        elif num_experts is not None and num_experts % self.ep:
+            out.append(f"the model's num_experts={num_experts} is not divisible by "
+                       f"parallel.ep={self.ep}; valid ep: {_divisors(num_experts)}")
+        return out
+
     def validate(self, **model_dims) -> "ParallelLayout":
         """Raise `LayoutError` listing every problem; return self when the layout is valid."""
         problems = self.problems(**model_dims)
@@ -90,7 +118,9 @@ class ParallelLayout:
 
     def describe(self) -> str:
         vpp = f" vpp={self.vpp}" if self.vpp else ""
-        return f"world={self.world_size} dp={self.dp} tp={self.tp} pp={self.pp}{vpp} cp={self.cp}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"world={self.world_size} dp={self.dp} tp={self.tp} pp={self.pp}{vpp} "
+                f"cp={self.cp}{ep}")
 
 
 def _divisors(n: int) -> list[int]:

@@ -2,7 +2,8 @@
 
 `init_distributed()` starts torch.distributed once per process (gloo on a CPU host, nccl on
 GPUs) from torchrun's environment, or as a single process when no launcher set it.
-`setup_model_parallel(layout)` (re)builds megatron's TP/PP/CP/DP groups; it may be called many
+`setup_model_parallel(layout)` (re)builds megatron's TP/PP/CP/DP groups (and the expert
+groups: EP, expert-TP = TP, expert-DP = dp x cp / ep); it may be called many
 times in one process (tests try many layouts in one launch); `teardown_model_parallel()` undoes it.
 """
 from __future__ import annotations
@@ -56,6 +57,8 @@ def setup_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if (layout.vpp or 1) > 1 else None,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.tp,
     )
     model_parallel_cuda_manual_seed(seed)
 

@@ -83,13 +83,19 @@ ARCH_DEFAULTS = {
                   tie_word_embeddings=False),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
                   tie_word_embeddings=False),
+    # 8 experts, top-2, renormalised: every layer sparse (Qwen3-30B-A3B's structure, tiny)
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                      tie_word_embeddings=False, head_dim=16, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }
 
 
 def build_tiny_model(out_dir: str, arch: str = "qwen3", vocab_size: int = 200, hidden: int = 64,
                      layers: int = 4, heads: int = 8, kv_heads: int = 2, intermediate: int = 128,
                      seed: int = 0, tokenizer: bool = True, **extra) -> str:
-    """Save a random tiny HF model (fp32 safetensors) and tokenizer to `out_dir`; return it."""
+    """Save a random tiny HF model (fp32 safetensors) and tokenizer to `out_dir`; return it.
+    MoE routers get the same random init as the other weights (HF may leave them at zero,
+    which would make every routing decision a tie)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     os.makedirs(out_dir, exist_ok=True)
@@ -110,6 +116,8 @@ def build_tiny_model(out_dir: str, arch: str = "qwen3", vocab_size: int = 200, h
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(config.initializer_range * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer:
         build_tokenizer(out_dir, vocab_size)

@@ -3,7 +3,8 @@
   python tools/convert.py hf-to-mcore --hf-dir H --out C
   python tools/convert.py mcore-to-hf --ckpt C --out O        (C may be a training iter_* dir
                                                               or its parent run directory)
-  torchrun --nproc_per_node T*P tools/convert.py verify --hf-dir H --ckpt C --tp T --pp P
+  torchrun --nproc_per_node T*P*D tools/convert.py verify --hf-dir H --ckpt C --tp T --pp P
+      [--ep E]                    (MoE: experts split over E ranks; E divides D = dp)
 """
 from __future__ import annotations
 
@@ -24,12 +25,17 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
-def _setup(tp: int = 1, pp: int = 1):
+def _setup(cfg: dict, tp: int = 1, pp: int = 1, ep: int = 1):
+    """Process groups for (tp, pp, ep) after checking the layout against the model."""
+    from models.families.qwen3_moe import experts_per_layer
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel
 
     _, world = init_distributed()
-    layout = ParallelLayout(world, tp=tp, pp=pp)
+    layout = ParallelLayout(world, tp=tp, pp=pp, ep=ep)
+    layout.validate(num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
+                    num_kv_heads=cfg.get("num_key_value_heads"),
+                    num_experts=experts_per_layer(cfg))
     setup_model_parallel(layout)
     return layout
 
@@ -60,9 +66,7 @@ def hf_to_mcore(args) -> None:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         _fail(f"--out {out} exists and is not empty")
-    layout = _setup(args.tp, args.pp)
-    layout.validate(num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
-                    num_kv_heads=cfg.get("num_key_value_heads"))
+    _setup(cfg, args.tp, args.pp, args.ep)
     chunks = build_model_chunks(cfg)
     total = sum(1 for c in chunks for _ in c.parameters())
     with tqdm(total=total, desc="hf-to-mcore", disable=dist.get_rank() != 0) as bar:
@@ -108,7 +112,7 @@ def mcore_to_hf(args) -> None:
 
     ckpt = resolve_checkpoint(args.ckpt)
     cfg = read_hf_config(ckpt)
-    _setup(1, 1)
+    _setup(cfg)
     chunks = build_model_chunks(cfg)
     load_model(chunks, ckpt)
     out = Path(args.out)
@@ -136,12 +140,12 @@ def verify(args) -> int:
     ckpt = resolve_checkpoint(args.ckpt)
     cfg = read_hf_config(ckpt)
     check_config(cfg)
-    layout = _setup(args.tp, args.pp)
-    layout.validate(num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
-                    num_kv_heads=cfg.get("num_key_value_heads"))
+    _setup(cfg, args.tp, args.pp, args.ep)
     dtype = getattr(torch, args.dtype)
     chunks = build_model_chunks(cfg, params_dtype=dtype)
     load_model(chunks, ckpt)
+    for chunk in chunks:  # inference (megatron's MoE layer refuses TP without SP in training)
+        chunk.eval()
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq_len), generator=gen)
     logits = forward_logits(chunks, tokens, cfg["vocab_size"]).float().cpu()
@@ -157,7 +161,8 @@ def verify(args) -> int:
         scale = ref.abs().max().item()
         tolerance = args.tolerance if args.tolerance is not None else (
             1e-4 if args.dtype == "float32" else 3e-2 * scale)
-        print(f"layout tp={args.tp} pp={args.pp} dtype={args.dtype} max_abs_diff={diff:.3e} "
+        print(f"layout tp={args.tp} pp={args.pp} ep={args.ep} dtype={args.dtype} "
+              f"max_abs_diff={diff:.3e} "
               f"(max |logit| {scale:.3e})")
         ok = diff <= tolerance
         print("verify: OK" if ok else f"verify: FAILED (tolerance {tolerance:.3e})")
@@ -177,6 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1, help="layout used while converting")
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
     p = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF safetensors folder")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
@@ -187,6 +193,9 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallel size (MoE models): experts split over E ranks carved "
+                        "out of the data-parallel ranks (E must divide world / (tp x pp))")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tolerance", type=float, default=None,
                    help="max abs logit difference allowed (default: 1e-4 in fp32; in bf16, "

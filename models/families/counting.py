@@ -1,5 +1,10 @@
 """Parameter counts per pipeline stage and the padded vocabulary, from an HF config (dict or
-transformers object) and its family. Plain arithmetic: no torch, megatron or transformers."""
+transformers object) and its family. Plain arithmetic: no torch, megatron or transformers.
+
+MoE layers (models.families.qwen3_moe): each rank holds num_experts / ep experts, each split
+over tp (expert-TP = TP); the router is replicated. Expert parameters are counted apart
+(`expert_*`): the distributed optimizer shards them over the expert-data-parallel group
+(dp x cp / ep ranks) instead of dp x cp."""
 from __future__ import annotations
 
 import math
@@ -25,22 +30,37 @@ class StageParams:
     """Parameters one TP rank holds on the first and on the last pipeline stage."""
 
     total: int               # whole model (HF count, unpadded vocab)
-    first_stage: int
+    first_stage: int         # every parameter of the rank, experts included
     last_stage: int
     layers_per_stage: int
+    active: int = 0          # parameters one token passes through (= total for dense models)
+    expert_stage: int = 0    # expert parameters of one rank of any stage (0: dense)
+
+
+def _experts(hf: Any) -> tuple[int, int, int]:
+    """(experts per layer, experts per token, parameters of one expert); zeros when dense."""
+    from models.families.qwen3_moe import is_moe, num_experts
+
+    if not is_moe(hf):
+        return 0, 0, 0
+    return (num_experts(hf), int(field(hf, "num_experts_per_tok")),
+            3 * field(hf, "hidden_size") * field(hf, "moe_intermediate_size"))
 
 
 def _layer_parameters(hf: Any) -> tuple[int, int]:
-    """(TP-sharded, replicated) parameters of one decoder layer."""
+    """(TP-sharded, replicated) parameters of one decoder layer, experts excluded (a MoE
+    layer's replicated part includes its router)."""
     fam = family_of(hf)
     b = fam.biases(hf)
-    h, ffn = field(hf, "hidden_size"), field(hf, "intermediate_size")
+    experts, _, _ = _experts(hf)
+    h = field(hf, "hidden_size")
+    ffn = 0 if experts else field(hf, "intermediate_size")
     heads = field(hf, "num_attention_heads")
     kv = field(hf, "num_key_value_heads", heads)
     hd = head_dim(hf)
     q_dim, kv_dim = heads * hd, kv * hd
     sharded = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * ffn
-    replicated = 2 * h + (2 * hd if fam.qk_norm else 0)
+    replicated = 2 * h + (2 * hd if fam.qk_norm else 0) + experts * h
     if b.qkv:
         sharded += q_dim + 2 * kv_dim
     if b.o_proj:
@@ -51,9 +71,11 @@ def _layer_parameters(hf: Any) -> tuple[int, int]:
     return sharded, replicated
 
 
-def stage_parameters(hf: Any, tp: int, pp: int) -> StageParams:
-    """Parameters of the whole model and of one TP rank of the first / last pipeline stage."""
+def stage_parameters(hf: Any, tp: int, pp: int, ep: int = 1) -> StageParams:
+    """Parameters of the whole model and of one TP (x EP) rank of the first / last pipeline
+    stage; `active` and `expert_stage` as in StageParams."""
     sharded, replicated = _layer_parameters(hf)
+    experts, topk, per_expert = _experts(hf)
     h = field(hf, "hidden_size")
     layers = field(hf, "num_hidden_layers")
     vocab = field(hf, "vocab_size")
@@ -62,10 +84,12 @@ def stage_parameters(hf: Any, tp: int, pp: int) -> StageParams:
     # tied weights with pp > 1: the last stage allocates its own copy of the shared matrix
     output = embedding if (not tied or pp > 1) else 0
     per_stage = layers // pp
-    body = per_stage * (sharded // tp + replicated)
+    expert_stage = per_stage * (experts // ep) * per_expert // tp
+    body = per_stage * (sharded // tp + replicated) + expert_stage
     if pp == 1:
         first = last = body + embedding + output + h
     else:
         first, last = body + embedding, body + output + h
-    total = layers * (sharded + replicated) + vocab * h * (1 if tied else 2) + h
-    return StageParams(total, first, last, per_stage)
+    rest = layers * (sharded + replicated) + vocab * h * (1 if tied else 2) + h
+    return StageParams(rest + layers * experts * per_expert, first, last, per_stage,
+                       active=rest + layers * topk * per_expert, expert_stage=expert_stage)

@@ -7,8 +7,9 @@ from models.families.base import Family, UnsupportedArchitectureError, field
 from models.families.llama import Llama
 from models.families.qwen2 import Qwen2
 from models.families.qwen3 import Qwen3
+from models.families.qwen3_moe import Qwen3Moe
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (Llama(), Qwen2(), Qwen3())}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (Llama(), Qwen2(), Qwen3(), Qwen3Moe())}
 
 
 def family_of(hf_config: Any) -> Family:
