@@ -116,6 +116,24 @@ def test_hf_seeded_rows_do_not_depend_on_the_rest_of_the_call(model_dir):
         engine.generate(prompts, SamplingParams(max_new_tokens=2, seeds=seeds[:3]))
 
 
+def test_start_refuses_an_impossible_placement(model_dir, tmp_path, monkeypatch):
+    """validate_rl (run before any process group) checks the placement for the launched
+    world: 2 nodes of 2 processes (torchrun's LOCAL_WORLD_SIZE) cannot host 3 engines."""
+    from engine.config import ConfigError, load_config
+    from engine.rl.config import RLConfig, validate_rl
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1 + 1 ?", "answer": "2"}) + "\n")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    base = [f"model.hf_path={model_dir}", f"data.train_files=[{prompts}]"]
+    cfg, _ = load_config(RLConfig, [*base, "rollout.num_engines=3"])
+    with pytest.raises(ConfigError, match="rollout.num_engines=3 must be a multiple of the 2 "
+                                          "nodes"):
+        validate_rl(cfg, 4)
+    cfg, _ = load_config(RLConfig, base)
+    validate_rl(cfg, 4)  # the default (one engine per node) is fine
+
+
 # ----------------------------------------------------------------------------- two nodes
 
 # metrics that must be equal whatever the engine count, restarts and resume

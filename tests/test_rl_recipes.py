@@ -25,3 +25,31 @@ def test_recipe_loads_with_algorithm_defaults(path):
         assert cfg.dapo.dynamic_sampling and cfg.dapo.overlong_buffer == 4096 // 5
     else:
         assert cfg.kl.beta > 0 and cfg.clip.eps_high == 0.2
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("nodes", [2, 4, 8])
+def test_validate_prints_placement_and_sync_bytes(path, nodes, capsys):
+    from engine.rl.recipe_check import rl_validate_main
+
+    assert rl_validate_main(["--config", str(path), "--validate", "--nodes", str(nodes)]) == 0
+    out = capsys.readouterr().out
+    owners = [8 * k for k in range(nodes)]  # one engine per node, on its local rank 0
+    assert (f"{nodes} rollout engine(s) (1 per node where hosted), 2 GPU(s) per engine, "
+            f"owner ranks {owners}") in out
+    # Qwen3-8B: 8.19e9 parameters x 2 bytes (bf16) to every engine
+    assert f"weight sync per RL step: 16.4 GB to each of {nodes} engine(s)" in out
+    assert f"recipe OK on {nodes} node(s) x 8 GPUs" in out
+
+
+def test_validate_refuses_an_impossible_placement(capsys):
+    from engine.rl.recipe_check import rl_validate_main
+
+    argv = ["--config", str(RECIPES[0]), "--validate", "rollout.num_engines=3"]
+    assert rl_validate_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "rollout.num_engines=3 must be a multiple of the 2 nodes" in err
+    assert rl_validate_main(["--config", str(RECIPES[0]), "--validate",
+                             "rollout.gpus_per_engine=16"]) == 2
+    assert "rollout.gpus_per_engine=16 they need 16 devices but a node runs 8" in \
+        capsys.readouterr().err

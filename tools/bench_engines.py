@@ -28,8 +28,9 @@ import time
 from bench_common import (TOOLS_DIR, BenchResult, Table, fmt, last_json_line, median,
                           subprocess_env)
 
-MODEL = dict(vocab_size=512, hidden=64, layers=4, heads=8, kv_heads=2, intermediate=128,
-             head_dim=8)
+# compute-bound on a CPU core (bench_rollout's WIDE case), so decoding dominates the fixed costs
+MODEL = dict(vocab_size=4096, hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768,
+             head_dim=32)
 WORLD = 2
 PROMPTS, N, MAX_NEW = 16, 4, 32
 
