@@ -48,7 +48,8 @@ class SGLangRolloutEngine(RolloutEngine):
         """On the node's devices [gpus[0], gpus[0] + gpus[1]) (tp_size = gpus[1], the
         placement's rollout.gpus_per_engine), with rollout.sglang.mem_fraction; model.dtype is
         left to SGLang ("auto": the checkpoint's dtype)."""
-        return cls(hf_path, tp_size=gpus[1], base_gpu_id=gpus[0],
+        # several engines on one node: distinct base ports, so their derived ports differ
+        return cls(hf_path, tp_size=gpus[1], base_gpu_id=gpus[0], port=30000 + 100 * gpus[0],
                    mem_fraction_static=rollout_cfg.sglang.mem_fraction, random_seed=seed)
 
     def __init__(self, hf_path: str, tp_size: int = 1, mem_fraction_static: float = 0.5,
