@@ -10,7 +10,10 @@ import contextlib
 import json
 import os
 import platform
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +120,32 @@ def subprocess_env(threads: int | None = None) -> dict[str, str]:
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (a child torchrun's master port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_launch(cmd: list[str], env: dict[str, str], timeout_s: int, what: str,
+               cwd: str | None = None) -> tuple[str, str]:
+    """Run a child launch (e.g. torchrun) in its own session; return (stdout, stderr). Raises
+    RuntimeError naming `what` when it times out (the whole process group is killed) or exits
+    non-zero (with the last 30 lines of its stderr)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"{what} timed out after {timeout_s} s") from None
+    if proc.returncode != 0:
+        tail = "\n".join(err.splitlines()[-30:])
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    return out, err
 
 
 @contextlib.contextmanager

@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 
-from bench_common import REPO_ROOT, BenchResult, Table, fmt, subprocess_env
+from bench_common import (REPO_ROOT, BenchResult, Table, fmt, free_port, run_launch,
+                          subprocess_env)
 
 WORDS = ["the", "of", "and", "a", "to", "in", "is", "you", "that", "it", "he", "was", "for",
          "on", "are", "as", "with", "his", "they", "at", "be", "this", "have", "from", "or",
@@ -106,14 +105,6 @@ def _legacy_rate(path: str, tokenizer, rows: int) -> dict:
             "rows_per_s": rows / seconds, "tokens_per_s": tokens / seconds}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 RANK_WRAPPER = """
 import json, os, runpy, sys
 sys.argv = ["engine.sft"] + sys.argv[1:]
@@ -140,7 +131,7 @@ def _sft_launch(model: str, data: str, cache_dir: str, ranks: int, log_dir: str,
             "train.max_steps=1", "optim.schedule=constant", "logging.progress_bar=false",
             f"logging.dir={log_dir}", f"data.cache_dir={cache_dir}"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            "--no-python", sys.executable, "-c", RANK_WRAPPER, *args]
     rss_dir = os.path.join(log_dir, "rss")
     os.makedirs(rss_dir, exist_ok=True)
@@ -148,19 +139,8 @@ def _sft_launch(model: str, data: str, cache_dir: str, ranks: int, log_dir: str,
     env = {**subprocess_env(threads=1), "BENCH_RSS_DIR": rss_dir,
            "MEGATRON_SFT_DATA_CACHE": cache_dir}
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=str(REPO_ROOT))
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise RuntimeError(f"SFT launch timed out after {timeout_s} s") from None
+    run_launch(cmd, env, timeout_s, "SFT launch", cwd=str(REPO_ROOT))
     seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"SFT launch failed (exit {proc.returncode}):\n"
-                           + "\n".join(err.splitlines()[-30:]))
     rss = []
     for name in sorted(os.listdir(rss_dir)):
         with open(os.path.join(rss_dir, name), encoding="utf-8") as f:

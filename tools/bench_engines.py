@@ -19,28 +19,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 
-from bench_common import (TOOLS_DIR, BenchResult, Table, fmt, last_json_line, median,
-                          subprocess_env)
+from bench_common import (TOOLS_DIR, BenchResult, Table, fmt, free_port, last_json_line,
+                          median, run_launch, subprocess_env)
 
 # compute-bound on a CPU core (bench_rollout's WIDE case), so decoding dominates the fixed costs
 MODEL = dict(vocab_size=4096, hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768,
              head_dim=32)
 WORLD = 2
 PROMPTS, N, MAX_NEW = 16, 4, 32
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engines_worker(model_dir: str, engines: int, repeats: int) -> None:
@@ -112,20 +102,10 @@ def engines_worker(model_dir: str, engines: int, repeats: int) -> None:
 
 def _launch(model_dir: str, engines: int, repeats: int, timeout_s: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            str(TOOLS_DIR / "bench.py"), "_engines_worker", "--model-dir", model_dir,
            "--engines", str(engines), "--repeats", str(repeats)]
-    proc = subprocess.Popen(cmd, env=subprocess_env(threads=1), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise RuntimeError(f"engines worker timed out after {timeout_s}s") from None
-    if proc.returncode != 0:
-        tail = "\n".join(err.splitlines()[-30:])
-        raise RuntimeError(f"engines worker failed (exit {proc.returncode}):\n{tail}")
+    out, _ = run_launch(cmd, subprocess_env(threads=1), timeout_s, "engines worker")
     return last_json_line(out)
 
 

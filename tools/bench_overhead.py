@@ -22,28 +22,19 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from types import SimpleNamespace
 
-from bench_common import (TOOLS_DIR, BenchResult, Table, fmt, last_json_line, median,
-                          subprocess_env)
+from bench_common import (TOOLS_DIR, BenchResult, Table, fmt, free_port, last_json_line, median,
+                          run_launch, subprocess_env)
 
 # model of the overhead benchmark (Qwen3-style; head_dim 32, vocab a multiple of 128 so the
 # engine's padded-vocab masking is a no-op and both loops compute the very same loss)
 MODEL = dict(vocab_size=2048, hidden=256, layers=4, heads=8, kv_heads=4, intermediate=1024,
              head_dim=32)
 GLOBAL_BATCH, MICRO_BATCH, MIN_LEN, MAX_LEN, NUM_BATCHES = 16, 2, 64, 384, 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def default_layout() -> tuple[int, int]:
@@ -67,20 +58,10 @@ def run_overhead(quick: bool, timeout_s: int = 1200) -> BenchResult:
         model_dir = build_tiny_model(os.path.join(tmp, "model"), "qwen3", tokenizer=False,
                                      seed=0, **MODEL)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                str(TOOLS_DIR / "bench.py"), "_overhead_worker", "--model-dir", model_dir,
                "--tp", str(tp), "--pairs", str(pairs), "--warmup", str(warmup)]
-        proc = subprocess.Popen(cmd, env=subprocess_env(threads=1), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise RuntimeError(f"overhead worker timed out after {timeout_s}s") from None
-    if proc.returncode != 0:
-        tail = "\n".join(err.splitlines()[-30:])
-        raise RuntimeError(f"overhead worker failed (exit {proc.returncode}):\n{tail}")
+        out, _ = run_launch(cmd, subprocess_env(threads=1), timeout_s, "overhead worker")
     return overhead_result(last_json_line(out), quick)
 
 
