@@ -28,7 +28,9 @@ setup(
         "pyarrow>=14",
     ],
     extras_require={
-        "test": ["pytest>=7.4", "pytest-timeout>=2.2", "tokenizers>=0.19", "matplotlib>=3.7"],
+        # datasets: the save_to_disk format is tested with the real library
+        "test": ["pytest>=7.4", "pytest-timeout>=2.2", "tokenizers>=0.19", "matplotlib>=3.7",
+                 "datasets>=2.14"],
         "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.4"],
     },
 )

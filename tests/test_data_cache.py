@@ -268,11 +268,17 @@ def test_every_format_gives_the_same_samples(tok, tmp_path):
 
 
 def test_real_datasets_save_to_disk(tok, tmp_path):
-    datasets = pytest.importorskip("datasets")
-    rows = [{"messages": SINGLE}, PR_ROW]
+    import datasets
+
+    # one schema for both row kinds (Dataset.from_list takes the columns of the first row), the
+    # other kind's columns null, as datasets writes a mixed dataset
+    rows = [{"messages": SINGLE, "prompt": None, "response": None}, {"messages": None, **PR_ROW}]
     datasets.Dataset.from_list(rows * 3).save_to_disk(str(tmp_path / "saved"))
     ds = load_sft_dataset(str(tmp_path / "saved"), tok, 64, cache_dir=str(tmp_path / "c"))
     assert len(ds) == 6
+    path = write_jsonl(tmp_path / "same.jsonl", [{"messages": SINGLE}, PR_ROW] * 3)
+    same = load_sft_dataset([path], tok, 64, cache_dir=str(tmp_path / "c"))
+    assert samples(ds) == samples(same) and samples(ds)[0] != samples(ds)[1]
 
 
 def test_shard_errors_name_file_and_row(tok, tmp_path):
