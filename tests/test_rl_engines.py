@@ -19,7 +19,7 @@ import pytest
 from engine.rl.rollout.base import SamplingParams
 from engine.rl.rollout.placement import placement_problems, resolve_placement
 from engine.rl.rollout.work_split import batch_seeds, response_seed, split_groups
-from tests.launch import run_two_nodes
+from tests.launch import result_lines, run_torchrun, run_two_nodes
 from tests.tiny_models import build_tiny_model
 
 # ----------------------------------------------------------------------------- placement
@@ -132,6 +132,36 @@ def test_start_refuses_an_impossible_placement(model_dir, tmp_path, monkeypatch)
         validate_rl(cfg, 4)
     cfg, _ = load_config(RLConfig, base)
     validate_rl(cfg, 4)  # the default (one engine per node) is fine
+
+
+# ----------------------------------------------------------------------------- sync topology
+
+
+def test_every_engine_gets_the_whole_model_from_its_own_replica(model_dir):
+    """tests/multirank/engine_sync.py on 4 ranks: PP2 x DP2 with owners in different stages
+    (streams in both directions), owners that are TP rank 1, a restart target off rank 0, DP4.
+    Every target owner holds every HF tensor once, bitwise; nobody else receives a byte."""
+    from tests.multirank.engine_sync import CASES
+
+    proc = run_torchrun(4, "tests/multirank/engine_sync.py", model_dir, timeout=600)
+    assert proc.returncode == 0
+    results = {r["case"]: r["reports"] for r in result_lines(proc.stdout)}
+    assert list(results) == [c[0] for c in CASES]
+    for case, reports in results.items():
+        targets = [r for r in reports if r["target"]]
+        assert targets, case
+        for r in reports:
+            if r["engine"] is not None:
+                assert r["names_ok"] and r["exact"] and not r["duplicates"], (case, r)
+            if r["target"]:
+                assert r["stats"] > 0, (case, r)
+            else:  # no relaying: only an engine's owner receives its stream
+                assert r["recv_bytes"] == 0 and r["stats"] is None, (case, r)
+        sizes = {r["stats"] for r in targets}
+        assert len(sizes) == 1, (case, sizes)  # every engine gets the same bytes
+    # owners in another stage than their tensors' do receive point-to-point
+    assert [r["recv_bytes"] > 0 for r in results["pp2_dp2_two_engines"]] == [True, False, True,
+                                                                              False]
 
 
 # ----------------------------------------------------------------------------- two nodes
