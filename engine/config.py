@@ -18,6 +18,8 @@ from engine.data_files import SUPPORTED_EXTENSIONS, data_spec_problem
 from engine.config_loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
 from engine.loss import AGG_MODES
+from engine.model_settings import (recompute_layer_problems, recompute_problems,
+                                   sequence_parallel_on)
 from models.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
 
@@ -55,6 +57,8 @@ class ParallelConfig:
     vpp: Optional[int] = None
     cp: int = 1
     cp_comm_type: str = "a2a"    # a2a | p2p | all_gather (p2p/all_gather need Transformer Engine)
+    # Megatron TP sequence parallelism (engine.model_settings); null: on whenever tp > 1
+    sequence_parallel: Optional[bool] = None
 
 
 @dataclass
@@ -70,6 +74,9 @@ class TrainConfig:
     exit_interval: Optional[int] = None  # stop after a step number divisible by this
     exit_duration_mins: Optional[float] = None  # stop after this much wall time (minutes)
     max_consecutive_nonfinite_steps: int = 3  # skipped (inf/NaN) steps in a row before stopping
+    recompute: str = "none"              # activation recomputation: none | selective | full
+    recompute_method: Optional[str] = None       # full only: uniform | block (null: uniform)
+    recompute_num_layers: Optional[int] = None   # full only: layers per group / block (null: 1)
 
 
 @dataclass
@@ -243,7 +250,8 @@ def layout_problems(cfg, world_size: int, hf_config: dict) -> list[str]:
     """ParallelLayout constraints of cfg.parallel at `world_size` for this model shape."""
 
     layout = ParallelLayout(world_size, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                            vpp=cfg.parallel.vpp, cp=cfg.parallel.cp)
+                            vpp=cfg.parallel.vpp, cp=cfg.parallel.cp,
+                            sequence_parallel=sequence_parallel_on(cfg.parallel))
     return layout.problems(num_layers=hf_config["num_hidden_layers"],
                            num_heads=hf_config["num_attention_heads"],
                            num_kv_heads=hf_config.get("num_key_value_heads"),
@@ -259,12 +267,13 @@ def validate_common(cfg, world_size: int) -> dict:
 
 
 def sft_problems(cfg) -> list[str]:
-    """SFT-only keys: train.global_batch_size, the eval interval, and (shared with RL)
+    """SFT-only keys: train.global_batch_size, the eval interval, the values of
+    train.recompute* (engine.model_settings), and (shared with RL)
     checkpoint_config_problems."""
     p: list[str] = []
     _positive(p, cfg.train.global_batch_size, "train.global_batch_size")
     _positive(p, cfg.train.eval_interval, "train.eval_interval", allow_zero=True)
-    return p + checkpoint_config_problems(cfg)
+    return p + recompute_problems(cfg.train) + checkpoint_config_problems(cfg)
 
 
 def checkpoint_config_problems(cfg) -> list[str]:
@@ -306,7 +315,10 @@ def shape_problems(cfg, hf_config: dict) -> list[str]:
 
 
 def validate_sft(cfg, world_size: int) -> dict:
-    """validate_common plus the SFT-only keys (checkpoint, exits, eval, model.shape)."""
+    """validate_common plus the SFT-only keys (checkpoint, exits, eval, model.shape,
+    train.recompute_num_layers against the model's layers per pipeline chunk)."""
     hf_config = validate_common(cfg, world_size)
-    raise_problems(sft_problems(cfg) + shape_problems(cfg, hf_config))
+    raise_problems(sft_problems(cfg) + shape_problems(cfg, hf_config)
+                   + recompute_layer_problems(cfg.parallel, cfg.train,
+                                              hf_config["num_hidden_layers"]))
     return hf_config

@@ -3,6 +3,10 @@
 Shared by SFT training, SFT evaluation and the RL policy update: plan over DP ranks (engine.plan),
 weights from the GlobalLossNormalizer (counts reduced over DP only), micro-batches padded or
 packed and cut to this CP rank's zigzag shard (engine.micro_batches).
+
+Padding multiple of every sequence (padded rows and packed segments alike): 2 x cp with context
+parallelism (zigzag chunks), times tp with Megatron sequence parallelism (each CP shard then
+splits evenly over the TP ranks); 1 otherwise. Padding carries weight 0 and never counts.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ class RankBatch:
 def _layout():
     return dict(dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
                 cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
+                tp=ps.get_tensor_model_parallel_world_size(),
                 pp=ps.get_pipeline_model_parallel_world_size(), dp_group=ps.get_data_parallel_group())
 
 
@@ -37,13 +42,21 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def pad_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
+    """What every sequence's padded length must divide by (see the module docstring)."""
+    multiple = 2 * cp if cp > 1 else 1
+    return multiple * tp if sequence_parallel else multiple
+
+
 def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer | torch.Tensor,
-                     train_cfg, pad_id: int = 0, layout: dict | None = None) -> RankBatch:
+                     train_cfg, pad_id: int = 0, layout: dict | None = None,
+                     sequence_parallel: bool = False) -> RankBatch:
     """This rank's micro-batches for the mini-batch `seqs` (every rank passes the same list).
 
     `train_cfg` supplies micro_batch_size, max_tokens_per_micro_batch, balance_dp, packing.
     `normalizer`: a GlobalLossNormalizer (collective over the DP group), or a tensor of weights
-    already fixed for every sequence of `seqs` (e.g. evaluation over a whole eval set)."""
+    already fixed for every sequence of `seqs` (e.g. evaluation over a whole eval set).
+    `sequence_parallel`: the model runs with Megatron sequence parallelism (pads to tp)."""
     lay = layout or _layout()
     lengths = [len(s.tokens) for s in seqs]
     plan = plan_mini_batch(lengths, lay["dp"], train_cfg.balance_dp, train_cfg.micro_batch_size,
@@ -56,15 +69,15 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
     else:
         weights = normalizer.sequence_weights(counts)
     weight_of = dict(zip(positions, weights.tolist()))
-    pad_multiple = 2 * lay["cp"] if lay["cp"] > 1 else 1
+    multiple = pad_multiple(lay["cp"], lay["tp"] if sequence_parallel else 1, sequence_parallel)
     packing = bool(train_cfg.packing)
     fixed = None
     if lay["pp"] > 1:  # one p2p shape for every micro-batch of the step
         if packing:
-            fixed = max(sum(_round_up(lengths[i], pad_multiple) for i in mb)
-                        for ranks in plan.ranks for mb in ranks) or pad_multiple
+            fixed = max(sum(_round_up(lengths[i], multiple) for i in mb)
+                        for ranks in plan.ranks for mb in ranks) or multiple
         else:
-            fixed = _round_up(max(lengths), pad_multiple)
+            fixed = _round_up(max(lengths), multiple)
     build = build_packed if packing else build_padded
     # with PP every micro-batch has the same rows too: top up with fully masked dummies
     rows = max(len(mb) for r in plan.ranks for mb in r) if lay["pp"] > 1 and not packing else 1
@@ -74,15 +87,15 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
                                weight_of[i], seqs[i].extras) for i in mb]
         index = list(mb)
         while not chosen or len(chosen) < rows:
-            dummy = dummy_sequence(pad_multiple, pad_id)
+            dummy = dummy_sequence(multiple, pad_id)
             if seqs and seqs[0].extras:
                 dummy.extras = {k: [0.0] * len(dummy.tokens) for k in seqs[0].extras}
             chosen.append(dummy)
             index.append(-1)
-        micro_batches.append(build(chosen, index, pad_multiple, fixed, lay["cp"],
+        micro_batches.append(build(chosen, index, multiple, fixed, lay["cp"],
                                    lay["cp_rank"], pad_id))
     total_tokens = sum(lengths)
-    padding = _global_padding(plan, lengths, pad_multiple, packing, fixed, rows)
+    padding = _global_padding(plan, lengths, multiple, packing, fixed, rows)
     return RankBatch(micro_batches, plan, positions, weights, total_tokens, padding)
 
 

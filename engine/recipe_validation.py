@@ -7,17 +7,25 @@ named by `model.shape` (models.presets.MODEL_SHAPES: the public HF configs of th
 product. Exit 0 with a summary, or 2 with every problem.
 
 Memory per GPU (GiB = 2^30 bytes) is an estimate for the engine's GPU path (megatron DDP with
-fp32 gradient buffers, no activation recomputation, no TP sequence parallelism, flash SDPA):
+fp32 gradient buffers, flash SDPA; TP sequence parallelism and activation recomputation as
+configured, engine.model_settings):
 
 - weights: parameters of the fullest pipeline stage on one TP rank x 2 bytes (bf16) or 4;
 - grads: the same count x 4 bytes (`grad_reduce_in_fp32`);
 - optimizer: x 12 bytes in bf16 (fp32 master + Adam m, v) or x 8 in fp32 (Adam m, v), divided
   by dp x cp with the distributed optimizer;
 - activations: per layer and micro-batch, t = tokens of the micro-batch / cp and
-  bytes = a x t x (4 h + (q_rot + kv_rep + attn_out + 2 kv + 3 ffn) / tp) with a = 2 (bf16) or
-  4 (q, kv = query and key/value widths; kv_rep = 2 q when GQA repeats KV heads for SDPA);
-  times the layers in flight on pipeline stage 0 (1F1B: min(pp, M) micro-batches of L/pp
-  layers; interleaved: min(M vpp, 2(pp-1) + (vpp-1)pp + 1) chunks of L/(pp vpp) layers);
+  bytes = a x t x (4 h / s + (q_rot + kv_rep + attn_out + 2 kv + 3 ffn) / tp) with a = 2
+  (bf16) or 4 (q, kv = query and key/value widths; kv_rep = 2 q when GQA repeats KV heads for
+  SDPA, the attention core's own copy); s = tp with sequence parallelism (norm inputs and
+  residuals split over TP), else 1; times the layers in flight on pipeline stage 0 (1F1B:
+  min(pp, M) micro-batches of L/pp layers; interleaved: min(M vpp, 2(pp-1) + (vpp-1)pp + 1)
+  chunks of L/(pp vpp) layers). Recomputation: `selective` drops kv_rep (the attention core is
+  recomputed from q, k, v, which stay); `full` keeps only each recomputed layer's input,
+  a x t x h / s: with `uniform` groups of n = recompute_num_layers layers one input per group
+  (passes / n inputs) plus one group's full activations n x per-layer while it is recomputed
+  in the backward pass; with `block` the first n of the c layers of each chunk keep only their
+  input, the other c - n keep everything, plus one layer's full activations while recomputed;
 - logits (last stage): t x padded vocab / tp x (a + 12) bytes (bf16/fp32 logits, the fp32 copy,
   the masked copy and its gradient in the vocab-parallel cross-entropy);
 - runtime: RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers and allocator slack.
@@ -30,6 +38,8 @@ from dataclasses import dataclass, field
 
 from engine.config import (ConfigError, SFTConfig, data_file_problems, layout_problems,
                            load_config, read_model_config, sft_problems, value_problems)
+from engine.model_settings import (recompute_layer_problems, recompute_settings,
+                                   sequence_parallel_on)
 from models.families import padded_vocab_size, stage_parameters
 from models.presets import MODEL_SHAPES, shape_mismatches
 
@@ -67,8 +77,11 @@ def micro_batch_tokens(train) -> int:
 def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: bool,
                     micro_batches: int) -> MemoryEstimate:
     """Per-GPU peak estimate (formulas in the module docstring) for `layout`
-    (a parallel.layout.ParallelLayout) and `micro_batches` per DP rank per step."""
+    (a parallel.layout.ParallelLayout, its `sequence_parallel` resolved) and `micro_batches`
+    per DP rank per step; `train` gives the micro-batch size and train.recompute*."""
     tp, pp, cp, vpp = layout.tp, layout.pp, layout.cp, layout.vpp or 1
+    granularity, method, group = recompute_settings(train)
+    s = tp if layout.sequence_parallel and tp > 1 else 1
     params = stage_parameters(hf, tp, pp)
     a = 2 if bf16 else 4
     h, ffn = hf["hidden_size"], hf["intermediate_size"]
@@ -77,8 +90,9 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     hd = hf.get("head_dim") or h // heads
     q, kv = heads * hd, kv_heads * hd
     t = micro_batch_tokens(train) / cp
-    per_layer = a * t * (4 * h + (q + (2 * q if kv_heads < heads else 0) + q + 2 * kv
-                                  + 3 * ffn) / tp)
+    kv_rep = 2 * q if kv_heads < heads and granularity != "selective" else 0
+    per_layer = a * t * (4 * h / s + (q + kv_rep + q + 2 * kv + 3 * ffn) / tp)
+    layer_input = a * t * h / s
     layers = hf["num_hidden_layers"]
     if pp == 1:
         first_layers = layers
@@ -90,12 +104,25 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     logits = t * padded_vocab_size(hf["vocab_size"], tp) / tp * (a + 12)
     opt_bytes = (12 if bf16 else 8) / (layout.dp * cp if distributed_optimizer else 1)
 
+    chunk_layers = layers // (pp * vpp)
+
+    def activation_bytes(passes: float) -> float:
+        """Kept activations of `passes` layer passes, plus what recomputation rebuilds."""
+        if granularity != "full":
+            return passes * per_layer
+        if method == "uniform":
+            return passes / group * layer_input + group * per_layer
+        kept = min(group, chunk_layers) / chunk_layers
+        return passes * (kept * layer_input + (1 - kept) * per_layer) + per_layer
+
     def stage(n_params: int, act_layers: float, with_logits: bool) -> MemoryEstimate:
         return MemoryEstimate(weights=n_params * a / GIB, grads=n_params * 4 / GIB,
                               optimizer=n_params * opt_bytes / GIB,
-                              activations=act_layers * per_layer / GIB,
+                              activations=activation_bytes(act_layers) / GIB,
                               logits=logits / GIB if with_logits else 0.0,
-                              notes={"layers_in_flight": act_layers, "tokens_per_rank": t})
+                              notes={"layers_in_flight": act_layers, "tokens_per_rank": t,
+                                     "per_layer_bytes": per_layer,
+                                     "layer_input_bytes": layer_input})
 
     first = stage(params.first_stage, first_layers, pp == 1)
     if pp == 1:
@@ -148,11 +175,14 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     hf = _model_config(cfg, problems)
     if hf is None:
         return RecipeReport([], problems, warnings)
-    layout_issues = layout_problems(cfg, world_size, hf)
+    layout_issues = (layout_problems(cfg, world_size, hf)
+                     + recompute_layer_problems(cfg.parallel, cfg.train,
+                                                hf["num_hidden_layers"]))
     if layout_issues:
         return RecipeReport([], problems + layout_issues, warnings)
     p = cfg.parallel
-    layout = ParallelLayout(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp)
+    layout = ParallelLayout(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp,
+                            sequence_parallel=sequence_parallel_on(p))
     per_node = world_size // nodes
     if per_node % (p.tp * p.cp):
         warnings.append(f"tp x cp = {p.tp * p.cp} does not fit inside one node of {per_node} "
@@ -199,6 +229,8 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
         f"batch: {train.global_batch_size} sequences x {train.seq_length} tokens = {tokens} "
         f"tokens per step (at most); {m} micro-batches per DP rank per step, "
         f"{micro_batch_tokens(train)} tokens per micro-batch",
+        f"activations: sequence parallelism {'on' if layout.sequence_parallel else 'off'}, "
+        f"recompute {_recompute_text(train)}",
         f"memory per GPU (estimate, GiB): weights {mem.weights:.1f} + grads {mem.grads:.1f} "
         f"+ optimizer {mem.optimizer:.1f} + activations {mem.activations:.1f} "
         f"({mem.notes['layers_in_flight']:g} layer passes of {mem.notes['tokens_per_rank']:g} "
@@ -206,6 +238,11 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
         f"of {cap}",
     ]
     return RecipeReport(summary, problems, warnings)
+
+
+def _recompute_text(train) -> str:
+    granularity, method, layers = recompute_settings(train)
+    return f"full ({method}, {layers} layer(s))" if granularity == "full" else granularity
 
 
 def _pop_flag(argv: list[str], name: str) -> str | None:

@@ -25,6 +25,7 @@ from engine.config import SFTConfig
 from engine.data import global_batch_indices, load_sft_dataset
 from engine.loss import GlobalLossNormalizer, aggregate, weights_from_counts
 from engine.micro_batches import SequenceData
+from engine.model_settings import describe as describe_settings, megatron_overrides
 from engine.nonfinite import NonFiniteGuard
 from engine.run_loop import RunLoop, build_or_resume
 from engine.schedule import LossFn
@@ -117,7 +118,10 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     engine, resumed, _ = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, cfg.train.max_steps, BatchSettings.from_config(cfg.train),
-        pad_id, weights_dir=cfg.model.hf_path, load_weights=load), position(0))
+        pad_id, weights_dir=cfg.model.hf_path, load_weights=load,
+        **megatron_overrides(cfg.parallel, cfg.train)), position(0))
+    if dist.get_rank() == 0:
+        print(f"[sft] model: {describe_settings(engine.chunks[0].config)}", flush=True)
     start = resumed.step
     loop = RunLoop("sft", cfg, engine, hf_config, position,
                    log_names=("metrics.jsonl", "samples.jsonl"))

@@ -104,6 +104,12 @@ class TrainEngine:
         return int(self.hf_config["vocab_size"])
 
     @property
+    def sequence_parallel(self) -> bool:
+        """Whether the model runs with Megatron TP sequence parallelism (micro-batches are
+        then padded so the sequence splits evenly over TP ranks)."""
+        return bool(self.chunks[0].config.sequence_parallel)
+
+    @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
@@ -119,7 +125,8 @@ class TrainEngine:
         """Build this rank's model chunks, load HF weights from `weights_dir` (unless
         `load_weights` is False: a checkpoint will be loaded), wrap them in megatron DDP and
         create the optimizer and an LR schedule over `total_steps` optimizer steps.
-        `model_overrides` go to the TransformerConfig (e.g. cp_comm_type)."""
+        `model_overrides` go to the TransformerConfig (e.g. cp_comm_type; sequence
+        parallelism and recomputation: engine.model_settings.megatron_overrides)."""
         raw = build_model_chunks(hf_config, params_dtype=dtype, **model_overrides)
         if load_weights:
             load_hf_weights(raw, SafetensorsReader(weights_dir), hf_config)
@@ -138,9 +145,10 @@ class TrainEngine:
 
     @classmethod
     def frozen(cls, hf_config: dict, dtype: torch.dtype, weights_dir: str,
-               batching: BatchSettings, pad_id: int = 0) -> "TrainEngine":
-        """A forward-only copy of the HF weights in `weights_dir` (no DDP, no optimizer)."""
-        chunks = build_model_chunks(hf_config, params_dtype=dtype)
+               batching: BatchSettings, pad_id: int = 0, **model_overrides) -> "TrainEngine":
+        """A forward-only copy of the HF weights in `weights_dir` (no DDP, no optimizer);
+        `model_overrides` as in `build`."""
+        chunks = build_model_chunks(hf_config, params_dtype=dtype, **model_overrides)
         load_hf_weights(chunks, SafetensorsReader(weights_dir), hf_config)
         for c in chunks:
             c.eval().requires_grad_(False)
@@ -158,7 +166,8 @@ class TrainEngine:
         LR schedule untouched) and is counted in `self.guard`; the caller logs the step, then
         calls `self.guard.raise_if_diverged()`."""
         t0 = time.perf_counter()
-        batch = build_rank_batch(list(seqs), normalizer, self.batching, self.pad_id)
+        batch = build_rank_batch(list(seqs), normalizer, self.batching, self.pad_id,
+                                 sequence_parallel=self.sequence_parallel)
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -190,7 +199,8 @@ class TrainEngine:
         the last pipeline stage; `loss_fn` reports are reduced like `train_batch`'s."""
         if weights is None:
             weights = GlobalLossNormalizer("token-sum")
-        batch = build_rank_batch(list(seqs), weights, self.batching, self.pad_id)
+        batch = build_rank_batch(list(seqs), weights, self.batching, self.pad_id,
+                                 sequence_parallel=self.sequence_parallel)
         reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn or _no_loss,
                                     forward_only=True, output_fn=output_fn)
         return reduce_reports(reports, list(report_keys))

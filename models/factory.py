@@ -12,7 +12,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from models.config_bridge import model_shape, transformer_config
 from models.families import family_of
 from models.hf_config import check_config, hf_config_object
-from models.layer_spec import layer_spec
+from models.layer_spec import block_spec, layer_spec, transformer_engine_available
 from models import moe_compat
 from models.rope import install_rope
 from parallel import cpu_runtime
@@ -23,7 +23,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     """GPTModel chunks of this rank (length vpp, or 1), in pipeline order, on this host's
     device, uninitialised weights (load them with `models.bridge.load_hf_weights`).
     Raises UnsupportedArchitectureError / UnsupportedConfigError before building anything
-    when the HF config does not map exactly."""
+    when the HF config does not map exactly. `config_overrides` are TransformerConfig fields
+    (e.g. sequence_parallel, recompute_granularity: engine.model_settings)."""
     check_config(hf_config)
     moe_compat.install()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -46,13 +47,14 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
                                 params_dtype=params_dtype, **config_overrides)
     shape = model_shape(hf_config, tp)
     biases = family_of(hf_config).biases(hf_config_object(hf_config))
+    use_te = transformer_engine_available() if use_te is None else use_te
     spec = layer_spec(config, use_te, linear_proj_bias=biases.o_proj)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=block_spec(config, spec, use_te, stage),
             vocab_size=shape.padded_vocab_size,
             max_sequence_length=shape.max_sequence_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

@@ -1,6 +1,8 @@
 """Transformer layer spec choice: Transformer Engine's when it imports, else the local spec with
-the project's SDPA core attention; optionally an attention output projection whose bias
-differs from the MLP's (megatron's `add_bias_linear` sets both)."""
+the project's SDPA core attention and norms that support Megatron sequence parallelism
+(models.norms.LocalNorm, also as the decoder's final norm: `block_spec`); optionally an
+attention output projection whose bias differs from the MLP's (megatron's `add_bias_linear`
+sets both)."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,8 +10,12 @@ import importlib.util
 import torch
 from megatron.core.models.gpt import gpt_layer_specs as specs
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
 
 from models.core_attention import SDPACoreAttention
+from models.norms import LocalNorm
 
 
 def transformer_engine_available() -> bool:
@@ -63,8 +69,31 @@ def layer_spec(config, use_te: bool | None = None, linear_proj_bias: bool | None
                                               qk_layernorm=config.qk_layernorm,
                                               normalization=config.normalization)
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        _use_local_norms(spec)
     if linear_proj_bias is not None and linear_proj_bias != config.add_bias_linear:
         _set_bias(spec, "linear_proj", linear_proj_bias)
     if config.add_bias_linear and not config.add_qkv_bias:
         _set_bias(spec, "linear_qkv", False)
     return spec
+
+
+def _use_local_norms(spec) -> None:
+    """Swap megatron's WrappedTorchNorm (it refuses sequence parallelism) for LocalNorm in the
+    layer's norms; IdentityOp / other norms stay."""
+    layer = spec.submodules
+    attention = layer.self_attention.submodules
+    for owner, name in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"),
+                        (attention, "q_layernorm"), (attention, "k_layernorm")):
+        if getattr(owner, name, None) is WrappedTorchNorm:
+            setattr(owner, name, LocalNorm)
+
+
+def block_spec(config, layer, use_te: bool, vp_stage: int | None = None):
+    """What GPTModel's decoder of one model chunk is built from: with TE the layer spec as is;
+    on the local spec a block of that layer with a LocalNorm final norm (megatron would
+    otherwise pick WrappedTorchNorm, which refuses sequence parallelism)."""
+    if use_te:
+        return layer
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=LocalNorm)

@@ -12,6 +12,11 @@ What it provides on a CPU host:
   `.to("cuda")` and `pin_memory=True` to the CPU, and reports CUDA type names from
   `Tensor.type()` (megatron's optimizer checks them);
 - `torch.distributed` all-gather/reduce-scatter "into tensor" variants that gloo lacks.
+- the same device mapping inside the backward of Python autograd Functions (megatron's
+  sequence-parallel linears allocate `device=torch.cuda.current_device()` buffers there, and
+  its activation checkpointing replays the forward there): a TorchFunctionMode is popped while
+  its handler runs, so inside `torch.autograd.backward` (called through the mode) it would be
+  inactive; `_mode_in_custom_backward` pushes it again around every custom backward.
 """
 from __future__ import annotations
 
@@ -164,6 +169,32 @@ def _patch_torch_cuda() -> None:
     cuda.nvtx = nvtx
 
 
+def _cpu_mode_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
+
+
+def _mode_in_custom_backward() -> None:
+    """Run the backward (or vjp) of every Python autograd Function under a CudaToCpuMode."""
+    from torch.autograd.function import BackwardCFunction
+
+    original = BackwardCFunction._get_user_fn
+
+    def get_user_fn(self):
+        user_fn = original(self)
+
+        def run(*args, **kwargs):
+            if _cpu_mode_active():
+                return user_fn(*args, **kwargs)
+            with CudaToCpuMode():
+                return user_fn(*args, **kwargs)
+
+        return run
+
+    BackwardCFunction._get_user_fn = get_user_fn
+
+
 def _patch_megatron_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -178,6 +209,7 @@ def install() -> None:
         return
     _patch_torch_cuda()
     _patch_megatron_rng()
+    _mode_in_custom_backward()
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     _INSTALLED = True

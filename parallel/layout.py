@@ -20,6 +20,8 @@ class ParallelLayout:
     (`ep`) is carved out of DP x CP as megatron does: the experts of an MoE layer are split
     over `ep` ranks, expert weights are data-parallel over (dp x cp) / ep ranks, and expert
     weights are tensor-parallel over the same `tp` as the dense layers.
+    `sequence_parallel`: Megatron's TP sequence parallelism (resolved: the config's null is
+    already turned into on/off); it needs tp > 1 and sequences split evenly over TP ranks.
     """
 
     world_size: int
@@ -28,6 +30,7 @@ class ParallelLayout:
     vpp: int | None = None
     cp: int = 1
     ep: int = 1
+    sequence_parallel: bool = False
 
     @property
     def dp(self) -> int:
@@ -80,14 +83,33 @@ class ParallelLayout:
                     f"the model's num_key_value_heads={num_kv_heads} is not divisible by "
                     f"parallel.tp={self.tp} (fused QKV is split per query group); valid tp: "
                     f"{_divisors(num_kv_heads)}")
-        if seq_length is not None and self.cp > 1 and seq_length % (2 * self.cp):
-            step = 2 * self.cp
-            lower, upper = seq_length // step * step, (seq_length // step + 1) * step
-            nearest = f"{lower} or {upper}" if lower else f"{upper}"
-            out.append(
-                f"train.seq_length={seq_length} must be divisible by 2 x parallel.cp = {step} "
-                f"(zigzag context-parallel sharding); nearest valid: {nearest}")
+        if self.sequence_parallel and self.tp == 1:
+            out.append("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits "
+                       "activations over the tensor-parallel ranks); use null (on whenever "
+                       "tp > 1) or false, or raise parallel.tp")
+        out += self._seq_length_problems(seq_length)
         return out
+
+    def _seq_length_problems(self, seq_length: int | None) -> list[str]:
+        """train.seq_length splits evenly: into 2 x cp zigzag chunks with context
+        parallelism, and each CP shard over the TP ranks with sequence parallelism."""
+        sp = self.sequence_parallel and self.tp > 1
+        if seq_length is None or (self.cp == 1 and not sp):
+            return []
+        step = (2 * self.cp if self.cp > 1 else 1) * (self.tp if sp else 1)
+        if seq_length % step == 0:
+            return []
+        lower, upper = seq_length // step * step, (seq_length // step + 1) * step
+        nearest = f"{lower} or {upper}" if lower else f"{upper}"
+        if sp and self.cp > 1:
+            rule = (f"2 x parallel.cp x parallel.tp = {step} (zigzag context-parallel "
+                    "sharding, then sequence parallelism over TP)")
+        elif sp:
+            rule = f"parallel.tp = {step} (sequence parallelism over TP)"
+        else:
+            rule = f"2 x parallel.cp = {step} (zigzag context-parallel sharding)"
+        return [f"train.seq_length={seq_length} must be divisible by {rule}; nearest valid: "
+                f"{nearest}"]
 
     def _expert_problems(self, num_experts: int | None) -> list[str]:
         """parallel.ep constraints: it divides dp x cp (megatron carves expert parallelism

@@ -1,4 +1,5 @@
-"""Bridge logit parity with transformers at TP1xPP1, TP2xPP1, TP1xPP2, TP2xPP2 and PP4 for
+"""Bridge logit parity with transformers at TP1xPP1, TP2xPP1, TP1xPP2, TP2xPP2 (also with
+Megatron sequence parallelism) and PP4 for
 Qwen3 (tied), Llama and Qwen2 (QKV bias, vocab 1001), loading from HF and from a TP1 Megatron
 checkpoint; one 4-rank torchrun launch (tests/multirank/bridge_layouts.py) covers all of it.
 """
@@ -13,7 +14,8 @@ from tests.conftest import ARCHS
 from tests.launch import run_torchrun
 
 # Listed here independently of the script, so a layout it silently skips fails the test.
-EXPECTED_LAYOUTS = ("tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2", "tp1pp4")
+# tp2pp2sp: Megatron sequence parallelism on an odd sequence length (padded to tp)
+EXPECTED_LAYOUTS = ("tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2", "tp1pp4", "tp2pp2sp")
 CROSS = "tp2pp1_vs_tp1pp2"
 PARITY_TOL = 1e-4         # fp32 megatron vs fp32 transformers (measured <= 1e-5)
 IDENTITY_TOL = 1e-6       # same weights, same layout or float64 resharding

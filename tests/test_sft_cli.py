@@ -55,13 +55,19 @@ def test_metrics_jsonl_and_tensorboard_written(reference):
 @pytest.mark.parametrize("nproc,extra", [
     (2, ["parallel.cp=2"]),
     (8, ["parallel.cp=8"]),
-    (4, ["parallel.cp=2", "parallel.tp=2"]),
+    # Megatron sequence parallelism (explicit; null would turn it on at tp 2 too) and full
+    # activation recomputation, on top of Ulysses CP
+    (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+         "train.recompute=full"]),
     (4, ["parallel.cp=2", "train.packing=true", "train.max_tokens_per_micro_batch=96"]),
 ])
 def test_cli_layouts_match_single_process(assets, reference, tmp_path, nproc, extra):
     ref_rows, _ = reference
     proc = run_torchrun(nproc, *_args(assets, tmp_path, *extra), timeout=600)
     assert proc.returncode == 0
+    if "train.recompute=full" in extra:  # the settings reached megatron's TransformerConfig
+        assert ("[sft] model: sequence parallelism on, recompute full (uniform, 1 layer(s))"
+                in proc.stdout)
     rows = _metrics(tmp_path)
     for a, b in zip(rows, ref_rows):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (extra, a["step"])

@@ -2,7 +2,8 @@
 
 One reference run (1 process, micro-batch = global batch of 16) and launches at 2, 4 and 8
 ranks that each loop over several layouts inside the same processes (tests/multirank/
-sft_invariance.py), all five aggregation modes, 3 Adam steps, fp32, same HF weights.
+sft_invariance.py), all five aggregation modes (token-mean and seq-mean-token-mean for the
+sequence-parallel and recomputation layouts), 3 Adam steps, fp32, same HF weights.
 
 Tolerance: relative 1e-5 on per-step loss, grad norm and final parameters (parameters relative
 to each tensor's largest value). Reduction order differs between layouts (fp32 sums of ~500
@@ -22,16 +23,29 @@ pytestmark = pytest.mark.timeout(2400)
 SCRIPT = "tests/multirank/sft_invariance.py"
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
          "seq-mean-token-sum-norm")
+TWO_MODES = "modes=token-mean/seq-mean-token-mean"
 TOL = 1e-5
 # spec: tp,pp,vpp,cp,micro_batch_size[,flags]
 LAUNCHES = {
     1: ["1,1,0,1,16", "1,1,0,1,3", "1,1,0,1,1"],           # reference, GA uneven, GA 16
     # DP2, TP2, PP2, CP2, DP2 with packing
-    2: ["1,1,0,1,3", "2,1,0,1,16", "1,2,0,1,4", "1,1,0,2,16", "1,1,0,1,16,packing"],
+    # TP2 + Megatron SP; TP2 + SP + GA with full recompute; DP2 with selective recompute;
+    # negative controls (bug=...): SP without the TP sum of norm grads, recompute with a
+    # detached checkpoint input (full and selective)
+    2: ["1,1,0,1,3", "2,1,0,1,16", "1,2,0,1,4", "1,1,0,2,16", "1,1,0,1,16,packing",
+        f"2,1,0,1,16,sp+{TWO_MODES}", f"2,1,0,1,3,sp+recompute=full+{TWO_MODES}",
+        f"1,1,0,1,3,recompute=selective+{TWO_MODES}",
+        "2,1,0,1,16,sp+bug=spnorm+modes=token-mean",
+        "1,1,0,1,3,recompute=full+bug=detach+modes=token-mean",
+        "1,1,0,1,3,recompute=selective+bug=detach+modes=token-mean"],
     # DP4, TP2xDP2, PP2xDP2, PP2xVPP2xDP2, TP2xPP2, CP2xTP2, CP2xPP2,
     # DP4 unbalanced with token-budget (padded) micro-batches
+    # TP2 + SP + CP2; TP2 x PP2 + SP, packed, block recompute; TP2 + SP + CP2 packed with
+    # selective recompute
     4: ["1,1,0,1,2", "2,1,0,1,3", "1,2,0,1,2", "1,2,2,1,2", "2,2,0,1,3", "2,1,0,2,4",
-        "1,2,0,2,4", "1,1,0,1,16,nobalance+tokens=40"],
+        "1,2,0,2,4", "1,1,0,1,16,nobalance+tokens=40",
+        f"2,1,0,2,4,sp+{TWO_MODES}", f"2,2,0,1,3,sp+packing+recompute=block+{TWO_MODES}",
+        "2,1,0,2,16,sp+packing+recompute=selective+modes=token-mean"],
     # DP8, DP2xTP2xPP2, CP8, CP2xDP4 balanced with token-budget micro-batches and packing
     8: ["1,1,0,1,1", "2,2,0,1,3", "1,1,0,8,16", "1,1,0,2,16,packing+tokens=48"],
 }
@@ -55,11 +69,23 @@ def invariance_runs(tmp_path_factory):
     return results, controls
 
 
+def spec_modes(spec: str) -> tuple[str, ...]:
+    """The aggregation modes a spec runs (flag modes=A/B, else all five)."""
+    flags = spec.split(",")[5].split("+") if spec.count(",") >= 5 else []
+    chosen = [f.split("=", 1)[1] for f in flags if f.startswith("modes=")]
+    return tuple(chosen[0].split("/")) if chosen else MODES
+
+
+def is_control(spec: str) -> bool:
+    """A deliberately broken run (flag bug=...): it must NOT match the reference."""
+    return "bug=" in spec
+
+
 def test_every_layout_and_mode_reported(invariance_runs):
     results, _ = invariance_runs
     for world, specs in LAUNCHES.items():
         got = {(r["spec"], r["mode"]) for r in results[world]}
-        assert got == {(s, m) for s in specs for m in MODES}, world
+        assert got == {(s, m) for s in specs for m in spec_modes(s)}, world
 
 
 @pytest.mark.parametrize("world", sorted(LAUNCHES))
@@ -68,6 +94,8 @@ def test_loss_grad_norm_and_params_match_reference(invariance_runs, world):
     for r in results[world]:
         if r.get("reference"):
             assert all(x > 0 for x in r["grad_norm"])
+            continue
+        if is_control(r["spec"]):
             continue
         where = f"world={world} spec={r['spec']} mode={r['mode']}"
         assert r["loss_rel"] <= TOL, (where, r["loss"])
@@ -99,3 +127,17 @@ def test_negative_control_sp_duplicate_counting_gives_1_over_cp(invariance_runs,
     _, controls = invariance_runs
     (c,) = controls[world]
     assert c["dpcp_count"] == pytest.approx(c["reference_loss"] / c["cp"], rel=1e-5), c
+
+
+@pytest.mark.parametrize("bug", ["sp+bug=spnorm", "recompute=full+bug=detach",
+                                 "recompute=selective+bug=detach"])
+def test_negative_controls_sp_and_recompute_are_caught(invariance_runs, bug):
+    """The classic bugs of the two features, run at world 2 with the harness's own comparator:
+    sequence parallelism whose norm-weight gradients (each TP rank's sequence slice) are not
+    summed over TP, and recomputation whose checkpointed layers get a detached input (no
+    gradient reaches them or anything before them). Both must miss the reference by far more
+    than the tolerance (grad norm and final parameters)."""
+    results, _ = invariance_runs
+    (r,) = [r for r in results[2] if bug in r["spec"]]
+    assert r["grad_norm_rel"] > 100 * TOL, r
+    assert r["param_rel"] > 100 * TOL, r

@@ -32,6 +32,7 @@ from transformers import AutoTokenizer
 
 from engine.checkpointing import DataPosition
 from engine.data import load_prompt_rows
+from engine.model_settings import megatron_overrides
 from engine.nonfinite import NonFiniteGuard
 from engine.rl.config import RLConfig
 from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
@@ -184,7 +185,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     optimizer_steps = t.max_steps * t.mini_batches_per_step * t.epochs_per_rollout
     policy, resumed, extra = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, optimizer_steps, batching, pad_id,
-        weights_dir=cfg.model.hf_path, load_weights=load), position(0),
+        weights_dir=cfg.model.hf_path, load_weights=load,
+        **megatron_overrides(cfg.parallel)), position(0),
         batch_key="train.prompts_per_step")
     policy.guard = NonFiniteGuard(t.max_consecutive_nonfinite_steps,
                                   skipped=int(extra.get("skipped_steps", 0)))
@@ -196,7 +198,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     if not loop.prepare(start):
         return 0
     # the KL reference is the initial policy (model.hf_path), also after a resume
-    reference = (TrainEngine.frozen(hf_config, dtype, cfg.model.hf_path, batching, pad_id)
+    reference = (TrainEngine.frozen(hf_config, dtype, cfg.model.hf_path, batching, pad_id,
+                                    **megatron_overrides(cfg.parallel))
                  if cfg.kl.beta > 0 else None)
     pool = build_pool(cfg, policy, dtype)
     collector = None

@@ -32,13 +32,16 @@ from pathlib import Path
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-# name -> (tp, pp); dp is what remains of the 4 ranks
+# name -> (tp, pp); dp is what remains of the 4 ranks. A name ending in "sp" runs with
+# Megatron sequence parallelism on SEQ - 1 tokens (odd: forward_logits pads them to a multiple
+# of tp) and is compared with the reference's first SEQ - 1 positions (causal attention).
 LAYOUTS: dict[str, tuple[int, int]] = {
     "tp1pp1": (1, 1),
     "tp2pp1": (2, 1),
     "tp1pp2": (1, 2),
     "tp2pp2": (2, 2),
     "tp1pp4": (1, 4),
+    "tp2pp2sp": (2, 2),
 }
 CROSS = ("tp2pp1", "tp1pp2")
 BATCH, SEQ = 2, 16
@@ -76,16 +79,16 @@ def _reference_logits(hf_dir: str, tokens):
         return model(tokens).logits.float()
 
 
-def _megatron_logits(cfg: dict, tokens, reader, ckpt_dir: str, dtype):
+def _megatron_logits(cfg: dict, tokens, reader, ckpt_dir: str, dtype, **overrides):
     """Full-vocab fp32 logits [b, s, vocab] of chunks built for the current layout with
-    `params_dtype=dtype`, NaN-poisoned, then loaded from HF (`reader` given) or from
-    `ckpt_dir`. Collective over the world."""
+    `params_dtype=dtype` (and TransformerConfig `overrides`), NaN-poisoned, then loaded from
+    HF (`reader` given) or from `ckpt_dir`. Collective over the world."""
     from models.bridge import load_hf_weights
     from models.checkpoint import load_model
     from models.factory import build_model_chunks
     from models.forward import forward_logits
 
-    chunks = build_model_chunks(cfg, params_dtype=dtype)
+    chunks = build_model_chunks(cfg, params_dtype=dtype, **overrides)
     _nan_fill(chunks)
     if reader is not None:
         load_hf_weights(chunks, reader, cfg)
@@ -112,13 +115,16 @@ def run_arch(arch: str, hf_dir: str, ckpt_dir: str, rank: int) -> None:
     reader = SafetensorsReader(hf_dir)
     for name, (tp, pp) in LAYOUTS.items():
         setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp, pp=pp))
+        sp = name.endswith("sp")
+        width = SEQ - 1 if sp else SEQ
         by_source = {}
         for source in ("hf", "ckpt"):
-            by_source[source] = _megatron_logits(cfg, tokens, reader if source == "hf" else None,
-                                                 ckpt_dir, torch.float32)
+            by_source[source] = _megatron_logits(cfg, tokens[:, :width],
+                                                 reader if source == "hf" else None,
+                                                 ckpt_dir, torch.float32, sequence_parallel=sp)
+            diff = (by_source[source] - ref[:, :width]).abs().max().item()
             record = {"arch": arch, "layout": name, "source": source,
-                      "max_abs_diff": _world_max((by_source[source] - ref).abs().max().item()),
-                      "ref_std": ref.std().item()}
+                      "max_abs_diff": _world_max(diff), "ref_std": ref.std().item()}
             if source == "ckpt":
                 record["vs_hf_load"] = _world_max(
                     (by_source["ckpt"] - by_source["hf"]).abs().max().item())

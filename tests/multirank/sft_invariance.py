@@ -2,7 +2,10 @@
 
     torchrun --nproc_per_node W tests/multirank/sft_invariance.py MODEL_DIR REF_FILE SPEC...
 
-Each SPEC is "tp,pp,vpp,cp,mbs[,flags]" (flags: "+" separated: nobalance, packing, tokens=K).
+Each SPEC is "tp,pp,vpp,cp,mbs[,flags]" (flags: "+" separated: nobalance, packing, tokens=K;
+sp: Megatron sequence parallelism; recompute=selective|full|block (full: uniform groups of 1
+layer, block: full recompute of the first 1 layer per chunk); modes=A/B: only these aggregation
+modes; bug=spnorm|detach: a deliberately broken run for a negative control, see `inject_bug`).
 For every spec and every aggregation mode it re-initialises megatron's parallel state in the
 same processes, loads the same HF weights, trains 3 optimizer steps on fixed synthetic global
 batches and records per-step loss, grad norm and the final parameters. With W == 1 and the
@@ -57,7 +60,53 @@ def parse_spec(spec: str):
     return dict(tp=tp, pp=pp, vpp=vpp or None, cp=cp), train
 
 
-def run_layout(model_dir, hf_config, train, mode, batches):
+def spec_options(spec: str) -> dict:
+    """The spec's model settings (megatron TransformerConfig overrides, through the engine's
+    own mapping), aggregation modes and injected bug."""
+    from engine.model_settings import megatron_overrides
+
+    parts = spec.split(",")
+    flags = parts[5].split("+") if len(parts) > 5 and parts[5] else []
+    value = {f.split("=")[0]: f.split("=")[1] for f in flags if "=" in f}
+    kind = value.get("recompute", "none")
+    train = SimpleNamespace(recompute="full" if kind == "block" else kind,
+                            recompute_method="block" if kind == "block" else None,
+                            recompute_num_layers=None)
+    parallel = SimpleNamespace(tp=int(parts[0]), sequence_parallel="sp" in flags)
+    modes = tuple(value["modes"].split("/")) if "modes" in value else MODES
+    return dict(overrides=megatron_overrides(parallel, train), modes=modes,
+                bug=value.get("bug"))
+
+
+def inject_bug(state, bug: str | None):
+    """Negative controls. spnorm: the norm weights lose their `sequence_parallel` tag, so
+    finalize_model_grads does not sum their sequence-sliced gradients over TP (the classic SP
+    bug). detach: recomputed layers get a detached input (reentrant checkpointing then
+    produces no gradient for anything inside or before them: the classic recompute bug).
+    Returns an undo function."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    if bug == "spnorm":
+        for chunk in state.chunks:
+            for p in chunk.parameters():
+                if getattr(p, "sequence_parallel", False):
+                    p.sequence_parallel = False
+        return lambda: None
+    if bug == "detach":
+        original = tensor_parallel.checkpoint
+
+        def detached(function, distribute, *args):
+            return original(function, distribute,
+                            *[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+
+        tensor_parallel.checkpoint = detached
+        return lambda: setattr(tensor_parallel, "checkpoint", original)
+    assert bug is None, bug
+    return lambda: None
+
+
+def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=None):
     """3 steps from the HF weights under the current parallel state (set up once per layout:
     creating megatron's process groups is the slowest part of a gloo launch)."""
     import torch
@@ -72,13 +121,17 @@ def run_layout(model_dir, hf_config, train, mode, batches):
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
                             distributed_optimizer=True)
     state = TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
-                              weights_dir=model_dir)
+                              weights_dir=model_dir, **(overrides or {}))
     normalizer = GlobalLossNormalizer(mode, HORIZON, True, group=ps.get_data_parallel_group())
     losses, norms = [], []
-    for seqs in batches:
-        m = train_step(state, seqs, normalizer)
-        losses.append(m["loss"])
-        norms.append(m["grad_norm"])
+    undo = inject_bug(state, bug)
+    try:
+        for seqs in batches:
+            m = train_step(state, seqs, normalizer)
+            losses.append(m["loss"])
+            norms.append(m["grad_norm"])
+    finally:
+        undo()
     params = {k: v.clone() for k, v in export_hf_weights(state.chunks, hf_config)}
     return losses, norms, params
 
@@ -157,9 +210,11 @@ def main():
 
     for i, spec in enumerate(specs):
         layout_kw, train = parse_spec(spec)
+        opts = spec_options(spec)
         setup_model_parallel(ParallelLayout(world, **layout_kw))
-        for mode in MODES:
-            losses, norms, params = run_layout(model_dir, hf_config, train, mode, batches)
+        for mode in opts["modes"]:
+            losses, norms, params = run_layout(model_dir, hf_config, train, mode, batches,
+                                               opts["overrides"], opts["bug"])
             if making_ref and i == 0:
                 new_ref[mode] = {"loss": losses, "grad_norm": norms, "params": params}
                 out = {"spec": spec, "mode": mode, "world": world, "reference": True,
