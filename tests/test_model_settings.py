@@ -233,3 +233,47 @@ def test_memory_factors_of_sequence_parallelism_and_recompute():
                act(True, train("full", "block", 8)), act(True, train("full"))]
     assert ordered == sorted(ordered, reverse=True)
     assert act(False, train()) / act(True, train("full")) > 10
+
+
+# ------------------------------------------------------------------ CPU host runtime
+
+CUSTOM_BACKWARD_ON_CPU = """
+import torch
+from parallel import cpu_runtime
+
+cpu_runtime.install()
+assert cpu_runtime.is_cpu_host()
+
+
+class Double(torch.autograd.Function):
+    # like megatron's sequence-parallel linears: a buffer on the current CUDA device in backward
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        buf = torch.empty(grad.shape, device=torch.cuda.current_device())
+        return buf.copy_(grad * 2)
+
+
+x = torch.ones(3, requires_grad=True)
+torch.autograd.backward(Double.apply(x).sum())  # called through the mode, as megatron does
+print("grad", x.grad.tolist())
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU runtime is a no-op with CUDA")
+def test_cpu_runtime_maps_cuda_devices_inside_custom_backward():
+    """parallel.cpu_runtime keeps mapping CUDA devices to the CPU inside the backward of
+    Python autograd Functions (the mode is popped while its own handler runs
+    torch.autograd.backward); a fresh process, so this test's install stays there."""
+    import subprocess
+    import sys
+
+    from tests.launch import REPO_ROOT
+
+    proc = subprocess.run([sys.executable, "-c", CUSTOM_BACKWARD_ON_CPU], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "grad [2.0, 2.0, 2.0]" in proc.stdout
