@@ -46,8 +46,10 @@ LAUNCHES = {
         "1,2,0,2,4", "1,1,0,1,16,nobalance+tokens=40",
         f"2,1,0,2,4,sp+{TWO_MODES}", f"2,2,0,1,3,sp+packing+recompute=block+{TWO_MODES}",
         "2,1,0,2,16,sp+packing+recompute=selective+modes=token-mean"],
-    # DP8, DP2xTP2xPP2, CP8, CP2xDP4 balanced with token-budget micro-batches and packing
-    8: ["1,1,0,1,1", "2,2,0,1,3", "1,1,0,8,16", "1,1,0,2,16,packing+tokens=48"],
+    # DP8, DP2xTP2xPP2, CP8, CP2xDP4 balanced with token-budget micro-batches and packing;
+    # TP2 x PP2 x VPP2 x DP2 with SP and full recompute (interleaved schedule)
+    8: ["1,1,0,1,1", "2,2,0,1,3", "1,1,0,8,16", "1,1,0,2,16,packing+tokens=48",
+        "2,2,2,1,2,sp+recompute=full+modes=token-mean"],
 }
 
 
