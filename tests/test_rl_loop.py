@@ -87,7 +87,11 @@ def test_validate_names_key_and_choices(model_dir, prompts_file):
              "rollout.n=1": "rollout.n=1 must be >= 2",
              "clip.dual_c=0.5": "clip.dual_c=0.5 must be > 1",
              "reward.fn=nomodule": "reward.fn: reward function spec 'nomodule'",
-             "train.seq_length=64": "train.seq_length=64 must exceed rollout.max_new_tokens=256"}
+             "train.seq_length=64": "train.seq_length=64 must exceed rollout.max_new_tokens=256",
+             "train.recompute=all": "train.recompute='all' is not valid; choose one of none, "
+                                    "selective, full",
+             "train.recompute_num_layers=3": "train.recompute_num_layers=3 applies only to "
+                                             "train.recompute=full"}
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate_rl(_config(base + [override]), 1)
@@ -309,8 +313,9 @@ def test_policy_update_is_layout_invariant_at_temperature_1_with_unpadded_vocab(
 
 
 def test_cli_dapo_on_4_ranks_with_tp2_and_accumulation(model_dir, prompts_file, tmp_path):
-    """DAPO end to end as a user launches it: 4 ranks (TP2 x DP2), accumulation, dynamic
-    sampling; every generation batch is one generate call."""
+    """DAPO end to end as a user launches it: 4 ranks (TP2 x DP2, sequence parallelism on by
+    default at tp 2), accumulation, selective recomputation, dynamic sampling; every generation
+    batch is one generate call."""
     log_dir = tmp_path / "dapo"
     proc = run_torchrun(
         4, "-m", "engine.rl", "algorithm=dapo", f"model.hf_path={model_dir}",
@@ -318,8 +323,10 @@ def test_cli_dapo_on_4_ranks_with_tp2_and_accumulation(model_dir, prompts_file, 
         "rollout.max_new_tokens=8", "train.prompts_per_step=4", "train.mini_batches_per_step=1",
         "train.micro_batch_size=2", "train.max_steps=1", "train.seq_length=64", "optim.lr=1e-3",
         "dapo.max_gen_batches=3", "reward.fn=tests.test_rl_loop:digit_reward",
+        "train.recompute=selective",
         f"logging.dir={log_dir}", "logging.progress_bar=false", timeout=400)
     assert proc.returncode == 0
+    assert "policy model: sequence parallelism on, recompute selective (core_attn)" in proc.stdout
     (m,) = _metrics(log_dir)
     assert 1 <= m["rollout/num_gen_batches"] <= 3
     assert m["rollout/generate_calls"] == m["rollout/num_gen_batches"]

@@ -23,6 +23,7 @@ from engine.config import (CheckpointConfig, DataConfig, LoggingConfig, LossConf
                            ModelConfig, OptimConfig, ParallelConfig, RecipeConfig, check_choice,
                            checkpoint_config_problems, raise_problems, shape_problems,
                            split_argv, validate_common)
+from engine.model_settings import recompute_layer_problems, recompute_problems
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.algorithms import ALGORITHMS
 from engine.rl.policy_loss import KL_ESTIMATORS, POLICY_LOSSES
@@ -45,6 +46,9 @@ class RLTrainConfig:
     exit_interval: Optional[int] = None  # stop after an RL step number divisible by this
     exit_duration_mins: Optional[float] = None  # stop after this much wall time (minutes)
     max_consecutive_nonfinite_steps: int = 3  # skipped (inf/NaN) optimizer steps in a row
+    recompute: str = "none"              # policy updates: none | selective | full (as SFT)
+    recompute_method: Optional[str] = None       # full only: uniform | block (null: uniform)
+    recompute_num_layers: Optional[int] = None   # full only: layers per group / block (null: 1)
 
 
 @dataclass
@@ -231,6 +235,9 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
     _check_algorithm(cfg)
     hf_config = validate_common(cfg, world_size)
     raise_problems(rl_problems(cfg) + shape_problems(cfg, hf_config)
+                   + recompute_problems(cfg.train)
+                   + recompute_layer_problems(cfg.parallel, cfg.train,
+                                              hf_config["num_hidden_layers"])
                    + placement_problems(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
                                         world_size, procs_per_node(world_size)))
     return hf_config

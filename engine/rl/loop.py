@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 from engine.checkpointing import DataPosition
 from engine.data import load_prompt_rows
-from engine.model_settings import megatron_overrides
+from engine.model_settings import describe as describe_settings, megatron_overrides
 from engine.nonfinite import NonFiniteGuard
 from engine.rl.config import RLConfig
 from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
@@ -186,7 +186,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     policy, resumed, extra = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, optimizer_steps, batching, pad_id,
         weights_dir=cfg.model.hf_path, load_weights=load,
-        **megatron_overrides(cfg.parallel)), position(0),
+        **megatron_overrides(cfg.parallel, cfg.train)), position(0),
         batch_key="train.prompts_per_step")
     policy.guard = NonFiniteGuard(t.max_consecutive_nonfinite_steps,
                                   skipped=int(extra.get("skipped_steps", 0)))
@@ -197,7 +197,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
                    postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}"})
     if not loop.prepare(start):
         return 0
-    # the KL reference is the initial policy (model.hf_path), also after a resume
+    # the KL reference is the initial policy (model.hf_path), also after a resume; it runs
+    # forward-only, so it never recomputes
     reference = (TrainEngine.frozen(hf_config, dtype, cfg.model.hf_path, batching, pad_id,
                                     **megatron_overrides(cfg.parallel))
                  if cfg.kl.beta > 0 else None)
@@ -209,7 +210,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         collector.next_gen_batch = int(extra.get("next_gen_batch", start))
         print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {t.prompts_per_step} x "
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
-              f"{pool.placement.describe()}", flush=True)
+              f"{pool.placement.describe()}; policy model: "
+              f"{describe_settings(policy.chunks[0].config)}", flush=True)
     try:
         if start > 0:  # the engines hold model.hf_path's weights: give them the trained ones
             pool.resync(None)
