@@ -44,7 +44,8 @@ def run_entry(run: str, argv: list[str], schema=None,
         return fail(str(e))
     init_distributed()
     setup_model_parallel(ParallelLayout(world, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                                        vpp=cfg.parallel.vpp, cp=cfg.parallel.cp),
+                                        vpp=cfg.parallel.vpp, cp=cfg.parallel.cp,
+                                        ep=cfg.parallel.ep),
                          seed=cfg.seed)
     # imported only now: megatron takes ~5 s to import, a config error above exits in ~1 s
     module_name, function = run.split(":")

@@ -18,8 +18,10 @@ from engine.data_files import SUPPORTED_EXTENSIONS, data_spec_problem
 from engine.config_loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
 from engine.loss import AGG_MODES
+from engine.moe_settings import MoEConfig, moe_problems
 from engine.model_settings import (recompute_layer_problems, recompute_problems,
                                    sequence_parallel_on)
+from models.families.qwen3_moe import experts_per_layer
 from models.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
 
@@ -57,6 +59,7 @@ class ParallelConfig:
     vpp: Optional[int] = None
     cp: int = 1
     cp_comm_type: str = "a2a"    # a2a | p2p | all_gather (p2p/all_gather need Transformer Engine)
+    ep: int = 1                  # expert parallel (MoE models): carved out of dp x cp
     # Megatron TP sequence parallelism (engine.model_settings); null: on whenever tp > 1
     sequence_parallel: Optional[bool] = None
 
@@ -138,6 +141,7 @@ class SFTConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)   # MoE models (engine.moe_settings)
     seed: int = 1234
 
 
@@ -251,18 +255,20 @@ def layout_problems(cfg, world_size: int, hf_config: dict) -> list[str]:
 
     layout = ParallelLayout(world_size, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
                             vpp=cfg.parallel.vpp, cp=cfg.parallel.cp,
-                            sequence_parallel=sequence_parallel_on(cfg.parallel))
+                            sequence_parallel=sequence_parallel_on(cfg.parallel),
+                            ep=cfg.parallel.ep)
     return layout.problems(num_layers=hf_config["num_hidden_layers"],
                            num_heads=hf_config["num_attention_heads"],
                            num_kv_heads=hf_config.get("num_key_value_heads"),
-                           seq_length=cfg.train.seq_length)
+                           seq_length=cfg.train.seq_length,
+                           num_experts=experts_per_layer(hf_config))
 
 
 def validate_common(cfg, world_size: int) -> dict:
     """Checks shared by SFT and RL; returns the HF config dict. Runs before process groups."""
     hf_config = read_model_config(cfg)
     raise_problems(model_dir_problems(cfg) + data_file_problems(cfg) + value_problems(cfg)
-                   + layout_problems(cfg, world_size, hf_config))
+                   + layout_problems(cfg, world_size, hf_config) + moe_problems(cfg, hf_config))
     return hf_config
 
 

@@ -26,6 +26,10 @@ configured, engine.model_settings):
   (passes / n inputs) plus one group's full activations n x per-layer while it is recomputed
   in the backward pass; with `block` the first n of the c layers of each chunk keep only their
   input, the other c - n keep everything, plus one layer's full activations while recomputed;
+- MoE models (parallel.ep): each rank holds num_experts / ep experts split over tp; their
+  optimizer state is sharded over the expert-data-parallel group (dp x cp / ep ranks) instead
+  of dp x cp; a layer's MLP activations are k x (3 moe_ffn / tp + 2 h) per token (the k
+  routed copies: each expert's SwiGLU, the permuted input and output) instead of 3 ffn / tp;
 - logits (last stage): t x padded vocab / tp x (a + 12) bytes (bf16/fp32 logits, the fp32 copy,
   the masked copy and its gradient in the vocab-parallel cross-entropy);
 - runtime: RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers and allocator slack.
@@ -82,16 +86,18 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     tp, pp, cp, vpp = layout.tp, layout.pp, layout.cp, layout.vpp or 1
     granularity, method, group = recompute_settings(train)
     s = tp if layout.sequence_parallel and tp > 1 else 1
-    params = stage_parameters(hf, tp, pp)
+    params = stage_parameters(hf, tp, pp, layout.ep)
     a = 2 if bf16 else 4
     h, ffn = hf["hidden_size"], hf["intermediate_size"]
+    mlp = (hf["num_experts_per_tok"] * (3 * hf["moe_intermediate_size"] / tp + 2 * h)
+           if params.expert_stage else 3 * ffn / tp)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     hd = hf.get("head_dim") or h // heads
     q, kv = heads * hd, kv_heads * hd
     t = micro_batch_tokens(train) / cp
     kv_rep = 2 * q if kv_heads < heads and granularity != "selective" else 0
-    per_layer = a * t * (4 * h / s + (q + kv_rep + q + 2 * kv + 3 * ffn) / tp)
+    per_layer = a * t * (4 * h / s + (q + kv_rep + q + 2 * kv) / tp + mlp)
     layer_input = a * t * h / s
     layers = hf["num_hidden_layers"]
     if pp == 1:
@@ -103,6 +109,7 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
         first_layers = chunks * (layers // (pp * vpp))
     logits = t * padded_vocab_size(hf["vocab_size"], tp) / tp * (a + 12)
     opt_bytes = (12 if bf16 else 8) / (layout.dp * cp if distributed_optimizer else 1)
+    expert_opt_bytes = opt_bytes * (layout.ep if distributed_optimizer else 1)
 
     chunk_layers = layers // (pp * vpp)
 
@@ -117,7 +124,8 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
 
     def stage(n_params: int, act_layers: float, with_logits: bool) -> MemoryEstimate:
         return MemoryEstimate(weights=n_params * a / GIB, grads=n_params * 4 / GIB,
-                              optimizer=n_params * opt_bytes / GIB,
+                              optimizer=((n_params - params.expert_stage) * opt_bytes
+                                         + params.expert_stage * expert_opt_bytes) / GIB,
                               activations=activation_bytes(act_layers) / GIB,
                               logits=logits / GIB if with_logits else 0.0,
                               notes={"layers_in_flight": act_layers, "tokens_per_rank": t,
@@ -182,7 +190,7 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
         return RecipeReport([], problems + layout_issues, warnings)
     p = cfg.parallel
     layout = ParallelLayout(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp,
-                            sequence_parallel=sequence_parallel_on(p))
+                            sequence_parallel=sequence_parallel_on(p), ep=p.ep)
     per_node = world_size // nodes
     if per_node % (p.tp * p.cp):
         warnings.append(f"tp x cp = {p.tp * p.cp} does not fit inside one node of {per_node} "
@@ -218,11 +226,15 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
             EXPECTED_TOLERANCE * mem.total):
         problems.append(f"recipe.expected_memory_gib={stated} but the estimate for "
                         f"{nodes} node(s) is {mem.total:.1f} GiB; update the recipe")
-    params = stage_parameters(hf, p.tp, p.pp)
+    params = stage_parameters(hf, p.tp, p.pp, p.ep)
     tokens = train.global_batch_size * train.seq_length
+    active = (f" ({params.active / 1e9:.2f} B active per token, "
+              f"{params.expert_stage / 1e9:.2f} B expert parameters per GPU)"
+              if params.expert_stage else "")
     name = cfg.model.shape or hf.get("model_type")
     summary = [
-        f"model: {name}, {params.total / 1e9:.2f} B parameters, {hf['num_hidden_layers']} "
+        f"model: {name}, {params.total / 1e9:.2f} B parameters{active}, "
+        f"{hf['num_hidden_layers']} "
         f"layers, dtype {cfg.model.dtype}",
         f"layout: {layout.describe()} on {nodes} node(s) x {per_node} GPUs; "
         f"{params.layers_per_stage} layers per pipeline stage",

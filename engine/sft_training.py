@@ -26,6 +26,7 @@ from engine.data import global_batch_indices, load_sft_dataset
 from engine.loss import GlobalLossNormalizer, aggregate, weights_from_counts
 from engine.micro_batches import SequenceData
 from engine.model_settings import describe as describe_settings, megatron_overrides
+from engine.moe_settings import moe_overrides
 from engine.nonfinite import NonFiniteGuard
 from engine.run_loop import RunLoop, build_or_resume
 from engine.schedule import LossFn
@@ -65,6 +66,7 @@ def train_step(engine: TrainEngine, seqs: list[SequenceData],
         "batch/padding_fraction": padding / max(padding + tokens, 1),
         "train/update_skipped": out["train/update_skipped"],
         "train/skipped_steps": float(engine.guard.skipped),
+        **{k: v for k, v in out.items() if k.startswith("moe/")},  # MoE models only
     }
 
 
@@ -119,7 +121,8 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
     engine, resumed, _ = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, cfg.train.max_steps, BatchSettings.from_config(cfg.train),
         pad_id, weights_dir=cfg.model.hf_path, load_weights=load,
-        **megatron_overrides(cfg.parallel, cfg.train)), position(0))
+        **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config)),
+        position(0))
     if dist.get_rank() == 0:
         print(f"[sft] model: {describe_settings(engine.chunks[0].config)}", flush=True)
     start = resumed.step

@@ -32,6 +32,7 @@ from engine.loss import GlobalLossNormalizer
 from engine.micro_batches import MicroBatch, SequenceData
 from engine.nonfinite import NonFiniteGuard, guarded_optimizer_step
 from engine.rank_batch import build_rank_batch
+from engine.router_losses import RouterLosses
 from engine.schedule import LossFn, reduce_reports, run_micro_batches
 from models.bridge import load_hf_weights
 from models.factory import build_model_chunks
@@ -98,6 +99,7 @@ class TrainEngine:
     batching: BatchSettings
     pad_id: int = 0
     guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)  # skipped-step accounting
+    router_losses: RouterLosses | None = None  # MoE router-loss scaling and metrics (lazy)
 
     @property
     def vocab_size(self) -> int:
@@ -162,7 +164,8 @@ class TrainEngine:
         guard is report key `report_keys[0]`. Returns the report sums reduced over the whole
         mini-batch plus grad_norm, lr (of this step), train/update_skipped,
         train/micro_batches, batch/num_tokens, batch/num_padding, batch/dp_imbalance and
-        time/step_s. A non-finite loss or gradient skips the update (weights, Adam state and
+        time/step_s (and for MoE models the moe/* metrics of engine.router_losses). A
+        non-finite loss or gradient skips the update (weights, Adam state and
         LR schedule untouched) and is counted in `self.guard`; the caller logs the step, then
         calls `self.guard.raise_if_diverged()`."""
         t0 = time.perf_counter()
@@ -171,8 +174,12 @@ class TrainEngine:
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.router_losses is None:
+            self.router_losses = RouterLosses(self.chunks)
+        self.router_losses.before_step(batch.micro_batches)
         reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn)
         out = reduce_reports(reports, list(report_keys))
+        out.update(self.router_losses.metrics())
         label = self.optimizer_steps_attempted + 1
         stepped, grad_norm = guarded_optimizer_step(self.optimizer, out[report_keys[0]])
         lr = self.lr

@@ -29,7 +29,7 @@ def test_recipe_set_is_complete():
     names = {p.stem for p in RECIPES}
     assert {"qwen3_8b_h100", "llama31_8b_h100", "qwen3_8b_32k_cp", "llama31_70b_h100"} <= names
     shapes = {load(p).model.shape for p in RECIPES}
-    assert shapes == {"qwen3-8b", "llama-3.1-8b", "llama-3.1-70b"}
+    assert shapes == {"qwen3-8b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-30b-a3b"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -96,6 +96,26 @@ def test_more_nodes_shard_the_optimizer_further():
     opt = [float(re.search(r"optimizer ([0-9.]+)", "\n".join(r.summary)).group(1))
            for r in (one, two)]
     assert opt[1] == pytest.approx(opt[0] / 2, abs=0.05)
+
+
+def test_moe_memory_shards_expert_optimizer_over_dp_over_ep():
+    """Qwen3-30B-A3B at EP8: each GPU holds 16 experts x 48 layers (3.62 B parameters) plus
+    the 1.54 B dense ones; the expert optimizer state is sharded over dp / ep ranks, the
+    dense one over dp, so 4 nodes (dp 32, expert-dp 4) halve the expert share of 2 nodes."""
+    from engine.recipe_validation import estimate_memory
+    from parallel.layout import ParallelLayout
+
+    cfg = load(REPO_ROOT / "recipes" / "sft" / "qwen3_30b_a3b_h100.yaml")
+    hf = MODEL_SHAPES["qwen3-30b-a3b"]
+    experts = stage_parameters(hf, 1, 1, 8).expert_stage
+    dense = stage_parameters(hf, 1, 1, 8).first_stage - experts
+    assert experts == 48 * 16 * 3 * 2048 * 768
+    for world in (16, 32):
+        layout = ParallelLayout(world, ep=8)
+        mem = estimate_memory(hf, layout, cfg.train, True, True, 8)
+        expected = (dense * 12 / world + experts * 12 / (world // 8)) / 2 ** 30
+        assert mem.optimizer == pytest.approx(expected, rel=1e-12)
+        assert mem.weights == pytest.approx((dense + experts) * 2 / 2 ** 30, rel=1e-12)
 
 
 def test_validation_reports_every_problem(tmp_path):

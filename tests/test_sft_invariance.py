@@ -51,6 +51,21 @@ LAUNCHES = {
     8: ["1,1,0,1,1", "2,2,0,1,3", "1,1,0,8,16", "1,1,0,2,16,packing+tokens=48",
         "2,2,2,1,2,sp+recompute=full+modes=token-mean"],
 }
+# Qwen3-MoE (2 layers, 8 experts, top-2; router aux loss off) in the same launches: its own
+# single-process reference; EP2; EP2 x DP2, EP2 x PP2, EP2 x TP2 (+SP); negative control:
+# expert gradients averaged over the expert-data-parallel group instead of summed.
+# With the load-balancing loss on (aux=0.01): DP2 and DP2 x EP2, which cut the same
+# micro-batches (dp 2, micro-batch 4): compared with each other, not the reference.
+MOE_MODES = "modes=token-mean/seq-mean-token-mean"
+AUX = "aux=0.01+modes=token-mean"
+MOE_SPECS = {
+    1: [f"1,1,0,1,16,moe+{MOE_MODES}"],
+    2: [f"1,1,0,1,4,moe+ep=2+{MOE_MODES}", f"1,1,0,1,4,moe+{AUX}", f"1,1,0,1,4,moe+ep=2+{AUX}"],
+    4: [f"1,1,0,1,2,moe+ep=2+{MOE_MODES}", f"1,2,0,1,4,moe+ep=2+{MOE_MODES}",
+        f"2,1,0,1,4,moe+ep=2+sp+{MOE_MODES}", "1,1,0,1,2,moe+ep=2+bug=expertgrad+modes=token-mean"],
+}
+for _world, _specs in MOE_SPECS.items():
+    LAUNCHES[_world] = LAUNCHES[_world] + _specs
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +76,13 @@ def invariance_runs(tmp_path_factory):
     # give every token the same loss and hide them)
     model = build_tiny_model(str(root / "model"), "qwen3", vocab_size=200,
                              initializer_range=0.4, tokenizer=False)
+    moe = build_tiny_model(str(root / "moe"), "qwen3_moe", vocab_size=200, layers=2,
+                           initializer_range=0.4, tokenizer=False)
     ref = str(root / "reference.pt")
     results, controls = {}, {}
     for world, specs in LAUNCHES.items():
-        proc = run_torchrun(world, SCRIPT, model, ref, *specs, timeout=1500)
+        proc = run_torchrun(world, SCRIPT, model, ref, *specs, timeout=1500,
+                            env={"INV_MOE_MODEL_DIR": moe})
         assert proc.returncode == 0, f"world {world} launch failed"
         results[world] = result_lines(proc.stdout)
         controls[world] = result_lines(proc.stdout, "CONTROL ")
@@ -97,7 +115,7 @@ def test_loss_grad_norm_and_params_match_reference(invariance_runs, world):
         if r.get("reference"):
             assert all(x > 0 for x in r["grad_norm"])
             continue
-        if is_control(r["spec"]):
+        if is_control(r["spec"]) or "aux=" in r["spec"]:
             continue
         where = f"world={world} spec={r['spec']} mode={r['mode']}"
         assert r["loss_rel"] <= TOL, (where, r["loss"])
@@ -143,3 +161,35 @@ def test_negative_controls_sp_and_recompute_are_caught(invariance_runs, bug):
     (r,) = [r for r in results[2] if bug in r["spec"]]
     assert r["grad_norm_rel"] > 100 * TOL, r
     assert r["param_rel"] > 100 * TOL, r
+
+
+def test_negative_control_expert_grads_averaged_over_expert_dp_is_caught(invariance_runs):
+    """EP2 x DP2 with expert gradients divided by the expert-data-parallel size (2) after
+    megatron's reduction: the classic wrong-group/averaging bug on expert weights. It must
+    miss the reference by far more than the tolerance."""
+    results, _ = invariance_runs
+    (r,) = [r for r in results[4] if "bug=expertgrad" in r["spec"]]
+    assert r["grad_norm_rel"] > 100 * TOL, r
+    assert r["param_rel"] > 100 * TOL, r
+
+
+def test_router_aux_loss_is_invariant_to_ep_at_the_same_micro_batches(invariance_runs):
+    """moe.aux_loss_coeff > 0 (engine.router_losses): DP2 (ep 1) and DP2 x EP2 cut the same
+    micro-batches, so the loss, grad norm and logged moe/aux_loss agree; the aux loss really
+    acts (grad norm differs from the same layout without it)."""
+    results, _ = invariance_runs
+    runs = [r for r in results[2] if "aux=" in r["spec"]]
+    assert len(runs) == 2
+    base = runs[0]
+    for r in runs[1:]:
+        for key in ("loss", "grad_norm"):
+            for x, y in zip(r[key], base[key]):
+                assert x == pytest.approx(y, rel=TOL), (r["spec"], key)
+        for m, mb in zip(r["moe"], base["moe"]):
+            assert m["moe/aux_loss"] == pytest.approx(mb["moe/aux_loss"], rel=TOL), r["spec"]
+            assert m["moe/expert_load_max_over_mean"] == pytest.approx(
+                mb["moe/expert_load_max_over_mean"], rel=TOL), r["spec"]
+    plain = next(r for r in results[2] if r["spec"].startswith("1,1,0,1,4,moe+ep=2+modes")
+                 and r["mode"] == "token-mean")
+    assert abs(base["grad_norm"][0] - plain["grad_norm"][0]) > 100 * TOL * plain["grad_norm"][0]
+    assert all(1.0 <= m["moe/expert_load_max_over_mean"] <= 8.0 for m in base["moe"])

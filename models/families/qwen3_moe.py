@@ -139,6 +139,6 @@ class Qwen3Moe(Family):
             moe_grouped_gemm=False,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="allgather",
+            moe_token_dispatcher_type="alltoall",  # engine.moe_settings: moe.token_dispatcher
         )
         return kwargs

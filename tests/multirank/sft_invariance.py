@@ -5,7 +5,10 @@
 Each SPEC is "tp,pp,vpp,cp,mbs[,flags]" (flags: "+" separated: nobalance, packing, tokens=K;
 sp: Megatron sequence parallelism; recompute=selective|full|block (full: uniform groups of 1
 layer, block: full recompute of the first 1 layer per chunk); modes=A/B: only these aggregation
-modes; bug=spnorm|detach: a deliberately broken run for a negative control, see `inject_bug`).
+modes; bug=spnorm|detach|expertgrad: a deliberately broken run for a negative control, see
+`inject_bug`; moe: train the MoE model of $INV_MOE_MODEL_DIR instead of MODEL_DIR; ep=E:
+expert parallelism; aux=C: megatron's load-balancing loss `aux_loss` with coefficient C,
+scaled per step by engine.router_losses; the spec's results then carry "moe/aux_loss").
 For every spec and every aggregation mode it re-initialises megatron's parallel state in the
 same processes, loads the same HF weights, trains 3 optimizer steps on fixed synthetic global
 batches and records per-step loss, grad norm and the final parameters. With W == 1 and the
@@ -29,6 +32,7 @@ MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
 STEPS, GBS, HORIZON = 3, 16, 48
 LR = 1e-2
 ADAM_EPS = float(os.environ.get("INV_ADAM_EPS", "1e-4"))
+MOE_METRICS: list[dict] = []  # the moe/* metrics of each step of the latest run_layout
 
 
 def synthetic_batches(vocab: int, seed: int = 0):
@@ -55,9 +59,35 @@ def parse_spec(spec: str):
     tp, pp, vpp, cp, mbs = (int(x) for x in parts[:5])
     flags = parts[5].split("+") if len(parts) > 5 and parts[5] else []
     tokens = next((int(f.split("=")[1]) for f in flags if f.startswith("tokens=")), None)
+    ep = next((int(f.split("=")[1]) for f in flags if f.startswith("ep=")), 1)
     train = SimpleNamespace(micro_batch_size=mbs, max_tokens_per_micro_batch=tokens,
                             balance_dp="nobalance" not in flags, packing="packing" in flags)
-    return dict(tp=tp, pp=pp, vpp=vpp or None, cp=cp), train
+    return dict(tp=tp, pp=pp, vpp=vpp or None, cp=cp, ep=ep), train
+
+
+def spec_model(spec: str, dense: tuple) -> tuple:
+    """(model dir, HF config, reference-key prefix) of a spec: the dense MODEL_DIR, or with
+    the `moe` flag the MoE model of $INV_MOE_MODEL_DIR (its references are keyed "moe/MODE")."""
+    from models.hf_io import read_config
+
+    parts = spec.split(",")
+    if "moe" not in (parts[5].split("+") if len(parts) > 5 else []):
+        return (*dense, "")
+    moe_dir = os.environ["INV_MOE_MODEL_DIR"]
+    return moe_dir, read_config(moe_dir), "moe/"
+
+
+def moe_loss_overrides(spec: str) -> dict:
+    """TransformerConfig fields of the `aux=C` flag (engine.moe_settings' mapping)."""
+    from engine.moe_settings import MoEConfig, moe_overrides
+
+    parts = spec.split(",")
+    flags = parts[5].split("+") if len(parts) > 5 else []
+    aux = next((float(f.split("=")[1]) for f in flags if f.startswith("aux=")), None)
+    if aux is None:
+        return {}
+    cfg = SimpleNamespace(moe=MoEConfig(aux_loss_coeff=aux))
+    return moe_overrides(cfg, {"model_type": "qwen3_moe"})
 
 
 def spec_options(spec: str) -> dict:
@@ -102,8 +132,32 @@ def inject_bug(state, bug: str | None):
 
         tensor_parallel.checkpoint = detached
         return lambda: setattr(tensor_parallel, "checkpoint", original)
+    if bug == "expertgrad":
+        return average_expert_grads(state)
     assert bug is None, bug
     return lambda: None
+
+
+def average_expert_grads(state):
+    """Negative control for expert parallelism: after megatron's gradient reduction, expert
+    gradients are divided by the expert-data-parallel size, i.e. averaged over the
+    expert-DP group instead of summed (the classic "DDP averages" bug, on expert weights only:
+    they reduce over dp x cp / ep ranks, not over dp x cp). Returns an undo function."""
+    from megatron.core import parallel_state as ps
+
+    config = state.chunks[0].config
+    original = config.finalize_model_grads_func
+    size = ps.get_expert_data_parallel_world_size()
+
+    def finalize(model, *args, **kwargs):
+        original(model, *args, **kwargs)
+        for chunk in model:
+            for p in chunk.parameters():
+                if not getattr(p, "allreduce", True):
+                    p.main_grad.div_(size)
+
+    config.finalize_model_grads_func = finalize
+    return lambda: setattr(config, "finalize_model_grads_func", original)
 
 
 def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=None):
@@ -130,6 +184,7 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
             m = train_step(state, seqs, normalizer)
             losses.append(m["loss"])
             norms.append(m["grad_norm"])
+            MOE_METRICS.append({k: v for k, v in m.items() if k.startswith("moe/")})
     finally:
         undo()
     params = {k: v.clone() for k, v in export_hf_weights(state.chunks, hf_config)}
@@ -201,6 +256,7 @@ def main():
     model_dir, ref_file, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
     rank, world = init_distributed()
     hf_config = read_config(model_dir)
+    dense = (model_dir, hf_config)
     batches = synthetic_batches(hf_config["vocab_size"])
     making_ref = world == 1 and not os.path.exists(ref_file)
     ref = None if making_ref else torch.load(ref_file)
@@ -210,17 +266,21 @@ def main():
 
     for i, spec in enumerate(specs):
         layout_kw, train = parse_spec(spec)
+        spec_dir, spec_config, key = spec_model(spec, dense)
+        first_of_model = all(spec_model(s, dense)[2] != key for s in specs[:i])
         opts = spec_options(spec)
+        opts["overrides"].update(moe_loss_overrides(spec))
         setup_model_parallel(ParallelLayout(world, **layout_kw))
         for mode in opts["modes"]:
-            losses, norms, params = run_layout(model_dir, hf_config, train, mode, batches,
+            MOE_METRICS.clear()
+            losses, norms, params = run_layout(spec_dir, spec_config, train, mode, batches,
                                                opts["overrides"], opts["bug"])
-            if making_ref and i == 0:
-                new_ref[mode] = {"loss": losses, "grad_norm": norms, "params": params}
+            if making_ref and first_of_model:
+                new_ref[key + mode] = {"loss": losses, "grad_norm": norms, "params": params}
                 out = {"spec": spec, "mode": mode, "world": world, "reference": True,
                        "loss": losses, "grad_norm": norms}
             else:
-                r = (new_ref or ref)[mode]
+                r = (new_ref or ref)[key + mode]
                 rel = lambda a, b: max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
                 pdiff = torch.tensor([param_diff(params, r["params"])], dtype=torch.float64)
                 dist.all_reduce(pdiff, op=dist.ReduceOp.MAX)
@@ -228,6 +288,8 @@ def main():
                        "loss_rel": rel(losses, r["loss"]), "grad_norm": norms,
                        "grad_norm_rel": rel(norms, r["grad_norm"]),
                        "param_rel": float(pdiff), "n_params": len(params)}
+            if any(MOE_METRICS):
+                out["moe"] = list(MOE_METRICS)
             if rank == 0:
                 print("RESULT " + json.dumps(out), flush=True)
     if making_ref:

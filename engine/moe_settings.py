@@ -1,0 +1,95 @@
+"""The `moe.*` keys: how mixture-of-experts layers are trained (models.families.qwen3_moe).
+
+- `moe.token_dispatcher`: megatron's token dispatcher between the router and the experts.
+  `alltoall` (default, CPU/gloo and GPUs): exchanges each rank's tokens with the EP ranks
+  holding their experts, with per-rank token counts, so DP ranks may run micro-batches of
+  different lengths. `allgather`: gathers every rank's tokens; it needs the same token count
+  on every rank of the EP group, which the engine's token-balanced micro-batches do not
+  give, so it is accepted only with parallel.ep=1.
+- `moe.aux_loss_coeff` (null: the HF config's `router_aux_loss_coef` when its
+  `output_router_logits` is true, as HF adds the loss only then, else 0; 0 disables) and
+  `moe.aux_loss_type`: megatron's load-balancing loss `aux_loss` (per micro-batch),
+  `seq_aux_loss` (per sequence row) or `global_aux_loss` (expert loads accumulated over
+  the DP group and the step's micro-batches).
+- `moe.z_loss_coeff` (null or 0: off): megatron's router z-loss.
+
+Scaling (engine.router_losses): megatron attaches each micro-batch's router loss times its
+local token count and expects a later division by the step's token count, which this engine
+never does (engine.loss); the coefficients are therefore divided by the step's token count
+before every step, so the step's router loss is coeff x the token-weighted mean of megatron's
+per-micro-batch values. The language-model loss and gradient are unchanged by any of this.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+@dataclass
+class MoEConfig:
+    token_dispatcher: str = "alltoall"   # alltoall | allgather (allgather: parallel.ep=1 only)
+    aux_loss_coeff: Optional[float] = None  # null: HF router_aux_loss_coef if
+    #                                         output_router_logits, else 0
+    aux_loss_type: str = "aux_loss"      # aux_loss | seq_aux_loss | global_aux_loss
+    z_loss_coeff: Optional[float] = None  # null/0: no router z-loss
+
+
+def _is_moe(hf_config: dict) -> bool:
+    from models.families.qwen3_moe import is_moe
+
+    return is_moe(hf_config)
+
+
+def aux_loss_coeff(moe_cfg: MoEConfig, hf_config: dict) -> float:
+    """moe.aux_loss_coeff resolved (null -> the HF config's rule; 0.0 for dense models)."""
+    if not _is_moe(hf_config):
+        return 0.0
+    if moe_cfg.aux_loss_coeff is not None:
+        return float(moe_cfg.aux_loss_coeff)
+    if hf_config.get("output_router_logits"):
+        return float(hf_config.get("router_aux_loss_coef") or 0.0)
+    return 0.0
+
+
+def moe_problems(cfg: Any, hf_config: dict) -> list[str]:
+    """Every invalid moe.* value (and moe keys set for a dense model), naming the key."""
+    moe = getattr(cfg, "moe", None) or MoEConfig()
+    p: list[str] = []
+    if moe.token_dispatcher not in TOKEN_DISPATCHERS:
+        p.append(f"moe.token_dispatcher={moe.token_dispatcher!r} is not valid; choose one of "
+                 f"{', '.join(TOKEN_DISPATCHERS)}")
+    elif moe.token_dispatcher == "allgather" and cfg.parallel.ep > 1:
+        p.append(f"moe.token_dispatcher=allgather needs parallel.ep=1 (got "
+                 f"{cfg.parallel.ep}): it gathers the same number of tokens from every EP "
+                 "rank, and data-parallel ranks run micro-batches of different lengths; use "
+                 "alltoall")
+    if moe.aux_loss_type not in AUX_LOSS_TYPES:
+        p.append(f"moe.aux_loss_type={moe.aux_loss_type!r} is not valid; choose one of "
+                 f"{', '.join(AUX_LOSS_TYPES)}")
+    for key in ("aux_loss_coeff", "z_loss_coeff"):
+        value = getattr(moe, key)
+        if value is not None and not (isinstance(value, (int, float)) and value >= 0):
+            p.append(f"moe.{key}={value!r} must be null or a number >= 0")
+    if not _is_moe(hf_config):
+        set_keys = [k for k in ("aux_loss_coeff", "z_loss_coeff") if getattr(moe, k)]
+        if set_keys:
+            p.append(f"moe.{set_keys[0]} is set but model.hf_path is a dense model "
+                     f"(model_type={hf_config.get('model_type')!r}); remove it")
+    return p
+
+
+def moe_overrides(cfg: Any, hf_config: dict) -> dict:
+    """TransformerConfig fields of the moe.* keys (empty for dense models). The loss
+    coefficients given here are the unscaled ones; engine.router_losses rescales them per
+    step."""
+    if not _is_moe(hf_config):
+        return {}
+    moe = getattr(cfg, "moe", None) or MoEConfig()
+    coeff = aux_loss_coeff(moe, hf_config)
+    return dict(moe_token_dispatcher_type=moe.token_dispatcher,
+                moe_router_load_balancing_type=moe.aux_loss_type if coeff > 0 else "none",
+                moe_aux_loss_coeff=coeff,
+                moe_z_loss_coeff=float(moe.z_loss_coeff) if moe.z_loss_coeff else None)

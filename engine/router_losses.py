@@ -1,0 +1,117 @@
+"""Per-step scaling of megatron's MoE router losses, and the MoE metrics of a step.
+
+Megatron (calculate_per_token_loss=True) attaches each micro-batch's load-balancing loss and
+z-loss times the micro-batch's local token count n_mb (token positions, padding included) and
+expects finalize_model_grads to divide every gradient by the step's token count. This engine
+never divides (engine.loss: the language-model loss is already globally normalised), so before
+each step `RouterLosses.before_step` sets the coefficients to coeff / N, N = the step's token
+positions summed over micro-batches and the DP x CP group. The router-loss gradient of a step
+is then coeff x sum_mb n_mb grad(L_mb) / N: the token-weighted mean of megatron's per-micro-
+batch losses. The language-model loss and its gradient do not depend on any of this.
+
+Layout invariance (tested in tests/test_sft_invariance.py): L_mb depends on which token
+positions share a micro-batch (per-micro-batch expert loads), padding included (megatron's
+router gets no padding mask). So the router loss is the same under every ep at the same dp,
+pp and micro-batch settings, and changes with dp, pp (it pads every micro-batch to one
+shape), cp, micro-batch size, token budget and packing.
+
+Metrics (`metrics()`, after the step; every rank gets the same values): `moe/aux_loss` and
+`moe/z_loss` (megatron's tracked values without the coefficient, averaged over micro-batches,
+DP x CP ranks and MoE layers), `moe/expert_load_max_over_mean` (per layer: the largest
+expert's routed token positions over the mean, from the whole step; averaged over layers).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                     get_moe_layer_wise_logging_tracker)
+from megatron.core.transformer.moe.router import TopKRouter
+
+from models.bridge import unwrap
+
+_TRACKED = {"load_balancing_loss": "moe/aux_loss", "seq_load_balancing_loss": "moe/aux_loss",
+            "global_load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
+
+
+def _sum(vec: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(vec, group=group)
+    return vec
+
+
+class RouterLosses:
+    """Router-loss scaling and MoE metrics of one engine's chunks (inactive for dense models:
+    every method is then a no-op returning nothing)."""
+
+    def __init__(self, chunks: list):
+        self.config = unwrap(chunks[0]).config
+        self.active = bool(self.config.num_moe_experts)
+        self.aux_coeff = self.config.moe_aux_loss_coeff
+        self.z_coeff = self.config.moe_z_loss_coeff
+        self.routers = [m for c in chunks for m in unwrap(c).modules()
+                        if isinstance(m, TopKRouter)]
+        self.loads: dict[int, torch.Tensor] = {}
+        self.micro_batches = 0
+        for router in self.routers:
+            router.register_forward_hook(self._count)
+
+    def _count(self, router, inputs, outputs) -> None:
+        if torch.is_grad_enabled():  # training forwards (forward-only passes run no_grad)
+            routing_map = outputs[1].detach()
+            load = routing_map.sum(dim=0).to(torch.float64).cpu()
+            self.loads[router.layer_number] = self.loads.get(router.layer_number, 0) + load
+
+    def before_step(self, micro_batches: list) -> None:
+        """Set this step's coefficients (collective over DP x CP) and clear the trackers."""
+        if not self.active:
+            return
+        local = sum(mb.tokens.numel() for mb in micro_batches)
+        n = _sum(torch.tensor([float(local)], dtype=torch.float64),
+                 ps.get_data_parallel_group(with_context_parallel=True))
+        tokens = max(float(n), 1.0)
+        if isinstance(self.aux_coeff, (int, float)) and self.aux_coeff > 0:
+            self.config.moe_aux_loss_coeff = self.aux_coeff / tokens
+        if self.z_coeff:
+            self.config.moe_z_loss_coeff = self.z_coeff / tokens
+        for router in self.routers:
+            router.reset_global_aux_loss_tracker()
+        clear_aux_losses_tracker()
+        self.loads.clear()
+        self.micro_batches = len(micro_batches)
+
+    def metrics(self) -> dict[str, float]:
+        """The step's MoE metrics (collective over the world); {} for dense models."""
+        if not self.active:
+            return {}
+        layers = self.config.num_layers
+        tracker = get_moe_layer_wise_logging_tracker()
+        # rows: aux, z, load ratio sum; columns: layers. Summed over DP x CP, then over PP.
+        vec = torch.zeros(3, layers, dtype=torch.float64)
+        for name, entry in tracker.items():
+            if name in _TRACKED:
+                row = 0 if _TRACKED[name] == "moe/aux_loss" else 1
+                vec[row] += entry["values"].detach().to(torch.float64).cpu()[:layers]
+        dpcp = ps.get_data_parallel_group(with_context_parallel=True)
+        vec[:2] /= max(self.micro_batches, 1) * dist.get_world_size(dpcp)
+        vec[:2] = _sum(vec[:2].contiguous(), dpcp)
+        counts = torch.zeros(layers, self.config.num_moe_experts, dtype=torch.float64)
+        for layer_number, load in self.loads.items():
+            counts[layer_number - 1] += load
+        counts = _sum(counts, dpcp)
+        if self.config.sequence_parallel:  # each TP rank routed its own slice of tokens
+            counts = _sum(counts, ps.get_tensor_model_parallel_group())
+        mean = counts.mean(dim=1)
+        vec[2] = torch.where(mean > 0, counts.max(dim=1).values / mean.clamp(min=1e-12), 0.0)
+        present = torch.zeros(layers, dtype=torch.float64)
+        present[[n - 1 for n in self.loads]] = 1.0
+        vec = _sum(vec, ps.get_pipeline_model_parallel_group())
+        present = _sum(present, ps.get_pipeline_model_parallel_group()).clamp(max=1.0)
+        n_layers = max(float(present.sum()), 1.0)
+        out = {"moe/expert_load_max_over_mean": float(vec[2].sum()) / n_layers}
+        if self.aux_coeff:
+            out["moe/aux_loss"] = float(vec[0].sum()) / n_layers
+        if self.z_coeff:
+            out["moe/z_loss"] = float(vec[1].sum()) / n_layers
+        return out
