@@ -43,10 +43,12 @@ def run_entry(run: str, argv: list[str], schema=None,
             time.sleep(3)
         return fail(str(e))
     init_distributed()
-    setup_model_parallel(ParallelLayout(world, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                                        vpp=cfg.parallel.vpp, cp=cfg.parallel.cp,
-                                        ep=cfg.parallel.ep),
-                         seed=cfg.seed)
+    layout = ParallelLayout(world, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
+                            vpp=cfg.parallel.vpp, cp=cfg.parallel.cp, ep=cfg.parallel.ep)
+    setup_model_parallel(layout, seed=cfg.seed)
+    if _rank() == 0:
+        tag = "rl" if run.startswith("engine.rl.") else "sft"
+        print(f"[{tag}] layout: {layout.describe()}", flush=True)
     # imported only now: megatron takes ~5 s to import, a config error above exits in ~1 s
     module_name, function = run.split(":")
     run_fn = getattr(importlib.import_module(module_name), function)

@@ -12,6 +12,13 @@
   `seq_aux_loss` (per sequence row) or `global_aux_loss` (expert loads accumulated over
   the DP group and the step's micro-batches).
 - `moe.z_loss_coeff` (null or 0: off): megatron's router z-loss.
+- `moe.capacity_factor` (null: dropless, the default) and `moe.token_drop_policy` (probs |
+  position): megatron's expert capacity, capacity_factor x tokens x top-k / experts per
+  expert; routed tokens beyond it are dropped (their expert output is zero). Megatron counts
+  the capacity over each rank's tokens of each micro-batch, so WHICH tokens are dropped
+  depends on the micro-batch cut, dp, cp and sequence parallelism: with a capacity factor
+  the language-model loss is no longer layout-invariant (dropless, it is exact). The fraction
+  dropped is logged as `moe/dropped_token_fraction`.
 
 Scaling (engine.router_losses): megatron attaches each micro-batch's router loss times its
 local token count and expects a later division by the step's token count, which this engine
@@ -26,6 +33,7 @@ from typing import Any, Optional
 
 TOKEN_DISPATCHERS = ("alltoall", "allgather")
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+DROP_POLICIES = ("probs", "position")
 
 
 @dataclass
@@ -35,6 +43,8 @@ class MoEConfig:
     #                                         output_router_logits, else 0
     aux_loss_type: str = "aux_loss"      # aux_loss | seq_aux_loss | global_aux_loss
     z_loss_coeff: Optional[float] = None  # null/0: no router z-loss
+    capacity_factor: Optional[float] = None  # null: dropless; > 0: drop tokens over capacity
+    token_drop_policy: str = "probs"     # probs | position (which tokens an expert keeps)
 
 
 def _is_moe(hf_config: dict) -> bool:
@@ -69,27 +79,37 @@ def moe_problems(cfg: Any, hf_config: dict) -> list[str]:
     if moe.aux_loss_type not in AUX_LOSS_TYPES:
         p.append(f"moe.aux_loss_type={moe.aux_loss_type!r} is not valid; choose one of "
                  f"{', '.join(AUX_LOSS_TYPES)}")
+    if moe.token_drop_policy not in DROP_POLICIES:
+        p.append(f"moe.token_drop_policy={moe.token_drop_policy!r} is not valid; choose one of "
+                 f"{', '.join(DROP_POLICIES)}")
     for key in ("aux_loss_coeff", "z_loss_coeff"):
         value = getattr(moe, key)
         if value is not None and not (isinstance(value, (int, float)) and value >= 0):
             p.append(f"moe.{key}={value!r} must be null or a number >= 0")
+    cf = moe.capacity_factor
+    if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
+        p.append(f"moe.capacity_factor={cf!r} must be null (dropless) or a number > 0")
     if not _is_moe(hf_config):
-        set_keys = [k for k in ("aux_loss_coeff", "z_loss_coeff") if getattr(moe, k)]
+        set_keys = [k for k in ("aux_loss_coeff", "z_loss_coeff", "capacity_factor")
+                    if getattr(moe, k)]
         if set_keys:
             p.append(f"moe.{set_keys[0]} is set but model.hf_path is a dense model "
                      f"(model_type={hf_config.get('model_type')!r}); remove it")
     return p
 
 
-def moe_overrides(cfg: Any, hf_config: dict) -> dict:
+def moe_overrides(cfg: Any, hf_config: dict, forward_only: bool = False) -> dict:
     """TransformerConfig fields of the moe.* keys (empty for dense models). The loss
     coefficients given here are the unscaled ones; engine.router_losses rescales them per
-    step."""
+    step. `forward_only` (a frozen model, e.g. RL's KL reference): no router losses."""
     if not _is_moe(hf_config):
         return {}
     moe = getattr(cfg, "moe", None) or MoEConfig()
-    coeff = aux_loss_coeff(moe, hf_config)
+    coeff = 0.0 if forward_only else aux_loss_coeff(moe, hf_config)
+    z_coeff = None if forward_only or not moe.z_loss_coeff else float(moe.z_loss_coeff)
     return dict(moe_token_dispatcher_type=moe.token_dispatcher,
                 moe_router_load_balancing_type=moe.aux_loss_type if coeff > 0 else "none",
-                moe_aux_loss_coeff=coeff,
-                moe_z_loss_coeff=float(moe.z_loss_coeff) if moe.z_loss_coeff else None)
+                moe_aux_loss_coeff=coeff, moe_z_loss_coeff=z_coeff,
+                moe_expert_capacity_factor=(float(moe.capacity_factor)
+                                            if moe.capacity_factor else None),
+                moe_token_drop_policy=moe.token_drop_policy)

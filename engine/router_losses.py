@@ -18,7 +18,9 @@ shape), cp, micro-batch size, token budget and packing.
 Metrics (`metrics()`, after the step; every rank gets the same values): `moe/aux_loss` and
 `moe/z_loss` (megatron's tracked values without the coefficient, averaged over micro-batches,
 DP x CP ranks and MoE layers), `moe/expert_load_max_over_mean` (per layer: the largest
-expert's routed token positions over the mean, from the whole step; averaged over layers).
+expert's routed token positions over the mean, from the whole step; averaged over layers) and,
+with moe.capacity_factor set, `moe/dropped_token_fraction` (per layer: the share of the step's
+top-k token-to-expert assignments dropped over capacity; averaged over layers).
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ class RouterLosses:
         self.routers = [m for c in chunks for m in unwrap(c).modules()
                         if isinstance(m, TopKRouter)]
         self.loads: dict[int, torch.Tensor] = {}
+        self.assigned: dict[int, float] = {}   # layer -> top-k assignments before dropping
+        self.capacity = self.config.moe_expert_capacity_factor is not None
         self.micro_batches = 0
         for router in self.routers:
             router.register_forward_hook(self._count)
@@ -61,7 +65,10 @@ class RouterLosses:
         if torch.is_grad_enabled():  # training forwards (forward-only passes run no_grad)
             routing_map = outputs[1].detach()
             load = routing_map.sum(dim=0).to(torch.float64).cpu()
-            self.loads[router.layer_number] = self.loads.get(router.layer_number, 0) + load
+            layer = router.layer_number
+            self.loads[layer] = self.loads.get(layer, 0) + load
+            self.assigned[layer] = (self.assigned.get(layer, 0.0)
+                                    + float(routing_map.shape[0] * router.topk))
 
     def before_step(self, micro_batches: list) -> None:
         """Set this step's coefficients (collective over DP x CP) and clear the trackers."""
@@ -79,6 +86,7 @@ class RouterLosses:
             router.reset_global_aux_loss_tracker()
         clear_aux_losses_tracker()
         self.loads.clear()
+        self.assigned.clear()
         self.micro_batches = len(micro_batches)
 
     def metrics(self) -> dict[str, float]:
@@ -87,7 +95,8 @@ class RouterLosses:
             return {}
         layers = self.config.num_layers
         tracker = get_moe_layer_wise_logging_tracker()
-        # rows: aux, z, load ratio sum; columns: layers. Summed over DP x CP, then over PP.
+        # rows: aux, z, load ratio (then dropped share); columns: layers. Summed over DP x CP,
+        # then over PP.
         vec = torch.zeros(3, layers, dtype=torch.float64)
         for name, entry in tracker.items():
             if name in _TRACKED:
@@ -96,20 +105,27 @@ class RouterLosses:
         dpcp = ps.get_data_parallel_group(with_context_parallel=True)
         vec[:2] /= max(self.micro_batches, 1) * dist.get_world_size(dpcp)
         vec[:2] = _sum(vec[:2].contiguous(), dpcp)
-        counts = torch.zeros(layers, self.config.num_moe_experts, dtype=torch.float64)
+        # columns: the experts' routed counts, then the assignments before dropping
+        counts = torch.zeros(layers, self.config.num_moe_experts + 1, dtype=torch.float64)
         for layer_number, load in self.loads.items():
-            counts[layer_number - 1] += load
+            counts[layer_number - 1, :-1] += load
+            counts[layer_number - 1, -1] += self.assigned[layer_number]
         counts = _sum(counts, dpcp)
         if self.config.sequence_parallel:  # each TP rank routed its own slice of tokens
             counts = _sum(counts, ps.get_tensor_model_parallel_group())
+        counts, assigned = counts[:, :-1], counts[:, -1]
         mean = counts.mean(dim=1)
         vec[2] = torch.where(mean > 0, counts.max(dim=1).values / mean.clamp(min=1e-12), 0.0)
+        dropped = torch.where(assigned > 0, 1.0 - counts.sum(dim=1) / assigned.clamp(min=1.0),
+                              0.0)
         present = torch.zeros(layers, dtype=torch.float64)
         present[[n - 1 for n in self.loads]] = 1.0
-        vec = _sum(vec, ps.get_pipeline_model_parallel_group())
+        vec = _sum(torch.cat([vec, dropped[None]]), ps.get_pipeline_model_parallel_group())
         present = _sum(present, ps.get_pipeline_model_parallel_group()).clamp(max=1.0)
         n_layers = max(float(present.sum()), 1.0)
         out = {"moe/expert_load_max_over_mean": float(vec[2].sum()) / n_layers}
+        if self.capacity:
+            out["moe/dropped_token_fraction"] = float(vec[3].sum()) / n_layers
         if self.aux_coeff:
             out["moe/aux_loss"] = float(vec[0].sum()) / n_layers
         if self.z_coeff:

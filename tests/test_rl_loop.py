@@ -42,6 +42,14 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE policy (8 experts, top 2) with the dense model's tokenizer size."""
+    root = tmp_path_factory.mktemp("rl_moe")
+    return build_tiny_model(str(root / "qwen3_moe"), "qwen3_moe", hidden=64, layers=2, heads=8,
+                            kv_heads=2, seed=0, initializer_range=0.2)
+
+
+@pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("rl_data") / "add.jsonl"
     with open(path, "w") as f:
@@ -264,26 +272,63 @@ def test_cli_generates_once_per_step_and_syncs_weights(model_dir, prompts_file, 
     assert list(log_dir.glob("events.out.tfevents*"))
 
 
-def test_policy_update_is_layout_invariant(model_dir, tmp_path):
+def test_cli_moe_policy_with_expert_parallelism(moe_dir, prompts_file, tmp_path):
+    """GRPO on the Qwen3-MoE policy at DP2 x EP2 with the HF rollout backend: the weight sync
+    gathers every expert over EP into the engine (its logits equal the trainer's after the
+    weights moved), rollout/logprob_diff stays at the dense test's level, the frozen KL
+    reference runs, and the router's load-balancing loss and load metric are logged."""
+    log_dir = tmp_path / "moe"
+    proc = run_torchrun(
+        2, "-m", "engine.rl", f"model.hf_path={moe_dir}", f"data.train_files=[{prompts_file}]",
+        "parallel.ep=2", "moe.aux_loss_coeff=0.01", "rollout.n=4", "rollout.max_new_tokens=8",
+        "train.prompts_per_step=4", "train.mini_batches_per_step=2",
+        "train.micro_batch_size=2", "train.max_steps=2", "train.seq_length=64",
+        "optim.lr=1e-3", "kl.beta=0.05", "reward.fn=tests.test_rl_loop:digit_reward",
+        "rollout.check_weight_sync=true", f"logging.dir={log_dir}",
+        "logging.progress_bar=false", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = _metrics(log_dir)
+    assert len(steps) == 2
+    for m in steps:
+        assert all(k in m for k in REQUIRED_METRICS), set(REQUIRED_METRICS) - set(m)
+        assert m["rollout/logprob_diff"] < 1e-3
+        assert m["debug/sync_logit_max_diff"] < 1e-4
+        assert m["debug/sync_logit_change"] > 1e-2
+        assert m["policy/kl"] > 0 and m["grad_norm"] > 0
+        assert m["moe/aux_loss"] > 0 and 1.0 <= m["moe/expert_load_max_over_mean"] <= 8.0
+    assert "ep=2" in proc.stdout
+
+
+def test_policy_update_is_layout_invariant(model_dir, moe_dir, tmp_path):
+    """The dense policy at DP4, TP2, PP2 and CP2 x DP2 (packing) and the Qwen3-MoE policy at
+    EP2 x DP4 and EP2 x TP2 (+SP) x DP2 give the single-process losses, grad norms, metrics,
+    log-probs and synced weights (experts gathered over EP into the rollout engine)."""
     ref_file = str(tmp_path / "rl_ref.pt")
-    ref = run_torchrun(1, INVARIANCE, model_dir, ref_file, "1,1,1,2", timeout=600)
+    env = {"INV_MOE_MODEL_DIR": moe_dir}
+    ref = run_torchrun(1, INVARIANCE, model_dir, ref_file, "1,1,1,2", "1,1,1,2,moe",
+                       timeout=600, env=env)
     assert ref.returncode == 0
-    refs = {r["mode"]: r for r in result_lines(ref.stdout)}
+    refs = {(r["spec"], r["mode"]): r for r in result_lines(ref.stdout)}
+    assert len(refs) == 4
     for r in refs.values():  # the fixed batch exercises every term of the loss
         m = r["metrics"]
         assert min(m["policy/clipfrac_low"]) > 0 and min(m["policy/clipfrac_high"]) > 0
         assert min(m["policy/kl"]) > 0 and min(m["policy/entropy"]) > 0
-    specs = ["1,1,1,1", "2,1,1,1", "1,2,1,1", "1,1,2,1,packing"]  # DP4, TP2, PP2, CP2 (x DP2)
-    proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *specs, timeout=600)
+    specs = ["1,1,1,1", "2,1,1,1", "1,2,1,1", "1,1,2,1,packing",  # DP4, TP2, PP2, CP2 (x DP2)
+             "1,1,1,1,moe+ep=2", "2,1,1,1,moe+ep=2+sp"]
+    proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *specs, timeout=600, env=env)
     assert proc.returncode == 0
     results = result_lines(proc.stdout)
-    assert len(results) == len(specs) * len(refs)
+    assert len(results) == len(specs) * 2
     for r in results:
         where = f"{r['spec']} {r['mode']}"
         assert r["loss_rel"] <= 1e-5, where
         assert r["grad_norm_rel"] <= 1e-5, where
         assert r["metrics_rel"] <= 1e-5, where
-        assert r["param_rel"] <= 1e-5 and r["n_params"] == 46, where
+        # dense: 46 HF tensors; MoE: 2 layers x (8 attention/norm + router + 8 experts x 3)
+        # + embeddings, final norm, output layer
+        assert r["param_rel"] <= 1e-5, where
+        assert r["n_params"] == (2 * (8 + 1 + 8 * 3) + 3 if "moe" in r["spec"] else 46), where
         assert r["logprob_max_diff"] <= 1e-5, where
     control = result_lines(proc.stdout, "CONTROL ")[0]
     assert abs(control["mean_of_means"] - control["reference"]) > 1e-3 * abs(control["reference"])

@@ -264,3 +264,29 @@ def test_unknown_backend_and_bad_inputs(engine, model_dirs):
     with pytest.raises(ValueError, match="outside"):
         engine.generate([[5, 200]], SamplingParams(max_new_tokens=2))
     assert engine.generate([], SamplingParams(max_new_tokens=2)) == []
+
+
+def test_moe_checkpoint_names_fill_fused_experts_after_wake(tmp_path):
+    """A Qwen3-MoE engine (transformers keeps the experts fused in memory) takes the
+    checkpoint's per-expert tensors (what the weight sync streams): after sleep/wake, a stream
+    of a second model's checkpoint without one expert's up_proj leaves that name stale
+    (generate refuses, naming it); the full stream gives that model's logits exactly."""
+    from safetensors.torch import load_file
+
+    policy = build_tiny_model(str(tmp_path / "moe"), "qwen3_moe", layers=2, seed=0)
+    other = build_tiny_model(str(tmp_path / "moe2"), "qwen3_moe", layers=2, seed=1,
+                             tokenizer=False)
+    engine = make_rollout_engine("hf", policy, device="cpu")
+    named = sorted(load_file(f"{other}/model.safetensors").items())
+    assert any(".experts.7.up_proj.weight" in n for n, _ in named)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    target = AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()(ids).logits
+    assert (engine.probe_logits(ids) - target).abs().max() > 1e-2  # negative control
+    engine.sleep()
+    engine.wake()
+    missing = "model.layers.1.mlp.experts.5.up_proj.weight"
+    sync_weights(iter([(n, t) for n, t in named if n != missing]), engine, bucket_mb=0.01)
+    with pytest.raises(RuntimeError, match=missing.replace(".", r"\.")):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, temperature=0.0))
+    sync_weights(iter([(n, t) for n, t in named if n == missing]), engine, bucket_mb=0.01)
+    assert torch.equal(engine.probe_logits(ids), target.float())

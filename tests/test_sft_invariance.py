@@ -57,10 +57,14 @@ LAUNCHES = {
 # With the load-balancing loss on (aux=0.01): DP2 and DP2 x EP2, which cut the same
 # micro-batches (dp 2, micro-batch 4): compared with each other, not the reference.
 MOE_MODES = "modes=token-mean/seq-mean-token-mean"
-AUX = "aux=0.01+modes=token-mean"
+AUX = "aux=0.01+z=0.01+modes=token-mean"
+# Token dropping (expert capacity 0.5): not layout-invariant by design (engine.moe_settings),
+# compared with the dropless EP2 run of the same launch.
+CAP = "1,1,0,1,4,moe+ep=2+cap=0.5+modes=token-mean"
 MOE_SPECS = {
     1: [f"1,1,0,1,16,moe+{MOE_MODES}"],
-    2: [f"1,1,0,1,4,moe+ep=2+{MOE_MODES}", f"1,1,0,1,4,moe+{AUX}", f"1,1,0,1,4,moe+ep=2+{AUX}"],
+    2: [f"1,1,0,1,4,moe+ep=2+{MOE_MODES}", f"1,1,0,1,4,moe+{AUX}", f"1,1,0,1,4,moe+ep=2+{AUX}",
+        CAP],
     4: [f"1,1,0,1,2,moe+ep=2+{MOE_MODES}", f"1,2,0,1,4,moe+ep=2+{MOE_MODES}",
         f"2,1,0,1,4,moe+ep=2+sp+{MOE_MODES}", "1,1,0,1,2,moe+ep=2+bug=expertgrad+modes=token-mean"],
 }
@@ -115,7 +119,7 @@ def test_loss_grad_norm_and_params_match_reference(invariance_runs, world):
         if r.get("reference"):
             assert all(x > 0 for x in r["grad_norm"])
             continue
-        if is_control(r["spec"]) or "aux=" in r["spec"]:
+        if is_control(r["spec"]) or "aux=" in r["spec"] or "cap=" in r["spec"]:
             continue
         where = f"world={world} spec={r['spec']} mode={r['mode']}"
         assert r["loss_rel"] <= TOL, (where, r["loss"])
@@ -174,9 +178,10 @@ def test_negative_control_expert_grads_averaged_over_expert_dp_is_caught(invaria
 
 
 def test_router_aux_loss_is_invariant_to_ep_at_the_same_micro_batches(invariance_runs):
-    """moe.aux_loss_coeff > 0 (engine.router_losses): DP2 (ep 1) and DP2 x EP2 cut the same
-    micro-batches, so the loss, grad norm and logged moe/aux_loss agree; the aux loss really
-    acts (grad norm differs from the same layout without it)."""
+    """moe.aux_loss_coeff > 0 and moe.z_loss_coeff > 0 (engine.router_losses): DP2 (ep 1) and
+    DP2 x EP2 cut the same micro-batches, so the loss, grad norm and logged moe/aux_loss and
+    moe/z_loss agree; the router losses really act (grad norm differs from the same layout
+    without them)."""
     results, _ = invariance_runs
     runs = [r for r in results[2] if "aux=" in r["spec"]]
     assert len(runs) == 2
@@ -187,9 +192,26 @@ def test_router_aux_loss_is_invariant_to_ep_at_the_same_micro_batches(invariance
                 assert x == pytest.approx(y, rel=TOL), (r["spec"], key)
         for m, mb in zip(r["moe"], base["moe"]):
             assert m["moe/aux_loss"] == pytest.approx(mb["moe/aux_loss"], rel=TOL), r["spec"]
+            assert m["moe/z_loss"] == pytest.approx(mb["moe/z_loss"], rel=TOL), r["spec"]
+            assert m["moe/z_loss"] > 0 and "moe/dropped_token_fraction" not in m
             assert m["moe/expert_load_max_over_mean"] == pytest.approx(
                 mb["moe/expert_load_max_over_mean"], rel=TOL), r["spec"]
     plain = next(r for r in results[2] if r["spec"].startswith("1,1,0,1,4,moe+ep=2+modes")
                  and r["mode"] == "token-mean")
     assert abs(base["grad_norm"][0] - plain["grad_norm"][0]) > 100 * TOL * plain["grad_norm"][0]
     assert all(1.0 <= m["moe/expert_load_max_over_mean"] <= 8.0 for m in base["moe"])
+
+
+def test_capacity_factor_drops_tokens_and_logs_the_fraction(invariance_runs):
+    """moe.capacity_factor=0.5 at EP2 (2 ranks): every step drops a share of the top-k
+    assignments (an expert keeps at most ceil(0.5 x tokens x k / experts) of a micro-batch's
+    assignments: about half or more are dropped), logged as moe/dropped_token_fraction, and the
+    loss differs from the dropless run of the same layout from the first step."""
+    results, _ = invariance_runs
+    (cap,) = [r for r in results[2] if r["spec"] == CAP]
+    dropless = next(r for r in results[2] if r["spec"].startswith("1,1,0,1,4,moe+ep=2+modes")
+                    and r["mode"] == "token-mean")
+    assert len(cap["moe"]) == 3
+    for m in cap["moe"]:
+        assert 0.4 <= m["moe/dropped_token_fraction"] < 1.0, m
+    assert abs(cap["loss"][0] - dropless["loss"][0]) > 100 * TOL * dropless["loss"][0]

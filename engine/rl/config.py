@@ -1,6 +1,6 @@
 """Structured configuration of the GRPO / DAPO entry point (`python -m engine.rl`).
 
-`RLConfig` reuses the SFT parts (model, data, parallel, optim, loss, logging, checkpoint;
+`RLConfig` reuses the SFT parts (model, data, parallel, moe, optim, loss, logging, checkpoint;
 checkpoint.save_interval and train.exit_interval count RL steps) and adds the RL groups.
 `algorithm` only chooses defaults; every behaviour is its own key:
 
@@ -24,6 +24,7 @@ from engine.config import (CheckpointConfig, DataConfig, LoggingConfig, LossConf
                            checkpoint_config_problems, raise_problems, shape_problems,
                            split_argv, validate_common)
 from engine.model_settings import recompute_layer_problems, recompute_problems
+from engine.moe_settings import MoEConfig
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.algorithms import ALGORITHMS
 from engine.rl.policy_loss import KL_ESTIMATORS, POLICY_LOSSES
@@ -113,6 +114,7 @@ class RLConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)      # MoE policies (engine.moe_settings)
     train: RLTrainConfig = field(default_factory=RLTrainConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     loss: LossConfig = field(default_factory=LossConfig)   # norm_horizon default: max_new_tokens

@@ -33,6 +33,7 @@ from transformers import AutoTokenizer
 from engine.checkpointing import DataPosition
 from engine.data import load_prompt_rows
 from engine.model_settings import describe as describe_settings, megatron_overrides
+from engine.moe_settings import moe_overrides
 from engine.nonfinite import NonFiniteGuard
 from engine.rl.config import RLConfig
 from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
@@ -75,7 +76,8 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
                                        step, epoch, cfg.data.shuffle):
             updates.append(policy_update(policy, [seqs[i] for i in part], cfg.loss, settings,
                                          horizon))
-    for key in _UPDATE_MEAN_KEYS:
+    moe_keys = sorted({k for u in updates for k in u if k.startswith("moe/")})
+    for key in (*_UPDATE_MEAN_KEYS, *moe_keys):  # moe/*: MoE policies (engine.router_losses)
         metrics[key] = sum(u[key] for u in updates) / len(updates)
     metrics["lr"] = updates[-1]["lr"]
     metrics["train/optimizer_steps"] = float(len(updates))
@@ -186,7 +188,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     policy, resumed, extra = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, optimizer_steps, batching, pad_id,
         weights_dir=cfg.model.hf_path, load_weights=load,
-        **megatron_overrides(cfg.parallel, cfg.train)), position(0),
+        **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config)),
+        position(0),
         batch_key="train.prompts_per_step")
     policy.guard = NonFiniteGuard(t.max_consecutive_nonfinite_steps,
                                   skipped=int(extra.get("skipped_steps", 0)))
@@ -200,7 +203,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     # the KL reference is the initial policy (model.hf_path), also after a resume; it runs
     # forward-only, so it never recomputes
     reference = (TrainEngine.frozen(hf_config, dtype, cfg.model.hf_path, batching, pad_id,
-                                    **megatron_overrides(cfg.parallel))
+                                    **megatron_overrides(cfg.parallel),
+                                    **moe_overrides(cfg, hf_config, forward_only=True))
                  if cfg.kl.beta > 0 else None)
     pool = build_pool(cfg, policy, dtype)
     collector = None

@@ -2,7 +2,9 @@
 
     torchrun --nproc_per_node W tests/multirank/rl_invariance.py MODEL_DIR REF_FILE SPEC...
 
-Each SPEC is "tp,pp,cp,mbs[,packing]". On a FIXED synthetic rollout batch (prompts, responses,
+Each SPEC is "tp,pp,cp,mbs[,flags]" (flags "+" separated: packing; moe: the Qwen3-MoE policy
+of $INV_MOE_MODEL_DIR instead of MODEL_DIR, references keyed "moe/MODE"; ep=E: expert
+parallelism; sp: Megatron sequence parallelism). On a FIXED synthetic rollout batch (prompts, responses,
 advantages, rollout/old/reference log-probs; no generation) and for every aggregation mode in
 MODES, it re-initialises megatron's parallel state in the same processes, loads the same HF
 weights and
@@ -79,9 +81,12 @@ class RecordingEngine:
             self.tensors[name] = tensor.detach().cpu().clone()
 
 
-def _setup(model_dir, hf_config, layout_kw, world, train):
+def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None):
+    """A TrainEngine of `model_dir` under the layout; `overrides`: TransformerConfig fields
+    (default: the engine's own moe.* mapping with default keys, empty for dense models)."""
     import torch
 
+    from engine.moe_settings import MoEConfig, moe_overrides
     from engine.train_engine import TrainEngine
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
@@ -90,8 +95,10 @@ def _setup(model_dir, hf_config, layout_kw, world, train):
     optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
                             distributed_optimizer=True)
+    if overrides is None:
+        overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
     return TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
-                             weights_dir=model_dir)
+                             weights_dir=model_dir, **overrides)
 
 
 def _sequences(state, batch):
@@ -107,13 +114,16 @@ def _sequences(state, batch):
     return seqs, table
 
 
-def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world):
+def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp=False):
     import torch.distributed as dist
 
+    from engine.moe_settings import MoEConfig, moe_overrides
     from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
     from engine.rl.weight_sync import sync_to_rollout
 
-    state = _setup(model_dir, hf_config, layout_kw, world, train)
+    overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
+    state = _setup(model_dir, hf_config, layout_kw, world, train,
+                   dict(overrides, sequence_parallel=sp))
     seqs, table = _sequences(state, batch)
     settings = PolicyLossSettings(vocab_size=state.vocab_size, **SETTINGS)
     loss_cfg = SimpleNamespace(agg_mode=mode, count_empty_sequences=True)
@@ -153,12 +163,29 @@ def negative_control(model_dir, hf_config, batch, world):
     return float(value) / ps.get_data_parallel_world_size()
 
 
-def parse_spec(spec: str):
+def spec_flags(spec: str) -> list[str]:
     parts = spec.split(",")
-    tp, pp, cp, mbs = (int(x) for x in parts[:4])
+    return parts[4].split("+") if len(parts) > 4 and parts[4] else []
+
+
+def parse_spec(spec: str):
+    tp, pp, cp, mbs = (int(x) for x in spec.split(",")[:4])
+    flags = spec_flags(spec)
+    ep = next((int(f.split("=")[1]) for f in flags if f.startswith("ep=")), 1)
     train = SimpleNamespace(micro_batch_size=mbs, max_tokens_per_micro_batch=None,
-                            balance_dp=True, packing=len(parts) > 4 and parts[4] == "packing")
-    return dict(tp=tp, pp=pp, cp=cp), train
+                            balance_dp=True, packing="packing" in flags)
+    return dict(tp=tp, pp=pp, cp=cp, ep=ep), train
+
+
+def spec_model(spec: str, dense: tuple) -> tuple:
+    """(model dir, HF config, reference-key prefix): the dense MODEL_DIR, or with the `moe`
+    flag the MoE policy of $INV_MOE_MODEL_DIR."""
+    from models.hf_io import read_config
+
+    if "moe" not in spec_flags(spec):
+        return (*dense, "")
+    moe_dir = os.environ["INV_MOE_MODEL_DIR"]
+    return moe_dir, read_config(moe_dir), "moe/"
 
 
 def _rel(a, b):
@@ -195,32 +222,36 @@ def main():
         SETTINGS["temperature"] = 1.0
     rank, world = init_distributed()
     hf_config = read_config(model_dir)
-    batch = synthetic_rollout(hf_config["vocab_size"])
+    dense = (model_dir, hf_config)
     making_ref = world == 1 and not os.path.exists(ref_file)
     ref = None if making_ref else torch.load(ref_file)
     new_ref = {}
     for i, spec in enumerate(specs):
         layout_kw, train = parse_spec(spec)
+        spec_dir, spec_config, key = spec_model(spec, dense)
+        first_of_model = all(spec_model(s, dense)[2] != key for s in specs[:i])
+        batch = synthetic_rollout(spec_config["vocab_size"])
         for mode in MODES:
-            results, table, params = run_layout(model_dir, hf_config, layout_kw, train, mode,
-                                                batch, world)
-            if making_ref and i == 0:
-                new_ref[mode] = {"loss": [r["policy/loss"] for r in results],
+            results, table, params = run_layout(spec_dir, spec_config, layout_kw, train, mode,
+                                                batch, world, sp="sp" in spec_flags(spec))
+            if making_ref and first_of_model:
+                new_ref[key + mode] = {"loss": [r["policy/loss"] for r in results],
                                  "grad_norm": [r["grad_norm"] for r in results],
                                  "metrics": {k: [r[k] for r in results] for k in METRIC_KEYS},
                                  "table": table, "params": params}
-                out = {"reference": True, "loss": new_ref[mode]["loss"],
-                       "grad_norm": new_ref[mode]["grad_norm"],
-                       "metrics": new_ref[mode]["metrics"]}
+                out = {"reference": True, "loss": new_ref[key + mode]["loss"],
+                       "grad_norm": new_ref[key + mode]["grad_norm"],
+                       "metrics": new_ref[key + mode]["metrics"]}
             else:
-                out = compare(results, table, params, (new_ref or ref)[mode])
+                out = compare(results, table, params, (new_ref or ref)[key + mode])
             if rank == 0:
                 out.update(spec=spec, mode=mode, world=world)
                 print("RESULT " + json.dumps(out), flush=True)
     if making_ref:
         torch.save(new_ref, ref_file)
     if world > 1:
-        control = negative_control(model_dir, hf_config, batch, world)
+        control = negative_control(model_dir, hf_config,
+                                   synthetic_rollout(hf_config["vocab_size"]), world)
         if rank == 0:
             print("CONTROL " + json.dumps({"world": world, "mean_of_means": control,
                                            "reference": ref["token-mean"]["loss"][0]}),

@@ -8,7 +8,8 @@ layer, block: full recompute of the first 1 layer per chunk); modes=A/B: only th
 modes; bug=spnorm|detach|expertgrad: a deliberately broken run for a negative control, see
 `inject_bug`; moe: train the MoE model of $INV_MOE_MODEL_DIR instead of MODEL_DIR; ep=E:
 expert parallelism; aux=C: megatron's load-balancing loss `aux_loss` with coefficient C,
-scaled per step by engine.router_losses; the spec's results then carry "moe/aux_loss").
+z=C: the router z-loss, both scaled per step by engine.router_losses; cap=F: expert capacity
+factor F (token dropping); the spec's results then carry the moe/* metrics).
 For every spec and every aggregation mode it re-initialises megatron's parallel state in the
 same processes, loads the same HF weights, trains 3 optimizer steps on fixed synthetic global
 batches and records per-step loss, grad norm and the final parameters. With W == 1 and the
@@ -78,15 +79,19 @@ def spec_model(spec: str, dense: tuple) -> tuple:
 
 
 def moe_loss_overrides(spec: str) -> dict:
-    """TransformerConfig fields of the `aux=C` flag (engine.moe_settings' mapping)."""
+    """TransformerConfig fields of the `aux=C`, `z=C` and `cap=F` flags (engine.moe_settings'
+    mapping: moe.aux_loss_coeff, moe.z_loss_coeff, moe.capacity_factor)."""
     from engine.moe_settings import MoEConfig, moe_overrides
 
     parts = spec.split(",")
     flags = parts[5].split("+") if len(parts) > 5 else []
-    aux = next((float(f.split("=")[1]) for f in flags if f.startswith("aux=")), None)
-    if aux is None:
+    value = {f.split("=")[0]: float(f.split("=")[1]) for f in flags
+             if f.split("=")[0] in ("aux", "z", "cap")}
+    if not value:
         return {}
-    cfg = SimpleNamespace(moe=MoEConfig(aux_loss_coeff=aux))
+    cfg = SimpleNamespace(moe=MoEConfig(aux_loss_coeff=value.get("aux"),
+                                        z_loss_coeff=value.get("z"),
+                                        capacity_factor=value.get("cap")))
     return moe_overrides(cfg, {"model_type": "qwen3_moe"})
 
 

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
+from engine.rl.rollout.hf_targets import checkpoint_targets
 
 
 def _as_id_list(value) -> list[int]:
@@ -192,7 +193,9 @@ class HFRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------------- weights, memory
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy full tensors into the model's parameters by HF name (one bucket per call).
+        """Copy full tensors into the model's parameters by HF checkpoint name (one bucket
+        per call; experts per expert also where transformers fuses them in memory:
+        engine.rl.rollout.hf_targets).
 
         The whole bucket is checked (names, shapes) before anything is copied. With tied
         embeddings, `model.embed_tokens.weight` also sets the output layer; `lm_head.weight`
@@ -209,15 +212,14 @@ class HFRolloutEngine(RolloutEngine):
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(param.shape)}")
-        for name, tensor in bucket:
+        for name, tensor in bucket:  # a view of a fused expert tensor copies in place
             self._params[name].copy_(tensor)
             self._stale.discard(self._canonical[name])
 
     def _index_parameters(self) -> None:
-        """name -> parameter (tied aliases included) and alias -> canonical (first) name."""
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
-        first = {id(p): name for name, p in reversed(list(self._params.items()))}
-        self._canonical = {name: first[id(p)] for name, p in self._params.items()}
+        """checkpoint name -> tensor to write (tied aliases included, fused experts as views)
+        and name -> canonical name (engine.rl.rollout.hf_targets)."""
+        self._params, self._canonical = checkpoint_targets(self.model)
 
     def _replace_parameters(self, device: torch.device | str) -> None:
         """Swap every parameter for an uninitialised one on `device`, keeping ties (one new
