@@ -9,8 +9,13 @@ from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes", "rl").glob("*.yaml"))
 
 
-def test_both_recipes_exist():
-    assert {p.name for p in RECIPES} == {"qwen3_8b_grpo_h100.yaml", "qwen3_8b_dapo_h100.yaml"}
+DENSE = [p for p in RECIPES if p.name.startswith("qwen3_8b_")]
+MOE = Path(__file__).resolve().parents[1] / "recipes" / "rl" / "qwen3_30b_a3b_grpo_h100.yaml"
+
+
+def test_every_recipe_exists():
+    assert {p.name for p in RECIPES} == {"qwen3_8b_grpo_h100.yaml", "qwen3_8b_dapo_h100.yaml",
+                                         "qwen3_30b_a3b_grpo_h100.yaml"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -27,7 +32,7 @@ def test_recipe_loads_with_algorithm_defaults(path):
         assert cfg.kl.beta > 0 and cfg.clip.eps_high == 0.2
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", DENSE, ids=lambda p: p.name)
 @pytest.mark.parametrize("nodes", [2, 4, 8])
 def test_validate_prints_placement_and_sync_bytes(path, nodes, capsys):
     from engine.rl.recipe_check import rl_validate_main
@@ -45,11 +50,42 @@ def test_validate_prints_placement_and_sync_bytes(path, nodes, capsys):
 def test_validate_refuses_an_impossible_placement(capsys):
     from engine.rl.recipe_check import rl_validate_main
 
-    argv = ["--config", str(RECIPES[0]), "--validate", "rollout.num_engines=3"]
+    argv = ["--config", str(DENSE[0]), "--validate", "rollout.num_engines=3"]
     assert rl_validate_main(argv) == 2
     err = capsys.readouterr().err
     assert "rollout.num_engines=3 must be a multiple of the 2 nodes" in err
-    assert rl_validate_main(["--config", str(RECIPES[0]), "--validate",
+    assert rl_validate_main(["--config", str(DENSE[0]), "--validate",
                              "rollout.gpus_per_engine=16"]) == 2
     assert "rollout.gpus_per_engine=16 they need 16 devices but a node runs 8" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nodes,expert_dp,rollout_gib", [(4, 2, 61.8), (8, 4, 56.5)])
+def test_moe_recipe_validates_with_memory_of_both_phases(nodes, expert_dp, rollout_gib, capsys):
+    """Qwen3-30B-A3B: TP2 x EP8, one 8-GPU SGLang engine per node fed 61.1 GB per step; the
+    peak is the rollout phase (resident training state + SGLang's share); more nodes shard
+    the expert optimizer state further (optimizer 10.7 GiB at expert-dp 2, half at 4)."""
+    from engine.rl.recipe_check import rl_validate_main
+
+    assert rl_validate_main(["--config", str(MOE), "--validate", "--nodes", str(nodes)]) == 0
+    out = capsys.readouterr().out
+    assert f"tp=2 pp=1 cp=1 ep=8 dp={8 * nodes // 2} on {nodes} node(s)" in out
+    assert (f"{nodes} rollout engine(s) (1 per node where hosted), 8 GPU(s) per engine, "
+            f"owner ranks {[8 * k for k in range(nodes)]}") in out
+    assert f"weight sync per RL step: 61.1 GB to each of {nodes} engine(s)" in out
+    assert f"optimizer {10.7 * 2 / expert_dp:.1f}" in out
+    assert f"engine 27.9 (SGLang 0.35 x 79.6) = {rollout_gib}" in out
+    assert "warning" not in out
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("rollout.sglang.mem_fraction=0.6", "estimated peak memory per GPU 81.7 GiB exceeds "
+                                        "recipe.gpu_memory_gib=79.6"),
+    ("recipe.expected_memory_gib=50", "recipe.expected_memory_gib=50.0 but the estimated peak "
+                                      "is 61.8 GiB"),
+])
+def test_moe_recipe_memory_problems_name_the_key(override, needle, capsys):
+    from engine.rl.recipe_check import rl_validate_main
+
+    assert rl_validate_main(["--config", str(MOE), "--validate", override]) == 2
+    assert needle in capsys.readouterr().err

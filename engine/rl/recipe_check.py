@@ -3,8 +3,23 @@ recipe for a cluster shape without GPUs, weights or training (exit 0, or 2 listi
 
 It checks the configuration keys, the training layout for the model shape (model.hf_path's
 config.json, else the model.shape preset) and the rollout engine placement, and prints the
-placement (engines, GPUs per engine, owner ranks) and what one weight sync moves: every engine
-receives the whole model in model.dtype (HF tensors, unpadded vocabulary) once per RL step.
+placement (engines, GPUs per engine, owner ranks), what one weight sync moves (every engine
+receives the whole model in model.dtype, HF tensors, unpadded vocabulary, once per RL step)
+and an ESTIMATE of the memory per GPU (GiB), in two phases:
+
+- training: the policy's training peak (engine.recipe_validation.estimate_memory for the
+  policy layout, train.recompute*, and the micro-batches of one mini-batch of
+  prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
+  the frozen KL reference's weights (kl.beta > 0: the policy's stage parameters in
+  model.dtype, no gradients or optimizer state);
+- rollout, on an engine's GPUs: the resident training state (weights, fp32 gradient buffers,
+  optimizer state, the reference, the runtime) plus the engine: SGLang takes
+  rollout.sglang.mem_fraction of the GPU (weights and KV cache); the HF backend holds the
+  whole model in model.dtype on its owner rank. Without rollout.sleep_during_train the
+  engine's memory stays during training too, and counts in the training phase.
+
+The larger phase is the peak; it must fit recipe.gpu_memory_gib (a problem otherwise, a
+warning over 90 %) and match recipe.expected_memory_gib within 10 % when that is stated.
 """
 from __future__ import annotations
 
@@ -12,12 +27,71 @@ import sys
 
 from engine.config import ConfigError, layout_problems, value_problems
 from engine.config_loading import load_config
-from engine.recipe_validation import _int_flag, _model_config
+from engine.model_settings import sequence_parallel_on
+from engine.plan import plan_mini_batch
+from engine.recipe_validation import (EXPECTED_TOLERANCE, GIB, WARN_FRACTION, _int_flag,
+                                      _model_config, estimate_memory)
 from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, rl_problems
 from engine.rl.rollout.placement import placement_problems, resolve_placement
 from models.families import stage_parameters
+from parallel.layout import ParallelLayout
 
 GB = 1e9
+
+
+def rl_memory(cfg: RLConfig, hf: dict, world: int) -> tuple[float, float, list[str]]:
+    """(training GiB, rollout GiB, summary lines) per GPU: the module docstring's estimate."""
+    p, t, r = cfg.parallel, cfg.train, cfg.rollout
+    layout = ParallelLayout(world, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp,
+                            sequence_parallel=sequence_parallel_on(p), ep=p.ep)
+    responses = max(t.prompts_per_step * r.n // t.mini_batches_per_step, 1)
+    plan = plan_mini_batch([t.seq_length] * responses, layout.dp, t.balance_dp,
+                           t.micro_batch_size, t.max_tokens_per_micro_batch)
+    a = 2 if cfg.model.dtype == "bfloat16" else 4
+    mem = estimate_memory(hf, layout, t, a == 2, cfg.optim.distributed_optimizer,
+                          plan.num_micro_batches)
+    stage = stage_parameters(hf, p.tp, p.pp, p.ep)
+    reference = (max(stage.first_stage, stage.last_stage) * a / GIB
+                 if cfg.kl.beta > 0 else 0.0)
+    if r.backend == "sglang":
+        engine = r.sglang.mem_fraction * cfg.recipe.gpu_memory_gib
+        engine_text = f"SGLang {r.sglang.mem_fraction:g} x {cfg.recipe.gpu_memory_gib:g}"
+    else:
+        engine = stage_parameters(hf, 1, 1).total * a / GIB
+        engine_text = f"{r.backend} engine weights"
+    resident = mem.weights + mem.grads + mem.optimizer + reference + mem.runtime
+    training = mem.total + reference + (0.0 if r.sleep_during_train else engine)
+    rollout = resident + engine
+    lines = [
+        f"memory per GPU while training (estimate, GiB): policy {mem.total:.1f} (weights "
+        f"{mem.weights:.1f} + grads {mem.grads:.1f} + optimizer {mem.optimizer:.1f} + "
+        f"activations {mem.activations:.1f} + logits {mem.logits:.1f} + runtime "
+        f"{mem.runtime:.1f}) + KL reference {reference:.1f}"
+        + ("" if r.sleep_during_train else f" + rollout engine {engine:.1f}")
+        + f" = {training:.1f}",
+        f"memory per GPU during rollout on an engine's GPUs (estimate, GiB): resident "
+        f"training state {resident:.1f} + engine {engine:.1f} ({engine_text}) = "
+        f"{rollout:.1f}",
+    ]
+    return training, rollout, lines
+
+
+def _memory_problems(cfg: RLConfig, peak: float, at_recipe_size: bool
+                     ) -> tuple[list[str], list[str]]:
+    """(problems, warning lines) of the peak estimate against the recipe's memory keys."""
+    cap, stated = cfg.recipe.gpu_memory_gib, cfg.recipe.expected_memory_gib
+    problems, warnings = [], []
+    if peak > cap:
+        problems.append(f"estimated peak memory per GPU {peak:.1f} GiB exceeds "
+                        f"recipe.gpu_memory_gib={cap}: raise tp/pp/ep, lower "
+                        "train.max_tokens_per_micro_batch or rollout.sglang.mem_fraction")
+    elif peak > WARN_FRACTION * cap:
+        warnings.append(f"warning: estimated peak memory per GPU {peak:.1f} GiB is over "
+                        f"{WARN_FRACTION:.0%} of {cap} GiB")
+    if stated is not None and at_recipe_size and abs(stated - peak) > EXPECTED_TOLERANCE * peak:
+        problems.append(f"recipe.expected_memory_gib={stated} but the estimated peak is "
+                        f"{peak:.1f} GiB; update the recipe")
+    return problems, warnings
 
 
 def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int) -> tuple[list[str], list[str]]:
@@ -38,19 +112,24 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int) -> tuple[list[str
     params = stage_parameters(hf, 1, 1).total
     sync_bytes = params * (2 if cfg.model.dtype == "bfloat16" else 4)
     p = cfg.parallel
+    ep = f" ep={p.ep}" if p.ep > 1 else ""
+    training, rollout, memory_lines = rl_memory(cfg, hf, world)
+    at_recipe_size = (nodes, per_node) == (cfg.recipe.nodes, cfg.recipe.gpus_per_node)
+    memory_issues, warnings = _memory_problems(cfg, max(training, rollout), at_recipe_size)
     summary = [
         f"model: {cfg.model.shape or hf.get('model_type')}, {params / 1e9:.2f} B parameters, "
         f"dtype {cfg.model.dtype}",
-        f"training layout: tp={p.tp} pp={p.pp} cp={p.cp} dp={world // (p.tp * p.pp * p.cp)} "
-        f"on {nodes} node(s) x {per_node} GPUs",
+        f"training layout: tp={p.tp} pp={p.pp} cp={p.cp}{ep} "
+        f"dp={world // (p.tp * p.pp * p.cp)} on {nodes} node(s) x {per_node} GPUs",
         f"rollout: backend {r.backend}, {placement.describe()}",
         f"weight sync per RL step: {sync_bytes / GB:.1f} GB to each of "
         f"{placement.num_engines} engine(s) ({placement.num_engines * sync_bytes / GB:.1f} GB "
         "in all), each engine fed from its own model replica",
         f"rollout batch: {cfg.train.prompts_per_step} prompts x {r.n} responses, about "
         f"{cfg.train.prompts_per_step * r.n / placement.num_engines:.0f} responses per engine",
+        *memory_lines, *warnings,
     ]
-    return summary, []
+    return summary, memory_issues
 
 
 def rl_validate_main(argv: list[str]) -> int:
