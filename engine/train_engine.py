@@ -63,6 +63,26 @@ def finalize_grads(model, num_tokens=None, **kwargs):
     return finalize_model_grads(model, None, **kwargs)
 
 
+def mark_expert_params(chunks: list) -> int:
+    """Give every MoE expert weight `allreduce = False`, as megatron does only at
+    expert_model_parallel_size > 1; returns how many were marked.
+
+    Megatron's DDP and optimizer put such parameters in their own buffers and optimizer
+    (reduced and sharded over the expert-data-parallel group, which at ep 1 is the same
+    dp x cp group as the dense weights: the numbers do not change). Doing it at every ep gives
+    MoE checkpoints one optimizer layout (a chained dense + expert optimizer), so a
+    checkpoint saved at one ep resumes at any other; at ep 1 megatron would otherwise save a
+    single optimizer whose keys an ep > 1 run cannot load, and vice versa."""
+    marked = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if getattr(module, "is_expert", False):
+                for param in module.parameters(recurse=False):
+                    param.allreduce = False
+                    marked += 1
+    return marked
+
+
 def _optimizer(chunks: list, optim_cfg, dtype: torch.dtype):
     return get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
@@ -134,6 +154,7 @@ class TrainEngine:
             load_hf_weights(raw, SafetensorsReader(weights_dir), hf_config)
         config = raw[0].config
         config.finalize_model_grads_func = finalize_grads
+        mark_expert_params(raw)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=optim_cfg.distributed_optimizer,
             overlap_grad_reduce=False, average_in_collective=False)

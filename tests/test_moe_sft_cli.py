@@ -1,6 +1,8 @@
 """`engine.sft` on a tiny Qwen3-MoE model through the command line: `parallel.ep=2` on 2 ranks
-gives the single-process losses and grad norms (3 steps), and the moe.* / parallel.ep
-configuration errors name their keys (exit 2, before any process group)."""
+gives the single-process losses and grad norms (4 steps); its step-2 checkpoint resumed on one
+process (ep 1: every expert and its optimizer state resharded from 2 EP ranks) continues with
+the same losses; the moe.* / parallel.ep configuration errors name their keys (exit 2, before
+any process group)."""
 import json
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pytest
 from tests.launch import run_python, run_torchrun
 from tests.tiny_models import build_tiny_model
 
-STEPS = 3
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +36,11 @@ def _metrics(log_dir):
     return [json.loads(line) for line in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
 
 
-def test_ep2_matches_single_process(assets, tmp_path):
+def test_ep2_matches_single_process_and_its_checkpoint_resumes_at_ep1(assets, tmp_path):
     runs = {}
-    for nproc, extra in ((1, []), (2, ["parallel.ep=2"])):
+    ckpt = tmp_path / "ckpt"
+    for nproc, extra in ((1, []), (2, ["parallel.ep=2", f"checkpoint.dir={ckpt}",
+                                       "checkpoint.save_interval=2"])):
         log_dir = tmp_path / f"ep{nproc}"
         proc = run_torchrun(nproc, *_args(assets, log_dir, *extra), timeout=600)
         assert proc.returncode == 0
@@ -47,6 +51,20 @@ def test_ep2_matches_single_process(assets, tmp_path):
     for a, b in zip(ref, ep2):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    # resume EP2's step-2 checkpoint on one process: step 4's loss follows step 3's Adam
+    # update, which uses the resharded expert moments and master weights
+    log_dir = tmp_path / "resumed"
+    proc = run_torchrun(1, *_args(assets, log_dir, f"checkpoint.resume={ckpt}/iter_0000002"),
+                        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed from" in proc.stdout
+    resumed = _metrics(log_dir)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for r in resumed:
+        a = ref[r["step"] - 1]
+        assert r["loss"] == pytest.approx(a["loss"], rel=1e-5), r["step"]
+        assert r["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), r["step"]
+    assert abs(ref[3]["loss"] - ref[2]["loss"]) > 1e-3 * ref[2]["loss"]
 
 
 @pytest.mark.parametrize("extra,needles", [
