@@ -64,6 +64,8 @@ CAP = "1,1,0,1,4,moe+ep=2+cap=0.5+modes=token-mean"
 MOE_SPECS = {
     1: [f"1,1,0,1,16,moe+{MOE_MODES}"],
     2: [f"1,1,0,1,4,moe+ep=2+{MOE_MODES}", f"1,1,0,1,4,moe+{AUX}", f"1,1,0,1,4,moe+ep=2+{AUX}",
+        *(f"1,1,0,1,4,moe+{ep}auxtype={t}+{AUX}" for t in ("seq_aux_loss", "global_aux_loss")
+          for ep in ("", "ep=2+")),
         CAP],
     4: [f"1,1,0,1,2,moe+ep=2+{MOE_MODES}", f"1,2,0,1,4,moe+ep=2+{MOE_MODES}",
         f"2,1,0,1,4,moe+ep=2+sp+{MOE_MODES}", "1,1,0,1,2,moe+ep=2+bug=expertgrad+modes=token-mean"],
@@ -178,28 +180,42 @@ def test_negative_control_expert_grads_averaged_over_expert_dp_is_caught(invaria
 
 
 def test_router_aux_loss_is_invariant_to_ep_at_the_same_micro_batches(invariance_runs):
-    """moe.aux_loss_coeff > 0 and moe.z_loss_coeff > 0 (engine.router_losses): DP2 (ep 1) and
-    DP2 x EP2 cut the same micro-batches, so the loss, grad norm and logged moe/aux_loss and
-    moe/z_loss agree; the router losses really act (grad norm differs from the same layout
-    without them)."""
+    """moe.aux_loss_coeff > 0 and moe.z_loss_coeff > 0 (engine.router_losses), for each of
+    megatron's aux_loss, seq_aux_loss and global_aux_loss: DP2 (ep 1) and DP2 x EP2 cut the
+    same micro-batches, so the loss, grad norm and logged moe/aux_loss and moe/z_loss agree;
+    the router losses really act (grad norm differs from the same layout without them) and
+    the three types give different values."""
     results, _ = invariance_runs
-    runs = [r for r in results[2] if "aux=" in r["spec"]]
-    assert len(runs) == 2
-    base = runs[0]
-    for r in runs[1:]:
-        for key in ("loss", "grad_norm"):
-            for x, y in zip(r[key], base[key]):
-                assert x == pytest.approx(y, rel=TOL), (r["spec"], key)
-        for m, mb in zip(r["moe"], base["moe"]):
-            assert m["moe/aux_loss"] == pytest.approx(mb["moe/aux_loss"], rel=TOL), r["spec"]
-            assert m["moe/z_loss"] == pytest.approx(mb["moe/z_loss"], rel=TOL), r["spec"]
-            assert m["moe/z_loss"] > 0 and "moe/dropped_token_fraction" not in m
-            assert m["moe/expert_load_max_over_mean"] == pytest.approx(
-                mb["moe/expert_load_max_over_mean"], rel=TOL), r["spec"]
+    for aux_type in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
+        runs = [r for r in results[2] if "aux=" in r["spec"]
+                and aux_type_of(r["spec"]) == aux_type]
+        assert len(runs) == 2, aux_type
+        _check_router_loss_pair(runs)
     plain = next(r for r in results[2] if r["spec"].startswith("1,1,0,1,4,moe+ep=2+modes")
                  and r["mode"] == "token-mean")
+    base = next(r for r in results[2] if r["spec"] == f"1,1,0,1,4,moe+{AUX}")
     assert abs(base["grad_norm"][0] - plain["grad_norm"][0]) > 100 * TOL * plain["grad_norm"][0]
     assert all(1.0 <= m["moe/expert_load_max_over_mean"] <= 8.0 for m in base["moe"])
+    first = {aux_type_of(r["spec"]): r["moe"][0]["moe/aux_loss"] for r in results[2]
+             if "aux=" in r["spec"] and "ep=2" not in r["spec"]}
+    assert len({round(v, 6) for v in first.values()}) == 3, first
+
+
+def aux_type_of(spec: str) -> str:
+    return next((f.split("=")[1] for f in spec.split(",")[5].split("+")
+                 if f.startswith("auxtype=")), "aux_loss")
+
+
+def _check_router_loss_pair(runs: list) -> None:
+    """ep 1 and ep 2 at the same dp and micro-batches: loss, grad norm, moe metrics agree."""
+    base, other = runs
+    for key in ("loss", "grad_norm"):
+        for x, y in zip(other[key], base[key]):
+            assert x == pytest.approx(y, rel=TOL), (other["spec"], key)
+    for m, mb in zip(other["moe"], base["moe"]):
+        for key in ("moe/aux_loss", "moe/z_loss", "moe/expert_load_max_over_mean"):
+            assert m[key] == pytest.approx(mb[key], rel=TOL), (other["spec"], key)
+        assert m["moe/z_loss"] > 0 and "moe/dropped_token_fraction" not in m
 
 
 def test_capacity_factor_drops_tokens_and_logs_the_fraction(invariance_runs):

@@ -8,7 +8,8 @@ layer, block: full recompute of the first 1 layer per chunk); modes=A/B: only th
 modes; bug=spnorm|detach|expertgrad: a deliberately broken run for a negative control, see
 `inject_bug`; moe: train the MoE model of $INV_MOE_MODEL_DIR instead of MODEL_DIR; ep=E:
 expert parallelism; aux=C: megatron's load-balancing loss `aux_loss` with coefficient C,
-z=C: the router z-loss, both scaled per step by engine.router_losses; cap=F: expert capacity
+z=C: the router z-loss, both scaled per step by engine.router_losses; auxtype=T: the
+load-balancing loss type (aux_loss, seq_aux_loss, global_aux_loss); cap=F: expert capacity
 factor F (token dropping); the spec's results then carry the moe/* metrics).
 For every spec and every aggregation mode it re-initialises megatron's parallel state in the
 same processes, loads the same HF weights, trains 3 optimizer steps on fixed synthetic global
@@ -89,9 +90,11 @@ def moe_loss_overrides(spec: str) -> dict:
              if f.split("=")[0] in ("aux", "z", "cap")}
     if not value:
         return {}
+    aux_type = next((f.split("=")[1] for f in flags if f.startswith("auxtype=")), "aux_loss")
     cfg = SimpleNamespace(moe=MoEConfig(aux_loss_coeff=value.get("aux"),
                                         z_loss_coeff=value.get("z"),
-                                        capacity_factor=value.get("cap")))
+                                        capacity_factor=value.get("cap"),
+                                        aux_loss_type=aux_type))
     return moe_overrides(cfg, {"model_type": "qwen3_moe"})
 
 
