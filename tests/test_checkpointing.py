@@ -249,13 +249,19 @@ def _multi_node(env: dict, nodes: int, *args: str, timeout: int = 600) -> list:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def tiny_model(tmp_path_factory) -> str:
     from tests.tiny_models import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("ckpt_model") / "model"), "qwen3",
+                            vocab_size=200, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model):
     from tools.make_demo_assets import chat_row
 
     root = tmp_path_factory.mktemp("ckpt_runs")
-    model = build_tiny_model(str(root / "model"), "qwen3", vocab_size=200,
-                             initializer_range=0.1)
+    model = tiny_model
     pairs = [(a, b) for a in range(8) for b in range(4)]
     train = _write_jsonl(root / "train.jsonl", [chat_row(a, b) for a, b in pairs])
     evals = _write_jsonl(root / "eval.jsonl", [chat_row(a, 9) for a in range(6)])
@@ -399,11 +405,11 @@ def test_export_of_training_checkpoint_loads_and_matches_eval(runs):
     assert gen.shape[1] == prompt["input_ids"].shape[1] + 5 or int(gen[0, -1]) == 3
 
 
-def test_optimizer_scheduler_and_rng_round_trip(tmp_path, runs):
+def test_optimizer_scheduler_and_rng_round_trip(tmp_path, tiny_model):
     """At DP2: after a save and a load into a fresh state, every master weight and Adam moment
     is bitwise equal, the LR schedule and all RNG streams continue, the next step is identical;
     a checkpoint of another global batch size and a model-only checkpoint are refused."""
-    proc = run_torchrun(2, "tests/multirank/checkpoint_state.py", runs["model"], str(tmp_path),
+    proc = run_torchrun(2, "tests/multirank/checkpoint_state.py", tiny_model, str(tmp_path),
                         timeout=600)
     assert proc.returncode == 0
     (res,) = result_lines(proc.stdout)
