@@ -1,7 +1,8 @@
 """Process-group setup and teardown over megatron `parallel_state`.
 
-`init_distributed()` starts torch.distributed once per process (gloo on a CPU host, nccl on
-GPUs) from torchrun's environment, or as a single process when no launcher set it.
+`init_distributed()` starts torch.distributed once per process (gloo on a CPU host; on GPUs
+NCCL for CUDA tensors plus gloo for CPU tensors: GPU_BACKEND) from torchrun's environment, or
+as a single process when no launcher set it.
 `setup_model_parallel(layout)` (re)builds megatron's TP/PP/CP/DP groups (and the expert
 groups: EP, expert-TP = TP, expert-DP = dp x cp / ep); it may be called many
 times in one process (tests try many layouts in one launch); `teardown_model_parallel()` undoes it.
@@ -17,6 +18,14 @@ import torch.distributed as dist
 
 from parallel import cpu_runtime
 from parallel.layout import ParallelLayout
+
+
+# On GPUs every process group gets NCCL for CUDA tensors and gloo for CPU tensors: the engine
+# reduces small host-side tensors (loss-normaliser counts, report sums, router-loss metrics)
+# over megatron's groups, which inherit the default group's backends; with NCCL alone a CPU
+# tensor fails ("No backend type associated with device type cpu") whenever the group has
+# more than one rank.
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
 
 
 def _free_port() -> int:
@@ -35,8 +44,8 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    backend = "gloo" if cpu_runtime.is_cpu_host() else "nccl"
-    if backend == "nccl":
+    backend = "gloo" if cpu_runtime.is_cpu_host() else GPU_BACKEND
+    if backend != "gloo":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()

@@ -4,8 +4,8 @@ Each CP rank holds a zigzag shard of the sequence and all heads of its TP rank. 
 gathers the whole sequence and scatters heads (each rank keeps heads/cp), attention runs on the
 whole sequence in natural order, and a second all-to-all returns to sequence shards. Both
 exchanges go through `all_to_all` below, an autograd function (the backward of an all-to-all
-is the all-to-all of the gradients) that uses the backend's all-to-all on nccl and an
-all-gather on gloo, which has no all-to-all. (torch.distributed.nn's own gloo fallback passes group ranks as
+is the all-to-all of the gradients) that uses NCCL's all-to-all for CUDA tensors and an
+all-gather for CPU tensors (gloo, which has no all-to-all). (torch.distributed.nn's own gloo fallback passes group ranks as
 global ranks, so it breaks whenever the CP group is not ranks 0..cp-1, e.g. TP2 x CP2.) KV heads are repeated to the query head count first when the
 local KV head count is not divisible by cp (GQA with fewer KV heads than cp).
 """
@@ -27,11 +27,14 @@ def _exchange(inputs: list[torch.Tensor], group) -> list[torch.Tensor]:
     """Chunk i of this rank goes to group rank i; returns the chunks received, by source."""
     inputs = [x.contiguous() for x in inputs]
     outputs = [torch.empty_like(x) for x in inputs]
-    if dist.get_backend(group) == "nccl":
+    # by device, not by dist.get_backend(group): on GPUs that is "cpu:gloo,cuda:nccl"
+    # (parallel.process_groups.GPU_BACKEND), and CUDA tensors go to NCCL
+    if inputs[0].is_cuda:
         dist.all_to_all(outputs, inputs, group=group)
         return outputs
-    # gloo: one all-gather of every rank's stacked chunks, then keep the ones sent to us
-    # (cp times the traffic of an all-to-all, but one collective instead of cp scatters)
+    # gloo (CPU tensors; it has no all_to_all): one all-gather of every rank's stacked chunks,
+    # then keep the ones sent to us (cp times the traffic of an all-to-all, but one
+    # collective instead of cp scatters)
     me = dist.get_rank(group)
     stacked = torch.stack(inputs)
     gathered = [torch.empty_like(stacked) for _ in inputs]
