@@ -17,7 +17,8 @@ import torch
 
 class LocalNorm:
     """A `torch.nn.RMSNorm` or `torch.nn.LayerNorm` (by `config.normalization`) over the last
-    dimension of size `hidden_size`, constructed like megatron's norms (spec extension point).
+    dimension of size `hidden_size`, with parameters in `config.params_dtype`, constructed like
+    megatron's norms (spec extension point).
     With `config.sequence_parallel` its parameters are tagged `sequence_parallel=True` so their
     gradients are summed over the TP group before the optimizer step."""
 
@@ -26,10 +27,13 @@ class LocalNorm:
                 normalization: str = "LayerNorm"):
         if config.layernorm_zero_centered_gamma or zero_centered_gamma:
             raise ValueError("LocalNorm: zero-centered gamma is not supported")
+        # in the model's dtype, like megatron's and TE's own layers: with bf16 activations an
+        # fp32 weight makes torch skip its fused CUDA norm kernel (a mixed-dtype warning)
+        dtype = config.params_dtype
         if config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=dtype)
         elif config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
         else:
             raise ValueError(f"LocalNorm: normalization {config.normalization!r} is not "
                              "supported (RMSNorm, LayerNorm)")

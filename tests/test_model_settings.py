@@ -201,6 +201,23 @@ def test_local_norm_tags_its_weights_only_with_sequence_parallelism():
     assert spec.self_attention.submodules.q_layernorm is LocalNorm
 
 
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_local_norm_weights_are_in_the_model_dtype(normalization):
+    """bf16 models got fp32 norm weights (torch's default dtype): on GPUs torch then skips
+    its fused norm kernel ("Mismatch dtype between input and weight"), seen on an H100."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from models.norms import LocalNorm
+
+    for dtype in (torch.bfloat16, torch.float32):
+        config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8,
+                                   normalization=normalization, params_dtype=dtype,
+                                   bf16=dtype == torch.bfloat16)
+        norm = LocalNorm(config, 64, eps=1e-6)
+        assert {p.dtype for p in norm.parameters()} == {dtype}
+        assert norm(torch.randn(3, 64, dtype=dtype)).dtype == dtype
+
+
 # ------------------------------------------------------------------ memory estimate
 
 def test_memory_factors_of_sequence_parallelism_and_recompute():
