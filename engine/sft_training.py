@@ -86,12 +86,13 @@ def evaluate(engine: TrainEngine, eval_seqs: list[SequenceData], cfg: SFTConfig)
 
 def _load_data(cfg: SFTConfig, tokenizer):
     """(train dataset, eval sequences or None); rank 0 prints what was loaded."""
+    cache = dict(cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
     dataset = load_sft_dataset(cfg.data.train_files, tokenizer, cfg.train.seq_length,
-                               cfg.data.truncation)
+                               cfg.data.truncation, **cache)
     eval_seqs = None
     if cfg.data.eval_files and cfg.train.eval_interval > 0:
         eval_ds = load_sft_dataset(cfg.data.eval_files, tokenizer, cfg.train.seq_length,
-                                   cfg.data.truncation)
+                                   cfg.data.truncation, **cache)
         eval_seqs = samples_to_sequences([eval_ds[i] for i in range(len(eval_ds))])
         if dist.get_rank() == 0:
             print(f"[sft] eval data: {eval_ds.describe()}", flush=True)

@@ -1,6 +1,8 @@
-"""Wiring found broken on the first GPU run (H100, one rank): the process-group backends.
-Runs without a GPU or a process group."""
+"""Wiring found broken on the first GPU run (H100, one rank): the process-group backends and
+the SFT data keys. Both run without a GPU or a process group."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
@@ -28,6 +30,41 @@ def test_gpu_process_groups_take_cpu_tensors_too(monkeypatch):
     assert seen["device"] == 0
     assert BackendConfig(Backend(seen["backend"])).get_device_backend_map() == {
         "cpu": "gloo", "cuda": "nccl"}
+
+
+def test_sft_passes_data_cache_dir_and_workers(monkeypatch, tmp_path):
+    """data.cache_dir and data.num_workers reach the dataset loader (they were ignored: the
+    rendered cache went to ~/.cache whatever data.cache_dir said)."""
+    import engine.sft_training as st
+    from engine.config import SFTConfig
+
+    calls = []
+
+    class Dataset:
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            return SimpleNamespace(tokens=[5, 6], labels=[6, 7], loss_mask=[1, 1])
+
+        def describe(self):
+            return "stub"
+
+    def load(files, tokenizer, seq_length, truncation, **kwargs):
+        calls.append((list(files), kwargs))
+        return Dataset()
+
+    monkeypatch.setattr(st, "load_sft_dataset", load)
+    monkeypatch.setattr(st.dist, "get_rank", lambda *a: 0)
+    cfg = SFTConfig()
+    cfg.data.train_files = ["train.jsonl"]
+    cfg.data.eval_files = ["eval.jsonl"]
+    cfg.train.eval_interval = 1
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    cfg.data.num_workers = 3
+    st._load_data(cfg, tokenizer=None)
+    want = {"cache_dir": str(tmp_path / "cache"), "num_workers": 3}
+    assert calls == [(["train.jsonl"], want), (["eval.jsonl"], want)]
 
 
 def test_ulysses_exchange_uses_all_to_all_for_cuda_tensors(monkeypatch):
