@@ -57,6 +57,9 @@ def train_step(engine: TrainEngine, seqs: list[SequenceData],
     non-finite loss or gradient skips the update (engine.nonfinite), counted in engine.guard."""
     out = engine.train_batch(seqs, normalizer, sft_loss_fn(engine.vocab_size), SFT_REPORT_KEYS)
     tokens, padding, dt = out["batch/num_tokens"], out["batch/num_padding"], out["time/step_s"]
+    memory = {}
+    if torch.cuda.is_available():  # False on a CPU host: no memory/* metric there
+        memory["memory/max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return {
         "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": out["lr"],
         "num_tokens": int(tokens), "num_loss_tokens": out["num_loss_tokens"],
@@ -67,6 +70,7 @@ def train_step(engine: TrainEngine, seqs: list[SequenceData],
         "train/update_skipped": out["train/update_skipped"],
         "train/skipped_steps": float(engine.guard.skipped),
         **{k: v for k, v in out.items() if k.startswith("moe/")},  # MoE models only
+        **memory,  # this rank's peak allocated GPU memory so far (GPU runs only)
     }
 
 

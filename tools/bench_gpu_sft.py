@@ -1,0 +1,243 @@
+"""Single-GPU SFT through the real entry point: `torchrun --nproc_per_node 1 -m engine.sft`.
+
+    python tools/bench_gpu_sft.py --workdir /tmp/gpu_sft                 # on a CUDA host
+    python tools/bench_gpu_sft.py --workdir /tmp/gpu_sft --tiny          # CPU smoke (gloo)
+
+Builds, locally (nothing is downloaded), random-weight HF models with the tests' word-level
+chat tokenizer (tests/tiny_models.py) and a synthetic chat JSON-lines file of `--rows` rows
+whose assistant turns are longer than `--seq`, so every sequence is cut to exactly `--seq`
+tokens (data.truncation=right). The same rows repeat every epoch: the loss must fall.
+
+Cases (each a separate launch, bf16 on CUDA):
+  dense      Qwen3-0.6B widths (28 layers, hidden 1024, 16 heads / 8 KV heads, head_dim 128,
+             FFN 3072, vocab 151936, tied embeddings), no recomputation
+  selective  dense with train.recompute=selective
+  full       dense with train.recompute=full (uniform, 1 layer)
+  moe        Qwen3-MoE: 16 layers, hidden 1024, 16 experts top-2 (moe_intermediate 768),
+             untied embeddings; parallel.ep=1, moe.token_dispatcher=alltoall
+
+Reported per case (steps after `--warmup`): median step time, tokens/s, model TFLOP/s and MFU
+against the GPU's dense bf16 peak (tools/bench_mfu.py's table), peak allocated GPU memory
+(the engine's memory/max_allocated_gib metric), first/last loss. Model FLOPs per step =
+3 x forward; forward = 2 x (weights used per token, LM head included, embedding lookup not) x
+tokens + causal attention 2 x 2 x q_dim x L(L+1)/2 per layer and sequence (bench_mfu's
+count); for MoE the weights used per token are the attention, the router and top-k experts.
+Recomputation is not counted (MFU, not hardware FLOP utilisation).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+DENSE = dict(arch="qwen3", vocab_size=151936, hidden=1024, layers=28, heads=16, kv_heads=8,
+             intermediate=3072, head_dim=128, max_position_embeddings=40960,
+             rope_theta=1000000.0)
+MOE = dict(arch="qwen3_moe", vocab_size=151936, hidden=1024, layers=16, heads=16, kv_heads=8,
+           intermediate=3072, head_dim=128, num_experts=16, num_experts_per_tok=2,
+           moe_intermediate_size=768, max_position_embeddings=40960, rope_theta=1000000.0)
+TINY_DENSE = dict(arch="qwen3", vocab_size=200, hidden=64, layers=2, heads=4, kv_heads=2,
+                  intermediate=128, head_dim=16, max_position_embeddings=1024)
+TINY_MOE = dict(arch="qwen3_moe", vocab_size=200, hidden=64, layers=2, heads=4, kv_heads=2,
+                intermediate=128, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, max_position_embeddings=1024)
+
+CASES = {  # name -> (model key, extra engine.sft overrides)
+    "dense": ("dense", []),
+    "selective": ("dense", ["train.recompute=selective"]),
+    "full": ("dense", ["train.recompute=full"]),
+    "moe": ("moe", ["parallel.ep=1", "moe.token_dispatcher=alltoall"]),
+}
+
+
+def build_models(workdir: Path, tiny: bool, needed: set[str]) -> dict[str, str]:
+    from tests.tiny_models import build_tiny_model
+
+    specs = {"dense": TINY_DENSE if tiny else DENSE, "moe": TINY_MOE if tiny else MOE}
+    out = {}
+    for key in sorted(needed):
+        path = workdir / f"model_{key}"
+        if not (path / "config.json").exists():
+            t0 = time.perf_counter()
+            spec = dict(specs[key])
+            build_tiny_model(str(path), spec.pop("arch"), **spec)
+            print(f"[bench] built {key} model in {time.perf_counter() - t0:.1f} s", flush=True)
+        out[key] = str(path)
+    return out
+
+
+def write_data(path: Path, rows: int, seq: int, seed: int = 0) -> None:
+    """Chat rows: a short user turn, an assistant turn of > seq tokens that repeats a
+    row-specific 61-token phrase (learnable, so the loss falls; the tiny tokenizer reads
+    letters, digits and punctuation as one token each)."""
+    rng = random.Random(seed)
+    alphabet = list("abcdefghijklmnopqrstuvwxyz0123456789+-*/=?.,:;!()")
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(rows):
+            phrase = " ".join(rng.choice(alphabet) for _ in range(61))
+            user = " ".join(rng.choice(alphabet) for _ in range(32))
+            answer = " ".join([phrase] * (seq // 61 + 2))
+            f.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+
+
+def experts(hf: dict) -> int:
+    """Routed experts of an HF config (transformers 5 saves num_local_experts), 0 if dense."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+
+
+def model_flops(hf: dict, lengths: list[int]) -> float:
+    """3 x forward FLOPs of one step over sequences of these lengths (see module docstring)."""
+    h, layers = hf["hidden_size"], hf["num_hidden_layers"]
+    q = hf["num_attention_heads"] * hf["head_dim"]
+    kv = hf["num_key_value_heads"] * hf["head_dim"]
+    attn = h * (q + 2 * kv) + q * h
+    if experts(hf):
+        mlp = hf["num_experts_per_tok"] * 3 * h * hf["moe_intermediate_size"] + h * experts(hf)
+    else:
+        mlp = 3 * h * hf["intermediate_size"]
+    per_token = layers * (attn + mlp) + h * hf["vocab_size"]
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    return 3.0 * (2 * per_token * sum(lengths) + layers * 2 * 2 * q * pairs)
+
+
+def param_counts(hf: dict) -> tuple[float, float]:
+    """(total parameters, parameters used per token) of the HF config."""
+    h, layers, v = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    q = hf["num_attention_heads"] * hf["head_dim"]
+    kv = hf["num_key_value_heads"] * hf["head_dim"]
+    attn = h * (q + 2 * kv) + q * h + 2 * hf["head_dim"] + 2 * h
+    emb = v * h * (1 if hf.get("tie_word_embeddings") else 2)
+    if experts(hf):
+        e, n = 3 * h * hf["moe_intermediate_size"], experts(hf)
+        total = layers * (attn + n * e + h * n) + emb + h
+        active = layers * (attn + hf["num_experts_per_tok"] * e + h * n) + emb + h
+        return total, active
+    total = layers * (attn + 3 * h * hf["intermediate_size"]) + emb + h
+    return total, total
+
+
+def run_case(name: str, model_dir: str, data: Path, workdir: Path, args) -> dict:
+    model_key, extra = CASES[name]
+    log_dir = workdir / "runs" / name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = log_dir / "metrics.jsonl"
+    if metrics_path.exists():
+        metrics_path.unlink()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+           "--master_port", str(args.port), "-m", "engine.sft",
+           f"model.hf_path={model_dir}", f"model.dtype={args.dtype}",
+           f"data.train_files=[{data}]", f"data.cache_dir={workdir / 'cache'}",
+           "data.num_workers=1", f"train.seq_length={args.seq}",
+           f"train.global_batch_size={args.gbs}", "train.micro_batch_size=1",
+           f"train.max_steps={args.steps}", f"optim.lr={args.lr}", "optim.warmup_steps=2",
+           "optim.schedule=constant", f"logging.dir={log_dir}", "logging.progress_bar=false",
+           *extra]
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    with open(log_dir / "log.txt", "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        rc = subprocess.call(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in open(metrics_path)] if metrics_path.exists() else []
+    res = {"case": name, "rc": rc, "wall_s": wall, "steps": len(rows), "cmd": cmd}
+    if rc != 0 or not rows:
+        res["log_tail"] = open(log_dir / "log.txt").read()[-4000:]
+        return res
+    hf = json.load(open(Path(model_dir) / "config.json"))
+    timed = rows[args.warmup:] or rows
+    step_s = statistics.median(r["time/step_s"] for r in timed)
+    tokens = statistics.median(r["num_tokens"] for r in timed)
+    nseq = timed[0]["num_sequences"]
+    lengths = [tokens / nseq] * int(nseq)  # every row is longer than seq_length: all cut equal
+    flops = model_flops(hf, lengths)
+    losses = [r["loss"] for r in rows]
+    total, active = param_counts(hf)
+    res.update(
+        step_s=step_s, step_s_all=[r["time/step_s"] for r in rows], tokens_per_step=tokens,
+        tokens_per_s=tokens / step_s, tflops=flops / step_s / 1e12, params=total,
+        active_params=active, seq_len_mean=tokens / nseq, losses=losses,
+        grad_norms=[r["grad_norm"] for r in rows],
+        finite=all(math.isfinite(x) for x in losses + [r["grad_norm"] for r in rows]),
+        decreased=losses[-1] < losses[0],
+        peak_mem_gib=max((r.get("memory/max_allocated_gib", 0.0) for r in rows), default=None),
+        skipped=rows[-1].get("train/skipped_steps"))
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", default="/tmp/bench_gpu_sft")
+    ap.add_argument("--cases", default="dense,moe,full,selective")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--gbs", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
+    ap.add_argument("--port", type=int, default=29611)
+    ap.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke test)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    cases = [c for c in args.cases.split(",") if c]
+    models = build_models(workdir, args.tiny, {CASES[c][0] for c in cases})
+    data = workdir / f"data_{args.seq}.jsonl"
+    write_data(data, args.rows, args.seq)
+    from bench_mfu import peak_bf16_tflops
+
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = peak_bf16_tflops(gpu) if cuda else None
+    results = []
+    for c in cases:
+        res = run_case(c, models[CASES[c][0]], data, workdir, args)
+        res["mfu"] = res["tflops"] / peak if peak and "tflops" in res else None
+        results.append(res)
+        brief = {k: res.get(k) for k in ("case", "rc", "wall_s", "step_s", "tokens_per_s",
+                                           "tflops", "mfu", "peak_mem_gib", "finite",
+                                           "decreased")}
+        print("[bench] " + json.dumps(brief), flush=True)
+        if "log_tail" in res:
+            print(res["log_tail"], flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"gpu": gpu, "peak_bf16_tflops": peak, "args": vars(args),
+                           "torch": torch.__version__, "results": results}, f, indent=1)
+    print(f"\nGPU: {gpu}; dtype {args.dtype}; seq {args.seq}; global batch {args.gbs} "
+          f"(micro-batch 1); {args.steps} steps, median over steps {args.warmup + 1}.."
+          f"{args.steps}\n")
+    print("| case | params (active) | step s | tokens/s/GPU | TFLOP/s | MFU | peak GiB | "
+          "loss first -> last |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "step_s" not in r:
+            print(f"| {r['case']} | failed rc={r['rc']} | | | | | | |")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        print(f"| {r['case']} | {r['params'] / 1e9:.2f}B ({r['active_params'] / 1e9:.2f}B) | "
+              f"{r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | "
+              f"{r['peak_mem_gib']:.1f} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
+    return 0 if all(r["rc"] == 0 and r.get("finite") for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
