@@ -194,7 +194,8 @@ def test_concurrent_ranks_one_builds_the_others_wait(tok_dir, tmp_path):
     assert len({o["path"] for o in outs}) == 1
     errs = "".join(err for _, _, err in results)
     assert errs.count("] rank") and errs.count("rendered 3200 rows") == 1, errs[-3000:]
-    assert errs.count("waiting for another process to build the data cache") == 2
+    # ranks that started before the build finished waited (a late one reads the cache)
+    assert 1 <= errs.count("waiting for another process to build the data cache") <= 2
 
 
 def test_build_error_reaches_every_rank_once_built(tok_dir, tmp_path):
@@ -204,8 +205,10 @@ def test_build_error_reaches_every_rank_once_built(tok_dir, tmp_path):
     assert [rc for rc, _, _ in results] == [2, 2, 2]
     for _, out, _ in results:
         assert f"DATAERROR {path}:2501: missing field 'response'" in out
-    errs = "".join(err for _, _, err in results)
-    assert errs.count("waiting for another process to build") == 2, errs[-3000:]  # one build
+    # one build: only one rank renders; the others waited for it or, started after it
+    # failed, read the recorded error
+    builders = [err for _, _, err in results if "rendering SFT rows" in err]
+    assert len(builders) == 1, [err[-1000:] for _, _, err in results]
 
 
 # ----------------------------------------------------------------------------- formats

@@ -254,8 +254,11 @@ def test_cli_generates_once_per_step_and_syncs_weights(model_dir, prompts_file, 
         "train.mini_batches_per_step=2", "train.micro_batch_size=2", "train.max_steps=2",
         "train.seq_length=64", "optim.lr=1e-3", "kl.beta=0.05", "entropy_coef=0.001",
         "reward.fn=tests.test_rl_loop:digit_reward", "rollout.check_weight_sync=true",
+        f"data.cache_dir={tmp_path / 'cache'}", "data.num_workers=0",
         f"logging.dir={log_dir}", "logging.progress_bar=false", timeout=400)
     assert proc.returncode == 0
+    # the prompts were rendered once into data.cache_dir (both ranks read the one entry)
+    assert len([p for p in (tmp_path / "cache").glob("prompts-*") if p.is_dir()]) == 1
     steps = _metrics(log_dir)
     assert len(steps) == 2
     for m in steps:

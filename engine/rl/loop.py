@@ -175,9 +175,13 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     # every rank, before the model is built: data errors stop every rank at once
+    # prompts rendered once per node into the data cache (data.cache_dir, data.num_workers)
     locations: list[str] = []
-    rows, prompt_ids = fit_prompt_rows(load_prompt_rows(cfg.data.train_files, locations),
-                                       locations, tokenizer, cfg)
+    rendered: list[list[int]] = []
+    rows = load_prompt_rows(cfg.data.train_files, locations, tokenizer=tokenizer,
+                            prompt_ids=rendered, cache_dir=cfg.data.cache_dir,
+                            num_workers=cfg.data.num_workers)
+    rows, prompt_ids = fit_prompt_rows(rows, locations, tokenizer, cfg, rendered)
     t = cfg.train
 
     def position(done: int) -> DataPosition:

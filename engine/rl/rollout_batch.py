@@ -101,18 +101,22 @@ def _error_kind(error: Exception) -> str:
             else "other")
 
 
-def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg
+def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg,
+                    rendered: list[list[int]] | None = None
                     ) -> tuple[list[dict], list[list[int]]]:
     """The prompt rows whose rendered prompt leaves room for rollout.max_new_tokens within
     train.seq_length (at most seq_length + 1 - max_new_tokens tokens), and their rendered ids
     (for RolloutCollector's `prompt_ids`, so no prompt is rendered twice). Over-long rows follow
     data.truncation: "right" drops them (a prompt cut short would lose its question; the count
     is printed on rank 0), "error" raises DataError naming file:line. Every rank calls it with
-    the same rows (the prompt count is part of the checkpointed data position)."""
+    the same rows (the prompt count is part of the checkpointed data position). `rendered`:
+    the rows' prompt ids from the data cache (engine.data.load_prompt_rows `prompt_ids`);
+    without it every prompt is rendered here."""
     limit = cfg.train.seq_length + 1 - cfg.rollout.max_new_tokens
     kept, kept_ids, dropped = [], [], []
-    for row, loc in zip(rows, locations):
-        ids = render_prompt(row["prompt"], tokenizer, where=loc)
+    for i, (row, loc) in enumerate(zip(rows, locations)):
+        ids = (rendered[i] if rendered is not None
+               else render_prompt(row["prompt"], tokenizer, where=loc))
         n = len(ids)
         if n <= limit:
             kept.append(row)
