@@ -11,10 +11,10 @@ import sys
 import time
 from typing import Callable
 
-from engine.config import ConfigError, SFTConfig, load_config, validate_common
+from engine.config import (ConfigError, SFTConfig, load_config, parallel_layout,
+                           validate_common)
 from engine.data_files import DataError
 from engine.errors import RunError
-from parallel.layout import ParallelLayout
 from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 
 
@@ -43,8 +43,7 @@ def run_entry(run: str, argv: list[str], schema=None,
             time.sleep(3)
         return fail(str(e))
     init_distributed()
-    layout = ParallelLayout(world, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                            vpp=cfg.parallel.vpp, cp=cfg.parallel.cp, ep=cfg.parallel.ep)
+    layout = parallel_layout(cfg.parallel, world)
     setup_model_parallel(layout, seed=cfg.seed)
     if _rank() == 0:
         tag = "rl" if run.startswith("engine.rl.") else "sft"

@@ -250,13 +250,17 @@ def value_problems(cfg) -> list[str]:
     return p
 
 
+def parallel_layout(parallel_cfg, world_size: int) -> ParallelLayout:
+    """The ParallelLayout of the parallel.* keys at `world_size` (sequence parallelism
+    resolved: null means on at tp > 1)."""
+    p = parallel_cfg
+    return ParallelLayout(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp,
+                          sequence_parallel=sequence_parallel_on(p), ep=p.ep)
+
+
 def layout_problems(cfg, world_size: int, hf_config: dict) -> list[str]:
     """ParallelLayout constraints of cfg.parallel at `world_size` for this model shape."""
-
-    layout = ParallelLayout(world_size, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                            vpp=cfg.parallel.vpp, cp=cfg.parallel.cp,
-                            sequence_parallel=sequence_parallel_on(cfg.parallel),
-                            ep=cfg.parallel.ep)
+    layout = parallel_layout(cfg.parallel, world_size)
     return layout.problems(num_layers=hf_config["num_hidden_layers"],
                            num_heads=hf_config["num_attention_heads"],
                            num_kv_heads=hf_config.get("num_key_value_heads"),

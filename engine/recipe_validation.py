@@ -41,9 +41,9 @@ import sys
 from dataclasses import dataclass, field
 
 from engine.config import (ConfigError, SFTConfig, data_file_problems, layout_problems,
-                           load_config, read_model_config, sft_problems, value_problems)
-from engine.model_settings import (recompute_layer_problems, recompute_settings,
-                                   sequence_parallel_on)
+                           load_config, parallel_layout, read_model_config, sft_problems,
+                           value_problems)
+from engine.model_settings import recompute_layer_problems, recompute_settings
 from models.families import padded_vocab_size, stage_parameters
 from models.presets import MODEL_SHAPES, shape_mismatches
 
@@ -139,6 +139,26 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     return max(first, last, key=lambda m: m.total)
 
 
+def memory_checks(estimate: float, recipe, at_recipe_size: bool, what: str, fix: str,
+                  stated_vs: str) -> tuple[list[str], list[str]]:
+    """(problems, warnings) of a per-GPU estimate (GiB) against recipe.gpu_memory_gib (over
+    it: a problem naming `fix`; over WARN_FRACTION of it: a warning) and, at the recipe's own
+    cluster size, recipe.expected_memory_gib (off by more than EXPECTED_TOLERANCE: a problem).
+    `what` names the estimate ("estimated memory per GPU"), `stated_vs` how the mismatch
+    message names it ("the estimate for 2 node(s) is")."""
+    cap, stated = recipe.gpu_memory_gib, recipe.expected_memory_gib
+    problems, warnings = [], []
+    if estimate > cap:
+        problems.append(f"{what} {estimate:.1f} GiB exceeds recipe.gpu_memory_gib={cap}: {fix}")
+    elif estimate > WARN_FRACTION * cap:
+        warnings.append(f"{what} {estimate:.1f} GiB is over {WARN_FRACTION:.0%} of {cap} GiB")
+    if stated is not None and at_recipe_size and abs(stated - estimate) > (
+            EXPECTED_TOLERANCE * estimate):
+        problems.append(f"recipe.expected_memory_gib={stated} but {stated_vs} "
+                        f"{estimate:.1f} GiB; update the recipe")
+    return problems, warnings
+
+
 @dataclass
 class RecipeReport:
     summary: list[str]
@@ -170,7 +190,6 @@ def _model_config(cfg, problems: list[str]) -> dict | None:
 def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     """Every problem and warning of running `cfg` on `nodes` nodes with `world_size` GPUs."""
     from engine.plan import plan_mini_batch
-    from parallel.layout import ParallelLayout
 
     problems = (value_problems(cfg) + sft_problems(cfg)
                 + data_file_problems(cfg, require_train=False))
@@ -189,8 +208,7 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     if layout_issues:
         return RecipeReport([], problems + layout_issues, warnings)
     p = cfg.parallel
-    layout = ParallelLayout(world_size, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp,
-                            sequence_parallel=sequence_parallel_on(p), ep=p.ep)
+    layout = parallel_layout(p, world_size)
     per_node = world_size // nodes
     if per_node % (p.tp * p.cp):
         warnings.append(f"tp x cp = {p.tp * p.cp} does not fit inside one node of {per_node} "
@@ -212,20 +230,14 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     bf16 = cfg.model.dtype == "bfloat16"
     mem = estimate_memory(hf, layout, train, bf16, cfg.optim.distributed_optimizer, m)
     cap = cfg.recipe.gpu_memory_gib
-    if mem.total > cap:
-        problems.append(f"estimated memory per GPU {mem.total:.1f} GiB exceeds "
-                        f"recipe.gpu_memory_gib={cap}: raise tp/pp/cp or lower "
-                        "train.micro_batch_size / max_tokens_per_micro_batch")
-    elif mem.total > WARN_FRACTION * cap:
-        warnings.append(f"estimated memory per GPU {mem.total:.1f} GiB is over "
-                        f"{WARN_FRACTION:.0%} of {cap} GiB")
-    stated = cfg.recipe.expected_memory_gib
     at_recipe_size = (nodes == cfg.recipe.nodes
                       and world_size == cfg.recipe.nodes * cfg.recipe.gpus_per_node)
-    if stated is not None and at_recipe_size and abs(stated - mem.total) > (
-            EXPECTED_TOLERANCE * mem.total):
-        problems.append(f"recipe.expected_memory_gib={stated} but the estimate for "
-                        f"{nodes} node(s) is {mem.total:.1f} GiB; update the recipe")
+    too_big, near = memory_checks(
+        mem.total, cfg.recipe, at_recipe_size, "estimated memory per GPU",
+        "raise tp/pp/cp or lower train.micro_batch_size / max_tokens_per_micro_batch",
+        f"the estimate for {nodes} node(s) is")
+    problems += too_big
+    warnings += near
     params = stage_parameters(hf, p.tp, p.pp, p.ep)
     tokens = train.global_batch_size * train.seq_length
     active = (f" ({params.active / 1e9:.2f} B active per token, "

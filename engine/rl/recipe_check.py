@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import sys
 
-from engine.config import ConfigError, layout_problems, value_problems
+from engine.config import ConfigError, layout_problems, parallel_layout, value_problems
 from engine.config_loading import load_config
-from engine.model_settings import sequence_parallel_on
 from engine.plan import plan_mini_batch
-from engine.recipe_validation import (EXPECTED_TOLERANCE, GIB, WARN_FRACTION, _int_flag,
-                                      _model_config, estimate_memory)
+from engine.recipe_validation import (GIB, _int_flag, _model_config, estimate_memory,
+                                      memory_checks)
 from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, rl_problems
 from engine.rl.rollout.placement import placement_problems, resolve_placement
 from models.families import stage_parameters
-from parallel.layout import ParallelLayout
 
 GB = 1e9
 
@@ -42,8 +40,7 @@ GB = 1e9
 def rl_memory(cfg: RLConfig, hf: dict, world: int) -> tuple[float, float, list[str]]:
     """(training GiB, rollout GiB, summary lines) per GPU: the module docstring's estimate."""
     p, t, r = cfg.parallel, cfg.train, cfg.rollout
-    layout = ParallelLayout(world, tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp,
-                            sequence_parallel=sequence_parallel_on(p), ep=p.ep)
+    layout = parallel_layout(p, world)
     responses = max(t.prompts_per_step * r.n // t.mini_batches_per_step, 1)
     plan = plan_mini_batch([t.seq_length] * responses, layout.dp, t.balance_dp,
                            t.micro_batch_size, t.max_tokens_per_micro_batch)
@@ -76,24 +73,6 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int) -> tuple[float, float, list[s
     return training, rollout, lines
 
 
-def _memory_problems(cfg: RLConfig, peak: float, at_recipe_size: bool
-                     ) -> tuple[list[str], list[str]]:
-    """(problems, warning lines) of the peak estimate against the recipe's memory keys."""
-    cap, stated = cfg.recipe.gpu_memory_gib, cfg.recipe.expected_memory_gib
-    problems, warnings = [], []
-    if peak > cap:
-        problems.append(f"estimated peak memory per GPU {peak:.1f} GiB exceeds "
-                        f"recipe.gpu_memory_gib={cap}: raise tp/pp/ep, lower "
-                        "train.max_tokens_per_micro_batch or rollout.sglang.mem_fraction")
-    elif peak > WARN_FRACTION * cap:
-        warnings.append(f"warning: estimated peak memory per GPU {peak:.1f} GiB is over "
-                        f"{WARN_FRACTION:.0%} of {cap} GiB")
-    if stated is not None and at_recipe_size and abs(stated - peak) > EXPECTED_TOLERANCE * peak:
-        problems.append(f"recipe.expected_memory_gib={stated} but the estimated peak is "
-                        f"{peak:.1f} GiB; update the recipe")
-    return problems, warnings
-
-
 def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int) -> tuple[list[str], list[str]]:
     """(summary lines, problems) of running `cfg` on `nodes` x `per_node` GPUs."""
     problems = value_problems(cfg) + rl_problems(cfg)
@@ -115,7 +94,10 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int) -> tuple[list[str
     ep = f" ep={p.ep}" if p.ep > 1 else ""
     training, rollout, memory_lines = rl_memory(cfg, hf, world)
     at_recipe_size = (nodes, per_node) == (cfg.recipe.nodes, cfg.recipe.gpus_per_node)
-    memory_issues, warnings = _memory_problems(cfg, max(training, rollout), at_recipe_size)
+    memory_issues, warnings = memory_checks(
+        max(training, rollout), cfg.recipe, at_recipe_size, "estimated peak memory per GPU",
+        "raise tp/pp/ep, lower train.max_tokens_per_micro_batch or rollout.sglang.mem_fraction",
+        "the estimated peak is")
     summary = [
         f"model: {cfg.model.shape or hf.get('model_type')}, {params / 1e9:.2f} B parameters, "
         f"dtype {cfg.model.dtype}",
@@ -127,7 +109,7 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int) -> tuple[list[str
         "in all), each engine fed from its own model replica",
         f"rollout batch: {cfg.train.prompts_per_step} prompts x {r.n} responses, about "
         f"{cfg.train.prompts_per_step * r.n / placement.num_engines:.0f} responses per engine",
-        *memory_lines, *warnings,
+        *memory_lines, *(f"warning: {w}" for w in warnings),
     ]
     return summary, memory_issues
 
