@@ -54,8 +54,8 @@ class RouterLosses:
         self.z_coeff = self.config.moe_z_loss_coeff
         self.routers = [m for c in chunks for m in unwrap(c).modules()
                         if isinstance(m, TopKRouter)]
+        # layer -> [routed token positions per expert..., top-k assignments before dropping]
         self.loads: dict[int, torch.Tensor] = {}
-        self.assigned: dict[int, float] = {}   # layer -> top-k assignments before dropping
         self.capacity = self.config.moe_expert_capacity_factor is not None
         self.micro_batches = 0
         for router in self.routers:
@@ -64,11 +64,11 @@ class RouterLosses:
     def _count(self, router, inputs, outputs) -> None:
         if torch.is_grad_enabled():  # training forwards (forward-only passes run no_grad)
             routing_map = outputs[1].detach()
-            load = routing_map.sum(dim=0).to(torch.float64).cpu()
+            load = torch.cat([routing_map.sum(dim=0).to(torch.float64).cpu(),
+                              torch.tensor([float(routing_map.shape[0] * router.topk)],
+                                           dtype=torch.float64)])
             layer = router.layer_number
             self.loads[layer] = self.loads.get(layer, 0) + load
-            self.assigned[layer] = (self.assigned.get(layer, 0.0)
-                                    + float(routing_map.shape[0] * router.topk))
 
     def before_step(self, micro_batches: list) -> None:
         """Set this step's coefficients (collective over DP x CP) and clear the trackers."""
@@ -86,7 +86,6 @@ class RouterLosses:
             router.reset_global_aux_loss_tracker()
         clear_aux_losses_tracker()
         self.loads.clear()
-        self.assigned.clear()
         self.micro_batches = len(micro_batches)
 
     def metrics(self) -> dict[str, float]:
@@ -108,8 +107,7 @@ class RouterLosses:
         # columns: the experts' routed counts, then the assignments before dropping
         counts = torch.zeros(layers, self.config.num_moe_experts + 1, dtype=torch.float64)
         for layer_number, load in self.loads.items():
-            counts[layer_number - 1, :-1] += load
-            counts[layer_number - 1, -1] += self.assigned[layer_number]
+            counts[layer_number - 1] += load
         counts = _sum(counts, dpcp)
         if self.config.sequence_parallel:  # each TP rank routed its own slice of tokens
             counts = _sum(counts, ps.get_tensor_model_parallel_group())
