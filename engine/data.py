@@ -13,7 +13,6 @@ Conventions:
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -24,8 +23,9 @@ import numpy as np
 from engine import data_cache as cache
 from engine.data_files import (DataError, RowUnit, read_rows, read_unit, resolve_data_files,
                                where as where_of)
-from engine.data_render import (check_messages, render_messages, render_prompt,
+from engine.data_render import (render_messages, render_prompt,
                                 render_row_arrays, render_sft_row)
+from engine.prompt_rows import load_prompt_rows
 
 __all__ = ["DataError", "Sample", "SFTDataset", "read_rows", "render_sft_row", "render_messages",
            "render_prompt", "load_sft_dataset", "global_batch_indices", "load_prompt_rows",
@@ -270,111 +270,3 @@ def global_batch_indices(num_samples: int, global_batch_size: int, step: int, se
         hi = min(stop - epoch * num_samples, num_samples)
         out.extend(int(x) for x in order[lo:hi])
     return out
-
-
-# ----------------------------------------------------------------------------- RL prompts
-
-def _prompt_row(path: str, line: int, row: dict) -> dict:
-    """A checked prompt row (answer as a string), or DataError naming file:line."""
-    loc = where_of(path, line)
-    for key in ("prompt", "answer"):
-        if key not in row:
-            raise DataError(f"{loc}: missing field {key!r}")
-    prompt, answer = row["prompt"], row["answer"]
-    if isinstance(prompt, list):
-        check_messages(prompt, "prompt", loc)
-    elif not isinstance(prompt, str):
-        raise DataError(f"{loc}: field 'prompt' must be a string or a list of messages, "
-                        f"got {type(prompt).__name__}")
-    if isinstance(answer, int) and not isinstance(answer, bool):
-        answer = str(answer)
-    if not isinstance(answer, str):
-        raise DataError(f"{loc}: field 'answer' must be a string, got "
-                        f"{type(answer).__name__}")
-    return {**row, "answer": answer}
-
-
-def _prompt_unit(k: int, unit: RowUnit, tmp: str, dtype: str) -> dict:
-    """Worker: check and render the prompt rows of `unit` into ``part-<k>.ids`` (rendered
-    prompts) and ``part-<k>.rows`` (JSON lines: location, row)."""
-    tokenizer = cache.worker_tokenizer()
-    lengths: list[int] = []
-    error, done = None, 0
-    prefix = os.path.join(tmp, f"part-{k:07d}")
-    with open(prefix + ".ids", "wb") as fi, open(prefix + ".rows", "w", encoding="utf-8") as fr:
-        try:
-            for path, line, row in read_unit(unit):
-                done += 1
-                row = _prompt_row(path, line, row)
-                loc = where_of(path, line)
-                ids = render_prompt(row["prompt"], tokenizer, loc, row.get("tools"))
-                fi.write(np.asarray(ids, dtype=dtype).tobytes())
-                fr.write(json.dumps([loc, row], ensure_ascii=False) + "\n")
-                lengths.append(len(ids))
-        except DataError as e:
-            error = str(e)
-    cache.tick(done)
-    return {"lengths": np.asarray(lengths, dtype=np.int64), "error": error,
-            "parts": (prefix + ".ids", prefix + ".rows")}
-
-
-def _build_prompts(tmp: str, paths: list[str], tokenizer, num_workers: int | None,
-                   key: dict) -> None:
-    dtype = cache.token_dtype(len(tokenizer))
-    results = cache.run_units(cache.units_for(paths), _prompt_unit, (tmp, dtype.name), tokenizer,
-                              num_workers, "rendering prompts")
-    for r in results:
-        if r["error"] is not None:
-            raise DataError(r["error"])
-    cache.concat_parts(tmp, [r["parts"][0] for r in results], "ids.bin")
-    cache.concat_parts(tmp, [r["parts"][1] for r in results], "rows.jsonl")
-    lengths = np.concatenate([r["lengths"] for r in results] or [np.zeros(0, np.int64)])
-    np.save(os.path.join(tmp, "offsets.npy"),
-            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    cache.write_meta(tmp, {"key": key, "dtype": dtype.name, "num_rows": int(len(lengths))})
-
-
-def load_prompt_rows(files: str | Sequence[str], locations: list | None = None, *,
-                     tokenizer=None, prompt_ids: list | None = None,
-                     cache_dir: str | None = None, num_workers: int | None = None
-                     ) -> list[dict]:
-    """RL prompt rows ``{"prompt": str | messages, "answer": str, ...extra fields kept}``.
-
-    An integer answer is turned into its decimal string. Raises DataError with file:line for a
-    missing or invalid prompt/answer, and naming the files when there is no row at all. When
-    `locations` is a list, the "file:line" of every row is appended to it.
-
-    With `tokenizer`, rows are checked and their prompts rendered (chat template, generation
-    prompt) once per input into the data cache (see load_sft_dataset for `cache_dir` and
-    `num_workers`); when `prompt_ids` is a list, every row's rendered prompt ids (a list of
-    ints, as render_prompt returns) are appended to it.
-    """
-    if tokenizer is None:
-        if prompt_ids is not None:
-            raise ValueError("prompt_ids needs the tokenizer that renders them")
-        rows = []
-        for path, line, row in read_rows(files):
-            rows.append(_prompt_row(path, line, row))
-            if locations is not None:
-                locations.append(where_of(path, line))
-    else:
-        paths = resolve_data_files(files)
-        key = cache.cache_key("prompts", paths, tokenizer, {})
-        entry = cache.ensure_entry(cache_dir or cache.default_cache_dir(), key,
-                                   lambda tmp: _build_prompts(tmp, paths, tokenizer, num_workers,
-                                                              key))
-        rows = []
-        with open(os.path.join(entry, "rows.jsonl"), encoding="utf-8") as f:
-            for line in f:
-                loc, row = json.loads(line)
-                rows.append(row)
-                if locations is not None:
-                    locations.append(loc)
-        if prompt_ids is not None:
-            ids = cache.open_array(entry, "ids.bin", np.dtype(cache.read_meta(entry)["dtype"]))
-            offsets = np.load(os.path.join(entry, "offsets.npy"))
-            prompt_ids.extend(ids[offsets[i]:offsets[i + 1]].tolist()
-                              for i in range(len(offsets) - 1))
-    if not rows:
-        raise DataError(f"no prompt rows in {', '.join(resolve_data_files(files))}")
-    return rows
