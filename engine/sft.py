@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.cli import run_entry
+from engine.cli import exit_process, run_entry
 from engine.config import validate_sft
 from engine.recipe_validation import validate_main
 
@@ -27,4 +27,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

@@ -15,6 +15,10 @@ What it provides on a CPU host:
   all_to_all_single split sizes given as tensors (megatron's all-to-all MoE token dispatcher)
   turned into the int lists the process group accepts; all_gather / reduce_scatter over
   tensors of different sizes (that dispatcher with TP), which gloo refuses.
+- megatron's jit fuser switched off as its module loads (`skip_megatron_jit_on_cpu`, installed
+  by `import parallel`): megatron decorates its fused kernels with `torch.compile` at import,
+  which loads TorchDynamo and Inductor (1.5 to 3 s per process); the engine runs with every
+  fusion disabled (models.config_bridge), so on a CPU host those kernels are never called.
 - the same device mapping inside the backward of Python autograd Functions (megatron's
   sequence-parallel linears allocate `device=torch.cuda.current_device()` buffers there, and
   its activation checkpointing replays the forward there): a TorchFunctionMode is popped while
@@ -24,6 +28,9 @@ What it provides on a CPU host:
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
+import sys
 import types
 
 import torch
@@ -259,6 +266,47 @@ def _patch_megatron_rng() -> None:
 
     mrandom._get_cuda_rng_state = lambda *a, **k: _FAKE_GENERATOR.get_state()
     mrandom._set_cuda_rng_state = _set_rng_state
+
+
+class _MegatronJitOff(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Loads `megatron.core.jit` as usual, then calls its `disable_jit_fuser()` when the host
+    has no CUDA, before any megatron module decorates a function with the fuser. One use: it
+    leaves `sys.meta_path` as soon as it has found the module."""
+
+    _NAME = "megatron.core.jit"
+
+    def __init__(self) -> None:
+        self._loader: importlib.abc.Loader | None = None
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self._NAME:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self._loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        if not torch.cuda.is_available() and hasattr(module, "disable_jit_fuser"):
+            module.disable_jit_fuser()
+
+
+def skip_megatron_jit_on_cpu() -> None:
+    """Before megatron-core is imported: on a host without CUDA, make megatron's `jit_fuser`
+    the identity (its own `disable_jit_fuser`), so importing megatron does not load
+    TorchDynamo/Inductor. Exact: the fused kernels are plain eager functions of the same math,
+    and the engine's model config turns every fusion off anyway. No-op once megatron.core.jit
+    is loaded, or when the hook is already installed."""
+    if "megatron.core.jit" in sys.modules or any(
+            isinstance(f, _MegatronJitOff) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _MegatronJitOff())
 
 
 def install() -> None:

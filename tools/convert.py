@@ -227,4 +227,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    raise SystemExit(main())
+    from engine.cli import exit_process
+
+    exit_process(main())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.cli import run_entry
+from engine.cli import exit_process, run_entry
 from engine.rl.config import RLConfig, rl_validator
 from engine.rl.recipe_check import rl_validate_main
 
@@ -26,4 +26,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

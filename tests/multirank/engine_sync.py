@@ -96,4 +96,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from engine.cli import exit_process
+
+    exit_process(main())

@@ -100,4 +100,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from engine.cli import exit_process
+
     main()
+    exit_process(0)

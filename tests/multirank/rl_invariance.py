@@ -260,4 +260,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from engine.cli import exit_process
+
     main()
+    exit_process(0)

@@ -25,6 +25,7 @@ import json
 import os
 import random
 import sys
+import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -281,6 +282,7 @@ def main():
         setup_model_parallel(ParallelLayout(world, **layout_kw))
         for mode in opts["modes"]:
             MOE_METRICS.clear()
+            started = time.perf_counter()
             losses, norms, params = run_layout(spec_dir, spec_config, train, mode, batches,
                                                opts["overrides"], opts["bug"])
             if making_ref and first_of_model:
@@ -298,6 +300,7 @@ def main():
                        "param_rel": float(pdiff), "n_params": len(params)}
             if any(MOE_METRICS):
                 out["moe"] = list(MOE_METRICS)
+            out["seconds"] = round(time.perf_counter() - started, 2)
             if rank == 0:
                 print("RESULT " + json.dumps(out), flush=True)
     if making_ref:
@@ -311,4 +314,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from engine.cli import exit_process
+
     main()
+    exit_process(0)
