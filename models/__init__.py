@@ -2,4 +2,6 @@
 
 Imports flow engine -> models -> parallel.
 """
-import parallel  # noqa: E402,F401  (installs parallel.cpu_runtime's import hook first)
+from parallel.cpu_runtime import skip_megatron_jit_on_cpu
+
+skip_megatron_jit_on_cpu()  # before any megatron import of the process (idempotent)
