@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -79,9 +80,21 @@ def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def _log_launch(cmd: list[str], seconds: float, rc: int) -> None:
+    """With $LAUNCH_LOG set: append one JSON line per launch (test, seconds, exit code,
+    command), to see where the suite's time goes."""
+    path = os.environ.get("LAUNCH_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+                                "seconds": round(seconds, 2), "rc": rc,
+                                "cmd": " ".join(map(str, cmd))[:400]}) + "\n")
+
+
 def wait(proc: subprocess.Popen, timeout: int) -> subprocess.CompletedProcess:
     """Wait for a process from `start`, with `_run`'s timeout and printing contract."""
     cmd = proc.args
+    started = time.perf_counter()
     try:
         out, err = proc.communicate(timeout=timeout)
         rc = proc.returncode
@@ -93,6 +106,7 @@ def wait(proc: subprocess.Popen, timeout: int) -> subprocess.CompletedProcess:
             out, err = "", "(output lost: a process outside the launch still holds the pipes)"
         rc = 124
         print(f"TIMEOUT after {timeout}s: {' '.join(cmd)}")
+    _log_launch(cmd, time.perf_counter() - started, rc)
     if rc != 0:
         print(f"exit code {rc}: {' '.join(cmd)}\n--- stdout ---\n{filter_noise(out)}\n"
               f"--- stderr ---\n{filter_noise(err)}")

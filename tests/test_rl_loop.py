@@ -302,62 +302,74 @@ def test_cli_moe_policy_with_expert_parallelism(moe_dir, prompts_file, tmp_path)
     assert "ep=2" in proc.stdout
 
 
-def test_policy_update_is_layout_invariant(model_dir, moe_dir, tmp_path):
-    """The dense policy at DP4, TP2, PP2 and CP2 x DP2 (packing) and the Qwen3-MoE policy at
-    EP2 x DP4 and EP2 x TP2 (+SP) x DP2 give the single-process losses, grad norms, metrics,
-    log-probs and synced weights (experts gathered over EP into the rollout engine)."""
-    ref_file = str(tmp_path / "rl_ref.pt")
-    env = {"INV_MOE_MODEL_DIR": moe_dir}
+# One reference launch and one 4-rank launch for every RL invariance spec: the dense policy
+# at DP4, TP2, PP2 and CP2 x DP2 (packing); the Qwen3-MoE policy at EP2 x DP4 and EP2 x TP2
+# (+SP) x DP2; the T=1 policy (flag t1) at DP4 and TP2 x DP2.
+RL_SPECS = ["1,1,1,1", "2,1,1,1", "1,2,1,1", "1,1,2,1,packing",
+            "1,1,1,1,moe+ep=2", "2,1,1,1,moe+ep=2+sp", "1,1,1,1,t1", "2,1,1,1,t1"]
+
+
+@pytest.fixture(scope="module")
+def rl_invariance(model_dir, moe_dir, tmp_path_factory) -> dict:
+    """{"ref": {(spec, mode): result}, "results": [...], "control": {...}}. The T=1 policy:
+    vocabulary 256, so each TP slice holds 128 rows and no padding, entropy_coef != 0."""
+    root = tmp_path_factory.mktemp("rl_inv")
+    t1_dir = build_tiny_model(str(root / "qwen3_v256"), "qwen3", vocab_size=256, hidden=64,
+                              layers=2, heads=8, kv_heads=2, seed=1, initializer_range=0.2)
+    ref_file = str(root / "rl_ref.pt")
+    env = {"INV_MOE_MODEL_DIR": moe_dir, "INV_T1_MODEL_DIR": t1_dir}
     ref = run_torchrun(1, INVARIANCE, model_dir, ref_file, "1,1,1,2", "1,1,1,2,moe",
-                       timeout=600, env=env)
+                       "1,1,1,2,t1", timeout=600, env=env)
     assert ref.returncode == 0
-    refs = {(r["spec"], r["mode"]): r for r in result_lines(ref.stdout)}
-    assert len(refs) == 4
-    for r in refs.values():  # the fixed batch exercises every term of the loss
+    proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *RL_SPECS, timeout=900, env=env)
+    assert proc.returncode == 0
+    return {"ref": {(r["spec"], r["mode"]): r for r in result_lines(ref.stdout)},
+            "results": result_lines(proc.stdout),
+            "control": result_lines(proc.stdout, "CONTROL ")[0]}
+
+
+def _assert_matches_reference(r: dict) -> None:
+    where = f"{r['spec']} {r['mode']}"
+    assert r["loss_rel"] <= 1e-5, where
+    assert r["grad_norm_rel"] <= 1e-5, where
+    assert r["metrics_rel"] <= 1e-5, where
+    assert r["param_rel"] <= 1e-5, where
+    assert r["logprob_max_diff"] <= 1e-5, where
+
+
+def test_policy_update_is_layout_invariant(rl_invariance):
+    """The dense and the Qwen3-MoE policy at every layout give the single-process losses,
+    grad norms, metrics, log-probs and synced weights (experts gathered over EP into the
+    rollout engine)."""
+    refs = rl_invariance["ref"]
+    assert len(refs) == 6
+    for (spec, _), r in refs.items():  # the fixed batch exercises every term of the loss
         m = r["metrics"]
+        if "t1" in spec:
+            assert min(m["policy/entropy"]) > 0
+            continue
         assert min(m["policy/clipfrac_low"]) > 0 and min(m["policy/clipfrac_high"]) > 0
         assert min(m["policy/kl"]) > 0 and min(m["policy/entropy"]) > 0
-    specs = ["1,1,1,1", "2,1,1,1", "1,2,1,1", "1,1,2,1,packing",  # DP4, TP2, PP2, CP2 (x DP2)
-             "1,1,1,1,moe+ep=2", "2,1,1,1,moe+ep=2+sp"]
-    proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *specs, timeout=600, env=env)
-    assert proc.returncode == 0
-    results = result_lines(proc.stdout)
-    assert len(results) == len(specs) * 2
+    results = [r for r in rl_invariance["results"] if "t1" not in r["spec"]]
+    assert len(results) == 6 * 2
     for r in results:
-        where = f"{r['spec']} {r['mode']}"
-        assert r["loss_rel"] <= 1e-5, where
-        assert r["grad_norm_rel"] <= 1e-5, where
-        assert r["metrics_rel"] <= 1e-5, where
+        _assert_matches_reference(r)
         # dense: 46 HF tensors; MoE: 2 layers x (8 attention/norm + router + 8 experts x 3)
         # + embeddings, final norm, output layer
-        assert r["param_rel"] <= 1e-5, where
-        assert r["n_params"] == (2 * (8 + 1 + 8 * 3) + 3 if "moe" in r["spec"] else 46), where
-        assert r["logprob_max_diff"] <= 1e-5, where
-    control = result_lines(proc.stdout, "CONTROL ")[0]
+        assert r["n_params"] == (2 * (8 + 1 + 8 * 3) + 3 if "moe" in r["spec"] else 46), r
+    control = rl_invariance["control"]
     assert abs(control["mean_of_means"] - control["reference"]) > 1e-3 * abs(control["reference"])
 
 
-def test_policy_update_is_layout_invariant_at_temperature_1_with_unpadded_vocab(tmp_path):
+def test_policy_update_is_layout_invariant_at_temperature_1_with_unpadded_vocab(rl_invariance):
     """fp32 logits at T = 1.0 with a vocabulary whose TP slices hold no padding rows and
     entropy_coef != 0: nothing copies the logits before megatron's in-place cross-entropy, the
     case where entropy used to be computed from mutated logits (loss and gradient wrong)."""
-    model_dir = build_tiny_model(str(tmp_path / "qwen3_v256"), "qwen3", vocab_size=256,
-                                 hidden=64, layers=2, heads=8, kv_heads=2, seed=1,
-                                 initializer_range=0.2)
-    ref_file = str(tmp_path / "rl_ref_t1.pt")
-    ref = run_torchrun(1, INVARIANCE, model_dir, ref_file, "1,1,1,2", "t1", timeout=600)
-    assert ref.returncode == 0
-    for r in result_lines(ref.stdout):
-        assert min(r["metrics"]["policy/entropy"]) > 0
-    specs = ["1,1,1,1", "2,1,1,1"]  # DP4, TP2 (x DP2): 128 vocab rows per TP rank, no padding
-    proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *specs, "t1", timeout=600)
-    assert proc.returncode == 0
-    results = result_lines(proc.stdout)
-    assert len(results) == 2 * len(specs)
+    results = [r for r in rl_invariance["results"] if "t1" in r["spec"]]
+    assert {r["spec"] for r in results} == {"1,1,1,1,t1", "2,1,1,1,t1"} and len(results) == 4
     for r in results:
-        where = f"{r['spec']} {r['mode']}"
-        assert r["loss_rel"] <= 1e-5 and r["grad_norm_rel"] <= 1e-5, where
-        assert r["metrics_rel"] <= 1e-5 and r["param_rel"] <= 1e-5, where
+        _assert_matches_reference(r)
+        assert r["n_params"] == 2 * 11 + 2  # 2 layers of 11 tensors, tied embedding, norm
 
 
 def test_cli_dapo_on_4_ranks_with_tp2_and_accumulation(model_dir, prompts_file, tmp_path):

@@ -1,7 +1,7 @@
 """`python tools/bench.py data [--quick]`: the data pipeline at scale (issue 15).
 
 Generates a multi-turn chat file (20,000 rows of 1-3 turns, ~2,000 characters each; --quick:
-2,000 rows), rendered by a character-level tokenizer with a chatml template without
+500 rows), rendered by a character-level tokenizer with a chatml template without
 {% generation %} tags (the linear span finder; one token per character, so ~40M tokens), then
 measures:
 - uncached rendering into the cache: rows/s and tokens/s by worker count (one build per count
@@ -36,7 +36,7 @@ WORDS = ["the", "of", "and", "a", "to", "in", "is", "you", "that", "it", "he", "
          "more", "write", "go", "see", "number", "no", "way", "could", "people", "my", "than",
          "first", "water", "been", "call", "who", "oil", "its", "now", "find", "long", "down",
          "day", "did", "get", "come", "made", "may", "part", "42", "3.14", "x = y + 1", "?"]
-FULL_ROWS, QUICK_ROWS = 20_000, 2_000
+FULL_ROWS, QUICK_ROWS = 20_000, 500
 
 
 def _text(rng: random.Random, chars: int) -> str:
@@ -106,13 +106,9 @@ def _legacy_rate(path: str, tokenizer, rows: int) -> dict:
 
 
 RANK_WRAPPER = """
-import json, os, runpy, sys
-sys.argv = ["engine.sft"] + sys.argv[1:]
-code = 0
-try:
-    runpy.run_module("engine.sft", run_name="__main__")
-except SystemExit as e:
-    code = e.code or 0
+import json, os, sys
+from engine.sft import main
+code = main(sys.argv[1:])
 status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
 mb = lambda k: int(status[k].split()[0]) / 1024 if k in status else None
 rank = int(os.environ.get("RANK", 0))

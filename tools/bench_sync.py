@@ -53,7 +53,7 @@ def run_sync(quick: bool) -> BenchResult:
     from tests.tiny_models import build_tiny_model
 
     t0 = time.perf_counter()
-    buckets, repeats = ([32, 128, DEFAULT_BUCKET_MB], 5) if quick else \
+    buckets, repeats = ([32, 128, DEFAULT_BUCKET_MB], 3) if quick else \
         ([16, 64, 256, DEFAULT_BUCKET_MB], 9)
     with tempfile.TemporaryDirectory(prefix="bench_sync_") as tmp:
         model_dir = build_tiny_model(os.path.join(tmp, "model"), "qwen3", tokenizer=False,

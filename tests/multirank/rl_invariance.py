@@ -4,7 +4,10 @@
 
 Each SPEC is "tp,pp,cp,mbs[,flags]" (flags "+" separated: packing; moe: the Qwen3-MoE policy
 of $INV_MOE_MODEL_DIR instead of MODEL_DIR, references keyed "moe/MODE"; ep=E: expert
-parallelism; sp: Megatron sequence parallelism). On a FIXED synthetic rollout batch (prompts, responses,
+parallelism; sp: Megatron sequence parallelism; t1: sampling temperature 1.0 with the dense
+policy of $INV_T1_MODEL_DIR, references keyed "t1/MODE": no logits copy from a division, the
+case where entropy used to be computed from logits megatron's cross-entropy had mutated).
+On a FIXED synthetic rollout batch (prompts, responses,
 advantages, rollout/old/reference log-probs; no generation) and for every aggregation mode in
 MODES, it re-initialises megatron's parallel state in the same processes, loads the same HF
 weights and
@@ -101,20 +104,21 @@ def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None):
                              weights_dir=model_dir, **overrides)
 
 
-def _sequences(state, batch):
+def _sequences(state, batch, temperature):
     """Sequences with recomputed log-probs (returned too) and fixed synthetic extras."""
     from engine.rl.rollout_batch import build_sequences
     from engine.rl.logprobs import attach_extra, compute_token_logprobs
 
     seqs = build_sequences(batch)
-    table = compute_token_logprobs(state, seqs, SETTINGS["temperature"])
+    table = compute_token_logprobs(state, seqs, temperature)
     attach_extra(seqs, "old_logprobs", perturbed(table, 1, 0.3))
     attach_extra(seqs, "ref_logprobs", perturbed(table, 2, 0.3))
     attach_extra(seqs, "rollout_logprobs", perturbed(table, 3, 0.3))
     return seqs, table
 
 
-def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp=False):
+def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp=False,
+               temperature=SETTINGS["temperature"]):
     import torch.distributed as dist
 
     from engine.moe_settings import MoEConfig, moe_overrides
@@ -124,8 +128,9 @@ def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp=Fa
     overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
     state = _setup(model_dir, hf_config, layout_kw, world, train,
                    dict(overrides, sequence_parallel=sp))
-    seqs, table = _sequences(state, batch)
-    settings = PolicyLossSettings(vocab_size=state.vocab_size, **SETTINGS)
+    seqs, table = _sequences(state, batch, temperature)
+    settings = PolicyLossSettings(vocab_size=state.vocab_size,
+                                  **dict(SETTINGS, temperature=temperature))
     loss_cfg = SimpleNamespace(agg_mode=mode, count_empty_sequences=True)
     results = []
     for part in split_mini_batches(len(seqs), STEPS, seed=7, step=0, epoch=0):
@@ -150,7 +155,7 @@ def negative_control(model_dir, hf_config, batch, world):
     train = SimpleNamespace(micro_batch_size=1, max_tokens_per_micro_batch=None,
                             balance_dp=True, packing=False)
     state = _setup(model_dir, hf_config, dict(), world, train)
-    seqs, _ = _sequences(state, batch)
+    seqs, _ = _sequences(state, batch, SETTINGS["temperature"])
     part = split_mini_batches(len(seqs), STEPS, seed=7, step=0, epoch=0)[0]
     local = GlobalLossNormalizer("token-mean", group=None)  # the bug: local counts
     rank_batch = build_rank_batch([seqs[i] for i in part], local, train)
@@ -177,15 +182,20 @@ def parse_spec(spec: str):
     return dict(tp=tp, pp=pp, cp=cp, ep=ep), train
 
 
+# spec flag -> (environment variable of its model dir, reference-key prefix)
+OTHER_MODELS = {"moe": ("INV_MOE_MODEL_DIR", "moe/"), "t1": ("INV_T1_MODEL_DIR", "t1/")}
+
+
 def spec_model(spec: str, dense: tuple) -> tuple:
-    """(model dir, HF config, reference-key prefix): the dense MODEL_DIR, or with the `moe`
-    flag the MoE policy of $INV_MOE_MODEL_DIR."""
+    """(model dir, HF config, reference-key prefix): the dense MODEL_DIR, or with a flag of
+    OTHER_MODELS the model of its environment variable."""
     from models.hf_io import read_config
 
-    if "moe" not in spec_flags(spec):
+    flag = next((f for f in spec_flags(spec) if f in OTHER_MODELS), None)
+    if flag is None:
         return (*dense, "")
-    moe_dir = os.environ["INV_MOE_MODEL_DIR"]
-    return moe_dir, read_config(moe_dir), "moe/"
+    variable, key = OTHER_MODELS[flag]
+    return os.environ[variable], read_config(os.environ[variable]), key
 
 
 def _rel(a, b):
@@ -217,9 +227,6 @@ def main():
     from parallel.process_groups import init_distributed, shutdown
 
     model_dir, ref_file, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
-    if "t1" in specs:  # temperature 1.0: no logits copy from a division (entropy defect check)
-        specs.remove("t1")
-        SETTINGS["temperature"] = 1.0
     rank, world = init_distributed()
     hf_config = read_config(model_dir)
     dense = (model_dir, hf_config)
@@ -232,8 +239,10 @@ def main():
         first_of_model = all(spec_model(s, dense)[2] != key for s in specs[:i])
         batch = synthetic_rollout(spec_config["vocab_size"])
         for mode in MODES:
-            results, table, params = run_layout(spec_dir, spec_config, layout_kw, train, mode,
-                                                batch, world, sp="sp" in spec_flags(spec))
+            flags = spec_flags(spec)
+            results, table, params = run_layout(
+                spec_dir, spec_config, layout_kw, train, mode, batch, world, sp="sp" in flags,
+                temperature=1.0 if "t1" in flags else SETTINGS["temperature"])
             if making_ref and first_of_model:
                 new_ref[key + mode] = {"loss": [r["policy/loss"] for r in results],
                                  "grad_norm": [r["grad_norm"] for r in results],
