@@ -21,7 +21,7 @@ from engine.loss import AGG_MODES
 from engine.moe_settings import MoEConfig, moe_problems
 from engine.model_settings import (recompute_layer_problems, recompute_problems,
                                    sequence_parallel_on)
-from models.families.qwen3_moe import experts_per_layer
+from models.families import experts_per_layer
 from models.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
 

@@ -1,4 +1,5 @@
-"""The `moe.*` keys: how mixture-of-experts layers are trained (models.families.qwen3_moe).
+"""The `moe.*` keys: how mixture-of-experts layers are trained (any MoE family of
+models.families: Qwen3-MoE, Mixtral).
 
 - `moe.token_dispatcher`: megatron's token dispatcher between the router and the experts.
   `alltoall` (default, CPU/gloo and GPUs): exchanges each rank's tokens with the EP ranks
@@ -48,7 +49,7 @@ class MoEConfig:
 
 
 def _is_moe(hf_config: dict) -> bool:
-    from models.families.qwen3_moe import is_moe
+    from models.families import is_moe
 
     return is_moe(hf_config)
 

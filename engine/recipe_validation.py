@@ -44,7 +44,7 @@ from engine.config import (ConfigError, SFTConfig, data_file_problems, layout_pr
                            load_config, parallel_layout, read_model_config, sft_problems,
                            value_problems)
 from engine.model_settings import recompute_layer_problems, recompute_settings
-from models.families import padded_vocab_size, stage_parameters
+from models.families import moe_family, padded_vocab_size, stage_parameters
 from models.presets import MODEL_SHAPES, shape_mismatches
 
 GIB = 2 ** 30
@@ -89,8 +89,9 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     params = stage_parameters(hf, tp, pp, layout.ep)
     a = 2 if bf16 else 4
     h, ffn = hf["hidden_size"], hf["intermediate_size"]
-    mlp = (hf["num_experts_per_tok"] * (3 * hf["moe_intermediate_size"] / tp + 2 * h)
-           if params.expert_stage else 3 * ffn / tp)
+    moe = moe_family(hf)  # None for dense models
+    mlp = (moe.experts_per_token(hf) * (3 * moe.expert_width(hf) / tp + 2 * h)
+           if moe and params.expert_stage else 3 * ffn / tp)
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads
     hd = hf.get("head_dim") or h // heads

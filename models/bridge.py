@@ -22,7 +22,7 @@ from models import weight_mapping as wm
 from models.config_bridge import model_shape
 from models.expert_mapping import (EXPERT_KINDS, expert_local_shard, expert_mapping,
                                    export_expert)
-from models.families import UnmappedTensorsError, tensor_problems
+from models.families import ExpertNaming, UnmappedTensorsError, expert_naming, tensor_problems
 from models.hf_config import check_config
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -45,8 +45,7 @@ _LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.linear_fc1.bias": ("fc1", ("mlp.gate_proj.bias", "mlp.up_proj.bias")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
     "mlp.linear_fc2.bias": ("replicated", ("mlp.down_proj.bias",)),
-    "mlp.router.weight": ("replicated", ("mlp.gate.weight",)),  # MoE router (models.families)
-}
+}  # MoE router and experts: models.expert_mapping, named by the family's ExpertNaming
 _TOP_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
     "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
@@ -67,13 +66,14 @@ def unwrap(chunk):
     return chunk
 
 
-def _mapping(chunk, name: str, tied: bool) -> _Mapping | None:
-    """HF names for one megatron parameter of `chunk`, or None for entries with no HF twin."""
+def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None) -> _Mapping | None:
+    """HF names for one megatron parameter of `chunk`, or None for entries with no HF twin.
+    `naming`: the family's MoE router/expert names (None: dense)."""
     match = _LAYER.match(name)
     if match:
         local, suffix = int(match.group(1)), match.group(2)
         layer = chunk.decoder.layers[local].layer_number - 1
-        expert = expert_mapping(suffix, layer, chunk.config.num_moe_experts or 0)
+        expert = expert_mapping(suffix, layer, chunk.config.num_moe_experts or 0, naming)
         if expert is not None:
             return _Mapping(*expert)
         if suffix not in _LAYER_MAP:
@@ -125,11 +125,12 @@ def load_hf_weights(chunks: list, reader, hf_config: dict,
     check_config(hf_config)
     check_tensors(hf_config, reader.keys())
     shape = model_shape(hf_config)
+    naming = expert_naming(hf_config)
     filled = 0
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in model.named_parameters():
-            mapping = _mapping(model, name, _tied(hf_config))
+            mapping = _mapping(model, name, _tied(hf_config), naming)
             if mapping is None:
                 raise KeyError(f"megatron parameter {name!r} has no HF mapping")
             tensors = [reader.get(n) for n in mapping.hf_names]
@@ -172,11 +173,12 @@ def export_hf_weights(chunks: list, hf_config: dict) -> Iterator[tuple[str, torc
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
     tied = _tied(hf_config)
+    naming = expert_naming(hf_config)
     seen: set[str] = set()
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in model.named_parameters():
-            mapping = _mapping(model, name, tied)
+            mapping = _mapping(model, name, tied, naming)
             if mapping is None or (tied and name == "output_layer.weight"):
                 continue
             if mapping.hf_names[0] in seen:  # TE/local aliases of the same norm

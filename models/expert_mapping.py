@@ -5,9 +5,10 @@ Megatron names an expert weight `decoder.layers.{i}.mlp.experts.local_experts.{j
 L = num_experts / ep experts per EP rank. Each expert is an MLP tensor-parallel over the
 expert-tensor-parallel group (here always the TP size): linear_fc1 fuses gate and up per
 expert-TP rank (as the dense MLP, models.weight_mapping.merge_gate_up), linear_fc2 is split
-along its input dimension. HF names the same weights `model.layers.{i}.mlp.experts.{e}.
-{gate,up,down}_proj.weight`; the router is `mlp.router.weight` <-> `mlp.gate.weight`
-(replicated, handled by models.bridge).
+along its input dimension. The router `mlp.router.weight` is replicated. HF names come from
+the family's ExpertNaming (models.families.moe), under `model.layers.{i}.`: Qwen3-MoE
+`mlp.experts.{e}.{gate,up,down}_proj.weight` and `mlp.gate.weight`, Mixtral
+`block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` and `block_sparse_moe.gate.weight`.
 """
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from models import weight_mapping as wm
+from models.families import ExpertNaming
 
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_ROUTER = "mlp.router.weight"
 EXPERT_KINDS = ("expert_fc1", "expert_row")
 
 
@@ -32,19 +35,25 @@ def _etp() -> tuple[int, int]:
             ps.get_expert_tensor_parallel_rank())
 
 
-def expert_mapping(suffix: str, layer: int, num_experts: int
+def expert_mapping(suffix: str, layer: int, num_experts: int, naming: ExpertNaming | None
                    ) -> tuple[str, tuple[str, ...]] | None:
-    """(kind, HF names) of a megatron per-layer suffix that is a local expert weight of this EP
-    rank (`layer` is the global 0-based layer index), else None."""
+    """(kind, HF names) of a megatron per-layer suffix that is the router ("replicated") or a
+    local expert weight of this EP rank (`layer` is the global 0-based layer index), else
+    None (also for every suffix of a dense model, `naming` None)."""
+    if naming is None:
+        return None
+    head = f"model.layers.{layer}."
+    if suffix == _ROUTER:
+        return "replicated", (head + naming.router,)
     match = _EXPERT.match(suffix)
     if not match:
         return None
     ep, rank = _ep()
     expert = rank * (num_experts // ep) + int(match.group(1))
-    prefix = f"model.layers.{layer}.mlp.experts.{expert}"
     if match.group(2) == "linear_fc1":
-        return "expert_fc1", (f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight")
-    return "expert_row", (f"{prefix}.down_proj.weight",)
+        return "expert_fc1", (head + naming.expert(expert, "gate"),
+                              head + naming.expert(expert, "up"))
+    return "expert_row", (head + naming.expert(expert, "down"),)
 
 
 def expert_local_shard(kind: str, hf: list[torch.Tensor]) -> torch.Tensor:
@@ -90,6 +99,6 @@ def export_expert(kind: str, data: torch.Tensor, hf_names: tuple[str, ...], num_
 
 
 def _renumber(hf_name: str, shift: int) -> str:
-    """`model.layers.{i}.mlp.experts.{e}.x` -> the same with expert e + shift."""
-    head, expert, tail = re.match(r"^(.*\.mlp\.experts\.)(\d+)(\..*)$", hf_name).groups()
+    """`model.layers.{i}.<block>.experts.{e}.x` -> the same with expert e + shift."""
+    head, expert, tail = re.match(r"^(.*\.experts\.)(\d+)(\..*)$", hf_name).groups()
     return f"{head}{int(expert) + shift}{tail}"

@@ -87,6 +87,10 @@ ARCH_DEFAULTS = {
     "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
                       tie_word_embeddings=False, head_dim=16, num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    # 8 experts of width `intermediate` (Mixtral's expert width), top-2, always renormalised;
+    # saved as block_sparse_moe.experts.{e}.w1/w2/w3 (transformers' on-disk names)
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"],
+                    tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2),
 }
 
 
@@ -116,7 +120,7 @@ def build_tiny_model(out_dir: str, arch: str = "qwen3", vocab_size: int = 200, h
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith("mlp.gate.weight"):  # router (Qwen3-MoE and Mixtral)
                 p.copy_(config.initializer_range * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer:

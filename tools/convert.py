@@ -27,7 +27,7 @@ def _fail(msg: str) -> None:
 
 def _setup(cfg: dict, tp: int = 1, pp: int = 1, ep: int = 1):
     """Process groups for (tp, pp, ep) after checking the layout against the model."""
-    from models.families.qwen3_moe import experts_per_layer
+    from models.families import experts_per_layer
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel
 

@@ -1,8 +1,8 @@
 """Parameter counts per pipeline stage and the padded vocabulary, from an HF config (dict or
 transformers object) and its family. Plain arithmetic: no torch, megatron or transformers.
 
-MoE layers (models.families.qwen3_moe): each rank holds num_experts / ep experts, each split
-over tp (expert-TP = TP); the router is replicated. Expert parameters are counted apart
+MoE layers (any models.families.moe.MoeFamily): each rank holds num_experts / ep experts,
+each split over tp (expert-TP = TP); the router is replicated. Expert parameters are counted apart
 (`expert_*`): the distributed optimizer shards them over the expert-data-parallel group
 (dp x cp / ep ranks) instead of dp x cp."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.families.base import field, head_dim
-from models.families.registry import family_of
+from models.families.registry import family_of, moe_family
 
 # Vocab rows are padded to a multiple of this (and of tp). For power-of-two tp <= 128 the padded
 # size does not depend on the layout, so one distributed checkpoint loads at any TP.
@@ -39,12 +39,11 @@ class StageParams:
 
 def _experts(hf: Any) -> tuple[int, int, int]:
     """(experts per layer, experts per token, parameters of one expert); zeros when dense."""
-    from models.families.qwen3_moe import is_moe, num_experts
-
-    if not is_moe(hf):
+    fam = moe_family(hf)
+    if fam is None:
         return 0, 0, 0
-    return (num_experts(hf), int(field(hf, "num_experts_per_tok")),
-            3 * field(hf, "hidden_size") * field(hf, "moe_intermediate_size"))
+    return (fam.num_experts(hf), fam.experts_per_token(hf),
+            3 * field(hf, "hidden_size") * fam.expert_width(hf))
 
 
 def _layer_parameters(hf: Any) -> tuple[int, int]:

@@ -1,15 +1,19 @@
-"""The registry of model families by HF `model_type` (one line per family)."""
+"""The registry of model families by HF `model_type` (one line per family), and the
+mixture-of-experts queries that work for any family's config (dict or transformers object)."""
 from __future__ import annotations
 
 from typing import Any
 
 from models.families.base import Family, UnsupportedArchitectureError, field
 from models.families.llama import Llama
+from models.families.mixtral import Mixtral
+from models.families.moe import ExpertNaming, MoeFamily
 from models.families.qwen2 import Qwen2
 from models.families.qwen3 import Qwen3
 from models.families.qwen3_moe import Qwen3Moe
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (Llama(), Qwen2(), Qwen3(), Qwen3Moe())}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (Llama(), Qwen2(), Qwen3(), Qwen3Moe(),
+                                                          Mixtral())}
 
 
 def family_of(hf_config: Any) -> Family:
@@ -27,3 +31,32 @@ def family_of(hf_config: Any) -> Family:
 def model_presets() -> dict[str, dict]:
     """Every family's presets: model.shape name -> public config.json values."""
     return {name: preset for f in FAMILIES.values() for name, preset in f.presets.items()}
+
+
+def moe_family(cfg: Any) -> MoeFamily | None:
+    """The MoeFamily of a config, or None for a dense or unknown model_type."""
+    fam = FAMILIES.get(field(cfg, "model_type"))
+    return fam if isinstance(fam, MoeFamily) else None
+
+
+def is_moe(cfg: Any) -> bool:
+    """True for configs of a mixture-of-experts family (experts in the decoder layers)."""
+    return moe_family(cfg) is not None
+
+
+def num_experts(cfg: Any) -> int:
+    """Experts of each MoE layer (0 for a dense or unknown model)."""
+    fam = moe_family(cfg)
+    return fam.num_experts(cfg) if fam else 0
+
+
+def experts_per_layer(cfg: Any) -> int:
+    """Experts of each MoE layer of any family's config; 0 for a dense model (the value
+    parallel.layout's `num_experts` check expects)."""
+    return num_experts(cfg)
+
+
+def expert_naming(cfg: Any) -> ExpertNaming | None:
+    """HF checkpoint names of the router and experts of a MoE config (None: dense)."""
+    fam = moe_family(cfg)
+    return fam.experts if fam else None

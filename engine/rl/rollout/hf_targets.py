@@ -2,33 +2,42 @@
 
 The weight sync streams tensors under their checkpoint names (models.bridge.export_hf_weights:
 what `save_pretrained` writes and SGLang loads). transformers >= 5 keeps the experts of a
-mixture-of-experts layer fused in memory: `...mlp.experts.gate_up_proj` [E, 2 I, H] (expert
-e's gate_proj rows, then its up_proj rows) and `...mlp.experts.down_proj` [E, H, I], while the
-checkpoint holds `...mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H] and
-`down_proj` [H, I] per expert. `checkpoint_targets` maps every checkpoint name to the tensor
+mixture-of-experts layer fused in memory, under `model.layers.{i}.mlp` whatever the family
+calls the block on disk: `...mlp.experts.gate_up_proj` [E, 2 I, H] (expert e's gate rows,
+then its up rows), `...mlp.experts.down_proj` [E, H, I] and the router `...mlp.gate.weight`
+[E, H], while the checkpoint holds one tensor per expert and projection named by the family's
+ExpertNaming (models.families.moe): Qwen3-MoE `mlp.experts.{e}.{gate,up,down}_proj.weight`
+and `mlp.gate.weight`, Mixtral `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` and
+`block_sparse_moe.gate.weight`. `checkpoint_targets` maps every checkpoint name to the tensor
 (a parameter, or a view of a fused one) that receives it; older transformers keep one module
-per expert and need no view.
+per expert under the checkpoint's names and need no view.
 """
 from __future__ import annotations
 
 import torch
 
-_FUSED_SUFFIX = ".experts.gate_up_proj"
+from models.families import ExpertNaming, expert_naming
+
+_FUSED_SUFFIX = "mlp.experts.gate_up_proj"
+_ROUTER_SUFFIX = "mlp.gate.weight"
+# Names of a MoE model whose model_type the bridge does not know (transformers' default).
+_DEFAULT_NAMING = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 
 
-def _expert_views(prefix: str, gate_up: torch.Tensor, down: torch.Tensor
+def _expert_views(head: str, gate_up: torch.Tensor, down: torch.Tensor, naming: ExpertNaming
                   ) -> dict[str, torch.Tensor]:
-    """Checkpoint name -> view for the fused experts under `prefix` (ends in '.experts')."""
+    """Checkpoint name -> view for the fused experts of the layer named `head`
+    ("model.layers.{i}.")."""
     num_experts, two_i, _ = gate_up.shape
     if two_i % 2 or down.ndim != 3 or down.shape[0] != num_experts:
-        raise ValueError(f"{prefix}: fused expert shapes {tuple(gate_up.shape)} and "
-                         f"{tuple(down.shape)} are not [E, 2I, H] and [E, H, I]")
+        raise ValueError(f"{head}{_FUSED_SUFFIX}: fused expert shapes {tuple(gate_up.shape)} "
+                         f"and {tuple(down.shape)} are not [E, 2I, H] and [E, H, I]")
     i = two_i // 2
     out = {}
     for e in range(num_experts):
-        out[f"{prefix}.{e}.gate_proj.weight"] = gate_up[e, :i]
-        out[f"{prefix}.{e}.up_proj.weight"] = gate_up[e, i:]
-        out[f"{prefix}.{e}.down_proj.weight"] = down[e]
+        out[head + naming.expert(e, "gate")] = gate_up[e, :i]
+        out[head + naming.expert(e, "up")] = gate_up[e, i:]
+        out[head + naming.expert(e, "down")] = down[e]
     return out
 
 
@@ -38,20 +47,26 @@ def checkpoint_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
 
     Canonical names identify what must be written after a wake: tied aliases (e.g.
     lm_head.weight with tied embeddings) share their first name; each expert view is its
-    own."""
+    own; a renamed router is its checkpoint name."""
+    naming = expert_naming(getattr(model, "config", None)) or _DEFAULT_NAMING
     params = dict(model.named_parameters(remove_duplicate=False))
     first = {id(p): name for name, p in reversed(list(params.items()))}
     targets: dict[str, torch.Tensor] = {}
     canonical: dict[str, str] = {}
     for name, param in params.items():
         if name.endswith(_FUSED_SUFFIX) and param.ndim == 3:
-            prefix = name[: -len(".gate_up_proj")]
-            views = _expert_views(prefix, param, params[prefix + ".down_proj"])
+            head = name[: -len(_FUSED_SUFFIX)]
+            views = _expert_views(head, param, params[head + "mlp.experts.down_proj"], naming)
             targets.update(views)
             canonical.update({n: n for n in views})
-        elif name.endswith(".experts.down_proj") and param.ndim == 3 and (
-                name[: -len(".down_proj")] + ".gate_up_proj") in params:
+        elif name.endswith("mlp.experts.down_proj") and param.ndim == 3 and (
+                name[: -len("down_proj")] + "gate_up_proj") in params:
             continue  # covered by its gate_up_proj's views
+        elif name.endswith("." + _ROUTER_SUFFIX) and (
+                name[: -len(_ROUTER_SUFFIX)] + _FUSED_SUFFIX) in params:
+            checkpoint = name[: -len(_ROUTER_SUFFIX)] + naming.router
+            targets[checkpoint] = param
+            canonical[checkpoint] = checkpoint
         else:
             targets[name] = param
             canonical[name] = first[id(param)]
