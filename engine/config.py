@@ -268,11 +268,25 @@ def layout_problems(cfg, world_size: int, hf_config: dict) -> list[str]:
                            num_experts=experts_per_layer(hf_config))
 
 
+def length_problems(cfg, hf_config: dict) -> list[str]:
+    """train.seq_length beyond what the model's family maps exactly (Family.length_limit:
+    Mixtral's sliding window)."""
+    from models.families import family_of
+
+    limit = family_of(hf_config).length_limit(hf_config)
+    if limit is None or cfg.train.seq_length <= limit[0]:
+        return []
+    return [f"train.seq_length={cfg.train.seq_length} exceeds the model's {limit[1]} "
+            "(config.json): HF masks keys that far behind a query, which the bridge does not "
+            f"implement; supported: train.seq_length <= {limit[0]}"]
+
+
 def validate_common(cfg, world_size: int) -> dict:
     """Checks shared by SFT and RL; returns the HF config dict. Runs before process groups."""
     hf_config = read_model_config(cfg)
     raise_problems(model_dir_problems(cfg) + data_file_problems(cfg) + value_problems(cfg)
-                   + layout_problems(cfg, world_size, hf_config) + moe_problems(cfg, hf_config))
+                   + layout_problems(cfg, world_size, hf_config) + moe_problems(cfg, hf_config)
+                   + length_problems(cfg, hf_config))
     return hf_config
 
 

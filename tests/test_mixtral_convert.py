@@ -207,6 +207,25 @@ def test_accepted_fields():
     assert config_problems({**_CONFIG, "sliding_window": None}) == []
 
 
+def test_sequences_longer_than_the_window_are_refused():
+    """An accepted window (>= max_position_embeddings) still bounds train.seq_length: beyond
+    it HF would mask keys the bridge attends to."""
+    from types import SimpleNamespace
+
+    from engine.config import length_problems
+
+    def problems(seq_length, window):
+        cfg = SimpleNamespace(train=SimpleNamespace(seq_length=seq_length))
+        return length_problems(cfg, {**_CONFIG, "sliding_window": window})
+
+    assert problems(512, 512) == [] and problems(4096, None) == []
+    (message,) = problems(513, 512)
+    assert message.startswith("train.seq_length=513 exceeds the model's sliding_window=512")
+    assert "supported: train.seq_length <= 512" in message
+    assert length_problems(SimpleNamespace(train=SimpleNamespace(seq_length=10**6)),
+                           {"model_type": "qwen3"}) == []
+
+
 def test_moe_queries_and_registry():
     from models.families import (UnsupportedArchitectureError, expert_naming,
                                  experts_per_layer, family_of, is_moe)

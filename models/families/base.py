@@ -94,6 +94,11 @@ class Family:
     def biases(self, cfg: Any) -> Biases:
         return Biases()
 
+    def length_limit(self, cfg: Any) -> tuple[int, str] | None:
+        """(longest sequence, in tokens, the bridge reproduces exactly; the config field that
+        sets it) or None: no limit. The engines refuse a longer train.seq_length."""
+        return None
+
     def problems(self, cfg: Any) -> list[str]:
         """Why `cfg` (a transformers config) cannot be converted exactly; empty: it can."""
         return [p for rule in self.fields if rule.problem and (p := rule.problem(cfg))]

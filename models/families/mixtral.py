@@ -62,3 +62,9 @@ class Mixtral(MoeFamily):
 
     def renormalises(self, cfg: Any) -> bool:
         return True
+
+    def length_limit(self, cfg: Any) -> tuple[int, str] | None:
+        """A window >= max_position_embeddings passes `fields`, but a train.seq_length
+        beyond it would reach keys HF masks: sequences must stay within the window."""
+        window = field(cfg, "sliding_window")
+        return None if window is None else (int(window), f"sliding_window={window}")
