@@ -14,12 +14,12 @@ from models.families.base import (Biases, Family, FieldRule, UnmappedTensorsErro
 from models.families.counting import StageParams, padded_vocab_size, stage_parameters
 from models.families.moe import ExpertNaming, MoeFamily
 from models.families.registry import (FAMILIES, expert_naming, experts_per_layer, family_of,
-                                      is_moe, model_presets, moe_family, num_experts)
+                                      is_moe, model_presets, moe_family)
 from models.families.tensors import expected_tensors, tensor_problems
 
 __all__ = ["Biases", "ExpertNaming", "Family", "FieldRule", "MoeFamily", "StageParams",
            "UnmappedTensorsError", "UnsupportedArchitectureError", "UnsupportedConfigError",
            "UnsupportedModelError", "FAMILIES", "expected_tensors", "expert_naming",
            "experts_per_layer", "family_of", "field", "head_dim", "is_moe", "model_presets",
-           "moe_family", "num_experts", "padded_vocab_size", "stage_parameters",
+           "moe_family", "padded_vocab_size", "stage_parameters",
            "tensor_problems"]

@@ -38,6 +38,7 @@ class Mixtral(MoeFamily):
     hf_class = "MixtralForCausalLM"
     experts = ExpertNaming(block="block_sparse_moe", gate="w1", up="w3", down="w2")
     expert_width_field = "intermediate_size"
+    renormalise_field = None  # MixtralTopKRouter always renormalises
     fields = COMMON_FIELDS + (
         FieldRule("sliding_window", "null, or >= max_position_embeddings (HF masks a key only "
                   "sliding_window or more positions behind its query: never within the "
@@ -59,9 +60,6 @@ class Mixtral(MoeFamily):
             rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False,
             router_aux_loss_coef=0.02, output_router_logits=False),
     }
-
-    def renormalises(self, cfg: Any) -> bool:
-        return True
 
     def length_limit(self, cfg: Any) -> tuple[int, str] | None:
         """A window >= max_position_embeddings passes `fields`, but a train.seq_length

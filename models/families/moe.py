@@ -94,10 +94,13 @@ MOE_FIELDS = (NUM_EXPERTS, TOP_K, ROUTER_JITTER, AUX_LOSS)
 
 class MoeFamily(Family):
     """A family whose every decoder layer is a sparse MoE block. Subclasses set `experts`
-    (their ExpertNaming) and `expert_width_field`, and override `renormalises`."""
+    (their ExpertNaming), `expert_width_field` and `renormalise_field`."""
 
     experts: ExpertNaming
     expert_width_field: str = "moe_intermediate_size"  # config field of each expert's width
+    # config field that switches top-k renormalisation (default off when absent); None: the
+    # architecture always renormalises (no field)
+    renormalise_field: str | None = None
 
     def num_experts(self, cfg: Any) -> int:
         return _count(cfg)
@@ -111,7 +114,9 @@ class MoeFamily(Family):
 
     def renormalises(self, cfg: Any) -> bool:
         """Whether HF rescales the k selected softmax weights to sum to 1."""
-        raise NotImplementedError
+        if self.renormalise_field is None:
+            return True
+        return bool(field(cfg, self.renormalise_field, False))
 
     def layer_tensors(self, cfg: Any) -> tuple[str, ...]:
         dense_mlp = {f"mlp.{p}_proj.weight" for p in PROJECTIONS}

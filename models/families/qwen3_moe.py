@@ -42,6 +42,7 @@ class Qwen3Moe(MoeFamily):
     qk_norm = True
     experts = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
     expert_width_field = "moe_intermediate_size"
+    renormalise_field = "norm_topk_prob"
     fields = COMMON_FIELDS + (
         SLIDING_WINDOW,
         FieldRule("attention_bias", "false; true -> q/k/v biases (megatron add_qkv_bias) and "
@@ -71,6 +72,3 @@ class Qwen3Moe(MoeFamily):
     def biases(self, cfg: Any) -> Biases:
         attention = bool(field(cfg, "attention_bias", False))
         return Biases(qkv=attention, o_proj=attention)
-
-    def renormalises(self, cfg: Any) -> bool:
-        return bool(field(cfg, "norm_topk_prob", False))

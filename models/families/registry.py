@@ -44,16 +44,11 @@ def is_moe(cfg: Any) -> bool:
     return moe_family(cfg) is not None
 
 
-def num_experts(cfg: Any) -> int:
-    """Experts of each MoE layer (0 for a dense or unknown model)."""
+def experts_per_layer(cfg: Any) -> int:
+    """Experts of each MoE layer of any family's config; 0 for a dense or unknown model (the
+    value parallel.layout's `num_experts` check expects)."""
     fam = moe_family(cfg)
     return fam.num_experts(cfg) if fam else 0
-
-
-def experts_per_layer(cfg: Any) -> int:
-    """Experts of each MoE layer of any family's config; 0 for a dense model (the value
-    parallel.layout's `num_experts` check expects)."""
-    return num_experts(cfg)
 
 
 def expert_naming(cfg: Any) -> ExpertNaming | None:

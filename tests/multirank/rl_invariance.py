@@ -117,8 +117,7 @@ def _sequences(state, batch, temperature):
     return seqs, table
 
 
-def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp=False,
-               temperature=SETTINGS["temperature"]):
+def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp, temperature):
     import torch.distributed as dist
 
     from engine.moe_settings import MoEConfig, moe_overrides
