@@ -1,4 +1,4 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="megatron-sft-engine",
@@ -6,7 +6,7 @@ setup(
     description="Megatron-Core engine for SFT and RL (GRPO/DAPO) whose loss does not depend on "
                 "the parallel layout",
     python_requires=">=3.10",
-    packages=["engine", "engine.rl", "engine.rl.rollout", "models", "parallel"],
+    packages=find_packages(include=["engine", "engine.*", "models", "models.*", "parallel", "parallel.*"]),
     install_requires=[
         "torch>=2.4",
         # Tested: 0.16.1 (full suite) and the newest 0.19.x (.ci/run's second run); 0.17.1 and

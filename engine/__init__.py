@@ -1,1 +1,15 @@
-"""Training engines (SFT, RL) built on the models bridge and the parallel layer."""
+"""Training engines (SFT, RL) built on the models bridge and the parallel layer.
+
+One package per concern; package-level imports run one way (tests/test_structure.py checks it):
+
+    config      <- schema, loading, model/MoE settings, recipe validation (may import data,
+                   training, checkpoint for the checks it shares with them)
+    data        data files, row checks, chat-template rendering, the per-node cache
+    training    TrainEngine and everything one optimizer step needs
+    checkpoint  save/resume at any layout
+    run         RunLoop around every step; may import config, training, checkpoint
+    sft, rl     entry points (`python -m engine.sft`, `python -m engine.rl`); nothing imports them
+
+data and training never import run, sft, rl or checkpoint; run never imports sft or rl.
+`cli.py` and `errors.py` are shared by the entry points.
+"""

@@ -13,9 +13,9 @@ import threading
 import time
 from typing import Callable, NoReturn
 
-from engine.config import (ConfigError, SFTConfig, load_config, parallel_layout,
+from engine.config.schema import (ConfigError, SFTConfig, load_config, parallel_layout,
                            validate_common)
-from engine.data_files import DataError
+from engine.data.files import DataError
 from engine.errors import RunError
 from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 
@@ -71,7 +71,7 @@ def run_entry(run: str, argv: list[str], schema=None,
     # imported only now: megatron takes ~5 s to import, a config error above exits in ~1 s
     module_name, function = run.split(":")
     run_fn = getattr(importlib.import_module(module_name), function)
-    from engine.checkpointing import CheckpointError, ResumeMismatchError  # megatron: as above
+    from engine.checkpoint.checkpointing import CheckpointError, ResumeMismatchError  # megatron: as above
     try:
         rc = run_fn(cfg, hf_config, flags)
     except (CheckpointError, ResumeMismatchError) as e:

@@ -39,7 +39,7 @@ def transformer_config(hf_config: Any, *, tp: int = 1, pp: int = 1, vpp: int | N
     UnsupportedConfigError when a field does not map exactly (models.hf_config).
 
     `calculate_per_token_loss=True` is set: the engine's loss function returns sums and the
-    schedule/DDP must neither average over micro-batches nor over DP (see engine.loss).
+    schedule/DDP must neither average over micro-batches nor over DP (see engine.training.loss).
     """
     check_config(hf_config)
     kwargs = family_of(hf_config).transformer_kwargs(hf_config_object(hf_config))

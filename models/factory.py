@@ -24,7 +24,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     device, uninitialised weights (load them with `models.bridge.load_hf_weights`).
     Raises UnsupportedArchitectureError / UnsupportedConfigError before building anything
     when the HF config does not map exactly. `config_overrides` are TransformerConfig fields
-    (e.g. sequence_parallel, recompute_granularity: engine.model_settings)."""
+    (e.g. sequence_parallel, recompute_granularity: engine.config.model_settings)."""
     check_config(hf_config)
     moe_compat.install()
     tp = ps.get_tensor_model_parallel_world_size()

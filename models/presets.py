@@ -1,6 +1,6 @@
 """Published model shapes (`model.shape` presets of the recipes), gathered from the model
 families (models.families.*.presets), and the check that an HF config has the same shape.
-No megatron, no transformers: engine.config imports this at start-up."""
+No megatron, no transformers: engine.config.schema imports this at start-up."""
 from __future__ import annotations
 
 from models.families import head_dim, model_presets

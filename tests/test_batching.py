@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.batching import (imbalance, micro_batches_by_count,
+from engine.training.batching import (imbalance, micro_batches_by_count,
                              micro_batches_by_token_budget, pack_sequences, pad_batch,
                              padding_fraction, partition_balanced, partition_contiguous,
                              partition_sorted_round_robin, sequence_work)

@@ -68,8 +68,8 @@ def test_mfu_skips_without_cuda():
 def test_plan_padding_matches_engine_builders():
     """The balance benchmark's padding arithmetic equals what pack_sequences / pad_batch produce
     for the engine's plan (dummy micro-batches: pad_multiple masked tokens each)."""
-    from engine.batching import pack_sequences, pad_batch
-    from engine.plan import plan_mini_batch
+    from engine.training.batching import pack_sequences, pad_batch
+    from engine.training.plan import plan_mini_batch
 
     lengths = [5, 17, 3, 40, 9, 12, 1, 30, 8, 22, 2]
     sample = lambda n: ([7] * n, [7] * n, [1] * n)

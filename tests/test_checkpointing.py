@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.run_loop import StopMonitor
-from engine.checkpoint_io import (LATEST_FILE, CheckpointError, checkpoint_problems,
+from engine.run.run_loop import StopMonitor
+from engine.checkpoint.io import (LATEST_FILE, CheckpointError, checkpoint_problems,
                                   iteration_dir, newest_complete, prune, publish, read_latest,
                                   resolve_resume, rewind_jsonl, staging_dir,
                                   write_complete_marker)
-from engine.checkpointing import DataPosition
+from engine.checkpoint.checkpointing import DataPosition
 from tests.launch import (REPO_ROOT, filter_noise, free_port, result_lines, run_python,
                           run_torchrun)
 
@@ -183,7 +183,7 @@ def test_data_position_mismatches():
 
 
 def test_checkpoint_config_problems(tmp_path):
-    from engine.config import SFTConfig, sft_problems
+    from engine.config.schema import SFTConfig, sft_problems
 
     cfg = SFTConfig()
     assert sft_problems(cfg) == []
@@ -373,7 +373,7 @@ def test_export_of_training_checkpoint_loads_and_matches_eval(runs):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.data import load_sft_dataset
+    from engine.data.datasets import load_sft_dataset
 
     assert runs["E"].returncode == 0
     out = runs["root"] / "E"

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from engine.loss import AGG_MODES
+from engine.training.loss import AGG_MODES
 from tests.launch import start, torchrun_cmd, wait
 from tests.tiny_models import build_tiny_model
 
@@ -279,7 +279,7 @@ def test_model_dir_problems_name_what_is_missing(paths, tmp_path):
     ("train: [\n", "invalid configuration in --config {file}: while parsing"),
 ])
 def test_config_file_errors_name_the_key_and_the_file(tmp_path, yaml_text, message):
-    from engine.config import ConfigError, SFTConfig, load_config
+    from engine.config.schema import ConfigError, SFTConfig, load_config
 
     file = tmp_path / "run.yaml"
     file.write_text(yaml_text)

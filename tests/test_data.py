@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from engine.data import (DataError, Sample, global_batch_indices, load_prompt_rows,
+from engine.data.datasets import (DataError, Sample, global_batch_indices, load_prompt_rows,
                          load_sft_dataset, read_rows, render_messages, render_prompt,
                          render_sft_row)
 from tests.tiny_models import BASE_WORDS, build_tokenizer

@@ -1,4 +1,4 @@
-"""The rendered-data cache (engine.data_cache): reuse, a new entry for a change of each key part,
+"""The rendered-data cache (engine.data.cache): reuse, a new entry for a change of each key part,
 torn builds never used, concurrent ranks of one node (one builds, the others wait and map),
 build errors reaching every rank, narrow token dtypes, every input format (JSON lines, Parquet,
 globs, directories of shards, Arrow files, datasets.save_to_disk folders), RL prompts."""
@@ -13,9 +13,9 @@ import textwrap
 import numpy as np
 import pytest
 
-import engine.data as data_mod
-from engine.data import DataError, load_prompt_rows, load_sft_dataset, render_prompt
-from engine.data_files import read_rows, resolve_data_files
+import engine.data.datasets as data_mod
+from engine.data.datasets import DataError, load_prompt_rows, load_sft_dataset, render_prompt
+from engine.data.files import read_rows, resolve_data_files
 from tests.conftest import REPO_ROOT
 from tests.tiny_models import build_tokenizer
 
@@ -77,7 +77,7 @@ def test_reuse_and_memory_mapped_narrow_arrays(tok, tmp_path, builds):
 
 
 def test_token_dtype_is_the_narrowest():
-    from engine.data_cache import token_dtype
+    from engine.data.cache import token_dtype
 
     assert [token_dtype(n).name for n in (200, 256, 257, 65536, 151_936, 2 ** 32 + 1)] == [
         "uint8", "uint8", "uint16", "uint16", "uint32", "int64"]
@@ -103,7 +103,7 @@ def test_each_key_part_makes_a_new_entry(tok, tok_dir, tmp_path, builds):
     build_tokenizer(str(bigger), 300)
     new_entry(load_sft_dataset([path], AutoTokenizer.from_pretrained(str(bigger)), 64,
                                cache_dir=cache))                                   # tokenizer
-    import engine.data_cache as data_cache
+    import engine.data.cache as data_cache
 
     data_cache.RENDERER_VERSION += 1000
     try:
@@ -125,7 +125,7 @@ def _script(body: str) -> str:
         import hashlib, json, os, sys
         sys.path.insert(0, {root!r})
         from transformers import AutoTokenizer
-        import engine.data as D
+        import engine.data.datasets as D
         tok = AutoTokenizer.from_pretrained(sys.argv[1])
     """).format(root=str(REPO_ROOT)) + textwrap.dedent(body)
 
@@ -146,7 +146,7 @@ def test_torn_build_is_never_used(tok, tok_dir, tmp_path, builds):
     path = write_jsonl(tmp_path / "a.jsonl", [{"messages": SINGLE}, PR_ROW] * 5)
     cache = tmp_path / "cache"
     killed = _script("""
-        import engine.data_cache as C
+        import engine.data.cache as C
         def die(*a, **k):
             os._exit(9)  # killed mid-build: part files written, nothing renamed
         C.write_meta = die
@@ -321,7 +321,7 @@ def test_parquet_nulls_of_a_union_schema_are_dropped(tok, tmp_path):
 
 
 def test_config_accepts_globs_and_directories(tmp_path):
-    from engine.config import SFTConfig, data_file_problems
+    from engine.config.schema import SFTConfig, data_file_problems
 
     (tmp_path / "d").mkdir()
     write_jsonl(tmp_path / "d" / "a.jsonl", [PR_ROW])
@@ -360,7 +360,7 @@ def test_parquet_units_are_whole_row_groups(tok, tmp_path, monkeypatch):
     """Workers get whole row groups (never decoding one twice); rows keep their numbers."""
     import pyarrow.parquet as pq
 
-    from engine.data_files import row_units
+    from engine.data.files import row_units
 
     rows = [{"messages": SINGLE}, PR_ROW, PR_ROW] * 3
     path = str(tmp_path / "g.parquet")
@@ -368,7 +368,7 @@ def test_parquet_units_are_whole_row_groups(tok, tmp_path, monkeypatch):
     units = row_units([path], rows_per_unit=3)
     assert [(u.start, u.stop, u.first) for u in units] == [(0, 4, 1), (4, 8, 5), (8, 9, 9)]
     assert [n for _, n, _ in read_rows(path)] == list(range(1, 10))
-    monkeypatch.setattr("engine.data_cache.ROWS_PER_UNIT", 3)
+    monkeypatch.setattr("engine.data.cache.ROWS_PER_UNIT", 3)
     jsonl = write_jsonl(tmp_path / "g.jsonl", rows)
     a = load_sft_dataset(path, tok, 64, cache_dir=str(tmp_path / "c"), num_workers=2)
     b = load_sft_dataset(jsonl, tok, 64, cache_dir=str(tmp_path / "c"), num_workers=0)

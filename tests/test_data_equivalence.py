@@ -1,4 +1,4 @@
-"""Equivalence with the renderer this cache replaced: the previous engine.data implementation
+"""Equivalence with the renderer this cache replaced: the previous engine.data.datasets implementation
 (copied verbatim below, commit 1525531: one Python loop, prefix renders per assistant turn) and
 the cached, parallel one give identical ids, masks, samples, stats and hence loss on every
 fixture the previous one handles: the tiny tokenizer with {% generation %} tags, the same
@@ -15,10 +15,10 @@ from typing import Any, Sequence
 import numpy as np
 import pytest
 
-from engine.data import SFTDataset, _check_not_empty as check_not_empty, load_sft_dataset
-from engine.data import render_sft_row as new_render_sft_row
-from engine.data_files import DataError, as_file_list, read_rows as legacy_read_rows
-from engine.data_files import where as where_of
+from engine.data.datasets import SFTDataset, _check_not_empty as check_not_empty, load_sft_dataset
+from engine.data.datasets import render_sft_row as new_render_sft_row
+from engine.data.files import DataError, as_file_list, read_rows as legacy_read_rows
+from engine.data.files import where as where_of
 from tests.test_data_templates import TOOLS, build_char_tokenizer
 from tests.tiny_models import build_tokenizer
 
@@ -266,7 +266,7 @@ def test_rows_render_identically(tokenizers, name):
 def test_datasets_identical(tokenizers, name, size, workers, tmp_path, monkeypatch):
     """`short`: train.seq_length is the median rendered row length, so about half the rows are
     truncated; `workers`: 0 renders in this process, 2 in worker processes (tasks of 7 rows)."""
-    monkeypatch.setattr("engine.data_cache.ROWS_PER_UNIT", 7)
+    monkeypatch.setattr("engine.data.cache.ROWS_PER_UNIT", 7)
     tok, turns, tools = tokenizers[name]
     path = tmp_path / "rows.jsonl"
     rows = random_rows(11, 40, turns, tools=False)
@@ -293,7 +293,7 @@ def test_datasets_identical(tokenizers, name, size, workers, tmp_path, monkeypat
 
 
 def test_truncation_error_names_the_same_row(tokenizers, tmp_path, monkeypatch):
-    monkeypatch.setattr("engine.data_cache.ROWS_PER_UNIT", 4)
+    monkeypatch.setattr("engine.data.cache.ROWS_PER_UNIT", 4)
     tok = tokenizers["tiny-plain"][0]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in random_rows(3, 30, 3, False)))

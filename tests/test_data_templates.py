@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from engine.data import DataError, load_sft_dataset, render_messages, render_sft_row
+from engine.data.datasets import DataError, load_sft_dataset, render_messages, render_sft_row
 
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.loss import AGG_MODES, GlobalLossNormalizer, aggregate, weights_from_counts
+from engine.training.loss import AGG_MODES, GlobalLossNormalizer, aggregate, weights_from_counts
 
 
 def _token_losses(lengths, masks_on, seed=0):

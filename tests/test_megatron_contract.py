@@ -1,4 +1,4 @@
-"""The Megatron-Core behaviour that the engine's loss contract relies on (engine.loss, DESIGN
+"""The Megatron-Core behaviour that the engine's loss contract relies on (engine.training.loss, DESIGN
 section 4), checked with real megatron objects on a tiny GPTModel, so that a megatron-core
 release that changes it fails here, by name, instead of silently rescaling every gradient.
 
@@ -9,7 +9,7 @@ The contract: the loss function returns the 3-tuple (weighted sum, num_tokens, r
   2. DDP (average_in_collective=False) uses a gradient scaling factor of 1: gradients are
      summed over the DP x CP group;
   3. `finalize_model_grads(model, num_tokens=None)` divides nothing (the schedule passes the
-     summed num_tokens; `engine.train_engine.finalize_grads` drops it).
+     summed num_tokens; `engine.training.train_engine.finalize_grads` drops it).
 So the gradient after a step is d(sum of every rank's micro-batch losses)/d(params).
 
 Run as a script under torchrun (2 ranks, gloo) it checks these at DP2 (1F1B-free schedule,
@@ -68,7 +68,7 @@ def _build(seed: int = 0, **overrides):
 
 
 def _ddp(chunk, distributed_optimizer: bool = False):
-    """DDP with the engine's settings (engine.train_engine.TrainEngine.build). The distributed
+    """DDP with the engine's settings (engine.training.train_engine.TrainEngine.build). The distributed
     optimizer only changes all-reduce into reduce-scatter; the all-reduce variant is checked
     so every rank holds the whole reduced gradient."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -159,7 +159,7 @@ class _RecordingFinalize:
         self.num_tokens = []
 
     def __call__(self, model, num_tokens=None, **kwargs):
-        from engine.train_engine import finalize_grads
+        from engine.training.train_engine import finalize_grads
 
         self.num_tokens.append(None if num_tokens is None else int(num_tokens))
         return (self.inner or finalize_grads)(model, num_tokens, **kwargs)
@@ -291,7 +291,7 @@ def _megatron_version() -> str:
 
 def _changed(what: str) -> str:
     return (f"megatron-core {_megatron_version()} changed {what}; the engine's loss contract "
-            f"(engine.loss, engine.train_engine.finalize_grads) relies on it: adapt the engine "
+            f"(engine.training.loss, engine.training.train_engine.finalize_grads) relies on it: adapt the engine "
             f"(one version branch, in a compat module under parallel/) or exclude this release "
             f"from setup.py's megatron-core range")
 
@@ -325,7 +325,7 @@ def test_engine_config_sets_calculate_per_token_loss():
 
 
 def test_engine_finalize_grads_drops_the_token_count(monkeypatch):
-    import engine.train_engine as te
+    import engine.training.train_engine as te
 
     seen = []
     monkeypatch.setattr(te, "finalize_model_grads", lambda m, n, **kw: seen.append((n, kw)))
@@ -406,7 +406,7 @@ SFT_SPECS = ["2,2,0,1,3", "1,2,2,1,2", "1,1,0,2,16,packing"]
 
 def test_sft_invariance_in_one_launch(tmp_path):
     from tests.launch import result_lines, run_torchrun
-    from engine.loss import AGG_MODES as MODES
+    from engine.training.loss import AGG_MODES as MODES
     from tests.tiny_models import build_tiny_model
 
     script = "tests/multirank/sft_invariance.py"

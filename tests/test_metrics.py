@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.metrics import MetricsLogger, format_postfix, progress_bar
+from engine.run.metrics import MetricsLogger, format_postfix, progress_bar
 
 
 def test_jsonl_and_tensorboard(tmp_path):

@@ -212,7 +212,7 @@ def test_sequences_longer_than_the_window_are_refused():
     it HF would mask keys the bridge attends to."""
     from types import SimpleNamespace
 
-    from engine.config import length_problems
+    from engine.config.schema import length_problems
 
     def problems(seq_length, window):
         cfg = SimpleNamespace(train=SimpleNamespace(seq_length=seq_length))

@@ -1,7 +1,7 @@
 """Megatron sequence parallelism and activation recomputation, single process: the config keys
-and their checks (engine.model_settings, parallel.layout), the TransformerConfig fields they
-map to, the padding they need (engine.rank_batch), the SP-capable norm of the local layer spec
-(models.norms) and the memory estimate's factors (engine.recipe_validation). The multi-rank
+and their checks (engine.config.model_settings, parallel.layout), the TransformerConfig fields they
+map to, the padding they need (engine.training.rank_batch), the SP-capable norm of the local layer spec
+(models.norms) and the memory estimate's factors (engine.config.recipe_validation). The multi-rank
 invariance of the loss and gradient is in tests/test_sft_invariance.py.
 """
 from types import SimpleNamespace
@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.config import SFTConfig, load_config, sft_problems
-from engine.loss import GlobalLossNormalizer
-from engine.micro_batches import SequenceData
-from engine.model_settings import (describe, megatron_overrides, recompute_layer_problems,
+from engine.config.schema import SFTConfig, load_config, sft_problems
+from engine.training.loss import GlobalLossNormalizer
+from engine.training.micro_batches import SequenceData
+from engine.config.model_settings import (describe, megatron_overrides, recompute_layer_problems,
                                    recompute_problems, sequence_parallel_on)
-from engine.rank_batch import build_rank_batch, pad_multiple
-from engine.recipe_validation import GIB, MODEL_SHAPES, estimate_memory
+from engine.training.rank_batch import build_rank_batch, pad_multiple
+from engine.config.recipe_validation import GIB, MODEL_SHAPES, estimate_memory
 from parallel.layout import ParallelLayout
 
 
@@ -222,7 +222,7 @@ def test_local_norm_weights_are_in_the_model_dtype(normalization):
 
 def test_memory_factors_of_sequence_parallelism_and_recompute():
     """Llama-3.1-8B, TP2 x DP4, one 4096-token sequence per micro-batch, bf16 (a = 2), all
-    32 layers on the stage: the factors of engine.recipe_validation's docstring."""
+    32 layers on the stage: the factors of engine.config.recipe_validation's docstring."""
     hf = MODEL_SHAPES["llama-3.1-8b"]
     h, q, kv, ffn, layers, t, a = 4096, 4096, 1024, 14336, 32, 4096, 2
 

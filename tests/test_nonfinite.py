@@ -1,5 +1,5 @@
 """Non-finite loss or gradient: the step is skipped without a trace, counted, and a run that
-keeps diverging stops with a clear message (engine.nonfinite)."""
+keeps diverging stops with a clear message (engine.training.nonfinite)."""
 import json
 import math
 import re
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.nonfinite import NonFiniteGuard, TrainingDiverged
+from engine.training.nonfinite import NonFiniteGuard, TrainingDiverged
 from tests.launch import result_lines, run_python, run_torchrun
 from tests.tiny_models import build_tiny_model
 

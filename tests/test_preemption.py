@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint_io import (checkpoint_problems, iteration_dir, read_latest,
+from engine.checkpoint.io import (checkpoint_problems, iteration_dir, read_latest,
                                   staging_dir)
 from tests.launch import run_python, run_torchrun, start, torchrun_cmd, wait
 
@@ -86,7 +86,7 @@ def test_sigint_single_process_saves_and_exits_0(assets, tmp_path):
 
 
 def test_rank_killed_during_save_leaves_the_run_resumable(assets, tmp_path):
-    """Rank 1 is SIGKILLed inside the save of step 4 (engine.fault_injection): the job fails,
+    """Rank 1 is SIGKILLed inside the save of step 4 (engine.checkpoint.fault_injection): the job fails,
     iter 4 stays an unpublished staging directory, `latest` still names iter 2; the relaunch
     resumes from iter 2 and steps 3-6 equal those of an uninterrupted run."""
     crashed, straight = tmp_path / "crashed", tmp_path / "straight"

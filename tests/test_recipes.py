@@ -1,7 +1,7 @@
-"""Recipes under recipes/sft/ and `engine.sft --validate` (engine.recipe_validation).
+"""Recipes under recipes/sft/ and `engine.sft --validate` (engine.config.recipe_validation).
 
 Parameter counts are checked against the published sizes of the models; the memory estimate
-against the formulas of engine.recipe_validation's docstring, worked out here by hand for
+against the formulas of engine.config.recipe_validation's docstring, worked out here by hand for
 Llama-3.1-8B at TP2 x DP4. The launch scripts themselves run in tests/test_checkpointing.py.
 """
 import os
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from engine.config import SFTConfig, load_config
-from engine.recipe_validation import (GIB, MODEL_SHAPES, estimate_memory, stage_parameters,
+from engine.config.schema import SFTConfig, load_config
+from engine.config.recipe_validation import (GIB, MODEL_SHAPES, estimate_memory, stage_parameters,
                                       validate_recipe)
 from parallel.layout import ParallelLayout
 from tests.launch import REPO_ROOT
@@ -102,7 +102,7 @@ def test_moe_memory_shards_expert_optimizer_over_dp_over_ep():
     """Qwen3-30B-A3B at EP8: each GPU holds 16 experts x 48 layers (3.62 B parameters) plus
     the 1.54 B dense ones; the expert optimizer state is sharded over dp / ep ranks, the
     dense one over dp, so 4 nodes (dp 32, expert-dp 4) halve the expert share of 2 nodes."""
-    from engine.recipe_validation import estimate_memory
+    from engine.config.recipe_validation import estimate_memory
     from parallel.layout import ParallelLayout
 
     cfg = load(REPO_ROOT / "recipes" / "sft" / "qwen3_30b_a3b_h100.yaml")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint_io import iteration_dir
+from engine.checkpoint.io import iteration_dir
 from tests.launch import run_torchrun
 from tests.tiny_models import build_tiny_model
 
@@ -92,7 +92,7 @@ def runs(tmp_path_factory) -> dict:
 
 
 def test_rl_checkpoint_keys_are_validated_like_sft(tmp_path):
-    from engine.config import SFTConfig, sft_problems
+    from engine.config.schema import SFTConfig, sft_problems
     from engine.rl.config import RLConfig, rl_problems
 
     def problems(cfg) -> list[str]:
@@ -136,7 +136,7 @@ def test_grpo_rerun_after_the_last_step_has_nothing_to_do(runs):
 
 
 def test_dapo_resume_restores_next_gen_batch(runs):
-    from engine.checkpointing import read_checkpoint_info
+    from engine.checkpoint.checkpointing import read_checkpoint_info
 
     assert runs["D"].returncode == 0 and runs["D2"].returncode == 0
     first = _read_jsonl(runs["root"] / "D" / "metrics.jsonl")[0]
@@ -153,7 +153,7 @@ def test_dapo_resume_restores_next_gen_batch(runs):
 
 
 def test_resume_mismatch_names_the_rl_batch_key():
-    from engine.checkpointing import DataPosition
+    from engine.checkpoint.checkpointing import DataPosition
 
     saved, run = DataPosition(2, 2, 16, 1, True), DataPosition(0, 4, 16, 1, True)
     assert saved.mismatches(run, "train.prompts_per_step") == [
@@ -161,7 +161,7 @@ def test_resume_mismatch_names_the_rl_batch_key():
 
 
 def test_checkpoint_extra_must_be_plain_values():
-    from engine.checkpointing import _plain_extra
+    from engine.checkpoint.checkpointing import _plain_extra
 
     assert _plain_extra({"next_gen_batch": 3, "note": [1, "a", None]}) == {
         "next_gen_batch": 3, "note": [1, "a", None]}

@@ -119,7 +119,7 @@ def test_hf_seeded_rows_do_not_depend_on_the_rest_of_the_call(model_dir):
 def test_start_refuses_an_impossible_placement(model_dir, tmp_path, monkeypatch):
     """validate_rl (run before any process group) checks the placement for the launched
     world: 2 nodes of 2 processes (torchrun's LOCAL_WORLD_SIZE) cannot host 3 engines."""
-    from engine.config import ConfigError, load_config
+    from engine.config.schema import ConfigError, load_config
     from engine.rl.config import RLConfig, validate_rl
 
     prompts = tmp_path / "p.jsonl"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ConfigError, load_config
-from engine.data_files import DataError
+from engine.config.schema import ConfigError, load_config
+from engine.data.files import DataError
 from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, validate_rl
 from engine.rl.rollout import Generation, RolloutEngine
 from engine.rl.rollout_batch import RolloutBatch, RolloutCollector, build_sequences
@@ -192,7 +192,7 @@ def test_over_long_prompts_follow_data_truncation(model_dir, tmp_path, capsys):
     file:line, nothing left is an error."""
     from transformers import AutoTokenizer
 
-    from engine.data import load_prompt_rows, render_prompt
+    from engine.data.datasets import load_prompt_rows, render_prompt
     from engine.rl.rollout_batch import fit_prompt_rows
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

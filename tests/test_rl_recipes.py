@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import load_config
+from engine.config.schema import load_config
 from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes", "rl").glob("*.yaml"))

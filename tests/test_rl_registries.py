@@ -3,7 +3,7 @@ backends; renamed configuration keys are refused with their new name."""
 import pytest
 import torch
 
-from engine.config import ConfigError, load_config
+from engine.config.schema import ConfigError, load_config
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS, leave_one_out_advantages
 from engine.rl.algorithms import ALGORITHMS
 from engine.rl.config import RLConfig, apply_algorithm_defaults, rl_problems

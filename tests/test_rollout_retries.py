@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ConfigError, load_config
+from engine.config.schema import ConfigError, load_config
 from engine.rl.config import RLConfig, validate_rl
 from engine.rl.rollout.pool import RolloutFailed
 from engine.rl.rollout_batch import RolloutCollector

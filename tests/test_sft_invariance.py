@@ -58,7 +58,7 @@ LAUNCHES = {
 # micro-batches (dp 2, micro-batch 4): compared with each other, not the reference.
 MOE_MODES = "modes=token-mean/seq-mean-token-mean"
 AUX = "aux=0.01+z=0.01+modes=token-mean"
-# Token dropping (expert capacity 0.5): not layout-invariant by design (engine.moe_settings),
+# Token dropping (expert capacity 0.5): not layout-invariant by design (engine.config.moe_settings),
 # compared with the dropless EP2 run of the same launch.
 CAP = "1,1,0,1,4,moe+ep=2+cap=0.5+modes=token-mean"
 MOE_SPECS = {
@@ -180,7 +180,7 @@ def test_negative_control_expert_grads_averaged_over_expert_dp_is_caught(invaria
 
 
 def test_router_aux_loss_is_invariant_to_ep_at_the_same_micro_batches(invariance_runs):
-    """moe.aux_loss_coeff > 0 and moe.z_loss_coeff > 0 (engine.router_losses), for each of
+    """moe.aux_loss_coeff > 0 and moe.z_loss_coeff > 0 (engine.training.router_losses), for each of
     megatron's aux_loss, seq_aux_loss and global_aux_loss: DP2 (ep 1) and DP2 x EP2 cut the
     same micro-batches, so the loss, grad norm and logged moe/aux_loss and moe/z_loss agree;
     the router losses really act (grad norm differs from the same layout without them) and

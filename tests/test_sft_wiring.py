@@ -35,8 +35,8 @@ def test_gpu_process_groups_take_cpu_tensors_too(monkeypatch):
 def test_sft_passes_data_cache_dir_and_workers(monkeypatch, tmp_path):
     """data.cache_dir and data.num_workers reach the dataset loader (they were ignored: the
     rendered cache went to ~/.cache whatever data.cache_dir said)."""
-    import engine.sft_training as st
-    from engine.config import SFTConfig
+    import engine.sft.training as st
+    from engine.config.schema import SFTConfig
 
     calls = []
 

@@ -1,5 +1,5 @@
 """Per-token log-probs and entropy from vocab-parallel logits are exact and never see logits
-modified in place (engine.token_losses; the correctness issue's entropy defect)."""
+modified in place (engine.training.token_losses; the correctness issue's entropy defect)."""
 from tests.launch import result_lines, run_torchrun
 
 

@@ -1,16 +1,16 @@
 """Balancing quality and padding on long-tailed length distributions (no model, pure math).
 
 For each distribution and DP size, `trials` global batches of `per_rank x dp` sequences are
-drawn; the DP partition is measured as max/mean estimated work (`engine.partition.imbalance`
+drawn; the DP partition is measured as max/mean estimated work (`engine.training.partition.imbalance`
 of `sequence_work` = L + L^2/4096) for three methods: ours (`partition_balanced`, Karmarkar-Karp
 plus local search), a contiguous split (what a plain sampler does) and sorted round robin. The
 lower bound is max(1, largest single sequence work / mean rank work): no partition can beat it.
 
-Padding: the engine's planner (`engine.plan.plan_mini_batch`) splits each rank's sequences into
+Padding: the engine's planner (`engine.training.plan.plan_mini_batch`) splits each rank's sequences into
 micro-batches, either packed (token budget, each sequence padded to a multiple of 2*cp, as
-`engine.batching.pack_sequences` does) or padded (fixed count, every row padded to the longest
+`engine.training.batching.pack_sequences` does) or padded (fixed count, every row padded to the longest
 of its micro-batch, as `pad_batch` does). Ranks with fewer micro-batches than the most loaded
-rank get dummy micro-batches of `pad_multiple` masked tokens (`engine.rank_batch`); they count as
+rank get dummy micro-batches of `pad_multiple` masked tokens (`engine.training.rank_batch`); they count as
 padding. Padding fraction = padding tokens / all tokens processed.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ def sample_lengths(distribution: str, n: int, rng: np.random.Generator) -> list[
 
 def imbalances(lengths: list[int], dp: int) -> dict[str, float]:
     """max/mean work over `dp` ranks for each method, plus the lower bound."""
-    from engine.partition import (imbalance, partition_balanced, partition_contiguous,
+    from engine.training.partition import (imbalance, partition_balanced, partition_contiguous,
                                   partition_sorted_round_robin, sequence_work)
 
     works = [sequence_work(n) for n in lengths]
@@ -70,7 +70,7 @@ def plan_padding(lengths: list[int], dp: int, packing: bool, pad_multiple: int,
                  micro_batch_size: int, max_tokens: int | None) -> tuple[int, int]:
     """(padding tokens, real tokens) of the engine's plan for one global batch, all ranks.
     `max_tokens` set: micro-batches by token budget (first-fit decreasing), else by count."""
-    from engine.plan import plan_mini_batch
+    from engine.training.plan import plan_mini_batch
 
     plan = plan_mini_batch(lengths, dp, True, micro_batch_size, max_tokens)
     pad = 0
@@ -144,7 +144,7 @@ def run_balance(quick: bool, plot_path: str | None = None, seed: int = 0) -> Ben
     balance_table = Table(
         f"DP balance, {PER_RANK} sequences per rank: max/mean work (median of {trials} batches)",
         headers, rows_of(per_rank, lambda dp: PER_RANK * dp),
-        ["work = L + L^2/4096 (engine.partition.sequence_work); lower bound = max(1, largest "
+        ["work = L + L^2/4096 (engine.training.partition.sequence_work); lower bound = max(1, largest "
          "sequence / mean rank work): no partition can do better."])
     fixed_table = Table(
         f"DP balance, fixed global batch {FIXED_BATCH} (few sequences per rank at DP 64)",
@@ -163,7 +163,7 @@ def run_balance(quick: bool, plot_path: str | None = None, seed: int = 0) -> Ben
                 for label, *_ in PADDING_CASES]
     padding_table = Table(
         f"Padding fraction at DP {PADDING_DP}, {PER_RANK} sequences per rank (median)",
-        ["micro-batches (engine.plan)", *DISTRIBUTIONS], pad_rows,
+        ["micro-batches (engine.training.plan)", *DISTRIBUTIONS], pad_rows,
         ["padding fraction = padding tokens / all tokens processed. Packed rows pad each "
          "sequence to a multiple of 2*cp (zigzag CP sharding); padded micro-batches pad every "
          "row to the longest of its micro-batch; dummy micro-batches of ranks with fewer "
@@ -201,7 +201,7 @@ def plot_balance(per_rank: dict, fixed: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = {"balanced": ("ours: engine.partition (Karmarkar-Karp + local search)", "-o"),
+    styles = {"balanced": ("ours: engine.training.partition (Karmarkar-Karp + local search)", "-o"),
               "contiguous": ("contiguous split", "-s"),
               "sorted_rr": ("sorted round robin", "-^"),
               "lower_bound": ("lower bound (largest sequence alone)", ":")}

@@ -82,7 +82,7 @@ def _char_model(folder: str) -> str:
 
 
 def _build_rate(path: str, tokenizer, workers: int, cache_dir: str) -> dict:
-    from engine.data import load_sft_dataset
+    from engine.data.datasets import load_sft_dataset
 
     t0 = time.perf_counter()
     ds = load_sft_dataset([path], tokenizer, 8192, cache_dir=cache_dir, num_workers=workers)
@@ -107,7 +107,7 @@ def _legacy_rate(path: str, tokenizer, rows: int) -> dict:
 
 RANK_WRAPPER = """
 import json, os, sys
-from engine.sft import main
+from engine.sft.__main__ import main
 code = main(sys.argv[1:])
 status = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
 mb = lambda k: int(status[k].split()[0]) / 1024 if k in status else None

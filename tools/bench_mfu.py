@@ -1,6 +1,6 @@
 """MFU of the engine's SFT step: a ~1B Qwen3-shaped model, bf16, 4096-token packed rows (CUDA).
 
-Runs `engine.sft.train_step` (packing, micro-batches by a 4096-token budget, megatron
+Runs `engine.sft.training.train_step` (packing, micro-batches by a 4096-token budget, megatron
 distributed optimizer, bf16 params with fp32 master weights) on sequences drawn from the
 benchmark's chat/reasoning mixture (clipped to 4096 tokens) and reports model TFLOP/s per GPU
 and MFU = TFLOP/s / the GPU's dense bf16 peak.
@@ -64,7 +64,7 @@ def make_sequences(vocab: int, total_tokens: int, seed: int = 0) -> list:
     import numpy as np
 
     from bench_balance import sample_lengths
-    from engine.micro_batches import SequenceData
+    from engine.training.micro_batches import SequenceData
 
     rng = np.random.default_rng(seed)
     lengths: list[int] = []
@@ -105,9 +105,9 @@ def measure_sft_step(hf_config: dict, micro_batches: int, steps: int, warmup: in
 
     from megatron.core import parallel_state as ps
 
-    from engine.loss import GlobalLossNormalizer
-    from engine.sft_training import train_step
-    from engine.train_engine import TrainEngine
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.sft.training import train_step
+    from engine.training.train_engine import TrainEngine
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 

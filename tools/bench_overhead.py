@@ -6,7 +6,7 @@ and parses the JSON line rank 0 prints last.
 
 In the worker both loops share one `TrainState` (the same DDP-wrapped GPTModel chunks and the
 same megatron distributed optimizer), so they differ only in what the engine adds:
-- engine: `engine.sft_training.train_step(state, seqs, normalizer)`: global loss weights
+- engine: `engine.sft.training.train_step(state, seqs, normalizer)`: global loss weights
   (GlobalLossNormalizer, an all-reduce over DP), the DP balance plan, micro-batches built from
   token lists, `run_micro_batches`, optimizer and LR scheduler step, reductions of the logged
   metrics over DP and PP;
@@ -100,7 +100,7 @@ def overhead_result(raw: dict, quick: bool) -> BenchResult:
 def synthetic_global_batches(vocab: int, seed: int = 0) -> list[list]:
     """NUM_BATCHES global batches of GLOBAL_BATCH sequences; lengths MIN_LEN..MAX_LEN, loss on a
     random suffix (like a chat response)."""
-    from engine.micro_batches import SequenceData
+    from engine.training.micro_batches import SequenceData
 
     rng = random.Random(seed)
     batches = []
@@ -165,9 +165,9 @@ def same_loss_check(state, seqs, prebuilt, normalizer, train_cfg) -> tuple[float
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from engine.rank_batch import build_rank_batch
-    from engine.schedule import reduce_reports, run_micro_batches
-    from engine.sft_training import sft_loss_fn
+    from engine.training.rank_batch import build_rank_batch
+    from engine.training.schedule import reduce_reports, run_micro_batches
+    from engine.sft.training import sft_loss_fn
 
     with torch.no_grad():
         batch = build_rank_batch(seqs, normalizer, train_cfg)
@@ -186,10 +186,10 @@ def overhead_worker(model_dir: str, tp: int, pairs: int, warmup: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from engine.loss import GlobalLossNormalizer
-    from engine.rank_batch import build_rank_batch
-    from engine.sft_training import train_step
-    from engine.train_engine import TrainEngine
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.rank_batch import build_rank_batch
+    from engine.sft.training import train_step
+    from engine.training.train_engine import TrainEngine
     from models.hf_io import read_config
     from parallel import cpu_runtime
     from parallel.layout import ParallelLayout

@@ -19,12 +19,12 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from engine.config import (CheckpointConfig, DataConfig, LoggingConfig, LossConfig,
+from engine.config.schema import (CheckpointConfig, DataConfig, LoggingConfig, LossConfig,
                            ModelConfig, OptimConfig, ParallelConfig, RecipeConfig, check_choice,
                            checkpoint_config_problems, raise_problems, shape_problems,
                            split_argv, validate_common)
-from engine.model_settings import recompute_layer_problems, recompute_problems
-from engine.moe_settings import MoEConfig
+from engine.config.model_settings import recompute_layer_problems, recompute_problems
+from engine.config.moe_settings import MoEConfig
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.algorithms import ALGORITHMS
 from engine.rl.policy_loss import KL_ESTIMATORS, POLICY_LOSSES
@@ -114,7 +114,7 @@ class RLConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)      # MoE policies (engine.moe_settings)
+    moe: MoEConfig = field(default_factory=MoEConfig)      # MoE policies (engine.config.moe_settings)
     train: RLTrainConfig = field(default_factory=RLTrainConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     loss: LossConfig = field(default_factory=LossConfig)   # norm_horizon default: max_new_tokens
@@ -176,7 +176,7 @@ def _check_algorithm(cfg: RLConfig) -> None:
 
 def rl_problems(cfg: RLConfig) -> list[str]:
     """Every violated constraint of the RL keys, as sentences naming the key; the checkpoint
-    and exit keys through engine.config.checkpoint_config_problems (same messages as SFT)."""
+    and exit keys through engine.config.schema.checkpoint_config_problems (same messages as SFT)."""
     t, r, c, d = cfg.train, cfg.rollout, cfg.clip, cfg.dapo
     p: list[str] = []
 

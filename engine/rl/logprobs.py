@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from engine.micro_batches import SequenceData
-from engine.token_losses import token_logprobs
-from engine.train_engine import TrainEngine
+from engine.training.micro_batches import SequenceData
+from engine.training.token_losses import token_logprobs
+from engine.training.train_engine import TrainEngine
 from parallel import cpu_runtime
 
 

@@ -15,7 +15,7 @@ One RL step:
 Rollout engine placement (engine.rl.rollout.placement): rollout.num_engines engines (default one
 per node), each owned by one rank, rollout.gpus_per_engine devices each; engine 0 on rank 0.
 
-Checkpoints (engine.run_loop, as for SFT): the policy's model, optimizer and scheduler, the data
+Checkpoints (engine.run.run_loop, as for SFT): the policy's model, optimizer and scheduler, the data
 position (RL steps done, prompts_per_step, prompt rows, seed, shuffle) and, as the checkpoint's
 `extra`, the collector's next_gen_batch (ahead of the step count with DAPO dynamic sampling)
 and the skipped-step count. After a resume the rollout engine (started from model.hf_path) is
@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from engine.checkpointing import DataPosition
-from engine.data import load_prompt_rows
-from engine.model_settings import describe as describe_settings, megatron_overrides
-from engine.moe_settings import moe_overrides
-from engine.nonfinite import NonFiniteGuard
+from engine.checkpoint.checkpointing import DataPosition
+from engine.data.datasets import load_prompt_rows
+from engine.config.model_settings import describe as describe_settings, megatron_overrides
+from engine.config.moe_settings import moe_overrides
+from engine.training.nonfinite import NonFiniteGuard
 from engine.rl.config import RLConfig
 from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
 from engine.rl.rewards import load_reward_fn
@@ -45,8 +45,8 @@ from engine.rl.rollout_batch import (RolloutCollector, broadcast_rollout, build_
                                      fit_prompt_rows)
 from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
 from engine.rl.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
-from engine.run_loop import RunLoop, build_or_resume
-from engine.train_engine import BatchSettings, TrainEngine
+from engine.run.run_loop import RunLoop, build_or_resume
+from engine.training.train_engine import BatchSettings, TrainEngine
 
 # Metrics averaged over the optimizer steps of one RL step.
 _UPDATE_MEAN_KEYS = ("policy/loss", "policy/pg_loss", "policy/clipfrac_low",
@@ -77,7 +77,7 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
             updates.append(policy_update(policy, [seqs[i] for i in part], cfg.loss, settings,
                                          horizon))
     moe_keys = sorted({k for u in updates for k in u if k.startswith("moe/")})
-    for key in (*_UPDATE_MEAN_KEYS, *moe_keys):  # moe/*: MoE policies (engine.router_losses)
+    for key in (*_UPDATE_MEAN_KEYS, *moe_keys):  # moe/*: MoE policies (engine.training.router_losses)
         metrics[key] = sum(u[key] for u in updates) / len(updates)
     metrics["lr"] = updates[-1]["lr"]
     metrics["train/optimizer_steps"] = float(len(updates))

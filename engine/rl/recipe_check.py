@@ -7,7 +7,7 @@ placement (engines, GPUs per engine, owner ranks), what one weight sync moves (e
 receives the whole model in model.dtype, HF tensors, unpadded vocabulary, once per RL step)
 and an ESTIMATE of the memory per GPU (GiB), in two phases:
 
-- training: the policy's training peak (engine.recipe_validation.estimate_memory for the
+- training: the policy's training peak (engine.config.recipe_validation.estimate_memory for the
   policy layout, train.recompute*, and the micro-batches of one mini-batch of
   prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
   the frozen KL reference's weights (kl.beta > 0: the policy's stage parameters in
@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import sys
 
-from engine.config import ConfigError, layout_problems, parallel_layout, value_problems
-from engine.config_loading import load_config
-from engine.plan import plan_mini_batch
-from engine.recipe_validation import (GIB, _int_flag, _model_config, estimate_memory,
+from engine.config.schema import ConfigError, layout_problems, parallel_layout, value_problems
+from engine.config.loading import load_config
+from engine.training.plan import plan_mini_batch
+from engine.config.recipe_validation import (GIB, _int_flag, _model_config, estimate_memory,
                                       memory_checks)
 from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, rl_problems
 from engine.rl.rollout.placement import placement_problems, resolve_placement

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from engine.data import global_batch_indices, render_prompt
-from engine.data_files import DataError
+from engine.data.datasets import global_batch_indices, render_prompt
+from engine.data.files import DataError
 from engine.errors import RunError
-from engine.micro_batches import SequenceData
+from engine.training.micro_batches import SequenceData
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS, zero_std_groups
 from engine.rl.dapo import DynamicSampler, overlong_penalty
 from engine.rl.rewards import score_responses
@@ -110,7 +110,7 @@ def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg,
     data.truncation: "right" drops them (a prompt cut short would lose its question; the count
     is printed on rank 0), "error" raises DataError naming file:line. Every rank calls it with
     the same rows (the prompt count is part of the checkpointed data position). `rendered`:
-    the rows' prompt ids from the data cache (engine.data.load_prompt_rows `prompt_ids`);
+    the rows' prompt ids from the data cache (engine.data.datasets.load_prompt_rows `prompt_ids`);
     without it every prompt is rendered here."""
     limit = cfg.train.seq_length + 1 - cfg.rollout.max_new_tokens
     kept, kept_ids, dropped = [], [], []
@@ -146,7 +146,7 @@ class RolloutCollector:
     Args:
         engine: the RolloutPool of the job's engines (engine.rl.rollout.pool), or one
             RolloutEngine used in this process (wrapped in `RolloutPool.local`).
-        rows: prompt rows (engine.data.load_prompt_rows).
+        rows: prompt rows (engine.data.datasets.load_prompt_rows).
         tokenizer: renders prompts (chat template) and decodes responses for the reward.
         reward_fn: fn(prompt=, response=, answer=, **fields) -> float.
         cfg: the RLConfig (train, rollout, reward, dapo, advantage, data.shuffle, seed).

@@ -1,7 +1,7 @@
 """The policy side of an RL step: the per-token GRPO/DAPO loss and one optimizer step per
 mini-batch through TrainEngine.train_batch (DESIGN sections 4 and 9).
 
-Loss contract (engine.loss): per token, with r = exp(logp - old_logp) and A the advantage,
+Loss contract (engine.training.loss): per token, with r = exp(logp - old_logp) and A the advantage,
 
     l = policy_loss(logp, old_logp, A)   [ppo_clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A),
                                           dual clip, truncated IS optional]
@@ -19,12 +19,12 @@ import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 
-from engine.loss import GlobalLossNormalizer, aggregate
-from engine.micro_batches import SequenceData
+from engine.training.loss import GlobalLossNormalizer, aggregate
+from engine.training.micro_batches import SequenceData
 from engine.rl.policy_loss import POLICY_LOSSES, kl_penalty
-from engine.schedule import LossFn
-from engine.token_losses import token_entropy, token_logprobs
-from engine.train_engine import TrainEngine
+from engine.training.schedule import LossFn
+from engine.training.token_losses import token_entropy, token_logprobs
+from engine.training.train_engine import TrainEngine
 
 # Weighted sums reported by the loss function, reduced over micro-batches and DP x CP; the
 # first drives the non-finite guard.

@@ -5,7 +5,7 @@ A family (one file per HF architecture under models/families/) is the single hom
 exactly or refused), its Megatron `TransformerConfig` kwargs, the HF tensors of one layer, and
 its preset shapes. Parameter counts follow from these (models.families.counting).
 
-Plain Python and torch only: engine.config imports the presets at start-up, so neither
+Plain Python and torch only: engine.config.schema imports the presets at start-up, so neither
 megatron nor transformers is imported here. Field checks receive a transformers config object
 (models.hf_config.hf_config_object); shape and bias helpers accept a dict as well.
 """

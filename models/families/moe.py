@@ -88,7 +88,7 @@ ROUTER_JITTER = FieldRule("router_jitter_noise", "0.0; refused: anything else", 
 AUX_LOSS = FieldRule("router_aux_loss_coef / output_router_logits", "training only: the "
                      "default of moe.aux_loss_coeff is router_aux_loss_coef when "
                      "output_router_logits is true (HF adds the loss only then), else 0 "
-                     "(engine.moe_settings)")
+                     "(engine.config.moe_settings)")
 MOE_FIELDS = (NUM_EXPERTS, TOP_K, ROUTER_JITTER, AUX_LOSS)
 
 
@@ -134,6 +134,6 @@ class MoeFamily(Family):
             moe_grouped_gemm=False,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall",  # engine.moe_settings: moe.token_dispatcher
+            moe_token_dispatcher_type="alltoall",  # engine.config.moe_settings: moe.token_dispatcher
         )
         return kwargs

@@ -6,7 +6,7 @@ MoE mapping (megatron kwargs, router/expert names) is models.families.moe.
 
 Config fields that only matter for HF's own training loss (`router_aux_loss_coef`,
 `output_router_logits`) decide the default of the engine's `moe.aux_loss_coeff`
-(engine.moe_settings); they never change the forward pass.
+(engine.config.moe_settings); they never change the forward pass.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node W tests/multirank/checkpoint_state.py MODEL_DIR OUT_DIR
 
 At the launched world size (data parallel), builds a TrainState from MODEL_DIR, trains 2 steps,
-saves a checkpoint with engine.checkpointing, records the optimizer state (fp32 master weights
+saves a checkpoint with engine.checkpoint.checkpointing, records the optimizer state (fp32 master weights
 and Adam moments of every local parameter), the scheduler state and fresh draws of every RNG;
 then scrambles all of them, builds a second TrainState without weights, loads the checkpoint
 and compares. Also checks the refusals: a different global batch size (ResumeMismatchError) and
@@ -29,7 +29,7 @@ TRAIN = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None, bal
 
 
 def batches(vocab: int, steps: int):
-    from engine.micro_batches import SequenceData
+    from engine.training.micro_batches import SequenceData
 
     rng = random.Random(0)
     out = []
@@ -78,11 +78,11 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from engine.checkpointing import (CheckpointError, DataPosition, ResumeMismatchError,
+    from engine.checkpoint.checkpointing import (CheckpointError, DataPosition, ResumeMismatchError,
                                       load_training_checkpoint, save_training_checkpoint)
-    from engine.loss import GlobalLossNormalizer
-    from engine.sft_training import train_step
-    from engine.train_engine import TrainEngine
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.sft.training import train_step
+    from engine.training.train_engine import TrainEngine
     from megatron.core import parallel_state as ps
     from models.checkpoint import model_sharded_state_dict, save_checkpoint
     from models.hf_io import read_config

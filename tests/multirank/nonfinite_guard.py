@@ -31,7 +31,7 @@ def local_params(state) -> list:
 
 def run(state, data, normalizer, train, poison: bool) -> list[dict]:
     """train_step on data[0], then (poisoned when `poison`) data[1], then data[2]."""
-    from engine.sft_training import train_step
+    from engine.sft.training import train_step
 
     out = [train_step(state, data[0], normalizer)]
     if poison:
@@ -54,9 +54,9 @@ def main() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    import engine.train_engine as train_engine  # the step TrainEngine.train_batch calls
-    from engine.loss import GlobalLossNormalizer
-    from engine.train_engine import TrainEngine
+    import engine.training.train_engine as train_engine  # the step TrainEngine.train_batch calls
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.train_engine import TrainEngine
     from models.hf_io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown

@@ -89,8 +89,8 @@ def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None):
     (default: the engine's own moe.* mapping with default keys, empty for dense models)."""
     import torch
 
-    from engine.moe_settings import MoEConfig, moe_overrides
-    from engine.train_engine import TrainEngine
+    from engine.config.moe_settings import MoEConfig, moe_overrides
+    from engine.training.train_engine import TrainEngine
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 
@@ -120,7 +120,7 @@ def _sequences(state, batch, temperature):
 def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp, temperature):
     import torch.distributed as dist
 
-    from engine.moe_settings import MoEConfig, moe_overrides
+    from engine.config.moe_settings import MoEConfig, moe_overrides
     from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
     from engine.rl.weight_sync import sync_to_rollout
 
@@ -146,10 +146,10 @@ def negative_control(model_dir, hf_config, batch, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from engine.loss import GlobalLossNormalizer
+    from engine.training.loss import GlobalLossNormalizer
     from engine.rl.update import PolicyLossSettings, policy_loss_fn, split_mini_batches
-    from engine.rank_batch import build_rank_batch
-    from engine.schedule import run_micro_batches
+    from engine.training.rank_batch import build_rank_batch
+    from engine.training.schedule import run_micro_batches
 
     train = SimpleNamespace(micro_batch_size=1, max_tokens_per_micro_batch=None,
                             balance_dp=True, packing=False)

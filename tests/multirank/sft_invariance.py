@@ -8,7 +8,7 @@ layer, block: full recompute of the first 1 layer per chunk); modes=A/B: only th
 modes; bug=spnorm|detach|expertgrad: a deliberately broken run for a negative control, see
 `inject_bug`; moe: train the MoE model of $INV_MOE_MODEL_DIR instead of MODEL_DIR; ep=E:
 expert parallelism; aux=C: megatron's load-balancing loss `aux_loss` with coefficient C,
-z=C: the router z-loss, both scaled per step by engine.router_losses; auxtype=T: the
+z=C: the router z-loss, both scaled per step by engine.training.router_losses; auxtype=T: the
 load-balancing loss type (aux_loss, seq_aux_loss, global_aux_loss); cap=F: expert capacity
 factor F (token dropping); the spec's results then carry the moe/* metrics).
 For every spec and every aggregation mode it re-initialises megatron's parallel state in the
@@ -41,7 +41,7 @@ MOE_METRICS: list[dict] = []  # the moe/* metrics of each step of the latest run
 def synthetic_batches(vocab: int, seed: int = 0):
     """STEPS global batches of GBS sequences: lengths 6..40, a random trained suffix; the
     first sequence of each batch has no trained token (exercises empty sequences)."""
-    from engine.micro_batches import SequenceData
+    from engine.training.micro_batches import SequenceData
 
     rng = random.Random(seed)
     batches = []
@@ -81,9 +81,9 @@ def spec_model(spec: str, dense: tuple) -> tuple:
 
 
 def moe_loss_overrides(spec: str) -> dict:
-    """TransformerConfig fields of the `aux=C`, `z=C` and `cap=F` flags (engine.moe_settings'
+    """TransformerConfig fields of the `aux=C`, `z=C` and `cap=F` flags (engine.config.moe_settings'
     mapping: moe.aux_loss_coeff, moe.z_loss_coeff, moe.capacity_factor)."""
-    from engine.moe_settings import MoEConfig, moe_overrides
+    from engine.config.moe_settings import MoEConfig, moe_overrides
 
     parts = spec.split(",")
     flags = parts[5].split("+") if len(parts) > 5 else []
@@ -102,7 +102,7 @@ def moe_loss_overrides(spec: str) -> dict:
 def spec_options(spec: str) -> dict:
     """The spec's model settings (megatron TransformerConfig overrides, through the engine's
     own mapping), aggregation modes and injected bug."""
-    from engine.model_settings import megatron_overrides
+    from engine.config.model_settings import megatron_overrides
 
     parts = spec.split(",")
     flags = parts[5].split("+") if len(parts) > 5 and parts[5] else []
@@ -175,9 +175,9 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
     import torch
     from megatron.core import parallel_state as ps
 
-    from engine.loss import GlobalLossNormalizer
-    from engine.sft_training import train_step
-    from engine.train_engine import TrainEngine
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.sft.training import train_step
+    from engine.training.train_engine import TrainEngine
     from models.bridge import export_hf_weights
 
     optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
@@ -215,11 +215,11 @@ def negative_controls(model_dir, hf_config, batches, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from engine.loss import GlobalLossNormalizer
-    from engine.rank_batch import build_rank_batch
-    from engine.schedule import reduce_reports, run_micro_batches
-    from engine.sft_training import sft_loss_fn
-    from engine.train_engine import TrainEngine
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.rank_batch import build_rank_batch
+    from engine.training.schedule import reduce_reports, run_micro_batches
+    from engine.sft.training import sft_loss_fn
+    from engine.training.train_engine import TrainEngine
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 

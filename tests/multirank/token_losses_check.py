@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
 
-from engine.token_losses import token_entropy, token_logprobs  # noqa: E402
+from engine.training.token_losses import token_entropy, token_logprobs  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
 from parallel.process_groups import init_distributed, setup_model_parallel, shutdown  # noqa
 

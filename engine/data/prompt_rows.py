@@ -1,6 +1,6 @@
 """RL prompt rows ``{"prompt": str | messages, "answer": str, ...}``: checked, and with a
-tokenizer rendered once per input into the data cache of engine.data_cache (the counterpart of
-engine.data's SFT datasets; engine.data re-exports load_prompt_rows).
+tokenizer rendered once per input into the data cache of engine.data.cache (the counterpart of
+engine.data.datasets's SFT datasets; engine.data.datasets re-exports load_prompt_rows).
 """
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Sequence
 
 import numpy as np
 
-from engine import data_cache as cache
-from engine.data_files import (DataError, RowUnit, read_rows, read_unit, resolve_data_files,
+from engine.data import cache
+from engine.data.files import (DataError, RowUnit, read_rows, read_unit, resolve_data_files,
                                where as where_of)
-from engine.data_render import render_prompt
-from engine.data_rows import check_messages
+from engine.data.render import render_prompt
+from engine.data.rows import check_messages
 
 
 def _prompt_row(path: str, line: int, row: dict) -> dict:

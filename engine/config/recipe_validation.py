@@ -8,7 +8,7 @@ product. Exit 0 with a summary, or 2 with every problem.
 
 Memory per GPU (GiB = 2^30 bytes) is an estimate for the engine's GPU path (megatron DDP with
 fp32 gradient buffers, flash SDPA; TP sequence parallelism and activation recomputation as
-configured, engine.model_settings):
+configured, engine.config.model_settings):
 
 - weights: parameters of the fullest pipeline stage on one TP rank x 2 bytes (bf16) or 4;
 - grads: the same count x 4 bytes (`grad_reduce_in_fp32`);
@@ -40,10 +40,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from engine.config import (ConfigError, SFTConfig, data_file_problems, layout_problems,
+from engine.config.schema import (ConfigError, SFTConfig, data_file_problems, layout_problems,
                            load_config, parallel_layout, read_model_config, sft_problems,
                            value_problems)
-from engine.model_settings import recompute_layer_problems, recompute_settings
+from engine.config.model_settings import recompute_layer_problems, recompute_settings
 from models.families import moe_family, padded_vocab_size, stage_parameters
 from models.presets import MODEL_SHAPES, shape_mismatches
 
@@ -190,7 +190,7 @@ def _model_config(cfg, problems: list[str]) -> dict | None:
 
 def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     """Every problem and warning of running `cfg` on `nodes` nodes with `world_size` GPUs."""
-    from engine.plan import plan_mini_batch
+    from engine.training.plan import plan_mini_batch
 
     problems = (value_problems(cfg) + sft_problems(cfg)
                 + data_file_problems(cfg, require_train=False))

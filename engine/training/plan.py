@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.batching import micro_batches_by_count, micro_batches_by_token_budget
-from engine.partition import (imbalance, partition_balanced, partition_contiguous,
+from engine.training.batching import micro_batches_by_count, micro_batches_by_token_budget
+from engine.training.partition import (imbalance, partition_balanced, partition_contiguous,
                               sequence_work)
 
 

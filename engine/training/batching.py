@@ -1,6 +1,6 @@
 """Micro-batches, order restoration, packing and padding (DESIGN section 6).
 
-Pure functions, no process groups. The partition over DP ranks lives in `engine.partition` and is
+Pure functions, no process groups. The partition over DP ranks lives in `engine.training.partition` and is
 re-exported here, so the training loop imports everything batching-related from this module:
 
     groups = partition_balanced([sequence_work(n) for n in lengths], dp_size)  # same on all ranks
@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from engine.partition import (imbalance, partition_balanced, partition_contiguous,
+from engine.training.partition import (imbalance, partition_balanced, partition_contiguous,
                               partition_sorted_round_robin, sequence_work)
 
 __all__ = [

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from engine.batching import pack_sequences, pad_batch
+from engine.training.batching import pack_sequences, pad_batch
 from parallel import zigzag
 
 

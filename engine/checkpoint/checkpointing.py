@@ -12,7 +12,7 @@ these state-dict keys:
 - `scheduler`: OptimizerParamScheduler.state_dict() (its step count sets the LR on load);
 - `data`: the data position (DataPosition: optimizer steps done, consumed samples, global batch
   size, dataset size, seed, shuffle). The sample order of step k is a function of these only
-  (engine.data.global_batch_indices), so restoring the step restores the data stream;
+  (engine.data.datasets.global_batch_indices), so restoring the step restores the data stream;
 - `rng`: per-rank RNG states (python, numpy, torch CPU, torch CUDA, megatron's tracker), one
   ShardedObject element per global rank. They are restored only at the same layout; after a
   layout change they are left as seeded (the SFT step itself draws no random numbers: no
@@ -22,7 +22,7 @@ these state-dict keys:
   needs besides the data position (the RL loop saves its rollout collector's
   `next_gen_batch`). `read_checkpoint_info(dir)["extra"]` returns it ({} when absent).
 
-The directory layout and the atomic-save protocol are engine.checkpoint_io's. Functions here
+The directory layout and the atomic-save protocol are engine.checkpoint.io's. Functions here
 marked "collective" must be called by every rank of the default process group.
 """
 from __future__ import annotations
@@ -43,10 +43,10 @@ from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from engine.checkpoint_io import (CheckpointError, iteration_dir, prune, publish,
+from engine.checkpoint.io import (CheckpointError, iteration_dir, prune, publish,
                                   resolve_resume, staging_dir, write_complete_marker)
-from engine.checkpoint_writer import install as install_writer_queue
-from engine.fault_injection import maybe_crash
+from engine.checkpoint.writer import install as install_writer_queue
+from engine.checkpoint.fault_injection import maybe_crash
 from models.bridge import unwrap
 from models.checkpoint import model_sharded_state_dict, write_metadata
 
@@ -225,7 +225,7 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
                              config_yaml: Optional[str] = None,
                              extra: Optional[dict] = None) -> Path:
     """Collective: save `state` after `position.step` optimizer steps as
-    `root/iter_%07d` (atomic, see engine.checkpoint_io), then prune to `keep_last`.
+    `root/iter_%07d` (atomic, see engine.checkpoint.io), then prune to `keep_last`.
     `extra`: optional plain JSON values (identical on every rank; rank 0's copy is stored),
     returned by read_checkpoint_info(...)["extra"]; None stores no `extra` key (the SFT
     checkpoint format). Returns the published directory; raises CheckpointError on every rank
@@ -279,7 +279,7 @@ def read_checkpoint_info(ckpt_dir: str | os.PathLike) -> dict:
 
 
 def select_resume_checkpoint(resume: str, root: Optional[str]) -> Optional[Path]:
-    """Collective: rank 0 resolves `checkpoint.resume` (engine.checkpoint_io.resolve_resume),
+    """Collective: rank 0 resolves `checkpoint.resume` (engine.checkpoint.io.resolve_resume),
     printing a warning for every torn checkpoint it skips; every rank gets its answer."""
     box: list = [None, None]
     if dist.get_rank() == 0:

@@ -1,6 +1,6 @@
-"""Chat rows checked and normalized (the input side of engine.data_render).
+"""Chat rows checked and normalized (the input side of engine.data.render).
 
-Row formats (normalize_chat; prompt/response rows are read by engine.data_render):
+Row formats (normalize_chat; prompt/response rows are read by engine.data.render):
 - OpenAI ``{"messages": [...], "tools": [...]}``: roles system/user/assistant/tool; assistant
   messages may carry ``tool_calls`` ([{"type": "function", "function": {"name", "arguments"}}],
   arguments a dict or a JSON string, parsed to a dict as HF chat templates expect) with null or
@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.data_files import DataError
+from engine.data.files import DataError
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "model": "assistant", "system": "system", "tool": "tool",

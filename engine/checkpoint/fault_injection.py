@@ -4,7 +4,7 @@
 (no cleanup, no exception handlers: what an out-of-memory kill or a node failure looks like to
 the other ranks) when it reaches `point` at optimizer step `step`. Points:
 
-- `save`: inside engine.checkpointing.save_training_checkpoint, after the staging directory
+- `save`: inside engine.checkpoint.checkpointing.save_training_checkpoint, after the staging directory
   exists and the other ranks have started writing, before this rank writes its shards.
 
 Normal runs never set the variable; the check is one dictionary lookup per call.

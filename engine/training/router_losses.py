@@ -3,7 +3,7 @@
 Megatron (calculate_per_token_loss=True) attaches each micro-batch's load-balancing loss and
 z-loss times the micro-batch's local token count n_mb (token positions, padding included) and
 expects finalize_model_grads to divide every gradient by the step's token count. This engine
-never divides (engine.loss: the language-model loss is already globally normalised), so before
+never divides (engine.training.loss: the language-model loss is already globally normalised), so before
 each step `RouterLosses.before_step` sets the coefficients to coeff / N, N = the step's token
 positions summed over micro-batches and the DP x CP group. The router-loss gradient of a step
 is then coeff x sum_mb n_mb grad(L_mb) / N: the token-weighted mean of megatron's per-micro-

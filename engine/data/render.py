@@ -1,6 +1,6 @@
 """Rendering rows with the model's own chat template into ids and a trained mask.
 
-Row formats: engine.data_rows.
+Row formats: engine.data.rows.
 
 Trained tokens of a chat (render_messages): what each assistant turn of the FINAL rendering
 emits - content, reasoning where the template renders it, tool calls, and the closing
@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.data_files import DataError
-from engine.data_rows import Chat, chat_field, check_messages, check_tools, normalize_chat
+from engine.data.files import DataError
+from engine.data.rows import Chat, chat_field, check_messages, check_tools, normalize_chat
 
 # bump when rendering changes what a row becomes (the cache key holds it)
 RENDERER_VERSION = 2

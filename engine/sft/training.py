@@ -1,11 +1,11 @@
 """One SFT run: data, TrainEngine, and the run loop (DESIGN section 3).
 
 One optimizer step: the global mini-batch of step k (layout-independent order,
-engine.data.global_batch_indices) -> `train_step`: TrainEngine.train_batch with the weighted
+engine.data.datasets.global_batch_indices) -> `train_step`: TrainEngine.train_batch with the weighted
 token cross-entropy (weights from the GlobalLossNormalizer over the DP group) -> metrics,
-logged by engine.run_loop.RunLoop on rank 0 (metrics.jsonl, TensorBoard).
+logged by engine.run.run_loop.RunLoop on rank 0 (metrics.jsonl, TensorBoard).
 
-Checkpoints (engine.checkpointing): with checkpoint.dir set, the run saves every
+Checkpoints (engine.checkpoint.checkpointing): with checkpoint.dir set, the run saves every
 checkpoint.save_interval steps and on exit, and (checkpoint.resume=auto) continues from the
 newest complete checkpoint in that directory, at any layout: steps already done are not re-run,
 the data stream continues at the saved step.
@@ -20,24 +20,24 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from transformers import AutoTokenizer
 
-from engine.checkpointing import DataPosition
-from engine.config import SFTConfig
-from engine.data import global_batch_indices, load_sft_dataset
-from engine.loss import GlobalLossNormalizer, aggregate, weights_from_counts
-from engine.micro_batches import SequenceData
-from engine.model_settings import describe as describe_settings, megatron_overrides
-from engine.moe_settings import moe_overrides
-from engine.nonfinite import NonFiniteGuard
-from engine.run_loop import RunLoop, build_or_resume
-from engine.schedule import LossFn
-from engine.token_losses import token_logprobs
-from engine.train_engine import BatchSettings, TrainEngine
+from engine.checkpoint.checkpointing import DataPosition
+from engine.config.schema import SFTConfig
+from engine.data.datasets import global_batch_indices, load_sft_dataset
+from engine.training.loss import GlobalLossNormalizer, aggregate, weights_from_counts
+from engine.training.micro_batches import SequenceData
+from engine.config.model_settings import describe as describe_settings, megatron_overrides
+from engine.config.moe_settings import moe_overrides
+from engine.training.nonfinite import NonFiniteGuard
+from engine.run.run_loop import RunLoop, build_or_resume
+from engine.training.schedule import LossFn
+from engine.training.token_losses import token_logprobs
+from engine.training.train_engine import BatchSettings, TrainEngine
 
 SFT_REPORT_KEYS = ("loss", "num_loss_tokens")
 
 
 def sft_loss_fn(vocab_size: int) -> LossFn:
-    """Weighted token cross-entropy (engine.loss contract), reporting SFT_REPORT_KEYS."""
+    """Weighted token cross-entropy (engine.training.loss contract), reporting SFT_REPORT_KEYS."""
 
     def loss_fn(logits, mb):
         nll = -token_logprobs(logits, mb.labels, vocab_size)
@@ -54,7 +54,7 @@ def samples_to_sequences(samples) -> list[SequenceData]:
 def train_step(engine: TrainEngine, seqs: list[SequenceData],
                normalizer: GlobalLossNormalizer) -> dict[str, float]:
     """One optimizer step on the mini-batch `seqs`; returns globally reduced metrics. A
-    non-finite loss or gradient skips the update (engine.nonfinite), counted in engine.guard."""
+    non-finite loss or gradient skips the update (engine.training.nonfinite), counted in engine.guard."""
     out = engine.train_batch(seqs, normalizer, sft_loss_fn(engine.vocab_size), SFT_REPORT_KEYS)
     tokens, padding, dt = out["batch/num_tokens"], out["batch/num_padding"], out["time/step_s"]
     memory = {}

@@ -5,14 +5,14 @@ every forward-only pass (SFT evaluation, RL old/reference log-probs) is
 `TrainEngine.forward_only`. One step, as data flowing:
 
     seqs (the global mini-batch, same list on every rank)
-      -> engine.rank_batch.build_rank_batch: DP plan, loss weights (GlobalLossNormalizer over
+      -> engine.training.rank_batch.build_rank_batch: DP plan, loss weights (GlobalLossNormalizer over
          the DP group), this rank's padded/packed micro-batches cut to its CP shard
-      -> engine.schedule.run_micro_batches: megatron's pipeline schedule, loss_fn returns
+      -> engine.training.schedule.run_micro_batches: megatron's pipeline schedule, loss_fn returns
          weighted sums
-      -> engine.schedule.reduce_reports: report sums over micro-batches, DP x CP, shared on PP
-      -> engine.nonfinite.guarded_optimizer_step: grad norm, clip, step (or skip if non-finite)
+      -> engine.training.schedule.reduce_reports: report sums over micro-batches, DP x CP, shared on PP
+      -> engine.training.nonfinite.guarded_optimizer_step: grad norm, clip, step (or skip if non-finite)
 
-Gradient contract (see engine.loss): DDP with `calculate_per_token_loss=True` sums gradients
+Gradient contract (see engine.training.loss): DDP with `calculate_per_token_loss=True` sums gradients
 over DP x CP; `finalize_grads` calls megatron's `finalize_model_grads` with `num_tokens=None`,
 so gradients are never divided by a token or micro-batch count.
 """
@@ -28,12 +28,12 @@ from megatron.core.distributed import (DistributedDataParallel, DistributedDataP
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from engine.loss import GlobalLossNormalizer
-from engine.micro_batches import MicroBatch, SequenceData
-from engine.nonfinite import NonFiniteGuard, guarded_optimizer_step
-from engine.rank_batch import build_rank_batch
-from engine.router_losses import RouterLosses
-from engine.schedule import LossFn, reduce_reports, run_micro_batches
+from engine.training.loss import GlobalLossNormalizer
+from engine.training.micro_batches import MicroBatch, SequenceData
+from engine.training.nonfinite import NonFiniteGuard, guarded_optimizer_step
+from engine.training.rank_batch import build_rank_batch
+from engine.training.router_losses import RouterLosses
+from engine.training.schedule import LossFn, reduce_reports, run_micro_batches
 from models.bridge import load_hf_weights
 from models.factory import build_model_chunks
 from models.hf_io import SafetensorsReader
@@ -59,7 +59,7 @@ class BatchSettings:
 
 def finalize_grads(model, num_tokens=None, **kwargs):
     """Megatron's finalize_model_grads with the token count dropped: our losses are already
-    globally normalised weighted sums (engine.loss)."""
+    globally normalised weighted sums (engine.training.loss)."""
     return finalize_model_grads(model, None, **kwargs)
 
 
@@ -148,7 +148,7 @@ class TrainEngine:
         `load_weights` is False: a checkpoint will be loaded), wrap them in megatron DDP and
         create the optimizer and an LR schedule over `total_steps` optimizer steps.
         `model_overrides` go to the TransformerConfig (e.g. cp_comm_type; sequence
-        parallelism and recomputation: engine.model_settings.megatron_overrides)."""
+        parallelism and recomputation: engine.config.model_settings.megatron_overrides)."""
         raw = build_model_chunks(hf_config, params_dtype=dtype, **model_overrides)
         if load_weights:
             load_hf_weights(raw, SafetensorsReader(weights_dir), hf_config)
@@ -185,7 +185,7 @@ class TrainEngine:
         guard is report key `report_keys[0]`. Returns the report sums reduced over the whole
         mini-batch plus grad_norm, lr (of this step), train/update_skipped,
         train/micro_batches, batch/num_tokens, batch/num_padding, batch/dp_imbalance and
-        time/step_s (and for MoE models the moe/* metrics of engine.router_losses). A
+        time/step_s (and for MoE models the moe/* metrics of engine.training.router_losses). A
         non-finite loss or gradient skips the update (weights, Adam state and
         LR schedule untouched) and is counted in `self.guard`; the caller logs the step, then
         calls `self.guard.raise_if_diverged()`."""

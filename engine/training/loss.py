@@ -19,7 +19,7 @@ Contract with Megatron-Core (tested in tests/test_loss.py and the invariance mat
   loss by the micro-batch count, and DDP reduces gradients with a scaling factor of 1 (a sum)
   over the DP x CP group.
 - The loss function returns the 3-tuple `(weighted_sum, num_tokens, report)`; megatron's
-  `finalize_model_grads` is called with `num_tokens=None` (see `engine.train_engine`), so gradients are
+  `finalize_model_grads` is called with `num_tokens=None` (see `engine.training.train_engine`), so gradients are
   never divided again. The gradient is therefore d(global loss)/d(params) on every layout.
 - Side losses (entropy, KL) and logged per-token metrics use the same weights.
 """

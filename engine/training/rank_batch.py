@@ -1,8 +1,8 @@
 """From a global mini-batch of samples to this rank's micro-batches with loss weights.
 
-Shared by SFT training, SFT evaluation and the RL policy update: plan over DP ranks (engine.plan),
+Shared by SFT training, SFT evaluation and the RL policy update: plan over DP ranks (engine.training.plan),
 weights from the GlobalLossNormalizer (counts reduced over DP only), micro-batches padded or
-packed and cut to this CP rank's zigzag shard (engine.micro_batches).
+packed and cut to this CP rank's zigzag shard (engine.training.micro_batches).
 
 Padding multiple of every sequence (padded rows and packed segments alike): 2 x cp with context
 parallelism (zigzag chunks), times tp with Megatron sequence parallelism (each CP shard then
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state as ps
 
-from engine.loss import GlobalLossNormalizer
-from engine.micro_batches import (MicroBatch, SequenceData, build_packed, build_padded,
+from engine.training.loss import GlobalLossNormalizer
+from engine.training.micro_batches import (MicroBatch, SequenceData, build_packed, build_padded,
                                   dummy_sequence)
-from engine.plan import MiniBatchPlan, plan_mini_batch
+from engine.training.plan import MiniBatchPlan, plan_mini_batch
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 `run_micro_batches` feeds this rank's micro-batches to `forward_backward_func` (1F1B, or
 interleaved with virtual PP), with a loss function that returns the *weighted sum* of per-token
-terms (engine.loss contract), and returns the report sums reduced to the global mini-batch:
+terms (engine.training.loss contract), and returns the report sums reduced to the global mini-batch:
 summed over micro-batches on the last pipeline stage, then over the DP x CP group, then shared
 with every PP stage. TP ranks hold identical values and are never summed.
 """
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from engine.micro_batches import MicroBatch
+from engine.training.micro_batches import MicroBatch
 from parallel import cpu_runtime
 
 # loss_fn(output_logits [b, s, V/tp], micro_batch) -> (loss_sum, {name: scalar sum tensor})

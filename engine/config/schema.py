@@ -5,7 +5,7 @@
 `data.train_files=[a.jsonl,b.jsonl]`). Unknown keys and wrong types are rejected by hydra with
 the key named; `validate_common` (SFT and RL) and `validate_sft` then check values (choices,
 paths, layout arithmetic, checkpoint keys) before any process group exists, collecting every
-problem (`*_problems` functions, also used by `engine.recipe_validation`). Errors raise
+problem (`*_problems` functions, also used by `engine.config.recipe_validation`). Errors raise
 `ConfigError`; entry points print it once and exit 2.
 """
 from __future__ import annotations
@@ -14,12 +14,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.data_files import SUPPORTED_EXTENSIONS, data_spec_problem
-from engine.config_loading import config_yaml, load_config, split_argv
+from engine.data.files import SUPPORTED_EXTENSIONS, data_spec_problem
+from engine.config.loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
-from engine.loss import AGG_MODES
-from engine.moe_settings import MoEConfig, moe_problems
-from engine.model_settings import (recompute_layer_problems, recompute_problems,
+from engine.training.loss import AGG_MODES
+from engine.config.moe_settings import MoEConfig, moe_problems
+from engine.config.model_settings import (recompute_layer_problems, recompute_problems,
                                    sequence_parallel_on)
 from models.families import experts_per_layer
 from models.presets import MODEL_SHAPES, shape_mismatches
@@ -32,7 +32,7 @@ __all__ = ["ConfigError", "config_yaml", "load_config", "split_argv"]  # re-expo
 class ModelConfig:
     hf_path: str = ""            # HF model directory (weights, config, tokenizer)
     dtype: str = "float32"       # float32 | bfloat16 (bf16 params, fp32 master weights)
-    # A preset of engine.recipe_validation.MODEL_SHAPES (e.g. "qwen3-8b"): the architecture a
+    # A preset of engine.config.recipe_validation.MODEL_SHAPES (e.g. "qwen3-8b"): the architecture a
     # recipe is written for. `--validate` uses it when model.hf_path is not given; a training
     # run checks that the HF config at model.hf_path has the same shape.
     shape: Optional[str] = None
@@ -45,7 +45,7 @@ class DataConfig:
     eval_files: list[str] = field(default_factory=list)
     shuffle: bool = True
     truncation: str = "right"    # right | error
-    # rendered-data cache (engine.data_cache); null: $MEGATRON_SFT_DATA_CACHE, else
+    # rendered-data cache (engine.data.cache); null: $MEGATRON_SFT_DATA_CACHE, else
     # ${XDG_CACHE_HOME:-~/.cache}/megatron_sft_engine/data. Node-local or shared; one process
     # per cache folder builds an entry, the others wait for it.
     cache_dir: Optional[str] = None
@@ -60,7 +60,7 @@ class ParallelConfig:
     cp: int = 1
     cp_comm_type: str = "a2a"    # a2a | p2p | all_gather (p2p/all_gather need Transformer Engine)
     ep: int = 1                  # expert parallel (MoE models): carved out of dp x cp
-    # Megatron TP sequence parallelism (engine.model_settings); null: on whenever tp > 1
+    # Megatron TP sequence parallelism (engine.config.model_settings); null: on whenever tp > 1
     sequence_parallel: Optional[bool] = None
 
 
@@ -111,7 +111,7 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Training checkpoints (engine.checkpointing): `dir`/iter_NNNNNNN/ per save."""
+    """Training checkpoints (engine.checkpoint.checkpointing): `dir`/iter_NNNNNNN/ per save."""
 
     dir: Optional[str] = None          # run directory of checkpoints; null: never save
     save_interval: int = 0             # save every N optimizer steps (0: only on exit)
@@ -141,7 +141,7 @@ class SFTConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)   # MoE models (engine.moe_settings)
+    moe: MoEConfig = field(default_factory=MoEConfig)   # MoE models (engine.config.moe_settings)
     seed: int = 1234
 
 
@@ -292,7 +292,7 @@ def validate_common(cfg, world_size: int) -> dict:
 
 def sft_problems(cfg) -> list[str]:
     """SFT-only keys: train.global_batch_size, the eval interval, the values of
-    train.recompute* (engine.model_settings), and (shared with RL)
+    train.recompute* (engine.config.model_settings), and (shared with RL)
     checkpoint_config_problems."""
     p: list[str] = []
     _positive(p, cfg.train.global_batch_size, "train.global_batch_size")
@@ -305,7 +305,7 @@ def checkpoint_config_problems(cfg) -> list[str]:
     train.exit_duration_mins): ranges, checkpoint.dir, checkpoint.resume (reads the file
     system: the resume path must exist; resume=never needs a checkpoint.dir without
     checkpoints)."""
-    from engine.checkpoint_io import list_iterations  # pulls in megatron: only when checked
+    from engine.checkpoint.io import list_iterations  # pulls in megatron: only when checked
 
     p: list[str] = []
     ck = cfg.checkpoint

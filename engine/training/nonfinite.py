@@ -7,7 +7,7 @@ a NaN gradient norm makes the clip coefficient NaN and Adam writes NaN into ever
 global grad norm, clip by that norm, step) but returns before the update when the global loss
 or the global grad norm is not finite: weights, Adam moments and the step counter stay as they
 were. Both numbers are already reduced over every rank that holds a piece of them (the loss
-over DP x CP and the pipeline by engine.schedule.reduce_reports; the grad norm by megatron over
+over DP x CP and the pipeline by engine.training.schedule.reduce_reports; the grad norm by megatron over
 the model-parallel and, with the distributed optimizer, data-parallel groups), so every rank
 takes the same decision without another collective.
 

@@ -7,7 +7,7 @@ recomputation.
   sequence before the column-parallel linears and reduce-scatters after the row-parallel
   ones; the norm weights' gradients are summed over TP (models.norms). The loss and gradient
   do not change; micro-batches are padded so each TP rank gets an equal slice
-  (engine.rank_batch: a multiple of tp, of 2 x cp x tp with context parallelism).
+  (engine.training.rank_batch: a multiple of tp, of 2 x cp x tp with context parallelism).
 - `train.recompute`: `none`; `selective` (megatron's "core_attn": the attention core is
   recomputed in the backward pass instead of keeping its internals); `full` (whole transformer
   layers are recomputed, only their inputs are kept) with `train.recompute_method` `uniform`

@@ -29,12 +29,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from engine.checkpoint_io import rewind_jsonl
-from engine.checkpointing import (DataPosition, load_training_checkpoint, read_checkpoint_info,
+from engine.checkpoint.io import rewind_jsonl
+from engine.checkpoint.checkpointing import (DataPosition, load_training_checkpoint, read_checkpoint_info,
                                   save_training_checkpoint, select_resume_checkpoint)
-from engine.config import config_yaml
-from engine.metrics import MetricsLogger, format_postfix, progress_bar
-from engine.train_engine import TrainEngine
+from engine.config.schema import config_yaml
+from engine.run.metrics import MetricsLogger, format_postfix, progress_bar
+from engine.training.train_engine import TrainEngine
 from parallel.cpu_runtime import device
 
 

@@ -7,15 +7,15 @@
         --nodes 2                      (layout/memory check of a recipe; no training)
 
 The configuration is parsed and validated here, before any process group exists (exit code 2
-on an error); the run itself is engine.sft_training.run.
+on an error); the run itself is engine.sft.training.run.
 """
 from __future__ import annotations
 
 import sys
 
 from engine.cli import exit_process, run_entry
-from engine.config import validate_sft
-from engine.recipe_validation import validate_main
+from engine.config.schema import validate_sft
+from engine.config.recipe_validation import validate_main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     if "--validate" in argv:  # recipe check: no process groups, no weights, no training
         return validate_main(argv)
-    return run_entry("engine.sft_training:run", argv, validate=validate_sft)
+    return run_entry("engine.sft.training:run", argv, validate=validate_sft)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from engine.data_files import DataError, RowUnit, file_fingerprint, row_units
-from engine.data_render import RENDERER_VERSION, chat_template_text
+from engine.data.files import DataError, RowUnit, file_fingerprint, row_units
+from engine.data.render import RENDERER_VERSION, chat_template_text
 
 CACHE_FORMAT = 1
 ENV_CACHE_DIR = "MEGATRON_SFT_DATA_CACHE"

@@ -2,12 +2,12 @@
 
 Conventions:
 - A row renders to ``ids`` (the full token sequence) and ``trained`` (1 where ids[t] is a token
-  the model learns to produce: assistant turns, or response + eos); see engine.data_render.
+  the model learns to produce: assistant turns, or response + eos); see engine.data.render.
 - A rendered row of n ids becomes a Sample of length L = n - 1 by the next-token shift:
   ``tokens = ids[:-1]``, ``labels = ids[1:]``, ``loss_mask = trained[1:]``. Later stages
   (batching, CP sharding) never shift again.
 - Rendering runs once per input, in worker processes, into the memory-mapped cache of
-  engine.data_cache; every rank maps the same files (one copy per node in the page cache).
+  engine.data.cache; every rank maps the same files (one copy per node in the page cache).
 - The order of samples in optimizer step k depends only on (dataset size, global batch size,
   k, seed, shuffle), never on the parallel layout; see global_batch_indices.
 """
@@ -20,12 +20,12 @@ from typing import Sequence
 
 import numpy as np
 
-from engine import data_cache as cache
-from engine.data_files import (DataError, RowUnit, read_rows, read_unit, resolve_data_files,
+from engine.data import cache
+from engine.data.files import (DataError, RowUnit, read_rows, read_unit, resolve_data_files,
                                where as where_of)
-from engine.data_render import (render_messages, render_prompt,
+from engine.data.render import (render_messages, render_prompt,
                                 render_row_arrays, render_sft_row)
-from engine.prompt_rows import load_prompt_rows
+from engine.data.prompt_rows import load_prompt_rows
 
 __all__ = ["DataError", "Sample", "SFTDataset", "read_rows", "render_sft_row", "render_messages",
            "render_prompt", "load_sft_dataset", "global_batch_indices", "load_prompt_rows",
@@ -194,7 +194,7 @@ def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
                      num_workers: int | None = None) -> SFTDataset:
     """Every row of `files` rendered (once per input, shared by all ranks) into an SFTDataset.
 
-    `files`: files, globs and directories (engine.data_files.resolve_data_files).
+    `files`: files, globs and directories (engine.data.files.resolve_data_files).
     A rendered row may have at most seq_length + 1 ids (a Sample of at most seq_length tokens).
     Longer rows: truncation="right" keeps the first seq_length + 1 ids (stats["truncated"]);
     truncation="error" raises DataError with file:line and both lengths. Rows that end up with
@@ -202,7 +202,7 @@ def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
     files and what to change) when no sample is left, or no sample has a trained token.
     Messages name the config keys train.seq_length and data.truncation.
 
-    `cache_dir` (default engine.data_cache.default_cache_dir()): where the rendered arrays are
+    `cache_dir` (default engine.data.cache.default_cache_dir()): where the rendered arrays are
     kept; the first process to need them builds them with `num_workers` worker processes
     (default: the usable cores; 0: in this process), every other process waits and maps them.
     """

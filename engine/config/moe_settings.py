@@ -21,9 +21,9 @@ models.families: Qwen3-MoE, Mixtral).
   the language-model loss is no longer layout-invariant (dropless, it is exact). The fraction
   dropped is logged as `moe/dropped_token_fraction`.
 
-Scaling (engine.router_losses): megatron attaches each micro-batch's router loss times its
+Scaling (engine.training.router_losses): megatron attaches each micro-batch's router loss times its
 local token count and expects a later division by the step's token count, which this engine
-never does (engine.loss); the coefficients are therefore divided by the step's token count
+never does (engine.training.loss); the coefficients are therefore divided by the step's token count
 before every step, so the step's router loss is coeff x the token-weighted mean of megatron's
 per-micro-batch values. The language-model loss and gradient are unchanged by any of this.
 """
@@ -101,7 +101,7 @@ def moe_problems(cfg: Any, hf_config: dict) -> list[str]:
 
 def moe_overrides(cfg: Any, hf_config: dict, forward_only: bool = False) -> dict:
     """TransformerConfig fields of the moe.* keys (empty for dense models). The loss
-    coefficients given here are the unscaled ones; engine.router_losses rescales them per
+    coefficients given here are the unscaled ones; engine.training.router_losses rescales them per
     step. `forward_only` (a frozen model, e.g. RL's KL reference): no router losses."""
     if not _is_moe(hf_config):
         return {}

@@ -1,0 +1,9 @@
+"""Configuration: the hydra structured schema (schema.py), YAML/override loading (loading.py),
+model and MoE settings derived from a config (model_settings.py, moe_settings.py) and the
+`--validate` recipe check (recipe_validation.py). Everything here runs before any process group
+exists.
+
+May import: engine.errors, engine.data (file specs), engine.training (loss modes, DP plan),
+engine.checkpoint (resume checks), models. Entry points: schema.validate_sft,
+recipe_validation.validate_main.
+"""

@@ -1,0 +1,8 @@
+"""Data: files and row units (files.py), chat-row checks (rows.py), chat-template rendering
+(render.py), the per-node memory-mapped cache (cache.py), SFT datasets and the global batch
+order (datasets.py), RL prompt rows (prompt_rows.py).
+
+May import: engine.errors, models, parallel. Never imports config, training, checkpoint, run,
+sft or rl. Entry points: datasets.load_sft_dataset, datasets.global_batch_indices,
+prompt_rows.load_prompt_rows.
+"""

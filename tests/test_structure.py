@@ -1,0 +1,159 @@
+"""The tree says the architecture (README "Repository layout"): engine/ is one package per concern
+with one-way package imports, no module import cycles, and small files and functions in engine/,
+models/ and parallel/. Pure static analysis (ast); no imports of the code under test."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_ROOTS = ("engine", "models", "parallel")
+MAX_FILE_LINES = 350
+MAX_FUNCTION_LINES = 80
+ENTRY_POINTS = {"engine.sft.__main__", "engine.rl.__main__"}
+# package -> packages it must never import (issue 23; engine/__init__.py)
+FORBIDDEN = {
+    "data": {"run", "sft", "rl", "checkpoint", "training", "config"},
+    "training": {"run", "sft", "rl", "checkpoint", "data", "config"},
+    "checkpoint": {"run", "sft", "rl"},
+    "run": {"sft", "rl"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for root in SOURCE_ROOTS for p in sorted((ROOT / root).rglob("*.py"))}
+
+
+def _imported(tree: ast.AST, module: str, is_package: bool, known: dict[str, Path]) -> set[str]:
+    """Modules of `known` imported anywhere in `tree` (function-level imports included): the
+    longest known prefix of each imported name, `from pkg import mod` resolved to pkg.mod."""
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in known:
+                return ".".join(parts[:n])
+        return None
+
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {m for a in node.names if (m := resolve(a.name))}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                m = resolve(f"{base}.{a.name}") or resolve(base)
+                if m:
+                    out.add(m)
+    out.discard(module)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {m: _imported(ast.parse(p.read_text()), m, p.name == "__init__.py", known)
+            for m, p in known.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as a node list, or None (iterative DFS, colours)."""
+    colour: dict[str, int] = {}
+    for start in graph:
+        if colour.get(start):
+            continue
+        stack = [(start, iter(sorted(graph[start])))]
+        path = [start]
+        colour[start] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                colour[node] = 2
+                stack.pop()
+                path.pop()
+            elif colour.get(child) == 1:
+                return path[path.index(child):] + [child]
+            elif not colour.get(child):
+                colour[child] = 1
+                path.append(child)
+                stack.append((child, iter(sorted(graph.get(child, ())))))
+    return None
+
+
+def _package(module: str) -> str | None:
+    """engine.<package> of an engine module ('cli', 'errors' for the shared top-level modules)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "engine" and len(parts) > 1 else None
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        if (src := _package(m)) is None:
+            continue
+        out.setdefault(src, set())
+        out[src] |= {d for dep in deps if (d := _package(dep)) and d != src}
+    return out
+
+
+def test_engine_top_level_is_packages_plus_shared_modules():
+    files = {p.name for p in (ROOT / "engine").iterdir() if p.is_file() and p.suffix == ".py"}
+    assert files <= {"__init__.py", "cli.py", "errors.py"}, files
+    for pkg in (p for p in (ROOT / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"):
+        init = pkg / "__init__.py"
+        assert init.exists(), f"{pkg} is not a package"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and "import" in doc, f"{init}: docstring must state what the package may import"
+
+
+def test_no_module_import_cycle():
+    assert _cycle(_graph()) is None, f"import cycle: {' -> '.join(_cycle(_graph()))}"
+
+
+def test_package_imports_are_one_way():
+    graph = _graph()
+    packages = _package_graph(graph)
+    assert _cycle(packages) is None, f"package cycle: {' -> '.join(_cycle(packages))}"
+    for pkg, banned in FORBIDDEN.items():
+        assert not packages.get(pkg, set()) & banned, f"engine.{pkg} imports {packages[pkg] & banned}"
+    importers = {m for m, deps in graph.items() if deps & ENTRY_POINTS}
+    assert not importers, f"entry points imported by {importers}"
+
+
+def test_cycle_finder_and_rules_catch_violations():
+    """Negative control: a two-module cycle and a training -> run import are found."""
+    assert _cycle({"a": {"b"}, "b": {"a"}}) in (["a", "b", "a"], ["b", "a", "b"])
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    known = {"engine.run.run_loop": Path(), "engine.training.loss": Path()}
+    tree = ast.parse("def f():\n    from engine.run import run_loop\n")
+    deps = _imported(tree, "engine.training.loss", False, known)
+    assert deps == {"engine.run.run_loop"}
+    assert _package_graph({"engine.training.loss": deps}) == {"training": {"run"}}
+
+
+@pytest.mark.parametrize("root", SOURCE_ROOTS)
+def test_files_and_functions_are_small(root):
+    long_files, long_functions = [], []
+    for path in sorted((ROOT / root).rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(ROOT)
+        if len(text.splitlines()) > MAX_FILE_LINES:
+            long_files.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{rel}:{node.lineno} {node.name}: {length} lines")
+    assert not long_files, long_files
+    assert not long_functions, long_functions
