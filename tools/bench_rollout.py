@@ -15,6 +15,7 @@ a CPU. Torch runs with THREADS intra-op threads (see bench_common.torch_threads)
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import tempfile
@@ -55,9 +56,11 @@ def generate_once(engine, prompts: list[list[int]], params) -> int:
 
 
 def generate_per_micro_batch(engine, prompts: list[list[int]], params) -> int:
-    """MICRO_BATCHES calls of equal size (same total); returns generated tokens."""
+    """MICRO_BATCHES calls of equal size (same total, each response with its own seed);
+    returns generated tokens."""
     size = len(prompts) // MICRO_BATCHES
-    return sum(generate_once(engine, prompts[i:i + size], params)
+    return sum(generate_once(engine, prompts[i:i + size],
+                             dataclasses.replace(params, seeds=params.seeds[i:i + size]))
                for i in range(0, len(prompts), size))
 
 
@@ -66,6 +69,7 @@ def time_variants(engine, prompts: list[list[int]], repeats: int, max_new: int
     """Wall seconds and generated tokens per timed repeat of each variant (one warm-up each,
     order alternating between repeats)."""
     from engine.rl.rollout import SamplingParams
+    from engine.rl.rollout.work_split import batch_seeds
 
     variants = {"once": generate_once, "per_micro_batch": generate_per_micro_batch}
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -73,7 +77,9 @@ def time_variants(engine, prompts: list[list[int]], repeats: int, max_new: int
     for i in range(repeats + 1):  # i == 0: warm-up of both
         order = list(variants) if i % 2 == 0 else list(variants)[::-1]
         for name in order:
-            params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=1000 + i)
+            # per-response seeds, as the RL loop samples (engine.rl.rollout_batch)
+            seeds = batch_seeds(1000 + i, 0, len(prompts) // N, N)
+            params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seeds=seeds)
             start = time.perf_counter()
             n_tokens = variants[name](engine, prompts, params)
             elapsed = time.perf_counter() - start
@@ -114,8 +120,9 @@ def run_rollout(quick: bool) -> BenchResult:
          "speedup"], rows,
         [f"{MICRO_BATCHES} micro-batches x {PROMPTS_PER_MB} prompts x n={N} = "
          f"{MICRO_BATCHES * PROMPTS_PER_MB * N} responses per rollout batch; prompts "
-         f"{MIN_PROMPT}-{MAX_PROMPT} tokens (left-padded per call), temperature 1; timed "
-         f"repeats per variant after a warm-up, order alternating; torch intra-op threads = "
+         f"{MIN_PROMPT}-{MAX_PROMPT} tokens (left-padded per call), temperature 1, one seed "
+         f"per response (as the RL loop); timed repeats per variant after a warm-up, order "
+         f"alternating; torch intra-op threads = "
          f"{THREADS}. speedup = median time of 8 calls / median time of 1 call."])
     summary = {"generate_once_speedup": speedups[0][2],
                "generate_once_speedups": {f"{label}, {n} new tokens": x

@@ -35,8 +35,9 @@ class SamplingParams:
     top_p: nucleus sampling mass in (0, 1]; 1 disables it. Ignored when greedy.
     seed: makes sampling reproducible for the same engine, weights, prompts and params;
         None draws fresh randomness.
-    seeds: one seed per prompt (overrides `seed`): response i is sampled from its own
-        generator seeded with seeds[i], so it does not depend on the other prompts of the call
+    seeds: one seed per prompt (overrides `seed`): response i's randomness is a function of
+        seeds[i] only (HF backend: counter-based noise, engine.rl.rollout.sampling; SGLang: its
+        per-request sampling_seed), so it does not depend on the other prompts of the call
         (the RL loop passes engine.rl.rollout.work_split.response_seed values).
     """
 

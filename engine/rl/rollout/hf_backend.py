@@ -2,7 +2,9 @@
 
 Generation is one batched, left-padded forward over all prompts followed by one-token decode
 steps with the model's KV cache; the sampling loop is written out here (no `model.generate`) so
-the reported log-probs are exactly those of the sampled tokens (contract in `base.py`).
+the reported log-probs are exactly those of the sampled tokens (contract in `base.py`). Tokens
+are drawn by engine.rl.rollout.sampling.SeededSampler: one counter-based uniform per (row seed,
+step), inverse CDF over the row's probabilities, for the whole batch in a few tensor ops.
 
 Sleep/wake (a real release, as SGLang does): `sleep()` moves every parameter to the meta device,
 freeing its memory; `wake()` allocates uninitialised storage again on the engine's device, and
@@ -20,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.hf_targets import checkpoint_targets
+from engine.rl.rollout.sampling import SeededSampler
 
 
 def _as_id_list(value) -> list[int]:
@@ -116,12 +119,12 @@ class HFRolloutEngine(RolloutEngine):
         cache, logits = out.past_key_values, out.logits[:, -1, :].float()
         next_pos = positions[:, -1:] + 1
 
-        generators = self._generators(params, batch)
+        sampler = SeededSampler(params, batch, self.device)
         eos = torch.tensor(self.eos_token_ids, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         tokens_per_step, logprobs_per_step, active_per_step = [], [], []
         for step in range(params.max_new_tokens):
-            token, logprob = self._sample(logits, params, generators)
+            token, logprob = sampler.sample(logits, step)
             active_per_step.append(~done)
             tokens_per_step.append(token)
             logprobs_per_step.append(logprob)
@@ -136,43 +139,6 @@ class HFRolloutEngine(RolloutEngine):
             cache, logits = out.past_key_values, out.logits[:, -1, :].float()
             next_pos = next_pos + 1
         return self._collect(prompts, tokens_per_step, logprobs_per_step, active_per_step)
-
-    def _generators(self, params: SamplingParams, batch: int) -> list[torch.Generator]:
-        """One generator for the whole call (`seed`, or fresh randomness), or one per row
-        (`seeds`): row i then draws only from its own generator, one draw per decode step,
-        whatever the other rows are."""
-        if params.seeds is not None:
-            return [torch.Generator(device=self.device).manual_seed(int(s))
-                    for s in params.seeds]
-        generator = torch.Generator(device=self.device)
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
-        else:
-            generator.seed()
-        return [generator]
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, params: SamplingParams,
-                generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Next tokens [B] and their log-probs [B] from fp32 logits [B, V] (contract in base);
-        `generators`: one for the batch, or one per row."""
-        if params.temperature == 0:
-            logp = torch.log_softmax(logits, dim=-1)
-            token = logits.argmax(dim=-1)
-        else:
-            logp = torch.log_softmax(logits / params.temperature, dim=-1)
-            probs = logp.exp()
-            if params.top_p < 1.0:  # keep the smallest prefix of sorted tokens reaching top_p
-                sorted_probs, order = probs.sort(dim=-1, descending=True)
-                before = sorted_probs.cumsum(dim=-1) - sorted_probs
-                sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-                probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-            if params.seeds is None:
-                token = torch.multinomial(probs, 1, generator=generators[0]).squeeze(-1)
-            else:
-                token = torch.cat([torch.multinomial(row, 1, generator=g)
-                                   for row, g in zip(probs, generators)])
-        return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
     def _collect(self, prompts, tokens_per_step, logprobs_per_step,
                  active_per_step) -> list[Generation]:
