@@ -1,0 +1,63 @@
+"""Rollout dumps (`logging.rollout_dir`): one JSON line per episode (single-turn responses are
+one-turn episodes) in `<rollout_dir>/step_<k>.jsonl`, k the step number of metrics.jsonl.
+Written by rank 0 only (the RolloutCollector's process), after the step's rollout.
+
+Fields: prompt_index (the prompt row, 0-based in data order), sample_index (within its group),
+gen_batch, token_ids (the whole trajectory: prompt, sampled turns, observations), loss_mask and
+rollout_logprobs (same length as token_ids; mask 1 exactly on sampled tokens, log-prob 0.0
+elsewhere), turns, reward (the score: reward.fn, or the sum of the env's step rewards; 0 after
+an environment error), overlong_penalty (dapo.overlong_buffer), finish_reason (stop, length,
+max_turns, error), error (the environment's error or null), text (token_ids decoded, special
+tokens kept).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+
+def episode_record(prompt_index: int, sample_index: int, gen_batch: int, prompt: list[int],
+                   response: list[int], mask: list[int], logprobs: list[float], turns: int,
+                   reward: float, penalty: float, finish_reason: str, error: str | None,
+                   tokenizer) -> dict:
+    ids = list(prompt) + list(response)
+    return {"prompt_index": int(prompt_index), "sample_index": int(sample_index),
+            "gen_batch": int(gen_batch), "token_ids": [int(t) for t in ids],
+            "loss_mask": [0] * len(prompt) + [int(m) for m in mask],
+            "rollout_logprobs": [0.0] * len(prompt) + [float(x) for x in logprobs],
+            "turns": int(turns), "reward": float(reward), "overlong_penalty": float(penalty),
+            "finish_reason": finish_reason, "error": error,
+            "text": tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def part_records(part: dict, row_indices: list[int], n: int, gen_batch: int,
+                 tokenizer) -> list[dict]:
+    """The records of one generation batch as RolloutCollector._generation_batch returns it
+    (with "episodes" for multi-turn, else single-turn responses)."""
+    data = part["data"]
+    scores, penalty = data["scores"].tolist(), part["penalty"].tolist()
+    out = []
+    for i, (prompt, response, logprobs) in enumerate(zip(
+            data["prompt_ids"], data["response_ids"], data["rollout_logprobs"])):
+        if "episodes" in part:
+            e = part["episodes"][i]
+            turns, mask, reason, error = e.turns, e.mask, e.finish_reason, e.error
+        else:
+            turns, mask, error = 1, [1] * len(response), None
+            reason = "length" if part["clipped"][i] else "stop"
+        out.append(episode_record(row_indices[i], i % n, gen_batch, prompt, response, mask,
+                                  logprobs, turns, scores[i], penalty[i], reason, error,
+                                  tokenizer))
+    return out
+
+
+def write_dump(rollout_dir: str, step: int, records: list[dict]) -> str:
+    """Write `<rollout_dir>/step_<step>.jsonl` (replaced if it exists); returns its path."""
+    os.makedirs(rollout_dir, exist_ok=True)
+    path = os.path.join(rollout_dir, f"step_{step}.jsonl")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+    return path
