@@ -37,9 +37,11 @@ def _prompt_row(path: str, line: int, row: dict) -> dict:
     return {**row, "answer": answer}
 
 
-def _prompt_unit(k: int, unit: RowUnit, tmp: str, dtype: str) -> dict:
+def _prompt_unit(k: int, unit: RowUnit, tmp: str, dtype: str,
+                 tools: list | None = None) -> dict:
     """Worker: check and render the prompt rows of `unit` into ``part-<k>.ids`` (rendered
-    prompts) and ``part-<k>.rows`` (JSON lines: location, row)."""
+    prompts) and ``part-<k>.rows`` (JSON lines: location, row); `tools` (when given) replace
+    the rows' own "tools" in the rendering."""
     tokenizer = cache.worker_tokenizer()
     lengths: list[int] = []
     error, done = None, 0
@@ -50,7 +52,8 @@ def _prompt_unit(k: int, unit: RowUnit, tmp: str, dtype: str) -> dict:
                 done += 1
                 row = _prompt_row(path, line, row)
                 loc = where_of(path, line)
-                ids = render_prompt(row["prompt"], tokenizer, loc, row.get("tools"))
+                ids = render_prompt(row["prompt"], tokenizer, loc,
+                                    tools if tools is not None else row.get("tools"))
                 fi.write(np.asarray(ids, dtype=dtype).tobytes())
                 fr.write(json.dumps([loc, row], ensure_ascii=False) + "\n")
                 lengths.append(len(ids))
@@ -62,10 +65,10 @@ def _prompt_unit(k: int, unit: RowUnit, tmp: str, dtype: str) -> dict:
 
 
 def _build_prompts(tmp: str, paths: list[str], tokenizer, num_workers: int | None,
-                   key: dict) -> None:
+                   key: dict, tools: list | None = None) -> None:
     dtype = cache.token_dtype(len(tokenizer))
-    results = cache.run_units(cache.units_for(paths), _prompt_unit, (tmp, dtype.name), tokenizer,
-                              num_workers, "rendering prompts")
+    results = cache.run_units(cache.units_for(paths), _prompt_unit, (tmp, dtype.name, tools),
+                              tokenizer, num_workers, "rendering prompts")
     for r in results:
         if r["error"] is not None:
             raise DataError(r["error"])
@@ -79,8 +82,8 @@ def _build_prompts(tmp: str, paths: list[str], tokenizer, num_workers: int | Non
 
 def load_prompt_rows(files: str | Sequence[str], locations: list | None = None, *,
                      tokenizer=None, prompt_ids: list | None = None,
-                     cache_dir: str | None = None, num_workers: int | None = None
-                     ) -> list[dict]:
+                     cache_dir: str | None = None, num_workers: int | None = None,
+                     tools: list[dict] | None = None) -> list[dict]:
     """RL prompt rows ``{"prompt": str | messages, "answer": str, ...extra fields kept}``.
 
     An integer answer is turned into its decimal string. Raises DataError with file:line for a
@@ -90,7 +93,8 @@ def load_prompt_rows(files: str | Sequence[str], locations: list | None = None, 
     With `tokenizer`, rows are checked and their prompts rendered (chat template, generation
     prompt) once per input into the data cache (see load_sft_dataset for `cache_dir` and
     `num_workers`); when `prompt_ids` is a list, every row's rendered prompt ids (a list of
-    ints, as render_prompt returns) are appended to it.
+    ints, as render_prompt returns) are appended to it. `tools` (JSON schemas; the RL tool
+    environment's) are rendered into every prompt instead of the rows' own "tools" field.
     """
     if tokenizer is None:
         if prompt_ids is not None:
@@ -102,10 +106,11 @@ def load_prompt_rows(files: str | Sequence[str], locations: list | None = None, 
                 locations.append(where_of(path, line))
     else:
         paths = resolve_data_files(files)
-        key = cache.cache_key("prompts", paths, tokenizer, {})
+        key = cache.cache_key("prompts", paths, tokenizer, {} if tools is None else
+                              {"tools": tools})
         entry = cache.ensure_entry(cache_dir or cache.default_cache_dir(), key,
                                    lambda tmp: _build_prompts(tmp, paths, tokenizer, num_workers,
-                                                              key))
+                                                              key, tools))
         rows = []
         with open(os.path.join(entry, "rows.jsonl"), encoding="utf-8") as f:
             for line in f:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
@@ -26,6 +26,7 @@ from engine.config.schema import (CheckpointConfig, DataConfig, LoggingConfig, L
 from engine.config.model_settings import recompute_layer_problems, recompute_problems
 from engine.config.moe_settings import MoEConfig
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS
+from engine.rl.env.contract import env_problems
 from engine.rl.algorithms import ALGORITHMS
 from engine.rl.policy_loss import KL_ESTIMATORS, POLICY_LOSSES
 from engine.rl.rewards import load_reward_fn
@@ -109,6 +110,23 @@ class DAPOConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes (engine.rl.env; README "Multi-turn RL")."""
+
+    fn: Optional[str] = None             # null: single-turn | tools | package.module:Class
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the class
+    tools: List[str] = field(default_factory=list)  # env.fn=tools: package.module:function
+    max_turns: int = 4                   # assistant turns per episode at most
+    num_workers: int = 8                 # concurrent environment steps (and tool processes)
+    step_timeout_s: Optional[float] = 60.0  # per env step (and per tool call); null: none
+
+
+@dataclass
+class RLLoggingConfig(LoggingConfig):
+    rollout_dir: Optional[str] = None    # <dir>/step_<k>.jsonl: every episode (null: off)
+
+
+@dataclass
 class RLConfig:
     algorithm: str = "grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -118,13 +136,14 @@ class RLConfig:
     train: RLTrainConfig = field(default_factory=RLTrainConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     loss: LossConfig = field(default_factory=LossConfig)   # norm_horizon default: max_new_tokens
-    logging: LoggingConfig = field(default_factory=lambda: LoggingConfig(dir="runs/rl"))
+    logging: RLLoggingConfig = field(default_factory=lambda: RLLoggingConfig(dir="runs/rl"))
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     clip: ClipConfig = field(default_factory=ClipConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     dapo: DAPOConfig = field(default_factory=DAPOConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # steps: RL steps
     recipe: RecipeConfig = field(default_factory=RecipeConfig)  # --validate cluster shape
     policy_loss: str = "ppo_clip"        # engine.rl.policy_loss.POLICY_LOSSES
@@ -228,7 +247,7 @@ def rl_problems(cfg: RLConfig) -> list[str]:
         load_reward_fn(cfg.reward.fn)
     except ValueError as e:
         p.append(f"reward.fn: {e}")
-    return p + checkpoint_config_problems(cfg)
+    return p + env_problems(cfg) + checkpoint_config_problems(cfg)
 
 
 def validate_rl(cfg: RLConfig, world_size: int) -> dict:

@@ -36,6 +36,8 @@ from engine.config.model_settings import describe as describe_settings, megatron
 from engine.config.moe_settings import moe_overrides
 from engine.training.nonfinite import NonFiniteGuard
 from engine.rl.config import RLConfig
+from engine.rl.env.collect import check_env_start
+from engine.rl.env.tools_env import tool_schemas
 from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class
@@ -117,7 +119,7 @@ def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, pool:
     batch = None
     if collector is not None:
         try:
-            batch = collector.collect()
+            batch = collector.collect(dump_step=step + 1)
         except Exception as e:  # every rank must learn about it, or they would wait forever
             batch = e
     batch = broadcast_rollout(batch, pool)
@@ -172,6 +174,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     """The RL run on every rank (process groups and megatron state exist)."""
     rank = dist.get_rank()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    check_env_start(cfg, tokenizer)  # env.fn's template needs, on every rank (exit 2)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     # every rank, before the model is built: data errors stop every rank at once
@@ -180,7 +183,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     rendered: list[list[int]] = []
     rows = load_prompt_rows(cfg.data.train_files, locations, tokenizer=tokenizer,
                             prompt_ids=rendered, cache_dir=cfg.data.cache_dir,
-                            num_workers=cfg.data.num_workers)
+                            num_workers=cfg.data.num_workers, tools=tool_schemas(cfg))
     rows, prompt_ids = fit_prompt_rows(rows, locations, tokenizer, cfg, rendered)
     t = cfg.train
 
@@ -232,6 +235,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     finally:
         if pool.engine is not None:
             pool.engine.shutdown()
+        if collector is not None and collector.env is not None:
+            collector.env.close()  # the tool worker processes
     if rank == 0 and history:
         print(f"[rl] done: {start + len(history)} of {t.max_steps} steps, first reward "
               f"{history[0]['reward/mean']:.4f}, last reward {history[-1]['reward/mean']:.4f}",

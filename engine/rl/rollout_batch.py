@@ -27,6 +27,8 @@ from engine.errors import RunError
 from engine.training.micro_batches import SequenceData
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS, zero_std_groups
 from engine.rl.dapo import DynamicSampler, overlong_penalty
+from engine.rl.env.collect import EnvRollout, env_metrics
+from engine.rl.env.dump import part_records, write_dump
 from engine.rl.rewards import score_responses
 from engine.rl.rollout import SamplingParams
 from engine.rl.rollout.pool import RolloutPool
@@ -43,6 +45,8 @@ class RolloutBatch:
     rollout_logprobs: list[list[float]] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    # multi-turn (engine.rl.env): 1 on sampled tokens, 0 on observations; empty: all sampled
+    response_masks: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -52,15 +56,20 @@ def build_sequences(batch: RolloutBatch) -> list[SequenceData]:
     """Training sequences of a rollout batch: tokens = prompt + response[:-1], labels = the next
     tokens, loss_mask 1 on the response positions. Extras (aligned with labels, 0 on prompt
     positions): "advantages" (the response's advantage on every response token) and
-    "rollout_logprobs" (the engine's log-probs of the sampled tokens)."""
+    "rollout_logprobs" (the engine's log-probs of the sampled tokens). Multi-turn responses
+    (batch.response_masks) train only their sampled tokens: loss mask and advantage 0 on
+    observation tokens (their rollout log-prob is 0.0)."""
     seqs = []
-    for prompt, response, logprobs, adv in zip(batch.prompt_ids, batch.response_ids,
-                                               batch.rollout_logprobs, batch.advantages):
+    masks = batch.response_masks or [None] * len(batch)
+    for prompt, response, logprobs, adv, mask in zip(
+            batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, batch.advantages,
+            masks):
         ids = list(prompt) + list(response)
         head = len(prompt) - 1
+        mask = [1] * len(response) if mask is None else [int(m) for m in mask]
         seqs.append(SequenceData(
-            tokens=ids[:-1], labels=ids[1:], loss_mask=[0] * head + [1] * len(response),
-            extras={"advantages": [0.0] * head + [float(adv)] * len(response),
+            tokens=ids[:-1], labels=ids[1:], loss_mask=[0] * head + mask,
+            extras={"advantages": [0.0] * head + [float(adv) if m else 0.0 for m in mask],
                     "rollout_logprobs": [0.0] * head + [float(x) for x in logprobs]}))
     return seqs
 
@@ -161,11 +170,16 @@ class RolloutCollector:
         self.rows, self.tokenizer, self.reward_fn, self.cfg = rows, tokenizer, reward_fn, cfg
         self.next_gen_batch = 0          # generation batches used so far in the run
         self._rendered: dict[int, list[int]] = dict(enumerate(prompt_ids or []))
+        env_fn = getattr(getattr(cfg, "env", None), "fn", None)
+        # multi-turn episodes (engine.rl.env) when env.fn is set
+        self.env = EnvRollout(self.pool, tokenizer, cfg, reward_fn) if env_fn else None
 
     def _prompt_ids(self, index: int) -> list[int]:
         if index not in self._rendered:
             row = self.rows[index]
-            ids = render_prompt(row["prompt"], self.tokenizer, where=f"prompt row {index}")
+            tools = self.env.schemas if self.env is not None and self.env.schemas else None
+            ids = render_prompt(row["prompt"], self.tokenizer, f"prompt row {index}",
+                                tools or row.get("tools"))
             limit = self.cfg.train.seq_length + 1 - self.cfg.rollout.max_new_tokens
             if len(ids) > limit:
                 raise DataError(
@@ -188,6 +202,10 @@ class RolloutCollector:
         rows = [self.rows[i] for i in idx for _ in range(r.n)]
         params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                 top_p=r.top_p, seeds=batch_seeds(cfg.seed, b, len(idx), r.n))
+        row_indices = [i for i in idx for _ in range(r.n)]
+        if self.env is not None:
+            return {**self.env.generation_batch(prompts, rows, row_indices, params.seeds, b),
+                    "row_indices": row_indices, "gen_batch": b}
         t0 = time.perf_counter()
         gens, stats = self.pool.generate(prompts, params, r.n, b)
         gen_s = time.perf_counter() - t0
@@ -211,14 +229,17 @@ class RolloutCollector:
                      "rollout_logprobs": [g.response_logprobs for g in gens],
                      "rewards": scores_t + penalty, "scores": scores_t},
             "lengths": lengths, "penalty": penalty, "errors": errors, "gen_s": gen_s,
-            "stats": stats,
+            "stats": stats, "row_indices": row_indices, "gen_batch": b,
             "clipped": [g.finish_reason == "length" for g in gens],
         }
 
-    def collect(self) -> RolloutBatch:
+    def collect(self, dump_step: int | None = None) -> RolloutBatch:
         """The next step's rollout batch (one generation batch, or with dapo.dynamic_sampling
         as many as needed, up to dapo.max_gen_batches, to fill prompts_per_step groups with
-        score variance; a partial batch is used when the budget runs out)."""
+        score variance; a partial batch is used when the budget runs out). With
+        logging.rollout_dir and `dump_step` (the step number of metrics.jsonl), every episode
+        of every generation batch goes to <rollout_dir>/step_<dump_step>.jsonl
+        (engine.rl.env.dump)."""
         cfg, n = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
         dynamic = cfg.dapo.dynamic_sampling
@@ -260,13 +281,26 @@ class RolloutCollector:
                 torch.cat([p["penalty"] for p in parts]).mean())
         if sampler is not None:
             metrics.update(sampler.stats())
+        if self.env is not None:
+            metrics.update(env_metrics(parts, cfg.env.fn == "tools"))
+        self._dump(parts, dump_step)
         batch = RolloutBatch(metrics=metrics)
         if data is not None:
             estimator = ADVANTAGE_ESTIMATORS[cfg.advantage.estimator]
             adv = estimator(data["rewards"], n, cfg.advantage)
             batch = RolloutBatch(list(data["prompt_ids"]), list(data["response_ids"]),
-                                 list(data["rollout_logprobs"]), adv.tolist(), metrics)
+                                 list(data["rollout_logprobs"]), adv.tolist(), metrics,
+                                 response_masks=list(data.get("response_masks") or []))
         metrics["train/groups"] = float(len(batch) // n)
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return batch
 
+
+    def _dump(self, parts: list[dict], step: int | None) -> None:
+        """Write the step's episodes to logging.rollout_dir (rank 0; engine.rl.env.dump)."""
+        rollout_dir = getattr(self.cfg.logging, "rollout_dir", None)
+        if step is None or not rollout_dir:
+            return
+        records = [r for p in parts for r in part_records(
+            p, p["row_indices"], self.cfg.rollout.n, p["gen_batch"], self.tokenizer)]
+        write_dump(rollout_dir, step, records)
