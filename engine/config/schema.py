@@ -201,8 +201,8 @@ def data_file_problems(cfg, require_train: bool = True) -> list[str]:
     if require_train and not cfg.data.train_files:
         problems.append("data.train_files is empty; give one or more .jsonl/.parquet files: "
                         "data.train_files=[a.jsonl,b.parquet]")
-    for key in ("train_files", "eval_files"):
-        for f in getattr(cfg.data, key):
+    for key in ("train_files", "eval_files", "val_files"):  # val_files: RL only
+        for f in getattr(cfg.data, key, ()):
             ext = os.path.splitext(f)[1].lower()
             if os.path.isdir(f) or set("*?[") & set(f):
                 problem = data_spec_problem(f)

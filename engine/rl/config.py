@@ -32,6 +32,7 @@ from engine.rl.policy_loss import KL_ESTIMATORS, POLICY_LOSSES
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.base import BACKENDS, custom_backend_class
 from engine.rl.rollout.placement import placement_problems, procs_per_node
+from engine.rl.validation import val_problems
 
 
 @dataclass
@@ -51,6 +52,7 @@ class RLTrainConfig:
     recompute: str = "none"              # policy updates: none | selective | full (as SFT)
     recompute_method: Optional[str] = None       # full only: uniform | block (null: uniform)
     recompute_num_layers: Optional[int] = None   # full only: layers per group / block (null: 1)
+    val_interval: int = 0                # validate after every N-th RL step (0: off)
 
 
 @dataclass
@@ -127,10 +129,25 @@ class RLLoggingConfig(LoggingConfig):
 
 
 @dataclass
+class RLDataConfig(DataConfig):
+    val_files: list[str] = field(default_factory=list)  # validation prompts (engine.rl.validation)
+
+
+@dataclass
+class ValConfig:
+    """Validation (engine.rl.validation; README "Validation")."""
+
+    n: int = 1                           # samples per validation prompt (pass@k for k <= n)
+    temperature: float = 0.0             # 0: greedy
+    before_train: bool = False           # also validate the initial policy (logged as step 0)
+    pass_threshold: float = 1.0          # a response passes (pass@k) when its score >= this
+
+
+@dataclass
 class RLConfig:
     algorithm: str = "grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: RLDataConfig = field(default_factory=RLDataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)      # MoE policies (engine.config.moe_settings)
     train: RLTrainConfig = field(default_factory=RLTrainConfig)
@@ -144,6 +161,7 @@ class RLConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     dapo: DAPOConfig = field(default_factory=DAPOConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    val: ValConfig = field(default_factory=ValConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # steps: RL steps
     recipe: RecipeConfig = field(default_factory=RecipeConfig)  # --validate cluster shape
     policy_loss: str = "ppo_clip"        # engine.rl.policy_loss.POLICY_LOSSES
@@ -247,7 +265,7 @@ def rl_problems(cfg: RLConfig) -> list[str]:
         load_reward_fn(cfg.reward.fn)
     except ValueError as e:
         p.append(f"reward.fn: {e}")
-    return p + env_problems(cfg) + checkpoint_config_problems(cfg)
+    return p + env_problems(cfg) + val_problems(cfg) + checkpoint_config_problems(cfg)
 
 
 def validate_rl(cfg: RLConfig, world_size: int) -> dict:

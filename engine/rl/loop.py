@@ -31,20 +31,19 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from engine.checkpoint.checkpointing import DataPosition
-from engine.data.datasets import load_prompt_rows
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.training.nonfinite import NonFiniteGuard
 from engine.rl.config import RLConfig
 from engine.rl.env.collect import check_env_start
-from engine.rl.env.tools_env import tool_schemas
 from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class
 from engine.rl.rollout.placement import procs_per_node, resolve_placement
 from engine.rl.rollout.pool import RolloutPool
-from engine.rl.rollout_batch import (RolloutCollector, broadcast_rollout, build_sequences,
-                                     fit_prompt_rows)
+from engine.rl.rollout_batch import RolloutCollector, broadcast_rollout, build_sequences
+from engine.rl.prompt_data import prompt_rows
+from engine.rl.validation import Validation
 from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
 from engine.rl.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
 from engine.run.run_loop import RunLoop, build_or_resume
@@ -178,13 +177,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     # every rank, before the model is built: data errors stop every rank at once
-    # prompts rendered once per node into the data cache (data.cache_dir, data.num_workers)
-    locations: list[str] = []
-    rendered: list[list[int]] = []
-    rows = load_prompt_rows(cfg.data.train_files, locations, tokenizer=tokenizer,
-                            prompt_ids=rendered, cache_dir=cfg.data.cache_dir,
-                            num_workers=cfg.data.num_workers, tools=tool_schemas(cfg))
-    rows, prompt_ids = fit_prompt_rows(rows, locations, tokenizer, cfg, rendered)
+    rows, prompt_ids = prompt_rows(cfg, tokenizer, cfg.data.train_files)
+    validation = Validation(cfg, tokenizer)  # data.val_files (engine.rl.validation)
     t = cfg.train
 
     def position(done: int) -> DataPosition:
@@ -223,6 +217,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
               f"{pool.placement.describe()}; policy model: "
               f"{describe_settings(policy.chunks[0].config)}", flush=True)
+    validation.attach(pool, collector)
     try:
         if start > 0:  # the engines hold model.hf_path's weights: give them the trained ones
             pool.resync(None)
@@ -230,8 +225,10 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
                 print(f"[rl] resumed at step {start} of {t.max_steps} (next generation batch "
                       f"{collector.next_gen_batch}); rollout engines synced with the "
                       "checkpoint's weights", flush=True)
-        history = loop.run(start, lambda step: rl_step(policy, reference, collector, pool,
-                                                       cfg, step))
+        validation.before_training(start)
+        history = loop.run(start, lambda step: {
+            **rl_step(policy, reference, collector, pool, cfg, step),
+            **validation.after_step(step + 1)})
     finally:
         if pool.engine is not None:
             pool.engine.shutdown()

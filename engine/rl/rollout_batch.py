@@ -111,7 +111,7 @@ def _error_kind(error: Exception) -> str:
 
 
 def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg,
-                    rendered: list[list[int]] | None = None
+                    rendered: list[list[int]] | None = None, key: str = "data.train_files"
                     ) -> tuple[list[dict], list[list[int]]]:
     """The prompt rows whose rendered prompt leaves room for rollout.max_new_tokens within
     train.seq_length (at most seq_length + 1 - max_new_tokens tokens), and their rendered ids
@@ -120,7 +120,7 @@ def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg,
     is printed on rank 0), "error" raises DataError naming file:line. Every rank calls it with
     the same rows (the prompt count is part of the checkpointed data position). `rendered`:
     the rows' prompt ids from the data cache (engine.data.datasets.load_prompt_rows `prompt_ids`);
-    without it every prompt is rendered here."""
+    without it every prompt is rendered here. `key` names the rows' files in messages."""
     limit = cfg.train.seq_length + 1 - cfg.rollout.max_new_tokens
     kept, kept_ids, dropped = [], [], []
     for i, (row, loc) in enumerate(zip(rows, locations)):
@@ -143,7 +143,7 @@ def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg,
         print(f"[rl] dropped {len(dropped)} of {len(rows)} prompts longer than {limit} tokens "
               f"(data.truncation=right), first at {dropped[0]}", flush=True)
     if not kept:
-        raise DataError(f"every prompt of data.train_files is longer than {limit} tokens "
+        raise DataError(f"every prompt of {key} is longer than {limit} tokens "
                         f"(train.seq_length={cfg.train.seq_length} + 1 - rollout.max_new_tokens"
                         f"={cfg.rollout.max_new_tokens}); raise train.seq_length")
     return kept, kept_ids
@@ -190,6 +190,29 @@ class RolloutCollector:
             self._rendered[index] = ids
         return self._rendered[index]
 
+    def generate_scored(self, rows: list[dict], prompts: list[list[int]],
+                        params: SamplingParams, n: int, gen_batch) -> dict:
+        """THE generation entry point of the RL loop (training batches and validation,
+        engine.rl.validation): one response per prompt over every engine (`prompts` group-major
+        in groups of `n`, `rows[i]` the dataset row of prompts[i], params.seeds one seed per
+        response), decoded and scored by reward.fn. `gen_batch` names the batch in messages.
+        Returns {"generations", "scores" (list of float), "errors" (reward errors), "stats"
+        (GenerateStats), "gen_s" (generate wall seconds)}."""
+        t0 = time.perf_counter()
+        gens, stats = self.pool.generate(prompts, params, n, gen_batch)
+        gen_s = time.perf_counter() - t0
+        items = []
+        for row, prompt, gen in zip(rows, prompts, gens):
+            text = row["prompt"] if isinstance(row["prompt"], str) else self.tokenizer.decode(
+                prompt, skip_special_tokens=True)
+            extra = {k: v for k, v in row.items() if k not in ("prompt", "answer", "response")}
+            items.append({**extra, "prompt": text, "answer": row["answer"],
+                          "response": self.tokenizer.decode(gen.response_ids,
+                                                            skip_special_tokens=True)})
+        scores, errors = score_responses(self.reward_fn, items, self.cfg.reward.timeout_s)
+        return {"generations": gens, "scores": scores, "errors": errors, "stats": stats,
+                "gen_s": gen_s}
+
     def _generation_batch(self) -> dict:
         """One generation batch: prompts_per_step prompts x n responses in one generate call,
         scored and shaped. Returns per-response lists/tensors (group-major) and timings."""
@@ -206,18 +229,9 @@ class RolloutCollector:
         if self.env is not None:
             return {**self.env.generation_batch(prompts, rows, row_indices, params.seeds, b),
                     "row_indices": row_indices, "gen_batch": b}
-        t0 = time.perf_counter()
-        gens, stats = self.pool.generate(prompts, params, r.n, b)
-        gen_s = time.perf_counter() - t0
-        items = []
-        for row, prompt, gen in zip(rows, prompts, gens):
-            text = row["prompt"] if isinstance(row["prompt"], str) else self.tokenizer.decode(
-                prompt, skip_special_tokens=True)
-            extra = {k: v for k, v in row.items() if k not in ("prompt", "answer", "response")}
-            items.append({**extra, "prompt": text, "answer": row["answer"],
-                          "response": self.tokenizer.decode(gen.response_ids,
-                                                            skip_special_tokens=True)})
-        scores, errors = score_responses(self.reward_fn, items, cfg.reward.timeout_s)
+        out = self.generate_scored(rows, prompts, params, r.n, b)
+        gens, scores, errors, stats, gen_s = (out["generations"], out["scores"], out["errors"],
+                                              out["stats"], out["gen_s"])
         lengths = torch.tensor([len(g.response_ids) for g in gens], dtype=torch.float32)
         scores_t = torch.tensor(scores, dtype=torch.float32)
         penalty = torch.zeros_like(scores_t)
