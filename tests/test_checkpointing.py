@@ -422,6 +422,12 @@ def test_optimizer_scheduler_and_rng_round_trip(tmp_path, tiny_model):
     assert res["loss_next"][0] == res["loss_next"][1]
     assert "checkpoint has 8, this run has 16" in res["errors"]["gbs"]
     assert "model-only checkpoint" in res["errors"]["model_only"]
+    # gradient-reduce / parameter-gather overlap: saved on -> resumed off, and off -> on
+    (ov,) = result_lines(proc.stdout, "OVERLAP ")
+    assert ov["all_params_equal"], ov
+    assert [t["save_overlap"] for t in ov["trips"]] == [True, False]
+    for trip in ov["trips"]:
+        assert trip["loss_next"][0] == pytest.approx(trip["loss_next"][1], rel=1e-6, abs=0), trip
 
 
 if __name__ == "__main__":

@@ -304,9 +304,11 @@ def test_cli_moe_policy_with_expert_parallelism(moe_dir, prompts_file, tmp_path)
 
 # One reference launch and one 4-rank launch for every RL invariance spec: the dense policy
 # at DP4, TP2, PP2 and CP2 x DP2 (packing); the Qwen3-MoE policy at EP2 x DP4 and EP2 x TP2
-# (+SP) x DP2; the T=1 policy (flag t1) at DP4 and TP2 x DP2.
-RL_SPECS = ["1,1,1,1", "2,1,1,1", "1,2,1,1", "1,1,2,1,packing",
-            "1,1,1,1,moe+ep=2", "2,1,1,1,moe+ep=2+sp", "1,1,1,1,t1", "2,1,1,1,t1"]
+# (+SP) x DP2; the T=1 policy (flag t1) at DP4 and TP2 x DP2. Flag ov: gradient-reduce and
+# parameter-gather overlap on (PP2 x DP2, CP2 x DP2, both MoE layouts, T=1 DP4), compared with
+# the same overlap-off single-process reference, weight sync included.
+RL_SPECS = ["1,1,1,1", "2,1,1,1", "1,2,1,1,ov", "1,1,2,1,packing+ov",
+            "1,1,1,1,moe+ep=2+ov", "2,1,1,1,moe+ep=2+sp+ov", "1,1,1,1,t1+ov", "2,1,1,1,t1"]
 
 
 @pytest.fixture(scope="module")

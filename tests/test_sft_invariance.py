@@ -70,8 +70,18 @@ MOE_SPECS = {
     4: [f"1,1,0,1,2,moe+ep=2+{MOE_MODES}", f"1,2,0,1,4,moe+ep=2+{MOE_MODES}",
         f"2,1,0,1,4,moe+ep=2+sp+{MOE_MODES}", "1,1,0,1,2,moe+ep=2+bug=expertgrad+modes=token-mean"],
 }
-for _world, _specs in MOE_SPECS.items():
-    LAUNCHES[_world] = LAUNCHES[_world] + _specs
+# Gradient-reduce and parameter-gather overlap on (flag ov: engine.training.comm_overlap,
+# 0.02 MiB buckets, so several reductions overlap the backward): DP2 with GA; TP2+SP x DP2,
+# PP2 x VPP2 x DP2 (interleaved schedule with its p2p overlap), CP2 x DP2, EP2 x DP2 (MoE);
+# negative control: the final parameters read without finishing the deferred all-gather.
+OV = "ov+modes=token-mean"
+OVERLAP_SPECS = {
+    2: [f"1,1,0,1,3,{OV}", "1,1,0,1,3,ov+bug=nogather+modes=token-mean"],
+    4: [f"2,1,0,1,3,sp+{OV}", f"1,2,2,1,2,{OV}", f"1,1,0,2,4,{OV}", f"1,1,0,1,2,moe+ep=2+{OV}"],
+}
+for _extra in (MOE_SPECS, OVERLAP_SPECS):
+    for _world, _specs in _extra.items():
+        LAUNCHES[_world] = LAUNCHES[_world] + _specs
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +177,21 @@ def test_negative_controls_sp_and_recompute_are_caught(invariance_runs, bug):
     (r,) = [r for r in results[2] if bug in r["spec"]]
     assert r["grad_norm_rel"] > 100 * TOL, r
     assert r["param_rel"] > 100 * TOL, r
+
+
+def test_overlap_layouts_ran_and_match(invariance_runs):
+    """Every overlap spec reported (the generic comparison above checks them at 1e-5), and
+    the negative control: with overlap_param_gather an optimizer step leaves the other DP
+    ranks' shards of the parameters stale until the next forward; reading them without
+    TrainEngine.gather_params misses the reference by far more than the tolerance, while
+    the loss and grad norm of the same run still match."""
+    results, _ = invariance_runs
+    for world, specs in OVERLAP_SPECS.items():
+        got = {r["spec"] for r in results[world]}
+        assert set(specs) <= got, world
+    (r,) = [r for r in results[2] if "bug=nogather" in r["spec"]]
+    assert r["param_rel"] > 100 * TOL, r
+    assert r["loss_rel"] <= TOL and r["grad_norm_rel"] <= TOL, r
 
 
 def test_negative_control_expert_grads_averaged_over_expert_dp_is_caught(invariance_runs):

@@ -181,6 +181,8 @@ def training_state_dict(state, position: DataPosition, is_loading: bool,
     (plain JSON values, checked by the caller, the same on every rank) when given. Collective (the optimizer's sharded
     state dict gathers nothing, but must be built on every rank)."""
 
+    if not is_loading and hasattr(state, "gather_params"):
+        state.gather_params()   # overlap_param_gather: parameters current before they are saved
     model_sd = model_sharded_state_dict(state.chunks)
     if is_loading:
         _prepare_optimizer_for_load(state.optimizer)

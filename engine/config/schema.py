@@ -21,11 +21,14 @@ from engine.training.loss import AGG_MODES
 from engine.config.moe_settings import MoEConfig, moe_problems
 from engine.config.model_settings import (recompute_layer_problems, recompute_problems,
                                    sequence_parallel_on)
+from engine.config.parallel_settings import (ParallelConfig, overlap_problems,
+                                             resolved_overlap_problems)
 from models.families import experts_per_layer
 from models.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
 
-__all__ = ["ConfigError", "config_yaml", "load_config", "split_argv"]  # re-exported
+__all__ = ["ConfigError", "ParallelConfig", "config_yaml", "load_config",  # re-exported
+           "split_argv"]
 
 
 @dataclass
@@ -50,18 +53,6 @@ class DataConfig:
     # per cache folder builds an entry, the others wait for it.
     cache_dir: Optional[str] = None
     num_workers: Optional[int] = None  # processes rendering a new entry; null: usable cores
-
-
-@dataclass
-class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
-    cp_comm_type: str = "a2a"    # a2a | p2p | all_gather (p2p/all_gather need Transformer Engine)
-    ep: int = 1                  # expert parallel (MoE models): carved out of dp x cp
-    # Megatron TP sequence parallelism (engine.config.model_settings); null: on whenever tp > 1
-    sequence_parallel: Optional[bool] = None
 
 
 @dataclass
@@ -247,7 +238,7 @@ def value_problems(cfg) -> list[str]:
               "train.max_consecutive_nonfinite_steps")
     if len(cfg.optim.betas) != 2:
         p.append(f"optim.betas={list(cfg.optim.betas)} must hold two numbers")
-    return p
+    return p + overlap_problems(cfg)
 
 
 def parallel_layout(parallel_cfg, world_size: int) -> ParallelLayout:
@@ -286,7 +277,7 @@ def validate_common(cfg, world_size: int) -> dict:
     hf_config = read_model_config(cfg)
     raise_problems(model_dir_problems(cfg) + data_file_problems(cfg) + value_problems(cfg)
                    + layout_problems(cfg, world_size, hf_config) + moe_problems(cfg, hf_config)
-                   + length_problems(cfg, hf_config))
+                   + length_problems(cfg, hf_config) + resolved_overlap_problems(cfg))
     return hf_config
 
 

@@ -33,6 +33,7 @@ from transformers import AutoTokenizer
 from engine.checkpoint.checkpointing import DataPosition
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
 from engine.config.moe_settings import moe_overrides
+from engine.config.parallel_settings import overlap_settings
 from engine.training.nonfinite import NonFiniteGuard
 from engine.rl.config import RLConfig
 from engine.rl.env.collect import check_env_start
@@ -189,6 +190,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     policy, resumed, extra = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, optimizer_steps, batching, pad_id,
         weights_dir=cfg.model.hf_path, load_weights=load,
+        overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config)),
         position(0),
         batch_key="train.prompts_per_step")

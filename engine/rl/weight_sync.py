@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.rl.rollout.base import RolloutEngine
+from engine.training.comm_overlap import finish_param_gather
 from models.bridge import export_hf_weights
 from models.forward import forward_logits
 from parallel import cpu_runtime
@@ -136,6 +137,7 @@ def sync_to_rollout(chunks: list, hf_config: dict, engine: RolloutEngine | None,
     point-to-point. No tensor passes through a rank that does not need it, and replicas on
     different nodes stream in parallel: with a replica inside a node (tp x pp <= GPUs per
     node) nothing crosses nodes. Returns SyncStats on the target owners, None elsewhere."""
+    finish_param_gather(chunks)   # overlap_param_gather defers it to the next forward pass
     targets = list(range(len(owners))) if targets is None else list(targets)
     dests = [owners[e] for e in targets]
     me = dist.get_rank()

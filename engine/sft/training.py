@@ -27,6 +27,7 @@ from engine.training.loss import GlobalLossNormalizer, aggregate, weights_from_c
 from engine.training.micro_batches import SequenceData
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
 from engine.config.moe_settings import moe_overrides
+from engine.config.parallel_settings import overlap_settings
 from engine.training.nonfinite import NonFiniteGuard
 from engine.run.run_loop import RunLoop, build_or_resume
 from engine.training.schedule import LossFn
@@ -126,6 +127,7 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
     engine, resumed, _ = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, cfg.train.max_steps, BatchSettings.from_config(cfg.train),
         pad_id, weights_dir=cfg.model.hf_path, load_weights=load,
+        overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config)),
         position(0))
     if dist.get_rank() == 0:

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                       finalize_model_grads)
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from engine.training.comm_overlap import (OverlapSettings, ddp_config, finish_param_gather,
+                                          install_schedule_hooks, p2p_overrides)
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.micro_batches import MicroBatch, SequenceData
 from engine.training.nonfinite import NonFiniteGuard, guarded_optimizer_step
@@ -143,23 +144,26 @@ class TrainEngine:
     @classmethod
     def build(cls, hf_config: dict, optim_cfg, dtype: torch.dtype, total_steps: int,
               batching: BatchSettings, pad_id: int = 0, weights_dir: str | None = None,
-              load_weights: bool = True, **model_overrides) -> "TrainEngine":
+              load_weights: bool = True, overlap: OverlapSettings | None = None,
+              **model_overrides) -> "TrainEngine":
         """Build this rank's model chunks, load HF weights from `weights_dir` (unless
         `load_weights` is False: a checkpoint will be loaded), wrap them in megatron DDP and
         create the optimizer and an LR schedule over `total_steps` optimizer steps.
         `model_overrides` go to the TransformerConfig (e.g. cp_comm_type; sequence
-        parallelism and recomputation: engine.config.model_settings.megatron_overrides)."""
-        raw = build_model_chunks(hf_config, params_dtype=dtype, **model_overrides)
+        parallelism and recomputation: engine.config.model_settings.megatron_overrides);
+        `overlap`: DDP communication settings (engine.training.comm_overlap; default none)."""
+        overlap = overlap or OverlapSettings()
+        raw = build_model_chunks(hf_config, params_dtype=dtype,
+                                 **{**model_overrides, **p2p_overrides(overlap)})
         if load_weights:
             load_hf_weights(raw, SafetensorsReader(weights_dir), hf_config)
         config = raw[0].config
         config.finalize_model_grads_func = finalize_grads
         mark_expert_params(raw)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=optim_cfg.distributed_optimizer,
-            overlap_grad_reduce=False, average_in_collective=False)
-        chunks = [DistributedDataParallel(config, ddp_config, module=c, disable_bucketing=i > 0)
+        ddp = ddp_config(overlap, optim_cfg.distributed_optimizer, dtype)
+        chunks = [DistributedDataParallel(config, ddp, module=c, disable_bucketing=i > 0)
                   for i, c in enumerate(raw)]
+        install_schedule_hooks(chunks, overlap)
         for c in chunks:
             c.broadcast_params()
         optimizer = _optimizer(chunks, optim_cfg, dtype)
@@ -216,6 +220,12 @@ class TrainEngine:
             "time/step_s": time.perf_counter() - t0})
         return out
 
+    def gather_params(self) -> None:
+        """Collective over DP x CP: finish the parameter all-gathers that overlap_param_gather
+        defers to the next forward pass, so every parameter holds the last step's values
+        (call before reading weights outside a forward: checkpoint save, weight sync, export)."""
+        finish_param_gather(self.chunks)
+
     @torch.no_grad()
     def forward_only(self, seqs: Sequence[SequenceData],
                      weights: GlobalLossNormalizer | torch.Tensor | None = None,
@@ -227,6 +237,7 @@ class TrainEngine:
         the last pipeline stage; `loss_fn` reports are reduced like `train_batch`'s."""
         if weights is None:
             weights = GlobalLossNormalizer("token-sum")
+        self.gather_params()
         batch = build_rank_batch(list(seqs), weights, self.batching, self.pad_id,
                                  sequence_parallel=self.sequence_parallel)
         reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn or _no_loss,

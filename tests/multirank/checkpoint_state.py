@@ -8,6 +8,10 @@ and Adam moments of every local parameter), the scheduler state and fresh draws 
 then scrambles all of them, builds a second TrainState without weights, loads the checkpoint
 and compares. Also checks the refusals: a different global batch size (ResumeMismatchError) and
 a model-only checkpoint (CheckpointError). Rank 0 prints one line "RESULT {json}".
+Then the gradient-reduce/parameter-gather overlap (engine.training.comm_overlap) both ways: a
+checkpoint saved with both overlaps on (the parameters' other DP shards still deferred to the
+next forward) resumes with them off, and one saved with them off resumes with them on; rank 0
+prints "OVERLAP {json}" with whether the resumed parameters and next-step losses are equal.
 """
 from __future__ import annotations
 
@@ -71,6 +75,42 @@ def optimizer_tensors(optimizer) -> list:
                 out += [p.detach().clone(), state["exp_avg"].clone(),
                         state["exp_avg_sq"].clone(), float(state["step"])]
     return out
+
+
+def overlap_round_trip(hf: dict, model_dir: str, root: str, save_on: bool) -> dict:
+    """Train 2 steps with the overlaps `save_on`, save, resume with the opposite setting;
+    compare the exported parameters (after gather_params) and the next step's loss."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from engine.checkpoint.checkpointing import (DataPosition, load_training_checkpoint,
+                                                 save_training_checkpoint)
+    from engine.sft.training import train_step
+    from engine.training.comm_overlap import OverlapSettings
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.train_engine import TrainEngine
+    from models.bridge import export_hf_weights
+
+    on, off = OverlapSettings(True, True, bucket_mb=0.02), OverlapSettings()
+    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
+    saved = TrainEngine.build(hf, OPTIM, torch.float32, 6, TRAIN, weights_dir=model_dir,
+                              overlap=on if save_on else off)
+    for seqs in batches(hf["vocab_size"], 2):
+        train_step(saved, seqs, normalizer)
+    path = save_training_checkpoint(saved, root, DataPosition(2, GBS, 100, 7, True), hf,
+                                    model_dir)
+    resumed = TrainEngine.build(hf, OPTIM, torch.float32, 6, TRAIN, weights_dir=model_dir,
+                                load_weights=False, overlap=off if save_on else on)
+    load_training_checkpoint(resumed, path, DataPosition(0, GBS, 100, 7, True))
+    for s in (saved, resumed):
+        s.gather_params()
+    want = dict(export_hf_weights(saved.chunks, hf))
+    got = dict(export_hf_weights(resumed.chunks, hf))
+    params_equal = want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    nxt = batches(hf["vocab_size"], 3)[2]
+    return {"save_overlap": save_on, "params_equal": params_equal,
+            "loss_next": [train_step(saved, nxt, normalizer)["loss"],
+                          train_step(resumed, nxt, normalizer)["loss"]]}
 
 
 def main() -> None:
@@ -144,6 +184,13 @@ def main() -> None:
             "lr": [want_lr, got_lr],
             "rng": [want_rng, got_rng], "loss_next": [loss_a, loss_b], "errors": errors}),
             flush=True)
+    trips = [overlap_round_trip(hf, model_dir, os.path.join(out_dir, f"overlap_{on}"), on)
+             for on in (True, False)]
+    equal = torch.tensor([sum(not t["params_equal"] for t in trips)])
+    dist.all_reduce(equal)
+    if rank == 0:
+        print("OVERLAP " + json.dumps({"trips": trips, "all_params_equal": int(equal) == 0}),
+              flush=True)
     shutdown()
 
 

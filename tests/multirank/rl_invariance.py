@@ -37,6 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 MODES = ("token-mean", "seq-mean-token-mean")
 GROUPS, N = 4, 4           # 4 prompts x 4 responses
 STEPS = 2                  # mini-batches = optimizer steps
+# flag ov: gradient-reduce and parameter-gather overlap on (engine.training.comm_overlap, 0.02
+# MiB buckets): the weight sync then reads parameters whose all-gather the last optimizer step
+# deferred (engine.rl.weight_sync finishes it). Set by parse_spec for the spec being run.
+OVERLAP = {"on": None}
 LR, ADAM_EPS, HORIZON = 1e-2, 1e-4, 24
 SETTINGS = dict(temperature=0.8, eps_low=0.2, eps_high=0.28, dual_c=3.0, kl_beta=0.05,
                 kl_estimator="k3", entropy_coef=0.01, tis_cap=2.0)
@@ -101,7 +105,7 @@ def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None):
     if overrides is None:
         overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
     return TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
-                             weights_dir=model_dir, **overrides)
+                             weights_dir=model_dir, overlap=OVERLAP["on"], **overrides)
 
 
 def _sequences(state, batch, temperature):
@@ -175,6 +179,8 @@ def spec_flags(spec: str) -> list[str]:
 def parse_spec(spec: str):
     tp, pp, cp, mbs = (int(x) for x in spec.split(",")[:4])
     flags = spec_flags(spec)
+    from engine.training.comm_overlap import OverlapSettings
+    OVERLAP["on"] = OverlapSettings(True, True, bucket_mb=0.02) if "ov" in flags else None
     ep = next((int(f.split("=")[1]) for f in flags if f.startswith("ep=")), 1)
     train = SimpleNamespace(micro_batch_size=mbs, max_tokens_per_micro_batch=None,
                             balance_dp=True, packing="packing" in flags)

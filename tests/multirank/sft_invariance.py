@@ -10,7 +10,10 @@ modes; bug=spnorm|detach|expertgrad: a deliberately broken run for a negative co
 expert parallelism; aux=C: megatron's load-balancing loss `aux_loss` with coefficient C,
 z=C: the router z-loss, both scaled per step by engine.training.router_losses; auxtype=T: the
 load-balancing loss type (aux_loss, seq_aux_loss, global_aux_loss); cap=F: expert capacity
-factor F (token dropping); the spec's results then carry the moe/* metrics).
+factor F (token dropping); the spec's results then carry the moe/* metrics);
+ov: gradient-reduce and parameter-gather overlap on (engine.training.comm_overlap), with
+bug=nogather (negative control) reading the final parameters without finishing the deferred
+parameter all-gather.
 For every spec and every aggregation mode it re-initialises megatron's parallel state in the
 same processes, loads the same HF weights, trains 3 optimizer steps on fixed synthetic global
 batches and records per-step loss, grad norm and the final parameters. With W == 1 and the
@@ -114,7 +117,17 @@ def spec_options(spec: str) -> dict:
     parallel = SimpleNamespace(tp=int(parts[0]), sequence_parallel="sp" in flags)
     modes = tuple(value["modes"].split("/")) if "modes" in value else MODES
     return dict(overrides=megatron_overrides(parallel, train), modes=modes,
-                bug=value.get("bug"))
+                bug=value.get("bug"), overlap=overlap_of(flags))
+
+
+def overlap_of(flags: list[str]):
+    """OverlapSettings of the `ov` flag (both overlaps on, small buckets so that several
+    reductions overlap the backward pass), else None (the engine's default: off)."""
+    from engine.training.comm_overlap import OverlapSettings
+
+    if "ov" not in flags:
+        return None
+    return OverlapSettings(overlap_grad_reduce=True, overlap_param_gather=True, bucket_mb=0.02)
 
 
 def inject_bug(state, bug: str | None):
@@ -143,6 +156,8 @@ def inject_bug(state, bug: str | None):
         return lambda: setattr(tensor_parallel, "checkpoint", original)
     if bug == "expertgrad":
         return average_expert_grads(state)
+    if bug == "nogather":  # handled by run_layout: parameters read before the gather
+        return lambda: None
     assert bug is None, bug
     return lambda: None
 
@@ -169,7 +184,8 @@ def average_expert_grads(state):
     return lambda: setattr(config, "finalize_model_grads_func", original)
 
 
-def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=None):
+def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=None,
+               overlap=None):
     """3 steps from the HF weights under the current parallel state (set up once per layout:
     creating megatron's process groups is the slowest part of a gloo launch)."""
     import torch
@@ -184,7 +200,7 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
                             distributed_optimizer=True)
     state = TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
-                              weights_dir=model_dir, **(overrides or {}))
+                              weights_dir=model_dir, overlap=overlap, **(overrides or {}))
     normalizer = GlobalLossNormalizer(mode, HORIZON, True, group=ps.get_data_parallel_group())
     losses, norms = [], []
     undo = inject_bug(state, bug)
@@ -196,6 +212,8 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
             MOE_METRICS.append({k: v for k, v in m.items() if k.startswith("moe/")})
     finally:
         undo()
+    if bug != "nogather":
+        state.gather_params()
     params = {k: v.clone() for k, v in export_hf_weights(state.chunks, hf_config)}
     return losses, norms, params
 
@@ -284,7 +302,7 @@ def main():
             MOE_METRICS.clear()
             started = time.perf_counter()
             losses, norms, params = run_layout(spec_dir, spec_config, train, mode, batches,
-                                               opts["overrides"], opts["bug"])
+                                               opts["overrides"], opts["bug"], opts["overlap"])
             if making_ref and first_of_model:
                 new_ref[key + mode] = {"loss": losses, "grad_norm": norms, "params": params}
                 out = {"spec": spec, "mode": mode, "world": world, "reference": True,
