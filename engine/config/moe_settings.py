@@ -21,6 +21,15 @@ models.families: Qwen3-MoE, Mixtral).
   the language-model loss is no longer layout-invariant (dropless, it is exact). The fraction
   dropped is logged as `moe/dropped_token_fraction`.
 
+- `moe.routing_replay` (RL only; null: off): `R2` records every token's top-k experts in the
+  old-log-prob forward and replays them in every update forward of the step; `R3` replays the
+  rollout engine's routing (prompt tokens: its prefill) in the old-log-prob and update
+  passes. Replay forces only WHICH experts a token uses; the weights are recomputed from the
+  current router (engine.training.routing, models.routing_replay). Refused for dense models,
+  with moe.capacity_factor (dropping would remove replayed assignments depending on the
+  micro-batch cut), and for SFT; R3 needs a rollout backend that reports routed experts
+  (engine.rl.routing_replay).
+
 Scaling (engine.training.router_losses): megatron attaches each micro-batch's router loss times its
 local token count and expects a later division by the step's token count, which this engine
 never does (engine.training.loss); the coefficients are therefore divided by the step's token count
@@ -35,6 +44,7 @@ from typing import Any, Optional
 TOKEN_DISPATCHERS = ("alltoall", "allgather")
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
+ROUTING_REPLAY = ("R2", "R3")
 
 
 @dataclass
@@ -46,6 +56,7 @@ class MoEConfig:
     z_loss_coeff: Optional[float] = None  # null/0: no router z-loss
     capacity_factor: Optional[float] = None  # null: dropless; > 0: drop tokens over capacity
     token_drop_policy: str = "probs"     # probs | position (which tokens an expert keeps)
+    routing_replay: Optional[str] = None  # RL: null | R2 | R3 (engine.training.routing)
 
 
 def _is_moe(hf_config: dict) -> bool:
@@ -90,6 +101,7 @@ def moe_problems(cfg: Any, hf_config: dict) -> list[str]:
     cf = moe.capacity_factor
     if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
         p.append(f"moe.capacity_factor={cf!r} must be null (dropless) or a number > 0")
+    p += _replay_problems(cfg, moe, hf_config)
     if not _is_moe(hf_config):
         set_keys = [k for k in ("aux_loss_coeff", "z_loss_coeff", "capacity_factor")
                     if getattr(moe, k)]
@@ -97,6 +109,25 @@ def moe_problems(cfg: Any, hf_config: dict) -> list[str]:
             p.append(f"moe.{set_keys[0]} is set but model.hf_path is a dense model "
                      f"(model_type={hf_config.get('model_type')!r}); remove it")
     return p
+
+
+def _replay_problems(cfg: Any, moe: MoEConfig, hf_config: dict) -> list[str]:
+    mode = moe.routing_replay
+    if mode is None:
+        return []
+    if mode not in ROUTING_REPLAY:
+        return [f"moe.routing_replay={mode!r} is not valid; choose one of null, "
+                f"{', '.join(ROUTING_REPLAY)}"]
+    if not hasattr(cfg, "rollout"):
+        return [f"moe.routing_replay={mode} applies to RL only (python -m engine.rl); remove it"]
+    if not _is_moe(hf_config):
+        return [f"moe.routing_replay={mode} needs a MoE policy but model.hf_path is a dense "
+                f"model (model_type={hf_config.get('model_type')!r}); remove it"]
+    if moe.capacity_factor:
+        return [f"moe.routing_replay={mode} cannot be combined with moe.capacity_factor="
+                f"{moe.capacity_factor}: capacity dropping would remove replayed expert "
+                "assignments depending on the micro-batch cut; use null (dropless)"]
+    return []
 
 
 def moe_overrides(cfg: Any, hf_config: dict, forward_only: bool = False) -> dict:

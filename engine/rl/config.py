@@ -30,6 +30,7 @@ from engine.rl.env.contract import env_problems
 from engine.rl.algorithms import ALGORITHMS
 from engine.rl.policy_loss import KL_ESTIMATORS, POLICY_LOSSES
 from engine.rl.rewards import load_reward_fn
+from engine.rl.routing_replay import routing_replay_problems
 from engine.rl.rollout.base import BACKENDS, custom_backend_class
 from engine.rl.rollout.placement import placement_problems, procs_per_node
 from engine.rl.validation import val_problems
@@ -278,7 +279,8 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                    + recompute_layer_problems(cfg.parallel, cfg.train,
                                               hf_config["num_hidden_layers"])
                    + placement_problems(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
-                                        world_size, procs_per_node(world_size)))
+                                        world_size, procs_per_node(world_size))
+                   + routing_replay_problems(cfg))
     return hf_config
 
 

@@ -39,6 +39,8 @@ from engine.rl.config import RLConfig
 from engine.rl.env.collect import check_env_start
 from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
 from engine.rl.rewards import load_reward_fn
+from engine.rl.routing_replay import (after_old_logprobs, finish as finish_routing_replay,
+                                      rollout_engine_kwargs, start_routing_replay)
 from engine.rl.rollout import backend_class
 from engine.rl.rollout.placement import procs_per_node, resolve_placement
 from engine.rl.rollout.pool import RolloutPool
@@ -62,14 +64,17 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
     Every rank passes the same rollout batch; returns the metrics of the policy side."""
     t0 = time.perf_counter()
     seqs = build_sequences(batch)
+    start_routing_replay(policy, cfg.moe.routing_replay)  # R2 records, R3 replays (old pass)
     T = cfg.rollout.temperature
     old = compute_token_logprobs(policy, seqs, T)
     attach_extra(seqs, "old_logprobs", old)
     gap_mean, gap_max = logprob_gap(seqs, old)
+    replay_metrics = after_old_logprobs(policy, seqs, cfg.moe.routing_replay)
     if reference is not None:
         attach_extra(seqs, "ref_logprobs", compute_token_logprobs(reference, seqs, T))
     metrics = {"rollout/logprob_diff": gap_mean, "rollout/logprob_diff_max": gap_max,
                "time/logprob_s": time.perf_counter() - t0}
+    metrics.update(replay_metrics)
     settings = PolicyLossSettings.from_config(cfg, policy.vocab_size)
     horizon = cfg.loss.norm_horizon or cfg.rollout.max_new_tokens
     updates = []
@@ -78,6 +83,7 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
                                        step, epoch, cfg.data.shuffle):
             updates.append(policy_update(policy, [seqs[i] for i in part], cfg.loss, settings,
                                          horizon))
+    finish_routing_replay(policy)
     moe_keys = sorted({k for u in updates for k in u if k.startswith("moe/")})
     for key in (*_UPDATE_MEAN_KEYS, *moe_keys):  # moe/*: MoE policies (engine.training.router_losses)
         metrics[key] = sum(u[key] for u in updates) / len(updates)
@@ -152,7 +158,8 @@ def build_pool(cfg: RLConfig, policy: TrainEngine, dtype: torch.dtype) -> Rollou
     def factory():
         return backend_class(cfg.rollout.backend).from_config(
             cfg.model.hf_path, cfg.rollout, dtype, cfg.seed,
-            gpus=(placement.local_slot(mine), placement.gpus_per_engine))
+            gpus=(placement.local_slot(mine), placement.gpus_per_engine),
+            **rollout_engine_kwargs(cfg))
 
     pool = RolloutPool(placement, factory() if mine is not None else None, cfg.rollout,
                        factory=factory)
@@ -196,6 +203,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         batch_key="train.prompts_per_step")
     policy.guard = NonFiniteGuard(t.max_consecutive_nonfinite_steps,
                                   skipped=int(extra.get("skipped_steps", 0)))
+    if cfg.moe.routing_replay:  # R2 / R3 (engine.rl.routing_replay)
+        policy.enable_routing_replay()
     start = resumed.step
     loop = RunLoop("rl", cfg, policy, hf_config, position, desc=cfg.algorithm,
                    extra=lambda: {"next_gen_batch": _next_gen_batch(collector),

@@ -25,6 +25,7 @@ from engine.data.datasets import global_batch_indices, render_prompt
 from engine.data.files import DataError
 from engine.errors import RunError
 from engine.training.micro_batches import SequenceData
+from engine.training.routing import ROUTED_EXPERTS
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS, zero_std_groups
 from engine.rl.dapo import DynamicSampler, overlong_penalty
 from engine.rl.env.collect import EnvRollout, env_metrics
@@ -47,6 +48,8 @@ class RolloutBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     # multi-turn (engine.rl.env): 1 on sampled tokens, 0 on observations; empty: all sampled
     response_masks: list[list[int]] = field(default_factory=list)
+    # R3 routing replay: per response Generation.routed_experts [tokens fed, layers * k]
+    routed_experts: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -71,6 +74,8 @@ def build_sequences(batch: RolloutBatch) -> list[SequenceData]:
             tokens=ids[:-1], labels=ids[1:], loss_mask=[0] * head + mask,
             extras={"advantages": [0.0] * head + [float(adv) if m else 0.0 for m in mask],
                     "rollout_logprobs": [0.0] * head + [float(x) for x in logprobs]}))
+        if batch.routed_experts:  # R3: the rollout engine's routing of every fed token
+            seqs[-1].extras[ROUTED_EXPERTS] = batch.routed_experts[len(seqs) - 1]
     return seqs
 
 
@@ -241,6 +246,8 @@ class RolloutCollector:
         return {
             "data": {"prompt_ids": prompts, "response_ids": [g.response_ids for g in gens],
                      "rollout_logprobs": [g.response_logprobs for g in gens],
+                     **({"routed_experts": [g.routed_experts for g in gens]}
+                        if gens and gens[0].routed_experts is not None else {}),
                      "rewards": scores_t + penalty, "scores": scores_t},
             "lengths": lengths, "penalty": penalty, "errors": errors, "gen_s": gen_s,
             "stats": stats, "row_indices": row_indices, "gen_batch": b,
@@ -304,7 +311,8 @@ class RolloutCollector:
             adv = estimator(data["rewards"], n, cfg.advantage)
             batch = RolloutBatch(list(data["prompt_ids"]), list(data["response_ids"]),
                                  list(data["rollout_logprobs"]), adv.tolist(), metrics,
-                                 response_masks=list(data.get("response_masks") or []))
+                                 response_masks=list(data.get("response_masks") or []),
+                                 routed_experts=list(data.get("routed_experts") or []))
         metrics["train/groups"] = float(len(batch) // n)
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return batch

@@ -6,7 +6,8 @@ A `MicroBatch` holds tensors for one forward pass, already cut to this CP rank's
 `token_weights` = w_seq(t) * loss_mask(t): the GlobalLossNormalizer weight of the token's
 sequence, 0 on padding and untrained tokens. `seq_ids` [.., S/cp] maps tokens to the index of
 their sequence in this rank's list (-1 on padding) so per-sequence outputs can be gathered.
-`extras` carries per-token RL inputs (old/ref log-probs, advantages) sharded the same way.
+`extras` carries per-token RL inputs (old/ref log-probs, advantages; routed experts with a
+trailing [layers * k] dimension) sharded the same way: [b, S/cp, ...] / [1, T/cp, ...].
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class SequenceData:
     labels: list[int]
     loss_mask: list[int]
     weight: float = 0.0
-    extras: dict[str, list[float]] = field(default_factory=dict)
+    extras: dict[str, list[float] | torch.Tensor] = field(default_factory=dict)  # per token
 
 
 def _per_token(seq_values: list[float | int], lengths: list[int], total: int,
@@ -53,13 +54,25 @@ def _per_token(seq_values: list[float | int], lengths: list[int], total: int,
     return out
 
 
+def _values(extra) -> torch.Tensor:
+    """One sequence's extra as float32 [len, ...] (a list of floats, or a tensor whose rows
+    are tokens, e.g. routed experts [len, layers * k]; integers < 2**24 stay exact)."""
+    return torch.as_tensor(extra, dtype=torch.float32)
+
+
+def empty_extras(template: dict, n: int) -> dict[str, torch.Tensor]:
+    """Zero extras of `n` tokens shaped like `template`'s (a dummy sequence's)."""
+    return {k: torch.zeros(n, *_values(v).shape[1:]) for k, v in template.items()}
+
+
 def _extras_padded(seqs: list[SequenceData], width: int) -> dict[str, torch.Tensor]:
     keys = seqs[0].extras.keys() if seqs else []
     out = {}
     for k in keys:
-        t = torch.zeros(len(seqs), width, dtype=torch.float32)
+        t = torch.zeros(len(seqs), width, *_values(seqs[0].extras[k]).shape[1:])
         for i, s in enumerate(seqs):
-            t[i, :len(s.extras[k])] = torch.tensor(s.extras[k], dtype=torch.float32)
+            values = _values(s.extras[k])
+            t[i, :len(values)] = values
         out[k] = t
     return out
 
@@ -114,10 +127,11 @@ def build_packed(seqs: list[SequenceData], seq_index: list[int], pad_multiple: i
         start += n
     extras = {}
     for k in (seqs[0].extras.keys() if seqs else []):
-        vals = torch.zeros(total, dtype=torch.float32)
+        vals = torch.zeros(total, *_values(seqs[0].extras[k]).shape[1:])
         start = 0
         for s, n in zip(seqs, seq_lengths):
-            vals[start:start + len(s.extras[k])] = torch.tensor(s.extras[k], dtype=torch.float32)
+            values = _values(s.extras[k])
+            vals[start:start + len(values)] = values
             start += n
         extras[k] = vals.unsqueeze(0)
     tensors = dict(tokens=tokens.unsqueeze(0), labels=labels.unsqueeze(0),

@@ -17,7 +17,7 @@ from megatron.core import parallel_state as ps
 
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.micro_batches import (MicroBatch, SequenceData, build_packed, build_padded,
-                                  dummy_sequence)
+                                  dummy_sequence, empty_extras)
 from engine.training.plan import MiniBatchPlan, plan_mini_batch
 
 
@@ -89,7 +89,7 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
         while not chosen or len(chosen) < rows:
             dummy = dummy_sequence(multiple, pad_id)
             if seqs and seqs[0].extras:
-                dummy.extras = {k: [0.0] * len(dummy.tokens) for k in seqs[0].extras}
+                dummy.extras = empty_extras(seqs[0].extras, len(dummy.tokens))
             chosen.append(dummy)
             index.append(-1)
         micro_batches.append(build(chosen, index, multiple, fixed, lay["cp"],

@@ -54,7 +54,8 @@ def reduce_reports(reports: list[dict[str, torch.Tensor]], keys: list[str]) -> d
 
 def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: LossFn,
                       forward_only: bool = False,
-                      output_fn: Callable[[torch.Tensor, MicroBatch], None] | None = None
+                      output_fn: Callable[[torch.Tensor, MicroBatch], None] | None = None,
+                      before_forward: Callable[[object, MicroBatch], None] | None = None
                       ) -> list[dict[str, torch.Tensor]]:
     """Forward (and backward unless `forward_only`) of all micro-batches of this rank.
 
@@ -69,6 +70,8 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        if before_forward is not None:  # e.g. MoE routing replay targets (engine.training.routing)
+            before_forward(model, mb)
         output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
 
         def loss_func(output_tensor):

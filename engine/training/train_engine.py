@@ -34,6 +34,7 @@ from engine.training.micro_batches import MicroBatch, SequenceData
 from engine.training.nonfinite import NonFiniteGuard, guarded_optimizer_step
 from engine.training.rank_batch import build_rank_batch
 from engine.training.router_losses import RouterLosses
+from engine.training.routing import RoutingReplay
 from engine.training.schedule import LossFn, reduce_reports, run_micro_batches
 from models.bridge import load_hf_weights
 from models.factory import build_model_chunks
@@ -121,6 +122,7 @@ class TrainEngine:
     pad_id: int = 0
     guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)  # skipped-step accounting
     router_losses: RouterLosses | None = None  # MoE router-loss scaling and metrics (lazy)
+    routing: RoutingReplay | None = None  # MoE routing record/replay (enable_routing_replay)
 
     @property
     def vocab_size(self) -> int:
@@ -202,9 +204,12 @@ class TrainEngine:
         if self.router_losses is None:
             self.router_losses = RouterLosses(self.chunks)
         self.router_losses.before_step(batch.micro_batches)
-        reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn)
+        reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn,
+                                    before_forward=self._routing_hook(seqs))
         out = reduce_reports(reports, list(report_keys))
         out.update(self.router_losses.metrics())
+        if self.routing is not None and self.routing.mode == "replay":
+            out["moe/replay_mismatch"] = self.routing.mismatch()
         label = self.optimizer_steps_attempted + 1
         stepped, grad_norm = guarded_optimizer_step(self.optimizer, out[report_keys[0]])
         lr = self.lr
@@ -226,6 +231,20 @@ class TrainEngine:
         (call before reading weights outside a forward: checkpoint save, weight sync, export)."""
         finish_param_gather(self.chunks)
 
+    def enable_routing_replay(self) -> RoutingReplay:
+        """Attach routing record/replay to this MoE model's routers (engine.training.routing;
+        mode None until set: megatron's own routing)."""
+        if self.routing is None:
+            self.routing = RoutingReplay(self.chunks)
+        return self.routing
+
+    def _routing_hook(self, seqs: Sequence[SequenceData]):
+        """before_forward of a run over `seqs` when routing replay is recording or replaying."""
+        if self.routing is None or self.routing.mode is None:
+            return None
+        self.routing.start(len(seqs), max(len(s.tokens) for s in seqs))
+        return self.routing.begin
+
     @torch.no_grad()
     def forward_only(self, seqs: Sequence[SequenceData],
                      weights: GlobalLossNormalizer | torch.Tensor | None = None,
@@ -241,7 +260,8 @@ class TrainEngine:
         batch = build_rank_batch(list(seqs), weights, self.batching, self.pad_id,
                                  sequence_parallel=self.sequence_parallel)
         reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn or _no_loss,
-                                    forward_only=True, output_fn=output_fn)
+                                    forward_only=True, output_fn=output_fn,
+                                    before_forward=self._routing_hook(seqs))
         return reduce_reports(reports, list(report_keys))
 
 

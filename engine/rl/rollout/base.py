@@ -65,12 +65,17 @@ class Generation:
         "stop"; len(response_ids) <= max_new_tokens.
     response_logprobs: one float per response token, per the module's log-probability contract.
     finish_reason: "stop" (an end-of-sequence token was sampled) or "length".
+    routed_experts: only from an engine with routed experts enabled (R3 routing replay): the
+        top-k experts of every MoE layer for each token the trainer feeds, prompt + response
+        without its last token: [len(prompt_ids) + len(response_ids) - 1, num_layers * k]
+        integers, layer-major (engine.training.routing.ROUTED_EXPERTS).
     """
 
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]
     finish_reason: str
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(abc.ABC):
@@ -90,13 +95,30 @@ class RolloutEngine(abc.ABC):
 
     @classmethod
     def from_config(cls, hf_path: str, rollout_cfg, dtype: torch.dtype, seed: int,
-                    gpus: tuple[int, int] = (0, 1)) -> "RolloutEngine":
+                    gpus: tuple[int, int] = (0, 1),
+                    routed_experts: bool = False) -> "RolloutEngine":
         """Build from the RL config: `rollout_cfg` is the `rollout` group (a backend reads its
         own `rollout.<backend>` settings); `dtype` is model.dtype; `gpus` = (first local device,
-        count) this engine may use on its node (engine.rl.rollout.placement). Default:
+        count) this engine may use on its node (engine.rl.rollout.placement); `routed_experts`:
+        report Generation.routed_experts (moe.routing_replay=R3). Default:
         `cls(hf_path, dtype=dtype)` on the owner's current device, how a user's
-        `package.module:Class` backend is constructed."""
-        return cls(hf_path, dtype=dtype)
+        `package.module:Class` backend is constructed, then `enable_routed_experts()`."""
+        engine = cls(hf_path, dtype=dtype)
+        if routed_experts:
+            engine.enable_routed_experts()
+        return engine
+
+    @classmethod
+    def routed_experts_problem(cls) -> str | None:
+        """None when this backend can report routed experts (R3 routing replay), else why not
+        (checked before any process group starts)."""
+        return (f"{cls.__module__}.{cls.__name__} does not report routed experts (it defines "
+                "no routed_experts_problem / enable_routed_experts)")
+
+    def enable_routed_experts(self) -> None:
+        """From now on fill Generation.routed_experts (backends that can: see
+        routed_experts_problem)."""
+        raise NotImplementedError(self.routed_experts_problem())
 
     @property
     def is_alive(self) -> bool:

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
+from engine.rl.rollout.hf_routing import GateRecorder, assemble
 from engine.rl.rollout.hf_targets import checkpoint_targets
 from engine.rl.rollout.sampling import SeededSampler
 
@@ -48,6 +49,16 @@ class HFRolloutEngine(RolloutEngine):
         pad_token_id: left-padding id (tokenizer pad, else config pad, else the first eos).
     """
     supports_logit_probe = True
+    _routing: GateRecorder | None = None  # R3: the MoE gates' choices (enable_routed_experts)
+
+    @classmethod
+    def routed_experts_problem(cls) -> str | None:
+        return None  # MoE gates hooked by engine.rl.rollout.hf_routing (checked on enable)
+
+    def enable_routed_experts(self) -> None:
+        """Report every response's routed experts (Generation.routed_experts)."""
+        if self._routing is None:
+            self._routing = GateRecorder(self.model)
 
     def __init__(self, hf_path: str, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -113,11 +124,14 @@ class HFRolloutEngine(RolloutEngine):
             input_ids[i, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
             mask[i, longest - len(prompt):] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        if self._routing is not None:
+            self._routing.clear()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # count real tokens only; pads get 0
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits[:, -1, :].float()
         next_pos = positions[:, -1:] + 1
+        routed = [self._routing.take()] if self._routing is not None else None
 
         sampler = SeededSampler(params, batch, self.device)
         eos = torch.tensor(self.eos_token_ids, device=self.device)
@@ -138,7 +152,15 @@ class HFRolloutEngine(RolloutEngine):
                              past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1, :].float()
             next_pos = next_pos + 1
-        return self._collect(prompts, tokens_per_step, logprobs_per_step, active_per_step)
+            if routed is not None:
+                routed.append(self._routing.take())
+        result = self._collect(prompts, tokens_per_step, logprobs_per_step, active_per_step)
+        if routed is not None:
+            tables = assemble(prompts, routed[0], routed[1:],
+                              [len(g.response_ids) for g in result])
+            for gen, table in zip(result, tables):
+                gen.routed_experts = table
+        return result
 
     def _collect(self, prompts, tokens_per_step, logprobs_per_step,
                  active_per_step) -> list[Generation]:

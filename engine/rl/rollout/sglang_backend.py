@@ -44,13 +44,23 @@ class SGLangRolloutEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int,
-                    gpus: tuple[int, int] = (0, 1)) -> "SGLangRolloutEngine":
+                    gpus: tuple[int, int] = (0, 1),
+                    routed_experts: bool = False) -> "SGLangRolloutEngine":
         """On the node's devices [gpus[0], gpus[0] + gpus[1]) (tp_size = gpus[1], the
         placement's rollout.gpus_per_engine), with rollout.sglang.mem_fraction; model.dtype is
-        left to SGLang ("auto": the checkpoint's dtype)."""
+        left to SGLang ("auto": the checkpoint's dtype). `routed_experts` (R3): SGLang's
+        enable_return_routed_experts (routed_experts_problem says when it is missing)."""
         # several engines on one node: distinct base ports, so their derived ports differ
+        extra = {"enable_return_routed_experts": True} if routed_experts else {}
         return cls(hf_path, tp_size=gpus[1], base_gpu_id=gpus[0], port=30000 + 100 * gpus[0],
-                   mem_fraction_static=rollout_cfg.sglang.mem_fraction, random_seed=seed)
+                   mem_fraction_static=rollout_cfg.sglang.mem_fraction, random_seed=seed,
+                   **extra)
+
+    @classmethod
+    def routed_experts_problem(cls) -> str | None:
+        """SGLang returns routed experts only from versions whose ServerArgs has
+        enable_return_routed_experts (meta_info["routed_experts"], as slime's R3 reads it)."""
+        return sglang_routed_experts_problem()
 
     def __init__(self, hf_path: str, tp_size: int = 1, mem_fraction_static: float = 0.5,
                  dtype: str = "auto", random_seed: int = 0, enable_memory_saver: bool = True,
@@ -71,6 +81,7 @@ class SGLangRolloutEngine(RolloutEngine):
                                     random_seed=random_seed,
                                     enable_memory_saver=enable_memory_saver, **engine_kwargs)
         self._needs_flush = False
+        self.routed_experts = bool(engine_kwargs.get("enable_return_routed_experts"))
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if self._needs_flush:  # once after a weight sync, not once per bucket
@@ -85,11 +96,16 @@ class SGLangRolloutEngine(RolloutEngine):
             elif params.seed is not None:  # distinct per prompt: GRPO repeats identical prompts
                 sp["sampling_seed"] = params.seed + i
             sampling.append(sp)
+        extra = {"return_routed_experts": True} if self.routed_experts else {}
         outputs = self.engine.generate(input_ids=prompts, sampling_params=sampling,
-                                       return_logprob=True)
+                                       return_logprob=True, **extra)
         if isinstance(outputs, dict):
             outputs = [outputs]
-        return [self._to_generation(p, out) for p, out in zip(prompts, outputs, strict=True)]
+        gens = [self._to_generation(p, out) for p, out in zip(prompts, outputs, strict=True)]
+        if self.routed_experts:
+            for gen, out in zip(gens, outputs):
+                gen.routed_experts = decode_routed_experts(out["meta_info"], gen)
+        return gens
 
     @staticmethod
     def _to_generation(prompt: list[int], out: dict) -> Generation:
@@ -126,3 +142,40 @@ class SGLangRolloutEngine(RolloutEngine):
     def shutdown(self) -> None:
         """Stop SGLang's scheduler and detokenizer processes."""
         self.engine.shutdown()
+
+
+def sglang_routed_experts_problem() -> str | None:
+    """None when the installed sglang can return routed experts, else why not."""
+    import dataclasses
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed (" + MISSING_SGLANG + ")"
+    from sglang.srt.server_args import ServerArgs
+
+    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(ServerArgs)}:
+        import sglang
+        return (f"sglang {getattr(sglang, '__version__', '?')} cannot return routed experts "
+                "(its ServerArgs has no enable_return_routed_experts); upgrade sglang or use "
+                "moe.routing_replay=R2")
+    return None
+
+
+def decode_routed_experts(meta: dict, gen: Generation) -> torch.Tensor:
+    """meta_info["routed_experts"] (base64 of int32 [tokens, layers, k], or nested lists) as
+    [len(prompt) + len(response) - 1, layers * k] int32 (Generation.routed_experts)."""
+    import base64
+
+    import numpy as np
+
+    raw = meta.get("routed_experts")
+    if raw is None:
+        raise RuntimeError("SGLang returned no meta_info['routed_experts'] although "
+                           "enable_return_routed_experts is on")
+    rows = len(gen.prompt_ids) + len(gen.response_ids) - 1
+    values = (np.frombuffer(base64.b64decode(raw), dtype=np.int32) if isinstance(raw, str)
+              else np.asarray(raw, dtype=np.int32))
+    if rows <= 0 or values.size % rows:
+        raise RuntimeError(f"SGLang routed_experts has {values.size} values, not a multiple of "
+                           f"the {rows} tokens fed to the trainer")
+    return torch.from_numpy(values.reshape(rows, -1).copy())

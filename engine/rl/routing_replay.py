@@ -1,0 +1,94 @@
+"""MoE routing replay in the RL step (`moe.routing_replay`: null | R2 | R3).
+
+- R2: the old-log-prob forward (forward-only, engine.rl.logprobs) records every token's top-k
+  experts per MoE layer; they travel with the sequence as the extra ROUTED_EXPERTS and every
+  update forward of the step replays them.
+- R3: the rollout engine reports the routing of every token it processed (prompt tokens from its
+  prefill, response tokens from the decode steps: Generation.routed_experts); the old-log-prob
+  forward and every update forward replay it.
+
+What replay changes (models.routing_replay): only which experts a token uses; the routing
+weights are recomputed from the current router at the replayed experts (renormalised softmax
+over the replayed logits for Qwen3-MoE with norm_topk_prob / Mixtral), so the router still gets
+gradients. Router losses (moe.aux_loss_coeff, moe.z_loss_coeff) are computed as megatron
+computes them without replay: the z-loss from the router logits, the load-balancing loss from
+the router's own top-k of its current scores (as verl's router replay does). The KL reference
+model (kl.beta > 0) keeps its own routing.
+
+Metrics: `moe/replay_mismatch` (update forwards, averaged over the step's optimizer steps) and,
+with R3, `moe/rollout_replay_mismatch` (the old-log-prob forward): the fraction of (token, MoE
+layer) pairs whose recomputed top-k set differs from the replayed one (engine.training.routing).
+"""
+from __future__ import annotations
+
+from engine.training.routing import ROUTED_EXPERTS, compact
+
+
+def routing_replay_problems(cfg) -> list[str]:
+    """moe.routing_replay against the RL keys (its value, dense models, SFT and capacity are
+    checked by engine.config.moe_settings): R3 needs a backend that reports routed experts and
+    single-turn rollouts; R2 needs the old-log-prob forward (no bypass mode)."""
+    from engine.rl.rollout.base import backend_class
+
+    mode = cfg.moe.routing_replay
+    p: list[str] = []
+    correction = getattr(cfg, "rollout_correction", None)
+    if mode == "R2" and getattr(correction, "bypass_mode", False):
+        p.append("moe.routing_replay=R2 records the routing in the old-log-prob forward, which "
+                 "rollout_correction.bypass_mode=true skips; use R3 or bypass_mode=false")
+    if mode != "R3":
+        return p
+    env = getattr(cfg, "env", None)
+    if getattr(env, "fn", None):
+        p.append(f"moe.routing_replay=R3 with env.fn={env.fn!r}: multi-turn episodes do not "
+                 "carry the rollout engine's routed experts; use R2")
+    try:
+        problem = backend_class(cfg.rollout.backend).routed_experts_problem()
+    except (ValueError, ImportError):  # an unknown backend is reported by rl_problems
+        return p
+    if problem:
+        p.append(f"moe.routing_replay=R3 needs the rollout engine's routed experts, but "
+                 f"rollout.backend={cfg.rollout.backend}: {problem}")
+    return p
+
+
+def rollout_engine_kwargs(cfg) -> dict:
+    """Extra RolloutEngine.from_config arguments: routed experts for R3."""
+    return {"routed_experts": True} if cfg.moe.routing_replay == "R3" else {}
+
+
+def attach_routing(seqs, table, num_experts: int) -> None:
+    """seqs[i].extras[ROUTED_EXPERTS] = the recorded table's rows of sequence i (compact)."""
+    table = compact(table, num_experts)
+    for i, s in enumerate(seqs):
+        s.extras[ROUTED_EXPERTS] = table[i, :len(s.tokens)].clone()
+
+
+def start_routing_replay(policy, mode: str | None) -> None:
+    """Before the old-log-prob forward of a step: R2 records the policy's routing, R3 replays
+    the rollout engine's (the sequences carry ROUTED_EXPERTS from build_sequences)."""
+    if mode is not None:
+        policy.routing.set_mode("record" if mode == "R2" else "replay")
+
+
+def after_old_logprobs(policy, seqs, mode: str | None) -> dict[str, float]:
+    """After the old-log-prob forward: R2 attaches the recorded routing to `seqs`
+    (collective over the world); R3 returns moe/rollout_replay_mismatch (collective). Leaves
+    the policy replaying for the step's updates (`finish` ends it)."""
+    if mode is None:
+        return {}
+    routing = policy.routing
+    metrics = {}
+    if mode == "R2":
+        attach_routing(seqs, routing.recorded(), routing.num_experts)
+    else:
+        metrics["moe/rollout_replay_mismatch"] = routing.mismatch()
+    routing.set_mode("replay")
+    return metrics
+
+
+def finish(policy) -> None:
+    """After the step's updates: the policy routes on its own again (weight-sync probes,
+    validation)."""
+    if policy.routing is not None:
+        policy.routing.set_mode(None)
