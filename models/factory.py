@@ -19,12 +19,16 @@ from parallel import cpu_runtime
 
 
 def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float32,
-                       use_te: bool | None = None, **config_overrides) -> list:
+                       use_te: bool | None = None, grouped_experts: bool = True,
+                       fused_norm: bool = False, **config_overrides) -> list:
     """GPTModel chunks of this rank (length vpp, or 1), in pipeline order, on this host's
     device, uninitialised weights (load them with `models.bridge.load_hf_weights`).
     Raises UnsupportedArchitectureError / UnsupportedConfigError before building anything
     when the HF config does not map exactly. `config_overrides` are TransformerConfig fields
-    (e.g. sequence_parallel, recompute_granularity: engine.config.model_settings)."""
+    (e.g. sequence_parallel, recompute_granularity: engine.config.model_settings).
+    On the local spec, `grouped_experts` computes MoE experts with models.grouped_experts
+    (key moe.grouped_experts) and `fused_norm` builds compiled RMSNorms (key
+    model.fusions.rmsnorm; engine.config.fusion_settings)."""
     check_config(hf_config)
     moe_compat.install()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -48,13 +52,14 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     shape = model_shape(hf_config, tp)
     biases = family_of(hf_config).biases(hf_config_object(hf_config))
     use_te = transformer_engine_available() if use_te is None else use_te
-    spec = layer_spec(config, use_te, linear_proj_bias=biases.o_proj)
+    spec = layer_spec(config, use_te, linear_proj_bias=biases.o_proj,
+                      grouped_experts=grouped_experts, fused_norm=fused_norm)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(config, spec, use_te, stage),
+            transformer_layer_spec=block_spec(config, spec, use_te, stage, fused_norm),
             vocab_size=shape.padded_vocab_size,
             max_sequence_length=shape.max_sequence_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),

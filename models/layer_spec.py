@@ -13,8 +13,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
+from megatron.core.transformer.moe.experts import SequentialMLP
 
 from models.core_attention import SDPACoreAttention
+from models.grouped_experts import GroupedExperts
 from models.norms import LocalNorm
 
 
@@ -50,8 +52,12 @@ def _set_bias(spec, name: str, bias: bool) -> None:
         setattr(attention, name, _with_bias(linear, bias))
 
 
-def layer_spec(config, use_te: bool | None = None, linear_proj_bias: bool | None = None):
+def layer_spec(config, use_te: bool | None = None, linear_proj_bias: bool | None = None,
+               grouped_experts: bool = True, fused_norm: bool = False):
     """The GPT layer spec for `config`; `use_te=None` picks TE when available.
+    `grouped_experts` (local spec, MoE only): megatron's SequentialMLP experts computed by
+    models.grouped_experts.GroupedExperts (same parameters, one grouped computation).
+    `fused_norm` (local spec): RMSNorms as models.norms.FusedRMSNorm (torch.compile).
 
     Megatron's `add_bias_linear` biases linear_proj, the MLP and (with `add_qkv_bias`)
     linear_qkv together. `linear_proj_bias` (the attention output projection's bias) lets
@@ -69,7 +75,9 @@ def layer_spec(config, use_te: bool | None = None, linear_proj_bias: bool | None
                                               qk_layernorm=config.qk_layernorm,
                                               normalization=config.normalization)
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-        _use_local_norms(spec)
+        _use_local_norms(spec, fused_norm)
+        if grouped_experts and config.num_moe_experts:
+            _use_grouped_experts(spec)
     if linear_proj_bias is not None and linear_proj_bias != config.add_bias_linear:
         _set_bias(spec, "linear_proj", linear_proj_bias)
     if config.add_bias_linear and not config.add_qkv_bias:
@@ -77,7 +85,21 @@ def layer_spec(config, use_te: bool | None = None, linear_proj_bias: bool | None
     return spec
 
 
-def _use_local_norms(spec) -> None:
+def _use_grouped_experts(spec) -> None:
+    """Swap the MoE layer's SequentialMLP experts for GroupedExperts (its subclass)."""
+    experts = spec.submodules.mlp.submodules.experts
+    if experts.module is not SequentialMLP:
+        raise TypeError(f"grouped experts replace SequentialMLP; this megatron's local spec "
+                        f"builds {experts.module.__name__}")
+    experts.module = GroupedExperts
+
+
+def local_norm(fused: bool = False):
+    """LocalNorm as a spec entry; `fused`: RMSNorms built as FusedRMSNorm."""
+    return ModuleSpec(module=LocalNorm, params={"fused": True}) if fused else LocalNorm
+
+
+def _use_local_norms(spec, fused: bool = False) -> None:
     """Swap megatron's WrappedTorchNorm (it refuses sequence parallelism) for LocalNorm in the
     layer's norms; IdentityOp / other norms stay."""
     layer = spec.submodules
@@ -85,10 +107,11 @@ def _use_local_norms(spec) -> None:
     for owner, name in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"),
                         (attention, "q_layernorm"), (attention, "k_layernorm")):
         if getattr(owner, name, None) is WrappedTorchNorm:
-            setattr(owner, name, LocalNorm)
+            setattr(owner, name, local_norm(fused))
 
 
-def block_spec(config, layer, use_te: bool, vp_stage: int | None = None):
+def block_spec(config, layer, use_te: bool, vp_stage: int | None = None,
+               fused_norm: bool = False):
     """What GPTModel's decoder of one model chunk is built from: with TE the layer spec as is;
     on the local spec a block of that layer with a LocalNorm final norm (megatron would
     otherwise pick WrappedTorchNorm, which refuses sequence parallelism)."""
@@ -96,4 +119,4 @@ def block_spec(config, layer, use_te: bool, vp_stage: int | None = None):
         return layer
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
-        layer_norm=LocalNorm)
+        layer_norm=local_norm(fused_norm))

@@ -20,6 +20,11 @@ models.families: Qwen3-MoE, Mixtral).
   depends on the micro-batch cut, dp, cp and sequence parallelism: with a capacity factor
   the language-model loss is no longer layout-invariant (dropless, it is exact). The fraction
   dropped is logged as `moe/dropped_token_fraction`.
+- `moe.grouped_experts` (default true): on the local (non Transformer Engine) layer spec the
+  experts of a layer run as one grouped computation (models.grouped_experts: torch._grouped_mm
+  in bf16 on Hopper GPUs, one padded batched matmul elsewhere) instead of megatron's
+  SequentialMLP loop over experts; the same parameters, checkpoint layout and numbers (fp32:
+  within rounding). false: SequentialMLP.
 
 - `moe.routing_replay` (RL only; null: off): `R2` records every token's top-k experts in the
   old-log-prob forward and replays them in every update forward of the step; `R3` replays the
@@ -56,6 +61,7 @@ class MoEConfig:
     z_loss_coeff: Optional[float] = None  # null/0: no router z-loss
     capacity_factor: Optional[float] = None  # null: dropless; > 0: drop tokens over capacity
     token_drop_policy: str = "probs"     # probs | position (which tokens an expert keeps)
+    grouped_experts: bool = True         # one grouped expert computation (false: a loop)
     routing_replay: Optional[str] = None  # RL: null | R2 | R3 (engine.training.routing)
 
 
@@ -98,6 +104,8 @@ def moe_problems(cfg: Any, hf_config: dict) -> list[str]:
         value = getattr(moe, key)
         if value is not None and not (isinstance(value, (int, float)) and value >= 0):
             p.append(f"moe.{key}={value!r} must be null or a number >= 0")
+    if not isinstance(moe.grouped_experts, bool):
+        p.append(f"moe.grouped_experts={moe.grouped_experts!r} must be true or false")
     cf = moe.capacity_factor
     if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
         p.append(f"moe.capacity_factor={cf!r} must be null (dropless) or a number > 0")
@@ -131,7 +139,8 @@ def _replay_problems(cfg: Any, moe: MoEConfig, hf_config: dict) -> list[str]:
 
 
 def moe_overrides(cfg: Any, hf_config: dict, forward_only: bool = False) -> dict:
-    """TransformerConfig fields of the moe.* keys (empty for dense models). The loss
+    """TransformerConfig fields of the moe.* keys (empty for dense models), and
+    build_model_chunks' `grouped_experts`. The loss
     coefficients given here are the unscaled ones; engine.training.router_losses rescales them per
     step. `forward_only` (a frozen model, e.g. RL's KL reference): no router losses."""
     if not _is_moe(hf_config):
@@ -144,4 +153,5 @@ def moe_overrides(cfg: Any, hf_config: dict, forward_only: bool = False) -> dict
                 moe_aux_loss_coeff=coeff, moe_z_loss_coeff=z_coeff,
                 moe_expert_capacity_factor=(float(moe.capacity_factor)
                                             if moe.capacity_factor else None),
-                moe_token_drop_policy=moe.token_drop_policy)
+                moe_token_drop_policy=moe.token_drop_policy,
+                grouped_experts=moe.grouped_experts)  # a builder argument (models.factory)

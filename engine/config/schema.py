@@ -18,6 +18,7 @@ from engine.data.files import SUPPORTED_EXTENSIONS, data_spec_problem
 from engine.config.loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
 from engine.training.loss import AGG_MODES
+from engine.config.fusion_settings import FusionConfig, fusion_problems
 from engine.config.moe_settings import MoEConfig, moe_problems
 from engine.config.model_settings import (recompute_layer_problems, recompute_problems,
                                    sequence_parallel_on)
@@ -39,6 +40,7 @@ class ModelConfig:
     # recipe is written for. `--validate` uses it when model.hf_path is not given; a training
     # run checks that the HF config at model.hf_path has the same shape.
     shape: Optional[str] = None
+    fusions: FusionConfig = field(default_factory=FusionConfig)  # engine.config.fusion_settings
 
 
 @dataclass
@@ -238,7 +240,7 @@ def value_problems(cfg) -> list[str]:
               "train.max_consecutive_nonfinite_steps")
     if len(cfg.optim.betas) != 2:
         p.append(f"optim.betas={list(cfg.optim.betas)} must hold two numbers")
-    return p + overlap_problems(cfg)
+    return p + overlap_problems(cfg) + fusion_problems(cfg)
 
 
 def parallel_layout(parallel_cfg, world_size: int) -> ParallelLayout:

@@ -32,6 +32,7 @@ from transformers import AutoTokenizer
 
 from engine.checkpoint.checkpointing import DataPosition
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
+from engine.config.fusion_settings import fusion_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.parallel_settings import overlap_settings
 from engine.training.nonfinite import NonFiniteGuard
@@ -198,7 +199,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         hf_config, cfg.optim, dtype, optimizer_steps, batching, pad_id,
         weights_dir=cfg.model.hf_path, load_weights=load,
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
-        **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config)),
+        **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
+        **fusion_overrides(cfg, hf_config)),
         position(0),
         batch_key="train.prompts_per_step")
     policy.guard = NonFiniteGuard(t.max_consecutive_nonfinite_steps,
@@ -216,7 +218,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     # forward-only, so it never recomputes
     reference = (TrainEngine.frozen(hf_config, dtype, cfg.model.hf_path, batching, pad_id,
                                     **megatron_overrides(cfg.parallel),
-                                    **moe_overrides(cfg, hf_config, forward_only=True))
+                                    **moe_overrides(cfg, hf_config, forward_only=True),
+                                    **fusion_overrides(cfg, hf_config))
                  if cfg.kl.beta > 0 else None)
     pool = build_pool(cfg, policy, dtype)
     collector = None

@@ -26,6 +26,7 @@ from engine.data.datasets import global_batch_indices, load_sft_dataset
 from engine.training.loss import GlobalLossNormalizer, aggregate, weights_from_counts
 from engine.training.micro_batches import SequenceData
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
+from engine.config.fusion_settings import fusion_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.parallel_settings import overlap_settings
 from engine.training.nonfinite import NonFiniteGuard
@@ -128,7 +129,8 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
         hf_config, cfg.optim, dtype, cfg.train.max_steps, BatchSettings.from_config(cfg.train),
         pad_id, weights_dir=cfg.model.hf_path, load_weights=load,
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
-        **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config)),
+        **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
+        **fusion_overrides(cfg, hf_config)),
         position(0))
     if dist.get_rank() == 0:
         print(f"[sft] model: {describe_settings(engine.chunks[0].config)}", flush=True)

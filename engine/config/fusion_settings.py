@@ -1,0 +1,82 @@
+"""The `model.fusions.*` keys: element-wise fusions available without Transformer Engine.
+
+Each key is null (default: on when this host has CUDA, off on a CPU host), true or false.
+
+- `model.fusions.swiglu`: megatron's fused SwiGLU (`bias_activation_fusion`:
+  megatron.core.fusions.fused_bias_swiglu, forward and a hand-written backward under megatron's
+  jit fuser, i.e. torch.compile on CUDA). Dense MLPs and MoE experts (the weighted variant
+  that also applies the routing probabilities; models.grouped_experts). SwiGLU models only
+  (HF `hidden_act` silu): megatron's fused GeGLU is the tanh approximation of gelu, not
+  exact for HF's gelu, so other activations stay unfused whatever the key says.
+- `model.fusions.residual`: megatron's fused bias-dropout-add (`bias_dropout_fusion`: the
+  residual add of attention and MLP outputs, with dropout 0, under the same jit fuser).
+- `model.fusions.rmsnorm`: RMSNorm through torch.compile (models.norms.FusedRMSNorm: one
+  fused forward kernel and a backward whose weight gradient is one fused reduction). CUDA
+  only: on a CPU host the engine runs megatron under a device-mapping torch function mode
+  (parallel.cpu_runtime) that torch.compile does not trace, so true is refused there.
+
+All three are exact rewrites of the unfused math (the same operations, in the same dtypes);
+tests/test_fusions.py checks them against the unfused path on the CPU (rel 1e-5, forward and
+backward; the compiled RMSNorm in a plain process). On a CPU host megatron's jit fuser is off
+(parallel.cpu_runtime), so swiglu and residual run their eager functions there: allowed, exact,
+not faster. RoPE fusion (megatron's `apply_rope_fusion`) needs Transformer Engine's kernel and
+is not offered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+FUSIONS = ("swiglu", "residual", "rmsnorm")
+CUDA_ONLY = ("rmsnorm",)
+
+
+@dataclass
+class FusionConfig:
+    swiglu: Optional[bool] = None    # null: on with CUDA; megatron's fused SwiGLU
+    residual: Optional[bool] = None  # null: on with CUDA; megatron's fused bias-dropout-add
+    rmsnorm: Optional[bool] = None   # null: on with CUDA; torch.compile'd RMSNorm (CUDA only)
+
+
+def _fusions(cfg: Any) -> FusionConfig:
+    return getattr(getattr(cfg, "model", None), "fusions", None) or FusionConfig()
+
+
+def fusion_on(cfg: Any, name: str, cuda: bool | None = None) -> bool:
+    """model.fusions.<name> resolved: null means on exactly when the host has CUDA."""
+    value = getattr(_fusions(cfg), name)
+    if value is None:
+        return torch.cuda.is_available() if cuda is None else cuda
+    return bool(value)
+
+
+def fusion_problems(cfg: Any, cuda: bool | None = None) -> list[str]:
+    """Every invalid model.fusions.* value, naming the key (before any process group)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    fusions, p = _fusions(cfg), []
+    for name in FUSIONS:
+        value = getattr(fusions, name)
+        if value is not None and not isinstance(value, bool):
+            p.append(f"model.fusions.{name}={value!r} must be null (on with CUDA), true or false")
+        elif value is True and name in CUDA_ONLY and not cuda:
+            p.append(f"model.fusions.{name}=true needs CUDA (torch.compile does not run under "
+                     "the CPU host's device mapping); use null or false on this host")
+    return p
+
+
+def fusion_overrides(cfg: Any, hf_config: dict, cuda: bool | None = None) -> dict:
+    """build_model_chunks arguments of the model.fusions.* keys: two TransformerConfig
+    fields and the builder's `fused_norm` (used by RMSNorm models; LayerNorm ones ignore it).
+    The SwiGLU fusion applies to SwiGLU models only (`hidden_act` silu, HF's default)."""
+    swiglu = hf_config.get("hidden_act", "silu") == "silu"
+    return dict(bias_activation_fusion=swiglu and fusion_on(cfg, "swiglu", cuda),
+                bias_dropout_fusion=fusion_on(cfg, "residual", cuda),
+                fused_norm=fusion_on(cfg, "rmsnorm", cuda))
+
+
+def describe_fusions(cfg: Any) -> str:
+    """e.g. "fusions: swiglu on, residual on, rmsnorm off"."""
+    return "fusions: " + ", ".join(f"{n} {'on' if fusion_on(cfg, n) else 'off'}"
+                                   for n in FUSIONS)
