@@ -33,16 +33,23 @@ configured, engine.config.model_settings):
 - logits (last stage): t x padded vocab / tp x (a + 12) bytes (bf16/fp32 logits, the fp32 copy,
   the masked copy and its gradient in the vocab-parallel cross-entropy);
 - runtime: RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers and allocator slack.
+
+The communication plan (engine.config.comm_plan, engine.config.comm_report) follows: bytes each
+GPU hands to collectives per optimizer step, by kind. `--json` prints one JSON object instead
+of text: summary, warnings, problems, ok, world_size, nodes, memory_gib and communication.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from engine.config.schema import (ConfigError, SFTConfig, data_file_problems, layout_problems,
                            load_config, parallel_layout, read_model_config, sft_problems,
                            value_problems)
+from engine.config.cli_flags import int_flag as _int_flag, pop_switch
+from engine.config.comm_report import comm_section
 from engine.config.model_settings import recompute_layer_problems, recompute_settings
 from models.families import moe_family, padded_vocab_size, stage_parameters
 from models.presets import MODEL_SHAPES, shape_mismatches
@@ -165,6 +172,7 @@ class RecipeReport:
     summary: list[str]
     problems: list[str]
     warnings: list[str]
+    data: dict = field(default_factory=dict)   # memory_gib, communication (for --json)
 
 
 def _model_config(cfg, problems: list[str]) -> dict | None:
@@ -262,7 +270,10 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
         f"tokens) + logits {mem.logits:.1f} + runtime {mem.runtime:.1f} = {mem.total:.1f} "
         f"of {cap}",
     ]
-    return RecipeReport(summary, problems, warnings)
+    comm_lines, comm = comm_section(cfg, hf, layout, micro_batch_tokens(train), m)
+    memory = {k: v for k, v in asdict(mem).items() if k != "notes"}
+    return RecipeReport(summary + comm_lines, problems, warnings,
+                        {"memory_gib": {**memory, "total": mem.total}, "communication": comm})
 
 
 def _recompute_text(train) -> str:
@@ -270,34 +281,10 @@ def _recompute_text(train) -> str:
     return f"full ({method}, {layers} layer(s))" if granularity == "full" else granularity
 
 
-def _pop_flag(argv: list[str], name: str) -> str | None:
-    """Remove `--name V` / `--name=V` from argv and return V (None when absent)."""
-    for i, arg in enumerate(argv):
-        if arg == name:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"{name} needs a value")
-            value = argv[i + 1]
-            del argv[i:i + 2]
-            return value
-        if arg.startswith(name + "="):
-            del argv[i]
-            return arg.split("=", 1)[1]
-    return None
-
-
-def _int_flag(argv: list[str], name: str) -> int | None:
-    value = _pop_flag(argv, name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} must be an integer") from None
-
-
 def validate_main(argv: list[str]) -> int:
     """CLI of `--validate`: prints the summary (exit 0) or the problems (exit 2)."""
     argv = [a for a in argv if a != "--validate"]
+    as_json = pop_switch(argv, "--json")
     try:
         world = _int_flag(argv, "--world-size")
         nodes = _int_flag(argv, "--nodes")
@@ -310,6 +297,11 @@ def validate_main(argv: list[str]) -> int:
     per_node = per_node if per_node is not None else cfg.recipe.gpus_per_node
     world = world if world is not None else nodes * per_node
     report = validate_recipe(cfg, world, nodes)
+    if as_json:
+        print(json.dumps({"ok": not report.problems, "world_size": world, "nodes": nodes,
+                          "summary": report.summary, "warnings": report.warnings,
+                          "problems": report.problems, **report.data}, indent=1), flush=True)
+        return 2 if report.problems else 0
     for line in report.summary:
         print(line)
     for w in report.warnings:
