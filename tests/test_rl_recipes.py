@@ -15,7 +15,25 @@ MOE = Path(__file__).resolve().parents[1] / "recipes" / "rl" / "qwen3_30b_a3b_gr
 
 def test_every_recipe_exists():
     assert {p.name for p in RECIPES} == {"qwen3_8b_grpo_h100.yaml", "qwen3_8b_dapo_h100.yaml",
-                                         "qwen3_30b_a3b_grpo_h100.yaml"}
+                                         "qwen3_30b_a3b_grpo_h100.yaml",
+                                         "qwen3_8b_tools_grpo_h100.yaml"}
+
+
+def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
+    """The Qwen3 tool recipe: env.fn=tools with the example calculator (its schema loads), the
+    episode bound (seq_length) holds max_turns turns, Qwen3's template format is hermes."""
+    from engine.rl.env.contract import env_problems
+    from engine.rl.env.tool_calls import detect_format
+    from engine.rl.env.tool_schema import load_tools
+    from tests.test_data_templates import QWEN3
+
+    argv = ["--config", str(DENSE[-1].parent / "qwen3_8b_tools_grpo_h100.yaml")]
+    cfg, _ = load_config(RLConfig, argv)
+    assert cfg.env.fn == "tools" and env_problems(cfg) == []
+    assert list(load_tools(list(cfg.env.tools))) == ["calculate"]
+    assert cfg.env.kwargs["tool_timeout_s"] < cfg.env.step_timeout_s
+    assert cfg.train.seq_length >= 4 * cfg.rollout.max_new_tokens
+    assert detect_format(QWEN3) == "hermes"
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
