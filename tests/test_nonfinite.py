@@ -42,7 +42,8 @@ def test_long_streaks_are_abbreviated():
 
 
 def test_skipped_step_leaves_no_trace_in_every_layout(tmp_path):
-    """DP2 (distributed optimizer), TP2, PP2: a NaN step is skipped on every rank and the run
+    """DP2 (distributed optimizer), TP2, PP2, DP2 with both overlaps on: a NaN step is
+    skipped on every rank and the run
     then ends bitwise equal to one that never saw that batch; megatron's plain step (the
     negative control) writes NaN into the weights."""
     model = build_tiny_model(str(tmp_path / "model"), "qwen3", vocab_size=200,
@@ -50,7 +51,7 @@ def test_skipped_step_leaves_no_trace_in_every_layout(tmp_path):
     proc = run_torchrun(2, "tests/multirank/nonfinite_guard.py", model, timeout=600)
     assert proc.returncode == 0
     results = {r["layout"]: r for r in result_lines(proc.stdout)}
-    assert sorted(results) == ["dp2", "pp2", "tp2"]
+    assert sorted(results) == ["dp2", "dp2_ov", "pp2", "tp2"]
     for name, r in results.items():
         assert r["skipped"] == [0.0, 1.0, 0.0], name
         assert r["skipped_steps"] == [0.0, 1.0, 1.0] and r["guard_skipped"] == 1, name

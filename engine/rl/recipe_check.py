@@ -5,7 +5,9 @@ It checks the configuration keys, the training layout for the model shape (model
 config.json, else the model.shape preset) and the rollout engine placement, and prints the
 placement (engines, GPUs per engine, owner ranks), what one weight sync moves (every engine
 receives the whole model in model.dtype, HF tensors, unpadded vocabulary, once per RL step)
-and an ESTIMATE of the memory per GPU (GiB), in two phases:
+, the communication plan of one policy optimizer step (engine.config.comm_report: bytes each
+GPU hands to collectives, by kind) plus the weight-sync bytes per engine, and an ESTIMATE of
+the memory per GPU (GiB), in two phases:
 
 - training: the policy's training peak (engine.config.recipe_validation.estimate_memory for the
   policy layout, train.recompute*, and the micro-batches of one mini-batch of
@@ -20,16 +22,20 @@ and an ESTIMATE of the memory per GPU (GiB), in two phases:
 
 The larger phase is the peak; it must fit recipe.gpu_memory_gib (a problem otherwise, a
 warning over 90 %) and match recipe.expected_memory_gib within 10 % when that is stated.
+`--json` prints one JSON object instead (summary, problems, ok, communication).
 """
 from __future__ import annotations
 
+import json
 import sys
 
+from engine.config.cli_flags import pop_switch
+from engine.config.comm_report import comm_section
 from engine.config.schema import ConfigError, layout_problems, parallel_layout, value_problems
 from engine.config.loading import load_config
 from engine.training.plan import plan_mini_batch
 from engine.config.recipe_validation import (GIB, _int_flag, _model_config, estimate_memory,
-                                      memory_checks)
+                                      memory_checks, micro_batch_tokens)
 from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, rl_problems
 from engine.rl.rollout.placement import placement_problems, resolve_placement
 from models.families import stage_parameters
@@ -73,20 +79,40 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int) -> tuple[float, float, list[s
     return training, rollout, lines
 
 
-def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int) -> tuple[list[str], list[str]]:
-    """(summary lines, problems) of running `cfg` on `nodes` x `per_node` GPUs."""
+def rl_comm(cfg: RLConfig, hf: dict, world: int, engines: int) -> tuple[list[str], dict]:
+    """Communication lines and JSON of one policy optimizer step (a mini-batch of
+    prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
+    the weight sync: every engine receives the whole model in model.dtype once per RL step."""
+    t, r = cfg.train, cfg.rollout
+    layout = parallel_layout(cfg.parallel, world)
+    responses = max(t.prompts_per_step * r.n // t.mini_batches_per_step, 1)
+    plan = plan_mini_batch([t.seq_length] * responses, layout.dp, t.balance_dp,
+                           t.micro_batch_size, t.max_tokens_per_micro_batch)
+    lines, data = comm_section(cfg, hf, layout, micro_batch_tokens(t), plan.num_micro_batches)
+    sync = stage_parameters(hf, 1, 1).total * (2 if cfg.model.dtype == "bfloat16" else 4)
+    data["weight_sync"] = {"bytes_per_engine": sync, "engines": engines,
+                           "per_rl_step": True}
+    data["optimizer_steps_per_rl_step"] = t.mini_batches_per_step * t.epochs_per_rollout
+    return lines + [f"weight sync per RL step: {sync / GB:.2f} GB into each of {engines} "
+                    "engine(s) (derived)"], data
+
+
+def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
+                     ) -> tuple[list[str], list[str], dict]:
+    """(summary lines, problems, JSON data: the communication plan) of running `cfg` on
+    `nodes` x `per_node` GPUs."""
     problems = value_problems(cfg) + rl_problems(cfg)
     world = nodes * per_node
     if nodes < 1 or per_node < 1:
-        return [], problems + [f"--nodes {nodes} and --gpus-per-node {per_node} must be >= 1"]
+        return [], problems + [f"--nodes {nodes} and --gpus-per-node {per_node} must be >= 1"], {}
     hf = _model_config(cfg, problems)
     if hf is None:
-        return [], problems
+        return [], problems, {}
     problems += layout_problems(cfg, world, hf)
     r = cfg.rollout
     placement_issues = placement_problems(r.num_engines, r.gpus_per_engine, world, per_node)
     if problems or placement_issues:
-        return [], problems + placement_issues
+        return [], problems + placement_issues, {}
     placement = resolve_placement(r.num_engines, r.gpus_per_engine, world, per_node)
     params = stage_parameters(hf, 1, 1).total
     sync_bytes = params * (2 if cfg.model.dtype == "bfloat16" else 4)
@@ -111,12 +137,14 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int) -> tuple[list[str
         f"{cfg.train.prompts_per_step * r.n / placement.num_engines:.0f} responses per engine",
         *memory_lines, *(f"warning: {w}" for w in warnings),
     ]
-    return summary, memory_issues
+    comm_lines, comm = rl_comm(cfg, hf, world, placement.num_engines)
+    return summary + comm_lines, memory_issues, {"communication": comm}
 
 
 def rl_validate_main(argv: list[str]) -> int:
     """CLI of `--validate` for engine.rl: prints the summary (exit 0) or the problems (2)."""
     argv = [a for a in argv if a != "--validate"]
+    as_json = pop_switch(argv, "--json")
     try:
         nodes = _int_flag(argv, "--nodes")
         per_node = _int_flag(argv, "--gpus-per-node")
@@ -127,7 +155,12 @@ def rl_validate_main(argv: list[str]) -> int:
         return 2
     nodes = nodes if nodes is not None else cfg.recipe.nodes
     per_node = per_node if per_node is not None else cfg.recipe.gpus_per_node
-    summary, problems = rl_recipe_report(cfg, nodes, per_node)
+    summary, problems, data = rl_recipe_report(cfg, nodes, per_node)
+    if as_json:
+        print(json.dumps({"ok": not problems, "nodes": nodes, "gpus_per_node": per_node,
+                          "summary": summary, "problems": problems,
+                          **data}, indent=1), flush=True)
+        return 2 if problems else 0
     for line in summary:
         print(line)
     if problems:

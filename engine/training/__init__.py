@@ -1,8 +1,8 @@
 """The training core: TrainEngine (model chunks, DDP, optimizer, schedule; train_engine.py), this
 rank's batch (rank_batch.py: DP plan, GlobalLossNormalizer weights over the DP group, micro-batches,
 CP shards), balancing and packing (plan, partition, batching, micro_batches), the loss contract
-(loss.py, token_losses.py, router_losses.py), the megatron schedule (schedule.py) and the
-non-finite guard (nonfinite.py).
+(loss.py, token_losses.py, router_losses.py), the megatron schedule (schedule.py), the
+non-finite guard (nonfinite.py) and the DDP communication overlap (comm_overlap.py).
 
 May import: engine.errors, models, parallel. Never imports data, run, sft, rl or checkpoint.
 Entry points: train_engine.TrainEngine, loss.GlobalLossNormalizer.

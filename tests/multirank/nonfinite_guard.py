@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node 2 tests/multirank/nonfinite_guard.py MODEL_DIR
 
-For each layout (DP2 with the distributed optimizer, TP2, PP2), in the same processes:
+For each layout (DP2 with the distributed optimizer, TP2, PP2, and DP2 with the gradient-reduce
+and parameter-gather overlap on: dp2_ov), in the same processes:
 - reference R: train_step on batches 0 and 2;
 - guarded G: train_step on batch 0; then the first parameter of every rank's first chunk is
   filled with NaN and train_step runs batch 1 (must be skipped on every rank); the parameter
@@ -22,10 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tests.multirank.checkpoint_state import OPTIM, TRAIN, batches  # noqa: E402
 
-LAYOUTS = {"dp2": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
+LAYOUTS = {"dp2": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "dp2_ov": {}}
 
 
 def local_params(state) -> list:
+    state.gather_params()   # overlap_param_gather: the last step's gather is still deferred
     return [p.detach().clone() for c in state.chunks for p in c.parameters()]
 
 
@@ -35,6 +37,7 @@ def run(state, data, normalizer, train, poison: bool) -> list[dict]:
 
     out = [train_step(state, data[0], normalizer)]
     if poison:
+        state.gather_params()   # else the deferred gather would overwrite the poison
         param = next(state.chunks[0].parameters())
         saved = param.detach().clone()
         param.data.fill_(float("nan"))
@@ -55,6 +58,7 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     import engine.training.train_engine as train_engine  # the step TrainEngine.train_batch calls
+    from engine.training.comm_overlap import OverlapSettings
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.train_engine import TrainEngine
     from models.hf_io import read_config
@@ -68,13 +72,14 @@ def main() -> None:
     data = batches(hf["vocab_size"], 3)
     guarded = train_engine.guarded_optimizer_step
     for name, kw in LAYOUTS.items():
+        overlap = OverlapSettings(True, True, bucket_mb=0.02) if name.endswith("_ov") else None
         setup_model_parallel(ParallelLayout(world, **kw))
         normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
         results = {}
         for variant in ("R", "G", "C"):
             train_engine.guarded_optimizer_step = plain_megatron_step if variant == "C" else guarded
             state = TrainEngine.build(hf, optim, torch.float32, 6, train,
-                                      weights_dir=model_dir)
+                                      weights_dir=model_dir, overlap=overlap)
             metrics = run(state, data, normalizer, train, poison=variant != "R")
             results[variant] = (metrics, local_params(state), state)
         train_engine.guarded_optimizer_step = guarded
