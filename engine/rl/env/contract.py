@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from dataclasses import dataclass, field
 
 ENV_TOOLS = "tools"          # env.fn of the built-in tool environment
@@ -118,4 +119,10 @@ def env_problems(cfg) -> list[str]:
         p.append(f"env.step_timeout_s={e.step_timeout_s} must be > 0 or null")
     if not isinstance(e.kwargs, dict):
         p.append(f"env.kwargs must be a mapping, got {type(e.kwargs).__name__}")
+    hf_path = getattr(cfg.model, "hf_path", None)
+    if not p and hf_path and os.path.isfile(os.path.join(hf_path, "tokenizer_config.json")):
+        from engine.rl.env.collect import env_template_problem
+        problem = env_template_problem(cfg)  # the chat template's needs, before any process
+        if problem is not None:
+            p.append(problem)
     return p
