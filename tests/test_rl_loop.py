@@ -307,7 +307,7 @@ def test_cli_moe_policy_with_expert_parallelism(moe_dir, prompts_file, tmp_path)
 # (+SP) x DP2; the T=1 policy (flag t1) at DP4 and TP2 x DP2. Flag ov: gradient-reduce and
 # parameter-gather overlap on (PP2 x DP2, CP2 x DP2, both MoE layouts, T=1 DP4), compared with
 # the same overlap-off single-process reference, weight sync included.
-RL_SPECS = ["1,1,1,1", "2,1,1,1", "1,2,1,1,ov", "1,1,2,1,packing+ov",
+RL_SPECS = ["1,1,1,1", "2,1,1,1,sp", "1,2,1,1,ov", "1,1,2,1,packing+ov",
             "1,1,1,1,moe+ep=2+ov", "2,1,1,1,moe+ep=2+sp+ov", "1,1,1,1,t1+ov", "2,1,1,1,t1"]
 
 
@@ -325,9 +325,11 @@ def rl_invariance(model_dir, moe_dir, tmp_path_factory) -> dict:
     assert ref.returncode == 0
     proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *RL_SPECS, timeout=900, env=env)
     assert proc.returncode == 0
-    return {"ref": {(r["spec"], r["mode"]): r for r in result_lines(ref.stdout)},
+    return {"ref": {(r["spec"], r.get("variant") or r["mode"]): r
+                    for r in result_lines(ref.stdout)},
             "results": result_lines(proc.stdout),
-            "control": result_lines(proc.stdout, "CONTROL ")[0]}
+            "control": result_lines(proc.stdout, "CONTROL ")[0],
+            "control_cp": result_lines(proc.stdout, "CONTROL_CP ")[0]}
 
 
 def _assert_matches_reference(r: dict) -> None:
@@ -343,7 +345,7 @@ def test_policy_update_is_layout_invariant(rl_invariance):
     """The dense and the Qwen3-MoE policy at every layout give the single-process losses,
     grad norms, metrics, log-probs and synced weights (experts gathered over EP into the
     rollout engine)."""
-    refs = rl_invariance["ref"]
+    refs = {k: r for k, r in rl_invariance["ref"].items() if not r.get("variant")}
     assert len(refs) == 6
     for (spec, _), r in refs.items():  # the fixed batch exercises every term of the loss
         m = r["metrics"]
@@ -352,7 +354,8 @@ def test_policy_update_is_layout_invariant(rl_invariance):
             continue
         assert min(m["policy/clipfrac_low"]) > 0 and min(m["policy/clipfrac_high"]) > 0
         assert min(m["policy/kl"]) > 0 and min(m["policy/entropy"]) > 0
-    results = [r for r in rl_invariance["results"] if "t1" not in r["spec"]]
+    results = [r for r in rl_invariance["results"]
+               if "t1" not in r["spec"] and not r.get("variant")]
     assert len(results) == 6 * 2
     for r in results:
         _assert_matches_reference(r)
@@ -361,6 +364,34 @@ def test_policy_update_is_layout_invariant(rl_invariance):
         assert r["n_params"] == (2 * (8 + 1 + 8 * 3) + 3 if "moe" in r["spec"] else 46), r
     control = rl_invariance["control"]
     assert abs(control["mean_of_means"] - control["reference"]) > 1e-3 * abs(control["reference"])
+
+
+def test_new_losses_estimators_and_corrections_are_layout_invariant(rl_invariance):
+    """gspo, geo_mean, cispo, sapo, REINFORCE++ (+baseline), rloo, rollout IS (token, sequence,
+    batch-normalised), rejection (token_k1, token_k2, seq_sum_k1, seq_mean_k3, seq_max_k3) and
+    bypass mode (ppo_clip, reinforce) at DP4, TP2+SP, PP2 and CP2+packing give the single-process
+    losses, grad norms, metrics (rollout_corr/* included) and weights. Negative control: GSPO's
+    sequence ratio from each CP shard's own tokens changes the loss."""
+    from tests.multirank.rl_invariance import VARIANTS
+
+    refs = {k: r for k, r in rl_invariance["ref"].items() if k[1] in VARIANTS}
+    assert {k[1] for k in refs} == set(VARIANTS)
+    for (_, variant), r in refs.items():  # every correction really rejects / reweights
+        m = r["metrics"]
+        assert max(abs(x) for x in m["policy/pg_loss"]) > 0, variant
+        if "rollout_rs" in VARIANTS[variant][3]:
+            assert any(0 < x < 1 for x in m["rollout_corr/masked_token_fraction"]), variant
+    results = [r for r in rl_invariance["results"] if r.get("variant")]
+    assert sorted({r["spec"] for r in results}) == sorted(RL_SPECS[:4])
+    assert len(results) == 4 * len(VARIANTS)
+    for r in results:
+        _assert_matches_reference(r)
+    control = rl_invariance["control_cp"]
+    assert _rel_diff(control["per_shard"], control["reference"]) > 1e-3
+
+
+def _rel_diff(a, b) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
 def test_policy_update_is_layout_invariant_at_temperature_1_with_unpadded_vocab(rl_invariance):

@@ -7,7 +7,9 @@ from engine.config.schema import ConfigError, load_config
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS, leave_one_out_advantages
 from engine.rl.algorithms import ALGORITHMS
 from engine.rl.config import RLConfig, apply_algorithm_defaults, rl_problems
-from engine.rl.policy_loss import POLICY_LOSSES, clipped_surrogate
+from engine.rl.policy_loss import PolicyLossContext, clipped_surrogate
+from engine.rl.policy_loss_variants import POLICY_LOSSES
+from engine.rl.seq_reduce import SequenceReducer
 from engine.rl.rollout import BACKENDS, RolloutEngine, backend_class
 
 
@@ -26,15 +28,17 @@ def test_rloo_is_reward_minus_mean_of_the_others():
 
 def test_registries_are_looked_up_by_name():
     assert {"grpo", "dapo"} <= set(ALGORITHMS)
-    assert {"grpo", "rloo"} <= set(ADVANTAGE_ESTIMATORS)
-    assert "ppo_clip" in POLICY_LOSSES
+    assert {"grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"} \
+        <= set(ADVANTAGE_ESTIMATORS)
+    assert {"ppo_clip", "gspo", "geo_mean", "cispo", "sapo"} <= set(POLICY_LOSSES)
     cfg = RLConfig()
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    grpo = ADVANTAGE_ESTIMATORS["grpo"](rewards, 2, cfg.advantage)
+    grpo = ADVANTAGE_ESTIMATORS["grpo"](rewards, 2, cfg.advantage, torch.tensor([3, 1, 2, 2]))
     assert torch.all(grpo.abs() > 0.5)  # (1 - 0.5) / (std 0.707 + eps)
     logp, old, adv = torch.tensor([0.1, -0.2]), torch.tensor([0.0, 0.0]), torch.tensor([1.0, -1.0])
     settings = type("S", (), {"eps_low": 0.2, "eps_high": 0.28, "dual_c": None})()
-    torch.testing.assert_close(POLICY_LOSSES["ppo_clip"](logp, old, adv, settings).loss,
+    ctx = PolicyLossContext(torch.ones(2), SequenceReducer(torch.tensor([0, 1]), torch.ones(2)))
+    torch.testing.assert_close(POLICY_LOSSES["ppo_clip"](logp, old, adv, settings, ctx).loss,
                                clipped_surrogate(logp, old, adv, 0.2, 0.28).loss)
 
 
@@ -47,10 +51,12 @@ def test_dapo_preset_applies_only_to_keys_not_set():
 
 def test_unknown_estimator_and_policy_loss_name_the_choices():
     cfg = RLConfig()
-    cfg.advantage.estimator, cfg.policy_loss = "ppo", "gspo"
+    cfg.advantage.estimator, cfg.policy_loss = "ppo", "gmpo"
     problems = " | ".join(rl_problems(cfg))
-    assert "advantage.estimator='ppo' is not valid; choose one of grpo, rloo" in problems
-    assert "policy_loss='gspo' is not valid; choose one of ppo_clip" in problems
+    assert ("advantage.estimator='ppo' is not valid; choose one of grpo, rloo, "
+            "reinforce_plus_plus, reinforce_plus_plus_baseline") in problems
+    assert ("policy_loss='gmpo' is not valid; choose one of ppo_clip, gspo, geo_mean, cispo, "
+            "sapo") in problems
 
 
 @pytest.mark.parametrize("old,new", [("rollout.sglang_tp_size=2", "rollout.gpus_per_engine"),

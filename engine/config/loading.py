@@ -19,7 +19,9 @@ from engine.errors import ConfigError
 # Keys renamed in this release: refused with the new name.
 RENAMED_KEYS = {"rollout.sglang_tp_size": "rollout.gpus_per_engine",
                 "rollout.sglang.tp_size": "rollout.gpus_per_engine",
-                "rollout.sglang_mem_fraction": "rollout.sglang.mem_fraction"}
+                "rollout.sglang_mem_fraction": "rollout.sglang.mem_fraction",
+                "rollout.tis_cap": "rollout_correction.rollout_is_threshold (with "
+                                   "rollout_correction.rollout_is=token)"}
 
 
 def split_argv(argv: list[str]) -> tuple[Optional[str], list[str], list[str]]:

@@ -1,4 +1,4 @@
-"""Group-relative advantages for GRPO and Dr. GRPO (DESIGN section 9).
+"""Advantages: group-relative (GRPO, Dr. GRPO, RLOO) and REINFORCE++ (DESIGN section 9).
 
 Layout contract: a rollout batch holds G prompts with n responses each, stored *group-major*:
 responses ``[g*n, (g+1)*n)`` belong to prompt ``g``. Every function here takes the flat
@@ -77,21 +77,68 @@ def leave_one_out_advantages(rewards: torch.Tensor, group_size: int) -> torch.Te
     return torch.where(constant[:, None], torch.zeros_like(advantages), advantages).reshape(-1)
 
 
+def token_whiten(values: torch.Tensor, lengths: torch.Tensor, eps: float = 1e-8
+                 ) -> torch.Tensor:
+    """Whiten per-response values ``[B]`` as if broadcast over each response's tokens (verl
+    masked_whiten of the token matrix): with n_i = lengths[i] and N = sum n_i,
+    mean = sum_i n_i v_i / N, var = sum_i n_i (v_i - mean)^2 / (N - 1) (Bessel), result
+    (v_i - mean) / sqrt(var + eps). Token-weighted: a long response weighs as many times as it
+    has tokens. Statistics over the WHOLE input (the rollout batch), never a part of it."""
+    v = values.detach().to(torch.float64)
+    n = lengths.detach().to(torch.float64)
+    total = float(n.sum())
+    if total <= 0:
+        return torch.zeros_like(values, dtype=torch.float32)
+    mean = (n * v).sum() / total
+    var = (n * (v - mean) ** 2).sum() / (total - 1) if total > 1 else torch.zeros(())
+    return ((v - mean) * torch.rsqrt(var + eps)).to(torch.float32)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, lengths: torch.Tensor,
+                            group_size: int | None = None) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025) for outcome rewards, verl's definitions with gamma = 1: every
+    response token's return is the response's reward r_i; advantages are the returns whitened
+    over all response tokens of the batch (token_whiten). With ``group_size`` (the
+    ``_baseline`` variant) the group mean is subtracted first (0 for groups of one)."""
+    r = _grouped(rewards.detach(), group_size or 1)
+    if group_size is not None and group_size > 1:
+        r = r - r.mean(dim=1, keepdim=True)
+    return token_whiten(r.reshape(-1), lengths)
+
+
 # Advantage estimators by name (`advantage.estimator=...`): fn(rewards [G*n] group-major,
-# group_size, advantage config) -> advantages [G*n]. A new estimator is one registered function.
-Estimator = Callable[[torch.Tensor, int, Any], torch.Tensor]
+# group_size, advantage config, lengths [G*n] response token counts) -> advantages [G*n],
+# computed on the whole rollout batch (rank 0, before any split). A new estimator is one
+# registered function.
+Estimator = Callable[[torch.Tensor, int, Any, torch.Tensor], torch.Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
 
 register_advantage = registrar(ADVANTAGE_ESTIMATORS)
 
 
 @register_advantage("grpo")
-def grpo(rewards: torch.Tensor, group_size: int, cfg) -> torch.Tensor:
+def grpo(rewards: torch.Tensor, group_size: int, cfg, lengths: torch.Tensor) -> torch.Tensor:
     """Group-normalised (GRPO), or Dr. GRPO with advantage.norm_by_std=false."""
     return group_advantages(rewards, group_size, norm_by_std=cfg.norm_by_std)
 
 
 @register_advantage("rloo")
-def rloo(rewards: torch.Tensor, group_size: int, cfg) -> torch.Tensor:
+def rloo(rewards: torch.Tensor, group_size: int, cfg, lengths: torch.Tensor) -> torch.Tensor:
     """REINFORCE leave-one-out baseline (Ahmadian et al. 2024)."""
     return leave_one_out_advantages(rewards, group_size)
+
+
+@register_advantage("reinforce_plus_plus")
+def reinforce_plus_plus(rewards: torch.Tensor, group_size: int, cfg,
+                        lengths: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++: rewards whitened over every response token of the rollout batch (verl
+    compute_reinforce_plus_plus_outcome_advantage, gamma 1)."""
+    return reinforce_pp_advantages(rewards, lengths)
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(rewards: torch.Tensor, group_size: int, cfg,
+                                 lengths: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++-baseline: reward minus its group mean, then whitened over every response
+    token of the rollout batch (verl compute_reinforce_plus_plus_baseline_outcome_advantage)."""
+    return reinforce_pp_advantages(rewards, lengths, group_size)

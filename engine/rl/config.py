@@ -28,7 +28,10 @@ from engine.config.moe_settings import MoEConfig
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.env.contract import env_problems
 from engine.rl.algorithms import ALGORITHMS
-from engine.rl.policy_loss import KL_ESTIMATORS, POLICY_LOSSES
+from engine.rl.policy_loss import KL_ESTIMATORS
+from engine.rl.policy_loss_variants import POLICY_LOSSES
+from engine.rl.rollout_correction import RolloutCorrectionConfig
+from engine.rl.rollout_correction_check import correction_problems
 from engine.rl.rewards import load_reward_fn
 from engine.rl.routing_replay import routing_replay_problems
 from engine.rl.rollout.base import BACKENDS, custom_backend_class
@@ -78,7 +81,6 @@ class RolloutConfig:
     top_p: float = 1.0
     sync_bucket_mb: float = 512.0
     sleep_during_train: bool = False     # release the engine's memory while training
-    tis_cap: Optional[float] = None      # truncated importance sampling cap (null: off)
     check_weight_sync: bool = False      # after each sync compare engine vs trainer logits
     max_retries: int = 2                 # generate calls retried after a backend failure
     retry_wait_s: float = 5.0            # wait before retry k: retry_wait_s * 2**(k-1)
@@ -102,6 +104,12 @@ class KLConfig:
 class AdvantageConfig:
     estimator: str = "grpo"              # engine.rl.advantages.ADVANTAGE_ESTIMATORS
     norm_by_std: bool = True             # grpo only; false: Dr. GRPO (r - group mean)
+
+
+@dataclass
+class SAPOConfig:
+    tau_pos: float = 1.0                 # gate temperature where A > 0 (verl actor.tau_pos)
+    tau_neg: float = 1.05                # gate temperature where A <= 0 (verl actor.tau_neg)
 
 
 @dataclass
@@ -161,6 +169,9 @@ class RLConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     dapo: DAPOConfig = field(default_factory=DAPOConfig)
+    sapo: SAPOConfig = field(default_factory=SAPOConfig)            # policy_loss=sapo
+    rollout_correction: RolloutCorrectionConfig = field(            # verl's, same keys
+        default_factory=RolloutCorrectionConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     val: ValConfig = field(default_factory=ValConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # steps: RL steps
@@ -241,7 +252,6 @@ def rl_problems(cfg: RLConfig) -> list[str]:
     check(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0 (sampling)")
     check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
     check(r.sync_bucket_mb > 0, f"rollout.sync_bucket_mb={r.sync_bucket_mb} must be > 0")
-    check(r.tis_cap is None or r.tis_cap > 0, f"rollout.tis_cap={r.tis_cap} must be > 0 or null")
     total = t.prompts_per_step * r.n
     check(t.mini_batches_per_step <= total, f"train.mini_batches_per_step="
           f"{t.mini_batches_per_step} exceeds the {total} responses of a rollout batch "
@@ -266,7 +276,8 @@ def rl_problems(cfg: RLConfig) -> list[str]:
         load_reward_fn(cfg.reward.fn)
     except ValueError as e:
         p.append(f"reward.fn: {e}")
-    return p + env_problems(cfg) + val_problems(cfg) + checkpoint_config_problems(cfg)
+    return (p + env_problems(cfg) + val_problems(cfg) + correction_problems(cfg)
+            + checkpoint_config_problems(cfg))
 
 
 def validate_rl(cfg: RLConfig, world_size: int) -> dict:

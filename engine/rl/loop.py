@@ -38,7 +38,8 @@ from engine.config.parallel_settings import overlap_settings
 from engine.training.nonfinite import NonFiniteGuard
 from engine.rl.config import RLConfig
 from engine.rl.env.collect import check_env_start
-from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
+from engine.rl.logprobs import attach_extra, compute_token_logprobs
+from engine.rl.old_policy import attach_old_logprobs
 from engine.rl.rewards import load_reward_fn
 from engine.rl.routing_replay import (after_old_logprobs, finish as finish_routing_replay,
                                       rollout_engine_kwargs, start_routing_replay)
@@ -67,15 +68,11 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
     seqs = build_sequences(batch)
     start_routing_replay(policy, cfg.moe.routing_replay)  # R2 records, R3 replays (old pass)
     T = cfg.rollout.temperature
-    old = compute_token_logprobs(policy, seqs, T)
-    attach_extra(seqs, "old_logprobs", old)
-    gap_mean, gap_max = logprob_gap(seqs, old)
-    replay_metrics = after_old_logprobs(policy, seqs, cfg.moe.routing_replay)
+    metrics = attach_old_logprobs(policy, seqs, cfg)  # bypass mode: no forward
+    metrics.update(after_old_logprobs(policy, seqs, cfg.moe.routing_replay))
     if reference is not None:
         attach_extra(seqs, "ref_logprobs", compute_token_logprobs(reference, seqs, T))
-    metrics = {"rollout/logprob_diff": gap_mean, "rollout/logprob_diff_max": gap_max,
-               "time/logprob_s": time.perf_counter() - t0}
-    metrics.update(replay_metrics)
+    metrics["time/logprob_s"] = time.perf_counter() - t0
     settings = PolicyLossSettings.from_config(cfg, policy.vocab_size)
     horizon = cfg.loss.norm_horizon or cfg.rollout.max_new_tokens
     updates = []
@@ -85,8 +82,10 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
             updates.append(policy_update(policy, [seqs[i] for i in part], cfg.loss, settings,
                                          horizon))
     finish_routing_replay(policy)
-    moe_keys = sorted({k for u in updates for k in u if k.startswith("moe/")})
-    for key in (*_UPDATE_MEAN_KEYS, *moe_keys):  # moe/*: MoE policies (engine.training.router_losses)
+    # moe/*: MoE policies (engine.training.router_losses); rollout_corr/*: bypass mode
+    moe_keys = sorted({k for u in updates for k in u
+                       if k.startswith(("moe/", "rollout_corr/"))})
+    for key in (*_UPDATE_MEAN_KEYS, *moe_keys):
         metrics[key] = sum(u[key] for u in updates) / len(updates)
     metrics["lr"] = updates[-1]["lr"]
     metrics["train/optimizer_steps"] = float(len(updates))

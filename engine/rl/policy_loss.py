@@ -122,10 +122,34 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
 
 
-# Policy losses by name (`policy_loss=...`): fn(logprobs, old_logprobs, advantages, settings)
-# -> PolicyLossTerms, per token; `settings` is engine.rl.update.PolicyLossSettings. A new loss
-# (e.g. a sequence-level ratio) is one registered function.
-PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], PolicyLossTerms]
+@dataclass
+class PolicyLossContext:
+    """What a policy loss may use besides the per-token log-probs and advantages.
+
+    - ``loss_mask`` [..., T] 0/1: trained tokens of this shard (rejected tokens already 0);
+    - ``seqs``: engine.rl.seq_reduce.SequenceReducer of the micro-batch: detached sums / means
+      over whole sequences, exact under CP sharding, packing and micro-batching;
+    - ``is_weights`` [..., T] or None: detached rollout-correction IS weights (decoupled mode,
+      engine.rl.rollout_correction), applied by the loss the way verl applies them.
+    """
+
+    loss_mask: torch.Tensor
+    seqs: Any
+    is_weights: torch.Tensor | None = None
+
+
+def apply_is_weights(loss: torch.Tensor, ctx: PolicyLossContext) -> torch.Tensor:
+    """``loss * is_weights`` per token (verl's ``pg_losses * rollout_is_weights``), or ``loss``
+    when rollout IS is off."""
+    return loss if ctx.is_weights is None else loss * ctx.is_weights.to(loss.dtype)
+
+
+# Policy losses by name (`policy_loss=...`): fn(logprobs, old_logprobs, advantages, settings,
+# ctx) -> PolicyLossTerms, per token; `settings` is engine.rl.update.PolicyLossSettings, `ctx` a
+# PolicyLossContext (sequence structure, rollout IS weights). A new loss is one registered
+# function; the full table (with engine.rl.policy_loss_variants) is imported from there.
+PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, PolicyLossContext],
+                      PolicyLossTerms]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 register_policy_loss = registrar(POLICY_LOSSES)
@@ -133,7 +157,10 @@ register_policy_loss = registrar(POLICY_LOSSES)
 
 @register_policy_loss("ppo_clip")
 def ppo_clip(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-             settings) -> PolicyLossTerms:
-    """GRPO/DAPO's token-level clipped surrogate (clip_surrogate with the clip.* settings)."""
-    return clipped_surrogate(logprobs, old_logprobs, advantages, settings.eps_low,
-                             settings.eps_high, settings.dual_c)
+             settings, ctx: PolicyLossContext) -> PolicyLossTerms:
+    """GRPO/DAPO's token-level clipped surrogate (clip_surrogate with the clip.* settings),
+    times the rollout IS weight (verl compute_policy_loss_vanilla)."""
+    terms = clipped_surrogate(logprobs, old_logprobs, advantages, settings.eps_low,
+                              settings.eps_high, settings.dual_c)
+    terms.loss = apply_is_weights(terms.loss, ctx)
+    return terms

@@ -308,7 +308,10 @@ class RolloutCollector:
         batch = RolloutBatch(metrics=metrics)
         if data is not None:
             estimator = ADVANTAGE_ESTIMATORS[cfg.advantage.estimator]
-            adv = estimator(data["rewards"], n, cfg.advantage)
+            adv = estimator(data["rewards"], n, cfg.advantage,
+                            torch.tensor([sum(m) for m in data["response_masks"]]
+                                         if "response_masks" in data else
+                                         [len(r) for r in data["response_ids"]]))
             batch = RolloutBatch(list(data["prompt_ids"]), list(data["response_ids"]),
                                  list(data["rollout_logprobs"]), adv.tolist(), metrics,
                                  response_masks=list(data.get("response_masks") or []),
@@ -316,7 +319,6 @@ class RolloutCollector:
         metrics["train/groups"] = float(len(batch) // n)
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return batch
-
 
     def _dump(self, parts: list[dict], step: int | None) -> None:
         """Write the step's episodes to logging.rollout_dir (rank 0; engine.rl.env.dump)."""

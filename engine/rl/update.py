@@ -3,9 +3,18 @@ mini-batch through TrainEngine.train_batch (DESIGN sections 4 and 9).
 
 Loss contract (engine.training.loss): per token, with r = exp(logp - old_logp) and A the advantage,
 
-    l = policy_loss(logp, old_logp, A)   [ppo_clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A),
-                                          dual clip, truncated IS optional]
+    l = policy_loss(logp, old_logp, A, ctx)   [ppo_clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A),
+                                               dual clip; x rollout IS weight; gspo, geo_mean,
+                                               cispo, sapo: engine.rl.policy_loss_variants]
         + kl.beta * KL(logp, ref_logp) - entropy_coef * H
+
+`ctx` (engine.rl.policy_loss.PolicyLossContext) carries the micro-batch's SequenceReducer
+(whole-sequence sums, exact under CP) and the decoupled rollout IS weights (extras
+"rollout_is_weights", computed on the whole rollout batch by engine.rl.rollout_correction). In
+rollout_correction.bypass_mode the old policy is the rollout engine's (extras "old_logprobs"
+hold the rollout log-probs) and IS / rejection are computed here from the current policy, as
+verl's bypass loss does: rejected tokens contribute 0 to the policy-gradient term but stay in
+the normalizer's counts (which are fixed before the forward).
 
 and the micro-batch loss is `aggregate(l, token_weights)`: weights from the GlobalLossNormalizer
 of the whole mini-batch (counts over the DP group only), so the loss, the gradient and every
@@ -21,7 +30,11 @@ from megatron.core import parallel_state as ps
 
 from engine.training.loss import GlobalLossNormalizer, aggregate
 from engine.training.micro_batches import SequenceData
-from engine.rl.policy_loss import POLICY_LOSSES, kl_penalty
+from engine.rl import rollout_correction as rc
+from engine.rl.policy_loss import PolicyLossContext, kl_penalty
+from engine.rl.policy_loss_variants import POLICY_LOSSES, reinforce_loss
+from engine.rl import seq_reduce
+from engine.rl.seq_reduce import SequenceReducer
 from engine.training.schedule import LossFn
 from engine.training.token_losses import token_entropy, token_logprobs
 from engine.training.train_engine import TrainEngine
@@ -42,33 +55,58 @@ class PolicyLossSettings:
     kl_beta: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
-    tis_cap: float | None = None
     policy_loss: str = "ppo_clip"
+    tau_pos: float = 1.0                 # sapo
+    tau_neg: float = 1.05                # sapo
+    bypass: rc.RolloutCorrectionConfig | None = None  # set: bypass mode (in-loss correction)
 
     @classmethod
     def from_config(cls, cfg, vocab_size: int) -> "PolicyLossSettings":
+        corr = cfg.rollout_correction
         return cls(vocab_size=vocab_size, temperature=cfg.rollout.temperature,
                    eps_low=cfg.clip.eps_low, eps_high=cfg.clip.eps_high, dual_c=cfg.clip.dual_c,
                    kl_beta=cfg.kl.beta, kl_estimator=cfg.kl.estimator,
-                   entropy_coef=cfg.entropy_coef, tis_cap=cfg.rollout.tis_cap,
-                   policy_loss=cfg.policy_loss)
+                   entropy_coef=cfg.entropy_coef, policy_loss=cfg.policy_loss,
+                   tau_pos=cfg.sapo.tau_pos, tau_neg=cfg.sapo.tau_neg,
+                   bypass=corr if corr.bypass_mode else None)
+
+    def report_keys(self) -> tuple[str, ...]:
+        return REPORT_KEYS + (rc.SUM_KEYS if self.bypass is not None else ())
+
+
+def _policy_terms(s: PolicyLossSettings, logp, mb, seqs: SequenceReducer, report: dict):
+    """(per-token pg terms, keep mask or None): the registered loss, or in bypass mode verl's
+    bypass loss (IS / rejection from the current policy against the rollout log-probs)."""
+    old = mb.extras["old_logprobs"]
+    ctx = PolicyLossContext(mb.loss_mask, seqs, mb.extras.get("rollout_is_weights"))
+    if s.bypass is None:
+        return POLICY_LOSSES[s.policy_loss](logp, old, mb.extras["advantages"], s, ctx), None
+    corr = s.bypass
+    log_ratio = logp.detach() - old
+    rs = rc.parse_rs(corr.rollout_rs, corr.rollout_rs_threshold) if corr.rollout_rs else None
+    w, raw, keep, _ = rc.correct(log_ratio, seqs, corr, rs, normalize=False)
+    report.update(rc.metric_sums(log_ratio, seqs, raw, keep))
+    if corr.loss_type == "reinforce":
+        ctx.is_weights = w
+        terms = reinforce_loss(logp, mb.extras["advantages"], ctx)
+    else:  # ppo_clip: the ratio to the rollout policy is the IS correction (no weights)
+        terms = POLICY_LOSSES["ppo_clip"](logp, old, mb.extras["advantages"], s, ctx)
+    return terms, (keep.to(logp.dtype) if keep is not None else None)
 
 
 def policy_loss_fn(s: PolicyLossSettings) -> LossFn:
     """loss_fn(logits [b, s, V/tp], mb) -> (weighted loss sum, report) for TrainEngine.
-    Reads mb.extras "old_logprobs", "advantages", and "ref_logprobs" (kl_beta > 0),
-    "rollout_logprobs" (tis_cap). Collective over TP (vocab-parallel log-probs, entropy)."""
-    per_token_loss = POLICY_LOSSES[s.policy_loss]
+    Reads mb.extras "old_logprobs", "advantages", "ref_logprobs" (kl_beta > 0) and
+    "rollout_is_weights" (decoupled rollout IS). Collective over TP (vocab-parallel log-probs,
+    entropy) and over CP (whole-sequence sums, engine.rl.seq_reduce)."""
 
     def loss_fn(logits, mb):
         w = mb.token_weights
         logp = token_logprobs(logits, mb.labels, s.vocab_size, s.temperature)
-        old = mb.extras["old_logprobs"]
-        terms = per_token_loss(logp, old, mb.extras["advantages"], s)
-        pg = terms.loss
-        if s.tis_cap is not None:  # truncated IS: pi_old / pi_rollout, capped, on sampled tokens
-            is_weight = torch.exp(old - mb.extras["rollout_logprobs"]).clamp(max=s.tis_cap)
-            pg = pg * torch.where(mb.loss_mask > 0, is_weight, torch.ones_like(is_weight))
+        seqs = SequenceReducer(mb.seq_ids, mb.loss_mask, seq_reduce.cp_group())
+        extra: dict = {}
+        terms, keep = _policy_terms(s, logp, mb, seqs, extra)
+        pg = terms.loss if keep is None else terms.loss * keep
         per_token = pg
         kl = torch.zeros_like(logp)
         if s.kl_beta > 0:
@@ -85,7 +123,7 @@ def policy_loss_fn(s: PolicyLossSettings) -> LossFn:
                 "policy/clipfrac_low": aggregate(terms.clipped_low, w),
                 "policy/clipfrac_high": aggregate(terms.clipped_high, w),
                 "policy/kl": aggregate(kl, w), "policy/entropy": aggregate(entropy, w),
-                "policy/response_tokens": mb.loss_mask.sum(),
+                "policy/response_tokens": mb.loss_mask.sum(), **extra,
             }
         return loss, report
 
@@ -111,6 +149,8 @@ def policy_update(engine: TrainEngine, seqs: list[SequenceData], loss_cfg,
     (engine.guard counts it; the RL loop raises after logging the step)."""
     normalizer = GlobalLossNormalizer(loss_cfg.agg_mode, horizon, loss_cfg.count_empty_sequences,
                                       group=ps.get_data_parallel_group())
-    out = engine.train_batch(seqs, normalizer, policy_loss_fn(settings), REPORT_KEYS)
+    out = engine.train_batch(seqs, normalizer, policy_loss_fn(settings), settings.report_keys())
     out["time/update_s"] = out.pop("time/step_s")
+    if settings.bypass is not None:  # rollout_corr/* of the current policy vs the rollout's
+        out.update(rc.metric_means({k: out.pop(k) for k in rc.SUM_KEYS}))
     return out

@@ -2,7 +2,10 @@
 
     torchrun --nproc_per_node W tests/multirank/rl_invariance.py MODEL_DIR REF_FILE SPEC...
 
-Each SPEC is "tp,pp,cp,mbs[,flags]" (flags "+" separated: packing; moe: the Qwen3-MoE policy
+Each SPEC is "tp,pp,cp,mbs[,flags]" (flags "+" separated: packing; mt: the multi-turn batch
+of tests/multirank/rl_multi_turn.py (loss masks with holes), references keyed "mt/MODE", and
+in the reference launch a negative control with the observation tokens trained; dyn=N:
+train.max_tokens_per_micro_batch N (dynamic micro-batches); moe: the Qwen3-MoE policy
 of $INV_MOE_MODEL_DIR instead of MODEL_DIR, references keyed "moe/MODE"; ep=E: expert
 parallelism; sp: Megatron sequence parallelism; t1: sampling temperature 1.0 with the dense
 policy of $INV_T1_MODEL_DIR, references keyed "t1/MODE": no logits copy from a division, the
@@ -34,6 +37,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from tests.multirank.rl_multi_turn import observations_trained, synthetic_multi_turn  # noqa: E402
+
 MODES = ("token-mean", "seq-mean-token-mean")
 GROUPS, N = 4, 4           # 4 prompts x 4 responses
 STEPS = 2                  # mini-batches = optimizer steps
@@ -43,17 +48,40 @@ STEPS = 2                  # mini-batches = optimizer steps
 OVERLAP = {"on": None}
 LR, ADAM_EPS, HORIZON = 1e-2, 1e-4, 24
 SETTINGS = dict(temperature=0.8, eps_low=0.2, eps_high=0.28, dual_c=3.0, kl_beta=0.05,
-                kl_estimator="k3", entropy_coef=0.01, tis_cap=2.0)
+                kl_estimator="k3", entropy_coef=0.01)
+BASE_CORRECTION = dict(rollout_is="token", rollout_is_threshold=2.0)  # truncated IS
+# Variants on the dense specs (one aggregation mode each; results keyed "var/NAME"): policy loss,
+# advantage estimator and rollout correction (engine.rl.rollout_correction keys).
+VARIANTS = {
+    "gspo": ("gspo", "grpo", "seq-mean-token-mean",
+             dict(rollout_is="sequence", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.05")),
+    "geo_mean": ("geo_mean", "reinforce_plus_plus", "token-mean",
+                 dict(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6")),
+    "cispo": ("cispo", "reinforce_plus_plus_baseline", "token-mean",
+              dict(rollout_is="token", rollout_is_batch_normalize=True,
+                   rollout_rs="seq_sum_k1", rollout_rs_threshold="0.3_3")),
+    "sapo": ("sapo", "grpo", "seq-mean-token-mean",
+             dict(rollout_is="sequence", rollout_is_batch_normalize=True)),
+    "bypass_reinforce": ("ppo_clip", "grpo", "token-mean",
+                         dict(bypass_mode=True, loss_type="reinforce", rollout_is="sequence",
+                              rollout_rs="seq_max_k3", rollout_rs_threshold="0.1")),
+    "bypass_ppo_clip": ("ppo_clip", "rloo", "seq-mean-token-mean",
+                        dict(bypass_mode=True, rollout_is="token", rollout_rs="token_k2",
+                             rollout_rs_threshold="0.1")),
+}
+CORR_KEYS = ("rollout_corr/kl_k1", "rollout_corr/kl_k3", "rollout_corr/ppl_ratio",
+             "rollout_corr/is_weight_mean", "rollout_corr/masked_token_fraction",
+             "rollout_corr/rejected_sequence_fraction")
 METRIC_KEYS = ("policy/pg_loss", "policy/clipfrac_low", "policy/clipfrac_high", "policy/kl",
                "policy/entropy")
 
 
-def synthetic_rollout(vocab: int, seed: int = 0):
+def synthetic_rollout(vocab: int, seed: int = 0, estimator: str = "grpo"):
     """A fixed group-major RolloutBatch: prompts of 3..10 tokens, responses of 1..20 tokens,
-    group advantages of random 0/1 rewards (the last group all equal: zero advantages)."""
+    advantages (`estimator`) of random 0/1 rewards (the last group all equal)."""
     import torch
 
-    from engine.rl.advantages import group_advantages
+    from engine.rl.advantages import ADVANTAGE_ESTIMATORS
     from engine.rl.rollout_batch import RolloutBatch
 
     rng = random.Random(seed)
@@ -64,7 +92,9 @@ def synthetic_rollout(vocab: int, seed: int = 0):
             prompts.append(prompt)
             responses.append([rng.randrange(4, vocab) for _ in range(rng.randint(1, 20))])
             rewards.append(1.0 if g == GROUPS - 1 else float(rng.random() < 0.5))
-    adv = group_advantages(torch.tensor(rewards), N).tolist()
+    adv = ADVANTAGE_ESTIMATORS[estimator](torch.tensor(rewards), N,
+                                          SimpleNamespace(norm_by_std=True),
+                                          torch.tensor([len(r) for r in responses])).tolist()
     logprobs = [[0.0] * len(r) for r in responses]  # replaced by perturbed recomputed values
     return RolloutBatch(prompts, responses, logprobs, adv)
 
@@ -108,20 +138,28 @@ def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None):
                              weights_dir=model_dir, overlap=OVERLAP["on"], **overrides)
 
 
-def _sequences(state, batch, temperature):
-    """Sequences with recomputed log-probs (returned too) and fixed synthetic extras."""
+def _sequences(state, batch, temperature, correction=None):
+    """Sequences with recomputed log-probs (returned too), fixed synthetic extras and the
+    rollout correction (`correction`: RolloutCorrectionConfig keys; default BASE_CORRECTION)
+    on the whole batch (bypass mode: old := rollout log-probs); also its metrics."""
     from engine.rl.rollout_batch import build_sequences
     from engine.rl.logprobs import attach_extra, compute_token_logprobs
+    from engine.rl.rollout_correction import RolloutCorrectionConfig, apply_to_batch
 
     seqs = build_sequences(batch)
     table = compute_token_logprobs(state, seqs, temperature)
-    attach_extra(seqs, "old_logprobs", perturbed(table, 1, 0.3))
     attach_extra(seqs, "ref_logprobs", perturbed(table, 2, 0.3))
     attach_extra(seqs, "rollout_logprobs", perturbed(table, 3, 0.3))
-    return seqs, table
+    corr = RolloutCorrectionConfig(**(correction or BASE_CORRECTION))
+    if corr.bypass_mode:
+        attach_extra(seqs, "old_logprobs", perturbed(table, 3, 0.3))
+        return seqs, table, corr, {}
+    attach_extra(seqs, "old_logprobs", perturbed(table, 1, 0.3))
+    return seqs, table, corr, apply_to_batch(seqs, corr)
 
 
-def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp, temperature):
+def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp, temperature,
+               variant=None):
     import torch.distributed as dist
 
     from engine.config.moe_settings import MoEConfig, moe_overrides
@@ -131,14 +169,16 @@ def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp, t
     overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
     state = _setup(model_dir, hf_config, layout_kw, world, train,
                    dict(overrides, sequence_parallel=sp))
-    seqs, table = _sequences(state, batch, temperature)
-    settings = PolicyLossSettings(vocab_size=state.vocab_size,
+    loss, _, _, correction = VARIANTS[variant] if variant else ("ppo_clip", 0, 0, None)
+    seqs, table, corr, batch_metrics = _sequences(state, batch, temperature, correction)
+    settings = PolicyLossSettings(vocab_size=state.vocab_size, policy_loss=loss,
+                                  bypass=corr if corr.bypass_mode else None,
                                   **dict(SETTINGS, temperature=temperature))
     loss_cfg = SimpleNamespace(agg_mode=mode, count_empty_sequences=True)
     results = []
     for part in split_mini_batches(len(seqs), STEPS, seed=7, step=0, epoch=0):
-        results.append(policy_update(state, [seqs[i] for i in part], loss_cfg, settings,
-                                     HORIZON))
+        results.append({**batch_metrics, **policy_update(
+            state, [seqs[i] for i in part], loss_cfg, settings, HORIZON)})
     engine = RecordingEngine() if dist.get_rank() == 0 else None
     sync_to_rollout(state.chunks, hf_config, engine, bucket_mb=0.05)
     return results, table, (engine.tensors if engine else None)
@@ -158,7 +198,7 @@ def negative_control(model_dir, hf_config, batch, world):
     train = SimpleNamespace(micro_batch_size=1, max_tokens_per_micro_batch=None,
                             balance_dp=True, packing=False)
     state = _setup(model_dir, hf_config, dict(), world, train)
-    seqs, _ = _sequences(state, batch, SETTINGS["temperature"])
+    seqs = _sequences(state, batch, SETTINGS["temperature"])[0]
     part = split_mini_batches(len(seqs), STEPS, seed=7, step=0, epoch=0)[0]
     local = GlobalLossNormalizer("token-mean", group=None)  # the bug: local counts
     rank_batch = build_rank_batch([seqs[i] for i in part], local, train)
@@ -169,6 +209,23 @@ def negative_control(model_dir, hf_config, batch, world):
     value = torch.tensor([sum(float(r["policy/loss"]) for r in reports)], dtype=torch.float64)
     dist.all_reduce(value, group=ps.get_data_parallel_group())
     return float(value) / ps.get_data_parallel_world_size()
+
+
+def per_shard_control(model_dir, hf_config, spec, world):
+    """GSPO's losses at the CP spec with the classic bug: sequence ratios from each CP shard's
+    own tokens (engine.rl.seq_reduce.cp_group replaced by None)."""
+    from engine.rl import seq_reduce
+
+    layout_kw, train = parse_spec(spec)
+    real = seq_reduce.cp_group
+    seq_reduce.cp_group = lambda: None
+    try:
+        results, _, _ = run_layout(model_dir, hf_config, layout_kw, train, VARIANTS["gspo"][2],
+                                   synthetic_rollout(hf_config["vocab_size"]), world, sp=False,
+                                   temperature=SETTINGS["temperature"], variant="gspo")
+    finally:
+        seq_reduce.cp_group = real
+    return [r["policy/loss"] for r in results]
 
 
 def spec_flags(spec: str) -> list[str]:
@@ -182,7 +239,8 @@ def parse_spec(spec: str):
     from engine.training.comm_overlap import OverlapSettings
     OVERLAP["on"] = OverlapSettings(True, True, bucket_mb=0.02) if "ov" in flags else None
     ep = next((int(f.split("=")[1]) for f in flags if f.startswith("ep=")), 1)
-    train = SimpleNamespace(micro_batch_size=mbs, max_tokens_per_micro_batch=None,
+    dyn = next((int(f.split("=")[1]) for f in flags if f.startswith("dyn=")), None)
+    train = SimpleNamespace(micro_batch_size=mbs, max_tokens_per_micro_batch=dyn,
                             balance_dp=True, packing="packing" in flags)
     return dict(tp=tp, pp=pp, cp=cp, ep=ep), train
 
@@ -193,14 +251,16 @@ OTHER_MODELS = {"moe": ("INV_MOE_MODEL_DIR", "moe/"), "t1": ("INV_T1_MODEL_DIR",
 
 def spec_model(spec: str, dense: tuple) -> tuple:
     """(model dir, HF config, reference-key prefix): the dense MODEL_DIR, or with a flag of
-    OTHER_MODELS the model of its environment variable."""
+    OTHER_MODELS the model of its environment variable; flag mt (multi-turn batch,
+    tests/multirank/rl_multi_turn.py) prefixes the key with "mt/"."""
     from models.hf_io import read_config
 
+    mt = "mt/" if "mt" in spec_flags(spec) else ""
     flag = next((f for f in spec_flags(spec) if f in OTHER_MODELS), None)
     if flag is None:
-        return (*dense, "")
+        return (*dense, mt)
     variable, key = OTHER_MODELS[flag]
-    return os.environ[variable], read_config(os.environ[variable]), key
+    return os.environ[variable], read_config(os.environ[variable]), mt + key
 
 
 def _rel(a, b):
@@ -242,25 +302,50 @@ def main():
         layout_kw, train = parse_spec(spec)
         spec_dir, spec_config, key = spec_model(spec, dense)
         first_of_model = all(spec_model(s, dense)[2] != key for s in specs[:i])
-        batch = synthetic_rollout(spec_config["vocab_size"])
-        for mode in MODES:
-            flags = spec_flags(spec)
+        flags = spec_flags(spec)
+        jobs = [(mode, None) for mode in MODES]
+        if key == "":  # the dense policy also runs every loss / estimator / correction variant
+            jobs += [(VARIANTS[v][2], v) for v in VARIANTS]
+        for mode, variant in jobs:
+            batch = (synthetic_multi_turn(spec_config["vocab_size"], GROUPS, N)
+                     if "mt" in flags else
+                     synthetic_rollout(spec_config["vocab_size"],
+                                       estimator=VARIANTS[variant][1] if variant else "grpo"))
             results, table, params = run_layout(
                 spec_dir, spec_config, layout_kw, train, mode, batch, world, sp="sp" in flags,
-                temperature=1.0 if "t1" in flags else SETTINGS["temperature"])
+                temperature=1.0 if "t1" in flags else SETTINGS["temperature"], variant=variant)
+            name = key + (f"var/{variant}" if variant else mode)
             if making_ref and first_of_model:
-                new_ref[key + mode] = {"loss": [r["policy/loss"] for r in results],
+                keys = METRIC_KEYS + tuple(k for k in CORR_KEYS if k in results[0])
+                new_ref[name] = {"loss": [r["policy/loss"] for r in results],
                                  "grad_norm": [r["grad_norm"] for r in results],
-                                 "metrics": {k: [r[k] for r in results] for k in METRIC_KEYS},
+                                 "metrics": {k: [r[k] for r in results] for k in keys},
                                  "table": table, "params": params}
-                out = {"reference": True, "loss": new_ref[key + mode]["loss"],
-                       "grad_norm": new_ref[key + mode]["grad_norm"],
-                       "metrics": new_ref[key + mode]["metrics"]}
+                out = {"reference": True, "loss": new_ref[name]["loss"],
+                       "grad_norm": new_ref[name]["grad_norm"],
+                       "metrics": new_ref[name]["metrics"]}
             else:
-                out = compare(results, table, params, (new_ref or ref)[key + mode])
+                out = compare(results, table, params, (new_ref or ref)[name])
             if rank == 0:
-                out.update(spec=spec, mode=mode, world=world)
+                out.update(spec=spec, mode=mode, world=world, variant=variant)
                 print("RESULT " + json.dumps(out), flush=True)
+    cp_spec = next((s for s in specs if parse_spec(s)[0]["cp"] > 1), None)
+    if world > 1 and cp_spec is not None:
+        control = per_shard_control(model_dir, hf_config, cp_spec, world)
+        if rank == 0:
+            print("CONTROL_CP " + json.dumps({"spec": cp_spec, "per_shard": control,
+                                              "reference": ref["var/gspo"]["loss"]}),
+                  flush=True)
+    mt_spec = next((s for s in specs if "mt" in spec_flags(s)), None)
+    if making_ref and mt_spec is not None:  # negative control: observation tokens trained
+        layout_kw, train = parse_spec(mt_spec)
+        results = run_layout(model_dir, hf_config, layout_kw, train, MODES[0],
+                             observations_trained(synthetic_multi_turn(
+                                 hf_config["vocab_size"], GROUPS, N)), world, sp=False,
+                             temperature=SETTINGS["temperature"])[0]
+        print("CONTROL_MT " + json.dumps({"observations_trained": [
+            r["policy/loss"] for r in results], "reference": new_ref["mt/" + MODES[0]]["loss"]}),
+            flush=True)
     if making_ref:
         torch.save(new_ref, ref_file)
     if world > 1:
