@@ -17,7 +17,8 @@ share these names):
   forward pre-hook the next time the model runs (each pipeline stage on its own: no
   `align_param_gather`). Until then the other shards of `param.data` hold the previous
   step's values, so anything that reads parameters outside a forward pass (checkpoint save,
-  the RL weight sync, HF export) first calls `finish_param_gather`.
+  the RL weight sync, HF export) first calls `finish_param_gather`; modules that read their
+  children's parameters in their own forward (GroupedExperts) get a hook that gathers them.
 - with virtual pipeline stages and overlap_grad_reduce on, the interleaved schedule overlaps
   its p2p sends/receives with compute (`overlap_p2p_comm`, which needs `batch_p2p_comm` off).
 
@@ -81,7 +82,9 @@ def p2p_overrides(settings: OverlapSettings) -> dict:
 
 def install_schedule_hooks(chunks: list, settings: OverlapSettings) -> None:
     """Set the model config's no_sync_func / grad_sync_func (overlap_grad_reduce) as megatron's
-    training loop does: one function for one chunk, a list (one per virtual stage) otherwise."""
+    training loop does: one function for one chunk, a list (one per virtual stage) otherwise;
+    and the parameter-gather hooks of install_subtree_gather_hooks (overlap_param_gather)."""
+    install_subtree_gather_hooks(chunks)
     if not settings.overlap_grad_reduce:
         return
     for chunk in chunks:
@@ -90,6 +93,35 @@ def install_schedule_hooks(chunks: list, settings: OverlapSettings) -> None:
         grad_sync = [c.start_grad_sync for c in chunks]
         config.no_sync_func = no_sync[0] if len(chunks) == 1 else no_sync
         config.grad_sync_func = grad_sync[0] if len(chunks) == 1 else grad_sync
+
+
+def install_subtree_gather_hooks(chunks: list) -> int:
+    """Forward pre-hooks for modules that read their children's parameters in their own
+    forward (models.grouped_experts.GroupedExperts stacks every local expert's weights):
+    megatron's overlap_param_gather hook only gathers a module's direct parameters when that
+    module runs, so without this the stacked weights would be the previous step's on every
+    shard but this rank's. Returns the number of hooks installed (0 without the overlap)."""
+    from models.grouped_experts import GroupedExperts
+
+    installed = 0
+    for chunk in chunks:
+        cfg = getattr(chunk, "ddp_config", None)
+        if cfg is None or not (cfg.use_distributed_optimizer and cfg.overlap_param_gather):
+            continue
+        for module in chunk.module.modules():
+            if isinstance(module, GroupedExperts):
+                module.register_forward_pre_hook(_subtree_gather_hook(chunk))
+                installed += 1
+    return installed
+
+
+def _subtree_gather_hook(chunk):
+    def hook(module, *unused):
+        for param in module.parameters():
+            group = chunk.param_to_bucket_group.get(param)
+            if group is not None:
+                group.finish_param_sync()   # a no-op once that bucket's gather is done
+    return hook
 
 
 def finish_param_gather(chunks: list) -> int:
