@@ -15,11 +15,16 @@ recomputation.
   `block` (the first `recompute_num_layers` layers of each pipeline chunk recomputed, the rest
   keep everything). Recomputation replays the forward with the same RNG states (megatron's
   checkpoint), so the loss and gradient do not change either.
+- `train.loss_chunk_tokens` (SFT and RL; default engine.training.loss_head.
+  DEFAULT_LOSS_CHUNK_TOKENS): the output projection and the vocab-parallel log-softmax/entropy
+  run chunk by chunk over this many tokens (engine.training.loss_head), so no [tokens, vocab/tp]
+  float32 logits of a whole micro-batch are held; 0 or null: megatron's unchunked logits. Same
+  loss and gradient within float32 rounding.
 
-`megatron_overrides` maps these keys to TransformerConfig fields; `recompute_problems` and
-`recompute_layer_problems` check them before any process group exists (every problem names its
-key and the valid values; `parallel.sequence_parallel=true` with tp = 1 is refused by
-parallel.layout).
+`megatron_overrides` maps these keys to TransformerConfig fields; `recompute_problems`,
+`recompute_layer_problems` and `loss_chunk_problems` check them before any process group
+exists (every problem names its key and the valid values; `parallel.sequence_parallel=true`
+with tp = 1 is refused by parallel.layout).
 """
 from __future__ import annotations
 
@@ -118,3 +123,12 @@ def describe(config) -> str:
     elif granularity == "selective":
         granularity += f" ({', '.join(config.recompute_modules)})"
     return f"sequence parallelism {sp}, recompute {granularity}"
+
+
+def loss_chunk_problems(train_cfg) -> list[str]:
+    """train.loss_chunk_tokens: null or an integer >= 0 (SFT and RL)."""
+    value = train_cfg.loss_chunk_tokens
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return []
+    return [f"train.loss_chunk_tokens={value!r} must be null or an integer >= 0 (tokens per "
+            "chunk of the loss head; 0 or null: unchunked logits)"]

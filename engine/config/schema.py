@@ -18,10 +18,11 @@ from engine.data.files import SUPPORTED_EXTENSIONS, data_spec_problem
 from engine.config.loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
 from engine.training.loss import AGG_MODES
+from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.config.fusion_settings import FusionConfig, fusion_problems
 from engine.config.moe_settings import MoEConfig, moe_problems
-from engine.config.model_settings import (recompute_layer_problems, recompute_problems,
-                                   sequence_parallel_on)
+from engine.config.model_settings import (loss_chunk_problems, recompute_layer_problems,
+                                          recompute_problems, sequence_parallel_on)
 from engine.config.parallel_settings import (ParallelConfig, overlap_problems,
                                              resolved_overlap_problems)
 from models.families import experts_per_layer
@@ -73,6 +74,8 @@ class TrainConfig:
     recompute: str = "none"              # activation recomputation: none | selective | full
     recompute_method: Optional[str] = None       # full only: uniform | block (null: uniform)
     recompute_num_layers: Optional[int] = None   # full only: layers per group / block (null: 1)
+    # tokens per chunk of the loss head (engine.config.model_settings); 0 or null: unchunked
+    loss_chunk_tokens: Optional[int] = DEFAULT_LOSS_CHUNK_TOKENS
 
 
 @dataclass
@@ -238,6 +241,7 @@ def value_problems(cfg) -> list[str]:
               optional=True)
     _positive(p, cfg.train.max_consecutive_nonfinite_steps,
               "train.max_consecutive_nonfinite_steps")
+    p += loss_chunk_problems(cfg.train)
     if len(cfg.optim.betas) != 2:
         p.append(f"optim.betas={list(cfg.optim.betas)} must hold two numbers")
     return p + overlap_problems(cfg) + fusion_problems(cfg)

@@ -25,6 +25,7 @@ from engine.config.schema import (CheckpointConfig, DataConfig, LoggingConfig, L
                            split_argv, validate_common)
 from engine.config.model_settings import recompute_layer_problems, recompute_problems
 from engine.config.moe_settings import MoEConfig
+from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.env.contract import env_problems
 from engine.rl.algorithms import ALGORITHMS
@@ -57,6 +58,9 @@ class RLTrainConfig:
     recompute_method: Optional[str] = None       # full only: uniform | block (null: uniform)
     recompute_num_layers: Optional[int] = None   # full only: layers per group / block (null: 1)
     val_interval: int = 0                # validate after every N-th RL step (0: off)
+    # tokens per chunk of the loss head in policy updates and log-prob recomputation (as SFT);
+    # 0 or null: unchunked logits
+    loss_chunk_tokens: Optional[int] = DEFAULT_LOSS_CHUNK_TOKENS
 
 
 @dataclass

@@ -198,6 +198,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         hf_config, cfg.optim, dtype, optimizer_steps, batching, pad_id,
         weights_dir=cfg.model.hf_path, load_weights=load,
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
+        loss_chunk_tokens=t.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
         **fusion_overrides(cfg, hf_config)),
         position(0),
@@ -216,6 +217,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     # the KL reference is the initial policy (model.hf_path), also after a resume; it runs
     # forward-only, so it never recomputes
     reference = (TrainEngine.frozen(hf_config, dtype, cfg.model.hf_path, batching, pad_id,
+                                    loss_chunk_tokens=t.loss_chunk_tokens or None,
                                     **megatron_overrides(cfg.parallel),
                                     **moe_overrides(cfg, hf_config, forward_only=True),
                                     **fusion_overrides(cfg, hf_config))

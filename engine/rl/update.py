@@ -36,7 +36,7 @@ from engine.rl.policy_loss_variants import POLICY_LOSSES, reinforce_loss
 from engine.rl import seq_reduce
 from engine.rl.seq_reduce import SequenceReducer
 from engine.training.schedule import LossFn
-from engine.training.token_losses import token_entropy, token_logprobs
+from engine.training.token_losses import token_logprobs_and_entropy
 from engine.training.train_engine import TrainEngine
 
 # Weighted sums reported by the loss function, reduced over micro-batches and DP x CP; the
@@ -102,7 +102,8 @@ def policy_loss_fn(s: PolicyLossSettings) -> LossFn:
 
     def loss_fn(logits, mb):
         w = mb.token_weights
-        logp = token_logprobs(logits, mb.labels, s.vocab_size, s.temperature)
+        logp, entropy = token_logprobs_and_entropy(logits, mb.labels, s.vocab_size,
+                                                   s.temperature, entropy_grad=s.entropy_coef != 0)
         seqs = SequenceReducer(mb.seq_ids, mb.loss_mask, seq_reduce.cp_group())
         extra: dict = {}
         terms, keep = _policy_terms(s, logp, mb, seqs, extra)
@@ -112,8 +113,6 @@ def policy_loss_fn(s: PolicyLossSettings) -> LossFn:
         if s.kl_beta > 0:
             kl = kl_penalty(logp, mb.extras["ref_logprobs"], s.kl_estimator)
             per_token = per_token + s.kl_beta * kl
-        with torch.set_grad_enabled(s.entropy_coef != 0 and torch.is_grad_enabled()):
-            entropy = token_entropy(logits, s.vocab_size, s.temperature)
         if s.entropy_coef != 0:
             per_token = per_token - s.entropy_coef * entropy
         loss = aggregate(per_token, w)

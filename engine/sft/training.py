@@ -39,7 +39,8 @@ SFT_REPORT_KEYS = ("loss", "num_loss_tokens")
 
 
 def sft_loss_fn(vocab_size: int) -> LossFn:
-    """Weighted token cross-entropy (engine.training.loss contract), reporting SFT_REPORT_KEYS."""
+    """Weighted token cross-entropy (engine.training.loss contract), reporting SFT_REPORT_KEYS.
+    `logits`: [b, s, V/tp] or, with the chunked loss head, a loss_head.HiddenStates."""
 
     def loss_fn(logits, mb):
         nll = -token_logprobs(logits, mb.labels, vocab_size)
@@ -129,6 +130,7 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
         hf_config, cfg.optim, dtype, cfg.train.max_steps, BatchSettings.from_config(cfg.train),
         pad_id, weights_dir=cfg.model.hf_path, load_weights=load,
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
         **fusion_overrides(cfg, hf_config)),
         position(0))

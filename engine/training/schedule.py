@@ -5,9 +5,16 @@ interleaved with virtual PP), with a loss function that returns the *weighted su
 terms (engine.training.loss contract), and returns the report sums reduced to the global mini-batch:
 summed over micro-batches on the last pipeline stage, then over the DP x CP group, then shared
 with every PP stage. TP ranks hold identical values and are never summed.
+
+Loss head: with `loss_chunk_tokens` (the default, train.loss_chunk_tokens) the last stage's
+model returns hidden states (models.output_head) and the loss function receives an
+engine.training.loss_head.HiddenStates instead of [b, s, V/tp] logits; the token_losses
+functions compute the same log-probs/entropy from either, chunk by chunk over tokens. With
+`loss_chunk_tokens=None` the loss function receives megatron's logits (unchunked).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -15,10 +22,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS, HiddenStates
 from engine.training.micro_batches import MicroBatch
+from models.output_head import output_weight, returning_hidden_states
 from parallel import cpu_runtime
 
-# loss_fn(output_logits [b, s, V/tp], micro_batch) -> (loss_sum, {name: scalar sum tensor})
+# loss_fn(output [b, s, V/tp] logits or HiddenStates, micro_batch)
+#   -> (loss_sum, {name: scalar sum tensor})
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -55,13 +65,16 @@ def reduce_reports(reports: list[dict[str, torch.Tensor]], keys: list[str]) -> d
 def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: LossFn,
                       forward_only: bool = False,
                       output_fn: Callable[[torch.Tensor, MicroBatch], None] | None = None,
-                      before_forward: Callable[[object, MicroBatch], None] | None = None
+                      before_forward: Callable[[object, MicroBatch], None] | None = None,
+                      loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
                       ) -> list[dict[str, torch.Tensor]]:
     """Forward (and backward unless `forward_only`) of all micro-batches of this rank.
 
     All micro-batches must share one shape when pp > 1 (the caller pads them). `output_fn`,
     when given, sees each micro-batch's logits on the last stage (forward-only uses: recomputed
-    log-probs). Returns the per-micro-batch report dicts of the last stage (empty elsewhere).
+    log-probs). Both see a HiddenStates instead of logits when `loss_chunk_tokens` is set (the
+    chunked loss head, module docstring). Returns the per-micro-batch report dicts of the last
+    stage (empty elsewhere).
     """
     device = cpu_runtime.device()
     batches = [_to_device(mb, device) for mb in micro_batches]
@@ -75,6 +88,9 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
         output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
 
         def loss_func(output_tensor):
+            if loss_chunk_tokens:
+                output_tensor = HiddenStates(output_tensor, output_weight(model),
+                                             loss_chunk_tokens)
             if output_fn is not None:
                 output_fn(output_tensor, mb)
             loss, report = loss_fn(output_tensor, mb)
@@ -87,9 +103,11 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
     packed = batches[0].packed_seq_params is not None
     seq_length = shape[1] * cp
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iterators,
-        model=chunks if vpp > 1 else chunks[0], num_microbatches=len(batches),
-        seq_length=seq_length, micro_batch_size=1 if packed else shape[0],
-        forward_only=forward_only)
+    head = (returning_hidden_states(chunks) if loss_chunk_tokens else contextlib.nullcontext())
+    with head:
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators,
+            model=chunks if vpp > 1 else chunks[0], num_microbatches=len(batches),
+            seq_length=seq_length, micro_batch_size=1 if packed else shape[0],
+            forward_only=forward_only)
     return list(reports)

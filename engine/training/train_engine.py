@@ -30,6 +30,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from engine.training.comm_overlap import (OverlapSettings, ddp_config, finish_param_gather,
                                           install_schedule_hooks, p2p_overrides)
 from engine.training.loss import GlobalLossNormalizer
+from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.micro_batches import MicroBatch, SequenceData
 from engine.training.nonfinite import NonFiniteGuard, guarded_optimizer_step
 from engine.training.rank_batch import build_rank_batch
@@ -40,7 +41,8 @@ from models.bridge import load_hf_weights
 from models.factory import build_model_chunks
 from models.hf_io import SafetensorsReader
 
-# output_fn(output_logits [b, s, V/tp], micro_batch) -> None: sees each micro-batch's logits
+# output_fn(output_logits [b, s, V/tp] or loss_head.HiddenStates, micro_batch) -> None: sees
+# each micro-batch's logits (engine.training.schedule)
 OutputFn = Callable[[torch.Tensor, MicroBatch], None]
 
 
@@ -123,6 +125,8 @@ class TrainEngine:
     guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)  # skipped-step accounting
     router_losses: RouterLosses | None = None  # MoE router-loss scaling and metrics (lazy)
     routing: RoutingReplay | None = None  # MoE routing record/replay (enable_routing_replay)
+    # tokens per chunk of the loss head (train.loss_chunk_tokens); None: megatron's logits
+    loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
 
     @property
     def vocab_size(self) -> int:
@@ -147,13 +151,15 @@ class TrainEngine:
     def build(cls, hf_config: dict, optim_cfg, dtype: torch.dtype, total_steps: int,
               batching: BatchSettings, pad_id: int = 0, weights_dir: str | None = None,
               load_weights: bool = True, overlap: OverlapSettings | None = None,
+              loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
               **model_overrides) -> "TrainEngine":
         """Build this rank's model chunks, load HF weights from `weights_dir` (unless
         `load_weights` is False: a checkpoint will be loaded), wrap them in megatron DDP and
         create the optimizer and an LR schedule over `total_steps` optimizer steps.
         `model_overrides` go to the TransformerConfig (e.g. cp_comm_type; sequence
         parallelism and recomputation: engine.config.model_settings.megatron_overrides);
-        `overlap`: DDP communication settings (engine.training.comm_overlap; default none)."""
+        `overlap`: DDP communication settings (engine.training.comm_overlap; default none);
+        `loss_chunk_tokens`: tokens per chunk of the loss head (None: unchunked logits)."""
         overlap = overlap or OverlapSettings()
         raw = build_model_chunks(hf_config, params_dtype=dtype,
                                  **{**model_overrides, **p2p_overrides(overlap)})
@@ -170,25 +176,29 @@ class TrainEngine:
             c.broadcast_params()
         optimizer = _optimizer(chunks, optim_cfg, dtype)
         return cls(chunks, optimizer, _scheduler(optimizer, optim_cfg, total_steps), hf_config,
-                   batching, pad_id)
+                   batching, pad_id, loss_chunk_tokens=loss_chunk_tokens)
 
     @classmethod
     def frozen(cls, hf_config: dict, dtype: torch.dtype, weights_dir: str,
-               batching: BatchSettings, pad_id: int = 0, **model_overrides) -> "TrainEngine":
+               batching: BatchSettings, pad_id: int = 0,
+               loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
+               **model_overrides) -> "TrainEngine":
         """A forward-only copy of the HF weights in `weights_dir` (no DDP, no optimizer);
-        `model_overrides` as in `build`."""
+        `loss_chunk_tokens` and `model_overrides` as in `build`."""
         chunks = build_model_chunks(hf_config, params_dtype=dtype, **model_overrides)
         load_hf_weights(chunks, SafetensorsReader(weights_dir), hf_config)
         for c in chunks:
             c.eval().requires_grad_(False)
-        return cls(chunks, None, None, hf_config, batching, pad_id)
+        return cls(chunks, None, None, hf_config, batching, pad_id,
+                   loss_chunk_tokens=loss_chunk_tokens)
 
     def train_batch(self, seqs: Sequence[SequenceData], normalizer: GlobalLossNormalizer,
                     loss_fn: LossFn, report_keys: Sequence[str]) -> dict[str, float]:
         """One optimizer step on the global mini-batch `seqs`.
 
-        `loss_fn(logits, mb)` returns (weighted loss sum, {key: sum}); the loss driving the
-        guard is report key `report_keys[0]`. Returns the report sums reduced over the whole
+        `loss_fn(logits, mb)` (logits or a loss_head.HiddenStates) returns (weighted loss
+        sum, {key: sum}); the loss driving the guard is report key `report_keys[0]`. Returns
+        the report sums reduced over the whole
         mini-batch plus grad_norm, lr (of this step), train/update_skipped,
         train/micro_batches, batch/num_tokens, batch/num_padding, batch/dp_imbalance and
         time/step_s (and for MoE models the moe/* metrics of engine.training.router_losses). A
@@ -205,7 +215,8 @@ class TrainEngine:
             self.router_losses = RouterLosses(self.chunks)
         self.router_losses.before_step(batch.micro_batches)
         reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn,
-                                    before_forward=self._routing_hook(seqs))
+                                    before_forward=self._routing_hook(seqs),
+                                    loss_chunk_tokens=self.loss_chunk_tokens)
         out = reduce_reports(reports, list(report_keys))
         out.update(self.router_losses.metrics())
         if self.routing is not None and self.routing.mode == "replay":
@@ -261,9 +272,10 @@ class TrainEngine:
                                  sequence_parallel=self.sequence_parallel)
         reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn or _no_loss,
                                     forward_only=True, output_fn=output_fn,
-                                    before_forward=self._routing_hook(seqs))
+                                    before_forward=self._routing_hook(seqs),
+                                    loss_chunk_tokens=self.loss_chunk_tokens)
         return reduce_reports(reports, list(report_keys))
 
 
-def _no_loss(logits: torch.Tensor, mb: MicroBatch):
-    return logits.sum() * 0.0, {}
+def _no_loss(output, mb: MicroBatch):
+    return torch.zeros((), device=mb.tokens.device), {}
