@@ -24,13 +24,9 @@ from engine.errors import RunError
 PLACEHOLDER = "Zq9PlaceholderTurnZq9"
 
 
-def _prompt_messages(prompt) -> list[dict]:
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-
-
 def conversation_start(prompt) -> list[dict]:
     """The conversation of a prompt row (a string is one user message)."""
-    return _prompt_messages(prompt)
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
 
 
 def observation_text(tokenizer, messages: list[dict], new: list[dict],
