@@ -16,6 +16,7 @@ MOE = Path(__file__).resolve().parents[1] / "recipes" / "rl" / "qwen3_30b_a3b_gr
 def test_every_recipe_exists():
     assert {p.name for p in RECIPES} == {"qwen3_8b_grpo_h100.yaml", "qwen3_8b_dapo_h100.yaml",
                                          "qwen3_30b_a3b_grpo_h100.yaml",
+                                         "qwen3_30b_a3b_dapo_gspo_r2_h100.yaml",
                                          "qwen3_8b_tools_grpo_h100.yaml"}
 
 
@@ -36,6 +37,27 @@ def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
     assert detect_format(QWEN3) == "hermes"
 
 
+def test_dapo_gspo_r2_recipe_selects_its_loss_replay_and_dapo_options():
+    """The MoE off-policy recipe (issue 25): DAPO with GSPO's sequence-ratio bounds, R2 routing
+    replay on a MoE shape, seq-mean-token-mean (verl's gspo aggregation), no KL reference."""
+    argv = ["--config", str(MOE.parent / "qwen3_30b_a3b_dapo_gspo_r2_h100.yaml")]
+    cfg, _ = load_config(RLConfig, argv)
+    cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))
+    assert (cfg.algorithm, cfg.policy_loss, cfg.moe.routing_replay) == ("dapo", "gspo", "R2")
+    assert (cfg.clip.eps_low, cfg.clip.eps_high) == (0.0003, 0.0004)
+    assert cfg.loss.agg_mode == "seq-mean-token-mean" and cfg.kl.beta == 0.0
+    assert cfg.dapo.dynamic_sampling and cfg.model.shape == "qwen3-30b-a3b"
+
+
+def test_dapo_gspo_r2_recipe_passes_validate(capsys):
+    from engine.rl.recipe_check import rl_validate_main
+
+    recipe = MOE.parent / "qwen3_30b_a3b_dapo_gspo_r2_h100.yaml"
+    assert rl_validate_main(["--config", str(recipe), "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "KL reference 0.0" in out and "recipe OK on 4 node(s) x 8 GPUs" in out
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipe_loads_with_algorithm_defaults(path):
     argv = ["--config", str(path)]
@@ -44,7 +66,9 @@ def test_recipe_loads_with_algorithm_defaults(path):
     assert cfg.rollout.backend == "sglang" and cfg.model.dtype == "bfloat16"
     assert cfg.train.seq_length >= cfg.rollout.max_new_tokens
     if cfg.algorithm == "dapo":
-        assert (cfg.clip.eps_low, cfg.clip.eps_high, cfg.kl.beta) == (0.2, 0.28, 0.0)
+        # explicit keys win over the preset: the GSPO recipe sets the sequence-ratio bounds
+        clip = (0.2, 0.28) if cfg.policy_loss == "ppo_clip" else (0.0003, 0.0004)
+        assert (cfg.clip.eps_low, cfg.clip.eps_high, cfg.kl.beta) == (*clip, 0.0)
         assert cfg.dapo.dynamic_sampling and cfg.dapo.overlong_buffer == 4096 // 5
     else:
         assert cfg.kl.beta > 0 and cfg.clip.eps_high == 0.2
