@@ -13,10 +13,13 @@ tokens, which megatron's token dispatcher has already sorted by local expert
 
 - on CUDA in bf16 with `torch._grouped_mm` (torch >= 2.8, compute capability >= 9.0:
   Hopper), when the matrix sizes meet its 16-byte stride rule (`grouped_mm_usable`);
-- anywhere else (CPU, fp32, older GPUs, odd sizes) a single padded `torch.bmm` over the
-  experts: each expert's rows are copied into an [E, max tokens per expert, K] buffer whose
-  padding rows are zero (memory E x the busiest expert's tokens; the padding contributes
-  exact zeros to every gradient).
+- on the CPU (fp32 or bf16) with `torch._grouped_mm` too where this torch implements it there
+  (probed once, `cpu_grouped_mm`; torch 2.13 does, as a loop over the groups in C++ with the
+  same per-group matmuls as SequentialMLP);
+- anywhere else (fp32 on GPUs, older GPUs or torch, odd sizes) a single padded `torch.bmm`
+  over the experts: each expert's rows are copied into an [E, max tokens per expert, K]
+  buffer whose padding rows are zero (memory and work E x the busiest expert's tokens; the
+  padding contributes exact zeros to every gradient).
 
 Expert-tensor parallelism needs no communication here: megatron's expert linears run as
 plain matmuls (`explicit_expert_comm`) and the token dispatcher gathers/scatters over the
@@ -42,17 +45,41 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+_CPU_GROUPED_MM: bool | None = None
+
+
+def cpu_grouped_mm() -> bool:
+    """Whether this torch computes `torch._grouped_mm` on CPU tensors, with the right numbers
+    (probed once on a 2-group example)."""
+    global _CPU_GROUPED_MM
+    if _CPU_GROUPED_MM is None:
+        try:
+            x, w = torch.arange(16.0).view(2, 8), torch.ones(2, 8, 4)
+            w[1] *= 2
+            out = torch._grouped_mm(x, w, offs=torch.tensor([1, 2], dtype=torch.int32))
+            _CPU_GROUPED_MM = torch.equal(out, torch.stack([x[0] @ w[0], x[1] @ w[1]]))
+        except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+            _CPU_GROUPED_MM = False
+    return _CPU_GROUPED_MM
+
+
 def grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` can compute x [T, K] against stacked w [E, N, K] here:
-    CUDA bf16 tensors, torch >= 2.8 with the op, a Hopper-or-newer device, and K, N
-    multiples of 8 (its strides must be multiples of 16 bytes)."""
-    if not (x.is_cuda and w.is_cuda and x.dtype == torch.bfloat16 == w.dtype):
+    K and N multiples of 16 bytes (its stride rule), and on the CPU fp32/bf16 tensors with a
+    torch that implements it there (`cpu_grouped_mm`), on CUDA bf16 tensors, torch >= 2.8 with
+    the op and a Hopper-or-newer device."""
+    if x.dtype != w.dtype or x.device.type != w.device.type:
+        return False
+    align = 16 // x.element_size()
+    if x.shape[-1] % align or w.shape[1] % align:
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16) and cpu_grouped_mm()
+    if not (x.is_cuda and x.dtype == torch.bfloat16):
         return False
     if not hasattr(torch, "_grouped_mm") or _torch_version() < GROUPED_MM_MIN_TORCH:
         return False
-    if torch.cuda.get_device_capability(x.device) < GROUPED_MM_MIN_CAPABILITY:
-        return False
-    return x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0
+    return torch.cuda.get_device_capability(x.device) >= GROUPED_MM_MIN_CAPABILITY
 
 
 def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -77,7 +104,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Te
     `grouped_mm_usable`, else the padded bmm), "grouped_mm" or "padded" (tests)."""
     if kernel == "grouped_mm" or (kernel == "auto" and grouped_mm_usable(x, w)):
         offs = torch.cumsum(tokens_per_expert.to(x.device), 0, dtype=torch.int32)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        if out.requires_grad:  # its backward refuses stride-0 (expanded) gradients
+            out.register_hook(lambda grad: grad.contiguous())
+        return out
     if kernel not in ("auto", "padded"):
         raise ValueError(f"grouped_linear: unknown kernel {kernel!r} (auto, grouped_mm, padded)")
     return padded_grouped_linear(x, w, [int(c) for c in tokens_per_expert.tolist()])

@@ -84,3 +84,22 @@ def test_cli_exits_2_naming_the_key(module, recipe):
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "parallel.overlap_param_gather=true needs optim.distributed_optimizer" in proc.stderr
+
+
+def test_optimizer_state_of_several_padded_buckets_is_put_back_at_padded_offsets():
+    """engine.checkpoint.bucket_padding: megatron's compact world tensor (bucket paddings
+    dropped) is re-expanded so that parameter offsets of the padded buffer index it; already
+    padded tensors (a fixed megatron) are left alone."""
+    from engine.checkpoint.bucket_padding import _expand
+
+    buckets = [SimpleNamespace(numel_unpadded=3), SimpleNamespace(numel_unpadded=2)]
+    buffer = SimpleNamespace(buckets=buckets, bucket_indices=[(0, 4), (4, 8)], numel=8)
+    opt = SimpleNamespace(buffers=[buffer])
+    compact = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    state = {"buckets_coalesced": True,
+             0: {torch.float32: {"param": compact, "numel_unpadded": 5,
+                                 "exp_avg": torch.arange(8.0)}}}
+    out = _expand(opt, state)[0][torch.float32]
+    assert out["param"].tolist() == [1, 2, 3, 0, 4, 5, 0, 0]
+    assert out["exp_avg"].tolist() == list(range(8)) and out["numel_unpadded"] == 5
+    assert _expand(opt, None) is None

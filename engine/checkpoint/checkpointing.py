@@ -47,6 +47,7 @@ from engine.checkpoint.io import (CheckpointError, iteration_dir, prune, publish
                                   resolve_resume, staging_dir, write_complete_marker)
 from engine.checkpoint.writer import install as install_writer_queue
 from engine.checkpoint.fault_injection import maybe_crash
+from engine.checkpoint.bucket_padding import optimizer_sharded_state_dict
 from models.bridge import unwrap
 from models.checkpoint import model_sharded_state_dict, write_metadata
 
@@ -188,8 +189,8 @@ def training_state_dict(state, position: DataPosition, is_loading: bool,
         _prepare_optimizer_for_load(state.optimizer)
     sd = {
         "model": model_sd["model"],
-        "optimizer": state.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                        metadata=SHARDING_METADATA),
+        "optimizer": optimizer_sharded_state_dict(state.optimizer, model_sd, is_loading,
+                                                  SHARDING_METADATA),
         "scheduler": state.scheduler.state_dict(),
         "data": asdict(position),
         "layout": current_layout(),

@@ -22,7 +22,7 @@ models.families: Qwen3-MoE, Mixtral).
   dropped is logged as `moe/dropped_token_fraction`.
 - `moe.grouped_experts` (default true): on the local (non Transformer Engine) layer spec the
   experts of a layer run as one grouped computation (models.grouped_experts: torch._grouped_mm
-  in bf16 on Hopper GPUs, one padded batched matmul elsewhere) instead of megatron's
+  in bf16 on Hopper GPUs and on the CPU, one padded batched matmul elsewhere) instead of megatron's
   SequentialMLP loop over experts; the same parameters, checkpoint layout and numbers (fp32:
   within rounding). false: SequentialMLP.
 

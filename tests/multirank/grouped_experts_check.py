@@ -176,6 +176,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from engine.cli import exit_process
-
-    exit_process(main())
+    # a plain exit: engine.cli.exit_process joins non-daemon threads before the atexit hooks
+    # that stop a ThreadPoolExecutor this path starts, and would wait forever
+    sys.exit(main())
