@@ -47,6 +47,7 @@ STEPS = 2                  # mini-batches = optimizer steps
 # deferred (engine.rl.weight_sync finishes it). Set by parse_spec for the spec being run.
 OVERLAP = {"on": None}
 LR, ADAM_EPS, HORIZON = 1e-2, 1e-4, 24
+LOSS_CHUNK_TOKENS = 16  # chunked loss head, several (ragged) chunks per micro-batch
 SETTINGS = dict(temperature=0.8, eps_low=0.2, eps_high=0.28, dual_c=3.0, kl_beta=0.05,
                 kl_estimator="k3", entropy_coef=0.01)
 BASE_CORRECTION = dict(rollout_is="token", rollout_is_threshold=2.0)  # truncated IS
@@ -135,7 +136,8 @@ def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None):
     if overrides is None:
         overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
     return TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
-                             weights_dir=model_dir, overlap=OVERLAP["on"], **overrides)
+                             weights_dir=model_dir, overlap=OVERLAP["on"],
+                             loss_chunk_tokens=LOSS_CHUNK_TOKENS, **overrides)
 
 
 def _sequences(state, batch, temperature, correction=None):

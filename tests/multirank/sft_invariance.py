@@ -38,6 +38,9 @@ MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
 STEPS, GBS, HORIZON = 3, 16, 48
 LR = 1e-2
 ADAM_EPS = float(os.environ.get("INV_ADAM_EPS", "1e-4"))
+# the chunked loss head (train.loss_chunk_tokens) with chunks of 16 tokens: every micro-batch
+# of every layout spans several chunks, the last one ragged
+LOSS_CHUNK_TOKENS = 16
 MOE_METRICS: list[dict] = []  # the moe/* metrics of each step of the latest run_layout
 
 
@@ -200,7 +203,8 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
                             distributed_optimizer=True)
     state = TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
-                              weights_dir=model_dir, overlap=overlap, **(overrides or {}))
+                              weights_dir=model_dir, overlap=overlap,
+                              loss_chunk_tokens=LOSS_CHUNK_TOKENS, **(overrides or {}))
     normalizer = GlobalLossNormalizer(mode, HORIZON, True, group=ps.get_data_parallel_group())
     losses, norms = [], []
     undo = inject_bug(state, bug)
