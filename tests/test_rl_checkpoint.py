@@ -72,7 +72,10 @@ def runs(tmp_path_factory) -> dict:
 
     dapo = ["-m", "engine.rl", "algorithm=dapo", *common, "rollout.n=2",
             "rollout.max_new_tokens=6", "train.prompts_per_step=2", "train.max_steps=2",
-            "dapo.max_gen_batches=4", "reward.fn=tests.test_rl_checkpoint:parity_reward"]
+            "dapo.max_gen_batches=4", "reward.fn=tests.test_rl_checkpoint:parity_reward",
+            # seed 1: both groups of the first generation batch agree (checked with the HF
+            # backend's per-response seeds), so step 1 needs more than one generation batch
+            "seed=1"]
 
     def stopped_and_resumed() -> None:
         out["B"] = run("B", 1, grpo, "train.exit_interval=2")
