@@ -140,10 +140,15 @@ def test_config_checks_name_the_env_keys(model_dir, tmp_path):
              "env.tools=[math:sqrt]": "env.tools=['math:sqrt'] needs env.fn=tools",
              "env.max_turns=0": "env.max_turns=0 must be an integer >= 1",
              "env.num_workers=0": "env.num_workers=0 must be an integer >= 1",
-             "env.step_timeout_s=0": "env.step_timeout_s=0.0 must be > 0 or null"}
+             "env.step_timeout_s=0": "env.step_timeout_s=0.0 must be > 0 or null",
+             # the tiny template has no tool-call format: refused before any process starts
+             "env.fn=tools": "env.fn=tools: the chat template of model.hf_path has no "
+                             "known tool-call format"}
     for override, message in cases.items():
         argv = base + (["env.fn=tests.test_rl_env:CountEnv"] if override.startswith(
-            ("env.max", "env.num", "env.step")) else []) + [override]
+            ("env.max", "env.num", "env.step")) else []) + (
+            ["env.tools=[engine.rl.env.example_tools:calculate]"]
+            if override == "env.fn=tools" else []) + [override]
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate_rl(_config(argv), 1)
 
@@ -287,3 +292,50 @@ def test_two_engines_equal_one_engine_for_multi_turn(eos_model_dir):
     for a, b in zip(one.rollout_logprobs, two.rollout_logprobs):  # batch shapes differ
         assert a == pytest.approx(b, abs=1e-5)
     assert one.metrics["env/turns_max"] >= 2 and len({len(r) for r in one.response_ids}) > 1
+
+
+def _cli_run(model_dir, data, log_dir, engines: int):
+    from tests.launch import run_torchrun
+
+    proc = run_torchrun(
+        2, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{data}]",
+        "env.fn=tests.test_rl_env:CountEnv", "env.max_turns=3", "rollout.n=2",
+        f"rollout.num_engines={engines}", "rollout.max_new_tokens=6",
+        "train.prompts_per_step=2", "train.micro_batch_size=2", "train.max_steps=2",
+        "train.seq_length=96", "optim.lr=1e-3", "kl.beta=0.01", f"logging.dir={log_dir}",
+        f"logging.rollout_dir={log_dir / 'rollouts'}", "logging.progress_bar=false",
+        timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    dumps = [[json.loads(x) for x in (log_dir / "rollouts" / f"step_{k}.jsonl")
+              .read_text().splitlines()] for k in (1, 2)]
+    return steps, dumps
+
+
+def test_cli_multi_turn_two_engines_equal_one(eos_model_dir, tmp_path):
+    """`python -m engine.rl` with env.fn on 2 ranks (DP2) with 1 and with 2 rollout engines:
+    episodes of up to 3 turns train through the usual path (the batch with its masks is
+    broadcast to every rank), each engine gets one generate call per turn, env metrics are
+    logged, each step's dump has the masks and log-probs of every episode, and the 2-engine
+    run's episodes (tokens, masks, rewards, turns) equal the 1-engine run's at every step."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
+                            + "\n" for i in range(8)))
+    runs = {k: _cli_run(eos_model_dir, data, tmp_path / f"e{k}", k) for k in (1, 2)}
+    for steps, dumps in runs.values():
+        assert len(steps) == 2
+        for m, dump in zip(steps, dumps):
+            assert m["env/errors"] == 0 and m["grad_norm"] > 0
+            assert m["rollout/generate_calls"] <= m["env/turns_max"]
+            assert m["rollout/logprob_diff"] < 1e-3   # sampled tokens only: engine == trainer
+            assert len(dump) == 4 and sum(r["turns"] for r in dump) / 4 == m["env/turns_mean"]
+            # observation tokens: the 0s after the first sampled token
+            obs = sum(r["loss_mask"][r["loss_mask"].index(1):].count(0) for r in dump)
+            assert obs == m["rollout/observation_tokens"]
+        assert max(m["env/turns_max"] for m in steps) >= 2
+    (s1, d1), (s2, d2) = runs[1], runs[2]
+    for a, b in zip(d1, d2):
+        assert [(r["token_ids"], r["loss_mask"], r["reward"], r["turns"]) for r in a] == \
+            [(r["token_ids"], r["loss_mask"], r["reward"], r["turns"]) for r in b]
+    assert [m["reward/mean"] for m in s1] == [m["reward/mean"] for m in s2]
+    assert s2[0]["rollout/engines"] == 2 and s1[0]["rollout/engines"] == 1
