@@ -18,6 +18,10 @@
     python tools/bench.py data     [--quick]   data pipeline: chat rows rendered per second by
                                                worker count, first SFT step with an empty and
                                                a built cache (2 ranks), RSS per rank (2, 4)
+    python tools/bench.py loss_head [--quick] peak RSS of an SFT step and of RL forward-only
+                                               log-probs, unchunked vs chunked loss head
+                                               (vocab 151,936, fp32; fresh process each);
+                                               goal <= 3.0 GB at 8,192 tokens
     python tools/bench.py all      [--quick] [--plot PNG]
 
 Each prints readable tables (Markdown pipe tables) and, as its last stdout line, one JSON object.
@@ -50,6 +54,7 @@ GOALS: dict[str, tuple[str, float]] = {
     "generate_once_speedup": (">=", 3.0),
     "first_step_s_uncached": ("<=", 60.0),   # data: 20k chat rows, 2 ranks, empty cache
     "first_step_s_cached": ("<=", 20.0),
+    "loss_head_sft_peak_gb": ("<=", 3.0),    # 8,192-token SFT step, vocab 151,936, chunked
 }
 
 
@@ -99,6 +104,9 @@ def run_one(name: str, args) -> BenchResult:
     if name == "data":
         from bench_data import run_data
         return run_data(args.quick)
+    if name == "loss_head":
+        from bench_loss_head import run_loss_head
+        return run_loss_head(args.quick)
     raise ValueError(f"unknown benchmark {name!r}")
 
 
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    public = ("overhead", "balance", "rollout", "sync", "mfu", "data", "all")
+    public = ("overhead", "balance", "rollout", "sync", "mfu", "data", "loss_head", "all")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(public) + "}")
     for name in public:
         p = sub.add_parser(name)
@@ -161,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     engines_worker.add_argument("--model-dir", required=True)
     engines_worker.add_argument("--engines", type=int, required=True)
     engines_worker.add_argument("--repeats", type=int, default=3)
+    head_worker = sub.add_parser("_loss_head_worker")  # internal: one run of `loss_head`
+    head_worker.add_argument("--model-dir", required=True)
+    head_worker.add_argument("--mode", choices=("sft", "rl"), required=True)
+    head_worker.add_argument("--tokens", type=int, required=True)
+    head_worker.add_argument("--chunk", type=int, required=True)
     args = parser.parse_args(argv)
     quiet_libraries()
     if args.command == "_engines_worker":
@@ -168,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         run_engines_worker(args.model_dir, args.engines, args.repeats)
         return 0
 
+    if args.command == "_loss_head_worker":
+        from bench_loss_head import loss_head_worker
+        loss_head_worker(args.model_dir, args.mode, args.tokens, args.chunk)
+        return 0
     if args.command == "_overhead_worker":
         from bench_overhead import overhead_worker
         overhead_worker(args.model_dir, args.tp, args.pairs, args.warmup)
