@@ -331,7 +331,8 @@ def main():
             if rank == 0:
                 out.update(spec=spec, mode=mode, world=world, variant=variant)
                 print("RESULT " + json.dumps(out), flush=True)
-    cp_spec = next((s for s in specs if parse_spec(s)[0]["cp"] > 1), None)
+    cp_spec = next((s for s in specs if parse_spec(s)[0]["cp"] > 1
+                    and "mt" not in spec_flags(s)), None)
     if world > 1 and cp_spec is not None:
         control = per_shard_control(model_dir, hf_config, cp_spec, world)
         if rank == 0:
@@ -350,7 +351,7 @@ def main():
             flush=True)
     if making_ref:
         torch.save(new_ref, ref_file)
-    if world > 1:
+    if world > 1 and "token-mean" in ref:  # (a launch of mt specs only has no dense ref)
         control = negative_control(model_dir, hf_config,
                                    synthetic_rollout(hf_config["vocab_size"]), world)
         if rank == 0:
