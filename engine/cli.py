@@ -49,10 +49,14 @@ def fail(message: str, code: int = 2) -> int:
 
 
 def run_entry(run: str, argv: list[str], schema=None,
-              validate: Callable | None = None) -> int:
+              validate: Callable | None = None, split: Callable | None = None) -> int:
     """Load `schema` (default SFTConfig) from argv, validate (default validate_common), start
     distributed + megatron state for the configured layout, then import `run`
-    ("package.module:function") and call it as run(cfg, hf_config, flags)."""
+    ("package.module:function") and call it as run(cfg, hf_config, flags).
+    `split(cfg)`: None (one world), or it starts a split job's process groups itself and
+    returns (role, other_run): role "train" continues as above over the training world
+    (os.environ WORLD_SIZE is then the training world's); role "rollout" calls `other_run`
+    as other_run(cfg, hf_config, flags) without megatron state."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -62,23 +66,34 @@ def run_entry(run: str, argv: list[str], schema=None,
         if _rank() != 0:  # let rank 0 print before torchrun stops the job on the first exit
             time.sleep(3)
         return fail(str(e))
-    init_distributed()
-    layout = parallel_layout(cfg.parallel, world)
+    side = split(cfg) if split is not None else None
+    if side is None:
+        init_distributed()
+    elif side[0] == "rollout":
+        rc = _call(side[1], cfg, hf_config, flags)
+        shutdown(barrier=rc == 0)
+        return rc
+    layout = parallel_layout(cfg.parallel, int(os.environ["WORLD_SIZE"]))
     setup_model_parallel(layout, seed=cfg.seed)
     if _rank() == 0:
         tag = "rl" if run.startswith("engine.rl.") else "sft"
         print(f"[{tag}] layout: {layout.describe()}", flush=True)
+    rc = _call(run, cfg, hf_config, flags)
+    shutdown(barrier=rc == 0)
+    return rc
+
+
+def _call(run: str, cfg, hf_config: dict, flags: list[str]) -> int:
+    """Import `run` ("package.module:function"), call it, map its errors to exit codes."""
     # imported only now: megatron takes ~5 s to import, a config error above exits in ~1 s
     module_name, function = run.split(":")
     run_fn = getattr(importlib.import_module(module_name), function)
     from engine.checkpoint.checkpointing import CheckpointError, ResumeMismatchError  # megatron: as above
     try:
-        rc = run_fn(cfg, hf_config, flags)
+        return run_fn(cfg, hf_config, flags)
     except (CheckpointError, ResumeMismatchError) as e:
-        rc = fail(f"checkpoint: {e}")
+        return fail(f"checkpoint: {e}")
     except DataError as e:
-        rc = fail(f"data: {e}")
+        return fail(f"data: {e}")
     except RunError as e:
-        rc = fail(str(e), code=1)
-    shutdown(barrier=rc == 0)
-    return rc
+        return fail(str(e), code=1)

@@ -22,7 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     if "--validate" in argv:  # recipe check: no process groups, no weights, no training
         return rl_validate_main(argv)
-    return run_entry("engine.rl.loop:run", argv, schema=RLConfig, validate=rl_validator(argv))
+    return run_entry("engine.rl.loop:run", argv, schema=RLConfig, validate=rl_validator(argv),
+                     split=start_split)
+
+
+def start_split(cfg) -> tuple[str, str] | None:
+    """rollout.placement=disaggregated: split the job into training and rollout worlds
+    (engine.rl.split_world); the rollout ranks run engine.rl.async_rollout."""
+    if cfg.rollout.placement != "disaggregated":
+        return None
+    from engine.rl.split_world import init_split_world  # imports torch.distributed
+    split = init_split_world(cfg.rollout.num_ranks, cfg.rollout.peer_timeout_s)
+    return split.role, "engine.rl.async_rollout:run_rollout"
 
 
 if __name__ == "__main__":

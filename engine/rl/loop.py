@@ -36,6 +36,7 @@ from engine.config.fusion_settings import fusion_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.parallel_settings import overlap_settings
 from engine.training.nonfinite import NonFiniteGuard
+from engine.rl.async_train import RemoteRollout
 from engine.rl.config import RLConfig
 from engine.rl.env.collect import check_env_start
 from engine.rl.logprobs import attach_extra, compute_token_logprobs
@@ -47,6 +48,7 @@ from engine.rl.rollout import backend_class
 from engine.rl.rollout.placement import procs_per_node, resolve_placement
 from engine.rl.rollout.pool import RolloutPool
 from engine.rl.rollout_batch import RolloutCollector, broadcast_rollout, build_sequences
+from engine.rl.split_world import active_split
 from engine.rl.prompt_data import prompt_rows
 from engine.rl.validation import Validation
 from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
@@ -119,8 +121,10 @@ def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool
 
 
 def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, pool: RolloutPool,
-            cfg: RLConfig, step: int) -> dict[str, float]:
-    """One RL step on every rank (collective over the world); metrics are complete on rank 0."""
+            cfg: RLConfig, step: int, remote=None) -> dict[str, float]:
+    """One RL step on every rank (collective over the world); metrics are complete on rank 0.
+    Disaggregated (`remote`: engine.rl.async_train.RemoteRollout, also rank 0's `collector`;
+    `pool` None): the batch comes from the rollout ranks and the new version goes to them."""
     t0 = time.perf_counter()
     batch = None
     if collector is not None:
@@ -129,7 +133,7 @@ def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, pool:
         except Exception as e:  # every rank must learn about it, or they would wait forever
             batch = e
     batch = broadcast_rollout(batch, pool)
-    if cfg.rollout.sleep_during_train and pool.engine is not None:
+    if cfg.rollout.sleep_during_train and pool is not None and pool.engine is not None:
         pool.engine.sleep()
     metrics = dict(batch.metrics)
     t1 = time.perf_counter()
@@ -139,7 +143,9 @@ def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, pool:
         metrics["train/update_skipped"] = 1.0
     metrics["time/train_s"] = time.perf_counter() - t1
     # the weights changed, or the sleeping engines dropped them: stream them (same on all ranks)
-    if len(batch) > 0 or cfg.rollout.sleep_during_train:
+    if remote is not None:
+        metrics.update(remote.push(policy, step + 1))  # version step + 1, even if unchanged
+    elif len(batch) > 0 or cfg.rollout.sleep_during_train:
         probe = (cfg.rollout.check_weight_sync and cfg.parallel.cp == 1
                  and backend_class(cfg.rollout.backend).supports_logit_probe)
         metrics.update(_sync(policy, pool, cfg, probe))
@@ -167,6 +173,28 @@ def build_pool(cfg: RLConfig, policy: TrainEngine, dtype: torch.dtype) -> Rollou
         policy.chunks, policy.hf_config, pool.engine, cfg.rollout.sync_bucket_mb,
         placement.owners, targets)
     return pool
+
+
+def _rollout_side(cfg: RLConfig, policy: TrainEngine, dtype, rows, tokenizer, prompt_ids,
+                  extra: dict, start: int):
+    """(pool, collector, remote): colocated engines and rank 0's collector, or with
+    rollout.placement=disaggregated the RemoteRollout (rank 0's collector too; no pool)."""
+    split = active_split()
+    if split is not None:
+        remote = RemoteRollout(split, cfg, start, extra)
+        return None, (remote if dist.get_rank() == 0 else None), remote
+    pool = build_pool(cfg, policy, dtype)
+    collector = None
+    if dist.get_rank() == 0:
+        collector = RolloutCollector(pool, rows, tokenizer, load_reward_fn(cfg.reward.fn),
+                                     cfg, prompt_ids)
+        collector.next_gen_batch = int(extra.get("next_gen_batch", start))
+    return pool, collector, None
+
+
+def _count(done: list, step: int) -> dict:
+    done[0] = step + 1
+    return {}
 
 
 def _next_gen_batch(collector) -> int:
@@ -208,12 +236,16 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     if cfg.moe.routing_replay:  # R2 / R3 (engine.rl.routing_replay)
         policy.enable_routing_replay()
     start = resumed.step
+    pool, collector, remote = _rollout_side(cfg, policy, dtype, rows, tokenizer, prompt_ids,
+                                            extra, start)
+    done = [start]  # RL steps done (the checkpoint extra of a disaggregated run needs it)
     loop = RunLoop("rl", cfg, policy, hf_config, position, desc=cfg.algorithm,
-                   extra=lambda: {"next_gen_batch": _next_gen_batch(collector),
+                   extra=lambda: {**({"next_gen_batch": _next_gen_batch(collector)}
+                                     if remote is None else remote.ahead_state(done[0])),
                                   "skipped_steps": policy.guard.skipped},
                    postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}"})
     if not loop.prepare(start):
-        return 0
+        return remote.begin(policy, run=False) if remote is not None else 0
     # the KL reference is the initial policy (model.hf_path), also after a resume; it runs
     # forward-only, so it never recomputes
     reference = (TrainEngine.frozen(hf_config, dtype, cfg.model.hf_path, batching, pad_id,
@@ -222,32 +254,29 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
                                     **moe_overrides(cfg, hf_config, forward_only=True),
                                     **fusion_overrides(cfg, hf_config))
                  if cfg.kl.beta > 0 else None)
-    pool = build_pool(cfg, policy, dtype)
-    collector = None
     if rank == 0:
-        collector = RolloutCollector(pool, rows, tokenizer, load_reward_fn(cfg.reward.fn),
-                                     cfg, prompt_ids)
-        collector.next_gen_batch = int(extra.get("next_gen_batch", start))
         print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {t.prompts_per_step} x "
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
-              f"{pool.placement.describe()}; policy model: "
+              f"{pool.placement.describe() if pool else remote.describe()}; policy model: "
               f"{describe_settings(policy.chunks[0].config)}", flush=True)
     validation.attach(pool, collector)
     try:
-        if start > 0:  # the engines hold model.hf_path's weights: give them the trained ones
+        if remote is not None:
+            remote.begin(policy)  # after a resume: the checkpoint's weights (version start)
+        elif start > 0:  # the engines hold model.hf_path's weights: give them the trained ones
             pool.resync(None)
-            if rank == 0:
-                print(f"[rl] resumed at step {start} of {t.max_steps} (next generation batch "
-                      f"{collector.next_gen_batch}); rollout engines synced with the "
-                      "checkpoint's weights", flush=True)
+        if start > 0 and rank == 0:
+            print(f"[rl] resumed at step {start} of {t.max_steps}", flush=True)
         validation.before_training(start)
         history = loop.run(start, lambda step: {
-            **rl_step(policy, reference, collector, pool, cfg, step),
-            **validation.after_step(step + 1)})
+            **rl_step(policy, reference, collector, pool, cfg, step, remote),
+            **validation.after_step(step + 1), **_count(done, step)})
+        if remote is not None:
+            remote.close(done[0])
     finally:
-        if pool.engine is not None:
+        if pool is not None and pool.engine is not None:
             pool.engine.shutdown()
-        if collector is not None and collector.env is not None:
+        if collector is not None and getattr(collector, "env", None) is not None:
             collector.env.close()  # the tool worker processes
     if rank == 0 and history:
         print(f"[rl] done: {start + len(history)} of {t.max_steps} steps, first reward "

@@ -36,6 +36,7 @@ from engine.config.loading import load_config
 from engine.training.plan import plan_mini_batch
 from engine.config.recipe_validation import (GIB, _int_flag, _model_config, estimate_memory,
                                       memory_checks, micro_batch_tokens)
+from engine.rl.async_check import async_problems, split_sizes
 from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, rl_problems
 from engine.rl.rollout.placement import placement_problems, resolve_placement
 from models.families import stage_parameters
@@ -79,6 +80,29 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int) -> tuple[float, float, list[s
     return training, rollout, lines
 
 
+def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
+                         ) -> tuple[float, float, list[str]]:
+    """(training GiB, rollout GiB, lines) per GPU when the engines have their own ranks: the
+    training GPUs hold the policy (and reference), the rollout GPUs only the engine."""
+    r = cfg.rollout
+    a = 2 if cfg.model.dtype == "bfloat16" else 4
+    layout = parallel_layout(cfg.parallel, world)
+    responses = max(cfg.train.prompts_per_step * r.n // cfg.train.mini_batches_per_step, 1)
+    plan = plan_mini_batch([cfg.train.seq_length] * responses, layout.dp,
+                           cfg.train.balance_dp, cfg.train.micro_batch_size,
+                           cfg.train.max_tokens_per_micro_batch)
+    mem = estimate_memory(hf, layout, cfg.train, a == 2, cfg.optim.distributed_optimizer,
+                          plan.num_micro_batches)
+    stage = stage_parameters(hf, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
+    reference = (max(stage.first_stage, stage.last_stage) * a / GIB
+                 if cfg.kl.beta > 0 else 0.0)
+    engine = stage_parameters(hf, 1, 1).total * a / GIB  # hf backend: the whole model
+    return mem.total + reference, engine, [
+        f"memory per training GPU (estimate, GiB): policy {mem.total:.1f} + KL reference "
+        f"{reference:.1f} = {mem.total + reference:.1f}",
+        f"memory per rollout GPU (estimate, GiB): {r.backend} engine weights {engine:.1f}"]
+
+
 def rl_comm(cfg: RLConfig, hf: dict, world: int, engines: int) -> tuple[list[str], dict]:
     """Communication lines and JSON of one policy optimizer step (a mini-batch of
     prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
@@ -108,17 +132,23 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
     hf = _model_config(cfg, problems)
     if hf is None:
         return [], problems, {}
+    problems += async_problems(cfg, world, per_node)
+    world, n_roll = split_sizes(cfg, world)  # the training ranks from here on
     problems += layout_problems(cfg, world, hf)
     r = cfg.rollout
-    placement_issues = placement_problems(r.num_engines, r.gpus_per_engine, world, per_node)
+    engine_ranks = n_roll or world
+    placement_issues = placement_problems(r.num_engines, r.gpus_per_engine, engine_ranks,
+                                          per_node)
     if problems or placement_issues:
         return [], problems + placement_issues, {}
-    placement = resolve_placement(r.num_engines, r.gpus_per_engine, world, per_node)
+    placement = resolve_placement(r.num_engines, r.gpus_per_engine, engine_ranks, per_node)
     params = stage_parameters(hf, 1, 1).total
     sync_bytes = params * (2 if cfg.model.dtype == "bfloat16" else 4)
     p = cfg.parallel
     ep = f" ep={p.ep}" if p.ep > 1 else ""
     training, rollout, memory_lines = rl_memory(cfg, hf, world)
+    if n_roll:  # the engines live on their own GPUs: no resident training state there
+        training, rollout, memory_lines = disaggregated_memory(cfg, hf, world)
     at_recipe_size = (nodes, per_node) == (cfg.recipe.nodes, cfg.recipe.gpus_per_node)
     memory_issues, warnings = memory_checks(
         max(training, rollout), cfg.recipe, at_recipe_size, "estimated peak memory per GPU",
@@ -129,7 +159,11 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
         f"dtype {cfg.model.dtype}",
         f"training layout: tp={p.tp} pp={p.pp} cp={p.cp}{ep} "
         f"dp={world // (p.tp * p.pp * p.cp)} on {nodes} node(s) x {per_node} GPUs",
-        f"rollout: backend {r.backend}, {placement.describe()}",
+        *([f"placement: disaggregated, training on ranks [0, {world}) ({world // per_node} "
+           f"node(s)), rollout on ranks [{world}, {world + n_roll}) ({n_roll // per_node} "
+           f"node(s)); rollout.max_staleness={r.max_staleness}"] if n_roll else []),
+        f"rollout: backend {r.backend}, {placement.describe()}"
+        + (" (ranks within the rollout side)" if n_roll else ""),
         f"weight sync per RL step: {sync_bytes / GB:.1f} GB to each of "
         f"{placement.num_engines} engine(s) ({placement.num_engines * sync_bytes / GB:.1f} GB "
         "in all), each engine fed from its own model replica",
