@@ -1,0 +1,151 @@
+"""Asynchronous RL (rollout.placement=disaggregated, rollout.max_staleness; README
+"Asynchronous RL"): rollout on its own ranks with a fixed policy lag is exact and reproducible.
+
+Launches (2 torchrun "nodes" on localhost: node 0 trains, node 1 (rollout.num_ranks=2) runs
+two HF engines): colocated DP2 vs disaggregated s=0 (equal), s=1 at DP2 and at TP2 (equal to
+each other, different from s=0, rollout/staleness 1 from step 1 on), a rollout error and a hung rollout
+(both end the job with a message naming the rollout side)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.launch import run_torchrun, run_two_nodes
+from tests.tiny_models import build_tiny_model
+
+SAME = ("reward/mean", "reward/std", "response/length_mean", "policy/loss", "policy/pg_loss",
+        "policy/kl", "policy/entropy", "grad_norm", "train/groups")
+STEPS = 4
+
+
+def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
+    return sum(ch.isdigit() for ch in response) / max(1, len(response))
+
+
+def _broken_engine():
+    from engine.rl.rollout.hf_backend import HFRolloutEngine
+
+    class BrokenEngine(HFRolloutEngine):
+        def generate(self, prompts, params):
+            raise RuntimeError("engine exploded on purpose")
+    return BrokenEngine
+
+
+def __getattr__(name):  # rollout.backend=tests.test_rl_async:BrokenEngine (imported lazily)
+    if name == "BrokenEngine":
+        return _broken_engine()
+    raise AttributeError(name)
+
+
+_SLEPT = []
+
+
+def sleeping_reward(prompt: str, response: str, answer: str, **fields) -> float:
+    """Hangs the rollout leader for 40 s once (longer than rollout.peer_timeout_s=15)."""
+    import time
+    if not _SLEPT:
+        _SLEPT.append(1)
+        time.sleep(40)
+    return 0.0
+
+
+def _metrics(log_dir: Path) -> list[dict]:
+    path = log_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _close(a: list[dict], b: list[dict], rel: float = 1e-5) -> bool:
+    assert len(a) == len(b) == STEPS, (len(a), len(b))
+    return all(abs(x[k] - y[k]) <= rel * max(abs(x[k]), abs(y[k]), 1e-8)
+               for x, y in zip(a, b) for k in SAME)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("async")
+    model = build_tiny_model(str(root / "qwen3"), "qwen3", hidden=64, layers=4, heads=8,
+                             kv_heads=2, seed=0, initializer_range=0.2)
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps(
+        {"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?" + " now" * (i % 4),
+         "answer": 0}) + "\n" for i in range(24)))
+    common = ("-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{prompts}]",
+              "rollout.n=2", "rollout.max_new_tokens=8", "train.prompts_per_step=4",
+              f"train.max_steps={STEPS}", "train.seq_length=64", "optim.lr=1e-3",
+              "kl.beta=0.05", "reward.fn=tests.test_rl_async:digit_reward",
+              "logging.progress_bar=false")
+    dis = ("rollout.placement=disaggregated", "rollout.num_ranks=2", "rollout.num_engines=2",
+           "rollout.peer_timeout_s=120")
+    out = {"colocated": run_torchrun(2, *common, f"logging.dir={root / 'colocated'}")}
+    for name, extra in (("s0", ("rollout.max_staleness=0",)),
+                        ("s1", ("rollout.max_staleness=1",)),
+                        ("s1_tp2", ("rollout.max_staleness=1", "parallel.tp=2"))):
+        out[name] = run_two_nodes(2, *common, *dis, *extra, f"logging.dir={root / name}",
+                                  timeout=900)
+    out["fail"] = run_two_nodes(2, *common, *dis, "rollout.backend=tests.test_rl_async:"
+                                "BrokenEngine", "rollout.max_retries=0",
+                                f"logging.dir={root / 'fail'}", timeout=600)
+    out["hang"] = run_two_nodes(2, *common, *dis, "rollout.peer_timeout_s=15",
+                                "reward.fn=tests.test_rl_async:sleeping_reward",
+                                "reward.timeout_s=null", f"logging.dir={root / 'hang'}",
+                                timeout=600)
+    for name in ("colocated", "s0", "s1", "s1_tp2"):
+        out[f"{name}_m"] = _metrics(root / name)
+    return out
+
+
+def _ok(procs) -> bool:
+    procs = procs if isinstance(procs, list) else [procs]
+    return all(p.returncode == 0 for p in procs)
+
+
+def test_disaggregated_s0_equals_colocated(runs):
+    assert _ok(runs["colocated"]) and _ok(runs["s0"]), runs["s0"][0].stdout[-3000:]
+    assert _close(runs["colocated_m"], runs["s0_m"])
+    assert [m["rollout/staleness"] for m in runs["s0_m"]] == [0.0] * STEPS
+    assert "disaggregated: 2 training rank(s), 2 rollout rank(s)" in runs["s0"][0].stdout
+
+
+def test_s1_lags_one_version_is_layout_invariant_and_differs_from_s0(runs):
+    assert _ok(runs["s1"]) and _ok(runs["s1_tp2"]), runs["s1"][0].stdout[-3000:]
+    s1 = runs["s1_m"]
+    assert [m["rollout/staleness"] for m in s1] == [0.0] + [1.0] * (STEPS - 1)
+    assert [m["rollout/policy_version"] for m in s1] == [0.0, 0.0, 1.0, 2.0]
+    assert _close(s1, runs["s1_tp2_m"])
+    # negative control: steps 0 and 1 train on the same batches as s=0 only at step 0
+    assert s1[0]["reward/mean"] == runs["s0_m"][0]["reward/mean"]
+    assert not _close(s1, runs["s0_m"])
+    for m in s1:
+        assert m["time/rollout_wait_s"] >= 0 and m["time/generate_s"] > 0
+        assert m["rollout/idle_s"] >= 0
+
+
+def test_rollout_failures_end_the_job_with_a_message(runs):
+    fail = runs["fail"][0]
+    assert fail.returncode != 0
+    assert "rollout leader, job rank 2, batch 0" in fail.stdout + fail.stderr
+    assert "engine exploded on purpose" in fail.stdout + fail.stderr
+    hang = runs["hang"][0]
+    assert hang.returncode != 0
+    assert ("waiting for rollout batch 0: no answer from rollout rank 0 (job rank 2) within "
+            "rollout.peer_timeout_s=15") in hang.stdout + hang.stderr
+
+
+def test_async_keys_are_refused_naming_the_key():
+    from engine.rl.async_check import async_problems
+    from engine.rl.config import RLConfig
+    cfg = RLConfig()
+    cfg.rollout.max_staleness = 1
+    assert "rollout.max_staleness=1 needs rollout.placement=disaggregated" in \
+        async_problems(cfg, 4)[0]
+    cfg.rollout.placement = "disaggregated"
+    assert "rollout.num_ranks=None must be an integer in [1, 3]" in async_problems(cfg, 4)[0]
+    cfg.rollout.num_ranks = 1
+    assert async_problems(cfg, 4) == []
+    assert "must be whole nodes of 2 GPUs" in async_problems(cfg, 4, gpus_per_node=2)[0]
+    cfg.train.val_interval = 1
+    assert "validation" in async_problems(cfg, 4)[0]
+    cfg.rollout.placement = "elsewhere"
+    assert "rollout.placement='elsewhere' must be one of" in async_problems(cfg, 4)[0]
