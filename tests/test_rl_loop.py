@@ -369,10 +369,14 @@ def test_policy_update_is_layout_invariant(rl_invariance):
 def test_new_losses_estimators_and_corrections_are_layout_invariant(rl_invariance):
     """gspo, geo_mean, cispo, sapo, REINFORCE++ (+baseline), rloo, rollout IS (token, sequence,
     batch-normalised), rejection (token_k1, token_k2, seq_sum_k1, seq_mean_k3, seq_max_k3) and
-    bypass mode (ppo_clip, reinforce) at DP4, TP2+SP, PP2 and CP2+packing give the single-process
-    losses, grad norms, metrics (rollout_corr/* included) and weights. Negative control: GSPO's
+    bypass mode (ppo_clip, reinforce) at DP4, TP2+SP and PP2, and the variants with whole-sequence
+    quantities in the update forward (GSPO, GMPO, bypass sequence IS) at CP2+packing, give the
+    single-process losses, grad norms, metrics (rollout_corr/*) and weights. One optimizer step on
+    the whole batch from the loaded weights: the loss, metrics and grad norm at identical weights,
+    the weights after the step (tests/multirank/rl_variants.py says why not a second step: its
+    near-zero loss after an lr-1e-2 step is float32 noise at 1e-5). Negative control: GSPO's
     sequence ratio from each CP shard's own tokens changes the loss."""
-    from tests.multirank.rl_invariance import VARIANTS
+    from tests.multirank.rl_variants import CP_VARIANTS, VARIANTS
 
     refs = {k: r for k, r in rl_invariance["ref"].items() if k[1] in VARIANTS}
     assert {k[1] for k in refs} == set(VARIANTS)
@@ -383,7 +387,8 @@ def test_new_losses_estimators_and_corrections_are_layout_invariant(rl_invarianc
             assert any(0 < x < 1 for x in m["rollout_corr/masked_token_fraction"]), variant
     results = [r for r in rl_invariance["results"] if r.get("variant")]
     assert sorted({r["spec"] for r in results}) == sorted(RL_SPECS[:4])
-    assert len(results) == 4 * len(VARIANTS)
+    assert len(results) == 3 * len(VARIANTS) + len(CP_VARIANTS)
+    assert all(len(r["loss"]) == 1 for r in results)
     for r in results:
         _assert_matches_reference(r)
     control = rl_invariance["control_cp"]

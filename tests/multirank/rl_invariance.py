@@ -38,6 +38,8 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.multirank.rl_multi_turn import observations_trained, synthetic_multi_turn  # noqa: E402
+from tests.multirank.rl_variants import (VARIANTS, SharedEngine, run_variant,  # noqa: E402
+                                         variants_for)
 
 MODES = ("token-mean", "seq-mean-token-mean")
 GROUPS, N = 4, 4           # 4 prompts x 4 responses
@@ -51,25 +53,8 @@ LOSS_CHUNK_TOKENS = 16  # chunked loss head, several (ragged) chunks per micro-b
 SETTINGS = dict(temperature=0.8, eps_low=0.2, eps_high=0.28, dual_c=3.0, kl_beta=0.05,
                 kl_estimator="k3", entropy_coef=0.01)
 BASE_CORRECTION = dict(rollout_is="token", rollout_is_threshold=2.0)  # truncated IS
-# Variants on the dense specs (one aggregation mode each; results keyed "var/NAME"): policy loss,
-# advantage estimator and rollout correction (engine.rl.rollout_correction keys).
-VARIANTS = {
-    "gspo": ("gspo", "grpo", "seq-mean-token-mean",
-             dict(rollout_is="sequence", rollout_rs="seq_mean_k3", rollout_rs_threshold="0.05")),
-    "geo_mean": ("geo_mean", "reinforce_plus_plus", "token-mean",
-                 dict(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6")),
-    "cispo": ("cispo", "reinforce_plus_plus_baseline", "token-mean",
-              dict(rollout_is="token", rollout_is_batch_normalize=True,
-                   rollout_rs="seq_sum_k1", rollout_rs_threshold="0.3_3")),
-    "sapo": ("sapo", "grpo", "seq-mean-token-mean",
-             dict(rollout_is="sequence", rollout_is_batch_normalize=True)),
-    "bypass_reinforce": ("ppo_clip", "grpo", "token-mean",
-                         dict(bypass_mode=True, loss_type="reinforce", rollout_is="sequence",
-                              rollout_rs="seq_max_k3", rollout_rs_threshold="0.1")),
-    "bypass_ppo_clip": ("ppo_clip", "rloo", "seq-mean-token-mean",
-                        dict(bypass_mode=True, rollout_is="token", rollout_rs="token_k2",
-                             rollout_rs_threshold="0.1")),
-}
+# Loss / estimator / correction variants on the dense specs (results keyed "var/NAME"):
+# tests/multirank/rl_variants.py (one shared model build per layout, one step each).
 CORR_KEYS = ("rollout_corr/kl_k1", "rollout_corr/kl_k3", "rollout_corr/ppl_ratio",
              "rollout_corr/is_weight_mean", "rollout_corr/masked_token_fraction",
              "rollout_corr/rejected_sequence_fraction")
@@ -119,7 +104,13 @@ class RecordingEngine:
             self.tensors[name] = tensor.detach().cpu().clone()
 
 
-def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None):
+def optim_settings():
+    return SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
+                           clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
+                           distributed_optimizer=True)
+
+
+def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None, steps=STEPS):
     """A TrainEngine of `model_dir` under the layout; `overrides`: TransformerConfig fields
     (default: the engine's own moe.* mapping with default keys, empty for dense models)."""
     import torch
@@ -130,26 +121,26 @@ def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None):
     from parallel.process_groups import setup_model_parallel
 
     setup_model_parallel(ParallelLayout(world, **layout_kw))
-    optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
-                            clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
-                            distributed_optimizer=True)
+    optim = optim_settings()
     if overrides is None:
         overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
-    return TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
+    return TrainEngine.build(hf_config, optim, torch.float32, steps, train,
                              weights_dir=model_dir, overlap=OVERLAP["on"],
                              loss_chunk_tokens=LOSS_CHUNK_TOKENS, **overrides)
 
 
-def _sequences(state, batch, temperature, correction=None):
+def _sequences(state, batch, temperature, correction=None, table=None):
     """Sequences with recomputed log-probs (returned too), fixed synthetic extras and the
     rollout correction (`correction`: RolloutCorrectionConfig keys; default BASE_CORRECTION)
-    on the whole batch (bypass mode: old := rollout log-probs); also its metrics."""
+    on the whole batch (bypass mode: old := rollout log-probs); also its metrics. `table`: the
+    log-probs of these sequences under the current weights if already computed."""
     from engine.rl.rollout_batch import build_sequences
     from engine.rl.logprobs import attach_extra, compute_token_logprobs
     from engine.rl.rollout_correction import RolloutCorrectionConfig, apply_to_batch
 
     seqs = build_sequences(batch)
-    table = compute_token_logprobs(state, seqs, temperature)
+    if table is None:
+        table = compute_token_logprobs(state, seqs, temperature)
     attach_extra(seqs, "ref_logprobs", perturbed(table, 2, 0.3))
     attach_extra(seqs, "rollout_logprobs", perturbed(table, 3, 0.3))
     corr = RolloutCorrectionConfig(**(correction or BASE_CORRECTION))
@@ -160,8 +151,7 @@ def _sequences(state, batch, temperature, correction=None):
     return seqs, table, corr, apply_to_batch(seqs, corr)
 
 
-def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp, temperature,
-               variant=None):
+def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp, temperature):
     import torch.distributed as dist
 
     from engine.config.moe_settings import MoEConfig, moe_overrides
@@ -171,10 +161,8 @@ def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp, t
     overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
     state = _setup(model_dir, hf_config, layout_kw, world, train,
                    dict(overrides, sequence_parallel=sp))
-    loss, _, _, correction = VARIANTS[variant] if variant else ("ppo_clip", 0, 0, None)
-    seqs, table, corr, batch_metrics = _sequences(state, batch, temperature, correction)
-    settings = PolicyLossSettings(vocab_size=state.vocab_size, policy_loss=loss,
-                                  bypass=corr if corr.bypass_mode else None,
+    seqs, table, _, batch_metrics = _sequences(state, batch, temperature)
+    settings = PolicyLossSettings(vocab_size=state.vocab_size,
                                   **dict(SETTINGS, temperature=temperature))
     loss_cfg = SimpleNamespace(agg_mode=mode, count_empty_sequences=True)
     results = []
@@ -217,14 +205,17 @@ def per_shard_control(model_dir, hf_config, spec, world):
     """GSPO's losses at the CP spec with the classic bug: sequence ratios from each CP shard's
     own tokens (engine.rl.seq_reduce.cp_group replaced by None)."""
     from engine.rl import seq_reduce
+    from engine.rl.logprobs import compute_token_logprobs
+    from engine.rl.rollout_batch import build_sequences
 
     layout_kw, train = parse_spec(spec)
+    shared = SharedEngine(model_dir, hf_config, layout_kw, world, train, sp=False)
+    batch = synthetic_rollout(hf_config["vocab_size"], estimator=VARIANTS["gspo"][1])
+    table = compute_token_logprobs(shared.state, build_sequences(batch), SETTINGS["temperature"])
     real = seq_reduce.cp_group
     seq_reduce.cp_group = lambda: None
     try:
-        results, _, _ = run_layout(model_dir, hf_config, layout_kw, train, VARIANTS["gspo"][2],
-                                   synthetic_rollout(hf_config["vocab_size"]), world, sp=False,
-                                   temperature=SETTINGS["temperature"], variant="gspo")
+        results, _ = run_variant(shared, table, "gspo", batch, SETTINGS["temperature"])
     finally:
         seq_reduce.cp_group = real
     return [r["policy/loss"] for r in results]
@@ -287,6 +278,36 @@ def compare(results, table, params, ref):
 
 
 
+def _reporter(rank, world, spec, making, new_ref, ref):
+    """report(name, mode, variant, results, table, params): store the reference `name` (when
+    `making`) or compare with it; rank 0 prints the RESULT line."""
+    def report(name, mode, variant, results, table, params):
+        if making:
+            keys = METRIC_KEYS + tuple(k for k in CORR_KEYS if k in results[0])
+            new_ref[name] = {"loss": [r["policy/loss"] for r in results],
+                             "grad_norm": [r["grad_norm"] for r in results],
+                             "metrics": {k: [r[k] for r in results] for k in keys},
+                             "table": table, "params": params}
+            out = {"reference": True, "loss": new_ref[name]["loss"],
+                   "grad_norm": new_ref[name]["grad_norm"], "metrics": new_ref[name]["metrics"]}
+        else:
+            out = compare(results, table, params, (new_ref or ref)[name])
+        if rank == 0:
+            out.update(spec=spec, mode=mode, world=world, variant=variant)
+            print("RESULT " + json.dumps(out), flush=True)
+    return report
+
+
+def run_variants(model_dir, hf_config, layout_kw, train, world, sp, temperature, table, report):
+    """The variants of tests/multirank/rl_variants.py at this layout on one shared model build;
+    `table`: the log-prob table of the loaded weights (from the last mode's run)."""
+    shared = SharedEngine(model_dir, hf_config, layout_kw, world, train, sp)
+    for variant in variants_for(layout_kw):
+        batch = synthetic_rollout(hf_config["vocab_size"], estimator=VARIANTS[variant][1])
+        results, params = run_variant(shared, table, variant, batch, temperature)
+        report(f"var/{variant}", VARIANTS[variant][2], variant, results, table, params)
+
+
 def main():
     import torch
 
@@ -305,32 +326,18 @@ def main():
         spec_dir, spec_config, key = spec_model(spec, dense)
         first_of_model = all(spec_model(s, dense)[2] != key for s in specs[:i])
         flags = spec_flags(spec)
-        jobs = [(mode, None) for mode in MODES]
-        if key == "":  # the dense policy also runs every loss / estimator / correction variant
-            jobs += [(VARIANTS[v][2], v) for v in VARIANTS]
-        for mode, variant in jobs:
+        temperature = 1.0 if "t1" in flags else SETTINGS["temperature"]
+        report = _reporter(rank, world, spec, making_ref and first_of_model, new_ref, ref)
+        for mode in MODES:
             batch = (synthetic_multi_turn(spec_config["vocab_size"], GROUPS, N)
-                     if "mt" in flags else
-                     synthetic_rollout(spec_config["vocab_size"],
-                                       estimator=VARIANTS[variant][1] if variant else "grpo"))
+                     if "mt" in flags else synthetic_rollout(spec_config["vocab_size"]))
             results, table, params = run_layout(
                 spec_dir, spec_config, layout_kw, train, mode, batch, world, sp="sp" in flags,
-                temperature=1.0 if "t1" in flags else SETTINGS["temperature"], variant=variant)
-            name = key + (f"var/{variant}" if variant else mode)
-            if making_ref and first_of_model:
-                keys = METRIC_KEYS + tuple(k for k in CORR_KEYS if k in results[0])
-                new_ref[name] = {"loss": [r["policy/loss"] for r in results],
-                                 "grad_norm": [r["grad_norm"] for r in results],
-                                 "metrics": {k: [r[k] for r in results] for k in keys},
-                                 "table": table, "params": params}
-                out = {"reference": True, "loss": new_ref[name]["loss"],
-                       "grad_norm": new_ref[name]["grad_norm"],
-                       "metrics": new_ref[name]["metrics"]}
-            else:
-                out = compare(results, table, params, (new_ref or ref)[name])
-            if rank == 0:
-                out.update(spec=spec, mode=mode, world=world, variant=variant)
-                print("RESULT " + json.dumps(out), flush=True)
+                temperature=temperature)
+            report(key + mode, mode, None, results, table, params)
+        if key == "":  # the dense policy also runs the loss / estimator / correction variants
+            run_variants(spec_dir, spec_config, layout_kw, train, world, "sp" in flags,
+                         temperature, table, report)
     cp_spec = next((s for s in specs if parse_spec(s)[0]["cp"] > 1
                     and "mt" not in spec_flags(s)), None)
     if world > 1 and cp_spec is not None:
