@@ -4,7 +4,6 @@ b178a3cd5: compute_rollout_correction_weights, compute_rollout_rejection_mask,
 compute_offpolicy_metrics; verl is not a dependency); bypass mode skips the old-log-prob
 forward; the keys are validated at start (exit 2 naming the key)."""
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -17,10 +17,8 @@ import torch
 from engine.rl.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.policy_loss import PolicyLossContext
 from engine.rl.policy_loss_variants import POLICY_LOSSES
-from engine.rl.rollout_correction import RolloutCorrectionConfig, apply_to_batch
 from engine.rl.seq_reduce import SequenceReducer
 from engine.training.loss import AGG_MODES, aggregate, weights_from_counts
-from engine.training.micro_batches import SequenceData
 
 B, T, H = 6, 12, 16.0
 SETTINGS = SimpleNamespace(eps_low=0.2, eps_high=0.28, dual_c=3.0, tau_pos=1.0, tau_neg=1.05)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from engine.rl.async_transfer import TAG_BATCH, TAG_CONTROL, receive_weights
-from engine.rl.env.collect import check_env_start
+from engine.rl.env.template_check import check_env_start
 from engine.rl.prompt_data import prompt_rows
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class

@@ -38,7 +38,7 @@ from engine.config.parallel_settings import overlap_settings
 from engine.training.nonfinite import NonFiniteGuard
 from engine.rl.async_train import RemoteRollout
 from engine.rl.config import RLConfig
-from engine.rl.env.collect import check_env_start
+from engine.rl.env.template_check import check_env_start
 from engine.rl.logprobs import attach_extra, compute_token_logprobs
 from engine.rl.old_policy import attach_old_logprobs
 from engine.rl.rewards import load_reward_fn

@@ -17,7 +17,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-ENV_TOOLS = "tools"          # env.fn of the built-in tool environment
+from engine.rl.env.names import ENV_TOOLS  # noqa: F401  (re-exported)
+
 OBSERVATION_ROLES = ("tool", "user")
 
 
@@ -121,7 +122,7 @@ def env_problems(cfg) -> list[str]:
         p.append(f"env.kwargs must be a mapping, got {type(e.kwargs).__name__}")
     hf_path = getattr(cfg.model, "hf_path", None)
     if not p and hf_path and os.path.isfile(os.path.join(hf_path, "tokenizer_config.json")):
-        from engine.rl.env.collect import env_template_problem
+        from engine.rl.env.template_check import env_template_problem
         problem = env_template_problem(cfg)  # the chat template's needs, before any process
         if problem is not None:
             p.append(problem)
