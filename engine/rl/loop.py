@@ -265,8 +265,9 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
             remote.begin(policy)  # after a resume: the checkpoint's weights (version start)
         elif start > 0:  # the engines hold model.hf_path's weights: give them the trained ones
             pool.resync(None)
-        if start > 0 and rank == 0:
-            print(f"[rl] resumed at step {start} of {t.max_steps}", flush=True)
+        if start > 0 and rank == 0:  # colocated: DAPO's next generation batch too
+            nxt = f" (next generation batch {collector.next_gen_batch})" if remote is None else ""
+            print(f"[rl] resumed at step {start} of {t.max_steps}{nxt}", flush=True)
         validation.before_training(start)
         history = loop.run(start, lambda step: {
             **rl_step(policy, reference, collector, pool, cfg, step, remote),
