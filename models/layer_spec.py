@@ -6,6 +6,7 @@ sets both)."""
 from __future__ import annotations
 
 import importlib.util
+from functools import partial
 
 import torch
 from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -87,11 +88,17 @@ def layer_spec(config, use_te: bool | None = None, linear_proj_bias: bool | None
 
 def _use_grouped_experts(spec) -> None:
     """Swap the MoE layer's SequentialMLP experts for GroupedExperts (its subclass)."""
-    experts = spec.submodules.mlp.submodules.experts
-    if experts.module is not SequentialMLP:
+    mlp = spec.submodules.mlp  # a ModuleSpec (megatron-core 0.16) or a functools.partial (0.19)
+    submodules = mlp.keywords["submodules"] if isinstance(mlp, partial) else mlp.submodules
+    experts = submodules.experts
+    module = experts.func if isinstance(experts, partial) else experts.module
+    if module is not SequentialMLP:
         raise TypeError(f"grouped experts replace SequentialMLP; this megatron's local spec "
-                        f"builds {experts.module.__name__}")
-    experts.module = GroupedExperts
+                        f"builds {module.__name__}")
+    if isinstance(experts, partial):
+        submodules.experts = partial(GroupedExperts, *experts.args, **experts.keywords)
+    else:
+        experts.module = GroupedExperts
 
 
 def local_norm(fused: bool = False):
