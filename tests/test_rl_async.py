@@ -93,6 +93,7 @@ def runs(tmp_path_factory) -> dict:
                                 timeout=600)
     for name in ("colocated", "s0", "s1", "s1_tp2"):
         out[f"{name}_m"] = _metrics(root / name)
+    out.update(root=root, common=common, dis=dis)
     return out
 
 
@@ -149,3 +150,25 @@ def test_async_keys_are_refused_naming_the_key():
     assert "validation" in async_problems(cfg, 4)[0]
     cfg.rollout.placement = "elsewhere"
     assert "rollout.placement='elsewhere' must be one of" in async_problems(cfg, 4)[0]
+
+
+def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(runs):
+    """s = 1 stopped after step 1 (the trainer tells the waiting engine owners to stop),
+    resumed and stopped after step 2 (the rollout side has generated every batch already and
+    ended), resumed to step 4: the batches generated ahead come back from the checkpoint and
+    the three pieces equal the straight s = 1 run bitwise."""
+    root, ckpt = runs["root"], runs["root"] / "ckpt_s1"
+    pieces = []
+    for name, extra in (("r1", ("train.exit_interval=1",)), ("r2", ("train.exit_interval=2",)),
+                        ("r3", ())):
+        procs = run_two_nodes(2, *runs["common"], *runs["dis"], "rollout.max_staleness=1",
+                              f"checkpoint.dir={ckpt}", *extra, f"logging.dir={root / name}",
+                              timeout=600)
+        assert _ok(procs), procs[0].stdout[-3000:] + procs[0].stderr[-3000:]
+        pieces.append(_metrics(root / name))
+    assert [len(p) for p in pieces] == [1, 1, 2]
+    assert "[rl] resumed at step 2 of 4" in procs[0].stdout
+    resumed = [m for p in pieces for m in p]
+    straight = runs["s1_m"]
+    for key in (*SAME, "rollout/staleness", "rollout/policy_version"):
+        assert [m[key] for m in resumed] == [m[key] for m in straight], key

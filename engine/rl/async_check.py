@@ -64,8 +64,6 @@ def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[st
         (r.sleep_during_train, "rollout.sleep_during_train=true is colocated only (rollout "
          "ranks never train)"),
         (cfg.moe.routing_replay == "R3", "moe.routing_replay=R3 is colocated only"),
-        (bool(cfg.checkpoint.dir), "checkpoint.dir: checkpoint/resume of a disaggregated run is "
-         "not verified yet (its resume test failed), so it is refused"),
     ]
     p += [f"{msg} (rollout.placement=disaggregated)" for bad, msg in refused if bad]
     return p

@@ -127,8 +127,11 @@ class RemoteRollout:
         train.max_steps, take the batches in flight and stop the engine owners."""
         if done >= self.cfg.train.max_steps:
             return
-        if dist.get_rank() == 0:  # versions <= done went out: batches up to done + s exist
-            last = min(done + self.s + 1, self.cfg.train.max_steps)
+        # versions <= done went out: batches up to done + s exist; the rollout side waits for
+        # version done + 1 only if a batch before train.max_steps needs it (else it has ended)
+        last = min(done + self.s + 1, self.cfg.train.max_steps)
+        if dist.get_rank() == 0:
             while self.received < last:
                 self._receive()
-        send_stop(self.split, self.senders)
+        if last < self.cfg.train.max_steps:
+            send_stop(self.split, self.senders)
