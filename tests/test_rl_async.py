@@ -51,9 +51,20 @@ def sleeping_reward(prompt: str, response: str, answer: str, **fields) -> float:
     return 0.0
 
 
-def _metrics(log_dir: Path) -> list[dict]:
+def _lines(log_dir: Path) -> list[dict]:
     path = log_dir / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _metrics(log_dir: Path) -> list[dict]:
+    """The training steps' lines (validation before training is a line of its own)."""
+    return [m for m in _lines(log_dir) if "reward/mean" in m]
+
+
+def _val_metrics(log_dir: Path) -> dict[int, dict]:
+    """{step: val/* metrics} of every line that has them."""
+    return {m["step"]: {k: v for k, v in m.items() if k.startswith("val/")}
+            for m in _lines(log_dir) if "val/reward_mean" in m}
 
 
 def _close(a: list[dict], b: list[dict], rel: float = 1e-5) -> bool:
@@ -67,23 +78,37 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("async")
     model = build_tiny_model(str(root / "qwen3"), "qwen3", hidden=64, layers=4, heads=8,
                              kv_heads=2, seed=0, initializer_range=0.2)
-    prompts = root / "p.jsonl"
+    prompts, val_prompts = root / "p.jsonl", root / "val.jsonl"
     prompts.write_text("".join(json.dumps(
         {"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?" + " now" * (i % 4),
          "answer": 0}) + "\n" for i in range(24)))
+    val_prompts.write_text("".join(json.dumps({"prompt": f"what is {i} times 3 ?", "answer": 0})
+                                   + "\n" for i in range(3)))
     common = ("-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{prompts}]",
               "rollout.n=2", "rollout.max_new_tokens=8", "train.prompts_per_step=4",
               f"train.max_steps={STEPS}", "train.seq_length=64", "optim.lr=1e-3",
               "kl.beta=0.05", "reward.fn=tests.test_rl_async:digit_reward",
               "logging.progress_bar=false")
+    # validation before training and after steps 2 and 4 (version 2 and 4; 4 is needed only
+    # by the validation), sampled at T=1 so it sees the policy
+    val = (f"data.val_files=[{val_prompts}]", "train.val_interval=2", "val.before_train=true",
+           "val.n=2", "val.temperature=1.0")
     dis = ("rollout.placement=disaggregated", "rollout.num_ranks=2", "rollout.num_engines=2",
            "rollout.peer_timeout_s=120")
-    out = {"colocated": run_torchrun(2, *common, f"logging.dir={root / 'colocated'}")}
+    out = {"colocated": run_torchrun(2, *common, *val, f"logging.dir={root / 'colocated'}")}
+    marker = root / "engine_died"
     for name, extra in (("s0", ("rollout.max_staleness=0",)),
                         ("s1", ("rollout.max_staleness=1",)),
-                        ("s1_tp2", ("rollout.max_staleness=1", "parallel.tp=2"))):
-        out[name] = run_two_nodes(2, *common, *dis, *extra, f"logging.dir={root / name}",
-                                  timeout=900)
+                        ("s1_tp2", ("rollout.max_staleness=1", "parallel.tp=2")),
+                        ("s1_pp2", ("rollout.max_staleness=1", "parallel.pp=2")),
+                        # an engine dies on its 3rd generate call (batch 1 from version 0 at
+                        # call 3 counting validation) and is restarted with that version
+                        ("s1_dying", ("rollout.max_staleness=1", "rollout.retry_wait_s=0",
+                                      "rollout.backend=tests.flaky_rollout:DyingHFEngine"))):
+        out[name] = run_two_nodes(
+            2, *common, *val, *dis, *extra, f"logging.dir={root / name}", timeout=900,
+            node_env=({}, {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "4"}))
+    out["died"] = marker.exists()
     out["fail"] = run_two_nodes(2, *common, *dis, "rollout.backend=tests.test_rl_async:"
                                 "BrokenEngine", "rollout.max_retries=0",
                                 f"logging.dir={root / 'fail'}", timeout=600)
@@ -91,9 +116,10 @@ def runs(tmp_path_factory) -> dict:
                                 "reward.fn=tests.test_rl_async:sleeping_reward",
                                 "reward.timeout_s=null", f"logging.dir={root / 'hang'}",
                                 timeout=600)
-    for name in ("colocated", "s0", "s1", "s1_tp2"):
+    for name in ("colocated", "s0", "s1", "s1_tp2", "s1_pp2", "s1_dying"):
         out[f"{name}_m"] = _metrics(root / name)
-    out.update(root=root, common=common, dis=dis)
+        out[f"{name}_val"] = _val_metrics(root / name)
+    out.update(root=root, common=common, dis=dis, val=val)
     return out
 
 
@@ -107,20 +133,46 @@ def test_disaggregated_s0_equals_colocated(runs):
     assert _close(runs["colocated_m"], runs["s0_m"])
     assert [m["rollout/staleness"] for m in runs["s0_m"]] == [0.0] * STEPS
     assert "disaggregated: 2 training rank(s), 2 rollout rank(s)" in runs["s0"][0].stdout
+    # validation on the rollout side at the same points, with the same numbers
+    assert sorted(runs["s0_val"]) == [0, 2, 4]
+    assert runs["s0_val"] == runs["colocated_val"]
 
 
 def test_s1_lags_one_version_is_layout_invariant_and_differs_from_s0(runs):
-    assert _ok(runs["s1"]) and _ok(runs["s1_tp2"]), runs["s1"][0].stdout[-3000:]
+    for name in ("s1", "s1_tp2", "s1_pp2"):
+        assert _ok(runs[name]), runs[name][0].stdout[-3000:] + runs[name][0].stderr[-3000:]
     s1 = runs["s1_m"]
     assert [m["rollout/staleness"] for m in s1] == [0.0] + [1.0] * (STEPS - 1)
     assert [m["rollout/policy_version"] for m in s1] == [0.0, 0.0, 1.0, 2.0]
-    assert _close(s1, runs["s1_tp2_m"])
+    assert _close(s1, runs["s1_tp2_m"]) and _close(s1, runs["s1_pp2_m"])
+    # PP2: each stage sends its own part; the engine receives the same bytes
+    assert [m["rollout/sync_bytes_per_engine"] for m in runs["s1_pp2_m"][:2]] == \
+        [m["rollout/sync_bytes_per_engine"] for m in s1[:2]]
+    for layout in ("s1_tp2", "s1_pp2"):
+        for step, val in runs[f"{layout}_val"].items():
+            assert all(abs(val[k] - runs["s1_val"][step][k]) <= 1e-5 * max(1.0, abs(val[k]))
+                       for k in val), (layout, step)
+    assert sorted(runs["s1_val"]) == [0, 2, 4]
     # negative control: steps 0 and 1 train on the same batches as s=0 only at step 0
     assert s1[0]["reward/mean"] == runs["s0_m"][0]["reward/mean"]
     assert not _close(s1, runs["s0_m"])
     for m in s1:
         assert m["time/rollout_wait_s"] >= 0 and m["time/generate_s"] > 0
         assert m["rollout/idle_s"] >= 0
+
+
+def test_dead_engine_is_restarted_with_the_version_it_served(runs):
+    """An engine dies on batch 2 (generated by version 1): rebuilt from model.hf_path, it gets
+    version 1 again from its owner's host copy and the run equals the undisturbed one."""
+    assert _ok(runs["s1_dying"]) and runs["died"]
+    dying = runs["s1_dying_m"]
+    restarts = [m["rollout/restarts"] for m in dying]   # both engines may race to the marker
+    assert restarts[2] >= 1 and restarts[:2] + restarts[3:] == [0.0, 0.0, 0.0]
+    assert "was restarted from the current weights on generation batch 2: recovered" in \
+        runs["s1_dying"][1].stdout   # the rollout leader runs on node 1
+    for key in (*SAME, "rollout/staleness"):
+        assert [m[key] for m in dying] == [m[key] for m in runs["s1_m"]], key
+    assert runs["s1_dying_val"] == runs["s1_val"]
 
 
 def test_rollout_failures_end_the_job_with_a_message(runs):
@@ -146,8 +198,8 @@ def test_async_keys_are_refused_naming_the_key():
     cfg.rollout.num_ranks = 1
     assert async_problems(cfg, 4) == []
     assert "must be whole nodes of 2 GPUs" in async_problems(cfg, 4, gpus_per_node=2)[0]
-    cfg.train.val_interval = 1
-    assert "validation" in async_problems(cfg, 4)[0]
+    cfg.rollout.sleep_during_train = True
+    assert "rollout.sleep_during_train=true is colocated only" in async_problems(cfg, 4)[0]
     cfg.rollout.placement = "elsewhere"
     assert "rollout.placement='elsewhere' must be one of" in async_problems(cfg, 4)[0]
 
@@ -156,7 +208,8 @@ def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(runs):
     """s = 1 stopped after step 1 (the trainer tells the waiting engine owners to stop),
     resumed and stopped after step 2 (the rollout side has generated every batch already and
     ended), resumed to step 4: the batches generated ahead come back from the checkpoint and
-    the three pieces equal the straight s = 1 run bitwise."""
+    the three pieces equal the straight s = 1 run bitwise (which also validated: validation
+    touches no training state)."""
     root, ckpt = runs["root"], runs["root"] / "ckpt_s1"
     pieces = []
     for name, extra in (("r1", ("train.exit_interval=1",)), ("r2", ("train.exit_interval=2",)),

@@ -57,9 +57,6 @@ def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[st
     refused = [
         (r.backend == "sglang", "rollout.backend='sglang': disaggregated rollout is "
          "implemented for in-process engines (hf, package.module:Class) only"),
-        (bool(cfg.data.val_files) or cfg.train.val_interval > 0 or cfg.val.before_train,
-         "validation (data.val_files, train.val_interval, val.before_train) is not available "
-         "with rollout.placement=disaggregated yet"),
         (r.check_weight_sync, "rollout.check_weight_sync=true is colocated only"),
         (r.sleep_during_train, "rollout.sleep_during_train=true is colocated only (rollout "
          "ranks never train)"),

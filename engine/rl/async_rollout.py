@@ -2,19 +2,25 @@
 
 These ranks build rollout engines only (no megatron state, no training model). The rollout
 world's rank 0 (the LEADER) drives the same RolloutCollector as a colocated run, over a
-RolloutPool of the rollout world's engines; the fixed-lag schedule is:
+RolloutPool of the rollout world's engines; the fixed-lag schedule (engine.rl.async_schedule)
+is:
 
+    validate version 0 first (val.before_train, fresh run)
     for k in first .. train.max_steps - 1:
-        receive versions until the engines hold version max(0, k - rollout.max_staleness)
+        load versions until the engines hold version max(0, k - rollout.max_staleness),
+            validating each version v that train.val_interval divides, right after loading it
         generate batch k (DAPO dynamic sampling: as many generation batches as it needs),
         send it to training rank 0
+    load the versions only validations need, validating them
 
 so batch k always comes from the same weights, whatever the timing (with max_staleness >= 1 the
-generation of batch k overlaps the trainer's step k - 1). Versions switch only between batches.
-Each batch carries rollout/staleness (k - version), time/generate_s, rollout/idle_s (waiting for
-weights since the previous batch) and the collector's next_gen_batch (checkpointed by the
-trainer). Engine restarts are not available here (a failed engine ends the run after
-rollout.max_retries, RolloutFailed); rollout errors reach the trainer as an error payload.
+generation of batch k overlaps the trainer's step k - 1). Versions arrive in the background
+(engine.rl.async_inbox) and switch only between batches. Each batch carries rollout/staleness
+(k - version), rollout/policy_version, time/generate_s, rollout/idle_s (waiting for weights
+since the previous batch) and the collector's next_gen_batch (checkpointed by the trainer).
+A failed engine is restarted as in a colocated run (RolloutPool: rollout.max_retries, then one
+restart per generation batch), from model.hf_path plus the version the pool serves, which its
+owner keeps in host memory. Rollout errors reach the trainer as an error message.
 """
 from __future__ import annotations
 
@@ -24,7 +30,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from engine.rl.async_transfer import TAG_BATCH, TAG_CONTROL, receive_weights
+from engine.errors import RunError
+from engine.rl.async_inbox import WeightInbox
+from engine.rl.async_schedule import (batch_version, val_due, validates_before_training,
+                                      versions_after)
+from engine.rl.async_transfer import TAG_CONTROL, TAG_ROLLOUT
 from engine.rl.env.template_check import check_env_start
 from engine.rl.prompt_data import prompt_rows
 from engine.rl.rewards import load_reward_fn
@@ -32,20 +42,8 @@ from engine.rl.rollout import backend_class
 from engine.rl.rollout.placement import procs_per_node, resolve_placement
 from engine.rl.rollout.pool import RolloutPool
 from engine.rl.rollout_batch import RolloutCollector, _error_kind
-from engine.rl.split_world import (SplitWorld, active_split, isend_object, recv_object,
-                                   send_object)
-
-
-def _build_pool(cfg, dtype) -> RolloutPool:
-    placement = resolve_placement(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
-                                  dist.get_world_size(), procs_per_node(dist.get_world_size()))
-    mine = placement.engine_of(dist.get_rank())
-    engine = None
-    if mine is not None:
-        engine = backend_class(cfg.rollout.backend).from_config(
-            cfg.model.hf_path, cfg.rollout, dtype, cfg.seed,
-            gpus=(placement.local_slot(mine), placement.gpus_per_engine))
-    return RolloutPool(placement, engine, cfg.rollout)  # no factory: no restarts
+from engine.rl.split_world import SplitWorld, active_split, isend_object, recv_object
+from engine.rl.validation import Validation
 
 
 def _bcast(obj):
@@ -54,27 +52,138 @@ def _bcast(obj):
     return box[0]
 
 
-class _Weights:
-    """This rollout rank's view of the version its engines hold."""
+class WeightState:
+    """The version this rollout rank's engines serve; on an engine owner also its tensors
+    (`current`, for restarts) and the inbox of the versions sent to it."""
 
-    def __init__(self, split: SplitWorld, pool: RolloutPool, sources: dict[int, int]) -> None:
-        self.split, self.pool, self.sources = split, pool, sources
-        self.version = 0
+    def __init__(self, pool: RolloutPool, inbox: WeightInbox | None, version: int) -> None:
+        self.pool, self.inbox, self.version = pool, inbox, version
+        self.current: list = []   # buckets of `version` (empty: model.hf_path's weights)
 
-    def advance(self) -> bool:
-        """Collective over the rollout world: load the next version; False if the trainer
-        stopped."""
+    def advance(self, expected: int) -> bool:
+        """Collective over the rollout world: load the next version (`expected`); False if the
+        trainer stopped instead."""
         got = None
-        if self.pool.engine is not None:
-            got = receive_weights(self.split, self.pool.engine,
-                                  self.sources[self.split.job_rank]).version
+        if self.inbox is not None:
+            received = self.inbox.take(expected)
+            got = received.version
+            if got is not None:
+                for bucket in received.buckets:
+                    self.pool.engine.update_weights(bucket)
+                self.current = received.buckets
         got = _bcast(got)  # the leader owns engine 0: its answer is everyone's
         if got is None:
             return False
-        if got != self.version + 1:
-            raise RuntimeError(f"weight version {got} arrived, expected {self.version + 1}")
+        if got != expected:
+            raise RuntimeError(f"weight version {got} arrived, expected {expected}")
         self.version = got
         return True
+
+    def reload(self, engines: list[int] | None) -> None:
+        """RolloutPool's resync (every rollout rank): the restarted engines among `engines`
+        get the served version again."""
+        mine = self.pool.placement.engine_of(dist.get_rank())
+        if mine is not None and (engines is None or mine in engines):
+            for bucket in self.current:
+                self.pool.engine.update_weights(bucket)
+
+
+def _build_pool(cfg, dtype) -> RolloutPool:
+    placement = resolve_placement(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
+                                  dist.get_world_size(), procs_per_node(dist.get_world_size()))
+    mine = placement.engine_of(dist.get_rank())
+
+    def factory():
+        return backend_class(cfg.rollout.backend).from_config(
+            cfg.model.hf_path, cfg.rollout, dtype, cfg.seed,
+            gpus=(placement.local_slot(mine), placement.gpus_per_engine))
+
+    return RolloutPool(placement, factory() if mine is not None else None, cfg.rollout,
+                       factory=factory)
+
+
+class RolloutSide:
+    """One rollout rank's loop (module docstring); the leader also talks to the trainer."""
+
+    def __init__(self, cfg, split: SplitWorld, pool: RolloutPool, collector, weights:
+                 WeightState, validation: Validation) -> None:
+        self.cfg, self.split, self.pool, self.collector = cfg, split, pool, collector
+        self.weights, self.validation = weights, validation
+        self.pending = None   # the leader's last message in flight
+
+    def _send(self, message, what: str) -> None:
+        """Leader: queue `message` for training rank 0 (in order; one in flight)."""
+        if self.pending is not None:
+            self.pending.wait()
+        self.pending = isend_object(self.split, message, 0, TAG_ROLLOUT, what)
+
+    def _fail(self, error: Exception, what: str) -> None:
+        """Leader: tell the trainer, then let the error end this rank."""
+        payload = ("error", _error_kind(error), f"(rollout leader, job rank "
+                   f"{self.split.job_rank}, {what}) {type(error).__name__}: {error}")
+        self._send(payload, f"sending the error of {what}")
+        self.pending.wait()
+
+    def validate(self) -> None:
+        """Collective over the rollout world: validate the served version, send the metrics."""
+        v = self.weights.version
+        when = "before training" if v == 0 else f"after step {v}"
+        try:
+            metrics = self.validation.metrics(when, v)
+        except Exception as e:
+            if self.collector is not None:
+                self._fail(e, f"validation {when}")
+            raise
+        if self.collector is not None:
+            self._send(("val", v, metrics), f"sending the validation of version {v}")
+
+    def reach(self, target: int) -> bool:
+        """Load versions until the engines hold `target`, validating on the way; False if the
+        trainer stopped."""
+        while self.weights.version < target:
+            if not self.weights.advance(versions_after(self.cfg, self.weights.version)[0]):
+                return False
+            if val_due(self.cfg, self.weights.version):
+                self.validate()
+        return True
+
+    def generate(self, k: int, idle: float) -> None:
+        """Batch k: the leader collects it and sends it; the others serve their engines."""
+        if self.collector is None:
+            payload = self.pool.serve()
+            if isinstance(payload, tuple) and payload and payload[0] == "error":
+                raise RunError(f"the rollout leader failed on batch {k}: {payload[2]}")
+            return
+        t1 = time.perf_counter()
+        try:
+            batch = self.collector.collect(dump_step=k + 1)
+        except Exception as e:
+            self.pool.finish(("error", _error_kind(e), str(e)))
+            self._fail(e, f"batch {k}")
+            raise
+        self.pool.finish(None)
+        v = self.weights.version
+        batch.metrics.update({"rollout/staleness": float(k - v),
+                              "rollout/policy_version": float(v),
+                              "time/generate_s": time.perf_counter() - t1,
+                              "rollout/idle_s": idle})
+        self._send(("batch", k, batch, self.collector.next_gen_batch),
+                   f"sending rollout batch {k}")
+
+    def run(self, first: int, start: int) -> None:
+        cfg = self.cfg
+        if validates_before_training(cfg, start):
+            self.validate()
+        for k in range(first, cfg.train.max_steps):
+            t0 = time.perf_counter()
+            if not self.reach(batch_version(k, cfg.rollout.max_staleness)):
+                return  # the trainer stopped early (it took every batch sent so far)
+            self.generate(k, time.perf_counter() - t0)
+        vals = [v for v in versions_after(cfg, self.weights.version) if val_due(cfg, v)]
+        if vals:
+            self.reach(vals[-1])
+        if self.pending is not None:
+            self.pending.wait()
 
 
 def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
@@ -85,64 +194,29 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
     check_env_start(cfg, tokenizer)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     rows, prompt_ids = prompt_rows(cfg, tokenizer, cfg.data.train_files)
+    validation = Validation(cfg, tokenizer)
     pool = _build_pool(cfg, dtype)
-    # the trainer's start message: (first batch, next_gen_batch, version the engines get first,
-    # {engine owner job rank: sender job rank})
-    start = _bcast(recv_object(split, 0, TAG_CONTROL, "waiting for the trainer's start")
-                   if rank == 0 else None)
-    first, next_gen, version0, sources = start
-    weights = _Weights(split, pool, sources)
+    # the trainer's start message: (first batch, next_gen_batch, steps done, version the
+    # engines get first (0: none), {engine owner job rank: its senders' job ranks})
+    first, next_gen, start, version0, sources = _bcast(
+        recv_object(split, 0, TAG_CONTROL, "waiting for the trainer's start")
+        if rank == 0 else None)
+    inbox = (WeightInbox(split, sources[split.job_rank]) if pool.engine is not None else None)
+    weights = WeightState(pool, inbox, 0)
+    pool.resync = weights.reload
     collector = None
     if rank == 0:
         collector = RolloutCollector(pool, rows, tokenizer, load_reward_fn(cfg.reward.fn), cfg,
                                      prompt_ids)
         collector.next_gen_batch = next_gen
+    validation.attach(pool, collector)
     try:
-        if version0 > 0:  # resumed: the checkpoint's weights, tagged with their version
-            weights.version = version0 - 1
-            if not weights.advance():
-                return 0
-        _loop(cfg, split, pool, collector, weights, first)
+        if version0 > 0 and not weights.advance(version0):  # resumed: the checkpoint's weights
+            return 0
+        RolloutSide(cfg, split, pool, collector, weights, validation).run(first, start)
     finally:
         if pool.engine is not None:
             pool.engine.shutdown()
         if collector is not None and collector.env is not None:
             collector.env.close()
     return 0
-
-
-def _loop(cfg, split: SplitWorld, pool: RolloutPool, collector, weights: _Weights,
-          first: int) -> None:
-    s = cfg.rollout.max_staleness
-    pending = None  # the previous batch's send: the trainer takes it when its step starts
-    for k in range(first, cfg.train.max_steps):
-        t0 = time.perf_counter()
-        while weights.version < max(0, k - s):
-            if not weights.advance():
-                return  # the trainer stopped early (it took every batch sent so far)
-        idle = time.perf_counter() - t0
-        if collector is None:
-            pool.serve()
-            continue
-        t1 = time.perf_counter()
-        try:
-            batch = collector.collect(dump_step=k + 1)
-        except Exception as e:  # the trainer learns it, then this rank raises it
-            payload = ("error", _error_kind(e), f"(rollout leader, job rank "
-                       f"{split.job_rank}, batch {k}) {type(e).__name__}: {e}")
-            pool.finish(payload)
-            if pending is not None:
-                pending.wait()
-            send_object(split, payload, 0, TAG_BATCH, f"sending the error of batch {k}")
-            raise
-        pool.finish(None)
-        batch.metrics.update({"rollout/staleness": float(k - weights.version),
-                              "rollout/policy_version": float(weights.version),
-                              "time/generate_s": time.perf_counter() - t1,
-                              "rollout/idle_s": idle})
-        if pending is not None:
-            pending.wait()
-        pending = isend_object(split, (k, batch, collector.next_gen_batch), 0, TAG_BATCH,
-                               f"sending rollout batch {k}")
-    if pending is not None:
-        pending.wait()

@@ -1,111 +1,107 @@
-"""What crosses the bridge between training and rollout ranks (rollout.placement=disaggregated;
-engine.rl.split_world): weights, version-tagged, in rollout.sync_bucket_mb buckets; rollout
-batches; control messages. Every wait has rollout.peer_timeout_s (BridgeTimeout names the peer).
+"""Weights across the split job (rollout.placement=disaggregated; engine.rl.split_world): the
+training side's senders and the messages they send. The receiving end is
+engine.rl.async_inbox.
 
-Weights of version v (the policy after v RL steps) go from each SENDER (the first rank, TP 0 and
-pipeline stage 0, of a training replica; replica d feeds the rollout engines e with
-e % senders == d) to every engine owner it feeds, as a stream of messages with tag TAG_WEIGHTS:
-("bucket", v, [(name, shape, dtype), ...]) followed by one uint8 tensor per entry (the raw
-bytes), ..., then ("end", v); or ("stop",) when the trainer stops before the rollout side's
-last batch. The sender gets its replica's tensors through engine.rl.weight_sync.sync_to_rollout
-(models.bridge.export_hf_weights: TP gathered on every stage, the other pipeline stages
-streamed to it point-to-point), so one code path converts for checkpoints, colocated sync and
-this transfer. Batches go from the rollout leader to training rank 0 with tag TAG_BATCH.
+Senders: every pipeline stage of a training replica sends ITS OWN part; the stage's first
+rank (TP rank 0) does the sending (models.bridge.export_hf_weights: TP and expert parallel
+gathered inside the stage, the same code path as checkpoint conversion and the colocated sync).
+Replica d feeds the rollout engines e with e % replicas == d, so no tensor passes through a rank
+that does not hold it, and replicas stream in parallel. Each engine owner receives version v as
+one stream per stage, in stage order, on the WEIGHTS group (tag TAG_WEIGHTS):
+("bucket", v, [(name, shape, dtype), ...]) followed by one uint8 tensor per entry (raw bytes),
+..., then ("end", v); or, from the first stage's sender only, ("stop",) when the trainer stops
+before the rollout side's last batch. Buckets hold at most rollout.sync_bucket_mb MiB.
+
+Messages from the rollout leader to training rank 0 (tag TAG_ROLLOUT, one ordered stream on
+the bridge): ("batch", k, RolloutBatch, next_gen_batch), ("val", v, metrics) and
+("error", kind, message). Training rank 0 starts the rollout side with one TAG_CONTROL message.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from engine.rl.split_world import SplitWorld, recv_object, recv_tensor, send_object, send_tensor
-from engine.rl.weight_sync import SyncStats, sync_to_rollout
+from engine.rl.split_world import SplitWorld, send_object, send_tensor
+from engine.rl.weight_sync import BYTES_PER_MB, SyncStats, iter_buckets, tensor_bytes
+from engine.training.comm_overlap import finish_param_gather
+from models.bridge import export_hf_weights
 
-TAG_BATCH, TAG_WEIGHTS, TAG_CONTROL = 11, 12, 13
+TAG_ROLLOUT, TAG_WEIGHTS, TAG_CONTROL = 11, 12, 13
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as a flat uint8 CPU tensor."""
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
-class BridgeSender:
-    """The `engine` sync_to_rollout feeds on a sender rank: each bucket goes to every target
-    (job ranks of engine owners) tagged with `version`."""
+@dataclass
+class TransferPlan:
+    """Who sends weights to whom (job ranks). `sends[r]`: the engine owners sender r streams its
+    stage to; `sources[o]`: owner o's senders in pipeline-stage order; `first_stage`: the
+    senders of stage 0 (they alone send "stop")."""
 
-    def __init__(self, split: SplitWorld, targets: list[int], version: int) -> None:
-        self.split, self.targets, self.version = split, targets, version
-
-    def update_weights(self, bucket) -> None:
-        meta = [(n, tuple(t.shape), t.dtype) for n, t in bucket]
-        for dst in self.targets:
-            what = f"sending weight version {self.version}"
-            send_object(self.split, ("bucket", self.version, meta), dst, TAG_WEIGHTS, what)
-            for _, t in bucket:
-                send_tensor(self.split, _raw(t), dst, TAG_WEIGHTS, what)
-
-    def end(self) -> None:
-        for dst in self.targets:
-            send_object(self.split, ("end", self.version), dst, TAG_WEIGHTS,
-                        f"ending weight version {self.version}")
+    sends: dict[int, list[int]] = field(default_factory=dict)
+    sources: dict[int, list[int]] = field(default_factory=dict)
+    first_stage: set[int] = field(default_factory=set)
 
 
-def engine_senders(split: SplitWorld, engine_owners: list[int]) -> dict[int, list[int]]:
-    """Collective over the training world: {sender job rank: [engine owner job ranks]}.
-    `engine_owners` are rollout-world ranks (the rollout placement's owners)."""
+def transfer_plan(split: SplitWorld, engine_owners: list[int]) -> TransferPlan:
+    """Collective over the training world: the plan for engines owned by `engine_owners`
+    (rollout-world ranks, the rollout placement's owners)."""
     table: list = [None] * dist.get_world_size()
     dist.all_gather_object(table, (ps.get_data_parallel_rank(with_context_parallel=True),
                                    ps.get_pipeline_model_parallel_rank(),
                                    ps.get_tensor_model_parallel_rank()))
-    heads = sorted((rep, r) for r, (rep, pp, tp) in enumerate(table) if pp == 0 and tp == 0)
-    senders = [r for _, r in heads][:len(engine_owners)]
-    out: dict[int, list[int]] = {s: [] for s in senders}
+    heads = {(rep, pp): r for r, (rep, pp, tp) in enumerate(table) if tp == 0}
+    replicas = sorted({rep for rep, _ in heads})[:len(engine_owners)]
+    stages = sorted({pp for _, pp in heads})
+    plan = TransferPlan(first_stage={heads[(rep, stages[0])] for rep in replicas})
     for e, owner in enumerate(engine_owners):
-        out[senders[e % len(senders)]].append(split.num_train + owner)
-    return out
+        rep = replicas[e % len(replicas)]
+        job_owner = split.num_train + owner
+        plan.sources[job_owner] = [heads[(rep, pp)] for pp in stages]
+        for sender in plan.sources[job_owner]:
+            plan.sends.setdefault(sender, []).append(job_owner)
+    return plan
 
 
 def push_weights(split: SplitWorld, chunks, hf_config: dict, bucket_mb: float,
-                 senders: dict[int, list[int]], version: int) -> SyncStats | None:
-    """Collective over the training world: stream version `version` to every engine owner."""
-    me = dist.get_rank()
-    sender = BridgeSender(split, senders[me], version) if me in senders else None
-    stats = sync_to_rollout(chunks, hf_config, sender, bucket_mb, tuple(senders))
-    if sender is not None:
-        sender.end()
-    return stats
-
-
-def send_stop(split: SplitWorld, senders: dict[int, list[int]]) -> None:
-    """Training ranks: tell the engine owners no further version comes (early stop)."""
-    for dst in senders.get(dist.get_rank(), []):
-        send_object(split, ("stop",), dst, TAG_WEIGHTS, "sending stop")
-
-
-@dataclass
-class Received:
-    version: int | None      # None: the trainer stopped
-    buckets: int
-    nbytes: int
-
-
-def receive_weights(split: SplitWorld, engine, src: int) -> Received:
-    """An engine owner: load the next version from sender job rank `src` into `engine`, bucket
-    by bucket (the engine switches only now, between generation batches)."""
-    buckets = nbytes = 0
-    while True:
-        head = recv_object(split, src, TAG_WEIGHTS, "waiting for the next weight version")
-        if head[0] == "stop":
-            return Received(None, buckets, nbytes)
-        if head[0] == "end":
-            return Received(head[1], buckets, nbytes)
-        bucket = []
-        for name, shape, dtype in head[2]:
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            raw = recv_tensor(split, torch.empty(n, dtype=torch.uint8), src, TAG_WEIGHTS,
-                              f"receiving weight version {head[1]}")
-            bucket.append((name, raw.view(dtype).reshape(shape)))
-            nbytes += n
-        engine.update_weights(bucket)
+                 plan: TransferPlan, version: int) -> SyncStats | None:
+    """Collective over the training world: every stage exports its weights (TP/EP gathered);
+    each sender streams its stage's buckets, tagged `version`, to its engine owners. Returns
+    the sender's SyncStats (bytes of its own stage per owner), None on other ranks."""
+    finish_param_gather(chunks)  # overlap_param_gather defers it to the next forward pass
+    targets = plan.sends.get(dist.get_rank(), [])
+    t0 = time.perf_counter()
+    tensors = buckets = nbytes = 0
+    what = f"sending weight version {version}"
+    for bucket in iter_buckets(export_hf_weights(chunks, hf_config),
+                               max(1, int(bucket_mb * BYTES_PER_MB))):
+        if not targets:
+            continue
+        meta = [(n, tuple(t.shape), t.dtype) for n, t in bucket]
+        for dst in targets:
+            send_object(split, ("bucket", version, meta), dst, TAG_WEIGHTS, what,
+                        group=split.weights)
+            for _, t in bucket:
+                send_tensor(split, raw_bytes(t), dst, TAG_WEIGHTS, what, group=split.weights)
+        tensors += len(bucket)
         buckets += 1
+        nbytes += sum(tensor_bytes(t) for _, t in bucket)
+    if not targets:
+        return None
+    for dst in targets:
+        send_object(split, ("end", version), dst, TAG_WEIGHTS, what, group=split.weights)
+    return SyncStats(tensors, buckets, nbytes, time.perf_counter() - t0)
+
+
+def send_stop(split: SplitWorld, plan: TransferPlan) -> None:
+    """Training ranks: tell the engine owners no further version comes (early stop)."""
+    me = dist.get_rank()
+    if me in plan.first_stage:
+        for dst in plan.sends[me]:
+            send_object(split, ("stop",), dst, TAG_WEIGHTS, "sending stop", group=split.weights)

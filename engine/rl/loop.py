@@ -36,7 +36,7 @@ from engine.config.fusion_settings import fusion_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.parallel_settings import overlap_settings
 from engine.training.nonfinite import NonFiniteGuard
-from engine.rl.async_train import RemoteRollout
+from engine.rl.async_train import RemoteRollout, RemoteValidation
 from engine.rl.config import RLConfig
 from engine.rl.env.template_check import check_env_start
 from engine.rl.logprobs import attach_extra, compute_token_logprobs
@@ -259,6 +259,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
               f"{pool.placement.describe() if pool else remote.describe()}; policy model: "
               f"{describe_settings(policy.chunks[0].config)}", flush=True)
+    if remote is not None:  # the rollout side validates; rank 0 receives the metrics
+        validation = RemoteValidation(validation, remote)
     validation.attach(pool, collector)
     try:
         if remote is not None:

@@ -6,9 +6,11 @@ job's TCP store, under a per-side prefix), so megatron's parallel_state, the tra
 every world collective of the trainer cover the training ranks only, and the rollout side's
 pool (engine.rl.rollout.pool) covers the rollout ranks only; the rollout ranks never import a
 training model. A third group, the BRIDGE (gloo, every rank of the job, numbered by the job's
-global rank), carries the rollout batches (rollout leader -> training rank 0) and the weights
-(training senders -> rollout engine owners). Every bridge wait has a timeout and names its
-peer (BridgeTimeout).
+global rank), carries the rollout batches (rollout leader -> training rank 0), control messages and
+validation results; a fourth (WEIGHTS, gloo, the same ranks) carries only the weight versions
+(training stage senders -> rollout engine owners), so the owners' receiving thread never shares
+a group with the main thread. Every bridge wait has a timeout and names its peer
+(BridgeTimeout).
 
 Inside each side, os.environ RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE are rewritten to
 the side's numbering; JOB_RANK / JOB_WORLD_SIZE keep torchrun's.
@@ -41,7 +43,9 @@ class SplitWorld:
     job_rank: int
     job_world: int
     num_train: int
-    bridge: object       # ProcessGroupGloo over the whole job
+    bridge: object       # ProcessGroupGloo over the whole job: batches, control, validation
+    weights: object      # ProcessGroupGloo over the whole job: weight versions only (its
+                         # receiving end is a thread of the engine owners: engine.rl.async_inbox)
     timeout_s: float
     rollout_procs_per_node: int  # the rollout world's processes per node (its placement)
 
@@ -93,9 +97,11 @@ def init_split_world(n_rollout: int, timeout_s: float) -> SplitWorld:
                             timeout=timedelta(seconds=1800))
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("/bridge", store), rank, world,
                                    timedelta(seconds=max(timeout_s, 1)))
+    weights = dist.ProcessGroupGloo(dist.PrefixStore("/weights", store), rank, world,
+                                    timedelta(seconds=max(timeout_s, 1)))
     global _ACTIVE
-    _ACTIVE = SplitWorld(role, rank, world, world - n_rollout, bridge, float(timeout_s),
-                         _side_env(world - 1, world, n_rollout)[3])
+    _ACTIVE = SplitWorld(role, rank, world, world - n_rollout, bridge, weights,
+                         float(timeout_s), _side_env(world - 1, world, n_rollout)[3])
     return _ACTIVE
 
 
@@ -119,34 +125,36 @@ def _wait(work, split: SplitWorld, peer: int, what: str, timeout_s: float | None
 
 
 def send_tensor(split: SplitWorld, tensor: torch.Tensor, dst: int, tag: int, what: str,
-                timeout_s: float | None = None) -> None:
-    """Blocking send of a CPU tensor over the bridge to job rank `dst`."""
+                timeout_s: float | None = None, group=None) -> None:
+    """Blocking send of a CPU tensor to job rank `dst` over `group` (default: the bridge)."""
     t = tensor.detach().contiguous().cpu()
-    _wait(split.bridge.send([t], dst, tag), split, dst, what, timeout_s)
+    _wait((group or split.bridge).send([t], dst, tag), split, dst, what, timeout_s)
 
 
 def recv_tensor(split: SplitWorld, out: torch.Tensor, src: int, tag: int, what: str,
-                timeout_s: float | None = None) -> torch.Tensor:
-    """Blocking receive into the CPU tensor `out` from job rank `src`; returns `out`."""
-    _wait(split.bridge.recv([out], src, tag), split, src, what, timeout_s)
+                timeout_s: float | None = None, group=None) -> torch.Tensor:
+    """Blocking receive into the CPU tensor `out` from job rank `src` over `group` (default:
+    the bridge); returns `out`."""
+    _wait((group or split.bridge).recv([out], src, tag), split, src, what, timeout_s)
     return out
 
 
 def send_object(split: SplitWorld, obj, dst: int, tag: int, what: str,
-                timeout_s: float | None = None) -> None:
+                timeout_s: float | None = None, group=None) -> None:
     """Pickle `obj` and send it (length, then bytes) to job rank `dst`."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     send_tensor(split, torch.tensor([data.numel()], dtype=torch.int64), dst, tag, what,
-                timeout_s)
-    send_tensor(split, data, dst, tag, what, timeout_s)
+                timeout_s, group)
+    send_tensor(split, data, dst, tag, what, timeout_s, group)
 
 
 def recv_object(split: SplitWorld, src: int, tag: int, what: str,
-                timeout_s: float | None = None):
-    """The next object job rank `src` sent with `tag`."""
-    n = recv_tensor(split, torch.zeros(1, dtype=torch.int64), src, tag, what, timeout_s)
+                timeout_s: float | None = None, group=None):
+    """The next object job rank `src` sent with `tag` (the length's wait takes `timeout_s`,
+    the bytes' the bridge timeout)."""
+    n = recv_tensor(split, torch.zeros(1, dtype=torch.int64), src, tag, what, timeout_s, group)
     buf = recv_tensor(split, torch.empty(int(n.item()), dtype=torch.uint8), src, tag, what,
-                      timeout_s)
+                      None, group)
     return pickle.loads(buf.numpy().tobytes())
 
 

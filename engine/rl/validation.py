@@ -33,6 +33,7 @@ import time
 import torch.distributed as dist
 
 from engine.run.metrics import MetricsLogger
+from engine.rl.async_schedule import val_due
 from engine.rl.rollout import SamplingParams
 from engine.rl.prompt_data import prompt_rows
 from engine.rl.rollout_batch import broadcast_rollout
@@ -111,11 +112,6 @@ def val_problems(cfg) -> list[str]:
     return p
 
 
-def _due(cfg, done: int) -> bool:
-    interval = cfg.train.val_interval
-    return bool(cfg.data.val_files) and bool(interval) and done % interval == 0
-
-
 def generate_for_validation(collector, rows: list[dict], prompts: list[list[int]],
                             params: SamplingParams, n: int, tag: str) -> dict:
     """Rank 0: scores [len(prompts)], lengths (sampled tokens per response) and counts of one
@@ -167,7 +163,7 @@ class Validation:
         log it as step 0 of metrics.jsonl (rank 0)."""
         if not (self.cfg.val.before_train and self.rows and start == 0):
             return
-        metrics = self._collective("before training")
+        metrics = self.metrics("before training", 0)
         logger = MetricsLogger(self.cfg.logging.dir, enabled=dist.get_rank() == 0)
         logger.log(0, metrics)
         logger.close()
@@ -175,9 +171,11 @@ class Validation:
     def after_step(self, done: int) -> dict[str, float]:
         """The validation metrics after `done` RL steps when train.val_interval divides it
         (complete on rank 0), else {}."""
-        return self._collective(f"after step {done}") if _due(self.cfg, done) else {}
+        return self.metrics(f"after step {done}", done) if val_due(self.cfg, done) else {}
 
-    def _collective(self, when: str) -> dict[str, float]:
+    def metrics(self, when: str, version: int) -> dict[str, float]:
+        """Collective over the pool's world: validate the policy after `version` RL steps
+        (the engines hold it now); the metrics on every rank."""
         metrics = None
         if self.collector is not None:
             try:
