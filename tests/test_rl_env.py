@@ -20,7 +20,7 @@ from engine.rl.rollout import Generation, RolloutEngine
 from engine.rl.rollout.placement import EnginePlacement
 from engine.rl.rollout.pool import RolloutPool, generate_with_retries
 from engine.rl.rollout_batch import RolloutCollector, build_sequences
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import build_eos_model, build_tiny_model
 
 
 class CountEnv:
@@ -87,21 +87,8 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def eos_model_dir(tmp_path_factory) -> str:
-    """A tiny untied Llama whose eos logit is raised along the mean final hidden state (eos
-    ~19% per sampled token instead of ~0.3%), so sampled turns end and episodes go on."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    path = build_tiny_model(str(tmp_path_factory.mktemp("eos_model") / "llama"), "llama",
-                            hidden=32, layers=2, heads=4, kv_heads=2, seed=0,
-                            initializer_range=0.2, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    ids = torch.randint(4, 200, (16, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        mean = model.model(ids).last_hidden_state.reshape(-1, 32).mean(0)
-        model.lm_head.weight[3] += 3.0 * mean / mean.norm() ** 2
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    """tests.tiny_models.build_eos_model: sampled turns end, so episodes go on."""
+    return build_eos_model(str(tmp_path_factory.mktemp("eos_model") / "llama"))
 
 
 def _config(argv):
