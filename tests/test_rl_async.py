@@ -99,6 +99,7 @@ def runs(tmp_path_factory) -> dict:
     marker = root / "engine_died"
     for name, extra in (("s0", ("rollout.max_staleness=0",)),
                         ("s1", ("rollout.max_staleness=1",)),
+                        ("s1_again", ("rollout.max_staleness=1",)),
                         ("s1_tp2", ("rollout.max_staleness=1", "parallel.tp=2")),
                         ("s1_pp2", ("rollout.max_staleness=1", "parallel.pp=2")),
                         # an engine dies on its 3rd generate call (batch 1 from version 0 at
@@ -116,7 +117,7 @@ def runs(tmp_path_factory) -> dict:
                                 "reward.fn=tests.test_rl_async:sleeping_reward",
                                 "reward.timeout_s=null", f"logging.dir={root / 'hang'}",
                                 timeout=600)
-    for name in ("colocated", "s0", "s1", "s1_tp2", "s1_pp2", "s1_dying"):
+    for name in ("colocated", "s0", "s1", "s1_again", "s1_tp2", "s1_pp2", "s1_dying"):
         out[f"{name}_m"] = _metrics(root / name)
         out[f"{name}_val"] = _val_metrics(root / name)
     out.update(root=root, common=common, dis=dis, val=val)
@@ -145,6 +146,11 @@ def test_s1_lags_one_version_is_layout_invariant_and_differs_from_s0(runs):
     assert [m["rollout/staleness"] for m in s1] == [0.0] + [1.0] * (STEPS - 1)
     assert [m["rollout/policy_version"] for m in s1] == [0.0, 0.0, 1.0, 2.0]
     assert _close(s1, runs["s1_tp2_m"]) and _close(s1, runs["s1_pp2_m"])
+    # the same configuration twice: the same run, bit for bit, validation included
+    assert _ok(runs["s1_again"])
+    for key in (*SAME, "rollout/staleness"):
+        assert [m[key] for m in runs["s1_again_m"]] == [m[key] for m in s1], key
+    assert runs["s1_again_val"] == runs["s1_val"]
     # PP2: each stage sends its own part; the engine receives the same bytes
     assert [m["rollout/sync_bytes_per_engine"] for m in runs["s1_pp2_m"][:2]] == \
         [m["rollout/sync_bytes_per_engine"] for m in s1[:2]]
@@ -274,3 +280,24 @@ def test_multi_turn_episodes_run_on_the_rollout_side(more_runs):
     for a, b in zip(co, s0):
         assert a["env/turns_mean"] == b["env/turns_mean"] and b["env/turns_max"] == 2
         assert a["rollout/observation_tokens"] == b["rollout/observation_tokens"] > 0
+
+
+def test_validate_prints_the_split_and_both_sides_memory(capsys):
+    """`--validate` of a disaggregated layout: the split, the staleness, each side's memory and
+    the engine owners' host memory (2 x Qwen3-8B's 8.19e9 bf16 parameters = 30.5 GiB)."""
+    from engine.rl.recipe_check import rl_validate_main
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "rl" / "qwen3_8b_grpo_h100.yaml"
+    base = ["--config", str(recipe), "--validate", "--nodes", "4", "rollout.backend=hf",
+            "rollout.sleep_during_train=false", "rollout.placement=disaggregated",
+            "rollout.max_staleness=1"]
+    assert rl_validate_main(base + ["rollout.num_ranks=8"]) == 0
+    out = capsys.readouterr().out
+    assert ("placement: disaggregated, training on ranks [0, 24) (3 node(s)), rollout on ranks "
+            "[24, 32) (1 node(s)); rollout.max_staleness=1") in out
+    assert "memory per training GPU (estimate, GiB): policy" in out
+    assert "memory per rollout GPU (estimate, GiB): hf engine weights 15.3" in out
+    assert "host memory per engine owner (estimate, GiB): 30.5" in out
+    assert rl_validate_main(base + ["rollout.num_ranks=6"]) == 2
+    refused = capsys.readouterr()
+    assert "rollout.num_ranks=6 must be whole nodes of 8 GPUs" in refused.out + refused.err

@@ -55,8 +55,9 @@ def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[st
     if not r.peer_timeout_s or r.peer_timeout_s <= 0:
         p.append(f"rollout.peer_timeout_s={r.peer_timeout_s!r} must be > 0")
     refused = [
-        (r.backend == "sglang", "rollout.backend='sglang': disaggregated rollout is "
-         "implemented for in-process engines (hf, package.module:Class) only"),
+        (r.backend == "sglang", "rollout.backend='sglang' is not available yet: the rollout "
+         "ranks' SGLang path (weights arriving as host tensors) has not run on a GPU; use hf "
+         "or a package.module:Class backend"),
         (r.check_weight_sync, "rollout.check_weight_sync=true is colocated only"),
         (r.sleep_during_train, "rollout.sleep_during_train=true is colocated only (rollout "
          "ranks never train)"),

@@ -100,7 +100,9 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
     return mem.total + reference, engine, [
         f"memory per training GPU (estimate, GiB): policy {mem.total:.1f} + KL reference "
         f"{reference:.1f} = {mem.total + reference:.1f}",
-        f"memory per rollout GPU (estimate, GiB): {r.backend} engine weights {engine:.1f}"]
+        f"memory per rollout GPU (estimate, GiB): {r.backend} engine weights {engine:.1f}",
+        f"host memory per engine owner (estimate, GiB): {2 * engine:.1f} (the served version, "
+        "kept for engine restarts, plus one version received ahead; engine.rl.async_inbox)"]
 
 
 def rl_comm(cfg: RLConfig, hf: dict, world: int, engines: int) -> tuple[list[str], dict]:
