@@ -38,8 +38,6 @@ from engine.rl.async_transfer import TAG_CONTROL, TAG_ROLLOUT
 from engine.rl.env.template_check import check_env_start
 from engine.rl.prompt_data import prompt_rows
 from engine.rl.rewards import load_reward_fn
-from engine.rl.rollout import backend_class
-from engine.rl.rollout.placement import procs_per_node, resolve_placement
 from engine.rl.rollout.pool import RolloutPool
 from engine.rl.rollout_batch import RolloutCollector, _error_kind
 from engine.rl.split_world import SplitWorld, active_split, isend_object, recv_object
@@ -86,20 +84,6 @@ class WeightState:
         if mine is not None and (engines is None or mine in engines):
             for bucket in self.current:
                 self.pool.engine.update_weights(bucket)
-
-
-def _build_pool(cfg, dtype) -> RolloutPool:
-    placement = resolve_placement(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
-                                  dist.get_world_size(), procs_per_node(dist.get_world_size()))
-    mine = placement.engine_of(dist.get_rank())
-
-    def factory():
-        return backend_class(cfg.rollout.backend).from_config(
-            cfg.model.hf_path, cfg.rollout, dtype, cfg.seed,
-            gpus=(placement.local_slot(mine), placement.gpus_per_engine))
-
-    return RolloutPool(placement, factory() if mine is not None else None, cfg.rollout,
-                       factory=factory)
 
 
 class RolloutSide:
@@ -195,7 +179,7 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     rows, prompt_ids = prompt_rows(cfg, tokenizer, cfg.data.train_files)
     validation = Validation(cfg, tokenizer)
-    pool = _build_pool(cfg, dtype)
+    pool = RolloutPool.for_world(cfg, dtype)
     # the trainer's start message: (first batch, next_gen_batch, steps done, version the
     # engines get first (0: none), {engine owner job rank: its senders' job ranks})
     first, next_gen, start, version0, sources = _bcast(

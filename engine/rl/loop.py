@@ -45,7 +45,6 @@ from engine.rl.rewards import load_reward_fn
 from engine.rl.routing_replay import (after_old_logprobs, finish as finish_routing_replay,
                                       rollout_engine_kwargs, start_routing_replay)
 from engine.rl.rollout import backend_class
-from engine.rl.rollout.placement import procs_per_node, resolve_placement
 from engine.rl.rollout.pool import RolloutPool
 from engine.rl.rollout_batch import RolloutCollector, broadcast_rollout, build_sequences
 from engine.rl.split_world import active_split
@@ -155,23 +154,12 @@ def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, pool:
 
 
 def build_pool(cfg: RLConfig, policy: TrainEngine, dtype: torch.dtype) -> RolloutPool:
-    """Every rank: the job's rollout engines (placement from rollout.num_engines /
-    rollout.gpus_per_engine and torchrun's LOCAL_WORLD_SIZE); the owners build theirs."""
-    placement = resolve_placement(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
-                                  dist.get_world_size(), procs_per_node(dist.get_world_size()))
-    mine = placement.engine_of(dist.get_rank())
-
-    def factory():
-        return backend_class(cfg.rollout.backend).from_config(
-            cfg.model.hf_path, cfg.rollout, dtype, cfg.seed,
-            gpus=(placement.local_slot(mine), placement.gpus_per_engine),
-            **rollout_engine_kwargs(cfg))
-
-    pool = RolloutPool(placement, factory() if mine is not None else None, cfg.rollout,
-                       factory=factory)
+    """Every rank: the job's rollout engines (RolloutPool.for_world); a restarted engine gets
+    the policy's weights through the colocated sync."""
+    pool = RolloutPool.for_world(cfg, dtype, **rollout_engine_kwargs(cfg))
     pool.resync = lambda targets: sync_to_rollout(
         policy.chunks, policy.hf_config, pool.engine, cfg.rollout.sync_bucket_mb,
-        placement.owners, targets)
+        pool.placement.owners, targets)
     return pool
 
 
@@ -259,8 +247,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
               f"{pool.placement.describe() if pool else remote.describe()}; policy model: "
               f"{describe_settings(policy.chunks[0].config)}", flush=True)
-    if remote is not None:  # the rollout side validates; rank 0 receives the metrics
-        validation = RemoteValidation(validation, remote)
+    validation = RemoteValidation(validation, remote) if remote is not None else validation
     validation.attach(pool, collector)
     try:
         if remote is not None:

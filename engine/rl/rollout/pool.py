@@ -31,8 +31,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from engine.errors import RunError
-from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
-from engine.rl.rollout.placement import EnginePlacement
+from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams, backend_class
+from engine.rl.rollout.placement import EnginePlacement, procs_per_node, resolve_placement
 from engine.rl.rollout.work_split import split_groups
 
 
@@ -117,6 +117,25 @@ class RolloutPool:
         self._factory, self.resync = factory, resync
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._rank = dist.get_rank() if dist.is_initialized() else 0
+
+    @classmethod
+    def for_world(cls, cfg, dtype, **engine_kwargs) -> "RolloutPool":
+        """Every rank of the current default group: its rollout engines (placement from
+        rollout.num_engines / rollout.gpus_per_engine and torchrun's LOCAL_WORLD_SIZE); the
+        owners build theirs with rollout.backend's from_config (`engine_kwargs` added), which
+        is also the restart factory. `resync` is left to the caller."""
+        world = dist.get_world_size()
+        placement = resolve_placement(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
+                                      world, procs_per_node(world))
+        mine = placement.engine_of(dist.get_rank())
+
+        def factory() -> RolloutEngine:
+            return backend_class(cfg.rollout.backend).from_config(
+                cfg.model.hf_path, cfg.rollout, dtype, cfg.seed,
+                gpus=(placement.local_slot(mine), placement.gpus_per_engine), **engine_kwargs)
+
+        return cls(placement, factory() if mine is not None else None, cfg.rollout,
+                   factory=factory)
 
     @classmethod
     def local(cls, engine: RolloutEngine, rollout_cfg) -> "RolloutPool":
