@@ -56,6 +56,12 @@ def _lines(log_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def dying_reward(prompt: str, response: str, answer: str, **fields) -> float:
+    """Kills its process at once (no exception, no message): a rollout rank that dies."""
+    import os
+    os._exit(3)
+
+
 def _metrics(log_dir: Path) -> list[dict]:
     """The training steps' lines (validation before training is a line of its own)."""
     return [m for m in _lines(log_dir) if "reward/mean" in m]
@@ -117,6 +123,10 @@ def runs(tmp_path_factory) -> dict:
                                 "reward.fn=tests.test_rl_async:sleeping_reward",
                                 "reward.timeout_s=null", f"logging.dir={root / 'hang'}",
                                 timeout=600)
+    out["killed"] = run_two_nodes(2, *common, *dis, "rollout.peer_timeout_s=30",
+                                  "reward.fn=tests.test_rl_async:dying_reward",
+                                  "reward.timeout_s=null", f"logging.dir={root / 'killed'}",
+                                  timeout=600)
     for name in ("colocated", "s0", "s1", "s1_again", "s1_tp2", "s1_pp2", "s1_dying"):
         out[f"{name}_m"] = _metrics(root / name)
         out[f"{name}_val"] = _val_metrics(root / name)
@@ -190,6 +200,11 @@ def test_rollout_failures_end_the_job_with_a_message(runs):
     assert hang.returncode != 0
     assert ("waiting for rollout batch 0: no answer from rollout rank 0 (job rank 2) within "
             "rollout.peer_timeout_s=15") in hang.stdout + hang.stderr
+    # the rollout leader's process dies without a word: the trainer names it
+    killed = runs["killed"][0]
+    assert killed.returncode != 0
+    assert "waiting for rollout batch 0: no answer from rollout rank 0 (job rank 2)" in \
+        killed.stdout + killed.stderr
 
 
 def test_async_keys_are_refused_naming_the_key():
