@@ -14,6 +14,7 @@ from tests.launch import run_python
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
 import bench  # noqa: E402
+import bench_async  # noqa: E402
 import bench_balance  # noqa: E402
 import bench_mfu  # noqa: E402
 import bench_overhead  # noqa: E402
@@ -174,3 +175,48 @@ def test_data_quick_reports_rates_first_steps_and_memory():
     assert 0 < result["first_step_s_cached"] and 0 < result["first_step_s_uncached"]
     assert 100 < result["rss_mb_per_rank"] < 4000 and result["rss_mb_per_rank_4"] > 100
     assert set(result["goals"]) == {"first_step_s_uncached", "first_step_s_cached"}
+
+
+def _async_steps(rows):
+    keys = ("time/step_s", "time/generate_s", "time/train_s", "time/rollout_wait_s",
+            "time/weight_sync_s", "rollout/idle_s", "rollout/staleness")
+    # the last steps send no weights (no remaining batch needs them): the key is absent
+    return [{**{k: v for k, v in zip(keys, row) if v is not None},
+             "response/length_mean": 90.0, "reward/mean": 0.414} for row in rows]
+
+
+def test_async_summary_by_hand():
+    """Measured metrics (2-core VM, 2026-11-23, 5 steps, 128 new tokens), rounded: step 0 is
+    left out; fractions are ratios of sums over steps 1..4."""
+    s0 = _async_steps([(1.509, 0.685, 0.844, 0.649, 0.016, 0.0, 0.0),
+                       (1.461, 0.632, 0.802, 0.629, 0.029, 0.862, 0.0),
+                       (1.397, 0.565, 0.807, 0.568, 0.021, 0.837, 0.0),
+                       (1.530, 0.675, 0.848, 0.669, 0.013, 0.831, 0.0),
+                       (1.589, 0.667, 0.922, 0.666, None, 0.863, 0.0)])
+    s1 = _async_steps([(1.479, 0.638, 0.853, 0.604, 0.022, 0.0, 0.0),
+                       (0.826, 0.612, 0.805, 0.001, 0.020, 0.0, 1.0),
+                       (0.910, 0.607, 0.895, 0.002, 0.013, 0.265, 1.0),
+                       (0.918, 0.661, 0.916, 0.001, None, 0.226, 1.0),
+                       (0.867, 0.668, 0.865, 0.002, None, 0.254, 1.0)])
+    out = bench_async.async_summary(s0, s1)
+    assert out["async_step_s_s0"] == pytest.approx(5.977 / 4)
+    assert out["async_step_s_s1"] == pytest.approx(3.521 / 4)
+    assert out["async_step_time_ratio"] == pytest.approx(3.521 / 5.977)  # 0.589
+    assert out["async_generate_s_s0"] == pytest.approx(2.539 / 4)
+    assert out["async_train_s_s0"] == pytest.approx(3.379 / 4)
+    assert out["async_ideal_ratio"] == pytest.approx(3.379 / 5.977)  # max(gen, train) / step
+    assert out["async_trainer_idle_fraction_s0"] == pytest.approx(2.532 / 5.977)
+    assert out["async_trainer_idle_fraction_s1"] == pytest.approx(0.006 / 3.521)
+    assert out["async_weight_sync_fraction_s0"] == pytest.approx(0.063 / 5.977)
+    assert out["async_weight_sync_fraction_s1"] == pytest.approx(0.033 / 3.521)
+    assert out["async_rollout_idle_fraction_s0"] == pytest.approx(3.393 / (2.539 + 3.393))
+    assert out["async_rollout_idle_fraction_s1"] == pytest.approx(0.745 / (2.548 + 0.745))
+    assert bench.goal_report(out)["async_step_time_ratio"]["met"] is True  # <= 0.6
+    bench_async.check_runs(s0, s1)
+    with pytest.raises(RuntimeError, match="rollout/staleness"):
+        bench_async.check_runs(s0, s0)  # "s=1" that never lagged
+    with pytest.raises(RuntimeError, match="step 0 reward/mean differs"):
+        bench_async.check_runs(s0, [{**s1[0], "reward/mean": 0.5}] + s1[1:])
+    with pytest.raises(ValueError, match="nothing left"):
+        bench_async.run_stats(s0[:1])
+    json.dumps(out)

@@ -1,4 +1,4 @@
-"""Benchmarks of the engine: overhead, balancing, generate-once, weight sync, MFU.
+"""Benchmarks of the engine: overhead, balancing, generate-once, weight sync, async RL, MFU.
 
     python tools/bench.py overhead [--quick]   engine SFT step vs bare megatron-core (torchrun,
                                                4 ranks, TP2 x DP2); goal ratio <= 1.05
@@ -12,6 +12,9 @@
                                                engine count (torchrun, 2 ranks)
     python tools/bench.py sync     [--quick]   Megatron -> rollout engine weight sync GB/s per
                                                bucket size (>= 100M-parameter model)
+    python tools/bench.py async    [--quick]   GRPO step time with rollout.max_staleness 1 vs 0
+                                               (torchrun, 1 training + 1 rollout rank); goal
+                                               ratio <= 0.6; trainer and rollout idle fractions
     python tools/bench.py mfu      [--quick]   ~1B Qwen3-shaped SFT step, bf16, 4K packed rows:
                                                TFLOP/s per GPU and MFU (CUDA only; one GPU, or
                                                torchrun --nproc_per_node N for N DP ranks)
@@ -26,7 +29,8 @@
 
 Each prints readable tables (Markdown pipe tables) and, as its last stdout line, one JSON object.
 `all` prints the keys overhead_ratio, balance_max_over_mean, naive_balance_max_over_mean,
-padding_fraction, generate_once_speedup, weight_sync_gbps (plus mfu, goals and machine facts).
+padding_fraction, generate_once_speedup, weight_sync_gbps, async_step_time_ratio (plus mfu, goals
+and machine facts).
 `--quick` is the CI size: `all --quick` takes minutes on a 2-core CPU host. `all` keeps going
 when one benchmark fails (its keys are null, the error is under "errors", exit status 1).
 """
@@ -55,6 +59,7 @@ GOALS: dict[str, tuple[str, float]] = {
     "first_step_s_uncached": ("<=", 60.0),   # data: 20k chat rows, 2 ranks, empty cache
     "first_step_s_cached": ("<=", 20.0),
     "loss_head_sft_peak_gb": ("<=", 3.0),    # 8,192-token SFT step, vocab 151,936, chunked
+    "async_step_time_ratio": ("<=", 0.6),    # step time s=1 / s=0, generation ~ training
 }
 
 
@@ -98,6 +103,9 @@ def run_one(name: str, args) -> BenchResult:
     if name == "sync":
         from bench_sync import run_sync
         return run_sync(args.quick)
+    if name == "async":
+        from bench_async import run_async
+        return run_async(args.quick)
     if name == "mfu":
         from bench_mfu import run_mfu
         return run_mfu(args.quick)
@@ -112,7 +120,8 @@ def run_one(name: str, args) -> BenchResult:
 
 # the keys `all` always reports (None when their benchmark failed)
 ALL_KEYS = ("overhead_ratio", "balance_max_over_mean", "naive_balance_max_over_mean",
-            "padding_fraction", "generate_once_speedup", "weight_sync_gbps", "mfu")
+            "padding_fraction", "generate_once_speedup", "weight_sync_gbps",
+            "async_step_time_ratio", "mfu")
 
 
 def run_all(args) -> BenchResult:
@@ -122,7 +131,7 @@ def run_all(args) -> BenchResult:
     tables: list[Table] = [machine_table(machine_info())]
     summary: dict = {key: None for key in ALL_KEYS}
     errors: dict[str, str] = {}
-    for name in ("balance", "rollout", "sync", "overhead", "mfu"):
+    for name in ("balance", "rollout", "sync", "overhead", "async", "mfu"):
         start = time.perf_counter()
         print(f"[bench] {name} ...", file=sys.stderr, flush=True)
         try:
@@ -148,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    public = ("overhead", "balance", "rollout", "sync", "mfu", "data", "loss_head", "all")
+    public = ("overhead", "balance", "rollout", "sync", "async", "mfu", "data", "loss_head",
+              "all")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(public) + "}")
     for name in public:
         p = sub.add_parser(name)
