@@ -1,6 +1,6 @@
 """MoE routing replay (moe.routing_replay: R2 / R3): the key's validation, and one 2-rank launch
 (tests/multirank/routing_replay.py) on a tiny Qwen3-MoE: with R2 the first update forward
-reproduces the old log-probs exactly at EP2, TP2+SP, PP2 and CP2 with packing and dynamic
+reproduces the old log-probs (to float rounding) at EP2, TP2+SP, PP2 and CP2 with packing and dynamic
 micro-batches although every router's own choice was flipped for some tokens; without replay
 (negative control) the same flip moves the ratio off 1; the recorded routing and the mismatch
 metric are the same at every layout; R3 from the HF backend."""
@@ -107,7 +107,10 @@ def test_r2_first_update_reproduces_old_logprobs_at_every_layout(replay_launch):
     ref = results[0]
     assert ref["replay_mismatch"] > 0.01  # the flip changed routers' own choices ...
     for r in results:
-        assert r["ratio_abs_dev"] == 0.0, r  # ... but replay kept the old forward exactly
+        # ... but replay kept the old forward: |ratio - 1| is float rounding only (0 at most
+        # layouts; at CP2 with packing the old-log-prob pass and the update pack differently,
+        # 2.9e-6 summed over 160 tokens on one host; the control without replay: ~15.7)
+        assert r["ratio_abs_dev"] <= 1e-6 * r["response_tokens"], r
         assert r["clipfrac_low"] == 0.0 and r["clipfrac_high"] == 0.0, r
         assert r["response_tokens"] == ref["response_tokens"]
         # the routing travelled with the sequence: the same recording at every layout
