@@ -1,10 +1,15 @@
 """Asynchronous RL (rollout.placement=disaggregated, rollout.max_staleness; README
 "Asynchronous RL"): rollout on its own ranks with a fixed policy lag is exact and reproducible.
 
-Launches (2 torchrun "nodes" on localhost: node 0 trains, node 1 (rollout.num_ranks=2) runs
-two HF engines): colocated DP2 vs disaggregated s=0 (equal), s=1 at DP2 and at TP2 (equal to
-each other, different from s=0, rollout/staleness 1 from step 1 on), a rollout error and a hung rollout
-(both end the job with a message naming the rollout side)."""
+Launches on 2 torchrun "nodes" on localhost (node 0 trains, node 1, rollout.num_ranks=2, runs
+two HF engines), every one validating before training and after steps 2 and 4: colocated DP2
+vs disaggregated s=0 (equal, validation too); s=1 at DP2, TP2 and PP2 (equal to each other,
+different from s=0, rollout/staleness 1 from step 1 on); s=1 again with an engine killed on
+batch 2 (restarted: the same run bit for bit, the "same configuration twice" check); s=1
+stopped after steps 1 and 2 and resumed (equal to the straight run bit for bit). On one
+torchrun of 3 processes (2 training ranks, 1 rollout rank): DAPO with dynamic sampling and
+multi-turn episodes (s=0 equal to colocated), a rollout error, a hung rollout and a dead rollout
+process (each ends the job with a message naming the rollout side)."""
 from __future__ import annotations
 
 import json
@@ -101,11 +106,12 @@ def runs(tmp_path_factory) -> dict:
            "val.n=2", "val.temperature=1.0")
     dis = ("rollout.placement=disaggregated", "rollout.num_ranks=2", "rollout.num_engines=2",
            "rollout.peer_timeout_s=120")
+    # the cheaper split where two nodes add nothing: 3 processes, the last one rolls out
+    dis1 = ("rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.peer_timeout_s=120")
     out = {"colocated": run_torchrun(2, *common, *val, f"logging.dir={root / 'colocated'}")}
     marker = root / "engine_died"
     for name, extra in (("s0", ("rollout.max_staleness=0",)),
                         ("s1", ("rollout.max_staleness=1",)),
-                        ("s1_again", ("rollout.max_staleness=1",)),
                         ("s1_tp2", ("rollout.max_staleness=1", "parallel.tp=2")),
                         ("s1_pp2", ("rollout.max_staleness=1", "parallel.pp=2")),
                         # an engine dies on its 3rd generate call (batch 1 from version 0 at
@@ -116,22 +122,28 @@ def runs(tmp_path_factory) -> dict:
             2, *common, *val, *dis, *extra, f"logging.dir={root / name}", timeout=900,
             node_env=({}, {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "4"}))
     out["died"] = marker.exists()
-    out["fail"] = run_two_nodes(2, *common, *dis, "rollout.backend=tests.test_rl_async:"
+    out["fail"] = run_torchrun(3, *common, *dis1, "rollout.backend=tests.test_rl_async:"
                                 "BrokenEngine", "rollout.max_retries=0",
                                 f"logging.dir={root / 'fail'}", timeout=600)
-    out["hang"] = run_two_nodes(2, *common, *dis, "rollout.peer_timeout_s=15",
+    out["hang"] = run_torchrun(3, *common, *dis1, "rollout.peer_timeout_s=15",
                                 "reward.fn=tests.test_rl_async:sleeping_reward",
                                 "reward.timeout_s=null", f"logging.dir={root / 'hang'}",
                                 timeout=600)
-    out["killed"] = run_two_nodes(2, *common, *dis, "rollout.peer_timeout_s=30",
+    out["killed"] = run_torchrun(3, *common, *dis1, "rollout.peer_timeout_s=30",
                                   "reward.fn=tests.test_rl_async:dying_reward",
                                   "reward.timeout_s=null", f"logging.dir={root / 'killed'}",
                                   timeout=600)
-    for name in ("colocated", "s0", "s1", "s1_again", "s1_tp2", "s1_pp2", "s1_dying"):
+    for name in ("colocated", "s0", "s1", "s1_tp2", "s1_pp2", "s1_dying"):
         out[f"{name}_m"] = _metrics(root / name)
         out[f"{name}_val"] = _val_metrics(root / name)
-    out.update(root=root, common=common, dis=dis, val=val)
+    out.update(root=root, common=common, dis=dis, dis1=dis1, val=val)
     return out
+
+
+def _tail(procs) -> str:
+    """The end of the (first) launch's output, for assertion messages."""
+    p = procs[0] if isinstance(procs, list) else procs
+    return p.stdout[-3000:] + p.stderr[-3000:]
 
 
 def _ok(procs) -> bool:
@@ -156,11 +168,6 @@ def test_s1_lags_one_version_is_layout_invariant_and_differs_from_s0(runs):
     assert [m["rollout/staleness"] for m in s1] == [0.0] + [1.0] * (STEPS - 1)
     assert [m["rollout/policy_version"] for m in s1] == [0.0, 0.0, 1.0, 2.0]
     assert _close(s1, runs["s1_tp2_m"]) and _close(s1, runs["s1_pp2_m"])
-    # the same configuration twice: the same run, bit for bit, validation included
-    assert _ok(runs["s1_again"])
-    for key in (*SAME, "rollout/staleness"):
-        assert [m[key] for m in runs["s1_again_m"]] == [m[key] for m in s1], key
-    assert runs["s1_again_val"] == runs["s1_val"]
     # PP2: each stage sends its own part; the engine receives the same bytes
     assert [m["rollout/sync_bytes_per_engine"] for m in runs["s1_pp2_m"][:2]] == \
         [m["rollout/sync_bytes_per_engine"] for m in s1[:2]]
@@ -179,7 +186,8 @@ def test_s1_lags_one_version_is_layout_invariant_and_differs_from_s0(runs):
 
 def test_dead_engine_is_restarted_with_the_version_it_served(runs):
     """An engine dies on batch 2 (generated by version 1): rebuilt from model.hf_path, it gets
-    version 1 again from its owner's host copy and the run equals the undisturbed one."""
+    version 1 again from its owner's host copy and the run equals the undisturbed one bit for
+    bit (the same configuration run twice gives the same numbers)."""
     assert _ok(runs["s1_dying"]) and runs["died"]
     dying = runs["s1_dying_m"]
     restarts = [m["rollout/restarts"] for m in dying]   # both engines may race to the marker
@@ -192,16 +200,16 @@ def test_dead_engine_is_restarted_with_the_version_it_served(runs):
 
 
 def test_rollout_failures_end_the_job_with_a_message(runs):
-    fail = runs["fail"][0]
+    fail = runs["fail"]
     assert fail.returncode != 0
     assert "rollout leader, job rank 2, batch 0" in fail.stdout + fail.stderr
     assert "engine exploded on purpose" in fail.stdout + fail.stderr
-    hang = runs["hang"][0]
+    hang = runs["hang"]
     assert hang.returncode != 0
     assert ("waiting for rollout batch 0: no answer from rollout rank 0 (job rank 2) within "
             "rollout.peer_timeout_s=15") in hang.stdout + hang.stderr
     # the rollout leader's process dies without a word: the trainer names it
-    killed = runs["killed"][0]
+    killed = runs["killed"]
     assert killed.returncode != 0
     assert "waiting for rollout batch 0: no answer from rollout rank 0 (job rank 2)" in \
         killed.stdout + killed.stderr
@@ -242,6 +250,12 @@ def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(runs):
         pieces.append(_metrics(root / name))
     assert [len(p) for p in pieces] == [1, 1, 2]
     assert "[rl] resumed at step 2 of 4" in procs[0].stdout
+    # once more, with validation on: nothing to do, and the rollout side waits for nothing
+    again = run_two_nodes(2, *runs["common"], *runs["dis"], *runs["val"],
+                          "rollout.max_staleness=1", f"checkpoint.dir={ckpt}",
+                          f"logging.dir={root / 'r4'}", timeout=600)
+    assert _ok(again), again[1].stdout[-3000:] + again[1].stderr[-3000:]
+    assert "nothing to do: 4 steps done" in again[0].stdout
     resumed = [m for p in pieces for m in p]
     straight = runs["s1_m"]
     for key in (*SAME, "rollout/staleness", "rollout/policy_version"):
@@ -251,7 +265,7 @@ def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(runs):
 @pytest.fixture(scope="module")
 def more_runs(runs) -> dict:
     """DAPO with dynamic sampling and multi-turn episodes, colocated and disaggregated."""
-    root, common, dis = runs["root"], runs["common"], runs["dis"]
+    root, common, dis1 = runs["root"], runs["common"], runs["dis1"]
     dapo = ("algorithm=dapo", "rollout.max_new_tokens=6", "train.prompts_per_step=2",
             "train.max_steps=3", "dapo.max_gen_batches=4", "seed=1",
             "reward.fn=tests.test_rl_checkpoint:parity_reward")
@@ -264,7 +278,7 @@ def more_runs(runs) -> dict:
         out[f"{name}_colocated"] = run_torchrun(2, *common, *extra,
                                                 f"logging.dir={root / (name + '_colocated')}")
         for s in (0, 1) if name == "dapo" else (0,):
-            out[f"{name}_s{s}"] = run_two_nodes(2, *common, *dis, *extra,
+            out[f"{name}_s{s}"] = run_torchrun(3, *common, *dis1, *extra,
                                                 f"rollout.max_staleness={s}",
                                                 f"logging.dir={root / f'{name}_s{s}'}",
                                                 timeout=600)
@@ -277,7 +291,7 @@ def test_dapo_dynamic_sampling_runs_on_the_rollout_side(more_runs):
     """DAPO: the rollout side generates until the batch is full (several generation batches
     for a step); s = 0 equals colocated, s = 1 lags one version."""
     for name in ("dapo_colocated", "dapo_s0", "dapo_s1"):
-        assert _ok(more_runs[name]), more_runs[name][0].stdout[-3000:]
+        assert _ok(more_runs[name]), _tail(more_runs[name])
     s0, s1 = more_runs["dapo_s0_m"], more_runs["dapo_s1_m"]
     assert _close(more_runs["dapo_colocated_m"], s0)
     assert max(m["dynamic_sampling/gen_batches"] for m in s0) > 1
@@ -289,7 +303,7 @@ def test_dapo_dynamic_sampling_runs_on_the_rollout_side(more_runs):
 
 def test_multi_turn_episodes_run_on_the_rollout_side(more_runs):
     for name in ("env_colocated", "env_s0"):
-        assert _ok(more_runs[name]), more_runs[name][0].stdout[-3000:]
+        assert _ok(more_runs[name]), _tail(more_runs[name])
     co, s0 = more_runs["env_colocated_m"], more_runs["env_s0_m"]
     assert _close(co, s0)
     for a, b in zip(co, s0):
@@ -316,3 +330,23 @@ def test_validate_prints_the_split_and_both_sides_memory(capsys):
     assert rl_validate_main(base + ["rollout.num_ranks=6"]) == 2
     refused = capsys.readouterr()
     assert "rollout.num_ranks=6 must be whole nodes of 8 GPUs" in refused.out + refused.err
+
+
+def test_version_schedule_is_what_both_sides_expect():
+    """engine.rl.async_schedule: the versions the trainer sends (a batch or a validation needs
+    them) and the version of each batch."""
+    from engine.rl.async_schedule import (batch_version, validates_before_training,
+                                          version_needed, versions_after)
+    from engine.rl.config import RLConfig
+    cfg = RLConfig()
+    cfg.train.max_steps, cfg.rollout.max_staleness = 4, 1
+    assert [batch_version(k, 1) for k in range(4)] == [0, 0, 1, 2]
+    assert versions_after(cfg, 0) == [1, 2]          # version 3 and 4: no batch needs them
+    cfg.data.val_files, cfg.train.val_interval = ["v.jsonl"], 2
+    assert versions_after(cfg, 0) == [1, 2, 4] and versions_after(cfg, 2) == [4]
+    assert not version_needed(cfg, 3) and version_needed(cfg, 4) and not version_needed(cfg, 5)
+    cfg.rollout.max_staleness = 0
+    assert versions_after(cfg, 0) == [1, 2, 3, 4]
+    assert not validates_before_training(cfg, 0)
+    cfg.val.before_train = True
+    assert validates_before_training(cfg, 0) and not validates_before_training(cfg, 2)
