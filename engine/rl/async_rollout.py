@@ -163,7 +163,9 @@ class RolloutSide:
             if not self.reach(batch_version(k, cfg.rollout.max_staleness)):
                 return  # the trainer stopped early (it took every batch sent so far)
             self.generate(k, time.perf_counter() - t0)
-        vals = [v for v in versions_after(cfg, self.weights.version) if val_due(cfg, v)]
+        # (after a resume with nothing left to do the engines hold version 0, not `start`)
+        after = max(self.weights.version, start)
+        vals = [v for v in versions_after(cfg, after) if val_due(cfg, v)]
         if vals:
             self.reach(vals[-1])
         if self.pending is not None:
