@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,20 +32,16 @@ class Version:
 
     version: int | None
     buckets: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)
-    nbytes: int = 0
-    seconds: float = 0.0   # from the first message to the last byte
 
 
 def receive_version(split: SplitWorld, sources: list[int]) -> Version:
     """The next version from `sources` (one stream per pipeline stage, in stage order)."""
     out = Version(None)
-    t0 = None
     for i, src in enumerate(sources):
         while True:
+            first = i == 0 and out.version is None  # the wait for the trainer's next step
             head = recv_object(split, src, TAG_WEIGHTS, "waiting for the next weight version",
-                               timeout_s=_NO_DEADLINE_S if i == 0 and t0 is None else None,
-                               group=split.weights)
-            t0 = time.perf_counter() if t0 is None else t0
+                               timeout_s=_NO_DEADLINE_S if first else None, group=split.weights)
             if head[0] == "stop":
                 return Version(None)
             if out.version is None:
@@ -62,9 +57,7 @@ def receive_version(split: SplitWorld, sources: list[int]) -> Version:
                 raw = recv_tensor(split, torch.empty(n, dtype=torch.uint8), src, TAG_WEIGHTS,
                                   f"receiving weight version {head[1]}", group=split.weights)
                 bucket.append((name, raw.view(dtype).reshape(shape)))
-                out.nbytes += n
             out.buckets.append(bucket)
-    out.seconds = time.perf_counter() - t0
     return out
 
 

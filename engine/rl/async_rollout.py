@@ -66,9 +66,8 @@ class WeightState:
             received = self.inbox.take(expected)
             got = received.version
             if got is not None:
-                for bucket in received.buckets:
-                    self.pool.engine.update_weights(bucket)
                 self.current = received.buckets
+                self._load()
         got = _bcast(got)  # the leader owns engine 0: its answer is everyone's
         if got is None:
             return False
@@ -82,8 +81,12 @@ class WeightState:
         get the served version again."""
         mine = self.pool.placement.engine_of(dist.get_rank())
         if mine is not None and (engines is None or mine in engines):
-            for bucket in self.current:
-                self.pool.engine.update_weights(bucket)
+            self._load()
+
+    def _load(self) -> None:
+        """This owner's engine takes the served version, bucket by bucket."""
+        for bucket in self.current:
+            self.pool.engine.update_weights(bucket)
 
 
 class RolloutSide:

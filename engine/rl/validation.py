@@ -33,7 +33,7 @@ import time
 import torch.distributed as dist
 
 from engine.run.metrics import MetricsLogger
-from engine.rl.async_schedule import val_due
+from engine.rl.async_schedule import val_due, validates_before_training
 from engine.rl.rollout import SamplingParams
 from engine.rl.prompt_data import prompt_rows
 from engine.rl.rollout_batch import broadcast_rollout
@@ -161,7 +161,7 @@ class Validation:
     def before_training(self, start: int) -> None:
         """With val.before_train, validate the initial policy of a fresh run (start == 0) and
         log it as step 0 of metrics.jsonl (rank 0)."""
-        if not (self.cfg.val.before_train and self.rows and start == 0):
+        if not (validates_before_training(self.cfg, start) and self.rows):
             return
         metrics = self.metrics("before training", 0)
         logger = MetricsLogger(self.cfg.logging.dir, enabled=dist.get_rank() == 0)
