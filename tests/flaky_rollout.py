@@ -1,4 +1,4 @@
-"""Rollout backends that fail on purpose, for the retry tests (engine.rl.rollout_batch).
+"""Rollout backends that fail on purpose, for the retry tests (engine.rl.collect.collector).
 
 Used as `rollout.backend=tests.flaky_rollout:FlakyHFEngine` (a user-supplied backend class,
 like any "package.module:Class"). Both are the HF backend with a failing `_generate`:

@@ -216,7 +216,7 @@ def test_rollout_failures_end_the_job_with_a_message(runs):
 
 
 def test_async_keys_are_refused_naming_the_key():
-    from engine.rl.async_check import async_problems
+    from engine.rl.checks import async_problems
     from engine.rl.config import RLConfig
     cfg = RLConfig()
     cfg.rollout.max_staleness = 1
@@ -333,11 +333,11 @@ def test_validate_prints_the_split_and_both_sides_memory(capsys):
 
 
 def test_version_schedule_is_what_both_sides_expect():
-    """engine.rl.async_schedule: the versions the trainer sends (a batch or a validation needs
+    """engine.rl.disaggregated.schedule: the versions the trainer sends (a batch or a validation needs
     them) and the version of each batch."""
-    from engine.rl.async_schedule import (batch_version, validates_before_training,
-                                          version_needed, versions_after)
+    from engine.rl.collect.validation import validates_before_training
     from engine.rl.config import RLConfig
+    from engine.rl.disaggregated.schedule import batch_version, version_needed, versions_after
     cfg = RLConfig()
     cfg.train.max_steps, cfg.rollout.max_staleness = 4, 1
     assert [batch_version(k, 1) for k in range(4)] == [0, 0, 1, 2]

@@ -96,7 +96,8 @@ def runs(tmp_path_factory) -> dict:
 
 def test_rl_checkpoint_keys_are_validated_like_sft(tmp_path):
     from engine.config.schema import SFTConfig, sft_problems
-    from engine.rl.config import RLConfig, rl_problems
+    from engine.rl.checks import rl_problems
+    from engine.rl.config import RLConfig
 
     def problems(cfg) -> list[str]:
         cfg.checkpoint.save_interval, cfg.checkpoint.keep_last = -1, 0

@@ -120,7 +120,8 @@ def test_start_refuses_an_impossible_placement(model_dir, tmp_path, monkeypatch)
     """validate_rl (run before any process group) checks the placement for the launched
     world: 2 nodes of 2 processes (torchrun's LOCAL_WORLD_SIZE) cannot host 3 engines."""
     from engine.config.schema import ConfigError, load_config
-    from engine.rl.config import RLConfig, validate_rl
+    from engine.rl.checks import validate_rl
+    from engine.rl.config import RLConfig
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "1 + 1 ?", "answer": "2"}) + "\n")

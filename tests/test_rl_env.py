@@ -13,13 +13,16 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.config.schema import ConfigError, load_config
-from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, validate_rl
+from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
+from engine.rl.checks import validate_rl
+from engine.rl.collect.batch import build_sequences
+from engine.rl.collect.collector import RolloutCollector
+from engine.rl.config import RLConfig
 from engine.rl.env.episodes import turn_seed
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import Generation, RolloutEngine
 from engine.rl.rollout.placement import EnginePlacement
 from engine.rl.rollout.pool import RolloutPool, generate_with_retries
-from engine.rl.rollout_batch import RolloutCollector, build_sequences
 from tests.tiny_models import build_eos_model, build_tiny_model
 
 

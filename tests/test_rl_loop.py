@@ -12,10 +12,13 @@ import pytest
 
 from engine.config.schema import ConfigError, load_config
 from engine.data.files import DataError
-from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, validate_rl
+from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
+from engine.rl.checks import validate_rl
+from engine.rl.collect.batch import RolloutBatch, build_sequences
+from engine.rl.collect.collector import RolloutCollector
+from engine.rl.config import RLConfig
+from engine.rl.policy.update import split_mini_batches
 from engine.rl.rollout import Generation, RolloutEngine
-from engine.rl.rollout_batch import RolloutBatch, RolloutCollector, build_sequences
-from engine.rl.update import split_mini_batches
 from tests.launch import result_lines, run_python, run_torchrun
 from tests.tiny_models import build_tiny_model
 
@@ -193,7 +196,7 @@ def test_over_long_prompts_follow_data_truncation(model_dir, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     from engine.data.datasets import load_prompt_rows, render_prompt
-    from engine.rl.rollout_batch import fit_prompt_rows
+    from engine.rl.collect.prompts import fit_prompt_rows
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     path = tmp_path / "p.jsonl"

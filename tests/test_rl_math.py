@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from engine.rl.advantages import group_advantages, zero_std_groups
-from engine.rl.dapo import DynamicSampler, keep_groups_with_signal, overlong_penalty
-from engine.rl.policy_loss import clipped_surrogate, kl_penalty
+from engine.rl.algo.advantages import group_advantages, zero_std_groups
+from engine.rl.algo.dynamic_sampling import DynamicSampler, keep_groups_with_signal
+from engine.rl.algo.overlong import overlong_penalty
+from engine.rl.algo.policy_loss import clipped_surrogate, kl_penalty
 
 # ----------------------------------------------------------------------------- advantages
 

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from engine.config.schema import load_config
-from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys
+from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
+from engine.rl.config import RLConfig
 
 RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes", "rl").glob("*.yaml"))
 
@@ -23,7 +24,7 @@ def test_every_recipe_exists():
 def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
     """The Qwen3 tool recipe: env.fn=tools with the example calculator (its schema loads), the
     episode bound (seq_length) holds max_turns turns, Qwen3's template format is hermes."""
-    from engine.rl.env.contract import env_problems
+    from engine.rl.checks import env_problems
     from engine.rl.env.tool_calls import detect_format
     from engine.rl.env.tool_schema import load_tools
     from tests.test_data_templates import QWEN3

@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from engine.config.schema import ConfigError, load_config
-from engine.rl.advantages import ADVANTAGE_ESTIMATORS, leave_one_out_advantages
-from engine.rl.algorithms import ALGORITHMS
-from engine.rl.config import RLConfig, apply_algorithm_defaults, rl_problems
-from engine.rl.policy_loss import PolicyLossContext, clipped_surrogate
-from engine.rl.policy_loss_variants import POLICY_LOSSES
-from engine.rl.seq_reduce import SequenceReducer
+from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS, leave_one_out_advantages
+from engine.rl.algo.policy_loss import PolicyLossContext, clipped_surrogate
+from engine.rl.algo.policy_loss_variants import POLICY_LOSSES
+from engine.rl.algo.presets import ALGORITHMS, apply_algorithm_defaults
+from engine.rl.algo.seq_reduce import SequenceReducer
+from engine.rl.checks import rl_problems
+from engine.rl.config import RLConfig
 from engine.rl.rollout import BACKENDS, RolloutEngine, backend_class
 
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from engine.config.schema import ConfigError, load_config
-from engine.rl.config import RLConfig, rl_problems
-from engine.rl.old_policy import attach_old_logprobs
-from engine.rl.rollout_correction import RS_OPTIONS, RolloutCorrectionConfig, apply_to_batch
+from engine.rl.algo.rollout_correction import RS_OPTIONS, RolloutCorrectionConfig, apply_to_batch
+from engine.rl.checks import rl_problems
+from engine.rl.config import RLConfig
+from engine.rl.policy.logprob_stage import attach_old_logprobs
 from engine.training.micro_batches import SequenceData
 
 B, T = 8, 10

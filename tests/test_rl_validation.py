@@ -1,4 +1,4 @@
-"""Validation during RL (engine.rl.validation): the pass@k estimator against its closed forms,
+"""Validation during RL (engine.rl.collect.validation): the pass@k estimator against its closed forms,
 the metrics per data_source, the key checks, and runs through the command line.
 
 Runs (tiny qwen3, 2 ranks, 2 rollout engines, 4 RL steps; gloo on CPU):
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.rl.validation import (pass_at_k, pass_ks, val_problems, val_seeds,
-                                  validation_metrics)
+from engine.rl.checks import val_problems
+from engine.rl.collect.validation import pass_at_k, pass_ks, val_seeds, validation_metrics
 from tests.launch import run_torchrun
 from tests.tiny_models import build_tiny_model
 
@@ -104,7 +104,8 @@ def test_validation_keys_are_checked(tmp_path):
 
 def test_a_missing_val_file_is_refused_before_any_process_group(tmp_path):
     from engine.config.schema import ConfigError, load_config
-    from engine.rl.config import RLConfig, validate_rl
+    from engine.rl.checks import validate_rl
+    from engine.rl.config import RLConfig
 
     model = build_tiny_model(str(tmp_path / "m"), "qwen3", hidden=64, layers=2, heads=8,
                              kv_heads=2, seed=0)
@@ -257,11 +258,11 @@ def test_multi_turn_validation_runs_the_training_episodes(tmp_path):
     from transformers import AutoTokenizer
 
     from engine.config.schema import load_config
+    from engine.rl.collect.collector import RolloutCollector
+    from engine.rl.collect.validation import generate_for_validation
     from engine.rl.config import RLConfig
     from engine.rl.rewards import load_reward_fn
     from engine.rl.rollout import Generation, RolloutEngine, SamplingParams
-    from engine.rl.rollout_batch import RolloutCollector
-    from engine.rl.validation import generate_for_validation
 
     class Sevens(RolloutEngine):
         """Answers "7" + eos to every trajectory; records the sampling temperatures."""

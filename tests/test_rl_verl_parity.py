@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.rl.advantages import ADVANTAGE_ESTIMATORS
-from engine.rl.policy_loss import PolicyLossContext
-from engine.rl.policy_loss_variants import POLICY_LOSSES
-from engine.rl.seq_reduce import SequenceReducer
+from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS
+from engine.rl.algo.policy_loss import PolicyLossContext
+from engine.rl.algo.policy_loss_variants import POLICY_LOSSES
+from engine.rl.algo.seq_reduce import SequenceReducer
 from engine.training.loss import AGG_MODES, aggregate, weights_from_counts
 
 B, T, H = 6, 12, 16.0

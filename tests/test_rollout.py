@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.rl.policy.weight_sync import SyncStats, iter_buckets, sync_weights, tensor_bytes
 from engine.rl.rollout import Generation, SamplingParams, make_rollout_engine
-from engine.rl.weight_sync import SyncStats, iter_buckets, sync_weights, tensor_bytes
 from tests.tiny_models import build_tiny_model
 
 LAYERS = 2

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine.config.schema import ConfigError, load_config
-from engine.rl.config import RLConfig, validate_rl
+from engine.rl.checks import validate_rl
+from engine.rl.collect.collector import RolloutCollector
+from engine.rl.config import RLConfig
 from engine.rl.rollout.pool import RolloutFailed
-from engine.rl.rollout_batch import RolloutCollector
 from tests.flaky_rollout import BrokenHFEngine, FlakyHFEngine
 from tests.launch import run_torchrun
 from tests.tiny_models import build_tiny_model

@@ -43,7 +43,7 @@ def test_routing_replay_key_is_validated():
 
 
 def test_r3_backend_and_mode_refusals():
-    from engine.rl.routing_replay import routing_replay_problems
+    from engine.rl.checks import routing_replay_problems
     from engine.rl.rollout.sglang_backend import SGLangRolloutEngine
 
     def cfg(mode, backend="hf", bypass=False, env=None):

@@ -157,3 +157,74 @@ def test_files_and_functions_are_small(root):
                     long_functions.append(f"{rel}:{node.lineno} {node.name}: {length} lines")
     assert not long_files, long_files
     assert not long_functions, long_functions
+
+
+RL_ROOT = ROOT / "engine" / "rl"
+MAX_RL_TOP_LEVEL_MODULES = 6  # beside __init__.py and the packages
+
+
+def _rl_unit(module: str) -> str | None:
+    """engine.rl.<package or top-level module> of an engine.rl module, else None."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["engine", "rl"] and len(parts) > 2 else None
+
+
+def _declared_rl_imports(init: Path) -> set[str]:
+    """The engine.rl units an rl package's docstring allows after 'May import:'."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    allowed = doc.split("May import:", 1)[1] if "May import:" in doc else ""
+    return {name.split(".")[2] for name in
+            (w.strip(" ,.;()") for w in allowed.split()) if name.startswith("engine.rl.")}
+
+
+def _rl_unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        if (src := _rl_unit(m)) is None:
+            continue
+        out.setdefault(src, set())
+        out[src] |= {d for dep in deps if (d := _rl_unit(dep)) and d != src}
+    return out
+
+
+def test_rl_is_a_few_packages_with_one_way_imports():
+    """engine/rl: at most 6 top-level modules beside its packages; each package's __init__.py
+    opens with a docstring saying what it owns and 'May import:' naming the engine.rl units it
+    may use; the imports between units are acyclic and within what each package declares."""
+    modules = sorted(p.stem for p in RL_ROOT.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= MAX_RL_TOP_LEVEL_MODULES, modules
+    units = _rl_unit_graph(_graph())
+    assert _cycle(units) is None, f"engine.rl unit cycle: {' -> '.join(_cycle(units))}"
+    packages = [p for p in RL_ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert len(packages) >= 6, packages
+    for pkg in packages:
+        init = pkg / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) if init.exists() else None
+        assert doc and "May import:" in doc, f"{init}: docstring must say what it may import"
+        extra = units.get(pkg.name, set()) - _declared_rl_imports(init)
+        assert not extra, f"engine.rl.{pkg.name} imports {sorted(extra)} beyond its docstring"
+
+
+def test_rl_unit_rules_catch_violations():
+    """Negative control: a back edge between rl packages is a cycle, and an undeclared import
+    is found."""
+    graph = {"engine.rl.algo.advantages": {"engine.rl.policy.update"},
+             "engine.rl.policy.update": {"engine.rl.algo.advantages"}}
+    assert _cycle(_rl_unit_graph(graph)) is not None
+    assert _rl_unit_graph({"engine.rl.algo.x": {"engine.rl.collect.batch"}}) == {
+        "algo": {"collect"}}
+    assert "collect" not in _declared_rl_imports(RL_ROOT / "algo" / "__init__.py")
+
+
+def test_no_private_names_imported_across_modules():
+    """`from engine.x import _name` (or models/parallel) hides a contract: make it public."""
+    found = []
+    for root in SOURCE_ROOTS:
+        for path in sorted((ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in \
+                        SOURCE_ROOTS:
+                    found += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}"
+                              for a in node.names if a.name.startswith("_")
+                              and not a.name.startswith("__")]
+    assert not found, found

@@ -17,7 +17,7 @@ is left out of every mean. Per run over steps 1..N-1:
 - trainer idle: sum time/rollout_wait_s / sum time/step_s (waiting for the batch);
 - weight sync share: sum time/weight_sync_s / sum time/step_s (the trainer's export and send of
   a version, in the steps that send one; the engine owner receives it in a background thread,
-  engine.rl.async_inbox, so the send does not wait for the batch in progress);
+  engine.rl.disaggregated.inbox, so the send does not wait for the batch in progress);
 - rollout idle: sum rollout/idle_s / sum (time/generate_s + rollout/idle_s) (the rollout rank
   waiting for the version a batch needs, and loading it).
 Headline: async_step_time_ratio = step time (s = 1) / step time (s = 0); goal <= 0.6 (perfect

@@ -7,7 +7,7 @@ one engine per rank at most) and driven through engine.rl.rollout.pool exactly a
 does: rank 0 splits a fixed rollout batch (PROMPTS prompts x N samples, seeded per response)
 over the engines, each owner makes one generate call, results come back to rank 0. Timed:
 REPEATS generation batches after one warm-up, and REPEATS weight syncs
-(engine.rl.weight_sync.sync_to_rollout into every engine, each fed by its own replica).
+(engine.rl.policy.weight_sync.sync_to_rollout into every engine, each fed by its own replica).
 Every rank runs torch with one intra-op thread.
 
 What a 2-core machine can show: with E engines on E cores the generation wall time falls
@@ -45,7 +45,7 @@ def engines_worker(model_dir: str, engines: int, repeats: int) -> None:
     from engine.rl.rollout.placement import resolve_placement
     from engine.rl.rollout.pool import RolloutPool
     from engine.rl.rollout.work_split import batch_seeds
-    from engine.rl.weight_sync import sync_to_rollout
+    from engine.rl.policy.weight_sync import sync_to_rollout
     from models.bridge import load_hf_weights
     from models.factory import build_model_chunks
     from models.hf_io import SafetensorsReader, read_config

@@ -9,7 +9,7 @@ _loss_head_worker ...`) so peaks never mix: it builds the TrainEngine, records i
   sft: one TrainEngine.train_batch (engine.sft.training.train_step: forward, loss, backward,
        Adam step) on one packed micro-batch of TOKENS tokens (sequences of 1,024 tokens, so the
        attention scores stay small next to the logits);
-  rl:  engine.rl.logprobs.compute_token_logprobs (forward-only) on the same tokens;
+  rl:  engine.rl.policy.logprobs.compute_token_logprobs (forward-only) on the same tokens;
 
 then reports the process's peak RSS (getrusage ru_maxrss) and, for sft, loss and grad norm
 (the chunked head must give the unchunked numbers). "per token" = (peak - RSS before the
@@ -87,7 +87,7 @@ def loss_head_worker(model_dir: str, mode: str, tokens: int, chunk: int) -> None
                                                           group=ps.get_data_parallel_group()))
         out.update(loss=m["loss"], grad_norm=m["grad_norm"], micro_batches=1)
     else:
-        from engine.rl.logprobs import compute_token_logprobs
+        from engine.rl.policy.logprobs import compute_token_logprobs
 
         table = compute_token_logprobs(engine, seqs, 1.0)
         out.update(logprob_sum=float(table.double().sum()))

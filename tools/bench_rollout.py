@@ -2,7 +2,7 @@
 
 A rollout batch of MICRO_BATCHES x PROMPTS_PER_MB prompts x N responses (GRPO groups: each
 prompt repeated N times) is generated either in ONE `engine.generate` call (what the RL loop
-does, engine.rl.rollout_batch) or in MICRO_BATCHES calls of PROMPTS_PER_MB x N prompts each
+does, engine.rl.collect.collector) or in MICRO_BATCHES calls of PROMPTS_PER_MB x N prompts each
 (what a loop that samples inside its gradient-accumulation loop does). Same engine, same
 sampling parameters, same number of responses; the two variants alternate after one warm-up
 each, and the speedup is the ratio of median wall times.
@@ -77,7 +77,7 @@ def time_variants(engine, prompts: list[list[int]], repeats: int, max_new: int
     for i in range(repeats + 1):  # i == 0: warm-up of both
         order = list(variants) if i % 2 == 0 else list(variants)[::-1]
         for name in order:
-            # per-response seeds, as the RL loop samples (engine.rl.rollout_batch)
+            # per-response seeds, as the RL loop samples (engine.rl.collect.collector)
             seeds = batch_seeds(1000 + i, 0, len(prompts) // N, N)
             params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seeds=seeds)
             start = time.perf_counter()

@@ -4,7 +4,7 @@ One process (world 1, TP1, gloo on CPU / nccl on GPU): a >= 100M-parameter Qwen3
 built as megatron chunks from an HF folder, and an HF rollout engine is loaded from the same
 folder. Each sync streams `models.bridge.export_hf_weights(chunks)` (the checkpoint-conversion
 code path: megatron -> HF names, fused QKV and gate/up split, vocab unpadded) through
-`engine.rl.weight_sync.sync_weights` in buckets of `bucket_mb` MiB into
+`engine.rl.policy.weight_sync.sync_weights` in buckets of `bucket_mb` MiB into
 `HFRolloutEngine.update_weights` (a copy into the transformers model). Throughput = bytes moved
 (fp32 weights) / wall seconds of the whole stream, in GB/s (1e9 bytes). An "export only" row
 times the same stream without an engine (the conversion alone). On a CPU host torch runs with
@@ -43,7 +43,7 @@ def run_sync(quick: bool) -> BenchResult:
     import torch
 
     from engine.rl.rollout import make_rollout_engine
-    from engine.rl.weight_sync import sync_weights
+    from engine.rl.policy.weight_sync import sync_weights
     from models.bridge import export_hf_weights, load_hf_weights
     from models.factory import build_model_chunks
     from models.hf_io import SafetensorsReader, read_config

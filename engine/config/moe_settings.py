@@ -33,7 +33,7 @@ models.families: Qwen3-MoE, Mixtral).
   current router (engine.training.routing, models.routing_replay). Refused for dense models,
   with moe.capacity_factor (dropping would remove replayed assignments depending on the
   micro-batch cut), and for SFT; R3 needs a rollout backend that reports routed experts
-  (engine.rl.routing_replay).
+  (engine.rl.policy.routing_replay).
 
 Scaling (engine.training.router_losses): megatron attaches each micro-batch's router loss times its
 local token count and expects a later division by the step's token count, which this engine

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from engine.config.schema import (ConfigError, SFTConfig, data_file_problems, layout_problems,
                            load_config, parallel_layout, read_model_config, sft_problems,
                            value_problems)
-from engine.config.cli_flags import int_flag as _int_flag, pop_switch
+from engine.config.cli_flags import int_flag, pop_switch
 from engine.config.comm_report import comm_section
 from engine.config.model_settings import recompute_layer_problems, recompute_settings
 from models.families import moe_family, padded_vocab_size, stage_parameters
@@ -175,7 +175,7 @@ class RecipeReport:
     data: dict = field(default_factory=dict)   # memory_gib, communication (for --json)
 
 
-def _model_config(cfg, problems: list[str]) -> dict | None:
+def model_config(cfg, problems: list[str]) -> dict | None:
     preset = MODEL_SHAPES.get(cfg.model.shape) if cfg.model.shape else None
     if cfg.model.shape and preset is None:
         problems.append(f"model.shape={cfg.model.shape!r} is not a known preset; choose one "
@@ -208,7 +208,7 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     if not isinstance(nodes, int) or nodes < 1 or world_size < 1 or world_size % nodes:
         problems.append(f"world size {world_size} is not a positive multiple of --nodes {nodes}")
         return RecipeReport([], problems, warnings)
-    hf = _model_config(cfg, problems)
+    hf = model_config(cfg, problems)
     if hf is None:
         return RecipeReport([], problems, warnings)
     layout_issues = (layout_problems(cfg, world_size, hf)
@@ -286,9 +286,9 @@ def validate_main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--validate"]
     as_json = pop_switch(argv, "--json")
     try:
-        world = _int_flag(argv, "--world-size")
-        nodes = _int_flag(argv, "--nodes")
-        per_node = _int_flag(argv, "--gpus-per-node")
+        world = int_flag(argv, "--world-size")
+        nodes = int_flag(argv, "--nodes")
+        per_node = int_flag(argv, "--gpus-per-node")
         cfg, _ = load_config(SFTConfig, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)

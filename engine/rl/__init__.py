@@ -1,6 +1,19 @@
-"""GRPO / DAPO reinforcement learning: `python -m engine.rl` (__main__.py), the RL step (loop.py,
-update.py), rollout engines and their placement (rollout/), rewards, advantages, policy losses,
-weight sync.
+"""Reinforcement learning (GRPO, DAPO and their relatives): `python -m engine.rl`.
 
-May import every other engine package; nothing imports it.
+Packages (one concern each; every `__init__.py` names what it may import):
+    algo/           the math: algorithm presets, advantage estimators, policy losses, rollout
+                    correction, dynamic sampling, the overlong penalty, sequence reductions
+    policy/         the trainer's side of a step: the log-prob stage (old, reference, routing
+                    replay) as one call, the policy update, the weight export and colocated sync
+    collect/        a rollout batch: the batch type, the collector, prompts, its transport to
+                    every rank, validation
+    disaggregated/  rollout on ranks of its own (rollout.placement=disaggregated): the split
+                    world, the version schedule, the trainer side, the rollout side, weight
+                    send and inbox
+    env/            multi-turn environments and tools
+    rollout/        rollout engines (HF, SGLang, user backends), their placement and pool
+Modules: config (the schema), checks (every key check), rewards (reward functions and their
+contract), loop (the RL run), recipe_check (`--validate`), __main__ (the entry point).
+
+May import every other engine package; nothing outside engine.rl imports it.
 """

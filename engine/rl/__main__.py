@@ -14,7 +14,8 @@ from __future__ import annotations
 import sys
 
 from engine.cli import exit_process, run_entry
-from engine.rl.config import RLConfig, rl_validator
+from engine.rl.checks import rl_validator
+from engine.rl.config import RLConfig
 from engine.rl.recipe_check import rl_validate_main
 
 
@@ -28,12 +29,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_split(cfg) -> tuple[str, str] | None:
     """rollout.placement=disaggregated: split the job into training and rollout worlds
-    (engine.rl.split_world); the rollout ranks run engine.rl.async_rollout."""
+    (engine.rl.disaggregated.world); the rollout ranks run engine.rl.disaggregated.rollout_ranks."""
     if cfg.rollout.placement != "disaggregated":
         return None
-    from engine.rl.split_world import init_split_world  # imports torch.distributed
+    from engine.rl.disaggregated.world import init_split_world  # imports torch.distributed
     split = init_split_world(cfg.rollout.num_ranks, cfg.rollout.peer_timeout_s)
-    return split.role, "engine.rl.async_rollout:run_rollout"
+    return split.role, "engine.rl.disaggregated.rollout_ranks:run_rollout"
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
 """One GRPO / DAPO run: rollout, policy update, weight sync, repeated (DESIGN section 9).
 
 One RL step:
-1. rollout (driven by global rank 0; engine.rl.rollout_batch): prompts_per_step prompts x
+1. rollout (driven by global rank 0; engine.rl.collect.collector): prompts_per_step prompts x
    rollout.n responses split over the job's engines, ONE generate call per engine (more only
    with DAPO dynamic sampling or a failure), rewards, overlong shaping, group advantages; the
    token lists are broadcast to every rank;
 2. old log-probs recomputed forward-only by the current policy, reference log-probs by a frozen
-   copy of the initial policy (only when kl.beta > 0), in micro-batches (engine.rl.logprobs);
-3. epochs_per_rollout x mini_batches_per_step optimizer steps (engine.rl.update, each one
+   copy of the initial policy (only when kl.beta > 0), in micro-batches (engine.rl.policy.logprobs);
+3. epochs_per_rollout x mini_batches_per_step optimizer steps (engine.rl.policy.update, each one
    TrainEngine.train_batch);
-4. weight sync (engine.rl.weight_sync): each engine's owner assembles the HF tensors from its
+4. weight sync (engine.rl.policy.weight_sync): each engine's owner assembles the HF tensors from its
    own model replica (TP gathered, pipeline stages streamed point-to-point) and loads them in
    buckets; all engines in parallel.
 Rollout engine placement (engine.rl.rollout.placement): rollout.num_engines engines (default one
@@ -31,28 +31,32 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from engine.checkpoint.checkpointing import DataPosition
-from engine.config.model_settings import describe as describe_settings, megatron_overrides
 from engine.config.fusion_settings import fusion_overrides
+from engine.config.model_settings import describe as describe_settings
+from engine.config.model_settings import megatron_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.parallel_settings import overlap_settings
-from engine.training.nonfinite import NonFiniteGuard
-from engine.rl.async_train import RemoteRollout, RemoteValidation
+from engine.rl.checks import check_env_start
+from engine.rl.collect.batch import build_sequences
+from engine.rl.collect.collector import RolloutCollector
+from engine.rl.collect.prompts import prompt_rows
+from engine.rl.collect.transport import broadcast_rollout
+from engine.rl.collect.validation import Validation
 from engine.rl.config import RLConfig
-from engine.rl.env.template_check import check_env_start
-from engine.rl.logprobs import attach_extra, compute_token_logprobs
-from engine.rl.old_policy import attach_old_logprobs
+from engine.rl.disaggregated.trainer import RemoteRollout, RemoteValidation
+from engine.rl.disaggregated.world import active_split
+from engine.rl.policy.logprob_stage import attach_old_logprobs
+from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs
+from engine.rl.policy.routing_replay import after_old_logprobs
+from engine.rl.policy.routing_replay import finish as finish_routing_replay
+from engine.rl.policy.routing_replay import rollout_engine_kwargs, start_routing_replay
+from engine.rl.policy.update import PolicyLossSettings, policy_update, split_mini_batches
+from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
 from engine.rl.rewards import load_reward_fn
-from engine.rl.routing_replay import (after_old_logprobs, finish as finish_routing_replay,
-                                      rollout_engine_kwargs, start_routing_replay)
 from engine.rl.rollout import backend_class
 from engine.rl.rollout.pool import RolloutPool
-from engine.rl.rollout_batch import RolloutCollector, broadcast_rollout, build_sequences
-from engine.rl.split_world import active_split
-from engine.rl.prompt_data import prompt_rows
-from engine.rl.validation import Validation
-from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
-from engine.rl.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
 from engine.run.run_loop import RunLoop, build_or_resume
+from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
 
 # Metrics averaged over the optimizer steps of one RL step.
@@ -122,7 +126,7 @@ def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool
 def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, pool: RolloutPool,
             cfg: RLConfig, step: int, remote=None) -> dict[str, float]:
     """One RL step on every rank (collective over the world); metrics are complete on rank 0.
-    Disaggregated (`remote`: engine.rl.async_train.RemoteRollout, also rank 0's `collector`;
+    Disaggregated (`remote`: engine.rl.disaggregated.trainer.RemoteRollout, also rank 0's `collector`;
     `pool` None): the batch comes from the rollout ranks and the new version goes to them."""
     t0 = time.perf_counter()
     batch = None
@@ -202,7 +206,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     # every rank, before the model is built: data errors stop every rank at once
     rows, prompt_ids = prompt_rows(cfg, tokenizer, cfg.data.train_files)
-    validation = Validation(cfg, tokenizer)  # data.val_files (engine.rl.validation)
+    validation = Validation(cfg, tokenizer)  # data.val_files (engine.rl.collect.validation)
     t = cfg.train
 
     def position(done: int) -> DataPosition:
@@ -221,7 +225,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         batch_key="train.prompts_per_step")
     policy.guard = NonFiniteGuard(t.max_consecutive_nonfinite_steps,
                                   skipped=int(extra.get("skipped_steps", 0)))
-    if cfg.moe.routing_replay:  # R2 / R3 (engine.rl.routing_replay)
+    if cfg.moe.routing_replay:  # R2 / R3 (engine.rl.policy.routing_replay)
         policy.enable_routing_replay()
     start = resumed.step
     pool, collector, remote = _rollout_side(cfg, policy, dtype, rows, tokenizer, prompt_ids,

@@ -29,16 +29,17 @@ from __future__ import annotations
 import json
 import sys
 
-from engine.config.cli_flags import pop_switch
+from engine.config.cli_flags import int_flag, pop_switch
 from engine.config.comm_report import comm_section
-from engine.config.schema import ConfigError, layout_problems, parallel_layout, value_problems
 from engine.config.loading import load_config
-from engine.training.plan import plan_mini_batch
-from engine.config.recipe_validation import (GIB, _int_flag, _model_config, estimate_memory,
-                                      memory_checks, micro_batch_tokens)
-from engine.rl.async_check import async_problems, split_sizes
-from engine.rl.config import RLConfig, apply_algorithm_defaults, explicit_keys, rl_problems
+from engine.config.recipe_validation import (GIB, estimate_memory, memory_checks,
+                                             micro_batch_tokens, model_config)
+from engine.config.schema import ConfigError, layout_problems, parallel_layout, value_problems
+from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
+from engine.rl.checks import async_problems, rl_problems, split_sizes
+from engine.rl.config import RLConfig
 from engine.rl.rollout.placement import placement_problems, resolve_placement
+from engine.training.plan import plan_mini_batch
 from models.families import stage_parameters
 
 GB = 1e9
@@ -102,7 +103,7 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
         f"{reference:.1f} = {mem.total + reference:.1f}",
         f"memory per rollout GPU (estimate, GiB): {r.backend} engine weights {engine:.1f}",
         f"host memory per engine owner (estimate, GiB): {2 * engine:.1f} (the served version, "
-        "kept for engine restarts, plus one version received ahead; engine.rl.async_inbox)"]
+        "kept for engine restarts, plus one version received ahead; engine.rl.disaggregated.inbox)"]
 
 
 def rl_comm(cfg: RLConfig, hf: dict, world: int, engines: int) -> tuple[list[str], dict]:
@@ -131,7 +132,7 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
     world = nodes * per_node
     if nodes < 1 or per_node < 1:
         return [], problems + [f"--nodes {nodes} and --gpus-per-node {per_node} must be >= 1"], {}
-    hf = _model_config(cfg, problems)
+    hf = model_config(cfg, problems)
     if hf is None:
         return [], problems, {}
     problems += async_problems(cfg, world, per_node)
@@ -182,8 +183,8 @@ def rl_validate_main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--validate"]
     as_json = pop_switch(argv, "--json")
     try:
-        nodes = _int_flag(argv, "--nodes")
-        per_node = _int_flag(argv, "--gpus-per-node")
+        nodes = int_flag(argv, "--nodes")
+        per_node = int_flag(argv, "--gpus-per-node")
         cfg, _ = load_config(RLConfig, argv)
         apply_algorithm_defaults(cfg, explicit_keys(argv))
     except ConfigError as e:

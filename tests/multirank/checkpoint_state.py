@@ -117,13 +117,13 @@ def main() -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     from engine.checkpoint.checkpointing import (CheckpointError, DataPosition, ResumeMismatchError,
-                                      load_training_checkpoint, save_training_checkpoint)
-    from engine.training.loss import GlobalLossNormalizer
+                                                 load_training_checkpoint, save_training_checkpoint)
     from engine.sft.training import train_step
+    from engine.training.loss import GlobalLossNormalizer
     from engine.training.train_engine import TrainEngine
-    from megatron.core import parallel_state as ps
     from models.checkpoint import model_sharded_state_dict, save_checkpoint
     from models.hf_io import read_config
     from parallel.layout import ParallelLayout

@@ -5,7 +5,7 @@ tests/test_rl_engines.py on 4 ranks).
 
 For every CASE (training layout, engine owner ranks, target engines) it builds the model from
 MODEL_DIR at that layout, gives every owner a recording engine and runs
-engine.rl.weight_sync.sync_to_rollout. Each target owner must then hold every HF tensor of
+engine.rl.policy.weight_sync.sync_to_rollout. Each target owner must then hold every HF tensor of
 MODEL_DIR exactly once, bitwise equal to the file (the weights are untrained, so the export
 is the checkpoint); engines outside `targets` must receive nothing. Every rank also counts the
 bytes it received point-to-point (dist.recv is wrapped): a rank that owns no target engine
@@ -48,7 +48,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.rl.weight_sync import sync_to_rollout
+    from engine.rl.policy.weight_sync import sync_to_rollout
     from models.bridge import load_hf_weights
     from models.factory import build_model_chunks
     from models.hf_io import SafetensorsReader, read_config

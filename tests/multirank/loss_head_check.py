@@ -14,7 +14,7 @@ Model level (kind "model"): the tiny Qwen3 (tied embeddings) and Qwen2 (untied, 
 padding rows) through TrainEngine at DP2, TP2, TP2+SP, PP2, CP2 (packed): one forward and
 backward of a loss using log-probs and entropy (temperature 0.9) with `loss_chunk_tokens` None
 (megatron's logits) and 5, and the forward-only recomputed log-probs
-(engine.rl.logprobs.compute_token_logprobs). Compared: loss, every parameter's gradient
+(engine.rl.policy.logprobs.compute_token_logprobs). Compared: loss, every parameter's gradient
 (main_grad: the output weight / tied embedding, and every layer behind the hidden states), the
 log-prob table. "broken" model cases: models.output_head.tp_replicated_input without the TP
 reduction of the hidden-state gradient. Rank 0 prints one "RESULT {json}" line per case.
@@ -140,7 +140,7 @@ def head_loss_fn(vocab: int):
 
 def grads_and_logprobs(state, seqs, chunk):
     """(loss, {param name: main_grad}, log-prob table) with loss_chunk_tokens=`chunk`."""
-    from engine.rl.logprobs import compute_token_logprobs
+    from engine.rl.policy.logprobs import compute_token_logprobs
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.rank_batch import build_rank_batch
     from engine.training.schedule import reduce_reports, run_micro_batches

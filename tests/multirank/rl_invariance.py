@@ -14,8 +14,8 @@ On a FIXED synthetic rollout batch (prompts, responses,
 advantages, rollout/old/reference log-probs; no generation) and for every aggregation mode in
 MODES, it re-initialises megatron's parallel state in the same processes, loads the same HF
 weights and
-  1. recomputes the token log-probs forward-only (engine.rl.update.compute_token_logprobs);
-  2. runs STEPS optimizer steps (engine.rl.update.policy_update, one per mini-batch) with the
+  1. recomputes the token log-probs forward-only (engine.rl.policy.update.compute_token_logprobs);
+  2. runs STEPS optimizer steps (engine.rl.policy.update.policy_update, one per mini-batch) with the
      full GRPO/DAPO loss: asymmetric + dual clip, truncated IS, k3 KL and an entropy bonus;
   3. streams the final weights to rank 0 through the RL weight sync (engine.rl.loop.
      sync_to_rollout: TP gather + pipeline stages sent to rank 0) into a recording engine.
@@ -46,7 +46,7 @@ GROUPS, N = 4, 4           # 4 prompts x 4 responses
 STEPS = 2                  # mini-batches = optimizer steps
 # flag ov: gradient-reduce and parameter-gather overlap on (engine.training.comm_overlap, 0.02
 # MiB buckets): the weight sync then reads parameters whose all-gather the last optimizer step
-# deferred (engine.rl.weight_sync finishes it). Set by parse_spec for the spec being run.
+# deferred (engine.rl.policy.weight_sync finishes it). Set by parse_spec for the spec being run.
 OVERLAP = {"on": None}
 LR, ADAM_EPS, HORIZON = 1e-2, 1e-4, 24
 LOSS_CHUNK_TOKENS = 16  # chunked loss head, several (ragged) chunks per micro-batch
@@ -67,8 +67,8 @@ def synthetic_rollout(vocab: int, seed: int = 0, estimator: str = "grpo"):
     advantages (`estimator`) of random 0/1 rewards (the last group all equal)."""
     import torch
 
-    from engine.rl.advantages import ADVANTAGE_ESTIMATORS
-    from engine.rl.rollout_batch import RolloutBatch
+    from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS
+    from engine.rl.collect.batch import RolloutBatch
 
     rng = random.Random(seed)
     prompts, responses, rewards = [], [], []
@@ -134,9 +134,9 @@ def _sequences(state, batch, temperature, correction=None, table=None):
     rollout correction (`correction`: RolloutCorrectionConfig keys; default BASE_CORRECTION)
     on the whole batch (bypass mode: old := rollout log-probs); also its metrics. `table`: the
     log-probs of these sequences under the current weights if already computed."""
-    from engine.rl.rollout_batch import build_sequences
-    from engine.rl.logprobs import attach_extra, compute_token_logprobs
-    from engine.rl.rollout_correction import RolloutCorrectionConfig, apply_to_batch
+    from engine.rl.algo.rollout_correction import RolloutCorrectionConfig, apply_to_batch
+    from engine.rl.collect.batch import build_sequences
+    from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs
 
     seqs = build_sequences(batch)
     if table is None:
@@ -155,8 +155,8 @@ def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp, t
     import torch.distributed as dist
 
     from engine.config.moe_settings import MoEConfig, moe_overrides
-    from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
-    from engine.rl.weight_sync import sync_to_rollout
+    from engine.rl.policy.update import PolicyLossSettings, policy_update, split_mini_batches
+    from engine.rl.policy.weight_sync import sync_to_rollout
 
     overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
     state = _setup(model_dir, hf_config, layout_kw, world, train,
@@ -180,8 +180,8 @@ def negative_control(model_dir, hf_config, batch, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from engine.rl.policy.update import PolicyLossSettings, policy_loss_fn, split_mini_batches
     from engine.training.loss import GlobalLossNormalizer
-    from engine.rl.update import PolicyLossSettings, policy_loss_fn, split_mini_batches
     from engine.training.rank_batch import build_rank_batch
     from engine.training.schedule import run_micro_batches
 
@@ -203,10 +203,10 @@ def negative_control(model_dir, hf_config, batch, world):
 
 def per_shard_control(model_dir, hf_config, spec, world):
     """GSPO's losses at the CP spec with the classic bug: sequence ratios from each CP shard's
-    own tokens (engine.rl.seq_reduce.cp_group replaced by None)."""
-    from engine.rl import seq_reduce
-    from engine.rl.logprobs import compute_token_logprobs
-    from engine.rl.rollout_batch import build_sequences
+    own tokens (engine.rl.algo.seq_reduce.cp_group replaced by None)."""
+    from engine.rl.algo import seq_reduce
+    from engine.rl.collect.batch import build_sequences
+    from engine.rl.policy.logprobs import compute_token_logprobs
 
     layout_kw, train = parse_spec(spec)
     shared = SharedEngine(model_dir, hf_config, layout_kw, world, train, sp=False)

@@ -13,8 +13,8 @@ def synthetic_multi_turn(vocab: int, groups: int, n: int, seed: int = 5):
     turns; GRPO advantages of random 0/1 rewards (the last group all equal)."""
     import torch
 
-    from engine.rl.advantages import group_advantages
-    from engine.rl.rollout_batch import RolloutBatch
+    from engine.rl.algo.advantages import group_advantages
+    from engine.rl.collect.batch import RolloutBatch
 
     rng = random.Random(seed)
     prompts, responses, masks, rewards = [], [], [], []

@@ -60,8 +60,8 @@ class SharedEngine:
     def __init__(self, model_dir, hf_config, layout_kw, world, train, sp):
         import dataclasses
 
-        from tests.multirank import rl_invariance as inv
         from engine.config.moe_settings import MoEConfig, moe_overrides
+        from tests.multirank import rl_invariance as inv
 
         inv.OVERLAP["on"] = None  # overlap is the harness's modes' business (module docstring)
         overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
@@ -93,9 +93,9 @@ def run_variant(shared: SharedEngine, table, variant, batch, temperature):
     log-prob table of the loaded weights (compute_token_logprobs, shared by all variants)."""
     import torch.distributed as dist
 
+    from engine.rl.policy.update import PolicyLossSettings, policy_update, split_mini_batches
+    from engine.rl.policy.weight_sync import sync_to_rollout
     from tests.multirank import rl_invariance as inv
-    from engine.rl.update import PolicyLossSettings, policy_update, split_mini_batches
-    from engine.rl.weight_sync import sync_to_rollout
 
     state = shared.fresh()
     loss, _, mode, correction = VARIANTS[variant]

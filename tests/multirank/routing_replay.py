@@ -49,12 +49,12 @@ def parse_spec(spec: str):
 
 def build(model_dir, hf_config, layout_kw, train, sp):
     import torch
+    import torch.distributed as dist
 
     from engine.config.moe_settings import MoEConfig, moe_overrides
     from engine.training.train_engine import TrainEngine
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
-    import torch.distributed as dist
 
     setup_model_parallel(ParallelLayout(dist.get_world_size(), **layout_kw))
     optim = SimpleNamespace(lr=1e-2, min_lr=0.0, warmup_steps=0, weight_decay=0.0,
@@ -118,9 +118,9 @@ def update_with_ratio(engine, seqs):
 
 def recorded_sequences(engine, batch):
     """Sequences with old log-probs and the R2 recording; returns (seqs, routing table)."""
-    from engine.rl.logprobs import attach_extra, compute_token_logprobs
-    from engine.rl.rollout_batch import build_sequences
-    from engine.rl.routing_replay import after_old_logprobs, start_routing_replay
+    from engine.rl.collect.batch import build_sequences
+    from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs
+    from engine.rl.policy.routing_replay import after_old_logprobs, start_routing_replay
 
     seqs = build_sequences(batch)
     start_routing_replay(engine, "R2")
@@ -166,10 +166,10 @@ def r3_from_hf(model_dir, hf_config, spec, batch):
     import torch
     import torch.distributed as dist
 
-    from engine.rl.logprobs import compute_token_logprobs
+    from engine.rl.collect.batch import RolloutBatch, build_sequences
+    from engine.rl.policy.logprobs import compute_token_logprobs
     from engine.rl.rollout import SamplingParams
     from engine.rl.rollout.hf_backend import HFRolloutEngine
-    from engine.rl.rollout_batch import RolloutBatch, build_sequences
 
     layout_kw, train, flags = parse_spec(spec)
     engine = build(model_dir, hf_config, layout_kw, train, "sp" in flags)

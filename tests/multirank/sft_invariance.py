@@ -194,8 +194,8 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
     import torch
     from megatron.core import parallel_state as ps
 
-    from engine.training.loss import GlobalLossNormalizer
     from engine.sft.training import train_step
+    from engine.training.loss import GlobalLossNormalizer
     from engine.training.train_engine import TrainEngine
     from models.bridge import export_hf_weights
 
@@ -237,10 +237,10 @@ def negative_controls(model_dir, hf_config, batches, world):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from engine.sft.training import sft_loss_fn
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.rank_batch import build_rank_batch
     from engine.training.schedule import reduce_reports, run_micro_batches
-    from engine.sft.training import sft_loss_fn
     from engine.training.train_engine import TrainEngine
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel

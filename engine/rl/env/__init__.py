@@ -1,16 +1,16 @@
-"""Multi-turn RL environments (issue 24): the `env.fn` contract, token-in/token-out episodes,
+"""Multi-turn RL environments: the `env.fn` contract, token-in/token-out episodes,
 the built-in tool environment (`env.fn=tools`), and rollout dumps.
 
 Modules (one job each):
-    contract     loading `env.fn`, checking what `step` returns, the `env.*` key checks
+    contract     loading `env.fn`, checking what `step` returns
     observation  an observation rendered as the chat template's suffix (ids, never re-tokenized
                  sampled text)
     stepper      environment calls run concurrently with per-call deadlines
     episodes     the turn loop: one generate call per engine per turn, env steps, masks
-    collect      one generation batch of episodes for engine.rl.rollout_batch.RolloutCollector
+    episode_batch  one generation batch of episodes for engine.rl.collect.collector.RolloutCollector
     tool_schema, tool_calls, tool_pool, tool_worker, tools_env   the built-in tool environment
     dump         `logging.rollout_dir` JSON lines
 
-This package file imports nothing: tool worker processes import engine.rl.env.tool_worker
-without torch.
+May import: engine.rl.algo, engine.rl.rollout, engine.data, engine.errors. This package file
+imports nothing: tool worker processes import engine.rl.env.tool_worker without torch.
 """

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 from dataclasses import dataclass, field
 
-from engine.rl.env.names import ENV_TOOLS  # noqa: F401  (re-exported)
+ENV_TOOLS = "tools"          # env.fn of the built-in tool environment
 
 OBSERVATION_ROLES = ("tool", "user")
 
@@ -85,45 +84,3 @@ def check_step(result) -> StepResult:
                       {str(k): float(v) for k, v in metrics.items()})
 
 
-def env_problems(cfg) -> list[str]:
-    """Sentences naming each violated env.* key (checked before any process group starts)."""
-    e = cfg.env
-    p: list[str] = []
-    if e.fn is None:
-        if e.tools:
-            p.append(f"env.tools={list(e.tools)} needs env.fn=tools")
-        return p
-    if e.fn == ENV_TOOLS:
-        from engine.rl.env.tool_schema import load_tools
-        if not e.tools:
-            p.append("env.fn=tools needs env.tools=['package.module:function', ...]")
-        else:
-            try:
-                load_tools(list(e.tools))
-            except ValueError as err:
-                p.append(str(err))
-        if isinstance(e.kwargs, dict):
-            from engine.rl.env.tools_env import tool_kwargs_problems
-            p += tool_kwargs_problems(e.kwargs)
-    else:
-        if e.tools:
-            p.append(f"env.tools applies only to env.fn=tools, not env.fn={e.fn!r}")
-        try:
-            load_env_class(e.fn)
-        except ValueError as err:
-            p.append(f"{err} (choose null, tools, or package.module:Class)")
-    if not isinstance(e.max_turns, int) or e.max_turns < 1:
-        p.append(f"env.max_turns={e.max_turns!r} must be an integer >= 1")
-    if not isinstance(e.num_workers, int) or e.num_workers < 1:
-        p.append(f"env.num_workers={e.num_workers!r} must be an integer >= 1")
-    if e.step_timeout_s is not None and not e.step_timeout_s > 0:
-        p.append(f"env.step_timeout_s={e.step_timeout_s} must be > 0 or null")
-    if not isinstance(e.kwargs, dict):
-        p.append(f"env.kwargs must be a mapping, got {type(e.kwargs).__name__}")
-    hf_path = getattr(cfg.model, "hf_path", None)
-    if not p and hf_path and os.path.isfile(os.path.join(hf_path, "tokenizer_config.json")):
-        from engine.rl.env.template_check import env_template_problem
-        problem = env_template_problem(cfg)  # the chat template's needs, before any process
-        if problem is not None:
-            p.append(problem)
-    return p

@@ -2,6 +2,8 @@
 trainer's weights by HF name in buckets, sleep/wake when colocated with training.
 
 Backends: "hf" (transformers, CPU or GPU; `hf_backend.py`) and "sglang" (GPU; `sglang_backend.py`).
+
+May import: engine.errors, models; nothing else of engine.rl.
 """
 from engine.rl.rollout.base import (BACKENDS, Generation, RolloutEngine, SamplingParams,
                                     backend_class, make_rollout_engine)

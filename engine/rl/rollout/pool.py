@@ -1,7 +1,7 @@
 """All rollout engines of a job, driven from global rank 0 (DESIGN section 9).
 
 Every rank holds a `RolloutPool`; ranks named by the placement (engine.rl.rollout.placement)
-also hold an engine. Rank 0 runs the rollout (engine.rl.rollout_batch.RolloutCollector) and
+also hold an engine. Rank 0 runs the rollout (engine.rl.collect.collector.RolloutCollector) and
 calls `generate`; every other rank sits in `serve` for the whole rollout phase, executing the
 commands rank 0 broadcasts, until `finish` sends the step's final payload (the rollout batch).
 
@@ -106,7 +106,7 @@ class RolloutPool:
         rollout_cfg: the `rollout` config group (backend, max_retries, retry_wait_s).
         factory: builds a fresh engine for this rank (restarts); None: no restarts.
         resync: resync(engines) streams the trainer's weights into those engines (None: all);
-            collective over the world (engine.rl.weight_sync.sync_to_rollout). Settable after
+            collective over the world (engine.rl.policy.weight_sync.sync_to_rollout). Settable after
             construction (it needs the trainer, which may be built later).
     """
 

@@ -2,7 +2,7 @@
 
 These ranks build rollout engines only (no megatron state, no training model). The rollout
 world's rank 0 (the LEADER) drives the same RolloutCollector as a colocated run, over a
-RolloutPool of the rollout world's engines; the fixed-lag schedule (engine.rl.async_schedule)
+RolloutPool of the rollout world's engines; the fixed-lag schedule (engine.rl.disaggregated.schedule)
 is:
 
     validate version 0 first (val.before_train, fresh run)
@@ -15,7 +15,7 @@ is:
 
 so batch k always comes from the same weights, whatever the timing (with max_staleness >= 1 the
 generation of batch k overlaps the trainer's step k - 1). Versions arrive in the background
-(engine.rl.async_inbox) and switch only between batches. Each batch carries rollout/staleness
+(engine.rl.disaggregated.inbox) and switch only between batches. Each batch carries rollout/staleness
 (k - version), rollout/policy_version, time/generate_s, rollout/idle_s (waiting for weights
 since the previous batch) and the collector's next_gen_batch (checkpointed by the trainer).
 A failed engine is restarted as in a colocated run (RolloutPool: rollout.max_retries, then one
@@ -31,17 +31,17 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from engine.errors import RunError
-from engine.rl.async_inbox import WeightInbox
-from engine.rl.async_schedule import (batch_version, val_due, validates_before_training,
-                                      versions_after)
-from engine.rl.async_transfer import TAG_CONTROL, TAG_ROLLOUT
-from engine.rl.env.template_check import check_env_start
-from engine.rl.prompt_data import prompt_rows
+from engine.rl.checks import check_env_start
+from engine.rl.collect.collector import RolloutCollector
+from engine.rl.collect.prompts import prompt_rows
+from engine.rl.collect.transport import error_kind
+from engine.rl.collect.validation import Validation, val_due, validates_before_training
+from engine.rl.disaggregated.inbox import WeightInbox
+from engine.rl.disaggregated.schedule import batch_version, versions_after
+from engine.rl.disaggregated.weight_send import TAG_CONTROL, TAG_ROLLOUT
+from engine.rl.disaggregated.world import SplitWorld, active_split, isend_object, recv_object
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.pool import RolloutPool
-from engine.rl.rollout_batch import RolloutCollector, _error_kind
-from engine.rl.split_world import SplitWorld, active_split, isend_object, recv_object
-from engine.rl.validation import Validation
 
 
 def _bcast(obj):
@@ -106,7 +106,7 @@ class RolloutSide:
 
     def _fail(self, error: Exception, what: str) -> None:
         """Leader: tell the trainer, then let the error end this rank."""
-        payload = ("error", _error_kind(error), f"(rollout leader, job rank "
+        payload = ("error", error_kind(error), f"(rollout leader, job rank "
                    f"{self.split.job_rank}, {what}) {type(error).__name__}: {error}")
         self._send(payload, f"sending the error of {what}")
         self.pending.wait()
@@ -145,7 +145,7 @@ class RolloutSide:
         try:
             batch = self.collector.collect(dump_step=k + 1)
         except Exception as e:
-            self.pool.finish(("error", _error_kind(e), str(e)))
+            self.pool.finish(("error", error_kind(e), str(e)))
             self._fail(e, f"batch {k}")
             raise
         self.pool.finish(None)

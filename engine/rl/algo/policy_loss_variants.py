@@ -4,7 +4,7 @@ mode. Import POLICY_LOSSES from here: it is the complete table.
 
 Every function returns a *per-token* loss whose weighted token sum (GlobalLossNormalizer weights,
 engine.training.loss) is the loss, for every aggregation mode. Sequence-level quantities come
-from ``ctx.seqs`` (engine.rl.seq_reduce: detached sums over the WHOLE sequence, exact under CP
+from ``ctx.seqs`` (engine.rl.algo.seq_reduce: detached sums over the WHOLE sequence, exact under CP
 sharding and packing), never from the local shard. A sequence-level objective L_i(theta) is
 written per token so that value and gradient are exact:
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.rl.policy_loss import (MAX_LOG_RATIO, POLICY_LOSSES, PolicyLossContext,
-                                   PolicyLossTerms, _check_same_shape, apply_is_weights,
-                                   register_policy_loss)
+from engine.rl.algo.policy_loss import (MAX_LOG_RATIO, POLICY_LOSSES, PolicyLossContext,
+                                        PolicyLossTerms, check_same_shape, apply_is_weights,
+                                        register_policy_loss)
 
 __all__ = ["POLICY_LOSSES", "reinforce_loss"]
 
@@ -42,7 +42,7 @@ def gspo(logprobs, old_logprobs, advantages, settings, ctx: PolicyLossContext):
     max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high)) times the rollout IS weight. No dual
     clip. verl aggregates GSPO with seq-mean-token-mean whatever loss_agg_mode says; here
     loss.agg_mode applies (seq-mean-token-mean is verl's)."""
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     adv = advantages.detach().to(logprobs.dtype)
     (seq_log_ratio,) = ctx.seqs.means(logprobs - old_logprobs.detach())
     log_s = (logprobs - logprobs.detach() + seq_log_ratio.to(logprobs.dtype)).clamp(
@@ -63,7 +63,7 @@ def geo_mean(logprobs, old_logprobs, advantages, settings, ctx: PolicyLossContex
     rollout IS weights w); per token l_t = sg(L_i) (1 + c_t - sg(c_t)) (module docstring). With
     seq-mean-token-mean this is verl's mean over sequences; other modes weigh L_i as they weigh
     any per-token loss."""
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     adv = advantages.detach().to(logprobs.dtype)
     d = logprobs - old_logprobs.detach()
     sign = torch.sign(adv)
@@ -87,7 +87,7 @@ def cispo(logprobs, old_logprobs, advantages, settings, ctx: PolicyLossContext):
     REINFORCE term with a clipped, stop-gradient IS weight; r's log clamped to +-20), times the
     rollout IS weight. clipped_low / clipped_high: r below / above the clip range (any sign of
     A, verl's pg_clipfrac counts both)."""
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     adv = advantages.detach().to(logprobs.dtype)
     r = torch.exp((logprobs - old_logprobs.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     clipped = r.clamp(1.0 - settings.eps_low, 1.0 + settings.eps_high).detach()
@@ -103,7 +103,7 @@ def sapo(logprobs, old_logprobs, advantages, settings, ctx: PolicyLossContext):
     f(r) = sigmoid(tau (r - 1)) * 4 / tau with tau = sapo.tau_pos where A > 0, else
     sapo.tau_neg; loss -f(r) * A (r's log clamped to +-20), times the rollout IS weight. No
     clip indicators (0). verl aggregates with seq-mean-token-mean; here loss.agg_mode applies."""
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     adv = advantages.detach().to(logprobs.dtype)
     r = torch.exp((logprobs - old_logprobs.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     tau = torch.where(adv > 0, torch.full_like(adv, settings.tau_pos),

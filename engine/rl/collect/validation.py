@@ -32,11 +32,23 @@ import time
 
 import torch.distributed as dist
 
-from engine.run.metrics import MetricsLogger
-from engine.rl.async_schedule import val_due, validates_before_training
+from engine.rl.collect.prompts import prompt_rows
+from engine.rl.collect.transport import broadcast_rollout
 from engine.rl.rollout import SamplingParams
-from engine.rl.prompt_data import prompt_rows
-from engine.rl.rollout_batch import broadcast_rollout
+from engine.run.metrics import MetricsLogger
+
+
+def val_due(cfg, v: int) -> bool:
+    """Validation runs on version v >= 1 (after step v): data.val_files and train.val_interval
+    set and dividing v."""
+    interval = cfg.train.val_interval
+    return bool(cfg.data.val_files) and bool(interval) and v >= 1 and v % interval == 0
+
+
+def validates_before_training(cfg, start: int) -> bool:
+    """val.before_train on a fresh run: the rollout side validates version 0 first."""
+    return bool(cfg.data.val_files) and cfg.val.before_train and start == 0
+
 
 
 def pass_ks(n: int) -> list[int]:
@@ -87,29 +99,6 @@ def validation_metrics(scores: list[float], n: int, threshold: float,
                 for x in scores[g * n:(g + 1) * n]]
         out.update(_group_metrics(f"val/{name}/", part, n, threshold))
     return out
-
-
-def val_problems(cfg) -> list[str]:
-    """The val.* / train.val_interval / data.val_files checks (before any process group)."""
-    v, t, files = cfg.val, cfg.train, cfg.data.val_files
-    p = []
-    if not isinstance(t.val_interval, int) or t.val_interval < 0:
-        p.append(f"train.val_interval={t.val_interval!r} must be an integer >= 0 (0: off)")
-    if not isinstance(v.n, int) or v.n < 1:
-        p.append(f"val.n={v.n!r} must be an integer >= 1")
-    if v.temperature < 0:
-        p.append(f"val.temperature={v.temperature} must be >= 0 (0: greedy)")
-    elif v.temperature == 0 and isinstance(v.n, int) and v.n > 1:
-        p.append(f"val.n={v.n} with val.temperature=0 (greedy) would repeat one response "
-                 f"{v.n} times; use val.n=1 or a val.temperature > 0")
-    wanted = bool(t.val_interval) or v.before_train
-    if wanted and not files:
-        p.append("train.val_interval / val.before_train need data.val_files (validation "
-                 "prompts, rows like data.train_files)")
-    if files and not wanted:
-        p.append("data.val_files is set but validation never runs: set train.val_interval "
-                 "(RL steps between validations) and/or val.before_train=true")
-    return p
 
 
 def generate_for_validation(collector, rows: list[dict], prompts: list[list[int]],

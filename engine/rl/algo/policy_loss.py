@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.rl.registry import registrar
+from engine.rl.algo.registry import registrar
 
 # |log ratio| is clamped to this before exp(): exp(20) ~ 4.9e8 is far beyond any clip range, and
 # the clamp keeps garbage log-probs on masked tokens (advantage 0) from producing inf * 0 = NaN.
@@ -48,7 +48,7 @@ class PolicyLossTerms:
     ratio: torch.Tensor
 
 
-def _check_same_shape(**tensors: torch.Tensor) -> None:
+def check_same_shape(**tensors: torch.Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"per-token inputs must have the same shape, got {shapes}")
@@ -64,7 +64,7 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     (must be > 1), tokens with ``A < 0`` get ``loss = min(loss, dual_c * |A|)`` (Ye et al. 2020,
     dual-clip PPO). ``advantages`` is already broadcast per token (same shape as ``logprobs``).
     """
-    _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     if eps_low < 0 or eps_high < 0 or eps_low >= 1:
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, "
                          f"eps_high={eps_high}")
@@ -110,7 +110,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
     Raises ValueError for any other estimator name.
     """
-    _check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
+    check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs)
     diff = logprobs - ref_logprobs.detach()
     if estimator == "k1":
         return diff
@@ -127,10 +127,10 @@ class PolicyLossContext:
     """What a policy loss may use besides the per-token log-probs and advantages.
 
     - ``loss_mask`` [..., T] 0/1: trained tokens of this shard (rejected tokens already 0);
-    - ``seqs``: engine.rl.seq_reduce.SequenceReducer of the micro-batch: detached sums / means
+    - ``seqs``: engine.rl.algo.seq_reduce.SequenceReducer of the micro-batch: detached sums / means
       over whole sequences, exact under CP sharding, packing and micro-batching;
     - ``is_weights`` [..., T] or None: detached rollout-correction IS weights (decoupled mode,
-      engine.rl.rollout_correction), applied by the loss the way verl applies them.
+      engine.rl.algo.rollout_correction), applied by the loss the way verl applies them.
     """
 
     loss_mask: torch.Tensor
@@ -145,9 +145,9 @@ def apply_is_weights(loss: torch.Tensor, ctx: PolicyLossContext) -> torch.Tensor
 
 
 # Policy losses by name (`policy_loss=...`): fn(logprobs, old_logprobs, advantages, settings,
-# ctx) -> PolicyLossTerms, per token; `settings` is engine.rl.update.PolicyLossSettings, `ctx` a
+# ctx) -> PolicyLossTerms, per token; `settings` is engine.rl.policy.update.PolicyLossSettings, `ctx` a
 # PolicyLossContext (sequence structure, rollout IS weights). A new loss is one registered
-# function; the full table (with engine.rl.policy_loss_variants) is imported from there.
+# function; the full table (with engine.rl.algo.policy_loss_variants) is imported from there.
 PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, PolicyLossContext],
                       PolicyLossTerms]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}

@@ -4,8 +4,8 @@
 - `collect(step)` (training rank 0): batch `step` from the rollout leader (batches generated
   ahead are queued in order); time/rollout_wait_s is the trainer's wait for it;
 - `push(policy, version)` (collective over the training world): after every RL step, version
-  `version` goes to every rollout engine (engine.rl.async_transfer: each pipeline stage sends
-  its own part) when a batch or a validation needs it (engine.rl.async_schedule);
+  `version` goes to every rollout engine (engine.rl.disaggregated.weight_send: each pipeline stage sends
+  its own part) when a batch or a validation needs it (engine.rl.disaggregated.schedule);
 - `validation(v)` (training rank 0): the rollout side's validation metrics of version v
   (RemoteValidation makes the run's Validation wait for them);
 - `ahead_state()` / `restore`: the checkpoint's `extra` holds the batches generated ahead of the
@@ -26,13 +26,14 @@ import time
 
 import torch.distributed as dist
 
-from engine.rl.async_schedule import version_needed, versions_after
-from engine.rl.async_transfer import (TAG_CONTROL, TAG_ROLLOUT, push_weights, send_stop,
-                                      transfer_plan)
+from engine.rl.collect.batch import RolloutBatch
+from engine.rl.collect.transport import broadcast_rollout
+from engine.rl.collect.validation import Validation
+from engine.rl.disaggregated.schedule import version_needed, versions_after
+from engine.rl.disaggregated.weight_send import (TAG_CONTROL, TAG_ROLLOUT, push_weights, send_stop,
+                                                 transfer_plan)
+from engine.rl.disaggregated.world import SplitWorld, recv_object, send_object
 from engine.rl.rollout.placement import resolve_placement
-from engine.rl.rollout_batch import RolloutBatch, broadcast_rollout
-from engine.rl.split_world import SplitWorld, recv_object, send_object
-from engine.rl.validation import Validation
 
 
 class RemoteRollout:
@@ -159,7 +160,7 @@ class RemoteRollout:
 
 class RemoteValidation(Validation):
     """The run's Validation on the training ranks of a disaggregated run: the rollout side
-    validates (engine.rl.async_rollout); training rank 0 receives the metrics at the same
+    validates (engine.rl.disaggregated.rollout_ranks); training rank 0 receives the metrics at the same
     points a colocated run validates, and every training rank learns of an error."""
 
     def __init__(self, local: Validation, remote: RemoteRollout) -> None:

@@ -1,10 +1,10 @@
-"""One rollout batch: prompts -> ONE generate call per engine -> rewards -> DAPO shaping and
-dynamic sampling -> group advantages, then shared with every rank (DESIGN section 9).
+"""One rollout batch: prompts -> ONE generate call per engine -> rewards -> overlong shaping and
+dynamic sampling -> group advantages (docs/design/rl.md).
 
 Rank 0 drives the rollout (RolloutCollector): each generation batch is split over the job's
 engines by engine.rl.rollout.pool (one generate call per engine, results back in the global
 order), scored and shaped on rank 0; the other ranks serve their engines meanwhile, and
-`broadcast_rollout` ends that phase by sending the token lists to every rank over the default
+`engine.rl.collect.transport.broadcast_rollout` ends that phase by sending the token lists to every rank over the default
 (world) group. Sampling is seeded per response (work_split.response_seed), so the batch does not
 depend on the engine count.
 
@@ -16,142 +16,21 @@ responses [g*n, (g+1)*n) answer prompt g.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from engine.data.datasets import global_batch_indices, render_prompt
 from engine.data.files import DataError
-from engine.errors import RunError
-from engine.training.micro_batches import SequenceData
-from engine.training.routing import ROUTED_EXPERTS
-from engine.rl.advantages import ADVANTAGE_ESTIMATORS, zero_std_groups
-from engine.rl.dapo import DynamicSampler, overlong_penalty
-from engine.rl.env.collect import EnvRollout, env_metrics
+from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS, zero_std_groups
+from engine.rl.algo.dynamic_sampling import DynamicSampler
+from engine.rl.algo.overlong import overlong_penalty
+from engine.rl.collect.batch import RolloutBatch
+from engine.rl.env.episode_batch import EnvRollout, env_metrics
 from engine.rl.env.dump import part_records, write_dump
 from engine.rl.rewards import score_responses
 from engine.rl.rollout import SamplingParams
 from engine.rl.rollout.pool import RolloutPool
 from engine.rl.rollout.work_split import batch_seeds
-
-
-@dataclass
-class RolloutBatch:
-    """The responses one RL step trains on (possibly none: dynamic sampling found no group
-    with signal), group-major, plus the rollout metrics. Identical on every rank."""
-
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    response_ids: list[list[int]] = field(default_factory=list)
-    rollout_logprobs: list[list[float]] = field(default_factory=list)
-    advantages: list[float] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
-    # multi-turn (engine.rl.env): 1 on sampled tokens, 0 on observations; empty: all sampled
-    response_masks: list[list[int]] = field(default_factory=list)
-    # R3 routing replay: per response Generation.routed_experts [tokens fed, layers * k]
-    routed_experts: list = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.response_ids)
-
-
-def build_sequences(batch: RolloutBatch) -> list[SequenceData]:
-    """Training sequences of a rollout batch: tokens = prompt + response[:-1], labels = the next
-    tokens, loss_mask 1 on the response positions. Extras (aligned with labels, 0 on prompt
-    positions): "advantages" (the response's advantage on every response token) and
-    "rollout_logprobs" (the engine's log-probs of the sampled tokens). Multi-turn responses
-    (batch.response_masks) train only their sampled tokens: loss mask and advantage 0 on
-    observation tokens (their rollout log-prob is 0.0)."""
-    seqs = []
-    masks = batch.response_masks or [None] * len(batch)
-    for prompt, response, logprobs, adv, mask in zip(
-            batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, batch.advantages,
-            masks):
-        ids = list(prompt) + list(response)
-        head = len(prompt) - 1
-        mask = [1] * len(response) if mask is None else [int(m) for m in mask]
-        seqs.append(SequenceData(
-            tokens=ids[:-1], labels=ids[1:], loss_mask=[0] * head + mask,
-            extras={"advantages": [0.0] * head + [float(adv) if m else 0.0 for m in mask],
-                    "rollout_logprobs": [0.0] * head + [float(x) for x in logprobs]}))
-        if batch.routed_experts:  # R3: the rollout engine's routing of every fed token
-            seqs[-1].extras[ROUTED_EXPERTS] = batch.routed_experts[len(seqs) - 1]
-    return seqs
-
-
-def broadcast_rollout(batch: RolloutBatch | Exception | None, pool: RolloutPool | None
-                      ) -> RolloutBatch:
-    """End the rollout phase and share rank 0's rollout batch with every rank (collective over
-    the world). Rank 0 passes the batch, or the exception its rollout raised: then every rank
-    raises instead of waiting forever (rank 0 its own exception; the others a DataError,
-    RunError or RuntimeError like it, so the entry point reports data errors and run failures
-    without a traceback). Other ranks pass None: they serve the rollout engines they own
-    (`pool.serve`) until rank 0's `pool.finish` delivers the batch. `pool` None: a plain
-    broadcast (no engine on ranks > 0)."""
-    payload = None
-    if dist.get_rank() == 0:
-        payload = (batch if not isinstance(batch, Exception) else
-                   ("error", _error_kind(batch), f"{type(batch).__name__}: {batch}"))
-        if pool is not None:
-            pool.finish(payload)
-        else:
-            dist.broadcast_object_list([payload], src=0)
-    elif pool is not None:
-        payload = pool.serve()
-    else:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        payload = box[0]
-    if isinstance(payload, tuple) and payload and payload[0] == "error":
-        if dist.get_rank() == 0 and isinstance(batch, Exception):
-            raise batch
-        kinds = {"data": DataError, "run": RunError, "other": RuntimeError}
-        raise kinds[payload[1]](f"rollout on rank 0 failed: {payload[2]}")
-    return payload
-
-
-def _error_kind(error: Exception) -> str:
-    return ("data" if isinstance(error, DataError) else "run" if isinstance(error, RunError)
-            else "other")
-
-
-def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg,
-                    rendered: list[list[int]] | None = None, key: str = "data.train_files"
-                    ) -> tuple[list[dict], list[list[int]]]:
-    """The prompt rows whose rendered prompt leaves room for rollout.max_new_tokens within
-    train.seq_length (at most seq_length + 1 - max_new_tokens tokens), and their rendered ids
-    (for RolloutCollector's `prompt_ids`, so no prompt is rendered twice). Over-long rows follow
-    data.truncation: "right" drops them (a prompt cut short would lose its question; the count
-    is printed on rank 0), "error" raises DataError naming file:line. Every rank calls it with
-    the same rows (the prompt count is part of the checkpointed data position). `rendered`:
-    the rows' prompt ids from the data cache (engine.data.datasets.load_prompt_rows `prompt_ids`);
-    without it every prompt is rendered here. `key` names the rows' files in messages."""
-    limit = cfg.train.seq_length + 1 - cfg.rollout.max_new_tokens
-    kept, kept_ids, dropped = [], [], []
-    for i, (row, loc) in enumerate(zip(rows, locations)):
-        ids = (rendered[i] if rendered is not None
-               else render_prompt(row["prompt"], tokenizer, where=loc))
-        n = len(ids)
-        if n <= limit:
-            kept.append(row)
-            kept_ids.append(ids)
-            continue
-        if cfg.data.truncation == "error":
-            raise DataError(
-                f"{loc}: the prompt renders to {n} tokens; with rollout.max_new_tokens="
-                f"{cfg.rollout.max_new_tokens} and train.seq_length={cfg.train.seq_length} "
-                f"prompts may have at most {limit} tokens (data.truncation=error). Raise "
-                "train.seq_length, lower rollout.max_new_tokens, or set data.truncation=right "
-                "to drop such prompts")
-        dropped.append(loc)
-    if dropped and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(f"[rl] dropped {len(dropped)} of {len(rows)} prompts longer than {limit} tokens "
-              f"(data.truncation=right), first at {dropped[0]}", flush=True)
-    if not kept:
-        raise DataError(f"every prompt of {key} is longer than {limit} tokens "
-                        f"(train.seq_length={cfg.train.seq_length} + 1 - rollout.max_new_tokens"
-                        f"={cfg.rollout.max_new_tokens}); raise train.seq_length")
-    return kept, kept_ids
 
 
 class RolloutCollector:
@@ -198,7 +77,7 @@ class RolloutCollector:
     def generate_scored(self, rows: list[dict], prompts: list[list[int]],
                         params: SamplingParams, n: int, gen_batch) -> dict:
         """THE generation entry point of the RL loop (training batches and validation,
-        engine.rl.validation): one response per prompt over every engine (`prompts` group-major
+        engine.rl.collect.validation): one response per prompt over every engine (`prompts` group-major
         in groups of `n`, `rows[i]` the dataset row of prompts[i], params.seeds one seed per
         response), decoded and scored by reward.fn. `gen_batch` names the batch in messages.
         Returns {"generations", "scores" (list of float), "errors" (reward errors), "stats"

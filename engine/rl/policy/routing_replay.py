@@ -1,6 +1,6 @@
 """MoE routing replay in the RL step (`moe.routing_replay`: null | R2 | R3).
 
-- R2: the old-log-prob forward (forward-only, engine.rl.logprobs) records every token's top-k
+- R2: the old-log-prob forward (forward-only, engine.rl.policy.logprobs) records every token's top-k
   experts per MoE layer; they travel with the sequence as the extra ROUTED_EXPERTS and every
   update forward of the step replays them.
 - R3: the rollout engine reports the routing of every token it processed (prompt tokens from its
@@ -22,34 +22,6 @@ layer) pairs whose recomputed top-k set differs from the replayed one (engine.tr
 from __future__ import annotations
 
 from engine.training.routing import ROUTED_EXPERTS, compact
-
-
-def routing_replay_problems(cfg) -> list[str]:
-    """moe.routing_replay against the RL keys (its value, dense models, SFT and capacity are
-    checked by engine.config.moe_settings): R3 needs a backend that reports routed experts and
-    single-turn rollouts; R2 needs the old-log-prob forward (no bypass mode)."""
-    from engine.rl.rollout.base import backend_class
-
-    mode = cfg.moe.routing_replay
-    p: list[str] = []
-    correction = getattr(cfg, "rollout_correction", None)
-    if mode == "R2" and getattr(correction, "bypass_mode", False):
-        p.append("moe.routing_replay=R2 records the routing in the old-log-prob forward, which "
-                 "rollout_correction.bypass_mode=true skips; use R3 or bypass_mode=false")
-    if mode != "R3":
-        return p
-    env = getattr(cfg, "env", None)
-    if getattr(env, "fn", None):
-        p.append(f"moe.routing_replay=R3 with env.fn={env.fn!r}: multi-turn episodes do not "
-                 "carry the rollout engine's routed experts; use R2")
-    try:
-        problem = backend_class(cfg.rollout.backend).routed_experts_problem()
-    except (ValueError, ImportError):  # an unknown backend is reported by rl_problems
-        return p
-    if problem:
-        p.append(f"moe.routing_replay=R3 needs the rollout engine's routed experts, but "
-                 f"rollout.backend={cfg.rollout.backend}: {problem}")
-    return p
 
 
 def rollout_engine_kwargs(cfg) -> dict:

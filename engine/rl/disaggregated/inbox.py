@@ -1,4 +1,4 @@
-"""The receiving end of the weight transfer on a rollout engine owner (engine.rl.async_transfer).
+"""The receiving end of the weight transfer on a rollout engine owner (engine.rl.disaggregated.weight_send).
 
 A background thread receives each version as soon as the trainer sends it, into host memory,
 while the engine keeps generating with the version it holds; the main thread takes it between
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.rl.async_transfer import TAG_WEIGHTS
-from engine.rl.split_world import BridgeTimeout, SplitWorld, recv_object, recv_tensor
+from engine.rl.disaggregated.weight_send import TAG_WEIGHTS
+from engine.rl.disaggregated.world import BridgeTimeout, SplitWorld, recv_object, recv_tensor
 
 _NO_DEADLINE_S = 365 * 24 * 3600.0
 

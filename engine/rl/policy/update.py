@@ -5,12 +5,12 @@ Loss contract (engine.training.loss): per token, with r = exp(logp - old_logp) a
 
     l = policy_loss(logp, old_logp, A, ctx)   [ppo_clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A),
                                                dual clip; x rollout IS weight; gspo, geo_mean,
-                                               cispo, sapo: engine.rl.policy_loss_variants]
+                                               cispo, sapo: engine.rl.algo.policy_loss_variants]
         + kl.beta * KL(logp, ref_logp) - entropy_coef * H
 
-`ctx` (engine.rl.policy_loss.PolicyLossContext) carries the micro-batch's SequenceReducer
+`ctx` (engine.rl.algo.policy_loss.PolicyLossContext) carries the micro-batch's SequenceReducer
 (whole-sequence sums, exact under CP) and the decoupled rollout IS weights (extras
-"rollout_is_weights", computed on the whole rollout batch by engine.rl.rollout_correction). In
+"rollout_is_weights", computed on the whole rollout batch by engine.rl.algo.rollout_correction). In
 rollout_correction.bypass_mode the old policy is the rollout engine's (extras "old_logprobs"
 hold the rollout log-probs) and IS / rejection are computed here from the current policy, as
 verl's bypass loss does: rejected tokens contribute 0 to the policy-gradient term but stay in
@@ -28,13 +28,13 @@ import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 
+from engine.rl.algo import rollout_correction as rc
+from engine.rl.algo import seq_reduce
+from engine.rl.algo.policy_loss import PolicyLossContext, kl_penalty
+from engine.rl.algo.policy_loss_variants import POLICY_LOSSES, reinforce_loss
+from engine.rl.algo.seq_reduce import SequenceReducer
 from engine.training.loss import GlobalLossNormalizer, aggregate
 from engine.training.micro_batches import SequenceData
-from engine.rl import rollout_correction as rc
-from engine.rl.policy_loss import PolicyLossContext, kl_penalty
-from engine.rl.policy_loss_variants import POLICY_LOSSES, reinforce_loss
-from engine.rl import seq_reduce
-from engine.rl.seq_reduce import SequenceReducer
 from engine.training.schedule import LossFn
 from engine.training.token_losses import token_logprobs_and_entropy
 from engine.training.train_engine import TrainEngine
@@ -98,7 +98,7 @@ def policy_loss_fn(s: PolicyLossSettings) -> LossFn:
     """loss_fn(logits [b, s, V/tp], mb) -> (weighted loss sum, report) for TrainEngine.
     Reads mb.extras "old_logprobs", "advantages", "ref_logprobs" (kl_beta > 0) and
     "rollout_is_weights" (decoupled rollout IS). Collective over TP (vocab-parallel log-probs,
-    entropy) and over CP (whole-sequence sums, engine.rl.seq_reduce)."""
+    entropy) and over CP (whole-sequence sums, engine.rl.algo.seq_reduce)."""
 
     def loss_fn(logits, mb):
         w = mb.token_weights

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.rl.dapo import overlong_penalty
+from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.env.contract import ENV_TOOLS, load_env_class
 from engine.rl.env.episodes import Episode, EpisodeRunner, EpisodeSettings
 from engine.rl.rollout.pool import GenerateStats

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.rl.registry import registrar
+from engine.rl.algo.registry import registrar
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

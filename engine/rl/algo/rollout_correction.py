@@ -207,7 +207,7 @@ def apply_to_batch(seqs: list, cfg: RolloutCorrectionConfig) -> dict[str, float]
     0.9 modifies response_mask before the loss: token-mean's N and seq-mean-token-mean's n_i
     exclude them; a fully rejected sequence follows loss.count_empty_sequences). Returns
     METRICS plus rollout_corr/is_weight_max and rollout_corr/is_batch_norm_factor."""
-    from engine.rl.seq_reduce import SequenceReducer
+    from engine.rl.algo.seq_reduce import SequenceReducer
 
     width = max(len(s.tokens) for s in seqs)
     lr = torch.zeros(len(seqs), width, dtype=torch.float64)

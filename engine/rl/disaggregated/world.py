@@ -45,7 +45,7 @@ class SplitWorld:
     num_train: int
     bridge: object       # ProcessGroupGloo over the whole job: batches, control, validation
     weights: object      # ProcessGroupGloo over the whole job: weight versions only (its
-                         # receiving end is a thread of the engine owners: engine.rl.async_inbox)
+                         # receiving end is a thread of the engine owners: engine.rl.disaggregated.inbox)
     timeout_s: float
     rollout_procs_per_node: int  # the rollout world's processes per node (its placement)
 

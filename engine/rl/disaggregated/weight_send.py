@@ -1,6 +1,6 @@
-"""Weights across the split job (rollout.placement=disaggregated; engine.rl.split_world): the
+"""Weights across the split job (rollout.placement=disaggregated; engine.rl.disaggregated.world): the
 training side's senders and the messages they send. The receiving end is
-engine.rl.async_inbox.
+engine.rl.disaggregated.inbox.
 
 Senders: every pipeline stage of a training replica sends ITS OWN part; the stage's first
 rank (TP rank 0) does the sending (models.bridge.export_hf_weights: TP and expert parallel
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from engine.rl.split_world import SplitWorld, send_object, send_tensor
-from engine.rl.weight_sync import BYTES_PER_MB, SyncStats, iter_buckets, tensor_bytes
+from engine.rl.disaggregated.world import SplitWorld, send_object, send_tensor
+from engine.rl.policy.weight_sync import BYTES_PER_MB, SyncStats, iter_buckets, tensor_bytes
 from engine.training.comm_overlap import finish_param_gather
 from models.bridge import export_hf_weights
 

@@ -1,18 +1,18 @@
 """The old (proximal) policy's token log-probs of a rollout batch, and rollout correction
-(engine.rl.rollout_correction) in its two verl modes.
+(engine.rl.algo.rollout_correction) in its two verl modes.
 
 - decoupled (rollout_correction.bypass_mode=false, three policies): the trainer recomputes the
-  old log-probs forward-only (engine.rl.logprobs); IS weights and rejection between old and
+  old log-probs forward-only (engine.rl.policy.logprobs); IS weights and rejection between old and
   rollout log-probs are computed on the WHOLE rollout batch here, before any mini-batch or
   micro-batch split.
 - bypass (two policies): the rollout engine's log-probs ARE the old log-probs; no forward pass
   runs here (one forward over the rollout batch saved per step); IS / rejection against the
-  current policy happen in the loss (engine.rl.update).
+  current policy happen in the loss (engine.rl.policy.update).
 """
 from __future__ import annotations
 
-from engine.rl.logprobs import attach_extra, compute_token_logprobs, logprob_gap
-from engine.rl.rollout_correction import apply_to_batch
+from engine.rl.algo.rollout_correction import apply_to_batch
+from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs, logprob_gap
 from engine.training.micro_batches import SequenceData
 
 

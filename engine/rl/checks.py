@@ -1,0 +1,349 @@
+"""Every check of the RL keys, run before any process group exists (`validate_rl`, the
+entry point's validate hook) and by `--validate` (engine.rl.recipe_check). Each problem is one
+sentence naming its key and, where there are choices, the valid ones; a combination that is not
+implemented is refused by name.
+
+Sections: the RL step keys (`rl_problems`), rollout correction and SAPO, the disaggregated mode
+(rollout.placement, num_ranks, max_staleness), validation, environments (env.*, and whether
+the chat template can place observations), routing replay. docs/rl.md lists the keys.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.config.model_settings import recompute_layer_problems, recompute_problems
+from engine.config.schema import (check_choice, checkpoint_config_problems, raise_problems,
+                                  shape_problems, validate_common)
+from engine.errors import ConfigError
+from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS
+from engine.rl.algo.policy_loss import KL_ESTIMATORS
+from engine.rl.algo.policy_loss_variants import POLICY_LOSSES
+from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
+from engine.rl.algo.rollout_correction import IS_LEVELS, LOSS_TYPES, parse_rs
+from engine.rl.config import RLConfig
+from engine.rl.env.contract import ENV_TOOLS, load_env_class
+from engine.rl.env.observation import observation_text
+from engine.rl.env.tool_schema import load_tools
+from engine.rl.env.tools_env import tool_format, tool_kwargs_problems, tool_schemas
+from engine.rl.rewards import load_reward_fn
+from engine.rl.rollout.base import BACKENDS, backend_class, custom_backend_class
+from engine.rl.rollout.placement import placement_problems, procs_per_node
+
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+
+def split_sizes(cfg, world: int) -> tuple[int, int]:
+    """(training ranks, rollout ranks) of a job of `world` processes; (world, 0) colocated or
+    while rollout.num_ranks is invalid (its problem is reported by async_problems)."""
+    r = cfg.rollout
+    n = r.num_ranks
+    if r.placement != "disaggregated" or not isinstance(n, int) or not 0 < n < world:
+        return world, 0
+    return world - n, n
+
+
+def rollout_procs_per_node(world: int, n_rollout: int) -> int:
+    """The rollout world's processes per node (as engine.rl.disaggregated.world numbers them)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    n_train = world - n_rollout
+    return local if n_rollout % local == 0 and n_train % local == 0 else n_rollout
+
+
+def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[str]:
+    """Every problem of the asynchronous keys for a job of `world` processes; with
+    `gpus_per_node` (GPU hosts) the rollout ranks must be whole nodes."""
+    r = cfg.rollout
+    p: list[str] = []
+    if r.placement not in PLACEMENTS:
+        return [f"rollout.placement={r.placement!r} must be one of {list(PLACEMENTS)}"]
+    s = r.max_staleness
+    if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+        p.append(f"rollout.max_staleness={s!r} must be an integer >= 0")
+    if r.placement == "colocated":
+        if r.num_ranks is not None:
+            p.append(f"rollout.num_ranks={r.num_ranks} needs rollout.placement=disaggregated "
+                     "(colocated engines share the training ranks)")
+        if isinstance(s, int) and s > 0:
+            p.append(f"rollout.max_staleness={s} needs rollout.placement=disaggregated "
+                     "(colocated rollout and training take turns on the same ranks)")
+        return p
+    n = r.num_ranks
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 < n < world:
+        p.append(f"rollout.num_ranks={n!r} must be an integer in [1, {world - 1}] with "
+                 f"rollout.placement=disaggregated on {world} processes (the last num_ranks "
+                 "ranks run the rollout engines, the others train)")
+    elif gpus_per_node and n % gpus_per_node:
+        p.append(f"rollout.num_ranks={n} must be whole nodes of {gpus_per_node} GPUs "
+                 "(rollout ranks are the job's last nodes)")
+    if not r.peer_timeout_s or r.peer_timeout_s <= 0:
+        p.append(f"rollout.peer_timeout_s={r.peer_timeout_s!r} must be > 0")
+    refused = [
+        (r.backend == "sglang", "rollout.backend='sglang' is not available yet: the rollout "
+         "ranks' SGLang path (weights arriving as host tensors) has not run on a GPU; use hf "
+         "or a package.module:Class backend"),
+        (r.check_weight_sync, "rollout.check_weight_sync=true is colocated only"),
+        (r.sleep_during_train, "rollout.sleep_during_train=true is colocated only (rollout "
+         "ranks never train)"),
+        (cfg.moe.routing_replay == "R3", "moe.routing_replay=R3 is colocated only"),
+    ]
+    p += [f"{msg} (rollout.placement=disaggregated)" for bad, msg in refused if bad]
+    return p
+
+
+
+
+def rl_problems(cfg: RLConfig) -> list[str]:
+    """Every violated constraint of the RL keys, as sentences naming the key; the checkpoint
+    and exit keys through engine.config.schema.checkpoint_config_problems (same messages as SFT)."""
+    t, r, c, d = cfg.train, cfg.rollout, cfg.clip, cfg.dapo
+    p: list[str] = []
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            p.append(message)
+
+    for key in ("prompts_per_step", "mini_batches_per_step", "epochs_per_rollout"):
+        value = getattr(t, key)
+        check(isinstance(value, int) and value >= 1, f"train.{key}={value!r} must be an "
+              "integer >= 1")
+    if r.backend not in BACKENDS:
+        try:
+            custom_backend_class(r.backend)
+        except ValueError as e:
+            p.append(str(e))
+    check(isinstance(r.max_retries, int) and r.max_retries >= 0,
+          f"rollout.max_retries={r.max_retries!r} must be an integer >= 0")
+    check(r.retry_wait_s >= 0, f"rollout.retry_wait_s={r.retry_wait_s} must be >= 0")
+    check(r.n >= 2, f"rollout.n={r.n} must be >= 2 (group-relative advantages need a group)")
+    check(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
+    check(t.seq_length > r.max_new_tokens, f"train.seq_length={t.seq_length} must exceed "
+          f"rollout.max_new_tokens={r.max_new_tokens} (room for the prompt)")
+    check(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0 (sampling)")
+    check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
+    check(r.sync_bucket_mb > 0, f"rollout.sync_bucket_mb={r.sync_bucket_mb} must be > 0")
+    total = t.prompts_per_step * r.n
+    check(t.mini_batches_per_step <= total, f"train.mini_batches_per_step="
+          f"{t.mini_batches_per_step} exceeds the {total} responses of a rollout batch "
+          "(train.prompts_per_step x rollout.n)")
+    check(0 <= c.eps_low < 1, f"clip.eps_low={c.eps_low} must be in [0, 1)")
+    check(c.eps_high >= 0, f"clip.eps_high={c.eps_high} must be >= 0")
+    check(c.dual_c is None or c.dual_c > 1, f"clip.dual_c={c.dual_c} must be > 1 or null")
+    check(cfg.kl.beta >= 0, f"kl.beta={cfg.kl.beta} must be >= 0")
+    check_choice(p, cfg.kl.estimator, "kl.estimator", KL_ESTIMATORS)
+    check_choice(p, cfg.advantage.estimator, "advantage.estimator",
+                 tuple(ADVANTAGE_ESTIMATORS))
+    check_choice(p, cfg.policy_loss, "policy_loss", tuple(POLICY_LOSSES))
+    check(0 < r.sglang.mem_fraction < 1,
+          f"rollout.sglang.mem_fraction={r.sglang.mem_fraction} must be in (0, 1)")
+    check(d.max_gen_batches >= 1, f"dapo.max_gen_batches={d.max_gen_batches} must be >= 1")
+    check(0 <= d.overlong_buffer <= r.max_new_tokens, f"dapo.overlong_buffer="
+          f"{d.overlong_buffer} must be in [0, rollout.max_new_tokens={r.max_new_tokens}]")
+    check(d.overlong_penalty >= 0, f"dapo.overlong_penalty={d.overlong_penalty} must be >= 0")
+    check(cfg.reward.timeout_s is None or cfg.reward.timeout_s > 0,
+          f"reward.timeout_s={cfg.reward.timeout_s} must be > 0 or null")
+    try:
+        load_reward_fn(cfg.reward.fn)
+    except ValueError as e:
+        p.append(f"reward.fn: {e}")
+    return (p + env_problems(cfg) + val_problems(cfg) + correction_problems(cfg)
+            + checkpoint_config_problems(cfg))
+
+
+def validate_rl(cfg: RLConfig, world_size: int) -> dict:
+    """validate_common (model, data files, shared values, layout) plus the RL keys; raises one
+    ConfigError listing every problem. Returns the HF config dict."""
+    gpu_node = procs_per_node(world_size) if torch.cuda.is_available() else None
+    raise_problems(async_problems(cfg, world_size, gpu_node))  # GPU: rollout on whole nodes
+    world_size, n_rollout = split_sizes(cfg, world_size)  # the training world from here on
+    hf_config = validate_common(cfg, world_size)
+    engine_ranks = n_rollout or world_size
+    raise_problems(rl_problems(cfg) + shape_problems(cfg, hf_config)
+                   + recompute_problems(cfg.train)
+                   + recompute_layer_problems(cfg.parallel, cfg.train,
+                                              hf_config["num_hidden_layers"])
+                   + placement_problems(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
+                                        engine_ranks,
+                                        rollout_procs_per_node(world_size + n_rollout, n_rollout)
+                                        if n_rollout else procs_per_node(world_size))
+                   + routing_replay_problems(cfg))
+    return hf_config
+
+
+def rl_validator(argv: list[str]):
+    """The `validate` hook for engine.cli.run_entry: algorithm defaults (explicit keys from
+    `argv` win), then validate_rl."""
+    explicit = explicit_keys(argv)
+
+    def validate(cfg: RLConfig, world_size: int) -> dict:
+        apply_algorithm_defaults(cfg, explicit)  # ConfigError for an unknown algorithm
+        return validate_rl(cfg, world_size)
+
+    return validate
+
+
+def correction_problems(cfg) -> list[str]:
+    """Every violated constraint, as sentences naming the key and the valid values."""
+    c = cfg.rollout_correction
+    p: list[str] = []
+    if c.rollout_is is not None and c.rollout_is not in IS_LEVELS:
+        p.append(f"rollout_correction.rollout_is={c.rollout_is!r} is not valid; choose one of "
+                 f"null, {', '.join(IS_LEVELS)}")
+    if not (isinstance(c.rollout_is_threshold, (int, float)) and c.rollout_is_threshold > 0):
+        p.append(f"rollout_correction.rollout_is_threshold={c.rollout_is_threshold!r} must be "
+                 "a number > 0 (the upper truncation of the IS weight)")
+    if c.rollout_rs is not None:
+        try:
+            parse_rs(c.rollout_rs, c.rollout_rs_threshold)
+        except ValueError as e:
+            p.append(str(e))
+    elif c.rollout_rs_threshold is not None:
+        p.append(f"rollout_correction.rollout_rs_threshold={c.rollout_rs_threshold!r} is set but "
+                 "rollout_correction.rollout_rs is null (set both, or neither)")
+    if c.loss_type not in LOSS_TYPES:
+        p.append(f"rollout_correction.loss_type={c.loss_type!r} is not valid; choose one of "
+                 f"{', '.join(LOSS_TYPES)}")
+    if c.bypass_mode:
+        if cfg.policy_loss != "ppo_clip":
+            p.append(f"rollout_correction.bypass_mode=true replaces policy_loss with "
+                     f"rollout_correction.loss_type (verl's bypass loss); policy_loss="
+                     f"{cfg.policy_loss!r} cannot be combined with it (leave policy_loss=ppo_clip)")
+        if c.rollout_is_batch_normalize:
+            p.append("rollout_correction.rollout_is_batch_normalize=true needs the IS weights of "
+                     "the whole batch before the first micro-batch, but bypass_mode=true computes "
+                     "them from the current policy inside each micro-batch; use it in decoupled "
+                     "mode (bypass_mode=false)")
+    elif c.loss_type != "ppo_clip":
+        p.append(f"rollout_correction.loss_type={c.loss_type!r} applies only with "
+                 "rollout_correction.bypass_mode=true (decoupled mode uses policy_loss)")
+    if c.rollout_is_batch_normalize and c.rollout_is is None:
+        p.append("rollout_correction.rollout_is_batch_normalize=true needs "
+                 "rollout_correction.rollout_is (token or sequence)")
+    for key in ("tau_pos", "tau_neg"):
+        value = getattr(cfg.sapo, key)
+        if not value > 0:
+            p.append(f"sapo.{key}={value} must be > 0")
+    return p
+
+
+def val_problems(cfg) -> list[str]:
+    """The val.* / train.val_interval / data.val_files checks (before any process group)."""
+    v, t, files = cfg.val, cfg.train, cfg.data.val_files
+    p = []
+    if not isinstance(t.val_interval, int) or t.val_interval < 0:
+        p.append(f"train.val_interval={t.val_interval!r} must be an integer >= 0 (0: off)")
+    if not isinstance(v.n, int) or v.n < 1:
+        p.append(f"val.n={v.n!r} must be an integer >= 1")
+    if v.temperature < 0:
+        p.append(f"val.temperature={v.temperature} must be >= 0 (0: greedy)")
+    elif v.temperature == 0 and isinstance(v.n, int) and v.n > 1:
+        p.append(f"val.n={v.n} with val.temperature=0 (greedy) would repeat one response "
+                 f"{v.n} times; use val.n=1 or a val.temperature > 0")
+    wanted = bool(t.val_interval) or v.before_train
+    if wanted and not files:
+        p.append("train.val_interval / val.before_train need data.val_files (validation "
+                 "prompts, rows like data.train_files)")
+    if files and not wanted:
+        p.append("data.val_files is set but validation never runs: set train.val_interval "
+                 "(RL steps between validations) and/or val.before_train=true")
+    return p
+
+
+def env_problems(cfg) -> list[str]:
+    """Sentences naming each violated env.* key (checked before any process group starts)."""
+    e = cfg.env
+    p: list[str] = []
+    if e.fn is None:
+        if e.tools:
+            p.append(f"env.tools={list(e.tools)} needs env.fn=tools")
+        return p
+    if e.fn == ENV_TOOLS:
+        if not e.tools:
+            p.append("env.fn=tools needs env.tools=['package.module:function', ...]")
+        else:
+            try:
+                load_tools(list(e.tools))
+            except ValueError as err:
+                p.append(str(err))
+        if isinstance(e.kwargs, dict):
+            p += tool_kwargs_problems(e.kwargs)
+    else:
+        if e.tools:
+            p.append(f"env.tools applies only to env.fn=tools, not env.fn={e.fn!r}")
+        try:
+            load_env_class(e.fn)
+        except ValueError as err:
+            p.append(f"{err} (choose null, tools, or package.module:Class)")
+    if not isinstance(e.max_turns, int) or e.max_turns < 1:
+        p.append(f"env.max_turns={e.max_turns!r} must be an integer >= 1")
+    if not isinstance(e.num_workers, int) or e.num_workers < 1:
+        p.append(f"env.num_workers={e.num_workers!r} must be an integer >= 1")
+    if e.step_timeout_s is not None and not e.step_timeout_s > 0:
+        p.append(f"env.step_timeout_s={e.step_timeout_s} must be > 0 or null")
+    if not isinstance(e.kwargs, dict):
+        p.append(f"env.kwargs must be a mapping, got {type(e.kwargs).__name__}")
+    hf_path = getattr(cfg.model, "hf_path", None)
+    if not p and hf_path and os.path.isfile(os.path.join(hf_path, "tokenizer_config.json")):
+        from engine.rl.checks import env_template_problem
+        problem = env_template_problem(cfg)  # the chat template's needs, before any process
+        if problem is not None:
+            p.append(problem)
+    return p
+
+
+def env_template_problem(cfg, tokenizer=None) -> str | None:
+    """Why env.fn cannot work with model.hf_path's chat template (it cannot place observations,
+    or with env.fn=tools has no known tool-call format), or None. `tokenizer`: loaded from
+    model.hf_path when not given."""
+    if getattr(cfg, "env", None) is None or cfg.env.fn is None:
+        return None
+    try:
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+        schemas = None
+        if cfg.env.fn == ENV_TOOLS:
+            tool_format(tokenizer)
+            schemas = tool_schemas(cfg)
+        observation_text(tokenizer, [{"role": "user", "content": "probe"}],
+                         [{"role": "user", "content": "probe"}], schemas)
+    except Exception as e:  # noqa: BLE001 - RunError / ValueError / a template error
+        return str(e) if str(e).startswith("env.") else f"env.fn={cfg.env.fn!r}: {e}"
+    return None
+
+
+def check_env_start(cfg, tokenizer) -> None:
+    """Every rank at start: ConfigError with env_template_problem's reason, if any (validation
+    already refused it before the process groups started when model.hf_path has a
+    tokenizer)."""
+    problem = env_template_problem(cfg, tokenizer)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def routing_replay_problems(cfg) -> list[str]:
+    """moe.routing_replay against the RL keys (its value, dense models, SFT and capacity are
+    checked by engine.config.moe_settings): R3 needs a backend that reports routed experts and
+    single-turn rollouts; R2 needs the old-log-prob forward (no bypass mode)."""
+    mode = cfg.moe.routing_replay
+    p: list[str] = []
+    correction = getattr(cfg, "rollout_correction", None)
+    if mode == "R2" and getattr(correction, "bypass_mode", False):
+        p.append("moe.routing_replay=R2 records the routing in the old-log-prob forward, which "
+                 "rollout_correction.bypass_mode=true skips; use R3 or bypass_mode=false")
+    if mode != "R3":
+        return p
+    env = getattr(cfg, "env", None)
+    if getattr(env, "fn", None):
+        p.append(f"moe.routing_replay=R3 with env.fn={env.fn!r}: multi-turn episodes do not "
+                 "carry the rollout engine's routed experts; use R2")
+    try:
+        problem = backend_class(cfg.rollout.backend).routed_experts_problem()
+    except (ValueError, ImportError):  # an unknown backend is reported by rl_problems
+        return p
+    if problem:
+        p.append(f"moe.routing_replay=R3 needs the rollout engine's routed experts, but "
+                 f"rollout.backend={cfg.rollout.backend}: {problem}")
+    return p
