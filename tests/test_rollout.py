@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.rl.policy.weight_sync import SyncStats, iter_buckets, sync_weights, tensor_bytes
+from engine.rl.policy.weight_export import SyncStats, iter_buckets, tensor_bytes
+from engine.rl.policy.weight_sync import sync_weights
 from engine.rl.rollout import Generation, SamplingParams, make_rollout_engine
 from tests.tiny_models import build_tiny_model
 

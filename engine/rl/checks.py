@@ -30,27 +30,11 @@ from engine.rl.env.tool_schema import load_tools
 from engine.rl.env.tools_env import tool_format, tool_kwargs_problems, tool_schemas
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.base import BACKENDS, backend_class, custom_backend_class
-from engine.rl.rollout.placement import placement_problems, procs_per_node
+from engine.rl.rollout.placement import (placement_problems, procs_per_node,
+                                         rollout_procs_per_node, split_sizes)
 
 PLACEMENTS = ("colocated", "disaggregated")
 
-
-
-def split_sizes(cfg, world: int) -> tuple[int, int]:
-    """(training ranks, rollout ranks) of a job of `world` processes; (world, 0) colocated or
-    while rollout.num_ranks is invalid (its problem is reported by async_problems)."""
-    r = cfg.rollout
-    n = r.num_ranks
-    if r.placement != "disaggregated" or not isinstance(n, int) or not 0 < n < world:
-        return world, 0
-    return world - n, n
-
-
-def rollout_procs_per_node(world: int, n_rollout: int) -> int:
-    """The rollout world's processes per node (as engine.rl.disaggregated.world numbers them)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    n_train = world - n_rollout
-    return local if n_rollout % local == 0 and n_train % local == 0 else n_rollout
 
 
 def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[str]:
@@ -99,7 +83,7 @@ def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[st
 def rl_problems(cfg: RLConfig) -> list[str]:
     """Every violated constraint of the RL keys, as sentences naming the key; the checkpoint
     and exit keys through engine.config.schema.checkpoint_config_problems (same messages as SFT)."""
-    t, r, c, d = cfg.train, cfg.rollout, cfg.clip, cfg.dapo
+    train, rollout, clip, dapo = cfg.train, cfg.rollout, cfg.clip, cfg.dapo
     p: list[str] = []
 
     def check(ok: bool, message: str) -> None:
@@ -107,42 +91,50 @@ def rl_problems(cfg: RLConfig) -> list[str]:
             p.append(message)
 
     for key in ("prompts_per_step", "mini_batches_per_step", "epochs_per_rollout"):
-        value = getattr(t, key)
+        value = getattr(train, key)
         check(isinstance(value, int) and value >= 1, f"train.{key}={value!r} must be an "
               "integer >= 1")
-    if r.backend not in BACKENDS:
+    if rollout.backend not in BACKENDS:
         try:
-            custom_backend_class(r.backend)
+            custom_backend_class(rollout.backend)
         except ValueError as e:
             p.append(str(e))
-    check(isinstance(r.max_retries, int) and r.max_retries >= 0,
-          f"rollout.max_retries={r.max_retries!r} must be an integer >= 0")
-    check(r.retry_wait_s >= 0, f"rollout.retry_wait_s={r.retry_wait_s} must be >= 0")
-    check(r.n >= 2, f"rollout.n={r.n} must be >= 2 (group-relative advantages need a group)")
-    check(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
-    check(t.seq_length > r.max_new_tokens, f"train.seq_length={t.seq_length} must exceed "
-          f"rollout.max_new_tokens={r.max_new_tokens} (room for the prompt)")
-    check(r.temperature > 0, f"rollout.temperature={r.temperature} must be > 0 (sampling)")
-    check(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]")
-    check(r.sync_bucket_mb > 0, f"rollout.sync_bucket_mb={r.sync_bucket_mb} must be > 0")
-    total = t.prompts_per_step * r.n
-    check(t.mini_batches_per_step <= total, f"train.mini_batches_per_step="
-          f"{t.mini_batches_per_step} exceeds the {total} responses of a rollout batch "
+    check(isinstance(rollout.max_retries, int) and rollout.max_retries >= 0,
+          f"rollout.max_retries={rollout.max_retries!r} must be an integer >= 0")
+    check(rollout.retry_wait_s >= 0,
+          f"rollout.retry_wait_s={rollout.retry_wait_s} must be >= 0")
+    check(rollout.n >= 2,
+          f"rollout.n={rollout.n} must be >= 2 (group-relative advantages need a group)")
+    check(rollout.max_new_tokens >= 1,
+          f"rollout.max_new_tokens={rollout.max_new_tokens} must be >= 1")
+    check(train.seq_length > rollout.max_new_tokens, f"train.seq_length={train.seq_length} must "
+          f"exceed rollout.max_new_tokens={rollout.max_new_tokens} (room for the prompt)")
+    check(rollout.temperature > 0,
+          f"rollout.temperature={rollout.temperature} must be > 0 (sampling)")
+    check(0 < rollout.top_p <= 1, f"rollout.top_p={rollout.top_p} must be in (0, 1]")
+    check(rollout.sync_bucket_mb > 0,
+          f"rollout.sync_bucket_mb={rollout.sync_bucket_mb} must be > 0")
+    total = train.prompts_per_step * rollout.n
+    check(train.mini_batches_per_step <= total, f"train.mini_batches_per_step="
+          f"{train.mini_batches_per_step} exceeds the {total} responses of a rollout batch "
           "(train.prompts_per_step x rollout.n)")
-    check(0 <= c.eps_low < 1, f"clip.eps_low={c.eps_low} must be in [0, 1)")
-    check(c.eps_high >= 0, f"clip.eps_high={c.eps_high} must be >= 0")
-    check(c.dual_c is None or c.dual_c > 1, f"clip.dual_c={c.dual_c} must be > 1 or null")
+    check(0 <= clip.eps_low < 1, f"clip.eps_low={clip.eps_low} must be in [0, 1)")
+    check(clip.eps_high >= 0, f"clip.eps_high={clip.eps_high} must be >= 0")
+    check(clip.dual_c is None or clip.dual_c > 1,
+          f"clip.dual_c={clip.dual_c} must be > 1 or null")
     check(cfg.kl.beta >= 0, f"kl.beta={cfg.kl.beta} must be >= 0")
     check_choice(p, cfg.kl.estimator, "kl.estimator", KL_ESTIMATORS)
     check_choice(p, cfg.advantage.estimator, "advantage.estimator",
                  tuple(ADVANTAGE_ESTIMATORS))
     check_choice(p, cfg.policy_loss, "policy_loss", tuple(POLICY_LOSSES))
-    check(0 < r.sglang.mem_fraction < 1,
-          f"rollout.sglang.mem_fraction={r.sglang.mem_fraction} must be in (0, 1)")
-    check(d.max_gen_batches >= 1, f"dapo.max_gen_batches={d.max_gen_batches} must be >= 1")
-    check(0 <= d.overlong_buffer <= r.max_new_tokens, f"dapo.overlong_buffer="
-          f"{d.overlong_buffer} must be in [0, rollout.max_new_tokens={r.max_new_tokens}]")
-    check(d.overlong_penalty >= 0, f"dapo.overlong_penalty={d.overlong_penalty} must be >= 0")
+    check(0 < rollout.sglang.mem_fraction < 1,
+          f"rollout.sglang.mem_fraction={rollout.sglang.mem_fraction} must be in (0, 1)")
+    check(dapo.max_gen_batches >= 1, f"dapo.max_gen_batches={dapo.max_gen_batches} must be >= 1")
+    check(0 <= dapo.overlong_buffer <= rollout.max_new_tokens,
+          f"dapo.overlong_buffer={dapo.overlong_buffer} must be in "
+          f"[0, rollout.max_new_tokens={rollout.max_new_tokens}]")
+    check(dapo.overlong_penalty >= 0,
+          f"dapo.overlong_penalty={dapo.overlong_penalty} must be >= 0")
     check(cfg.reward.timeout_s is None or cfg.reward.timeout_s > 0,
           f"reward.timeout_s={cfg.reward.timeout_s} must be > 0 or null")
     try:
@@ -287,7 +279,6 @@ def env_problems(cfg) -> list[str]:
         p.append(f"env.kwargs must be a mapping, got {type(e.kwargs).__name__}")
     hf_path = getattr(cfg.model, "hf_path", None)
     if not p and hf_path and os.path.isfile(os.path.join(hf_path, "tokenizer_config.json")):
-        from engine.rl.checks import env_template_problem
         problem = env_template_problem(cfg)  # the chat template's needs, before any process
         if problem is not None:
             p.append(problem)

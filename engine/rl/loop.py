@@ -45,11 +45,8 @@ from engine.rl.collect.validation import Validation
 from engine.rl.config import RLConfig
 from engine.rl.disaggregated.trainer import RemoteRollout, RemoteValidation
 from engine.rl.disaggregated.world import active_split
-from engine.rl.policy.logprob_stage import attach_old_logprobs
-from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs
-from engine.rl.policy.routing_replay import after_old_logprobs
-from engine.rl.policy.routing_replay import finish as finish_routing_replay
-from engine.rl.policy.routing_replay import rollout_engine_kwargs, start_routing_replay
+from engine.rl.policy.logprob_stage import logprob_stage
+from engine.rl.policy.routing_replay import end_replay, rollout_engine_kwargs
 from engine.rl.policy.update import PolicyLossSettings, policy_update, split_mini_batches
 from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
 from engine.rl.rewards import load_reward_fn
@@ -69,15 +66,8 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
                      step: int) -> dict[str, float]:
     """Recompute old (and reference) log-probs, then run every mini-batch update of the step.
     Every rank passes the same rollout batch; returns the metrics of the policy side."""
-    t0 = time.perf_counter()
     seqs = build_sequences(batch)
-    start_routing_replay(policy, cfg.moe.routing_replay)  # R2 records, R3 replays (old pass)
-    T = cfg.rollout.temperature
-    metrics = attach_old_logprobs(policy, seqs, cfg)  # bypass mode: no forward
-    metrics.update(after_old_logprobs(policy, seqs, cfg.moe.routing_replay))
-    if reference is not None:
-        attach_extra(seqs, "ref_logprobs", compute_token_logprobs(reference, seqs, T))
-    metrics["time/logprob_s"] = time.perf_counter() - t0
+    metrics = logprob_stage(policy, reference, seqs, cfg)  # old, replay, reference
     settings = PolicyLossSettings.from_config(cfg, policy.vocab_size)
     horizon = cfg.loss.norm_horizon or cfg.rollout.max_new_tokens
     updates = []
@@ -86,7 +76,7 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
                                        step, epoch, cfg.data.shuffle):
             updates.append(policy_update(policy, [seqs[i] for i in part], cfg.loss, settings,
                                          horizon))
-    finish_routing_replay(policy)
+    end_replay(policy)
     # moe/*: MoE policies (engine.training.router_losses); rollout_corr/*: bypass mode
     moe_keys = sorted({k for u in updates for k in u
                        if k.startswith(("moe/", "rollout_corr/"))})
@@ -207,23 +197,23 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     # every rank, before the model is built: data errors stop every rank at once
     rows, prompt_ids = prompt_rows(cfg, tokenizer, cfg.data.train_files)
     validation = Validation(cfg, tokenizer)  # data.val_files (engine.rl.collect.validation)
-    t = cfg.train
+    train = cfg.train
 
     def position(done: int) -> DataPosition:
-        return DataPosition(done, t.prompts_per_step, len(rows), cfg.seed, cfg.data.shuffle)
+        return DataPosition(done, train.prompts_per_step, len(rows), cfg.seed, cfg.data.shuffle)
 
-    batching = BatchSettings.from_config(t)
-    optimizer_steps = t.max_steps * t.mini_batches_per_step * t.epochs_per_rollout
+    batching = BatchSettings.from_config(train)
+    optimizer_steps = train.max_steps * train.mini_batches_per_step * train.epochs_per_rollout
     policy, resumed, extra = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, optimizer_steps, batching, pad_id,
         weights_dir=cfg.model.hf_path, load_weights=load,
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
-        loss_chunk_tokens=t.loss_chunk_tokens or None,
+        loss_chunk_tokens=train.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
         **fusion_overrides(cfg, hf_config)),
         position(0),
         batch_key="train.prompts_per_step")
-    policy.guard = NonFiniteGuard(t.max_consecutive_nonfinite_steps,
+    policy.guard = NonFiniteGuard(train.max_consecutive_nonfinite_steps,
                                   skipped=int(extra.get("skipped_steps", 0)))
     if cfg.moe.routing_replay:  # R2 / R3 (engine.rl.policy.routing_replay)
         policy.enable_routing_replay()
@@ -241,13 +231,13 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     # the KL reference is the initial policy (model.hf_path), also after a resume; it runs
     # forward-only, so it never recomputes
     reference = (TrainEngine.frozen(hf_config, dtype, cfg.model.hf_path, batching, pad_id,
-                                    loss_chunk_tokens=t.loss_chunk_tokens or None,
+                                    loss_chunk_tokens=train.loss_chunk_tokens or None,
                                     **megatron_overrides(cfg.parallel),
                                     **moe_overrides(cfg, hf_config, forward_only=True),
                                     **fusion_overrides(cfg, hf_config))
                  if cfg.kl.beta > 0 else None)
     if rank == 0:
-        print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {t.prompts_per_step} x "
+        print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {train.prompts_per_step} x "
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
               f"{pool.placement.describe() if pool else remote.describe()}; policy model: "
               f"{describe_settings(policy.chunks[0].config)}", flush=True)
@@ -260,7 +250,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
             pool.resync(None)
         if start > 0 and rank == 0:  # colocated: DAPO's next generation batch too
             nxt = f" (next generation batch {collector.next_gen_batch})" if remote is None else ""
-            print(f"[rl] resumed at step {start} of {t.max_steps}{nxt}", flush=True)
+            print(f"[rl] resumed at step {start} of {train.max_steps}{nxt}", flush=True)
         validation.before_training(start)
         history = loop.run(start, lambda step: {
             **rl_step(policy, reference, collector, pool, cfg, step, remote),
@@ -273,7 +263,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         if collector is not None and getattr(collector, "env", None) is not None:
             collector.env.close()  # the tool worker processes
     if rank == 0 and history:
-        print(f"[rl] done: {start + len(history)} of {t.max_steps} steps, first reward "
+        print(f"[rl] done: {start + len(history)} of {train.max_steps} steps, first reward "
               f"{history[0]['reward/mean']:.4f}, last reward {history[-1]['reward/mean']:.4f}",
               flush=True)
     return 0

@@ -36,9 +36,9 @@ from engine.config.recipe_validation import (GIB, estimate_memory, memory_checks
                                              micro_batch_tokens, model_config)
 from engine.config.schema import ConfigError, layout_problems, parallel_layout, value_problems
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
-from engine.rl.checks import async_problems, rl_problems, split_sizes
+from engine.rl.checks import async_problems, rl_problems
 from engine.rl.config import RLConfig
-from engine.rl.rollout.placement import placement_problems, resolve_placement
+from engine.rl.rollout.placement import placement_problems, resolve_placement, split_sizes
 from engine.training.plan import plan_mini_batch
 from models.families import stage_parameters
 

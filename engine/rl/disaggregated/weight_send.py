@@ -3,8 +3,8 @@ training side's senders and the messages they send. The receiving end is
 engine.rl.disaggregated.inbox.
 
 Senders: every pipeline stage of a training replica sends ITS OWN part; the stage's first
-rank (TP rank 0) does the sending (models.bridge.export_hf_weights: TP and expert parallel
-gathered inside the stage, the same code path as checkpoint conversion and the colocated sync).
+rank (TP rank 0) does the sending (engine.rl.policy.weight_export: TP and expert parallel
+gathered inside the stage, the same path as checkpoint conversion and the colocated sync).
 Replica d feeds the rollout engines e with e % replicas == d, so no tensor passes through a rank
 that does not hold it, and replicas stream in parallel. Each engine owner receives version v as
 one stream per stage, in stage order, on the WEIGHTS group (tag TAG_WEIGHTS):
@@ -18,17 +18,14 @@ the bridge): ("batch", k, RolloutBatch, next_gen_batch), ("val", v, metrics) and
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from engine.rl.disaggregated.world import SplitWorld, send_object, send_tensor
-from engine.rl.policy.weight_sync import BYTES_PER_MB, SyncStats, iter_buckets, tensor_bytes
-from engine.training.comm_overlap import finish_param_gather
-from models.bridge import export_hf_weights
+from engine.rl.policy.weight_export import (BucketStream, SyncStats, export_stage_weights,
+                                            layout_table, stage_heads)
 
 TAG_ROLLOUT, TAG_WEIGHTS, TAG_CONTROL = 11, 12, 13
 
@@ -52,11 +49,7 @@ class TransferPlan:
 def transfer_plan(split: SplitWorld, engine_owners: list[int]) -> TransferPlan:
     """Collective over the training world: the plan for engines owned by `engine_owners`
     (rollout-world ranks, the rollout placement's owners)."""
-    table: list = [None] * dist.get_world_size()
-    dist.all_gather_object(table, (ps.get_data_parallel_rank(with_context_parallel=True),
-                                   ps.get_pipeline_model_parallel_rank(),
-                                   ps.get_tensor_model_parallel_rank()))
-    heads = {(rep, pp): r for r, (rep, pp, tp) in enumerate(table) if tp == 0}
+    heads = stage_heads(layout_table())
     replicas = sorted({rep for rep, _ in heads})[:len(engine_owners)]
     stages = sorted({pp for _, pp in heads})
     plan = TransferPlan(first_stage={heads[(rep, stages[0])] for rep in replicas})
@@ -74,29 +67,21 @@ def push_weights(split: SplitWorld, chunks, hf_config: dict, bucket_mb: float,
     """Collective over the training world: every stage exports its weights (TP/EP gathered);
     each sender streams its stage's buckets, tagged `version`, to its engine owners. Returns
     the sender's SyncStats (bytes of its own stage per owner), None on other ranks."""
-    finish_param_gather(chunks)  # overlap_param_gather defers it to the next forward pass
     targets = plan.sends.get(dist.get_rank(), [])
-    t0 = time.perf_counter()
-    tensors = buckets = nbytes = 0
     what = f"sending weight version {version}"
-    for bucket in iter_buckets(export_hf_weights(chunks, hf_config),
-                               max(1, int(bucket_mb * BYTES_PER_MB))):
-        if not targets:
-            continue
-        meta = [(n, tuple(t.shape), t.dtype) for n, t in bucket]
+    stream = BucketStream(export_stage_weights(chunks, hf_config), bucket_mb)
+    for bucket in stream:  # every rank of the stage exports (TP/EP gathers); senders send
+        meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
         for dst in targets:
             send_object(split, ("bucket", version, meta), dst, TAG_WEIGHTS, what,
                         group=split.weights)
             for _, t in bucket:
                 send_tensor(split, raw_bytes(t), dst, TAG_WEIGHTS, what, group=split.weights)
-        tensors += len(bucket)
-        buckets += 1
-        nbytes += sum(tensor_bytes(t) for _, t in bucket)
     if not targets:
         return None
     for dst in targets:
         send_object(split, ("end", version), dst, TAG_WEIGHTS, what, group=split.weights)
-    return SyncStats(tensors, buckets, nbytes, time.perf_counter() - t0)
+    return stream.stats()
 
 
 def send_stop(split: SplitWorld, plan: TransferPlan) -> None:

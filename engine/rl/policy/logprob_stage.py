@@ -1,5 +1,6 @@
-"""The old (proximal) policy's token log-probs of a rollout batch, and rollout correction
-(engine.rl.algo.rollout_correction) in its two verl modes.
+"""The log-prob stage of an RL step, ONE call before the updates (`logprob_stage`): MoE routing
+replay begins, the old (proximal) policy's token log-probs with rollout correction
+(engine.rl.algo.rollout_correction) in its two verl modes, and the KL reference's log-probs.
 
 - decoupled (rollout_correction.bypass_mode=false, three policies): the trainer recomputes the
   old log-probs forward-only (engine.rl.policy.logprobs); IS weights and rejection between old and
@@ -11,8 +12,11 @@
 """
 from __future__ import annotations
 
+import time
+
 from engine.rl.algo.rollout_correction import apply_to_batch
 from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs, logprob_gap
+from engine.rl.policy.routing_replay import after_old_logprobs, start_routing_replay
 from engine.training.micro_batches import SequenceData
 
 
@@ -32,4 +36,27 @@ def attach_old_logprobs(policy, seqs: list[SequenceData], cfg) -> dict[str, floa
     metrics = {"rollout/logprob_diff": gap_mean, "rollout/logprob_diff_max": gap_max}
     if corr.enabled:
         metrics.update(apply_to_batch(seqs, corr))
+    return metrics
+
+
+def logprob_stage(policy, reference, seqs: list[SequenceData], cfg) -> dict[str, float]:
+    """Everything the step's updates need besides the current policy, on every rank, in order:
+    1. routing replay begins (moe.routing_replay: R2 records the old-log-prob forward's routing,
+       R3 replays the rollout engine's);
+    2. old log-probs and rollout correction (`attach_old_logprobs`);
+    3. R2: the recorded routing travels with `seqs`; R3: moe/rollout_replay_mismatch. The
+       policy replays from here until engine.rl.policy.routing_replay.end_replay after the updates;
+    4. with a KL reference (kl.beta > 0, `reference` not None): extras "ref_logprobs" from its
+       forward-only pass (it keeps its own routing).
+    Collective over the world (unless bypass mode without reference and replay: local).
+    Returns the metrics, with time/logprob_s the stage's wall time."""
+    start = time.perf_counter()
+    mode = cfg.moe.routing_replay
+    start_routing_replay(policy, mode)
+    metrics = attach_old_logprobs(policy, seqs, cfg)
+    metrics.update(after_old_logprobs(policy, seqs, mode))
+    if reference is not None:
+        attach_extra(seqs, "ref_logprobs",
+                     compute_token_logprobs(reference, seqs, cfg.rollout.temperature))
+    metrics["time/logprob_s"] = time.perf_counter() - start
     return metrics

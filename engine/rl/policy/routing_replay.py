@@ -46,7 +46,7 @@ def start_routing_replay(policy, mode: str | None) -> None:
 def after_old_logprobs(policy, seqs, mode: str | None) -> dict[str, float]:
     """After the old-log-prob forward: R2 attaches the recorded routing to `seqs`
     (collective over the world); R3 returns moe/rollout_replay_mismatch (collective). Leaves
-    the policy replaying for the step's updates (`finish` ends it)."""
+    the policy replaying for the step's updates (`end_replay` ends it)."""
     if mode is None:
         return {}
     routing = policy.routing
@@ -59,7 +59,7 @@ def after_old_logprobs(policy, seqs, mode: str | None) -> dict[str, float]:
     return metrics
 
 
-def finish(policy) -> None:
+def end_replay(policy) -> None:
     """After the step's updates: the policy routes on its own again (weight-sync probes,
     validation)."""
     if policy.routing is not None:

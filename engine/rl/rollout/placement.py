@@ -101,3 +101,20 @@ def resolve_placement(num_engines: int | None, gpus_per_engine: int | None, worl
 def procs_per_node(world_size: int) -> int:
     """Processes per node: torchrun's LOCAL_WORLD_SIZE, else the whole world (one node)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def split_sizes(cfg, world: int) -> tuple[int, int]:
+    """(training ranks, rollout ranks) of a job of `world` processes; (world, 0) colocated or
+    while rollout.num_ranks is invalid (its problem is reported by engine.rl.checks.async_problems)."""
+    r = cfg.rollout
+    n = r.num_ranks
+    if r.placement != "disaggregated" or not isinstance(n, int) or not 0 < n < world:
+        return world, 0
+    return world - n, n
+
+
+def rollout_procs_per_node(world: int, n_rollout: int) -> int:
+    """The rollout world's processes per node (as engine.rl.disaggregated.world numbers them)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    n_train = world - n_rollout
+    return local if n_rollout % local == 0 and n_train % local == 0 else n_rollout
