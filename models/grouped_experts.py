@@ -150,6 +150,7 @@ class GroupedExperts(SequentialMLP):
         per_token_scale=probs), or its fused weighted SwiGLU under bias_activation_fusion."""
         cfg = self.config
         if cfg.bias_activation_fusion:
+            # the fused kernel module only where bias_activation_fusion is on (GPU hosts)
             from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 
             return weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1),

@@ -35,6 +35,8 @@ from collections import deque
 from typing import Callable
 
 import torch
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
 
 MODES = (None, "record", "replay")
 
@@ -106,8 +108,6 @@ class ReplaySlot:
 def replay_supported() -> str | None:
     """None when this megatron-core lets a router's `router_replay` choose the top-k, else why
     not."""
-    from megatron.core.transformer.moe import moe_utils
-
     params = inspect.signature(moe_utils.topk_routing_with_score_function).parameters
     if "router_replay" not in params:
         return ("this megatron-core's topk_routing_with_score_function takes no router_replay "
@@ -119,8 +119,6 @@ def attach_slots(chunks: list) -> dict[int, list[ReplaySlot]]:
     """Give every TopKRouter of `chunks` (megatron modules, DDP-wrapped or not) a ReplaySlot;
     returns {chunk index: its slots}. Raises RuntimeError when megatron would bypass the slot
     (no replay hook in this version, or the fused TE router)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
     problem = replay_supported()
     if problem:
         raise RuntimeError(f"moe.routing_replay: {problem}")

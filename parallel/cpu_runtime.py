@@ -34,7 +34,9 @@ import sys
 import types
 
 import torch
-from torch.overrides import TorchFunctionMode
+import torch.distributed as dist
+from torch.autograd.function import BackwardCFunction
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 _INSTALLED = False
 _MODE: "CudaToCpuMode | None" = None
@@ -109,8 +111,6 @@ def _uneven_all_gather(tensor_list, tensor, group=None, async_op=False):
     """all_gather into tensors of different first-dimension sizes (gloo requires equal
     ones; megatron's MoE all-to-all dispatcher gathers a different token count per TP rank):
     pad every input to the largest size, gather, keep each rank's real rows. Synchronous."""
-    import torch.distributed as dist
-
     rows = max(t.shape[0] for t in tensor_list)
     padded = tensor.new_zeros((rows, *tensor.shape[1:]))
     padded[:tensor.shape[0]] = tensor
@@ -124,8 +124,6 @@ def _uneven_all_gather(tensor_list, tensor, group=None, async_op=False):
 def _uneven_reduce_scatter(output, input_list, op=None, group=None, async_op=False):
     """reduce_scatter of inputs with different first-dimension sizes (sum only): all-reduce
     the concatenation, keep this rank's slice. Synchronous."""
-    import torch.distributed as dist
-
     if op not in (None, dist.ReduceOp.SUM):
         raise NotImplementedError(f"uneven reduce_scatter with op {op} on the CPU host")
     whole = torch.cat([t.contiguous() for t in input_list], dim=0)
@@ -236,15 +234,11 @@ def _patch_torch_cuda() -> None:
 
 
 def _cpu_mode_active() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
-
     return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
 
 
 def _mode_in_custom_backward() -> None:
     """Run the backward (or vjp) of every Python autograd Function under a CudaToCpuMode."""
-    from torch.autograd.function import BackwardCFunction
-
     original = BackwardCFunction._get_user_fn
 
     def get_user_fn(self):
@@ -262,6 +256,7 @@ def _mode_in_custom_backward() -> None:
 
 
 def _patch_megatron_rng() -> None:
+    # megatron only after skip_megatron_jit_on_cpu's import hook (this module installs it)
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom._get_cuda_rng_state = lambda *a, **k: _FAKE_GENERATOR.get_state()

@@ -15,6 +15,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.tensor_parallel import random as mrandom
 
 from parallel import cpu_runtime
 from parallel.layout import ParallelLayout
@@ -53,9 +56,6 @@ def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
 
 def setup_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
     """(Re)build megatron parallel_state for `layout` and seed its model-parallel RNG tracker."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     if layout.world_size != dist.get_world_size():
         raise ValueError(f"layout world size {layout.world_size} != launched world size "
                          f"{dist.get_world_size()}")
@@ -74,9 +74,6 @@ def setup_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
 
 def teardown_model_parallel() -> None:
     """Destroy megatron's groups (if any), keeping the default process group alive."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mrandom
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     mrandom.initialize_rng_tracker(force_reset=True)

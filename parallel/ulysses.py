@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core import parallel_state
 
 from parallel import zigzag
 
 
 def _cp_group():
-    from megatron.core import parallel_state
     return parallel_state.get_context_parallel_group()
 
 

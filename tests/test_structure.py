@@ -228,3 +228,30 @@ def test_no_private_names_imported_across_modules():
                               for a in node.names if a.name.startswith("_")
                               and not a.name.startswith("__")]
     assert not found, found
+
+
+MAX_FUNCTION_LEVEL_IMPORTS = 40
+
+
+def test_function_level_imports_are_few_and_give_their_reason():
+    """Imports belong at the top of a module; the exceptions (an optional dependency, a heavy
+    library only one path needs, megatron after the CPU host's import hook) are at most 40 in
+    engine/, models/ and parallel/, each with its reason in a comment on its line (or, for a
+    group of imports, on the line above)."""
+    found: set[str] = set()
+    silent = []
+    for root in SOURCE_ROOTS:
+        for path in sorted((ROOT / root).rglob("*.py")):
+            lines = path.read_text().splitlines()
+            for fn in ast.walk(ast.parse("\n".join(lines))):
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(fn):
+                    where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) and where not in found:
+                        found.add(where)
+                        here, above = lines[node.lineno - 1], lines[node.lineno - 2]
+                        if "#" not in here and not above.strip().startswith("#"):
+                            silent.append(f"{where}: {here.strip()}")
+    assert len(found) <= MAX_FUNCTION_LEVEL_IMPORTS, sorted(found)
+    assert not silent, silent

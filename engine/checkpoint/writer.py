@@ -12,18 +12,18 @@ megatron its queue. Elsewhere (no prctl) megatron's own queue is kept.
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import signal
 import sys
+from multiprocessing.managers import SyncManager
 
 _manager = None   # kept referenced: the queue's server process lives as long as this rank
 
 
 def _die_with_parent(parent_pid: int) -> None:
     """Manager server initializer: SIGKILL this process when its parent exits (Linux)."""
-    import ctypes
-
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent_pid:   # the parent died before prctl took effect
@@ -34,12 +34,10 @@ def install() -> None:
     """Give megatron's FileSystemWriterAsync a results queue whose server process dies with
     this rank. Idempotent; a no-op off Linux or when megatron already made its queue."""
     global _manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # async saves only
 
     if not sys.platform.startswith("linux") or filesystem_async._results_queue is not None:
         return
-    from multiprocessing.managers import SyncManager
-
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()

@@ -46,6 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from models.families import is_moe
+
 TOKEN_DISPATCHERS = ("alltoall", "allgather")
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
@@ -66,8 +68,6 @@ class MoEConfig:
 
 
 def _is_moe(hf_config: dict) -> bool:
-    from models.families import is_moe
-
     return is_moe(hf_config)
 
 

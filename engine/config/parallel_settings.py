@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from engine.training.comm_overlap import OverlapSettings
 
 
@@ -43,8 +45,6 @@ class ParallelConfig:
 
 def cuda_host() -> bool:
     """Whether this host trains on CUDA (the null overlap keys resolve to on only there)."""
-    import torch
-
     return torch.cuda.is_available()
 
 

@@ -51,6 +51,7 @@ from engine.config.schema import (ConfigError, SFTConfig, data_file_problems, la
 from engine.config.cli_flags import int_flag, pop_switch
 from engine.config.comm_report import comm_section
 from engine.config.model_settings import recompute_layer_problems, recompute_settings
+from engine.training.plan import plan_mini_batch
 from models.families import moe_family, padded_vocab_size, stage_parameters
 from models.presets import MODEL_SHAPES, shape_mismatches
 
@@ -198,8 +199,6 @@ def model_config(cfg, problems: list[str]) -> dict | None:
 
 def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     """Every problem and warning of running `cfg` on `nodes` nodes with `world_size` GPUs."""
-    from engine.training.plan import plan_mini_batch
-
     problems = (value_problems(cfg) + sft_problems(cfg)
                 + data_file_problems(cfg, require_train=False))
     warnings: list[str] = []

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from engine.checkpoint.io import list_iterations
 from engine.data.files import SUPPORTED_EXTENSIONS, data_spec_problem
 from engine.config.loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
@@ -25,7 +26,9 @@ from engine.config.model_settings import (loss_chunk_problems, recompute_layer_p
                                           recompute_problems, sequence_parallel_on)
 from engine.config.parallel_settings import (ParallelConfig, overlap_problems,
                                              resolved_overlap_problems)
-from models.families import experts_per_layer
+from models.families import UnsupportedModelError, experts_per_layer, family_of
+from models.hf_config import check_config
+from models.hf_io import HFCheckpointError, read_config, training_dir_problems
 from models.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
 
@@ -175,10 +178,6 @@ def read_model_config(cfg) -> dict:
     """The HF config dict at model.hf_path; raises ConfigError when the folder or its
     config.json is unreadable, the architecture is not supported, or a config field that
     changes the math does not map exactly (models.hf_config: one line naming the field)."""
-    from models.families import UnsupportedModelError
-    from models.hf_config import check_config
-    from models.hf_io import HFCheckpointError, read_config
-
     if not cfg.model.hf_path:
         raise ConfigError("model.hf_path is required (an HF model directory)")
     try:
@@ -220,8 +219,6 @@ def data_file_problems(cfg, require_train: bool = True) -> list[str]:
 def model_dir_problems(cfg) -> list[str]:
     """What the folder at model.hf_path lacks for training (weights, tokenizer, chat
     template); call after read_model_config accepted the folder."""
-    from models.hf_io import training_dir_problems
-
     return [f"model.hf_path={cfg.model.hf_path}: {p}"
             for p in training_dir_problems(cfg.model.hf_path)]
 
@@ -268,8 +265,6 @@ def layout_problems(cfg, world_size: int, hf_config: dict) -> list[str]:
 def length_problems(cfg, hf_config: dict) -> list[str]:
     """train.seq_length beyond what the model's family maps exactly (Family.length_limit:
     Mixtral's sliding window)."""
-    from models.families import family_of
-
     limit = family_of(hf_config).length_limit(hf_config)
     if limit is None or cfg.train.seq_length <= limit[0]:
         return []
@@ -302,8 +297,6 @@ def checkpoint_config_problems(cfg) -> list[str]:
     train.exit_duration_mins): ranges, checkpoint.dir, checkpoint.resume (reads the file
     system: the resume path must exist; resume=never needs a checkpoint.dir without
     checkpoints)."""
-    from engine.checkpoint.io import list_iterations  # pulls in megatron: only when checked
-
     p: list[str] = []
     ck = cfg.checkpoint
     _positive(p, ck.save_interval, "checkpoint.save_interval", allow_zero=True)

@@ -31,6 +31,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from engine.data.files import DataError, RowUnit, file_fingerprint, row_units
 from engine.data.render import RENDERER_VERSION, chat_template_text
@@ -72,8 +73,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def tokenizer_fingerprint(tokenizer) -> dict:
     """What a rendering depends on in the tokenizer: its serialized model, special tokens and
     chat template (hashed), and the library versions that tokenize and render."""
-    import tokenizers
-    import transformers
+    import tokenizers  # only for a cache key (data workers and --validate stay light)
+    import transformers  # as above
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     model = (backend.to_str() if backend is not None
@@ -279,10 +280,6 @@ def run_units(units: list[RowUnit], fn: Callable, args: tuple, tokenizer,
 
 
 def _progress(total: int, desc: str, workers: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency of transformers
-        return None
     return tqdm(total=total, desc=f"{desc} ({workers or 'no'} workers)", unit="rows",
                 file=sys.stderr, mininterval=1.0, dynamic_ncols=True)
 

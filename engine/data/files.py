@@ -202,7 +202,7 @@ def _parquet_units(path: str, rows_per_unit: int) -> list[RowUnit]:
 
 
 def _parquet_file(path: str):
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # pyarrow loads only for .parquet data
 
     try:
         return pq.ParquetFile(path)
@@ -211,7 +211,7 @@ def _parquet_file(path: str):
 
 
 def _open_arrow(path: str):
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow loads only for .arrow data
 
     source = pa.memory_map(path)
     try:

@@ -16,6 +16,7 @@ import sys
 from engine.cli import exit_process, run_entry
 from engine.rl.checks import rl_validator
 from engine.rl.config import RLConfig
+from engine.rl.disaggregated.world import init_split_world
 from engine.rl.recipe_check import rl_validate_main
 
 
@@ -32,7 +33,6 @@ def start_split(cfg) -> tuple[str, str] | None:
     (engine.rl.disaggregated.world); the rollout ranks run engine.rl.disaggregated.rollout_ranks."""
     if cfg.rollout.placement != "disaggregated":
         return None
-    from engine.rl.disaggregated.world import init_split_world  # imports torch.distributed
     split = init_split_world(cfg.rollout.num_ranks, cfg.rollout.peer_timeout_s)
     return split.role, "engine.rl.disaggregated.rollout_ranks:run_rollout"
 

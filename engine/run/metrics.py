@@ -48,7 +48,7 @@ class MetricsLogger:
         self._file = None
         self._writer = None
         if self.enabled:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # only with tensorboard on
 
             os.makedirs(log_dir, exist_ok=True)
             self._file = open(os.path.join(log_dir, "metrics.jsonl"), "a", encoding="utf-8")

@@ -33,6 +33,8 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallelConfig
 
+from models.grouped_experts import GroupedExperts
+
 MIB = 2 ** 20
 
 
@@ -101,8 +103,6 @@ def install_subtree_gather_hooks(chunks: list) -> int:
     megatron's overlap_param_gather hook only gathers a module's direct parameters when that
     module runs, so without this the stacked weights would be the previous step's on every
     shard but this rank's. Returns the number of hooks installed (0 without the overlap)."""
-    from models.grouped_experts import GroupedExperts
-
     installed = 0
     for chunk in chunks:
         cfg = getattr(chunk, "ddp_config", None)

@@ -17,6 +17,24 @@ recomputed old (proximal) policy in decoupled mode and the current policy in byp
 Whole sequences and the whole batch: every statistic goes through a SequenceReducer (engine.rl.
 seq_reduce), so sequence sums are over whole sequences even on a CP shard; the decoupled mode
 runs on the whole rollout batch before it is split (batch normalisation over all of it).
+
+Metrics (METRICS, metric_means; decoupled: pi_old vs pi_rollout on the whole rollout batch;
+bypass: current policy vs rollout, per optimizer step, then over the RL step's optimizer steps):
+- `rollout_corr/is_weight_max` follows verl 0.9.1 (compute_is_metrics): token-level IS reports
+  the TRUNCATED maximum, max_t min(w_t, rollout_is_threshold); sequence-level IS the
+  untruncated maximum sequence weight (log clamped at +20). Batch normalisation does not enter.
+  Decoupled: over the whole rollout batch. Bypass: the maximum over every micro-batch, CP shard
+  and DP rank of the step's optimizer steps (reduced with MAX, engine.rl.policy.update
+  MAX_KEYS; the RL loop combines optimizer steps with max), so it does not depend on the layout.
+  The untruncated information the truncated maximum drops is carried by
+  `rollout_corr/is_truncated_fraction` (verl's rollout_is_ratio_fraction_high: response tokens,
+  or sequences for sequence-level IS, whose untruncated weight exceeds the threshold) and
+  `rollout_corr/is_weight_mean` (the untruncated mean; verl 0.9.1's rollout_is_mean averages
+  the truncated weights).
+- Sequence averages (`ppl_ratio`, `rejected_sequence_fraction`, sequence-level
+  `is_truncated_fraction`) are over the sequences with at least one trained token: a sequence
+  with none has no ratio. verl averages over every row of the batch (an empty row adds
+  exp(0) = 1 to ppl_ratio and 0 to rollout_rs_seq_masked_fraction); metric_means says more.
 """
 from __future__ import annotations
 
@@ -25,6 +43,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from engine.rl.algo.seq_reduce import SequenceReducer
 
 SAFETY_BOUND = 20.0
 IS_LEVELS = ("token", "sequence")
@@ -140,18 +160,31 @@ def batch_normalize(weights: torch.Tensor, seqs, level: str) -> tuple[torch.Tens
 
 
 METRICS = ("rollout_corr/kl_k1", "rollout_corr/kl_k3", "rollout_corr/ppl_ratio",
-           "rollout_corr/is_weight_mean", "rollout_corr/masked_token_fraction",
-           "rollout_corr/rejected_sequence_fraction")
+           "rollout_corr/is_weight_mean", "rollout_corr/is_truncated_fraction",
+           "rollout_corr/masked_token_fraction", "rollout_corr/rejected_sequence_fraction")
 # token sums behind METRICS (summable over micro-batches, CP shards and DP ranks)
 SUM_KEYS = ("rollout_corr/_tokens", "rollout_corr/_sequences", "rollout_corr/_k1",
-            "rollout_corr/_k3", "rollout_corr/_ppl", "rollout_corr/_is", "rollout_corr/_masked",
-            "rollout_corr/_rejected")
+            "rollout_corr/_k3", "rollout_corr/_ppl", "rollout_corr/_is",
+            "rollout_corr/_truncated_tokens", "rollout_corr/_truncated_sequences",
+            "rollout_corr/_masked", "rollout_corr/_rejected")
 
 
-def metric_sums(log_ratio, seqs, raw_weights, keep) -> dict[str, torch.Tensor]:
+def max_weight(raw_weights: torch.Tensor, seqs, level: str, threshold: float) -> float:
+    """`rollout_corr/is_weight_max` of the tokens of `seqs` (module docstring, verl 0.9.1):
+    token level the truncated maximum min(max_t w_t, threshold), sequence level the untruncated
+    maximum; -inf without a trained token (the neutral element of the MAX reduction)."""
+    mask = seqs.mask.reshape(raw_weights.shape).to(raw_weights.device) > 0
+    if not bool(mask.any()):
+        return float("-inf")
+    top = float(raw_weights[mask].max())
+    return min(top, float(threshold)) if level == "token" else top
+
+
+def metric_sums(log_ratio, seqs, raw_weights, keep, level: str | None = None,
+                threshold: float | None = None) -> dict[str, torch.Tensor]:
     """Token sums (SUM_KEYS) over this shard; a per-sequence value enters as value / n_i on each
     of its n_i tokens, so sums over shards and ranks are exact. `raw_weights` / `keep` None:
-    IS / RS off."""
+    IS / RS off; `level` / `threshold`: rollout_is / rollout_is_threshold (with raw_weights)."""
     lr = log_ratio.detach().to(torch.float64)
     m = seqs.mask.reshape(lr.shape).to(lr.device)
     share = m / seqs.counts.reshape(lr.shape).clamp(min=1)
@@ -159,11 +192,16 @@ def metric_sums(log_ratio, seqs, raw_weights, keep) -> dict[str, torch.Tensor]:
     (mean_lr,) = seqs.means(lr)
     dropped = (1.0 - keep) * m if keep is not None else torch.zeros_like(m)
     rejected = seqs.maxes(dropped) if keep is not None else torch.zeros_like(m)
+    above = (raw_weights > threshold).to(m.dtype) * m if raw_weights is not None \
+        else torch.zeros_like(m)  # untruncated weight above the threshold
     return {"rollout_corr/_tokens": m.sum(), "rollout_corr/_sequences": share.sum(),
             "rollout_corr/_k1": (-lr * m).sum(),
             "rollout_corr/_k3": ((torch.exp(lr) - lr - 1.0) * m).sum(),
             "rollout_corr/_ppl": (torch.exp(-mean_lr) * share).sum(),
             "rollout_corr/_is": ((raw_weights if raw_weights is not None else m) * m).sum(),
+            "rollout_corr/_truncated_tokens": above.sum() if level == "token" else m.new_zeros(()),
+            "rollout_corr/_truncated_sequences": (above * share).sum() if level == "sequence"
+            else m.new_zeros(()),
             "rollout_corr/_masked": dropped.sum(), "rollout_corr/_rejected": (rejected * share).sum()}
 
 
@@ -172,14 +210,29 @@ def metric_means(sums: dict) -> dict[str, float]:
     = mean(r - 1 - log r) over response tokens; ppl_ratio = mean over sequences of
     exp(mean_t log pi_rollout - mean_t log pi_train) (training PPL / rollout PPL);
     is_weight_mean: untruncated IS weights over tokens (1 without rollout_is);
-    masked_token_fraction: rejected response tokens; rejected_sequence_fraction: sequences
-    with at least one rejected token (verl's rollout_rs_seq_masked_fraction)."""
+    is_truncated_fraction: response tokens (token-level IS) or sequences (sequence-level IS)
+    whose untruncated weight exceeds rollout_is_threshold (verl's rollout_is_ratio_fraction_high;
+    0 without rollout_is); masked_token_fraction: rejected response tokens;
+    rejected_sequence_fraction: sequences with at least one rejected token (verl's
+    rollout_rs_seq_masked_fraction).
+
+    "Sequences" are those with at least one trained (response) token: a sequence without one
+    (a fully masked multi-turn row, a padding row) has no log-ratio, no PPL and nothing to
+    reject, and is left out of ppl_ratio, rejected_sequence_fraction and the sequence-level
+    is_truncated_fraction, numerator and denominator. verl 0.9.1 (compute_offpolicy_metrics,
+    compute_rollout_rejection_mask) averages over every row of the batch instead: an empty row
+    adds exp(0) = 1 to its ppl_ratio and 0 to its rollout_rs_seq_masked_fraction, so with empty
+    rows verl's numbers move towards 1 and 0 by the share of empty rows; on batches without
+    one the two agree (tests/test_rl_rollout_correction.py pins both)."""
     tokens = max(float(sums["rollout_corr/_tokens"]), 1.0)
     seqs = max(float(sums["rollout_corr/_sequences"]), 1e-12)
     return {"rollout_corr/kl_k1": float(sums["rollout_corr/_k1"]) / tokens,
             "rollout_corr/kl_k3": float(sums["rollout_corr/_k3"]) / tokens,
             "rollout_corr/ppl_ratio": float(sums["rollout_corr/_ppl"]) / seqs,
             "rollout_corr/is_weight_mean": float(sums["rollout_corr/_is"]) / tokens,
+            "rollout_corr/is_truncated_fraction":  # one of the two sums is 0 (the other level)
+                float(sums["rollout_corr/_truncated_tokens"]) / tokens
+                + float(sums["rollout_corr/_truncated_sequences"]) / seqs,
             "rollout_corr/masked_token_fraction": float(sums["rollout_corr/_masked"]) / tokens,
             "rollout_corr/rejected_sequence_fraction":
                 float(sums["rollout_corr/_rejected"]) / seqs}
@@ -206,8 +259,8 @@ def apply_to_batch(seqs: list, cfg: RolloutCorrectionConfig) -> dict[str, float]
     set loss_mask 0 on rejected tokens, so the GlobalLossNormalizer does not count them (verl
     0.9 modifies response_mask before the loss: token-mean's N and seq-mean-token-mean's n_i
     exclude them; a fully rejected sequence follows loss.count_empty_sequences). Returns
-    METRICS plus rollout_corr/is_weight_max and rollout_corr/is_batch_norm_factor."""
-    from engine.rl.algo.seq_reduce import SequenceReducer
+    METRICS plus, with rollout_is, rollout_corr/is_weight_max (max_weight) and
+    rollout_corr/is_batch_norm_factor."""
 
     width = max(len(s.tokens) for s in seqs)
     lr = torch.zeros(len(seqs), width, dtype=torch.float64)
@@ -222,9 +275,12 @@ def apply_to_batch(seqs: list, cfg: RolloutCorrectionConfig) -> dict[str, float]
     red = SequenceReducer(ids, mask, group=None)
     w, raw, keep, factor = correct(lr, red, cfg, parse_rs(cfg.rollout_rs, cfg.rollout_rs_threshold)
                                    if cfg.rollout_rs else None, cfg.rollout_is_batch_normalize)
-    metrics = metric_means(metric_sums(lr, red, raw, keep))
+    metrics = metric_means(metric_sums(lr, red, raw, keep, cfg.rollout_is,
+                                       cfg.rollout_is_threshold))
     if raw is not None:
-        metrics["rollout_corr/is_weight_max"] = float(raw[mask > 0].max())
+        top = max_weight(raw, red, cfg.rollout_is, cfg.rollout_is_threshold)
+        if math.isfinite(top):
+            metrics["rollout_corr/is_weight_max"] = top
         metrics["rollout_corr/is_batch_norm_factor"] = factor
     for i, s in enumerate(seqs):
         n = len(s.tokens)

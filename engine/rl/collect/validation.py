@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from engine.rl.collect.prompts import prompt_rows
 from engine.rl.collect.transport import broadcast_rollout
+from engine.rl.env.episodes import Episode, EpisodeRunner
 from engine.rl.rollout import SamplingParams
 from engine.run.metrics import MetricsLogger
 
@@ -114,8 +115,6 @@ def generate_for_validation(collector, rows: list[dict], prompts: list[list[int]
         return {"scores": out["scores"], "lengths": [len(g.response_ids)
                                                      for g in out["generations"]],
                 "counts": {"reward_errors": out["errors"]}}
-    from engine.rl.env.episodes import Episode, EpisodeRunner
-
     base = env.runner
     runner = EpisodeRunner(base.pool, base.tokenizer, base.make_env, dataclasses.replace(
         base.s, temperature=params.temperature, top_p=params.top_p))

@@ -14,6 +14,7 @@ import torch
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.env.contract import ENV_TOOLS, load_env_class
 from engine.rl.env.episodes import Episode, EpisodeRunner, EpisodeSettings
+from engine.rl.env.tools_env import tool_env_factory
 from engine.rl.rollout.pool import GenerateStats
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error")
@@ -26,7 +27,6 @@ class EnvRollout:
         e, r = cfg.env, cfg.rollout
         self.cfg, self.tools_pool, schemas = cfg, None, None
         if e.fn == ENV_TOOLS:
-            from engine.rl.env.tools_env import tool_env_factory
             make_env, schemas, self.tools_pool = tool_env_factory(cfg, tokenizer, reward_fn)
         else:
             cls, kwargs = load_env_class(e.fn), dict(e.kwargs)

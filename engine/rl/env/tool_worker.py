@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from engine.rl.env.tool_schema import load_tool
+
 
 def _text(result) -> str:
     if isinstance(result, str):
@@ -31,8 +33,6 @@ def cap(text: str, max_chars: int) -> str:
 
 
 def serve(max_chars: int, specs: list[str], stdin, out) -> None:
-    from engine.rl.env.tool_schema import load_tool
-
     tools = dict(load_tool(spec) for spec in specs)
     for line in stdin:
         try:

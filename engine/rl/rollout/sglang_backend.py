@@ -18,9 +18,13 @@ does not keep their contents), so after `wake()` the trainer's weights must be s
 """
 from __future__ import annotations
 
+import base64
+import dataclasses
+import importlib.util
 import os
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
@@ -67,7 +71,7 @@ class SGLangRolloutEngine(RolloutEngine):
                  **engine_kwargs) -> None:
         super().__init__()
         try:
-            import sglang
+            import sglang  # optional: the gpu extra
         except ModuleNotFoundError as err:
             if err.name != "sglang":  # sglang is there but one of its dependencies is not
                 raise
@@ -146,15 +150,12 @@ class SGLangRolloutEngine(RolloutEngine):
 
 def sglang_routed_experts_problem() -> str | None:
     """None when the installed sglang can return routed experts, else why not."""
-    import dataclasses
-    import importlib.util
-
     if importlib.util.find_spec("sglang") is None:
         return "sglang is not installed (" + MISSING_SGLANG + ")"
-    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args import ServerArgs  # optional: the gpu extra
 
     if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(ServerArgs)}:
-        import sglang
+        import sglang  # optional: the gpu extra
         return (f"sglang {getattr(sglang, '__version__', '?')} cannot return routed experts "
                 "(its ServerArgs has no enable_return_routed_experts); upgrade sglang or use "
                 "moe.routing_replay=R2")
@@ -164,10 +165,6 @@ def sglang_routed_experts_problem() -> str | None:
 def decode_routed_experts(meta: dict, gen: Generation) -> torch.Tensor:
     """meta_info["routed_experts"] (base64 of int32 [tokens, layers, k], or nested lists) as
     [len(prompt) + len(response) - 1, layers * k] int32 (Generation.routed_experts)."""
-    import base64
-
-    import numpy as np
-
     raw = meta.get("routed_experts")
     if raw is None:
         raise RuntimeError("SGLang returned no meta_info['routed_experts'] although "
