@@ -85,10 +85,11 @@ def run_entry(run: str, argv: list[str], schema=None,
 
 def _call(run: str, cfg, hf_config: dict, flags: list[str]) -> int:
     """Import `run` ("package.module:function"), call it, map its errors to exit codes."""
-    # imported only now: megatron takes ~5 s to import, a config error above exits in ~1 s
+    # the run module is imported only now (it builds models; a config error above exits first)
     module_name, function = run.split(":")
     run_fn = getattr(importlib.import_module(module_name), function)
-    from engine.checkpoint.checkpointing import CheckpointError, ResumeMismatchError  # megatron: as above
+    # megatron's dist_checkpointing loads only once a run starts (config errors exit first)
+    from engine.checkpoint.checkpointing import CheckpointError, ResumeMismatchError
     try:
         return run_fn(cfg, hf_config, flags)
     except (CheckpointError, ResumeMismatchError) as e:

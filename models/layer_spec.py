@@ -25,7 +25,7 @@ def transformer_engine_available() -> bool:
     if importlib.util.find_spec("transformer_engine") is None:
         return False
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401  (optional: the gpu extra)
     except Exception:  # a broken TE install (e.g. no CUDA) must not break the local path
         return False
     return torch.cuda.is_available()
