@@ -97,14 +97,19 @@ def _package(module: str) -> str | None:
     return parts[1] if parts[0] == "engine" and len(parts) > 1 else None
 
 
-def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+def _unit_graph(graph: dict[str, set[str]], unit) -> dict[str, set[str]]:
+    """The module graph collapsed to units (`unit(module)`: its unit, or None to leave it out)."""
     out: dict[str, set[str]] = {}
     for m, deps in graph.items():
-        if (src := _package(m)) is None:
+        if (src := unit(m)) is None:
             continue
         out.setdefault(src, set())
-        out[src] |= {d for dep in deps if (d := _package(dep)) and d != src}
+        out[src] |= {d for dep in deps if (d := unit(dep)) and d != src}
     return out
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    return _unit_graph(graph, _package)
 
 
 def test_engine_top_level_is_packages_plus_shared_modules():
@@ -178,13 +183,7 @@ def _declared_rl_imports(init: Path) -> set[str]:
 
 
 def _rl_unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for m, deps in graph.items():
-        if (src := _rl_unit(m)) is None:
-            continue
-        out.setdefault(src, set())
-        out[src] |= {d for dep in deps if (d := _rl_unit(dep)) and d != src}
-    return out
+    return _unit_graph(graph, _rl_unit)
 
 
 def test_rl_is_a_few_packages_with_one_way_imports():
