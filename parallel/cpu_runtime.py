@@ -1,6 +1,6 @@
 """Megatron-Core on a host without CUDA.
 
-Megatron-Core assumes a GPU in a handful of places (DESIGN section 7). This module is the only
+Megatron-Core assumes a GPU in a handful of places (docs/design/architecture.md). This module is the only
 place in the project that knows the host may have none. `install()` is idempotent and a no-op
 when CUDA is available; it must run before megatron builds models, optimizers or schedules.
 

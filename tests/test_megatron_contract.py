@@ -1,5 +1,5 @@
-"""The Megatron-Core behaviour that the engine's loss contract relies on (engine.training.loss, DESIGN
-section 4), checked with real megatron objects on a tiny GPTModel, so that a megatron-core
+"""The Megatron-Core behaviour that the engine's loss contract relies on (engine.training.loss,
+docs/design/loss-math.md), checked with real megatron objects on a tiny GPTModel, so that a megatron-core
 release that changes it fails here, by name, instead of silently rescaling every gradient.
 
 The contract: the loss function returns the 3-tuple (weighted sum, num_tokens, report) and

@@ -1,5 +1,5 @@
-"""Asynchronous RL (rollout.placement=disaggregated, rollout.max_staleness; README
-"Asynchronous RL"): rollout on its own ranks with a fixed policy lag is exact and reproducible.
+"""Asynchronous RL (rollout.placement=disaggregated, rollout.max_staleness;
+docs/async-rl.md): rollout on its own ranks with a fixed policy lag is exact and reproducible.
 
 Launches on 2 torchrun "nodes" on localhost (node 0 trains, node 1, rollout.num_ranks=2, runs
 two HF engines), every one validating before training and after steps 2 and 4: colocated DP2

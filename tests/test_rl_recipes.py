@@ -39,8 +39,9 @@ def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
 
 
 def test_dapo_gspo_r2_recipe_selects_its_loss_replay_and_dapo_options():
-    """The MoE off-policy recipe (issue 25): DAPO with GSPO's sequence-ratio bounds, R2 routing
-    replay on a MoE shape, seq-mean-token-mean (verl's gspo aggregation), no KL reference."""
+    """The MoE off-policy recipe (docs/rl.md): DAPO with GSPO's sequence-ratio bounds, R2 routing
+    replay on a MoE shape, seq-mean-token-mean (the GSPO paper's and verl's GSPO scripts'
+    aggregation), no KL reference."""
     argv = ["--config", str(MOE.parent / "qwen3_30b_a3b_dapo_gspo_r2_h100.yaml")]
     cfg, _ = load_config(RLConfig, argv)
     cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))

@@ -1,4 +1,4 @@
-"""The tree says the architecture (README "Repository layout"): engine/ is one package per concern
+"""The tree says the architecture (docs/development.md): engine/ is one package per concern
 with one-way package imports, no module import cycles, and small files and functions in engine/,
 models/ and parallel/. Pure static analysis (ast); no imports of the code under test."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ SOURCE_ROOTS = ("engine", "models", "parallel")
 MAX_FILE_LINES = 350
 MAX_FUNCTION_LINES = 80
 ENTRY_POINTS = {"engine.sft.__main__", "engine.rl.__main__"}
-# package -> packages it must never import (issue 23; engine/__init__.py)
+# package -> packages it must never import (engine/__init__.py; docs/development.md)
 FORBIDDEN = {
     "data": {"run", "sft", "rl", "checkpoint", "training", "config"},
     "training": {"run", "sft", "rl", "checkpoint", "data", "config"},

@@ -1,4 +1,4 @@
-"""`python tools/bench.py data [--quick]`: the data pipeline at scale (issue 15).
+"""`python tools/bench.py data [--quick]`: the data pipeline at scale (docs/benchmarks.md).
 
 Generates a multi-turn chat file (20,000 rows of 1-3 turns, ~2,000 characters each; --quick:
 500 rows), rendered by a character-level tokenizer with a chatml template without

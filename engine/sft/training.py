@@ -1,4 +1,4 @@
-"""One SFT run: data, TrainEngine, and the run loop (DESIGN section 3).
+"""One SFT run: data, TrainEngine, and the run loop (docs/design/architecture.md).
 
 One optimizer step: the global mini-batch of step k (layout-independent order,
 engine.data.datasets.global_batch_indices) -> `train_step`: TrainEngine.train_batch with the weighted

@@ -1,4 +1,4 @@
-"""Micro-batches, order restoration, packing and padding (DESIGN section 6).
+"""Micro-batches, order restoration, packing and padding (docs/design/loss-math.md).
 
 Pure functions, no process groups. The partition over DP ranks lives in `engine.training.partition` and is
 re-exported here, so the training loop imports everything batching-related from this module:

@@ -1,4 +1,4 @@
-"""Layout-invariant loss aggregation (DESIGN section 4).
+"""Layout-invariant loss aggregation (docs/design/loss-math.md).
 
 `GlobalLossNormalizer` turns the loss masks of the whole global mini-batch into one weight per
 sequence, so that the loss of any micro-batch on any rank is a *plain weighted sum* of its

@@ -1,4 +1,4 @@
-"""Token-balanced partition of a global batch over data-parallel ranks (DESIGN section 6).
+"""Token-balanced partition of a global batch over data-parallel ranks (docs/design/loss-math.md).
 
 Pure functions on lists of per-sequence work estimates; no process groups. Every DP rank calls
 `partition_balanced` on the same list (the lengths of the whole global batch) and gets the same

@@ -1,4 +1,4 @@
-"""Plan a global mini-batch over DP ranks and micro-batches (DESIGN sections 3 and 6).
+"""Plan a global mini-batch over DP ranks and micro-batches (docs/design/architecture.md, docs/design/loss-math.md).
 
 Every rank computes the same plan from the lengths of the whole global mini-batch, so the
 micro-batch count is agreed across DP without communication: ranks with fewer micro-batches

@@ -1,4 +1,4 @@
-"""Advantages: group-relative (GRPO, Dr. GRPO, RLOO) and REINFORCE++ (DESIGN section 9).
+"""Advantages: group-relative (GRPO, Dr. GRPO, RLOO) and REINFORCE++ (docs/algorithms.md).
 
 Layout contract: a rollout batch holds G prompts with n responses each, stored *group-major*:
 responses ``[g*n, (g+1)*n)`` belong to prompt ``g``. Every function here takes the flat

@@ -1,8 +1,8 @@
-"""Per-token policy-gradient terms for GRPO / DAPO (DESIGN section 9).
+"""Per-token policy-gradient terms for GRPO / DAPO (docs/design/rl.md).
 
 Everything here is *per token*: each function returns a tensor with the shape of its log-prob
 inputs (``[..., T]``, any leading shape) and never reduces. Aggregation over tokens and sequences
-happens in the loss layer with per-sequence weights (DESIGN section 4), the same weights for the
+happens in the loss layer with per-sequence weights (docs/design/loss-math.md), the same weights for the
 policy loss, the KL penalty and the entropy bonus. No function here runs a collective.
 
 Constants of the old policy (``old_logprobs``, ``ref_logprobs``, ``advantages``) are detached

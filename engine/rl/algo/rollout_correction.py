@@ -1,5 +1,5 @@
 """Rollout correction (verl `algorithm.rollout_correction`): importance weights and rejection
-between the rollout engine's policy and the trainer's (DESIGN section 9b).
+between the rollout engine's policy and the trainer's (docs/design/rl.md).
 
 log r_t = log pi_train(t) - log pi_rollout(t) on response tokens, where pi_train is the
 recomputed old (proximal) policy in decoupled mode and the current policy in bypass mode.
@@ -55,7 +55,7 @@ LOSS_TYPES = ("ppo_clip", "reinforce")
 
 @dataclass
 class RolloutCorrectionConfig:
-    """verl 0.9 `algorithm.rollout_correction`, same key names and meanings (README table)."""
+    """verl 0.9 `algorithm.rollout_correction`, same key names and meanings (docs/algorithms.md)."""
     rollout_is: Optional[str] = None             # null | token | sequence
     rollout_is_threshold: float = 2.0            # upper truncation of the IS weight
     rollout_is_batch_normalize: bool = False     # IS weights / their batch mean

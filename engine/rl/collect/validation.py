@@ -1,5 +1,5 @@
 """Validation during RL: held-out prompts (data.val_files) sampled val.n times each, scored by
-reward.fn, reported as val/reward_mean and unbiased val/pass@k (README "Validation").
+reward.fn, reported as val/reward_mean and unbiased val/pass@k (docs/validation.md).
 
 When: after every train.val_interval-th RL step (after that step's weight sync, so the engines
 hold the updated policy; logged with that step's metrics) and, with val.before_train, once

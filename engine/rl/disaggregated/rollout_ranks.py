@@ -1,4 +1,4 @@
-"""The rollout ranks of a disaggregated run (rollout.placement=disaggregated; DESIGN 9b).
+"""The rollout ranks of a disaggregated run (rollout.placement=disaggregated; docs/async-rl.md).
 
 These ranks build rollout engines only (no megatron state, no training model). The rollout
 world's rank 0 (the LEADER) drives the same RolloutCollector as a colocated run, over a

@@ -1,4 +1,4 @@
-"""The training ranks' side of a disaggregated run (rollout.placement=disaggregated; DESIGN 9b).
+"""The training ranks' side of a disaggregated run (rollout.placement=disaggregated; docs/async-rl.md).
 
 `RemoteRollout` replaces the colocated RolloutCollector + RolloutPool on the training ranks:
 - `collect(step)` (training rank 0): batch `step` from the rollout leader (batches generated

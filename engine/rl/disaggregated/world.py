@@ -1,4 +1,4 @@
-"""One torchrun job split into two worlds: training ranks and rollout ranks (DESIGN 9b).
+"""One torchrun job split into two worlds: training ranks and rollout ranks (docs/async-rl.md).
 
 With `rollout.placement=disaggregated` the job's last `rollout.num_ranks` processes only run
 rollout engines. `init_split_world(n)` gives each side its OWN default process group (over the

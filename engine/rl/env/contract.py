@@ -1,4 +1,4 @@
-"""The environment contract of `env.fn` (README "Multi-turn RL"):
+"""The environment contract of `env.fn` (docs/multi-turn.md):
 
 - `Class(row: dict, **env.kwargs)`: one instance per episode (prompt row x sample); `row` is the
   dataset row (prompt, answer and every extra field);

@@ -1,4 +1,4 @@
-"""Multi-turn episodes, token-in/token-out (rank 0; DESIGN section 9, issue 24).
+"""Multi-turn episodes, token-in/token-out (rank 0; docs/multi-turn.md).
 
 One generation batch of episodes (group-major, like single-turn responses):
 1. every episode's environment is built, `make_env(row)`, concurrently (env.num_workers);

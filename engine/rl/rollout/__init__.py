@@ -1,4 +1,4 @@
-"""Rollout engines for RL (DESIGN section 9): generate responses with log-probs, receive the
+"""Rollout engines for RL (docs/design/rl.md): generate responses with log-probs, receive the
 trainer's weights by HF name in buckets, sleep/wake when colocated with training.
 
 Backends: "hf" (transformers, CPU or GPU; `hf_backend.py`) and "sglang" (GPU; `sglang_backend.py`).

@@ -1,4 +1,4 @@
-"""The rollout engine interface used by the RL loop (DESIGN section 9).
+"""The rollout engine interface used by the RL loop (docs/design/rl.md).
 
 A rollout engine turns prompt token ids into sampled responses with the log-probability of every
 sampled token, receives the trainer's weights by HF parameter name in buckets, and can release its

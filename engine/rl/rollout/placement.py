@@ -1,5 +1,5 @@
 """Where the rollout engines of a job live: `rollout.num_engines` engines, each owned by one
-rank and using `rollout.gpus_per_engine` devices of that rank's node (DESIGN section 9).
+rank and using `rollout.gpus_per_engine` devices of that rank's node (docs/rl.md).
 
 Ranks are numbered as torchrun numbers them: node k holds the contiguous ranks
 [k * L, (k + 1) * L), L = processes per node (LOCAL_WORLD_SIZE). With E engines on N nodes:

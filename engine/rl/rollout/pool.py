@@ -1,4 +1,4 @@
-"""All rollout engines of a job, driven from global rank 0 (DESIGN section 9).
+"""All rollout engines of a job, driven from global rank 0 (docs/design/rl.md).
 
 Every rank holds a `RolloutPool`; ranks named by the placement (engine.rl.rollout.placement)
 also hold an engine. Rank 0 runs the rollout (engine.rl.collect.collector.RolloutCollector) and
