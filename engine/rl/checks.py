@@ -40,37 +40,37 @@ PLACEMENTS = ("colocated", "disaggregated")
 def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[str]:
     """Every problem of the asynchronous keys for a job of `world` processes; with
     `gpus_per_node` (GPU hosts) the rollout ranks must be whole nodes."""
-    r = cfg.rollout
+    rollout = cfg.rollout
     p: list[str] = []
-    if r.placement not in PLACEMENTS:
-        return [f"rollout.placement={r.placement!r} must be one of {list(PLACEMENTS)}"]
-    s = r.max_staleness
-    if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-        p.append(f"rollout.max_staleness={s!r} must be an integer >= 0")
-    if r.placement == "colocated":
-        if r.num_ranks is not None:
-            p.append(f"rollout.num_ranks={r.num_ranks} needs rollout.placement=disaggregated "
+    if rollout.placement not in PLACEMENTS:
+        return [f"rollout.placement={rollout.placement!r} must be one of {list(PLACEMENTS)}"]
+    staleness = rollout.max_staleness
+    if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+        p.append(f"rollout.max_staleness={staleness!r} must be an integer >= 0")
+    if rollout.placement == "colocated":
+        if rollout.num_ranks is not None:
+            p.append(f"rollout.num_ranks={rollout.num_ranks} needs rollout.placement=disaggregated "
                      "(colocated engines share the training ranks)")
-        if isinstance(s, int) and s > 0:
-            p.append(f"rollout.max_staleness={s} needs rollout.placement=disaggregated "
+        if isinstance(staleness, int) and staleness > 0:
+            p.append(f"rollout.max_staleness={staleness} needs rollout.placement=disaggregated "
                      "(colocated rollout and training take turns on the same ranks)")
         return p
-    n = r.num_ranks
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 < n < world:
-        p.append(f"rollout.num_ranks={n!r} must be an integer in [1, {world - 1}] with "
+    num_ranks = rollout.num_ranks
+    if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or not 0 < num_ranks < world:
+        p.append(f"rollout.num_ranks={num_ranks!r} must be an integer in [1, {world - 1}] with "
                  f"rollout.placement=disaggregated on {world} processes (the last num_ranks "
                  "ranks run the rollout engines, the others train)")
-    elif gpus_per_node and n % gpus_per_node:
-        p.append(f"rollout.num_ranks={n} must be whole nodes of {gpus_per_node} GPUs "
+    elif gpus_per_node and num_ranks % gpus_per_node:
+        p.append(f"rollout.num_ranks={num_ranks} must be whole nodes of {gpus_per_node} GPUs "
                  "(rollout ranks are the job's last nodes)")
-    if not r.peer_timeout_s or r.peer_timeout_s <= 0:
-        p.append(f"rollout.peer_timeout_s={r.peer_timeout_s!r} must be > 0")
+    if not rollout.peer_timeout_s or rollout.peer_timeout_s <= 0:
+        p.append(f"rollout.peer_timeout_s={rollout.peer_timeout_s!r} must be > 0")
     refused = [
-        (r.backend == "sglang", "rollout.backend='sglang' is not available yet: the rollout "
+        (rollout.backend == "sglang", "rollout.backend='sglang' is not available yet: the rollout "
          "ranks' SGLang path (weights arriving as host tensors) has not run on a GPU; use hf "
          "or a package.module:Class backend"),
-        (r.check_weight_sync, "rollout.check_weight_sync=true is colocated only"),
-        (r.sleep_during_train, "rollout.sleep_during_train=true is colocated only (rollout "
+        (rollout.check_weight_sync, "rollout.check_weight_sync=true is colocated only"),
+        (rollout.sleep_during_train, "rollout.sleep_during_train=true is colocated only (rollout "
          "ranks never train)"),
         (cfg.moe.routing_replay == "R3", "moe.routing_replay=R3 is colocated only"),
     ]
@@ -179,39 +179,39 @@ def rl_validator(argv: list[str]):
 
 def correction_problems(cfg) -> list[str]:
     """Every violated constraint, as sentences naming the key and the valid values."""
-    c = cfg.rollout_correction
+    corr = cfg.rollout_correction
     p: list[str] = []
-    if c.rollout_is is not None and c.rollout_is not in IS_LEVELS:
-        p.append(f"rollout_correction.rollout_is={c.rollout_is!r} is not valid; choose one of "
+    if corr.rollout_is is not None and corr.rollout_is not in IS_LEVELS:
+        p.append(f"rollout_correction.rollout_is={corr.rollout_is!r} is not valid; choose one of "
                  f"null, {', '.join(IS_LEVELS)}")
-    if not (isinstance(c.rollout_is_threshold, (int, float)) and c.rollout_is_threshold > 0):
-        p.append(f"rollout_correction.rollout_is_threshold={c.rollout_is_threshold!r} must be "
+    if not (isinstance(corr.rollout_is_threshold, (int, float)) and corr.rollout_is_threshold > 0):
+        p.append(f"rollout_correction.rollout_is_threshold={corr.rollout_is_threshold!r} must be "
                  "a number > 0 (the upper truncation of the IS weight)")
-    if c.rollout_rs is not None:
+    if corr.rollout_rs is not None:
         try:
-            parse_rs(c.rollout_rs, c.rollout_rs_threshold)
+            parse_rs(corr.rollout_rs, corr.rollout_rs_threshold)
         except ValueError as e:
             p.append(str(e))
-    elif c.rollout_rs_threshold is not None:
-        p.append(f"rollout_correction.rollout_rs_threshold={c.rollout_rs_threshold!r} is set but "
-                 "rollout_correction.rollout_rs is null (set both, or neither)")
-    if c.loss_type not in LOSS_TYPES:
-        p.append(f"rollout_correction.loss_type={c.loss_type!r} is not valid; choose one of "
+    elif corr.rollout_rs_threshold is not None:
+        p.append(f"rollout_correction.rollout_rs_threshold={corr.rollout_rs_threshold!r} is "
+                 "set but rollout_correction.rollout_rs is null (set both, or neither)")
+    if corr.loss_type not in LOSS_TYPES:
+        p.append(f"rollout_correction.loss_type={corr.loss_type!r} is not valid; choose one of "
                  f"{', '.join(LOSS_TYPES)}")
-    if c.bypass_mode:
+    if corr.bypass_mode:
         if cfg.policy_loss != "ppo_clip":
             p.append(f"rollout_correction.bypass_mode=true replaces policy_loss with "
                      f"rollout_correction.loss_type (verl's bypass loss); policy_loss="
                      f"{cfg.policy_loss!r} cannot be combined with it (leave policy_loss=ppo_clip)")
-        if c.rollout_is_batch_normalize:
+        if corr.rollout_is_batch_normalize:
             p.append("rollout_correction.rollout_is_batch_normalize=true needs the IS weights of "
                      "the whole batch before the first micro-batch, but bypass_mode=true computes "
                      "them from the current policy inside each micro-batch; use it in decoupled "
                      "mode (bypass_mode=false)")
-    elif c.loss_type != "ppo_clip":
-        p.append(f"rollout_correction.loss_type={c.loss_type!r} applies only with "
+    elif corr.loss_type != "ppo_clip":
+        p.append(f"rollout_correction.loss_type={corr.loss_type!r} applies only with "
                  "rollout_correction.bypass_mode=true (decoupled mode uses policy_loss)")
-    if c.rollout_is_batch_normalize and c.rollout_is is None:
+    if corr.rollout_is_batch_normalize and corr.rollout_is is None:
         p.append("rollout_correction.rollout_is_batch_normalize=true needs "
                  "rollout_correction.rollout_is (token or sequence)")
     for key in ("tau_pos", "tau_neg"):
@@ -246,37 +246,37 @@ def val_problems(cfg) -> list[str]:
 
 def env_problems(cfg) -> list[str]:
     """Sentences naming each violated env.* key (checked before any process group starts)."""
-    e = cfg.env
+    env = cfg.env
     p: list[str] = []
-    if e.fn is None:
-        if e.tools:
-            p.append(f"env.tools={list(e.tools)} needs env.fn=tools")
+    if env.fn is None:
+        if env.tools:
+            p.append(f"env.tools={list(env.tools)} needs env.fn=tools")
         return p
-    if e.fn == ENV_TOOLS:
-        if not e.tools:
+    if env.fn == ENV_TOOLS:
+        if not env.tools:
             p.append("env.fn=tools needs env.tools=['package.module:function', ...]")
         else:
             try:
-                load_tools(list(e.tools))
+                load_tools(list(env.tools))
             except ValueError as err:
                 p.append(str(err))
-        if isinstance(e.kwargs, dict):
-            p += tool_kwargs_problems(e.kwargs)
+        if isinstance(env.kwargs, dict):
+            p += tool_kwargs_problems(env.kwargs)
     else:
-        if e.tools:
-            p.append(f"env.tools applies only to env.fn=tools, not env.fn={e.fn!r}")
+        if env.tools:
+            p.append(f"env.tools applies only to env.fn=tools, not env.fn={env.fn!r}")
         try:
-            load_env_class(e.fn)
+            load_env_class(env.fn)
         except ValueError as err:
             p.append(f"{err} (choose null, tools, or package.module:Class)")
-    if not isinstance(e.max_turns, int) or e.max_turns < 1:
-        p.append(f"env.max_turns={e.max_turns!r} must be an integer >= 1")
-    if not isinstance(e.num_workers, int) or e.num_workers < 1:
-        p.append(f"env.num_workers={e.num_workers!r} must be an integer >= 1")
-    if e.step_timeout_s is not None and not e.step_timeout_s > 0:
-        p.append(f"env.step_timeout_s={e.step_timeout_s} must be > 0 or null")
-    if not isinstance(e.kwargs, dict):
-        p.append(f"env.kwargs must be a mapping, got {type(e.kwargs).__name__}")
+    if not isinstance(env.max_turns, int) or env.max_turns < 1:
+        p.append(f"env.max_turns={env.max_turns!r} must be an integer >= 1")
+    if not isinstance(env.num_workers, int) or env.num_workers < 1:
+        p.append(f"env.num_workers={env.num_workers!r} must be an integer >= 1")
+    if env.step_timeout_s is not None and not env.step_timeout_s > 0:
+        p.append(f"env.step_timeout_s={env.step_timeout_s} must be > 0 or null")
+    if not isinstance(env.kwargs, dict):
+        p.append(f"env.kwargs must be a mapping, got {type(env.kwargs).__name__}")
     hf_path = getattr(cfg.model, "hf_path", None)
     if not p and hf_path and os.path.isfile(os.path.join(hf_path, "tokenizer_config.json")):
         problem = env_template_problem(cfg)  # the chat template's needs, before any process

@@ -47,32 +47,32 @@ GB = 1e9
 
 def rl_memory(cfg: RLConfig, hf: dict, world: int) -> tuple[float, float, list[str]]:
     """(training GiB, rollout GiB, summary lines) per GPU: the module docstring's estimate."""
-    p, t, r = cfg.parallel, cfg.train, cfg.rollout
-    layout = parallel_layout(p, world)
-    responses = max(t.prompts_per_step * r.n // t.mini_batches_per_step, 1)
-    plan = plan_mini_batch([t.seq_length] * responses, layout.dp, t.balance_dp,
-                           t.micro_batch_size, t.max_tokens_per_micro_batch)
+    par, train, roll = cfg.parallel, cfg.train, cfg.rollout
+    layout = parallel_layout(par, world)
+    responses = max(train.prompts_per_step * roll.n // train.mini_batches_per_step, 1)
+    plan = plan_mini_batch([train.seq_length] * responses, layout.dp, train.balance_dp,
+                           train.micro_batch_size, train.max_tokens_per_micro_batch)
     a = 2 if cfg.model.dtype == "bfloat16" else 4
-    mem = estimate_memory(hf, layout, t, a == 2, cfg.optim.distributed_optimizer,
+    mem = estimate_memory(hf, layout, train, a == 2, cfg.optim.distributed_optimizer,
                           plan.num_micro_batches)
-    stage = stage_parameters(hf, p.tp, p.pp, p.ep)
+    stage = stage_parameters(hf, par.tp, par.pp, par.ep)
     reference = (max(stage.first_stage, stage.last_stage) * a / GIB
                  if cfg.kl.beta > 0 else 0.0)
-    if r.backend == "sglang":
-        engine = r.sglang.mem_fraction * cfg.recipe.gpu_memory_gib
-        engine_text = f"SGLang {r.sglang.mem_fraction:g} x {cfg.recipe.gpu_memory_gib:g}"
+    if roll.backend == "sglang":
+        engine = roll.sglang.mem_fraction * cfg.recipe.gpu_memory_gib
+        engine_text = f"SGLang {roll.sglang.mem_fraction:g} x {cfg.recipe.gpu_memory_gib:g}"
     else:
         engine = stage_parameters(hf, 1, 1).total * a / GIB
-        engine_text = f"{r.backend} engine weights"
+        engine_text = f"{roll.backend} engine weights"
     resident = mem.weights + mem.grads + mem.optimizer + reference + mem.runtime
-    training = mem.total + reference + (0.0 if r.sleep_during_train else engine)
+    training = mem.total + reference + (0.0 if roll.sleep_during_train else engine)
     rollout = resident + engine
     lines = [
         f"memory per GPU while training (estimate, GiB): policy {mem.total:.1f} (weights "
         f"{mem.weights:.1f} + grads {mem.grads:.1f} + optimizer {mem.optimizer:.1f} + "
         f"activations {mem.activations:.1f} + logits {mem.logits:.1f} + runtime "
         f"{mem.runtime:.1f}) + KL reference {reference:.1f}"
-        + ("" if r.sleep_during_train else f" + rollout engine {engine:.1f}")
+        + ("" if roll.sleep_during_train else f" + rollout engine {engine:.1f}")
         + f" = {training:.1f}",
         f"memory per GPU during rollout on an engine's GPUs (estimate, GiB): resident "
         f"training state {resident:.1f} + engine {engine:.1f} ({engine_text}) = "
@@ -138,17 +138,17 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
     problems += async_problems(cfg, world, per_node)
     world, n_roll = split_sizes(cfg, world)  # the training ranks from here on
     problems += layout_problems(cfg, world, hf)
-    r = cfg.rollout
+    roll = cfg.rollout
     engine_ranks = n_roll or world
-    placement_issues = placement_problems(r.num_engines, r.gpus_per_engine, engine_ranks,
+    placement_issues = placement_problems(roll.num_engines, roll.gpus_per_engine, engine_ranks,
                                           per_node)
     if problems or placement_issues:
         return [], problems + placement_issues, {}
-    placement = resolve_placement(r.num_engines, r.gpus_per_engine, engine_ranks, per_node)
+    placement = resolve_placement(roll.num_engines, roll.gpus_per_engine, engine_ranks, per_node)
     params = stage_parameters(hf, 1, 1).total
     sync_bytes = params * (2 if cfg.model.dtype == "bfloat16" else 4)
-    p = cfg.parallel
-    ep = f" ep={p.ep}" if p.ep > 1 else ""
+    par = cfg.parallel
+    ep = f" ep={par.ep}" if par.ep > 1 else ""
     training, rollout, memory_lines = rl_memory(cfg, hf, world)
     if n_roll:  # the engines live on their own GPUs: no resident training state there
         training, rollout, memory_lines = disaggregated_memory(cfg, hf, world)
@@ -160,18 +160,18 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
     summary = [
         f"model: {cfg.model.shape or hf.get('model_type')}, {params / 1e9:.2f} B parameters, "
         f"dtype {cfg.model.dtype}",
-        f"training layout: tp={p.tp} pp={p.pp} cp={p.cp}{ep} "
-        f"dp={world // (p.tp * p.pp * p.cp)} on {nodes} node(s) x {per_node} GPUs",
+        f"training layout: tp={par.tp} pp={par.pp} cp={par.cp}{ep} "
+        f"dp={world // (par.tp * par.pp * par.cp)} on {nodes} node(s) x {per_node} GPUs",
         *([f"placement: disaggregated, training on ranks [0, {world}) ({world // per_node} "
            f"node(s)), rollout on ranks [{world}, {world + n_roll}) ({n_roll // per_node} "
-           f"node(s)); rollout.max_staleness={r.max_staleness}"] if n_roll else []),
-        f"rollout: backend {r.backend}, {placement.describe()}"
+           f"node(s)); rollout.max_staleness={roll.max_staleness}"] if n_roll else []),
+        f"rollout: backend {roll.backend}, {placement.describe()}"
         + (" (ranks within the rollout side)" if n_roll else ""),
         f"weight sync per RL step: {sync_bytes / GB:.1f} GB to each of "
         f"{placement.num_engines} engine(s) ({placement.num_engines * sync_bytes / GB:.1f} GB "
         "in all), each engine fed from its own model replica",
-        f"rollout batch: {cfg.train.prompts_per_step} prompts x {r.n} responses, about "
-        f"{cfg.train.prompts_per_step * r.n / placement.num_engines:.0f} responses per engine",
+        f"rollout batch: {cfg.train.prompts_per_step} prompts x {roll.n} responses, about "
+        f"{cfg.train.prompts_per_step * roll.n / placement.num_engines:.0f} responses per engine",
         *memory_lines, *(f"warning: {w}" for w in warnings),
     ]
     comm_lines, comm = rl_comm(cfg, hf, world, placement.num_engines)

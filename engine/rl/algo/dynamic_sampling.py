@@ -127,8 +127,8 @@ class DynamicSampler:
         self.num_groups_generated += keep.numel()
         kept = [int(g) for g in torch.nonzero(keep).flatten()]
         if kept:
-            n = self.group_size
-            rows = [g * n + j for g in kept for j in range(n)]
+            group_size = self.group_size
+            rows = [g * group_size + j for g in kept for j in range(group_size)]
             self._parts.append({k: _select(v, rows) for k, v in batch.items()})
             self._kept_groups += len(kept)
         return len(kept)

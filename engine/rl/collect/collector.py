@@ -4,9 +4,9 @@ dynamic sampling -> group advantages (docs/design/rl.md).
 Rank 0 drives the rollout (RolloutCollector): each generation batch is split over the job's
 engines by engine.rl.rollout.pool (one generate call per engine, results back in the global
 order), scored and shaped on rank 0; the other ranks serve their engines meanwhile, and
-`engine.rl.collect.transport.broadcast_rollout` ends that phase by sending the token lists to every rank over the default
-(world) group. Sampling is seeded per response (work_split.response_seed), so the batch does not
-depend on the engine count.
+engine.rl.collect.transport.broadcast_rollout ends that phase by sending the token lists to
+every rank over the default (world) group. Sampling is seeded per response
+(work_split.response_seed), so the batch does not depend on the engine count.
 
 Prompt order: generation batch b (counted over the whole run; dynamic sampling may use several
 per step) takes prompts `global_batch_indices(len(rows), prompts_per_step, b, seed, shuffle)`,
@@ -77,9 +77,9 @@ class RolloutCollector:
     def generate_scored(self, rows: list[dict], prompts: list[list[int]],
                         params: SamplingParams, n: int, gen_batch) -> dict:
         """THE generation entry point of the RL loop (training batches and validation,
-        engine.rl.collect.validation): one response per prompt over every engine (`prompts` group-major
-        in groups of `n`, `rows[i]` the dataset row of prompts[i], params.seeds one seed per
-        response), decoded and scored by reward.fn. `gen_batch` names the batch in messages.
+        engine.rl.collect.validation): one response per prompt over every engine (`prompts`
+        group-major in groups of `n`, `rows[i]` the dataset row of prompts[i], params.seeds one
+        seed per response), decoded and scored by reward.fn. `gen_batch` names the batch in messages.
         Returns {"generations", "scores" (list of float), "errors" (reward errors), "stats"
         (GenerateStats), "gen_s" (generate wall seconds)}."""
         t0 = time.perf_counter()
@@ -100,27 +100,29 @@ class RolloutCollector:
     def _generation_batch(self) -> dict:
         """One generation batch: prompts_per_step prompts x n responses in one generate call,
         scored and shaped. Returns per-response lists/tensors (group-major) and timings."""
-        cfg, r = self.cfg, self.cfg.rollout
-        b = self.next_gen_batch
+        cfg, rollout = self.cfg, self.cfg.rollout
+        gen_batch = self.next_gen_batch
         self.next_gen_batch += 1
-        idx = global_batch_indices(len(self.rows), cfg.train.prompts_per_step, b, cfg.seed,
+        idx = global_batch_indices(len(self.rows), cfg.train.prompts_per_step, gen_batch, cfg.seed,
                                    cfg.data.shuffle)
-        prompts = [self._prompt_ids(i) for i in idx for _ in range(r.n)]
-        rows = [self.rows[i] for i in idx for _ in range(r.n)]
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                top_p=r.top_p, seeds=batch_seeds(cfg.seed, b, len(idx), r.n))
-        row_indices = [i for i in idx for _ in range(r.n)]
+        prompts = [self._prompt_ids(i) for i in idx for _ in range(rollout.n)]
+        rows = [self.rows[i] for i in idx for _ in range(rollout.n)]
+        params = SamplingParams(max_new_tokens=rollout.max_new_tokens,
+                                temperature=rollout.temperature, top_p=rollout.top_p,
+                                seeds=batch_seeds(cfg.seed, gen_batch, len(idx), rollout.n))
+        row_indices = [i for i in idx for _ in range(rollout.n)]
         if self.env is not None:
-            return {**self.env.generation_batch(prompts, rows, row_indices, params.seeds, b),
-                    "row_indices": row_indices, "gen_batch": b}
-        out = self.generate_scored(rows, prompts, params, r.n, b)
+            episodes = self.env.generation_batch(prompts, rows, row_indices, params.seeds,
+                                                 gen_batch)
+            return {**episodes, "row_indices": row_indices, "gen_batch": gen_batch}
+        out = self.generate_scored(rows, prompts, params, rollout.n, gen_batch)
         gens, scores, errors, stats, gen_s = (out["generations"], out["scores"], out["errors"],
                                               out["stats"], out["gen_s"])
         lengths = torch.tensor([len(g.response_ids) for g in gens], dtype=torch.float32)
         scores_t = torch.tensor(scores, dtype=torch.float32)
         penalty = torch.zeros_like(scores_t)
         if cfg.dapo.overlong_buffer > 0:
-            penalty = overlong_penalty(lengths, r.max_new_tokens, cfg.dapo.overlong_buffer,
+            penalty = overlong_penalty(lengths, rollout.max_new_tokens, cfg.dapo.overlong_buffer,
                                        cfg.dapo.overlong_penalty)
         return {
             "data": {"prompt_ids": prompts, "response_ids": [g.response_ids for g in gens],
@@ -129,7 +131,7 @@ class RolloutCollector:
                         if gens and gens[0].routed_experts is not None else {}),
                      "rewards": scores_t + penalty, "scores": scores_t},
             "lengths": lengths, "penalty": penalty, "errors": errors, "gen_s": gen_s,
-            "stats": stats, "row_indices": row_indices, "gen_batch": b,
+            "stats": stats, "row_indices": row_indices, "gen_batch": gen_batch,
             "clipped": [g.finish_reason == "length" for g in gens],
         }
 
@@ -140,10 +142,10 @@ class RolloutCollector:
         logging.rollout_dir and `dump_step` (the step number of metrics.jsonl), every episode
         of every generation batch goes to <rollout_dir>/step_<dump_step>.jsonl
         (engine.rl.env.dump)."""
-        cfg, n = self.cfg, self.cfg.rollout.n
+        cfg, group_size = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
         dynamic = cfg.dapo.dynamic_sampling
-        sampler = DynamicSampler(n, cfg.train.prompts_per_step, cfg.dapo.max_gen_batches,
+        sampler = DynamicSampler(group_size, cfg.train.prompts_per_step, cfg.dapo.max_gen_batches,
                                  allow_partial=True) if dynamic else None
         parts = []
         while True:
@@ -163,7 +165,8 @@ class RolloutCollector:
         metrics = {
             "reward/mean": float(scores.mean()),
             "reward/std": float(scores.std(unbiased=False)),
-            "reward/frac_zero_std_groups": float(zero_std_groups(scores, n).float().mean()),
+            "reward/frac_zero_std_groups": float(zero_std_groups(scores, group_size).float()
+                                                 .mean()),
             "reward/errors": float(sum(p["errors"] for p in parts)),
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
@@ -187,7 +190,7 @@ class RolloutCollector:
         batch = RolloutBatch(metrics=metrics)
         if data is not None:
             estimator = ADVANTAGE_ESTIMATORS[cfg.advantage.estimator]
-            adv = estimator(data["rewards"], n, cfg.advantage,
+            adv = estimator(data["rewards"], group_size, cfg.advantage,
                             torch.tensor([sum(m) for m in data["response_masks"]]
                                          if "response_masks" in data else
                                          [len(r) for r in data["response_ids"]]))
@@ -195,7 +198,7 @@ class RolloutCollector:
                                  list(data["rollout_logprobs"]), adv.tolist(), metrics,
                                  response_masks=list(data.get("response_masks") or []),
                                  routed_experts=list(data.get("routed_experts") or []))
-        metrics["train/groups"] = float(len(batch) // n)
+        metrics["train/groups"] = float(len(batch) // group_size)
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return batch
 
