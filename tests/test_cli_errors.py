@@ -4,28 +4,29 @@ engine.cli.run_entry: the worker exits with code 2, one `error: ...` report on s
 only) names the key, the constraint and the valid values (file:line for a row of data), and no
 traceback runs through our code (engine/, models/, parallel/).
 
-Configuration errors are found before any process group exists, so most cases run one process
-with the environment of rank 0 of an N-rank job (RANK=0, WORLD_SIZE=N, LOCAL_RANK=0: run_entry
-reads the world size from WORLD_SIZE); one case launches 4 real ranks to show the report is
-printed once. Data errors come after the process groups, so they run as real (1 or 2 rank) jobs.
-The launches are independent: the `outcomes` fixture runs them in the background, two at a time.
+Configuration errors are found before any process group exists, so most cases call the
+module's `main(argv)` in this process with the environment of rank 0 of an N-rank job (RANK=0,
+WORLD_SIZE=N, LOCAL_RANK=0: run_entry reads the world size from WORLD_SIZE; tests.launch.run_main
+fails the case if the run gets as far as starting torch.distributed); one case runs on 4 ranks
+to show the report is printed once. Data errors come after the process groups, so they run as
+real (1 or 2 rank) jobs: `python -m MODULE` on the ranks of the session's rank pool
+(tests/pool.py), every rank's output in one stream as torchrun merges them.
 """
 from __future__ import annotations
 
 import json
+import importlib
 import re
 import shutil
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 
 from engine.training.loss import AGG_MODES
-from tests.launch import start, torchrun_cmd, wait
+from tests.launch import run_main
 from tests.tiny_models import build_tiny_model
 
 OUR_TRACEBACK = re.compile(r'File ".*/(engine|models|parallel)/')
@@ -173,40 +174,38 @@ TRUNCATE_RIGHT = Case("too_long_with_truncation_right", ("train.seq_length=16",)
                       needles=())
 
 
-def launch(case: Case, paths: dict[str, str]) -> subprocess.CompletedProcess:
-    """Run `case` as its user would (see Case); returns the CompletedProcess."""
+def launch(case: Case, paths: dict[str, str], pools=None) -> subprocess.CompletedProcess:
+    """Run `case` as its user would (see Case); returns the CompletedProcess. A configuration
+    error (`case.world` set): `main(argv)` of the module in this process as rank 0 of that
+    world; otherwise `python -m MODULE` on `case.nproc` ranks of the rank pool `pools`, the
+    ranks' stdout and stderr each joined in rank order (as torchrun prints them)."""
     argv = case.argv(paths)
-    if case.nproc > 1:
-        return wait(start(torchrun_cmd(case.nproc, *argv)), 240)
-    if case.world is None:
-        return wait(start([sys.executable, *argv]), 240)
-    rank0 = {"RANK": "0", "WORLD_SIZE": str(case.world), "LOCAL_RANK": "0"}
-    return wait(start([sys.executable, *argv], rank0), 90)
+    if case.world is not None:
+        main = importlib.import_module(f"{case.module}.__main__").main
+        rank0 = {"RANK": "0", "WORLD_SIZE": str(case.world), "LOCAL_RANK": "0"}
+        return run_main(main, argv[2:], env=rank0, label=f"python -m {case.module}")
+    run = pools.script(case.nproc, *argv, check=False, timeout=240)
+    return subprocess.CompletedProcess(run.args, run.returncode,
+                                       "".join(r.stdout for r in run.ranks),
+                                       "".join(r.stderr for r in run.ranks))
 
 
 @pytest.fixture(scope="module")
-def outcomes(request, paths) -> Iterator[Callable[[Case], subprocess.CompletedProcess]]:
-    """`outcome(case)`: the finished process of `case`. Every case selected in this module is
-    launched in the background, two at a time, in test order, when the first test asks (the
-    runs are independent; two overlap the import time of one on a 2-core host)."""
-    selected = [item.callspec.params["case"] for item in request.session.items
-                if item.module is sys.modules[__name__]
-                and "case" in getattr(getattr(item, "callspec", None), "params", {})]
-    pool = ThreadPoolExecutor(max_workers=2)
-    futures = {case.name: pool.submit(launch, case, paths) for case in selected}
+def outcomes(paths, pools) -> Callable[[Case], subprocess.CompletedProcess]:
+    """`outcome(case)`: the finished run of `case` (run once, when a test first asks)."""
+    done: dict[str, subprocess.CompletedProcess] = {}
 
     def outcome(case: Case) -> subprocess.CompletedProcess:
-        if case.name not in futures:
-            futures[case.name] = pool.submit(launch, case, paths)
-        return futures[case.name].result()
+        if case.name not in done:
+            done[case.name] = launch(case, paths, pools)
+        return done[case.name]
 
-    yield outcome
-    pool.shutdown(wait=True, cancel_futures=True)
+    return outcome
 
 
 def worker_exit_code(proc) -> int:
-    """The exit code of the worker: the process itself, or under torchrun the exitcode of the
-    root cause in torchrun's failure summary (torchrun itself exits 1)."""
+    """The exit code of the worker: the process (or pool case) itself, or under torchrun the
+    exitcode of the root cause in torchrun's failure summary (torchrun itself exits 1)."""
     if "torch.distributed.run" not in proc.args:
         return proc.returncode
     found = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", proc.stderr, re.S)
@@ -288,3 +287,80 @@ def test_config_file_errors_name_the_key_and_the_file(tmp_path, yaml_text, messa
     assert message.format(file=file) in str(info.value)
     with pytest.raises(ConfigError, match="--config .*missing.yaml: file not found"):
         load_config(SFTConfig, ["--config", str(tmp_path / "missing.yaml")])
+
+
+@dataclass
+class _LimitsGroup:
+    size: int = 1
+    limits: dict[str, int] = field(default_factory=dict)  # a typed free-form dict
+
+
+@dataclass
+class _DictSchema:
+    group: _LimitsGroup = field(default_factory=_LimitsGroup)
+    extra: dict = field(default_factory=lambda: {"x": 1})  # untyped, with a default entry
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["env.kwargs={fail_step:2}"], {"fail_step": 2}),           # hydra's dict value
+    (["env.kwargs={fail_step:2,name:x}"], {"fail_step": 2, "name": "x"}),
+    (["+env.kwargs.fail_step=2"], {"fail_step": 2}),            # append
+    (["env.kwargs.fail_step=2"], {"fail_step": 2}),             # plain dotted key
+    (["env.kwargs={a:1}", "env.kwargs.b=2", "+env.kwargs.c={d:3}"],
+     {"a": 1, "b": 2, "c": {"d": 3}}),
+])
+def test_free_form_dict_keys_take_every_hydra_form(argv, expected):
+    """env.kwargs (Dict[str, Any]) takes new keys as key={a:1}, key.a=1 and +key.a=1, in
+    process (engine.config.loading.load_config); so does a YAML file."""
+    from engine.config.schema import load_config
+    from engine.rl.config import RLConfig
+
+    cfg, _ = load_config(RLConfig, argv)
+    assert cfg.env.kwargs == expected
+
+
+def test_free_form_dict_in_a_group_and_in_a_config_file(tmp_path):
+    """The same for another dict field: a typed Dict[str, int] inside a group (values still
+    checked, the key named) and an untyped top-level dict with a default entry (merged, as
+    hydra merges a dict value); a --config file's dict keys combine with the overrides."""
+    from engine.config.schema import ConfigError, load_config
+
+    for argv in (["group.limits={a:1,b:2}"], ["group.limits.a=1", "+group.limits.b=2"]):
+        cfg, _ = load_config(_DictSchema, argv)
+        assert cfg.group.limits == {"a": 1, "b": 2} and cfg.group.size == 1
+    cfg, _ = load_config(_DictSchema, ["extra={y:2}", "extra.z.w=3"])
+    assert cfg.extra == {"x": 1, "y": 2, "z": {"w": 3}}
+    for argv in (["group.limits={a:many}"], ["group.limits.a=many"]):
+        with pytest.raises(ConfigError, match="group.limits.a: Value 'many' of type 'str' could "
+                                              r"not be converted to Integer \(on the command"):
+            load_config(_DictSchema, argv)
+    file = tmp_path / "run.yaml"
+    file.write_text("env:\n  kwargs:\n    fail_step: 2\n")
+    from engine.rl.config import RLConfig
+
+    cfg, _ = load_config(RLConfig, ["--config", str(file), "env.kwargs.name=x"])
+    assert cfg.env.kwargs == {"fail_step": 2, "name": "x"}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["env.kwarg={a:1}"], "unknown key env.kwarg on the command line; valid keys of env: fn, "
+                          "kwargs, tools, max_turns, num_workers, step_timeout_s"),
+    (["rollout.temprature=1"], "unknown key rollout.temprature on the command line; valid "
+                               "keys of rollout: backend, num_engines,"),
+    (["env={max_turn:3}"], "unknown key env.max_turn on the command line; valid keys of env:"),
+    (["+rollout.temprature=1"], "unknown key rollout.temprature on the command line; valid "
+                                "keys of rollout: backend, num_engines,"),
+    (["++env.max_turn=3"], "unknown key env.max_turn on the command line; valid keys of env: "
+                           "fn, kwargs, tools, max_turns,"),
+    (["+group.sizes=2"], "unknown key group.sizes on the command line; valid keys of group: "
+                         "size, limits"),
+])
+def test_typo_in_a_fixed_key_is_refused_with_the_valid_keys(argv, message):
+    """Negative control: opening the free-form dicts leaves every fixed group closed; with
+    hydra's + / ++ too (before, those set an attribute of the dataclass nobody reads)."""
+    from engine.config.schema import ConfigError, load_config
+    from engine.rl.config import RLConfig
+
+    with pytest.raises(ConfigError) as info:
+        load_config(_DictSchema if argv[0].startswith("+group") else RLConfig, argv)
+    assert message in str(info.value)

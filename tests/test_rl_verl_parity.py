@@ -5,9 +5,18 @@ verl/trainer/ppo/core_algos.py: agg_loss, compute_policy_loss_vanilla / _gspo / 
 _cispo / _sapo, compute_reinforce_plus_plus[_baseline]_outcome_advantage; verl/trainer/ppo/
 rollout_corr_helper.py: compute_rollout_correction_weights, compute_rollout_rejection_mask,
 compute_offpolicy_metrics; verl/utils/torch_functional.py: masked_mean / masked_whiten), read
-at commit b178a3cd5 (Jan 2026, the newest snapshot available here; verl is not a dependency).
-Every loss is compared in value AND gradient on identical random inputs for every aggregation
-mode, through this engine's GlobalLossNormalizer weights.
+in verl 0.9.1 (verl is not a dependency). Every loss is compared in value AND gradient on
+identical random inputs for every aggregation mode, through this engine's GlobalLossNormalizer
+weights. Where verl 0.9.1 aggregates:
+- with the configured loss_agg_mode: ppo_clip (vanilla), gspo and cispo; all five modes agree
+  with ours, seq-mean-token-sum-norm included: verl divides the sequence sum by S x H
+  (global_batch_size x loss_scale_factor), as ours does (the snapshot b178a3cd5, Jan 2026,
+  forced seq-mean-token-mean on gspo and divided seq-mean-token-sum-norm by H only; 0.9.1 does
+  neither);
+- with a fixed aggregation whatever loss_agg_mode says: sapo (seq-mean-token-mean) and geo_mean
+  (torch.mean over sequences). Here loss.agg_mode applies (by design), so those two are verl's
+  numbers in seq-mean-token-mean; in the other modes they are checked against verl's per-token
+  / per-sequence losses aggregated by that mode, and shown to differ from verl's fixed number.
 """
 from types import SimpleNamespace
 
@@ -33,14 +42,18 @@ def v_mean(x, m, axis=None):
 def v_agg(l, m, mode, n_tokens, n_seqs):  # agg_loss with global batch info, dp_size 1
     if mode == "token-mean":
         return (l * m).sum() / n_tokens
-    if mode == "seq-mean-token-sum":
-        return (l * m).sum(-1)[m.sum(-1) > 0].sum() / n_seqs
-    if mode == "seq-mean-token-mean":
-        per = (l * m).sum(-1) / (m.sum(-1) + 1e-8)
-        return per[m.sum(-1) > 0].sum() / n_seqs
-    if mode == "token-sum":  # not one of verl's modes: the plain masked sum
+    if mode == "token-sum":
         return (l * m).sum()
-    return (l * m).sum(-1).sum() / H  # seq-mean-token-sum-norm: verl divides by H only
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        loss = (l * m).sum(-1)[m.sum(-1) > 0].sum() / n_seqs  # n_seqs: global_batch_size
+        return loss / H if mode == "seq-mean-token-sum-norm" else loss  # H: loss_scale_factor
+    per = (l * m).sum(-1) / (m.sum(-1) + 1e-8)  # seq-mean-token-mean
+    return per[m.sum(-1) > 0].sum() / n_seqs
+
+
+# verl 0.9.1's aggregation of each loss: None = the configured loss_agg_mode
+VERL_FIXED_AGG = {"ppo_clip": None, "gspo": None, "cispo": None,
+                  "sapo": "seq-mean-token-mean", "geo_mean": "mean over sequences"}
 
 
 def v_vanilla(old, lp, a, m, w):
@@ -84,12 +97,12 @@ def v_whiten(x, m):
 
 
 def v_rfpp(rewards_tok, m, index=None):
-    if index is None:  # returns with gamma 1, reset after EOS
-        ret, run = torch.zeros_like(rewards_tok), 0
+    if index is None:  # returns with gamma 1 over the trained tokens (0.9.1: an untrained
+        ret, run = torch.zeros_like(rewards_tok), 0  # position passes the running return on)
         for t in reversed(range(rewards_tok.shape[1])):
-            run = rewards_tok[:, t] + run
-            ret[:, t] = run
-            run = run * m[:, t]
+            new = rewards_tok[:, t] + run
+            ret[:, t] = new * m[:, t]
+            run = new * m[:, t] + run * (1 - m[:, t])
         return v_whiten(ret, m) * m
     scores = rewards_tok.sum(-1)
     for g in set(index):
@@ -124,15 +137,18 @@ def _ours(name, lp, old, adv, m, w, mode, rows=None):
     return aggregate(terms.loss, weights[rows, None].float() * m[rows])
 
 
-def _verl(name, lp, old, adv, m, w, mode):
+def _verl(name, lp, old, adv, m, w, mode, fixed=True):
+    """verl 0.9.1's loss with loss_agg_mode=`mode`; `fixed` False: the losses of sapo /
+    geo_mean aggregated by `mode` instead of verl's fixed aggregation (this engine's rule)."""
     n_tok, n_seq = m.sum(), float(B)
     if name == "geo_mean":  # L_i on each token: seq-mean-token-mean = verl's torch.mean(L_i)
         seq = v_geo_mean_seq(old, lp, adv, m, w)
-        if mode == "seq-mean-token-mean":
+        if fixed:
             return seq.mean()
         return v_agg(seq[:, None].expand(B, T), m, mode, n_tok, n_seq)
     fn = {"ppo_clip": v_vanilla, "gspo": v_gspo, "cispo": v_cispo, "sapo": v_sapo}[name]
-    return v_agg(fn(old, lp, adv, m, w), m, mode, n_tok, n_seq)
+    agg = VERL_FIXED_AGG[name] if fixed and VERL_FIXED_AGG[name] else mode
+    return v_agg(fn(old, lp, adv, m, w), m, agg, n_tok, n_seq)
 
 
 @pytest.mark.parametrize("name", ["ppo_clip", "gspo", "geo_mean", "cispo", "sapo"])
@@ -143,9 +159,11 @@ def test_policy_loss_matches_verl_value_and_gradient(name, mode, with_is):
     w = w if with_is else None
     ours = _ours(name, lp, old, adv, m, w, mode)
     (g_ours,) = torch.autograd.grad(ours, lp)
-    ref = _verl(name, lp, old, adv, m, w, mode)
-    if mode == "seq-mean-token-sum-norm":  # README: ours divides by S H, verl by H
-        ref = ref / B
+    verl_agrees = VERL_FIXED_AGG[name] is None or mode == "seq-mean-token-mean"
+    ref = _verl(name, lp, old, adv, m, w, mode, fixed=verl_agrees)
+    if not verl_agrees:  # by design: loss.agg_mode applies; verl's fixed aggregation differs
+        verl = _verl(name, lp, old, adv, m, w, mode)
+        assert abs(float(verl - ref)) > 1e-4 * abs(float(verl)), (name, mode)
     (g_ref,) = torch.autograd.grad(ref, lp)
     assert abs(float(ref)) > 1e-3 and float(g_ref.abs().max()) > 1e-4
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-7)

@@ -1,6 +1,13 @@
 """Loading a configuration: schema defaults, an optional YAML file (`--config`) and hydra
 overrides composed into a structured dataclass, with errors that name the key, where it was
-given and the valid keys of its group."""
+given and the valid keys of its group.
+
+Free-form dict fields (a `Dict[str, X]` of the schema, e.g. `env.kwargs`) take new keys in
+every hydra form: `env.kwargs={fail_step:2,name:x}` (merged into the dict, hydra's rule for a
+dict value), `env.kwargs.fail_step=2` and `+env.kwargs.fail_step=2`; the values are still
+checked against X. Every fixed key stays closed: a typo is an unknown key naming the valid keys
+of its group, also when written with hydra's `+` / `++` (which would otherwise add it to the
+dataclass unchecked)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, OmegaConfBaseException,
                               ValidationError)
 
@@ -57,17 +64,61 @@ def load_config(schema: type, argv: list[str]) -> tuple[Any, list[str]]:
             if not os.path.isfile(config_file):
                 raise ConfigError(f"--config {config_file}: file not found")
             base = OmegaConf.merge(base, OmegaConf.load(config_file))
+        _open_free_form_dicts(base)
         name = f"_run_{schema.__name__}"
         ConfigStore.instance().store(name=name, node=base)
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=os.path.abspath(os.path.dirname(__file__)),
                                    version_base=None):
             cfg = compose(config_name=name, overrides=overrides)
+        added = _added_fixed_key(cfg)
+        if added:
+            key, valid = added
+            group = key.rpartition(".")[0]
+            raise ConfigError(f"unknown key {key} on the command line; valid keys of "
+                              f"{group or 'the top level'}: {', '.join(valid)}")
         return OmegaConf.to_object(cfg), flags
     except ConfigError:
         raise
     except (OmegaConfBaseException, Exception) as e:  # hydra wraps errors in several types
         raise ConfigError(_describe_load_error(e, schema, config_file)) from None
+
+
+def _is_free_form(node: DictConfig) -> bool:
+    """A dict whose keys are data, not schema fields (a Dict[str, X] field of a dataclass)."""
+    return node._metadata.object_type in (None, dict)
+
+
+def _open_free_form_dicts(node: DictConfig) -> None:
+    """Take every free-form dict under `node` out of struct mode (hydra composes in struct mode,
+    where only `+key.a=1` may add a key): `key={a:1}` and `key.a=1` then add keys too. Fixed
+    groups keep inheriting struct mode."""
+    for key in node.keys():
+        child = node._get_node(key)
+        if not isinstance(child, DictConfig) or child._is_none() or child._is_missing():
+            continue
+        if _is_free_form(child):
+            OmegaConf.set_struct(child, False)
+        else:
+            _open_free_form_dicts(child)
+
+
+def _added_fixed_key(node: DictConfig, prefix: str = "") -> Optional[tuple[str, list[str]]]:
+    """(full key, valid keys of its group) of the first key of a dataclass group of the
+    composed `node` that is not one of its fields (added with hydra's + or ++), or None."""
+    object_type = node._metadata.object_type
+    fields = (list(getattr(object_type, "__dataclass_fields__", {}))
+              if not _is_free_form(node) else None)
+    for key in node.keys():
+        full = f"{prefix}{key}"
+        if fields is not None and key not in fields:
+            return full, fields
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            found = _added_fixed_key(child, full + ".")
+            if found:
+                return found
+    return None
 
 
 def _error_chain(error: BaseException) -> list[BaseException]:

@@ -1,4 +1,4 @@
-"""One GRPO / DAPO run: rollout, policy update, weight sync, repeated (DESIGN section 9).
+"""One GRPO / DAPO run: rollout, policy update, weight sync, repeated (docs/design/rl.md).
 
 One RL step:
 1. rollout (driven by global rank 0; engine.rl.collect.collector): prompts_per_step prompts x
@@ -47,7 +47,7 @@ from engine.rl.disaggregated.trainer import RemoteRollout, RemoteValidation
 from engine.rl.disaggregated.world import active_split
 from engine.rl.policy.logprob_stage import logprob_stage
 from engine.rl.policy.routing_replay import end_replay, rollout_engine_kwargs
-from engine.rl.policy.update import PolicyLossSettings, policy_update, split_mini_batches
+from engine.rl.policy.update import MAX_KEYS, PolicyLossSettings, policy_update, split_mini_batches
 from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class
@@ -60,6 +60,8 @@ from engine.training.train_engine import BatchSettings, TrainEngine
 _UPDATE_MEAN_KEYS = ("policy/loss", "policy/pg_loss", "policy/clipfrac_low",
                      "policy/clipfrac_high", "policy/kl", "policy/entropy", "grad_norm",
                      "train/update_skipped")
+# Maxima (engine.rl.policy.update.MAX_KEYS): combined over the optimizer steps with max.
+_UPDATE_MAX_KEYS = MAX_KEYS
 
 
 def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, cfg: RLConfig,
@@ -81,7 +83,8 @@ def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, 
     moe_keys = sorted({k for u in updates for k in u
                        if k.startswith(("moe/", "rollout_corr/"))})
     for key in (*_UPDATE_MEAN_KEYS, *moe_keys):
-        metrics[key] = sum(u[key] for u in updates) / len(updates)
+        values = [u[key] for u in updates if key in u]  # a maximum is absent without tokens
+        metrics[key] = max(values) if key in _UPDATE_MAX_KEYS else sum(values) / len(values)
     metrics["lr"] = updates[-1]["lr"]
     metrics["train/optimizer_steps"] = float(len(updates))
     metrics["train/micro_batches"] = sum(u["train/micro_batches"] for u in updates)

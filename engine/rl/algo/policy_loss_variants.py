@@ -1,4 +1,4 @@
-"""Policy losses beyond PPO's clipped surrogate, registered by verl's names (DESIGN section 9b):
+"""Policy losses beyond PPO's clipped surrogate, registered by verl's names (docs/algorithms.md):
 gspo, geo_mean (GMPO), cispo, sapo; plus the REINFORCE loss of rollout_correction's bypass
 mode. Import POLICY_LOSSES from here: it is the complete table.
 
@@ -40,8 +40,8 @@ def gspo(logprobs, old_logprobs, advantages, settings, ctx: PolicyLossContext):
     """GSPO (Zheng et al. 2025): sequence ratio s_i = exp(mean_t (logp - old)) over the whole
     sequence, token ratio s_it = sg(s_i) * pi_t / sg(pi_t) (log clamped at 10), loss
     max(-A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high)) times the rollout IS weight. No dual
-    clip. verl aggregates GSPO with seq-mean-token-mean whatever loss_agg_mode says; here
-    loss.agg_mode applies (seq-mean-token-mean is verl's)."""
+    clip. loss.agg_mode applies, as verl 0.9.1 applies its loss_agg_mode (all five modes give
+    verl's numbers; the GSPO paper and verl's GSPO example scripts use seq-mean-token-mean)."""
     check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     adv = advantages.detach().to(logprobs.dtype)
     (seq_log_ratio,) = ctx.seqs.means(logprobs - old_logprobs.detach())
@@ -102,7 +102,8 @@ def sapo(logprobs, old_logprobs, advantages, settings, ctx: PolicyLossContext):
     """SAPO (Gao et al. 2025), verl compute_policy_loss_sapo: soft gate instead of a clip,
     f(r) = sigmoid(tau (r - 1)) * 4 / tau with tau = sapo.tau_pos where A > 0, else
     sapo.tau_neg; loss -f(r) * A (r's log clamped to +-20), times the rollout IS weight. No
-    clip indicators (0). verl aggregates with seq-mean-token-mean; here loss.agg_mode applies."""
+    clip indicators (0). verl 0.9.1 aggregates sapo with seq-mean-token-mean whatever
+    loss_agg_mode says; here loss.agg_mode applies (seq-mean-token-mean gives verl's numbers)."""
     check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     adv = advantages.detach().to(logprobs.dtype)
     r = torch.exp((logprobs - old_logprobs.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))

@@ -1,5 +1,5 @@
 """The policy side of an RL step: the per-token GRPO/DAPO loss and one optimizer step per
-mini-batch through TrainEngine.train_batch (DESIGN sections 4 and 9).
+mini-batch through TrainEngine.train_batch (docs/design/loss-math.md, docs/design/rl.md).
 
 Loss contract (engine.training.loss): per token, with r = exp(logp - old_logp) and A the advantage,
 
@@ -19,13 +19,34 @@ the normalizer's counts (which are fixed before the forward).
 and the micro-batch loss is `aggregate(l, token_weights)`: weights from the GlobalLossNormalizer
 of the whole mini-batch (counts over the DP group only), so the loss, the gradient and every
 logged policy metric (weighted with the same token weights) are the same on every layout.
+
+`policy/clipfrac_low` / `policy/clipfrac_high` are weighted means over the KEPT tokens:
+sum_t w_t k_t c_t / sum_t w_t k_t, with c_t the clip indicator, w_t the token weight above and
+k_t 0 on the tokens bypass-mode rejection removed from the loss (1 elsewhere; decoupled-mode
+rejection already zeroed their loss mask, hence w_t). Both sums are report sums, so the ratio
+is layout-invariant. A rejected token lies outside the clip band but has no gradient: it
+counts neither in the numerator nor in the denominator. By aggregation mode: token-mean
+(w_t = 1/N): exactly verl's masked_mean of the indicator over the kept tokens (verl takes it per
+micro-batch, here over the mini-batch); token-sum, seq-mean-token-sum and
+seq-mean-token-sum-norm (w_t equal for every token): the same plain mean over the kept tokens;
+seq-mean-token-mean (w_t = 1/(n_i S), n_i the sequence's trained tokens before bypass
+rejection): each kept token weighs 1/n_i, i.e. without rejection the mean over sequences of each
+sequence's clipped fraction (verl: still the plain token mean).
+
+`rollout_corr/is_weight_max` (bypass mode with rollout IS, engine.rl.algo.rollout_correction
+max_weight) is a maximum, not a sum: the loss function records it per micro-batch (MAX_KEYS)
+and policy_update reduces it with MAX over the micro-batches, the data-parallel group WITH
+context parallelism (each CP rank holds a shard of every sequence; TP ranks hold copies) and
+the pipeline group (only the last stage computes a loss).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.rl.algo import rollout_correction as rc
@@ -42,7 +63,11 @@ from engine.training.train_engine import TrainEngine
 # Weighted sums reported by the loss function, reduced over micro-batches and DP x CP; the
 # first drives the non-finite guard.
 REPORT_KEYS = ("policy/loss", "policy/pg_loss", "policy/clipfrac_low", "policy/clipfrac_high",
-               "policy/kl", "policy/entropy", "policy/response_tokens")
+               "policy/kl", "policy/entropy", "policy/response_tokens",
+               "policy/_clip_weight")  # sum of w_t k_t: the clip fractions' denominator
+CLIP_KEYS = ("policy/clipfrac_low", "policy/clipfrac_high")
+# Maxima recorded by the loss function (bypass mode with rollout IS), reduced with MAX.
+MAX_KEYS = ("rollout_corr/is_weight_max",)
 
 
 @dataclass
@@ -73,10 +98,15 @@ class PolicyLossSettings:
     def report_keys(self) -> tuple[str, ...]:
         return REPORT_KEYS + (rc.SUM_KEYS if self.bypass is not None else ())
 
+    def max_keys(self) -> tuple[str, ...]:
+        return MAX_KEYS if self.bypass is not None and self.bypass.rollout_is else ()
 
-def _policy_terms(s: PolicyLossSettings, logp, mb, seqs: SequenceReducer, report: dict):
+
+def _policy_terms(s: PolicyLossSettings, logp, mb, seqs: SequenceReducer, report: dict,
+                  maxes: dict):
     """(per-token pg terms, keep mask or None): the registered loss, or in bypass mode verl's
-    bypass loss (IS / rejection from the current policy against the rollout log-probs)."""
+    bypass loss (IS / rejection from the current policy against the rollout log-probs; its
+    metric sums go to `report`, its maxima to `maxes`)."""
     old = mb.extras["old_logprobs"]
     ctx = PolicyLossContext(mb.loss_mask, seqs, mb.extras.get("rollout_is_weights"))
     if s.bypass is None:
@@ -85,7 +115,11 @@ def _policy_terms(s: PolicyLossSettings, logp, mb, seqs: SequenceReducer, report
     log_ratio = logp.detach() - old
     rs = rc.parse_rs(corr.rollout_rs, corr.rollout_rs_threshold) if corr.rollout_rs else None
     w, raw, keep, _ = rc.correct(log_ratio, seqs, corr, rs, normalize=False)
-    report.update(rc.metric_sums(log_ratio, seqs, raw, keep))
+    report.update(rc.metric_sums(log_ratio, seqs, raw, keep, corr.rollout_is,
+                                 corr.rollout_is_threshold))
+    if raw is not None:
+        maxes["rollout_corr/is_weight_max"] = rc.max_weight(raw, seqs, corr.rollout_is,
+                                                            corr.rollout_is_threshold)
     if corr.loss_type == "reinforce":
         ctx.is_weights = w
         terms = reinforce_loss(logp, mb.extras["advantages"], ctx)
@@ -94,11 +128,12 @@ def _policy_terms(s: PolicyLossSettings, logp, mb, seqs: SequenceReducer, report
     return terms, (keep.to(logp.dtype) if keep is not None else None)
 
 
-def policy_loss_fn(s: PolicyLossSettings) -> LossFn:
+def policy_loss_fn(s: PolicyLossSettings, maxes: dict | None = None) -> LossFn:
     """loss_fn(logits [b, s, V/tp], mb) -> (weighted loss sum, report) for TrainEngine.
     Reads mb.extras "old_logprobs", "advantages", "ref_logprobs" (kl_beta > 0) and
     "rollout_is_weights" (decoupled rollout IS). Collective over TP (vocab-parallel log-probs,
-    entropy) and over CP (whole-sequence sums, engine.rl.algo.seq_reduce)."""
+    entropy) and over CP (whole-sequence sums, engine.rl.algo.seq_reduce). `maxes` (optional)
+    collects the running maximum of each MAX_KEYS entry over the micro-batches it sees."""
 
     def loss_fn(logits, mb):
         w = mb.token_weights
@@ -106,7 +141,11 @@ def policy_loss_fn(s: PolicyLossSettings) -> LossFn:
                                                    s.temperature, entropy_grad=s.entropy_coef != 0)
         seqs = SequenceReducer(mb.seq_ids, mb.loss_mask, seq_reduce.cp_group())
         extra: dict = {}
-        terms, keep = _policy_terms(s, logp, mb, seqs, extra)
+        local_max: dict = {}
+        terms, keep = _policy_terms(s, logp, mb, seqs, extra, local_max)
+        if maxes is not None:
+            for key, value in local_max.items():
+                maxes[key] = max(maxes.get(key, float("-inf")), value)
         pg = terms.loss if keep is None else terms.loss * keep
         per_token = pg
         kl = torch.zeros_like(logp)
@@ -117,10 +156,14 @@ def policy_loss_fn(s: PolicyLossSettings) -> LossFn:
             per_token = per_token - s.entropy_coef * entropy
         loss = aggregate(per_token, w)
         with torch.no_grad():
+            # clip fractions over the kept tokens only (module docstring): rejected tokens
+            # (keep 0) lie outside the clip band but carry no gradient
+            kept_w = w if keep is None else w * keep.to(w.device, w.dtype)
             report = {
                 "policy/loss": loss.detach(), "policy/pg_loss": aggregate(pg, w),
-                "policy/clipfrac_low": aggregate(terms.clipped_low, w),
-                "policy/clipfrac_high": aggregate(terms.clipped_high, w),
+                "policy/clipfrac_low": aggregate(terms.clipped_low, kept_w),
+                "policy/clipfrac_high": aggregate(terms.clipped_high, kept_w),
+                "policy/_clip_weight": kept_w.detach().to(torch.float64).sum(),
                 "policy/kl": aggregate(kl, w), "policy/entropy": aggregate(entropy, w),
                 "policy/response_tokens": mb.loss_mask.sum(), **extra,
             }
@@ -140,16 +183,40 @@ def split_mini_batches(num_seqs: int, num_mini_batches: int, seed: int, step: in
     return [sorted(int(i) for i in p) for p in parts if len(p)]
 
 
+def reduce_maxes(maxes: dict, keys: tuple[str, ...]) -> dict[str, float]:
+    """{key: maximum over every rank's `maxes`} for `keys` (collective: every rank passes the
+    same keys, -inf where it has no value): MAX over the data-parallel group with context
+    parallelism, then over the pipeline group, as engine.training.schedule.reduce_reports sums.
+    Keys without a value on any rank are left out."""
+    if not keys:
+        return {}
+    vec = torch.tensor([maxes.get(k, float("-inf")) for k in keys], dtype=torch.float64)
+    if ps.model_parallel_is_initialized():
+        for group in (ps.get_data_parallel_group(with_context_parallel=True),
+                      ps.get_pipeline_model_parallel_group()):
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    return {k: float(v) for k, v in zip(keys, vec) if math.isfinite(float(v))}
+
+
 def policy_update(engine: TrainEngine, seqs: list[SequenceData], loss_cfg,
                   settings: PolicyLossSettings, horizon: float) -> dict[str, float]:
     """One optimizer step on the mini-batch `seqs` (every rank passes the same list); returns
-    the globally reduced weighted sums (REPORT_KEYS), grad_norm, lr, train/update_skipped,
-    train/micro_batches and time/update_s. A non-finite loss or gradient skips the update
-    (engine.guard counts it; the RL loop raises after logging the step)."""
+    the globally reduced weighted sums (REPORT_KEYS; the clip fractions divided by their
+    weight, module docstring), grad_norm, lr, train/update_skipped, train/micro_batches and
+    time/update_s; in bypass mode rollout_corr/* (with rollout IS, is_weight_max: a maximum).
+    A non-finite loss or gradient skips the update (engine.guard counts it; the RL loop raises
+    after logging the step)."""
     normalizer = GlobalLossNormalizer(loss_cfg.agg_mode, horizon, loss_cfg.count_empty_sequences,
                                       group=ps.get_data_parallel_group())
-    out = engine.train_batch(seqs, normalizer, policy_loss_fn(settings), settings.report_keys())
+    maxes: dict = {}
+    out = engine.train_batch(seqs, normalizer, policy_loss_fn(settings, maxes),
+                             settings.report_keys())
     out["time/update_s"] = out.pop("time/step_s")
+    clip_weight = out.pop("policy/_clip_weight")
+    for key in CLIP_KEYS:
+        out[key] = out[key] / clip_weight if clip_weight > 0 else 0.0
     if settings.bypass is not None:  # rollout_corr/* of the current policy vs the rollout's
         out.update(rc.metric_means({k: out.pop(k) for k in rc.SUM_KEYS}))
+    out.update(reduce_maxes(maxes, settings.max_keys()))
     return out
