@@ -180,11 +180,17 @@ def read_model_config(cfg) -> dict:
     changes the math does not map exactly (models.hf_config: one line naming the field)."""
     if not cfg.model.hf_path:
         raise ConfigError("model.hf_path is required (an HF model directory)")
+    return read_hf_config(cfg.model.hf_path, "model.hf_path")
+
+
+def read_hf_config(path: str, key: str) -> dict:
+    """The checked HF config dict at `path` (the value of config key `key`, named in the
+    ConfigError read_model_config describes)."""
     try:
-        hf_config = read_config(cfg.model.hf_path)
+        hf_config = read_config(path)
         check_config(hf_config)
     except (HFCheckpointError, UnsupportedModelError) as e:
-        raise ConfigError(f"model.hf_path={cfg.model.hf_path}: {e}") from None
+        raise ConfigError(f"{key}={path}: {e}") from None
     return hf_config
 
 

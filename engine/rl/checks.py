@@ -1,12 +1,7 @@
-"""Every check of the RL keys, run before any process group exists (`validate_rl`, the
-entry point's validate hook) and by `--validate` (engine.rl.recipe_check). Each problem is one
-sentence naming its key and, where there are choices, the valid ones; a combination that is not
-implemented is refused by name.
-
-Sections: the RL step keys (`rl_problems`), rollout correction and SAPO, the disaggregated mode
-(rollout.placement, num_ranks, max_staleness), validation, environments (env.*, and whether
-the chat template can place observations), routing replay. docs/rl.md lists the keys.
-"""
+"""Every check of the RL keys, before any process group exists (`validate_rl`, the entry
+point's validate hook) and in `--validate` (engine.rl.recipe_check): one sentence per problem,
+naming its key and the valid choices; a combination not implemented is refused by name. Keys:
+docs/rl.md."""
 from __future__ import annotations
 
 import os
@@ -15,8 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.config.model_settings import recompute_layer_problems, recompute_problems
-from engine.config.schema import (check_choice, checkpoint_config_problems, raise_problems,
-                                  shape_problems, validate_common)
+from engine.config.schema import (check_choice, checkpoint_config_problems, layout_problems,
+                                  raise_problems, read_hf_config, shape_problems, validate_common)
 from engine.errors import ConfigError
 from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.algo.policy_loss import KL_ESTIMATORS
@@ -25,13 +20,13 @@ from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.algo.rollout_correction import IS_LEVELS, LOSS_TYPES, parse_rs
 from engine.rl.config import RLConfig
 from engine.rl.env.contract import ENV_TOOLS, load_env_class
-from engine.rl.env.observation import observation_text
+from engine.rl.env.episode_batch import env_template_problem
 from engine.rl.env.tool_schema import load_tools
-from engine.rl.env.tools_env import tool_format, tool_kwargs_problems, tool_schemas
+from engine.rl.env.tools_env import tool_kwargs_problems
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.base import BACKENDS, backend_class, custom_backend_class
-from engine.rl.rollout.placement import (placement_problems, procs_per_node,
-                                         rollout_procs_per_node, split_sizes)
+from engine.rl.rollout.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
+                                         split_sizes)
 
 PLACEMENTS = ("colocated", "disaggregated")
 
@@ -161,8 +156,38 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                                         engine_ranks,
                                         rollout_procs_per_node(world_size + n_rollout, n_rollout)
                                         if n_rollout else procs_per_node(world_size))
-                   + routing_replay_problems(cfg))
+                   + routing_replay_problems(cfg) + distill_problems(cfg, world_size))
     return hf_config
+
+
+def distill_problems(cfg: RLConfig, world_size: int) -> list[str]:
+    """distill.*: coef > 0; a teacher directory of a supported family that fits the training
+    layout and shares the student's tokenizer; colocated placement; no dynamic sampling with
+    reward.fn=none (every group would be dropped)."""
+    path, coef = cfg.distill.teacher_path, cfg.distill.coef
+    if path is None:
+        return []
+    p = [] if isinstance(coef, (int, float)) and 0 < coef < float("inf") else [
+        f"distill.coef={coef!r} must be a number > 0"]
+    if cfg.rollout.placement == "disaggregated":
+        p.append("distill.teacher_path is colocated only (rollout.placement=disaggregated)")
+    if cfg.reward.fn == "none" and cfg.dapo.dynamic_sampling:
+        p.append("dapo.dynamic_sampling=true with reward.fn=none drops every group (all "
+                 "rewards are 0); turn dynamic sampling off for pure distillation")
+    try:
+        teacher = read_hf_config(path, "distill.teacher_path")
+        vocab = AutoTokenizer.from_pretrained(path).get_vocab()
+        student = AutoTokenizer.from_pretrained(cfg.model.hf_path).get_vocab()
+    except (ConfigError, OSError, ValueError) as e:
+        return p + [str(e) if str(e).startswith("distill.") else
+                    f"distill.teacher_path={path}: {e}"]
+    if vocab != student:
+        differ = sum(student.get(tok) != i for tok, i in vocab.items())
+        p.append(f"distill.teacher_path={path}: its tokenizer is not model.hf_path's ({len(vocab)}"
+                 f" vs {len(student)} tokens, {differ} differ); the teacher must share the "
+                 "student's vocabulary")
+    return p + [f"distill.teacher_path={path}: {m}"
+                for m in layout_problems(cfg, world_size, teacher)]
 
 
 def rl_validator(argv: list[str]):
@@ -283,35 +308,6 @@ def env_problems(cfg) -> list[str]:
         if problem is not None:
             p.append(problem)
     return p
-
-
-def env_template_problem(cfg, tokenizer=None) -> str | None:
-    """Why env.fn cannot work with model.hf_path's chat template (it cannot place observations,
-    or with env.fn=tools has no known tool-call format), or None. `tokenizer`: loaded from
-    model.hf_path when not given."""
-    if getattr(cfg, "env", None) is None or cfg.env.fn is None:
-        return None
-    try:
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
-        schemas = None
-        if cfg.env.fn == ENV_TOOLS:
-            tool_format(tokenizer)
-            schemas = tool_schemas(cfg)
-        observation_text(tokenizer, [{"role": "user", "content": "probe"}],
-                         [{"role": "user", "content": "probe"}], schemas)
-    except Exception as e:  # noqa: BLE001 - RunError / ValueError / a template error
-        return str(e) if str(e).startswith("env.") else f"env.fn={cfg.env.fn!r}: {e}"
-    return None
-
-
-def check_env_start(cfg, tokenizer) -> None:
-    """Every rank at start: ConfigError with env_template_problem's reason, if any (validation
-    already refused it before the process groups started when model.hf_path has a
-    tokenizer)."""
-    problem = env_template_problem(cfg, tokenizer)
-    if problem is not None:
-        raise ConfigError(problem)
 
 
 def routing_replay_problems(cfg) -> list[str]:

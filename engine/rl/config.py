@@ -145,6 +145,13 @@ class ValConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (engine.rl.algo.distill; docs/algorithms.md)."""
+    teacher_path: Optional[str] = None  # HF model dir sharing the student's tokenizer; null: off
+    coef: float = 1.0                   # lambda in A_t - lambda (log pi_old - log pi_teacher)
+
+
+@dataclass
 class RLConfig:
     algorithm: str = "grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -166,6 +173,7 @@ class RLConfig:
         default_factory=RolloutCorrectionConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     val: ValConfig = field(default_factory=ValConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # steps: RL steps
     recipe: RecipeConfig = field(default_factory=RecipeConfig)  # --validate cluster shape
     policy_loss: str = "ppo_clip"        # engine.rl.algo.policy_loss.POLICY_LOSSES

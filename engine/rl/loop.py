@@ -36,7 +36,7 @@ from engine.config.model_settings import describe as describe_settings
 from engine.config.model_settings import megatron_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.parallel_settings import overlap_settings
-from engine.rl.checks import check_env_start
+from engine.config.schema import read_hf_config
 from engine.rl.collect.batch import build_sequences
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.prompts import prompt_rows
@@ -45,7 +45,9 @@ from engine.rl.collect.validation import Validation
 from engine.rl.config import RLConfig
 from engine.rl.disaggregated.trainer import RemoteRollout, RemoteValidation
 from engine.rl.disaggregated.world import active_split
-from engine.rl.policy.logprob_stage import logprob_stage
+from engine.rl.env.dump import add_token_field
+from engine.rl.env.episode_batch import check_env_start
+from engine.rl.policy.logprob_stage import FrozenModels, logprob_stage
 from engine.rl.policy.routing_replay import end_replay, rollout_engine_kwargs
 from engine.rl.policy.update import MAX_KEYS, PolicyLossSettings, policy_update, split_mini_batches
 from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
@@ -64,12 +66,16 @@ _UPDATE_MEAN_KEYS = ("policy/loss", "policy/pg_loss", "policy/clipfrac_low",
 _UPDATE_MAX_KEYS = MAX_KEYS
 
 
-def train_on_rollout(policy: TrainEngine, reference: TrainEngine | None, batch, cfg: RLConfig,
+def train_on_rollout(policy: TrainEngine, frozen: FrozenModels | None, batch, cfg: RLConfig,
                      step: int) -> dict[str, float]:
-    """Recompute old (and reference) log-probs, then run every mini-batch update of the step.
-    Every rank passes the same rollout batch; returns the metrics of the policy side."""
+    """Recompute old (reference, teacher) log-probs, then run every mini-batch update of the
+    step. Every rank passes the same rollout batch; returns the metrics of the policy side."""
     seqs = build_sequences(batch)
-    metrics = logprob_stage(policy, reference, seqs, cfg)  # old, replay, reference
+    metrics = logprob_stage(policy, frozen, seqs, cfg)  # old, replay, reference, teacher
+    if frozen is not None and frozen.teacher is not None and cfg.logging.rollout_dir \
+            and dist.get_rank() == 0:  # the collector's rank wrote the step's dump
+        add_token_field(cfg.logging.rollout_dir, step + 1, "teacher_logprobs", batch.dump_rows,
+                        [s.extras["teacher_logprobs"] for s in seqs])
     settings = PolicyLossSettings.from_config(cfg, policy.vocab_size)
     horizon = cfg.loss.norm_horizon or cfg.rollout.max_new_tokens
     updates = []
@@ -116,7 +122,7 @@ def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool
     return metrics
 
 
-def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, pool: RolloutPool,
+def rl_step(policy: TrainEngine, frozen: FrozenModels | None, collector, pool: RolloutPool,
             cfg: RLConfig, step: int, remote=None) -> dict[str, float]:
     """One RL step on every rank (collective over the world); metrics are complete on rank 0.
     Disaggregated (`remote`: engine.rl.disaggregated.trainer.RemoteRollout, also rank 0's `collector`;
@@ -134,7 +140,7 @@ def rl_step(policy: TrainEngine, reference: TrainEngine | None, collector, pool:
     metrics = dict(batch.metrics)
     t1 = time.perf_counter()
     if len(batch):
-        metrics.update(train_on_rollout(policy, reference, batch, cfg, step))
+        metrics.update(train_on_rollout(policy, frozen, batch, cfg, step))
     else:
         metrics["train/update_skipped"] = 1.0
     metrics["time/train_s"] = time.perf_counter() - t1
@@ -190,6 +196,25 @@ def _next_gen_batch(collector) -> int:
     return int(box[0])
 
 
+def build_frozen(cfg: RLConfig, hf_config: dict, dtype: torch.dtype, batching: BatchSettings,
+                 pad_id: int) -> FrozenModels:
+    """The forward-only models, at the policy's layout (they never recompute): the KL reference
+    is the initial policy (model.hf_path, also after a resume); the distillation teacher is
+    distill.teacher_path (its own family and size allowed; same tokenizer, engine.rl.checks)."""
+    def frozen(config: dict, path: str) -> TrainEngine:
+        return TrainEngine.frozen(config, dtype, path, batching, pad_id,
+                                  loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
+                                  **megatron_overrides(cfg.parallel),
+                                  **moe_overrides(cfg, config, forward_only=True),
+                                  **fusion_overrides(cfg, config))
+
+    teacher_path = cfg.distill.teacher_path
+    return FrozenModels(
+        reference=frozen(hf_config, cfg.model.hf_path) if cfg.kl.beta > 0 else None,
+        teacher=(frozen(read_hf_config(teacher_path, "distill.teacher_path"), teacher_path)
+                 if teacher_path else None))
+
+
 def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     """The RL run on every rank (process groups and megatron state exist)."""
     rank = dist.get_rank()
@@ -231,14 +256,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
                    postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}"})
     if not loop.prepare(start):
         return remote.begin(policy, run=False) if remote is not None else 0
-    # the KL reference is the initial policy (model.hf_path), also after a resume; it runs
-    # forward-only, so it never recomputes
-    reference = (TrainEngine.frozen(hf_config, dtype, cfg.model.hf_path, batching, pad_id,
-                                    loss_chunk_tokens=train.loss_chunk_tokens or None,
-                                    **megatron_overrides(cfg.parallel),
-                                    **moe_overrides(cfg, hf_config, forward_only=True),
-                                    **fusion_overrides(cfg, hf_config))
-                 if cfg.kl.beta > 0 else None)
+    frozen = build_frozen(cfg, hf_config, dtype, batching, pad_id)
     if rank == 0:
         print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {train.prompts_per_step} x "
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
@@ -256,7 +274,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
             print(f"[rl] resumed at step {start} of {train.max_steps}{nxt}", flush=True)
         validation.before_training(start)
         history = loop.run(start, lambda step: {
-            **rl_step(policy, reference, collector, pool, cfg, step, remote),
+            **rl_step(policy, frozen, collector, pool, cfg, step, remote),
             **validation.after_step(step + 1), **_count(done, step)})
         if remote is not None:
             remote.close(done[0])

@@ -90,7 +90,12 @@ def math_reward(prompt: str, response: str, answer: str, **fields: Any) -> float
     return 1.0 if normalize_answer(predicted) == normalize_answer(str(answer)) else 0.0
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward}
+def no_reward(prompt: str, response: str, answer: str, **fields: Any) -> float:
+    """0.0 for every response (`reward.fn=none`: pure on-policy distillation)."""
+    return 0.0
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"math": math_reward, "none": no_reward}
 
 
 def load_reward_fn(spec: str) -> RewardFn:

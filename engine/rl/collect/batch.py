@@ -22,6 +22,8 @@ class RolloutBatch:
     response_masks: list[list[int]] = field(default_factory=list)
     # R3 routing replay: per response Generation.routed_experts [tokens fed, layers * k]
     routed_experts: list = field(default_factory=list)
+    # per response, its record's index in the step's rollout dump (engine.rl.env.dump)
+    dump_rows: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)

@@ -147,9 +147,12 @@ class RolloutCollector:
         dynamic = cfg.dapo.dynamic_sampling
         sampler = DynamicSampler(group_size, cfg.train.prompts_per_step, cfg.dapo.max_gen_batches,
                                  allow_partial=True) if dynamic else None
-        parts = []
+        parts, dumped = [], 0
         while True:
             part = self._generation_batch()
+            rows = len(part["data"]["response_ids"])
+            part["data"]["dump_row"] = list(range(dumped, dumped + rows))  # the dump's order
+            dumped += rows
             parts.append(part)
             if sampler is None:
                 data = part["data"]
@@ -197,7 +200,8 @@ class RolloutCollector:
             batch = RolloutBatch(list(data["prompt_ids"]), list(data["response_ids"]),
                                  list(data["rollout_logprobs"]), adv.tolist(), metrics,
                                  response_masks=list(data.get("response_masks") or []),
-                                 routed_experts=list(data.get("routed_experts") or []))
+                                 routed_experts=list(data.get("routed_experts") or []),
+                                 dump_rows=list(data["dump_row"]))
         metrics["train/groups"] = float(len(batch) // group_size)
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return batch

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from engine.errors import RunError
-from engine.rl.checks import check_env_start
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.prompts import prompt_rows
 from engine.rl.collect.transport import error_kind
@@ -40,6 +39,7 @@ from engine.rl.disaggregated.inbox import WeightInbox
 from engine.rl.disaggregated.schedule import batch_version, versions_after
 from engine.rl.disaggregated.weight_send import TAG_CONTROL, TAG_ROLLOUT
 from engine.rl.disaggregated.world import SplitWorld, active_split, isend_object, recv_object
+from engine.rl.env.episode_batch import check_env_start
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.pool import RolloutPool
 

@@ -8,7 +8,9 @@ rollout_logprobs (same length as token_ids; mask 1 exactly on sampled tokens, lo
 elsewhere), turns, reward (the score: reward.fn, or the sum of the env's step rewards; 0 after
 an environment error), overlong_penalty (dapo.overlong_buffer), finish_reason (stop, length,
 max_turns, error), error (the environment's error or null), text (token_ids decoded, special
-tokens kept).
+tokens kept). With on-policy distillation, teacher_logprobs (same length as token_ids: the
+teacher's log-prob of each sampled token, 0.0 elsewhere; null for an episode the step did not
+train, e.g. a group dynamic sampling dropped), added after the step's log-prob stage.
 """
 from __future__ import annotations
 
@@ -49,6 +51,23 @@ def part_records(part: dict, row_indices: list[int], n: int, gen_batch: int,
                                   logprobs, turns, scores[i], penalty[i], reason, error,
                                   tokenizer))
     return out
+
+
+def add_token_field(rollout_dir: str, step: int, name: str, rows: list[int],
+                    label_values: list[list[float]]) -> str:
+    """Add field `name` to every record of `<rollout_dir>/step_<step>.jsonl`: for record
+    rows[i], label_values[i] (one value per label, i.e. per token after the first) placed on
+    the record's sampled tokens (loss_mask 1), 0.0 elsewhere; null for the other records.
+    Rewrites the file; returns its path."""
+    path = os.path.join(rollout_dir, f"step_{step}.jsonl")
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    values = dict(zip(rows, label_values))
+    for row, record in enumerate(records):
+        found = values.get(row)
+        record[name] = None if found is None else [0.0] + [
+            float(v) if m else 0.0 for v, m in zip(found, record["loss_mask"][1:])]
+    return write_dump(rollout_dir, step, records)
 
 
 def write_dump(rollout_dir: str, step: int, records: list[dict]) -> str:

@@ -6,15 +6,20 @@ class, or the built-in tool environment with its worker processes) and checks on
 chat template can place observations. `generation_batch(prompts, rows, row_indices, seeds, b)`
 returns what RolloutCollector._generation_batch returns for single-turn, plus
 "response_masks" in "data", "env" (counts for `env_metrics`) and "episodes".
+`env_template_problem` / `check_env_start`: whether env.fn can work with the model's chat
+template, checked in validation (engine.rl.checks) and on every rank at start.
 """
 from __future__ import annotations
 
 import torch
+from transformers import AutoTokenizer
 
+from engine.errors import ConfigError
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.env.contract import ENV_TOOLS, load_env_class
 from engine.rl.env.episodes import Episode, EpisodeRunner, EpisodeSettings
-from engine.rl.env.tools_env import tool_env_factory
+from engine.rl.env.observation import observation_text
+from engine.rl.env.tools_env import tool_env_factory, tool_format, tool_schemas
 from engine.rl.rollout.pool import GenerateStats
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error")
@@ -114,3 +119,32 @@ def env_metrics(parts: list[dict], tools: bool) -> dict[str, float]:
         print(f"[env] warning: {int(m['env/errors'])} of {episodes} episodes ended by an "
               f"environment error (reward 0); first: {first}", flush=True)
     return m
+
+
+def env_template_problem(cfg, tokenizer=None) -> str | None:
+    """Why env.fn cannot work with model.hf_path's chat template (it cannot place observations,
+    or with env.fn=tools has no known tool-call format), or None. `tokenizer`: loaded from
+    model.hf_path when not given."""
+    if getattr(cfg, "env", None) is None or cfg.env.fn is None:
+        return None
+    try:
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+        schemas = None
+        if cfg.env.fn == ENV_TOOLS:
+            tool_format(tokenizer)
+            schemas = tool_schemas(cfg)
+        observation_text(tokenizer, [{"role": "user", "content": "probe"}],
+                         [{"role": "user", "content": "probe"}], schemas)
+    except Exception as e:  # noqa: BLE001 - RunError / ValueError / a template error
+        return str(e) if str(e).startswith("env.") else f"env.fn={cfg.env.fn!r}: {e}"
+    return None
+
+
+def check_env_start(cfg, tokenizer) -> None:
+    """Every rank at start: ConfigError with env_template_problem's reason, if any (validation
+    already refused it before the process groups started when model.hf_path has a
+    tokenizer)."""
+    problem = env_template_problem(cfg, tokenizer)
+    if problem is not None:
+        raise ConfigError(problem)
