@@ -109,10 +109,10 @@ def test_validate_names_key_and_choices(model_dir, prompts_file):
 
 
 def test_unknown_algorithm_exits_2_listing_choices(model_dir, prompts_file):
-    proc = run_python("-m", "engine.rl", "algorithm=ppo", f"model.hf_path={model_dir}",
+    proc = run_python("-m", "engine.rl", "algorithm=trpo", f"model.hf_path={model_dir}",
                       f"data.train_files=[{prompts_file}]", timeout=120)
     assert proc.returncode == 2
-    assert "algorithm='ppo' is not valid; choose one of grpo, dapo" in proc.stderr
+    assert "algorithm='trpo' is not valid; choose one of grpo, ppo, dapo" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -337,12 +337,12 @@ def test_bypass_is_weight_max_is_a_maximum_over_micro_batches(monkeypatch, level
 
 def test_rl_loop_combines_is_weight_max_with_max(monkeypatch):
     """train_on_rollout averages rollout_corr/* over the optimizer steps, except the maximum."""
-    import engine.rl.loop as loop
+    import engine.rl.policy.train_step as loop
 
     updates = iter([{"rollout_corr/is_weight_max": 1.2, "rollout_corr/kl_k1": 0.1},
                     {"rollout_corr/is_weight_max": 1.7, "rollout_corr/kl_k1": 0.3},
                     {"rollout_corr/kl_k1": 0.2}])  # a mini-batch without a trained token
-    base = {k: 0.0 for k in loop._UPDATE_MEAN_KEYS}
+    base = {k: 0.0 for k in loop.UPDATE_MEAN_KEYS}
     base.update({"lr": 1.0, "train/micro_batches": 1.0, "policy/response_tokens": 1.0})
     monkeypatch.setattr(loop, "build_sequences", lambda batch: list(range(6)))
     monkeypatch.setattr(loop, "logprob_stage", lambda *a, **k: {})
@@ -350,7 +350,8 @@ def test_rl_loop_combines_is_weight_max_with_max(monkeypatch):
     monkeypatch.setattr(loop, "policy_update", lambda *a, **k: {**base, **next(updates)})
     cfg = RLConfig()
     cfg.train.mini_batches_per_step = 3
-    metrics = loop.train_on_rollout(SimpleNamespace(vocab_size=16), None, None, cfg, step=0)
+    metrics = loop.train_on_rollout(SimpleNamespace(vocab_size=16), None,
+                                    SimpleNamespace(rewards=[]), cfg, step=0)
     assert metrics["rollout_corr/is_weight_max"] == 1.7
     assert metrics["rollout_corr/kl_k1"] == pytest.approx(0.2)
 

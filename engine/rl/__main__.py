@@ -14,10 +14,23 @@ from __future__ import annotations
 import sys
 
 from engine.cli import exit_process, run_entry
-from engine.rl.checks import rl_validator
+from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
+from engine.rl.checks import validate_rl
 from engine.rl.config import RLConfig
 from engine.rl.disaggregated.world import init_split_world
 from engine.rl.recipe_check import rl_validate_main
+
+
+def rl_validator(argv: list[str]):
+    """The `validate` hook for engine.cli.run_entry: algorithm defaults (explicit keys from
+    `argv` win), then validate_rl."""
+    explicit = explicit_keys(argv)
+
+    def validate(cfg: RLConfig, world_size: int) -> dict:
+        apply_algorithm_defaults(cfg, explicit)  # ConfigError for an unknown algorithm
+        return validate_rl(cfg, world_size)
+
+    return validate
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,9 @@ from engine.config.schema import (check_choice, checkpoint_config_problems, layo
                                   raise_problems, read_hf_config, shape_problems, validate_common)
 from engine.errors import ConfigError
 from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS
+from engine.rl.algo.gae import TOKEN_ESTIMATORS
 from engine.rl.algo.policy_loss import KL_ESTIMATORS
 from engine.rl.algo.policy_loss_variants import POLICY_LOSSES
-from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.algo.rollout_correction import IS_LEVELS, LOSS_TYPES, parse_rs
 from engine.rl.config import RLConfig
 from engine.rl.env.contract import ENV_TOOLS, load_env_class
@@ -120,7 +120,7 @@ def rl_problems(cfg: RLConfig) -> list[str]:
     check(cfg.kl.beta >= 0, f"kl.beta={cfg.kl.beta} must be >= 0")
     check_choice(p, cfg.kl.estimator, "kl.estimator", KL_ESTIMATORS)
     check_choice(p, cfg.advantage.estimator, "advantage.estimator",
-                 tuple(ADVANTAGE_ESTIMATORS))
+                 tuple(ADVANTAGE_ESTIMATORS) + TOKEN_ESTIMATORS)
     check_choice(p, cfg.policy_loss, "policy_loss", tuple(POLICY_LOSSES))
     check(0 < rollout.sglang.mem_fraction < 1,
           f"rollout.sglang.mem_fraction={rollout.sglang.mem_fraction} must be in (0, 1)")
@@ -156,8 +156,30 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                                         engine_ranks,
                                         rollout_procs_per_node(world_size + n_rollout, n_rollout)
                                         if n_rollout else procs_per_node(world_size))
-                   + routing_replay_problems(cfg) + distill_problems(cfg, world_size))
+                   + routing_replay_problems(cfg) + distill_problems(cfg, world_size)
+                   + ppo_problems(cfg))
     return hf_config
+
+
+def ppo_problems(cfg: RLConfig) -> list[str]:
+    """advantage.estimator=gae (PPO's critic): gamma, lam in [0, 1]; critic.lr > 0,
+    critic.warmup_steps >= 0, critic.value_clip > 0; what is not built is refused by name."""
+    if cfg.advantage.estimator != "gae":
+        return []
+    adv, critic, why = cfg.advantage, cfg.critic, " with advantage.estimator=gae"
+    bad = [(not 0 <= adv.gamma <= 1, f"advantage.gamma={adv.gamma} must be in [0, 1]"),
+           (not 0 <= adv.lam <= 1, f"advantage.lam={adv.lam} must be in [0, 1]"),
+           (not critic.lr > 0, f"critic.lr={critic.lr} must be > 0"),
+           (not (isinstance(critic.warmup_steps, int) and critic.warmup_steps >= 0),
+            f"critic.warmup_steps={critic.warmup_steps!r} must be an integer >= 0"),
+           (not critic.value_clip > 0, f"critic.value_clip={critic.value_clip} must be > 0"),
+           (critic.hf_path is not None, f"critic.hf_path={critic.hf_path}: loading a critic "
+            "checkpoint is not built; null starts from model.hf_path with a zero value head"),
+           (cfg.checkpoint.dir is not None, "checkpoint.dir: critic checkpoints are not built"
+            + why),
+           (cfg.rollout.placement == "disaggregated", "rollout.placement=disaggregated is not "
+            "built" + why)]
+    return [message for wrong, message in bad if wrong]
 
 
 def distill_problems(cfg: RLConfig, world_size: int) -> list[str]:
@@ -188,18 +210,6 @@ def distill_problems(cfg: RLConfig, world_size: int) -> list[str]:
                  "student's vocabulary")
     return p + [f"distill.teacher_path={path}: {m}"
                 for m in layout_problems(cfg, world_size, teacher)]
-
-
-def rl_validator(argv: list[str]):
-    """The `validate` hook for engine.cli.run_entry: algorithm defaults (explicit keys from
-    `argv` win), then validate_rl."""
-    explicit = explicit_keys(argv)
-
-    def validate(cfg: RLConfig, world_size: int) -> dict:
-        apply_algorithm_defaults(cfg, explicit)  # ConfigError for an unknown algorithm
-        return validate_rl(cfg, world_size)
-
-    return validate
 
 
 def correction_problems(cfg) -> list[str]:

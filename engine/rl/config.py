@@ -94,8 +94,10 @@ class KLConfig:
 
 @dataclass
 class AdvantageConfig:
-    estimator: str = "grpo"              # engine.rl.algo.advantages.ADVANTAGE_ESTIMATORS
+    estimator: str = "grpo"              # engine.rl.algo.advantages.ADVANTAGE_ESTIMATORS, gae
     norm_by_std: bool = True             # grpo only; false: Dr. GRPO (r - group mean)
+    gamma: float = 1.0                   # gae: discount (verl algorithm.gamma)
+    lam: float = 1.0                     # gae: lambda (verl algorithm.lam)
 
 
 @dataclass
@@ -145,6 +147,15 @@ class ValConfig:
 
 
 @dataclass
+class CriticConfig:
+    """PPO's critic (advantage.estimator=gae; engine.rl.policy.critic)."""
+    hf_path: Optional[str] = None       # null: the policy's initial weights + a zero value head
+    lr: float = 1e-5                    # its own optimizer (the rest of optim.* is shared)
+    warmup_steps: int = 0
+    value_clip: float = 0.5             # verl critic.cliprange_value
+
+
+@dataclass
 class DistillConfig:
     """On-policy distillation (engine.rl.algo.distill; docs/algorithms.md)."""
     teacher_path: Optional[str] = None  # HF model dir sharing the student's tokenizer; null: off
@@ -174,6 +185,7 @@ class RLConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     val: ValConfig = field(default_factory=ValConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # steps: RL steps
     recipe: RecipeConfig = field(default_factory=RecipeConfig)  # --validate cluster shape
     policy_loss: str = "ppo_clip"        # engine.rl.algo.policy_loss.POLICY_LOSSES

@@ -1,17 +1,18 @@
-"""One GRPO / DAPO run: rollout, policy update, weight sync, repeated (docs/design/rl.md).
+"""One RL run (GRPO, DAPO, PPO, distillation): rollout, updates, weight sync, repeated
+(docs/design/rl.md).
 
 One RL step:
 1. rollout (driven by global rank 0; engine.rl.collect.collector): prompts_per_step prompts x
    rollout.n responses split over the job's engines, ONE generate call per engine (more only
    with DAPO dynamic sampling or a failure), rewards, overlong shaping, group advantages; the
    token lists are broadcast to every rank;
-2. old log-probs recomputed forward-only by the current policy, reference log-probs by a frozen
-   copy of the initial policy (only when kl.beta > 0), in micro-batches (engine.rl.policy.logprobs);
-3. epochs_per_rollout x mini_batches_per_step optimizer steps (engine.rl.policy.update, each one
-   TrainEngine.train_batch);
-4. weight sync (engine.rl.policy.weight_sync): each engine's owner assembles the HF tensors from its
-   own model replica (TP gathered, pipeline stages streamed point-to-point) and loads them in
-   buckets; all engines in parallel.
+2. the log-prob stage (engine.rl.policy.logprob_stage): old log-probs, the KL reference's, the
+   critic's values and GAE (PPO), the teacher's (distillation), forward-only in micro-batches;
+3. epochs_per_rollout x mini_batches_per_step optimizer steps (engine.rl.policy.train_step:
+   the critic's, then the policy's, each one TrainEngine.train_batch);
+4. weight sync (engine.rl.policy.weight_sync): each engine's owner assembles the HF tensors
+   from its own model replica (TP gathered, pipeline stages streamed point-to-point) and loads
+   them in buckets; all engines in parallel.
 Rollout engine placement (engine.rl.rollout.placement): rollout.num_engines engines (default one
 per node), each owned by one rank, rollout.gpus_per_engine devices each; engine 0 on rank 0.
 
@@ -36,8 +37,6 @@ from engine.config.model_settings import describe as describe_settings
 from engine.config.model_settings import megatron_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.parallel_settings import overlap_settings
-from engine.config.schema import read_hf_config
-from engine.rl.collect.batch import build_sequences
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.prompts import prompt_rows
 from engine.rl.collect.transport import broadcast_rollout
@@ -45,11 +44,10 @@ from engine.rl.collect.validation import Validation
 from engine.rl.config import RLConfig
 from engine.rl.disaggregated.trainer import RemoteRollout, RemoteValidation
 from engine.rl.disaggregated.world import active_split
-from engine.rl.env.dump import add_token_field
 from engine.rl.env.episode_batch import check_env_start
-from engine.rl.policy.logprob_stage import FrozenModels, logprob_stage
-from engine.rl.policy.routing_replay import end_replay, rollout_engine_kwargs
-from engine.rl.policy.update import MAX_KEYS, PolicyLossSettings, policy_update, split_mini_batches
+from engine.rl.policy.logprob_stage import AuxiliaryModels
+from engine.rl.policy.routing_replay import rollout_engine_kwargs
+from engine.rl.policy.train_step import build_auxiliary, train_on_rollout
 from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class
@@ -57,46 +55,6 @@ from engine.rl.rollout.pool import RolloutPool
 from engine.run.run_loop import RunLoop, build_or_resume
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
-
-# Metrics averaged over the optimizer steps of one RL step.
-_UPDATE_MEAN_KEYS = ("policy/loss", "policy/pg_loss", "policy/clipfrac_low",
-                     "policy/clipfrac_high", "policy/kl", "policy/entropy", "grad_norm",
-                     "train/update_skipped")
-# Maxima (engine.rl.policy.update.MAX_KEYS): combined over the optimizer steps with max.
-_UPDATE_MAX_KEYS = MAX_KEYS
-
-
-def train_on_rollout(policy: TrainEngine, frozen: FrozenModels | None, batch, cfg: RLConfig,
-                     step: int) -> dict[str, float]:
-    """Recompute old (reference, teacher) log-probs, then run every mini-batch update of the
-    step. Every rank passes the same rollout batch; returns the metrics of the policy side."""
-    seqs = build_sequences(batch)
-    metrics = logprob_stage(policy, frozen, seqs, cfg)  # old, replay, reference, teacher
-    if frozen is not None and frozen.teacher is not None and cfg.logging.rollout_dir \
-            and dist.get_rank() == 0:  # the collector's rank wrote the step's dump
-        add_token_field(cfg.logging.rollout_dir, step + 1, "teacher_logprobs", batch.dump_rows,
-                        [s.extras["teacher_logprobs"] for s in seqs])
-    settings = PolicyLossSettings.from_config(cfg, policy.vocab_size)
-    horizon = cfg.loss.norm_horizon or cfg.rollout.max_new_tokens
-    updates = []
-    for epoch in range(cfg.train.epochs_per_rollout):
-        for part in split_mini_batches(len(seqs), cfg.train.mini_batches_per_step, cfg.seed,
-                                       step, epoch, cfg.data.shuffle):
-            updates.append(policy_update(policy, [seqs[i] for i in part], cfg.loss, settings,
-                                         horizon))
-    end_replay(policy)
-    # moe/*: MoE policies (engine.training.router_losses); rollout_corr/*: bypass mode
-    moe_keys = sorted({k for u in updates for k in u
-                       if k.startswith(("moe/", "rollout_corr/"))})
-    for key in (*_UPDATE_MEAN_KEYS, *moe_keys):
-        values = [u[key] for u in updates if key in u]  # a maximum is absent without tokens
-        metrics[key] = max(values) if key in _UPDATE_MAX_KEYS else sum(values) / len(values)
-    metrics["lr"] = updates[-1]["lr"]
-    metrics["train/optimizer_steps"] = float(len(updates))
-    metrics["train/micro_batches"] = sum(u["train/micro_batches"] for u in updates)
-    metrics["train/response_tokens"] = sum(u["policy/response_tokens"] for u in updates)
-    return metrics
-
 
 def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool
           ) -> dict[str, float]:
@@ -122,7 +80,7 @@ def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool
     return metrics
 
 
-def rl_step(policy: TrainEngine, frozen: FrozenModels | None, collector, pool: RolloutPool,
+def rl_step(policy: TrainEngine, aux: AuxiliaryModels | None, collector, pool: RolloutPool,
             cfg: RLConfig, step: int, remote=None) -> dict[str, float]:
     """One RL step on every rank (collective over the world); metrics are complete on rank 0.
     Disaggregated (`remote`: engine.rl.disaggregated.trainer.RemoteRollout, also rank 0's `collector`;
@@ -140,7 +98,7 @@ def rl_step(policy: TrainEngine, frozen: FrozenModels | None, collector, pool: R
     metrics = dict(batch.metrics)
     t1 = time.perf_counter()
     if len(batch):
-        metrics.update(train_on_rollout(policy, frozen, batch, cfg, step))
+        metrics.update(train_on_rollout(policy, aux, batch, cfg, step))
     else:
         metrics["train/update_skipped"] = 1.0
     metrics["time/train_s"] = time.perf_counter() - t1
@@ -196,25 +154,6 @@ def _next_gen_batch(collector) -> int:
     return int(box[0])
 
 
-def build_frozen(cfg: RLConfig, hf_config: dict, dtype: torch.dtype, batching: BatchSettings,
-                 pad_id: int) -> FrozenModels:
-    """The forward-only models, at the policy's layout (they never recompute): the KL reference
-    is the initial policy (model.hf_path, also after a resume); the distillation teacher is
-    distill.teacher_path (its own family and size allowed; same tokenizer, engine.rl.checks)."""
-    def frozen(config: dict, path: str) -> TrainEngine:
-        return TrainEngine.frozen(config, dtype, path, batching, pad_id,
-                                  loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
-                                  **megatron_overrides(cfg.parallel),
-                                  **moe_overrides(cfg, config, forward_only=True),
-                                  **fusion_overrides(cfg, config))
-
-    teacher_path = cfg.distill.teacher_path
-    return FrozenModels(
-        reference=frozen(hf_config, cfg.model.hf_path) if cfg.kl.beta > 0 else None,
-        teacher=(frozen(read_hf_config(teacher_path, "distill.teacher_path"), teacher_path)
-                 if teacher_path else None))
-
-
 def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     """The RL run on every rank (process groups and megatron state exist)."""
     rank = dist.get_rank()
@@ -256,7 +195,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
                    postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}"})
     if not loop.prepare(start):
         return remote.begin(policy, run=False) if remote is not None else 0
-    frozen = build_frozen(cfg, hf_config, dtype, batching, pad_id)
+    aux = build_auxiliary(cfg, hf_config, dtype, batching, pad_id, optimizer_steps)
     if rank == 0:
         print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {train.prompts_per_step} x "
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
@@ -274,7 +213,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
             print(f"[rl] resumed at step {start} of {train.max_steps}{nxt}", flush=True)
         validation.before_training(start)
         history = loop.run(start, lambda step: {
-            **rl_step(policy, frozen, collector, pool, cfg, step, remote),
+            **rl_step(policy, aux, collector, pool, cfg, step, remote),
             **validation.after_step(step + 1), **_count(done, step)})
         if remote is not None:
             remote.close(done[0])

@@ -152,10 +152,13 @@ class TrainEngine:
               batching: BatchSettings, pad_id: int = 0, weights_dir: str | None = None,
               load_weights: bool = True, overlap: OverlapSettings | None = None,
               loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
+              prepare: Callable[[list], None] | None = None,
               **model_overrides) -> "TrainEngine":
         """Build this rank's model chunks, load HF weights from `weights_dir` (unless
         `load_weights` is False: a checkpoint will be loaded), wrap them in megatron DDP and
         create the optimizer and an LR schedule over `total_steps` optimizer steps.
+        `prepare(raw chunks)` runs after the weights are loaded and before DDP wraps them
+        (e.g. models.value_head.attach_value_heads for a PPO critic).
         `model_overrides` go to the TransformerConfig (e.g. cp_comm_type; sequence
         parallelism and recomputation: engine.config.model_settings.megatron_overrides);
         `overlap`: DDP communication settings (engine.training.comm_overlap; default none);
@@ -165,6 +168,8 @@ class TrainEngine:
                                  **{**model_overrides, **p2p_overrides(overlap)})
         if load_weights:
             load_hf_weights(raw, SafetensorsReader(weights_dir), hf_config)
+        if prepare is not None:
+            prepare(raw)
         config = raw[0].config
         config.finalize_model_grads_func = finalize_grads
         mark_expert_params(raw)

@@ -29,6 +29,13 @@ def grpo(cfg) -> dict[str, Any]:
     return {}
 
 
+@register_algorithm("ppo")
+def ppo(cfg) -> dict[str, Any]:
+    """PPO with a learned critic: GAE advantages (gamma, lam 1.0 as verl), whitened over the
+    rollout batch; the critic is configured under critic.*."""
+    return {"advantage.estimator": "gae"}
+
+
 @register_algorithm("dapo")
 def dapo(cfg) -> dict[str, Any]:
     """DAPO paper: clip higher (0.2 / 0.28), token-mean, dynamic sampling, soft overlong

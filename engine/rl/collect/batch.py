@@ -16,7 +16,7 @@ class RolloutBatch:
     prompt_ids: list[list[int]] = field(default_factory=list)
     response_ids: list[list[int]] = field(default_factory=list)
     rollout_logprobs: list[list[float]] = field(default_factory=list)
-    advantages: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)  # token-level estimators: 0 here
     metrics: dict[str, float] = field(default_factory=dict)
     # multi-turn (engine.rl.env): 1 on sampled tokens, 0 on observations; empty: all sampled
     response_masks: list[list[int]] = field(default_factory=list)
@@ -24,6 +24,8 @@ class RolloutBatch:
     routed_experts: list = field(default_factory=list)
     # per response, its record's index in the step's rollout dump (engine.rl.env.dump)
     dump_rows: list[int] = field(default_factory=list)
+    # per response, its reward (score + overlong penalty): GAE's terminal reward
+    rewards: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)

@@ -23,6 +23,7 @@ from engine.data.datasets import global_batch_indices, render_prompt
 from engine.data.files import DataError
 from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS, zero_std_groups
 from engine.rl.algo.dynamic_sampling import DynamicSampler
+from engine.rl.algo.gae import TOKEN_ESTIMATORS
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.collect.batch import RolloutBatch
 from engine.rl.env.episode_batch import EnvRollout, env_metrics
@@ -192,19 +193,28 @@ class RolloutCollector:
         self._dump(parts, dump_step)
         batch = RolloutBatch(metrics=metrics)
         if data is not None:
-            estimator = ADVANTAGE_ESTIMATORS[cfg.advantage.estimator]
-            adv = estimator(data["rewards"], group_size, cfg.advantage,
-                            torch.tensor([sum(m) for m in data["response_masks"]]
-                                         if "response_masks" in data else
-                                         [len(r) for r in data["response_ids"]]))
+            adv = self._advantages(data)
             batch = RolloutBatch(list(data["prompt_ids"]), list(data["response_ids"]),
                                  list(data["rollout_logprobs"]), adv.tolist(), metrics,
+                                 rewards=data["rewards"].tolist(),
                                  response_masks=list(data.get("response_masks") or []),
                                  routed_experts=list(data.get("routed_experts") or []),
                                  dump_rows=list(data["dump_row"]))
         metrics["train/groups"] = float(len(batch) // group_size)
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return batch
+
+    def _advantages(self, data: dict) -> torch.Tensor:
+        """Per-response advantages of a sequence-level estimator; zeros for a token-level one
+        (gae: computed from the critic's values in the log-prob stage)."""
+        cfg = self.cfg.advantage
+        if cfg.estimator in TOKEN_ESTIMATORS:
+            return torch.zeros_like(data["rewards"])
+        lengths = torch.tensor([sum(m) for m in data["response_masks"]]
+                               if "response_masks" in data else
+                               [len(r) for r in data["response_ids"]])
+        return ADVANTAGE_ESTIMATORS[cfg.estimator](data["rewards"], self.cfg.rollout.n, cfg,
+                                                   lengths)
 
     def _dump(self, parts: list[dict], step: int | None) -> None:
         """Write the step's episodes to logging.rollout_dir (rank 0; engine.rl.env.dump)."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from engine.rl.algo.distill import apply_distillation
 from engine.rl.algo.rollout_correction import apply_to_batch
+from engine.rl.policy.critic import CriticSettings, attach_gae, compute_token_values
 from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs, logprob_gap
 from engine.rl.policy.routing_replay import after_old_logprobs, start_routing_replay
 from engine.training.micro_batches import SequenceData
@@ -43,42 +44,50 @@ def attach_old_logprobs(policy, seqs: list[SequenceData], cfg) -> dict[str, floa
 
 
 @dataclass
-class FrozenModels:
-    """The forward-only models of an RL run, at the policy's layout (TrainEngine.frozen):
-    the KL reference (kl.beta > 0) and the distillation teacher (distill.teacher_path)."""
+class AuxiliaryModels:
+    """The models of an RL run beside the policy, all at the policy's layout: the frozen KL
+    reference (kl.beta > 0) and distillation teacher (distill.teacher_path), and the PPO
+    critic (advantage.estimator=gae; trained, with its own optimizer)."""
 
     reference: TrainEngine | None = None
     teacher: TrainEngine | None = None
+    critic: TrainEngine | None = None
 
 
-def logprob_stage(policy, frozen: FrozenModels | None, seqs: list[SequenceData], cfg
-                  ) -> dict[str, float]:
+def logprob_stage(policy, aux: AuxiliaryModels | None, seqs: list[SequenceData], cfg,
+                  rewards: list[float] = ()) -> dict[str, float]:
     """Everything the step's updates need besides the current policy, on every rank, in order:
     1. routing replay begins (moe.routing_replay: R2 records the old-log-prob forward's routing,
        R3 replays the rollout engine's);
     2. old log-probs and rollout correction (`attach_old_logprobs`);
     3. R2: the recorded routing travels with `seqs`; R3: moe/rollout_replay_mismatch. The
        policy replays from here until engine.rl.policy.routing_replay.end_replay after the updates;
-    4. with a KL reference (kl.beta > 0, `frozen.reference`): extras "ref_logprobs" from its
+    4. with a KL reference (kl.beta > 0, `aux.reference`): extras "ref_logprobs" from its
        forward-only pass (it keeps its own routing);
-    5. with a distillation teacher (`frozen.teacher`): extras "teacher_logprobs" from its
+    5. with a critic (advantage.estimator=gae, `aux.critic`): its values of every position, then GAE's
+       token-level advantages (whitened over the batch) and returns from `rewards` (one per
+       sequence; engine.rl.policy.critic.attach_gae);
+    6. with a distillation teacher (`aux.teacher`): extras "teacher_logprobs" from its
        forward-only pass at the rollout temperature, and the advantages of sampled tokens
        shifted by engine.rl.algo.distill.apply_distillation.
     Collective over the world (unless bypass mode without reference and replay: local).
     Returns the metrics, with time/logprob_s the stage's wall time."""
     start = time.perf_counter()
-    frozen = frozen or FrozenModels()
+    aux = aux or AuxiliaryModels()
     sampled = [list(s.loss_mask) for s in seqs]  # before rejection zeroes rejected tokens
     mode = cfg.moe.routing_replay
     start_routing_replay(policy, mode)
     metrics = attach_old_logprobs(policy, seqs, cfg)
     metrics.update(after_old_logprobs(policy, seqs, mode))
-    if frozen.reference is not None:
+    if aux.reference is not None:
         attach_extra(seqs, "ref_logprobs",
-                     compute_token_logprobs(frozen.reference, seqs, cfg.rollout.temperature))
-    if frozen.teacher is not None:
+                     compute_token_logprobs(aux.reference, seqs, cfg.rollout.temperature))
+    if aux.critic is not None:
+        attach_gae(seqs, compute_token_values(aux.critic, seqs), sampled, list(rewards),
+                   CriticSettings.from_config(cfg))
+    if aux.teacher is not None:
         attach_extra(seqs, "teacher_logprobs",
-                     compute_token_logprobs(frozen.teacher, seqs, cfg.rollout.temperature))
+                     compute_token_logprobs(aux.teacher, seqs, cfg.rollout.temperature))
         metrics.update(apply_distillation(seqs, sampled, cfg.distill.coef))
     metrics["time/logprob_s"] = time.perf_counter() - start
     return metrics
