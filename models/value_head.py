@@ -20,6 +20,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from models.output_head import unwrap
 
@@ -35,6 +36,13 @@ class ValueHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(1, self.width, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=1, stride=1)
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """Checkpoint form: the weight sharded over TP along the hidden dimension (one global
+        [1, h] tensor whatever the layout), the bias replicated."""
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True),
+                                                   prefix, {"weight": 1}, sharded_offsets)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[b, s, h] TP-replicated hidden states -> [b, s] float32 values (collective over

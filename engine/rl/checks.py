@@ -175,8 +175,6 @@ def ppo_problems(cfg: RLConfig) -> list[str]:
            (not critic.value_clip > 0, f"critic.value_clip={critic.value_clip} must be > 0"),
            (critic.hf_path is not None, f"critic.hf_path={critic.hf_path}: loading a critic "
             "checkpoint is not built; null starts from model.hf_path with a zero value head"),
-           (cfg.checkpoint.dir is not None, "checkpoint.dir: critic checkpoints are not built"
-            + why),
            (cfg.rollout.placement == "disaggregated", "rollout.placement=disaggregated is not "
             "built" + why)]
     return [message for wrong, message in bad if wrong]

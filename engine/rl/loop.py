@@ -21,7 +21,8 @@ position (RL steps done, prompts_per_step, prompt rows, seed, shuffle) and, as t
 `extra`, the collector's next_gen_batch (ahead of the step count with DAPO dynamic sampling)
 and the skipped-step count. After a resume the rollout engine (started from model.hf_path) is
 synced with the checkpoint's weights before the first rollout; the KL reference stays the
-initial policy (model.hf_path).
+initial policy (model.hf_path). With PPO the critic (model, optimizer, scheduler) is saved
+before each policy checkpoint under checkpoint.dir/critic/ and resumed from the same step.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_t
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class
 from engine.rl.rollout.pool import RolloutPool
-from engine.run.run_loop import RunLoop, build_or_resume
+from engine.run.run_loop import RunLoop, build_or_resume, resume_side_engines
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
 
@@ -196,6 +197,10 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     if not loop.prepare(start):
         return remote.begin(policy, run=False) if remote is not None else 0
     aux = build_auxiliary(cfg, hf_config, dtype, batching, pad_id, optimizer_steps)
+    if aux.critic is not None:  # PPO: the critic is checkpointed beside the policy
+        loop.side_engines["critic"] = aux.critic
+        if start > 0:
+            resume_side_engines(cfg, loop.side_engines, resumed, "train.prompts_per_step")
     if rank == 0:
         print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {train.prompts_per_step} x "
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
