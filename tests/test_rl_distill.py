@@ -1,6 +1,6 @@
 """On-policy distillation (distill.teacher_path, distill.coef; engine.rl.algo.distill): the
 advantage formula on sampled tokens only, the key checks, and real runs of `engine.rl` at one
-process and at TP2 that agree, log distill/reverse_kl, and dump the teacher's log-probs, which
+process and at every layout that agree, log distill/reverse_kl, and dump the teacher's log-probs, which
 equal transformers' log-probs of the teacher on the same tokens."""
 from __future__ import annotations
 
@@ -105,16 +105,23 @@ def _run(nproc, models, prompts, out, *extra):
         return [json.loads(line) for line in f]
 
 
-def test_distillation_runs_at_tp2_as_on_one_process_and_dumps_the_teachers_logprobs(
-        models, tmp_path):
+def test_distillation_is_layout_invariant_and_dumps_the_teachers_logprobs(models, tmp_path):
+    """TP2 + SP, PP2, DP2 and CP2 with packing and token-budget micro-batches give the
+    one-process numbers at both steps (the mean-of-means negative control of the metric is in
+    the first test); the dumped teacher log-probs are transformers' teacher's."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
     one = _run(1, models, prompts, tmp_path / "one")
-    tp2 = _run(2, models, prompts, tmp_path / "tp2", "parallel.tp=2")
-    for a, b in zip(one, tp2):
-        for key in ("distill/reverse_kl", "policy/loss", "grad_norm"):
-            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (key, a, b)
+    layouts = {"tp2_sp": ("parallel.tp=2", "parallel.sequence_parallel=true"),
+               "pp2": ("parallel.pp=2",), "dp2": (),
+               "cp2_packed": ("parallel.cp=2", "train.packing=true",
+                              "train.max_tokens_per_micro_batch=64")}
+    for name, extra in layouts.items():
+        other = _run(2, models, prompts, tmp_path / name, *extra)
+        for a, b in zip(one, other):
+            for key in ("distill/reverse_kl", "policy/loss", "grad_norm"):
+                assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (name, key, a, b)
     assert one[0]["distill/reverse_kl"] > 0.05 and one[0]["reward/mean"] == 0.0
     assert one[0]["policy/loss"] != 0.0  # the teacher alone drives the update
     # the dump's teacher log-probs are transformers' teacher at the rollout temperature

@@ -162,13 +162,17 @@ KEYS = ("policy/loss", "grad_norm", "critic/value_loss", "critic/grad_norm",
         "critic/vpred_mean", "critic/values_clipfrac", "policy/clipfrac_low")
 
 
-def test_ppo_runs_at_tp2_sp_and_pp2_as_on_one_process(model_dir, tmp_path):
+def test_ppo_is_layout_invariant(model_dir, tmp_path):
+    """TP2 + Megatron SP, PP2, DP2, and CP2 with packing and token-budget micro-batches give
+    the one-process numbers at both steps (the rollout of step 2 uses the synced weights)."""
     prompts = _prompts(tmp_path)
     one = _run(1, model_dir, prompts, tmp_path / "one")
     assert len(one) == 2 and one[0]["critic/grad_norm"] > 0 and one[0]["critic/value_loss"] > 0
     assert one[1]["critic/vpred_mean"] != one[0]["critic/vpred_mean"]  # the critic learns
     for nproc, extra, name in ((2, ("parallel.tp=2", "parallel.sequence_parallel=true"), "tp2"),
-                               (2, ("parallel.pp=2",), "pp2")):
+                               (2, ("parallel.pp=2",), "pp2"), (2, (), "dp2"),
+                               (2, ("parallel.cp=2", "train.packing=true",
+                                    "train.max_tokens_per_micro_batch=64"), "cp2_packed")):
         other = _run(nproc, model_dir, prompts, tmp_path / name, *extra)
         for a, b in zip(one, other):
             for key in KEYS:  # policy/loss: a sum of O(1) terms (whitened advantages) that
@@ -185,6 +189,12 @@ def test_ppo_runs_at_tp2_sp_and_pp2_as_on_one_process(model_dir, tmp_path):
     mean = sum(sampled) / len(sampled)
     var = sum((a - mean) ** 2 for a in sampled) / (len(sampled) - 1)
     assert abs(mean) < 1e-6 and abs(var - 1.0) < 1e-3  # whitened over the batch
+    # negative control: whitening each DP rank's half on its own (the classic bug) gives other
+    # advantages, so the DP2 comparison above would catch it
+    halves = [sampled[:len(sampled) // 2], sampled[len(sampled) // 2:]]
+    local = [torch.tensor(h) for h in halves]
+    per_rank = torch.cat([(t - t.mean()) / t.std() for t in local])
+    assert (per_rank - torch.tensor(sampled)).abs().max() > 1e-2
 
 
 def test_ppo_resumes_policy_and_critic_at_another_layout(model_dir, tmp_path):
