@@ -24,6 +24,7 @@ from models.expert_mapping import (EXPERT_KINDS, expert_local_shard, expert_mapp
                                    export_expert)
 from models.families import ExpertNaming, UnmappedTensorsError, expert_naming, tensor_problems
 from models.hf_config import check_config
+from models.lora_sites import is_adapter_param
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -131,6 +132,8 @@ def load_hf_weights(chunks: list, reader, hf_config: dict,
         model = unwrap(chunk)
         for name, param in model.named_parameters():
             mapping = _mapping(model, name, _tied(hf_config), naming)
+            if mapping is None and is_adapter_param(name):
+                continue   # LoRA adapters: initialised by models.lora_sites, not from HF
             if mapping is None:
                 raise KeyError(f"megatron parameter {name!r} has no HF mapping")
             tensors = [reader.get(n) for n in mapping.hf_names]
@@ -162,8 +165,11 @@ def _gather_tp(tensor: torch.Tensor, dim: int) -> list[torch.Tensor]:
     return parts
 
 
-def export_hf_weights(chunks: list, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(chunks: list, hf_config: dict, transform: Callable | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for every weight held by this pipeline stage.
+    `transform(model, name, param)` gives the local tensor to export instead of the parameter
+    (models.lora_sites.merged_weight: LoRA merged into the base).
 
     Collective over the TP group, and for MoE models over the expert-parallel x expert-TP
     group too (experts are gathered from every EP rank: every rank of a pipeline stage must
@@ -183,7 +189,7 @@ def export_hf_weights(chunks: list, hf_config: dict) -> Iterator[tuple[str, torc
                 continue
             if mapping.hf_names[0] in seen:  # TE/local aliases of the same norm
                 continue
-            data = param.detach()
+            data = param.detach() if transform is None else transform(model, name, param)
             kind = mapping.kind
             if kind in EXPERT_KINDS:
                 yield from export_expert(kind, data, mapping.hf_names,

@@ -20,6 +20,7 @@ from models.bridge import unwrap
 from models.config_bridge import model_shape
 from models.families import family_of
 from models.hf_io import copy_tokenizer_files
+from models.lora_sites import is_adapter_param, lora_spec_of
 
 FORMAT_VERSION = 1
 
@@ -29,8 +30,26 @@ class CheckpointError(FileNotFoundError):
 
 
 def model_sharded_state_dict(chunks: list) -> dict:
-    """{"model": {"chunk0": ..., ...}}: sharded tensors with global (layout-free) keys."""
-    return {"model": {f"chunk{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}}
+    """{"model": {"chunk0": ..., ...}}: sharded tensors with global (layout-free) keys; with
+    LoRA adapters (models.lora_sites) only theirs: the frozen base comes from model.hf_path."""
+    lora = lora_spec_of(chunks) is not None
+    return {"model": {f"chunk{i}": {k: v for k, v in unwrap(c).sharded_state_dict().items()
+                                    if not lora or is_adapter_param(k)}
+                      for i, c in enumerate(chunks)}}
+
+
+def load_model_state(chunk, state: dict) -> None:
+    """Load a `model_sharded_state_dict` entry into one chunk: every key strictly, or with
+    LoRA adapters every adapter key (the base is not in the checkpoint)."""
+    model = unwrap(chunk)
+    if lora_spec_of([model]) is None:
+        model.load_state_dict(state, strict=True)
+        return
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if is_adapter_param(k)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"LoRA checkpoint mismatch: missing adapters {missing[:4]}, "
+                              f"unexpected {result.unexpected_keys[:4]}")
 
 
 def write_metadata(ckpt_dir: str | os.PathLike, hf_config: dict, tokenizer_dir: str | None
@@ -67,7 +86,7 @@ def load_model(chunks: list, ckpt_dir: str | os.PathLike) -> None:
     """Fill `chunks` (built for the current layout) from a checkpoint's `model` entry."""
     loaded = load_checkpoint(model_sharded_state_dict(chunks), ckpt_dir)
     for i, chunk in enumerate(chunks):
-        unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
+        load_model_state(chunk, loaded["model"][f"chunk{i}"])
 
 
 def check_checkpoint_dir(ckpt_dir: str | os.PathLike) -> None:

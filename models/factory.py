@@ -13,6 +13,8 @@ from models.config_bridge import model_shape, transformer_config
 from models.families import family_of
 from models.hf_config import check_config, hf_config_object
 from models.layer_spec import block_spec, layer_spec, transformer_engine_available
+from models.lora import LoraSpec
+from models.lora_sites import apply_lora
 from models import moe_compat
 from models.rope import install_rope
 from parallel import cpu_runtime
@@ -20,7 +22,8 @@ from parallel import cpu_runtime
 
 def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float32,
                        use_te: bool | None = None, grouped_experts: bool = True,
-                       fused_norm: bool = False, **config_overrides) -> list:
+                       fused_norm: bool = False, lora: LoraSpec | None = None,
+                       **config_overrides) -> list:
     """GPTModel chunks of this rank (length vpp, or 1), in pipeline order, on this host's
     device, uninitialised weights (load them with `models.bridge.load_hf_weights`).
     Raises UnsupportedArchitectureError / UnsupportedConfigError before building anything
@@ -28,7 +31,9 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     (e.g. sequence_parallel, recompute_granularity: engine.config.model_settings).
     On the local spec, `grouped_experts` computes MoE experts with models.grouped_experts
     (key moe.grouped_experts) and `fused_norm` builds compiled RMSNorms (key
-    model.fusions.rmsnorm; engine.config.fusion_settings)."""
+    model.fusions.rmsnorm; engine.config.fusion_settings). `lora`: freeze the base and attach
+    LoRA adapters (models.lora_sites; always on the local spec, whose linears see the normed
+    input)."""
     check_config(hf_config)
     moe_compat.install()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -52,6 +57,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     shape = model_shape(hf_config, tp)
     biases = family_of(hf_config).biases(hf_config_object(hf_config))
     use_te = transformer_engine_available() if use_te is None else use_te
+    use_te = use_te and lora is None
     spec = layer_spec(config, use_te, linear_proj_bias=biases.o_proj,
                       grouped_experts=grouped_experts, fused_norm=fused_norm)
     chunks = []
@@ -73,6 +79,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         install_rope(model, hf_config)
         _tag_tensor_parallel_params(model)
         chunks.append(model.to(cpu_runtime.device()))
+    if lora is not None:
+        apply_lora(chunks, lora)
     return chunks
 
 

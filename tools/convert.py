@@ -1,8 +1,10 @@
 """Checkpoint conversion between Hugging Face and Megatron-Core distributed checkpoints.
 
   python tools/convert.py hf-to-mcore --hf-dir H --out C
+  python tools/convert.py hf-to-mcore --hf-dir H --adapter A --out C   (LoRA: base + PEFT adapter)
   python tools/convert.py mcore-to-hf --ckpt C --out O        (C may be a training iter_* dir
                                                               or its parent run directory)
+      [--merge] [--base H]        (LoRA checkpoints: a PEFT adapter, or the merged model)
   torchrun --nproc_per_node T*P*D tools/convert.py verify --hf-dir H --ckpt C --tp T --pp P
       [--ep E]                    (MoE: experts split over E ranks; E divides D = dp)
 """
@@ -67,6 +69,12 @@ def hf_to_mcore(args) -> None:
     if out.exists() and any(out.iterdir()):
         _fail(f"--out {out} exists and is not empty")
     _setup(cfg, args.tp, args.pp, args.ep)
+    if args.adapter:
+        from tools.convert_lora import adapter_to_mcore
+        adapter_to_mcore(cfg, args.hf_dir, args.adapter, out)
+        if dist.get_rank() == 0:
+            print(f"wrote Megatron LoRA checkpoint (adapters of {args.adapter}) to {out}")
+        return
     chunks = build_model_chunks(cfg)
     total = sum(1 for c in chunks for _ in c.parameters())
     with tqdm(total=total, desc="hf-to-mcore", disable=dist.get_rank() != 0) as bar:
@@ -108,23 +116,41 @@ def mcore_to_hf(args) -> None:
     from models.bridge import export_hf_weights
     from models.checkpoint import load_model, read_hf_config
     from models.factory import build_model_chunks
-    from models.hf_io import copy_tokenizer_files
+
+    from tools.convert_lora import checkpoint_lora, export_lora
 
     ckpt = resolve_checkpoint(args.ckpt)
     cfg = read_hf_config(ckpt)
     _setup(cfg)
+    out = Path(args.out)
+    found = checkpoint_lora(ckpt, args.base)
+    if found is None and args.merge:
+        _fail(f"--merge needs a LoRA checkpoint; {ckpt} holds a full model")
+    if found is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        n = export_lora(ckpt, cfg, found, out, args.merge, args.dtype,
+                        lambda tensors: _write_hf(tensors, cfg, ckpt, out))
+        what = "merged HF checkpoint" if args.merge else "PEFT adapter"
+        print(f"wrote {what} ({n} tensors) to {out}")
+        return
     chunks = build_model_chunks(cfg)
     load_model(chunks, ckpt)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, tensor in tqdm(export_hf_weights(chunks, cfg), desc="mcore-to-hf"):
         dtype = getattr(__import__("torch"), args.dtype) if args.dtype else tensor.dtype
         tensors[name] = tensor.to(dtype).clone()
+    _write_hf(tensors, cfg, ckpt, out)
+    print(f"wrote HF checkpoint ({len(tensors)} tensors) to {out}")
+
+
+def _write_hf(tensors: dict, cfg: dict, ckpt: Path, out: Path) -> None:
+    """An HF folder: the tensors, config.json and the checkpoint's tokenizer files."""
+    from models.hf_io import copy_tokenizer_files
+
     _write_safetensors(tensors, out)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     copy_tokenizer_files(ckpt / "hf", out)
-    print(f"wrote HF checkpoint ({len(tensors)} tensors) to {out}")
 
 
 def verify(args) -> int:
@@ -183,11 +209,17 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1, help="layout used while converting")
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder of --hf-dir: "
+                   "the checkpoint then holds the adapters (the base stays --hf-dir)")
     p = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF safetensors folder")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default=None, help="cast weights (e.g. bfloat16); default: as "
                    "stored")
+    p.add_argument("--merge", action="store_true", help="LoRA checkpoints: write the merged HF "
+                   "model (base + adapters) instead of a PEFT adapter")
+    p.add_argument("--base", default=None, help="LoRA checkpoints: the base HF folder "
+                   "(default: model.hf_path of the checkpoint's config.yaml / lora.json)")
     p = sub.add_parser("verify", help="logits parity of a checkpoint at a layout vs transformers")
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--ckpt", required=True)
@@ -218,7 +250,8 @@ def main(argv=None) -> int:
             rc = 0
         else:
             rc = verify(args)
-    except (UnsupportedModelError, CheckpointError, HFCheckpointError, LayoutError) as e:
+    except (UnsupportedModelError, CheckpointError, HFCheckpointError, LayoutError,
+            ValueError) as e:
         _fail(str(e))
     from parallel.process_groups import shutdown
     shutdown()

@@ -48,8 +48,7 @@ from engine.checkpoint.io import (CheckpointError, iteration_dir, prune, publish
 from engine.checkpoint.writer import install as install_writer_queue
 from engine.checkpoint.fault_injection import maybe_crash
 from engine.checkpoint.bucket_padding import optimizer_sharded_state_dict
-from models.bridge import unwrap
-from models.checkpoint import model_sharded_state_dict, write_metadata
+from models.checkpoint import load_model_state, model_sharded_state_dict, write_metadata
 
 FORMAT_VERSION = 1
 # "fully_reshardable": optimizer state gathered per parameter in model space (any DP/TP/PP/CP
@@ -324,7 +323,7 @@ def load_training_checkpoint(state, ckpt_dir: str | os.PathLike, run_position: D
     sd = training_state_dict(state, saved, is_loading=True, with_rng=same_layout)
     loaded = dist_checkpointing.load(sd, str(ckpt_dir))
     for i, chunk in enumerate(state.chunks):
-        unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=True)
+        load_model_state(chunk, loaded["model"][f"chunk{i}"])
     _load_optimizer(state.optimizer, loaded["optimizer"])
     differences = _schedule_differences(loaded["scheduler"], state.scheduler.state_dict())
     state.scheduler.load_state_dict(loaded["scheduler"])

@@ -21,6 +21,7 @@ from engine.errors import ConfigError
 from engine.training.loss import AGG_MODES
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.config.fusion_settings import FusionConfig, fusion_problems
+from engine.config.lora_settings import LoraConfig, lora_problems
 from engine.config.moe_settings import MoEConfig, moe_problems
 from engine.config.model_settings import (loss_chunk_problems, recompute_layer_problems,
                                           recompute_problems, sequence_parallel_on)
@@ -45,6 +46,7 @@ class ModelConfig:
     # run checks that the HF config at model.hf_path has the same shape.
     shape: Optional[str] = None
     fusions: FusionConfig = field(default_factory=FusionConfig)  # engine.config.fusion_settings
+    lora: LoraConfig = field(default_factory=LoraConfig)  # engine.config.lora_settings
 
 
 @dataclass
@@ -284,7 +286,8 @@ def validate_common(cfg, world_size: int) -> dict:
     hf_config = read_model_config(cfg)
     raise_problems(model_dir_problems(cfg) + data_file_problems(cfg) + value_problems(cfg)
                    + layout_problems(cfg, world_size, hf_config) + moe_problems(cfg, hf_config)
-                   + length_problems(cfg, hf_config) + resolved_overlap_problems(cfg))
+                   + length_problems(cfg, hf_config) + resolved_overlap_problems(cfg)
+                   + lora_problems(cfg, hf_config))
     return hf_config
 
 

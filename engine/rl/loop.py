@@ -33,6 +33,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from engine.checkpoint.checkpointing import DataPosition
+from engine.config.lora_settings import lora_build_kwargs
 from engine.config.fusion_settings import fusion_overrides
 from engine.config.model_settings import describe as describe_settings
 from engine.config.model_settings import megatron_overrides
@@ -178,7 +179,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
         loss_chunk_tokens=train.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
-        **fusion_overrides(cfg, hf_config)),
+        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg)),
         position(0),
         batch_key="train.prompts_per_step")
     policy.guard = NonFiniteGuard(train.max_consecutive_nonfinite_steps,

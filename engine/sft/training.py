@@ -27,6 +27,7 @@ from engine.training.loss import GlobalLossNormalizer, aggregate, weights_from_c
 from engine.training.micro_batches import SequenceData
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
 from engine.config.fusion_settings import fusion_overrides
+from engine.config.lora_settings import lora_build_kwargs
 from engine.config.moe_settings import moe_overrides
 from engine.config.parallel_settings import overlap_settings
 from engine.training.nonfinite import NonFiniteGuard
@@ -132,7 +133,7 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
         loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
-        **fusion_overrides(cfg, hf_config)),
+        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg)),
         position(0))
     if dist.get_rank() == 0:
         print(f"[sft] model: {describe_settings(engine.chunks[0].config)}", flush=True)

@@ -40,6 +40,8 @@ from engine.training.schedule import LossFn, reduce_reports, run_micro_batches
 from models.bridge import load_hf_weights
 from models.factory import build_model_chunks
 from models.hf_io import SafetensorsReader
+from models.lora import LoraSpec
+from models.lora_mapping import load_peft_adapter
 
 # output_fn(output_logits [b, s, V/tp] or loss_head.HiddenStates, micro_batch) -> None: sees
 # each micro-batch's logits (engine.training.schedule)
@@ -153,6 +155,7 @@ class TrainEngine:
               load_weights: bool = True, overlap: OverlapSettings | None = None,
               loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
               prepare: Callable[[list], None] | None = None,
+              lora: LoraSpec | None = None, lora_init: str | None = None,
               **model_overrides) -> "TrainEngine":
         """Build this rank's model chunks, load HF weights from `weights_dir` (unless
         `load_weights` is False: a checkpoint will be loaded), wrap them in megatron DDP and
@@ -162,12 +165,17 @@ class TrainEngine:
         `model_overrides` go to the TransformerConfig (e.g. cp_comm_type; sequence
         parallelism and recomputation: engine.config.model_settings.megatron_overrides);
         `overlap`: DDP communication settings (engine.training.comm_overlap; default none);
-        `loss_chunk_tokens`: tokens per chunk of the loss head (None: unchunked logits)."""
+        `loss_chunk_tokens`: tokens per chunk of the loss head (None: unchunked logits).
+        `lora`: attach LoRA adapters (models.lora_sites) and freeze the base, which is then
+        always loaded from `weights_dir` (a checkpoint holds only the adapters); `lora_init`: a
+        PEFT adapter folder the adapters start from (when `load_weights`)."""
         overlap = overlap or OverlapSettings()
-        raw = build_model_chunks(hf_config, params_dtype=dtype,
+        raw = build_model_chunks(hf_config, params_dtype=dtype, lora=lora,
                                  **{**model_overrides, **p2p_overrides(overlap)})
-        if load_weights:
+        if load_weights or lora is not None:
             load_hf_weights(raw, SafetensorsReader(weights_dir), hf_config)
+        if load_weights and lora_init:
+            load_peft_adapter(raw, lora_init)
         if prepare is not None:
             prepare(raw)
         config = raw[0].config

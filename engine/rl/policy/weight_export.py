@@ -24,6 +24,7 @@ from megatron.core import parallel_state as ps
 
 from engine.training.comm_overlap import finish_param_gather
 from models.bridge import export_hf_weights
+from models.lora_sites import lora_spec_of, merged_weight
 
 BYTES_PER_MB = 2 ** 20
 
@@ -101,9 +102,12 @@ class BucketStream:
 def export_stage_weights(chunks: list, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's pipeline stage as HF-named full tensors (a lazy stream). Collective over the
     stage's TP (and expert-parallel) group: every rank of the stage must consume it. The
-    deferred parameter gather is finished here, before the stream starts."""
+    deferred parameter gather is finished here, before the stream starts. With LoRA adapters
+    the tensors are the merged weights, base + scaling * B A (models.lora_sites.merged_weight,
+    one weight at a time)."""
     finish_param_gather(chunks)
-    return export_hf_weights(chunks, hf_config)
+    merged = merged_weight if lora_spec_of(chunks) is not None else None
+    return export_hf_weights(chunks, hf_config, transform=merged)
 
 
 def layout_table() -> LayoutTable:

@@ -1,0 +1,115 @@
+"""LoRA keys `model.lora.*` (SFT and RL; docs/lora.md).
+
+- `model.lora.rank` (0: off): the adapter rank r; `model.lora.alpha`: the scaling numerator
+  (scaling alpha / r, or alpha / sqrt(r) with `model.lora.rslora=true`, peft's use_rslora);
+- `model.lora.dropout` (default 0): dropout on the adapter input while training. Any other
+  value draws random masks that depend on the layout, so the layout invariance no longer holds;
+- `model.lora.target_modules`: HF projection names (models.lora_sites.TARGET_NAMES) or
+  `all-linear` (every attention and MLP projection; not the experts, as in peft);
+- `model.lora.init_from`: a PEFT adapter folder to start from (its rank, alpha, targets and
+  rsLoRA must equal the keys; DoRA, biases, per-layer ranks are refused);
+- `model.lora.dora`: peft's use_dora; only false is implemented (refused by name otherwise).
+
+`lora_problems` checks them before any process group exists; `lora_spec` gives the
+models.lora.LoraSpec that models.factory.build_model_chunks attaches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from models.families import experts_per_layer
+from models.lora import LoraSpec
+from models.lora_mapping import adapter_config_problems
+from models.lora_sites import FAMILIES, TARGET_NAMES, resolve_targets
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0                 # 0: no LoRA (full fine-tuning)
+    alpha: float = 16.0
+    dropout: float = 0.0          # > 0 breaks the layout invariance (random masks)
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    init_from: Optional[str] = None   # PEFT adapter folder
+    rslora: bool = False          # scaling alpha / sqrt(rank) (peft use_rslora)
+    dora: bool = False            # peft use_dora: not implemented, only false
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _value_problems(lora: LoraConfig) -> list[str]:
+    p: list[str] = []
+    if not _number(lora.alpha) or not lora.alpha > 0:
+        p.append(f"model.lora.alpha={lora.alpha!r} must be a number > 0")
+    if not _number(lora.dropout) or not 0 <= lora.dropout < 1:
+        p.append(f"model.lora.dropout={lora.dropout!r} must be in [0, 1) (0: exact at every "
+                 "layout)")
+    if lora.dora:
+        p.append("model.lora.dora=true (DoRA) is not implemented; valid: false")
+    for key in ("rslora", "dora"):
+        if not isinstance(getattr(lora, key), bool):
+            p.append(f"model.lora.{key}={getattr(lora, key)!r} must be true or false")
+    names = [lora.target_modules] if isinstance(lora.target_modules, str) \
+        else list(lora.target_modules)
+    unknown = [n for n in names if n not in TARGET_NAMES + ("all-linear",)]
+    if not names or unknown:
+        p.append(f"model.lora.target_modules={names!r}: {unknown or 'empty'} not valid; "
+                 f"choose from {', '.join(TARGET_NAMES)} or all-linear")
+    return p
+
+
+def _model_problems(cfg: Any, hf_config: dict) -> list[str]:
+    lora, p = cfg.model.lora, []
+    family = hf_config.get("model_type")
+    if family not in FAMILIES:
+        return [f"model.lora.rank={lora.rank}: LoRA is not implemented for model_type "
+                f"{family!r}; supported: {', '.join(FAMILIES)}"]
+    targets = resolve_targets(lora.target_modules)
+    moe = experts_per_layer(hf_config) > 0
+    if "experts" in targets and not moe:
+        p.append("model.lora.target_modules contains experts, but the model has no MoE "
+                 "experts; remove it")
+    if "experts" in targets and moe and getattr(cfg.moe, "grouped_experts", False):
+        p.append("model.lora.target_modules contains experts, which needs megatron's "
+                 "SequentialMLP experts: set moe.grouped_experts=false")
+    if lora.init_from is not None:
+        if "experts" in targets:
+            p.append("model.lora.init_from with experts in model.lora.target_modules: PEFT has "
+                     "no per-expert adapter names for transformers' fused experts")
+        p += adapter_config_problems(lora.init_from, lora_spec(cfg))
+    return p
+
+
+def lora_problems(cfg: Any, hf_config: dict) -> list[str]:
+    """Every invalid model.lora.* value for this model (reads the init_from folder)."""
+    lora = cfg.model.lora
+    rank = lora.rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        return [f"model.lora.rank={rank!r} must be an integer >= 0 (0: no LoRA)"]
+    if rank == 0:
+        if lora.init_from is not None:
+            return [f"model.lora.init_from={lora.init_from} needs model.lora.rank > 0 (the "
+                    "adapter's r)"]
+        return []
+    p = _value_problems(lora)
+    return p or _model_problems(cfg, hf_config)
+
+
+def lora_spec(cfg: Any) -> LoraSpec | None:
+    """The LoraSpec of model.lora.* (None when model.lora.rank is 0); seeded by `seed`."""
+    lora = getattr(cfg.model, "lora", None)
+    if lora is None or not lora.rank:
+        return None
+    return LoraSpec(rank=int(lora.rank), alpha=float(lora.alpha),
+                    targets=resolve_targets(lora.target_modules), dropout=float(lora.dropout),
+                    rslora=bool(lora.rslora), seed=int(getattr(cfg, "seed", 0)))
+
+
+def lora_build_kwargs(cfg: Any) -> dict:
+    """TrainEngine.build arguments of model.lora.* ({} without LoRA)."""
+    spec = lora_spec(cfg)
+    if spec is None:
+        return {}
+    return {"lora": spec, "lora_init": cfg.model.lora.init_from}

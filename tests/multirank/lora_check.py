@@ -1,0 +1,230 @@
+"""Multi-rank LoRA SFT harness (launched by tests/test_lora_layouts.py).
+
+    torchrun --nproc_per_node W tests/multirank/lora_check.py DENSE_DIR MOE_DIR ADAPTER OUT
+
+DENSE_DIR / MOE_DIR: tiny HF models; ADAPTER: a PEFT adapter of DENSE_DIR (all-linear) every
+dense run starts from; OUT: a folder shared by the launches.
+
+W == 1: the references. Dense: STEPS LoRA SFT steps (token-mean) from ADAPTER, saving a
+training checkpoint after RESUME_AT steps (OUT/ckpt_resume) and after the last one
+(OUT/ckpt_final); MoE (q/k/v/o + experts, SequentialMLP experts, fresh adapters): STEPS steps.
+Per-step losses and grad norms and the final adapter matrices go to OUT/ref.pt.
+W == 2: the same runs at tp2+sp, pp2, dp2, cp2 (dense) and ep2 (MoE), a resume of
+OUT/ckpt_resume at pp2 finishing the remaining steps, and the negative control "noreduce" (tp2
+with the adapters' TP reductions switched off). Rank 0 prints one "RESULT {json}" per run with
+the largest relative differences to the reference (loss, grad norm, adapter matrices).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+STEPS, RESUME_AT, GBS, LR = 3, 2, 8, 1e-2
+# Adam's eps well above the gradients' rounding noise: with 1e-8, elements whose gradient is
+# ~0 move by +-lr on noise alone (tests/multirank/sft_invariance.py does the same)
+ADAM_EPS = 1e-3
+RANK, ALPHA = 4, 8.0
+DENSE_TARGETS = ("all-linear",)
+MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")
+
+
+def batches(vocab: int, seed: int = 0):
+    """STEPS global batches of GBS sequences (lengths 6..24, a trained suffix)."""
+    from engine.training.micro_batches import SequenceData
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(STEPS):
+        seqs = []
+        for _ in range(GBS):
+            n = rng.randint(6, 24)
+            ids = [rng.randrange(4, vocab) for _ in range(n + 1)]
+            start = rng.randint(1, n - 1)
+            seqs.append(SequenceData(ids[:-1], ids[1:], [0] * start + [1] * (n - start)))
+        out.append(seqs)
+    return out
+
+
+def optim_cfg():
+    return SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.0, clip_grad=1.0,
+                           betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
+                           distributed_optimizer=True)
+
+
+def build(model_dir, hf_config, moe: bool, adapter: str | None, load: bool = True,
+          overrides: dict | None = None):
+    import torch
+
+    from models.lora import LoraSpec
+    from models.lora_sites import resolve_targets
+    from engine.training.train_engine import TrainEngine
+
+    spec = LoraSpec(RANK, ALPHA, resolve_targets(MOE_TARGETS if moe else DENSE_TARGETS),
+                    seed=7)
+    train = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None,
+                            balance_dp=True, packing=False)
+    extra = {"grouped_experts": False} if moe else {}
+    return TrainEngine.build(hf_config, optim_cfg(), torch.float32, STEPS, train,
+                             weights_dir=model_dir, load_weights=load, lora=spec,
+                             lora_init=adapter, **extra, **(overrides or {}))
+
+
+def adapter_tensors(engine) -> dict:
+    """Full adapter matrices of this pipeline stage, keyed by megatron-independent names
+    (experts included: keyed by layer / global expert through the sharded-state keys)."""
+    from megatron.core import parallel_state as ps
+    import torch.distributed as dist
+
+    from models.checkpoint import model_sharded_state_dict
+
+    out = {}
+    for chunk_sd in model_sharded_state_dict(engine.chunks)["model"].values():
+        for sh in chunk_sd.values():
+            full = sh.data.detach()
+            axis = [i for i, (s, g) in enumerate(zip(sh.local_shape, sh.global_shape[
+                len(sh.global_shape) - len(sh.local_shape):])) if s != g]
+            if axis and ps.get_tensor_model_parallel_world_size() > 1:
+                parts = [full.clone() for _ in range(ps.get_tensor_model_parallel_world_size())]
+                dist.all_gather(parts, full.contiguous(),
+                                group=ps.get_tensor_model_parallel_group())
+                full = __import__("torch").cat(parts, dim=axis[0])
+            out[f"{sh.key}@{sh.global_offset[:len(sh.global_shape) - len(sh.local_shape)]}"] = \
+                full.clone()
+    return out
+
+
+def train(engine, seqs_list, start: int = 0):
+    from megatron.core import parallel_state as ps
+
+    from engine.sft.training import train_step
+    from engine.training.loss import GlobalLossNormalizer
+
+    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
+    losses, norms = [], []
+    for seqs in seqs_list[start:]:
+        m = train_step(engine, seqs, normalizer)
+        losses.append(m["loss"])
+        norms.append(m["grad_norm"])
+    return losses, norms
+
+
+def save(engine, root, step, hf_config, model_dir):
+    from engine.checkpoint.checkpointing import DataPosition, save_training_checkpoint
+
+    # what RunLoop stores: the run's keys (tools/convert.py reads model.lora.* and hf_path)
+    yaml = (f"model:\n  hf_path: {model_dir}\n  lora:\n    rank: {RANK}\n    alpha: {ALPHA}\n"
+            f"    target_modules: {list(DENSE_TARGETS)}\n")
+    return str(save_training_checkpoint(engine, root, DataPosition(step, GBS, 100, 0, False),
+                                        hf_config, model_dir, config_yaml=yaml))
+
+
+def references(dense, moe, adapter, out):
+    import torch
+
+    data = batches(dense[1]["vocab_size"])
+    engine = build(*dense, False, adapter)
+    losses, norms = train(engine, data[:RESUME_AT])
+    save(engine, os.path.join(out, "ckpt_resume"), RESUME_AT, dense[1], dense[0])
+    more = train(engine, data, RESUME_AT)
+    save(engine, os.path.join(out, "ckpt_final"), STEPS, dense[1], dense[0])
+    ref = {"dense": {"loss": losses + more[0], "grad_norm": norms + more[1],
+                     "params": adapter_tensors(engine)}}
+    engine = build(*moe, True, None)
+    losses, norms = train(engine, batches(moe[1]["vocab_size"]))
+    ref["moe"] = {"loss": losses, "grad_norm": norms, "params": adapter_tensors(engine)}
+    torch.save(ref, os.path.join(out, "ref.pt"))
+    print("RESULT " + json.dumps({"run": "reference", "dense_loss": ref["dense"]["loss"],
+                                  "moe_loss": ref["moe"]["loss"]}), flush=True)
+
+
+def compare(name, ref, losses, norms, params, start=0):
+    import torch
+    import torch.distributed as dist
+
+    rel = lambda a, b: max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    worst = 0.0
+    for k, v in params.items():
+        r = ref["params"][k]
+        worst = max(worst, float((v - r).abs().max()) / max(float(r.abs().max()), 1e-12))
+    box = torch.tensor([worst], dtype=torch.float64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    count = torch.tensor([float(len(params))], dtype=torch.float64)
+    dist.all_reduce(count)   # summed: the stages hold different adapters
+    return {"run": name, "loss": losses, "loss_rel": rel(losses, ref["loss"][start:]),
+            "grad_norm_rel": rel(norms, ref["grad_norm"][start:]),
+            "param_rel": float(box[0]), "n_params": int(count[0])}
+
+
+class Results(list):
+    """Printed by rank 0 as they arrive ("RESULT {json}")."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        if self.rank == 0:
+            print("RESULT " + json.dumps(row), flush=True)
+
+
+def layouts(dense, moe, adapter, out, rank, world):
+    import torch
+
+    from models.lora_sites import set_reduction
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+    from engine.checkpoint.checkpointing import load_training_checkpoint, DataPosition
+
+    ref = torch.load(os.path.join(out, "ref.pt"))
+    data = batches(dense[1]["vocab_size"])
+    runs = [("tp2+sp", dict(tp=2, sequence_parallel=True), {"sequence_parallel": True}),
+            ("pp2", dict(pp=2), {}), ("dp2", {}, {}), ("cp2", dict(cp=2), {})]
+    results = Results(rank)
+    for name, layout, overrides in runs:
+        setup_model_parallel(ParallelLayout(world, **layout))
+        engine = build(*dense, False, adapter, overrides=overrides)
+        results.append(compare(name, ref["dense"], *train(engine, data), adapter_tensors(engine)))
+    setup_model_parallel(ParallelLayout(world, pp=2))
+    engine = build(*dense, False, None, load=False)
+    load_training_checkpoint(engine, os.path.join(out, "ckpt_resume", f"iter_{RESUME_AT:07d}"),
+                             DataPosition(0, GBS, 100, 0, False))
+    results.append(compare("resume_pp2", ref["dense"], *train(engine, data, RESUME_AT),
+                           adapter_tensors(engine), start=RESUME_AT))
+    setup_model_parallel(ParallelLayout(world, tp=2))
+    engine = build(*dense, False, adapter)
+    set_reduction(engine.chunks, False)
+    results.append(compare("noreduce", ref["dense"], *train(engine, data),
+                           adapter_tensors(engine)))
+    setup_model_parallel(ParallelLayout(world, ep=2))
+    engine = build(*moe, True, None)
+    results.append(compare("ep2", ref["moe"], *train(engine, batches(moe[1]["vocab_size"])),
+                           adapter_tensors(engine)))
+
+
+def main():
+    from models.hf_io import read_config
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
+
+    dense_dir, moe_dir, adapter, out = sys.argv[1:5]
+    rank, world = init_distributed()
+    dense, moe = (dense_dir, read_config(dense_dir)), (moe_dir, read_config(moe_dir))
+    if world == 1:
+        setup_model_parallel(ParallelLayout(1))
+        references(dense, moe, adapter, out)
+    else:
+        layouts(dense, moe, adapter, out, rank, world)
+    shutdown()
+
+
+if __name__ == "__main__":
+    from engine.cli import exit_process
+
+    main()
+    exit_process(0)

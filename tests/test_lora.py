@@ -1,0 +1,94 @@
+"""LoRA keys (engine.config.lora_settings), single process, no process group: every bad value is
+refused naming its key and the valid choices; the PEFT adapter checks of model.lora.init_from;
+the LoraSpec the keys build (rsLoRA scaling). Exactness across layouts and against peft:
+tests/test_lora_layouts.py."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from engine.config.lora_settings import LoraConfig, lora_build_kwargs, lora_problems, lora_spec
+from engine.config.schema import SFTConfig, load_config
+
+DENSE = {"model_type": "qwen3", "num_hidden_layers": 2}
+MOE = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 8}
+
+
+def cfg(grouped=False, **lora):
+    return SimpleNamespace(model=SimpleNamespace(lora=LoraConfig(**lora)),
+                           moe=SimpleNamespace(grouped_experts=grouped), seed=5)
+
+
+def test_keys_load_from_the_command_line():
+    c = load_config(SFTConfig, ["model.lora.rank=8", "model.lora.alpha=32",
+                                "model.lora.target_modules=[q_proj,v_proj]",
+                                "model.lora.rslora=true"])[0]
+    spec = lora_spec(c)
+    assert spec.rank == 8 and spec.targets == {"q_proj", "v_proj"} and spec.rslora
+    assert math.isclose(spec.scaling, 32 / math.sqrt(8))
+    assert lora_spec(load_config(SFTConfig, [])[0]) is None
+    assert lora_build_kwargs(load_config(SFTConfig, [])[0]) == {}
+
+
+def test_all_linear_expands_and_plain_scaling():
+    spec = lora_spec(cfg(rank=4, alpha=8.0))
+    assert spec.targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"}
+    assert spec.scaling == 2.0 and spec.seed == 5
+    assert lora_problems(cfg(rank=4), DENSE) == []
+    assert lora_problems(cfg(), {"model_type": "anything"}) == []   # rank 0: off
+
+
+@pytest.mark.parametrize("kwargs, hf, needle", [
+    (dict(rank=-1), DENSE, "model.lora.rank=-1 must be an integer >= 0"),
+    (dict(rank=4, alpha=0), DENSE, "model.lora.alpha=0 must be a number > 0"),
+    (dict(rank=4, dropout=1.0), DENSE, "model.lora.dropout=1.0 must be in [0, 1)"),
+    (dict(rank=4, dora=True), DENSE, "model.lora.dora=true (DoRA) is not implemented"),
+    (dict(rank=4, target_modules=["qkv"]), DENSE, "['qkv'] not valid; choose from q_proj"),
+    (dict(rank=4, target_modules=[]), DENSE, "empty not valid"),
+    (dict(rank=4), {"model_type": "deepseek_v3"}, "not implemented for model_type "
+                                                   "'deepseek_v3'; supported: llama"),
+    (dict(rank=4, target_modules=["experts"]), DENSE, "the model has no MoE experts"),
+    (dict(rank=0, init_from="/x"), DENSE, "model.lora.init_from=/x needs model.lora.rank > 0"),
+    (dict(rank=4, init_from="/nonexistent"), DENSE, "not a PEFT adapter folder"),
+])
+def test_bad_values_are_refused_by_name(kwargs, hf, needle):
+    problems = lora_problems(cfg(**kwargs), hf)
+    assert any(needle in p for p in problems), problems
+
+
+def test_expert_targets_need_sequential_experts():
+    problems = lora_problems(cfg(grouped=True, rank=4, target_modules=["experts"]), MOE)
+    assert any("set moe.grouped_experts=false" in p for p in problems), problems
+    assert lora_problems(cfg(rank=4, target_modules=["experts", "q_proj"]), MOE) == []
+
+
+def _adapter(tmp_path, **fields):
+    base = {"peft_type": "LORA", "r": 4, "lora_alpha": 16.0, "use_rslora": False,
+            "use_dora": False, "bias": "none", "target_modules": ["q_proj", "v_proj"]}
+    base.update(fields)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(base))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({}, None),
+    ({"use_dora": True}, "use_dora=True; only False is supported"),
+    ({"bias": "all"}, "bias='all'; only 'none' is supported"),
+    ({"r": 8}, "has r=8, model.lora.rank=4"),
+    ({"lora_alpha": 8}, "has lora_alpha=8, model.lora.alpha=16.0"),
+    ({"target_modules": ["q_proj"]}, "model.lora.target_modules ['q_proj', 'v_proj']"),
+    ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+])
+def test_init_from_adapter_config_checks(tmp_path, fields, needle):
+    c = cfg(rank=4, alpha=16.0, target_modules=["q_proj", "v_proj"],
+            init_from=_adapter(tmp_path, **fields))
+    problems = lora_problems(c, DENSE)
+    if needle is None:
+        assert problems == []
+    else:
+        assert any(needle in p for p in problems), problems
