@@ -24,6 +24,8 @@ from models.expert_mapping import (EXPERT_KINDS, expert_local_shard, expert_mapp
                                    export_expert)
 from models.families import ExpertNaming, UnmappedTensorsError, expert_naming, tensor_problems
 from models.hf_config import check_config
+from models.qwen3_5_mapping import (HYBRID_KINDS, hybrid_export, hybrid_local_shard,
+                                    hybrid_mapping)
 from models.lora_sites import is_adapter_param
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -74,6 +76,9 @@ def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None) -> _Mapp
     if match:
         local, suffix = int(match.group(1)), match.group(2)
         layer = chunk.decoder.layers[local].layer_number - 1
+        hybrid = hybrid_mapping(suffix, layer, chunk.config)  # Qwen3.5: GDN, gated q, shared
+        if hybrid is not None:
+            return _Mapping(*hybrid)
         expert = expert_mapping(suffix, layer, chunk.config.num_moe_experts or 0, naming)
         if expert is not None:
             return _Mapping(*expert)
@@ -109,6 +114,8 @@ def _local_shard(kind: str, hf: list[torch.Tensor], cfg: dict, padded_vocab: int
         return wm.merge_gate_up(hf[0], hf[1], tp)[rank]
     if kind in EXPERT_KINDS:
         return expert_local_shard(kind, hf)
+    if kind in HYBRID_KINDS:
+        return hybrid_local_shard(kind, hf, cfg, tp, rank)
     raise ValueError(f"unknown mapping kind {kind}")
 
 
@@ -205,6 +212,8 @@ def export_hf_weights(chunks: list, hf_config: dict, transform: Callable | None 
                 out = list(wm.split_qkv(torch.cat(_gather_tp(data, 0), 0), heads, kv_heads))
             elif kind == "fc1":
                 out = list(wm.split_gate_up(_gather_tp(data, 0)))
+            elif kind in HYBRID_KINDS:
+                out = hybrid_export(kind, _gather_tp(data, 0), hf_config)
             else:
                 raise ValueError(kind)
             for hf_name, tensor in zip(mapping.hf_names, out):

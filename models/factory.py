@@ -17,6 +17,7 @@ from models.lora import LoraSpec
 from models.lora_sites import apply_lora
 from models import moe_compat
 from models.rope import install_rope
+from models.qwen3_5_spec import gpt_model_kwargs, hybrid_block_spec, is_hybrid
 from parallel import cpu_runtime
 
 
@@ -57,6 +58,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     shape = model_shape(hf_config, tp)
     biases = family_of(hf_config).biases(hf_config_object(hf_config))
     use_te = transformer_engine_available() if use_te is None else use_te
+    hybrid = is_hybrid(hf_config)  # Qwen3.5: per-layer GDN/attention specs, local spec only
+    use_te = use_te and not hybrid
     use_te = use_te and lora is None
     spec = layer_spec(config, use_te, linear_proj_bias=biases.o_proj,
                       grouped_experts=grouped_experts, fused_norm=fused_norm)
@@ -65,7 +68,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(config, spec, use_te, stage, fused_norm),
+            transformer_layer_spec=(hybrid_block_spec(config, spec, hf_config, stage) if hybrid
+                                    else block_spec(config, spec, use_te, stage, fused_norm)),
             vocab_size=shape.padded_vocab_size,
             max_sequence_length=shape.max_sequence_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -75,6 +79,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
             position_embedding_type="rope",
             rotary_base=shape.rotary_base,
             vp_stage=stage,
+            **gpt_model_kwargs(hf_config),
         )
         install_rope(model, hf_config)
         _tag_tensor_parallel_params(model)

@@ -1,7 +1,6 @@
-"""Every check of the RL keys, before any process group exists (`validate_rl`, the entry
-point's validate hook) and in `--validate` (engine.rl.recipe_check): one sentence per problem,
-naming its key and the valid choices; a combination not implemented is refused by name. Keys:
-docs/rl.md."""
+"""Every check of the RL keys (docs/rl.md), before any process group exists (`validate_rl`,
+the entry point's validate hook) and in `--validate` (engine.rl.recipe_check): one sentence per
+problem, naming its key and the valid choices; what is not implemented is refused by name."""
 from __future__ import annotations
 
 import os
@@ -157,8 +156,15 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                                         rollout_procs_per_node(world_size + n_rollout, n_rollout)
                                         if n_rollout else procs_per_node(world_size))
                    + routing_replay_problems(cfg) + distill_problems(cfg, world_size)
-                   + ppo_problems(cfg))
+                   + ppo_problems(cfg) + rl_model_problems(hf_config))
     return hf_config
+
+
+def rl_model_problems(hf_config: dict) -> list[str]:
+    """Families trained by SFT but not yet by RL (no rollout test): refused by name."""
+    kind = hf_config.get("model_type")
+    return [f"model.hf_path: RL for model_type {kind} is not built yet (docs/qwen3_5.md)"
+            ] if kind in ("qwen3_5_text", "qwen3_5_moe_text") else []
 
 
 def ppo_problems(cfg: RLConfig) -> list[str]:

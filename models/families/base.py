@@ -117,6 +117,11 @@ class Family:
             names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         return tuple(names)
 
+    def layer_tensors_of(self, cfg: Any, layer: int) -> tuple[str, ...]:
+        """HF tensor suffixes of decoder layer `layer` (0-based); hybrid families differ by
+        layer, the others return `layer_tensors`."""
+        return self.layer_tensors(cfg)
+
     def transformer_kwargs(self, cfg: Any) -> dict:
         """Megatron TransformerConfig kwargs that carry the model's math (no layout, no dtype,
         no RoPE: see models.config_bridge). `cfg` passed `problems` (empty)."""

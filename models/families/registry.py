@@ -11,9 +11,13 @@ from models.families.moe import ExpertNaming, MoeFamily
 from models.families.qwen2 import Qwen2
 from models.families.qwen3 import Qwen3
 from models.families.qwen3_moe import Qwen3Moe
+from models.families.qwen3_5 import Qwen3_5, Qwen3_5Moe
+from models.families.qwen3_5_fields import Qwen3_5Conditional, Qwen3_5MoeConditional
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (Llama(), Qwen2(), Qwen3(), Qwen3Moe(),
-                                                          Mixtral())}
+                                                          Mixtral(), Qwen3_5(), Qwen3_5Moe(),
+                                                          Qwen3_5Conditional(),
+                                                          Qwen3_5MoeConditional())}
 
 
 def family_of(hf_config: Any) -> Family:

@@ -17,8 +17,9 @@ _LISTED = 8  # tensor names quoted in a message
 def expected_tensors(hf_config: Any) -> set[str]:
     """Every HF tensor name the mapping reads for this config."""
     layers = field(hf_config, "num_hidden_layers")
-    per_layer = family_of(hf_config).layer_tensors(hf_config)
-    names = {f"model.layers.{i}.{s}" for i in range(layers) for s in per_layer}
+    fam = family_of(hf_config)
+    names = {f"model.layers.{i}.{s}" for i in range(layers)
+             for s in fam.layer_tensors_of(hf_config, i)}
     names |= {"model.embed_tokens.weight", "model.norm.weight"}
     if not field(hf_config, "tie_word_embeddings", False):
         names.add("lm_head.weight")

@@ -1,0 +1,119 @@
+"""Config-field rows of the Qwen3.5 tables (models.families.qwen3_5), and the refusal of the
+conditional-generation checkpoints. Each check returns None when the value maps exactly, else
+one sentence naming the field, its value and what is supported."""
+from __future__ import annotations
+
+from typing import Any
+
+from models.families.base import Family, FieldRule, field, head_dim
+from models.families.fields import rope_parameters
+
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+def layer_types(cfg: Any) -> list[str]:
+    return list(field(cfg, "layer_types", []) or [])
+
+
+def linear_layers(cfg: Any) -> set[int]:
+    """0-based indices of the Gated DeltaNet layers."""
+    return {i for i, kind in enumerate(layer_types(cfg)) if kind == "linear_attention"}
+
+
+def _layer_types(cfg: Any) -> str | None:
+    kinds = layer_types(cfg)
+    layers = int(field(cfg, "num_hidden_layers"))
+    other = sorted({k for k in kinds if k not in LAYER_KINDS})
+    if len(kinds) == layers and not other:
+        return None
+    return (f"layer_types={kinds!r} is not supported: one entry per layer "
+            f"(num_hidden_layers={layers}) from {', '.join(LAYER_KINDS)}")
+
+
+def _rope(cfg: Any) -> str | None:
+    params = rope_parameters(cfg)
+    kind = params.get("rope_type", params.get("type", "default"))
+    factor = float(params.get("partial_rotary_factor", 1.0))
+    rotary = head_dim(cfg) * factor
+    if kind == "default" and rotary == int(rotary) and int(rotary) % 2 == 0 and rotary > 0:
+        return None
+    return (f"rope_parameters rope_type={kind!r} with partial_rotary_factor={factor!r} is not "
+            "supported; supported: rope_type 'default' with head_dim x partial_rotary_factor "
+            "a positive even integer")
+
+
+def _hidden_act(cfg: Any) -> str | None:
+    act = field(cfg, "hidden_act", "silu")
+    if act == "silu":
+        return None
+    return (f"hidden_act={act!r} is not supported (it is also the Gated DeltaNet conv "
+            "activation); supported: silu")
+
+
+def _attention_bias(cfg: Any) -> str | None:
+    if not field(cfg, "attention_bias", False):
+        return None
+    return ("attention_bias=True is not supported for Qwen3.5 (the gated q_proj bias is not "
+            "mapped); supported: false")
+
+
+def _gdn_heads(cfg: Any) -> str | None:
+    keys, values = int(field(cfg, "linear_num_key_heads")), int(field(cfg,
+                                                                       "linear_num_value_heads"))
+    if keys >= 1 and values % keys == 0:
+        return None
+    return (f"linear_num_value_heads={values} is not a multiple of linear_num_key_heads={keys}; "
+            "supported: each key head serving an integer number of value heads")
+
+
+ROPE_DEFAULT = FieldRule(
+    "rope_parameters / rope_scaling (rope_type, rope_theta, partial_rotary_factor, "
+    "mrope_section, mrope_interleaved)", "rope_type default, any rope_theta -> rotary_base, "
+    "partial_rotary_factor -> rotary_percent (the first head_dim x factor dimensions rotate); "
+    "mrope_section / mrope_interleaved: text positions are 1-D, so every section carries the "
+    "same position and M-RoPE equals 1-D RoPE; refused: other rope types", _rope)
+HIDDEN_ACT_SILU = FieldRule("hidden_act", "silu (MLP and GDN conv); refused: others",
+                            _hidden_act)
+ATTENTION_BIAS = FieldRule("attention_bias", "false; refused: true", _attention_bias)
+LAYER_TYPES = FieldRule("layer_types / full_attention_interval", "any sequence of "
+                        "linear_attention (Gated DeltaNet) and full_attention layers -> the "
+                        "per-layer spec (models.qwen3_5_spec) and linear_attention_freq",
+                        _layer_types)
+GDN_FIELDS = (
+    FieldRule("linear_num_key_heads / linear_num_value_heads", "value heads a multiple of key "
+              "heads -> linear_num_key_heads / linear_num_value_heads (TP x CP must divide "
+              "both)", _gdn_heads),
+    FieldRule("linear_key_head_dim / linear_value_head_dim", "any -> linear_key_head_dim / "
+              "linear_value_head_dim"),
+    FieldRule("linear_conv_kernel_dim", "any -> linear_conv_kernel_dim (causal depthwise conv)"),
+    FieldRule("(no field) output gates", "full attention: q_proj carries a sigmoid gate per "
+              "head -> attention_output_gate; GDN: in_proj_z gates its RMSNorm (silu)"),
+    FieldRule("(no field) zero-centred norms", "every decoder RMSNorm computes "
+              "norm(x) * (1 + weight) -> models.zero_centered_norm (weights copied as stored)"),
+    FieldRule("initializer_range / use_cache / pad_token_id / bos_token_id / eos_token_id",
+              "no effect on the forward pass"),
+)
+
+
+def _conditional(cfg: Any) -> str | None:
+    return (f"model_type={field(cfg, 'model_type')!r} (Qwen3_5(Moe)ForConditionalGeneration, "
+            "with text_config, vision_config, model.visual.* and mtp.* tensors) is not "
+            "converted: the vision tower and MTP pass-through is not built; convert the text "
+            "model instead (save Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, model_type "
+            "qwen3_5_text / qwen3_5_moe_text)")
+
+
+class Qwen3_5Conditional(Family):
+    """The conditional-generation checkpoints, refused by name (every config)."""
+
+    model_type = "qwen3_5"
+    hf_class = "Qwen3_5ForConditionalGeneration"
+    fields = (FieldRule("model_type (the whole config and its text_config: rope_parameters, "
+                        "rope_scaling, rope_theta, hidden_act, head_dim, tie_word_embeddings, "
+                        "rms_norm_eps, partial_rotary_factor, attention_dropout, ...)",
+                        "refused: see the message", _conditional),)
+
+
+class Qwen3_5MoeConditional(Qwen3_5Conditional):
+    model_type = "qwen3_5_moe"
+    hf_class = "Qwen3_5MoeForConditionalGeneration"

@@ -1,0 +1,53 @@
+"""Tiny random Qwen3.5 text models (dense and MoE) built with transformers' own config classes
+(no downloads): 4 layers [GDN, GDN, GDN, attention] (full_attention_interval 4), 4 GDN key
+heads and 8 value heads (TP2 x CP2 divides both), partial RoPE 0.25, zero-centred norms with
+random weights, random A_log / dt_bias / routers, and the tests' word-level tokenizer."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.tiny_models import build_tokenizer
+
+COMMON = dict(vocab_size=200, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, linear_num_key_heads=4,
+              linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, max_position_embeddings=512, rms_norm_eps=1e-6,
+              tie_word_embeddings=False, pad_token_id=0, eos_token_id=3, bos_token_id=None,
+              rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                   partial_rotary_factor=0.25))
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=48)
+
+
+def build_qwen3_5(out_dir: str, moe: bool = False, seed: int = 0, tokenizer: bool = True,
+                  **extra) -> str:
+    """Save a tiny Qwen3_5ForCausalLM (moe: Qwen3_5MoeForCausalLM) to `out_dir`; return it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    os.makedirs(out_dir, exist_ok=True)
+    values = dict(COMMON, **(MOE if moe else dict(intermediate_size=128)), **extra)
+    config = (Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig)(**values)
+    config.architectures = ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(1, 8)))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "norm" in name:
+                base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
+                p.copy_(base + 0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("shared_expert_gate.weight"):
+                p.copy_(0.2 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer:
+        build_tokenizer(out_dir, values["vocab_size"])
+    return out_dir
