@@ -17,7 +17,7 @@ from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.checks import ppo_problems, rl_problems
 from engine.rl.config import RLConfig
 from engine.training.loss import AGG_MODES, aggregate, weights_from_counts
-from tests.launch import run_torchrun
+from tests.launch import run_python, run_torchrun
 from tests.tiny_models import build_tiny_model
 
 
@@ -197,6 +197,31 @@ def test_ppo_is_layout_invariant(model_dir, tmp_path):
     assert (per_rank - torch.tensor(sampled)).abs().max() > 1e-2
 
 
+def _critic_exports_to_hf_and_back(model_dir, prompts, critic_ckpt, tmp_path):
+    """tools/convert.py mcore-to-hf of a critic checkpoint writes a ForTokenClassification
+    folder (score.weight, no lm_head) that transformers loads; a run started from it with
+    critic.hf_path computes the same values as transformers does (the dump's values at step 1,
+    before any critic update), within fp32 rounding."""
+    from transformers import AutoModelForTokenClassification
+
+    out = tmp_path / "critic_hf"
+    proc = run_python("tools/convert.py", "mcore-to-hf", "--ckpt", str(critic_ckpt),
+                      "--out", str(out), timeout=300)
+    assert proc.returncode == 0
+    hf = AutoModelForTokenClassification.from_pretrained(str(out), dtype=torch.float32)
+    assert hf.config.num_labels == 1 and float(hf.score.weight.abs().sum()) > 0
+    again = tmp_path / "from_hf"
+    _run(1, model_dir, prompts, again, f"critic.hf_path={out}")
+    records = [json.loads(line) for line in open(again / "dump" / "step_1.jsonl")]
+    for r in records:
+        ids = r["token_ids"]
+        with torch.no_grad():
+            values = hf(torch.tensor([ids])).logits[0, :, 0]
+        for j in range(1, len(ids)):
+            if r["loss_mask"][j]:
+                assert abs(r["values"][j] - float(values[j - 1])) < 1e-4, (j, r["values"][j])
+
+
 def test_ppo_resumes_policy_and_critic_at_another_layout(model_dir, tmp_path):
     """Checkpoint after step 1 (policy under checkpoint.dir, critic under checkpoint.dir/
     critic), stop, resume at TP2 for step 2: step 2 equals the straight one-process run (the
@@ -215,6 +240,7 @@ def test_ppo_resumes_policy_and_critic_at_another_layout(model_dir, tmp_path):
         absolute = 2e-6 if key == "policy/loss" else 1e-7
         assert math.isclose(straight[1][key], both[1][key], rel_tol=1e-5, abs_tol=absolute), \
             (key, straight[1][key], both[1][key])
+    _critic_exports_to_hf_and_back(model_dir, prompts, ck / "critic" / "iter_0000002", tmp_path)
     # negative control: without the critic's checkpoint (a fresh zero head) step 2 differs
     import shutil
     shutil.rmtree(ck / "critic" / "iter_0000002")

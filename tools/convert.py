@@ -4,7 +4,8 @@
   python tools/convert.py hf-to-mcore --hf-dir H --adapter A --out C   (LoRA: base + PEFT adapter)
   python tools/convert.py mcore-to-hf --ckpt C --out O        (C may be a training iter_* dir
                                                               or its parent run directory)
-      [--merge] [--base H]        (LoRA checkpoints: a PEFT adapter, or the merged model)
+      [--merge] [--base H]        (LoRA checkpoints: a PEFT adapter, or the merged model;
+                                   a PPO critic, checkpoint.dir/critic: *ForTokenClassification)
   torchrun --nproc_per_node T*P*D tools/convert.py verify --hf-dir H --ckpt C --tp T --pp P
       [--ep E]                    (MoE: experts split over E ranks; E divides D = dp)
 """
@@ -69,7 +70,7 @@ def hf_to_mcore(args) -> None:
     if out.exists() and any(out.iterdir()):
         _fail(f"--out {out} exists and is not empty")
     _setup(cfg, args.tp, args.pp, args.ep)
-    if args.adapter:
+    if getattr(args, "adapter", None):  # programmatic callers may leave the LoRA options out
         from tools.convert_lora import adapter_to_mcore
         adapter_to_mcore(cfg, args.hf_dir, args.adapter, out)
         if dist.get_rank() == 0:
@@ -115,7 +116,9 @@ def mcore_to_hf(args) -> None:
 
     from models.bridge import export_hf_weights
     from models.checkpoint import load_model, read_hf_config
+    from models.critic_io import export_critic, is_critic_config
     from models.factory import build_model_chunks
+    from models.value_head import attach_value_heads
 
     from tools.convert_lora import checkpoint_lora, export_lora
 
@@ -123,8 +126,8 @@ def mcore_to_hf(args) -> None:
     cfg = read_hf_config(ckpt)
     _setup(cfg)
     out = Path(args.out)
-    found = checkpoint_lora(ckpt, args.base)
-    if found is None and args.merge:
+    found = checkpoint_lora(ckpt, getattr(args, "base", None))
+    if found is None and getattr(args, "merge", False):
         _fail(f"--merge needs a LoRA checkpoint; {ckpt} holds a full model")
     if found is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -134,10 +137,14 @@ def mcore_to_hf(args) -> None:
         print(f"wrote {what} ({n} tensors) to {out}")
         return
     chunks = build_model_chunks(cfg)
+    critic = is_critic_config(cfg)  # a PPO critic (checkpoint.dir/critic): its value head too
+    if critic:
+        attach_value_heads(chunks)
     load_model(chunks, ckpt)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, tensor in tqdm(export_hf_weights(chunks, cfg), desc="mcore-to-hf"):
+    export = export_critic if critic else export_hf_weights
+    for name, tensor in tqdm(export(chunks, cfg), desc="mcore-to-hf"):
         dtype = getattr(__import__("torch"), args.dtype) if args.dtype else tensor.dtype
         tensors[name] = tensor.to(dtype).clone()
     _write_hf(tensors, cfg, ckpt, out)

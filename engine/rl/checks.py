@@ -26,6 +26,7 @@ from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.base import BACKENDS, backend_class, custom_backend_class
 from engine.rl.rollout.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
                                          split_sizes)
+from models.critic_io import critic_problem
 
 PLACEMENTS = ("colocated", "disaggregated")
 
@@ -168,21 +169,20 @@ def rl_model_problems(hf_config: dict) -> list[str]:
 
 
 def ppo_problems(cfg: RLConfig) -> list[str]:
-    """advantage.estimator=gae (PPO's critic): gamma, lam in [0, 1]; critic.lr > 0,
-    critic.warmup_steps >= 0, critic.value_clip > 0; what is not built is refused by name."""
+    """advantage.estimator=gae (PPO's critic): the ranges of advantage.* and critic.*."""
     if cfg.advantage.estimator != "gae":
         return []
-    adv, critic, why = cfg.advantage, cfg.critic, " with advantage.estimator=gae"
+    adv, critic = cfg.advantage, cfg.critic
+    loaded = critic_problem(critic.hf_path, cfg.model.hf_path) if critic.hf_path else None
     bad = [(not 0 <= adv.gamma <= 1, f"advantage.gamma={adv.gamma} must be in [0, 1]"),
            (not 0 <= adv.lam <= 1, f"advantage.lam={adv.lam} must be in [0, 1]"),
            (not critic.lr > 0, f"critic.lr={critic.lr} must be > 0"),
            (not (isinstance(critic.warmup_steps, int) and critic.warmup_steps >= 0),
             f"critic.warmup_steps={critic.warmup_steps!r} must be an integer >= 0"),
            (not critic.value_clip > 0, f"critic.value_clip={critic.value_clip} must be > 0"),
-           (critic.hf_path is not None, f"critic.hf_path={critic.hf_path}: loading a critic "
-            "checkpoint is not built; null starts from model.hf_path with a zero value head"),
+           (loaded is not None, f"critic.hf_path={critic.hf_path}: {loaded}"),
            (cfg.rollout.placement == "disaggregated", "rollout.placement=disaggregated is not "
-            "built" + why)]
+            "built with advantage.estimator=gae")]
     return [message for wrong, message in bad if wrong]
 
 

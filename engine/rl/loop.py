@@ -33,8 +33,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from engine.checkpoint.checkpointing import DataPosition
-from engine.config.lora_settings import lora_build_kwargs
 from engine.config.fusion_settings import fusion_overrides
+from engine.config.lora_settings import lora_build_kwargs
 from engine.config.model_settings import describe as describe_settings
 from engine.config.model_settings import megatron_overrides
 from engine.config.moe_settings import moe_overrides
@@ -57,6 +57,8 @@ from engine.rl.rollout.pool import RolloutPool
 from engine.run.run_loop import RunLoop, build_or_resume, resume_side_engines
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
+from models.critic_io import critic_hf_config
+
 
 def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool
           ) -> dict[str, float]:
@@ -199,7 +201,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         return remote.begin(policy, run=False) if remote is not None else 0
     aux = build_auxiliary(cfg, hf_config, dtype, batching, pad_id, optimizer_steps)
     if aux.critic is not None:  # PPO: the critic is checkpointed beside the policy
-        loop.side_engines["critic"] = aux.critic
+        loop.side_engines["critic"] = (aux.critic, critic_hf_config(hf_config))
         if start > 0:
             resume_side_engines(cfg, loop.side_engines, resumed, "train.prompts_per_step")
     if rank == 0:

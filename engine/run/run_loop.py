@@ -148,12 +148,12 @@ def build_or_resume(cfg, build: Callable[[bool], TrainEngine], position: DataPos
     return engine, saved, read_checkpoint_info(resume_from)["extra"]
 
 
-def resume_side_engines(cfg, engines: dict[str, TrainEngine], position: DataPosition,
-                        batch_key: str) -> None:
+def resume_side_engines(cfg, engines: dict[str, tuple[TrainEngine, dict]],
+                        position: DataPosition, batch_key: str) -> None:
     """Collective: after the main engine resumed at `position.step` steps, load each side
     engine's checkpoint of the same step from checkpoint.dir/<name>/ (RunLoop saves them
     first, so one exists whenever the main checkpoint does; CheckpointError otherwise)."""
-    for name, engine in engines.items():
+    for name, (engine, _) in engines.items():
         path = iteration_dir(os.path.join(cfg.checkpoint.dir, name), position.step)
         if not path.is_dir():
             raise CheckpointError(f"{path} is missing: the {name} of the checkpoint at step "
@@ -180,9 +180,10 @@ class RunLoop:
     log_names: tuple[str, ...] = ("metrics.jsonl",)
     postfix: Callable[[dict], dict] = field(default=lambda metrics: {})
     desc: str | None = None     # progress-bar label (default: tag)
-    # trained models beside `engine` (RL's PPO critic): saved with every checkpoint, before
-    # it, under checkpoint.dir/<name>/ (resume: resume_side_engines)
-    side_engines: dict[str, TrainEngine] = field(default_factory=dict)
+    # trained models beside `engine` (RL's PPO critic) with the HF config their checkpoints
+    # carry: saved with every checkpoint, before it, under checkpoint.dir/<name>/ (resume:
+    # resume_side_engines)
+    side_engines: dict[str, tuple[TrainEngine, dict]] = field(default_factory=dict)
 
     def prepare(self, start: int) -> bool:
         """Before building anything else: False (rank 0 says so) when `start` steps leave
@@ -226,9 +227,9 @@ class RunLoop:
 
     def _save(self, done: int, yaml: str) -> None:
         ck = self.cfg.checkpoint
-        for name, engine in self.side_engines.items():  # first: the main one publishes last
+        for name, (engine, hf_config) in self.side_engines.items():  # first: main one last
             save_training_checkpoint(engine, os.path.join(ck.dir, name), self.position(done),
-                                     self.hf_config, self.cfg.model.hf_path, ck.keep_last, yaml)
+                                     hf_config, self.cfg.model.hf_path, ck.keep_last, yaml)
         extra = self.extra() if self.extra is not None else None
         path = save_training_checkpoint(self.engine, ck.dir, self.position(done), self.hf_config,
                                         self.cfg.model.hf_path, ck.keep_last, yaml, extra=extra)

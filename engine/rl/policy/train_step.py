@@ -28,6 +28,7 @@ from engine.rl.policy.update import MAX_KEYS, PolicyLossSettings, policy_update,
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
+from models.critic_io import load_critic
 from models.value_head import attach_value_heads
 
 # Metrics averaged over the optimizer steps of one RL step (maxima: MAX_KEYS).
@@ -99,8 +100,9 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
     the KL reference, the initial policy (model.hf_path, also after a resume); the
     distillation teacher, distill.teacher_path (any supported family sharing the tokenizer).
     Trained: the PPO critic, the policy's initial weights plus a zero value head
-    (models.value_head), with optim.* but critic.lr, critic.warmup_steps and min_lr scaled by
-    critic.lr / optim.lr; it always takes hidden states (the chunked head's path)."""
+    (models.value_head), or critic.hf_path (a critic in HF form, models.critic_io), with
+    optim.* but critic.lr, critic.warmup_steps and min_lr scaled by critic.lr / optim.lr; it
+    always takes hidden states (the chunked head's path)."""
     def frozen(config: dict, path: str) -> TrainEngine:
         return TrainEngine.frozen(config, dtype, path, batching, pad_id,
                                   loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
@@ -118,9 +120,12 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
         optim = dataclasses.replace(cfg.optim, lr=critic_cfg.lr,
                                     warmup_steps=critic_cfg.warmup_steps,
                                     min_lr=cfg.optim.min_lr * critic_cfg.lr / cfg.optim.lr)
+        path = critic_cfg.hf_path
         aux.critic = TrainEngine.build(
             hf_config, optim, dtype, optimizer_steps, batching, pad_id,
-            weights_dir=cfg.model.hf_path, prepare=attach_value_heads,
+            weights_dir=cfg.model.hf_path, load_weights=path is None,
+            prepare=(attach_value_heads if path is None else
+                     lambda raw: load_critic(raw, path, hf_config)),
             overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
             loss_chunk_tokens=cfg.train.loss_chunk_tokens or DEFAULT_LOSS_CHUNK_TOKENS,
             **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
