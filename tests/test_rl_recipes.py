@@ -18,7 +18,9 @@ def test_every_recipe_exists():
     assert {p.name for p in RECIPES} == {"qwen3_8b_grpo_h100.yaml", "qwen3_8b_dapo_h100.yaml",
                                          "qwen3_30b_a3b_grpo_h100.yaml",
                                          "qwen3_30b_a3b_dapo_gspo_r2_h100.yaml",
-                                         "qwen3_8b_tools_grpo_h100.yaml"}
+                                         "qwen3_8b_tools_grpo_h100.yaml",
+                                         "qwen3_8b_ppo_h100.yaml",
+                                         "qwen3_1_7b_distill_qwen3_8b_h100.yaml"}
 
 
 def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
@@ -72,6 +74,8 @@ def test_recipe_loads_with_algorithm_defaults(path):
         clip = (0.2, 0.28) if cfg.policy_loss == "ppo_clip" else (0.0003, 0.0004)
         assert (cfg.clip.eps_low, cfg.clip.eps_high, cfg.kl.beta) == (*clip, 0.0)
         assert cfg.dapo.dynamic_sampling and cfg.dapo.overlong_buffer == 4096 // 5
+    elif cfg.algorithm == "ppo" or cfg.distill.teacher_path:
+        assert cfg.kl.beta == 0.0 and cfg.clip.eps_high == 0.2  # no KL reference (headers)
     else:
         assert cfg.kl.beta > 0 and cfg.clip.eps_high == 0.2
 

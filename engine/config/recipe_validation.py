@@ -86,6 +86,11 @@ def micro_batch_tokens(train) -> int:
     return train.micro_batch_size * train.seq_length
 
 
+def optimizer_bytes(bf16: bool, layout, distributed_optimizer: bool) -> float:
+    """Optimizer-state bytes per (non-expert) trainable parameter on one GPU (module docstring)."""
+    return (12 if bf16 else 8) / (layout.dp * layout.cp if distributed_optimizer else 1)
+
+
 def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: bool,
                     micro_batches: int) -> MemoryEstimate:
     """Per-GPU peak estimate (formulas in the module docstring) for `layout`
@@ -117,7 +122,7 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
         chunks = min(micro_batches * vpp, 2 * (pp - 1) + (vpp - 1) * pp + 1)
         first_layers = chunks * (layers // (pp * vpp))
     logits = t * padded_vocab_size(hf["vocab_size"], tp) / tp * (a + 12)
-    opt_bytes = (12 if bf16 else 8) / (layout.dp * cp if distributed_optimizer else 1)
+    opt_bytes = optimizer_bytes(bf16, layout, distributed_optimizer)
     expert_opt_bytes = opt_bytes * (layout.ep if distributed_optimizer else 1)
 
     chunk_layers = layers // (pp * vpp)
@@ -138,6 +143,7 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
                               activations=activation_bytes(act_layers) / GIB,
                               logits=logits / GIB if with_logits else 0.0,
                               notes={"layers_in_flight": act_layers, "tokens_per_rank": t,
+                                     "last_stage": with_logits,
                                      "per_layer_bytes": per_layer,
                                      "layer_input_bytes": layer_input})
 

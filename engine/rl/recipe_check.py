@@ -13,9 +13,16 @@ the memory per GPU (GiB), in two phases:
   policy layout, train.recompute*, and the micro-batches of one mini-batch of
   prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
   the frozen KL reference's weights (kl.beta > 0: the policy's stage parameters in
-  model.dtype, no gradients or optimizer state);
+  model.dtype, no gradients or optimizer state), the on-policy distillation teacher's weights
+  (distill.teacher_path: its own config.json, its stage parameters at the policy's layout in
+  model.dtype, frozen; when that directory is not on the validating machine the teacher is
+  NOT counted, the report says so and recipe.expected_memory_gib is not compared) and the PPO
+  critic (advantage.estimator=gae: a second copy of the policy's stage parameters plus the
+  value head, h / tp + 1 parameters on the last stage, with its own fp32 gradients and
+  optimizer state; the policy's output layer, frozen in the critic, has neither; on the
+  pipeline stage of the policy's peak);
 - rollout, on an engine's GPUs: the resident training state (weights, fp32 gradient buffers,
-  optimizer state, the reference, the runtime) plus the engine: SGLang takes
+  optimizer state, the reference, the teacher, the critic, the runtime) plus the engine: SGLang takes
   rollout.sglang.mem_fraction of the GPU (weights and KV cache); the HF backend holds the
   whole model in model.dtype on its owner rank. Without rollout.sleep_during_train the
   engine's memory stays during training too, and counts in the training phase.
@@ -27,26 +34,91 @@ warning over 90 %) and match recipe.expected_memory_gib within 10 % when that is
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from engine.config.cli_flags import int_flag, pop_switch
 from engine.config.comm_report import comm_section
 from engine.config.loading import load_config
 from engine.config.recipe_validation import (GIB, estimate_memory, memory_checks,
-                                             micro_batch_tokens, model_config)
-from engine.config.schema import ConfigError, layout_problems, parallel_layout, value_problems
+                                             micro_batch_tokens, model_config, optimizer_bytes)
+from engine.config.schema import (ConfigError, layout_problems, parallel_layout, read_hf_config,
+                                  value_problems)
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
-from engine.rl.checks import async_problems, rl_problems
+from engine.rl.checks import async_problems, ppo_problems, rl_problems
 from engine.rl.config import RLConfig
 from engine.rl.rollout.placement import placement_problems, resolve_placement, split_sizes
 from engine.training.plan import plan_mini_batch
-from models.families import stage_parameters
+from models.families import padded_vocab_size, stage_parameters
 
 GB = 1e9
 
 
-def rl_memory(cfg: RLConfig, hf: dict, world: int) -> tuple[float, float, list[str]]:
-    """(training GiB, rollout GiB, summary lines) per GPU: the module docstring's estimate."""
+def teacher_config(cfg: RLConfig, problems: list[str]) -> dict | None:
+    """The distillation teacher's HF config (distill.teacher_path's config.json) for the
+    estimate, or None: no teacher, or its directory is not on this machine (not counted).
+    A directory that is there but unreadable or unsupported is a problem, as model.hf_path's."""
+    path = cfg.distill.teacher_path
+    if not path or not os.path.isdir(path):
+        return None
+    try:
+        return read_hf_config(path, "distill.teacher_path")
+    except ConfigError as e:
+        problems.append(str(e))
+        return None
+
+
+def teacher_memory(cfg: RLConfig, teacher: dict | None) -> tuple[float, list[str]]:
+    """(GiB per GPU, report lines) of the frozen teacher: its fullest stage's parameters at the
+    policy's tp / pp / ep in model.dtype."""
+    path, par = cfg.distill.teacher_path, cfg.parallel
+    if not path:
+        return 0.0, []
+    if teacher is None:
+        return 0.0, [f"distillation teacher: NOT counted in the memory estimate "
+                     f"(distill.teacher_path={path} is not on this machine; its config.json gives "
+                     "its size), so recipe.expected_memory_gib is not compared"]
+    stage = stage_parameters(teacher, par.tp, par.pp, par.ep)
+    gib = max(stage.first_stage, stage.last_stage) * _bytes(cfg) / GIB
+    return gib, [f"distillation teacher per GPU (estimate, GiB): weights {gib:.1f} "
+                 f"({teacher.get('model_type')}, {stage.total / 1e9:.2f} B parameters, frozen, "
+                 f"{cfg.model.dtype}, at tp={par.tp} pp={par.pp})"]
+
+
+def critic_memory(cfg: RLConfig, hf: dict, layout, mem) -> tuple[float, list[str]]:
+    """(GiB per GPU, report lines) of the PPO critic's resident state on the pipeline stage of
+    the policy's peak `mem`: the policy's stage parameters (its output layer frozen: no
+    gradient or optimizer state) plus the value head, h / tp + 1 parameters on the last
+    stage, with fp32 gradients and the optimizer state of trainable parameters."""
+    if cfg.advantage.estimator != "gae":
+        return 0.0, []
+    a, tp, h = _bytes(cfg), layout.tp, hf["hidden_size"]
+    stage = stage_parameters(hf, tp, layout.pp, layout.ep)
+    last = mem.notes["last_stage"]
+    params = stage.last_stage if last else stage.first_stage
+    head = h // tp + 1 if last else 0
+    tied = bool(hf.get("tie_word_embeddings", False))
+    frozen = padded_vocab_size(hf["vocab_size"], tp) * h // tp if last and not tied else 0
+    per_param = optimizer_bytes(a == 2, layout, cfg.optim.distributed_optimizer)
+    weights = (params + head) * a / GIB
+    grads = (params - frozen + head) * 4 / GIB
+    optimizer = mem.optimizer + (head - frozen) * per_param / GIB
+    gib = weights + grads + optimizer
+    where = (f"the policy's last-stage parameters + the value head ({head} parameters); its "
+             f"frozen output layer ({frozen / 1e9:.2f} B) has no gradients or optimizer state"
+             if last else "the policy's first-stage parameters, the stage of its peak")
+    return gib, [f"PPO critic per GPU (estimate, GiB): weights {weights:.1f} + grads "
+                 f"{grads:.1f} + optimizer {optimizer:.1f} = {gib:.1f} ({where})"]
+
+
+def _bytes(cfg: RLConfig) -> int:
+    return 2 if cfg.model.dtype == "bfloat16" else 4
+
+
+def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None
+              ) -> tuple[float, float, list[str]]:
+    """(training GiB, rollout GiB, summary lines) per GPU: the module docstring's estimate;
+    `teacher`: distill.teacher_path's HF config (teacher_config), None when not counted."""
     par, train, roll = cfg.parallel, cfg.train, cfg.rollout
     layout = parallel_layout(par, world)
     responses = max(train.prompts_per_step * roll.n // train.mini_batches_per_step, 1)
@@ -64,14 +136,20 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int) -> tuple[float, float, list[s
     else:
         engine = stage_parameters(hf, 1, 1).total * a / GIB
         engine_text = f"{roll.backend} engine weights"
-    resident = mem.weights + mem.grads + mem.optimizer + reference + mem.runtime
-    training = mem.total + reference + (0.0 if roll.sleep_during_train else engine)
+    teacher_gib, teacher_lines = teacher_memory(cfg, teacher)
+    critic, critic_lines = critic_memory(cfg, hf, layout, mem)
+    others = reference + teacher_gib + critic
+    resident = mem.weights + mem.grads + mem.optimizer + others + mem.runtime
+    training = mem.total + others + (0.0 if roll.sleep_during_train else engine)
     rollout = resident + engine
     lines = [
+        *teacher_lines, *critic_lines,
         f"memory per GPU while training (estimate, GiB): policy {mem.total:.1f} (weights "
         f"{mem.weights:.1f} + grads {mem.grads:.1f} + optimizer {mem.optimizer:.1f} + "
         f"activations {mem.activations:.1f} + logits {mem.logits:.1f} + runtime "
         f"{mem.runtime:.1f}) + KL reference {reference:.1f}"
+        + (f" + distillation teacher {teacher_gib:.1f}" if teacher is not None else "")
+        + (f" + PPO critic {critic:.1f}" if critic_lines else "")
         + ("" if roll.sleep_during_train else f" + rollout engine {engine:.1f}")
         + f" = {training:.1f}",
         f"memory per GPU during rollout on an engine's GPUs (estimate, GiB): resident "
@@ -128,7 +206,7 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
                      ) -> tuple[list[str], list[str], dict]:
     """(summary lines, problems, JSON data: the communication plan) of running `cfg` on
     `nodes` x `per_node` GPUs."""
-    problems = value_problems(cfg) + rl_problems(cfg)
+    problems = value_problems(cfg) + rl_problems(cfg) + ppo_problems(cfg)
     world = nodes * per_node
     if nodes < 1 or per_node < 1:
         return [], problems + [f"--nodes {nodes} and --gpus-per-node {per_node} must be >= 1"], {}
@@ -138,6 +216,10 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
     problems += async_problems(cfg, world, per_node)
     world, n_roll = split_sizes(cfg, world)  # the training ranks from here on
     problems += layout_problems(cfg, world, hf)
+    teacher = teacher_config(cfg, problems)
+    if teacher is not None:
+        problems += [f"distill.teacher_path={cfg.distill.teacher_path}: {m}"
+                     for m in layout_problems(cfg, world, teacher)]
     roll = cfg.rollout
     engine_ranks = n_roll or world
     placement_issues = placement_problems(roll.num_engines, roll.gpus_per_engine, engine_ranks,
@@ -149,10 +231,11 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
     sync_bytes = params * (2 if cfg.model.dtype == "bfloat16" else 4)
     par = cfg.parallel
     ep = f" ep={par.ep}" if par.ep > 1 else ""
-    training, rollout, memory_lines = rl_memory(cfg, hf, world)
+    training, rollout, memory_lines = rl_memory(cfg, hf, world, teacher)
     if n_roll:  # the engines live on their own GPUs: no resident training state there
         training, rollout, memory_lines = disaggregated_memory(cfg, hf, world)
-    at_recipe_size = (nodes, per_node) == (cfg.recipe.nodes, cfg.recipe.gpus_per_node)
+    at_recipe_size = ((nodes, per_node) == (cfg.recipe.nodes, cfg.recipe.gpus_per_node)
+                      and (teacher is not None or not cfg.distill.teacher_path))
     memory_issues, warnings = memory_checks(
         max(training, rollout), cfg.recipe, at_recipe_size, "estimated peak memory per GPU",
         "raise tp/pp/ep, lower train.max_tokens_per_micro_batch or rollout.sglang.mem_fraction",

@@ -25,6 +25,11 @@ class Qwen3(Family):
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                          vocab_size=151936, max_position_embeddings=40960,
                          rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+        "qwen3-1.7b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"],
+                           hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                           vocab_size=151936, max_position_embeddings=40960,
+                           rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     }
 
     def biases(self, cfg: Any) -> Biases:
