@@ -152,3 +152,49 @@ def result_lines(stdout: str, prefix: str = "RESULT ") -> list[dict]:
     """The JSON objects of the `prefix {json}` lines a multi-rank script printed, in order."""
     return [json.loads(line[len(prefix):]) for line in stdout.splitlines()
             if line.startswith(prefix)]
+
+
+def run_main(main, argv: list[str], env: dict | None = None,
+             label: str = "") -> subprocess.CompletedProcess:
+    """Call a command line's `main(argv)` in this process, for a refusal that comes before any
+    process group exists: `env` set in os.environ for the call (e.g. RANK=0, WORLD_SIZE=N: rank
+    0 of an N-rank job), stdout and stderr captured, the exit code taken from main's return
+    value or its SystemExit (engine.cli.exit_process, which ends the process, is not called:
+    it belongs to the `__main__` blocks). Returns a CompletedProcess like a launch's.
+
+    The refusal must come before torch.distributed starts: a run that gets past it (the CPU
+    host runtime installed, a process group started) fails here with AssertionError instead
+    of training inside the test process. Any other exception propagates (a traceback)."""
+    import io
+    from unittest import mock
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError(f"{label or argv}: expected a refusal before any process group "
+                             "exists, but the run went on to start torch.distributed")
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
+    try:
+        with mock.patch("parallel.cpu_runtime.install", no_launch), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) or e.code is None else 1
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess([label or "main", *argv], code or 0, out.getvalue(),
+                                       err.getvalue())
+
+
+def run_cli(module: str, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE argv...` for a refusal or a `--validate` check: MODULE's
+    `__main__.main(argv)` in this process (see run_main)."""
+    import importlib
+
+    main = importlib.import_module(f"{module}.__main__").main
+    return run_main(main, [str(a) for a in argv], env=env, label=f"python -m {module}")
