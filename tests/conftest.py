@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random HF models of the three supported architectures, built once per
-test session under pytest's tmp_path_factory, and their TP1 Megatron checkpoints.
+"""Shared fixtures, built once per test session under pytest's tmp_path_factory: the rank pools
+that run the multi-rank cases (`pools`, tests/pool.py), tiny random HF models of the three
+supported architectures and their TP1 Megatron checkpoints, the CPU demo's assets.
 
 All models have 8 attention heads, 2 KV heads, 4 layers, hidden size 64. `initializer_range=0.2`
 (HF default 0.02) makes logits large enough (std ~1) that a logit parity check at 1e-5 means
@@ -17,6 +18,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from tests.launch import run_python  # noqa: E402
+from tests.pool import Pools  # noqa: E402
 from tests.tiny_models import build_tiny_model  # noqa: E402
 
 CONVERT = "tools/convert.py"
@@ -36,6 +38,16 @@ def build_arch(out_dir: Path, arch: str, seed: int = 0) -> str:
     spec = dict(TINY_SPECS[arch])
     return build_tiny_model(str(out_dir), spec.pop("arch"), hidden=64, layers=4, heads=8,
                             kv_heads=2, seed=seed, initializer_range=INIT_RANGE, **spec)
+
+
+@pytest.fixture(scope="session")
+def pools(tmp_path_factory) -> Pools:
+    """The session's persistent rank pools (tests/pool.py): `pools.run(world, "mod:fn", ...)`
+    and `pools.script(world, script_or_-m, *argv)` run a case on `world` gloo ranks started
+    once per world size, instead of a torchrun launch per case."""
+    manager = Pools(str(tmp_path_factory.mktemp("rank_pools")))
+    yield manager
+    manager.close()
 
 
 @pytest.fixture(scope="session")
@@ -64,14 +76,26 @@ def qwen2_dir(tiny_model_dirs) -> str:
 
 
 @pytest.fixture(scope="session")
-def mcore_ckpt_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
-    """{arch: Megatron checkpoint dir} written at TP1 by `tools/convert.py hf-to-mcore`."""
+def demo_assets(tmp_path_factory) -> Path:
+    """The CPU demo's assets, written once per session by `python tools/make_demo_assets.py`
+    (a real process, as the demo runs it): OUT/model, OUT/sft_train.jsonl, OUT/sft_eval.jsonl,
+    OUT/rl_prompts.jsonl. Read-only for tests; a test module that adds a file uses a name of
+    its own."""
+    out = tmp_path_factory.mktemp("demo_assets")
+    assert run_python("tools/make_demo_assets.py", "--out", str(out)).returncode == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def mcore_ckpt_dirs(tiny_model_dirs, pools, tmp_path_factory) -> dict[str, str]:
+    """{arch: Megatron checkpoint dir} written at TP1 by `tools/convert.py hf-to-mcore` (on
+    the 1-rank pool)."""
     root = tmp_path_factory.mktemp("tiny_mcore")
     out = {}
     for arch, hf_dir in tiny_model_dirs.items():
         ckpt = root / arch
-        proc = run_python(CONVERT, "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(ckpt),
-                          timeout=600)
+        proc = pools.script(1, CONVERT, "hf-to-mcore", "--hf-dir", hf_dir, "--out", str(ckpt),
+                            timeout=600)
         assert proc.returncode == 0, f"hf-to-mcore failed for {arch}"
         out[arch] = str(ckpt)
     return out

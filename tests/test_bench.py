@@ -24,15 +24,20 @@ from bench_common import last_json_line  # noqa: E402
 BENCH = "tools/bench.py"
 
 
-def _run(*args: str, timeout: int = 300) -> tuple[str, dict]:
-    proc = run_python(BENCH, *args, timeout=timeout)
+def _run(*args: str, timeout: int = 300, pools=None) -> tuple[str, dict]:
+    """`python tools/bench.py ARGS`: a real process, or with `pools` on the session's 1-rank
+    pool (tests/pool.py; for the benchmarks that start no launch of their own)."""
+    if pools is None:
+        proc = run_python(BENCH, *args, timeout=timeout)
+    else:
+        proc = pools.script(1, BENCH, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, last_json_line(proc.stdout)
 
 
-def test_balance_quick_meets_goals(tmp_path):
+def test_balance_quick_meets_goals(pools, tmp_path):
     plot = tmp_path / "balance.png"
-    out, result = _run("balance", "--quick", "--plot", str(plot))
+    out, result = _run("balance", "--quick", "--plot", str(plot), pools=pools)
     assert "| distribution | DP |" in out  # a readable table precedes the JSON line
     for key in ("balance_max_over_mean", "naive_balance_max_over_mean", "padding_fraction"):
         assert key in result
@@ -46,8 +51,8 @@ def test_balance_quick_meets_goals(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_sync_quick_reports_throughput():
-    out, result = _run("sync", "--quick")
+def test_sync_quick_reports_throughput(pools):
+    out, result = _run("sync", "--quick", pools=pools)
     assert "GB/s" in out
     assert result["weight_sync_params"] >= 100_000_000
     assert result["weight_sync_bytes"] == 4 * result["weight_sync_params"]  # fp32, every weight
@@ -60,8 +65,8 @@ def test_sync_quick_reports_throughput():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip path")
-def test_mfu_skips_without_cuda():
-    out, result = _run("mfu", timeout=120)
+def test_mfu_skips_without_cuda(pools):
+    out, result = _run("mfu", timeout=120, pools=pools)
     assert "skipped: no CUDA" in out
     assert result["mfu"] is None and result["tflops_per_gpu"] is None
 

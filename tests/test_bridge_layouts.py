@@ -1,7 +1,8 @@
 """Bridge logit parity with transformers at TP1xPP1, TP2xPP1, TP1xPP2, TP2xPP2 (also with
 Megatron sequence parallelism) and PP4 for
 Qwen3 (tied), Llama and Qwen2 (QKV bias, vocab 1001), loading from HF and from a TP1 Megatron
-checkpoint; one 4-rank torchrun launch (tests/multirank/bridge_layouts.py) covers all of it.
+checkpoint; one 4-rank run of tests/multirank/bridge_layouts.py (on the session's rank pool,
+tests/pool.py) covers all of it.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import math
 import pytest
 
 from tests.conftest import ARCHS
-from tests.launch import run_torchrun
 
 # Listed here independently of the script, so a layout it silently skips fails the test.
 # tp2pp2sp: Megatron sequence parallelism on an odd sequence length (padded to tp)
@@ -22,13 +22,13 @@ IDENTITY_TOL = 1e-6       # same weights, same layout or float64 resharding
 
 
 @pytest.fixture(scope="module")
-def reports(tiny_model_dirs, mcore_ckpt_dirs) -> dict[tuple[str, str, str], dict]:
+def reports(pools, tiny_model_dirs, mcore_ckpt_dirs) -> dict[tuple[str, str, str], dict]:
     """{(arch, layout, source): JSON record} printed by rank 0 of the launch."""
     args: list[str] = []
     for arch in ARCHS:
         args += ["--model", arch, tiny_model_dirs[arch], mcore_ckpt_dirs[arch]]
-    proc = run_torchrun(4, "tests/multirank/bridge_layouts.py", *args, timeout=600)
-    assert proc.returncode == 0, "bridge_layouts launch failed (output printed above)"
+    proc = pools.script(4, "tests/multirank/bridge_layouts.py", *args, timeout=600)
+    assert proc.returncode == 0, "bridge_layouts run failed (output printed above)"
     out = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{") and "max_abs_diff" in line:

@@ -29,8 +29,7 @@ from engine.checkpoint.io import (LATEST_FILE, CheckpointError, checkpoint_probl
                                   resolve_resume, rewind_jsonl, staging_dir,
                                   write_complete_marker)
 from engine.checkpoint.checkpointing import DataPosition
-from tests.launch import (REPO_ROOT, filter_noise, free_port, result_lines, run_python,
-                          run_torchrun)
+from tests.launch import REPO_ROOT, filter_noise, free_port, result_lines, run_torchrun
 
 STEPS, GBS, N_TRAIN = 4, 8, 32
 SAME_LAYOUT_TOL, OTHER_LAYOUT_TOL = 1e-6, 1e-4
@@ -257,7 +256,10 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model):
+def runs(tmp_path_factory, tiny_model, pools):
+    """Real launches (the recipes' shell scripts, two nodes on this host; torchrun stopped at
+    train.exit_interval and relaunched): what is checked is the run across launches. The
+    export E runs tools/convert.py on the session's 1-rank pool (tests/pool.py)."""
     from tools.make_demo_assets import chat_row
 
     root = tmp_path_factory.mktemp("ckpt_runs")
@@ -292,10 +294,9 @@ checkpoint: {{save_interval: 1, keep_last: 3}}
     out["C"] = _script("sft_single_node.sh",
                        {**env, "NPROC_PER_NODE": 2, "RUN_DIR": root / "C"}, str(recipe),
                        "parallel.tp=2")
-    out["E"] = run_python("tools/convert.py", "mcore-to-hf", "--ckpt",
-                          str(iteration_dir(root / "A" / "checkpoints", 4)), "--out",
-                          str(root / "E"),
-                          timeout=300)
+    out["E"] = pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt",
+                            str(iteration_dir(root / "A" / "checkpoints", 4)), "--out",
+                            str(root / "E"), timeout=300)
     return out
 
 
@@ -405,11 +406,12 @@ def test_export_of_training_checkpoint_loads_and_matches_eval(runs):
     assert gen.shape[1] == prompt["input_ids"].shape[1] + 5 or int(gen[0, -1]) == 3
 
 
-def test_optimizer_scheduler_and_rng_round_trip(tmp_path, tiny_model):
+def test_optimizer_scheduler_and_rng_round_trip(pools, tmp_path, tiny_model):
     """At DP2: after a save and a load into a fresh state, every master weight and Adam moment
     is bitwise equal, the LR schedule and all RNG streams continue, the next step is identical;
-    a checkpoint of another global batch size and a model-only checkpoint are refused."""
-    proc = run_torchrun(2, "tests/multirank/checkpoint_state.py", tiny_model, str(tmp_path),
+    a checkpoint of another global batch size and a model-only checkpoint are refused. (The
+    harness saves and loads inside one run, on the session's 2-rank pool.)"""
+    proc = pools.script(2, "tests/multirank/checkpoint_state.py", tiny_model, str(tmp_path),
                         timeout=600)
     assert proc.returncode == 0
     (res,) = result_lines(proc.stdout)

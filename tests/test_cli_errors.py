@@ -127,8 +127,8 @@ CONFIG_CASES = [
     Case("unknown_agg_mode_and_truncation", ("loss.agg_mode=mean", "data.truncation=left"),
          needles=("loss.agg_mode='mean' is not valid; choose one of " + ", ".join(AGG_MODES),
                   "data.truncation='left' is not valid; choose one of right, error")),
-    Case("unknown_algorithm", ("algorithm=ppo",), module="engine.rl", data="prompts",
-         needles=("algorithm='ppo' is not valid; choose one of grpo, dapo",)),
+    Case("unknown_algorithm", ("algorithm=trpo",), module="engine.rl", data="prompts",
+         needles=("algorithm='trpo' is not valid; choose one of grpo, ppo, dapo",)),
     Case("missing_model_path", ("model.hf_path={tmp}/nowhere",), needles=(
         "model.hf_path={tmp}/nowhere: HF model directory not found",)),
     Case("missing_or_unsupported_data_files",
@@ -184,10 +184,7 @@ def launch(case: Case, paths: dict[str, str], pools=None) -> subprocess.Complete
         main = importlib.import_module(f"{case.module}.__main__").main
         rank0 = {"RANK": "0", "WORLD_SIZE": str(case.world), "LOCAL_RANK": "0"}
         return run_main(main, argv[2:], env=rank0, label=f"python -m {case.module}")
-    run = pools.script(case.nproc, *argv, check=False, timeout=240)
-    return subprocess.CompletedProcess(run.args, run.returncode,
-                                       "".join(r.stdout for r in run.ranks),
-                                       "".join(r.stderr for r in run.ranks))
+    return pools.script(case.nproc, *argv, check=False, timeout=240).merged()
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,18 @@
 """The communication plan (engine.config.comm_plan) against the bytes the engine really hands to
 torch.distributed, and the plan in `--validate` (human and --json) of the shipped recipes.
 
-One 2-rank launch (tests/multirank/comm_bytes.py) trains through the engine at DP2, TP2+SP,
+One 2-rank torchrun launch (tests/multirank/comm_bytes.py; a real launch, not the rank pool:
+it wraps torch.distributed's functions before megatron binds them at import) trains through the engine at DP2, TP2+SP,
 PP2, CP2 and EP2 (MoE) with both overlaps on, wrapping every collective; each rank's measured
 bytes per kind must be within 5 % of the prediction for its pipeline stage, every kind the
 layout implies must be non-zero, and nothing but control scalars may be left unattributed.
 """
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.launch import REPO_ROOT, result_lines, run_torchrun
+from tests.launch import REPO_ROOT, result_lines, run_cli, run_torchrun
 from tests.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -76,8 +76,8 @@ def test_only_control_scalars_are_unattributed(measured, spec):
 
 
 def _validate(module: str, recipe: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, "--config", recipe, "--validate",
-                           *extra], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    """`python -m MODULE --config RECIPE --validate ...`, in this process (run_cli)."""
+    return run_cli(module, "--config", str(REPO_ROOT / recipe), "--validate", *extra)
 
 
 @pytest.mark.parametrize("recipe", ["recipes/sft/llama31_70b_h100.yaml",

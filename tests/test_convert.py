@@ -1,4 +1,6 @@
-"""tools/convert.py used as a user would: subprocesses of the CLI (python / torchrun).
+"""tools/convert.py used as a user would: its command line (`main(argv)`) on the ranks of the
+session's rank pool (tests/pool.py) as `python` / `torchrun` would run it, one real process
+(the failing `verify`: its exit code), and the refusals in this process (tests.launch.run_main).
 
 - HF -> mcore (TP1, and TP2 under torchrun) -> HF is bitwise: same tensor names, shapes, dtypes
   and values, no padded vocab rows, no lm_head for tied embeddings; the output loads with
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import ARCHS, CONVERT, build_arch
-from tests.launch import run_python, run_torchrun
+from tests.launch import run_main, run_python
 
 
 def _tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -43,18 +45,29 @@ def _assert_bitwise_equal(original: str | Path, converted: str | Path) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
-def _mcore_to_hf(ckpt: str | Path, out: Path) -> Path:
-    proc = run_python(CONVERT, "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out),
-                      timeout=600)
+def convert(pools, world: int, *args: str, check: bool = True):
+    """`torchrun --nproc_per_node world tools/convert.py args...` on the rank pool."""
+    return pools.script(world, CONVERT, *args, timeout=600, check=check)
+
+
+def convert_in_process(*args: str):
+    """`python tools/convert.py args...` for a refusal: main(argv) in this process."""
+    from tools.convert import main
+
+    return run_main(main, list(args), label=CONVERT)
+
+
+def _mcore_to_hf(pools, ckpt: str | Path, out: Path) -> Path:
+    proc = convert(pools, 1, "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out))
     assert proc.returncode == 0
     return out
 
 
 @pytest.fixture(scope="module")
-def roundtrip_dirs(mcore_ckpt_dirs, tmp_path_factory) -> dict[str, Path]:
+def roundtrip_dirs(pools, mcore_ckpt_dirs, tmp_path_factory) -> dict[str, Path]:
     """{arch: HF folder written by mcore-to-hf from the TP1 checkpoint of that arch}."""
     root = tmp_path_factory.mktemp("roundtrip")
-    return {arch: _mcore_to_hf(mcore_ckpt_dirs[arch], root / arch) for arch in ARCHS}
+    return {arch: _mcore_to_hf(pools, mcore_ckpt_dirs[arch], root / arch) for arch in ARCHS}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -86,23 +99,22 @@ def test_roundtrip_loads_in_transformers_with_same_logits(arch, tiny_model_dirs,
     assert torch.equal(logits[0], logits[1])
 
 
-def test_tp2_conversion_roundtrip_is_bitwise(qwen2_dir, tmp_path):
+def test_tp2_conversion_roundtrip_is_bitwise(pools, qwen2_dir, tmp_path):
     """Qwen2 is the hardest case: QKV bias, and 1001 vocab rows padded to 1024 and split over
     the 2 ranks (rank 1 holds the last 489 real rows and the 23 padded ones)."""
     ckpt = tmp_path / "ckpt_tp2"
-    proc = run_torchrun(2, CONVERT, "hf-to-mcore", "--hf-dir", qwen2_dir, "--out", str(ckpt),
-                        "--tp", "2", timeout=600)
+    proc = convert(pools, 2, "hf-to-mcore", "--hf-dir", qwen2_dir, "--out", str(ckpt),
+                   "--tp", "2")
     assert proc.returncode == 0
-    _assert_bitwise_equal(qwen2_dir, _mcore_to_hf(ckpt, tmp_path / "hf"))
+    _assert_bitwise_equal(qwen2_dir, _mcore_to_hf(pools, ckpt, tmp_path / "hf"))
 
 
 _DIFF = re.compile(r"max_abs_diff=([0-9.eE+-]+|nan|inf)")
 
 
-def test_verify_tp2_pp2_reports_small_diff(qwen2_dir, mcore_ckpt_dirs):
-    proc = run_torchrun(4, CONVERT, "verify", "--hf-dir", qwen2_dir,
-                        "--ckpt", mcore_ckpt_dirs["qwen2"], "--tp", "2", "--pp", "2",
-                        timeout=600)
+def test_verify_tp2_pp2_reports_small_diff(pools, qwen2_dir, mcore_ckpt_dirs):
+    proc = convert(pools, 4, "verify", "--hf-dir", qwen2_dir,
+                   "--ckpt", mcore_ckpt_dirs["qwen2"], "--tp", "2", "--pp", "2")
     assert proc.returncode == 0
     diffs = _DIFF.findall(proc.stdout)
     assert len(diffs) == 1, proc.stdout
@@ -110,6 +122,7 @@ def test_verify_tp2_pp2_reports_small_diff(qwen2_dir, mcore_ckpt_dirs):
 
 
 def test_verify_against_a_different_model_fails(mcore_ckpt_dirs, tmp_path):
+    """A real `python tools/convert.py` process: the script's own exit code (1) on failure."""
     other = build_arch(tmp_path / "qwen2_seed1", "qwen2", seed=1)
     proc = run_python(CONVERT, "verify", "--hf-dir", other, "--ckpt", mcore_ckpt_dirs["qwen2"],
                       timeout=600)
@@ -119,7 +132,8 @@ def test_verify_against_a_different_model_fails(mcore_ckpt_dirs, tmp_path):
 
 
 def _assert_clean_error(proc, *needles: str) -> None:
-    """Exit code 2, every needle in stderr, and no Python traceback."""
+    """Exit code 2, every needle in stderr, and no Python traceback (in process: no exception
+    but SystemExit left main)."""
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     for needle in needles:
@@ -128,13 +142,13 @@ def _assert_clean_error(proc, *needles: str) -> None:
 
 def test_hf_to_mcore_missing_hf_dir(tmp_path):
     missing = tmp_path / "no_such_model"
-    proc = run_python(CONVERT, "hf-to-mcore", "--hf-dir", str(missing),
-                      "--out", str(tmp_path / "out"), timeout=300)
+    proc = convert_in_process("hf-to-mcore", "--hf-dir", str(missing),
+                              "--out", str(tmp_path / "out"))
     _assert_clean_error(proc, str(missing), "not found")
 
 
 def test_hf_to_mcore_without_hf_dir_flag(tmp_path):
-    proc = run_python(CONVERT, "hf-to-mcore", "--out", str(tmp_path / "out"), timeout=300)
+    proc = convert_in_process("hf-to-mcore", "--out", str(tmp_path / "out"))
     _assert_clean_error(proc, "--hf-dir")
 
 
@@ -147,8 +161,8 @@ def test_hf_to_mcore_unsupported_architecture(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100,
                                n_positions=64, bos_token_id=0, eos_token_id=0)
                     ).save_pretrained(str(gpt2))
-    proc = run_python(CONVERT, "hf-to-mcore", "--hf-dir", str(gpt2),
-                      "--out", str(tmp_path / "out"), timeout=300)
+    proc = convert_in_process("hf-to-mcore", "--hf-dir", str(gpt2),
+                              "--out", str(tmp_path / "out"))
     _assert_clean_error(proc, "'gpt2'", "unsupported")
 
 
@@ -156,7 +170,7 @@ def test_hf_to_mcore_unsupported_architecture(tmp_path):
 def test_mcore_to_hf_on_a_non_checkpoint(kind, qwen3_dir, tmp_path):
     ckpt = qwen3_dir if kind == "hf_folder" else str(tmp_path / "no_such_ckpt")
     out = tmp_path / "out"
-    proc = run_python(CONVERT, "mcore-to-hf", "--ckpt", ckpt, "--out", str(out), timeout=300)
+    proc = convert_in_process("mcore-to-hf", "--ckpt", ckpt, "--out", str(out))
     _assert_clean_error(proc, ckpt, "not a Megatron distributed checkpoint"
                         if kind == "hf_folder" else "not found")
     assert not out.exists()

@@ -14,15 +14,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.launch import result_lines, run_python, run_torchrun
+from tests.launch import result_lines
 from tests.test_moe_convert import build_moe
 
 CHECK = str(Path(__file__).parent / "multirank" / "grouped_experts_check.py")
 TOL = 1e-5
 
 
-def test_expert_module_matches_sequential_mlp():
-    proc = run_python(CHECK, "--unit", timeout=600)
+def test_expert_module_matches_sequential_mlp(pools):
+    proc = pools.script(1, CHECK, "--unit", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["case"]: r for r in result_lines(proc.stdout)}
     expected = {"padded", "padded_fused_swiglu", "negative_control"}
@@ -35,9 +35,9 @@ def test_expert_module_matches_sequential_mlp():
     assert rows["negative_control"]["out"] > 0.1 and rows["negative_control"]["grads"] > 0.1
 
 
-def test_whole_model_matches_sequential_at_ep1_ep2_tp2sp_and_fused(tmp_path):
+def test_whole_model_matches_sequential_at_ep1_ep2_tp2sp_and_fused(pools, tmp_path):
     hf_dir = build_moe(tmp_path / "hf")
-    proc = run_torchrun(2, CHECK, hf_dir, timeout=900)
+    proc = pools.script(2, CHECK, hf_dir, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["layout"]: r for r in result_lines(proc.stdout)}
     assert set(rows) == {"ep1", "ep2", "tp2sp", "ep2_fusions"}

@@ -5,14 +5,15 @@ log-probs; a backward without the TP sum of the hidden-state gradient is caught.
 train.loss_chunk_tokens key is validated before any process group exists."""
 import pytest
 
-from tests.launch import result_lines, run_torchrun
+from tests.launch import result_lines
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def results(tiny_model_dirs):
-    proc = run_torchrun(2, "tests/multirank/loss_head_check.py", tiny_model_dirs["qwen3"],
+def results(pools, tiny_model_dirs):
+    """The RESULT lines of tests/multirank/loss_head_check.py on 2 ranks (the rank pool)."""
+    proc = pools.script(2, "tests/multirank/loss_head_check.py", tiny_model_dirs["qwen3"],
                         tiny_model_dirs["qwen2"], timeout=900)
     assert proc.returncode == 0
     return result_lines(proc.stdout)

@@ -297,11 +297,13 @@ def _changed(what: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def contract():
-    from tests.launch import result_lines, run_torchrun
+def contract(pools):
+    """The RESULT lines of this file run as a script on 2 ranks (the session's rank pool,
+    tests/pool.py: processes started as torchrun starts them)."""
+    from tests.launch import result_lines
 
-    proc = run_torchrun(2, "tests/test_megatron_contract.py", timeout=600)
-    assert proc.returncode == 0, "the megatron contract launch failed (output above)"
+    proc = pools.script(2, "tests/test_megatron_contract.py", timeout=600)
+    assert proc.returncode == 0, "the megatron contract run failed (output above)"
     return {r["check"]: r for r in result_lines(proc.stdout)}
 
 
@@ -404,8 +406,8 @@ def test_launched_ranks_use_the_expected_megatron_core(contract):
 SFT_SPECS = ["2,2,0,1,3", "1,2,2,1,2", "1,1,0,2,16,packing"]
 
 
-def test_sft_invariance_in_one_launch(tmp_path):
-    from tests.launch import result_lines, run_torchrun
+def test_sft_invariance_in_one_launch(pools, tmp_path):
+    from tests.launch import result_lines
     from engine.training.loss import AGG_MODES as MODES
     from tests.tiny_models import build_tiny_model
 
@@ -413,9 +415,9 @@ def test_sft_invariance_in_one_launch(tmp_path):
     model = build_tiny_model(str(tmp_path / "model"), "qwen3", vocab_size=200,
                              initializer_range=0.4, tokenizer=False)
     ref = str(tmp_path / "reference.pt")
-    assert run_torchrun(1, script, model, ref, "1,1,0,1,16", timeout=600).returncode == 0
-    proc = run_torchrun(4, script, model, ref, *SFT_SPECS, timeout=900)
-    assert proc.returncode == 0, "SFT invariance launch failed (output above)"
+    assert pools.script(1, script, model, ref, "1,1,0,1,16", timeout=600).returncode == 0
+    proc = pools.script(4, script, model, ref, *SFT_SPECS, timeout=900)
+    assert proc.returncode == 0, "SFT invariance run failed (output above)"
     results = result_lines(proc.stdout)
     assert {(r["spec"], r["mode"]) for r in results} == {(s, m) for s in SFT_SPECS
                                                          for m in MODES}

@@ -7,7 +7,7 @@ checkpoint names are `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w
 
 - The router is random (uneven expert loads); HF -> mcore -> HF on 1 process is bitwise
   equal to the original (names, dtypes, values).
-- ONE 4-rank launch of this file as a script: hf-to-mcore at TP2 x EP2, then `verify --ep 2`
+- ONE 4-rank run of this file as a script (on the session's rank pool, tests/pool.py): hf-to-mcore at TP2 x EP2, then `verify --ep 2`
   at TP2 x EP2 (logits within 1e-4 of transformers'), then the Megatron -> HF export at
   TP2 x EP2 (experts gathered over EP and renamed) compared bitwise with the original.
     torchrun --nproc_per_node 4 tests/test_mixtral_convert.py HF_DIR CKPT_DIR
@@ -119,18 +119,14 @@ def test_fixture_routes_tokens_unevenly(mixtral_dir):
     assert out.logits.std() > 0.5
 
 
-def test_roundtrip_on_one_process_is_bitwise(mixtral_dir, tmp_path):
-    from tests.conftest import CONVERT
-    from tests.launch import run_python
-    from tests.test_convert import _assert_bitwise_equal, _tensors
+def test_roundtrip_on_one_process_is_bitwise(pools, mixtral_dir, tmp_path):
+    from tests.test_convert import _assert_bitwise_equal, _tensors, convert
 
     t0 = time.time()
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
-    proc = run_python(CONVERT, "hf-to-mcore", "--hf-dir", mixtral_dir, "--out", str(ckpt),
-                      timeout=600)
+    proc = convert(pools, 1, "hf-to-mcore", "--hf-dir", mixtral_dir, "--out", str(ckpt))
     assert proc.returncode == 0
-    proc = run_python(CONVERT, "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out),
-                      timeout=600)
+    proc = convert(pools, 1, "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out))
     assert proc.returncode == 0
     _assert_bitwise_equal(mixtral_dir, out)
     assert sum(".block_sparse_moe.experts." in n for n in _tensors(out)) == LAYERS * EXPERTS * 3
@@ -139,12 +135,12 @@ def test_roundtrip_on_one_process_is_bitwise(mixtral_dir, tmp_path):
     print(f"mixtral round trip on 1 process: {time.time() - t0:.1f} s")
 
 
-def test_tp2_ep2_write_verify_and_export(mixtral_dir, tmp_path):
-    from tests.launch import result_lines, run_torchrun
+def test_tp2_ep2_write_verify_and_export(pools, mixtral_dir, tmp_path):
+    from tests.launch import result_lines
 
     t0 = time.time()
-    proc = run_torchrun(4, "tests/test_mixtral_convert.py", mixtral_dir, str(tmp_path / "ckpt"),
-                        timeout=600)
+    proc = pools.script(4, "tests/test_mixtral_convert.py", mixtral_dir,
+                        str(tmp_path / "ckpt"), timeout=600)
     assert proc.returncode == 0, "mixtral launch failed (output printed above)"
     diffs = _DIFF.findall(proc.stdout)
     assert len(diffs) == 1 and "ep=2" in proc.stdout, proc.stdout

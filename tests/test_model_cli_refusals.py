@@ -1,13 +1,12 @@
 """HF models the bridge cannot convert exactly are refused at `engine.sft` / `engine.rl` start,
 before any process group exists: exit code 2, one `error:` line naming the config field (or the
-leftover tensors), no traceback through our code. Launched as in tests/test_cli_errors.py
-(rank 0 of a 1-rank job), the three launches two at a time.
+leftover tensors), no traceback through our code. Run as in tests/test_cli_errors.py: the
+module's `main(argv)` in this process as rank 0 of a 1-rank job.
 """
 from __future__ import annotations
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,9 +62,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def outcomes(paths) -> dict:
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {c.name: pool.submit(launch, c, paths) for c in CASES}
-        return {name: f.result() for name, f in futures.items()}
+    return {c.name: launch(c, paths) for c in CASES}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

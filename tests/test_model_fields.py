@@ -1,9 +1,10 @@
 """The bridge's config-field table (models.families): every row that maps a value is checked
 for logit parity with transformers, every refused value for a clear refusal.
 
-Mapped rows: one tiny HF model per row (MAPPED), all checked in ONE 2-rank torchrun launch of
-this file as a script: for each model and each layout of LAYOUTS (TP2, PP2) it builds the
-chunks, loads the HF weights, and compares fp32 logits with transformers' (max over ranks).
+Mapped rows: one tiny HF model per row (MAPPED), all checked in ONE 2-rank run of this file as
+a script (on the session's rank pool, tests/pool.py, as torchrun would run it): for each model
+and each layout of LAYOUTS (TP2, PP2) it builds the chunks, loads the HF weights, and compares
+fp32 logits with transformers' (max over ranks).
 Rank 0 also measures `field_effect`: how far transformers' own logits move when the row's
 field is undone (CONTROL) — the size of the error a bridge that ignored the field would make,
 so a parity bound of 1e-4 proves the field is really mapped.
@@ -160,8 +161,9 @@ def main() -> int:
 # ---------------------------------------------------------------- pytest: mapped rows
 
 @pytest.fixture(scope="module")
-def mapped_results(tmp_path_factory) -> dict[tuple[str, str], dict]:
-    from tests.launch import result_lines, run_torchrun
+def mapped_results(pools, tmp_path_factory) -> dict[tuple[str, str], dict]:
+    """This file run as a script on 2 ranks (the session's rank pool, tests/pool.py)."""
+    from tests.launch import result_lines
     from tests.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("fields")
@@ -174,8 +176,8 @@ def mapped_results(tmp_path_factory) -> dict[tuple[str, str], dict]:
             _respell_legacy(hf_dir)
         spec[name] = (hf_dir, control)
     (root / "spec.json").write_text(json.dumps(spec))
-    proc = run_torchrun(2, "tests/test_model_fields.py", str(root / "spec.json"), timeout=900)
-    assert proc.returncode == 0, "model_fields launch failed (output printed above)"
+    proc = pools.script(2, "tests/test_model_fields.py", str(root / "spec.json"), timeout=900)
+    assert proc.returncode == 0, "model_fields run failed (output printed above)"
     return {(r["case"], r["layout"]): r for r in result_lines(proc.stdout)}
 
 
@@ -280,16 +282,17 @@ def test_tensor_problems_name_leftover_and_missing(tmp_path):
 
 def test_convert_refuses_biases_the_config_does_not_declare(tmp_path):
     """A Llama whose config.json says attention_bias=false while its weights hold q/k/v/o
-    biases: hf-to-mcore used to drop them silently (logits off by ~1.6)."""
-    from tests.launch import run_python
+    biases: hf-to-mcore used to drop them silently (logits off by ~1.6). Refused before any
+    process group: the command line's main(argv) in this process."""
+    from tests.test_convert import convert_in_process
     from tests.tiny_models import build_tiny_model
 
     hf_dir = Path(build_tiny_model(str(tmp_path / "m"), "llama", layers=2, seed=1,
                                    tokenizer=False, attention_bias=True))
     cfg = json.loads((hf_dir / "config.json").read_text())
     (hf_dir / "config.json").write_text(json.dumps({**cfg, "attention_bias": False}))
-    proc = run_python("tools/convert.py", "hf-to-mcore", "--hf-dir", str(hf_dir),
-                      "--out", str(tmp_path / "out"), timeout=300)
+    proc = convert_in_process("hf-to-mcore", "--hf-dir", str(hf_dir),
+                              "--out", str(tmp_path / "out"))
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "would not consume" in errors[0], proc.stderr[-2000:]

@@ -281,16 +281,13 @@ print("grad", x.grad.tolist())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU runtime is a no-op with CUDA")
-def test_cpu_runtime_maps_cuda_devices_inside_custom_backward():
+def test_cpu_runtime_maps_cuda_devices_inside_custom_backward(pools, tmp_path):
     """parallel.cpu_runtime keeps mapping CUDA devices to the CPU inside the backward of
     Python autograd Functions (the mode is popped while its own handler runs
-    torch.autograd.backward); a fresh process, so this test's install stays there."""
-    import subprocess
-    import sys
-
-    from tests.launch import REPO_ROOT
-
-    proc = subprocess.run([sys.executable, "-c", CUSTOM_BACKWARD_ON_CPU], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
+    torch.autograd.backward); in a rank of the session's 1-rank pool (the runtime installed
+    as in a launch), so this test's install stays out of the test process."""
+    script = tmp_path / "custom_backward.py"
+    script.write_text(CUSTOM_BACKWARD_ON_CPU)
+    proc = pools.script(1, str(script), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "grad [2.0, 2.0, 2.0]" in proc.stdout

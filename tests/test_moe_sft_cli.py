@@ -1,25 +1,25 @@
 """`engine.sft` on a tiny Qwen3-MoE model through the command line: a `parallel.ep=2` run on 2
 ranks, its step-2 checkpoint resumed on one process (ep 1: every expert and its optimizer
 state resharded from 2 EP ranks) continues with the same losses; the moe.* / parallel.ep configuration errors name their keys (exit 2, before
-any process group)."""
+any process group: in this process, tests.launch.run_main). The runs use the session's rank
+pool (tests/pool.py); the 2-rank run and the resumed 1-process run are different processes."""
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.launch import run_python, run_torchrun
+from tests.launch import run_cli
 from tests.tiny_models import build_tiny_model
 
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe_cli")
-    proc = run_python("tools/make_demo_assets.py", "--out", str(out))
-    assert proc.returncode == 0
-    build_tiny_model(str(out / "moe"), "qwen3_moe", vocab_size=256, layers=2,
-                     initializer_range=0.2)
+def assets(demo_assets):
+    out = demo_assets   # the demo model and data, and the MoE model beside them
+    if not (out / "moe").exists():
+        build_tiny_model(str(out / "moe"), "qwen3_moe", vocab_size=256, layers=2,
+                         initializer_range=0.2)
     return out
 
 
@@ -35,14 +35,14 @@ def _metrics(log_dir):
     return [json.loads(line) for line in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
 
 
-def test_ep2_run_resumes_at_ep1_with_resharded_experts(assets, tmp_path):
+def test_ep2_run_resumes_at_ep1_with_resharded_experts(pools, assets, tmp_path):
     """engine.sft at parallel.ep=2 on 2 ranks (its equality with the single process at every
     step is tests/test_sft_invariance.py's), checkpoint at step 2; resumed on one process
     (ep 1: every expert and its Adam state gathered from 2 EP ranks), steps 3-4 repeat EP2's
     losses and grad norms. Step 4 follows step 3's Adam update, so it checks the resharded
     expert moments and master weights, not only the weights."""
     ckpt = tmp_path / "ckpt"
-    proc = run_torchrun(2, *_args(assets, tmp_path / "ep2", "parallel.ep=2",
+    proc = pools.script(2, *_args(assets, tmp_path / "ep2", "parallel.ep=2",
                                   f"checkpoint.dir={ckpt}", "checkpoint.save_interval=2"),
                         timeout=600)
     assert proc.returncode == 0
@@ -50,7 +50,7 @@ def test_ep2_run_resumes_at_ep1_with_resharded_experts(assets, tmp_path):
     ep2 = _metrics(tmp_path / "ep2")
     assert [r["step"] for r in ep2] == list(range(1, STEPS + 1))
     assert ep2[-1]["loss"] < ep2[0]["loss"]
-    proc = run_torchrun(1, *_args(assets, tmp_path / "resumed",
+    proc = pools.script(1, *_args(assets, tmp_path / "resumed",
                                   f"checkpoint.resume={ckpt}/iter_0000002"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed from" in proc.stdout
@@ -63,6 +63,12 @@ def test_ep2_run_resumes_at_ep1_with_resharded_experts(assets, tmp_path):
     assert abs(ep2[3]["loss"] - ep2[2]["loss"]) > 1e-3 * ep2[2]["loss"]
 
 
+def _refused(args: list[str]):
+    """`python -m engine.sft ARGS` for a configuration error: main(argv) in this process."""
+    assert args[:2] == ["-m", "engine.sft"]
+    return run_cli("engine.sft", *args[2:])
+
+
 @pytest.mark.parametrize("extra,needles", [
     (["parallel.ep=3"], ["parallel.ep=3", "dp x cp"]),
     (["parallel.ep=2", "moe.token_dispatcher=allgather"], ["moe.token_dispatcher=allgather",
@@ -70,7 +76,7 @@ def test_ep2_run_resumes_at_ep1_with_resharded_experts(assets, tmp_path):
     (["moe.aux_loss_type=bogus"], ["moe.aux_loss_type='bogus'", "seq_aux_loss"]),
 ])
 def test_moe_config_errors_name_the_key(assets, tmp_path, extra, needles):
-    proc = run_python(*_args(assets, tmp_path, *extra), timeout=300)
+    proc = _refused(_args(assets, tmp_path, *extra))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     for needle in needles:
@@ -80,6 +86,6 @@ def test_moe_config_errors_name_the_key(assets, tmp_path, extra, needles):
 def test_ep_on_a_dense_model_is_refused(assets, tmp_path):
     args = _args(assets, tmp_path, "parallel.ep=2")
     args[2] = f"model.hf_path={assets / 'model'}"
-    proc = run_python(*args, timeout=300)
+    proc = _refused(args)
     assert proc.returncode == 2
     assert "parallel.ep=2 needs a mixture-of-experts model" in proc.stderr

@@ -1,7 +1,5 @@
 """The DDP communication keys (engine.config.parallel_settings): validation before any process
 group, the null rules, and what reaches megatron's DDP config (engine.training.comm_overlap)."""
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -78,10 +76,10 @@ def test_megatron_ddp_config_gets_the_settings():
 @pytest.mark.parametrize("module, recipe", [("engine.sft", "recipes/sft/qwen3_8b_h100.yaml"),
                                             ("engine.rl", "recipes/rl/qwen3_8b_grpo_h100.yaml")])
 def test_cli_exits_2_naming_the_key(module, recipe):
-    proc = subprocess.run([sys.executable, "-m", module, "--config", recipe, "--validate",
-                           "parallel.overlap_param_gather=true",
-                           "optim.distributed_optimizer=false"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    from tests.launch import run_cli
+
+    proc = run_cli(module, "--config", str(REPO_ROOT / recipe), "--validate",
+                   "parallel.overlap_param_gather=true", "optim.distributed_optimizer=false")
     assert proc.returncode == 2
     assert "parallel.overlap_param_gather=true needs optim.distributed_optimizer" in proc.stderr
 

@@ -1,6 +1,8 @@
 """Preemption and crashes through the command line: SIGTERM / SIGINT during training save a
 checkpoint that resumes, and a rank killed in the middle of a save leaves the run resumable
-from the previous complete checkpoint (the torn save is never published)."""
+from the previous complete checkpoint (the torn save is never published). Real launches
+(torchrun or python: signals, a killed rank, resumes across launches); only the uninterrupted
+reference run uses the session's rank pool (tests/pool.py)."""
 from __future__ import annotations
 
 import json
@@ -13,14 +15,12 @@ import pytest
 
 from engine.checkpoint.io import (checkpoint_problems, iteration_dir, read_latest,
                                   staging_dir)
-from tests.launch import run_python, run_torchrun, start, torchrun_cmd, wait
+from tests.launch import run_torchrun, start, torchrun_cmd, wait
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    out = tmp_path_factory.mktemp("preempt_assets")
-    assert run_python("tools/make_demo_assets.py", "--out", str(out)).returncode == 0
-    return out
+def assets(demo_assets):
+    return demo_assets
 
 
 def _args(assets, run_dir: Path, max_steps: int, *extra) -> list[str]:
@@ -85,7 +85,7 @@ def test_sigint_single_process_saves_and_exits_0(assets, tmp_path):
     _assert_saved_on_signal(proc, run_dir, "SIGINT")
 
 
-def test_rank_killed_during_save_leaves_the_run_resumable(assets, tmp_path):
+def test_rank_killed_during_save_leaves_the_run_resumable(pools, assets, tmp_path):
     """Rank 1 is SIGKILLed inside the save of step 4 (engine.checkpoint.fault_injection): the job fails,
     iter 4 stays an unpublished staging directory, `latest` still names iter 2; the relaunch
     resumes from iter 2 and steps 3-6 equal those of an uninterrupted run."""
@@ -102,7 +102,7 @@ def test_rank_killed_during_save_leaves_the_run_resumable(assets, tmp_path):
     resumed = run_torchrun(2, *_args(assets, crashed, 6, *extra), timeout=300)
     assert resumed.returncode == 0
     assert f"resumed from {iteration_dir(ckpt, 2)}: 2 steps done" in resumed.stdout
-    assert run_torchrun(2, *_args(assets, straight, 6, *extra), timeout=300).returncode == 0
+    assert pools.script(2, *_args(assets, straight, 6, *extra), timeout=300).returncode == 0
     got, want = _rows(crashed), _rows(straight)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(got[2:], want[2:]):

@@ -4,10 +4,7 @@ Parameter counts are checked against the published sizes of the models; the memo
 against the formulas of engine.config.recipe_validation's docstring, worked out here by hand for
 Llama-3.1-8B at TP2 x DP4. The launch scripts themselves run in tests/test_checkpointing.py.
 """
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -146,10 +143,10 @@ def test_validation_reports_every_problem(tmp_path):
 
 
 def _validate_cli(*args):
-    return subprocess.run([sys.executable, "-m", "engine.sft", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore",
-                               "PYTHONPATH": str(REPO_ROOT)})
+    """`python -m engine.sft ARGS` (a --validate check), in this process (run_cli)."""
+    from tests.launch import run_cli
+
+    return run_cli("engine.sft", *args)
 
 
 def test_validate_cli_exit_codes():

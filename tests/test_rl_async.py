@@ -9,7 +9,13 @@ batch 2 (restarted: the same run bit for bit, the "same configuration twice" che
 stopped after steps 1 and 2 and resumed (equal to the straight run bit for bit). On one
 torchrun of 3 processes (2 training ranks, 1 rollout rank): DAPO with dynamic sampling and
 multi-turn episodes (s=0 equal to colocated), a rollout error, a hung rollout and a dead rollout
-process (each ends the job with a message naming the rollout side)."""
+process (each ends the job with a message naming the rollout side).
+
+The runs that end well use the session's rank pool (tests/pool.py): its ranks leave the pool's
+process group and the job splits into its two worlds itself, from torchrun's variables
+(`own_world`), 2 "nodes" numbered as torchrun numbers them; real torchrun launches are kept for
+the failures (a rollout process that dies, a job torchrun ends) and the resumes (a new process
+reads the checkpoint)."""
 from __future__ import annotations
 
 import json
@@ -85,7 +91,7 @@ def _close(a: list[dict], b: list[dict], rel: float = 1e-5) -> bool:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(pools, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("async")
     model = build_tiny_model(str(root / "qwen3"), "qwen3", hidden=64, layers=4, heads=8,
                              kv_heads=2, seed=0, initializer_range=0.2)
@@ -108,7 +114,7 @@ def runs(tmp_path_factory) -> dict:
            "rollout.peer_timeout_s=120")
     # the cheaper split where two nodes add nothing: 3 processes, the last one rolls out
     dis1 = ("rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.peer_timeout_s=120")
-    out = {"colocated": run_torchrun(2, *common, *val, f"logging.dir={root / 'colocated'}")}
+    out = {"colocated": pools.script(2, *common, *val, f"logging.dir={root / 'colocated'}")}
     marker = root / "engine_died"
     for name, extra in (("s0", ("rollout.max_staleness=0",)),
                         ("s1", ("rollout.max_staleness=1",)),
@@ -118,9 +124,10 @@ def runs(tmp_path_factory) -> dict:
                         # call 3 counting validation) and is restarted with that version
                         ("s1_dying", ("rollout.max_staleness=1", "rollout.retry_wait_s=0",
                                       "rollout.backend=tests.flaky_rollout:DyingHFEngine"))):
-        out[name] = run_two_nodes(
-            2, *common, *val, *dis, *extra, f"logging.dir={root / name}", timeout=900,
-            node_env=({}, {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "4"}))
+        node1 = {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "4"}
+        out[name] = pools.script(
+            4, *common, *val, *dis, *extra, f"logging.dir={root / name}", timeout=900,
+            nodes=2, rank_env={2: node1, 3: node1}, own_world=True).nodes(2)
     out["died"] = marker.exists()
     out["fail"] = run_torchrun(3, *common, *dis1, "rollout.backend=tests.test_rl_async:"
                                 "BrokenEngine", "rollout.max_retries=0",
@@ -233,7 +240,7 @@ def test_async_keys_are_refused_naming_the_key():
     assert "rollout.placement='elsewhere' must be one of" in async_problems(cfg, 4)[0]
 
 
-def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(runs):
+def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(pools, runs):
     """s = 1 stopped after step 1 (the trainer tells the waiting engine owners to stop),
     resumed and stopped after step 2 (the rollout side has generated every batch already and
     ended), resumed to step 4: the batches generated ahead come back from the checkpoint and
@@ -243,9 +250,12 @@ def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(runs):
     pieces = []
     for name, extra in (("r1", ("train.exit_interval=1",)), ("r2", ("train.exit_interval=2",)),
                         ("r3", ())):
-        procs = run_two_nodes(2, *runs["common"], *runs["dis"], "rollout.max_staleness=1",
-                              f"checkpoint.dir={ckpt}", *extra, f"logging.dir={root / name}",
-                              timeout=600)
+        args = (*runs["common"], *runs["dis"], "rollout.max_staleness=1",
+                f"checkpoint.dir={ckpt}", *extra, f"logging.dir={root / name}")
+        if name == "r1":   # the first piece writes the checkpoint: on the rank pool
+            procs = pools.script(4, *args, timeout=600, nodes=2, own_world=True).nodes(2)
+        else:              # a resume: real launches read the checkpoint
+            procs = run_two_nodes(2, *args, timeout=600)
         assert _ok(procs), procs[0].stdout[-3000:] + procs[0].stderr[-3000:]
         pieces.append(_metrics(root / name))
     assert [len(p) for p in pieces] == [1, 1, 2]
@@ -263,7 +273,7 @@ def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(runs):
 
 
 @pytest.fixture(scope="module")
-def more_runs(runs) -> dict:
+def more_runs(pools, runs) -> dict:
     """DAPO with dynamic sampling and multi-turn episodes, colocated and disaggregated."""
     root, common, dis1 = runs["root"], runs["common"], runs["dis1"]
     dapo = ("algorithm=dapo", "rollout.max_new_tokens=6", "train.prompts_per_step=2",
@@ -275,13 +285,13 @@ def more_runs(runs) -> dict:
            "train.max_steps=2", "train.seq_length=128", "rollout.max_new_tokens=6")
     out = {}
     for name, extra in (("dapo", dapo), ("env", env)):
-        out[f"{name}_colocated"] = run_torchrun(2, *common, *extra,
+        out[f"{name}_colocated"] = pools.script(2, *common, *extra,
                                                 f"logging.dir={root / (name + '_colocated')}")
         for s in (0, 1) if name == "dapo" else (0,):
-            out[f"{name}_s{s}"] = run_torchrun(3, *common, *dis1, *extra,
+            out[f"{name}_s{s}"] = pools.script(3, *common, *dis1, *extra,
                                                 f"rollout.max_staleness={s}",
                                                 f"logging.dir={root / f'{name}_s{s}'}",
-                                                timeout=600)
+                                                timeout=600, own_world=True)
     for name in ("dapo_colocated", "dapo_s0", "dapo_s1", "env_colocated", "env_s0"):
         out[f"{name}_m"] = _metrics(root / name)
     return out

@@ -50,7 +50,7 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(pools, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("rl_ckpt")
     model = build_tiny_model(str(root / "qwen3"), "qwen3", hidden=64, layers=4, heads=8,
                              kv_heads=2, seed=0, initializer_range=0.2)
@@ -65,10 +65,14 @@ def runs(tmp_path_factory) -> dict:
             "reward.fn=tests.test_rl_checkpoint:digit_reward"]
     out = {"root": root}
 
-    def run(name: str, nproc: int, argv: list[str], *extra: str):
+    def run(name: str, nproc: int, argv: list[str], *extra: str, resume: bool = False):
+        """A resume (of a checkpoint another run wrote): a real torchrun launch, so a new
+        process reads it; the others on the session's rank pool (tests/pool.py)."""
         log = root / name
-        return run_torchrun(nproc, *argv, f"logging.dir={log}", f"checkpoint.dir={log / 'ckpt'}",
-                            *extra, timeout=300)
+        args = (*argv, f"logging.dir={log}", f"checkpoint.dir={log / 'ckpt'}", *extra)
+        if resume:
+            return run_torchrun(nproc, *args, timeout=300)
+        return pools.script(nproc, *args, timeout=300)
 
     dapo = ["-m", "engine.rl", "algorithm=dapo", *common, "rollout.n=2",
             "rollout.max_new_tokens=6", "train.prompts_per_step=2", "train.max_steps=2",
@@ -79,13 +83,13 @@ def runs(tmp_path_factory) -> dict:
 
     def stopped_and_resumed() -> None:
         out["B"] = run("B", 1, grpo, "train.exit_interval=2")
-        out["B2"] = run("B", 1, grpo)
-        out["B3"] = run("B", 1, grpo)
+        out["B2"] = run("B", 1, grpo, resume=True)
+        out["B3"] = run("B", 1, grpo, resume=True)
 
     def straight_then_dapo() -> None:
         out["A"] = run("A", 1, grpo)
         out["D"] = run("D", 2, dapo, "train.exit_interval=1")
-        out["D2"] = run("D", 2, dapo)
+        out["D2"] = run("D", 2, dapo, resume=True)
 
     # two independent chains of runs side by side (one CPU core each, mostly)
     with ThreadPoolExecutor(2) as pool:

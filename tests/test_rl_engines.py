@@ -19,7 +19,7 @@ import pytest
 from engine.rl.rollout.base import SamplingParams
 from engine.rl.rollout.placement import placement_problems, resolve_placement
 from engine.rl.rollout.work_split import batch_seeds, response_seed, split_groups
-from tests.launch import result_lines, run_torchrun, run_two_nodes
+from tests.launch import result_lines, run_two_nodes
 from tests.tiny_models import build_tiny_model
 
 # ----------------------------------------------------------------------------- placement
@@ -138,13 +138,13 @@ def test_start_refuses_an_impossible_placement(model_dir, tmp_path, monkeypatch)
 # ----------------------------------------------------------------------------- sync topology
 
 
-def test_every_engine_gets_the_whole_model_from_its_own_replica(model_dir):
+def test_every_engine_gets_the_whole_model_from_its_own_replica(pools, model_dir):
     """tests/multirank/engine_sync.py on 4 ranks: PP2 x DP2 with owners in different stages
     (streams in both directions), owners that are TP rank 1, a restart target off rank 0, DP4.
     Every target owner holds every HF tensor once, bitwise; nobody else receives a byte."""
     from tests.multirank.engine_sync import CASES
 
-    proc = run_torchrun(4, "tests/multirank/engine_sync.py", model_dir, timeout=600)
+    proc = pools.script(4, "tests/multirank/engine_sync.py", model_dir, timeout=600)
     assert proc.returncode == 0
     results = {r["case"]: r["reports"] for r in result_lines(proc.stdout)}
     assert list(results) == [c[0] for c in CASES]
@@ -192,7 +192,9 @@ def _metrics(log_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(model_dir, prompts_file, tmp_path_factory) -> dict:
+def runs(pools, model_dir, prompts_file, tmp_path_factory) -> dict:
+    """A and B on the 4-rank pool (tests/pool.py) numbered as 2 torchrun nodes of 2; C, the
+    resume of B's checkpoint, a real launch on 2 nodes (a new process reads the checkpoint)."""
     root = tmp_path_factory.mktemp("engines_runs")
     common = ("-m", "engine.rl", f"model.hf_path={model_dir}",
               f"data.train_files=[{prompts_file}]", "parallel.tp=2", "rollout.n=2",
@@ -201,14 +203,16 @@ def runs(model_dir, prompts_file, tmp_path_factory) -> dict:
               "reward.fn=tests.test_rl_engines:digit_reward", "logging.progress_bar=false")
     out = {}
     marker = root / "engine1_died"
-    out["A"] = run_two_nodes(
-        2, *common, f"logging.dir={root / 'A'}", "rollout.check_weight_sync=true",
-        "rollout.backend=tests.flaky_rollout:DyingHFEngine", timeout=600,
-        node_env=({}, {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "2"}))
+    node1 = {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "2"}
+    out["A"] = pools.script(
+        4, *common, f"logging.dir={root / 'A'}", "rollout.check_weight_sync=true",
+        "rollout.backend=tests.flaky_rollout:DyingHFEngine", timeout=600, nodes=2,
+        rank_env={2: node1, 3: node1}).nodes(2)
     out["died"] = marker.exists()
     ckpt = root / "ckpt"
-    out["B"] = run_two_nodes(2, *common, f"logging.dir={root / 'B'}", "rollout.num_engines=1",
-                             f"checkpoint.dir={ckpt}", "train.exit_interval=2", timeout=600)
+    out["B"] = pools.script(4, *common, f"logging.dir={root / 'B'}", "rollout.num_engines=1",
+                            f"checkpoint.dir={ckpt}", "train.exit_interval=2", timeout=600,
+                            nodes=2).nodes(2)
     out["C"] = run_two_nodes(2, *common, f"logging.dir={root / 'C'}", f"checkpoint.dir={ckpt}",
                              timeout=600)
     for name in ("A", "B", "C"):

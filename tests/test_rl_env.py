@@ -284,10 +284,8 @@ def test_two_engines_equal_one_engine_for_multi_turn(eos_model_dir):
     assert one.metrics["env/turns_max"] >= 2 and len({len(r) for r in one.response_ids}) > 1
 
 
-def _cli_run(model_dir, data, log_dir, engines: int):
-    from tests.launch import run_torchrun
-
-    proc = run_torchrun(
+def _cli_run(pools, model_dir, data, log_dir, engines: int):
+    proc = pools.script(
         2, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{data}]",
         "env.fn=tests.test_rl_env:CountEnv", "env.max_turns=3", "rollout.n=2",
         f"rollout.num_engines={engines}", "rollout.max_new_tokens=6",
@@ -302,7 +300,7 @@ def _cli_run(model_dir, data, log_dir, engines: int):
     return steps, dumps
 
 
-def test_cli_multi_turn_two_engines_equal_one(eos_model_dir, tmp_path):
+def test_cli_multi_turn_two_engines_equal_one(pools, eos_model_dir, tmp_path):
     """`python -m engine.rl` with env.fn on 2 ranks (DP2) with 1 and with 2 rollout engines:
     episodes of up to 3 turns train through the usual path (the batch with its masks is
     broadcast to every rank), each engine gets one generate call per turn, env metrics are
@@ -311,7 +309,7 @@ def test_cli_multi_turn_two_engines_equal_one(eos_model_dir, tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                             + "\n" for i in range(8)))
-    runs = {k: _cli_run(eos_model_dir, data, tmp_path / f"e{k}", k) for k in (1, 2)}
+    runs = {k: _cli_run(pools, eos_model_dir, data, tmp_path / f"e{k}", k) for k in (1, 2)}
     for steps, dumps in runs.values():
         assert len(steps) == 2
         for m, dump in zip(steps, dumps):

@@ -1,7 +1,10 @@
 """The GRPO/DAPO loop: configuration, rollout batches, the command line end to end (one
 generate call per rollout batch, weight sync parity), and policy-loss layout invariance.
 
-Multi-rank parts run under torchrun with gloo on the tiny qwen3 model (4 layers, hidden 64)."""
+Multi-rank parts run with gloo on the tiny qwen3 model (4 layers, hidden 64): one real
+`torchrun -m engine.rl` launch (the command line end to end), the other runs of the command
+line and the invariance scripts on the session's rank pool (tests/pool.py) as torchrun would
+run them; the refusal of an unknown algorithm in this process (tests.launch.run_main)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +22,7 @@ from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.policy.update import split_mini_batches
 from engine.rl.rollout import Generation, RolloutEngine
-from tests.launch import result_lines, run_python, run_torchrun
+from tests.launch import result_lines, run_cli, run_torchrun
 from tests.tiny_models import build_tiny_model
 
 INVARIANCE = "tests/multirank/rl_invariance.py"
@@ -109,8 +112,8 @@ def test_validate_names_key_and_choices(model_dir, prompts_file):
 
 
 def test_unknown_algorithm_exits_2_listing_choices(model_dir, prompts_file):
-    proc = run_python("-m", "engine.rl", "algorithm=trpo", f"model.hf_path={model_dir}",
-                      f"data.train_files=[{prompts_file}]", timeout=120)
+    proc = run_cli("engine.rl", "algorithm=trpo", f"model.hf_path={model_dir}",
+                   f"data.train_files=[{prompts_file}]")
     assert proc.returncode == 2
     assert "algorithm='trpo' is not valid; choose one of grpo, ppo, dapo" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -250,6 +253,7 @@ def _metrics(log_dir: Path) -> list[dict]:
 
 
 def test_cli_generates_once_per_step_and_syncs_weights(model_dir, prompts_file, tmp_path):
+    """A real torchrun launch: the engine.rl command line as a user starts it."""
     log_dir = tmp_path / "run"
     proc = run_torchrun(
         2, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{prompts_file}]",
@@ -278,13 +282,13 @@ def test_cli_generates_once_per_step_and_syncs_weights(model_dir, prompts_file, 
     assert list(log_dir.glob("events.out.tfevents*"))
 
 
-def test_cli_moe_policy_with_expert_parallelism(moe_dir, prompts_file, tmp_path):
+def test_cli_moe_policy_with_expert_parallelism(pools, moe_dir, prompts_file, tmp_path):
     """GRPO on the Qwen3-MoE policy at DP2 x EP2 with the HF rollout backend: the weight sync
     gathers every expert over EP into the engine (its logits equal the trainer's after the
     weights moved), rollout/logprob_diff stays at the dense test's level, the frozen KL
     reference runs, and the router's load-balancing loss and load metric are logged."""
     log_dir = tmp_path / "moe"
-    proc = run_torchrun(
+    proc = pools.script(
         2, "-m", "engine.rl", f"model.hf_path={moe_dir}", f"data.train_files=[{prompts_file}]",
         "parallel.ep=2", "moe.aux_loss_coeff=0.01", "rollout.n=4", "rollout.max_new_tokens=8",
         "train.prompts_per_step=4", "train.mini_batches_per_step=2",
@@ -315,7 +319,7 @@ RL_SPECS = ["1,1,1,1", "2,1,1,1,sp", "1,2,1,1,ov", "1,1,2,1,packing+ov",
 
 
 @pytest.fixture(scope="module")
-def rl_invariance(model_dir, moe_dir, tmp_path_factory) -> dict:
+def rl_invariance(pools, model_dir, moe_dir, tmp_path_factory) -> dict:
     """{"ref": {(spec, mode): result}, "results": [...], "control": {...}}. The T=1 policy:
     vocabulary 256, so each TP slice holds 128 rows and no padding, entropy_coef != 0."""
     root = tmp_path_factory.mktemp("rl_inv")
@@ -323,10 +327,10 @@ def rl_invariance(model_dir, moe_dir, tmp_path_factory) -> dict:
                               layers=2, heads=8, kv_heads=2, seed=1, initializer_range=0.2)
     ref_file = str(root / "rl_ref.pt")
     env = {"INV_MOE_MODEL_DIR": moe_dir, "INV_T1_MODEL_DIR": t1_dir}
-    ref = run_torchrun(1, INVARIANCE, model_dir, ref_file, "1,1,1,2", "1,1,1,2,moe",
+    ref = pools.script(1, INVARIANCE, model_dir, ref_file, "1,1,1,2", "1,1,1,2,moe",
                        "1,1,1,2,t1", timeout=600, env=env)
     assert ref.returncode == 0
-    proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *RL_SPECS, timeout=900, env=env)
+    proc = pools.script(4, INVARIANCE, model_dir, ref_file, *RL_SPECS, timeout=900, env=env)
     assert proc.returncode == 0
     return {"ref": {(r["spec"], r.get("variant") or r["mode"]): r
                     for r in result_lines(ref.stdout)},
@@ -414,12 +418,13 @@ def test_policy_update_is_layout_invariant_at_temperature_1_with_unpadded_vocab(
         assert r["n_params"] == 2 * 11 + 2  # 2 layers of 11 tensors, tied embedding, norm
 
 
-def test_cli_dapo_on_4_ranks_with_tp2_and_accumulation(model_dir, prompts_file, tmp_path):
+def test_cli_dapo_on_4_ranks_with_tp2_and_accumulation(pools, model_dir, prompts_file,
+                                                       tmp_path):
     """DAPO end to end as a user launches it: 4 ranks (TP2 x DP2, sequence parallelism on by
     default at tp 2), accumulation, selective recomputation, dynamic sampling; every generation
     batch is one generate call."""
     log_dir = tmp_path / "dapo"
-    proc = run_torchrun(
+    proc = pools.script(
         4, "-m", "engine.rl", "algorithm=dapo", f"model.hf_path={model_dir}",
         f"data.train_files=[{prompts_file}]", "parallel.tp=2", "rollout.n=4",
         "rollout.max_new_tokens=8", "train.prompts_per_step=4", "train.mini_batches_per_step=1",
@@ -437,19 +442,19 @@ def test_cli_dapo_on_4_ranks_with_tp2_and_accumulation(model_dir, prompts_file, 
 
 
 # Multi-turn batches (flag mt: loss masks with holes, tests/multirank/rl_multi_turn.py) at DP4,
-# TP2+SP, PP2, CP2 x DP2 with packing and dynamic micro-batches at DP4: their own two launches
-# (the main RL invariance launch is near its time limit on 2 cores).
+# TP2+SP, PP2, CP2 x DP2 with packing and dynamic micro-batches at DP4: their own two runs
+# (the main RL invariance run is near its time limit on 2 cores).
 MT_SPECS = ["1,1,1,1,mt", "2,1,1,1,mt+sp", "1,2,1,1,mt", "1,1,2,1,mt+packing",
             "1,1,1,4,mt+dyn=40"]
 
 
 @pytest.fixture(scope="module")
-def rl_invariance_mt(model_dir, tmp_path_factory) -> dict:
+def rl_invariance_mt(pools, model_dir, tmp_path_factory) -> dict:
     """{"ref": [...], "results": [...], "control": {...}} of the multi-turn specs."""
     ref_file = str(tmp_path_factory.mktemp("rl_inv_mt") / "rl_ref.pt")
-    ref = run_torchrun(1, INVARIANCE, model_dir, ref_file, "1,1,1,2,mt", timeout=600)
+    ref = pools.script(1, INVARIANCE, model_dir, ref_file, "1,1,1,2,mt", timeout=600)
     assert ref.returncode == 0
-    proc = run_torchrun(4, INVARIANCE, model_dir, ref_file, *MT_SPECS, timeout=600)
+    proc = pools.script(4, INVARIANCE, model_dir, ref_file, *MT_SPECS, timeout=600)
     assert proc.returncode == 0
     return {"ref": result_lines(ref.stdout), "results": result_lines(proc.stdout),
             "control": result_lines(ref.stdout, "CONTROL_MT ")[0]}

@@ -123,7 +123,9 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(pools, tmp_path_factory) -> dict:
+    """N, S and V on the session's 2-rank pool (tests/pool.py); S2, the resume of S's
+    checkpoint, a real torchrun launch (a new process reads the checkpoint)."""
     root = tmp_path_factory.mktemp("rl_val")
     model = build_tiny_model(str(root / "qwen3"), "qwen3", hidden=64, layers=4, heads=8,
                              kv_heads=2, seed=0, initializer_range=0.2)
@@ -146,15 +148,17 @@ def runs(tmp_path_factory) -> dict:
                 f"val.pass_threshold={THRESHOLD}"]
     out = {"root": root, "model": model, "val": val}
 
-    def run(name: str, argv: list[str], *extra: str):
+    def run(name: str, argv: list[str], *extra: str, resume: bool = False):
         log = root / name
-        return run_torchrun(2, *argv, f"logging.dir={log}", f"checkpoint.dir={log / 'ckpt'}",
-                            *extra, timeout=400)
+        args = (*argv, f"logging.dir={log}", f"checkpoint.dir={log / 'ckpt'}", *extra)
+        if resume:
+            return run_torchrun(2, *args, timeout=400)
+        return pools.script(2, *args, timeout=400)
 
     def plain_then_stopped() -> None:
         out["N"] = run("N", base)
         out["S"] = run("S", with_val, "train.exit_interval=2")
-        out["S2"] = run("S", with_val)
+        out["S2"] = run("S", with_val, resume=True)
 
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(plain_then_stopped), pool.submit(lambda: out.update(

@@ -14,7 +14,6 @@ from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.rollout.pool import RolloutFailed
 from tests.flaky_rollout import BrokenHFEngine, FlakyHFEngine
-from tests.launch import run_torchrun
 from tests.tiny_models import build_tiny_model
 
 
@@ -86,25 +85,31 @@ def test_backend_class_errors_are_config_errors(model_dir, prompts_file):
         validate_rl(cfg, 1)
 
 
-def _cli(model_dir, prompts_file, log_dir, backend):
-    return run_torchrun(
+def _cli(pools, model_dir, prompts_file, log_dir, backend):
+    """`torchrun --nproc_per_node 2 -m engine.rl ...` on the session's rank pool; every
+    rank's output joined, `exit_codes` the workers' own."""
+    run = pools.script(
         2, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{prompts_file}]",
         f"rollout.backend=tests.flaky_rollout:{backend}", "rollout.retry_wait_s=0.1",
         "rollout.n=2", "rollout.max_new_tokens=4", "train.prompts_per_step=2",
         "train.max_steps=2", "train.seq_length=64", "kl.beta=0", f"logging.dir={log_dir}",
-        "logging.progress_bar=false", timeout=300)
+        "logging.progress_bar=false", timeout=300, check=False)
+    proc = run.merged()
+    proc.exit_codes = [r.exit_code for r in run.ranks]
+    return proc
 
 
-def test_cli_retries_then_trains_and_reports_a_dead_backend(model_dir, prompts_file, tmp_path):
-    ok = _cli(model_dir, prompts_file, tmp_path / "flaky", "FlakyHFEngine")
+def test_cli_retries_then_trains_and_reports_a_dead_backend(pools, model_dir, prompts_file,
+                                                            tmp_path):
+    ok = _cli(pools, model_dir, prompts_file, tmp_path / "flaky", "FlakyHFEngine")
     assert ok.returncode == 0
     rows = [json.loads(line) for line in
             Path(tmp_path / "flaky" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/retries"] for r in rows] == [2.0, 0.0]
     assert ok.stdout.count("retrying in") == 2 and "retrying in 0.2 s" in ok.stdout
 
-    dead = _cli(model_dir, prompts_file, tmp_path / "dead", "BrokenHFEngine")
-    assert dead.returncode != 0 and re.search(r"exitcode\s*:\s*1", dead.stderr)
+    dead = _cli(pools, model_dir, prompts_file, tmp_path / "dead", "BrokenHFEngine")
+    assert dead.returncode != 0 and dead.exit_codes == [1, 1]
     assert dead.stderr.count("error: rollout backend 'tests.flaky_rollout:BrokenHFEngine' "
                              "failed 3 times in a row") == 1
     assert "illegal memory access" in dead.stderr

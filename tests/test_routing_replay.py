@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.config.moe_settings import MoEConfig, moe_problems
-from tests.launch import run_torchrun
+from tests.launch import run_cli
 from tests.tiny_models import build_tiny_model
 
 SPECS = ("1,1,1,2,control", "2,1,1,1,sp", "1,2,1,1", "1,1,2,1,packing+budget")
@@ -68,27 +68,24 @@ def test_r3_backend_and_mode_refusals():
 
 
 def test_cli_refuses_bad_routing_replay_before_process_groups(tmp_path):
-    from tests.launch import run_python
-
     model = build_tiny_model(str(tmp_path / "dense"), "qwen3", hidden=32, layers=1, heads=2,
                              kv_heads=1)
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"prompt": "1 plus 1", "answer": 2}) + "\n")
     for value, needle in (("R4", "moe.routing_replay='R4' is not valid"),
                           ("R2", "moe.routing_replay=R2 needs a MoE policy")):
-        proc = run_python("-m", "engine.rl", f"model.hf_path={model}",
-                          f"data.train_files=[{data}]", f"moe.routing_replay={value}",
-                          timeout=120)
+        proc = run_cli("engine.rl", f"model.hf_path={model}", f"data.train_files=[{data}]",
+                       f"moe.routing_replay={value}")
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert needle in proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
-def replay_launch(tmp_path_factory) -> dict:
+def replay_launch(pools, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("replay")
     model = build_tiny_model(str(root / "qwen3_moe"), "qwen3_moe", hidden=64, layers=2,
                              heads=8, kv_heads=2, seed=0, initializer_range=0.2)
-    proc = run_torchrun(2, "tests/multirank/routing_replay.py", model, *SPECS, timeout=900)
+    proc = pools.script(2, "tests/multirank/routing_replay.py", model, *SPECS, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = {"results": [], "control": None, "r3": None}
     for line in proc.stdout.splitlines():

@@ -1,12 +1,12 @@
-"""`engine.sft` through the command line, as a user runs it: metrics files, CP/packing/
-balancing layouts matching the single-process run. Configuration and data errors:
-tests/test_cli_errors.py."""
+"""`engine.sft` through the command line, as a user runs it (`-m engine.sft` on the ranks of the
+session's rank pool, tests/pool.py, as torchrun runs it): metrics files, CP/packing/balancing
+layouts matching the single-process run. Configuration and data errors:
+tests/test_cli_errors.py; real torchrun launches of engine.sft: tests/test_preemption.py."""
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.launch import run_python, run_torchrun
 
 STEPS = 3
 REQUIRED = ("step", "loss", "grad_norm", "lr", "num_tokens", "num_sequences", "time/step_s",
@@ -14,11 +14,8 @@ REQUIRED = ("step", "loss", "grad_norm", "lr", "num_tokens", "num_sequences", "t
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cli_assets")
-    proc = run_python("tools/make_demo_assets.py", "--out", str(out))
-    assert proc.returncode == 0
-    return out
+def assets(demo_assets):
+    return demo_assets
 
 
 def _args(assets, log_dir, *extra):
@@ -34,9 +31,9 @@ def _metrics(log_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(assets, tmp_path_factory):
+def reference(pools, assets, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("ref_log")
-    proc = run_torchrun(1, *_args(assets, log_dir), timeout=600)
+    proc = pools.script(1, *_args(assets, log_dir), timeout=600)
     assert proc.returncode == 0
     return _metrics(log_dir), log_dir
 
@@ -61,9 +58,9 @@ def test_metrics_jsonl_and_tensorboard_written(reference):
          "train.recompute=full"]),
     (4, ["parallel.cp=2", "train.packing=true", "train.max_tokens_per_micro_batch=96"]),
 ])
-def test_cli_layouts_match_single_process(assets, reference, tmp_path, nproc, extra):
+def test_cli_layouts_match_single_process(pools, assets, reference, tmp_path, nproc, extra):
     ref_rows, _ = reference
-    proc = run_torchrun(nproc, *_args(assets, tmp_path, *extra), timeout=600)
+    proc = pools.script(nproc, *_args(assets, tmp_path, *extra), timeout=600)
     assert proc.returncode == 0
     if "train.recompute=full" in extra:  # the settings reached megatron's TransformerConfig
         assert ("[sft] model: sequence parallelism on, recompute full (uniform, 1 layer(s))"

@@ -1,8 +1,8 @@
 """The engine's promise: every layout gives the single-process loss, grad norm and parameters.
 
-One reference run (1 process, micro-batch = global batch of 16) and launches at 2, 4 and 8
-ranks that each loop over several layouts inside the same processes (tests/multirank/
-sft_invariance.py), all five aggregation modes (token-mean and seq-mean-token-mean for the
+One reference run (1 process, micro-batch = global batch of 16) and runs at 2, 4 and 8
+ranks (on the session's rank pool, tests/pool.py, as torchrun would run the script) that each
+loop over several layouts inside the same processes (tests/multirank/sft_invariance.py), all five aggregation modes (token-mean and seq-mean-token-mean for the
 sequence-parallel and recomputation layouts), 3 Adam steps, fp32, same HF weights.
 
 Tolerance: relative 1e-5 on per-step loss, grad norm and final parameters (parameters relative
@@ -14,10 +14,10 @@ with reduction-order noise, which would hide real bugs under a loose tolerance.
 
 import pytest
 
-from tests.launch import result_lines, run_torchrun
+from tests.launch import result_lines
 from tests.tiny_models import build_tiny_model
 
-# the module fixture runs four launches inside the first test's setup
+# the module fixture runs four multi-rank runs inside the first test's setup
 pytestmark = pytest.mark.timeout(2400)
 
 SCRIPT = "tests/multirank/sft_invariance.py"
@@ -85,7 +85,7 @@ for _extra in (MOE_SPECS, OVERLAP_SPECS):
 
 
 @pytest.fixture(scope="module")
-def invariance_runs(tmp_path_factory):
+def invariance_runs(pools, tmp_path_factory):
     root = tmp_path_factory.mktemp("sft_inv")
     # initializer_range 0.4: per-token losses differ a lot at init (loss ~10 vs log 200 = 5.3),
     # so aggregation bugs move the loss far beyond the tolerance (a near-uniform model would
@@ -97,9 +97,9 @@ def invariance_runs(tmp_path_factory):
     ref = str(root / "reference.pt")
     results, controls = {}, {}
     for world, specs in LAUNCHES.items():
-        proc = run_torchrun(world, SCRIPT, model, ref, *specs, timeout=1500,
+        proc = pools.script(world, SCRIPT, model, ref, *specs, timeout=1500,
                             env={"INV_MOE_MODEL_DIR": moe})
-        assert proc.returncode == 0, f"world {world} launch failed"
+        assert proc.returncode == 0, f"world {world} run failed"
         results[world] = result_lines(proc.stdout)
         controls[world] = result_lines(proc.stdout, "CONTROL ")
     return results, controls

@@ -1,10 +1,10 @@
 """Per-token log-probs and entropy from vocab-parallel logits are exact and never see logits
 modified in place (engine.training.token_losses; the correctness issue's entropy defect)."""
-from tests.launch import result_lines, run_torchrun
+from tests.launch import result_lines
 
 
-def test_logprobs_and_entropy_match_float64_reference_on_every_case():
-    proc = run_torchrun(2, "tests/multirank/token_losses_check.py", timeout=300)
+def test_logprobs_and_entropy_match_float64_reference_on_every_case(pools):
+    proc = pools.script(2, "tests/multirank/token_losses_check.py", timeout=300)
     assert proc.returncode == 0
     results = result_lines(proc.stdout)
     assert len(results) == 16  # tp 1/2 x fp32/bf16 x T 1.0/0.8 x padded/unpadded vocab
