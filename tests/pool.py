@@ -63,6 +63,14 @@ DUMP_SIGNAL = signal.SIGUSR2
 # A rank whose resident memory passes this after a case is replaced (long-lived processes
 # accumulate allocator fragmentation and caches).
 MAX_RSS_BYTES = 3 << 30
+# ... and so is a rank left with more threads than this beyond its first case's: process groups
+# the case leaked. Megatron's DistributedDataParallel keeps its parameters' gradient
+# accumulators (C++ autograd nodes) whose hooks close over the DDP object: a cycle Python's
+# collector cannot see, so the DDP, its model and its process groups live until the process
+# exits (in a torchrun launch too). Each gloo group keeps threads that wake up now and then;
+# a destroyed one whose peer is gone spins. On 2 cores, a few hundred of them in idle ranks
+# slow every later case, so those ranks are replaced (a restart costs a few seconds).
+MAX_EXTRA_THREADS = 24
 # Ranks kept started over all pools; the least recently used pools are closed beyond it.
 MAX_RANKS = 16
 
@@ -494,6 +502,7 @@ class _Rank:
         from parallel import cpu_runtime
 
         self.fake_rng = cpu_runtime._FAKE_GENERATOR.get_state()
+        self.threads = _threads()
         self.signals = {s: signal.getsignal(s) for s in
                         (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)}
 
@@ -550,7 +559,8 @@ class _Rank:
             result["restart"] = True
             result.setdefault("error", "pool reset failed:\n" + traceback.format_exc())
         result["seconds"] = time.perf_counter() - started
-        result["restart"] = result["restart"] or _rss() > MAX_RSS_BYTES
+        result["restart"] = (result["restart"] or _rss() > MAX_RSS_BYTES
+                             or _threads() > self.threads + MAX_EXTRA_THREADS)
         try:
             pickle.dumps(result.get("value"))
         except Exception as e:  # noqa: BLE001
@@ -598,11 +608,7 @@ class _Rank:
             if pg is not world:
                 with contextlib.suppress(Exception):
                     _ORIGINAL_DESTROY(pg)
-        # The case's models and optimizers hold its groups in reference cycles: free them now.
-        # A gloo group left to a later garbage collection on one rank only would see its peer's
-        # sockets close, and its transport thread then spins on the hang-up (2 cores: every
-        # such thread slows every later case).
-        gc.collect()
+        gc.collect()   # the case's models, optimizers and groups, as far as Python can see
         for sig, handler in self.signals.items():
             signal.signal(sig, handler)
         os.environ.clear()
@@ -666,6 +672,16 @@ def _exit_code(e: SystemExit) -> int:
         return e.code
     print(e.code, file=sys.stderr)
     return 1
+
+
+def _threads() -> int:
+    """Native threads of this process (gloo's included)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
 
 
 def _rss() -> int:
