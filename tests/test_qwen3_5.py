@@ -4,7 +4,7 @@
 - the weight-layout transforms round-trip at TP1/TP2; refusals name the field;
 - conversion HF -> mcore -> HF is bitwise; `verify` within 1e-4 of transformers at TP2 and
   PP2 (dense), TP2 and EP2 (MoE);
-- one GDN-layer launch (tests/multirank/qwen3_5_check.py): packing and CP2 equal the
+- one GDN-layer case on the rank pool (tests/multirank/qwen3_5_check.py): packing and CP2 equal the
   unpacked single process, with the negative controls (state leaking across packed
   sequences, CP without the exchange);
 - the SFT invariance harness (tests/multirank/sft_invariance.py) on both models: TP2+SP,
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import result_lines, run_python, run_torchrun
+from tests.launch import result_lines
 from tests.qwen3_5_tiny import build_qwen3_5
 
 CONVERT = "tools/convert.py"
@@ -110,8 +110,8 @@ def _tensors(path: Path) -> dict:
     return load_file(str(path / "model.safetensors"))
 
 
-def _verify(model: Path, ckpt: Path, *layout: str) -> float:
-    proc = run_torchrun(2, CONVERT, "verify", "--hf-dir", str(model), "--ckpt", str(ckpt),
+def _verify(pools, model: Path, ckpt: Path, *layout: str) -> float:
+    proc = pools.script(2, CONVERT, "verify", "--hf-dir", str(model), "--ckpt", str(ckpt),
                         "--seq-len", "70", *layout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = next(x for x in proc.stdout.splitlines() if "max_abs_diff=" in x)
@@ -120,19 +120,20 @@ def _verify(model: Path, ckpt: Path, *layout: str) -> float:
 
 @pytest.mark.parametrize("kind,layouts", [("dense", (("--tp", "2"), ("--pp", "2"))),
                                           ("moe", (("--tp", "2"), ("--ep", "2")))])
-def test_convert_round_trip_and_verify(models, tmp_path, kind, layouts):
+def test_convert_round_trip_and_verify(pools, models, tmp_path, kind, layouts):
     model, ckpt, out = models[kind], tmp_path / "ckpt", tmp_path / "hf"
-    assert run_python(CONVERT, "hf-to-mcore", "--hf-dir", model, "--out", ckpt).returncode == 0
-    assert run_python(CONVERT, "mcore-to-hf", "--ckpt", ckpt, "--out", out).returncode == 0
+    for args in (("hf-to-mcore", "--hf-dir", model, "--out", ckpt),
+                 ("mcore-to-hf", "--ckpt", ckpt, "--out", out)):
+        assert pools.script(1, CONVERT, *map(str, args)).returncode == 0, args
     a, b = _tensors(model), _tensors(out)
     assert sorted(a) == sorted(b)
     assert all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)
     for layout in layouts:
-        assert _verify(model, ckpt, *layout) < 1e-4, layout
+        assert _verify(pools, model, ckpt, *layout) < 1e-4, layout
 
 
-def test_gdn_packing_and_cp_with_controls():
-    proc = run_torchrun(2, "tests/multirank/qwen3_5_check.py")
+def test_gdn_packing_and_cp_with_controls(pools):
+    proc = pools.script(2, "tests/multirank/qwen3_5_check.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = {r["check"]: r for r in result_lines(proc.stdout)}
     for check in ("packing", "cp2", "cp2_packed"):
@@ -147,17 +148,17 @@ SPECS = ["2,1,0,1,16,sp", "1,2,0,1,4", "1,1,0,2,16", "1,1,0,1,16,packing",
          "1,1,0,1,16,moe+packing"]
 
 
-def test_sft_invariance(models, tmp_path):
+def test_sft_invariance(pools, models, tmp_path):
     script, ref = "tests/multirank/sft_invariance.py", tmp_path / "ref.json"
     # Adam eps 1e-3 (the harness default 1e-4 lets fp32 reduction-order noise on near-zero
     # gradients, e.g. lm_head rows of unseen tokens, reach 1.7e-5 of a parameter at TP2+SP)
     env = {"INV_MOE_MODEL_DIR": str(models["moe"]), "INV_ADAM_EPS": "1e-3"}
     one = "modes=token-mean"
-    first = run_torchrun(1, script, models["dense"], ref, f"1,1,0,1,16,{one}",
+    first = pools.script(1, script, str(models["dense"]), str(ref), f"1,1,0,1,16,{one}",
                          f"1,1,0,1,16,moe+{one}", env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     specs = [s + ("+" if len(s.split(",")) > 5 else ",") + one for s in SPECS]
-    proc = run_torchrun(2, script, models["dense"], ref, *specs, env=env)
+    proc = pools.script(2, script, str(models["dense"]), str(ref), *specs, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = result_lines(proc.stdout)
     assert len(results) == len(SPECS)
