@@ -18,7 +18,6 @@ from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.checks import distill_problems
 from engine.rl.config import RLConfig
 from engine.training.micro_batches import SequenceData
-from tests.launch import run_torchrun
 from tests.tiny_models import build_tiny_model
 
 
@@ -91,8 +90,9 @@ def test_distill_keys_are_checked_by_name(models):
     assert "colocated only" in placed
 
 
-def _run(nproc, models, prompts, out, *extra):
-    proc = run_torchrun(
+def _run(pools, nproc, models, prompts, out, *extra):
+    """One `engine.rl` run on the session's `nproc`-rank pool (as torchrun would run it)."""
+    proc = pools.script(
         nproc, "-m", "engine.rl", f"model.hf_path={models['student']}",
         f"data.train_files=[{prompts}]", f"distill.teacher_path={models['teacher']}",
         "distill.coef=0.5", "reward.fn=none", "kl.beta=0", "rollout.n=2",
@@ -105,20 +105,21 @@ def _run(nproc, models, prompts, out, *extra):
         return [json.loads(line) for line in f]
 
 
-def test_distillation_is_layout_invariant_and_dumps_the_teachers_logprobs(models, tmp_path):
+def test_distillation_is_layout_invariant_and_dumps_the_teachers_logprobs(pools, models,
+                                                                         tmp_path):
     """TP2 + SP, PP2, DP2 and CP2 with packing and token-budget micro-batches give the
     one-process numbers at both steps (the mean-of-means negative control of the metric is in
     the first test); the dumped teacher log-probs are transformers' teacher's."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
-    one = _run(1, models, prompts, tmp_path / "one")
+    one = _run(pools, 1, models, prompts, tmp_path / "one")
     layouts = {"tp2_sp": ("parallel.tp=2", "parallel.sequence_parallel=true"),
                "pp2": ("parallel.pp=2",), "dp2": (),
                "cp2_packed": ("parallel.cp=2", "train.packing=true",
                               "train.max_tokens_per_micro_batch=64")}
     for name, extra in layouts.items():
-        other = _run(2, models, prompts, tmp_path / name, *extra)
+        other = _run(pools, 2, models, prompts, tmp_path / name, *extra)
         for a, b in zip(one, other):
             for key in ("distill/reverse_kl", "policy/loss", "grad_norm"):
                 assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (name, key, a, b)

@@ -17,7 +17,7 @@ from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.checks import ppo_problems, rl_problems
 from engine.rl.config import RLConfig
 from engine.training.loss import AGG_MODES, aggregate, weights_from_counts
-from tests.launch import run_python, run_torchrun
+from tests.launch import run_torchrun
 from tests.tiny_models import build_tiny_model
 
 
@@ -137,8 +137,9 @@ def model_dir(tmp_path_factory):
                             layers=4, heads=8, kv_heads=2, seed=0, initializer_range=0.2)
 
 
-def _run(nproc, model_dir, prompts, out, *extra, log=True):
-    proc = run_torchrun(
+def _run(pools, nproc, model_dir, prompts, out, *extra):
+    """One `engine.rl` run on the session's `nproc`-rank pool (as torchrun would run it)."""
+    proc = pools.script(
         nproc, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{prompts}]",
         "algorithm=ppo", "advantage.gamma=0.99", "advantage.lam=0.95", "critic.lr=2e-3",
         "reward.fn=tests.test_rl_loop:digit_reward", "kl.beta=0", "rollout.n=2",
@@ -162,18 +163,18 @@ KEYS = ("policy/loss", "grad_norm", "critic/value_loss", "critic/grad_norm",
         "critic/vpred_mean", "critic/values_clipfrac", "policy/clipfrac_low")
 
 
-def test_ppo_is_layout_invariant(model_dir, tmp_path):
+def test_ppo_is_layout_invariant(pools, model_dir, tmp_path):
     """TP2 + Megatron SP, PP2, DP2, and CP2 with packing and token-budget micro-batches give
     the one-process numbers at both steps (the rollout of step 2 uses the synced weights)."""
     prompts = _prompts(tmp_path)
-    one = _run(1, model_dir, prompts, tmp_path / "one")
+    one = _run(pools, 1, model_dir, prompts, tmp_path / "one")
     assert len(one) == 2 and one[0]["critic/grad_norm"] > 0 and one[0]["critic/value_loss"] > 0
     assert one[1]["critic/vpred_mean"] != one[0]["critic/vpred_mean"]  # the critic learns
     for nproc, extra, name in ((2, ("parallel.tp=2", "parallel.sequence_parallel=true"), "tp2"),
                                (2, ("parallel.pp=2",), "pp2"), (2, (), "dp2"),
                                (2, ("parallel.cp=2", "train.packing=true",
                                     "train.max_tokens_per_micro_batch=64"), "cp2_packed")):
-        other = _run(nproc, model_dir, prompts, tmp_path / name, *extra)
+        other = _run(pools, nproc, model_dir, prompts, tmp_path / name, *extra)
         for a, b in zip(one, other):
             for key in KEYS:  # policy/loss: a sum of O(1) terms (whitened advantages) that
                 # nearly cancels, so its rounding is judged against 1, not against the sum
@@ -197,7 +198,7 @@ def test_ppo_is_layout_invariant(model_dir, tmp_path):
     assert (per_rank - torch.tensor(sampled)).abs().max() > 1e-2
 
 
-def _critic_exports_to_hf_and_back(model_dir, prompts, critic_ckpt, tmp_path):
+def _critic_exports_to_hf_and_back(pools, model_dir, prompts, critic_ckpt, tmp_path):
     """tools/convert.py mcore-to-hf of a critic checkpoint writes a ForTokenClassification
     folder (score.weight, no lm_head) that transformers loads; a run started from it with
     critic.hf_path computes the same values as transformers does (the dump's values at step 1,
@@ -205,13 +206,13 @@ def _critic_exports_to_hf_and_back(model_dir, prompts, critic_ckpt, tmp_path):
     from transformers import AutoModelForTokenClassification
 
     out = tmp_path / "critic_hf"
-    proc = run_python("tools/convert.py", "mcore-to-hf", "--ckpt", str(critic_ckpt),
-                      "--out", str(out), timeout=300)
+    proc = pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt", str(critic_ckpt),
+                        "--out", str(out), timeout=300)
     assert proc.returncode == 0
     hf = AutoModelForTokenClassification.from_pretrained(str(out), dtype=torch.float32)
     assert hf.config.num_labels == 1 and float(hf.score.weight.abs().sum()) > 0
     again = tmp_path / "from_hf"
-    _run(1, model_dir, prompts, again, f"critic.hf_path={out}")
+    _run(pools, 1, model_dir, prompts, again, f"critic.hf_path={out}")
     records = [json.loads(line) for line in open(again / "dump" / "step_1.jsonl")]
     for r in records:
         ids = r["token_ids"]
@@ -222,25 +223,25 @@ def _critic_exports_to_hf_and_back(model_dir, prompts, critic_ckpt, tmp_path):
                 assert abs(r["values"][j] - float(values[j - 1])) < 1e-4, (j, r["values"][j])
 
 
-def test_ppo_resumes_policy_and_critic_at_another_layout(model_dir, tmp_path):
+def test_ppo_resumes_policy_and_critic_at_another_layout(pools, model_dir, tmp_path):
     """Checkpoint after step 1 (policy under checkpoint.dir, critic under checkpoint.dir/
     critic), stop, resume at TP2 for step 2: step 2 equals the straight one-process run (the
     critic's weights, Adam state and schedule came back: its value loss and grad norm match)."""
     prompts = _prompts(tmp_path)
-    straight = _run(1, model_dir, prompts, tmp_path / "straight")
+    straight = _run(pools, 1, model_dir, prompts, tmp_path / "straight")
     ck = tmp_path / "ck"
-    first = _run(1, model_dir, prompts, tmp_path / "resumed", f"checkpoint.dir={ck}",
+    first = _run(pools, 1, model_dir, prompts, tmp_path / "resumed", f"checkpoint.dir={ck}",
                  "checkpoint.save_interval=1", "train.exit_interval=1")
     assert len(first) == 1 and (ck / "iter_0000001").is_dir()
     assert (ck / "critic" / "iter_0000001").is_dir()
-    both = _run(2, model_dir, prompts, tmp_path / "resumed", f"checkpoint.dir={ck}",
+    both = _run(pools, 2, model_dir, prompts, tmp_path / "resumed", f"checkpoint.dir={ck}",
                 "checkpoint.save_interval=1", "parallel.tp=2")
     assert len(both) == 2
     for key in KEYS:
         absolute = 2e-6 if key == "policy/loss" else 1e-7
         assert math.isclose(straight[1][key], both[1][key], rel_tol=1e-5, abs_tol=absolute), \
             (key, straight[1][key], both[1][key])
-    _critic_exports_to_hf_and_back(model_dir, prompts, ck / "critic" / "iter_0000002", tmp_path)
+    _critic_exports_to_hf_and_back(pools, model_dir, prompts, ck / "critic" / "iter_0000002", tmp_path)
     # negative control: without the critic's checkpoint (a fresh zero head) step 2 differs
     import shutil
     shutil.rmtree(ck / "critic" / "iter_0000002")
