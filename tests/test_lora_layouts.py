@@ -2,7 +2,7 @@
 equals transformers + peft + torch AdamW from the same adapter, a LoRA checkpoint resumes at
 another layout, and its conversions load in peft / transformers with the same logits.
 
-Two launches of tests/multirank/lora_check.py (world 1: references and checkpoints; world 2:
+Two runs of tests/multirank/lora_check.py on the rank pool (world 1: references and checkpoints; world 2:
 tp2+sp, pp2, dp2, cp2, ep2, a resume at pp2 and the negative control) and two conversions.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import run_python, run_torchrun
 from tests.tiny_models import build_tiny_model
 
 SCRIPT = "tests/multirank/lora_check.py"
@@ -45,7 +44,7 @@ def _make_adapter(base: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
+def lora_run(pools, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     dense = build_tiny_model(str(root / "dense"), "qwen3", initializer_range=0.2)
     moe = build_tiny_model(str(root / "moe"), "qwen3_moe", initializer_range=0.2)
@@ -53,12 +52,12 @@ def lora_run(tmp_path_factory):
     _make_adapter(dense, adapter)
     out = root / "out"
     out.mkdir()
-    single = _results(run_torchrun(1, SCRIPT, dense, moe, adapter, out))
-    layouts = _results(run_torchrun(2, SCRIPT, dense, moe, adapter, out))
+    single = _results(pools.script(1, SCRIPT, dense, moe, adapter, out))
+    layouts = _results(pools.script(2, SCRIPT, dense, moe, adapter, out))
     final = out / "ckpt_final" / "iter_0000003"
     for flag, folder in (("", "peft"), ("--merge", "merged")):
-        proc = run_python("tools/convert.py", "mcore-to-hf", "--ckpt", str(final), "--out",
-                          str(out / folder), *([flag] if flag else []))
+        proc = pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt", str(final),
+                            "--out", str(out / folder), *([flag] if flag else []))
         assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(dense=dense, adapter=adapter, out=out, single=single, layouts=layouts)
 
