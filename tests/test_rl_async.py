@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import run_torchrun, run_two_nodes
+from tests.launch import run_torchrun, run_two_nodes, start, torchrun_cmd, wait
 from tests.tiny_models import build_eos_model, build_tiny_model
 
 SAME = ("reward/mean", "reward/std", "response/length_mean", "policy/loss", "policy/pg_loss",
@@ -114,6 +114,15 @@ def runs(pools, tmp_path_factory) -> dict:
            "rollout.peer_timeout_s=120")
     # the cheaper split where two nodes add nothing: 3 processes, the last one rolls out
     dis1 = ("rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.peer_timeout_s=120")
+    # The two launches that end on rollout.peer_timeout_s spend most of their time waiting:
+    # started first, they wait while the pool runs below use the cores.
+    waiting = {
+        "hang": start(torchrun_cmd(3, *common, *dis1, "rollout.peer_timeout_s=15",
+                                   "reward.fn=tests.test_rl_async:sleeping_reward",
+                                   "reward.timeout_s=null", f"logging.dir={root / 'hang'}")),
+        "killed": start(torchrun_cmd(3, *common, *dis1, "rollout.peer_timeout_s=30",
+                                     "reward.fn=tests.test_rl_async:dying_reward",
+                                     "reward.timeout_s=null", f"logging.dir={root / 'killed'}"))}
     out = {"colocated": pools.script(2, *common, *val, f"logging.dir={root / 'colocated'}")}
     marker = root / "engine_died"
     for name, extra in (("s0", ("rollout.max_staleness=0",)),
@@ -132,14 +141,7 @@ def runs(pools, tmp_path_factory) -> dict:
     out["fail"] = run_torchrun(3, *common, *dis1, "rollout.backend=tests.test_rl_async:"
                                 "BrokenEngine", "rollout.max_retries=0",
                                 f"logging.dir={root / 'fail'}", timeout=600)
-    out["hang"] = run_torchrun(3, *common, *dis1, "rollout.peer_timeout_s=15",
-                                "reward.fn=tests.test_rl_async:sleeping_reward",
-                                "reward.timeout_s=null", f"logging.dir={root / 'hang'}",
-                                timeout=600)
-    out["killed"] = run_torchrun(3, *common, *dis1, "rollout.peer_timeout_s=30",
-                                  "reward.fn=tests.test_rl_async:dying_reward",
-                                  "reward.timeout_s=null", f"logging.dir={root / 'killed'}",
-                                  timeout=600)
+    out.update({name: wait(proc, timeout=600) for name, proc in waiting.items()})
     for name in ("colocated", "s0", "s1", "s1_tp2", "s1_pp2", "s1_dying"):
         out[f"{name}_m"] = _metrics(root / name)
         out[f"{name}_val"] = _val_metrics(root / name)
