@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -166,11 +167,80 @@ def test_sft_invariance(pools, models, tmp_path):
         assert r["loss_rel"] < TOL and r["grad_norm_rel"] < TOL and r["param_rel"] < TOL, r
 
 
-def test_rl_refuses_the_hybrid_families_by_name():
-    """RL for Qwen3.5 is not built: engine.rl refuses it before any process group starts."""
-    from engine.rl.checks import rl_model_problems
+RL_KEYS = ("policy/loss", "policy/pg_loss", "policy/kl", "policy/entropy", "grad_norm",
+           "reward/mean")
 
-    for kind in ("qwen3_5_text", "qwen3_5_moe_text"):
-        [problem] = rl_model_problems({"model_type": kind})
-        assert f"RL for model_type {kind} is not built" in problem
-    assert rl_model_problems({"model_type": "qwen3"}) == []
+
+def _grpo(pools, model: Path, out: Path, nproc: int, *extra: str) -> list[dict]:
+    """Two GRPO steps with the HF rollout backend (transformers' Qwen3.5 with the trainer's
+    weights synced into it before step 2) on the session's `nproc`-rank pool."""
+    import json
+
+    prompts = out.parent / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
+                               + "\n" for i in range(8)))
+    proc = pools.script(
+        nproc, "-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{prompts}]",
+        "reward.fn=tests.test_rl_loop:digit_reward", "kl.beta=0.05", "rollout.n=2",
+        "rollout.max_new_tokens=6", "train.prompts_per_step=2", "train.mini_batches_per_step=1",
+        "train.micro_batch_size=1", "train.max_steps=2", "train.seq_length=48", "optim.lr=1e-2",
+        f"data.cache_dir={out}/cache", "data.num_workers=0", f"logging.dir={out}/run",
+        f"logging.rollout_dir={out}/dump", "logging.progress_bar=false", *extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "run" / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def _stale_engine_gap(model: Path, dump: Path) -> float:
+    """Mean |dumped rollout log-prob - transformers' log-prob at the INITIAL weights| over the
+    sampled tokens of step 2: what rollout/logprob_diff would show if the weight sync had left
+    the engine at its initial weights (the negative control of the logprob_diff check)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    gaps = []
+    for line in open(dump):
+        r = json.loads(line)
+        ids = torch.tensor([r["token_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1)
+        mine = logp.gather(1, ids[0, 1:, None])[:, 0]
+        gaps += [abs(r["rollout_logprobs"][j] - float(mine[j - 1]))
+                 for j in range(1, len(r["token_ids"])) if r["loss_mask"][j]]
+    return sum(gaps) / len(gaps)
+
+
+def test_grpo_with_the_hf_backend_is_layout_invariant(pools, models, tmp_path):
+    """GRPO (k3 KL to a frozen reference) on both tiny models with transformers' own Qwen3.5 as
+    the rollout engine: the recomputed log-probs equal the engine's (rollout/logprob_diff,
+    step 2 after a weight sync of the GDN, attention and expert weights) and every layout gives
+    the one-process metrics: dense TP2+SP, PP2 (a GDN/attention split), CP2 with packing; MoE
+    TP2+SP, EP2 with R3 routing replay (the engine's routing replayed in training), R2 at one
+    rank. Negative control: an engine left at the initial weights would be off by far more."""
+    runs = {
+        "dense": [(1, ()), (2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
+                  (2, ("parallel.pp=2",)),
+                  (2, ("parallel.cp=2", "train.packing=true",
+                       "train.max_tokens_per_micro_batch=64"))],
+        "moe": [(1, ()), (2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
+                (2, ("parallel.ep=2", "moe.routing_replay=R3")), (1, ("moe.routing_replay=R2",))],
+    }
+    for kind, layouts in runs.items():
+        (nproc, extra), *others = layouts
+        one = _grpo(pools, models[kind], tmp_path / f"{kind}_one", nproc, *extra)
+        assert len(one) == 2 and one[0]["grad_norm"] > 0
+        for m in one:
+            assert m["rollout/logprob_diff"] < 1e-5 and m["rollout/logprob_diff_max"] < 1e-4, m
+        assert _stale_engine_gap(models[kind], tmp_path / f"{kind}_one" / "dump" /
+                                 "step_2.jsonl") > 1e-3
+        for i, (nproc, extra) in enumerate(others):
+            other = _grpo(pools, models[kind], tmp_path / f"{kind}_{i}", nproc, *extra)
+            for a, b in zip(one, other):
+                assert b["rollout/logprob_diff"] < 1e-5, (kind, extra, b)
+                assert b.get("moe/replay_mismatch", 0.0) == 0.0, (kind, extra, b)
+                assert b.get("moe/rollout_replay_mismatch", 0.0) == 0.0, (kind, extra, b)
+                for key in RL_KEYS:
+                    assert math.isclose(a[key], b[key], rel_tol=TOL, abs_tol=1e-7), \
+                        (kind, extra, key, a[key], b[key])

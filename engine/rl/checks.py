@@ -157,15 +157,8 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                                         rollout_procs_per_node(world_size + n_rollout, n_rollout)
                                         if n_rollout else procs_per_node(world_size))
                    + routing_replay_problems(cfg) + distill_problems(cfg, world_size)
-                   + ppo_problems(cfg) + rl_model_problems(hf_config))
+                   + ppo_problems(cfg))
     return hf_config
-
-
-def rl_model_problems(hf_config: dict) -> list[str]:
-    """Families trained by SFT but not yet by RL (no rollout test): refused by name."""
-    kind = hf_config.get("model_type")
-    return [f"model.hf_path: RL for model_type {kind} is not built yet (docs/qwen3_5.md)"
-            ] if kind in ("qwen3_5_text", "qwen3_5_moe_text") else []
 
 
 def ppo_problems(cfg: RLConfig) -> list[str]:
