@@ -88,6 +88,34 @@ def test_distill_keys_are_checked_by_name(models):
     [placed] = distill_problems(_cfg(base + [f"distill.teacher_path={models['teacher']}",
                                              "rollout.placement=disaggregated"]), 2)
     assert "colocated only" in placed
+    [alone] = distill_problems(_cfg(base + ["distill.offload=true"]), 2)
+    assert alone == "distill.offload=true needs a teacher (distill.teacher_path is null)"
+
+
+def test_host_offload_frees_the_weights_and_restores_them_bitwise():
+    """engine.training.host_offload: offloaded, every parameter holds an empty tensor on its
+    device and the host copy holds every byte; reloaded, the same Parameter objects hold the
+    same values; a trainable model is refused."""
+    from engine.training.host_offload import HostOffload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).requires_grad_(
+        False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = list(model.parameters())
+    x = torch.randn(3, 8)
+    expected = model(x)
+    offload = HostOffload([model])
+    offload.offload()
+    assert offload.offloaded and all(p.numel() == 0 for p in model.parameters())
+    assert offload.host_bytes() == sum(t.numel() * 4 for t in before.values())
+    offload.reload()
+    assert not offload.offloaded and offload.host_bytes() == 0
+    assert list(model.parameters()) == params
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert torch.equal(model(x), expected)
+    with pytest.raises(ValueError, match="frozen models only"):
+        HostOffload([torch.nn.Linear(2, 2)])
 
 
 def _run(pools, nproc, models, prompts, out, *extra):
@@ -114,6 +142,11 @@ def test_distillation_is_layout_invariant_and_dumps_the_teachers_logprobs(pools,
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
     one = _run(pools, 1, models, prompts, tmp_path / "one")
+    # the teacher in host memory between steps: the same numbers, bit for bit
+    offloaded = _run(pools, 1, models, prompts, tmp_path / "offload", "distill.offload=true")
+    assert [{k: m[k] for k in ("distill/reverse_kl", "policy/loss", "grad_norm")}
+            for m in offloaded] == [{k: m[k] for k in ("distill/reverse_kl", "policy/loss",
+                                                       "grad_norm")} for m in one]
     layouts = {"tp2_sp": ("parallel.tp=2", "parallel.sequence_parallel=true"),
                "pp2": ("parallel.pp=2",), "dp2": (),
                "cp2_packed": ("parallel.cp=2", "train.packing=true",

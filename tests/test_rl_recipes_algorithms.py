@@ -91,6 +91,30 @@ def test_teacher_is_counted_from_its_config(teacher_dir, capsys):
     assert _gib(out2, "+ distillation teacher") == pytest.approx(half, abs=0.05)
 
 
+def test_offloaded_teacher_counts_only_in_its_forward_pass(teacher_dir, capsys):
+    """distill.offload=true: the teacher leaves the training line and the resident state;
+    its forward pass is a phase of its own (resident training state + teacher weights), and
+    the peak is the largest phase (here the training phase, 8B teacher at TP1 < the policy's
+    activations + grads)."""
+    counted = _validate(capsys, DISTILL, f"distill.teacher_path={teacher_dir}",
+                        "recipe.expected_memory_gib=null")[1]
+    rc, out, err = _validate(capsys, DISTILL, f"distill.teacher_path={teacher_dir}",
+                             "distill.offload=true", "recipe.expected_memory_gib=null")
+    assert rc == 0, err
+    weights = stage_parameters(MODEL_SHAPES["qwen3-8b"], 1, 1).total * 2 / GIB
+    training = lambda text: float(re.search(r"memory per GPU while training .*= ([0-9.]+)\n",
+                                            text).group(1))
+    resident = lambda text: float(re.search(r"resident training state ([0-9.]+) \+ engine",
+                                            text).group(1))
+    assert "+ distillation teacher" not in out.split("memory per GPU while training")[1]
+    assert training(out) == pytest.approx(training(counted) - weights, abs=0.1)
+    assert resident(out) == pytest.approx(resident(counted) - weights, abs=0.1)
+    stage = re.search(r"resident training state ([0-9.]+) \+ teacher ([0-9.]+) = ([0-9.]+)",
+                      out)
+    assert stage and float(stage.group(2)) == pytest.approx(weights, abs=0.05)
+    assert float(stage.group(1)) == pytest.approx(resident(out), abs=0.05)
+
+
 def test_expected_memory_is_compared_only_with_the_teacher_counted(teacher_dir, capsys):
     assert _validate(capsys, DISTILL, "recipe.expected_memory_gib=30")[0] == 0
     rc, _, err = _validate(capsys, DISTILL, "recipe.expected_memory_gib=30",
@@ -135,7 +159,7 @@ def test_ppo_exceeds_grpo_by_the_critic(nodes):
     critic = _critic_gib(hf, ppo.parallel.tp, world // ppo.parallel.tp)
     assert t_ppo - t_grpo == pytest.approx(critic, rel=1e-9)
     assert r_ppo - r_grpo == pytest.approx(critic, rel=1e-9)
-    assert any(l.startswith(f"PPO critic per GPU (estimate, GiB):") and f"= {critic:.1f}" in l
+    assert any(l.startswith("PPO critic per GPU (estimate, GiB):") and f"= {critic:.1f}" in l
                for l in lines)
 
 

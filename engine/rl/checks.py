@@ -182,10 +182,14 @@ def ppo_problems(cfg: RLConfig) -> list[str]:
 def distill_problems(cfg: RLConfig, world_size: int) -> list[str]:
     """distill.*: coef > 0; a teacher directory of a supported family that fits the training
     layout and shares the student's tokenizer; colocated placement; no dynamic sampling with
-    reward.fn=none (every group would be dropped)."""
-    path, coef = cfg.distill.teacher_path, cfg.distill.coef
+    reward.fn=none (every group would be dropped); offload a boolean, true only with a
+    teacher."""
+    path, coef, offload = cfg.distill.teacher_path, cfg.distill.coef, cfg.distill.offload
+    if not isinstance(offload, bool):
+        return [f"distill.offload={offload!r} must be true or false"]
     if path is None:
-        return []
+        return ["distill.offload=true needs a teacher (distill.teacher_path is null)"
+                ] if offload else []
     p = [] if isinstance(coef, (int, float)) and 0 < coef < float("inf") else [
         f"distill.coef={coef!r} must be a number > 0"]
     if cfg.rollout.placement == "disaggregated":

@@ -160,6 +160,9 @@ class DistillConfig:
     """On-policy distillation (engine.rl.algo.distill; docs/algorithms.md)."""
     teacher_path: Optional[str] = None  # HF model dir sharing the student's tokenizer; null: off
     coef: float = 1.0                   # lambda in A_t - lambda (log pi_old - log pi_teacher)
+    # the teacher's weights in host memory between its forward passes (one per step);
+    # engine.training.host_offload
+    offload: bool = False
 
 
 @dataclass

@@ -16,16 +16,19 @@ the memory per GPU (GiB), in two phases:
   model.dtype, no gradients or optimizer state), the on-policy distillation teacher's weights
   (distill.teacher_path: its own config.json, its stage parameters at the policy's layout in
   model.dtype, frozen; when that directory is not on the validating machine the teacher is
-  NOT counted, the report says so and recipe.expected_memory_gib is not compared) and the PPO
+  NOT counted, the report says so and recipe.expected_memory_gib is not compared; with
+  distill.offload it is counted only in a third phase, its forward pass: the resident
+  training state plus its weights) and the PPO
   critic (advantage.estimator=gae: a second copy of the policy's stage parameters plus the
   value head, h / tp + 1 parameters on the last stage, with its own fp32 gradients and
   optimizer state; the policy's output layer, frozen in the critic, has neither; on the
   pipeline stage of the policy's peak);
 - rollout, on an engine's GPUs: the resident training state (weights, fp32 gradient buffers,
-  optimizer state, the reference, the teacher, the critic, the runtime) plus the engine: SGLang takes
-  rollout.sglang.mem_fraction of the GPU (weights and KV cache); the HF backend holds the
-  whole model in model.dtype on its owner rank. Without rollout.sleep_during_train the
-  engine's memory stays during training too, and counts in the training phase.
+  optimizer state, the reference, the teacher unless offloaded, the critic, the runtime) plus
+  the engine: SGLang takes rollout.sglang.mem_fraction of the GPU (weights and KV cache); the
+  HF backend holds the whole model in model.dtype on its owner rank. Without
+  rollout.sleep_during_train the engine's memory stays during training too, and counts in the
+  training phase.
 
 The larger phase is the peak; it must fit recipe.gpu_memory_gib (a problem otherwise, a
 warning over 90 %) and match recipe.expected_memory_gib within 10 % when that is stated.
@@ -138,17 +141,28 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None
         engine_text = f"{roll.backend} engine weights"
     teacher_gib, teacher_lines = teacher_memory(cfg, teacher)
     critic, critic_lines = critic_memory(cfg, hf, layout, mem)
-    others = reference + teacher_gib + critic
+    # distill.offload: the teacher is on the GPU only for its forward pass (the log-prob stage)
+    offloaded = cfg.distill.offload and teacher is not None
+    resident_teacher = 0.0 if offloaded else teacher_gib
+    others = reference + resident_teacher + critic
     resident = mem.weights + mem.grads + mem.optimizer + others + mem.runtime
     training = mem.total + others + (0.0 if roll.sleep_during_train else engine)
     rollout = resident + engine
+    if offloaded:  # its forward pass: the resident training state plus the teacher's weights
+        stage = resident + teacher_gib + (0.0 if roll.sleep_during_train else engine)
+        teacher_lines.append(f"distill.offload: the teacher is in host memory except during "
+                             f"the log-prob stage, whose peak per GPU (estimate, GiB) is the "
+                             f"resident training state {resident:.1f} + teacher "
+                             f"{teacher_gib:.1f} = {stage:.1f}")
+        training = max(training, stage)
     lines = [
         *teacher_lines, *critic_lines,
         f"memory per GPU while training (estimate, GiB): policy {mem.total:.1f} (weights "
         f"{mem.weights:.1f} + grads {mem.grads:.1f} + optimizer {mem.optimizer:.1f} + "
         f"activations {mem.activations:.1f} + logits {mem.logits:.1f} + runtime "
         f"{mem.runtime:.1f}) + KL reference {reference:.1f}"
-        + (f" + distillation teacher {teacher_gib:.1f}" if teacher is not None else "")
+        + (f" + distillation teacher {teacher_gib:.1f}" if teacher is not None
+           and not offloaded else "")
         + (f" + PPO critic {critic:.1f}" if critic_lines else "")
         + ("" if roll.sleep_during_train else f" + rollout engine {engine:.1f}")
         + f" = {training:.1f}",

@@ -20,6 +20,7 @@ from engine.rl.algo.rollout_correction import apply_to_batch
 from engine.rl.policy.critic import CriticSettings, attach_gae, compute_token_values
 from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs, logprob_gap
 from engine.rl.policy.routing_replay import after_old_logprobs, start_routing_replay
+from engine.training.host_offload import HostOffload
 from engine.training.micro_batches import SequenceData
 from engine.training.train_engine import TrainEngine
 
@@ -52,6 +53,8 @@ class AuxiliaryModels:
     reference: TrainEngine | None = None
     teacher: TrainEngine | None = None
     critic: TrainEngine | None = None
+    # distill.offload: the teacher's weights live in host memory outside its forward pass
+    teacher_offload: HostOffload | None = None
 
 
 def logprob_stage(policy, aux: AuxiliaryModels | None, seqs: list[SequenceData], cfg,
@@ -68,8 +71,9 @@ def logprob_stage(policy, aux: AuxiliaryModels | None, seqs: list[SequenceData],
        token-level advantages (whitened over the batch) and returns from `rewards` (one per
        sequence; engine.rl.policy.critic.attach_gae);
     6. with a distillation teacher (`aux.teacher`): extras "teacher_logprobs" from its
-       forward-only pass at the rollout temperature, and the advantages of sampled tokens
-       shifted by engine.rl.algo.distill.apply_distillation.
+       forward-only pass at the rollout temperature (with `aux.teacher_offload` its weights
+       come from host memory for that pass and go back after it), and the advantages of
+       sampled tokens shifted by engine.rl.algo.distill.apply_distillation.
     Collective over the world (unless bypass mode without reference and replay: local).
     Returns the metrics, with time/logprob_s the stage's wall time."""
     start = time.perf_counter()
@@ -86,8 +90,12 @@ def logprob_stage(policy, aux: AuxiliaryModels | None, seqs: list[SequenceData],
         attach_gae(seqs, compute_token_values(aux.critic, seqs), sampled, list(rewards),
                    CriticSettings.from_config(cfg))
     if aux.teacher is not None:
+        if aux.teacher_offload is not None:
+            aux.teacher_offload.reload()
         attach_extra(seqs, "teacher_logprobs",
                      compute_token_logprobs(aux.teacher, seqs, cfg.rollout.temperature))
+        if aux.teacher_offload is not None:
+            aux.teacher_offload.offload()
         metrics.update(apply_distillation(seqs, sampled, cfg.distill.coef))
     metrics["time/logprob_s"] = time.perf_counter() - start
     return metrics

@@ -25,6 +25,7 @@ from engine.rl.policy.critic import CriticSettings, critic_update
 from engine.rl.policy.logprob_stage import AuxiliaryModels, logprob_stage
 from engine.rl.policy.routing_replay import end_replay
 from engine.rl.policy.update import MAX_KEYS, PolicyLossSettings, policy_update, split_mini_batches
+from engine.training.host_offload import HostOffload
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
@@ -98,7 +99,9 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
                     pad_id: int, optimizer_steps: int) -> AuxiliaryModels:
     """The models beside the policy, at its layout. Frozen (forward-only, never recomputed):
     the KL reference, the initial policy (model.hf_path, also after a resume); the
-    distillation teacher, distill.teacher_path (any supported family sharing the tokenizer).
+    distillation teacher, distill.teacher_path (any supported family sharing the tokenizer),
+    with distill.offload kept in host memory from here on except during its forward pass
+    (AuxiliaryModels.teacher_offload).
     Trained: the PPO critic, the policy's initial weights plus a zero value head
     (models.value_head), or critic.hf_path (a critic in HF form, models.critic_io), with
     optim.* but critic.lr, critic.warmup_steps and min_lr scaled by critic.lr / optim.lr; it
@@ -115,6 +118,9 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
         reference=frozen(hf_config, cfg.model.hf_path) if cfg.kl.beta > 0 else None,
         teacher=(frozen(read_hf_config(teacher_path, "distill.teacher_path"), teacher_path)
                  if teacher_path else None))
+    if aux.teacher is not None and cfg.distill.offload:
+        aux.teacher_offload = HostOffload(aux.teacher.chunks)
+        aux.teacher_offload.offload()
     if cfg.advantage.estimator == "gae":
         critic_cfg = cfg.critic
         optim = dataclasses.replace(cfg.optim, lr=critic_cfg.lr,
