@@ -27,6 +27,10 @@ from models.hf_config import check_config
 from models.qwen3_5_mapping import (HYBRID_KINDS, hybrid_export, hybrid_local_shard,
                                     hybrid_mapping)
 from models.lora_sites import is_adapter_param
+from models.quantized import DequantizingReader
+from models.gpt_oss_checkpoint import fuse_experts, fused_expert_reader
+from models.moe_routing_mapping import mapped_buffers, routed_mapping
+from models.mla_mapping import MLA_KINDS, mla_export, mla_local_shard, mla_mapping
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -42,6 +46,8 @@ _LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "self_attention.k_layernorm.weight": ("replicated", ("self_attn.k_norm.weight",)),
     "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
     "self_attention.linear_proj.bias": ("replicated", ("self_attn.o_proj.bias",)),
+    # attention sinks (gpt-oss; models.gpt_oss_attention): one logit per head, split with them
+    "self_attention.core_attention.softmax_offset": ("heads", ("self_attn.sinks",)),
     "pre_mlp_layernorm.weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.layer_norm_weight": ("replicated", ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
@@ -79,6 +85,12 @@ def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None) -> _Mapp
         hybrid = hybrid_mapping(suffix, layer, chunk.config)  # Qwen3.5: GDN, gated q, shared
         if hybrid is not None:
             return _Mapping(*hybrid)
+        routed = routed_mapping(suffix, layer, chunk.config)  # expert bias, shared experts
+        if routed is not None:
+            return _Mapping(*routed)
+        latent = mla_mapping(suffix, layer, chunk.config)  # DeepSeek-V3 MLA projections
+        if latent is not None:
+            return _Mapping(*latent)
         expert = expert_mapping(suffix, layer, chunk.config.num_moe_experts or 0, naming)
         if expert is not None:
             return _Mapping(*expert)
@@ -94,6 +106,12 @@ def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None) -> _Mapp
     return None
 
 
+def _weights(model) -> list:
+    """(name, tensor) of every parameter of a chunk and of the buffers that hold HF weights
+    (the sigmoid routers' expert bias: models.moe_routing_mapping)."""
+    return list(model.named_parameters()) + mapped_buffers(model)
+
+
 def _tp():
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
@@ -104,6 +122,8 @@ def _local_shard(kind: str, hf: list[torch.Tensor], cfg: dict, padded_vocab: int
         return hf[0]
     if kind == "row":
         return hf[0].chunk(tp, dim=1)[rank]
+    if kind == "heads":
+        return hf[0].chunk(tp, dim=0)[rank]
     if kind == "vocab":
         return wm.pad_vocab(hf[0], padded_vocab).chunk(tp, dim=0)[rank]
     if kind == "qkv":
@@ -116,6 +136,8 @@ def _local_shard(kind: str, hf: list[torch.Tensor], cfg: dict, padded_vocab: int
         return expert_local_shard(kind, hf)
     if kind in HYBRID_KINDS:
         return hybrid_local_shard(kind, hf, cfg, tp, rank)
+    if kind in MLA_KINDS:
+        return mla_local_shard(kind, hf, cfg, tp, rank)
     raise ValueError(f"unknown mapping kind {kind}")
 
 
@@ -131,13 +153,15 @@ def load_hf_weights(chunks: list, reader, hf_config: dict,
     exactly the ones the mapping consumes (none dropped, none missing); afterwards, if a
     parameter has no HF source or shapes disagree."""
     check_config(hf_config)
+    reader = DequantizingReader(reader, hf_config)  # quantized weights: models.quantized
     check_tensors(hf_config, reader.keys())
+    reader = fused_expert_reader(hf_config, reader)  # gpt-oss: per-expert views of fused
     shape = model_shape(hf_config)
     naming = expert_naming(hf_config)
     filled = 0
     for chunk in chunks:
         model = unwrap(chunk)
-        for name, param in model.named_parameters():
+        for name, param in _weights(model):
             mapping = _mapping(model, name, _tied(hf_config), naming)
             if mapping is None and is_adapter_param(name):
                 continue   # LoRA adapters: initialised by models.lora_sites, not from HF
@@ -181,7 +205,14 @@ def export_hf_weights(chunks: list, hf_config: dict, transform: Callable | None 
     Collective over the TP group, and for MoE models over the expert-parallel x expert-TP
     group too (experts are gathered from every EP rank: every rank of a pipeline stage must
     iterate it together). The tied output layer is skipped (HF has no lm_head then); padded
-    vocab rows are removed."""
+    vocab rows are removed; gpt-oss experts are fused per layer as on disk
+    (models.gpt_oss_checkpoint)."""
+    return fuse_experts(hf_config, _export_stage(chunks, hf_config, transform))
+
+
+def _export_stage(chunks: list, hf_config: dict, transform: Callable | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """export_hf_weights before gpt-oss's expert fusion: experts one tensor each."""
     shape = model_shape(hf_config)
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
@@ -190,7 +221,7 @@ def export_hf_weights(chunks: list, hf_config: dict, transform: Callable | None 
     seen: set[str] = set()
     for chunk in chunks:
         model = unwrap(chunk)
-        for name, param in model.named_parameters():
+        for name, param in _weights(model):
             mapping = _mapping(model, name, tied, naming)
             if mapping is None or (tied and name == "output_layer.weight"):
                 continue
@@ -206,6 +237,8 @@ def export_hf_weights(chunks: list, hf_config: dict, transform: Callable | None 
                 out = [data]
             elif kind == "row":
                 out = [torch.cat(_gather_tp(data, 1), dim=1)]
+            elif kind == "heads":
+                out = [torch.cat(_gather_tp(data, 0), dim=0)]
             elif kind == "vocab":
                 out = [wm.unpad_vocab(torch.cat(_gather_tp(data, 0), 0), shape.vocab_size)]
             elif kind == "qkv":
@@ -214,6 +247,8 @@ def export_hf_weights(chunks: list, hf_config: dict, transform: Callable | None 
                 out = list(wm.split_gate_up(_gather_tp(data, 0)))
             elif kind in HYBRID_KINDS:
                 out = hybrid_export(kind, _gather_tp(data, 0), hf_config)
+            elif kind in MLA_KINDS:
+                out = mla_export(kind, data, hf_config, _gather_tp)
             else:
                 raise ValueError(kind)
             for hf_name, tensor in zip(mapping.hf_names, out):

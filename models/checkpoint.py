@@ -19,7 +19,10 @@ from megatron.core import dist_checkpointing
 from models.bridge import unwrap
 from models.config_bridge import model_shape
 from models.families import family_of
+from models.hf_conditional import file_config, text_view
 from models.hf_io import copy_tokenizer_files
+from models.hf_passthrough import save_passthrough
+from models.quantized_export import record_source
 from models.lora_sites import is_adapter_param, lora_spec_of
 
 FORMAT_VERSION = 1
@@ -54,12 +57,16 @@ def load_model_state(chunk, state: dict) -> None:
 
 def write_metadata(ckpt_dir: str | os.PathLike, hf_config: dict, tokenizer_dir: str | None
                    ) -> None:
-    """Rank-0 writer of `hf/` and `bridge.json`."""
+    """Rank-0 writer of `hf/` (config, tokenizer files and the pass-through tensors of the
+    HF folder `tokenizer_dir`: models.hf_passthrough) and `bridge.json`."""
     hf_dir = Path(ckpt_dir) / "hf"
     hf_dir.mkdir(parents=True, exist_ok=True)
-    (hf_dir / "config.json").write_text(json.dumps(hf_config, indent=2))
+    # as stored in the source (a conditional-generation wrapper's own: models.hf_conditional)
+    (hf_dir / "config.json").write_text(json.dumps(file_config(hf_config), indent=2))
     if tokenizer_dir:
         copy_tokenizer_files(tokenizer_dir, hf_dir)
+        save_passthrough(tokenizer_dir, hf_config, hf_dir)  # e.g. MTP layers, as read
+        record_source(tokenizer_dir, hf_config, hf_dir)  # quantized source: scales, dtypes
     meta = {"format_version": FORMAT_VERSION, "architecture": family_of(hf_config).model_type,
             "vocab_size": hf_config["vocab_size"],
             "padded_vocab_size": model_shape(hf_config).padded_vocab_size}
@@ -101,6 +108,7 @@ def check_checkpoint_dir(ckpt_dir: str | os.PathLike) -> None:
 
 
 def read_hf_config(ckpt_dir: str | os.PathLike) -> dict:
-    """The HF config stored with a checkpoint."""
+    """The HF config stored with a checkpoint, as the engines read it (as
+    models.hf_io.read_config does)."""
     check_checkpoint_dir(ckpt_dir)
-    return json.loads((Path(ckpt_dir) / "hf" / "config.json").read_text())
+    return text_view(json.loads((Path(ckpt_dir) / "hf" / "config.json").read_text()))

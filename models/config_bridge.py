@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import (MLATransformerConfig,
+                                                          TransformerConfig)
 
 from models.families import family_of, field, padded_vocab_size
 from models.families.counting import VOCAB_PAD_MULTIPLE
@@ -65,6 +66,8 @@ def transformer_config(hf_config: Any, *, tp: int = 1, pp: int = 1, vpp: int | N
         perform_initialization=False,
     )
     kwargs.update(overrides)
+    if kwargs.get("multi_latent_attention"):  # DeepSeek-V3 MLA: models.mla
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 

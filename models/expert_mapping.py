@@ -21,9 +21,12 @@ from megatron.core import parallel_state as ps
 from models import weight_mapping as wm
 from models.families import ExpertNaming
 
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EXPERT = re.compile(
+    r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.(weight|bias)$")
 _ROUTER = "mlp.router.weight"
-EXPERT_KINDS = ("expert_fc1", "expert_row")
+_ROUTER_BIAS = "mlp.router.bias"  # gpt-oss (models.gpt_oss_spec.BiasedRouter)
+# expert_bias: an expert's down-projection bias (gpt-oss), whole on every expert-TP rank
+EXPERT_KINDS = ("expert_fc1", "expert_row", "expert_bias")
 
 
 def _ep() -> tuple[int, int]:
@@ -45,11 +48,18 @@ def expert_mapping(suffix: str, layer: int, num_experts: int, naming: ExpertNami
     head = f"model.layers.{layer}."
     if suffix == _ROUTER:
         return "replicated", (head + naming.router,)
+    if suffix == _ROUTER_BIAS:
+        return "replicated", (head + naming.router_bias,)
     match = _EXPERT.match(suffix)
     if not match:
         return None
     ep, rank = _ep()
     expert = rank * (num_experts // ep) + int(match.group(1))
+    if match.group(3) == "bias":  # gpt-oss: fc1 bias [gate; up] per expert-TP rank
+        if match.group(2) == "linear_fc1":
+            return "expert_fc1", (head + naming.expert_bias(expert, "gate"),
+                                  head + naming.expert_bias(expert, "up"))
+        return "expert_bias", (head + naming.expert_bias(expert, "down"),)
     if match.group(2) == "linear_fc1":
         return "expert_fc1", (head + naming.expert(expert, "gate"),
                               head + naming.expert(expert, "up"))
@@ -63,6 +73,8 @@ def expert_local_shard(kind: str, hf: list[torch.Tensor]) -> torch.Tensor:
         return wm.merge_gate_up(hf[0], hf[1], etp)[rank]
     if kind == "expert_row":
         return hf[0].chunk(etp, dim=1)[rank]
+    if kind == "expert_bias":
+        return hf[0]
     raise ValueError(f"unknown expert mapping kind {kind}")
 
 
@@ -81,11 +93,15 @@ def export_expert(kind: str, data: torch.Tensor, hf_names: tuple[str, ...], num_
     each EP rank, i.e. experts j, L + j, 2L + j, ...). Collective over both groups: every rank
     of the EP x expert-TP group calls it for the same parameter in the same order."""
     etp, _ = _etp()
+    if kind == "expert_bias":  # whole on every expert-TP rank: nothing to gather
+        etp = 1
     shards = _all_gather(data, etp, ps.get_expert_tensor_parallel_group(check_initialized=False))
     if kind == "expert_fc1":
         full = list(wm.split_gate_up(shards))
     elif kind == "expert_row":
         full = [torch.cat(shards, dim=1)]
+    elif kind == "expert_bias":
+        full = shards
     else:
         raise ValueError(kind)
     ep, rank = _ep()

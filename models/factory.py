@@ -17,7 +17,10 @@ from models.lora import LoraSpec
 from models.lora_sites import apply_lora
 from models import moe_compat
 from models.rope import install_rope
+from models.mla import hf_mla_layer_spec, is_mla
+from models.gpt_oss_spec import biased_moe_spec, has_biased_experts
 from models.qwen3_5_spec import gpt_model_kwargs, hybrid_block_spec, is_hybrid
+from models.moe_routing_spec import is_heterogeneous, routed_block_spec
 from parallel import cpu_runtime
 
 
@@ -59,17 +62,27 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     biases = family_of(hf_config).biases(hf_config_object(hf_config))
     use_te = transformer_engine_available() if use_te is None else use_te
     hybrid = is_hybrid(hf_config)  # Qwen3.5: per-layer GDN/attention specs, local spec only
-    use_te = use_te and not hybrid
-    use_te = use_te and lora is None
-    spec = layer_spec(config, use_te, linear_proj_bias=biases.o_proj,
-                      grouped_experts=grouped_experts, fused_norm=fused_norm)
+    heterogeneous = is_heterogeneous(hf_config)  # dense layers, then MoE: local spec only
+    use_te = use_te and not hybrid and not heterogeneous
+    use_te = use_te and lora is None and not has_biased_experts(hf_config)  # gpt-oss: local
+    mla = is_mla(hf_config)  # DeepSeek-V3: HF-exact MLA on the local spec (models.mla)
+    use_te = use_te and not mla
+
+    def make_spec(cfg):
+        spec = layer_spec(cfg, use_te, linear_proj_bias=biases.o_proj,
+                          grouped_experts=grouped_experts, fused_norm=fused_norm)
+        return hf_mla_layer_spec(spec, hf_config) if mla else spec
+
+    spec = biased_moe_spec(make_spec(config), hf_config)  # gpt-oss: router/expert biases
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=(hybrid_block_spec(config, spec, hf_config, stage) if hybrid
-                                    else block_spec(config, spec, use_te, stage, fused_norm)),
+            transformer_layer_spec=(
+                hybrid_block_spec(config, spec, hf_config, stage) if hybrid
+                else routed_block_spec(config, make_spec, stage, fused_norm) if heterogeneous
+                else block_spec(config, spec, use_te, stage, fused_norm)),
             vocab_size=shape.padded_vocab_size,
             max_sequence_length=shape.max_sequence_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -79,14 +92,21 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
             position_embedding_type="rope",
             rotary_base=shape.rotary_base,
             vp_stage=stage,
-            **gpt_model_kwargs(hf_config),
+            **(gpt_model_kwargs(hf_config) or _rotary_kwargs(hf_config)),
         )
-        install_rope(model, hf_config)
+        if not mla:  # MLA layers hold their own RoPE (models.mla.HFRotary)
+            install_rope(model, hf_config)
         _tag_tensor_parallel_params(model)
         chunks.append(model.to(cpu_runtime.device()))
     if lora is not None:
         apply_lora(chunks, lora)
     return chunks
+
+
+def _rotary_kwargs(hf_config: dict) -> dict:
+    """GPTModel's rotary_percent when the family rotates part of each head (GLM-4.5)."""
+    fraction = family_of(hf_config).rotary_percent(hf_config_object(hf_config))
+    return {} if fraction == 1.0 else {"rotary_percent": fraction}
 
 
 def _tag_tensor_parallel_params(model) -> None:

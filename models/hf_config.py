@@ -14,6 +14,7 @@ from typing import Any
 from transformers import AutoConfig
 
 from models.families import UnsupportedConfigError, family_of
+from models.quantized import quantization_problem
 
 
 @lru_cache(maxsize=16)
@@ -45,7 +46,11 @@ def config_problems(hf_config: Any) -> list[str]:
         cfg = hf_config_object(hf_config)
     except UnsupportedConfigError as e:
         return [str(e)]
-    return [f"config.json field {p}" for p in fam.problems(cfg)]
+    problems = fam.problems(cfg)
+    if not any("quantization_config" in rule.field for rule in fam.fields):
+        quant = quantization_problem(cfg)  # any family: fp8 blocks load exactly, rest refused
+        problems += [quant] if quant else []
+    return [f"config.json field {p}" for p in problems]
 
 
 def check_config(hf_config: Any) -> None:

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from models.families import UnsupportedArchitectureError, tensor_problems
+from models.hf_conditional import text_names, text_view
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
@@ -21,6 +22,8 @@ class HFCheckpointError(FileNotFoundError):
 
 
 def read_config(hf_dir: str | os.PathLike) -> dict:
+    """The folder's config.json as the engines read it: a conditional-generation wrapper's as
+    its text model (models.hf_conditional.text_view), any other as stored."""
     path = Path(hf_dir)
     if not path.is_dir():
         raise HFCheckpointError(f"HF model directory not found: {path}")
@@ -28,7 +31,7 @@ def read_config(hf_dir: str | os.PathLike) -> dict:
     if not cfg.is_file():
         raise HFCheckpointError(f"no config.json in HF model directory {path}")
     try:
-        return json.loads(cfg.read_text())
+        return text_view(json.loads(cfg.read_text()))
     except ValueError as e:
         raise HFCheckpointError(f"{cfg} is not valid JSON ({e})") from None
 
@@ -82,7 +85,9 @@ def training_dir_problems(hf_dir: str | os.PathLike) -> list[str]:
 
 
 class SafetensorsReader:
-    """Lazy access to the tensors of an HF folder (single file or sharded with an index)."""
+    """Lazy access to the tensors of an HF folder (single file or sharded with an index), named
+    as the bridge reads them (a conditional-generation wrapper's text model as `model.*`:
+    models.hf_conditional.text_names)."""
 
     def __init__(self, hf_dir: str | os.PathLike):
         self.dir = Path(hf_dir)
@@ -99,7 +104,8 @@ class SafetensorsReader:
         self._handles = {f: safe_open(str(self.dir / f), framework="pt") for f in files}
         if weight_map is None:
             weight_map = {k: files[0] for k in self._handles[files[0]].keys()}
-        self._map = weight_map
+        self._stored = text_names(self.dir, list(weight_map))  # bridge name -> stored name
+        self._map = {n: weight_map[s] for n, s in self._stored.items()}
 
     def keys(self) -> list[str]:
         return list(self._map)
@@ -110,7 +116,21 @@ class SafetensorsReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._map:
             raise KeyError(f"tensor {name!r} not found in {self.dir}")
-        return self._handles[self._map[name]].get_tensor(name)
+        return self._handles[self._map[name]].get_tensor(self._stored[name])
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """tensor[start:stop] along dim 0, reading only those rows (gpt-oss experts: one
+        expert-parallel rank reads its own experts)."""
+        if name not in self._map:
+            raise KeyError(f"tensor {name!r} not found in {self.dir}")
+        return self._handles[self._map[name]].get_slice(self._stored[name])[start:stop]
+
+    def dtype_name(self, name: str) -> str:
+        """The stored dtype of tensor `name` as safetensors spells it (e.g. "BF16",
+        "F8_E4M3"), read from the file header."""
+        if name not in self._map:
+            raise KeyError(f"tensor {name!r} not found in {self.dir}")
+        return self._handles[self._map[name]].get_slice(self._stored[name]).get_dtype()
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:

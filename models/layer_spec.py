@@ -71,10 +71,10 @@ def layer_spec(config, use_te: bool | None = None, linear_proj_bias: bool | None
             num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
             qk_layernorm=config.qk_layernorm)
     else:  # MoE: megatron's local experts (SequentialMLP of ColumnParallel/RowParallel MLPs)
-        spec = specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
-                                              moe_grouped_gemm=config.moe_grouped_gemm,
-                                              qk_layernorm=config.qk_layernorm,
-                                              normalization=config.normalization)
+        spec = specs.get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm, normalization=config.normalization,
+            multi_latent_attention=config.multi_latent_attention)  # DeepSeek-V3: models.mla
         spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         _use_local_norms(spec, fused_norm)
         if grouped_experts and config.num_moe_experts:

@@ -25,13 +25,17 @@ as merge_gate_up). Shapes, with r the rank and tp the size of the linear's TP gr
   group so its gradient is summed there.
 
 `reduce=False` drops the adapter's TP reductions: a deliberately wrong adapter for negative
-controls only. Dropout (model.lora.dropout > 0) acts on the adapter's input in training mode with
-the ambient RNG; results then depend on the layout (documented in docs/lora.md).
+controls only. `enabled=False` (the `adapters_disabled` context) leaves the linear's output as
+the base computes it: the RL KL reference is the policy's own frozen base. Dropout
+(model.lora.dropout > 0) acts on the adapter's input in training mode with the ambient RNG;
+results then depend on the layout (documented in docs/lora.md).
 """
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +104,7 @@ class LoraAdapter(torch.nn.Module):
         self.fused = list(fused)
         self.slices = [sl for sl in fused if sl.name in targeted]
         self.scaling, self.reduce = spec.scaling, True
+        self.enabled = True            # False inside adapters_disabled: the base alone
         self.group = linear.tp_group
         self.tp_size = self.group.size() if self.group is not None else 1
         self.tp_rank = self.group.rank() if self.group is not None else 0
@@ -136,7 +141,10 @@ class LoraAdapter(torch.nn.Module):
             b.copy_(b_full.to(b.dtype))
 
     def hook(self, module, args, output):
-        """Forward hook of the adapted linear: (out, bias) -> (out + adapter(x), bias)."""
+        """Forward hook of the adapted linear: (out, bias) -> (out + adapter(x), bias); the
+        output untouched while the adapter is disabled (`adapters_disabled`)."""
+        if not self.enabled:
+            return output
         out, bias = output
         return out + self(args[0]).to(out.dtype), bias
 
@@ -236,3 +244,22 @@ class LoraAdapter(torch.nn.Module):
         axis = {k: (0 if self.kind == "column" else 1) for k in state if k.startswith(split)}
         return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets,
                                                    tp_group=self.group)
+
+
+@contextmanager
+def adapters_disabled(chunks: list) -> Iterator[int]:
+    """Within the block every LoraAdapter of `chunks` (model chunks, wrapped or not) adds
+    nothing: the chunks compute their frozen base model exactly (the base weights are the
+    same tensors, untouched by training). Yields the number of adapters switched off (0: no
+    LoRA, the block runs the model as it is); they are switched back on when the block exits,
+    also on an exception. Local to this rank: every rank of a collective forward must enter
+    it. The RL KL reference under LoRA (engine.rl.policy.logprob_stage)."""
+    found = [m for chunk in chunks for m in chunk.modules() if isinstance(m, LoraAdapter)]
+    states = [m.enabled for m in found]
+    for m in found:
+        m.enabled = False
+    try:
+        yield len(found)
+    finally:
+        for m, state in zip(found, states):
+            m.enabled = state

@@ -80,9 +80,18 @@ def _segments(packed_seq_params, total: int) -> list[int]:
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def ulysses_attention(query, key, value, scale: float, packed_seq_params=None) -> torch.Tensor:
+def _attention(qkv: list, scale: float, attend, first_head: int) -> torch.Tensor:
+    if attend is None:
+        return F.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale)
+    return attend(*qkv, first_head)
+
+
+def ulysses_attention(query, key, value, scale: float, packed_seq_params=None,
+                      attend=None) -> torch.Tensor:
     """Causal attention over the CP group. sbhd: query [s/cp, b, h, d] -> [s/cp, b, h*d];
-    thd: query [t/cp, h, d] -> [t/cp, h*d]. Key/value carry g <= h heads."""
+    thd: query [t/cp, h, d] -> [t/cp, h*d]. Key/value carry g <= h heads. `attend(q, k, v,
+    first_head)` on [b, h/cp, s, d] (whole sequences, natural order; `first_head`: this CP
+    rank's first head among the h) replaces causal SDPA (sinks, sliding windows)."""
     group = _cp_group()
     cp = torch.distributed.get_world_size(group)
     thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
@@ -96,23 +105,22 @@ def ulysses_attention(query, key, value, scale: float, packed_seq_params=None) -
     segments = _segments(packed_seq_params if thd else None, q.shape[0])
     order = zigzag.gathered_to_natural(segments, cp).to(q.device)
     q, k, v = (x.index_select(0, order) for x in (q, k, v))
+    first_head = dist.get_rank(group) * q.shape[head_dim_index]
     rep = q.shape[head_dim_index] // k.shape[head_dim_index]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=head_dim_index)
         v = v.repeat_interleave(rep, dim=head_dim_index)
     if thd:
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # value head dim may differ (MLA)
         bounds = [0]
         for n in segments:
             bounds.append(bounds[-1] + n)
         for a, b in zip(bounds[:-1], bounds[1:]):
             seg = [x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-            out[a:b] = F.scaled_dot_product_attention(*seg, is_causal=True,
-                                                      scale=scale)[0].transpose(0, 1)
+            out[a:b] = _attention(seg, scale, attend, first_head)[0].transpose(0, 1)
     else:
         qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
-        out = out.permute(2, 0, 1, 3)
+        out = _attention([qb, kb, vb], scale, attend, first_head).permute(2, 0, 1, 3)
     inverse = torch.argsort(order)
     out = out.index_select(0, inverse)
     out = heads_to_seq(out, group, 0, head_dim_index)

@@ -34,20 +34,65 @@ def build_qwen3_5(out_dir: str, moe: bool = False, seed: int = 0, tokenizer: boo
     config.architectures = ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer:
+        build_tokenizer(out_dir, values["vocab_size"])
+    return out_dir
+
+
+def _randomize(model) -> None:
+    """Non-trivial values where transformers' init is constant (norms, GDN decay, routers)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
                 p.copy_(torch.log(torch.empty_like(p).uniform_(1, 8)))
             elif name.endswith("dt_bias"):
                 p.copy_(0.5 * torch.randn_like(p))
-            elif "norm" in name:
+            elif "norm" in name and "visual" not in name:
                 base = 1.0 if name.endswith("linear_attn.norm.weight") else 0.0
                 p.copy_(base + 0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(0.2 * torch.randn_like(p))
             elif name.endswith("shared_expert_gate.weight"):
                 p.copy_(0.2 * torch.randn_like(p))
+
+
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4,
+              temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+              num_position_embeddings=16)
+# MTP tensors as the published checkpoints store them (transformers drops mtp.* on load)
+MTP_TENSORS = {"mtp.fc.weight": ((64, 128), torch.float32),
+               "mtp.layers.0.input_layernorm.weight": ((64,), torch.bfloat16),
+               "mtp.norm.weight": ((64,), torch.float32)}
+
+
+def build_qwen3_5_conditional(out_dir: str, moe: bool = False, seed: int = 0,
+                              tie: bool = False) -> str:
+    """Save a tiny Qwen3_5ForConditionalGeneration (moe: Qwen3_5MoeForConditionalGeneration)
+    as published: the text model above under model.language_model.*, a one-block vision tower
+    model.visual.*, and MTP_TENSORS added to its safetensors (one in bf16); `tie`: tied
+    embeddings (top level and text_config, as Qwen3.5-0.8B; no lm_head.weight). Returns it."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen3_5 import Qwen3_5Config
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig
+
+    os.makedirs(out_dir, exist_ok=True)
+    text = dict(COMMON, **(MOE if moe else dict(intermediate_size=128)), tie_word_embeddings=tie)
+    config = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=text, vision_config=VISION,
+                                                          tie_word_embeddings=tie)
+    config.architectures = [("Qwen3_5MoeForConditionalGeneration" if moe
+                             else "Qwen3_5ForConditionalGeneration")]
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    _randomize(model)
     model.save_pretrained(out_dir, safe_serialization=True)
-    if tokenizer:
-        build_tokenizer(out_dir, values["vocab_size"])
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, (shape, dtype) in MTP_TENSORS.items():
+        tensors[name] = torch.randn(shape, generator=gen).to(dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    build_tokenizer(out_dir, text["vocab_size"])
     return out_dir

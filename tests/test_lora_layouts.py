@@ -3,7 +3,10 @@ equals transformers + peft + torch AdamW from the same adapter, a LoRA checkpoin
 another layout, and its conversions load in peft / transformers with the same logits.
 
 Two runs of tests/multirank/lora_check.py on the rank pool (world 1: references and checkpoints; world 2:
-tp2+sp, pp2, dp2, cp2, ep2, a resume at pp2 and the negative control) and two conversions.
+tp2+sp, pp2, dp2, cp2, ep2, a resume at pp2, the negative control and a run from the PEFT adapter
+converted by `hf-to-mcore --adapter` at tp2, loaded at pp2: it equals the run from
+model.lora.init_from) and four conversions (that hf-to-mcore, mcore-to-hf to a PEFT adapter and
+to the merged model, and mcore-to-hf of the hf-to-mcore checkpoint: the adapter back bitwise).
 """
 from __future__ import annotations
 
@@ -53,16 +56,21 @@ def lora_run(pools, tmp_path_factory):
     out = root / "out"
     out.mkdir()
     single = _results(pools.script(1, SCRIPT, dense, moe, adapter, out))
+    proc = pools.script(2, "tools/convert.py", "hf-to-mcore", "--hf-dir", dense, "--adapter",
+                        adapter, "--out", str(out / "from_adapter"), "--tp", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     layouts = _results(pools.script(2, SCRIPT, dense, moe, adapter, out))
     final = out / "ckpt_final" / "iter_0000003"
-    for flag, folder in (("", "peft"), ("--merge", "merged")):
-        proc = pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt", str(final),
+    for ckpt, flag, folder in ((final, "", "peft"), (final, "--merge", "merged"),
+                               (out / "from_adapter", "", "round_trip")):
+        proc = pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt", str(ckpt),
                             "--out", str(out / folder), *([flag] if flag else []))
         assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(dense=dense, adapter=adapter, out=out, single=single, layouts=layouts)
 
 
-@pytest.mark.parametrize("run", ["tp2+sp", "pp2", "dp2", "cp2", "ep2", "resume_pp2"])
+@pytest.mark.parametrize("run", ["tp2+sp", "pp2", "dp2", "cp2", "ep2", "resume_pp2",
+                                 "from_mcore_pp2"])
 def test_layout_equals_single_process(lora_run, run):
     r = lora_run["layouts"][run]
     assert r["loss_rel"] < 1e-5 and r["grad_norm_rel"] < 1e-5, r
@@ -127,3 +135,19 @@ def test_single_process_equals_peft_and_export_loads(lora_run):
     with torch.no_grad():
         a, b = peft_model(tokens).logits, merged(tokens).logits
     assert float((a - b).abs().max()) < 1e-4, float((a - b).abs().max())
+
+
+def test_hf_to_mcore_adapter_round_trips_bitwise(lora_run):
+    """hf-to-mcore --adapter at tp2, then mcore-to-hf: the PEFT adapter's tensors and its
+    configuration's r / lora_alpha come back unchanged (the training run from that checkpoint
+    is test_layout_equals_single_process[from_mcore_pp2])."""
+    from safetensors.torch import load_file
+
+    name = "adapter_model.safetensors"
+    original = load_file(str(Path(lora_run["adapter"]) / name))
+    back = load_file(str(lora_run["out"] / "round_trip" / name))
+    assert set(back) == set(original) and len(original) == 4 * 7 * 2   # 4 layers x 7 x (A, B)
+    for k, v in original.items():
+        assert torch.equal(back[k], v), k
+    config = json.loads((lora_run["out"] / "round_trip" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (harness.RANK, harness.ALPHA)

@@ -17,10 +17,13 @@ MOE = Path(__file__).resolve().parents[1] / "recipes" / "rl" / "qwen3_30b_a3b_gr
 def test_every_recipe_exists():
     assert {p.name for p in RECIPES} == {"qwen3_8b_grpo_h100.yaml", "qwen3_8b_dapo_h100.yaml",
                                          "qwen3_30b_a3b_grpo_h100.yaml",
+                                         "qwen3_30b_a3b_lora_grpo_h100.yaml",
                                          "qwen3_30b_a3b_dapo_gspo_r2_h100.yaml",
                                          "qwen3_8b_tools_grpo_h100.yaml",
                                          "qwen3_8b_ppo_h100.yaml",
-                                         "qwen3_1_7b_distill_qwen3_8b_h100.yaml"}
+                                         "qwen3_1_7b_distill_qwen3_8b_h100.yaml",
+                                         "gpt_oss_20b_grpo_h100.yaml",
+                                         "moonlight_16b_a3b_grpo_h100.yaml"}
 
 
 def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():

@@ -143,3 +143,52 @@ def build_eos_model(out_dir: str) -> str:
         model.lm_head.weight[3] += 3.0 * mean / mean.norm() ** 2
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def append_mtp_layer(out_dir: str, config: dict, seed: int, attention_tensor: str,
+                     attention_shape: tuple[int, int]) -> None:
+    """Add a few tensors named as a published MTP layer stores them (`model.layers.{N}.*`, N =
+    num_hidden_layers; GLM-4.5 and DeepSeek-V3) to `out_dir/model.safetensors`, one of them
+    bf16: tensors the bridge must carry through unchanged (models.hf_passthrough).
+    `attention_tensor`: the layer's attention weight suffix, with `attention_shape`."""
+    from safetensors.torch import load_file, save_file
+
+    hidden, experts = config["hidden_size"], config["n_routed_experts"]
+    head = f"model.layers.{config['num_hidden_layers']}."
+    gen = torch.Generator().manual_seed(seed + 1)
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    tensors.update({
+        head + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen),
+        head + "enorm.weight": torch.randn(hidden, generator=gen).to(torch.bfloat16),
+        head + "hnorm.weight": torch.randn(hidden, generator=gen),
+        head + "shared_head.norm.weight": torch.randn(hidden, generator=gen),
+        head + attention_tensor: torch.randn(*attention_shape, generator=gen),
+        head + "mlp.gate.e_score_correction_bias": torch.randn(experts, generator=gen)})
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def save_random_model(out_dir: str, config, seed: int = 0, scales: dict[str, float] = {},
+                      buffer_scales: dict[str, float] = {}) -> None:
+    """transformers' model for `config` (a config object with `architectures` set), fp32,
+    seeded with `seed`, saved to `out_dir` (safetensors). Its own initialisation, except: norm
+    weights 1 + 0.1 N(0, 1); a parameter whose name ends with a key of `scales` (the first
+    that matches) scale * N(0, 1); a buffer likewise by `buffer_scales` (e.g. a routing bias
+    that must change which experts are chosen)."""
+    from transformers import AutoModelForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = next((v for k, v in scales.items() if name.endswith(k)), None)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif scale is not None:
+                p.copy_(scale * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            scale = next((v for k, v in buffer_scales.items() if name.endswith(k)), None)
+            if scale is not None:
+                b.copy_(scale * torch.randn_like(b))
+    model.save_pretrained(out_dir, safe_serialization=True)

@@ -4,6 +4,7 @@
   python tools/convert.py hf-to-mcore --hf-dir H --adapter A --out C   (LoRA: base + PEFT adapter)
   python tools/convert.py mcore-to-hf --ckpt C --out O        (C may be a training iter_* dir
                                                               or its parent run directory)
+      [--quantize fp8]            (an FP8 source: re-quantize with its scales; default bf16)
       [--merge] [--base H]        (LoRA checkpoints: a PEFT adapter, or the merged model;
                                    a PPO critic, checkpoint.dir/critic: *ForTokenClassification)
   torchrun --nproc_per_node T*P*D tools/convert.py verify --hf-dir H --ckpt C --tp T --pp P
@@ -118,6 +119,9 @@ def mcore_to_hf(args) -> None:
     from models.checkpoint import load_model, read_hf_config
     from models.critic_io import export_critic, is_critic_config
     from models.factory import build_model_chunks
+    from models.hf_passthrough import read_passthrough
+    from models.quantized import quant_method
+    from models.quantized_export import export_tensors
     from models.value_head import attach_value_heads
 
     from tools.convert_lora import checkpoint_lora, export_lora
@@ -144,19 +148,28 @@ def mcore_to_hf(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     export = export_critic if critic else export_hf_weights
+    cast = getattr(__import__("torch"), args.dtype) if args.dtype else None
+    quantized = quant_method(cfg) is not None and not critic  # export_tensors casts then
     for name, tensor in tqdm(export(chunks, cfg), desc="mcore-to-hf"):
-        dtype = getattr(__import__("torch"), args.dtype) if args.dtype else tensor.dtype
+        dtype = cast if cast is not None and not quantized else tensor.dtype
         tensors[name] = tensor.to(dtype).clone()
-    _write_hf(tensors, cfg, ckpt, out)
+    carried = {} if critic else read_passthrough(ckpt / "hf")
+    tensors.update(carried)  # tensors carried unchanged (e.g. MTP layers): as read, never cast
+    # a quantized HF source (FP8 blocks): bf16 by default, --quantize re-quantizes
+    tensors, out_cfg = export_tensors(tensors, cfg, ckpt / "hf", getattr(args, "quantize", None),
+                                      cast, carried)
+    _write_hf(tensors, out_cfg, ckpt, out)
     print(f"wrote HF checkpoint ({len(tensors)} tensors) to {out}")
 
 
 def _write_hf(tensors: dict, cfg: dict, ckpt: Path, out: Path) -> None:
-    """An HF folder: the tensors, config.json and the checkpoint's tokenizer files."""
+    """An HF folder: the tensors, config.json and the checkpoint's tokenizer files (a
+    conditional-generation checkpoint's own names and config.json: models.hf_conditional)."""
+    from models.hf_conditional import file_config, stored_names
     from models.hf_io import copy_tokenizer_files
 
-    _write_safetensors(tensors, out)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    _write_safetensors(stored_names(cfg, tensors), out)
+    (out / "config.json").write_text(json.dumps(file_config(cfg), indent=2))
     copy_tokenizer_files(ckpt / "hf", out)
 
 
@@ -183,9 +196,14 @@ def verify(args) -> int:
     tokens = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq_len), generator=gen)
     logits = forward_logits(chunks, tokens, cfg["vocab_size"]).float().cpu()
     if dist.get_rank() == 0:
-        from transformers import AutoModelForCausalLM
+        import transformers
 
-        hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=dtype)
+        from models.hf_conditional import reference_class
+        from models.hf_io import read_config
+
+        # as published: a conditional-generation checkpoint's own class (text input only)
+        auto = getattr(transformers, reference_class(read_config(args.hf_dir)))
+        hf = auto.from_pretrained(args.hf_dir, dtype=dtype)
         if torch.cuda.is_available():
             hf = hf.cuda()
         with torch.no_grad():
@@ -194,6 +212,7 @@ def verify(args) -> int:
         scale = ref.abs().max().item()
         tolerance = args.tolerance if args.tolerance is not None else (
             1e-4 if args.dtype == "float32" else 3e-2 * scale)
+        print(f"reference: transformers {type(hf).__name__}")
         print(f"layout tp={args.tp} pp={args.pp} ep={args.ep} dtype={args.dtype} "
               f"max_abs_diff={diff:.3e} "
               f"(max |logit| {scale:.3e})")
@@ -223,6 +242,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default=None, help="cast weights (e.g. bfloat16); default: as "
                    "stored")
+    p.add_argument("--quantize", default=None, help="quantize the weights the HF source "
+                   "stored quantized, with its recorded scales (fp8: block-scaled e4m3); "
+                   "default: a checkpoint from a quantized source exports unquantized (bf16)")
     p.add_argument("--merge", action="store_true", help="LoRA checkpoints: write the merged HF "
                    "model (base + adapters) instead of a PEFT adapter")
     p.add_argument("--base", default=None, help="LoRA checkpoints: the base HF folder "

@@ -35,7 +35,9 @@ size, L = layers / pp, s = tp with sequence parallelism else 1, k experts per to
   sequence-parallel replicated weights (norms, MoE router) are all-reduced: their count x g.
   A MoE block (tp > 1, expert-TP = TP) hands, with R = T k / tp routed rows per rank (uniform
   routing): forward R h a + R 4 (all-gathers of tokens and probabilities) + tp R h a
-  (reduce-scatter of the combine), backward tp R h a + tp R 4 + R h a.
+  (reduce-scatter of the combine), backward tp R h a + tp R 4 + R h a. Shared experts
+  (GLM-4.5, DeepSeek-V3) add one MLP block to their MoE layer; the dense first layers of those
+  families count as MLP blocks, not as MoE blocks (and move nothing in ep_all_to_all).
 - pp_p2p (pp > 1): per micro-batch, the activations sent forward by each of the vpp model chunks
   that is not the model's last and the gradients sent backward by each chunk that is not its
   first, each T h a / s bytes.
@@ -51,6 +53,11 @@ size, L = layers / pp, s = tp with sequence parallelism else 1, k experts per to
   n k h a in expectation under uniform routing (exact summed over the EP group); forward and
   again backward.
 
+With LoRA (model.lora.rank > 0) the DP kinds move the adapters only (their gradients and, with
+the distributed optimizer, their updated shards), the frozen replicated weights and a frozen
+tied embedding reduce no gradient; the adapters' own TP traffic (rank-r partial sums, and with
+sequence parallelism the input all-gather of each adapted column-parallel linear) is NOT counted.
+
 Full recomputation (train.recompute=full) repeats every layer's forward collectives in the
 backward pass (TP, CP, EP kinds). The numbers are derived; tests/test_comm_plan.py measures
 them against the engine on CPU (gloo) at DP2, TP2+SP, PP2, CP2 and EP2 within 5 %. No number
@@ -64,6 +71,8 @@ from dataclasses import dataclass, field
 from models.families import moe_family, padded_vocab_size, stage_parameters
 from models.families.base import head_dim
 from models.families.registry import family_of
+from models.lora_counting import stage_adapters
+from models.families import deepseek_v3_costs as mla_costs
 
 KINDS = ("dp_grad_reduce", "dp_param_all_gather", "tp_sp", "pp_p2p", "pp_tied_embedding",
          "cp_exchange", "ep_all_to_all")
@@ -80,6 +89,7 @@ class CommSetup:
     distributed_optimizer: bool = True
     grad_reduce_in_fp32: bool = True
     full_recompute: bool = False
+    lora: object = None                  # models.lora.LoraSpec: only adapters have gradients
 
 
 @dataclass
@@ -113,10 +123,21 @@ def _sp_replicated(hf: dict, layers: int, last: bool) -> int:
     """Sequence-parallel-tagged replicated weights of a stage (norms, q/k norms, router)."""
     h = hf["hidden_size"]
     moe = moe_family(hf)
-    per_layer = 2 * h + (2 * head_dim(hf) if family_of(hf).qk_norm else 0)
-    if moe is not None:
-        per_layer += moe.num_experts(hf) * h
+    per_layer = 2 * h + (2 * head_dim(hf) if family_of(hf).has_qk_norm(hf) else 0)
+    if mla_costs.uses_mla(hf):  # MLA: layer norms, latent norms, replicated down projections
+        per_layer = mla_costs.sp_replicated(hf)
+    if moe is not None:  # the router (and gpt-oss's router bias)
+        per_layer += moe.num_experts(hf) * (h + int(getattr(moe, "expert_biases", False)))
     return layers * per_layer + (h if last else 0)
+
+
+def _moe_layers(hf: dict, stage: int, layers: int) -> int:
+    """Decoder layers with experts among the `layers` of pipeline stage `stage` (0 for a dense
+    model; families with dense first layers count them out)."""
+    moe = moe_family(hf)
+    if moe is None:
+        return 0
+    return sum(moe.is_moe_layer(hf, i) for i in range(stage * layers, (stage + 1) * layers))
 
 
 def _tp_bytes(hf: dict, layout, setup: CommSetup, stage: int, layers: int) -> float:
@@ -127,14 +148,20 @@ def _tp_bytes(hf: dict, layout, setup: CommSetup, stage: int, layers: int) -> fl
     block = (3 * t * h * a / tp + 2 * t * h * a) if sp else 2 * t * h * a
     block_fwd = (t * h * a / tp + t * h * a) if sp else t * h * a
     moe = moe_family(hf)
-    if moe is not None:
+    sparse = _moe_layers(hf, stage, layers)
+    mlp = mlp_fwd = 0.0
+    if sparse:
         r = t * moe.experts_per_token(hf) / tp
-        mlp = 2 * (r * h * a + tp * r * h * a) + r * 4 + tp * r * 4
-        mlp_fwd = r * h * a + tp * r * h * a + r * 4
-    else:
-        mlp, mlp_fwd = block, block_fwd
-    per_layer = block + mlp + (block_fwd + mlp_fwd if setup.full_recompute else 0)
-    total = layers * per_layer
+        mlp = sparse * (2 * (r * h * a + tp * r * h * a) + r * 4 + tp * r * 4)
+        mlp_fwd = sparse * (r * h * a + tp * r * h * a + r * 4)
+        if moe.shared_expert_width(hf):  # a TP-sharded MLP block beside the experts
+            mlp, mlp_fwd = mlp + sparse * block, mlp_fwd + sparse * block_fwd
+    mlp, mlp_fwd = mlp + (layers - sparse) * block, mlp_fwd + (layers - sparse) * block_fwd
+    attention, attention_fwd = block, block_fwd
+    if mla_costs.uses_mla(hf):  # MLA: latents gathered, not the hidden state
+        attention, attention_fwd = (x * t * a for x in mla_costs.tp_elements(hf, tp, sp))
+    total = layers * attention + mlp + (layers * attention_fwd + mlp_fwd
+                                        if setup.full_recompute else 0)
     if stage == 0:
         total += t * h * a + (t * h * a / tp if sp else 0)
     if stage == layout.pp - 1:
@@ -151,16 +178,18 @@ def _cp_bytes(hf: dict, layout, setup: CommSetup, layers: int) -> float:
         kv_heads = heads
     hd = head_dim(hf)
     fwd = t * (2 * heads + 2 * kv_heads) * hd * a
+    if mla_costs.uses_mla(hf):  # MLA: expanded query, key, value and output
+        fwd = t * mla_costs.exchange_elements(hf, tp) * a
     return layers * fwd * (3 if setup.full_recompute else 2)
 
 
-def _ep_bytes(hf: dict, layout, setup: CommSetup, layers: int) -> float:
+def _ep_bytes(hf: dict, layout, setup: CommSetup, stage: int, layers: int) -> float:
     moe = moe_family(hf)
     t = setup.tokens_per_micro_batch / layout.cp
     n = t / layout.tp if layout.sequence_parallel else t
     rows = n * moe.experts_per_token(hf)
     fwd = 2 * rows * hf["hidden_size"] * setup.act_bytes + rows * 4
-    return layers * fwd * (3 if setup.full_recompute else 2)
+    return _moe_layers(hf, stage, layers) * fwd * (3 if setup.full_recompute else 2)
 
 
 def comm_plan(hf: dict, layout, setup: CommSetup) -> CommPlan:
@@ -179,6 +208,9 @@ def comm_plan(hf: dict, layout, setup: CommSetup) -> CommPlan:
     stages = []
     for r in range(pp):
         dense, expert = _stage_params(hf, layout, r)
+        if setup.lora is not None:  # LoRA (models.lora_counting): the adapters alone train
+            both, expert = stage_adapters(hf, setup.lora.targets, setup.lora.rank, tp, pp, ep, r)
+            dense = both - expert
         row = dict.fromkeys(KINDS, 0.0)
         row["dp_grad_reduce"] = (dense * g if dpcp > 1 else 0) + (expert * g if edp > 1 else 0)
         if setup.distributed_optimizer:
@@ -186,17 +218,17 @@ def comm_plan(hf: dict, layout, setup: CommSetup) -> CommPlan:
                                           + (expert * a / edp if edp > 1 else 0))
         if tp > 1:
             row["tp_sp"] = m * _tp_bytes(hf, layout, setup, r, layers)
-            if layout.sequence_parallel:
+            if layout.sequence_parallel and setup.lora is None:  # LoRA: frozen norms
                 row["tp_sp"] += _sp_replicated(hf, layers, r == pp - 1) * g
         if pp > 1:
             sends = 2 * vpp - (r == pp - 1) - (r == 0)
             row["pp_p2p"] = m * sends * t * h * a / (tp if layout.sequence_parallel else 1)
-            if tied and r in (0, pp - 1):
+            if tied and r in (0, pp - 1) and setup.lora is None:
                 row["pp_tied_embedding"] = padded_vocab_size(hf["vocab_size"], tp) * h // tp * g
         if cp > 1:
             row["cp_exchange"] = m * _cp_bytes(hf, layout, setup, layers)
         if ep > 1 and moe_family(hf) is not None:
-            row["ep_all_to_all"] = m * _ep_bytes(hf, layout, setup, layers)
+            row["ep_all_to_all"] = m * _ep_bytes(hf, layout, setup, r, layers)
         stages.append(row)
     return CommPlan(stages, {"dp_x_cp": dpcp, "expert_dp": edp, "tp": tp, "pp": pp, "cp": cp,
                              "ep": ep})

@@ -8,6 +8,7 @@ resolved as on the GPUs the recipe targets (CUDA: null means on with the distrib
 from __future__ import annotations
 
 from engine.config.comm_plan import GB, KINDS, CommSetup, comm_plan
+from engine.config.lora_settings import lora_spec
 from engine.config.model_settings import recompute_settings
 from engine.config.parallel_settings import overlap_settings
 
@@ -23,13 +24,13 @@ LABELS = {"dp_grad_reduce": "DP grad reduce-scatter", "dp_param_all_gather": "DP
 
 def recipe_setup(cfg, tokens_per_micro_batch: int, micro_batches: int) -> CommSetup:
     """CommSetup of a recipe (model.dtype, optim.distributed_optimizer,
-    parallel.grad_reduce_in_fp32, train.recompute*)."""
+    parallel.grad_reduce_in_fp32, train.recompute*, model.lora.*)."""
     granularity, _, _ = recompute_settings(cfg.train)
     return CommSetup(tokens_per_micro_batch=tokens_per_micro_batch, micro_batches=micro_batches,
                      act_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
                      distributed_optimizer=cfg.optim.distributed_optimizer,
                      grad_reduce_in_fp32=cfg.parallel.grad_reduce_in_fp32,
-                     full_recompute=granularity == "full")
+                     full_recompute=granularity == "full", lora=lora_spec(cfg))
 
 
 def comm_section(cfg, hf: dict, layout, tokens_per_micro_batch: int,

@@ -26,6 +26,20 @@ models.families: Qwen3-MoE, Mixtral).
   SequentialMLP loop over experts; the same parameters, checkpoint layout and numbers (fp32:
   within rounding). false: SequentialMLP.
 
+- `moe.bias_update_rate` (default 0: off; sigmoid-routed families only: GLM-4.5,
+  DeepSeek-V3): megatron's aux-loss-free load balancing (`moe_router_bias_update_rate`).
+  After every optimizer step each MoE layer's score-correction bias (HF
+  `e_score_correction_bias`, megatron `expert_bias`) moves by +rate for experts that got fewer
+  than the average number of tokens and by -rate for those that got more. The tokens are
+  counted over the whole global batch: every micro-batch of the step, summed over TP (sequence
+  slices) x DP x CP; padding and the dummy sequences that even out micro-batch counts are left
+  out (the engine passes megatron a padding mask), so the update, like the loss, does not
+  depend on the layout. Off by default for fine-tuning: the published bias is the one the
+  model was pre-trained with, the experts' balance over a small fine-tuning set is not the
+  pre-training balance, and a bias drifting by +-rate per step would re-route tokens the
+  checkpoint was never trained on; the load-balancing loss (moe.aux_loss_coeff) stays
+  available either way. The bias is not a parameter: no gradient, no optimizer state; it is
+  saved in checkpoints and exported as e_score_correction_bias.
 - `moe.routing_replay` (RL only; null: off): `R2` records every token's top-k experts in the
   old-log-prob forward and replays them in every update forward of the step; `R3` replays the
   rollout engine's routing (prompt tokens: its prefill) in the old-log-prob and update
@@ -46,7 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from models.families import is_moe
+from models.families import is_moe, moe_family
 
 TOKEN_DISPATCHERS = ("alltoall", "allgather")
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
@@ -65,6 +79,7 @@ class MoEConfig:
     token_drop_policy: str = "probs"     # probs | position (which tokens an expert keeps)
     grouped_experts: bool = True         # one grouped expert computation (false: a loop)
     routing_replay: Optional[str] = None  # RL: null | R2 | R3 (engine.training.routing)
+    bias_update_rate: float = 0.0        # aux-loss-free bias update per step (0: off)
 
 
 def _is_moe(hf_config: dict) -> bool:
@@ -110,6 +125,7 @@ def moe_problems(cfg: Any, hf_config: dict) -> list[str]:
     if cf is not None and not (isinstance(cf, (int, float)) and cf > 0):
         p.append(f"moe.capacity_factor={cf!r} must be null (dropless) or a number > 0")
     p += _replay_problems(cfg, moe, hf_config)
+    p += _bias_update_problems(moe, hf_config)
     if not _is_moe(hf_config):
         set_keys = [k for k in ("aux_loss_coeff", "z_loss_coeff", "capacity_factor")
                     if getattr(moe, k)]
@@ -117,6 +133,22 @@ def moe_problems(cfg: Any, hf_config: dict) -> list[str]:
             p.append(f"moe.{set_keys[0]} is set but model.hf_path is a dense model "
                      f"(model_type={hf_config.get('model_type')!r}); remove it")
     return p
+
+
+def has_expert_bias(hf_config: dict) -> bool:
+    """Whether the model's routers carry a score-correction bias (sigmoid routing)."""
+    return bool(getattr(moe_family(hf_config), "expert_bias", False))
+
+
+def _bias_update_problems(moe: MoEConfig, hf_config: dict) -> list[str]:
+    rate = moe.bias_update_rate
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or rate < 0:
+        return [f"moe.bias_update_rate={rate!r} must be a number >= 0 (0: off)"]
+    if rate > 0 and not has_expert_bias(hf_config):
+        return [f"moe.bias_update_rate={rate} needs a model whose routers have a "
+                "score-correction bias (sigmoid routing: glm4_moe, deepseek_v3); model_type="
+                f"{hf_config.get('model_type')!r} has none; remove it"]
+    return []
 
 
 def _replay_problems(cfg: Any, moe: MoEConfig, hf_config: dict) -> list[str]:
@@ -154,4 +186,6 @@ def moe_overrides(cfg: Any, hf_config: dict, forward_only: bool = False) -> dict
                 moe_expert_capacity_factor=(float(moe.capacity_factor)
                                             if moe.capacity_factor else None),
                 moe_token_drop_policy=moe.token_drop_policy,
+                **({"moe_router_bias_update_rate": 0.0 if forward_only
+                    else float(moe.bias_update_rate)} if has_expert_bias(hf_config) else {}),
                 grouped_experts=moe.grouped_experts)  # a builder argument (models.factory)

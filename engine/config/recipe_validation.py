@@ -30,9 +30,15 @@ configured, engine.config.model_settings):
   optimizer state is sharded over the expert-data-parallel group (dp x cp / ep ranks) instead
   of dp x cp; a layer's MLP activations are k x (3 moe_ffn / tp + 2 h) per token (the k
   routed copies: each expert's SwiGLU, the permuted input and output) instead of 3 ffn / tp;
+- attention scores: none with flash SDPA; a family whose attention materialises them
+  (gpt-oss's sinks: models.gpt_oss_attention) adds its `attention_score_elements` per token
+  (seq_length x heads / tp: every head's row of probabilities, kept for the backward pass) to
+  each layer's activations, plus 3 such copies once (the transient scores of the layer being
+  computed);
 - logits (last stage): t x padded vocab / tp x (a + 12) bytes (bf16/fp32 logits, the fp32 copy,
   the masked copy and its gradient in the vocab-parallel cross-entropy);
-- runtime: RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers and allocator slack.
+- runtime: RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers and allocator slack;
+- LoRA (model.lora.rank > 0): frozen base, trained adapters (engine.config.lora_memory).
 
 The communication plan (engine.config.comm_plan, engine.config.comm_report) follows: bytes each
 GPU hands to collectives per optimizer step, by kind. `--json` prints one JSON object instead
@@ -50,9 +56,12 @@ from engine.config.schema import (ConfigError, SFTConfig, data_file_problems, la
                            value_problems)
 from engine.config.cli_flags import int_flag, pop_switch
 from engine.config.comm_report import comm_section
+from engine.config.lora_memory import adapter_activation_bytes, lora_summary, with_adapters
+from engine.config.lora_settings import lora_problems, lora_spec
 from engine.config.model_settings import recompute_layer_problems, recompute_settings
 from engine.training.plan import plan_mini_batch
-from models.families import moe_family, padded_vocab_size, stage_parameters
+from models.families import family_of, moe_family, padded_vocab_size, stage_parameters
+from models.families import deepseek_v3_costs as mla_costs
 from models.presets import MODEL_SHAPES, shape_mismatches
 
 GIB = 2 ** 30
@@ -92,10 +101,11 @@ def optimizer_bytes(bf16: bool, layout, distributed_optimizer: bool) -> float:
 
 
 def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: bool,
-                    micro_batches: int) -> MemoryEstimate:
+                    micro_batches: int, lora=None) -> MemoryEstimate:
     """Per-GPU peak estimate (formulas in the module docstring) for `layout`
     (a parallel.layout.ParallelLayout, its `sequence_parallel` resolved) and `micro_batches`
-    per DP rank per step; `train` gives the micro-batch size and train.recompute*."""
+    per DP rank per step; `train` gives the micro-batch size and train.recompute*; `lora` (a
+    models.lora.LoraSpec): frozen base + adapters (engine.config.lora_memory)."""
     tp, pp, cp, vpp = layout.tp, layout.pp, layout.cp, layout.vpp or 1
     granularity, method, group = recompute_settings(train)
     s = tp if layout.sequence_parallel and tp > 1 else 1
@@ -111,7 +121,11 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     q, kv = heads * hd, kv_heads * hd
     t = micro_batch_tokens(train) / cp
     kv_rep = 2 * q if kv_heads < heads and granularity != "selective" else 0
-    per_layer = a * t * (4 * h / s + (q + kv_rep + q + 2 * kv) / tp + mlp)
+    scores = family_of(hf).attention_score_elements(hf, train.seq_length, tp)  # gpt-oss
+    attention = (mla_costs.activation_elements(hf, tp, s) if mla_costs.uses_mla(hf)
+                 else (q + kv_rep + q + 2 * kv) / tp)   # MLA: its latents (DeepSeek-V3)
+    per_layer = a * t * (4 * h / s + attention + mlp + scores)
+    per_layer += adapter_activation_bytes(hf, lora, a, t, s)   # 0 without LoRA
     layer_input = a * t * h / s
     layers = hf["num_hidden_layers"]
     if pp == 1:
@@ -137,15 +151,18 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
         return passes * (kept * layer_input + (1 - kept) * per_layer) + per_layer
 
     def stage(n_params: int, act_layers: float, with_logits: bool) -> MemoryEstimate:
-        return MemoryEstimate(weights=n_params * a / GIB, grads=n_params * 4 / GIB,
-                              optimizer=((n_params - params.expert_stage) * opt_bytes
-                                         + params.expert_stage * expert_opt_bytes) / GIB,
-                              activations=activation_bytes(act_layers) / GIB,
-                              logits=logits / GIB if with_logits else 0.0,
-                              notes={"layers_in_flight": act_layers, "tokens_per_rank": t,
-                                     "last_stage": with_logits,
-                                     "per_layer_bytes": per_layer,
-                                     "layer_input_bytes": layer_input})
+        est = MemoryEstimate(weights=n_params * a / GIB, grads=n_params * 4 / GIB,
+                             optimizer=((n_params - params.expert_stage) * opt_bytes
+                                        + params.expert_stage * expert_opt_bytes) / GIB,
+                             activations=(activation_bytes(act_layers)
+                                          + 3 * a * t * scores) / GIB,
+                             logits=logits / GIB if with_logits else 0.0,
+                             notes={"layers_in_flight": act_layers, "tokens_per_rank": t,
+                                    "last_stage": with_logits,
+                                    "per_layer_bytes": per_layer,
+                                    "layer_input_bytes": layer_input})
+        return est if lora is None else with_adapters(
+            est, n_params, hf, layout, lora, a, opt_bytes, expert_opt_bytes, with_logits)
 
     first = stage(params.first_stage, first_layers, pp == 1)
     if pp == 1:
@@ -216,7 +233,7 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     hf = model_config(cfg, problems)
     if hf is None:
         return RecipeReport([], problems, warnings)
-    layout_issues = (layout_problems(cfg, world_size, hf)
+    layout_issues = (layout_problems(cfg, world_size, hf) + lora_problems(cfg, hf)
                      + recompute_layer_problems(cfg.parallel, cfg.train,
                                                 hf["num_hidden_layers"]))
     if layout_issues:
@@ -242,7 +259,8 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
         warnings.append(f"train.seq_length={train.seq_length} exceeds the model's "
                         f"max_position_embeddings={hf['max_position_embeddings']}")
     bf16 = cfg.model.dtype == "bfloat16"
-    mem = estimate_memory(hf, layout, train, bf16, cfg.optim.distributed_optimizer, m)
+    mem = estimate_memory(hf, layout, train, bf16, cfg.optim.distributed_optimizer, m,
+                          lora_spec(cfg))
     cap = cfg.recipe.gpu_memory_gib
     at_recipe_size = (nodes == cfg.recipe.nodes
                       and world_size == cfg.recipe.nodes * cfg.recipe.gpus_per_node)
@@ -268,7 +286,7 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
         f"tokens per step (at most); {m} micro-batches per DP rank per step, "
         f"{micro_batch_tokens(train)} tokens per micro-batch",
         f"activations: sequence parallelism {'on' if layout.sequence_parallel else 'off'}, "
-        f"recompute {_recompute_text(train)}",
+        f"recompute {_recompute_text(train)}", *lora_summary(hf, lora_spec(cfg), params.total),
         f"memory per GPU (estimate, GiB): weights {mem.weights:.1f} + grads {mem.grads:.1f} "
         f"+ optimizer {mem.optimizer:.1f} + activations {mem.activations:.1f} "
         f"({mem.notes['layers_in_flight']:g} layer passes of {mem.notes['tokens_per_rank']:g} "

@@ -23,7 +23,8 @@ from engine.rl.env.episode_batch import env_template_problem
 from engine.rl.env.tool_schema import load_tools
 from engine.rl.env.tools_env import tool_kwargs_problems
 from engine.rl.rewards import load_reward_fn
-from engine.rl.rollout.base import BACKENDS, backend_class, custom_backend_class
+from engine.rl.rollout.base import (BACKENDS, backend_class, conditional_checkpoint_problems,
+                                    custom_backend_class)
 from engine.rl.rollout.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
                                          split_sizes)
 from models.critic_io import critic_problem
@@ -157,7 +158,7 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                                         rollout_procs_per_node(world_size + n_rollout, n_rollout)
                                         if n_rollout else procs_per_node(world_size))
                    + routing_replay_problems(cfg) + distill_problems(cfg, world_size)
-                   + ppo_problems(cfg))
+                   + ppo_problems(cfg) + conditional_checkpoint_problems(cfg, hf_config))
     return hf_config
 
 

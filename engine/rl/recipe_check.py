@@ -13,7 +13,9 @@ the memory per GPU (GiB), in two phases:
   policy layout, train.recompute*, and the micro-batches of one mini-batch of
   prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
   the frozen KL reference's weights (kl.beta > 0: the policy's stage parameters in
-  model.dtype, no gradients or optimizer state), the on-policy distillation teacher's weights
+  model.dtype, no gradients or optimizer state; none with LoRA, whose policy estimate is
+  engine.config.lora_memory's and whose reference is the policy's own frozen base), the
+  on-policy distillation teacher's weights
   (distill.teacher_path: its own config.json, its stage parameters at the policy's layout in
   model.dtype, frozen; when that directory is not on the validating machine the teacher is
   NOT counted, the report says so and recipe.expected_memory_gib is not compared; with
@@ -42,6 +44,8 @@ import sys
 
 from engine.config.cli_flags import int_flag, pop_switch
 from engine.config.comm_report import comm_section
+from engine.config.lora_memory import lora_summary
+from engine.config.lora_settings import lora_problems, lora_spec
 from engine.config.loading import load_config
 from engine.config.recipe_validation import (GIB, estimate_memory, memory_checks,
                                              micro_batch_tokens, model_config, optimizer_bytes)
@@ -128,11 +132,12 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None
     plan = plan_mini_batch([train.seq_length] * responses, layout.dp, train.balance_dp,
                            train.micro_batch_size, train.max_tokens_per_micro_batch)
     a = 2 if cfg.model.dtype == "bfloat16" else 4
+    lora = lora_spec(cfg)  # LoRA: adapters trained, and the KL reference is the frozen base
     mem = estimate_memory(hf, layout, train, a == 2, cfg.optim.distributed_optimizer,
-                          plan.num_micro_batches)
+                          plan.num_micro_batches, lora)
     stage = stage_parameters(hf, par.tp, par.pp, par.ep)
     reference = (max(stage.first_stage, stage.last_stage) * a / GIB
-                 if cfg.kl.beta > 0 else 0.0)
+                 if cfg.kl.beta > 0 and lora is None else 0.0)
     if roll.backend == "sglang":
         engine = roll.sglang.mem_fraction * cfg.recipe.gpu_memory_gib
         engine_text = f"SGLang {roll.sglang.mem_fraction:g} x {cfg.recipe.gpu_memory_gib:g}"
@@ -140,7 +145,9 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None
         engine = stage_parameters(hf, 1, 1).total * a / GIB
         engine_text = f"{roll.backend} engine weights"
     teacher_gib, teacher_lines = teacher_memory(cfg, teacher)
-    critic, critic_lines = critic_memory(cfg, hf, layout, mem)
+    full = mem if lora is None else estimate_memory(  # the PPO critic is a full model
+        hf, layout, train, a == 2, cfg.optim.distributed_optimizer, plan.num_micro_batches)
+    critic, critic_lines = critic_memory(cfg, hf, layout, full)
     # distill.offload: the teacher is on the GPU only for its forward pass (the log-prob stage)
     offloaded = cfg.distill.offload and teacher is not None
     resident_teacher = 0.0 if offloaded else teacher_gib
@@ -156,11 +163,12 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None
                              f"{teacher_gib:.1f} = {stage:.1f}")
         training = max(training, stage)
     lines = [
-        *teacher_lines, *critic_lines,
+        *lora_summary(hf, lora, stage_parameters(hf, 1, 1).total), *teacher_lines, *critic_lines,
         f"memory per GPU while training (estimate, GiB): policy {mem.total:.1f} (weights "
         f"{mem.weights:.1f} + grads {mem.grads:.1f} + optimizer {mem.optimizer:.1f} + "
         f"activations {mem.activations:.1f} + logits {mem.logits:.1f} + runtime "
         f"{mem.runtime:.1f}) + KL reference {reference:.1f}"
+        + (" (the policy's frozen base, adapters off)" if lora and cfg.kl.beta > 0 else "")
         + (f" + distillation teacher {teacher_gib:.1f}" if teacher is not None
            and not offloaded else "")
         + (f" + PPO critic {critic:.1f}" if critic_lines else "")
@@ -184,11 +192,12 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
     plan = plan_mini_batch([cfg.train.seq_length] * responses, layout.dp,
                            cfg.train.balance_dp, cfg.train.micro_batch_size,
                            cfg.train.max_tokens_per_micro_batch)
+    lora = lora_spec(cfg)
     mem = estimate_memory(hf, layout, cfg.train, a == 2, cfg.optim.distributed_optimizer,
-                          plan.num_micro_batches)
+                          plan.num_micro_batches, lora)
     stage = stage_parameters(hf, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
     reference = (max(stage.first_stage, stage.last_stage) * a / GIB
-                 if cfg.kl.beta > 0 else 0.0)
+                 if cfg.kl.beta > 0 and lora is None else 0.0)   # LoRA: the frozen base
     engine = stage_parameters(hf, 1, 1).total * a / GIB  # hf backend: the whole model
     return mem.total + reference, engine, [
         f"memory per training GPU (estimate, GiB): policy {mem.total:.1f} + KL reference "
@@ -196,6 +205,23 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
         f"memory per rollout GPU (estimate, GiB): {r.backend} engine weights {engine:.1f}",
         f"host memory per engine owner (estimate, GiB): {2 * engine:.1f} (the served version, "
         "kept for engine restarts, plus one version received ahead; engine.rl.disaggregated.inbox)"]
+
+
+def engine_fit_problems(cfg: RLConfig, weight_bytes: int, gpus_per_engine: int) -> list[str]:
+    """An SGLang engine's share of the weights (model.dtype, split over its GPUs) must fit in
+    its rollout.sglang.mem_fraction of the GPU, or the engine cannot even load them (engines
+    never span nodes: engine.rl.rollout.placement)."""
+    roll = cfg.rollout
+    if roll.backend != "sglang":
+        return []
+    share = weight_bytes / GIB / gpus_per_engine
+    budget = roll.sglang.mem_fraction * cfg.recipe.gpu_memory_gib
+    if share <= budget:
+        return []
+    return [f"an SGLang engine's share of the {cfg.model.dtype} weights, {share:.1f} GiB per GPU "
+            f"over rollout.gpus_per_engine={gpus_per_engine}, exceeds rollout.sglang.mem_fraction"
+            f"={roll.sglang.mem_fraction:g} x {cfg.recipe.gpu_memory_gib:g} GiB = {budget:.1f} "
+            "GiB (engines never span nodes): the model does not fit one node's engine"]
 
 
 def rl_comm(cfg: RLConfig, hf: dict, world: int, engines: int) -> tuple[list[str], dict]:
@@ -229,7 +255,7 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
         return [], problems, {}
     problems += async_problems(cfg, world, per_node)
     world, n_roll = split_sizes(cfg, world)  # the training ranks from here on
-    problems += layout_problems(cfg, world, hf)
+    problems += layout_problems(cfg, world, hf) + lora_problems(cfg, hf)
     teacher = teacher_config(cfg, problems)
     if teacher is not None:
         problems += [f"distill.teacher_path={cfg.distill.teacher_path}: {m}"
@@ -254,6 +280,7 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
         max(training, rollout), cfg.recipe, at_recipe_size, "estimated peak memory per GPU",
         "raise tp/pp/ep, lower train.max_tokens_per_micro_batch or rollout.sglang.mem_fraction",
         "the estimated peak is")
+    memory_issues += engine_fit_problems(cfg, sync_bytes, placement.gpus_per_engine)
     summary = [
         f"model: {cfg.model.shape or hf.get('model_type')}, {params / 1e9:.2f} B parameters, "
         f"dtype {cfg.model.dtype}",

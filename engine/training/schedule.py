@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS, HiddenStates
 from engine.training.micro_batches import MicroBatch
+from models.bridge import unwrap
 from models.output_head import output_weight, returning_hidden_states
 from parallel import cpu_runtime
 
@@ -42,6 +43,23 @@ def _to_device(mb: MicroBatch, device) -> MicroBatch:
                      "cu_seqlens_kv_padded"):
             setattr(p, name, getattr(p, name).to(device))
     return mb
+
+
+def moe_padding_mask(model, mb: MicroBatch) -> dict:
+    """{"padding_mask": [b, s] bool, True on padding} for models whose routers count tokens
+    for the aux-loss-free bias update (megatron expert_bias), so that padding and dummy
+    sequences (seq_ids -1) never count and the count does not depend on the layout; {}
+    otherwise. Megatron scatters the mask over TP only on the first pipeline stage; later
+    stages with sequence parallelism get this TP rank's slice of the sequence here."""
+    chunk = unwrap(model)
+    if not getattr(chunk.config, "moe_router_enable_expert_bias", False):
+        return {}
+    mask = mb.seq_ids < 0
+    if chunk.config.sequence_parallel and not chunk.pre_process:
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        width = mask.shape[1] // tp
+        mask = mask[:, rank * width:(rank + 1) * width]
+    return {"padding_mask": mask.contiguous()}
 
 
 def reduce_reports(reports: list[dict[str, torch.Tensor]], keys: list[str]) -> dict[str, float]:
@@ -85,7 +103,8 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
         mb = next(data_iterator)
         if before_forward is not None:  # e.g. MoE routing replay targets (engine.training.routing)
             before_forward(model, mb)
-        output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params)
+        output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params,
+                       **moe_padding_mask(model, mb))
 
         def loss_func(output_tensor):
             if loss_chunk_tokens:

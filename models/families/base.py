@@ -94,6 +94,36 @@ class Family:
     def biases(self, cfg: Any) -> Biases:
         return Biases()
 
+    def has_qk_norm(self, cfg: Any) -> bool:
+        """Whether each attention head's q and k get an RMSNorm (`qk_norm`; a family whose
+        config switches it, e.g. GLM-4.5's use_qk_norm, overrides this)."""
+        return self.qk_norm
+
+    def extra_layer_parameters(self, cfg: Any) -> tuple[int, int]:
+        """(TP-sharded, replicated) parameters of one decoder layer that the generic count
+        (models.families.counting) does not know of, e.g. gpt-oss's attention sinks."""
+        return 0, 0
+
+    def attention_parameters(self, cfg: Any) -> tuple[int, int] | None:
+        """(TP-sharded, replicated) parameters of one layer's attention and its two layer
+        norms when they are not GQA's q/k/v/o (+ q/k norms), e.g. DeepSeek-V3's MLA; None:
+        the generic count (models.families.counting)."""
+        return None
+
+    def rotary_percent(self, cfg: Any) -> float:
+        """Fraction of each head's dimensions RoPE rotates (megatron rotary_percent)."""
+        return 1.0
+
+    def passthrough(self, cfg: Any, name: str) -> bool:
+        """Whether checkpoint tensor `name` is carried unchanged through conversion and
+        training without being mapped (e.g. MTP layers; models.hf_passthrough)."""
+        return False
+
+    def attention_score_elements(self, cfg: Any, seq_length: int, tp: int) -> float:
+        """Attention-score elements per token one GPU keeps per layer for the backward pass
+        (memory estimates); 0: flash SDPA keeps none (gpt-oss's sink attention does)."""
+        return 0.0
+
     def length_limit(self, cfg: Any) -> tuple[int, str] | None:
         """(longest sequence, in tokens, the bridge reproduces exactly; the config field that
         sets it) or None: no limit. The engines refuse a longer train.seq_length."""
@@ -113,7 +143,7 @@ class Family:
             names.append("self_attn.o_proj.bias")
         if b.mlp:
             names += [f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
-        if self.qk_norm:
+        if self.has_qk_norm(cfg):
             names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         return tuple(names)
 
@@ -137,10 +167,11 @@ class Family:
             normalization="RMSNorm",
             layernorm_epsilon=field(cfg, "rms_norm_eps", 1e-6),
             gated_linear_unit=True,
-            activation_func=ACTIVATIONS[field(cfg, "hidden_act", "silu")],
+            # unknown names were refused by `problems`, or the family ignores the field
+            activation_func=ACTIVATIONS.get(field(cfg, "hidden_act", "silu")),
             add_qkv_bias=b.qkv,
             add_bias_linear=b.mlp,  # MLP fc1/fc2; o_proj's bias: models.layer_spec
-            qk_layernorm=self.qk_norm,
+            qk_layernorm=self.has_qk_norm(cfg),
         )
 
     def describe(self) -> str:

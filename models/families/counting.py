@@ -38,28 +38,39 @@ class StageParams:
 
 
 def _experts(hf: Any) -> tuple[int, int, int]:
-    """(experts per layer, experts per token, parameters of one expert); zeros when dense."""
+    """(experts per MoE layer, experts per token, parameters of one expert); zeros when dense."""
     fam = moe_family(hf)
     if fam is None:
         return 0, 0, 0
-    return (fam.num_experts(hf), fam.experts_per_token(hf),
-            3 * field(hf, "hidden_size") * fam.expert_width(hf))
+    return fam.num_experts(hf), fam.experts_per_token(hf), fam.expert_parameters(hf)
 
 
-def _layer_parameters(hf: Any) -> tuple[int, int]:
-    """(TP-sharded, replicated) parameters of one decoder layer, experts excluded (a MoE
-    layer's replicated part includes its router)."""
+def _is_moe_layer(hf: Any, layer: int) -> bool:
+    fam = moe_family(hf)
+    return fam is not None and fam.is_moe_layer(hf, layer)
+
+
+def _layer_parameters(hf: Any, layer: int) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of decoder layer `layer`, routed experts excluded
+    (a MoE layer's replicated part includes its router, its sharded part its shared experts;
+    a dense layer of a MoE family has the dense MLP of intermediate_size)."""
     fam = family_of(hf)
     b = fam.biases(hf)
-    experts, _, _ = _experts(hf)
+    sparse = _is_moe_layer(hf, layer)
+    experts = _experts(hf)[0] if sparse else 0
     h = field(hf, "hidden_size")
-    ffn = 0 if experts else field(hf, "intermediate_size")
+    ffn = moe_family(hf).shared_expert_width(hf) if sparse else field(hf, "intermediate_size")
     heads = field(hf, "num_attention_heads")
     kv = field(hf, "num_key_value_heads", heads)
     hd = head_dim(hf)
     q_dim, kv_dim = heads * hd, kv * hd
-    sharded = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * ffn
-    replicated = 2 * h + (2 * hd if fam.qk_norm else 0) + experts * h
+    # attention and the layer norms: the family's own count (MLA) or GQA's
+    attention = fam.attention_parameters(hf) or (
+        2 * h * q_dim + 2 * h * kv_dim, 2 * h + (2 * hd if fam.has_qk_norm(hf) else 0))
+    sharded = attention[0] + 3 * h * ffn
+    replicated = attention[1] + experts * h
+    extra_sharded, extra_replicated = fam.extra_layer_parameters(hf)
+    sharded, replicated = sharded + extra_sharded, replicated + extra_replicated
     if b.qkv:
         sharded += q_dim + 2 * kv_dim
     if b.o_proj:
@@ -72,8 +83,8 @@ def _layer_parameters(hf: Any) -> tuple[int, int]:
 
 def stage_parameters(hf: Any, tp: int, pp: int, ep: int = 1) -> StageParams:
     """Parameters of the whole model and of one TP (x EP) rank of the first / last pipeline
-    stage; `active` and `expert_stage` as in StageParams."""
-    sharded, replicated = _layer_parameters(hf)
+    stage (each stage holds its own layers: dense and MoE layers counted as they fall);
+    `active` as in StageParams, `expert_stage` the largest over the stages."""
     experts, topk, per_expert = _experts(hf)
     h = field(hf, "hidden_size")
     layers = field(hf, "num_hidden_layers")
@@ -83,12 +94,23 @@ def stage_parameters(hf: Any, tp: int, pp: int, ep: int = 1) -> StageParams:
     # tied weights with pp > 1: the last stage allocates its own copy of the shared matrix
     output = embedding if (not tied or pp > 1) else 0
     per_stage = layers // pp
-    expert_stage = per_stage * (experts // ep) * per_expert // tp
-    body = per_stage * (sharded // tp + replicated) + expert_stage
+    counts = [_layer_parameters(hf, i) for i in range(layers)]
+    sparse = [_is_moe_layer(hf, i) for i in range(layers)]
+
+    def stage(index: int) -> tuple[int, int]:
+        """(body without routed experts, routed experts) of one rank of stage `index`."""
+        span = range(index * per_stage, (index + 1) * per_stage)
+        body = sum(counts[i][0] // tp + counts[i][1] for i in span)
+        return body, sum(sparse[i] for i in span) * (experts // ep) * per_expert // tp
+
+    (first_body, first_experts), (last_body, last_experts) = stage(0), stage(pp - 1)
+    first, last = first_body + first_experts, last_body + last_experts
     if pp == 1:
-        first = last = body + embedding + output + h
+        first = last = first + embedding + output + h
     else:
-        first, last = body + embedding, body + output + h
-    rest = layers * (sharded + replicated) + vocab * h * (1 if tied else 2) + h
-    return StageParams(rest + layers * experts * per_expert, first, last, per_stage,
-                       active=rest + layers * topk * per_expert, expert_stage=expert_stage)
+        first, last = first + embedding, last + output + h
+    rest = sum(a + b for a, b in counts) + vocab * h * (1 if tied else 2) + h
+    moe_layers = sum(sparse)
+    expert_stage = max(stage(i)[1] for i in range(pp))
+    return StageParams(rest + moe_layers * experts * per_expert, first, last, per_stage,
+                       active=rest + moe_layers * topk * per_expert, expert_stage=expert_stage)

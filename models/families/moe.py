@@ -39,10 +39,20 @@ class ExpertNaming:
     gate: str
     up: str
     down: str
+    router_module: str = "gate"  # the router is `{block}.{router_module}` (gpt-oss: router)
 
     @property
     def router(self) -> str:
-        return f"{self.block}.gate.weight"
+        return f"{self.block}.{self.router_module}.weight"
+
+    @property
+    def router_bias(self) -> str:
+        """The router's bias (families whose router has one: gpt-oss)."""
+        return f"{self.block}.{self.router_module}.bias"
+
+    def expert_bias(self, e: int, projection: str) -> str:
+        """Suffix of expert e's `projection` bias (families with expert biases: gpt-oss)."""
+        return f"{self.block}.experts.{e}.{getattr(self, projection)}.bias"
 
     def expert(self, e: int, projection: str) -> str:
         """Suffix of expert e's `projection` (one of PROJECTIONS) weight."""
@@ -117,6 +127,24 @@ class MoeFamily(Family):
         if self.renormalise_field is None:
             return True
         return bool(field(cfg, self.renormalise_field, False))
+
+    # gpt-oss: the router and every expert projection carry a bias (models.gpt_oss_spec)
+    expert_biases: bool = False
+    # gpt-oss: the checkpoint holds each layer's experts as fused tensors, which
+    # models.gpt_oss_checkpoint presents to the bridge as the per-expert `experts` names
+    fused_experts_on_disk: bool = False
+
+    def expert_parameters(self, cfg: Any) -> int:
+        """Parameters of one routed expert (counting): its SwiGLU matrices."""
+        return 3 * int(field(cfg, "hidden_size")) * self.expert_width(cfg)
+
+    def is_moe_layer(self, cfg: Any, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has experts (True: every layer)."""
+        return True
+
+    def shared_expert_width(self, cfg: Any) -> int:
+        """Intermediate width of a MoE layer's shared expert(s), 0 when none (counting)."""
+        return 0
 
     def layer_tensors(self, cfg: Any) -> tuple[str, ...]:
         dense_mlp = {f"mlp.{p}_proj.weight" for p in PROJECTIONS}

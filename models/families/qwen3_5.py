@@ -12,9 +12,10 @@ shared expert behind a sigmoid `shared_expert_gate` (megatron moe_shared_expert_
 No model.shape presets yet: parameter counts and memory estimates (models.families.counting)
 do not count the GDN layers, so presets and H100 recipes would be wrong; not built.
 
-Conditional-generation checkpoints (`qwen3_5` / `qwen3_5_moe` with a `text_config`, a vision
-tower `model.visual.*` and MTP tensors `mtp.*`) are not converted: refused by name, with the
-way to convert their text model (models.families.qwen3_5_fields.CONDITIONAL).
+Conditional-generation checkpoints (`qwen3_5` / `qwen3_5_moe`: a `text_config`, the vision
+tower `model.visual.*`, the text model under `model.language_model.*`, MTP tensors `mtp.*`) are
+read as their text model (models.hf_conditional); the vision tower and the MTP layers are
+`passthrough` tensors (models.hf_passthrough): carried unchanged, never trained.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from models.families.base import Family, FieldRule, field
 from models.families.fields import ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE
 from models.families.moe import NUM_EXPERTS, TOP_K, AUX_LOSS, ExpertNaming, MoeFamily
 from models.families.qwen3_5_fields import (ATTENTION_BIAS, GDN_FIELDS, HIDDEN_ACT_SILU,
-                                            LAYER_TYPES, ROPE_DEFAULT, linear_layers)
+                                            LAYER_TYPES, MTP, ROPE_DEFAULT, WRAPPER,
+                                            linear_layers)
 
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 ATTENTION_TENSORS = tuple(f"self_attn.{n}.weight" for n in
@@ -36,7 +38,10 @@ DENSE_MLP = tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
 SHARED_EXPERT = tuple(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")) + (
     "mlp.shared_expert_gate.weight",)
 _COMMON = (ROPE_DEFAULT, HIDDEN_ACT_SILU, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE,
-           ATTENTION_BIAS, LAYER_TYPES) + GDN_FIELDS
+           ATTENTION_BIAS, LAYER_TYPES) + GDN_FIELDS + (WRAPPER, MTP)
+# not mapped, carried as stored: the vision tower of the conditional-generation checkpoints and
+# the MTP layers (transformers drops both when it loads a text model)
+PASSTHROUGH_PREFIXES = ("model.visual.", "mtp.")
 
 
 def _gdn_kwargs(cfg: Any) -> dict:
@@ -68,6 +73,9 @@ class _Hybrid:
     def layer_tensors(self, cfg: Any) -> tuple[str, ...]:
         """The union over both layer kinds (counting and the RL sync use layer_tensors_of)."""
         return _NORMS + ATTENTION_TENSORS + GDN_TENSORS + self.mlp_tensors(cfg)
+
+    def passthrough(self, cfg: Any, name: str) -> bool:
+        return name.startswith(PASSTHROUGH_PREFIXES)
 
 
 class Qwen3_5(_Hybrid, Family):

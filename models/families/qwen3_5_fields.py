@@ -1,12 +1,14 @@
-"""Config-field rows of the Qwen3.5 tables (models.families.qwen3_5), and the refusal of the
-conditional-generation checkpoints. Each check returns None when the value maps exactly, else
-one sentence naming the field, its value and what is supported."""
+"""Config-field rows of the Qwen3.5 tables (models.families.qwen3_5), the wrapper fields of the
+conditional-generation checkpoints (read as their text model: models.hf_conditional) and the
+registry entries of their model_type. Each check returns None when the value maps exactly,
+else one sentence naming the field, its value and what is supported."""
 from __future__ import annotations
 
 from typing import Any
 
 from models.families.base import Family, FieldRule, field, head_dim
 from models.families.fields import rope_parameters
+from models.hf_conditional import wrapper_problem
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -95,25 +97,47 @@ GDN_FIELDS = (
 )
 
 
-def _conditional(cfg: Any) -> str | None:
-    return (f"model_type={field(cfg, 'model_type')!r} (Qwen3_5(Moe)ForConditionalGeneration, "
-            "with text_config, vision_config, model.visual.* and mtp.* tensors) is not "
-            "converted: the vision tower and MTP pass-through is not built; convert the text "
-            "model instead (save Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM, model_type "
-            "qwen3_5_text / qwen3_5_moe_text)")
+WRAPPER = FieldRule(
+    "conditional-generation checkpoints (model_type qwen3_5 / qwen3_5_moe): text_config, "
+    "tie_word_embeddings, vision_config, image_token_id, video_token_id, "
+    "vision_start_token_id, vision_end_token_id, quantization_config (top level)",
+    "read as the text model (models.hf_conditional.text_view): text_config -> this table, "
+    "the top-level tie_word_embeddings -> tie_word_embeddings (transformers' "
+    "ForConditionalGeneration ties by it); vision_config and the image/video token ids act on "
+    "image and video input only, which is not built (text input never reaches the vision "
+    "tower: its tensors model.visual.* pass through unchanged, untrained); refused: a missing "
+    "text_config, a top-level quantization_config", wrapper_problem)
+MTP = FieldRule("mtp_num_hidden_layers / mtp_use_dedicated_embeddings", "the MTP layers "
+                "(mtp.* tensors), which transformers' model does not build: no effect on the "
+                "forward pass; the tensors pass through unchanged, untrained")
+
+
+# The fields of a conditional config: those of its text_config, checked by the text table.
+_TEXT_FIELDS = ("every field through the text model's table: text_config's rope_parameters, "
+                "rope_scaling, rope_theta, hidden_act, head_dim, rms_norm_eps, "
+                "partial_rotary_factor, attention_dropout; the top-level tie_word_embeddings")
+
+
+def _not_viewed(cfg: Any) -> str | None:
+    return (f"model_type={field(cfg, 'model_type')!r}: a conditional-generation config.json is "
+            "read as its text model (models.hf_conditional.text_view, applied by "
+            "models.hf_io.read_config and models.checkpoint.read_hf_config); this config was "
+            "not")
 
 
 class Qwen3_5Conditional(Family):
-    """The conditional-generation checkpoints, refused by name (every config)."""
+    """Qwen3_5ForConditionalGeneration's model_type: its config.json is read as the text
+    model's (models.hf_conditional), so no config of this model_type reaches the bridge; one
+    that does (not read through the view) is refused."""
 
     model_type = "qwen3_5"
     hf_class = "Qwen3_5ForConditionalGeneration"
-    fields = (FieldRule("model_type (the whole config and its text_config: rope_parameters, "
-                        "rope_scaling, rope_theta, hidden_act, head_dim, tie_word_embeddings, "
-                        "rms_norm_eps, partial_rotary_factor, attention_dropout, ...)",
-                        "refused: see the message", _conditional),)
+    fields = (FieldRule(f"model_type ({_TEXT_FIELDS})",
+                        "read as qwen3_5_text (models.hf_conditional)", _not_viewed),)
 
 
 class Qwen3_5MoeConditional(Qwen3_5Conditional):
     model_type = "qwen3_5_moe"
     hf_class = "Qwen3_5MoeForConditionalGeneration"
+    fields = (FieldRule(f"model_type ({_TEXT_FIELDS})",
+                        "read as qwen3_5_moe_text (models.hf_conditional)", _not_viewed),)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from models.families.base import Family, UnsupportedArchitectureError, field
+from models.families.deepseek_v3 import DeepseekV3
+from models.families.gpt_oss import GptOss
+from models.families.glm4_moe import Glm4Moe
 from models.families.llama import Llama
 from models.families.mixtral import Mixtral
 from models.families.moe import ExpertNaming, MoeFamily
@@ -17,7 +20,9 @@ from models.families.qwen3_5_fields import Qwen3_5Conditional, Qwen3_5MoeConditi
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (Llama(), Qwen2(), Qwen3(), Qwen3Moe(),
                                                           Mixtral(), Qwen3_5(), Qwen3_5Moe(),
                                                           Qwen3_5Conditional(),
-                                                          Qwen3_5MoeConditional())}
+                                                          Qwen3_5MoeConditional(),
+                                                          GptOss(), Glm4Moe(),
+                                                          DeepseekV3())}
 
 
 def family_of(hf_config: Any) -> Family:

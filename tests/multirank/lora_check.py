@@ -10,9 +10,12 @@ training checkpoint after RESUME_AT steps (OUT/ckpt_resume) and after the last o
 (OUT/ckpt_final); MoE (q/k/v/o + experts, SequentialMLP experts, fresh adapters): STEPS steps.
 Per-step losses and grad norms and the final adapter matrices go to OUT/ref.pt.
 W == 2: the same runs at tp2+sp, pp2, dp2, cp2 (dense) and ep2 (MoE), a resume of
-OUT/ckpt_resume at pp2 finishing the remaining steps, and the negative control "noreduce" (tp2
-with the adapters' TP reductions switched off). Rank 0 prints one "RESULT {json}" per run with
-the largest relative differences to the reference (loss, grad norm, adapter matrices).
+OUT/ckpt_resume at pp2 finishing the remaining steps, the negative control "noreduce" (tp2
+with the adapters' TP reductions switched off) and, when OUT/from_adapter exists (ADAPTER
+converted by `tools/convert.py hf-to-mcore --adapter` at tp2), "from_mcore_pp2": the dense
+run at pp2 with its adapters loaded from that checkpoint instead of ADAPTER. Rank 0 prints
+one "RESULT {json}" per run with the largest relative differences to the reference (loss,
+grad norm, adapter matrices).
 """
 from __future__ import annotations
 
@@ -190,6 +193,15 @@ def layouts(dense, moe, adapter, out, rank, world):
         setup_model_parallel(ParallelLayout(world, **layout))
         engine = build(*dense, False, adapter, overrides=overrides)
         results.append(compare(name, ref["dense"], *train(engine, data), adapter_tensors(engine)))
+    converted = os.path.join(out, "from_adapter")
+    if os.path.isdir(converted):   # tools/convert.py hf-to-mcore --adapter ADAPTER --tp 2
+        from models.checkpoint import load_model
+
+        setup_model_parallel(ParallelLayout(world, pp=2))
+        engine = build(*dense, False, None,
+                       overrides={"prepare": lambda raw: load_model(raw, converted)})
+        results.append(compare("from_mcore_pp2", ref["dense"], *train(engine, data),
+                               adapter_tensors(engine)))
     setup_model_parallel(ParallelLayout(world, pp=2))
     engine = build(*dense, False, None, load=False)
     load_training_checkpoint(engine, os.path.join(out, "ckpt_resume", f"iter_{RESUME_AT:07d}"),

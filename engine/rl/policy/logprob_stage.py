@@ -23,6 +23,7 @@ from engine.rl.policy.routing_replay import after_old_logprobs, start_routing_re
 from engine.training.host_offload import HostOffload
 from engine.training.micro_batches import SequenceData
 from engine.training.train_engine import TrainEngine
+from models.lora import adapters_disabled
 
 
 def attach_old_logprobs(policy, seqs: list[SequenceData], cfg) -> dict[str, float]:
@@ -44,13 +45,23 @@ def attach_old_logprobs(policy, seqs: list[SequenceData], cfg) -> dict[str, floa
     return metrics
 
 
+def base_logprobs(policy: TrainEngine, seqs: list[SequenceData], temperature: float):
+    """compute_token_logprobs of the LoRA policy's frozen base: its forward with every adapter
+    switched off (exactly the base model, whose weights training never changes)."""
+    with adapters_disabled(policy.chunks):
+        return compute_token_logprobs(policy, seqs, temperature)
+
+
 @dataclass
 class AuxiliaryModels:
     """The models of an RL run beside the policy, all at the policy's layout: the frozen KL
     reference (kl.beta > 0) and distillation teacher (distill.teacher_path), and the PPO
-    critic (advantage.estimator=gae; trained, with its own optimizer)."""
+    critic (advantage.estimator=gae; trained, with its own optimizer). `reference_is_base`:
+    with LoRA the KL reference is the policy's own frozen base (its adapters switched off,
+    models.lora.adapters_disabled), so `reference` stays None: no second model."""
 
     reference: TrainEngine | None = None
+    reference_is_base: bool = False
     teacher: TrainEngine | None = None
     critic: TrainEngine | None = None
     # distill.offload: the teacher's weights live in host memory outside its forward pass
@@ -74,11 +85,15 @@ def logprob_stage(policy, aux: AuxiliaryModels | None, seqs: list[SequenceData],
        forward-only pass at the rollout temperature (with `aux.teacher_offload` its weights
        come from host memory for that pass and go back after it), and the advantages of
        sampled tokens shifted by engine.rl.algo.distill.apply_distillation.
+    With LoRA (`aux.reference_is_base`) step 4 runs first, on the policy with its adapters
+    switched off and before routing replay begins (the reference routes on its own).
     Collective over the world (unless bypass mode without reference and replay: local).
     Returns the metrics, with time/logprob_s the stage's wall time."""
     start = time.perf_counter()
     aux = aux or AuxiliaryModels()
     sampled = [list(s.loss_mask) for s in seqs]  # before rejection zeroes rejected tokens
+    if aux.reference_is_base:
+        attach_extra(seqs, "ref_logprobs", base_logprobs(policy, seqs, cfg.rollout.temperature))
     mode = cfg.moe.routing_replay
     start_routing_replay(policy, mode)
     metrics = attach_old_logprobs(policy, seqs, cfg)

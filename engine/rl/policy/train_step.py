@@ -98,11 +98,14 @@ def train_on_rollout(policy: TrainEngine, aux: AuxiliaryModels | None, batch, cf
 def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSettings,
                     pad_id: int, optimizer_steps: int) -> AuxiliaryModels:
     """The models beside the policy, at its layout. Frozen (forward-only, never recomputed):
-    the KL reference, the initial policy (model.hf_path, also after a resume); the
-    distillation teacher, distill.teacher_path (any supported family sharing the tokenizer),
-    with distill.offload kept in host memory from here on except during its forward pass
-    (AuxiliaryModels.teacher_offload).
-    Trained: the PPO critic, the policy's initial weights plus a zero value head
+    the KL reference, the initial policy (model.hf_path, also after a resume; with LoRA
+    (model.lora.rank > 0) none is built: the reference is the policy's frozen base with its
+    adapters switched off, AuxiliaryModels.reference_is_base); the distillation teacher,
+    distill.teacher_path (any supported family sharing the tokenizer), with distill.offload
+    kept in host memory from here on except during its forward pass (AuxiliaryModels.
+    teacher_offload).
+    Trained: the PPO critic (a full model, also when the policy has LoRA adapters), the
+    policy's initial weights plus a zero value head
     (models.value_head), or critic.hf_path (a critic in HF form, models.critic_io), with
     optim.* but critic.lr, critic.warmup_steps and min_lr scaled by critic.lr / optim.lr; it
     always takes hidden states (the chunked head's path)."""
@@ -114,8 +117,11 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
                                   **fusion_overrides(cfg, config))
 
     teacher_path = cfg.distill.teacher_path
+    base_reference = cfg.kl.beta > 0 and bool(cfg.model.lora.rank)  # LoRA: the policy's base
     aux = AuxiliaryModels(
-        reference=frozen(hf_config, cfg.model.hf_path) if cfg.kl.beta > 0 else None,
+        reference=(frozen(hf_config, cfg.model.hf_path)
+                   if cfg.kl.beta > 0 and not base_reference else None),
+        reference_is_base=base_reference,
         teacher=(frozen(read_hf_config(teacher_path, "distill.teacher_path"), teacher_path)
                  if teacher_path else None))
     if aux.teacher is not None and cfg.distill.offload:

@@ -20,6 +20,8 @@ from typing import Iterable
 
 import torch
 
+from models.hf_conditional import original_config
+
 # Built-in backends by name: module:class, imported on first use (sglang is a GPU-only extra).
 BACKENDS = {"hf": "engine.rl.rollout.hf_backend:HFRolloutEngine",
             "sglang": "engine.rl.rollout.sglang_backend:SGLangRolloutEngine"}
@@ -211,3 +213,28 @@ def make_rollout_engine(backend: str, hf_path: str, **kwargs) -> RolloutEngine:
     "package.module:ClassName" subclass of RolloutEngine) for the HF checkpoint directory
     `hf_path`; `kwargs` go to the backend's constructor."""
     return backend_class(backend)(hf_path, **kwargs)
+
+
+def conditional_checkpoint_problems(cfg, hf_config: dict) -> list[str]:
+    """What RL (config `cfg`: rollout.backend, advantage.estimator) has not run with a
+    conditional-generation checkpoint (models.hf_conditional), one sentence each naming the
+    key: a rollout backend other than hf (transformers loads the folder's text model, whose
+    names `model.*` the weight sync streams; a backend loading the wrapper itself, as SGLang
+    does, names them `model.language_model.*`), and PPO's critic (its HF form, a token
+    classifier of the wrapper, is not built). Empty for other models."""
+    original = original_config(hf_config)
+    if original is None:
+        return []
+    backend, estimator = cfg.rollout.backend, cfg.advantage.estimator
+    what = f"a conditional-generation checkpoint (model_type {original.get('model_type')!r})"
+    p = []
+    if backend != "hf":
+        p.append(f"rollout.backend={backend!r} with {what} is not built: the weight sync "
+                 "streams the text model's names (model.*), which transformers' text-model "
+                 "loading (rollout.backend=hf) uses; a backend loading the wrapper names them "
+                 "model.language_model.*; use rollout.backend=hf")
+    if estimator == "gae":
+        p.append(f"advantage.estimator=gae with {what} is not built: the critic's HF form "
+                 "(a token classifier) of a conditional-generation checkpoint is not written; "
+                 "use a critic-free estimator (e.g. grpo)")
+    return p

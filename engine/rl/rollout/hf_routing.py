@@ -1,9 +1,10 @@
 """Routed experts of the HF rollout backend (R3 routing replay): forward hooks on the MoE gates.
 
 transformers 5 builds every sparse block of Qwen3-MoE and Mixtral with a router module at
-`model.layers.{i}.mlp.gate` whose forward returns (router_logits, routing_weights,
-selected_experts [tokens, k]): the experts the block then runs. `GateRecorder` keeps the
-selected experts of every forward call, layer by layer; `HFRolloutEngine._generate` drains it
+`model.layers.{i}.mlp.gate` (gpt-oss: `mlp.router`) whose forward returns (router_logits,
+routing_weights, selected_experts [tokens, k]): the experts the block then runs.
+`GateRecorder` keeps the selected experts of every forward call, layer by layer;
+`HFRolloutEngine._generate` drains it
 after the prefill (tokens = batch x longest prompt, row-major) and after each decode step
 (tokens = batch), and `assemble` turns those into one table per response:
 
@@ -19,11 +20,13 @@ import re
 
 import torch
 
-_GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+_GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(?:gate|router)$")
 
 
 class GateRecorder:
-    """Hooks on every MoE gate of an HF causal LM (one per decoder layer)."""
+    """Hooks on every MoE gate of an HF causal LM (one per MoE decoder layer; a dense layer,
+    e.g. GLM-4.5's first_k_dense_replace ones, gets zeros in its columns, which the trainer's
+    replay never reads: only MoE layers have a router)."""
 
     def __init__(self, model):
         gates = {}
@@ -32,14 +35,14 @@ class GateRecorder:
             if match and hasattr(module, "top_k"):
                 gates[int(match.group(1))] = module
         layers = int(model.config.num_hidden_layers)
-        if sorted(gates) != list(range(layers)):
+        if not gates or not set(gates) <= set(range(layers)):
             raise ValueError(
                 f"{type(model).__name__}: routed experts need a top-k router at "
-                f"model.layers.{{i}}.mlp.gate in each of the {layers} layers (transformers 5 "
-                f"Qwen3-MoE / Mixtral); found {sorted(gates)}")
+                f"model.layers.{{i}}.mlp.gate of its {layers} layers (transformers 5 "
+                f"Qwen3-MoE / Mixtral / GLM-4.5); found {sorted(gates)}")
         self.num_layers = layers
         self.topk = int(next(iter(gates.values())).top_k)
-        self._calls: dict[int, list[torch.Tensor]] = {i: [] for i in range(layers)}
+        self._calls: dict[int, list[torch.Tensor]] = {i: [] for i in gates}
         self._handles = [gate.register_forward_hook(self._hook(i)) for i, gate in gates.items()]
 
     def _hook(self, layer: int):
@@ -49,14 +52,15 @@ class GateRecorder:
 
     def take(self) -> torch.Tensor:
         """The routing of the forward since the last take: [tokens, num_layers * k] int16."""
-        per_layer = []
-        for layer in range(self.num_layers):
-            calls = self._calls[layer]
+        routed = {}
+        for layer, calls in self._calls.items():
             if len(calls) != 1:
                 raise RuntimeError(f"MoE gate of layer {layer} ran {len(calls)} times in one "
                                    "forward (expected once)")
-            per_layer.append(calls.pop())
-        return torch.cat(per_layer, dim=1)
+            routed[layer] = calls.pop()
+        tokens = next(iter(routed.values())).shape[0]
+        dense = torch.zeros(tokens, self.topk, dtype=torch.int16)  # a dense layer: no routing
+        return torch.cat([routed.get(i, dense) for i in range(self.num_layers)], dim=1)
 
     def clear(self) -> None:
         for calls in self._calls.values():

@@ -10,16 +10,18 @@ ExpertNaming (models.families.moe): Qwen3-MoE `mlp.experts.{e}.{gate,up,down}_pr
 and `mlp.gate.weight`, Mixtral `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` and
 `block_sparse_moe.gate.weight`. `checkpoint_targets` maps every checkpoint name to the tensor
 (a parameter, or a view of a fused one) that receives it; older transformers keep one module
-per expert under the checkpoint's names and need no view.
+per expert under the checkpoint's names and need no view. gpt-oss checkpoints are fused as
+in memory (`fused_experts_on_disk`: models.gpt_oss_checkpoint): every name is its parameter.
 """
 from __future__ import annotations
 
 import torch
 
-from models.families import ExpertNaming, expert_naming
+from models.families import ExpertNaming, expert_naming, moe_family
 
 _FUSED_SUFFIX = "mlp.experts.gate_up_proj"
 _ROUTER_SUFFIX = "mlp.gate.weight"
+_SCORE_BIAS = "e_score_correction_bias"  # sigmoid routers (models.families.moe_routing)
 # Names of a MoE model whose model_type the bridge does not know (transformers' default).
 _DEFAULT_NAMING = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 
@@ -47,14 +49,20 @@ def checkpoint_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
 
     Canonical names identify what must be written after a wake: tied aliases (e.g.
     lm_head.weight with tied embeddings) share their first name; each expert view is its
-    own; a renamed router is its checkpoint name."""
+    own; a renamed router is its checkpoint name. The routers' e_score_correction_bias
+    buffers (GLM-4.5, DeepSeek-V3) are targets too."""
     naming = expert_naming(getattr(model, "config", None)) or _DEFAULT_NAMING
+    family = moe_family(getattr(model, "config", None))
+    fused_on_disk = bool(getattr(family, "fused_experts_on_disk", False))
     params = dict(model.named_parameters(remove_duplicate=False))
     first = {id(p): name for name, p in reversed(list(params.items()))}
     targets: dict[str, torch.Tensor] = {}
     canonical: dict[str, str] = {}
     for name, param in params.items():
-        if name.endswith(_FUSED_SUFFIX) and param.ndim == 3:
+        if fused_on_disk:  # the checkpoint's names are the parameters' (gpt-oss)
+            targets[name] = param
+            canonical[name] = first[id(param)]
+        elif name.endswith(_FUSED_SUFFIX) and param.ndim == 3:
             head = name[: -len(_FUSED_SUFFIX)]
             views = _expert_views(head, param, params[head + "mlp.experts.down_proj"], naming)
             targets.update(views)
@@ -70,4 +78,8 @@ def checkpoint_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
         else:
             targets[name] = param
             canonical[name] = first[id(param)]
+    for name, buffer in model.named_buffers():  # sigmoid routers' bias: an HF buffer
+        if name.endswith("." + _SCORE_BIAS):
+            targets[name] = buffer
+            canonical[name] = name
     return targets, canonical

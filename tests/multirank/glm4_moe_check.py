@@ -1,0 +1,143 @@
+"""GLM-4.5 MoE checks on the rank pool (launched by tests/test_glm4_moe.py).
+
+1. `logits_parity(model_dir)` (one rank): the megatron model built from the tiny HF folder gives
+   transformers' fp32 logits; negative control: the score-correction bias also used to weight
+   the experts (`biased_weights`, the classic sigmoid-router bug) does not.
+2. As a script, the SFT invariance harness (tests/multirank/sft_invariance.py, same argv:
+   MODEL_DIR REF_FILE SPEC...) with two more spec flags:
+     aux=C, z=C the load-balancing loss and the router z-loss (as in the harness);
+     bias=R     the aux-loss-free expert-bias update at rate R (moe.bias_update_rate): the
+                exported e_score_correction_bias is compared with the reference like every
+                parameter, so the update must not depend on the layout;
+     bug=localbias  negative control: each rank updates the bias from its own token counts
+                (no all-reduce over TP x DP x CP);
+     bug=padcount   negative control: padding tokens counted (no padding mask).
+   The harness's own negative controls (mean of means, DP x CP counts) are skipped here: the
+   dense harness runs them.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from tests.multirank import sft_invariance as harness  # noqa: E402
+
+
+def biased_weights(original):
+    """A router function that selects like `original` but weights the experts with the
+    BIASED scores (sigmoid + e_score_correction_bias): the negative control."""
+    def routed(logits, topk, *args, expert_bias=None, scaling_factor=None, **kwargs):
+        probs, routing_map = original(logits, topk, *args, expert_bias=expert_bias,
+                                      scaling_factor=scaling_factor, **kwargs)
+        biased = (torch.sigmoid(logits.float()) + expert_bias) * routing_map
+        probs = biased / (biased.sum(-1, keepdim=True) + 1e-20) * (scaling_factor or 1.0)
+        return probs.type_as(logits), routing_map
+    return routed
+
+
+def logits_parity(model_dir: str) -> dict:
+    """{"max_abs": megatron vs HF, "bug_max_abs": the same with biased_weights, "scale"}."""
+    from megatron.core.transformer.moe import router
+    from transformers import AutoModelForCausalLM
+
+    from models.bridge import load_hf_weights
+    from models.factory import build_model_chunks
+    from models.forward import forward_logits
+    from models.hf_io import SafetensorsReader, read_config
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    cfg = read_config(model_dir)
+    setup_model_parallel(ParallelLayout(1))
+    chunks = build_model_chunks(cfg)
+    load_hf_weights(chunks, SafetensorsReader(model_dir), cfg)
+    for chunk in chunks:
+        chunk.eval()
+    tokens = torch.randint(0, cfg["vocab_size"], (2, 40), generator=torch.Generator()
+                           .manual_seed(0))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(tokens).logits.float()
+    ours = forward_logits(chunks, tokens, cfg["vocab_size"])
+    original = router.topk_routing_with_score_function
+    router.topk_routing_with_score_function = biased_weights(original)
+    try:
+        bug = forward_logits(chunks, tokens, cfg["vocab_size"])
+    finally:
+        router.topk_routing_with_score_function = original
+    return {"max_abs": float((ours - ref).abs().max()),
+            "bug_max_abs": float((bug - ref).abs().max()), "scale": float(ref.abs().max())}
+
+
+def _local_counts(tokens_per_expert, expert_bias, rate):
+    """megatron's get_updated_expert_bias without its all-reduce: per-rank counts."""
+    with torch.no_grad():
+        average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
+        return expert_bias + torch.sign(average - tokens_per_expert) * rate
+
+
+def inject(bug):
+    """Install the glm-specific negative controls; returns the undo function (or None when
+    `bug` is none of them)."""
+    from engine.training import schedule
+
+    # the module (the package re-exports a function of the same name)
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+    if bug == "localbias":
+        original = finalize.get_updated_expert_bias
+        finalize.get_updated_expert_bias = _local_counts
+        return lambda: setattr(finalize, "get_updated_expert_bias", original)
+    if bug == "padcount":
+        original = schedule.moe_padding_mask
+        schedule.moe_padding_mask = lambda model, mb: {}
+        return lambda: setattr(schedule, "moe_padding_mask", original)
+    return None
+
+
+def main() -> None:
+    """The harness with the bias flag and controls (module docstring); every patch of the
+    harness module is undone on exit (the rank pool keeps modules loaded between cases)."""
+    from engine.config.moe_settings import MoEConfig, moe_overrides
+    from models.hf_io import read_config
+
+    saved = {n: getattr(harness, n) for n in ("moe_loss_overrides", "inject_bug",
+                                              "negative_controls", "ADAM_EPS")}
+    # the harness reads $INV_ADAM_EPS when first imported; a pool rank may have imported it
+    # before this case set it
+    harness.ADAM_EPS = float(os.environ.get("INV_ADAM_EPS", "1e-4"))
+    config = read_config(sys.argv[1])
+
+    def overrides(spec: str) -> dict:
+        flags = spec.split(",")[5].split("+") if spec.count(",") >= 5 else []
+        value = {f.split("=")[0]: float(f.split("=")[1]) for f in flags
+                 if f.split("=")[0] in ("bias", "aux", "z")}
+        moe = MoEConfig(bias_update_rate=value.get("bias", 0.0),
+                        aux_loss_coeff=value.get("aux"), z_loss_coeff=value.get("z"))
+        return moe_overrides(SimpleNamespace(moe=moe), config)
+
+    def inject_bug(state, bug):
+        undo = inject(bug)
+        return undo if undo is not None else saved["inject_bug"](state, bug)
+
+    harness.moe_loss_overrides = overrides
+    harness.inject_bug = inject_bug
+    harness.negative_controls = lambda *args: {}
+    try:
+        harness.main()
+    finally:
+        for name, value in saved.items():
+            setattr(harness, name, value)
+
+
+if __name__ == "__main__":
+    from engine.cli import exit_process
+
+    main()
+    exit_process(0)

@@ -1,0 +1,128 @@
+"""LoRA in `--validate` (engine.config.lora_memory, models.lora_counting; docs/lora.md#memory):
+adapter counts against peft and by hand (TP, PP, experts over EP), the SFT memory estimate of
+a small case worked out by hand, the RL estimate without a KL reference copy, the recipes.
+Single process, no process group."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config.recipe_validation import GIB, estimate_memory, validate_recipe
+from engine.config.schema import SFTConfig, load_config
+from models.families import stage_parameters
+from models.lora import LoraSpec
+from models.lora_counting import adapter_parameters
+from models.lora_sites import resolve_targets
+from parallel.layout import ParallelLayout
+from tests.launch import REPO_ROOT
+from tests.tiny_models import build_tiny_model
+
+ALL = resolve_targets("all-linear")
+# h 64, q = 8 x 16 = 128, kv = 2 x 16 = 32, ffn 128, 4 layers
+DENSE = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+         "num_hidden_layers": 4, "vocab_size": 256, "tie_word_embeddings": False,
+         "max_position_embeddings": 4096}
+MOE = {**DENSE, "model_type": "qwen3_moe", "moe_intermediate_size": 32, "num_experts": 8,
+       "num_experts_per_tok": 2, "num_hidden_layers": 2, "decoder_sparse_step": 1,
+       "mlp_only_layers": []}
+
+
+def test_adapter_count_equals_peft(tmp_path):
+    """The unsharded count is peft's number of trainable parameters on the HF model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = build_tiny_model(str(tmp_path / "m"), "qwen3", tokenizer=False)
+    hf = AutoConfig.from_pretrained(model_dir)
+    for targets in ("all-linear", ["q_proj", "v_proj"], ["o_proj", "down_proj", "up_proj"]):
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                               LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert adapter_parameters(hf, resolve_targets(targets), 4, 1, 1).total == trainable
+
+
+def test_adapter_counts_by_hand():
+    r, h, q, kv, ffn = 4, 64, 128, 32, 128
+    # TP2: column slices A [r, h] whole, B [out / 2, r]; row A [r, in / 2], B [h, r] whole
+    layer = ((r * h + r * q // 2) + 2 * (r * h + r * kv // 2) + (r * q // 2 + r * h)
+             + 2 * (r * h + r * ffn // 2) + (r * ffn // 2 + r * h))
+    assert layer == 3200   # the tiny model's TP2 rank in tests/multirank/lora_rl_check.py
+    tp2 = adapter_parameters(DENSE, ALL, r, 2, 1)
+    assert tp2.first_stage == tp2.last_stage == 4 * layer and tp2.expert_first == 0
+    assert adapter_parameters(DENSE, ALL, r, 2, 2).first_stage == 2 * layer
+    # MoE: all-linear adapts only attention there (gate/up/down name experts: as peft)
+    attention = (r * h + r * q // 2) + 2 * (r * h + r * kv // 2) + (r * q // 2 + r * h)
+    assert adapter_parameters(MOE, ALL, r, 2, 1).first_stage == 2 * attention
+    # experts at tp2 x ep2: 4 local experts per layer, each gate/up A [r, h], B [32 / 2, r],
+    # down A [r, 32 / 2], B [h, r]
+    expert = 2 * (r * h + r * 16) + (r * 16 + r * h)
+    both = adapter_parameters(MOE, ALL | {"experts"}, r, 2, 1, ep=2)
+    assert both.expert_first == 2 * 4 * expert == 7680
+    assert both.first_stage == 2 * attention + 7680
+
+
+def _train(**keys):
+    cfg, _ = load_config(SFTConfig, [f"train.{k}={v}" for k, v in keys.items()])
+    return cfg.train
+
+
+def test_sft_estimate_by_hand_tp2_sp_dp2():
+    """bf16, distributed optimizer, tp2 (SP) x dp2, 1024-token micro-batches, no recompute:
+    the frozen base keeps its bf16 weights only, the adapters add their bf16 weights, fp32
+    gradients, 12 bytes / dp of optimizer state, and per layer and token r per slice (7) plus
+    the all-gathered input of the two column-parallel adapters (2 h)."""
+    layout = ParallelLayout(4, tp=2, sequence_parallel=True)
+    train = _train(micro_batch_size=1, seq_length=1024)
+    spec = LoraSpec(4, 8.0, ALL)
+    full = estimate_memory(DENSE, layout, train, True, True, 8)
+    lora = estimate_memory(DENSE, layout, train, True, True, 8, spec)
+    base, adapters = stage_parameters(DENSE, 2, 1).first_stage, 12800
+    assert base == 107200
+    assert lora.weights == pytest.approx((base + adapters) * 2 / GIB)
+    assert lora.grads == pytest.approx(adapters * 4 / GIB)
+    assert lora.optimizer == pytest.approx(adapters * 12 / 2 / GIB)
+    assert full.optimizer == pytest.approx(base * 12 / 2 / GIB)   # the control: everything
+    assert lora.activations - full.activations == pytest.approx(
+        4 * 2 * 1024 * (4 * 7 + 2 * 64) / GIB)
+    assert (lora.logits, lora.runtime) == (full.logits, full.runtime)
+    assert lora.notes["adapter_parameters"] == adapters and lora.notes["base_parameters"] == base
+
+
+def test_sft_validate_reports_and_checks_lora(tmp_path):
+    recipe = REPO_ROOT / "recipes" / "sft" / "qwen3_8b_lora_h100.yaml"
+    cfg, _ = load_config(SFTConfig, ["--config", str(recipe)])
+    report = validate_recipe(cfg, 1, 1)
+    assert report.problems == []
+    text = "\n".join(report.summary)
+    assert "43.6 M adapter parameters trained (0.53 % of the model)" in text
+    # Qwen3-8B r16 all-linear: 36 x 1,212,416 adapters (peft's 43,646,976)
+    grads = 36 * 1_212_416 * 4 / GIB
+    assert report.data["memory_gib"]["grads"] == pytest.approx(grads)
+    assert report.data["memory_gib"]["optimizer"] == pytest.approx(3 * grads)
+    cfg.model.lora.rank = 0   # the control: full fine-tuning does not fit one GPU
+    assert any("exceeds recipe.gpu_memory_gib" in p for p in validate_recipe(cfg, 1, 1).problems)
+    cfg.model.lora.rank, cfg.model.lora.target_modules = 16, ["experts"]
+    assert any("model.lora.target_modules contains experts, but the model has no MoE" in p
+               for p in validate_recipe(cfg, 1, 1).problems)
+
+
+def test_rl_validate_counts_no_reference_copy_under_lora(capsys):
+    from engine.rl.recipe_check import rl_validate_main
+
+    recipe = str(REPO_ROOT / "recipes" / "rl" / "qwen3_30b_a3b_lora_grpo_h100.yaml")
+    assert rl_validate_main(["--config", recipe, "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "KL reference 0.0 (the policy's frozen base, adapters off)" in out
+    assert "recipe OK on 1 node(s) x 8 GPUs" in out
+    assert "on k_proj, o_proj, q_proj, v_proj (down_proj, gate_proj, up_proj: no such" in out
+    # tp2: 48 layers x (q 32 x 2048 + 32 x 4096 / 2, k and v 32 x 2048 + 32 x 512 / 2,
+    # o 32 x 4096 / 2 + 32 x 2048) adapters; grads 4 bytes, Adam 12 / dp 4
+    adapters = 48 * (131072 + 2 * 73728 + 131072)
+    assert f"grads {adapters * 4 / GIB:.1f} + optimizer {adapters * 3 / GIB:.1f}" in out
+    # the control: full-parameter GRPO at this layout holds a reference copy of the policy
+    # (bf16 weights 8.2 GiB per GPU), full gradients and Adam state: it does not fit one node
+    assert rl_validate_main(["--config", recipe, "--validate", "model.lora.rank=0"]) == 2
+    captured = capsys.readouterr()
+    assert "(weights 8.2 + grads 16.4 + optimizer 42.7" in captured.out
+    assert "+ KL reference 8.2 = 89.2" in captured.out
+    assert "estimated peak memory per GPU 127.2 GiB exceeds" in captured.err
