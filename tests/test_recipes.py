@@ -26,11 +26,12 @@ def test_recipe_set_is_complete():
     names = {p.stem for p in RECIPES}
     assert {"qwen3_8b_h100", "llama31_8b_h100", "qwen3_8b_32k_cp", "llama31_70b_h100",
             "glm4_5_air_h100", "gpt_oss_20b_h100", "gpt_oss_120b_h100", "moonlight_16b_a3b_h100",
-            "deepseek_v3_h100", "qwen3_8b_lora_h100", "llama31_70b_lora_h100"} <= names
+            "deepseek_v3_h100", "qwen3_8b_lora_h100", "llama31_70b_lora_h100",
+            "qwen3_5_9b_h100", "qwen3_5_122b_a10b_h100"} <= names
     shapes = {load(p).model.shape for p in RECIPES}
     assert shapes == {"qwen3-8b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-30b-a3b",
                       "glm-4.5-air", "gpt-oss-20b", "gpt-oss-120b", "moonlight-16b-a3b",
-                      "deepseek-v3"}
+                      "deepseek-v3", "qwen3.5-9b", "qwen3.5-122b-a10b"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -73,8 +74,14 @@ def test_memory_estimate_by_hand_llama8b_tp2_dp4():
     assert mem.optimizer == pytest.approx(per_rank * 12 / 4 / GIB)
     act = 2 * t * (4 * h + (q + 2 * q + q + 2 * kv + 3 * ffn) / 2)
     assert mem.activations == pytest.approx(layers * act / GIB)
-    assert mem.logits == pytest.approx(t * vocab / 2 * 14 / GIB)
-    assert mem.total == pytest.approx(52.58, abs=0.01)
+    # the chunked loss head (train.loss_chunk_tokens 1024): three fp32 [1024, V/2] buffers
+    # and the output weight's gradient in fp32 plus its bf16 cast
+    assert mem.logits == pytest.approx((12 * 1024 * vocab / 2 + vocab / 2 * h * 6) / GIB)
+    assert mem.total == pytest.approx(51.36, abs=0.01)
+    unchunked = estimate_memory(hf, ParallelLayout(8, tp=2), load(
+        REPO_ROOT / "recipes" / "sft" / "llama31_8b_h100.yaml", "train.loss_chunk_tokens=0").train,
+        bf16=True, distributed_optimizer=True, micro_batches=32)
+    assert unchunked.logits == pytest.approx(t * vocab / 2 * 14 / GIB)
 
 
 def test_pipeline_layers_in_flight():

@@ -23,7 +23,8 @@ def test_every_recipe_exists():
                                          "qwen3_8b_ppo_h100.yaml",
                                          "qwen3_1_7b_distill_qwen3_8b_h100.yaml",
                                          "gpt_oss_20b_grpo_h100.yaml",
-                                         "moonlight_16b_a3b_grpo_h100.yaml"}
+                                         "moonlight_16b_a3b_grpo_h100.yaml",
+                                         "qwen3_5_35b_a3b_grpo_h100.yaml"}
 
 
 def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
@@ -140,3 +141,15 @@ def test_moe_recipe_memory_problems_name_the_key(override, needle, capsys):
 
     assert rl_validate_main(["--config", str(MOE), "--validate", override]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_qwen3_5_moe_recipe_validates(capsys):
+    """Qwen3.5-35B-A3B GRPO on 4 nodes: TP2 x EP8 with GDN layers and the 248K vocabulary
+    through the chunked loss head; its shape counts as transformers' (tests/test_qwen3_5_scale)."""
+    from engine.rl.recipe_check import rl_validate_main
+
+    recipe = MOE.parent / "qwen3_5_35b_a3b_grpo_h100.yaml"
+    assert rl_validate_main(["--config", str(recipe), "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "tp=2 pp=1 cp=1 ep=8 dp=16 on 4 node(s)" in out
+    assert "recipe OK on 4 node(s) x 8 GPUs" in out and "warning" not in out

@@ -36,8 +36,12 @@ size, L = layers / pp, s = tp with sequence parallelism else 1, k experts per to
   A MoE block (tp > 1, expert-TP = TP) hands, with R = T k / tp routed rows per rank (uniform
   routing): forward R h a + R 4 (all-gathers of tokens and probabilities) + tp R h a
   (reduce-scatter of the combine), backward tp R h a + tp R 4 + R h a. Shared experts
-  (GLM-4.5, DeepSeek-V3) add one MLP block to their MoE layer; the dense first layers of those
-  families count as MLP blocks, not as MoE blocks (and move nothing in ep_all_to_all).
+  (GLM-4.5, DeepSeek-V3, Qwen3.5) add one MLP block to their MoE layer; the dense first layers
+  of those families count as MLP blocks, not as MoE blocks (and move nothing in ep_all_to_all).
+  A Gated DeltaNet layer is one linear block (column-parallel in_proj, row-parallel out_proj)
+  and all-reduces its replicated output norm's gradient (dv x a) in every backward pass;
+  Qwen3.5's sequence-parallel replicated weights are counted per layer kind (attention layers'
+  q/k norms, the MoE router and shared-expert gate).
 - pp_p2p (pp > 1): per micro-batch, the activations sent forward by each of the vpp model chunks
   that is not the model's last and the gradients sent backward by each chunk that is not its
   first, each T h a / s bytes.
@@ -46,7 +50,9 @@ size, L = layers / pp, s = tp with sequence parallelism else 1, k experts per to
 - cp_exchange (cp > 1): per layer and micro-batch, the Ulysses exchanges of q, k, v and the
   attention output forward, and their gradients backward: 2 x T (2 q + 2 kv) a / tp, where
   q = heads x head_dim and kv = kv_heads x head_dim (kv = q when the local KV heads do not
-  divide by cp and are repeated first).
+  divide by cp and are repeated first). A Gated DeltaNet layer (Qwen3.5) exchanges its pre-conv
+  q, k, v and its beta and decay inputs, and the rule's output back: 2 x T (2 Kd + 2 Vd +
+  2 nv) a / tp (models.families.qwen3_5_costs; Kd, Vd key and value widths, nv value heads).
 - ep_all_to_all (ep > 1), per MoE layer and micro-batch with n = T / s local tokens: the
   token dispatch n k h a and the routing probabilities n k 4 (exact: every local token goes
   out k times), and the combine, which hands back the rows this rank's experts received:
@@ -73,6 +79,7 @@ from models.families.base import head_dim
 from models.families.registry import family_of
 from models.lora_counting import stage_adapters
 from models.families import deepseek_v3_costs as mla_costs
+from models.families import qwen3_5_costs as gdn_costs
 
 KINDS = ("dp_grad_reduce", "dp_param_all_gather", "tp_sp", "pp_p2p", "pp_tied_embedding",
          "cp_exchange", "ep_all_to_all")
@@ -119,9 +126,12 @@ def _stage_params(hf: dict, layout, stage: int) -> tuple[int, int]:
     return total - sp.expert_stage, sp.expert_stage
 
 
-def _sp_replicated(hf: dict, layers: int, last: bool) -> int:
+def _sp_replicated(hf: dict, stage: int, layers: int, last: bool) -> int:
     """Sequence-parallel-tagged replicated weights of a stage (norms, q/k norms, router)."""
     h = hf["hidden_size"]
+    if gdn_costs.uses_gdn(hf):  # Qwen3.5: per layer kind (models.families.qwen3_5_costs)
+        span = range(stage * layers, (stage + 1) * layers)
+        return sum(gdn_costs.sp_replicated(hf, i) for i in span) + (h if last else 0)
     moe = moe_family(hf)
     per_layer = 2 * h + (2 * head_dim(hf) if family_of(hf).has_qk_norm(hf) else 0)
     if mla_costs.uses_mla(hf):  # MLA: layer norms, latent norms, replicated down projections
@@ -129,6 +139,12 @@ def _sp_replicated(hf: dict, layers: int, last: bool) -> int:
     if moe is not None:  # the router (and gpt-oss's router bias)
         per_layer += moe.num_experts(hf) * (h + int(getattr(moe, "expert_biases", False)))
     return layers * per_layer + (h if last else 0)
+
+
+def _gdn_layers(hf: dict, stage: int, layers: int) -> int:
+    """Gated DeltaNet layers among the `layers` of pipeline stage `stage` (0: none)."""
+    span = range(stage * layers, (stage + 1) * layers)
+    return sum(gdn_costs.is_gdn_layer(hf, i) for i in span)
 
 
 def _moe_layers(hf: dict, stage: int, layers: int) -> int:
@@ -162,6 +178,9 @@ def _tp_bytes(hf: dict, layout, setup: CommSetup, stage: int, layers: int) -> fl
         attention, attention_fwd = (x * t * a for x in mla_costs.tp_elements(hf, tp, sp))
     total = layers * attention + mlp + (layers * attention_fwd + mlp_fwd
                                         if setup.full_recompute else 0)
+    # GDN: the replicated output norm's gradient, all-reduced in every backward pass
+    if gdn_costs.uses_gdn(hf):
+        total += _gdn_layers(hf, stage, layers) * gdn_costs.gdn_norm_width(hf) * a
     if stage == 0:
         total += t * h * a + (t * h * a / tp if sp else 0)
     if stage == layout.pp - 1:
@@ -169,7 +188,7 @@ def _tp_bytes(hf: dict, layout, setup: CommSetup, stage: int, layers: int) -> fl
     return total
 
 
-def _cp_bytes(hf: dict, layout, setup: CommSetup, layers: int) -> float:
+def _cp_bytes(hf: dict, layout, setup: CommSetup, stage: int, layers: int) -> float:
     tp, cp, a = layout.tp, layout.cp, setup.act_bytes
     t = setup.tokens_per_micro_batch / cp
     heads = hf["num_attention_heads"] // tp
@@ -180,7 +199,9 @@ def _cp_bytes(hf: dict, layout, setup: CommSetup, layers: int) -> float:
     fwd = t * (2 * heads + 2 * kv_heads) * hd * a
     if mla_costs.uses_mla(hf):  # MLA: expanded query, key, value and output
         fwd = t * mla_costs.exchange_elements(hf, tp) * a
-    return layers * fwd * (3 if setup.full_recompute else 2)
+    gdn = _gdn_layers(hf, stage, layers)  # GDN: q, k, v, beta, decay in; the output back
+    total = (layers - gdn) * fwd + (gdn and gdn * t * gdn_costs.gdn_exchange_elements(hf, tp) * a)
+    return total * (3 if setup.full_recompute else 2)
 
 
 def _ep_bytes(hf: dict, layout, setup: CommSetup, stage: int, layers: int) -> float:
@@ -219,14 +240,14 @@ def comm_plan(hf: dict, layout, setup: CommSetup) -> CommPlan:
         if tp > 1:
             row["tp_sp"] = m * _tp_bytes(hf, layout, setup, r, layers)
             if layout.sequence_parallel and setup.lora is None:  # LoRA: frozen norms
-                row["tp_sp"] += _sp_replicated(hf, layers, r == pp - 1) * g
+                row["tp_sp"] += _sp_replicated(hf, r, layers, r == pp - 1) * g
         if pp > 1:
             sends = 2 * vpp - (r == pp - 1) - (r == 0)
             row["pp_p2p"] = m * sends * t * h * a / (tp if layout.sequence_parallel else 1)
             if tied and r in (0, pp - 1) and setup.lora is None:
                 row["pp_tied_embedding"] = padded_vocab_size(hf["vocab_size"], tp) * h // tp * g
         if cp > 1:
-            row["cp_exchange"] = m * _cp_bytes(hf, layout, setup, layers)
+            row["cp_exchange"] = m * _cp_bytes(hf, layout, setup, r, layers)
         if ep > 1 and moe_family(hf) is not None:
             row["ep_all_to_all"] = m * _ep_bytes(hf, layout, setup, r, layers)
         stages.append(row)

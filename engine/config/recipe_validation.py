@@ -17,9 +17,10 @@ configured, engine.config.model_settings):
 - activations: per layer and micro-batch, t = tokens of the micro-batch / cp and
   bytes = a x t x (4 h / s + (q_rot + kv_rep + attn_out + 2 kv + 3 ffn) / tp) with a = 2
   (bf16) or 4 (q, kv = query and key/value widths; kv_rep = 2 q when GQA repeats KV heads for
-  SDPA, the attention core's own copy); s = tp with sequence parallelism (norm inputs and
-  residuals split over TP), else 1; times the layers in flight on pipeline stage 0 (1F1B:
-  min(pp, M) micro-batches of L/pp layers; interleaved: min(M vpp, 2(pp-1) + (vpp-1)pp + 1)
+  SDPA, the attention core's own copy; MLA and the Qwen3.5 hybrids' GDN and gated attention
+  layers: their own terms, engine.config.memory_terms, the hybrids' averaged over the layers);
+  s = tp with sequence parallelism (norm inputs and residuals split over TP), else 1; times
+  the layers in flight on pipeline stage 0 (1F1B: min(pp, M) micro-batches of L/pp layers; interleaved: min(M vpp, 2(pp-1) + (vpp-1)pp + 1)
   chunks of L/(pp vpp) layers). Recomputation: `selective` drops kv_rep (the attention core is
   recomputed from q, k, v, which stay); `full` keeps only each recomputed layer's input,
   a x t x h / s: with `uniform` groups of n = recompute_num_layers layers one input per group
@@ -29,14 +30,18 @@ configured, engine.config.model_settings):
 - MoE models (parallel.ep): each rank holds num_experts / ep experts split over tp; their
   optimizer state is sharded over the expert-data-parallel group (dp x cp / ep ranks) instead
   of dp x cp; a layer's MLP activations are k x (3 moe_ffn / tp + 2 h) per token (the k
-  routed copies: each expert's SwiGLU, the permuted input and output) instead of 3 ffn / tp;
+  routed copies: each expert's SwiGLU, the permuted input and output) plus 3 shared / tp
+  (a shared expert's SwiGLU) instead of 3 ffn / tp;
 - attention scores: none with flash SDPA; a family whose attention materialises them
   (gpt-oss's sinks: models.gpt_oss_attention) adds its `attention_score_elements` per token
   (seq_length x heads / tp: every head's row of probabilities, kept for the backward pass) to
   each layer's activations, plus 3 such copies once (the transient scores of the layer being
   computed);
-- logits (last stage): t x padded vocab / tp x (a + 12) bytes (bf16/fp32 logits, the fp32 copy,
-  the masked copy and its gradient in the vocab-parallel cross-entropy);
+- logits (last stage): with the chunked loss head (train.loss_chunk_tokens = c, the default)
+  12 x min(c, t) x padded vocab / tp bytes (about three fp32 chunk buffers) plus the output
+  weight's gradient accumulated in fp32 and cast, padded vocab / tp x h x (4 + a); unchunked
+  t x padded vocab / tp x (a + 12) (bf16/fp32 logits, the fp32 copy, the masked copy and its
+  gradient in the vocab-parallel cross-entropy);
 - runtime: RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers and allocator slack;
 - LoRA (model.lora.rank > 0): frozen base, trained adapters (engine.config.lora_memory).
 
@@ -60,8 +65,8 @@ from engine.config.lora_memory import adapter_activation_bytes, lora_summary, wi
 from engine.config.lora_settings import lora_problems, lora_spec
 from engine.config.model_settings import recompute_layer_problems, recompute_settings
 from engine.training.plan import plan_mini_batch
-from models.families import family_of, moe_family, padded_vocab_size, stage_parameters
-from models.families import deepseek_v3_costs as mla_costs
+from engine.config.memory_terms import logits_bytes, mixer_bytes
+from models.families import family_of, moe_family, stage_parameters
 from models.presets import MODEL_SHAPES, shape_mismatches
 
 GIB = 2 ** 30
@@ -111,20 +116,15 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     s = tp if layout.sequence_parallel and tp > 1 else 1
     params = stage_parameters(hf, tp, pp, layout.ep)
     a = 2 if bf16 else 4
-    h, ffn = hf["hidden_size"], hf["intermediate_size"]
+    h, ffn = hf["hidden_size"], hf.get("intermediate_size") or 0
     moe = moe_family(hf)  # None for dense models
     mlp = (moe.experts_per_token(hf) * (3 * moe.expert_width(hf) / tp + 2 * h)
+           + 3 * moe.shared_expert_width(hf) / tp
            if moe and params.expert_stage else 3 * ffn / tp)
-    heads = hf["num_attention_heads"]
-    kv_heads = hf.get("num_key_value_heads") or heads
-    hd = hf.get("head_dim") or h // heads
-    q, kv = heads * hd, kv_heads * hd
     t = micro_batch_tokens(train) / cp
-    kv_rep = 2 * q if kv_heads < heads and granularity != "selective" else 0
     scores = family_of(hf).attention_score_elements(hf, train.seq_length, tp)  # gpt-oss
-    attention = (mla_costs.activation_elements(hf, tp, s) if mla_costs.uses_mla(hf)
-                 else (q + kv_rep + q + 2 * kv) / tp)   # MLA: its latents (DeepSeek-V3)
-    per_layer = a * t * (4 * h / s + attention + mlp + scores)
+    per_layer = t * (a * (4 * h / s + mlp + scores)
+                     + mixer_bytes(hf, tp, s, a, granularity != "selective"))
     per_layer += adapter_activation_bytes(hf, lora, a, t, s)   # 0 without LoRA
     layer_input = a * t * h / s
     layers = hf["num_hidden_layers"]
@@ -135,7 +135,7 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     else:
         chunks = min(micro_batches * vpp, 2 * (pp - 1) + (vpp - 1) * pp + 1)
         first_layers = chunks * (layers // (pp * vpp))
-    logits = t * padded_vocab_size(hf["vocab_size"], tp) / tp * (a + 12)
+    logits = logits_bytes(hf, t, tp, a, getattr(train, "loss_chunk_tokens", None))
     opt_bytes = optimizer_bytes(bf16, layout, distributed_optimizer)
     expert_opt_bytes = opt_bytes * (layout.ep if distributed_optimizer else 1)
 

@@ -267,7 +267,8 @@ def layout_problems(cfg, world_size: int, hf_config: dict) -> list[str]:
                            num_heads=hf_config["num_attention_heads"],
                            num_kv_heads=hf_config.get("num_key_value_heads"),
                            seq_length=cfg.train.seq_length,
-                           num_experts=experts_per_layer(hf_config))
+                           num_experts=experts_per_layer(hf_config)) + family_of(
+        hf_config).layout_problems(hf_config, cfg.parallel.tp, cfg.parallel.cp)
 
 
 def length_problems(cfg, hf_config: dict) -> list[str]:

@@ -110,6 +110,16 @@ class Family:
         the generic count (models.families.counting)."""
         return None
 
+    def attention_parameters_of(self, cfg: Any, layer: int) -> tuple[int, int] | None:
+        """`attention_parameters` of decoder layer `layer` (0-based); hybrid families differ by
+        layer (Qwen3.5's GDN and gated attention layers), the others return the same for all."""
+        return self.attention_parameters(cfg)
+
+    def layout_problems(self, cfg: Any, tp: int, cp: int) -> list[str]:
+        """Why tensor / context parallel sizes `tp` x `cp` cannot run this model beyond
+        parallel.layout's head checks (e.g. Gated DeltaNet heads); empty: they can."""
+        return []
+
     def rotary_percent(self, cfg: Any) -> float:
         """Fraction of each head's dimensions RoPE rotates (megatron rotary_percent)."""
         return 1.0

@@ -65,7 +65,7 @@ def _layer_parameters(hf: Any, layer: int) -> tuple[int, int]:
     hd = head_dim(hf)
     q_dim, kv_dim = heads * hd, kv * hd
     # attention and the layer norms: the family's own count (MLA) or GQA's
-    attention = fam.attention_parameters(hf) or (
+    attention = fam.attention_parameters_of(hf, layer) or (
         2 * h * q_dim + 2 * h * kv_dim, 2 * h + (2 * hd if fam.has_qk_norm(hf) else 0))
     sharded = attention[0] + 3 * h * ffn
     replicated = attention[1] + experts * h

@@ -9,8 +9,8 @@ partial RoPE; megatron `attention_output_gate`). Every RMSNorm of the decoder is
 The MoE variant has a sparse block in every layer (softmax, top-k, always renormalised) plus a
 shared expert behind a sigmoid `shared_expert_gate` (megatron moe_shared_expert_gate).
 
-No model.shape presets yet: parameter counts and memory estimates (models.families.counting)
-do not count the GDN layers, so presets and H100 recipes would be wrong; not built.
+Parameter counts, kept activations and communication of the GDN and gated attention layers:
+models.families.qwen3_5_costs; the model.shape presets: models.families.qwen3_5_presets.
 
 Conditional-generation checkpoints (`qwen3_5` / `qwen3_5_moe`: a `text_config`, the vision
 tower `model.visual.*`, the text model under `model.language_model.*`, MTP tensors `mtp.*`) are
@@ -24,6 +24,8 @@ from typing import Any
 from models.families.base import Family, FieldRule, field
 from models.families.fields import ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE
 from models.families.moe import NUM_EXPERTS, TOP_K, AUX_LOSS, ExpertNaming, MoeFamily
+from models.families import qwen3_5_costs as costs
+from models.families.qwen3_5_presets import DENSE_PRESETS, MOE_PRESETS
 from models.families.qwen3_5_fields import (ATTENTION_BIAS, GDN_FIELDS, HIDDEN_ACT_SILU,
                                             LAYER_TYPES, MTP, ROPE_DEFAULT, WRAPPER,
                                             linear_layers)
@@ -77,11 +79,24 @@ class _Hybrid:
     def passthrough(self, cfg: Any, name: str) -> bool:
         return name.startswith(PASSTHROUGH_PREFIXES)
 
+    def layout_problems(self, cfg: Any, tp: int, cp: int) -> list[str]:
+        """GDN layers split their key and value heads over TP and, with CP, over the CP ranks
+        too (models.gated_delta_net refuses the same when it builds)."""
+        return [f"{name}={field(cfg, name)} is not divisible by parallel.tp x parallel.cp = "
+                f"{tp} x {cp}: Gated DeltaNet layers split their heads over both"
+                for name in ("linear_num_key_heads", "linear_num_value_heads")
+                if int(field(cfg, name)) % (tp * cp)]
+
+    def attention_parameters_of(self, cfg: Any, layer: int) -> tuple[int, int]:
+        """The GDN or gated attention layer's own count (models.families.qwen3_5_costs)."""
+        return costs.layer_parameters(cfg, layer)
+
 
 class Qwen3_5(_Hybrid, Family):
     model_type = "qwen3_5_text"
     hf_class = "Qwen3_5ForCausalLM"
     fields = _COMMON + (FieldRule("intermediate_size", "any -> ffn_hidden_size"),)
+    presets = DENSE_PRESETS
 
     def transformer_kwargs(self, cfg: Any) -> dict:
         kwargs = super().transformer_kwargs(cfg)
@@ -103,6 +118,14 @@ class Qwen3_5Moe(_Hybrid, MoeFamily):
         FieldRule("(no field) routing", "softmax over all experts, top-k, always "
                   "renormalised -> moe_router_pre_softmax=false"),
         NUM_EXPERTS, TOP_K, AUX_LOSS)
+    presets = MOE_PRESETS
+
+    def shared_expert_width(self, cfg: Any) -> int:
+        return int(field(cfg, "shared_expert_intermediate_size"))
+
+    def extra_layer_parameters(self, cfg: Any) -> tuple[int, int]:
+        """The shared expert's sigmoid gate [1, h], replicated over TP."""
+        return 0, int(field(cfg, "hidden_size"))
 
     def mlp_tensors(self, cfg: Any) -> tuple[str, ...]:
         return self.experts.layer_tensors(self.num_experts(cfg)) + SHARED_EXPERT
