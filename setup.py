@@ -31,6 +31,7 @@ setup(
         # datasets: the save_to_disk format is tested with the real library
         "test": ["pytest>=7.4", "pytest-timeout>=2.2", "tokenizers>=0.19", "matplotlib>=3.7",
                  "datasets>=2.14", "peft"],
-        "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.4"],
+        # flash-linear-attention: the gated delta rule's CUDA kernel (Qwen3.5's GDN layers)
+        "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.4", "flash-linear-attention"],
     },
 )
