@@ -17,11 +17,10 @@ Published FP8 weights (`quantization_config` fp8, 128x128 blocks) are dequantize
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from models.families.base import field
-from models.families.deepseek_v3_fields import DEEPSEEK_FIELDS, mtp_layers
+from models.families.deepseek_v3_fields import DEEPSEEK_FIELDS
 from models.families.moe_routing import ROUTING_FIELDS, SigmoidRoutedMoe
 
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
@@ -114,9 +113,3 @@ class DeepseekV3(SigmoidRoutedMoe):
             qk_layernorm=True,  # builds the latent norms (models.mla.LatentRMSNorm)
         )
         return kwargs
-
-    def passthrough(self, cfg: Any, name: str) -> bool:
-        """Whether checkpoint tensor `name` belongs to an MTP layer (carried unchanged)."""
-        match = re.match(r"^model\.layers\.(\d+)\.", name)
-        layers = int(field(cfg, "num_hidden_layers"))
-        return bool(match) and layers <= int(match.group(1)) < layers + mtp_layers(cfg)

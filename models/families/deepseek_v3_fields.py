@@ -9,13 +9,8 @@ from typing import Any
 from models.families.base import FieldRule, field
 from models.families.fields import (ATTENTION_DROPOUT, HIDDEN_ACT, PARTIAL_ROTARY, ROPE, TIE,
                                     rope_parameters)
+from models.families.moe_routing import MTP_LAYERS
 from models.quantized import quant_method, quantization_problem
-
-
-def mtp_layers(cfg: Any) -> int:
-    """MTP layers the checkpoint may hold (num_nextn_predict_layers; transformers'
-    num_mtp_layers)."""
-    return int(field(cfg, "num_nextn_predict_layers", field(cfg, "num_mtp_layers", 0)))
 
 
 def _positive(name: str, even: bool = False):
@@ -106,9 +101,7 @@ DEEPSEEK_FIELDS = (
     FieldRule("intermediate_size", "any -> ffn_hidden_size of the dense layers"),
     FieldRule("moe_layer_freq (original config.json)", "1; refused: others",
               _moe_layer_freq),
-    FieldRule("num_nextn_predict_layers (num_mtp_layers)", "any: the MTP layers "
-              "model.layers.{N..N+n-1}.* pass through conversion and training unchanged "
-              "(models.hf_passthrough; not trained, transformers never runs them)"),
+    MTP_LAYERS,
     FieldRule("quantization_config", "absent, or quant_method fp8 (fmt e4m3, dynamic "
               "activations, fp32 scales, any weight_block_size) -> dequantized exactly on load "
               "(models.fp8_blocks); refused: other methods and values", _quantization),

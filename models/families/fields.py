@@ -73,6 +73,16 @@ def _sliding_window(cfg: Any) -> str | None:
             "use_sliding_window=false, or max_window_layers >= num_hidden_layers")
 
 
+def layer_kinds_problem(kinds: list[str], layers: int, allowed: tuple[str, ...]) -> str | None:
+    """None when `kinds` (a config's layer_types) has one entry per layer (`layers`), each
+    one of `allowed`; else the sentence refusing it (hybrid families: Qwen3.5, gpt-oss)."""
+    other = sorted({k for k in kinds if k not in allowed})
+    if len(kinds) == layers and not other:
+        return None
+    return (f"layer_types={kinds!r} is not supported: one entry per layer "
+            f"(num_hidden_layers={layers}) from {', '.join(allowed)}")
+
+
 ROPE = FieldRule("rope_parameters.rope_type / rope_scaling.rope_type (rope_theta anywhere)",
                  "default, linear, llama3 (any factor/low_freq_factor/high_freq_factor/"
                  "original_max_position_embeddings), yarn (any parameters): transformers' "

@@ -16,23 +16,18 @@ every export; they are not trained.
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from models.families.base import Biases, FieldRule, field, head_dim
 from models.families.fields import (ATTENTION_DROPOUT, HEAD_DIM, HIDDEN_ACT, NORM, TIE,
                                     rope_parameters)
-from models.families.moe_routing import ROUTING_FIELDS, SigmoidRoutedMoe
+from models.families.moe_routing import MTP_LAYERS, ROUTING_FIELDS, SigmoidRoutedMoe
 
 
 def rotary_fraction(cfg: Any) -> float:
     """The rotated fraction of each head (transformers keeps it in rope_parameters)."""
     params = rope_parameters(cfg)
     return float(params.get("partial_rotary_factor", field(cfg, "partial_rotary_factor", 0.5)))
-
-
-def mtp_layers(cfg: Any) -> int:
-    return int(field(cfg, "num_nextn_predict_layers", field(cfg, "num_mtp_layers", 0)))
 
 
 def _rope(cfg: Any) -> str | None:
@@ -55,9 +50,7 @@ GLM_FIELDS = (
     FieldRule("attention_bias", "true/false -> q/k/v biases (add_qkv_bias); o_proj has none"),
     FieldRule("use_qk_norm", "true/false -> qk_layernorm (per-head RMSNorm of q and k)"),
     FieldRule("intermediate_size", "any -> ffn_hidden_size of the dense layers"),
-    FieldRule("num_nextn_predict_layers (num_mtp_layers)", "any: the MTP layers "
-              "model.layers.{N..N+n-1}.* pass through conversion and training unchanged (not "
-              "trained; transformers never runs them)"),
+    MTP_LAYERS,
     FieldRule("max_position_embeddings", "any -> max_sequence_length (no effect on the "
               "default RoPE)"),
     FieldRule("initializer_range / use_cache / pad_token_id / bos_token_id / eos_token_id",
@@ -90,9 +83,3 @@ class Glm4Moe(SigmoidRoutedMoe):
 
     def rotary_percent(self, cfg: Any) -> float:
         return rotary_fraction(cfg)
-
-    def passthrough(self, cfg: Any, name: str) -> bool:
-        """Whether checkpoint tensor `name` belongs to an MTP layer (carried unchanged)."""
-        match = re.match(r"^model\.layers\.(\d+)\.", name)
-        layers = int(field(cfg, "num_hidden_layers"))
-        return bool(match) and layers <= int(match.group(1)) < layers + mtp_layers(cfg)

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from models.families.base import Biases, FieldRule, field
-from models.families.fields import (ATTENTION_DROPOUT, HEAD_DIM, NORM, PARTIAL_ROTARY, ROPE,
-                                    TIE)
+from models.families.fields import (ATTENTION_DROPOUT, HEAD_DIM, NORM, PARTIAL_ROTARY, ROPE, TIE,
+                                    layer_kinds_problem)
 from models.families.moe import MOE_FIELDS, ExpertNaming, MoeFamily
 
 LAYER_KINDS = ("sliding_attention", "full_attention")
@@ -78,12 +78,8 @@ def quant_method(cfg: Any) -> str | None:
 
 
 def _layer_types(cfg: Any) -> str | None:
-    kinds, layers = layer_types(cfg), int(field(cfg, "num_hidden_layers"))
-    other = sorted({k for k in kinds if k not in LAYER_KINDS})
-    if len(kinds) == layers and not other:
-        return None
-    return (f"layer_types={kinds!r} is not supported: one entry per layer "
-            f"(num_hidden_layers={layers}) from {', '.join(LAYER_KINDS)}")
+    return layer_kinds_problem(layer_types(cfg), int(field(cfg, "num_hidden_layers")),
+                               LAYER_KINDS)
 
 
 def _sliding_window(cfg: Any) -> str | None:

@@ -37,6 +37,7 @@ Plain Python (no torch, megatron or transformers), like models.families.base.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from models.families.base import FieldRule, field
@@ -80,6 +81,18 @@ def group_limit(cfg: Any) -> tuple[int, int] | None:
     if groups <= 1 or keep >= groups:
         return None
     return groups, keep
+
+
+def mtp_layers(cfg: Any) -> int:
+    """MTP layers the checkpoint may hold (num_nextn_predict_layers; transformers'
+    num_mtp_layers)."""
+    return int(field(cfg, "num_nextn_predict_layers", field(cfg, "num_mtp_layers", 0)))
+
+
+MTP_LAYERS = FieldRule("num_nextn_predict_layers (num_mtp_layers)", "any: the MTP layers "
+                       "model.layers.{N..N+n-1}.* pass through conversion and training "
+                       "unchanged (models.hf_passthrough; not trained, transformers never "
+                       "runs them)")
 
 
 def routing_kwargs(cfg: Any) -> dict:
@@ -201,6 +214,13 @@ class SigmoidRoutedMoe(MoeFamily):
 
     def shared_expert_width(self, cfg: Any) -> int:
         return shared_width(cfg)
+
+    def passthrough(self, cfg: Any, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to an MTP layer (`model.layers.{N..}.*`,
+        N = num_hidden_layers): carried unchanged (models.hf_passthrough)."""
+        match = re.match(r"^model\.layers\.(\d+)\.", name)
+        layers = int(field(cfg, "num_hidden_layers"))
+        return bool(match) and layers <= int(match.group(1)) < layers + mtp_layers(cfg)
 
     def attention_tensors(self, cfg: Any) -> tuple[str, ...]:
         """HF suffixes of one layer's norms and attention (families override)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.families.base import Family, FieldRule, field, head_dim
-from models.families.fields import rope_parameters
+from models.families.fields import layer_kinds_problem, rope_parameters
 from models.hf_conditional import wrapper_problem
 
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -23,13 +23,8 @@ def linear_layers(cfg: Any) -> set[int]:
 
 
 def _layer_types(cfg: Any) -> str | None:
-    kinds = layer_types(cfg)
-    layers = int(field(cfg, "num_hidden_layers"))
-    other = sorted({k for k in kinds if k not in LAYER_KINDS})
-    if len(kinds) == layers and not other:
-        return None
-    return (f"layer_types={kinds!r} is not supported: one entry per layer "
-            f"(num_hidden_layers={layers}) from {', '.join(LAYER_KINDS)}")
+    return layer_kinds_problem(layer_types(cfg), int(field(cfg, "num_hidden_layers")),
+                               LAYER_KINDS)
 
 
 def _rope(cfg: Any) -> str | None:
