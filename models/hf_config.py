@@ -14,7 +14,10 @@ from typing import Any
 from transformers import AutoConfig
 
 from models.families import UnsupportedConfigError, family_of
+from models.kimi_k2_hf import register as register_kimi_k2
 from models.quantized import quantization_problem
+
+register_kimi_k2()  # model_type kimi_k2 read as DeepSeek-V3 (idempotent; models.kimi_k2_hf)
 
 
 @lru_cache(maxsize=16)

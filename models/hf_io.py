@@ -9,12 +9,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from models.custom_code import code_files, custom_tokenizer
 from models.families import UnsupportedArchitectureError, tensor_problems
 from models.hf_conditional import text_names, text_view
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
-                   "added_tokens.json", "generation_config.json")
+                   "added_tokens.json", "generation_config.json",
+                   "tiktoken.model")  # Kimi-K2's tokenizer code reads tiktoken.model
 
 
 class HFCheckpointError(FileNotFoundError):
@@ -75,7 +77,8 @@ def training_dir_problems(hf_dir: str | os.PathLike) -> list[str]:
     only."""
     path = Path(hf_dir)
     problems = weight_problems(path)
-    if not any((path / name).is_file() for name in VOCAB_FILES):
+    if not any((path / name).is_file() for name in VOCAB_FILES) and \
+            custom_tokenizer(path) is None:  # a tokenizer's own code reads its own files
         problems.append(f"no tokenizer: none of {', '.join(VOCAB_FILES)} is present")
     elif not _has_chat_template(path):
         problems.append("the tokenizer has no chat template (no chat_template.jinja and no "
@@ -134,10 +137,11 @@ class SafetensorsReader:
 
 
 def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy the tokenizer/generation files present in `src` to `dst`; return their names."""
+    """Copy the tokenizer/generation files present in `src` to `dst`, and the Python files its
+    `auto_map` entries name (models.custom_code.code_files); return their names."""
     os.makedirs(dst, exist_ok=True)
     copied = []
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES + tuple(code_files(src)):
         if (Path(src) / name).is_file():
             shutil.copyfile(Path(src) / name, Path(dst) / name)
             copied.append(name)

@@ -274,7 +274,10 @@ def test_grpo_with_hf_rollouts_at_tp2(pools, models, tmp_path):
 
 def test_recipes_and_the_v3_rollout_engine_that_does_not_fit():
     """The Moonlight GRPO recipe validates; DeepSeek-V3 with the same rollout (one SGLang
-    engine per node) is refused: 156 GiB of bf16 weights per GPU, engines never span nodes."""
+    engine per node on H100s) is refused: bf16 updates to its FP8 engine by name
+    (rollout.sync_quantization), and with FP8 sync its 78.4 GiB of FP8 weights per GPU do not
+    fit mem_fraction 0.35 of an H100 (engines never span nodes; the H200 recipe:
+    tests/test_rl_sync_quantization.py)."""
     from engine.config.loading import load_config
     from engine.rl.config import RLConfig
     from engine.rl.recipe_check import rl_recipe_report
@@ -286,4 +289,7 @@ def test_recipes_and_the_v3_rollout_engine_that_does_not_fit():
     cfg, _ = load_config(RLConfig, ["--config", str(recipe), "model.shape=deepseek-v3",
                                     "parallel.tp=8", "parallel.ep=64"])
     _, problems, _ = rl_recipe_report(cfg, 64, 8)
-    assert any("156.2 GiB per GPU" in p and "does not fit" in p for p in problems), problems
+    assert any("set rollout.sync_quantization=fp8" in p for p in problems), problems
+    cfg.rollout.sync_quantization = "fp8"
+    _, problems, _ = rl_recipe_report(cfg, 64, 8)
+    assert any("78.4 GiB per GPU" in p and "does not fit" in p for p in problems), problems

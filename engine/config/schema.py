@@ -27,6 +27,7 @@ from engine.config.model_settings import (loss_chunk_problems, recompute_layer_p
                                           recompute_problems, sequence_parallel_on)
 from engine.config.parallel_settings import (ParallelConfig, overlap_problems,
                                              resolved_overlap_problems)
+from engine.config.tokenizer_settings import remote_code_problems
 from models.families import UnsupportedModelError, experts_per_layer, family_of
 from models.hf_config import check_config
 from models.hf_io import HFCheckpointError, read_config, training_dir_problems
@@ -45,6 +46,7 @@ class ModelConfig:
     # recipe is written for. `--validate` uses it when model.hf_path is not given; a training
     # run checks that the HF config at model.hf_path has the same shape.
     shape: Optional[str] = None
+    trust_remote_code: bool = False  # run the folder's own tokenizer code (tokenizer_settings)
     fusions: FusionConfig = field(default_factory=FusionConfig)  # engine.config.fusion_settings
     lora: LoraConfig = field(default_factory=LoraConfig)  # engine.config.lora_settings
 
@@ -225,10 +227,10 @@ def data_file_problems(cfg, require_train: bool = True) -> list[str]:
 
 
 def model_dir_problems(cfg) -> list[str]:
-    """What the folder at model.hf_path lacks for training (weights, tokenizer, chat
-    template); call after read_model_config accepted the folder."""
-    return [f"model.hf_path={cfg.model.hf_path}: {p}"
-            for p in training_dir_problems(cfg.model.hf_path)]
+    """What the folder at model.hf_path lacks for training (weights, tokenizer, chat template,
+    model.trust_remote_code for its tokenizer code) once read_model_config accepted it."""
+    return [f"model.hf_path={cfg.model.hf_path}: {p}" for p in training_dir_problems(
+        cfg.model.hf_path)] + remote_code_problems(cfg)
 
 
 def value_problems(cfg) -> list[str]:

@@ -27,10 +27,10 @@ from engine.rl.rollout.base import (BACKENDS, backend_class, conditional_checkpo
                                     custom_backend_class)
 from engine.rl.rollout.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
                                          split_sizes)
+from engine.rl.rollout.sync_quantization import sync_quantization_problems
 from models.critic_io import critic_problem
 
 PLACEMENTS = ("colocated", "disaggregated")
-
 
 
 def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[str]:
@@ -72,8 +72,6 @@ def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[st
     ]
     p += [f"{msg} (rollout.placement=disaggregated)" for bad, msg in refused if bad]
     return p
-
-
 
 
 def rl_problems(cfg: RLConfig) -> list[str]:
@@ -158,7 +156,8 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                                         rollout_procs_per_node(world_size + n_rollout, n_rollout)
                                         if n_rollout else procs_per_node(world_size))
                    + routing_replay_problems(cfg) + distill_problems(cfg, world_size)
-                   + ppo_problems(cfg) + conditional_checkpoint_problems(cfg, hf_config))
+                   + ppo_problems(cfg) + conditional_checkpoint_problems(cfg, hf_config)
+                   + sync_quantization_problems(cfg, hf_config))
     return hf_config
 
 

@@ -67,6 +67,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     sync_bucket_mb: float = 512.0
+    # null: weights in model.dtype | fp8: the weights model.hf_path stores in FP8 go as FP8 +
+    # weight_scale_inv (FP8 engines; engine.rl.sync_quantization)
+    sync_quantization: Optional[str] = None
     sleep_during_train: bool = False     # release the engine's memory while training
     check_weight_sync: bool = False      # after each sync compare engine vs trainer logits
     max_retries: int = 2                 # generate calls retried after a backend failure

@@ -54,6 +54,7 @@ from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_t
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class
 from engine.rl.rollout.pool import RolloutPool
+from engine.rl.rollout.sync_quantization import sync_source
 from engine.run.run_loop import RunLoop, build_or_resume, resume_side_engines
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
@@ -73,7 +74,8 @@ def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool
         if cfg.rollout.sleep_during_train:
             engine.wake()
     stats = sync_to_rollout(policy.chunks, policy.hf_config, engine,
-                            cfg.rollout.sync_bucket_mb, pool.placement.owners)
+                            cfg.rollout.sync_bucket_mb, pool.placement.owners,
+                            quantized=sync_source(cfg, policy.hf_config))
     metrics = {"time/weight_sync_s": time.perf_counter() - t0}
     if stats is not None:  # rank 0's engine; every engine receives the same bytes
         metrics["weight_sync/gbps"] = stats.gbps
@@ -124,7 +126,7 @@ def build_pool(cfg: RLConfig, policy: TrainEngine, dtype: torch.dtype) -> Rollou
     pool = RolloutPool.for_world(cfg, dtype, **rollout_engine_kwargs(cfg))
     pool.resync = lambda targets: sync_to_rollout(
         policy.chunks, policy.hf_config, pool.engine, cfg.rollout.sync_bucket_mb,
-        pool.placement.owners, targets)
+        pool.placement.owners, targets, sync_source(cfg, policy.hf_config))
     return pool
 
 

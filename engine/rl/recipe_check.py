@@ -4,7 +4,10 @@ recipe for a cluster shape without GPUs, weights or training (exit 0, or 2 listi
 It checks the configuration keys, the training layout for the model shape (model.hf_path's
 config.json, else the model.shape preset) and the rollout engine placement, and prints the
 placement (engines, GPUs per engine, owner ranks), what one weight sync moves (every engine
-receives the whole model in model.dtype, HF tensors, unpadded vocabulary, once per RL step)
+receives the whole model in model.dtype, HF tensors, unpadded vocabulary, once per RL step;
+with rollout.sync_quantization=fp8 the published FP8 weights at 1 byte plus their scales:
+engine.rl.rollout.engine_memory, which also checks that an SGLang engine's share of them fits
+its mem_fraction and reports the KV cache left)
 , the communication plan of one policy optimizer step (engine.config.comm_report: bytes each
 GPU hands to collectives, by kind) plus the weight-sync bytes per engine, and an ESTIMATE of
 the memory per GPU (GiB), in two phases:
@@ -54,7 +57,9 @@ from engine.config.schema import (ConfigError, layout_problems, parallel_layout,
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.checks import async_problems, ppo_problems, rl_problems
 from engine.rl.config import RLConfig
+from engine.rl.rollout.engine_memory import engine_fit, engine_weights, engine_weights_problem
 from engine.rl.rollout.placement import placement_problems, resolve_placement, split_sizes
+from engine.rl.rollout.sync_quantization import sync_quantization_problems
 from engine.training.plan import plan_mini_batch
 from models.families import padded_vocab_size, stage_parameters
 
@@ -207,34 +212,18 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
         "kept for engine restarts, plus one version received ahead; engine.rl.disaggregated.inbox)"]
 
 
-def engine_fit_problems(cfg: RLConfig, weight_bytes: int, gpus_per_engine: int) -> list[str]:
-    """An SGLang engine's share of the weights (model.dtype, split over its GPUs) must fit in
-    its rollout.sglang.mem_fraction of the GPU, or the engine cannot even load them (engines
-    never span nodes: engine.rl.rollout.placement)."""
-    roll = cfg.rollout
-    if roll.backend != "sglang":
-        return []
-    share = weight_bytes / GIB / gpus_per_engine
-    budget = roll.sglang.mem_fraction * cfg.recipe.gpu_memory_gib
-    if share <= budget:
-        return []
-    return [f"an SGLang engine's share of the {cfg.model.dtype} weights, {share:.1f} GiB per GPU "
-            f"over rollout.gpus_per_engine={gpus_per_engine}, exceeds rollout.sglang.mem_fraction"
-            f"={roll.sglang.mem_fraction:g} x {cfg.recipe.gpu_memory_gib:g} GiB = {budget:.1f} "
-            "GiB (engines never span nodes): the model does not fit one node's engine"]
-
-
 def rl_comm(cfg: RLConfig, hf: dict, world: int, engines: int) -> tuple[list[str], dict]:
     """Communication lines and JSON of one policy optimizer step (a mini-batch of
     prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
-    the weight sync: every engine receives the whole model in model.dtype once per RL step."""
+    the weight sync: every engine receives the whole model once per RL step (model.dtype, or
+    FP8 + scales: engine.rl.rollout.engine_memory)."""
     t, r = cfg.train, cfg.rollout
     layout = parallel_layout(cfg.parallel, world)
     responses = max(t.prompts_per_step * r.n // t.mini_batches_per_step, 1)
     plan = plan_mini_batch([t.seq_length] * responses, layout.dp, t.balance_dp,
                            t.micro_batch_size, t.max_tokens_per_micro_batch)
     lines, data = comm_section(cfg, hf, layout, micro_batch_tokens(t), plan.num_micro_batches)
-    sync = stage_parameters(hf, 1, 1).total * (2 if cfg.model.dtype == "bfloat16" else 4)
+    sync = engine_weights(cfg, hf).bytes
     data["weight_sync"] = {"bytes_per_engine": sync, "engines": engines,
                            "per_rl_step": True}
     data["optimizer_steps_per_rl_step"] = t.mini_batches_per_step * t.epochs_per_rollout
@@ -255,7 +244,9 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
         return [], problems, {}
     problems += async_problems(cfg, world, per_node)
     world, n_roll = split_sizes(cfg, world)  # the training ranks from here on
-    problems += layout_problems(cfg, world, hf) + lora_problems(cfg, hf)
+    problems += (layout_problems(cfg, world, hf) + lora_problems(cfg, hf)
+                 + sync_quantization_problems(cfg, hf)
+                 + [p for p in [engine_weights_problem(cfg, hf)] if p])
     teacher = teacher_config(cfg, problems)
     if teacher is not None:
         problems += [f"distill.teacher_path={cfg.distill.teacher_path}: {m}"
@@ -268,7 +259,8 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
         return [], problems + placement_issues, {}
     placement = resolve_placement(roll.num_engines, roll.gpus_per_engine, engine_ranks, per_node)
     params = stage_parameters(hf, 1, 1).total
-    sync_bytes = params * (2 if cfg.model.dtype == "bfloat16" else 4)
+    sync = engine_weights(cfg, hf)
+    sync_bytes = sync.bytes
     par = cfg.parallel
     ep = f" ep={par.ep}" if par.ep > 1 else ""
     training, rollout, memory_lines = rl_memory(cfg, hf, world, teacher)
@@ -280,7 +272,8 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
         max(training, rollout), cfg.recipe, at_recipe_size, "estimated peak memory per GPU",
         "raise tp/pp/ep, lower train.max_tokens_per_micro_batch or rollout.sglang.mem_fraction",
         "the estimated peak is")
-    memory_issues += engine_fit_problems(cfg, sync_bytes, placement.gpus_per_engine)
+    fit_issues, fit_lines = engine_fit(cfg, hf, placement.gpus_per_engine)
+    memory_issues += fit_issues
     summary = [
         f"model: {cfg.model.shape or hf.get('model_type')}, {params / 1e9:.2f} B parameters, "
         f"dtype {cfg.model.dtype}",
@@ -293,10 +286,10 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
         + (" (ranks within the rollout side)" if n_roll else ""),
         f"weight sync per RL step: {sync_bytes / GB:.1f} GB to each of "
         f"{placement.num_engines} engine(s) ({placement.num_engines * sync_bytes / GB:.1f} GB "
-        "in all), each engine fed from its own model replica",
+        f"in all, {sync.text}), each engine fed from its own model replica",
         f"rollout batch: {cfg.train.prompts_per_step} prompts x {roll.n} responses, about "
         f"{cfg.train.prompts_per_step * roll.n / placement.num_engines:.0f} responses per engine",
-        *memory_lines, *(f"warning: {w}" for w in warnings),
+        *memory_lines, *fit_lines, *(f"warning: {w}" for w in warnings),
     ]
     comm_lines, comm = rl_comm(cfg, hf, world, placement.num_engines)
     return summary + comm_lines, memory_issues, {"communication": comm}

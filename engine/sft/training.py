@@ -18,7 +18,6 @@ import os
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from transformers import AutoTokenizer
 
 from engine.checkpoint.checkpointing import DataPosition
 from engine.config.schema import SFTConfig
@@ -35,6 +34,7 @@ from engine.run.run_loop import RunLoop, build_or_resume
 from engine.training.schedule import LossFn
 from engine.training.token_losses import token_logprobs
 from engine.training.train_engine import BatchSettings, TrainEngine
+from models.custom_code import load_tokenizer
 
 SFT_REPORT_KEYS = ("loss", "num_loss_tokens")
 
@@ -118,7 +118,7 @@ def _log_sample_ids(log_dir: str, step: int, indices: list[int]) -> None:
 
 def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
     """The SFT run on every rank (process groups and megatron state exist)."""
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dataset, eval_seqs = _load_data(cfg, tokenizer)
     gbs, n = cfg.train.global_batch_size, len(dataset)

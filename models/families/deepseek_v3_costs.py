@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.families.base import field
-from models.families.registry import family_of
+from models.families.registry import family_of, moe_family
 
 
 def uses_mla(hf: Any) -> bool:
@@ -73,3 +73,29 @@ def sp_replicated(hf: Any) -> int:
     """Sequence-parallel-tagged replicated weights of one layer (summed over TP once per step):
     the layer norms, the latent norms and the replicated down projections."""
     return family_of(hf).attention_parameters(hf)[1]
+
+
+def fp8_weight_shapes(hf: Any) -> list[tuple[tuple[int, int], int]]:
+    """[((out, in), how many)] of the decoder weights DeepSeek-V3 / Kimi-K2 publish in FP8
+    (each with a `weight_scale_inv` of 128 x 128 blocks): every 2-D linear weight of the
+    decoder layers (the MLA projections q_a / q_b or q_proj, kv_a_proj_with_mqa, kv_b, o; the
+    dense MLPs; every routed and the shared experts' gate / up / down), not the embeddings,
+    lm_head, norms, routers or the score bias. MTP layers are not counted (an engine serves
+    them only for speculative decoding)."""
+    h, n, dn, dr, dv, rq, rkv = _dims(hf)
+    attention = [((rkv + dr, h), 1), ((n * (dn + dv), rkv), 1), ((h, n * dv), 1)]
+    attention += ([((n * (dn + dr), h), 1)] if field(hf, "q_lora_rank") is None
+                  else [((rq, h), 1), ((n * (dn + dr), rq), 1)])
+    moe = moe_family(hf)
+    out: list[tuple[tuple[int, int], int]] = []
+    for layer in range(int(field(hf, "num_hidden_layers"))):
+        if moe is not None and moe.is_moe_layer(hf, layer):
+            e, width = moe.num_experts(hf), moe.expert_width(hf)
+            shared = moe.shared_expert_width(hf)
+            mlp = [((width, h), 2 * e), ((h, width), e)]
+            mlp += [((shared, h), 2), ((h, shared), 1)] if shared else []
+        else:
+            ffn = int(field(hf, "intermediate_size"))
+            mlp = [((ffn, h), 2), ((h, ffn), 1)]
+        out += attention + mlp
+    return out

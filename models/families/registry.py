@@ -8,6 +8,7 @@ from models.families.base import Family, UnsupportedArchitectureError, field
 from models.families.deepseek_v3 import DeepseekV3
 from models.families.gpt_oss import GptOss
 from models.families.glm4_moe import Glm4Moe
+from models.families.kimi_k2 import KimiK2
 from models.families.llama import Llama
 from models.families.mixtral import Mixtral
 from models.families.moe import ExpertNaming, MoeFamily
@@ -22,7 +23,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (Llama(), Qwen2(), Qwen3
                                                           Qwen3_5Conditional(),
                                                           Qwen3_5MoeConditional(),
                                                           GptOss(), Glm4Moe(),
-                                                          DeepseekV3())}
+                                                          DeepseekV3(), KimiK2())}
 
 
 def family_of(hf_config: Any) -> Family:

@@ -34,6 +34,7 @@ from engine.rl.disaggregated.weight_send import (TAG_CONTROL, TAG_ROLLOUT, push_
                                                  transfer_plan)
 from engine.rl.disaggregated.world import SplitWorld, recv_object, send_object
 from engine.rl.rollout.placement import resolve_placement
+from engine.rl.rollout.sync_quantization import sync_source
 
 
 class RemoteRollout:
@@ -73,7 +74,8 @@ class RemoteRollout:
                         self.split.rollout_leader, TAG_CONTROL, "starting the rollout side")
         if version0:
             push_weights(self.split, policy.chunks, policy.hf_config,
-                         self.cfg.rollout.sync_bucket_mb, self.plan, version0)
+                         self.cfg.rollout.sync_bucket_mb, self.plan, version0,
+                         sync_source(self.cfg, policy.hf_config))
         return 0
 
     def _receive(self, what: str) -> None:
@@ -121,7 +123,8 @@ class RemoteRollout:
             return {}
         t0 = time.perf_counter()
         stats = push_weights(self.split, policy.chunks, policy.hf_config,
-                             self.cfg.rollout.sync_bucket_mb, self.plan, version)
+                             self.cfg.rollout.sync_bucket_mb, self.plan, version,
+                             sync_source(self.cfg, policy.hf_config))
         out = {"time/weight_sync_s": time.perf_counter() - t0}
         found: list = [None] * dist.get_world_size()
         dist.all_gather_object(found, None if stats is None else

@@ -11,6 +11,8 @@ one stream per stage, in stage order, on the WEIGHTS group (tag TAG_WEIGHTS):
 ("bucket", v, [(name, shape, dtype), ...]) followed by one uint8 tensor per entry (raw bytes),
 ..., then ("end", v); or, from the first stage's sender only, ("stop",) when the trainer stops
 before the rollout side's last batch. Buckets hold at most rollout.sync_bucket_mb MiB.
+With rollout.sync_quantization=fp8 the senders' streams carry FP8 weights and their scales
+(raw bytes travel as they are; weight_export.export_stage_weights quantizes on the sender).
 
 Messages from the rollout leader to training rank 0 (tag TAG_ROLLOUT, one ordered stream on
 the bridge): ("batch", k, RolloutBatch, next_gen_batch), ("val", v, metrics) and
@@ -63,13 +65,16 @@ def transfer_plan(split: SplitWorld, engine_owners: list[int]) -> TransferPlan:
 
 
 def push_weights(split: SplitWorld, chunks, hf_config: dict, bucket_mb: float,
-                 plan: TransferPlan, version: int) -> SyncStats | None:
+                 plan: TransferPlan, version: int, quantized=None) -> SyncStats | None:
     """Collective over the training world: every stage exports its weights (TP/EP gathered);
     each sender streams its stage's buckets, tagged `version`, to its engine owners. Returns
-    the sender's SyncStats (bytes of its own stage per owner), None on other ranks."""
+    the sender's SyncStats (bytes of its own stage per owner), None on other ranks.
+    `quantized`: a models.quantized_stream.QuantizedSource (rollout.sync_quantization), used
+    by the senders only."""
     targets = plan.sends.get(dist.get_rank(), [])
     what = f"sending weight version {version}"
-    stream = BucketStream(export_stage_weights(chunks, hf_config), bucket_mb)
+    stream = BucketStream(export_stage_weights(chunks, hf_config,
+                                               quantized if targets else None), bucket_mb)
     for bucket in stream:  # every rank of the stage exports (TP/EP gathers); senders send
         meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
         for dst in targets:

@@ -10,7 +10,10 @@ and the disaggregated sender (engine.rl.disaggregated.weight_send).
   stage's TP rank 0 can send its stage and each engine owner knows its sources.
 - `BucketStream`: consecutive buckets of at most `bucket_mb` MiB (1 MB = 2**20 bytes), formed
   lazily (at most one bucket of full tensors, plus the one tensor that did not fit, is alive),
-  counting what passed (`stats`).
+  counting what passed (`stats`). A quantized weight's scale (`*_scale_inv`, right after its
+  weight in the stream) always joins its weight's bucket, so an engine loads both in one call.
+- rollout.sync_quantization=fp8: `export_stage_weights(..., quantized)` yields the weights the
+  source checkpoint stores in FP8 as FP8 + scales (models.quantized_stream.QuantizedSource).
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ from megatron.core import parallel_state as ps
 
 from engine.training.comm_overlap import finish_param_gather
 from models.bridge import export_hf_weights
+from models.fp8_blocks import SCALE_SUFFIX
 from models.lora_sites import lora_spec_of, merged_weight
+from models.quantized_stream import QuantizedSource
 
 BYTES_PER_MB = 2 ** 20
 
@@ -43,15 +48,18 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
 
     Greedy and order preserving: a tensor joins the current bucket if it still fits, otherwise
     the bucket is yielded and a new one starts with it; a tensor larger than `bucket_bytes` thus
-    forms a bucket of its own. Lazy: the input is consumed one tensor at a time, and a bucket is
-    yielded as soon as the first tensor that does not fit has been read."""
+    forms a bucket of its own. A `*_scale_inv` tensor (a quantized weight's scale, streamed
+    right after its weight) never starts a bucket: it stays with its weight (a bucket may exceed the
+    limit by one scale: 4 bytes per weight block). Lazy: the input is consumed one tensor at a
+    time, and a bucket is yielded as soon as the first tensor that does not fit has been
+    read."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
         nbytes = tensor_bytes(tensor)
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not name.endswith(SCALE_SUFFIX):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
@@ -99,15 +107,19 @@ class BucketStream:
                          time.perf_counter() - self._start)
 
 
-def export_stage_weights(chunks: list, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def export_stage_weights(chunks: list, hf_config: dict, quantized: QuantizedSource | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's pipeline stage as HF-named full tensors (a lazy stream). Collective over the
     stage's TP (and expert-parallel) group: every rank of the stage must consume it. The
     deferred parameter gather is finished here, before the stream starts. With LoRA adapters
     the tensors are the merged weights, base + scaling * B A (models.lora_sites.merged_weight,
-    one weight at a time)."""
+    one weight at a time). `quantized` (rollout.sync_quantization; pass it only on ranks whose
+    stream reaches an engine): the weights its source stores quantized are yielded as their
+    stored parts (FP8: the fp8 weight, then its fp32 `weight_scale_inv`)."""
     finish_param_gather(chunks)
     merged = merged_weight if lora_spec_of(chunks) is not None else None
-    return export_hf_weights(chunks, hf_config, transform=merged)
+    stream = export_hf_weights(chunks, hf_config, transform=merged)
+    return stream if quantized is None else quantized.quantize(stream)
 
 
 def layout_table() -> LayoutTable:

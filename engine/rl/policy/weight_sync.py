@@ -7,6 +7,8 @@ too); each engine's owner assembles the full model from its own replica's stages
 export plus point-to-point streams from the other stages' TP rank 0) and feeds its engine
 through `sync_weights`, bucketed by weight_export.BucketStream. `check_weight_sync` is the
 optional debug probe (rollout.check_weight_sync). Units: `bucket_mb` in MiB (2**20 bytes).
+With rollout.sync_quantization the streams carry FP8 weights (sent between ranks as their raw
+bytes: collectives backends need not know float8) and their scales.
 """
 from __future__ import annotations
 
@@ -19,7 +21,10 @@ from engine.rl.policy.weight_export import (BucketStream, LayoutTable, SyncStats
                                             export_stage_weights, layout_table, stage_heads)
 from engine.rl.rollout.base import RolloutEngine
 from models.forward import forward_logits
+from models.quantized_stream import QuantizedSource
 from parallel import cpu_runtime
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def sync_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], engine: RolloutEngine,
                  bucket_mb: float) -> SyncStats:
@@ -38,7 +43,8 @@ def _send_tensor(name: str | None, tensor: torch.Tensor | None, dst: int) -> Non
     dist.send_object_list([None if name is None else (name, tuple(tensor.shape), tensor.dtype)],
                           dst=dst)
     if name is not None:
-        dist.send(tensor.contiguous(), dst=dst)
+        raw = tensor.contiguous()
+        dist.send(raw.view(torch.uint8) if raw.dtype in _FLOAT8 else raw, dst=dst)
 
 
 def _recv_stream(src: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -48,9 +54,10 @@ def _recv_stream(src: int) -> Iterator[tuple[str, torch.Tensor]]:
         if meta[0] is None:
             return
         name, shape, dtype = meta[0]
-        buf = torch.empty(shape, dtype=dtype, device=cpu_runtime.device())
+        wire = torch.uint8 if dtype in _FLOAT8 else dtype
+        buf = torch.empty(shape, dtype=wire, device=cpu_runtime.device())
         dist.recv(buf, src=src)
-        yield name, buf
+        yield name, buf.view(dtype)
 
 
 def stage_sources(owner: int, table: LayoutTable) -> list[int]:
@@ -65,7 +72,8 @@ def stage_sources(owner: int, table: LayoutTable) -> list[int]:
 
 def sync_to_rollout(chunks: list, hf_config: dict, engine: RolloutEngine | None,
                     bucket_mb: float, owners: Sequence[int] = (0,),
-                    targets: Sequence[int] | None = None) -> SyncStats | None:
+                    targets: Sequence[int] | None = None,
+                    quantized: QuantizedSource | None = None) -> SyncStats | None:
     """Stream the trainer's weights (HF names, full tensors) into the rollout engines.
 
     Collective over the world. `owners[e]` is the global rank owning engine e (`engine` is this
@@ -75,16 +83,20 @@ def sync_to_rollout(chunks: list, hf_config: dict, engine: RolloutEngine | None,
     tensors: its own stage's from its own export, the other stages' from their TP rank 0,
     point-to-point. No tensor passes through a rank that does not need it, and replicas on
     different nodes stream in parallel: with a replica inside a node (tp x pp <= GPUs per
-    node) nothing crosses nodes. Returns SyncStats on the target owners, None elsewhere."""
+    node) nothing crosses nodes. `quantized` (rollout.sync_quantization): the exports that
+    reach an engine are quantized as the source checkpoint stores them, on the rank that
+    exports (weight_export.export_stage_weights); ranks whose export reaches no engine skip it.
+    Returns SyncStats on the target owners, None elsewhere."""
     targets = list(range(len(owners))) if targets is None else list(targets)
     dests = [owners[e] for e in targets]
     me = dist.get_rank()
     table = layout_table()
     # the owners (other than me) that take my export as their stream of my stage
     receivers = [o for o in dests if o != me and me in stage_sources(o, table)]
+    used = quantized if (receivers or me in dests) else None
 
     def my_export() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in export_stage_weights(chunks, hf_config):
+        for name, tensor in export_stage_weights(chunks, hf_config, used):
             for o in receivers:
                 _send_tensor(name, tensor, dst=o)
             yield name, tensor

@@ -2,6 +2,8 @@
 trainer's weights by HF name in buckets, sleep/wake when colocated with training.
 
 Backends: "hf" (transformers, CPU or GPU; `hf_backend.py`) and "sglang" (GPU; `sglang_backend.py`).
+What the weight sync sends them (rollout.sync_quantization: `sync_quantization.py`) and what
+their weights weigh in `--validate` (`engine_memory.py`).
 
 May import: engine.errors, models; nothing else of engine.rl.
 """

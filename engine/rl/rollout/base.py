@@ -90,6 +90,9 @@ class RolloutEngine(abc.ABC):
 
     # True when `probe_logits` works (rollout.check_weight_sync compares them with the trainer)
     supports_logit_probe = False
+    # rollout.sync_quantization values `update_weights` accepts (engine.rl.rollout
+    # .sync_quantization): "fp8" = float8 weights, each with its `weight_scale_inv` in the bucket
+    sync_quantizations: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._num_generate_calls = 0

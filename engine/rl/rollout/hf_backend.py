@@ -11,9 +11,17 @@ freeing its memory; `wake()` allocates uninitialised storage again on the engine
 `generate()` refuses to run until `update_weights` has written every parameter since the wake.
 Small buffers (rotary frequencies) are kept through sleep. The RL loop's order is therefore:
 sleep -> train -> wake -> sync_weights -> generate.
+
+FP8 sync (rollout.sync_quantization=fp8, a checkpoint published in FP8): transformers loads the
+folder dequantized (on CPU), and `update_weights` takes each float8 weight together with its
+`weight_scale_inv` from the same bucket and writes fp8 x scale in fp32 (models.fp8_blocks, the
+blocks of the folder's quantization_config: exactly what the trainer loads from the
+checkpoint), so the engine holds dequant(quant(W)). A float8 weight whose scale is missing, or
+a scale without its weight, is refused instead of being cast unscaled.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterable
 
@@ -24,6 +32,10 @@ from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.hf_routing import GateRecorder, assemble
 from engine.rl.rollout.hf_targets import checkpoint_targets
 from engine.rl.rollout.sampling import SeededSampler
+from models import fp8_blocks
+from models.quantized import quantization_config
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _as_id_list(value) -> list[int]:
@@ -49,6 +61,7 @@ class HFRolloutEngine(RolloutEngine):
         pad_token_id: left-padding id (tokenizer pad, else config pad, else the first eos).
     """
     supports_logit_probe = True
+    sync_quantizations = ("fp8",)  # float8 weights + scales dequantized on arrival (above)
     _routing: GateRecorder | None = None  # R3: the MoE gates' choices (enable_routed_experts)
 
     @classmethod
@@ -73,6 +86,10 @@ class HFRolloutEngine(RolloutEngine):
         self.model = AutoModelForCausalLM.from_pretrained(
             hf_path, dtype=dtype if dtype is not None else "auto", local_files_only=True)
         self.model.to(self.device).eval().requires_grad_(False)
+        if dtype is not None:  # a quantized folder loads with mixed dtypes
+            for param in self.model.parameters():
+                if param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
         self.hf_path = hf_path
         tokenizer = self._load_tokenizer(hf_path)
         eos = _as_id_list(getattr(self.model.config, "eos_token_id", None))
@@ -190,7 +207,7 @@ class HFRolloutEngine(RolloutEngine):
         is accepted too and writes the same tensor. Dtype and device are converted."""
         if self.is_asleep:
             raise RuntimeError("update_weights: the rollout engine is asleep; call wake() first")
-        bucket = list(named_tensors)
+        bucket = self._dequantized(list(named_tensors))
         for name, tensor in bucket:
             param = self._params.get(name)
             if param is None:
@@ -203,6 +220,42 @@ class HFRolloutEngine(RolloutEngine):
         for name, tensor in bucket:  # a view of a fused expert tensor copies in place
             self._params[name].copy_(tensor)
             self._stale.discard(self._canonical[name])
+
+    def _dequantized(self, bucket: list[tuple[str, torch.Tensor]]
+                     ) -> list[tuple[str, torch.Tensor]]:
+        """The bucket with every float8 weight replaced by fp8 x its scale (fp32) and the
+        scales removed; a float8 weight without its scale in the bucket, or a scale without its
+        weight, is refused (module docstring)."""
+        suffix = fp8_blocks.SCALE_SUFFIX
+        scales = {n: t for n, t in bucket if n.endswith(suffix)}
+        out = []
+        for name, tensor in bucket:
+            if name.endswith(suffix):
+                continue
+            if tensor.dtype in _FLOAT8:
+                scale = scales.pop(name + suffix, None)
+                if scale is None:
+                    raise ValueError(f"update_weights: {name!r} arrived as {tensor.dtype} "
+                                     f"without {name + suffix!r} in the same bucket; refusing "
+                                     "to cast an FP8 weight unscaled")
+                tensor = fp8_blocks.dequantize(tensor.to(self.device), scale.to(self.device),
+                                               self._fp8_block(), name)
+            out.append((name, tensor))
+        if scales:
+            raise ValueError(f"update_weights: {sorted(scales)[0]!r} arrived without its float8 "
+                             "weight in the same bucket")
+        return out
+
+    def _fp8_block(self) -> tuple[int, int]:
+        """weight_block_size of the folder's fp8 quantization_config (config.json)."""
+        with open(os.path.join(self.hf_path, "config.json")) as f:
+            qcfg = quantization_config(json.load(f)) or {}
+        block = qcfg.get("weight_block_size")
+        if qcfg.get("quant_method") != "fp8" or not block:
+            raise ValueError(f"update_weights: FP8 weights arrived, but {self.hf_path} is not "
+                             "an FP8 checkpoint (config.json has no fp8 quantization_config with "
+                             "weight_block_size); use rollout.sync_quantization=null")
+        return int(block[0]), int(block[1])
 
     def _index_parameters(self) -> None:
         """checkpoint name -> tensor to write (tied aliases included, fused experts as views)

@@ -15,12 +15,20 @@ of `base.py`. The constructor refuses to run with that variable switched on.
 Sleep/wake: `release_memory_occupation` frees the KV cache and the weights (the memory saver
 does not keep their contents), so after `wake()` the trainer's weights must be streamed again with
 `update_weights` before generating, exactly as with the HF backend.
+
+FP8 (rollout.sync_quantization=fp8): SGLang loads a checkpoint published in FP8 as FP8, and
+`update_weights_from_tensor` hands the named tensors to the model's own `load_weights`, the
+checkpoint loader: float8 weights with their fp32 `weight_scale_inv` under the published names
+are what it reads from disk (slime syncs DeepSeek-V3 this way). DeepSeek's loader fuses q_a_proj
+with kv_a_proj_with_mqa within one call: engine.rl.rollout.sglang_pairs keeps the halves
+together. Written to SGLang's documented contract; not run here (no GPU, no sglang).
 """
 from __future__ import annotations
 
 import base64
 import dataclasses
 import importlib.util
+import json
 import os
 from typing import Iterable
 
@@ -28,6 +36,7 @@ import numpy as np
 import torch
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
+from engine.rl.rollout.sglang_pairs import PairedBuckets, fuses_qkv_a
 
 MISSING_SGLANG = ("rollout.backend=sglang needs the sglang package: pip install -e .[gpu]; "
                   "on CPU use rollout.backend=hf")
@@ -45,6 +54,7 @@ class SGLangRolloutEngine(RolloutEngine):
         enable_memory_saver: needed for sleep/wake (release/resume memory occupation).
         engine_kwargs: any other `sglang.srt.server_args.ServerArgs` field.
     """
+    sync_quantizations = ("fp8",)  # FP8 checkpoints load as FP8; updates in the same layout
 
     @classmethod
     def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int,
@@ -86,8 +96,13 @@ class SGLangRolloutEngine(RolloutEngine):
                                     enable_memory_saver=enable_memory_saver, **engine_kwargs)
         self._needs_flush = False
         self.routed_experts = bool(engine_kwargs.get("enable_return_routed_experts"))
+        with open(os.path.join(hf_path, "config.json")) as f:
+            self._pairs = PairedBuckets() if fuses_qkv_a(json.load(f)) else None
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self._pairs is not None and self._pairs.held:
+            raise RuntimeError(f"the weight sync ended with {self._pairs.held[0]!r} waiting for "
+                               "its fused q_a_proj / kv_a_proj_with_mqa partner")
         if self._needs_flush:  # once after a weight sync, not once per bucket
             self.engine.flush_cache()
             self._needs_flush = False
@@ -126,9 +141,14 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of full HF-named tensors; the KV/prefix cache is flushed once before
-        the next generate."""
+        the next generate. A fused q_a / kv_a half waits for its partner (sglang_pairs)."""
+        tensors = list(named_tensors)
+        if self._pairs is not None:
+            tensors = self._pairs.release(tensors)
+        if not tensors:
+            return
         success, message = self.engine.update_weights_from_tensor(
-            named_tensors=list(named_tensors), flush_cache=False)[:2]
+            named_tensors=tensors, flush_cache=False)[:2]
         if not success:
             raise RuntimeError(f"SGLang update_weights_from_tensor failed: {message}")
         self._needs_flush = True
