@@ -14,10 +14,11 @@ own code, as Kimi-K2's tiktoken tokenizer is):
 - hf-to-mcore -> mcore-to-hf is bitwise (tensors, config.json bytes, the tokenizer and the code
   files); `verify` within 1e-4 of transformers (KimiK2ForCausalLM);
 - a tokenizer needs its own code exactly when transformers has no class of its name; such a
-  folder is refused at engine.sft start without model.trust_remote_code and at engine.rl start
-  (which does not pass the key), naming the key; with the key engine.sft trains one step from
-  the folder, its tokenizer class being the folder's; control: without the key transformers
-  refuses to load that tokenizer.
+  folder is refused at engine.sft and engine.rl start without model.trust_remote_code, naming
+  the key; with the key engine.sft trains one step from the folder, its tokenizer class being
+  the folder's (control: without the key transformers refuses to load that tokenizer), and
+  engine.rl runs one GRPO step with the HF rollout backend (whose tokenizer is the folder's
+  code too): rollout/logprob_diff < 1e-3.
 """
 from __future__ import annotations
 
@@ -175,10 +176,9 @@ CASES = [
     Case("sft_custom_tokenizer", ("model.hf_path={custom}",), needles=(
         "model.hf_path={custom}: its tokenizer is the folder's own code "
         "(tokenization_kimi.TikTokenTokenizer", "set model.trust_remote_code=true")),
-    Case("rl_custom_tokenizer", ("model.hf_path={custom}", "model.trust_remote_code=true"),
-         module="engine.rl", data="prompts", needles=(
-             "model.hf_path={custom}: ", "model.trust_remote_code is honoured by engine.sft "
-             "only")),
+    Case("rl_custom_tokenizer", ("model.hf_path={custom}",), module="engine.rl", data="prompts",
+         needles=("model.hf_path={custom}: its tokenizer is the folder's own code "
+                  "(tokenization_kimi.TikTokenTokenizer", "set model.trust_remote_code=true")),
 ]
 
 
@@ -206,3 +206,22 @@ def test_sft_trains_with_the_folders_tokenizer_code(pools, kimi, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 1 and 0 < steps[0]["loss"] < 20, steps
+
+
+def test_rl_grpo_step_with_the_folders_tokenizer_code(pools, kimi, tmp_path):
+    from engine.rl.rollout.hf_backend import HFRolloutEngine
+
+    with pytest.raises(ValueError, match="trust_remote_code=True"):   # control
+        HFRolloutEngine(kimi["custom"], dtype=torch.float32)
+    engine = HFRolloutEngine(kimi["custom"], dtype=torch.float32, trust_remote_code=True)
+    assert engine.eos_token_ids == [3]   # config, generation config and the folder's tokenizer
+    log_dir = tmp_path / "rl_log"
+    proc = pools.script(1, "-m", "engine.rl", f"model.hf_path={kimi['custom']}",
+                        "model.trust_remote_code=true", f"data.train_files=[{kimi['prompts']}]",
+                        "kl.beta=0", "rollout.n=2", "train.prompts_per_step=2",
+                        "rollout.max_new_tokens=4", "train.seq_length=32", "train.max_steps=1",
+                        "logging.progress_bar=false", f"logging.dir={log_dir}", check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (m,) = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    print({k: m[k] for k in ("rollout/logprob_diff", "loss") if k in m})
+    assert m["rollout/logprob_diff"] < 1e-3, m

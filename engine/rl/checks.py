@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoTokenizer
 
 from engine.config.model_settings import recompute_layer_problems, recompute_problems
 from engine.config.schema import (check_choice, checkpoint_config_problems, layout_problems,
@@ -29,6 +28,7 @@ from engine.rl.rollout.placement import (placement_problems, procs_per_node, rol
                                          split_sizes)
 from engine.rl.rollout.sync_quantization import sync_quantization_problems
 from models.critic_io import critic_problem
+from models.custom_code import load_tokenizer
 
 PLACEMENTS = ("colocated", "disaggregated")
 
@@ -199,8 +199,9 @@ def distill_problems(cfg: RLConfig, world_size: int) -> list[str]:
                  "rewards are 0); turn dynamic sampling off for pure distillation")
     try:
         teacher = read_hf_config(path, "distill.teacher_path")
-        vocab = AutoTokenizer.from_pretrained(path).get_vocab()
-        student = AutoTokenizer.from_pretrained(cfg.model.hf_path).get_vocab()
+        trust = cfg.model.trust_remote_code  # the key covers the teacher's tokenizer code too
+        vocab = load_tokenizer(path, trust).get_vocab()
+        student = load_tokenizer(cfg.model.hf_path, trust).get_vocab()
     except (ConfigError, OSError, ValueError) as e:
         return p + [str(e) if str(e).startswith("distill.") else
                     f"distill.teacher_path={path}: {e}"]

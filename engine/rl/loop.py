@@ -30,7 +30,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 from engine.checkpoint.checkpointing import DataPosition
 from engine.config.fusion_settings import fusion_overrides
@@ -59,6 +58,7 @@ from engine.run.run_loop import RunLoop, build_or_resume, resume_side_engines
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
 from models.critic_io import critic_hf_config
+from models.custom_code import load_tokenizer
 
 
 def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool
@@ -163,7 +163,7 @@ def _next_gen_batch(collector) -> int:
 def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     """The RL run on every rank (process groups and megatron state exist)."""
     rank = dist.get_rank()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
     check_env_start(cfg, tokenizer)  # env.fn's template needs, on every rank (exit 2)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32

@@ -28,7 +28,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 from engine.errors import RunError
 from engine.rl.collect.collector import RolloutCollector
@@ -42,6 +41,7 @@ from engine.rl.disaggregated.world import SplitWorld, active_split, isend_object
 from engine.rl.env.episode_batch import check_env_start
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.pool import RolloutPool
+from models.custom_code import load_tokenizer
 
 
 def _bcast(obj):
@@ -179,7 +179,7 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
     """Every rollout rank (engine.cli.run_entry's rollout role): the module docstring's loop."""
     split = active_split()
     rank = dist.get_rank()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+    tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
     check_env_start(cfg, tokenizer)
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     rows, prompt_ids = prompt_rows(cfg, tokenizer, cfg.data.train_files)

@@ -12,7 +12,6 @@ template, checked in validation (engine.rl.checks) and on every rank at start.
 from __future__ import annotations
 
 import torch
-from transformers import AutoTokenizer
 
 from engine.errors import ConfigError
 from engine.rl.algo.overlong import overlong_penalty
@@ -21,6 +20,7 @@ from engine.rl.env.episodes import Episode, EpisodeRunner, EpisodeSettings
 from engine.rl.env.observation import observation_text
 from engine.rl.env.tools_env import tool_env_factory, tool_format, tool_schemas
 from engine.rl.rollout.pool import GenerateStats
+from models.custom_code import load_tokenizer
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error")
 
@@ -124,12 +124,12 @@ def env_metrics(parts: list[dict], tools: bool) -> dict[str, float]:
 def env_template_problem(cfg, tokenizer=None) -> str | None:
     """Why env.fn cannot work with model.hf_path's chat template (it cannot place observations,
     or with env.fn=tools has no known tool-call format), or None. `tokenizer`: loaded from
-    model.hf_path when not given."""
+    model.hf_path (model.trust_remote_code honoured) when not given."""
     if getattr(cfg, "env", None) is None or cfg.env.fn is None:
         return None
     try:
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+            tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
         schemas = None
         if cfg.env.fn == ENV_TOOLS:
             tool_format(tokenizer)

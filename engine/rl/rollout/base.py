@@ -100,15 +100,19 @@ class RolloutEngine(abc.ABC):
 
     @classmethod
     def from_config(cls, hf_path: str, rollout_cfg, dtype: torch.dtype, seed: int,
-                    gpus: tuple[int, int] = (0, 1),
-                    routed_experts: bool = False) -> "RolloutEngine":
+                    gpus: tuple[int, int] = (0, 1), routed_experts: bool = False,
+                    trust_remote_code: bool = False) -> "RolloutEngine":
         """Build from the RL config: `rollout_cfg` is the `rollout` group (a backend reads its
         own `rollout.<backend>` settings); `dtype` is model.dtype; `gpus` = (first local device,
         count) this engine may use on its node (engine.rl.rollout.placement); `routed_experts`:
-        report Generation.routed_experts (moe.routing_replay=R3). Default:
+        report Generation.routed_experts (moe.routing_replay=R3); `trust_remote_code`:
+        model.trust_remote_code (the folder's tokenizer code may run). Default:
         `cls(hf_path, dtype=dtype)` on the owner's current device, how a user's
-        `package.module:Class` backend is constructed, then `enable_routed_experts()`."""
-        engine = cls(hf_path, dtype=dtype)
+        `package.module:Class` backend is constructed (plus `trust_remote_code=True` when the key
+        is set: a constructor without that argument fails loudly), then
+        `enable_routed_experts()`."""
+        engine = cls(hf_path, dtype=dtype,
+                     **({"trust_remote_code": True} if trust_remote_code else {}))
         if routed_experts:
             engine.enable_routed_experts()
         return engine

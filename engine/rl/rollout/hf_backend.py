@@ -26,13 +26,14 @@ import os
 from typing import Iterable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.hf_routing import GateRecorder, assemble
 from engine.rl.rollout.hf_targets import checkpoint_targets
 from engine.rl.rollout.sampling import SeededSampler
 from models import fp8_blocks
+from models.custom_code import load_tokenizer
 from models.quantized import quantization_config
 
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -54,6 +55,8 @@ class HFRolloutEngine(RolloutEngine):
             downloaded); a tokenizer there, when present, supplies eos/pad ids.
         device: where the model runs; default the current CUDA device, else the CPU.
         dtype: parameter dtype; default the checkpoint's dtype.
+        trust_remote_code: the tokenizer may be the folder's own code (model.trust_remote_code,
+            models.custom_code.load_tokenizer); the model is always transformers' own class.
     Attributes:
         model: the transformers model (read it to inspect weights or compute reference logits).
         eos_token_ids: generation stops per sequence at any of these (config, generation
@@ -74,7 +77,7 @@ class HFRolloutEngine(RolloutEngine):
             self._routing = GateRecorder(self.model)
 
     def __init__(self, hf_path: str, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> None:
         super().__init__()
         if not os.path.isfile(os.path.join(hf_path, "config.json")):
             raise ValueError(f"rollout hf_path={hf_path!r} is not a local HF model directory "
@@ -91,7 +94,7 @@ class HFRolloutEngine(RolloutEngine):
                 if param.is_floating_point() and param.dtype != dtype:
                     param.data = param.data.to(dtype)
         self.hf_path = hf_path
-        tokenizer = self._load_tokenizer(hf_path)
+        tokenizer = self._load_tokenizer(hf_path, trust_remote_code)
         eos = _as_id_list(getattr(self.model.config, "eos_token_id", None))
         generation_config = getattr(self.model, "generation_config", None)
         if generation_config is not None:
@@ -111,11 +114,11 @@ class HFRolloutEngine(RolloutEngine):
         self._stale: set[str] = set()  # parameters not yet written since the last wake()
 
     @staticmethod
-    def _load_tokenizer(hf_path: str):
+    def _load_tokenizer(hf_path: str, trust_remote_code: bool):
         names = ("tokenizer.json", "tokenizer_config.json")
         if not any(os.path.isfile(os.path.join(hf_path, n)) for n in names):
             return None
-        return AutoTokenizer.from_pretrained(hf_path, local_files_only=True)
+        return load_tokenizer(hf_path, trust_remote_code)  # a local folder: nothing downloaded
 
     # ----------------------------------------------------------------------------- generation
     def _check_ready(self, what: str) -> None:

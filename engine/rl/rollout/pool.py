@@ -122,17 +122,20 @@ class RolloutPool:
     def for_world(cls, cfg, dtype, **engine_kwargs) -> "RolloutPool":
         """Every rank of the current default group: its rollout engines (placement from
         rollout.num_engines / rollout.gpus_per_engine and torchrun's LOCAL_WORLD_SIZE); the
-        owners build theirs with rollout.backend's from_config (`engine_kwargs` added), which
-        is also the restart factory. `resync` is left to the caller."""
+        owners build theirs with rollout.backend's from_config (`engine_kwargs` added, and
+        trust_remote_code=True under model.trust_remote_code), which is also the restart
+        factory. `resync` is left to the caller."""
         world = dist.get_world_size()
         placement = resolve_placement(cfg.rollout.num_engines, cfg.rollout.gpus_per_engine,
                                       world, procs_per_node(world))
         mine = placement.engine_of(dist.get_rank())
+        trust = {"trust_remote_code": True} if cfg.model.trust_remote_code else {}
 
         def factory() -> RolloutEngine:
             return backend_class(cfg.rollout.backend).from_config(
                 cfg.model.hf_path, cfg.rollout, dtype, cfg.seed,
-                gpus=(placement.local_slot(mine), placement.gpus_per_engine), **engine_kwargs)
+                gpus=(placement.local_slot(mine), placement.gpus_per_engine), **trust,
+                **engine_kwargs)
 
         return cls(placement, factory() if mine is not None else None, cfg.rollout,
                    factory=factory)

@@ -58,17 +58,20 @@ class SGLangRolloutEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int,
-                    gpus: tuple[int, int] = (0, 1),
-                    routed_experts: bool = False) -> "SGLangRolloutEngine":
+                    gpus: tuple[int, int] = (0, 1), routed_experts: bool = False,
+                    trust_remote_code: bool = False) -> "SGLangRolloutEngine":
         """On the node's devices [gpus[0], gpus[0] + gpus[1]) (tp_size = gpus[1], the
         placement's rollout.gpus_per_engine), with rollout.sglang.mem_fraction; model.dtype is
         left to SGLang ("auto": the checkpoint's dtype). `routed_experts` (R3): SGLang's
-        enable_return_routed_experts (routed_experts_problem says when it is missing)."""
+        enable_return_routed_experts (routed_experts_problem says when it is missing).
+        `trust_remote_code` (model.trust_remote_code): SGLang's server arg of that name, with
+        which SGLang loads the folder's tokenizer code (and reads its config.json with the
+        folder's configuration code; the model is SGLang's own)."""
         # several engines on one node: distinct base ports, so their derived ports differ
         extra = {"enable_return_routed_experts": True} if routed_experts else {}
         return cls(hf_path, tp_size=gpus[1], base_gpu_id=gpus[0], port=30000 + 100 * gpus[0],
                    mem_fraction_static=rollout_cfg.sglang.mem_fraction, random_seed=seed,
-                   **extra)
+                   trust_remote_code=trust_remote_code, **extra)
 
     @classmethod
     def routed_experts_problem(cls) -> str | None:
