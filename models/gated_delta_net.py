@@ -148,7 +148,7 @@ class GatedDeltaNet(MegatronModule):
     def _exchange(self, q, k, v, beta, alpha, bounds):
         """Sequence shards -> whole sequences in natural order, heads split over CP."""
         group = ps.get_context_parallel_group()
-        parts = [ulysses.seq_to_heads(x, group, 0, 2) for x in (q, k, v, beta, alpha)]
+        parts = ulysses.seq_to_heads_many([q, k, v, beta, alpha], group, 0, 2)
         order = zigzag.gathered_to_natural(_segments(bounds, parts[0].shape[0]), self.cp_size)
         return [x.index_select(0, order.to(x.device)) for x in parts]
 

@@ -61,6 +61,7 @@ def setup_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
                          f"{dist.get_world_size()}")
     layout.validate()
     teardown_model_parallel()
+    before = set(dist.distributed_c10d._world.pg_map)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -69,13 +70,27 @@ def setup_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.tp,
     )
+    _MODEL_PARALLEL_GROUPS.extend(g for g in dist.distributed_c10d._world.pg_map
+                                  if g not in before)
     model_parallel_cuda_manual_seed(seed)
 
 
+# The process groups the last setup_model_parallel created (teardown destroys them).
+_MODEL_PARALLEL_GROUPS: list = []
+
+
 def teardown_model_parallel() -> None:
-    """Destroy megatron's groups (if any), keeping the default process group alive."""
+    """Destroy megatron's groups (if any), keeping the default process group alive (and any
+    group setup_model_parallel did not create). Megatron's destroy_model_parallel only forgets
+    its groups: without destroying them, torch.distributed keeps every group of every layout
+    registered, with its gloo threads, until the process exits."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    registered = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+    for group in _MODEL_PARALLEL_GROUPS:
+        if group in registered:
+            dist.destroy_process_group(group)
+    _MODEL_PARALLEL_GROUPS.clear()
     mrandom.initialize_rng_tracker(force_reset=True)
 
 

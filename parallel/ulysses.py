@@ -1,13 +1,15 @@
 """Ulysses (all-to-all) context-parallel attention.
 
 Each CP rank holds a zigzag shard of the sequence and all heads of its TP rank. An all-to-all
-gathers the whole sequence and scatters heads (each rank keeps heads/cp), attention runs on the
-whole sequence in natural order, and a second all-to-all returns to sequence shards. Both
-exchanges go through `all_to_all` below, an autograd function (the backward of an all-to-all
-is the all-to-all of the gradients) that uses NCCL's all-to-all for CUDA tensors and an
-all-gather for CPU tensors (gloo, which has no all-to-all). (torch.distributed.nn's own gloo fallback passes group ranks as
-global ranks, so it breaks whenever the CP group is not ranks 0..cp-1, e.g. TP2 x CP2.) KV heads are repeated to the query head count first when the
-local KV head count is not divisible by cp (GQA with fewer KV heads than cp).
+gathers the whole sequence and scatters heads (each rank keeps heads/cp; query, key and value
+travel in one exchange), attention runs on the whole sequence in natural order, and a second
+all-to-all returns to sequence shards. Both exchanges go through `all_to_all` below, an
+autograd function (the backward of an all-to-all is the all-to-all of the gradients) that uses
+NCCL's all-to-all for CUDA tensors and an all-gather for CPU tensors (gloo, which has no
+all-to-all). (torch.distributed.nn's own gloo fallback passes group ranks as global ranks, so
+it breaks whenever the CP group is not ranks 0..cp-1, e.g. TP2 x CP2.) KV heads are repeated
+to the query head count first when the local KV head count is not divisible by cp (GQA with
+fewer KV heads than cp).
 """
 from __future__ import annotations
 
@@ -60,8 +62,38 @@ def all_to_all(inputs: list[torch.Tensor], group) -> list[torch.Tensor]:
 
 def seq_to_heads(x: torch.Tensor, group, seq_dim: int, head_dim: int) -> torch.Tensor:
     """[.., s/cp, .., H, ..] -> [.., s, .., H/cp, ..]; the gathered sequence is in rank order."""
+    return seq_to_heads_many([x], group, seq_dim, head_dim)[0]
+
+
+def seq_to_heads_many(tensors: list[torch.Tensor], group, seq_dim: int,
+                      head_dim: int) -> list[torch.Tensor]:
+    """`seq_to_heads` of several tensors (e.g. q, k, v: head counts and head sizes may differ,
+    the sequence shard is the same) in ONE all-to-all per dtype: the chunks bound for each
+    rank are flattened into one buffer, exchanged, and split back. The same result and bytes
+    as one exchange per tensor, with one collective in the forward and one in the backward
+    instead of one per tensor."""
     cp = torch.distributed.get_world_size(group)
-    return torch.cat(all_to_all(list(x.chunk(cp, dim=head_dim)), group), dim=seq_dim)
+    if len({x.dtype for x in tensors}) > 1:   # one buffer holds one dtype: one per dtype
+        by_dtype: dict = {}
+        for i, x in enumerate(tensors):
+            by_dtype.setdefault(x.dtype, []).append(i)
+        out: list = [None] * len(tensors)
+        for indices in by_dtype.values():
+            for i, y in zip(indices, seq_to_heads_many([tensors[i] for i in indices], group,
+                                                       seq_dim, head_dim)):
+                out[i] = y
+        return out
+    if len(tensors) == 1:
+        return [torch.cat(all_to_all(list(tensors[0].chunk(cp, dim=head_dim)), group),
+                          dim=seq_dim)]
+    chunks = [x.chunk(cp, dim=head_dim) for x in tensors]      # [tensor][destination]
+    shapes = [c[0].shape for c in chunks]
+    sizes = [c[0].numel() for c in chunks]
+    payload = [torch.cat([c[dest].reshape(-1) for c in chunks]) for dest in range(cp)]
+    received = all_to_all(payload, group)                       # [source]
+    pieces = [buf.split(sizes) for buf in received]             # [source][tensor]
+    return [torch.cat([pieces[src][i].view(shapes[i]) for src in range(cp)], dim=seq_dim)
+            for i in range(len(tensors))]
 
 
 def heads_to_seq(x: torch.Tensor, group, seq_dim: int, head_dim: int) -> torch.Tensor:
@@ -101,7 +133,7 @@ def ulysses_attention(query, key, value, scale: float, packed_seq_params=None,
         rep = heads // kv_heads
         key = key.repeat_interleave(rep, dim=head_dim_index)
         value = value.repeat_interleave(rep, dim=head_dim_index)
-    q, k, v = (seq_to_heads(x, group, 0, head_dim_index) for x in (query, key, value))
+    q, k, v = seq_to_heads_many([query, key, value], group, 0, head_dim_index)
     segments = _segments(packed_seq_params if thd else None, q.shape[0])
     order = zigzag.gathered_to_natural(segments, cp).to(q.device)
     q, k, v = (x.index_select(0, order) for x in (q, k, v))

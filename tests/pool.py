@@ -152,13 +152,16 @@ def _base_env() -> dict[str, str]:
     return _env()
 
 
-def _log_case(args: list[str], world: int, seconds: float, rc: int) -> None:
-    """With $LAUNCH_LOG set: one JSON line per pool case (as tests.launch logs launches)."""
+def _log_case(args: list[str], world: int, seconds: float, rc: int,
+              replaced: str | None = None) -> None:
+    """With $LAUNCH_LOG set: one JSON line per pool case (as tests.launch logs launches);
+    `replaced`: why the pool's ranks are replaced after the case (None: they are kept)."""
     path = os.environ.get("LAUNCH_LOG")
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""),
                                 "seconds": round(seconds, 2), "rc": rc, "pool": world,
+                                "replaced": replaced,
                                 "cmd": " ".join(map(str, args))[:400]}) + "\n")
 
 
@@ -287,6 +290,7 @@ class RankPool:
         pending = {conn: rank for rank, conn in enumerate(self._conns)}
         failed_at = None
         timed_out = broken = restart = False
+        why = None   # why the ranks are replaced after this case (the launch log says it)
         try:
             for rank, conn in enumerate(self._conns):
                 conn.send({**case, "rank_env": case["rank_env"].get(rank, {})})
@@ -310,6 +314,7 @@ class RankPool:
                     o.exit_code, o.error = msg.get("exit_code"), msg.get("error")
                     o.value, o.seconds = msg.get("value"), msg.get("seconds", 0.0)
                     restart |= msg.get("restart", False)
+                    why = why or (f"rank {rank}: {msg['why']}" if msg.get("why") else None)
                     if (o.error or (o.exit_code or 0) != 0) and failed_at is None:
                         failed_at = time.monotonic()
         except BaseException:  # interrupted (pytest-timeout, Ctrl-C): the ranks are mid-case
@@ -329,7 +334,9 @@ class RankPool:
         run = PoolRun(case["args"], outcomes, next((c for c in codes if c), 0), timed_out)
         if timed_out:
             run.returncode = 124
-        _log_case(case["args"], self.world, time.monotonic() - started, run.returncode)
+        if why is None and (pending or broken or any(o.error for o in outcomes)):
+            why = "the case failed, died or timed out"
+        _log_case(case["args"], self.world, time.monotonic() - started, run.returncode, why)
         if check and (timed_out or any(o.error or not o.finished for o in outcomes)):
             raise CaseFailed(_failure_message(run, self.world, timeout))
         if run.returncode != 0:
@@ -428,6 +435,7 @@ class Pools:
             idle = live.pop(0)
             if idle.lock.acquire(blocking=False):  # not one running a case in another thread
                 try:
+                    _log_case([], idle.world, 0.0, 0, f"closed to make room for {world} ranks")
                     idle.close()
                 finally:
                     idle.lock.release()
@@ -559,8 +567,13 @@ class _Rank:
             result["restart"] = True
             result.setdefault("error", "pool reset failed:\n" + traceback.format_exc())
         result["seconds"] = time.perf_counter() - started
-        result["restart"] = (result["restart"] or _rss() > MAX_RSS_BYTES
-                             or _threads() > self.threads + MAX_EXTRA_THREADS)
+        rss, extra_threads = _rss(), _threads() - self.threads
+        result["why"] = ("a case thread still runs, the reset failed or an own-world case "
+                         "failed" if result["restart"]
+                         else f"resident memory {rss >> 20} MiB" if rss > MAX_RSS_BYTES
+                         else f"{extra_threads} threads beyond its start ({_thread_names()})"
+                         if extra_threads > MAX_EXTRA_THREADS else None)
+        result["restart"] = result["why"] is not None
         try:
             pickle.dumps(result.get("value"))
         except Exception as e:  # noqa: BLE001
@@ -609,6 +622,9 @@ class _Rank:
                 with contextlib.suppress(Exception):
                     _ORIGINAL_DESTROY(pg)
         gc.collect()   # the case's models, optimizers and groups, as far as Python can see
+        if _threads() > self.threads + MAX_EXTRA_THREADS:
+            _release_leaked_ddp()   # what Python cannot see (MAX_EXTRA_THREADS): freed too
+            gc.collect()
         for sig, handler in self.signals.items():
             signal.signal(sig, handler)
         os.environ.clear()
@@ -672,6 +688,33 @@ def _exit_code(e: SystemExit) -> int:
         return e.code
     print(e.code, file=sys.stderr)
     return 1
+
+
+def _release_leaked_ddp() -> None:
+    """Empty every megatron DDP the case left (engine.training.ddp_release: the gradient
+    accumulators' hooks close over it through C++, which Python's collector cannot see) and
+    megatron's rotary cache, so that the next collection frees the models and the process
+    groups they hold, and their threads end. A scan of every object (a fraction of a second),
+    done only when threads were left over."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    from engine.training.ddp_release import clear_megatron_caches, release_ddp
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel):
+            release_ddp(obj)
+    clear_megatron_caches()
+
+
+def _thread_names() -> str:
+    """The most common native thread names of this process, with counts."""
+    import collections
+
+    names = collections.Counter()
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            names[Path(f"/proc/self/task/{task}/comm").read_text().strip()] += 1
+    return ", ".join(f"{n} x{c}" for n, c in names.most_common(4))
 
 
 def _threads() -> int:

@@ -257,9 +257,10 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, pools):
-    """Real launches (the recipes' shell scripts, two nodes on this host; torchrun stopped at
+    """Real launches (the recipes' shell scripts, two nodes on this host; a run stopped at
     train.exit_interval and relaunched): what is checked is the run across launches. The
-    export E runs tools/convert.py on the session's 1-rank pool (tests/pool.py)."""
+    first part of B (it writes the checkpoint) and the export E (tools/convert.py) run on the
+    session's rank pool (tests/pool.py); every resume is a new launch."""
     from tools.make_demo_assets import chat_row
 
     root = tmp_path_factory.mktemp("ckpt_runs")
@@ -283,7 +284,8 @@ checkpoint: {{save_interval: 1, keep_last: 3}}
             f"data.train_files=[{train}]", f"data.eval_files=[{evals}]"]
     b = [*base, f"logging.dir={root / 'B'}", f"checkpoint.dir={root / 'B' / 'ckpt'}",
          "checkpoint.save_interval=0", "checkpoint.keep_last=null"]
-    out["B"] = run_torchrun(2, *b, "train.exit_interval=2", timeout=600)
+    # B writes the checkpoint on the rank pool; B2, the resume, is a new launch that reads it
+    out["B"] = pools.script(2, *b, "train.exit_interval=2", timeout=600)
     out["B2"] = run_torchrun(2, *b, timeout=600)
     c_ckpt = root / "C" / "checkpoints"  # A's checkpoints, the two newest torn
     if (root / "A" / "checkpoints").is_dir():

@@ -254,9 +254,9 @@ def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(pools, runs):
                         ("r3", ())):
         args = (*runs["common"], *runs["dis"], "rollout.max_staleness=1",
                 f"checkpoint.dir={ckpt}", *extra, f"logging.dir={root / name}")
-        if name == "r1":   # the first piece writes the checkpoint: on the rank pool
+        if name != "r3":   # the first two pieces on the rank pool (r2 resumes in it)
             procs = pools.script(4, *args, timeout=600, nodes=2, own_world=True).nodes(2)
-        else:              # a resume: real launches read the checkpoint
+        else:              # new processes read the checkpoint (and r4 below)
             procs = run_two_nodes(2, *args, timeout=600)
         assert _ok(procs), procs[0].stdout[-3000:] + procs[0].stderr[-3000:]
         pieces.append(_metrics(root / name))

@@ -29,6 +29,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from engine.training.comm_overlap import (OverlapSettings, ddp_config, finish_param_gather,
                                           install_schedule_hooks, p2p_overrides)
+from engine.training.ddp_release import clear_megatron_caches, release_ddp
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.micro_batches import MicroBatch, SequenceData
@@ -254,6 +255,15 @@ class TrainEngine:
         defers to the next forward pass, so every parameter holds the last step's values
         (call before reading weights outside a forward: checkpoint save, weight sync, export)."""
         finish_param_gather(self.chunks)
+
+    def release(self) -> None:
+        """Let this engine's model, gradient buffers and process groups be freed although
+        megatron's DDP hooks still point at them (engine.training.ddp_release); the engine
+        cannot train or export afterwards. For a process that builds several engines in turn
+        (layout sweeps, the test rank pool); a job's last engine ends with its process."""
+        for chunk in self.chunks:
+            release_ddp(chunk)
+        clear_megatron_caches()
 
     def enable_routing_replay(self) -> RoutingReplay:
         """Attach routing record/replay to this MoE model's routers (engine.training.routing;

@@ -171,6 +171,7 @@ def run_layout(model_dir, hf_config, layout_kw, train, mode, batch, world, sp, t
             state, [seqs[i] for i in part], loss_cfg, settings, HORIZON)})
     engine = RecordingEngine() if dist.get_rank() == 0 else None
     sync_to_rollout(state.chunks, hf_config, engine, bucket_mb=0.05)
+    state.release()   # freed with this layout's process groups when the next one starts
     return results, table, (engine.tensors if engine else None)
 
 

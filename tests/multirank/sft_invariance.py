@@ -219,6 +219,7 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
     if bug != "nogather":
         state.gather_params()
     params = {k: v.clone() for k, v in export_hf_weights(state.chunks, hf_config)}
+    state.release()   # freed with this layout's process groups when the next one starts
     return losses, norms, params
 
 
