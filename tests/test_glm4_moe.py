@@ -237,3 +237,30 @@ def test_grpo_with_hf_rollouts_at_ep2(pools, glm_dir, tmp_path):
     for name in ("model.layers.1.mlp.gate.e_score_correction_bias",
                  "model.layers.1.mlp.shared_experts.up_proj.weight"):
         assert not torch.equal(a[name], b[name]), name
+
+
+def test_r2_replays_the_sigmoid_group_routing_exactly(pools, glm_dir, tmp_path):
+    """R2 (the old-log-prob forward's routing replayed in the update) with sigmoid scores,
+    the selection-only bias, group-limited top-k and routed scaling: with one mini-batch per
+    step the update's weights are those of the recording, so a replay that picks the same
+    experts AND weights them as the router does gives the run without replay exactly (loss,
+    grad norm, KL, log-prob diff; moe/replay_mismatch 0). A replay that weighted the choices
+    otherwise (softmax, the bias in the weights, no scaling) would move the loss: the router
+    tests above show those give other weights."""
+    args = ("-m", "engine.rl", f"model.hf_path={glm_dir}",
+            f"data.train_files=[{_prompts(tmp_path / 'p.jsonl')}]", "rollout.n=2",
+            "rollout.max_new_tokens=6", "train.prompts_per_step=2",
+            "train.mini_batches_per_step=1", "train.micro_batch_size=2", "train.max_steps=2",
+            "train.seq_length=64", "optim.lr=1e-2", "kl.beta=0.05",
+            "reward.fn=tests.test_glm4_moe:digit_reward", "logging.progress_bar=false")
+    runs = {}
+    for name, extra in (("plain", ()), ("r2", ("moe.routing_replay=R2",))):
+        pools.script(1, *args, *extra, f"logging.dir={tmp_path / name}", timeout=300)
+        runs[name] = _metrics(tmp_path / name)
+    assert len(runs["r2"]) == 2 and runs["r2"][1]["grad_norm"] > 0
+    for a, b in zip(runs["plain"], runs["r2"]):
+        assert b["moe/replay_mismatch"] == 0.0, b
+        assert b["rollout/logprob_diff"] < 1e-3, b
+        for key in ("policy/loss", "grad_norm", "policy/kl", "rollout/logprob_diff",
+                    "reward/mean"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (key, a[key], b[key])
