@@ -64,12 +64,13 @@ DUMP_SIGNAL = signal.SIGUSR2
 # accumulate allocator fragmentation and caches).
 MAX_RSS_BYTES = 3 << 30
 # ... and so is a rank left with more threads than this beyond its first case's: process groups
-# the case leaked. Megatron's DistributedDataParallel keeps its parameters' gradient
-# accumulators (C++ autograd nodes) whose hooks close over the DDP object: a cycle Python's
-# collector cannot see, so the DDP, its model and its process groups live until the process
-# exits (in a torchrun launch too). Each gloo group keeps threads that wake up now and then;
-# a destroyed one whose peer is gone spins. On 2 cores, a few hundred of them in idle ranks
-# slow every later case, so those ranks are replaced (a restart costs a few seconds).
+# the case leaked. Megatron's DistributedDataParallel hooks its parameters' gradient
+# accumulators (C++ autograd nodes) with closures over the DDP: a cycle Python's collector
+# cannot see, so the DDP, its model and its process groups would live until the process exits.
+# Each gloo group keeps threads that wake up now and then; a destroyed one whose peer is gone
+# spins. So after a case that left threads, every leaked DDP is emptied first
+# (engine.training.ddp_release) and collected; a rank still over the limit is replaced (a
+# restart costs a few seconds; the launch log says why).
 MAX_EXTRA_THREADS = 24
 # Ranks kept started over all pools; the least recently used pools are closed beyond it.
 MAX_RANKS = 16
