@@ -21,6 +21,7 @@ a scale without its weight, is refused instead of being cast unscaled.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Iterable
@@ -34,7 +35,7 @@ from engine.rl.rollout.hf_targets import checkpoint_targets
 from engine.rl.rollout.sampling import SeededSampler
 from models import fp8_blocks
 from models.custom_code import load_tokenizer
-from models.quantized import quantization_config
+from models.quantized import QUANT_METHODS, quantization_config
 
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -241,24 +242,25 @@ class HFRolloutEngine(RolloutEngine):
                     raise ValueError(f"update_weights: {name!r} arrived as {tensor.dtype} "
                                      f"without {name + suffix!r} in the same bucket; refusing "
                                      "to cast an FP8 weight unscaled")
-                tensor = fp8_blocks.dequantize(tensor.to(self.device), scale.to(self.device),
-                                               self._fp8_block(), name)
+                tensor = QUANT_METHODS["fp8"].dequantize(
+                    name, [tensor.to(self.device), scale.to(self.device)], self._fp8_config)
             out.append((name, tensor))
         if scales:
             raise ValueError(f"update_weights: {sorted(scales)[0]!r} arrived without its float8 "
                              "weight in the same bucket")
         return out
 
-    def _fp8_block(self) -> tuple[int, int]:
-        """weight_block_size of the folder's fp8 quantization_config (config.json)."""
+    @functools.cached_property
+    def _fp8_config(self) -> dict:
+        """The folder's fp8 quantization_config (config.json, read once: the blocks the
+        trainer loaded the checkpoint with)."""
         with open(os.path.join(self.hf_path, "config.json")) as f:
             qcfg = quantization_config(json.load(f)) or {}
-        block = qcfg.get("weight_block_size")
-        if qcfg.get("quant_method") != "fp8" or not block:
+        if qcfg.get("quant_method") != "fp8" or not qcfg.get("weight_block_size"):
             raise ValueError(f"update_weights: FP8 weights arrived, but {self.hf_path} is not "
                              "an FP8 checkpoint (config.json has no fp8 quantization_config with "
                              "weight_block_size); use rollout.sync_quantization=null")
-        return int(block[0]), int(block[1])
+        return qcfg
 
     def _index_parameters(self) -> None:
         """checkpoint name -> tensor to write (tied aliases included, fused experts as views)
