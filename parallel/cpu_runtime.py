@@ -18,7 +18,7 @@ What it provides on a CPU host:
 - megatron's jit fuser switched off as its module loads (`skip_megatron_jit_on_cpu`, installed
   by `import parallel`): megatron decorates its fused kernels with `torch.compile` at import,
   which loads TorchDynamo and Inductor (1.5 to 3 s per process); the engine runs with every
-  fusion disabled (models.config_bridge), so on a CPU host those kernels are never called.
+  fusion disabled (models.build.transformer_config), so on a CPU host those kernels are never called.
 - the same device mapping inside the backward of Python autograd Functions (megatron's
   sequence-parallel linears allocate `device=torch.cuda.current_device()` buffers there, and
   its activation checkpointing replays the forward there): a TorchFunctionMode is popped while

@@ -67,7 +67,7 @@ def build_fp8(src_dir: str, out_dir: str, block: list[int] = FP8_BLOCK) -> str:
     """A copy of the folder `src_dir` in the published FP8 layout (module docstring)."""
     from safetensors.torch import load_file, save_file
 
-    from models.fp8_blocks import quantize
+    from models.formats.fp8 import quantize
 
     shutil.copytree(src_dir, out_dir, dirs_exist_ok=True)
     tensors = load_file(os.path.join(src_dir, "model.safetensors"))
@@ -93,7 +93,7 @@ def dequantized_reference(fp8_dir: str, out_dir: str) -> str:
     what transformers loads as the reference (MTP tensors dropped: HF never runs them)."""
     from safetensors.torch import load_file, save_file
 
-    from models.fp8_blocks import dequantize
+    from models.formats.fp8 import dequantize
 
     shutil.copytree(fp8_dir, out_dir, dirs_exist_ok=True)
     cfg = json.load(open(os.path.join(fp8_dir, "config.json")))

@@ -46,13 +46,13 @@ def quantize_experts(src_dir: str, out_dir: str) -> tuple[str, str]:
     """The MXFP4 form of a tiny gpt-oss folder, and its reference.
 
     `out_dir/mxfp4`: every layer's gate_up_proj / down_proj stored as *_blocks + *_scales
-    (models.mxfp4.quantize, the published layout) and quantization_config mxfp4 as published;
+    (models.formats.mxfp4.quantize, the published layout) and quantization_config mxfp4 as published;
     every other tensor as in `src_dir`. `out_dir/reference`: the same model unquantized, its
     experts dequantized by transformers' own convert_moe_packed_tensors (fp32)."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from models.mxfp4 import quantize
+    from models.formats.mxfp4 import quantize
 
     tensors = load_file(str(Path(src_dir) / "model.safetensors"))
     config = json.loads((Path(src_dir) / "config.json").read_text())

@@ -39,7 +39,7 @@ SHAPE_KEYS = ("hidden_size", "initializer_range", "intermediate_size", "kv_lora_
               "num_attention_heads", "num_experts_per_tok", "num_hidden_layers",
               "num_key_value_heads", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
               "v_head_dim", "vocab_size")
-STAND_IN = "# stand-in for Moonshot's {name}: never executed (models.kimi_k2_hf)\n"
+STAND_IN = "# stand-in for Moonshot's {name}: never executed (models.families.deepseek_v3.kimi_k2_hf)\n"
 TOKENIZER_CODE = '''"""Stand-in for Kimi-K2's tokenization_kimi.py (tests/kimi_k2_tiny.py): its
 vocabulary file is tiktoken.model, a tokenizers JSON file here."""
 from tokenizers import Tokenizer

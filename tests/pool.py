@@ -54,7 +54,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # What a rank imports once, before its first case (the modules every multi-rank test needs).
-PRELOAD = ("megatron.core", "transformers", "models.bridge", "engine.sft.training",
+PRELOAD = ("megatron.core", "transformers", "models.bridge.weights", "engine.sft.training",
            "engine.training.train_engine", "engine.rl.loop")
 # After a rank fails, how long the others may still take to finish the case.
 FAILURE_GRACE_S = 20.0

@@ -124,7 +124,7 @@ def test_peak_lookup():
 def test_count_parameters_matches_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from tests.tiny_models import build_tiny_model
 
     d = build_tiny_model(str(tmp_path / "m"), "qwen3", vocab_size=96, hidden=32, layers=2,

@@ -253,7 +253,7 @@ def test_truncated_rows_are_counted_in_the_log(case, outcomes):
 # The same checks without a launch, for the variants the cases above do not run.
 
 def test_model_dir_problems_name_what_is_missing(paths, tmp_path):
-    from models.hf_io import training_dir_problems
+    from models.hf.io import training_dir_problems
 
     assert training_dir_problems(paths["model"]) == []
     assert training_dir_problems(paths["mistral"]) == [

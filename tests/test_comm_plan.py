@@ -1,4 +1,4 @@
-"""The communication plan (engine.config.comm_plan) against the bytes the engine really hands to
+"""The communication plan (models.estimate.comm) against the bytes the engine really hands to
 torch.distributed, and the plan in `--validate` (human and --json) of the shipped recipes.
 
 One 2-rank torchrun launch (tests/multirank/comm_bytes.py; a real launch, not the rank pool:

@@ -2,7 +2,7 @@
 of tests/deepseek_v3_tiny.py ("lora": 2 layers, q_lora_rank 32, YaRN with mscale; "qproj": 4
 layers (1 dense), q_lora_rank null, rope_interleave false, default RoPE):
 
-- FP8 blocks (models.fp8_blocks): dequantize = fp8 x scale of its block in fp32 (ragged
+- FP8 blocks (models.formats.fp8): dequantize = fp8 x scale of its block in fp32 (ragged
   edges); re-quantizing with the source scales gives the same bytes, from fp32 or bf16; a
   float8 tensor without a scale is refused; other quantization configs are refused by name;
 - refusals name the field; parameter counts equal transformers' (the tiny models per stage,
@@ -64,7 +64,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_fp8_blocks_dequantize_and_requantize_exactly():
-    from models.fp8_blocks import FP8_DTYPE, dequantize, quantize
+    from models.formats.fp8 import FP8_DTYPE, dequantize, quantize
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(300, 200, generator=gen) * 0.05
@@ -88,9 +88,9 @@ def test_fp8_blocks_dequantize_and_requantize_exactly():
 
 
 def test_quantization_refusals_and_unscaled_fp8():
-    from models.families import UnmappedTensorsError
-    from models.quantized import DequantizingReader, quantization_problem
-    from models.quantized_export import export_tensors
+    from models.families.base import UnmappedTensorsError
+    from models.formats.quantized import DequantizingReader, quantization_problem
+    from models.hf.quantized_export import export_tensors
 
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
            "weight_block_size": [128, 128]}
@@ -117,8 +117,8 @@ def test_quantization_refusals_and_unscaled_fp8():
 
 
 def test_refusals_name_the_field(models):
-    from models.hf_config import config_problems
-    from models.hf_io import read_config
+    from models.hf.config import config_problems
+    from models.hf.io import read_config
 
     cfg = read_config(models["lora"])
     assert config_problems(cfg) == [] and config_problems(read_config(models["qproj"])) == []
@@ -141,8 +141,9 @@ def test_refusals_name_the_field(models):
 def test_parameter_counts_equal_transformers(models):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from models.families import model_presets, padded_vocab_size, stage_parameters
-    from models.hf_io import read_config
+    from models.families.registry import model_presets
+    from models.estimate.counting import padded_vocab_size, stage_parameters
+    from models.hf.io import read_config
 
     for kind in ("lora", "qproj"):
         cfg = read_config(models[kind])

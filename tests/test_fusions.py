@@ -4,7 +4,7 @@ against the unfused math on the CPU, forward and backward, fp32 rel 1e-5:
 - swiglu: megatron's fused SwiGLU (plain and routing-weighted, with its hand-written
   backward) vs chunk + silu * up (megatron MLP's unfused path);
 - residual: megatron's fused bias-dropout-add vs its unfused one;
-- rmsnorm: models.norms.rms_norm (eager) and FusedRMSNorm (torch.compile, in a plain process:
+- rmsnorm: models.layers.norms.local.rms_norm (eager) and FusedRMSNorm (torch.compile, in a plain process:
   on CPU hosts the engine refuses it, parallel.cpu_runtime's device mode) vs torch.nn.RMSNorm.
 Negative controls: a SwiGLU with gate and up swapped, an RMSNorm without the eps, are seen.
 The whole-model check with swiglu and residual on is in tests/test_grouped_experts.py."""
@@ -80,7 +80,7 @@ def test_fused_residual_matches_unfused():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL), (torch.bfloat16, 1e-2)])
 def test_rms_norm_matches_torch(dtype, tol):
-    from models.norms import rms_norm
+    from models.layers.norms.local import rms_norm
 
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(2, 19, 64, generator=gen) * 4).to(dtype)
@@ -97,7 +97,7 @@ def test_rms_norm_matches_torch(dtype, tol):
 
 COMPILED_CHECK = """
 import torch, torch.nn.functional as F
-from models.norms import FusedRMSNorm
+from models.layers.norms.local import FusedRMSNorm
 gen = torch.Generator().manual_seed(4)
 norm = FusedRMSNorm(64, eps=1e-6)
 with torch.no_grad():

@@ -1,5 +1,5 @@
 """GLM-4.5 MoE (`glm4_moe`) and the sigmoid routing it shares with DeepSeek-V3
-(models.families.moe_routing), on the tiny model of tests/glm4_moe_tiny.py:
+(models.families.sigmoid_routed), on the tiny model of tests/glm4_moe_tiny.py:
 
 - megatron's router function, fed the kwargs the family maps to, gives transformers' routing
   weights and choices exactly (grouped and ungrouped, scaling, renormalisation); the bias used
@@ -44,7 +44,7 @@ def _routers(**values):
     from transformers.models.glm4_moe import Glm4MoeConfig
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
-    from models.families.moe_routing import routing_kwargs
+    from models.families.sigmoid_routed import routing_kwargs
 
     cfg = Glm4MoeConfig(**dict(CONFIG, **values))
     hf = Glm4MoeTopkRouter(cfg)
@@ -96,8 +96,8 @@ def test_router_negative_controls():
 
 
 def test_refusals_name_the_field(glm_dir):
-    from models.hf_config import config_problems
-    from models.hf_io import read_config
+    from models.hf.config import config_problems
+    from models.hf.io import read_config
 
     cfg = read_config(glm_dir)
     assert config_problems(cfg) == []
@@ -117,8 +117,9 @@ def test_refusals_name_the_field(glm_dir):
 def test_parameter_counts_equal_transformers(glm_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from models.families import model_presets, padded_vocab_size, stage_parameters
-    from models.hf_io import read_config
+    from models.families.registry import model_presets
+    from models.estimate.counting import padded_vocab_size, stage_parameters
+    from models.hf.io import read_config
 
     cfg = read_config(glm_dir)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(glm_dir))

@@ -47,7 +47,7 @@ def _tensors(path: Path) -> dict:
 
 def test_presets_map_and_refusals_name_the_field(models):
     from models.families.gpt_oss import GptOss
-    from models.hf_config import config_problems
+    from models.hf.config import config_problems
 
     cfg = json.loads((models["hf"] / "config.json").read_text())
     assert config_problems(cfg) == [] and config_problems(
@@ -66,7 +66,7 @@ def test_presets_map_and_refusals_name_the_field(models):
 def test_parameter_counts_include_sinks_and_biases(models):
     from transformers import AutoModelForCausalLM
 
-    from models.families.counting import stage_parameters
+    from models.estimate.counting import stage_parameters
     from models.families.gpt_oss import GptOss
 
     cfg = json.loads((models["hf"] / "config.json").read_text())
@@ -81,7 +81,7 @@ def test_clamped_swiglu_is_transformers_bitwise():
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     from models.families.gpt_oss import SigmoidGate
-    from models.gpt_oss_spec import clamped_glu
+    from models.layers.biased_experts.spec import clamped_glu
 
     hf = GptOssExperts(GptOssConfig(hidden_size=8, intermediate_size=16, num_local_experts=1,
                                     swiglu_limit=2.0))
@@ -96,7 +96,7 @@ def test_clamped_swiglu_is_transformers_bitwise():
 def test_sink_window_attention_matches_transformers_eager():
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from models.gpt_oss_attention import sink_window_attention
+    from models.layers.attention.sinks import sink_window_attention
 
     gen = torch.Generator().manual_seed(0)
     b, h, s, d, window = 2, 4, 20, 8, 5
@@ -116,7 +116,7 @@ def test_sink_window_attention_matches_transformers_eager():
 def test_mxfp4_dequantize_is_transformers_bitwise():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from models.mxfp4 import dequantize, quantize
+    from models.formats.mxfp4 import dequantize, quantize
 
     x = 0.05 * torch.randn(3, 64, 96)
     x[0, :32, 0] = 0.0                                          # an all-zero group
@@ -130,8 +130,8 @@ def test_mxfp4_dequantize_is_transformers_bitwise():
 
 
 def test_fused_expert_views_round_trip(models):
-    from models.gpt_oss_checkpoint import FusedExpertReader, fuse_experts
-    from models.hf_io import SafetensorsReader, read_config
+    from models.layers.biased_experts.fused import FusedExpertReader, fuse_experts
+    from models.hf.io import SafetensorsReader, read_config
 
     cfg = read_config(models["hf"])
     raw = SafetensorsReader(models["hf"])

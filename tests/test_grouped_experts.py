@@ -1,4 +1,4 @@
-"""Grouped MoE experts (models.grouped_experts, key moe.grouped_experts) equal megatron's
+"""Grouped MoE experts (models.layers.experts.grouped, key moe.grouped_experts) equal megatron's
 SequentialMLP: one expert module (experts without tokens, both kernels, fused SwiGLU, a
 negative control that routes the tokens to the wrong experts) and a whole Qwen3-MoE model at
 EP1, EP2 and TP2 with sequence parallelism, and at EP2 with megatron's fused SwiGLU and

@@ -1,5 +1,5 @@
-"""Kimi-K2 checkpoints as Moonshot publishes them (`kimi_k2`: models.families.kimi_k2,
-models.kimi_k2_hf, models.custom_code) on the tiny folders of tests/kimi_k2_tiny.py (Kimi-K2's
+"""Kimi-K2 checkpoints as Moonshot publishes them (`kimi_k2`: models.families.deepseek_v3.kimi_k2,
+models.families.deepseek_v3.kimi_k2_hf, models.hf.custom_code) on the tiny folders of tests/kimi_k2_tiny.py (Kimi-K2's
 config.json layout and values: no expert groups, routed scaling 2.827, YaRN factor 32 with
 beta_fast = beta_slow = 1, auto_map to DeepSeek-V3's code; "custom": its tokenizer is the folder's
 own code, as Kimi-K2's tiktoken tokenizer is):
@@ -58,9 +58,9 @@ def _with_config(src: str, dst: Path, **changes) -> str:
 def test_config_reads_as_deepseek_v3_and_refuses_by_name(kimi):
     from transformers.models.deepseek_v3 import DeepseekV3Config
 
-    from models.families import family_of, model_presets
-    from models.hf_config import config_problems, hf_config_object
-    from models.hf_io import read_config
+    from models.families.registry import family_of, model_presets
+    from models.hf.config import config_problems, hf_config_object
+    from models.hf.io import read_config
 
     cfg = read_config(kimi["kimi"])
     assert family_of(cfg).describe() == "kimi_k2 (DeepseekV3ForCausalLM)"
@@ -85,8 +85,9 @@ def test_preset_counts_equal_transformers():
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from models.families import model_presets, stage_parameters
-    from models.kimi_k2_hf import register
+    from models.families.registry import model_presets
+    from models.estimate.counting import stage_parameters
+    from models.families.deepseek_v3.kimi_k2_hf import register
 
     register()
     preset = dict(model_presets()["kimi-k2"])
@@ -105,9 +106,9 @@ def test_preset_counts_equal_transformers():
 def _logits(model_dir: str, cls=None) -> tuple[torch.Tensor, str]:
     from transformers import AutoModelForCausalLM
 
-    from models.kimi_k2_hf import register
+    from models.families.deepseek_v3.kimi_k2_hf import register
 
-    register()  # what every engine process has (models.hf_config)
+    register()  # what every engine process has (models.hf.config)
     model = (cls or AutoModelForCausalLM).from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.randint(0, 200, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -155,7 +156,7 @@ def test_convert_round_trip_and_verify(pools, kimi, tmp_path):
 def test_custom_tokenizer_detection(kimi, tmp_path):
     """As AutoTokenizer decides: auto_map's class is needed only when transformers has no
     class of that name (the legacy list form of auto_map too)."""
-    from models.custom_code import code_files, custom_tokenizer
+    from models.hf.custom_code import code_files, custom_tokenizer
 
     assert custom_tokenizer(kimi["kimi"]) is None
     assert custom_tokenizer(kimi["custom"]) == "tokenization_kimi.TikTokenTokenizer"
@@ -188,7 +189,7 @@ def test_custom_tokenizer_refused_at_start(case, kimi):
 
 
 def test_sft_trains_with_the_folders_tokenizer_code(pools, kimi, tmp_path):
-    from models.custom_code import load_tokenizer
+    from models.hf.custom_code import load_tokenizer
 
     with pytest.raises(ValueError, match="trust_remote_code=True"):   # control
         load_tokenizer(kimi["custom"], trust_remote_code=False)

@@ -1,4 +1,4 @@
-"""LoRA in `--validate` (engine.config.lora_memory, models.lora_counting; docs/lora.md#memory):
+"""LoRA in `--validate` (models.estimate.lora_memory, models.estimate.lora; docs/lora.md#memory):
 adapter counts against peft and by hand (TP, PP, experts over EP), the SFT memory estimate of
 a small case worked out by hand, the RL estimate without a KL reference copy, the recipes.
 Single process, no process group."""
@@ -8,10 +8,10 @@ import pytest
 
 from engine.config.recipe_validation import GIB, estimate_memory, validate_recipe
 from engine.config.schema import SFTConfig, load_config
-from models.families import stage_parameters
-from models.lora import LoraSpec
-from models.lora_counting import adapter_parameters
-from models.lora_sites import resolve_targets
+from models.estimate.counting import stage_parameters
+from models.lora.adapters import LoraSpec
+from models.estimate.lora import adapter_parameters
+from models.lora.sites import resolve_targets
 from parallel.layout import ParallelLayout
 from tests.launch import REPO_ROOT
 from tests.tiny_models import build_tiny_model

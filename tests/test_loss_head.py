@@ -1,4 +1,4 @@
-"""The chunked vocab-parallel loss head (engine.training.loss_head, models.output_head) gives
+"""The chunked vocab-parallel loss head (engine.training.loss_head, models.layers.heads.output) gives
 today's unchunked numbers: log-probs, entropy, the hidden-state and output-weight gradients, at
 TP1/TP2, with Megatron SP, tied and untied embeddings, PP2, CP2 with packing, forward-only
 log-probs; a backward without the TP sum of the hidden-state gradient is caught. And the

@@ -60,7 +60,7 @@ def _init_weights(chunk, seed: int) -> None:
 
 def _build(seed: int = 0, **overrides):
     """One model chunk of this rank with the engine's TransformerConfig and layer spec."""
-    from models.factory import build_model_chunks
+    from models.build.factory import build_model_chunks
 
     (chunk,) = build_model_chunks(HF_CONFIG, **overrides)
     _init_weights(chunk, seed)
@@ -321,7 +321,7 @@ def test_transformer_config_has_calculate_per_token_loss_off_by_default():
 
 
 def test_engine_config_sets_calculate_per_token_loss():
-    from models.config_bridge import transformer_config
+    from models.build.transformer_config import transformer_config
 
     assert transformer_config(HF_CONFIG).calculate_per_token_loss is True
 

@@ -44,9 +44,9 @@ def _launch(hf_dir: str, ckpt: str) -> int:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from models.bridge import export_hf_weights
-    from models.checkpoint import load_model, read_hf_config
-    from models.factory import build_model_chunks
+    from models.bridge.weights import export_hf_weights
+    from models.bridge.checkpoint import load_model, read_hf_config
+    from models.build.factory import build_model_chunks
     from tools.convert import _setup, hf_to_mcore, verify
 
     layout = dict(tp=2, pp=1, ep=2)
@@ -184,8 +184,8 @@ _CONFIG = dict(model_type="mixtral", vocab_size=200, hidden_size=64, num_hidden_
     (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
 ])
 def test_refused_fields_are_named(extra, needle):
-    from models.families import UnsupportedConfigError
-    from models.hf_config import check_config
+    from models.families.base import UnsupportedConfigError
+    from models.hf.config import check_config
 
     with pytest.raises(UnsupportedConfigError) as err:
         check_config({**_CONFIG, **extra})
@@ -195,7 +195,7 @@ def test_refused_fields_are_named(extra, needle):
 
 
 def test_accepted_fields():
-    from models.hf_config import config_problems
+    from models.hf.config import config_problems
 
     assert config_problems(_CONFIG) == []
     # a window no position within max_position_embeddings reaches cannot mask anything
@@ -223,8 +223,8 @@ def test_sequences_longer_than_the_window_are_refused():
 
 
 def test_moe_queries_and_registry():
-    from models.families import (UnsupportedArchitectureError, expert_naming,
-                                 experts_per_layer, family_of, is_moe)
+    from models.families.base import UnsupportedArchitectureError
+    from models.families.registry import expert_naming, experts_per_layer, family_of, is_moe
 
     assert is_moe(_CONFIG) and experts_per_layer(_CONFIG) == 8
     assert expert_naming(_CONFIG).expert(3, "up") == "block_sparse_moe.experts.3.w3.weight"
@@ -234,8 +234,8 @@ def test_moe_queries_and_registry():
 
 
 def test_parameter_counts(mixtral_dir):
-    from models.families import stage_parameters
-    from models.presets import MODEL_SHAPES
+    from models.estimate.counting import stage_parameters
+    from models.families.presets import MODEL_SHAPES
     from tests.test_convert import _tensors
 
     cfg = json.loads((Path(mixtral_dir) / "config.json").read_text())

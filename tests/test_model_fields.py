@@ -115,10 +115,10 @@ def run_case(name: str, hf_dir: str, control: dict | None, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from models.bridge import load_hf_weights
-    from models.factory import build_model_chunks
-    from models.forward import forward_logits
-    from models.hf_io import SafetensorsReader, read_config
+    from models.bridge.weights import load_hf_weights
+    from models.build.factory import build_model_chunks
+    from models.build.forward import forward_logits
+    from models.hf.io import SafetensorsReader, read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 
@@ -226,8 +226,8 @@ REFUSED: dict[str, tuple[dict, str]] = {
 
 @pytest.mark.parametrize("case", REFUSED)
 def test_refused_field_is_named(case):
-    from models.families import UnsupportedConfigError
-    from models.hf_config import check_config
+    from models.families.base import UnsupportedConfigError
+    from models.hf.config import check_config
 
     values, needle = REFUSED[case]
     with pytest.raises(UnsupportedConfigError) as err:
@@ -237,7 +237,7 @@ def test_refused_field_is_named(case):
 
 
 def test_every_table_row_has_a_description():
-    from models.families import FAMILIES
+    from models.families.registry import FAMILIES
 
     for fam in FAMILIES.values():
         table = " ".join(rule.field for rule in fam.fields)
@@ -258,8 +258,8 @@ def _with_extra_tensor(hf_dir: Path, name: str) -> None:
 
 
 def test_tensor_problems_name_leftover_and_missing(tmp_path):
-    from models.families import tensor_problems
-    from models.hf_io import SafetensorsReader, read_config, training_dir_problems
+    from models.families.tensors import tensor_problems
+    from models.hf.io import SafetensorsReader, read_config, training_dir_problems
     from tests.tiny_models import build_tiny_model
 
     hf_dir = Path(build_tiny_model(str(tmp_path / "m"), "llama", layers=2, seed=1,

@@ -1,7 +1,7 @@
 """Megatron sequence parallelism and activation recomputation, single process: the config keys
 and their checks (engine.config.model_settings, parallel.layout), the TransformerConfig fields they
 map to, the padding they need (engine.training.rank_batch), the SP-capable norm of the local layer spec
-(models.norms) and the memory estimate's factors (engine.config.recipe_validation). The multi-rank
+(models.layers.norms.local) and the memory estimate's factors (engine.config.recipe_validation). The multi-rank
 invariance of the loss and gradient is in tests/test_sft_invariance.py.
 """
 from types import SimpleNamespace
@@ -183,8 +183,8 @@ def test_sequence_parallel_without_tp_in_layout_is_an_error():
 def test_local_norm_tags_its_weights_only_with_sequence_parallelism():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from models.layer_spec import layer_spec
-    from models.norms import LocalNorm
+    from models.layers.spec import layer_spec
+    from models.layers.norms.local import LocalNorm
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=8,
                 tensor_model_parallel_size=2, normalization="RMSNorm", qk_layernorm=True)
@@ -207,7 +207,7 @@ def test_local_norm_weights_are_in_the_model_dtype(normalization):
     its fused norm kernel ("Mismatch dtype between input and weight"), seen on an H100."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from models.norms import LocalNorm
+    from models.layers.norms.local import LocalNorm
 
     for dtype in (torch.bfloat16, torch.float32):
         config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8,

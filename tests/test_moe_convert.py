@@ -102,7 +102,7 @@ def test_verify_refuses_ep_that_does_not_divide_experts(pools, moe_dir, moe_ckpt
     (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
 ])
 def test_refused_moe_fields_are_named(extra, needle):
-    from models.hf_config import config_problems
+    from models.hf.config import config_problems
 
     cfg = dict(model_type="qwen3_moe", vocab_size=200, hidden_size=64, num_hidden_layers=4,
                num_attention_heads=8, num_key_value_heads=2, head_dim=16,
@@ -126,8 +126,8 @@ def test_expert_layout_problems_name_parallel_ep():
 
 
 def test_parameter_counts(moe_dir):
-    from models.families import stage_parameters
-    from models.presets import MODEL_SHAPES
+    from models.estimate.counting import stage_parameters
+    from models.families.presets import MODEL_SHAPES
 
     cfg = json.loads((Path(moe_dir) / "config.json").read_text())
     total = sum(t.numel() for t in _tensors(moe_dir).values())

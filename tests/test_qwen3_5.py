@@ -34,7 +34,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def _inputs(t: int, seed: int = 0):
-    from models.gated_delta_rule import l2norm
+    from models.layers.gated_delta_net.rule import l2norm
 
     gen = torch.Generator().manual_seed(seed)
     b, h, dk, dv = 2, 3, 16, 8
@@ -47,7 +47,7 @@ def _inputs(t: int, seed: int = 0):
 
 @pytest.mark.parametrize("t,chunk", [(1, 64), (63, 64), (150, 64), (150, 16)])
 def test_chunked_rule_equals_recurrent(t, chunk):
-    from models.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+    from models.layers.gated_delta_net.rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
     args = _inputs(t)
     out, state = chunk_gated_delta_rule(*args, chunk_size=chunk)
@@ -56,7 +56,7 @@ def test_chunked_rule_equals_recurrent(t, chunk):
 
 
 def test_segments_restart_state():
-    from models.gated_delta_rule import chunk_gated_delta_rule, segmented_gated_delta_rule
+    from models.layers.gated_delta_net.rule import chunk_gated_delta_rule, segmented_gated_delta_rule
 
     q, k, v, g, beta = (x[:1] for x in _inputs(70))
     out = segmented_gated_delta_rule(q, k, v, g, beta, [0, 30, 70])
@@ -69,7 +69,7 @@ def test_segments_restart_state():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_layout_transforms_round_trip(tp):
-    from models.qwen3_5_mapping import hybrid_export, hybrid_local_shard
+    from models.layers.gated_delta_net.mapping import hybrid_export, hybrid_local_shard
 
     cfg = dict(linear_key_head_dim=8, linear_num_key_heads=4, linear_value_head_dim=8,
                linear_num_value_heads=8, num_attention_heads=4, num_key_value_heads=2)
@@ -85,8 +85,8 @@ def test_layout_transforms_round_trip(tp):
 
 
 def test_refusals_name_the_field(models):
-    from models.hf_config import config_problems
-    from models.hf_io import read_config
+    from models.hf.config import config_problems
+    from models.hf.io import read_config
 
     cfg = read_config(models["dense"])
     assert config_problems(cfg) == []
@@ -97,7 +97,7 @@ def test_refusals_name_the_field(models):
 
 
 def test_gdn_heads_must_divide_tp_cp():
-    from models.gated_delta_net import GatedDeltaNetError, _check_heads  # noqa: PLC2701
+    from models.layers.gated_delta_net.module import GatedDeltaNetError, _check_heads  # noqa: PLC2701
 
     _check_heads(4, 8, 2, 2)
     with pytest.raises(GatedDeltaNetError, match="linear_num_key_heads=2"):

@@ -1,6 +1,6 @@
 """Qwen3.5 conditional-generation checkpoints as published (Qwen3_5(Moe)ForConditionalGeneration:
 the text model under model.language_model.*, the vision tower model.visual.*, MTP tensors mtp.*
-one of them bf16; tests/qwen3_5_tiny.py), read as their text model (models.hf_conditional):
+one of them bf16; tests/qwen3_5_tiny.py), read as their text model (models.hf.conditional):
 
 - in-process: the text view of config.json and the reader's names; refusals name the field (a
   missing text_config, a top-level quantization_config, a tensor outside the text model and the
@@ -51,10 +51,10 @@ def _carried_equal(src: dict, out: dict) -> bool:
 
 
 def test_text_view_and_names(wrapped, tmp_path):
-    from models.families import tensor_problems
-    from models.hf_conditional import ORIGINAL, text_names, text_view
-    from models.hf_config import config_problems
-    from models.hf_io import SafetensorsReader, read_config
+    from models.families.tensors import tensor_problems
+    from models.hf.conditional import ORIGINAL, text_names, text_view
+    from models.hf.config import config_problems
+    from models.hf.io import SafetensorsReader, read_config
 
     raw = _config(wrapped["dense"])
     view = read_config(wrapped["dense"])

@@ -1,17 +1,18 @@
 """Qwen3.5 at scale, static checks (no processes, no weights): parameter counts of the Gated
-DeltaNet hybrids (models.families.qwen3_5_costs via models.families.counting) against
+DeltaNet hybrids (models.layers.gated_delta_net.costs via models.estimate.counting) against
 transformers' own models built on the meta device, for the tiny test shapes and the published
-presets (models.families.qwen3_5_presets); the memory estimate and the communication plan of
+presets (models.families.qwen3_5.presets); the memory estimate and the communication plan of
 GDN layers worked out by hand for Qwen3.5-9B at TP2 (engine.config.recipe_validation,
-engine.config.memory_terms, engine.config.comm_plan); the layout check of GDN heads.
+models.estimate.memory, models.estimate.comm); the layout check of GDN heads.
 """
 import pytest
 import torch
 
-from engine.config.comm_plan import CommSetup, comm_plan
+from models.estimate.comm import CommSetup, comm_plan
 from engine.config.recipe_validation import GIB, estimate_memory
 from engine.config.schema import SFTConfig, load_config
-from models.families import family_of, model_presets, padded_vocab_size, stage_parameters
+from models.families.registry import family_of, model_presets
+from models.estimate.counting import padded_vocab_size, stage_parameters
 from parallel.layout import ParallelLayout
 from tests.launch import REPO_ROOT
 from tests.qwen3_5_tiny import COMMON, MOE
@@ -72,7 +73,7 @@ def test_tiny_counts_and_stage_splits_equal_transformers(moe):
     ("qwen3.5-35b-a3b", 34_660_610_688, 3_454_988_928),
     ("qwen3.5-122b-a10b", 122_111_526_912, 9_771_288_576)])
 def test_published_presets_count_as_transformers(name, total, active):
-    from models.hf_config import config_problems
+    from models.hf.config import config_problems
 
     preset = PRESETS[name]
     assert config_problems(preset) == []

@@ -144,7 +144,7 @@ def test_every_policy_loss_trains_only_the_adapters_and_the_reference_is_the_bas
     """tests/multirank/lora_rl_check.py at TP2 + SP: one update per policy loss, estimator and
     rollout-correction mode (ppo_clip + KL, gspo, geo_mean, cispo, sapo, two bypass modes);
     afterwards every base parameter is bitwise its loaded value and every adapter moved; DDP
-    holds exactly the adapters, as many as models.lora_counting counts for a TP2 rank; the
+    holds exactly the adapters, as many as models.estimate.lora counts for a TP2 rank; the
     reference log-probs (adapters switched off) equal a separately built base model's."""
     proc = pools.script(2, HARNESS, model_dir, timeout=400)
     assert proc.returncode == 0

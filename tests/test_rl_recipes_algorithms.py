@@ -13,8 +13,8 @@ from engine.config.recipe_validation import GIB
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.config import RLConfig
 from engine.rl.recipe_check import rl_memory, rl_validate_main
-from models.families import padded_vocab_size, stage_parameters
-from models.presets import MODEL_SHAPES
+from models.estimate.counting import padded_vocab_size, stage_parameters
+from models.families.presets import MODEL_SHAPES
 
 RL = Path(__file__).resolve().parents[1] / "recipes" / "rl"
 DISTILL = RL / "qwen3_1_7b_distill_qwen3_8b_h100.yaml"

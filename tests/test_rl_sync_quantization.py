@@ -1,8 +1,8 @@
 """rollout.sync_quantization=fp8 (engine.rl.rollout.sync_quantization): the weight sync to FP8
 rollout engines, on the tiny FP8 DeepSeek-V3 of tests/deepseek_v3_tiny.py (16 x 16 blocks):
 
-- the quantized stream (models.quantized_stream) equals what `mcore-to-hf --quantize fp8`
-  writes for the same tensors (models.quantized_export.export_tensors), bitwise, for trained
+- the quantized stream (models.hf.quantized_stream) equals what `mcore-to-hf --quantize fp8`
+  writes for the same tensors (models.hf.quantized_export.export_tensors), bitwise, for trained
   (perturbed) weights that keep some published scales and need fresh ones for others; each
   scale follows its weight and never starts a bucket (control: a plain tensor does);
 - the HF engine, after an FP8 sync, holds dequant(quant(W)) bitwise (the other tensors W);
@@ -53,8 +53,8 @@ def _trained(fp8_dir: str) -> dict[str, torch.Tensor]:
     """The folder's weights as the trainer loads them (exact dequantization, fp32), moved as
     training would: small noise everywhere, and one block of each FP8 weight scaled x 3 so
     its published scale no longer fits (a fresh amax / 448 scale)."""
-    from models.hf_io import SafetensorsReader
-    from models.quantized import DequantizingReader
+    from models.hf.io import SafetensorsReader
+    from models.formats.quantized import DequantizingReader
 
     cfg = _config(fp8_dir)
     reader = DequantizingReader(SafetensorsReader(fp8_dir), cfg)
@@ -72,7 +72,7 @@ def _trained(fp8_dir: str) -> dict[str, torch.Tensor]:
 
 
 def _quantized(fp8_dir: str, tensors: dict) -> list[tuple[str, torch.Tensor]]:
-    from models.quantized_stream import QuantizedSource
+    from models.hf.quantized_stream import QuantizedSource
 
     return list(QuantizedSource(fp8_dir, _config(fp8_dir)).quantize(iter(tensors.items())))
 
@@ -83,7 +83,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def test_stream_equals_the_exporter_bitwise_and_scales_stay_with_weights(fp8_dir, tmp_path):
     from engine.rl.policy.weight_export import iter_buckets
-    from models.quantized_export import export_tensors, record_source
+    from models.hf.quantized_export import export_tensors, record_source
 
     cfg, trained = _config(fp8_dir), _trained(fp8_dir)
     stream = _quantized(fp8_dir, trained)
@@ -119,7 +119,7 @@ def load_scale(fp8_dir: str, name: str) -> torch.Tensor:
 
 def test_hf_engine_holds_dequantized_fp8_with_negative_controls(fp8_dir):
     from engine.rl.policy.weight_sync import probe_tokens, sync_weights
-    from models.fp8_blocks import dequantize
+    from models.formats.fp8 import dequantize
 
     trained = _trained(fp8_dir)
     stream = _quantized(fp8_dir, trained)
@@ -206,8 +206,8 @@ def test_the_key_is_refused_by_name(fp8_dir):
 def test_fp8_engine_estimate_and_the_h200_recipe(capsys):
     from engine.rl.recipe_check import rl_validate_main
     from engine.rl.rollout.engine_memory import engine_weights, engine_weights_problem
-    from models.families import stage_parameters
-    from models.presets import MODEL_SHAPES
+    from models.estimate.counting import stage_parameters
+    from models.families.presets import MODEL_SHAPES
 
     hf = MODEL_SHAPES["deepseek-v3"]
     cfg = _rl_cfg("model.shape=deepseek-v3", "model.dtype=bfloat16",

@@ -1,4 +1,4 @@
-"""models/weight_mapping.py against layouts built by hand, row by row.
+"""models/layers/transforms.py against layouts built by hand, row by row.
 
 Megatron's fused QKV: for each KV group g, the rows of g's query heads, then g's key head, then
 g's value head. linear_fc1 at TP=t: rank r holds [gate rows of block r; up rows of block r].
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models import weight_mapping as wm
-from models.config_bridge import padded_vocab_size
+from models.layers import transforms as wm
+from models.build.transformer_config import padded_vocab_size
 
 
 def _labelled(rows: int, cols: int | None, base: float) -> torch.Tensor:

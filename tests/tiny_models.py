@@ -149,7 +149,7 @@ def append_mtp_layer(out_dir: str, config: dict, seed: int, attention_tensor: st
                      attention_shape: tuple[int, int]) -> None:
     """Add a few tensors named as a published MTP layer stores them (`model.layers.{N}.*`, N =
     num_hidden_layers; GLM-4.5 and DeepSeek-V3) to `out_dir/model.safetensors`, one of them
-    bf16: tensors the bridge must carry through unchanged (models.hf_passthrough).
+    bf16: tensors the bridge must carry through unchanged (models.hf.passthrough).
     `attention_tensor`: the layer's attention weight suffix, with `attention_shape`."""
     from safetensors.torch import load_file, save_file
 

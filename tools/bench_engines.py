@@ -46,9 +46,9 @@ def engines_worker(model_dir: str, engines: int, repeats: int) -> None:
     from engine.rl.rollout.pool import RolloutPool
     from engine.rl.rollout.work_split import batch_seeds
     from engine.rl.policy.weight_sync import sync_to_rollout
-    from models.bridge import load_hf_weights
-    from models.factory import build_model_chunks
-    from models.hf_io import SafetensorsReader, read_config
+    from models.bridge.weights import load_hf_weights
+    from models.build.factory import build_model_chunks
+    from models.hf.io import SafetensorsReader, read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 

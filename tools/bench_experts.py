@@ -1,4 +1,4 @@
-"""Grouped MoE experts (models.grouped_experts) vs megatron's SequentialMLP: forward + backward
+"""Grouped MoE experts (models.layers.experts.grouped) vs megatron's SequentialMLP: forward + backward
 time of one expert module on this host, side by side in one process, same weights and tokens.
 
   python tools/bench_experts.py [--experts 16] [--hidden 512] [--ffn 256] [--tokens 4096]
@@ -32,7 +32,7 @@ def _modules(args, dtype):
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from models.grouped_experts import GroupedExperts
+    from models.layers.experts.grouped import GroupedExperts
     from parallel import cpu_runtime
 
     cfg = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,

@@ -61,7 +61,7 @@ def loss_head_worker(model_dir: str, mode: str, tokens: int, chunk: int) -> None
 
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.train_engine import BatchSettings, TrainEngine
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel
 

@@ -190,7 +190,7 @@ def overhead_worker(model_dir: str, tp: int, pairs: int, warmup: int) -> None:
     from engine.training.rank_batch import build_rank_batch
     from engine.sft.training import train_step
     from engine.training.train_engine import TrainEngine
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from parallel import cpu_runtime
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown

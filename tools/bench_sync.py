@@ -2,7 +2,7 @@
 
 One process (world 1, TP1, gloo on CPU / nccl on GPU): a >= 100M-parameter Qwen3-shaped model is
 built as megatron chunks from an HF folder, and an HF rollout engine is loaded from the same
-folder. Each sync streams `models.bridge.export_hf_weights(chunks)` (the checkpoint-conversion
+folder. Each sync streams `models.bridge.weights.export_hf_weights(chunks)` (the checkpoint-conversion
 code path: megatron -> HF names, fused QKV and gate/up split, vocab unpadded) through
 `engine.rl.policy.weight_sync.sync_weights` in buckets of `bucket_mb` MiB into
 `HFRolloutEngine.update_weights` (a copy into the transformers model). Throughput = bytes moved
@@ -44,9 +44,9 @@ def run_sync(quick: bool) -> BenchResult:
 
     from engine.rl.rollout import make_rollout_engine
     from engine.rl.policy.weight_sync import sync_weights
-    from models.bridge import export_hf_weights, load_hf_weights
-    from models.factory import build_model_chunks
-    from models.hf_io import SafetensorsReader, read_config
+    from models.bridge.weights import export_hf_weights, load_hf_weights
+    from models.build.factory import build_model_chunks
+    from models.hf.io import SafetensorsReader, read_config
     from parallel import cpu_runtime
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown

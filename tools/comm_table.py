@@ -5,7 +5,7 @@
 For each recipe in recipes/sft and recipes/rl and each node count (8 GPUs per node) it runs the
 same `--validate --json` code path as `python -m engine.sft|engine.rl --config R --validate
 --json --nodes N` and prints GB (1e9 bytes) handed to collectives per GPU per optimizer step by
-kind (engine.config.comm_plan), the busiest pipeline stage. Layouts a recipe does not allow at a
+kind (models.estimate.comm), the busiest pipeline stage. Layouts a recipe does not allow at a
 node count (e.g. dp not dividing) print their problem instead. Derived numbers, not measured.
 """
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _fail(msg: str) -> None:
 
 def _setup(cfg: dict, tp: int = 1, pp: int = 1, ep: int = 1):
     """Process groups for (tp, pp, ep) after checking the layout against the model."""
-    from models.families import experts_per_layer
+    from models.families.registry import experts_per_layer
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel
 
@@ -57,11 +57,11 @@ def hf_to_mcore(args) -> None:
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from models.bridge import check_tensors, load_hf_weights
-    from models.checkpoint import model_sharded_state_dict, save_checkpoint
-    from models.factory import build_model_chunks
-    from models.hf_config import check_config
-    from models.hf_io import SafetensorsReader, read_config
+    from models.bridge.weights import check_tensors, load_hf_weights
+    from models.bridge.checkpoint import model_sharded_state_dict, save_checkpoint
+    from models.build.factory import build_model_chunks
+    from models.hf.config import check_config
+    from models.hf.io import SafetensorsReader, read_config
 
     cfg = read_config(args.hf_dir)
     check_config(cfg)
@@ -115,14 +115,14 @@ def _write_safetensors(tensors: dict, out: Path) -> None:
 def mcore_to_hf(args) -> None:
     from tqdm import tqdm
 
-    from models.bridge import export_hf_weights
-    from models.checkpoint import load_model, read_hf_config
-    from models.critic_io import export_critic, is_critic_config
-    from models.factory import build_model_chunks
-    from models.hf_passthrough import read_passthrough
-    from models.quantized import quant_method
-    from models.quantized_export import export_tensors
-    from models.value_head import attach_value_heads
+    from models.bridge.weights import export_hf_weights
+    from models.bridge.checkpoint import load_model, read_hf_config
+    from models.bridge.critic import export_critic, is_critic_config
+    from models.build.factory import build_model_chunks
+    from models.hf.passthrough import read_passthrough
+    from models.formats.quantized import quant_method
+    from models.hf.quantized_export import export_tensors
+    from models.layers.heads.value import attach_value_heads
 
     from tools.convert_lora import checkpoint_lora, export_lora
 
@@ -164,9 +164,9 @@ def mcore_to_hf(args) -> None:
 
 def _write_hf(tensors: dict, cfg: dict, ckpt: Path, out: Path) -> None:
     """An HF folder: the tensors, config.json and the checkpoint's tokenizer files (a
-    conditional-generation checkpoint's own names and config.json: models.hf_conditional)."""
-    from models.hf_conditional import file_config, stored_names
-    from models.hf_io import copy_tokenizer_files
+    conditional-generation checkpoint's own names and config.json: models.hf.conditional)."""
+    from models.hf.conditional import file_config, stored_names
+    from models.hf.io import copy_tokenizer_files
 
     _write_safetensors(stored_names(cfg, tensors), out)
     (out / "config.json").write_text(json.dumps(file_config(cfg), indent=2))
@@ -177,11 +177,11 @@ def verify(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from models.checkpoint import load_model, read_hf_config
-    from models.factory import build_model_chunks
-    from models.forward import forward_logits
+    from models.bridge.checkpoint import load_model, read_hf_config
+    from models.build.factory import build_model_chunks
+    from models.build.forward import forward_logits
 
-    from models.hf_config import check_config
+    from models.hf.config import check_config
 
     ckpt = resolve_checkpoint(args.ckpt)
     cfg = read_hf_config(ckpt)
@@ -198,8 +198,8 @@ def verify(args) -> int:
     if dist.get_rank() == 0:
         import transformers
 
-        from models.hf_conditional import reference_class
-        from models.hf_io import read_config
+        from models.hf.conditional import reference_class
+        from models.hf.io import read_config
 
         # as published: a conditional-generation checkpoint's own class (text input only)
         auto = getattr(transformers, reference_class(read_config(args.hf_dir)))
@@ -266,9 +266,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from models.checkpoint import CheckpointError
-    from models.hf_io import HFCheckpointError
-    from models.families import UnsupportedModelError
+    from models.bridge.checkpoint import CheckpointError
+    from models.hf.io import HFCheckpointError
+    from models.families.base import UnsupportedModelError
     from parallel.layout import LayoutError
     try:
         if args.cmd == "hf-to-mcore":

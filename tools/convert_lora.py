@@ -18,9 +18,9 @@ LORA_FILE = "lora.json"
 
 def spec_from_peft(adapter_dir: str):
     """LoraSpec of a PEFT adapter folder; raises ValueError naming what is not implemented."""
-    from models.lora import LoraSpec
-    from models.lora_mapping import CONFIG_FILE, adapter_config_problems
-    from models.lora_sites import TARGET_NAMES, resolve_targets
+    from models.lora.adapters import LoraSpec
+    from models.lora.peft import CONFIG_FILE, adapter_config_problems
+    from models.lora.sites import TARGET_NAMES, resolve_targets
 
     cfg = json.loads((Path(adapter_dir) / CONFIG_FILE).read_text())
     targets = cfg.get("target_modules") or []
@@ -41,8 +41,8 @@ def checkpoint_lora(ckpt: Path, base: str | None):
     """(LoraSpec, base folder) of a LoRA checkpoint, or None for a full-model checkpoint."""
     import yaml
 
-    from models.lora import LoraSpec
-    from models.lora_sites import resolve_targets
+    from models.lora.adapters import LoraSpec
+    from models.lora.sites import resolve_targets
 
     if (ckpt / LORA_FILE).is_file():
         info = json.loads((ckpt / LORA_FILE).read_text())
@@ -63,10 +63,10 @@ def checkpoint_lora(ckpt: Path, base: str | None):
 
 def load_lora_model(ckpt: Path, cfg: dict, spec, base: str):
     """Chunks (world 1) with the base from `base` and the adapters from `ckpt`."""
-    from models.bridge import load_hf_weights
-    from models.checkpoint import load_model
-    from models.factory import build_model_chunks
-    from models.hf_io import SafetensorsReader
+    from models.bridge.weights import load_hf_weights
+    from models.bridge.checkpoint import load_model
+    from models.build.factory import build_model_chunks
+    from models.hf.io import SafetensorsReader
 
     if not base or not (Path(base) / "config.json").is_file():
         raise ValueError(f"the LoRA checkpoint's base model folder {base!r} is not readable; "
@@ -82,9 +82,9 @@ def export_lora(ckpt: Path, cfg: dict, found, out: Path, merge: bool, dtype, wri
     returns the number of tensors written."""
     import torch
 
-    from models.bridge import export_hf_weights
-    from models.lora_mapping import export_peft_tensors, write_peft_adapter
-    from models.lora_sites import merged_weight
+    from models.bridge.weights import export_hf_weights
+    from models.lora.peft import export_peft_tensors, write_peft_adapter
+    from models.lora.sites import merged_weight
 
     spec, base = found
     chunks = load_lora_model(ckpt, cfg, spec, base)
@@ -103,11 +103,11 @@ def adapter_to_mcore(cfg: dict, hf_dir: str, adapter_dir: str, out: Path) -> Non
     """Collective: a Megatron checkpoint of the PEFT adapter (adapters only) plus lora.json."""
     import torch.distributed as dist
 
-    from models.bridge import load_hf_weights
-    from models.checkpoint import model_sharded_state_dict, save_checkpoint
-    from models.factory import build_model_chunks
-    from models.hf_io import SafetensorsReader
-    from models.lora_mapping import load_peft_adapter
+    from models.bridge.weights import load_hf_weights
+    from models.bridge.checkpoint import model_sharded_state_dict, save_checkpoint
+    from models.build.factory import build_model_chunks
+    from models.hf.io import SafetensorsReader
+    from models.lora.peft import load_peft_adapter
 
     spec = spec_from_peft(adapter_dir)
     chunks = build_model_chunks(cfg, lora=spec)

@@ -3,7 +3,7 @@
 A checkpoint (Megatron distributed format, `megatron.core.dist_checkpointing`) holds, under
 these state-dict keys:
 
-- `model`: {"chunk0": ...} sharded tensors with global, layout-free keys (models.checkpoint);
+- `model`: {"chunk0": ...} sharded tensors with global, layout-free keys (models.bridge.checkpoint);
 - `optimizer`: the Megatron optimizer's sharded state. With the distributed optimizer the
   sharding type is "fully_reshardable": on save, the DP shards of the fp32 master weights and
   Adam moments are gathered (over gloo, onto DP rank 0's host memory) and stored per model
@@ -48,7 +48,7 @@ from engine.checkpoint.io import (CheckpointError, iteration_dir, prune, publish
 from engine.checkpoint.writer import install as install_writer_queue
 from engine.checkpoint.fault_injection import maybe_crash
 from engine.checkpoint.bucket_padding import optimizer_sharded_state_dict
-from models.checkpoint import load_model_state, model_sharded_state_dict, write_metadata
+from models.bridge.checkpoint import load_model_state, model_sharded_state_dict, write_metadata
 
 FORMAT_VERSION = 1
 # "fully_reshardable": optimizer state gathered per parameter in model space (any DP/TP/PP/CP

@@ -1,4 +1,4 @@
-"""The communication section of `--validate` (SFT and RL): engine.config.comm_plan for a recipe,
+"""The communication section of `--validate` (SFT and RL): models.estimate.comm for a recipe,
 as text lines and as the `communication` object of `--validate --json`.
 
 Units: bytes handed to collectives per GPU per optimizer step (comm_plan's definition), for
@@ -7,7 +7,7 @@ resolved as on the GPUs the recipe targets (CUDA: null means on with the distrib
 """
 from __future__ import annotations
 
-from engine.config.comm_plan import GB, KINDS, CommSetup, comm_plan
+from models.estimate.comm import GB, KINDS, CommSetup, comm_plan
 from engine.config.lora_settings import lora_spec
 from engine.config.model_settings import recompute_settings
 from engine.config.parallel_settings import overlap_settings

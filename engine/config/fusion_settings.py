@@ -5,12 +5,12 @@ Each key is null (default: on when this host has CUDA, off on a CPU host), true 
 - `model.fusions.swiglu`: megatron's fused SwiGLU (`bias_activation_fusion`:
   megatron.core.fusions.fused_bias_swiglu, forward and a hand-written backward under megatron's
   jit fuser, i.e. torch.compile on CUDA). Dense MLPs and MoE experts (the weighted variant
-  that also applies the routing probabilities; models.grouped_experts). SwiGLU models only
+  that also applies the routing probabilities; models.layers.experts.grouped). SwiGLU models only
   (HF `hidden_act` silu): megatron's fused GeGLU is the tanh approximation of gelu, not
   exact for HF's gelu, so other activations stay unfused whatever the key says.
 - `model.fusions.residual`: megatron's fused bias-dropout-add (`bias_dropout_fusion`: the
   residual add of attention and MLP outputs, with dropout 0, under the same jit fuser).
-- `model.fusions.rmsnorm`: RMSNorm through torch.compile (models.norms.FusedRMSNorm: one
+- `model.fusions.rmsnorm`: RMSNorm through torch.compile (models.layers.norms.local.FusedRMSNorm: one
   fused forward kernel and a backward whose weight gradient is one fused reduction). CUDA
   only: on a CPU host the engine runs megatron under a device-mapping torch function mode
   (parallel.cpu_runtime) that torch.compile does not trace, so true is refused there.

@@ -4,24 +4,25 @@
   (scaling alpha / r, or alpha / sqrt(r) with `model.lora.rslora=true`, peft's use_rslora);
 - `model.lora.dropout` (default 0): dropout on the adapter input while training. Any other
   value draws random masks that depend on the layout, so the layout invariance no longer holds;
-- `model.lora.target_modules`: HF projection names (models.lora_sites.TARGET_NAMES) or
+- `model.lora.target_modules`: HF projection names (models.lora.sites.TARGET_NAMES) or
   `all-linear` (every attention and MLP projection; not the experts, as in peft);
 - `model.lora.init_from`: a PEFT adapter folder to start from (its rank, alpha, targets and
   rsLoRA must equal the keys; DoRA, biases, per-layer ranks are refused);
 - `model.lora.dora`: peft's use_dora; only false is implemented (refused by name otherwise).
 
 `lora_problems` checks them before any process group exists; `lora_spec` gives the
-models.lora.LoraSpec that models.factory.build_model_chunks attaches.
+models.lora.adapters.LoraSpec that models.build.factory.build_model_chunks attaches.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from models.families import experts_per_layer
-from models.lora import LoraSpec
-from models.lora_mapping import adapter_config_problems
-from models.lora_sites import FAMILIES, TARGET_NAMES, resolve_targets
+from models.families.base import Family
+from models.families.registry import FAMILIES, experts_per_layer
+from models.lora.adapters import LoraSpec
+from models.lora.peft import adapter_config_problems
+from models.lora.sites import TARGET_NAMES, resolve_targets
 
 
 @dataclass
@@ -63,9 +64,10 @@ def _value_problems(lora: LoraConfig) -> list[str]:
 def _model_problems(cfg: Any, hf_config: dict) -> list[str]:
     lora, p = cfg.model.lora, []
     family = hf_config.get("model_type")
-    if family not in FAMILIES:
+    if not FAMILIES.get(family, Family()).lora:  # the families' declared `lora`
+        supported = [name for name, fam in FAMILIES.items() if fam.lora]
         return [f"model.lora.rank={lora.rank}: LoRA is not implemented for model_type "
-                f"{family!r}; supported: {', '.join(FAMILIES)}"]
+                f"{family!r}; supported: {', '.join(supported)}"]
     targets = resolve_targets(lora.target_modules)
     moe = experts_per_layer(hf_config) > 0
     if "experts" in targets and not moe:

@@ -5,7 +5,7 @@ recomputation.
   true needs tp > 1): activations outside attention and MLP (norms, residuals, dropout) are
   split along the sequence over the TP group instead of replicated. Megatron all-gathers the
   sequence before the column-parallel linears and reduce-scatters after the row-parallel
-  ones; the norm weights' gradients are summed over TP (models.norms). The loss and gradient
+  ones; the norm weights' gradients are summed over TP (models.layers.norms.local). The loss and gradient
   do not change; micro-batches are padded so each TP rank gets an equal slice
   (engine.training.rank_batch: a multiple of tp, of 2 x cp x tp with context parallelism).
 - `train.recompute`: `none`; `selective` (megatron's "core_attn": the attention core is

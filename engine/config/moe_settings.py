@@ -21,7 +21,7 @@ models.families: Qwen3-MoE, Mixtral).
   the language-model loss is no longer layout-invariant (dropless, it is exact). The fraction
   dropped is logged as `moe/dropped_token_fraction`.
 - `moe.grouped_experts` (default true): on the local (non Transformer Engine) layer spec the
-  experts of a layer run as one grouped computation (models.grouped_experts: torch._grouped_mm
+  experts of a layer run as one grouped computation (models.layers.experts.grouped: torch._grouped_mm
   in bf16 on Hopper GPUs and on the CPU, one padded batched matmul elsewhere) instead of megatron's
   SequentialMLP loop over experts; the same parameters, checkpoint layout and numbers (fp32:
   within rounding). false: SequentialMLP.
@@ -44,7 +44,7 @@ models.families: Qwen3-MoE, Mixtral).
   old-log-prob forward and replays them in every update forward of the step; `R3` replays the
   rollout engine's routing (prompt tokens: its prefill) in the old-log-prob and update
   passes. Replay forces only WHICH experts a token uses; the weights are recomputed from the
-  current router (engine.training.routing, models.routing_replay). Refused for dense models,
+  current router (engine.training.routing, models.layers.experts.replay). Refused for dense models,
   with moe.capacity_factor (dropping would remove replayed assignments depending on the
   micro-batch cut), and for SFT; R3 needs a rollout backend that reports routed experts
   (engine.rl.policy.routing_replay).
@@ -60,7 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from models.families import is_moe, moe_family
+from models.families.registry import is_moe, moe_family
 
 TOKEN_DISPATCHERS = ("alltoall", "allgather")
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
@@ -137,7 +137,8 @@ def moe_problems(cfg: Any, hf_config: dict) -> list[str]:
 
 def has_expert_bias(hf_config: dict) -> bool:
     """Whether the model's routers carry a score-correction bias (sigmoid routing)."""
-    return bool(getattr(moe_family(hf_config), "expert_bias", False))
+    moe = moe_family(hf_config)
+    return moe is not None and moe.expert_bias
 
 
 def _bias_update_problems(moe: MoEConfig, hf_config: dict) -> list[str]:
@@ -188,4 +189,4 @@ def moe_overrides(cfg: Any, hf_config: dict, forward_only: bool = False) -> dict
                 moe_token_drop_policy=moe.token_drop_policy,
                 **({"moe_router_bias_update_rate": 0.0 if forward_only
                     else float(moe.bias_update_rate)} if has_expert_bias(hf_config) else {}),
-                grouped_experts=moe.grouped_experts)  # a builder argument (models.factory)
+                grouped_experts=moe.grouped_experts)  # a builder argument (models.build.factory)

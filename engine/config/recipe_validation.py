@@ -2,7 +2,7 @@
 recipe's layout arithmetic and memory for a cluster shape, without weights, GPUs or processes.
 
 The model shape comes from `model.hf_path` (its config.json) when given, else from the preset
-named by `model.shape` (models.presets.MODEL_SHAPES: the public HF configs of the recipe models). Defaults:
+named by `model.shape` (models.families.presets.MODEL_SHAPES: the public HF configs of the recipe models). Defaults:
 `--nodes` = recipe.nodes, `--gpus-per-node` = recipe.gpus_per_node, `--world-size` = their
 product. Exit 0 with a summary, or 2 with every problem.
 
@@ -18,7 +18,7 @@ configured, engine.config.model_settings):
   bytes = a x t x (4 h / s + (q_rot + kv_rep + attn_out + 2 kv + 3 ffn) / tp) with a = 2
   (bf16) or 4 (q, kv = query and key/value widths; kv_rep = 2 q when GQA repeats KV heads for
   SDPA, the attention core's own copy; MLA and the Qwen3.5 hybrids' GDN and gated attention
-  layers: their own terms, engine.config.memory_terms, the hybrids' averaged over the layers);
+  layers: their own terms, models.estimate.memory, the hybrids' averaged over the layers);
   s = tp with sequence parallelism (norm inputs and residuals split over TP), else 1; times
   the layers in flight on pipeline stage 0 (1F1B: min(pp, M) micro-batches of L/pp layers; interleaved: min(M vpp, 2(pp-1) + (vpp-1)pp + 1)
   chunks of L/(pp vpp) layers). Recomputation: `selective` drops kv_rep (the attention core is
@@ -33,7 +33,7 @@ configured, engine.config.model_settings):
   routed copies: each expert's SwiGLU, the permuted input and output) plus 3 shared / tp
   (a shared expert's SwiGLU) instead of 3 ffn / tp;
 - attention scores: none with flash SDPA; a family whose attention materialises them
-  (gpt-oss's sinks: models.gpt_oss_attention) adds its `attention_score_elements` per token
+  (gpt-oss's sinks: models.layers.attention.sinks) adds its `attention_score_elements` per token
   (seq_length x heads / tp: every head's row of probabilities, kept for the backward pass) to
   each layer's activations, plus 3 such copies once (the transient scores of the layer being
   computed);
@@ -43,9 +43,9 @@ configured, engine.config.model_settings):
   t x padded vocab / tp x (a + 12) (bf16/fp32 logits, the fp32 copy, the masked copy and its
   gradient in the vocab-parallel cross-entropy);
 - runtime: RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers and allocator slack;
-- LoRA (model.lora.rank > 0): frozen base, trained adapters (engine.config.lora_memory).
+- LoRA (model.lora.rank > 0): frozen base, trained adapters (models.estimate.lora_memory).
 
-The communication plan (engine.config.comm_plan, engine.config.comm_report) follows: bytes each
+The communication plan (models.estimate.comm, engine.config.comm_report) follows: bytes each
 GPU hands to collectives per optimizer step, by kind. `--json` prints one JSON object instead
 of text: summary, warnings, problems, ok, world_size, nodes, memory_gib and communication.
 """
@@ -61,13 +61,14 @@ from engine.config.schema import (ConfigError, SFTConfig, data_file_problems, la
                            value_problems)
 from engine.config.cli_flags import int_flag, pop_switch
 from engine.config.comm_report import comm_section
-from engine.config.lora_memory import adapter_activation_bytes, lora_summary, with_adapters
+from models.estimate.lora_memory import adapter_activation_bytes, lora_summary, with_adapters
 from engine.config.lora_settings import lora_problems, lora_spec
 from engine.config.model_settings import recompute_layer_problems, recompute_settings
 from engine.training.plan import plan_mini_batch
-from engine.config.memory_terms import logits_bytes, mixer_bytes
-from models.families import family_of, moe_family, stage_parameters
-from models.presets import MODEL_SHAPES, shape_mismatches
+from models.estimate.memory import logits_bytes, mixer_bytes
+from models.families.registry import family_of, moe_family
+from models.estimate.counting import stage_parameters
+from models.families.presets import MODEL_SHAPES, shape_mismatches
 
 GIB = 2 ** 30
 RUNTIME_OVERHEAD_GIB = 4.0
@@ -110,7 +111,7 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     """Per-GPU peak estimate (formulas in the module docstring) for `layout`
     (a parallel.layout.ParallelLayout, its `sequence_parallel` resolved) and `micro_batches`
     per DP rank per step; `train` gives the micro-batch size and train.recompute*; `lora` (a
-    models.lora.LoraSpec): frozen base + adapters (engine.config.lora_memory)."""
+    models.lora.adapters.LoraSpec): frozen base + adapters (models.estimate.lora_memory)."""
     tp, pp, cp, vpp = layout.tp, layout.pp, layout.cp, layout.vpp or 1
     granularity, method, group = recompute_settings(train)
     s = tp if layout.sequence_parallel and tp > 1 else 1

@@ -5,8 +5,7 @@
 `data.train_files=[a.jsonl,b.jsonl]`). Unknown keys and wrong types are rejected by hydra with
 the key named; `validate_common` (SFT and RL) and `validate_sft` then check values (choices,
 paths, layout arithmetic, checkpoint keys) before any process group exists, collecting every
-problem (`*_problems` functions, also used by `engine.config.recipe_validation`). Errors raise
-`ConfigError`; entry points print it once and exit 2.
+problem (`*_problems`, also used by engine.config.recipe_validation): `ConfigError`, exit 2.
 """
 from __future__ import annotations
 
@@ -28,10 +27,11 @@ from engine.config.model_settings import (loss_chunk_problems, recompute_layer_p
 from engine.config.parallel_settings import (ParallelConfig, overlap_problems,
                                              resolved_overlap_problems)
 from engine.config.tokenizer_settings import remote_code_problems
-from models.families import UnsupportedModelError, experts_per_layer, family_of
-from models.hf_config import check_config
-from models.hf_io import HFCheckpointError, read_config, training_dir_problems
-from models.presets import MODEL_SHAPES, shape_mismatches
+from models.families.base import UnsupportedModelError
+from models.families.registry import experts_per_layer, family_of
+from models.hf.config import check_config
+from models.hf.io import HFCheckpointError, read_config, training_dir_problems
+from models.families.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
 
 __all__ = ["ConfigError", "ParallelConfig", "config_yaml", "load_config",  # re-exported
@@ -181,7 +181,7 @@ def raise_problems(problems: list[str]) -> None:
 def read_model_config(cfg) -> dict:
     """The HF config dict at model.hf_path; raises ConfigError when the folder or its
     config.json is unreadable, the architecture is not supported, or a config field that
-    changes the math does not map exactly (models.hf_config: one line naming the field)."""
+    changes the math does not map exactly (models.hf.config: one line naming the field)."""
     if not cfg.model.hf_path:
         raise ConfigError("model.hf_path is required (an HF model directory)")
     return read_hf_config(cfg.model.hf_path, "model.hf_path")

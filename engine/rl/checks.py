@@ -27,8 +27,8 @@ from engine.rl.rollout.base import (BACKENDS, backend_class, conditional_checkpo
 from engine.rl.rollout.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
                                          split_sizes)
 from engine.rl.rollout.sync_quantization import sync_quantization_problems
-from models.critic_io import critic_problem
-from models.custom_code import load_tokenizer
+from models.bridge.critic import critic_problem
+from models.hf.custom_code import load_tokenizer
 
 PLACEMENTS = ("colocated", "disaggregated")
 

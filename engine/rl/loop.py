@@ -57,8 +57,8 @@ from engine.rl.rollout.sync_quantization import sync_source
 from engine.run.run_loop import RunLoop, build_or_resume, resume_side_engines
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
-from models.critic_io import critic_hf_config
-from models.custom_code import load_tokenizer
+from models.bridge.critic import critic_hf_config
+from models.hf.custom_code import load_tokenizer
 
 
 def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool

@@ -17,7 +17,7 @@ the memory per GPU (GiB), in two phases:
   prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
   the frozen KL reference's weights (kl.beta > 0: the policy's stage parameters in
   model.dtype, no gradients or optimizer state; none with LoRA, whose policy estimate is
-  engine.config.lora_memory's and whose reference is the policy's own frozen base), the
+  models.estimate.lora_memory's and whose reference is the policy's own frozen base), the
   on-policy distillation teacher's weights
   (distill.teacher_path: its own config.json, its stage parameters at the policy's layout in
   model.dtype, frozen; when that directory is not on the validating machine the teacher is
@@ -47,7 +47,7 @@ import sys
 
 from engine.config.cli_flags import int_flag, pop_switch
 from engine.config.comm_report import comm_section
-from engine.config.lora_memory import lora_summary
+from models.estimate.lora_memory import lora_summary
 from engine.config.lora_settings import lora_problems, lora_spec
 from engine.config.loading import load_config
 from engine.config.recipe_validation import (GIB, estimate_memory, memory_checks,
@@ -61,7 +61,7 @@ from engine.rl.rollout.engine_memory import engine_fit, engine_weights, engine_w
 from engine.rl.rollout.placement import placement_problems, resolve_placement, split_sizes
 from engine.rl.rollout.sync_quantization import sync_quantization_problems
 from engine.training.plan import plan_mini_batch
-from models.families import padded_vocab_size, stage_parameters
+from models.estimate.counting import padded_vocab_size, stage_parameters
 
 GB = 1e9
 

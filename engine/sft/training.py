@@ -34,7 +34,7 @@ from engine.run.run_loop import RunLoop, build_or_resume
 from engine.training.schedule import LossFn
 from engine.training.token_losses import token_logprobs
 from engine.training.train_engine import BatchSettings, TrainEngine
-from models.custom_code import load_tokenizer
+from models.hf.custom_code import load_tokenizer
 
 SFT_REPORT_KEYS = ("loss", "num_loss_tokens")
 

@@ -33,7 +33,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallelConfig
 
-from models.grouped_experts import GroupedExperts
+from models.layers.experts.grouped import GroupedExperts
 
 MIB = 2 ** 20
 
@@ -99,7 +99,7 @@ def install_schedule_hooks(chunks: list, settings: OverlapSettings) -> None:
 
 def install_subtree_gather_hooks(chunks: list) -> int:
     """Forward pre-hooks for modules that read their children's parameters in their own
-    forward (models.grouped_experts.GroupedExperts stacks every local expert's weights):
+    forward (models.layers.experts.grouped.GroupedExperts stacks every local expert's weights):
     megatron's overlap_param_gather hook only gathers a module's direct parameters when that
     module runs, so without this the stacked weights would be the previous step's on every
     shard but this rank's. Returns the number of hooks installed (0 without the overlap)."""

@@ -14,7 +14,7 @@ rows (ids >= vocab_size) masked to -inf; max all-reduced (MAX) over TP; sum of e
 logit and (with entropy) sum of p*z all-reduced (SUM) over TP. Gradients: d/dz of
 g_logp * log p(label) + g_H * H, /temperature, cast to the weight dtype, then
 grad_hidden = grad_z @ W (this TP rank's partial sum: the caller's TP region op sums it over TP,
-models.output_head) and grad_W = grad_z^T @ hidden accumulated in float32 over chunks.
+models.layers.heads.output) and grad_W = grad_z^T @ hidden accumulated in float32 over chunks.
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
                      vocab_size: int, temperature: float, chunk_tokens: int,
                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(label) [...], entropy [...] or None), float32, for hidden states [..., h]
-    replicated over TP (gradient: this rank's partial sum, see models.output_head), this TP
+    replicated over TP (gradient: this rank's partial sum, see models.layers.heads.output), this TP
     rank's weight shard [V_padded/tp, h] and labels [...]. Collective over the TP group
     (forward only). `chunk_tokens` > 0 tokens per chunk."""
     if chunk_tokens <= 0:
@@ -185,7 +185,7 @@ class HiddenStates:
     """What a loss function receives from the chunked head (engine.training.schedule) in place
     of logits: the last stage's final hidden states and this TP rank's output weight shard."""
 
-    hidden: torch.Tensor   # [b, s, h], full sequence, replicated over TP (models.output_head)
+    hidden: torch.Tensor   # [b, s, h], full sequence, replicated over TP (models.layers.heads.output)
     weight: torch.Tensor   # [V_padded/tp, h]
     chunk_tokens: int      # tokens per chunk of the head
 

@@ -31,7 +31,7 @@ from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
                                                      get_moe_layer_wise_logging_tracker)
 from megatron.core.transformer.moe.router import TopKRouter
 
-from models.bridge import unwrap
+from models.bridge.weights import unwrap
 
 _TRACKED = {"load_balancing_loss": "moe/aux_loss", "seq_load_balancing_loss": "moe/aux_loss",
             "global_load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}

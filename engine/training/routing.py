@@ -8,7 +8,7 @@ micro_batches); `begin` then takes, before each chunk's forward, this rank's row
 router's token order: the micro-batch transposed to [s, b] (megatron's sequence-major
 flattening) and, with Megatron sequence parallelism, the TP rank's slice of s.
 
-`RoutingReplay` (models.routing_replay.ReplaySlot on every router):
+`RoutingReplay` (models.layers.experts.replay.ReplaySlot on every router):
 - mode "record" (forward-only passes): every router's own choice is written into a table
   [sequences, width, num_layers * k] at (mb.seq_ids, mb.position_ids) - the same placement that
   undoes DP partition, packing and CP sharding for the log-probs; one writer per entry (TP rank
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.training.micro_batches import MicroBatch
-from models.bridge import unwrap
-from models.routing_replay import MODES, attach_slots
+from models.bridge.weights import unwrap
+from models.layers.experts.replay import MODES, attach_slots
 
 ROUTED_EXPERTS = "routed_experts"
 

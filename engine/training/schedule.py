@@ -7,7 +7,7 @@ summed over micro-batches on the last pipeline stage, then over the DP x CP grou
 with every PP stage. TP ranks hold identical values and are never summed.
 
 Loss head: with `loss_chunk_tokens` (the default, train.loss_chunk_tokens) the last stage's
-model returns hidden states (models.output_head) and the loss function receives an
+model returns hidden states (models.layers.heads.output) and the loss function receives an
 engine.training.loss_head.HiddenStates instead of [b, s, V/tp] logits; the token_losses
 functions compute the same log-probs/entropy from either, chunk by chunk over tokens. With
 `loss_chunk_tokens=None` the loss function receives megatron's logits (unchunked).
@@ -24,8 +24,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS, HiddenStates
 from engine.training.micro_batches import MicroBatch
-from models.bridge import unwrap
-from models.output_head import output_weight, returning_hidden_states
+from models.bridge.weights import unwrap
+from models.layers.heads.output import output_weight, returning_hidden_states
 from parallel import cpu_runtime
 
 # loss_fn(output [b, s, V/tp] logits or HiddenStates, micro_batch)

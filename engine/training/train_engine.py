@@ -38,11 +38,11 @@ from engine.training.rank_batch import build_rank_batch
 from engine.training.router_losses import RouterLosses
 from engine.training.routing import RoutingReplay
 from engine.training.schedule import LossFn, reduce_reports, run_micro_batches
-from models.bridge import load_hf_weights
-from models.factory import build_model_chunks
-from models.hf_io import SafetensorsReader
-from models.lora import LoraSpec
-from models.lora_mapping import load_peft_adapter
+from models.bridge.weights import load_hf_weights
+from models.build.factory import build_model_chunks
+from models.hf.io import SafetensorsReader
+from models.lora.adapters import LoraSpec
+from models.lora.peft import load_peft_adapter
 
 # output_fn(output_logits [b, s, V/tp] or loss_head.HiddenStates, micro_batch) -> None: sees
 # each micro-batch's logits (engine.training.schedule)
@@ -162,12 +162,12 @@ class TrainEngine:
         `load_weights` is False: a checkpoint will be loaded), wrap them in megatron DDP and
         create the optimizer and an LR schedule over `total_steps` optimizer steps.
         `prepare(raw chunks)` runs after the weights are loaded and before DDP wraps them
-        (e.g. models.value_head.attach_value_heads for a PPO critic).
+        (e.g. models.layers.heads.value.attach_value_heads for a PPO critic).
         `model_overrides` go to the TransformerConfig (e.g. cp_comm_type; sequence
         parallelism and recomputation: engine.config.model_settings.megatron_overrides);
         `overlap`: DDP communication settings (engine.training.comm_overlap; default none);
         `loss_chunk_tokens`: tokens per chunk of the loss head (None: unchunked logits).
-        `lora`: attach LoRA adapters (models.lora_sites) and freeze the base, which is then
+        `lora`: attach LoRA adapters (models.lora.sites) and freeze the base, which is then
         always loaded from `weights_dir` (a checkpoint holds only the adapters); `lora_init`: a
         PEFT adapter folder the adapters start from (when `load_weights`)."""
         overlap = overlap or OverlapSettings()

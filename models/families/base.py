@@ -3,11 +3,11 @@
 A family (one file per HF architecture under models/families/) is the single home of: its HF
 `model_type` and class, its config-field table (every field that changes the math, mapped
 exactly or refused), its Megatron `TransformerConfig` kwargs, the HF tensors of one layer, and
-its preset shapes. Parameter counts follow from these (models.families.counting).
+its preset shapes. Parameter counts follow from these (models.estimate.counting).
 
 Plain Python and torch only: engine.config.schema imports the presets at start-up, so neither
 megatron nor transformers is imported here. Field checks receive a transformers config object
-(models.hf_config.hf_config_object); shape and bias helpers accept a dict as well.
+(models.hf.config.hf_config_object); shape and bias helpers accept a dict as well.
 """
 from __future__ import annotations
 
@@ -37,6 +37,18 @@ def field(cfg: Any, name: str, default: Any = None) -> Any:
     """`cfg[name]` of a config.json dict or `cfg.name` of a transformers config (None -> default)."""
     value = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
     return default if value is None else value
+
+
+# The key under which a conditional-generation wrapper's own config.json dict rides in the
+# text-model view the engines read (models.hf.conditional.text_view; never written out).
+ORIGINAL = "_conditional_generation_config"
+
+
+def original_config(config: Any) -> dict | None:
+    """The wrapper config.json a view was made from (a dict or a transformers config object);
+    None for a plain text model's config."""
+    value = config.get(ORIGINAL) if isinstance(config, dict) else getattr(config, ORIGINAL, None)
+    return value if isinstance(value, dict) else None
 
 
 def head_dim(cfg: Any) -> int:
@@ -90,6 +102,23 @@ class Family:
     qk_norm: bool = False                  # RMSNorm on each head of q and k (Qwen3)
     fields: tuple[FieldRule, ...] = ()     # the config-field table
     presets: dict[str, dict] = {}          # model.shape name -> public config.json values
+    # Declared facts. The builders, the bridge, the estimators and the rollout read these
+    # instead of branching on model_type; the defaults describe a plain GQA decoder.
+    hybrid: bool = False                   # per-layer mixers by `mixer_of` (local spec only)
+    multi_latent_attention: bool = False   # every layer's attention is MLA (models.layers.mla)
+    lora: bool = False                     # LoRA adapters are built (models.lora.sites)
+    text_model_type: str | None = None     # a conditional-generation wrapper's entry: read as
+    #                                        this text model's config (models.hf.conditional)
+
+    def mixer_of(self, cfg: Any, layer: int) -> str:
+        """The sequence mixer of decoder layer `layer` (0-based), a layer kind the estimators
+        and builders dispatch on: "attention" (GQA), "mla", "gated_attention" or
+        "gated_delta_net" (models.layers.<kind>)."""
+        return "mla" if self.multi_latent_attention else "attention"
+
+    def register_hf_classes(self) -> None:
+        """Make transformers' Auto classes know this family's `model_type` when transformers
+        itself does not (called once per process by models.hf.config); default: nothing."""
 
     def biases(self, cfg: Any) -> Biases:
         return Biases()
@@ -101,19 +130,8 @@ class Family:
 
     def extra_layer_parameters(self, cfg: Any) -> tuple[int, int]:
         """(TP-sharded, replicated) parameters of one decoder layer that the generic count
-        (models.families.counting) does not know of, e.g. gpt-oss's attention sinks."""
+        (models.estimate.counting) does not know of, e.g. gpt-oss's attention sinks."""
         return 0, 0
-
-    def attention_parameters(self, cfg: Any) -> tuple[int, int] | None:
-        """(TP-sharded, replicated) parameters of one layer's attention and its two layer
-        norms when they are not GQA's q/k/v/o (+ q/k norms), e.g. DeepSeek-V3's MLA; None:
-        the generic count (models.families.counting)."""
-        return None
-
-    def attention_parameters_of(self, cfg: Any, layer: int) -> tuple[int, int] | None:
-        """`attention_parameters` of decoder layer `layer` (0-based); hybrid families differ by
-        layer (Qwen3.5's GDN and gated attention layers), the others return the same for all."""
-        return self.attention_parameters(cfg)
 
     def layout_problems(self, cfg: Any, tp: int, cp: int) -> list[str]:
         """Why tensor / context parallel sizes `tp` x `cp` cannot run this model beyond
@@ -126,7 +144,7 @@ class Family:
 
     def passthrough(self, cfg: Any, name: str) -> bool:
         """Whether checkpoint tensor `name` is carried unchanged through conversion and
-        training without being mapped (e.g. MTP layers; models.hf_passthrough)."""
+        training without being mapped (e.g. MTP layers; models.hf.passthrough)."""
         return False
 
     def attention_score_elements(self, cfg: Any, seq_length: int, tp: int) -> float:
@@ -164,7 +182,7 @@ class Family:
 
     def transformer_kwargs(self, cfg: Any) -> dict:
         """Megatron TransformerConfig kwargs that carry the model's math (no layout, no dtype,
-        no RoPE: see models.config_bridge). `cfg` passed `problems` (empty)."""
+        no RoPE: see models.build.transformer_config). `cfg` passed `problems` (empty)."""
         b = self.biases(cfg)
         heads = field(cfg, "num_attention_heads")
         return dict(
@@ -180,7 +198,7 @@ class Family:
             # unknown names were refused by `problems`, or the family ignores the field
             activation_func=ACTIVATIONS.get(field(cfg, "hidden_act", "silu")),
             add_qkv_bias=b.qkv,
-            add_bias_linear=b.mlp,  # MLP fc1/fc2; o_proj's bias: models.layer_spec
+            add_bias_linear=b.mlp,  # MLP fc1/fc2; o_proj's bias: models.layers.spec
             qk_layernorm=self.has_qk_norm(cfg),
         )
 

@@ -12,7 +12,7 @@ from typing import Any
 from models.families.base import ACTIVATIONS, FieldRule, field
 
 # RoPE types whose inverse frequencies are fixed at build time: transformers' own function
-# computes them and models.rope installs them in megatron (attention_factor -> softmax scale).
+# computes them and models.layers.attention.rope installs them in megatron (attention_factor -> softmax scale).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _ROPE_WHY = {
     "dynamic": "its frequencies change with the length of each batch",

@@ -6,12 +6,12 @@ per-head q/k RMSNorm before RoPE (`use_qk_norm` -> megatron qk_layernorm), parti
 head_dim x factor dimensions of each head rotate (rotate-half, as megatron's `rotary_percent`),
 the rest pass unchanged.
 MLP: `first_k_dense_replace` dense SwiGLU layers, then sigmoid-routed MoE layers with shared
-experts (models.families.moe_routing: the routing, its megatron mapping and its refusals).
+experts (models.families.sigmoid_routed: the routing, its megatron mapping and its refusals).
 
 MTP (`num_nextn_predict_layers` > 0): the checkpoint holds the multi-token-prediction layers
 as `model.layers.{N}.*` .. `model.layers.{N+n-1}.*` (N = num_hidden_layers), which
 transformers drops on load and never runs. They pass through unchanged: stored as read with
-every checkpoint this project writes (models.hf_passthrough) and written back, bitwise, by
+every checkpoint this project writes (models.hf.passthrough) and written back, bitwise, by
 every export; they are not trained.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from models.families.base import Biases, FieldRule, field, head_dim
 from models.families.fields import (ATTENTION_DROPOUT, HEAD_DIM, HIDDEN_ACT, NORM, TIE,
                                     rope_parameters)
-from models.families.moe_routing import MTP_LAYERS, ROUTING_FIELDS, SigmoidRoutedMoe
+from models.families.sigmoid_routed import MTP_LAYERS, ROUTING_FIELDS, SigmoidRoutedMoe
 
 
 def rotary_fraction(cfg: Any) -> float:

@@ -5,7 +5,7 @@ head (`self_attn.sinks`: an extra softmax column whose value is dropped; megatro
 `softmax_type="learnable"`, the parameter `core_attention.softmax_offset`), and per
 `layer_types` either full causal attention or a sliding window of `sliding_window` keys (HF
 masks key j for query i when i - j >= sliding_window: megatron `window_size=(w - 1, 0)` on
-the layers `window_attn_skip_freq` marks). Both live in models.core_attention.
+the layers `window_attn_skip_freq` marks). Both live in models.layers.attention.core.
 
 MoE in every layer: a linear router with a bias (`mlp.router.weight`/`.bias`), top-k of its
 logits, softmax over those k (megatron moe_router_pre_softmax=False); experts with biases
@@ -15,9 +15,9 @@ activation_func_clamp_value, glu_linear_offset=1 and `SigmoidGate(alpha)` below)
 the experts are fused: `mlp.experts.gate_up_proj` [E, H, 2I] with gate and linear columns
 interleaved (gate = [..., ::2]), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, H],
 `down_proj_bias` [E, H]; published checkpoints store the two matrices as MXFP4
-(`*_blocks` + `*_scales`, models.mxfp4). models.gpt_oss_checkpoint turns that layout into
+(`*_blocks` + `*_scales`, models.formats.mxfp4). models.layers.biased_experts.fused turns that layout into
 per-expert tensors for the generic expert mapping and back. The router bias and the expert
-biases are held by models.gpt_oss_spec's modules (megatron's own add_bias_linear would refuse
+biases are held by models.layers.biased_experts.spec's modules (megatron's own add_bias_linear would refuse
 expert-TP > 1).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ LAYER_KINDS = ("sliding_attention", "full_attention")
 QUANT_METHODS = ("mxfp4",)
 # The fused on-disk expert tensors of one layer (under model.layers.{i}.mlp.experts.); MXFP4
 # checkpoints store the matrices as `{name}_blocks` + `{name}_scales`, which
-# models.quantized reads (and the tensor check counts) as `{name}`.
+# models.formats.quantized reads (and the tensor check counts) as `{name}`.
 FUSED_EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
@@ -130,8 +130,8 @@ def _preset(layers: int, experts: int) -> dict:
 class GptOss(MoeFamily):
     model_type = "gpt_oss"
     hf_class = "GptOssForCausalLM"
-    # Per-expert names the generic expert mapping (models.expert_mapping) reads and writes;
-    # models.gpt_oss_checkpoint translates them to and from the fused on-disk tensors.
+    # Per-expert names the generic expert mapping (models.layers.experts.mapping) reads and writes;
+    # models.layers.biased_experts.fused translates them to and from the fused on-disk tensors.
     experts = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj",
                            router_module="router")
     expert_width_field = "intermediate_size"
@@ -143,7 +143,7 @@ class GptOss(MoeFamily):
                         "add_qkv_bias) and the o_proj bias (a biased linear_proj)"),
               FieldRule("(no field) attention sinks", "self_attn.sinks [heads] -> megatron "
                         "softmax_type=learnable, core_attention.softmax_offset (TP-sharded "
-                        "by head; models.core_attention)"),
+                        "by head; models.layers.attention.core)"),
               FieldRule("layer_types", "sliding_attention / full_attention per layer -> "
                         "window_attn_skip_freq (1: windowed)", _layer_types),
               FieldRule("sliding_window", "an integer w >= 1 -> window_size=(w - 1, 0) on the "
@@ -157,13 +157,13 @@ class GptOss(MoeFamily):
                         "apply the clamped SwiGLU"),
               FieldRule("(no field) router", "a linear with a bias; top-k of the logits, softmax "
                         "over the k -> moe_router_pre_softmax=false and a biased router "
-                        "(models.gpt_oss_spec)"),
+                        "(models.layers.biased_experts.spec)"),
               FieldRule("(no field) expert biases", "gate_up_proj_bias / down_proj_bias -> "
-                        "each expert's linear_fc1 / linear_fc2 bias (models.gpt_oss_spec)"),
+                        "each expert's linear_fc1 / linear_fc2 bias (models.layers.biased_experts.spec)"),
               FieldRule("intermediate_size", "any -> moe_ffn_hidden_size (each expert's "
                         "SwiGLU; gpt-oss has no dense MLP)"),
               FieldRule("quantization_config", "absent, or quant_method mxfp4: the experts' "
-                        "*_blocks / *_scales dequantized exactly on load (models.mxfp4); "
+                        "*_blocks / *_scales dequantized exactly on load (models.formats.mxfp4); "
                         "exported unquantized; refused: other methods", _quantization),
               FieldRule("experts_per_token / initial_context_length / rope_ntk_* "
                         "(OpenAI's original names)", "ignored, as transformers ignores them "
@@ -199,7 +199,7 @@ class GptOss(MoeFamily):
         return int(field(cfg, "num_attention_heads")), self.num_experts(cfg)
 
     def attention_score_elements(self, cfg: Any, seq_length: int, tp: int) -> float:
-        """The sink attention (models.gpt_oss_attention) keeps each head's probabilities
+        """The sink attention (models.layers.attention.sinks) keeps each head's probabilities
         [s, s + 1] for the backward pass, in every layer (sliding ones too: the window is a
         mask): per token a row of seq_length + 1 per head of this TP rank (under Ulysses CP
         each rank holds heads / cp of whole sequences: the same count per local token)."""

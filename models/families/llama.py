@@ -20,10 +20,11 @@ def _llama31(hidden: int, ffn: int, layers: int, heads: int) -> dict:
 
 class Llama(Family):
     model_type = "llama"
+    lora = True
     hf_class = "LlamaForCausalLM"
     fields = COMMON_FIELDS + (
         FieldRule("attention_bias", "false; true -> q/k/v biases (megatron add_qkv_bias) and "
-                  "the o_proj bias (a biased linear_proj, models.layer_spec)"),
+                  "the o_proj bias (a biased linear_proj, models.layers.spec)"),
         FieldRule("mlp_bias", "false; true -> gate/up/down biases (megatron add_bias_linear; "
                   "linear_proj's bias follows attention_bias)"),
     )

@@ -35,6 +35,7 @@ def _sliding_window(cfg: Any) -> str | None:
 
 class Mixtral(MoeFamily):
     model_type = "mixtral"
+    lora = True
     hf_class = "MixtralForCausalLM"
     experts = ExpertNaming(block="block_sparse_moe", gate="w1", up="w3", down="w2")
     expert_width_field = "intermediate_size"

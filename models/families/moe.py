@@ -1,5 +1,5 @@
 """What every mixture-of-experts family shares: the HF names of its router and experts
-(`ExpertNaming`, the per-family hook models.expert_mapping, counting and the RL weight sync
+(`ExpertNaming`, the per-family hook models.layers.experts.mapping, counting and the RL weight sync
 read) and the `MoeFamily` base (layer tensors, megatron MoE kwargs, common field rows).
 
 Every decoder layer of a MoE family here is sparse: a linear router (no bias) over
@@ -128,10 +128,16 @@ class MoeFamily(Family):
             return True
         return bool(field(cfg, self.renormalise_field, False))
 
-    # gpt-oss: the router and every expert projection carry a bias (models.gpt_oss_spec)
+    # Declared facts (defaults: softmax routing, the same layer everywhere, per-expert tensors).
+    # The router and every expert projection carry a bias (models.layers.biased_experts.spec)
     expert_biases: bool = False
+    # Dense layers first, MoE after them (models.layers.sigmoid_routing.spec builds per layer)
+    heterogeneous: bool = False
+    # The routers carry a score-correction bias used for the top-k choice only (megatron
+    # expert_bias; the aux-loss-free bias update)
+    expert_bias: bool = False
     # gpt-oss: the checkpoint holds each layer's experts as fused tensors, which
-    # models.gpt_oss_checkpoint presents to the bridge as the per-expert `experts` names
+    # models.layers.biased_experts.fused presents to the bridge as the per-expert `experts` names
     fused_experts_on_disk: bool = False
 
     def expert_parameters(self, cfg: Any) -> int:

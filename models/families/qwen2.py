@@ -9,6 +9,7 @@ from models.families.fields import COMMON_FIELDS, SLIDING_WINDOW
 
 class Qwen2(Family):
     model_type = "qwen2"
+    lora = True
     hf_class = "Qwen2ForCausalLM"
     fields = COMMON_FIELDS + (
         SLIDING_WINDOW,

@@ -10,12 +10,13 @@ from models.families.fields import COMMON_FIELDS, SLIDING_WINDOW
 
 class Qwen3(Family):
     model_type = "qwen3"
+    lora = True
     hf_class = "Qwen3ForCausalLM"
     qk_norm = True
     fields = COMMON_FIELDS + (
         SLIDING_WINDOW,
         FieldRule("attention_bias", "false; true -> q/k/v biases (megatron add_qkv_bias) and "
-                  "the o_proj bias (a biased linear_proj, models.layer_spec)"),
+                  "the o_proj bias (a biased linear_proj, models.layers.spec)"),
         FieldRule("(no field) q/k norm", "always on in HF Qwen3 -> megatron qk_layernorm "
                   "(RMSNorm, eps rms_norm_eps)"),
     )

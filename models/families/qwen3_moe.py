@@ -38,6 +38,7 @@ def _sparse_layers(cfg: Any) -> str | None:
 
 class Qwen3Moe(MoeFamily):
     model_type = "qwen3_moe"
+    lora = True
     hf_class = "Qwen3MoeForCausalLM"
     qk_norm = True
     experts = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
@@ -46,7 +47,7 @@ class Qwen3Moe(MoeFamily):
     fields = COMMON_FIELDS + (
         SLIDING_WINDOW,
         FieldRule("attention_bias", "false; true -> q/k/v biases (megatron add_qkv_bias) and "
-                  "the o_proj bias (a biased linear_proj, models.layer_spec)"),
+                  "the o_proj bias (a biased linear_proj, models.layers.spec)"),
         FieldRule("(no field) q/k norm", "always on in HF Qwen3-MoE -> megatron qk_layernorm"),
         FieldRule("moe_intermediate_size", "any -> moe_ffn_hidden_size (each expert's SwiGLU)"),
         FieldRule("norm_topk_prob", "true -> moe_router_pre_softmax=false (softmax over the k "

@@ -5,18 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 from models.families.base import Family, UnsupportedArchitectureError, field
-from models.families.deepseek_v3 import DeepseekV3
+from models.families.deepseek_v3.family import DeepseekV3
 from models.families.gpt_oss import GptOss
 from models.families.glm4_moe import Glm4Moe
-from models.families.kimi_k2 import KimiK2
+from models.families.deepseek_v3.kimi_k2 import KimiK2
 from models.families.llama import Llama
 from models.families.mixtral import Mixtral
 from models.families.moe import ExpertNaming, MoeFamily
 from models.families.qwen2 import Qwen2
 from models.families.qwen3 import Qwen3
 from models.families.qwen3_moe import Qwen3Moe
-from models.families.qwen3_5 import Qwen3_5, Qwen3_5Moe
-from models.families.qwen3_5_fields import Qwen3_5Conditional, Qwen3_5MoeConditional
+from models.families.qwen3_5.family import Qwen3_5, Qwen3_5Moe
+from models.families.qwen3_5.fields import Qwen3_5Conditional, Qwen3_5MoeConditional
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (Llama(), Qwen2(), Qwen3(), Qwen3Moe(),
                                                           Mixtral(), Qwen3_5(), Qwen3_5Moe(),
@@ -36,6 +36,12 @@ def family_of(hf_config: Any) -> Family:
             f"unsupported architecture model_type={model_type!r} in config.json; supported "
             f"model_type values: {supported}")
     return FAMILIES[model_type]
+
+
+def register_hf_classes() -> None:
+    """Every family's `register_hf_classes` (idempotent): model_types transformers lacks."""
+    for fam in FAMILIES.values():
+        fam.register_hf_classes()
 
 
 def model_presets() -> dict[str, dict]:

@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 from models.families.base import field
 from models.families.registry import family_of
-from models.quantized import logical_names
+from models.formats.quantized import logical_names
 
 # Tensors transformers itself drops on load: RoPE buffers of old checkpoints (recomputed from
 # the config). With tied embeddings a stored lm_head.weight is replaced by the embedding.
@@ -35,13 +35,13 @@ def _listing(names: list[str]) -> str:
 def tensor_problems(hf_config: Any, names: Iterable[str]) -> list[str]:
     """Tensors of a checkpoint (`names`) the mapping would not consume, and tensors it needs
     that are missing; empty when they match exactly."""
-    names = set(logical_names(hf_config, names))  # a quantized weight's scales: models.quantized
+    names = set(logical_names(hf_config, names))  # a quantized weight's scales: models.formats.quantized
     expected = expected_tensors(hf_config)
     tied = bool(field(hf_config, "tie_word_embeddings", False))
     fam = family_of(hf_config)
     extra = sorted(n for n in names - expected
                    if not _IGNORED.match(n) and not (tied and n == "lm_head.weight")
-                   and not fam.passthrough(hf_config, n))  # carried: models.hf_passthrough
+                   and not fam.passthrough(hf_config, n))  # carried: models.hf.passthrough
     missing = sorted(expected - names)
     problems = []
     if extra:

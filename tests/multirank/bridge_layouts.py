@@ -5,9 +5,9 @@
 
 For every model and every layout of LAYOUTS (dp = 4 / (tp * pp)), inside the same processes:
 re-initialise megatron parallel state, build this rank's chunks, fill them with NaN, load them
-(source "hf": `models.bridge.load_hf_weights`; source "ckpt": `models.checkpoint.load_model`
+(source "hf": `models.bridge.weights.load_hf_weights`; source "ckpt": `models.bridge.checkpoint.load_model`
 from CKPT_DIR, a TP1 checkpoint written by `tools/convert.py hf-to-mcore`), compute fp32 logits
-with `models.forward.forward_logits` on fixed random tokens and compare them with transformers'
+with `models.build.forward.forward_logits` on fixed random tokens and compare them with transformers'
 logits of HF_DIR computed on every rank. The difference is reduced with MAX over the whole
 world, so every rank's copy of the logits is checked.
 
@@ -83,10 +83,10 @@ def _megatron_logits(cfg: dict, tokens, reader, ckpt_dir: str, dtype, **override
     """Full-vocab fp32 logits [b, s, vocab] of chunks built for the current layout with
     `params_dtype=dtype` (and TransformerConfig `overrides`), NaN-poisoned, then loaded from
     HF (`reader` given) or from `ckpt_dir`. Collective over the world."""
-    from models.bridge import load_hf_weights
-    from models.checkpoint import load_model
-    from models.factory import build_model_chunks
-    from models.forward import forward_logits
+    from models.bridge.weights import load_hf_weights
+    from models.bridge.checkpoint import load_model
+    from models.build.factory import build_model_chunks
+    from models.build.forward import forward_logits
 
     chunks = build_model_chunks(cfg, params_dtype=dtype, **overrides)
     _nan_fill(chunks)
@@ -102,7 +102,7 @@ def run_arch(arch: str, hf_dir: str, ckpt_dir: str, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from models.hf_io import SafetensorsReader, read_config
+    from models.hf.io import SafetensorsReader, read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 

@@ -89,7 +89,7 @@ def overlap_round_trip(hf: dict, model_dir: str, root: str, save_on: bool) -> di
     from engine.training.comm_overlap import OverlapSettings
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.train_engine import TrainEngine
-    from models.bridge import export_hf_weights
+    from models.bridge.weights import export_hf_weights
 
     on, off = OverlapSettings(True, True, bucket_mb=0.02), OverlapSettings()
     normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
@@ -124,8 +124,8 @@ def main() -> None:
     from engine.sft.training import train_step
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.train_engine import TrainEngine
-    from models.checkpoint import model_sharded_state_dict, save_checkpoint
-    from models.hf_io import read_config
+    from models.bridge.checkpoint import model_sharded_state_dict, save_checkpoint
+    from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 

@@ -1,12 +1,12 @@
 """Measure the bytes each rank hands to collectives in one optimizer step, by kind, and print
-them next to engine.config.comm_plan's prediction (launched by tests/test_comm_plan.py).
+them next to models.estimate.comm's prediction (launched by tests/test_comm_plan.py).
 
     torchrun --nproc_per_node 2 tests/multirank/comm_bytes.py DENSE_DIR MOE_DIR SPEC...
 
 SPEC: "name:tp,pp,vpp,cp,ep,sp,moe" (sp, moe: 0/1). Before torch.distributed is used (and
 before megatron binds module-level aliases of its functions), every collective and
 point-to-point function of torch.distributed is wrapped: the outermost call records (group,
-op, input bytes) as engine.config.comm_plan defines them (all-gather: the local input;
+op, input bytes) as models.estimate.comm defines them (all-gather: the local input;
 reduce-scatter and all-reduce: the input; all-to-all: the input chunks; p2p: sends only).
 Calls made inside a wrapped call (parallel.cpu_runtime's gloo stand-ins) are not counted
 again. For each spec the harness builds the engine under that layout with both overlaps on,
@@ -164,13 +164,13 @@ def run_spec(spec: str, dense_dir: str, moe_dir: str) -> dict:
 
     from megatron.core import parallel_state as ps
 
-    from engine.config.comm_plan import CommSetup, comm_plan
+    from models.estimate.comm import CommSetup, comm_plan
     from engine.config.model_settings import megatron_overrides
     from engine.sft.training import train_step
     from engine.training.comm_overlap import OverlapSettings
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.train_engine import TrainEngine
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 

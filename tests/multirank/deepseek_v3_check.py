@@ -29,9 +29,9 @@ def _tokens(cfg: dict) -> torch.Tensor:
 
 
 def _build(cfg: dict, model_dir: str):
-    from models.bridge import load_hf_weights
-    from models.factory import build_model_chunks
-    from models.hf_io import SafetensorsReader
+    from models.bridge.weights import load_hf_weights
+    from models.build.factory import build_model_chunks
+    from models.hf.io import SafetensorsReader
 
     chunks = build_model_chunks(cfg)
     load_hf_weights(chunks, SafetensorsReader(model_dir), cfg)
@@ -41,7 +41,7 @@ def _build(cfg: dict, model_dir: str):
 
 
 def _attention_modules(chunks) -> list:
-    from models.mla import HFMultiLatentAttention
+    from models.layers.mla.module import HFMultiLatentAttention
     return [m for c in chunks for m in c.modules() if isinstance(m, HFMultiLatentAttention)]
 
 
@@ -49,9 +49,9 @@ def logits_parity(model_dir: str) -> dict:
     """{"max_abs", "scale", "no_mscale", "norm_eps", "no_permute"} (module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from models import mla_mapping
-    from models.forward import forward_logits
-    from models.hf_io import read_config
+    from models.layers.mla import mapping as mla_mapping
+    from models.build.forward import forward_logits
+    from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel, teardown_model_parallel
 
@@ -103,9 +103,9 @@ def _layer(cfg: dict, local_spec: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from models.config_bridge import transformer_config
-    from models.core_attention import SDPACoreAttention
-    from models import mla
+    from models.build.transformer_config import transformer_config
+    from models.layers.attention.core import SDPACoreAttention
+    from models.layers.mla import module as mla
 
     from megatron.core import parallel_state as ps
 
@@ -128,9 +128,9 @@ def _load_layer(module, model_dir: str, cfg: dict) -> None:
     column-parallel down projection of the control takes its rows chunk)."""
     from megatron.core import parallel_state as ps
 
-    from models.bridge import _local_shard  # noqa: PLC2701 (the bridge's own TP slicing)
-    from models.hf_io import SafetensorsReader
-    from models.mla_mapping import mla_mapping
+    from models.bridge.weights import _local_shard  # noqa: PLC2701 (the bridge's own TP slicing)
+    from models.hf.io import SafetensorsReader
+    from models.layers.mla.mapping import mla_mapping
 
     reader = SafetensorsReader(model_dir)
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -177,8 +177,8 @@ def _run_layer(module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
 
 def mla_tp_sp(model_dir: str) -> dict:
     """{"out_rel", "grad_rel", "control_grad_rel"} of layer 0 at TP2 + SP vs one rank."""
-    from models.factory import _tag_tensor_parallel_params  # noqa: PLC2701
-    from models.hf_io import read_config
+    from models.build.factory import _tag_tensor_parallel_params  # noqa: PLC2701
+    from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel, teardown_model_parallel
 

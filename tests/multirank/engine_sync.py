@@ -49,9 +49,9 @@ def main() -> int:
     import torch.distributed as dist
 
     from engine.rl.policy.weight_sync import sync_to_rollout
-    from models.bridge import load_hf_weights
-    from models.factory import build_model_chunks
-    from models.hf_io import SafetensorsReader, read_config
+    from models.bridge.weights import load_hf_weights
+    from models.build.factory import build_model_chunks
+    from models.hf.io import SafetensorsReader, read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 

@@ -46,10 +46,10 @@ def logits_parity(model_dir: str) -> dict:
     from megatron.core.transformer.moe import router
     from transformers import AutoModelForCausalLM
 
-    from models.bridge import load_hf_weights
-    from models.factory import build_model_chunks
-    from models.forward import forward_logits
-    from models.hf_io import SafetensorsReader, read_config
+    from models.bridge.weights import load_hf_weights
+    from models.build.factory import build_model_chunks
+    from models.build.forward import forward_logits
+    from models.hf.io import SafetensorsReader, read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 
@@ -105,7 +105,7 @@ def main() -> None:
     """The harness with the bias flag and controls (module docstring); every patch of the
     harness module is undone on exit (the rank pool keeps modules loaded between cases)."""
     from engine.config.moe_settings import MoEConfig, moe_overrides
-    from models.hf_io import read_config
+    from models.hf.io import read_config
 
     saved = {n: getattr(harness, n) for n in ("moe_loss_overrides", "inject_bug",
                                               "negative_controls", "ADAM_EPS")}

@@ -30,7 +30,7 @@ MODE = "token-mean"
 @contextlib.contextmanager
 def broken(control: str | None):
     """The attention broken as `control` says (module docstring), restored afterwards."""
-    from models import core_attention
+    from models.layers.attention import core as core_attention
     from parallel import ulysses
 
     original_packed, original_attention = (core_attention.packed_causal_attention,
@@ -62,7 +62,7 @@ def main():
     import torch
     import torch.distributed as dist
 
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
     from tests.multirank import sft_invariance as inv

@@ -1,4 +1,4 @@
-"""Grouped MoE experts (models.grouped_experts) against megatron's SequentialMLP.
+"""Grouped MoE experts (models.layers.experts.grouped) against megatron's SequentialMLP.
 
   python tests/multirank/grouped_experts_check.py --unit
   torchrun --nproc_per_node 2 tests/multirank/grouped_experts_check.py HF_DIR
@@ -50,7 +50,7 @@ def _expert_modules(fused: bool):
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from models.grouped_experts import GroupedExperts
+    from models.layers.experts.grouped import GroupedExperts
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
                             ffn_hidden_size=24, moe_ffn_hidden_size=24, num_moe_experts=4,
@@ -119,9 +119,9 @@ def _forward_backward(cfg: dict, reader, tokens, grouped: bool, sp: bool, **over
     """(logits [b, s, v/tp], {name: grad}) of one fp32 forward/backward on `tokens`."""
     import torch
 
-    from models.bridge import load_hf_weights
-    from models.factory import build_model_chunks
-    from models.grouped_experts import GroupedExperts
+    from models.bridge.weights import load_hf_weights
+    from models.build.factory import build_model_chunks
+    from models.layers.experts.grouped import GroupedExperts
 
     (chunk,) = build_model_chunks(cfg, grouped_experts=grouped, sequence_parallel=sp,
                                   **overrides)
@@ -138,7 +138,7 @@ def whole_model(hf_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from models.hf_io import SafetensorsReader, read_config
+    from models.hf.io import SafetensorsReader, read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 

@@ -63,8 +63,8 @@ def build(model_dir, hf_config, moe: bool, adapter: str | None, load: bool = Tru
           overrides: dict | None = None):
     import torch
 
-    from models.lora import LoraSpec
-    from models.lora_sites import resolve_targets
+    from models.lora.adapters import LoraSpec
+    from models.lora.sites import resolve_targets
     from engine.training.train_engine import TrainEngine
 
     spec = LoraSpec(RANK, ALPHA, resolve_targets(MOE_TARGETS if moe else DENSE_TARGETS),
@@ -83,7 +83,7 @@ def adapter_tensors(engine) -> dict:
     from megatron.core import parallel_state as ps
     import torch.distributed as dist
 
-    from models.checkpoint import model_sharded_state_dict
+    from models.bridge.checkpoint import model_sharded_state_dict
 
     out = {}
     for chunk_sd in model_sharded_state_dict(engine.chunks)["model"].values():
@@ -179,7 +179,7 @@ class Results(list):
 def layouts(dense, moe, adapter, out, rank, world):
     import torch
 
-    from models.lora_sites import set_reduction
+    from models.lora.sites import set_reduction
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
     from engine.checkpoint.checkpointing import load_training_checkpoint, DataPosition
@@ -195,7 +195,7 @@ def layouts(dense, moe, adapter, out, rank, world):
         results.append(compare(name, ref["dense"], *train(engine, data), adapter_tensors(engine)))
     converted = os.path.join(out, "from_adapter")
     if os.path.isdir(converted):   # tools/convert.py hf-to-mcore --adapter ADAPTER --tp 2
-        from models.checkpoint import load_model
+        from models.bridge.checkpoint import load_model
 
         setup_model_parallel(ParallelLayout(world, pp=2))
         engine = build(*dense, False, None,
@@ -220,7 +220,7 @@ def layouts(dense, moe, adapter, out, rank, world):
 
 
 def main():
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 

@@ -12,7 +12,7 @@ tests/multirank/rl_invariance.py, with a LoRA policy (all-linear, rank 4, fresh 
 2. only the adapters changed: every base parameter bitwise equal to its value after loading,
    every adapter's B moved off zero; the trainable parameters (those DDP and the optimizer
    hold) are exactly the adapters, and their count on this rank equals
-   models.lora_counting.adapter_parameters' per-rank count of the first stage;
+   models.estimate.lora.adapter_parameters' per-rank count of the first stage;
 3. the KL reference: the policy's log-probs with its adapters switched off
    (engine.rl.policy.logprob_stage.base_logprobs) against a separately built frozen base
    (TrainEngine.frozen of MODEL_DIR): largest relative difference; the negative control, the
@@ -37,8 +37,8 @@ def build_policy(model_dir: str, hf_config: dict, steps: int, sp: bool):
     import torch
 
     from engine.training.train_engine import TrainEngine
-    from models.lora import LoraSpec
-    from models.lora_sites import resolve_targets
+    from models.lora.adapters import LoraSpec
+    from models.lora.sites import resolve_targets
     from tests.multirank import rl_invariance as inv
 
     spec = LoraSpec(RANK, ALPHA, resolve_targets("all-linear"), seed=SEED)
@@ -85,8 +85,8 @@ def frozen_base_report(policy, snapshot: dict, hf_config: dict, spec) -> dict:
     """Module docstring, 2.: what changed, what is trainable, the per-rank adapter count."""
     from megatron.core import parallel_state as ps
 
-    from models.lora_counting import adapter_parameters
-    from models.lora_sites import is_adapter_param
+    from models.estimate.lora import adapter_parameters
+    from models.lora.sites import is_adapter_param
 
     base_changed, adapters_unmoved, trainable_not_adapter, adapter_numel = 0, 0, 0, 0
     for name, p in policy.chunks[0].module.named_parameters():
@@ -133,7 +133,7 @@ def reference_report(policy, frozen, batch, temperature: float) -> dict:
 def main() -> None:
     import torch.distributed as dist
 
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
     from tests.multirank import rl_invariance as inv

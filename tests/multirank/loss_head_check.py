@@ -16,7 +16,7 @@ backward of a loss using log-probs and entropy (temperature 0.9) with `loss_chun
 (megatron's logits) and 5, and the forward-only recomputed log-probs
 (engine.rl.policy.logprobs.compute_token_logprobs). Compared: loss, every parameter's gradient
 (main_grad: the output weight / tied embedding, and every layer behind the hidden states), the
-log-prob table. "broken" model cases: models.output_head.tp_replicated_input without the TP
+log-prob table. "broken" model cases: models.layers.heads.output.tp_replicated_input without the TP
 reduction of the hidden-state gradient. Rank 0 prints one "RESULT {json}" line per case.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # noqa: E402
 
-import models.output_head as output_head  # noqa: E402
+import models.layers.heads.output as output_head  # noqa: E402
 from engine.training.loss_head import HiddenStates  # noqa: E402
 from engine.training.token_losses import token_logprobs_and_entropy  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
@@ -61,7 +61,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def no_tp_reduction(layer, hidden):
-    """models.output_head.tp_replicated_input without the backward TP sum (the bug)."""
+    """models.layers.heads.output.tp_replicated_input without the backward TP sum (the bug)."""
     if layer.sequence_parallel:
         return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
     return hidden
@@ -160,7 +160,7 @@ def grads_and_logprobs(state, seqs, chunk):
 
 def model_case(model_dir: str, layout: dict, sp: bool, packing: bool, broken: bool = False):
     from engine.training.train_engine import TrainEngine
-    from models.hf_io import read_config
+    from models.hf.io import read_config
 
     hf_config = read_config(model_dir)
     setup_model_parallel(ParallelLayout(dist.get_world_size(), sequence_parallel=sp, **layout))

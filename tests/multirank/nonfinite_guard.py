@@ -61,7 +61,7 @@ def main() -> None:
     from engine.training.comm_overlap import OverlapSettings
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.train_engine import TrainEngine
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 tests/multirank/qwen3_5_check.py
 
-One GatedDeltaNet layer (models.gated_delta_net) with the same weights on every rank:
+One GatedDeltaNet layer (models.layers.gated_delta_net.module) with the same weights on every rank:
 1. packing (cp 1, each rank alone): three sequences packed in one thd row give the outputs and
    parameter gradients of running each sequence alone (rel 1e-5); negative control: the state
    and conv window not restarted at segment starts (`restart_segments = False`) differ;
@@ -31,7 +31,7 @@ HIDDEN, LENGTHS = 32, [12, 20, 8]
 def build(cp: int):
     from megatron.core.packed_seq_params import PackedSeqParams  # noqa: F401 (megatron after init)
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from models.gated_delta_net import GatedDeltaNet
+    from models.layers.gated_delta_net.module import GatedDeltaNet
 
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, context_parallel_size=cp,

@@ -247,7 +247,7 @@ def spec_model(spec: str, dense: tuple) -> tuple:
     """(model dir, HF config, reference-key prefix): the dense MODEL_DIR, or with a flag of
     OTHER_MODELS the model of its environment variable; flag mt (multi-turn batch,
     tests/multirank/rl_multi_turn.py) prefixes the key with "mt/"."""
-    from models.hf_io import read_config
+    from models.hf.io import read_config
 
     mt = "mt/" if "mt" in spec_flags(spec) else ""
     flag = next((f for f in spec_flags(spec) if f in OTHER_MODELS), None)
@@ -312,7 +312,7 @@ def run_variants(model_dir, hf_config, layout_kw, train, world, sp, temperature,
 def main():
     import torch
 
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from parallel.process_groups import init_distributed, shutdown
 
     model_dir, ref_file, specs = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -224,7 +224,7 @@ def r3_from_hf(model_dir, hf_config, spec, batch):
 
 
 def main():
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from parallel.process_groups import init_distributed, shutdown
 
     model_dir, specs = sys.argv[1], sys.argv[2:]

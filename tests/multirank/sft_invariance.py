@@ -77,7 +77,7 @@ def parse_spec(spec: str):
 def spec_model(spec: str, dense: tuple) -> tuple:
     """(model dir, HF config, reference-key prefix) of a spec: the dense MODEL_DIR, or with
     the `moe` flag the MoE model of $INV_MOE_MODEL_DIR (its references are keyed "moe/MODE")."""
-    from models.hf_io import read_config
+    from models.hf.io import read_config
 
     parts = spec.split(",")
     if "moe" not in (parts[5].split("+") if len(parts) > 5 else []):
@@ -197,7 +197,7 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
     from engine.sft.training import train_step
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.train_engine import TrainEngine
-    from models.bridge import export_hf_weights
+    from models.bridge.weights import export_hf_weights
 
     optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
@@ -282,7 +282,7 @@ def main():
     import torch
     import torch.distributed as dist
 
-    from models.hf_io import read_config
+    from models.hf.io import read_config
     from parallel.process_groups import init_distributed, shutdown
 
     model_dir, ref_file, specs = sys.argv[1], sys.argv[2], sys.argv[3:]

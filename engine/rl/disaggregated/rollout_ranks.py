@@ -41,7 +41,7 @@ from engine.rl.disaggregated.world import SplitWorld, active_split, isend_object
 from engine.rl.env.episode_batch import check_env_start
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.pool import RolloutPool
-from models.custom_code import load_tokenizer
+from models.hf.custom_code import load_tokenizer
 
 
 def _bcast(obj):

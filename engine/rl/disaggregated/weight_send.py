@@ -69,7 +69,7 @@ def push_weights(split: SplitWorld, chunks, hf_config: dict, bucket_mb: float,
     """Collective over the training world: every stage exports its weights (TP/EP gathered);
     each sender streams its stage's buckets, tagged `version`, to its engine owners. Returns
     the sender's SyncStats (bytes of its own stage per owner), None on other ranks.
-    `quantized`: a models.quantized_stream.QuantizedSource (rollout.sync_quantization), used
+    `quantized`: a models.hf.quantized_stream.QuantizedSource (rollout.sync_quantization), used
     by the senders only."""
     targets = plan.sends.get(dist.get_rank(), [])
     what = f"sending weight version {version}"

@@ -20,7 +20,7 @@ from engine.rl.env.episodes import Episode, EpisodeRunner, EpisodeSettings
 from engine.rl.env.observation import observation_text
 from engine.rl.env.tools_env import tool_env_factory, tool_format, tool_schemas
 from engine.rl.rollout.pool import GenerateStats
-from models.custom_code import load_tokenizer
+from models.hf.custom_code import load_tokenizer
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error")
 

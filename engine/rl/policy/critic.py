@@ -1,5 +1,5 @@
 """The PPO critic (`advantage.estimator=gae`, `critic.*`; docs/algorithms.md): the policy's
-GPTModel with a scalar value head (models.value_head), its own optimizer, at the policy's
+GPTModel with a scalar value head (models.layers.heads.value), its own optimizer, at the policy's
 layout.
 
 - `compute_token_values`: forward-only values of every position (the value of the state
@@ -28,7 +28,7 @@ from engine.rl.policy.logprobs import attach_extra
 from engine.training.loss import GlobalLossNormalizer, aggregate
 from engine.training.micro_batches import SequenceData
 from engine.training.train_engine import TrainEngine
-from models.value_head import value_head
+from models.layers.heads.value import value_head
 from parallel import cpu_runtime
 
 REPORT_KEYS = ("critic/value_loss", "critic/_vpred_sum", "critic/_clipped", "critic/_tokens")

@@ -23,7 +23,7 @@ from engine.rl.policy.routing_replay import after_old_logprobs, start_routing_re
 from engine.training.host_offload import HostOffload
 from engine.training.micro_batches import SequenceData
 from engine.training.train_engine import TrainEngine
-from models.lora import adapters_disabled
+from models.lora.adapters import adapters_disabled
 
 
 def attach_old_logprobs(policy, seqs: list[SequenceData], cfg) -> dict[str, float]:
@@ -58,7 +58,7 @@ class AuxiliaryModels:
     reference (kl.beta > 0) and distillation teacher (distill.teacher_path), and the PPO
     critic (advantage.estimator=gae; trained, with its own optimizer). `reference_is_base`:
     with LoRA the KL reference is the policy's own frozen base (its adapters switched off,
-    models.lora.adapters_disabled), so `reference` stays None: no second model."""
+    models.lora.adapters.adapters_disabled), so `reference` stays None: no second model."""
 
     reference: TrainEngine | None = None
     reference_is_base: bool = False

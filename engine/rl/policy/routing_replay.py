@@ -7,7 +7,7 @@
   prefill, response tokens from the decode steps: Generation.routed_experts); the old-log-prob
   forward and every update forward replay it.
 
-What replay changes (models.routing_replay): only which experts a token uses; the routing
+What replay changes (models.layers.experts.replay): only which experts a token uses; the routing
 weights are recomputed from the current router at the replayed experts (renormalised softmax
 over the replayed logits for Qwen3-MoE with norm_topk_prob / Mixtral), so the router still gets
 gradients. Router losses (moe.aux_loss_coeff, moe.z_loss_coeff) are computed as megatron

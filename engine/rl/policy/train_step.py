@@ -29,8 +29,8 @@ from engine.training.host_offload import HostOffload
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
-from models.critic_io import load_critic
-from models.value_head import attach_value_heads
+from models.bridge.critic import load_critic
+from models.layers.heads.value import attach_value_heads
 
 # Metrics averaged over the optimizer steps of one RL step (maxima: MAX_KEYS).
 UPDATE_MEAN_KEYS = ("policy/loss", "policy/pg_loss", "policy/clipfrac_low",
@@ -106,7 +106,7 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
     teacher_offload).
     Trained: the PPO critic (a full model, also when the policy has LoRA adapters), the
     policy's initial weights plus a zero value head
-    (models.value_head), or critic.hf_path (a critic in HF form, models.critic_io), with
+    (models.layers.heads.value), or critic.hf_path (a critic in HF form, models.bridge.critic), with
     optim.* but critic.lr, critic.warmup_steps and min_lr scaled by critic.lr / optim.lr; it
     always takes hidden states (the chunked head's path)."""
     def frozen(config: dict, path: str) -> TrainEngine:

@@ -3,7 +3,7 @@ pipeline stage, in bounded buckets. Shared by the colocated sync (engine.rl.poli
 and the disaggregated sender (engine.rl.disaggregated.weight_send).
 
 - `export_stage_weights`: finish the deferred parameter all-gather (ddp overlap_param_gather
-  defers it to the next forward pass), then models.bridge.export_hf_weights for this rank's
+  defers it to the next forward pass), then models.bridge.weights.export_hf_weights for this rank's
   pipeline stage (Megatron -> HF names, TP and expert-parallel gathered inside the stage, vocab
   unpadded: the same code path as checkpoint conversion).
 - `layout_table` / `stage_heads`: which rank holds which (replica, stage, TP rank), so each
@@ -13,7 +13,7 @@ and the disaggregated sender (engine.rl.disaggregated.weight_send).
   counting what passed (`stats`). A quantized weight's scale (`*_scale_inv`, right after its
   weight in the stream) always joins its weight's bucket, so an engine loads both in one call.
 - rollout.sync_quantization=fp8: `export_stage_weights(..., quantized)` yields the weights the
-  source checkpoint stores in FP8 as FP8 + scales (models.quantized_stream.QuantizedSource).
+  source checkpoint stores in FP8 as FP8 + scales (models.hf.quantized_stream.QuantizedSource).
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.training.comm_overlap import finish_param_gather
-from models.bridge import export_hf_weights
-from models.fp8_blocks import SCALE_SUFFIX
-from models.lora_sites import lora_spec_of, merged_weight
-from models.quantized_stream import QuantizedSource
+from models.bridge.weights import export_hf_weights
+from models.formats.fp8 import SCALE_SUFFIX
+from models.lora.sites import lora_spec_of, merged_weight
+from models.hf.quantized_stream import QuantizedSource
 
 BYTES_PER_MB = 2 ** 20
 
@@ -112,7 +112,7 @@ def export_stage_weights(chunks: list, hf_config: dict, quantized: QuantizedSour
     """This rank's pipeline stage as HF-named full tensors (a lazy stream). Collective over the
     stage's TP (and expert-parallel) group: every rank of the stage must consume it. The
     deferred parameter gather is finished here, before the stream starts. With LoRA adapters
-    the tensors are the merged weights, base + scaling * B A (models.lora_sites.merged_weight,
+    the tensors are the merged weights, base + scaling * B A (models.lora.sites.merged_weight,
     one weight at a time). `quantized` (rollout.sync_quantization; pass it only on ranks whose
     stream reaches an engine): the weights its source stores quantized are yielded as their
     stored parts (FP8: the fp8 weight, then its fp32 `weight_scale_inv`)."""

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from engine.rl.policy.weight_export import (BucketStream, LayoutTable, SyncStats,
                                             export_stage_weights, layout_table, stage_heads)
 from engine.rl.rollout.base import RolloutEngine
-from models.forward import forward_logits
-from models.quantized_stream import QuantizedSource
+from models.build.forward import forward_logits
+from models.hf.quantized_stream import QuantizedSource
 from parallel import cpu_runtime
 
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -78,7 +78,7 @@ def sync_to_rollout(chunks: list, hf_config: dict, engine: RolloutEngine | None,
 
     Collective over the world. `owners[e]` is the global rank owning engine e (`engine` is this
     rank's own engine, or None); `targets` the engines to fill (default: all). Every rank runs
-    models.bridge.export_hf_weights for its pipeline stage (TP all-gathers inside each TP
+    models.bridge.weights.export_hf_weights for its pipeline stage (TP all-gathers inside each TP
     group, every model replica in parallel). Each target owner takes its own replica's
     tensors: its own stage's from its own export, the other stages' from their TP rank 0,
     point-to-point. No tensor passes through a rank that does not need it, and replicas on
@@ -122,7 +122,7 @@ def probe_tokens(vocab_size: int, length: int = 24) -> torch.Tensor:
 def check_weight_sync(chunks: list, vocab_size: int, engine: RolloutEngine | None,
                       before: torch.Tensor | None) -> dict[str, float]:
     """Debug metrics after a sync, on rank 0: the largest max |engine logits - trainer logits|
-    over all engines on a fixed probe (fp32, models.forward.forward_logits; collective over the
+    over all engines on a fixed probe (fp32, models.build.forward.forward_logits; collective over the
     world, needs cp == 1 and engines whose `supports_logit_probe`), and how far rank 0's engine's
     logits moved from `before`. `engine`: this rank's own engine, or None."""
     probe = probe_tokens(vocab_size)

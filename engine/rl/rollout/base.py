@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from models.hf_conditional import original_config
+from models.hf.conditional import original_config
 
 # Built-in backends by name: module:class, imported on first use (sglang is a GPU-only extra).
 BACKENDS = {"hf": "engine.rl.rollout.hf_backend:HFRolloutEngine",
@@ -224,7 +224,7 @@ def make_rollout_engine(backend: str, hf_path: str, **kwargs) -> RolloutEngine:
 
 def conditional_checkpoint_problems(cfg, hf_config: dict) -> list[str]:
     """What RL (config `cfg`: rollout.backend, advantage.estimator) has not run with a
-    conditional-generation checkpoint (models.hf_conditional), one sentence each naming the
+    conditional-generation checkpoint (models.hf.conditional), one sentence each naming the
     key: a rollout backend other than hf (transformers loads the folder's text model, whose
     names `model.*` the weight sync streams; a backend loading the wrapper itself, as SGLang
     does, names them `model.language_model.*`), and PPO's critic (its HF form, a token

@@ -7,7 +7,7 @@ them fits its rollout.sglang.mem_fraction of the GPU and what is left for its KV
   fp32 scale per weight_block_size block (ragged edge blocks counted whole), every other
   parameter (embeddings, lm_head, norms, routers) in model.dtype. Which weights those are is
   the family's published layout: DeepSeek-V3 / Kimi-K2 (MLA;
-  models.families.deepseek_v3_costs.fp8_weight_shapes); other families are refused by name.
+  models.layers.mla.costs.fp8_weight_shapes); other families are refused by name.
 
 SGLang's KV cache for MLA models: one (kv_lora_rank + qk_rope_head_dim)-wide latent per token
 and layer in bf16, held whole by every GPU of a tensor-parallel engine (the latent has no heads
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.families import stage_parameters
+from models.estimate.counting import stage_parameters
 from models.families.base import field
-from models.families.deepseek_v3_costs import fp8_weight_shapes, uses_mla
-from models.quantized import quantization_config
+from models.layers.mla.costs import fp8_weight_shapes, uses_mla
+from models.formats.quantized import quantization_config
 
 GIB = 2 ** 30
 

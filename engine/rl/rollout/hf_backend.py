@@ -14,7 +14,7 @@ sleep -> train -> wake -> sync_weights -> generate.
 
 FP8 sync (rollout.sync_quantization=fp8, a checkpoint published in FP8): transformers loads the
 folder dequantized (on CPU), and `update_weights` takes each float8 weight together with its
-`weight_scale_inv` from the same bucket and writes fp8 x scale in fp32 (models.fp8_blocks, the
+`weight_scale_inv` from the same bucket and writes fp8 x scale in fp32 (models.formats.fp8, the
 blocks of the folder's quantization_config: exactly what the trainer loads from the
 checkpoint), so the engine holds dequant(quant(W)). A float8 weight whose scale is missing, or
 a scale without its weight, is refused instead of being cast unscaled.
@@ -33,9 +33,9 @@ from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.hf_routing import GateRecorder, assemble
 from engine.rl.rollout.hf_targets import checkpoint_targets
 from engine.rl.rollout.sampling import SeededSampler
-from models import fp8_blocks
-from models.custom_code import load_tokenizer
-from models.quantized import QUANT_METHODS, quantization_config
+from models.formats import fp8 as fp8_blocks
+from models.hf.custom_code import load_tokenizer
+from models.formats.quantized import QUANT_METHODS, quantization_config
 
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -57,7 +57,7 @@ class HFRolloutEngine(RolloutEngine):
         device: where the model runs; default the current CUDA device, else the CPU.
         dtype: parameter dtype; default the checkpoint's dtype.
         trust_remote_code: the tokenizer may be the folder's own code (model.trust_remote_code,
-            models.custom_code.load_tokenizer); the model is always transformers' own class.
+            models.hf.custom_code.load_tokenizer); the model is always transformers' own class.
     Attributes:
         model: the transformers model (read it to inspect weights or compute reference logits).
         eos_token_ids: generation stops per sequence at any of these (config, generation

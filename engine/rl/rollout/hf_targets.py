@@ -1,6 +1,6 @@
 """Where each HF checkpoint tensor lives inside a loaded transformers model.
 
-The weight sync streams tensors under their checkpoint names (models.bridge.export_hf_weights:
+The weight sync streams tensors under their checkpoint names (models.bridge.weights.export_hf_weights:
 what `save_pretrained` writes and SGLang loads). transformers >= 5 keeps the experts of a
 mixture-of-experts layer fused in memory, under `model.layers.{i}.mlp` whatever the family
 calls the block on disk: `...mlp.experts.gate_up_proj` [E, 2 I, H] (expert e's gate rows,
@@ -11,17 +11,18 @@ and `mlp.gate.weight`, Mixtral `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` 
 `block_sparse_moe.gate.weight`. `checkpoint_targets` maps every checkpoint name to the tensor
 (a parameter, or a view of a fused one) that receives it; older transformers keep one module
 per expert under the checkpoint's names and need no view. gpt-oss checkpoints are fused as
-in memory (`fused_experts_on_disk`: models.gpt_oss_checkpoint): every name is its parameter.
+in memory (`fused_experts_on_disk`: models.layers.biased_experts.fused): every name is its parameter.
 """
 from __future__ import annotations
 
 import torch
 
-from models.families import ExpertNaming, expert_naming, moe_family
+from models.families.moe import ExpertNaming
+from models.families.registry import expert_naming, moe_family
 
 _FUSED_SUFFIX = "mlp.experts.gate_up_proj"
 _ROUTER_SUFFIX = "mlp.gate.weight"
-_SCORE_BIAS = "e_score_correction_bias"  # sigmoid routers (models.families.moe_routing)
+_SCORE_BIAS = "e_score_correction_bias"  # sigmoid routers (models.families.sigmoid_routed)
 # Names of a MoE model whose model_type the bridge does not know (transformers' default).
 _DEFAULT_NAMING = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 
@@ -53,7 +54,7 @@ def checkpoint_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
     buffers (GLM-4.5, DeepSeek-V3) are targets too."""
     naming = expert_naming(getattr(model, "config", None)) or _DEFAULT_NAMING
     family = moe_family(getattr(model, "config", None))
-    fused_on_disk = bool(getattr(family, "fused_experts_on_disk", False))
+    fused_on_disk = family is not None and family.fused_experts_on_disk
     params = dict(model.named_parameters(remove_duplicate=False))
     first = {id(p): name for name, p in reversed(list(params.items()))}
     targets: dict[str, torch.Tensor] = {}

@@ -4,7 +4,7 @@ docs/deepseek_v3.md).
 - null (default): every tensor in the trainer's dtype (model.dtype), as it always did;
 - fp8: the weights model.hf_path stores as FP8 (quantization_config quant_method fp8, 128 x 128
   `weight_scale_inv` blocks: DeepSeek-V3, Kimi-K2) are quantized on the trainer with the
-  project's block quantizer (models.quantized_stream, the one `tools/convert.py --quantize fp8`
+  project's block quantizer (models.hf.quantized_stream, the one `tools/convert.py --quantize fp8`
   uses) and sent as the fp8 weight plus its fp32 scale under the published names, which an FP8
   engine's checkpoint loader reads (SGLang's `update_weights_from_tensor`); the other tensors
   go in model.dtype. The engine then holds dequant(quant(W)): FP8 rounding, not the trainer's
@@ -20,8 +20,8 @@ the default: they load the checkpoint as FP8 and would cast bf16 updates unscale
 from __future__ import annotations
 
 from engine.rl.rollout.base import backend_class
-from models.quantized import quant_method
-from models.quantized_stream import SYNC_METHODS, QuantizedSource, source_problem
+from models.formats.quantized import quant_method
+from models.hf.quantized_stream import SYNC_METHODS, QuantizedSource, source_problem
 
 SYNC_QUANTIZATIONS = SYNC_METHODS        # besides null
 _SOURCES: dict[str, QuantizedSource] = {}

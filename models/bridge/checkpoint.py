@@ -1,0 +1,114 @@
+"""Model checkpoints in Megatron's distributed format, loadable at any TP/PP/VPP.
+
+A checkpoint directory holds:
+  - the `megatron.core.dist_checkpointing` files (`metadata.json`, `*.distcp`, `common.pt`);
+    model weights live under the state-dict key `model` (training checkpoints add `optimizer`,
+    `scheduler`, `rng`, `data`, which model-only readers ignore);
+  - `hf/`: the HF `config.json` and tokenizer files, so later commands need no extra flags;
+  - `bridge.json`: architecture, padded vocab and format version.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from models.bridge.weights import unwrap
+from models.build.transformer_config import model_shape
+from models.families.registry import family_of
+from models.hf.conditional import file_config, text_view
+from models.hf.io import copy_tokenizer_files
+from models.hf.passthrough import save_passthrough
+from models.hf.quantized_export import record_source
+from models.lora.sites import is_adapter_param, lora_spec_of
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(FileNotFoundError):
+    """A path that is not a readable checkpoint of this project."""
+
+
+def model_sharded_state_dict(chunks: list) -> dict:
+    """{"model": {"chunk0": ..., ...}}: sharded tensors with global (layout-free) keys; with
+    LoRA adapters (models.lora.sites) only theirs: the frozen base comes from model.hf_path."""
+    lora = lora_spec_of(chunks) is not None
+    return {"model": {f"chunk{i}": {k: v for k, v in unwrap(c).sharded_state_dict().items()
+                                    if not lora or is_adapter_param(k)}
+                      for i, c in enumerate(chunks)}}
+
+
+def load_model_state(chunk, state: dict) -> None:
+    """Load a `model_sharded_state_dict` entry into one chunk: every key strictly, or with
+    LoRA adapters every adapter key (the base is not in the checkpoint)."""
+    model = unwrap(chunk)
+    if lora_spec_of([model]) is None:
+        model.load_state_dict(state, strict=True)
+        return
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if is_adapter_param(k)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"LoRA checkpoint mismatch: missing adapters {missing[:4]}, "
+                              f"unexpected {result.unexpected_keys[:4]}")
+
+
+def write_metadata(ckpt_dir: str | os.PathLike, hf_config: dict, tokenizer_dir: str | None
+                   ) -> None:
+    """Rank-0 writer of `hf/` (config, tokenizer files and the pass-through tensors of the
+    HF folder `tokenizer_dir`: models.hf.passthrough) and `bridge.json`."""
+    hf_dir = Path(ckpt_dir) / "hf"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    # as stored in the source (a conditional-generation wrapper's own: models.hf.conditional)
+    (hf_dir / "config.json").write_text(json.dumps(file_config(hf_config), indent=2))
+    if tokenizer_dir:
+        copy_tokenizer_files(tokenizer_dir, hf_dir)
+        save_passthrough(tokenizer_dir, hf_config, hf_dir)  # e.g. MTP layers, as read
+        record_source(tokenizer_dir, hf_config, hf_dir)  # quantized source: scales, dtypes
+    meta = {"format_version": FORMAT_VERSION, "architecture": family_of(hf_config).model_type,
+            "vocab_size": hf_config["vocab_size"],
+            "padded_vocab_size": model_shape(hf_config).padded_vocab_size}
+    (Path(ckpt_dir) / "bridge.json").write_text(json.dumps(meta, indent=2))
+
+
+def save_checkpoint(state: dict, ckpt_dir: str | os.PathLike, hf_config: dict,
+                    tokenizer_dir: str | None) -> None:
+    """Collective: save a sharded state dict (containing at least `model`) plus metadata."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    dist_checkpointing.save(state, str(ckpt_dir))
+    if dist.get_rank() == 0:
+        write_metadata(ckpt_dir, hf_config, tokenizer_dir)
+    dist.barrier()
+
+
+def load_checkpoint(state: dict, ckpt_dir: str | os.PathLike) -> dict:
+    """Collective: load the entries of `state` (sharded for this layout) from `ckpt_dir`."""
+    check_checkpoint_dir(ckpt_dir)
+    return dist_checkpointing.load(state, str(ckpt_dir))
+
+
+def load_model(chunks: list, ckpt_dir: str | os.PathLike) -> None:
+    """Fill `chunks` (built for the current layout) from a checkpoint's `model` entry."""
+    loaded = load_checkpoint(model_sharded_state_dict(chunks), ckpt_dir)
+    for i, chunk in enumerate(chunks):
+        load_model_state(chunk, loaded["model"][f"chunk{i}"])
+
+
+def check_checkpoint_dir(ckpt_dir: str | os.PathLike) -> None:
+    path = Path(ckpt_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path} is not a Megatron distributed checkpoint "
+                              f"(no metadata.json)")
+    if not (path / "hf" / "config.json").is_file():
+        raise CheckpointError(f"{path} has no hf/config.json: not written by this project")
+
+
+def read_hf_config(ckpt_dir: str | os.PathLike) -> dict:
+    """The HF config stored with a checkpoint, as the engines read it (as
+    models.hf.io.read_config does)."""
+    check_checkpoint_dir(ckpt_dir)
+    return text_view(json.loads((Path(ckpt_dir) / "hf" / "config.json").read_text()))

@@ -1,0 +1,82 @@
+"""LoRA adapter parameter counts per pipeline stage and TP rank, from an HF config (dict or
+transformers object), the target names and the rank. Plain arithmetic (no torch, megatron or
+transformers), for the memory estimate of `--validate` (models.estimate.lora_memory).
+
+Per decoder layer, r the rank, h the hidden size, tp the tensor-parallel size, as
+models.lora.adapters / models.lora.sites shard them:
+
+- q_proj, k_proj, v_proj (column-parallel, linear_qkv): each slice A [r, h] replicated on every
+  TP rank, B [out / tp, r] (out: heads x head_dim, or kv heads x head_dim);
+- o_proj (row-parallel): A [r, heads x head_dim / tp], B [h, r] replicated;
+- gate_proj, up_proj (column, linear_fc1 of a dense-MLP layer): A [r, h] each, B [ffn / tp, r];
+- down_proj (row, linear_fc2 of a dense-MLP layer): A [r, ffn / tp], B [h, r];
+  (on a MoE layer gate/up/down adapt nothing, as in peft);
+- experts (each of the num_experts / ep local experts of a MoE layer, expert TP = tp): gate and
+  up A [r, h] and B [moe_ffn / tp, r], down A [r, moe_ffn / tp] and B [h, r].
+
+`total` counts the whole model unsharded: what peft's print_trainable_parameters reports for
+the same adapters on the HF model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from models.families.registry import moe_family
+from models.families.base import field, head_dim
+
+
+@dataclass(frozen=True)
+class AdapterParams:
+    """Adapter parameters of one TP (x EP) rank of the first and the last pipeline stage."""
+
+    total: int           # whole model, unsharded (peft's count)
+    first_stage: int     # experts' adapters included
+    last_stage: int
+    expert_first: int    # the experts' adapters among them (0: none)
+    expert_last: int
+
+
+def _layer(hf: Any, layer: int, targets: frozenset, r: int, tp: int, ep: int) -> tuple[int, int]:
+    """(adapter parameters, of which the experts') of one rank in decoder layer `layer`."""
+    h = field(hf, "hidden_size")
+    heads = field(hf, "num_attention_heads")
+    hd = head_dim(hf)
+    q, kv = heads * hd, field(hf, "num_key_value_heads", heads) * hd
+    column = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    body = sum(r * h + r * out // tp for name, out in column.items() if name in targets)
+    if "o_proj" in targets:
+        body += r * q // tp + r * h
+    moe = moe_family(hf)
+    sparse = moe is not None and moe.is_moe_layer(hf, layer)
+    if not sparse:
+        ffn = field(hf, "intermediate_size")
+        body += sum(r * h + r * ffn // tp for n in ("gate_proj", "up_proj") if n in targets)
+        body += r * ffn // tp + r * h if "down_proj" in targets else 0
+        return body, 0
+    if "experts" not in targets:
+        return body, 0
+    width = moe.expert_width(hf)
+    per_expert = 2 * (r * h + r * width // tp) + r * width // tp + r * h
+    experts = moe.num_experts(hf) // ep * per_expert
+    return body + experts, experts
+
+
+def stage_adapters(hf: Any, targets: frozenset, rank: int, tp: int, pp: int, ep: int,
+                   stage: int) -> tuple[int, int]:
+    """(adapter parameters, of which the experts') of one TP (x EP) rank of pipeline stage
+    `stage` (layers // pp layers each)."""
+    per_stage = field(hf, "num_hidden_layers") // pp
+    rows = [_layer(hf, i, targets, rank, tp, ep)
+            for i in range(stage * per_stage, (stage + 1) * per_stage)]
+    return sum(a for a, _ in rows), sum(e for _, e in rows)
+
+
+def adapter_parameters(hf: Any, targets: frozenset, rank: int, tp: int, pp: int,
+                       ep: int = 1) -> AdapterParams:
+    """Adapter counts of `targets` (resolved HF projection names, models.lora.sites) at rank
+    `rank` for one rank of the layout tp x pp (x ep); each stage holds layers // pp layers."""
+    whole = stage_adapters(hf, targets, rank, 1, 1, 1, 0)[0]
+    first = stage_adapters(hf, targets, rank, tp, pp, ep, 0)
+    last = stage_adapters(hf, targets, rank, tp, pp, ep, pp - 1)
+    return AdapterParams(whole, first[0], last[0], first[1], last[1])

@@ -1,0 +1,157 @@
+"""Config-field rows of the Qwen3.5 tables (models.families.qwen3_5.family), the wrapper fields of the
+conditional-generation checkpoints (read as their text model: models.hf.conditional) and the
+registry entries of their model_type. Each check returns None when the value maps exactly,
+else one sentence naming the field, its value and what is supported."""
+from __future__ import annotations
+
+from typing import Any
+
+from models.families.base import Family, FieldRule, field, head_dim, original_config
+from models.families.fields import layer_kinds_problem, rope_parameters
+
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+def layer_types(cfg: Any) -> list[str]:
+    return list(field(cfg, "layer_types", []) or [])
+
+
+def linear_layers(cfg: Any) -> set[int]:
+    """0-based indices of the Gated DeltaNet layers."""
+    return {i for i, kind in enumerate(layer_types(cfg)) if kind == "linear_attention"}
+
+
+def _layer_types(cfg: Any) -> str | None:
+    return layer_kinds_problem(layer_types(cfg), int(field(cfg, "num_hidden_layers")),
+                               LAYER_KINDS)
+
+
+def _rope(cfg: Any) -> str | None:
+    params = rope_parameters(cfg)
+    kind = params.get("rope_type", params.get("type", "default"))
+    factor = float(params.get("partial_rotary_factor", 1.0))
+    rotary = head_dim(cfg) * factor
+    if kind == "default" and rotary == int(rotary) and int(rotary) % 2 == 0 and rotary > 0:
+        return None
+    return (f"rope_parameters rope_type={kind!r} with partial_rotary_factor={factor!r} is not "
+            "supported; supported: rope_type 'default' with head_dim x partial_rotary_factor "
+            "a positive even integer")
+
+
+def _hidden_act(cfg: Any) -> str | None:
+    act = field(cfg, "hidden_act", "silu")
+    if act == "silu":
+        return None
+    return (f"hidden_act={act!r} is not supported (it is also the Gated DeltaNet conv "
+            "activation); supported: silu")
+
+
+def _attention_bias(cfg: Any) -> str | None:
+    if not field(cfg, "attention_bias", False):
+        return None
+    return ("attention_bias=True is not supported for Qwen3.5 (the gated q_proj bias is not "
+            "mapped); supported: false")
+
+
+def _gdn_heads(cfg: Any) -> str | None:
+    keys, values = int(field(cfg, "linear_num_key_heads")), int(field(cfg,
+                                                                       "linear_num_value_heads"))
+    if keys >= 1 and values % keys == 0:
+        return None
+    return (f"linear_num_value_heads={values} is not a multiple of linear_num_key_heads={keys}; "
+            "supported: each key head serving an integer number of value heads")
+
+
+ROPE_DEFAULT = FieldRule(
+    "rope_parameters / rope_scaling (rope_type, rope_theta, partial_rotary_factor, "
+    "mrope_section, mrope_interleaved)", "rope_type default, any rope_theta -> rotary_base, "
+    "partial_rotary_factor -> rotary_percent (the first head_dim x factor dimensions rotate); "
+    "mrope_section / mrope_interleaved: text positions are 1-D, so every section carries the "
+    "same position and M-RoPE equals 1-D RoPE; refused: other rope types", _rope)
+HIDDEN_ACT_SILU = FieldRule("hidden_act", "silu (MLP and GDN conv); refused: others",
+                            _hidden_act)
+ATTENTION_BIAS = FieldRule("attention_bias", "false; refused: true", _attention_bias)
+LAYER_TYPES = FieldRule("layer_types / full_attention_interval", "any sequence of "
+                        "linear_attention (Gated DeltaNet) and full_attention layers -> the "
+                        "per-layer spec (models.layers.gated_delta_net.spec) and linear_attention_freq",
+                        _layer_types)
+GDN_FIELDS = (
+    FieldRule("linear_num_key_heads / linear_num_value_heads", "value heads a multiple of key "
+              "heads -> linear_num_key_heads / linear_num_value_heads (TP x CP must divide "
+              "both)", _gdn_heads),
+    FieldRule("linear_key_head_dim / linear_value_head_dim", "any -> linear_key_head_dim / "
+              "linear_value_head_dim"),
+    FieldRule("linear_conv_kernel_dim", "any -> linear_conv_kernel_dim (causal depthwise conv)"),
+    FieldRule("(no field) output gates", "full attention: q_proj carries a sigmoid gate per "
+              "head -> attention_output_gate; GDN: in_proj_z gates its RMSNorm (silu)"),
+    FieldRule("(no field) zero-centred norms", "every decoder RMSNorm computes "
+              "norm(x) * (1 + weight) -> models.layers.norms.zero_centered (weights copied as stored)"),
+    FieldRule("initializer_range / use_cache / pad_token_id / bos_token_id / eos_token_id",
+              "no effect on the forward pass"),
+)
+
+
+def wrapper_problem(config: Any) -> str | None:
+    """Why the wrapper fields of a view do not map exactly (None: they do, or not a view): a
+    missing `text_config`; a top-level `quantization_config` (quantized wrappers are not
+    built). Every other top-level field acts on image/video input only (vision_config,
+    image/video/vision token ids) or is metadata; text input never reaches the vision tower."""
+    original = original_config(config)
+    if original is None:
+        return None
+    kind = original.get("model_type")
+    if not isinstance(original.get("text_config"), dict):
+        return (f"text_config is missing in a model_type={kind!r} config.json; the text "
+                "model's fields are read from it")
+    if original.get("quantization_config") is not None:
+        return (f"quantization_config in a model_type={kind!r} (conditional-generation) "
+                "config.json is not supported; supported: unquantized weights")
+    return None
+
+
+WRAPPER = FieldRule(
+    "conditional-generation checkpoints (model_type qwen3_5 / qwen3_5_moe): text_config, "
+    "tie_word_embeddings, vision_config, image_token_id, video_token_id, "
+    "vision_start_token_id, vision_end_token_id, quantization_config (top level)",
+    "read as the text model (models.hf.conditional.text_view): text_config -> this table, "
+    "the top-level tie_word_embeddings -> tie_word_embeddings (transformers' "
+    "ForConditionalGeneration ties by it); vision_config and the image/video token ids act on "
+    "image and video input only, which is not built (text input never reaches the vision "
+    "tower: its tensors model.visual.* pass through unchanged, untrained); refused: a missing "
+    "text_config, a top-level quantization_config", wrapper_problem)
+MTP = FieldRule("mtp_num_hidden_layers / mtp_use_dedicated_embeddings", "the MTP layers "
+                "(mtp.* tensors), which transformers' model does not build: no effect on the "
+                "forward pass; the tensors pass through unchanged, untrained")
+
+
+# The fields of a conditional config: those of its text_config, checked by the text table.
+_TEXT_FIELDS = ("every field through the text model's table: text_config's rope_parameters, "
+                "rope_scaling, rope_theta, hidden_act, head_dim, rms_norm_eps, "
+                "partial_rotary_factor, attention_dropout; the top-level tie_word_embeddings")
+
+
+def _not_viewed(cfg: Any) -> str | None:
+    return (f"model_type={field(cfg, 'model_type')!r}: a conditional-generation config.json is "
+            "read as its text model (models.hf.conditional.text_view, applied by "
+            "models.hf.io.read_config and models.bridge.checkpoint.read_hf_config); this config was "
+            "not")
+
+
+class Qwen3_5Conditional(Family):
+    """Qwen3_5ForConditionalGeneration's model_type: its config.json is read as the text
+    model's (models.hf.conditional), so no config of this model_type reaches the bridge; one
+    that does (not read through the view) is refused."""
+
+    model_type = "qwen3_5"
+    hf_class = "Qwen3_5ForConditionalGeneration"
+    text_model_type = "qwen3_5_text"
+    fields = (FieldRule(f"model_type ({_TEXT_FIELDS})",
+                        "read as qwen3_5_text (models.hf.conditional)", _not_viewed),)
+
+
+class Qwen3_5MoeConditional(Qwen3_5Conditional):
+    model_type = "qwen3_5_moe"
+    hf_class = "Qwen3_5MoeForConditionalGeneration"
+    text_model_type = "qwen3_5_moe_text"
+    fields = (FieldRule(f"model_type ({_TEXT_FIELDS})",
+                        "read as qwen3_5_moe_text (models.hf.conditional)", _not_viewed),)

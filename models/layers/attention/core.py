@@ -1,0 +1,97 @@
+"""Core attention on torch SDPA: the local-spec replacement for megatron's DotProductAttention.
+
+Plugged into the layer spec (`ModuleSpec` extension point). It runs on CPUs and GPUs without
+Transformer Engine, handles GQA, causal masking, packed ("thd") sequences and, with context
+parallelism, the Ulysses all-to-all of `parallel.ulysses`.
+
+Shapes (per TP rank; h = heads/tp, g = kv groups/tp, d = head dim):
+  sbhd: query [s, b, h, d], key/value [s, b, g, d]  ->  [s, b, h*d]
+  thd:  query [t, h, d],    key/value [t, g, d]     ->  [t, h*d]   (cu_seqlens in packed_seq_params)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+from models.layers.attention.sinks import (Attend, attend_fn, layer_window, make_sinks,
+                                      sinks_sharded_state_dict)
+from parallel import ulysses
+
+
+def _repeat_kv(x: torch.Tensor, times: int, head_dim_index: int) -> torch.Tensor:
+    return x if times == 1 else x.repeat_interleave(times, dim=head_dim_index)
+
+
+def causal_attention_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Causal SDPA on [b, h, s, d] tensors (kv heads already repeated)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cu_seqlens: torch.Tensor, scale: float,
+                            attend: Attend | None = None) -> torch.Tensor:
+    """Causal attention per segment of [t, h, d] tensors; segments never see each other.
+    `attend`: sinks / sliding window (models.layers.attention.sinks), else plain causal SDPA."""
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])  # value head dim may differ (MLA)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end <= start:
+            continue
+        seg = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+        seg_out = causal_attention_bhsd(*seg, scale) if attend is None else attend(*seg, 0)
+        out[start:end] = seg_out[0].transpose(0, 1)
+    return out
+
+
+class SDPACoreAttention(MegatronModule):
+    """Drop-in core attention (same constructor and forward signature as DotProductAttention)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None, k_channels=None, v_channels=None):
+        super().__init__(config=config)
+        # k_channels / v_channels: query-key and value head dims when they differ (MLA)
+        self.head_dim = k_channels or config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(
+            self.head_dim)
+        self.cp_size = config.context_parallel_size
+        # gpt-oss: learned sinks (softmax_type learnable) and sliding windows (window_size)
+        self.window_left = layer_window(config, layer_number)
+        self.register_parameter("softmax_offset", make_sinks(config))
+
+    def _attend(self) -> Attend | None:
+        """The sink / window attention of this layer, or None: plain causal SDPA."""
+        if self.window_left is None and self.softmax_offset is None:
+            return None
+        return attend_fn(self.scale, self.window_left, self.softmax_offset)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        if self.softmax_offset is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return sinks_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention does not support attention_bias")
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if self.cp_size > 1:
+            return ulysses.ulysses_attention(query, key, value, self.scale, packed_seq_params,
+                                             attend=self._attend())
+        if packed:
+            rep = query.shape[1] // key.shape[1]
+            key, value = _repeat_kv(key, rep, 1), _repeat_kv(value, rep, 1)
+            out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                          self.scale, self._attend())
+            return out.reshape(out.shape[0], -1)
+        rep = query.shape[2] // key.shape[2]
+        key, value = _repeat_kv(key, rep, 2), _repeat_kv(value, rep, 2)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
+        attend = self._attend()
+        out = causal_attention_bhsd(q, k, v, self.scale) if attend is None else attend(q, k, v, 0)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)

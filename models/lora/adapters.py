@@ -1,0 +1,265 @@
+"""LoRA adapters on Megatron's tensor-parallel linears (docs/lora.md).
+
+One `LoraAdapter` sits beside one Megatron linear (as the sibling module `<linear>_lora`, so
+the base weight keeps its name) and adds `scaling * B(A(x))` to the linear's output through a
+forward hook. A fused Megatron linear carries one (A, B) pair per HF projection ("slice"):
+linear_qkv the slices q_proj/k_proj/v_proj (outputs interleaved per query group, as
+models.layers.transforms.merge_qkv), linear_fc1 gate_proj/up_proj (outputs [gate; up] per TP rank,
+as merge_gate_up). Shapes, with r the rank and tp the size of the linear's TP group:
+
+- column-parallel (linear_qkv, linear_fc1): A_s [r, in] replicated, B_s [out_s / tp, r] split
+  on the output like the base weight. h = A_s x is the same on every TP rank; the gradient of h
+  (each rank sees only its B shard) is all-reduced over the TP group
+  (`copy_to_tensor_model_parallel_region` on h), so A's gradient is complete on every rank and
+  the gradient reaching x is the full one. With sequence parallelism x is first all-gathered
+  along the sequence (backward: this rank's slice of the replicated gradient).
+- row-parallel (linear_proj, linear_fc2): A [r, in / tp] split on the input like the base
+  weight, B [out, r] replicated. The partial h = A x_shard is all-reduced over the TP group
+  (`reduce_from_tensor_model_parallel_region`: the TP reduction of the adapter path); with
+  sequence parallelism the adapter output is then split along the sequence like the base output
+  (backward: all-gather).
+- MoE experts with explicit expert communication (ep > 1 or expert TP > 1): the linear itself
+  communicates nothing (the token dispatcher gathers inputs and reduce-scatters outputs over the
+  expert-TP group); the adapter does the same on activations, and the replicated matrix
+  (column: A, row: B) passes through `copy_to_tensor_model_parallel_region` over the expert-TP
+  group so its gradient is summed there.
+
+`reduce=False` drops the adapter's TP reductions: a deliberately wrong adapter for negative
+controls only. `enabled=False` (the `adapters_disabled` context) leaves the linear's output as
+the base computes it: the RL KL reference is the policy's own frozen base. Dropout
+(model.lora.dropout > 0) acts on the adapter's input in training mode with the ambient RNG;
+results then depend on the layout (documented in docs/lora.md).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                    gather_from_sequence_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region,
+                                                    scatter_to_sequence_parallel_region)
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+ADAPTER_SUFFIX = "_lora"   # the adapter of megatron linear `linear_qkv` is `linear_qkv_lora`
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What to adapt and how (engine.config.lora_settings builds it from model.lora.*)."""
+
+    rank: int
+    alpha: float
+    targets: frozenset          # HF projection names (models.lora.sites.TARGET_NAMES)
+    dropout: float = 0.0
+    rslora: bool = False        # scaling alpha / sqrt(rank) instead of alpha / rank
+    seed: int = 0               # adapter initialisation (layout-independent)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One HF projection inside a Megatron linear: its name and full (unsharded) sizes."""
+
+    name: str
+    in_features: int
+    out_features: int
+
+
+def init_full(spec: LoraSpec, key: str, sl: Slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """peft's default initialisation of one slice, identical at every layout: A uniform in
+    +-1/sqrt(in) (kaiming_uniform with a=sqrt(5)), B zero. `key` names the slice globally (layer,
+    expert, projection) and seeds its generator together with spec.seed."""
+    gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + _stable_hash(key))
+    bound = 1.0 / math.sqrt(sl.in_features)
+    a = (torch.rand(spec.rank, sl.in_features, generator=gen) * 2 - 1) * bound
+    return a, torch.zeros(sl.out_features, spec.rank)
+
+
+def _stable_hash(text: str) -> int:
+    value = 0
+    for ch in text.encode():
+        value = (value * 131 + ch) % 2_147_483_629
+    return value
+
+
+class LoraAdapter(torch.nn.Module):
+    """The adapter of one Megatron linear (module docstring). Parameters `A_<slice>`,
+    `B_<slice>` hold this rank's shards; `kind` is "column" or "row"."""
+
+    def __init__(self, linear, kind: str, fused: list[Slice], targeted, spec: LoraSpec,
+                 qkv_layout: tuple[int, int, int] | None = None):
+        """`fused`: every HF projection of the linear, in its output order; `targeted`: the
+        names that get an (A, B) pair (the others contribute zeros)."""
+        super().__init__()
+        self.kind, self.spec = kind, spec
+        self.fused = list(fused)
+        self.slices = [sl for sl in fused if sl.name in targeted]
+        self.scaling, self.reduce = spec.scaling, True
+        self.enabled = True            # False inside adapters_disabled: the base alone
+        self.group = linear.tp_group
+        self.tp_size = self.group.size() if self.group is not None else 1
+        self.tp_rank = self.group.rank() if self.group is not None else 0
+        self.sequence_parallel = bool(getattr(linear, "sequence_parallel", False))
+        self.explicit = bool(getattr(linear, "explicit_expert_comm", False))
+        self.is_expert = bool(getattr(linear, "is_expert", False))
+        self.qkv_layout = qkv_layout   # (local query groups, heads per group, head dim)
+        dtype = linear.weight.dtype
+        for sl in self.slices:
+            a_shape = (spec.rank, sl.in_features // (self.tp_size if kind == "row" else 1))
+            b_shape = (sl.out_features // (self.tp_size if kind == "column" else 1), spec.rank)
+            a = torch.nn.Parameter(torch.zeros(a_shape, dtype=dtype, device=linear.weight.device))
+            b = torch.nn.Parameter(torch.zeros(b_shape, dtype=dtype, device=linear.weight.device))
+            sharded, dim = (b, 0) if kind == "column" else (a, 1)
+            set_tensor_model_parallel_attributes(sharded, True, dim, 1)
+            self.register_parameter(f"A_{sl.name}", a)
+            self.register_parameter(f"B_{sl.name}", b)
+
+    def matrices(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"A_{name}"), getattr(self, f"B_{name}")
+
+    def set_full(self, name: str, a_full: torch.Tensor, b_full: torch.Tensor) -> None:
+        """Copy full (unsharded) A [r, in] and B [out, r] of slice `name`; keeps this shard."""
+        a, b = self.matrices(name)
+        if self.kind == "row":
+            a_full = a_full.chunk(self.tp_size, dim=1)[self.tp_rank]
+        else:
+            b_full = b_full.chunk(self.tp_size, dim=0)[self.tp_rank]
+        if tuple(a_full.shape) != tuple(a.shape) or tuple(b_full.shape) != tuple(b.shape):
+            raise ValueError(f"LoRA {name}: got A {tuple(a_full.shape)} B {tuple(b_full.shape)}"
+                             f", this shard needs A {tuple(a.shape)} B {tuple(b.shape)}")
+        with torch.no_grad():
+            a.copy_(a_full.to(a.dtype))
+            b.copy_(b_full.to(b.dtype))
+
+    def hook(self, module, args, output):
+        """Forward hook of the adapted linear: (out, bias) -> (out + adapter(x), bias); the
+        output untouched while the adapter is disabled (`adapters_disabled`)."""
+        if not self.enabled:
+            return output
+        out, bias = output
+        return out + self(args[0]).to(out.dtype), bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapter's contribution to the linear's output for its input `x` (same leading
+        dimensions as the base output; communication as in the module docstring)."""
+        if self.kind == "column":
+            return self._column(x)
+        return self._row(x)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.dropout and self.training:
+            return F.dropout(x, self.spec.dropout, training=True)
+        return x
+
+    def _communicates(self) -> bool:
+        return self.tp_size > 1 and self.reduce
+
+    def _column(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and not self.explicit and self.tp_size > 1:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
+                                                     group=self.group)
+        x = self._dropout(x)
+        outs = []
+        for sl in self.slices:
+            a, b = self.matrices(sl.name)
+            if self.explicit and self._communicates():
+                a = copy_to_tensor_model_parallel_region(a, group=self.group)
+            h = F.linear(x, a)
+            if not self.explicit and self._communicates():
+                h = copy_to_tensor_model_parallel_region(h, group=self.group)
+            outs.append(F.linear(h, b) * self.scaling)
+        return self._interleave(outs)
+
+    def _row(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.matrices(self.slices[0].name)
+        h = F.linear(self._dropout(x), a)
+        if self.explicit:
+            if self._communicates():
+                b = copy_to_tensor_model_parallel_region(b, group=self.group)
+            return F.linear(h, b) * self.scaling   # partial: the dispatcher sums it
+        if self._communicates():
+            h = reduce_from_tensor_model_parallel_region(h, group=self.group)
+        y = F.linear(h, b) * self.scaling
+        if self.sequence_parallel and self.tp_size > 1:
+            y = scatter_to_sequence_parallel_region(y, group=self.group)
+        return y
+
+    def _fill(self, parts: list[torch.Tensor], out_dim: int) -> list[torch.Tensor]:
+        """`parts` of the targeted slices (column kind, local sizes along `out_dim`) with
+        zeros in place of the untargeted ones, in the fused order."""
+        by_name = dict(zip((sl.name for sl in self.slices), parts))
+        ref = parts[0]
+        out = []
+        for sl in self.fused:
+            if sl.name in by_name:
+                out.append(by_name[sl.name])
+                continue
+            shape = list(ref.shape)
+            shape[out_dim] = sl.out_features // self.tp_size
+            out.append(ref.new_zeros(shape))
+        return out
+
+    def _interleave(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        """Per-slice column outputs [..., out_s/tp] -> the fused linear's local layout."""
+        if len(self.fused) == 1:
+            return outs[0]
+        outs = self._fill(outs, -1)
+        if self.qkv_layout is None:   # linear_fc1: [gate; up] of this rank
+            return torch.cat(outs, dim=-1)
+        groups = self.qkv_layout[0]
+        lead = outs[0].shape[:-1]
+        parts = [o.reshape(*lead, groups, o.shape[-1] // groups) for o in outs]
+        return torch.cat(parts, dim=-1).reshape(*lead, -1)
+
+    def delta(self) -> torch.Tensor:
+        """scaling * B A (float32) of every slice in the local layout of the base weight
+        [out_local, in_local], zero rows for untargeted slices (merged weight: base + delta)."""
+        rows = [(b.float() @ a.float()) * self.scaling
+                for a, b in (self.matrices(sl.name) for sl in self.slices)]
+        if len(self.fused) == 1:
+            return rows[0]
+        rows = self._fill(rows, 0)
+        if self.qkv_layout is None:
+            return torch.cat(rows, dim=0)
+        groups = self.qkv_layout[0]
+        parts = [r.reshape(groups, r.shape[0] // groups, r.shape[1]) for r in rows]
+        return torch.cat(parts, dim=1).reshape(-1, rows[0].shape[1])
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """Megatron distributed-checkpoint tensors: the TP-split matrix (column: B on dim 0,
+        row: A on dim 1) sharded over the linear's TP group, the other one replicated; layer and
+        expert offsets come from the caller (TransformerBlock, SequentialMLP)."""
+        state = self.state_dict(prefix="", keep_vars=True)
+        split = "B_" if self.kind == "column" else "A_"
+        axis = {k: (0 if self.kind == "column" else 1) for k in state if k.startswith(split)}
+        return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets,
+                                                   tp_group=self.group)
+
+
+@contextmanager
+def adapters_disabled(chunks: list) -> Iterator[int]:
+    """Within the block every LoraAdapter of `chunks` (model chunks, wrapped or not) adds
+    nothing: the chunks compute their frozen base model exactly (the base weights are the
+    same tensors, untouched by training). Yields the number of adapters switched off (0: no
+    LoRA, the block runs the model as it is); they are switched back on when the block exits,
+    also on an exception. Local to this rank: every rank of a collective forward must enter
+    it. The RL KL reference under LoRA (engine.rl.policy.logprob_stage)."""
+    found = [m for chunk in chunks for m in chunk.modules() if isinstance(m, LoraAdapter)]
+    states = [m.enabled for m in found]
+    for m in found:
+        m.enabled = False
+    try:
+        yield len(found)
+    finally:
+        for m, state in zip(found, states):
+            m.enabled = state

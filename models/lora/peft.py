@@ -1,0 +1,162 @@
+"""LoRA adapters <-> PEFT adapter folders (adapter_config.json + adapter_model.safetensors).
+
+peft names a LoRA pair of an HF projection `base_model.model.<module>.lora_A.weight` [r, in]
+and `...lora_B.weight` [out, r], with <module> `model.layers.{i}.self_attn.{q,k,v,o}_proj` or
+`model.layers.{i}.mlp.{gate,up,down}_proj`. Megatron keeps the same matrices per slice of its
+fused linears (models.lora.adapters), TP-sharded; `export_peft_tensors` gathers them, `load_peft_adapter`
+shards them back. Expert adapters have no peft name (transformers stores experts as fused 3-D
+parameters, which peft's LoRA does not wrap per expert): they are refused here (merged export
+works: models.lora.sites.merged_weight).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from models.lora.adapters import LoraAdapter, LoraSpec
+from models.lora.sites import ALL_LINEAR, LoraUnsupportedError, adapters
+
+PREFIX = "base_model.model."
+_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+           "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+           "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def peft_names(layer: int, projection: str) -> tuple[str, str]:
+    """peft's (lora_A, lora_B) tensor names of one projection of global layer `layer`."""
+    head = f"{PREFIX}model.layers.{layer}.{_MODULE[projection]}"
+    return f"{head}.lora_A.weight", f"{head}.lora_B.weight"
+
+
+def _sites(chunks: list) -> Iterator[tuple[int, LoraAdapter]]:
+    """(global layer, adapter) of every dense adapter; refuses expert adapters."""
+    for chunk in chunks:
+        model = _unwrap(chunk)
+        for name, adapter in adapters(model):
+            if adapter.is_expert:
+                raise LoraUnsupportedError(
+                    "expert LoRA adapters (model.lora.target_modules contains experts) have no "
+                    "PEFT adapter format for transformers' fused expert parameters; export the "
+                    "merged model instead (tools/convert.py mcore-to-hf --merge)")
+            local = int(name.split(".")[2])   # decoder.layers.{local}....
+            yield model.decoder.layers[local].layer_number - 1, adapter
+
+
+def _gather(tensor: torch.Tensor, dim: int, adapter: LoraAdapter) -> torch.Tensor:
+    if adapter.tp_size == 1:
+        return tensor.detach()
+    parts = [torch.empty_like(tensor) for _ in range(adapter.tp_size)]
+    dist.all_gather(parts, tensor.detach().contiguous(), group=adapter.group)
+    return torch.cat(parts, dim=dim)
+
+
+def export_peft_tensors(chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """(peft name, full tensor) of every adapter matrix this pipeline stage holds. Collective
+    over each adapter's TP group (every TP rank of the stage iterates it together)."""
+    for layer, adapter in _sites(chunks):
+        for sl in adapter.slices:
+            a, b = adapter.matrices(sl.name)
+            if adapter.kind == "row":
+                a = _gather(a, 1, adapter)
+            else:
+                b = _gather(b, 0, adapter)
+            name_a, name_b = peft_names(layer, sl.name)
+            yield name_a, a.detach().contiguous()
+            yield name_b, b.detach().contiguous()
+
+
+def load_peft_adapter(chunks: list, adapter_dir: str | Path) -> int:
+    """Copy a PEFT adapter's matrices into this rank's adapter shards; returns how many slices
+    were filled. Raises LoraUnsupportedError when the folder's tensors are not exactly the
+    adapters of these chunks' layers (a tensor with no adapter, or an adapter with no tensor)."""
+    path = Path(adapter_dir) / WEIGHTS_FILE
+    with safe_open(str(path), framework="pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    used, filled = set(), 0
+    for layer, adapter in _sites(chunks):
+        for sl in adapter.slices:
+            name_a, name_b = peft_names(layer, sl.name)
+            if name_a not in stored or name_b not in stored:
+                raise LoraUnsupportedError(f"model.lora.init_from={adapter_dir}: no {name_a} / "
+                                           f"{name_b} for the adapter of {sl.name}")
+            adapter.set_full(sl.name, stored[name_a], stored[name_b])
+            used |= {name_a, name_b}
+            filled += 1
+    layers = {_layer_of(n) for n in used}
+    extra = sorted(n for n in stored if n not in used and _layer_of(n) in layers)
+    if extra:
+        raise LoraUnsupportedError(f"model.lora.init_from={adapter_dir} holds tensors this "
+                                   f"model.lora.target_modules does not adapt: {extra[:4]}")
+    return filled
+
+
+def _layer_of(name: str) -> int:
+    return int(name[len(PREFIX):].split(".")[2])
+
+
+def peft_config(spec: LoraSpec, base_path: str) -> dict:
+    """adapter_config.json for PeftModel.from_pretrained (the base at `base_path`)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank,
+            "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
+            "target_modules": sorted(spec.targets), "use_rslora": spec.rslora,
+            "use_dora": False, "bias": "none", "fan_in_fan_out": False,
+            "init_lora_weights": True, "base_model_name_or_path": base_path,
+            "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+            "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}
+
+
+def write_peft_adapter(tensors: dict, spec: LoraSpec, base_path: str, out: str | Path) -> None:
+    """Write a PEFT adapter folder from `export_peft_tensors`' full tensors (rank 0)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(peft_config(spec, base_path), indent=2))
+
+
+# adapter_config.json fields that change the math, with the only value implemented exactly
+_FIXED = {"peft_type": "LORA", "use_dora": False, "bias": "none", "fan_in_fan_out": False,
+          "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
+          "alpha_pattern": {}}
+
+
+def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec) -> list[str]:
+    """Why the PEFT adapter at `adapter_dir` cannot start a run with `spec`
+    (model.lora.init_from): a missing file, a field with a value this engine does not implement
+    (DoRA, biases, per-layer ranks...), or rank / alpha / targets / rsLoRA that differ from the
+    model.lora.* keys."""
+    key = f"model.lora.init_from={adapter_dir}"
+    folder = Path(adapter_dir)
+    missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
+    if missing:
+        return [f"{key}: not a PEFT adapter folder (missing {', '.join(missing)})"]
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    problems = [f"{key}: adapter_config.json has {field}={cfg.get(field)!r}; only "
+                f"{value!r} is supported" for field, value in _FIXED.items()
+                if cfg.get(field, value) not in (value, [] if value is None else value)]
+    targets = cfg.get("target_modules")
+    targets = set(ALL_LINEAR) if targets == "all-linear" else set(targets or [])
+    mine = {"r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.rslora}
+    keys = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha",
+            "use_rslora": "model.lora.rslora"}
+    for field, value in mine.items():
+        if cfg.get(field, False if field == "use_rslora" else None) != value:
+            problems.append(f"{key}: adapter_config.json has {field}={cfg.get(field)!r}, "
+                            f"{keys[field]}={value!r}; make them equal")
+    if targets != set(spec.targets):
+        problems.append(f"{key}: adapter_config.json targets {sorted(targets)}, "
+                        f"model.lora.target_modules {sorted(spec.targets)}; make them equal")
+    return problems
