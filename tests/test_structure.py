@@ -33,9 +33,19 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for root in SOURCE_ROOTS for p in sorted((ROOT / root).rglob("*.py"))}
 
 
+def _ancestors(name: str) -> list[str]:
+    """The packages whose __init__.py runs before module `name` ('a.b.c' -> ['a', 'a.b'])."""
+    parts = name.split(".")
+    return [".".join(parts[:n]) for n in range(1, len(parts))]
+
+
 def _imported(tree: ast.AST, module: str, is_package: bool, known: dict[str, Path]) -> set[str]:
-    """Modules of `known` imported anywhere in `tree` (function-level imports included): the
-    longest known prefix of each imported name, `from pkg import mod` resolved to pkg.mod."""
+    """Modules of `known` whose code an import in `tree` runs or reads (function-level imports
+    included): the longest known prefix of each imported name (`from pkg import mod` resolved
+    to pkg.mod); the packages whose __init__.py that import runs first (ancestors of the
+    imported module that are not `module`'s own); and for `from pkg import name` the package
+    `pkg` itself, whose namespace the statement reads even when `pkg` is `module`'s own
+    ancestor (the fallback to loading a submodule is what hid the families cycle, issue 42)."""
     def resolve(name: str) -> str | None:
         parts = name.split(".")
         for n in range(len(parts), 0, -1):
@@ -43,19 +53,27 @@ def _imported(tree: ast.AST, module: str, is_package: bool, known: dict[str, Pat
                 return ".".join(parts[:n])
         return None
 
+    own = set(_ancestors(module))
     out: set[str] = set()
+
+    def add(target: str | None) -> None:
+        if target:
+            out.add(target)
+            out.update(a for a in _ancestors(target) if a in known and a not in own)
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {m for a in node.names if (m := resolve(a.name))}
+            for a in node.names:
+                add(resolve(a.name))
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
                 base = ".".join(anchor + ([base] if base else []))
+            if base in known:
+                out.add(base)
             for a in node.names:
-                m = resolve(f"{base}.{a.name}") or resolve(base)
-                if m:
-                    out.add(m)
+                add(resolve(f"{base}.{a.name}") or resolve(base))
     out.discard(module)
     return out
 
@@ -254,3 +272,156 @@ def test_function_level_imports_are_few_and_give_their_reason():
                             silent.append(f"{where}: {here.strip()}")
     assert len(found) <= MAX_FUNCTION_LEVEL_IMPORTS, sorted(found)
     assert not silent, silent
+
+
+# ---- models/: packages with declared one-way imports, a family in one place (issue 42) ----
+MODELS_ROOT = ROOT / "models"
+FAMILIES_ROOT = MODELS_ROOT / "families"
+VOCABULARY = "models.families.base"   # the declaration vocabulary every package may read
+
+
+def _models_unit(module: str) -> str | None:
+    """models.<package> of a models module (models.families.base on its own), else None."""
+    parts = module.split(".")
+    if parts[0] != "models" or len(parts) < 2:
+        return None
+    return VOCABULARY if module == VOCABULARY else ".".join(parts[:2])
+
+
+def _without_empty_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`graph` without the edges into packages whose __init__.py imports nothing: running such
+    an __init__ first carries no dependency."""
+    packages = {m for m, p in _modules().items() if p.name == "__init__.py"}
+    return {m: {d for d in deps if d not in packages or graph.get(d)}
+            for m, deps in graph.items()}
+
+
+def _models_unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    return _unit_graph(_without_empty_inits(graph), _models_unit)
+
+
+def _declared_models_imports(init: Path) -> set[str]:
+    """The models units a models package's docstring allows after 'May import:'."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    allowed = doc.split("May import:", 1)[1] if "May import:" in doc else ""
+    allowed = allowed.split("Not:", 1)[0]
+    return {w for w in (w.strip(" ,.;()`\n") for w in allowed.split()) if w.startswith("models.")}
+
+
+def test_models_is_packages_with_declared_one_way_imports():
+    """models/ holds packages only (beside __init__.py); every package's __init__.py imports
+    nothing and its docstring says 'May import:' with the models packages it may use; the
+    imports between packages are acyclic and within what each declares."""
+    top = sorted(p.name for p in MODELS_ROOT.glob("*.py"))
+    assert top == ["__init__.py"], top
+    for init in sorted(MODELS_ROOT.rglob("__init__.py")):
+        tree = ast.parse(init.read_text())
+        imports = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        if init.parent != MODELS_ROOT:
+            assert not imports, f"{init.relative_to(ROOT)} imports: a package's __init__ runs " \
+                                "before each of its modules, so it must not import them"
+        assert ast.get_docstring(tree), f"{init.relative_to(ROOT)} has no docstring"
+    units = _models_unit_graph(_graph())
+    assert _cycle(units) is None, f"models package cycle: {' -> '.join(_cycle(units))}"
+    for pkg in sorted(p for p in MODELS_ROOT.iterdir() if (p / "__init__.py").exists()):
+        declared = _declared_models_imports(pkg / "__init__.py")
+        assert "May import:" in (ast.get_docstring(ast.parse(
+            (pkg / "__init__.py").read_text())) or ""), f"models/{pkg.name}: no 'May import:'"
+        extra = units.get(f"models.{pkg.name}", set()) - declared - {f"models.{pkg.name}"}
+        assert not extra, f"models.{pkg.name} imports {sorted(extra)} beyond its docstring"
+
+
+def test_layer_kinds_import_one_way():
+    """The layer kinds (models/layers/<kind>/) and the shared layer modules beside them
+    (models/layers/*.py) form no cycle."""
+    def kind(module: str) -> str | None:
+        parts = module.split(".")
+        return ".".join(parts[:3]) if parts[:2] == ["models", "layers"] and len(parts) > 2 \
+            else None
+    kinds = _unit_graph(_without_empty_inits(_graph()), kind)
+    assert len(kinds) >= 8, kinds
+    assert _cycle(kinds) is None, f"layer kind cycle: {' -> '.join(_cycle(kinds))}"
+
+
+def _init_edge_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """The import graph of `sources` ({module path: text}), as _graph builds it."""
+    known = {".".join(Path(p).with_suffix("").parts[:-1] if p.endswith("__init__.py")
+                      else Path(p).with_suffix("").parts): Path(p) for p in sources}
+    return {m: _imported(ast.parse(sources[str(p)]), m, p.name == "__init__.py", known)
+            for m, p in known.items()}
+
+
+def test_cycles_through_package_inits_are_found():
+    """Negative controls: issue 42's broken cycle in miniature (quantized -> fam/__init__ ->
+    reg -> quantized) and its hidden one (`from pkg import mod` inside pkg while pkg's
+    __init__ imports that module's importer) are both cycles of the graph."""
+    broken = {"root/__init__.py": "", "root/fam/base.py": "ERRORS = ()\n",
+              "root/quantized.py": "from root.fam.base import ERRORS\n",
+              "root/fam/__init__.py": "from root.fam import reg\n",
+              "root/fam/reg.py": "from root.quantized import VALUE\n"}
+    assert _cycle(_init_edge_graph(broken)) is not None
+    broken["root/fam/__init__.py"] = '"""Declarations."""\n'
+    assert _cycle(_init_edge_graph(broken)) is None
+    hidden = {"pkg/__init__.py": "from pkg.tensors import X\n",
+              "pkg/tensors.py": "from pkg.registry import R\n",
+              "pkg/registry.py": "from pkg.qwen import Q\n",
+              "pkg/qwen.py": "from pkg import costs\n", "pkg/costs.py": ""}
+    assert _cycle(_init_edge_graph(hidden)) is not None
+
+
+def _family_places() -> dict[str, tuple[Path, set[str]]]:
+    """{place name: (its file or package folder, the model_types declared there)} for every
+    family module or package under models/families/ that sets `model_type = "..."`."""
+    out: dict[str, tuple[Path, set[str]]] = {}
+    for path in sorted(FAMILIES_ROOT.rglob("*.py")):
+        rel = path.relative_to(FAMILIES_ROOT)
+        place = FAMILIES_ROOT / rel.parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
+                    any(isinstance(t, ast.Name) and t.id in ("model_type", "text_model_type")
+                        for t in node.targets) and node.value.value:
+                out.setdefault(place.stem, (place, set()))[1].add(node.value.value)
+    return out
+
+
+def _code_strings(tree: ast.AST) -> set[str]:
+    """String constants of `tree` other than docstrings."""
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and id(n) not in docs}
+
+
+def _family_mentions(texts: dict[Path, str], places) -> dict[str, list[str]]:
+    """{place name: files outside the place that name one of its model_types in code or import
+    one of its modules}; the registry (one line per family) is the allowed exception."""
+    known = _modules()
+    out: dict[str, list[str]] = {}
+    for name, (place, types) in places.items():
+        module = _module_name(place if place.is_dir() else place)
+        hits = []
+        for path, text in texts.items():
+            if path == place or place in path.parents or path.name == "registry.py":
+                continue
+            tree = ast.parse(text)
+            deps = _imported(tree, _module_name(path), path.name == "__init__.py", known)
+            if _code_strings(tree) & types or any(d == module or d.startswith(module + ".")
+                                                  for d in deps):
+                hits.append(str(path.relative_to(ROOT)))
+        out[name] = hits
+    return out
+
+
+def test_each_family_lives_in_one_place():
+    """No code outside a family's own module or package names its model_type or imports it,
+    except models/families/registry.py; everything else reads the family's declared facts."""
+    places = _family_places()
+    assert len(places) >= 9, sorted(places)   # the eight families (Qwen2 beside Llama's file)
+    texts = {p: p.read_text() for root in SOURCE_ROOTS for p in sorted((ROOT / root).rglob("*.py"))}
+    mentions = _family_mentions(texts, places)
+    assert all(not hits for hits in mentions.values()), mentions
+    # negative control: a layer module that branches on a model_type is found
+    texts[MODELS_ROOT / "layers" / "mla" / "module.py"] += '\nKIND = "deepseek_v3"\n'
+    assert _family_mentions(texts, places)["deepseek_v3"] == ["models/layers/mla/module.py"]
