@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config.recipe_validation import GIB, estimate_memory, validate_recipe
+from models.estimate.training_memory import GIB
+from engine.config.recipe_validation import estimate_memory, validate_recipe
 from engine.config.schema import SFTConfig, load_config
 from models.estimate.counting import stage_parameters
 from models.lora.adapters import LoraSpec

@@ -15,7 +15,8 @@ from engine.training.micro_batches import SequenceData
 from engine.config.model_settings import (describe, megatron_overrides, recompute_layer_problems,
                                    recompute_problems, sequence_parallel_on)
 from engine.training.rank_batch import build_rank_batch, pad_multiple
-from engine.config.recipe_validation import GIB, MODEL_SHAPES, estimate_memory
+from models.estimate.training_memory import GIB
+from engine.config.recipe_validation import MODEL_SHAPES, estimate_memory
 from parallel.layout import ParallelLayout
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from models.estimate.comm import CommSetup, comm_plan
-from engine.config.recipe_validation import GIB, estimate_memory
+from models.estimate.training_memory import GIB
+from engine.config.recipe_validation import estimate_memory
 from engine.config.schema import SFTConfig, load_config
 from models.families.registry import family_of, model_presets
 from models.estimate.counting import padded_vocab_size, stage_parameters

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from engine.config.schema import SFTConfig, load_config
-from engine.config.recipe_validation import (GIB, MODEL_SHAPES, estimate_memory, stage_parameters,
+from models.estimate.training_memory import GIB
+from engine.config.recipe_validation import (MODEL_SHAPES, estimate_memory, stage_parameters,
                                       validate_recipe)
 from parallel.layout import ParallelLayout
 from tests.launch import REPO_ROOT

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from models.estimate.training_memory import GIB
+
 from engine.config.loading import load_config
-from engine.config.recipe_validation import GIB
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.config import RLConfig
 from engine.rl.recipe_check import rl_memory, rl_validate_main

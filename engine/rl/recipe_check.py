@@ -12,7 +12,7 @@ its mem_fraction and reports the KV cache left)
 GPU hands to collectives, by kind) plus the weight-sync bytes per engine, and an ESTIMATE of
 the memory per GPU (GiB), in two phases:
 
-- training: the policy's training peak (engine.config.recipe_validation.estimate_memory for the
+- training: the policy's training peak (models.estimate.training_memory.estimate_memory for the
   policy layout, train.recompute*, and the micro-batches of one mini-batch of
   prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
   the frozen KL reference's weights (kl.beta > 0: the policy's stage parameters in
@@ -50,8 +50,7 @@ from engine.config.comm_report import comm_section
 from models.estimate.lora_memory import lora_summary
 from engine.config.lora_settings import lora_problems, lora_spec
 from engine.config.loading import load_config
-from engine.config.recipe_validation import (GIB, estimate_memory, memory_checks,
-                                             micro_batch_tokens, model_config, optimizer_bytes)
+from engine.config.recipe_validation import estimate_memory, memory_checks, model_config
 from engine.config.schema import (ConfigError, layout_problems, parallel_layout, read_hf_config,
                                   value_problems)
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
@@ -62,6 +61,7 @@ from engine.rl.rollout.placement import placement_problems, resolve_placement, s
 from engine.rl.rollout.sync_quantization import sync_quantization_problems
 from engine.training.plan import plan_mini_batch
 from models.estimate.counting import padded_vocab_size, stage_parameters
+from models.estimate.training_memory import GIB, micro_batch_tokens, optimizer_bytes
 
 GB = 1e9
 

@@ -18,22 +18,18 @@ import torch.distributed as dist
 
 from megatron.core import parallel_state as ps
 
+from models.bridge import kinds
 from models.layers import transforms as wm
 from models.build.transformer_config import model_shape
-from models.layers.experts.mapping import (EXPERT_KINDS, expert_local_shard, expert_mapping,
-                                   export_expert)
 from models.families.moe import ExpertNaming
 from models.families.base import UnmappedTensorsError
 from models.families.registry import expert_naming
 from models.families.tensors import tensor_problems
 from models.hf.config import check_config
-from models.layers.gated_delta_net.mapping import (HYBRID_KINDS, hybrid_export, hybrid_local_shard,
-                                    hybrid_mapping)
 from models.lora.sites import is_adapter_param
 from models.formats.quantized import DequantizingReader
 from models.layers.biased_experts.fused import fuse_experts, fused_expert_reader
-from models.layers.sigmoid_routing.mapping import mapped_buffers, routed_mapping
-from models.layers.mla.mapping import MLA_KINDS, mla_export, mla_local_shard, mla_mapping
+from models.layers.sigmoid_routing.mapping import mapped_buffers
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -57,7 +53,7 @@ _LAYER_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp.linear_fc1.bias": ("fc1", ("mlp.gate_proj.bias", "mlp.up_proj.bias")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
     "mlp.linear_fc2.bias": ("replicated", ("mlp.down_proj.bias",)),
-}  # MoE router and experts: models.layers.experts.mapping, named by the family's ExpertNaming
+}  # what a layer kind maps itself (MoE experts, MLA, GDN, ...): models.bridge.kinds
 _TOP_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
     "decoder.final_layernorm.weight": ("replicated", ("model.norm.weight",)),
@@ -85,18 +81,9 @@ def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None) -> _Mapp
     if match:
         local, suffix = int(match.group(1)), match.group(2)
         layer = chunk.decoder.layers[local].layer_number - 1
-        hybrid = hybrid_mapping(suffix, layer, chunk.config)  # Qwen3.5: GDN, gated q, shared
-        if hybrid is not None:
-            return _Mapping(*hybrid)
-        routed = routed_mapping(suffix, layer, chunk.config)  # expert bias, shared experts
-        if routed is not None:
-            return _Mapping(*routed)
-        latent = mla_mapping(suffix, layer, chunk.config)  # DeepSeek-V3 MLA projections
-        if latent is not None:
-            return _Mapping(*latent)
-        expert = expert_mapping(suffix, layer, chunk.config.num_moe_experts or 0, naming)
-        if expert is not None:
-            return _Mapping(*expert)
+        claimed = kinds.claim(suffix, layer, chunk.config, naming)  # the layer kinds' own
+        if claimed is not None:
+            return _Mapping(*claimed)
         if suffix not in _LAYER_MAP:
             return None
         kind, names = _LAYER_MAP[suffix]
@@ -135,12 +122,8 @@ def _local_shard(kind: str, hf: list[torch.Tensor], cfg: dict, padded_vocab: int
         return fused.chunk(tp, dim=0)[rank]
     if kind == "fc1":
         return wm.merge_gate_up(hf[0], hf[1], tp)[rank]
-    if kind in EXPERT_KINDS:
-        return expert_local_shard(kind, hf)
-    if kind in HYBRID_KINDS:
-        return hybrid_local_shard(kind, hf, cfg, tp, rank)
-    if kind in MLA_KINDS:
-        return mla_local_shard(kind, hf, cfg, tp, rank)
+    if kind in kinds.OWNER:
+        return kinds.OWNER[kind].shard(kind, hf, cfg, tp, rank)
     raise ValueError(f"unknown mapping kind {kind}")
 
 
@@ -232,28 +215,30 @@ def _export_stage(chunks: list, hf_config: dict, transform: Callable | None = No
                 continue
             data = param.detach() if transform is None else transform(model, name, param)
             kind = mapping.kind
-            if kind in EXPERT_KINDS:
-                yield from export_expert(kind, data, mapping.hf_names,
-                                         model.config.num_moe_experts)
-                continue
-            if kind == "replicated":
-                out = [data]
-            elif kind == "row":
-                out = [torch.cat(_gather_tp(data, 1), dim=1)]
-            elif kind == "heads":
-                out = [torch.cat(_gather_tp(data, 0), dim=0)]
-            elif kind == "vocab":
-                out = [wm.unpad_vocab(torch.cat(_gather_tp(data, 0), 0), shape.vocab_size)]
-            elif kind == "qkv":
-                out = list(wm.split_qkv(torch.cat(_gather_tp(data, 0), 0), heads, kv_heads))
-            elif kind == "fc1":
-                out = list(wm.split_gate_up(_gather_tp(data, 0)))
-            elif kind in HYBRID_KINDS:
-                out = hybrid_export(kind, _gather_tp(data, 0), hf_config)
-            elif kind in MLA_KINDS:
-                out = mla_export(kind, data, hf_config, _gather_tp)
+            if kind in kinds.OWNER:  # a layer kind's own gather (models.bridge.kinds)
+                pairs = kinds.OWNER[kind].export(kind, data, mapping.hf_names, hf_config,
+                                                 model.config, _gather_tp)
             else:
-                raise ValueError(kind)
-            for hf_name, tensor in zip(mapping.hf_names, out):
+                pairs = zip(mapping.hf_names, _export_generic(kind, data, shape.vocab_size,
+                                                              heads, kv_heads))
+            for hf_name, tensor in pairs:
                 seen.add(hf_name)
                 yield hf_name, tensor.contiguous()
+
+
+def _export_generic(kind: str, data: torch.Tensor, vocab_size: int, heads: int, kv_heads: int
+                    ) -> list[torch.Tensor]:
+    """Full HF tensors of a generic-kind parameter shard (gathered over the TP group)."""
+    if kind == "replicated":
+        return [data]
+    if kind == "row":
+        return [torch.cat(_gather_tp(data, 1), dim=1)]
+    if kind == "heads":
+        return [torch.cat(_gather_tp(data, 0), dim=0)]
+    if kind == "vocab":
+        return [wm.unpad_vocab(torch.cat(_gather_tp(data, 0), 0), vocab_size)]
+    if kind == "qkv":
+        return list(wm.split_qkv(torch.cat(_gather_tp(data, 0), 0), heads, kv_heads))
+    if kind == "fc1":
+        return list(wm.split_gate_up(_gather_tp(data, 0)))
+    raise ValueError(f"unknown mapping kind {kind}")

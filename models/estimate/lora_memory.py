@@ -1,4 +1,4 @@
-"""LoRA in the memory estimate of `--validate` (engine.config.recipe_validation.estimate_memory,
+"""LoRA in the memory estimate of `--validate` (models.estimate.training_memory.estimate_memory,
 used by SFT and RL; docs/lora.md#memory).
 
 With adapters (model.lora.rank > 0) the base model is frozen: its parameters are held in
