@@ -61,11 +61,12 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     shape = model_shape(hf_config, tp)
     biases = family_of(hf_config).biases(hf_config_object(hf_config))
     use_te = transformer_engine_available() if use_te is None else use_te
-    hybrid = is_hybrid(hf_config)  # Qwen3.5: per-layer GDN/attention specs, local spec only
+    # The family's declared layer kinds pick the specs (models.families.base, .moe):
+    hybrid = is_hybrid(hf_config)  # per-layer mixers (Gated DeltaNet): local spec only
     heterogeneous = is_heterogeneous(hf_config)  # dense layers, then MoE: local spec only
     use_te = use_te and not hybrid and not heterogeneous
-    use_te = use_te and lora is None and not has_biased_experts(hf_config)  # gpt-oss: local
-    mla = is_mla(hf_config)  # DeepSeek-V3: HF-exact MLA on the local spec (models.layers.mla.module)
+    use_te = use_te and lora is None and not has_biased_experts(hf_config)  # local spec
+    mla = is_mla(hf_config)  # HF-exact MLA on the local spec (models.layers.mla.module)
     use_te = use_te and not mla
 
     def make_spec(cfg):
@@ -73,7 +74,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
                           grouped_experts=grouped_experts, fused_norm=fused_norm)
         return hf_mla_layer_spec(spec, hf_config) if mla else spec
 
-    spec = biased_moe_spec(make_spec(config), hf_config)  # gpt-oss: router/expert biases
+    spec = biased_moe_spec(make_spec(config), hf_config)  # declared router/expert biases
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
