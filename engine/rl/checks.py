@@ -27,6 +27,7 @@ from engine.rl.rollout.base import (BACKENDS, backend_class, conditional_checkpo
 from engine.rl.rollout.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
                                          split_sizes)
 from engine.rl.rollout.sync_quantization import sync_quantization_problems
+from engine.rl.rollout.vllm_settings import vllm_problems
 from models.bridge.critic import critic_problem
 from models.hf.custom_code import load_tokenizer
 
@@ -157,7 +158,7 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                                         if n_rollout else procs_per_node(world_size))
                    + routing_replay_problems(cfg) + distill_problems(cfg, world_size)
                    + ppo_problems(cfg) + conditional_checkpoint_problems(cfg, hf_config)
-                   + sync_quantization_problems(cfg, hf_config))
+                   + sync_quantization_problems(cfg, hf_config) + vllm_problems(cfg, hf_config))
     return hf_config
 
 

