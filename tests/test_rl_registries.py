@@ -73,7 +73,7 @@ def test_renamed_sglang_keys_are_refused_with_the_new_name(old, new):
 
 
 def test_backends_declare_everything_the_loop_calls():
-    assert set(BACKENDS) == {"hf", "sglang"}
+    assert set(BACKENDS) == {"hf", "vllm", "sglang"}
     hf = backend_class("hf")
     assert issubclass(hf, RolloutEngine) and hf.supports_logit_probe
     for name in ("generate", "update_weights", "sleep", "wake", "shutdown", "probe_logits",

@@ -204,6 +204,9 @@ def verify(args) -> int:
         # as published: a conditional-generation checkpoint's own class (text input only)
         auto = getattr(transformers, reference_class(read_config(args.hf_dir)))
         hf = auto.from_pretrained(args.hf_dir, dtype=dtype)
+        # transformers < 5.20 dequantizes published MXFP4 experts to bf16 whatever `dtype` is;
+        # the values are bf16-exact (fp4 x power-of-two scales), so casting restores them
+        hf = hf.to(dtype)
         if torch.cuda.is_available():
             hf = hf.cuda()
         with torch.no_grad():

