@@ -5,8 +5,8 @@ the log-prob contract against transformers at T = 0.7, top-p 0.9 (negative contr
 log-probs of T = 1 are far), per-response seeds independent of the batch, finish reasons, a
 sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
 skipped tensor is refused), the refusal of a too-long prompt. GRPO through `engine.rl` on the
-rank pool at one process and DP2 x TP2: rollout/logprob_diff < 1e-5 at every step and the same
-training metrics. Config refusals in-process.
+rank pool at one process and DP2 x TP2 (rollout/logprob_diff < 1e-5 at every step and the same
+training metrics) and with two-turn episodes. Config refusals in-process.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from engine.rl.checks import rl_problems
 from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.rollout.base import SamplingParams
 from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import build_eos_model, build_tiny_model
 
 TINY = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, head_dim=32,
             initializer_range=0.2)
@@ -162,13 +162,17 @@ def test_rollout_vllm_keys_are_checked_by_name():
 
 
 def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra) -> list[dict]:
-    proc = pools.script(
-        nproc, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{prompts}]",
-        "rollout.backend=vllm", "reward.fn=tests.test_rl_loop:digit_reward", "rollout.n=2",
-        "rollout.max_new_tokens=6", "train.prompts_per_step=2", "train.micro_batch_size=1",
-        "train.max_steps=2", "train.seq_length=48", "optim.lr=1e-2", "kl.beta=0.05",
-        "train.mini_batches_per_step=2", f"data.cache_dir={out}/cache", "data.num_workers=0",
-        f"logging.dir={out}/run", "logging.progress_bar=false", *extra, timeout=500)
+    """A 2-step `engine.rl` run with rollout.backend=vllm on the `nproc`-rank pool (`extra`
+    overrides replace the defaults of the same key); its metrics.jsonl rows."""
+    keys = dict(a.split("=", 1) for a in (
+        f"model.hf_path={model_dir}", f"data.train_files=[{prompts}]", "rollout.backend=vllm",
+        "reward.fn=tests.test_rl_loop:digit_reward", "rollout.n=2", "rollout.max_new_tokens=6",
+        "train.prompts_per_step=2", "train.micro_batch_size=1", "train.max_steps=2",
+        "train.seq_length=48", "optim.lr=1e-2", "kl.beta=0.05", "train.mini_batches_per_step=2",
+        f"data.cache_dir={out}/cache", "data.num_workers=0", f"logging.dir={out}/run",
+        "logging.progress_bar=false", *extra))
+    proc = pools.script(nproc, "-m", "engine.rl", *(f"{k}={v}" for k, v in keys.items()),
+                        timeout=500)
     assert proc.returncode == 0
     with open(f"{out}/run/metrics.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -190,3 +194,17 @@ def test_grpo_on_vllm_is_exact_and_layout_invariant(pools, qwen3_dir, tmp_path):
         for key in ("policy/loss", "policy/kl", "grad_norm", "response/length_mean"):
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (key, a, b)
     assert one[1]["policy/kl"] > 0 and one[0]["grad_norm"] > 0
+
+
+def test_multi_turn_episodes_on_vllm_are_exact(pools, tmp_path):
+    """env.fn with two turns on a model whose sampled turns end (eos): token in, token out, the
+    engine's log-probs equal the trainer's at both steps and episodes reach their second turn."""
+    model_dir = build_eos_model(str(tmp_path / "eos_llama"), hidden=128)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
+                               + "\n" for i in range(8)))
+    metrics = _grpo(pools, 1, model_dir, prompts, tmp_path / "env", "kl.beta=0",
+                    "env.fn=tests.test_rl_env:CountEnv", "env.max_turns=2",
+                    "train.seq_length=128")
+    assert all(m["rollout/logprob_diff"] < 1e-5 for m in metrics), metrics
+    assert max(m["env/turns_mean"] for m in metrics) > 1.0, metrics

@@ -128,18 +128,18 @@ def build_tiny_model(out_dir: str, arch: str = "qwen3", vocab_size: int = 200, h
     return out_dir
 
 
-def build_eos_model(out_dir: str) -> str:
-    """A tiny untied Llama whose eos logit is raised along the mean final hidden state (eos
-    ~19% per sampled token instead of ~0.3%), so sampled turns end and multi-turn episodes go
-    on. Returns its directory."""
+def build_eos_model(out_dir: str, hidden: int = 32) -> str:
+    """A tiny untied Llama (4 heads of hidden / 4) whose eos logit is raised along the mean
+    final hidden state (eos ~19% per sampled token instead of ~0.3% at hidden 32), so sampled
+    turns end and multi-turn episodes go on. Returns its directory."""
     from transformers import AutoModelForCausalLM
 
-    path = build_tiny_model(out_dir, "llama", hidden=32, layers=2, heads=4, kv_heads=2,
+    path = build_tiny_model(out_dir, "llama", hidden=hidden, layers=2, heads=4, kv_heads=2,
                             seed=0, initializer_range=0.2, tie_word_embeddings=False)
     model = AutoModelForCausalLM.from_pretrained(path)
     ids = torch.randint(4, 200, (16, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        mean = model.model(ids).last_hidden_state.reshape(-1, 32).mean(0)
+        mean = model.model(ids).last_hidden_state.reshape(-1, hidden).mean(0)
         model.lm_head.weight[3] += 3.0 * mean / mean.norm() ** 2
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -10,6 +10,9 @@
                                                batch vs one per micro-batch; goal >= 3x;
                                                --engines: tokens/s and weight-sync time by
                                                engine count (torchrun, 2 ranks)
+    python tools/bench.py backends [--quick]   rollout tokens/s, rollout.backend=hf vs vllm on
+                                               the same prompts, weights and sampling (~100M
+                                               parameters, 64 x 256 tokens); goal ratio >= 4
     python tools/bench.py sync     [--quick]   Megatron -> rollout engine weight sync GB/s per
                                                bucket size (>= 100M-parameter model)
     python tools/bench.py async    [--quick]   GRPO step time with rollout.max_staleness 1 vs 0
@@ -59,7 +62,8 @@ GOALS: dict[str, tuple[str, float]] = {
     "first_step_s_uncached": ("<=", 60.0),   # data: 20k chat rows, 2 ranks, empty cache
     "first_step_s_cached": ("<=", 20.0),
     "loss_head_sft_peak_gb": ("<=", 3.0),    # 8,192-token SFT step, vocab 151,936, chunked
-    "async_step_time_ratio": ("<=", 0.6),    # step time s=1 / s=0, generation ~ training
+    "async_step_time_ratio": ("<=", 0.6),
+    "vllm_over_hf_tokens_per_s": (">=", 4.0),  # backends: same prompts, ~100M params    # step time s=1 / s=0, generation ~ training
 }
 
 
@@ -100,6 +104,9 @@ def run_one(name: str, args) -> BenchResult:
             result = BenchResult(result.tables + scaling.tables,
                                  {**result.summary, **scaling.summary})
         return result
+    if name == "backends":
+        from bench_backends import run_backends
+        return run_backends(args.quick)
     if name == "sync":
         from bench_sync import run_sync
         return run_sync(args.quick)
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    public = ("overhead", "balance", "rollout", "sync", "async", "mfu", "data", "loss_head",
+    public = ("overhead", "balance", "rollout", "backends", "sync", "async", "mfu", "data", "loss_head",
               "all")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(public) + "}")
     for name in public:
