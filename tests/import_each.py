@@ -49,16 +49,25 @@ def _child(module: str, write_fd: int) -> None:
     os._exit(code)
 
 
-def import_each(modules: list[str]) -> dict[str, str]:
-    """{module: why its import failed} over `modules`, each imported in its own fork."""
-    failures = {}
-    for module in modules:
-        read_fd, write_fd = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_fd)
-            _child(module, write_fd)
-        os.close(write_fd)
+def _start(module: str) -> tuple[int, int]:
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        _child(module, write_fd)
+    os.close(write_fd)
+    return pid, read_fd
+
+
+def import_each(modules: list[str], parallel: int = 2) -> dict[str, str]:
+    """{module: why its import failed} over `modules`, each imported in its own fork
+    (`parallel` children at a time)."""
+    failures, running, queue = {}, [], list(modules)
+    while queue or running:
+        while queue and len(running) < parallel:
+            module = queue.pop(0)
+            running.append((module, *_start(module)))
+        module, pid, read_fd = running.pop(0)
         with os.fdopen(read_fd, "rb") as r:
             message = r.read().decode()
         _, status = os.waitpid(pid, 0)

@@ -96,8 +96,9 @@ def test_validate_names_key_and_choices(model_dir, prompts_file):
     base = [f"model.hf_path={model_dir}", f"data.train_files=[{prompts_file}]"]
     assert validate_rl(_config(base), 1)["num_hidden_layers"] == 4
     cases = {"kl.estimator=k4": "kl.estimator='k4' is not valid; choose one of k1, k2, k3",
-             "rollout.backend=vllm": "rollout.backend='vllm' is not known; choose one of hf, "
-                                     "sglang or give your own as package.module:ClassName",
+             "rollout.backend=trtllm": "rollout.backend='trtllm' is not known; choose one of "
+                                       "hf, vllm, sglang or give your own as "
+                                       "package.module:ClassName",
              "rollout.n=1": "rollout.n=1 must be >= 2",
              "clip.dual_c=0.5": "clip.dual_c=0.5 must be > 1",
              "reward.fn=nomodule": "reward.fn: reward function spec 'nomodule'",

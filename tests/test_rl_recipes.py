@@ -16,6 +16,7 @@ MOE = Path(__file__).resolve().parents[1] / "recipes" / "rl" / "qwen3_30b_a3b_gr
 
 def test_every_recipe_exists():
     assert {p.name for p in RECIPES} == {"qwen3_8b_grpo_h100.yaml", "qwen3_8b_dapo_h100.yaml",
+                                         "qwen3_8b_grpo_vllm_h100.yaml",
                                          "qwen3_30b_a3b_grpo_h100.yaml",
                                          "qwen3_30b_a3b_lora_grpo_h100.yaml",
                                          "qwen3_30b_a3b_dapo_gspo_r2_h100.yaml",
@@ -72,7 +73,8 @@ def test_recipe_loads_with_algorithm_defaults(path):
     argv = ["--config", str(path)]
     cfg, _ = load_config(RLConfig, argv)
     cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))
-    assert cfg.rollout.backend == "sglang" and cfg.model.dtype == "bfloat16"
+    assert cfg.rollout.backend == ("vllm" if "vllm" in path.name else "sglang")
+    assert cfg.model.dtype == "bfloat16"
     assert cfg.train.seq_length >= cfg.rollout.max_new_tokens
     if cfg.algorithm == "dapo":
         # explicit keys win over the preset: the GSPO recipe sets the sequence-ratio bounds
@@ -154,3 +156,19 @@ def test_qwen3_5_moe_recipe_validates(capsys):
     out = capsys.readouterr().out
     assert "tp=2 pp=1 cp=1 ep=8 dp=16 on 4 node(s)" in out
     assert "recipe OK on 4 node(s) x 8 GPUs" in out and "warning" not in out
+
+
+def test_vllm_recipe_passes_validate_with_the_engine_counted(capsys):
+    """The vLLM variant of the Qwen3-8B GRPO recipe: the engine is its
+    rollout.vllm.gpu_memory_utilization of the GPU, and its share of the weights fits it."""
+    from engine.rl.recipe_check import rl_validate_main
+
+    recipe = RECIPES[0].parent / "qwen3_8b_grpo_vllm_h100.yaml"
+    assert rl_validate_main(["--config", str(recipe), "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "engine 27.9 (vLLM 0.35 x 79.6) = 68.1" in out
+    assert "vLLM engine per GPU (estimate, GiB): weights 7.6" in out and "20.2 left" in out
+    assert rl_validate_main(["--config", str(recipe), "--validate",
+                             "rollout.vllm.gpu_memory_utilization=0.05"]) == 2
+    assert "rollout.vllm.gpu_memory_utilization=0.05 x 79.6 GiB = 4.0 GiB" in \
+        capsys.readouterr().out

@@ -252,8 +252,8 @@ def test_sglang_without_the_package_gives_a_clear_error(monkeypatch, model_dirs)
 
 
 def test_unknown_backend_and_bad_inputs(engine, model_dirs):
-    with pytest.raises(ValueError, match=r"'vllm' is not known; choose one of hf, sglang"):
-        make_rollout_engine("vllm", model_dirs[0])
+    with pytest.raises(ValueError, match=r"'trtllm' is not known; choose one of hf, vllm, sglang"):
+        make_rollout_engine("trtllm", model_dirs[0])
     with pytest.raises(ValueError, match="not a local HF model directory"):
         make_rollout_engine("hf", model_dirs[0] + "/missing")
     for bad in (dict(max_new_tokens=0), dict(max_new_tokens=4, temperature=-1.0),

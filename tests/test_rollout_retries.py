@@ -74,7 +74,7 @@ def test_too_many_failures_raise_a_clear_error(model_dir, monkeypatch):
 
 def test_backend_class_errors_are_config_errors(model_dir, prompts_file):
     base = [f"model.hf_path={model_dir}", f"data.train_files=[{prompts_file}]"]
-    for backend, needle in [("vllm", "choose one of hf, sglang or give your own"),
+    for backend, needle in [("trtllm", "choose one of hf, vllm, sglang or give your own"),
                             ("no_such_pkg.mod:Engine", "cannot be loaded"),
                             ("tests.flaky_rollout:os", "not a subclass of")]:
         cfg, _ = load_config(RLConfig, [*base, f"rollout.backend={backend}"])

@@ -398,19 +398,19 @@ def _family_mentions(texts: dict[Path, str], places) -> dict[str, list[str]]:
     """{place name: files outside the place that name one of its model_types in code or import
     one of its modules}; the registry (one line per family) is the allowed exception."""
     known = _modules()
+    parsed = {}
+    for path, text in texts.items():
+        tree = ast.parse(text)
+        parsed[path] = (_code_strings(tree),
+                        _imported(tree, _module_name(path), path.name == "__init__.py", known))
     out: dict[str, list[str]] = {}
     for name, (place, types) in places.items():
-        module = _module_name(place if place.is_dir() else place)
-        hits = []
-        for path, text in texts.items():
-            if path == place or place in path.parents or path.name == "registry.py":
-                continue
-            tree = ast.parse(text)
-            deps = _imported(tree, _module_name(path), path.name == "__init__.py", known)
-            if _code_strings(tree) & types or any(d == module or d.startswith(module + ".")
-                                                  for d in deps):
-                hits.append(str(path.relative_to(ROOT)))
-        out[name] = hits
+        module = _module_name(place)
+        out[name] = [str(path.relative_to(ROOT)) for path, (strings, deps) in parsed.items()
+                     if not (path == place or place in path.parents
+                             or path.name == "registry.py")
+                     and (strings & types or any(d == module or d.startswith(module + ".")
+                                                 for d in deps))]
     return out
 
 

@@ -90,15 +90,16 @@ def test_a_too_long_prompt_is_refused_with_its_position_and_key(qwen3):
         qwen3.generate([[5] * 4, [5] * 60], SamplingParams(max_new_tokens=8))
 
 
-def _new_weights(model_dir: str, out_dir, seed: int) -> dict[str, torch.Tensor]:
+def _new_weights(model_dir: str, out_dir, seed: int | None) -> dict[str, torch.Tensor]:
     """Every tensor of `model_dir`'s checkpoint (its own names) perturbed, as a trainer's step
-    would, and saved with the folder's config to `out_dir` (the reference)."""
+    would (seed None: unchanged), and saved with the folder's config to `out_dir` (the
+    reference)."""
     import shutil
     from safetensors.torch import load_file, save_file
-    gen = torch.Generator().manual_seed(seed)
     state = load_file(f"{model_dir}/model.safetensors")
-    new = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v
-           for k, v in state.items()}
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    new = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen)
+           if gen is not None and v.numel() > 1 else v for k, v in state.items()}
     shutil.copytree(model_dir, out_dir)
     save_file(new, f"{out_dir}/model.safetensors", metadata={"format": "pt"})
     return new
@@ -111,15 +112,18 @@ def _sync(engine, weights: dict, skip: str | None = None, per_bucket: int = 3) -
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_a_sync_that_changes_every_parameter_lands_exactly(arch, tmp_path):
-    """Tied Qwen3 (vLLM's reload leaves the tied head stale on CPU unless repacked) and
-    Qwen3-MoE (its CPU expert kernel must be rebuilt): after a sync of perturbed weights the
-    engine's log-probs equal transformers' with those weights; a sync missing one tensor is
-    refused instead of serving stale weights, and a full sync after it is exact again."""
-    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64) \
-        if arch == "qwen3_moe" else dict(tie_word_embeddings=True)
-    model_dir = build_tiny_model(str(tmp_path / arch), arch, seed=0, **{**TINY, **extra})
-    engine = _engine(model_dir, max_model_len=64)
+def test_a_sync_that_changes_every_parameter_lands_exactly(arch, qwen3, qwen3_dir, tmp_path):
+    """Tied Qwen3 (vLLM's reload leaves the tied head stale on CPU unless repacked; the module's
+    engine, restored to its weights at the end) and Qwen3-MoE (its CPU expert kernel must be
+    rebuilt): after a sync of perturbed weights the engine's log-probs equal transformers' with
+    those weights; a sync missing one tensor is refused instead of serving stale weights, and
+    a full sync after it is exact again."""
+    if arch == "qwen3":
+        model_dir, engine = qwen3_dir, qwen3
+    else:
+        model_dir = build_tiny_model(str(tmp_path / arch), arch, seed=0, **{
+            **TINY, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64})
+        engine = _engine(model_dir, max_model_len=64)
     try:
         weights = _new_weights(model_dir, tmp_path / "new", 1)
         params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
@@ -136,8 +140,11 @@ def test_a_sync_that_changes_every_parameter_lands_exactly(arch, tmp_path):
             engine.generate(PROMPTS, params)   # still refused until a full sync
         _sync(engine, weights, per_bucket=5)
         assert _max_diff(new, engine.generate(PROMPTS, params), 1.0) < 2e-5
+        _sync(engine, _new_weights(model_dir, tmp_path / "restored", None))  # back to the start
+        assert _max_diff(old, engine.generate(PROMPTS, params), 1.0) < 2e-5
     finally:
-        engine.shutdown()
+        if engine is not qwen3:
+            engine.shutdown()
 
 
 def _cfg(*argv: str) -> RLConfig:

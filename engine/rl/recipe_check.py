@@ -30,8 +30,11 @@ the memory per GPU (GiB), in two phases:
   pipeline stage of the policy's peak);
 - rollout, on an engine's GPUs: the resident training state (weights, fp32 gradient buffers,
   optimizer state, the reference, the teacher unless offloaded, the critic, the runtime) plus
-  the engine: SGLang takes rollout.sglang.mem_fraction of the GPU (weights and KV cache); the
-  HF backend holds the whole model in model.dtype on its owner rank. Without
+  the engine (engine.rl.rollout.engine_memory.engine_budget): SGLang takes
+  rollout.sglang.mem_fraction of the GPU (weights and KV cache), vLLM
+  rollout.vllm.gpu_memory_utilization of it (or its share of the weights plus
+  rollout.vllm.kv_cache_gib); the HF backend holds the whole model in model.dtype on its owner
+  rank. Without
   rollout.sleep_during_train the engine's memory stays during training too, and counts in the
   training phase.
 
@@ -56,7 +59,8 @@ from engine.config.schema import (ConfigError, layout_problems, parallel_layout,
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.checks import async_problems, ppo_problems, rl_problems
 from engine.rl.config import RLConfig
-from engine.rl.rollout.engine_memory import engine_fit, engine_weights, engine_weights_problem
+from engine.rl.rollout.engine_memory import (engine_budget, engine_fit, engine_weights,
+                                              engine_weights_problem)
 from engine.rl.rollout.placement import placement_problems, resolve_placement, split_sizes
 from engine.rl.rollout.sync_quantization import sync_quantization_problems
 from engine.training.plan import plan_mini_batch
@@ -127,10 +131,11 @@ def _bytes(cfg: RLConfig) -> int:
     return 2 if cfg.model.dtype == "bfloat16" else 4
 
 
-def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None
-              ) -> tuple[float, float, list[str]]:
+def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
+              gpus_per_engine: int = 1) -> tuple[float, float, list[str]]:
     """(training GiB, rollout GiB, summary lines) per GPU: the module docstring's estimate;
-    `teacher`: distill.teacher_path's HF config (teacher_config), None when not counted."""
+    `teacher`: distill.teacher_path's HF config (teacher_config), None when not counted;
+    `gpus_per_engine`: the placement's (an engine's share of its weights per GPU)."""
     par, train, roll = cfg.parallel, cfg.train, cfg.rollout
     layout = parallel_layout(par, world)
     responses = max(train.prompts_per_step * roll.n // train.mini_batches_per_step, 1)
@@ -143,12 +148,7 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None
     stage = stage_parameters(hf, par.tp, par.pp, par.ep)
     reference = (max(stage.first_stage, stage.last_stage) * a / GIB
                  if cfg.kl.beta > 0 and lora is None else 0.0)
-    if roll.backend == "sglang":
-        engine = roll.sglang.mem_fraction * cfg.recipe.gpu_memory_gib
-        engine_text = f"SGLang {roll.sglang.mem_fraction:g} x {cfg.recipe.gpu_memory_gib:g}"
-    else:
-        engine = stage_parameters(hf, 1, 1).total * a / GIB
-        engine_text = f"{roll.backend} engine weights"
+    engine, engine_text = engine_budget(cfg, hf, gpus_per_engine)
     teacher_gib, teacher_lines = teacher_memory(cfg, teacher)
     full = mem if lora is None else estimate_memory(  # the PPO critic is a full model
         hf, layout, train, a == 2, cfg.optim.distributed_optimizer, plan.num_micro_batches)
@@ -263,14 +263,17 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
     sync_bytes = sync.bytes
     par = cfg.parallel
     ep = f" ep={par.ep}" if par.ep > 1 else ""
-    training, rollout, memory_lines = rl_memory(cfg, hf, world, teacher)
+    training, rollout, memory_lines = rl_memory(cfg, hf, world, teacher,
+                                                placement.gpus_per_engine)
     if n_roll:  # the engines live on their own GPUs: no resident training state there
         training, rollout, memory_lines = disaggregated_memory(cfg, hf, world)
     at_recipe_size = ((nodes, per_node) == (cfg.recipe.nodes, cfg.recipe.gpus_per_node)
                       and (teacher is not None or not cfg.distill.teacher_path))
     memory_issues, warnings = memory_checks(
         max(training, rollout), cfg.recipe, at_recipe_size, "estimated peak memory per GPU",
-        "raise tp/pp/ep, lower train.max_tokens_per_micro_batch or rollout.sglang.mem_fraction",
+        "raise tp/pp/ep, lower train.max_tokens_per_micro_batch or " + (
+            "rollout.vllm.gpu_memory_utilization" if roll.backend == "vllm"
+            else "rollout.sglang.mem_fraction"),
         "the estimated peak is")
     fit_issues, fit_lines = engine_fit(cfg, hf, placement.gpus_per_engine)
     memory_issues += fit_issues

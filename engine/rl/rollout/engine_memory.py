@@ -1,6 +1,8 @@
 """What one rollout engine's weights weigh, for `--validate` (engine.rl.recipe_check): the
-bytes one weight sync moves into each engine and, for SGLang, whether the engine's share of
-them fits its rollout.sglang.mem_fraction of the GPU and what is left for its KV cache.
+bytes one weight sync moves into each engine, what the engine holds of a GPU
+(`engine_budget`) and, for SGLang and vLLM, whether the engine's share of the weights fits its
+rollout.sglang.mem_fraction / rollout.vllm.gpu_memory_utilization of the GPU and what is left
+for its KV cache.
 
 - rollout.sync_quantization null: every parameter in model.dtype (HF count, unpadded vocab);
 - fp8: the weights the published FP8 checkpoint stores in FP8 at 1 byte per parameter plus one
@@ -9,7 +11,7 @@ them fits its rollout.sglang.mem_fraction of the GPU and what is left for its KV
   the family's published layout: DeepSeek-V3 / Kimi-K2 (MLA;
   models.layers.mla.costs.fp8_weight_shapes); other families are refused by name.
 
-SGLang's KV cache for MLA models: one (kv_lora_rank + qk_rope_head_dim)-wide latent per token
+The KV cache for MLA models: one (kv_lora_rank + qk_rope_head_dim)-wide latent per token
 and layer in bf16, held whole by every GPU of a tensor-parallel engine (the latent has no heads
 to split), so the tokens it can hold are (budget - weights share) / that size.
 """
@@ -69,28 +71,53 @@ def kv_tokens(hf: dict, free_gib: float) -> int | None:
     return int(max(free_gib, 0.0) * GIB // (2 * width * int(field(hf, "num_hidden_layers"))))
 
 
+def engine_budget(cfg, hf: dict, gpus_per_engine: int) -> tuple[float, str]:
+    """(GiB of one GPU the rollout engine holds, how that is set). SGLang: its
+    rollout.sglang.mem_fraction of the GPU; vLLM: its rollout.vllm.gpu_memory_utilization of
+    the GPU, or with rollout.vllm.kv_cache_gib its share of the weights plus that cache; other
+    backends: the whole weights in model.dtype (one copy per engine)."""
+    roll, gpu = cfg.rollout, cfg.recipe.gpu_memory_gib
+    share = engine_weights(cfg, hf).bytes / GIB / gpus_per_engine
+    if roll.backend == "sglang":
+        return (roll.sglang.mem_fraction * gpu,
+                f"SGLang {roll.sglang.mem_fraction:g} x {gpu:g}")
+    if roll.backend == "vllm" and roll.vllm.kv_cache_gib is not None:
+        return share + roll.vllm.kv_cache_gib, (f"vLLM weights {share:.1f} + "
+                                                f"rollout.vllm.kv_cache_gib {roll.vllm.kv_cache_gib:g}")
+    if roll.backend == "vllm":
+        return (roll.vllm.gpu_memory_utilization * gpu,
+                f"vLLM {roll.vllm.gpu_memory_utilization:g} x {gpu:g}")
+    a = 2 if cfg.model.dtype == "bfloat16" else 4   # a whole copy in model.dtype
+    return stage_parameters(hf, 1, 1).total * a / GIB, f"{roll.backend} engine weights"
+
+
 def engine_fit(cfg, hf: dict, gpus_per_engine: int) -> tuple[list[str], list[str]]:
-    """(problems, report lines) of an SGLang engine's weights against its
-    rollout.sglang.mem_fraction of the GPU: its share (the weights over its GPUs) must fit,
-    or the engine cannot even load them (engines never span nodes:
-    engine.rl.rollout.placement); the rest is its KV cache. Other backends: nothing."""
+    """(problems, report lines) of an SGLang or vLLM engine's weights against its share of the
+    GPU (rollout.sglang.mem_fraction, rollout.vllm.gpu_memory_utilization): its share of the
+    weights (over its GPUs) must fit, or the engine cannot even load them (engines never span
+    nodes: engine.rl.rollout.placement); the rest is its KV cache. Other backends: nothing."""
     roll = cfg.rollout
-    if roll.backend != "sglang":
+    keys = {"sglang": ("SGLang", "rollout.sglang.mem_fraction"),
+            "vllm": ("vLLM", "rollout.vllm.gpu_memory_utilization")}
+    if roll.backend not in keys or (roll.backend == "vllm" and roll.vllm.kv_cache_gib):
         return [], []
+    name, key = keys[roll.backend]
+    fraction = roll.sglang.mem_fraction if roll.backend == "sglang" else \
+        roll.vllm.gpu_memory_utilization
     weights = engine_weights(cfg, hf)
     share = weights.bytes / GIB / gpus_per_engine
-    budget = roll.sglang.mem_fraction * cfg.recipe.gpu_memory_gib
+    budget = fraction * cfg.recipe.gpu_memory_gib
     if share > budget:
-        return [f"an SGLang engine's share of the weights ({weights.text}), {share:.1f} GiB "
+        return [f"an {name} engine's share of the weights ({weights.text}), {share:.1f} GiB "
                 f"per GPU over rollout.gpus_per_engine={gpus_per_engine}, exceeds "
-                f"rollout.sglang.mem_fraction={roll.sglang.mem_fraction:g} x "
+                f"{key}={fraction:g} x "
                 f"{cfg.recipe.gpu_memory_gib:g} GiB = {budget:.1f} GiB (engines never span "
                 "nodes): the model does not fit one node's engine"], []
     tokens = kv_tokens(hf, budget - share)
     cache = (f" (about {tokens / 1e3:.0f} K tokens of MLA latents, every GPU of the engine "
              "caching each token)"
              if tokens is not None else "")
-    return [], [f"SGLang engine per GPU (estimate, GiB): weights {share:.1f} ({weights.text}, "
-                f"over {gpus_per_engine} GPUs) of its rollout.sglang.mem_fraction "
-                f"{roll.sglang.mem_fraction:g} x {cfg.recipe.gpu_memory_gib:g} = {budget:.1f}: "
+    return [], [f"{name} engine per GPU (estimate, GiB): weights {share:.1f} ({weights.text}, "
+                f"over {gpus_per_engine} GPUs) of its {key} "
+                f"{fraction:g} x {cfg.recipe.gpu_memory_gib:g} = {budget:.1f}: "
                 f"{budget - share:.1f} left for the KV cache{cache}"]

@@ -171,7 +171,11 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @property
     def is_alive(self) -> bool:
-        return self._alive
+        """False after `shutdown` or once vLLM's client has seen its engine process die (the
+        RL loop then restarts the engine instead of retrying)."""
+        resources = getattr(self.llm.llm_engine.engine_core, "resources", None) \
+            if self._alive else None
+        return self._alive and not getattr(resources, "engine_dead", False)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         if self.is_asleep:
