@@ -170,5 +170,6 @@ def test_vllm_recipe_passes_validate_with_the_engine_counted(capsys):
     assert "vLLM engine per GPU (estimate, GiB): weights 7.6" in out and "20.2 left" in out
     assert rl_validate_main(["--config", str(recipe), "--validate",
                              "rollout.vllm.gpu_memory_utilization=0.05"]) == 2
-    assert "rollout.vllm.gpu_memory_utilization=0.05 x 79.6 GiB = 4.0 GiB" in \
-        capsys.readouterr().out
+    refused = capsys.readouterr()
+    assert "a vLLM engine's share of the weights (bfloat16), 7.6 GiB per GPU" in refused.err
+    assert "exceeds rollout.vllm.gpu_memory_utilization=0.05 x 79.6 GiB" in refused.err

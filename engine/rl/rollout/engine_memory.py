@@ -97,8 +97,8 @@ def engine_fit(cfg, hf: dict, gpus_per_engine: int) -> tuple[list[str], list[str
     weights (over its GPUs) must fit, or the engine cannot even load them (engines never span
     nodes: engine.rl.rollout.placement); the rest is its KV cache. Other backends: nothing."""
     roll = cfg.rollout
-    keys = {"sglang": ("SGLang", "rollout.sglang.mem_fraction"),
-            "vllm": ("vLLM", "rollout.vllm.gpu_memory_utilization")}
+    keys = {"sglang": ("an SGLang", "rollout.sglang.mem_fraction"),
+            "vllm": ("a vLLM", "rollout.vllm.gpu_memory_utilization")}
     if roll.backend not in keys or (roll.backend == "vllm" and roll.vllm.kv_cache_gib):
         return [], []
     name, key = keys[roll.backend]
@@ -108,7 +108,7 @@ def engine_fit(cfg, hf: dict, gpus_per_engine: int) -> tuple[list[str], list[str
     share = weights.bytes / GIB / gpus_per_engine
     budget = fraction * cfg.recipe.gpu_memory_gib
     if share > budget:
-        return [f"an {name} engine's share of the weights ({weights.text}), {share:.1f} GiB "
+        return [f"{name} engine's share of the weights ({weights.text}), {share:.1f} GiB "
                 f"per GPU over rollout.gpus_per_engine={gpus_per_engine}, exceeds "
                 f"{key}={fraction:g} x "
                 f"{cfg.recipe.gpu_memory_gib:g} GiB = {budget:.1f} GiB (engines never span "
@@ -117,7 +117,7 @@ def engine_fit(cfg, hf: dict, gpus_per_engine: int) -> tuple[list[str], list[str
     cache = (f" (about {tokens / 1e3:.0f} K tokens of MLA latents, every GPU of the engine "
              "caching each token)"
              if tokens is not None else "")
-    return [], [f"{name} engine per GPU (estimate, GiB): weights {share:.1f} ({weights.text}, "
+    return [], [f"{name.split()[1]} engine per GPU (estimate, GiB): weights {share:.1f} ({weights.text}, "
                 f"over {gpus_per_engine} GPUs) of its {key} "
                 f"{fraction:g} x {cfg.recipe.gpu_memory_gib:g} = {budget:.1f}: "
                 f"{budget - share:.1f} left for the KV cache{cache}"]
