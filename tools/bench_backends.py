@@ -20,7 +20,7 @@ from bench_common import BenchResult, Table, fmt, median, torch_threads
 
 MODEL = dict(vocab_size=32000, hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048,
              head_dim=64, tie_word_embeddings=True)
-PROMPTS, MAX_NEW, REPEATS = 64, 256, 2
+PROMPTS, MAX_NEW, REPEATS = 64, 256, 1
 QUICK = (16, 32, 1)
 THREADS = 2
 
