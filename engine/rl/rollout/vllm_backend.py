@@ -105,15 +105,15 @@ def without_launcher_env(extra: dict[str, str] | None = None):
 
 
 def cpu_bind() -> dict[str, str]:
-    """Environment for a CPU engine's start: when this process is the only rank on its machine
-    (LOCAL_WORLD_SIZE 1 or unset) and the user set no VLLM_CPU_OMP_THREADS_BIND, the engine's
-    OpenMP threads are bound to every CPU the process may use. vLLM's own "auto" binds its worker
-    to one core per NUMA node and reserves the rest for its scheduler (on 2 cores: one computes);
-    measured on the ~100M-parameter benchmark model, 2 cores: auto 185 tokens/s, "0-1" 294
-    tokens/s. With several ranks per machine each engine keeps "auto" (binding each to every CPU
-    would oversubscribe them); a non-contiguous CPU set gets "nobind"."""
-    shared = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1
-    if shared or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    """Environment for a CPU engine's start (`without_launcher_env` never overrides a variable
+    the user set): when this process is the only rank on its machine (LOCAL_WORLD_SIZE 1 or
+    unset), the engine's OpenMP threads are bound to every CPU the process may use. vLLM's own
+    "auto" binds its worker to one core per NUMA node and reserves the rest for its scheduler
+    (on 2 cores: one computes); measured on the ~100M-parameter benchmark model, 2 cores: auto
+    185 tokens/s, "0-1" 294 tokens/s. With several ranks per machine each engine keeps "auto"
+    (binding each to every CPU would oversubscribe them); a non-contiguous CPU set gets
+    "nobind"."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         return {}
     cpus = sorted(os.sched_getaffinity(0))
     contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
