@@ -115,7 +115,7 @@ def run_one(name: str, args) -> BenchResult:
         return run_async(args.quick)
     if name == "mfu":
         from bench_mfu import run_mfu
-        return run_mfu(args.quick)
+        return run_mfu(args.quick, getattr(args, "profile", False))
     if name == "data":
         from bench_data import run_data
         return run_data(args.quick)
@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         if name in ("balance", "all"):
             p.add_argument("--plot", default=None,
                            help="write the balance-vs-DP plot to this PNG path")
+        if name == "mfu":
+            p.add_argument("--profile", action="store_true",
+                           help="also profile one step: its 30 largest GPU kernels")
         if name == "rollout":
             p.add_argument("--engines", default=None,
                            help="also time rollout engine scaling for these engine counts, "

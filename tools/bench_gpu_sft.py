@@ -15,6 +15,14 @@ Cases (each a separate launch, bf16 on CUDA):
   full       dense with train.recompute=full (uniform, 1 layer)
   moe        Qwen3-MoE: 16 layers, hidden 1024, 16 experts top-2 (moe_intermediate 768),
              untied embeddings; parallel.ep=1, moe.token_dispatcher=alltoall
+  unfused    dense with every model.fusions.* off (the CUDA default turns them on)
+  moe_loop   moe with moe.grouped_experts=false (megatron's SequentialMLP, one GEMM per expert)
+  fuse_X     dense with only model.fusions.X on (X: swiglu, residual, rmsnorm)
+  lora       dense with LoRA rank 16 on every linear layer (model.lora.rank=16, alpha 32)
+  unchunked  dense with train.loss_chunk_tokens=0 (megatron's whole [tokens, vocab] logits)
+
+`--vocab N` builds the dense model with that vocabulary (its folder is model_dense_vN), for the
+loss-head comparison at long sequences (`--seq 32768 --gbs 1 --cases dense,unchunked`).
 
 Reported per case (steps after `--warmup`): median step time, tokens/s, model TFLOP/s and MFU
 against the GPU's dense bf16 peak (tools/bench_mfu.py's table), peak allocated GPU memory
@@ -58,16 +66,28 @@ CASES = {  # name -> (model key, extra engine.sft overrides)
     "selective": ("dense", ["train.recompute=selective"]),
     "full": ("dense", ["train.recompute=full"]),
     "moe": ("moe", ["parallel.ep=1", "moe.token_dispatcher=alltoall"]),
+    "unfused": ("dense", ["model.fusions.swiglu=false", "model.fusions.residual=false",
+                          "model.fusions.rmsnorm=false"]),
+    "moe_loop": ("moe", ["parallel.ep=1", "moe.token_dispatcher=alltoall",
+                         "moe.grouped_experts=false"]),
+    **{f"fuse_{only}": ("dense", [f"model.fusions.{f}={'true' if f == only else 'false'}"
+                                  for f in ("swiglu", "residual", "rmsnorm")])
+       for only in ("swiglu", "residual", "rmsnorm")},
+    "lora": ("dense", ["model.lora.rank=16", "model.lora.alpha=32"]),
+    "unchunked": ("dense", ["train.loss_chunk_tokens=0"]),
 }
 
 
-def build_models(workdir: Path, tiny: bool, needed: set[str]) -> dict[str, str]:
+def build_models(workdir: Path, tiny: bool, needed: set[str],
+                 vocab: int | None = None) -> dict[str, str]:
     from tests.tiny_models import build_tiny_model
 
-    specs = {"dense": TINY_DENSE if tiny else DENSE, "moe": TINY_MOE if tiny else MOE}
+    specs = {"dense": dict(TINY_DENSE if tiny else DENSE), "moe": TINY_MOE if tiny else MOE}
+    if vocab:
+        specs["dense"]["vocab_size"] = vocab
     out = {}
     for key in sorted(needed):
-        path = workdir / f"model_{key}"
+        path = workdir / (f"model_{key}_v{vocab}" if vocab and key == "dense" else f"model_{key}")
         if not (path / "config.json").exists():
             t0 = time.perf_counter()
             spec = dict(specs[key])
@@ -191,6 +211,7 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, else float32")
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke test)")
+    ap.add_argument("--vocab", type=int, default=None, help="the dense model's vocabulary")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     import torch
@@ -200,7 +221,10 @@ def main() -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     cases = [c for c in args.cases.split(",") if c]
-    models = build_models(workdir, args.tiny, {CASES[c][0] for c in cases})
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        ap.error(f"--cases: {unknown} unknown; valid: {sorted(CASES)}")
+    models = build_models(workdir, args.tiny, {CASES[c][0] for c in cases}, args.vocab)
     data = workdir / f"data_{args.seq}.jsonl"
     write_data(data, args.rows, args.seq)
     from bench_mfu import peak_bf16_tflops

@@ -96,9 +96,11 @@ def _init_weights(state) -> None:
 
 
 def measure_sft_step(hf_config: dict, micro_batches: int, steps: int, warmup: int,
-                     dtype) -> dict:
+                     dtype, profile: bool = False) -> dict:
     """Time `steps` engine SFT steps (after `warmup`) on this process's device under the current
-    torch.distributed world (DP = world). Returns step seconds, FLOPs per step per GPU, tokens."""
+    torch.distributed world (DP = world). Returns step seconds, FLOPs per step per GPU, tokens.
+    With `profile`, one more step runs under torch.profiler (not timed) and "kernels" holds its
+    30 largest GPU kernels by total device time: (name, calls, ms), plus "kernel_ms" (all)."""
     import torch
     import torch.distributed as dist
     from types import SimpleNamespace
@@ -135,12 +137,28 @@ def measure_sft_step(hf_config: dict, micro_batches: int, steps: int, warmup: in
         if i >= warmup:
             times.append(time.perf_counter() - start)
     lengths = [len(s.tokens) for s in seqs]
-    return {"step_s": times, "flops_per_gpu": train_flops(hf_config, lengths) / world,
+    kernels = profile_step(lambda: train_step(state, seqs, normalizer), sync) if profile else {}
+    return {**kernels, "step_s": times, "flops_per_gpu": train_flops(hf_config, lengths) / world,
             "tokens": sum(lengths), "sequences": len(seqs), "world": world,
             "loss": metrics.get("loss"), "padding": metrics.get("batch/padding_fraction")}
 
 
-def run_mfu(quick: bool) -> BenchResult:
+def profile_step(step, sync) -> dict:
+    """Run `step()` once under torch.profiler; the GPU kernels' device time, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        sync()
+    rows = [(e.key, e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
+            if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    launches = sum(e.count for e in prof.key_averages() if e.key == "cudaLaunchKernel")
+    return {"kernels": rows[:30], "kernel_ms": sum(r[2] for r in rows),
+            "kernel_launches": launches}
+
+
+def run_mfu(quick: bool, profile: bool = False) -> BenchResult:
     """On CUDA: measure and report MFU; elsewhere a 'skipped: no CUDA' table and mfu null."""
     import torch
 
@@ -157,7 +175,7 @@ def run_mfu(quick: bool) -> BenchResult:
     hf_config = qwen3_hf_config(QWEN3_1B)
     steps, warmup = (5, 2) if quick else (10, 3)
     raw = measure_sft_step(hf_config, micro_batches=8, steps=steps, warmup=warmup,
-                           dtype=torch.bfloat16)
+                           dtype=torch.bfloat16, profile=profile)
     shutdown()
     step = median(raw["step_s"])
     tflops = raw["flops_per_gpu"] / step / 1e12
@@ -174,6 +192,12 @@ def run_mfu(quick: bool) -> BenchResult:
         [f"{steps} timed steps after {warmup} warm-up; {raw['sequences']} sequences per step "
          f"(chat/reasoning mixture, <= {SEQ_TOKENS} tokens) packed into {SEQ_TOKENS}-token "
          "micro-batches; FLOPs: 3 x forward, causal attention per sequence."])
-    return BenchResult([table], {"mfu": mfu, "tflops_per_gpu": tflops, "mfu_gpu": name,
+    tables = [table]
+    if profile:
+        tables.append(Table(
+            f"GPU kernels of one profiled step ({raw['kernel_ms']:.0f} ms of kernel time, "
+            f"{raw['kernel_launches']} cudaLaunchKernel calls)", ["kernel", "calls", "ms"],
+            [[name[:90], str(calls), fmt(ms, 1)] for name, calls, ms in raw["kernels"]]))
+    return BenchResult(tables, {"mfu": mfu, "tflops_per_gpu": tflops, "mfu_gpu": name,
                                  "mfu_step_s": step, "mfu_params": params,
                                  "mfu_tokens_per_step_per_gpu": raw["tokens"] // raw["world"]})

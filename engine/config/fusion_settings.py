@@ -1,6 +1,9 @@
 """The `model.fusions.*` keys: element-wise fusions available without Transformer Engine.
 
-Each key is null (default: on when this host has CUDA, off on a CPU host), true or false.
+Each key is false (the default) or true; null, accepted for older configs, means false. They
+are off by default because on one H100 (2026-11-24, docs/benchmarks.md "H100 session 2") each of
+them made a 0.6B dense SFT step slower than the unfused path: rmsnorm +59 %, swiglu +23 %,
+residual +13 %, all three +70 %. They stay available, exact, for hosts where they pay.
 
 - `model.fusions.swiglu`: megatron's fused SwiGLU (`bias_activation_fusion`:
   megatron.core.fusions.fused_bias_swiglu, forward and a hand-written backward under megatron's
@@ -35,9 +38,9 @@ CUDA_ONLY = ("rmsnorm",)
 
 @dataclass
 class FusionConfig:
-    swiglu: Optional[bool] = None    # null: on with CUDA; megatron's fused SwiGLU
-    residual: Optional[bool] = None  # null: on with CUDA; megatron's fused bias-dropout-add
-    rmsnorm: Optional[bool] = None   # null: on with CUDA; torch.compile'd RMSNorm (CUDA only)
+    swiglu: Optional[bool] = False    # megatron's fused SwiGLU
+    residual: Optional[bool] = False  # megatron's fused bias-dropout-add
+    rmsnorm: Optional[bool] = False   # torch.compile'd RMSNorm (CUDA only)
 
 
 def _fusions(cfg: Any) -> FusionConfig:
@@ -45,11 +48,9 @@ def _fusions(cfg: Any) -> FusionConfig:
 
 
 def fusion_on(cfg: Any, name: str, cuda: bool | None = None) -> bool:
-    """model.fusions.<name> resolved: null means on exactly when the host has CUDA."""
-    value = getattr(_fusions(cfg), name)
-    if value is None:
-        return torch.cuda.is_available() if cuda is None else cuda
-    return bool(value)
+    """model.fusions.<name> resolved (null: off). `cuda` is unused, kept for callers that
+    resolve for another host."""
+    return bool(getattr(_fusions(cfg), name))
 
 
 def fusion_problems(cfg: Any, cuda: bool | None = None) -> list[str]:
@@ -59,10 +60,10 @@ def fusion_problems(cfg: Any, cuda: bool | None = None) -> list[str]:
     for name in FUSIONS:
         value = getattr(fusions, name)
         if value is not None and not isinstance(value, bool):
-            p.append(f"model.fusions.{name}={value!r} must be null (on with CUDA), true or false")
+            p.append(f"model.fusions.{name}={value!r} must be true or false")
         elif value is True and name in CUDA_ONLY and not cuda:
             p.append(f"model.fusions.{name}=true needs CUDA (torch.compile does not run under "
-                     "the CPU host's device mapping); use null or false on this host")
+                     "the CPU host's device mapping); use false on this host")
     return p
 
 

@@ -64,10 +64,13 @@ _COMPILED = None
 
 def compiled_rms_norm():
     """`rms_norm` under torch.compile (dynamic shapes: one graph for every sequence length),
-    compiled on first use."""
+    compiled on first use. Not fullgraph: an RL run meets more variants than dynamo's
+    recompile limit (grad and no-grad, bf16 and the fp32 weight-sync probe, the QK norms'
+    widths); with fullgraph=True the ninth one stopped the run on an H100 (2026-11-24), now
+    such a variant runs the same function eagerly (same numbers)."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = torch.compile(rms_norm, dynamic=True, fullgraph=True)
+        _COMPILED = torch.compile(rms_norm, dynamic=True)
     return _COMPILED
 
 
