@@ -170,7 +170,8 @@ def test_all_keeps_going_when_one_benchmark_fails(monkeypatch):
 
 def test_data_quick_reports_rates_first_steps_and_memory():
     """`data --quick`: 500 chat rows rendered with 0/1/2 workers and by the previous renderer,
-    two 2-rank SFT launches (empty cache, built cache) and a 4-rank one."""
+    two 2-rank SFT launches (empty cache, built cache); the 4-rank one is left to the full
+    size."""
     out, result = _run("data", "--quick", timeout=900)
     assert "| workers  | rows | seconds | rows/s | M tokens/s |" in out
     assert set(result["data_rows_per_s_by_workers"]) == {"previous", "0", "1", "2"}
@@ -178,7 +179,7 @@ def test_data_quick_reports_rates_first_steps_and_memory():
     assert result["data_rows_per_s"] == max(
         v for k, v in result["data_rows_per_s_by_workers"].items() if k != "previous") > 0
     assert 0 < result["first_step_s_cached"] and 0 < result["first_step_s_uncached"]
-    assert 100 < result["rss_mb_per_rank"] < 4000 and result["rss_mb_per_rank_4"] > 100
+    assert 100 < result["rss_mb_per_rank"] < 4000 and result["rss_mb_per_rank_4"] is None
     assert set(result["goals"]) == {"first_step_s_uncached", "first_step_s_cached"}
 
 

@@ -83,6 +83,11 @@ def _adapter(tmp_path, **fields):
     ({"lora_alpha": 8}, "has lora_alpha=8, model.lora.alpha=16.0"),
     ({"target_modules": ["q_proj"]}, "model.lora.target_modules ['q_proj', 'v_proj']"),
     ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+    # module paths, as peft saves them for tied models: each counts as its projection (the
+    # loader then needs every layer's tensors)
+    ({"target_modules": ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]},
+     None),
+    ({"target_modules": ".*q_proj"}, "a regular expression; only 'all-linear' or a list"),
 ])
 def test_init_from_adapter_config_checks(tmp_path, fields, needle):
     c = cfg(rank=4, alpha=16.0, target_modules=["q_proj", "v_proj"],

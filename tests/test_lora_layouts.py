@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import build_peft_adapter, build_tiny_model
 
 SCRIPT = "tests/multirank/lora_check.py"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multirank"))
@@ -31,28 +31,13 @@ def _results(proc) -> dict:
     return {r["run"]: r for r in rows}
 
 
-def _make_adapter(base: str, out: str) -> None:
-    """A PEFT adapter of every linear projection with non-zero B (peft initialises B to 0)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
-        r=harness.RANK, lora_alpha=harness.ALPHA, target_modules="all-linear"))
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(out)
-
-
 @pytest.fixture(scope="module")
 def lora_run(pools, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     dense = build_tiny_model(str(root / "dense"), "qwen3", initializer_range=0.2)
     moe = build_tiny_model(str(root / "moe"), "qwen3_moe", initializer_range=0.2)
     adapter = str(root / "adapter")
-    _make_adapter(dense, adapter)
+    build_peft_adapter(dense, adapter, harness.RANK, harness.ALPHA)
     out = root / "out"
     out.mkdir()
     single = _results(pools.script(1, SCRIPT, dense, moe, adapter, out))

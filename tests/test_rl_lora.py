@@ -19,7 +19,7 @@ import torch
 from engine.config.loading import load_config
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.config import RLConfig
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import build_peft_adapter, build_tiny_model
 
 HARNESS = "tests/multirank/lora_rl_check.py"
 LORA = ("model.lora.rank=4", "model.lora.alpha=8")
@@ -117,6 +117,28 @@ def test_grpo_with_lora_syncs_merged_weights_and_is_layout_invariant(pools, mode
                 absolute = 2e-6 if key == "policy/loss" else 1e-7
                 assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=absolute), \
                     (name, key, a[key], b[key])
+
+
+def test_first_rollout_comes_from_the_adapter_and_from_the_resumed_checkpoint(
+        pools, model_dir, prompts, tmp_path):
+    """The engines load model.hf_path; the policy starts elsewhere. From a PEFT adapter with
+    non-zero B (model.lora.init_from): step 1 is sampled from the merged adapter
+    (rollout/logprob_diff < 1e-5 at step 1). Negative control: the base model's log-probs of
+    those tokens, what an engine left with model.hf_path would serve, are far from the rollout's.
+    The run stops after step 1 with a checkpoint and resumes: the resumed step is exact too."""
+    adapter = build_peft_adapter(model_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
+    ck = tmp_path / "ck"
+    extra = (f"model.lora.init_from={adapter}", f"checkpoint.dir={ck}",
+             "checkpoint.save_interval=1")
+    (first,) = _run(pools, 1, model_dir, prompts, tmp_path / "run", *extra,
+                    "train.exit_interval=1")
+    assert first["rollout/logprob_diff"] < 1e-5, first
+    records = [json.loads(line) for line in open(tmp_path / "run" / "dump" / "step_1.jsonl")]
+    pairs = _transformers_logprobs(model_dir, records, 1.0)
+    base_gap = max(abs(a - b) for a, b in pairs)
+    assert base_gap > 1e-2, base_gap
+    both = _run(pools, 1, model_dir, prompts, tmp_path / "run", *extra)
+    assert len(both) == 2 and both[1]["rollout/logprob_diff"] < 1e-5, both
 
 
 def test_every_algorithm_runs_one_step_with_lora(pools, model_dir, prompts, tmp_path):

@@ -5,8 +5,9 @@ the log-prob contract against transformers at T = 0.7, top-p 0.9 (negative contr
 log-probs of T = 1 are far), per-response seeds independent of the batch, finish reasons, a
 sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
 skipped tensor is refused), the refusal of a too-long prompt. GRPO through `engine.rl` on the
-rank pool at one process and DP2 x TP2 (rollout/logprob_diff < 1e-5 at every step and the same
-training metrics) and with two-turn episodes. Config refusals in-process.
+rank pool: LoRA from a non-zero PEFT adapter at one process and DP2 x TP2 (rollout/logprob_diff
+< 1e-5 at every step, the first included, and the same training metrics), and two-turn episodes
+on Qwen3-MoE. Config refusals in-process.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from engine.rl.checks import rl_problems
 from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.rollout.base import SamplingParams
 from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
-from tests.tiny_models import build_eos_model, build_tiny_model
+from tests.tiny_models import build_eos_model, build_peft_adapter, build_tiny_model
 
 TINY = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, head_dim=32,
             initializer_range=0.2)
@@ -111,40 +112,31 @@ def _sync(engine, weights: dict, skip: str | None = None, per_bucket: int = 3) -
         engine.update_weights([(n, weights[n]) for n in names[i:i + per_bucket]])
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_a_sync_that_changes_every_parameter_lands_exactly(arch, qwen3, qwen3_dir, tmp_path):
+def test_a_sync_that_changes_every_parameter_lands_exactly(qwen3, qwen3_dir, tmp_path):
     """Tied Qwen3 (vLLM's reload leaves the tied head stale on CPU unless repacked; the module's
-    engine, restored to its weights at the end) and Qwen3-MoE (its CPU expert kernel must be
-    rebuilt): after a sync of perturbed weights the engine's log-probs equal transformers' with
-    those weights; a sync missing one tensor is refused instead of serving stale weights, and
-    a full sync after it is exact again."""
-    if arch == "qwen3":
-        model_dir, engine = qwen3_dir, qwen3
-    else:
-        model_dir = build_tiny_model(str(tmp_path / arch), arch, seed=0, **{
-            **TINY, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64})
-        engine = _engine(model_dir, max_model_len=64)
-    try:
-        weights = _new_weights(model_dir, tmp_path / "new", 1)
-        params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
-        _sync(engine, weights)
-        gens = engine.generate(PROMPTS, params)
-        new, old = _transformers(str(tmp_path / "new")), _transformers(model_dir)
-        assert _max_diff(new, gens, 1.0) < 2e-5
-        assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
-        skipped = "model.layers.1.self_attn.o_proj.weight"
-        _sync(engine, weights, skip=skipped)
-        with pytest.raises(RuntimeError, match=r"not \(fully\) written.*o_proj"):
-            engine.generate(PROMPTS, params)
-        with pytest.raises(RuntimeError, match="stale weights"):
-            engine.generate(PROMPTS, params)   # still refused until a full sync
-        _sync(engine, weights, per_bucket=5)
-        assert _max_diff(new, engine.generate(PROMPTS, params), 1.0) < 2e-5
-        _sync(engine, _new_weights(model_dir, tmp_path / "restored", None))  # back to the start
-        assert _max_diff(old, engine.generate(PROMPTS, params), 1.0) < 2e-5
-    finally:
-        if engine is not qwen3:
-            engine.shutdown()
+    engine, restored to its weights at the end): after a sync of perturbed weights the engine's
+    log-probs equal transformers' with those weights; a sync missing one tensor is refused
+    instead of serving stale weights, and a full sync after it is exact again. Qwen3-MoE (its
+    CPU expert kernel must be rebuilt after a sync) is checked end to end by
+    test_multi_turn_moe_episodes_on_vllm_are_exact: a sync before step 1 and after it."""
+    model_dir, engine = qwen3_dir, qwen3
+    weights = _new_weights(model_dir, tmp_path / "new", 1)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
+    _sync(engine, weights)
+    gens = engine.generate(PROMPTS, params)
+    new, old = _transformers(str(tmp_path / "new")), _transformers(model_dir)
+    assert _max_diff(new, gens, 1.0) < 2e-5
+    assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
+    skipped = "model.layers.1.self_attn.o_proj.weight"
+    _sync(engine, weights, skip=skipped)
+    with pytest.raises(RuntimeError, match=r"not \(fully\) written.*o_proj"):
+        engine.generate(PROMPTS, params)
+    with pytest.raises(RuntimeError, match="stale weights"):
+        engine.generate(PROMPTS, params)   # still refused until a full sync
+    _sync(engine, weights, per_bucket=5)
+    assert _max_diff(new, engine.generate(PROMPTS, params), 1.0) < 2e-5
+    _sync(engine, _new_weights(model_dir, tmp_path / "restored", None))  # back to the start
+    assert _max_diff(old, engine.generate(PROMPTS, params), 1.0) < 2e-5
 
 
 def _cfg(*argv: str) -> RLConfig:
@@ -185,15 +177,20 @@ def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra) -> list[dict]
         return [json.loads(line) for line in f]
 
 
-def test_grpo_on_vllm_is_exact_and_layout_invariant(pools, qwen3_dir, tmp_path):
-    """GRPO with a KL term, 2 mini-batches per step (so step 2 samples after a sync): the
-    engine's log-probs equal the trainer's at every step (rollout/logprob_diff < 1e-5), at one
-    process and at DP2 x TP2, and both layouts log the same training metrics (rel 1e-5)."""
+def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen3_dir,
+                                                                       tmp_path):
+    """GRPO with LoRA from a PEFT adapter with non-zero B (model.lora.init_from), a KL term to
+    the base, 2 mini-batches per step (so step 2 samples after a sync): the engine's log-probs
+    equal the trainer's at every step (rollout/logprob_diff < 1e-5), step 1 included (the
+    engine loaded the base; the merged adapter is synced before the first rollout), at
+    one process and at DP2 x TP2, and both layouts log the same training metrics (rel 1e-5)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
-    one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one")
-    four = _grpo(pools, 4, qwen3_dir, prompts, tmp_path / "dp2_tp2", "parallel.tp=2")
+    adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
+    lora = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}")
+    one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora)
+    four = _grpo(pools, 4, qwen3_dir, prompts, tmp_path / "dp2_tp2", *lora, "parallel.tp=2")
     assert len(one) == len(four) == 2
     for a, b in zip(one, four):
         assert a["rollout/logprob_diff"] < 1e-5 and b["rollout/logprob_diff"] < 1e-5, (a, b)
@@ -203,10 +200,12 @@ def test_grpo_on_vllm_is_exact_and_layout_invariant(pools, qwen3_dir, tmp_path):
     assert one[1]["policy/kl"] > 0 and one[0]["grad_norm"] > 0
 
 
-def test_multi_turn_episodes_on_vllm_are_exact(pools, tmp_path):
-    """env.fn with two turns on a model whose sampled turns end (eos): token in, token out, the
-    engine's log-probs equal the trainer's at both steps and episodes reach their second turn."""
-    model_dir = build_eos_model(str(tmp_path / "eos_llama"), hidden=128)
+def test_multi_turn_moe_episodes_on_vllm_are_exact(pools, tmp_path):
+    """env.fn with two turns on a Qwen3-MoE whose sampled turns end (eos): token in, token out,
+    the engine's log-probs equal the trainer's at both steps (the expert weights synced after
+    step 1 included) and episodes reach their second turn."""
+    model_dir = build_eos_model(str(tmp_path / "eos_moe"), hidden=128, arch="qwen3_moe",
+                                eos_boost=6.0)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))

@@ -128,21 +128,41 @@ def build_tiny_model(out_dir: str, arch: str = "qwen3", vocab_size: int = 200, h
     return out_dir
 
 
-def build_eos_model(out_dir: str, hidden: int = 32) -> str:
-    """A tiny untied Llama (4 heads of hidden / 4) whose eos logit is raised along the mean
-    final hidden state (eos ~19% per sampled token instead of ~0.3% at hidden 32), so sampled
-    turns end and multi-turn episodes go on. Returns its directory."""
+def build_eos_model(out_dir: str, hidden: int = 32, arch: str = "llama",
+                    eos_boost: float = 3.0) -> str:
+    """A tiny untied model of `arch` (llama or qwen3_moe; 4 heads of hidden / 4) whose eos
+    logit is raised by `eos_boost` along the mean final hidden state (3: eos ~19% per sampled
+    token instead of ~0.3% at hidden 32, Llama; Qwen3-MoE at hidden 128 needs about 6 for ~25%),
+    so sampled turns end and multi-turn episodes go on. Returns its directory."""
     from transformers import AutoModelForCausalLM
 
-    path = build_tiny_model(out_dir, "llama", hidden=hidden, layers=2, heads=4, kv_heads=2,
-                            seed=0, initializer_range=0.2, tie_word_embeddings=False)
+    heads = {"head_dim": hidden // 4} if arch != "llama" else {}
+    path = build_tiny_model(out_dir, arch, hidden=hidden, layers=2, heads=4, kv_heads=2,
+                            seed=0, initializer_range=0.2, tie_word_embeddings=False, **heads)
     model = AutoModelForCausalLM.from_pretrained(path)
     ids = torch.randint(4, 200, (16, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         mean = model.model(ids).last_hidden_state.reshape(-1, hidden).mean(0)
-        model.lm_head.weight[3] += 3.0 * mean / mean.norm() ** 2
+        model.lm_head.weight[3] += eos_boost * mean / mean.norm() ** 2
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def build_peft_adapter(base: str, out: str, rank: int, alpha: float, seed: int = 3) -> str:
+    """A PEFT adapter of every linear projection of `base` (peft's all-linear) with non-zero B
+    (peft initialises B to 0, which would leave the model unchanged). Returns `out`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules="all-linear"))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    return out
 
 
 def append_mtp_layer(out_dir: str, config: dict, seed: int, attention_tensor: str,

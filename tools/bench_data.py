@@ -9,9 +9,10 @@ measures:
   assistant turn; tests/test_data_equivalence.py) on a sample of rows;
 - time to the first optimizer step of `python -m engine.sft` with 2 ranks on a tiny model: from
   an empty cache, then cached (wall time of the whole launch, max_steps=1);
-- RSS per rank at the end of that step with 2 and 4 ranks (cached): VmRSS (shared file pages of
-  the mapped cache included), VmHWM, and RssAnon (private memory, what grows per rank); without
-  --quick also with a 20x smaller file (the memory of a rank does not grow with the data).
+- RSS per rank at the end of that step with 2 ranks (cached) and, without --quick, 4 ranks:
+  VmRSS (shared file pages of the mapped cache included), VmHWM, and RssAnon (private memory,
+  what grows per rank); without --quick also with a 20x smaller file (the memory of a rank does
+  not grow with the data).
 Last stdout line: JSON with data_rows_per_s, data_tokens_per_s, first_step_s_uncached,
 first_step_s_cached, rss_mb_per_rank (2 ranks, max over ranks) and the details.
 """
@@ -163,10 +164,10 @@ def run_data(quick: bool) -> BenchResult:
         cache = os.path.join(tmp, "cache_sft")
         uncached = _sft_launch(model, data, cache, 2, os.path.join(tmp, "log_u"))
         cached = _sft_launch(model, data, cache, 2, os.path.join(tmp, "log_c"))
-        four = _sft_launch(model, data, cache, 4, os.path.join(tmp, "log_4"))
         small_rows = max(rows // 20, 64)
-        small_run = None
-        if not quick:  # does the memory of a rank grow with the dataset? (20x fewer rows)
+        small_run = four = None
+        if not quick:  # 4 ranks; does the memory of a rank grow with the dataset? (20x fewer)
+            four = _sft_launch(model, data, cache, 4, os.path.join(tmp, "log_4"))
             small = os.path.join(tmp, "small.jsonl")
             generate_chat_file(small, small_rows, seed=1)
             small_run = _sft_launch(model, small, cache, 2, os.path.join(tmp, "log_s"))
@@ -190,8 +191,8 @@ def run_data(quick: bool) -> BenchResult:
 
     t_rss = Table("Memory per rank at the end of the first step (MB, cached)",
                   ["run", "rank", "VmRSS", "VmHWM", "RssAnon", "RssFile"],
-                  rss_rows(f"2 ranks, {rows} rows", cached) + rss_rows(f"4 ranks, {rows} rows",
-                                                                       four)
+                  rss_rows(f"2 ranks, {rows} rows", cached)
+                  + (rss_rows(f"4 ranks, {rows} rows", four) if four else [])
                   + (rss_rows(f"2 ranks, {small_rows} rows", small_run) if small_run else []),
                   ["RssFile holds the shared, read-only pages of the mapped cache (and "
                    "libraries): one copy per node in the page cache."])
@@ -203,7 +204,7 @@ def run_data(quick: bool) -> BenchResult:
         "first_step_s_uncached": uncached["seconds"], "first_step_s_cached": cached["seconds"],
         "rss_mb_per_rank": max(r["rss_mb"] for r in cached["rss"]),
         "rss_anon_mb_per_rank": max(r["anon_mb"] for r in cached["rss"]),
-        "rss_mb_per_rank_4": max(r["rss_mb"] for r in four["rss"]),
+        "rss_mb_per_rank_4": max(r["rss_mb"] for r in four["rss"]) if four else None,
         "rss_anon_mb_per_rank_small": (max(r["anon_mb"] for r in small_run["rss"])
                                        if small_run else None),
         "data_quick": quick,

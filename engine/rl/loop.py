@@ -214,9 +214,12 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     validation = RemoteValidation(validation, remote) if remote is not None else validation
     validation.attach(pool, collector)
     try:
+        # The engines loaded model.hf_path; the policy may differ from it (a LoRA adapter of
+        # model.lora.init_from, a resumed or relayouted checkpoint, a quantized sync): the first
+        # rollout is sampled from the policy's own weights, so they are streamed first, always.
         if remote is not None:
-            remote.begin(policy)  # after a resume: the checkpoint's weights (version start)
-        elif start > 0:  # the engines hold model.hf_path's weights: give them the trained ones
+            remote.begin(policy)  # version `start` (0 on a fresh run)
+        else:
             pool.resync(None)
         if start > 0 and rank == 0:  # colocated: DAPO's next generation batch too
             nxt = f" (next generation batch {collector.next_gen_batch})" if remote is None else ""

