@@ -256,16 +256,18 @@ def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(pools, runs):
                 f"checkpoint.dir={ckpt}", *extra, f"logging.dir={root / name}")
         if name != "r3":   # the first two pieces on the rank pool (r2 resumes in it)
             procs = pools.script(4, *args, timeout=600, nodes=2, own_world=True).nodes(2)
-        else:              # new processes read the checkpoint (and r4 below)
+        else:              # new processes read the checkpoint
             procs = run_two_nodes(2, *args, timeout=600)
         assert _ok(procs), procs[0].stdout[-3000:] + procs[0].stderr[-3000:]
         pieces.append(_metrics(root / name))
     assert [len(p) for p in pieces] == [1, 1, 2]
     assert "[rl] resumed at step 2 of 4" in procs[0].stdout
     # once more, with validation on: nothing to do, and the rollout side waits for nothing
-    again = run_two_nodes(2, *runs["common"], *runs["dis"], *runs["val"],
-                          "rollout.max_staleness=1", f"checkpoint.dir={ckpt}",
-                          f"logging.dir={root / 'r4'}", timeout=600)
+    # (on the pool: the resume itself was read by new processes in r3)
+    again = pools.script(4, *runs["common"], *runs["dis"], *runs["val"],
+                         "rollout.max_staleness=1", f"checkpoint.dir={ckpt}",
+                         f"logging.dir={root / 'r4'}", timeout=600, nodes=2,
+                         own_world=True).nodes(2)
     assert _ok(again), again[1].stdout[-3000:] + again[1].stderr[-3000:]
     assert "nothing to do: 4 steps done" in again[0].stdout
     resumed = [m for p in pieces for m in p]

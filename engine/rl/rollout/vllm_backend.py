@@ -57,16 +57,25 @@ os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
 import numpy as np
 import torch
-import vllm
-from vllm.inputs import TokensPrompt
-from vllm.platforms import current_platform
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.vllm_settings import engine_args
-from engine.rl.rollout.vllm_worker import pack_bucket
 
 WORKER_EXTENSION = "engine.rl.rollout.vllm_worker.RolloutWorkerExtension"
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _vllm():
+    """vLLM, imported on first use. Every rank loads this module (the loop reads the class's
+    flags), only an engine's owner builds one: the others never pay vLLM's import (7-18 s on a
+    2-core host)."""
+    import vllm
+    return vllm
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+    return current_platform.is_cpu()
 
 
 @contextlib.contextmanager
@@ -157,7 +166,7 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(cls.routed_experts_problem())
         return cls(hf_path, dtype=dtype, seed=seed, sleep_level=rollout_cfg.vllm.sleep_level,
                    trust_remote_code=trust_remote_code,
-                   **engine_args(rollout_cfg.vllm, gpus[1], current_platform.is_cpu()))
+                   **engine_args(rollout_cfg.vllm, gpus[1], _on_cpu()))
 
     @classmethod
     def routed_experts_problem(cls) -> str | None:
@@ -169,12 +178,12 @@ class VLLMRolloutEngine(RolloutEngine):
                  sleep_level: int = 1, trust_remote_code: bool = False,
                  **engine_kwargs) -> None:
         super().__init__()
-        self.on_cpu = current_platform.is_cpu()
+        self.on_cpu = _on_cpu()
         self.sleep_level = sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
         set_num_threads = torch.set_num_threads
         with preserved_global_rng(), without_launcher_env(cpu_bind() if self.on_cpu else None):
-            self.llm = vllm.LLM(model=hf_path, dtype=DTYPES.get(dtype, dtype), seed=seed,
+            self.llm = _vllm().LLM(model=hf_path, dtype=DTYPES.get(dtype, dtype), seed=seed,
                                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                                 trust_remote_code=trust_remote_code,
                                 worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
@@ -215,10 +224,11 @@ class VLLMRolloutEngine(RolloutEngine):
         for i in range(len(prompts)):
             seed = (params.seeds[i] if params.seeds is not None
                     else self._seeds.getrandbits(31) if params.seed is None else params.seed + i)
-            sampling.append(vllm.SamplingParams(
+            sampling.append(_vllm().SamplingParams(
                 n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
                 top_p=1.0 if greedy else params.top_p, top_k=0, seed=seed, logprobs=0,
                 stop_token_ids=list(self.eos_token_ids), detokenize=False))
+        from vllm.inputs import TokensPrompt
         with preserved_global_rng():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                         sampling, use_tqdm=False)
@@ -257,6 +267,7 @@ class VLLMRolloutEngine(RolloutEngine):
         bucket = list(named_tensors)
         if not bucket:
             return
+        from engine.rl.rollout.vllm_worker import pack_bucket  # vLLM's worker side
         self.llm.collective_rpc("rl_load_bucket", args=(pack_bucket(bucket),))
         self._sync_open = True
 

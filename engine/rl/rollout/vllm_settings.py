@@ -72,7 +72,8 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
     if v.max_model_len is not None and v.max_model_len < cfg.train.seq_length:
         p.append(f"rollout.vllm.max_model_len={v.max_model_len} is below train.seq_length="
                  f"{cfg.train.seq_length} (the longest prompt + response); raise it or null")
-    unknown = sorted(set(v.engine_kwargs or {}) - _engine_arg_names())
+    given = set(v.engine_kwargs or {})   # vLLM's arg_utils is imported only to check these
+    unknown = sorted(given - _engine_arg_names()) if given else []
     own = sorted(set(v.engine_kwargs or {}) & set(OWN_ARGS))
     if unknown:
         p.append(f"rollout.vllm.engine_kwargs: {unknown} are not vllm.EngineArgs fields")
