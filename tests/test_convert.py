@@ -174,3 +174,40 @@ def test_mcore_to_hf_on_a_non_checkpoint(kind, qwen3_dir, tmp_path):
     _assert_clean_error(proc, ckpt, "not a Megatron distributed checkpoint"
                         if kind == "hf_folder" else "not found")
     assert not out.exists()
+
+
+def test_mcore_to_hf_names_the_iteration_and_refuses_a_full_out(pools, mcore_ckpt_dirs,
+                                                                roundtrip_dirs, tmp_path):
+    """--ckpt a run's checkpoint directory (iter_* folders, latest_checkpointed_iteration.txt):
+    the newest complete iteration is taken and named, --iteration picks another and one the
+    run lacks is refused with those it holds; a non-empty --out is refused unless --overwrite,
+    which empties it first (a stale shard is gone) and never deletes the checkpoint."""
+    import shutil
+
+    arch = ARCHS[0]
+    run = tmp_path / "run"
+    for it in (2, 3):
+        shutil.copytree(mcore_ckpt_dirs[arch], run / f"iter_{it:07d}")
+    (run / "latest_checkpointed_iteration.txt").write_text("3")
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = out / "model-00001-of-00002.safetensors"
+    stale.write_bytes(b"stale")
+    _assert_clean_error(convert_in_process("mcore-to-hf", "--ckpt", str(run), "--out", str(out)),
+                        "exists and is not empty", "--overwrite")
+    _assert_clean_error(convert_in_process("mcore-to-hf", "--ckpt", str(run), "--iteration", "5",
+                                           "--out", str(tmp_path / "o5")),
+                        "--iteration 5", "holds iterations [2, 3]")
+    _assert_clean_error(convert_in_process("mcore-to-hf", "--ckpt", str(tmp_path), "--out",
+                                           str(tmp_path), "--overwrite", "--iteration", "3"),
+                        "holds no iter_* folders")
+    _assert_clean_error(convert_in_process("mcore-to-hf", "--ckpt", str(run), "--out", str(run),
+                                           "--overwrite"), "holds the checkpoint")
+    assert (run / "iter_0000003").is_dir()
+    proc = convert(pools, 1, "mcore-to-hf", "--ckpt", str(run), "--out", str(out), "--overwrite")
+    assert proc.returncode == 0 and "iteration 3 (the newest complete" in proc.stdout
+    assert not stale.exists()
+    _assert_bitwise_equal(roundtrip_dirs[arch], out)
+    proc = convert(pools, 1, "mcore-to-hf", "--ckpt", str(run), "--iteration", "2", "--out",
+                   str(tmp_path / "o2"))
+    assert proc.returncode == 0 and "iteration 2 (--iteration" in proc.stdout

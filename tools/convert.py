@@ -4,6 +4,9 @@
   python tools/convert.py hf-to-mcore --hf-dir H --adapter A --out C   (LoRA: base + PEFT adapter)
   python tools/convert.py mcore-to-hf --ckpt C --out O        (C may be a training iter_* dir
                                                               or its parent run directory)
+      [--iteration N]             (a run directory: this iteration; default the newest
+                                   complete one, named in the output)
+      [--overwrite]               (replace a non-empty --out: its contents are removed first)
       [--quantize fp8]            (an FP8 source: re-quantize with its scales; default bf16)
       [--merge] [--base H]        (LoRA checkpoints: a PEFT adapter, or the merged model;
                                    a PPO critic, checkpoint.dir/critic: *ForTokenClassification)
@@ -21,6 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MAX_SHARD_BYTES = 5 * 1024 ** 3
+ITERATION_HELP = ("--ckpt is a run's checkpoint directory: convert this iteration (default: "
+                  "the newest complete one, which is printed)")
 # Imports live in the commands: `--help` and argument errors answer without loading megatron.
 
 
@@ -44,13 +49,46 @@ def _setup(cfg: dict, tp: int = 1, pp: int = 1, ep: int = 1):
     return layout
 
 
-def resolve_checkpoint(path: str) -> Path:
-    """A checkpoint dir itself, or a run dir whose latest_checkpointed_iteration.txt names one."""
+def resolve_checkpoint(path: str, iteration: int | None = None) -> Path:
+    """A checkpoint dir itself, or a run's checkpoint dir (checkpoint.dir: iter_* folders and
+    latest_checkpointed_iteration.txt): its iteration `iteration`, else the newest complete
+    one that file names. Which iteration was taken is printed (rank 0); an iteration the run
+    does not hold exits 2 listing those it holds."""
     p = Path(path)
     marker = p / "latest_checkpointed_iteration.txt"
-    if marker.is_file():
-        return p / f"iter_{int(marker.read_text().strip()):07d}"
-    return p
+    held = sorted(int(d.name[5:]) for d in p.glob("iter_*") if d.name[5:].isdigit())
+    if iteration is not None:
+        if not held:
+            _fail(f"--iteration {iteration}: {p} holds no iter_* folders (--ckpt is a single "
+                  "checkpoint; give the run's checkpoint directory)")
+        if iteration not in held:
+            _fail(f"--iteration {iteration}: {p} holds iterations {held}")
+        chosen, why = iteration, "--iteration"
+    elif marker.is_file():
+        chosen, why = int(marker.read_text().strip()), f"the newest complete, {marker.name}"
+    else:
+        return p
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[convert] {p}: iteration {chosen} ({why}; held: {held}; --iteration N picks "
+              "another)", flush=True)
+    return p / f"iter_{chosen:07d}"
+
+
+def _claim_out(out: Path, overwrite: bool, ckpt: Path) -> None:
+    """mcore-to-hf's --out: refuse a non-empty folder unless --overwrite, which empties it
+    first (a stale shard or index left beside the new files would be loaded with them); never
+    the checkpoint itself or a folder holding it."""
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        _fail(f"--out {out} exists and is not empty; pass --overwrite to replace it (its "
+              "contents are removed first)")
+    src, dst = ckpt.resolve(), out.resolve()
+    if src == dst or dst in src.parents:
+        _fail(f"--out {out} holds the checkpoint {ckpt}; --overwrite would delete it")
+    import shutil
+    for child in out.iterdir():
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
 
 def hf_to_mcore(args) -> None:
@@ -126,10 +164,11 @@ def mcore_to_hf(args) -> None:
 
     from tools.convert_lora import checkpoint_lora, export_lora
 
-    ckpt = resolve_checkpoint(args.ckpt)
+    ckpt = resolve_checkpoint(args.ckpt, getattr(args, "iteration", None))
+    out = Path(args.out)
+    _claim_out(out, getattr(args, "overwrite", False), ckpt)
     cfg = read_hf_config(ckpt)
     _setup(cfg)
-    out = Path(args.out)
     found = checkpoint_lora(ckpt, getattr(args, "base", None))
     if found is None and getattr(args, "merge", False):
         _fail(f"--merge needs a LoRA checkpoint; {ckpt} holds a full model")
@@ -183,7 +222,7 @@ def verify(args) -> int:
 
     from models.hf.config import check_config
 
-    ckpt = resolve_checkpoint(args.ckpt)
+    ckpt = resolve_checkpoint(args.ckpt, args.iteration)
     cfg = read_hf_config(ckpt)
     check_config(cfg)
     _setup(cfg, args.tp, args.pp, args.ep)
@@ -242,6 +281,7 @@ def main(argv=None) -> int:
                    "the checkpoint then holds the adapters (the base stays --hf-dir)")
     p = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF safetensors folder")
     p.add_argument("--ckpt", required=True)
+    p.add_argument("--iteration", type=int, default=None, help=ITERATION_HELP)
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default=None, help="cast weights (e.g. bfloat16); default: as "
                    "stored")
@@ -252,9 +292,12 @@ def main(argv=None) -> int:
                    "model (base + adapters) instead of a PEFT adapter")
     p.add_argument("--base", default=None, help="LoRA checkpoints: the base HF folder "
                    "(default: model.hf_path of the checkpoint's config.yaml / lora.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (its "
+                   "contents are removed first); without it such an --out is refused")
     p = sub.add_parser("verify", help="logits parity of a checkpoint at a layout vs transformers")
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--ckpt", required=True)
+    p.add_argument("--iteration", type=int, default=None, help=ITERATION_HELP)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1,
