@@ -209,7 +209,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     if rank == 0:
         print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {train.prompts_per_step} x "
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
-              f"{pool.placement.describe() if pool else remote.describe()}; policy model: "
+              f"{pool.placement.describe(torch.cuda.is_available()) if pool else remote.describe()}; policy model: "
               f"{describe_settings(policy.chunks[0].config)}", flush=True)
     validation = RemoteValidation(validation, remote) if remote is not None else validation
     validation.attach(pool, collector)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch
 import torch.distributed as dist
 
 from engine.rl.collect.batch import RolloutBatch
@@ -60,7 +61,7 @@ class RemoteRollout:
     def describe(self) -> str:
         return (f"disaggregated: {self.split.num_train} training rank(s), "
                 f"{self.split.job_world - self.split.num_train} rollout rank(s), "
-                f"{self.placement.describe()} (rollout-world ranks), "
+                f"{self.placement.describe(torch.cuda.is_available())} (rollout-world ranks), "
                 f"rollout.max_staleness={self.s}")
 
     def begin(self, policy, run: bool = True) -> int:

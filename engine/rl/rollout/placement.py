@@ -35,10 +35,13 @@ class EnginePlacement:
         """The owner's local rank: the first device of the engine on its node."""
         return self.owners[engine] % self.procs_per_node
 
-    def describe(self) -> str:
+    def describe(self, cuda: bool = True) -> str:
+        """One line for the launch log; `cuda` False (a CPU host): an engine's slots are
+        ranks' processes, not GPUs."""
         per_node = max(1, self.num_engines // self.nodes)
+        unit = "GPU(s)" if cuda else "CPU rank(s)"
         return (f"{self.num_engines} rollout engine(s) ({per_node} per node where hosted), "
-                f"{self.gpus_per_engine} GPU(s) per engine, owner ranks "
+                f"{self.gpus_per_engine} {unit} per engine, owner ranks "
                 f"{list(self.owners)}")
 
 
