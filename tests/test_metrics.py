@@ -83,3 +83,44 @@ def test_progress_bar_and_postfix():
     bar.update(1)
     assert not bar.disable and bar.n == 5 and bar.total == 10 and bar.desc.startswith("sft")
     bar.close()
+
+
+def test_lines_printed_during_a_run_go_above_the_bar():
+    """engine.run.run_loop prints checkpoint saves and stops through LinesAboveBar: each line
+    is written with the bar cleared and then redrawn, never onto the bar's own line; a
+    disabled bar is not touched; a partial line waits for its end (or a flush)."""
+    import contextlib
+    import io
+
+    from engine.run.metrics import LinesAboveBar
+
+    events = []
+
+    class Bar:
+        disable = False
+
+        def clear(self):
+            events.append("clear")
+
+        def refresh(self):
+            events.append("refresh")
+
+    class Out(io.StringIO):
+        def write(self, text):
+            events.append(text)
+            return super().write(text)
+
+    out = Out()
+    with contextlib.redirect_stdout(LinesAboveBar(Bar(), out)):
+        print("[checkpoint] saved a", end="")
+        assert events == []                       # no line end yet
+        print("")
+        print("[rl] stopping", flush=True)
+    assert events == ["clear", "[checkpoint] saved a\n", "refresh",
+                      "clear", "[rl] stopping\n", "refresh"]
+    quiet, disabled = Out(), Bar()
+    disabled.disable = True
+    events.clear()
+    with contextlib.redirect_stdout(LinesAboveBar(disabled, quiet)):
+        print("x")
+    assert events == ["x\n"]

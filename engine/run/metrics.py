@@ -96,6 +96,32 @@ def progress_bar(total: int, enabled: bool, desc: str, initial: int = 0):
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True)
 
 
+class LinesAboveBar:
+    """A stdout for the time a progress bar is drawn: every complete line printed is written
+    above the bar (bar cleared, line written and flushed, bar redrawn) instead of on the bar's
+    own line. Use with contextlib.redirect_stdout; a disabled bar changes nothing."""
+
+    def __init__(self, bar, out) -> None:
+        self.bar, self.out, self.pending = bar, out, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        if "\n" in self.pending:
+            lines, self.pending = self.pending.rsplit("\n", 1)
+            if not self.bar.disable:
+                self.bar.clear()
+            self.out.write(lines + "\n")
+            self.out.flush()
+            if not self.bar.disable:
+                self.bar.refresh()
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:   # a line without its end yet: written as it is
+            self.write("\n")
+        self.out.flush()
+
+
 def _find(metrics: Mapping[str, Any], names: tuple[str, ...]) -> Any:
     for name in names:
         if name in metrics:

@@ -18,8 +18,10 @@ Signals: SIGTERM (cluster preemption; torchrun forwards it to its workers), SIGU
 the terminal and once forwarded by torchrun."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import time
 from typing import Optional
 
@@ -33,7 +35,7 @@ from engine.checkpoint.io import CheckpointError, iteration_dir, rewind_jsonl
 from engine.checkpoint.checkpointing import (DataPosition, load_training_checkpoint, read_checkpoint_info,
                                   save_training_checkpoint, select_resume_checkpoint)
 from engine.config.schema import config_yaml
-from engine.run.metrics import MetricsLogger, format_postfix, progress_bar
+from engine.run.metrics import LinesAboveBar, MetricsLogger, format_postfix, progress_bar
 from engine.training.train_engine import TrainEngine
 from parallel.cpu_runtime import device
 
@@ -203,22 +205,24 @@ class RunLoop:
         monitor = StopMonitor(cfg.train.exit_interval, cfg.train.exit_duration_mins)
         yaml = config_yaml(cfg)
         history = []
+        # lines printed during the run (checkpoint saves, stops) go above the bar, not on it
         try:
-            for step in range(start, max_steps):
-                metrics = step_fn(step)
-                done = step + 1
-                logger.log(done, metrics)
-                history.append(metrics)
-                bar.update(1)
-                bar.set_postfix({**format_postfix(metrics), **self.postfix(metrics)})
-                self.engine.guard.raise_if_diverged()  # after logging: bad steps are logged
-                stop = monitor.should_stop(done) if done < max_steps else None
-                if checkpoint_due(cfg.checkpoint, done, max_steps, stop):
-                    self._save(done, yaml)
-                if stop is not None:
-                    if rank0:
-                        print(f"[{self.tag}] stopping after step {done}: {stop}", flush=True)
-                    break
+            with contextlib.redirect_stdout(LinesAboveBar(bar, sys.stdout)):
+                for step in range(start, max_steps):
+                    metrics = step_fn(step)
+                    done = step + 1
+                    logger.log(done, metrics)
+                    history.append(metrics)
+                    bar.update(1)
+                    bar.set_postfix({**format_postfix(metrics), **self.postfix(metrics)})
+                    self.engine.guard.raise_if_diverged()  # after logging: bad steps are logged
+                    stop = monitor.should_stop(done) if done < max_steps else None
+                    if checkpoint_due(cfg.checkpoint, done, max_steps, stop):
+                        self._save(done, yaml)
+                    if stop is not None:
+                        if rank0:
+                            print(f"[{self.tag}] stopping after step {done}: {stop}", flush=True)
+                        break
         finally:
             monitor.close()
             bar.close()
