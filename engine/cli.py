@@ -42,6 +42,23 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def answered_help(argv: list[str], prog: str, schema, usage: str,
+                  examples: list[str]) -> bool:
+    """-h / --help: print the schema's keys (engine.config.help); --version: the version.
+    True when one of them was answered (the caller exits 0)."""
+    from engine.config.help import help_text, version
+
+    if "-h" in argv or "--help" in argv:
+        if _rank() == 0:
+            print(help_text(prog, schema, usage, examples), end="", flush=True)
+        return True
+    if "--version" in argv:
+        if _rank() == 0:
+            print(f"{prog} {version()}", flush=True)
+        return True
+    return False
+
+
 def fail(message: str, code: int = 2) -> int:
     if _rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)

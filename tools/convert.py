@@ -270,6 +270,8 @@ def verify(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="convert.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    from engine.config.help import version
+    parser.add_argument("--version", action="version", version=f"convert.py {version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("hf-to-mcore", help="HF folder -> Megatron distributed checkpoint")
     p.add_argument("--hf-dir", required=True)

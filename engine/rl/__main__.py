@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.cli import exit_process, run_entry
+from engine.cli import answered_help, exit_process, run_entry
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.checks import validate_rl
 from engine.rl.config import RLConfig
@@ -33,8 +33,20 @@ def rl_validator(argv: list[str]):
     return validate
 
 
+USAGE = "python -m engine.rl [--config FILE.yaml] [key=value ...]  (or torchrun ... -m engine.rl)"
+EXAMPLES = [
+    "python -m engine.rl algorithm=grpo model.hf_path=DIR data.train_files=[prompts.jsonl] "
+    "reward.fn=math rollout.n=8",
+    "torchrun --nproc_per_node 8 -m engine.rl --config recipes/rl/qwen3_8b_grpo_h100.yaml "
+    "model.hf_path=DIR",
+    "python -m engine.rl --config recipes/rl/qwen3_8b_grpo_h100.yaml --validate --nodes 4",
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
+    if answered_help(argv, "engine.rl", RLConfig, USAGE, EXAMPLES):
+        return 0
     if "--validate" in argv:  # recipe check: no process groups, no weights, no training
         return rl_validate_main(argv)
     return run_entry("engine.rl.loop:run", argv, schema=RLConfig, validate=rl_validator(argv),

@@ -13,14 +13,26 @@ from __future__ import annotations
 
 import sys
 
-from engine.cli import exit_process, run_entry
-from engine.config.schema import validate_sft
+from engine.cli import answered_help, exit_process, run_entry
+from engine.config.schema import SFTConfig, validate_sft
 from engine.config.recipe_validation import validate_main
+
+
+USAGE = "python -m engine.sft [--config FILE.yaml] [key=value ...]  (or torchrun ... -m engine.sft)"
+EXAMPLES = [
+    "python -m engine.sft model.hf_path=DIR data.train_files=[train.jsonl] train.max_steps=100",
+    "torchrun --nproc_per_node 8 -m engine.sft --config recipes/sft/qwen3_8b_h100.yaml "
+    "model.hf_path=DIR parallel.tp=2",
+    "python -m engine.sft --config recipes/sft/qwen3_8b_h100.yaml --validate --world-size 16 "
+    "--nodes 2",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m engine.sft [--config FILE] [key=value ...] [--validate ...]`."""
     argv = list(argv if argv is not None else sys.argv[1:])
+    if answered_help(argv, "engine.sft", SFTConfig, USAGE, EXAMPLES):
+        return 0
     if "--validate" in argv:  # recipe check: no process groups, no weights, no training
         return validate_main(argv)
     return run_entry("engine.sft.training:run", argv, validate=validate_sft)

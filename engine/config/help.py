@@ -1,0 +1,139 @@
+"""`--help` of the entry points, generated from the config schema so it cannot drift.
+
+`schema_keys(schema)` walks the dataclass tree (SFTConfig, RLConfig) and yields every key as
+(dotted key, type, default, meaning). The meaning is the field's own comment in the schema's
+source: its inline comment, else the comment block right above it (joined into one line). A
+key without a comment has an empty meaning; the key, type and default are always there.
+`help_text(prog, schema, usage, examples)` is the text `python -m engine.sft --help` prints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import inspect
+import io
+import tokenize
+import typing
+from functools import lru_cache
+from typing import Any, Iterator
+
+PACKAGE = "megatron-sft-engine"
+
+
+def version() -> str:
+    """The installed distribution's version (setup.py), or "unknown" outside an install."""
+    try:
+        return importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@lru_cache(maxsize=None)
+def field_comments(cls: type) -> dict[str, str]:
+    """{field name: its comment} from the source of dataclass `cls` (see module docstring)."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    comments: dict[str, str] = {}
+    above: list[str] = []      # the comment lines right above the current line
+    line_name = None           # the field this logical line declares
+    depth = 0                  # bracket depth: a default spanning lines is one logical line
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            text = tok.string.lstrip("#").strip()
+            if line_name is not None:
+                comments.setdefault(line_name, text)       # inline comment
+            else:
+                above.append(text)
+        elif tok.type == tokenize.NAME and line_name is None and depth == 0 \
+                and tok.string in names and tok.start[1] == _indent(source, tok.start[0]):
+            line_name = tok.string
+            if above:
+                comments[line_name] = " ".join(above)
+        elif tok.type == tokenize.OP and tok.string in "([{":
+            depth += 1
+        elif tok.type == tokenize.OP and tok.string in ")]}":
+            depth -= 1
+        elif tok.type == tokenize.NEWLINE:
+            line_name, above = None, []
+        elif tok.type == tokenize.NL and line_name is None and depth == 0:
+            if not above or tok.line.strip():
+                continue
+            above = []          # a blank line ends a comment block
+    return comments
+
+
+def _indent(source: str, line: int) -> int:
+    text = source.splitlines()[line - 1]
+    return len(text) - len(text.lstrip())
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, str):
+        return tp.replace("Optional[", "").rstrip("]") + ("|null" if "Optional" in tp else "")
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return "|".join(_type_name(a) for a in args) + "|null"
+    if origin in (list, dict):
+        return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if value == "":
+        return '""'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{}" if not value else str(value)
+    return str(value)
+
+
+def schema_keys(schema: type, prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
+    """(dotted key, type, default as on the command line, meaning) of every leaf key."""
+    hints = typing.get_type_hints(schema)
+    comments = field_comments(schema)
+    for f in dataclasses.fields(schema):
+        tp = hints.get(f.name, f.type)
+        if dataclasses.is_dataclass(tp):
+            yield from schema_keys(tp, f"{prefix}{f.name}.")
+            continue
+        yield (f"{prefix}{f.name}", _type_name(tp), _yaml(_default(f)),
+               comments.get(f.name, ""))
+
+
+def help_text(prog: str, schema: type, usage: str, examples: list[str]) -> str:
+    """Usage, every config key by group (type, default, meaning) and examples."""
+    out = [f"usage: {usage}", "", f"{prog} {version()}", "",
+           "Configuration: key=value overrides (hydra syntax; lists as [a,b]), after an "
+           "optional --config FILE.yaml. Every key, its type, default and meaning:"]
+    rows = list(schema_keys(schema))
+    width = max(len(k) for k, *_ in rows)
+    group = None
+    for key, tp, default, meaning in rows:
+        top = key.split(".")[0]
+        if top != group:
+            group = top
+            out += ["", f"{group}:"]
+        line = f"  {key:<{width}}  {tp} = {default}"
+        out.append(line + (f"  # {meaning}" if meaning else ""))
+    out += ["", "Other flags:", "  --config FILE      a YAML file of keys (overrides win)",
+            "  --validate ...     check a recipe's layout and memory; no training",
+            "  -h, --help         this text", "  --version          the version", "",
+            "Examples:", *(f"  {e}" for e in examples)]
+    return "\n".join(out) + "\n"

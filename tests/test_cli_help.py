@@ -1,0 +1,50 @@
+"""`--help`, `-h` and `--version` of the entry points (engine.config.help): the help is
+generated from the config schema, so every key is listed with its type, default and the
+schema's own comment, and nothing else needs to be kept in step with it."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config.help import field_comments, schema_keys, version
+from engine.config.schema import DataConfig, ModelConfig, SFTConfig
+from engine.rl.config import RLConfig
+
+
+@pytest.mark.parametrize("entry, schema, flag", [("engine.sft", SFTConfig, "--help"),
+                                                 ("engine.rl", RLConfig, "-h")])
+def test_help_lists_every_key_of_the_schema(entry, schema, flag, capsys):
+    import importlib
+
+    main = importlib.import_module(f"{entry}.__main__").main
+    assert main([flag, "model.hf_path=/nonexistent"]) == 0   # nothing else is read
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m {entry}")
+    keys = list(schema_keys(schema))
+    assert len(keys) > 60
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    for key, tp, default, _ in keys:
+        assert key in lines, key
+        assert f"{tp} = {default}" in lines[key], (key, lines[key])
+    assert "Examples:" in out
+
+
+def test_meanings_are_the_schemas_comments():
+    model, data = field_comments(ModelConfig), field_comments(DataConfig)
+    assert model["hf_path"] == "HF model directory (weights, config, tokenizer)"   # inline
+    assert model["shape"].startswith("A preset of") and "checks that the HF config" in \
+        model["shape"]                                                  # the block above
+    assert data["truncation"] == "right | error"
+    assert "train_files" in data and data["train_files"].startswith("files (.jsonl")
+    rows = {k: (t, d) for k, t, d, _ in schema_keys(SFTConfig)}
+    assert rows["train.max_steps"] == ("int", "10")
+    assert rows["model.hf_path"] == ("str", '""')
+    assert rows["model.lora.init_from"] == ("str|null", "null")
+    assert rows["optim.betas"][1] == "[0.9,0.95]"
+
+
+def test_version(capsys):
+    from engine.sft.__main__ import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"engine.sft {version()}"
+    assert version() != "unknown"   # the package is installed (pip install -e .)
