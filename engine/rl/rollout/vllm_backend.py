@@ -69,12 +69,12 @@ def _vllm():
     """vLLM, imported on first use. Every rank loads this module (the loop reads the class's
     flags), only an engine's owner builds one: the others never pay vLLM's import (7-18 s on a
     2-core host)."""
-    import vllm
+    import vllm  # only an engine's owner pays vLLM's import
     return vllm
 
 
 def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # vLLM, imported on first use (_vllm)
     return current_platform.is_cpu()
 
 
@@ -228,7 +228,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
                 top_p=1.0 if greedy else params.top_p, top_k=0, seed=seed, logprobs=0,
                 stop_token_ids=list(self.eos_token_ids), detokenize=False))
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import TokensPrompt  # vLLM, imported on first use (_vllm)
         with preserved_global_rng():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                         sampling, use_tqdm=False)
