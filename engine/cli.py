@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Callable, NoReturn
 
+from engine.config.help import help_text, version
 from engine.config.schema import (ConfigError, SFTConfig, load_config, parallel_layout,
                            validate_common)
 from engine.data.files import DataError
@@ -46,8 +47,6 @@ def answered_help(argv: list[str], prog: str, schema, usage: str,
                   examples: list[str]) -> bool:
     """-h / --help: print the schema's keys (engine.config.help); --version: the version.
     True when one of them was answered (the caller exits 0)."""
-    from engine.config.help import help_text, version
-
     if "-h" in argv or "--help" in argv:
         if _rank() == 0:
             print(help_text(prog, schema, usage, examples), end="", flush=True)
