@@ -241,7 +241,8 @@ def test_two_nodes_default_to_one_engine_each_and_restart_a_dead_one(runs):
            "recovered" in runs["A"][0].stdout
     assert "2 rollout engine(s)" in runs["A"][0].stdout and "owner ranks [0, 2]" in \
         runs["A"][0].stdout
-    assert "1 CPU rank(s) per engine" in runs["A"][0].stdout  # not "GPU(s)" on a CPU host
+    assert "2 CPU rank(s) per engine" in runs["A"][0].stdout  # tp 2; not "GPU(s)" on a CPU host
+    assert "GPU(s)" not in runs["A"][0].stdout
 
 
 def test_engine_count_restart_and_resume_do_not_change_the_run(runs):
