@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import run_torchrun, run_two_nodes, start, torchrun_cmd, wait
+from tests.metrics_docs import undocumented
 from tests.tiny_models import build_eos_model, build_tiny_model
 
 SAME = ("reward/mean", "reward/std", "response/length_mean", "policy/loss", "policy/pg_loss",
@@ -323,6 +324,17 @@ def test_multi_turn_episodes_run_on_the_rollout_side(more_runs):
     for a, b in zip(co, s0):
         assert a["env/turns_mean"] == b["env/turns_mean"] and b["env/turns_max"] == 2
         assert a["rollout/observation_tokens"] == b["rollout/observation_tokens"] > 0
+
+
+def test_every_logged_metric_is_documented(runs, more_runs):
+    """Every key of these runs' metrics.jsonl rows (GRPO colocated and disaggregated with
+    validation, DAPO with dynamic sampling, multi-turn episodes) is named in docs/metrics.md;
+    negative control: an undocumented name is reported."""
+    keys = {k for out in (runs, more_runs) for name, rows in out.items()
+            if name.endswith("_m") for row in rows for k in row}
+    assert {"val/pass@1", "env/turns_mean", "rollout/staleness"} <= keys   # the runs' variety
+    assert undocumented(keys) == []
+    assert undocumented(["policy/loss", "policy/no_such_metric"]) == ["policy/no_such_metric"]
 
 
 def test_validate_prints_the_split_and_both_sides_memory(capsys):

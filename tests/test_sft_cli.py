@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.metrics_docs import undocumented
+
 
 STEPS = 3
 REQUIRED = ("step", "loss", "grad_norm", "lr", "num_tokens", "num_sequences", "time/step_s",
@@ -47,6 +49,7 @@ def test_metrics_jsonl_and_tensorboard_written(reference):
         assert r["num_sequences"] == 16 and r["num_tokens"] > 0
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert any(p.name.startswith("events.out.tfevents") for p in Path(log_dir).iterdir())
+    assert undocumented({k for r in rows for k in r}) == []   # docs/metrics.md names them all
 
 
 @pytest.mark.parametrize("nproc,extra", [

@@ -222,7 +222,7 @@ def verify(args) -> int:
 
     from models.hf.config import check_config
 
-    ckpt = resolve_checkpoint(args.ckpt, args.iteration)
+    ckpt = resolve_checkpoint(args.ckpt, getattr(args, "iteration", None))
     cfg = read_hf_config(ckpt)
     check_config(cfg)
     _setup(cfg, args.tp, args.pp, args.ep)
