@@ -18,6 +18,7 @@ from engine.config.schema import (ConfigError, SFTConfig, load_config, parallel_
                            validate_common)
 from engine.data.files import DataError
 from engine.errors import RunError
+from models.layers.spec import transformer_engine_available
 from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 
 
@@ -58,6 +59,15 @@ def answered_help(argv: list[str], prog: str, schema, usage: str,
     return False
 
 
+def kernel_notice() -> str:
+    """What runs the layers, said once per launch (megatron's own import-time warnings about
+    Transformer Engine and Apex are filtered in parallel/__init__.py)."""
+    if transformer_engine_available():
+        return "Transformer Engine (fused attention, norms and linears)"
+    return ("Transformer Engine not installed: torch layers (SDPA attention, torch norms), "
+            "torch Adam and megatron's unfused fallbacks; exact, slower on GPUs")
+
+
 def fail(message: str, code: int = 2) -> int:
     if _rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -94,6 +104,7 @@ def run_entry(run: str, argv: list[str], schema=None,
     if _rank() == 0:
         tag = "rl" if run.startswith("engine.rl.") else "sft"
         print(f"[{tag}] layout: {layout.describe()}", flush=True)
+        print(f"[{tag}] kernels: {kernel_notice()}", flush=True)
     rc = _call(run, cfg, hf_config, flags)
     shutdown(barrier=rc == 0)
     return rc

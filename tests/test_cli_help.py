@@ -65,3 +65,28 @@ def test_every_key_is_documented(schema):
     text = "\n".join(p.read_text() for p in (Path(__file__).parents[1] / "docs").glob("*.md"))
     assert _undocumented([k for k, *_ in schema_keys(schema)], text) == []
     assert _undocumented(["train.max_steps", "train.no_such_key"], text) == ["train.no_such_key"]
+
+
+def test_megatrons_import_warnings_are_said_once_by_the_engine():
+    """megatron-core's import-time "Transformer Engine and Apex are not installed" / "Apex is
+    not installed" warnings are filtered (parallel/__init__.py); the launch says it once
+    (engine.cli.kernel_notice, checked in tests/test_rl_loop.py). Negative control: another
+    UserWarning still reaches the user."""
+    import warnings
+
+    from engine.cli import kernel_notice
+    from parallel import quiet_megatron_import_warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        # without pytest.ini's blanket "ignore::UserWarning"; anything not filtered is shown
+        warnings.filters[:] = [f for f in warnings.filters
+                               if not (f[0] == "ignore" and f[1] is None and f[2] is UserWarning)]
+        warnings.filterwarnings("always", append=True)
+        # installed again here: pytest restores the filters its collection phase changed,
+        # where `parallel` was first imported; a run keeps them from the import on
+        quiet_megatron_import_warnings()
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back", UserWarning)
+        warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
+        warnings.warn("something actionable", UserWarning)
+    assert [str(w.message) for w in seen] == ["something actionable"]
+    assert kernel_notice().startswith("Transformer Engine not installed: torch layers")

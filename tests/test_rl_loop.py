@@ -435,6 +435,7 @@ def test_cli_dapo_on_4_ranks_with_tp2_and_accumulation(pools, model_dir, prompts
         f"logging.dir={log_dir}", "logging.progress_bar=false", timeout=400)
     assert proc.returncode == 0
     assert "policy model: sequence parallelism on, recompute selective (core_attn)" in proc.stdout
+    assert "[rl] kernels: Transformer Engine not installed: torch layers" in proc.stdout
     (m,) = _metrics(log_dir)
     assert 1 <= m["rollout/num_gen_batches"] <= 3
     assert m["rollout/generate_calls"] == m["rollout/num_gen_batches"]
