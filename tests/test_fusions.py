@@ -137,20 +137,18 @@ def test_fusion_keys_resolve_and_are_validated():
 
     silu, gelu = {"hidden_act": "silu"}, {"hidden_act": "gelu"}
     # off by default on every host (slower on an H100, docs/benchmarks.md), null too
-    assert fusion_overrides(_cfg(), silu, cuda=True) == dict(
+    assert fusion_overrides(_cfg(), silu) == dict(
         bias_activation_fusion=False, bias_dropout_fusion=False, fused_norm=False)
-    assert fusion_overrides(_cfg(swiglu=None, residual=None, rmsnorm=None), silu,
-                            cuda=True) == dict(
+    assert fusion_overrides(_cfg(swiglu=None, residual=None, rmsnorm=None), silu) == dict(
         bias_activation_fusion=False, bias_dropout_fusion=False, fused_norm=False)
-    assert fusion_overrides(_cfg(swiglu=True, residual=True, rmsnorm=True), silu,
-                            cuda=True) == dict(
+    assert fusion_overrides(_cfg(swiglu=True, residual=True, rmsnorm=True), silu) == dict(
         bias_activation_fusion=True, bias_dropout_fusion=True, fused_norm=True)
-    assert fusion_overrides(_cfg(), silu, cuda=False) == dict(
+    assert fusion_overrides(_cfg(), silu) == dict(
         bias_activation_fusion=False, bias_dropout_fusion=False, fused_norm=False)
-    assert fusion_overrides(_cfg(swiglu=True, rmsnorm=False), silu, cuda=False) == dict(
+    assert fusion_overrides(_cfg(swiglu=True, rmsnorm=False), silu) == dict(
         bias_activation_fusion=True, bias_dropout_fusion=False, fused_norm=False)
     # megatron's fused GeGLU is gelu's tanh approximation: never for HF's exact gelu
-    assert not fusion_overrides(_cfg(swiglu=True), gelu, cuda=True)["bias_activation_fusion"]
+    assert not fusion_overrides(_cfg(swiglu=True), gelu)["bias_activation_fusion"]
     assert fusion_problems(_cfg(swiglu=True, residual=False), cuda=False) == []
     (problem,) = fusion_problems(_cfg(rmsnorm=True), cuda=False)
     assert problem.startswith("model.fusions.rmsnorm=true needs CUDA")

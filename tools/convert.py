@@ -54,9 +54,10 @@ def resolve_checkpoint(path: str, iteration: int | None = None) -> Path:
     latest_checkpointed_iteration.txt): its iteration `iteration`, else the newest complete
     one that file names. Which iteration was taken is printed (rank 0); an iteration the run
     does not hold exits 2 listing those it holds."""
+    from engine.checkpoint.io import LATEST_FILE, iteration_dir, list_iterations, read_latest
+
     p = Path(path)
-    marker = p / "latest_checkpointed_iteration.txt"
-    held = sorted(int(d.name[5:]) for d in p.glob("iter_*") if d.name[5:].isdigit())
+    held = list_iterations(p)
     if iteration is not None:
         if not held:
             _fail(f"--iteration {iteration}: {p} holds no iter_* folders (--ckpt is a single "
@@ -64,14 +65,14 @@ def resolve_checkpoint(path: str, iteration: int | None = None) -> Path:
         if iteration not in held:
             _fail(f"--iteration {iteration}: {p} holds iterations {held}")
         chosen, why = iteration, "--iteration"
-    elif marker.is_file():
-        chosen, why = int(marker.read_text().strip()), f"the newest complete, {marker.name}"
+    elif (chosen := read_latest(p)) is not None:
+        why = f"the newest complete, {LATEST_FILE}"
     else:
         return p
     if os.environ.get("RANK", "0") == "0":
         print(f"[convert] {p}: iteration {chosen} ({why}; held: {held}; --iteration N picks "
               "another)", flush=True)
-    return p / f"iter_{chosen:07d}"
+    return iteration_dir(p, chosen)
 
 
 def _claim_out(out: Path, overwrite: bool, ckpt: Path) -> None:

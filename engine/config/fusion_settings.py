@@ -47,9 +47,8 @@ def _fusions(cfg: Any) -> FusionConfig:
     return getattr(getattr(cfg, "model", None), "fusions", None) or FusionConfig()
 
 
-def fusion_on(cfg: Any, name: str, cuda: bool | None = None) -> bool:
-    """model.fusions.<name> resolved (null: off). `cuda` is unused, kept for callers that
-    resolve for another host."""
+def fusion_on(cfg: Any, name: str) -> bool:
+    """model.fusions.<name> resolved (null: off, on every host)."""
     return bool(getattr(_fusions(cfg), name))
 
 
@@ -67,14 +66,14 @@ def fusion_problems(cfg: Any, cuda: bool | None = None) -> list[str]:
     return p
 
 
-def fusion_overrides(cfg: Any, hf_config: dict, cuda: bool | None = None) -> dict:
+def fusion_overrides(cfg: Any, hf_config: dict) -> dict:
     """build_model_chunks arguments of the model.fusions.* keys: two TransformerConfig
     fields and the builder's `fused_norm` (used by RMSNorm models; LayerNorm ones ignore it).
     The SwiGLU fusion applies to SwiGLU models only (`hidden_act` silu, HF's default)."""
     swiglu = hf_config.get("hidden_act", "silu") == "silu"
-    return dict(bias_activation_fusion=swiglu and fusion_on(cfg, "swiglu", cuda),
-                bias_dropout_fusion=fusion_on(cfg, "residual", cuda),
-                fused_norm=fusion_on(cfg, "rmsnorm", cuda))
+    return dict(bias_activation_fusion=swiglu and fusion_on(cfg, "swiglu"),
+                bias_dropout_fusion=fusion_on(cfg, "residual"),
+                fused_norm=fusion_on(cfg, "rmsnorm"))
 
 
 def describe_fusions(cfg: Any) -> str:

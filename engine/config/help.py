@@ -48,7 +48,7 @@ def field_comments(cls: type) -> dict[str, str]:
             else:
                 above.append(text)
         elif tok.type == tokenize.NAME and line_name is None and depth == 0 \
-                and tok.string in names and tok.start[1] == _indent(source, tok.start[0]):
+                and tok.string in names and tok.start[1] == len(tok.line) - len(tok.line.lstrip()):
             line_name = tok.string
             if above:
                 comments[line_name] = " ".join(above)
@@ -65,14 +65,7 @@ def field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def _indent(source: str, line: int) -> int:
-    text = source.splitlines()[line - 1]
-    return len(text) - len(text.lstrip())
-
-
 def _type_name(tp: Any) -> str:
-    if isinstance(tp, str):
-        return tp.replace("Optional[", "").rstrip("]") + ("|null" if "Optional" in tp else "")
     origin = typing.get_origin(tp)
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -109,7 +102,7 @@ def schema_keys(schema: type, prefix: str = "") -> Iterator[tuple[str, str, str,
     hints = typing.get_type_hints(schema)
     comments = field_comments(schema)
     for f in dataclasses.fields(schema):
-        tp = hints.get(f.name, f.type)
+        tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             yield from schema_keys(tp, f"{prefix}{f.name}.")
             continue

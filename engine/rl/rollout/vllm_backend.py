@@ -220,11 +220,11 @@ class VLLMRolloutEngine(RolloutEngine):
                                "to sample with stale weights")
         self._check_prompts(prompts, params)
         greedy = params.temperature == 0
-        sampling = []
+        sampling, make_params = [], _vllm().SamplingParams
         for i in range(len(prompts)):
             seed = (params.seeds[i] if params.seeds is not None
                     else self._seeds.getrandbits(31) if params.seed is None else params.seed + i)
-            sampling.append(_vllm().SamplingParams(
+            sampling.append(make_params(
                 n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
                 top_p=1.0 if greedy else params.top_p, top_k=0, seed=seed, logprobs=0,
                 stop_token_ids=list(self.eos_token_ids), detokenize=False))

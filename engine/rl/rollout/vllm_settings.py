@@ -74,7 +74,7 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
                  f"{cfg.train.seq_length} (the longest prompt + response); raise it or null")
     given = set(v.engine_kwargs or {})   # vLLM's arg_utils is imported only to check these
     unknown = sorted(given - _engine_arg_names()) if given else []
-    own = sorted(set(v.engine_kwargs or {}) & set(OWN_ARGS))
+    own = sorted(given & set(OWN_ARGS))
     if unknown:
         p.append(f"rollout.vllm.engine_kwargs: {unknown} are not vllm.EngineArgs fields")
     if own:
