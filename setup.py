@@ -2,11 +2,15 @@ from setuptools import find_packages, setup
 
 setup(
     name="megatron-sft-engine",
-    version="0.1.0",
+    version="0.2.0",
     description="Megatron-Core engine for SFT and RL (GRPO/DAPO) whose loss does not depend on "
                 "the parallel layout",
     python_requires=">=3.10",
-    packages=find_packages(include=["engine", "engine.*", "models", "models.*", "parallel", "parallel.*"]),
+    packages=find_packages(include=["engine", "engine.*", "models", "models.*", "parallel", "parallel.*",
+                                    "tools", "tools.*"]),
+    # `megatron-sft-engine SUBCOMMAND` (alias `mse`): sft, rl, validate, convert, bench, demo
+    entry_points={"console_scripts": ["megatron-sft-engine = tools.cli:console",
+                                      "mse = tools.cli:console"]},
     install_requires=[
         "torch>=2.4",
         # Tested: 0.16.1 (full suite) and the newest 0.19.x (.ci/run's second run); 0.17.1 and

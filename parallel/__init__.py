@@ -2,6 +2,7 @@
 
 This package imports neither `engine` nor `models`.
 """
+import os
 import warnings
 
 from parallel.cpu_runtime import skip_megatron_jit_on_cpu
@@ -10,13 +11,33 @@ from parallel.layout import LayoutError, ParallelLayout
 skip_megatron_jit_on_cpu()  # before any megatron import of the process (see cpu_runtime)
 
 
-def quiet_megatron_import_warnings() -> None:
-    """megatron-core warns six times at import that Transformer Engine or Apex is missing; the
-    entry points say it once, with what it means (engine.cli.kernel_notice)."""
-    warnings.filterwarnings("ignore", category=UserWarning,
-                            message="(Transformer Engine and Apex are|Apex is) not installed")
+# Warnings raised inside megatron-core and torch that a user can do nothing about, by message
+# (a regular expression matched at the message's start): (category, message, why it is noise).
+LIBRARY_WARNINGS = (
+    (UserWarning, "(Transformer Engine and Apex are|Apex is) not installed",
+     "megatron-core says it six times at import; the entry points say it once, with what it "
+     "means (engine.cli.kernel_notice)"),
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf",
+     "megatron's distributed optimizer zero_grad reads .grad of its fp32 shard views; the "
+     "gradients live in main_grad"),
+    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is "
+     "deprecated", "megatron-core's gradient reduce-scatter and parameter all-gather"),
+    (FutureWarning, "`load_state_dict` is deprecated", "megatron's checkpoint loading"),
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor",
+     "megatron's checkpoint loading"),
+)
+SHOW_ENV = "ENGINE_LIBRARY_WARNINGS"   # =1: show them all (debugging megatron or torch)
 
 
-quiet_megatron_import_warnings()  # before any megatron import of the process
+def quiet_library_warnings() -> None:
+    """Filter LIBRARY_WARNINGS for this process, unless ENGINE_LIBRARY_WARNINGS=1. Any other
+    warning still shows."""
+    if os.environ.get(SHOW_ENV) == "1":
+        return
+    for category, message, _ in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", category=category, message=message)
 
-__all__ = ["LayoutError", "ParallelLayout", "quiet_megatron_import_warnings"]
+
+quiet_library_warnings()  # before any megatron import of the process
+
+__all__ = ["LayoutError", "ParallelLayout", "quiet_library_warnings"]

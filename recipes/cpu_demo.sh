@@ -4,9 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false PYTHONWARNINGS=ignore
-python tools/make_demo_assets.py --out "$OUT/demo_assets"
-torchrun --nproc_per_node 4 -m engine.sft \
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+megatron-sft-engine demo assets --out "$OUT/demo_assets"   # tools/demo.py; nothing downloaded
+megatron-sft-engine sft --nproc-per-node 4 \
   model.hf_path="$OUT/demo_assets/model" \
   data.train_files="[$OUT/demo_assets/sft_train.jsonl]" \
   data.eval_files="[$OUT/demo_assets/sft_eval.jsonl]" \

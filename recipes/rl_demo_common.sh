@@ -3,45 +3,50 @@
 # $WORK (the caller sets WORK first), and defines:
 #
 #   demo_tiny_model DIR HIDDEN LAYERS INTERMEDIATE SEED   a tiny random Qwen3 (4 heads, 2 KV heads,
-#       200-token word-level tokenizer of tests/tiny_models.py: every demo model shares it)
+#       200-token word-level tokenizer of tools/tiny_models.py: every demo model shares it)
 #   demo_addition_data   $WORK/sft.jsonl ("what is a plus b ?" -> "a+b") and $WORK/rl.jsonl
 #       (the same prompts with "answer"), single-digit a, b: 100 rows each, no download
-#   demo_sft INIT STEPS NAME   engine.sft of INIT on $WORK/sft.jsonl for STEPS steps (one process),
-#       then the checkpoint converted to HF in $WORK/NAME (logs in $WORK/NAME_logs)
+#   demo_sft INIT STEPS NAME   SFT of INIT on $WORK/sft.jsonl for STEPS steps (one process),
+#       then its checkpoint converted to HF in $WORK/NAME (logs in $WORK/NAME_logs)
+#   demo_export RUN_CKPT NAME   the newest checkpoint of a run's checkpoint.dir converted to HF
+#       in $WORK/NAME
 #   demo_first_last METRICS KEY K   prints KEY per step of a metrics.jsonl and the means of its
 #       first and last K steps (K=auto: a fifth of the steps)
+#   demo_evaluate NAME=DIR ...   greedy answers of each HF model to the 100 prompts of
+#       $WORK/rl.jsonl (transformers' generate, scored by the math reward), and the accuracy of
+#       each
+# The commands are the console command that `pip install -e .` installs (megatron-sft-engine).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
 export TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 rm -rf "$WORK" && mkdir -p "$WORK"
 
 demo_tiny_model() {
-  python -c 'import sys; from tests.tiny_models import build_tiny_model as b
-d, h, l, i, s = sys.argv[1:]
-b(d, "qwen3", vocab_size=200, hidden=int(h), layers=int(l), heads=4, kv_heads=2,
-  intermediate=int(i), seed=int(s))' "$@"
+  megatron-sft-engine demo model "$1" --hidden "$2" --layers "$3" --intermediate "$4" --seed "$5"
 }
 
 demo_addition_data() {
-  python - "$WORK" <<'EOF'
-import json, random, sys
-pairs = [(a, b) for a in range(10) for b in range(10)]
-random.Random(0).shuffle(pairs)
-with open(f"{sys.argv[1]}/sft.jsonl", "w") as sft, open(f"{sys.argv[1]}/rl.jsonl", "w") as rl:
-    for a, b in pairs:
-        sft.write(json.dumps({"prompt": f"what is {a} plus {b} ?", "response": str(a + b)}) + "\n")
-        rl.write(json.dumps({"prompt": f"what is {a} plus {b} ?", "answer": a + b}) + "\n")
-EOF
+  megatron-sft-engine demo addition-data "$WORK"
 }
 
 demo_sft() {
-  python -m engine.sft model.hf_path="$1" data.train_files="[$WORK/sft.jsonl]" \
+  megatron-sft-engine sft model.hf_path="$1" data.train_files="[$WORK/sft.jsonl]" \
     train.global_batch_size=16 train.micro_batch_size=16 train.seq_length=32 \
     train.max_steps="$2" optim.lr=3e-3 optim.schedule=constant optim.warmup_steps=0 \
     logging.dir="$WORK/$3_logs" logging.progress_bar=false checkpoint.dir="$WORK/$3_ckpt"
-  python tools/convert.py mcore-to-hf --ckpt "$WORK/$3_ckpt" --out "$WORK/$3"
+  demo_export "$WORK/$3_ckpt" "$3"
+}
+
+demo_export() {
+  megatron-sft-engine convert mcore-to-hf --ckpt "$1" --out "$WORK/$2"
+}
+
+demo_evaluate() {
+  local models=()
+  for m in "$@"; do models+=(--model "$m"); done
+  megatron-sft-engine demo evaluate --data "$WORK/rl.jsonl" "${models[@]}" --limit 100 \
+    --max-new-tokens 4
 }
 
 demo_first_last() {

@@ -19,7 +19,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from tests.launch import run_python  # noqa: E402
 from tests.pool import Pools  # noqa: E402
-from tests.tiny_models import build_tiny_model  # noqa: E402
+from tools.tiny_models import build_tiny_model  # noqa: E402
 
 CONVERT = "tools/convert.py"
 INIT_RANGE = 0.2
@@ -77,12 +77,12 @@ def qwen2_dir(tiny_model_dirs) -> str:
 
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory) -> Path:
-    """The CPU demo's assets, written once per session by `python tools/make_demo_assets.py`
-    (a real process, as the demo runs it): OUT/model, OUT/sft_train.jsonl, OUT/sft_eval.jsonl,
+    """The CPU demo's assets, written once per session by `python tools/demo.py assets`
+    (a real process, as recipes/cpu_demo.sh runs it): OUT/model, OUT/sft_train.jsonl, OUT/sft_eval.jsonl,
     OUT/rl_prompts.jsonl. Read-only for tests; a test module that adds a file uses a name of
     its own."""
     out = tmp_path_factory.mktemp("demo_assets")
-    assert run_python("tools/make_demo_assets.py", "--out", str(out)).returncode == 0
+    assert run_python("tools/demo.py", "assets", "--out", str(out)).returncode == 0
     return out
 
 

@@ -21,7 +21,7 @@ import shutil
 
 import torch
 
-from tests.tiny_models import append_mtp_layer, build_tokenizer, save_random_model
+from tools.tiny_models import append_mtp_layer, build_tokenizer, save_random_model
 
 CONFIG = dict(vocab_size=200, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,

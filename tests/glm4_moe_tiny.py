@@ -8,7 +8,7 @@ balance (so that per-rank token counts differ from the global ones, see tests/te
 tests' word-level tokenizer."""
 from __future__ import annotations
 
-from tests.tiny_models import append_mtp_layer, build_tokenizer, save_random_model
+from tools.tiny_models import append_mtp_layer, build_tokenizer, save_random_model
 
 CONFIG = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.tiny_models import build_tokenizer, save_random_model
+from tools.tiny_models import build_tokenizer, save_random_model
 
 CONFIG = dict(vocab_size=200, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4,

@@ -9,7 +9,7 @@ max_position_embeddings 131072. Its config.json is rewritten as Kimi-K2-Instruct
 the same keys in the same (sorted) order, model_type "kimi_k2", legacy `rope_scaling` and
 top-level `rope_theta`, `auto_map` to configuration_deepseek.py / modeling_deepseek.py (present as
 stand-in files that are never executed), aux_loss_alpha, seq_aux, transformers_version 4.48.3.
-The tokenizer is the tests' word-level one (tests/tiny_models.py).
+The tokenizer is the tests' word-level one (tools/tiny_models.py).
 
 `with_custom_tokenizer`: a copy whose tokenizer is the folder's own code as Kimi-K2's is:
 tokenizer_config.json names `TikTokenTokenizer` with `auto_map.AutoTokenizer` ->

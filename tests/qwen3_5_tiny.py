@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from tests.tiny_models import build_tokenizer
+from tools.tiny_models import build_tokenizer
 
 COMMON = dict(vocab_size=200, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, linear_num_key_heads=4,

@@ -3,23 +3,12 @@ of arithmetic the reports rest on, each against an independent reference."""
 from __future__ import annotations
 
 import json
-import sys
-
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
 from tests.launch import run_python
-
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-import bench  # noqa: E402
-import bench_async  # noqa: E402
-import bench_balance  # noqa: E402
-import bench_mfu  # noqa: E402
-import bench_overhead  # noqa: E402
-import bench_sync  # noqa: E402
-from bench_common import last_json_line  # noqa: E402
+from tools import bench, bench_async, bench_balance, bench_mfu, bench_overhead, bench_sync
+from tools.bench_common import last_json_line
 
 BENCH = "tools/bench.py"
 
@@ -125,7 +114,7 @@ def test_count_parameters_matches_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from models.hf.io import read_config
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     d = build_tiny_model(str(tmp_path / "m"), "qwen3", vocab_size=96, hidden=32, layers=2,
                          heads=4, kv_heads=2, intermediate=48, tokenizer=False, head_dim=8)
@@ -169,15 +158,14 @@ def test_all_keeps_going_when_one_benchmark_fails(monkeypatch):
 
 
 def test_data_quick_reports_rates_first_steps_and_memory():
-    """`data --quick`: 500 chat rows rendered with 0/1/2 workers and by the previous renderer,
+    """`data --quick`: 500 chat rows rendered with 0/1/2 workers,
     two 2-rank SFT launches (empty cache, built cache); the 4-rank one is left to the full
     size."""
     out, result = _run("data", "--quick", timeout=900)
-    assert "| workers  | rows | seconds | rows/s | M tokens/s |" in out
-    assert set(result["data_rows_per_s_by_workers"]) == {"previous", "0", "1", "2"}
+    assert "| workers | rows | seconds | rows/s | M tokens/s |" in out
+    assert set(result["data_rows_per_s_by_workers"]) == {"0", "1", "2"}
     assert result["data_rows"] == 500 and result["data_tokens"] > 700_000
-    assert result["data_rows_per_s"] == max(
-        v for k, v in result["data_rows_per_s_by_workers"].items() if k != "previous") > 0
+    assert result["data_rows_per_s"] == max(result["data_rows_per_s_by_workers"].values()) > 0
     assert 0 < result["first_step_s_cached"] and 0 < result["first_step_s_uncached"]
     assert 100 < result["rss_mb_per_rank"] < 4000 and result["rss_mb_per_rank_4"] is None
     assert set(result["goals"]) == {"first_step_s_uncached", "first_step_s_cached"}

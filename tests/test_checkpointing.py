@@ -249,7 +249,7 @@ def _multi_node(env: dict, nodes: int, *args: str, timeout: int = 600) -> list:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("ckpt_model") / "model"), "qwen3",
                             vocab_size=200, initializer_range=0.1)
@@ -261,7 +261,7 @@ def runs(tmp_path_factory, tiny_model, pools):
     train.exit_interval and relaunched): what is checked is the run across launches. The
     first part of B (it writes the checkpoint) and the export E (tools/convert.py) run on the
     session's rank pool (tests/pool.py); every resume is a new launch."""
-    from tools.make_demo_assets import chat_row
+    from tools.demo import chat_row
 
     root = tmp_path_factory.mktemp("ckpt_runs")
     model = tiny_model

@@ -27,7 +27,7 @@ import pytest
 
 from engine.training.loss import AGG_MODES
 from tests.launch import run_main
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 OUR_TRACEBACK = re.compile(r'File ".*/(engine|models|parallel)/')
 

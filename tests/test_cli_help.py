@@ -67,26 +67,54 @@ def test_every_key_is_documented(schema):
     assert _undocumented(["train.max_steps", "train.no_such_key"], text) == ["train.no_such_key"]
 
 
-def test_megatrons_import_warnings_are_said_once_by_the_engine():
-    """megatron-core's import-time "Transformer Engine and Apex are not installed" / "Apex is
-    not installed" warnings are filtered (parallel/__init__.py); the launch says it once
-    (engine.cli.kernel_notice, checked in tests/test_rl_loop.py). Negative control: another
-    UserWarning still reaches the user."""
+def test_library_warnings_are_filtered_and_megatrons_fallback_said_once():
+    """The warnings megatron-core and torch raise that a user cannot act on
+    (parallel.LIBRARY_WARNINGS: the six "Transformer Engine and Apex are not installed" of
+    megatron's import, its optimizer's non-leaf .grad read, torch's collective and checkpoint
+    deprecations) are filtered in every process that imports `parallel`; the launch says the
+    fallback once (engine.cli.kernel_notice, checked in tests/test_rl_loop.py). Negative
+    controls: another UserWarning still reaches the user, and ENGINE_LIBRARY_WARNINGS=1 shows
+    them all."""
+    import os
     import warnings
 
     from engine.cli import kernel_notice
-    from parallel import quiet_megatron_import_warnings
+    from parallel import LIBRARY_WARNINGS, SHOW_ENV, quiet_library_warnings
 
-    with warnings.catch_warnings(record=True) as seen:
-        # without pytest.ini's blanket "ignore::UserWarning"; anything not filtered is shown
-        warnings.filters[:] = [f for f in warnings.filters
-                               if not (f[0] == "ignore" and f[1] is None and f[2] is UserWarning)]
-        warnings.filterwarnings("always", append=True)
-        # installed again here: pytest restores the filters its collection phase changed,
-        # where `parallel` was first imported; a run keeps them from the import on
-        quiet_megatron_import_warnings()
-        warnings.warn("Transformer Engine and Apex are not installed. Falling back", UserWarning)
-        warnings.warn("Apex is not installed. Falling back to Torch Norm", UserWarning)
-        warnings.warn("something actionable", UserWarning)
-    assert [str(w.message) for w in seen] == ["something actionable"]
+    examples = [
+        (UserWarning, "Transformer Engine and Apex are not installed. Falling back"),
+        (UserWarning, "Apex is not installed. Falling back to Torch Norm"),
+        (UserWarning, "The .grad attribute of a Tensor that is not a leaf Tensor is being "
+                      "accessed. Its .grad attribute won't be populated"),
+        (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use"),
+        (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated. Please use"),
+        (FutureWarning, "`load_state_dict` is deprecated and will be removed"),
+        (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor."),
+    ]
+    assert len(LIBRARY_WARNINGS) == 5  # every entry has an example above
+
+    def shown(show_env: str | None) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            # without pytest.ini's blanket ignores; anything not filtered is shown
+            warnings.filters[:] = [f for f in warnings.filters if not (
+                f[0] == "ignore" and f[1] is None and f[2] in (UserWarning, FutureWarning))]
+            warnings.filterwarnings("always", append=True)
+            old = os.environ.pop(SHOW_ENV, None)
+            if show_env is not None:
+                os.environ[SHOW_ENV] = show_env
+            try:
+                # installed again here: pytest restores the filters its collection phase
+                # changed, where `parallel` was first imported; a run keeps them from then on
+                quiet_library_warnings()
+            finally:
+                os.environ.pop(SHOW_ENV, None)
+                if old is not None:
+                    os.environ[SHOW_ENV] = old
+            for category, message in examples:
+                warnings.warn(message, category)
+            warnings.warn("something actionable", UserWarning)
+        return [str(w.message) for w in seen]
+
+    assert shown(None) == ["something actionable"]
+    assert len(shown("1")) == len(examples) + 1
     assert kernel_notice().startswith("Transformer Engine not installed: torch layers")

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from tests.launch import REPO_ROOT, result_lines, run_cli, run_torchrun
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -1,7 +1,7 @@
 """Data pipeline: tiny tokenizer, row rendering (exact ids and masks), shift, truncation, file
 errors with file:line, Parquet, the layout-independent global-batch order, RL prompt rows.
 
-Token ids of the tiny tokenizer (tests/tiny_models.BASE_WORDS): <pad>=0 <unk>=1 <|im_start|>=2
+Token ids of the tiny tokenizer (tools/tiny_models.BASE_WORDS): <pad>=0 <unk>=1 <|im_start|>=2
 <|im_end|>=3 "\\n"=4 user=5 assistant=6 system=7, digit d = 8 + d, letters a..z = 18..43,
 "+"=44 "?"=49, "\\boxed{"=57 "}"=58 what=59 is=60 sum=63 of=64 and=65 copy=67 repeat=68.
 """
@@ -15,7 +15,7 @@ import pytest
 from engine.data.datasets import (DataError, Sample, global_batch_indices, load_prompt_rows,
                          load_sft_dataset, read_rows, render_messages, render_prompt,
                          render_sft_row)
-from tests.tiny_models import BASE_WORDS, build_tokenizer
+from tools.tiny_models import BASE_WORDS, build_tokenizer
 
 S, E, NL, USER, ASSISTANT, SYSTEM = 2, 3, 4, 5, 6, 7
 

@@ -17,7 +17,7 @@ import engine.data.datasets as data_mod
 from engine.data.datasets import DataError, load_prompt_rows, load_sft_dataset, render_prompt
 from engine.data.files import read_rows, resolve_data_files
 from tests.conftest import REPO_ROOT
-from tests.tiny_models import build_tokenizer
+from tools.tiny_models import build_tokenizer
 
 SINGLE = [{"role": "user", "content": "what is 2 + 3 ?"},
           {"role": "assistant", "content": "\\boxed{5}"}]

@@ -19,8 +19,9 @@ from engine.data.datasets import SFTDataset, _check_not_empty as check_not_empty
 from engine.data.datasets import render_sft_row as new_render_sft_row
 from engine.data.files import DataError, as_file_list, read_rows as legacy_read_rows
 from engine.data.files import where as where_of
-from tests.test_data_templates import TOOLS, build_char_tokenizer
-from tests.tiny_models import build_tokenizer
+from tests.test_data_templates import TOOLS
+from tools.char_tokenizer import build_char_tokenizer
+from tools.tiny_models import build_tokenizer
 
 TRUNCATION_CHOICES = ("right", "error")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")

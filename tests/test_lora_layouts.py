@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_models import build_peft_adapter, build_tiny_model
+from tools.tiny_models import build_peft_adapter, build_tiny_model
 
 SCRIPT = "tests/multirank/lora_check.py"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multirank"))

@@ -15,7 +15,7 @@ from models.estimate.lora import adapter_parameters
 from models.lora.sites import resolve_targets
 from parallel.layout import ParallelLayout
 from tests.launch import REPO_ROOT
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 ALL = resolve_targets("all-linear")
 # h 64, q = 8 x 16 = 128, kv = 2 x 16 = 32, ffn 128, 4 layers

@@ -409,7 +409,7 @@ SFT_SPECS = ["2,2,0,1,3", "1,2,2,1,2", "1,1,0,2,16,packing"]
 def test_sft_invariance_in_one_launch(pools, tmp_path):
     from tests.launch import result_lines
     from engine.training.loss import AGG_MODES as MODES
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     script = "tests/multirank/sft_invariance.py"
     model = build_tiny_model(str(tmp_path / "model"), "qwen3", vocab_size=200,

@@ -81,7 +81,7 @@ def main() -> int:
 # ---------------------------------------------------------------- pytest
 
 def build_mixtral(out_dir: Path, seed: int = 0, **extra) -> str:
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     return build_tiny_model(str(out_dir), "mixtral", hidden=HIDDEN, layers=LAYERS, heads=8,
                             kv_heads=2, intermediate=WIDTH, seed=seed, initializer_range=0.2,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli_errors import Case, assert_reported_once, chat_row, launch, write_lines
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 CASES = [
     Case("sft_rope_dynamic", ("model.hf_path={dynamic}",), needles=(

@@ -164,7 +164,7 @@ def main() -> int:
 def mapped_results(pools, tmp_path_factory) -> dict[tuple[str, str], dict]:
     """This file run as a script on 2 ranks (the session's rank pool, tests/pool.py)."""
     from tests.launch import result_lines
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("fields")
     spec = {}
@@ -260,7 +260,7 @@ def _with_extra_tensor(hf_dir: Path, name: str) -> None:
 def test_tensor_problems_name_leftover_and_missing(tmp_path):
     from models.families.tensors import tensor_problems
     from models.hf.io import SafetensorsReader, read_config, training_dir_problems
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     hf_dir = Path(build_tiny_model(str(tmp_path / "m"), "llama", layers=2, seed=1,
                                    tokenizer=False))
@@ -285,7 +285,7 @@ def test_convert_refuses_biases_the_config_does_not_declare(tmp_path):
     biases: hf-to-mcore used to drop them silently (logits off by ~1.6). Refused before any
     process group: the command line's main(argv) in this process."""
     from tests.test_convert import convert_in_process
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     hf_dir = Path(build_tiny_model(str(tmp_path / "m"), "llama", layers=2, seed=1,
                                    tokenizer=False, attention_bias=True))

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.test_convert import _assert_bitwise_equal, _tensors, convert
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 _DIFF = re.compile(r"max_abs_diff=([0-9.eE+-]+|nan|inf)")
 

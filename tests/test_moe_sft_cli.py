@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch import run_cli
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 STEPS = 4
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.training.nonfinite import NonFiniteGuard, TrainingDiverged
 from tests.launch import result_lines
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 
 def test_guard_counts_streaks_and_raises_at_the_limit():

@@ -128,7 +128,7 @@ def test_moe_memory_shards_expert_optimizer_over_dp_over_ep():
 
 
 def test_validation_reports_every_problem(tmp_path):
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     qwen3 = REPO_ROOT / "recipes" / "sft" / "qwen3_8b_h100.yaml"
     bad = validate_recipe(load(qwen3, "parallel.tp=3", "train.seq_length=0"), 8, 1)

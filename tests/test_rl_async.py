@@ -25,7 +25,7 @@ import pytest
 
 from tests.launch import run_torchrun, run_two_nodes, start, torchrun_cmd, wait
 from tests.metrics_docs import undocumented
-from tests.tiny_models import build_eos_model, build_tiny_model
+from tools.tiny_models import build_eos_model, build_tiny_model
 
 SAME = ("reward/mean", "reward/std", "response/length_mean", "policy/loss", "policy/pg_loss",
         "policy/kl", "policy/entropy", "grad_norm", "train/groups")

@@ -22,7 +22,7 @@ import pytest
 
 from engine.checkpoint.io import iteration_dir
 from tests.launch import run_torchrun
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 STEPS = 4
 RESUME_TOL = 1e-6

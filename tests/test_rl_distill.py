@@ -18,7 +18,7 @@ from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.checks import distill_problems
 from engine.rl.config import RLConfig
 from engine.training.micro_batches import SequenceData
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 
 def _seq(mask, adv, old, teacher) -> SequenceData:

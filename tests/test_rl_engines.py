@@ -20,7 +20,7 @@ from engine.rl.rollout.base import SamplingParams
 from engine.rl.rollout.placement import placement_problems, resolve_placement
 from engine.rl.rollout.work_split import batch_seeds, response_seed, split_groups
 from tests.launch import result_lines, run_two_nodes
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 # ----------------------------------------------------------------------------- placement
 

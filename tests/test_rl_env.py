@@ -23,7 +23,7 @@ from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import Generation, RolloutEngine
 from engine.rl.rollout.placement import EnginePlacement
 from engine.rl.rollout.pool import RolloutPool, generate_with_retries
-from tests.tiny_models import build_eos_model, build_tiny_model
+from tools.tiny_models import build_eos_model, build_tiny_model
 
 
 class CountEnv:
@@ -90,7 +90,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def eos_model_dir(tmp_path_factory) -> str:
-    """tests.tiny_models.build_eos_model: sampled turns end, so episodes go on."""
+    """tools.tiny_models.build_eos_model: sampled turns end, so episodes go on."""
     return build_eos_model(str(tmp_path_factory.mktemp("eos_model") / "llama"))
 
 

@@ -23,7 +23,7 @@ from engine.rl.config import RLConfig
 from engine.rl.policy.update import split_mini_batches
 from engine.rl.rollout import Generation, RolloutEngine
 from tests.launch import result_lines, run_cli, run_torchrun
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 INVARIANCE = "tests/multirank/rl_invariance.py"
 REQUIRED_METRICS = (

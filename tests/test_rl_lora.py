@@ -19,7 +19,7 @@ import torch
 from engine.config.loading import load_config
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.config import RLConfig
-from tests.tiny_models import build_peft_adapter, build_tiny_model
+from tools.tiny_models import build_peft_adapter, build_tiny_model
 
 HARNESS = "tests/multirank/lora_rl_check.py"
 LORA = ("model.lora.rank=4", "model.lora.alpha=8")

@@ -18,7 +18,7 @@ from engine.rl.checks import ppo_problems, rl_problems
 from engine.rl.config import RLConfig
 from engine.training.loss import AGG_MODES, aggregate, weights_from_counts
 from tests.launch import run_torchrun
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 
 # ------------------------------------------------- verl 0.9.1 (core_algos.py, torch_functional)

@@ -35,7 +35,7 @@ def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
     from engine.rl.checks import env_problems
     from engine.rl.env.tool_calls import detect_format
     from engine.rl.env.tool_schema import load_tools
-    from tests.test_data_templates import QWEN3
+    from tools.char_tokenizer import QWEN3
 
     argv = ["--config", str(DENSE[-1].parent / "qwen3_8b_tools_grpo_h100.yaml")]
     cfg, _ = load_config(RLConfig, argv)

@@ -16,7 +16,7 @@ from engine.rl.env.tool_calls import detect_format, parse_tool_calls
 from engine.rl.env.tool_pool import ToolPool
 from engine.rl.env.tool_schema import load_tools, tool_schema
 from engine.rl.env.tools_env import ToolEnv
-from tests.test_data_templates import FAMILIES, build_char_tokenizer
+from tools.char_tokenizer import FAMILIES, build_char_tokenizer
 
 
 def add(a: int, b: int = 0) -> int:

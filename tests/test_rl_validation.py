@@ -24,7 +24,7 @@ import pytest
 from engine.rl.checks import val_problems
 from engine.rl.collect.validation import pass_at_k, pass_ks, val_seeds, validation_metrics
 from tests.launch import run_torchrun
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 STEPS = 4
 THRESHOLD = 0.25

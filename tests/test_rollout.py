@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from engine.rl.policy.weight_export import SyncStats, iter_buckets, tensor_bytes
 from engine.rl.policy.weight_sync import sync_weights
 from engine.rl.rollout import Generation, SamplingParams, make_rollout_engine
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 LAYERS = 2
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40]]  # left padding needed

@@ -14,7 +14,7 @@ from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.rollout.pool import RolloutFailed
 from tests.flaky_rollout import BrokenHFEngine, FlakyHFEngine
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

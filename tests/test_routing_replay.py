@@ -13,7 +13,7 @@ import pytest
 
 from engine.config.moe_settings import MoEConfig, moe_problems
 from tests.launch import run_cli
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 SPECS = ("1,1,1,2,control", "2,1,1,1,sp", "1,2,1,1", "1,1,2,1,packing+budget")
 MOE = {"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}

@@ -15,7 +15,7 @@ with reduction-order noise, which would hide real bugs under a loose tolerance.
 import pytest
 
 from tests.launch import result_lines
-from tests.tiny_models import build_tiny_model
+from tools.tiny_models import build_tiny_model
 
 # the module fixture runs four multi-rank runs inside the first test's setup
 pytestmark = pytest.mark.timeout(2400)

@@ -22,7 +22,7 @@ from engine.rl.checks import rl_problems
 from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.rollout.base import SamplingParams
 from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
-from tests.tiny_models import build_eos_model, build_peft_adapter, build_tiny_model
+from tools.tiny_models import build_eos_model, build_peft_adapter, build_tiny_model
 
 TINY = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, head_dim=32,
             initializer_range=0.2)

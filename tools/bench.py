@@ -46,12 +46,10 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python tools/bench.py` in a checkout
 
-from bench_common import (BenchResult, Table, emit, machine_info, machine_table,  # noqa: E402
-                          quiet_libraries, setup_paths)
-
-setup_paths()
+from tools.bench_common import (BenchResult, Table, emit, machine_info, machine_table,  # noqa: E402
+                                quiet_libraries)
 
 # key -> (comparison, threshold): the issue's goals
 GOALS: dict[str, tuple[str, float]] = {
@@ -90,37 +88,37 @@ def goals_table(goals: dict[str, dict]) -> Table:
 def run_one(name: str, args) -> BenchResult:
     """Run the benchmark `name` in this process (overhead starts its own torchrun)."""
     if name == "overhead":
-        from bench_overhead import run_overhead
+        from tools.bench_overhead import run_overhead
         return run_overhead(args.quick)
     if name == "balance":
-        from bench_balance import run_balance
+        from tools.bench_balance import run_balance
         return run_balance(args.quick, args.plot)
     if name == "rollout":
-        from bench_rollout import run_rollout
+        from tools.bench_rollout import run_rollout
         result = run_rollout(args.quick)
         if getattr(args, "engines", None):
-            from bench_engines import run_engines
+            from tools.bench_engines import run_engines
             scaling = run_engines([int(c) for c in args.engines.split(",")], args.quick)
             result = BenchResult(result.tables + scaling.tables,
                                  {**result.summary, **scaling.summary})
         return result
     if name == "backends":
-        from bench_backends import run_backends
+        from tools.bench_backends import run_backends
         return run_backends(args.quick)
     if name == "sync":
-        from bench_sync import run_sync
+        from tools.bench_sync import run_sync
         return run_sync(args.quick)
     if name == "async":
-        from bench_async import run_async
+        from tools.bench_async import run_async
         return run_async(args.quick)
     if name == "mfu":
-        from bench_mfu import run_mfu
+        from tools.bench_mfu import run_mfu
         return run_mfu(args.quick, getattr(args, "profile", False))
     if name == "data":
-        from bench_data import run_data
+        from tools.bench_data import run_data
         return run_data(args.quick)
     if name == "loss_head":
-        from bench_loss_head import run_loss_head
+        from tools.bench_loss_head import run_loss_head
         return run_loss_head(args.quick)
     raise ValueError(f"unknown benchmark {name!r}")
 
@@ -197,16 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_libraries()
     if args.command == "_engines_worker":
-        from bench_engines import engines_worker as run_engines_worker
+        from tools.bench_engines import engines_worker as run_engines_worker
         run_engines_worker(args.model_dir, args.engines, args.repeats)
         return 0
 
     if args.command == "_loss_head_worker":
-        from bench_loss_head import loss_head_worker
+        from tools.bench_loss_head import loss_head_worker
         loss_head_worker(args.model_dir, args.mode, args.tokens, args.chunk)
         return 0
     if args.command == "_overhead_worker":
-        from bench_overhead import overhead_worker
+        from tools.bench_overhead import overhead_worker
         overhead_worker(args.model_dir, args.tp, args.pairs, args.warmup)
         return 0
     if args.command == "all":

@@ -4,7 +4,7 @@
 --nproc_per_node 2 -m engine.rl` with rollout.placement=disaggregated rollout.num_ranks=1 (one
 training rank, one rollout rank, OMP_NUM_THREADS=1: one core each on a 2-core host), identical
 but for rollout.max_staleness (0, then 1), and reads each run's metrics.jsonl. Model: a tiny
-local Qwen3 (tests.tiny_models, h64 L4, vocab 200; nothing downloaded), prompts generated here.
+local Qwen3 (tools.tiny_models, h64 L4, vocab 200; nothing downloaded), prompts generated here.
 
 On a CPU host generation is HF transformers sampling on one core. Its duration is made
 comparable to the training step by the response length: MAX_NEW_TOKENS was chosen by measuring
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import REPO_ROOT, TOOLS_DIR, BenchResult, Table, fmt, free_port, subprocess_env
+from tools.bench_common import REPO_ROOT, TOOLS_DIR, BenchResult, Table, fmt, free_port, subprocess_env
 
 MODEL = dict(vocab_size=200, hidden=64, layers=4, heads=8, kv_heads=2, intermediate=128)
 PROMPTS_PER_STEP, N, MAX_NEW_TOKENS, SEQ_LENGTH = 8, 4, 192, 256
@@ -154,7 +154,7 @@ def _rows(s0: list[dict], s1: list[dict]) -> list[list[str]]:
 
 def run_async(quick: bool, timeout_s: int = 900) -> BenchResult:
     """Both launches (s = 0 first); tables and summary."""
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     steps = STEPS_QUICK if quick else STEPS
     t0 = time.perf_counter()

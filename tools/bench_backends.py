@@ -16,7 +16,7 @@ import random
 import tempfile
 import time
 
-from bench_common import BenchResult, Table, fmt, median, torch_threads
+from tools.bench_common import BenchResult, Table, fmt, median, torch_threads
 
 MODEL = dict(vocab_size=32000, hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048,
              head_dim=64, tie_word_embeddings=True)
@@ -59,7 +59,7 @@ def _time_backend(name: str, model_dir: str, prompts, max_new: int, repeats: int
 
 
 def run_backends(quick: bool) -> BenchResult:
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     count, max_new, repeats = QUICK if quick else (PROMPTS, MAX_NEW, REPEATS)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))  # vLLM's engine process reads it

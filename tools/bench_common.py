@@ -14,7 +14,6 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,13 +73,6 @@ def last_json_line(text: str) -> dict:
     if not lines:
         raise ValueError("no output to parse")
     return json.loads(lines[-1])
-
-
-def setup_paths() -> None:
-    """Make `engine`, `models`, `parallel`, `tests` and the `bench_*` modules importable."""
-    for p in (str(REPO_ROOT), str(TOOLS_DIR)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
 
 
 def quiet_libraries() -> None:

@@ -5,8 +5,8 @@ Generates a multi-turn chat file (20,000 rows of 1-3 turns, ~2,000 characters ea
 {% generation %} tags (the linear span finder; one token per character, so ~40M tokens), then
 measures:
 - uncached rendering into the cache: rows/s and tokens/s by worker count (one build per count
-  into a fresh cache folder), and the previous renderer (one process, two prefix renders per
-  assistant turn; tests/test_data_equivalence.py) on a sample of rows;
+  into a fresh cache folder) (the renderer this cache replaced was measured once, recorded in
+  docs/benchmarks.md; it lives on only in tests/test_data_equivalence.py);
 - time to the first optimizer step of `python -m engine.sft` with 2 ranks on a tiny model: from
   an empty cache, then cached (wall time of the whole launch, max_steps=1);
 - RSS per rank at the end of that step with 2 ranks (cached) and, without --quick, 4 ranks:
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from bench_common import (REPO_ROOT, BenchResult, Table, fmt, free_port, run_launch,
+from tools.bench_common import (REPO_ROOT, BenchResult, Table, fmt, free_port, run_launch,
                           subprocess_env)
 
 WORDS = ["the", "of", "and", "a", "to", "in", "is", "you", "that", "it", "he", "was", "for",
@@ -70,8 +70,8 @@ def generate_chat_file(path: str, rows: int, seed: int = 0) -> int:
 
 def _char_model(folder: str) -> str:
     """A tiny Qwen3 (hidden 64, 2 layers) whose tokenizer is the character-level chatml one."""
-    from tests.test_data_templates import build_char_tokenizer
-    from tests.tiny_models import build_tiny_model
+    from tools.char_tokenizer import build_char_tokenizer
+    from tools.tiny_models import build_tiny_model
 
     tok = build_char_tokenizer(None, "chatml")
     model = build_tiny_model(folder, "qwen3", vocab_size=128, hidden=64, layers=2, heads=4,
@@ -92,18 +92,6 @@ def _build_rate(path: str, tokenizer, workers: int, cache_dir: str) -> dict:
     return {"workers": workers, "seconds": seconds, "rows": ds.stats["rows"],
             "tokens": tokens, "rows_per_s": ds.stats["rows"] / seconds,
             "tokens_per_s": tokens / seconds}
-
-
-def _legacy_rate(path: str, tokenizer, rows: int) -> dict:
-    from tests.test_data_equivalence import legacy_render_sft_row
-
-    with open(path, encoding="utf-8") as f:
-        sample = [json.loads(next(f)) for _ in range(rows)]
-    t0 = time.perf_counter()
-    tokens = sum(len(legacy_render_sft_row(r, tokenizer, "x")[0]) for r in sample)
-    seconds = time.perf_counter() - t0
-    return {"workers": "previous", "seconds": seconds, "rows": rows, "tokens": tokens,
-            "rows_per_s": rows / seconds, "tokens_per_s": tokens / seconds}
 
 
 RANK_WRAPPER = """
@@ -158,7 +146,7 @@ def run_data(quick: bool) -> BenchResult:
         gen_s = time.perf_counter() - t0
         model = _char_model(os.path.join(tmp, "model"))
         tok = AutoTokenizer.from_pretrained(model)
-        rates = [_legacy_rate(data, tok, 50 if quick else 200)]
+        rates = []
         for workers in (0, 1, 2):
             rates.append(_build_rate(data, tok, workers, os.path.join(tmp, f"cache{workers}")))
         cache = os.path.join(tmp, "cache_sft")
@@ -171,15 +159,13 @@ def run_data(quick: bool) -> BenchResult:
             small = os.path.join(tmp, "small.jsonl")
             generate_chat_file(small, small_rows, seed=1)
             small_run = _sft_launch(model, small, cache, 2, os.path.join(tmp, "log_s"))
-    best = max(rates[1:], key=lambda r: r["rows_per_s"])
-    tokens = rates[1]["tokens"]
+    best = max(rates, key=lambda r: r["rows_per_s"])
+    tokens = rates[0]["tokens"]
     rate_rows = [[str(r["workers"]), str(r["rows"]), fmt(r["seconds"], 1),
                   fmt(r["rows_per_s"], 0), fmt(r["tokens_per_s"] / 1e6, 2)] for r in rates]
     t_rates = Table(f"Rendering {rows} chat rows ({tokens / 1e6:.1f}M tokens) into an empty "
                     "cache", ["workers", "rows", "seconds", "rows/s", "M tokens/s"], rate_rows,
-                    ["workers 0: in the loading process; 'previous': the renderer this cache "
-                     "replaced (one process, prefix renders per assistant turn), on a sample "
-                     "of rows."])
+                    ["workers 0: in the loading process."])
     t_step = Table("Time to the first optimizer step (python -m engine.sft, 2 gloo ranks, "
                    "tiny Qwen3, whole launch)", ["cache", "seconds"],
                    [["empty (render + build)", fmt(uncached["seconds"], 1)],

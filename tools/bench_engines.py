@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from bench_common import (TOOLS_DIR, BenchResult, Table, fmt, free_port, last_json_line,
+from tools.bench_common import (TOOLS_DIR, BenchResult, Table, fmt, free_port, last_json_line,
                           median, run_launch, subprocess_env)
 
 # compute-bound on a CPU core (bench_rollout's WIDE case), so decoding dominates the fixed costs
@@ -111,7 +111,7 @@ def _launch(model_dir: str, engines: int, repeats: int, timeout_s: int) -> dict:
 
 def run_engines(counts: list[int], quick: bool, timeout_s: int = 900) -> BenchResult:
     """One launch per engine count; tables and summary (tokens/s and sync seconds)."""
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     bad = [c for c in counts if not 1 <= c <= WORLD]
     if bad:

@@ -4,7 +4,7 @@
     python tools/bench_gpu_sft.py --workdir /tmp/gpu_sft --tiny          # CPU smoke (gloo)
 
 Builds, locally (nothing is downloaded), random-weight HF models with the tests' word-level
-chat tokenizer (tests/tiny_models.py) and a synthetic chat JSON-lines file of `--rows` rows
+chat tokenizer (tools/tiny_models.py) and a synthetic chat JSON-lines file of `--rows` rows
 whose assistant turns are longer than `--seq`, so every sequence is cut to exactly `--seq`
 tokens (data.truncation=right). The same rows repeat every epoch: the loss must fall.
 
@@ -47,7 +47,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
 
 DENSE = dict(arch="qwen3", vocab_size=151936, hidden=1024, layers=28, heads=16, kv_heads=8,
              intermediate=3072, head_dim=128, max_position_embeddings=40960,
@@ -80,7 +79,7 @@ CASES = {  # name -> (model key, extra engine.sft overrides)
 
 def build_models(workdir: Path, tiny: bool, needed: set[str],
                  vocab: int | None = None) -> dict[str, str]:
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     specs = {"dense": dict(TINY_DENSE if tiny else DENSE), "moe": TINY_MOE if tiny else MOE}
     if vocab:
@@ -227,7 +226,7 @@ def main() -> int:
     models = build_models(workdir, args.tiny, {CASES[c][0] for c in cases}, args.vocab)
     data = workdir / f"data_{args.seq}.jsonl"
     write_data(data, args.rows, args.seq)
-    from bench_mfu import peak_bf16_tflops
+    from tools.bench_mfu import peak_bf16_tflops
 
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_bf16_tflops(gpu) if cuda else None

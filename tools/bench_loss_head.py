@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from bench_common import REPO_ROOT, BenchResult, Table, fmt, last_json_line, run_launch, \
+from tools.bench_common import REPO_ROOT, BenchResult, Table, fmt, last_json_line, run_launch, \
     subprocess_env
 
 MODEL = dict(vocab_size=151936, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
@@ -117,7 +117,7 @@ def _row(r: dict) -> list[str]:
 def run_loss_head(quick: bool) -> BenchResult:
     """Peak RSS before/after for SFT and RL log-probs, plus (full size) a chunk-size sweep."""
     from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     sizes = [2048] if quick else [2048, 8192]
     sweep = [] if quick else [256, 512, 2048, 4096]

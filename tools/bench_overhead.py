@@ -27,7 +27,7 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from bench_common import (TOOLS_DIR, BenchResult, Table, fmt, free_port, last_json_line, median,
+from tools.bench_common import (TOOLS_DIR, BenchResult, Table, fmt, free_port, last_json_line, median,
                           run_launch, subprocess_env)
 
 # model of the overhead benchmark (Qwen3-style; head_dim 32, vocab a multiple of 128 so the
@@ -50,7 +50,7 @@ def default_layout() -> tuple[int, int]:
 
 def run_overhead(quick: bool, timeout_s: int = 1200) -> BenchResult:
     """Build the model, launch the torchrun worker, return its tables and summary."""
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     nproc, tp = default_layout()
     pairs, warmup = (20, 2) if quick else (40, 3)

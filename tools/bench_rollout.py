@@ -21,7 +21,7 @@ import random
 import tempfile
 import time
 
-from bench_common import BenchResult, Table, fmt, median, torch_threads
+from tools.bench_common import BenchResult, Table, fmt, median, torch_threads
 
 SMALL = dict(vocab_size=512, hidden=64, layers=4, heads=8, kv_heads=2, intermediate=128,
              head_dim=8)
@@ -92,7 +92,7 @@ def time_variants(engine, prompts: list[list[int]], repeats: int, max_new: int
 def run_rollout(quick: bool) -> BenchResult:
     """Time both variants for every case; returns tables and summary."""
     from engine.rl.rollout import make_rollout_engine
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     t0 = time.perf_counter()
     rows, speedups = [], []

@@ -16,7 +16,7 @@ import os
 import tempfile
 import time
 
-from bench_common import BenchResult, Table, fmt, median, torch_threads
+from tools.bench_common import BenchResult, Table, fmt, median, torch_threads
 
 # 8 layers x 11.8M + 32.8M tied embedding = 127M parameters (fp32: 508 MB)
 MODEL = dict(vocab_size=32000, hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816,
@@ -50,7 +50,7 @@ def run_sync(quick: bool) -> BenchResult:
     from parallel import cpu_runtime
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
-    from tests.tiny_models import build_tiny_model
+    from tools.tiny_models import build_tiny_model
 
     t0 = time.perf_counter()
     buckets, repeats = ([32, 128, DEFAULT_BUCKET_MB], 3) if quick else \

@@ -268,11 +268,11 @@ def verify(args) -> int:
     return int(flag.item() > 0)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="convert.py", description=__doc__,
+def main(argv=None, prog: str = "convert.py") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     from engine.config.help import version
-    parser.add_argument("--version", action="version", version=f"convert.py {version()}")
+    parser.add_argument("--version", action="version", version=f"{prog} {version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("hf-to-mcore", help="HF folder -> Megatron distributed checkpoint")
     p.add_argument("--hf-dir", required=True)

@@ -43,9 +43,12 @@ EXAMPLES = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "engine.rl", usage: str = USAGE,
+         examples: list[str] = EXAMPLES) -> int:
+    """`python -m engine.rl [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
+    and `examples` are what --help prints (the console command passes its own)."""
     argv = list(argv if argv is not None else sys.argv[1:])
-    if answered_help(argv, "engine.rl", RLConfig, USAGE, EXAMPLES):
+    if answered_help(argv, prog, RLConfig, usage, examples):
         return 0
     if "--validate" in argv:  # recipe check: no process groups, no weights, no training
         return rl_validate_main(argv)

@@ -28,10 +28,12 @@ EXAMPLES = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.sft [--config FILE] [key=value ...] [--validate ...]`."""
+def main(argv: list[str] | None = None, prog: str = "engine.sft", usage: str = USAGE,
+         examples: list[str] = EXAMPLES) -> int:
+    """`python -m engine.sft [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
+    and `examples` are what --help prints (the console command passes its own)."""
     argv = list(argv if argv is not None else sys.argv[1:])
-    if answered_help(argv, "engine.sft", SFTConfig, USAGE, EXAMPLES):
+    if answered_help(argv, prog, SFTConfig, usage, examples):
         return 0
     if "--validate" in argv:  # recipe check: no process groups, no weights, no training
         return validate_main(argv)

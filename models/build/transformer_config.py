@@ -68,6 +68,10 @@ def transformer_config(hf_config: Any, *, tp: int = 1, pp: int = 1, vpp: int | N
         perform_initialization=False,
     )
     kwargs.update(overrides)
+    if "cuda_graph_scope" in TransformerConfig.__dataclass_fields__:
+        # megatron-core 0.16's default "full" is deprecated by megatron itself (a UserWarning
+        # on every build); the empty list is what it maps "full" to
+        kwargs.setdefault("cuda_graph_scope", [])
     if kwargs.get("multi_latent_attention"):  # DeepSeek-V3 MLA: models.layers.mla.module
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)

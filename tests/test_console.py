@@ -1,0 +1,119 @@
+"""The `megatron-sft-engine` console command (tools/cli.py) as `pip install -e .` installs it,
+a default run's output, and the package boundary: nothing outside tests/ imports tests or pytest,
+so the demos and tools run in an environment without the test extra."""
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config.help import version
+from tests.launch import _run
+from tools import cli
+
+REPO = Path(__file__).resolve().parents[1]
+WARNING_LINE = re.compile(r"\b\w*Warning\b[:(]|^\s*warnings\.warn\(", re.MULTILINE)
+
+
+def _console(*args: str, env: dict | None = None, timeout: int = 300):
+    exe = shutil.which("megatron-sft-engine")
+    assert exe, "megatron-sft-engine is not on PATH: `pip install -e .` installs it (setup.py)"
+    return _run([exe, *args], timeout, env)
+
+
+def test_installed_command_answers_version_and_help():
+    """The installed script itself: --version, the overview (exit 2 without a subcommand, as
+    a usage error), and `sft --help` with the schema's keys."""
+    proc = _console("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"megatron-sft-engine {version()}"
+    assert version() == "0.2.0"
+    proc = _console()
+    assert proc.returncode == 2 and "subcommands:" in proc.stdout
+    proc = _console("sft", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: megatron-sft-engine sft [--nproc-per-node N]")
+    assert "  train.max_steps" in proc.stdout and "error" not in proc.stderr
+
+
+@pytest.mark.parametrize("sub, expect", [
+    ("rl", "  rollout.backend"), ("validate", "usage: megatron-sft-engine validate {sft,rl}"),
+    ("convert", "{hf-to-mcore,mcore-to-hf,verify}"), ("bench", "overhead,balance,rollout"),
+    ("demo", "assets,model,addition-data,tools-data,evaluate")])
+def test_every_subcommand_has_help(sub, expect, capsys, monkeypatch):
+    """`SUBCOMMAND --help` of each, in this process (tools.cli.main): exit 0 and its text."""
+    monkeypatch.setattr(sys, "argv", ["megatron-sft-engine"])
+    try:
+        code = cli.main([sub, "--help"])
+    except SystemExit as e:  # argparse's --help
+        code = e.code
+    out = capsys.readouterr().out
+    assert code == 0 and expect in out, out[:400]
+    assert f"megatron-sft-engine {sub}" in out
+
+
+def test_unknown_subcommand_and_bad_nproc_are_refused(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["megatron-sft-engine"])
+    assert cli.main(["train"]) == 2
+    assert "unknown subcommand 'train'; valid: sft, rl, validate, convert, bench, demo" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.pop_nproc(["--nproc-per-node", "0", "x=1"])
+    assert e.value.code == 2
+    argv = ["a=1", "--nproc-per-node=4", "b=2"]
+    assert cli.pop_nproc(argv) == 4 and argv == ["a=1", "b=2"]
+    assert cli.main(["validate", "x"]) == 2
+
+
+def test_a_default_run_prints_no_library_warning(demo_assets, tmp_path):
+    """`megatron-sft-engine sft` (2 steps, a checkpoint) and `convert mcore-to-hf` of it, with
+    Python's default warning filters (the suite's PYTHONWARNINGS=ignore removed): no warning
+    line in either output, the fallback said once in the kernels line. Negative control: the
+    same export with ENGINE_LIBRARY_WARNINGS=1 shows megatron's and torch's warnings, so the
+    check would see them."""
+    default = {"PYTHONWARNINGS": ""}
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    proc = _console("sft", f"model.hf_path={demo_assets / 'model'}",
+                    f"data.train_files=[{demo_assets / 'sft_train.jsonl'}]",
+                    "train.global_batch_size=4", "train.micro_batch_size=4",
+                    "train.seq_length=64", "train.max_steps=2", "logging.progress_bar=false",
+                    f"logging.dir={tmp_path / 'logs'}", f"checkpoint.dir={ckpt}",
+                    f"data.cache_dir={tmp_path / 'cache'}", env=default)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-3000:]
+    assert WARNING_LINE.findall(text) == [], text
+    assert text.count("[sft] kernels: Transformer Engine not installed") == 1
+    proc = _console("convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out),
+                    env=default)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and (out / "config.json").exists(), text[-3000:]
+    assert WARNING_LINE.findall(text) == [], text
+    proc = _console("convert", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out),
+                    "--overwrite", env={**default, "ENGINE_LIBRARY_WARNINGS": "1"})
+    assert proc.returncode == 0 and len(WARNING_LINE.findall(proc.stderr)) >= 2, proc.stderr
+
+
+def _imported_roots(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_nothing_outside_tests_imports_tests_or_pytest():
+    """engine/, models/, parallel/, tools/ and the recipes' scripts import neither `tests` nor
+    `pytest` (a demo then runs without the test extra). Negative control: this file is caught."""
+    offenders = [str(p.relative_to(REPO)) for d in ("engine", "models", "parallel", "tools")
+                 for p in sorted((REPO / d).rglob("*.py"))
+                 if _imported_roots(p) & {"tests", "pytest"}]
+    offenders += [str(p.relative_to(REPO)) for p in sorted((REPO / "recipes").rglob("*.sh"))
+                  if re.search(r"\bfrom tests\b|\bimport tests\b|\btests\.", p.read_text())]
+    assert offenders == []
+    assert {"tests", "pytest"} <= _imported_roots(Path(__file__))

@@ -1,0 +1,167 @@
+"""The `megatron-sft-engine` console command (alias `mse`), installed by `pip install`.
+
+    megatron-sft-engine sft [--nproc-per-node N] [--config FILE.yaml] [key=value ...]
+    megatron-sft-engine rl  [--nproc-per-node N] [--config FILE.yaml] [key=value ...]
+    megatron-sft-engine validate {sft,rl} --config RECIPE.yaml [--world-size N] [--nodes M] [--json]
+    megatron-sft-engine convert {hf-to-mcore,mcore-to-hf,verify} ... [--nproc-per-node N]
+    megatron-sft-engine bench NAME [--quick]
+    megatron-sft-engine demo {assets,model,addition-data,tools-data,evaluate} ...
+
+Each subcommand is the module a checkout runs with `python -m` (`engine.sft`, `engine.rl`,
+`tools.convert`, `tools.bench`, `tools.demo`; those keep working) and answers `--help` with its
+own text: for `sft` and `rl`, every config key with its type, default and meaning, generated from
+the schema. `--nproc-per-node N` starts N local ranks through torchrun (`python -m
+torch.distributed.run --standalone`); multi-node jobs call torchrun themselves
+(recipes/*_multi_node.sh). Exit codes are the module's: 0 done, 2 configuration or data error, 1
+run-time failure.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+PROG = "megatron-sft-engine"
+SUBCOMMANDS = {  # name: (module run under torchrun, one-line meaning)
+    "sft": ("engine.sft", "supervised fine-tuning"),
+    "rl": ("engine.rl", "GRPO / DAPO / PPO / on-policy distillation"),
+    "validate": (None, "check a recipe's layout, memory and communication for a cluster; "
+                       "no GPUs, no weights"),
+    "convert": ("tools.convert", "checkpoints between Hugging Face and Megatron-Core"),
+    "bench": (None, "the engine's benchmarks (docs/benchmarks.md)"),
+    "demo": (None, "the CPU demos' tiny models, data and greedy evaluation"),
+}
+LAUNCHABLE = ("sft", "rl", "convert")   # take --nproc-per-node
+
+
+def usage() -> str:
+    from engine.config.help import version
+
+    width = max(map(len, SUBCOMMANDS))
+    lines = [f"usage: {PROG} {{{','.join(SUBCOMMANDS)}}} ... (alias: mse)", "",
+             f"{PROG} {version()}: Megatron-Core SFT and RL whose loss does not depend on the "
+             "parallel layout.", "", "subcommands:"]
+    lines += [f"  {name:<{width}}  {meaning}" for name, (_, meaning) in SUBCOMMANDS.items()]
+    lines += ["", f"`{PROG} SUBCOMMAND --help` prints the subcommand's options (for sft and rl: "
+              "every config key).", "", "examples:",
+              f"  {PROG} sft model.hf_path=DIR data.train_files=[train.jsonl] train.max_steps=100",
+              f"  {PROG} sft --nproc-per-node 4 --config recipes/sft/qwen3_8b_h100.yaml "
+              "model.hf_path=DIR",
+              f"  {PROG} validate rl --config recipes/rl/qwen3_8b_grpo_h100.yaml --nodes 4",
+              f"  {PROG} convert mcore-to-hf --ckpt runs/x/checkpoints --out runs/x/hf"]
+    return "\n".join(lines) + "\n"
+
+
+def pop_nproc(argv: list[str]) -> int | None:
+    """Remove `--nproc-per-node N` (or `--nproc-per-node=N`, `--nproc_per_node`) from argv;
+    return N. Exit 2 on a missing or non-positive value."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name not in ("--nproc-per-node", "--nproc_per_node"):
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+            del argv[i:i + 2]
+        else:
+            del argv[i]
+        if not value.isdigit() or int(value) < 1:
+            print(f"error: --nproc-per-node needs a positive integer, got {value!r}",
+                  file=sys.stderr)
+            raise SystemExit(2)
+        return int(value)
+    return None
+
+
+def launch(module: str, nproc: int, argv: list[str]) -> None:
+    """Replace this process by torchrun running `python -m module argv` on `nproc` local
+    ranks (--standalone: a free rendezvous port on this host)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", module, *argv]
+    sys.stdout.flush()
+    os.execv(sys.executable, cmd)
+
+
+def _engine_help(name: str) -> tuple[str, str, list[str]]:
+    """(prog, usage, examples) that `sft --help` / `rl --help` print under this command."""
+    prog = f"{PROG} {name}"
+    recipe = "recipes/sft/qwen3_8b_h100.yaml" if name == "sft" else \
+        "recipes/rl/qwen3_8b_grpo_h100.yaml"
+    data = "data.train_files=[train.jsonl]" if name == "sft" else \
+        "data.train_files=[prompts.jsonl] reward.fn=math rollout.n=8"
+    return prog, f"{prog} [--nproc-per-node N] [--config FILE.yaml] [key=value ...]", [
+        f"{prog} model.hf_path=DIR {data} train.max_steps=100",
+        f"{prog} --nproc-per-node 8 --config {recipe} model.hf_path=DIR parallel.tp=2",
+        f"torchrun --nnodes 2 --nproc_per_node 8 ... -m engine.{name} --config {recipe}  "
+        "(multi-node)",
+        f"{PROG} validate {name} --config {recipe} --nodes 2"]
+
+
+def run_engine(name: str, argv: list[str]) -> int:
+    if name == "sft":
+        from engine.sft.__main__ import main
+    else:
+        from engine.rl.__main__ import main
+    return main(argv, *_engine_help(name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage(), end="")
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from engine.config.help import version
+
+        print(f"{PROG} {version()}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"error: unknown subcommand {name!r}; valid: {', '.join(SUBCOMMANDS)} "
+              f"(`{PROG} --help`)", file=sys.stderr)
+        return 2
+    sys.argv[0] = f"{PROG} {name}"   # what argparse-based subcommands print as their prog
+    if name in LAUNCHABLE and "-h" not in rest and "--help" not in rest:
+        nproc = pop_nproc(rest)
+        if nproc is not None:
+            launch(SUBCOMMANDS[name][0], nproc, rest)
+    if name in ("sft", "rl"):
+        return run_engine(name, rest)
+    if name == "validate":
+        if not rest or rest[0] not in ("sft", "rl") and rest[0] not in ("-h", "--help"):
+            print(f"error: usage: {PROG} validate {{sft,rl}} --config RECIPE.yaml "
+                  "[--world-size N] [--nodes M] [--gpus-per-node G] [--json]", file=sys.stderr)
+            return 2
+        if rest[0] in ("-h", "--help"):
+            print(f"usage: {PROG} validate {{sft,rl}} --config RECIPE.yaml [--world-size N] "
+                  "[--nodes M] [--gpus-per-node G] [--json] [key=value ...]\n\nChecks a "
+                  "recipe's layout arithmetic, memory per GPU and communication plan for a "
+                  "cluster shape (defaults: recipe.nodes x recipe.gpus_per_node). Exit 0 with "
+                  "a summary, 2 with every problem.")
+            return 0
+        return run_engine(rest[0], [*rest[1:], "--validate"])
+    if name == "convert":
+        from tools.convert import main as convert_main
+
+        return convert_main(rest, prog=f"{PROG} convert")
+    if name == "bench":
+        from tools.bench import main as bench_main
+
+        return bench_main(rest)
+    from tools.demo import main as demo_main
+
+    return demo_main(rest)
+
+
+def console() -> None:
+    """The installed script's entry point: main(), then, when a subcommand loaded torch and
+    megatron, engine.cli.exit_process (the exit without the interpreter's module teardown, ~1 s
+    then); a plain exit otherwise (--version and the overview load neither)."""
+    code = main()
+    if "engine.cli" not in sys.modules:
+        raise SystemExit(code)
+    from engine.cli import exit_process
+
+    exit_process(code)
+
+
+if __name__ == "__main__":
+    console()

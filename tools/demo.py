@@ -1,0 +1,258 @@
+"""The CPU demos' local models, data and evaluation (recipes/*_demo.sh); nothing is downloaded.
+
+    python -m tools.demo assets --out runs/demo_assets         (recipes/cpu_demo.sh)
+        OUT/model/ (tiny random Qwen3, word-level chat tokenizer), OUT/sft_train.jsonl,
+        OUT/sft_eval.jsonl (chat rows "what is a + b ?" -> "the answer is c") and
+        OUT/rl_prompts.jsonl ({"prompt", "answer"})
+    python -m tools.demo model DIR [--hidden H] [--layers L] [--intermediate I] [--seed S]
+        a tiny random Qwen3 (4 heads, 2 KV heads) with the 200-token word-level tokenizer of
+        tools/tiny_models.py (every addition-demo model shares it)
+    python -m tools.demo addition-data WORK
+        WORK/sft.jsonl ("what is a plus b ?" -> "a+b") and WORK/rl.jsonl (the same prompts with
+        "answer"), single-digit a and b: 100 rows each
+    python -m tools.demo tools-data WORK
+        WORK/init/ (tiny random Qwen3 with a character-level tokenizer whose chat template renders
+        tools and <tool_call> blocks the Qwen way), WORK/sft.jsonl (2,000 tool-use conversations
+        "What is 37*48?" -> calculate("37*48") -> 1776 -> "1776") and WORK/rl.jsonl (2,000 other
+        products with "answer")
+    python -m tools.demo evaluate --data WORK/rl.jsonl --model NAME=DIR [--model NAME=DIR ...]
+        [--limit N] [--max-new-tokens T] [--tools] [--show K]
+        greedy answers of each HF model (transformers' generate) to the first N prompts, scored
+        by the built-in math reward; --tools runs the calculator tool between turns (at most 3
+        turns, the RL demo's env.max_turns). Prints K answers per model and the accuracy of each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python tools/demo.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# A compact Qwen-style template: tools in a short system turn, tool calls as <tool_call> JSON,
+# tool results as <tool_response> in a user turn (the tool-call format detected: "hermes").
+_NL = "{{ '\\n' }}"
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system" + _NL + "tools:{% for t in tools %} "
+    "{{ t.function.name }}{% endfor %}<|im_end|>" + _NL + "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant" + _NL +
+    "{% if m.content %}{{ m.content }}{% endif %}"
+    "{% if m.tool_calls %}{% for tc in m.tool_calls %}<tool_call>{\"name\": \""
+    "{{ tc.function.name }}\", \"arguments\": {{ tc.function.arguments | tojson }}}"
+    "</tool_call>{% endfor %}{% endif %}<|im_end|>" + _NL +
+    "{%- elif m.role == 'tool' %}<|im_start|>user" + _NL +
+    "<tool_response>{{ m.content }}</tool_response><|im_end|>" + _NL +
+    "{%- else %}<|im_start|>{{ m.role }}" + _NL + "{{ m.content }}<|im_end|>" + _NL +
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant" + _NL + "{%- endif %}")
+MAX_TOOL_TURNS = 3
+
+
+def write_jsonl(path: Path | str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def chat_row(a: int, b: int) -> dict:
+    """One SFT chat row of the CPU demo: "what is a + b ?" -> "the answer is a+b"."""
+    return {"messages": [{"role": "user", "content": f"what is {a} + {b} ?"},
+                         {"role": "assistant", "content": f"the answer is {a + b}"}]}
+
+
+def make_assets(out: Path, seed: int = 0) -> str:
+    """recipes/cpu_demo.sh's model and data in `out` (module docstring); returns a summary."""
+    from tools.tiny_models import build_tiny_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tiny_model(str(out / "model"), "qwen3", vocab_size=256, hidden=128, layers=4,
+                     heads=8, kv_heads=2, intermediate=256, seed=seed)
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(seed).shuffle(pairs)
+    eval_pairs, train_pairs = pairs[:20], pairs[20:]
+    write_jsonl(out / "sft_train.jsonl", [chat_row(a, b) for a, b in train_pairs * 4])
+    write_jsonl(out / "sft_eval.jsonl", [chat_row(a, b) for a, b in eval_pairs])
+    write_jsonl(out / "rl_prompts.jsonl",
+                [{"prompt": f"what is {a} + {b} ?", "answer": str(a + b)} for a, b in pairs])
+    return (f"demo assets in {out}: model/, sft_train.jsonl ({len(train_pairs) * 4} rows), "
+            f"sft_eval.jsonl ({len(eval_pairs)} rows), rl_prompts.jsonl ({len(pairs)} rows)")
+
+
+def make_model(out: str, hidden: int, layers: int, intermediate: int, seed: int) -> None:
+    from tools.tiny_models import build_tiny_model
+
+    build_tiny_model(out, "qwen3", vocab_size=200, hidden=hidden, layers=layers, heads=4,
+                     kv_heads=2, intermediate=intermediate, seed=seed)
+
+
+def make_addition_data(work: Path) -> None:
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(0).shuffle(pairs)
+    write_jsonl(work / "sft.jsonl", [{"prompt": f"what is {a} plus {b} ?",
+                                      "response": str(a + b)} for a, b in pairs])
+    write_jsonl(work / "rl.jsonl", [{"prompt": f"what is {a} plus {b} ?", "answer": a + b}
+                                    for a, b in pairs])
+
+
+def calculator_tools() -> list[dict]:
+    """The JSON schema of engine.rl.env.example_tools.calculate, as the chat template sees it."""
+    from engine.rl.env.example_tools import calculate
+    from engine.rl.env.tool_schema import tool_schema
+
+    return [tool_schema(calculate)]
+
+
+def make_tools_data(work: Path) -> None:
+    from tools.char_tokenizer import FAMILIES, QWEN_ADDED, QWEN_SPECIAL, build_char_tokenizer
+    from tools.tiny_models import build_tiny_model
+
+    FAMILIES.setdefault("demo-tools", (TOOLS_TEMPLATE, QWEN_SPECIAL, QWEN_ADDED, "<|im_end|>",
+                                       None))
+    tok = build_char_tokenizer(str(work / "init"), "demo-tools")
+    build_tiny_model(str(work / "init"), "qwen3", vocab_size=len(tok), hidden=128, layers=2,
+                     heads=4, kv_heads=2, intermediate=256, seed=0, tokenizer=False,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tools = calculator_tools()
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    random.Random(0).shuffle(pairs)
+    rows = []
+    for a, b in pairs[:2000]:
+        call = {"type": "function", "function": {"name": "calculate",
+                                                 "arguments": {"expression": f"{a}*{b}"}}}
+        rows.append({"tools": tools, "messages": [
+            {"role": "user", "content": f"What is {a}*{b}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": str(a * b)},
+            {"role": "assistant", "content": str(a * b)}]})
+    write_jsonl(work / "sft.jsonl", rows)
+    write_jsonl(work / "rl.jsonl", [{"prompt": f"What is {a}*{b}?", "answer": a * b}
+                                    for a, b in pairs[2000:4000]])
+
+
+def _greedy_turn(model, tok, messages: list[dict], tools, max_new_tokens: int) -> str:
+    import torch
+
+    ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                  return_dict=True, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def answer(model, tok, prompt: str, max_new_tokens: int, use_tools: bool) -> tuple[str, str]:
+    """(final answer text, the whole exchange as text) of greedy decoding. With `use_tools`,
+    tool calls in the hermes format run the calculator and its result is the next turn's
+    observation, for at most MAX_TOOL_TURNS assistant turns (as env.max_turns=3 in the demo)."""
+    from engine.rl.env.example_tools import calculate
+    from engine.rl.env.tool_calls import parse_tool_calls
+
+    messages = [{"role": "user", "content": prompt}]
+    tools = calculator_tools() if use_tools else None
+    transcript = []
+    for _ in range(MAX_TOOL_TURNS if use_tools else 1):
+        text = _greedy_turn(model, tok, messages, tools, max_new_tokens)
+        transcript.append(text)
+        parsed = parse_tool_calls(text, "hermes") if use_tools else None
+        if parsed is None or parsed.is_answer or parsed.errors:
+            return text, " | ".join(transcript)
+        calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in parsed.calls]
+        messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+        for call in parsed.calls:
+            try:
+                result = calculate(**call.arguments) if call.name == "calculate" else (
+                    f"unknown tool {call.name!r}")
+            except Exception as e:  # noqa: BLE001 - the tool's error is the observation
+                result = f"error: {e}"
+            transcript.append(f"<tool: {result}>")
+            messages.append({"role": "tool", "content": str(result)})
+    return "", " | ".join(transcript)
+
+
+def evaluate(models: list[tuple[str, str]], data: str, limit: int, max_new_tokens: int,
+             use_tools: bool, show: int) -> dict[str, float]:
+    """{name: accuracy} of each (name, HF dir) on the first `limit` rows of `data`, printed
+    with `show` example answers per model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.rl.rewards import math_reward
+
+    torch.manual_seed(0)
+    rows = [json.loads(line) for line in open(data)][:limit]
+    accuracy = {}
+    for name, path in models:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        right = 0
+        for i, row in enumerate(rows):
+            final, transcript = answer(model, tok, row["prompt"], max_new_tokens, use_tools)
+            ok = math_reward(row["prompt"], final, str(row["answer"])) == 1.0
+            right += ok
+            if i < show:
+                print(f"  [{name}] {row['prompt']!r} -> {transcript!r} "
+                      f"({'right' if ok else 'wrong'}, answer {row['answer']})")
+        accuracy[name] = right / len(rows)
+    for name, acc in accuracy.items():
+        print(f"greedy accuracy of {name}: {acc:.3f} on {len(rows)} prompts")
+    return accuracy
+
+
+def _model_arg(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--model {text!r}: expected NAME=DIR")
+    return name, path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split(
+        "\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("assets", help="recipes/cpu_demo.sh's model and data")
+    p.add_argument("--out", default="runs/demo_assets")
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("model", help="a tiny random Qwen3 with the word-level tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("addition-data", help="single-digit addition, SFT and RL rows")
+    p.add_argument("work")
+    p = sub.add_parser("tools-data", help="the tools demo's model and multiplication data")
+    p.add_argument("work")
+    p = sub.add_parser("evaluate", help="greedy accuracy of HF models on RL prompts")
+    p.add_argument("--data", required=True)
+    p.add_argument("--model", type=_model_arg, action="append", required=True,
+                   help="NAME=DIR (repeat to compare)")
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--tools", action="store_true", help="run the calculator between turns")
+    p.add_argument("--show", type=int, default=3)
+    args = parser.parse_args(argv)
+    from tools.bench_common import quiet_libraries
+
+    quiet_libraries()
+    if args.command == "assets":
+        print(make_assets(Path(args.out), args.seed))
+    elif args.command == "model":
+        make_model(args.dir, args.hidden, args.layers, args.intermediate, args.seed)
+    elif args.command == "addition-data":
+        make_addition_data(Path(args.work))
+    elif args.command == "tools-data":
+        make_tools_data(Path(args.work))
+    else:
+        evaluate(args.model, args.data, args.limit, args.max_new_tokens, args.tools, args.show)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
