@@ -26,15 +26,23 @@ LIBRARY_WARNINGS = (
     (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor",
      "megatron's checkpoint loading"),
 )
+# Only on hosts without CUDA, where the advice means nothing (on GPUs it is a real hint)
+CPU_ONLY_WARNINGS = (
+    (UserWarning, "When using sequence parallelism it is recommended to set the environment "
+     "variable CUDA_DEVICE_MAX_CONNECTIONS", "megatron's advice for CUDA streams"),
+)
 SHOW_ENV = "ENGINE_LIBRARY_WARNINGS"   # =1: show them all (debugging megatron or torch)
 
 
 def quiet_library_warnings() -> None:
-    """Filter LIBRARY_WARNINGS for this process, unless ENGINE_LIBRARY_WARNINGS=1. Any other
-    warning still shows."""
+    """Filter LIBRARY_WARNINGS (and CPU_ONLY_WARNINGS without CUDA) for this process, unless
+    ENGINE_LIBRARY_WARNINGS=1. Any other warning still shows."""
+    import torch
+
     if os.environ.get(SHOW_ENV) == "1":
         return
-    for category, message, _ in LIBRARY_WARNINGS:
+    cpu = CPU_ONLY_WARNINGS if not torch.cuda.is_available() else ()
+    for category, message, _ in LIBRARY_WARNINGS + cpu:
         warnings.filterwarnings("ignore", category=category, message=message)
 
 

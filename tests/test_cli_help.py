@@ -79,7 +79,7 @@ def test_library_warnings_are_filtered_and_megatrons_fallback_said_once():
     import warnings
 
     from engine.cli import kernel_notice
-    from parallel import LIBRARY_WARNINGS, SHOW_ENV, quiet_library_warnings
+    from parallel import CPU_ONLY_WARNINGS, LIBRARY_WARNINGS, SHOW_ENV, quiet_library_warnings
 
     examples = [
         (UserWarning, "Transformer Engine and Apex are not installed. Falling back"),
@@ -90,8 +90,10 @@ def test_library_warnings_are_filtered_and_megatrons_fallback_said_once():
         (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated. Please use"),
         (FutureWarning, "`load_state_dict` is deprecated and will be removed"),
         (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor."),
+        (UserWarning, "When using sequence parallelism it is recommended to set the environment "
+                      "variable CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup"),
     ]
-    assert len(LIBRARY_WARNINGS) == 5  # every entry has an example above
+    assert len(LIBRARY_WARNINGS) + len(CPU_ONLY_WARNINGS) == 6  # each has an example above
 
     def shown(show_env: str | None) -> list[str]:
         with warnings.catch_warnings(record=True) as seen:

@@ -108,12 +108,12 @@ def build_tiny_model(out_dir: str, arch: str = "qwen3", vocab_size: int = 200, h
     cfg.update(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                num_attention_heads=heads, num_key_value_heads=kv_heads,
                intermediate_size=intermediate, max_position_embeddings=512, rms_norm_eps=1e-6,
-               rope_theta=10000.0, torch_dtype="float32", pad_token_id=0, eos_token_id=3,
+               rope_theta=10000.0, dtype="float32", pad_token_id=0, eos_token_id=3,
                bos_token_id=None)
     cfg.update(extra)
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # non-trivial norms so a mis-mapped norm shows
         for name, p in model.named_parameters():
             if "norm" in name:

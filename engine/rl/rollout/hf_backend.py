@@ -22,6 +22,7 @@ a scale without its weight, is refused instead of being cast unscaled.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 from typing import Iterable
@@ -36,6 +37,13 @@ from engine.rl.rollout.sampling import SeededSampler
 from models.formats import fp8 as fp8_blocks
 from models.hf.custom_code import load_tokenizer
 from models.formats.quantized import QUANT_METHODS, quantization_config
+
+
+def cache_keyword(model) -> str:
+    """The KV cache's name in `model`'s forward and outputs: `cache` from transformers 5.24
+    (which warns on the old name and removes it in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
 
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -90,6 +98,7 @@ class HFRolloutEngine(RolloutEngine):
         self.model = AutoModelForCausalLM.from_pretrained(
             hf_path, dtype=dtype if dtype is not None else "auto", local_files_only=True)
         self.model.to(self.device).eval().requires_grad_(False)
+        self._cache = cache_keyword(self.model)
         if dtype is not None:  # a quantized folder loads with mixed dtypes
             for param in self.model.parameters():
                 if param.is_floating_point() and param.dtype != dtype:
@@ -150,7 +159,7 @@ class HFRolloutEngine(RolloutEngine):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # count real tokens only; pads get 0
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1)
-        cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+        cache, logits = getattr(out, self._cache), out.logits[:, -1, :].float()
         next_pos = positions[:, -1:] + 1
         routed = [self._routing.take()] if self._routing is not None else None
 
@@ -170,8 +179,8 @@ class HFRolloutEngine(RolloutEngine):
                              dim=1)
             feed = torch.where(done, torch.full_like(token, self.pad_token_id), token)
             out = self.model(input_ids=feed[:, None], attention_mask=mask, position_ids=next_pos,
-                             past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+                             use_cache=True, **{self._cache: cache})
+            cache, logits = getattr(out, self._cache), out.logits[:, -1, :].float()
             next_pos = next_pos + 1
             if routed is not None:
                 routed.append(self._routing.take())
