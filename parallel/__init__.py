@@ -5,6 +5,8 @@ This package imports neither `engine` nor `models`.
 import os
 import warnings
 
+import torch
+
 from parallel.cpu_runtime import skip_megatron_jit_on_cpu
 from parallel.layout import LayoutError, ParallelLayout
 
@@ -37,8 +39,6 @@ SHOW_ENV = "ENGINE_LIBRARY_WARNINGS"   # =1: show them all (debugging megatron o
 def quiet_library_warnings() -> None:
     """Filter LIBRARY_WARNINGS (and CPU_ONLY_WARNINGS without CUDA) for this process, unless
     ENGINE_LIBRARY_WARNINGS=1. Any other warning still shows."""
-    import torch
-
     if os.environ.get(SHOW_ENV) == "1":
         return
     cpu = CPU_ONLY_WARNINGS if not torch.cuda.is_available() else ()

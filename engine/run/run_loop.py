@@ -58,6 +58,7 @@ class StopMonitor:
         self.exit_duration_mins = exit_duration_mins
         self.start = time.monotonic()
         self.signalled: Optional[int] = None
+        self.silent = False   # a failed run: a signal is only recorded (RunLoop.run)
         self._signalled_at = 0.0
         self._previous = {}
         for sig in self.SIGNALS:
@@ -73,7 +74,7 @@ class StopMonitor:
             raise KeyboardInterrupt
         if self.signalled is None:
             self.signalled, self._signalled_at = signum, now
-            if os.environ.get("RANK", "0") == "0":
+            if os.environ.get("RANK", "0") == "0" and not self.silent:
                 print(f"[stop] {signal.Signals(signum).name} received: finishing the current step, "
                       "then saving and exiting" + (" (Ctrl-C again to abort)"
                                                    if signum == signal.SIGINT else ""),
@@ -204,7 +205,7 @@ class RunLoop:
                            desc=self.desc or self.tag, initial=start)
         monitor = StopMonitor(cfg.train.exit_interval, cfg.train.exit_duration_mins)
         yaml = config_yaml(cfg)
-        history = []
+        history, finished = [], False
         # lines printed during the run (checkpoint saves, stops) go above the bar, not on it
         try:
             with contextlib.redirect_stdout(LinesAboveBar(bar, sys.stdout)):
@@ -223,8 +224,15 @@ class RunLoop:
                         if rank0:
                             print(f"[{self.tag}] stopping after step {done}: {stop}", flush=True)
                         break
+            finished = True
         finally:
-            monitor.close()
+            # On an error the stop handlers stay until the process ends: torchrun answers a
+            # failed peer (a dead rollout rank) by sending SIGTERM to every rank, and the
+            # default handler would kill this one before the entry point prints the error.
+            if finished:
+                monitor.close()
+            else:
+                monitor.silent = True
             bar.close()
             logger.close()
         return history
