@@ -52,6 +52,9 @@ def test_all_linear_expands_and_plain_scaling():
     (dict(rank=4), {"model_type": "deepseek_v3"}, "not implemented for model_type "
                                                    "'deepseek_v3'; supported: llama"),
     (dict(rank=4, target_modules=["experts"]), DENSE, "the model has no MoE experts"),
+    (dict(rank=4, target_modules=["experts"]),
+     {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2},
+     "gpt_oss's experts carry biases"),
     (dict(rank=0, init_from="/x"), DENSE, "model.lora.init_from=/x needs model.lora.rank > 0"),
     (dict(rank=4, init_from="/nonexistent"), DENSE, "not a PEFT adapter folder"),
 ])

@@ -7,6 +7,10 @@ tp2+sp, pp2, dp2, cp2, ep2, a resume at pp2, the negative control and a run from
 converted by `hf-to-mcore --adapter` at tp2, loaded at pp2: it equals the run from
 model.lora.init_from) and four conversions (that hf-to-mcore, mcore-to-hf to a PEFT adapter and
 to the merged model, and mcore-to-hf of the hf-to-mcore checkpoint: the adapter back bitwise).
+A tiny GLM-4.5 (q/k/v biases, q/k norms, a dense layer, a MoE layer with a shared expert) and a
+tiny gpt-oss (q/k/v/o biases, sinks, sliding windows, biased experts) join both runs, each from
+its own PEFT adapter of the attention (q/k/v/o_proj): the single process equals peft, TP2+SP,
+PP2 and EP2 equal the single process, and the PEFT export loads in peft with peft's logits.
 """
 from __future__ import annotations
 
@@ -17,9 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.glm4_moe_tiny import build_glm4_moe
+from tests.gpt_oss_tiny import build_gpt_oss
 from tools.tiny_models import build_peft_adapter, build_tiny_model
 
 SCRIPT = "tests/multirank/lora_check.py"
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]   # GLM-4.5's and gpt-oss's adapters
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multirank"))
 import lora_check as harness  # noqa: E402
 
@@ -38,24 +45,35 @@ def lora_run(pools, tmp_path_factory):
     moe = build_tiny_model(str(root / "moe"), "qwen3_moe", initializer_range=0.2)
     adapter = str(root / "adapter")
     build_peft_adapter(dense, adapter, harness.RANK, harness.ALPHA)
+    families = {"glm": build_glm4_moe(str(root / "glm"), mtp=False),
+                "gpt_oss": build_gpt_oss(str(root / "gpt_oss"))}
+    family_adapters = {name: build_peft_adapter(path, str(root / f"{name}_adapter"),
+                                                harness.RANK, harness.ALPHA, targets=ATTENTION)
+                       for name, path in families.items()}
+    env = {"LORA_FAMILIES": ";".join(f"{name}={path}:{family_adapters[name]}:{','.join(ATTENTION)}"
+                                     for name, path in families.items())}
     out = root / "out"
     out.mkdir()
-    single = _results(pools.script(1, SCRIPT, dense, moe, adapter, out))
+    single = _results(pools.script(1, SCRIPT, dense, moe, adapter, out, env=env))
     proc = pools.script(2, "tools/convert.py", "hf-to-mcore", "--hf-dir", dense, "--adapter",
                         adapter, "--out", str(out / "from_adapter"), "--tp", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    layouts = _results(pools.script(2, SCRIPT, dense, moe, adapter, out))
+    layouts = _results(pools.script(2, SCRIPT, dense, moe, adapter, out, env=env))
     final = out / "ckpt_final" / "iter_0000003"
     for ckpt, flag, folder in ((final, "", "peft"), (final, "--merge", "merged"),
-                               (out / "from_adapter", "", "round_trip")):
+                               (out / "from_adapter", "", "round_trip"),
+                               *((out / f"ckpt_{name}" / "iter_0000003", "", f"{name}_peft")
+                                 for name in families)):
         proc = pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt", str(ckpt),
                             "--out", str(out / folder), *([flag] if flag else []))
         assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(dense=dense, adapter=adapter, out=out, single=single, layouts=layouts)
+    return dict(dense=dense, adapter=adapter, out=out, single=single, layouts=layouts,
+                families=families, family_adapters=family_adapters)
 
 
 @pytest.mark.parametrize("run", ["tp2+sp", "pp2", "dp2", "cp2", "ep2", "resume_pp2",
-                                 "from_mcore_pp2"])
+                                 "from_mcore_pp2", "glm_tp2+sp", "glm_pp2", "glm_ep2",
+                                 "gpt_oss_tp2+sp", "gpt_oss_pp2", "gpt_oss_ep2"])
 def test_layout_equals_single_process(lora_run, run):
     r = lora_run["layouts"][run]
     assert r["loss_rel"] < 1e-5 and r["grad_norm_rel"] < 1e-5, r
@@ -136,3 +154,41 @@ def test_hf_to_mcore_adapter_round_trips_bitwise(lora_run):
         assert torch.equal(back[k], v), k
     config = json.loads((lora_run["out"] / "round_trip" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (harness.RANK, harness.ALPHA)
+
+
+@pytest.mark.parametrize("family", ["glm", "gpt_oss"])
+def test_family_single_process_equals_peft_and_export_loads(lora_run, family):
+    """GLM-4.5 (q/k/v with biases, q/k norms, partial RoPE) and gpt-oss (biased attention with
+    sinks and sliding windows) from PEFT adapters of their attention: 3 steps equal
+    transformers + peft + AdamW (1e-4); the PEFT export names exactly peft's adapters (every
+    layer's self_attn.{q,k,v,o}_proj), holds peft's trained matrices and gives peft's logits
+    when loaded. Negative control: the export differs from the adapter it started from."""
+    from peft import PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base, start_dir = lora_run["families"][family], lora_run["family_adapters"][family]
+    losses, norms, state = _peft_loop(base, start_dir)
+    ref = torch.load(lora_run["out"] / "ref.pt")[family]
+    rel = lambda a, b: max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    assert rel(ref["loss"], losses) < 1e-4, (ref["loss"], losses)
+    assert rel(ref["grad_norm"], norms) < 1e-4, (ref["grad_norm"], norms)
+    exported = load_file(str(lora_run["out"] / f"{family}_peft" / "adapter_model.safetensors"))
+    assert set(exported) == set(state)
+    found: dict[str, set] = {}
+    for key in exported:   # base_model.model.model.layers.{i}.<parent>.<proj>.lora_X.weight
+        parent, _, proj = key.split(".", 5)[5].rsplit(".", 2)[0].rpartition(".")
+        found.setdefault(parent, set()).add(proj)
+    assert found == {"self_attn": set(ATTENTION)}
+    worst = max(float((exported[k] - v).abs().max() / v.abs().max()) for k, v in state.items())
+    assert worst < 1e-4, worst
+    start = load_file(str(Path(start_dir) / "adapter_model.safetensors"))
+    assert max(float((exported[k] - start[k]).abs().max()) for k in start) > 1e-3
+    tokens = torch.randint(4, 200, (2, 20), generator=torch.Generator().manual_seed(0))
+    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), start_dir)
+    set_peft_model_state_dict(trained, state)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+                                       str(lora_run["out"] / f"{family}_peft"))
+    with torch.no_grad():
+        a, b = trained(tokens).logits, loaded(tokens).logits
+    assert float((a - b).abs().max()) < 1e-4, float((a - b).abs().max())

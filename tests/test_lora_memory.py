@@ -42,6 +42,37 @@ def test_adapter_count_equals_peft(tmp_path):
         assert adapter_parameters(hf, resolve_targets(targets), 4, 1, 1).total == trainable
 
 
+def test_glm4_moe_attention_count_equals_peft_and_why_all_linear_is_refused(tmp_path):
+    """GLM-4.5: the attention adapters' count equals peft's. peft 0.21 on transformers 5 reads
+    all-linear (and gate_proj / up_proj / down_proj) on glm4_moe as the fused routed experts
+    and the router (target_parameters), never the dense or shared-expert MLP: the reason
+    engine.config.lora_settings refuses those names there (checked here, so a peft that
+    changes this shows up)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.config.lora_settings import lora_problems
+    from tests.glm4_moe_tiny import build_glm4_moe
+    from tests.test_lora import cfg
+
+    model_dir = build_glm4_moe(str(tmp_path / "glm"), tokenizer=False, mtp=False)
+    hf = AutoConfig.from_pretrained(model_dir)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=attention))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert adapter_parameters(hf, resolve_targets(attention), 4, 1, 1).total == trainable
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    config = model.peft_config["default"]
+    assert set(config.target_modules) == set(attention)
+    assert set(config.target_parameters) == {"gate_up_proj", "down_proj", "gate.weight"}
+    hf_dict = hf.to_dict()
+    assert any("peft (0.21) reads these names on glm4_moe as the fused routed experts" in p
+               for p in lora_problems(cfg(rank=4), hf_dict))
+    assert lora_problems(cfg(rank=4, target_modules=attention), hf_dict) == []
+
+
 def test_adapter_counts_by_hand():
     r, h, q, kv, ffn = 4, 64, 128, 32, 128
     # TP2: column slices A [r, h] whole, B [out / 2, r]; row A [r, in / 2], B [h, r] whole

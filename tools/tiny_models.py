@@ -148,14 +148,16 @@ def build_eos_model(out_dir: str, hidden: int = 32, arch: str = "llama",
     return path
 
 
-def build_peft_adapter(base: str, out: str, rank: int, alpha: float, seed: int = 3) -> str:
-    """A PEFT adapter of every linear projection of `base` (peft's all-linear) with non-zero B
-    (peft initialises B to 0, which would leave the model unchanged). Returns `out`."""
+def build_peft_adapter(base: str, out: str, rank: int, alpha: float, seed: int = 3,
+                       targets="all-linear") -> str:
+    """A PEFT adapter of `targets` (default peft's all-linear: every linear projection) of
+    `base` with non-zero B (peft initialises B to 0, which would leave the model unchanged).
+    Returns `out`."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules="all-linear"))
+        r=rank, lora_alpha=alpha, target_modules=targets))
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

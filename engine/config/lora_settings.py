@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from models.families.base import Family
 from models.families.registry import FAMILIES, experts_per_layer
+from models.layers.biased_experts.spec import has_biased_experts
 from models.lora.adapters import LoraSpec
 from models.lora.peft import adapter_config_problems
 from models.lora.sites import TARGET_NAMES, resolve_targets
@@ -68,12 +69,22 @@ def _model_problems(cfg: Any, hf_config: dict) -> list[str]:
         supported = [name for name, fam in FAMILIES.items() if fam.lora]
         return [f"model.lora.rank={lora.rank}: LoRA is not implemented for model_type "
                 f"{family!r}; supported: {', '.join(supported)}"]
+    names = [lora.target_modules] if isinstance(lora.target_modules, str) else \
+        list(lora.target_modules)
+    refused = FAMILIES[family].lora_refused
+    for name in names:
+        if name in refused:
+            p.append(f"model.lora.target_modules={name!r} on {family}: {refused[name]}")
     targets = resolve_targets(lora.target_modules)
     moe = experts_per_layer(hf_config) > 0
     if "experts" in targets and not moe:
         p.append("model.lora.target_modules contains experts, but the model has no MoE "
                  "experts; remove it")
-    if "experts" in targets and moe and getattr(cfg.moe, "grouped_experts", False):
+    if "experts" in targets and moe and has_biased_experts(hf_config):
+        p.append(f"model.lora.target_modules contains experts: {family}'s experts carry "
+                 "biases (models.layers.biased_experts), which the expert adapters do not wrap; "
+                 "adapt the attention (q_proj, k_proj, v_proj, o_proj)")
+    elif "experts" in targets and moe and getattr(cfg.moe, "grouped_experts", False):
         p.append("model.lora.target_modules contains experts, which needs megatron's "
                  "SequentialMLP experts: set moe.grouped_experts=false")
     if lora.init_from is not None:

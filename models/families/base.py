@@ -107,6 +107,8 @@ class Family:
     hybrid: bool = False                   # per-layer mixers by `mixer_of` (local spec only)
     multi_latent_attention: bool = False   # every layer's attention is MLA (models.layers.mla)
     lora: bool = False                     # LoRA adapters are built (models.lora.sites)
+    # model.lora.target_modules names refused for this family: {name: why} (all-linear too)
+    lora_refused: dict = {}
     text_model_type: str | None = None     # a conditional-generation wrapper's entry: read as
     #                                        this text model's config (models.hf.conditional)
 

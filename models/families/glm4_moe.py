@@ -61,6 +61,15 @@ GLM_FIELDS = (
 class Glm4Moe(SigmoidRoutedMoe):
     model_type = "glm4_moe"
     hf_class = "Glm4MoeForCausalLM"
+    # the attention by peft's names (models.lora.sites), routed experts on SequentialMLP experts
+    lora = True
+    lora_refused = dict.fromkeys(
+        ("all-linear", "gate_proj", "up_proj", "down_proj"),
+        "with transformers 5, peft (0.21) reads these names on glm4_moe as the fused routed "
+        "experts (target_parameters gate_up_proj / down_proj, and all-linear adds the router "
+        "`mlp.gate`), never as the dense layers' or shared experts' MLP, so such an adapter "
+        "would not mean the same in peft; list the attention projections (q_proj, k_proj, "
+        "v_proj, o_proj), plus experts for SequentialMLP expert adapters")
     fields = GLM_FIELDS + ROUTING_FIELDS
     presets = {
         "glm-4.5-air": dict(

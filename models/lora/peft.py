@@ -130,7 +130,9 @@ def write_peft_adapter(tensors: dict, spec: LoraSpec, base_path: str, out: str |
 # adapter_config.json fields that change the math, with the only value implemented exactly
 _FIXED = {"peft_type": "LORA", "use_dora": False, "bias": "none", "fan_in_fan_out": False,
           "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
-          "alpha_pattern": {}}
+          "alpha_pattern": {},
+          # peft's adapters of parameters (MoE experts fused as 3-D tensors, routers): not built
+          "target_parameters": None}
 
 
 def _target_names(targets) -> set[str] | None:

@@ -3,7 +3,10 @@
     torchrun --nproc_per_node W tests/multirank/lora_check.py DENSE_DIR MOE_DIR ADAPTER OUT
 
 DENSE_DIR / MOE_DIR: tiny HF models; ADAPTER: a PEFT adapter of DENSE_DIR (all-linear) every
-dense run starts from; OUT: a folder shared by the launches.
+dense run starts from; OUT: a folder shared by the launches. With LORA_FAMILIES=NAME=DIR:ADAPTER:TARGETS[;...]
+(tiny models of other families, each with a PEFT adapter of it of TARGETS, comma-separated:
+GLM-4.5's and gpt-oss's attention) their runs join: each one's reference at W == 1 (checkpoint
+OUT/ckpt_NAME), NAME_tp2+sp, NAME_pp2 and NAME_ep2 at W == 2.
 
 W == 1: the references. Dense: STEPS LoRA SFT steps (token-mean) from ADAPTER, saving a
 training checkpoint after RESUME_AT steps (OUT/ckpt_resume) and after the last one
@@ -60,15 +63,15 @@ def optim_cfg():
 
 
 def build(model_dir, hf_config, moe: bool, adapter: str | None, load: bool = True,
-          overrides: dict | None = None):
+          overrides: dict | None = None, targets: tuple | None = None):
     import torch
 
     from models.lora.adapters import LoraSpec
     from models.lora.sites import resolve_targets
     from engine.training.train_engine import TrainEngine
 
-    spec = LoraSpec(RANK, ALPHA, resolve_targets(MOE_TARGETS if moe else DENSE_TARGETS),
-                    seed=7)
+    targets = targets or (MOE_TARGETS if moe else DENSE_TARGETS)
+    spec = LoraSpec(RANK, ALPHA, resolve_targets(targets), seed=7)
     train = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None,
                             balance_dp=True, packing=False)
     extra = {"grouped_experts": False} if moe else {}
@@ -116,12 +119,12 @@ def train(engine, seqs_list, start: int = 0):
     return losses, norms
 
 
-def save(engine, root, step, hf_config, model_dir):
+def save(engine, root, step, hf_config, model_dir, targets=DENSE_TARGETS):
     from engine.checkpoint.checkpointing import DataPosition, save_training_checkpoint
 
     # what RunLoop stores: the run's keys (tools/convert.py reads model.lora.* and hf_path)
     yaml = (f"model:\n  hf_path: {model_dir}\n  lora:\n    rank: {RANK}\n    alpha: {ALPHA}\n"
-            f"    target_modules: {list(DENSE_TARGETS)}\n")
+            f"    target_modules: {list(targets)}\n")
     return str(save_training_checkpoint(engine, root, DataPosition(step, GBS, 100, 0, False),
                                         hf_config, model_dir, config_yaml=yaml))
 
@@ -140,9 +143,26 @@ def references(dense, moe, adapter, out):
     engine = build(*moe, True, None)
     losses, norms = train(engine, batches(moe[1]["vocab_size"]))
     ref["moe"] = {"loss": losses, "grad_norm": norms, "params": adapter_tensors(engine)}
+    for name, model, family_adapter, targets in other_families():
+        engine = build(*model, False, family_adapter, targets=targets)
+        losses, norms = train(engine, batches(model[1]["vocab_size"]))
+        save(engine, os.path.join(out, f"ckpt_{name}"), STEPS, model[1], model[0], targets)
+        ref[name] = {"loss": losses, "grad_norm": norms, "params": adapter_tensors(engine)}
     torch.save(ref, os.path.join(out, "ref.pt"))
     print("RESULT " + json.dumps({"run": "reference", "dense_loss": ref["dense"]["loss"],
                                   "moe_loss": ref["moe"]["loss"]}), flush=True)
+
+
+def other_families() -> list:
+    """[(name, (dir, HF config), adapter, targets)] of LORA_FAMILIES (module docstring)."""
+    from models.hf.io import read_config
+
+    out = []
+    for item in filter(None, os.environ.get("LORA_FAMILIES", "").split(";")):
+        name, _, paths = item.partition("=")
+        path, adapter, targets = paths.split(":")
+        out.append((name, (path, read_config(path)), adapter, tuple(targets.split(","))))
+    return out
 
 
 def compare(name, ref, losses, norms, params, start=0):
@@ -217,6 +237,14 @@ def layouts(dense, moe, adapter, out, rank, world):
     engine = build(*moe, True, None)
     results.append(compare("ep2", ref["moe"], *train(engine, batches(moe[1]["vocab_size"])),
                            adapter_tensors(engine)))
+    for family, model, family_adapter, targets in other_families():
+        family_data = batches(model[1]["vocab_size"])
+        for name, layout, overrides in (("tp2+sp", dict(tp=2), {"sequence_parallel": True}),
+                                        ("pp2", dict(pp=2), {}), ("ep2", dict(ep=2), {})):
+            setup_model_parallel(ParallelLayout(world, **layout))
+            engine = build(*model, False, family_adapter, overrides=overrides, targets=targets)
+            results.append(compare(f"{family}_{name}", ref[family],
+                                   *train(engine, family_data), adapter_tensors(engine)))
 
 
 def main():
