@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -31,6 +32,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# A warning line as Python prints one ("UserWarning: ...", "FutureWarning(...") or its source
+# line ("  warnings.warn(")
+WARNING_LINE = re.compile(r"\b\w*Warning\b[:(]|^\s*warnings\.warn\(", re.MULTILINE)
 
 
 def filter_noise(text: str) -> str:

@@ -29,7 +29,8 @@ from engine.checkpoint.io import (LATEST_FILE, CheckpointError, checkpoint_probl
                                   resolve_resume, rewind_jsonl, staging_dir,
                                   write_complete_marker)
 from engine.checkpoint.checkpointing import DataPosition
-from tests.launch import REPO_ROOT, filter_noise, free_port, result_lines, run_torchrun
+from tests.launch import (REPO_ROOT, WARNING_LINE, filter_noise, free_port, result_lines,
+                          run_torchrun)
 
 STEPS, GBS, N_TRAIN = 4, 8, 32
 SAME_LAYOUT_TOL, OTHER_LAYOUT_TOL = 1e-6, 1e-4
@@ -286,7 +287,9 @@ checkpoint: {{save_interval: 1, keep_last: 3}}
          "checkpoint.save_interval=0", "checkpoint.keep_last=null"]
     # B writes the checkpoint on the rank pool; B2, the resume, is a new launch that reads it
     out["B"] = pools.script(2, *b, "train.exit_interval=2", timeout=600)
-    out["B2"] = run_torchrun(2, *b, timeout=600)
+    # with Python's default warning filters (the suite's PYTHONWARNINGS=ignore removed): the
+    # resume's output is checked for library warnings (tests/launch.py WARNING_LINE)
+    out["B2"] = run_torchrun(2, *b, timeout=600, env={"PYTHONWARNINGS": ""})
     c_ckpt = root / "C" / "checkpoints"  # A's checkpoints, the two newest torn
     if (root / "A" / "checkpoints").is_dir():
         shutil.copytree(root / "A" / "checkpoints", c_ckpt)
@@ -326,6 +329,9 @@ def test_exit_interval_saves_and_resume_is_exact(runs):
     assert runs["B"].returncode == 0 and runs["B2"].returncode == 0
     assert "stopping after step 2: train.exit_interval=2" in runs["B"].stdout
     assert "resumed from" in runs["B2"].stdout and "2 steps done" in runs["B2"].stdout
+    # a default 2-rank run (checkpoint load, training, save) prints no library warning
+    # (parallel.LIBRARY_WARNINGS; the filters' negative control: tests/test_cli_help.py)
+    assert WARNING_LINE.findall(runs["B2"].stdout + runs["B2"].stderr) == [], runs["B2"].stderr
     a, b = _losses(runs["root"] / "A"), _losses(runs["root"] / "B")
     assert sorted(b) == [1, 2, 3, 4]  # the log holds each step once
     for step in range(1, STEPS + 1):
