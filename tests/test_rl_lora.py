@@ -183,3 +183,27 @@ def test_every_policy_loss_trains_only_the_adapters_and_the_reference_is_the_bas
     assert r["ref_rel"] < 1e-6, r          # measured: 0.0 (bitwise)
     assert r["control_rel"] > 1e-2, r      # adapters on: another distribution
     assert r["restored_rel"] == 0.0, r     # the switch turns them back on
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss"])
+def test_grpo_with_attention_lora_on_glm_and_gpt_oss(pools, prompts, tmp_path, family):
+    """GRPO with LoRA on GLM-4.5 (q/k/v biases, q/k norms, partial RoPE, sigmoid-routed MoE
+    with a shared expert) and gpt-oss (biased attention with sinks, sliding windows, biased
+    experts) from a PEFT adapter of the attention with non-zero B, at DP2 with the HF backend:
+    the merged attention (base + adapter, biases kept) reaches the engine before the first
+    rollout and after every update: rollout/logprob_diff < 1e-5 at both steps, and the update
+    trains (grad norm > 0)."""
+    from tests.glm4_moe_tiny import build_glm4_moe
+    from tests.gpt_oss_tiny import build_gpt_oss
+
+    build = build_glm4_moe if family == "glm4_moe" else build_gpt_oss
+    base = build(str(tmp_path / family))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    adapter = build_peft_adapter(base, str(tmp_path / "adapter"), rank=4, alpha=8,
+                                 targets=targets)
+    metrics = _run(pools, 2, base, prompts, tmp_path / "run",
+                   f"model.lora.init_from={adapter}",
+                   f"model.lora.target_modules=[{','.join(targets)}]")
+    assert len(metrics) == 2
+    for m in metrics:
+        assert m["rollout/logprob_diff"] < 1e-5 and m["grad_norm"] > 0, m
