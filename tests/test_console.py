@@ -5,9 +5,11 @@ tests/test_checkpointing.py's resume launch.)"""
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,20 @@ from tools import cli
 REPO = Path(__file__).resolve().parents[1]
 
 
+def installed_script(name: str = "megatron-sft-engine") -> str | None:
+    """The console script pip installed for this interpreter: beside it, in its scheme's or
+    the user scheme's scripts folder (`pip install --user`), else on PATH."""
+    folders = [Path(sys.executable).parent, Path(sysconfig.get_path("scripts")),
+               Path(sysconfig.get_path("scripts", f"{os.name}_user"))]
+    for folder in folders:
+        if (folder / name).is_file():
+            return str(folder / name)
+    return shutil.which(name)
+
+
 def _console(*args: str, env: dict | None = None, timeout: int = 300):
-    exe = shutil.which("megatron-sft-engine")
-    assert exe, "megatron-sft-engine is not on PATH: `pip install -e .` installs it (setup.py)"
+    exe = installed_script()
+    assert exe, "megatron-sft-engine is not installed: `pip install -e .` installs it (setup.py)"
     return _run([exe, *args], timeout, env)
 
 
