@@ -285,14 +285,16 @@ FAMILIES = {
 }
 
 
-def build_char_tokenizer(out_dir: str | None, family: str):
+def build_char_tokenizer(out_dir: str | None, family: str, template: str | None = None):
     """A character-level fast tokenizer with the special and added tokens and the chat template
-    of `family` (FAMILIES); saved to `out_dir` when given. Every printable ASCII character and
-    newline is one token; special/added tokens are matched whole."""
+    of `family` (FAMILIES; `template` replaces its chat template); saved to `out_dir` when
+    given. Every printable ASCII character and newline is one token; special/added tokens are
+    matched whole."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    template, special, added, eos, bos = FAMILIES[family]
+    family_template, special, added, eos, bos = FAMILIES[family]
+    template = template or family_template
     words = ["<pad>", "<unk>"] + CHARS
     # BPE without merges: one token per character (3x faster than a per-character split)
     tok = Tokenizer(models.BPE(vocab={w: i for i, w in enumerate(words)}, merges=[],

@@ -21,7 +21,7 @@ import os
 import sys
 
 PROG = "megatron-sft-engine"
-SUBCOMMANDS = {  # name: (module run under torchrun, one-line meaning)
+SUBCOMMANDS = {  # name: (module torchrun runs for --nproc-per-node, or None; one-line meaning)
     "sft": ("engine.sft", "supervised fine-tuning"),
     "rl": ("engine.rl", "GRPO / DAPO / PPO / on-policy distillation"),
     "validate": (None, "check a recipe's layout, memory and communication for a cluster; "
@@ -30,7 +30,6 @@ SUBCOMMANDS = {  # name: (module run under torchrun, one-line meaning)
     "bench": (None, "the engine's benchmarks (docs/benchmarks.md)"),
     "demo": (None, "the CPU demos' tiny models, data and greedy evaluation"),
 }
-LAUNCHABLE = ("sft", "rl", "convert")   # take --nproc-per-node
 
 
 def usage() -> str:
@@ -119,24 +118,24 @@ def main(argv: list[str] | None = None) -> int:
               f"(`{PROG} --help`)", file=sys.stderr)
         return 2
     sys.argv[0] = f"{PROG} {name}"   # what argparse-based subcommands print as their prog
-    if name in LAUNCHABLE and "-h" not in rest and "--help" not in rest:
+    module = SUBCOMMANDS[name][0]
+    if module is not None and "-h" not in rest and "--help" not in rest:
         nproc = pop_nproc(rest)
         if nproc is not None:
-            launch(SUBCOMMANDS[name][0], nproc, rest)
+            launch(module, nproc, rest)
     if name in ("sft", "rl"):
         return run_engine(name, rest)
     if name == "validate":
-        if not rest or rest[0] not in ("sft", "rl") and rest[0] not in ("-h", "--help"):
-            print(f"error: usage: {PROG} validate {{sft,rl}} --config RECIPE.yaml "
-                  "[--world-size N] [--nodes M] [--gpus-per-node G] [--json]", file=sys.stderr)
-            return 2
-        if rest[0] in ("-h", "--help"):
-            print(f"usage: {PROG} validate {{sft,rl}} --config RECIPE.yaml [--world-size N] "
-                  "[--nodes M] [--gpus-per-node G] [--json] [key=value ...]\n\nChecks a "
-                  "recipe's layout arithmetic, memory per GPU and communication plan for a "
-                  "cluster shape (defaults: recipe.nodes x recipe.gpus_per_node). Exit 0 with "
-                  "a summary, 2 with every problem.")
+        usage_line = (f"usage: {PROG} validate {{sft,rl}} --config RECIPE.yaml [--world-size N] "
+                      "[--nodes M] [--gpus-per-node G] [--json] [key=value ...]")
+        if rest[:1] in (["-h"], ["--help"]):
+            print(f"{usage_line}\n\nChecks a recipe's layout arithmetic, memory per GPU and "
+                  "communication plan for a cluster shape (defaults: recipe.nodes x "
+                  "recipe.gpus_per_node). Exit 0 with a summary, 2 with every problem.")
             return 0
+        if rest[:1] not in (["sft"], ["rl"]):
+            print(f"error: {usage_line}", file=sys.stderr)
+            return 2
         return run_engine(rest[0], [*rest[1:], "--validate"])
     if name == "convert":
         from tools.convert import main as convert_main

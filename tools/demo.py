@@ -107,12 +107,11 @@ def calculator_tools() -> list[dict]:
 
 
 def make_tools_data(work: Path) -> None:
-    from tools.char_tokenizer import FAMILIES, QWEN_ADDED, QWEN_SPECIAL, build_char_tokenizer
+    from tools.char_tokenizer import build_char_tokenizer
     from tools.tiny_models import build_tiny_model
 
-    FAMILIES.setdefault("demo-tools", (TOOLS_TEMPLATE, QWEN_SPECIAL, QWEN_ADDED, "<|im_end|>",
-                                       None))
-    tok = build_char_tokenizer(str(work / "init"), "demo-tools")
+    # Qwen2.5's special and added tokens (<|im_end|> ends a turn), the compact template above
+    tok = build_char_tokenizer(str(work / "init"), "qwen2.5", template=TOOLS_TEMPLATE)
     build_tiny_model(str(work / "init"), "qwen3", vocab_size=len(tok), hidden=128, layers=2,
                      heads=4, kv_heads=2, intermediate=256, seed=0, tokenizer=False,
                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -145,20 +144,21 @@ def _greedy_turn(model, tok, messages: list[dict], tools, max_new_tokens: int) -
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def answer(model, tok, prompt: str, max_new_tokens: int, use_tools: bool) -> tuple[str, str]:
-    """(final answer text, the whole exchange as text) of greedy decoding. With `use_tools`,
-    tool calls in the hermes format run the calculator and its result is the next turn's
-    observation, for at most MAX_TOOL_TURNS assistant turns (as env.max_turns=3 in the demo)."""
+def answer(model, tok, prompt: str, max_new_tokens: int, tools: list[dict] | None
+           ) -> tuple[str, str]:
+    """(final answer text, the whole exchange as text) of greedy decoding. With `tools` (the
+    calculator's schema, calculator_tools()), tool calls in the hermes format run the
+    calculator and its result is the next turn's observation, for at most MAX_TOOL_TURNS
+    assistant turns (as env.max_turns=3 in the demo)."""
     from engine.rl.env.example_tools import calculate
     from engine.rl.env.tool_calls import parse_tool_calls
 
     messages = [{"role": "user", "content": prompt}]
-    tools = calculator_tools() if use_tools else None
     transcript = []
-    for _ in range(MAX_TOOL_TURNS if use_tools else 1):
+    for _ in range(MAX_TOOL_TURNS if tools else 1):
         text = _greedy_turn(model, tok, messages, tools, max_new_tokens)
         transcript.append(text)
-        parsed = parse_tool_calls(text, "hermes") if use_tools else None
+        parsed = parse_tool_calls(text, "hermes") if tools else None
         if parsed is None or parsed.is_answer or parsed.errors:
             return text, " | ".join(transcript)
         calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -186,13 +186,14 @@ def evaluate(models: list[tuple[str, str]], data: str, limit: int, max_new_token
 
     torch.manual_seed(0)
     rows = [json.loads(line) for line in open(data)][:limit]
+    tools = calculator_tools() if use_tools else None
     accuracy = {}
     for name, path in models:
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         right = 0
         for i, row in enumerate(rows):
-            final, transcript = answer(model, tok, row["prompt"], max_new_tokens, use_tools)
+            final, transcript = answer(model, tok, row["prompt"], max_new_tokens, tools)
             ok = math_reward(row["prompt"], final, str(row["answer"])) == 1.0
             right += ok
             if i < show:

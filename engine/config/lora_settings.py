@@ -23,7 +23,7 @@ from models.families.registry import FAMILIES, experts_per_layer
 from models.layers.biased_experts.spec import has_biased_experts
 from models.lora.adapters import LoraSpec
 from models.lora.peft import adapter_config_problems
-from models.lora.sites import TARGET_NAMES, resolve_targets
+from models.lora.sites import TARGET_NAMES, resolve_targets, target_list
 
 
 @dataclass
@@ -53,8 +53,7 @@ def _value_problems(lora: LoraConfig) -> list[str]:
     for key in ("rslora", "dora"):
         if not isinstance(getattr(lora, key), bool):
             p.append(f"model.lora.{key}={getattr(lora, key)!r} must be true or false")
-    names = [lora.target_modules] if isinstance(lora.target_modules, str) \
-        else list(lora.target_modules)
+    names = target_list(lora.target_modules)
     unknown = [n for n in names if n not in TARGET_NAMES + ("all-linear",)]
     if not names or unknown:
         p.append(f"model.lora.target_modules={names!r}: {unknown or 'empty'} not valid; "
@@ -69,10 +68,8 @@ def _model_problems(cfg: Any, hf_config: dict) -> list[str]:
         supported = [name for name, fam in FAMILIES.items() if fam.lora]
         return [f"model.lora.rank={lora.rank}: LoRA is not implemented for model_type "
                 f"{family!r}; supported: {', '.join(supported)}"]
-    names = [lora.target_modules] if isinstance(lora.target_modules, str) else \
-        list(lora.target_modules)
     refused = FAMILIES[family].lora_refused
-    for name in names:
+    for name in target_list(lora.target_modules):
         if name in refused:
             p.append(f"model.lora.target_modules={name!r} on {family}: {refused[name]}")
     targets = resolve_targets(lora.target_modules)

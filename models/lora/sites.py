@@ -41,11 +41,15 @@ class LoraUnsupportedError(ValueError):
     """The model cannot carry the requested adapters exactly (message names the key)."""
 
 
+def target_list(names) -> list[str]:
+    """model.lora.target_modules as given, one string or a list, as a list."""
+    return [names] if isinstance(names, str) else list(names)
+
+
 def resolve_targets(names) -> frozenset:
     """The target names of model.lora.target_modules ("all-linear" expanded)."""
-    names = [names] if isinstance(names, str) else list(names)
     out = set()
-    for name in names:
+    for name in target_list(names):
         out |= set(ALL_LINEAR) if name == "all-linear" else {name}
     return frozenset(out)
 
