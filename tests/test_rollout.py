@@ -4,6 +4,7 @@ References are independent: a separately loaded transformers model run without c
 hand-computed bucket groupings, and a second random model whose weights are streamed in."""
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -291,3 +292,37 @@ def test_moe_checkpoint_names_fill_fused_experts_after_wake(tmp_path):
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, temperature=0.0))
     sync_weights(iter([(n, t) for n, t in named if n == missing]), engine, bucket_mb=0.01)
     assert torch.equal(engine.probe_logits(ids), target.float())
+
+
+def test_bucket_files_round_trip_in_order_and_leave_nothing_behind(tmp_path, monkeypatch):
+    """engine.rl.rollout.bucket_files: a bucket comes back bitwise in its order (tensors that
+    share storage, views and non-contiguous ones included) and its file is gone after the read;
+    without room in /dev/shm the file goes to the temporary directory, without room anywhere
+    the write is refused naming rollout.sync_bucket_mb."""
+    import shutil
+    from collections import namedtuple
+
+    from engine.rl.rollout import bucket_files
+
+    base = torch.randn(6, 4)
+    bucket = [("z.weight", base), ("a.weight", base[:, :2].t()), ("tied.weight", base),
+              ("m.bias", torch.arange(3, dtype=torch.bfloat16))]
+    path, names = bucket_files.write_bucket(bucket)
+    assert names == ["z.weight", "a.weight", "tied.weight", "m.bias"]
+    back = bucket_files.read_bucket(path, names)
+    assert [n for n, _ in back] == names and not os.path.exists(path)
+    for (_, want), (_, got) in zip(bucket, back):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+    usage = namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(bucket_files.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(bucket_files.shutil, "disk_usage", lambda d: usage(1, 1, 0)
+                        if d == bucket_files.SHARED_MEMORY else real(d))
+    path, _ = bucket_files.write_bucket(bucket)
+    assert os.path.dirname(path) == str(tmp_path)
+    bucket_files.discard(path)
+    assert not os.path.exists(path)
+    monkeypatch.setattr(bucket_files.shutil, "disk_usage", lambda d: usage(1, 1, 0))
+    with pytest.raises(OSError, match="rollout.sync_bucket_mb"):
+        bucket_files.write_bucket(bucket)

@@ -8,21 +8,35 @@ Each backend is built, warmed up with one short call, then timed over REPEATS fu
 tokens/s = generated tokens / wall seconds of the call (engine start-up not counted, reported
 apart). Both run with THREADS torch threads (vLLM's engine process: OMP_NUM_THREADS).
 `--quick`: 16 prompts x 32 tokens, one repeat (a smoke run, not a measurement).
+
+GRPO step-time split (`run_grpo_split`): the same checkpoint (with the tiny word-level tokenizer)
+trained by `python -m engine.rl` (one process, THREADS threads, default GRPO settings with its
+KL term to a reference model) for GRPO_STEPS steps of GRPO_PROMPTS prompts x GRPO_N responses of
+GRPO_NEW new tokens, once per backend. The split is the run's own metrics (time/rollout_s,
+time/logprob_s: old-policy and reference passes, time/train_s, time/weight_sync_s: export and
+load into the engine, time/step_s) of the last step; step 1 also pays one-off warm-ups.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
+import sys
 import tempfile
 import time
 
-from tools.bench_common import BenchResult, Table, fmt, median, torch_threads
+from tools.bench_common import (REPO_ROOT, BenchResult, Table, fmt, median, run_launch,
+                                subprocess_env, torch_threads)
 
 MODEL = dict(vocab_size=32000, hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048,
              head_dim=64, tie_word_embeddings=True)
 PROMPTS, MAX_NEW, REPEATS = 64, 256, 1
 QUICK = (16, 32, 1)
 THREADS = 2
+GRPO_PROMPTS, GRPO_N, GRPO_NEW, GRPO_STEPS = 8, 4, 64, 2
+GRPO_QUICK = (2, 2, 8, 2)
+SPLIT_KEYS = ("time/rollout_s", "time/logprob_s", "time/train_s", "time/weight_sync_s",
+              "time/step_s")
 
 
 def _prompts(count: int, vocab: int) -> list[list[int]]:
@@ -58,6 +72,53 @@ def _time_backend(name: str, model_dir: str, prompts, max_new: int, repeats: int
             "tokens_per_s": median(tokens) / median(times)}
 
 
+def _grpo_split(backend: str, model_dir: str, prompts_file: str, out: str, quick: bool) -> dict:
+    """time/* of the last step of a GRPO run with rollout.backend=`backend` (one process)."""
+    prompts, n, new, steps = GRPO_QUICK if quick else (GRPO_PROMPTS, GRPO_N, GRPO_NEW,
+                                                       GRPO_STEPS)
+    cmd = [sys.executable, "-m", "engine.rl", f"model.hf_path={model_dir}",
+           f"data.train_files=[{prompts_file}]", f"rollout.backend={backend}",
+           f"rollout.n={n}", f"rollout.max_new_tokens={new}", f"train.prompts_per_step={prompts}",
+           "train.micro_batch_size=4", f"train.max_steps={steps}", "train.seq_length=256",
+           "optim.lr=1e-6", "data.num_workers=0", f"data.cache_dir={out}/cache",
+           f"logging.dir={out}/run", "logging.progress_bar=false"]
+    start = time.perf_counter()
+    run_launch(cmd, subprocess_env(THREADS), 3600, f"GRPO on rollout.backend={backend}",
+               cwd=str(REPO_ROOT))
+    wall = time.perf_counter() - start
+    with open(f"{out}/run/metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    last = rows[-1]
+    return {"wall_s": wall, "steps": len(rows), **{k: last.get(k) for k in SPLIT_KEYS},
+            "response_length_mean": last.get("response/length_mean")}
+
+
+def run_grpo_split(model_dir: str, tmp: str, quick: bool) -> tuple[Table, dict]:
+    """The GRPO step-time split per backend on `model_dir` (which needs a tokenizer)."""
+    prompts, n, new, steps = GRPO_QUICK if quick else (GRPO_PROMPTS, GRPO_N, GRPO_NEW,
+                                                       GRPO_STEPS)
+    rng = random.Random(1)
+    prompts_file = os.path.join(tmp, "prompts.jsonl")
+    with open(prompts_file, "w") as f:
+        for _ in range(64):
+            words = " ".join(f"w{rng.randrange(30000)}" for _ in range(rng.randint(32, 96)))
+            f.write(json.dumps({"prompt": words, "answer": "7"}) + "\n")
+    split = {b: _grpo_split(b, model_dir, prompts_file, os.path.join(tmp, f"grpo_{b}"), quick)
+             for b in ("hf", "vllm")}
+    rows = [[b, *(fmt(r[k], 1) for k in SPLIT_KEYS), fmt(r["response_length_mean"], 0)]
+            for b, r in split.items()]
+    hf_step, vllm_step = split["hf"]["time/step_s"], split["vllm"]["time/step_s"]
+    table = Table("GRPO step-time split by backend (seconds, last step)",
+                  ["backend", "rollout", "log-probs", "update", "weight sync", "step",
+                   "response length"], rows,
+                  [f"`python -m engine.rl`, one process, {THREADS} threads, {prompts} prompts x "
+                   f"{n} responses x up to {new} new tokens, {steps} steps, the same checkpoint "
+                   "as above with a word-level tokenizer; log-probs: old-policy and reference "
+                   "passes; weight sync: export and load into the engine. hf / vllm step time: "
+                   f"{fmt(hf_step / vllm_step if hf_step and vllm_step else None, 2)}x"])
+    return table, split
+
+
 def run_backends(quick: bool) -> BenchResult:
     from tools.tiny_models import build_tiny_model
 
@@ -65,11 +126,12 @@ def run_backends(quick: bool) -> BenchResult:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))  # vLLM's engine process reads it
     results = {}
     with torch_threads(THREADS), tempfile.TemporaryDirectory(prefix="bench_backends_") as tmp:
-        model_dir = build_tiny_model(os.path.join(tmp, "model"), "qwen3", tokenizer=False,
-                                     seed=0, eos_token_id=1, **MODEL)
+        model_dir = build_tiny_model(os.path.join(tmp, "model"), "qwen3", seed=0,
+                                     eos_token_id=1, **MODEL)
         prompts = _prompts(count, MODEL["vocab_size"])
         for name in ("hf", "vllm"):
             results[name] = _time_backend(name, model_dir, prompts, max_new, repeats)
+        split_table, split = run_grpo_split(model_dir, tmp, quick)
     ratio = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
     rows = [[name, fmt(r["load_s"], 1), fmt(r["seconds"], 1), str(int(r["tokens"])),
              fmt(r["tokens_per_s"], 0), fmt(ratio, 2) + "x" if name == "vllm" else ""]
@@ -80,5 +142,6 @@ def run_backends(quick: bool) -> BenchResult:
                          f"Qwen3-shaped model, fp32, temperature 1, one seed per response, "
                          f"{THREADS} threads, median of {repeats} timed call(s) after a "
                          "warm-up; eos is a token random weights rarely sample"])
-    return BenchResult([table], {"vllm_over_hf_tokens_per_s": ratio,
-                                 "rollout_backends": results})
+    return BenchResult([table, split_table], {"vllm_over_hf_tokens_per_s": ratio,
+                                              "rollout_backends": results,
+                                              "grpo_step_split": split})

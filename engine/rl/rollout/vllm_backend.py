@@ -25,7 +25,9 @@ Prompt length: len(prompt) + max_new_tokens > rollout.vllm.max_model_len is refu
 anything is queued, naming the prompt's position and the key (vLLM itself refuses only
 len(prompt) >= max_model_len and shortens the other responses silently).
 
-Weights: `update_weights` (one bucket per call) goes through engine.rl.rollout.vllm_sync; the
+Weights: `update_weights` (one bucket per call) writes the bucket to a file, on /dev/shm where
+it has room (engine.rl.rollout.bucket_files; the engine process is on this machine), which the
+worker loads through engine.rl.rollout.vllm_sync and deletes; the
 next `generate` closes the sync and refuses to run if any parameter, or part of a fused layer,
 was left unwritten (a skipped bucket is never served with stale weights).
 
@@ -59,6 +61,7 @@ import numpy as np
 import torch
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
+from engine.rl.rollout.bucket_files import discard, write_bucket
 from engine.rl.rollout.vllm_settings import engine_args
 
 WORKER_EXTENSION = "engine.rl.rollout.vllm_worker.RolloutWorkerExtension"
@@ -267,8 +270,11 @@ class VLLMRolloutEngine(RolloutEngine):
         bucket = list(named_tensors)
         if not bucket:
             return
-        from engine.rl.rollout.vllm_worker import pack_bucket  # vLLM's worker side
-        self.llm.collective_rpc("rl_load_bucket", args=(pack_bucket(bucket),))
+        path, names = write_bucket(bucket)   # the worker reads and deletes it
+        try:
+            self.llm.collective_rpc("rl_load_bucket", args=(path, names))
+        finally:
+            discard(path)   # still there only when the call failed before the worker read it
         self._sync_open = True
 
     def _close_sync(self) -> None:

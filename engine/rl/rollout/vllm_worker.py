@@ -5,28 +5,16 @@
 - `rl_install_contract_logprobs`: the runner's top-k/top-p sampler wrapped by
   `ContractLogprobs`, so the log-probs are log_softmax(logits / T) before top-p (the contract
   of engine.rl.rollout.base), the sampled token still vLLM's.
-- `rl_load_bucket` / `rl_close_sync`: one exact weight sync (engine.rl.rollout.vllm_sync).
+- `rl_load_bucket` / `rl_close_sync`: one exact weight sync (engine.rl.rollout.vllm_sync); a
+  bucket arrives as a file (engine.rl.rollout.bucket_files), only its path through the RPC.
 """
 from __future__ import annotations
-
-import io
 
 import torch
 from vllm.platforms import current_platform
 
+from engine.rl.rollout.bucket_files import read_bucket
 from engine.rl.rollout.vllm_sync import LayerwiseSync
-
-
-def pack_bucket(bucket: list[tuple[str, torch.Tensor]]) -> bytes:
-    """[(HF name, full tensor), ...] as bytes for collective_rpc (vLLM's engine process hands
-    its arguments on to its worker process by pickling, which its zero-copy tensors refuse)."""
-    buffer = io.BytesIO()
-    torch.save([(name, tensor.detach().cpu().contiguous()) for name, tensor in bucket], buffer)
-    return buffer.getvalue()
-
-
-def unpack_bucket(payload: bytes) -> list[tuple[str, torch.Tensor]]:
-    return torch.load(io.BytesIO(payload), weights_only=True)
 
 
 class ContractLogprobs(torch.nn.Module):
@@ -54,12 +42,14 @@ class RolloutWorkerExtension:
         if not isinstance(sampler.topk_topp_sampler, ContractLogprobs):
             sampler.topk_topp_sampler = ContractLogprobs(sampler.topk_topp_sampler)
 
-    def rl_load_bucket(self, payload: bytes) -> None:
-        """Load one bucket, `pack_bucket`'s bytes; the first bucket of a sync opens it."""
+    def rl_load_bucket(self, path: str, names: list[str]) -> None:
+        """Load one bucket, bucket_files.write_bucket's file (deleted once read); the first
+        bucket of a sync opens it."""
+        bucket = read_bucket(path, names)
         if self.rl_sync is None:
             self.rl_sync = LayerwiseSync(self.model_runner.get_model(), self.vllm_config,
                                          current_platform.is_cpu())
-        self.rl_sync.load(unpack_bucket(payload))
+        self.rl_sync.load(bucket)
 
     def rl_close_sync(self) -> list[str]:
         """Close the open sync (none: nothing); the names it left unwritten."""
