@@ -6,8 +6,9 @@ log-probs of T = 1 are far), per-response seeds independent of the batch, finish
 sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
 skipped tensor is refused), the refusal of a too-long prompt. GRPO through `engine.rl` on the
 rank pool: LoRA from a non-zero PEFT adapter at one process and DP2 x TP2 (rollout/logprob_diff
-< 1e-5 at every step, the first included, and the same training metrics), and two-turn episodes
-on Qwen3-MoE. Config refusals in-process.
+< 1e-5 at every step, the first included, and the same training metrics), and one run with
+two-turn episodes on Qwen3-MoE, PPO with a critic, distillation and validation. Config
+refusals in-process.
 """
 from __future__ import annotations
 
@@ -200,17 +201,64 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
     assert one[1]["policy/kl"] > 0 and one[0]["grad_norm"] > 0
 
 
-def test_multi_turn_moe_episodes_on_vllm_are_exact(pools, tmp_path):
-    """env.fn with two turns on a Qwen3-MoE whose sampled turns end (eos): token in, token out,
-    the engine's log-probs equal the trainer's at both steps (the expert weights synced after
-    step 1 included) and episodes reach their second turn."""
+def test_multi_turn_moe_ppo_distillation_and_validation_on_vllm(pools, tmp_path):
+    """One run on the vLLM backend with what else goes through it: env.fn with two turns on a
+    Qwen3-MoE whose sampled turns end (eos), token in and token out; PPO with a critic
+    (advantage.estimator=gae); on-policy distillation from a dense teacher sharing the
+    tokenizer; validation with pass@k before training and after step 2. The engine's log-probs
+    equal the trainer's at both steps (the expert weights synced after step 1 included),
+    episodes reach their second turn, the critic and the distillation term are live, and the
+    validation metrics are consistent (pass@1 <= pass@2, both logged at steps 0 and 2; an
+    episode passes when it reaches its second turn, env reward 0.25 per turn)."""
+    # eos_boost 20 and 12 new tokens: most first turns end with eos already at step 1
     model_dir = build_eos_model(str(tmp_path / "eos_moe"), hidden=128, arch="qwen3_moe",
-                                eos_boost=6.0)
+                                eos_boost=20.0)
+    teacher = build_eos_model(str(tmp_path / "teacher"), hidden=64, arch="llama")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
     metrics = _grpo(pools, 1, model_dir, prompts, tmp_path / "env", "kl.beta=0",
                     "env.fn=tests.test_rl_env:CountEnv", "env.max_turns=2",
-                    "train.seq_length=128")
-    assert all(m["rollout/logprob_diff"] < 1e-5 for m in metrics), metrics
-    assert max(m["env/turns_mean"] for m in metrics) > 1.0, metrics
+                    "rollout.max_new_tokens=12", "train.seq_length=128", "advantage.estimator=gae", "critic.lr=1e-2",
+                    f"distill.teacher_path={teacher}", "distill.coef=0.5",
+                    f"data.val_files=[{prompts}]", "train.val_interval=2", "val.n=2",
+                    "val.temperature=1.0", "val.before_train=true",
+                    "val.pass_threshold=0.5")   # passes: episodes that reach turn 2
+    train = [m for m in metrics if "rollout/logprob_diff" in m]
+    val = {m["step"]: m for m in metrics if "val/pass@1" in m}
+    assert [m["step"] for m in train] == [1, 2], metrics
+    assert all(m["rollout/logprob_diff"] < 1e-5 for m in train), train
+    assert train[0]["env/turns_mean"] > 1.0, train   # second turns, from step 1 on
+    assert all(m["critic/value_loss"] > 0 and m["critic/grad_norm"] > 0 for m in train), train
+    assert all(m["distill/reverse_kl"] != 0 for m in train), train
+    assert sorted(val) == [0, 2], metrics
+    for m in val.values():
+        assert 0 <= m["val/pass@1"] <= m["val/pass@2"] <= 1, m
+    assert val[0]["val/pass@2"] > 0, val   # not degenerate
+
+
+def test_a_dead_engine_is_reported_dead_and_not_retried(qwen3):
+    """The engine process killed (last in this module: it kills the module's engine): vLLM's
+    client reports it dead (`is_alive` False), so the rollout pool's retry loop gives up after
+    the one failed call instead of retrying, and the loop restarts the engine from the
+    current weights (engine.rl.rollout.pool; the restart itself is backend-independent and run
+    in tests/test_rl_engines.py). Shutting the dead engine down is harmless."""
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from engine.rl.rollout.pool import generate_with_retries
+
+    (process,) = qwen3.llm.llm_engine.engine_core.resources.engine_manager.processes
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(timeout=30)
+    deadline = time.monotonic() + 30
+    while qwen3.is_alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not qwen3.is_alive
+    result = generate_with_retries(qwen3, PROMPTS, SamplingParams(max_new_tokens=4),
+                                   SimpleNamespace(max_retries=2, retry_wait_s=0.0), "test")
+    assert result.generations is None and result.calls == 1, result
+    assert "EngineDeadError" in result.error, result.error
+    qwen3.shutdown()
