@@ -71,6 +71,16 @@ def lora_run(pools, tmp_path_factory):
                 families=families, family_adapters=family_adapters)
 
 
+def test_an_adapter_folder_that_does_not_match_is_refused_naming_the_tensor(lora_run):
+    """model.lora.init_from with a B matrix removed, or with a tensor no target adapts added,
+    is refused when the adapters are loaded (models.lora.peft.load_peft_adapter), naming it."""
+    refusals = lora_run["single"]["reference"]["refusals"]
+    assert refusals["missing"] is not None and "self_attn.o_proj.lora_B.weight" in \
+        refusals["missing"], refusals
+    assert refusals["extra"] is not None and "does not adapt" in refusals["extra"] \
+        and "q_norm.lora_A" in refusals["extra"], refusals
+
+
 @pytest.mark.parametrize("run", ["tp2+sp", "pp2", "dp2", "cp2", "ep2", "resume_pp2",
                                  "from_mcore_pp2", "glm_tp2+sp", "glm_pp2", "glm_ep2",
                                  "gpt_oss_tp2+sp", "gpt_oss_pp2", "gpt_oss_ep2"])

@@ -7,7 +7,7 @@ sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negat
 skipped tensor is refused), the refusal of a too-long prompt. GRPO through `engine.rl` on the
 rank pool: LoRA from a non-zero PEFT adapter at one process and DP2 x TP2 (rollout/logprob_diff
 < 1e-5 at every step, the first included, and the same training metrics), and one run with
-two-turn episodes on Qwen3-MoE, PPO with a critic, distillation and validation. Config
+two-turn episodes on Qwen3-MoE, R2, PPO with a critic, distillation and validation. Config
 refusals in-process.
 """
 from __future__ import annotations
@@ -203,7 +203,8 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
 
 def test_multi_turn_moe_ppo_distillation_and_validation_on_vllm(pools, tmp_path):
     """One run on the vLLM backend with what else goes through it: env.fn with two turns on a
-    Qwen3-MoE whose sampled turns end (eos), token in and token out; PPO with a critic
+    Qwen3-MoE whose sampled turns end (eos), token in and token out, with R2 routing replay;
+    PPO with a critic
     (advantage.estimator=gae); on-policy distillation from a dense teacher sharing the
     tokenizer; validation with pass@k before training and after step 2. The engine's log-probs
     equal the trainer's at both steps (the expert weights synced after step 1 included),
@@ -223,7 +224,8 @@ def test_multi_turn_moe_ppo_distillation_and_validation_on_vllm(pools, tmp_path)
                     f"distill.teacher_path={teacher}", "distill.coef=0.5",
                     f"data.val_files=[{prompts}]", "train.val_interval=2", "val.n=2",
                     "val.temperature=1.0", "val.before_train=true",
-                    "val.pass_threshold=0.5")   # passes: episodes that reach turn 2
+                    "val.pass_threshold=0.5",   # passes: episodes that reach turn 2
+                    "moe.routing_replay=R2")
     train = [m for m in metrics if "rollout/logprob_diff" in m]
     val = {m["step"]: m for m in metrics if "val/pass@1" in m}
     assert [m["step"] for m in train] == [1, 2], metrics
@@ -231,6 +233,7 @@ def test_multi_turn_moe_ppo_distillation_and_validation_on_vllm(pools, tmp_path)
     assert train[0]["env/turns_mean"] > 1.0, train   # second turns, from step 1 on
     assert all(m["critic/value_loss"] > 0 and m["critic/grad_norm"] > 0 for m in train), train
     assert all(m["distill/reverse_kl"] != 0 for m in train), train
+    assert all(0 <= m["moe/replay_mismatch"] <= 1 for m in train), train   # R2 replayed
     assert sorted(val) == [0, 2], metrics
     for m in val.values():
         assert 0 <= m["val/pass@1"] <= m["val/pass@2"] <= 1, m

@@ -14,7 +14,8 @@ trained by `python -m engine.rl` (one process, THREADS threads, default GRPO set
 KL term to a reference model) for GRPO_STEPS steps of GRPO_PROMPTS prompts x GRPO_N responses of
 GRPO_NEW new tokens, once per backend. The split is the run's own metrics (time/rollout_s,
 time/logprob_s: old-policy and reference passes, time/train_s, time/weight_sync_s: export and
-load into the engine, time/step_s) of the last step; step 1 also pays one-off warm-ups.
+load into the engine, time/step_s) of the last step, the update being time/train_s (log-prob
+passes and updates) minus time/logprob_s; step 1 also pays one-off warm-ups.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ GRPO_PROMPTS, GRPO_N, GRPO_NEW, GRPO_STEPS = 8, 4, 64, 2
 GRPO_QUICK = (2, 2, 8, 2)
 SPLIT_KEYS = ("time/rollout_s", "time/logprob_s", "time/train_s", "time/weight_sync_s",
               "time/step_s")
+COLUMNS = ("time/rollout_s", "time/logprob_s", "update_s", "time/weight_sync_s", "time/step_s")
 
 
 def _prompts(count: int, vocab: int) -> list[list[int]]:
@@ -90,6 +92,7 @@ def _grpo_split(backend: str, model_dir: str, prompts_file: str, out: str, quick
         rows = [json.loads(line) for line in f]
     last = rows[-1]
     return {"wall_s": wall, "steps": len(rows), **{k: last.get(k) for k in SPLIT_KEYS},
+            "update_s": last["time/train_s"] - last["time/logprob_s"],
             "response_length_mean": last.get("response/length_mean")}
 
 
@@ -105,7 +108,7 @@ def run_grpo_split(model_dir: str, tmp: str, quick: bool) -> tuple[Table, dict]:
             f.write(json.dumps({"prompt": words, "answer": "7"}) + "\n")
     split = {b: _grpo_split(b, model_dir, prompts_file, os.path.join(tmp, f"grpo_{b}"), quick)
              for b in ("hf", "vllm")}
-    rows = [[b, *(fmt(r[k], 1) for k in SPLIT_KEYS), fmt(r["response_length_mean"], 0)]
+    rows = [[b, *(fmt(r[k], 1) for k in COLUMNS), fmt(r["response_length_mean"], 0)]
             for b, r in split.items()]
     hf_step, vllm_step = split["hf"]["time/step_s"], split["vllm"]["time/step_s"]
     table = Table("GRPO step-time split by backend (seconds, last step)",

@@ -150,7 +150,36 @@ def references(dense, moe, adapter, out):
         ref[name] = {"loss": losses, "grad_norm": norms, "params": adapter_tensors(engine)}
     torch.save(ref, os.path.join(out, "ref.pt"))
     print("RESULT " + json.dumps({"run": "reference", "dense_loss": ref["dense"]["loss"],
-                                  "moe_loss": ref["moe"]["loss"]}), flush=True)
+                                  "moe_loss": ref["moe"]["loss"],
+                                  "refusals": loader_refusals(dense, adapter, out)}), flush=True)
+
+
+def loader_refusals(dense, adapter, out) -> dict:
+    """model.lora.init_from folders that are not exactly this model's adapters, each refused by
+    models.lora.peft.load_peft_adapter naming the tensor: one with a B matrix removed, one with a
+    tensor no target adapts (a layer's q_norm) added. {case: the refusal's message}."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from models.lora.sites import LoraUnsupportedError
+
+    state = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    missing = next(k for k in sorted(state) if k.endswith("self_attn.o_proj.lora_B.weight"))
+    extra = missing.replace("o_proj.lora_B", "q_norm.lora_A")
+    cases = {"missing": {k: v for k, v in state.items() if k != missing},
+             "extra": {**state, extra: state[missing.replace("lora_B", "lora_A")]}}
+    messages = {}
+    for case, tensors in cases.items():
+        folder = os.path.join(out, f"adapter_{case}")
+        shutil.copytree(adapter, folder)
+        save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+        try:
+            build(*dense, False, folder)
+            messages[case] = None
+        except LoraUnsupportedError as e:
+            messages[case] = str(e)
+    return messages
 
 
 def other_families() -> list:
