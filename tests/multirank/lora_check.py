@@ -168,7 +168,7 @@ def loader_refusals(dense, adapter, out) -> dict:
     missing = next(k for k in sorted(state) if k.endswith("self_attn.o_proj.lora_B.weight"))
     extra = missing.replace("o_proj.lora_B", "q_norm.lora_A")
     cases = {"missing": {k: v for k, v in state.items() if k != missing},
-             "extra": {**state, extra: state[missing.replace("lora_B", "lora_A")]}}
+             "extra": {**state, extra: state[missing.replace("lora_B", "lora_A")].clone()}}
     messages = {}
     for case, tensors in cases.items():
         folder = os.path.join(out, f"adapter_{case}")
