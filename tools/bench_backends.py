@@ -74,10 +74,11 @@ def _time_backend(name: str, model_dir: str, prompts, max_new: int, repeats: int
             "tokens_per_s": median(tokens) / median(times)}
 
 
-def _grpo_split(backend: str, model_dir: str, prompts_file: str, out: str, quick: bool) -> dict:
-    """time/* of the last step of a GRPO run with rollout.backend=`backend` (one process)."""
-    prompts, n, new, steps = GRPO_QUICK if quick else (GRPO_PROMPTS, GRPO_N, GRPO_NEW,
-                                                       GRPO_STEPS)
+def _grpo_split(backend: str, model_dir: str, prompts_file: str, out: str,
+                shape: tuple[int, int, int, int]) -> dict:
+    """time/* of the last step of a GRPO run with rollout.backend=`backend` (one process) of
+    `shape` = (prompts per step, responses per prompt, new tokens, steps)."""
+    prompts, n, new, steps = shape
     cmd = [sys.executable, "-m", "engine.rl", f"model.hf_path={model_dir}",
            f"data.train_files=[{prompts_file}]", f"rollout.backend={backend}",
            f"rollout.n={n}", f"rollout.max_new_tokens={new}", f"train.prompts_per_step={prompts}",
@@ -98,15 +99,15 @@ def _grpo_split(backend: str, model_dir: str, prompts_file: str, out: str, quick
 
 def run_grpo_split(model_dir: str, tmp: str, quick: bool) -> tuple[Table, dict]:
     """The GRPO step-time split per backend on `model_dir` (which needs a tokenizer)."""
-    prompts, n, new, steps = GRPO_QUICK if quick else (GRPO_PROMPTS, GRPO_N, GRPO_NEW,
-                                                       GRPO_STEPS)
+    shape = GRPO_QUICK if quick else (GRPO_PROMPTS, GRPO_N, GRPO_NEW, GRPO_STEPS)
+    prompts, n, new, steps = shape
     rng = random.Random(1)
     prompts_file = os.path.join(tmp, "prompts.jsonl")
     with open(prompts_file, "w") as f:
         for _ in range(64):
             words = " ".join(f"w{rng.randrange(30000)}" for _ in range(rng.randint(32, 96)))
             f.write(json.dumps({"prompt": words, "answer": "7"}) + "\n")
-    split = {b: _grpo_split(b, model_dir, prompts_file, os.path.join(tmp, f"grpo_{b}"), quick)
+    split = {b: _grpo_split(b, model_dir, prompts_file, os.path.join(tmp, f"grpo_{b}"), shape)
              for b in ("hf", "vllm")}
     rows = [[b, *(fmt(r[k], 1) for k in COLUMNS), fmt(r["response_length_mean"], 0)]
             for b, r in split.items()]
