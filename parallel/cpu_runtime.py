@@ -69,16 +69,26 @@ def _to_cpu_device(device):
     return device
 
 
+# functions whose calls the mode changes (by __name__); every other call without a `device` or
+# `pin_memory` keyword goes straight through (the mode sees every torch call of a training step,
+# so the common case must cost one dict lookup)
+_SPECIAL_NAMES = frozenset({"cuda", "pin_memory", "is_pinned", "type", "to", "record_stream",
+                            "all_to_all_single", "all_gather", "reduce_scatter"})
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Redirects CUDA device requests to the CPU for every torch function call."""
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name not in _SPECIAL_NAMES and (not kwargs or ("device" not in kwargs
+                                                          and "pin_memory" not in kwargs)):
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
-        name = getattr(func, "__name__", "")
         if name == "cuda":
             return args[0]
         if name == "pin_memory":

@@ -129,7 +129,9 @@ def runs(pools, tmp_path_factory) -> dict:
     for name, extra in (("s0", ("rollout.max_staleness=0",)),
                         ("s1", ("rollout.max_staleness=1",)),
                         ("s1_tp2", ("rollout.max_staleness=1", "parallel.tp=2")),
-                        ("s1_pp2", ("rollout.max_staleness=1", "parallel.pp=2")),
+                        # the engines checked against the version that sampled each batch
+                        ("s1_pp2", ("rollout.max_staleness=1", "parallel.pp=2",
+                                    "rollout.check_behaviour_logprobs=true")),
                         # an engine dies on its 3rd generate call (batch 1 from version 0 at
                         # call 3 counting validation) and is restarted with that version
                         ("s1_dying", ("rollout.max_staleness=1", "rollout.retry_wait_s=0",
@@ -186,6 +188,14 @@ def test_s1_lags_one_version_is_layout_invariant_and_differs_from_s0(runs):
             assert all(abs(val[k] - runs["s1_val"][step][k]) <= 1e-5 * max(1.0, abs(val[k]))
                        for k in val), (layout, step)
     assert sorted(runs["s1_val"]) == [0, 2, 4]
+    # rollout.check_behaviour_logprobs (PP2: each stage swaps its own shard): the engines'
+    # log-probs equal those of the version that sampled each batch at every step, while the
+    # current weights' differ from step 2 on (the one-version lag the check sees through)
+    pp2 = runs["s1_pp2_m"]
+    assert all(m["rollout/behaviour_logprob_diff"] < 1e-5 for m in pp2), pp2
+    assert pp2[0]["rollout/logprob_diff"] < 1e-5
+    assert all(m["rollout/logprob_diff"] > 1e-3 for m in pp2[1:]), pp2
+    assert all("rollout/behaviour_logprob_diff" not in m for m in s1)
     # negative control: steps 0 and 1 train on the same batches as s=0 only at step 0
     assert s1[0]["reward/mean"] == runs["s0_m"][0]["reward/mean"]
     assert not _close(s1, runs["s0_m"])
@@ -226,7 +236,7 @@ def test_rollout_failures_end_the_job_with_a_message(runs):
 
 
 def test_async_keys_are_refused_naming_the_key():
-    from engine.rl.checks import async_problems
+    from engine.rl.disaggregated.checks import async_problems
     from engine.rl.config import RLConfig
     cfg = RLConfig()
     cfg.rollout.max_staleness = 1
@@ -236,6 +246,12 @@ def test_async_keys_are_refused_naming_the_key():
     assert "rollout.num_ranks=None must be an integer in [1, 3]" in async_problems(cfg, 4)[0]
     cfg.rollout.num_ranks = 1
     assert async_problems(cfg, 4) == []
+    cfg.rollout.check_behaviour_logprobs = True
+    assert async_problems(cfg, 4) == []
+    cfg.rollout.max_staleness = 0
+    assert "rollout.check_behaviour_logprobs=true needs rollout.max_staleness >= 1" in \
+        async_problems(cfg, 4)[0]
+    cfg.rollout.max_staleness, cfg.rollout.check_behaviour_logprobs = 1, False
     assert "must be whole nodes of 2 GPUs" in async_problems(cfg, 4, gpus_per_node=2)[0]
     cfg.rollout.sleep_during_train = True
     assert "rollout.sleep_during_train=true is colocated only" in async_problems(cfg, 4)[0]
@@ -254,6 +270,7 @@ def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(pools, runs):
     for name, extra in (("r1", ("train.exit_interval=1",)), ("r2", ("train.exit_interval=2",)),
                         ("r3", ())):
         args = (*runs["common"], *runs["dis"], "rollout.max_staleness=1",
+                "rollout.check_behaviour_logprobs=true",
                 f"checkpoint.dir={ckpt}", *extra, f"logging.dir={root / name}")
         if name != "r3":   # the first two pieces on the rank pool (r2 resumes in it)
             procs = pools.script(4, *args, timeout=600, nodes=2, own_world=True).nodes(2)
@@ -263,6 +280,14 @@ def test_s1_resumed_at_steps_1_and_2_equals_the_straight_run(pools, runs):
         pieces.append(_metrics(root / name))
     assert [len(p) for p in pieces] == [1, 1, 2]
     assert "[rl] resumed at step 2 of 4" in procs[0].stdout
+    # rollout.check_behaviour_logprobs after a resume at step v: batch v (0-based) was sampled
+    # by version v - 1, which the checkpoint does not hold: no metric there (said once); batch
+    # v + 1 by version v, the resumed weights, kept again
+    assert "they log no rollout/behaviour_logprob_diff" in procs[0].stdout
+    assert pieces[0][0]["rollout/behaviour_logprob_diff"] < 1e-5
+    assert "rollout/behaviour_logprob_diff" not in pieces[1][0]
+    assert "rollout/behaviour_logprob_diff" not in pieces[2][0]
+    assert pieces[2][1]["rollout/behaviour_logprob_diff"] < 1e-5
     # once more, with validation on: nothing to do, and the rollout side waits for nothing
     # (on the pool: the resume itself was read by new processes in r3)
     again = pools.script(4, *runs["common"], *runs["dis"], *runs["val"],

@@ -161,9 +161,10 @@ def test_rollout_vllm_keys_are_checked_by_name():
     assert not any("vllm" in p for p in rl_problems(_cfg()))
 
 
-def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra) -> list[dict]:
+def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra, **pool_kw) -> list[dict]:
     """A 2-step `engine.rl` run with rollout.backend=vllm on the `nproc`-rank pool (`extra`
-    overrides replace the defaults of the same key); its metrics.jsonl rows."""
+    overrides replace the defaults of the same key; `pool_kw` goes to pools.script); its
+    metrics.jsonl rows."""
     keys = dict(a.split("=", 1) for a in (
         f"model.hf_path={model_dir}", f"data.train_files=[{prompts}]", "rollout.backend=vllm",
         "reward.fn=tests.test_rl_loop:digit_reward", "rollout.n=2", "rollout.max_new_tokens=6",
@@ -172,7 +173,7 @@ def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra) -> list[dict]
         f"data.cache_dir={out}/cache", "data.num_workers=0", f"logging.dir={out}/run",
         "logging.progress_bar=false", *extra))
     proc = pools.script(nproc, "-m", "engine.rl", *(f"{k}={v}" for k, v in keys.items()),
-                        timeout=500)
+                        timeout=500, **pool_kw)
     assert proc.returncode == 0
     with open(f"{out}/run/metrics.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -199,6 +200,30 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
         for key in ("policy/loss", "policy/kl", "grad_norm", "response/length_mean"):
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (key, a, b)
     assert one[1]["policy/kl"] > 0 and one[0]["grad_norm"] > 0
+
+
+def test_async_staleness_1_on_vllm_serves_the_version_that_sampled_each_batch(pools, qwen3_dir,
+                                                                             tmp_path):
+    """rollout.placement=disaggregated with rollout.max_staleness=1 (2 training ranks, 1 rollout
+    rank running the vLLM engine), LoRA from a PEFT adapter with non-zero B, 3 steps: with
+    rollout.check_behaviour_logprobs the trainer recomputes each batch's log-probs with the
+    policy version that sampled it, and the engine's equal them at every step (< 1e-5); the
+    current weights' log-probs (rollout/logprob_diff) differ from step 2 on by the one-version
+    lag, so the check tells the versions apart."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
+                               + "\n" for i in range(8)))
+    adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
+    metrics = _grpo(pools, 3, qwen3_dir, prompts, tmp_path / "async",
+                    "model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
+                    "rollout.placement=disaggregated", "rollout.num_ranks=1",
+                    "rollout.max_staleness=1", "rollout.check_behaviour_logprobs=true",
+                    "rollout.peer_timeout_s=300", "train.max_steps=3",
+                    "train.mini_batches_per_step=1", own_world=True)
+    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0], metrics
+    assert all(m["rollout/behaviour_logprob_diff"] < 1e-5 for m in metrics), metrics
+    assert metrics[0]["rollout/logprob_diff"] < 1e-5
+    assert all(m["rollout/logprob_diff"] > 1e-3 for m in metrics[1:]), metrics
 
 
 def test_multi_turn_moe_ppo_distillation_and_validation_on_vllm(pools, tmp_path):

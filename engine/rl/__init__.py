@@ -9,7 +9,7 @@ Packages (one concern each; every `__init__.py` names what it may import):
                     every rank, validation
     disaggregated/  rollout on ranks of its own (rollout.placement=disaggregated): the split
                     world, the version schedule, the trainer side, the rollout side, weight
-                    send and inbox
+                    send and inbox, the asynchronous keys' checks
     env/            multi-turn environments and tools
     rollout/        rollout engines (HF, SGLang, user backends), their placement and pool
 Modules: config (the schema), checks (every key check), rewards (reward functions and their

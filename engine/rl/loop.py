@@ -102,6 +102,8 @@ def rl_step(policy: TrainEngine, aux: AuxiliaryModels | None, collector, pool: R
     if cfg.rollout.sleep_during_train and pool is not None and pool.engine is not None:
         pool.engine.sleep()
     metrics = dict(batch.metrics)
+    if remote is not None and remote.snapshots is not None and len(batch):
+        metrics.update(remote.snapshots.metrics(policy, batch, step, cfg.rollout.temperature))
     t1 = time.perf_counter()
     if len(batch):
         metrics.update(train_on_rollout(policy, aux, batch, cfg, step))

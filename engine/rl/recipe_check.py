@@ -57,7 +57,8 @@ from engine.config.recipe_validation import estimate_memory, memory_checks, mode
 from engine.config.schema import (ConfigError, layout_problems, parallel_layout, read_hf_config,
                                   value_problems)
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
-from engine.rl.checks import async_problems, ppo_problems, rl_problems
+from engine.rl.disaggregated.checks import async_problems
+from engine.rl.checks import ppo_problems, rl_problems
 from engine.rl.config import RLConfig
 from engine.rl.rollout.engine_memory import (engine_budget, engine_fit, engine_weights,
                                               engine_weights_problem)

@@ -302,7 +302,9 @@ def main():
         first_of_model = all(spec_model(s, dense)[2] != key for s in specs[:i])
         opts = spec_options(spec)
         opts["overrides"].update(moe_loss_overrides(spec))
+        setup_started = time.perf_counter()
         setup_model_parallel(ParallelLayout(world, **layout_kw))
+        setup_s = round(time.perf_counter() - setup_started, 2)
         for mode in opts["modes"]:
             MOE_METRICS.clear()
             started = time.perf_counter()
@@ -324,6 +326,7 @@ def main():
             if any(MOE_METRICS):
                 out["moe"] = list(MOE_METRICS)
             out["seconds"] = round(time.perf_counter() - started, 2)
+            out["setup_s"], setup_s = setup_s, 0.0  # process groups, once per spec
             if rank == 0:
                 print("RESULT " + json.dumps(out), flush=True)
     if making_ref:

@@ -13,6 +13,8 @@
   checkpoint does not contain) and the collector's next_gen_batch, so a resumed run continues
   exactly: the rollout side starts at batch done + s with the checkpoint's weights (version
   done);
+- `snapshots` (rollout.check_behaviour_logprobs): the versions later batches are sampled by,
+  kept in host memory (engine.rl.disaggregated.behaviour_check);
 - `close(done)`: on an early stop, take every batch already in flight, then tell the engine
   owners that wait for a further version to stop.
 The rollout leader's messages arrive as one ordered stream (batches, validations, an error);
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from engine.rl.collect.batch import RolloutBatch
 from engine.rl.collect.transport import broadcast_rollout
 from engine.rl.collect.validation import Validation
+from engine.rl.disaggregated.behaviour_check import VersionSnapshots
 from engine.rl.disaggregated.schedule import version_needed, versions_after
 from engine.rl.disaggregated.weight_send import (TAG_CONTROL, TAG_ROLLOUT, push_weights, send_stop,
                                                  transfer_plan)
@@ -57,6 +60,9 @@ class RemoteRollout:
             self.queue[int(k)] = RolloutBatch(**fields)
         self.received = start + len(self.queue)  # the next batch the rollout side sends
         self.start = start
+        # rollout.check_behaviour_logprobs: host copies of the versions later batches use
+        self.snapshots = (VersionSnapshots(self.s, cfg.train.max_steps, start)
+                          if cfg.rollout.check_behaviour_logprobs else None)
 
     def describe(self) -> str:
         return (f"disaggregated: {self.split.num_train} training rank(s), "
@@ -78,6 +84,8 @@ class RemoteRollout:
             push_weights(self.split, policy.chunks, policy.hf_config,
                          self.cfg.rollout.sync_bucket_mb, self.plan, version0,
                          sync_source(self.cfg, policy.hf_config))
+            if self.snapshots is not None:
+                self.snapshots.keep(policy, version0)
         return 0
 
     def _receive(self, what: str) -> None:
@@ -120,7 +128,10 @@ class RemoteRollout:
 
     def push(self, policy, version: int) -> dict[str, float]:
         """Collective over the training world: send version `version` when a batch or a
-        validation needs it."""
+        validation needs it; with rollout.check_behaviour_logprobs keep it when a later batch is
+        sampled by it."""
+        if self.snapshots is not None:
+            self.snapshots.keep(policy, version)
         if not version_needed(self.cfg, version):
             return {}
         t0 = time.perf_counter()

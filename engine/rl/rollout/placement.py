@@ -108,7 +108,7 @@ def procs_per_node(world_size: int) -> int:
 
 def split_sizes(cfg, world: int) -> tuple[int, int]:
     """(training ranks, rollout ranks) of a job of `world` processes; (world, 0) colocated or
-    while rollout.num_ranks is invalid (its problem is reported by engine.rl.checks.async_problems)."""
+    while rollout.num_ranks is invalid (its problem is reported by engine.rl.disaggregated.checks.async_problems)."""
     r = cfg.rollout
     n = r.num_ranks
     if r.placement != "disaggregated" or not isinstance(n, int) or not 0 < n < world:
