@@ -3,7 +3,8 @@
 Launching `torchrun` costs every rank an interpreter start, the import of torch, megatron-core
 and transformers, and a gloo rendezvous: several seconds of the 2 CPU cores per rank, paid again
 by every launch. A `RankPool` of world size N starts N rank processes once (lazily, on first
-use), each with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...),
+use; forked from the session's zygote, tests/pool_zygote.py, which imported PRELOAD once, so a
+pool starts in a fraction of a second; RANK_POOL_FORK=0 starts an interpreter per rank), each with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, ...),
 the CPU-host runtime installed and the default process group started exactly as in a launch
 (parallel.process_groups.init_distributed), the heavy modules imported; then runs test cases in
 them, one at a time, on every rank:
@@ -137,6 +138,22 @@ class PoolRun:
                                            "".join(r.stderr for r in self.ranks))
 
 
+_ZYGOTE = None
+
+
+def _zygote():
+    """The session's rank zygote (tests.pool_zygote), started on first use; None with
+    RANK_POOL_FORK=0 (every rank then starts its own interpreter)."""
+    global _ZYGOTE
+    if os.environ.get("RANK_POOL_FORK", "1") == "0":
+        return None
+    if _ZYGOTE is None:
+        from tests.pool_zygote import Zygote
+
+        _ZYGOTE = Zygote(Path(tempfile.mkdtemp(prefix="rank_zygote_")))
+    return _ZYGOTE
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -211,9 +228,13 @@ class RankPool:
         env = _base_env()
         log_dir = self._root / f"start{self.starts}"
         log_dir.mkdir(exist_ok=True)
+        zygote = _zygote()
         for rank in range(self.world):
             rank_env = {**env, **torchrun_env(rank, self.world, port),
                         "RANK_POOL_SOCKET": sock, "RANK_POOL_KEY": key.hex()}
+            if zygote is not None:  # forked from a process that imported PRELOAD already
+                self._procs.append(zygote.fork(rank_env, log_dir / f"rank{rank}.log"))
+                continue
             log = open(log_dir / f"rank{rank}.log", "w")
             self._procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tests.pool"], cwd=REPO_ROOT, env=rank_env,
@@ -483,6 +504,8 @@ class Pools:
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
+        if _ZYGOTE is not None:
+            _ZYGOTE.close()
 
 
 def _case(kind: str, label: list[str], target: str, argv=(), env=None, rank_env=None,

@@ -106,3 +106,19 @@ def test_own_world_case_starts_and_ends_its_own_process_group(pools, tmp_path):
     after = pools.run(2, f"{CHECKS}:whoami", "after")
     assert [v["sum"] for v in after] == [3, 3]
     assert [v["pid"] for v in after] == [v["pid"] for v in before]   # the same processes
+
+
+def test_forked_ranks_draw_their_own_seeds_and_report_their_exit_code(pools):
+    """The ranks are forked from the session's zygote (tests/pool_zygote.py), which imported
+    the heavy modules once: each rank draws its own random, numpy and torch seeds as a new
+    interpreter would, and a rank that ends its process reports its exit code."""
+    import os
+
+    values = pools.run(3, f"{CHECKS}:seeds_and_pid")
+    assert all(v["ppid"] != os.getpid() for v in values)   # not started by this process
+    for key in ("random", "numpy", "torch"):
+        assert len({v[key] for v in values}) == 3, key
+    with pytest.raises(CaseFailed) as info:
+        pools.run(3, f"{CHECKS}:exit_now", 7, 2, timeout=60)
+    assert "rank 2 process died (exit code 7)" in str(info.value)
+    assert [v["rank"] for v in pools.run(3, f"{CHECKS}:whoami", "after")] == [0, 1, 2]

@@ -65,3 +65,23 @@ def write_and_exit(code: int) -> None:
     print("to stdout")
     print("to stderr", file=sys.stderr)
     exit_process(code)
+
+
+def seeds_and_pid() -> dict:
+    """This rank's process id, parent's process id and the seeds a fresh interpreter draws
+    (random, numpy, torch): ranks forked from the zygote must not share them."""
+    import random
+
+    import numpy as np
+    import torch
+
+    return {"pid": os.getpid(), "ppid": os.getppid(), "random": random.random(),
+            "numpy": float(np.random.random()), "torch": torch.initial_seed()}
+
+
+def exit_now(code: int, rank: int) -> None:
+    """Rank `rank` ends its process with `code` in the middle of the case (no Python cleanup)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        os._exit(code)
