@@ -1,5 +1,8 @@
 """Rollout throughput by backend: the same prompts, weights and sampling through
 rollout.backend=hf and rollout.backend=vllm, tokens/s each and the ratio (goal: vllm >= 4x hf).
+A third row, `vllm-plain`, is vLLM's own offline `LLM` with the same engine arguments, prompts and
+per-request seeds but without the RL backend's glue (its log-prob wrapper, our Generation
+records): the backend's tokens/s over it is what the glue costs.
 
 A ~100M-parameter Qwen3-shaped checkpoint (hidden 768, 12 layers, 12 heads of 64, 4 KV heads,
 SwiGLU 2048, vocabulary 32,000, tied embeddings; random weights, fp32), PROMPTS random prompts
@@ -123,6 +126,42 @@ def run_grpo_split(model_dir: str, tmp: str, quick: bool) -> tuple[Table, dict]:
     return table, split
 
 
+def _time_vllm_plain(model_dir: str, prompts, max_new: int, repeats: int) -> dict:
+    """vLLM's offline LLM alone (no RL glue), as _time_backend times a backend: the same
+    engine arguments and thread binding as rollout.backend=vllm, the sampled token's log-prob
+    requested (vLLM's default mode), one seed per request."""
+    import torch
+    import vllm
+
+    from engine.rl.config import VLLMConfig
+    from engine.rl.rollout.vllm_backend import cpu_bind, without_launcher_env
+    from engine.rl.rollout.vllm_settings import engine_args
+
+    on_cpu = not torch.cuda.is_available()
+    start = time.perf_counter()
+    with without_launcher_env(cpu_bind() if on_cpu else None):
+        llm = vllm.LLM(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True,
+                       **engine_args(VLLMConfig(), 1, on_cpu))
+    load = time.perf_counter() - start
+
+    def call(count: int, new: int):
+        params = [vllm.SamplingParams(temperature=1.0, max_tokens=new, seed=i, logprobs=0,
+                                      detokenize=False) for i in range(count)]
+        return llm.generate([{"prompt_token_ids": p} for p in prompts[:count]], params,
+                            use_tqdm=False)
+
+    call(2, 4)  # warm-up
+    times, tokens = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = call(len(prompts), max_new)
+        times.append(time.perf_counter() - start)
+        tokens.append(sum(len(o.outputs[0].token_ids) for o in out))
+    llm.llm_engine.engine_core.shutdown()
+    return {"load_s": load, "seconds": median(times), "tokens": median(tokens),
+            "tokens_per_s": median(tokens) / median(times)}
+
+
 def run_backends(quick: bool) -> BenchResult:
     from tools.tiny_models import build_tiny_model
 
@@ -135,17 +174,22 @@ def run_backends(quick: bool) -> BenchResult:
         prompts = _prompts(count, MODEL["vocab_size"])
         for name in ("hf", "vllm"):
             results[name] = _time_backend(name, model_dir, prompts, max_new, repeats)
+        results["vllm-plain"] = _time_vllm_plain(model_dir, prompts, max_new, repeats)
         split_table, split = run_grpo_split(model_dir, tmp, quick)
-    ratio = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
+    hf_rate = results["hf"]["tokens_per_s"]
+    ratio = results["vllm"]["tokens_per_s"] / hf_rate
+    glue = results["vllm"]["tokens_per_s"] / results["vllm-plain"]["tokens_per_s"]
     rows = [[name, fmt(r["load_s"], 1), fmt(r["seconds"], 1), str(int(r["tokens"])),
-             fmt(r["tokens_per_s"], 0), fmt(ratio, 2) + "x" if name == "vllm" else ""]
-            for name, r in results.items()]
+             fmt(r["tokens_per_s"], 0), "" if name == "hf" else
+             fmt(r["tokens_per_s"] / hf_rate, 2) + "x"] for name, r in results.items()]
     table = Table("Rollout throughput by backend (same prompts, weights and sampling)",
                   ["backend", "start-up s", "median s per call", "tokens", "tokens/s", "ratio"],
                   rows, [f"{count} prompts x up to {max_new} new tokens, ~100M-parameter "
                          f"Qwen3-shaped model, fp32, temperature 1, one seed per response, "
                          f"{THREADS} threads, median of {repeats} timed call(s) after a "
-                         "warm-up; eos is a token random weights rarely sample"])
+                         "warm-up; eos is a token random weights rarely sample; vllm-plain: "
+                         f"vLLM's LLM without the RL glue (vllm / vllm-plain = {glue:.2f})"])
     return BenchResult([table, split_table], {"vllm_over_hf_tokens_per_s": ratio,
+                                              "vllm_over_plain_vllm_tokens_per_s": glue,
                                               "rollout_backends": results,
                                               "grpo_step_split": split})

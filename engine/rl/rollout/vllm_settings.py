@@ -24,12 +24,14 @@ OWN_ARGS = ("model", "dtype", "seed", "skip_tokenizer_init", "logprobs_mode",
 def engine_args(vcfg, tensor_parallel_size: int, on_cpu: bool) -> dict:
     """vllm.LLM keyword arguments of rollout.vllm `vcfg` for an engine on
     `tensor_parallel_size` devices (rollout.gpus_per_engine); `on_cpu`: a host without GPUs
-    (KV cache sized in bytes, eager, no sleep mode, and one process: the engine's tensor
+    (KV cache sized in bytes, eager, no sleep mode, and one device: the engine's tensor
     parallelism is for GPUs, so a CPU engine runs with tensor_parallel_size 1 whatever the
     placement gives it)."""
     kwargs = dict(vcfg.engine_kwargs or {})
     kwargs["tensor_parallel_size"] = 1 if on_cpu else tensor_parallel_size
-    if on_cpu:  # the engine process holds the model itself (no worker processes)
+    # one device: vLLM 0.32's CPU platform still runs the model in one worker process beside
+    # the engine-core process (it turns "uni" into "mp" to set up the worker's OpenMP threads)
+    if on_cpu:
         kwargs["distributed_executor_backend"] = "uni"
     kwargs["enable_prefix_caching"] = bool(vcfg.enable_prefix_caching)
     kwargs["enforce_eager"] = on_cpu if vcfg.enforce_eager is None else bool(vcfg.enforce_eager)
