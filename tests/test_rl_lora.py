@@ -125,19 +125,22 @@ def test_first_rollout_comes_from_the_adapter_and_from_the_resumed_checkpoint(
     non-zero B (model.lora.init_from): step 1 is sampled from the merged adapter
     (rollout/logprob_diff < 1e-5 at step 1). Negative control: the base model's log-probs of
     those tokens, what an engine left with model.hf_path would serve, are far from the rollout's.
-    The run stops after step 1 with a checkpoint and resumes: the resumed step is exact too."""
+    The run stops after step 1 with a checkpoint and resumes: the resumed step is exact too.
+    At DP2: a LoRA checkpoint written by two data-parallel ranks (their adapters are replicas;
+    megatron numbered them both replica 0 until the adapters passed their DP x CP group, and
+    the save failed with "Invalid access pattern")."""
     adapter = build_peft_adapter(model_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
     ck = tmp_path / "ck"
     extra = (f"model.lora.init_from={adapter}", f"checkpoint.dir={ck}",
              "checkpoint.save_interval=1")
-    (first,) = _run(pools, 1, model_dir, prompts, tmp_path / "run", *extra,
+    (first,) = _run(pools, 2, model_dir, prompts, tmp_path / "run", *extra,
                     "train.exit_interval=1")
     assert first["rollout/logprob_diff"] < 1e-5, first
     records = [json.loads(line) for line in open(tmp_path / "run" / "dump" / "step_1.jsonl")]
     pairs = _transformers_logprobs(model_dir, records, 1.0)
     base_gap = max(abs(a - b) for a, b in pairs)
     assert base_gap > 1e-2, base_gap
-    both = _run(pools, 1, model_dir, prompts, tmp_path / "run", *extra)
+    both = _run(pools, 2, model_dir, prompts, tmp_path / "run", *extra)
     assert len(both) == 2 and both[1]["rollout/logprob_diff"] < 1e-5, both
 
 

@@ -205,23 +205,31 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
 def test_async_staleness_1_on_vllm_serves_the_version_that_sampled_each_batch(pools, qwen3_dir,
                                                                              tmp_path):
     """rollout.placement=disaggregated with rollout.max_staleness=1 (2 training ranks, 1 rollout
-    rank running the vLLM engine), LoRA from a PEFT adapter with non-zero B, 3 steps: with
+    rank running the vLLM engine), LoRA from a PEFT adapter with non-zero B, 3 steps, stopped
+    after step 1 (train.exit_interval saves a checkpoint) and resumed by a new run. With
     rollout.check_behaviour_logprobs the trainer recomputes each batch's log-probs with the
-    policy version that sampled it, and the engine's equal them at every step (< 1e-5); the
+    policy version that sampled it, and the engine's equal them (< 1e-5): at step 1 (the merged
+    adapter synced before the first rollout) and at step 3, whose batch the resumed run's new
+    engine sampled with the checkpoint's weights. Step 2 trains on the batch the checkpoint
+    carried (sampled by version 0, which it does not hold: no behaviour metric there). The
     current weights' log-probs (rollout/logprob_diff) differ from step 2 on by the one-version
     lag, so the check tells the versions apart."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
     adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
-    metrics = _grpo(pools, 3, qwen3_dir, prompts, tmp_path / "async",
-                    "model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
-                    "rollout.placement=disaggregated", "rollout.num_ranks=1",
-                    "rollout.max_staleness=1", "rollout.check_behaviour_logprobs=true",
-                    "rollout.peer_timeout_s=300", "train.max_steps=3",
-                    "train.mini_batches_per_step=1", own_world=True)
+    keys = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
+            "rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.max_staleness=1",
+            "rollout.check_behaviour_logprobs=true", "rollout.peer_timeout_s=300",
+            "train.max_steps=3", "train.mini_batches_per_step=1",
+            f"checkpoint.dir={tmp_path / 'ckpt'}")
+    metrics = _grpo(pools, 3, qwen3_dir, prompts, tmp_path / "async", *keys,
+                    "train.exit_interval=1", own_world=True)
+    metrics += _grpo(pools, 3, qwen3_dir, prompts, tmp_path / "resumed", *keys, own_world=True)
+    assert [m["step"] for m in metrics] == [1, 2, 3], metrics
     assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0], metrics
-    assert all(m["rollout/behaviour_logprob_diff"] < 1e-5 for m in metrics), metrics
+    behaviour = [m.get("rollout/behaviour_logprob_diff") for m in metrics]
+    assert behaviour[1] is None and behaviour[0] < 1e-5 and behaviour[2] < 1e-5, metrics
     assert metrics[0]["rollout/logprob_diff"] < 1e-5
     assert all(m["rollout/logprob_diff"] > 1e-3 for m in metrics[1:]), metrics
 

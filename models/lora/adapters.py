@@ -39,6 +39,7 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_sequence_parallel_region,
@@ -242,8 +243,13 @@ class LoraAdapter(torch.nn.Module):
         state = self.state_dict(prefix="", keep_vars=True)
         split = "B_" if self.kind == "column" else "A_"
         axis = {k: (0 if self.kind == "column" else 1) for k in state if k.startswith(split)}
+        # the DP x CP group too: given only tp_group, megatron numbers every data-parallel
+        # copy replica 0 and a save at DP >= 2 fails ("Invalid access pattern"); expert
+        # adapters get their expert-DP replica ids from SequentialMLP afterwards
+        dp_cp = (metadata or {}).get("dp_cp_group") or \
+            parallel_state.get_data_parallel_group(with_context_parallel=True)
         return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets,
-                                                   tp_group=self.group)
+                                                   tp_group=self.group, dp_cp_group=dp_cp)
 
 
 @contextmanager
