@@ -378,6 +378,13 @@ def test_validate_prints_the_split_and_both_sides_memory(capsys):
     assert "memory per training GPU (estimate, GiB): policy" in out
     assert "memory per rollout GPU (estimate, GiB): hf engine weights 15.3" in out
     assert "host memory per engine owner (estimate, GiB): 30.5" in out
+    assert "rollout.check_behaviour_logprobs" not in out
+    # the behaviour check's host copies: (s + 1) x a TP2 rank's half of the 8.19e9 bf16
+    # parameters = 2 x 7.6 GiB
+    assert rl_validate_main(base + ["rollout.num_ranks=8",
+                                    "rollout.check_behaviour_logprobs=true"]) == 0
+    assert ("host memory per training rank for rollout.check_behaviour_logprobs (estimate, "
+            "GiB): 15.3 (1 kept version(s)") in capsys.readouterr().out
     assert rl_validate_main(base + ["rollout.num_ranks=6"]) == 2
     refused = capsys.readouterr()
     assert "rollout.num_ranks=6 must be whole nodes of 8 GPUs" in refused.out + refused.err

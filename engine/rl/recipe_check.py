@@ -205,12 +205,19 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
     reference = (max(stage.first_stage, stage.last_stage) * a / GIB
                  if cfg.kl.beta > 0 and lora is None else 0.0)   # LoRA: the frozen base
     engine = stage_parameters(hf, 1, 1).total * a / GIB  # hf backend: the whole model
-    return mem.total + reference, engine, [
+    lines = [
         f"memory per training GPU (estimate, GiB): policy {mem.total:.1f} + KL reference "
         f"{reference:.1f} = {mem.total + reference:.1f}",
         f"memory per rollout GPU (estimate, GiB): {r.backend} engine weights {engine:.1f}",
         f"host memory per engine owner (estimate, GiB): {2 * engine:.1f} (the served version, "
         "kept for engine restarts, plus one version received ahead; engine.rl.disaggregated.inbox)"]
+    if r.check_behaviour_logprobs and r.max_staleness >= 1:
+        shard = mem.grads * a / 4  # a rank's trainable parameters (fp32 grads) in model.dtype
+        lines.append(f"host memory per training rank for rollout.check_behaviour_logprobs "
+                     f"(estimate, GiB): {(r.max_staleness + 1) * shard:.1f} ({r.max_staleness} "
+                     "kept version(s) of its trainable shard, plus its current values during "
+                     "each step's swap; engine.rl.disaggregated.behaviour_check)")
+    return mem.total + reference, engine, lines
 
 
 def rl_comm(cfg: RLConfig, hf: dict, world: int, engines: int) -> tuple[list[str], dict]:
