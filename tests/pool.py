@@ -811,6 +811,17 @@ def _keep_default_group(group=None):
     return _ORIGINAL_DESTROY(group)
 
 
+def preload() -> None:
+    """Import PRELOAD (a speed-up only: a module that fails to import is forgotten, and fails
+    the cases that import it)."""
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001
+            for stale in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[stale]
+
+
 def _worker_main() -> None:
     global _ORIGINAL_DESTROY
 
@@ -827,12 +838,7 @@ def _worker_main() -> None:
     import engine.cli
 
     engine.cli.exit_process = _exit_without_ending
-    for name in PRELOAD:  # a speed-up only: a module that fails to import fails its cases
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001
-            for stale in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
-                del sys.modules[stale]
+    preload()
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     from multiprocessing.connection import Client
 

@@ -29,13 +29,16 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# the rank-specific variables (tests.pool.torchrun_env and the pool socket) are not the
-# zygote's own: they are set in each forked rank
-RANK_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
-             "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-             "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "RANK_POOL_SOCKET",
-             "RANK_POOL_KEY")
+
+
+def rank_keys() -> set[str]:
+    """The rank-specific variables (tests.pool.torchrun_env and the pool socket), set in each
+    forked rank; OMP_NUM_THREADS is the same for every rank and is read when torch loads, so
+    it stays the zygote's own."""
+    from tests.pool import torchrun_env
+
+    return (set(torchrun_env(0, 1, "0")) - {"OMP_NUM_THREADS"}) | {"RANK_POOL_SOCKET",
+                                                                   "RANK_POOL_KEY"}
 
 
 class ForkedRank:
@@ -100,7 +103,8 @@ class Zygote:
     def fork(self, rank_env: dict[str, str], log_path: Path) -> ForkedRank:
         """A rank process with environment `rank_env` (the base environment plus the rank's
         own variables), stdout and stderr to `log_path`."""
-        base = {k: v for k, v in rank_env.items() if k not in RANK_KEYS}
+        own = rank_keys()
+        base = {k: v for k, v in rank_env.items() if k not in own}
         with self.lock:
             if self.proc is None or self.proc.poll() is not None or base != self.env:
                 self._start(base)
@@ -173,15 +177,11 @@ def _run_forked(request: dict) -> None:
 
 
 def main() -> None:
-    import importlib
-
     sys.path.insert(0, str(REPO_ROOT))
     import parallel  # noqa: F401  (megatron's jit fuser off before megatron loads)
-    from tests.pool import PRELOAD
+    from tests.pool import preload
 
-    for name in PRELOAD:  # a failed import is retried (and reported) by the rank itself
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
+    preload()  # a failed import is tried again (and reported) by the rank itself
     exit_files: dict[int, str] = {}
     signal.signal(signal.SIGCHLD, _reap(exit_files))
     print("ready", flush=True)

@@ -63,17 +63,27 @@ def _time_backend(name: str, model_dir: str, prompts, max_new: int, repeats: int
     else:
         engine = make_rollout_engine("hf", model_dir, dtype=torch.float32)
     load = time.perf_counter() - start
-    seeds = list(range(len(prompts)))
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, seeds=seeds[:2]))  # warm-up
+
+    def call(count: int, new: int) -> int:
+        params = SamplingParams(max_new_tokens=new, temperature=1.0, seeds=list(range(count)))
+        return sum(len(g.response_ids) for g in engine.generate(prompts[:count], params))
+
+    try:
+        return _timed(call, load, len(prompts), max_new, repeats)
+    finally:
+        engine.shutdown()
+
+
+def _timed(call, load_s: float, count: int, max_new: int, repeats: int) -> dict:
+    """`call(count, new_tokens)` -> generated tokens: one warm-up call (2 prompts, 4 tokens),
+    then `repeats` timed calls; medians of seconds and tokens."""
+    call(2, 4)
     times, tokens = [], []
     for _ in range(repeats):
-        params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seeds=seeds)
         start = time.perf_counter()
-        out = engine.generate(prompts, params)
+        tokens.append(call(count, max_new))
         times.append(time.perf_counter() - start)
-        tokens.append(sum(len(g.response_ids) for g in out))
-    engine.shutdown()
-    return {"load_s": load, "seconds": median(times), "tokens": median(tokens),
+    return {"load_s": load_s, "seconds": median(times), "tokens": median(tokens),
             "tokens_per_s": median(tokens) / median(times)}
 
 
@@ -144,22 +154,17 @@ def _time_vllm_plain(model_dir: str, prompts, max_new: int, repeats: int) -> dic
                        **engine_args(VLLMConfig(), 1, on_cpu))
     load = time.perf_counter() - start
 
-    def call(count: int, new: int):
+    def call(count: int, new: int) -> int:
         params = [vllm.SamplingParams(temperature=1.0, max_tokens=new, seed=i, logprobs=0,
                                       detokenize=False) for i in range(count)]
-        return llm.generate([{"prompt_token_ids": p} for p in prompts[:count]], params,
-                            use_tqdm=False)
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts[:count]], params,
+                           use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in out)
 
-    call(2, 4)  # warm-up
-    times, tokens = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = call(len(prompts), max_new)
-        times.append(time.perf_counter() - start)
-        tokens.append(sum(len(o.outputs[0].token_ids) for o in out))
-    llm.llm_engine.engine_core.shutdown()
-    return {"load_s": load, "seconds": median(times), "tokens": median(tokens),
-            "tokens_per_s": median(tokens) / median(times)}
+    try:
+        return _timed(call, load, len(prompts), max_new, repeats)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def run_backends(quick: bool) -> BenchResult:

@@ -45,19 +45,18 @@ class VersionSnapshots:
         self.versions: dict[int, list[torch.Tensor]] = {}
         self.told_missing = False
 
-    def _used_later(self, version: int, trained_by: int) -> bool:
-        """Whether a batch k >= trained_by (still to be trained) is sampled by `version`."""
+    def _sampled_by(self, version: int, first_batch: int) -> bool:
+        """Whether a batch k >= first_batch (still to be trained) is sampled by `version`."""
         return any(batch_version(k, self.s) == version
-                   for k in range(trained_by, self.max_steps))
+                   for k in range(first_batch, self.max_steps))
 
     def keep(self, policy: TrainEngine, version: int) -> None:
         """After version `version` is final (version `start` at the beginning, version v after
         step v): copy it to host memory when a later batch is sampled by it and trained by a
         newer version; drop the copies no batch needs any more."""
         self.versions = {v: t for v, t in self.versions.items()
-                         if self._used_later(v, version)}
-        if not any(batch_version(k, self.s) == version
-                   for k in range(version + 1, self.max_steps)):
+                         if self._sampled_by(v, version)}
+        if not self._sampled_by(version, version + 1):  # batch `version` trains on it itself
             return
         policy.gather_params()  # overlap_param_gather: the last step's values everywhere
         self.versions[version] = [t.detach().to("cpu", copy=True)
