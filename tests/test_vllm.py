@@ -21,6 +21,7 @@ import torch
 from engine.config.loading import load_config
 from engine.rl.checks import rl_problems
 from engine.rl.config import RLConfig, VLLMConfig
+from engine.rl.policy.weight_sync import probe_tokens
 from engine.rl.rollout.base import SamplingParams
 from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
 from tools.tiny_models import build_eos_model, build_peft_adapter, build_tiny_model
@@ -30,10 +31,10 @@ TINY = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, head_di
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
 
 
-def _engine(model_dir: str, **vllm_keys):
+def _engine(model_dir: str, check_weight_sync: bool = False, **vllm_keys):
     from engine.rl.rollout.vllm_backend import VLLMRolloutEngine  # vLLM: this file only
     return VLLMRolloutEngine(model_dir, dtype=torch.float32, seed=0,
-                             **engine_args(VLLMConfig(**vllm_keys), 1, True))
+                             **engine_args(VLLMConfig(**vllm_keys), 1, True, check_weight_sync))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def qwen3_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def qwen3(qwen3_dir):
-    engine = _engine(qwen3_dir, max_model_len=64)
+    engine = _engine(qwen3_dir, check_weight_sync=True, max_model_len=64)
     yield engine
     engine.shutdown()
 
@@ -113,11 +114,21 @@ def _sync(engine, weights: dict, skip: str | None = None, per_bucket: int = 3) -
         engine.update_weights([(n, weights[n]) for n in names[i:i + per_bucket]])
 
 
+def _probe_diff(engine, model) -> float:
+    """max |engine.probe_logits - log_softmax(transformers logits)| on the sync check's probe."""
+    probe = probe_tokens(engine.vocab_size)
+    with torch.no_grad():
+        ref = model(probe).logits.float().log_softmax(-1)
+    return float((engine.probe_logits(probe) - ref).abs().max())
+
+
 def test_a_sync_that_changes_every_parameter_lands_exactly(qwen3, qwen3_dir, tmp_path):
     """Tied Qwen3 (vLLM's reload leaves the tied head stale on CPU unless repacked; the module's
     engine, restored to its weights at the end): after a sync of perturbed weights the engine's
-    log-probs equal transformers' with those weights; a sync missing one tensor is refused
-    instead of serving stale weights, and a full sync after it is exact again. Qwen3-MoE (its
+    log-probs equal transformers' with those weights, in sampling and in the full-vocabulary
+    probe of rollout.check_weight_sync (negative control: far from the old weights'); a sync
+    missing one tensor is refused by both instead of serving stale weights, and a full sync
+    after it is exact again. Qwen3-MoE (its
     CPU expert kernel must be rebuilt after a sync) is checked end to end by
     test_multi_turn_moe_episodes_on_vllm_are_exact: a sync before step 1 and after it."""
     model_dir, engine = qwen3_dir, qwen3
@@ -128,12 +139,15 @@ def test_a_sync_that_changes_every_parameter_lands_exactly(qwen3, qwen3_dir, tmp
     new, old = _transformers(str(tmp_path / "new")), _transformers(model_dir)
     assert _max_diff(new, gens, 1.0) < 2e-5
     assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
+    assert _probe_diff(engine, new) < 1e-5 and _probe_diff(engine, old) > 1e-1
     skipped = "model.layers.1.self_attn.o_proj.weight"
     _sync(engine, weights, skip=skipped)
     with pytest.raises(RuntimeError, match=r"not \(fully\) written.*o_proj"):
         engine.generate(PROMPTS, params)
     with pytest.raises(RuntimeError, match="stale weights"):
         engine.generate(PROMPTS, params)   # still refused until a full sync
+    with pytest.raises(RuntimeError, match="probe_logits.*stale weights"):
+        engine.probe_logits(probe_tokens(engine.vocab_size))
     _sync(engine, weights, per_bucket=5)
     assert _max_diff(new, engine.generate(PROMPTS, params), 1.0) < 2e-5
     _sync(engine, _new_weights(model_dir, tmp_path / "restored", None))  # back to the start
@@ -149,15 +163,18 @@ def test_rollout_vllm_keys_are_checked_by_name():
     cfg = _cfg("rollout.vllm.max_model_len=16", "rollout.vllm.kv_cache_gib=0",
                "rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.sleep_level=3",
                "+rollout.vllm.engine_kwargs.no_such_arg=1",
-               "+rollout.vllm.engine_kwargs.seed=3", "rollout.check_weight_sync=true",
-               "rollout.sync_quantization=fp8")
+               "+rollout.vllm.engine_kwargs.seed=3",
+               "+rollout.vllm.engine_kwargs.max_logprobs=5", "rollout.sync_quantization=fp8")
     problems = " | ".join(vllm_problems(cfg, {}))
     for key in ("rollout.vllm.kv_cache_gib=0", "gpu_memory_utilization=1.5",
                 "rollout.vllm.sleep_level=3", "max_model_len=16 is below train.seq_length",
-                "['no_such_arg'] are not vllm.EngineArgs", "['seed'] are set from",
-                "rollout.check_weight_sync=true", "rollout.sync_quantization='fp8'"):
+                "['no_such_arg'] are not vllm.EngineArgs", "['max_logprobs', 'seed'] are set from",
+                "rollout.sync_quantization='fp8'"):
         assert key in problems, (key, problems)
     assert vllm_problems(_cfg(), {}) == []
+    assert vllm_problems(_cfg("rollout.check_weight_sync=true"), {}) == []
+    assert engine_args(VLLMConfig(), 1, True, check_weight_sync=True)["max_logprobs"] == -1
+    assert "max_logprobs" not in engine_args(VLLMConfig(), 1, True)
     assert not any("vllm" in p for p in rl_problems(_cfg()))
 
 
@@ -185,17 +202,25 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
     the base, 2 mini-batches per step (so step 2 samples after a sync): the engine's log-probs
     equal the trainer's at every step (rollout/logprob_diff < 1e-5), step 1 included (the
     engine loaded the base; the merged adapter is synced before the first rollout), at
-    one process and at DP2 x TP2, and both layouts log the same training metrics (rel 1e-5)."""
+    one process and at DP2 x TP2, and both layouts log the same training metrics (rel 1e-5).
+    With rollout.check_weight_sync every engine's full-vocabulary probe equals the trainer's
+    log-probs after each step's sync (< 1e-4, the bound of the hf backend's check: the max is
+    over the whole vocabulary, where fp32 errors of tail log-probs reach 1.6e-5), and moved
+    with it."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
     adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
-    lora = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}")
+    lora = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
+            "rollout.check_weight_sync=true")
     one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora)
     four = _grpo(pools, 4, qwen3_dir, prompts, tmp_path / "dp2_tp2", *lora, "parallel.tp=2")
     assert len(one) == len(four) == 2
     for a, b in zip(one, four):
         assert a["rollout/logprob_diff"] < 1e-5 and b["rollout/logprob_diff"] < 1e-5, (a, b)
+        for m in (a, b):   # every engine's probe after each step's sync equals the trainer's
+            assert m["debug/sync_logit_max_diff"] < 1e-4, m   # all V rows, tails included
+            assert m["debug/sync_logit_change"] > 1e-2, m   # ... and the weights did move
         assert a["reward/mean"] == b["reward/mean"]   # the same samples (per-response seeds)
         for key in ("policy/loss", "policy/kl", "grad_norm", "response/length_mean"):
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (key, a, b)

@@ -124,11 +124,15 @@ def check_weight_sync(chunks: list, vocab_size: int, engine: RolloutEngine | Non
     """Debug metrics after a sync, on rank 0: the largest max |engine logits - trainer logits|
     over all engines on a fixed probe (fp32, models.build.forward.forward_logits; collective over the
     world, needs cp == 1 and engines whose `supports_logit_probe`), and how far rank 0's engine's
-    logits moved from `before`. `engine`: this rank's own engine, or None."""
+    logits moved from `before`. Where the engine reports log-probs (`logit_probe_space`
+    "logprobs", vLLM) both sides are compared as log_softmax of the logits. `engine`: this
+    rank's own engine, or None."""
     probe = probe_tokens(vocab_size)
     trainer = forward_logits(chunks, probe, vocab_size).cpu()
     mine = None
     if engine is not None:
+        if engine.logit_probe_space == "logprobs":
+            trainer = trainer.float().log_softmax(-1)
         after = engine.probe_logits(probe)
         mine = (float((after - trainer).abs().max()),
                 float((after - before).abs().max()) if before is not None else None)

@@ -92,6 +92,9 @@ class RolloutEngine(abc.ABC):
 
     # True when `probe_logits` works (rollout.check_weight_sync compares them with the trainer)
     supports_logit_probe = False
+    # what `probe_logits` returns: "logits", or "logprobs" (log_softmax of the logits, for an
+    # engine that reports only those; the check then normalises the trainer's logits too)
+    logit_probe_space = "logits"
     # rollout.sync_quantization values `update_weights` accepts (engine.rl.rollout
     # .sync_quantization): "fp8" = float8 weights, each with its `weight_scale_inv` in the bucket
     sync_quantizations: tuple[str, ...] = ()
@@ -147,8 +150,9 @@ class RolloutEngine(abc.ABC):
         self._sleeping = asleep
 
     def probe_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Float32 CPU logits [1, s, V] of the engine's model for `input_ids` [1, s]; only when
-        `supports_logit_probe` (debug check of a weight sync)."""
+        """Float32 CPU logits [1, s, V] of the engine's model for `input_ids` [1, s] (their
+        log_softmax when `logit_probe_space` is "logprobs"); only when `supports_logit_probe`
+        (debug check of a weight sync)."""
         raise NotImplementedError(f"{type(self).__name__} cannot report logits")
 
     def shutdown(self) -> None:

@@ -13,6 +13,10 @@ top_p = 1). The engine runs in processed_logprobs mode with the runner's top-k/t
 wrapped (`ContractLogprobs`): the log-probs come from the temperature-scaled logits before the
 filter; the sampled token is still vLLM's (its per-request generator).
 
+Sync check (rollout.check_weight_sync): vLLM reports no logits, so `probe_logits` returns
+their log_softmax, the engine's full-vocabulary prompt log-probs (engine built with
+max_logprobs=-1), and the check compares them with log_softmax of the trainer's logits.
+
 Tokens in and out: prompts go in as token ids, the tokenizer is not loaded and nothing is
 detokenized, responses are vLLM's sampled ids. Stop tokens: every eos id of config.json and
 generation_config.json; the eos token is kept in response_ids with finish_reason "stop".
@@ -157,7 +161,8 @@ class VLLMRolloutEngine(RolloutEngine):
             builds them from rollout.vllm.*).
     """
 
-    supports_logit_probe = False
+    supports_logit_probe = True
+    logit_probe_space = "logprobs"   # vLLM reports log-probs of its logits, not the logits
 
     @classmethod
     def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int,
@@ -169,7 +174,8 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError(cls.routed_experts_problem())
         return cls(hf_path, dtype=dtype, seed=seed, sleep_level=rollout_cfg.vllm.sleep_level,
                    trust_remote_code=trust_remote_code,
-                   **engine_args(rollout_cfg.vllm, gpus[1], _on_cpu()))
+                   **engine_args(rollout_cfg.vllm, gpus[1], _on_cpu(),
+                                 check_weight_sync=rollout_cfg.check_weight_sync))
 
     @classmethod
     def routed_experts_problem(cls) -> str | None:
@@ -213,14 +219,18 @@ class VLLMRolloutEngine(RolloutEngine):
             if self._alive else None
         return self._alive and not getattr(resources, "engine_dead", False)
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _ready(self, what: str) -> None:
+        """Awake, the open sync closed, and no parameter left stale by it; else refuse `what`."""
         if self.is_asleep:
-            raise RuntimeError("generate: the rollout engine is asleep; call wake() first")
+            raise RuntimeError(f"{what}: the rollout engine is asleep; call wake() first")
         self._close_sync()
         if self._stale:
-            raise RuntimeError(f"generate: the last weight sync left {len(self._stale)} vLLM "
+            raise RuntimeError(f"{what}: the last weight sync left {len(self._stale)} vLLM "
                                f"parameters or layers unwritten ({self._stale[:3]}); refusing "
                                "to sample with stale weights")
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        self._ready("generate")
         self._check_prompts(prompts, params)
         greedy = params.temperature == 0
         sampling, make_params = [], _vllm().SamplingParams
@@ -237,6 +247,30 @@ class VLLMRolloutEngine(RolloutEngine):
                                         sampling, use_tqdm=False)
         return [self._generation(prompt, out.outputs[0])
                 for prompt, out in zip(prompts, outputs, strict=True)]
+
+    def probe_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """log_softmax of the engine's logits, float32 [1, s, V] on CPU, for `input_ids` [1, s]
+        (rollout.check_weight_sync; `logit_probe_space` "logprobs"). vLLM reports log-probs,
+        not logits: these are its full-vocabulary prompt log-probs (log_softmax of the raw
+        logits, in every logprobs mode) of the probe followed by one more token, whose row is
+        the last probe position's. Needs an engine built with max_logprobs=-1 (engine_args
+        sets it with rollout.check_weight_sync)."""
+        if self.vllm_config.model_config.max_logprobs != -1:
+            raise RuntimeError("probe_logits needs an engine built with max_logprobs=-1 "
+                               "(rollout.check_weight_sync=true sets it)")
+        self._ready("probe_logits")
+        ids = [int(t) for t in input_ids[0]]
+        params = _vllm().SamplingParams(n=1, max_tokens=1, temperature=1.0, seed=0,
+                                        prompt_logprobs=-1, detokenize=False)
+        from vllm.inputs import TokensPrompt  # vLLM, imported on first use (_vllm)
+        with preserved_global_rng():
+            (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids + ids[:1])], params,
+                                       use_tqdm=False)
+        rows = out.prompt_logprobs[1:]   # row i: the distribution after ids[:i + 1]
+        table = torch.full((len(rows), self.vocab_size), float("-inf"))
+        for i, row in enumerate(rows):
+            table[i, torch.tensor(list(row))] = torch.tensor([lp.logprob for lp in row.values()])
+        return table[None]
 
     def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
         for i, prompt in enumerate(prompts):

@@ -18,16 +18,21 @@ MISSING_VLLM = ("rollout.backend=vllm needs vLLM: on an x86-64 CPU host `pip ins
 OWN_ARGS = ("model", "dtype", "seed", "skip_tokenizer_init", "logprobs_mode",
             "trust_remote_code", "tensor_parallel_size", "max_model_len",
             "gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_seqs", "enforce_eager",
-            "enable_prefix_caching", "enable_sleep_mode", "worker_extension_cls")
+            "enable_prefix_caching", "enable_sleep_mode", "worker_extension_cls",
+            "max_logprobs")
 
 
-def engine_args(vcfg, tensor_parallel_size: int, on_cpu: bool) -> dict:
+def engine_args(vcfg, tensor_parallel_size: int, on_cpu: bool,
+                check_weight_sync: bool = False) -> dict:
     """vllm.LLM keyword arguments of rollout.vllm `vcfg` for an engine on
     `tensor_parallel_size` devices (rollout.gpus_per_engine); `on_cpu`: a host without GPUs
     (KV cache sized in bytes, eager, no sleep mode, and one device: the engine's tensor
     parallelism is for GPUs, so a CPU engine runs with tensor_parallel_size 1 whatever the
-    placement gives it)."""
+    placement gives it); `check_weight_sync` (rollout.check_weight_sync): the engine reports
+    full-vocabulary prompt log-probs (max_logprobs=-1), which its logit probe reads."""
     kwargs = dict(vcfg.engine_kwargs or {})
+    if check_weight_sync:
+        kwargs["max_logprobs"] = -1
     kwargs["tensor_parallel_size"] = 1 if on_cpu else tensor_parallel_size
     # one device: vLLM 0.32's CPU platform still runs the model in one worker process beside
     # the engine-core process (it turns "uni" into "mp" to set up the worker's OpenMP threads)
@@ -82,9 +87,6 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
     if own:
         p.append(f"rollout.vllm.engine_kwargs: {own} are set from rollout.vllm.* / the "
                  "placement; use those keys")
-    if rollout.check_weight_sync:
-        p.append("rollout.check_weight_sync=true needs the engine's logits, which "
-                 "rollout.backend=vllm does not expose; use rollout.backend=hf for that check")
     if rollout.sync_quantization is not None:
         p.append(f"rollout.sync_quantization={rollout.sync_quantization!r} with "
                  "rollout.backend=vllm is not built (vLLM's FP8 reload has not run here); use "
