@@ -4,9 +4,11 @@ Engine cases on tiny checkpoints with 32-dim heads (vLLM's CPU attention refuses
 the log-prob contract against transformers at T = 0.7, top-p 0.9 (negative control: the
 log-probs of T = 1 are far), per-response seeds independent of the batch, finish reasons, a
 sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
-skipped tensor is refused), the refusal of a too-long prompt. GRPO through `engine.rl` on the
-rank pool: LoRA from a non-zero PEFT adapter at one process and DP2 x TP2 (rollout/logprob_diff
-< 1e-5 at every step, the first included, and the same training metrics), and one run with
+skipped tensor is refused) in sampling and in the full-vocabulary probe of
+rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine reported dead. GRPO
+through `engine.rl` on the rank pool: LoRA from a non-zero PEFT adapter at one process and
+DP2 x TP2 with two engines (rollout/logprob_diff < 1e-5 at every step, the first included, the
+sync check on every engine, and the same training metrics), and one run with
 two-turn episodes on Qwen3-MoE, R2, PPO with a critic, distillation and validation. Config
 refusals in-process.
 """
