@@ -144,7 +144,7 @@ def _time_vllm_plain(model_dir: str, prompts, max_new: int, repeats: int) -> dic
     import vllm
 
     from engine.rl.config import VLLMConfig
-    from engine.rl.rollout.vllm_backend import engine_process_env
+    from engine.rl.rollout.vllm_process import engine_process_env
     from engine.rl.rollout.vllm_settings import engine_args
 
     on_cpu = not torch.cuda.is_available()

