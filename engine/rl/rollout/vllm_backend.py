@@ -162,29 +162,37 @@ class VLLMRolloutEngine(RolloutEngine):
         restarts the engine instead of retrying)."""
         if not self._alive:
             return False
-        client = self.llm.llm_engine.engine_core
-        resources = getattr(client, "resources", None)   # the engine core's own process
-        executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
+        resources, executor = self._vllm_parts()
         return not (getattr(resources, "engine_dead", False)
                     or getattr(executor, "is_failed", False))
+
+    def _vllm_parts(self):
+        """(the client's resources when the engine core has a process of its own, else None;
+        the executor when the engine core is in this process, else None)."""
+        client = self.llm.llm_engine.engine_core
+        return (getattr(client, "resources", None),
+                getattr(getattr(client, "engine_core", None), "model_executor", None))
 
     def engine_pids(self) -> list[int]:
         """The processes this engine started: the engine core's when it has its own, and the
         workers vLLM's executor spawned from this process."""
-        client = self.llm.llm_engine.engine_core
-        manager = getattr(getattr(client, "resources", None), "engine_manager", None)
-        executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
+        resources, executor = self._vllm_parts()
+        manager = getattr(resources, "engine_manager", None)
         return [p.pid for p in getattr(manager, "processes", [])] + \
             [w.proc.pid for w in getattr(executor, "workers", None) or []]
 
-    def _ready(self, what: str) -> None:
-        """Alive, awake, the open sync closed, and no parameter left stale by it; else refuse
-        `what`."""
+    def _usable(self, what: str) -> None:
+        """Refuse `what` on a dead or sleeping engine."""
         if not self.is_alive:
             raise RuntimeError(f"{what}: the vLLM engine is dead (shut down, or one of its "
                                f"processes {self.engine_pids() if self._alive else []} exited)")
         if self.is_asleep:
             raise RuntimeError(f"{what}: the rollout engine is asleep; call wake() first")
+
+    def _ready(self, what: str) -> None:
+        """Alive, awake, the open sync closed, and no parameter left stale by it; else refuse
+        `what`."""
+        self._usable(what)
         self._close_sync()
         if self._stale:
             raise RuntimeError(f"{what}: the last weight sync left {len(self._stale)} vLLM "
@@ -261,10 +269,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of full HF-named tensors; the next generate closes the sync."""
-        if not self.is_alive:
-            raise RuntimeError("update_weights: the vLLM engine is dead")
-        if self.is_asleep:
-            raise RuntimeError("update_weights: the rollout engine is asleep; call wake() first")
+        self._usable("update_weights")
         bucket = list(named_tensors)
         if not bucket:
             return
