@@ -35,8 +35,10 @@ def test_keys_load_from_the_command_line():
 
 def test_all_linear_expands_and_plain_scaling():
     spec = lora_spec(cfg(rank=4, alpha=8.0))
+    # every projection name of every family; a model adapts those it has (models.lora.sites)
     assert spec.targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                            "down_proj"}
+                            "down_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                            "out_proj"}
     assert spec.scaling == 2.0 and spec.seed == 5
     assert lora_problems(cfg(rank=4), DENSE) == []
     assert lora_problems(cfg(), {"model_type": "anything"}) == []   # rank 0: off

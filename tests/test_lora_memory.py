@@ -158,3 +158,34 @@ def test_rl_validate_counts_no_reference_copy_under_lora(capsys):
     assert "(weights 8.2 + grads 16.4 + optimizer 42.7" in captured.out
     assert "+ KL reference 8.2 = 82.8" in captured.out
     assert "estimated peak memory per GPU 127.2 GiB exceeds" in captured.err
+
+
+@pytest.mark.parametrize("moe, targets", [
+    (False, "all-linear"), (False, ["q_proj", "in_proj_qkv", "in_proj_b", "out_proj"]),
+    (True, ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b",
+            "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj"])])
+def test_qwen3_5_count_equals_peft(tmp_path, moe, targets):
+    """Qwen3.5 (Gated DeltaNet layers, gated attention whose q_proj carries the output gate;
+    MoE: gate/up/down are the shared expert's): the count equals peft's trainable parameters,
+    and the modules peft adapts are the family's names (Family.lora_targets), so all-linear
+    means the same on both sides. Negative control: counting q_proj without its gate rows
+    misses parameters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from models.families.registry import FAMILIES
+    from tests.qwen3_5_tiny import build_qwen3_5
+
+    model_dir = build_qwen3_5(str(tmp_path / "q"), moe=moe, tokenizer=False)
+    hf = AutoConfig.from_pretrained(model_dir)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert adapter_parameters(hf, resolve_targets(targets), 4, 1, 1).total == trainable
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[1] for n, _ in model.named_parameters()
+               if ".lora_A" in n}
+    family = FAMILIES[hf.model_type]
+    assert adapted == (set(family.lora_targets) if targets == "all-linear" else set(targets))
+    if targets != "all-linear" and "q_proj" in targets:   # 1 attention layer of 4
+        q_only = adapter_parameters(hf, frozenset({"q_proj"}), 4, 1, 1).total
+        assert q_only == 4 * 64 + 4 * 2 * 4 * 16 != 4 * 64 + 4 * 4 * 16   # the gate rows count

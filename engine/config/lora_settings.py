@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from models.families.base import Family
+from models.families.base import ORIGINAL, Family
 from models.families.registry import FAMILIES, experts_per_layer
 from models.layers.biased_experts.spec import has_biased_experts
 from models.lora.adapters import LoraSpec
@@ -68,10 +68,18 @@ def _model_problems(cfg: Any, hf_config: dict) -> list[str]:
         supported = [name for name, fam in FAMILIES.items() if fam.lora]
         return [f"model.lora.rank={lora.rank}: LoRA is not implemented for model_type "
                 f"{family!r}; supported: {', '.join(supported)}"]
-    refused = FAMILIES[family].lora_refused
+    if ORIGINAL in hf_config:
+        return [f"model.lora.rank={lora.rank}: LoRA on a conditional-generation checkpoint "
+                f"(config.json model_type {hf_config[ORIGINAL].get('model_type')!r}) is not "
+                "built: peft names its adapters under model.language_model.*, which the export "
+                "and init_from do not map; use the text model's checkpoint"]
+    refused, known = FAMILIES[family].lora_refused, FAMILIES[family].lora_targets
     for name in target_list(lora.target_modules):
         if name in refused:
             p.append(f"model.lora.target_modules={name!r} on {family}: {refused[name]}")
+        elif name not in known + ("all-linear", "experts"):
+            p.append(f"model.lora.target_modules={name!r}: {family} has no such projection; "
+                     f"its names: {', '.join(known)} (experts on MoE models), all-linear")
     targets = resolve_targets(lora.target_modules)
     moe = experts_per_layer(hf_config) > 0
     if "experts" in targets and not moe:
@@ -88,7 +96,8 @@ def _model_problems(cfg: Any, hf_config: dict) -> list[str]:
         if "experts" in targets:
             p.append("model.lora.init_from with experts in model.lora.target_modules: PEFT has "
                      "no per-expert adapter names for transformers' fused experts")
-        p += adapter_config_problems(lora.init_from, lora_spec(cfg))
+        p += adapter_config_problems(lora.init_from, lora_spec(cfg),
+                                     frozenset(known + ("experts",)))
     return p
 
 

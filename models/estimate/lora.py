@@ -6,11 +6,18 @@ Per decoder layer, r the rank, h the hidden size, tp the tensor-parallel size, a
 models.lora.adapters / models.lora.sites shard them:
 
 - q_proj, k_proj, v_proj (column-parallel, linear_qkv): each slice A [r, h] replicated on every
-  TP rank, B [out / tp, r] (out: heads x head_dim, or kv heads x head_dim);
+  TP rank, B [out / tp, r] (out: heads x head_dim, twice that for the gated attention's
+  q_proj, or kv heads x head_dim);
 - o_proj (row-parallel): A [r, heads x head_dim / tp], B [h, r] replicated;
+- Gated DeltaNet layers (Qwen3.5; they have no q/k/v/o_proj): in_proj_qkv, in_proj_z,
+  in_proj_b, in_proj_a (column, in_proj) A [r, h] each, B [(2 Dk + Dv) / tp, r], [Dv / tp, r],
+  [nv / tp, r] twice (Dk, Dv: key and value widths, nv value heads); out_proj (row) A
+  [r, Dv / tp], B [h, r];
 - gate_proj, up_proj (column, linear_fc1 of a dense-MLP layer): A [r, h] each, B [ffn / tp, r];
 - down_proj (row, linear_fc2 of a dense-MLP layer): A [r, ffn / tp], B [h, r];
-  (on a MoE layer gate/up/down adapt nothing, as in peft);
+  on a MoE layer gate/up/down adapt the shared expert where the family's HF model has one as
+  `mlp.shared_expert` (Qwen3.5-MoE: width shared_expert_intermediate_size), else nothing, as
+  in peft;
 - experts (each of the num_experts / ep local experts of a MoE layer, expert TP = tp): gate and
   up A [r, h] and B [moe_ffn / tp, r], down A [r, moe_ffn / tp] and B [h, r].
 
@@ -22,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from models.families.registry import moe_family
+from models.families.registry import family_of, moe_family
 from models.families.base import field, head_dim
 
 
@@ -37,23 +44,43 @@ class AdapterParams:
     expert_last: int
 
 
+def _mixer(hf: Any, layer: int, targets: frozenset, r: int, tp: int) -> int:
+    """Adapter parameters of one rank in the sequence mixer of decoder layer `layer`."""
+    h = field(hf, "hidden_size")
+    mixer = family_of(hf).mixer_of(hf, layer)
+    if mixer == "gated_delta_net":
+        qk = field(hf, "linear_key_head_dim") * field(hf, "linear_num_key_heads")
+        nv = field(hf, "linear_num_value_heads")
+        v = field(hf, "linear_value_head_dim") * nv
+        column = {"in_proj_qkv": 2 * qk + v, "in_proj_z": v, "in_proj_b": nv, "in_proj_a": nv}
+        rows = ("out_proj", v)
+    else:
+        heads = field(hf, "num_attention_heads")
+        hd = head_dim(hf)
+        q, kv = heads * hd, field(hf, "num_key_value_heads", heads) * hd
+        gate = 2 if mixer == "gated_attention" else 1
+        column = {"q_proj": gate * q, "k_proj": kv, "v_proj": kv}
+        rows = ("o_proj", q)
+    body = sum(r * h + r * out // tp for name, out in column.items() if name in targets)
+    return body + (r * rows[1] // tp + r * h if rows[0] in targets else 0)
+
+
+def _mlp(ffn: int, h: int, targets: frozenset, r: int, tp: int) -> int:
+    """Adapter parameters of one rank in a gate/up/down MLP of width `ffn`."""
+    body = sum(r * h + r * ffn // tp for n in ("gate_proj", "up_proj") if n in targets)
+    return body + (r * ffn // tp + r * h if "down_proj" in targets else 0)
+
+
 def _layer(hf: Any, layer: int, targets: frozenset, r: int, tp: int, ep: int) -> tuple[int, int]:
     """(adapter parameters, of which the experts') of one rank in decoder layer `layer`."""
     h = field(hf, "hidden_size")
-    heads = field(hf, "num_attention_heads")
-    hd = head_dim(hf)
-    q, kv = heads * hd, field(hf, "num_key_value_heads", heads) * hd
-    column = {"q_proj": q, "k_proj": kv, "v_proj": kv}
-    body = sum(r * h + r * out // tp for name, out in column.items() if name in targets)
-    if "o_proj" in targets:
-        body += r * q // tp + r * h
+    body = _mixer(hf, layer, targets, r, tp)
     moe = moe_family(hf)
     sparse = moe is not None and moe.is_moe_layer(hf, layer)
     if not sparse:
-        ffn = field(hf, "intermediate_size")
-        body += sum(r * h + r * ffn // tp for n in ("gate_proj", "up_proj") if n in targets)
-        body += r * ffn // tp + r * h if "down_proj" in targets else 0
-        return body, 0
+        return body + _mlp(field(hf, "intermediate_size"), h, targets, r, tp), 0
+    shared = field(hf, "shared_expert_intermediate_size", 0) or 0   # Qwen3.5-MoE's
+    body += _mlp(int(shared), h, targets, r, tp) if shared else 0
     if "experts" not in targets:
         return body, 0
     width = moe.expert_width(hf)

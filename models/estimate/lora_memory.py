@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from models.families.registry import moe_family
+from models.families.registry import family_of, moe_family
 from models.estimate.lora import adapter_parameters
 
 GIB = 2 ** 30
@@ -71,9 +71,10 @@ def lora_summary(hf: dict, lora, total_parameters: int) -> list[str]:
     if lora is None:
         return []
     n = adapter_parameters(hf, lora.targets, lora.rank, 1, 1).total
-    adapted = [t for t in sorted(lora.targets)
+    known = set(family_of(hf).lora_targets) | {"experts"}   # all-linear: the family's names
+    adapted = [t for t in sorted(lora.targets & known)
                if adapter_parameters(hf, frozenset({t}), lora.rank, 1, 1).total]
-    idle = sorted(set(lora.targets) - set(adapted))
+    idle = sorted(set(lora.targets) & known - set(adapted))
     return [f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(adapted)}"
             + (f" ({', '.join(idle)}: no such linear in this model's MoE layers, as in peft)"
                if idle else "")

@@ -109,6 +109,10 @@ class Family:
     lora: bool = False                     # LoRA adapters are built (models.lora.sites)
     # model.lora.target_modules names refused for this family: {name: why} (all-linear too)
     lora_refused: dict = {}
+    # the projection names (peft's) this family has adapter sites for (models.lora.sites);
+    # all-linear is these, `experts` is checked apart
+    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj")
     text_model_type: str | None = None     # a conditional-generation wrapper's entry: read as
     #                                        this text model's config (models.hf.conditional)
 

@@ -68,11 +68,40 @@ class LoraSpec:
 
 @dataclass(frozen=True)
 class Slice:
-    """One HF projection inside a Megatron linear: its name and full (unsharded) sizes."""
+    """One HF projection inside a Megatron linear: its name and full (unsharded) sizes, and
+    how its output rows map onto Megatron's (column-parallel linears only):
+
+    - `order`: Megatron's full row i is HF row order[i] (None: the same order). The gated
+      attention's q_proj: HF rows per head [query; gate], Megatron's per query group [the
+      group's queries; its gates] (models.layers.gated_delta_net.mapping, qkv_gated);
+    - `parts`: row blocks (in Megatron's order, summing to out_features) that TP splits one by
+      one (empty: one block). GDN's in_proj_qkv [q; k; v]: rank r holds [q_r; k_r; v_r].
+
+    Each block's B is its own parameter, a contiguous TP split of a layout-independent
+    tensor, so the distributed checkpoint reshards it to any TP size."""
 
     name: str
     in_features: int
     out_features: int
+    order: tuple | None = None
+    parts: tuple = ()
+
+    def blocks(self) -> list[int]:
+        return list(self.parts) or [self.out_features]
+
+    def to_blocks(self, b_full: torch.Tensor) -> list[torch.Tensor]:
+        """HF B [out, r] -> its blocks in Megatron's row order (full sizes)."""
+        rows = b_full if self.order is None else b_full[list(self.order)]
+        return list(torch.split(rows, self.blocks(), dim=0))
+
+    def from_blocks(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of `to_blocks`: the full blocks -> HF B [out, r]."""
+        rows = torch.cat(blocks, dim=0)
+        if self.order is None:
+            return rows
+        out = torch.empty_like(rows)
+        out[list(self.order)] = rows
+        return out
 
 
 def init_full(spec: LoraSpec, key: str, sl: Slice) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,32 +143,71 @@ class LoraAdapter(torch.nn.Module):
         self.is_expert = bool(getattr(linear, "is_expert", False))
         self.qkv_layout = qkv_layout   # (local query groups, heads per group, head dim)
         dtype = linear.weight.dtype
+        device = linear.weight.device
         for sl in self.slices:
-            a_shape = (spec.rank, sl.in_features // (self.tp_size if kind == "row" else 1))
-            b_shape = (sl.out_features // (self.tp_size if kind == "column" else 1), spec.rank)
-            a = torch.nn.Parameter(torch.zeros(a_shape, dtype=dtype, device=linear.weight.device))
-            b = torch.nn.Parameter(torch.zeros(b_shape, dtype=dtype, device=linear.weight.device))
-            sharded, dim = (b, 0) if kind == "column" else (a, 1)
-            set_tensor_model_parallel_attributes(sharded, True, dim, 1)
+            a_in = sl.in_features // (self.tp_size if kind == "row" else 1)
+            a = torch.nn.Parameter(torch.zeros(spec.rank, a_in, dtype=dtype, device=device))
+            if kind == "row":
+                set_tensor_model_parallel_attributes(a, True, 1, 1)
             self.register_parameter(f"A_{sl.name}", a)
-            self.register_parameter(f"B_{sl.name}", b)
+            for name, rows in zip(self._b_names(sl), sl.blocks()):
+                b = torch.nn.Parameter(torch.zeros(
+                    rows // (self.tp_size if kind == "column" else 1), spec.rank, dtype=dtype,
+                    device=device))
+                if kind == "column":
+                    set_tensor_model_parallel_attributes(b, True, 0, 1)
+                self.register_parameter(name, b)
+
+    @staticmethod
+    def _b_names(sl: Slice) -> list[str]:
+        """Parameter names of the slice's B blocks: B_<slice>, or B_<slice>_<i> per part."""
+        if not sl.parts:
+            return [f"B_{sl.name}"]
+        return [f"B_{sl.name}_{i}" for i in range(len(sl.parts))]
+
+    def _slice(self, name: str) -> Slice:
+        return next(sl for sl in self.slices if sl.name == name)
 
     def matrices(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return getattr(self, f"A_{name}"), getattr(self, f"B_{name}")
+        """(A, B) of slice `name` as this rank computes with them: B's rows are this rank's
+        rows of the slice in the fused linear's local order (its blocks concatenated)."""
+        blocks = [getattr(self, n) for n in self._b_names(self._slice(name))]
+        return getattr(self, f"A_{name}"), blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
     def set_full(self, name: str, a_full: torch.Tensor, b_full: torch.Tensor) -> None:
-        """Copy full (unsharded) A [r, in] and B [out, r] of slice `name`; keeps this shard."""
-        a, b = self.matrices(name)
+        """Copy full (unsharded, HF-ordered) A [r, in] and B [out, r] of slice `name`; keeps
+        this rank's shard (Slice: row order and per-block TP split)."""
+        sl = self._slice(name)
+        a = getattr(self, f"A_{name}")
         if self.kind == "row":
             a_full = a_full.chunk(self.tp_size, dim=1)[self.tp_rank]
+            blocks = [b_full]
         else:
-            b_full = b_full.chunk(self.tp_size, dim=0)[self.tp_rank]
-        if tuple(a_full.shape) != tuple(a.shape) or tuple(b_full.shape) != tuple(b.shape):
-            raise ValueError(f"LoRA {name}: got A {tuple(a_full.shape)} B {tuple(b_full.shape)}"
-                             f", this shard needs A {tuple(a.shape)} B {tuple(b.shape)}")
+            if b_full.shape[0] != sl.out_features:
+                raise ValueError(f"LoRA {name}: got B {tuple(b_full.shape)}, the projection "
+                                 f"has {sl.out_features} rows")
+            blocks = [blk.chunk(self.tp_size, dim=0)[self.tp_rank]
+                      for blk in sl.to_blocks(b_full)]
+        params = [getattr(self, n) for n in self._b_names(sl)]
+        shapes = [tuple(a_full.shape)] + [tuple(x.shape) for x in blocks]
+        needed = [tuple(a.shape)] + [tuple(p.shape) for p in params]
+        if shapes != needed:
+            raise ValueError(f"LoRA {name}: got A, B {shapes}, this shard needs {needed}")
         with torch.no_grad():
             a.copy_(a_full.to(a.dtype))
-            b.copy_(b_full.to(b.dtype))
+            for p, blk in zip(params, blocks):
+                p.copy_(blk.to(p.dtype))
+
+    def full_matrices(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full HF-ordered (A [r, in], B [out, r]) of slice `name`, the inverse of `set_full`.
+        Collective over the linear's TP group (every TP rank calls it together)."""
+        sl = self._slice(name)
+        a = getattr(self, f"A_{name}").detach()
+        params = [getattr(self, n).detach() for n in self._b_names(sl)]
+        if self.kind == "row":
+            return _tp_gather(a, 1, self.group, self.tp_size), params[0]
+        blocks = [_tp_gather(p, 0, self.group, self.tp_size) for p in params]
+        return a, sl.from_blocks(blocks).contiguous()
 
     def hook(self, module, args, output):
         """Forward hook of the adapted linear: (out, bias) -> (out + adapter(x), bias); the
@@ -250,6 +318,15 @@ class LoraAdapter(torch.nn.Module):
             parallel_state.get_data_parallel_group(with_context_parallel=True)
         return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets,
                                                    tp_group=self.group, dp_cp_group=dp_cp)
+
+
+def _tp_gather(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """The TP ranks' shards of `tensor` concatenated along `dim` (rank order)."""
+    if size == 1:
+        return tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 @contextmanager

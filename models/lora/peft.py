@@ -1,8 +1,10 @@
 """LoRA adapters <-> PEFT adapter folders (adapter_config.json + adapter_model.safetensors).
 
 peft names a LoRA pair of an HF projection `base_model.model.<module>.lora_A.weight` [r, in]
-and `...lora_B.weight` [out, r], with <module> `model.layers.{i}.self_attn.{q,k,v,o}_proj` or
-`model.layers.{i}.mlp.{gate,up,down}_proj`. Megatron keeps the same matrices per slice of its
+and `...lora_B.weight` [out, r], with <module> `model.layers.{i}.<parent>.<projection>`:
+self_attn.{q,k,v,o}_proj, linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}
+(Qwen3.5's Gated DeltaNet), mlp.{gate,up,down}_proj or mlp.shared_expert.{gate,up,down}_proj
+(Qwen3.5-MoE). Megatron keeps the same matrices per slice of its
 fused linears (models.lora.adapters), TP-sharded; `export_peft_tensors` gathers them, `load_peft_adapter`
 shards them back. Expert adapters have no peft name (transformers stores experts as fused 3-D
 parameters, which peft's LoRA does not wrap per expert): they are refused here (merged export
@@ -15,17 +17,13 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.lora.adapters import LoraAdapter, LoraSpec
-from models.lora.sites import ALL_LINEAR, LoraUnsupportedError, adapters
+from models.lora.sites import ALL_LINEAR, TARGET_NAMES, LoraUnsupportedError, adapters
 
 PREFIX = "base_model.model."
-_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
-           "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
-           "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -35,9 +33,11 @@ def _unwrap(chunk):
     return chunk
 
 
-def peft_names(layer: int, projection: str) -> tuple[str, str]:
-    """peft's (lora_A, lora_B) tensor names of one projection of global layer `layer`."""
-    head = f"{PREFIX}model.layers.{layer}.{_MODULE[projection]}"
+def peft_names(layer: int, parent: str, projection: str) -> tuple[str, str]:
+    """peft's (lora_A, lora_B) tensor names of one projection of global layer `layer`;
+    `parent` is the HF module holding it (LoraAdapter.hf_parent: self_attn, linear_attn, mlp,
+    mlp.shared_expert)."""
+    head = f"{PREFIX}model.layers.{layer}.{parent}.{projection}"
     return f"{head}.lora_A.weight", f"{head}.lora_B.weight"
 
 
@@ -55,27 +55,15 @@ def _sites(chunks: list) -> Iterator[tuple[int, LoraAdapter]]:
             yield model.decoder.layers[local].layer_number - 1, adapter
 
 
-def _gather(tensor: torch.Tensor, dim: int, adapter: LoraAdapter) -> torch.Tensor:
-    if adapter.tp_size == 1:
-        return tensor.detach()
-    parts = [torch.empty_like(tensor) for _ in range(adapter.tp_size)]
-    dist.all_gather(parts, tensor.detach().contiguous(), group=adapter.group)
-    return torch.cat(parts, dim=dim)
-
-
 def export_peft_tensors(chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
     """(peft name, full tensor) of every adapter matrix this pipeline stage holds. Collective
     over each adapter's TP group (every TP rank of the stage iterates it together)."""
     for layer, adapter in _sites(chunks):
         for sl in adapter.slices:
-            a, b = adapter.matrices(sl.name)
-            if adapter.kind == "row":
-                a = _gather(a, 1, adapter)
-            else:
-                b = _gather(b, 0, adapter)
-            name_a, name_b = peft_names(layer, sl.name)
-            yield name_a, a.detach().contiguous()
-            yield name_b, b.detach().contiguous()
+            a, b = adapter.full_matrices(sl.name)
+            name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name)
+            yield name_a, a.contiguous()
+            yield name_b, b.contiguous()
 
 
 def load_peft_adapter(chunks: list, adapter_dir: str | Path) -> int:
@@ -88,7 +76,7 @@ def load_peft_adapter(chunks: list, adapter_dir: str | Path) -> int:
     used, filled = set(), 0
     for layer, adapter in _sites(chunks):
         for sl in adapter.slices:
-            name_a, name_b = peft_names(layer, sl.name)
+            name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name)
             if name_a not in stored or name_b not in stored:
                 raise LoraUnsupportedError(f"model.lora.init_from={adapter_dir}: no {name_a} / "
                                            f"{name_b} for the adapter of {sl.name}")
@@ -107,11 +95,12 @@ def _layer_of(name: str) -> int:
     return int(name[len(PREFIX):].split(".")[2])
 
 
-def peft_config(spec: LoraSpec, base_path: str) -> dict:
-    """adapter_config.json for PeftModel.from_pretrained (the base at `base_path`)."""
+def peft_config(spec: LoraSpec, base_path: str, targets: list[str]) -> dict:
+    """adapter_config.json for PeftModel.from_pretrained (the base at `base_path`); `targets`:
+    the projection names the adapter holds."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank,
             "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
-            "target_modules": sorted(spec.targets), "use_rslora": spec.rslora,
+            "target_modules": targets, "use_rslora": spec.rslora,
             "use_dora": False, "bias": "none", "fan_in_fan_out": False,
             "init_lora_weights": True, "base_model_name_or_path": base_path,
             "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
@@ -119,12 +108,14 @@ def peft_config(spec: LoraSpec, base_path: str) -> dict:
 
 
 def write_peft_adapter(tensors: dict, spec: LoraSpec, base_path: str, out: str | Path) -> None:
-    """Write a PEFT adapter folder from `export_peft_tensors`' full tensors (rank 0)."""
+    """Write a PEFT adapter folder from `export_peft_tensors`' full tensors (rank 0). Its
+    target_modules are the projections the tensors adapt (all-linear: this family's)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE),
               metadata={"format": "pt"})
-    (out / CONFIG_FILE).write_text(json.dumps(peft_config(spec, base_path), indent=2))
+    targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in tensors})
+    (out / CONFIG_FILE).write_text(json.dumps(peft_config(spec, base_path, targets), indent=2))
 
 
 # adapter_config.json fields that change the math, with the only value implemented exactly
@@ -148,11 +139,13 @@ def _target_names(targets) -> set[str] | None:
     return {t.rsplit(".", 1)[-1] for t in targets or []}
 
 
-def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec) -> list[str]:
+def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec,
+                            known: frozenset | None = None) -> list[str]:
     """Why the PEFT adapter at `adapter_dir` cannot start a run with `spec`
     (model.lora.init_from): a missing file, a field with a value this engine does not implement
     (DoRA, biases, per-layer ranks...), or rank / alpha / targets / rsLoRA that differ from the
-    model.lora.* keys."""
+    model.lora.* keys. `known`: the projection names the model has (the family's
+    Family.lora_targets); targets are compared within them (peft saves all-linear resolved)."""
     key = f"model.lora.init_from={adapter_dir}"
     folder = Path(adapter_dir)
     missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
@@ -174,7 +167,14 @@ def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec) -> list[str
         if cfg.get(field, False if field == "use_rslora" else None) != value:
             problems.append(f"{key}: adapter_config.json has {field}={cfg.get(field)!r}, "
                             f"{keys[field]}={value!r}; make them equal")
-    if targets != set(spec.targets):
+    known = set(known) if known is not None else set(TARGET_NAMES)
+    if cfg.get("target_modules") == "all-linear":
+        targets &= known
+    if targets - known:
+        return problems + [f"{key}: adapter_config.json targets {sorted(targets - known)}, "
+                           f"which this model has no adapters for (its names: "
+                           f"{', '.join(sorted(known))})"]
+    if targets != set(spec.targets) & known:
         problems.append(f"{key}: adapter_config.json targets {sorted(targets)}, "
                         f"model.lora.target_modules {sorted(spec.targets)}; make them equal")
     return problems

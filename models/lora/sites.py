@@ -24,15 +24,21 @@ import torch
 from models.lora.adapters import ADAPTER_SUFFIX, LoraAdapter, LoraSpec, Slice, init_full
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-TARGET_NAMES = ATTENTION + MLP + ("experts",)
-ALL_LINEAR = ATTENTION + MLP
+TARGET_NAMES = ATTENTION + GDN + MLP + ("experts",)
+ALL_LINEAR = ATTENTION + GDN + MLP   # each family has the part of it its modules carry
 
-# (parent path in a layer, linear name, kind, the slices' target names)
-_DENSE_SITES = (("self_attention", "linear_qkv", "column", ("q_proj", "k_proj", "v_proj")),
-                ("self_attention", "linear_proj", "row", ("o_proj",)),
-                ("mlp", "linear_fc1", "column", ("gate_proj", "up_proj")),
-                ("mlp", "linear_fc2", "row", ("down_proj",)))
+# (parent path in a layer, linear name, kind, the slices' target names, HF parent module);
+# a layer has the sites whose linears it has (a GDN layer has in_proj, not linear_qkv)
+_SITES = (("self_attention", "linear_qkv", "column", ATTENTION[:3], "self_attn"),
+          ("self_attention", "linear_proj", "row", ("o_proj",), "self_attn"),
+          ("self_attention", "in_proj", "column", GDN[:4], "linear_attn"),
+          ("self_attention", "out_proj", "row", ("out_proj",), "linear_attn"),
+          ("mlp", "linear_fc1", "column", MLP[:2], "mlp"),
+          ("mlp", "linear_fc2", "row", ("down_proj",), "mlp"),
+          ("mlp.shared_experts", "linear_fc1", "column", MLP[:2], "mlp.shared_expert"),
+          ("mlp.shared_experts", "linear_fc2", "row", ("down_proj",), "mlp.shared_expert"))
 _EXPERT_SITES = (("linear_fc1", "column", ("gate_proj", "up_proj")),
                  ("linear_fc2", "row", ("down_proj",)))
 
@@ -47,7 +53,8 @@ def target_list(names) -> list[str]:
 
 
 def resolve_targets(names) -> frozenset:
-    """The target names of model.lora.target_modules ("all-linear" expanded)."""
+    """The target names of model.lora.target_modules ("all-linear" expanded to ALL_LINEAR;
+    names a model has no module for adapt nothing there)."""
     out = set()
     for name in target_list(names):
         out |= set(ALL_LINEAR) if name == "all-linear" else {name}
@@ -60,25 +67,42 @@ def _unwrap(chunk):
     return chunk
 
 
+def gated_query_order(heads: int, groups: int, d: int) -> tuple:
+    """Megatron's rows of the gated attention's q_proj as HF rows: HF holds per head [query
+    (d rows); gate (d rows)], Megatron per query group [queries of its heads; their gates]."""
+    per = heads // groups
+    return tuple(j * 2 * d + c * d + t for g in range(groups) for c in (0, 1)
+                 for j in range(g * per, (g + 1) * per) for t in range(d))
+
+
 def _slices(linear, config, names: tuple, kind: str) -> list[Slice]:
-    """Full sizes of every slice of one linear (this rank's weight is a TP shard)."""
+    """Full sizes (and row maps) of every slice of one linear (this rank's weight is a TP
+    shard)."""
     tp = linear.tp_group.size()
     out_full, in_local = linear.weight.shape[0] * (tp if kind == "column" else 1), \
         linear.weight.shape[1]
     in_full = in_local * (tp if kind == "row" else 1)
     if names[0] == "q_proj":
-        d = config.kv_channels
-        sizes = {"q_proj": config.num_attention_heads * d,
-                 "k_proj": config.num_query_groups * d, "v_proj": config.num_query_groups * d}
-    elif len(names) == 2:
-        sizes = dict.fromkeys(names, out_full // 2)
-    else:
-        sizes = {names[0]: out_full}
-    return [Slice(n, in_full, sizes[n]) for n in names]
+        d, heads, groups = config.kv_channels, config.num_attention_heads, \
+            config.num_query_groups
+        gated = bool(getattr(config, "attention_output_gate", False))
+        order = gated_query_order(heads, groups, d) if gated else None
+        return [Slice("q_proj", in_full, heads * d * (2 if gated else 1), order),
+                Slice("k_proj", in_full, groups * d), Slice("v_proj", in_full, groups * d)]
+    if names[0] == "in_proj_qkv":
+        qk = config.linear_key_head_dim * config.linear_num_key_heads
+        v = config.linear_value_head_dim * config.linear_num_value_heads
+        heads = config.linear_num_value_heads
+        return [Slice("in_proj_qkv", in_full, 2 * qk + v, parts=(qk, qk, v)),
+                Slice("in_proj_z", in_full, v), Slice("in_proj_b", in_full, heads),
+                Slice("in_proj_a", in_full, heads)]
+    if len(names) == 2:
+        return [Slice(n, in_full, out_full // 2) for n in names]
+    return [Slice(names[0], in_full, out_full)]
 
 
 def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozenset,
-            spec: LoraSpec, key: str, config) -> LoraAdapter:
+            spec: LoraSpec, key: str, config, hf_parent: str | None = None) -> LoraAdapter:
     linear = getattr(parent, name)
     qkv = None
     if name == "linear_qkv":
@@ -87,6 +111,7 @@ def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozense
         qkv = (groups, config.num_attention_heads // config.num_query_groups,
                config.kv_channels)
     adapter = LoraAdapter(linear, kind, fused, targeted, spec, qkv)
+    adapter.hf_parent = hf_parent   # peft's module path in the layer (None: experts)
     for sl in adapter.slices:
         adapter.set_full(sl.name, *init_full(spec, f"{key}.{sl.name}", sl))
     parent.add_module(name + ADAPTER_SUFFIX, adapter)
@@ -95,15 +120,19 @@ def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozense
 
 
 def _layer_sites(layer, spec: LoraSpec) -> Iterator[tuple]:
-    """(parent, linear name, kind, fused slices, targeted names, key) of every adapter of
-    one decoder layer."""
+    """(parent, linear name, kind, fused slices, targeted names, key, HF parent) of every
+    adapter of one decoder layer."""
     config, number = layer.config, layer.layer_number - 1
-    for parent_name, name, kind, names in _DENSE_SITES:
-        parent = getattr(layer, parent_name)
+    for parent_name, name, kind, names, hf_parent in _SITES:
+        try:
+            parent = layer.get_submodule(parent_name)
+        except AttributeError:
+            continue
         if not hasattr(parent, name) or not set(names) & spec.targets:
             continue
         fused = _slices(getattr(parent, name), config, names, kind)
-        yield parent, name, kind, fused, spec.targets, f"layer{number}.{parent_name}"
+        yield (parent, name, kind, fused, spec.targets, f"layer{number}.{parent_name}",
+               hf_parent)
     experts = getattr(getattr(layer, "mlp", None), "experts", None)
     if experts is None or "experts" not in spec.targets:
         return
@@ -118,7 +147,7 @@ def _layer_sites(layer, spec: LoraSpec) -> Iterator[tuple]:
         for name, kind, names in _EXPERT_SITES:
             fused = _slices(getattr(expert, name), config, names, kind)
             yield (expert, name, kind, fused, frozenset(names),
-                   f"layer{number}.expert{global_expert}")
+                   f"layer{number}.expert{global_expert}", None)
 
 
 def apply_lora(chunks: list, spec: LoraSpec) -> int:
@@ -130,7 +159,7 @@ def apply_lora(chunks: list, spec: LoraSpec) -> int:
         model.requires_grad_(False)
         for layer in model.decoder.layers:
             for site in list(_layer_sites(layer, spec)):
-                _attach(*site[:5], spec, site[5], layer.config)
+                _attach(*site[:5], spec, site[5], layer.config, site[6])
                 count += 1
         model.lora_spec = spec
     return count

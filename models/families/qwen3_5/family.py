@@ -63,6 +63,12 @@ class _Hybrid:
 
     qk_norm = True
     hybrid = True
+    # LoRA by peft's names (models.lora.sites): the gated attention's q/k/v/o_proj (q_proj's
+    # rows carry the output gate), the Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_b /
+    # in_proj_a / out_proj, the dense MLP or (MoE) the shared expert's gate/up/down_proj
+    lora = True
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
+                    "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj")
 
     def mlp_tensors(self, cfg: Any) -> tuple[str, ...]:
         return DENSE_MLP
@@ -109,6 +115,12 @@ class Qwen3_5Moe(_Hybrid, MoeFamily):
     experts = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
     expert_width_field = "moe_intermediate_size"
     renormalise_field = None
+    lora_refused = {"all-linear": (
+        "peft's all-linear on qwen3_5_moe_text also adapts mlp.shared_expert_gate (an "
+        "nn.Linear to one output), which megatron holds as the shared expert's gate weight, not "
+        "a linear with an adapter site; list the projections instead (q_proj, k_proj, v_proj, "
+        "o_proj, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, and gate_proj, "
+        "up_proj, down_proj for the shared expert)")}
     fields = _COMMON + (
         FieldRule("moe_intermediate_size", "any -> moe_ffn_hidden_size"),
         FieldRule("shared_expert_intermediate_size", "any -> "
