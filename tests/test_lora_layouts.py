@@ -9,8 +9,11 @@ model.lora.init_from) and four conversions (that hf-to-mcore, mcore-to-hf to a P
 to the merged model, and mcore-to-hf of the hf-to-mcore checkpoint: the adapter back bitwise).
 A tiny GLM-4.5 (q/k/v biases, q/k norms, a dense layer, a MoE layer with a shared expert) and a
 tiny gpt-oss (q/k/v/o biases, sinks, sliding windows, biased experts) join both runs, each from
-its own PEFT adapter of the attention (q/k/v/o_proj): the single process equals peft, TP2+SP,
-PP2 and EP2 equal the single process, and the PEFT export loads in peft with peft's logits.
+its own PEFT adapter of the attention (q/k/v/o_proj), and a tiny Qwen3.5-MoE (three Gated
+DeltaNet layers, one gated attention layer, a shared expert behind a sigmoid gate) from a PEFT
+adapter of every projection peft names there (QWEN3_5): the single process equals peft, TP2+SP,
+PP2 and EP2 (Qwen3.5 also CP2) equal the single process, and the PEFT export loads in peft with
+peft's logits.
 """
 from __future__ import annotations
 
@@ -23,10 +26,18 @@ import torch
 
 from tests.glm4_moe_tiny import build_glm4_moe
 from tests.gpt_oss_tiny import build_gpt_oss
+from tests.qwen3_5_tiny import build_qwen3_5
 from tools.tiny_models import build_peft_adapter, build_tiny_model
 
 SCRIPT = "tests/multirank/lora_check.py"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]   # GLM-4.5's and gpt-oss's adapters
+GDN = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+QWEN3_5 = ATTENTION + GDN + MLP   # on Qwen3.5-MoE gate/up/down are the shared expert's
+# the HF parent modules of each family's adapters (peft's names)
+PARENTS = {"glm": {"self_attn": set(ATTENTION)}, "gpt_oss": {"self_attn": set(ATTENTION)},
+           "qwen3_5_moe": {"self_attn": set(ATTENTION), "linear_attn": set(GDN),
+                           "mlp.shared_expert": set(MLP)}}
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multirank"))
 import lora_check as harness  # noqa: E402
 
@@ -46,12 +57,18 @@ def lora_run(pools, tmp_path_factory):
     adapter = str(root / "adapter")
     build_peft_adapter(dense, adapter, harness.RANK, harness.ALPHA)
     families = {"glm": build_glm4_moe(str(root / "glm"), mtp=False),
-                "gpt_oss": build_gpt_oss(str(root / "gpt_oss"))}
+                "gpt_oss": build_gpt_oss(str(root / "gpt_oss")),
+                "qwen3_5_moe": build_qwen3_5(str(root / "qwen3_5_moe"), moe=True)}
+    targets = {name: [p for parents in PARENTS[name].values() for p in sorted(parents)]
+               for name in families}
     family_adapters = {name: build_peft_adapter(path, str(root / f"{name}_adapter"),
-                                                harness.RANK, harness.ALPHA, targets=ATTENTION)
+                                                harness.RANK, harness.ALPHA,
+                                                targets=targets[name])
                        for name, path in families.items()}
-    env = {"LORA_FAMILIES": ";".join(f"{name}={path}:{family_adapters[name]}:{','.join(ATTENTION)}"
-                                     for name, path in families.items())}
+    extra = {"qwen3_5_moe": ":cp2"}
+    env = {"LORA_FAMILIES": ";".join(
+        f"{name}={path}:{family_adapters[name]}:{','.join(targets[name])}{extra.get(name, '')}"
+        for name, path in families.items())}
     out = root / "out"
     out.mkdir()
     single = _results(pools.script(1, SCRIPT, dense, moe, adapter, out, env=env))
@@ -83,7 +100,9 @@ def test_an_adapter_folder_that_does_not_match_is_refused_naming_the_tensor(lora
 
 @pytest.mark.parametrize("run", ["tp2+sp", "pp2", "dp2", "cp2", "ep2", "resume_pp2",
                                  "from_mcore_pp2", "glm_tp2+sp", "glm_pp2", "glm_ep2",
-                                 "gpt_oss_tp2+sp", "gpt_oss_pp2", "gpt_oss_ep2"])
+                                 "gpt_oss_tp2+sp", "gpt_oss_pp2", "gpt_oss_ep2",
+                                 "qwen3_5_moe_tp2+sp", "qwen3_5_moe_pp2", "qwen3_5_moe_ep2",
+                                 "qwen3_5_moe_cp2"])
 def test_layout_equals_single_process(lora_run, run):
     r = lora_run["layouts"][run]
     assert r["loss_rel"] < 1e-5 and r["grad_norm_rel"] < 1e-5, r
@@ -166,13 +185,15 @@ def test_hf_to_mcore_adapter_round_trips_bitwise(lora_run):
     assert (config["r"], config["lora_alpha"]) == (harness.RANK, harness.ALPHA)
 
 
-@pytest.mark.parametrize("family", ["glm", "gpt_oss"])
+@pytest.mark.parametrize("family", ["glm", "gpt_oss", "qwen3_5_moe"])
 def test_family_single_process_equals_peft_and_export_loads(lora_run, family):
     """GLM-4.5 (q/k/v with biases, q/k norms, partial RoPE) and gpt-oss (biased attention with
-    sinks and sliding windows) from PEFT adapters of their attention: 3 steps equal
-    transformers + peft + AdamW (1e-4); the PEFT export names exactly peft's adapters (every
-    layer's self_attn.{q,k,v,o}_proj), holds peft's trained matrices and gives peft's logits
-    when loaded. Negative control: the export differs from the adapter it started from."""
+    sinks and sliding windows) from PEFT adapters of their attention, Qwen3.5-MoE from one of
+    its gated attention (q_proj's rows hold the output gate), Gated DeltaNet (in_proj_qkv maps
+    onto three row blocks of megatron's fused in_proj per TP rank) and shared expert: 3 steps
+    equal transformers + peft + AdamW (1e-4); the PEFT export names exactly peft's adapters
+    (PARENTS), holds peft's trained matrices and gives peft's logits when loaded. Negative
+    control: the export differs from the adapter it started from."""
     from peft import PeftModel, set_peft_model_state_dict
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -189,7 +210,7 @@ def test_family_single_process_equals_peft_and_export_loads(lora_run, family):
     for key in exported:   # base_model.model.model.layers.{i}.<parent>.<proj>.lora_X.weight
         parent, _, proj = key.split(".", 5)[5].rsplit(".", 2)[0].rpartition(".")
         found.setdefault(parent, set()).add(proj)
-    assert found == {"self_attn": set(ATTENTION)}
+    assert found == PARENTS[family]
     worst = max(float((exported[k] - v).abs().max() / v.abs().max()) for k, v in state.items())
     assert worst < 1e-4, worst
     start = load_file(str(Path(start_dir) / "adapter_model.safetensors"))

@@ -3,10 +3,12 @@
     torchrun --nproc_per_node W tests/multirank/lora_check.py DENSE_DIR MOE_DIR ADAPTER OUT
 
 DENSE_DIR / MOE_DIR: tiny HF models; ADAPTER: a PEFT adapter of DENSE_DIR (all-linear) every
-dense run starts from; OUT: a folder shared by the launches. With LORA_FAMILIES=NAME=DIR:ADAPTER:TARGETS[;...]
-(tiny models of other families, each with a PEFT adapter of it of TARGETS, comma-separated:
-GLM-4.5's and gpt-oss's attention) their runs join: each one's reference at W == 1 (checkpoint
-OUT/ckpt_NAME), NAME_tp2+sp, NAME_pp2 and NAME_ep2 at W == 2.
+dense run starts from; OUT: a folder shared by the launches. With
+LORA_FAMILIES=NAME=DIR:ADAPTER:TARGETS[:EXTRA][;...] (tiny models of other families, each with
+a PEFT adapter of it of TARGETS, comma-separated: GLM-4.5's and gpt-oss's attention, Qwen3.5's
+attention, Gated DeltaNet and shared expert) their runs join: each one's reference at W == 1
+(checkpoint OUT/ckpt_NAME), NAME_tp2+sp, NAME_pp2, NAME_ep2 and the EXTRA layouts
+(comma-separated; cp2) at W == 2.
 
 W == 1: the references. Dense: STEPS LoRA SFT steps (token-mean) from ADAPTER, saving a
 training checkpoint after RESUME_AT steps (OUT/ckpt_resume) and after the last one
@@ -143,7 +145,7 @@ def references(dense, moe, adapter, out):
     engine = build(*moe, True, None)
     losses, norms = train(engine, batches(moe[1]["vocab_size"]))
     ref["moe"] = {"loss": losses, "grad_norm": norms, "params": adapter_tensors(engine)}
-    for name, model, family_adapter, targets in other_families():
+    for name, model, family_adapter, targets, _ in other_families():
         engine = build(*model, False, family_adapter, targets=targets)
         losses, norms = train(engine, batches(model[1]["vocab_size"]))
         save(engine, os.path.join(out, f"ckpt_{name}"), STEPS, model[1], model[0], targets)
@@ -183,14 +185,16 @@ def loader_refusals(dense, adapter, out) -> dict:
 
 
 def other_families() -> list:
-    """[(name, (dir, HF config), adapter, targets)] of LORA_FAMILIES (module docstring)."""
+    """[(name, (dir, HF config), adapter, targets, extra layouts)] of LORA_FAMILIES (module
+    docstring)."""
     from models.hf.io import read_config
 
     out = []
     for item in filter(None, os.environ.get("LORA_FAMILIES", "").split(";")):
         name, _, paths = item.partition("=")
-        path, adapter, targets = paths.split(":")
-        out.append((name, (path, read_config(path)), adapter, tuple(targets.split(","))))
+        path, adapter, targets, *extra = paths.split(":")
+        out.append((name, (path, read_config(path)), adapter, tuple(targets.split(",")),
+                    tuple(filter(None, ",".join(extra).split(",")))))
     return out
 
 
@@ -266,10 +270,12 @@ def layouts(dense, moe, adapter, out, rank, world):
     engine = build(*moe, True, None)
     results.append(compare("ep2", ref["moe"], *train(engine, batches(moe[1]["vocab_size"])),
                            adapter_tensors(engine)))
-    for family, model, family_adapter, targets in other_families():
+    extra_layouts = {"cp2": (dict(cp=2), {})}
+    for family, model, family_adapter, targets, extra in other_families():
         family_data = batches(model[1]["vocab_size"])
         for name, layout, overrides in (("tp2+sp", dict(tp=2), {"sequence_parallel": True}),
-                                        ("pp2", dict(pp=2), {}), ("ep2", dict(ep=2), {})):
+                                        ("pp2", dict(pp=2), {}), ("ep2", dict(ep=2), {}),
+                                        *((x, *extra_layouts[x]) for x in extra)):
             setup_model_parallel(ParallelLayout(world, **layout))
             engine = build(*model, False, family_adapter, overrides=overrides, targets=targets)
             results.append(compare(f"{family}_{name}", ref[family],
