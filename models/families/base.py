@@ -113,6 +113,9 @@ class Family:
     # all-linear is these, `experts` is checked apart
     lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj")
+    # vLLM's model module for this architecture imports transformers' image processors, which
+    # import torchvision (engine.rl.rollout.vllm_settings refuses vLLM where it cannot import)
+    vllm_imports_torchvision: bool = False
     text_model_type: str | None = None     # a conditional-generation wrapper's entry: read as
     #                                        this text model's config (models.hf.conditional)
 

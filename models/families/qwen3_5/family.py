@@ -67,6 +67,9 @@ class _Hybrid:
     # rows carry the output gate), the Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_b /
     # in_proj_a / out_proj, the dense MLP or (MoE) the shared expert's gate/up/down_proj
     lora = True
+    # vLLM 0.32's qwen3_5 module imports qwen3_vl, which imports transformers' Qwen2-VL image
+    # processor (torchvision)
+    vllm_imports_torchvision = True
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
                     "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj")
 
