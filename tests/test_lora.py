@@ -38,7 +38,8 @@ def test_all_linear_expands_and_plain_scaling():
     # every projection name of every family; a model adapts those it has (models.lora.sites)
     assert spec.targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                             "down_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                            "out_proj"}
+                            "out_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                            "kv_b_proj"}
     assert spec.scaling == 2.0 and spec.seed == 5
     assert lora_problems(cfg(rank=4), DENSE) == []
     assert lora_problems(cfg(), {"model_type": "anything"}) == []   # rank 0: off
@@ -51,8 +52,14 @@ def test_all_linear_expands_and_plain_scaling():
     (dict(rank=4, dora=True), DENSE, "model.lora.dora=true (DoRA) is not implemented"),
     (dict(rank=4, target_modules=["qkv"]), DENSE, "['qkv'] not valid; choose from q_proj"),
     (dict(rank=4, target_modules=[]), DENSE, "empty not valid"),
-    (dict(rank=4), {"model_type": "deepseek_v3"}, "not implemented for model_type "
-                                                   "'deepseek_v3'; supported: llama"),
+    (dict(rank=4), {"model_type": "no_such_family"}, "not implemented for model_type "
+                                                      "'no_such_family'; supported: llama"),
+    (dict(rank=4), {"model_type": "deepseek_v3"}, "on deepseek_v3: with transformers 5, peft"),
+    (dict(rank=4, target_modules=["in_proj_qkv"]), DENSE,
+     "'in_proj_qkv': qwen3 has no such projection; its names: q_proj"),
+    (dict(rank=4), {"model_type": "qwen3_5_moe_text"}, "also adapts mlp.shared_expert_gate"),
+    (dict(rank=4), {"model_type": "qwen3_5_text", "_conditional_generation_config":
+                    {"model_type": "qwen3_5"}}, "LoRA on a conditional-generation checkpoint"),
     (dict(rank=4, target_modules=["experts"]), DENSE, "the model has no MoE experts"),
     (dict(rank=4, target_modules=["experts"]),
      {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2},

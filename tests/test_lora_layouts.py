@@ -11,9 +11,10 @@ A tiny GLM-4.5 (q/k/v biases, q/k norms, a dense layer, a MoE layer with a share
 tiny gpt-oss (q/k/v/o biases, sinks, sliding windows, biased experts) join both runs, each from
 its own PEFT adapter of the attention (q/k/v/o_proj), and a tiny Qwen3.5-MoE (three Gated
 DeltaNet layers, one gated attention layer, a shared expert behind a sigmoid gate) from a PEFT
-adapter of every projection peft names there (QWEN3_5): the single process equals peft, TP2+SP,
-PP2 and EP2 (Qwen3.5 also CP2) equal the single process, and the PEFT export loads in peft with
-peft's logits.
+adapter of every projection peft names there (QWEN3_5), and a tiny DeepSeek-V3 (MLA with
+rope_interleave false, a dense and a MoE layer) from a PEFT adapter of its MLA projections:
+the single process equals peft, TP2+SP, PP2 and EP2 (Qwen3.5 and DeepSeek-V3 also CP2) equal
+the single process, and the PEFT export loads in peft with peft's logits.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.deepseek_v3_tiny import build_deepseek_v3
 from tests.glm4_moe_tiny import build_glm4_moe
 from tests.gpt_oss_tiny import build_gpt_oss
 from tests.qwen3_5_tiny import build_qwen3_5
@@ -34,10 +36,12 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]   # GLM-4.5's and gpt-oss's
 GDN = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 QWEN3_5 = ATTENTION + GDN + MLP   # on Qwen3.5-MoE gate/up/down are the shared expert's
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 # the HF parent modules of each family's adapters (peft's names)
 PARENTS = {"glm": {"self_attn": set(ATTENTION)}, "gpt_oss": {"self_attn": set(ATTENTION)},
            "qwen3_5_moe": {"self_attn": set(ATTENTION), "linear_attn": set(GDN),
-                           "mlp.shared_expert": set(MLP)}}
+                           "mlp.shared_expert": set(MLP)},
+           "deepseek_v3": {"self_attn": set(MLA)}}
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multirank"))
 import lora_check as harness  # noqa: E402
 
@@ -58,14 +62,18 @@ def lora_run(pools, tmp_path_factory):
     build_peft_adapter(dense, adapter, harness.RANK, harness.ALPHA)
     families = {"glm": build_glm4_moe(str(root / "glm"), mtp=False),
                 "gpt_oss": build_gpt_oss(str(root / "gpt_oss")),
-                "qwen3_5_moe": build_qwen3_5(str(root / "qwen3_5_moe"), moe=True)}
+                "qwen3_5_moe": build_qwen3_5(str(root / "qwen3_5_moe"), moe=True),
+                # rope_interleave false: q_b_proj's and kv_a_proj_with_mqa's rope rows are a
+                # permutation of megatron's, which the adapters' B must follow
+                "deepseek_v3": build_deepseek_v3(str(root / "deepseek_v3"), mtp=False,
+                                                 rope_interleave=False)}
     targets = {name: [p for parents in PARENTS[name].values() for p in sorted(parents)]
                for name in families}
     family_adapters = {name: build_peft_adapter(path, str(root / f"{name}_adapter"),
                                                 harness.RANK, harness.ALPHA,
                                                 targets=targets[name])
                        for name, path in families.items()}
-    extra = {"qwen3_5_moe": ":cp2"}
+    extra = {"qwen3_5_moe": ":cp2", "deepseek_v3": ":cp2"}
     env = {"LORA_FAMILIES": ";".join(
         f"{name}={path}:{family_adapters[name]}:{','.join(targets[name])}{extra.get(name, '')}"
         for name, path in families.items())}
@@ -102,7 +110,8 @@ def test_an_adapter_folder_that_does_not_match_is_refused_naming_the_tensor(lora
                                  "from_mcore_pp2", "glm_tp2+sp", "glm_pp2", "glm_ep2",
                                  "gpt_oss_tp2+sp", "gpt_oss_pp2", "gpt_oss_ep2",
                                  "qwen3_5_moe_tp2+sp", "qwen3_5_moe_pp2", "qwen3_5_moe_ep2",
-                                 "qwen3_5_moe_cp2"])
+                                 "qwen3_5_moe_cp2", "deepseek_v3_tp2+sp", "deepseek_v3_pp2",
+                                 "deepseek_v3_ep2", "deepseek_v3_cp2"])
 def test_layout_equals_single_process(lora_run, run):
     r = lora_run["layouts"][run]
     assert r["loss_rel"] < 1e-5 and r["grad_norm_rel"] < 1e-5, r
@@ -185,12 +194,13 @@ def test_hf_to_mcore_adapter_round_trips_bitwise(lora_run):
     assert (config["r"], config["lora_alpha"]) == (harness.RANK, harness.ALPHA)
 
 
-@pytest.mark.parametrize("family", ["glm", "gpt_oss", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["glm", "gpt_oss", "qwen3_5_moe", "deepseek_v3"])
 def test_family_single_process_equals_peft_and_export_loads(lora_run, family):
     """GLM-4.5 (q/k/v with biases, q/k norms, partial RoPE) and gpt-oss (biased attention with
     sinks and sliding windows) from PEFT adapters of their attention, Qwen3.5-MoE from one of
     its gated attention (q_proj's rows hold the output gate), Gated DeltaNet (in_proj_qkv maps
-    onto three row blocks of megatron's fused in_proj per TP rank) and shared expert: 3 steps
+    onto three row blocks of megatron's fused in_proj per TP rank) and shared expert, DeepSeek-V3
+from one of its MLA projections (replicated down projections, rope rows permuted): 3 steps
     equal transformers + peft + AdamW (1e-4); the PEFT export names exactly peft's adapters
     (PARENTS), holds peft's trained matrices and gives peft's logits when loaded. Negative
     control: the export differs from the adapter it started from."""

@@ -189,3 +189,30 @@ def test_qwen3_5_count_equals_peft(tmp_path, moe, targets):
     if targets != "all-linear" and "q_proj" in targets:   # 1 attention layer of 4
         q_only = adapter_parameters(hf, frozenset({"q_proj"}), 4, 1, 1).total
         assert q_only == 4 * 64 + 4 * 2 * 4 * 16 != 4 * 64 + 4 * 4 * 16   # the gate rows count
+
+
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_deepseek_v3_mla_count_equals_peft_and_shards_by_hand(tmp_path, q_lora_rank):
+    """DeepSeek-V3 (MLA): the count of the MLA adapters equals peft's trainable parameters
+    (q_a_proj / q_b_proj, or q_proj when q_lora_rank is null); at TP2 the replicated down
+    projections' adapters stay whole and only the up projections' B and o_proj's A halve."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.deepseek_v3_tiny import build_deepseek_v3
+
+    model_dir = build_deepseek_v3(str(tmp_path / "ds"), tokenizer=False, mtp=False,
+                                  q_lora_rank=q_lora_rank)
+    hf = AutoConfig.from_pretrained(model_dir)
+    q = ["q_a_proj", "q_b_proj"] if q_lora_rank else ["q_proj"]
+    targets = q + ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert adapter_parameters(hf, resolve_targets(targets), 4, 1, 1).total == trainable
+    # h 64, 4 heads, nope/rope/v 16/8/12, kv_lora_rank 16; per layer at TP2:
+    kv = 4 * 64 + 4 * (16 + 8) + 4 * 16 + 4 * 4 * (16 + 12) // 2 + 4 * 4 * 12 // 2 + 4 * 64
+    qpart = (4 * 64 + 4 * 32 + 4 * 32 + 4 * 4 * 24 // 2) if q_lora_rank else \
+        (4 * 64 + 4 * 4 * 24 // 2)
+    assert adapter_parameters(hf, resolve_targets(targets), 4, 2, 1).first_stage == \
+        2 * (kv + qpart)

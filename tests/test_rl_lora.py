@@ -188,25 +188,30 @@ def test_every_policy_loss_trains_only_the_adapters_and_the_reference_is_the_bas
     assert r["restored_rel"] == 0.0, r     # the switch turns them back on
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss", "qwen3_5_moe"])
-def test_grpo_with_lora_on_glm_gpt_oss_and_qwen3_5(pools, prompts, tmp_path, family):
+@pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss", "qwen3_5_moe", "deepseek_v3"])
+def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
     """GRPO with LoRA on GLM-4.5 (q/k/v biases, q/k norms, partial RoPE, sigmoid-routed MoE
     with a shared expert) and gpt-oss (biased attention with sinks, sliding windows, biased
     experts) from a PEFT adapter of the attention with non-zero B, and on Qwen3.5-MoE from one
-    of every projection peft names there (gated attention, Gated DeltaNet, shared expert), at
-    DP2 with the HF backend: the merged weights (base + adapter, biases kept; for Qwen3.5 the
+    of every projection peft names there (gated attention, Gated DeltaNet, shared expert), and
+    on DeepSeek-V3 from one of its MLA projections (rope_interleave false), at DP2 with the HF
+    backend: the merged weights (base + adapter, biases kept; for Qwen3.5 the
     fused in_proj and gated q rows mapped back to HF's) reach the engine before the first
     rollout and after every update: rollout/logprob_diff < 1e-5 at both steps, and the update
     trains (grad norm > 0)."""
+    from tests.deepseek_v3_tiny import build_deepseek_v3
     from tests.glm4_moe_tiny import build_glm4_moe
     from tests.gpt_oss_tiny import build_gpt_oss
     from tests.qwen3_5_tiny import build_qwen3_5
-    from tests.test_lora_layouts import QWEN3_5
+    from tests.test_lora_layouts import MLA, QWEN3_5
 
     build = {"glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss,
-             "qwen3_5_moe": lambda path: build_qwen3_5(path, moe=True)}[family]
+             "qwen3_5_moe": lambda path: build_qwen3_5(path, moe=True),
+             "deepseek_v3": lambda path: build_deepseek_v3(path, mtp=False,
+                                                           rope_interleave=False)}[family]
     base = build(str(tmp_path / family))
-    targets = QWEN3_5 if family == "qwen3_5_moe" else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    targets = {"qwen3_5_moe": QWEN3_5, "deepseek_v3": MLA}.get(
+        family, ["q_proj", "k_proj", "v_proj", "o_proj"])
     adapter = build_peft_adapter(base, str(tmp_path / "adapter"), rank=4, alpha=8,
                                  targets=targets)
     metrics = _run(pools, 2, base, prompts, tmp_path / "run",

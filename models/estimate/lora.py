@@ -13,6 +13,11 @@ models.lora.adapters / models.lora.sites shard them:
   in_proj_b, in_proj_a (column, in_proj) A [r, h] each, B [(2 Dk + Dv) / tp, r], [Dv / tp, r],
   [nv / tp, r] twice (Dk, Dv: key and value widths, nv value heads); out_proj (row) A
   [r, Dv / tp], B [h, r];
+- MLA layers (DeepSeek-V3 family): q_a_proj and kv_a_proj_with_mqa (replicated down
+  projections) A [r, h], B [q_lora_rank or kv_lora_rank + rope dim, r] whole on every rank;
+  q_b_proj / kv_b_proj (column) A [r, q_lora_rank or kv_lora_rank], B [heads x (nope + rope)
+  / tp or heads x (nope + v) / tp, r]; q_proj (column, q_lora_rank null) A [r, h]; o_proj
+  (row) A [r, heads x v / tp], B [h, r];
 - gate_proj, up_proj (column, linear_fc1 of a dense-MLP layer): A [r, h] each, B [ffn / tp, r];
 - down_proj (row, linear_fc2 of a dense-MLP layer): A [r, ffn / tp], B [h, r];
   on a MoE layer gate/up/down adapt the shared expert where the family's HF model has one as
@@ -48,6 +53,8 @@ def _mixer(hf: Any, layer: int, targets: frozenset, r: int, tp: int) -> int:
     """Adapter parameters of one rank in the sequence mixer of decoder layer `layer`."""
     h = field(hf, "hidden_size")
     mixer = family_of(hf).mixer_of(hf, layer)
+    if mixer == "mla":
+        return _mla(hf, targets, r, tp)
     if mixer == "gated_delta_net":
         qk = field(hf, "linear_key_head_dim") * field(hf, "linear_num_key_heads")
         nv = field(hf, "linear_num_value_heads")
@@ -63,6 +70,24 @@ def _mixer(hf: Any, layer: int, targets: frozenset, r: int, tp: int) -> int:
         rows = ("o_proj", q)
     body = sum(r * h + r * out // tp for name, out in column.items() if name in targets)
     return body + (r * rows[1] // tp + r * h if rows[0] in targets else 0)
+
+
+def _mla(hf: Any, targets: frozenset, r: int, tp: int) -> int:
+    """Adapter parameters of one rank in an MLA layer: (in, out, split over TP) per name."""
+    h, heads = field(hf, "hidden_size"), field(hf, "num_attention_heads")
+    q_rank, kv_rank = field(hf, "q_lora_rank"), field(hf, "kv_lora_rank")
+    qk = field(hf, "qk_nope_head_dim") + field(hf, "qk_rope_head_dim")
+    shapes = {"q_proj": (h, heads * qk, "column"),
+              "kv_a_proj_with_mqa": (h, kv_rank + field(hf, "qk_rope_head_dim"), None),
+              "kv_b_proj": (kv_rank, heads * (field(hf, "qk_nope_head_dim")
+                                              + field(hf, "v_head_dim")), "column"),
+              "o_proj": (heads * field(hf, "v_head_dim"), h, "row")}
+    if q_rank is not None:   # q_a_proj / q_b_proj instead of q_proj
+        del shapes["q_proj"]
+        shapes.update(q_a_proj=(h, q_rank, None), q_b_proj=(q_rank, heads * qk, "column"))
+    return sum(r * (i // tp if split == "row" else i) + r * (o // tp if split == "column"
+                                                           else o)
+               for name, (i, o, split) in shapes.items() if name in targets)
 
 
 def _mlp(ffn: int, h: int, targets: frozenset, r: int, tp: int) -> int:

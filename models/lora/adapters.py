@@ -32,9 +32,7 @@ results then depend on the layout (documented in docs/lora.md).
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -47,83 +45,18 @@ from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_paralle
                                                     scatter_to_sequence_parallel_region)
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from models.lora.slices import LoraSpec, Slice
+
 ADAPTER_SUFFIX = "_lora"   # the adapter of megatron linear `linear_qkv` is `linear_qkv_lora`
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    """What to adapt and how (engine.config.lora_settings builds it from model.lora.*)."""
-
-    rank: int
-    alpha: float
-    targets: frozenset          # HF projection names (models.lora.sites.TARGET_NAMES)
-    dropout: float = 0.0
-    rslora: bool = False        # scaling alpha / sqrt(rank) instead of alpha / rank
-    seed: int = 0               # adapter initialisation (layout-independent)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
-
-
-@dataclass(frozen=True)
-class Slice:
-    """One HF projection inside a Megatron linear: its name and full (unsharded) sizes, and
-    how its output rows map onto Megatron's (column-parallel linears only):
-
-    - `order`: Megatron's full row i is HF row order[i] (None: the same order). The gated
-      attention's q_proj: HF rows per head [query; gate], Megatron's per query group [the
-      group's queries; its gates] (models.layers.gated_delta_net.mapping, qkv_gated);
-    - `parts`: row blocks (in Megatron's order, summing to out_features) that TP splits one by
-      one (empty: one block). GDN's in_proj_qkv [q; k; v]: rank r holds [q_r; k_r; v_r].
-
-    Each block's B is its own parameter, a contiguous TP split of a layout-independent
-    tensor, so the distributed checkpoint reshards it to any TP size."""
-
-    name: str
-    in_features: int
-    out_features: int
-    order: tuple | None = None
-    parts: tuple = ()
-
-    def blocks(self) -> list[int]:
-        return list(self.parts) or [self.out_features]
-
-    def to_blocks(self, b_full: torch.Tensor) -> list[torch.Tensor]:
-        """HF B [out, r] -> its blocks in Megatron's row order (full sizes)."""
-        rows = b_full if self.order is None else b_full[list(self.order)]
-        return list(torch.split(rows, self.blocks(), dim=0))
-
-    def from_blocks(self, blocks: list[torch.Tensor]) -> torch.Tensor:
-        """Inverse of `to_blocks`: the full blocks -> HF B [out, r]."""
-        rows = torch.cat(blocks, dim=0)
-        if self.order is None:
-            return rows
-        out = torch.empty_like(rows)
-        out[list(self.order)] = rows
-        return out
-
-
-def init_full(spec: LoraSpec, key: str, sl: Slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """peft's default initialisation of one slice, identical at every layout: A uniform in
-    +-1/sqrt(in) (kaiming_uniform with a=sqrt(5)), B zero. `key` names the slice globally (layer,
-    expert, projection) and seeds its generator together with spec.seed."""
-    gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + _stable_hash(key))
-    bound = 1.0 / math.sqrt(sl.in_features)
-    a = (torch.rand(spec.rank, sl.in_features, generator=gen) * 2 - 1) * bound
-    return a, torch.zeros(sl.out_features, spec.rank)
-
-
-def _stable_hash(text: str) -> int:
-    value = 0
-    for ch in text.encode():
-        value = (value * 131 + ch) % 2_147_483_629
-    return value
 
 
 class LoraAdapter(torch.nn.Module):
     """The adapter of one Megatron linear (module docstring). Parameters `A_<slice>`,
-    `B_<slice>` hold this rank's shards; `kind` is "column" or "row"."""
+    `B_<slice>` hold this rank's shards; `kind` is "column", "row" or "replicated" (a linear
+    every TP rank holds whole, MLA's down projections: A and B whole, no communication; under
+    sequence parallelism the input is this rank's sequence shard, and A and B carry the
+    linear's `sequence_parallel` tag, so megatron sums their gradients over TP as it does the
+    base weight's)."""
 
     def __init__(self, linear, kind: str, fused: list[Slice], targeted, spec: LoraSpec,
                  qkv_layout: tuple[int, int, int] | None = None):
@@ -139,6 +72,9 @@ class LoraAdapter(torch.nn.Module):
         self.tp_size = self.group.size() if self.group is not None else 1
         self.tp_rank = self.group.rank() if self.group is not None else 0
         self.sequence_parallel = bool(getattr(linear, "sequence_parallel", False))
+        if kind == "replicated":   # whole on every rank: the math of one rank, no gathers
+            self.group = self.group or parallel_state.get_tensor_model_parallel_group()
+            self.tp_size, self.tp_rank, self.sequence_parallel = 1, 0, False
         self.explicit = bool(getattr(linear, "explicit_expert_comm", False))
         self.is_expert = bool(getattr(linear, "is_expert", False))
         self.qkv_layout = qkv_layout   # (local query groups, heads per group, head dim)
@@ -157,6 +93,10 @@ class LoraAdapter(torch.nn.Module):
                 if kind == "column":
                     set_tensor_model_parallel_attributes(b, True, 0, 1)
                 self.register_parameter(name, b)
+        if kind == "replicated":
+            tag = bool(getattr(linear.weight, "sequence_parallel", False))
+            for p in self.parameters():
+                p.sequence_parallel = tag
 
     @staticmethod
     def _b_names(sl: Slice) -> list[str]:
@@ -220,9 +160,9 @@ class LoraAdapter(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's contribution to the linear's output for its input `x` (same leading
         dimensions as the base output; communication as in the module docstring)."""
-        if self.kind == "column":
-            return self._column(x)
-        return self._row(x)
+        if self.kind == "row":
+            return self._row(x)
+        return self._column(x)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.dropout and self.training:
@@ -309,8 +249,9 @@ class LoraAdapter(torch.nn.Module):
         row: A on dim 1) sharded over the linear's TP group, the other one replicated; layer and
         expert offsets come from the caller (TransformerBlock, SequentialMLP)."""
         state = self.state_dict(prefix="", keep_vars=True)
-        split = "B_" if self.kind == "column" else "A_"
-        axis = {k: (0 if self.kind == "column" else 1) for k in state if k.startswith(split)}
+        split = {"column": "B_", "row": "A_"}.get(self.kind)   # replicated: nothing split
+        axis = {k: (0 if self.kind == "column" else 1) for k in state
+                if split and k.startswith(split)}
         # the DP x CP group too: given only tp_group, megatron numbers every data-parallel
         # copy replica 0 and a save at DP >= 2 fails ("Invalid access pattern"); expert
         # adapters get their expert-DP replica ids from SequentialMLP afterwards

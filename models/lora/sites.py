@@ -21,18 +21,26 @@ from typing import Iterator
 
 import torch
 
-from models.lora.adapters import ADAPTER_SUFFIX, LoraAdapter, LoraSpec, Slice, init_full
+from models.lora.adapters import ADAPTER_SUFFIX, LoraAdapter
+from models.lora.slices import LoraSpec, Slice, init_full
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")   # with q_proj and o_proj
 MLP = ("gate_proj", "up_proj", "down_proj")
-TARGET_NAMES = ATTENTION + GDN + MLP + ("experts",)
-ALL_LINEAR = ATTENTION + GDN + MLP   # each family has the part of it its modules carry
+TARGET_NAMES = ATTENTION + GDN + MLA + MLP + ("experts",)
+ALL_LINEAR = ATTENTION + GDN + MLA + MLP   # each family has the part of it its modules carry
 
 # (parent path in a layer, linear name, kind, the slices' target names, HF parent module);
 # a layer has the sites whose linears it has (a GDN layer has in_proj, not linear_qkv)
 _SITES = (("self_attention", "linear_qkv", "column", ATTENTION[:3], "self_attn"),
           ("self_attention", "linear_proj", "row", ("o_proj",), "self_attn"),
+          ("self_attention", "linear_q_down_proj", "replicated", ("q_a_proj",), "self_attn"),
+          ("self_attention", "linear_q_up_proj", "column", ("q_b_proj",), "self_attn"),
+          ("self_attention", "linear_q_proj", "column", ("q_proj",), "self_attn"),
+          ("self_attention", "linear_kv_down_proj", "replicated", ("kv_a_proj_with_mqa",),
+           "self_attn"),
+          ("self_attention", "linear_kv_up_proj", "column", ("kv_b_proj",), "self_attn"),
           ("self_attention", "in_proj", "column", GDN[:4], "linear_attn"),
           ("self_attention", "out_proj", "row", ("out_proj",), "linear_attn"),
           ("mlp", "linear_fc1", "column", MLP[:2], "mlp"),
@@ -75,21 +83,22 @@ def gated_query_order(heads: int, groups: int, d: int) -> tuple:
                  for j in range(g * per, (g + 1) * per) for t in range(d))
 
 
-def _slices(linear, config, names: tuple, kind: str) -> list[Slice]:
+def _slices(linear_name: str, linear, config, names: tuple, kind: str,
+            orders: dict) -> list[Slice]:
     """Full sizes (and row maps) of every slice of one linear (this rank's weight is a TP
-    shard)."""
-    tp = linear.tp_group.size()
+    shard); `orders`: {HF projection: Megatron's row order} given by the model's builder."""
+    tp = linear.tp_group.size() if kind != "replicated" else 1
     out_full, in_local = linear.weight.shape[0] * (tp if kind == "column" else 1), \
         linear.weight.shape[1]
     in_full = in_local * (tp if kind == "row" else 1)
-    if names[0] == "q_proj":
+    if linear_name == "linear_qkv":
         d, heads, groups = config.kv_channels, config.num_attention_heads, \
             config.num_query_groups
         gated = bool(getattr(config, "attention_output_gate", False))
         order = gated_query_order(heads, groups, d) if gated else None
         return [Slice("q_proj", in_full, heads * d * (2 if gated else 1), order),
                 Slice("k_proj", in_full, groups * d), Slice("v_proj", in_full, groups * d)]
-    if names[0] == "in_proj_qkv":
+    if linear_name == "in_proj":
         qk = config.linear_key_head_dim * config.linear_num_key_heads
         v = config.linear_value_head_dim * config.linear_num_value_heads
         heads = config.linear_num_value_heads
@@ -98,7 +107,7 @@ def _slices(linear, config, names: tuple, kind: str) -> list[Slice]:
                 Slice("in_proj_a", in_full, heads)]
     if len(names) == 2:
         return [Slice(n, in_full, out_full // 2) for n in names]
-    return [Slice(names[0], in_full, out_full)]
+    return [Slice(names[0], in_full, out_full, orders.get(names[0]))]
 
 
 def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozenset,
@@ -119,7 +128,7 @@ def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozense
     return adapter
 
 
-def _layer_sites(layer, spec: LoraSpec) -> Iterator[tuple]:
+def _layer_sites(layer, spec: LoraSpec, orders: dict) -> Iterator[tuple]:
     """(parent, linear name, kind, fused slices, targeted names, key, HF parent) of every
     adapter of one decoder layer."""
     config, number = layer.config, layer.layer_number - 1
@@ -130,7 +139,7 @@ def _layer_sites(layer, spec: LoraSpec) -> Iterator[tuple]:
             continue
         if not hasattr(parent, name) or not set(names) & spec.targets:
             continue
-        fused = _slices(getattr(parent, name), config, names, kind)
+        fused = _slices(name, getattr(parent, name), config, names, kind, orders)
         yield (parent, name, kind, fused, spec.targets, f"layer{number}.{parent_name}",
                hf_parent)
     experts = getattr(getattr(layer, "mlp", None), "experts", None)
@@ -145,20 +154,23 @@ def _layer_sites(layer, spec: LoraSpec) -> Iterator[tuple]:
     for j, expert in enumerate(experts.local_experts):
         global_expert = ep_rank * experts.num_local_experts + j
         for name, kind, names in _EXPERT_SITES:
-            fused = _slices(getattr(expert, name), config, names, kind)
+            fused = _slices(name, getattr(expert, name), config, names, kind, orders)
             yield (expert, name, kind, fused, frozenset(names),
                    f"layer{number}.expert{global_expert}", None)
 
 
-def apply_lora(chunks: list, spec: LoraSpec) -> int:
+def apply_lora(chunks: list, spec: LoraSpec, orders: dict | None = None) -> int:
     """Freeze the base of every chunk and attach the adapters of `spec` (this rank's shards,
-    initialised like peft and layout-independently). Returns the number of adapters."""
+    initialised like peft and layout-independently). `orders`: {HF projection: tuple} where
+    Megatron's rows of a projection are a permutation of HF's (Slice.order; MLA's rope rows
+    with rope_interleave false, models.layers.mla.mapping.lora_row_orders). Returns the number
+    of adapters."""
     count = 0
     for chunk in chunks:
         model = _unwrap(chunk)
         model.requires_grad_(False)
         for layer in model.decoder.layers:
-            for site in list(_layer_sites(layer, spec)):
+            for site in list(_layer_sites(layer, spec, orders or {})):
                 _attach(*site[:5], spec, site[5], layer.config, site[6])
                 count += 1
         model.lora_spec = spec

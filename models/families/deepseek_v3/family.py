@@ -43,6 +43,19 @@ def _deepseek_v3(**values) -> dict:
 class DeepseekV3(SigmoidRoutedMoe):
     model_type = "deepseek_v3"
     hf_class = "DeepseekV3ForCausalLM"
+    # LoRA on the MLA projections by peft's names (models.lora.sites; the down projections
+    # are replicated linears, the up projections column-parallel, o_proj row-parallel);
+    # q_proj is the query projection of checkpoints with q_lora_rank null
+    lora = True
+    lora_targets = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                    "o_proj")
+    lora_refused = dict.fromkeys(
+        ("all-linear", "gate_proj", "up_proj", "down_proj"),
+        "with transformers 5, peft (0.21) reads these names on this family as the fused routed "
+        "experts and the router (target_parameters gate_up_proj / down_proj / gate.weight), "
+        "never as the dense layers' or shared experts' MLP, so such an adapter would not mean "
+        "the same in peft; list the attention projections (q_a_proj, q_b_proj or q_proj, "
+        "kv_a_proj_with_mqa, kv_b_proj, o_proj)")
     fields = DEEPSEEK_FIELDS + ROUTING_FIELDS
     multi_latent_attention = True
     presets = {

@@ -72,6 +72,23 @@ def _permute_rope(t: torch.Tensor, cfg: dict, inverse: bool, per_head: bool) -> 
     return torch.cat([t[:latent], t[latent:][order]], dim=0).contiguous()
 
 
+def lora_row_orders(cfg: dict) -> dict:
+    """{HF projection: Megatron's rows as HF rows} of the MLA projections whose rows differ
+    (models.lora.adapters.Slice.order): with rope_interleave false the rope rows of q_b_proj /
+    q_proj (per head) and of kv_a_proj_with_mqa (after the latent), as `_permute_rope` moves
+    the weights; {} when HF and Megatron agree (rope_interleave true, or not MLA)."""
+    if "kv_lora_rank" not in cfg or cfg.get("rope_interleave", True) is not False:
+        return {}
+    rows = lambda n: torch.arange(n, dtype=torch.float64)[:, None]
+    heads = int(cfg["num_attention_heads"])
+    per_head = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
+    q = _permute_rope(rows(heads * per_head), cfg, inverse=False, per_head=True)
+    kv = _permute_rope(rows(int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])), cfg,
+                       inverse=False, per_head=False)
+    order = lambda t: tuple(int(x) for x in t[:, 0].tolist())
+    return {"q_b_proj": order(q), "q_proj": order(q), "kv_a_proj_with_mqa": order(kv)}
+
+
 def mla_local_shard(kind: str, hf: list[torch.Tensor], cfg: dict, tp: int,
                     rank: int) -> torch.Tensor:
     """TP rank `rank`'s shard of the HF tensor `hf[0]` (mla_kv_down: the whole tensor)."""
