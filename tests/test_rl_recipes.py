@@ -26,6 +26,7 @@ def test_every_recipe_exists():
                                          "gpt_oss_20b_grpo_h100.yaml",
                                          "moonlight_16b_a3b_grpo_h100.yaml",
                                          "qwen3_5_35b_a3b_grpo_h100.yaml",
+                                         "qwen3_5_35b_a3b_lora_grpo_h100.yaml",
                                          "deepseek_v3_grpo_h200.yaml"}
 
 
