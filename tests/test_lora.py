@@ -61,9 +61,6 @@ def test_all_linear_expands_and_plain_scaling():
     (dict(rank=4), {"model_type": "qwen3_5_text", "_conditional_generation_config":
                     {"model_type": "qwen3_5"}}, "LoRA on a conditional-generation checkpoint"),
     (dict(rank=4, target_modules=["experts"]), DENSE, "the model has no MoE experts"),
-    (dict(rank=4, target_modules=["experts"]),
-     {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2},
-     "gpt_oss's experts carry biases"),
     (dict(rank=0, init_from="/x"), DENSE, "model.lora.init_from=/x needs model.lora.rank > 0"),
     (dict(rank=4, init_from="/nonexistent"), DENSE, "not a PEFT adapter folder"),
 ])
@@ -72,10 +69,13 @@ def test_bad_values_are_refused_by_name(kwargs, hf, needle):
     assert any(needle in p for p in problems), problems
 
 
-def test_expert_targets_need_sequential_experts():
-    problems = lora_problems(cfg(grouped=True, rank=4, target_modules=["experts"]), MOE)
-    assert any("set moe.grouped_experts=false" in p for p in problems), problems
+def test_expert_targets_run_on_grouped_and_sequential_experts_without_dropout():
+    """Expert adapters join the grouped experts (models.layers.experts.grouped) as well as
+    SequentialMLP; dropout on them is refused (peft's target_parameters refuse it too)."""
+    assert lora_problems(cfg(grouped=True, rank=4, target_modules=["experts"]), MOE) == []
     assert lora_problems(cfg(rank=4, target_modules=["experts", "q_proj"]), MOE) == []
+    problems = lora_problems(cfg(rank=4, dropout=0.1, target_modules=["experts"]), MOE)
+    assert any("expert adapters take no dropout" in p for p in problems), problems
 
 
 def _adapter(tmp_path, **fields):
@@ -100,6 +100,12 @@ def _adapter(tmp_path, **fields):
     ({"target_modules": ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]},
      None),
     ({"target_modules": ".*q_proj"}, "a regular expression; only 'all-linear' or a list"),
+    # peft's target_parameters: the experts' two fused parameters, nothing else
+    ({"target_parameters": ["mlp.experts.gate_up_proj"]}, "not routers or one of them alone"),
+    ({"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                            "mlp.gate.weight"]}, "not routers or one of them alone"),
+    ({"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]},
+     "targets ['experts', 'q_proj', 'v_proj'], model.lora.target_modules ['q_proj', 'v_proj']"),
 ])
 def test_init_from_adapter_config_checks(tmp_path, fields, needle):
     c = cfg(rank=4, alpha=16.0, target_modules=["q_proj", "v_proj"],
@@ -109,3 +115,14 @@ def test_init_from_adapter_config_checks(tmp_path, fields, needle):
         assert problems == []
     else:
         assert any(needle in p for p in problems), problems
+
+
+def test_init_from_adapter_with_expert_parameters_is_accepted(tmp_path):
+    """An adapter of q/v_proj and peft's target_parameters of the fused experts (in either
+    order: peft saves them as a set) starts a run with target_modules [q_proj, v_proj, experts]
+    on a MoE model."""
+    for order in (["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                  ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]):
+        c = cfg(rank=4, alpha=16.0, target_modules=["q_proj", "v_proj", "experts"],
+                init_from=_adapter(tmp_path, target_parameters=order))
+        assert lora_problems(c, MOE) == []

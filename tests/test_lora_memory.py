@@ -85,12 +85,13 @@ def test_adapter_counts_by_hand():
     # MoE: all-linear adapts only attention there (gate/up/down name experts: as peft)
     attention = (r * h + r * q // 2) + 2 * (r * h + r * kv // 2) + (r * q // 2 + r * h)
     assert adapter_parameters(MOE, ALL, r, 2, 1).first_stage == 2 * attention
-    # experts at tp2 x ep2: 4 local experts per layer, each gate/up A [r, h], B [32 / 2, r],
-    # down A [r, 32 / 2], B [h, r]
-    expert = 2 * (r * h + r * 16) + (r * 16 + r * h)
+    # experts at tp2 x ep2: 4 local experts per layer, each gate_up_proj A [r, h], B
+    # [2 x 32 / 2, r] (peft's target_parameters: one adapter on the fused [gate; up]), down
+    # A [r, 32 / 2], B [h, r]
+    expert = (r * h + r * 32) + (r * 16 + r * h)
     both = adapter_parameters(MOE, ALL | {"experts"}, r, 2, 1, ep=2)
-    assert both.expert_first == 2 * 4 * expert == 7680
-    assert both.first_stage == 2 * attention + 7680
+    assert both.expert_first == 2 * 4 * expert == 5632
+    assert both.first_stage == 2 * attention + 5632
 
 
 def _train(**keys):

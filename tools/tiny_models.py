@@ -149,15 +149,16 @@ def build_eos_model(out_dir: str, hidden: int = 32, arch: str = "llama",
 
 
 def build_peft_adapter(base: str, out: str, rank: int, alpha: float, seed: int = 3,
-                       targets="all-linear") -> str:
-    """A PEFT adapter of `targets` (default peft's all-linear: every linear projection) of
-    `base` with non-zero B (peft initialises B to 0, which would leave the model unchanged).
-    Returns `out`."""
+                       targets="all-linear", parameters: list[str] | None = None) -> str:
+    """A PEFT adapter of `targets` (default peft's all-linear: every linear projection) and of
+    the fused 3-D parameters `parameters` (peft's target_parameters, e.g.
+    ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) of `base`, with non-zero B (peft
+    initialises B to 0, which would leave the model unchanged). Returns `out`."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=targets))
+        r=rank, lora_alpha=alpha, target_modules=targets, target_parameters=parameters))
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -20,7 +20,6 @@ from typing import Any, Optional
 
 from models.families.base import ORIGINAL, Family
 from models.families.registry import FAMILIES, experts_per_layer
-from models.layers.biased_experts.spec import has_biased_experts
 from models.lora.adapters import LoraSpec
 from models.lora.peft import adapter_config_problems
 from models.lora.sites import TARGET_NAMES, resolve_targets, target_list
@@ -85,17 +84,11 @@ def _model_problems(cfg: Any, hf_config: dict) -> list[str]:
     if "experts" in targets and not moe:
         p.append("model.lora.target_modules contains experts, but the model has no MoE "
                  "experts; remove it")
-    if "experts" in targets and moe and has_biased_experts(hf_config):
-        p.append(f"model.lora.target_modules contains experts: {family}'s experts carry "
-                 "biases (models.layers.biased_experts), which the expert adapters do not wrap; "
-                 "adapt the attention (q_proj, k_proj, v_proj, o_proj)")
-    elif "experts" in targets and moe and getattr(cfg.moe, "grouped_experts", False):
-        p.append("model.lora.target_modules contains experts, which needs megatron's "
-                 "SequentialMLP experts: set moe.grouped_experts=false")
+    if "experts" in targets and moe and lora.dropout:
+        p.append(f"model.lora.dropout={lora.dropout} with experts in model.lora.target_modules: "
+                 "expert adapters take no dropout (peft's adapters of fused expert parameters "
+                 "refuse it too); set model.lora.dropout=0")
     if lora.init_from is not None:
-        if "experts" in targets:
-            p.append("model.lora.init_from with experts in model.lora.target_modules: PEFT has "
-                     "no per-expert adapter names for transformers' fused experts")
         p += adapter_config_problems(lora.init_from, lora_spec(cfg),
                                      frozenset(known + ("experts",)))
     return p

@@ -17,6 +17,7 @@ from models.lora.adapters import LoraSpec
 from models.lora.sites import apply_lora
 from models.layers.experts import compat as moe_compat
 from models.layers.attention.rope import install_rope
+from models.layers.biased_experts.fused import lora_row_orders as expert_lora_row_orders
 from models.layers.mla.mapping import lora_row_orders
 from models.layers.mla.module import hf_mla_layer_spec, is_mla
 from models.layers.biased_experts.spec import biased_moe_spec, has_biased_experts
@@ -101,7 +102,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         _tag_tensor_parallel_params(model)
         chunks.append(model.to(cpu_runtime.device()))
     if lora is not None:
-        apply_lora(chunks, lora, lora_row_orders(hf_config))
+        apply_lora(chunks, lora, {**lora_row_orders(hf_config),
+                                  **expert_lora_row_orders(hf_config)})
     return chunks
 
 

@@ -23,8 +23,9 @@ models.lora.adapters / models.lora.sites shard them:
   on a MoE layer gate/up/down adapt the shared expert where the family's HF model has one as
   `mlp.shared_expert` (Qwen3.5-MoE: width shared_expert_intermediate_size), else nothing, as
   in peft;
-- experts (each of the num_experts / ep local experts of a MoE layer, expert TP = tp): gate and
-  up A [r, h] and B [moe_ffn / tp, r], down A [r, moe_ffn / tp] and B [h, r].
+- experts (each of the num_experts / ep local experts of a MoE layer, expert TP = tp), peft's
+  target_parameters format: gate_up_proj A [r, h] and B [2 moe_ffn / tp, r], down_proj A
+  [r, moe_ffn / tp] and B [h, r].
 
 `total` counts the whole model unsharded: what peft's print_trainable_parameters reports for
 the same adapters on the HF model.
@@ -109,7 +110,7 @@ def _layer(hf: Any, layer: int, targets: frozenset, r: int, tp: int, ep: int) ->
     if "experts" not in targets:
         return body, 0
     width = moe.expert_width(hf)
-    per_expert = 2 * (r * h + r * width // tp) + r * width // tp + r * h
+    per_expert = r * h + 2 * r * width // tp + r * width // tp + r * h
     experts = moe.num_experts(hf) // ep * per_expert
     return body + experts, experts
 

@@ -130,8 +130,9 @@ def _preset(layers: int, experts: int) -> dict:
 class GptOss(MoeFamily):
     model_type = "gpt_oss"
     hf_class = "GptOssForCausalLM"
-    # the attention (q/k/v/o with biases) by peft's names (models.lora.sites); no expert
-    # adapters (biased experts: refused by engine.config.lora_settings)
+    # the attention (q/k/v/o with biases) by peft's names (models.lora.sites), and the experts'
+    # weights in peft's target_parameters format (their biases stay frozen, as in peft; the
+    # interleaved gate/up columns: models.layers.biased_experts.fused.lora_row_orders)
     lora = True
     # Per-expert names the generic expert mapping (models.layers.experts.mapping) reads and writes;
     # models.layers.biased_experts.fused translates them to and from the fused on-disk tensors.

@@ -164,6 +164,21 @@ class LoraAdapter(torch.nn.Module):
             return self._row(x)
         return self._column(x)
 
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The low-rank update of an expert linear as factors (A [r, in_local], scaling * B
+        [out_local, r]) for models.layers.experts.grouped, which computes x A^T B^T for every
+        local expert in its grouped matmuls instead of calling the linears (their hooks); the
+        same expert-TP gradient reduction as `_column` / `_row`. None while disabled."""
+        if not self.enabled:
+            return None
+        a, b = self.matrices(self.slices[0].name)
+        if self.explicit and self._communicates():
+            if self.kind == "column":
+                a = copy_to_tensor_model_parallel_region(a, group=self.group)
+            else:
+                b = copy_to_tensor_model_parallel_region(b, group=self.group)
+        return a, b * self.scaling
+
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.dropout and self.training:
             return F.dropout(x, self.spec.dropout, training=True)

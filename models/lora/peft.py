@@ -6,9 +6,8 @@ self_attn.{q,k,v,o}_proj, linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a
 (Qwen3.5's Gated DeltaNet), mlp.{gate,up,down}_proj or mlp.shared_expert.{gate,up,down}_proj
 (Qwen3.5-MoE). Megatron keeps the same matrices per slice of its
 fused linears (models.lora.adapters), TP-sharded; `export_peft_tensors` gathers them, `load_peft_adapter`
-shards them back. Expert adapters have no peft name (transformers stores experts as fused 3-D
-parameters, which peft's LoRA does not wrap per expert): they are refused here (merged export
-works: models.lora.sites.merged_weight).
+shards them back. Expert adapters use peft's `target_parameters` format for transformers'
+fused 3-D expert parameters (models.lora.peft_experts).
 """
 from __future__ import annotations
 
@@ -21,6 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.lora.adapters import LoraAdapter, LoraSpec
+from models.lora.peft_experts import (PARENT, WRITE_ORDER, expert_param, export_experts,
+                                      load_experts)
 from models.lora.sites import ALL_LINEAR, TARGET_NAMES, LoraUnsupportedError, adapters
 
 PREFIX = "base_model.model."
@@ -41,29 +42,28 @@ def peft_names(layer: int, parent: str, projection: str) -> tuple[str, str]:
     return f"{head}.lora_A.weight", f"{head}.lora_B.weight"
 
 
-def _sites(chunks: list) -> Iterator[tuple[int, LoraAdapter]]:
-    """(global layer, adapter) of every dense adapter; refuses expert adapters."""
-    for chunk in chunks:
-        model = _unwrap(chunk)
-        for name, adapter in adapters(model):
-            if adapter.is_expert:
-                raise LoraUnsupportedError(
-                    "expert LoRA adapters (model.lora.target_modules contains experts) have no "
-                    "PEFT adapter format for transformers' fused expert parameters; export the "
-                    "merged model instead (tools/convert.py mcore-to-hf --merge)")
+def _sites(model) -> Iterator[tuple[int, LoraAdapter]]:
+    """(global layer, adapter) of every adapter of one unwrapped chunk but the experts'
+    (models.lora.peft_experts)."""
+    for name, adapter in adapters(model):
+        if not adapter.is_expert:
             local = int(name.split(".")[2])   # decoder.layers.{local}....
             yield model.decoder.layers[local].layer_number - 1, adapter
 
 
 def export_peft_tensors(chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
-    """(peft name, full tensor) of every adapter matrix this pipeline stage holds. Collective
-    over each adapter's TP group (every TP rank of the stage iterates it together)."""
-    for layer, adapter in _sites(chunks):
-        for sl in adapter.slices:
-            a, b = adapter.full_matrices(sl.name)
-            name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name)
-            yield name_a, a.contiguous()
-            yield name_b, b.contiguous()
+    """(peft name, full tensor) of every adapter matrix this pipeline stage holds, expert
+    adapters in peft's target_parameters format. Collective over each adapter's TP group and,
+    for experts, the EP group (every rank of the stage iterates it together)."""
+    for chunk in chunks:
+        model = _unwrap(chunk)
+        for layer, adapter in _sites(model):
+            for sl in adapter.slices:
+                a, b = adapter.full_matrices(sl.name)
+                name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name)
+                yield name_a, a.contiguous()
+                yield name_b, b.contiguous()
+        yield from export_experts(model)
 
 
 def load_peft_adapter(chunks: list, adapter_dir: str | Path) -> int:
@@ -74,15 +74,25 @@ def load_peft_adapter(chunks: list, adapter_dir: str | Path) -> int:
     with safe_open(str(path), framework="pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}
     used, filled = set(), 0
-    for layer, adapter in _sites(chunks):
-        for sl in adapter.slices:
-            name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name)
-            if name_a not in stored or name_b not in stored:
-                raise LoraUnsupportedError(f"model.lora.init_from={adapter_dir}: no {name_a} / "
-                                           f"{name_b} for the adapter of {sl.name}")
-            adapter.set_full(sl.name, stored[name_a], stored[name_b])
-            used |= {name_a, name_b}
-            filled += 1
+    for chunk in chunks:
+        model = _unwrap(chunk)
+        for layer, adapter in _sites(model):
+            for sl in adapter.slices:
+                name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name)
+                if name_a not in stored or name_b not in stored:
+                    raise LoraUnsupportedError(f"model.lora.init_from={adapter_dir}: no "
+                                               f"{name_a} / {name_b} for the adapter of "
+                                               f"{sl.name}")
+                adapter.set_full(sl.name, stored[name_a], stored[name_b])
+                used |= {name_a, name_b}
+                filled += 1
+        try:
+            names, count = load_experts(model, stored)
+        except KeyError as e:
+            raise LoraUnsupportedError(f"model.lora.init_from={adapter_dir}: no {e.args[0]} "
+                                       "for the expert adapters") from None
+        used |= names
+        filled += count
     layers = {_layer_of(n) for n in used}
     extra = sorted(n for n in stored if n not in used and _layer_of(n) in layers)
     if extra:
@@ -95,12 +105,20 @@ def _layer_of(name: str) -> int:
     return int(name[len(PREFIX):].split(".")[2])
 
 
-def peft_config(spec: LoraSpec, base_path: str, targets: list[str]) -> dict:
+def expert_order(cfg: dict) -> tuple[str, ...]:
+    """The expert parameters an adapter_config.json's target_parameters name
+    (models.lora.peft_experts); () without any."""
+    return tuple(p for p in map(expert_param, cfg.get("target_parameters") or []) if p)
+
+
+def peft_config(spec: LoraSpec, base_path: str, targets: list[str],
+                parameters: list[str] | None = None) -> dict:
     """adapter_config.json for PeftModel.from_pretrained (the base at `base_path`); `targets`:
-    the projection names the adapter holds."""
+    the projection names the adapter holds, `parameters`: its target_parameters (experts)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank,
             "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
-            "target_modules": targets, "use_rslora": spec.rslora,
+            "target_modules": targets, "target_parameters": parameters,
+            "use_rslora": spec.rslora,
             "use_dora": False, "bias": "none", "fan_in_fan_out": False,
             "init_lora_weights": True, "base_model_name_or_path": base_path,
             "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
@@ -114,16 +132,18 @@ def write_peft_adapter(tensors: dict, spec: LoraSpec, base_path: str, out: str |
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE),
               metadata={"format": "pt"})
-    targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in tensors})
-    (out / CONFIG_FILE).write_text(json.dumps(peft_config(spec, base_path, targets), indent=2))
+    experts = [name for name in tensors if f".{PARENT}." in name]
+    targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in tensors
+                      if name not in experts})
+    parameters = [f"{PARENT}.{p}" for p in WRITE_ORDER] if experts else None
+    (out / CONFIG_FILE).write_text(json.dumps(peft_config(spec, base_path, targets,
+                                                          parameters), indent=2))
 
 
 # adapter_config.json fields that change the math, with the only value implemented exactly
 _FIXED = {"peft_type": "LORA", "use_dora": False, "bias": "none", "fan_in_fan_out": False,
           "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
-          "alpha_pattern": {},
-          # peft's adapters of parameters (MoE experts fused as 3-D tensors, routers): not built
-          "target_parameters": None}
+          "alpha_pattern": {}}
 
 
 def _target_names(targets) -> set[str] | None:
@@ -156,6 +176,13 @@ def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec,
                 f"{value!r} is supported" for field, value in _FIXED.items()
                 if cfg.get(field, value) not in (value, [] if value is None else value)]
     targets = _target_names(cfg.get("target_modules"))
+    parameters = list(cfg.get("target_parameters") or [])
+    order = expert_order(cfg)
+    if len(order) != len(parameters) or (order and sorted(order) != sorted(WRITE_ORDER)):
+        problems.append(f"{key}: adapter_config.json has target_parameters={parameters!r}; "
+                        "only the experts' two fused parameters together are supported "
+                        "(mlp.experts.gate_up_proj and mlp.experts.down_proj: "
+                        "model.lora.target_modules experts), not routers or one of them alone")
     if targets is None:
         return problems + [f"{key}: adapter_config.json has target_modules="
                            f"{cfg.get('target_modules')!r}, a regular expression; only "
@@ -170,6 +197,8 @@ def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec,
     known = set(known) if known is not None else set(TARGET_NAMES)
     if cfg.get("target_modules") == "all-linear":
         targets &= known
+    if order:
+        targets.add("experts")
     if targets - known:
         return problems + [f"{key}: adapter_config.json targets {sorted(targets - known)}, "
                            f"which this model has no adapters for (its names: "

@@ -47,7 +47,10 @@ _SITES = (("self_attention", "linear_qkv", "column", ATTENTION[:3], "self_attn")
           ("mlp", "linear_fc2", "row", ("down_proj",), "mlp"),
           ("mlp.shared_experts", "linear_fc1", "column", MLP[:2], "mlp.shared_expert"),
           ("mlp.shared_experts", "linear_fc2", "row", ("down_proj",), "mlp.shared_expert"))
-_EXPERT_SITES = (("linear_fc1", "column", ("gate_proj", "up_proj")),
+# every expert's linears as peft's target_parameters adapt transformers' fused 3-D expert
+# parameters: one (A, B) per expert on gate_up_proj ([gate; up] rows) and one on down_proj
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+_EXPERT_SITES = (("linear_fc1", "column", ("gate_up_proj",)),
                  ("linear_fc2", "row", ("down_proj",)))
 
 
@@ -107,6 +110,10 @@ def _slices(linear_name: str, linear, config, names: tuple, kind: str,
                 Slice("in_proj_a", in_full, heads)]
     if len(names) == 2:
         return [Slice(n, in_full, out_full // 2) for n in names]
+    if names == ("gate_up_proj",):   # an expert's [gate; up] per TP rank, one adapter
+        half = out_full // 2
+        return [Slice("gate_up_proj", in_full, out_full, orders.get("experts.gate_up_proj"),
+                      parts=(half, half))]
     return [Slice(names[0], in_full, out_full, orders.get(names[0]))]
 
 
@@ -121,6 +128,8 @@ def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozense
                config.kv_channels)
     adapter = LoraAdapter(linear, kind, fused, targeted, spec, qkv)
     adapter.hf_parent = hf_parent   # peft's module path in the layer (None: experts)
+    if adapter.is_expert:   # models.layers.experts.grouped adds it inside its grouped matmuls
+        linear.low_rank_factors = adapter.factors
     for sl in adapter.slices:
         adapter.set_full(sl.name, *init_full(spec, f"{key}.{sl.name}", sl))
     parent.add_module(name + ADAPTER_SUFFIX, adapter)
@@ -145,11 +154,11 @@ def _layer_sites(layer, spec: LoraSpec, orders: dict) -> Iterator[tuple]:
     experts = getattr(getattr(layer, "mlp", None), "experts", None)
     if experts is None or "experts" not in spec.targets:
         return
-    if not hasattr(experts, "local_experts") or type(experts).__name__ != "SequentialMLP":
+    if not hasattr(experts, "local_experts"):
         raise LoraUnsupportedError(
-            f"model.lora.target_modules with experts needs megatron's SequentialMLP experts, "
-            f"this model computes them with {type(experts).__name__}: set "
-            "moe.grouped_experts=false")
+            f"model.lora.target_modules with experts needs per-expert linears (megatron's "
+            f"SequentialMLP or models.layers.experts.grouped), this model computes them with "
+            f"{type(experts).__name__}")
     ep_rank = experts.ep_group.rank() if experts.ep_group is not None else 0
     for j, expert in enumerate(experts.local_experts):
         global_expert = ep_rank * experts.num_local_experts + j

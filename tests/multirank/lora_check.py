@@ -8,7 +8,9 @@ LORA_FAMILIES=NAME=DIR:ADAPTER:TARGETS[:EXTRA][;...] (tiny models of other famil
 a PEFT adapter of it of TARGETS, comma-separated: GLM-4.5's and gpt-oss's attention, Qwen3.5's
 attention, Gated DeltaNet and shared expert) their runs join: each one's reference at W == 1
 (checkpoint OUT/ckpt_NAME), NAME_tp2+sp, NAME_pp2, NAME_ep2 and the EXTRA layouts
-(comma-separated; cp2) at W == 2.
+(comma-separated: cp2, or ep2_wrong_expert, the negative control of expert adapters loaded by
+local instead of global expert index) at W == 2. TARGETS may hold `experts`: the adapter
+then holds peft's target_parameters of the fused experts, run on grouped experts.
 
 W == 1: the references. Dense: STEPS LoRA SFT steps (token-mean) from ADAPTER, saving a
 training checkpoint after RESUME_AT steps (OUT/ckpt_resume) and after the last one
@@ -270,16 +272,39 @@ def layouts(dense, moe, adapter, out, rank, world):
     engine = build(*moe, True, None)
     results.append(compare("ep2", ref["moe"], *train(engine, batches(moe[1]["vocab_size"])),
                            adapter_tensors(engine)))
-    extra_layouts = {"cp2": (dict(cp=2), {})}
+    extra_layouts = {"cp2": (dict(cp=2), {}, None),
+                     "ep2_wrong_expert": (dict(ep=2), {}, wrong_expert)}
     for family, model, family_adapter, targets, extra in other_families():
         family_data = batches(model[1]["vocab_size"])
-        for name, layout, overrides in (("tp2+sp", dict(tp=2), {"sequence_parallel": True}),
-                                        ("pp2", dict(pp=2), {}), ("ep2", dict(ep=2), {}),
-                                        *((x, *extra_layouts[x]) for x in extra)):
+        for name, layout, overrides, control in (
+                ("tp2+sp", dict(tp=2), {"sequence_parallel": True}, None),
+                ("pp2", dict(pp=2), {}, None), ("ep2", dict(ep=2), {}, None),
+                *((x, *extra_layouts[x]) for x in extra)):
             setup_model_parallel(ParallelLayout(world, **layout))
             engine = build(*model, False, family_adapter, overrides=overrides, targets=targets)
+            if control is not None:
+                control(engine, family_adapter)
             results.append(compare(f"{family}_{name}", ref[family],
                                    *train(engine, family_data), adapter_tensors(engine)))
+
+
+def wrong_expert(engine, adapter_dir: str) -> None:
+    """Negative control: reload every expert adapter from the PEFT adapter by its LOCAL expert
+    index (the classic EP bug: each EP rank takes experts 0 .. E/ep - 1)."""
+    from safetensors.torch import load_file
+
+    from models.lora.peft_experts import expert_names, layer_experts, unpack
+
+    stored = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    for chunk in engine.chunks:
+        model = chunk
+        while hasattr(model, "module"):
+            model = model.module
+        for layer, param, items, experts in layer_experts(model, model.decoder.layers):
+            name_a, name_b = expert_names(layer, param)
+            total = experts.num_local_experts * experts.ep_group.size()
+            for local, (_, adapter) in enumerate(items):
+                adapter.set_full(param, *unpack(stored[name_a], stored[name_b], total, local))
 
 
 def main():

@@ -88,6 +88,18 @@ class FusedExpertReader:
         return _expert_slice(fused, proj, kind).contiguous()
 
 
+def lora_row_orders(hf_config: Any) -> dict:
+    """{"experts.gate_up_proj": Megatron's rows as HF's} for gpt-oss's expert adapters
+    (models.lora.adapters.Slice.order): a peft adapter's B of gate_up_proj has the fused
+    tensor's 2I output columns (gate unit j at 2j, linear unit j at 2j + 1), Megatron's
+    linear_fc1 [gate; up]; {} for other families."""
+    if not uses_fused_experts(hf_config):
+        return {}
+    width = int(field(hf_config, moe_family(hf_config).expert_width_field))
+    return {"experts.gate_up_proj": tuple(2 * j for j in range(width))
+            + tuple(2 * j + 1 for j in range(width))}
+
+
 def _rows(reader, name: str, start: int, stop: int) -> torch.Tensor:
     if hasattr(reader, "get_rows"):
         return reader.get_rows(name, start, stop)

@@ -15,6 +15,8 @@ its partial sum). Here `add_bias_linear` stays off and the modules below hold th
   (a p) W2^T + b2 p, i.e. HF's (a W2^T + b2) p. The b2 p term enters the expert-TP sum once
   (`_OnceOverExpertTP`): added by expert-TP rank 0 only, while every rank's copy of b2 gets
   the whole gradient (each rank sees the whole output gradient), so the replicas stay equal.
+  LoRA adapters of the expert weights join as in GroupedExperts (`_plus_low_rank`); the
+  biases stay frozen, as in peft.
 """
 from __future__ import annotations
 
@@ -110,10 +112,12 @@ class BiasedExperts(GroupedExperts):
         b1 = torch.stack([e.linear_fc1.bias for e in experts]).repeat_interleave(counts, dim=0)
         b2 = torch.stack([e.linear_fc2.bias for e in experts]).repeat_interleave(counts, dim=0)
         probs = permuted_probs.to(permuted_local_hidden_states.dtype)
-        hidden = grouped_linear(permuted_local_hidden_states, fc1, tokens_per_expert,
-                                self.kernel) + b1
+        x = permuted_local_hidden_states
+        hidden = self._plus_low_rank(grouped_linear(x, fc1, tokens_per_expert, self.kernel),
+                                     x, "linear_fc1", tokens_per_expert) + b1
         hidden = clamped_glu(hidden, self.config) * probs.unsqueeze(-1)
-        out = grouped_linear(hidden, fc2, tokens_per_expert, self.kernel)
+        out = self._plus_low_rank(grouped_linear(hidden, fc2, tokens_per_expert, self.kernel),
+                                  hidden, "linear_fc2", tokens_per_expert)
         first = ps.get_expert_tensor_parallel_rank() == 0
         return out + _OnceOverExpertTP.apply(b2, probs, first), None
 

@@ -29,6 +29,8 @@ with the routing probabilities applied after it, as `MLP.forward(per_token_scale
 or megatron's fused weighted SwiGLU when `bias_activation_fusion` is on. Configurations this
 path does not cover exactly (expert biases, fp8/fp4, TE activation functions, apply-probs-on-
 input, another expert module layout) run SequentialMLP's own forward: `sequential_reason`.
+LoRA adapters on the expert linears (models.lora, peft's target_parameters format) join the
+grouped computation through each linear's `low_rank_factors` (`_plus_low_rank`).
 """
 from __future__ import annotations
 
@@ -176,7 +178,26 @@ class GroupedExperts(SequentialMLP):
         fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, I']
         if not torch.is_tensor(tokens_per_expert):
             tokens_per_expert = torch.tensor(tokens_per_expert)
-        hidden = grouped_linear(permuted_local_hidden_states, fc1, tokens_per_expert,
-                                self.kernel)
+        x = permuted_local_hidden_states
+        hidden = self._plus_low_rank(grouped_linear(x, fc1, tokens_per_expert, self.kernel), x,
+                                     "linear_fc1", tokens_per_expert)
         hidden = self._activation(hidden, permuted_probs)
-        return grouped_linear(hidden, fc2, tokens_per_expert, self.kernel), None
+        out = grouped_linear(hidden, fc2, tokens_per_expert, self.kernel)
+        return self._plus_low_rank(out, hidden, "linear_fc2", tokens_per_expert), None
+
+    def _plus_low_rank(self, out: torch.Tensor, x: torch.Tensor, linear: str,
+                       tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """`out` plus the local experts' low-rank updates of `linear` for their tokens x:
+        x A_e^T B_e^T, as two more grouped matmuls. The updates are LoRA adapters (models.lora
+        sets `low_rank_factors` on each expert linear: () -> (A [r, K], B [N, r]) or None while
+        switched off); `out` unchanged when the linears carry none."""
+        factors = [getattr(getattr(e, linear), "low_rank_factors", None)
+                   for e in self.local_experts]
+        factors = [f() for f in factors] if all(factors) else []
+        if not factors or any(f is None for f in factors):
+            return out
+        a = torch.stack([f[0] for f in factors])   # [E, r, K]
+        b = torch.stack([f[1] for f in factors])   # [E, N, r]
+        low = grouped_linear(grouped_linear(x, a, tokens_per_expert, self.kernel), b,
+                             tokens_per_expert, self.kernel)
+        return out + low.to(out.dtype)
