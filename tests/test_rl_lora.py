@@ -203,7 +203,7 @@ def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
     from tests.glm4_moe_tiny import build_glm4_moe
     from tests.gpt_oss_tiny import build_gpt_oss
     from tests.qwen3_5_tiny import build_qwen3_5
-    from tests.test_lora_layouts import MLA, QWEN3_5
+    from tests.test_lora_layouts import EXPERTS, MLA, QWEN3_5
 
     build = {"glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss,
              "qwen3_5_moe": lambda path: build_qwen3_5(path, moe=True),
@@ -213,10 +213,10 @@ def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
     targets = {"qwen3_5_moe": QWEN3_5, "deepseek_v3": MLA}.get(
         family, ["q_proj", "k_proj", "v_proj", "o_proj"])
     adapter = build_peft_adapter(base, str(tmp_path / "adapter"), rank=4, alpha=8,
-                                 targets=targets)
+                                 targets=targets, parameters=EXPERTS)
     metrics = _run(pools, 2, base, prompts, tmp_path / "run",
                    f"model.lora.init_from={adapter}",
-                   f"model.lora.target_modules=[{','.join(targets)}]")
+                   f"model.lora.target_modules=[{','.join(targets)},experts]")
     assert len(metrics) == 2
     for m in metrics:
         assert m["rollout/logprob_diff"] < 1e-5 and m["grad_norm"] > 0, m

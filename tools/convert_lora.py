@@ -19,7 +19,7 @@ LORA_FILE = "lora.json"
 def spec_from_peft(adapter_dir: str):
     """LoraSpec of a PEFT adapter folder; raises ValueError naming what is not implemented."""
     from models.lora.adapters import LoraSpec
-    from models.lora.peft import CONFIG_FILE, adapter_config_problems
+    from models.lora.peft import CONFIG_FILE, adapter_config_problems, expert_order
     from models.lora.sites import TARGET_NAMES, resolve_targets
 
     cfg = json.loads((Path(adapter_dir) / CONFIG_FILE).read_text())
@@ -29,7 +29,8 @@ def spec_from_peft(adapter_dir: str):
     if unknown:
         raise ValueError(f"--adapter {adapter_dir}: target_modules {unknown} not supported; "
                          f"valid: {', '.join(TARGET_NAMES)}, all-linear")
-    spec = LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), resolve_targets(targets),
+    experts = {"experts"} if expert_order(cfg) else set()   # peft's target_parameters
+    spec = LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), resolve_targets(targets) | experts,
                     float(cfg.get("lora_dropout") or 0.0), bool(cfg.get("use_rslora", False)))
     problems = adapter_config_problems(adapter_dir, spec)
     if problems:
