@@ -61,7 +61,7 @@ def test_all_linear_expands_and_plain_scaling():
     (dict(rank=4), {"model_type": "qwen3_5_text", "_conditional_generation_config":
                     {"model_type": "qwen3_5"}}, "LoRA on a conditional-generation checkpoint"),
     (dict(rank=4, target_modules=["experts"]), DENSE, "the model has no MoE experts"),
-    (dict(rank=0, init_from="/x"), DENSE, "model.lora.init_from=/x needs model.lora.rank > 0"),
+    (dict(rank=0, init_from="/x"), DENSE, "model.lora.init_from=/x: no adapter_config.json with an r"),
     (dict(rank=4, init_from="/nonexistent"), DENSE, "not a PEFT adapter folder"),
 ])
 def test_bad_values_are_refused_by_name(kwargs, hf, needle):
@@ -115,6 +115,31 @@ def test_init_from_adapter_config_checks(tmp_path, fields, needle):
         assert problems == []
     else:
         assert any(needle in p for p in problems), problems
+
+
+def test_init_from_fills_the_unset_keys_and_refuses_contradicting_ones(tmp_path):
+    """model.lora.init_from alone: rank, alpha, targets (with experts for target_parameters)
+    and rsLoRA come from adapter_config.json and the run's config holds them; a key given
+    that contradicts the adapter is refused naming both."""
+    folder = _adapter(tmp_path, r=8, lora_alpha=32, use_rslora=True,
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    c = cfg(init_from=folder)
+    assert lora_problems(c, MOE) == []
+    lora = c.model.lora
+    assert (lora.rank, lora.alpha, lora.rslora) == (8, 32, True)
+    assert sorted(lora.target_modules) == ["experts", "q_proj", "v_proj"]
+    spec = lora_spec(c)
+    assert spec.targets == {"q_proj", "v_proj", "experts"}
+    assert math.isclose(spec.scaling, 32 / math.sqrt(8))
+    for key, value, needle in (("alpha", 16.0, "lora_alpha=32, model.lora.alpha=16.0"),
+                               ("rank", 4, "has r=8, model.lora.rank=4"),
+                               ("target_modules", ["q_proj"], "model.lora.target_modules "
+                                                              "['q_proj']")):
+        problems = lora_problems(cfg(init_from=folder, **{key: value}), MOE)
+        assert any(needle in p for p in problems), (key, problems)
+    plain = cfg(rank=4)   # no adapter: the defaults
+    assert lora_problems(plain, DENSE) == [] and plain.model.lora.alpha == 16.0 \
+        and plain.model.lora.target_modules == ["all-linear"] and plain.model.lora.rslora is False
 
 
 def test_init_from_adapter_with_expert_parameters_is_accepted(tmp_path):

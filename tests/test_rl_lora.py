@@ -214,9 +214,8 @@ def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
         family, ["q_proj", "k_proj", "v_proj", "o_proj"])
     adapter = build_peft_adapter(base, str(tmp_path / "adapter"), rank=4, alpha=8,
                                  targets=targets, parameters=EXPERTS)
-    metrics = _run(pools, 2, base, prompts, tmp_path / "run",
-                   f"model.lora.init_from={adapter}",
-                   f"model.lora.target_modules=[{','.join(targets)},experts]")
+    # no model.lora.target_modules: the adapter's own (its target_parameters: experts)
+    metrics = _run(pools, 2, base, prompts, tmp_path / "run", f"model.lora.init_from={adapter}")
     assert len(metrics) == 2
     for m in metrics:
         assert m["rollout/logprob_diff"] < 1e-5 and m["grad_norm"] > 0, m

@@ -6,8 +6,10 @@
   value draws random masks that depend on the layout, so the layout invariance no longer holds;
 - `model.lora.target_modules`: HF projection names (models.lora.sites.TARGET_NAMES) or
   `all-linear` (every attention and MLP projection; not the experts, as in peft);
-- `model.lora.init_from`: a PEFT adapter folder to start from (its rank, alpha, targets and
-  rsLoRA must equal the keys; DoRA, biases, per-layer ranks are refused);
+- `model.lora.init_from`: a PEFT adapter folder to start from; its r, lora_alpha,
+  target_modules (and target_parameters: `experts`) and use_rslora fill the keys left unset
+  (`fill_lora_keys`), and keys given that contradict them are refused by name (DoRA, biases,
+  per-layer ranks are refused);
 - `model.lora.dora`: peft's use_dora; only false is implemented (refused by name otherwise).
 
 `lora_problems` checks them before any process group exists; `lora_spec` gives the
@@ -15,25 +17,48 @@ models.lora.adapters.LoraSpec that models.build.factory.build_model_chunks attac
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from models.families.base import ORIGINAL, Family
 from models.families.registry import FAMILIES, experts_per_layer
 from models.lora.adapters import LoraSpec
-from models.lora.peft import adapter_config_problems
+from models.lora.peft import adapter_config_problems, adapter_keys
 from models.lora.sites import TARGET_NAMES, resolve_targets, target_list
+
+
+# defaults of the keys left null (an init_from adapter's own values come first)
+DEFAULTS = {"alpha": 16.0, "target_modules": ["all-linear"], "rslora": False}
 
 
 @dataclass
 class LoraConfig:
-    rank: int = 0                 # 0: no LoRA (full fine-tuning)
-    alpha: float = 16.0
+    rank: int = 0                 # 0: no LoRA (full fine-tuning), unless init_from gives r
+    alpha: Optional[float] = None     # null: init_from's lora_alpha, else 16
     dropout: float = 0.0          # > 0 breaks the layout invariance (random masks)
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    target_modules: Optional[list[str]] = None   # null: init_from's, else [all-linear]
     init_from: Optional[str] = None   # PEFT adapter folder
-    rslora: bool = False          # scaling alpha / sqrt(rank) (peft use_rslora)
+    rslora: Optional[bool] = None  # alpha / sqrt(rank) (peft use_rslora); null: init_from's
     dora: bool = False            # peft use_dora: not implemented, only false
+
+
+def fill_lora_keys(lora: LoraConfig) -> None:
+    """Fill, in place, the model.lora.* keys left unset from model.lora.init_from's
+    adapter_config.json (rank 0: its r; alpha, target_modules, rslora null: its lora_alpha,
+    target_modules plus `experts` for target_parameters, use_rslora), then the DEFAULTS.
+    Explicit keys stay as given: `lora_problems` refuses those that contradict the adapter.
+    Run by lora_problems before any process group starts, so the run's config.yaml holds the
+    values it trained with."""
+    found = adapter_keys(lora.init_from) if lora.init_from is not None else None
+    if found is not None:
+        if lora.rank == 0 and isinstance(found["rank"], int):
+            lora.rank = found["rank"]
+        for key in ("alpha", "target_modules", "rslora"):
+            if getattr(lora, key) is None:
+                setattr(lora, key, found[key])
+    for key, value in DEFAULTS.items():
+        if getattr(lora, key) is None:
+            setattr(lora, key, value)
 
 
 def _number(value) -> bool:
@@ -95,15 +120,17 @@ def _model_problems(cfg: Any, hf_config: dict) -> list[str]:
 
 
 def lora_problems(cfg: Any, hf_config: dict) -> list[str]:
-    """Every invalid model.lora.* value for this model (reads the init_from folder)."""
+    """Every invalid model.lora.* value for this model, after `fill_lora_keys` (reads the
+    init_from folder)."""
     lora = cfg.model.lora
+    fill_lora_keys(lora)
     rank = lora.rank
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         return [f"model.lora.rank={rank!r} must be an integer >= 0 (0: no LoRA)"]
     if rank == 0:
         if lora.init_from is not None:
-            return [f"model.lora.init_from={lora.init_from} needs model.lora.rank > 0 (the "
-                    "adapter's r)"]
+            return [f"model.lora.init_from={lora.init_from}: no adapter_config.json with an r "
+                    "to take model.lora.rank from (not a PEFT LoRA adapter folder)"]
         return []
     p = _value_problems(lora)
     return p or _model_problems(cfg, hf_config)
@@ -112,7 +139,10 @@ def lora_problems(cfg: Any, hf_config: dict) -> list[str]:
 def lora_spec(cfg: Any) -> LoraSpec | None:
     """The LoraSpec of model.lora.* (None when model.lora.rank is 0); seeded by `seed`."""
     lora = getattr(cfg.model, "lora", None)
-    if lora is None or not lora.rank:
+    if lora is None:
+        return None
+    fill_lora_keys(lora)
+    if not lora.rank:
         return None
     return LoraSpec(rank=int(lora.rank), alpha=float(lora.alpha),
                     targets=resolve_targets(lora.target_modules), dropout=float(lora.dropout),

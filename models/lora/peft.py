@@ -159,6 +159,25 @@ def _target_names(targets) -> set[str] | None:
     return {t.rsplit(".", 1)[-1] for t in targets or []}
 
 
+def adapter_keys(adapter_dir: str | Path) -> dict | None:
+    """The model.lora.* values a PEFT adapter folder determines: {"rank", "alpha",
+    "target_modules" (names, `experts` for the experts' target_parameters; None for a regular
+    expression), "rslora"}; None when its adapter_config.json cannot be read."""
+    try:
+        cfg = json.loads((Path(adapter_dir) / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    names = _target_names(cfg.get("target_modules"))
+    targets = None if names is None else sorted(names | ({"experts"} if expert_order(cfg)
+                                                         else set()))
+    if cfg.get("target_modules") == "all-linear":
+        targets = ["all-linear"] + (["experts"] if expert_order(cfg) else [])
+    return {"rank": cfg.get("r"), "alpha": cfg.get("lora_alpha"), "target_modules": targets,
+            "rslora": bool(cfg.get("use_rslora", False))}
+
+
 def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec,
                             known: frozenset | None = None) -> list[str]:
     """Why the PEFT adapter at `adapter_dir` cannot start a run with `spec`
