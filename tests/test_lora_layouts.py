@@ -80,7 +80,8 @@ def lora_run(pools, tmp_path_factory):
                                                 targets=targets[name], parameters=EXPERTS)
                        for name, path in families.items()}
     targets = {name: names + ["experts"] for name, names in targets.items()}
-    extra = {"qwen3_5_moe": ":cp2", "deepseek_v3": ":cp2", "qwen3_moe": ":ep2_wrong_expert"}
+    extra = {"qwen3_5_moe": ":cp2_packed", "deepseek_v3": ":cp2_packed",
+             "qwen3_moe": ":ep2_wrong_expert"}
     env = {"LORA_FAMILIES": ";".join(
         f"{name}={path}:{family_adapters[name]}:{','.join(targets[name])}{extra.get(name, '')}"
         for name, path in families.items())}
@@ -123,8 +124,8 @@ def test_an_adapter_folder_that_does_not_match_is_refused_naming_the_tensor(lora
                                  "from_mcore_pp2", "glm_tp2+sp", "glm_pp2", "glm_ep2",
                                  "gpt_oss_tp2+sp", "gpt_oss_pp2", "gpt_oss_ep2",
                                  "qwen3_5_moe_tp2+sp", "qwen3_5_moe_pp2", "qwen3_5_moe_ep2",
-                                 "qwen3_5_moe_cp2", "deepseek_v3_tp2+sp", "deepseek_v3_pp2",
-                                 "deepseek_v3_ep2", "deepseek_v3_cp2", "qwen3_moe_tp2+sp",
+                                 "qwen3_5_moe_cp2_packed", "deepseek_v3_tp2+sp", "deepseek_v3_pp2",
+                                 "deepseek_v3_ep2", "deepseek_v3_cp2_packed", "qwen3_moe_tp2+sp",
                                  "qwen3_moe_pp2", "qwen3_moe_ep2", "mixtral_tp2+sp",
                                  "mixtral_pp2", "mixtral_ep2"])
 def test_layout_equals_single_process(lora_run, run):

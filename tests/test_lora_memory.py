@@ -68,7 +68,7 @@ def test_glm4_moe_attention_count_equals_peft_and_why_all_linear_is_refused(tmp_
     assert set(config.target_modules) == set(attention)
     assert set(config.target_parameters) == {"gate_up_proj", "down_proj", "gate.weight"}
     hf_dict = hf.to_dict()
-    assert any("peft (0.21) reads these names on glm4_moe as the fused routed experts" in p
+    assert any("peft (0.21) reads these names on this family as the fused" in p
                for p in lora_problems(cfg(rank=4), hf_dict))
     assert lora_problems(cfg(rank=4, target_modules=attention), hf_dict) == []
 
@@ -147,7 +147,7 @@ def test_rl_validate_counts_no_reference_copy_under_lora(capsys):
     out = capsys.readouterr().out
     assert "KL reference 0.0 (the policy's frozen base, adapters off)" in out
     assert "recipe OK on 1 node(s) x 8 GPUs" in out
-    assert "on k_proj, o_proj, q_proj, v_proj (down_proj, gate_proj, up_proj: no such" in out
+    assert "on k_proj, o_proj, q_proj, v_proj: 26.7 M adapter parameters" in out
     # tp2: 48 layers x (q 32 x 2048 + 32 x 4096 / 2, k and v 32 x 2048 + 32 x 512 / 2,
     # o 32 x 4096 / 2 + 32 x 2048) adapters; grads 4 bytes, Adam 12 / dp 4
     adapters = 48 * (131072 + 2 * 73728 + 131072)
@@ -217,3 +217,26 @@ def test_deepseek_v3_mla_count_equals_peft_and_shards_by_hand(tmp_path, q_lora_r
         (4 * 64 + 4 * 4 * 24 // 2)
     assert adapter_parameters(hf, resolve_targets(targets), 4, 2, 1).first_stage == \
         2 * (kv + qpart)
+
+
+def test_expert_adapter_count_equals_peft_target_parameters(tmp_path):
+    """Qwen3-MoE with the attention and `experts`: the count equals peft's trainable
+    parameters with target_parameters (mlp.experts.gate_up_proj / down_proj: one adapter per
+    expert on the fused [gate; up], one on down), and the expert share is the experts'."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from models.estimate.lora import stage_adapters
+
+    model_dir = build_tiny_model(str(tmp_path / "m"), "qwen3_moe", tokenizer=False)
+    hf = AutoConfig.from_pretrained(model_dir)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(
+        r=4, lora_alpha=8, target_modules=attention,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    experts = sum(p.numel() for n, p in model.named_parameters()
+                  if p.requires_grad and ".experts." in n)
+    count = adapter_parameters(hf, frozenset(attention + ["experts"]), 4, 1, 1)
+    assert count.total == trainable and count.expert_first == count.expert_last
+    assert stage_adapters(hf, frozenset({"experts"}), 4, 1, 1, 1, 0)[1] == experts

@@ -188,7 +188,8 @@ def test_every_policy_loss_trains_only_the_adapters_and_the_reference_is_the_bas
     assert r["restored_rel"] == 0.0, r     # the switch turns them back on
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss", "qwen3_5_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss", "qwen3_5_moe", "deepseek_v3",
+                                    "qwen3_moe"])
 def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
     """GRPO with LoRA on GLM-4.5 (q/k/v biases, q/k norms, partial RoPE, sigmoid-routed MoE
     with a shared expert) and gpt-oss (biased attention with sinks, sliding windows, biased
@@ -208,7 +209,9 @@ def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
     build = {"glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss,
              "qwen3_5_moe": lambda path: build_qwen3_5(path, moe=True),
              "deepseek_v3": lambda path: build_deepseek_v3(path, mtp=False,
-                                                           rope_interleave=False)}[family]
+                                                           rope_interleave=False),
+             "qwen3_moe": lambda path: build_tiny_model(path, "qwen3_moe",
+                                                        initializer_range=0.2)}[family]
     base = build(str(tmp_path / family))
     targets = {"qwen3_5_moe": QWEN3_5, "deepseek_v3": MLA}.get(
         family, ["q_proj", "k_proj", "v_proj", "o_proj"])

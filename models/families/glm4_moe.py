@@ -21,6 +21,7 @@ from typing import Any
 from models.families.base import Biases, FieldRule, field, head_dim
 from models.families.fields import (ATTENTION_DROPOUT, HEAD_DIM, HIDDEN_ACT, NORM, TIE,
                                     rope_parameters)
+from models.families.moe import fused_expert_lora_refusals
 from models.families.sigmoid_routed import MTP_LAYERS, ROUTING_FIELDS, SigmoidRoutedMoe
 
 
@@ -63,13 +64,8 @@ class Glm4Moe(SigmoidRoutedMoe):
     hf_class = "Glm4MoeForCausalLM"
     # the attention by peft's names (models.lora.sites), routed experts on SequentialMLP experts
     lora = True
-    lora_refused = dict.fromkeys(
-        ("all-linear", "gate_proj", "up_proj", "down_proj"),
-        "with transformers 5, peft (0.21) reads these names on glm4_moe as the fused routed "
-        "experts (target_parameters gate_up_proj / down_proj, and all-linear adds the router "
-        "`mlp.gate`), never as the dense layers' or shared experts' MLP, so such an adapter "
-        "would not mean the same in peft; list the attention projections (q_proj, k_proj, "
-        "v_proj, o_proj), plus experts for SequentialMLP expert adapters")
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")   # and experts
+    lora_refused = fused_expert_lora_refusals("q_proj, k_proj, v_proj, o_proj")
     fields = GLM_FIELDS + ROUTING_FIELDS
     presets = {
         "glm-4.5-air": dict(

@@ -102,6 +102,22 @@ AUX_LOSS = FieldRule("router_aux_loss_coef / output_router_logits", "training on
 MOE_FIELDS = (NUM_EXPERTS, TOP_K, ROUTER_JITTER, AUX_LOSS)
 
 
+def fused_expert_lora_refusals(attention: str) -> dict:
+    """Family.lora_refused of a MoE family on which peft (0.21, transformers 5) reads
+    all-linear and the MLP names as its fused routed experts: gate_proj / up_proj / down_proj
+    as target_parameters gate_up_proj / down_proj, all-linear adds the router too. An adapter
+    built from those names here would not mean what it means in peft, so they are refused;
+    `attention`: the family's projection names to list instead."""
+    return dict.fromkeys(
+        ("all-linear", "gate_proj", "up_proj", "down_proj"),
+        "with transformers 5, peft (0.21) reads these names on this family as the fused "
+        "routed experts (target_parameters gate_up_proj / down_proj; all-linear adds the "
+        "router, mlp.gate.weight, which has no adapter site here), never as a dense or "
+        "shared-expert MLP, so such an adapter would not mean the same in peft; list the "
+        f"attention projections ({attention}), plus experts for the experts' adapters "
+        "(peft's target_parameters)")
+
+
 class MoeFamily(Family):
     """A family whose every decoder layer is a sparse MoE block. Subclasses set `experts`
     (their ExpertNaming), `expert_width_field` and `renormalise_field`."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from models.families.base import Biases, FieldRule, field
 from models.families.fields import COMMON_FIELDS, SLIDING_WINDOW
-from models.families.moe import MOE_FIELDS, ExpertNaming, MoeFamily
+from models.families.moe import MOE_FIELDS, ExpertNaming, MoeFamily, fused_expert_lora_refusals
 
 
 def _dense_layers(cfg: Any) -> list[int]:
@@ -39,6 +39,8 @@ def _sparse_layers(cfg: Any) -> str | None:
 class Qwen3Moe(MoeFamily):
     model_type = "qwen3_moe"
     lora = True
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")   # and experts
+    lora_refused = fused_expert_lora_refusals("q_proj, k_proj, v_proj, o_proj")
     hf_class = "Qwen3MoeForCausalLM"
     qk_norm = True
     experts = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")

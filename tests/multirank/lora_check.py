@@ -8,7 +8,8 @@ LORA_FAMILIES=NAME=DIR:ADAPTER:TARGETS[:EXTRA][;...] (tiny models of other famil
 a PEFT adapter of it of TARGETS, comma-separated: GLM-4.5's and gpt-oss's attention, Qwen3.5's
 attention, Gated DeltaNet and shared expert) their runs join: each one's reference at W == 1
 (checkpoint OUT/ckpt_NAME), NAME_tp2+sp, NAME_pp2, NAME_ep2 and the EXTRA layouts
-(comma-separated: cp2, or ep2_wrong_expert, the negative control of expert adapters loaded by
+(comma-separated: cp2, cp2_packed: CP2 with the micro-batches packed, or ep2_wrong_expert,
+the negative control of expert adapters loaded by
 local instead of global expert index) at W == 2. TARGETS may hold `experts`: the adapter
 then holds peft's target_parameters of the fused experts, run on grouped experts.
 
@@ -76,8 +77,9 @@ def build(model_dir, hf_config, moe: bool, adapter: str | None, load: bool = Tru
 
     targets = targets or (MOE_TARGETS if moe else DENSE_TARGETS)
     spec = LoraSpec(RANK, ALPHA, resolve_targets(targets), seed=7)
+    overrides = dict(overrides or {})
     train = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None,
-                            balance_dp=True, packing=False)
+                            balance_dp=True, packing=overrides.pop("packing", False))
     extra = {"grouped_experts": False} if moe else {}
     return TrainEngine.build(hf_config, optim_cfg(), torch.float32, STEPS, train,
                              weights_dir=model_dir, load_weights=load, lora=spec,
@@ -273,6 +275,7 @@ def layouts(dense, moe, adapter, out, rank, world):
     results.append(compare("ep2", ref["moe"], *train(engine, batches(moe[1]["vocab_size"])),
                            adapter_tensors(engine)))
     extra_layouts = {"cp2": (dict(cp=2), {}, None),
+                     "cp2_packed": (dict(cp=2), {"packing": True}, None),
                      "ep2_wrong_expert": (dict(ep=2), {}, wrong_expert)}
     for family, model, family_adapter, targets, extra in other_families():
         family_data = batches(model[1]["vocab_size"])

@@ -21,6 +21,7 @@ from typing import Any
 
 from models.families.base import field
 from models.families.deepseek_v3.fields import DEEPSEEK_FIELDS
+from models.families.moe import fused_expert_lora_refusals
 from models.families.sigmoid_routed import ROUTING_FIELDS, SigmoidRoutedMoe
 
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
@@ -49,13 +50,8 @@ class DeepseekV3(SigmoidRoutedMoe):
     lora = True
     lora_targets = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                     "o_proj")
-    lora_refused = dict.fromkeys(
-        ("all-linear", "gate_proj", "up_proj", "down_proj"),
-        "with transformers 5, peft (0.21) reads these names on this family as the fused routed "
-        "experts and the router (target_parameters gate_up_proj / down_proj / gate.weight), "
-        "never as the dense layers' or shared experts' MLP, so such an adapter would not mean "
-        "the same in peft; list the attention projections (q_a_proj, q_b_proj or q_proj, "
-        "kv_a_proj_with_mqa, kv_b_proj, o_proj)")
+    lora_refused = fused_expert_lora_refusals(
+        "q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj")
     fields = DEEPSEEK_FIELDS + ROUTING_FIELDS
     multi_latent_attention = True
     presets = {
