@@ -281,7 +281,10 @@ def test_multi_turn_moe_ppo_distillation_and_validation_on_vllm(pools, tmp_path)
     equal the trainer's at both steps (the expert weights synced after step 1 included),
     episodes reach their second turn, the critic and the distillation term are live, and the
     validation metrics are consistent (pass@1 <= pass@2, both logged at steps 0 and 2; an
-    episode passes when it reaches its second turn, env reward 0.25 per turn)."""
+    episode passes when it reaches its second turn, env reward 0.25 per turn). The policy is
+    LoRA from a PEFT adapter with non-zero B of the attention and of the fused experts (peft's
+    target_parameters, on grouped experts; it moves the base's log-probs by up to 7): the
+    merged experts reach vLLM before step 1."""
     # eos_boost 20 and 12 new tokens: most first turns end with eos already at step 1
     model_dir = build_eos_model(str(tmp_path / "eos_moe"), hidden=128, arch="qwen3_moe",
                                 eos_boost=20.0)
@@ -289,7 +292,12 @@ def test_multi_turn_moe_ppo_distillation_and_validation_on_vllm(pools, tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
+    adapter = build_peft_adapter(model_dir, str(tmp_path / "adapter"), rank=4, alpha=8,
+                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                 parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                                 std=0.01)   # small: the turns still end with eos at step 1
     metrics = _grpo(pools, 1, model_dir, prompts, tmp_path / "env", "kl.beta=0",
+                    f"model.lora.init_from={adapter}",
                     "env.fn=tests.test_rl_env:CountEnv", "env.max_turns=2",
                     "rollout.max_new_tokens=12", "train.seq_length=128", "advantage.estimator=gae", "critic.lr=1e-2",
                     f"distill.teacher_path={teacher}", "distill.coef=0.5",

@@ -149,11 +149,13 @@ def build_eos_model(out_dir: str, hidden: int = 32, arch: str = "llama",
 
 
 def build_peft_adapter(base: str, out: str, rank: int, alpha: float, seed: int = 3,
-                       targets="all-linear", parameters: list[str] | None = None) -> str:
+                       targets="all-linear", parameters: list[str] | None = None,
+                       std: float = 0.05) -> str:
     """A PEFT adapter of `targets` (default peft's all-linear: every linear projection) and of
     the fused 3-D parameters `parameters` (peft's target_parameters, e.g.
     ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) of `base`, with non-zero B (peft
-    initialises B to 0, which would leave the model unchanged). Returns `out`."""
+    initialises B to 0, which would leave the model unchanged; B ~ N(0, std)). Returns
+    `out`."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -163,7 +165,7 @@ def build_peft_adapter(base: str, out: str, rank: int, alpha: float, seed: int =
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.normal_(0.0, 0.05)
+                p.normal_(0.0, std)
     model.save_pretrained(out)
     return out
 

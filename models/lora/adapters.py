@@ -2,10 +2,13 @@
 
 One `LoraAdapter` sits beside one Megatron linear (as the sibling module `<linear>_lora`, so
 the base weight keeps its name) and adds `scaling * B(A(x))` to the linear's output through a
-forward hook. A fused Megatron linear carries one (A, B) pair per HF projection ("slice"):
-linear_qkv the slices q_proj/k_proj/v_proj (outputs interleaved per query group, as
-models.layers.transforms.merge_qkv), linear_fc1 gate_proj/up_proj (outputs [gate; up] per TP rank,
-as merge_gate_up). Shapes, with r the rank and tp the size of the linear's TP group:
+forward hook. A fused Megatron linear carries one (A, B) pair per HF projection ("slice",
+models.lora.slices.Slice, with the map of its output rows onto megatron's): linear_qkv the
+slices q_proj/k_proj/v_proj (outputs interleaved per query group, as
+models.layers.transforms.merge_qkv), linear_fc1 gate_proj/up_proj (outputs [gate; up] per TP
+rank, as merge_gate_up), the Gated DeltaNet's in_proj in_proj_qkv/z/b/a, an expert's
+linear_fc1 the one slice gate_up_proj. Shapes, with r the rank and tp the size of the linear's
+TP group:
 
 - column-parallel (linear_qkv, linear_fc1): A_s [r, in] replicated, B_s [out_s / tp, r] split
   on the output like the base weight. h = A_s x is the same on every TP rank; the gradient of h
@@ -22,7 +25,9 @@ as merge_gate_up). Shapes, with r the rank and tp the size of the linear's TP gr
   communicates nothing (the token dispatcher gathers inputs and reduce-scatters outputs over the
   expert-TP group); the adapter does the same on activations, and the replicated matrix
   (column: A, row: B) passes through `copy_to_tensor_model_parallel_region` over the expert-TP
-  group so its gradient is summed there.
+  group so its gradient is summed there. The grouped experts compute the same through
+  `factors` instead of the hook.
+- replicated (MLA's down projections): A and B whole, see LoraAdapter.
 
 `reduce=False` drops the adapter's TP reductions: a deliberately wrong adapter for negative
 controls only. `enabled=False` (the `adapters_disabled` context) leaves the linear's output as

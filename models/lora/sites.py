@@ -1,19 +1,27 @@
 """Where LoRA adapters go in a Megatron GPTModel, and attaching them (docs/lora.md).
 
 `model.lora.target_modules` names HF projections (TARGET_NAMES, or "all-linear" for
-ALL_LINEAR); each maps to a Megatron linear of every decoder layer and a slice of it:
+ALL_LINEAR, of which each family has its part: Family.lora_targets); each maps to a Megatron
+linear of every decoder layer that has it (_SITES) and a slice of it:
 
-    q_proj, k_proj, v_proj  -> self_attention.linear_qkv  (column-parallel, fused per group)
+    q_proj, k_proj, v_proj  -> self_attention.linear_qkv  (column-parallel, fused per group;
+                               Qwen3.5's gated q_proj rows in megatron's order)
     o_proj                  -> self_attention.linear_proj (row-parallel)
-    gate_proj, up_proj      -> mlp.linear_fc1             (column-parallel, [gate; up] per rank)
-    down_proj               -> mlp.linear_fc2             (row-parallel)
-    experts                 -> every local expert's linear_fc1 (gate/up) and linear_fc2 (down)
+    in_proj_qkv/z/b/a       -> self_attention.in_proj     (Gated DeltaNet, column-parallel,
+                               [q_r; k_r; v_r; z_r; b_r; a_r] per rank)
+    out_proj                -> self_attention.out_proj    (Gated DeltaNet, row-parallel)
+    q_a_proj, kv_a_proj_with_mqa -> MLA's linear_q_down_proj / linear_kv_down_proj (replicated)
+    q_b_proj, q_proj, kv_b_proj  -> MLA's linear_q_up_proj / linear_q_proj / linear_kv_up_proj
+    gate_proj, up_proj      -> mlp.linear_fc1 or mlp.shared_experts.linear_fc1 (Qwen3.5-MoE)
+    down_proj               -> mlp.linear_fc2 or mlp.shared_experts.linear_fc2
+    experts                 -> every local expert's linear_fc1 (gate_up_proj, one adapter on
+                               [gate; up]) and linear_fc2 (down_proj): peft's target_parameters
 
-`apply_lora(chunks, spec)` freezes every base parameter (requires_grad False: no gradient, no
-DDP bucket, no optimizer state), attaches the adapters (trainable) and initialises them like
-peft, identically at every layout. On an MoE layer gate_proj/up_proj/down_proj adapt nothing
-(as in peft, whose names there match no nn.Linear); megatron's SequentialMLP experts are needed
-for `experts` (models.layers.experts.grouped computes all experts at once, past the hooks).
+`apply_lora(chunks, spec, orders)` freezes every base parameter (requires_grad False: no
+gradient, no DDP bucket, no optimizer state), attaches the adapters (trainable) and
+initialises them like peft, identically at every layout. A name a layer has no linear for
+adapts nothing there. Expert adapters work on megatron's SequentialMLP (through the linears'
+hooks) and on models.layers.experts.grouped (through each linear's `low_rank_factors`).
 """
 from __future__ import annotations
 
