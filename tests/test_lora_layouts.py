@@ -7,14 +7,17 @@ tp2+sp, pp2, dp2, cp2, ep2, a resume at pp2, the negative control and a run from
 converted by `hf-to-mcore --adapter` at tp2, loaded at pp2: it equals the run from
 model.lora.init_from) and four conversions (that hf-to-mcore, mcore-to-hf to a PEFT adapter and
 to the merged model, and mcore-to-hf of the hf-to-mcore checkpoint: the adapter back bitwise).
-A tiny GLM-4.5 (q/k/v biases, q/k norms, a dense layer, a MoE layer with a shared expert) and a
-tiny gpt-oss (q/k/v/o biases, sinks, sliding windows, biased experts) join both runs, each from
-its own PEFT adapter of the attention (q/k/v/o_proj), and a tiny Qwen3.5-MoE (three Gated
-DeltaNet layers, one gated attention layer, a shared expert behind a sigmoid gate) from a PEFT
-adapter of every projection peft names there (QWEN3_5), and a tiny DeepSeek-V3 (MLA with
-rope_interleave false, a dense and a MoE layer) from a PEFT adapter of its MLA projections:
-the single process equals peft, TP2+SP, PP2 and EP2 (Qwen3.5 and DeepSeek-V3 also CP2) equal
-the single process, and the PEFT export loads in peft with peft's logits.
+Tiny MoE families join both runs, each from its own PEFT adapter that also holds its experts'
+(peft's target_parameters, EXPERTS; run on grouped experts): GLM-4.5 (q/k/v biases, q/k norms,
+a dense layer, a MoE layer with a shared expert) and gpt-oss (q/k/v/o biases, sinks, sliding
+windows, biased experts) with their attention, Qwen3.5-MoE (three Gated DeltaNet layers, one
+gated attention layer, a shared expert behind a sigmoid gate) with every projection peft names
+there (QWEN3_5), DeepSeek-V3 (MLA with rope_interleave false, a dense and a MoE layer) with its
+MLA projections, Qwen3-MoE and Mixtral with their attention: the single process equals peft,
+TP2+SP, PP2, EP2 and CP2 (packed for Qwen3.5-MoE, DeepSeek-V3 and Mixtral) equal the single
+process, the PEFT export loads in peft with peft's logits, the Qwen3-MoE adapter round-trips
+through hf-to-mcore at ep2 bitwise, and expert adapters loaded on the wrong expert under EP are
+caught.
 """
 from __future__ import annotations
 
@@ -80,8 +83,8 @@ def lora_run(pools, tmp_path_factory):
                                                 targets=targets[name], parameters=EXPERTS)
                        for name, path in families.items()}
     targets = {name: names + ["experts"] for name, names in targets.items()}
-    extra = {"qwen3_5_moe": ":cp2_packed", "deepseek_v3": ":cp2_packed",
-             "qwen3_moe": ":ep2_wrong_expert"}
+    extra = {"qwen3_5_moe": ":cp2_packed", "deepseek_v3": ":cp2_packed", "glm": ":cp2",
+             "gpt_oss": ":cp2", "mixtral": ":cp2_packed", "qwen3_moe": ":cp2,ep2_wrong_expert"}
     env = {"LORA_FAMILIES": ";".join(
         f"{name}={path}:{family_adapters[name]}:{','.join(targets[name])}{extra.get(name, '')}"
         for name, path in families.items())}
@@ -126,8 +129,9 @@ def test_an_adapter_folder_that_does_not_match_is_refused_naming_the_tensor(lora
                                  "qwen3_5_moe_tp2+sp", "qwen3_5_moe_pp2", "qwen3_5_moe_ep2",
                                  "qwen3_5_moe_cp2_packed", "deepseek_v3_tp2+sp", "deepseek_v3_pp2",
                                  "deepseek_v3_ep2", "deepseek_v3_cp2_packed", "qwen3_moe_tp2+sp",
-                                 "qwen3_moe_pp2", "qwen3_moe_ep2", "mixtral_tp2+sp",
-                                 "mixtral_pp2", "mixtral_ep2"])
+                                 "qwen3_moe_pp2", "qwen3_moe_ep2", "qwen3_moe_cp2",
+                                 "mixtral_tp2+sp", "mixtral_pp2", "mixtral_ep2",
+                                 "mixtral_cp2_packed", "glm_cp2", "gpt_oss_cp2"])
 def test_layout_equals_single_process(lora_run, run):
     r = lora_run["layouts"][run]
     assert r["loss_rel"] < 1e-5 and r["grad_norm_rel"] < 1e-5, r
