@@ -59,7 +59,7 @@ def test_all_linear_expands_and_plain_scaling():
      "'in_proj_qkv': qwen3 has no such projection; its names: q_proj"),
     (dict(rank=4), {"model_type": "qwen3_5_moe_text"}, "also adapts mlp.shared_expert_gate"),
     (dict(rank=4), {"model_type": "qwen3_5_text", "_conditional_generation_config":
-                    {"model_type": "qwen3_5"}}, "LoRA on a conditional-generation checkpoint"),
+                    {"model_type": "qwen3_5"}}, "all-linear on a conditional-generation"),
     (dict(rank=4, target_modules=["experts"]), DENSE, "the model has no MoE experts"),
     (dict(rank=0, init_from="/x"), DENSE, "model.lora.init_from=/x: no adapter_config.json with an r"),
     (dict(rank=4, init_from="/nonexistent"), DENSE, "not a PEFT adapter folder"),

@@ -13,7 +13,9 @@ a dense layer, a MoE layer with a shared expert) and gpt-oss (q/k/v/o biases, si
 windows, biased experts) with their attention, Qwen3.5-MoE (three Gated DeltaNet layers, one
 gated attention layer, a shared expert behind a sigmoid gate) with every projection peft names
 there (QWEN3_5), DeepSeek-V3 (MLA with rope_interleave false, a dense and a MoE layer) with its
-MLA projections, Qwen3-MoE and Mixtral with their attention: the single process equals peft,
+MLA projections, Qwen3-MoE and Mixtral with their attention, and a Qwen3.5-MoE checkpoint as
+published (ForConditionalGeneration: peft names the adapters under model.language_model.layers;
+transformers' own class is the reference) like Qwen3.5-MoE: the single process equals peft,
 TP2+SP, PP2, EP2 and CP2 (packed for Qwen3.5-MoE, DeepSeek-V3 and Mixtral) equal the single
 process, the PEFT export loads in peft with peft's logits, the Qwen3-MoE adapter round-trips
 through hf-to-mcore at ep2 bitwise, and expert adapters loaded on the wrong expert under EP are
@@ -31,8 +33,8 @@ import torch
 from tests.deepseek_v3_tiny import build_deepseek_v3
 from tests.glm4_moe_tiny import build_glm4_moe
 from tests.gpt_oss_tiny import build_gpt_oss
-from tests.qwen3_5_tiny import build_qwen3_5
-from tools.tiny_models import build_peft_adapter, build_tiny_model
+from tests.qwen3_5_tiny import build_qwen3_5, build_qwen3_5_conditional
+from tools.tiny_models import build_peft_adapter, build_tiny_model, load_hf_model
 
 SCRIPT = "tests/multirank/lora_check.py"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]   # GLM-4.5's and gpt-oss's adapters
@@ -46,6 +48,8 @@ PARENTS = {"glm": {"self_attn": set(ATTENTION)}, "gpt_oss": {"self_attn": set(AT
            "qwen3_5_moe": {"self_attn": set(ATTENTION), "linear_attn": set(GDN),
                            "mlp.shared_expert": set(MLP)},
            "deepseek_v3": {"self_attn": set(MLA)}, "qwen3_moe": {"self_attn": set(ATTENTION)},
+           "qwen3_5_conditional": {"self_attn": set(ATTENTION), "linear_attn": set(GDN),
+                                   "mlp.shared_expert": set(MLP)},
            "mixtral": {"self_attn": set(ATTENTION)}}
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multirank"))
@@ -74,6 +78,9 @@ def lora_run(pools, tmp_path_factory):
                 "deepseek_v3": build_deepseek_v3(str(root / "deepseek_v3"), mtp=False,
                                                  rope_interleave=False),
                 "qwen3_moe": moe,
+                # as published: the text model under model.language_model, a vision tower
+                "qwen3_5_conditional": build_qwen3_5_conditional(
+                    str(root / "qwen3_5_conditional"), moe=True),
                 "mixtral": build_tiny_model(str(root / "mixtral"), "mixtral",
                                             initializer_range=0.2)}
     targets = {name: [p for parents in PARENTS[name].values() for p in sorted(parents)]
@@ -131,7 +138,9 @@ def test_an_adapter_folder_that_does_not_match_is_refused_naming_the_tensor(lora
                                  "deepseek_v3_ep2", "deepseek_v3_cp2_packed", "qwen3_moe_tp2+sp",
                                  "qwen3_moe_pp2", "qwen3_moe_ep2", "qwen3_moe_cp2",
                                  "mixtral_tp2+sp", "mixtral_pp2", "mixtral_ep2",
-                                 "mixtral_cp2_packed", "glm_cp2", "gpt_oss_cp2"])
+                                 "mixtral_cp2_packed", "glm_cp2", "gpt_oss_cp2",
+                                 "qwen3_5_conditional_tp2+sp", "qwen3_5_conditional_pp2",
+                                 "qwen3_5_conditional_ep2"])
 def test_layout_equals_single_process(lora_run, run):
     r = lora_run["layouts"][run]
     assert r["loss_rel"] < 1e-5 and r["grad_norm_rel"] < 1e-5, r
@@ -160,20 +169,18 @@ def _peft_loop(base: str, adapter: str):
     """transformers + peft + torch AdamW on the harness's batches: (losses, grad norms, adapter
     state dict)."""
     from peft import PeftModel, get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter,
-                                      is_trainable=True)
+    model = PeftModel.from_pretrained(load_hf_model(base), adapter, is_trainable=True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=harness.LR, betas=(0.9, 0.95), eps=harness.ADAM_EPS,
                             weight_decay=0.0)
     losses, norms = [], []
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size   # a wrapper's text_config holds it
     for seqs in harness.batches(vocab):
         total = sum(sum(s.loss_mask) for s in seqs)
         loss = 0.0
         for s in seqs:
-            logits = model(torch.tensor([s.tokens])).logits[0].float()
+            logits = model(input_ids=torch.tensor([s.tokens])).logits[0].float()
             nll = -torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.labels)[:, None])[:, 0]
             loss = loss + (nll * torch.tensor(s.loss_mask, dtype=torch.float32)).sum() / total
         opt.zero_grad()
@@ -255,7 +262,7 @@ def test_expert_adapter_round_trips_bitwise_over_ep2_and_merges(lora_run):
 
 
 @pytest.mark.parametrize("family", ["glm", "gpt_oss", "qwen3_5_moe", "deepseek_v3",
-                                    "qwen3_moe", "mixtral"])
+                                    "qwen3_moe", "mixtral", "qwen3_5_conditional"])
 def test_family_single_process_equals_peft_and_export_loads(lora_run, family):
     """GLM-4.5 (q/k/v with biases, q/k norms, partial RoPE) and gpt-oss (biased attention with
     sinks and sliding windows) from PEFT adapters of their attention, Qwen3.5-MoE from one of
@@ -267,7 +274,6 @@ from one of its MLA projections (replicated down projections, rope rows permuted
     control: the export differs from the adapter it started from."""
     from peft import PeftModel, set_peft_model_state_dict
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     base, start_dir = lora_run["families"][family], lora_run["family_adapters"][family]
     losses, norms, state = _peft_loop(base, start_dir)
@@ -282,7 +288,8 @@ from one of its MLA projections (replicated down projections, rope rows permuted
     assert {k.split(".layers.")[1].split(".", 1)[1] for k in experts} == {
         f"mlp.experts.{nest}lora_{m}.weight" for nest in ("", "base_layer.") for m in "AB"}
     for key in set(exported) - experts:   # base_model.model.model.layers.{i}.<parent>.<proj>...
-        parent, _, proj = key.split(".", 5)[5].rsplit(".", 2)[0].rpartition(".")
+        parent, _, proj = key.split(".layers.", 1)[1].split(".", 1)[1].rsplit(
+            ".", 2)[0].rpartition(".")
         found.setdefault(parent, set()).add(proj)
     assert found == PARENTS[family]
     worst = max(float((exported[k] - v).abs().max() / v.abs().max()) for k, v in state.items())
@@ -290,10 +297,10 @@ from one of its MLA projections (replicated down projections, rope rows permuted
     start = load_file(str(Path(start_dir) / "adapter_model.safetensors"))
     assert max(float((exported[k] - start[k]).abs().max()) for k in start) > 1e-3
     tokens = torch.randint(4, 200, (2, 20), generator=torch.Generator().manual_seed(0))
-    trained = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), start_dir)
+    trained = PeftModel.from_pretrained(load_hf_model(base), start_dir)
     set_peft_model_state_dict(trained, state)
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+    loaded = PeftModel.from_pretrained(load_hf_model(base),
                                        str(lora_run["out"] / f"{family}_peft"))
     with torch.no_grad():
-        a, b = trained(tokens).logits, loaded(tokens).logits
+        a, b = trained(input_ids=tokens).logits, loaded(input_ids=tokens).logits
     assert float((a - b).abs().max()) < 1e-4, float((a - b).abs().max())

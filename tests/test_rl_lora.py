@@ -189,7 +189,7 @@ def test_every_policy_loss_trains_only_the_adapters_and_the_reference_is_the_bas
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss", "qwen3_5_moe", "deepseek_v3",
-                                    "qwen3_moe"])
+                                    "qwen3_moe", "qwen3_5_conditional"])
 def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
     """GRPO with LoRA on GLM-4.5 (q/k/v biases, q/k norms, partial RoPE, sigmoid-routed MoE
     with a shared expert) and gpt-oss (biased attention with sinks, sliding windows, biased
@@ -203,17 +203,18 @@ def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
     from tests.deepseek_v3_tiny import build_deepseek_v3
     from tests.glm4_moe_tiny import build_glm4_moe
     from tests.gpt_oss_tiny import build_gpt_oss
-    from tests.qwen3_5_tiny import build_qwen3_5
+    from tests.qwen3_5_tiny import build_qwen3_5, build_qwen3_5_conditional
     from tests.test_lora_layouts import EXPERTS, MLA, QWEN3_5
 
     build = {"glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss,
              "qwen3_5_moe": lambda path: build_qwen3_5(path, moe=True),
+             "qwen3_5_conditional": lambda path: build_qwen3_5_conditional(path, moe=True),
              "deepseek_v3": lambda path: build_deepseek_v3(path, mtp=False,
                                                            rope_interleave=False),
              "qwen3_moe": lambda path: build_tiny_model(path, "qwen3_moe",
                                                         initializer_range=0.2)}[family]
     base = build(str(tmp_path / family))
-    targets = {"qwen3_5_moe": QWEN3_5, "deepseek_v3": MLA}.get(
+    targets = {"qwen3_5_moe": QWEN3_5, "qwen3_5_conditional": QWEN3_5, "deepseek_v3": MLA}.get(
         family, ["q_proj", "k_proj", "v_proj", "o_proj"])
     adapter = build_peft_adapter(base, str(tmp_path / "adapter"), rank=4, alpha=8,
                                  targets=targets, parameters=EXPERTS)

@@ -84,6 +84,7 @@ def export_lora(ckpt: Path, cfg: dict, found, out: Path, merge: bool, dtype, wri
     import torch
 
     from models.bridge.weights import export_hf_weights
+    from models.hf.conditional import peft_layers
     from models.lora.peft import export_peft_tensors, write_peft_adapter
     from models.lora.sites import merged_weight
 
@@ -95,7 +96,7 @@ def export_lora(ckpt: Path, cfg: dict, found, out: Path, merge: bool, dtype, wri
                    for n, t in export_hf_weights(chunks, cfg, transform=merged_weight)}
         write_hf(tensors)
         return len(tensors)
-    tensors = {n: cast(t).clone() for n, t in export_peft_tensors(chunks)}
+    tensors = {n: cast(t).clone() for n, t in export_peft_tensors(chunks, peft_layers(cfg))}
     write_peft_adapter(tensors, spec, str(base), out)
     return len(tensors)
 
@@ -108,12 +109,13 @@ def adapter_to_mcore(cfg: dict, hf_dir: str, adapter_dir: str, out: Path) -> Non
     from models.bridge.checkpoint import model_sharded_state_dict, save_checkpoint
     from models.build.factory import build_model_chunks
     from models.hf.io import SafetensorsReader
+    from models.hf.conditional import peft_layers
     from models.lora.peft import load_peft_adapter
 
     spec = spec_from_peft(adapter_dir)
     chunks = build_model_chunks(cfg, lora=spec)
     load_hf_weights(chunks, SafetensorsReader(hf_dir), cfg)
-    load_peft_adapter(chunks, adapter_dir)
+    load_peft_adapter(chunks, adapter_dir, peft_layers(cfg))
     save_checkpoint(model_sharded_state_dict(chunks), out, cfg, hf_dir)
     if dist.get_rank() == 0:
         (out / LORA_FILE).write_text(json.dumps({

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -148,6 +149,20 @@ def build_eos_model(out_dir: str, hidden: int = 32, arch: str = "llama",
     return path
 
 
+def load_hf_model(path: str):
+    """transformers' model of an HF folder as a user loads it: the ForConditionalGeneration
+    class for a conditional-generation checkpoint (Qwen3.5 as published), else the CausalLM."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from models.hf.conditional import is_wrapper
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    auto = AutoModelForImageTextToText if is_wrapper(config) else AutoModelForCausalLM
+    return auto.from_pretrained(path)
+
+
 def build_peft_adapter(base: str, out: str, rank: int, alpha: float, seed: int = 3,
                        targets="all-linear", parameters: list[str] | None = None,
                        std: float = 0.05) -> str:
@@ -157,9 +172,8 @@ def build_peft_adapter(base: str, out: str, rank: int, alpha: float, seed: int =
     initialises B to 0, which would leave the model unchanged; B ~ N(0, std)). Returns
     `out`."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+    model = get_peft_model(load_hf_model(base), LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, target_parameters=parameters))
     torch.manual_seed(seed)
     with torch.no_grad():

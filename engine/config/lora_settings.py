@@ -92,11 +92,11 @@ def _model_problems(cfg: Any, hf_config: dict) -> list[str]:
         supported = [name for name, fam in FAMILIES.items() if fam.lora]
         return [f"model.lora.rank={lora.rank}: LoRA is not implemented for model_type "
                 f"{family!r}; supported: {', '.join(supported)}"]
-    if ORIGINAL in hf_config:
-        return [f"model.lora.rank={lora.rank}: LoRA on a conditional-generation checkpoint "
-                f"(config.json model_type {hf_config[ORIGINAL].get('model_type')!r}) is not "
-                "built: peft names its adapters under model.language_model.*, which the export "
-                "and init_from do not map; use the text model's checkpoint"]
+    if ORIGINAL in hf_config and "all-linear" in target_list(lora.target_modules):
+        p.append(f"model.lora.target_modules=all-linear on a conditional-generation checkpoint "
+                 f"(config.json model_type {hf_config[ORIGINAL].get('model_type')!r}): peft's "
+                 "all-linear adapts the vision tower's linears too, which are carried "
+                 "unchanged here (no adapter sites); list the text model's projections")
     refused, known = FAMILIES[family].lora_refused, FAMILIES[family].lora_targets
     for name in target_list(lora.target_modules):
         if name in refused:

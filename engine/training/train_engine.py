@@ -42,6 +42,7 @@ from models.bridge.weights import load_hf_weights
 from models.build.factory import build_model_chunks
 from models.hf.io import SafetensorsReader
 from models.lora.adapters import LoraSpec
+from models.hf.conditional import peft_layers
 from models.lora.peft import load_peft_adapter
 
 # output_fn(output_logits [b, s, V/tp] or loss_head.HiddenStates, micro_batch) -> None: sees
@@ -176,7 +177,7 @@ class TrainEngine:
         if load_weights or lora is not None:
             load_hf_weights(raw, SafetensorsReader(weights_dir), hf_config)
         if load_weights and lora_init:
-            load_peft_adapter(raw, lora_init)
+            load_peft_adapter(raw, lora_init, peft_layers(hf_config))
         if prepare is not None:
             prepare(raw)
         config = raw[0].config

@@ -63,6 +63,14 @@ def text_view(config: Any) -> Any:
     return view
 
 
+def peft_layers(config: dict) -> str:
+    """The decoder layers' path in peft's adapter tensor names for the config dict the engines
+    read: the text model's under a conditional-generation wrapper (`model.language_model.
+    layers`, as PeftModel names them on transformers' ForConditionalGeneration), else
+    `model.layers`."""
+    return TEXT_PREFIX + "layers" if original_config(config) else "model.layers"
+
+
 def file_config(config: dict) -> dict:
     """The config.json to write for the config dict the engines read."""
     return original_config(config) or config

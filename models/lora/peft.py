@@ -12,6 +12,7 @@ fused 3-D expert parameters (models.lora.peft_experts).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -25,6 +26,8 @@ from models.lora.peft_experts import (PARENT, WRITE_ORDER, expert_param, export_
 from models.lora.sites import ALL_LINEAR, TARGET_NAMES, LoraUnsupportedError, adapters
 
 PREFIX = "base_model.model."
+LAYERS = "model.layers"   # the decoder layers' HF path (a conditional-generation checkpoint's:
+#                           model.language_model.layers, models.hf.conditional.peft_layers)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -34,11 +37,12 @@ def _unwrap(chunk):
     return chunk
 
 
-def peft_names(layer: int, parent: str, projection: str) -> tuple[str, str]:
+def peft_names(layer: int, parent: str, projection: str,
+               layers: str = LAYERS) -> tuple[str, str]:
     """peft's (lora_A, lora_B) tensor names of one projection of global layer `layer`;
     `parent` is the HF module holding it (LoraAdapter.hf_parent: self_attn, linear_attn, mlp,
-    mlp.shared_expert)."""
-    head = f"{PREFIX}model.layers.{layer}.{parent}.{projection}"
+    mlp.shared_expert), `layers` the decoder layers' HF path."""
+    head = f"{PREFIX}{layers}.{layer}.{parent}.{projection}"
     return f"{head}.lora_A.weight", f"{head}.lora_B.weight"
 
 
@@ -51,25 +55,27 @@ def _sites(model) -> Iterator[tuple[int, LoraAdapter]]:
             yield model.decoder.layers[local].layer_number - 1, adapter
 
 
-def export_peft_tensors(chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
+def export_peft_tensors(chunks: list, layers: str = LAYERS) -> Iterator[tuple[str, torch.Tensor]]:
     """(peft name, full tensor) of every adapter matrix this pipeline stage holds, expert
-    adapters in peft's target_parameters format. Collective over each adapter's TP group and,
-    for experts, the EP group (every rank of the stage iterates it together)."""
+    adapters in peft's target_parameters format; `layers`: the decoder layers' HF path.
+    Collective over each adapter's TP group and, for experts, the EP group (every rank of the
+    stage iterates it together)."""
     for chunk in chunks:
         model = _unwrap(chunk)
         for layer, adapter in _sites(model):
             for sl in adapter.slices:
                 a, b = adapter.full_matrices(sl.name)
-                name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name)
+                name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name, layers)
                 yield name_a, a.contiguous()
                 yield name_b, b.contiguous()
-        yield from export_experts(model)
+        yield from export_experts(model, layers)
 
 
-def load_peft_adapter(chunks: list, adapter_dir: str | Path) -> int:
+def load_peft_adapter(chunks: list, adapter_dir: str | Path, layers: str = LAYERS) -> int:
     """Copy a PEFT adapter's matrices into this rank's adapter shards; returns how many slices
     were filled. Raises LoraUnsupportedError when the folder's tensors are not exactly the
-    adapters of these chunks' layers (a tensor with no adapter, or an adapter with no tensor)."""
+    adapters of these chunks' layers (a tensor with no adapter, or an adapter with no tensor).
+    `layers`: the decoder layers' HF path."""
     path = Path(adapter_dir) / WEIGHTS_FILE
     with safe_open(str(path), framework="pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}
@@ -78,7 +84,7 @@ def load_peft_adapter(chunks: list, adapter_dir: str | Path) -> int:
         model = _unwrap(chunk)
         for layer, adapter in _sites(model):
             for sl in adapter.slices:
-                name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name)
+                name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name, layers)
                 if name_a not in stored or name_b not in stored:
                     raise LoraUnsupportedError(f"model.lora.init_from={adapter_dir}: no "
                                                f"{name_a} / {name_b} for the adapter of "
@@ -87,22 +93,24 @@ def load_peft_adapter(chunks: list, adapter_dir: str | Path) -> int:
                 used |= {name_a, name_b}
                 filled += 1
         try:
-            names, count = load_experts(model, stored)
+            names, count = load_experts(model, stored, layers)
         except KeyError as e:
             raise LoraUnsupportedError(f"model.lora.init_from={adapter_dir}: no {e.args[0]} "
                                        "for the expert adapters") from None
         used |= names
         filled += count
-    layers = {_layer_of(n) for n in used}
-    extra = sorted(n for n in stored if n not in used and _layer_of(n) in layers)
+    held = {_layer_of(n) for n in used}   # this pipeline stage's layers
+    # tensors of no decoder layer (an lm_head's, a vision tower's) have no adapter anywhere
+    extra = sorted(n for n in stored if n not in used and _layer_of(n) in held | {None})
     if extra:
         raise LoraUnsupportedError(f"model.lora.init_from={adapter_dir} holds tensors this "
                                    f"model.lora.target_modules does not adapt: {extra[:4]}")
     return filled
 
 
-def _layer_of(name: str) -> int:
-    return int(name[len(PREFIX):].split(".")[2])
+def _layer_of(name: str) -> int | None:
+    found = re.search(r"\.layers\.(\d+)\.", name)
+    return int(found.group(1)) if found else None
 
 
 def expert_order(cfg: dict) -> tuple[str, ...]:

@@ -45,11 +45,11 @@ def expert_param(entry: str) -> str | None:
     return None
 
 
-def expert_names(layer: int, param: str) -> tuple[str, str]:
+def expert_names(layer: int, param: str, layers: str = "model.layers") -> tuple[str, str]:
     """peft's (lora_A, lora_B) names of expert parameter `param` of global layer `layer`
-    (both expert parameters adapted: NESTING)."""
+    (both expert parameters adapted: NESTING); `layers`: the decoder layers' HF path."""
     nesting = len(NESTING) - 1 - NESTING.index(param)
-    head = f"{PREFIX}model.layers.{layer}.{PARENT}" + ".base_layer" * nesting
+    head = f"{PREFIX}{layers}.{layer}.{PARENT}" + ".base_layer" * nesting
     return f"{head}.lora_A.weight", f"{head}.lora_B.weight"
 
 
@@ -99,7 +99,7 @@ def _ep_gather(tensor: torch.Tensor, experts_module) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def export_experts(model) -> Iterator[tuple[str, torch.Tensor]]:
+def export_experts(model, layers: str = "model.layers") -> Iterator[tuple[str, torch.Tensor]]:
     """(peft name, full tensor) of every expert adapter of one unwrapped chunk, in
     WRITE_ORDER's naming. Collective over each layer's expert-TP and EP groups."""
     for layer, param, items, experts in layer_experts(model, model.decoder.layers):
@@ -107,18 +107,18 @@ def export_experts(model) -> Iterator[tuple[str, torch.Tensor]]:
         a = _ep_gather(torch.stack([f[0] for f in full]), experts)
         b = _ep_gather(torch.stack([f[1] for f in full]), experts)
         lora_a, lora_b = pack(a, b)
-        name_a, name_b = expert_names(layer, param)
+        name_a, name_b = expert_names(layer, param, layers)
         yield name_a, lora_a
         yield name_b, lora_b
 
 
-def load_experts(model, stored: dict) -> tuple[set, int]:
+def load_experts(model, stored: dict, layers: str = "model.layers") -> tuple[set, int]:
     """Copy this rank's experts' matrices from peft's tensors `stored` into the expert
     adapters of one unwrapped chunk. Returns (the names used, the number of adapters filled);
     raises KeyError naming a missing tensor."""
     used, filled = set(), 0
     for layer, param, items, experts in layer_experts(model, model.decoder.layers):
-        name_a, name_b = expert_names(layer, param)
+        name_a, name_b = expert_names(layer, param, layers)
         for name in (name_a, name_b):
             if name not in stored:
                 raise KeyError(name)
