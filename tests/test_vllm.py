@@ -344,3 +344,27 @@ def test_a_dead_engine_is_reported_dead_and_not_retried(qwen3):
     assert f"the vLLM engine is dead (shut down, or one of its processes [{pid}] exited)" \
         in result.error, result.error
     qwen3.shutdown()
+
+
+def test_the_chat_warmup_warning_alone_is_dropped_while_an_engine_starts():
+    """vLLM warms its chat template up at start and, with skip_tokenizer_init (token ids in and
+    out), logs "Chat template warmup failed" with a traceback: dropped while the engine is
+    built; the logger's other records pass, and after the block that one passes too."""
+    import logging
+
+    from engine.rl.rollout.vllm_process import (CHAT_WARMUP_LOGGER, CHAT_WARMUP_MESSAGE,
+                                                without_chat_warmup_warning)
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger(CHAT_WARMUP_LOGGER)
+    logger.addHandler(handler)
+    try:
+        with without_chat_warmup_warning():
+            logger.warning(CHAT_WARMUP_MESSAGE)
+            logger.warning("another warning")
+        logger.warning(CHAT_WARMUP_MESSAGE)
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another warning", CHAT_WARMUP_MESSAGE]

@@ -61,7 +61,8 @@ import torch
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.bucket_files import discard, write_bucket
-from engine.rl.rollout.vllm_process import engine_process_env, preserved_global_rng
+from engine.rl.rollout.vllm_process import (engine_process_env, preserved_global_rng,
+                                             without_chat_warmup_warning)
 from engine.rl.rollout.vllm_settings import engine_args
 
 WORKER_EXTENSION = "engine.rl.rollout.vllm_worker.RolloutWorkerExtension"
@@ -135,7 +136,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.sleep_level = sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
         set_num_threads = torch.set_num_threads
-        with preserved_global_rng(), engine_process_env(self.on_cpu):
+        with preserved_global_rng(), engine_process_env(self.on_cpu), \
+                without_chat_warmup_warning():
             self.llm = _vllm().LLM(model=hf_path, dtype=DTYPES.get(dtype, dtype), seed=seed,
                                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                                 trust_remote_code=trust_remote_code,

@@ -8,10 +8,14 @@ its side effects out of the owner's process.
   variables, the engine core in the owner's process on CPU (in its own on GPUs), and on CPU
   the worker's OpenMP binding (`cpu_bind`) unless the user set one.
 - `preserved_global_rng`: building and sampling leave the global RNG states as they were.
+- `without_chat_warmup_warning`: vLLM's LLM warms its chat template up at start and, with no
+  tokenizer (skip_tokenizer_init: the engine takes and returns token ids, never chat), logs a
+  traceback as a warning; that one record is dropped while the engine is built.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 
@@ -78,3 +82,24 @@ def cpu_bind() -> dict[str, str]:
     cpus = sorted(os.sched_getaffinity(0))
     contiguous = cpus == list(range(cpus[0], cpus[-1] + 1))
     return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}-{cpus[-1]}" if contiguous else "nobind"}
+
+
+CHAT_WARMUP_LOGGER = "vllm.renderers.base"   # vLLM 0.32's renderer warm-up
+CHAT_WARMUP_MESSAGE = "Chat template warmup failed"
+
+
+class _DropChatWarmup(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != CHAT_WARMUP_MESSAGE
+
+
+@contextlib.contextmanager
+def without_chat_warmup_warning():
+    """Within the block vLLM's "Chat template warmup failed" warning (with its traceback) is
+    not logged; every other record of that logger, and every other logger, as before."""
+    logger, dropped = logging.getLogger(CHAT_WARMUP_LOGGER), _DropChatWarmup()
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
