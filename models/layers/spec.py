@@ -86,19 +86,31 @@ def layer_spec(config, use_te: bool | None = None, linear_proj_bias: bool | None
     return spec
 
 
-def _use_grouped_experts(spec) -> None:
-    """Swap the MoE layer's SequentialMLP experts for GroupedExperts (its subclass)."""
-    mlp = spec.submodules.mlp  # a ModuleSpec (megatron-core 0.16) or a functools.partial (0.19)
-    submodules = mlp.keywords["submodules"] if isinstance(mlp, partial) else mlp.submodules
+def moe_submodules(spec):
+    """The MoE layer's submodules (experts, router, shared_experts) of a layer spec: its mlp
+    entry is a ModuleSpec in megatron-core 0.16 and a functools.partial in 0.19."""
+    mlp = spec.submodules.mlp
+    return mlp.keywords["submodules"] if isinstance(mlp, partial) else mlp.submodules
+
+
+def replace_experts(spec, old: type, new: type) -> None:
+    """Make the MoE layer of `spec` build its experts as `new` where it builds `old` (a
+    ModuleSpec's module or a partial's function, either megatron-core); refuses another."""
+    submodules = moe_submodules(spec)
     experts = submodules.experts
     module = experts.func if isinstance(experts, partial) else experts.module
-    if module is not SequentialMLP:
-        raise TypeError(f"grouped experts replace SequentialMLP; this megatron's local spec "
-                        f"builds {module.__name__}")
+    if module is not old:
+        raise TypeError(f"{new.__name__} replaces {old.__name__}; this megatron's spec builds "
+                        f"{module.__name__}")
     if isinstance(experts, partial):
-        submodules.experts = partial(GroupedExperts, *experts.args, **experts.keywords)
+        submodules.experts = partial(new, *experts.args, **experts.keywords)
     else:
-        experts.module = GroupedExperts
+        experts.module = new
+
+
+def _use_grouped_experts(spec) -> None:
+    """Swap the MoE layer's SequentialMLP experts for GroupedExperts (its subclass)."""
+    replace_experts(spec, SequentialMLP, GroupedExperts)
 
 
 def local_norm(fused: bool = False):

@@ -21,6 +21,7 @@ its partial sum). Here `add_bias_linear` stays off and the modules below hold th
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from models.families.registry import moe_family
 from models.layers.experts.grouped import GroupedExperts, grouped_linear
+from models.layers.spec import moe_submodules, replace_experts
 
 
 def has_biased_experts(hf_config: Any) -> bool:
@@ -41,8 +43,9 @@ def has_biased_experts(hf_config: Any) -> bool:
 class BiasedRouter(TopKRouter):
     """TopKRouter with a bias on its logits (HF GptOssTopKRouter: F.linear(x, W, b))."""
 
-    def __init__(self, config, pg_collection=None):
-        super().__init__(config=config, pg_collection=pg_collection)
+    def __init__(self, config, pg_collection=None, **kwargs):
+        # kwargs: what a newer megatron-core passes on (0.19: is_mtp_layer)
+        super().__init__(config=config, pg_collection=pg_collection, **kwargs)
         if self.bias is None:
             self.bias = torch.nn.Parameter(torch.zeros(config.num_moe_experts,
                                                        dtype=config.params_dtype))
@@ -128,8 +131,8 @@ def biased_moe_spec(layer_spec, hf_config: Any):
     if not has_biased_experts(hf_config):
         return layer_spec
     spec = copy.deepcopy(layer_spec)
-    moe = spec.submodules.mlp.submodules
-    moe.router = BiasedRouter
-    experts = moe.experts
-    experts.module = BiasedExperts
+    moe_submodules(spec).router = BiasedRouter
+    experts = moe_submodules(spec).experts
+    built = experts.func if isinstance(experts, partial) else experts.module
+    replace_experts(spec, built, BiasedExperts)   # SequentialMLP or GroupedExperts
     return spec

@@ -83,6 +83,10 @@ class GatedDeltaNet(MegatronModule):
         self.in_proj_dim = 2 * self.qk_dim + 2 * self.v_dim + 2 * self.num_value_heads
         self.conv_dim_local_tp = (2 * self.qk_dim + self.v_dim) // tp
         self.conv_bias = False
+        # what megatron's sharded_state_dict reads (0.19 names its in_proj split sections)
+        self.qk_dim_local_tp, self.v_dim_local_tp = self.qk_dim // tp, self.v_dim // tp
+        self.in_proj_split_names = ["query", "key", "value", "z", "beta", "alpha"]
+        self.in_proj_split_sections = tuple(self._local_sizes())
         _check_heads(self.num_key_heads, self.num_value_heads, tp, self.cp_size)
         self.in_proj = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, self.in_proj_dim, config=config, init_method=config.init_method,

@@ -104,7 +104,8 @@ class HFMultiLatentAttention(MLASelfAttention):
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=None,
                  cp_comm_type=None, pg_collection=None, *, inv_freq, attention_factor,
-                 softmax_scale):
+                 softmax_scale, **extra):
+        # extra: what a newer megatron-core passes on (0.19: name), handed to the base class
         if config.rope_type != "yarn":
             raise ValueError("HFMultiLatentAttention needs MLATransformerConfig.rope_type "
                              f"'yarn' (got {config.rope_type!r})")
@@ -117,7 +118,7 @@ class HFMultiLatentAttention(MLASelfAttention):
         config.rope_type = "rope"
         try:
             super().__init__(config, submodules, layer_number, cp_comm_type=cp_comm_type,
-                             pg_collection=pg_collection, **kwargs)
+                             pg_collection=pg_collection, **kwargs, **extra)
         finally:
             config.rope_type = "yarn"
         self.rotary_pos_emb = HFRotary(config.qk_pos_emb_head_dim, inv_freq, attention_factor,
