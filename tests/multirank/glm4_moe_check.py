@@ -75,8 +75,9 @@ def logits_parity(model_dir: str) -> dict:
             "bug_max_abs": float((bug - ref).abs().max()), "scale": float(ref.abs().max())}
 
 
-def _local_counts(tokens_per_expert, expert_bias, rate):
-    """megatron's get_updated_expert_bias without its all-reduce: per-rank counts."""
+def _local_counts(tokens_per_expert, expert_bias, rate, **_group):
+    """megatron's get_updated_expert_bias without its all-reduce: per-rank counts (`_group`:
+    the reduction group newer megatron-cores pass, 0.19's tp_dp_cp_group, unused here)."""
     with torch.no_grad():
         average = tokens_per_expert.sum(dim=-1, keepdim=True) / tokens_per_expert.shape[-1]
         return expert_bias + torch.sign(average - tokens_per_expert) * rate
