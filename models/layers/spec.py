@@ -93,15 +93,15 @@ def moe_submodules(spec):
     return mlp.keywords["submodules"] if isinstance(mlp, partial) else mlp.submodules
 
 
-def replace_experts(spec, old: type, new: type) -> None:
-    """Make the MoE layer of `spec` build its experts as `new` where it builds `old` (a
-    ModuleSpec's module or a partial's function, either megatron-core); refuses another."""
+def replace_experts(spec, old: tuple[type, ...], new: type) -> None:
+    """Make the MoE layer of `spec` build its experts as `new` where it builds one of `old`
+    (a ModuleSpec's module or a partial's function, either megatron-core); refuses another."""
     submodules = moe_submodules(spec)
     experts = submodules.experts
     module = experts.func if isinstance(experts, partial) else experts.module
-    if module is not old:
-        raise TypeError(f"{new.__name__} replaces {old.__name__}; this megatron's spec builds "
-                        f"{module.__name__}")
+    if module not in old:
+        raise TypeError(f"{new.__name__} replaces {', '.join(c.__name__ for c in old)}; this "
+                        f"megatron's spec builds {module.__name__}")
     if isinstance(experts, partial):
         submodules.experts = partial(new, *experts.args, **experts.keywords)
     else:
@@ -110,7 +110,7 @@ def replace_experts(spec, old: type, new: type) -> None:
 
 def _use_grouped_experts(spec) -> None:
     """Swap the MoE layer's SequentialMLP experts for GroupedExperts (its subclass)."""
-    replace_experts(spec, SequentialMLP, GroupedExperts)
+    replace_experts(spec, (SequentialMLP,), GroupedExperts)
 
 
 def local_norm(fused: bool = False):

@@ -150,8 +150,8 @@ class LoraAdapter(torch.nn.Module):
         a = getattr(self, f"A_{name}").detach()
         params = [getattr(self, n).detach() for n in self._b_names(sl)]
         if self.kind == "row":
-            return _tp_gather(a, 1, self.group, self.tp_size), params[0]
-        blocks = [_tp_gather(p, 0, self.group, self.tp_size) for p in params]
+            return gather_cat(a, 1, self.group, self.tp_size), params[0]
+        blocks = [gather_cat(p, 0, self.group, self.tp_size) for p in params]
         return a, sl.from_blocks(blocks).contiguous()
 
     def hook(self, module, args, output):
@@ -281,8 +281,9 @@ class LoraAdapter(torch.nn.Module):
                                                    tp_group=self.group, dp_cp_group=dp_cp)
 
 
-def _tp_gather(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
-    """The TP ranks' shards of `tensor` concatenated along `dim` (rank order)."""
+def gather_cat(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """Every rank of `group` (of `size` ranks)'s `tensor` concatenated along `dim` in rank
+    order (a TP shard's full tensor, an EP rank's experts' all experts); collective."""
     if size == 1:
         return tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(size)]

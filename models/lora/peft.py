@@ -21,13 +21,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.lora.adapters import LoraAdapter, LoraSpec
-from models.lora.peft_experts import (PARENT, WRITE_ORDER, expert_param, export_experts,
+from models.lora.peft_experts import (LAYERS, PARENT, PREFIX, expert_param, export_experts,
                                       load_experts)
-from models.lora.sites import ALL_LINEAR, TARGET_NAMES, LoraUnsupportedError, adapters
-
-PREFIX = "base_model.model."
-LAYERS = "model.layers"   # the decoder layers' HF path (a conditional-generation checkpoint's:
-#                           model.language_model.layers, models.hf.conditional.peft_layers)
+from models.lora.sites import (ALL_LINEAR, EXPERT_PARAMS, TARGET_NAMES, LoraUnsupportedError,
+                               adapters)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -143,7 +140,7 @@ def write_peft_adapter(tensors: dict, spec: LoraSpec, base_path: str, out: str |
     experts = [name for name in tensors if f".{PARENT}." in name]
     targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in tensors
                       if name not in experts})
-    parameters = [f"{PARENT}.{p}" for p in WRITE_ORDER] if experts else None
+    parameters = [f"{PARENT}.{p}" for p in EXPERT_PARAMS] if experts else None
     (out / CONFIG_FILE).write_text(json.dumps(peft_config(spec, base_path, targets,
                                                           parameters), indent=2))
 
@@ -177,11 +174,10 @@ def adapter_keys(adapter_dir: str | Path) -> dict | None:
         return None
     if not isinstance(cfg, dict):
         return None
-    names = _target_names(cfg.get("target_modules"))
-    targets = None if names is None else sorted(names | ({"experts"} if expert_order(cfg)
-                                                         else set()))
-    if cfg.get("target_modules") == "all-linear":
-        targets = ["all-linear"] + (["experts"] if expert_order(cfg) else [])
+    experts = {"experts"} if expert_order(cfg) else set()
+    names = ({"all-linear"} if cfg.get("target_modules") == "all-linear"
+             else _target_names(cfg.get("target_modules")))
+    targets = None if names is None else sorted(names | experts)
     return {"rank": cfg.get("r"), "alpha": cfg.get("lora_alpha"), "target_modules": targets,
             "rslora": bool(cfg.get("use_rslora", False))}
 
@@ -205,7 +201,7 @@ def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec,
     targets = _target_names(cfg.get("target_modules"))
     parameters = list(cfg.get("target_parameters") or [])
     order = expert_order(cfg)
-    if len(order) != len(parameters) or (order and sorted(order) != sorted(WRITE_ORDER)):
+    if len(order) != len(parameters) or (order and sorted(order) != sorted(EXPERT_PARAMS)):
         problems.append(f"{key}: adapter_config.json has target_parameters={parameters!r}; "
                         "only the experts' two fused parameters together are supported "
                         "(mlp.experts.gate_up_proj and mlp.experts.down_proj: "

@@ -13,7 +13,8 @@ peft 0.21 adapts such a 3-D parameter with one `ParamWrapper` per parameter
   target_parameters in adapter_config.json is not kept: peft saves it as a set). transformers
   registers gate_up_proj before down_proj in every fused experts module of these families, so
   gate_up_proj is innermost: `...mlp.experts.base_layer.lora_A.weight`, and down_proj's is
-  `...mlp.experts.lora_A.weight` (NESTING).
+  `...mlp.experts.lora_A.weight` (EXPERT_PARAMS, innermost first; an export writes
+  target_parameters in the same order).
 
 Megatron keeps one (A, B) per local expert and linear (linear_fc1: `gate_up_proj`, linear_fc2:
 `down_proj`; models.lora.sites), sharded over expert TP like the expert weights and split
@@ -26,29 +27,30 @@ from collections import defaultdict
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
-from models.lora.adapters import LoraAdapter
+from models.lora.adapters import LoraAdapter, gather_cat
+from models.lora.sites import EXPERT_PARAMS
 
-PREFIX = "base_model.model."
+PREFIX = "base_model.model."   # peft's names of every adapter tensor start with it
+LAYERS = "model.layers"   # the decoder layers' HF path (a conditional-generation checkpoint's:
+#                           model.language_model.layers, models.hf.conditional.peft_layers)
 PARENT = "mlp.experts"
-WRITE_ORDER = ("gate_up_proj", "down_proj")   # target_parameters as written by an export
-NESTING = ("gate_up_proj", "down_proj")       # innermost first (module docstring)
 
 
 def expert_param(entry: str) -> str | None:
     """The expert parameter ("gate_up_proj" / "down_proj") a target_parameters entry names
     (peft matches by suffix: "mlp.experts.gate_up_proj", "experts.down_proj"), else None."""
-    for param in WRITE_ORDER:
+    for param in EXPERT_PARAMS:
         if entry == f"experts.{param}" or entry.endswith(f".experts.{param}"):
             return param
     return None
 
 
-def expert_names(layer: int, param: str, layers: str = "model.layers") -> tuple[str, str]:
+def expert_names(layer: int, param: str, layers: str = LAYERS) -> tuple[str, str]:
     """peft's (lora_A, lora_B) names of expert parameter `param` of global layer `layer`
-    (both expert parameters adapted: NESTING); `layers`: the decoder layers' HF path."""
-    nesting = len(NESTING) - 1 - NESTING.index(param)
+    (both expert parameters adapted, nested as EXPERT_PARAMS); `layers`: the decoder layers'
+    HF path."""
+    nesting = len(EXPERT_PARAMS) - 1 - EXPERT_PARAMS.index(param)
     head = f"{PREFIX}{layers}.{layer}.{PARENT}" + ".base_layer" * nesting
     return f"{head}.lora_A.weight", f"{head}.lora_B.weight"
 
@@ -92,16 +94,12 @@ def layer_experts(model, layers) -> Iterator[tuple[int, str, list, object]]:
 def _ep_gather(tensor: torch.Tensor, experts_module) -> torch.Tensor:
     """[E_local, ...] of every EP rank concatenated in EP-rank order: [E, ...]."""
     group = experts_module.ep_group
-    if group is None or group.size() == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(group.size())]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+    return gather_cat(tensor, 0, group, group.size() if group is not None else 1)
 
 
-def export_experts(model, layers: str = "model.layers") -> Iterator[tuple[str, torch.Tensor]]:
+def export_experts(model, layers: str = LAYERS) -> Iterator[tuple[str, torch.Tensor]]:
     """(peft name, full tensor) of every expert adapter of one unwrapped chunk, in
-    WRITE_ORDER's naming. Collective over each layer's expert-TP and EP groups."""
+    EXPERT_PARAMS' naming. Collective over each layer's expert-TP and EP groups."""
     for layer, param, items, experts in layer_experts(model, model.decoder.layers):
         full = [adapter.full_matrices(param) for _, adapter in items]
         a = _ep_gather(torch.stack([f[0] for f in full]), experts)
@@ -112,7 +110,7 @@ def export_experts(model, layers: str = "model.layers") -> Iterator[tuple[str, t
         yield name_b, lora_b
 
 
-def load_experts(model, stored: dict, layers: str = "model.layers") -> tuple[set, int]:
+def load_experts(model, stored: dict, layers: str = LAYERS) -> tuple[set, int]:
     """Copy this rank's experts' matrices from peft's tensors `stored` into the expert
     adapters of one unwrapped chunk. Returns (the names used, the number of adapters filled);
     raises KeyError naming a missing tensor."""

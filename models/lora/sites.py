@@ -58,8 +58,8 @@ _SITES = (("self_attention", "linear_qkv", "column", ATTENTION[:3], "self_attn")
 # every expert's linears as peft's target_parameters adapt transformers' fused 3-D expert
 # parameters: one (A, B) per expert on gate_up_proj ([gate; up] rows) and one on down_proj
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
-_EXPERT_SITES = (("linear_fc1", "column", ("gate_up_proj",)),
-                 ("linear_fc2", "row", ("down_proj",)))
+_EXPERT_SITES = (("linear_fc1", "column", EXPERT_PARAMS[:1]),
+                 ("linear_fc2", "row", EXPERT_PARAMS[1:]))
 
 
 class LoraUnsupportedError(ValueError):

@@ -21,12 +21,12 @@ its partial sum). Here `add_bias_linear` stays off and the modules below hold th
 from __future__ import annotations
 
 import copy
-from functools import partial
 from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 
 from models.families.registry import moe_family
@@ -132,7 +132,5 @@ def biased_moe_spec(layer_spec, hf_config: Any):
         return layer_spec
     spec = copy.deepcopy(layer_spec)
     moe_submodules(spec).router = BiasedRouter
-    experts = moe_submodules(spec).experts
-    built = experts.func if isinstance(experts, partial) else experts.module
-    replace_experts(spec, built, BiasedExperts)   # SequentialMLP or GroupedExperts
+    replace_experts(spec, (SequentialMLP, GroupedExperts), BiasedExperts)
     return spec
