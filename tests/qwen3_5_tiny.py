@@ -96,3 +96,48 @@ def build_qwen3_5_conditional(out_dir: str, moe: bool = False, seed: int = 0,
     save_file(tensors, path, metadata={"format": "pt"})
     build_tokenizer(out_dir, text["vocab_size"])
     return out_dir
+
+
+# A conditional model that takes images (models.vision): text heads of 32 dims with half of
+# each rotated (8 frequencies, so M-RoPE's temporal, height and width sections all carry some:
+# mrope_section [3, 3, 2]); a two-block vision tower of width 32 on 4-pixel patches, merged
+# 2 x 2 (a 16 x 16 image is 4 tokens); the tokenizer's last four ids are the vision tokens.
+VL_TEXT = dict(COMMON, intermediate_size=128, head_dim=32,
+               rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                    partial_rotary_factor=0.5, mrope_section=[3, 3, 2],
+                                    mrope_interleaved=True))
+VL_VISION = dict(VISION, depth=2, hidden_size=32, intermediate_size=64, num_heads=2)
+VL_PROCESSOR = dict(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8,
+                    max_pixels=32 * 32)
+
+
+def build_qwen3_5_vl(out_dir: str, moe: bool = False, seed: int = 0) -> str:
+    """Save a tiny Qwen3_5ForConditionalGeneration (moe: the MoE one) made for images:
+    VL_TEXT / VL_VISION, the vision tokenizer (tools.tiny_models.build_tokenizer(vision=True))
+    and transformers' PIL image processor with VL_PROCESSOR (preprocessor_config.json)."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+    from transformers.models.qwen3_5 import Qwen3_5Config
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig
+
+    os.makedirs(out_dir, exist_ok=True)
+    vocab = VL_TEXT["vocab_size"]
+    ids = dict(vision_start_token_id=vocab - 4, vision_end_token_id=vocab - 3,
+               image_token_id=vocab - 2, video_token_id=vocab - 1)
+    text = dict(VL_TEXT, **(MOE if moe else {}))
+    config = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(
+        text_config=text, vision_config=VL_VISION, tie_word_embeddings=False, **ids)
+    config.architectures = [("Qwen3_5MoeForConditionalGeneration" if moe
+                             else "Qwen3_5ForConditionalGeneration")]
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    _randomize(model)
+    with torch.no_grad():   # non-trivial vision norms and position grid
+        for name, p in model.named_parameters():
+            if "visual" in name and "norm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir, vocab, vision=True)
+    Qwen2VLImageProcessorPil(**VL_PROCESSOR).save_pretrained(out_dir)
+    return out_dir

@@ -20,6 +20,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
 )
 
+# With images (build_tokenizer(vision=True)): a message's content may be a list of parts
+# {"type": "text", "text": ...} / {"type": "image", ...}; an image renders as Qwen's
+# <|vision_start|><|image_pad|><|vision_end|> (the processor repeats <|image_pad|> per token).
+_CONTENT = ("{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+            "{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+            "<|vision_start|><|image_pad|><|vision_end|>"
+            "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}")
+VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("{{ m['content'] }}", _CONTENT)
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
 # Ids 0..3 are fixed: build_tiny_model's config uses pad_token_id=0 and eos_token_id=3.
 SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 # Matched before pre-tokenization (the pre-tokenizer would split them), but not special:
@@ -32,7 +42,7 @@ BASE_WORDS = (SPECIAL + ["\n", "user", "assistant", "system"]
                  "copy", "repeat"])
 
 
-def build_tokenizer(out_dir: str, vocab_size: int):
+def build_tokenizer(out_dir: str, vocab_size: int, vision: bool = False):
     """A word-level tokenizer saved to `out_dir` as a transformers fast tokenizer; returns it.
 
     Vocabulary: BASE_WORDS in order (so <pad>=0, <unk>=1, <|im_start|>=2, <|im_end|>=3, "\\n"=4,
@@ -43,7 +53,8 @@ def build_tokenizer(out_dir: str, vocab_size: int):
     joins tokens with single spaces, except none between digits, around "\\n", after
     "\\boxed{" and before "}" (so "\\boxed{42}" and numbers read back as written). The chat
     template marks assistant content and its closing <|im_end|> with {% generation %} for
-    return_assistant_tokens_mask.
+    return_assistant_tokens_mask. `vision`: the last four ids are VISION_TOKENS (special) and
+    the chat template renders image parts (VISION_CHAT_TEMPLATE).
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -51,7 +62,9 @@ def build_tokenizer(out_dir: str, vocab_size: int):
     if vocab_size < len(BASE_WORDS):
         raise ValueError(f"vocab_size={vocab_size} is smaller than the {len(BASE_WORDS)} "
                          "base words of the tiny tokenizer")
-    words = list(BASE_WORDS) + [f"w{i}" for i in range(vocab_size - len(BASE_WORDS))]
+    extra = VISION_TOKENS if vision else []
+    words = list(BASE_WORDS) + [f"w{i}" for i in range(vocab_size - len(BASE_WORDS)
+                                                       - len(extra))] + extra
     vocab = {w: idx for idx, w in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -65,12 +78,13 @@ def build_tokenizer(out_dir: str, vocab_size: int):
         decoders.Replace(Regex(r" ?\n ?"), "\n"),
         decoders.Replace("\\boxed{ ", "\\boxed{"), decoders.Replace(" }", "}"),
     ])
-    tok.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in SPECIAL])
+    tok.add_special_tokens([AddedToken(w, special=True, normalized=False)
+                            for w in SPECIAL + extra])
     tok.add_tokens([AddedToken(w, special=False, normalized=False) for w in ADDED])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
                                    eos_token="<|im_end|>", bos_token=None,
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHAT_TEMPLATE
+                                   additional_special_tokens=["<|im_start|>"] + extra)
+    fast.chat_template = VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     if len(fast) != vocab_size:
         raise AssertionError(f"tiny tokenizer has {len(fast)} ids, expected {vocab_size}")
     fast.save_pretrained(out_dir)

@@ -6,6 +6,6 @@ each kind's mapping lives in its package under models.layers. `checkpoint.py` sa
 Megatron distributed checkpoints with their HF metadata; `critic.py` is the PPO critic in HF
 (token-classification) form.
 
-May import: models.build, models.lora, models.estimate, models.layers, models.hf,
+May import: models.vision, models.build, models.lora, models.estimate, models.layers, models.hf,
 models.families, models.families.base, models.formats, parallel.
 """

@@ -30,6 +30,7 @@ from models.lora.sites import is_adapter_param
 from models.formats.quantized import DequantizingReader
 from models.layers.biased_experts.fused import fuse_experts, fused_expert_reader
 from models.layers.sigmoid_routing.mapping import mapped_buffers
+from models.vision.tower import VISION_PREFIX, tower_tensor_problems
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -76,7 +77,11 @@ def unwrap(chunk):
 
 def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None) -> _Mapping | None:
     """HF names for one megatron parameter of `chunk`, or None for entries with no HF twin.
-    `naming`: the family's MoE router/expert names (None: dense)."""
+    `naming`: the family's MoE router/expert names (None: dense). The vision tower's
+    parameters (models.vision.tower) are replicated under their HF names."""
+    vision = getattr(chunk, "vision_spec", None)
+    if vision is not None and name.startswith(VISION_PREFIX):
+        return _Mapping("replicated", (vision.hf_prefix + name[len(VISION_PREFIX):],))
     match = _LAYER.match(name)
     if match:
         local, suffix = int(match.group(1)), match.group(2)
@@ -168,7 +173,8 @@ def load_hf_weights(chunks: list, reader, hf_config: dict,
 
 def check_tensors(hf_config: dict, names) -> None:
     """Raise UnmappedTensorsError unless `names` are exactly the HF tensors the mapping reads."""
-    problems = tensor_problems(hf_config, names)
+    names = list(names)
+    problems = tensor_problems(hf_config, names) + tower_tensor_problems(hf_config, names)
     if problems:
         raise UnmappedTensorsError("; ".join(problems))
 

@@ -5,6 +5,6 @@ declared layer kinds), `transformer_config.py` turns an HF config into Megatron'
 TransformerConfig and GPTModel arguments, `forward.py` runs forward-only logits through any
 layout (verification).
 
-May import: models.lora, models.estimate, models.layers, models.hf, models.families,
+May import: models.vision, models.lora, models.estimate, models.layers, models.hf, models.families,
 models.families.base, parallel.
 """

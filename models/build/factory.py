@@ -23,13 +23,16 @@ from models.layers.mla.module import hf_mla_layer_spec, is_mla
 from models.layers.biased_experts.spec import biased_moe_spec, has_biased_experts
 from models.layers.gated_delta_net.spec import gpt_model_kwargs, hybrid_block_spec, is_hybrid
 from models.layers.sigmoid_routing.spec import is_heterogeneous, routed_block_spec
+from models.vision.model import VisionLanguageModel
+from models.vision.spec import vision_spec
+from models.vision.tower import build_tower
 from parallel import cpu_runtime
 
 
 def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float32,
                        use_te: bool | None = None, grouped_experts: bool = True,
                        fused_norm: bool = False, lora: LoraSpec | None = None,
-                       **config_overrides) -> list:
+                       train_vision: bool = False, **config_overrides) -> list:
     """GPTModel chunks of this rank (length vpp, or 1), in pipeline order, on this host's
     device, uninitialised weights (load them with `models.bridge.weights.load_hf_weights`).
     Raises UnsupportedArchitectureError / UnsupportedConfigError before building anything
@@ -39,7 +42,9 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     (key moe.grouped_experts) and `fused_norm` builds compiled RMSNorms (key
     model.fusions.rmsnorm; engine.config.fusion_settings). `lora`: freeze the base and attach
     LoRA adapters (models.lora.sites; always on the local spec, whose linears see the normed
-    input)."""
+    input). A checkpoint with a vision tower (models.vision.spec) builds VisionLanguageModel
+    chunks, the tower on the first stage, trained when `train_vision` (key
+    model.vision.freeze=false)."""
     check_config(hf_config)
     moe_compat.install()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -77,10 +82,15 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         return hf_mla_layer_spec(spec, hf_config) if mla else spec
 
     spec = biased_moe_spec(make_spec(config), hf_config)  # declared router/expert biases
+    vision = vision_spec(hf_config)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        model = GPTModel(
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        extra = {} if vision is None else dict(
+            vision_spec=vision,
+            tower=build_tower(hf_config, params_dtype, train_vision) if pre_process else None)
+        model = (GPTModel if vision is None else VisionLanguageModel)(
             config=config,
             transformer_layer_spec=(
                 hybrid_block_spec(config, spec, hf_config, stage) if hybrid
@@ -88,7 +98,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
                 else block_spec(config, spec, use_te, stage, fused_norm)),
             vocab_size=shape.padded_vocab_size,
             max_sequence_length=shape.max_sequence_length,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            pre_process=pre_process,
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             parallel_output=True,
             share_embeddings_and_output_weights=shape.tie_word_embeddings,
@@ -96,6 +106,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
             rotary_base=shape.rotary_base,
             vp_stage=stage,
             **(gpt_model_kwargs(hf_config) or _rotary_kwargs(hf_config)),
+            **extra,
         )
         if not mla:  # MLA layers hold their own RoPE (models.layers.mla.module.HFRotary)
             install_rope(model, hf_config)

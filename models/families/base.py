@@ -118,6 +118,9 @@ class Family:
     vllm_imports_torchvision: bool = False
     text_model_type: str | None = None     # a conditional-generation wrapper's entry: read as
     #                                        this text model's config (models.hf.conditional)
+    # where a conditional-generation checkpoint of this family stores its vision tower
+    # (transformers' module, run in the trainer: models.vision); None: no images
+    vision_prefix: str | None = None
 
     def mixer_of(self, cfg: Any, layer: int) -> str:
         """The sequence mixer of decoder layer `layer` (0-based), a layer kind the estimators

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable
 
-from models.families.base import field
+from models.families.base import field, original_config
 from models.families.registry import family_of
 from models.formats.quantized import logical_names
 
@@ -32,6 +32,14 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:_LISTED]) + more
 
 
+def is_vision_tensor(hf_config: Any, name: str) -> bool:
+    """Whether `name` is a tensor of the vision tower of a conditional-generation checkpoint
+    (its family's `vision_prefix`); models.vision.tower checks that they are exactly the
+    tower's parameters."""
+    prefix = family_of(hf_config).vision_prefix
+    return bool(prefix) and original_config(hf_config) is not None and name.startswith(prefix)
+
+
 def tensor_problems(hf_config: Any, names: Iterable[str]) -> list[str]:
     """Tensors of a checkpoint (`names`) the mapping would not consume, and tensors it needs
     that are missing; empty when they match exactly."""
@@ -41,7 +49,8 @@ def tensor_problems(hf_config: Any, names: Iterable[str]) -> list[str]:
     fam = family_of(hf_config)
     extra = sorted(n for n in names - expected
                    if not _IGNORED.match(n) and not (tied and n == "lm_head.weight")
-                   and not fam.passthrough(hf_config, n))  # carried: models.hf.passthrough
+                   and not fam.passthrough(hf_config, n)  # carried: models.hf.passthrough
+                   and not is_vision_tensor(hf_config, n))  # checked by models.vision.tower
     missing = sorted(expected - names)
     problems = []
     if extra:

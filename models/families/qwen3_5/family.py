@@ -14,8 +14,9 @@ models.layers.gated_delta_net.costs; the model.shape presets: models.families.qw
 
 Conditional-generation checkpoints (`qwen3_5` / `qwen3_5_moe`: a `text_config`, the vision
 tower `model.visual.*`, the text model under `model.language_model.*`, MTP tensors `mtp.*`) are
-read as their text model (models.hf.conditional); the vision tower and the MTP layers are
-`passthrough` tensors (models.hf.passthrough): carried unchanged, never trained.
+read as their text model (models.hf.conditional); the vision tower `model.visual.*` runs in
+the trainer (models.vision: images, M-RoPE), the MTP layers are `passthrough` tensors
+(models.hf.passthrough): carried unchanged, never trained.
 """
 from __future__ import annotations
 
@@ -40,9 +41,8 @@ SHARED_EXPERT = tuple(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up
     "mlp.shared_expert_gate.weight",)
 _COMMON = (ROPE_DEFAULT, HIDDEN_ACT_SILU, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE,
            ATTENTION_BIAS, LAYER_TYPES) + GDN_FIELDS + (WRAPPER, MTP)
-# not mapped, carried as stored: the vision tower of the conditional-generation checkpoints and
-# the MTP layers (transformers drops both when it loads a text model)
-PASSTHROUGH_PREFIXES = ("model.visual.", "mtp.")
+# not mapped, carried as stored: the MTP layers (transformers drops them on load)
+PASSTHROUGH_PREFIXES = ("mtp.",)
 
 
 def _gdn_kwargs(cfg: Any) -> dict:
@@ -70,6 +70,7 @@ class _Hybrid:
     # vLLM 0.32's qwen3_5 module imports qwen3_vl, which imports transformers' Qwen2-VL image
     # processor (torchvision)
     vllm_imports_torchvision = True
+    vision_prefix = "model.visual."   # the wrappers' vision tower (models.vision)
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
                     "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj")
 

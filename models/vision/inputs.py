@@ -1,0 +1,54 @@
+"""The processed images of one sequence (`ImageSet`) and of one micro-batch (`VisionBatch`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ImageSet:
+    """One sequence's images as the checkpoint's image processor gives them.
+
+    pixel_values: [patches, channels * temporal_patch * patch * patch] float32, the images'
+        patches one after the other (transformers' `pixel_values`);
+    grid_thw: [images, 3] int64, each image's (t, h, w) in patches (`image_grid_thw`).
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.grid_thw.shape[0])
+
+    @staticmethod
+    def cat(sets: list["ImageSet"]) -> "ImageSet | None":
+        sets = [s for s in sets if s is not None and len(s)]
+        if not sets:
+            return None
+        return ImageSet(torch.cat([s.pixel_values for s in sets]),
+                        torch.cat([s.grid_thw for s in sets]))
+
+
+@dataclass
+class VisionBatch:
+    """What a micro-batch adds for a model with a vision tower (models.vision.model).
+
+    images: the images of the micro-batch's sequences in token order (None: no image), run
+        through the tower on the first pipeline stage;
+    feature_rows: [b, s_local] int64 like `tokens` (CP-sharded the same way): for a
+        placeholder token, the row of the tower's output [image tokens, hidden] it takes;
+        -1 elsewhere;
+    positions: [3, b, S] int64 M-RoPE positions of the WHOLE micro-batch before CP sharding
+        (S = s_local x cp; a packed row restarts them at every sequence): megatron's rotary
+        code picks each CP rank's chunks from the full table, as it does for 1-D RoPE.
+    """
+
+    images: ImageSet | None
+    feature_rows: torch.Tensor
+    positions: torch.Tensor
+
+    def to(self, device) -> "VisionBatch":
+        images = None if self.images is None else ImageSet(
+            self.images.pixel_values.to(device), self.images.grid_thw.to(device))
+        return VisionBatch(images, self.feature_rows.to(device), self.positions.to(device))
