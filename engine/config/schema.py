@@ -39,6 +39,13 @@ __all__ = ["ConfigError", "ParallelConfig", "config_yaml", "load_config",  # re-
 
 
 @dataclass
+class VisionConfig:
+    # the vision tower of a model that takes images (models.vision): frozen by default, as
+    # LLaMA-Factory's freeze_vision_tower; false trains it with the language model
+    freeze: bool = True
+
+
+@dataclass
 class ModelConfig:
     hf_path: str = ""            # HF model directory (weights, config, tokenizer)
     dtype: str = "float32"       # float32 | bfloat16 (bf16 params, fp32 master weights)
@@ -49,6 +56,7 @@ class ModelConfig:
     trust_remote_code: bool = False  # run the folder's own tokenizer code (tokenizer_settings)
     fusions: FusionConfig = field(default_factory=FusionConfig)  # engine.config.fusion_settings
     lora: LoraConfig = field(default_factory=LoraConfig)  # engine.config.lora_settings
+    vision: VisionConfig = field(default_factory=VisionConfig)  # docs/vlm.md
 
 
 @dataclass

@@ -25,7 +25,11 @@ from engine.data.files import (DataError, RowUnit, read_rows, read_unit, resolve
                                where as where_of)
 from engine.data.render import (render_messages, render_prompt,
                                 render_row_arrays, render_sft_row)
+from engine.data.image_store import (ImagePartWriter, StoredImages, check_image_tokens,
+                                     write_image_store)
+from engine.data.images import ImageContext, render_with_images
 from engine.data.prompt_rows import load_prompt_rows
+from models.vision.inputs import SequenceVision
 
 __all__ = ["DataError", "Sample", "SFTDataset", "read_rows", "render_sft_row", "render_messages",
            "render_prompt", "load_sft_dataset", "global_batch_indices", "load_prompt_rows",
@@ -41,6 +45,7 @@ class Sample:
     tokens: list[int]     # model input ids
     labels: list[int]     # labels[t] = rendered_ids[t + 1]
     loss_mask: list[int]  # 1 where labels[t] is a trained token
+    vision: SequenceVision | None = None   # images of a row with images (models.vision)
 
     def __post_init__(self) -> None:
         if not len(self.tokens) == len(self.labels) == len(self.loss_mask):
@@ -83,6 +88,7 @@ class SFTDataset:
             starts = offsets[:-1] + 1  # the first rendered id never is a label
             loss_tokens = cum[offsets[1:]] - cum[starts]
         self.lengths, self.loss_tokens = lengths, loss_tokens
+        self.images: StoredImages | None = None   # set by load_sft_dataset for image rows
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -103,19 +109,22 @@ class SFTDataset:
         i = i % len(self)
         a, b = int(self._offsets[i]), int(self._offsets[i + 1])
         ids = self._ids[a:b].tolist()
+        vision = None if self.images is None else self.images.sequence(i, ids[:-1])
         return Sample(tokens=ids[:-1], labels=ids[1:],
-                      loss_mask=self._trained[a + 1:b].astype(np.int64).tolist())
+                      loss_mask=self._trained[a + 1:b].astype(np.int64).tolist(), vision=vision)
 
 
 _STATS = ("rows", "truncated", "dropped_empty", "empty_loss")
 
 
 def _sft_unit(k: int, unit: RowUnit, tmp: str, max_ids: int, truncation: str,
-              dtype: str) -> dict:
+              dtype: str, ctx: ImageContext | None = None) -> dict:
     """Worker: render the rows of `unit` into part files ``part-<k>.ids`` / ``.trained`` of
-    `tmp`. Returns lengths (rendered ids per kept row), trained label counts, stats, the
+    `tmp` (and their images into ``.pixels`` / ``.grids``, engine.data.image_store, when
+    `ctx`). Returns lengths (rendered ids per kept row), trained label counts, stats, the
     longest rendering, and the first DataError's text (the unit stops there)."""
     tokenizer = cache.worker_tokenizer()
+    images = ImagePartWriter(os.path.join(tmp, f"part-{k:07d}")) if ctx else None
     stats = dict.fromkeys(_STATS, 0)
     lengths: list[int] = []
     losses: list[int] = []
@@ -129,8 +138,10 @@ def _sft_unit(k: int, unit: RowUnit, tmp: str, max_ids: int, truncation: str,
                 done += 1
                 if done % 64 == 0:
                     cache.tick(64)
-                ids, trained = render_row_arrays(row, tokenizer, loc)
+                ids, trained, row_images = render_with_images(
+                    row, tokenizer, ctx, loc, os.path.dirname(os.path.abspath(path)))
                 longest = max(longest, len(ids))
+                check_image_tokens(ids, max_ids, row_images, ctx, loc)
                 if len(ids) > max_ids:
                     if truncation == "error":
                         raise DataError(
@@ -148,22 +159,27 @@ def _sft_unit(k: int, unit: RowUnit, tmp: str, max_ids: int, truncation: str,
                     stats["empty_loss"] += 1
                 fi.write(np.asarray(ids, dtype=dtype).tobytes())
                 ft.write(np.ascontiguousarray(trained, dtype=np.uint8).tobytes())
+                if images is not None:
+                    images.add(row_images)
                 lengths.append(len(ids))
                 losses.append(n_loss)
         except DataError as e:
             error = str(e)
     cache.tick(done % 64)
+    if images is not None:
+        images.close()
     return {"stats": stats, "lengths": np.asarray(lengths, dtype=np.int64),
+            "images": images.counts() if images is not None else None,
             "losses": np.asarray(losses, dtype=np.int64), "longest": longest, "error": error,
             "parts": (prefix + ".ids", prefix + ".trained")}
 
 
 def _build_sft(tmp: str, paths: list[str], tokenizer, max_ids: int, truncation: str,
-               num_workers: int | None, key: dict) -> None:
+               num_workers: int | None, key: dict, ctx: ImageContext | None = None) -> None:
     dtype = cache.token_dtype(len(tokenizer))
     units = cache.units_for(paths)
     t0 = time.perf_counter()
-    results = cache.run_units(units, _sft_unit, (tmp, max_ids, truncation, dtype.name),
+    results = cache.run_units(units, _sft_unit, (tmp, max_ids, truncation, dtype.name, ctx),
                               tokenizer, num_workers, "rendering SFT rows")
     stats = dict.fromkeys(_STATS, 0)
     longest = 0
@@ -175,6 +191,9 @@ def _build_sft(tmp: str, paths: list[str], tokenizer, max_ids: int, truncation: 
             raise DataError(r["error"])
     cache.concat_parts(tmp, [r["parts"][0] for r in results], "ids.bin")
     cache.concat_parts(tmp, [r["parts"][1] for r in results], "trained.bin")
+    if ctx is not None:
+        write_image_store(tmp, [r["parts"][0][:-len(".ids")] for r in results],
+                          [r["images"] for r in results])
     lengths = np.concatenate([r["lengths"] for r in results] or [np.zeros(0, np.int64)])
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     np.save(os.path.join(tmp, "offsets.npy"), offsets)
@@ -191,7 +210,8 @@ def _build_sft(tmp: str, paths: list[str], tokenizer, max_ids: int, truncation: 
 
 def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
                      truncation: str = "right", *, cache_dir: str | None = None,
-                     num_workers: int | None = None) -> SFTDataset:
+                     num_workers: int | None = None,
+                     images: ImageContext | None = None) -> SFTDataset:
     """Every row of `files` rendered (once per input, shared by all ranks) into an SFTDataset.
 
     `files`: files, globs and directories (engine.data.files.resolve_data_files).
@@ -205,6 +225,9 @@ def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
     `cache_dir` (default engine.data.cache.default_cache_dir()): where the rendered arrays are
     kept; the first process to need them builds them with `num_workers` worker processes
     (default: the usable cores; 0: in this process), every other process waits and maps them.
+    `images` (engine.data.images.image_context; a model with a vision tower): rows may hold
+    images, processed once into the cache beside the ids (engine.data.image_store); a row
+    whose truncation would cut an image raises DataError. None: rows with images are refused.
     """
     if truncation not in TRUNCATION_CHOICES:
         raise ValueError(f"truncation={truncation!r} is not one of {', '.join(TRUNCATION_CHOICES)}")
@@ -212,21 +235,26 @@ def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
         raise ValueError(f"seq_length must be >= 1, got {seq_length}")
     paths = resolve_data_files(files)
     max_ids = int(seq_length) + 1
-    key = cache.cache_key("sft", paths, tokenizer,
-                          {"seq_length": int(seq_length), "truncation": truncation})
+    params = {"seq_length": int(seq_length), "truncation": truncation}
+    if images is not None:
+        params["images"] = images.fingerprint()
+    key = cache.cache_key("sft", paths, tokenizer, params)
     entry = cache.ensure_entry(cache_dir or cache.default_cache_dir(), key, lambda tmp: _build_sft(
-        tmp, paths, tokenizer, max_ids, truncation, num_workers, key))
+        tmp, paths, tokenizer, max_ids, truncation, num_workers, key, images))
     meta = cache.read_meta(entry)
     stats = {k: int(v) for k, v in meta["stats"].items()}
     _check_not_empty(paths, stats, int(seq_length), int(meta["longest"]))
     dtype = np.dtype(meta["dtype"])
-    return SFTDataset(cache.open_array(entry, "ids.bin", dtype),
+    dataset = SFTDataset(cache.open_array(entry, "ids.bin", dtype),
                       cache.open_array(entry, "trained.bin", np.uint8),
                       cache.open_array(entry, "offsets.npy", np.int64), stats,
                       seq_length=int(seq_length), truncation=truncation,
                       lengths=cache.open_array(entry, "lengths.npy", np.int64),
                       loss_tokens=cache.open_array(entry, "loss_tokens.npy", np.int64),
                       cache_path=entry)
+    if images is not None:
+        dataset.images = StoredImages.open(entry, images.spec)
+    return dataset
 
 
 def _check_not_empty(paths: list[str], stats: dict[str, int], seq_length: int,

@@ -80,7 +80,9 @@ def check_messages(value: Any, field: str, where: str) -> list[dict]:
         for key in ("role", "content"):
             if key not in m:
                 raise DataError(f"{where}: {field}[{i}] is missing field {key!r}")
-            if not isinstance(m[key], str):
+            if key == "content" and isinstance(m[key], list):
+                m["content"] = _content_parts(m, f"{field}[{i}].content", where)
+            elif not isinstance(m[key], str):
                 raise DataError(f"{where}: {field}[{i}].{key} must be a string, got "
                                 f"{type(m[key]).__name__}")
         if "reasoning_content" in m and not isinstance(m["reasoning_content"], str):
@@ -88,6 +90,25 @@ def check_messages(value: Any, field: str, where: str) -> list[dict]:
                             f"{type(m['reasoning_content']).__name__}")
         out.append(m)
     return out
+
+
+def _content_parts(message: dict, field: str, where: str) -> list[dict] | str:
+    """A content list of HF parts ({"type": "text", "text"} / {"type": "image"}: images are
+    read by engine.data.images); an assistant's text parts joined into one string (images
+    there are refused: the model does not generate them)."""
+    parts = message["content"]
+    for j, p in enumerate(parts):
+        if not isinstance(p, dict) or p.get("type") not in ("text", "image"):
+            raise DataError(f"{where}: {field}[{j}] must be a part {{'type': 'text', 'text'}} "
+                            f"or {{'type': 'image'}}")
+        if p["type"] == "text" and not isinstance(p.get("text"), str):
+            raise DataError(f"{where}: {field}[{j}].text must be a string")
+        if p["type"] == "image" and message.get("role") == "assistant":
+            raise DataError(f"{where}: {field}[{j}] is an image in an assistant message; images "
+                            "are inputs (user, system or tool messages) only")
+    if message.get("role") == "assistant":
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def check_tools(value: Any, where: str) -> list[dict] | None:
@@ -125,7 +146,7 @@ def _sharegpt_messages(row: dict, where: str) -> list[dict]:
         if role not in SHAREGPT_ROLES:
             raise DataError(f"{where}: conversations[{i}].from={role!r} is not one of "
                             f"{', '.join(SHAREGPT_ROLES)}")
-        if not isinstance(value, str):
+        if not isinstance(value, (str, list)):   # a list: content parts with images
             raise DataError(f"{where}: conversations[{i}].value must be a string, got "
                             f"{type(value).__name__}")
         if role == "function_call":

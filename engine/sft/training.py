@@ -22,6 +22,7 @@ from megatron.core import parallel_state as ps
 from engine.checkpoint.checkpointing import DataPosition
 from engine.config.schema import SFTConfig
 from engine.data.datasets import global_batch_indices, load_sft_dataset
+from engine.data.images import image_context
 from engine.training.loss import GlobalLossNormalizer, aggregate, weights_from_counts
 from engine.training.micro_batches import SequenceData
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
@@ -35,6 +36,7 @@ from engine.training.schedule import LossFn
 from engine.training.token_losses import token_logprobs
 from engine.training.train_engine import BatchSettings, TrainEngine
 from models.hf.custom_code import load_tokenizer
+from models.vision.spec import vision_spec
 
 SFT_REPORT_KEYS = ("loss", "num_loss_tokens")
 
@@ -52,7 +54,7 @@ def sft_loss_fn(vocab_size: int) -> LossFn:
 
 
 def samples_to_sequences(samples) -> list[SequenceData]:
-    return [SequenceData(s.tokens, s.labels, s.loss_mask) for s in samples]
+    return [SequenceData(s.tokens, s.labels, s.loss_mask, vision=s.vision) for s in samples]
 
 
 def train_step(engine: TrainEngine, seqs: list[SequenceData],
@@ -92,9 +94,10 @@ def evaluate(engine: TrainEngine, eval_seqs: list[SequenceData], cfg: SFTConfig)
                for i in range(0, len(eval_seqs), gbs))
 
 
-def _load_data(cfg: SFTConfig, tokenizer):
+def _load_data(cfg: SFTConfig, tokenizer, hf_config: dict):
     """(train dataset, eval sequences or None); rank 0 prints what was loaded."""
-    cache = dict(cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
+    cache = dict(cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers,
+                 images=image_context(cfg.model.hf_path, vision_spec(hf_config)))
     dataset = load_sft_dataset(cfg.data.train_files, tokenizer, cfg.train.seq_length,
                                cfg.data.truncation, **cache)
     eval_seqs = None
@@ -120,7 +123,7 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
     """The SFT run on every rank (process groups and megatron state exist)."""
     tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    dataset, eval_seqs = _load_data(cfg, tokenizer)
+    dataset, eval_seqs = _load_data(cfg, tokenizer, hf_config)
     gbs, n = cfg.train.global_batch_size, len(dataset)
 
     def position(done: int) -> DataPosition:
@@ -133,7 +136,8 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
         loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
-        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg)),
+        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg),
+        train_vision=not cfg.model.vision.freeze),
         position(0))
     if dist.get_rank() == 0:
         print(f"[sft] model: {describe_settings(engine.chunks[0].config)}", flush=True)

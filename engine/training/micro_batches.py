@@ -8,6 +8,8 @@ sequence, 0 on padding and untrained tokens. `seq_ids` [.., S/cp] maps tokens to
 their sequence in this rank's list (-1 on padding) so per-sequence outputs can be gathered.
 `extras` carries per-token RL inputs (old/ref log-probs, advantages; routed experts with a
 trailing [layers * k] dimension) sharded the same way: [b, S/cp, ...] / [1, T/cp, ...].
+`vision` (models.vision.inputs.VisionBatch; engine.training.vision_batch) carries the images
+of a micro-batch whose sequences have some, None otherwise.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from engine.training.batching import pack_sequences, pad_batch
+from engine.training.vision_batch import packed_vision, padded_vision
+from models.vision.inputs import SequenceVision, VisionBatch
 from parallel import zigzag
 
 
@@ -32,6 +36,7 @@ class MicroBatch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     num_tokens: int = 0           # real (unpadded) tokens before CP sharding
     num_padding: int = 0
+    vision: VisionBatch | None = None
 
 
 @dataclass
@@ -42,6 +47,7 @@ class SequenceData:
     loss_mask: list[int]
     weight: float = 0.0
     extras: dict[str, list[float] | torch.Tensor] = field(default_factory=dict)  # per token
+    vision: SequenceVision | None = None   # a sequence with images (models.vision)
 
 
 def _per_token(seq_values: list[float | int], lengths: list[int], total: int,
@@ -96,7 +102,8 @@ def build_padded(seqs: list[SequenceData], seq_index: list[int], pad_multiple: i
         tensors = {k: zigzag.shard(v, [width], cp, cp_rank, dim=1) for k, v in tensors.items()}
         extras = {k: zigzag.shard(v, [width], cp, cp_rank, dim=1) for k, v in extras.items()}
     return MicroBatch(**tensors, extras=extras, num_tokens=sum(len(s.tokens) for s in seqs),
-                      num_padding=int(batch["num_padding"]))
+                      num_padding=int(batch["num_padding"]),
+                      vision=padded_vision(seqs, width, cp, cp_rank))
 
 
 def build_packed(seqs: list[SequenceData], seq_index: list[int], pad_multiple: int,
@@ -146,7 +153,8 @@ def build_packed(seqs: list[SequenceData], seq_index: list[int], pad_multiple: i
                              cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
                              max_seqlen_q=max(seq_lengths), max_seqlen_kv=max(seq_lengths))
     return MicroBatch(**tensors, packed_seq_params=params, extras=extras,
-                      num_tokens=sum(len(s.tokens) for s in seqs), num_padding=num_padding)
+                      num_tokens=sum(len(s.tokens) for s in seqs), num_padding=num_padding,
+                      vision=packed_vision(seqs, seq_lengths, cp, cp_rank))
 
 
 def dummy_sequence(pad_multiple: int, pad_id: int = 0) -> SequenceData:

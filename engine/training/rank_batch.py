@@ -84,7 +84,7 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
     micro_batches = []
     for mb in mine:
         chosen = [SequenceData(seqs[i].tokens, seqs[i].labels, seqs[i].loss_mask,
-                               weight_of[i], seqs[i].extras) for i in mb]
+                               weight_of[i], seqs[i].extras, seqs[i].vision) for i in mb]
         index = list(mb)
         while not chosen or len(chosen) < rows:
             dummy = dummy_sequence(multiple, pad_id)

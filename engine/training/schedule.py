@@ -37,6 +37,8 @@ def _to_device(mb: MicroBatch, device) -> MicroBatch:
     for name in ("tokens", "labels", "token_weights", "loss_mask", "position_ids", "seq_ids"):
         setattr(mb, name, getattr(mb, name).to(device))
     mb.extras = {k: v.to(device) for k, v in mb.extras.items()}
+    if mb.vision is not None:
+        mb.vision = mb.vision.to(device)
     if mb.packed_seq_params is not None:
         p = mb.packed_seq_params
         for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
@@ -103,8 +105,9 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
         mb = next(data_iterator)
         if before_forward is not None:  # e.g. MoE routing replay targets (engine.training.routing)
             before_forward(model, mb)
+        vision = {} if mb.vision is None else {"vision": mb.vision}   # models.vision.model
         output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params,
-                       **moe_padding_mask(model, mb))
+                       **moe_padding_mask(model, mb), **vision)
 
         def loss_func(output_tensor):
             if loss_chunk_tokens:

@@ -52,3 +52,31 @@ class VisionBatch:
         images = None if self.images is None else ImageSet(
             self.images.pixel_values.to(device), self.images.grid_thw.to(device))
         return VisionBatch(images, self.feature_rows.to(device), self.positions.to(device))
+
+
+@dataclass
+class SequenceVision:
+    """One training sequence's images and what its tokens need of them.
+
+    images: the sequence's images (ImageSet);
+    positions: [3, L] int64 M-RoPE positions of its L tokens from 0 (models.vision.positions);
+    rows: [L] int64, for each placeholder token the row of the sequence's image features it
+        takes (0, 1, ... in order), -1 elsewhere.
+    """
+
+    images: ImageSet
+    positions: torch.Tensor
+    rows: torch.Tensor
+
+    @staticmethod
+    def of(tokens, images: ImageSet, image_token_id: int, merge_size: int) -> "SequenceVision":
+        """For `tokens` (the model's input ids) whose placeholders match `images`; raises
+        models.vision.positions.PlaceholderMismatch otherwise."""
+        from models.vision.positions import mrope_positions  # noqa: PLC0415 - sibling, light
+
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        placeholder = ids == image_token_id
+        rows = torch.full_like(ids, -1)
+        rows[placeholder] = torch.arange(int(placeholder.sum()))
+        return SequenceVision(images, mrope_positions(ids, images.grid_thw, image_token_id,
+                                                      merge_size), rows)
