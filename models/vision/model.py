@@ -58,4 +58,5 @@ class VisionLanguageModel(GPTModel):
             raise ValueError(f"a placeholder token takes image feature row {int(rows.max())}, "
                              f"the tower gave {features.shape[0]} rows")
         picked = features[rows.clamp(min=0)]                 # [s, b, h]
-        return torch.where((rows >= 0)[..., None], picked, emb)
+        # where() may keep the transposed rows' strides; megatron's p2p sends need [s, b, h]
+        return torch.where((rows >= 0)[..., None], picked, emb).contiguous()

@@ -21,6 +21,10 @@ first spec, the results are the reference and are saved to REF_FILE; otherwise t
 compared with REF_FILE. Rank 0 prints one JSON line per (spec, mode), prefixed "RESULT ".
 Negative controls reported on the same data: "mean_of_means" (per-micro-batch token means
 averaged over micro-batches and DP ranks) and "dpcp_count" (token counts reduced over DP x CP).
+INV_IMAGES=1: MODEL_DIR takes images (tests/qwen3_5_tiny.build_qwen3_5_vl) and the batches
+hold images (tests/multirank/vision_batches.py), its vision tower trained; bug=mrope: packed
+rows restart M-RoPE positions one token late (negative control); the two controls above are
+not run.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
 STEPS, GBS, HORIZON = 3, 16, 48
 LR = 1e-2
 ADAM_EPS = float(os.environ.get("INV_ADAM_EPS", "1e-4"))
+IMAGES = os.environ.get("INV_IMAGES") == "1"
 # the chunked loss head (train.loss_chunk_tokens) with chunks of 16 tokens: every micro-batch
 # of every layout spans several chunks, the last one ragged
 LOSS_CHUNK_TOKENS = 16
@@ -161,6 +166,9 @@ def inject_bug(state, bug: str | None):
         return average_expert_grads(state)
     if bug == "nogather":  # handled by run_layout: parameters read before the gather
         return lambda: None
+    if bug == "mrope":
+        from tests.multirank.vision_batches import misplaced_restarts
+        return misplaced_restarts()
     assert bug is None, bug
     return lambda: None
 
@@ -202,9 +210,10 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
     optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
                             distributed_optimizer=True)
+    vision = {"train_vision": True} if IMAGES else {}
     state = TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
                               weights_dir=model_dir, overlap=overlap,
-                              loss_chunk_tokens=LOSS_CHUNK_TOKENS, **(overrides or {}))
+                              loss_chunk_tokens=LOSS_CHUNK_TOKENS, **(overrides or {}), **vision)
     normalizer = GlobalLossNormalizer(mode, HORIZON, True, group=ps.get_data_parallel_group())
     losses, norms = [], []
     undo = inject_bug(state, bug)
@@ -289,7 +298,11 @@ def main():
     rank, world = init_distributed()
     hf_config = read_config(model_dir)
     dense = (model_dir, hf_config)
-    batches = synthetic_batches(hf_config["vocab_size"])
+    if IMAGES:
+        from tests.multirank.vision_batches import vision_batches
+        batches = vision_batches(hf_config, STEPS, GBS)
+    else:
+        batches = synthetic_batches(hf_config["vocab_size"])
     making_ref = world == 1 and not os.path.exists(ref_file)
     ref = None if making_ref else torch.load(ref_file)
     new_ref = {}
@@ -331,7 +344,7 @@ def main():
                 print("RESULT " + json.dumps(out), flush=True)
     if making_ref:
         torch.save(new_ref, ref_file)
-    if world > 1:
+    if world > 1 and not IMAGES:
         controls = negative_controls(model_dir, hf_config, batches, world)
         if rank == 0:
             controls.update(world=world, reference_loss=(ref or new_ref)["token-mean"]["loss"][0])
