@@ -21,6 +21,7 @@ from engine.training.loss import AGG_MODES
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.config.fusion_settings import FusionConfig, fusion_problems
 from engine.config.lora_settings import LoraConfig, lora_problems
+from engine.config.vision_settings import VisionConfig
 from engine.config.moe_settings import MoEConfig, moe_problems
 from engine.config.model_settings import (loss_chunk_problems, recompute_layer_problems,
                                           recompute_problems, sequence_parallel_on)
@@ -34,29 +35,20 @@ from models.hf.io import HFCheckpointError, read_config, training_dir_problems
 from models.families.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
 
-__all__ = ["ConfigError", "ParallelConfig", "config_yaml", "load_config",  # re-exported
-           "split_argv"]
-
-
-@dataclass
-class VisionConfig:
-    # the vision tower of a model that takes images (models.vision): frozen by default, as
-    # LLaMA-Factory's freeze_vision_tower; false trains it with the language model
-    freeze: bool = True
+__all__ = ["ConfigError", "ParallelConfig", "config_yaml", "load_config", "split_argv"]  # re-exp.
 
 
 @dataclass
 class ModelConfig:
     hf_path: str = ""            # HF model directory (weights, config, tokenizer)
     dtype: str = "float32"       # float32 | bfloat16 (bf16 params, fp32 master weights)
-    # A preset of engine.config.recipe_validation.MODEL_SHAPES (e.g. "qwen3-8b"): the architecture a
-    # recipe is written for. `--validate` uses it when model.hf_path is not given; a training
-    # run checks that the HF config at model.hf_path has the same shape.
+    # A preset of engine.config.recipe_validation.MODEL_SHAPES (e.g. "qwen3-8b"): `--validate`
+    # uses it without model.hf_path; a run checks that the HF config at model.hf_path has it.
     shape: Optional[str] = None
     trust_remote_code: bool = False  # run the folder's own tokenizer code (tokenizer_settings)
     fusions: FusionConfig = field(default_factory=FusionConfig)  # engine.config.fusion_settings
     lora: LoraConfig = field(default_factory=LoraConfig)  # engine.config.lora_settings
-    vision: VisionConfig = field(default_factory=VisionConfig)  # docs/vlm.md
+    vision: VisionConfig = field(default_factory=VisionConfig)  # vision_settings
 
 
 @dataclass

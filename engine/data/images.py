@@ -42,29 +42,30 @@ PLACEHOLDER = "<image>"          # the images column's placeholder in prompt / m
 
 @dataclass
 class ImageContext:
-    """What rendering a row with images needs: the checkpoint's image processor (PIL backend)
-    and its VisionSpec. Picklable: data workers get a copy."""
+    """What rendering a row with images needs: the checkpoint's image processor (PIL backend;
+    None when the folder has none: rows with images are then refused) and its VisionSpec.
+    Picklable: data workers get a copy."""
 
     processor: Any
     spec: VisionSpec
+    hf_dir: str = ""
 
     def fingerprint(self) -> dict:
         """What the processed rows depend on (part of the data cache key)."""
-        return {"processor": self.processor.to_dict(), "image_token_id": self.spec.image_token_id,
-                "merge_size": self.spec.merge_size}
+        return {"processor": None if self.processor is None else self.processor.to_dict(),
+                "image_token_id": self.spec.image_token_id, "merge_size": self.spec.merge_size}
 
 
 def image_context(hf_dir: str, spec: VisionSpec | None) -> ImageContext | None:
     """The ImageContext of the checkpoint folder `hf_dir` (None for a model without a vision
-    tower). Raises DataError when the folder has no image processor."""
+    tower); its processor is None when the folder has no preprocessor_config.json."""
     if spec is None:
         return None
     from transformers import AutoImageProcessor   # only models with a vision tower need it
 
     if not os.path.isfile(os.path.join(hf_dir, "preprocessor_config.json")):
-        raise DataError(f"{hf_dir} has no preprocessor_config.json: a model that takes images "
-                        "needs its image processor (it ships with the checkpoint)")
-    return ImageContext(AutoImageProcessor.from_pretrained(hf_dir, backend="pil"), spec)
+        return ImageContext(None, spec, hf_dir)
+    return ImageContext(AutoImageProcessor.from_pretrained(hf_dir, backend="pil"), spec, hf_dir)
 
 
 @dataclass
@@ -80,7 +81,7 @@ class RowImages:
 def load_image(ref: Any, where: str, field: str, base_dir: str):
     """The PIL image of one REF (see the module docstring), as transformers' load_image."""
     from PIL import Image   # Pillow: only rows with images need it
-    from transformers.image_utils import load_image as hf_load_image
+    from transformers.image_utils import load_image as hf_load_image  # same: rows with images
 
     if isinstance(ref, dict):
         ref = ref.get("bytes") or ref.get("path")
@@ -219,6 +220,10 @@ def _strip_refs(row: dict) -> None:
 
 def process_images(images: list, ctx: ImageContext, where: str) -> RowImages:
     """The checkpoint processor's pixel values and grids of `images` (PIL, in order)."""
+    if ctx.processor is None:
+        raise DataError(f"{where}: the row has images but {ctx.hf_dir} (model.hf_path) has no "
+                        "preprocessor_config.json, the image processor published with the "
+                        "checkpoint; copy it there")
     try:
         out = ctx.processor(images=images, return_tensors="np")
     except Exception as e:  # noqa: BLE001 - e.g. an image smaller than the processor accepts
@@ -251,11 +256,11 @@ def expand_placeholders(ids: list[int], trained: np.ndarray, images: RowImages,
     return out_ids, np.concatenate(out_trained).astype(np.uint8)
 
 
-def refuse_images(row: dict, where: str) -> None:
-    """DataError when a row for a model without a vision tower holds images."""
+def refuse_images(row: dict, where: str,
+                  why: str = "the model (model.hf_path) has no vision tower") -> None:
+    """DataError (saying `why`) when `row` holds images."""
     if row.get("images"):
-        raise DataError(f"{where}: the row has images (field 'images') but the model "
-                        "(model.hf_path) has no vision tower")
+        raise DataError(f"{where}: the row has images (field 'images') but {why}")
     key = _chat_key(row)
     turns = row.get(key) if key else (row.get("prompt") if isinstance(row.get("prompt"), list)
                                       else [])
@@ -263,8 +268,7 @@ def refuse_images(row: dict, where: str) -> None:
         content = m.get("content", m.get("value")) if isinstance(m, dict) else None
         if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image"
                                              for p in content):
-            raise DataError(f"{where}: {key or 'prompt'}[{i}] has an image part but the model "
-                            "(model.hf_path) has no vision tower")
+            raise DataError(f"{where}: {key or 'prompt'}[{i}] has an image part but {why}")
 
 
 def render_with_images(row: dict, tokenizer, ctx: ImageContext | None, where: str,

@@ -13,6 +13,7 @@ import numpy as np
 from engine.data import cache
 from engine.data.files import (DataError, RowUnit, read_rows, read_unit, resolve_data_files,
                                where as where_of)
+from engine.data.images import PLACEHOLDER, refuse_images
 from engine.data.render import render_prompt
 from engine.data.rows import check_messages
 
@@ -24,7 +25,11 @@ def _prompt_row(path: str, line: int, row: dict) -> dict:
         if key not in row:
             raise DataError(f"{loc}: missing field {key!r}")
     prompt, answer = row["prompt"], row["answer"]
+    if row.get("images") or (isinstance(prompt, str) and PLACEHOLDER in prompt):
+        raise DataError(f"{loc}: the prompt has images (field 'images' or {PLACEHOLDER}); RL "
+                        "prompts are text only (docs/vlm.md)")
     if isinstance(prompt, list):
+        refuse_images({"prompt": prompt}, loc, "RL prompts are text only (docs/vlm.md)")
         check_messages(prompt, "prompt", loc)
     elif not isinstance(prompt, str):
         raise DataError(f"{loc}: field 'prompt' must be a string or a list of messages, "

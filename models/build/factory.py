@@ -51,18 +51,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
-    if cpu_runtime.is_cpu_host():
-        # gloo matches messages between two ranks in posting order; megatron's batched p2p
-        # posts send-to-prev before send-to-next, which with pp=2 (prev == next) swaps
-        # activations and gradients in the interleaved schedule. Unbatched p2p orders by rank.
-        config_overrides.setdefault("batch_p2p_comm", False)
-    if ps.get_expert_model_parallel_world_size() > 1:  # megatron refuses it for dense models
-        config_overrides.setdefault("expert_model_parallel_size",
-                                    ps.get_expert_model_parallel_world_size())
-        config_overrides.setdefault("expert_tensor_parallel_size",
-                                    ps.get_expert_tensor_parallel_world_size())
-    if cp > 1:  # read by Transformer Engine's CP attention; our Ulysses path is always a2a
-        config_overrides.setdefault("cp_comm_type", "a2a")
+    _layout_overrides(config_overrides, cp)
     config = transformer_config(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                 params_dtype=params_dtype, **config_overrides)
     shape = model_shape(hf_config, tp)
@@ -116,6 +105,22 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         apply_lora(chunks, lora, {**lora_row_orders(hf_config),
                                   **expert_lora_row_orders(hf_config)})
     return chunks
+
+
+def _layout_overrides(config_overrides: dict, cp: int) -> None:
+    """TransformerConfig fields the current parallel layout needs (set unless given)."""
+    if cpu_runtime.is_cpu_host():
+        # gloo matches messages between two ranks in posting order; megatron's batched p2p
+        # posts send-to-prev before send-to-next, which with pp=2 (prev == next) swaps
+        # activations and gradients in the interleaved schedule. Unbatched p2p orders by rank.
+        config_overrides.setdefault("batch_p2p_comm", False)
+    if ps.get_expert_model_parallel_world_size() > 1:  # megatron refuses it for dense models
+        config_overrides.setdefault("expert_model_parallel_size",
+                                    ps.get_expert_model_parallel_world_size())
+        config_overrides.setdefault("expert_tensor_parallel_size",
+                                    ps.get_expert_tensor_parallel_world_size())
+    if cp > 1:  # read by Transformer Engine's CP attention; our Ulysses path is always a2a
+        config_overrides.setdefault("cp_comm_type", "a2a")
 
 
 def _rotary_kwargs(hf_config: dict) -> dict:

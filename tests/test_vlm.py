@@ -1,0 +1,265 @@
+"""Images in SFT (docs/vlm.md) on tiny Qwen3.5 models made for images (tests/qwen3_5_tiny.py
+build_qwen3_5_vl):
+
+- in-process: our M-RoPE positions equal transformers' get_rope_index (several layouts) and
+  refuse placeholders that do not match the grids; 1-D text positions give megatron's own RoPE
+  angles; rows with images in both formats (content parts, an images column with <image>)
+  render to expanded, untrained placeholders and the processor's pixels, cached; every bad
+  row stops with its file:line;
+- one rank: logits equal transformers' Qwen3_5ForConditionalGeneration with two images
+  (1e-5), with two negative controls (no image features, 1-D positions);
+- the layout matrix (tests/multirank/sft_invariance.py with INV_IMAGES=1: 3 steps, the tower
+  trained): TP2+SP, PP2, CP2, packing, CP2 with packing, DP2, and for the MoE variant EP2 equal
+  one process (loss, grad norm, final weights with the tower: rel 1e-5); negative controls:
+  packed M-RoPE positions restarted one token late, and SP without the sequence_parallel tags;
+- HF -> mcore -> HF is bitwise with the tower; engine.sft with images from a jsonl (paths)
+  and a parquet (bytes) trains, and with model.vision.freeze=false its export changes the
+  tower.
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.launch import result_lines
+from tests.qwen3_5_tiny import build_qwen3_5_vl
+from tests.test_qwen3_5 import _tensors
+
+TOL = 1e-5
+CONVERT = "tools/convert.py"
+SFT = "tests/multirank/sft_invariance.py"
+ONE = "modes=token-mean"
+LAYOUTS = ["2,1,0,1,16,sp", "2,1,0,1,16", "1,2,0,1,4", "1,1,0,2,16", "1,1,0,1,16,packing",
+           "1,1,0,2,16,packing", "1,1,0,1,4", "1,1,0,1,4,moe+ep=2"]
+CONTROLS = ["1,1,0,1,16,packing+bug=mrope", "2,1,0,1,16,sp+bug=spnorm"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vlm")
+    return {"dense": Path(build_qwen3_5_vl(str(root / "dense"))),
+            "moe": Path(build_qwen3_5_vl(str(root / "moe"), moe=True))}
+
+
+def _png(path: Path, h: int, w: int, seed: int) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(path)
+    return path
+
+
+# ----------------------------------------------------------------------------- in-process
+
+@pytest.mark.parametrize("grids", [[[1, 4, 6], [1, 4, 4]], [[1, 2, 8]], [[1, 6, 2], [1, 2, 2]]])
+def test_positions_equal_transformers(models, grids):
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+    from models.vision.positions import PlaceholderMismatch, mrope_positions
+
+    cfg = AutoConfig.from_pretrained(models["dense"])
+    image = cfg.image_token_id
+    ids = [2, 5, 20]
+    for t, h, w in grids:
+        ids += ([cfg.vision_start_token_id] + [image] * (t * h * w // 4)
+                + [cfg.vision_end_token_id, 21])
+    ids = torch.tensor([ids + [3]])
+    grid = torch.tensor(grids)
+    ref, _ = Qwen3_5Model.get_rope_index(SimpleModel(cfg), ids, (ids == image).int(),
+                                         image_grid_thw=grid)
+    assert torch.equal(mrope_positions(ids[0], grid, image, 2), ref[:, 0])
+    with pytest.raises(PlaceholderMismatch, match="needs"):          # a grid twice as tall
+        mrope_positions(ids[0], grid * torch.tensor([1, 2, 1]), image, 2)
+    with pytest.raises(PlaceholderMismatch, match="but only"):       # an image short
+        mrope_positions(ids[0], grid[:-1], image, 2)
+
+
+class SimpleModel:
+    """What get_rope_index reads of its model: config and the vision position helper."""
+
+    def __init__(self, cfg):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+        self.config = cfg
+        self.get_vision_position_ids = lambda *a, **k: Qwen3_5Model.get_vision_position_ids(
+            self, *a, **k)
+
+
+def test_text_positions_are_megatrons_rope():
+    from models.vision.rope import interleaved_angles
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    pos = torch.arange(11)
+    emb = interleaved_angles(pos.expand(3, 1, -1), inv_freq, (3, 3, 2))
+    freqs = torch.outer(pos.float(), inv_freq)
+    assert torch.equal(emb[:, 0, 0], torch.cat([freqs, freqs], -1))
+    moved = interleaved_angles(torch.stack([pos, pos + 1, pos]).unsqueeze(1), inv_freq, (3, 3, 2))
+    assert not torch.equal(moved, emb)       # the height section does move
+
+
+def _dataset(models, tmp_path, rows, seq_length=64, text_model=False):
+    from transformers import AutoTokenizer
+
+    from engine.data.datasets import load_sft_dataset
+    from engine.data.images import image_context
+    from models.hf.io import read_config
+    from models.vision.spec import vision_spec
+
+    data, text = tmp_path / "rows.jsonl", "".join(json.dumps(r) + "\n" for r in rows)
+    if not data.is_file() or data.read_text() != text:   # the cache key holds its mtime
+        data.write_text(text)
+    ctx = None if text_model else image_context(str(models["dense"]),
+                                                vision_spec(read_config(models["dense"])))
+    tok = AutoTokenizer.from_pretrained(models["dense"])
+    return load_sft_dataset([str(data)], tok, seq_length, cache_dir=str(tmp_path / "cache"),
+                            num_workers=0, images=ctx)
+
+
+def test_rows_with_images_render_and_cache(models, tmp_path):
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    _png(tmp_path / "a.png", 16, 24, 0)
+    _png(tmp_path / "b.png", 12, 12, 1)
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
+                                                       {"type": "text", "text": "what is it ?"}]},
+                          {"role": "assistant", "content": "it is 1"}]},
+            {"prompt": "<image> and <image> sum", "images": ["b.png", "a.png"],
+             "response": "2"},
+            {"messages": [{"role": "user", "content": "what is 1 ?"},
+                          {"role": "assistant", "content": "1"}]}]
+    ds = _dataset(models, tmp_path, rows)
+    proc = AutoImageProcessor.from_pretrained(models["dense"], backend="pil")
+    want = proc(images=[Image.open(tmp_path / "b.png").convert("RGB"),
+                        Image.open(tmp_path / "a.png").convert("RGB")], return_tensors="pt")
+    s = ds[1]
+    assert torch.equal(s.vision.images.pixel_values, want["pixel_values"])
+    assert s.vision.images.grid_thw.tolist() == want["image_grid_thw"].tolist() == [[1, 4, 4],
+                                                                                   [1, 4, 6]]
+    image = 198
+    assert sum(t == image for t in s.tokens) == 4 + 6          # 16 and 24 patches, merged 2x2
+    assert all(m == 0 for t, m in zip(s.labels, s.loss_mask) if t == image)
+    assert ds[0].vision.images.grid_thw.tolist() == [[1, 4, 6]] and ds[2].vision is None
+    again = _dataset(models, tmp_path, rows)                   # mapped from the cache
+    assert again.cache_path == ds.cache_path and torch.equal(
+        again[1].vision.images.pixel_values, s.vision.images.pixel_values)
+
+
+@pytest.mark.parametrize("row,needle", [
+    ({"prompt": "<image> what", "images": ["missing.png"], "response": "1"},
+     "images\\[0\\]: image file 'missing.png' not found"),
+    ({"prompt": "<image> what", "images": ["http://x.org/a.png"], "response": "1"},
+     "is a URL"),
+    ({"prompt": "<image> <image> what", "images": ["ok.png"], "response": "1"},
+     "2 image placeholder\\(s\\).*holds 1 image"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": [{"type": "image", "image": "ok.png"}]}]},
+     "image in an assistant message"),
+    ({"prompt": "<image> what", "images": [{"path": "bad.png", "bytes": None}],
+      "response": "1"}, "images\\[0\\]: cannot read the image"),
+    ({"prompt": "9 " * 30 + "<image> what", "images": ["ok.png"], "response": "1"},
+     "cutting it would cut an image"),
+])
+def test_bad_image_rows_name_file_and_line(models, tmp_path, row, needle):
+    from engine.data.files import DataError
+
+    _png(tmp_path / "ok.png", 16, 16, 0)
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    rows = [{"prompt": "<image> fine", "images": ["ok.png"], "response": "1"}, row]
+    with pytest.raises(DataError, match=r"rows\.jsonl:2: .*" + needle):
+        _dataset(models, tmp_path, rows, seq_length=24 if "9 " in str(row) else 64)
+
+
+def test_images_for_a_text_model_are_refused(models, tmp_path):
+    from engine.data.files import DataError
+
+    rows = [{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]},
+                          {"role": "assistant", "content": "1"}]}]
+    with pytest.raises(DataError, match=r"rows\.jsonl:1: messages\[0\] has an image part but "
+                                        r"the model \(model.hf_path\) has no vision tower"):
+        _dataset(models, tmp_path, rows, text_model=True)
+
+
+# ----------------------------------------------------------------------------- launched
+
+def test_logits_equal_transformers_with_images(pools, models):
+    proc = pools.script(1, "tests/multirank/vlm_logits.py", str(models["dense"]))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = result_lines(proc.stdout)[0]
+    assert r["positions_equal"] and r["diff"] < TOL * r["scale"], r
+    assert r["no_images_diff"] > 1e-2 and r["positions_1d_diff"] > 1e-2, r
+
+
+def test_layouts_equal_one_process(pools, models, tmp_path):
+    env = {"INV_IMAGES": "1", "INV_MOE_MODEL_DIR": str(models["moe"]), "INV_ADAM_EPS": "1e-3"}
+    ref = tmp_path / "ref.json"
+    first = pools.script(1, SFT, str(models["dense"]), str(ref), f"1,1,0,1,16,{ONE}",
+                         f"1,1,0,1,16,moe+{ONE}", env=env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    specs = [s + ("+" if len(s.split(",")) > 5 else ",") + ONE for s in LAYOUTS + CONTROLS]
+    proc = pools.script(2, SFT, str(models["dense"]), str(ref), *specs, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = {r["spec"]: r for r in result_lines(proc.stdout)}
+    assert len(results) == len(specs)
+    for spec in specs[:len(LAYOUTS)]:
+        r = results[spec]
+        assert r["loss_rel"] < TOL and r["grad_norm_rel"] < TOL and r["param_rel"] < TOL, r
+    for spec in specs[len(LAYOUTS):]:
+        assert results[spec]["loss_rel"] > 1e-4, results[spec]
+
+
+def test_round_trip_is_bitwise_with_the_tower(pools, models, tmp_path):
+    model, ckpt, out = models["dense"], tmp_path / "ckpt", tmp_path / "hf"
+    for args in (("hf-to-mcore", "--hf-dir", model, "--out", ckpt),
+                 ("mcore-to-hf", "--ckpt", ckpt, "--out", out)):
+        proc = pools.script(1, CONVERT, *map(str, args))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    a, b = _tensors(model), _tensors(out)
+    assert sorted(a) == sorted(b) and any(n.startswith("model.visual.") for n in a)
+    assert all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)
+
+
+def test_sft_with_images_trains_the_tower_when_asked(pools, models, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    images = tmp_path / "data" / "imgs"
+    images.mkdir(parents=True)
+    rows = []
+    for i in range(8):
+        _png(images / f"{i}.png", 12 + 4 * (i % 3), 16, i)
+        rows.append({"messages": [
+            {"role": "user", "content": [{"type": "image", "image": f"imgs/{i}.png"},
+                                         {"type": "text", "text": f"what is {i % 4} ?"}]},
+            {"role": "assistant", "content": f"it is {i % 4}"}]})
+    (tmp_path / "data" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    buf = [io.BytesIO() for _ in range(8)]
+    for i, b in enumerate(buf):
+        from PIL import Image
+        Image.open(images / f"{i}.png").save(b, format="PNG")
+    pq.write_table(pa.table({"prompt": [f"<image> sum {i}" for i in range(8)],
+                             "images": [[{"bytes": b.getvalue(), "path": None}] for b in buf],
+                             "response": [str(i % 4) for i in range(8)]}),
+                   tmp_path / "data" / "b.parquet")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    proc = pools.script(
+        1, "-m", "engine.sft", f"model.hf_path={models['dense']}",
+        f"data.train_files=[{tmp_path / 'data'}]", "model.vision.freeze=false",
+        "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_length=48",
+        "train.max_steps=3", "optim.lr=1e-2", "logging.progress_bar=false",
+        f"logging.dir={tmp_path}/log", f"checkpoint.dir={ckpt}", "checkpoint.save_interval=3",
+        f"data.cache_dir={tmp_path}/cache", "data.num_workers=0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [json.loads(x)["loss"] for x in open(tmp_path / "log" / "metrics.jsonl")]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    proc = pools.script(1, CONVERT, "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    a, b = _tensors(models["dense"]), _tensors(out)
+    tower = [n for n in a if n.startswith("model.visual.")]
+    assert tower and all(not torch.equal(a[n], b[n]) for n in tower)
