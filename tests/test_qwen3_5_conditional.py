@@ -1,6 +1,7 @@
 """Qwen3.5 conditional-generation checkpoints as published (Qwen3_5(Moe)ForConditionalGeneration:
-the text model under model.language_model.*, the vision tower model.visual.*, MTP tensors mtp.*
-one of them bf16; tests/qwen3_5_tiny.py), read as their text model (models.hf.conditional):
+the text model under model.language_model.*, the vision tower model.visual.* (mapped to the
+trainer's tower, models.vision; images: tests/test_vlm.py), MTP tensors mtp.* one of them bf16;
+tests/qwen3_5_tiny.py), read as their text model (models.hf.conditional):
 
 - in-process: the text view of config.json and the reader's names; refusals name the field (a
   missing text_config, a top-level quantization_config, a tensor outside the text model and the
@@ -10,8 +11,9 @@ one of them bf16; tests/qwen3_5_tiny.py), read as their text model (models.hf.co
   config.json comes back as stored; `verify` against transformers' ForConditionalGeneration is
   within 1e-4 at TP2 (dense), EP2 (MoE) and PP2 (dense with tied embeddings, as Qwen3.5-0.8B:
   no lm_head.weight, so a view that did not tie would be refused for the missing tensor);
-- engine.sft, 2 steps: the export of the trained checkpoint has every text tensor changed and
-  model.visual.* / mtp.* bitwise unchanged, config.json as stored;
+- engine.sft, 2 steps on text: the export of the trained checkpoint has every text tensor
+  changed and model.visual.* (frozen, the default) / mtp.* bitwise unchanged, config.json as
+  stored;
 - GRPO with the HF rollout backend (MoE, one rank; transformers loads the folder's text model
   and the weight sync streams into it): rollout/logprob_diff < 1e-5 at both steps, with the
   stale-engine negative control; its checkpoint's export keeps model.visual.* / mtp.* bitwise.
