@@ -20,22 +20,27 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.launch import result_lines
+from tests.launch import result_lines, run_cli
 from tests.qwen3_5_tiny import build_qwen3_5_vl
+from tests.qwen3_vl_tiny import build_qwen3_vl
 from tests.test_qwen3_5 import _tensors
 
 TOL = 1e-5
 CONVERT = "tools/convert.py"
 SFT = "tests/multirank/sft_invariance.py"
 ONE = "modes=token-mean"
+# Qwen3.5 dense, its MoE variant (moe) and Qwen3-VL (m=vl3: deepstack)
 LAYOUTS = ["2,1,0,1,16,sp", "2,1,0,1,16", "1,2,0,1,4", "1,1,0,2,16", "1,1,0,1,16,packing",
-           "1,1,0,2,16,packing", "1,1,0,1,4", "1,1,0,1,4,moe+ep=2"]
+           "1,1,0,2,16,packing", "1,1,0,1,4", "2,1,0,1,3,sp+recompute=full",
+           "1,1,0,1,4,moe+ep=2", "2,1,0,1,16,m=vl3+sp", "1,2,0,1,4,m=vl3",
+           "1,1,0,2,16,m=vl3+packing", "1,1,0,1,4,m=vl3"]
 CONTROLS = ["1,1,0,1,16,packing+bug=mrope", "2,1,0,1,16,sp+bug=spnorm"]
 
 
@@ -43,7 +48,8 @@ CONTROLS = ["1,1,0,1,16,packing+bug=mrope", "2,1,0,1,16,sp+bug=spnorm"]
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vlm")
     return {"dense": Path(build_qwen3_5_vl(str(root / "dense"))),
-            "moe": Path(build_qwen3_5_vl(str(root / "moe"), moe=True))}
+            "moe": Path(build_qwen3_5_vl(str(root / "moe"), moe=True)),
+            "vl3": Path(build_qwen3_vl(str(root / "vl3")))}
 
 
 def _png(path: Path, h: int, w: int, seed: int) -> Path:
@@ -188,19 +194,22 @@ def test_images_for_a_text_model_are_refused(models, tmp_path):
 
 # ----------------------------------------------------------------------------- launched
 
-def test_logits_equal_transformers_with_images(pools, models):
-    proc = pools.script(1, "tests/multirank/vlm_logits.py", str(models["dense"]))
+@pytest.mark.parametrize("kind", ["dense", "vl3"])
+def test_logits_equal_transformers_with_images(pools, models, kind):
+    proc = pools.script(1, "tests/multirank/vlm_logits.py", str(models[kind]))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = result_lines(proc.stdout)[0]
     assert r["positions_equal"] and r["diff"] < TOL * r["scale"], r
     assert r["no_images_diff"] > 1e-2 and r["positions_1d_diff"] > 1e-2, r
+    assert r.get("no_deepstack_diff", 1.0) > 1e-2, r       # Qwen3-VL only
 
 
 def test_layouts_equal_one_process(pools, models, tmp_path):
-    env = {"INV_IMAGES": "1", "INV_MOE_MODEL_DIR": str(models["moe"]), "INV_ADAM_EPS": "1e-3"}
+    env = {"INV_IMAGES": "1", "INV_MOE_MODEL_DIR": str(models["moe"]), "INV_ADAM_EPS": "1e-3",
+           "INV_MODEL_DIRS": json.dumps({"vl3": str(models["vl3"])})}
     ref = tmp_path / "ref.json"
     first = pools.script(1, SFT, str(models["dense"]), str(ref), f"1,1,0,1,16,{ONE}",
-                         f"1,1,0,1,16,moe+{ONE}", env=env)
+                         f"1,1,0,1,16,moe+{ONE}", f"1,1,0,1,16,m=vl3+{ONE}", env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     specs = [s + ("+" if len(s.split(",")) > 5 else ",") + ONE for s in LAYOUTS + CONTROLS]
     proc = pools.script(2, SFT, str(models["dense"]), str(ref), *specs, env=env)
@@ -214,8 +223,9 @@ def test_layouts_equal_one_process(pools, models, tmp_path):
         assert results[spec]["loss_rel"] > 1e-4, results[spec]
 
 
-def test_round_trip_is_bitwise_with_the_tower(pools, models, tmp_path):
-    model, ckpt, out = models["dense"], tmp_path / "ckpt", tmp_path / "hf"
+@pytest.mark.parametrize("kind", ["dense", "vl3"])
+def test_round_trip_is_bitwise_with_the_tower(pools, models, tmp_path, kind):
+    model, ckpt, out = models[kind], tmp_path / "ckpt", tmp_path / "hf"
     for args in (("hf-to-mcore", "--hf-dir", model, "--out", ckpt),
                  ("mcore-to-hf", "--ckpt", ckpt, "--out", out)):
         proc = pools.script(1, CONVERT, *map(str, args))
@@ -263,3 +273,13 @@ def test_sft_with_images_trains_the_tower_when_asked(pools, models, tmp_path):
     a, b = _tensors(models["dense"]), _tensors(out)
     tower = [n for n in a if n.startswith("model.visual.")]
     assert tower and all(not torch.equal(a[n], b[n]) for n in tower)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (("train.recompute=full",), "train.recompute=full is not supported with deepstack"),
+    (("parallel.pp=2", "parallel.vpp=2"), "leaves 1 decoder layer\\(s\\) on the first pipeline"),
+])
+def test_deepstack_refusals_come_before_any_process_group(models, tmp_path, extra, needle):
+    proc = run_cli("engine.sft", f"model.hf_path={models['vl3']}",
+                   f"data.train_files=[{tmp_path / 'none.jsonl'}]", *extra)
+    assert proc.returncode != 0 and re.search(needle, proc.stderr), proc.stderr

@@ -21,7 +21,7 @@ from engine.training.loss import AGG_MODES
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.config.fusion_settings import FusionConfig, fusion_problems
 from engine.config.lora_settings import LoraConfig, lora_problems
-from engine.config.vision_settings import VisionConfig
+from engine.config.vision_settings import VisionConfig, vision_problems
 from engine.config.moe_settings import MoEConfig, moe_problems
 from engine.config.model_settings import (loss_chunk_problems, recompute_layer_problems,
                                           recompute_problems, sequence_parallel_on)
@@ -290,7 +290,7 @@ def validate_common(cfg, world_size: int) -> dict:
     raise_problems(model_dir_problems(cfg) + data_file_problems(cfg) + value_problems(cfg)
                    + layout_problems(cfg, world_size, hf_config) + moe_problems(cfg, hf_config)
                    + length_problems(cfg, hf_config) + resolved_overlap_problems(cfg)
-                   + lora_problems(cfg, hf_config))
+                   + lora_problems(cfg, hf_config) + vision_problems(cfg, hf_config))
     return hf_config
 
 

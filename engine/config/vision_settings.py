@@ -1,7 +1,11 @@
-"""model.vision.*: the vision tower of a model that takes images (models.vision, docs/vlm.md)."""
+"""model.vision.*: the vision tower of a model that takes images (models.vision, docs/vlm.md),
+and the checks of the other keys against it (run before any process group starts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from models.vision.spec import vision_spec
 
 
 @dataclass
@@ -9,3 +13,28 @@ class VisionConfig:
     # frozen by default, as LLaMA-Factory's freeze_vision_tower; false: SFT trains it with the
     # language model (RL refuses it: engine.rl.checks)
     freeze: bool = True
+
+
+def vision_problems(cfg: Any, hf_config: dict) -> list[str]:
+    """model.vision.freeze=false without a vision tower; with deepstack (Qwen3-VL) image
+    features, train.recompute=full and deepstack layers beyond the first pipeline stage
+    (models.vision.model refuses both at build)."""
+    spec = vision_spec(hf_config)
+    if spec is None:
+        return [] if cfg.model.vision.freeze else [
+            "model.vision.freeze=false: the model (model.hf_path) has no vision tower"]
+    problems = []
+    deep = spec.deepstack_layers
+    if deep and cfg.train.recompute == "full":
+        problems.append("train.recompute=full is not supported with deepstack image features "
+                        "(Qwen3-VL): a recomputed layer would not see them; use "
+                        "train.recompute=selective or none")
+    chunks = cfg.parallel.pp * (cfg.parallel.vpp or 1)
+    first = int(hf_config["num_hidden_layers"]) // max(chunks, 1)
+    if deep and chunks > 1 and first < deep:
+        problems.append(f"parallel.pp={cfg.parallel.pp}"
+                        + (f" x parallel.vpp={cfg.parallel.vpp}" if cfg.parallel.vpp else "")
+                        + f" leaves {first} decoder layer(s) on the first pipeline stage, but "
+                        f"deepstack image features enter layers 0..{deep - 1}, which must run "
+                        "there with the vision tower")
+    return problems

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.families.base import ACTIVATIONS, FieldRule, field
+from models.families.base import ACTIVATIONS, FieldRule, field, head_dim, original_config
 
 # RoPE types whose inverse frequencies are fixed at build time: transformers' own function
 # computes them and models.layers.attention.rope installs them in megatron (attention_factor -> softmax scale).
@@ -104,3 +104,64 @@ SLIDING_WINDOW = FieldRule("use_sliding_window / sliding_window / max_window_lay
                            "any sliding layer", _sliding_window)
 
 COMMON_FIELDS = (ROPE, PARTIAL_ROTARY, HIDDEN_ACT, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE)
+
+
+# ---- conditional-generation wrappers (models.hf.conditional) and their M-RoPE text models ----
+
+def _mrope(cfg: Any) -> str | None:
+    params = rope_parameters(cfg)
+    kind = params.get("rope_type", params.get("type", "default"))
+    factor = float(params.get("partial_rotary_factor", 1.0))
+    rotary = head_dim(cfg) * factor
+    if kind == "default" and rotary == int(rotary) and int(rotary) % 2 == 0 and rotary > 0:
+        return None
+    return (f"rope_parameters rope_type={kind!r} with partial_rotary_factor={factor!r} is not "
+            "supported; supported: rope_type 'default' with head_dim x partial_rotary_factor "
+            "a positive even integer")
+
+
+MROPE = FieldRule(
+    "rope_parameters / rope_scaling (rope_type, rope_theta, partial_rotary_factor, "
+    "mrope_section, mrope_interleaved)", "rope_type default, any rope_theta -> rotary_base, "
+    "partial_rotary_factor -> rotary_percent (the first head_dim x factor dimensions rotate); "
+    "mrope_section -> interleaved M-RoPE over (temporal, height, width) positions "
+    "(models.vision.rope; transformers interleaves whatever mrope_interleaved says): text "
+    "tokens carry one position in all three, which is 1-D RoPE; refused: other rope types",
+    _mrope)
+
+
+def wrapper_problem(config: Any) -> str | None:
+    """Why the wrapper fields of a view do not map exactly (None: they do, or not a view): a
+    missing `text_config`; a top-level `quantization_config` (quantized wrappers are not
+    built)."""
+    original = original_config(config)
+    if original is None:
+        return None
+    kind = original.get("model_type")
+    if not isinstance(original.get("text_config"), dict):
+        return (f"text_config is missing in a model_type={kind!r} config.json; the text "
+                "model's fields are read from it")
+    if original.get("quantization_config") is not None:
+        return (f"quantization_config in a model_type={kind!r} (conditional-generation) "
+                "config.json is not supported; supported: unquantized weights")
+    return None
+
+
+WRAPPER = FieldRule(
+    "conditional-generation checkpoints: text_config, tie_word_embeddings, vision_config, "
+    "image_token_id, video_token_id, vision_start_token_id, vision_end_token_id, "
+    "quantization_config (top level)",
+    "read as the text model (models.hf.conditional.text_view): text_config -> this table, "
+    "the top-level tie_word_embeddings -> tie_word_embeddings (transformers' "
+    "ForConditionalGeneration ties by it); vision_config -> the vision tower, image_token_id "
+    "-> where image features go (models.vision, docs/vlm.md); video_token_id acts on video "
+    "input only, which is not built; refused: a missing text_config, a top-level "
+    "quantization_config", wrapper_problem)
+
+
+def not_viewed(cfg: Any) -> str | None:
+    """The refusal of a wrapper's config.json that reached the bridge without its text view."""
+    return (f"model_type={field(cfg, 'model_type')!r}: a conditional-generation config.json is "
+            "read as its text model (models.hf.conditional.text_view, applied by "
+            "models.hf.io.read_config and models.bridge.checkpoint.read_hf_config); this config was "
+            "not")

@@ -7,7 +7,13 @@ plain GPTModel forward):
   parallel scatter), runs the tower on `vision.images` (models.vision.tower) and puts feature
   row `feature_rows[b, t]` in place of each placeholder token's embedding. Under CP each rank
   holds its zigzag chunks of the tokens and of `feature_rows`, and the tower's output for all
-  images of the micro-batch: images are embedded before the sequence is split, in effect.
+  images of the micro-batch: images are embedded before the sequence is split, in effect;
+- deepstack (Qwen3-VL): the tower's k-th intermediate feature set is added to the output of
+  decoder layer k at the same rows (a forward hook on layers 0 .. deepstack_layers - 1), as
+  transformers' `_deepstack_process` does after each of those layers. Those layers must be
+  on the first pipeline stage, with the tower, and full recomputation is refused with
+  deepstack: megatron recomputes a layer in the backward pass after this forward's features
+  are gone (both refused at build).
 """
 from __future__ import annotations
 
@@ -30,6 +36,20 @@ class VisionLanguageModel(GPTModel):
         self.vision_spec = vision_spec
         self.rotary_pos_emb = MultimodalRotary(self.rotary_pos_emb, vision_spec.mrope_section)
         self.vision = tower if self.pre_process else None
+        self._deepstack: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        if vision_spec.deepstack_layers and self.config.recompute_granularity == "full":
+            raise ValueError("train.recompute=full is not supported with deepstack image "
+                             "features (Qwen3-VL): a recomputed layer would not see them; use "
+                             "train.recompute=selective or none")
+        for layer in self.decoder.layers:
+            if layer.layer_number - 1 < vision_spec.deepstack_layers:
+                if not self.pre_process:
+                    raise ValueError(
+                        f"decoder layer {layer.layer_number - 1} receives deepstack image "
+                        f"features (the first {vision_spec.deepstack_layers} layers do) but is "
+                        "not on the first pipeline stage, which runs the vision tower; give the "
+                        "first stage more layers or lower parallel.pp")
+                layer.register_forward_hook(self._add_deepstack)
 
     def forward(self, input_ids, position_ids, attention_mask, *args,
                 vision: VisionBatch | None = None, decoder_input=None, **kwargs):
@@ -44,12 +64,13 @@ class VisionLanguageModel(GPTModel):
                                    decoder_input=decoder_input, **kwargs)
         finally:
             self.rotary_pos_emb.positions = None
+            self._deepstack = None
 
     def _embed_with_images(self, input_ids, position_ids, vision: VisionBatch) -> torch.Tensor:
         """[s (/ tp with SP), b, h]: the token embeddings with image features in place."""
         emb = self.embedding(input_ids=input_ids, position_ids=position_ids)
-        features = image_features(self.vision, vision.images.pixel_values,
-                                  vision.images.grid_thw).to(emb.dtype)
+        features, deepstack = image_features(self.vision, vision.images.pixel_values,
+                                             vision.images.grid_thw)
         rows = vision.feature_rows.transpose(0, 1)           # [s, b] like emb
         if self.config.sequence_parallel:                    # this rank's sequence shard
             tp = ps.get_tensor_model_parallel_world_size()
@@ -57,6 +78,22 @@ class VisionLanguageModel(GPTModel):
         if int(rows.max()) >= features.shape[0]:
             raise ValueError(f"a placeholder token takes image feature row {int(rows.max())}, "
                              f"the tower gave {features.shape[0]} rows")
-        picked = features[rows.clamp(min=0)]                 # [s, b, h]
-        # where() may keep the transposed rows' strides; megatron's p2p sends need [s, b, h]
-        return torch.where((rows >= 0)[..., None], picked, emb).contiguous()
+        if deepstack:
+            self._deepstack = ([d.to(emb.dtype) for d in deepstack], rows)
+        return _place(emb, features.to(emb.dtype), rows)
+
+    def _add_deepstack(self, layer, inputs, output):
+        """Forward hook of decoder layers 0 .. deepstack_layers - 1 (module docstring)."""
+        if self._deepstack is None:
+            return output
+        features, rows = self._deepstack
+        hidden, *rest = output if isinstance(output, tuple) else (output,)
+        added = hidden + _place(torch.zeros_like(hidden), features[layer.layer_number - 1], rows)
+        return (added, *rest) if isinstance(output, tuple) else added
+
+
+def _place(base: torch.Tensor, features: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`base` [s, b, h] with row rows[s, b] of `features` where rows >= 0."""
+    picked = features[rows.clamp(min=0)]
+    # where() may keep the transposed rows' strides; megatron's p2p sends need [s, b, h]
+    return torch.where((rows >= 0)[..., None], picked, base).contiguous()

@@ -30,6 +30,8 @@ class VisionSpec:
     mrope_section: the (temporal, height, width) frequency counts of interleaved M-RoPE.
     vision_config: the wrapper's `vision_config` dict (builds models.vision.tower).
     hf_prefix: where the checkpoint stores the tower's tensors (`model.visual.`).
+    deepstack_layers: how many of the tower's intermediate feature sets (Qwen3-VL's
+        `deepstack_visual_indexes`) are added to the outputs of decoder layers 0, 1, ...
     """
 
     image_token_id: int
@@ -40,6 +42,7 @@ class VisionSpec:
     mrope_section: tuple[int, int, int]
     vision_config: dict
     hf_prefix: str
+    deepstack_layers: int = 0
 
     def tokens_per_image(self, grid_thw) -> int:
         t, h, w = (int(x) for x in grid_thw)
@@ -66,4 +69,5 @@ def vision_spec(hf_config: Any) -> VisionSpec | None:
         merge_size=int(field(vision, "spatial_merge_size", 2)),
         mrope_section=tuple(int(x) for x in section),
         vision_config=vision,
-        hf_prefix=family_of(hf_config).vision_prefix)
+        hf_prefix=family_of(hf_config).vision_prefix,
+        deepstack_layers=len(vision.get("deepstack_visual_indexes") or ()))

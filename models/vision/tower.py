@@ -77,11 +77,12 @@ def build_tower(hf_config: dict, dtype: torch.dtype, trainable: bool) -> torch.n
 
 
 def image_features(tower: torch.nn.Module, pixel_values: torch.Tensor,
-                   grid_thw: torch.Tensor) -> torch.Tensor:
-    """The merged image features [image tokens, text hidden] of `pixel_values` (patches of
-    all images, in order) with grids `grid_thw` [images, 3], as transformers'
-    `get_image_features` computes them (no autograd graph when the tower is frozen)."""
+                   grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(merged image features [image tokens, text hidden], deepstack features: a list of
+    tensors of that shape, empty without deepstack) of `pixel_values` (patches of all images,
+    in order) with grids `grid_thw` [images, 3], as transformers' `get_image_features`
+    computes them (no autograd graph when the tower is frozen)."""
     param = next(tower.parameters())
     with torch.set_grad_enabled(torch.is_grad_enabled() and param.requires_grad):
         out = tower(pixel_values.to(param.dtype), grid_thw=grid_thw)
-    return out.pooler_output
+    return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])

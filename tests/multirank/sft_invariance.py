@@ -81,11 +81,17 @@ def parse_spec(spec: str):
 
 def spec_model(spec: str, dense: tuple) -> tuple:
     """(model dir, HF config, reference-key prefix) of a spec: the dense MODEL_DIR, or with
-    the `moe` flag the MoE model of $INV_MOE_MODEL_DIR (its references are keyed "moe/MODE")."""
+    the `moe` flag the MoE model of $INV_MOE_MODEL_DIR (its references are keyed "moe/MODE"),
+    or with `m=NAME` the model $INV_MODEL_DIRS (a JSON object) names NAME ("NAME/MODE")."""
     from models.hf.io import read_config
 
     parts = spec.split(",")
-    if "moe" not in (parts[5].split("+") if len(parts) > 5 else []):
+    flags = parts[5].split("+") if len(parts) > 5 else []
+    other = next((f.split("=")[1] for f in flags if f.startswith("m=")), None)
+    if other is not None:   # m=NAME: the model $INV_MODEL_DIRS (JSON) names NAME
+        path = json.loads(os.environ["INV_MODEL_DIRS"])[other]
+        return path, read_config(path), other + "/"
+    if "moe" not in flags:
         return (*dense, "")
     moe_dir = os.environ["INV_MOE_MODEL_DIR"]
     return moe_dir, read_config(moe_dir), "moe/"

@@ -3,14 +3,16 @@ tests/test_vlm.py):
 
     python tests/multirank/vlm_logits.py MODEL_DIR
 
-MODEL_DIR: a tiny conditional Qwen3.5 made for images (tests/qwen3_5_tiny.build_qwen3_5_vl).
+MODEL_DIR: a tiny conditional model made for images (tests/qwen3_5_tiny.build_qwen3_5_vl,
+tests/qwen3_vl_tiny.build_qwen3_vl).
 Two images of different grids, processed by the folder's image processor (PIL backend),
 between text tokens; transformers' Qwen3_5ForConditionalGeneration and our VisionLanguageModel
 (one process) on the same ids and pixels. Prints one "RESULT {json}" line: the max abs
 difference of the logits (`diff`), their scale, whether our M-RoPE positions equal
 transformers' get_rope_index, and two negative controls: the placeholder tokens' own
 embeddings instead of the image features (`no_images_diff`), and 1-D positions instead of
-M-RoPE (`positions_1d_diff`).
+M-RoPE (`positions_1d_diff`), and with deepstack (Qwen3-VL) a third: the deepstack features
+left out (`no_deepstack_diff`).
 """
 from __future__ import annotations
 
@@ -84,6 +86,14 @@ def main() -> None:
               "no_images_diff": float((logits(None) - ref).abs().max()),
               "positions_1d_diff": float((logits(VisionBatch(seq.images, seq.rows[None], flat))
                                           - ref).abs().max())}
+    if spec.deepstack_layers:   # Qwen3-VL: the tower's deepstack features left out
+        import models.vision.model as vision_model
+
+        real = vision_model.image_features
+        vision_model.image_features = lambda *a: (real(*a)[0], [])
+        result["no_deepstack_diff"] = float((logits(VisionBatch(
+            seq.images, seq.rows[None], seq.positions[:, None])) - ref).abs().max())
+        vision_model.image_features = real
     print("RESULT " + json.dumps(result), flush=True)
     shutdown()
 

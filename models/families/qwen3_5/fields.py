@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.families.base import Family, FieldRule, field, head_dim, original_config
-from models.families.fields import layer_kinds_problem, rope_parameters
+from models.families.base import Family, FieldRule, field
+from models.families.fields import (MROPE as ROPE_DEFAULT, WRAPPER,  # noqa: F401
+                                    layer_kinds_problem, not_viewed)
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -24,18 +25,6 @@ def linear_layers(cfg: Any) -> set[int]:
 def _layer_types(cfg: Any) -> str | None:
     return layer_kinds_problem(layer_types(cfg), int(field(cfg, "num_hidden_layers")),
                                LAYER_KINDS)
-
-
-def _rope(cfg: Any) -> str | None:
-    params = rope_parameters(cfg)
-    kind = params.get("rope_type", params.get("type", "default"))
-    factor = float(params.get("partial_rotary_factor", 1.0))
-    rotary = head_dim(cfg) * factor
-    if kind == "default" and rotary == int(rotary) and int(rotary) % 2 == 0 and rotary > 0:
-        return None
-    return (f"rope_parameters rope_type={kind!r} with partial_rotary_factor={factor!r} is not "
-            "supported; supported: rope_type 'default' with head_dim x partial_rotary_factor "
-            "a positive even integer")
 
 
 def _hidden_act(cfg: Any) -> str | None:
@@ -62,12 +51,6 @@ def _gdn_heads(cfg: Any) -> str | None:
             "supported: each key head serving an integer number of value heads")
 
 
-ROPE_DEFAULT = FieldRule(
-    "rope_parameters / rope_scaling (rope_type, rope_theta, partial_rotary_factor, "
-    "mrope_section, mrope_interleaved)", "rope_type default, any rope_theta -> rotary_base, "
-    "partial_rotary_factor -> rotary_percent (the first head_dim x factor dimensions rotate); "
-    "mrope_section / mrope_interleaved: text positions are 1-D, so every section carries the "
-    "same position and M-RoPE equals 1-D RoPE; refused: other rope types", _rope)
 HIDDEN_ACT_SILU = FieldRule("hidden_act", "silu (MLP and GDN conv); refused: others",
                             _hidden_act)
 ATTENTION_BIAS = FieldRule("attention_bias", "false; refused: true", _attention_bias)
@@ -91,34 +74,6 @@ GDN_FIELDS = (
 )
 
 
-def wrapper_problem(config: Any) -> str | None:
-    """Why the wrapper fields of a view do not map exactly (None: they do, or not a view): a
-    missing `text_config`; a top-level `quantization_config` (quantized wrappers are not
-    built). Every other top-level field acts on image/video input only (vision_config,
-    image/video/vision token ids) or is metadata; text input never reaches the vision tower."""
-    original = original_config(config)
-    if original is None:
-        return None
-    kind = original.get("model_type")
-    if not isinstance(original.get("text_config"), dict):
-        return (f"text_config is missing in a model_type={kind!r} config.json; the text "
-                "model's fields are read from it")
-    if original.get("quantization_config") is not None:
-        return (f"quantization_config in a model_type={kind!r} (conditional-generation) "
-                "config.json is not supported; supported: unquantized weights")
-    return None
-
-
-WRAPPER = FieldRule(
-    "conditional-generation checkpoints (model_type qwen3_5 / qwen3_5_moe): text_config, "
-    "tie_word_embeddings, vision_config, image_token_id, video_token_id, "
-    "vision_start_token_id, vision_end_token_id, quantization_config (top level)",
-    "read as the text model (models.hf.conditional.text_view): text_config -> this table, "
-    "the top-level tie_word_embeddings -> tie_word_embeddings (transformers' "
-    "ForConditionalGeneration ties by it); vision_config and the image/video token ids act on "
-    "image and video input only, which is not built (text input never reaches the vision "
-    "tower: its tensors model.visual.* pass through unchanged, untrained); refused: a missing "
-    "text_config, a top-level quantization_config", wrapper_problem)
 MTP = FieldRule("mtp_num_hidden_layers / mtp_use_dedicated_embeddings", "the MTP layers "
                 "(mtp.* tensors), which transformers' model does not build: no effect on the "
                 "forward pass; the tensors pass through unchanged, untrained")
@@ -130,13 +85,6 @@ _TEXT_FIELDS = ("every field through the text model's table: text_config's rope_
                 "partial_rotary_factor, attention_dropout; the top-level tie_word_embeddings")
 
 
-def _not_viewed(cfg: Any) -> str | None:
-    return (f"model_type={field(cfg, 'model_type')!r}: a conditional-generation config.json is "
-            "read as its text model (models.hf.conditional.text_view, applied by "
-            "models.hf.io.read_config and models.bridge.checkpoint.read_hf_config); this config was "
-            "not")
-
-
 class Qwen3_5Conditional(Family):
     """Qwen3_5ForConditionalGeneration's model_type: its config.json is read as the text
     model's (models.hf.conditional), so no config of this model_type reaches the bridge; one
@@ -146,7 +94,7 @@ class Qwen3_5Conditional(Family):
     hf_class = "Qwen3_5ForConditionalGeneration"
     text_model_type = "qwen3_5_text"
     fields = (FieldRule(f"model_type ({_TEXT_FIELDS})",
-                        "read as qwen3_5_text (models.hf.conditional)", _not_viewed),)
+                        "read as qwen3_5_text (models.hf.conditional)", not_viewed),)
 
 
 class Qwen3_5MoeConditional(Qwen3_5Conditional):
@@ -154,4 +102,4 @@ class Qwen3_5MoeConditional(Qwen3_5Conditional):
     hf_class = "Qwen3_5MoeForConditionalGeneration"
     text_model_type = "qwen3_5_moe_text"
     fields = (FieldRule(f"model_type ({_TEXT_FIELDS})",
-                        "read as qwen3_5_moe_text (models.hf.conditional)", _not_viewed),)
+                        "read as qwen3_5_moe_text (models.hf.conditional)", not_viewed),)
