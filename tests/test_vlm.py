@@ -283,3 +283,74 @@ def test_deepstack_refusals_come_before_any_process_group(models, tmp_path, extr
     proc = run_cli("engine.sft", f"model.hf_path={models['vl3']}",
                    f"data.train_files=[{tmp_path / 'none.jsonl'}]", *extra)
     assert proc.returncode != 0 and re.search(needle, proc.stderr), proc.stderr
+
+
+def _prompt_images(root: Path) -> list[dict]:
+    """Eight RL prompts, each an image (a PNG next to the file) and a question."""
+    (root / "imgs").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(8):
+        _png(root / "imgs" / f"{i}.png", 12 + 4 * (i % 3), 16, 10 + i)
+        rows.append({"prompt": f"<image> what is {i} plus 1 ?", "images": [f"imgs/{i}.png"],
+                     "answer": i + 1})
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def _transformers_gaps(model_dir: Path, root: Path, rows: list[dict], dump: Path
+                       ) -> tuple[float, float]:
+    """Mean |dumped rollout log-prob - transformers' own| over the sampled tokens of `dump`
+    (the initial weights: step 1), with the prompts' images (transformers computes its own
+    M-RoPE positions from mm_token_type_ids) and, as the control, without them."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    proc = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+    image = hf.config.image_token_id
+    gaps = {True: [], False: []}
+    for line in open(dump):
+        r = json.loads(line)
+        ids = torch.tensor([r["token_ids"]])
+        first = r["loss_mask"].index(1)
+        if int((ids[0, first:] == image).sum()):   # a sampled placeholder: transformers' own
+            continue                               # forward takes none (generate feeds words)
+        picture = Image.open(root / rows[r["prompt_index"]]["images"][0]).convert("RGB")
+        pixels = proc(images=[picture], return_tensors="pt")
+        for with_images in (True, False):
+            extra = dict(pixel_values=pixels["pixel_values"],
+                         image_grid_thw=pixels["image_grid_thw"],
+                         mm_token_type_ids=(ids == image).int()) if with_images else {}
+            hf.model.rope_deltas = None
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(input_ids=ids, **extra).logits[0, :-1].float(), -1)
+            mine = logp.gather(1, ids[0, 1:, None])[:, 0]
+            gaps[with_images] += [abs(r["rollout_logprobs"][j] - float(mine[j - 1]))
+                                  for j in range(1, len(r["token_ids"])) if r["loss_mask"][j]]
+    assert len(gaps[True]) >= 12, gaps   # most of the 4 x 6 sampled tokens were compared
+    return (sum(gaps[True]) / len(gaps[True]), sum(gaps[False]) / len(gaps[False]))
+
+
+@pytest.mark.parametrize("kind", ["dense", "vl3"])
+def test_grpo_with_images_on_the_hf_backend(pools, models, tmp_path, kind):
+    """GRPO, two steps, prompts with images, transformers' conditional model as the rollout
+    engine (its tower trained on Qwen3-VL: synced with the text weights): the trainer's
+    recomputed log-probs equal the engine's (rollout/logprob_diff < 1e-5) at both steps, and
+    the engine's step-1 log-probs equal transformers' own forward with the images, not
+    without them (control)."""
+    rows = _prompt_images(tmp_path)
+    proc = pools.script(
+        1, "-m", "engine.rl", f"model.hf_path={models[kind]}",
+        f"data.train_files=[{tmp_path / 'prompts.jsonl'}]",
+        "reward.fn=tests.test_rl_loop:digit_reward", "kl.beta=0.05", "rollout.n=2",
+        "rollout.max_new_tokens=6", "train.prompts_per_step=2", "train.mini_batches_per_step=1",
+        "train.micro_batch_size=1", "train.max_steps=2", "train.seq_length=48", "optim.lr=1e-2",
+        f"data.cache_dir={tmp_path}/cache", "data.num_workers=0", f"logging.dir={tmp_path}/run",
+        f"logging.rollout_dir={tmp_path}/dump", "logging.progress_bar=false",
+        *(["model.vision.freeze=false"] if kind == "vl3" else []))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(metrics) == 2 and all(m["rollout/logprob_diff"] < TOL for m in metrics), metrics
+    with_images, without = _transformers_gaps(models[kind], tmp_path, rows,
+                                              tmp_path / "dump" / "step_1.jsonl")
+    assert with_images < TOL and without > 1e-3, (with_images, without)

@@ -164,9 +164,9 @@ def collect_images(row: dict, where: str, base_dir: str) -> tuple[dict, list]:
         row[key] = turns
     elif isinstance(row.get("prompt"), (str, list)):
         row["prompt"] = _prompt_parts(row["prompt"], where, bool(column))
-        refs += _refs(row["prompt"][0]["content"] if isinstance(row["prompt"], list)
-                      and row["prompt"] and isinstance(row["prompt"][0], dict)
-                      and isinstance(row["prompt"][0].get("content"), list) else [], "prompt")
+        for i, m in enumerate(row["prompt"] if isinstance(row["prompt"], list) else []):
+            if isinstance(m, dict):
+                refs += _refs(m.get("content"), f"prompt[{i}].content")
     return _resolve(row, refs, column, where, base_dir)
 
 

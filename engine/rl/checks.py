@@ -42,9 +42,6 @@ def rl_problems(cfg: RLConfig) -> list[str]:
         if not ok:
             p.append(message)
 
-    check(cfg.model.vision.freeze, "model.vision.freeze=false: RL trains the language model "
-          "only (rollout engines serve the text model; prompts with images are not supported "
-          "in RL, docs/vlm.md)")
     for key in ("prompts_per_step", "mini_batches_per_step", "epochs_per_rollout"):
         value = getattr(train, key)
         check(isinstance(value, int) and value >= 1, f"train.{key}={value!r} must be an "

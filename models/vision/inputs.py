@@ -80,3 +80,34 @@ class SequenceVision:
         rows[placeholder] = torch.arange(int(placeholder.sum()))
         return SequenceVision(images, mrope_positions(ids, images.grid_thw, image_token_id,
                                                       merge_size), rows)
+
+
+class ImagePrompt(list):
+    """A rollout prompt with images: the prompt's token ids (each image's placeholder
+    expanded, engine.data.images) as a plain list, so everything that handles prompts as id
+    lists (lengths, concatenation, dumps) works unchanged, plus the images and what their
+    tokens need (models.vision.spec). Rollout engines that take images read `images` and
+    `positions()`; the others refuse it (RolloutEngine.supports_images)."""
+
+    def __init__(self, ids, images: ImageSet, image_token_id: int, merge_size: int):
+        super().__init__(int(t) for t in ids)
+        self.images, self.image_token_id, self.merge_size = images, image_token_id, merge_size
+
+    def vision(self, tokens) -> SequenceVision:
+        """The SequenceVision of a training sequence starting with this prompt (`tokens`:
+        prompt + response ids fed to the model). Response tokens are text whatever their id: a
+        sampled placeholder token was fed to the rollout engine as a word (no image there),
+        so it gets its word embedding and the next text position, as in the engine."""
+        prompt = SequenceVision.of(list(self), self.images, self.image_token_id,
+                                   self.merge_size)
+        extra = len(tokens) - len(self)
+        after = prompt.positions[:, -1:] + torch.arange(1, extra + 1)
+        return SequenceVision(self.images, torch.cat([prompt.positions, after], dim=1),
+                              torch.cat([prompt.rows, torch.full((extra,), -1)]))
+
+    def positions(self) -> torch.Tensor:
+        """[3, len(self)] M-RoPE positions of the prompt's tokens."""
+        return self.vision(list(self)).positions
+
+    def __reduce__(self):   # pickled with its images (the rollout batch goes to every rank)
+        return (ImagePrompt, (list(self), self.images, self.image_token_id, self.merge_size))

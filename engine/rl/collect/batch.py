@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.training.micro_batches import SequenceData
 from engine.training.routing import ROUTED_EXPERTS
+from models.vision.inputs import ImagePrompt
 
 
 @dataclass
@@ -37,7 +38,8 @@ def build_sequences(batch: RolloutBatch) -> list[SequenceData]:
     positions): "advantages" (the response's advantage on every response token) and
     "rollout_logprobs" (the engine's log-probs of the sampled tokens). Multi-turn responses
     (batch.response_masks) train only their sampled tokens: loss mask and advantage 0 on
-    observation tokens (their rollout log-prob is 0.0)."""
+    observation tokens (their rollout log-prob is 0.0). A prompt with images
+    (models.vision.inputs.ImagePrompt) gives its sequence the images (SequenceData.vision)."""
     seqs = []
     masks = batch.response_masks or [None] * len(batch)
     for prompt, response, logprobs, adv, mask in zip(
@@ -49,7 +51,8 @@ def build_sequences(batch: RolloutBatch) -> list[SequenceData]:
         seqs.append(SequenceData(
             tokens=ids[:-1], labels=ids[1:], loss_mask=[0] * head + mask,
             extras={"advantages": [0.0] * head + [float(adv) if m else 0.0 for m in mask],
-                    "rollout_logprobs": [0.0] * head + [float(x) for x in logprobs]}))
+                    "rollout_logprobs": [0.0] * head + [float(x) for x in logprobs]},
+            vision=prompt.vision(ids[:-1]) if isinstance(prompt, ImagePrompt) else None))
         if batch.routed_experts:  # R3: the rollout engine's routing of every fed token
             seqs[-1].extras[ROUTED_EXPERTS] = batch.routed_experts[len(seqs) - 1]
     return seqs

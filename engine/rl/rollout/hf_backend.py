@@ -18,6 +18,10 @@ folder dequantized (on CPU), and `update_weights` takes each float8 weight toget
 blocks of the folder's quantization_config: exactly what the trainer loads from the
 checkpoint), so the engine holds dequant(quant(W)). A float8 weight whose scale is missing, or
 a scale without its weight, is refused instead of being cast unscaled.
+
+Images (a checkpoint with a vision tower, engine.rl.rollout.hf_images): the conditional-
+generation model is loaded, prompts may be ImagePrompts, and the prefill passes their pixels and
+M-RoPE positions.
 """
 from __future__ import annotations
 
@@ -28,15 +32,16 @@ import os
 from typing import Iterable
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
+from engine.rl.rollout.hf_images import load_model, prefill, view_aliases
 from engine.rl.rollout.hf_routing import GateRecorder, assemble
 from engine.rl.rollout.hf_targets import checkpoint_targets
 from engine.rl.rollout.sampling import SeededSampler
 from models.formats import fp8 as fp8_blocks
 from models.hf.custom_code import load_tokenizer
 from models.formats.quantized import QUANT_METHODS, quantization_config
+from models.vision.inputs import ImagePrompt
 
 
 def cache_keyword(model) -> str:
@@ -57,7 +62,8 @@ def _as_id_list(value) -> list[int]:
 
 
 class HFRolloutEngine(RolloutEngine):
-    """transformers `AutoModelForCausalLM` loaded from a local HF directory, in eval mode.
+    """transformers `AutoModelForCausalLM` (with a vision tower: `AutoModelForImageTextToText`)
+    loaded from a local HF directory, in eval mode.
 
     Args:
         hf_path: local directory with config.json and safetensors weights (nothing is
@@ -73,6 +79,7 @@ class HFRolloutEngine(RolloutEngine):
         pad_token_id: left-padding id (tokenizer pad, else config pad, else the first eos).
     """
     supports_logit_probe = True
+    supports_images = True         # with a vision tower (engine.rl.rollout.hf_images)
     sync_quantizations = ("fp8",)  # float8 weights + scales dequantized on arrival (above)
     _routing: GateRecorder | None = None  # R3: the MoE gates' choices (enable_routed_experts)
 
@@ -95,8 +102,7 @@ class HFRolloutEngine(RolloutEngine):
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            hf_path, dtype=dtype if dtype is not None else "auto", local_files_only=True)
+        self.model, self.vision = load_model(hf_path, dtype)
         self.model.to(self.device).eval().requires_grad_(False)
         self._cache = cache_keyword(self.model)
         if dtype is not None:  # a quantized folder loads with mixed dtypes
@@ -105,7 +111,8 @@ class HFRolloutEngine(RolloutEngine):
                     param.data = param.data.to(dtype)
         self.hf_path = hf_path
         tokenizer = self._load_tokenizer(hf_path, trust_remote_code)
-        eos = _as_id_list(getattr(self.model.config, "eos_token_id", None))
+        text_config = self.model.config.get_text_config()   # a wrapper's text model's
+        eos = _as_id_list(getattr(text_config, "eos_token_id", None))
         generation_config = getattr(self.model, "generation_config", None)
         if generation_config is not None:
             eos += _as_id_list(generation_config.eos_token_id)
@@ -117,9 +124,9 @@ class HFRolloutEngine(RolloutEngine):
                              "tokenizer; generation could never stop with finish_reason 'stop'")
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         if pad is None:
-            pad = getattr(self.model.config, "pad_token_id", None)
+            pad = getattr(text_config, "pad_token_id", None)
         self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_ids[0]
-        self.vocab_size: int = int(self.model.config.vocab_size)
+        self.vocab_size: int = int(self.model.config.get_text_config().vocab_size)
         self._index_parameters()
         self._stale: set[str] = set()  # parameters not yet written since the last wake()
 
@@ -147,6 +154,8 @@ class HFRolloutEngine(RolloutEngine):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad}")
+        if self.vision is None and any(isinstance(p, ImagePrompt) for p in prompts):
+            raise ValueError(f"{self.hf_path} has no vision tower; prompts with images need one")
         batch, longest = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((batch, longest), dtype=torch.long)
@@ -157,10 +166,14 @@ class HFRolloutEngine(RolloutEngine):
         if self._routing is not None:
             self._routing.clear()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # count real tokens only; pads get 0
+        images = {}
+        if self.vision is not None:   # M-RoPE positions and the prompts' images
+            positions, next_pos, images = prefill(prompts, longest, self.device)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **images)
         cache, logits = getattr(out, self._cache), out.logits[:, -1, :].float()
-        next_pos = positions[:, -1:] + 1
+        if self.vision is None:
+            next_pos = positions[:, -1:] + 1
         routed = [self._routing.take()] if self._routing is not None else None
 
         sampler = SeededSampler(params, batch, self.device)
@@ -181,7 +194,7 @@ class HFRolloutEngine(RolloutEngine):
             out = self.model(input_ids=feed[:, None], attention_mask=mask, position_ids=next_pos,
                              use_cache=True, **{self._cache: cache})
             cache, logits = getattr(out, self._cache), out.logits[:, -1, :].float()
-            next_pos = next_pos + 1
+            next_pos = next_pos + 1          # [b, 1], or [3, b, 1] with M-RoPE
             if routed is not None:
                 routed.append(self._routing.take())
         result = self._collect(prompts, tokens_per_step, logprobs_per_step, active_per_step)
@@ -275,6 +288,8 @@ class HFRolloutEngine(RolloutEngine):
         """checkpoint name -> tensor to write (tied aliases included, fused experts as views)
         and name -> canonical name (engine.rl.rollout.hf_targets)."""
         self._params, self._canonical = checkpoint_targets(self.model)
+        if self.vision is not None:   # the trainer's view names of the text weights
+            view_aliases(self._params, self._canonical)
 
     def _replace_parameters(self, device: torch.device | str) -> None:
         """Swap every parameter for an uninitialised one on `device`, keeping ties (one new

@@ -29,6 +29,8 @@ class Qwen3VL(Family):
     hf_class = "Qwen3VLForConditionalGeneration"
     qk_norm = True
     vision_prefix = "model.visual."    # the wrapper's vision tower (models.vision)
+    # vLLM 0.32's qwen3_vl module imports transformers' Qwen2-VL image processor (torchvision)
+    vllm_imports_torchvision = True
     fields = (MROPE, HIDDEN_ACT, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE,
               FieldRule("attention_bias", "false; refused: true (the published models have "
                         "none)", lambda cfg: "attention_bias=true is not supported; supported: "
