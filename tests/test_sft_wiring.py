@@ -45,7 +45,7 @@ def test_sft_passes_data_cache_dir_and_workers(monkeypatch, tmp_path):
             return 1
 
         def __getitem__(self, i):
-            return SimpleNamespace(tokens=[5, 6], labels=[6, 7], loss_mask=[1, 1])
+            return SimpleNamespace(tokens=[5, 6], labels=[6, 7], loss_mask=[1, 1], vision=None)
 
         def describe(self):
             return "stub"
@@ -62,8 +62,8 @@ def test_sft_passes_data_cache_dir_and_workers(monkeypatch, tmp_path):
     cfg.train.eval_interval = 1
     cfg.data.cache_dir = str(tmp_path / "cache")
     cfg.data.num_workers = 3
-    st._load_data(cfg, tokenizer=None)
-    want = {"cache_dir": str(tmp_path / "cache"), "num_workers": 3}
+    st._load_data(cfg, tokenizer=None, hf_config={"model_type": "qwen3"})   # no vision tower
+    want = {"cache_dir": str(tmp_path / "cache"), "num_workers": 3, "images": None}
     assert calls == [(["train.jsonl"], want), (["eval.jsonl"], want)]
 
 

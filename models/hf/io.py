@@ -16,8 +16,11 @@ from models.hf.conditional import text_names, text_view
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja",
-                   "added_tokens.json", "generation_config.json",
-                   "tiktoken.model")  # Kimi-K2's tokenizer code reads tiktoken.model
+                   "chat_template.json", "added_tokens.json", "generation_config.json",
+                   "tiktoken.model",  # Kimi-K2's tokenizer code reads tiktoken.model
+                   # the image / video processors of models that take images (docs/vlm.md)
+                   "preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json")
 
 
 class HFCheckpointError(FileNotFoundError):
