@@ -15,6 +15,11 @@
         tools and <tool_call> blocks the Qwen way), WORK/sft.jsonl (2,000 tool-use conversations
         "What is 37*48?" -> calculate("37*48") -> 1776 -> "1776") and WORK/rl.jsonl (2,000 other
         products with "answer")
+    python -m tools.demo counting-data WORK
+        the image demo (recipes/vlm_cpu_demo.sh, tools/demo_images.py): WORK/init/ (a tiny
+        Qwen3-VL), pictures of 1 to 4 squares, WORK/sft.jsonl and WORK/rl.jsonl (how many?)
+    python -m tools.demo counting-evaluate --data WORK/rl.jsonl --model NAME=DIR [...] [--limit N]
+        greedy counts of each HF model for the first N pictures, and the accuracy of each
     python -m tools.demo evaluate --data WORK/rl.jsonl --model NAME=DIR [--model NAME=DIR ...]
         [--limit N] [--max-new-tokens T] [--tools] [--show K]
         greedy answers of each HF model (transformers' generate) to the first N prompts, scored
@@ -31,6 +36,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # `python tools/demo.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.demo_images import evaluate_counting, make_counting_data  # noqa: E402
 
 # A compact Qwen-style template: tools in a short system turn, tool calls as <tool_call> JSON,
 # tool results as <tool_response> in a user turn (the tool-call format detected: "hermes").
@@ -230,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("work")
     p = sub.add_parser("tools-data", help="the tools demo's model and multiplication data")
     p.add_argument("work")
+    p = sub.add_parser("counting-data", help="the image demo's model, pictures and rows")
+    p.add_argument("work")
+    p = sub.add_parser("counting-evaluate", help="greedy counting accuracy of HF models")
+    p.add_argument("--data", required=True)
+    p.add_argument("--model", type=_model_arg, action="append", required=True)
+    p.add_argument("--limit", type=int, default=100)
     p = sub.add_parser("evaluate", help="greedy accuracy of HF models on RL prompts")
     p.add_argument("--data", required=True)
     p.add_argument("--model", type=_model_arg, action="append", required=True,
@@ -250,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
         make_addition_data(Path(args.work))
     elif args.command == "tools-data":
         make_tools_data(Path(args.work))
+    elif args.command == "counting-data":
+        print(make_counting_data(Path(args.work)))
+    elif args.command == "counting-evaluate":
+        evaluate_counting(args.model, args.data, args.limit)
     else:
         evaluate(args.model, args.data, args.limit, args.max_new_tokens, args.tools, args.show)
     return 0

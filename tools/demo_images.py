@@ -93,3 +93,40 @@ def make_counting_data(work: Path, sft_rows: int = 800, rl_rows: int = 200,
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return (f"counting demo in {work}: init/ (tiny Qwen3-VL), {sft_rows} SFT rows, {rl_rows} "
             "RL prompts, pictures of 1 to 4 squares")
+
+
+def evaluate_counting(models: list[tuple[str, str]], data: str, limit: int) -> None:
+    """Greedy answers (transformers' generate, 2 new tokens) of each HF model to the first
+    `limit` prompts of the RL rows `data` (their pictures read as the trainer reads them) and
+    the accuracy of each, scored by the built-in math reward."""
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from engine.rl.rewards import math_reward as reward
+    rows = [json.loads(line) for line in open(data)][:limit]
+    base = Path(data).parent
+    for name, path in models:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(path)
+        proc = AutoImageProcessor.from_pretrained(path, backend="pil")
+        right = 0
+        for row in rows:
+            text = row["prompt"].replace("<image>", "").strip()
+            ids = tok.apply_chat_template([{"role": "user", "content": [
+                {"type": "image"}, {"type": "text", "text": " " + text}]}],
+                add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            pixels = proc(images=[Image.open(base / row["images"][0]).convert("RGB")],
+                          return_tensors="pt")
+            n = int(pixels["image_grid_thw"].prod()) // 4
+            at = ids.index(model.config.image_token_id)
+            ids = torch.tensor([ids[:at] + [model.config.image_token_id] * n + ids[at + 1:]])
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, pixel_values=pixels["pixel_values"],
+                                     image_grid_thw=pixels["image_grid_thw"],
+                                     mm_token_type_ids=(ids == model.config.image_token_id).int(),
+                                     max_new_tokens=2, do_sample=False)
+            answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            right += reward(prompt=text, response=answer, answer=row["answer"]) > 0
+        print(f"{name}: greedy accuracy {right / len(rows):.2f} on {len(rows)} pictures",
+              flush=True)
