@@ -14,8 +14,8 @@ tests/qwen3_5_tiny.py), read as their text model (models.hf.conditional):
 - engine.sft, 2 steps on text: the export of the trained checkpoint has every text tensor
   changed and model.visual.* (frozen, the default) / mtp.* bitwise unchanged, config.json as
   stored;
-- GRPO with the HF rollout backend (MoE, one rank; transformers loads the folder's text model
-  and the weight sync streams into it): rollout/logprob_diff < 1e-5 at both steps, with the
+- GRPO with the HF rollout backend (MoE, one rank; transformers loads the folder's
+  conditional-generation model and the weight sync streams into it under the view's names): rollout/logprob_diff < 1e-5 at both steps, with the
   stale-engine negative control; its checkpoint's export keeps model.visual.* / mtp.* bitwise.
 """
 from __future__ import annotations
