@@ -28,11 +28,12 @@ def test_recipe_set_is_complete():
     assert {"qwen3_8b_h100", "llama31_8b_h100", "qwen3_8b_32k_cp", "llama31_70b_h100",
             "glm4_5_air_h100", "gpt_oss_20b_h100", "gpt_oss_120b_h100", "moonlight_16b_a3b_h100",
             "deepseek_v3_h100", "qwen3_8b_lora_h100", "llama31_70b_lora_h100",
-            "qwen3_5_9b_h100", "qwen3_5_122b_a10b_h100", "deepseek_v3_lora_h100"} <= names
+            "qwen3_5_9b_h100", "qwen3_5_122b_a10b_h100", "deepseek_v3_lora_h100",
+            "qwen3_5_35b_a3b_images_h100"} <= names
     shapes = {load(p).model.shape for p in RECIPES}
     assert shapes == {"qwen3-8b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-30b-a3b",
                       "glm-4.5-air", "gpt-oss-20b", "gpt-oss-120b", "moonlight-16b-a3b",
-                      "deepseek-v3", "qwen3.5-9b", "qwen3.5-122b-a10b"}
+                      "deepseek-v3", "qwen3.5-9b", "qwen3.5-122b-a10b", "qwen3.5-35b-a3b-vl"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)

@@ -27,7 +27,8 @@ def test_every_recipe_exists():
                                          "moonlight_16b_a3b_grpo_h100.yaml",
                                          "qwen3_5_35b_a3b_grpo_h100.yaml",
                                          "qwen3_5_35b_a3b_lora_grpo_h100.yaml",
-                                         "deepseek_v3_grpo_h200.yaml"}
+                                         "deepseek_v3_grpo_h200.yaml",
+                                         "qwen3_vl_8b_grpo_h100.yaml"}
 
 
 def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
@@ -74,7 +75,9 @@ def test_recipe_loads_with_algorithm_defaults(path):
     argv = ["--config", str(path)]
     cfg, _ = load_config(RLConfig, argv)
     cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))
-    assert cfg.rollout.backend == ("vllm" if "vllm" in path.name else "sglang")
+    # prompts with images need the hf backend (docs/vlm.md)
+    assert cfg.rollout.backend == ("vllm" if "vllm" in path.name else "hf" if "_vl_" in path.name
+                                   else "sglang")
     assert cfg.model.dtype == "bfloat16"
     assert cfg.train.seq_length >= cfg.rollout.max_new_tokens
     if cfg.algorithm == "dapo":

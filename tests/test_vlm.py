@@ -354,3 +354,24 @@ def test_grpo_with_images_on_the_hf_backend(pools, models, tmp_path, kind):
     with_images, without = _transformers_gaps(models[kind], tmp_path, rows,
                                               tmp_path / "dump" / "step_1.jsonl")
     assert with_images < TOL and without > 1e-3, (with_images, without)
+
+
+def test_validate_counts_the_tower_as_transformers_builds_it(models):
+    """models.estimate.vision.tower_parameters equals the parameters of transformers' tower for
+    the presets of the published wrappers and the tiny models; a text model has none."""
+    from transformers import AutoModel
+
+    from models.estimate.vision import tower_parameters
+    from models.families.presets import MODEL_SHAPES
+    from models.hf.config import hf_config_object
+    from models.hf.io import read_config
+    from models.families.base import original_config
+
+    configs = [MODEL_SHAPES["qwen3-vl-8b"], MODEL_SHAPES["qwen3.5-35b-a3b-vl"]]
+    configs += [read_config(models[k]) for k in ("dense", "vl3")]
+    for cfg in configs:
+        with torch.device("meta"):
+            tower = AutoModel.from_config(hf_config_object(original_config(cfg)).vision_config)
+        assert tower_parameters(cfg) == sum(p.numel() for p in tower.parameters()), cfg
+    assert tower_parameters(MODEL_SHAPES["qwen3-vl-8b"]) == 576_388_336
+    assert tower_parameters(MODEL_SHAPES["qwen3-8b"]) == 0

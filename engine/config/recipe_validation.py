@@ -27,6 +27,7 @@ from engine.config.cli_flags import int_flag, pop_switch
 from engine.config.comm_report import comm_section
 from models.estimate import training_memory
 from models.estimate.lora_memory import lora_summary
+from engine.config.vision_settings import vision_estimate, vision_summary
 from engine.config.lora_settings import lora_problems, lora_spec
 from engine.config.model_settings import recompute_layer_problems, recompute_settings
 from engine.training.plan import plan_mini_batch
@@ -38,10 +39,12 @@ WARN_FRACTION = 0.9          # warn when the estimate exceeds this share of GPU 
 EXPECTED_TOLERANCE = 0.10    # recipe.expected_memory_gib must be within 10% of the estimate
 
 def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: bool,
-                    micro_batches: int, lora=None) -> MemoryEstimate:
-    """models.estimate.training_memory.estimate_memory with train.recompute* resolved."""
+                    micro_batches: int, lora=None, vision=(False, 0)) -> MemoryEstimate:
+    """models.estimate.training_memory.estimate_memory with train.recompute* resolved;
+    `vision`: engine.config.vision_settings.vision_estimate."""
     return training_memory.estimate_memory(hf, layout, train, bf16, distributed_optimizer,
-                                           micro_batches, recompute_settings(train), lora)
+                                           micro_batches, recompute_settings(train), lora,
+                                           vision)
 
 
 def memory_checks(estimate: float, recipe, at_recipe_size: bool, what: str, fix: str,
@@ -133,7 +136,7 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
                         f"max_position_embeddings={hf['max_position_embeddings']}")
     bf16 = cfg.model.dtype == "bfloat16"
     mem = estimate_memory(hf, layout, train, bf16, cfg.optim.distributed_optimizer, m,
-                          lora_spec(cfg))
+                          lora_spec(cfg), vision_estimate(cfg, train))
     cap = cfg.recipe.gpu_memory_gib
     at_recipe_size = (nodes == cfg.recipe.nodes
                       and world_size == cfg.recipe.nodes * cfg.recipe.gpus_per_node)
@@ -160,6 +163,7 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
         f"{micro_batch_tokens(train)} tokens per micro-batch",
         f"activations: sequence parallelism {'on' if layout.sequence_parallel else 'off'}, "
         f"recompute {_recompute_text(train)}", *lora_summary(hf, lora_spec(cfg), params.total),
+        *vision_summary(cfg, hf, train),
         f"memory per GPU (estimate, GiB): weights {mem.weights:.1f} + grads {mem.grads:.1f} "
         f"+ optimizer {mem.optimizer:.1f} + activations {mem.activations:.1f} "
         f"({mem.notes['layers_in_flight']:g} layer passes of {mem.notes['tokens_per_rank']:g} "

@@ -3,8 +3,10 @@ and the checks of the other keys against it (run before any process group starts
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+from models.estimate.training_memory import micro_batch_tokens
+from models.estimate.vision import tower_parameters
 from models.vision.spec import vision_spec
 
 
@@ -13,6 +15,17 @@ class VisionConfig:
     # frozen by default, as LLaMA-Factory's freeze_vision_tower; false: SFT trains it with the
     # language model (RL refuses it: engine.rl.checks)
     freeze: bool = True
+    # --validate only: the most image tokens a micro-batch holds (the trained tower's
+    # activations scale with them); null: every token of a micro-batch
+    max_image_tokens: Optional[int] = None
+
+
+def vision_estimate(cfg: Any, train: Any) -> tuple[bool, int]:
+    """(tower trained, image tokens per micro-batch) for the memory estimate
+    (models.estimate.training_memory)."""
+    tokens = cfg.model.vision.max_image_tokens
+    return (not cfg.model.vision.freeze,
+            micro_batch_tokens(train) if tokens is None else int(tokens))
 
 
 def vision_problems(cfg: Any, hf_config: dict) -> list[str]:
@@ -38,3 +51,15 @@ def vision_problems(cfg: Any, hf_config: dict) -> list[str]:
                         f"deepstack image features enter layers 0..{deep - 1}, which must run "
                         "there with the vision tower")
     return problems
+
+
+def vision_summary(cfg: Any, hf_config: dict, train: Any) -> list[str]:
+    """The --validate line about the vision tower (none for a text model)."""
+    tower = tower_parameters(hf_config)
+    if not tower:
+        return []
+    trained, tokens = vision_estimate(cfg, train)
+    return [f"vision tower: {tower / 1e9:.2f} B parameters on the first pipeline stage, whole on "
+            f"every TP rank, {'trained' if trained else 'frozen (model.vision.freeze)'}"
+            + (f"; activations for {tokens} image tokens per micro-batch "
+               "(model.vision.max_image_tokens)" if trained else "")]

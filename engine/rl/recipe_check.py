@@ -51,6 +51,8 @@ import sys
 from engine.config.cli_flags import int_flag, pop_switch
 from engine.config.comm_report import comm_section
 from models.estimate.lora_memory import lora_summary
+from engine.config.vision_settings import vision_estimate, vision_summary
+from models.estimate.vision import tower_parameters
 from engine.config.lora_settings import lora_problems, lora_spec
 from engine.config.loading import load_config
 from engine.config.recipe_validation import estimate_memory, memory_checks, model_config
@@ -145,10 +147,10 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
     a = 2 if cfg.model.dtype == "bfloat16" else 4
     lora = lora_spec(cfg)  # LoRA: adapters trained, and the KL reference is the frozen base
     mem = estimate_memory(hf, layout, train, a == 2, cfg.optim.distributed_optimizer,
-                          plan.num_micro_batches, lora)
+                          plan.num_micro_batches, lora, vision_estimate(cfg, train))
     stage = stage_parameters(hf, par.tp, par.pp, par.ep)
-    reference = (max(stage.first_stage, stage.last_stage) * a / GIB
-                 if cfg.kl.beta > 0 and lora is None else 0.0)
+    reference = (max(stage.first_stage + tower_parameters(hf), stage.last_stage) * a / GIB
+                 if cfg.kl.beta > 0 and lora is None else 0.0)   # a vision tower: stage 0
     engine, engine_text = engine_budget(cfg, hf, gpus_per_engine)
     teacher_gib, teacher_lines = teacher_memory(cfg, teacher)
     full = mem if lora is None else estimate_memory(  # the PPO critic is a full model
@@ -169,7 +171,8 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
                              f"{teacher_gib:.1f} = {stage:.1f}")
         training = max(training, stage)
     lines = [
-        *lora_summary(hf, lora, stage_parameters(hf, 1, 1).total), *teacher_lines, *critic_lines,
+        *lora_summary(hf, lora, stage_parameters(hf, 1, 1).total),
+        *vision_summary(cfg, hf, train), *teacher_lines, *critic_lines,
         f"memory per GPU while training (estimate, GiB): policy {mem.total:.1f} (weights "
         f"{mem.weights:.1f} + grads {mem.grads:.1f} + optimizer {mem.optimizer:.1f} + "
         f"activations {mem.activations:.1f} + logits {mem.logits:.1f} + runtime "
@@ -200,9 +203,9 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
                            cfg.train.max_tokens_per_micro_batch)
     lora = lora_spec(cfg)
     mem = estimate_memory(hf, layout, cfg.train, a == 2, cfg.optim.distributed_optimizer,
-                          plan.num_micro_batches, lora)
+                          plan.num_micro_batches, lora, vision_estimate(cfg, cfg.train))
     stage = stage_parameters(hf, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
-    reference = (max(stage.first_stage, stage.last_stage) * a / GIB
+    reference = (max(stage.first_stage + tower_parameters(hf), stage.last_stage) * a / GIB
                  if cfg.kl.beta > 0 and lora is None else 0.0)   # LoRA: the frozen base
     engine = stage_parameters(hf, 1, 1).total * a / GIB  # hf backend: the whole model
     lines = [

@@ -15,6 +15,7 @@ from models.families.base import field, head_dim
 from models.families.registry import family_of, moe_family
 from models.layers.gated_delta_net import costs as gdn_costs
 from models.layers.mla import costs as mla_costs
+from models.estimate.vision import tower_parameters
 
 # (TP-sharded, replicated) parameters of one layer's mixer and its two layer norms, by the
 # layer kind a family declares (Family.mixer_of); a kind not listed is counted as GQA.
@@ -118,7 +119,8 @@ def stage_parameters(hf: Any, tp: int, pp: int, ep: int = 1) -> StageParams:
         first = last = first + embedding + output + h
     else:
         first, last = first + embedding, last + output + h
-    rest = sum(a + b for a, b in counts) + vocab * h * (1 if tied else 2) + h
+    rest = (sum(a + b for a, b in counts) + vocab * h * (1 if tied else 2) + h
+            + tower_parameters(hf))   # a vision tower (models.estimate.vision): in the total
     moe_layers = sum(sparse)
     expert_stage = max(stage(i)[1] for i in range(pp))
     return StageParams(rest + moe_layers * experts * per_expert, first, last, per_stage,

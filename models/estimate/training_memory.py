@@ -38,13 +38,18 @@ configured, engine.config.model_settings):
   t x padded vocab / tp x (a + 12) (bf16/fp32 logits, the fp32 copy, the masked copy and its
   gradient in the vocab-parallel cross-entropy);
 - runtime: RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers and allocator slack;
-- LoRA (model.lora.rank > 0): frozen base, trained adapters (models.estimate.lora_memory).
+- LoRA (model.lora.rank > 0): frozen base, trained adapters (models.estimate.lora_memory);
+- a vision tower (models.estimate.vision) on the first stage, whole on every TP rank: its
+  weights; trained (model.vision.freeze=false) also its grads, optimizer state and the
+  activations of `image_tokens` image tokens per micro-batch (`vision` = (trained,
+  image_tokens)).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from models.estimate.counting import stage_parameters
+from models.estimate.vision import tower_activation_bytes, tower_parameters
 from models.estimate.lora_memory import adapter_activation_bytes, with_adapters
 from models.estimate.memory import logits_bytes, mixer_bytes
 from models.families.registry import family_of, moe_family
@@ -85,7 +90,8 @@ def optimizer_bytes(bf16: bool, layout, distributed_optimizer: bool) -> float:
 
 
 def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: bool,
-                    micro_batches: int, recompute: tuple, lora=None) -> MemoryEstimate:
+                    micro_batches: int, recompute: tuple, lora=None,
+                    vision: tuple[bool, int] = (False, 0)) -> MemoryEstimate:
     """Per-GPU peak estimate (formulas in the module docstring) for `layout`
     (a parallel.layout.ParallelLayout, its `sequence_parallel` resolved) and `micro_batches`
     per DP rank per step. `train`: any object with seq_length, micro_batch_size,
@@ -145,8 +151,25 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
         return est if lora is None else with_adapters(
             est, n_params, hf, layout, lora, a, opt_bytes, expert_opt_bytes, with_logits)
 
-    first = stage(params.first_stage, first_layers, pp == 1)
+    first = _with_tower(stage(params.first_stage, first_layers, pp == 1), hf, vision, a,
+                        opt_bytes)
     if pp == 1:
         return first
     last = stage(params.last_stage, layers // pp, True)
     return max(first, last, key=lambda m: m.total)
+
+
+def _with_tower(est: MemoryEstimate, hf: dict, vision: tuple[bool, int], a: int,
+                opt_bytes: float) -> MemoryEstimate:
+    """The first stage's estimate with its vision tower (module docstring)."""
+    tower = tower_parameters(hf)
+    if not tower:
+        return est
+    trained, image_tokens = vision
+    est.weights += tower * a / GIB
+    if trained:
+        est.grads += tower * 4 / GIB
+        est.optimizer += tower * opt_bytes / GIB
+        est.activations += tower_activation_bytes(hf, image_tokens, a) / GIB
+    est.notes["vision_tower_parameters"] = tower
+    return est

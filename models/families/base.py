@@ -51,6 +51,19 @@ def original_config(config: Any) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def wrapper_view(wrapper: dict, text_model_type: str) -> dict:
+    """The config dict the engines read for a conditional-generation wrapper's config.json
+    (models.hf.conditional.text_view): its `text_config` as model_type `text_model_type`, the
+    wrapper's `tie_word_embeddings` (transformers' ForConditionalGeneration ties by it) and the
+    wrapper itself under ORIGINAL. A missing text_config gives a view with no text fields."""
+    text = wrapper.get("text_config")
+    view = dict(text) if isinstance(text, dict) else {}
+    view["model_type"] = text_model_type
+    view["tie_word_embeddings"] = bool(wrapper.get("tie_word_embeddings", False))
+    view[ORIGINAL] = wrapper
+    return view
+
+
 def head_dim(cfg: Any) -> int:
     """Per-head width: `head_dim` when set, else hidden_size // num_attention_heads (as HF)."""
     return field(cfg, "head_dim") or field(cfg, "hidden_size") // field(cfg, "num_attention_heads")

@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from models.families.base import ORIGINAL, original_config
+from models.families.base import original_config, wrapper_view
 from models.families.registry import FAMILIES
 
 TEXT_PREFIX = "model.language_model."        # stored prefix of the text model's tensors
@@ -55,12 +55,7 @@ def text_view(config: Any) -> Any:
     other value unchanged. Never raises: what does not map is reported by `wrapper_problem`."""
     if not is_wrapper(config):
         return config
-    text = config.get("text_config")
-    view = dict(text) if isinstance(text, dict) else {}
-    view["model_type"] = text_model_type(config)
-    view["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
-    view[ORIGINAL] = config
-    return view
+    return wrapper_view(config, text_model_type(config))
 
 
 def peft_layers(config: dict) -> str:

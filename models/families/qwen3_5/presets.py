@@ -11,6 +11,8 @@ the vision tower and the conditional wrapper do not change the text model's coun
 """
 from __future__ import annotations
 
+from models.families.base import wrapper_view
+
 
 def _layer_types(layers: int) -> list[str]:
     """Three Gated DeltaNet layers per full-attention layer (full_attention_interval 4)."""
@@ -49,3 +51,26 @@ MOE_PRESETS = {
     "qwen3.5-35b-a3b": _moe(40, 2048, 16, 32, 512),
     "qwen3.5-122b-a10b": _moe(48, 3072, 32, 64, 1024),
 }
+
+
+# The published Qwen3.5-35B-A3B as the engines read it: the text view of its wrapper config
+# (models.families.base.wrapper_view) with the vision tower, for recipes with images.
+_VISION = dict(model_type="qwen3_5_moe", depth=27, hidden_size=1152, intermediate_size=4304,
+               num_heads=16, in_channels=3, patch_size=16, spatial_merge_size=2,
+               temporal_patch_size=2, num_position_embeddings=2304,
+               hidden_act="gelu_pytorch_tanh")
+
+
+def published_view(name: str, text: dict, model_type: str, hf_class: str) -> dict:
+    """The text view of the conditional-generation config.json around `text`."""
+    wrapper = dict(model_type=model_type, architectures=[hf_class],
+                   text_config=dict(text, architectures=None),
+                   vision_config=dict(_VISION, model_type=model_type,
+                                      out_hidden_size=text["hidden_size"]),
+                   image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                   vision_end_token_id=248054, tie_word_embeddings=False)
+    return {name: wrapper_view(wrapper, text["model_type"])}
+
+
+MOE_PRESETS.update(published_view("qwen3.5-35b-a3b-vl", MOE_PRESETS["qwen3.5-35b-a3b"],
+                                  "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"))

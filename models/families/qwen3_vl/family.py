@@ -16,12 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from models.families.base import Family, FieldRule
+from models.families.qwen3_vl.presets import PRESETS
 from models.families.fields import (ATTENTION_DROPOUT, HEAD_DIM, HIDDEN_ACT, MROPE, NORM, TIE,
                                     WRAPPER, not_viewed)
 
 _TEXT_FIELDS = ("every field through the text model's table (text_config: rope_parameters, "
-                "hidden_act, head_dim, rms_norm_eps, attention_bias, attention_dropout); the "
-                "top-level tie_word_embeddings")
+                "rope_scaling, rope_theta, partial_rotary_factor, hidden_act, head_dim, "
+                "rms_norm_eps, attention_bias, attention_dropout); the top-level "
+                "tie_word_embeddings")
 
 
 class Qwen3VL(Family):
@@ -29,6 +31,7 @@ class Qwen3VL(Family):
     hf_class = "Qwen3VLForConditionalGeneration"
     qk_norm = True
     vision_prefix = "model.visual."    # the wrapper's vision tower (models.vision)
+    presets = PRESETS                  # text views of the published wrappers (presets.py)
     # vLLM 0.32's qwen3_vl module imports transformers' Qwen2-VL image processor (torchvision)
     vllm_imports_torchvision = True
     fields = (MROPE, HIDDEN_ACT, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE,
