@@ -55,7 +55,7 @@ def test_installed_command_answers_version_and_help():
 @pytest.mark.parametrize("sub, expect", [
     ("rl", "  rollout.backend"), ("validate", "usage: megatron-sft-engine validate {sft,rl}"),
     ("convert", "{hf-to-mcore,mcore-to-hf,verify}"), ("bench", "overhead,balance,rollout"),
-    ("demo", "assets,model,addition-data,tools-data,evaluate")])
+    ("demo", "assets,model,addition-data,tools-data,counting-data,counting-evaluate,evaluate")])
 def test_every_subcommand_has_help(sub, expect, capsys, monkeypatch):
     """`SUBCOMMAND --help` of each, in this process (tools.cli.main): exit 0 and its text."""
     monkeypatch.setattr(sys, "argv", ["megatron-sft-engine"])

@@ -54,7 +54,8 @@ def _carried_equal(src: dict, out: dict) -> bool:
 
 def test_text_view_and_names(wrapped, tmp_path):
     from models.families.tensors import tensor_problems
-    from models.hf.conditional import ORIGINAL, text_names, text_view
+    from models.families.base import ORIGINAL
+    from models.hf.conditional import text_names, text_view
     from models.hf.config import config_problems
     from models.hf.io import SafetensorsReader, read_config
 
