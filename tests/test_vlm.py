@@ -36,11 +36,13 @@ TOL = 1e-5
 CONVERT = "tools/convert.py"
 SFT = "tests/multirank/sft_invariance.py"
 ONE = "modes=token-mean"
-# Qwen3.5 dense, its MoE variant (moe) and Qwen3-VL (m=vl3: deepstack)
+# Qwen3.5 dense, its MoE variant (moe), Qwen3-VL (m=vl3: deepstack) and Qwen3-VL-MoE (m=vl3m:
+# fused experts on disk)
 LAYOUTS = ["2,1,0,1,16,sp", "2,1,0,1,16", "1,2,0,1,4", "1,1,0,2,16", "1,1,0,1,16,packing",
            "1,1,0,2,16,packing", "1,1,0,1,4", "2,1,0,1,3,sp+recompute=full",
            "1,1,0,1,4,moe+ep=2", "2,1,0,1,16,m=vl3+sp", "1,2,0,1,4,m=vl3",
-           "1,1,0,2,16,m=vl3+packing", "1,1,0,1,4,m=vl3"]
+           "1,1,0,2,16,m=vl3+packing", "1,1,0,1,4,m=vl3", "1,1,0,1,4,m=vl3m+ep=2",
+           "2,1,0,1,16,m=vl3m+sp"]
 CONTROLS = ["1,1,0,1,16,packing+bug=mrope", "2,1,0,1,16,sp+bug=spnorm"]
 
 
@@ -49,7 +51,8 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vlm")
     return {"dense": Path(build_qwen3_5_vl(str(root / "dense"))),
             "moe": Path(build_qwen3_5_vl(str(root / "moe"), moe=True)),
-            "vl3": Path(build_qwen3_vl(str(root / "vl3")))}
+            "vl3": Path(build_qwen3_vl(str(root / "vl3"))),
+            "vl3m": Path(build_qwen3_vl(str(root / "vl3m"), moe=True))}
 
 
 def _png(path: Path, h: int, w: int, seed: int) -> Path:
@@ -194,7 +197,7 @@ def test_images_for_a_text_model_are_refused(models, tmp_path):
 
 # ----------------------------------------------------------------------------- launched
 
-@pytest.mark.parametrize("kind", ["dense", "vl3"])
+@pytest.mark.parametrize("kind", ["dense", "vl3", "vl3m"])
 def test_logits_equal_transformers_with_images(pools, models, kind):
     proc = pools.script(1, "tests/multirank/vlm_logits.py", str(models[kind]))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -206,10 +209,11 @@ def test_logits_equal_transformers_with_images(pools, models, kind):
 
 def test_layouts_equal_one_process(pools, models, tmp_path):
     env = {"INV_IMAGES": "1", "INV_MOE_MODEL_DIR": str(models["moe"]), "INV_ADAM_EPS": "1e-3",
-           "INV_MODEL_DIRS": json.dumps({"vl3": str(models["vl3"])})}
+           "INV_MODEL_DIRS": json.dumps({k: str(models[k]) for k in ("vl3", "vl3m")})}
     ref = tmp_path / "ref.json"
     first = pools.script(1, SFT, str(models["dense"]), str(ref), f"1,1,0,1,16,{ONE}",
-                         f"1,1,0,1,16,moe+{ONE}", f"1,1,0,1,16,m=vl3+{ONE}", env=env)
+                         f"1,1,0,1,16,moe+{ONE}", f"1,1,0,1,16,m=vl3+{ONE}",
+                         f"1,1,0,1,16,m=vl3m+{ONE}", env=env)
     assert first.returncode == 0, first.stdout + first.stderr
     specs = [s + ("+" if len(s.split(",")) > 5 else ",") + ONE for s in LAYOUTS + CONTROLS]
     proc = pools.script(2, SFT, str(models["dense"]), str(ref), *specs, env=env)
@@ -223,7 +227,7 @@ def test_layouts_equal_one_process(pools, models, tmp_path):
         assert results[spec]["loss_rel"] > 1e-4, results[spec]
 
 
-@pytest.mark.parametrize("kind", ["dense", "vl3"])
+@pytest.mark.parametrize("kind", ["dense", "vl3", "vl3m"])
 def test_round_trip_is_bitwise_with_the_tower(pools, models, tmp_path, kind):
     model, ckpt, out = models[kind], tmp_path / "ckpt", tmp_path / "hf"
     for args in (("hf-to-mcore", "--hf-dir", model, "--out", ckpt),
@@ -331,10 +335,11 @@ def _transformers_gaps(model_dir: Path, root: Path, rows: list[dict], dump: Path
     return (sum(gaps[True]) / len(gaps[True]), sum(gaps[False]) / len(gaps[False]))
 
 
-@pytest.mark.parametrize("kind", ["dense", "vl3"])
+@pytest.mark.parametrize("kind", ["dense", "vl3m"])
 def test_grpo_with_images_on_the_hf_backend(pools, models, tmp_path, kind):
     """GRPO, two steps, prompts with images, transformers' conditional model as the rollout
-    engine (its tower trained on Qwen3-VL: synced with the text weights): the trainer's
+    engine (Qwen3-VL-MoE: its tower trained and synced with the text weights, its fused
+    experts written through transposed views): the trainer's
     recomputed log-probs equal the engine's (rollout/logprob_diff < 1e-5) at both steps, and
     the engine's step-1 log-probs equal transformers' own forward with the images, not
     without them (control)."""
@@ -347,7 +352,7 @@ def test_grpo_with_images_on_the_hf_backend(pools, models, tmp_path, kind):
         "train.micro_batch_size=1", "train.max_steps=2", "train.seq_length=48", "optim.lr=1e-2",
         f"data.cache_dir={tmp_path}/cache", "data.num_workers=0", f"logging.dir={tmp_path}/run",
         f"logging.rollout_dir={tmp_path}/dump", "logging.progress_bar=false",
-        *(["model.vision.freeze=false"] if kind == "vl3" else []))
+        *(["model.vision.freeze=false"] if kind == "vl3m" else []))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert len(metrics) == 2 and all(m["rollout/logprob_diff"] < TOL for m in metrics), metrics
@@ -375,3 +380,25 @@ def test_validate_counts_the_tower_as_transformers_builds_it(models):
         assert tower_parameters(cfg) == sum(p.numel() for p in tower.parameters()), cfg
     assert tower_parameters(MODEL_SHAPES["qwen3-vl-8b"]) == 576_388_336
     assert tower_parameters(MODEL_SHAPES["qwen3-8b"]) == 0
+
+
+def test_experts_saved_transposed_are_refused_by_name(models, tmp_path):
+    """Qwen3-VL-MoE's fused experts as transformers 5 saves them ([E, 2I, H]: the transpose of
+    the published layout) would be sliced wrongly; the reader refuses them naming the layout."""
+    from safetensors.torch import load_file, save_file
+
+    from models.hf.io import SafetensorsReader, read_config
+    from models.layers.biased_experts.fused import fused_expert_reader
+
+    (tmp_path / "m").mkdir()
+    for f in Path(models["vl3m"]).iterdir():
+        (tmp_path / "m" / f.name).write_bytes(f.read_bytes())
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    reader = fused_expert_reader(read_config(tmp_path / "m"), SafetensorsReader(tmp_path / "m"))
+    assert reader.get("model.layers.1.mlp.experts.1.up_proj.weight").shape == (16, 64)
+    with pytest.raises(ValueError, match="not the published layout"):
+        reader.get("model.layers.0.mlp.experts.1.up_proj.weight")

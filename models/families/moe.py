@@ -152,9 +152,16 @@ class MoeFamily(Family):
     # The routers carry a score-correction bias used for the top-k choice only (megatron
     # expert_bias; the aux-loss-free bias update)
     expert_bias: bool = False
-    # gpt-oss: the checkpoint holds each layer's experts as fused tensors, which
-    # models.layers.biased_experts.fused presents to the bridge as the per-expert `experts` names
+    # gpt-oss, Qwen3-VL-MoE: the checkpoint holds each layer's experts as fused tensors
+    # (gate_up_proj [E, H, 2I], down_proj [E, I, H]), which models.layers.biased_experts.fused
+    # presents to the bridge as the per-expert `experts` names
     fused_experts_on_disk: bool = False
+    # how gate and up share gate_up_proj's 2I columns on disk: "interleaved" (gpt-oss: gate
+    # unit j at column 2j, up at 2j + 1) or "concatenated" (Qwen3-VL-MoE: gate, then up)
+    fused_expert_layout: str = "interleaved"
+    # transformers holds the fused tensors transposed from disk ([E, 2I, H], [E, H, I]:
+    # Qwen3-VL-MoE); the HF rollout engine writes them through transposed views
+    fused_experts_transposed_in_memory: bool = False
 
     def expert_parameters(self, cfg: Any) -> int:
         """Parameters of one routed expert (counting): its SwiGLU matrices."""

@@ -17,13 +17,15 @@ from models.families.qwen3 import Qwen3
 from models.families.qwen3_moe import Qwen3Moe
 from models.families.qwen3_5.family import Qwen3_5, Qwen3_5Moe
 from models.families.qwen3_5.fields import Qwen3_5Conditional, Qwen3_5MoeConditional
-from models.families.qwen3_vl.family import Qwen3VL, Qwen3VLConditional
+from models.families.qwen3_vl.family import (Qwen3VL, Qwen3VLConditional, Qwen3VLMoe,
+                                             Qwen3VLMoeConditional)
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (Llama(), Qwen2(), Qwen3(), Qwen3Moe(),
                                                           Mixtral(), Qwen3_5(), Qwen3_5Moe(),
                                                           Qwen3_5Conditional(),
                                                           Qwen3_5MoeConditional(),
                                                           Qwen3VL(), Qwen3VLConditional(),
+                                                          Qwen3VLMoe(), Qwen3VLMoeConditional(),
                                                           GptOss(), Glm4Moe(),
                                                           DeepseekV3(), KimiK2())}
 

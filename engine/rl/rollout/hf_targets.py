@@ -11,7 +11,8 @@ and `mlp.gate.weight`, Mixtral `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` 
 `block_sparse_moe.gate.weight`. `checkpoint_targets` maps every checkpoint name to the tensor
 (a parameter, or a view of a fused one) that receives it; older transformers keep one module
 per expert under the checkpoint's names and need no view. gpt-oss checkpoints are fused as
-in memory (`fused_experts_on_disk`: models.layers.biased_experts.fused): every name is its parameter.
+in memory (`fused_experts_on_disk`: models.layers.biased_experts.fused): every name is its parameter
+(Qwen3-VL-MoE's `fused_experts_transposed_in_memory`: a transposed view of it).
 """
 from __future__ import annotations
 
@@ -52,16 +53,23 @@ def checkpoint_targets(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
     lm_head.weight with tied embeddings) share their first name; each expert view is its
     own; a renamed router is its checkpoint name. The routers' e_score_correction_bias
     buffers (GLM-4.5, DeepSeek-V3) are targets too."""
-    naming = expert_naming(getattr(model, "config", None)) or _DEFAULT_NAMING
-    family = moe_family(getattr(model, "config", None))
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()   # a conditional-generation model's text model
+    naming = expert_naming(config) or _DEFAULT_NAMING
+    family = moe_family(config)
     fused_on_disk = family is not None and family.fused_experts_on_disk
+    transposed = fused_on_disk and family.fused_experts_transposed_in_memory
     params = dict(model.named_parameters(remove_duplicate=False))
     first = {id(p): name for name, p in reversed(list(params.items()))}
     targets: dict[str, torch.Tensor] = {}
     canonical: dict[str, str] = {}
     for name, param in params.items():
         if fused_on_disk:  # the checkpoint's names are the parameters' (gpt-oss)
-            targets[name] = param
+            # Qwen3-VL-MoE holds gate_up_proj / down_proj transposed: written through a view
+            fused = transposed and name.endswith(("mlp.experts.gate_up_proj",
+                                                  "mlp.experts.down_proj"))
+            targets[name] = param.transpose(1, 2) if fused else param
             canonical[name] = first[id(param)]
         elif name.endswith(_FUSED_SUFFIX) and param.ndim == 3:
             head = name[: -len(_FUSED_SUFFIX)]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.families.base import Family, FieldRule
+from models.families.base import Family, FieldRule, field
+from models.families.moe import MOE_FIELDS, ExpertNaming, MoeFamily
 from models.families.qwen3_vl.presets import PRESETS
 from models.families.fields import (ATTENTION_DROPOUT, HEAD_DIM, HIDDEN_ACT, MROPE, NORM, TIE,
                                     WRAPPER, not_viewed)
@@ -54,4 +55,57 @@ class Qwen3VLConditional(Family):
     hf_class = "Qwen3VLForConditionalGeneration"
     text_model_type = "qwen3_vl_text"
     fields = (FieldRule(f"model_type ({_TEXT_FIELDS})", "read as qwen3_vl_text "
+                        "(models.hf.conditional)", not_viewed),)
+
+
+def _sparse_layers(cfg: Any) -> str | None:
+    step = int(field(cfg, "decoder_sparse_step", 1))
+    only = list(field(cfg, "mlp_only_layers", []) or [])
+    if step == 1 and not only:
+        return None
+    return (f"decoder_sparse_step={step!r} with mlp_only_layers={only!r} gives some layers a "
+            "dense MLP; the bridge maps only all-sparse models; supported: "
+            "decoder_sparse_step=1 and mlp_only_layers=[]")
+
+
+class Qwen3VLMoe(MoeFamily):
+    """Qwen3-VL-MoE's text model (`qwen3_vl_moe_text`): Qwen3VL's attention and M-RoPE with a
+    sparse block in every layer: a linear router `mlp.gate.weight` [E, H], softmax over all
+    experts, top-k, always renormalised; the experts fused ON DISK, gate and up concatenated:
+    `mlp.experts.gate_up_proj` [E, H, 2I] (columns: gate, then up) and `mlp.experts.down_proj`
+    [E, I, H] (models.layers.biased_experts.fused reads them as per-expert tensors; transformers
+    holds them transposed in memory, [E, 2I, H] / [E, H, I])."""
+
+    model_type = "qwen3_vl_moe_text"
+    hf_class = "Qwen3VLMoeForConditionalGeneration"
+    qk_norm = True
+    vision_prefix = "model.visual."
+    vllm_imports_torchvision = True
+    experts = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
+    expert_width_field = "moe_intermediate_size"
+    renormalise_field = None          # the router always renormalises the k weights
+    fused_experts_on_disk = True
+    fused_expert_layout = "concatenated"
+    fused_experts_transposed_in_memory = True
+    fields = Qwen3VL.fields + (
+        FieldRule("moe_intermediate_size", "any -> moe_ffn_hidden_size (each expert's SwiGLU)"),
+        FieldRule("(no field) routing", "softmax over all experts, top-k, always renormalised "
+                  "-> moe_router_pre_softmax=false"),
+        FieldRule("decoder_sparse_step / mlp_only_layers", "every layer sparse; refused: "
+                  "dense layers", _sparse_layers),
+    ) + MOE_FIELDS
+
+    def layer_tensors(self, cfg: Any) -> tuple[str, ...]:
+        """On-disk names: attention with q/k norms, norms, router, fused experts."""
+        return (("input_layernorm.weight", "post_attention_layernorm.weight",
+                 "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate.weight")
+                + tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
+                + ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+
+
+class Qwen3VLMoeConditional(Qwen3VLConditional):
+    model_type = "qwen3_vl_moe"
+    hf_class = "Qwen3VLMoeForConditionalGeneration"
+    text_model_type = "qwen3_vl_moe_text"
+    fields = (FieldRule(f"model_type ({_TEXT_FIELDS})", "read as qwen3_vl_moe_text "
                         "(models.hf.conditional)", not_viewed),)
