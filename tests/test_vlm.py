@@ -282,6 +282,8 @@ def test_sft_with_images_trains_the_tower_when_asked(pools, models, tmp_path):
 @pytest.mark.parametrize("extra,needle", [
     (("train.recompute=full",), "train.recompute=full is not supported with deepstack"),
     (("parallel.pp=2", "parallel.vpp=2"), "leaves 1 decoder layer\\(s\\) on the first pipeline"),
+    (("model.vision.freeze=false", "model.lora.rank=4", "model.lora.alpha=8",
+      "model.lora.target_modules=[q_proj]"), "the trained tower would be lost"),
 ])
 def test_deepstack_refusals_come_before_any_process_group(models, tmp_path, extra, needle):
     proc = run_cli("engine.sft", f"model.hf_path={models['vl3']}",

@@ -29,14 +29,18 @@ def vision_estimate(cfg: Any, train: Any) -> tuple[bool, int]:
 
 
 def vision_problems(cfg: Any, hf_config: dict) -> list[str]:
-    """model.vision.freeze=false without a vision tower; with deepstack (Qwen3-VL) image
-    features, train.recompute=full and deepstack layers beyond the first pipeline stage
+    """model.vision.freeze=false without a vision tower or with LoRA; with deepstack (Qwen3-VL)
+    image features, train.recompute=full and deepstack layers beyond the first pipeline stage
     (models.vision.model refuses both at build)."""
     spec = vision_spec(hf_config)
     if spec is None:
         return [] if cfg.model.vision.freeze else [
             "model.vision.freeze=false: the model (model.hf_path) has no vision tower"]
     problems = []
+    if not cfg.model.vision.freeze and (cfg.model.lora.rank or 0) > 0:
+        problems.append("model.vision.freeze=false with model.lora.rank > 0: a LoRA run trains "
+                        "and saves adapters only, so the trained tower would be lost; keep "
+                        "the tower frozen (the default) with LoRA")
     deep = spec.deepstack_layers
     if deep and cfg.train.recompute == "full":
         problems.append("train.recompute=full is not supported with deepstack image features "
