@@ -30,6 +30,9 @@ setup(
         "psutil>=5.9",
         "numpy>=1.24",
         "pyarrow>=14",
+        # images (docs/vlm.md): read by engine.data.images, processed by transformers' PIL
+        # image processor backend (no torchvision)
+        "pillow>=9",
     ],
     extras_require={
         # datasets: the save_to_disk format is tested with the real library
