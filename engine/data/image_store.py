@@ -83,16 +83,23 @@ class StoredImages:
                             cache.open_array(entry, "patch_offsets.npy", np.int64),
                             cache.open_array(entry, "image_offsets.npy", np.int64), dim, spec)
 
-    def sequence(self, i: int, tokens: list[int]) -> SequenceVision | None:
-        """Sample i's SequenceVision (None: no image) for its input `tokens`."""
+    def has_images(self, i: int) -> bool:
+        return int(self.image_offsets[i]) != int(self.image_offsets[i + 1])
+
+    def image_set(self, i: int) -> ImageSet:
+        """Sample i's images, read from the mapped files (a copy)."""
         a, b = int(self.image_offsets[i]), int(self.image_offsets[i + 1])
-        if a == b:
-            return None
         p, q = int(self.patch_offsets[i]), int(self.patch_offsets[i + 1])
         pixels = torch.from_numpy(np.array(self.pixels[p * self.dim:q * self.dim])
                                   ).view(q - p, self.dim)
         grids = torch.from_numpy(np.array(self.grids[3 * a:3 * b])).view(b - a, 3)
-        return SequenceVision.of(tokens, ImageSet(pixels, grids), self.spec.image_token_id,
+        return ImageSet(pixels, grids)
+
+    def sequence(self, i: int, tokens: list[int]) -> SequenceVision | None:
+        """Sample i's SequenceVision (None: no image) for its input `tokens`."""
+        if not self.has_images(i):
+            return None
+        return SequenceVision.of(tokens, self.image_set(i), self.spec.image_token_id,
                                  self.spec.merge_size)
 
 

@@ -10,6 +10,7 @@ is a models.vision.inputs.ImagePrompt. The cached row keeps its image parts as
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Sequence
@@ -171,9 +172,10 @@ def load_prompt_rows(files: str | Sequence[str], locations: list | None = None, 
 
 
 def _prompt(ids: list[int], stored: StoredImages | None, i: int) -> list[int]:
-    """Row i's rendered prompt: its ids, as an ImagePrompt when the row has images."""
-    vision = stored.sequence(i, ids) if stored is not None else None
-    if vision is None:
+    """Row i's rendered prompt: its ids, as an ImagePrompt when the row has images (its pixels
+    read from the cache entry when the prompt is first used)."""
+    if stored is None or not stored.has_images(i):
         return ids
     spec = stored.spec
-    return ImagePrompt(ids, vision.images, spec.image_token_id, spec.merge_size)
+    return ImagePrompt(ids, functools.partial(stored.image_set, i), spec.image_token_id,
+                       spec.merge_size)

@@ -89,9 +89,17 @@ class ImagePrompt(list):
     tokens need (models.vision.spec). Rollout engines that take images read `images` and
     `positions()`; the others refuse it (RolloutEngine.supports_images)."""
 
-    def __init__(self, ids, images: ImageSet, image_token_id: int, merge_size: int):
+    def __init__(self, ids, images, image_token_id: int, merge_size: int):
+        """`images`: an ImageSet, or a function returning one, called on first use (a dataset
+        of image prompts then reads only the pixels of the prompts it samples)."""
         super().__init__(int(t) for t in ids)
-        self.images, self.image_token_id, self.merge_size = images, image_token_id, merge_size
+        self._images, self.image_token_id, self.merge_size = images, image_token_id, merge_size
+
+    @property
+    def images(self) -> ImageSet:
+        if callable(self._images):
+            self._images = self._images()
+        return self._images
 
     def vision(self, tokens) -> SequenceVision:
         """The SequenceVision of a training sequence starting with this prompt (`tokens`:
