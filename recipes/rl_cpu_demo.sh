@@ -28,13 +28,7 @@ echo "== SFT warm-up ($SFT_STEPS steps)"
 demo_sft "$WORK/init" "$SFT_STEPS" sft_hf
 
 echo "== GRPO ($RL_STEPS steps)"
-megatron-sft-engine rl algorithm=grpo model.hf_path="$WORK/sft_hf" \
-  data.train_files="[$WORK/rl.jsonl]" reward.fn=math reward.timeout_s=null \
-  rollout.n=8 rollout.max_new_tokens=4 rollout.temperature=1.0 \
-  train.prompts_per_step=16 train.mini_batches_per_step=2 train.micro_batch_size=64 \
-  train.seq_length=32 train.max_steps="$RL_STEPS" \
-  optim.lr=5e-4 optim.schedule=constant optim.clip_grad=1.0 kl.beta=0.0 \
-  logging.dir="$WORK/rl_logs" logging.progress_bar=false checkpoint.dir="$WORK/rl_ckpt"
+demo_grpo "$WORK/sft_hf" "$RL_STEPS" rollout.max_new_tokens=4 train.seq_length=32
 
 demo_first_last "$WORK/rl_logs/metrics.jsonl" reward/mean auto
 echo "== the trained policy, in transformers"

@@ -1,13 +1,17 @@
-# Shared by the RL CPU demos (sourced, not run): recipes/rl_cpu_demo.sh and
-# recipes/rl_distill_cpu_demo.sh. Goes to the repository root, sets the environment and an empty
+# Shared by the RL CPU demos (sourced, not run): recipes/rl_cpu_demo.sh,
+# recipes/rl_distill_cpu_demo.sh and recipes/vlm_cpu_demo.sh. Goes to the repository root, sets the environment and an empty
 # $WORK (the caller sets WORK first), and defines:
 #
 #   demo_tiny_model DIR HIDDEN LAYERS INTERMEDIATE SEED   a tiny random Qwen3 (4 heads, 2 KV heads,
 #       200-token word-level tokenizer of tools/tiny_models.py: every demo model shares it)
 #   demo_addition_data   $WORK/sft.jsonl ("what is a plus b ?" -> "a+b") and $WORK/rl.jsonl
 #       (the same prompts with "answer"), single-digit a, b: 100 rows each, no download
-#   demo_sft INIT STEPS NAME   SFT of INIT on $WORK/sft.jsonl for STEPS steps (one process),
-#       then its checkpoint converted to HF in $WORK/NAME (logs in $WORK/NAME_logs)
+#   demo_sft INIT STEPS NAME [KEY=VALUE ...]   SFT of INIT on $WORK/sft.jsonl for STEPS steps
+#       (one process), then its checkpoint converted to HF in $WORK/NAME (logs in
+#       $WORK/NAME_logs); the KEY=VALUE overrides come last (the last value of a key wins)
+#   demo_grpo MODEL STEPS [KEY=VALUE ...]   GRPO of MODEL on $WORK/rl.jsonl for STEPS steps
+#       (the built-in math reward, 16 prompts x 8 responses a step, no KL), logs in
+#       $WORK/rl_logs, checkpoints in $WORK/rl_ckpt
 #   demo_export RUN_CKPT NAME   the newest checkpoint of a run's checkpoint.dir converted to HF
 #       in $WORK/NAME
 #   demo_first_last METRICS KEY K   prints KEY per step of a metrics.jsonl and the means of its
@@ -31,11 +35,26 @@ demo_addition_data() {
 }
 
 demo_sft() {
-  megatron-sft-engine sft model.hf_path="$1" data.train_files="[$WORK/sft.jsonl]" \
+  local init=$1 steps=$2 name=$3
+  shift 3
+  megatron-sft-engine sft model.hf_path="$init" data.train_files="[$WORK/sft.jsonl]" \
     train.global_batch_size=16 train.micro_batch_size=16 train.seq_length=32 \
-    train.max_steps="$2" optim.lr=3e-3 optim.schedule=constant optim.warmup_steps=0 \
-    logging.dir="$WORK/$3_logs" logging.progress_bar=false checkpoint.dir="$WORK/$3_ckpt"
-  demo_export "$WORK/$3_ckpt" "$3"
+    train.max_steps="$steps" optim.lr=3e-3 optim.schedule=constant optim.warmup_steps=0 \
+    logging.dir="$WORK/${name}_logs" logging.progress_bar=false \
+    checkpoint.dir="$WORK/${name}_ckpt" "$@"
+  demo_export "$WORK/${name}_ckpt" "$name"
+}
+
+demo_grpo() {
+  local model=$1 steps=$2
+  shift 2
+  megatron-sft-engine rl algorithm=grpo model.hf_path="$model" \
+    data.train_files="[$WORK/rl.jsonl]" reward.fn=math reward.timeout_s=null \
+    rollout.n=8 rollout.temperature=1.0 \
+    train.prompts_per_step=16 train.mini_batches_per_step=2 train.micro_batch_size=64 \
+    train.max_steps="$steps" optim.lr=5e-4 optim.schedule=constant optim.clip_grad=1.0 \
+    kl.beta=0.0 logging.dir="$WORK/rl_logs" logging.progress_bar=false \
+    checkpoint.dir="$WORK/rl_ckpt" "$@"
 }
 
 demo_export() {

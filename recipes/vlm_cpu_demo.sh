@@ -22,21 +22,11 @@ source "$(dirname "$0")/rl_demo_common.sh"   # cd to the repo root, environment,
 megatron-sft-engine demo counting-data "$WORK"
 
 echo "== SFT warm-up ($SFT_STEPS steps, vision tower trained)"
-megatron-sft-engine sft model.hf_path="$WORK/init" data.train_files="[$WORK/sft.jsonl]" \
-  model.vision.freeze=false train.global_batch_size=16 train.micro_batch_size=16 \
-  train.seq_length=48 train.max_steps="$SFT_STEPS" optim.lr=3e-3 optim.schedule=constant \
-  optim.warmup_steps=0 logging.dir="$WORK/sft_hf_logs" logging.progress_bar=false \
-  checkpoint.dir="$WORK/sft_hf_ckpt"
-demo_export "$WORK/sft_hf_ckpt" sft_hf
+demo_sft "$WORK/init" "$SFT_STEPS" sft_hf model.vision.freeze=false train.seq_length=48
 
 echo "== GRPO ($RL_STEPS steps, rollouts with the pictures)"
-megatron-sft-engine rl algorithm=grpo model.hf_path="$WORK/sft_hf" \
-  data.train_files="[$WORK/rl.jsonl]" reward.fn=math reward.timeout_s=null \
-  model.vision.freeze=false rollout.n=8 rollout.max_new_tokens=2 rollout.temperature=1.0 \
-  train.prompts_per_step=16 train.mini_batches_per_step=2 train.micro_batch_size=64 \
-  train.seq_length=48 train.max_steps="$RL_STEPS" \
-  optim.lr=5e-4 optim.schedule=constant optim.clip_grad=1.0 kl.beta=0.0 \
-  logging.dir="$WORK/rl_logs" logging.progress_bar=false checkpoint.dir="$WORK/rl_ckpt"
+demo_grpo "$WORK/sft_hf" "$RL_STEPS" rollout.max_new_tokens=2 train.seq_length=48 \
+  model.vision.freeze=false
 
 demo_first_last "$WORK/rl_logs/metrics.jsonl" reward/mean auto
 echo "== the trained policy, in transformers"

@@ -109,6 +109,15 @@ def _tensors(path: Path) -> dict:
     return load_file(str(path / "model.safetensors"))
 
 
+def convert_round_trip(pools, model: Path, ckpt: Path, out: Path) -> None:
+    """tools/convert.py hf-to-mcore of `model` into `ckpt`, then mcore-to-hf into `out`, one
+    rank each."""
+    for args in (("hf-to-mcore", "--hf-dir", model, "--out", ckpt),
+                 ("mcore-to-hf", "--ckpt", ckpt, "--out", out)):
+        proc = pools.script(1, CONVERT, *map(str, args))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def _verify(pools, model: Path, ckpt: Path, *layout: str) -> float:
     proc = pools.script(2, CONVERT, "verify", "--hf-dir", str(model), "--ckpt", str(ckpt),
                         "--seq-len", "70", *layout)
@@ -121,9 +130,7 @@ def _verify(pools, model: Path, ckpt: Path, *layout: str) -> float:
                                           ("moe", (("--tp", "2"), ("--ep", "2")))])
 def test_convert_round_trip_and_verify(pools, models, tmp_path, kind, layouts):
     model, ckpt, out = models[kind], tmp_path / "ckpt", tmp_path / "hf"
-    for args in (("hf-to-mcore", "--hf-dir", model, "--out", ckpt),
-                 ("mcore-to-hf", "--ckpt", ckpt, "--out", out)):
-        assert pools.script(1, CONVERT, *map(str, args)).returncode == 0, args
+    convert_round_trip(pools, model, ckpt, out)
     a, b = _tensors(model), _tensors(out)
     assert sorted(a) == sorted(b)
     assert all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)

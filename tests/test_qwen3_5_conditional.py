@@ -28,7 +28,7 @@ import torch
 
 from tests.launch import run_cli
 from tests.qwen3_5_tiny import MTP_TENSORS, build_qwen3_5_conditional
-from tests.test_qwen3_5 import _grpo, _stale_engine_gap, _tensors
+from tests.test_qwen3_5 import _grpo, _stale_engine_gap, _tensors, convert_round_trip
 
 CONVERT = "tools/convert.py"
 CARRIED = ("model.visual.", "mtp.")
@@ -89,10 +89,7 @@ def test_text_view_and_names(wrapped, tmp_path):
                                          ("tied", ("--pp", "2"))])
 def test_round_trip_is_bitwise_and_verify(pools, wrapped, tmp_path, kind, layout):
     model, ckpt, out = wrapped[kind], tmp_path / "ckpt", tmp_path / "hf"
-    for args in (("hf-to-mcore", "--hf-dir", model, "--out", ckpt),
-                 ("mcore-to-hf", "--ckpt", ckpt, "--out", out)):
-        proc = pools.script(1, CONVERT, *map(str, args))
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    convert_round_trip(pools, model, ckpt, out)
     a, b = _tensors(model), _tensors(out)
     assert sorted(a) == sorted(b) and _carried_equal(a, b)
     assert all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)

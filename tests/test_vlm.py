@@ -30,7 +30,7 @@ import torch
 from tests.launch import result_lines, run_cli
 from tests.qwen3_5_tiny import build_qwen3_5_vl
 from tests.qwen3_vl_tiny import build_qwen3_vl
-from tests.test_qwen3_5 import _tensors
+from tests.test_qwen3_5 import _tensors, convert_round_trip
 
 TOL = 1e-5
 CONVERT = "tools/convert.py"
@@ -230,10 +230,7 @@ def test_layouts_equal_one_process(pools, models, tmp_path):
 @pytest.mark.parametrize("kind", ["dense", "vl3", "vl3m"])
 def test_round_trip_is_bitwise_with_the_tower(pools, models, tmp_path, kind):
     model, ckpt, out = models[kind], tmp_path / "ckpt", tmp_path / "hf"
-    for args in (("hf-to-mcore", "--hf-dir", model, "--out", ckpt),
-                 ("mcore-to-hf", "--ckpt", ckpt, "--out", out)):
-        proc = pools.script(1, CONVERT, *map(str, args))
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    convert_round_trip(pools, model, ckpt, out)
     a, b = _tensors(model), _tensors(out)
     assert sorted(a) == sorted(b) and any(n.startswith("model.visual.") for n in a)
     assert all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)

@@ -134,6 +134,16 @@ def _bytes(cfg: RLConfig) -> int:
     return 2 if cfg.model.dtype == "bfloat16" else 4
 
 
+def reference_gib(cfg: RLConfig, hf: dict, a: int, lora) -> float:
+    """GiB per GPU of the frozen KL reference (kl.beta > 0): the fuller pipeline stage of
+    one TP rank, a vision tower whole on stage 0; none with LoRA (the reference is the
+    policy's frozen base)."""
+    if cfg.kl.beta <= 0 or lora is not None:
+        return 0.0
+    stage = stage_parameters(hf, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
+    return max(stage.first_stage + tower_parameters(hf), stage.last_stage) * a / GIB
+
+
 def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
               gpus_per_engine: int = 1) -> tuple[float, float, list[str]]:
     """(training GiB, rollout GiB, summary lines) per GPU: the module docstring's estimate;
@@ -148,9 +158,7 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
     lora = lora_spec(cfg)  # LoRA: adapters trained, and the KL reference is the frozen base
     mem = estimate_memory(hf, layout, train, a == 2, cfg.optim.distributed_optimizer,
                           plan.num_micro_batches, lora, vision_estimate(cfg, train))
-    stage = stage_parameters(hf, par.tp, par.pp, par.ep)
-    reference = (max(stage.first_stage + tower_parameters(hf), stage.last_stage) * a / GIB
-                 if cfg.kl.beta > 0 and lora is None else 0.0)   # a vision tower: stage 0
+    reference = reference_gib(cfg, hf, a, lora)
     engine, engine_text = engine_budget(cfg, hf, gpus_per_engine)
     teacher_gib, teacher_lines = teacher_memory(cfg, teacher)
     full = mem if lora is None else estimate_memory(  # the PPO critic is a full model
@@ -204,9 +212,7 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
     lora = lora_spec(cfg)
     mem = estimate_memory(hf, layout, cfg.train, a == 2, cfg.optim.distributed_optimizer,
                           plan.num_micro_batches, lora, vision_estimate(cfg, cfg.train))
-    stage = stage_parameters(hf, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep)
-    reference = (max(stage.first_stage + tower_parameters(hf), stage.last_stage) * a / GIB
-                 if cfg.kl.beta > 0 and lora is None else 0.0)   # LoRA: the frozen base
+    reference = reference_gib(cfg, hf, a, lora)
     engine = stage_parameters(hf, 1, 1).total * a / GIB  # hf backend: the whole model
     lines = [
         f"memory per training GPU (estimate, GiB): policy {mem.total:.1f} + KL reference "

@@ -159,6 +159,30 @@ WRAPPER = FieldRule(
     "quantization_config", wrapper_problem)
 
 
+def _no_attention_bias(cfg: Any) -> str | None:
+    if not field(cfg, "attention_bias", False):
+        return None
+    return "attention_bias=true is not supported; supported: false"
+
+
+NO_ATTENTION_BIAS = FieldRule("attention_bias", "false; refused: true (the published models "
+                              "have none)", _no_attention_bias)
+
+# The fields a wrapper's table names: all of them go through its text model's table.
+WRAPPED_TEXT_FIELDS = ("every field through the text model's table (text_config: "
+                       "rope_parameters, rope_scaling, rope_theta, partial_rotary_factor, "
+                       "hidden_act, head_dim, rms_norm_eps, attention_bias, attention_dropout); "
+                       "the top-level tie_word_embeddings")
+
+
+def viewed_as(text_model_type: str) -> tuple[FieldRule, ...]:
+    """The field table of a conditional-generation wrapper's own model_type, read as
+    `text_model_type` (models.hf.conditional): one row, refusing a config not read through
+    the view."""
+    return (FieldRule(f"model_type ({WRAPPED_TEXT_FIELDS})",
+                      f"read as {text_model_type} (models.hf.conditional)", not_viewed),)
+
+
 def not_viewed(cfg: Any) -> str | None:
     """The refusal of a wrapper's config.json that reached the bridge without its text view."""
     return (f"model_type={field(cfg, 'model_type')!r}: a conditional-generation config.json is "

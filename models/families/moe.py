@@ -102,6 +102,31 @@ AUX_LOSS = FieldRule("router_aux_loss_coef / output_router_logits", "training on
 MOE_FIELDS = (NUM_EXPERTS, TOP_K, ROUTER_JITTER, AUX_LOSS)
 
 
+def _dense_layers(cfg: Any) -> list[int]:
+    """Layers HF builds with a dense MLP instead of experts (decoder_sparse_step,
+    mlp_only_layers), as Qwen3MoeDecoderLayer decides."""
+    step = int(field(cfg, "decoder_sparse_step", 1))
+    only = set(field(cfg, "mlp_only_layers", []) or [])
+    layers = int(field(cfg, "num_hidden_layers"))
+    return [i for i in range(layers) if i in only or step < 1 or (i + 1) % step != 0]
+
+
+def _sparse_layers(cfg: Any) -> str | None:
+    dense = _dense_layers(cfg)
+    if not dense:
+        return None
+    return (f"decoder_sparse_step={field(cfg, 'decoder_sparse_step', 1)!r} with "
+            f"mlp_only_layers={list(field(cfg, 'mlp_only_layers', []) or [])!r} gives layers "
+            f"{dense} a dense MLP; the bridge maps only all-sparse models; supported: "
+            "decoder_sparse_step=1 and mlp_only_layers=[]")
+
+
+# Qwen3-MoE and Qwen3-VL-MoE: HF builds a dense MLP in some layers by these two fields
+ALL_SPARSE = FieldRule("decoder_sparse_step / mlp_only_layers", "every layer sparse (step 1, "
+                       "no mlp_only_layers) -> an MoE layer everywhere; refused: dense layers",
+                       _sparse_layers)
+
+
 def fused_expert_lora_refusals(attention: str) -> dict:
     """Family.lora_refused of a MoE family on which peft (0.21, transformers 5) reads
     all-linear and the MLP names as its fused routed experts: gate_proj / up_proj / down_proj

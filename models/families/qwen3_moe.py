@@ -14,26 +14,8 @@ from typing import Any
 
 from models.families.base import Biases, FieldRule, field
 from models.families.fields import COMMON_FIELDS, SLIDING_WINDOW
-from models.families.moe import MOE_FIELDS, ExpertNaming, MoeFamily, fused_expert_lora_refusals
-
-
-def _dense_layers(cfg: Any) -> list[int]:
-    """Layers HF builds with a dense MLP instead of experts (decoder_sparse_step,
-    mlp_only_layers), as Qwen3MoeDecoderLayer decides."""
-    step = int(field(cfg, "decoder_sparse_step", 1))
-    only = set(field(cfg, "mlp_only_layers", []) or [])
-    layers = int(field(cfg, "num_hidden_layers"))
-    return [i for i in range(layers) if i in only or step < 1 or (i + 1) % step != 0]
-
-
-def _sparse_layers(cfg: Any) -> str | None:
-    dense = _dense_layers(cfg)
-    if not dense:
-        return None
-    return (f"decoder_sparse_step={field(cfg, 'decoder_sparse_step', 1)!r} with "
-            f"mlp_only_layers={list(field(cfg, 'mlp_only_layers', []) or [])!r} gives layers "
-            f"{dense} a dense MLP; the bridge maps only all-sparse models; supported: "
-            "decoder_sparse_step=1 and mlp_only_layers=[]")
+from models.families.moe import (ALL_SPARSE, MOE_FIELDS, ExpertNaming, MoeFamily,
+                                  fused_expert_lora_refusals)
 
 
 class Qwen3Moe(MoeFamily):
@@ -55,9 +37,7 @@ class Qwen3Moe(MoeFamily):
         FieldRule("norm_topk_prob", "true -> moe_router_pre_softmax=false (softmax over the k "
                   "selected logits = renormalised top-k of the full softmax); false -> "
                   "moe_router_pre_softmax=true (softmax over all experts, top-k unscaled)"),
-        FieldRule("decoder_sparse_step / mlp_only_layers", "every layer sparse (step 1, no "
-                  "mlp_only_layers) -> an MoE layer everywhere; refused: dense layers",
-                  _sparse_layers),
+        ALL_SPARSE,
         FieldRule("intermediate_size", "unused when every layer is sparse (HF uses it only for "
                   "dense layers)"),
     ) + MOE_FIELDS

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.vision.positions import mrope_positions
+
 
 @dataclass
 class ImageSet:
@@ -72,8 +74,6 @@ class SequenceVision:
     def of(tokens, images: ImageSet, image_token_id: int, merge_size: int) -> "SequenceVision":
         """For `tokens` (the model's input ids) whose placeholders match `images`; raises
         models.vision.positions.PlaceholderMismatch otherwise."""
-        from models.vision.positions import mrope_positions  # noqa: PLC0415 - sibling, light
-
         ids = torch.as_tensor(tokens, dtype=torch.long)
         placeholder = ids == image_token_id
         rows = torch.full_like(ids, -1)

@@ -7,7 +7,10 @@ plain GPTModel forward):
   parallel scatter), runs the tower on `vision.images` (models.vision.tower) and puts feature
   row `feature_rows[b, t]` in place of each placeholder token's embedding. Under CP each rank
   holds its zigzag chunks of the tokens and of `feature_rows`, and the tower's output for all
-  images of the micro-batch: images are embedded before the sequence is split, in effect;
+  images of the micro-batch: images are embedded before the sequence is split, in effect.
+  `feature_rows` index the tower's output by construction (models.vision.inputs.
+  SequenceVision.of refuses placeholders that do not match their images' grids), so the
+  forward pass checks nothing on the device;
 - deepstack (Qwen3-VL): the tower's k-th intermediate feature set is added to the output of
   decoder layer k at the same rows (a forward hook on layers 0 .. deepstack_layers - 1), as
   transformers' `_deepstack_process` does after each of those layers. Those layers must be
@@ -75,9 +78,6 @@ class VisionLanguageModel(GPTModel):
         if self.config.sequence_parallel:                    # this rank's sequence shard
             tp = ps.get_tensor_model_parallel_world_size()
             rows = rows.chunk(tp, dim=0)[ps.get_tensor_model_parallel_rank()]
-        if int(rows.max()) >= features.shape[0]:
-            raise ValueError(f"a placeholder token takes image feature row {int(rows.max())}, "
-                             f"the tower gave {features.shape[0]} rows")
         if deepstack:
             self._deepstack = ([d.to(emb.dtype) for d in deepstack], rows)
         return _place(emb, features.to(emb.dtype), rows)

@@ -63,7 +63,7 @@ def misplaced_restarts():
         vb = original(seqs, seq_lengths, cp, cp_rank)
         if vb is not None:
             starts = torch.tensor([0] + list(seq_lengths)).cumsum(0)[:-1].tolist()
-            for a, b in zip(starts[1:], starts[:-1]):
+            for a in starts[1:]:
                 vb.positions[:, :, a] = vb.positions[:, :, a - 1] + 1
         return vb
 

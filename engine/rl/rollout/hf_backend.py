@@ -165,15 +165,14 @@ class HFRolloutEngine(RolloutEngine):
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         if self._routing is not None:
             self._routing.clear()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # count real tokens only; pads get 0
-        images = {}
-        if self.vision is not None:   # M-RoPE positions and the prompts' images
+        if self.vision is None:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # count real tokens; pads get 0
+            next_pos, images = positions[:, -1:] + 1, {}
+        else:   # M-RoPE positions and the prompts' images
             positions, next_pos, images = prefill(prompts, longest, self.device)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **images)
         cache, logits = getattr(out, self._cache), out.logits[:, -1, :].float()
-        if self.vision is None:
-            next_pos = positions[:, -1:] + 1
         routed = [self._routing.take()] if self._routing is not None else None
 
         sampler = SeededSampler(params, batch, self.device)

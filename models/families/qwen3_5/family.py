@@ -26,8 +26,9 @@ from models.families.base import Family, FieldRule, field
 from models.families.fields import ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE
 from models.families.moe import NUM_EXPERTS, TOP_K, AUX_LOSS, ExpertNaming, MoeFamily
 from models.families.qwen3_5.presets import DENSE_PRESETS, MOE_PRESETS
+from models.families.fields import MROPE, WRAPPER
 from models.families.qwen3_5.fields import (ATTENTION_BIAS, GDN_FIELDS, HIDDEN_ACT_SILU,
-                                            LAYER_TYPES, MTP, ROPE_DEFAULT, WRAPPER,
+                                            LAYER_TYPES, MTP,
                                             linear_layers)
 
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
@@ -39,7 +40,7 @@ GDN_TENSORS = tuple(f"linear_attn.{n}" for n in (
 DENSE_MLP = tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
 SHARED_EXPERT = tuple(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")) + (
     "mlp.shared_expert_gate.weight",)
-_COMMON = (ROPE_DEFAULT, HIDDEN_ACT_SILU, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE,
+_COMMON = (MROPE, HIDDEN_ACT_SILU, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE,
            ATTENTION_BIAS, LAYER_TYPES) + GDN_FIELDS + (WRAPPER, MTP)
 # not mapped, carried as stored: the MTP layers (transformers drops them on load)
 PASSTHROUGH_PREFIXES = ("mtp.",)

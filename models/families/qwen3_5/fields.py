@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.families.base import Family, FieldRule, field
-from models.families.fields import (MROPE as ROPE_DEFAULT, WRAPPER,  # noqa: F401
-                                    layer_kinds_problem, not_viewed)
+from models.families.fields import layer_kinds_problem, viewed_as
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -79,11 +78,6 @@ MTP = FieldRule("mtp_num_hidden_layers / mtp_use_dedicated_embeddings", "the MTP
                 "forward pass; the tensors pass through unchanged, untrained")
 
 
-# The fields of a conditional config: those of its text_config, checked by the text table.
-_TEXT_FIELDS = ("every field through the text model's table: text_config's rope_parameters, "
-                "rope_scaling, rope_theta, hidden_act, head_dim, rms_norm_eps, "
-                "partial_rotary_factor, attention_dropout; the top-level tie_word_embeddings")
-
 
 class Qwen3_5Conditional(Family):
     """Qwen3_5ForConditionalGeneration's model_type: its config.json is read as the text
@@ -93,13 +87,11 @@ class Qwen3_5Conditional(Family):
     model_type = "qwen3_5"
     hf_class = "Qwen3_5ForConditionalGeneration"
     text_model_type = "qwen3_5_text"
-    fields = (FieldRule(f"model_type ({_TEXT_FIELDS})",
-                        "read as qwen3_5_text (models.hf.conditional)", not_viewed),)
+    fields = viewed_as("qwen3_5_text")
 
 
 class Qwen3_5MoeConditional(Qwen3_5Conditional):
     model_type = "qwen3_5_moe"
     hf_class = "Qwen3_5MoeForConditionalGeneration"
     text_model_type = "qwen3_5_moe_text"
-    fields = (FieldRule(f"model_type ({_TEXT_FIELDS})",
-                        "read as qwen3_5_moe_text (models.hf.conditional)", not_viewed),)
+    fields = viewed_as("qwen3_5_moe_text")

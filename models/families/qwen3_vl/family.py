@@ -15,16 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.families.base import Family, FieldRule, field
-from models.families.moe import MOE_FIELDS, ExpertNaming, MoeFamily
+from models.families.base import Family, FieldRule
+from models.families.moe import ALL_SPARSE, MOE_FIELDS, ExpertNaming, MoeFamily
 from models.families.qwen3_vl.presets import PRESETS
-from models.families.fields import (ATTENTION_DROPOUT, HEAD_DIM, HIDDEN_ACT, MROPE, NORM, TIE,
-                                    WRAPPER, not_viewed)
-
-_TEXT_FIELDS = ("every field through the text model's table (text_config: rope_parameters, "
-                "rope_scaling, rope_theta, partial_rotary_factor, hidden_act, head_dim, "
-                "rms_norm_eps, attention_bias, attention_dropout); the top-level "
-                "tie_word_embeddings")
+from models.families.fields import (ATTENTION_DROPOUT, HEAD_DIM, HIDDEN_ACT, MROPE, NORM,
+                                    NO_ATTENTION_BIAS, TIE, WRAPPER, viewed_as)
 
 
 class Qwen3VL(Family):
@@ -35,16 +30,10 @@ class Qwen3VL(Family):
     presets = PRESETS                  # text views of the published wrappers (presets.py)
     # vLLM 0.32's qwen3_vl module imports transformers' Qwen2-VL image processor (torchvision)
     vllm_imports_torchvision = True
-    fields = (MROPE, HIDDEN_ACT, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE,
-              FieldRule("attention_bias", "false; refused: true (the published models have "
-                        "none)", lambda cfg: "attention_bias=true is not supported; supported: "
-                        "false" if getattr(cfg, "attention_bias", False) else None),
+    fields = (MROPE, HIDDEN_ACT, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE, NO_ATTENTION_BIAS,
               FieldRule("intermediate_size", "any -> ffn_hidden_size"),
               FieldRule("(no field) q/k norm", "always on -> megatron qk_layernorm"),
               WRAPPER)
-
-    def passthrough(self, cfg: Any, name: str) -> bool:
-        return False
 
 
 class Qwen3VLConditional(Family):
@@ -54,18 +43,7 @@ class Qwen3VLConditional(Family):
     model_type = "qwen3_vl"
     hf_class = "Qwen3VLForConditionalGeneration"
     text_model_type = "qwen3_vl_text"
-    fields = (FieldRule(f"model_type ({_TEXT_FIELDS})", "read as qwen3_vl_text "
-                        "(models.hf.conditional)", not_viewed),)
-
-
-def _sparse_layers(cfg: Any) -> str | None:
-    step = int(field(cfg, "decoder_sparse_step", 1))
-    only = list(field(cfg, "mlp_only_layers", []) or [])
-    if step == 1 and not only:
-        return None
-    return (f"decoder_sparse_step={step!r} with mlp_only_layers={only!r} gives some layers a "
-            "dense MLP; the bridge maps only all-sparse models; supported: "
-            "decoder_sparse_step=1 and mlp_only_layers=[]")
+    fields = viewed_as("qwen3_vl_text")
 
 
 class Qwen3VLMoe(MoeFamily):
@@ -91,8 +69,7 @@ class Qwen3VLMoe(MoeFamily):
         FieldRule("moe_intermediate_size", "any -> moe_ffn_hidden_size (each expert's SwiGLU)"),
         FieldRule("(no field) routing", "softmax over all experts, top-k, always renormalised "
                   "-> moe_router_pre_softmax=false"),
-        FieldRule("decoder_sparse_step / mlp_only_layers", "every layer sparse; refused: "
-                  "dense layers", _sparse_layers),
+        ALL_SPARSE,
     ) + MOE_FIELDS
 
     def layer_tensors(self, cfg: Any) -> tuple[str, ...]:
@@ -107,5 +84,4 @@ class Qwen3VLMoeConditional(Qwen3VLConditional):
     model_type = "qwen3_vl_moe"
     hf_class = "Qwen3VLMoeForConditionalGeneration"
     text_model_type = "qwen3_vl_moe_text"
-    fields = (FieldRule(f"model_type ({_TEXT_FIELDS})", "read as qwen3_vl_moe_text "
-                        "(models.hf.conditional)", not_viewed),)
+    fields = viewed_as("qwen3_vl_moe_text")
