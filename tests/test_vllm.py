@@ -7,8 +7,8 @@ sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negat
 skipped tensor is refused) in sampling and in the full-vocabulary probe of
 rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine reported dead. GRPO
 through `engine.rl` on the rank pool: LoRA from a non-zero PEFT adapter at one process and
-DP2 x TP2 with two engines (rollout/logprob_diff < 1e-5 at every step, the first included, the
-sync check on every engine, and the same training metrics), and one run with
+DP2 x TP2 on two torchrun nodes with an engine on each (rollout/logprob_diff < 1e-5 at every
+step, the first included, the sync check on every engine, and the same training metrics), and one run with
 two-turn episodes on Qwen3-MoE, R2, PPO with a critic, distillation and validation. Config
 refusals in-process.
 """
@@ -211,8 +211,9 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
     the base, 2 mini-batches per step (so step 2 samples after a sync): the engine's log-probs
     equal the trainer's at every step (rollout/logprob_diff < 1e-5), step 1 included (the
     engine loaded the base; the merged adapter is synced before the first rollout), at
-    one process and at DP2 x TP2 with two vLLM engines (owned by ranks 0 and 2, each sampling
-    its share of the prompts, each synced), and both layouts log the same training metrics
+    one process and at DP2 x TP2 numbered as two torchrun nodes of 2 ranks, which get one vLLM
+    engine per node by default (owned by ranks 0 and 2, each sampling its share of the prompts,
+    each synced from its own node's ranks), and both layouts log the same training metrics
     (rel 1e-5).
     With rollout.check_weight_sync every engine's full-vocabulary probe equals the trainer's
     log-probs after each step's sync (< 1e-4, the bound of the hf backend's check: the max is
@@ -226,7 +227,7 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
             "rollout.check_weight_sync=true")
     one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora)
     four = _grpo(pools, 4, qwen3_dir, prompts, tmp_path / "dp2_tp2", *lora, "parallel.tp=2",
-                 "rollout.num_engines=2")
+                 nodes=2)   # two torchrun nodes of 2 ranks: one engine per node by default
     assert len(one) == len(four) == 2
     for a, b in zip(one, four):
         assert a["rollout/logprob_diff"] < 1e-5 and b["rollout/logprob_diff"] < 1e-5, (a, b)
