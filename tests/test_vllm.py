@@ -26,6 +26,9 @@ from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.policy.weight_sync import probe_tokens
 from engine.rl.rollout.base import SamplingParams
 from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
+from tests.deepseek_v3_tiny import build_deepseek_v3
+from tests.glm4_moe_tiny import build_glm4_moe
+from tests.gpt_oss_tiny import build_gpt_oss
 from tools.tiny_models import build_eos_model, build_peft_adapter, build_tiny_model
 
 TINY = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, head_dim=32,
@@ -156,6 +159,66 @@ def test_a_sync_that_changes_every_parameter_lands_exactly(qwen3, qwen3_dir, tmp
     assert _max_diff(old, engine.generate(PROMPTS, params), 1.0) < 2e-5
 
 
+# The 2026 MoE families vLLM serves on this host, tiny, with heads vLLM's CPU kernels take:
+# DeepSeek-V3's MLA at the one latent size vLLM's CPU MLA compiles (kv_lora_rank 512 + rope 64)
+# with grouped sigmoid routing, the correction bias and a shared expert (scoring_func and
+# topk_method as published: vLLM reads them); GLM-4.5 with 32-dim heads (partial RoPE, q/k
+# norms, q/k/v biases, grouped routing, a shared expert).
+FAMILIES = {
+    "deepseek_v3": lambda d: build_deepseek_v3(
+        d, mtp=False, hidden_size=128, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32,
+        qk_rope_head_dim=64, v_head_dim=32, intermediate_size=128, moe_intermediate_size=64,
+        scoring_func="sigmoid", topk_method="noaux_tc"),
+    "glm4_moe": lambda d: build_glm4_moe(d, mtp=False, hidden_size=128, head_dim=32,
+                                         moe_intermediate_size=64),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_moe_families_of_2026_sample_and_sync_exactly(family, tmp_path):
+    """The engine's log-probs equal transformers' on the checkpoint it loaded, and after a sync
+    that changes every parameter they equal transformers' with the new weights (DeepSeek-V3:
+    MLA's W_UK_T / W_UV, which vLLM derives from kv_b_proj, follow the sync), far from the old
+    weights'."""
+    model_dir = FAMILIES[family](str(tmp_path / family))
+    engine = _engine(model_dir, max_model_len=64)
+    try:
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
+        old = _transformers(model_dir)
+        assert _max_diff(old, engine.generate(PROMPTS, params), 1.0) < 2e-5
+        _sync(engine, _new_weights(model_dir, tmp_path / "new", 1))
+        gens = engine.generate(PROMPTS, params)
+        assert _max_diff(_transformers(str(tmp_path / "new")), gens, 1.0) < 2e-5
+        assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
+    finally:
+        engine.shutdown()
+
+
+def test_a_load_that_bypasses_the_reload_is_refused_not_served(tmp_path):
+    """vLLM 0.32's gpt-oss loader copies the attention sinks and the unquantized experts
+    straight into the parameters (not through their weight loaders): during a reload that
+    writes into placeholders and finalising puts the old values back (measured before the
+    check: log-prob errors 0.08 from the sinks, 1.4 from the experts). The engine serves the
+    checkpoint it loaded exactly (swiglu_limit 7, the published value vLLM hard-codes), but a
+    sync names those tensors and the engine then refuses to sample; the config refuses gpt-oss
+    on vLLM by name before any process starts."""
+    model_dir = build_gpt_oss(str(tmp_path / "gpt_oss"), hidden_size=128, head_dim=32,
+                              intermediate_size=64, swiglu_limit=7.0)
+    engine = _engine(model_dir, max_model_len=64)
+    try:
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
+        assert _max_diff(_transformers(model_dir), engine.generate(PROMPTS, params), 1.0) < 5e-5
+        _sync(engine, _new_weights(model_dir, tmp_path / "new", 1))
+        with pytest.raises(RuntimeError, match=r"sinks \(copied past vLLM's reload\)"):
+            engine.generate(PROMPTS, params)   # the sync closes before the next sample
+        with pytest.raises(RuntimeError, match="stale weights"):
+            engine.generate(PROMPTS, params)
+    finally:
+        engine.shutdown()
+    assert any("model_type 'gpt_oss'" in p and "stale" in p
+               for p in vllm_problems(_cfg(), {"model_type": "gpt_oss"}))
+
+
 def _cfg(*argv: str) -> RLConfig:
     return load_config(RLConfig, ["model.hf_path=/nonexistent", "rollout.backend=vllm",
                                   *argv])[0]
@@ -178,6 +241,12 @@ def test_rollout_vllm_keys_are_checked_by_name():
     assert engine_args(VLLMConfig(), 1, True, check_weight_sync=True)["max_logprobs"] == -1
     assert "max_logprobs" not in engine_args(VLLMConfig(), 1, True)
     assert not any("vllm" in p for p in rl_problems(_cfg()))
+    # DeepSeek-V3 / Kimi-K2: vLLM reads scoring_func and topk_method (softmax and no correction
+    # bias when absent), transformers and the trainer do not
+    bare = " | ".join(vllm_problems(_cfg(), {"model_type": "deepseek_v3"}))
+    assert "no scoring_func" in bare and "no topk_method" in bare, bare
+    assert vllm_problems(_cfg(), {"model_type": "deepseek_v3", "scoring_func": "sigmoid",
+                                  "topk_method": "noaux_tc"}) == []
     # vLLM's Qwen3.5 module imports torchvision (through transformers' Qwen2-VL image
     # processor): refused by name where torchvision does not import, as in CI
     import importlib.util

@@ -29,8 +29,8 @@ import sys
 import tempfile
 import time
 
-from tools.bench_common import (REPO_ROOT, BenchResult, Table, fmt, median, run_launch,
-                                subprocess_env, torch_threads)
+from tools.bench_common import (REPO_ROOT, BenchResult, Table, fmt, machine_info, median,
+                                run_launch, subprocess_env, torch_threads)
 
 MODEL = dict(vocab_size=32000, hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048,
              head_dim=64, tie_word_embeddings=True)
@@ -181,6 +181,7 @@ def run_backends(quick: bool) -> BenchResult:
             results[name] = _time_backend(name, model_dir, prompts, max_new, repeats)
         results["vllm-plain"] = _time_vllm_plain(model_dir, prompts, max_new, repeats)
         split_table, split = run_grpo_split(model_dir, tmp, quick)
+    host = machine_info()
     hf_rate = results["hf"]["tokens_per_s"]
     ratio = results["vllm"]["tokens_per_s"] / hf_rate
     glue = results["vllm"]["tokens_per_s"] / results["vllm-plain"]["tokens_per_s"]
@@ -193,8 +194,10 @@ def run_backends(quick: bool) -> BenchResult:
                          f"Qwen3-shaped model, fp32, temperature 1, one seed per response, "
                          f"{THREADS} threads, median of {repeats} timed call(s) after a "
                          "warm-up; eos is a token random weights rarely sample; vllm-plain: "
-                         f"vLLM's LLM without the RL glue (vllm / vllm-plain = {glue:.2f})"])
+                         f"vLLM's LLM without the RL glue (vllm / vllm-plain = {glue:.2f})",
+                         f"host: {host['cpu']} ({host['cpu_vector_units']}), "
+                         f"{host['cpu_cores']} cores: the ratio depends on the CPU"])
     return BenchResult([table, split_table], {"vllm_over_hf_tokens_per_s": ratio,
                                               "vllm_over_plain_vllm_tokens_per_s": glue,
-                                              "rollout_backends": results,
+                                              "rollout_backends": results, "machine": host,
                                               "grpo_step_split": split})

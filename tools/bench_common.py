@@ -165,11 +165,27 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def cpu_vector_units() -> str:
+    """The CPU's wide vector and matrix extensions that CPU kernels pick paths by (vLLM's
+    CPU backend among them): AVX2, AVX-512 (F, BF16) and AMX, as /proc/cpuinfo lists them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                names = (("avx2", "AVX2"), ("avx512f", "AVX-512F"),
+                         ("avx512_bf16", "AVX-512 BF16"), ("amx_tile", "AMX"))
+                return ", ".join(label for flag, label in names if flag in flags) or "none"
+    except OSError:
+        pass
+    return "unknown"
+
+
 def machine_info() -> dict:
     """Facts about the host the numbers came from (CPU, cores, memory, load, versions, GPU)."""
     import torch
 
-    info = {"cpu": _cpu_model(), "cpu_cores": os.cpu_count(), "python": platform.python_version(),
+    info = {"cpu": _cpu_model(), "cpu_vector_units": cpu_vector_units(),
+            "cpu_cores": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "platform": platform.platform()}
     try:
         pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")

@@ -163,6 +163,12 @@ class Family:
         parallel.layout's head checks (e.g. Gated DeltaNet heads); empty: they can."""
         return []
 
+    def vllm_problems(self, cfg: Any) -> list[str]:
+        """Why vLLM (the version rollout.backend=vllm is tested with, 0.32) would not serve or
+        sync the model of config `cfg` exactly as transformers and the trainer compute it, one
+        sentence each; empty: it does (engine.rl.rollout.vllm_settings refuses the backend)."""
+        return []
+
     def rotary_percent(self, cfg: Any) -> float:
         """Fraction of each head's dimensions RoPE rotates (megatron rotary_percent)."""
         return 1.0

@@ -142,6 +142,12 @@ class GptOss(MoeFamily):
     renormalise_field = None  # softmax over the k selected logits: always renormalised
     expert_biases = True
     fused_experts_on_disk = True
+
+    def vllm_problems(self, cfg: Any) -> list[str]:
+        return ["vLLM 0.32's gpt-oss loader copies the attention sinks and the experts straight "
+                "into its parameters instead of through their weight loaders, past the reload "
+                "every weight sync goes through, so a sync would leave them stale (the sync "
+                "refuses it: engine.rl.rollout.vllm_sync); use rollout.backend=hf"]
     fields = (ROPE, PARTIAL_ROTARY, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE,
               FieldRule("attention_bias", "true (published) or false -> q/k/v biases (megatron "
                         "add_qkv_bias) and the o_proj bias (a biased linear_proj)"),

@@ -92,9 +92,11 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
                  "placement; use those keys")
     if rollout.sync_quantization is not None:
         p.append(f"rollout.sync_quantization={rollout.sync_quantization!r} with "
-                 "rollout.backend=vllm is not built (vLLM's FP8 reload has not run here); use "
-                 "null (weights in model.dtype)")
+                 "rollout.backend=vllm is not built (vLLM's FP8 engine has never run here: its "
+                 "CPU FP8 kernels need AMX); use null (weights in model.dtype)")
     family = FAMILIES.get(hf_config.get("model_type"))
+    p += [f"rollout.backend=vllm with model_type {family.model_type!r}: {why}"
+          for why in (family.vllm_problems(hf_config) if family is not None else ())]
     if family is not None and family.vllm_imports_torchvision and not _torchvision_imports():
         p.append(f"rollout.backend=vllm with model_type {family.model_type!r}: vLLM's model "
                  "for it imports transformers' image processors, which need a torchvision that "

@@ -13,8 +13,14 @@ what vLLM 0.32's reload leaves stale on CPU, measured on tiny checkpoints:
   0.6 after one update); `close` repacks it from embed_tokens;
 - the prefix cache holds KV computed with the old weights; `close` resets it.
 
-`close` returns what the sync left unwritten: every parameter `load_weights` did not report and
-every fused layer that got only some of its shards (q_proj without k_proj, one expert missing).
+What vLLM cannot reload is refused, never served: a model whose `load_weights` copies a tensor
+straight into the parameter instead of through its weight loader (vLLM 0.32's gpt-oss does so
+for the attention sinks and the unquantized experts) writes into the placeholder the reload put
+there, and finalising restores the old values; `close` names such tensors.
+
+`close` returns what the sync left unwritten: every parameter of vLLM's loading format
+(`loading_format_names`) that `load_weights` did not report, every fused layer that got only
+some of its shards (q_proj without k_proj, one expert missing), and every copy past the reload.
 A non-empty answer means stale weights; the engine refuses to generate with them.
 """
 from __future__ import annotations
@@ -43,6 +49,9 @@ class LayerwiseSync:
                 if getattr(method, "moe_kernel", None) is not None:
                     self.moe_kernels[module] = method.moe_kernel
                     method.moe_kernel = None
+        # what a sync must write: the loading format's parameters, each once (a tied head
+        # shares the embedding's, which named_parameters lists once)
+        self.expected = loading_format_names(model) & {n for n, _ in model.named_parameters()}
         initialize_layerwise_reload(model)
 
     def load(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -58,6 +67,8 @@ class LayerwiseSync:
                    if (info := LAYERWISE_INFO.get(module)) is not None and info.can_load()
                    and not isinstance(module, VocabParallelEmbedding)
                    and 0 < info.load_numel < info.load_numel_total]
+        bypassed = [f"{name} (copied past vLLM's reload)" for name in sorted(self.loaded)
+                    if _waiting_for_loads(self.model, name)]
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             finalize_layerwise_reload(self.model, self.vllm_config.model_config)
             for module, kernel in self.moe_kernels.items():
@@ -68,5 +79,29 @@ class LayerwiseSync:
             if self.on_cpu and head is not None and embed is not None \
                     and head.weight.data_ptr() == embed.weight.data_ptr():
                 head.quant_method.process_weights_after_loading(head)  # tied: repack the head
-        expected = {name for name, _ in self.model.named_parameters()}
-        return sorted(expected - self.loaded) + partial
+        return sorted(self.expected - self.loaded) + partial + bypassed
+
+
+def _waiting_for_loads(model: torch.nn.Module, name: str) -> bool:
+    """Whether the layer owning parameter `name`, which the model's `load_weights` reported
+    loaded, still waits for its first load through the reload's weight loaders: the loader
+    copied into the placeholder the reload had put there, and finalising puts the old kernel
+    tensors back."""
+    owner, _, _ = name.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    info = LAYERWISE_INFO.get(module)
+    return info is not None and info.can_load() and info.load_numel == 0
+
+
+def loading_format_names(model: torch.nn.Module) -> set[str]:
+    """The names of the parameters vLLM's loader fills, as vLLM recorded them when it built the
+    model (before any processing after loading): a sync must write each of them. Tensors that
+    processing derives from them are not among them (MLA's W_UK_T and W_UV, computed from
+    kv_b_proj when the attention layer is finalised)."""
+    return {f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules()
+            if (info := LAYERWISE_INFO.get(module)) is not None
+            for name in info.restore_metadata[0]}

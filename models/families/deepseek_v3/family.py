@@ -54,6 +54,19 @@ class DeepseekV3(SigmoidRoutedMoe):
         "q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj")
     fields = DEEPSEEK_FIELDS + ROUTING_FIELDS
     multi_latent_attention = True
+
+    def vllm_problems(self, cfg: Any) -> list[str]:
+        """vLLM reads scoring_func and topk_method, and when they are absent scores the experts
+        with softmax and builds no e_score_correction_bias (its loader then fails on the
+        checkpoint's bias); transformers and the trainer always use sigmoid scores with the
+        bias (the field rules take an absent field as that)."""
+        return [f"config.json has no {name} (vLLM then routes by its default, {fallback}, "
+                f"where transformers and the trainer use {published}); add "
+                f"\"{name}\": \"{published}\" as the published config.json has it"
+                for name, published, fallback in (
+                    ("scoring_func", "sigmoid", "softmax scores"),
+                    ("topk_method", "noaux_tc", "no score-correction bias"))
+                if field(cfg, name) is None]
     presets = {
         "deepseek-v3": _deepseek_v3(
             vocab_size=129280, hidden_size=7168, intermediate_size=18432,
