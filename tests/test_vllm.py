@@ -5,7 +5,9 @@ the log-prob contract against transformers at T = 0.7, top-p 0.9 (negative contr
 log-probs of T = 1 are far), per-response seeds independent of the batch, finish reasons, a
 sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
 skipped tensor is refused) in sampling and in the full-vocabulary probe of
-rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine reported dead. GRPO
+rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine reported dead;
+DeepSeek-V3 (MLA) and GLM-4.5 sampling and syncing exactly, and gpt-oss, whose loader copies
+past vLLM's reload, refused after a sync instead of served stale (the check's control). GRPO
 through `engine.rl` on the rank pool: LoRA from a non-zero PEFT adapter at one process and
 DP2 x TP2 on two torchrun nodes with an engine on each (rollout/logprob_diff < 1e-5 at every
 step, the first included, the sync check on every engine, and the same training metrics), and one run with
