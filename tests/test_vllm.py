@@ -323,7 +323,10 @@ def test_async_staleness_1_on_vllm_serves_the_version_that_sampled_each_batch(po
     engine sampled with the checkpoint's weights. Step 2 trains on the batch the checkpoint
     carried (sampled by version 0, which it does not hold: no behaviour metric there). The
     current weights' log-probs (rollout/logprob_diff) differ from step 2 on by the one-version
-    lag, so the check tells the versions apart."""
+    lag, so the check tells the versions apart. DAPO's dynamic sampling (parity reward: about
+    half of the groups agree, so some step needs a second generation batch on the rollout
+    rank) and token-level rollout correction run with it: the IS weight behaviour -> proximal
+    is 1 at step 1 (the same weights) and moves with the one-version lag after."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
@@ -332,6 +335,9 @@ def test_async_staleness_1_on_vllm_serves_the_version_that_sampled_each_batch(po
             "rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.max_staleness=1",
             "rollout.check_behaviour_logprobs=true", "rollout.peer_timeout_s=300",
             "train.max_steps=3", "train.mini_batches_per_step=1",
+            "dapo.dynamic_sampling=true", "dapo.max_gen_batches=4",
+            "reward.fn=tests.test_rl_checkpoint:parity_reward",
+            "rollout_correction.rollout_is=token",
             f"checkpoint.dir={tmp_path / 'ckpt'}")
     metrics = _grpo(pools, 3, qwen3_dir, prompts, tmp_path / "async", *keys,
                     "train.exit_interval=1", own_world=True)
@@ -342,6 +348,9 @@ def test_async_staleness_1_on_vllm_serves_the_version_that_sampled_each_batch(po
     assert behaviour[1] is None and behaviour[0] < 1e-5 and behaviour[2] < 1e-5, metrics
     assert metrics[0]["rollout/logprob_diff"] < 1e-5
     assert all(m["rollout/logprob_diff"] > 1e-3 for m in metrics[1:]), metrics
+    assert max(m["dynamic_sampling/gen_batches"] for m in metrics) > 1, metrics
+    is_mean = [m["rollout_corr/is_weight_mean"] for m in metrics]
+    assert abs(is_mean[0] - 1) < 1e-4 and all(abs(w - 1) > 1e-4 for w in is_mean[1:]), is_mean
 
 
 def test_multi_turn_moe_ppo_distillation_and_validation_on_vllm(pools, tmp_path):
