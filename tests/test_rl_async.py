@@ -121,7 +121,7 @@ def runs(pools, tmp_path_factory) -> dict:
         "hang": start(torchrun_cmd(3, *common, *dis1, "rollout.peer_timeout_s=15",
                                    "reward.fn=tests.test_rl_async:sleeping_reward",
                                    "reward.timeout_s=null", f"logging.dir={root / 'hang'}")),
-        "killed": start(torchrun_cmd(3, *common, *dis1, "rollout.peer_timeout_s=30",
+        "killed": start(torchrun_cmd(3, *common, *dis1, "rollout.peer_timeout_s=15",
                                      "reward.fn=tests.test_rl_async:dying_reward",
                                      "reward.timeout_s=null", f"logging.dir={root / 'killed'}"))}
     out = {"colocated": pools.script(2, *common, *val, f"logging.dir={root / 'colocated'}")}

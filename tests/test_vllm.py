@@ -6,8 +6,8 @@ log-probs of T = 1 are far), per-response seeds independent of the batch, finish
 sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
 skipped tensor is refused) in sampling and in the full-vocabulary probe of
 rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine reported dead;
-DeepSeek-V3 (MLA) and GLM-4.5 sampling and syncing exactly, and gpt-oss, whose loader copies
-past vLLM's reload, refused after a sync instead of served stale (the check's control). GRPO
+DeepSeek-V3 (MLA), GLM-4.5 and gpt-oss (whose loader copies the sinks and experts past vLLM's
+reload) sampling and syncing exactly. GRPO
 through `engine.rl` on the rank pool: LoRA from a non-zero PEFT adapter at one process and
 DP2 x TP2 on two torchrun nodes with an engine on each (rollout/logprob_diff < 1e-5 at every
 step, the first included, the sync check on every engine, and the same training metrics), and one run with
@@ -27,6 +27,7 @@ from engine.rl.checks import rl_problems
 from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.policy.weight_sync import probe_tokens
 from engine.rl.rollout.base import SamplingParams
+from engine.rl.rollout.sync_quantization import sync_quantization_problems
 from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
 from tests.deepseek_v3_tiny import build_deepseek_v3
 from tests.glm4_moe_tiny import build_glm4_moe
@@ -196,29 +197,33 @@ def test_moe_families_of_2026_sample_and_sync_exactly(family, tmp_path):
         engine.shutdown()
 
 
-def test_a_load_that_bypasses_the_reload_is_refused_not_served(tmp_path):
+def test_gpt_oss_whose_loader_copies_past_the_reload_syncs_exactly(tmp_path):
     """vLLM 0.32's gpt-oss loader copies the attention sinks and the unquantized experts
-    straight into the parameters (not through their weight loaders): during a reload that
-    writes into placeholders and finalising puts the old values back (measured before the
-    check: log-prob errors 0.08 from the sinks, 1.4 from the experts). The engine serves the
-    checkpoint it loaded exactly (swiglu_limit 7, the published value vLLM hard-codes), but a
-    sync names those tensors and the engine then refuses to sample; the config refuses gpt-oss
-    on vLLM by name before any process starts."""
+    straight into the parameters (not through their weight loaders): during vLLM's reload that
+    wrote into placeholders and finalising put the old values back (log-prob errors 0.08 from
+    the sinks and 1.4 from the experts after one sync, measured before
+    engine.rl.rollout.vllm_direct_copies). Those copies are caught and their layers loaded:
+    after a sync that changes every parameter the engine equals transformers with the new
+    weights, far from the old (a stale sink or expert fails the first bound). The engine serves
+    the checkpoint it loaded exactly at the published swiglu_limit 7 / swiglu_alpha 1.702,
+    which vLLM's experts hard-code: other values are refused by name."""
     model_dir = build_gpt_oss(str(tmp_path / "gpt_oss"), hidden_size=128, head_dim=32,
                               intermediate_size=64, swiglu_limit=7.0)
     engine = _engine(model_dir, max_model_len=64)
     try:
         params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
-        assert _max_diff(_transformers(model_dir), engine.generate(PROMPTS, params), 1.0) < 5e-5
+        old = _transformers(model_dir)
+        assert _max_diff(old, engine.generate(PROMPTS, params), 1.0) < 5e-5
         _sync(engine, _new_weights(model_dir, tmp_path / "new", 1))
-        with pytest.raises(RuntimeError, match=r"sinks \(copied past vLLM's reload\)"):
-            engine.generate(PROMPTS, params)   # the sync closes before the next sample
-        with pytest.raises(RuntimeError, match="stale weights"):
-            engine.generate(PROMPTS, params)
+        gens = engine.generate(PROMPTS, params)
+        assert _max_diff(_transformers(str(tmp_path / "new")), gens, 1.0) < 5e-5
+        assert _max_diff(old, gens, 1.0) > 1e-1
     finally:
         engine.shutdown()
-    assert any("model_type 'gpt_oss'" in p and "stale" in p
-               for p in vllm_problems(_cfg(), {"model_type": "gpt_oss"}))
+    published = {"model_type": "gpt_oss", "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+    assert vllm_problems(_cfg(), published) == []
+    refused = " | ".join(vllm_problems(_cfg(), {**published, "swiglu_limit": 2.0}))
+    assert "swiglu_limit=2.0" in refused and "model_type 'gpt_oss'" in refused, refused
 
 
 def _cfg(*argv: str) -> RLConfig:
@@ -249,6 +254,13 @@ def test_rollout_vllm_keys_are_checked_by_name():
     assert "no scoring_func" in bare and "no topk_method" in bare, bare
     assert vllm_problems(_cfg(), {"model_type": "deepseek_v3", "scoring_func": "sigmoid",
                                   "topk_method": "noaux_tc"}) == []
+    # a checkpoint published quantized (FP8, MXFP4): vLLM's quantized layers take no
+    # model.dtype weights
+    fp8 = {"model_type": "deepseek_v3", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+           "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert any("published quantized (quantization_config.quant_method fp8)" in p
+               for p in sync_quantization_problems(_cfg(), fp8))
+    assert sync_quantization_problems(_cfg(), {"model_type": "deepseek_v3"}) == []
     # vLLM's Qwen3.5 module imports torchvision (through transformers' Qwen2-VL image
     # processor): refused by name where torchvision does not import, as in CI
     import importlib.util

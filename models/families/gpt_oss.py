@@ -144,10 +144,12 @@ class GptOss(MoeFamily):
     fused_experts_on_disk = True
 
     def vllm_problems(self, cfg: Any) -> list[str]:
-        return ["vLLM 0.32's gpt-oss loader copies the attention sinks and the experts straight "
-                "into its parameters instead of through their weight loaders, past the reload "
-                "every weight sync goes through, so a sync would leave them stale (the sync "
-                "refuses it: engine.rl.rollout.vllm_sync); use rollout.backend=hf"]
+        """vLLM 0.32's experts compute the clamped SwiGLU with the published constants
+        written into the kernel (limit 7, alpha 1.702), whatever config.json says."""
+        return [f"{name}={field(cfg, name, published)!r}: vLLM's experts use {published} "
+                "whatever config.json says; use rollout.backend=hf"
+                for name, published in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702))
+                if float(field(cfg, name, published)) != published]
     fields = (ROPE, PARTIAL_ROTARY, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE,
               FieldRule("attention_bias", "true (published) or false -> q/k/v biases (megatron "
                         "add_qkv_bias) and the o_proj bias (a biased linear_proj)"),

@@ -14,7 +14,9 @@ docs/deepseek_v3.md).
 `sync_quantization_problems` checks the key before any process group starts (and in
 `--validate`): the value, a model published in FP8, a backend that takes FP8 weights
 (`RolloutEngine.sync_quantizations`), and refuses SGLang engines on an FP8 checkpoint with
-the default: they load the checkpoint as FP8 and would cast bf16 updates unscaled.
+the default: they load the checkpoint as FP8 and would cast bf16 updates unscaled; vLLM engines
+on any quantized checkpoint with the default (their quantized layers take no model.dtype
+weights; `rollout.sync_quantization` is refused for vLLM in vllm_settings).
 `sync_source` is the trainer's quantizer for a run (one per process).
 """
 from __future__ import annotations
@@ -37,6 +39,13 @@ def sync_quantization_problems(cfg, hf_config: dict) -> list[str]:
                     "published in FP8 (quantization_config.quant_method fp8): SGLang loads its "
                     "weights as FP8 and would cast model.dtype updates unscaled; set "
                     "rollout.sync_quantization=fp8"]
+        if backend == "vllm" and quant_method(hf_config) is not None:
+            return [f"rollout.backend=vllm with a model published quantized "
+                    f"(quantization_config.quant_method {quant_method(hf_config)}): vLLM loads "
+                    "its weights quantized and a sync sends model.dtype weights, which its "
+                    "quantized layers cannot take; point model.hf_path at a model.dtype copy "
+                    "(tools/convert.py mcore-to-hf without --quantize writes one) or use "
+                    "rollout.backend=hf"]
         return []
     if value not in SYNC_QUANTIZATIONS:
         return [f"rollout.sync_quantization={value!r} is not valid; choose one of null, "

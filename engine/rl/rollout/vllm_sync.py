@@ -13,10 +13,12 @@ what vLLM 0.32's reload leaves stale on CPU, measured on tiny checkpoints:
   0.6 after one update); `close` repacks it from embed_tokens;
 - the prefix cache holds KV computed with the old weights; `close` resets it.
 
-What vLLM cannot reload is refused, never served: a model whose `load_weights` copies a tensor
-straight into the parameter instead of through its weight loader (vLLM 0.32's gpt-oss does so
-for the attention sinks and the unquantized experts) writes into the placeholder the reload put
-there, and finalising restores the old values; `close` names such tensors.
+A model whose `load_weights` copies a tensor straight into the parameter instead of through its
+weight loader (vLLM 0.32's gpt-oss does so for the attention sinks and the unquantized experts)
+would write into the placeholder the reload put there, and finalising would restore the old
+values: `load` catches those copies and loads their layers exactly
+(engine.rl.rollout.vllm_direct_copies). What is still left is refused, never served: `close`
+names any tensor copied past the reload that was not loaded that way.
 
 `close` returns what the sync left unwritten: every parameter of vLLM's loading format
 (`loading_format_names`) that `load_weights` did not report, every fused layer that got only
@@ -33,6 +35,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from vllm.model_executor.model_loader.reload.layerwise import (LAYERWISE_INFO,
                                                                finalize_layerwise_reload,
                                                                initialize_layerwise_reload)
+
+from engine.rl.rollout.vllm_direct_copies import DirectCopies
 
 
 class LayerwiseSync:
@@ -53,10 +57,11 @@ class LayerwiseSync:
         # shares the embedding's, which named_parameters lists once)
         self.expected = loading_format_names(model) & {n for n, _ in model.named_parameters()}
         initialize_layerwise_reload(model)
+        self.direct_copies = DirectCopies(model)
 
     def load(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of full tensors by HF name."""
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), self.direct_copies:
             loaded = self.model.load_weights(iter(bucket))
         self.loaded |= set(loaded or ())
 
