@@ -8,12 +8,16 @@ like any "package.module:Class"). Both are the HF backend with a failing `_gener
 - DyingHFEngine: on its DYING_ROLLOUT_AT_CALL-th generate call (default 2) the engine "dies"
   (`is_alive` False, every later call raises), once per run: only while the file named by
   DYING_ROLLOUT_MARKER does not exist (it is created then), so the restarted engine works.
+- DyingVLLMEngine: the vLLM backend whose model process is really killed (SIGKILL) at that
+  call, under the same marker rule: vLLM's executor sees its worker die, `is_alive` turns
+  False and `generate` refuses, as after a crash.
 """
 from __future__ import annotations
 
 import os
 
 from engine.rl.rollout.hf_backend import HFRolloutEngine
+from engine.rl.rollout.vllm_backend import VLLMRolloutEngine
 
 
 class FlakyHFEngine(HFRolloutEngine):
@@ -43,12 +47,32 @@ class DyingHFEngine(HFRolloutEngine):
         return not self.dead
 
     def _generate(self, prompts, params):
-        marker = os.environ.get("DYING_ROLLOUT_MARKER")
-        at_call = int(os.environ.get("DYING_ROLLOUT_AT_CALL", "2"))
-        if (not self.dead and marker and not os.path.exists(marker)
-                and self.num_generate_calls == at_call):
-            open(marker, "w").close()
+        if not self.dead and _dies_now(self):
             self.dead = True
         if self.dead:
             raise RuntimeError("simulated: the engine's server process exited")
         return super()._generate(prompts, params)
+
+
+def _dies_now(engine) -> bool:
+    """Whether this generate call is the one to die on (then the marker is created)."""
+    marker = os.environ.get("DYING_ROLLOUT_MARKER")
+    if (marker and not os.path.exists(marker)
+            and engine.num_generate_calls == int(os.environ.get("DYING_ROLLOUT_AT_CALL", "2"))):
+        open(marker, "w").close()
+        return True
+    return False
+
+
+class DyingVLLMEngine(VLLMRolloutEngine):
+    def _generate(self, prompts, params):
+        if _dies_now(self):
+            import signal
+            import time
+            for pid in self.engine_pids():
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while self.is_alive and time.monotonic() < deadline:   # vLLM's monitor notices
+                time.sleep(0.1)
+        return super()._generate(prompts, params)
+

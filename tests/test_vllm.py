@@ -301,14 +301,19 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
     With rollout.check_weight_sync every engine's full-vocabulary probe equals the trainer's
     log-probs after each step's sync (< 1e-4, the bound of the hf backend's check: the max is
     over the whole vocabulary, where fp32 errors of tail log-probs reach 1.6e-5), and moved
-    with it."""
+    with it. The one-process run's vLLM worker is killed (SIGKILL) at step 2's generate call
+    (tests.flaky_rollout.DyingVLLMEngine): the loop restarts the engine from the current
+    weights and the step's samples and metrics are still those of the DP2 x TP2 run."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
     adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
     lora = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
             "rollout.check_weight_sync=true")
-    one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora)
+    marker = tmp_path / "engine_died"   # the one-process run's engine is killed at step 2
+    one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora,
+                "rollout.backend=tests.flaky_rollout:DyingVLLMEngine", "rollout.retry_wait_s=0",
+                rank_env={0: {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "2"}})
     four = _grpo(pools, 4, qwen3_dir, prompts, tmp_path / "dp2_tp2", *lora, "parallel.tp=2",
                  nodes=2)   # two torchrun nodes of 2 ranks: one engine per node by default
     assert len(one) == len(four) == 2
@@ -322,6 +327,8 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (key, a, b)
     assert one[1]["policy/kl"] > 0 and one[0]["grad_norm"] > 0
     assert [m["rollout/engines"] for m in one + four] == [1.0, 1.0, 2.0, 2.0]
+    # the killed engine was restarted from the current weights and sampled the same responses
+    assert marker.exists() and [m["rollout/restarts"] for m in one] == [0.0, 1.0], one
 
 
 def test_async_staleness_1_on_vllm_serves_the_version_that_sampled_each_batch(pools, qwen3_dir,
