@@ -5,7 +5,8 @@ the log-prob contract against transformers at T = 0.7, top-p 0.9 (negative contr
 log-probs of T = 1 are far), per-response seeds independent of the batch, finish reasons, a
 sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
 skipped tensor is refused) in sampling and in the full-vocabulary probe of
-rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine reported dead;
+rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine reported dead
+(and, in the one-process GRPO run, restarted from the current weights);
 DeepSeek-V3 (MLA), GLM-4.5 and gpt-oss (whose loader copies the sinks and experts past vLLM's
 reload) sampling and syncing exactly. GRPO
 through `engine.rl` on the rank pool: LoRA from a non-zero PEFT adapter at one process and
@@ -423,8 +424,8 @@ def test_a_dead_engine_is_reported_dead_and_not_retried(qwen3):
     """The engine's model process killed (last in this module: it kills the module's engine):
     vLLM's executor reports it failed (`is_alive` False), so the rollout pool's retry loop gives up after
     the one failed call instead of retrying, and the loop restarts the engine from the
-    current weights (engine.rl.rollout.pool; the restart itself is backend-independent and run
-    in tests/test_rl_engines.py). Shutting the dead engine down is harmless."""
+    current weights (engine.rl.rollout.pool; run on vLLM in the LoRA GRPO test above).
+    Shutting the dead engine down is harmless."""
     import os
     import signal
     import time
