@@ -33,7 +33,7 @@ from vllm.model_executor.model_loader.reload.meta import CopyCounter, materializ
 class DirectCopies(TorchFunctionMode):
     """Held around `model.load_weights` during a layerwise reload of `model` (after
     `initialize_layerwise_reload`): loads the layers whose loader copies past the reload
-    (module docstring). `layers`: the layers loaded this way so far."""
+    (module docstring)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -44,7 +44,6 @@ class DirectCopies(TorchFunctionMode):
             if (info := LAYERWISE_INFO.get(layer)) is not None and info.can_load()
             for name, p in layer.named_parameters(recurse=False) if p.is_meta}
         self.pending: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
-        self.layers: list[torch.nn.Module] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -71,7 +70,6 @@ class DirectCopies(TorchFunctionMode):
                 for n, v in values.items():
                     getattr(layer, n).copy_(v)
             _layerwise_process(layer, info)   # nothing buffered: process, copy to the kernel
-            self.layers.append(layer)
 
 
 def _in_weight_loader() -> bool:
