@@ -15,6 +15,8 @@ like any "package.module:Class"). Both are the HF backend with a failing `_gener
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 from engine.rl.rollout.hf_backend import HFRolloutEngine
 from engine.rl.rollout.vllm_backend import VLLMRolloutEngine
@@ -67,12 +69,9 @@ def _dies_now(engine) -> bool:
 class DyingVLLMEngine(VLLMRolloutEngine):
     def _generate(self, prompts, params):
         if _dies_now(self):
-            import signal
-            import time
             for pid in self.engine_pids():
                 os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 60
             while self.is_alive and time.monotonic() < deadline:   # vLLM's monitor notices
                 time.sleep(0.1)
         return super()._generate(prompts, params)
-

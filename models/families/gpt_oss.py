@@ -146,10 +146,10 @@ class GptOss(MoeFamily):
     def vllm_problems(self, cfg: Any) -> list[str]:
         """vLLM 0.32's experts compute the clamped SwiGLU with the published constants
         written into the kernel (limit 7, alpha 1.702), whatever config.json says."""
-        return [f"{name}={field(cfg, name, published)!r}: vLLM's experts use {published} "
-                "whatever config.json says; use rollout.backend=hf"
+        return [f"{name}={value!r}: vLLM's experts use {published} whatever config.json "
+                "says; use rollout.backend=hf"
                 for name, published in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702))
-                if float(field(cfg, name, published)) != published]
+                if float(value := field(cfg, name, published)) != published]
     fields = (ROPE, PARTIAL_ROTARY, ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE,
               FieldRule("attention_bias", "true (published) or false -> q/k/v biases (megatron "
                         "add_qkv_bias) and the o_proj bias (a biased linear_proj)"),

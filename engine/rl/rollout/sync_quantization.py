@@ -39,9 +39,9 @@ def sync_quantization_problems(cfg, hf_config: dict) -> list[str]:
                     "published in FP8 (quantization_config.quant_method fp8): SGLang loads its "
                     "weights as FP8 and would cast model.dtype updates unscaled; set "
                     "rollout.sync_quantization=fp8"]
-        if backend == "vllm" and quant_method(hf_config) is not None:
+        if backend == "vllm" and (method := quant_method(hf_config)) is not None:
             return [f"rollout.backend=vllm with a model published quantized "
-                    f"(quantization_config.quant_method {quant_method(hf_config)}): vLLM loads "
+                    f"(quantization_config.quant_method {method}): vLLM loads "
                     "its weights quantized and a sync sends model.dtype weights, which its "
                     "quantized layers cannot take; point model.hf_path at a model.dtype copy "
                     "(tools/convert.py mcore-to-hf without --quantize writes one) or use "
