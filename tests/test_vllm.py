@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,8 +195,11 @@ def test_moe_families_of_2026_sample_and_sync_exactly(family, tmp_path):
     fails the second bound)."""
     build, bound = FAMILIES[family]
     model_dir = build(str(tmp_path / family))
+    if family == "glm4_moe":   # its end-of-turn token declared by the tokenizer alone
+        _eos_only_in_tokenizer(model_dir)
     engine = _engine(model_dir, max_model_len=64)
     try:
+        assert engine.eos_token_ids == [3], engine.eos_token_ids   # the tiny tokenizer's
         params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
         old = _transformers(model_dir)
         assert _max_diff(old, engine.generate(PROMPTS, params), 1.0) < bound
@@ -204,6 +209,20 @@ def test_moe_families_of_2026_sample_and_sync_exactly(family, tmp_path):
         assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
     finally:
         engine.shutdown()
+
+
+def _eos_only_in_tokenizer(model_dir: str) -> None:
+    """Drop eos_token_id from the folder's config.json and generation_config.json (the
+    tokenizer keeps its eos, <|im_end|> = 3): the engine must stop there all the same, as the
+    hf backend and vLLM's own generation do; the config files alone name no eos."""
+    from engine.rl.rollout.eos import eos_token_ids
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            config = json.loads(path.read_text())
+            config.pop("eos_token_id", None)
+            path.write_text(json.dumps(config))
+    assert eos_token_ids(model_dir, None) == []   # the old rule (config files) found none
 
 
 def _cfg(*argv: str) -> RLConfig:
@@ -255,10 +274,9 @@ def test_rollout_vllm_keys_are_checked_by_name():
                        for p in vllm_problems(_cfg(), {"model_type": family})), family
 
 
-def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra, **pool_kw) -> list[dict]:
-    """A 2-step `engine.rl` run with rollout.backend=vllm on the `nproc`-rank pool (`extra`
-    overrides replace the defaults of the same key; `pool_kw` goes to pools.script); its
-    metrics.jsonl rows."""
+def _grpo_keys(model_dir: str, prompts, out, *extra) -> list[str]:
+    """The overrides of a 2-step `engine.rl` run with rollout.backend=vllm (`extra` replaces
+    the defaults of the same key)."""
     keys = dict(a.split("=", 1) for a in (
         f"model.hf_path={model_dir}", f"data.train_files=[{prompts}]", "rollout.backend=vllm",
         "reward.fn=tests.test_rl_loop:digit_reward", "rollout.n=2", "rollout.max_new_tokens=6",
@@ -266,11 +284,52 @@ def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra, **pool_kw) ->
         "train.seq_length=48", "optim.lr=1e-2", "kl.beta=0.05", "train.mini_batches_per_step=2",
         f"data.cache_dir={out}/cache", "data.num_workers=0", f"logging.dir={out}/run",
         "logging.progress_bar=false", *extra))
-    proc = pools.script(nproc, "-m", "engine.rl", *(f"{k}={v}" for k, v in keys.items()),
-                        timeout=500, **pool_kw)
-    assert proc.returncode == 0
+    return [f"{k}={v}" for k, v in keys.items()]
+
+
+def _metrics(out) -> list[dict]:
     with open(f"{out}/run/metrics.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra, **pool_kw) -> list[dict]:
+    """`_grpo_keys`'s run on the `nproc`-rank pool (`pool_kw` goes to pools.script); its
+    metrics.jsonl rows."""
+    proc = pools.script(nproc, "-m", "engine.rl", *_grpo_keys(model_dir, prompts, out, *extra),
+                        timeout=500, **pool_kw)
+    assert proc.returncode == 0
+    return _metrics(out)
+
+
+def _grpo_two_nodes_stopped_by_sigterm(model_dir: str, prompts, out, *extra) -> list[dict]:
+    """`_grpo_keys`'s run launched for real as two torchrun nodes of 2 ranks, 3 steps planned;
+    once step 1 is logged, node 0's torchrun gets SIGTERM (as from a cluster scheduler: it
+    signals its ranks' process groups, vLLM's worker included), so every rank finishes step 2
+    and exits. Asserts that no rank failed: node 1's torchrun exits 0, node 0's reports the
+    signal it got and no worker's exit code (a rank exiting 1, as every colocated multi-rank
+    vLLM run once did after its last step, fails both). Returns the metrics rows."""
+    import signal
+    import time
+
+    from tests.launch import free_port, start, wait
+
+    port = str(free_port())
+    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+             str(k), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+             port, "-m", "engine.rl", *_grpo_keys(model_dir, prompts, out, "train.max_steps=3",
+                                                   *extra)] for k in (0, 1)]
+    procs = [start(cmd) for cmd in cmds]
+    metrics, deadline = Path(f"{out}/run/metrics.jsonl"), time.time() + 400
+    while time.time() < deadline and procs[0].poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.05)
+    procs[0].send_signal(signal.SIGTERM)
+    node0, node1 = (wait(p, 400) for p in procs)
+    assert "[stop] SIGTERM received: finishing the current step" in node0.stdout, node0.stdout
+    assert "got signal: 15" in node0.stderr and "exitcode" not in node0.stderr, node0.stderr
+    assert node1.returncode == 0 and "exitcode" not in node1.stderr, node1.stderr
+    return _metrics(out)
 
 
 def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen3_dir,
@@ -279,10 +338,11 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
     the base, 2 mini-batches per step (so step 2 samples after a sync): the engine's log-probs
     equal the trainer's at every step (rollout/logprob_diff < 1e-5), step 1 included (the
     engine loaded the base; the merged adapter is synced before the first rollout), at
-    one process and at DP2 x TP2 numbered as two torchrun nodes of 2 ranks, which get one vLLM
-    engine per node by default (owned by ranks 0 and 2, each sampling its share of the prompts,
-    each synced from its own node's ranks), and both layouts log the same training metrics
-    (rel 1e-5).
+    one process and at DP2 x TP2 launched for real as two torchrun nodes of 2 ranks, which get
+    one vLLM engine per node by default (owned by ranks 0 and 2, each sampling its share of the
+    prompts, each synced from its own node's ranks), and both layouts log the same training
+    metrics (rel 1e-5). The DP2 x TP2 launch is stopped by SIGTERM during step 2 and every
+    rank still exits 0 (the suite's one real exit of a colocated multi-rank vLLM run).
     With rollout.check_weight_sync every engine's full-vocabulary probe equals the trainer's
     log-probs after each step's sync (< 1e-4, the bound of the hf backend's check: the max is
     over the whole vocabulary, where fp32 errors of tail log-probs reach 1.6e-5), and moved
@@ -294,13 +354,14 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
                                + "\n" for i in range(8)))
     adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
     lora = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
-            "rollout.check_weight_sync=true")
+            "rollout.check_weight_sync=true",
+            "optim.schedule=constant")   # the SIGTERM-stopped run plans 3 steps, this one 2
     marker = tmp_path / "engine_died"   # the one-process run's engine is killed at step 2
     one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora,
                 "rollout.backend=tests.flaky_rollout:DyingVLLMEngine", "rollout.retry_wait_s=0",
                 rank_env={0: {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "2"}})
-    four = _grpo(pools, 4, qwen3_dir, prompts, tmp_path / "dp2_tp2", *lora, "parallel.tp=2",
-                 nodes=2)   # two torchrun nodes of 2 ranks: one engine per node by default
+    four = _grpo_two_nodes_stopped_by_sigterm(qwen3_dir, prompts, tmp_path / "dp2_tp2", *lora,
+                                              "parallel.tp=2")   # one engine per node
     assert len(one) == len(four) == 2
     for a, b in zip(one, four):
         assert a["rollout/logprob_diff"] < 1e-5 and b["rollout/logprob_diff"] < 1e-5, (a, b)
@@ -453,3 +514,33 @@ def test_the_chat_warmup_warning_alone_is_dropped_while_an_engine_starts():
     finally:
         logger.removeHandler(handler)
     assert seen == ["another warning", CHAT_WARMUP_MESSAGE]
+
+
+def test_vllms_teardown_leaves_the_trainers_default_group_alive():
+    """vLLM's engine-core teardown (EngineCore.shutdown -> cleanup_dist_env_and_memory, run in
+    the owner's process on CPU) destroys the default process group of its process: under
+    `trainer_groups_kept` (what VLLMRolloutEngine.shutdown runs it in) the trainer's group
+    survives and still reduces; without it (negative control) the group is gone, which made
+    every colocated multi-rank vLLM run exit 1 (its peers lost rank 0 in the final barrier)."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from engine.rl.rollout.vllm_process import trainer_groups_kept
+    from tests.launch import free_port
+
+    assert not dist.is_initialized()   # the test process starts no group of its own
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        with trainer_groups_kept():
+            cleanup_dist_env_and_memory()
+        assert dist.is_initialized()
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert total.item() == 1.0
+        assert dist.destroy_process_group.__name__ == "destroy_process_group"   # put back
+        cleanup_dist_env_and_memory()   # negative control: vLLM's teardown alone
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

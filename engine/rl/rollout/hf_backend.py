@@ -34,12 +34,12 @@ from typing import Iterable
 import torch
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
+from engine.rl.rollout.eos import eos_token_ids, folder_tokenizer, no_eos_message
 from engine.rl.rollout.hf_images import load_model, prefill, view_aliases
 from engine.rl.rollout.hf_routing import GateRecorder, assemble
 from engine.rl.rollout.hf_targets import checkpoint_targets
 from engine.rl.rollout.sampling import SeededSampler
 from models.formats import fp8 as fp8_blocks
-from models.hf.custom_code import load_tokenizer
 from models.formats.quantized import QUANT_METHODS, quantization_config
 from models.vision.inputs import ImagePrompt
 
@@ -51,14 +51,6 @@ def cache_keyword(model) -> str:
         else "past_key_values"
 
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _as_id_list(value) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -110,18 +102,11 @@ class HFRolloutEngine(RolloutEngine):
                 if param.is_floating_point() and param.dtype != dtype:
                     param.data = param.data.to(dtype)
         self.hf_path = hf_path
-        tokenizer = self._load_tokenizer(hf_path, trust_remote_code)
+        tokenizer = folder_tokenizer(hf_path, trust_remote_code)
         text_config = self.model.config.get_text_config()   # a wrapper's text model's
-        eos = _as_id_list(getattr(text_config, "eos_token_id", None))
-        generation_config = getattr(self.model, "generation_config", None)
-        if generation_config is not None:
-            eos += _as_id_list(generation_config.eos_token_id)
-        if tokenizer is not None:
-            eos += _as_id_list(tokenizer.eos_token_id)
-        self.eos_token_ids: list[int] = sorted(set(eos))
+        self.eos_token_ids: list[int] = eos_token_ids(hf_path, tokenizer)
         if not self.eos_token_ids:
-            raise ValueError(f"{hf_path}: no eos_token_id in config, generation config or "
-                             "tokenizer; generation could never stop with finish_reason 'stop'")
+            raise ValueError(no_eos_message(hf_path))
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         if pad is None:
             pad = getattr(text_config, "pad_token_id", None)
@@ -129,13 +114,6 @@ class HFRolloutEngine(RolloutEngine):
         self.vocab_size: int = int(self.model.config.get_text_config().vocab_size)
         self._index_parameters()
         self._stale: set[str] = set()  # parameters not yet written since the last wake()
-
-    @staticmethod
-    def _load_tokenizer(hf_path: str, trust_remote_code: bool):
-        names = ("tokenizer.json", "tokenizer_config.json")
-        if not any(os.path.isfile(os.path.join(hf_path, n)) for n in names):
-            return None
-        return load_tokenizer(hf_path, trust_remote_code)  # a local folder: nothing downloaded
 
     # ----------------------------------------------------------------------------- generation
     def _check_ready(self, what: str) -> None:

@@ -21,8 +21,9 @@ their log_softmax, the engine's full-vocabulary prompt log-probs (engine built w
 max_logprobs=-1), and the check compares them with log_softmax of the trainer's logits.
 
 Tokens in and out: prompts go in as token ids, the tokenizer is not loaded and nothing is
-detokenized, responses are vLLM's sampled ids. Stop tokens: every eos id of config.json and
-generation_config.json; the eos token is kept in response_ids with finish_reason "stop".
+detokenized, responses are vLLM's sampled ids. Stop tokens: the rule of every backend
+(engine.rl.rollout.eos: config, generation config and tokenizer eos ids; the tokenizer is read
+for its eos id only); the eos token is kept in response_ids with finish_reason "stop".
 
 Seeds: SamplingParams.seeds[i] (else seed + i) is the request's vLLM seed, so a response depends
 on its own prompt and seed only, not on the batch. Without seeds each request draws a fresh seed
@@ -45,6 +46,13 @@ RNG states; the constructor puts torch.set_num_threads back. On CPU, a process a
 machine binds the engine's OpenMP threads to all its CPUs (`cpu_bind`; VLLM_CPU_OMP_THREADS_BIND
 set by the user wins).
 
+Teardown and signals: vLLM's engine-core teardown destroys the default process group of the
+process that hosts it (on CPU the owner, a trainer rank): `shutdown`, and a constructor that
+fails after vLLM started, run it under `vllm_process.trainer_groups_kept`, so every rank still
+meets in the final barrier and exits 0. The worker ignores SIGTERM / SIGINT
+(`vllm_worker.rl_leave_signals_to_owner`): a signal to the job's process group asks the ranks
+to finish the step and save (engine.run.run_loop), which needs the engine alive.
+
 Sleep/wake: on CPU vLLM has no sleep mode (its worker ignores sleep; enable_sleep_mode is refused
 at construction), so `sleep` releases nothing and only marks the engine asleep. On GPU, `sleep`
 is vLLM's at rollout.vllm.sleep_level (1: weights to host memory, KV cache dropped; 2: both
@@ -52,8 +60,6 @@ dropped). The RL loop streams the weights after every `wake` either way.
 """
 from __future__ import annotations
 
-import json
-import os
 import random
 from typing import Iterable
 
@@ -61,8 +67,9 @@ import torch
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.bucket_files import discard, write_bucket
+from engine.rl.rollout.eos import eos_token_ids, folder_tokenizer, no_eos_message
 from engine.rl.rollout.vllm_process import (engine_process_env, preserved_global_rng,
-                                             without_chat_warmup_warning)
+                                             trainer_groups_kept, without_chat_warmup_warning)
 from engine.rl.rollout.vllm_settings import engine_args
 
 WORKER_EXTENSION = "engine.rl.rollout.vllm_worker.RolloutWorkerExtension"
@@ -80,18 +87,6 @@ def _vllm():
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform  # vLLM, imported on first use (_vllm)
     return current_platform.is_cpu()
-
-
-def eos_ids(hf_path: str) -> list[int]:
-    """Every eos_token_id of the folder's config.json and generation_config.json."""
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        path = os.path.join(hf_path, name)
-        if os.path.isfile(path):
-            with open(path) as f:
-                value = json.load(f).get("eos_token_id")
-            ids.update([value] if isinstance(value, int) else (value or []))
-    return sorted(ids)
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -113,12 +108,12 @@ class VLLMRolloutEngine(RolloutEngine):
     def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int,
                     gpus: tuple[int, int] = (0, 1), routed_experts: bool = False,
                     trust_remote_code: bool = False) -> "VLLMRolloutEngine":
-        """rollout.vllm.* on `gpus[1]` devices (vLLM's tensor_parallel_size; the owner's
-        current device first). R3 (`routed_experts`) is refused before any process group."""
+        """rollout.vllm.* on the node's devices [gpus[0], gpus[0] + gpus[1]) (the placement's
+        slot; vLLM's tensor_parallel_size gpus[1]). R3 (`routed_experts`) is refused before any process group."""
         if routed_experts:
             raise ValueError(cls.routed_experts_problem())
         return cls(hf_path, dtype=dtype, seed=seed, sleep_level=rollout_cfg.vllm.sleep_level,
-                   trust_remote_code=trust_remote_code,
+                   trust_remote_code=trust_remote_code, gpus=gpus,
                    **engine_args(rollout_cfg.vllm, gpus[1], _on_cpu(),
                                  check_weight_sync=rollout_cfg.check_weight_sync))
 
@@ -130,32 +125,36 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def __init__(self, hf_path: str, dtype: torch.dtype | str = "float32", seed: int = 0,
                  sleep_level: int = 1, trust_remote_code: bool = False,
-                 **engine_kwargs) -> None:
+                 gpus: tuple[int, int] = (0, 1), **engine_kwargs) -> None:
         super().__init__()
+        self.eos_token_ids = eos_token_ids(hf_path, folder_tokenizer(hf_path, trust_remote_code))
+        if not self.eos_token_ids:
+            raise ValueError(no_eos_message(hf_path))
         self.on_cpu = _on_cpu()
         self.sleep_level = sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
         set_num_threads = torch.set_num_threads
-        with preserved_global_rng(), engine_process_env(self.on_cpu), \
+        with preserved_global_rng(), engine_process_env(self.on_cpu, gpus), \
                 without_chat_warmup_warning():
             self.llm = _vllm().LLM(model=hf_path, dtype=DTYPES.get(dtype, dtype), seed=seed,
                                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                                 trust_remote_code=trust_remote_code,
                                 worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
         torch.set_num_threads = set_num_threads
-        engine = self.llm.llm_engine
-        self.vllm_config = engine.vllm_config
-        self.max_model_len = int(self.vllm_config.model_config.max_model_len)
-        self.vocab_size = int(self.vllm_config.model_config.get_vocab_size())
-        self.eos_token_ids = eos_ids(hf_path)
-        if not self.eos_token_ids:
-            raise ValueError(f"{hf_path}: no eos_token_id in config.json or "
-                             "generation_config.json")
-        self.llm.collective_rpc("rl_install_contract_logprobs")
-        self._seeds = random.Random(seed)
+        self._alive = True
         self._sync_open = False
         self._stale: list[str] = []
-        self._alive = True
+        self._seeds = random.Random(seed)
+        try:
+            model_config = self.llm.llm_engine.vllm_config.model_config
+            self.vllm_config = self.llm.llm_engine.vllm_config
+            self.max_model_len = int(model_config.max_model_len)
+            self.vocab_size = int(model_config.get_vocab_size())
+            self.llm.collective_rpc("rl_install_contract_logprobs")
+            self.llm.collective_rpc("rl_leave_signals_to_owner")
+        except BaseException:
+            self.shutdown()   # not left to vLLM's finalizer (it would end the trainer's group)
+            raise
 
     @property
     def is_alive(self) -> bool:
@@ -311,11 +310,14 @@ class VLLMRolloutEngine(RolloutEngine):
         self.mark_asleep(False)
 
     def shutdown(self) -> None:
-        """Release the engine (weights, KV cache); it cannot generate afterwards."""
+        """Release the engine (weights, KV cache); it cannot generate afterwards. vLLM's
+        teardown would also destroy this process's default process group (the trainer's):
+        it runs under `trainer_groups_kept`."""
         if not self._alive:
             return
         self._alive = False
         core = getattr(self.llm.llm_engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+        with trainer_groups_kept():
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
         del self.llm

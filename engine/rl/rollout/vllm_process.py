@@ -1,12 +1,18 @@
 """How the vLLM backend (engine.rl.rollout.vllm_backend) starts an engine's processes and keeps
 its side effects out of the owner's process.
 
-- The model runs in vLLM's worker process, started with spawn (set on import of this module,
-  before vLLM loads): the owner is a trainer rank whose torch.distributed world the worker
-  would otherwise adopt (and hang in its group creation), and a forked child would inherit it.
-- `engine_process_env`: the environment while an engine is built: without torchrun's
-  variables, the engine core in the owner's process on CPU (in its own on GPUs), and on CPU
-  the worker's OpenMP binding (`cpu_bind`) unless the user set one.
+- `engine_process_env`: the environment while an engine is built (its processes inherit it;
+  the owner's environment is restored after): without torchrun's variables; the model in
+  vLLM's worker process started with spawn (VLLM_WORKER_MULTIPROC_METHOD, unless the user set
+  it: the owner is a trainer rank whose torch.distributed world a forked worker would inherit
+  and hang in); the engine core in the owner's process on CPU (in its own on GPUs); on GPUs
+  the engine's devices as CUDA_VISIBLE_DEVICES (`engine_devices`), on CPU the worker's OpenMP
+  binding (`cpu_bind`) unless the user set one.
+- `trainer_groups_kept`: vLLM's teardown (EngineCore.shutdown -> cleanup_dist_env_and_memory)
+  destroys the default torch.distributed process group of the process that hosts its engine
+  core: on CPU that is the owner, a trainer rank, whose peers then lost their connection in
+  the final barrier (every colocated multi-rank run exited 1). Within the block the default
+  group is left to its owner (parallel.process_groups.shutdown).
 - `preserved_global_rng`: building and sampling leave the global RNG states as they were.
 - `without_chat_warmup_warning`: vLLM's LLM warms its chat template up at start and, with no
   tokenizer (skip_tokenizer_init: the engine takes and returns token ids, never chat), logs a
@@ -19,13 +25,9 @@ import logging
 import os
 import random
 
-# vLLM's model runs in a process of its own, started with spawn: the rollout owner is a
-# trainer rank whose torch.distributed world vLLM's worker would otherwise adopt (and hang in
-# its group creation), and a forked child would inherit that world.
-os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 @contextlib.contextmanager
@@ -44,6 +46,8 @@ def preserved_global_rng():
 
 
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+WORKER_START = "VLLM_WORKER_MULTIPROC_METHOD"
+DEVICES = "CUDA_VISIBLE_DEVICES"
 # torchrun's variables: the spawned engine processes must not read them as their own world
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
@@ -51,14 +55,23 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 @contextlib.contextmanager
-def engine_process_env(on_cpu: bool):
+def engine_process_env(on_cpu: bool, gpus: tuple[int, int] = (0, 1)):
     """os.environ while an engine is built (its processes started), then restored: without
-    LAUNCHER_ENV; VLLM_ENABLE_V1_MULTIPROCESSING 0 on CPU (the engine core in this process,
-    the model in the spawned worker: vllm_settings.engine_args picks the multiprocess executor)
-    and 1 on GPUs; on CPU `cpu_bind`'s binding unless the user set one."""
+    LAUNCHER_ENV; VLLM_WORKER_MULTIPROC_METHOD spawn unless the user set one;
+    VLLM_ENABLE_V1_MULTIPROCESSING 0 on CPU (the engine core in this process, the model in the
+    spawned worker: vllm_settings.engine_args picks the multiprocess executor) and 1 on GPUs;
+    on GPUs CUDA_VISIBLE_DEVICES = `engine_devices(gpus)` (the engine's devices of this node:
+    `gpus` = (first local device, count), the placement's slot), on CPU `cpu_bind`'s binding
+    unless the user set one."""
     saved = {k: os.environ.pop(k) for k in (*LAUNCHER_ENV, MULTIPROCESSING) if k in os.environ}
     added = {k: v for k, v in (cpu_bind() if on_cpu else {}).items() if k not in os.environ}
     added[MULTIPROCESSING] = "0" if on_cpu else "1"
+    if WORKER_START not in os.environ:
+        added[WORKER_START] = "spawn"
+    if not on_cpu:
+        if DEVICES in os.environ:
+            saved[DEVICES] = os.environ[DEVICES]
+        added[DEVICES] = engine_devices(gpus, os.environ.get(DEVICES))
     os.environ.update(added)
     try:
         yield
@@ -66,6 +79,41 @@ def engine_process_env(on_cpu: bool):
         for k in added:
             os.environ.pop(k, None)
         os.environ.update(saved)
+
+
+def engine_devices(gpus: tuple[int, int], visible: str | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES of an engine on the node's devices [gpus[0], gpus[0] + gpus[1]):
+    indices into `visible` (the job's CUDA_VISIBLE_DEVICES, when set), else the devices
+    themselves. An engine beyond the visible devices is refused by name."""
+    first, count = gpus
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
+    if devices is None:
+        return ",".join(str(d) for d in range(first, first + count))
+    if first + count > len(devices):
+        raise ValueError(f"a vLLM engine on local devices {first}..{first + count - 1} "
+                         f"(rollout.gpus_per_engine={count}) but CUDA_VISIBLE_DEVICES={visible} "
+                         f"shows {len(devices)}")
+    return ",".join(devices[first:first + count])
+
+
+@contextlib.contextmanager
+def trainer_groups_kept():
+    """Within the block torch.distributed.destroy_process_group leaves the default group (and
+    with it every group) alive: a call without a group, or with the default group, does
+    nothing; a call for another group (vLLM's own) goes through. The default group belongs to
+    the trainer, which destroys it at exit (parallel.process_groups.shutdown)."""
+    original = dist.destroy_process_group
+
+    def destroy_own_groups_only(group=None):
+        if group is None or group is dist.GroupMember.WORLD:
+            return
+        original(group)
+
+    dist.destroy_process_group = destroy_own_groups_only
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = original
 
 
 def cpu_bind() -> dict[str, str]:

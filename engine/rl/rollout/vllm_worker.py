@@ -5,10 +5,18 @@
 - `rl_install_contract_logprobs`: the runner's top-k/top-p sampler wrapped by
   `ContractLogprobs`, so the log-probs are log_softmax(logits / T) before top-p (the contract
   of engine.rl.rollout.base), the sampled token still vLLM's.
+- `rl_leave_signals_to_owner`: SIGTERM and SIGINT ignored in the worker. torchrun (and a
+  cluster scheduler, and Ctrl-C) signal the whole process group, the engine's worker included;
+  vLLM's own handler ends the worker at once, so a rank that was told "finish the step, save,
+  exit 0" (engine.run.run_loop) found its engine dead mid-step and exited 1. The owner ends the
+  worker: vLLM's executor shutdown asks it to exit, and kills it if it does not (SIGKILL);
+  vLLM's death pipe ends it when the owner dies.
 - `rl_load_bucket` / `rl_close_sync`: one exact weight sync (engine.rl.rollout.vllm_sync); a
   bucket arrives as a file (engine.rl.rollout.bucket_files), only its path through the RPC.
 """
 from __future__ import annotations
+
+import signal
 
 import torch
 from vllm.platforms import current_platform
@@ -41,6 +49,10 @@ class RolloutWorkerExtension:
         sampler = self.model_runner.sampler
         if not isinstance(sampler.topk_topp_sampler, ContractLogprobs):
             sampler.topk_topp_sampler = ContractLogprobs(sampler.topk_topp_sampler)
+
+    def rl_leave_signals_to_owner(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
     def rl_load_bucket(self, path: str, names: list[str]) -> None:
         """Load one bucket, bucket_files.write_bucket's file (deleted once read); the first
