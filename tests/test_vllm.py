@@ -466,7 +466,7 @@ def test_multi_turn_moe_ppo_distillation_and_validation_on_vllm(pools, tmp_path)
 
 
 def test_a_dead_engine_is_reported_dead_and_not_retried(qwen3):
-    """The engine's model process killed (last in this module: it kills the module's engine):
+    """The engine's worker survives a SIGTERM (left to its owner). Then its model process killed (last in this module: it kills the module's engine):
     vLLM's executor reports it failed (`is_alive` False), so the rollout pool's retry loop gives up after
     the one failed call instead of retrying, and the loop restarts the engine from the
     current weights (engine.rl.rollout.pool; run on vLLM in the LoRA GRPO test above).
@@ -479,6 +479,9 @@ def test_a_dead_engine_is_reported_dead_and_not_retried(qwen3):
     from engine.rl.rollout.pool import generate_with_retries
 
     (pid,) = qwen3.engine_pids()   # on CPU: the worker (the engine core is in this process)
+    os.kill(pid, signal.SIGTERM)   # as torchrun's signal to the job's process groups: ignored,
+    time.sleep(1.0)                # the owner finishes its step with the engine and ends it
+    assert qwen3.is_alive and qwen3.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while qwen3.is_alive and time.monotonic() < deadline:
