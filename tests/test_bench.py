@@ -1,5 +1,6 @@
-"""tools/bench.py: the fast benchmarks end to end (balance, sync, mfu skip on CPU) and the pieces
-of arithmetic the reports rest on, each against an independent reference."""
+"""tools/bench/ (`python -m tools.bench`): the fast benchmarks end to end (balance, sync, mfu
+skip on CPU) and the pieces of arithmetic the reports rest on, each against an independent
+reference."""
 from __future__ import annotations
 
 import json
@@ -7,19 +8,24 @@ import pytest
 import torch
 
 from tests.launch import run_python
-from tools import bench, bench_async, bench_balance, bench_mfu, bench_overhead, bench_sync
-from tools.bench_common import last_json_line
+from tools.bench import __main__ as bench
+from tools.bench import async_rl as bench_async
+from tools.bench import balance as bench_balance
+from tools.bench import mfu as bench_mfu
+from tools.bench import overhead as bench_overhead
+from tools.bench import sync as bench_sync
+from tools.bench.common import last_json_line
 
-BENCH = "tools/bench.py"
+BENCH = ("-m", "tools.bench")
 
 
 def _run(*args: str, timeout: int = 300, pools=None) -> tuple[str, dict]:
-    """`python tools/bench.py ARGS`: a real process, or with `pools` on the session's 1-rank
+    """`python -m tools.bench ARGS`: a real process, or with `pools` on the session's 1-rank
     pool (tests/pool.py; for the benchmarks that start no launch of their own)."""
     if pools is None:
-        proc = run_python(BENCH, *args, timeout=timeout)
+        proc = run_python(*BENCH, *args, timeout=timeout)
     else:
-        proc = pools.script(1, BENCH, *args, timeout=timeout)
+        proc = pools.script(1, *BENCH, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, last_json_line(proc.stdout)
 

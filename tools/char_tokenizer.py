@@ -3,7 +3,7 @@ downloaded): the chat templates as Qwen3 (drops earlier turns' reasoning), Qwen2
 prompt, tool calls), Llama 3.1 (date header, <|eot_id|>) and plain chatml ship them, structure
 reproduced here. Decoding trained ids gives back exactly the trained text, which is what the
 template tests (tests/test_data_templates.py), the tools demo (recipes/rl_tools_cpu_demo.sh) and
-`tools/bench.py data` need.
+`python -m tools.bench data` need.
 """
 from __future__ import annotations
 

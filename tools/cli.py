@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return convert_main(rest, prog=f"{PROG} convert")
     if name == "bench":
-        from tools.bench import main as bench_main
+        from tools.bench.__main__ import main as bench_main
 
-        return bench_main(rest)
+        return bench_main(rest, prog=f"{PROG} bench")
     from tools.demo import main as demo_main
 
     return demo_main(rest)

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tools", action="store_true", help="run the calculator between turns")
     p.add_argument("--show", type=int, default=3)
     args = parser.parse_args(argv)
-    from tools.bench_common import quiet_libraries
+    from tools.bench.common import quiet_libraries
 
     quiet_libraries()
     if args.command == "assets":

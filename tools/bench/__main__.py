@@ -1,34 +1,34 @@
 """Benchmarks of the engine: overhead, balancing, generate-once, weight sync, async RL, MFU.
 
-    python tools/bench.py overhead [--quick]   engine SFT step vs bare megatron-core (torchrun,
+    python -m tools.bench overhead [--quick]   engine SFT step vs bare megatron-core (torchrun,
                                                4 ranks, TP2 x DP2); goal ratio <= 1.05
-    python tools/bench.py balance  [--quick] [--plot PNG]
+    python -m tools.bench balance  [--quick] [--plot PNG]
                                                DP balance max/mean work (goal <= 1.02) and
                                                padding fraction with packing (goal < 1%)
-    python tools/bench.py rollout  [--quick] [--engines 1,2]
+    python -m tools.bench rollout  [--quick] [--engines 1,2]
                                                HF rollout backend: one generate call per rollout
                                                batch vs one per micro-batch; goal >= 3x;
                                                --engines: tokens/s and weight-sync time by
                                                engine count (torchrun, 2 ranks)
-    python tools/bench.py backends [--quick]   rollout tokens/s, rollout.backend=hf vs vllm on
+    python -m tools.bench backends [--quick]   rollout tokens/s, rollout.backend=hf vs vllm on
                                                the same prompts, weights and sampling (~100M
                                                parameters, 64 x 256 tokens); goal ratio >= 4
-    python tools/bench.py sync     [--quick]   Megatron -> rollout engine weight sync GB/s per
+    python -m tools.bench sync     [--quick]   Megatron -> rollout engine weight sync GB/s per
                                                bucket size (>= 100M-parameter model)
-    python tools/bench.py async    [--quick]   GRPO step time with rollout.max_staleness 1 vs 0
+    python -m tools.bench async    [--quick]   GRPO step time with rollout.max_staleness 1 vs 0
                                                (torchrun, 1 training + 1 rollout rank); goal
                                                ratio <= 0.6; trainer and rollout idle fractions
-    python tools/bench.py mfu      [--quick]   ~1B Qwen3-shaped SFT step, bf16, 4K packed rows:
+    python -m tools.bench mfu      [--quick]   ~1B Qwen3-shaped SFT step, bf16, 4K packed rows:
                                                TFLOP/s per GPU and MFU (CUDA only; one GPU, or
                                                torchrun --nproc_per_node N for N DP ranks)
-    python tools/bench.py data     [--quick]   data pipeline: chat rows rendered per second by
+    python -m tools.bench data     [--quick]   data pipeline: chat rows rendered per second by
                                                worker count, first SFT step with an empty and
                                                a built cache (2 ranks), RSS per rank (2, 4)
-    python tools/bench.py loss_head [--quick] peak RSS of an SFT step and of RL forward-only
+    python -m tools.bench loss_head [--quick] peak RSS of an SFT step and of RL forward-only
                                                log-probs, unchunked vs chunked loss head
                                                (vocab 151,936, fp32; fresh process each);
                                                goal <= 3.0 GB at 8,192 tokens
-    python tools/bench.py all      [--quick] [--plot PNG]
+    python -m tools.bench all      [--quick] [--plot PNG]
 
 Each prints readable tables (Markdown pipe tables) and, as its last stdout line, one JSON object.
 `all` prints the keys overhead_ratio, balance_max_over_mean, naive_balance_max_over_mean,
@@ -44,11 +44,8 @@ import os
 import sys
 import time
 from datetime import date
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python tools/bench.py` in a checkout
-
-from tools.bench_common import (BenchResult, Table, emit, machine_info, machine_table,  # noqa: E402
+from tools.bench.common import (BenchResult, Table, emit, machine_info, machine_table,
                                 quiet_libraries)
 
 # key -> (comparison, threshold): the issue's goals
@@ -88,37 +85,37 @@ def goals_table(goals: dict[str, dict]) -> Table:
 def run_one(name: str, args) -> BenchResult:
     """Run the benchmark `name` in this process (overhead starts its own torchrun)."""
     if name == "overhead":
-        from tools.bench_overhead import run_overhead
+        from tools.bench.overhead import run_overhead
         return run_overhead(args.quick)
     if name == "balance":
-        from tools.bench_balance import run_balance
+        from tools.bench.balance import run_balance
         return run_balance(args.quick, args.plot)
     if name == "rollout":
-        from tools.bench_rollout import run_rollout
+        from tools.bench.rollout import run_rollout
         result = run_rollout(args.quick)
         if getattr(args, "engines", None):
-            from tools.bench_engines import run_engines
+            from tools.bench.engines import run_engines
             scaling = run_engines([int(c) for c in args.engines.split(",")], args.quick)
             result = BenchResult(result.tables + scaling.tables,
                                  {**result.summary, **scaling.summary})
         return result
     if name == "backends":
-        from tools.bench_backends import run_backends
+        from tools.bench.backends import run_backends
         return run_backends(args.quick)
     if name == "sync":
-        from tools.bench_sync import run_sync
+        from tools.bench.sync import run_sync
         return run_sync(args.quick)
     if name == "async":
-        from tools.bench_async import run_async
+        from tools.bench.async_rl import run_async
         return run_async(args.quick)
     if name == "mfu":
-        from tools.bench_mfu import run_mfu
+        from tools.bench.mfu import run_mfu
         return run_mfu(args.quick, getattr(args, "profile", False))
     if name == "data":
-        from tools.bench_data import run_data
+        from tools.bench.data import run_data
         return run_data(args.quick)
     if name == "loss_head":
-        from tools.bench_loss_head import run_loss_head
+        from tools.bench.loss_head import run_loss_head
         return run_loss_head(args.quick)
     raise ValueError(f"unknown benchmark {name!r}")
 
@@ -158,8 +155,8 @@ def run_all(args) -> BenchResult:
     return BenchResult(tables, summary)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     public = ("overhead", "balance", "rollout", "backends", "sync", "async", "mfu", "data", "loss_head",
@@ -177,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "rollout":
             p.add_argument("--engines", default=None,
                            help="also time rollout engine scaling for these engine counts, "
-                                "e.g. 1,2 (tools/bench_engines.py)")
+                                "e.g. 1,2 (tools/bench/engines.py)")
     worker = sub.add_parser("_overhead_worker")  # internal: one torchrun rank of `overhead`
     worker.add_argument("--model-dir", required=True)
     worker.add_argument("--tp", type=int, default=2)
@@ -195,16 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet_libraries()
     if args.command == "_engines_worker":
-        from tools.bench_engines import engines_worker as run_engines_worker
+        from tools.bench.engines import engines_worker as run_engines_worker
         run_engines_worker(args.model_dir, args.engines, args.repeats)
         return 0
 
     if args.command == "_loss_head_worker":
-        from tools.bench_loss_head import loss_head_worker
+        from tools.bench.loss_head import loss_head_worker
         loss_head_worker(args.model_dir, args.mode, args.tokens, args.chunk)
         return 0
     if args.command == "_overhead_worker":
-        from tools.bench_overhead import overhead_worker
+        from tools.bench.overhead import overhead_worker
         overhead_worker(args.model_dir, args.tp, args.pairs, args.warmup)
         return 0
     if args.command == "all":

@@ -1,6 +1,6 @@
 """Asynchronous RL: the same GRPO job synchronous (s = 0) and asynchronous (s = 1), side by side.
 
-`python tools/bench.py async [--quick]` runs two launches of `python -m torch.distributed.run
+`python -m tools.bench async [--quick]` runs two launches of `python -m torch.distributed.run
 --nproc_per_node 2 -m engine.rl` with rollout.placement=disaggregated rollout.num_ranks=1 (one
 training rank, one rollout rank, OMP_NUM_THREADS=1: one core each on a 2-core host), identical
 but for rollout.max_staleness (0, then 1), and reads each run's metrics.jsonl. Model: a tiny
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.bench_common import REPO_ROOT, TOOLS_DIR, BenchResult, Table, fmt, free_port, subprocess_env
+from tools.bench.common import REPO_ROOT, BenchResult, Table, fmt, free_port, subprocess_env
 
 MODEL = dict(vocab_size=200, hidden=64, layers=4, heads=8, kv_heads=2, intermediate=128)
 PROMPTS_PER_STEP, N, MAX_NEW_TOKENS, SEQ_LENGTH = 8, 4, 192, 256
@@ -62,11 +62,10 @@ def _launch(model: str, prompts: Path, log_dir: Path, s: int, steps: int,
            f"model.hf_path={model}", f"data.train_files=[{prompts}]", f"rollout.n={N}",
            f"rollout.max_new_tokens={MAX_NEW_TOKENS}", f"train.prompts_per_step={PROMPTS_PER_STEP}",
            f"train.max_steps={steps}", f"train.seq_length={SEQ_LENGTH}", "kl.beta=0",
-           "reward.fn=bench_async:digit_reward", "logging.progress_bar=false",
+           "reward.fn=tools.bench.async_rl:digit_reward", "logging.progress_bar=false",
            "rollout.placement=disaggregated", "rollout.num_ranks=1",
            f"rollout.max_staleness={s}", f"logging.dir={log_dir}"]
-    env = subprocess_env(threads=1)
-    env["PYTHONPATH"] = os.pathsep.join((str(TOOLS_DIR), env["PYTHONPATH"]))  # the reward fn
+    env = subprocess_env(threads=1)  # the repo root on PYTHONPATH: the reward fn
     start = time.perf_counter()
     _run(cmd, env, timeout_s, f"engine.rl (rollout.max_staleness={s})")
     wall = time.perf_counter() - start
@@ -75,7 +74,7 @@ def _launch(model: str, prompts: Path, log_dir: Path, s: int, steps: int,
 
 
 def _run(cmd: list[str], env: dict, timeout_s: int, what: str) -> None:
-    """bench_common.run_launch, but a failure names the ranks' error lines (torchrun's own
+    """common.run_launch, but a failure names the ranks' error lines (torchrun's own
     summary, which hides them, is 25 lines long)."""
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from tools.bench_common import (REPO_ROOT, BenchResult, Table, fmt, machine_info, median,
+from tools.bench.common import (REPO_ROOT, BenchResult, Table, fmt, machine_info, median,
                                 run_launch, subprocess_env, torch_threads)
 
 MODEL = dict(vocab_size=32000, hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048,

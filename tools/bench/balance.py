@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from tools.bench_common import BenchResult, Table, fmt, median
+from tools.bench.common import BenchResult, Table, fmt, median
 
 DISTRIBUTIONS = ("lognormal", "mixture")
 METHODS = ("balanced", "contiguous", "sorted_rr")

@@ -1,4 +1,5 @@
-"""Shared helpers of `tools/bench.py`: tables, statistics, the result protocol, machine facts.
+"""Shared helpers of the benchmarks (`python -m tools.bench`): tables, statistics, the result
+protocol, machine facts, child launches.
 
 Result protocol of every benchmark: a function returning `BenchResult(tables, summary)`;
 `tables` are printed as aligned Markdown pipe tables (readable in a terminal and pasteable into
@@ -17,8 +18,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-TOOLS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`python tools/bench.py data [--quick]`: the data pipeline at scale (docs/benchmarks.md).
+"""`python -m tools.bench data [--quick]`: the data pipeline at scale (docs/benchmarks.md).
 
 Generates a multi-turn chat file (20,000 rows of 1-3 turns, ~2,000 characters each; --quick:
 500 rows), rendered by a character-level tokenizer with a chatml template without
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from tools.bench_common import (REPO_ROOT, BenchResult, Table, fmt, free_port, run_launch,
+from tools.bench.common import (REPO_ROOT, BenchResult, Table, fmt, free_port, run_launch,
                           subprocess_env)
 
 WORDS = ["the", "of", "and", "a", "to", "in", "is", "you", "that", "it", "he", "was", "for",

@@ -1,6 +1,6 @@
 """Rollout engine scaling: tokens/s and weight-sync time by engine count (HF backend).
 
-`python tools/bench.py rollout --engines 1,2` runs, per engine count E, one torchrun launch of
+`python -m tools.bench rollout --engines 1,2` runs, per engine count E, one torchrun launch of
 WORLD gloo ranks on this machine (one "node", training layout DP=WORLD, TP1: every rank holds a
 model replica). E HF engines are placed by engine.rl.rollout.placement (owners: ranks 0, ...,
 one engine per rank at most) and driven through engine.rl.rollout.pool exactly as the RL loop
@@ -23,10 +23,10 @@ import sys
 import tempfile
 import time
 
-from tools.bench_common import (TOOLS_DIR, BenchResult, Table, fmt, free_port, last_json_line,
+from tools.bench.common import (BenchResult, Table, fmt, free_port, last_json_line,
                           median, run_launch, subprocess_env)
 
-# compute-bound on a CPU core (bench_rollout's WIDE case), so decoding dominates the fixed costs
+# compute-bound on a CPU core (rollout.py's WIDE case), so decoding dominates the fixed costs
 MODEL = dict(vocab_size=4096, hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768,
              head_dim=32)
 WORLD = 2
@@ -103,7 +103,7 @@ def engines_worker(model_dir: str, engines: int, repeats: int) -> None:
 def _launch(model_dir: str, engines: int, repeats: int, timeout_s: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           str(TOOLS_DIR / "bench.py"), "_engines_worker", "--model-dir", model_dir,
+           "-m", "tools.bench", "_engines_worker", "--model-dir", model_dir,
            "--engines", str(engines), "--repeats", str(repeats)]
     out, _ = run_launch(cmd, subprocess_env(threads=1), timeout_s, "engines worker")
     return last_json_line(out)

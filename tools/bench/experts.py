@@ -1,7 +1,7 @@
 """Grouped MoE experts (models.layers.experts.grouped) vs megatron's SequentialMLP: forward + backward
 time of one expert module on this host, side by side in one process, same weights and tokens.
 
-  python tools/bench_experts.py [--experts 16] [--hidden 512] [--ffn 256] [--tokens 4096]
+  python -m tools.bench.experts [--experts 16] [--hidden 512] [--ffn 256] [--tokens 4096]
                                 [--reps 10] [--dtype float32|bfloat16]
 
 Tokens are routed with a skewed distribution (expert e gets weight 1/(e+1); some experts may
@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 
 warnings.filterwarnings("ignore")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # also `python tools/bench/experts.py`
 
 
 def _modules(args, dtype):

@@ -1,7 +1,7 @@
 """Single-GPU SFT through the real entry point: `torchrun --nproc_per_node 1 -m engine.sft`.
 
-    python tools/bench_gpu_sft.py --workdir /tmp/gpu_sft                 # on a CUDA host
-    python tools/bench_gpu_sft.py --workdir /tmp/gpu_sft --tiny          # CPU smoke (gloo)
+    python -m tools.bench.gpu_sft --workdir /tmp/gpu_sft                 # on a CUDA host
+    python -m tools.bench.gpu_sft --workdir /tmp/gpu_sft --tiny          # CPU smoke (gloo)
 
 Builds, locally (nothing is downloaded), random-weight HF models with the tests' word-level
 chat tokenizer (tools/tiny_models.py) and a synthetic chat JSON-lines file of `--rows` rows
@@ -25,10 +25,10 @@ Cases (each a separate launch, bf16 on CUDA):
 loss-head comparison at long sequences (`--seq 32768 --gbs 1 --cases dense,unchunked`).
 
 Reported per case (steps after `--warmup`): median step time, tokens/s, model TFLOP/s and MFU
-against the GPU's dense bf16 peak (tools/bench_mfu.py's table), peak allocated GPU memory
+against the GPU's dense bf16 peak (tools/bench/mfu.py's table), peak allocated GPU memory
 (the engine's memory/max_allocated_gib metric), first/last loss. Model FLOPs per step =
 3 x forward; forward = 2 x (weights used per token, LM head included, embedding lookup not) x
-tokens + causal attention 2 x 2 x q_dim x L(L+1)/2 per layer and sequence (bench_mfu's
+tokens + causal attention 2 x 2 x q_dim x L(L+1)/2 per layer and sequence (mfu.py's
 count); for MoE the weights used per token are the attention, the router and top-k experts.
 Recomputation is not counted (MFU, not hardware FLOP utilisation).
 """
@@ -45,8 +45,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # also `python tools/bench/gpu_sft.py`
 
 DENSE = dict(arch="qwen3", vocab_size=151936, hidden=1024, layers=28, heads=16, kv_heads=8,
              intermediate=3072, head_dim=128, max_position_embeddings=40960,
@@ -226,7 +226,7 @@ def main() -> int:
     models = build_models(workdir, args.tiny, {CASES[c][0] for c in cases}, args.vocab)
     data = workdir / f"data_{args.seq}.jsonl"
     write_data(data, args.rows, args.seq)
-    from tools.bench_mfu import peak_bf16_tflops
+    from tools.bench.mfu import peak_bf16_tflops
 
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_bf16_tflops(gpu) if cuda else None

@@ -3,7 +3,7 @@
 
 Model: Qwen3-shaped, fp32, vocabulary 151,936 (Qwen's), hidden 64, 2 layers, tied embeddings
 (the issue's setup: memory is dominated by the vocabulary, not the layers). One process (world
-1, TP1, CPU). Each measurement runs in a fresh subprocess (`python tools/bench.py
+1, TP1, CPU). Each measurement runs in a fresh subprocess (`python -m tools.bench
 _loss_head_worker ...`) so peaks never mix: it builds the TrainEngine, records its RSS, runs
 
   sft: one TrainEngine.train_batch (engine.sft.training.train_step: forward, loss, backward,
@@ -25,8 +25,7 @@ import sys
 import tempfile
 import time
 
-from tools.bench_common import REPO_ROOT, BenchResult, Table, fmt, last_json_line, run_launch, \
-    subprocess_env
+from tools.bench.common import BenchResult, Table, fmt, last_json_line, run_launch, subprocess_env
 
 MODEL = dict(vocab_size=151936, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
              head_dim=16, max_position_embeddings=2048)
@@ -97,7 +96,7 @@ def loss_head_worker(model_dir: str, mode: str, tokens: int, chunk: int) -> None
 
 
 def _measure(model_dir: str, mode: str, tokens: int, chunk: int) -> dict:
-    cmd = [sys.executable, str(REPO_ROOT / "tools" / "bench.py"), "_loss_head_worker",
+    cmd = [sys.executable, "-m", "tools.bench", "_loss_head_worker",
            "--model-dir", model_dir, "--mode", mode, "--tokens", str(tokens),
            "--chunk", str(chunk)]
     out, _ = run_launch(cmd, subprocess_env(threads=1), 1800,

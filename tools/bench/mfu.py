@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from tools.bench_common import BenchResult, Table, fmt, median
+from tools.bench.common import BenchResult, Table, fmt, median
 
 # Qwen3-shaped, ~1.1B parameters (Qwen3-1.7B widths with 16 layers); tied embeddings
 QWEN3_1B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=16,
@@ -63,7 +63,7 @@ def make_sequences(vocab: int, total_tokens: int, seed: int = 0) -> list:
     half of each (a response)."""
     import numpy as np
 
-    from tools.bench_balance import sample_lengths
+    from tools.bench.balance import sample_lengths
     from engine.training.micro_batches import SequenceData
 
     rng = np.random.default_rng(seed)
@@ -181,7 +181,7 @@ def run_mfu(quick: bool, profile: bool = False) -> BenchResult:
     tflops = raw["flops_per_gpu"] / step / 1e12
     peak = peak_bf16_tflops(name)
     mfu = tflops / peak if peak else None
-    from tools.bench_sync import count_parameters
+    from tools.bench.sync import count_parameters
     params = count_parameters(hf_config)
     table = Table(
         "MFU (~1B Qwen3-shaped SFT step, bf16, 4K packed rows)",

@@ -1,6 +1,6 @@
 """Engine overhead: the engine's SFT step against a bare megatron-core loop, same model/layout.
 
-`run_overhead` builds a small Qwen3-style HF model, then re-launches `tools/bench.py
+`run_overhead` builds a small Qwen3-style HF model, then re-launches `python -m tools.bench
 _overhead_worker` under torchrun (4 gloo ranks as TP2 x DP2 on a CPU host; see `default_layout`)
 and parses the JSON line rank 0 prints last.
 
@@ -27,7 +27,7 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from tools.bench_common import (TOOLS_DIR, BenchResult, Table, fmt, free_port, last_json_line, median,
+from tools.bench.common import (BenchResult, Table, fmt, free_port, last_json_line, median,
                           run_launch, subprocess_env)
 
 # model of the overhead benchmark (Qwen3-style; head_dim 32, vocab a multiple of 128 so the
@@ -59,7 +59,7 @@ def run_overhead(quick: bool, timeout_s: int = 1200) -> BenchResult:
                                      seed=0, **MODEL)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               str(TOOLS_DIR / "bench.py"), "_overhead_worker", "--model-dir", model_dir,
+               "-m", "tools.bench", "_overhead_worker", "--model-dir", model_dir,
                "--tp", str(tp), "--pairs", str(pairs), "--warmup", str(warmup)]
         out, _ = run_launch(cmd, subprocess_env(threads=1), timeout_s, "overhead worker")
     return overhead_result(last_json_line(out), quick)

@@ -11,7 +11,7 @@ Cases (CASES): the CPU demo / test model size with short responses is the headli
 step the fixed costs of a forward pass dominate, as in GPU decoding of small batches, so one
 large batch amortises them); longer responses (attention over the KV cache grows and scales with
 the batch) and a 4x wider model (compute-bound on a CPU core) show where batching gains less on
-a CPU. Torch runs with THREADS intra-op threads (see bench_common.torch_threads).
+a CPU. Torch runs with THREADS intra-op threads (see common.torch_threads).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import random
 import tempfile
 import time
 
-from tools.bench_common import BenchResult, Table, fmt, median, torch_threads
+from tools.bench.common import BenchResult, Table, fmt, median, torch_threads
 
 SMALL = dict(vocab_size=512, hidden=64, layers=4, heads=8, kv_heads=2, intermediate=128,
              head_dim=8)

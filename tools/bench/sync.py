@@ -8,7 +8,7 @@ code path: megatron -> HF names, fused QKV and gate/up split, vocab unpadded) th
 `HFRolloutEngine.update_weights` (a copy into the transformers model). Throughput = bytes moved
 (fp32 weights) / wall seconds of the whole stream, in GB/s (1e9 bytes). An "export only" row
 times the same stream without an engine (the conversion alone). On a CPU host torch runs with
-CPU_THREADS intra-op threads (see bench_common.torch_threads).
+CPU_THREADS intra-op threads (see common.torch_threads).
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import os
 import tempfile
 import time
 
-from tools.bench_common import BenchResult, Table, fmt, median, torch_threads
+from tools.bench.common import BenchResult, Table, fmt, median, torch_threads
 
 # 8 layers x 11.8M + 32.8M tied embedding = 127M parameters (fp32: 508 MB)
 MODEL = dict(vocab_size=32000, hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816,
              head_dim=64)
 DEFAULT_BUCKET_MB = 512       # engine.rl.config rollout.sync_bucket_mb default
-CPU_THREADS = 1               # torch intra-op threads on a CPU host (bench_common.torch_threads)
+CPU_THREADS = 1               # torch intra-op threads on a CPU host (common.torch_threads)
 
 
 def count_parameters(hf_config: dict) -> int:
