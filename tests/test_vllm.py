@@ -547,3 +547,51 @@ def test_vllms_teardown_leaves_the_trainers_default_group_alive():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_an_untested_vllm_or_a_missing_internal_is_refused_by_name(monkeypatch):
+    """The version guard (engine.rl.rollout.vllm_version): another vLLM release is refused
+    before any process group unless rollout.vllm.allow_untested_version=true (then a warning);
+    every private name the backend uses exists in the installed vLLM 0.32.0, and a missing one
+    is named with what uses it; a sampler the log-prob contract cannot wrap, and liveness flags
+    that are gone, are refused instead of read as alive."""
+    from types import SimpleNamespace
+
+    from engine.rl.rollout import vllm_version as vv
+
+    assert vv.version_problem(False, "0.32.0+cpu") is None
+    refusal = vv.version_problem(False, "0.33.1")
+    assert "vLLM 0.33.1 is installed" in refusal and "vllm==0.32.0" in refusal
+    assert "rollout.vllm.allow_untested_version=true" in refusal
+    assert vv.version_problem(True, "0.33.1") is None
+    assert "vLLM 0.33.1, not the tested 0.32.0" in vv.untested_warning("0.33.1")
+    assert vv.untested_warning("0.32.0") is None
+    monkeypatch.setattr(vv, "installed_version", lambda: "0.33.1")
+    assert any("vLLM 0.33.1 is installed" in p for p in vllm_problems(_cfg(), {}))
+    assert not any("0.33.1" in p for p in vllm_problems(
+        _cfg("rollout.vllm.allow_untested_version=true"), {}))
+    monkeypatch.undo()
+
+    assert vv.missing_internals() == []   # all present in the tested release
+    gone = {("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO"): "weight sync",
+            ("vllm.model_executor.model_loader.reload.layerwise", "_renamed"): "weight sync",
+            ("vllm.no_such_module", "X"): "liveness"}
+    assert vv.missing_internals(gone) == [
+        "vllm.model_executor.model_loader.reload.layerwise._renamed (weight sync)",
+        "vllm.no_such_module.X (liveness)"]
+
+    class Inner(torch.nn.Module):
+        def forward(self, logits, generators, k, p):
+            return logits
+
+    class Renamed(torch.nn.Module):
+        def forward(self, logits, generators, top_k, top_p, extra):
+            return logits
+
+    assert vv.sampler_problem(SimpleNamespace(topk_topp_sampler=Inner())) is None
+    assert "has no topk_topp_sampler" in vv.sampler_problem(SimpleNamespace())
+    assert "cannot wrap it" in vv.sampler_problem(SimpleNamespace(topk_topp_sampler=Renamed()))
+    assert vv.liveness_problem(SimpleNamespace(engine_dead=False), None) is None
+    assert vv.liveness_problem(None, SimpleNamespace(is_failed=False)) is None
+    assert "no engine_dead flag" in vv.liveness_problem(SimpleNamespace(), None)
+    assert "no is_failed flag" in vv.liveness_problem(None, SimpleNamespace())

@@ -69,6 +69,8 @@ class VLLMConfig:
     enable_prefix_caching: bool = True
     sleep_level: int = 1                 # GPU sleep_during_train: 1 offloads weights, 2 drops
     engine_kwargs: dict = field(default_factory=dict)  # any other vllm.EngineArgs field
+    # run a vLLM other than the tested release (engine.rl.rollout.vllm_version), with a warning
+    allow_untested_version: bool = False
 
 
 @dataclass

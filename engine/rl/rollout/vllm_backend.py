@@ -71,6 +71,8 @@ from engine.rl.rollout.eos import eos_token_ids, folder_tokenizer, no_eos_messag
 from engine.rl.rollout.vllm_process import (engine_process_env, preserved_global_rng,
                                              trainer_groups_kept, without_chat_warmup_warning)
 from engine.rl.rollout.vllm_settings import engine_args
+from engine.rl.rollout.vllm_version import (TESTED_VERSION, liveness_problem, missing_internals,
+                                            untested_warning)
 
 WORKER_EXTENSION = "engine.rl.rollout.vllm_worker.RolloutWorkerExtension"
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -112,6 +114,9 @@ class VLLMRolloutEngine(RolloutEngine):
         slot; vLLM's tensor_parallel_size gpus[1]). R3 (`routed_experts`) is refused before any process group."""
         if routed_experts:
             raise ValueError(cls.routed_experts_problem())
+        warning = untested_warning()   # allowed by rollout.vllm.allow_untested_version
+        if warning:
+            print(warning, flush=True)
         return cls(hf_path, dtype=dtype, seed=seed, sleep_level=rollout_cfg.vllm.sleep_level,
                    trust_remote_code=trust_remote_code, gpus=gpus,
                    **engine_args(rollout_cfg.vllm, gpus[1], _on_cpu(),
@@ -130,6 +135,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self.eos_token_ids = eos_token_ids(hf_path, folder_tokenizer(hf_path, trust_remote_code))
         if not self.eos_token_ids:
             raise ValueError(no_eos_message(hf_path))
+        missing = missing_internals()
+        if missing:
+            raise RuntimeError(f"vLLM {_vllm().__version__} lacks what the vllm backend uses "
+                               f"(tested with vLLM {TESTED_VERSION}): {'; '.join(missing)}")
         self.on_cpu = _on_cpu()
         self.sleep_level = sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
@@ -150,8 +159,12 @@ class VLLMRolloutEngine(RolloutEngine):
             self.vllm_config = self.llm.llm_engine.vllm_config
             self.max_model_len = int(model_config.max_model_len)
             self.vocab_size = int(model_config.get_vocab_size())
+            problem = liveness_problem(*self._vllm_parts())
+            if problem:
+                raise RuntimeError(f"{problem}: a dead engine would look alive")
             self.llm.collective_rpc("rl_install_contract_logprobs")
             self.llm.collective_rpc("rl_leave_signals_to_owner")
+            self._contract_seen = False
         except BaseException:
             self.shutdown()   # not left to vLLM's finalizer (it would end the trainer's group)
             raise
@@ -163,9 +176,8 @@ class VLLMRolloutEngine(RolloutEngine):
         restarts the engine instead of retrying)."""
         if not self._alive:
             return False
-        resources, executor = self._vllm_parts()
-        return not (getattr(resources, "engine_dead", False)
-                    or getattr(executor, "is_failed", False))
+        resources, executor = self._vllm_parts()   # their flags checked at start
+        return not (resources.engine_dead if resources is not None else executor.is_failed)
 
     def _vllm_parts(self):
         """(the client's resources when the engine core has a process of its own, else None;
@@ -216,6 +228,11 @@ class VLLMRolloutEngine(RolloutEngine):
         with preserved_global_rng():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                         sampling, use_tqdm=False)
+        if not self._contract_seen:   # the first call: the log-probs came from the contract
+            if not all(self.llm.collective_rpc("rl_contract_calls")):
+                raise RuntimeError("vLLM sampled without its topk_topp_sampler, which carries "
+                                   "the log-prob contract: its log-probs are not the contract's")
+            self._contract_seen = True
         return [self._generation(prompt, out.outputs[0])
                 for prompt, out in zip(prompts, outputs, strict=True)]
 

@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import importlib.util
 
+from engine.rl.rollout.vllm_version import version_problem
 from models.families.registry import FAMILIES
 
 GIB = 2 ** 30
@@ -70,6 +71,8 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
     if importlib.util.find_spec("vllm") is None:
         return [MISSING_VLLM]
     v, p = rollout.vllm, []
+    untested = version_problem(bool(v.allow_untested_version))
+    p += [untested] if untested else []
     positive = (("max_model_len", v.max_model_len), ("max_num_seqs", v.max_num_seqs),
                 ("kv_cache_gib", v.kv_cache_gib))
     p += [f"rollout.vllm.{key}={value!r} must be > 0 or null" for key, value in positive

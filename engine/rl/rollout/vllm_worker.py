@@ -4,7 +4,9 @@
 
 - `rl_install_contract_logprobs`: the runner's top-k/top-p sampler wrapped by
   `ContractLogprobs`, so the log-probs are log_softmax(logits / T) before top-p (the contract
-  of engine.rl.rollout.base), the sampled token still vLLM's.
+  of engine.rl.rollout.base), the sampled token still vLLM's; refused when the sampler has no
+  such module or calls it otherwise (engine.rl.rollout.vllm_version). `rl_contract_calls`: how
+  often it ran (the owner checks its first generate went through it).
 - `rl_leave_signals_to_owner`: SIGTERM and SIGINT ignored in the worker. torchrun (and a
   cluster scheduler, and Ctrl-C) signal the whole process group, the engine's worker included;
   vLLM's own handler ends the worker at once, so a rank that was told "finish the step, save,
@@ -23,6 +25,7 @@ from vllm.platforms import current_platform
 
 from engine.rl.rollout.bucket_files import read_bucket
 from engine.rl.rollout.vllm_sync import LayerwiseSync
+from engine.rl.rollout.vllm_version import sampler_problem
 
 
 class ContractLogprobs(torch.nn.Module):
@@ -34,7 +37,10 @@ class ContractLogprobs(torch.nn.Module):
         inner.logprobs_mode = "raw_logprobs"  # the wrapped sampler computes no log-probs
         self.inner = inner
 
+    calls = 0   # forward calls: the owner checks the contract carried the first generate
+
     def forward(self, logits, generators, k, p):
+        ContractLogprobs.calls += 1
         logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
         sampled, _ = self.inner(logits, generators, k, p)
         return sampled, logprobs
@@ -47,8 +53,15 @@ class RolloutWorkerExtension:
 
     def rl_install_contract_logprobs(self) -> None:
         sampler = self.model_runner.sampler
+        problem = sampler_problem(sampler)
+        if problem and not isinstance(getattr(sampler, "topk_topp_sampler", None),
+                                      ContractLogprobs):
+            raise RuntimeError(problem)
         if not isinstance(sampler.topk_topp_sampler, ContractLogprobs):
             sampler.topk_topp_sampler = ContractLogprobs(sampler.topk_topp_sampler)
+
+    def rl_contract_calls(self) -> int:
+        return ContractLogprobs.calls
 
     def rl_leave_signals_to_owner(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
