@@ -39,6 +39,7 @@ import torch
 from megatron.core.models.common.embeddings import RotaryEmbedding
 from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer import multi_latent_attention as megatron_mla
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -125,6 +126,20 @@ class HFMultiLatentAttention(MLASelfAttention):
                                        self.pg_collection.cp)
         self.softmax_scale = softmax_scale
         self.core_attention.scale = softmax_scale
+
+    def _resolve_qk_norm_config(self, submodules):
+        """megatron-core >= 0.19 (0.16 has no such step: it builds the spec's modules as they
+        are): with q_lora_rank null (Moonlight), the spec's own modules. 0.19's resolver
+        refuses the spec's Q norm as unused there, and with qk_layernorm it wants a Q norm
+        fused into linear_q_proj (a norm+linear module: none on the local backend, so it
+        raises; Transformer Engine's would norm q_proj's input a second time). HF's q_proj has
+        no norm of its own; the latent KV norm stays, as with q_lora_rank (resolved by
+        megatron, which keeps the spec's explicit norms and plain linears)."""
+        if self.config.q_lora_rank is not None:
+            return super()._resolve_qk_norm_config(submodules)
+        return dict(linear_q_proj=submodules.linear_q_proj, linear_q_up_proj=IdentityOp,
+                    linear_kv_up_proj=submodules.linear_kv_up_proj, q_layernorm=IdentityOp,
+                    kv_layernorm=submodules.kv_layernorm)
 
 
 class LatentRMSNorm:
