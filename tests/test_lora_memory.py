@@ -42,35 +42,35 @@ def test_adapter_count_equals_peft(tmp_path):
         assert adapter_parameters(hf, resolve_targets(targets), 4, 1, 1).total == trainable
 
 
-def test_glm4_moe_attention_count_equals_peft_and_why_all_linear_is_refused(tmp_path):
-    """GLM-4.5: the attention adapters' count equals peft's. peft 0.21 on transformers 5 reads
-    all-linear (and gate_proj / up_proj / down_proj) on glm4_moe as the fused routed experts
-    and the router (target_parameters), never the dense or shared-expert MLP: the reason
-    engine.config.lora_settings refuses those names there (checked here, so a peft that
-    changes this shows up)."""
+def test_glm4_moe_count_equals_peft_as_peft_converts_the_names(tmp_path):
+    """GLM-4.5: peft 0.21 on transformers 5 reads all-linear and gate_proj / up_proj /
+    down_proj on glm4_moe as the fused routed experts (gate_up_proj at rank 2r) and, for
+    all-linear, the router (target_parameters), never the dense layer's or the shared
+    expert's MLP; the count of what model.lora.* resolves to (engine.config.lora_family)
+    equals peft's trainable parameters for each, per-module ranks included (so a peft that
+    reads the names otherwise shows up here)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.config.lora_settings import lora_problems
+    from engine.config.lora_family import family_spec
     from tests.glm4_moe_tiny import build_glm4_moe
-    from tests.test_lora import cfg
 
     model_dir = build_glm4_moe(str(tmp_path / "glm"), tokenizer=False, mtp=False)
     hf = AutoConfig.from_pretrained(model_dir)
     attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=attention))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert adapter_parameters(hf, resolve_targets(attention), 4, 1, 1).total == trainable
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    config = model.peft_config["default"]
-    assert set(config.target_modules) == set(attention)
-    assert set(config.target_parameters) == {"gate_up_proj", "down_proj", "gate.weight"}
-    hf_dict = hf.to_dict()
-    assert any("peft (0.21) reads these names on this family as the fused" in p
-               for p in lora_problems(cfg(rank=4), hf_dict))
-    assert lora_problems(cfg(rank=4, target_modules=attention), hf_dict) == []
+    for targets, parameters in ((attention, {"gate_up_proj", "down_proj", "gate.weight"}),
+                                ("all-linear", {"gate_up_proj", "down_proj", "gate.weight"}),
+                                (["gate_proj", "up_proj", "down_proj"],
+                                 {"gate_up_proj", "down_proj"})):
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                               LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        spec = family_spec(hf.to_dict(), 4, 8.0, targets)
+        assert adapter_parameters(hf, spec.targets, spec, 1, 1).total == trainable, targets
+        config = model.peft_config["default"]
+        if targets != attention:
+            assert set(config.target_parameters) == parameters
+            assert set(config.target_modules) == set(attention) & set(spec.targets)
 
 
 def test_adapter_counts_by_hand():
@@ -135,8 +135,8 @@ def test_sft_validate_reports_and_checks_lora(tmp_path):
     cfg.model.lora.rank = 0   # the control: full fine-tuning does not fit one GPU
     assert any("exceeds recipe.gpu_memory_gib" in p for p in validate_recipe(cfg, 1, 1).problems)
     cfg.model.lora.rank, cfg.model.lora.target_modules = 16, ["experts"]
-    assert any("model.lora.target_modules contains experts, but the model has no MoE" in p
-               for p in validate_recipe(cfg, 1, 1).problems)
+    assert any("adapts ['experts.down_proj', 'experts.gate_up_proj'], but the model has no MoE"
+               in p for p in validate_recipe(cfg, 1, 1).problems)
 
 
 def test_rl_validate_counts_no_reference_copy_under_lora(capsys):

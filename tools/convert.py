@@ -170,7 +170,7 @@ def mcore_to_hf(args) -> None:
     _claim_out(out, getattr(args, "overwrite", False), ckpt)
     cfg = read_hf_config(ckpt)
     _setup(cfg)
-    found = checkpoint_lora(ckpt, getattr(args, "base", None))
+    found = checkpoint_lora(ckpt, getattr(args, "base", None), cfg)
     if found is None and getattr(args, "merge", False):
         _fail(f"--merge needs a LoRA checkpoint; {ckpt} holds a full model")
     if found is not None:

@@ -16,39 +16,39 @@ from pathlib import Path
 LORA_FILE = "lora.json"
 
 
-def spec_from_peft(adapter_dir: str):
-    """LoraSpec of a PEFT adapter folder; raises ValueError naming what is not implemented."""
-    from models.lora.adapters import LoraSpec
-    from models.lora.peft import CONFIG_FILE, adapter_config_problems, expert_order
-    from models.lora.sites import TARGET_NAMES, resolve_targets
+def spec_from_peft(adapter_dir: str, cfg: dict):
+    """LoraSpec of a PEFT adapter folder on the model of HF config `cfg` (its names read as
+    the family reads them, its rank / alpha patterns); raises ValueError naming what is not
+    implemented."""
+    from engine.config.lora_family import family_spec, target_problems
+    from models.lora.peft import adapter_config_problems, adapter_keys
 
-    cfg = json.loads((Path(adapter_dir) / CONFIG_FILE).read_text())
-    targets = cfg.get("target_modules") or []
-    unknown = [t for t in ([targets] if isinstance(targets, str) else targets)
-               if t not in TARGET_NAMES + ("all-linear",)]
-    if unknown:
-        raise ValueError(f"--adapter {adapter_dir}: target_modules {unknown} not supported; "
-                         f"valid: {', '.join(TARGET_NAMES)}, all-linear")
-    experts = {"experts"} if expert_order(cfg) else set()   # peft's target_parameters
-    spec = LoraSpec(int(cfg["r"]), float(cfg["lora_alpha"]), resolve_targets(targets) | experts,
-                    float(cfg.get("lora_dropout") or 0.0), bool(cfg.get("use_rslora", False)))
-    problems = adapter_config_problems(adapter_dir, spec)
-    if problems:
-        raise ValueError("; ".join(problems))
-    return spec
+    problems = adapter_config_problems(adapter_dir)
+    found = adapter_keys(adapter_dir)
+    if not problems and found is not None:   # its names, as model.lora.init_from reads them
+        problems = [f"--adapter {adapter_dir}: {p}"
+                    for p in target_problems(found["target_modules"], 0.0, cfg)]
+    if problems or found is None:
+        raise ValueError("; ".join(problems) or f"--adapter {adapter_dir}: unreadable "
+                         "adapter_config.json")
+    cfg_json = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    return family_spec(cfg, int(found["rank"]), float(found["alpha"]), found["target_modules"],
+                       found["rslora"], found["rank_pattern"], found["alpha_pattern"],
+                       float(cfg_json.get("lora_dropout") or 0.0))
 
 
-def checkpoint_lora(ckpt: Path, base: str | None):
-    """(LoraSpec, base folder) of a LoRA checkpoint, or None for a full-model checkpoint."""
+def checkpoint_lora(ckpt: Path, base: str | None, cfg: dict):
+    """(LoraSpec, base folder) of a LoRA checkpoint of the model of HF config `cfg`, or None
+    for a full-model checkpoint."""
     import yaml
 
-    from models.lora.adapters import LoraSpec
-    from models.lora.sites import resolve_targets
+    from engine.config.lora_family import family_spec
 
     if (ckpt / LORA_FILE).is_file():
         info = json.loads((ckpt / LORA_FILE).read_text())
-        spec = LoraSpec(info["rank"], info["alpha"], frozenset(info["targets"]),
-                        info["dropout"], info["rslora"])
+        spec = family_spec(cfg, info["rank"], info["alpha"], info["targets"], info["rslora"],
+                           info.get("rank_pattern"), info.get("alpha_pattern"),
+                           info["dropout"])
         return spec, base or info["base"]
     if not (ckpt / "config.yaml").is_file():
         return None
@@ -56,9 +56,9 @@ def checkpoint_lora(ckpt: Path, base: str | None):
     lora = model.get("lora") or {}
     if not lora.get("rank"):
         return None
-    spec = LoraSpec(int(lora["rank"]), float(lora["alpha"]),
-                    resolve_targets(lora["target_modules"]), float(lora.get("dropout", 0.0)),
-                    bool(lora.get("rslora", False)))
+    spec = family_spec(cfg, int(lora["rank"]), float(lora["alpha"]), lora["target_modules"],
+                       bool(lora.get("rslora", False)), lora.get("rank_pattern"),
+                       lora.get("alpha_pattern"), float(lora.get("dropout", 0.0)))
     return spec, base or model.get("hf_path")
 
 
@@ -84,8 +84,10 @@ def export_lora(ckpt: Path, cfg: dict, found, out: Path, merge: bool, dtype, wri
     import torch
 
     from models.bridge.weights import export_hf_weights
+    from models.families.registry import family_of
     from models.hf.conditional import peft_layers
     from models.lora.peft import export_peft_tensors, write_peft_adapter
+    from models.lora.sites import ROUTER_PATH
     from models.lora.sites import merged_weight
 
     spec, base = found
@@ -97,7 +99,8 @@ def export_lora(ckpt: Path, cfg: dict, found, out: Path, merge: bool, dtype, wri
         write_hf(tensors)
         return len(tensors)
     tensors = {n: cast(t).clone() for n, t in export_peft_tensors(chunks, peft_layers(cfg))}
-    write_peft_adapter(tensors, spec, str(base), out)
+    router = family_of(cfg).lora_hf_paths.get(ROUTER_PATH, ROUTER_PATH)
+    write_peft_adapter(tensors, spec, str(base), out, router)
     return len(tensors)
 
 
@@ -112,7 +115,7 @@ def adapter_to_mcore(cfg: dict, hf_dir: str, adapter_dir: str, out: Path) -> Non
     from models.hf.conditional import peft_layers
     from models.lora.peft import load_peft_adapter
 
-    spec = spec_from_peft(adapter_dir)
+    spec = spec_from_peft(adapter_dir, cfg)
     chunks = build_model_chunks(cfg, lora=spec)
     load_hf_weights(chunks, SafetensorsReader(hf_dir), cfg)
     load_peft_adapter(chunks, adapter_dir, peft_layers(cfg))
@@ -121,4 +124,5 @@ def adapter_to_mcore(cfg: dict, hf_dir: str, adapter_dir: str, out: Path) -> Non
         (out / LORA_FILE).write_text(json.dumps({
             "rank": spec.rank, "alpha": spec.alpha, "targets": sorted(spec.targets),
             "dropout": spec.dropout, "rslora": spec.rslora,
+            "rank_pattern": spec.rank_pattern, "alpha_pattern": spec.alpha_pattern,
             "base": str(Path(hf_dir).resolve())}, indent=2))

@@ -22,21 +22,22 @@ LABELS = {"dp_grad_reduce": "DP grad reduce-scatter", "dp_param_all_gather": "DP
           "cp_exchange": "CP exchange", "ep_all_to_all": "EP all-to-all"}
 
 
-def recipe_setup(cfg, tokens_per_micro_batch: int, micro_batches: int) -> CommSetup:
+def recipe_setup(cfg, tokens_per_micro_batch: int, micro_batches: int,
+                 hf: dict) -> CommSetup:
     """CommSetup of a recipe (model.dtype, optim.distributed_optimizer,
-    parallel.grad_reduce_in_fp32, train.recompute*, model.lora.*)."""
+    parallel.grad_reduce_in_fp32, train.recompute*, model.lora.* on the model `hf`)."""
     granularity, _, _ = recompute_settings(cfg.train)
     return CommSetup(tokens_per_micro_batch=tokens_per_micro_batch, micro_batches=micro_batches,
                      act_bytes=2 if cfg.model.dtype == "bfloat16" else 4,
                      distributed_optimizer=cfg.optim.distributed_optimizer,
                      grad_reduce_in_fp32=cfg.parallel.grad_reduce_in_fp32,
-                     full_recompute=granularity == "full", lora=lora_spec(cfg))
+                     full_recompute=granularity == "full", lora=lora_spec(cfg, hf))
 
 
 def comm_section(cfg, hf: dict, layout, tokens_per_micro_batch: int,
                  micro_batches: int) -> tuple[list[str], dict]:
     """(text lines, JSON object) of the communication plan of `cfg` at `layout`."""
-    plan = comm_plan(hf, layout, recipe_setup(cfg, tokens_per_micro_batch, micro_batches))
+    plan = comm_plan(hf, layout, recipe_setup(cfg, tokens_per_micro_batch, micro_batches, hf))
     per_gpu = plan.per_gpu
     overlap = overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer, cuda=True)
     shown = [k for k in KINDS if per_gpu[k] > 0]

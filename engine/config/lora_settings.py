@@ -4,31 +4,43 @@
   (scaling alpha / r, or alpha / sqrt(r) with `model.lora.rslora=true`, peft's use_rslora);
 - `model.lora.dropout` (default 0): dropout on the adapter input while training. Any other
   value draws random masks that depend on the layout, so the layout invariance no longer holds;
-- `model.lora.target_modules`: HF projection names (models.lora.sites.TARGET_NAMES) or
-  `all-linear` (every attention and MLP projection; not the experts, as in peft);
+- `model.lora.target_modules`: peft's names with peft 0.21's meaning on the model's family
+  (engine.config.lora_family, models.lora.targets): projection names (models.lora.targets.
+  TARGET_NAMES), `all-linear` (every nn.Linear but the head; where peft converts names for
+  transformers' fused experts, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3, also the experts and
+  the router), gate_proj / up_proj / down_proj (Mixtral: w1 / w3 / w2) there as the experts'
+  fused gate_up_proj (rank and alpha doubled, as peft writes) and down_proj, and the
+  target_parameters words `experts` (both expert parameters at rank r),
+  `experts.gate_up_proj`, `experts.down_proj`, `router`;
+- `model.lora.rank_pattern` / `model.lora.alpha_pattern`: peft's {module pattern: rank /
+  alpha}, matched as peft matches them (empty: init_from's, else none);
 - `model.lora.init_from`: a PEFT adapter folder to start from; its r, lora_alpha,
-  target_modules (and target_parameters: `experts`) and use_rslora fill the keys left unset
-  (`fill_lora_keys`), and keys given that contradict them are refused by name (DoRA, biases,
-  per-layer ranks are refused);
+  target_modules (and target_parameters), use_rslora, rank_pattern and alpha_pattern fill the
+  keys left unset (`fill_lora_keys`), and keys given that contradict them are refused by name
+  (DoRA, biases, per-layer adapters are refused);
 - `model.lora.dora`: peft's use_dora; only false is implemented (refused by name otherwise).
 
 `lora_problems` checks them before any process group exists; `lora_spec` gives the
-models.lora.adapters.LoraSpec that models.build.factory.build_model_chunks attaches.
+models.lora.slices.LoraSpec that models.build.factory.build_model_chunks attaches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from models.families.base import ORIGINAL, Family
-from models.families.registry import FAMILIES, experts_per_layer
-from models.lora.adapters import LoraSpec
+from engine.config.lora_family import (FUSED_NAMES, family, family_spec, init_from_problems,
+                                       layer_rank_problems, target_problems)
+from models.families.base import ORIGINAL
+from models.families.registry import FAMILIES
 from models.lora.peft import adapter_config_problems, adapter_keys
-from models.lora.sites import TARGET_NAMES, resolve_targets, target_list
+from models.lora.slices import LoraSpec
+from models.lora.targets import TARGET_NAMES, pattern_problems, target_list
 
 
 # defaults of the keys left null (an init_from adapter's own values come first)
 DEFAULTS = {"alpha": 16.0, "target_modules": ["all-linear"], "rslora": False}
+_FILLED = ("alpha", "target_modules", "rslora")
+_PATTERNS = ("rank_pattern", "alpha_pattern")   # empty: the adapter's
 
 
 @dataclass
@@ -40,21 +52,27 @@ class LoraConfig:
     init_from: Optional[str] = None   # PEFT adapter folder
     rslora: Optional[bool] = None  # alpha / sqrt(rank) (peft use_rslora); null: init_from's
     dora: bool = False            # peft use_dora: not implemented, only false
+    # peft's {module pattern: rank} / {module pattern: alpha}; empty: init_from's, else none
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
 
 
 def fill_lora_keys(lora: LoraConfig) -> None:
     """Fill, in place, the model.lora.* keys left unset from model.lora.init_from's
     adapter_config.json (rank 0: its r; alpha, target_modules, rslora null: its lora_alpha,
-    target_modules plus `experts` for target_parameters, use_rslora), then the DEFAULTS.
-    Explicit keys stay as given: `lora_problems` refuses those that contradict the adapter.
-    Run by lora_problems before any process group starts, so the run's config.yaml holds the
-    values it trained with."""
+    target_modules plus its target_parameters' words (models.lora.peft.adapter_keys),
+    use_rslora; rank_pattern, alpha_pattern empty: its own), then the DEFAULTS. Explicit
+    keys stay as given: `lora_problems` refuses those that contradict the adapter. Run by lora_problems before any process group starts, so the run's config.yaml
+    holds the values it trained with."""
     found = adapter_keys(lora.init_from) if lora.init_from is not None else None
     if found is not None:
         if lora.rank == 0 and isinstance(found["rank"], int):
             lora.rank = found["rank"]
-        for key in ("alpha", "target_modules", "rslora"):
+        for key in _FILLED:
             if getattr(lora, key) is None:
+                setattr(lora, key, found[key])
+        for key in _PATTERNS:
+            if not getattr(lora, key):
                 setattr(lora, key, found[key])
     for key, value in DEFAULTS.items():
         if getattr(lora, key) is None:
@@ -78,44 +96,37 @@ def _value_problems(lora: LoraConfig) -> list[str]:
         if not isinstance(getattr(lora, key), bool):
             p.append(f"model.lora.{key}={getattr(lora, key)!r} must be true or false")
     names = target_list(lora.target_modules)
-    unknown = [n for n in names if n not in TARGET_NAMES + ("all-linear",)]
+    valid = TARGET_NAMES + FUSED_NAMES + ("all-linear",)
+    unknown = [n for n in names if n not in valid]
     if not names or unknown:
         p.append(f"model.lora.target_modules={names!r}: {unknown or 'empty'} not valid; "
-                 f"choose from {', '.join(TARGET_NAMES)} or all-linear")
+                 f"choose from {', '.join(valid)}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        p += [f"model.lora.{x}" for x in pattern_problems(getattr(lora, key), key)]
     return p
 
 
 def _model_problems(cfg: Any, hf_config: dict) -> list[str]:
     lora, p = cfg.model.lora, []
-    family = hf_config.get("model_type")
-    if not FAMILIES.get(family, Family()).lora:  # the families' declared `lora`
+    model_type = hf_config.get("model_type")
+    if not family(hf_config).lora:  # the families' declared `lora`
         supported = [name for name, fam in FAMILIES.items() if fam.lora]
         return [f"model.lora.rank={lora.rank}: LoRA is not implemented for model_type "
-                f"{family!r}; supported: {', '.join(supported)}"]
+                f"{model_type!r}; supported: {', '.join(supported)}"]
     if ORIGINAL in hf_config and "all-linear" in target_list(lora.target_modules):
         p.append(f"model.lora.target_modules=all-linear on a conditional-generation checkpoint "
                  f"(config.json model_type {hf_config[ORIGINAL].get('model_type')!r}): peft's "
                  "all-linear adapts the vision tower's linears too, which are carried "
                  "unchanged here (no adapter sites); list the text model's projections")
-    refused, known = FAMILIES[family].lora_refused, FAMILIES[family].lora_targets
-    for name in target_list(lora.target_modules):
-        if name in refused:
-            p.append(f"model.lora.target_modules={name!r} on {family}: {refused[name]}")
-        elif name not in known + ("all-linear", "experts"):
-            p.append(f"model.lora.target_modules={name!r}: {family} has no such projection; "
-                     f"its names: {', '.join(known)} (experts on MoE models), all-linear")
-    targets = resolve_targets(lora.target_modules)
-    moe = experts_per_layer(hf_config) > 0
-    if "experts" in targets and not moe:
-        p.append("model.lora.target_modules contains experts, but the model has no MoE "
-                 "experts; remove it")
-    if "experts" in targets and moe and lora.dropout:
-        p.append(f"model.lora.dropout={lora.dropout} with experts in model.lora.target_modules: "
-                 "expert adapters take no dropout (peft's adapters of fused expert parameters "
-                 "refuse it too); set model.lora.dropout=0")
+    p += target_problems(lora.target_modules, lora.dropout, hf_config)
+    if p:
+        return p
+    spec = lora_spec(cfg, hf_config)
+    p += layer_rank_problems(spec, hf_config)
     if lora.init_from is not None:
-        p += adapter_config_problems(lora.init_from, lora_spec(cfg),
-                                     frozenset(known + ("experts",)))
+        problems = adapter_config_problems(lora.init_from)
+        found = adapter_keys(lora.init_from)
+        p += problems or init_from_problems(lora, spec, found, hf_config)
     return p
 
 
@@ -136,22 +147,28 @@ def lora_problems(cfg: Any, hf_config: dict) -> list[str]:
     return p or _model_problems(cfg, hf_config)
 
 
-def lora_spec(cfg: Any) -> LoraSpec | None:
-    """The LoraSpec of model.lora.* (None when model.lora.rank is 0); seeded by `seed`."""
+def lora_spec(cfg: Any, hf_config: dict) -> LoraSpec | None:
+    """The LoraSpec of model.lora.* on the model of `hf_config` (None when model.lora.rank is
+    0; engine.config.lora_family.family_spec); seeded by `seed`."""
     lora = getattr(cfg.model, "lora", None)
     if lora is None:
         return None
     fill_lora_keys(lora)
     if not lora.rank:
         return None
-    return LoraSpec(rank=int(lora.rank), alpha=float(lora.alpha),
-                    targets=resolve_targets(lora.target_modules), dropout=float(lora.dropout),
-                    rslora=bool(lora.rslora), seed=int(getattr(cfg, "seed", 0)))
+    return family_spec(hf_config, int(lora.rank), float(lora.alpha), lora.target_modules,
+                       bool(lora.rslora), _plain(lora.rank_pattern), _plain(lora.alpha_pattern),
+                       float(lora.dropout), int(getattr(cfg, "seed", 0)))
 
 
-def lora_build_kwargs(cfg: Any) -> dict:
+def _plain(patterns) -> dict:
+    """A pattern key's value as a plain dict in its order (an OmegaConf DictConfig too)."""
+    return {str(k): v for k, v in (patterns or {}).items()}
+
+
+def lora_build_kwargs(cfg: Any, hf_config: dict) -> dict:
     """TrainEngine.build arguments of model.lora.* ({} without LoRA)."""
-    spec = lora_spec(cfg)
+    spec = lora_spec(cfg, hf_config)
     if spec is None:
         return {}
     return {"lora": spec, "lora_init": cfg.model.lora.init_from}

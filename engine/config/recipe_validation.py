@@ -136,7 +136,7 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
                         f"max_position_embeddings={hf['max_position_embeddings']}")
     bf16 = cfg.model.dtype == "bfloat16"
     mem = estimate_memory(hf, layout, train, bf16, cfg.optim.distributed_optimizer, m,
-                          lora_spec(cfg), vision_estimate(cfg, train))
+                          lora_spec(cfg, hf), vision_estimate(cfg, train))
     cap = cfg.recipe.gpu_memory_gib
     at_recipe_size = (nodes == cfg.recipe.nodes
                       and world_size == cfg.recipe.nodes * cfg.recipe.gpus_per_node)
@@ -162,7 +162,8 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
         f"tokens per step (at most); {m} micro-batches per DP rank per step, "
         f"{micro_batch_tokens(train)} tokens per micro-batch",
         f"activations: sequence parallelism {'on' if layout.sequence_parallel else 'off'}, "
-        f"recompute {_recompute_text(train)}", *lora_summary(hf, lora_spec(cfg), params.total),
+        f"recompute {_recompute_text(train)}",
+        *lora_summary(hf, lora_spec(cfg, hf), params.total),
         *vision_summary(cfg, hf, train),
         f"memory per GPU (estimate, GiB): weights {mem.weights:.1f} + grads {mem.grads:.1f} "
         f"+ optimizer {mem.optimizer:.1f} + activations {mem.activations:.1f} "

@@ -185,7 +185,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
         loss_chunk_tokens=train.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
-        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg)),
+        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config)),
         position(0),
         batch_key="train.prompts_per_step")
     policy.guard = NonFiniteGuard(train.max_consecutive_nonfinite_steps,

@@ -155,7 +155,7 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
     plan = plan_mini_batch([train.seq_length] * responses, layout.dp, train.balance_dp,
                            train.micro_batch_size, train.max_tokens_per_micro_batch)
     a = 2 if cfg.model.dtype == "bfloat16" else 4
-    lora = lora_spec(cfg)  # LoRA: adapters trained, and the KL reference is the frozen base
+    lora = lora_spec(cfg, hf)  # LoRA: adapters trained, and the KL reference is the frozen base
     mem = estimate_memory(hf, layout, train, a == 2, cfg.optim.distributed_optimizer,
                           plan.num_micro_batches, lora, vision_estimate(cfg, train))
     reference = reference_gib(cfg, hf, a, lora)
@@ -209,7 +209,7 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
     plan = plan_mini_batch([cfg.train.seq_length] * responses, layout.dp,
                            cfg.train.balance_dp, cfg.train.micro_batch_size,
                            cfg.train.max_tokens_per_micro_batch)
-    lora = lora_spec(cfg)
+    lora = lora_spec(cfg, hf)
     mem = estimate_memory(hf, layout, cfg.train, a == 2, cfg.optim.distributed_optimizer,
                           plan.num_micro_batches, lora, vision_estimate(cfg, cfg.train))
     reference = reference_gib(cfg, hf, a, lora)

@@ -136,7 +136,7 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
         loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
-        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg),
+        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config),
         train_vision=not cfg.model.vision.freeze),
         position(0))
     if dist.get_rank() == 0:

@@ -11,6 +11,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 
 from models.build.transformer_config import model_shape, transformer_config
 from models.families.registry import family_of
+from models.hf.conditional import peft_layers
 from models.hf.config import check_config, hf_config_object
 from models.layers.spec import block_spec, layer_spec, transformer_engine_available
 from models.lora.adapters import LoraSpec
@@ -103,7 +104,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         chunks.append(model.to(cpu_runtime.device()))
     if lora is not None:
         apply_lora(chunks, lora, {**lora_row_orders(hf_config),
-                                  **expert_lora_row_orders(hf_config)})
+                                  **expert_lora_row_orders(hf_config)},
+                   peft_layers(hf_config), family_of(hf_config).lora_hf_paths)
     return chunks
 
 

@@ -9,5 +9,6 @@ These modules hold the sums over a layout; the per-layer formulas of a layer kin
 would get wrong live beside that kind (models.layers.<kind>.costs) and are chosen by the kind a
 family declares (`Family.mixer_of`, `multi_latent_attention`, ...), never by model_type.
 
-May import: models.layers (cost formulas), models.families, models.families.base.
+May import: models.layers (cost formulas), models.families, models.families.base, models.lora
+(the plain target names of models.lora.targets).
 """

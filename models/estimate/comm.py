@@ -231,7 +231,7 @@ def comm_plan(hf: dict, layout, setup: CommSetup) -> CommPlan:
     for r in range(pp):
         dense, expert = _stage_params(hf, layout, r)
         if setup.lora is not None:  # LoRA (models.estimate.lora): the adapters alone train
-            both, expert = stage_adapters(hf, setup.lora.targets, setup.lora.rank, tp, pp, ep, r)
+            both, expert = stage_adapters(hf, setup.lora.targets, setup.lora, tp, pp, ep, r)
             dense = both - expert
         row = dict.fromkeys(KINDS, 0.0)
         row["dp_grad_reduce"] = (dense * g if dpcp > 1 else 0) + (expert * g if edp > 1 else 0)

@@ -20,13 +20,16 @@ models.lora.adapters / models.lora.sites shard them:
   (row) A [r, heads x v / tp], B [h, r];
 - gate_proj, up_proj (column, linear_fc1 of a dense-MLP layer): A [r, h] each, B [ffn / tp, r];
 - down_proj (row, linear_fc2 of a dense-MLP layer): A [r, ffn / tp], B [h, r];
-  on a MoE layer gate/up/down adapt the shared expert where the family's HF model has one as
-  `mlp.shared_expert` (Qwen3.5-MoE: width shared_expert_intermediate_size), else nothing, as
-  in peft;
-- experts (each of the num_experts / ep local experts of a MoE layer, expert TP = tp), peft's
-  target_parameters format: gate_up_proj A [r, h] and B [2 moe_ffn / tp, r], down_proj A
-  [r, moe_ffn / tp] and B [h, r].
+  on a MoE layer gate/up/down adapt the shared expert (width Family.shared_expert_width)
+  where the resolved targets hold them (peft reads them as modules there: Qwen3.5-MoE,
+  Kimi-K2), else nothing;
+- experts.gate_up_proj / experts.down_proj (each of the num_experts / ep local experts of a
+  MoE layer, expert TP = tp), peft's target_parameters format: gate_up_proj A [r, h] and
+  B [2 moe_ffn / tp, r], down_proj A [r, moe_ffn / tp] and B [h, r];
+- router (a MoE layer's router weight, replicated): A [r, h], B [E, r].
 
+r is the rank of each adapter's peft key (`rank`: an int, or a models.lora.slices.LoraSpec
+whose rank_pattern gives per-module ranks, as peft's conversion doubles gate_up_proj's).
 `total` counts the whole model unsharded: what peft's print_trainable_parameters reports for
 the same adapters on the HF model.
 """
@@ -35,8 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from models.families.base import field, head_dim, original_config
 from models.families.registry import family_of, moe_family
-from models.families.base import field, head_dim
+from models.lora.targets import EXPERT_TARGETS, ROUTER
 
 
 @dataclass(frozen=True)
@@ -50,18 +54,34 @@ class AdapterParams:
     expert_last: int
 
 
-def _mixer(hf: Any, layer: int, targets: frozenset, r: int, tp: int) -> int:
+class _Ranks:
+    """The rank of HF path `path` (in the layer) of decoder layer `layer`: `rank` as an int,
+    or a LoraSpec's rank_of its peft key."""
+
+    def __init__(self, hf: Any, rank):
+        self.rank = rank
+        # peft's decoder layers path (models.hf.conditional.peft_layers)
+        self.layers = "model.language_model.layers" if original_config(hf) else "model.layers"
+
+    def __call__(self, layer: int, path: str) -> int:
+        if isinstance(self.rank, int):
+            return self.rank
+        return self.rank.rank_of(f"{self.layers}.{layer}.{path}")
+
+
+def _mixer(hf: Any, layer: int, targets: frozenset, r: _Ranks, tp: int) -> int:
     """Adapter parameters of one rank in the sequence mixer of decoder layer `layer`."""
     h = field(hf, "hidden_size")
     mixer = family_of(hf).mixer_of(hf, layer)
     if mixer == "mla":
-        return _mla(hf, targets, r, tp)
+        return _mla(hf, layer, targets, r, tp)
+    parent = "self_attn"
     if mixer == "gated_delta_net":
         qk = field(hf, "linear_key_head_dim") * field(hf, "linear_num_key_heads")
         nv = field(hf, "linear_num_value_heads")
         v = field(hf, "linear_value_head_dim") * nv
         column = {"in_proj_qkv": 2 * qk + v, "in_proj_z": v, "in_proj_b": nv, "in_proj_a": nv}
-        rows = ("out_proj", v)
+        rows, parent = ("out_proj", v), "linear_attn"
     else:
         heads = field(hf, "num_attention_heads")
         hd = head_dim(hf)
@@ -69,11 +89,13 @@ def _mixer(hf: Any, layer: int, targets: frozenset, r: int, tp: int) -> int:
         gate = 2 if mixer == "gated_attention" else 1
         column = {"q_proj": gate * q, "k_proj": kv, "v_proj": kv}
         rows = ("o_proj", q)
-    body = sum(r * h + r * out // tp for name, out in column.items() if name in targets)
-    return body + (r * rows[1] // tp + r * h if rows[0] in targets else 0)
+    rank = {n: r(layer, f"{parent}.{n}") for n in (*column, rows[0])}
+    body = sum(rank[n] * h + rank[n] * out // tp for n, out in column.items() if n in targets)
+    o = rank[rows[0]]
+    return body + (o * rows[1] // tp + o * h if rows[0] in targets else 0)
 
 
-def _mla(hf: Any, targets: frozenset, r: int, tp: int) -> int:
+def _mla(hf: Any, layer: int, targets: frozenset, r: _Ranks, tp: int) -> int:
     """Adapter parameters of one rank in an MLA layer: (in, out, split over TP) per name."""
     h, heads = field(hf, "hidden_size"), field(hf, "num_attention_heads")
     q_rank, kv_rank = field(hf, "q_lora_rank"), field(hf, "kv_lora_rank")
@@ -86,49 +108,63 @@ def _mla(hf: Any, targets: frozenset, r: int, tp: int) -> int:
     if q_rank is not None:   # q_a_proj / q_b_proj instead of q_proj
         del shapes["q_proj"]
         shapes.update(q_a_proj=(h, q_rank, None), q_b_proj=(q_rank, heads * qk, "column"))
-    return sum(r * (i // tp if split == "row" else i) + r * (o // tp if split == "column"
-                                                           else o)
+    return sum(r(layer, f"self_attn.{name}") * ((i // tp if split == "row" else i)
+                                                + (o // tp if split == "column" else o))
                for name, (i, o, split) in shapes.items() if name in targets)
 
 
-def _mlp(ffn: int, h: int, targets: frozenset, r: int, tp: int) -> int:
-    """Adapter parameters of one rank in a gate/up/down MLP of width `ffn`."""
-    body = sum(r * h + r * ffn // tp for n in ("gate_proj", "up_proj") if n in targets)
-    return body + (r * ffn // tp + r * h if "down_proj" in targets else 0)
+def _mlp(ffn: int, h: int, targets: frozenset, rank, tp: int) -> int:
+    """Adapter parameters of one rank in a gate/up/down MLP of width `ffn`; `rank(name)`."""
+    body = sum(rank(n) * (h + ffn // tp) for n in ("gate_proj", "up_proj") if n in targets)
+    return body + (rank("down_proj") * (ffn // tp + h) if "down_proj" in targets else 0)
 
 
-def _layer(hf: Any, layer: int, targets: frozenset, r: int, tp: int, ep: int) -> tuple[int, int]:
+def _layer(hf: Any, layer: int, targets: frozenset, r: _Ranks, tp: int,
+           ep: int) -> tuple[int, int]:
     """(adapter parameters, of which the experts') of one rank in decoder layer `layer`."""
     h = field(hf, "hidden_size")
     body = _mixer(hf, layer, targets, r, tp)
     moe = moe_family(hf)
     sparse = moe is not None and moe.is_moe_layer(hf, layer)
     if not sparse:
-        return body + _mlp(field(hf, "intermediate_size"), h, targets, r, tp), 0
-    shared = field(hf, "shared_expert_intermediate_size", 0) or 0   # Qwen3.5-MoE's
-    body += _mlp(int(shared), h, targets, r, tp) if shared else 0
-    if "experts" not in targets:
-        return body, 0
+        return body + _mlp(field(hf, "intermediate_size"), h, targets,
+                           lambda n: r(layer, f"mlp.{n}"), tp), 0
+    paths = family_of(hf).lora_hf_paths
+    shared = paths.get("mlp.shared_expert", "mlp.shared_expert")
+    width = moe.shared_expert_width(hf)
+    body += _mlp(width, h, targets, lambda n: r(layer, f"{shared}.{n}"), tp) if width else 0
+    if ROUTER in targets:
+        body += r(layer, paths.get("mlp.gate", "mlp.gate") + ".weight") * (
+            h + moe.num_experts(hf))
     width = moe.expert_width(hf)
-    per_expert = r * h + 2 * r * width // tp + r * width // tp + r * h
+    gate_up, down = (r(layer, f"mlp.{t}") if t in targets else 0 for t in EXPERT_TARGETS)
+    per_expert = gate_up * (h + 2 * width // tp) + down * (width // tp + h)
     experts = moe.num_experts(hf) // ep * per_expert
     return body + experts, experts
 
 
-def stage_adapters(hf: Any, targets: frozenset, rank: int, tp: int, pp: int, ep: int,
+def _resolved(targets: frozenset) -> frozenset:
+    """`targets` with the word `experts` as both expert parameters (models.lora.targets)."""
+    return frozenset(targets) | (frozenset(EXPERT_TARGETS) if "experts" in targets else
+                                 frozenset())
+
+
+def stage_adapters(hf: Any, targets: frozenset, rank, tp: int, pp: int, ep: int,
                    stage: int) -> tuple[int, int]:
     """(adapter parameters, of which the experts') of one TP (x EP) rank of pipeline stage
-    `stage` (layers // pp layers each)."""
+    `stage` (layers // pp layers each); `rank`: an int or a LoraSpec (module docstring)."""
     per_stage = field(hf, "num_hidden_layers") // pp
-    rows = [_layer(hf, i, targets, rank, tp, ep)
+    r, targets = _Ranks(hf, rank), _resolved(targets)
+    rows = [_layer(hf, i, targets, r, tp, ep)
             for i in range(stage * per_stage, (stage + 1) * per_stage)]
     return sum(a for a, _ in rows), sum(e for _, e in rows)
 
 
-def adapter_parameters(hf: Any, targets: frozenset, rank: int, tp: int, pp: int,
+def adapter_parameters(hf: Any, targets: frozenset, rank, tp: int, pp: int,
                        ep: int = 1) -> AdapterParams:
-    """Adapter counts of `targets` (resolved HF projection names, models.lora.sites) at rank
-    `rank` for one rank of the layout tp x pp (x ep); each stage holds layers // pp layers."""
+    """Adapter counts of `targets` (resolved targets, models.lora.targets) at rank `rank` (an
+    int, or a LoraSpec for per-module ranks) for one rank of the layout tp x pp (x ep); each
+    stage holds layers // pp layers."""
     whole = stage_adapters(hf, targets, rank, 1, 1, 1, 0)[0]
     first = stage_adapters(hf, targets, rank, tp, pp, ep, 0)
     last = stage_adapters(hf, targets, rank, tp, pp, ep, pp - 1)

@@ -14,7 +14,8 @@ expert adapters):
   expert adapters over the expert-data-parallel group, as experts);
 - activations: full fine-tuning's (megatron's linears keep their inputs for the input gradient
   whether or not the weight trains) plus, per layer and token, the adapters' own: the rank-r
-  activation of each adapted projection (r per slice; experts: 3 r per routed copy, k copies
+  activation of each adapted projection (r per slice; experts: the ranks of gate_up_proj's and
+  down_proj's adapters per routed copy (3 r after peft's conversion of gate/up/down), k copies
   per token) and, with sequence parallelism (s = tp), the all-gathered input a column-parallel
   adapter keeps for A's gradient (h per adapted linear_qkv / dense linear_fc1; the base keeps
   only its sequence shard). model.lora.dropout > 0 would add a dropped copy of each adapted
@@ -26,6 +27,7 @@ from dataclasses import replace
 
 from models.families.registry import family_of, moe_family
 from models.estimate.lora import adapter_parameters
+from models.lora.targets import EXPERT_TARGETS, PARAMETER_TARGETS
 
 GIB = 2 ** 30
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -40,15 +42,17 @@ def adapter_activation_bytes(hf: dict, lora, a: int, t: float, s: int) -> float:
     targets, r, h = lora.targets, lora.rank, hf["hidden_size"]
     moe = moe_family(hf)
     slices = sum(n in targets for n in (*_QKV, "o_proj"))
+    routed = 0   # per token: the rank of each routed copy's expert adapters (k copies)
     if moe is None:
         slices += sum(n in targets for n in _MLP)
-    elif "experts" in targets:
-        slices += 3 * moe.experts_per_token(hf)
+    else:   # layer 0's keys stand for every layer's (a rank is the same in every layer)
+        routed = moe.experts_per_token(hf) * sum(
+            lora.rank_of(f"model.layers.0.mlp.{t}") for t in EXPERT_TARGETS if t in targets)
     gathered = 0
     if s > 1:
         gathered = h * (any(n in targets for n in _QKV)
                         + (moe is None and any(n in targets for n in _MLP[:2])))
-    return a * t * (r * slices + gathered)
+    return a * t * (r * slices + routed + gathered)
 
 
 def with_adapters(est, base: int, hf: dict, layout, lora, a: int, opt_bytes: float,
@@ -57,7 +61,7 @@ def with_adapters(est, base: int, hf: dict, layout, lora, a: int, opt_bytes: flo
     pipeline stage, or the last with `last`) with the module docstring's weights, grads and
     optimizer of the frozen base plus adapters; notes gain adapter_parameters and
     base_parameters (this rank's)."""
-    count = adapter_parameters(hf, lora.targets, lora.rank, layout.tp, layout.pp, layout.ep)
+    count = adapter_parameters(hf, lora.targets, lora, layout.tp, layout.pp, layout.ep)
     n = count.last_stage if last else count.first_stage
     experts = count.expert_last if last else count.expert_first
     return replace(est, weights=(base + n) * a / GIB, grads=n * 4 / GIB,
@@ -70,10 +74,10 @@ def lora_summary(hf: dict, lora, total_parameters: int) -> list[str]:
     of this model, the adapter count (unsharded) and its share of the model."""
     if lora is None:
         return []
-    n = adapter_parameters(hf, lora.targets, lora.rank, 1, 1).total
-    known = set(family_of(hf).lora_targets) | {"experts"}   # all-linear: the family's names
+    n = adapter_parameters(hf, lora.targets, lora, 1, 1).total
+    known = set(family_of(hf).lora_targets) | set(PARAMETER_TARGETS)   # the family's names
     adapted = [t for t in sorted(lora.targets & known)
-               if adapter_parameters(hf, frozenset({t}), lora.rank, 1, 1).total]
+               if adapter_parameters(hf, frozenset({t}), lora, 1, 1).total]
     idle = sorted(set(lora.targets) & known - set(adapted))
     return [f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(adapted)}"
             + (f" ({', '.join(idle)}: no such linear in this model's MoE layers, as in peft)"

@@ -122,10 +122,18 @@ class Family:
     lora: bool = False                     # LoRA adapters are built (models.lora.sites)
     # model.lora.target_modules names refused for this family: {name: why} (all-linear too)
     lora_refused: dict = {}
-    # the projection names (peft's) this family has adapter sites for (models.lora.sites);
-    # all-linear is these, `experts` is checked apart
+    # the projection names (peft's) of this family's nn.Linear modules that have adapter sites
+    # (models.lora.sites); all-linear's modules (`lora_linear`); experts, router are apart
     lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj")
+    # peft 0.21's conversion of target_modules names on this family with transformers 5
+    # (peft's _MOE_TARGET_MODULE_MAPPING of the model_type's conversion pattern): {name: the
+    # fused parameter it becomes (gate_up_proj, down_proj, gate.weight)}; None: peft reads
+    # every name as a module (models.lora.targets)
+    lora_fused: dict | None = None
+    # HF paths in a decoder layer where this family's differ from models.lora.sites' defaults
+    # (mlp.shared_expert, mlp.gate): {default: this family's}, for adapter names and keys
+    lora_hf_paths: dict = {}
     # vLLM's model module for this architecture imports transformers' image processors, which
     # import torchvision (engine.rl.rollout.vllm_settings refuses vLLM where it cannot import)
     vllm_imports_torchvision: bool = False
@@ -134,6 +142,11 @@ class Family:
     # where a conditional-generation checkpoint of this family stores its vision tower
     # (transformers' module, run in the trainer: models.vision); None: no images
     vision_prefix: str | None = None
+
+    def lora_linear(self, cfg: Any) -> tuple:
+        """The projection names peft's all-linear adapts on the model of `cfg` as modules
+        (default: `lora_targets`; a family whose names depend on the config narrows them)."""
+        return self.lora_targets
 
     def mixer_of(self, cfg: Any, layer: int) -> str:
         """The sequence mixer of decoder layer `layer` (0-based), a layer kind the estimators

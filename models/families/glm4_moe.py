@@ -21,7 +21,7 @@ from typing import Any
 from models.families.base import Biases, FieldRule, field, head_dim
 from models.families.fields import (ATTENTION_DROPOUT, HEAD_DIM, HIDDEN_ACT, NORM, TIE,
                                     rope_parameters)
-from models.families.moe import fused_expert_lora_refusals
+from models.families.moe import PEFT_QWEN2_MOE
 from models.families.sigmoid_routed import MTP_LAYERS, ROUTING_FIELDS, SigmoidRoutedMoe
 
 
@@ -64,8 +64,10 @@ class Glm4Moe(SigmoidRoutedMoe):
     hf_class = "Glm4MoeForCausalLM"
     # the attention by peft's names (models.lora.sites), routed experts on SequentialMLP experts
     lora = True
-    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")   # and experts
-    lora_refused = fused_expert_lora_refusals("q_proj, k_proj, v_proj, o_proj")
+    # gate/up/down_proj and all-linear as peft converts them: the routed experts and router,
+    # never the dense layers' or the shared experts' MLP
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_fused = PEFT_QWEN2_MOE
     fields = GLM_FIELDS + ROUTING_FIELDS
     presets = {
         "glm-4.5-air": dict(

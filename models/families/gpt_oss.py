@@ -134,6 +134,8 @@ class GptOss(MoeFamily):
     # weights in peft's target_parameters format (their biases stay frozen, as in peft; the
     # interleaved gate/up columns: models.layers.biased_experts.fused.lora_row_orders)
     lora = True
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")   # no MLP outside the experts
+    lora_hf_paths = {"mlp.gate": "mlp.router"}   # its router (target_parameters router.weight)
     # Per-expert names the generic expert mapping (models.layers.experts.mapping) reads and writes;
     # models.layers.biased_experts.fused translates them to and from the fused on-disk tensors.
     experts = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj",

@@ -15,7 +15,7 @@ from typing import Any
 
 from models.families.base import FieldRule, field
 from models.families.fields import COMMON_FIELDS
-from models.families.moe import MOE_FIELDS, ExpertNaming, MoeFamily, fused_expert_lora_refusals
+from models.families.moe import MOE_FIELDS, PEFT_MIXTRAL, ExpertNaming, MoeFamily
 
 
 def _sliding_window(cfg: Any) -> str | None:
@@ -36,8 +36,9 @@ def _sliding_window(cfg: Any) -> str | None:
 class Mixtral(MoeFamily):
     model_type = "mixtral"
     lora = True
-    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")   # and experts
-    lora_refused = fused_expert_lora_refusals("q_proj, k_proj, v_proj, o_proj")
+    # the attention; peft's w1 / w3 / w2 (and all-linear) are the experts, gate the router
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_fused = PEFT_MIXTRAL
     hf_class = "MixtralForCausalLM"
     experts = ExpertNaming(block="block_sparse_moe", gate="w1", up="w3", down="w2")
     expert_width_field = "intermediate_size"

@@ -127,20 +127,14 @@ ALL_SPARSE = FieldRule("decoder_sparse_step / mlp_only_layers", "every layer spa
                        _sparse_layers)
 
 
-def fused_expert_lora_refusals(attention: str) -> dict:
-    """Family.lora_refused of a MoE family on which peft (0.21, transformers 5) reads
-    all-linear and the MLP names as its fused routed experts: gate_proj / up_proj / down_proj
-    as target_parameters gate_up_proj / down_proj, all-linear adds the router too. An adapter
-    built from those names here would not mean what it means in peft, so they are refused;
-    `attention`: the family's projection names to list instead."""
-    return dict.fromkeys(
-        ("all-linear", "gate_proj", "up_proj", "down_proj"),
-        "with transformers 5, peft (0.21) reads these names on this family as the fused "
-        "routed experts (target_parameters gate_up_proj / down_proj; all-linear adds the "
-        "router, mlp.gate.weight, which has no adapter site here), never as a dense or "
-        "shared-expert MLP, so such an adapter would not mean the same in peft; list the "
-        f"attention projections ({attention}), plus experts for the experts' adapters "
-        "(peft's target_parameters)")
+# peft 0.21's conversion of target_modules names on transformers 5 models with fused experts
+# (peft.utils.transformers_weight_conversion._MOE_TARGET_MODULE_MAPPING): the conversion
+# pattern "qwen2_moe" (model_types qwen3_moe, glm4_moe, deepseek_v3) and "mixtral"
+# (Family.lora_fused; tests/test_lora.py checks them against peft)
+PEFT_QWEN2_MOE = {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+                  "down_proj": "down_proj"}
+PEFT_MIXTRAL = {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj",
+                "w2": "down_proj"}
 
 
 class MoeFamily(Family):

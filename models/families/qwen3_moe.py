@@ -14,15 +14,16 @@ from typing import Any
 
 from models.families.base import Biases, FieldRule, field
 from models.families.fields import COMMON_FIELDS, SLIDING_WINDOW
-from models.families.moe import (ALL_SPARSE, MOE_FIELDS, ExpertNaming, MoeFamily,
-                                  fused_expert_lora_refusals)
+from models.families.moe import ALL_SPARSE, MOE_FIELDS, PEFT_QWEN2_MOE, ExpertNaming, MoeFamily
 
 
 class Qwen3Moe(MoeFamily):
     model_type = "qwen3_moe"
     lora = True
-    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")   # and experts
-    lora_refused = fused_expert_lora_refusals("q_proj, k_proj, v_proj, o_proj")
+    # the attention; gate/up/down_proj and all-linear as peft converts them: the experts
+    # (target_parameters), all-linear also the router (gate.weight)
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_fused = PEFT_QWEN2_MOE
     hf_class = "Qwen3MoeForCausalLM"
     qk_norm = True
     experts = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")

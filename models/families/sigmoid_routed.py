@@ -205,6 +205,7 @@ class SigmoidRoutedMoe(MoeFamily):
     renormalise_field = "norm_topk_prob"
     heterogeneous = True   # per-layer dense / MoE specs (models.layers.sigmoid_routing.spec)
     expert_bias = True     # routers carry e_score_correction_bias (megatron expert_bias)
+    lora_hf_paths = {"mlp.shared_expert": SHARED_EXPERTS}   # HF's mlp.shared_experts
 
     def num_experts(self, cfg: Any) -> int:
         return num_routed(cfg)

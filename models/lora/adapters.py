@@ -64,14 +64,19 @@ class LoraAdapter(torch.nn.Module):
     base weight's)."""
 
     def __init__(self, linear, kind: str, fused: list[Slice], targeted, spec: LoraSpec,
-                 qkv_layout: tuple[int, int, int] | None = None):
+                 qkv_layout: tuple[int, int, int] | None = None, keys: dict | None = None):
         """`fused`: every HF projection of the linear, in its output order; `targeted`: the
-        names that get an (A, B) pair (the others contribute zeros)."""
+        names that get an (A, B) pair (the others contribute zeros); `keys`: {slice: its peft
+        key}, which gives each slice its rank and scaling (LoraSpec.rank_of / scaling_of;
+        absent: spec.rank and spec.scaling)."""
         super().__init__()
         self.kind, self.spec = kind, spec
         self.fused = list(fused)
         self.slices = [sl for sl in fused if sl.name in targeted]
-        self.scaling, self.reduce = spec.scaling, True
+        keys = keys or {}
+        self.ranks = {sl.name: spec.rank_of(keys.get(sl.name)) for sl in self.slices}
+        self.scalings = {sl.name: spec.scaling_of(keys.get(sl.name)) for sl in self.slices}
+        self.reduce = True
         self.enabled = True            # False inside adapters_disabled: the base alone
         self.group = linear.tp_group
         self.tp_size = self.group.size() if self.group is not None else 1
@@ -87,13 +92,14 @@ class LoraAdapter(torch.nn.Module):
         device = linear.weight.device
         for sl in self.slices:
             a_in = sl.in_features // (self.tp_size if kind == "row" else 1)
-            a = torch.nn.Parameter(torch.zeros(spec.rank, a_in, dtype=dtype, device=device))
+            rank = self.ranks[sl.name]
+            a = torch.nn.Parameter(torch.zeros(rank, a_in, dtype=dtype, device=device))
             if kind == "row":
                 set_tensor_model_parallel_attributes(a, True, 1, 1)
             self.register_parameter(f"A_{sl.name}", a)
             for name, rows in zip(self._b_names(sl), sl.blocks()):
                 b = torch.nn.Parameter(torch.zeros(
-                    rows // (self.tp_size if kind == "column" else 1), spec.rank, dtype=dtype,
+                    rows // (self.tp_size if kind == "column" else 1), rank, dtype=dtype,
                     device=device))
                 if kind == "column":
                     set_tensor_model_parallel_attributes(b, True, 0, 1)
@@ -162,6 +168,18 @@ class LoraAdapter(torch.nn.Module):
         out, bias = output
         return out + self(args[0]).to(out.dtype), bias
 
+    def wrap_gating(self, router) -> None:
+        """Adapt a MoE router (a "replicated" adapter of its weight, peft's target_parameter
+        gate.weight): its `gating(x)` returns the logits x W^T plus this adapter's
+        scaling * x A^T B^T (nothing while disabled); the routing after it is megatron's."""
+        base = router.gating
+
+        def gating(x: torch.Tensor) -> torch.Tensor:
+            logits = base(x)
+            return logits + self(x).to(logits.dtype) if self.enabled else logits
+
+        router.gating = gating
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The adapter's contribution to the linear's output for its input `x` (same leading
         dimensions as the base output; communication as in the module docstring)."""
@@ -176,13 +194,14 @@ class LoraAdapter(torch.nn.Module):
         same expert-TP gradient reduction as `_column` / `_row`. None while disabled."""
         if not self.enabled:
             return None
-        a, b = self.matrices(self.slices[0].name)
+        name = self.slices[0].name
+        a, b = self.matrices(name)
         if self.explicit and self._communicates():
             if self.kind == "column":
                 a = copy_to_tensor_model_parallel_region(a, group=self.group)
             else:
                 b = copy_to_tensor_model_parallel_region(b, group=self.group)
-        return a, b * self.scaling
+        return a, b * self.scalings[name]
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.dropout and self.training:
@@ -205,19 +224,20 @@ class LoraAdapter(torch.nn.Module):
             h = F.linear(x, a)
             if not self.explicit and self._communicates():
                 h = copy_to_tensor_model_parallel_region(h, group=self.group)
-            outs.append(F.linear(h, b) * self.scaling)
+            outs.append(F.linear(h, b) * self.scalings[sl.name])
         return self._interleave(outs)
 
     def _row(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = self.matrices(self.slices[0].name)
+        name = self.slices[0].name
+        a, b = self.matrices(name)
         h = F.linear(self._dropout(x), a)
         if self.explicit:
             if self._communicates():
                 b = copy_to_tensor_model_parallel_region(b, group=self.group)
-            return F.linear(h, b) * self.scaling   # partial: the dispatcher sums it
+            return F.linear(h, b) * self.scalings[name]   # partial: the dispatcher sums it
         if self._communicates():
             h = reduce_from_tensor_model_parallel_region(h, group=self.group)
-        y = F.linear(h, b) * self.scaling
+        y = F.linear(h, b) * self.scalings[name]
         if self.sequence_parallel and self.tp_size > 1:
             y = scatter_to_sequence_parallel_region(y, group=self.group)
         return y
@@ -252,8 +272,8 @@ class LoraAdapter(torch.nn.Module):
     def delta(self) -> torch.Tensor:
         """scaling * B A (float32) of every slice in the local layout of the base weight
         [out_local, in_local], zero rows for untargeted slices (merged weight: base + delta)."""
-        rows = [(b.float() @ a.float()) * self.scaling
-                for a, b in (self.matrices(sl.name) for sl in self.slices)]
+        rows = [(b.float() @ a.float()) * self.scalings[sl.name]
+                for sl, (a, b) in ((sl, self.matrices(sl.name)) for sl in self.slices)]
         if len(self.fused) == 1:
             return rows[0]
         rows = self._fill(rows, 0)

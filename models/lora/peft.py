@@ -1,13 +1,16 @@
 """LoRA adapters <-> PEFT adapter folders (adapter_config.json + adapter_model.safetensors).
 
 peft names a LoRA pair of an HF projection `base_model.model.<module>.lora_A.weight` [r, in]
-and `...lora_B.weight` [out, r], with <module> `model.layers.{i}.<parent>.<projection>`:
-self_attn.{q,k,v,o}_proj, linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj}
-(Qwen3.5's Gated DeltaNet), mlp.{gate,up,down}_proj or mlp.shared_expert.{gate,up,down}_proj
-(Qwen3.5-MoE). Megatron keeps the same matrices per slice of its
-fused linears (models.lora.adapters), TP-sharded; `export_peft_tensors` gathers them, `load_peft_adapter`
-shards them back. Expert adapters use peft's `target_parameters` format for transformers'
-fused 3-D expert parameters (models.lora.peft_experts).
+and `...lora_B.weight` [out, r], with <module> `model.layers.{i}.<path>`: self_attn.{q,k,v,o}_proj,
+linear_attn.{in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj} (Qwen3.5's Gated DeltaNet),
+mlp.{gate,up,down}_proj or the shared expert's mlp.shared_expert(s).{gate,up,down}_proj, and the
+router's target_parameter gate.weight as `mlp.gate` (lora_A [r, h], lora_B [E, r]: peft wraps
+the router module). Megatron keeps the same matrices per slice of its fused linears
+(models.lora.adapters), TP-sharded, each with its HF path (LoraAdapter.hf_paths);
+`export_peft_tensors` gathers them, `load_peft_adapter` shards them back. Expert adapters use
+peft's `target_parameters` format for transformers' fused 3-D expert parameters
+(models.lora.peft_experts). Per-module ranks and alphas are peft's `rank_pattern` /
+`alpha_pattern` (LoraSpec), read and written as adapter_config.json holds them.
 """
 from __future__ import annotations
 
@@ -21,10 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from models.lora.adapters import LoraAdapter, LoraSpec
-from models.lora.peft_experts import (LAYERS, PARENT, PREFIX, expert_param, export_experts,
-                                      load_experts)
-from models.lora.sites import (ALL_LINEAR, EXPERT_PARAMS, TARGET_NAMES, LoraUnsupportedError,
-                               adapters)
+from models.lora.peft_experts import LAYERS, PARENT, PREFIX, export_experts, load_experts
+from models.lora.sites import EXPERT_PARAMS, LoraUnsupportedError, ROUTER_PATH, adapters
+from models.lora.targets import EXPERT_TARGETS, parameter_target, pattern_problems, user_names
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -34,12 +36,11 @@ def _unwrap(chunk):
     return chunk
 
 
-def peft_names(layer: int, parent: str, projection: str,
-               layers: str = LAYERS) -> tuple[str, str]:
-    """peft's (lora_A, lora_B) tensor names of one projection of global layer `layer`;
-    `parent` is the HF module holding it (LoraAdapter.hf_parent: self_attn, linear_attn, mlp,
-    mlp.shared_expert), `layers` the decoder layers' HF path."""
-    head = f"{PREFIX}{layers}.{layer}.{parent}.{projection}"
+def peft_names(layer: int, path: str, layers: str = LAYERS) -> tuple[str, str]:
+    """peft's (lora_A, lora_B) tensor names of the module at HF path `path` in global layer
+    `layer` (LoraAdapter.hf_paths: self_attn.q_proj, mlp.shared_expert.gate_proj, mlp.gate),
+    `layers` the decoder layers' HF path."""
+    head = f"{PREFIX}{layers}.{layer}.{path}"
     return f"{head}.lora_A.weight", f"{head}.lora_B.weight"
 
 
@@ -62,7 +63,7 @@ def export_peft_tensors(chunks: list, layers: str = LAYERS) -> Iterator[tuple[st
         for layer, adapter in _sites(model):
             for sl in adapter.slices:
                 a, b = adapter.full_matrices(sl.name)
-                name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name, layers)
+                name_a, name_b = peft_names(layer, adapter.hf_paths[sl.name], layers)
                 yield name_a, a.contiguous()
                 yield name_b, b.contiguous()
         yield from export_experts(model, layers)
@@ -81,7 +82,7 @@ def load_peft_adapter(chunks: list, adapter_dir: str | Path, layers: str = LAYER
         model = _unwrap(chunk)
         for layer, adapter in _sites(model):
             for sl in adapter.slices:
-                name_a, name_b = peft_names(layer, adapter.hf_parent, sl.name, layers)
+                name_a, name_b = peft_names(layer, adapter.hf_paths[sl.name], layers)
                 if name_a not in stored or name_b not in stored:
                     raise LoraUnsupportedError(f"model.lora.init_from={adapter_dir}: no "
                                                f"{name_a} / {name_b} for the adapter of "
@@ -110,16 +111,19 @@ def _layer_of(name: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def expert_order(cfg: dict) -> tuple[str, ...]:
-    """The expert parameters an adapter_config.json's target_parameters name
-    (models.lora.peft_experts); () without any."""
-    return tuple(p for p in map(expert_param, cfg.get("target_parameters") or []) if p)
+def parameter_targets(cfg: dict) -> tuple[list[str], list]:
+    """(resolved targets, entries no target matches) of an adapter_config.json's
+    target_parameters (models.lora.targets.parameter_target)."""
+    entries = list(cfg.get("target_parameters") or [])
+    found = [parameter_target(str(e)) for e in entries]
+    return [t for t in found if t], [e for e, t in zip(entries, found) if t is None]
 
 
 def peft_config(spec: LoraSpec, base_path: str, targets: list[str],
                 parameters: list[str] | None = None) -> dict:
     """adapter_config.json for PeftModel.from_pretrained (the base at `base_path`); `targets`:
-    the projection names the adapter holds, `parameters`: its target_parameters (experts)."""
+    the projection names the adapter holds, `parameters`: its target_parameters (experts,
+    router); spec's rank_pattern / alpha_pattern as peft writes them."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank,
             "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
             "target_modules": targets, "target_parameters": parameters,
@@ -127,68 +131,77 @@ def peft_config(spec: LoraSpec, base_path: str, targets: list[str],
             "use_dora": False, "bias": "none", "fan_in_fan_out": False,
             "init_lora_weights": True, "base_model_name_or_path": base_path,
             "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
-            "rank_pattern": {}, "alpha_pattern": {}, "inference_mode": True}
+            "rank_pattern": dict(spec.rank_pattern), "alpha_pattern": dict(spec.alpha_pattern),
+            "inference_mode": True}
 
 
-def write_peft_adapter(tensors: dict, spec: LoraSpec, base_path: str, out: str | Path) -> None:
+def write_peft_adapter(tensors: dict, spec: LoraSpec, base_path: str, out: str | Path,
+                       router: str = ROUTER_PATH) -> None:
     """Write a PEFT adapter folder from `export_peft_tensors`' full tensors (rank 0). Its
-    target_modules are the projections the tensors adapt (all-linear: this family's)."""
+    target_modules are the projections the tensors adapt (all-linear: this family's), its
+    target_parameters the expert parameters (mlp.experts.gate_up_proj / down_proj) and the
+    router's weight (`router`: its HF path, `<router>.weight`) they hold."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE),
               metadata={"format": "pt"})
-    experts = [name for name in tensors if f".{PARENT}." in name]
+    parameters = [f"{PARENT}.{p}" for p, t in zip(EXPERT_PARAMS, EXPERT_TARGETS)
+                  if t in spec.targets and any(f".{PARENT}." in n for n in tensors)]
+    routed = [n for n in tensors if f".{router}.lora_" in n]
+    parameters += [f"{router}.weight"] if routed else []
     targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in tensors
-                      if name not in experts})
-    parameters = [f"{PARENT}.{p}" for p in EXPERT_PARAMS] if experts else None
+                      if f".{PARENT}." not in name and name not in routed})
     (out / CONFIG_FILE).write_text(json.dumps(peft_config(spec, base_path, targets,
-                                                          parameters), indent=2))
+                                                          parameters or None), indent=2))
 
 
 # adapter_config.json fields that change the math, with the only value implemented exactly
 _FIXED = {"peft_type": "LORA", "use_dora": False, "bias": "none", "fan_in_fan_out": False,
-          "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
-          "alpha_pattern": {}}
+          "modules_to_save": None, "layers_to_transform": None}
 
 
-def _target_names(targets) -> set[str] | None:
-    """peft's `target_modules` as projection names: "all-linear", a list of names ("q_proj")
-    or of module paths ("model.layers.0.self_attn.q_proj": peft saves these for some models,
-    tied ones among them). A path counts as its last component; load_peft_adapter then needs a
-    tensor for that projection in every layer, so an adapter of some layers only is still
-    refused. None: a regular expression (any other string), which is not supported."""
+def _target_names(targets) -> list[str] | None:
+    """peft's `target_modules` as model.lora.target_modules names: "all-linear", a list of
+    names ("q_proj") or of module paths ("model.layers.0.self_attn.q_proj": peft saves these
+    for some models, tied ones among them). A path counts as its last component (peft's
+    conversion reads it so too); load_peft_adapter then needs a tensor for that projection in
+    every layer, so an adapter of some layers only is still refused. None: a regular
+    expression (any other string), which is not supported."""
     if targets == "all-linear":
-        return set(ALL_LINEAR)
+        return ["all-linear"]
     if isinstance(targets, str):
         return None
-    return {t.rsplit(".", 1)[-1] for t in targets or []}
+    return sorted({t.rsplit(".", 1)[-1] for t in targets or []})
 
 
 def adapter_keys(adapter_dir: str | Path) -> dict | None:
     """The model.lora.* values a PEFT adapter folder determines: {"rank", "alpha",
-    "target_modules" (names, `experts` for the experts' target_parameters; None for a regular
-    expression), "rslora"}; None when its adapter_config.json cannot be read."""
+    "target_modules" (model.lora.target_modules names: its target_modules, read as a family
+    reads them, plus its target_parameters as `experts`, `experts.gate_up_proj`,
+    `experts.down_proj`, `router`; None for a regular expression), "rslora", "rank_pattern",
+    "alpha_pattern"}; None when its adapter_config.json cannot be read."""
     try:
         cfg = json.loads((Path(adapter_dir) / CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(cfg, dict):
         return None
-    experts = {"experts"} if expert_order(cfg) else set()
-    names = ({"all-linear"} if cfg.get("target_modules") == "all-linear"
-             else _target_names(cfg.get("target_modules")))
-    targets = None if names is None else sorted(names | experts)
+    names = _target_names(cfg.get("target_modules"))
+    parameters = user_names(frozenset(parameter_targets(cfg)[0]))
+    targets = None if names is None else sorted(set(names) | set(parameters))
     return {"rank": cfg.get("r"), "alpha": cfg.get("lora_alpha"), "target_modules": targets,
-            "rslora": bool(cfg.get("use_rslora", False))}
+            "rslora": bool(cfg.get("use_rslora", False)),
+            "rank_pattern": dict(cfg.get("rank_pattern") or {}),
+            "alpha_pattern": dict(cfg.get("alpha_pattern") or {})}
 
 
-def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec,
-                            known: frozenset | None = None) -> list[str]:
-    """Why the PEFT adapter at `adapter_dir` cannot start a run with `spec`
-    (model.lora.init_from): a missing file, a field with a value this engine does not implement
-    (DoRA, biases, per-layer ranks...), or rank / alpha / targets / rsLoRA that differ from the
-    model.lora.* keys. `known`: the projection names the model has (the family's
-    Family.lora_targets); targets are compared within them (peft saves all-linear resolved)."""
+def adapter_config_problems(adapter_dir: str | Path) -> list[str]:
+    """Why the PEFT adapter at `adapter_dir` cannot start a run whatever the keys
+    (model.lora.init_from): a missing file, a field with a value this engine does not
+    implement (DoRA, biases, per-layer adapters...), target_parameters other than the fused
+    experts' and the router's weight, a regular expression as target_modules, or a
+    rank_pattern / alpha_pattern that is not {regular expression: number > 0}. Whether it
+    matches the model.lora.* keys: engine.config.lora_settings."""
     key = f"model.lora.init_from={adapter_dir}"
     folder = Path(adapter_dir)
     missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
@@ -198,35 +211,17 @@ def adapter_config_problems(adapter_dir: str | Path, spec: LoraSpec,
     problems = [f"{key}: adapter_config.json has {field}={cfg.get(field)!r}; only "
                 f"{value!r} is supported" for field, value in _FIXED.items()
                 if cfg.get(field, value) not in (value, [] if value is None else value)]
-    targets = _target_names(cfg.get("target_modules"))
-    parameters = list(cfg.get("target_parameters") or [])
-    order = expert_order(cfg)
-    if len(order) != len(parameters) or (order and sorted(order) != sorted(EXPERT_PARAMS)):
-        problems.append(f"{key}: adapter_config.json has target_parameters={parameters!r}; "
-                        "only the experts' two fused parameters together are supported "
-                        "(mlp.experts.gate_up_proj and mlp.experts.down_proj: "
-                        "model.lora.target_modules experts), not routers or one of them alone")
-    if targets is None:
-        return problems + [f"{key}: adapter_config.json has target_modules="
-                           f"{cfg.get('target_modules')!r}, a regular expression; only "
-                           "'all-linear' or a list of module names is supported"]
-    mine = {"r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.rslora}
-    keys = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha",
-            "use_rslora": "model.lora.rslora"}
-    for field, value in mine.items():
-        if cfg.get(field, False if field == "use_rslora" else None) != value:
-            problems.append(f"{key}: adapter_config.json has {field}={cfg.get(field)!r}, "
-                            f"{keys[field]}={value!r}; make them equal")
-    known = set(known) if known is not None else set(TARGET_NAMES)
-    if cfg.get("target_modules") == "all-linear":
-        targets &= known
-    if order:
-        targets.add("experts")
-    if targets - known:
-        return problems + [f"{key}: adapter_config.json targets {sorted(targets - known)}, "
-                           f"which this model has no adapters for (its names: "
-                           f"{', '.join(sorted(known))})"]
-    if targets != set(spec.targets) & known:
-        problems.append(f"{key}: adapter_config.json targets {sorted(targets)}, "
-                        f"model.lora.target_modules {sorted(spec.targets)}; make them equal")
+    unknown = parameter_targets(cfg)[1]
+    if unknown:
+        problems.append(f"{key}: adapter_config.json has target_parameters {unknown!r}, "
+                        "which no adapter here matches; supported: the fused experts' "
+                        "gate_up_proj / down_proj (mlp.experts.*) and the router's gate.weight")
+    for field in ("rank_pattern", "alpha_pattern"):
+        problems += [f"{key}: adapter_config.json {p}"
+                     for p in pattern_problems(cfg.get(field) or {}, field)]
+    if _target_names(cfg.get("target_modules")) is None:
+        problems.append(f"{key}: adapter_config.json has target_modules="
+                        f"{cfg.get('target_modules')!r}, a regular expression; only "
+                        "'all-linear' or a list of module names is supported")
     return problems
+

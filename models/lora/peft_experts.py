@@ -12,9 +12,10 @@ peft 0.21 adapts such a 3-D parameter with one `ParamWrapper` per parameter
   (peft's `_inject_parameters` walks `named_parameters(recurse=False)`; the order of
   target_parameters in adapter_config.json is not kept: peft saves it as a set). transformers
   registers gate_up_proj before down_proj in every fused experts module of these families, so
-  gate_up_proj is innermost: `...mlp.experts.base_layer.lora_A.weight`, and down_proj's is
-  `...mlp.experts.lora_A.weight` (EXPERT_PARAMS, innermost first; an export writes
-  target_parameters in the same order).
+  with both adapted gate_up_proj is innermost: `...mlp.experts.base_layer.lora_A.weight`, and
+  down_proj's is `...mlp.experts.lora_A.weight` (EXPERT_PARAMS, innermost first; an export
+  writes target_parameters in the same order); with one of them adapted (peft's conversion of
+  down_proj alone, or of gate_proj + up_proj alone) its wrapper is `...mlp.experts.lora_A`.
 
 Megatron keeps one (A, B) per local expert and linear (linear_fc1: `gate_up_proj`, linear_fc2:
 `down_proj`; models.lora.sites), sharded over expert TP like the expert weights and split
@@ -29,7 +30,7 @@ from typing import Iterator
 import torch
 
 from models.lora.adapters import LoraAdapter, gather_cat
-from models.lora.sites import EXPERT_PARAMS
+from models.lora.targets import EXPERT_PARAMS
 
 PREFIX = "base_model.model."   # peft's names of every adapter tensor start with it
 LAYERS = "model.layers"   # the decoder layers' HF path (a conditional-generation checkpoint's:
@@ -37,20 +38,12 @@ LAYERS = "model.layers"   # the decoder layers' HF path (a conditional-generatio
 PARENT = "mlp.experts"
 
 
-def expert_param(entry: str) -> str | None:
-    """The expert parameter ("gate_up_proj" / "down_proj") a target_parameters entry names
-    (peft matches by suffix: "mlp.experts.gate_up_proj", "experts.down_proj"), else None."""
-    for param in EXPERT_PARAMS:
-        if entry == f"experts.{param}" or entry.endswith(f".experts.{param}"):
-            return param
-    return None
-
-
-def expert_names(layer: int, param: str, layers: str = LAYERS) -> tuple[str, str]:
-    """peft's (lora_A, lora_B) names of expert parameter `param` of global layer `layer`
-    (both expert parameters adapted, nested as EXPERT_PARAMS); `layers`: the decoder layers'
-    HF path."""
-    nesting = len(EXPERT_PARAMS) - 1 - EXPERT_PARAMS.index(param)
+def expert_names(layer: int, param: str, layers: str = LAYERS,
+                 present: tuple = EXPERT_PARAMS) -> tuple[str, str]:
+    """peft's (lora_A, lora_B) names of expert parameter `param` of global layer `layer`,
+    nested as EXPERT_PARAMS among the adapted parameters `present`; `layers`: the decoder
+    layers' HF path."""
+    nesting = sum(EXPERT_PARAMS.index(p) > EXPERT_PARAMS.index(param) for p in present)
     head = f"{PREFIX}{layers}.{layer}.{PARENT}" + ".base_layer" * nesting
     return f"{head}.lora_A.weight", f"{head}.lora_B.weight"
 
@@ -75,9 +68,10 @@ def _param_of(adapter: LoraAdapter) -> str:
     return adapter.slices[0].name
 
 
-def layer_experts(model, layers) -> Iterator[tuple[int, str, list, object]]:
+def layer_experts(model, layers) -> Iterator[tuple[int, str, list, object, tuple]]:
     """(global layer, expert parameter, [(global expert, adapter)] of this rank, the layer's
-    experts module) of every expert adapter of one unwrapped chunk, layer by layer."""
+    experts module, the layer's adapted expert parameters) of every expert adapter of one
+    unwrapped chunk, layer by layer."""
     found = defaultdict(list)
     for name, module in model.named_modules():
         if isinstance(module, LoraAdapter) and module.is_expert:
@@ -87,8 +81,9 @@ def layer_experts(model, layers) -> Iterator[tuple[int, str, list, object]]:
             expert = ep_rank * experts.num_local_experts + int(parts[6])
             found[(int(parts[2]), _param_of(module))].append((expert, module, experts))
     for (local, param), items in sorted(found.items()):
+        present = tuple(p for p in EXPERT_PARAMS if (local, p) in found)
         yield (layers[local].layer_number - 1, param, [(e, a) for e, a, _ in sorted(
-            items, key=lambda t: t[0])], items[0][2])
+            items, key=lambda t: t[0])], items[0][2], present)
 
 
 def _ep_gather(tensor: torch.Tensor, experts_module) -> torch.Tensor:
@@ -100,12 +95,12 @@ def _ep_gather(tensor: torch.Tensor, experts_module) -> torch.Tensor:
 def export_experts(model, layers: str = LAYERS) -> Iterator[tuple[str, torch.Tensor]]:
     """(peft name, full tensor) of every expert adapter of one unwrapped chunk, in
     EXPERT_PARAMS' naming. Collective over each layer's expert-TP and EP groups."""
-    for layer, param, items, experts in layer_experts(model, model.decoder.layers):
+    for layer, param, items, experts, present in layer_experts(model, model.decoder.layers):
         full = [adapter.full_matrices(param) for _, adapter in items]
         a = _ep_gather(torch.stack([f[0] for f in full]), experts)
         b = _ep_gather(torch.stack([f[1] for f in full]), experts)
         lora_a, lora_b = pack(a, b)
-        name_a, name_b = expert_names(layer, param, layers)
+        name_a, name_b = expert_names(layer, param, layers, present)
         yield name_a, lora_a
         yield name_b, lora_b
 
@@ -115,8 +110,8 @@ def load_experts(model, stored: dict, layers: str = LAYERS) -> tuple[set, int]:
     adapters of one unwrapped chunk. Returns (the names used, the number of adapters filled);
     raises KeyError naming a missing tensor."""
     used, filled = set(), 0
-    for layer, param, items, experts in layer_experts(model, model.decoder.layers):
-        name_a, name_b = expert_names(layer, param, layers)
+    for layer, param, items, experts, present in layer_experts(model, model.decoder.layers):
+        name_a, name_b = expert_names(layer, param, layers, present)
         for name in (name_a, name_b):
             if name not in stored:
                 raise KeyError(name)

@@ -1,8 +1,8 @@
 """Where LoRA adapters go in a Megatron GPTModel, and attaching them (docs/lora.md).
 
-`model.lora.target_modules` names HF projections (TARGET_NAMES, or "all-linear" for
-ALL_LINEAR, of which each family has its part: Family.lora_targets); each maps to a Megatron
-linear of every decoder layer that has it (_SITES) and a slice of it:
+`LoraSpec.targets` holds resolved targets (models.lora.targets: what model.lora.target_modules
+means on the family, as peft reads it); each maps to a Megatron linear of every decoder layer
+that has it (_SITES) and a slice of it:
 
     q_proj, k_proj, v_proj  -> self_attention.linear_qkv  (column-parallel, fused per group;
                                Qwen3.5's gated q_proj rows in megatron's order)
@@ -12,10 +12,18 @@ linear of every decoder layer that has it (_SITES) and a slice of it:
     out_proj                -> self_attention.out_proj    (Gated DeltaNet, row-parallel)
     q_a_proj, kv_a_proj_with_mqa -> MLA's linear_q_down_proj / linear_kv_down_proj (replicated)
     q_b_proj, q_proj, kv_b_proj  -> MLA's linear_q_up_proj / linear_q_proj / linear_kv_up_proj
-    gate_proj, up_proj      -> mlp.linear_fc1 or mlp.shared_experts.linear_fc1 (Qwen3.5-MoE)
+    gate_proj, up_proj      -> mlp.linear_fc1 (a dense layer) or mlp.shared_experts.linear_fc1
     down_proj               -> mlp.linear_fc2 or mlp.shared_experts.linear_fc2
-    experts                 -> every local expert's linear_fc1 (gate_up_proj, one adapter on
-                               [gate; up]) and linear_fc2 (down_proj): peft's target_parameters
+    router                  -> mlp.router (replicated: its weight [E, h] is whole on every
+                               rank; the adapter adds to the router's logits, peft's
+                               target_parameter gate.weight)
+    experts.gate_up_proj    -> every local expert's linear_fc1 (one adapter on [gate; up])
+    experts.down_proj       -> every local expert's linear_fc2: peft's target_parameters
+
+Each adapter's slices carry their peft key (`model.layers.{i}.self_attn.q_proj`,
+`model.layers.{i}.mlp.experts.gate_up_proj`, `model.layers.{i}.mlp.gate.weight`), which
+gives them their rank and scaling (LoraSpec.rank_pattern / alpha_pattern), and their HF path
+in the layer (`LoraAdapter.hf_paths`, peft's tensor names: models.lora.peft).
 
 `apply_lora(chunks, spec, orders)` freezes every base parameter (requires_grad False: no
 gradient, no DDP bucket, no optimizer state), attaches the adapters (trainable) and
@@ -31,13 +39,13 @@ import torch
 
 from models.lora.adapters import ADAPTER_SUFFIX, LoraAdapter
 from models.lora.slices import LoraSpec, Slice, init_full
+from models.lora.targets import (ALL_LINEAR, ATTENTION, EXPERT_PARAMS, GDN, MLP, ROUTER,
+                                 TARGET_NAMES, resolve_targets, target_list)
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")   # with q_proj and o_proj
-MLP = ("gate_proj", "up_proj", "down_proj")
-TARGET_NAMES = ATTENTION + GDN + MLA + MLP + ("experts",)
-ALL_LINEAR = ATTENTION + GDN + MLA + MLP   # each family has the part of it its modules carry
+__all__ = ["ALL_LINEAR", "EXPERT_PARAMS", "TARGET_NAMES", "resolve_targets", "target_list"]
+LAYERS = "model.layers"   # the decoder layers' HF path (conditional generation: another)
+# HF paths in a layer that a family may spell otherwise (apply_lora's `hf_parents`)
+SHARED_EXPERT, ROUTER_PATH = "mlp.shared_expert", "mlp.gate"
 
 # (parent path in a layer, linear name, kind, the slices' target names, HF parent module);
 # a layer has the sites whose linears it has (a GDN layer has in_proj, not linear_qkv)
@@ -53,31 +61,17 @@ _SITES = (("self_attention", "linear_qkv", "column", ATTENTION[:3], "self_attn")
           ("self_attention", "out_proj", "row", ("out_proj",), "linear_attn"),
           ("mlp", "linear_fc1", "column", MLP[:2], "mlp"),
           ("mlp", "linear_fc2", "row", ("down_proj",), "mlp"),
-          ("mlp.shared_experts", "linear_fc1", "column", MLP[:2], "mlp.shared_expert"),
-          ("mlp.shared_experts", "linear_fc2", "row", ("down_proj",), "mlp.shared_expert"))
+          ("mlp.shared_experts", "linear_fc1", "column", MLP[:2], SHARED_EXPERT),
+          ("mlp.shared_experts", "linear_fc2", "row", ("down_proj",), SHARED_EXPERT),
+          ("mlp", "router", "replicated", (ROUTER,), ROUTER_PATH))
 # every expert's linears as peft's target_parameters adapt transformers' fused 3-D expert
 # parameters: one (A, B) per expert on gate_up_proj ([gate; up] rows) and one on down_proj
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _EXPERT_SITES = (("linear_fc1", "column", EXPERT_PARAMS[:1]),
                  ("linear_fc2", "row", EXPERT_PARAMS[1:]))
 
 
 class LoraUnsupportedError(ValueError):
     """The model cannot carry the requested adapters exactly (message names the key)."""
-
-
-def target_list(names) -> list[str]:
-    """model.lora.target_modules as given, one string or a list, as a list."""
-    return [names] if isinstance(names, str) else list(names)
-
-
-def resolve_targets(names) -> frozenset:
-    """The target names of model.lora.target_modules ("all-linear" expanded to ALL_LINEAR;
-    names a model has no module for adapt nothing there)."""
-    out = set()
-    for name in target_list(names):
-        out |= set(ALL_LINEAR) if name == "all-linear" else {name}
-    return frozenset(out)
 
 
 def _unwrap(chunk):
@@ -126,7 +120,7 @@ def _slices(linear_name: str, linear, config, names: tuple, kind: str,
 
 
 def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozenset,
-            spec: LoraSpec, key: str, config, hf_parent: str | None = None) -> LoraAdapter:
+            spec: LoraSpec, key: str, config, paths: dict, keys: dict) -> LoraAdapter:
     linear = getattr(parent, name)
     qkv = None
     if name == "linear_qkv":
@@ -134,21 +128,27 @@ def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozense
         groups = config.num_query_groups // tp
         qkv = (groups, config.num_attention_heads // config.num_query_groups,
                config.kv_channels)
-    adapter = LoraAdapter(linear, kind, fused, targeted, spec, qkv)
-    adapter.hf_parent = hf_parent   # peft's module path in the layer (None: experts)
+    adapter = LoraAdapter(linear, kind, fused, targeted, spec, qkv, keys)
+    adapter.hf_paths = paths   # {slice: peft's module path in the layer} ({}: experts)
     if adapter.is_expert:   # models.layers.experts.grouped adds it inside its grouped matmuls
         linear.low_rank_factors = adapter.factors
     for sl in adapter.slices:
-        adapter.set_full(sl.name, *init_full(spec, f"{key}.{sl.name}", sl))
+        adapter.set_full(sl.name, *init_full(spec, f"{key}.{sl.name}", sl,
+                                             adapter.ranks[sl.name]))
     parent.add_module(name + ADAPTER_SUFFIX, adapter)
-    linear.register_forward_hook(adapter.hook)
+    if name == "router":
+        adapter.wrap_gating(linear)
+    else:
+        linear.register_forward_hook(adapter.hook)
     return adapter
 
 
-def _layer_sites(layer, spec: LoraSpec, orders: dict) -> Iterator[tuple]:
-    """(parent, linear name, kind, fused slices, targeted names, key, HF parent) of every
-    adapter of one decoder layer."""
+def _layer_sites(layer, spec: LoraSpec, orders: dict, layers: str,
+                 hf_parents: dict) -> Iterator[tuple]:
+    """(parent, linear name, kind, fused slices, targeted names, init key, {slice: HF path in
+    the layer}, {slice: peft key}) of every adapter of one decoder layer."""
     config, number = layer.config, layer.layer_number - 1
+    head = f"{layers}.{number}."
     for parent_name, name, kind, names, hf_parent in _SITES:
         try:
             parent = layer.get_submodule(parent_name)
@@ -157,10 +157,14 @@ def _layer_sites(layer, spec: LoraSpec, orders: dict) -> Iterator[tuple]:
         if not hasattr(parent, name) or not set(names) & spec.targets:
             continue
         fused = _slices(name, getattr(parent, name), config, names, kind, orders)
-        yield (parent, name, kind, fused, spec.targets, f"layer{number}.{parent_name}",
-               hf_parent)
+        hf_parent = hf_parents.get(hf_parent, hf_parent)
+        paths = {n: hf_parent if n == ROUTER else f"{hf_parent}.{n}" for n in names}
+        keys = {n: head + path + (".weight" if n == ROUTER else "") for n, path in paths.items()}
+        yield (parent, name, kind, fused, spec.targets, f"layer{number}.{parent_name}", paths,
+               keys)
     experts = getattr(getattr(layer, "mlp", None), "experts", None)
-    if experts is None or "experts" not in spec.targets:
+    wanted = [site for site in _EXPERT_SITES if f"experts.{site[2][0]}" in spec.targets]
+    if experts is None or not wanted:
         return
     if not hasattr(experts, "local_experts"):
         raise LoraUnsupportedError(
@@ -170,25 +174,30 @@ def _layer_sites(layer, spec: LoraSpec, orders: dict) -> Iterator[tuple]:
     ep_rank = experts.ep_group.rank() if experts.ep_group is not None else 0
     for j, expert in enumerate(experts.local_experts):
         global_expert = ep_rank * experts.num_local_experts + j
-        for name, kind, names in _EXPERT_SITES:
+        for name, kind, names in wanted:
             fused = _slices(name, getattr(expert, name), config, names, kind, orders)
             yield (expert, name, kind, fused, frozenset(names),
-                   f"layer{number}.expert{global_expert}", None)
+                   f"layer{number}.expert{global_expert}", {},
+                   {names[0]: f"{head}mlp.experts.{names[0]}"})
 
 
-def apply_lora(chunks: list, spec: LoraSpec, orders: dict | None = None) -> int:
+def apply_lora(chunks: list, spec: LoraSpec, orders: dict | None = None,
+               layers: str = LAYERS, hf_parents: dict | None = None) -> int:
     """Freeze the base of every chunk and attach the adapters of `spec` (this rank's shards,
     initialised like peft and layout-independently). `orders`: {HF projection: tuple} where
     Megatron's rows of a projection are a permutation of HF's (Slice.order; MLA's rope rows
-    with rope_interleave false, models.layers.mla.mapping.lora_row_orders). Returns the number
-    of adapters."""
+    with rope_interleave false, models.layers.mla.mapping.lora_row_orders). `layers`: the
+    decoder layers' HF path, `hf_parents`: {SHARED_EXPERT or ROUTER_PATH: the family's HF
+    path} where it differs (DeepSeek-V3's mlp.shared_experts), both for the adapters' peft
+    keys and names. Returns the number of adapters."""
     count = 0
     for chunk in chunks:
         model = _unwrap(chunk)
         model.requires_grad_(False)
         for layer in model.decoder.layers:
-            for site in list(_layer_sites(layer, spec, orders or {})):
-                _attach(*site[:5], spec, site[5], layer.config, site[6])
+            for site in list(_layer_sites(layer, spec, orders or {}, layers,
+                                          hf_parents or {})):
+                _attach(*site[:5], spec, site[5], layer.config, site[6], site[7])
                 count += 1
         model.lora_spec = spec
     return count

@@ -71,12 +71,16 @@ def build(model_dir, hf_config, moe: bool, adapter: str | None, load: bool = Tru
           overrides: dict | None = None, targets: tuple | None = None):
     import torch
 
-    from models.lora.adapters import LoraSpec
-    from models.lora.sites import resolve_targets
+    from engine.config.lora_settings import LoraConfig, lora_problems, lora_spec
     from engine.training.train_engine import TrainEngine
 
     targets = targets or (MOE_TARGETS if moe else DENSE_TARGETS)
-    spec = LoraSpec(RANK, ALPHA, resolve_targets(targets), seed=7)
+    # model.lora.* as a run gives them: rank_pattern / alpha_pattern from the adapter
+    cfg = SimpleNamespace(model=SimpleNamespace(lora=LoraConfig(
+        rank=RANK, alpha=ALPHA, target_modules=list(targets), init_from=adapter)), seed=7)
+    problems = lora_problems(cfg, hf_config)
+    assert not problems, problems
+    spec = lora_spec(cfg, hf_config)
     overrides = dict(overrides or {})
     train = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None,
                             balance_dp=True, packing=overrides.pop("packing", False))
@@ -303,8 +307,9 @@ def wrong_expert(engine, adapter_dir: str) -> None:
         model = chunk
         while hasattr(model, "module"):
             model = model.module
-        for layer, param, items, experts in layer_experts(model, model.decoder.layers):
-            name_a, name_b = expert_names(layer, param)
+        for layer, param, items, experts, present in layer_experts(model,
+                                                                   model.decoder.layers):
+            name_a, name_b = expert_names(layer, param, present=present)
             total = experts.num_local_experts * experts.ep_group.size()
             for local, (_, adapter) in enumerate(items):
                 adapter.set_full(param, *unpack(stored[name_a], stored[name_b], total, local))

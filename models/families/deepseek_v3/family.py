@@ -21,7 +21,7 @@ from typing import Any
 
 from models.families.base import field
 from models.families.deepseek_v3.fields import DEEPSEEK_FIELDS
-from models.families.moe import fused_expert_lora_refusals
+from models.families.moe import PEFT_QWEN2_MOE
 from models.families.sigmoid_routed import ROUTING_FIELDS, SigmoidRoutedMoe
 
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
@@ -50,10 +50,17 @@ class DeepseekV3(SigmoidRoutedMoe):
     lora = True
     lora_targets = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                     "o_proj")
-    lora_refused = fused_expert_lora_refusals(
-        "q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj")
+    # gate/up/down_proj and all-linear as peft converts them on deepseek_v3: the routed
+    # experts and the router, never the dense layers' or the shared experts' MLP
+    lora_fused = PEFT_QWEN2_MOE
     fields = DEEPSEEK_FIELDS + ROUTING_FIELDS
     multi_latent_attention = True
+
+    def lora_linear(self, cfg: Any) -> tuple:
+        """The MLA projections the model has (q_proj or q_a_proj / q_b_proj by q_lora_rank),
+        plus the MLP names where peft reads them as modules (Kimi-K2)."""
+        drop = {"q_proj"} if field(cfg, "q_lora_rank") is not None else {"q_a_proj", "q_b_proj"}
+        return tuple(n for n in self.lora_targets if n not in drop)
 
     def vllm_problems(self, cfg: Any) -> list[str]:
         """vLLM reads scoring_func and topk_method, and when they are absent scores the experts

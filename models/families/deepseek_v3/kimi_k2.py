@@ -78,6 +78,11 @@ KIMI_FIELDS = (
 class KimiK2(DeepseekV3):
     model_type = "kimi_k2"
     hf_class = HF_CLASS
+    # peft 0.21 does not convert names on model_type kimi_k2 (its conversion patterns know
+    # deepseek_v3 only): gate/up/down_proj and all-linear adapt the dense layers' and the
+    # shared experts' MLP as modules, never the routed experts or the router
+    lora_targets = DeepseekV3.lora_targets + ("gate_proj", "up_proj", "down_proj")
+    lora_fused = None
     fields = tuple(r for r in DeepseekV3.fields if not r.field.startswith(
         "quantization_config")) + KIMI_FIELDS
     presets = {
