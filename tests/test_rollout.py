@@ -296,7 +296,8 @@ def test_moe_checkpoint_names_fill_fused_experts_after_wake(tmp_path):
 
 def test_bucket_files_round_trip_in_order_and_leave_nothing_behind(tmp_path, monkeypatch):
     """engine.rl.rollout.bucket_files: a bucket comes back bitwise in its order (tensors that
-    share storage, views and non-contiguous ones included) and its file is gone after the read;
+    share storage, views, non-contiguous and empty ones included) to every reader, and the
+    file stays until its writer deletes it;
     without room in /dev/shm the file goes to the temporary directory, without room anywhere
     the write is refused naming rollout.sync_bucket_mb."""
     import shutil
@@ -307,12 +308,20 @@ def test_bucket_files_round_trip_in_order_and_leave_nothing_behind(tmp_path, mon
     base = torch.randn(6, 4)
     bucket = [("z.weight", base), ("a.weight", base[:, :2].t()), ("tied.weight", base),
               ("m.bias", torch.arange(3, dtype=torch.bfloat16))]
+    bucket.append(("empty.bias", torch.zeros(0)))
     path, names = bucket_files.write_bucket(bucket)
-    assert names == ["z.weight", "a.weight", "tied.weight", "m.bias"]
-    back = bucket_files.read_bucket(path, names)
-    assert [n for n, _ in back] == names and not os.path.exists(path)
-    for (_, want), (_, got) in zip(bucket, back):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert names == ["z.weight", "a.weight", "tied.weight", "m.bias", "empty.bias"]
+    # every worker of a TP > 1 engine reads the same file: the first read leaves it for the
+    # second (a reader that deleted it failed the others), the writer deletes it after both
+    readers = [bucket_files.read_bucket(path, names) for _ in range(2)]
+    assert os.path.exists(path)
+    bucket_files.discard(path)
+    assert not os.path.exists(path)
+    for back in readers:   # mapped views stay valid after the file is gone
+        assert [n for n, _ in back] == names
+        for (_, want), (_, got) in zip(bucket, back):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got, want)
 
     usage = namedtuple("usage", "total used free")
     real = shutil.disk_usage

@@ -42,10 +42,13 @@ TINY = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, head_di
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
 
 
-def _engine(model_dir: str, check_weight_sync: bool = False, **vllm_keys):
+def _engine(model_dir: str, check_weight_sync: bool = False, tp: int = 1, **vllm_keys):
+    """A CPU engine; `tp` > 1: vLLM's tensor parallelism over `tp` worker processes (a CPU
+    run's engines have one: engine_args; tests use it for the TP > 1 paths a GPU engine runs)."""
     from engine.rl.rollout.vllm_backend import VLLMRolloutEngine  # vLLM: this file only
+    kwargs = engine_args(VLLMConfig(**vllm_keys), 1, True, check_weight_sync)
     return VLLMRolloutEngine(model_dir, dtype=torch.float32, seed=0,
-                             **engine_args(VLLMConfig(**vllm_keys), 1, True, check_weight_sync))
+                             **{**kwargs, "tensor_parallel_size": tp})
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,11 @@ def qwen3_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def qwen3(qwen3_dir):
-    engine = _engine(qwen3_dir, check_weight_sync=True, max_model_len=64)
+    """The module's engine at vLLM tensor_parallel_size 2 (two worker processes, one core
+    each): its sampling, contract and syncs are those of a TP > 1 GPU engine, where every
+    worker loads each bucket file (the owner deletes it after all of them)."""
+    engine = _engine(qwen3_dir, check_weight_sync=True, tp=2, max_model_len=64)
+    assert len(engine.engine_pids()) == 2
     yield engine
     engine.shutdown()
 
@@ -478,11 +485,12 @@ def test_a_dead_engine_is_reported_dead_and_not_retried(qwen3):
 
     from engine.rl.rollout.pool import generate_with_retries
 
-    (pid,) = qwen3.engine_pids()   # on CPU: the worker (the engine core is in this process)
-    os.kill(pid, signal.SIGTERM)   # as torchrun's signal to the job's process groups: ignored,
-    time.sleep(1.0)                # the owner finishes its step with the engine and ends it
+    pids = qwen3.engine_pids()   # on CPU: the TP workers (the engine core is in this process)
+    for pid in pids:   # as torchrun's signal to the job's process groups: ignored, the owner
+        os.kill(pid, signal.SIGTERM)   # finishes its step with the engine and ends it
+    time.sleep(1.0)
     assert qwen3.is_alive and qwen3.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pids[0], signal.SIGKILL)
     deadline = time.monotonic() + 30
     while qwen3.is_alive and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -490,7 +498,7 @@ def test_a_dead_engine_is_reported_dead_and_not_retried(qwen3):
     result = generate_with_retries(qwen3, PROMPTS, SamplingParams(max_new_tokens=4),
                                    SimpleNamespace(max_retries=2, retry_wait_s=0.0), "test")
     assert result.generations is None and result.calls == 1, result
-    assert f"the vLLM engine is dead (shut down, or one of its processes [{pid}] exited)" \
+    assert f"the vLLM engine is dead (shut down, or one of its processes {pids} exited)" \
         in result.error, result.error
     qwen3.shutdown()
 

@@ -143,7 +143,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self.sleep_level = sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
         set_num_threads = torch.set_num_threads
-        with preserved_global_rng(), engine_process_env(self.on_cpu, gpus), \
+        workers = int(engine_kwargs.get("tensor_parallel_size", 1))   # on CPU: processes
+        with preserved_global_rng(), \
+                engine_process_env(self.on_cpu, (0, workers) if self.on_cpu else gpus), \
                 without_chat_warmup_warning():
             self.llm = _vllm().LLM(model=hf_path, dtype=DTYPES.get(dtype, dtype), seed=seed,
                                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
@@ -291,18 +293,20 @@ class VLLMRolloutEngine(RolloutEngine):
         bucket = list(named_tensors)
         if not bucket:
             return
-        path, names = write_bucket(bucket)   # the worker reads and deletes it
-        try:
+        path, names = write_bucket(bucket)
+        try:   # returns once every worker (one per TP rank) has loaded it
             self.llm.collective_rpc("rl_load_bucket", args=(path, names))
         finally:
-            discard(path)   # still there only when the call failed before the worker read it
+            discard(path)
         self._sync_open = True
 
     def _close_sync(self) -> None:
         if not self._sync_open:
             return
         self._sync_open = False
-        (self._stale,) = self.llm.collective_rpc("rl_close_sync")
+        # every worker's (one per TP rank) unwritten names
+        self._stale = sorted({n for names in self.llm.collective_rpc("rl_close_sync")
+                              for n in names})
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
         if self._stale:
             raise RuntimeError(f"weight sync left {len(self._stale)} vLLM parameters or layers "

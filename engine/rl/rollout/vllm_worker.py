@@ -68,8 +68,8 @@ class RolloutWorkerExtension:
             signal.signal(sig, signal.SIG_IGN)
 
     def rl_load_bucket(self, path: str, names: list[str]) -> None:
-        """Load one bucket, bucket_files.write_bucket's file (deleted once read); the first
-        bucket of a sync opens it."""
+        """Load one bucket, bucket_files.write_bucket's file (mapped, not copied; the owner
+        deletes it once every worker has loaded it); the first bucket of a sync opens it."""
         bucket = read_bucket(path, names)
         if self.rl_sync is None:
             self.rl_sync = LayerwiseSync(self.model_runner.get_model(), self.vllm_config,
