@@ -160,6 +160,64 @@ def test_rows_with_images_render_and_cache(models, tmp_path):
         again[1].vision.images.pixel_values, s.vision.images.pixel_values)
 
 
+def _pictures(root: Path) -> list[Path]:
+    """A JPEG turned by its EXIF orientation, a smooth PNG and a grayscale one (each smaller
+    as a file than its RGB pixels) and a noise PNG (larger)."""
+    from PIL import Image
+
+    smooth = np.linspace(0, 255, 20 * 28 * 3).reshape(20, 28, 3).astype("uint8")
+    exif = Image.Exif()
+    exif[0x0112] = 6                                  # rotated: 28 x 20 after load_image
+    Image.fromarray(smooth).save(root / "turned.jpg", exif=exif, quality=90)
+    Image.fromarray(smooth[::-1]).save(root / "smooth.png")
+    Image.fromarray(smooth[:, :, 0]).save(root / "gray.png")
+    return [root / "turned.jpg", root / "smooth.png", root / "gray.png",
+            _png(root / "noise.png", 16, 24, 3)]
+
+
+def test_cache_holds_images_and_the_processor_is_exact(models, tmp_path):
+    """The cache keeps each image as its file (or, when smaller, its RGB pixels: never more than
+    h x w x 3 bytes), not the processor's float32 patches; the pixels produced when a batch is
+    built, and by an RL prompt after pickling (a reference into the cache: no pixels cross
+    ranks), are bitwise transformers' processor on the same files (its load_image)."""
+    import pickle
+
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.image_utils import load_image
+
+    from engine.data.datasets import load_prompt_rows
+    from engine.data.images import image_context
+    from models.hf.io import read_config
+    from models.vision.spec import vision_spec
+
+    files = _pictures(tmp_path)
+    names = [f.name for f in files]
+    proc = AutoImageProcessor.from_pretrained(models["dense"], backend="pil")
+    want = proc(images=[load_image(str(f)) for f in files], return_tensors="pt")
+    ds = _dataset(models, tmp_path, [{"prompt": "<image> " * 4 + "what", "images": names,
+                                      "response": "1"}], seq_length=160)
+    got = ds[0].vision.images
+    assert torch.equal(got.pixel_values, want["pixel_values"])
+    assert torch.equal(got.grid_thw, want["image_grid_thw"])
+    assert got.grid_thw[:2, 1:].tolist() == [[8, 4], [4, 8]]        # the JPEG turned upright
+    index = np.load(Path(ds.cache_path) / "image_index.npy")       # offset, bytes, raw, w, h
+    assert index[:, 2].tolist() == [0, 0, 0, 1]                     # the files; noise as RGB
+    assert all(index[:, 1] <= index[:, 3] * index[:, 4] * 3)
+    assert index[:, 1].tolist()[:3] == [f.stat().st_size for f in files[:3]]
+    assert not any(Path(ds.cache_path).glob("pixels*"))
+
+    (tmp_path / "prompts.jsonl").write_text(json.dumps(
+        {"prompt": "<image> " * 4 + "what", "images": names, "answer": "1"}) + "\n")
+    ids: list = []
+    load_prompt_rows([str(tmp_path / "prompts.jsonl")], tokenizer=AutoTokenizer.from_pretrained(
+        models["dense"]), prompt_ids=ids, cache_dir=str(tmp_path / "cache"), num_workers=0,
+        images=image_context(str(models["dense"]), vision_spec(read_config(models["dense"]))))
+    assert torch.equal(ids[0].images.pixel_values, want["pixel_values"])
+    sent = pickle.dumps(ids[0])
+    assert len(sent) < 2000 < want["pixel_values"].numel() * 4, len(sent)
+    assert torch.equal(pickle.loads(sent).images.pixel_values, want["pixel_values"])
+
+
 @pytest.mark.parametrize("row,needle", [
     ({"prompt": "<image> what", "images": ["missing.png"], "response": "1"},
      "images\\[0\\]: image file 'missing.png' not found"),

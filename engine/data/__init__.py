@@ -1,6 +1,7 @@
 """Data: files and row units (files.py), chat-row checks (rows.py), chat-template rendering
 (render.py), the per-node memory-mapped cache (cache.py), SFT datasets and the global batch
-order (datasets.py), RL prompt rows (prompt_rows.py).
+order (datasets.py), RL prompt rows (prompt_rows.py), rows with images (images.py; the cache's
+image form, image_codec.py; the cached images and their references, image_store.py).
 
 May import: engine.errors, models, parallel. Never imports config, training, checkpoint, run,
 sft or rl. Entry points: datasets.load_sft_dataset, datasets.global_batch_indices,

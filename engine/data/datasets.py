@@ -120,7 +120,7 @@ _STATS = ("rows", "truncated", "dropped_empty", "empty_loss")
 def _sft_unit(k: int, unit: RowUnit, tmp: str, max_ids: int, truncation: str,
               dtype: str, ctx: ImageContext | None = None) -> dict:
     """Worker: render the rows of `unit` into part files ``part-<k>.ids`` / ``.trained`` of
-    `tmp` (and their images into ``.pixels`` / ``.grids``, engine.data.image_store, when
+    `tmp` (and their images into ``.images`` / ``.grids``, engine.data.image_store, when
     `ctx`). Returns lengths (rendered ids per kept row), trained label counts, stats, the
     longest rendering, and the first DataError's text (the unit stops there)."""
     tokenizer = cache.worker_tokenizer()
@@ -193,7 +193,7 @@ def _build_sft(tmp: str, paths: list[str], tokenizer, max_ids: int, truncation: 
     cache.concat_parts(tmp, [r["parts"][1] for r in results], "trained.bin")
     if ctx is not None:
         write_image_store(tmp, [r["parts"][0][:-len(".ids")] for r in results],
-                          [r["images"] for r in results])
+                          [r["images"] for r in results], ctx.processor)
     lengths = np.concatenate([r["lengths"] for r in results] or [np.zeros(0, np.int64)])
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     np.save(os.path.join(tmp, "offsets.npy"), offsets)
@@ -226,7 +226,8 @@ def load_sft_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
     kept; the first process to need them builds them with `num_workers` worker processes
     (default: the usable cores; 0: in this process), every other process waits and maps them.
     `images` (engine.data.images.image_context; a model with a vision tower): rows may hold
-    images, processed once into the cache beside the ids (engine.data.image_store); a row
+    images, stored once in the cache beside the ids (engine.data.image_store; the processor
+    runs on them when a batch is built); a row
     whose truncation would cut an image raises DataError. None: rows with images are refused.
     """
     if truncation not in TRUNCATION_CHOICES:

@@ -1,11 +1,20 @@
-"""The processed images of an SFT cache entry (engine.data.cache), beside its ids.
+"""The images of a data cache entry (engine.data.cache), beside its ids, and the reference
+that produces a row's pixels where they are needed.
 
-Files of an entry with images: ``pixels.bin`` (float32, every kept row's patches one after
-the other, ``pixel_dim.npy`` values each), ``grids.bin`` ([images, 3] int64),
-``patch_offsets.npy`` and ``image_offsets.npy`` (per kept row: where its patches and its grids
-start; one more entry than rows). Workers write one part per unit (ImagePartWriter), the
+Files of an entry with images: ``images.bin`` (every kept row's images one after the other,
+each as engine.data.image_codec stores it: the file's bytes, or its RGB pixels when smaller),
+``image_index.npy`` ([images, 5] int64: byte offset, byte length, raw (1: RGB pixels), width,
+height), ``grids.bin`` ([images, 3] int64, the processor's grids), ``image_offsets.npy`` (per
+kept row: where its images start; one more entry than rows) and ``processor/`` (the image
+processor's preprocessor_config.json). Workers write one part per unit (ImagePartWriter), the
 build concatenates them in unit order (write_image_store), every rank maps them
-(StoredImages). A row without images has no patches and no grids.
+(StoredImages). A row without images has no images.
+
+A row's images travel as `CachedImages(entry, row)` (a models.vision.inputs.ImageSource: two
+fields when pickled): `pixel_values()` decodes the row's stored images and runs the entry's
+processor on them, in the process that needs the pixels (the trainer building a micro-batch,
+a rollout engine's prefill). Every node holds the entry under the same path (each builds it
+from the same key, data.cache_dir); a process maps an entry once.
 """
 from __future__ import annotations
 
@@ -15,85 +24,78 @@ import numpy as np
 import torch
 
 from engine.data import cache
+from engine.data.image_codec import StoredImage, run_processor
 from engine.data.files import DataError
 from models.vision.inputs import ImageSet, SequenceVision
 from models.vision.spec import VisionSpec
 
+PROCESSOR_DIR = "processor"
+
 
 class ImagePartWriter:
-    """A worker's images part: ``<prefix>.pixels`` and ``<prefix>.grids``, and per kept row
-    its patch and image counts."""
+    """A worker's images part: ``<prefix>.images`` and ``<prefix>.grids``, per kept row its
+    image count and per image its byte length, raw flag, width and height."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
-        self._pixels = open(prefix + ".pixels", "wb")
+        self._data = open(prefix + ".images", "wb")
         self._grids = open(prefix + ".grids", "wb")
-        self.patches: list[int] = []
         self.images: list[int] = []
-        self.dim = 0
+        self.stored: list[tuple[int, int, int, int]] = []
 
     def add(self, row_images) -> None:
         """One kept row's engine.data.images.RowImages (None: a row without images)."""
         if row_images is None:
-            self.patches.append(0)
             self.images.append(0)
             return
-        self._pixels.write(row_images.pixel_values.tobytes())
+        for image in row_images.stored:
+            self._data.write(image.data)
+            self.stored.append((len(image.data), int(image.raw), image.width, image.height))
         self._grids.write(row_images.grid_thw.astype(np.int64).tobytes())
-        self.patches.append(int(row_images.pixel_values.shape[0]))
         self.images.append(int(row_images.grid_thw.shape[0]))
-        self.dim = int(row_images.pixel_values.shape[1])
 
     def close(self) -> None:
-        self._pixels.close()
+        self._data.close()
         self._grids.close()
 
     def counts(self) -> dict:
-        return {"patches": np.asarray(self.patches, np.int64),
-                "images": np.asarray(self.images, np.int64), "dim": self.dim}
+        return {"images": np.asarray(self.images, np.int64),
+                "stored": np.asarray(self.stored, np.int64).reshape(-1, 4)}
 
 
-def write_image_store(tmp: str, prefixes: list[str], counts: list[dict]) -> None:
-    """Concatenate the workers' parts (unit order) into the entry's image files."""
-    cache.concat_parts(tmp, [p + ".pixels" for p in prefixes], "pixels.bin")
+def write_image_store(tmp: str, prefixes: list[str], counts: list[dict], processor) -> None:
+    """Concatenate the workers' parts (unit order) into the entry's image files; save
+    `processor` (None: the checkpoint has none, so no row has images)."""
+    cache.concat_parts(tmp, [p + ".images" for p in prefixes], "images.bin")
     cache.concat_parts(tmp, [p + ".grids" for p in prefixes], "grids.bin")
-    dims = {c["dim"] for c in counts if c["dim"]}
-    if len(dims) > 1:
-        raise DataError(f"the image processor gave patches of different sizes {sorted(dims)}")
-    for name, key in (("patch_offsets.npy", "patches"), ("image_offsets.npy", "images")):
-        per_row = np.concatenate([c[key] for c in counts] or [np.zeros(0, np.int64)])
-        np.save(os.path.join(tmp, name), np.concatenate([[0], np.cumsum(per_row)]).astype(
-            np.int64))
-    np.save(os.path.join(tmp, "pixel_dim.npy"), np.asarray([dims.pop() if dims else 0]))
+    stored = np.concatenate([c["stored"] for c in counts] or [np.zeros((0, 4), np.int64)])
+    starts = np.concatenate([[0], np.cumsum(stored[:, 0])])[:-1]
+    np.save(os.path.join(tmp, "image_index.npy"),
+            np.column_stack([starts, stored]).astype(np.int64).reshape(-1, 5))
+    per_row = np.concatenate([c["images"] for c in counts] or [np.zeros(0, np.int64)])
+    np.save(os.path.join(tmp, "image_offsets.npy"),
+            np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64))
+    if processor is not None:
+        processor.save_pretrained(os.path.join(tmp, PROCESSOR_DIR))
 
 
 class StoredImages:
-    """The mapped image files of an entry; `sequence(i, tokens)` gives sample i's images."""
+    """The image rows of an entry; `image_set(i)` is sample i's images, stored (CachedImages)."""
 
-    def __init__(self, pixels, grids, patch_offsets, image_offsets, dim: int,
-                 spec: VisionSpec):
-        self.pixels, self.grids, self.dim, self.spec = pixels, grids, dim, spec
-        self.patch_offsets, self.image_offsets = patch_offsets, image_offsets
+    def __init__(self, entry: str, spec: VisionSpec):
+        self.entry, self.spec = os.path.abspath(entry), spec
+        self.image_offsets = cache.open_array(entry, "image_offsets.npy", np.int64)
 
     @staticmethod
     def open(entry: str, spec: VisionSpec) -> "StoredImages":
-        dim = int(np.load(os.path.join(entry, "pixel_dim.npy"))[0])
-        return StoredImages(cache.open_array(entry, "pixels.bin", np.float32),
-                            cache.open_array(entry, "grids.bin", np.int64),
-                            cache.open_array(entry, "patch_offsets.npy", np.int64),
-                            cache.open_array(entry, "image_offsets.npy", np.int64), dim, spec)
+        return StoredImages(entry, spec)
 
     def has_images(self, i: int) -> bool:
         return int(self.image_offsets[i]) != int(self.image_offsets[i + 1])
 
     def image_set(self, i: int) -> ImageSet:
-        """Sample i's images, read from the mapped files (a copy)."""
-        a, b = int(self.image_offsets[i]), int(self.image_offsets[i + 1])
-        p, q = int(self.patch_offsets[i]), int(self.patch_offsets[i + 1])
-        pixels = torch.from_numpy(np.array(self.pixels[p * self.dim:q * self.dim])
-                                  ).view(q - p, self.dim)
-        grids = torch.from_numpy(np.array(self.grids[3 * a:3 * b])).view(b - a, 3)
-        return ImageSet(pixels, grids)
+        """Sample i's images: a reference; the pixels are produced on first use."""
+        return ImageSet.stored(CachedImages(self.entry, i))
 
     def sequence(self, i: int, tokens: list[int]) -> SequenceVision | None:
         """Sample i's SequenceVision (None: no image) for its input `tokens`."""
@@ -101,6 +103,79 @@ class StoredImages:
             return None
         return SequenceVision.of(tokens, self.image_set(i), self.spec.image_token_id,
                                  self.spec.merge_size)
+
+
+class _MappedEntry:
+    """One process's view of an entry's image files and processor (read on first use)."""
+
+    def __init__(self, entry: str):
+        if not os.path.isfile(os.path.join(entry, "image_index.npy")):
+            raise DataError(f"the data cache entry {entry} holds no images on this host: every "
+                            "rank loads the data (data.cache_dir) before images are used")
+        self.entry = entry
+        self.data = cache.open_array(entry, "images.bin", np.uint8)
+        self.index = cache.open_array(entry, "image_index.npy", np.int64)
+        self.grids = cache.open_array(entry, "grids.bin", np.int64)
+        self.rows = cache.open_array(entry, "image_offsets.npy", np.int64)
+        self._processor = None
+
+    def processor(self):
+        if self._processor is None:
+            from transformers import AutoImageProcessor   # only rows with images need it
+
+            self._processor = AutoImageProcessor.from_pretrained(
+                os.path.join(self.entry, PROCESSOR_DIR), backend="pil")
+        return self._processor
+
+    def image(self, k: int) -> StoredImage:
+        start, length, raw, width, height = (int(x) for x in self.index[k])
+        return StoredImage(self.data[start:start + length].tobytes(), bool(raw), width, height)
+
+
+_MAPPED: dict[str, _MappedEntry] = {}   # entry path -> its files, mapped once per process
+
+
+def _mapped(entry: str) -> _MappedEntry:
+    if entry not in _MAPPED:
+        _MAPPED[entry] = _MappedEntry(entry)
+    return _MAPPED[entry]
+
+
+class CachedImages:
+    """Row `row`'s images in the data cache entry `entry` (module docstring)."""
+
+    __slots__ = ("entry", "row")
+
+    def __init__(self, entry: str, row: int):
+        self.entry, self.row = entry, int(row)
+
+    def __reduce__(self):
+        return (CachedImages, (self.entry, self.row))
+
+    def __repr__(self) -> str:
+        return f"CachedImages({self.entry!r}, {self.row})"
+
+    def _span(self, mapped: _MappedEntry) -> tuple[int, int]:
+        return int(mapped.rows[self.row]), int(mapped.rows[self.row + 1])
+
+    def grid_thw(self) -> torch.Tensor:
+        """[images, 3] int64, the processor's grids (read from the entry)."""
+        mapped = _mapped(self.entry)
+        a, b = self._span(mapped)
+        return torch.from_numpy(np.array(mapped.grids[3 * a:3 * b])).view(b - a, 3)
+
+    def pixel_values(self) -> torch.Tensor:
+        """[patches, dim] float32: the entry's processor on the row's images decoded, all in
+        one call (as the build ran it, and transformers' processor on the same files)."""
+        mapped = _mapped(self.entry)
+        a, b = self._span(mapped)
+        where = f"data cache entry {self.entry}, row {self.row}"
+        pixels, grids = run_processor(mapped.processor(),
+                                      [mapped.image(k).decode() for k in range(a, b)], where)
+        if not np.array_equal(grids.reshape(-1), mapped.grids[3 * a:3 * b]):
+            raise DataError(f"{where}: the processor's grids {grids.tolist()} differ from the "
+                            "cached ones; delete the cache entry")
+        return torch.from_numpy(pixels)
 
 
 def check_image_tokens(ids: list[int], max_ids: int, row_images, ctx, where: str) -> None:

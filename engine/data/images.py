@@ -15,7 +15,9 @@ An image is read as transformers' ``load_image`` reads it (EXIF orientation appl
 processed by the checkpoint folder's own image processor (its preprocessor_config.json) with
 transformers' PIL backend, on every host: its pixel values then do not depend on whether
 torchvision is installed (the torchvision backend resamples differently, and transformers
-picks it when it is). The processor gives each image's patches and grid; the chat template
+picks it when it is). The data cache keeps the image itself (its file's bytes, or its RGB
+pixels when smaller: engine.data.image_codec) and the processor's grids; the processor's
+patches are produced when a batch is built (engine.data.image_store). The chat template
 renders each image as one placeholder (``<|image_pad|>`` between the vision start and end
 tokens), which `expand_placeholders` repeats once per merged patch, exactly as transformers'
 processor expands it in text. Placeholder tokens are never trained.
@@ -26,7 +28,6 @@ tower, images in an assistant message.
 """
 from __future__ import annotations
 
-import io
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +35,12 @@ from typing import Any
 import numpy as np
 
 from engine.data.files import DataError
+from engine.data.image_codec import StoredImage, load_image, run_processor
 from engine.data.render import render_row_arrays
 from models.vision.spec import VisionSpec
 
 PLACEHOLDER = "<image>"          # the images column's placeholder in prompt / message strings
+STORED_FORM = "encoded-or-rgb-1"  # how the cache keeps images (engine.data.image_codec)
 
 
 @dataclass
@@ -51,9 +54,14 @@ class ImageContext:
     hf_dir: str = ""
 
     def fingerprint(self) -> dict:
-        """What the processed rows depend on (part of the data cache key)."""
+        """What the processed rows depend on (part of the data cache key): the processor's
+        settings, the placeholder, the cache's image form (engine.data.image_codec) and
+        Pillow, which decodes the stored files."""
+        import PIL   # Pillow: only models with a vision tower need it
+
         return {"processor": None if self.processor is None else self.processor.to_dict(),
-                "image_token_id": self.spec.image_token_id, "merge_size": self.spec.merge_size}
+                "image_token_id": self.spec.image_token_id, "merge_size": self.spec.merge_size,
+                "stored": STORED_FORM, "pillow": PIL.__version__}
 
 
 def image_context(hf_dir: str, spec: VisionSpec | None) -> ImageContext | None:
@@ -70,40 +78,14 @@ def image_context(hf_dir: str, spec: VisionSpec | None) -> ImageContext | None:
 
 @dataclass
 class RowImages:
-    """A row's processed images: pixel_values [patches, dim] float32, grid_thw [images, 3]."""
+    """A row's images as the cache keeps them (engine.data.image_codec: `stored`, in order)
+    and their grids (grid_thw [images, 3] int64, from the processor)."""
 
-    pixel_values: np.ndarray
+    stored: list[StoredImage]
     grid_thw: np.ndarray
 
 
 # ----------------------------------------------------------------------------- reading
-
-def load_image(ref: Any, where: str, field: str, base_dir: str):
-    """The PIL image of one REF (see the module docstring), as transformers' load_image."""
-    from PIL import Image   # Pillow: only rows with images need it
-    from transformers.image_utils import load_image as hf_load_image  # same: rows with images
-
-    if isinstance(ref, dict):
-        ref = ref.get("bytes") or ref.get("path")
-    try:
-        if isinstance(ref, (bytes, bytearray)):
-            return hf_load_image(Image.open(io.BytesIO(ref)))
-        if not isinstance(ref, str) or not ref:
-            raise DataError(f"{where}: {field} must be a path, bytes or {{'bytes', 'path'}}, "
-                            f"got {type(ref).__name__}")
-        if ref.startswith(("http://", "https://")):
-            raise DataError(f"{where}: {field} is a URL ({ref}); nothing is downloaded at run "
-                            "time: store the image next to the data or as bytes")
-        path = ref if os.path.isabs(ref) else os.path.join(base_dir, ref)
-        if not os.path.isfile(path):
-            raise DataError(f"{where}: {field}: image file {ref!r} not found (looked at {path})")
-        return hf_load_image(Image.open(path))
-    except DataError:
-        raise
-    except Exception as e:  # noqa: BLE001 - PIL's many decode errors: a problem of this row
-        raise DataError(f"{where}: {field}: cannot read the image ({type(e).__name__}: {e})"
-                        ) from e
-
 
 def _split_placeholders(text: str) -> list[dict]:
     parts = []
@@ -142,8 +124,9 @@ def _chat_key(row: dict) -> str | None:
 
 
 def collect_images(row: dict, where: str, base_dir: str) -> tuple[dict, list]:
-    """(`row` with image parts as {"type": "image"} placeholders, the PIL images in order).
-    A row without images comes back unchanged with []."""
+    """(`row` with image parts as {"type": "image"} placeholders, its images in order as
+    (PIL image, engine.data.image_codec.StoredImage) pairs). A row without images comes back
+    unchanged with []."""
     column = row.get("images")
     if column is not None and not isinstance(column, list):
         raise DataError(f"{where}: field 'images' must be a list of images, got "
@@ -219,18 +202,15 @@ def _strip_refs(row: dict) -> None:
 # ----------------------------------------------------------------------------- tokens
 
 def process_images(images: list, ctx: ImageContext, where: str) -> RowImages:
-    """The checkpoint processor's pixel values and grids of `images` (PIL, in order)."""
+    """The row's `images` ((PIL image, StoredImage) pairs from collect_images, in order) with
+    their grids: the processor runs here once for the grids and to refuse what it cannot
+    take; the pixels are produced again from the stored forms when a batch is built."""
     if ctx.processor is None:
         raise DataError(f"{where}: the row has images but {ctx.hf_dir} (model.hf_path) has no "
                         "preprocessor_config.json, the image processor published with the "
                         "checkpoint; copy it there")
-    try:
-        out = ctx.processor(images=images, return_tensors="np")
-    except Exception as e:  # noqa: BLE001 - e.g. an image smaller than the processor accepts
-        raise DataError(f"{where}: the image processor refused the row's images "
-                        f"({type(e).__name__}: {e})") from e
-    return RowImages(np.ascontiguousarray(out["pixel_values"], dtype=np.float32),
-                     np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3))
+    _, grids = run_processor(ctx.processor, [image for image, _ in images], where)
+    return RowImages([stored for _, stored in images], grids)
 
 
 def expand_placeholders(ids: list[int], trained: np.ndarray, images: RowImages,

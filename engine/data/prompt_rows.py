@@ -3,14 +3,15 @@ tokenizer rendered once per input into the data cache of engine.data.cache (the 
 engine.data.datasets's SFT datasets; engine.data.datasets re-exports load_prompt_rows).
 
 Prompts may hold images (engine.data.images: content parts, or an ``images`` column with
-``<image>`` placeholders) for a model with a vision tower: they are read and processed once
-into the cache entry (engine.data.image_store, as SFT rows), and such a row's rendered prompt
-is a models.vision.inputs.ImagePrompt. The cached row keeps its image parts as
-``{"type": "image"}`` and loses its ``images`` column (the images live in the cache).
+``<image>`` placeholders) for a model with a vision tower: they are read and stored once into
+the cache entry (engine.data.image_store, as SFT rows), and such a row's rendered prompt is a
+models.vision.inputs.ImagePrompt whose images are a reference into the entry (the pixels are
+produced where they are used: the rollout engine's prefill, the trainer's micro-batches). The
+cached row keeps its image parts as ``{"type": "image"}`` and loses its ``images`` column
+(the images live in the cache).
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 from typing import Sequence
@@ -53,7 +54,7 @@ def _prompt_unit(k: int, unit: RowUnit, tmp: str, dtype: str,
     """Worker: check and render the prompt rows of `unit` into ``part-<k>.ids`` (rendered
     prompts) and ``part-<k>.rows`` (JSON lines: location, row); `tools` (when given) replace
     the rows' own "tools" in the rendering; `ctx`: a model with a vision tower (the rows'
-    images into ``part-<k>.pixels`` / ``.grids``; None: rows with images are refused)."""
+    images into ``part-<k>.images`` / ``.grids``; None: rows with images are refused)."""
     tokenizer = cache.worker_tokenizer()
     images = ImagePartWriter(os.path.join(tmp, f"part-{k:07d}")) if ctx else None
     lengths: list[int] = []
@@ -64,12 +65,12 @@ def _prompt_unit(k: int, unit: RowUnit, tmp: str, dtype: str,
             for path, line, row in read_unit(unit):
                 done += 1
                 loc = where_of(path, line)
-                row, pil = _row_images(row, loc, path, ctx)
+                row, loaded = _row_images(row, loc, path, ctx)
                 row = _prompt_row(path, line, row)
                 ids = render_prompt(row["prompt"], tokenizer, loc,
                                     tools if tools is not None else row.get("tools"))
                 if images is not None:
-                    processed = process_images(pil, ctx, loc) if pil else None
+                    processed = process_images(loaded, ctx, loc) if loaded else None
                     if processed is not None:
                         ids, _ = expand_placeholders(ids, np.zeros(len(ids), np.uint8),
                                                      processed, ctx.spec, loc)
@@ -88,8 +89,9 @@ def _prompt_unit(k: int, unit: RowUnit, tmp: str, dtype: str,
 
 
 def _row_images(row: dict, where: str, path: str, ctx: ImageContext | None):
-    """(`row` with its image parts as placeholders, its PIL images) for a model with a vision
-    tower; without one, `row` unchanged after refusing images."""
+    """(`row` with its image parts as placeholders, its images: engine.data.images.
+    collect_images) for a model with a vision tower; without one, `row` unchanged after
+    refusing images."""
     if ctx is None:
         refuse_images(row, where)
         return row, []
@@ -110,7 +112,7 @@ def _build_prompts(tmp: str, paths: list[str], tokenizer, num_workers: int | Non
     cache.concat_parts(tmp, [r["parts"][1] for r in results], "rows.jsonl")
     if ctx is not None:
         write_image_store(tmp, [r["parts"][0][:-len(".ids")] for r in results],
-                          [r["images"] for r in results])
+                          [r["images"] for r in results], ctx.processor)
     lengths = np.concatenate([r["lengths"] for r in results] or [np.zeros(0, np.int64)])
     np.save(os.path.join(tmp, "offsets.npy"),
             np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
@@ -172,10 +174,9 @@ def load_prompt_rows(files: str | Sequence[str], locations: list | None = None, 
 
 
 def _prompt(ids: list[int], stored: StoredImages | None, i: int) -> list[int]:
-    """Row i's rendered prompt: its ids, as an ImagePrompt when the row has images (its pixels
-    read from the cache entry when the prompt is first used)."""
+    """Row i's rendered prompt: its ids, as an ImagePrompt when the row has images (a
+    reference into the cache entry; engine.data.image_store.CachedImages)."""
     if stored is None or not stored.has_images(i):
         return ids
     spec = stored.spec
-    return ImagePrompt(ids, functools.partial(stored.image_set, i), spec.image_token_id,
-                       spec.merge_size)
+    return ImagePrompt(ids, stored.image_set(i), spec.image_token_id, spec.merge_size)

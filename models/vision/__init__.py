@@ -5,8 +5,9 @@ the decoder input with image features in place of the image placeholder tokens.
   M-RoPE sections); `vision_spec(hf_config)` is None for a text-only model.
 - `positions`: the 3-D (temporal, height, width) M-RoPE positions of a token sequence with
   images, as transformers' `get_rope_index` computes them.
-- `inputs`: `ImageSet` (one sequence's processed images) and `VisionBatch` (one micro-batch's,
-  built by engine.training.micro_batches).
+- `inputs`: `ImageSet` (one sequence's processed images, held or produced on first use from a
+  reference into the data cache), `VisionBatch` (one micro-batch's, built by
+  engine.training.micro_batches) and `ImagePrompt` (a rollout prompt with images).
 - `rope`: the interleaved M-RoPE frequencies installed in megatron's rotary embedding.
 - `tower`: transformers' own vision tower module, built from the checkpoint's vision_config.
 - `model`: `VisionLanguageModel`, a megatron GPTModel whose first pipeline stage holds the

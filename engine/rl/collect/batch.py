@@ -39,8 +39,11 @@ def build_sequences(batch: RolloutBatch) -> list[SequenceData]:
     "rollout_logprobs" (the engine's log-probs of the sampled tokens). Multi-turn responses
     (batch.response_masks) train only their sampled tokens: loss mask and advantage 0 on
     observation tokens (their rollout log-prob is 0.0). A prompt with images
-    (models.vision.inputs.ImagePrompt) gives its sequence the images (SequenceData.vision)."""
+    (models.vision.inputs.ImagePrompt) gives its sequence the images (SequenceData.vision):
+    one ImageSet per prompt object, shared by its group, so that its pixels are produced once
+    a step."""
     seqs = []
+    images: dict[int, object] = {}   # id(prompt) -> its ImageSet for this batch
     masks = batch.response_masks or [None] * len(batch)
     for prompt, response, logprobs, adv, mask in zip(
             batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, batch.advantages,
@@ -52,7 +55,15 @@ def build_sequences(batch: RolloutBatch) -> list[SequenceData]:
             tokens=ids[:-1], labels=ids[1:], loss_mask=[0] * head + mask,
             extras={"advantages": [0.0] * head + [float(adv) if m else 0.0 for m in mask],
                     "rollout_logprobs": [0.0] * head + [float(x) for x in logprobs]},
-            vision=prompt.vision(ids[:-1]) if isinstance(prompt, ImagePrompt) else None))
+            vision=_vision(prompt, ids[:-1], images)))
         if batch.routed_experts:  # R3: the rollout engine's routing of every fed token
             seqs[-1].extras[ROUTED_EXPERTS] = batch.routed_experts[len(seqs) - 1]
     return seqs
+
+
+def _vision(prompt, tokens: list[int], images: dict):
+    if not isinstance(prompt, ImagePrompt):
+        return None
+    if id(prompt) not in images:
+        images[id(prompt)] = prompt.images
+    return prompt.vision(tokens, images[id(prompt)])

@@ -11,8 +11,9 @@ batch whose prompts may hold images.
 - `prefill`: M-RoPE positions [3, b, s] for the left-padded prompts (an ImagePrompt's own,
   0, 1, ... in all three for a text prompt, 0 on padding), the decode steps' next positions
   (last + 1: a prompt ends in text, so the three agree) and the images of the batch in row
-  order (`pixel_values`, `image_grid_thw`): transformers places them on the placeholder
-  tokens in that order, and the trainer recomputes with the same positions
+  order (`pixel_values`, `image_grid_thw`; a prompt's pixels produced here from its
+  reference into the data cache, once per prompt of the batch): transformers places them on
+  the placeholder tokens in that order, and the trainer recomputes with the same positions
   (models.vision.positions), so the reported log-probs are the trainer's.
 """
 from __future__ import annotations
@@ -45,13 +46,15 @@ def view_aliases(params: dict, canonical: dict) -> None:
 def prefill(prompts: list, longest: int, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(positions [3, b, longest], next positions [3, b, 1], model kwargs with the images)."""
     positions = torch.zeros(3, len(prompts), longest, dtype=torch.long)
-    pixels, grids = [], []
+    pixels, grids, images = [], [], {}   # one ImageSet per prompt object (a group shares it)
     for i, prompt in enumerate(prompts):
         start = longest - len(prompt)
         if isinstance(prompt, ImagePrompt):
             positions[:, i, start:] = prompt.positions()
-            pixels.append(prompt.images.pixel_values)
-            grids.append(prompt.images.grid_thw)
+            if id(prompt) not in images:
+                images[id(prompt)] = prompt.images
+            pixels.append(images[id(prompt)].pixel_values)
+            grids.append(images[id(prompt)].grid_thw)
         else:
             positions[:, i, start:] = torch.arange(len(prompt))
     extra = {} if not pixels else {"pixel_values": torch.cat(pixels).to(device),
