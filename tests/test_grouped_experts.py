@@ -40,7 +40,7 @@ def test_whole_model_matches_sequential_at_ep1_ep2_tp2sp_and_fused(pools, tmp_pa
     proc = pools.script(2, CHECK, hf_dir, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["layout"]: r for r in result_lines(proc.stdout)}
-    assert set(rows) == {"ep1", "ep2", "tp2sp", "ep2_fusions"}
+    assert set(rows) == {"ep1", "ep2", "tp2sp", "ep2_fusions", "tp2sp_lora"}
     for row in rows.values():
         assert row["grouped_modules"] == 4  # one per layer on every rank
         assert row["logits"] <= TOL and row["grads"] <= TOL, row

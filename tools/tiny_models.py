@@ -170,6 +170,7 @@ def load_hf_model(path: str):
 
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    import models.hf.config  # noqa: F401  (registers model_types transformers lacks: kimi_k2)
     from models.hf.conditional import is_wrapper
 
     config = json.loads((Path(path) / "config.json").read_text())
@@ -179,16 +180,18 @@ def load_hf_model(path: str):
 
 def build_peft_adapter(base: str, out: str, rank: int, alpha: float, seed: int = 3,
                        targets="all-linear", parameters: list[str] | None = None,
-                       std: float = 0.05) -> str:
-    """A PEFT adapter of `targets` (default peft's all-linear: every linear projection) and of
-    the fused 3-D parameters `parameters` (peft's target_parameters, e.g.
+                       std: float = 0.05, **config) -> str:
+    """A PEFT adapter of `targets` (default peft's all-linear: every linear projection, as
+    peft reads it on the model: on transformers 5's fused experts also them and the router)
+    and of the fused 3-D parameters `parameters` (peft's target_parameters, e.g.
     ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) of `base`, with non-zero B (peft
-    initialises B to 0, which would leave the model unchanged; B ~ N(0, std)). Returns
-    `out`."""
+    initialises B to 0, which would leave the model unchanged; B ~ N(0, std)); `config`:
+    further LoraConfig fields (rank_pattern, alpha_pattern, use_rslora). Returns `out`."""
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(load_hf_model(base), LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=targets, target_parameters=parameters))
+        r=rank, lora_alpha=alpha, target_modules=targets, target_parameters=parameters,
+        **config))
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

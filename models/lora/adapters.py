@@ -191,16 +191,20 @@ class LoraAdapter(torch.nn.Module):
         """The low-rank update of an expert linear as factors (A [r, in_local], scaling * B
         [out_local, r]) for models.layers.experts.grouped, which computes x A^T B^T for every
         local expert in its grouped matmuls instead of calling the linears (their hooks); the
-        same expert-TP gradient reduction as `_column` / `_row`. None while disabled."""
+        same expert-TP gradient reduction as `_column` / `_row`. None while disabled.
+        The reduced factor's gradient is made contiguous first: megatron's all-reduce
+        (mappings._reduce) reduces a contiguous copy and returns the input unreduced when the
+        gradient is not contiguous, as the grouped experts' padded bmm gives it (w.transpose);
+        without it expert-TP > 1 on that path lost the reduction (grad norm off by 1e-2)."""
         if not self.enabled:
             return None
         name = self.slices[0].name
         a, b = self.matrices(name)
         if self.explicit and self._communicates():
             if self.kind == "column":
-                a = copy_to_tensor_model_parallel_region(a, group=self.group)
+                a = _contiguous_grad(copy_to_tensor_model_parallel_region(a, group=self.group))
             else:
-                b = copy_to_tensor_model_parallel_region(b, group=self.group)
+                b = _contiguous_grad(copy_to_tensor_model_parallel_region(b, group=self.group))
         return a, b * self.scalings[name]
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -299,6 +303,13 @@ class LoraAdapter(torch.nn.Module):
             parallel_state.get_data_parallel_group(with_context_parallel=True)
         return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets,
                                                    tp_group=self.group, dp_cp_group=dp_cp)
+
+
+def _contiguous_grad(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, whose gradient reaches the op that made it contiguous."""
+    if tensor.requires_grad:
+        tensor.register_hook(lambda grad: grad.contiguous())
+    return tensor
 
 
 def gather_cat(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:

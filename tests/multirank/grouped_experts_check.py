@@ -13,7 +13,8 @@ negative control routes the same tokens with counts (9, 0, 5, 0). One RESULT lin
 
 Whole model (2 ranks, HF_DIR a tiny Qwen3-MoE): for each layout of LAYOUTS the model is built
 twice from HF_DIR (moe.grouped_experts true / false; "ep2_fusions": the grouped one also with
-the SwiGLU and residual fusions), one fp32 forward and backward of
+the SwiGLU and residual fusions; "tp2sp_lora": both with LoRA adapters), one fp32 forward and
+backward of
 different random tokens per rank through GPTModel; the logits and every parameter gradient
 are compared (relative, max over ranks). One RESULT line per layout:
   {"layout": ..., "logits": rel, "grads": rel, "grouped_modules": n}
@@ -30,7 +31,12 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 LAYOUTS = {"ep1": dict(tp=1, ep=1, sp=False), "ep2": dict(tp=1, ep=2, sp=False),
-           "tp2sp": dict(tp=2, ep=1, sp=True), "ep2_fusions": dict(tp=1, ep=2, sp=False)}
+           "tp2sp": dict(tp=2, ep=1, sp=True), "ep2_fusions": dict(tp=1, ep=2, sp=False),
+           "tp2sp_lora": dict(tp=2, ep=1, sp=True)}
+# "tp2sp_lora": both models with LoRA adapters on the experts and the router (non-zero B),
+# ranks 6 and 3 (not multiples of 4: the grouped experts take their padded-bmm kernel, whose
+# weight gradients are not contiguous) at expert TP 2; every adapter gradient compared
+LORA_PATTERN = {"experts.down_proj": 6, "experts.gate_up_proj": 3}
 # "ep2_fusions": the grouped model with megatron's fused SwiGLU and bias-dropout-add
 # (model.fusions.swiglu / residual) against the sequential, unfused one
 FUSIONS = dict(bias_activation_fusion=True, bias_dropout_fusion=True)
@@ -115,8 +121,32 @@ def _world_max(value: float) -> float:
     return t.item()
 
 
-def _forward_backward(cfg: dict, reader, tokens, grouped: bool, sp: bool, **overrides):
-    """(logits [b, s, v/tp], {name: grad}) of one fp32 forward/backward on `tokens`."""
+def _lora_spec():
+    from models.lora.slices import LoraSpec
+    from models.lora.targets import PARAMETER_TARGETS
+
+    return LoraSpec(4, 8.0, frozenset(PARAMETER_TARGETS), rank_pattern=LORA_PATTERN)
+
+
+def _random_adapters(chunk) -> None:
+    """Every adapter of `chunk` set to full matrices seeded by its name (the same model on
+    every rank and in both builds), B non-zero."""
+    import torch
+
+    from models.lora.sites import adapters
+
+    for name, adapter in adapters(chunk):
+        for sl in adapter.slices:
+            gen = torch.Generator().manual_seed(sum(map(ord, name + sl.name)))
+            rank = adapter.ranks[sl.name]
+            adapter.set_full(sl.name, torch.randn(rank, sl.in_features, generator=gen) * 0.3,
+                             torch.randn(sl.out_features, rank, generator=gen) * 0.3)
+
+
+def _forward_backward(cfg: dict, reader, tokens, grouped: bool, sp: bool, lora: bool = False,
+                      **overrides):
+    """(logits [b, s, v/tp], {name: grad of every parameter with one}) of one fp32
+    forward/backward on `tokens`; `lora`: with _lora_spec's adapters (_random_adapters)."""
     import torch
 
     from models.bridge.weights import load_hf_weights
@@ -124,14 +154,17 @@ def _forward_backward(cfg: dict, reader, tokens, grouped: bool, sp: bool, **over
     from models.layers.experts.grouped import GroupedExperts
 
     (chunk,) = build_model_chunks(cfg, grouped_experts=grouped, sequence_parallel=sp,
-                                  **overrides)
+                                  lora=_lora_spec() if lora else None, **overrides)
     load_hf_weights([chunk], reader, cfg)
+    if lora:
+        _random_adapters(chunk)
     n = sum(isinstance(m, GroupedExperts) for m in chunk.modules())
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     logits = chunk(tokens, positions, None)
     logits.backward(torch.cos(torch.arange(logits.numel(), dtype=torch.float32))
                     .view_as(logits))
-    return logits.detach(), {k: p.grad for k, p in chunk.named_parameters()}, n
+    return logits.detach(), {k: p.grad for k, p in chunk.named_parameters()
+                             if p.grad is not None}, n
 
 
 def whole_model(hf_dir: str) -> None:
@@ -151,9 +184,13 @@ def whole_model(hf_dir: str) -> None:
         gen = torch.Generator().manual_seed(100 + dp_rank)
         tokens = torch.randint(0, cfg["vocab_size"], (BATCH, SEQ), generator=gen)
         fused = FUSIONS if name.endswith("fusions") else {}
-        got, got_grads, n = _forward_backward(cfg, reader, tokens, True, lay["sp"], **fused)
-        ref, ref_grads, n_ref = _forward_backward(cfg, reader, tokens, False, lay["sp"])
+        lora = name.endswith("lora")
+        got, got_grads, n = _forward_backward(cfg, reader, tokens, True, lay["sp"], lora,
+                                              **fused)
+        ref, ref_grads, n_ref = _forward_backward(cfg, reader, tokens, False, lay["sp"], lora)
         assert n > 0 and n_ref == 0, (n, n_ref)
+        assert set(got_grads) == set(ref_grads) and (not lora or all(
+            "_lora." in k for k in ref_grads)), sorted(set(got_grads) ^ set(ref_grads))
         grads = max(_rel(got_grads[k], ref_grads[k]) for k in ref_grads)
         record = {"layout": name, "logits": _world_max(_rel(got, ref)),
                   "grads": _world_max(grads), "grouped_modules": n}

@@ -10,8 +10,10 @@ attention, Gated DeltaNet and shared expert) their runs join: each one's referen
 (checkpoint OUT/ckpt_NAME), NAME_tp2+sp, NAME_pp2, NAME_ep2 and the EXTRA layouts
 (comma-separated: cp2, cp2_packed: CP2 with the micro-batches packed, or ep2_wrong_expert,
 the negative control of expert adapters loaded by
-local instead of global expert index) at W == 2. TARGETS may hold `experts`: the adapter
-then holds peft's target_parameters of the fused experts, run on grouped experts.
+local instead of global expert index; `single`: no W == 2 runs) at W == 2. TARGETS are
+model.lora.target_modules names as a run reads them on the family (all-linear, the MLP
+names peft converts to the fused experts, `experts`, `router`), run on grouped experts; the
+adapter's rank_pattern / alpha_pattern fill model.lora.* as a run from init_from does.
 
 W == 1: the references. Dense: STEPS LoRA SFT steps (token-mean) from ADAPTER, saving a
 training checkpoint after RESUME_AT steps (OUT/ckpt_resume) and after the last one
@@ -131,10 +133,15 @@ def train(engine, seqs_list, start: int = 0):
 
 def save(engine, root, step, hf_config, model_dir, targets=DENSE_TARGETS):
     from engine.checkpoint.checkpointing import DataPosition, save_training_checkpoint
+    from models.lora.sites import lora_spec_of
 
-    # what RunLoop stores: the run's keys (tools/convert.py reads model.lora.* and hf_path)
+    # what RunLoop stores: the run's keys (tools/convert.py reads model.lora.* and hf_path),
+    # the rank / alpha patterns as filled from the adapter (JSON: a YAML flow mapping)
+    spec = lora_spec_of(engine.chunks)
     yaml = (f"model:\n  hf_path: {model_dir}\n  lora:\n    rank: {RANK}\n    alpha: {ALPHA}\n"
-            f"    target_modules: {list(targets)}\n")
+            f"    target_modules: {list(targets)}\n"
+            f"    rank_pattern: {json.dumps(spec.rank_pattern)}\n"
+            f"    alpha_pattern: {json.dumps(spec.alpha_pattern)}\n")
     return str(save_training_checkpoint(engine, root, DataPosition(step, GBS, 100, 0, False),
                                         hf_config, model_dir, config_yaml=yaml))
 
@@ -211,17 +218,19 @@ def compare(name, ref, losses, norms, params, start=0):
     import torch.distributed as dist
 
     rel = lambda a, b: max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
-    worst = 0.0
+    worst, worst_key = 0.0, None
     for k, v in params.items():
         r = ref["params"][k]
-        worst = max(worst, float((v - r).abs().max()) / max(float(r.abs().max()), 1e-12))
+        diff = float((v - r).abs().max()) / max(float(r.abs().max()), 1e-12)
+        worst, worst_key = max((worst, worst_key), (diff, k), key=lambda t: t[0])
     box = torch.tensor([worst], dtype=torch.float64)
     dist.all_reduce(box, op=dist.ReduceOp.MAX)
     count = torch.tensor([float(len(params))], dtype=torch.float64)
     dist.all_reduce(count)   # summed: the stages hold different adapters
     return {"run": name, "loss": losses, "loss_rel": rel(losses, ref["loss"][start:]),
             "grad_norm_rel": rel(norms, ref["grad_norm"][start:]),
-            "param_rel": float(box[0]), "n_params": int(count[0])}
+            "param_rel": float(box[0]), "n_params": int(count[0]),
+            "param_worst": (worst, worst_key)}   # this rank's (rank 0 prints it)
 
 
 class Results(list):
@@ -282,6 +291,8 @@ def layouts(dense, moe, adapter, out, rank, world):
                      "cp2_packed": (dict(cp=2), {"packing": True}, None),
                      "ep2_wrong_expert": (dict(ep=2), {}, wrong_expert)}
     for family, model, family_adapter, targets, extra in other_families():
+        if "single" in extra:   # the reference only (world 1)
+            continue
         family_data = batches(model[1]["vocab_size"])
         for name, layout, overrides, control in (
                 ("tp2+sp", dict(tp=2), {"sequence_parallel": True}, None),
