@@ -16,7 +16,13 @@ plain GPTModel forward):
   transformers' `_deepstack_process` does after each of those layers. Those layers must be
   on the first pipeline stage, with the tower, and full recomputation is refused with
   deepstack: megatron recomputes a layer in the backward pass after this forward's features
-  are gone (both refused at build).
+  are gone (both refused at build);
+- a trained tower runs on every micro-batch that computes gradients: one without images adds
+  the tower's zero pass (models.vision.tower.zero_pass: exactly 0.0, every tower parameter
+  gets an all-zero gradient) to its embeddings, so that megatron's overlapped gradient
+  reduction finds the tower's gradients in every last micro-batch, as in the first step (a
+  rank whose last micro-batch had images in one step and none in another never launched the
+  reduction of the tower's bucket).
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ from megatron.core.models.gpt import GPTModel
 from models.vision.inputs import VisionBatch
 from models.vision.rope import MultimodalRotary
 from models.vision.spec import VisionSpec
-from models.vision.tower import image_features
+from models.vision.tower import image_features, zero_pass
 
 
 class VisionLanguageModel(GPTModel):
@@ -56,18 +62,31 @@ class VisionLanguageModel(GPTModel):
 
     def forward(self, input_ids, position_ids, attention_mask, *args,
                 vision: VisionBatch | None = None, decoder_input=None, **kwargs):
+        images = None if vision is None else vision.images
+        if self.pre_process and decoder_input is None:
+            if images is not None:
+                decoder_input = self._embed_with_images(input_ids, position_ids, vision)
+            elif self._tower_needs_zero_pass():
+                decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+                decoder_input = decoder_input + zero_pass(self.vision, self.vision_spec).to(
+                    decoder_input.dtype)
         if vision is None:
             return super().forward(input_ids, position_ids, attention_mask, *args,
                                    decoder_input=decoder_input, **kwargs)
         self.rotary_pos_emb.positions = vision.positions
         try:
-            if self.pre_process and decoder_input is None and vision.images is not None:
-                decoder_input = self._embed_with_images(input_ids, position_ids, vision)
             return super().forward(input_ids, position_ids, attention_mask, *args,
                                    decoder_input=decoder_input, **kwargs)
         finally:
             self.rotary_pos_emb.positions = None
             self._deepstack = None
+
+    def _tower_needs_zero_pass(self) -> bool:
+        """A micro-batch without images, the tower trained and gradients on: run the tower's
+        zero pass (models.vision.tower.zero_pass) so that every tower parameter gets its
+        (zero) gradient, which the overlapped gradient reduction waits for."""
+        return (self.vision is not None and torch.is_grad_enabled()
+                and next(self.vision.parameters()).requires_grad)
 
     def _embed_with_images(self, input_ids, position_ids, vision: VisionBatch) -> torch.Tensor:
         """[s (/ tp with SP), b, h]: the token embeddings with image features in place."""

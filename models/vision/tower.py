@@ -27,8 +27,8 @@ import torch
 from transformers import AutoModel
 
 from models.hf.config import hf_config_object
-from models.families.base import original_config
-from models.vision.spec import vision_spec
+from models.families.base import field, original_config
+from models.vision.spec import VisionSpec, vision_spec
 
 VISION_PREFIX = "vision."        # the tower's parameters in a megatron chunk
 
@@ -74,6 +74,31 @@ def build_tower(hf_config: dict, dtype: torch.dtype, trainable: bool) -> torch.n
         p.requires_grad_(trainable)
         p.sequence_parallel = True   # summed over TP with sequence parallelism (docstring)
     return tower
+
+
+def zero_pass(tower: torch.nn.Module, spec: VisionSpec) -> torch.Tensor:
+    """0.0 (a 0-dim tensor) that depends on every parameter of the trained `tower`: the sum of
+    all its outputs (merged features and deepstack features) on one blank image of merge_size
+    x merge_size patches (one image token), times 0. Added to the embeddings of a micro-batch
+    without images (models.vision.model) it changes no number: the forward adds exactly 0.0,
+    and the backward gives every tower parameter an all-zero gradient, which adds nothing to
+    the accumulated one. What it buys is that every tower parameter gets a gradient in every
+    micro-batch, as with images: megatron's overlapped gradient reduction
+    (parallel.overlap_grad_reduce) launches a DDP bucket's reduction when every parameter of
+    the bucket has its gradient of the last micro-batch, exactly as in the first step; a rank
+    whose last micro-batch had images in one step and none in another never launched the
+    tower's bucket (`finish_grad_sync`: "Communication call has not been issued for this
+    bucket"). Cost: the tower's forward and backward on merge_size^2 patches per text-only
+    micro-batch. A tower whose weights are already non-finite makes the product NaN (the
+    step is then skipped as non-finite)."""
+    v, m = spec.vision_config, spec.merge_size
+    width = (int(field(v, "in_channels", 3)) * int(field(v, "temporal_patch_size", 2))
+             * int(field(v, "patch_size")) ** 2)
+    param = next(tower.parameters())
+    pixels = torch.zeros(m * m, width, dtype=param.dtype, device=param.device)
+    grid = torch.tensor([[1, m, m]], device=param.device)
+    features, deepstack = image_features(tower, pixels, grid)
+    return sum(f.sum() for f in (features, *deepstack)) * 0.0
 
 
 def image_features(tower: torch.nn.Module, pixel_values: torch.Tensor,
