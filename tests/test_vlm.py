@@ -10,8 +10,9 @@ build_qwen3_5_vl):
   (1e-5), with two negative controls (no image features, 1-D positions);
 - the layout matrix (tests/multirank/sft_invariance.py with INV_IMAGES=1: 3 steps, the tower
   trained): TP2+SP, PP2, CP2, packing, CP2 with packing, DP2, and for the MoE variant EP2 equal
-  one process (loss, grad norm, final weights with the tower: rel 1e-5); negative controls:
-  packed M-RoPE positions restarted one token late, and SP without the sequence_parallel tags;
+  one process (loss, grad norm, final weights with the tower: rel 1e-5, the token embedding
+  1e-4: test_layouts_equal_one_process says why); negative controls: packed M-RoPE positions
+  restarted one token late, and SP without the sequence_parallel tags;
 - HF -> mcore -> HF is bitwise with the tower; engine.sft with images from a jsonl (paths)
   and a parquet (bytes) trains, and with model.vision.freeze=false its export changes the
   tower.
@@ -33,6 +34,9 @@ from tests.qwen3_vl_tiny import build_qwen3_vl
 from tests.test_qwen3_5 import _tensors, convert_round_trip
 
 TOL = 1e-5
+# The input token embedding's final weights are bounded by EMBEDDING_TOL, every other tensor by
+# TOL (test_layouts_equal_one_process says why)
+EMBEDDING_TOL = 1e-4
 CONVERT = "tools/convert.py"
 SFT = "tests/multirank/sft_invariance.py"
 ONE = "modes=token-mean"
@@ -265,7 +269,25 @@ def test_logits_equal_transformers_with_images(pools, models, kind):
     assert r.get("no_deepstack_diff", 1.0) > 1e-2, r       # Qwen3-VL only
 
 
+def _equal(r: dict) -> bool:
+    return (r["loss_rel"] < TOL and r["grad_norm_rel"] < TOL and r["param_rel_other"] < TOL
+            and r["param_rel_embedding"] < EMBEDDING_TOL)
+
+
 def test_layouts_equal_one_process(pools, models, tmp_path):
+    """Every layout of LAYOUTS equals one process (3 steps, lr 1e-2, Adam eps
+    1e-3): loss, grad norm, and every final weight but the token embedding within TOL, the
+    token embedding within EMBEDDING_TOL. That bound is the measured reduction-order noise of
+    the embedding, not a layout's: on the 2-core AVX-512 host (2026-11-26), Qwen3-VL-MoE at TP2+SP
+    ended 1.32e-5 off in model.embed_tokens.weight (every other tensor <= 3.2e-6), and ONE
+    process with nothing changed but the micro-batch size (3 instead of 16: only the order of
+    the sums) 1.84e-5, at the same element ([80, 26]); the same runs in float64 agree to
+    4.3e-8 (TP2+SP; limited by megatron's fp32 grad norm) and 2e-15 (micro-batches). Adam
+    amplifies it there: token 80 is absent from step 1, so at step 3 that element's gradient
+    (5.1e-5, 1 % of which differs between the two orders) is far below eps and its update
+    moves by lr (1 - b1) / (1 - b1^3) / (sqrt(v) + eps) ~ 3 times the gradient's noise;
+    the noise falls 20-30x with eps 1e-2 and the routers' top-2 margins (>= 1.8e-5) rule
+    out a flipped expert. A real layout bug moves the loss by more than 1e-4 (the controls)."""
     env = {"INV_IMAGES": "1", "INV_MOE_MODEL_DIR": str(models["moe"]), "INV_ADAM_EPS": "1e-3",
            "INV_MODEL_DIRS": json.dumps({k: str(models[k]) for k in ("vl3", "vl3m")})}
     ref = tmp_path / "ref.json"
@@ -279,8 +301,7 @@ def test_layouts_equal_one_process(pools, models, tmp_path):
     results = {r["spec"]: r for r in result_lines(proc.stdout)}
     assert len(results) == len(specs)
     for spec in specs[:len(LAYOUTS)]:
-        r = results[spec]
-        assert r["loss_rel"] < TOL and r["grad_norm_rel"] < TOL and r["param_rel"] < TOL, r
+        assert _equal(results[spec]), results[spec]
     for spec in specs[len(LAYOUTS):]:
         assert results[spec]["loss_rel"] > 1e-4, results[spec]
 

@@ -238,13 +238,23 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
     return losses, norms, params
 
 
-def param_diff(params, ref_params):
-    """Max abs difference over this stage's tensors, relative to the max abs reference value."""
+def param_diff(params, ref_params, select=lambda name: True):
+    """Max abs difference over this stage's tensors whose HF name `select` accepts, relative
+    to the max abs reference value of each tensor."""
     worst = 0.0
     for k, v in params.items():
+        if not select(k):
+            continue
         ref = ref_params[k]
         worst = max(worst, float((v - ref).abs().max()) / max(float(ref.abs().max()), 1e-12))
     return worst
+
+
+def is_token_embedding(name: str) -> bool:
+    """The input token embedding (HF name `...embed_tokens.weight`): results also report its
+    param_rel apart ("param_rel_embedding", the rest "param_rel_other"), for tests that bound
+    it separately (tests/test_vlm.py says why)."""
+    return name.endswith("embed_tokens.weight")
 
 
 def negative_controls(model_dir, hf_config, batches, world):
@@ -336,12 +346,15 @@ def main():
             else:
                 r = (new_ref or ref)[key + mode]
                 rel = lambda a, b: max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
-                pdiff = torch.tensor([param_diff(params, r["params"])], dtype=torch.float64)
+                pdiff = torch.tensor([param_diff(params, r["params"], sel) for sel in (
+                    lambda k: True, is_token_embedding, lambda k: not is_token_embedding(k))],
+                    dtype=torch.float64)
                 dist.all_reduce(pdiff, op=dist.ReduceOp.MAX)
                 out = {"spec": spec, "mode": mode, "world": world, "loss": losses,
                        "loss_rel": rel(losses, r["loss"]), "grad_norm": norms,
                        "grad_norm_rel": rel(norms, r["grad_norm"]),
-                       "param_rel": float(pdiff), "n_params": len(params)}
+                       "param_rel": float(pdiff[0]), "param_rel_embedding": float(pdiff[1]),
+                       "param_rel_other": float(pdiff[2]), "n_params": len(params)}
             if any(MOE_METRICS):
                 out["moe"] = list(MOE_METRICS)
             out["seconds"] = round(time.perf_counter() - started, 2)
