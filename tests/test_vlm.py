@@ -12,7 +12,10 @@ build_qwen3_5_vl):
   trained): TP2+SP, PP2, CP2, packing, CP2 with packing, DP2, and for the MoE variant EP2 equal
   one process (loss, grad norm, final weights with the tower: rel 1e-5, the token embedding
   1e-4: test_layouts_equal_one_process says why); negative controls: packed M-RoPE positions
-  restarted one token late, and SP without the sequence_parallel tags;
+  restarted one token late, and SP without the sequence_parallel tags; Qwen3-VL with the
+  overlapped gradient reduction where some ranks' micro-batches have no image, at one
+  process and DP2, with the crash the tower's zero pass fixes as negative control (and the
+  zero pass in-process: exactly 0, a zero gradient for every tower parameter);
 - HF -> mcore -> HF is bitwise with the tower; engine.sft with images from a jsonl (paths)
   and a parquet (bytes) trains, and with model.vision.freeze=false its export changes the
   tower.
@@ -48,6 +51,9 @@ LAYOUTS = ["2,1,0,1,16,sp", "2,1,0,1,16", "1,2,0,1,4", "1,1,0,2,16", "1,1,0,1,16
            "1,1,0,2,16,m=vl3+packing", "1,1,0,1,4,m=vl3", "1,1,0,1,4,m=vl3m+ep=2",
            "2,1,0,1,16,m=vl3m+sp"]
 CONTROLS = ["1,1,0,1,16,packing+bug=mrope", "2,1,0,1,16,sp+bug=spnorm"]
+# The trained tower under the overlapped gradient reduction (ov), on batches where one sequence
+# has images (oneimage): at DP2 one rank's micro-batches are all text-only in steps 1 and 2
+OVERLAP = ["1,1,0,1,4,m=vl3+oneimage+ov"]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +108,31 @@ class SimpleModel:
         self.config = cfg
         self.get_vision_position_ids = lambda *a, **k: Qwen3_5Model.get_vision_position_ids(
             self, *a, **k)
+
+
+@pytest.mark.parametrize("kind", ["dense", "vl3"])
+def test_tower_zero_pass_is_zero_and_reaches_every_parameter(models, kind):
+    """models.vision.tower.zero_pass (a text-only micro-batch with the tower trained): exactly
+    0.0, and every tower parameter (Qwen3-VL's deepstack mergers too) gets a gradient, all
+    zeros; the same pass without the factor 0 moves every parameter (it reaches them all)."""
+    from models.hf.io import read_config
+    from models.vision.spec import vision_spec
+    from models.vision.tower import build_tower, image_features, zero_pass
+
+    cfg = read_config(models[kind])
+    tower = build_tower(cfg, torch.float32, trainable=True)
+    zero = zero_pass(tower, vision_spec(cfg))
+    assert zero.item() == 0.0 and zero.dim() == 0
+    zero.backward()
+    grads = {n: p.grad for n, p in tower.named_parameters()}
+    assert all(g is not None and not g.any() for g in grads.values()), [
+        n for n, g in grads.items() if g is None or g.any()]
+    assert any("deepstack" in n for n in grads) == (kind == "vl3")
+    tower.zero_grad(set_to_none=True)
+    features, deepstack = image_features(tower, torch.randn(4, 3 * 2 * 4 * 4),
+                                         torch.tensor([[1, 2, 2]]))
+    sum(f.sum() for f in (features, *deepstack)).backward()
+    assert all(p.grad is not None and p.grad.any() for p in tower.parameters())
 
 
 def test_text_positions_are_megatrons_rope():
@@ -275,7 +306,7 @@ def _equal(r: dict) -> bool:
 
 
 def test_layouts_equal_one_process(pools, models, tmp_path):
-    """Every layout of LAYOUTS equals one process (3 steps, lr 1e-2, Adam eps
+    """Every layout of LAYOUTS and OVERLAP equals one process (3 steps, lr 1e-2, Adam eps
     1e-3): loss, grad norm, and every final weight but the token embedding within TOL, the
     token embedding within EMBEDDING_TOL. That bound is the measured reduction-order noise of
     the embedding, not a layout's: on the 2-core AVX-512 host (2026-11-26), Qwen3-VL-MoE at TP2+SP
@@ -287,22 +318,34 @@ def test_layouts_equal_one_process(pools, models, tmp_path):
     (5.1e-5, 1 % of which differs between the two orders) is far below eps and its update
     moves by lr (1 - b1) / (1 - b1^3) / (sqrt(v) + eps) ~ 3 times the gradient's noise;
     the noise falls 20-30x with eps 1e-2 and the routers' top-2 margins (>= 1.8e-5) rule
-    out a flipped expert. A real layout bug moves the loss by more than 1e-4 (the controls)."""
+    out a flipped expert. A real layout bug moves the loss by more than 1e-4 (the controls).
+
+    The first launch also trains Qwen3-VL at one process with the overlapped gradient
+    reduction on batches where one sequence has images, equal to one process without it; its
+    negative control (bug=notowerpass: text-only micro-batches skip the trained tower's zero
+    pass) fails as megatron's finish_grad_sync did before the fix."""
     env = {"INV_IMAGES": "1", "INV_MOE_MODEL_DIR": str(models["moe"]), "INV_ADAM_EPS": "1e-3",
            "INV_MODEL_DIRS": json.dumps({k: str(models[k]) for k in ("vl3", "vl3m")})}
     ref = tmp_path / "ref.json"
+    one = f"1,1,0,1,4,m=vl3+oneimage+ov+{ONE}"
+    crash = f"1,1,0,1,4,m=vl3+oneimage+ov+bug=notowerpass+{ONE}"
     first = pools.script(1, SFT, str(models["dense"]), str(ref), f"1,1,0,1,16,{ONE}",
                          f"1,1,0,1,16,moe+{ONE}", f"1,1,0,1,16,m=vl3+{ONE}",
-                         f"1,1,0,1,16,m=vl3m+{ONE}", env=env)
+                         f"1,1,0,1,16,m=vl3m+{ONE}", f"1,1,0,1,16,m=vl3+oneimage+{ONE}",
+                         one, crash, env=env)
     assert first.returncode == 0, first.stdout + first.stderr
-    specs = [s + ("+" if len(s.split(",")) > 5 else ",") + ONE for s in LAYOUTS + CONTROLS]
+    results = {r["spec"]: r for r in result_lines(first.stdout)}
+    assert _equal(results[one]), results[one]
+    assert "Communication call has not been issued for this bucket" in results[crash]["error"]
+    specs = [s + ("+" if len(s.split(",")) > 5 else ",") + ONE
+             for s in LAYOUTS + OVERLAP + CONTROLS]
     proc = pools.script(2, SFT, str(models["dense"]), str(ref), *specs, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = {r["spec"]: r for r in result_lines(proc.stdout)}
     assert len(results) == len(specs)
-    for spec in specs[:len(LAYOUTS)]:
+    for spec in specs[:-len(CONTROLS)]:
         assert _equal(results[spec]), results[spec]
-    for spec in specs[len(LAYOUTS):]:
+    for spec in specs[-len(CONTROLS):]:
         assert results[spec]["loss_rel"] > 1e-4, results[spec]
 
 

@@ -14,7 +14,11 @@ import random
 import torch
 
 
-def vision_batches(hf_config: dict, steps: int, gbs: int, seed: int = 0) -> list:
+def vision_batches(hf_config: dict, steps: int, gbs: int, seed: int = 0,
+                   image_rows: int | None = None) -> list:
+    """`steps` global batches of `gbs` sequences (module docstring); `image_rows`: only that
+    many sequences of each batch, drawn at random, have images (one or two), the others
+    none."""
     from engine.training.micro_batches import SequenceData
     from models.vision.inputs import ImageSet, SequenceVision
     from models.vision.spec import vision_spec
@@ -28,9 +32,13 @@ def vision_batches(hf_config: dict, steps: int, gbs: int, seed: int = 0) -> list
     batches = []
     for _ in range(steps):
         seqs = []
+        with_images = set(rng.sample(range(gbs), image_rows)) if image_rows else None
         for i in range(gbs):
             ids, grids = [rng.randrange(4, vocab) for _ in range(rng.randint(3, 10))], []
-            for _ in range(rng.choice([0, 1, 1, 2])):
+            count = rng.choice([0, 1, 1, 2])
+            if with_images is not None:
+                count = max(count, 1) if i in with_images else 0
+            for _ in range(count):
                 h, w = rng.choice([2, 4]), rng.choice([2, 4])
                 grids.append([1, h, w])
                 ids += ([spec.vision_start_token_id] + [spec.image_token_id] * (h * w // 4)
