@@ -12,6 +12,7 @@ import pytest
 
 from engine.config.lora_settings import LoraConfig, lora_build_kwargs, lora_problems, lora_spec
 from engine.config.schema import SFTConfig, load_config
+from models.lora.targets import target_list
 
 DENSE = {"model_type": "qwen3", "num_hidden_layers": 2}
 MOE = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 8}
@@ -86,7 +87,8 @@ def test_all_linear_is_what_peft_reads_on_the_family():
      "gives self_attn.q_proj rank 2 in layers [0], 4 in layers [1]: megatron's checkpoint"),
     (dict(rank=4, target_modules=["in_proj_qkv"]), DENSE,
      "'in_proj_qkv': qwen3 has no such projection; its names: q_proj"),
-    (dict(rank=4), {"model_type": "qwen3_5_moe_text"}, "also adapts mlp.shared_expert_gate"),
+    (dict(rank=4, target_modules=["gate"]), {"model_type": "kimi_k2"},
+     "'gate': kimi_k2 has no such projection"),   # peft converts nothing on kimi_k2
     (dict(rank=4), {"model_type": "qwen3_5_text", "_conditional_generation_config":
                     {"model_type": "qwen3_5"}}, "all-linear on a conditional-generation"),
     (dict(rank=4, target_modules=["experts"]), DENSE, "the model has no MoE experts"),
@@ -184,3 +186,132 @@ def test_init_from_adapter_with_expert_parameters_is_accepted(tmp_path):
         c = cfg(rank=4, alpha=16.0, target_modules=["q_proj", "v_proj", "experts"],
                 init_from=_adapter(tmp_path, target_parameters=order))
         assert lora_problems(c, MOE) == []
+
+
+# the tiny MoE models of every LoRA family (transformers 5 classes, as peft sees them)
+def _builders():
+    from tests.deepseek_v3_tiny import build_deepseek_v3
+    from tests.glm4_moe_tiny import build_glm4_moe
+    from tests.gpt_oss_tiny import build_gpt_oss
+    from tests.kimi_k2_tiny import build_kimi_k2
+    from tests.qwen3_5_tiny import build_qwen3_5
+    from tools.tiny_models import build_tiny_model
+
+    return {"qwen3_moe": lambda d: build_tiny_model(d, "qwen3_moe", tokenizer=False),
+            "mixtral": lambda d: build_tiny_model(d, "mixtral", tokenizer=False),
+            "glm4_moe": lambda d: build_glm4_moe(d, tokenizer=False, mtp=False),
+            "deepseek_v3": lambda d: build_deepseek_v3(d, tokenizer=False, mtp=False),
+            "kimi_k2": build_kimi_k2,
+            "gpt_oss": lambda d: build_gpt_oss(d, tokenizer=False),
+            "qwen3_5_moe_text": lambda d: build_qwen3_5(d, moe=True, tokenizer=False)}
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lora_moe_models")
+    return {name: build(str(root / name)) for name, build in _builders().items()}
+
+
+def _peft_sites(model) -> dict:
+    """{(layer, HF path in the layer): (rank, scaling)} of every adapter peft attached
+    (target_parameters as `<module>.<parameter>`, e.g. mlp.experts.gate_up_proj)."""
+    out = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A") or "default" not in module.lora_A:
+            continue
+        path = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        param = getattr(module, "parameter_name", None)
+        path += f".{param}" if param else ""
+        layer, _, rest = path.removeprefix("model.layers.").partition(".")
+        rank = module.lora_A["default"].weight.shape[0] // getattr(module, "num_experts", 1)
+        out[(int(layer), rest)] = (rank, module.scaling["default"])
+    return out
+
+
+def _our_sites(hf: dict, spec) -> dict:
+    from engine.config.lora_family import layer_paths
+
+    out = {}
+    for i in range(hf["num_hidden_layers"]):
+        for path, target in layer_paths(hf, i).items():
+            key = f"model.layers.{i}.{path}"
+            if target in spec.targets:
+                out[(i, path)] = (spec.rank_of(key), spec.scaling_of(key))
+    return out
+
+
+# (model.lora.* of the case, families it applies to: None every one)
+PEFT_CASES = [(dict(target_modules="all-linear"), None),
+              (dict(target_modules=["gate_proj", "up_proj", "down_proj"]), None),
+              # (Mixtral and gpt-oss have no down_proj: peft ignores it beside q_proj, model.lora
+              # refuses it by name, test_bad_values_are_refused_by_name)
+              (dict(target_modules=["down_proj", "q_proj"]),
+               {"qwen3_moe", "glm4_moe", "qwen3_5_moe_text"}),
+              (dict(target_modules=["down_proj", "q_a_proj"]), {"deepseek_v3", "kimi_k2"}),
+              (dict(target_modules=["gate_proj", "up_proj"]), None),
+              (dict(target_modules=["gate_proj"]), None),
+              (dict(target_modules=["w1", "w3", "w2", "gate"]), {"mixtral"}),
+              (dict(target_modules=["k_proj", "gate"]), {"qwen3_moe", "glm4_moe"}),
+              (dict(target_modules="all-linear", use_rslora=True), {"qwen3_moe"}),
+              (dict(target_modules="all-linear", rank_pattern={"q_proj": 6, "down_proj": 2},
+                    alpha_pattern={"o_proj": 3.0, "gate_up_proj": 5.0}), {"qwen3_moe"})]
+
+
+@pytest.mark.parametrize("family", list(_builders()))
+def test_target_names_adapt_what_peft_adapts(moe_models, family):
+    """Every MoE family, every way of naming targets: where peft 0.21 (get_peft_model on the
+    transformers 5 model) builds adapters, model.lora.* with the same names is accepted and
+    resolves (engine.config.lora_family) to adapters of exactly the same modules and
+    parameters in every layer, with peft's rank and scaling each (its conversion's 2r / 2
+    alpha on gate_up_proj, rsLoRA's alpha / sqrt(r), rank and alpha patterns); where peft
+    refuses the names, lora_problems refuses them too. The differences, refused by name
+    (test_bad_values_are_refused_by_name): all-linear on a conditional-generation checkpoint,
+    and a name the family has no module for, which peft ignores when another name matches."""
+    from peft import LoraConfig, get_peft_model
+
+    from engine.config.lora_family import family_spec
+    from models.hf.io import read_config
+    from tools.tiny_models import load_hf_model
+
+    hf = read_config(moe_models[family])
+    for case, families in PEFT_CASES:
+        if families is not None and family not in families:
+            continue
+        names, rslora = case["target_modules"], case.get("use_rslora", False)
+        keys = dict(rank=4, alpha=8.0, target_modules=target_list(names), rslora=rslora,
+                    rank_pattern=case.get("rank_pattern", {}),
+                    alpha_pattern=case.get("alpha_pattern", {}))
+        problems = lora_problems(cfg(**keys), hf)
+        try:
+            model = get_peft_model(load_hf_model(moe_models[family]),
+                                   LoraConfig(r=4, lora_alpha=8.0, **case))
+        except ValueError as e:   # peft refuses: so must model.lora.*
+            assert problems, (family, case, str(e))
+            continue
+        assert problems == [], (family, case, problems)
+        spec = family_spec(hf, 4, 8.0, names, rslora, keys["rank_pattern"],
+                           keys["alpha_pattern"])
+        theirs, ours = _peft_sites(model), _our_sites(hf, spec)
+        assert set(theirs) == set(ours), (family, case, sorted(set(theirs) ^ set(ours)))
+        for site, (rank, scaling) in theirs.items():
+            assert ours[site][0] == rank and math.isclose(ours[site][1], scaling), \
+                (family, case, site, ours[site], (rank, scaling))
+
+
+def test_families_declare_peft_conversion():
+    """Family.lora_fused is peft's own name conversion for the family's model_type on this
+    transformers (None where peft converts nothing: Kimi-K2's kimi_k2, Qwen3.5-MoE, gpt-oss):
+    a peft that reads names otherwise fails here."""
+    import models.hf.config  # noqa: F401  (kimi_k2's registration)
+    from peft.utils import transformers_weight_conversion as conversion
+
+    from models.families.registry import FAMILIES
+
+    for model_type, family in FAMILIES.items():
+        if not family.lora:
+            continue
+        pattern = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+        mapping = conversion._MOE_TARGET_MODULE_MAPPING.get(pattern) \
+            if conversion.get_checkpoint_conversion_mapping(model_type) is not None and \
+            conversion._MOE_FUSED_TARGETS.get(pattern) else None
+        assert family.lora_fused == mapping, (model_type, family.lora_fused, mapping)

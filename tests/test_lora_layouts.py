@@ -12,8 +12,8 @@ grouped experts): GLM-4.5 (q/k/v biases, q/k norms, a dense layer, a MoE layer w
 expert) and Qwen3-MoE with peft's all-linear (attention, fused experts, router), gpt-oss (q/k/v/o
 biases, sinks, sliding windows, biased experts) with its attention, experts and router,
 Qwen3.5-MoE (three Gated DeltaNet layers, one gated attention layer, a shared expert behind a
-sigmoid gate) with every projection peft names there (QWEN3_5) and the experts under per-module
-rank_pattern / alpha_pattern, DeepSeek-V3 (MLA with rope_interleave false, a dense and a MoE
+sigmoid gate) with peft's all-linear there (every projection and the shared expert's gate) and
+the experts under per-module rank_pattern / alpha_pattern, DeepSeek-V3 (MLA with rope_interleave false, a dense and a MoE
 layer) with its MLA projections and gate/up/down_proj (the routed experts, as peft converts
 them), Mixtral with its attention and w1 / w3 / w2, a Qwen3.5-MoE checkpoint as published
 (ForConditionalGeneration: peft names the adapters under model.language_model.layers;
@@ -62,7 +62,7 @@ PATTERNS = {"rank_pattern": {"out_proj": 8, "shared_expert.down_proj": 2,
 ADAPTERS = {"glm": ("all-linear", None, {}, ["all-linear"]),
             "gpt_oss": (ATTENTION, EXPERTS + ["mlp.router.weight"], {},
                         ATTENTION + ["experts", "router"]),
-            "qwen3_5_moe": (QWEN3_5, EXPERTS, PATTERNS, QWEN3_5 + ["experts"]),
+            "qwen3_5_moe": ("all-linear", EXPERTS, PATTERNS, ["all-linear", "experts"]),
             "deepseek_v3": (MLA + MLP, None, {}, MLA + MLP),
             "qwen3_moe": ("all-linear", None, {}, ["all-linear"]),
             "qwen3_5_conditional": (QWEN3_5, EXPERTS, {}, QWEN3_5 + ["experts"]),
@@ -73,7 +73,7 @@ ADAPTERS = {"glm": ("all-linear", None, {}, ["all-linear"]),
 PARENTS = {"glm": {"self_attn": set(ATTENTION), "mlp": {"gate"}},
            "gpt_oss": {"self_attn": set(ATTENTION), "mlp": {"router"}},
            "qwen3_5_moe": {"self_attn": set(ATTENTION), "linear_attn": set(GDN),
-                           "mlp.shared_expert": set(MLP)},
+                           "mlp.shared_expert": set(MLP), "mlp": {"shared_expert_gate"}},
            "deepseek_v3": {"self_attn": set(MLA)},
            "qwen3_moe": {"self_attn": set(ATTENTION), "mlp": {"gate"}},
            "qwen3_5_conditional": {"self_attn": set(ATTENTION), "linear_attn": set(GDN),
@@ -303,8 +303,8 @@ def test_family_single_process_equals_peft_and_export_loads(lora_run, family):
     MLA projections and gate/up/down_proj (peft converts them to the routed experts only, not
     the dense layer's or the shared expert's MLP), Mixtral with the attention and w1 / w3 /
     w2, gpt-oss with its attention, experts and router (mlp.router.weight), Qwen3.5-MoE with
-    its gated attention, Gated DeltaNet, shared expert and experts under per-module
-    rank_pattern / alpha_pattern, Kimi-K2 with all-linear (which peft reads there as the MLA,
+    all-linear (gated attention, Gated DeltaNet, shared expert and its sigmoid gate) and the
+    experts under per-module rank_pattern / alpha_pattern, Kimi-K2 with all-linear (which peft reads there as the MLA,
     the dense MLP and the shared experts' MLP): 3 steps equal transformers + peft + AdamW
     (loss and grad norm 1e-5); the PEFT export names exactly peft's adapters (PARENTS and the
     experts' nesting), holds peft's trained matrices, keeps the adapter's target_parameters,

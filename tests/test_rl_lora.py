@@ -191,20 +191,24 @@ def test_every_policy_loss_trains_only_the_adapters_and_the_reference_is_the_bas
 @pytest.mark.parametrize("family", ["glm4_moe", "gpt_oss", "qwen3_5_moe", "deepseek_v3",
                                     "qwen3_moe", "qwen3_5_conditional"])
 def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
-    """GRPO with LoRA on GLM-4.5 (q/k/v biases, q/k norms, partial RoPE, sigmoid-routed MoE
-    with a shared expert) and gpt-oss (biased attention with sinks, sliding windows, biased
-    experts) from a PEFT adapter of the attention with non-zero B, and on Qwen3.5-MoE from one
-    of every projection peft names there (gated attention, Gated DeltaNet, shared expert), and
-    on DeepSeek-V3 from one of its MLA projections (rope_interleave false), at DP2 with the HF
-    backend: the merged weights (base + adapter, biases kept; for Qwen3.5 the
-    fused in_proj and gated q rows mapped back to HF's) reach the engine before the first
-    rollout and after every update: rollout/logprob_diff < 1e-5 at both steps, and the update
-    trains (grad norm > 0)."""
+    """GRPO with LoRA from a PEFT adapter peft made (non-zero B), every one holding expert
+    adapters: on GLM-4.5 (q/k/v biases, q/k norms, partial RoPE, sigmoid-routed MoE with a
+    shared expert) and Qwen3-MoE with peft's all-linear (attention, fused experts with
+    gate_up_proj at 2r, router), gpt-oss (biased attention with sinks, sliding windows, biased
+    experts) with its attention, experts and router, Qwen3.5-MoE with peft's all-linear there
+    (gated attention, Gated DeltaNet, shared expert and its gate) and the experts, its
+    published checkpoint with every projection and the experts, DeepSeek-V3 (rope_interleave
+    false) with its MLA projections and gate/up/down_proj (peft: the routed experts), at DP2
+    with the HF backend and model.lora.init_from alone: the merged weights (base + adapter,
+    biases kept; routers and the shared expert's gate too; for Qwen3.5 the fused in_proj and
+    gated q rows mapped back to HF's) reach the engine before the first rollout and after
+    every update: rollout/logprob_diff < 1e-5 at both steps, and the update trains (grad
+    norm > 0)."""
     from tests.deepseek_v3_tiny import build_deepseek_v3
     from tests.glm4_moe_tiny import build_glm4_moe
     from tests.gpt_oss_tiny import build_gpt_oss
     from tests.qwen3_5_tiny import build_qwen3_5, build_qwen3_5_conditional
-    from tests.test_lora_layouts import EXPERTS, MLA, QWEN3_5
+    from tests.test_lora_layouts import ATTENTION, EXPERTS, MLA, MLP, QWEN3_5
 
     build = {"glm4_moe": build_glm4_moe, "gpt_oss": build_gpt_oss,
              "qwen3_5_moe": lambda path: build_qwen3_5(path, moe=True),
@@ -214,10 +218,15 @@ def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
              "qwen3_moe": lambda path: build_tiny_model(path, "qwen3_moe",
                                                         initializer_range=0.2)}[family]
     base = build(str(tmp_path / family))
-    targets = {"qwen3_5_moe": QWEN3_5, "qwen3_5_conditional": QWEN3_5, "deepseek_v3": MLA}.get(
-        family, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # (peft's target_modules, target_parameters): all-linear adds the experts itself where
+    # peft converts names (GLM-4.5, Qwen3-MoE), as do the MLP names on DeepSeek-V3
+    targets, parameters = {
+        "glm4_moe": ("all-linear", None), "qwen3_moe": ("all-linear", None),
+        "gpt_oss": (ATTENTION, EXPERTS + ["mlp.router.weight"]),
+        "qwen3_5_moe": ("all-linear", EXPERTS), "qwen3_5_conditional": (QWEN3_5, EXPERTS),
+        "deepseek_v3": (MLA + MLP, None)}[family]
     adapter = build_peft_adapter(base, str(tmp_path / "adapter"), rank=4, alpha=8,
-                                 targets=targets, parameters=EXPERTS)
+                                 targets=targets, parameters=parameters)
     # no model.lora.target_modules: the adapter's own (its target_parameters: experts)
     metrics = _run(pools, 2, base, prompts, tmp_path / "run", f"model.lora.init_from={adapter}")
     assert len(metrics) == 2

@@ -15,8 +15,8 @@ from models.families.registry import FAMILIES, moe_family
 from models.hf.conditional import peft_layers
 from models.lora.slices import LoraSpec
 from models.lora.targets import (ATTENTION, EXPERT_TARGETS, GDN, MLA, MLP, PARAMETER_TARGETS,
-                                 ROUTER, conversion_patterns, fused_problems, merged_patterns,
-                                 resolve_targets, target_list)
+                                 ROUTER, SHARED_GATE, conversion_patterns, fused_problems,
+                                 merged_patterns, resolve_targets, target_list)
 
 # every family's peft conversion names (w1, w3, w2, gate): valid words before the family is
 # known (engine.config.lora_settings); each family then accepts its own
@@ -74,7 +74,7 @@ def target_problems(names, dropout: float, hf_config: Any) -> list[str]:
     return p
 
 
-def _layer_paths(hf_config: Any, layer: int) -> dict[str, str]:
+def layer_paths(hf_config: Any, layer: int) -> dict[str, str]:
     """{HF path in decoder layer `layer`: its target} of every adapter site the layer has."""
     fam = family(hf_config)
     mixer = fam.mixer_of(hf_config, layer)
@@ -88,7 +88,7 @@ def _layer_paths(hf_config: Any, layer: int) -> dict[str, str]:
     router = fam.lora_hf_paths.get("mlp.gate", "mlp.gate")
     paths.update({f"{shared}.{n}": n for n in MLP})
     paths.update({f"mlp.{t}": t for t in EXPERT_TARGETS})
-    return {**paths, f"{router}.weight": ROUTER}
+    return {**paths, f"{router}.weight": ROUTER, f"mlp.{SHARED_GATE}": SHARED_GATE}
 
 
 def layer_rank_problems(spec: LoraSpec, hf_config: Any) -> list[str]:
@@ -100,7 +100,7 @@ def layer_rank_problems(spec: LoraSpec, hf_config: Any) -> list[str]:
     layers = peft_layers(hf_config)
     ranks: dict[str, dict[int, list[int]]] = {}
     for i in range(int(hf_config.get("num_hidden_layers", 0))):
-        for path, target in _layer_paths(hf_config, i).items():
+        for path, target in layer_paths(hf_config, i).items():
             if target in spec.targets:
                 rank = spec.rank_of(f"{layers}.{i}.{path}")
                 ranks.setdefault(path, {}).setdefault(rank, []).append(i)

@@ -26,7 +26,8 @@ models.lora.adapters / models.lora.sites shard them:
 - experts.gate_up_proj / experts.down_proj (each of the num_experts / ep local experts of a
   MoE layer, expert TP = tp), peft's target_parameters format: gate_up_proj A [r, h] and
   B [2 moe_ffn / tp, r], down_proj A [r, moe_ffn / tp] and B [h, r];
-- router (a MoE layer's router weight, replicated): A [r, h], B [E, r].
+- router (a MoE layer's router weight, replicated): A [r, h], B [E, r]; shared_expert_gate
+  (Qwen3.5-MoE's sigmoid gate of the shared expert, replicated): A [r, h], B [1, r].
 
 r is the rank of each adapter's peft key (`rank`: an int, or a models.lora.slices.LoraSpec
 whose rank_pattern gives per-module ranks, as peft's conversion doubles gate_up_proj's).
@@ -40,7 +41,7 @@ from typing import Any
 
 from models.families.base import field, head_dim, original_config
 from models.families.registry import family_of, moe_family
-from models.lora.targets import EXPERT_TARGETS, ROUTER
+from models.lora.targets import EXPERT_TARGETS, ROUTER, SHARED_GATE
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ def _layer(hf: Any, layer: int, targets: frozenset, r: _Ranks, tp: int,
     shared = paths.get("mlp.shared_expert", "mlp.shared_expert")
     width = moe.shared_expert_width(hf)
     body += _mlp(width, h, targets, lambda n: r(layer, f"{shared}.{n}"), tp) if width else 0
+    if SHARED_GATE in targets and SHARED_GATE in family_of(hf).lora_targets:
+        body += r(layer, f"mlp.{SHARED_GATE}") * (h + 1)   # replicated A [r, h], B [1, r]
     if ROUTER in targets:
         body += r(layer, paths.get("mlp.gate", "mlp.gate") + ".weight") * (
             h + moe.num_experts(hf))

@@ -14,6 +14,8 @@ that has it (_SITES) and a slice of it:
     q_b_proj, q_proj, kv_b_proj  -> MLA's linear_q_up_proj / linear_q_proj / linear_kv_up_proj
     gate_proj, up_proj      -> mlp.linear_fc1 (a dense layer) or mlp.shared_experts.linear_fc1
     down_proj               -> mlp.linear_fc2 or mlp.shared_experts.linear_fc2
+    shared_expert_gate      -> mlp.shared_experts.gate_weight [1, h] (replicated; the adapter
+                               adds to the gate's logit before its sigmoid, _adapt_shared_gate)
     router                  -> mlp.router (replicated: its weight [E, h] is whole on every
                                rank; the adapter adds to the router's logits, peft's
                                target_parameter gate.weight)
@@ -36,11 +38,12 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 
 from models.lora.adapters import ADAPTER_SUFFIX, LoraAdapter
 from models.lora.slices import LoraSpec, Slice, init_full
 from models.lora.targets import (ALL_LINEAR, ATTENTION, EXPERT_PARAMS, GDN, MLP, ROUTER,
-                                 TARGET_NAMES, resolve_targets, target_list)
+                                 SHARED_GATE, TARGET_NAMES, resolve_targets, target_list)
 
 __all__ = ["ALL_LINEAR", "EXPERT_PARAMS", "TARGET_NAMES", "resolve_targets", "target_list"]
 LAYERS = "model.layers"   # the decoder layers' HF path (conditional generation: another)
@@ -63,6 +66,7 @@ _SITES = (("self_attention", "linear_qkv", "column", ATTENTION[:3], "self_attn")
           ("mlp", "linear_fc2", "row", ("down_proj",), "mlp"),
           ("mlp.shared_experts", "linear_fc1", "column", MLP[:2], SHARED_EXPERT),
           ("mlp.shared_experts", "linear_fc2", "row", ("down_proj",), SHARED_EXPERT),
+          ("mlp.shared_experts", "gate_weight", "replicated", (SHARED_GATE,), "mlp"),
           ("mlp", "router", "replicated", (ROUTER,), ROUTER_PATH))
 # every expert's linears as peft's target_parameters adapt transformers' fused 3-D expert
 # parameters: one (A, B) per expert on gate_up_proj ([gate; up] rows) and one on down_proj
@@ -86,6 +90,40 @@ def gated_query_order(heads: int, groups: int, d: int) -> tuple:
     per = heads // groups
     return tuple(j * 2 * d + c * d + t for g in range(groups) for c in (0, 1)
                  for j in range(g * per, (g + 1) * per) for t in range(d))
+
+
+class _SharedGate:
+    """SharedExpertMLP's sigmoid gate (megatron's gate_weight [1, h]; Qwen3.5-MoE's
+    mlp.shared_expert_gate) as the linear a LoraAdapter reads (weight, tp_group)."""
+
+    def __init__(self, shared):
+        self.weight, self.tp_group = shared.gate_weight, shared.tp_group
+
+
+def _linear(parent, name: str):
+    """The linear `name` of `parent` an adapter sits beside (None: the parent has none)."""
+    if name == "gate_weight":
+        return _SharedGate(parent) if getattr(parent, name, None) is not None else None
+    return getattr(parent, name, None)
+
+
+def _adapt_shared_gate(shared, adapter: LoraAdapter) -> None:
+    """The shared expert's output times sigmoid(x W_g^T + scaling x A^T B^T) (peft's adapter
+    of shared_expert_gate) instead of megatron's inline sigmoid(x W_g^T): the module's own gate
+    is off around its forward while the adapter is on."""
+    def before(module, args):
+        module.use_shared_expert_gate = not adapter.enabled
+
+    def after(module, args, output):
+        if module.use_shared_expert_gate:   # adapter off: megatron's own gate ran
+            return output
+        module.use_shared_expert_gate = True
+        x = args[0]
+        logits = F.linear(x, module.gate_weight) + adapter(x).to(x.dtype)
+        return output * torch.sigmoid(logits)
+
+    shared.register_forward_pre_hook(before)
+    shared.register_forward_hook(after)
 
 
 def _slices(linear_name: str, linear, config, names: tuple, kind: str,
@@ -121,7 +159,7 @@ def _slices(linear_name: str, linear, config, names: tuple, kind: str,
 
 def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozenset,
             spec: LoraSpec, key: str, config, paths: dict, keys: dict) -> LoraAdapter:
-    linear = getattr(parent, name)
+    linear = _linear(parent, name)
     qkv = None
     if name == "linear_qkv":
         tp = linear.tp_group.size()
@@ -138,6 +176,8 @@ def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozense
     parent.add_module(name + ADAPTER_SUFFIX, adapter)
     if name == "router":
         adapter.wrap_gating(linear)
+    elif name == "gate_weight":
+        _adapt_shared_gate(parent, adapter)
     else:
         linear.register_forward_hook(adapter.hook)
     return adapter
@@ -154,9 +194,9 @@ def _layer_sites(layer, spec: LoraSpec, orders: dict, layers: str,
             parent = layer.get_submodule(parent_name)
         except AttributeError:
             continue
-        if not hasattr(parent, name) or not set(names) & spec.targets:
+        if _linear(parent, name) is None or not set(names) & spec.targets:
             continue
-        fused = _slices(name, getattr(parent, name), config, names, kind, orders)
+        fused = _slices(name, _linear(parent, name), config, names, kind, orders)
         hf_parent = hf_parents.get(hf_parent, hf_parent)
         paths = {n: hf_parent if n == ROUTER else f"{hf_parent}.{n}" for n in names}
         keys = {n: head + path + (".weight" if n == ROUTER else "") for n, path in paths.items()}
@@ -230,8 +270,11 @@ def set_reduction(chunks: list, reduce: bool) -> None:
 def merged_weight(model, name: str, param: torch.Tensor) -> torch.Tensor:
     """`param` (megatron name `name` in the unwrapped chunk `model`) with its adapter merged
     in: base + scaling * B A in the local shard layout (other parameters as they are). A
-    transform for models.bridge.weights.export_hf_weights."""
+    transform for models.bridge.weights.export_hf_weights. The shared expert's gate_weight
+    has its adapter beside it (`gate_weight_lora`), a linear's beside the linear."""
     data = param.detach()
+    if name.endswith(".gate_weight"):
+        name = name[:-len(".gate_weight")] + ".gate_weight.weight"
     if not name.endswith(".weight"):
         return data
     parent_name, _, linear = name[:-len(".weight")].rpartition(".")

@@ -4,7 +4,8 @@ models, and peft's per-module rank and alpha (`rank_pattern` / `alpha_pattern`).
 Resolved targets (LoraSpec.targets, what models.lora.sites attaches):
 
 - projection names (ALL_LINEAR): an HF nn.Linear of every layer that has it (gate_proj /
-  up_proj / down_proj: a dense layer's MLP or a shared expert);
+  up_proj / down_proj: a dense layer's MLP or a shared expert; shared_expert_gate: Qwen3.5-MoE's
+  gate of the shared expert);
 - "experts.gate_up_proj", "experts.down_proj" (EXPERT_TARGETS): peft's target_parameters on
   transformers' fused routed experts, one adapter per expert;
 - "router" (ROUTER): peft's target_parameter `gate.weight`, the MoE router's weight.
@@ -28,7 +29,9 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 MLA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")   # with q_proj and o_proj
 MLP = ("gate_proj", "up_proj", "down_proj")
-ALL_LINEAR = ATTENTION + GDN + MLA + MLP   # each family has the part of it its modules carry
+SHARED_GATE = "shared_expert_gate"   # Qwen3.5-MoE's sigmoid gate of the shared expert (h -> 1)
+# each family has the part of it its modules carry
+ALL_LINEAR = ATTENTION + GDN + MLA + MLP + (SHARED_GATE,)
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")   # transformers' fused expert parameters
 EXPERT_TARGETS = tuple(f"experts.{p}" for p in EXPERT_PARAMS)
 ROUTER = "router"

@@ -120,12 +120,11 @@ class Qwen3_5Moe(_Hybrid, MoeFamily):
     experts = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
     expert_width_field = "moe_intermediate_size"
     renormalise_field = None
-    lora_refused = {"all-linear": (
-        "peft's all-linear on qwen3_5_moe_text also adapts mlp.shared_expert_gate (an "
-        "nn.Linear to one output), which megatron holds as the shared expert's gate weight, not "
-        "a linear with an adapter site; list the projections instead (q_proj, k_proj, v_proj, "
-        "o_proj, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, and gate_proj, "
-        "up_proj, down_proj for the shared expert)")}
+    # and the shared expert's sigmoid gate (an nn.Linear to one output: peft's all-linear
+    # adapts it; megatron's shared expert gate_weight, models.lora.sites); peft does not
+    # convert names here (no conversion pattern for qwen3_5_moe_text): gate/up/down_proj are
+    # the shared expert's, the routed experts only by target_parameters (`experts`)
+    lora_targets = _Hybrid.lora_targets + ("shared_expert_gate",)
     fields = _COMMON + (
         FieldRule("moe_intermediate_size", "any -> moe_ffn_hidden_size"),
         FieldRule("shared_expert_intermediate_size", "any -> "
