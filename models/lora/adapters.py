@@ -27,7 +27,8 @@ TP group:
   (column: A, row: B) passes through `copy_to_tensor_model_parallel_region` over the expert-TP
   group so its gradient is summed there. The grouped experts compute the same through
   `factors` instead of the hook.
-- replicated (MLA's down projections): A and B whole, see LoraAdapter.
+- replicated (MLA's down projections, MoE routers, Qwen3.5-MoE's shared expert gate): A and B
+  whole, see LoraAdapter; a router's adapter adds to its logits (`wrap_gating`).
 
 `reduce=False` drops the adapter's TP reductions: a deliberately wrong adapter for negative
 controls only. `enabled=False` (the `adapters_disabled` context) leaves the linear's output as
