@@ -309,10 +309,10 @@ def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra, **pool_kw) ->
 
 
 def _grpo_two_nodes_stopped_by_sigterm(model_dir: str, prompts, out, *extra) -> list[dict]:
-    """`_grpo_keys`'s run launched for real as two torchrun nodes of 2 ranks, 3 steps planned;
-    once step 1 is logged, node 0's torchrun gets SIGTERM (as from a cluster scheduler: it
-    signals its ranks' process groups, vLLM's worker included), so every rank finishes step 2
-    and exits. Asserts that no rank failed: node 1's torchrun exits 0, node 0's reports the
+    """`_grpo_keys`'s run (2 steps) launched for real as two torchrun nodes of 2 ranks; once
+    step 1 is logged, node 0's torchrun gets SIGTERM (as from a cluster scheduler: it signals
+    its ranks' process groups, vLLM's worker included) during step 2, so every rank finishes
+    the step with its engine (the worker ignores the signal) and exits. Asserts that no rank failed: node 1's torchrun exits 0, node 0's reports the
     signal it got and no worker's exit code (a rank exiting 1, as every colocated multi-rank
     vLLM run once did after its last step, fails both). Returns the metrics rows."""
     import signal
@@ -323,8 +323,8 @@ def _grpo_two_nodes_stopped_by_sigterm(model_dir: str, prompts, out, *extra) -> 
     port = str(free_port())
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
              str(k), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-             port, "-m", "engine.rl", *_grpo_keys(model_dir, prompts, out, "train.max_steps=3",
-                                                   *extra)] for k in (0, 1)]
+             port, "-m", "engine.rl", *_grpo_keys(model_dir, prompts, out, *extra)]
+            for k in (0, 1)]
     procs = [start(cmd) for cmd in cmds]
     metrics, deadline = Path(f"{out}/run/metrics.jsonl"), time.time() + 400
     while time.time() < deadline and procs[0].poll() is None:
@@ -361,8 +361,7 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
                                + "\n" for i in range(8)))
     adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
     lora = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
-            "rollout.check_weight_sync=true",
-            "optim.schedule=constant")   # the SIGTERM-stopped run plans 3 steps, this one 2
+            "rollout.check_weight_sync=true")
     marker = tmp_path / "engine_died"   # the one-process run's engine is killed at step 2
     one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora,
                 "rollout.backend=tests.flaky_rollout:DyingVLLMEngine", "rollout.retry_wait_s=0",
