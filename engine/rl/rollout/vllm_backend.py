@@ -111,7 +111,8 @@ class VLLMRolloutEngine(RolloutEngine):
                     gpus: tuple[int, int] = (0, 1), routed_experts: bool = False,
                     trust_remote_code: bool = False) -> "VLLMRolloutEngine":
         """rollout.vllm.* on the node's devices [gpus[0], gpus[0] + gpus[1]) (the placement's
-        slot; vLLM's tensor_parallel_size gpus[1]). R3 (`routed_experts`) is refused before any process group."""
+        slot; vLLM's tensor_parallel_size gpus[1]). R3 (`routed_experts`) is refused before
+        any process group."""
         if routed_experts:
             raise ValueError(cls.routed_experts_problem())
         warning = untested_warning()   # allowed by rollout.vllm.allow_untested_version
@@ -131,6 +132,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, hf_path: str, dtype: torch.dtype | str = "float32", seed: int = 0,
                  sleep_level: int = 1, trust_remote_code: bool = False,
                  gpus: tuple[int, int] = (0, 1), **engine_kwargs) -> None:
+        """`gpus[0]`: the engine's first local device (GPU); its device count is vLLM's
+        tensor_parallel_size (engine_kwargs; engine_args sets it from gpus[1], 1 on CPU)."""
         super().__init__()
         self.eos_token_ids = eos_token_ids(hf_path, folder_tokenizer(hf_path, trust_remote_code))
         if not self.eos_token_ids:
@@ -143,9 +146,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self.sleep_level = sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
         set_num_threads = torch.set_num_threads
-        workers = int(engine_kwargs.get("tensor_parallel_size", 1))   # on CPU: processes
-        with preserved_global_rng(), \
-                engine_process_env(self.on_cpu, (0, workers) if self.on_cpu else gpus), \
+        # the engine's devices (CPU: worker processes): from gpus[0], as many as its TP size
+        devices = (gpus[0], int(engine_kwargs.get("tensor_parallel_size", 1)))
+        with preserved_global_rng(), engine_process_env(self.on_cpu, devices), \
                 without_chat_warmup_warning():
             self.llm = _vllm().LLM(model=hf_path, dtype=DTYPES.get(dtype, dtype), seed=seed,
                                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
@@ -157,10 +160,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self._stale: list[str] = []
         self._seeds = random.Random(seed)
         try:
-            model_config = self.llm.llm_engine.vllm_config.model_config
             self.vllm_config = self.llm.llm_engine.vllm_config
-            self.max_model_len = int(model_config.max_model_len)
-            self.vocab_size = int(model_config.get_vocab_size())
+            self.max_model_len = int(self.vllm_config.model_config.max_model_len)
+            self.vocab_size = int(self.vllm_config.model_config.get_vocab_size())
             problem = liveness_problem(*self._vllm_parts())
             if problem:
                 raise RuntimeError(f"{problem}: a dead engine would look alive")
