@@ -247,3 +247,27 @@ def test_refusals_name_file_and_line(toks, tmp_path, case):
     with pytest.raises(DataError, match=r"bad\.jsonl:3: " + message):
         load_preference_dataset(str(path), toks["chatml"], 64, "right", num_workers=0,
                                 cache_dir=str(tmp_path / "c"))
+
+
+def test_worker_processes_build_the_same_entry(toks, tmp_path):
+    """600 rows (3 units of 256) rendered by 2 forked workers equal the in-process build; a
+    refused row in the last unit is reported with its line."""
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}],
+             "chosen": [{"role": "assistant", "content": f"a{i}"}],
+             "rejected": [{"role": "assistant", "content": f"b{i}!"}], "margin": i}
+            for i in range(600)]
+    path = write_jsonl(tmp_path / "many.jsonl", rows)
+    tok = toks["qwen3"]
+    forked = load_preference_dataset(path, tok, 128, "right", cache_dir=str(tmp_path / "a"),
+                                     num_workers=2)
+    local = load_preference_dataset(path, tok, 128, "right", cache_dir=str(tmp_path / "b"),
+                                    num_workers=0)
+    assert len(forked) == 600 and forked.stats == local.stats and forked[599].margin == 599.0
+    assert all(forked[i] == local[i] for i in (0, 255, 256, 511, 512, 599))
+    assert np.array_equal(forked.rejected_loss_tokens, local.rejected_loss_tokens)
+    rows[550]["rejected"] = rows[550]["chosen"]
+    path = write_jsonl(tmp_path / "bad_many.jsonl", rows)
+    with pytest.raises(DataError, match=r"bad_many\.jsonl:551: the chosen and rejected sides "
+                                        r"are identical"):
+        load_preference_dataset(path, tok, 128, "right", cache_dir=str(tmp_path / "a"),
+                                num_workers=2)
