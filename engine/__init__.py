@@ -8,8 +8,10 @@ One package per concern; package-level imports run one way (tests/test_structure
     training    TrainEngine and everything one optimizer step needs
     checkpoint  save/resume at any layout
     run         RunLoop around every step; may import config, training, checkpoint
-    sft, rl     entry points (`python -m engine.sft`, `python -m engine.rl`); nothing imports them
+    sft, rl,    entry points (`python -m engine.sft`, `python -m engine.rl`, `python -m engine.dpo`);
+    dpo         nothing imports them, and they never import each other
 
-data and training never import run, sft, rl or checkpoint; run never imports sft or rl.
+data and training never import run, sft, rl, dpo or checkpoint; run never imports sft, rl or
+dpo.
 `cli.py` and `errors.py` are shared by the entry points.
 """

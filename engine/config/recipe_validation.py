@@ -182,22 +182,23 @@ def _recompute_text(train) -> str:
     return f"full ({method}, {layers} layer(s))" if granularity == "full" else granularity
 
 
-def validate_main(argv: list[str]) -> int:
-    """CLI of `--validate`: prints the summary (exit 0) or the problems (exit 2)."""
+def validate_main(argv: list[str], schema=SFTConfig, check=None) -> int:
+    """CLI of `--validate`: prints the summary (exit 0) or the problems (exit 2). `schema` and
+    `check(cfg, world_size, nodes) -> RecipeReport` (default validate_recipe): DPO's own."""
     argv = [a for a in argv if a != "--validate"]
     as_json = pop_switch(argv, "--json")
     try:
         world = int_flag(argv, "--world-size")
         nodes = int_flag(argv, "--nodes")
         per_node = int_flag(argv, "--gpus-per-node")
-        cfg, _ = load_config(SFTConfig, argv)
+        cfg, _ = load_config(schema, argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     nodes = nodes if nodes is not None else cfg.recipe.nodes
     per_node = per_node if per_node is not None else cfg.recipe.gpus_per_node
     world = world if world is not None else nodes * per_node
-    report = validate_recipe(cfg, world, nodes)
+    report = (check or validate_recipe)(cfg, world, nodes)
     if as_json:
         print(json.dumps({"ok": not report.problems, "world_size": world, "nodes": nodes,
                           "summary": report.summary, "warnings": report.warnings,

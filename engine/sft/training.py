@@ -25,16 +25,12 @@ from engine.data.datasets import global_batch_indices, load_sft_dataset
 from engine.data.images import image_context
 from engine.training.loss import GlobalLossNormalizer, aggregate, weights_from_counts
 from engine.training.micro_batches import SequenceData
-from engine.config.model_settings import describe as describe_settings, megatron_overrides
-from engine.config.fusion_settings import fusion_overrides
-from engine.config.lora_settings import lora_build_kwargs
-from engine.config.moe_settings import moe_overrides
-from engine.config.parallel_settings import overlap_settings
 from engine.training.nonfinite import NonFiniteGuard
-from engine.run.run_loop import RunLoop, build_or_resume
+from engine.run.run_loop import RunLoop
+from engine.run.train_engine_build import build_train_engine
 from engine.training.schedule import LossFn
 from engine.training.token_losses import token_logprobs
-from engine.training.train_engine import BatchSettings, TrainEngine
+from engine.training.train_engine import TrainEngine
 from models.hf.custom_code import load_tokenizer
 from models.vision.spec import vision_spec
 
@@ -129,18 +125,7 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
     def position(done: int) -> DataPosition:
         return DataPosition(done, gbs, n, cfg.seed, cfg.data.shuffle)
 
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    engine, resumed, _ = build_or_resume(cfg, lambda load: TrainEngine.build(
-        hf_config, cfg.optim, dtype, cfg.train.max_steps, BatchSettings.from_config(cfg.train),
-        pad_id, weights_dir=cfg.model.hf_path, load_weights=load,
-        overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
-        loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
-        **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
-        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config),
-        train_vision=not cfg.model.vision.freeze),
-        position(0))
-    if dist.get_rank() == 0:
-        print(f"[sft] model: {describe_settings(engine.chunks[0].config)}", flush=True)
+    engine, resumed = build_train_engine(cfg, hf_config, pad_id, position(0), "sft")
     start = resumed.step
     loop = RunLoop("sft", cfg, engine, hf_config, position,
                    log_names=("metrics.jsonl", "samples.jsonl"))

@@ -50,17 +50,19 @@ def pad_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
 
 def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer | torch.Tensor,
                      train_cfg, pad_id: int = 0, layout: dict | None = None,
-                     sequence_parallel: bool = False) -> RankBatch:
+                     sequence_parallel: bool = False,
+                     units: list[list[int]] | None = None) -> RankBatch:
     """This rank's micro-batches for the mini-batch `seqs` (every rank passes the same list).
 
     `train_cfg` supplies micro_batch_size, max_tokens_per_micro_batch, balance_dp, packing.
     `normalizer`: a GlobalLossNormalizer (collective over the DP group), or a tensor of weights
     already fixed for every sequence of `seqs` (e.g. evaluation over a whole eval set).
-    `sequence_parallel`: the model runs with Megatron sequence parallelism (pads to tp)."""
+    `sequence_parallel`: the model runs with Megatron sequence parallelism (pads to tp).
+    `units`: groups of positions of `seqs` kept in one micro-batch (plan_mini_batch)."""
     lay = layout or _layout()
     lengths = [len(s.tokens) for s in seqs]
     plan = plan_mini_batch(lengths, lay["dp"], train_cfg.balance_dp, train_cfg.micro_batch_size,
-                           train_cfg.max_tokens_per_micro_batch)
+                           train_cfg.max_tokens_per_micro_batch, units)
     mine = plan.ranks[lay["dp_rank"]]
     positions = [i for mb in mine for i in mb]
     counts = torch.tensor([int(sum(seqs[i].loss_mask)) for i in positions], dtype=torch.long)

@@ -207,8 +207,10 @@ class TrainEngine:
         return cls(chunks, None, None, hf_config, batching, pad_id,
                    loss_chunk_tokens=loss_chunk_tokens)
 
-    def train_batch(self, seqs: Sequence[SequenceData], normalizer: GlobalLossNormalizer,
-                    loss_fn: LossFn, report_keys: Sequence[str]) -> dict[str, float]:
+    def train_batch(self, seqs: Sequence[SequenceData],
+                    normalizer: GlobalLossNormalizer | torch.Tensor, loss_fn: LossFn,
+                    report_keys: Sequence[str], units: list[list[int]] | None = None
+                    ) -> dict[str, float]:
         """One optimizer step on the global mini-batch `seqs`.
 
         `loss_fn(logits, mb)` (logits or a loss_head.HiddenStates) returns (weighted loss
@@ -219,10 +221,11 @@ class TrainEngine:
         time/step_s (and for MoE models the moe/* metrics of engine.training.router_losses). A
         non-finite loss or gradient skips the update (weights, Adam state and
         LR schedule untouched) and is counted in `self.guard`; the caller logs the step, then
-        calls `self.guard.raise_if_diverged()`."""
+        calls `self.guard.raise_if_diverged()`. `normalizer`: or fixed per-sequence weights;
+        `units`: positions of `seqs` kept in one micro-batch (engine.training.plan)."""
         t0 = time.perf_counter()
         batch = build_rank_batch(list(seqs), normalizer, self.batching, self.pad_id,
-                                 sequence_parallel=self.sequence_parallel)
+                                 sequence_parallel=self.sequence_parallel, units=units)
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -284,16 +287,18 @@ class TrainEngine:
     def forward_only(self, seqs: Sequence[SequenceData],
                      weights: GlobalLossNormalizer | torch.Tensor | None = None,
                      loss_fn: LossFn | None = None, report_keys: Sequence[str] = (),
-                     output_fn: OutputFn | None = None) -> dict[str, float]:
+                     output_fn: OutputFn | None = None,
+                     units: list[list[int]] | None = None) -> dict[str, float]:
         """Forward passes over the global mini-batch `seqs` in this engine's micro-batches
         (memory does not grow with len(seqs)). `weights`: a normalizer or fixed per-sequence
         weights (default token-sum, i.e. 1). `output_fn` sees each micro-batch's logits on
-        the last pipeline stage; `loss_fn` reports are reduced like `train_batch`'s."""
+        the last pipeline stage; `loss_fn` reports are reduced like `train_batch`'s; `units`
+        as in `train_batch`."""
         if weights is None:
             weights = GlobalLossNormalizer("token-sum")
         self.gather_params()
         batch = build_rank_batch(list(seqs), weights, self.batching, self.pad_id,
-                                 sequence_parallel=self.sequence_parallel)
+                                 sequence_parallel=self.sequence_parallel, units=units)
         reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn or _no_loss,
                                     forward_only=True, output_fn=output_fn,
                                     before_forward=self._routing_hook(seqs),

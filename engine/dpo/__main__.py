@@ -1,0 +1,41 @@
+"""Preference optimisation (DPO and relatives) entry point (docs/preference.md).
+
+    torchrun --nproc_per_node N -m engine.dpo model.hf_path=DIR data.train_files=[pairs.jsonl] \
+        dpo.loss_type=sigmoid dpo.beta=0.1 train.global_batch_size=64 train.max_steps=100
+    python -m engine.dpo --config recipes/dpo/qwen3_8b_dpo_h100.yaml --validate --nodes 1
+
+The configuration is parsed and validated here, before any process group exists (exit code 2
+on an error); the run itself is engine.dpo.training.run.
+"""
+from __future__ import annotations
+
+import sys
+
+from engine.cli import answered_help, exit_process, run_entry
+from engine.config.dpo_settings import DPOConfig, validate_dpo
+from engine.dpo.recipe_check import main as validate_main
+
+
+USAGE = "python -m engine.dpo [--config FILE.yaml] [key=value ...]  (or torchrun ... -m engine.dpo)"
+EXAMPLES = [
+    "python -m engine.dpo model.hf_path=DIR data.train_files=[pairs.jsonl] train.max_steps=100",
+    "torchrun --nproc_per_node 8 -m engine.dpo --config recipes/dpo/qwen3_8b_dpo_h100.yaml "
+    "model.hf_path=DIR dpo.loss_type=ipo",
+    "python -m engine.dpo --config recipes/dpo/qwen3_8b_dpo_h100.yaml --validate --nodes 1",
+]
+
+
+def main(argv: list[str] | None = None, prog: str = "engine.dpo", usage: str = USAGE,
+         examples: list[str] = EXAMPLES) -> int:
+    """`python -m engine.dpo [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
+    and `examples` are what --help prints (the console command passes its own)."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if answered_help(argv, prog, DPOConfig, usage, examples):
+        return 0
+    if "--validate" in argv:  # recipe check: no process groups, no weights, no training
+        return validate_main(argv)
+    return run_entry("engine.dpo.training:run", argv, schema=DPOConfig, validate=validate_dpo)
+
+
+if __name__ == "__main__":
+    exit_process(main())

@@ -1,0 +1,131 @@
+"""The DPO micro-batch loss: whole pairs meet in one loss term on every layout.
+
+Layout contract (docs/preference.md, "What is exact"):
+- The mini-batch is the sequence list [c_0, r_0, c_1, r_1, ...] (pair k = positions 2k, 2k+1)
+  planned with units [[0, 1], [2, 3], ...] (engine.training.plan): both sides of a pair are in
+  the SAME micro-batch of the SAME DP rank, whatever the DP size, micro-batch size, token
+  budget or packing. `train.micro_batch_size` therefore counts pairs.
+- Context parallelism spreads each side's tokens over the CP ranks: the per-sequence sums of
+  the policy's completion log-probs are summed over the CP group (one all-reduce of a [2P, 2]
+  float64 table per micro-batch; no other group: TP ranks hold the same values, PP stages
+  other than the last run no loss, DP ranks hold other pairs).
+- The pair loss is non-linear in those sums. Its gradient is exact through the chain rule:
+  d L / d theta = sum over sides of g_side * d(sum of the side's token log-probs) / d theta,
+  with g_side = dL/d(side's sum) computed from the detached sums (engine.dpo.pair_loss.
+  pair_gradients). The micro-batch's differentiable loss is therefore the plain weighted
+  token sum sum_t g_side(t) * logp_t, which megatron's per-token-loss contract sums over
+  micro-batches, CP shards and DP ranks (engine.training.loss), unchanged.
+- Reported values are sums over pairs of (value / P) with P the GLOBAL pair count, counted on
+  CP rank 0 only (every CP rank knows every pair's value); reduce_reports sums them over
+  micro-batches and DP x CP: the mean over the pairs of the global batch.
+- The chosen-side NLL (`nll`, RPO's term when dpo.rpo_alpha is set) is a token loss with the
+  per-sequence weights of loss.agg_mode over the chosen completions of the global batch
+  (mb.token_weights; 0 on rejected sides): a plain weighted sum, exact by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from engine.dpo.pair_loss import PairLossSettings, pair_gradients
+from engine.training.loss import aggregate
+from engine.training.schedule import LossFn
+from engine.training.token_losses import token_logprobs
+
+REPORT_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+               "rewards/margins", "logps/chosen", "logps/rejected", "nll")
+
+
+@dataclass
+class PairBatch:
+    """What every micro-batch's loss needs about the whole global batch (same on all ranks).
+
+    counts: [2P] completion tokens per sequence (float64); ref: [2P] the reference's
+    completion log-prob sums (None for reference-free loss types); rpo_alpha: weight of the
+    chosen NLL in the loss (0: logged only)."""
+
+    settings: PairLossSettings
+    counts: torch.Tensor
+    ref: torch.Tensor | None
+    rpo_alpha: float = 0.0
+
+    @property
+    def num_pairs(self) -> int:
+        return self.counts.numel() // 2
+
+
+def cp_group():
+    """The CP group summing a sequence's shards, or None without CP. The invariance harness's
+    negative control replaces this (per-shard sums)."""
+    if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
+        return None
+    return ps.get_context_parallel_group()
+
+
+def _cp_rank() -> int:
+    return ps.get_context_parallel_rank() if ps.model_parallel_is_initialized() else 0
+
+
+def sequence_table(logp: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor,
+                   size: int) -> torch.Tensor:
+    """[size, 2] float64, detached: per mini-batch position, the sum of logp * mask over the
+    whole sequence and the number of its (non-padding) tokens, summed over the CP group."""
+    ids = seq_ids.reshape(-1).long()
+    valid = ids >= 0
+    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    table = torch.zeros(size, 2, dtype=torch.float64, device=logp.device)
+    values = (logp.detach().reshape(-1).to(torch.float64)
+              * mask.reshape(-1).to(torch.float64) * valid)
+    table[:, 0].index_add_(0, safe, values)
+    table[:, 1].index_add_(0, safe, valid.to(torch.float64))
+    group = cp_group()
+    if group is not None:
+        dist.all_reduce(table, group=group)
+    return table
+
+
+def dpo_loss_fn(batch: PairBatch, vocab_size: int) -> LossFn:
+    """Loss function (engine.training.schedule contract) of one step, reporting REPORT_KEYS."""
+    s, n, size = batch.settings, batch.num_pairs, batch.counts.numel()
+    scale = 1.0 / n if n else 0.0
+
+    def loss_fn(logits, mb):
+        logp = token_logprobs(logits, mb.labels, vocab_size)
+        mask = mb.loss_mask.to(logp.dtype)
+        table = sequence_table(logp, mask, mb.seq_ids, size)
+        present = table[:, 1] > 0
+        pairs = torch.nonzero(present[0::2], as_tuple=True)[0]
+        if not bool((present[0::2] == present[1::2]).all()):
+            raise RuntimeError("a preference pair's sides are in different micro-batches: plan "
+                               "the mini-batch with units (engine.dpo.loss_fn)")
+        c, r = 2 * pairs, 2 * pairs + 1
+        counts = batch.counts.to(table.device)
+        ref = batch.ref.to(table.device) if batch.ref is not None else None
+        terms, g_c, g_r = pair_gradients(
+            s, table[c, 0], table[r, 0], None if ref is None else ref[c],
+            None if ref is None else ref[r], counts[c], counts[r], scale)
+        coef = torch.zeros(size, dtype=torch.float64, device=table.device)
+        coef[c], coef[r] = g_c, g_r
+        ids = mb.seq_ids.long()
+        token_coef = torch.where(ids >= 0, coef[ids.clamp(min=0)], torch.zeros_like(coef[:1]))
+        nll = aggregate(-logp, mb.token_weights)
+        loss = (logp * mask * token_coef.to(logp.dtype)).sum() + batch.rpo_alpha * nll
+        once = 1.0 if _cp_rank() == 0 else 0.0
+        pair_sum = (lambda v: v.sum().detach().to(torch.float64) * (scale * once))
+        value = pair_sum(terms.loss)
+        reports = {
+            "loss": value + batch.rpo_alpha * nll.detach().to(torch.float64),
+            "rewards/chosen": pair_sum(terms.chosen_rewards),
+            "rewards/rejected": pair_sum(terms.rejected_rewards),
+            "rewards/accuracies": pair_sum((terms.chosen_rewards > terms.rejected_rewards)
+                                           .to(torch.float64)),
+            "rewards/margins": pair_sum(terms.chosen_rewards - terms.rejected_rewards),
+            "logps/chosen": pair_sum(terms.chosen_logps),
+            "logps/rejected": pair_sum(terms.rejected_logps),
+            "nll": nll.detach()}
+        return loss, reports
+
+    return loss_fn

@@ -1,0 +1,76 @@
+"""The frozen reference's completion log-prob sums of one global batch (docs/preference.md).
+
+Computed once per step, before the update, forward-only at the trainer's layout and with the
+same pair-keeping micro-batches (engine.dpo.loss_fn). The reference is
+- with LoRA (model.lora.rank > 0): the policy's own base, its adapters switched off
+  (models.lora.adapters.adapters_disabled): no second model, no extra memory;
+- otherwise a frozen copy of dpo.ref_path (default: model.hf_path, the initial policy; also
+  after a resume), built at the policy's layout (TrainEngine.frozen): one more copy of the
+  weights per rank, no gradients or optimizer state;
+- none for reference-free loss types (simpo).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from engine.training.micro_batches import SequenceData
+from engine.training.token_losses import token_logprobs
+from engine.training.train_engine import TrainEngine
+from models.lora.adapters import adapters_disabled
+from parallel import cpu_runtime
+
+
+def completion_logprob_sums(engine: TrainEngine, seqs: list[SequenceData],
+                            units: list[list[int]]) -> torch.Tensor:
+    """[len(seqs)] float64 CPU tensor, identical on every rank: the sum of log p(label) over
+    each sequence's trained tokens (loss_mask), from `engine`'s forward-only pass.
+
+    Every TP rank computes the log-probs (a TP collective); only TP rank 0 of the last pipeline
+    stage writes them (output_fn runs on the last stage only);
+    CP shards of one sequence and DP ranks' sequences add up in one all-reduce over the world,
+    so each token has exactly one contributor. Collective over the whole world."""
+    table = torch.zeros(len(seqs), dtype=torch.float64, device=cpu_runtime.device())
+    writer = ps.get_tensor_model_parallel_rank() == 0
+
+    def output_fn(logits, mb):
+        # every TP rank: the vocabulary-parallel log-softmax is a TP collective
+        logp = token_logprobs(logits, mb.labels, engine.vocab_size).to(torch.float64)
+        if not writer:
+            return
+        ids = mb.seq_ids.reshape(-1).long()
+        valid = ids >= 0
+        values = logp.reshape(-1) * mb.loss_mask.reshape(-1).to(torch.float64) * valid
+        table.index_add_(0, torch.where(valid, ids, torch.zeros_like(ids)), values)
+
+    engine.forward_only(seqs, output_fn=output_fn, units=units)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(table)
+    return table.cpu()
+
+
+class Reference:
+    """The reference of a DPO run: `sums(seqs, units)` as above, or None (reference-free).
+
+    engine: the frozen reference engine (None with LoRA or reference-free); policy: the
+    trained engine (its base is the reference with LoRA)."""
+
+    def __init__(self, policy: TrainEngine, engine: TrainEngine | None, lora: bool,
+                 needed: bool):
+        self.policy, self.engine, self.lora, self.needed = policy, engine, lora, needed
+
+    def describe(self) -> str:
+        if not self.needed:
+            return "none (reference-free loss)"
+        if self.lora:
+            return "the policy's base with its LoRA adapters off (no second model)"
+        return "a frozen copy of the reference weights at the policy's layout"
+
+    def sums(self, seqs: list[SequenceData], units: list[list[int]]) -> torch.Tensor | None:
+        if not self.needed:
+            return None
+        if self.lora:
+            with adapters_disabled(self.policy.chunks):
+                return completion_logprob_sums(self.policy, seqs, units)
+        return completion_logprob_sums(self.engine, seqs, units)

@@ -1,0 +1,178 @@
+"""One DPO run: preference pairs, the policy's TrainEngine, the reference, the run loop.
+
+One optimizer step (docs/preference.md): the global batch of step k is `train.global_batch_size`
+PAIRS (layout-independent order, engine.data.datasets.global_batch_indices over pairs) ->
+the sequence list [c_0, r_0, c_1, r_1, ...] with units [[0, 1], [2, 3], ...] (both sides of a
+pair in one micro-batch) -> the reference's completion log-prob sums (forward-only, same
+layout, engine.dpo.reference) -> TrainEngine.train_batch with the pair loss
+(engine.dpo.loss_fn) -> metrics under TRL's names, logged by the RunLoop (metrics.jsonl,
+TensorBoard). Checkpoints and resume as in SFT (engine.sft.training); the reference is
+rebuilt from its HF folder on resume.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint.checkpointing import DataPosition
+from engine.config.dpo_settings import DPOConfig
+from engine.config.model_settings import megatron_overrides
+from engine.config.fusion_settings import fusion_overrides
+from engine.config.moe_settings import moe_overrides
+from engine.data.datasets import global_batch_indices
+from engine.data.preference import PreferencePair, load_preference_dataset
+from engine.dpo.loss_fn import REPORT_KEYS, PairBatch, dpo_loss_fn
+from engine.dpo.pair_loss import PairLossSettings
+from engine.dpo.reference import Reference
+from engine.run.run_loop import RunLoop
+from engine.run.train_engine_build import build_train_engine
+from engine.training.loss import GlobalLossNormalizer
+from engine.training.micro_batches import SequenceData
+from engine.training.nonfinite import NonFiniteGuard
+from engine.training.train_engine import BatchSettings, TrainEngine
+from models.hf.custom_code import load_tokenizer
+
+
+def pair_sequences(pairs: list[PreferencePair]) -> tuple[list[SequenceData], list[list[int]]]:
+    """(sequences [c_0, r_0, c_1, r_1, ...], units [[0, 1], [2, 3], ...]) of `pairs`."""
+    seqs = [SequenceData(side.tokens, side.labels, side.loss_mask)
+            for p in pairs for side in (p.chosen, p.rejected)]
+    return seqs, [[2 * k, 2 * k + 1] for k in range(len(pairs))]
+
+
+def pair_settings(cfg) -> PairLossSettings:
+    d = cfg.dpo
+    return PairLossSettings(d.loss_type, d.beta, d.label_smoothing, d.simpo_gamma)
+
+
+def chosen_nll_weights(seqs: list[SequenceData], loss_cfg, seq_length: int) -> torch.Tensor:
+    """[2P] per-sequence weights of the chosen completions' NLL (loss.agg_mode over the chosen
+    sides of the whole global batch, engine.training.loss; 0 on rejected sides). Every rank
+    holds the whole batch, so no collective is needed."""
+    counts = torch.tensor([int(sum(s.loss_mask)) for s in seqs[0::2]], dtype=torch.long)
+    normalizer = GlobalLossNormalizer(loss_cfg.agg_mode, loss_cfg.norm_horizon or seq_length,
+                                      loss_cfg.count_empty_sequences)
+    weights = torch.zeros(len(seqs), dtype=torch.float64)
+    weights[0::2] = normalizer.sequence_weights(counts)
+    return weights
+
+
+def pair_batch(cfg, seqs: list[SequenceData], ref: torch.Tensor | None) -> PairBatch:
+    counts = torch.tensor([float(sum(s.loss_mask)) for s in seqs], dtype=torch.float64)
+    return PairBatch(pair_settings(cfg), counts, ref, cfg.dpo.rpo_alpha or 0.0)
+
+
+def dpo_step(engine: TrainEngine, reference: Reference, pairs: list[PreferencePair],
+             cfg) -> dict[str, float]:
+    """One optimizer step on the global batch `pairs` (every rank passes the same list);
+    returns the metrics, reduced over the whole batch (the same on every layout)."""
+    seqs, units = pair_sequences(pairs)
+    t0 = time.perf_counter()
+    ref = reference.sums(seqs, units)
+    ref_s = time.perf_counter() - t0
+    out = engine.train_batch(seqs, chosen_nll_weights(seqs, cfg.loss, cfg.train.seq_length),
+                             dpo_loss_fn(pair_batch(cfg, seqs, ref), engine.vocab_size),
+                             REPORT_KEYS, units=units)
+    tokens, dt = out["batch/num_tokens"], out["time/step_s"]
+    return {**{k: out[k] for k in REPORT_KEYS},
+            "grad_norm": out["grad_norm"], "lr": out["lr"], "num_pairs": len(pairs),
+            "num_tokens": int(tokens), "time/step_s": dt + ref_s, "time/reference_s": ref_s,
+            "throughput/tokens_per_s": tokens / (dt + ref_s) if dt + ref_s > 0 else 0.0,
+            "batch/dp_imbalance": out["batch/dp_imbalance"],
+            "batch/padding_fraction": out["batch/num_padding"] / max(
+                out["batch/num_padding"] + tokens, 1),
+            "train/update_skipped": out["train/update_skipped"],
+            "train/skipped_steps": float(engine.guard.skipped),
+            **{k: v for k, v in out.items() if k.startswith("moe/")}}
+
+
+def evaluate(engine: TrainEngine, reference: Reference, pairs: list[PreferencePair],
+             cfg) -> dict[str, float]:
+    """eval/* metrics: the REPORT_KEYS means over ALL eval pairs (forward-only, in chunks of
+    the global batch; each chunk weighted by its share of the pairs)."""
+    totals = dict.fromkeys(REPORT_KEYS, 0.0)
+    gbs = cfg.train.global_batch_size
+    for i in range(0, len(pairs), gbs):
+        chunk = pairs[i:i + gbs]
+        seqs, units = pair_sequences(chunk)
+        out = engine.forward_only(
+            seqs, chosen_nll_weights(seqs, cfg.loss, cfg.train.seq_length),
+            dpo_loss_fn(pair_batch(cfg, seqs, reference.sums(seqs, units)), engine.vocab_size),
+            REPORT_KEYS, units=units)
+        for k in REPORT_KEYS:
+            totals[k] += out[k] * len(chunk) / len(pairs)
+    return {f"eval/{k}": v for k, v in totals.items()}
+
+
+def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> Reference:
+    """The run's reference (engine.dpo.reference): none, the LoRA base, or a frozen engine."""
+    needed = pair_settings(cfg).uses_reference
+    lora = bool(cfg.model.lora.rank)
+    engine = None
+    if needed and not lora:
+        path = cfg.dpo.ref_path or cfg.model.hf_path
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        engine = TrainEngine.frozen(hf_config, dtype, path, BatchSettings.from_config(cfg.train),
+                                    pad_id, loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
+                                    **megatron_overrides(cfg.parallel),
+                                    **moe_overrides(cfg, hf_config, forward_only=True),
+                                    **fusion_overrides(cfg, hf_config))
+    return Reference(policy, engine, lora, needed)
+
+
+def _load_data(cfg: DPOConfig, tokenizer):
+    """(train pairs dataset, eval pairs or None); rank 0 prints what was loaded."""
+    kw = dict(cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
+    dataset = load_preference_dataset(cfg.data.train_files, tokenizer, cfg.train.seq_length,
+                                      cfg.data.truncation, **kw)
+    eval_pairs = None
+    if cfg.data.eval_files and cfg.train.eval_interval > 0:
+        eval_ds = load_preference_dataset(cfg.data.eval_files, tokenizer, cfg.train.seq_length,
+                                          cfg.data.truncation, **kw)
+        eval_pairs = [eval_ds[i] for i in range(len(eval_ds))]
+        if dist.get_rank() == 0:
+            print(f"[dpo] eval data: {eval_ds.describe()}", flush=True)
+    if dist.get_rank() == 0:
+        print(f"[dpo] train data: {dataset.describe()}", flush=True)
+    return dataset, eval_pairs
+
+
+def run(cfg: DPOConfig, hf_config: dict, flags: list[str]) -> int:
+    """The DPO run on every rank (process groups and megatron state exist)."""
+    tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    dataset, eval_pairs = _load_data(cfg, tokenizer)
+    gbs, n = cfg.train.global_batch_size, len(dataset)
+
+    def position(done: int) -> DataPosition:
+        return DataPosition(done, gbs, n, cfg.seed, cfg.data.shuffle)
+
+    engine, resumed = build_train_engine(cfg, hf_config, pad_id, position(0), "dpo")
+    start = resumed.step
+    loop = RunLoop("dpo", cfg, engine, hf_config, position, log_names=("metrics.jsonl",))
+    if not loop.prepare(start):
+        return 0
+    engine.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps,
+                                  skipped=start - engine.scheduler.num_steps)
+    reference = build_reference(cfg, hf_config, engine, pad_id)
+    if dist.get_rank() == 0:
+        print(f"[dpo] loss: {cfg.dpo.loss_type}, beta {cfg.dpo.beta}; reference: "
+              f"{reference.describe()}", flush=True)
+
+    def step_fn(step: int) -> dict:
+        idx = global_batch_indices(n, gbs, step, cfg.seed, cfg.data.shuffle)
+        metrics = dpo_step(engine, reference, [dataset[i] for i in idx], cfg)
+        done = step + 1
+        metrics["data/consumed_pairs"] = done * gbs
+        metrics["data/epoch"] = done * gbs / n
+        if eval_pairs is not None and done % cfg.train.eval_interval == 0:
+            metrics.update(evaluate(engine, reference, eval_pairs, cfg))
+        return metrics
+
+    history = loop.run(start, step_fn)
+    if history and dist.get_rank() == 0:
+        print(f"[dpo] done: {start + len(history)} of {cfg.train.max_steps} steps, first loss "
+              f"{history[0]['loss']:.4f}, last loss {history[-1]['loss']:.4f}", flush=True)
+    return 0

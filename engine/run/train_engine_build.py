@@ -1,0 +1,38 @@
+"""The trained engine of an SFT-shaped run (SFT, DPO): one builder from the configuration tree.
+
+Collective: every rank builds its model chunks (HF weights, or resumed from checkpoint.dir by
+engine.run.run_loop.build_or_resume at any layout).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint.checkpointing import DataPosition
+from engine.config.fusion_settings import fusion_overrides
+from engine.config.lora_settings import lora_build_kwargs
+from engine.config.model_settings import describe as describe_settings, megatron_overrides
+from engine.config.moe_settings import moe_overrides
+from engine.config.parallel_settings import overlap_settings
+from engine.run.run_loop import build_or_resume
+from engine.training.train_engine import BatchSettings, TrainEngine
+
+
+def build_train_engine(cfg, hf_config: dict, pad_id: int, position: DataPosition,
+                       tag: str) -> tuple[TrainEngine, DataPosition]:
+    """The trained engine of an SFT-shaped run (SFT, DPO) from the model, optim, parallel,
+    train, MoE, fusion, LoRA and vision keys, with HF weights or resumed from checkpoint.dir
+    (build_or_resume; collective). Returns (engine, the data position to continue from)."""
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    engine, resumed, _ = build_or_resume(cfg, lambda load: TrainEngine.build(
+        hf_config, cfg.optim, dtype, cfg.train.max_steps, BatchSettings.from_config(cfg.train),
+        pad_id, weights_dir=cfg.model.hf_path, load_weights=load,
+        overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
+        **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
+        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config),
+        train_vision=not cfg.model.vision.freeze),
+        position)
+    if dist.get_rank() == 0:
+        print(f"[{tag}] model: {describe_settings(engine.chunks[0].config)}", flush=True)
+    return engine, resumed

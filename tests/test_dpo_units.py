@@ -1,0 +1,122 @@
+"""DPO's single-process parts: the pair plan keeps a pair's sides in one micro-batch, the loss
+function refuses split pairs, the chain-rule coefficients equal autograd through the pair loss,
+and the dpo.* keys are validated by name before any process group (tests/test_dpo.py runs
+the training itself)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config.dpo_settings import DPOConfig, dpo_problems
+from engine.config.loading import load_config
+from engine.dpo.pair_loss import LOSS_TYPES, PairLossSettings, pair_gradients, pair_terms
+from engine.training.plan import plan_mini_batch
+
+
+@pytest.mark.parametrize("dp,mbs,tokens", [(1, 1, None), (2, 3, None), (4, 1, None),
+                                           (2, 8, 50), (3, 2, 90), (8, 1, 40)])
+def test_plan_keeps_pairs_together(dp, mbs, tokens):
+    lengths = [5 + (7 * i) % 31 for i in range(26)]      # 13 pairs of uneven sides
+    units = [[2 * k, 2 * k + 1] for k in range(13)]
+    plan = plan_mini_batch(lengths, dp, True, mbs, tokens, units)
+    seen = []
+    for rank in plan.ranks:
+        assert len(rank) == plan.num_micro_batches
+        for mb in rank:
+            assert len(mb) % 2 == 0 and all(mb[i] + 1 == mb[i + 1] and mb[i] % 2 == 0
+                                            for i in range(0, len(mb), 2)), mb
+            if tokens is None:
+                assert len(mb) <= 2 * mbs
+            seen += mb
+    assert sorted(seen) == list(range(26))
+
+
+def test_plan_without_units_splits_pairs():
+    """The negative control of the test above: the sequence plan does split pairs."""
+    lengths = [5 + (7 * i) % 31 for i in range(26)]
+    plan = plan_mini_batch(lengths, 2, True, 3, None)
+    split = [mb for rank in plan.ranks for mb in rank
+             if any((i ^ 1) not in mb for i in mb)]
+    assert split
+
+
+def _sums(seed=0, n=5):
+    g = torch.Generator().manual_seed(seed)
+    pc, pr = -20 * torch.rand(n, generator=g, dtype=torch.float64), \
+        -20 * torch.rand(n, generator=g, dtype=torch.float64)
+    rc, rr = pc + torch.randn(n, generator=g, dtype=torch.float64), \
+        pr + torch.randn(n, generator=g, dtype=torch.float64)
+    nc = torch.randint(1, 30, (n,), generator=g).double()
+    nr = torch.randint(1, 30, (n,), generator=g).double()
+    return pc, pr, rc, rr, nc, nr
+
+
+@pytest.mark.parametrize("kind", LOSS_TYPES)
+def test_coefficients_equal_autograd_of_the_mean_loss(kind):
+    """d(mean loss)/d(sum of a side's token log-probs), as the micro-batch loss uses it, equals
+    autograd through the whole formula; the value is the mean over pairs."""
+    s = PairLossSettings(kind, beta=0.3, label_smoothing=0.1 if kind in
+                         ("sigmoid", "robust", "simpo") else 0.0)
+    pc, pr, rc, rr, nc, nr = _sums()
+    terms, g_c, g_r = pair_gradients(s, pc, pr, rc, rr, nc, nr, scale=1 / 5)
+    leaf_c, leaf_r = pc.clone().requires_grad_(), pr.clone().requires_grad_()
+    loss = pair_terms(s, leaf_c, leaf_r, rc, rr, nc, nr).loss.mean()
+    loss.backward()
+    assert torch.allclose(g_c, leaf_c.grad, rtol=1e-12) and torch.allclose(g_r, leaf_r.grad,
+                                                                           rtol=1e-12)
+    assert float(terms.loss.mean()) == pytest.approx(float(loss), rel=1e-12)
+    assert float(g_c.abs().sum()) > 0
+
+
+def test_formulas_at_known_points():
+    """log 2 at zero log-ratios (sigmoid, robust), hinge 1, ipo (1/(2 beta))^2, simpo's gamma."""
+    z = torch.zeros(1, dtype=torch.float64)
+    one = torch.ones(1, dtype=torch.float64)
+    for kind, want in (("sigmoid", 0.6931471805599453), ("robust", 0.6931471805599453),
+                       ("hinge", 1.0), ("ipo", (1 / 0.2) ** 2)):
+        got = pair_terms(PairLossSettings(kind, beta=0.1), z, z, z, z, one, one).loss
+        assert float(got) == pytest.approx(want, rel=1e-12), kind
+    simpo = pair_terms(PairLossSettings("simpo", beta=2.0, simpo_gamma=0.5), z, z, None, None,
+                       one, one).loss
+    assert float(simpo) == pytest.approx(-torch.nn.functional.logsigmoid(
+        torch.tensor(-0.5, dtype=torch.float64)).item(), rel=1e-12)
+
+
+def _cfg(*overrides):
+    cfg, _ = load_config(DPOConfig, list(overrides))
+    return cfg
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["dpo.loss_type=kto"], "dpo.loss_type='kto' is not valid; choose one of sigmoid, ipo"),
+    (["dpo.beta=0"], "dpo.beta=0"),
+    (["dpo.loss_type=hinge", "dpo.label_smoothing=0.1"], "has no label smoothing"),
+    (["dpo.loss_type=robust", "dpo.label_smoothing=0.5"], "[0, 0.5) for the robust loss"),
+    (["dpo.rpo_alpha=0"], "dpo.rpo_alpha=0"),
+    (["dpo.simpo_gamma=1.0"], "applies only to dpo.loss_type=simpo"),
+    (["dpo.loss_type=simpo", "dpo.ref_path=/x"], "reference-free"),
+    (["model.lora.rank=4", "dpo.ref_path=/x"], "adapters off"),
+    (["dpo.ref_path=/nonexistent"], "dpo.ref_path=/nonexistent"),
+])
+def test_dpo_keys_refused_by_name(overrides, needle):
+    problems = dpo_problems(_cfg(*overrides), {"model_type": "qwen3"})
+    assert any(needle in p for p in problems), problems
+
+
+def test_defaults_are_valid_and_logging_dir():
+    cfg = _cfg()
+    assert dpo_problems(cfg, {}) == []
+    assert (cfg.dpo.loss_type, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.rpo_alpha,
+            cfg.dpo.ref_path) == ("sigmoid", 0.1, 0.0, None, None)
+    assert cfg.logging.dir == "runs/dpo"
+
+
+
+def test_loss_fn_on_one_rank(pools):
+    """tests.multirank.dpo_check.loss_fn_checks (it needs megatron's state): a micro-batch with
+    half a pair is refused; autograd through the micro-batch loss (per-token coefficients)
+    equals autograd through the pair loss of the summed log-probs."""
+    out = pools.run(1, "tests.multirank.dpo_check:loss_fn_checks")[0]
+    assert "sides are in different micro-batches" in out["split_error"]
+    assert out["grad_max_diff"] < 1e-6 * out["grad_max"] and out["grad_max"] > 0, out
+    assert out["loss"] == pytest.approx(out["want"], rel=1e-6)
