@@ -3,7 +3,8 @@ torch.distributed, and the plan in `--validate` (human and --json) of the shippe
 
 One 2-rank torchrun launch (tests/multirank/comm_bytes.py; a real launch, not the rank pool:
 it wraps torch.distributed's functions before megatron binds them at import) trains through the engine at DP2, TP2+SP,
-PP2, CP2 and EP2 (MoE) with both overlaps on, wrapping every collective; each rank's measured
+PP2, CP2 and EP2 (MoE), and LoRA (rank 8 on all-linear, base frozen) at TP2+SP and TP2, with
+both overlaps on, wrapping every collective; each rank's measured
 bytes per kind must be within 5 % of the prediction for its pipeline stage, every kind the
 layout implies must be non-zero, and nothing but control scalars may be left unattributed.
 """
@@ -19,12 +20,14 @@ pytestmark = pytest.mark.timeout(900)
 
 TOL = 0.05
 SPECS = {"dp2": "1,1,0,1,1,0,0", "tp2_sp": "2,1,0,1,1,1,0", "pp2": "1,2,0,1,1,0,0",
-         "cp2": "1,1,0,2,1,0,0", "ep2": "1,1,0,1,2,0,1"}
+         "cp2": "1,1,0,2,1,0,0", "ep2": "1,1,0,1,2,0,1", "tp2_sp_lora": "2,1,0,1,1,1,0,8",
+         "tp2_lora": "2,1,0,1,1,0,0,8"}
 # kinds each layout must exercise (world 2)
 EXPECTED = {"dp2": {"dp_grad_reduce", "dp_param_all_gather"}, "tp2_sp": {"tp_sp"},
             "pp2": {"pp_p2p", "pp_tied_embedding"},
             "cp2": {"cp_exchange", "dp_grad_reduce", "dp_param_all_gather"},
-            "ep2": {"ep_all_to_all", "dp_grad_reduce", "dp_param_all_gather"}}
+            "ep2": {"ep_all_to_all", "dp_grad_reduce", "dp_param_all_gather"},
+            "tp2_sp_lora": {"tp_sp"}, "tp2_lora": {"tp_sp"}}
 CONTROL_BYTES = 4096   # per rank and step: loss sums, token counts, grad norms, metadata
 
 

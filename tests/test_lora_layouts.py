@@ -2,9 +2,9 @@
 equals transformers + peft + torch AdamW from the same adapter, a LoRA checkpoint resumes at
 another layout, and its conversions load in peft / transformers with the same logits.
 
-Two runs of tests/multirank/lora_check.py on the rank pool (world 1: references and checkpoints; world 2:
-tp2+sp, pp2, dp2, cp2, ep2, a resume at pp2, the negative control and a run from the PEFT adapter
-converted by `hf-to-mcore --adapter` at tp2, loaded at pp2: it equals the run from
+Two runs of tests/multirank/lora_check.py on the rank pool (world 1: references and checkpoints;
+world 2: tp2+sp, pp2, dp2, cp2, ep2, a resume at pp2, the negative controls and a run from the
+PEFT adapter converted by `hf-to-mcore --adapter` at tp2, loaded at pp2: it equals the run from
 model.lora.init_from) and four conversions (that hf-to-mcore, mcore-to-hf to a PEFT adapter and
 to the merged model, and mcore-to-hf of the hf-to-mcore checkpoint: the adapter back bitwise).
 Tiny MoE families join both runs, each from a PEFT adapter peft itself made (ADAPTERS; run on
@@ -37,6 +37,7 @@ from tests.deepseek_v3_tiny import build_deepseek_v3
 from tests.glm4_moe_tiny import build_glm4_moe
 from tests.gpt_oss_tiny import build_gpt_oss
 from tests.kimi_k2_tiny import build_kimi_k2
+from tests.launch import result_lines
 from tests.qwen3_5_tiny import build_qwen3_5, build_qwen3_5_conditional
 from models.lora.peft import parameter_targets
 from tools.tiny_models import build_peft_adapter, build_tiny_model, load_hf_model
@@ -86,9 +87,7 @@ import lora_check as harness  # noqa: E402
 
 def _results(proc) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines()
-            if line.startswith("RESULT ")]
-    return {r["run"]: r for r in rows}
+    return {r["run"]: r for r in result_lines(proc.stdout)}
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +181,9 @@ def test_layout_equals_single_process(lora_run, run):
     assert r["param_rel"] < tolerance and r["n_params"] > 0, r
 
 
-def test_negative_control_without_tp_reduction(lora_run):
-    r = lora_run["layouts"]["noreduce"]
+@pytest.mark.parametrize("run", ["noreduce", "tp2+sp_unsummed"])   # lora_check.py's docstring
+def test_negative_control_without_tp_reduction(lora_run, run):
+    r = lora_run["layouts"][run]
     assert r["loss_rel"] > 1e-3 and r["param_rel"] > 1e-3, r
 
 

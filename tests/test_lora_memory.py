@@ -102,8 +102,9 @@ def _train(**keys):
 def test_sft_estimate_by_hand_tp2_sp_dp2():
     """bf16, distributed optimizer, tp2 (SP) x dp2, 1024-token micro-batches, no recompute:
     the frozen base keeps its bf16 weights only, the adapters add their bf16 weights, fp32
-    gradients, 12 bytes / dp of optimizer state, and per layer and token r per slice (7) plus
-    the all-gathered input of the two column-parallel adapters (2 h)."""
+    gradients, 12 bytes / dp of optimizer state, and per layer and token r per column slice
+    (5, gathered over the sequence) and r / tp per row slice (2); no gathered input (the
+    column adapters gather A x, not x)."""
     layout = ParallelLayout(4, tp=2, sequence_parallel=True)
     train = _train(micro_batch_size=1, seq_length=1024)
     spec = LoraSpec(4, 8.0, ALL)
@@ -116,7 +117,7 @@ def test_sft_estimate_by_hand_tp2_sp_dp2():
     assert lora.optimizer == pytest.approx(adapters * 12 / 2 / GIB)
     assert full.optimizer == pytest.approx(base * 12 / 2 / GIB)   # the control: everything
     assert lora.activations - full.activations == pytest.approx(
-        4 * 2 * 1024 * (4 * 7 + 2 * 64) / GIB)
+        4 * 2 * 1024 * (4 * 5 + 4 * 2 / 2) / GIB)
     assert (lora.logits, lora.runtime) == (full.logits, full.runtime)
     assert lora.notes["adapter_parameters"] == adapters and lora.notes["base_parameters"] == base
 

@@ -61,8 +61,11 @@ size, L = layers / pp, s = tp with sequence parallelism else 1, k experts per to
 
 With LoRA (model.lora.rank > 0) the DP kinds move the adapters only (their gradients and, with
 the distributed optimizer, their updated shards), the frozen replicated weights and a frozen
-tied embedding reduce no gradient; the adapters' own TP traffic (rank-r partial sums, and with
-sequence parallelism the input all-gather of each adapted column-parallel linear) is NOT counted.
+tied embedding reduce no gradient; tp_sp adds the adapters' own TP traffic (rank-r products:
+with sequence parallelism a column adapter gathers A x, not x; models.estimate.lora_comm)
+and the once-per-step TP sum of the gradients of their replicated matrices under sequence
+parallelism, and drops what the frozen base does not move (no input re-gather for a weight
+gradient, no backward through the embedding).
 
 Full recomputation (train.recompute=full) repeats every layer's forward collectives in the
 backward pass (TP, CP, EP kinds). The numbers are derived; tests/test_comm_plan.py measures
@@ -79,6 +82,7 @@ from models.estimate.counting import padded_vocab_size, stage_parameters
 from models.families.base import head_dim
 from models.families.registry import family_of
 from models.estimate.lora import stage_adapters
+from models.estimate.lora_comm import adapter_bytes, frozen_savings, sp_adapter_parameters
 from models.layers.mla import costs as mla_costs
 from models.layers.gated_delta_net import costs as gdn_costs
 
@@ -242,6 +246,11 @@ def comm_plan(hf: dict, layout, setup: CommSetup) -> CommPlan:
             row["tp_sp"] = m * _tp_bytes(hf, layout, setup, r, layers)
             if layout.sequence_parallel and setup.lora is None:  # LoRA: frozen norms
                 row["tp_sp"] += _sp_replicated(hf, r, layers, r == pp - 1) * g
+            if setup.lora is not None:  # the adapters' traffic, the frozen base's savings
+                row["tp_sp"] += m * (adapter_bytes(hf, setup.lora, layout, t, a, r, layers,
+                                                   setup.full_recompute)
+                                     - frozen_savings(hf, layout, t, a, r, layers)) \
+                    + sp_adapter_parameters(hf, setup.lora, layout, r, layers) * g
         if pp > 1:
             sends = 2 * vpp - (r == pp - 1) - (r == 0)
             row["pp_p2p"] = m * sends * t * h * a / (tp if layout.sequence_parallel else 1)

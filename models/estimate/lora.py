@@ -32,7 +32,8 @@ models.lora.adapters / models.lora.sites shard them:
 r is the rank of each adapter's peft key (`rank`: an int, or a models.lora.slices.LoraSpec
 whose rank_pattern gives per-module ranks, as peft's conversion doubles gate_up_proj's).
 `total` counts the whole model unsharded: what peft's print_trainable_parameters reports for
-the same adapters on the HF model.
+the same adapters on the HF model. `layer_sites` lists a layer's adapters with their shapes
+(`Site`), which the counts sum and the communication plan reads (models.estimate.lora_comm).
 """
 from __future__ import annotations
 
@@ -55,6 +56,31 @@ class AdapterParams:
     expert_last: int
 
 
+@dataclass(frozen=True)
+class Site:
+    """One adapter (an (A, B) pair of one slice) of a decoder layer: `kind` "column" (A [r,
+    inp] replicated, B [out / tp, r]), "row" (A [r, inp / tp], B [out, r] replicated),
+    "replicated" (both whole), "expert_column" / "expert_row" (the same per local expert,
+    `copies` of them); full (unsharded) `inp` / `out` features and the rank."""
+
+    kind: str
+    inp: int
+    out: int
+    rank: int
+    copies: int = 1
+
+    @property
+    def expert(self) -> bool:
+        return self.kind.startswith("expert_")
+
+    def params(self, tp: int) -> int:
+        """Parameters one TP rank holds."""
+        r, split = self.rank, self.kind.removeprefix("expert_")
+        n = r * (self.inp // tp if split == "row" else self.inp) + \
+            r * (self.out // tp if split == "column" else self.out)
+        return n * self.copies
+
+
 class _Ranks:
     """The rank of HF path `path` (in the layer) of decoder layer `layer`: `rank` as an int,
     or a LoraSpec's rank_of its peft key."""
@@ -70,12 +96,12 @@ class _Ranks:
         return self.rank.rank_of(f"{self.layers}.{layer}.{path}")
 
 
-def _mixer(hf: Any, layer: int, targets: frozenset, r: _Ranks, tp: int) -> int:
-    """Adapter parameters of one rank in the sequence mixer of decoder layer `layer`."""
+def _mixer(hf: Any, layer: int, targets: frozenset, r: _Ranks) -> list[Site]:
+    """The adapters of the sequence mixer of decoder layer `layer`."""
     h = field(hf, "hidden_size")
     mixer = family_of(hf).mixer_of(hf, layer)
     if mixer == "mla":
-        return _mla(hf, layer, targets, r, tp)
+        return _mla(hf, layer, targets, r)
     parent = "self_attn"
     if mixer == "gated_delta_net":
         qk = field(hf, "linear_key_head_dim") * field(hf, "linear_num_key_heads")
@@ -90,60 +116,60 @@ def _mixer(hf: Any, layer: int, targets: frozenset, r: _Ranks, tp: int) -> int:
         gate = 2 if mixer == "gated_attention" else 1
         column = {"q_proj": gate * q, "k_proj": kv, "v_proj": kv}
         rows = ("o_proj", q)
-    rank = {n: r(layer, f"{parent}.{n}") for n in (*column, rows[0])}
-    body = sum(rank[n] * h + rank[n] * out // tp for n, out in column.items() if n in targets)
-    o = rank[rows[0]]
-    return body + (o * rows[1] // tp + o * h if rows[0] in targets else 0)
+    rank = lambda n: r(layer, f"{parent}.{n}")
+    sites = [Site("column", h, out, rank(n)) for n, out in column.items() if n in targets]
+    return sites + ([Site("row", rows[1], h, rank(rows[0]))] if rows[0] in targets else [])
 
 
-def _mla(hf: Any, layer: int, targets: frozenset, r: _Ranks, tp: int) -> int:
-    """Adapter parameters of one rank in an MLA layer: (in, out, split over TP) per name."""
+def _mla(hf: Any, layer: int, targets: frozenset, r: _Ranks) -> list[Site]:
+    """The adapters of an MLA layer: (in, out, kind) per name."""
     h, heads = field(hf, "hidden_size"), field(hf, "num_attention_heads")
     q_rank, kv_rank = field(hf, "q_lora_rank"), field(hf, "kv_lora_rank")
     qk = field(hf, "qk_nope_head_dim") + field(hf, "qk_rope_head_dim")
     shapes = {"q_proj": (h, heads * qk, "column"),
-              "kv_a_proj_with_mqa": (h, kv_rank + field(hf, "qk_rope_head_dim"), None),
+              "kv_a_proj_with_mqa": (h, kv_rank + field(hf, "qk_rope_head_dim"), "replicated"),
               "kv_b_proj": (kv_rank, heads * (field(hf, "qk_nope_head_dim")
                                               + field(hf, "v_head_dim")), "column"),
               "o_proj": (heads * field(hf, "v_head_dim"), h, "row")}
     if q_rank is not None:   # q_a_proj / q_b_proj instead of q_proj
         del shapes["q_proj"]
-        shapes.update(q_a_proj=(h, q_rank, None), q_b_proj=(q_rank, heads * qk, "column"))
-    return sum(r(layer, f"self_attn.{name}") * ((i // tp if split == "row" else i)
-                                                + (o // tp if split == "column" else o))
-               for name, (i, o, split) in shapes.items() if name in targets)
+        shapes.update(q_a_proj=(h, q_rank, "replicated"), q_b_proj=(q_rank, heads * qk, "column"))
+    return [Site(kind, i, o, r(layer, f"self_attn.{name}"))
+            for name, (i, o, kind) in shapes.items() if name in targets]
 
 
-def _mlp(ffn: int, h: int, targets: frozenset, rank, tp: int) -> int:
-    """Adapter parameters of one rank in a gate/up/down MLP of width `ffn`; `rank(name)`."""
-    body = sum(rank(n) * (h + ffn // tp) for n in ("gate_proj", "up_proj") if n in targets)
-    return body + (rank("down_proj") * (ffn // tp + h) if "down_proj" in targets else 0)
+def _mlp(ffn: int, h: int, targets: frozenset, rank) -> list[Site]:
+    """The adapters of a gate/up/down MLP of width `ffn`; `rank(name)`."""
+    sites = [Site("column", h, ffn, rank(n)) for n in ("gate_proj", "up_proj") if n in targets]
+    return sites + ([Site("row", ffn, h, rank("down_proj"))] if "down_proj" in targets else [])
 
 
-def _layer(hf: Any, layer: int, targets: frozenset, r: _Ranks, tp: int,
-           ep: int) -> tuple[int, int]:
-    """(adapter parameters, of which the experts') of one rank in decoder layer `layer`."""
+def layer_sites(hf: Any, layer: int, targets: frozenset, rank, ep: int = 1) -> list[Site]:
+    """The adapters of decoder layer `layer` on one EP rank (module docstring; `targets`
+    resolved, `rank` an int or a LoraSpec)."""
+    r, targets = (rank if isinstance(rank, _Ranks) else _Ranks(hf, rank)), _resolved(targets)
     h = field(hf, "hidden_size")
-    body = _mixer(hf, layer, targets, r, tp)
+    sites = _mixer(hf, layer, targets, r)
     moe = moe_family(hf)
-    sparse = moe is not None and moe.is_moe_layer(hf, layer)
-    if not sparse:
-        return body + _mlp(field(hf, "intermediate_size"), h, targets,
-                           lambda n: r(layer, f"mlp.{n}"), tp), 0
+    if moe is None or not moe.is_moe_layer(hf, layer):
+        return sites + _mlp(field(hf, "intermediate_size"), h, targets,
+                            lambda n: r(layer, f"mlp.{n}"))
     paths = family_of(hf).lora_hf_paths
     shared = paths.get("mlp.shared_expert", "mlp.shared_expert")
     width = moe.shared_expert_width(hf)
-    body += _mlp(width, h, targets, lambda n: r(layer, f"{shared}.{n}"), tp) if width else 0
+    sites += _mlp(width, h, targets, lambda n: r(layer, f"{shared}.{n}")) if width else []
     if SHARED_GATE in targets and SHARED_GATE in family_of(hf).lora_targets:
-        body += r(layer, f"mlp.{SHARED_GATE}") * (h + 1)   # replicated A [r, h], B [1, r]
+        sites.append(Site("replicated", h, 1, r(layer, f"mlp.{SHARED_GATE}")))
     if ROUTER in targets:
-        body += r(layer, paths.get("mlp.gate", "mlp.gate") + ".weight") * (
-            h + moe.num_experts(hf))
-    width = moe.expert_width(hf)
-    gate_up, down = (r(layer, f"mlp.{t}") if t in targets else 0 for t in EXPERT_TARGETS)
-    per_expert = gate_up * (h + 2 * width // tp) + down * (width // tp + h)
-    experts = moe.num_experts(hf) // ep * per_expert
-    return body + experts, experts
+        sites.append(Site("replicated", h, moe.num_experts(hf),
+                          r(layer, paths.get("mlp.gate", "mlp.gate") + ".weight")))
+    width, local = moe.expert_width(hf), moe.num_experts(hf) // ep
+    gate_up, down = EXPERT_TARGETS
+    if gate_up in targets:
+        sites.append(Site("expert_column", h, 2 * width, r(layer, f"mlp.{gate_up}"), local))
+    if down in targets:
+        sites.append(Site("expert_row", width, h, r(layer, f"mlp.{down}"), local))
+    return sites
 
 
 def _resolved(targets: frozenset) -> frozenset:
@@ -157,10 +183,11 @@ def stage_adapters(hf: Any, targets: frozenset, rank, tp: int, pp: int, ep: int,
     """(adapter parameters, of which the experts') of one TP (x EP) rank of pipeline stage
     `stage` (layers // pp layers each); `rank`: an int or a LoraSpec (module docstring)."""
     per_stage = field(hf, "num_hidden_layers") // pp
-    r, targets = _Ranks(hf, rank), _resolved(targets)
-    rows = [_layer(hf, i, targets, r, tp, ep)
-            for i in range(stage * per_stage, (stage + 1) * per_stage)]
-    return sum(a for a, _ in rows), sum(e for _, e in rows)
+    r = _Ranks(hf, rank)
+    sites = [site for i in range(stage * per_stage, (stage + 1) * per_stage)
+             for site in layer_sites(hf, i, targets, r, ep)]
+    return (sum(s.params(tp) for s in sites),
+            sum(s.params(tp) for s in sites if s.expert))
 
 
 def adapter_parameters(hf: Any, targets: frozenset, rank, tp: int, pp: int,

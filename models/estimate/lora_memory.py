@@ -12,14 +12,15 @@ expert adapters):
 - optimizer: (n - n_e) x the per-parameter optimizer bytes + n_e x the expert ones (fp32 master
   copy and Adam m, v in bf16: 12 bytes, sharded over dp x cp with the distributed optimizer;
   expert adapters over the expert-data-parallel group, as experts);
-- activations: full fine-tuning's (megatron's linears keep their inputs for the input gradient
-  whether or not the weight trains) plus, per layer and token, the adapters' own: the rank-r
-  activation of each adapted projection (r per slice; experts: the ranks of gate_up_proj's and
-  down_proj's adapters per routed copy (3 r after peft's conversion of gate/up/down), k copies
-  per token) and, with sequence parallelism (s = tp), the all-gathered input a column-parallel
-  adapter keeps for A's gradient (h per adapted linear_qkv / dense linear_fc1; the base keeps
-  only its sequence shard). model.lora.dropout > 0 would add a dropped copy of each adapted
-  input: not counted (the exact mode is dropout 0).
+- activations: full fine-tuning's (a trainable linear keeps its input for the weight
+  gradient; a frozen one does not, and its adapter keeps the same tensor, on the sequence
+  shard under sequence parallelism) plus, per layer and token, the adapters' own: the rank-r
+  activation of each adapted projection that B's gradient needs (r per column slice, gathered
+  over the sequence; r / s per row slice, s = tp with sequence parallelism: B sees this rank's
+  sequence shard; experts: the ranks of gate_up_proj's and down_proj's adapters per routed
+  copy (3 r after peft's conversion of gate/up/down), k copies per token). No gathered input:
+  a column adapter gathers A x, not x (models.lora.adapters). model.lora.dropout > 0 would add
+  a dropped copy of each adapted input: not counted (the exact mode is dropout 0).
 """
 from __future__ import annotations
 
@@ -39,20 +40,18 @@ def adapter_activation_bytes(hf: dict, lora, a: int, t: float, s: int) -> float:
     docstring); 0 without LoRA (`lora` a models.lora.adapters.LoraSpec or None)."""
     if lora is None:
         return 0.0
-    targets, r, h = lora.targets, lora.rank, hf["hidden_size"]
+    targets, r = lora.targets, lora.rank
     moe = moe_family(hf)
-    slices = sum(n in targets for n in (*_QKV, "o_proj"))
+    column = sum(n in targets for n in _QKV)
+    row = "o_proj" in targets
     routed = 0   # per token: the rank of each routed copy's expert adapters (k copies)
     if moe is None:
-        slices += sum(n in targets for n in _MLP)
+        column += sum(n in targets for n in _MLP[:2])
+        row += "down_proj" in targets
     else:   # layer 0's keys stand for every layer's (a rank is the same in every layer)
         routed = moe.experts_per_token(hf) * sum(
             lora.rank_of(f"model.layers.0.mlp.{t}") for t in EXPERT_TARGETS if t in targets)
-    gathered = 0
-    if s > 1:
-        gathered = h * (any(n in targets for n in _QKV)
-                        + (moe is None and any(n in targets for n in _MLP[:2])))
-    return a * t * (r * slices + routed + gathered)
+    return a * t * (r * column + r * row / s + routed)
 
 
 def with_adapters(est, base: int, hf: dict, layout, lora, a: int, opt_bytes: float,

@@ -11,16 +11,23 @@ linear_fc1 the one slice gate_up_proj. Shapes, with r the rank and tp the size o
 TP group:
 
 - column-parallel (linear_qkv, linear_fc1): A_s [r, in] replicated, B_s [out_s / tp, r] split
-  on the output like the base weight. h = A_s x is the same on every TP rank; the gradient of h
-  (each rank sees only its B shard) is all-reduced over the TP group
-  (`copy_to_tensor_model_parallel_region` on h), so A's gradient is complete on every rank and
-  the gradient reaching x is the full one. With sequence parallelism x is first all-gathered
-  along the sequence (backward: this rank's slice of the replicated gradient).
+  on the output like the base weight. h_s = A_s x [s, b, r] is the same on every TP rank; its
+  gradient (each rank sees only its B shard) is all-reduced over the TP group
+  (`copy_to_tensor_model_parallel_region` on h_s), so A's gradient is complete on every rank.
+  With sequence parallelism x is this rank's sequence shard [s / tp, b, in] and the rank-r
+  products are gathered instead of x: the slices' A_s x_shard, concatenated [s / tp, b, R]
+  (R the sum of their ranks), all-gathered over the sequence in one call
+  (`gather_from_sequence_parallel_region`, [s, b, R] out; backward: the reduce-scatter of its
+  gradient, which sums the B shards' parts and keeps this rank's rows). A's gradient is then
+  this shard's part only: A is tagged `sequence_parallel`, so megatron's finalize_model_grads
+  sums it over the TP group once per step, as it does the norms' (docs/lora.md).
 - row-parallel (linear_proj, linear_fc2): A [r, in / tp] split on the input like the base
   weight, B [out, r] replicated. The partial h = A x_shard is all-reduced over the TP group
   (`reduce_from_tensor_model_parallel_region`: the TP reduction of the adapter path); with
-  sequence parallelism the adapter output is then split along the sequence like the base output
-  (backward: all-gather).
+  sequence parallelism it is reduce-scattered along the sequence instead
+  (`reduce_scatter_to_sequence_parallel_region`, [s, b, r] in, [s / tp, b, r] out; backward:
+  all-gather of the rank-r gradient), and B maps this rank's rows to the output's sequence
+  shard: B is tagged `sequence_parallel` and its gradient summed over TP like A's above.
 - MoE experts with explicit expert communication (ep > 1 or expert TP > 1): the linear itself
   communicates nothing (the token dispatcher gathers inputs and reduce-scatters outputs over the
   expert-TP group); the adapter does the same on activations, and the replicated matrix
@@ -30,11 +37,14 @@ TP group:
 - replicated (MLA's down projections, MoE routers, Qwen3.5-MoE's shared expert gate): A and B
   whole, see LoraAdapter; a router's adapter adds to its logits (`wrap_gating`).
 
-`reduce=False` drops the adapter's TP reductions: a deliberately wrong adapter for negative
-controls only. `enabled=False` (the `adapters_disabled` context) leaves the linear's output as
-the base computes it: the RL KL reference is the policy's own frozen base. Dropout
-(model.lora.dropout > 0) acts on the adapter's input in training mode with the ambient RNG;
-results then depend on the layout (documented in docs/lora.md).
+`reduce=False` drops the adapter's TP reductions of activations (under sequence parallelism
+the gather's backward keeps this rank's rows unsummed, the reduce-scatter becomes a split): a
+deliberately wrong adapter for negative controls only. `enabled=False` (the
+`adapters_disabled` context) leaves the linear's output as the base computes it: the RL KL
+reference is the policy's own frozen base. Dropout (model.lora.dropout > 0) acts on the
+adapter's input in training mode with the ambient RNG; results then depend on the layout
+(documented in docs/lora.md). On a TP shard of the input (a column adapter's sequence shard,
+a row adapter's features) it draws the mask of the whole input and keeps this rank's part.
 """
 from __future__ import annotations
 
@@ -48,9 +58,11 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_sequence_parallel_region,
                                                     reduce_from_tensor_model_parallel_region,
+                                                    reduce_scatter_to_sequence_parallel_region,
                                                     scatter_to_sequence_parallel_region)
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from models.lora.fused import fuse
 from models.lora.slices import LoraSpec, Slice
 
 ADAPTER_SUFFIX = "_lora"   # the adapter of megatron linear `linear_qkv` is `linear_qkv_lora`
@@ -109,6 +121,9 @@ class LoraAdapter(torch.nn.Module):
             tag = bool(getattr(linear.weight, "sequence_parallel", False))
             for p in self.parameters():
                 p.sequence_parallel = tag
+        elif self._sequence_sharded():   # the replicated matrix sees this rank's shard only
+            for name, p in self.named_parameters():
+                p.sequence_parallel = name.startswith("A_" if kind == "column" else "B_")
 
     @staticmethod
     def _b_names(sl: Slice) -> list[str]:
@@ -208,85 +223,73 @@ class LoraAdapter(torch.nn.Module):
                 b = _contiguous_grad(copy_to_tensor_model_parallel_region(b, group=self.group))
         return a, b * self.scalings[name]
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.dropout and self.training:
-            return F.dropout(x, self.spec.dropout, training=True)
-        return x
+    def _dropout(self, x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        """`x` dropped out in training. `dim`: `x` is this TP rank's shard along `dim` (a column
+        adapter's sequence shard under sequence parallelism, a row adapter's input features):
+        the mask of the whole tensor is drawn, as one process draws it, and this rank's part
+        kept (a mask per shard would repeat itself on every TP rank of one generator state)."""
+        p = self.spec.dropout
+        if not (p and self.training):
+            return x
+        if dim is None or self.tp_size == 1:
+            return F.dropout(x, p, training=True)
+        shape = list(x.shape)
+        n, shape[dim] = shape[dim], shape[dim] * self.tp_size
+        noise = x.new_empty(shape).bernoulli_(1 - p).div_(1 - p)
+        return x * noise.narrow(dim, self.tp_rank * n, n)
 
     def _communicates(self) -> bool:
         return self.tp_size > 1 and self.reduce
 
+    def _sequence_sharded(self) -> bool:
+        """The adapter's activations are sequence shards (sequence parallelism, TP > 1, not an
+        expert linear: those get gathered tokens from the dispatcher)."""
+        return self.sequence_parallel and not self.explicit and self.tp_size > 1
+
     def _column(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel and not self.explicit and self.tp_size > 1:
-            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False,
-                                                     group=self.group)
-        x = self._dropout(x)
-        outs = []
-        for sl in self.slices:
-            a, b = self.matrices(sl.name)
-            if self.explicit and self._communicates():
-                a = copy_to_tensor_model_parallel_region(a, group=self.group)
-            h = F.linear(x, a)
-            if not self.explicit and self._communicates():
-                h = copy_to_tensor_model_parallel_region(h, group=self.group)
-            outs.append(F.linear(h, b) * self.scalings[sl.name])
-        return self._interleave(outs)
+        shard = self._sequence_sharded()
+        x = self._dropout(x, 0 if shard else None)
+        pairs = [self.matrices(sl.name) for sl in self.slices]
+        if self.explicit and self._communicates():
+            pairs = [(copy_to_tensor_model_parallel_region(a, group=self.group), b)
+                     for a, b in pairs]
+        hs = [F.linear(x, a) for a, _ in pairs]
+        if shard:   # the slices' rank-r products gathered as one, the gradient reduce-scattered
+            h = gather_from_sequence_parallel_region(hs[0] if len(hs) == 1 else torch.cat(
+                hs, dim=-1), tensor_parallel_output_grad=self.reduce, group=self.group)
+            hs = h.split([self.ranks[sl.name] for sl in self.slices], dim=-1)
+        elif not self.explicit and self._communicates():
+            hs = [copy_to_tensor_model_parallel_region(h, group=self.group) for h in hs]
+        return self._interleave([F.linear(h, b) * self.scalings[sl.name]
+                                 for sl, h, (_, b) in zip(self.slices, hs, pairs)])
 
     def _row(self, x: torch.Tensor) -> torch.Tensor:
         name = self.slices[0].name
         a, b = self.matrices(name)
-        h = F.linear(self._dropout(x), a)
+        h = F.linear(self._dropout(x, -1), a)
         if self.explicit:
             if self._communicates():
                 b = copy_to_tensor_model_parallel_region(b, group=self.group)
             return F.linear(h, b) * self.scalings[name]   # partial: the dispatcher sums it
-        if self._communicates():
+        if self._sequence_sharded():   # summed and split along the sequence, rank r wide
+            h = (reduce_scatter_to_sequence_parallel_region(h, group=self.group)
+                 if self.reduce else scatter_to_sequence_parallel_region(h, group=self.group))
+        elif self._communicates():
             h = reduce_from_tensor_model_parallel_region(h, group=self.group)
-        y = F.linear(h, b) * self.scalings[name]
-        if self.sequence_parallel and self.tp_size > 1:
-            y = scatter_to_sequence_parallel_region(y, group=self.group)
-        return y
-
-    def _fill(self, parts: list[torch.Tensor], out_dim: int) -> list[torch.Tensor]:
-        """`parts` of the targeted slices (column kind, local sizes along `out_dim`) with
-        zeros in place of the untargeted ones, in the fused order."""
-        by_name = dict(zip((sl.name for sl in self.slices), parts))
-        ref = parts[0]
-        out = []
-        for sl in self.fused:
-            if sl.name in by_name:
-                out.append(by_name[sl.name])
-                continue
-            shape = list(ref.shape)
-            shape[out_dim] = sl.out_features // self.tp_size
-            out.append(ref.new_zeros(shape))
-        return out
+        return F.linear(h, b) * self.scalings[name]
 
     def _interleave(self, outs: list[torch.Tensor]) -> torch.Tensor:
         """Per-slice column outputs [..., out_s/tp] -> the fused linear's local layout."""
-        if len(self.fused) == 1:
-            return outs[0]
-        outs = self._fill(outs, -1)
-        if self.qkv_layout is None:   # linear_fc1: [gate; up] of this rank
-            return torch.cat(outs, dim=-1)
-        groups = self.qkv_layout[0]
-        lead = outs[0].shape[:-1]
-        parts = [o.reshape(*lead, groups, o.shape[-1] // groups) for o in outs]
-        return torch.cat(parts, dim=-1).reshape(*lead, -1)
+        return fuse(outs, [sl.name for sl in self.slices], self.fused, self.tp_size,
+                    self.qkv_layout, -1)
 
     def delta(self) -> torch.Tensor:
         """scaling * B A (float32) of every slice in the local layout of the base weight
         [out_local, in_local], zero rows for untargeted slices (merged weight: base + delta)."""
         rows = [(b.float() @ a.float()) * self.scalings[sl.name]
                 for sl, (a, b) in ((sl, self.matrices(sl.name)) for sl in self.slices)]
-        if len(self.fused) == 1:
-            return rows[0]
-        rows = self._fill(rows, 0)
-        if self.qkv_layout is None:
-            return torch.cat(rows, dim=0)
-        groups = self.qkv_layout[0]
-        parts = [r.reshape(groups, r.shape[0] // groups, r.shape[1]) for r in rows]
-        return torch.cat(parts, dim=1).reshape(-1, rows[0].shape[1])
+        return fuse(rows, [sl.name for sl in self.slices], self.fused, self.tp_size,
+                    self.qkv_layout, 0)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:

@@ -3,7 +3,8 @@ them next to models.estimate.comm's prediction (launched by tests/test_comm_plan
 
     torchrun --nproc_per_node 2 tests/multirank/comm_bytes.py DENSE_DIR MOE_DIR SPEC...
 
-SPEC: "name:tp,pp,vpp,cp,ep,sp,moe" (sp, moe: 0/1). Before torch.distributed is used (and
+SPEC: "name:tp,pp,vpp,cp,ep,sp,moe[,lora]" (sp, moe: 0/1; lora: a LoRA rank on all-linear,
+the base frozen; absent or 0: full fine-tuning). Before torch.distributed is used (and
 before megatron binds module-level aliases of its functions), every collective and
 point-to-point function of torch.distributed is wrapped: the outermost call records (group,
 op, input bytes) as models.estimate.comm defines them (all-gather: the local input;
@@ -159,6 +160,17 @@ def batches(vocab: int):
     return out
 
 
+def lora_spec_of_rank(hf: dict, rank: int):
+    """model.lora.* of rank `rank` (alpha 2 rank) on all-linear, as a run resolves it."""
+    from types import SimpleNamespace
+
+    from engine.config.lora_settings import LoraConfig, lora_spec
+
+    cfg = SimpleNamespace(model=SimpleNamespace(lora=LoraConfig(
+        rank=rank, alpha=2.0 * rank, target_modules=["all-linear"])), seed=7)
+    return lora_spec(cfg, hf)
+
+
 def run_spec(spec: str, dense_dir: str, moe_dir: str) -> dict:
     from types import SimpleNamespace
 
@@ -175,7 +187,7 @@ def run_spec(spec: str, dense_dir: str, moe_dir: str) -> dict:
     from parallel.process_groups import setup_model_parallel
 
     name, sizes = spec.split(":")
-    tp, pp, vpp, cp, ep, sp, moe = (int(x) for x in sizes.split(","))
+    tp, pp, vpp, cp, ep, sp, moe, rank = (int(x) for x in (sizes + ",0").split(",")[:8])
     model_dir = moe_dir if moe else dense_dir
     hf = read_config(model_dir)
     layout = ParallelLayout(dist.get_world_size(), tp=tp, pp=pp, vpp=vpp or None, cp=cp, ep=ep,
@@ -190,8 +202,9 @@ def run_spec(spec: str, dense_dir: str, moe_dir: str) -> dict:
     overrides = megatron_overrides(SimpleNamespace(tp=tp, sequence_parallel=bool(sp)),
                                    SimpleNamespace(recompute="none", recompute_method=None,
                                                    recompute_num_layers=None))
+    lora = lora_spec_of_rank(hf, rank) if rank else None
     state = TrainEngine.build(hf, optim, torch.float32, 4, train, weights_dir=model_dir,
-                              overlap=OverlapSettings(True, True), **overrides)
+                              overlap=OverlapSettings(True, True), lora=lora, **overrides)
     normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
     first, second = batches(hf["vocab_size"])
     train_step(state, first, normalizer)
@@ -204,7 +217,8 @@ def run_spec(spec: str, dense_dir: str, moe_dir: str) -> dict:
     measured = attribute(RECORDS)
     micro_batches = GBS // layout.dp // mbs
     plan = comm_plan(hf, layout, CommSetup(tokens_per_micro_batch=mbs * SEQ,
-                                           micro_batches=micro_batches, act_bytes=4))
+                                           micro_batches=micro_batches, act_bytes=4,
+                                           lora=lora))
     predicted = plan.stages[ps.get_pipeline_model_parallel_rank()]
     return {"spec": name, "rank": dist.get_rank(), "measured": measured, "predicted": predicted}
 

@@ -20,8 +20,9 @@ training checkpoint after RESUME_AT steps (OUT/ckpt_resume) and after the last o
 (OUT/ckpt_final); MoE (q/k/v/o + experts, SequentialMLP experts, fresh adapters): STEPS steps.
 Per-step losses and grad norms and the final adapter matrices go to OUT/ref.pt.
 W == 2: the same runs at tp2+sp, pp2, dp2, cp2 (dense) and ep2 (MoE), a resume of
-OUT/ckpt_resume at pp2 finishing the remaining steps, the negative control "noreduce" (tp2
-with the adapters' TP reductions switched off) and, when OUT/from_adapter exists (ADAPTER
+OUT/ckpt_resume at pp2 finishing the remaining steps, the negative controls "noreduce" (tp2
+with the adapters' TP reductions switched off) and "tp2+sp_unsummed" (tp2+sp without the TP
+sum of the gradients of the adapter matrices that see one sequence shard) and, when OUT/from_adapter exists (ADAPTER
 converted by `tools/convert.py hf-to-mcore --adapter` at tp2), "from_mcore_pp2": the dense
 run at pp2 with its adapters loaded from that checkpoint instead of ADAPTER. Rank 0 prints
 one "RESULT {json}" per run with the largest relative differences to the reference (loss,
@@ -249,6 +250,7 @@ class Results(list):
 def layouts(dense, moe, adapter, out, rank, world):
     import torch
 
+    from tests.multirank.lora_controls import unsummed, wrong_expert
     from models.lora.sites import set_reduction
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
@@ -256,12 +258,16 @@ def layouts(dense, moe, adapter, out, rank, world):
 
     ref = torch.load(os.path.join(out, "ref.pt"))
     data = batches(dense[1]["vocab_size"])
-    runs = [("tp2+sp", dict(tp=2, sequence_parallel=True), {"sequence_parallel": True}),
-            ("pp2", dict(pp=2), {}), ("dp2", {}, {}), ("cp2", dict(cp=2), {})]
+    sp = (dict(tp=2, sequence_parallel=True), {"sequence_parallel": True})
+    runs = [("tp2+sp", *sp, None), ("pp2", dict(pp=2), {}, None), ("dp2", {}, {}, None),
+            ("cp2", dict(cp=2), {}, None), ("tp2+sp_unsummed", *sp, unsummed),
+            ("noreduce", dict(tp=2), {}, lambda e: set_reduction(e.chunks, False))]
     results = Results(rank)
-    for name, layout, overrides in runs:
+    for name, layout, overrides, control in runs:
         setup_model_parallel(ParallelLayout(world, **layout))
         engine = build(*dense, False, adapter, overrides=overrides)
+        if control is not None:   # a negative control
+            control(engine)
         results.append(compare(name, ref["dense"], *train(engine, data), adapter_tensors(engine)))
     converted = os.path.join(out, "from_adapter")
     if os.path.isdir(converted):   # tools/convert.py hf-to-mcore --adapter ADAPTER --tp 2
@@ -278,11 +284,6 @@ def layouts(dense, moe, adapter, out, rank, world):
                              DataPosition(0, GBS, 100, 0, False))
     results.append(compare("resume_pp2", ref["dense"], *train(engine, data, RESUME_AT),
                            adapter_tensors(engine), start=RESUME_AT))
-    setup_model_parallel(ParallelLayout(world, tp=2))
-    engine = build(*dense, False, adapter)
-    set_reduction(engine.chunks, False)
-    results.append(compare("noreduce", ref["dense"], *train(engine, data),
-                           adapter_tensors(engine)))
     setup_model_parallel(ParallelLayout(world, ep=2))
     engine = build(*moe, True, None)
     results.append(compare("ep2", ref["moe"], *train(engine, batches(moe[1]["vocab_size"])),
@@ -304,26 +305,6 @@ def layouts(dense, moe, adapter, out, rank, world):
                 control(engine, family_adapter)
             results.append(compare(f"{family}_{name}", ref[family],
                                    *train(engine, family_data), adapter_tensors(engine)))
-
-
-def wrong_expert(engine, adapter_dir: str) -> None:
-    """Negative control: reload every expert adapter from the PEFT adapter by its LOCAL expert
-    index (the classic EP bug: each EP rank takes experts 0 .. E/ep - 1)."""
-    from safetensors.torch import load_file
-
-    from models.lora.peft_experts import expert_names, layer_experts, unpack
-
-    stored = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
-    for chunk in engine.chunks:
-        model = chunk
-        while hasattr(model, "module"):
-            model = model.module
-        for layer, param, items, experts, present in layer_experts(model,
-                                                                   model.decoder.layers):
-            name_a, name_b = expert_names(layer, param, present=present)
-            total = experts.num_local_experts * experts.ep_group.size()
-            for local, (_, adapter) in enumerate(items):
-                adapter.set_full(param, *unpack(stored[name_a], stored[name_b], total, local))
 
 
 def main():
