@@ -281,6 +281,53 @@ def test_rollout_vllm_keys_are_checked_by_name():
                        for p in vllm_problems(_cfg(), {"model_type": family})), family
 
 
+def test_rollout_vllm_lora_sync_is_chosen_and_refused_by_name():
+    """rollout.vllm.lora_sync (engine.rl.rollout.vllm_lora): auto serves the adapters with
+    vLLM's LoRA in bf16 where vLLM serves them (the dense families' attention and MLP) and
+    merges in fp32 (exact there) and where vLLM cannot (MoE families: with enable_lora vLLM
+    runs every MoE layer on its Triton LoRA kernel, which the CPU lacks; families not run);
+    `adapter` refuses those cases by name, and a value outside the choices; the engines get
+    the adapter's tensor names, vLLM's LoRA modules and max_lora_rank."""
+    from engine.rl.rollout.vllm_lora import adapter_serving, lora_sync_mode
+    qwen3 = {"model_type": "qwen3", "num_hidden_layers": 2}
+    moe = {"model_type": "qwen3_moe", "num_hidden_layers": 2}
+    lora, bf16 = ("model.lora.rank=4", "model.lora.alpha=8"), "model.dtype=bfloat16"
+    attention = "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+    assert lora_sync_mode(_cfg(*lora, bf16), qwen3) == "adapter"
+    assert lora_sync_mode(_cfg(*lora), qwen3) == "merged"   # fp32: merged is exact
+    assert lora_sync_mode(_cfg(bf16), qwen3) is None   # no LoRA
+    assert lora_sync_mode(_cfg(*lora, bf16, "rollout.backend=hf"), qwen3) is None
+    assert lora_sync_mode(_cfg(*lora, bf16, attention), moe) == "merged"   # MoE: merged
+    assert lora_sync_mode(_cfg(*lora, "rollout.vllm.lora_sync=adapter"), qwen3) == "adapter"
+    serving = adapter_serving(_cfg(*lora, bf16), qwen3)
+    assert len(serving.names) == 2 * 7 * 2 and serving.max_rank == 8   # layers x proj x A/B
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in serving.names
+    assert serving.engine_args()["lora_target_modules"] == [
+        "down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert adapter_serving(_cfg(*lora, bf16, attention), qwen3).vllm_modules == (
+        "o_proj", "qkv_proj")
+    refusals = {
+        ("rollout.vllm.lora_sync=both",): (qwen3, "lora_sync='both' is not one of auto, "
+                                                  "adapter, merged"),
+        ("rollout.vllm.lora_sync=adapter",): (qwen3, "adapter needs a LoRA policy"),
+        (*lora, attention, "rollout.vllm.lora_sync=adapter"): (
+            moe, "model_type 'qwen3_moe' has MoE layers: with enable_lora vLLM 0.32 runs every "
+                 "fused-MoE layer, adapted or not, on its Triton MoE LoRA kernel"),
+        (*lora, attention, "rollout.vllm.lora_sync=adapter"): (
+            {"model_type": "qwen3_5_text"}, "has not run here on model_type 'qwen3_5_text'"),
+        ("model.lora.rank=1024", "model.lora.alpha=8", "rollout.vllm.lora_sync=adapter"): (
+            qwen3, "LoRA rank 1024 is above vLLM's largest max_lora_rank 512"),
+        (*lora, "rollout.vllm.lora_sync=adapter", "rollout.sleep_during_train=true",
+         "rollout.vllm.sleep_level=2"): (qwen3, "sleep_level=2 drops the engine's base"),
+        ("+rollout.vllm.engine_kwargs.enable_lora=true",): (qwen3, "['enable_lora'] are set"),
+    }
+    for keys, (hf_config, message) in refusals.items():
+        problems = " | ".join(vllm_problems(_cfg(*keys), hf_config))
+        assert message in problems, (keys, problems)
+    assert vllm_problems(_cfg(*lora, "rollout.vllm.lora_sync=adapter"), qwen3) == []
+    assert vllm_problems(_cfg(*lora, "rollout.vllm.lora_sync=merged"), moe) == []
+
+
 def _grpo_keys(model_dir: str, prompts, out, *extra) -> list[str]:
     """The overrides of a 2-step `engine.rl` run with rollout.backend=vllm (`extra` replaces
     the defaults of the same key)."""
@@ -339,6 +386,15 @@ def _grpo_two_nodes_stopped_by_sigterm(model_dir: str, prompts, out, *extra) -> 
     return _metrics(out)
 
 
+def _file_bytes(folder, dtype: torch.dtype | None = None) -> float:
+    """Bytes of the tensors of the folder's safetensors file (each in `dtype`; None: as
+    stored)."""
+    from safetensors.torch import load_file
+    name = "adapter_model" if Path(f"{folder}/adapter_model.safetensors").exists() else "model"
+    return float(sum(t.numel() * (t.element_size() if dtype is None else dtype.itemsize)
+                     for t in load_file(f"{folder}/{name}.safetensors").values()))
+
+
 def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen3_dir,
                                                                        tmp_path):
     """GRPO with LoRA from a PEFT adapter with non-zero B (model.lora.init_from), a KL term to
@@ -355,7 +411,11 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
     over the whole vocabulary, where fp32 errors of tail log-probs reach 1.6e-5), and moved
     with it. The one-process run's vLLM worker is killed (SIGKILL) at step 2's generate call
     (tests.flaky_rollout.DyingVLLMEngine): the loop restarts the engine from the current
-    weights and the step's samples and metrics are still those of the DP2 x TP2 run."""
+    weights and the step's samples and metrics are still those of the DP2 x TP2 run.
+    The one-process run syncs the adapters (rollout.vllm.lora_sync=adapter: vLLM's LoRA serves
+    them on the base it loaded, the restarted engine too), the DP2 x TP2 run the merged
+    weights (auto in fp32): the same samples and metrics both ways, and the bytes per sync
+    are the adapter's tensors against the whole model's."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                                + "\n" for i in range(8)))
@@ -364,6 +424,7 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
             "rollout.check_weight_sync=true")
     marker = tmp_path / "engine_died"   # the one-process run's engine is killed at step 2
     one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora,
+                "rollout.vllm.lora_sync=adapter",
                 "rollout.backend=tests.flaky_rollout:DyingVLLMEngine", "rollout.retry_wait_s=0",
                 rank_env={0: {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "2"}})
     four = _grpo_two_nodes_stopped_by_sigterm(qwen3_dir, prompts, tmp_path / "dp2_tp2", *lora,
@@ -381,12 +442,109 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
     assert [m["rollout/engines"] for m in one + four] == [1.0, 1.0, 2.0, 2.0]
     # the killed engine was restarted from the current weights and sampled the same responses
     assert marker.exists() and [m["rollout/restarts"] for m in one] == [0.0, 1.0], one
+    # bytes per sync: the adapter's tensors (fp32) against every tensor of the checkpoint
+    assert {m["rollout/sync_bytes_per_engine"] for m in one} == {_file_bytes(adapter)}, one
+    assert {m["rollout/sync_bytes_per_engine"] for m in four} == {_file_bytes(qwen3_dir)}
+
+
+def _common_direction_model(model_dir: str, out: str) -> str:
+    """`model_dir` (tied embeddings) with one vector added to every embedding row, the same
+    norm as a row: every token's hidden state then shares a direction, as large models'
+    hidden states do (outlier features), so a small update aligned with it adds up over the
+    hidden dimension instead of averaging out. The tied head adds the same logit to every
+    token: the distributions stay a model's."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(model_dir, out)
+    state = load_file(f"{out}/model.safetensors")
+    embed = state["model.embed_tokens.weight"]
+    common = torch.randn(embed.shape[1], generator=torch.Generator().manual_seed(5))
+    state["model.embed_tokens.weight"] = embed + common / common.norm() * embed.norm(dim=1).mean()
+    save_file(state, f"{out}/model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _half_ulp_adapter(model_dir: str, out: str, frac: float = 0.45) -> tuple[str, int]:
+    """A PEFT all-linear adapter (rank = the smaller side of the largest projection, alpha =
+    rank) whose B A is, for every weight W, frac x the bf16 spacing below |W| (bf16 of the
+    checkpoint's W) times sign(mean input of the projection) x a random sign per output row:
+    each delta is below half a bf16 ulp of its weight, so the merged bf16 weights ARE the
+    base, while the adapter moves the policy (coherently: aligned with the inputs'
+    direction). Returns (folder, rank)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    means: dict = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: means.__setitem__(
+        n, i[0].flatten(0, -2).mean(0))) for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        model(torch.randint(4, model.config.vocab_size, (8, 32), generator=gen))
+    for hook in hooks:
+        hook.remove()
+    rank = max(min(m.weight.shape) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, module in peft.named_modules():
+            if not hasattr(module, "base_layer") or not hasattr(module, "lora_A"):
+                continue
+            w = module.base_layer.weight.to(torch.bfloat16).float()
+            spacing = torch.exp2(torch.floor(torch.log2(w.abs() * (1 - 2 ** -10))) - 7)
+            rows = torch.randint(0, 2, (w.shape[0], 1), generator=gen) * 2.0 - 1
+            mean = means[name.removeprefix("base_model.model.")]
+            u, s, vh = torch.linalg.svd(frac * spacing * torch.sign(mean) * rows,
+                                        full_matrices=False)
+            module.lora_A["default"].weight.zero_()[:s.numel()] = s.sqrt()[:, None] * vh
+            module.lora_B["default"].weight.zero_()[:, :s.numel()] = u * s.sqrt()
+    peft.save_pretrained(out)
+    return out, rank
+
+
+def test_lora_in_bf16_adapter_sync_follows_the_trainer_where_merged_lags(pools, qwen3_dir,
+                                                                        tmp_path):
+    """model.dtype=bfloat16, LoRA from an adapter every delta of which is below half a bf16 ulp
+    of its weight (`_half_ulp_adapter`, on `_common_direction_model`): the merged bf16 weights
+    equal the base bitwise, so with rollout.vllm.lora_sync=merged the engine samples from the
+    base while the trainer's policy has moved; with lora_sync=adapter vLLM's LoRA adds the
+    adapter to the base as the trainer does. Step 1's rollout/logprob_diff: adapter at the bf16
+    noise of trainer vs engine (measured 0.021), merged the lag on top (0.081); the bytes per
+    sync are the adapter's tensors in bf16 against every weight of the model in bf16."""
+    from safetensors.torch import load_file
+    model_dir = _common_direction_model(qwen3_dir, str(tmp_path / "common"))
+    adapter, rank = _half_ulp_adapter(model_dir, str(tmp_path / "adapter"))
+    tensors, weights = (load_file(f"{adapter}/adapter_model.safetensors"),
+                        load_file(f"{model_dir}/model.safetensors"))
+    moved = total = 0   # merged bf16 weights that differ from the base's
+    for name, a in tensors.items():
+        if ".lora_A." in name:
+            base = weights[name.removeprefix("base_model.model.").replace(".lora_A", "")]
+            base = base.to(torch.bfloat16)
+            merged = (base.float() + tensors[name.replace("lora_A", "lora_B")] @ a)
+            moved += int((merged.to(torch.bfloat16) != base).sum())
+            total += base.numel()
+    assert moved < 1e-4 * total, (moved, total)   # 2 of 294,912: SVD residue on |W| ~ 1e-6
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
+                               + "\n" for i in range(8)))
+    keys = ("model.dtype=bfloat16", f"model.lora.rank={rank}", f"model.lora.alpha={rank}",
+            f"model.lora.init_from={adapter}", "train.max_steps=1", "rollout.n=4",
+            "rollout.max_new_tokens=10")   # about 80 sampled tokens
+    runs = {mode: _grpo(pools, 1, model_dir, prompts, tmp_path / mode, *keys,
+                        f"rollout.vllm.lora_sync={mode}")[0] for mode in ("adapter", "merged")}
+    diff = {mode: m["rollout/logprob_diff"] for mode, m in runs.items()}
+    assert diff["adapter"] < 0.04 < 0.06 < diff["merged"], diff
+    sync_bytes = {mode: m["rollout/sync_bytes_per_engine"] for mode, m in runs.items()}
+    assert sync_bytes == {"adapter": _file_bytes(adapter, torch.bfloat16),
+                          "merged": _file_bytes(model_dir, torch.bfloat16)}, sync_bytes
 
 
 def test_async_staleness_1_on_vllm_serves_the_version_that_sampled_each_batch(pools, qwen3_dir,
                                                                              tmp_path):
     """rollout.placement=disaggregated with rollout.max_staleness=1 (2 training ranks, 1 rollout
-    rank running the vLLM engine), LoRA from a PEFT adapter with non-zero B, 3 steps, stopped
+    rank running the vLLM engine), LoRA from a PEFT adapter with non-zero B (synced as the
+    adapter: rollout.vllm.lora_sync=adapter, its buckets kept for restarts), 3 steps, stopped
     after step 1 (train.exit_interval saves a checkpoint) and resumed by a new run. With
     rollout.check_behaviour_logprobs the trainer recomputes each batch's log-probs with the
     policy version that sampled it, and the engine's equal them (< 1e-5): at step 1 (the merged
@@ -403,6 +561,7 @@ def test_async_staleness_1_on_vllm_serves_the_version_that_sampled_each_batch(po
                                + "\n" for i in range(8)))
     adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
     keys = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
+            "rollout.vllm.lora_sync=adapter",   # the adapters go to the rollout rank
             "rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.max_staleness=1",
             "rollout.check_behaviour_logprobs=true", "rollout.peer_timeout_s=300",
             "train.max_steps=3", "train.mini_batches_per_step=1",

@@ -71,6 +71,10 @@ class VLLMConfig:
     engine_kwargs: dict = field(default_factory=dict)  # any other vllm.EngineArgs field
     # run a vLLM other than the tested release (engine.rl.rollout.vllm_version), with a warning
     allow_untested_version: bool = False
+    # a LoRA policy reaches the engines as: auto | adapter (vLLM's LoRA serves the adapters,
+    # the base stays model.hf_path) | merged (base + adapter as full weights); auto: adapter
+    # in bf16 where vLLM serves it, merged in fp32 (engine.rl.rollout.vllm_lora)
+    lora_sync: str = "auto"
 
 
 @dataclass

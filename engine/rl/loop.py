@@ -54,6 +54,7 @@ from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class
 from engine.rl.rollout.pool import RolloutPool
 from engine.rl.rollout.sync_quantization import sync_source
+from engine.rl.rollout.vllm_lora import lora_engine_kwargs, lora_sync_mode
 from engine.run.run_loop import RunLoop, build_or_resume, resume_side_engines
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
@@ -73,9 +74,7 @@ def _sync(policy: TrainEngine, pool: RolloutPool, cfg: RLConfig, probe: bool
             before = engine.probe_logits(probe_tokens(policy.vocab_size))
         if cfg.rollout.sleep_during_train:
             engine.wake()
-    stats = sync_to_rollout(policy.chunks, policy.hf_config, engine,
-                            cfg.rollout.sync_bucket_mb, pool.placement.owners,
-                            quantized=sync_source(cfg, policy.hf_config))
+    stats = pool.resync(None)   # every engine (build_pool)
     metrics = {"time/weight_sync_s": time.perf_counter() - t0}
     if stats is not None:  # rank 0's engine; every engine receives the same bytes
         metrics["weight_sync/gbps"] = stats.gbps
@@ -124,11 +123,14 @@ def rl_step(policy: TrainEngine, aux: AuxiliaryModels | None, collector, pool: R
 
 def build_pool(cfg: RLConfig, policy: TrainEngine, dtype: torch.dtype) -> RolloutPool:
     """Every rank: the job's rollout engines (RolloutPool.for_world); a restarted engine gets
-    the policy's weights through the colocated sync."""
-    pool = RolloutPool.for_world(cfg, dtype, **rollout_engine_kwargs(cfg))
+    the policy's weights through the colocated sync (`resync`: the LoRA adapters alone with
+    rollout.vllm.lora_sync=adapter, engine.rl.rollout.vllm_lora)."""
+    pool = RolloutPool.for_world(cfg, dtype, **rollout_engine_kwargs(cfg),
+                                 **lora_engine_kwargs(cfg, policy.hf_config))
+    adapters = lora_sync_mode(cfg, policy.hf_config) == "adapter"   # else merged weights
     pool.resync = lambda targets: sync_to_rollout(
         policy.chunks, policy.hf_config, pool.engine, cfg.rollout.sync_bucket_mb,
-        pool.placement.owners, targets, sync_source(cfg, policy.hf_config))
+        pool.placement.owners, targets, sync_source(cfg, policy.hf_config), adapters)
     return pool
 
 

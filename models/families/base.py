@@ -137,6 +137,10 @@ class Family:
     # vLLM's model module for this architecture imports transformers' image processors, which
     # import torchvision (engine.rl.rollout.vllm_settings refuses vLLM where it cannot import)
     vllm_imports_torchvision: bool = False
+    # the resolved LoRA targets (models.lora.targets) vLLM 0.32's LoRA serves on this family
+    # (engine.rl.rollout.vllm_lora: rollout.vllm.lora_sync=adapter); empty: none, adapters reach
+    # vLLM as merged weights
+    vllm_lora_targets: tuple = ()
     text_model_type: str | None = None     # a conditional-generation wrapper's entry: read as
     #                                        this text model's config (models.hf.conditional)
     # where a conditional-generation checkpoint of this family stores its vision tower

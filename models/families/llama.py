@@ -21,6 +21,7 @@ def _llama31(hidden: int, ffn: int, layers: int, heads: int) -> dict:
 class Llama(Family):
     model_type = "llama"
     lora = True
+    vllm_lora_targets = Family.lora_targets   # vLLM's qkv_proj, o_proj, gate_up_proj, down_proj
     hf_class = "LlamaForCausalLM"
     fields = COMMON_FIELDS + (
         FieldRule("attention_bias", "false; true -> q/k/v biases (megatron add_qkv_bias) and "

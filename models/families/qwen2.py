@@ -10,6 +10,7 @@ from models.families.fields import COMMON_FIELDS, SLIDING_WINDOW
 class Qwen2(Family):
     model_type = "qwen2"
     lora = True
+    vllm_lora_targets = Family.lora_targets   # vLLM's qkv_proj, o_proj, gate_up_proj, down_proj
     hf_class = "Qwen2ForCausalLM"
     fields = COMMON_FIELDS + (
         SLIDING_WINDOW,

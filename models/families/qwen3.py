@@ -11,6 +11,7 @@ from models.families.fields import COMMON_FIELDS, SLIDING_WINDOW
 class Qwen3(Family):
     model_type = "qwen3"
     lora = True
+    vllm_lora_targets = Family.lora_targets   # vLLM's qkv_proj, o_proj, gate_up_proj, down_proj
     hf_class = "Qwen3ForCausalLM"
     qk_norm = True
     fields = COMMON_FIELDS + (

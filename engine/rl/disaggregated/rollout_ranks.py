@@ -41,6 +41,7 @@ from engine.rl.disaggregated.world import SplitWorld, active_split, isend_object
 from engine.rl.env.episode_batch import check_env_start
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.pool import RolloutPool
+from engine.rl.rollout.vllm_lora import lora_engine_kwargs
 from models.hf.custom_code import load_tokenizer
 
 
@@ -184,7 +185,7 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     rows, prompt_ids = prompt_rows(cfg, tokenizer, cfg.data.train_files)
     validation = Validation(cfg, tokenizer)
-    pool = RolloutPool.for_world(cfg, dtype)
+    pool = RolloutPool.for_world(cfg, dtype, **lora_engine_kwargs(cfg, hf_config))
     # the trainer's start message: (first batch, next_gen_batch, steps done, version the
     # engines get first (None: the trainer stops at once), {engine owner job rank: its
     # senders' job ranks})

@@ -39,6 +39,7 @@ from engine.rl.disaggregated.weight_send import (TAG_CONTROL, TAG_ROLLOUT, push_
 from engine.rl.disaggregated.world import SplitWorld, recv_object, send_object
 from engine.rl.rollout.placement import resolve_placement
 from engine.rl.rollout.sync_quantization import sync_source
+from engine.rl.rollout.vllm_lora import lora_sync_mode
 
 
 class RemoteRollout:
@@ -81,12 +82,18 @@ class RemoteRollout:
                                      self.plan.sources),
                         self.split.rollout_leader, TAG_CONTROL, "starting the rollout side")
         if version0 is not None:
-            push_weights(self.split, policy.chunks, policy.hf_config,
-                         self.cfg.rollout.sync_bucket_mb, self.plan, version0,
-                         sync_source(self.cfg, policy.hf_config))
+            self._push_weights(policy, version0)
             if self.snapshots is not None:
                 self.snapshots.keep(policy, version0)
         return 0
+
+    def _push_weights(self, policy, version: int):
+        """push_weights of the policy as version `version` (its LoRA adapters alone with
+        rollout.vllm.lora_sync=adapter: engine.rl.rollout.vllm_lora); the sender's SyncStats."""
+        adapters = lora_sync_mode(self.cfg, policy.hf_config) == "adapter"
+        return push_weights(self.split, policy.chunks, policy.hf_config,
+                            self.cfg.rollout.sync_bucket_mb, self.plan, version,
+                            sync_source(self.cfg, policy.hf_config), adapters)
 
     def _receive(self, what: str) -> None:
         """Training rank 0: file the rollout leader's next message."""
@@ -135,9 +142,7 @@ class RemoteRollout:
         if not version_needed(self.cfg, version):
             return {}
         t0 = time.perf_counter()
-        stats = push_weights(self.split, policy.chunks, policy.hf_config,
-                             self.cfg.rollout.sync_bucket_mb, self.plan, version,
-                             sync_source(self.cfg, policy.hf_config))
+        stats = self._push_weights(policy, version)
         out = {"time/weight_sync_s": time.perf_counter() - t0}
         found: list = [None] * dist.get_world_size()
         dist.all_gather_object(found, None if stats is None else

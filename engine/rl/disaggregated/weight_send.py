@@ -65,16 +65,19 @@ def transfer_plan(split: SplitWorld, engine_owners: list[int]) -> TransferPlan:
 
 
 def push_weights(split: SplitWorld, chunks, hf_config: dict, bucket_mb: float,
-                 plan: TransferPlan, version: int, quantized=None) -> SyncStats | None:
+                 plan: TransferPlan, version: int, quantized=None,
+                 adapters: bool = False) -> SyncStats | None:
     """Collective over the training world: every stage exports its weights (TP/EP gathered);
     each sender streams its stage's buckets, tagged `version`, to its engine owners. Returns
     the sender's SyncStats (bytes of its own stage per owner), None on other ranks.
     `quantized`: a models.hf.quantized_stream.QuantizedSource (rollout.sync_quantization), used
-    by the senders only."""
+    by the senders only. `adapters` (rollout.vllm.lora_sync=adapter): the LoRA adapters in
+    peft's names instead of weights (weight_export.export_stage_weights), on every rank."""
     targets = plan.sends.get(dist.get_rank(), [])
     what = f"sending weight version {version}"
     stream = BucketStream(export_stage_weights(chunks, hf_config,
-                                               quantized if targets else None), bucket_mb)
+                                               quantized if targets else None, adapters),
+                         bucket_mb)
     for bucket in stream:  # every rank of the stage exports (TP/EP gathers); senders send
         meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
         for dst in targets:

@@ -28,6 +28,8 @@ from megatron.core import parallel_state as ps
 from engine.training.comm_overlap import finish_param_gather
 from models.bridge.weights import export_hf_weights
 from models.formats.fp8 import SCALE_SUFFIX
+from models.hf.conditional import peft_layers
+from models.lora.peft import export_peft_tensors
 from models.lora.sites import lora_spec_of, merged_weight
 from models.hf.quantized_stream import QuantizedSource
 
@@ -107,16 +109,21 @@ class BucketStream:
                          time.perf_counter() - self._start)
 
 
-def export_stage_weights(chunks: list, hf_config: dict, quantized: QuantizedSource | None = None
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
+def export_stage_weights(chunks: list, hf_config: dict, quantized: QuantizedSource | None = None,
+                         adapters: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's pipeline stage as HF-named full tensors (a lazy stream). Collective over the
     stage's TP (and expert-parallel) group: every rank of the stage must consume it. The
     deferred parameter gather is finished here, before the stream starts. With LoRA adapters
     the tensors are the merged weights, base + scaling * B A (models.lora.sites.merged_weight,
     one weight at a time). `quantized` (rollout.sync_quantization; pass it only on ranks whose
     stream reaches an engine): the weights its source stores quantized are yielded as their
-    stored parts (FP8: the fp8 weight, then its fp32 `weight_scale_inv`)."""
+    stored parts (FP8: the fp8 weight, then its fp32 `weight_scale_inv`). `adapters`
+    (rollout.vllm.lora_sync=adapter, engine.rl.rollout.vllm_lora): the LoRA adapters alone, in
+    peft's names and format (models.lora.peft.export_peft_tensors), instead of any weight.
+    """
     finish_param_gather(chunks)
+    if adapters:
+        return export_peft_tensors(chunks, peft_layers(hf_config))
     merged = merged_weight if lora_spec_of(chunks) is not None else None
     stream = export_hf_weights(chunks, hf_config, transform=merged)
     return stream if quantized is None else quantized.quantize(stream)

@@ -73,7 +73,8 @@ def stage_sources(owner: int, table: LayoutTable) -> list[int]:
 def sync_to_rollout(chunks: list, hf_config: dict, engine: RolloutEngine | None,
                     bucket_mb: float, owners: Sequence[int] = (0,),
                     targets: Sequence[int] | None = None,
-                    quantized: QuantizedSource | None = None) -> SyncStats | None:
+                    quantized: QuantizedSource | None = None,
+                    adapters: bool = False) -> SyncStats | None:
     """Stream the trainer's weights (HF names, full tensors) into the rollout engines.
 
     Collective over the world. `owners[e]` is the global rank owning engine e (`engine` is this
@@ -86,6 +87,8 @@ def sync_to_rollout(chunks: list, hf_config: dict, engine: RolloutEngine | None,
     node) nothing crosses nodes. `quantized` (rollout.sync_quantization): the exports that
     reach an engine are quantized as the source checkpoint stores them, on the rank that
     exports (weight_export.export_stage_weights); ranks whose export reaches no engine skip it.
+    `adapters` (rollout.vllm.lora_sync=adapter): every rank exports its stage's LoRA adapters in
+    peft's names instead of weights (the same transport).
     Returns SyncStats on the target owners, None elsewhere."""
     targets = list(range(len(owners))) if targets is None else list(targets)
     dests = [owners[e] for e in targets]
@@ -96,7 +99,7 @@ def sync_to_rollout(chunks: list, hf_config: dict, engine: RolloutEngine | None,
     used = quantized if (receivers or me in dests) else None
 
     def my_export() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in export_stage_weights(chunks, hf_config, used):
+        for name, tensor in export_stage_weights(chunks, hf_config, used, adapters):
             for o in receivers:
                 _send_tensor(name, tensor, dst=o)
             yield name, tensor

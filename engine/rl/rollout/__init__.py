@@ -5,7 +5,8 @@ Backends: "hf" (transformers, CPU or GPU; `hf_backend.py`) and "sglang" (GPU; `s
 What the weight sync sends them (rollout.sync_quantization: `sync_quantization.py`) and what
 their weights weigh in `--validate` (`engine_memory.py`).
 
-May import: engine.errors, models; nothing else of engine.rl.
+May import: engine.errors, models, engine.config.lora_settings (the LoRA spec of model.lora.*,
+for rollout.vllm.lora_sync: `vllm_lora.py`); nothing else of engine.rl.
 """
 from engine.rl.rollout.base import (BACKENDS, Generation, RolloutEngine, SamplingParams,
                                     backend_class, make_rollout_engine)

@@ -101,6 +101,9 @@ class RolloutEngine(abc.ABC):
     # rollout.sync_quantization values `update_weights` accepts (engine.rl.rollout
     # .sync_quantization): "fp8" = float8 weights, each with its `weight_scale_inv` in the bucket
     sync_quantizations: tuple[str, ...] = ()
+    # True when the engine can serve LoRA adapters on its own base (from_config's `lora`,
+    # engine.rl.rollout.vllm_lora): rollout.vllm.lora_sync=adapter syncs only the adapters
+    serves_lora_adapters = False
 
     def __init__(self) -> None:
         self._num_generate_calls = 0

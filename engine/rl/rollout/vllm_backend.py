@@ -37,7 +37,9 @@ Weights: `update_weights` (one bucket per call) writes the bucket to a file, on 
 it has room (engine.rl.rollout.bucket_files; the worker process is on this machine), which the
 worker loads through engine.rl.rollout.vllm_sync and deletes; the
 next `generate` closes the sync and refuses to run if any parameter, or part of a fused layer,
-was left unwritten (a skipped bucket is never served with stale weights).
+was left unwritten (a skipped bucket is never served with stale weights). With
+rollout.vllm.lora_sync=adapter (`lora`: engine.rl.rollout.vllm_lora) the base stays
+model.hf_path and the buckets hold the adapters, served as vLLM LoRA (vllm_adapter.AdapterSync).
 
 In-process side effects, undone: building vllm.LLM reseeds the global torch / random / numpy
 RNGs, CPU sampling draws from the global torch RNG (even with per-request seeds), and the CPU
@@ -68,8 +70,11 @@ import torch
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.bucket_files import discard, write_bucket
 from engine.rl.rollout.eos import eos_token_ids, folder_tokenizer, no_eos_message
+from engine.rl.rollout.vllm_adapter import AdapterSync
 from engine.rl.rollout.vllm_process import (engine_process_env, preserved_global_rng,
                                              trainer_groups_kept, without_chat_warmup_warning)
+from engine.rl.rollout.vllm_lora import AdapterServing
+from engine.rl.rollout.vllm_requests import check_prompts, generation
 from engine.rl.rollout.vllm_settings import engine_args
 from engine.rl.rollout.vllm_version import (TESTED_VERSION, liveness_problem, missing_internals,
                                             untested_warning)
@@ -105,21 +110,23 @@ class VLLMRolloutEngine(RolloutEngine):
 
     supports_logit_probe = True
     logit_probe_space = "logprobs"   # vLLM reports log-probs of its logits, not the logits
+    serves_lora_adapters = True   # vLLM's LoRA (rollout.vllm.lora_sync, vllm_adapter)
 
     @classmethod
     def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int,
                     gpus: tuple[int, int] = (0, 1), routed_experts: bool = False,
-                    trust_remote_code: bool = False) -> "VLLMRolloutEngine":
+                    trust_remote_code: bool = False, lora: AdapterServing | None = None
+                    ) -> "VLLMRolloutEngine":
         """rollout.vllm.* on the node's devices [gpus[0], gpus[0] + gpus[1]) (the placement's
         slot; vLLM's tensor_parallel_size gpus[1]). R3 (`routed_experts`) is refused before
-        any process group."""
+        any process group. `lora`: serve the adapters (rollout.vllm.lora_sync=adapter)."""
         if routed_experts:
             raise ValueError(cls.routed_experts_problem())
         warning = untested_warning()   # allowed by rollout.vllm.allow_untested_version
         if warning:
             print(warning, flush=True)
         return cls(hf_path, dtype=dtype, seed=seed, sleep_level=rollout_cfg.vllm.sleep_level,
-                   trust_remote_code=trust_remote_code, gpus=gpus,
+                   trust_remote_code=trust_remote_code, gpus=gpus, lora=lora,
                    **engine_args(rollout_cfg.vllm, gpus[1], _on_cpu(),
                                  check_weight_sync=rollout_cfg.check_weight_sync))
 
@@ -131,9 +138,11 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def __init__(self, hf_path: str, dtype: torch.dtype | str = "float32", seed: int = 0,
                  sleep_level: int = 1, trust_remote_code: bool = False,
-                 gpus: tuple[int, int] = (0, 1), **engine_kwargs) -> None:
+                 gpus: tuple[int, int] = (0, 1), lora: AdapterServing | None = None,
+                 **engine_kwargs) -> None:
         """`gpus[0]`: the engine's first local device (GPU); its device count is vLLM's
-        tensor_parallel_size (engine_kwargs; engine_args sets it from gpus[1], 1 on CPU)."""
+        tensor_parallel_size (engine_kwargs; engine_args sets it from gpus[1], 1 on CPU).
+        `lora`: vLLM's LoRA on, the adapters synced instead of weights (vllm_adapter)."""
         super().__init__()
         self.eos_token_ids = eos_token_ids(hf_path, folder_tokenizer(hf_path, trust_remote_code))
         if not self.eos_token_ids:
@@ -145,6 +154,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.on_cpu = _on_cpu()
         self.sleep_level = sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
+        engine_kwargs.update(lora.engine_args() if lora is not None else {})
         set_num_threads = torch.set_num_threads
         # the engine's devices (CPU: worker processes): from gpus[0], as many as its TP size
         devices = (gpus[0], int(engine_kwargs.get("tensor_parallel_size", 1)))
@@ -159,6 +169,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._sync_open = False
         self._stale: list[str] = []
         self._seeds = random.Random(seed)
+        self._adapter = AdapterSync(self.llm, lora, hf_path) if lora is not None else None
         try:
             self.vllm_config = self.llm.llm_engine.vllm_config
             self.max_model_len = int(self.vllm_config.model_config.max_model_len)
@@ -218,7 +229,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         self._ready("generate")
-        self._check_prompts(prompts, params)
+        check_prompts(prompts, params, self.vocab_size, self.max_model_len)
         greedy = params.temperature == 0
         sampling, make_params = [], _vllm().SamplingParams
         for i in range(len(prompts)):
@@ -231,13 +242,13 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm.inputs import TokensPrompt  # vLLM, imported on first use (_vllm)
         with preserved_global_rng():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                        sampling, use_tqdm=False)
+                                        sampling, use_tqdm=False, lora_request=self._lora())
         if not self._contract_seen:   # the first call: the log-probs came from the contract
             if not all(self.llm.collective_rpc("rl_contract_calls")):
                 raise RuntimeError("vLLM sampled without its topk_topp_sampler, which carries "
                                    "the log-prob contract: its log-probs are not the contract's")
             self._contract_seen = True
-        return [self._generation(prompt, out.outputs[0])
+        return [generation(prompt, out.outputs[0], self.eos_token_ids)
                 for prompt, out in zip(prompts, outputs, strict=True)]
 
     def probe_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -257,43 +268,23 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm.inputs import TokensPrompt  # vLLM, imported on first use (_vllm)
         with preserved_global_rng():
             (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids + ids[:1])], params,
-                                       use_tqdm=False)
+                                       use_tqdm=False, lora_request=self._lora())
         rows = out.prompt_logprobs[1:]   # row i: the distribution after ids[:i + 1]
         table = torch.full((len(rows), self.vocab_size), float("-inf"))
         for i, row in enumerate(rows):
             table[i, torch.tensor(list(row))] = torch.tensor([lp.logprob for lp in row.values()])
         return table[None]
 
-    def _check_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        for i, prompt in enumerate(prompts):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): "
-                                 f"{bad[:5]}")
-            if len(prompt) + params.max_new_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
-                    f"{params.max_new_tokens} that exceeds rollout.vllm.max_model_len="
-                    f"{self.max_model_len}: raise rollout.vllm.max_model_len or shorten the "
-                    "prompts")
-
-    def _generation(self, prompt: list[int], completion) -> Generation:
-        tokens = list(completion.token_ids)
-        if completion.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
-        stopped = bool(tokens) and tokens[-1] in self.eos_token_ids
-        if (completion.finish_reason == "stop") != stopped:
-            raise RuntimeError(f"vLLM finish_reason {completion.finish_reason!r} but the last "
-                               f"token is {tokens[-1:]}")
-        logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
-        return Generation(prompt_ids=list(prompt), response_ids=tokens,
-                          response_logprobs=logprobs, finish_reason=completion.finish_reason)
-
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket of full HF-named tensors; the next generate closes the sync."""
+        """Load one bucket of full HF-named tensors (with `lora`: adapter tensors in peft's
+        names, AdapterSync.take); the next generate closes the sync."""
         self._usable("update_weights")
         bucket = list(named_tensors)
         if not bucket:
+            return
+        if self._adapter is not None:
+            self._adapter.take(bucket)
+            self._sync_open = True
             return
         path, names = write_bucket(bucket)
         try:   # returns once every worker (one per TP rank) has loaded it
@@ -306,14 +297,19 @@ class VLLMRolloutEngine(RolloutEngine):
         if not self._sync_open:
             return
         self._sync_open = False
-        # every worker's (one per TP rank) unwritten names
-        self._stale = sorted({n for names in self.llm.collective_rpc("rl_close_sync")
-                              for n in names})
+        self._stale = ["(the sync failed to close)"]   # until it closes: never serve the old
+        # every worker's (one per TP rank) unwritten names, or the adapter tensors not sent
+        self._stale = (self._adapter.close() if self._adapter is not None else sorted(
+            {n for names in self.llm.collective_rpc("rl_close_sync") for n in names}))
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
         if self._stale:
-            raise RuntimeError(f"weight sync left {len(self._stale)} vLLM parameters or layers "
-                               f"not (fully) written: {self._stale[:5]}; refusing to generate "
-                               "with stale weights")
+            raise RuntimeError(f"weight sync left {len(self._stale)} vLLM parameters, layers or "
+                               f"adapter tensors not (fully) written: {self._stale[:5]}; "
+                               "refusing to generate with stale weights")
+
+    def _lora(self):
+        """The LoRARequest of the adapter version served (None: the base, no adapter sync)."""
+        return self._adapter.request if self._adapter is not None else None
 
     def sleep(self) -> None:
         """GPU with sleep mode: vLLM's sleep at `sleep_level`. CPU: nothing is released."""

@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import importlib.util
 
+from engine.rl.rollout.vllm_lora import lora_sync_problems
 from engine.rl.rollout.vllm_version import version_problem
 from models.families.registry import FAMILIES
 
@@ -22,7 +23,8 @@ OWN_ARGS = ("model", "dtype", "seed", "skip_tokenizer_init", "logprobs_mode",
             "trust_remote_code", "tensor_parallel_size", "max_model_len",
             "gpu_memory_utilization", "kv_cache_memory_bytes", "max_num_seqs", "enforce_eager",
             "enable_prefix_caching", "enable_sleep_mode", "worker_extension_cls",
-            "max_logprobs")
+            "max_logprobs", "enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras",
+            "lora_target_modules")   # the LoRA ones: rollout.vllm.lora_sync (vllm_lora)
 
 
 def engine_args(vcfg, tensor_parallel_size: int, on_cpu: bool,
@@ -97,6 +99,7 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
         p.append(f"rollout.sync_quantization={rollout.sync_quantization!r} with "
                  "rollout.backend=vllm is not built (vLLM's FP8 engine has never run here: its "
                  "CPU FP8 kernels need AMX); use null (weights in model.dtype)")
+    p += lora_sync_problems(cfg, hf_config)
     family = FAMILIES.get(hf_config.get("model_type"))
     p += [f"rollout.backend=vllm with model_type {family.model_type!r}: {why}"
           for why in (family.vllm_problems(hf_config) if family is not None else ())]
