@@ -12,8 +12,10 @@ reload) sampling and syncing exactly. GRPO
 through `engine.rl` on the rank pool: LoRA from a non-zero PEFT adapter at one process and
 DP2 x TP2 on two torchrun nodes with an engine on each (rollout/logprob_diff < 1e-5 at every
 step, the first included, the sync check on every engine, and the same training metrics), and one run with
-two-turn episodes on Qwen3-MoE, R2, PPO with a critic, distillation and validation. Config
-refusals in-process.
+two-turn episodes on Qwen3-MoE, R2, PPO with a critic, distillation and validation. LoRA
+policies synced as adapters (rollout.vllm.lora_sync=adapter: the one-process run above, the
+asynchronous run) and, in bf16, the adapter sync against the merged one from an adapter the
+merge rounds away (logprob_diff and bytes per sync both ways). Config refusals in-process.
 """
 from __future__ import annotations
 
