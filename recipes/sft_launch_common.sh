@@ -3,10 +3,12 @@
 # Inputs (environment): MODEL_DIR (HF model folder: config.json, safetensors, tokenizer),
 # TRAIN_FILES (comma-separated .jsonl/.parquet), optional EVAL_FILES, RUN_DIR (default
 # runs/<recipe name>: metrics.jsonl, TensorBoard, checkpoints/), NPROC_PER_NODE (default 8).
-# Defines SFT_ARGS (the engine.sft arguments) and sft_validate NODES.
+# ENGINE_MODULE: the entry point (default engine.sft; recipes/dpo_single_node.sh sets
+# engine.dpo: the same keys plus dpo.*). Defines SFT_ARGS (its arguments) and sft_validate NODES.
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+ENGINE_MODULE="${ENGINE_MODULE:-engine.sft}"
 export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 
 sft_parse_args() {
@@ -27,6 +29,6 @@ sft_parse_args() {
 # Check layout arithmetic, model shape, files and memory for NODES x NPROC_PER_NODE GPUs
 # before any process group starts (exit 2 with the list of problems).
 sft_validate() {
-  python -m engine.sft "${SFT_ARGS[@]}" --validate --nodes "$1" \
+  python -m "$ENGINE_MODULE" "${SFT_ARGS[@]}" --validate --nodes "$1" \
     --gpus-per-node "$NPROC_PER_NODE" --world-size "$(( $1 * NPROC_PER_NODE ))"
 }

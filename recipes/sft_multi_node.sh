@@ -25,4 +25,4 @@ MASTER_PORT="${MASTER_PORT:-29500}"
 sft_parse_args "$@"
 sft_validate "$NNODES"
 exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$NPROC_PER_NODE" \
-  --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" -m engine.sft "${SFT_ARGS[@]}"
+  --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" -m "$ENGINE_MODULE" "${SFT_ARGS[@]}"

@@ -12,4 +12,4 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/sft_launch_common.sh"
 sft_parse_args "$@"
 sft_validate 1
-exec torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" -m engine.sft "${SFT_ARGS[@]}"
+exec torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" -m "$ENGINE_MODULE" "${SFT_ARGS[@]}"

@@ -25,14 +25,20 @@ MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
          "seq-mean-token-sum-norm")
 TWO_MODES = "modes=token-mean/seq-mean-token-mean"
 TOL = 1e-5
-# spec: tp,pp,vpp,cp,micro_batch_size[,flags]
+# spec: tp,pp,vpp,cp,micro_batch_size[,flags]. All five aggregation modes run where the layout
+# changes what is counted where (the single process, DP with GA, CP, packing, DP4 with
+# token-budget micro-batches, DP8): the per-sequence weights come from counts over the DP group.
+# Layouts that only shard the model (TP, PP, VPP, their products with DP2) or combine already
+# covered splits run token-mean and seq-mean-token-mean (a token count and a sequence count),
+# as the sequence-parallel and recomputation layouts always did (33 engine builds fewer).
 LAUNCHES = {
     1: ["1,1,0,1,16", "1,1,0,1,3", "1,1,0,1,1"],           # reference, GA uneven, GA 16
     # DP2, TP2, PP2, CP2, DP2 with packing
     # TP2 + Megatron SP; TP2 + SP + GA with full recompute; DP2 with selective recompute;
     # negative controls (bug=...): SP without the TP sum of norm grads, recompute with a
     # detached checkpoint input (full and selective)
-    2: ["1,1,0,1,3", "2,1,0,1,16", "1,2,0,1,4", "1,1,0,2,16", "1,1,0,1,16,packing",
+    2: ["1,1,0,1,3", f"2,1,0,1,16,{TWO_MODES}", f"1,2,0,1,4,{TWO_MODES}", "1,1,0,2,16",
+        "1,1,0,1,16,packing",
         f"2,1,0,1,16,sp+{TWO_MODES}", f"2,1,0,1,3,sp+recompute=full+{TWO_MODES}",
         f"1,1,0,1,3,recompute=selective+{TWO_MODES}",
         "2,1,0,1,16,sp+bug=spnorm+modes=token-mean",
@@ -42,13 +48,16 @@ LAUNCHES = {
     # DP4 unbalanced with token-budget (padded) micro-batches
     # TP2 + SP + CP2; TP2 x PP2 + SP, packed, block recompute; TP2 + SP + CP2 packed with
     # selective recompute
-    4: ["1,1,0,1,2", "2,1,0,1,3", "1,2,0,1,2", "1,2,2,1,2", "2,2,0,1,3", "2,1,0,2,4",
-        "1,2,0,2,4", "1,1,0,1,16,nobalance+tokens=40",
+    4: ["1,1,0,1,2", *(f"{spec},{TWO_MODES}" for spec in ("2,1,0,1,3", "1,2,0,1,2",
+                                                          "1,2,2,1,2", "2,2,0,1,3",
+                                                          "2,1,0,2,4", "1,2,0,2,4")),
+        "1,1,0,1,16,nobalance+tokens=40",
         f"2,1,0,2,4,sp+{TWO_MODES}", f"2,2,0,1,3,sp+packing+recompute=block+{TWO_MODES}",
         "2,1,0,2,16,sp+packing+recompute=selective+modes=token-mean"],
     # DP8, DP2xTP2xPP2, CP8, CP2xDP4 balanced with token-budget micro-batches and packing;
     # TP2 x PP2 x VPP2 x DP2 with SP and full recompute (interleaved schedule)
-    8: ["1,1,0,1,1", "2,2,0,1,3", "1,1,0,8,16", "1,1,0,2,16,packing+tokens=48",
+    8: ["1,1,0,1,1", f"2,2,0,1,3,{TWO_MODES}", f"1,1,0,8,16,{TWO_MODES}",
+        f"1,1,0,2,16,packing+tokens=48+{TWO_MODES}",
         "2,2,2,1,2,sp+recompute=full+modes=token-mean"],
 }
 # Qwen3-MoE (2 layers, 8 experts, top-2; router aux loss off) in the same launches: its own

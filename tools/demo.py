@@ -2,8 +2,10 @@
 
     python -m tools.demo assets --out runs/demo_assets         (recipes/cpu_demo.sh)
         OUT/model/ (tiny random Qwen3, word-level chat tokenizer), OUT/sft_train.jsonl,
-        OUT/sft_eval.jsonl (chat rows "what is a + b ?" -> "the answer is c") and
-        OUT/rl_prompts.jsonl ({"prompt", "answer"})
+        OUT/sft_eval.jsonl (chat rows "what is a + b ?" -> "the answer is c"),
+        OUT/rl_prompts.jsonl ({"prompt", "answer"}) and OUT/dpo_train.jsonl, OUT/dpo_eval.jsonl
+        (recipes/dpo_cpu_demo.sh: preference pairs, chosen "the answer is c", rejected "c is the
+        answer"; the eval pairs' prompts are not in the training pairs)
     python -m tools.demo model DIR [--hidden H] [--layers L] [--intermediate I] [--seed S]
         a tiny random Qwen3 (4 heads, 2 KV heads) with the 200-token word-level tokenizer of
         tools/tiny_models.py (every addition-demo model shares it)
@@ -71,6 +73,16 @@ def chat_row(a: int, b: int) -> dict:
                          {"role": "assistant", "content": f"the answer is {a + b}"}]}
 
 
+def preference_rows(pairs: list[tuple[int, int]]) -> list[dict]:
+    """Preference rows (explicit prompt, conversational): chosen "the answer is c", rejected the
+    same sum in the other word order, "c is the answer" (a preference a tiny model can learn
+    from a few hundred pairs and carry to prompts it never saw)."""
+    return [{"prompt": [{"role": "user", "content": f"what is {a} + {b} ?"}],
+             "chosen": [{"role": "assistant", "content": f"the answer is {a + b}"}],
+             "rejected": [{"role": "assistant", "content": f"{a + b} is the answer"}]}
+            for a, b in pairs]
+
+
 def make_assets(out: Path, seed: int = 0) -> str:
     """recipes/cpu_demo.sh's model and data in `out` (module docstring); returns a summary."""
     from tools.tiny_models import build_tiny_model
@@ -85,8 +97,12 @@ def make_assets(out: Path, seed: int = 0) -> str:
     write_jsonl(out / "sft_eval.jsonl", [chat_row(a, b) for a, b in eval_pairs])
     write_jsonl(out / "rl_prompts.jsonl",
                 [{"prompt": f"what is {a} + {b} ?", "answer": str(a + b)} for a, b in pairs])
+    write_jsonl(out / "dpo_train.jsonl", preference_rows(train_pairs))
+    write_jsonl(out / "dpo_eval.jsonl", preference_rows(eval_pairs))
     return (f"demo assets in {out}: model/, sft_train.jsonl ({len(train_pairs) * 4} rows), "
-            f"sft_eval.jsonl ({len(eval_pairs)} rows), rl_prompts.jsonl ({len(pairs)} rows)")
+            f"sft_eval.jsonl ({len(eval_pairs)} rows), rl_prompts.jsonl ({len(pairs)} rows), "
+            f"dpo_train.jsonl ({len(train_pairs)} pairs), dpo_eval.jsonl "
+            f"({len(eval_pairs)} pairs)")
 
 
 def make_model(out: str, hidden: int, layers: int, intermediate: int, seed: int) -> None:

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# CPU demo of DPO (docs/preference.md): the tiny random Qwen3-style model of recipes/cpu_demo.sh
+# learns to prefer "the answer is c" over "c is the answer" for "what is a + b ?", on 2 gloo
+# ranks (DP2) with a frozen reference. eval/rewards/accuracies is the preference accuracy on
+# held-out pairs (prompts not in the training pairs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+megatron-sft-engine demo assets --out "$OUT/demo_assets"   # tools/demo.py; nothing downloaded
+megatron-sft-engine dpo --nproc-per-node 2 \
+  model.hf_path="$OUT/demo_assets/model" \
+  data.train_files="[$OUT/demo_assets/dpo_train.jsonl]" \
+  data.eval_files="[$OUT/demo_assets/dpo_eval.jsonl]" \
+  train.global_batch_size=16 train.micro_batch_size=4 train.seq_length=64 \
+  train.max_steps="${STEPS:-40}" train.eval_interval=4 \
+  optim.lr=2e-4 optim.min_lr=2e-5 optim.warmup_steps=5 optim.schedule=cosine \
+  dpo.loss_type=sigmoid dpo.beta=0.1 \
+  logging.dir="$OUT/dpo_cpu_demo" "$@"
+echo "metrics: $OUT/dpo_cpu_demo/metrics.jsonl  (tensorboard --logdir $OUT/dpo_cpu_demo)"
