@@ -69,8 +69,8 @@ gradient, no backward through the embedding).
 
 Full recomputation (train.recompute=full) repeats every layer's forward collectives in the
 backward pass (TP, CP, EP kinds). The numbers are derived; tests/test_comm_plan.py measures
-them against the engine on CPU (gloo) at DP2, TP2+SP, PP2, CP2 and EP2 within 5 %. No number
-here was measured on GPUs. Not counted: bucket padding of megatron's gradient buffer (at most
+them against the engine on CPU (gloo) at DP2, TP2+SP, PP2, CP2, EP2 and LoRA at TP2+SP and
+TP2 within 5 %. No number here was measured on GPUs. Not counted: bucket padding of megatron's gradient buffer (at most
 63 elements per tensor and lcm(dp, 128) per bucket), control scalars.
 """
 from __future__ import annotations
