@@ -77,10 +77,10 @@ def test_hung_case_is_killed_after_its_timeout_and_the_pool_restarts(pools):
     before = pools.run(2, f"{CHECKS}:whoami", "before")
     starts = pool.starts
     with pytest.raises(CaseFailed) as info:
-        pools.run(2, f"{CHECKS}:hang", timeout=5)
+        pools.run(2, f"{CHECKS}:hang", timeout=3)
     message = str(info.value)
     assert "test_hung_case_is_killed_after_its_timeout_and_the_pool_restarts" in message
-    assert "timed out after 5 s" in message and "about to hang" in message
+    assert "timed out after 3 s" in message and "about to hang" in message
     assert "in hang" in message   # the stack of the hung rank
     after = pools.run(2, f"{CHECKS}:whoami", "after")
     assert pool.starts == starts + 1

@@ -26,11 +26,12 @@ MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
 TWO_MODES = "modes=token-mean/seq-mean-token-mean"
 TOL = 1e-5
 # spec: tp,pp,vpp,cp,micro_batch_size[,flags]. All five aggregation modes run where the layout
-# changes what is counted where (the single process, DP with GA, CP, packing, DP4 with
-# token-budget micro-batches, DP8): the per-sequence weights come from counts over the DP group.
-# Layouts that only shard the model (TP, PP, VPP, their products with DP2) or combine already
-# covered splits run token-mean and seq-mean-token-mean (a token count and a sequence count),
-# as the sequence-parallel and recomputation layouts always did (33 engine builds fewer).
+# changes what is counted where (the single process, DP2 and DP4 with GA, CP2, packing, DP4
+# with token-budget micro-batches): the per-sequence weights come from counts over the DP
+# group. Layouts that only shard the model (TP, PP, VPP, their products with DP2) or repeat an
+# already covered split at a larger size (DP8, CP8, CP2 x DP4) run token-mean and
+# seq-mean-token-mean (a token count and a sequence count), as the sequence-parallel and
+# recomputation layouts always did (36 engine builds fewer than five modes everywhere).
 LAUNCHES = {
     1: ["1,1,0,1,16", "1,1,0,1,3", "1,1,0,1,1"],           # reference, GA uneven, GA 16
     # DP2, TP2, PP2, CP2, DP2 with packing
@@ -56,7 +57,7 @@ LAUNCHES = {
         "2,1,0,2,16,sp+packing+recompute=selective+modes=token-mean"],
     # DP8, DP2xTP2xPP2, CP8, CP2xDP4 balanced with token-budget micro-batches and packing;
     # TP2 x PP2 x VPP2 x DP2 with SP and full recompute (interleaved schedule)
-    8: ["1,1,0,1,1", f"2,2,0,1,3,{TWO_MODES}", f"1,1,0,8,16,{TWO_MODES}",
+    8: [f"1,1,0,1,1,{TWO_MODES}", f"2,2,0,1,3,{TWO_MODES}", f"1,1,0,8,16,{TWO_MODES}",
         f"1,1,0,2,16,packing+tokens=48+{TWO_MODES}",
         "2,2,2,1,2,sp+recompute=full+modes=token-mean"],
 }
