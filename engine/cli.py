@@ -102,7 +102,7 @@ def run_entry(run: str, argv: list[str], schema=None,
     layout = parallel_layout(cfg.parallel, int(os.environ["WORLD_SIZE"]))
     setup_model_parallel(layout, seed=cfg.seed)
     if _rank() == 0:
-        tag = "rl" if run.startswith("engine.rl.") else "sft"
+        tag = run.split(".")[1]   # "engine.<entry point>.module:function"
         print(f"[{tag}] layout: {layout.describe()}", flush=True)
         print(f"[{tag}] kernels: {kernel_notice()}", flush=True)
     rc = _call(run, cfg, hf_config, flags)

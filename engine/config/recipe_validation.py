@@ -96,8 +96,10 @@ def model_config(cfg, problems: list[str]) -> dict | None:
     return preset
 
 
-def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
-    """Every problem and warning of running `cfg` on `nodes` nodes with `world_size` GPUs."""
+def validate_recipe(cfg, world_size: int, nodes: int, beside=None) -> RecipeReport:
+    """Every problem and warning of running `cfg` on `nodes` nodes with `world_size` GPUs.
+    `beside(hf_config) -> (name, GiB per GPU)`: a frozen model resident beside the trained one
+    (DPO's reference), added to the estimate the memory checks see (0 GiB: nothing added)."""
     problems = (value_problems(cfg) + sft_problems(cfg)
                 + data_file_problems(cfg, require_train=False))
     warnings: list[str] = []
@@ -138,12 +140,8 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     mem = estimate_memory(hf, layout, train, bf16, cfg.optim.distributed_optimizer, m,
                           lora_spec(cfg, hf), vision_estimate(cfg, train))
     cap = cfg.recipe.gpu_memory_gib
-    at_recipe_size = (nodes == cfg.recipe.nodes
-                      and world_size == cfg.recipe.nodes * cfg.recipe.gpus_per_node)
-    too_big, near = memory_checks(
-        mem.total, cfg.recipe, at_recipe_size, "estimated memory per GPU",
-        "raise tp/pp/cp or lower train.micro_batch_size / max_tokens_per_micro_batch",
-        f"the estimate for {nodes} node(s) is")
+    too_big, near = _checked_memory(cfg, mem.total, world_size, nodes,
+                                    beside(hf) if beside is not None else ("", 0.0))
     problems += too_big
     warnings += near
     params = stage_parameters(hf, p.tp, p.pp, p.ep)
@@ -175,6 +173,20 @@ def validate_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     memory = {k: v for k, v in asdict(mem).items() if k != "notes"}
     return RecipeReport(summary + comm_lines, problems, warnings,
                         {"memory_gib": {**memory, "total": mem.total}, "communication": comm})
+
+
+def _checked_memory(cfg, trained_gib: float, world_size: int, nodes: int,
+                    beside: tuple[str, float]) -> tuple[list[str], list[str]]:
+    """memory_checks of the trained model's estimate plus what sits `beside` it
+    ((name, GiB), 0 GiB: nothing), at `nodes` nodes of `world_size` GPUs."""
+    at_recipe_size = (nodes == cfg.recipe.nodes
+                      and world_size == cfg.recipe.nodes * cfg.recipe.gpus_per_node)
+    name, extra = beside
+    with_it = f" with the {name}" if extra else ""
+    return memory_checks(
+        trained_gib + extra, cfg.recipe, at_recipe_size, f"estimated memory per GPU{with_it}",
+        "raise tp/pp/cp or lower train.micro_batch_size / max_tokens_per_micro_batch",
+        f"the estimate{with_it} for {nodes} node(s) is")
 
 
 def _recompute_text(train) -> str:

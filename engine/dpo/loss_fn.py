@@ -32,6 +32,9 @@ from megatron.core import parallel_state as ps
 
 from engine.dpo.pair_loss import PairLossSettings, pair_gradients
 from engine.training.loss import aggregate
+# the CP group summing a sequence's shards; the invariance harness's negative control replaces
+# this module's name for it (per-shard sums)
+from engine.training.rank_batch import context_parallel_group as cp_group
 from engine.training.schedule import LossFn
 from engine.training.token_losses import token_logprobs
 
@@ -55,14 +58,6 @@ class PairBatch:
     @property
     def num_pairs(self) -> int:
         return self.counts.numel() // 2
-
-
-def cp_group():
-    """The CP group summing a sequence's shards, or None without CP. The invariance harness's
-    negative control replaces this (per-shard sums)."""
-    if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
-        return None
-    return ps.get_context_parallel_group()
 
 
 def _cp_rank() -> int:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import copy
 
 from engine.config.dpo_settings import DPOConfig, dpo_problems
-from engine.config.recipe_validation import (RecipeReport, memory_checks, model_config,
-                                             validate_main, validate_recipe)
+from engine.config.recipe_validation import (RecipeReport, model_config, validate_main,
+                                             validate_recipe)
 from models.estimate.counting import stage_parameters
 from models.estimate.training_memory import GIB
 from models.estimate.vision import tower_parameters
@@ -38,9 +38,9 @@ def validate_dpo_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     sequences = copy.deepcopy(cfg)
     sequences.train.global_batch_size *= 2
     sequences.train.micro_batch_size *= 2
-    report = validate_recipe(sequences, world_size, nodes)
-    problems: list[str] = []
-    hf = model_config(cfg, problems)
+    report = validate_recipe(sequences, world_size, nodes,
+                             beside=lambda hf: ("reference", reference_gib(cfg, hf)))
+    hf = model_config(cfg, [])
     if hf is None or not report.summary:
         return report
     report.problems += dpo_problems(cfg, hf)
@@ -55,17 +55,6 @@ def validate_dpo_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
         f"{t.micro_batch_size} per micro-batch; loss {cfg.dpo.loss_type}, beta {cfg.dpo.beta}",
         f"reference: {what}; memory per GPU with it (estimate, GiB): {policy:.1f} + "
         f"{ref:.1f} = {policy + ref:.1f}"]
-    if ref:
-        at_recipe_size = (nodes == cfg.recipe.nodes
-                          and world_size == cfg.recipe.nodes * cfg.recipe.gpus_per_node)
-        too_big, near = memory_checks(
-            policy + ref, cfg.recipe, at_recipe_size,
-            "estimated memory per GPU with the reference",
-            "raise tp/pp, use LoRA (no second model) or a reference-free loss",
-            f"the estimate with the reference for {nodes} node(s) is")
-        report.problems = [p for p in report.problems if "recipe.expected_memory_gib" not in p]
-        report.problems += too_big
-        report.warnings += near
     report.data["memory_gib"]["reference"] = ref
     report.data["memory_gib"]["total_with_reference"] = policy + ref
     return report

@@ -47,21 +47,29 @@ def pair_settings(cfg) -> PairLossSettings:
     return PairLossSettings(d.loss_type, d.beta, d.label_smoothing, d.simpo_gamma)
 
 
-def chosen_nll_weights(seqs: list[SequenceData], loss_cfg, seq_length: int) -> torch.Tensor:
+def completion_counts(seqs: list[SequenceData]) -> torch.Tensor:
+    """[2P] float64: each sequence's completion (trained) tokens."""
+    return torch.tensor([float(sum(s.loss_mask)) for s in seqs], dtype=torch.float64)
+
+
+def chosen_nll_weights(counts: torch.Tensor, loss_cfg, seq_length: int) -> torch.Tensor:
     """[2P] per-sequence weights of the chosen completions' NLL (loss.agg_mode over the chosen
-    sides of the whole global batch, engine.training.loss; 0 on rejected sides). Every rank
-    holds the whole batch, so no collective is needed."""
-    counts = torch.tensor([int(sum(s.loss_mask)) for s in seqs[0::2]], dtype=torch.long)
+    sides of the whole global batch, engine.training.loss; 0 on rejected sides), from the
+    completion_counts of [c_0, r_0, ...]. Every rank holds the whole batch, so no collective
+    is needed."""
     normalizer = GlobalLossNormalizer(loss_cfg.agg_mode, loss_cfg.norm_horizon or seq_length,
                                       loss_cfg.count_empty_sequences)
-    weights = torch.zeros(len(seqs), dtype=torch.float64)
-    weights[0::2] = normalizer.sequence_weights(counts)
+    weights = torch.zeros(counts.numel(), dtype=torch.float64)
+    weights[0::2] = normalizer.sequence_weights(counts[0::2].long())
     return weights
 
 
-def pair_batch(cfg, seqs: list[SequenceData], ref: torch.Tensor | None) -> PairBatch:
-    counts = torch.tensor([float(sum(s.loss_mask)) for s in seqs], dtype=torch.float64)
-    return PairBatch(pair_settings(cfg), counts, ref, cfg.dpo.rpo_alpha or 0.0)
+def step_inputs(cfg, seqs: list[SequenceData], ref: torch.Tensor | None
+                ) -> tuple[torch.Tensor, PairBatch]:
+    """(the NLL weights, the PairBatch) of one global batch, its counts taken once."""
+    counts = completion_counts(seqs)
+    return (chosen_nll_weights(counts, cfg.loss, cfg.train.seq_length),
+            PairBatch(pair_settings(cfg), counts, ref, cfg.dpo.rpo_alpha or 0.0))
 
 
 def dpo_step(engine: TrainEngine, reference: Reference, pairs: list[PreferencePair],
@@ -72,9 +80,9 @@ def dpo_step(engine: TrainEngine, reference: Reference, pairs: list[PreferencePa
     t0 = time.perf_counter()
     ref = reference.sums(seqs, units)
     ref_s = time.perf_counter() - t0
-    out = engine.train_batch(seqs, chosen_nll_weights(seqs, cfg.loss, cfg.train.seq_length),
-                             dpo_loss_fn(pair_batch(cfg, seqs, ref), engine.vocab_size),
-                             REPORT_KEYS, units=units)
+    weights, batch = step_inputs(cfg, seqs, ref)
+    out = engine.train_batch(seqs, weights, dpo_loss_fn(batch, engine.vocab_size), REPORT_KEYS,
+                             units=units)
     tokens, dt = out["batch/num_tokens"], out["time/step_s"]
     return {**{k: out[k] for k in REPORT_KEYS},
             "grad_norm": out["grad_norm"], "lr": out["lr"], "num_pairs": len(pairs),
@@ -97,10 +105,9 @@ def evaluate(engine: TrainEngine, reference: Reference, pairs: list[PreferencePa
     for i in range(0, len(pairs), gbs):
         chunk = pairs[i:i + gbs]
         seqs, units = pair_sequences(chunk)
-        out = engine.forward_only(
-            seqs, chosen_nll_weights(seqs, cfg.loss, cfg.train.seq_length),
-            dpo_loss_fn(pair_batch(cfg, seqs, reference.sums(seqs, units)), engine.vocab_size),
-            REPORT_KEYS, units=units)
+        weights, batch = step_inputs(cfg, seqs, reference.sums(seqs, units))
+        out = engine.forward_only(seqs, weights, dpo_loss_fn(batch, engine.vocab_size),
+                                  REPORT_KEYS, units=units)
         for k in REPORT_KEYS:
             totals[k] += out[k] * len(chunk) / len(pairs)
     return {f"eval/{k}": v for k, v in totals.items()}

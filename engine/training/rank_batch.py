@@ -38,6 +38,15 @@ def _layout():
                 pp=ps.get_pipeline_model_parallel_world_size(), dp_group=ps.get_data_parallel_group())
 
 
+def context_parallel_group():
+    """The context-parallel group of this rank, over which one sequence's shards are spread
+    (engine.rl.algo.seq_reduce, engine.dpo.loss_fn sum per-sequence values over it), or None
+    without CP (or without megatron state)."""
+    if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
+        return None
+    return ps.get_context_parallel_group()
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
+from engine.training.rank_batch import context_parallel_group as cp_group
 
-def cp_group():
-    """The context-parallel group of this rank, or None without CP (or without megatron state).
-    The invariance harness's negative control replaces this to reproduce per-shard sums."""
-    if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
-        return None
-    return ps.get_context_parallel_group()
+# `cp_group` (this module's name for engine.training.rank_batch.context_parallel_group) is
+# what engine.rl.policy.update calls; the invariance harness's negative control replaces it
+# here to reproduce per-shard sums.
 
 
 class SequenceReducer:
