@@ -158,7 +158,7 @@ class TrainEngine:
               loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
               prepare: Callable[[list], None] | None = None,
               lora: LoraSpec | None = None, lora_init: str | None = None,
-              **model_overrides) -> "TrainEngine":
+              reader=None, **model_overrides) -> "TrainEngine":
         """Build this rank's model chunks, load HF weights from `weights_dir` (unless
         `load_weights` is False: a checkpoint will be loaded), wrap them in megatron DDP and
         create the optimizer and an LR schedule over `total_steps` optimizer steps.
@@ -170,12 +170,14 @@ class TrainEngine:
         `loss_chunk_tokens`: tokens per chunk of the loss head (None: unchunked logits).
         `lora`: attach LoRA adapters (models.lora.sites) and freeze the base, which is then
         always loaded from `weights_dir` (a checkpoint holds only the adapters); `lora_init`: a
-        PEFT adapter folder the adapters start from (when `load_weights`)."""
+        PEFT adapter folder the adapters start from (when `load_weights`). `reader`: what the
+        HF weights are read from instead of `weights_dir`'s SafetensorsReader (e.g. a reward
+        model's trunk without its score head, models.bridge.critic.TrunkReader)."""
         overlap = overlap or OverlapSettings()
         raw = build_model_chunks(hf_config, params_dtype=dtype, lora=lora,
                                  **{**model_overrides, **p2p_overrides(overlap)})
         if load_weights or lora is not None:
-            load_hf_weights(raw, SafetensorsReader(weights_dir), hf_config)
+            load_hf_weights(raw, reader or SafetensorsReader(weights_dir), hf_config)
         if load_weights and lora_init:
             load_peft_adapter(raw, lora_init, peft_layers(hf_config))
         if prepare is not None:

@@ -62,12 +62,15 @@ def critic_problem(hf_dir: str, policy_dir: str) -> str | None:
     return f"its {', '.join(differ)} differ from model.hf_path's" if differ else None
 
 
-class _TrunkReader:
+class TrunkReader:
     """A SafetensorsReader without the value head, with `lm_head.weight` standing in as the
     input embedding when the folder has none (the critic's unused output layer)."""
 
     def __init__(self, reader: SafetensorsReader, tied: bool) -> None:
         self.reader, self.fill = reader, not tied and LM_HEAD not in reader
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.keys()
 
     def keys(self) -> list[str]:
         names = [n for n in self.reader.keys() if n not in (SCORE_WEIGHT, SCORE_BIAS)]
@@ -83,7 +86,7 @@ def load_critic(raw_chunks: list, hf_dir: str, hf_config: dict) -> None:
         if name not in reader:
             raise KeyError(f"{hf_dir} has no {name}: not a critic (a ForTokenClassification "
                            "checkpoint with num_labels 1)")
-    load_hf_weights(raw_chunks, _TrunkReader(reader, bool(hf_config.get("tie_word_embeddings"))),
+    load_hf_weights(raw_chunks, TrunkReader(reader, bool(hf_config.get("tie_word_embeddings"))),
                     hf_config)
     attach_value_heads(raw_chunks)
     head = value_head(raw_chunks)
@@ -101,10 +104,15 @@ def export_critic(chunks: list, hf_config: dict) -> Iterator[tuple[str, torch.Te
     head = value_head(chunks)
     if head is None:
         return
+    yield SCORE_WEIGHT, full_head_row(head)
+    yield SCORE_BIAS, head.bias.detach().cpu()
+
+
+def full_head_row(head) -> torch.Tensor:
+    """The head's whole [1, h] weight on CPU (collective over this stage's TP group)."""
     weight = head.weight.detach()
     if ps.get_tensor_model_parallel_world_size() > 1:
         parts = [torch.empty_like(weight) for _ in range(ps.get_tensor_model_parallel_world_size())]
         dist.all_gather(parts, weight.contiguous(), group=ps.get_tensor_model_parallel_group())
         weight = torch.cat(parts, dim=1)
-    yield SCORE_WEIGHT, weight.cpu()
-    yield SCORE_BIAS, head.bias.detach().cpu()
+    return weight.cpu()

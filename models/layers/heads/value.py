@@ -10,9 +10,15 @@ TP, backward identity, so the gradient a rank gives the hidden states is non-zer
 slice and the TP sum in models.layers.heads.output's backward assembles the full gradient once. The
 bias [1] is replicated over TP (every rank computes the same gradient for it).
 
-A new head starts at zero (w = 0, b = 0: every value 0), independent of the layout.
+A new critic head starts at zero (w = 0, b = 0: every value 0), independent of the layout.
 HF form (a critic export, transformers' *ForTokenClassification with num_labels 1):
 `score.weight` [1, h] and `score.bias` [1].
+
+A reward model's score head is the same head without a bias (transformers'
+*ForSequenceClassification with num_labels 1: `score.weight` [1, h] only; models.bridge.
+reward_model). A new one starts from a seeded normal row (`seeded_row`): the full [1, h] row is
+drawn on every rank from the same generator and each TP rank keeps its slice, so the start does
+not depend on the layout.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from models.layers.heads.output import unwrap
 
 
 class ValueHead(torch.nn.Module):
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device, bias: bool = True) -> None:
         super().__init__()
         tp = ps.get_tensor_model_parallel_world_size()
         if hidden_size % tp:
@@ -35,7 +41,8 @@ class ValueHead(torch.nn.Module):
         self.start = ps.get_tensor_model_parallel_rank() * self.width
         self.weight = torch.nn.Parameter(torch.zeros(1, self.width, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=1, stride=1)
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        self.bias = (torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device)) if bias
+                     else None)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
@@ -49,21 +56,38 @@ class ValueHead(torch.nn.Module):
         TP: a SUM all-reduce)."""
         local = hidden[..., self.start:self.start + self.width]
         partial = torch.matmul(local, self.weight.t())
-        value = reduce_from_tensor_model_parallel_region(partial) + self.bias
+        value = reduce_from_tensor_model_parallel_region(partial)
+        if self.bias is not None:
+            value = value + self.bias
         return value.squeeze(-1).float()
 
+    def load_row(self, row: torch.Tensor) -> None:
+        """Set the weight from the FULL [1, h] row (this TP rank keeps its slice)."""
+        with torch.no_grad():
+            self.weight.copy_(row.reshape(1, -1)[:, self.start:self.start + self.width])
 
-def attach_value_heads(chunks: list) -> None:
-    """Give the last-stage chunk of `chunks` (raw GPTModels, before DDP) a zero ValueHead as
-    `value_head` and freeze its output layer (tied embeddings stay trainable: the input uses
-    them)."""
+
+def seeded_row(hidden_size: int, std: float, seed: int) -> torch.Tensor:
+    """float32 [1, hidden_size] ~ N(0, std^2) from torch.Generator seeded with `seed` (the same
+    on every rank and layout: a new reward model's score row)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, hidden_size, generator=generator, dtype=torch.float32) * std
+
+
+def attach_value_heads(chunks: list, bias: bool = True, row: torch.Tensor | None = None) -> None:
+    """Give the last-stage chunk of `chunks` (raw GPTModels, before DDP) a ValueHead as
+    `value_head` (zero, or this TP rank's slice of the full [1, h] `row`; without a bias for a
+    reward model's score head) and freeze its output layer (tied embeddings stay trainable: the
+    input uses them)."""
     for chunk in chunks:
         model = unwrap(chunk)
         if not model.post_process:
             continue
         weight = model.embedding.word_embeddings.weight if model.pre_process else \
             next(model.parameters())
-        model.value_head = ValueHead(model.config.hidden_size, weight.dtype, weight.device)
+        model.value_head = ValueHead(model.config.hidden_size, weight.dtype, weight.device, bias)
+        if row is not None:
+            model.value_head.load_row(row)
         if not model.share_embeddings_and_output_weights:
             model.output_layer.weight.requires_grad_(False)
 
