@@ -8,10 +8,11 @@ One package per concern; package-level imports run one way (tests/test_structure
     training    TrainEngine and everything one optimizer step needs
     checkpoint  save/resume at any layout
     run         RunLoop around every step; may import config, training, checkpoint
-    sft, rl,    entry points (`python -m engine.sft`, `python -m engine.rl`, `python -m engine.dpo`);
-    dpo         nothing imports them, and they never import each other
+    sft, rl,    entry points (`python -m engine.sft`, `python -m engine.rl`, `python -m engine.dpo`,
+    dpo, rm     `python -m engine.rm`); nothing imports them, and they never import each other,
+                except that rm reuses dpo's per-sequence context-parallel sums
 
-data and training never import run, sft, rl, dpo or checkpoint; run never imports sft, rl or
-dpo.
+data and training never import run, sft, rl, dpo, rm or checkpoint; run never imports sft,
+rl, dpo or rm.
 `cli.py` and `errors.py` are shared by the entry points.
 """

@@ -12,16 +12,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = ("engine", "models", "parallel")
 MAX_FILE_LINES = 350
 MAX_FUNCTION_LINES = 80
-ENTRY_POINTS = {"engine.sft.__main__", "engine.rl.__main__", "engine.dpo.__main__"}
+ENTRY_POINTS = {"engine.sft.__main__", "engine.rl.__main__", "engine.dpo.__main__",
+                "engine.rm.__main__"}
 # package -> packages it must never import (engine/__init__.py; docs/development.md)
 FORBIDDEN = {
-    "data": {"run", "sft", "rl", "dpo", "checkpoint", "training", "config"},
-    "training": {"run", "sft", "rl", "dpo", "checkpoint", "data", "config"},
-    "checkpoint": {"run", "sft", "rl", "dpo"},
-    "run": {"sft", "rl", "dpo"},
-    "dpo": {"sft", "rl"},
-    "sft": {"dpo"},
-    "rl": {"dpo"},
+    "data": {"run", "sft", "rl", "dpo", "rm", "checkpoint", "training", "config"},
+    "training": {"run", "sft", "rl", "dpo", "rm", "checkpoint", "data", "config"},
+    "checkpoint": {"run", "sft", "rl", "dpo", "rm"},
+    "run": {"sft", "rl", "dpo", "rm"},
+    "dpo": {"sft", "rl", "rm"},
+    "sft": {"dpo", "rm"},
+    "rl": {"dpo", "rm"},
+    "rm": {"sft", "rl"},
 }
 
 

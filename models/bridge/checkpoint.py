@@ -32,13 +32,23 @@ class CheckpointError(FileNotFoundError):
     """A path that is not a readable checkpoint of this project."""
 
 
+HEAD_PREFIX = "value_head."   # models.layers.heads.value.attach_value_heads's attribute
+
+
 def model_sharded_state_dict(chunks: list) -> dict:
     """{"model": {"chunk0": ..., ...}}: sharded tensors with global (layout-free) keys; with
-    LoRA adapters (models.lora.sites) only theirs: the frozen base comes from model.hf_path."""
+    LoRA adapters (models.lora.sites) only what trains: the adapters and a value/score head
+    (models.layers.heads.value, trained in full as peft's modules_to_save); the frozen base
+    comes from model.hf_path."""
     lora = lora_spec_of(chunks) is not None
     return {"model": {f"chunk{i}": {k: v for k, v in unwrap(c).sharded_state_dict().items()
-                                    if not lora or is_adapter_param(k)}
+                                    if not lora or _lora_saved(k)}
                       for i, c in enumerate(chunks)}}
+
+
+def _lora_saved(name: str) -> bool:
+    """Whether a LoRA checkpoint holds the state-dict entry `name`: an adapter's or the head's."""
+    return is_adapter_param(name) or name.startswith(HEAD_PREFIX)
 
 
 def load_model_state(chunk, state: dict) -> None:
@@ -49,7 +59,7 @@ def load_model_state(chunk, state: dict) -> None:
         model.load_state_dict(state, strict=True)
         return
     result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if is_adapter_param(k)]
+    missing = [k for k in result.missing_keys if _lora_saved(k)]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"LoRA checkpoint mismatch: missing adapters {missing[:4]}, "
                               f"unexpected {result.unexpected_keys[:4]}")

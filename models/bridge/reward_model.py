@@ -34,7 +34,7 @@ from models.layers.heads.value import attach_value_heads, seeded_row, value_head
 
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
-__all__ = ["is_reward_model_config", "reward_model_hf_config", "reward_model_problem",
+__all__ = ["classifier_problem", "is_reward_model_config", "reward_model_hf_config", "reward_model_problem",
            "init_reward_model", "load_reward_model", "export_reward_model", "SCORE_WEIGHT"]
 
 
@@ -60,6 +60,22 @@ def reward_model_hf_config(hf_config: dict) -> dict:
                             for a in hf_config.get("architectures") or []]
     out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return out
+
+
+def classifier_problem(hf_config: dict) -> str | None:
+    """Why a model's reward-model form would not load in transformers (None: it would): the
+    export is transformers' <Family>ForSequenceClassification, which must exist (it does for
+    Qwen3, Qwen2, Llama, Qwen3-MoE, Mixtral, DeepSeek-V3/Kimi-K2, gpt-oss and Qwen3.5's text
+    model in transformers 5.19; not for GLM-4.5 or vision-language wrappers)."""
+    import transformers  # heavy; only a reward-model check needs its class list
+
+    names = reward_model_hf_config(hf_config)["architectures"]
+    known = [n for n in names if n.endswith(CLASSIFIER_SUFFIX) and hasattr(transformers, n)]
+    if known:
+        return None
+    return (f"transformers {transformers.__version__} has no sequence-classification class for "
+            f"architectures {hf_config.get('architectures')} (looked for {names}); reward "
+            "models need one")
 
 
 def reward_model_problem(hf_dir: str) -> str | None:

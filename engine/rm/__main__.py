@@ -1,0 +1,41 @@
+"""Reward-model training entry point (docs/preference.md, "Reward models").
+
+    torchrun --nproc_per_node N -m engine.rm model.hf_path=DIR data.train_files=[pairs.jsonl] \
+        train.global_batch_size=64 train.max_steps=100
+    python -m engine.rm --config recipes/rm/qwen3_8b_rm_h100.yaml --validate --nodes 1
+
+The configuration is parsed and validated here, before any process group exists (exit code 2
+on an error); the run itself is engine.rm.training.run.
+"""
+from __future__ import annotations
+
+import sys
+
+from engine.cli import answered_help, exit_process, run_entry
+from engine.config.rm_settings import RMConfig, validate_rm
+from engine.rm.recipe_check import main as validate_main
+
+
+USAGE = "python -m engine.rm [--config FILE.yaml] [key=value ...]  (or torchrun ... -m engine.rm)"
+EXAMPLES = [
+    "python -m engine.rm model.hf_path=DIR data.train_files=[pairs.jsonl] train.max_steps=100",
+    "torchrun --nproc_per_node 8 -m engine.rm --config recipes/rm/qwen3_8b_rm_h100.yaml "
+    "model.hf_path=DIR",
+    "python -m engine.rm --config recipes/rm/qwen3_8b_rm_h100.yaml --validate --nodes 1",
+]
+
+
+def main(argv: list[str] | None = None, prog: str = "engine.rm", usage: str = USAGE,
+         examples: list[str] = EXAMPLES) -> int:
+    """`python -m engine.rm [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
+    and `examples` are what --help prints (the console command passes its own)."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if answered_help(argv, prog, RMConfig, usage, examples):
+        return 0
+    if "--validate" in argv:  # recipe check: no process groups, no weights, no training
+        return validate_main(argv)
+    return run_entry("engine.rm.training:run", argv, schema=RMConfig, validate=validate_rm)
+
+
+if __name__ == "__main__":
+    exit_process(main())

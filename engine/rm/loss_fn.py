@@ -1,0 +1,114 @@
+"""The reward model's micro-batch loss (Bradley-Terry): whole pairs meet in one loss term.
+
+The score r of a sequence is the score head (models.layers.heads.value, no bias) applied to the
+final-norm hidden state of its LAST token. Sequences enter as engine.rm.training.score_sequence
+makes them: tokens = the side's whole ids, loss_mask = 1 on the last position only, so
+r = sum_t value_t * loss_mask_t.
+
+Per pair k (chosen c, rejected r, the row's margin m_k, 0 when the row has none; c_center =
+rm.center_rewards_coefficient, 0 when off), as TRL's RewardTrainer:
+
+    loss_k = -logsigmoid(r_c - r_r - m_k) + c_center * (r_c + r_r)^2,   loss = mean_k loss_k
+
+Layout contract (the same as DPO's, engine.dpo.loss_fn): the mini-batch is [c_0, r_0, c_1, ...]
+planned with pair units, so a pair's sides share a micro-batch of one DP rank; under CP each
+sequence's score is summed over the CP group (engine.dpo.loss_fn.sequence_table; only the CP
+rank holding the last token contributes); TP ranks hold the same scores (the head all-reduces
+over TP); the last pipeline stage computes the loss. The loss is non-linear in the scores, so
+the micro-batch's differentiable loss is sum_t g(seq(t)) * value_t * loss_mask_t with
+g = d(loss / P)/d(score) from the detached scores (autograd on [P] float64 tensors), P the
+GLOBAL pair count: megatron's per-token loss contract sums it over micro-batches, CP and DP
+unchanged. Reports are sums over pairs of value / P, counted on CP rank 0 only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.dpo.loss_fn import sequence_table
+from engine.training.rank_batch import context_parallel_group
+from engine.training.schedule import LossFn
+
+REPORT_KEYS = ("loss", "accuracy", "rewards/chosen", "rewards/rejected", "rewards/margins")
+
+
+@dataclass
+class RewardBatch:
+    """What every micro-batch's loss needs about the whole global batch (same on all ranks).
+
+    margins: [P] float64, each pair's margin (0 where its row has none); center: the
+    center_rewards coefficient (0: off)."""
+
+    margins: torch.Tensor
+    center: float = 0.0
+
+    @property
+    def num_pairs(self) -> int:
+        return self.margins.numel()
+
+
+def pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tensor,
+                center: float) -> torch.Tensor:
+    """[P] Bradley-Terry losses of scores `chosen`, `rejected` [P] (module docstring)."""
+    loss = -F.logsigmoid(chosen - rejected - margins)
+    if center:
+        loss = loss + center * (chosen + rejected) ** 2
+    return loss
+
+
+def score_gradients(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tensor,
+                    center: float, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(losses [P], d(scale * sum loss)/d chosen, .../d rejected), float64, detached."""
+    with torch.enable_grad():
+        c = chosen.detach().to(torch.float64).requires_grad_(True)
+        r = rejected.detach().to(torch.float64).requires_grad_(True)
+        loss = pair_losses(c, r, margins.to(torch.float64), center)
+        if c.numel() == 0:
+            return loss.detach(), c.detach(), r.detach()
+        g_c, g_r = torch.autograd.grad(loss.sum() * scale, (c, r))
+    return loss.detach(), g_c, g_r
+
+
+def _cp_rank0() -> bool:
+    group = context_parallel_group()
+    return group is None or torch.distributed.get_rank(group) == 0
+
+
+def rm_loss_fn(batch: RewardBatch, head) -> LossFn:
+    """Loss function (engine.training.schedule contract; it takes hidden states) of one step,
+    reporting REPORT_KEYS; `head`: this rank's score head (the last stage's)."""
+    n, size = batch.num_pairs, 2 * batch.margins.numel()
+    scale = 1.0 / n if n else 0.0
+
+    def loss_fn(output, mb):
+        values = head(output.hidden)
+        mask = mb.loss_mask.to(values.dtype)
+        table = sequence_table(values, mask, mb.seq_ids, size)
+        present = table[:, 1] > 0
+        if not bool((present[0::2] == present[1::2]).all()):
+            raise RuntimeError("a preference pair's sides are in different micro-batches: plan "
+                               "the mini-batch with units (engine.rm.loss_fn)")
+        pairs = torch.nonzero(present[0::2], as_tuple=True)[0]
+        c, r = 2 * pairs, 2 * pairs + 1
+        scores = table[:, 0]
+        losses, g_c, g_r = score_gradients(scores[c], scores[r],
+                                           batch.margins.to(table.device)[pairs],
+                                           batch.center, scale)
+        coef = torch.zeros(size, dtype=torch.float64, device=table.device)
+        coef[c], coef[r] = g_c, g_r
+        ids = mb.seq_ids.long()
+        token_coef = torch.where(ids >= 0, coef[ids.clamp(min=0)], torch.zeros_like(coef[:1]))
+        loss = (values * mask * token_coef.to(values.dtype)).sum()
+        once = scale if _cp_rank0() else 0.0
+        total = (lambda v: v.sum().to(torch.float64) * once)
+        reports = {"loss": total(losses),
+                   "accuracy": total((scores[c] > scores[r]).to(torch.float64)),
+                   "rewards/chosen": total(scores[c]),
+                   "rewards/rejected": total(scores[r]),
+                   "rewards/margins": total(scores[c] - scores[r])}
+        return loss, reports
+
+    return loss_fn
