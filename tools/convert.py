@@ -2,16 +2,21 @@
 
   python tools/convert.py hf-to-mcore --hf-dir H --out C
   python tools/convert.py hf-to-mcore --hf-dir H --adapter A --out C   (LoRA: base + PEFT adapter)
+      (H may be a reward model: *ForSequenceClassification, num_labels 1, score.weight only)
   python tools/convert.py mcore-to-hf --ckpt C --out O        (C may be a training iter_* dir
                                                               or its parent run directory)
       [--iteration N]             (a run directory: this iteration; default the newest
                                    complete one, named in the output)
       [--overwrite]               (replace a non-empty --out: its contents are removed first)
       [--quantize fp8]            (an FP8 source: re-quantize with its scales; default bf16)
-      [--merge] [--base H]        (LoRA checkpoints: a PEFT adapter, or the merged model;
-                                   a PPO critic, checkpoint.dir/critic: *ForTokenClassification)
+      [--merge] [--base H]        (LoRA checkpoints: a PEFT adapter, or the merged model)
+      A PPO critic (checkpoint.dir/critic) exports as *ForTokenClassification; a reward model
+      (hf/config.json a one-label *ForSequenceClassification: hf-to-mcore of one, or an RM run)
+      as *ForSequenceClassification, and with LoRA as a peft SEQ_CLS adapter (the score head
+      in modules_to_save) or with --merge the merged classifier (tools/convert_reward.py)
   torchrun --nproc_per_node T*P*D tools/convert.py verify --hf-dir H --ckpt C --tp T --pp P
       [--ep E]                    (MoE: experts split over E ranks; E divides D = dp)
+      (a reward model: its last-token scores against transformers' sequence classifier)
 """
 from __future__ import annotations
 
@@ -102,14 +107,26 @@ def hf_to_mcore(args) -> None:
     from models.hf.config import check_config
     from models.hf.io import SafetensorsReader, read_config
 
+    from tools.convert_reward import (is_sequence_classifier, reward_folder_problem,
+                                      reward_to_mcore, trunk_reader)
+
     cfg = read_config(args.hf_dir)
     check_config(cfg)
     reader = SafetensorsReader(args.hf_dir)
-    check_tensors(cfg, reader.keys())
+    reward = is_sequence_classifier(cfg)  # a reward model: its trunk maps, its head is ours
+    if reward and (problem := reward_folder_problem(args.hf_dir, cfg, reader,
+                                                    getattr(args, "adapter", None))):
+        _fail(problem)
+    check_tensors(cfg, trunk_reader(reader, cfg).keys() if reward else reader.keys())
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         _fail(f"--out {out} exists and is not empty")
     _setup(cfg, args.tp, args.pp, args.ep)
+    if reward:
+        reward_to_mcore(cfg, args.hf_dir, out)
+        if dist.get_rank() == 0:
+            print(f"wrote Megatron distributed checkpoint of the reward model to {out}")
+        return
     if getattr(args, "adapter", None):  # programmatic callers may leave the LoRA options out
         from tools.convert_lora import adapter_to_mcore
         adapter_to_mcore(cfg, args.hf_dir, args.adapter, out)
@@ -157,6 +174,7 @@ def mcore_to_hf(args) -> None:
     from models.bridge.weights import export_hf_weights
     from models.bridge.checkpoint import load_model, read_hf_config
     from models.bridge.critic import export_critic, is_critic_config
+    from models.bridge.reward_model import export_reward_model, is_reward_model_config
     from models.build.factory import build_model_chunks
     from models.hf.passthrough import read_passthrough
     from models.formats.quantized import quant_method
@@ -164,41 +182,49 @@ def mcore_to_hf(args) -> None:
     from models.layers.heads.value import attach_value_heads
 
     from tools.convert_lora import checkpoint_lora, export_lora
+    from tools.convert_reward import export_config, export_reward_lora
 
     ckpt = resolve_checkpoint(args.ckpt, getattr(args, "iteration", None))
     out = Path(args.out)
     _claim_out(out, getattr(args, "overwrite", False), ckpt)
     cfg = read_hf_config(ckpt)
     _setup(cfg)
+    critic = is_critic_config(cfg)  # a PPO critic (checkpoint.dir/critic): its value head too
+    reward = is_reward_model_config(cfg)  # a reward model: its score head (no bias)
     found = checkpoint_lora(ckpt, getattr(args, "base", None), cfg)
     if found is None and getattr(args, "merge", False):
         _fail(f"--merge needs a LoRA checkpoint; {ckpt} holds a full model")
     if found is not None:
         out.mkdir(parents=True, exist_ok=True)
-        n = export_lora(ckpt, cfg, found, out, args.merge, args.dtype,
-                        lambda tensors: _write_hf(tensors, cfg, ckpt, out))
+        export_any = export_reward_lora if reward else export_lora
+        n = export_any(ckpt, cfg, found, out, args.merge, args.dtype, lambda tensors: _write_hf(
+            tensors, export_config(cfg, ckpt) if reward else cfg, ckpt, out))
         what = "merged HF checkpoint" if args.merge else "PEFT adapter"
-        print(f"wrote {what} ({n} tensors) to {out}")
+        print(f"wrote {what}{' of the reward model' if reward else ''} ({n} tensors) to {out}")
         return
     chunks = build_model_chunks(cfg)
-    critic = is_critic_config(cfg)  # a PPO critic (checkpoint.dir/critic): its value head too
-    if critic:
-        attach_value_heads(chunks)
+    if critic or reward:
+        attach_value_heads(chunks, bias=critic)
     load_model(chunks, ckpt)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    export = export_critic if critic else export_hf_weights
+    export = export_critic if critic else export_reward_model if reward else export_hf_weights
     cast = getattr(__import__("torch"), args.dtype) if args.dtype else None
-    quantized = quant_method(cfg) is not None and not critic  # export_tensors casts then
+    head = critic or reward
+    quantized = quant_method(cfg) is not None and not head  # export_tensors casts then
     for name, tensor in tqdm(export(chunks, cfg), desc="mcore-to-hf"):
         dtype = cast if cast is not None and not quantized else tensor.dtype
         tensors[name] = tensor.to(dtype).clone()
-    carried = {} if critic else read_passthrough(ckpt / "hf")
+    carried = read_passthrough(ckpt / "hf")
+    if head and carried:  # a classifier has no MTP layers: said, not dropped quietly
+        print(f"[convert] left out {len(carried)} pass-through tensors of the causal LM (e.g. "
+              f"{sorted(carried)[0]}): transformers' {cfg['architectures'][0]} has none")
+        carried = {}
     tensors.update(carried)  # tensors carried unchanged (e.g. MTP layers): as read, never cast
     # a quantized HF source (FP8 blocks): bf16 by default, --quantize re-quantizes
     tensors, out_cfg = export_tensors(tensors, cfg, ckpt / "hf", getattr(args, "quantize", None),
                                       cast, carried)
-    _write_hf(tensors, out_cfg, ckpt, out)
+    _write_hf(tensors, export_config(out_cfg, ckpt) if reward else out_cfg, ckpt, out)
     print(f"wrote HF checkpoint ({len(tensors)} tensors) to {out}")
 
 
@@ -221,7 +247,10 @@ def verify(args) -> int:
     from models.build.factory import build_model_chunks
     from models.build.forward import forward_logits
 
+    from models.bridge.reward_model import is_reward_model_config
     from models.hf.config import check_config
+    from models.layers.heads.value import attach_value_heads
+    from tools.convert_reward import verify_scores
 
     ckpt = resolve_checkpoint(args.ckpt, getattr(args, "iteration", None))
     cfg = read_hf_config(ckpt)
@@ -229,9 +258,17 @@ def verify(args) -> int:
     _setup(cfg, args.tp, args.pp, args.ep)
     dtype = getattr(torch, args.dtype)
     chunks = build_model_chunks(cfg, params_dtype=dtype)
+    reward = is_reward_model_config(cfg)  # compares scores, not logits
+    if reward:
+        attach_value_heads(chunks, bias=False)
     load_model(chunks, ckpt)
     for chunk in chunks:  # inference (megatron's MoE layer refuses TP without SP in training)
         chunk.eval()
+    if reward:
+        ok = verify_scores(chunks, cfg, args)
+        flag = torch.tensor([0 if ok else 1])
+        dist.all_reduce(flag)
+        return int(flag.item() > 0)
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq_len), generator=gen)
     logits = forward_logits(chunks, tokens, cfg["vocab_size"]).float().cpu()
@@ -297,7 +334,8 @@ def main(argv=None, prog: str = "convert.py") -> int:
                    "(default: model.hf_path of the checkpoint's config.yaml / lora.json)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (its "
                    "contents are removed first); without it such an --out is refused")
-    p = sub.add_parser("verify", help="logits parity of a checkpoint at a layout vs transformers")
+    p = sub.add_parser("verify", help="logits parity of a checkpoint at a layout vs "
+                       "transformers (a reward model: its sequence scores)")
     p.add_argument("--hf-dir", required=True)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--iteration", type=int, default=None, help=ITERATION_HELP)
@@ -310,7 +348,8 @@ def main(argv=None, prog: str = "convert.py") -> int:
     p.add_argument("--tolerance", type=float, default=None,
                    help="max abs logit difference allowed (default: 1e-4 in fp32; in bf16, "
                         "3e-2 x the largest |logit| of the reference, since both sides round "
-                        "to bf16)")
+                        "to bf16; a reward model's scores: 1e-4 x max(1, largest |score|) in "
+                        "fp32)")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

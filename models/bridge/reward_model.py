@@ -21,7 +21,7 @@ input embedding when the folder has no `lm_head.weight`, as models.bridge.critic
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -120,9 +120,11 @@ def load_reward_model(raw_chunks: list, hf_dir: str, hf_config: dict) -> None:
     attach_value_heads(raw_chunks, bias=False, row=reader.get(SCORE_WEIGHT).float())
 
 
-def export_reward_model(chunks: list, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF form's tensors: the trunk (no lm_head.weight) and the whole score row."""
-    for name, tensor in export_hf_weights(chunks, hf_config):
+def export_reward_model(chunks: list, hf_config: dict, transform: Callable | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF form's tensors: the trunk (no lm_head.weight) and the whole score row.
+    `transform`: as export_hf_weights' (models.lora.sites.merged_weight: LoRA merged)."""
+    for name, tensor in export_hf_weights(chunks, hf_config, transform=transform):
         if name != LM_HEAD:
             yield name, tensor
     head = value_head(chunks)

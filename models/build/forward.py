@@ -1,4 +1,5 @@
-"""Forward-only logits through any TP/PP/VPP layout (verification and parity tests)."""
+"""Forward-only logits, and a value/score head's values, through any TP/PP/VPP layout
+(verification and parity tests)."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +7,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from models.layers.heads.output import returning_hidden_states
+from models.layers.heads.value import value_head
 from parallel import cpu_runtime
 
 
@@ -18,6 +21,35 @@ def forward_logits(chunks: list, tokens: torch.Tensor, vocab_size: int) -> torch
     parallelism the tokens are padded at the end to a multiple of tp (megatron splits the
     sequence over TP ranks); causal attention keeps the real positions' logits unchanged and
     the padded ones are dropped."""
+    b, real = tokens.shape
+    local = _forward_only(chunks, tokens)
+    logits = torch.empty(b, real, vocab_size, dtype=torch.float32, device=cpu_runtime.device())
+    if local is not None:
+        local = local.float()
+        parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+        dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits.copy_(torch.cat(parts, dim=-1)[:, :real, :vocab_size])
+    return _from_last_stage(logits)
+
+
+def forward_values(chunks: list, tokens: torch.Tensor) -> torch.Tensor:
+    """float32 [b, s] values of the value/score head (models.layers.heads.value) on the final
+    hidden states of `tokens` [b, s], returned on every rank: v[i, t] = w . h[i, t] (+ b).
+    A reward model's score of sequence i is v[i, len_i - 1]. Collective over the whole world,
+    as forward_logits (cp == 1; sequence-parallel padding dropped)."""
+    b, real = tokens.shape
+    with returning_hidden_states(chunks):
+        hidden = _forward_only(chunks, tokens)
+    values = torch.empty(b, real, dtype=torch.float32, device=cpu_runtime.device())
+    if hidden is not None:
+        with torch.no_grad():
+            values.copy_(value_head(chunks)(hidden)[:, :real])
+    return _from_last_stage(values)
+
+
+def _forward_only(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
+    """The last stage's output [b, s', ...] for `tokens` [b, s] (s' = s, or s padded to a
+    multiple of tp under sequence parallelism), None on other stages."""
     dev = cpu_runtime.device()
     tokens = tokens.to(dev)
     b, real = tokens.shape
@@ -43,13 +75,11 @@ def forward_logits(chunks: list, tokens: torch.Tensor, vocab_size: int) -> torch
             forward_step_func=forward_step, data_iterator=iters,
             model=chunks if vpp > 1 else chunks[0], num_microbatches=num_mb, seq_length=s,
             micro_batch_size=b, forward_only=True)
-    logits = torch.empty(b, real, vocab_size, dtype=torch.float32, device=dev)
-    is_last = ps.is_pipeline_last_stage(ignore_virtual=True)
-    if is_last:
-        local = out[0]["logits"].float()
-        parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
-        dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
-        logits.copy_(torch.cat(parts, dim=-1)[:, :real, :vocab_size])
-    last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
-    dist.broadcast(logits, src=last_stage_rank, group=ps.get_pipeline_model_parallel_group())
-    return logits
+    return out[0]["logits"] if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+
+
+def _from_last_stage(result: torch.Tensor) -> torch.Tensor:
+    """`result` as the last pipeline stage holds it, on every rank (a broadcast over PP)."""
+    dist.broadcast(result, src=ps.get_pipeline_model_parallel_last_rank(),
+                   group=ps.get_pipeline_model_parallel_group())
+    return result

@@ -120,39 +120,49 @@ def parameter_targets(cfg: dict) -> tuple[list[str], list]:
 
 
 def peft_config(spec: LoraSpec, base_path: str, targets: list[str],
-                parameters: list[str] | None = None) -> dict:
+                parameters: list[str] | None = None, task_type: str = "CAUSAL_LM",
+                modules_to_save: list[str] | None = None) -> dict:
     """adapter_config.json for PeftModel.from_pretrained (the base at `base_path`); `targets`:
     the projection names the adapter holds, `parameters`: its target_parameters (experts,
-    router); spec's rank_pattern / alpha_pattern as peft writes them."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank,
+    router); spec's rank_pattern / alpha_pattern as peft writes them; `task_type` and
+    `modules_to_save` as peft's LoraConfig (a reward model: "SEQ_CLS", ["score"])."""
+    return {"peft_type": "LORA", "task_type": task_type, "r": spec.rank,
             "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
             "target_modules": targets, "target_parameters": parameters,
             "use_rslora": spec.rslora,
             "use_dora": False, "bias": "none", "fan_in_fan_out": False,
             "init_lora_weights": True, "base_model_name_or_path": base_path,
-            "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+            "modules_to_save": modules_to_save, "layers_to_transform": None,
+            "layers_pattern": None,
             "rank_pattern": dict(spec.rank_pattern), "alpha_pattern": dict(spec.alpha_pattern),
             "inference_mode": True}
 
 
 def write_peft_adapter(tensors: dict, spec: LoraSpec, base_path: str, out: str | Path,
-                       router: str = ROUTER_PATH) -> None:
+                       router: str = ROUTER_PATH, task_type: str = "CAUSAL_LM",
+                       saved_modules: dict[str, torch.Tensor] | None = None) -> None:
     """Write a PEFT adapter folder from `export_peft_tensors`' full tensors (rank 0). Its
     target_modules are the projections the tensors adapt (all-linear: this family's), its
     target_parameters the expert parameters (mlp.experts.gate_up_proj / down_proj) and the
-    router's weight (`router`: its HF path, `<router>.weight`) they hold."""
+    router's weight (`router`: its HF path, `<router>.weight`) they hold. `saved_modules`:
+    {HF module path: its full weight} trained in full beside the adapters, written as peft
+    0.21 saves its modules_to_save (`base_model.model.<path>.weight`) and listed in
+    modules_to_save (a reward model's {"score": [1, h]}, with task_type "SEQ_CLS")."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE),
-              metadata={"format": "pt"})
+    saved_modules = saved_modules or {}
+    stored = {k: v.contiguous() for k, v in tensors.items()}
+    stored.update({f"{PREFIX}{path}.weight": w.contiguous() for path, w in saved_modules.items()})
+    save_file(stored, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     parameters = [f"{PARENT}.{p}" for p, t in zip(EXPERT_PARAMS, EXPERT_TARGETS)
                   if t in spec.targets and any(f".{PARENT}." in n for n in tensors)]
     routed = [n for n in tensors if f".{router}.lora_" in n]
     parameters += [f"{router}.weight"] if routed else []
     targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in tensors
                       if f".{PARENT}." not in name and name not in routed})
-    (out / CONFIG_FILE).write_text(json.dumps(peft_config(spec, base_path, targets,
-                                                          parameters or None), indent=2))
+    (out / CONFIG_FILE).write_text(json.dumps(peft_config(
+        spec, base_path, targets, parameters or None, task_type,
+        sorted(saved_modules) or None), indent=2))
 
 
 # adapter_config.json fields that change the math, with the only value implemented exactly

@@ -1,0 +1,225 @@
+"""Reward-model parts of tools/convert.py (docs/checkpoints.md#reward-models).
+
+A reward model is transformers' <Family>ForSequenceClassification with num_labels 1
+(models.bridge.reward_model): the trunk under the causal LM's names without `lm_head.weight`,
+plus `score.weight` [1, h] and no bias. Its score of a sequence is score.weight . h_last, the
+final-norm hidden state of the sequence's last token (transformers: the last non-pad token).
+A checkpoint is a reward model's when its hf/config.json is one (`is_reward_model_config`):
+`hf-to-mcore` of such a folder and the engine's reward-model runs (engine.rm) write it so.
+
+- `reward_folder_problem(hf_dir, cfg, reader, adapter)`: why hf-to-mcore refuses a
+  sequence-classification folder (None: it converts);
+- `reward_to_mcore(cfg, hf_dir, out)`: hf-to-mcore of such a folder (collective);
+- `export_config(cfg, ckpt)`: the config.json mcore-to-hf writes (one label, pad_token_id);
+- `export_reward_lora(...)`: a LoRA reward model's checkpoint (adapters + the score head,
+  trained in full) as peft writes a `task_type=SEQ_CLS, modules_to_save=["score"]` adapter,
+  or with `--merge` the merged sequence-classification folder;
+- `verify_scores(chunks, cfg, args)`: `verify` for a reward model: last-token scores of
+  right-padded test sequences against transformers' AutoModelForSequenceClassification.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from models.bridge.critic import LM_HEAD, TrunkReader
+from models.bridge.reward_model import (CLASSIFIER_SUFFIX, num_labels, reward_model_hf_config,
+                                        reward_model_problem)
+
+SCORE_MODULE = "score"   # transformers' and peft's name of the head (modules_to_save)
+
+
+def is_sequence_classifier(cfg: dict) -> bool:
+    """Whether an HF config names a *ForSequenceClassification architecture (any labels)."""
+    return any(a.endswith(CLASSIFIER_SUFFIX) for a in cfg.get("architectures") or [])
+
+
+def trunk_reader(reader, cfg: dict) -> TrunkReader:
+    """`reader` without the score head, as the bridge reads a causal LM (models.bridge.critic)."""
+    return TrunkReader(reader, bool(cfg.get("tie_word_embeddings")))
+
+
+def reward_folder_problem(hf_dir: str, cfg: dict, reader, adapter: str | None) -> str | None:
+    """Why hf-to-mcore refuses the sequence-classification folder `hf_dir` (config `cfg`,
+    tensors `reader`); None: it converts. Nothing it holds may be left behind."""
+    labels = num_labels(cfg)
+    if labels != 1:
+        return (f"--hf-dir {hf_dir} is a sequence classifier with num_labels={labels} "
+                f"(config.json's num_labels / id2label); only reward models (num_labels 1: "
+                "one score per sequence) convert")
+    problem = reward_model_problem(hf_dir)
+    if problem:
+        return f"--hf-dir {hf_dir} is not a reward model this engine converts: {problem}"
+    if LM_HEAD in reader:
+        return (f"--hf-dir {hf_dir} holds {LM_HEAD}, which transformers' "
+                f"{cfg['architectures'][0]} does not have; the conversion would drop it")
+    if adapter:
+        return (f"--adapter {adapter}: hf-to-mcore reads adapters of causal LMs only, and "
+                f"--hf-dir {hf_dir} is a reward model (*{CLASSIFIER_SUFFIX}); convert a "
+                "merged model instead (mcore-to-hf --merge writes one)")
+    return None
+
+
+def reward_to_mcore(cfg: dict, hf_dir: str, out: Path) -> None:
+    """Collective: a Megatron checkpoint of the reward model in `hf_dir` (trunk and score
+    head), its hf/config.json the one-label sequence classifier's."""
+    from models.bridge.checkpoint import model_sharded_state_dict, save_checkpoint
+    from models.bridge.reward_model import load_reward_model
+    from models.build.factory import build_model_chunks
+
+    chunks = build_model_chunks(cfg)
+    load_reward_model(chunks, hf_dir, cfg)
+    save_checkpoint(model_sharded_state_dict(chunks), out, reward_model_hf_config(cfg), hf_dir)
+
+
+def export_config(cfg: dict, ckpt: Path) -> dict:
+    """config.json of a reward model's export: the one-label sequence classifier, with the
+    config's pad_token_id, else the checkpoint tokenizer's (transformers' sequence
+    classifiers need one to score batches of more than one sequence: they score the last
+    token that is not the pad id). Without either, a note says so (rank 0 prints)."""
+    out = reward_model_hf_config(cfg)
+    if out.get("pad_token_id") is None:
+        pad = _tokenizer_pad_id(ckpt / "hf")
+        if pad is not None:
+            out["pad_token_id"] = pad
+            print(f"[convert] pad_token_id={pad}: the tokenizer's pad token (config.json has "
+                  "none)", flush=True)
+        else:
+            print("[convert] note: no pad_token_id in config.json or the tokenizer: "
+                  "transformers' sequence classifier then scores one sequence per batch",
+                  flush=True)
+    return out
+
+
+def _tokenizer_pad_id(folder: Path) -> int | None:
+    """The pad token id of the tokenizer files in `folder` (None: none, or no tokenizer)."""
+    if not (folder / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder)).pad_token_id
+    except (OSError, ValueError):
+        return None
+
+
+def load_reward_lora(ckpt: Path, cfg: dict, spec, base: str) -> list:
+    """Chunks (world 1) of a LoRA reward model: the base's trunk from `base` (a causal LM or
+    a sequence classifier: its score row is not used), the adapters and the trained score
+    head from `ckpt`."""
+    from models.bridge.checkpoint import load_model
+    from models.bridge.weights import load_hf_weights
+    from models.build.factory import build_model_chunks
+    from models.hf.io import SafetensorsReader
+    from models.layers.heads.value import attach_value_heads
+
+    if not base or not (Path(base) / "config.json").is_file():
+        raise ValueError(f"the LoRA checkpoint's base model folder {base!r} is not readable; "
+                         "pass --base HF_DIR")
+    chunks = build_model_chunks(cfg, lora=spec)
+    load_hf_weights(chunks, trunk_reader(SafetensorsReader(base), cfg), cfg)
+    attach_value_heads(chunks, bias=False)
+    load_model(chunks, ckpt)
+    return chunks
+
+
+def export_reward_lora(ckpt: Path, cfg: dict, found, out: Path, merge: bool, dtype,
+                       write_hf) -> int:
+    """A LoRA reward model's checkpoint as a peft adapter (task_type SEQ_CLS, the score head
+    in modules_to_save, as peft 0.21 saves it: `base_model.model.score.weight`), or with
+    `merge` the merged sequence-classification model via `write_hf(tensors)`; returns the
+    number of tensors written."""
+    import torch
+
+    from models.bridge.critic import full_head_row
+    from models.bridge.reward_model import export_reward_model
+    from models.families.registry import family_of
+    from models.hf.conditional import peft_layers
+    from models.layers.heads.value import value_head
+    from models.lora.peft import export_peft_tensors, write_peft_adapter
+    from models.lora.sites import ROUTER_PATH, merged_weight
+
+    spec, base = found
+    chunks = load_reward_lora(ckpt, cfg, spec, base)
+    cast = (lambda t: t.to(getattr(torch, dtype))) if dtype else (lambda t: t)
+    if merge:
+        tensors = {n: cast(t).clone()
+                   for n, t in export_reward_model(chunks, cfg, transform=merged_weight)}
+        write_hf(tensors)
+        return len(tensors)
+    tensors = {n: cast(t).clone() for n, t in export_peft_tensors(chunks, peft_layers(cfg))}
+    score = cast(full_head_row(value_head(chunks))).clone()
+    router = family_of(cfg).lora_hf_paths.get(ROUTER_PATH, ROUTER_PATH)
+    write_peft_adapter(tensors, spec, str(base), out, router, task_type="SEQ_CLS",
+                       saved_modules={SCORE_MODULE: score})
+    print(f"[convert] peft loads it on the base as a one-label sequence classifier: "
+          f"PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained("
+          f"{str(base)!r}, num_labels=1), {str(out)!r})", flush=True)
+    return len(tensors) + 1
+
+
+def score_batch(cfg: dict, batch: int, seq_len: int, seed: int):
+    """(tokens [batch, seq_len], lengths [batch]) of `verify`'s test sequences: seeded ids
+    that are never the pad id, lengths seq_len, seq_len - 3, ... (at least 2), right-padded
+    with pad_token_id (0 without one), so transformers' last-non-pad rule is exercised."""
+    import torch
+
+    pad = cfg.get("pad_token_id")
+    pad = 0 if pad is None else int(pad)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg["vocab_size"] - 1, (batch, seq_len), generator=gen)
+    tokens = tokens + (tokens >= pad).long()          # every id but the pad id
+    lengths = torch.tensor([max(seq_len - 3 * i, 2) for i in range(batch)])
+    tokens[torch.arange(seq_len).unsqueeze(0) >= lengths.unsqueeze(1)] = pad
+    return tokens, lengths
+
+
+def hf_scores(hf_dir: str, tokens, lengths, dtype):
+    """transformers' AutoModelForSequenceClassification scores [b] (float32) of the
+    right-padded `tokens`: one padded batch when the config has a pad_token_id, else one
+    unpadded sequence at a time (transformers scores no batch of several without it)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=dtype).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = hf.to(device)
+    with torch.no_grad():
+        if hf.config.pad_token_id is not None:
+            scores = hf(tokens.to(device)).logits[:, 0]
+        else:
+            scores = torch.cat([hf(tokens[i:i + 1, :int(n)].to(device)).logits[:, 0]
+                                for i, n in enumerate(lengths)])
+    return scores.float().cpu(), type(hf).__name__
+
+
+def verify_scores(chunks: list, cfg: dict, args) -> bool:
+    """Collective: the checkpoint's last-token scores (models.build.forward.forward_values) of
+    score_batch's sequences against transformers' scores of --hf-dir; rank 0 prints
+    max_abs_diff and returns whether it is within the tolerance (fp32 default: 1e-4 x
+    max(1, max |score|); bf16: 3e-2 x max |score|)."""
+    import torch
+    import torch.distributed as dist
+
+    from models.build.forward import forward_values
+    from models.hf.io import read_config
+
+    tokens, lengths = score_batch(cfg, args.batch, args.seq_len, args.seed)
+    values = forward_values(chunks, tokens).float().cpu()
+    scores = values[torch.arange(len(lengths)), lengths - 1]
+    if dist.get_rank() != 0:
+        return True
+    if not is_sequence_classifier(read_config(args.hf_dir)):
+        print(f"verify: FAILED (--hf-dir {args.hf_dir} is not a *{CLASSIFIER_SUFFIX} folder; "
+              "the checkpoint is a reward model)")
+        return False
+    ref, name = hf_scores(args.hf_dir, tokens, lengths, getattr(torch, args.dtype))
+    diff = (scores - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    tolerance = args.tolerance if args.tolerance is not None else (
+        1e-4 * max(1.0, scale) if args.dtype == "float32" else 3e-2 * scale)
+    print(f"reference: transformers {name} (last-token scores, lengths {lengths.tolist()})")
+    print(f"layout tp={args.tp} pp={args.pp} ep={args.ep} dtype={args.dtype} "
+          f"max_abs_diff={diff:.3e} (max |score| {scale:.3e})")
+    ok = diff <= tolerance
+    print("verify: OK" if ok else f"verify: FAILED (tolerance {tolerance:.3e})")
+    return ok
