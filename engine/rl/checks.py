@@ -22,6 +22,8 @@ from engine.rl.env.contract import ENV_TOOLS, load_env_class
 from engine.rl.env.episode_batch import env_template_problem
 from engine.rl.env.tool_schema import load_tools
 from engine.rl.env.tools_env import tool_kwargs_problems
+from engine.rl.policy.reward_model_checks import (reward_key_problems, reward_model_problems,
+                                                  vocabulary_problem)
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.base import (BACKENDS, backend_class, conditional_checkpoint_problems,
                                     custom_backend_class)
@@ -30,7 +32,6 @@ from engine.rl.rollout.placement import (placement_problems, procs_per_node, rol
 from engine.rl.rollout.sync_quantization import sync_quantization_problems
 from engine.rl.rollout.vllm_settings import vllm_problems
 from models.bridge.critic import critic_problem
-from models.hf.custom_code import load_tokenizer
 
 def rl_problems(cfg: RLConfig) -> list[str]:
     """Every violated constraint of the RL keys, as sentences naming the key; the checkpoint
@@ -93,7 +94,8 @@ def rl_problems(cfg: RLConfig) -> list[str]:
         load_reward_fn(cfg.reward.fn)
     except ValueError as e:
         p.append(f"reward.fn: {e}")
-    return (p + env_problems(cfg) + val_problems(cfg) + correction_problems(cfg)
+    return (p + reward_key_problems(cfg) + env_problems(cfg) + val_problems(cfg)
+            + correction_problems(cfg)
             + checkpoint_config_problems(cfg))
 
 
@@ -114,6 +116,7 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                                         rollout_procs_per_node(world_size + n_rollout, n_rollout)
                                         if n_rollout else procs_per_node(world_size))
                    + routing_replay_problems(cfg) + distill_problems(cfg, world_size)
+                   + reward_model_problems(cfg, world_size, hf_config)
                    + ppo_problems(cfg) + conditional_checkpoint_problems(cfg, hf_config)
                    + sync_quantization_problems(cfg, hf_config) + vllm_problems(cfg, hf_config))
     return hf_config
@@ -152,24 +155,18 @@ def distill_problems(cfg: RLConfig, world_size: int) -> list[str]:
         f"distill.coef={coef!r} must be a number > 0"]
     if cfg.rollout.placement == "disaggregated":
         p.append("distill.teacher_path is colocated only (rollout.placement=disaggregated)")
-    if cfg.reward.fn == "none" and cfg.dapo.dynamic_sampling:
+    if cfg.reward.fn == "none" and not cfg.reward.model.path and cfg.dapo.dynamic_sampling:
         p.append("dapo.dynamic_sampling=true with reward.fn=none drops every group (all "
                  "rewards are 0); turn dynamic sampling off for pure distillation")
     try:
         teacher = read_hf_config(path, "distill.teacher_path")
-        trust = cfg.model.trust_remote_code  # the key covers the teacher's tokenizer code too
-        vocab = load_tokenizer(path, trust).get_vocab()
-        student = load_tokenizer(cfg.model.hf_path, trust).get_vocab()
+        vocab = vocabulary_problem(cfg, path, "distill.teacher_path",
+                                   "the teacher must share the student's vocabulary")
     except (ConfigError, OSError, ValueError) as e:
         return p + [str(e) if str(e).startswith("distill.") else
                     f"distill.teacher_path={path}: {e}"]
-    if vocab != student:
-        differ = sum(student.get(tok) != i for tok, i in vocab.items())
-        p.append(f"distill.teacher_path={path}: its tokenizer is not model.hf_path's ({len(vocab)}"
-                 f" vs {len(student)} tokens, {differ} differ); the teacher must share the "
-                 "student's vocabulary")
-    return p + [f"distill.teacher_path={path}: {m}"
-                for m in layout_problems(cfg, world_size, teacher)]
+    return p + ([vocab] if vocab else []) + [f"distill.teacher_path={path}: {m}"
+                                            for m in layout_problems(cfg, world_size, teacher)]
 
 
 def correction_problems(cfg) -> list[str]:

@@ -47,9 +47,21 @@ class RLTrainConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A learned reward model (engine.rl.policy.reward_model; docs/rl.md)."""
+    # HF *ForSequenceClassification folder (num_labels 1) scoring the policy's token ids
+    path: Optional[str] = None           # null: no reward model
+    weight: float = 1.0                  # reward = reward.fn score + weight * the model's score
+    offload: bool = False                # its weights in host memory outside its forward pass
+
+
+@dataclass
 class RewardConfig:
-    fn: str = "math"                     # built-in name or "package.module:function"
+    # built-in name or "package.module:function"; with reward.model.path set and reward.fn not
+    # given, none (the reward model alone: engine.rl.algo.presets)
+    fn: str = "math"
     timeout_s: Optional[float] = 30.0    # per call; null: sequential, no timeout
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass

@@ -4,8 +4,10 @@
 One RL step:
 1. rollout (driven by global rank 0; engine.rl.collect.collector): prompts_per_step prompts x
    rollout.n responses split over the job's engines, ONE generate call per engine (more only
-   with DAPO dynamic sampling or a failure), rewards, overlong shaping, group advantages; the
-   token lists are broadcast to every rank;
+   with DAPO dynamic sampling or a failure), rewards (reward.fn, plus a learned reward model's
+   score, engine.rl.policy.reward_model: every rank runs it through the pool's commands, or on
+   a disaggregated run the training ranks when the batch arrives), overlong shaping, group
+   advantages; the token lists are broadcast to every rank;
 2. the log-prob stage (engine.rl.policy.logprob_stage): old log-probs, the KL reference's, the
    critic's values and GAE (PPO), the teacher's (distillation), forward-only in micro-batches;
 3. epochs_per_rollout x mini_batches_per_step optimizer steps (engine.rl.policy.train_step:
@@ -47,6 +49,7 @@ from engine.rl.disaggregated.trainer import RemoteRollout, RemoteValidation
 from engine.rl.disaggregated.world import active_split
 from engine.rl.env.episode_batch import check_env_start
 from engine.rl.policy.logprob_stage import AuxiliaryModels
+from engine.rl.policy.reward_model import rescore_batch
 from engine.rl.policy.routing_replay import rollout_engine_kwargs
 from engine.rl.policy.train_step import build_auxiliary, train_on_rollout
 from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
@@ -100,6 +103,8 @@ def rl_step(policy: TrainEngine, aux: AuxiliaryModels | None, collector, pool: R
     batch = broadcast_rollout(batch, pool)
     if cfg.rollout.sleep_during_train and pool is not None and pool.engine is not None:
         pool.engine.sleep()
+    if remote is not None and aux is not None and aux.reward_model is not None:
+        rescore_batch(batch, aux.reward_model, cfg, step + 1)  # the trainer scores (async)
     metrics = dict(batch.metrics)
     if remote is not None and remote.snapshots is not None and len(batch):
         metrics.update(remote.snapshots.metrics(policy, batch, step, cfg.rollout.temperature))
@@ -149,6 +154,19 @@ def _rollout_side(cfg: RLConfig, policy: TrainEngine, dtype, rows, tokenizer, pr
                                      cfg, prompt_ids)
         collector.next_gen_batch = int(extra.get("next_gen_batch", start))
     return pool, collector, None
+
+
+def _attach_auxiliary(aux: AuxiliaryModels, loop: RunLoop, pool: RolloutPool | None, cfg,
+                      hf_config: dict, resumed, start: int) -> None:
+    """PPO: the critic is checkpointed beside the policy (and resumed with it). Colocated, the
+    reward model scores each generation batch through the pool (RolloutPool.score); a
+    disaggregated run's training ranks score the batches they receive (rl_step)."""
+    if aux.critic is not None:
+        loop.side_engines["critic"] = (aux.critic, critic_hf_config(hf_config))
+        if start > 0:
+            resume_side_engines(cfg, loop.side_engines, resumed, "train.prompts_per_step")
+    if pool is not None and aux.reward_model is not None:
+        pool.scorer = aux.reward_model.score
 
 
 def _count(done: list, step: int) -> dict:
@@ -206,10 +224,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     if not loop.prepare(start):
         return remote.begin(policy, run=False) if remote is not None else 0
     aux = build_auxiliary(cfg, hf_config, dtype, batching, pad_id, optimizer_steps)
-    if aux.critic is not None:  # PPO: the critic is checkpointed beside the policy
-        loop.side_engines["critic"] = (aux.critic, critic_hf_config(hf_config))
-        if start > 0:
-            resume_side_engines(cfg, loop.side_engines, resumed, "train.prompts_per_step")
+    _attach_auxiliary(aux, loop, pool, cfg, hf_config, resumed, start)
     if rank == 0:
         print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {train.prompts_per_step} x "
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "

@@ -23,7 +23,9 @@ the memory per GPU (GiB), in two phases:
   model.dtype, frozen; when that directory is not on the validating machine the teacher is
   NOT counted, the report says so and recipe.expected_memory_gib is not compared; with
   distill.offload it is counted only in a third phase, its forward pass: the resident
-  training state plus its weights) and the PPO
+  training state plus its weights), the reward model's weights (reward.model.path, counted as
+  the teacher; with reward.model.offload in the rollout phase only, where it scores; on a
+  disaggregated run on the training GPUs, while it scores a batch) and the PPO
   critic (advantage.estimator=gae: a second copy of the policy's stage parameters plus the
   value head, h / tp + 1 parameters on the last stage, with its own fp32 gradients and
   optimizer state; the policy's output layer, frozen in the critic, has neither; on the
@@ -45,7 +47,6 @@ warning over 90 %) and match recipe.expected_memory_gib within 10 % when that is
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from engine.config.cli_flags import int_flag, pop_switch
@@ -56,12 +57,13 @@ from models.estimate.vision import tower_parameters
 from engine.config.lora_settings import lora_problems, lora_spec
 from engine.config.loading import load_config
 from engine.config.recipe_validation import estimate_memory, memory_checks, model_config
-from engine.config.schema import (ConfigError, layout_problems, parallel_layout, read_hf_config,
-                                  value_problems)
+from engine.config.schema import ConfigError, layout_problems, parallel_layout, value_problems
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.disaggregated.checks import async_problems
 from engine.rl.checks import ppo_problems, rl_problems
 from engine.rl.config import RLConfig
+from engine.rl.policy.frozen_memory import frozen_config, frozen_memory
+from engine.rl.policy.reward_model_checks import reward_model_fit
 from engine.rl.rollout.engine_memory import (engine_budget, engine_fit, engine_weights,
                                               engine_weights_problem)
 from engine.rl.rollout.placement import placement_problems, resolve_placement, split_sizes
@@ -71,37 +73,6 @@ from models.estimate.counting import padded_vocab_size, stage_parameters
 from models.estimate.training_memory import GIB, micro_batch_tokens, optimizer_bytes
 
 GB = 1e9
-
-
-def teacher_config(cfg: RLConfig, problems: list[str]) -> dict | None:
-    """The distillation teacher's HF config (distill.teacher_path's config.json) for the
-    estimate, or None: no teacher, or its directory is not on this machine (not counted).
-    A directory that is there but unreadable or unsupported is a problem, as model.hf_path's."""
-    path = cfg.distill.teacher_path
-    if not path or not os.path.isdir(path):
-        return None
-    try:
-        return read_hf_config(path, "distill.teacher_path")
-    except ConfigError as e:
-        problems.append(str(e))
-        return None
-
-
-def teacher_memory(cfg: RLConfig, teacher: dict | None) -> tuple[float, list[str]]:
-    """(GiB per GPU, report lines) of the frozen teacher: its fullest stage's parameters at the
-    policy's tp / pp / ep in model.dtype."""
-    path, par = cfg.distill.teacher_path, cfg.parallel
-    if not path:
-        return 0.0, []
-    if teacher is None:
-        return 0.0, [f"distillation teacher: NOT counted in the memory estimate "
-                     f"(distill.teacher_path={path} is not on this machine; its config.json gives "
-                     "its size), so recipe.expected_memory_gib is not compared"]
-    stage = stage_parameters(teacher, par.tp, par.pp, par.ep)
-    gib = max(stage.first_stage, stage.last_stage) * _bytes(cfg) / GIB
-    return gib, [f"distillation teacher per GPU (estimate, GiB): weights {gib:.1f} "
-                 f"({teacher.get('model_type')}, {stage.total / 1e9:.2f} B parameters, frozen, "
-                 f"{cfg.model.dtype}, at tp={par.tp} pp={par.pp})"]
 
 
 def critic_memory(cfg: RLConfig, hf: dict, layout, mem) -> tuple[float, list[str]]:
@@ -145,10 +116,12 @@ def reference_gib(cfg: RLConfig, hf: dict, a: int, lora) -> float:
 
 
 def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
-              gpus_per_engine: int = 1) -> tuple[float, float, list[str]]:
+              gpus_per_engine: int = 1, rm: dict | None = None
+              ) -> tuple[float, float, list[str]]:
     """(training GiB, rollout GiB, summary lines) per GPU: the module docstring's estimate;
-    `teacher`: distill.teacher_path's HF config (teacher_config), None when not counted;
-    `gpus_per_engine`: the placement's (an engine's share of its weights per GPU)."""
+    `teacher` / `rm`: distill.teacher_path's / reward.model.path's HF config (frozen_config),
+    None when not counted; `gpus_per_engine`: the placement's (an engine's share of its weights
+    per GPU)."""
     par, train, roll = cfg.parallel, cfg.train, cfg.rollout
     layout = parallel_layout(par, world)
     responses = max(train.prompts_per_step * roll.n // train.mini_batches_per_step, 1)
@@ -160,17 +133,23 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
                           plan.num_micro_batches, lora, vision_estimate(cfg, train))
     reference = reference_gib(cfg, hf, a, lora)
     engine, engine_text = engine_budget(cfg, hf, gpus_per_engine)
-    teacher_gib, teacher_lines = teacher_memory(cfg, teacher)
+    teacher_gib, teacher_lines = frozen_memory(cfg, cfg.distill.teacher_path,
+                                               "distill.teacher_path", teacher,
+                                               "distillation teacher")
+    rm_gib, rm_lines = frozen_memory(cfg, cfg.reward.model.path, "reward.model.path", rm,
+                                     "reward model")
+    # reward.model.offload: on the GPU only while it scores, in the rollout phase (colocated)
+    rm_host = cfg.reward.model.offload and rm is not None
     full = mem if lora is None else estimate_memory(  # the PPO critic is a full model
         hf, layout, train, a == 2, cfg.optim.distributed_optimizer, plan.num_micro_batches)
     critic, critic_lines = critic_memory(cfg, hf, layout, full)
     # distill.offload: the teacher is on the GPU only for its forward pass (the log-prob stage)
     offloaded = cfg.distill.offload and teacher is not None
     resident_teacher = 0.0 if offloaded else teacher_gib
-    others = reference + resident_teacher + critic
+    others = reference + resident_teacher + critic + (0.0 if rm_host else rm_gib)
     resident = mem.weights + mem.grads + mem.optimizer + others + mem.runtime
     training = mem.total + others + (0.0 if roll.sleep_during_train else engine)
-    rollout = resident + engine
+    rollout = resident + engine + (rm_gib if rm_host else 0.0)
     if offloaded:  # its forward pass: the resident training state plus the teacher's weights
         stage = resident + teacher_gib + (0.0 if roll.sleep_during_train else engine)
         teacher_lines.append(f"distill.offload: the teacher is in host memory except during "
@@ -180,7 +159,7 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
         training = max(training, stage)
     lines = [
         *lora_summary(hf, lora, stage_parameters(hf, 1, 1).total),
-        *vision_summary(cfg, hf, train), *teacher_lines, *critic_lines,
+        *vision_summary(cfg, hf, train), *teacher_lines, *rm_lines, *critic_lines,
         f"memory per GPU while training (estimate, GiB): policy {mem.total:.1f} (weights "
         f"{mem.weights:.1f} + grads {mem.grads:.1f} + optimizer {mem.optimizer:.1f} + "
         f"activations {mem.activations:.1f} + logits {mem.logits:.1f} + runtime "
@@ -189,19 +168,23 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
         + (f" + distillation teacher {teacher_gib:.1f}" if teacher is not None
            and not offloaded else "")
         + (f" + PPO critic {critic:.1f}" if critic_lines else "")
+        + (f" + reward model {rm_gib:.1f}" if rm is not None and not rm_host else "")
         + ("" if roll.sleep_during_train else f" + rollout engine {engine:.1f}")
         + f" = {training:.1f}",
         f"memory per GPU during rollout on an engine's GPUs (estimate, GiB): resident "
-        f"training state {resident:.1f} + engine {engine:.1f} ({engine_text}) = "
-        f"{rollout:.1f}",
+        f"training state {resident:.1f} + engine {engine:.1f} ({engine_text})"
+        + (f" + reward model {rm_gib:.1f} (reward.model.offload: on the GPU while it scores)"
+           if rm_host else "") + f" = {rollout:.1f}",
     ]
     return training, rollout, lines
 
 
-def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
+def disaggregated_memory(cfg: RLConfig, hf: dict, world: int, rm: dict | None = None
                          ) -> tuple[float, float, list[str]]:
     """(training GiB, rollout GiB, lines) per GPU when the engines have their own ranks: the
-    training GPUs hold the policy (and reference), the rollout GPUs only the engine."""
+    training GPUs hold the policy (and reference, and the reward model: `rm`, as rl_memory's;
+    with reward.model.offload only while it scores a batch, before the step's training), the
+    rollout GPUs only the engine."""
     r = cfg.rollout
     a = 2 if cfg.model.dtype == "bfloat16" else 4
     layout = parallel_layout(cfg.parallel, world)
@@ -214,9 +197,16 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
                           plan.num_micro_batches, lora, vision_estimate(cfg, cfg.train))
     reference = reference_gib(cfg, hf, a, lora)
     engine = stage_parameters(hf, 1, 1).total * a / GIB  # hf backend: the whole model
-    lines = [
+    rm_gib, lines = frozen_memory(cfg, cfg.reward.model.path, "reward.model.path", rm,
+                                  "reward model")
+    host = cfg.reward.model.offload
+    trainer = mem.total + reference + (0.0 if host else rm_gib)
+    scoring = mem.weights + mem.grads + mem.optimizer + mem.runtime + reference + rm_gib
+    lines += [
         f"memory per training GPU (estimate, GiB): policy {mem.total:.1f} + KL reference "
-        f"{reference:.1f} = {mem.total + reference:.1f}",
+        f"{reference:.1f}" + (f" + reward model {rm_gib:.1f}" if rm and not host else "")
+        + f" = {trainer:.1f}" + (f"; while the reward model scores a batch (offloaded "
+                                 f"otherwise) {scoring:.1f}" if rm and host else ""),
         f"memory per rollout GPU (estimate, GiB): {r.backend} engine weights {engine:.1f}",
         f"host memory per engine owner (estimate, GiB): {2 * engine:.1f} (the served version, "
         "kept for engine restarts, plus one version received ahead; engine.rl.disaggregated.inbox)"]
@@ -226,7 +216,7 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int
                      f"(estimate, GiB): {(r.max_staleness + 1) * shard:.1f} ({r.max_staleness} "
                      "kept version(s) of its trainable shard, plus its current values during "
                      "each step's swap; engine.rl.disaggregated.behaviour_check)")
-    return mem.total + reference, engine, lines
+    return max(trainer, scoring if rm and host else 0.0), engine, lines
 
 
 def rl_comm(cfg: RLConfig, hf: dict, world: int, engines: int) -> tuple[list[str], dict]:
@@ -264,10 +254,13 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
     problems += (layout_problems(cfg, world, hf) + lora_problems(cfg, hf)
                  + sync_quantization_problems(cfg, hf)
                  + [p for p in [engine_weights_problem(cfg, hf)] if p])
-    teacher = teacher_config(cfg, problems)
+    teacher = frozen_config(cfg.distill.teacher_path, "distill.teacher_path", problems)
     if teacher is not None:
         problems += [f"distill.teacher_path={cfg.distill.teacher_path}: {m}"
                      for m in layout_problems(cfg, world, teacher)]
+    rm = frozen_config(cfg.reward.model.path, "reward.model.path", problems)
+    if rm is not None:
+        problems += reward_model_fit(cfg, world, hf, rm)  # config.json: weights may be absent
     roll = cfg.rollout
     engine_ranks = n_roll or world
     placement_issues = placement_problems(roll.num_engines, roll.gpus_per_engine, engine_ranks,
@@ -281,11 +274,12 @@ def rl_recipe_report(cfg: RLConfig, nodes: int, per_node: int
     par = cfg.parallel
     ep = f" ep={par.ep}" if par.ep > 1 else ""
     training, rollout, memory_lines = rl_memory(cfg, hf, world, teacher,
-                                                placement.gpus_per_engine)
+                                                placement.gpus_per_engine, rm)
     if n_roll:  # the engines live on their own GPUs: no resident training state there
-        training, rollout, memory_lines = disaggregated_memory(cfg, hf, world)
+        training, rollout, memory_lines = disaggregated_memory(cfg, hf, world, rm)
     at_recipe_size = ((nodes, per_node) == (cfg.recipe.nodes, cfg.recipe.gpus_per_node)
-                      and (teacher is not None or not cfg.distill.teacher_path))
+                      and (teacher is not None or not cfg.distill.teacher_path)
+                      and (rm is not None or not cfg.reward.model.path))
     memory_issues, warnings = memory_checks(
         max(training, rollout), cfg.recipe, at_recipe_size, "estimated peak memory per GPU",
         "raise tp/pp/ep, lower train.max_tokens_per_micro_batch or " + (

@@ -199,11 +199,18 @@ class TrainEngine:
     def frozen(cls, hf_config: dict, dtype: torch.dtype, weights_dir: str,
                batching: BatchSettings, pad_id: int = 0,
                loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
+               load_weights: bool = True, prepare: Callable[[list], None] | None = None,
                **model_overrides) -> "TrainEngine":
-        """A forward-only copy of the HF weights in `weights_dir` (no DDP, no optimizer);
-        `loss_chunk_tokens` and `model_overrides` as in `build`."""
+        """A forward-only copy of the HF weights in `weights_dir` (no DDP, no optimizer).
+        `prepare(raw chunks)` runs after the weights are loaded (or instead of loading them,
+        with `load_weights` False) and before every parameter is frozen, e.g.
+        models.bridge.reward_model.load_reward_model, which reads a sequence classifier's
+        trunk and score head itself; `loss_chunk_tokens` and `model_overrides` as in `build`."""
         chunks = build_model_chunks(hf_config, params_dtype=dtype, **model_overrides)
-        load_hf_weights(chunks, SafetensorsReader(weights_dir), hf_config)
+        if load_weights:
+            load_hf_weights(chunks, SafetensorsReader(weights_dir), hf_config)
+        if prepare is not None:
+            prepare(chunks)
         for c in chunks:
             c.eval().requires_grad_(False)
         return cls(chunks, None, None, hf_config, batching, pad_id,

@@ -27,6 +27,9 @@ class RolloutBatch:
     dump_rows: list[int] = field(default_factory=list)
     # per response, its reward (score + overlong penalty): GAE's terminal reward
     rewards: list[float] = field(default_factory=list)
+    # per response, its score (reward.fn or the env's, plus reward.model.weight x the reward
+    # model's score once it is scored; engine.rl.policy.reward_model), without the penalty
+    scores: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.response_ids)

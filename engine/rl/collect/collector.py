@@ -8,6 +8,15 @@ engine.rl.collect.transport.broadcast_rollout ends that phase by sending the tok
 every rank over the default (world) group. Sampling is seeded per response
 (work_split.response_seed), so the batch does not depend on the engine count.
 
+With a reward model (reward.model.path; the pool's `scorer`, colocated runs), every generation
+batch's trajectories are scored by it through the pool (RolloutPool.score: a collective of
+every rank) right after they are generated, on their token ids as generated (the prompt's ids
+and the sampled ids; a multi-turn episode's whole trajectory), and reward.model.weight x that
+score joins the score of reward.fn (or the environment) before the overlong shaping, dynamic
+sampling, the advantages and the dump. A disaggregated run's rollout side has no scorer: the
+training ranks add the reward model's score when the batch arrives
+(engine.rl.policy.reward_model.rescore_batch).
+
 Prompt order: generation batch b (counted over the whole run; dynamic sampling may use several
 per step) takes prompts `global_batch_indices(len(rows), prompts_per_step, b, seed, shuffle)`,
 so the rollout batch never depends on the parallel layout. Responses are group-major:
@@ -115,7 +124,8 @@ class RolloutCollector:
         if self.env is not None:
             episodes = self.env.generation_batch(prompts, rows, row_indices, params.seeds,
                                                  gen_batch)
-            return {**episodes, "row_indices": row_indices, "gen_batch": gen_batch}
+            return self._model_scores({**episodes, "row_indices": row_indices,
+                                       "gen_batch": gen_batch})
         out = self.generate_scored(rows, prompts, params, rollout.n, gen_batch)
         gens, scores, errors, stats, gen_s = (out["generations"], out["scores"], out["errors"],
                                               out["stats"], out["gen_s"])
@@ -125,7 +135,7 @@ class RolloutCollector:
         if cfg.dapo.overlong_buffer > 0:
             penalty = overlong_penalty(lengths, rollout.max_new_tokens, cfg.dapo.overlong_buffer,
                                        cfg.dapo.overlong_penalty)
-        return {
+        return self._model_scores({
             "data": {"prompt_ids": prompts, "response_ids": [g.response_ids for g in gens],
                      "rollout_logprobs": [g.response_logprobs for g in gens],
                      **({"routed_experts": [g.routed_experts for g in gens]}
@@ -134,7 +144,21 @@ class RolloutCollector:
             "lengths": lengths, "penalty": penalty, "errors": errors, "gen_s": gen_s,
             "stats": stats, "row_indices": row_indices, "gen_batch": gen_batch,
             "clipped": [g.finish_reason == "length" for g in gens],
-        }
+        })
+
+    def _model_scores(self, part: dict) -> dict:
+        """With the pool's scorer (a reward model): "rm_scores" of every trajectory (prompt and
+        response ids as generated), reward.model.weight x rm_scores added to "scores" and
+        "rewards" (module docstring). Returns `part`."""
+        if self.pool.scorer is None:
+            return part
+        data = part["data"]
+        ids = [list(p) + list(r) for p, r in zip(data["prompt_ids"], data["response_ids"])]
+        rm = torch.tensor(self.pool.score(ids), dtype=torch.float32)
+        weight = self.cfg.reward.model.weight
+        data.update(rm_scores=rm, scores=data["scores"] + weight * rm,
+                    rewards=data["rewards"] + weight * rm)
+        return part
 
     def collect(self, dump_step: int | None = None) -> RolloutBatch:
         """The next step's rollout batch (one generation batch, or with dapo.dynamic_sampling
@@ -183,6 +207,9 @@ class RolloutCollector:
             "rollout/engine_imbalance": max(p["stats"].imbalance for p in parts),
             "rollout/tokens_per_s": float(lengths.sum()) / gen_s if gen_s > 0 else 0.0,
         }
+        if "rm_scores" in parts[0]["data"]:
+            metrics["reward/model_mean"] = float(torch.cat([p["data"]["rm_scores"]
+                                                            for p in parts]).mean())
         if cfg.dapo.overlong_buffer > 0:
             metrics["reward/overlong_penalty_mean"] = float(
                 torch.cat([p["penalty"] for p in parts]).mean())
@@ -197,6 +224,7 @@ class RolloutCollector:
             batch = RolloutBatch(list(data["prompt_ids"]), list(data["response_ids"]),
                                  list(data["rollout_logprobs"]), adv.tolist(), metrics,
                                  rewards=data["rewards"].tolist(),
+                                 scores=data["scores"].tolist(),
                                  response_masks=list(data.get("response_masks") or []),
                                  routed_experts=list(data.get("routed_experts") or []),
                                  dump_rows=list(data["dump_row"]))

@@ -6,8 +6,10 @@ Fields: prompt_index (the prompt row, 0-based in data order), sample_index (with
 gen_batch, token_ids (the whole trajectory: prompt, sampled turns, observations), loss_mask and
 rollout_logprobs (same length as token_ids; mask 1 exactly on sampled tokens, log-prob 0.0
 elsewhere), turns, reward (the score: reward.fn, or the sum of the env's step rewards; 0 after
-an environment error), overlong_penalty (dapo.overlong_buffer), finish_reason (stop, length,
-max_turns, error), error (the environment's error or null), text (token_ids decoded, special
+an environment error; plus reward.model.weight x rm_score with a reward model), rm_score (with
+reward.model.path only: the reward model's score of token_ids, before the weight; on a
+disaggregated run written by training rank 0 when it scored the batch, `add_model_scores`),
+overlong_penalty (dapo.overlong_buffer), finish_reason (stop, length, max_turns, error), error (the environment's error or null), text (token_ids decoded, special
 tokens kept). With on-policy distillation, teacher_logprobs (same length as token_ids: the
 teacher's log-prob of each sampled token, 0.0 elsewhere; null for an episode the step did not
 train, e.g. a group dynamic sampling dropped), added after the step's log-prob stage.
@@ -21,13 +23,15 @@ import os
 def episode_record(prompt_index: int, sample_index: int, gen_batch: int, prompt: list[int],
                    response: list[int], mask: list[int], logprobs: list[float], turns: int,
                    reward: float, penalty: float, finish_reason: str, error: str | None,
-                   tokenizer) -> dict:
+                   tokenizer, rm_score: float | None = None) -> dict:
     ids = list(prompt) + list(response)
+    model = {} if rm_score is None else {"rm_score": float(rm_score)}
     return {"prompt_index": int(prompt_index), "sample_index": int(sample_index),
             "gen_batch": int(gen_batch), "token_ids": [int(t) for t in ids],
             "loss_mask": [0] * len(prompt) + [int(m) for m in mask],
             "rollout_logprobs": [0.0] * len(prompt) + [float(x) for x in logprobs],
-            "turns": int(turns), "reward": float(reward), "overlong_penalty": float(penalty),
+            "turns": int(turns), "reward": float(reward), **model,
+            "overlong_penalty": float(penalty),
             "finish_reason": finish_reason, "error": error,
             "text": tokenizer.decode(ids, skip_special_tokens=False)}
 
@@ -38,6 +42,7 @@ def part_records(part: dict, row_indices: list[int], n: int, gen_batch: int,
     (with "episodes" for multi-turn, else single-turn responses)."""
     data = part["data"]
     scores, penalty = data["scores"].tolist(), part["penalty"].tolist()
+    rm = data["rm_scores"].tolist() if "rm_scores" in data else [None] * len(scores)
     out = []
     for i, (prompt, response, logprobs) in enumerate(zip(
             data["prompt_ids"], data["response_ids"], data["rollout_logprobs"])):
@@ -49,7 +54,7 @@ def part_records(part: dict, row_indices: list[int], n: int, gen_batch: int,
             reason = "length" if part["clipped"][i] else "stop"
         out.append(episode_record(row_indices[i], i % n, gen_batch, prompt, response, mask,
                                   logprobs, turns, scores[i], penalty[i], reason, error,
-                                  tokenizer))
+                                  tokenizer, rm[i]))
     return out
 
 
@@ -67,6 +72,24 @@ def add_token_field(rollout_dir: str, step: int, name: str, rows: list[int],
         found = values.get(row)
         record[name] = None if found is None else [0.0] + [
             float(v) if m else 0.0 for v, m in zip(found, record["loss_mask"][1:])]
+    return write_dump(rollout_dir, step, records)
+
+
+def add_model_scores(rollout_dir: str, step: int, rows: list[int], rm_scores: list[float],
+                     rewards: list[float]) -> str | None:
+    """A disaggregated run's reward-model scores, added by training rank 0 to the records the
+    rollout side wrote (`<rollout_dir>/step_<step>.jsonl`): record rows[i] gets rm_score
+    rm_scores[i] and reward rewards[i] (its score with the reward model's part); the other
+    records rm_score null. Returns the path, or None when the file is not on this machine."""
+    path = os.path.join(rollout_dir, f"step_{step}.jsonl")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    found = dict(zip(rows, zip(rm_scores, rewards)))
+    for row, record in enumerate(records):
+        score, reward = found.get(row, (None, record["reward"]))
+        record.update(rm_score=score, reward=float(reward))
     return write_dump(rollout_dir, step, records)
 
 

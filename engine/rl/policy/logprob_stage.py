@@ -19,6 +19,7 @@ from engine.rl.algo.distill import apply_distillation
 from engine.rl.algo.rollout_correction import apply_to_batch
 from engine.rl.policy.critic import CriticSettings, attach_gae, compute_token_values
 from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs, logprob_gap
+from engine.rl.policy.reward_model import RewardModel
 from engine.rl.policy.routing_replay import after_old_logprobs, start_routing_replay
 from engine.training.host_offload import HostOffload
 from engine.training.micro_batches import SequenceData
@@ -58,7 +59,9 @@ class AuxiliaryModels:
     reference (kl.beta > 0) and distillation teacher (distill.teacher_path), and the PPO
     critic (advantage.estimator=gae; trained, with its own optimizer). `reference_is_base`:
     with LoRA the KL reference is the policy's own frozen base (its adapters switched off,
-    models.lora.adapters.adapters_disabled), so `reference` stays None: no second model."""
+    models.lora.adapters.adapters_disabled), so `reference` stays None: no second model.
+    `reward_model` (reward.model.path) scores rollouts, not the batch's tokens: it takes no
+    part in the log-prob stage (engine.rl.policy.reward_model)."""
 
     reference: TrainEngine | None = None
     reference_is_base: bool = False
@@ -66,6 +69,7 @@ class AuxiliaryModels:
     critic: TrainEngine | None = None
     # distill.offload: the teacher's weights live in host memory outside its forward pass
     teacher_offload: HostOffload | None = None
+    reward_model: RewardModel | None = None
 
 
 def logprob_stage(policy, aux: AuxiliaryModels | None, seqs: list[SequenceData], cfg,

@@ -23,6 +23,7 @@ from engine.rl.collect.batch import build_sequences
 from engine.rl.env.dump import add_token_field
 from engine.rl.policy.critic import CriticSettings, critic_update
 from engine.rl.policy.logprob_stage import AuxiliaryModels, logprob_stage
+from engine.rl.policy.reward_model import build_reward_model
 from engine.rl.policy.routing_replay import end_replay
 from engine.rl.policy.update import MAX_KEYS, PolicyLossSettings, policy_update, split_mini_batches
 from engine.training.host_offload import HostOffload
@@ -103,7 +104,8 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
     adapters switched off, AuxiliaryModels.reference_is_base); the distillation teacher,
     distill.teacher_path (any supported family sharing the tokenizer), with distill.offload
     kept in host memory from here on except during its forward pass (AuxiliaryModels.
-    teacher_offload).
+    teacher_offload); the reward model, reward.model.path (engine.rl.policy.reward_model,
+    with reward.model.offload in host memory outside its forward pass).
     Trained: the PPO critic (a full model, also when the policy has LoRA adapters), the
     policy's initial weights plus a zero value head
     (models.layers.heads.value), or critic.hf_path (a critic in HF form, models.bridge.critic), with
@@ -123,7 +125,8 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
                    if cfg.kl.beta > 0 and not base_reference else None),
         reference_is_base=base_reference,
         teacher=(frozen(read_hf_config(teacher_path, "distill.teacher_path"), teacher_path)
-                 if teacher_path else None))
+                 if teacher_path else None),
+        reward_model=build_reward_model(cfg, dtype, batching, pad_id))
     if aux.teacher is not None and cfg.distill.offload:
         aux.teacher_offload = HostOffload(aux.teacher.chunks)
         aux.teacher_offload.offload()

@@ -18,6 +18,10 @@ One `generate` (one generation batch):
 Sampling is seeded per response (SamplingParams.seeds), so the result does not depend on the
 engine count, the split or a restart.
 
+`score(ids)` (rank 0): every rank runs `scorer(ids)`, a collective over the world (the reward
+model at the trainer's layout, engine.rl.policy.reward_model), while the engines stay as they
+are; rank 0 gets the scores.
+
 Without torch.distributed (or with one process) the pool is local: the same steps, no
 collectives.
 """
@@ -108,6 +112,8 @@ class RolloutPool:
         resync: resync(engines) streams the trainer's weights into those engines (None: all);
             collective over the world (engine.rl.policy.weight_sync.sync_to_rollout). Settable after
             construction (it needs the trainer, which may be built later).
+    `scorer` (set after construction, on every rank; None: no reward model): scorer(token id
+    lists) -> one float each, collective over the world.
     """
 
     def __init__(self, placement: EnginePlacement, engine: RolloutEngine | None, rollout_cfg,
@@ -115,6 +121,7 @@ class RolloutPool:
                  resync: Callable[[list[int] | None], object] | None = None) -> None:
         self.placement, self.engine, self.cfg = placement, engine, rollout_cfg
         self._factory, self.resync = factory, resync
+        self.scorer: Callable[[list[list[int]]], list[float]] | None = None
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._rank = dist.get_rank() if dist.is_initialized() else 0
 
@@ -185,6 +192,11 @@ class RolloutPool:
         retries = calls - len(shares) - restarts
         return out, GenerateStats(calls, retries, restarts, list(seconds.values()))
 
+    def score(self, ids: list[list[int]]) -> list[float]:
+        """Rank 0: `scorer(ids)` run on every rank (one float per token id list)."""
+        self._command(("score", ids))
+        return self.scorer(ids)
+
     def finish(self, payload):
         """Rank 0: end the other ranks' `serve` with `payload` (the step's rollout batch, or
         an error description); returns it."""
@@ -231,6 +243,8 @@ class RolloutPool:
                 dist.gather_object(self._serve_generate(command[1], command[2]), dst=0)
             elif command[0] == "restart":
                 self._restart(command[1])
+            elif command[0] == "score":
+                self.scorer(command[1])
             else:
                 return command[1]
 
