@@ -28,7 +28,30 @@ def test_every_recipe_exists():
                                          "qwen3_5_35b_a3b_grpo_h100.yaml",
                                          "qwen3_5_35b_a3b_lora_grpo_h100.yaml",
                                          "deepseek_v3_grpo_h200.yaml",
-                                         "qwen3_vl_8b_grpo_h100.yaml"}
+                                         "qwen3_vl_8b_grpo_h100.yaml",
+                                         "qwen3_8b_grpo_rm_h100.yaml"}
+
+
+def test_reward_model_recipe_counts_the_reward_model(tmp_path, capsys):
+    """GRPO against a Qwen3-8B RM: with the RM's config.json on this machine, its frozen bf16
+    weights at TP2 (7.6 GiB) join the rollout phase (reward.model.offload), whose peak is the
+    recipe's expected 70.2 GiB; without it, the report says the RM is not counted."""
+    import json
+
+    from engine.config.recipe_validation import MODEL_SHAPES
+    from engine.rl.recipe_check import rl_validate_main
+
+    config = dict(MODEL_SHAPES["qwen3-8b"], architectures=["Qwen3ForSequenceClassification"],
+                  id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    recipe = str(RECIPES[0].parent / "qwen3_8b_grpo_rm_h100.yaml")
+    assert rl_validate_main(["--config", recipe, "--validate",
+                             f"reward.model.path={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "reward model per GPU (estimate, GiB): weights 7.6" in out
+    assert "+ reward model 7.6 (reward.model.offload: on the GPU while it scores) = 70.2" in out
+    assert rl_validate_main(["--config", recipe, "--validate"]) == 0
+    assert "NOT counted" in capsys.readouterr().out
 
 
 def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
