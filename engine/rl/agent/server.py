@@ -1,0 +1,225 @@
+"""The OpenAI-compatible HTTP server of agent episodes (docs/agents.md).
+
+Every episode gets its own base URL, http://HOST:PORT/episodes/<id>/v1 (what
+`openai.OpenAI(base_url=...)` takes), serving
+    GET  /v1/models             the one served model (Limits.model)
+    POST /v1/chat/completions   messages, tools -> choices with tool_calls, logprobs
+    POST /v1/completions        a text or token-id prompt
+Requests are checked (engine.rl.agent.requests), matched to the episode's earlier calls and
+given their context (engine.rl.agent.sessions), queued for the engine-owning thread
+(engine.rl.agent.batcher), and answered (engine.rl.agent.replies). Errors are OpenAI-style JSON
+bodies: 400 (malformed JSON, a parameter beyond the run's limits, context length exceeded,
+env.max_turns reached), 404 (no such episode), 410 (the episode finished or timed out), 503
+(generation failed); nothing a client sends crashes the server.
+
+Threads: uvicorn runs FastAPI in a daemon thread with its own event loop (`start`); the thread
+that owns the rollout engines calls `serve(backend, until)` (the only place the backend runs).
+The server listens on loopback by default; port 0 picks a free port (`port` after `start`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import socket
+import threading
+import time
+from typing import Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from engine.errors import RunError
+from engine.rl.agent.batcher import GenerateQueue
+from engine.rl.agent.protocol import GenerateBackend, GenerateRequest
+from engine.rl.agent.replies import make_reply, response_body
+from engine.rl.agent.requests import ApiError, Limits, bad, parse_chat, parse_completion
+from engine.rl.agent.sessions import Episode
+from engine.rl.agent.tokens import TemplateRules
+
+START_TIMEOUT_S = 30.0
+
+
+class AgentServer:
+    """Episodes, their URLs and the HTTP thread (module docstring).
+
+    Args:
+        tokenizer: the policy's tokenizer (its chat template renders prompts and observations).
+        limits: what a call may ask for.
+        host, port: where to listen (loopback by default; 0: a free port).
+        gather_s, max_wait_s, max_batch: the batching rule (engine.rl.agent.batcher).
+    """
+
+    def __init__(self, tokenizer, limits: Limits, host: str = "127.0.0.1", port: int = 0,
+                 gather_s: float = 0.2, max_wait_s: float = 2.0,
+                 max_batch: int | None = None) -> None:
+        self.rules, self.limits, self.host, self.port = TemplateRules(tokenizer), limits, host, port
+        self.episodes: dict[str, Episode] = {}
+        self._lock = threading.Lock()
+        self._issued = 0                      # episode ids are "<n>-<token>", n < _issued
+        self._token = secrets.token_hex(4)    # this server's
+        self.queue = GenerateQueue(self._live, self._refusal, gather_s, max_wait_s,
+                                   max_batch)
+        self.app = build_app(self)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifetime
+    def start(self) -> "AgentServer":
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise RunError(f"the agent server cannot listen on {self.host}:{self.port}: {e}; "
+                           "choose another env.agent_port (0: any free port)") from None
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=60)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="agent-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RunError(f"the agent server did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+        self.queue.fail_pending("the server stopped")
+
+    def __enter__(self) -> "AgentServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ episodes
+    def open_episode(self, seed: int) -> Episode:
+        """A new episode seeded with its response seed; its URL is base_url(episode.id)."""
+        with self._lock:
+            eid = f"{self._issued}-{self._token}"
+            self._issued += 1
+            episode = self.episodes[eid] = Episode(eid, seed, self.rules, self.limits)
+        return episode
+
+    def close_episode(self, eid: str, reason: str = "it finished") -> Episode | None:
+        """No more calls for `eid` (later ones get 410); returns the episode (None when it
+        was closed already)."""
+        with self._lock:
+            episode = self.episodes.pop(eid, None)
+        if episode is not None:
+            episode.close(reason)
+            self.queue.forget(eid)
+        return episode
+
+    def base_url(self, eid: str) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/episodes/{eid}/v1"
+
+    def episode(self, eid: str) -> Episode:
+        with self._lock:
+            episode = self.episodes.get(eid)
+            if episode is None:
+                number, _, token = eid.partition("-")
+                if token == self._token and number.isdigit() and int(number) < self._issued:
+                    raise ApiError(410, f"episode {eid} has finished; it takes no more calls")
+                raise ApiError(404, f"no episode {eid!r} on this server", kind="not_found_error")
+        return episode
+
+    def _live(self) -> dict[str, tuple[float, int]]:
+        """{id: (start time, calls accepted)} of the live episodes."""
+        with self._lock:
+            episodes = [e for e in self.episodes.values() if e.live]
+        return {e.id: (e.started, e.calls) for e in episodes}
+
+    def _refusal(self, eid: str) -> str | None:
+        with self._lock:
+            episode = self.episodes.get(eid)
+        return "it finished" if episode is None else episode.refusal()
+
+    # ------------------------------------------------------------------ serving
+    def serve(self, backend: GenerateBackend, until: Callable[[], bool]) -> None:
+        """On the engine-owning thread: generate batches until `until()` and nothing pends."""
+        self.queue.serve(backend, until)
+
+    async def handle(self, eid: str, kind: str, body: dict) -> JSONResponse:
+        episode = self.episode(eid)
+        call = (parse_chat if kind == "chat" else parse_completion)(body, self.limits)
+        plan = episode.plan(call)
+        futures = [asyncio.wrap_future(self.queue.submit(eid, GenerateRequest(
+            tuple(plan.context), plan.budget, call.temperature, call.top_p, seed)))
+            for seed in plan.seeds]
+        try:
+            results = await asyncio.gather(*futures)
+            replies = [make_reply(self.rules, call, r, f"{eid}_{plan.call}_{k}")
+                       for k, r in enumerate(results)]
+            for k, r in enumerate(replies):
+                episode.record(plan, k, r.ids, r.logprobs, r.finish_reason,
+                               r.message() if kind == "chat" else r.text)
+            prefix = "chatcmpl" if kind == "chat" else "cmpl"
+            return JSONResponse(response_body(self.rules, call, plan.context, replies,
+                                              self.limits.model, f"{prefix}-{eid}-{plan.call}"))
+        finally:
+            self.queue.responded(eid, len(futures))
+
+
+def models_body(limits: Limits) -> dict:
+    return {"object": "list", "data": [{"id": limits.model, "object": "model", "created": 0,
+                                        "owned_by": "megatron-sft-engine"}]}
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+
+
+def build_app(server: AgentServer) -> FastAPI:
+    """The FastAPI app of `server`'s routes (module docstring)."""
+    app = FastAPI(title="agent episodes", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind="not_found_error"
+                                     if exc.status_code == 404 else "invalid_request_error"
+                                     ).body(), status_code=exc.status_code)
+
+    @app.get("/episodes/{eid}/v1/models")
+    async def models(eid: str) -> dict:
+        server.episode(eid)
+        return models_body(server.limits)
+
+    async def call(eid: str, request: Request, kind: str) -> JSONResponse:
+        try:
+            return await server.handle(eid, kind, await _body(request))
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug must answer 500, not drop the request
+            raise ApiError(500, f"{type(e).__name__}: {e}", kind="server_error") from e
+
+    @app.post("/episodes/{eid}/v1/chat/completions")
+    async def chat(eid: str, request: Request) -> JSONResponse:
+        return await call(eid, request, "chat")
+
+    @app.post("/episodes/{eid}/v1/completions")
+    async def completions(eid: str, request: Request) -> JSONResponse:
+        return await call(eid, request, "completion")
+
+    return app

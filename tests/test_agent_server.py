@@ -1,0 +1,511 @@
+"""The agent endpoint (engine.rl.agent; docs/agents.md): episodes driven through the real
+`openai` client and httpx against a deterministic scripted backend on the tools demo's
+character-level Qwen-style template (tools/demo.py), and once against the HF rollout engine of
+a tiny model. Token-in/token-out: a trajectory's ids are the prompt, each call's sampled ids as
+generated (deliberately non-canonical: re-tokenising their text gives other ids) and the
+template-delta observation ids; rewritten history and retries start new trajectories; seeds
+depend on (episode, call index) only; concurrent episodes are batched; over-limit calls get
+400s; tool calls, log-probs, /v1/models; the runner's failures are contained."""
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from engine.rl.agent.batcher import GenerateQueue
+from engine.rl.agent.protocol import GenerateRequest, GenerateResult, SamplingBackend, call_seed
+from engine.rl.agent.requests import ApiError, Limits, parse_chat, parse_completion
+from engine.rl.agent.runner import AgentRunner, check_result
+from engine.rl.agent.server import AgentServer
+from engine.rl.env.observation import observation_ids
+from tools.char_tokenizer import build_char_tokenizer
+from tools.demo import TOOLS_TEMPLATE, calculator_tools
+
+LIMITS = Limits(max_new_tokens=120, seq_length=800, temperature=1.0, top_p=1.0, max_turns=6)
+CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer(None, "qwen2.5", template=TOOLS_TEMPLATE)
+
+
+def default_script(prompt: str, seed: int) -> str:
+    """A reply naming the seed; "<think>" spelled out character by character (see ids())."""
+    if "tools:" in prompt and "<tool_response>" not in prompt:
+        return CALL
+    if "long" in prompt:
+        return "y" * 300
+    return f"<think>ok {seed % 997}"
+
+
+class ScriptedBackend:
+    """Deterministic GenerateBackend: the reply to a request is script(prompt text, seed) as
+    one id per character (so "<think>" is 7 ids where the tokenizer has one: re-tokenising the
+    text would change the ids), then <|im_end|>; log-probs a function of (seed, position)."""
+
+    def __init__(self, tok, script=default_script, delay_s: float = 0.0) -> None:
+        self.tok, self.script, self.delay_s = tok, script, delay_s
+        self.eot = tok.convert_tokens_to_ids("<|im_end|>")
+        self.batches: list[int] = []
+        self.seen: list = []
+
+    def ids(self, text: str) -> list[int]:
+        return [self.tok.convert_tokens_to_ids(c) if c != "\n" else
+                self.tok.encode("\n", add_special_tokens=False)[0] for c in text]
+
+    def generate(self, requests):
+        self.batches.append(len(requests))
+        self.seen += requests
+        time.sleep(self.delay_s)
+        out = []
+        for r in requests:
+            text = self.script(self.tok.decode(list(r.prompt_ids)), r.seed)
+            ids = self.ids(text) + [self.eot]
+            lps = [-(((r.seed >> (j % 40)) % 1000) + 1) / 1000 for j in range(len(ids))]
+            cut = len(ids) > r.max_tokens
+            out.append(GenerateResult(ids[:r.max_tokens], lps[:r.max_tokens],
+                                      "length" if cut else "stop"))
+        return out
+
+
+@contextlib.contextmanager
+def serving(tok, backend, limits=LIMITS, **kw):
+    """A started server whose generate requests a helper thread (the 'engine thread') serves."""
+    server = AgentServer(tok, limits, **kw).start()
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(backend, stop.is_set), daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        server.stop()
+
+
+def render(tok, messages, tools=None) -> list[int]:
+    """The ids of `messages` rendered with the generation prompt (a new trajectory's prompt)."""
+    return list(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"])
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+
+
+def sampled(backend, text: str) -> list[int]:
+    return backend.ids(text) + [backend.eot]
+
+
+# ----------------------------------------------------------------------------- exact ids
+
+def test_two_calls_reuse_the_ids_exactly(tok):
+    backend = ScriptedBackend(tok)
+    with serving(tok, backend) as server:
+        ep = server.open_episode(seed=1234)
+        c = client(server.base_url(ep.id))
+        messages = [{"role": "user", "content": "hi"}]
+        first = c.chat.completions.create(model="any", messages=messages,
+                                          extra_body={"return_token_ids": True})
+        reply = first.choices[0].message
+        assert reply.content == f"<think>ok {1234 % 997}" and first.choices[0].finish_reason == "stop"
+        messages += [reply, {"role": "user", "content": "again"}]   # the pydantic message
+        second = c.chat.completions.create(model="any", messages=messages)
+        trajectories = ep.trajectories()
+    assert len(trajectories) == 1
+    t = trajectories[0]
+    prompt = render(tok, messages[:1])
+    obs = observation_ids(tok, messages[:1], messages[2:])
+    s1, s2 = sampled(backend, reply.content), sampled(backend, second.choices[0].message.content)
+    assert t.token_ids == prompt + s1 + obs + s2
+    assert t.loss_mask == [0] * len(prompt) + [1] * len(s1) + [0] * len(obs) + [1] * len(s2)
+    assert t.turns == 2 and t.calls == [0, 1] and t.finish_reason == "stop"
+    assert first.choices[0].token_ids == s1 and first.prompt_token_ids == prompt
+    lps = [x for r, s in zip(backend.seen, (s1, s2)) for x in
+           [-(((r.seed >> (j % 40)) % 1000) + 1) / 1000 for j in range(len(s))]]
+    assert [x for x, m in zip(t.rollout_logprobs, t.loss_mask) if m] == lps
+    assert all(x == 0.0 for x, m in zip(t.rollout_logprobs, t.loss_mask) if not m)
+    assert [r.seed for r in backend.seen] == [call_seed(1234, 0), call_seed(1234, 1)]
+    # negative control: re-rendering the conversation re-tokenises "<think>" to one id
+    again = [messages[0], {"role": "assistant", "content": reply.content}, messages[2]]
+    assert render(tok, again) != \
+        prompt + s1 + obs
+
+
+def test_rewritten_history_and_retries_start_new_trajectories(tok):
+    backend = ScriptedBackend(tok)
+    with serving(tok, backend) as server:
+        ep = server.open_episode(seed=7)
+        c = client(server.base_url(ep.id))
+        user = [{"role": "user", "content": "q"}]
+        text = c.chat.completions.create(model="m", messages=user).choices[0].message.content
+        follow = [{"role": "user", "content": "more"}]
+        c.chat.completions.create(model="m", messages=user + [
+            {"role": "assistant", "content": text + " (edited)"}] + follow)      # rewritten
+        c.chat.completions.create(model="m", messages=user)                       # a retry
+        c.chat.completions.create(model="m", messages=user + [
+            {"role": "assistant", "content": text}] + follow)                     # extends call 0
+        trajectories = ep.trajectories()
+    assert [t.calls for t in trajectories] == [[1], [2], [0, 3]]
+    assert [t.turns for t in trajectories] == [1, 1, 2]
+    s0 = sampled(backend, text)
+    prompt = render(tok, user)
+    assert trajectories[2].token_ids[:len(prompt) + len(s0)] == prompt + s0
+    assert trajectories[0].prompt_ids != prompt       # the edited history rendered afresh
+
+
+def test_a_cut_reply_is_closed_and_stop_strings_cut_the_ids(tok):
+    backend = ScriptedBackend(tok)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    with serving(tok, backend) as server:
+        ep = server.open_episode(seed=5)
+        c = client(server.base_url(ep.id))
+        user = [{"role": "user", "content": "q"}]
+        cut = c.chat.completions.create(model="m", messages=user, max_tokens=4)
+        assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content == "<thi"
+        more = user + [{"role": "assistant", "content": "<thi"},
+                       {"role": "user", "content": "go"}]
+        stopped = c.chat.completions.create(model="m", messages=more, stop=["ok"])
+        assert stopped.choices[0].message.content == "<think>" and \
+            stopped.choices[0].finish_reason == "stop"
+        big = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "long"}],
+                                        max_tokens=10 ** 6)
+        assert big.usage.completion_tokens == LIMITS.max_new_tokens    # capped
+        assert big.choices[0].finish_reason == "length"
+        t = ep.trajectories()[0]
+    prompt = render(tok, user)
+    obs = observation_ids(tok, user, more[2:])
+    kept = backend.ids("<think>ok")                  # through the token completing "ok"
+    assert t.token_ids == prompt + backend.ids("<thi") + [eot] + obs + kept
+    assert t.loss_mask[len(prompt) + 4] == 0          # the closing <|im_end|> is not trained
+
+
+def test_tool_calls_are_parsed_and_the_tool_result_extends_the_call(tok):
+    backend = ScriptedBackend(tok)
+    tools = calculator_tools()
+    with serving(tok, backend) as server:
+        ep = server.open_episode(seed=3)
+        c = client(server.base_url(ep.id))
+        messages = [{"role": "user", "content": "What is 6*7?"}]
+        r = c.chat.completions.create(model="m", messages=messages, tools=tools)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "calculate"
+        assert json.loads(call.function.arguments) == {"expression": "6*7"}
+        messages += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+        final = c.chat.completions.create(model="m", messages=messages, tools=tools)
+        assert final.choices[0].finish_reason == "stop" and not final.choices[0].message.tool_calls
+        (t,) = ep.trajectories()
+    prompt = render(tok, messages[:1], tools)
+    obs = observation_ids(tok, messages[:1], messages[2:], tools)
+    assert t.token_ids == prompt + sampled(backend, CALL) + obs + sampled(
+        backend, final.choices[0].message.content)
+
+
+def test_logprobs_n_and_models(tok):
+    backend = ScriptedBackend(tok)
+    with serving(tok, backend) as server:
+        ep = server.open_episode(seed=11)
+        c = client(server.base_url(ep.id))
+        assert [m.id for m in c.models.list().data] == ["policy"]
+        r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}],
+                                      logprobs=True, n=2)
+        trajectories = ep.trajectories()
+    assert [s.seed for s in backend.seen] == [call_seed(11, 0, 0), call_seed(11, 0, 1)]
+    assert len(trajectories) == 2                       # each choice is a trajectory
+    for choice, t in zip(r.choices, trajectories):
+        got = [x.logprob for x in choice.logprobs.content]
+        assert got == [x for x, m in zip(t.rollout_logprobs, t.loss_mask) if m]
+        assert "".join(x.token for x in choice.logprobs.content) == \
+            choice.message.content + "<|im_end|>"
+
+
+def test_completions_reuse_text_and_ids(tok):
+    backend = ScriptedBackend(tok, script=lambda prompt, seed: f" <think>{seed % 10}")
+    with serving(tok, backend) as server:
+        ep = server.open_episode(seed=21)
+        c = client(server.base_url(ep.id))
+        first = c.completions.create(model="m", prompt="abc", logprobs=0)
+        text = first.choices[0].text
+        c.completions.create(model="m", prompt="abc" + text + " more")
+        (t,) = ep.trajectories()
+        ids = httpx.post(server.base_url(ep.id) + "/completions",
+                         json={"prompt": [5, 6, 7], "return_token_ids": True}).json()
+    s0 = sampled(backend, f" <think>{call_seed(21, 0) % 10}")
+    s1 = sampled(backend, f" <think>{call_seed(21, 1) % 10}")
+    assert t.token_ids == tok.encode("abc") + s0 + tok.encode(" more", add_special_tokens=False) + s1
+    assert len(first.choices[0].logprobs.token_logprobs) == len(s0)
+    assert ids["prompt_token_ids"] == [5, 6, 7] and ids["choices"][0]["token_ids"][-1] == backend.eot
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def test_over_limit_requests_get_clear_400s(tok):
+    backend = ScriptedBackend(tok)
+    # the prompt renders to 20 ids: 20 + 40 new tokens do not fit in 50 + 1
+    limits = Limits(max_new_tokens=40, seq_length=50, temperature=1.0, top_p=1.0, max_turns=2)
+    user = [{"role": "user", "content": "q"}]
+    with serving(tok, backend, limits) as server:
+        ep = server.open_episode(seed=1)
+        url = server.base_url(ep.id)
+        c = client(url)
+        cases = {"temperature": dict(temperature=0.5), "n": dict(n=99),
+                 "stop": dict(stop=["a", "b", "c", "d", "e"]),
+                 "frequency_penalty": dict(frequency_penalty=0.5),
+                 "top_logprobs": dict(logprobs=True, top_logprobs=3)}
+        for param, kw in cases.items():
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model="m", messages=user, **kw)
+            assert e.value.body["param"] == param, (param, e.value.body)
+        with pytest.raises(openai.BadRequestError, match="context length exceeded"):
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 80}])
+        with pytest.raises(openai.BadRequestError, match="context length exceeded"):
+            c.chat.completions.create(model="m", messages=user, max_tokens=40)
+        raw = httpx.post(url + "/chat/completions", content=b"{not json")
+        assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
+        assert httpx.post(url + "/chat/completions", json={"messages": user, "stream": True}
+                          ).status_code == 400
+        assert httpx.post(url + "/chat/completions", json={"messages": user, "foo": 1}
+                          ).json()["error"]["message"] == "unsupported parameter 'foo'"
+        for _ in range(2):
+            c.chat.completions.create(model="m", messages=user, max_tokens=5)
+        with pytest.raises(openai.BadRequestError, match="env.max_turns"):
+            c.chat.completions.create(model="m", messages=user, max_tokens=5)
+        server.close_episode(ep.id)
+        assert httpx.post(url + "/chat/completions", json={"messages": user}).status_code == 410
+        assert httpx.get(url.replace(ep.id, "nope") + "/models").status_code == 404
+    assert len(backend.seen) == 2        # nothing refused reached the backend
+
+
+# ----------------------------------------------------------------------------- the runner
+
+def two_call_agent(base_url: str, row: dict) -> float:
+    """The scaffold of the runner tests: two chat calls, with some jitter between them."""
+    c = client(base_url)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    rng = random.Random(row.get("jitter_seed"))
+    time.sleep(rng.random() * row.get("jitter", 0.0))
+    r = c.chat.completions.create(model="m", messages=messages)
+    messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": "sure?"}]
+    time.sleep(rng.random() * row.get("jitter", 0.0) + row.get("tool_s", 0.0))
+    r = c.chat.completions.create(model="m", messages=messages)
+    return float(len(r.choices[0].message.content))
+
+
+def run_agent(tok, function, rows, seeds, concurrency=None, timeout_s=60.0, delay_s=0.0,
+              **kw):
+    backend = ScriptedBackend(tok, delay_s=delay_s)
+    with AgentServer(tok, LIMITS, **kw) as server:
+        t0 = time.perf_counter()
+        outcomes = AgentRunner(server, function, "tests:agent", concurrency, timeout_s).run(
+            backend, rows, seeds)
+        wall = time.perf_counter() - t0
+    return outcomes, backend, server.queue.stats, wall
+
+
+def test_seeds_depend_only_on_episode_and_call_index(tok):
+    seeds = [101, 202, 303, 404, 505, 606]
+    runs = []
+    for concurrency, jitter in ((None, 0.0), (1, 0.0), (3, 0.05)):
+        rows = [{"prompt": f"p{i}", "jitter": jitter, "jitter_seed": i * 7 + len(runs)}
+                for i in range(len(seeds))]
+        outcomes, *_ = run_agent(tok, two_call_agent, rows, seeds, concurrency)
+        runs.append([(o.reward, [(t.token_ids, t.loss_mask, t.rollout_logprobs)
+                                 for t in o.trajectories]) for o in outcomes])
+        assert all(o.error is None and len(o.trajectories) == 1 for o in outcomes)
+    assert runs[0] == runs[1] == runs[2]
+    # negative control: another seed samples other ids
+    other, *_ = run_agent(tok, two_call_agent, [{"prompt": "p0"}], [102])
+    assert other[0].trajectories[0].token_ids != runs[0][0][1][0][0]
+
+
+def test_concurrent_episodes_are_batched(tok):
+    """The batching rule, measured: 16 lock-step episodes of 2 calls each take 2 generate
+    calls of 16; when half of them run a 1 s 'tool' before their second call, the other half's
+    second calls do not wait for them (gather_s after the answers, not max_wait_s)."""
+    rows = [{"prompt": f"p{i}"} for i in range(16)]
+    outcomes, backend, stats, wall = run_agent(tok, two_call_agent, rows, list(range(16)),
+                                               delay_s=0.02, gather_s=0.5, max_wait_s=5.0)
+    assert all(o.error is None for o in outcomes)
+    assert backend.batches == [16, 16], backend.batches
+    print(f"[agent] 16 episodes x 2 calls: batches {backend.batches}, wall {wall:.2f} s, "
+          f"waits {[round(w, 3) for w in stats.waits]}")
+    rows = [{"prompt": f"p{i}", "tool_s": 1.0 * (i % 2)} for i in range(16)]
+    outcomes, backend, stats, wall = run_agent(tok, two_call_agent, rows, list(range(16)),
+                                               delay_s=0.02, gather_s=0.05, max_wait_s=5.0)
+    assert all(o.error is None for o in outcomes)
+    assert backend.batches[0] == 16 and sum(backend.batches) == 32, backend.batches
+    assert stats.waits[1] < 0.6, stats.waits          # not held for the 1 s tools
+    print(f"[agent] half the episodes in a 1 s tool: batches {backend.batches}, waits "
+          f"{[round(w, 3) for w in stats.waits]}, wall {wall:.2f} s")
+
+
+def test_batching_rule_waits_for_expected_episodes_only():
+    """GenerateQueue alone: a request waits while another live episode is expected (just
+    answered: gather_s; started without a call: max_wait_s), and goes at once when every live
+    episode is pending."""
+    live = {"a": (time.monotonic(), 1), "b": (time.monotonic(), 1)}
+    q = GenerateQueue(lambda: dict(live), lambda eid: None, gather_s=0.2, max_wait_s=0.6)
+    request = GenerateRequest((1,), 1, 1.0, 1.0, 0)
+    q.responded("b", 0)                          # b was just answered
+    q.submit("a", request)
+    t0 = time.monotonic()
+    assert len(q.next_batch(lambda: False)) == 1
+    assert 0.15 < time.monotonic() - t0 < 0.5    # waited for b's gather window
+    q.responded("b", 0)
+    q.submit("a", request)
+    q.submit("b", request)
+    t0 = time.monotonic()
+    assert len(q.next_batch(lambda: False)) == 2 and time.monotonic() - t0 < 0.1
+    live["c"] = (time.monotonic(), 0)            # c started, no call yet
+    q.submit("a", request)
+    t0 = time.monotonic()
+    assert len(q.next_batch(lambda: False)) == 1
+    assert 0.5 < time.monotonic() - t0 < 1.0     # max_wait_s: c never called
+
+
+def test_runner_contains_failures(tok):
+    late: list[int] = []
+    release = threading.Event()
+
+    def agent(base_url: str, row: dict):
+        kind = row["kind"]
+        if kind in ("ok", "dict", "slow", "bad", "bad_metrics"):
+            two_call_agent(base_url, {"prompt": kind})
+        if kind == "raise":
+            raise RuntimeError("scaffold exploded")
+        if kind == "slow":
+            release.wait(30)                      # set once `run` returned
+            try:
+                client(base_url).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "late"}])
+            except openai.APIStatusError as e:
+                late.append(e.status_code)
+            return 1.0
+        return {"ok": 2.5, "dict": {"reward": 1, "metrics": {"tries": 3}}, "none": 0.0,
+                "bad": "high", "bad_metrics": {"reward": 1.0, "metrics": {"x": "y"}}}[kind]
+
+    kinds = ["ok", "dict", "raise", "slow", "bad", "none", "bad_metrics"]
+    with AgentServer(tok, LIMITS) as server:
+        t0 = time.monotonic()
+        outcomes = AgentRunner(server, agent, "tests:agent", None, 1.0).run(
+            ScriptedBackend(tok), [{"kind": k} for k in kinds], list(range(7)))
+        release.set()                               # the run did not wait for the slow one
+        while not late and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+    by = dict(zip(kinds, outcomes))
+    assert by["ok"].reward == 2.5 and by["ok"].error is None
+    assert by["dict"].reward == 1.0 and by["dict"].metrics == {"tries": 3.0}
+    assert "tests:agent raised RuntimeError: scaffold exploded" in by["raise"].error
+    assert "ran past its timeout of 1 s" in by["slow"].error
+    assert len(by["slow"].trajectories) == 1          # what it made before is kept
+    assert "returned 'high'" in by["bad"].error and "tests:agent" in by["bad"].error
+    assert "made no call" in by["none"].error and not by["none"].trajectories
+    assert "metrics" in by["bad_metrics"].error
+    assert all(o.reward == 0.0 for o in outcomes if o.error)
+    assert late == [410]                              # its later call was refused
+
+
+def test_a_backend_failure_is_the_runs(tok):
+    """The engines failing is not a scaffold's failure: the call gets 503 and `run` raises."""
+    class Broken(ScriptedBackend):
+        def generate(self, requests):
+            raise RuntimeError("engine died")
+
+    statuses = []
+
+    def agent(base_url, row):
+        try:
+            client(base_url).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "q"}])
+        except openai.APIStatusError as e:
+            statuses.append(e.status_code)
+        return 0.0
+
+    with AgentServer(tok, LIMITS) as server:
+        with pytest.raises(RuntimeError, match="engine died"):
+            AgentRunner(server, agent, "tests:agent", None, 10).run(Broken(tok), [{}], [0])
+        t0 = time.monotonic()
+        while not statuses and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+    assert statuses == [503]
+
+
+def test_request_checks():
+    """parse_chat / parse_completion alone: the limits, serving outside training, refusals."""
+    user = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]}]
+    call = parse_chat({"messages": user, "max_completion_tokens": 10 ** 6}, LIMITS)
+    assert call.messages[0]["content"] == "ab" and call.max_tokens == LIMITS.max_new_tokens
+    free = Limits(max_new_tokens=8, seq_length=64, temperature=1.0, top_p=1.0,
+                  fixed_sampling=False)
+    call = parse_chat({"messages": user, "temperature": 0, "top_p": 0.5, "seed": 3}, free)
+    assert (call.temperature, call.top_p) == (0.0, 0.5)
+    refused = [
+        (parse_chat, {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+         "only text"),
+        (parse_chat, {"messages": user, "tool_choice": "required"}, "tool_choice"),
+        (parse_chat, {"messages": user, "temperature": 3}, "out of range"),
+        (parse_chat, {"messages": user, "stream": True}, "streaming is not served"),
+        (parse_chat, {"messages": []}, "non-empty list"),
+        (parse_completion, {"prompt": "x", "logprobs": 1}, "logprobs=0"),
+        (parse_completion, {"prompt": ["a", "b"]}, "one non-empty string"),
+        (parse_completion, {"prompt": "x", "tools": []}, "unsupported parameter 'tools'")]
+    for parse, body, words in refused:
+        with pytest.raises(ApiError, match=words) as e:
+            parse(body, free)
+        assert e.value.status == 400
+
+
+def test_check_result_contract():
+    assert check_result(3, "f") == (3.0, {})
+    for bad in (True, float("nan"), None, {"reward": 1, "extra": 2}, [1.0]):
+        with pytest.raises(ValueError, match="agent f returned"):
+            check_result(bad, "f")
+
+
+# ----------------------------------------------------------------------------- a real engine
+
+def test_hf_engine_trains_exactly_what_the_client_received(tok, tmp_path):
+    """SamplingBackend over the HF rollout engine of a tiny model: the trajectory's sampled ids
+    are the ids the client received, and its rollout log-probs are the model's own log-probs of
+    those ids in that context (recomputed on the whole trajectory)."""
+    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from tools.tiny_models import build_tiny_model
+
+    tok.save_pretrained(tmp_path)
+    build_tiny_model(str(tmp_path), "qwen3", vocab_size=len(tok), hidden=32, layers=1, heads=2,
+                     kv_heads=1, intermediate=64, seed=0, tokenizer=False,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    engine = HFRolloutEngine(str(tmp_path), device="cpu", dtype=torch.float32)
+    backend = SamplingBackend(engine.generate)
+    limits = Limits(max_new_tokens=12, seq_length=200, temperature=1.0, top_p=1.0)
+    with serving(tok, backend, limits) as server:
+        ep = server.open_episode(seed=99)
+        c = client(server.base_url(ep.id))
+        messages = [{"role": "user", "content": "hello"}]
+        got = []
+        for turn in range(2):
+            r = c.chat.completions.create(model="m", messages=messages, logprobs=True,
+                                          extra_body={"return_token_ids": True})
+            got.append(r.choices[0].token_ids)
+            messages += [r.choices[0].message, {"role": "user", "content": f"turn {turn}"}]
+        (t,) = ep.trajectories()
+    assert [x for x, m in zip(t.token_ids, t.loss_mask) if m] == got[0] + got[1]
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([t.token_ids])).logits[0].float()
+    logp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(t.token_ids[1:])[:, None])
+    mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+    ref = logp[:, 0][mask]
+    rollout = torch.tensor(t.rollout_logprobs[1:])[mask]
+    assert torch.allclose(rollout, ref, atol=1e-5), (rollout - ref).abs().max()
