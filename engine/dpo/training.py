@@ -129,20 +129,23 @@ def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> R
     return Reference(policy, engine, lora, needed)
 
 
-def _load_data(cfg: DPOConfig, tokenizer):
-    """(train pairs dataset, eval pairs or None); rank 0 prints what was loaded."""
+def load_pairs(cfg, tokenizer, tag: str = "dpo", seq_length: int | None = None):
+    """(train pairs dataset, eval pairs or None) of data.train_files / data.eval_files, sides
+    fitted to `seq_length` sample tokens (default train.seq_length); rank 0 prints what was
+    loaded under `[tag]` (engine.rm reads pairs the same way)."""
     kw = dict(cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
-    dataset = load_preference_dataset(cfg.data.train_files, tokenizer, cfg.train.seq_length,
+    length = seq_length or cfg.train.seq_length
+    dataset = load_preference_dataset(cfg.data.train_files, tokenizer, length,
                                       cfg.data.truncation, **kw)
     eval_pairs = None
     if cfg.data.eval_files and cfg.train.eval_interval > 0:
-        eval_ds = load_preference_dataset(cfg.data.eval_files, tokenizer, cfg.train.seq_length,
+        eval_ds = load_preference_dataset(cfg.data.eval_files, tokenizer, length,
                                           cfg.data.truncation, **kw)
         eval_pairs = [eval_ds[i] for i in range(len(eval_ds))]
         if dist.get_rank() == 0:
-            print(f"[dpo] eval data: {eval_ds.describe()}", flush=True)
+            print(f"[{tag}] eval data: {eval_ds.describe()}", flush=True)
     if dist.get_rank() == 0:
-        print(f"[dpo] train data: {dataset.describe()}", flush=True)
+        print(f"[{tag}] train data: {dataset.describe()}", flush=True)
     return dataset, eval_pairs
 
 
@@ -150,7 +153,7 @@ def run(cfg: DPOConfig, hf_config: dict, flags: list[str]) -> int:
     """The DPO run on every rank (process groups and megatron state exist)."""
     tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    dataset, eval_pairs = _load_data(cfg, tokenizer)
+    dataset, eval_pairs = load_pairs(cfg, tokenizer)
     gbs, n = cfg.train.global_batch_size, len(dataset)
 
     def position(done: int) -> DataPosition:

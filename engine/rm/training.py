@@ -22,7 +22,8 @@ import torch.distributed as dist
 from engine.checkpoint.checkpointing import DataPosition
 from engine.config.rm_settings import RMConfig, score_init_std
 from engine.data.datasets import Sample, global_batch_indices
-from engine.data.preference import PreferencePair, load_preference_dataset
+from engine.data.preference import PreferencePair
+from engine.dpo.training import load_pairs
 from engine.rm.loss_fn import REPORT_KEYS, RewardBatch, rm_loss_fn
 from engine.run.run_loop import RunLoop
 from engine.run.train_engine_build import build_train_engine
@@ -106,30 +107,12 @@ def score_head_setup(cfg, hf_config: dict):
     return None, lambda raw: attach_value_heads(raw, bias=False, row=row)
 
 
-def _load_data(cfg: RMConfig, tokenizer):
-    """(train pairs dataset, eval pairs or None); a side's ids fit train.seq_length (the RM
-    reads every id, the last one included)."""
-    kw = dict(cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
-    length = cfg.train.seq_length - 1
-    dataset = load_preference_dataset(cfg.data.train_files, tokenizer, length,
-                                      cfg.data.truncation, **kw)
-    eval_pairs = None
-    if cfg.data.eval_files and cfg.train.eval_interval > 0:
-        eval_ds = load_preference_dataset(cfg.data.eval_files, tokenizer, length,
-                                          cfg.data.truncation, **kw)
-        eval_pairs = [eval_ds[i] for i in range(len(eval_ds))]
-        if dist.get_rank() == 0:
-            print(f"[rm] eval data: {eval_ds.describe()}", flush=True)
-    if dist.get_rank() == 0:
-        print(f"[rm] train data: {dataset.describe()}", flush=True)
-    return dataset, eval_pairs
-
-
 def run(cfg: RMConfig, hf_config: dict, flags: list[str]) -> int:
     """The reward-model run on every rank (process groups and megatron state exist)."""
     tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    dataset, eval_pairs = _load_data(cfg, tokenizer)
+    # a side's ids fit train.seq_length: the RM reads every id, the last one included
+    dataset, eval_pairs = load_pairs(cfg, tokenizer, "rm", cfg.train.seq_length - 1)
     gbs, n = cfg.train.global_batch_size, len(dataset)
 
     def position(done: int) -> DataPosition:
