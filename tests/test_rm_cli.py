@@ -106,3 +106,21 @@ def test_refusals_name_the_key(demo_assets):
     assert proc.returncode == 2
     assert "rm.init_std=-1.0 must be null or > 0" in proc.stderr, proc.stderr
     assert "rm.center_rewards_coefficient=0.0 must be null (off) or > 0" in proc.stderr
+
+
+def test_demo_rows_are_valid_preference_pairs(tmp_path):
+    """recipes/rm_cpu_demo.sh's rows (tools/demo.py rm-data): 80 training and 20 held-out pairs
+    on disjoint prompts, each read by the preference loader; SFT rows in both formats."""
+    import json
+
+    from tools.demo import make_rm_data
+
+    make_rm_data(tmp_path)
+    train = [json.loads(l) for l in (tmp_path / "rm_train.jsonl").read_text().splitlines()]
+    held = [json.loads(l) for l in (tmp_path / "rm_eval.jsonl").read_text().splitlines()]
+    assert len(train) == 80 and len(held) == 20
+    prompts = lambda rows: {r["prompt"][0]["content"] for r in rows}
+    assert not prompts(train) & prompts(held)
+    assert all(r["chosen"][0]["content"] == "the answer is " + r["rejected"][0]["content"]
+               for r in train + held)
+    assert len((tmp_path / "rm_sft.jsonl").read_text().splitlines()) == 200

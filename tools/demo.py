@@ -12,6 +12,10 @@
     python -m tools.demo addition-data WORK
         WORK/sft.jsonl ("what is a plus b ?" -> "a+b") and WORK/rl.jsonl (the same prompts with
         "answer"), single-digit a and b: 100 rows each
+    python -m tools.demo rm-data WORK
+        WORK/rm_sft.jsonl (each addition prompt answered "c" and "the answer is c"),
+        WORK/rl.jsonl, WORK/rm_train.jsonl (80 pairs) and WORK/rm_eval.jsonl (20 pairs on other
+        prompts): chosen "the answer is c", rejected "c" (recipes/rm_cpu_demo.sh)
     python -m tools.demo tools-data WORK
         WORK/init/ (tiny random Qwen3 with a character-level tokenizer whose chat template renders
         tools and <tool_call> blocks the Qwen way), WORK/sft.jsonl (2,000 tool-use conversations
@@ -119,6 +123,30 @@ def make_addition_data(work: Path) -> None:
                                       "response": str(a + b)} for a, b in pairs])
     write_jsonl(work / "rl.jsonl", [{"prompt": f"what is {a} plus {b} ?", "answer": a + b}
                                     for a, b in pairs])
+
+
+def make_rm_data(work: Path) -> None:
+    """The reward-model demo's rows (recipes/rm_cpu_demo.sh), single-digit addition with two
+    answer formats: rm_sft.jsonl (every prompt answered "c" and "the answer is c": the SFT'd
+    policy samples both), rl.jsonl (the prompts with "answer"), rm_train.jsonl (80 prompts) and
+    rm_eval.jsonl (the other 20): preference pairs, chosen "the answer is c", rejected "c"."""
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(0).shuffle(pairs)
+    q = "what is {} plus {} ?"
+    write_jsonl(work / "rm_sft.jsonl", [{"prompt": q.format(a, b), "response": r}
+                                        for a, b in pairs
+                                        for r in (str(a + b), f"the answer is {a + b}")])
+    write_jsonl(work / "rl.jsonl", [{"prompt": q.format(a, b), "answer": a + b}
+                                    for a, b in pairs])
+
+    def rows(prompts):
+        return [{"prompt": [{"role": "user", "content": q.format(a, b)}],
+                 "chosen": [{"role": "assistant", "content": f"the answer is {a + b}"}],
+                 "rejected": [{"role": "assistant", "content": str(a + b)}]}
+                for a, b in prompts]
+
+    write_jsonl(work / "rm_train.jsonl", rows(pairs[:80]))
+    write_jsonl(work / "rm_eval.jsonl", rows(pairs[80:]))
 
 
 def calculator_tools() -> list[dict]:
@@ -251,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("addition-data", help="single-digit addition, SFT and RL rows")
     p.add_argument("work")
+    p = sub.add_parser("rm-data", help="the reward-model demo's SFT rows, RL prompts and pairs")
+    p.add_argument("work")
     p = sub.add_parser("tools-data", help="the tools demo's model and multiplication data")
     p.add_argument("work")
     p = sub.add_parser("counting-data", help="the image demo's model, pictures and rows")
@@ -277,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         make_model(args.dir, args.hidden, args.layers, args.intermediate, args.seed)
     elif args.command == "addition-data":
         make_addition_data(Path(args.work))
+    elif args.command == "rm-data":
+        make_rm_data(Path(args.work))
     elif args.command == "tools-data":
         make_tools_data(Path(args.work))
     elif args.command == "counting-data":
