@@ -8,6 +8,7 @@ something.
 """
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -38,6 +39,18 @@ def build_arch(out_dir: Path, arch: str, seed: int = 0) -> str:
     spec = dict(TINY_SPECS[arch])
     return build_tiny_model(str(out_dir), spec.pop("arch"), hidden=64, layers=4, heads=8,
                             kv_heads=2, seed=seed, initializer_range=INIT_RANGE, **spec)
+
+
+def pytest_collection_finish(session) -> None:
+    """Once every test module is imported (torch, megatron-core, transformers, peft, the
+    engine): their objects go to the collector's permanent generation (gc.freeze), so the
+    collections during the session traverse only what the tests make, as in the pool's ranks
+    (tests.pool.freeze_heap). Undone at the session's end."""
+    gc.freeze()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    gc.unfreeze()   # an ordinary exit: nanobind reports objects still alive at exit as leaks
 
 
 @pytest.fixture(scope="session")

@@ -822,6 +822,21 @@ def preload() -> None:
                 del sys.modules[stale]
 
 
+def freeze_heap() -> None:
+    """Move every object alive now (the imported modules: about 460,000 objects) into the
+    collector's permanent generation (gc.freeze), where no collection traverses them. Each
+    case's reset collects once (`_Rank._reset`) and Python collects on its own during a case:
+    with the libraries' objects in the heap a full collection took 0.2-1.0 s per rank, after
+    the freeze only the objects made since are traversed (microseconds when there are none).
+    Called in the zygote before it forks (the ranks inherit the frozen heap, and no collection
+    writes to its pages: they stay shared with the zygote) and in each rank before its first
+    case. A frozen object is never freed, so only what lives as long as the process is frozen:
+    the imports, the default process group. (A vLLM engine's core, built in its owner's
+    process on CPU, freezes and at shutdown unfreezes the whole heap itself: after such a case
+    the rank collects as before.) tests/conftest.py does the same in the pytest process."""
+    gc.freeze()
+
+
 def _worker_main() -> None:
     global _ORIGINAL_DESTROY
 
@@ -839,6 +854,7 @@ def _worker_main() -> None:
 
     engine.cli.exit_process = _exit_without_ending
     preload()
+    freeze_heap()
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     from multiprocessing.connection import Client
 

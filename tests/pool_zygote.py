@@ -19,6 +19,7 @@ is restarted when the base environment changes.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -179,9 +180,10 @@ def _run_forked(request: dict) -> None:
 def main() -> None:
     sys.path.insert(0, str(REPO_ROOT))
     import parallel  # noqa: F401  (megatron's jit fuser off before megatron loads)
-    from tests.pool import preload
+    from tests.pool import freeze_heap, preload
 
     preload()  # a failed import is tried again (and reported) by the rank itself
+    freeze_heap()   # inherited by every rank: shared pages, collections skip the imports
     exit_files: dict[int, str] = {}
     signal.signal(signal.SIGCHLD, _reap(exit_files))
     print("ready", flush=True)
@@ -208,6 +210,7 @@ def main() -> None:
         exit_files[pid] = request["exit_file"]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
         print(pid, flush=True)
+    gc.unfreeze()   # an ordinary exit: nanobind reports objects still alive at exit as leaks
 
 
 if __name__ == "__main__":
