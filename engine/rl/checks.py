@@ -18,6 +18,7 @@ from engine.rl.algo.policy_loss_variants import POLICY_LOSSES
 from engine.rl.algo.rollout_correction import IS_LEVELS, LOSS_TYPES, parse_rs
 from engine.rl.disaggregated.checks import async_problems
 from engine.rl.config import RLConfig
+from engine.rl.agent.checks import agent_problems
 from engine.rl.env.contract import ENV_TOOLS, load_env_class
 from engine.rl.env.episode_batch import env_template_problem
 from engine.rl.env.tool_schema import load_tools
@@ -239,7 +240,7 @@ def val_problems(cfg) -> list[str]:
 def env_problems(cfg) -> list[str]:
     """Sentences naming each violated env.* key (checked before any process group starts)."""
     env = cfg.env
-    p: list[str] = []
+    p: list[str] = agent_problems(cfg)
     if env.fn is None:
         if env.tools:
             p.append(f"env.tools={list(env.tools)} needs env.fn=tools")
@@ -290,6 +291,9 @@ def routing_replay_problems(cfg) -> list[str]:
     if mode != "R3":
         return p
     env = getattr(cfg, "env", None)
+    if getattr(env, "agent", None):
+        p.append(f"moe.routing_replay=R3 with env.agent={env.agent!r}: agent episodes do not "
+                 "carry the rollout engine's routed experts; use R2")
     if getattr(env, "fn", None):
         p.append(f"moe.routing_replay=R3 with env.fn={env.fn!r}: multi-turn episodes do not "
                  "carry the rollout engine's routed experts; use R2")

@@ -163,6 +163,12 @@ class EnvConfig:
     max_turns: int = 4                   # assistant turns per episode at most
     num_workers: int = 8                 # concurrent environment steps (and tool processes)
     step_timeout_s: Optional[float] = 60.0  # per env step (and per tool call); null: none
+    # agents through an OpenAI-compatible endpoint (engine.rl.agent; docs/agents.md)
+    agent: Optional[str] = None          # package.module:function(base_url, row); env.fn null
+    agent_concurrency: Optional[int] = None  # episodes whose function runs at once; null: all
+    agent_timeout_s: float = 600.0       # per episode, from its function's call
+    agent_host: str = "127.0.0.1"        # the endpoint's address (loopback by default)
+    agent_port: int = 0                  # the endpoint's port; 0: a free one
 
 
 @dataclass

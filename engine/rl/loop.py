@@ -254,6 +254,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
             pool.engine.shutdown()
         if collector is not None and getattr(collector, "env", None) is not None:
             collector.env.close()  # the tool worker processes
+        if collector is not None and getattr(collector, "agent", None) is not None:
+            collector.agent.close()  # the agent endpoint's server
     if rank == 0 and history:
         print(f"[rl] done: {start + len(history)} of {train.max_steps} steps, first reward "
               f"{history[0]['reward/mean']:.4f}, last reward {history[-1]['reward/mean']:.4f}",

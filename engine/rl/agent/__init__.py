@@ -13,6 +13,8 @@ Modules (one job each):
     batcher    the queue between the HTTP thread and the thread that owns the engines
     server     the FastAPI app on uvicorn in a background thread, one URL per episode
     runner     the user's function(base_url, row) per episode, concurrently, with deadlines
+    rollout    one generation batch of agent episodes for the RL collector, its dump records
+    checks     the env.agent* keys, checked before any process group
 
 May import: engine.rl.env, engine.rl.rollout, engine.data, engine.errors.
 """

@@ -67,6 +67,11 @@ class RolloutCollector:
         env_fn = getattr(getattr(cfg, "env", None), "fn", None)
         # multi-turn episodes (engine.rl.env) when env.fn is set
         self.env = EnvRollout(self.pool, tokenizer, cfg, reward_fn) if env_fn else None
+        # an agent function's episodes through the OpenAI-compatible endpoint (env.agent)
+        self.agent = None
+        if getattr(getattr(cfg, "env", None), "agent", None):
+            from engine.rl.agent.rollout import AgentRollout  # fastapi/uvicorn: ~0.8 s to import
+            self.agent = AgentRollout(self.pool, tokenizer, cfg)
 
     def _prompt_ids(self, index: int) -> list[int]:
         if index not in self._rendered:
@@ -115,12 +120,16 @@ class RolloutCollector:
         self.next_gen_batch += 1
         idx = global_batch_indices(len(self.rows), cfg.train.prompts_per_step, gen_batch, cfg.seed,
                                    cfg.data.shuffle)
-        prompts = [self._prompt_ids(i) for i in idx for _ in range(rollout.n)]
         rows = [self.rows[i] for i in idx for _ in range(rollout.n)]
+        row_indices = [i for i in idx for _ in range(rollout.n)]
+        seeds = batch_seeds(cfg.seed, gen_batch, len(idx), rollout.n)
+        if self.agent is not None:  # the agent renders its own prompts
+            episodes = self.agent.generation_batch(rows, row_indices, seeds, gen_batch)
+            return {**episodes, "row_indices": row_indices, "gen_batch": gen_batch}
+        prompts = [self._prompt_ids(i) for i in idx for _ in range(rollout.n)]
         params = SamplingParams(max_new_tokens=rollout.max_new_tokens,
                                 temperature=rollout.temperature, top_p=rollout.top_p,
-                                seeds=batch_seeds(cfg.seed, gen_batch, len(idx), rollout.n))
-        row_indices = [i for i in idx for _ in range(rollout.n)]
+                                seeds=seeds)
         if self.env is not None:
             episodes = self.env.generation_batch(prompts, rows, row_indices, params.seeds,
                                                  gen_batch)
@@ -176,8 +185,9 @@ class RolloutCollector:
         while True:
             part = self._generation_batch()
             rows = len(part["data"]["response_ids"])
-            part["data"]["dump_row"] = list(range(dumped, dumped + rows))  # the dump's order
-            dumped += rows
+            local = part["data"].pop("dump_rows_local", range(rows))
+            part["data"]["dump_row"] = [dumped + k for k in local]  # the dump's order
+            dumped += part.get("records", rows)
             parts.append(part)
             if sampler is None:
                 data = part["data"]
@@ -186,7 +196,9 @@ class RolloutCollector:
             if not sampler.needs_more():
                 data = sampler.result() if sampler.num_groups_kept else None
                 break
-        scores = torch.cat([p["data"]["scores"] for p in parts])
+        # group statistics count episodes (an agent episode may train several trajectories)
+        scores = torch.cat([p["episode_scores"] if "episode_scores" in p else p["data"]["scores"]
+                            for p in parts])
         lengths = torch.cat([p["lengths"] for p in parts])
         gen_s = sum(p["gen_s"] for p in parts)
         clipped = [c for p in parts for c in p["clipped"]]
@@ -215,12 +227,13 @@ class RolloutCollector:
                 torch.cat([p["penalty"] for p in parts]).mean())
         if sampler is not None:
             metrics.update(sampler.stats())
-        if self.env is not None:
+        if self.env is not None or self.agent is not None:
             metrics.update(env_metrics(parts, cfg.env.fn == "tools"))
         self._dump(parts, dump_step)
         batch = RolloutBatch(metrics=metrics)
         if data is not None:
-            adv = self._advantages(data)
+            adv = (self._advantages(data) if "episode" not in data else
+                   self._episode_advantages(data, parts[0]["episode_scores"]))
             batch = RolloutBatch(list(data["prompt_ids"]), list(data["response_ids"]),
                                  list(data["rollout_logprobs"]), adv.tolist(), metrics,
                                  rewards=data["rewards"].tolist(),
@@ -228,7 +241,8 @@ class RolloutCollector:
                                  response_masks=list(data.get("response_masks") or []),
                                  routed_experts=list(data.get("routed_experts") or []),
                                  dump_rows=list(data["dump_row"]))
-        metrics["train/groups"] = float(len(batch) // group_size)
+        trained = len(batch) if self.agent is None else len(scores) * (len(batch) > 0)
+        metrics["train/groups"] = float(trained // group_size)   # agent: episodes count
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return batch
 
@@ -244,11 +258,28 @@ class RolloutCollector:
         return ADVANTAGE_ESTIMATORS[cfg.estimator](data["rewards"], self.cfg.rollout.n, cfg,
                                                    lengths)
 
+    def _episode_advantages(self, data: dict, episode_scores: torch.Tensor) -> torch.Tensor:
+        """Agent trajectories: the estimator over EPISODES (group-major, rollout.n a group;
+        an episode's length = the sampled tokens of its trained trajectories), then every
+        trajectory gets its episode's advantage (AReaL's "individual" style,
+        docs/multi-turn.md). Zeros for a token-level estimator."""
+        cfg = self.cfg.advantage
+        episode = torch.tensor(data["episode"], dtype=torch.long)
+        if cfg.estimator in TOKEN_ESTIMATORS:
+            return torch.zeros(len(episode))
+        lengths = torch.zeros(len(episode_scores))
+        lengths.index_add_(0, episode, torch.tensor([float(sum(m))
+                                                     for m in data["response_masks"]]))
+        adv = ADVANTAGE_ESTIMATORS[cfg.estimator](episode_scores, self.cfg.rollout.n, cfg,
+                                                  lengths.clamp(min=1.0))
+        return adv[episode]
+
     def _dump(self, parts: list[dict], step: int | None) -> None:
         """Write the step's episodes to logging.rollout_dir (rank 0; engine.rl.env.dump)."""
         rollout_dir = getattr(self.cfg.logging, "rollout_dir", None)
         if step is None or not rollout_dir:
             return
-        records = [r for p in parts for r in part_records(
+        records = [r for p in parts for r in (p["records_fn"] if "records_fn" in p else
+                                              part_records)(
             p, p["row_indices"], self.cfg.rollout.n, p["gen_batch"], self.tokenizer)]
         write_dump(rollout_dir, step, records)

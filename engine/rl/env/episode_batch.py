@@ -125,7 +125,8 @@ def env_template_problem(cfg, tokenizer=None) -> str | None:
     """Why env.fn cannot work with model.hf_path's chat template (it cannot place observations,
     or with env.fn=tools has no known tool-call format), or None. `tokenizer`: loaded from
     model.hf_path (model.trust_remote_code honoured) when not given."""
-    if getattr(cfg, "env", None) is None or cfg.env.fn is None:
+    if getattr(cfg, "env", None) is None or (cfg.env.fn is None
+                                              and getattr(cfg.env, "agent", None) is None):
         return None
     try:
         if tokenizer is None:
@@ -137,7 +138,9 @@ def env_template_problem(cfg, tokenizer=None) -> str | None:
         observation_text(tokenizer, [{"role": "user", "content": "probe"}],
                          [{"role": "user", "content": "probe"}], schemas)
     except Exception as e:  # noqa: BLE001 - RunError / ValueError / a template error
-        return str(e) if str(e).startswith("env.") else f"env.fn={cfg.env.fn!r}: {e}"
+        key = "env.fn" if cfg.env.fn is not None else "env.agent"
+        value = cfg.env.fn if cfg.env.fn is not None else cfg.env.agent
+        return str(e) if str(e).startswith("env.") else f"{key}={value!r}: {e}"
     return None
 
 

@@ -1,0 +1,52 @@
+"""The env.agent* keys of an RL config, checked before any process group starts
+(engine.rl.checks.env_problems calls agent_problems; docs/agents.md)."""
+from __future__ import annotations
+
+from engine.rl.env.contract import load_object
+
+
+def agent_problems(cfg) -> list[str]:
+    """Sentences naming each violated env.agent* key (docs/agents.md): env.agent is an
+    importable callable, env.fn unset; the parts of a run the agent path does not cover yet
+    (another rollout backend, disaggregated placement, dynamic sampling, the overlong
+    penalty, validation, a reward model) are refused by name."""
+    env = cfg.env
+    agent = getattr(env, "agent", None)
+    p: list[str] = []
+    if agent is None:
+        return p
+    if env.fn is not None:
+        p.append(f"env.agent={agent!r} and env.fn={env.fn!r} are both set: an agent function "
+                 "drives the episodes itself; set one of them (env.fn=null for the agent)")
+    try:
+        fn = load_object(agent, "env.agent")
+        if not callable(fn) or isinstance(fn, type):
+            p.append(f"env.agent={agent!r} is not a function(base_url, row)")
+    except ValueError as err:
+        p.append(f"{err} (env.agent is package.module:function)")
+    conc = env.agent_concurrency
+    if conc is not None and (not isinstance(conc, int) or isinstance(conc, bool) or conc < 1):
+        p.append(f"env.agent_concurrency={conc!r} must be an integer >= 1 or null (every "
+                 "episode of the step at once)")
+    if not (isinstance(env.agent_timeout_s, (int, float)) and env.agent_timeout_s > 0):
+        p.append(f"env.agent_timeout_s={env.agent_timeout_s!r} must be > 0")
+    if not isinstance(env.agent_host, str) or not env.agent_host:
+        p.append(f"env.agent_host={env.agent_host!r} must be a host name or address")
+    port = env.agent_port
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        p.append(f"env.agent_port={port!r} must be in [0, 65535] (0: a free port)")
+    if env.fn is None and (not isinstance(env.max_turns, int) or env.max_turns < 1):
+        p.append(f"env.max_turns={env.max_turns!r} must be an integer >= 1")
+    not_yet = [(cfg.rollout.backend != "hf", f"rollout.backend={cfg.rollout.backend}"),
+               (cfg.rollout.placement != "colocated",
+                f"rollout.placement={cfg.rollout.placement}"),
+               (cfg.dapo.dynamic_sampling, "dapo.dynamic_sampling=true"),
+               (cfg.dapo.overlong_buffer > 0, f"dapo.overlong_buffer={cfg.dapo.overlong_buffer}"),
+               (bool(getattr(cfg.data, "val_files", None)), "data.val_files (validation)"),
+               (bool(cfg.reward.model.path), f"reward.model.path={cfg.reward.model.path}")]
+    for bad, key in not_yet:
+        if bad:
+            p.append(f"env.agent is wired for rollout.backend=hf, colocated, without dynamic "
+                     f"sampling, the overlong penalty, validation or a reward model so far; "
+                     f"{key} is set (docs/agents.md)")
+    return p
