@@ -12,7 +12,8 @@ Fork safety: the zygote imports modules only; it starts no thread, opens no proc
 touches no device (the imports start none: checked with one thread in /proc/self/task). Its
 environment is the pool's base environment; a rank's own variables (RANK, MASTER_PORT, ...) are
 set after the fork, so only what a module reads at import time is the zygote's, and the zygote
-is restarted when the base environment changes.
+is restarted when the base environment changes (pytest's name of the current test aside:
+PER_TEST_KEYS).
 
     python -m tests.pool_zygote     (stdin: one JSON request per line; stdout: one pid per line)
 """
@@ -40,6 +41,13 @@ def rank_keys() -> set[str]:
 
     return (set(torchrun_env(0, 1, "0")) - {"OMP_NUM_THREADS"}) | {"RANK_POOL_SOCKET",
                                                                    "RANK_POOL_KEY"}
+
+
+# Variables that change from test to test and that no module reads at import time: left out
+# of the environment the zygote is compared on (a forked rank gets them with its own
+# environment all the same). PYTEST_CURRENT_TEST differs in every test and in each test's
+# setup and call: compared, it restarted the zygote (5-6 s of imports) at every pool start.
+PER_TEST_KEYS = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 class ForkedRank:
@@ -104,7 +112,7 @@ class Zygote:
     def fork(self, rank_env: dict[str, str], log_path: Path) -> ForkedRank:
         """A rank process with environment `rank_env` (the base environment plus the rank's
         own variables), stdout and stderr to `log_path`."""
-        own = rank_keys()
+        own = rank_keys() | PER_TEST_KEYS
         base = {k: v for k, v in rank_env.items() if k not in own}
         with self.lock:
             if self.proc is None or self.proc.poll() is not None or base != self.env:
