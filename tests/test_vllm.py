@@ -357,14 +357,19 @@ def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra, **pool_kw) ->
     return _metrics(out)
 
 
-def _grpo_two_nodes_stopped_by_sigterm(model_dir: str, prompts, out, *extra) -> list[dict]:
+def _grpo_two_nodes_stopped_by_sigterm(model_dir: str, prompts, out, *extra) -> "_Launch":
     """`_grpo_keys`'s run (2 steps) launched for real as two torchrun nodes of 2 ranks; once
     step 1 is logged, node 0's torchrun gets SIGTERM (as from a cluster scheduler: it signals
     its ranks' process groups, vLLM's worker included) during step 2, so every rank finishes
-    the step with its engine (the worker ignores the signal) and exits. Asserts that no rank failed: node 1's torchrun exits 0, node 0's reports the
-    signal it got and no worker's exit code (a rank exiting 1, as every colocated multi-rank
-    vLLM run once did after its last step, fails both). Returns the metrics rows."""
+    the step with its engine (the worker ignores the signal) and exits. Started here and
+    watched by a thread, so the caller can run something else meanwhile (the launch's
+    processes spend much of their time in single-threaded imports): `_Launch.result` waits
+    for the launch, asserts that no rank failed (node 1's torchrun exits 0, node 0's reports
+    the signal it got and no worker's exit code: a rank exiting 1, as every colocated
+    multi-rank vLLM run once did after its last step, fails both) and returns the metrics
+    rows."""
     import signal
+    import threading
     import time
 
     from tests.launch import free_port, start, wait
@@ -375,17 +380,46 @@ def _grpo_two_nodes_stopped_by_sigterm(model_dir: str, prompts, out, *extra) -> 
              port, "-m", "engine.rl", *_grpo_keys(model_dir, prompts, out, *extra)]
             for k in (0, 1)]
     procs = [start(cmd) for cmd in cmds]
-    metrics, deadline = Path(f"{out}/run/metrics.jsonl"), time.time() + 400
-    while time.time() < deadline and procs[0].poll() is None:
-        if metrics.exists() and metrics.read_text().count("\n") >= 1:
-            break
-        time.sleep(0.05)
-    procs[0].send_signal(signal.SIGTERM)
-    node0, node1 = (wait(p, 400) for p in procs)
-    assert "[stop] SIGTERM received: finishing the current step" in node0.stdout, node0.stdout
-    assert "got signal: 15" in node0.stderr and "exitcode" not in node0.stderr, node0.stderr
-    assert node1.returncode == 0 and "exitcode" not in node1.stderr, node1.stderr
-    return _metrics(out)
+    done: dict = {}
+
+    def watch() -> None:
+        metrics, deadline = Path(f"{out}/run/metrics.jsonl"), time.time() + 400
+        while time.time() < deadline and procs[0].poll() is None:
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                break
+            time.sleep(0.05)
+        procs[0].send_signal(signal.SIGTERM)
+        done["nodes"] = [wait(p, 400) for p in procs]
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    return _Launch(procs, watcher, done, out)
+
+
+class _Launch:
+    """The two-node launch of `_grpo_two_nodes_stopped_by_sigterm`, under way."""
+
+    def __init__(self, procs, watcher, done: dict, out) -> None:
+        self.procs, self.watcher, self.done, self.out = procs, watcher, done, out
+
+    def kill(self) -> None:
+        """End the launch (the caller failed before waiting for it)."""
+        from tests.launch import _kill_tree
+
+        for proc in self.procs:
+            _kill_tree(proc.pid)
+        self.watcher.join(timeout=60)
+
+    def result(self) -> list[dict]:
+        """Wait for the launch; assert every rank ended well; its metrics rows."""
+        self.watcher.join()
+        node0, node1 = self.done["nodes"]
+        assert "[stop] SIGTERM received: finishing the current step" in node0.stdout, \
+            node0.stdout
+        assert "got signal: 15" in node0.stderr and "exitcode" not in node0.stderr, \
+            node0.stderr
+        assert node1.returncode == 0 and "exitcode" not in node1.stderr, node1.stderr
+        return _metrics(self.out)
 
 
 def _file_bytes(folder, dtype: torch.dtype | None = None) -> float:
@@ -424,13 +458,21 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
     adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
     lora = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
             "rollout.check_weight_sync=true")
-    marker = tmp_path / "engine_died"   # the one-process run's engine is killed at step 2
-    one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora,
-                "rollout.vllm.lora_sync=adapter",
-                "rollout.backend=tests.flaky_rollout:DyingVLLMEngine", "rollout.retry_wait_s=0",
-                rank_env={0: {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "2"}})
+    # the two runs at once: the DP2 x TP2 launch (one engine per node) in its own processes,
+    # the one-process run on the pool meanwhile
     four = _grpo_two_nodes_stopped_by_sigterm(qwen3_dir, prompts, tmp_path / "dp2_tp2", *lora,
-                                              "parallel.tp=2")   # one engine per node
+                                              "parallel.tp=2")
+    marker = tmp_path / "engine_died"   # the one-process run's engine is killed at step 2
+    try:
+        one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora,
+                    "rollout.vllm.lora_sync=adapter",
+                    "rollout.backend=tests.flaky_rollout:DyingVLLMEngine",
+                    "rollout.retry_wait_s=0", rank_env={0: {"DYING_ROLLOUT_MARKER": str(marker),
+                                                             "DYING_ROLLOUT_AT_CALL": "2"}})
+    except BaseException:
+        four.kill()
+        raise
+    four = four.result()
     assert len(one) == len(four) == 2
     for a, b in zip(one, four):
         assert a["rollout/logprob_diff"] < 1e-5 and b["rollout/logprob_diff"] < 1e-5, (a, b)
