@@ -75,6 +75,12 @@ MAX_RSS_BYTES = 3 << 30
 MAX_EXTRA_THREADS = 24
 # Ranks kept started over all pools; the least recently used pools are closed beyond it.
 MAX_RANKS = 16
+# ... and before every case, idle pools are closed (least recently used first) while the
+# host's available memory is below this floor plus this much per rank of the case: an idle
+# rank keeps what its cases grew (up to MAX_RSS_BYTES), and a host that runs out kills a
+# rank of the running case instead (seen in CI as "rank 3 process died", no traceback).
+MEMORY_FLOOR_BYTES = 3 << 30
+MEMORY_PER_RANK_BYTES = 1 << 30
 
 
 class CaseFailed(AssertionError):
@@ -328,8 +334,8 @@ class RankPool:
                     try:
                         msg = conn.recv()
                     except (EOFError, OSError):
-                        msg = {"error": f"rank {rank} process died (exit code "
-                                        f"{self._procs[rank].poll()})", "exit_code": None}
+                        msg = {"error": f"rank {rank} process died ({_death(self._procs[rank])})",
+                               "exit_code": None}
                         broken = True
                     o = outcomes[rank]
                     o.finished = "seconds" in msg
@@ -379,6 +385,44 @@ class RankPool:
         time.sleep(1.0)
         self._kill()
         self.close()
+
+
+def _death(proc) -> str:
+    """What is known of a rank process that closed its connection: its exit code (a negative
+    one is the signal that ended it: -9 is SIGKILL, the kernel's OOM killer's), the host's
+    available memory and its OOM-kill count now."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=2)   # the zygote reaps a forked rank and writes its code
+    kills = oom_kills()
+    return (f"exit code {proc.poll()}; host: {available_memory() >> 20} MiB available, "
+            f"{'?' if kills is None else kills - _OOM_KILLS_AT_START} OOM kills this session")
+
+
+def available_memory() -> int:
+    """The host's MemAvailable in bytes (/proc/meminfo; a large number where it is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def oom_kills() -> int | None:
+    """The kernel's count of OOM kills since boot (/proc/vmstat; None where it is missing)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+_OOM_KILLS_AT_START = oom_kills() or 0
 
 
 def _read(path: Path) -> str:
@@ -446,18 +490,23 @@ class Pools:
             pool = self._pools.get(world)
             if pool is None:
                 pool = self._pools[world] = RankPool(world, str(self._root / f"world{world}"))
-            if not pool.alive:
-                self._make_room(world)
+            self._make_room(world, counted=not pool.alive)
             return pool
 
-    def _make_room(self, world: int) -> None:
+    def _make_room(self, world: int, counted: bool) -> None:
+        """Close idle pools, least recently used first, while the live ranks plus `world`
+        (when `counted`: its pool is not started) pass max_ranks, or the host's available
+        memory is below what a case of `world` ranks may need (MEMORY_FLOOR_BYTES)."""
         live = sorted((p for w, p in self._pools.items() if w != world and p.alive),
                       key=lambda p: p.last_used)
-        while live and sum(p.world for p in live) + world > self.max_ranks:
+        need = MEMORY_FLOOR_BYTES + world * MEMORY_PER_RANK_BYTES
+        while live and (sum(p.world for p in live) + world * counted > self.max_ranks
+                        or available_memory() < need):
             idle = live.pop(0)
             if idle.lock.acquire(blocking=False):  # not one running a case in another thread
                 try:
-                    _log_case([], idle.world, 0.0, 0, f"closed to make room for {world} ranks")
+                    _log_case([], idle.world, 0.0, 0, f"closed to make room for {world} ranks "
+                              f"({available_memory() >> 20} MiB available)")
                     idle.close()
                 finally:
                     idle.lock.release()

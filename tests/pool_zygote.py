@@ -60,7 +60,8 @@ class ForkedRank:
 
     def poll(self):
         if self.returncode is None and not _alive(self.pid):
-            for _ in range(20):  # the zygote writes the code right after reaping
+            for _ in range(200):  # the zygote writes the code right after reaping (a busy
+                # host may delay its SIGCHLD handler: up to 2 s)
                 if os.path.exists(self.exit_file):
                     break
                 time.sleep(0.01)

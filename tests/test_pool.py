@@ -120,5 +120,63 @@ def test_forked_ranks_draw_their_own_seeds_and_report_their_exit_code(pools):
         assert len({v[key] for v in values}) == 3, key
     with pytest.raises(CaseFailed) as info:
         pools.run(3, f"{CHECKS}:exit_now", 7, 2, timeout=60)
-    assert "rank 2 process died (exit code 7)" in str(info.value)
+    assert "rank 2 process died (exit code 7; host: " in str(info.value)
     assert [v["rank"] for v in pools.run(3, f"{CHECKS}:whoami", "after")] == [0, 1, 2]
+
+
+def test_idle_pools_are_closed_when_the_host_runs_low_on_memory(monkeypatch):
+    """RankPools._make_room, before every case: idle pools (least recently used first) are
+    closed while the live ranks pass max_ranks or the host's available memory is below the
+    floor plus a share per rank of the case; a pool running a case in another thread is
+    kept. Fake pools: nothing is started."""
+    import threading
+
+    import tests.pool as pool_mod
+
+    class Fake:
+        def __init__(self, world, last_used):
+            self.world, self.last_used, self.alive = world, last_used, True
+            self.lock = threading.RLock()
+
+        def close(self):
+            self.alive = False
+
+    pools = pool_mod.Pools(max_ranks=16)
+    two, four, eight = Fake(2, 1.0), Fake(4, 2.0), Fake(8, 3.0)
+    pools._pools = {2: two, 4: four, 8: eight}
+    monkeypatch.setattr(pool_mod, "_log_case", lambda *a, **k: None)
+    plenty = pool_mod.MEMORY_FLOOR_BYTES + 64 * pool_mod.MEMORY_PER_RANK_BYTES
+    monkeypatch.setattr(pool_mod, "available_memory", lambda: plenty)
+    pools._make_room(8, counted=False)   # 14 live ranks, memory to spare: nothing closed
+    assert [p.alive for p in (two, four, eight)] == [True, True, True]
+    # low until the 4-rank pool is closed: the two least recently used go
+    monkeypatch.setattr(pool_mod, "available_memory", lambda: 0 if four.alive else plenty)
+    pools._make_room(8, counted=False)
+    assert [p.alive for p in (two, four, eight)] == [False, False, True]
+    busy, idle = Fake(2, 1.0), Fake(4, 2.0)
+    pools._pools = {2: busy, 4: idle, 8: eight}
+    monkeypatch.setattr(pool_mod, "available_memory", lambda: 0)
+    held = threading.Event()
+    release = threading.Event()
+
+    def run_case():
+        with busy.lock:
+            held.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=run_case)
+    worker.start()
+    held.wait(10)
+    try:
+        pools._make_room(8, counted=False)   # the busy one is skipped, the idle one closed
+    finally:
+        release.set()
+        worker.join()
+    assert (busy.alive, idle.alive) == (True, False)
+    # the rank count still applies: a new 8-rank pool beside 14 live ranks closes the oldest
+    a, b = Fake(8, 1.0), Fake(6, 2.0)
+    pools._pools = {8: a, 6: b, 2: Fake(2, 0.0)}
+    pools._pools[2].alive = False
+    monkeypatch.setattr(pool_mod, "available_memory", lambda: plenty)
+    pools._make_room(4, counted=True)
+    assert (a.alive, b.alive) == (False, True)
