@@ -36,6 +36,8 @@ setup(
         # the OpenAI-compatible endpoint of agent episodes (docs/agents.md, engine.rl.agent)
         "fastapi>=0.110",
         "uvicorn>=0.29",
+        # reward.judge.*: the LLM judge's concurrent requests (engine.rl.judge.scorer)
+        "httpx>=0.27",
     ],
     extras_require={
         # datasets: the save_to_disk format is tested with the real library

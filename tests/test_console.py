@@ -58,7 +58,8 @@ def test_installed_command_answers_version_and_help():
     ("convert", "{hf-to-mcore,mcore-to-hf,verify}"), ("bench", "overhead,balance,rollout"),
     ("rm", "  rm.center_rewards_coefficient"),
     ("demo", "assets,model,addition-data,rm-data,tools-data,counting-data,"
-             "counting-evaluate,evaluate")])
+             "counting-evaluate,evaluate"),
+    ("serve", "--model DIR")])
 def test_every_subcommand_has_help(sub, expect, capsys, monkeypatch):
     """`SUBCOMMAND --help` of each, in this process (tools.cli.main): exit 0 and its text."""
     monkeypatch.setattr(sys, "argv", ["megatron-sft-engine"])
@@ -74,8 +75,8 @@ def test_every_subcommand_has_help(sub, expect, capsys, monkeypatch):
 def test_unknown_subcommand_and_bad_nproc_are_refused(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["megatron-sft-engine"])
     assert cli.main(["train"]) == 2
-    assert "unknown subcommand 'train'; valid: sft, rl, dpo, rm, validate, convert, bench, demo" in \
-        capsys.readouterr().err
+    assert "unknown subcommand 'train'; valid: sft, rl, dpo, rm, validate, convert, bench, demo, " \
+        "serve" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli.pop_nproc(["--nproc-per-node", "0", "x=1"])
     assert e.value.code == 2

@@ -13,17 +13,21 @@ SOURCE_ROOTS = ("engine", "models", "parallel")
 MAX_FILE_LINES = 350
 MAX_FUNCTION_LINES = 80
 ENTRY_POINTS = {"engine.sft.__main__", "engine.rl.__main__", "engine.dpo.__main__",
-                "engine.rm.__main__"}
-# package -> packages it must never import (engine/__init__.py; docs/development.md)
+                "engine.rm.__main__", "engine.serve.__main__"}
+# package -> packages it must never import (engine/__init__.py; docs/development.md); serve
+# (`megatron-sft-engine serve`) is built on RL's rollout engines and agent endpoint and trains
+# nothing: nothing imports it, and it imports no training, checkpoint or other entry point
 FORBIDDEN = {
-    "data": {"run", "sft", "rl", "dpo", "rm", "checkpoint", "training", "config"},
-    "training": {"run", "sft", "rl", "dpo", "rm", "checkpoint", "data", "config"},
-    "checkpoint": {"run", "sft", "rl", "dpo", "rm"},
-    "run": {"sft", "rl", "dpo", "rm"},
-    "dpo": {"sft", "rl", "rm"},
-    "sft": {"dpo", "rm"},
-    "rl": {"dpo", "rm"},
-    "rm": {"sft", "rl"},
+    "data": {"run", "sft", "rl", "dpo", "rm", "checkpoint", "training", "config", "serve"},
+    "training": {"run", "sft", "rl", "dpo", "rm", "checkpoint", "data", "config", "serve"},
+    "checkpoint": {"run", "sft", "rl", "dpo", "rm", "serve"},
+    "run": {"sft", "rl", "dpo", "rm", "serve"},
+    "dpo": {"sft", "rl", "rm", "serve"},
+    "sft": {"dpo", "rm", "serve"},
+    "rl": {"dpo", "rm", "serve"},
+    "rm": {"sft", "rl", "serve"},
+    "config": {"serve"},
+    "serve": {"sft", "dpo", "rm", "run", "checkpoint", "training"},
 }
 
 

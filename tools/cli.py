@@ -8,10 +8,11 @@
     megatron-sft-engine convert {hf-to-mcore,mcore-to-hf,verify} ... [--nproc-per-node N]
     megatron-sft-engine bench NAME [--quick]
     megatron-sft-engine demo {assets,model,addition-data,tools-data,evaluate} ...
+    megatron-sft-engine serve --model DIR [--backend hf|vllm] [--port P] ...
 
 Each subcommand is the module a checkout runs with `python -m` (`engine.sft`, `engine.rl`,
-`engine.dpo`, `engine.rm`, `tools.convert`, `tools.bench`, `tools.demo`; those keep working) and
-answers `--help` with its own text: for `sft`, `rl`, `dpo` and `rm`, every config key with its type, default
+`engine.dpo`, `engine.rm`, `engine.serve`, `tools.convert`, `tools.bench`, `tools.demo`; those
+keep working) and answers `--help` with its own text: for `sft`, `rl`, `dpo` and `rm`, every config key with its type, default
 and meaning, generated from the schema. `--nproc-per-node N` starts N local ranks through torchrun (`python -m
 torch.distributed.run --standalone`); multi-node jobs call torchrun themselves
 (recipes/*_multi_node.sh). Exit codes are the module's: 0 done, 2 configuration or data error, 1
@@ -34,6 +35,8 @@ SUBCOMMANDS = {  # name: (module torchrun runs for --nproc-per-node, or None; on
     "convert": ("tools.convert", "checkpoints between Hugging Face and Megatron-Core"),
     "bench": (None, "the engine's benchmarks (docs/benchmarks.md)"),
     "demo": (None, "the CPU demos' tiny models, data and greedy evaluation"),
+    "serve": (None, "serve a Hugging Face checkpoint OpenAI-compatibly (/v1; hf or vllm); "
+                    "evaluation, LLM judges"),
 }
 
 
@@ -157,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         from tools.bench.__main__ import main as bench_main
 
         return bench_main(rest, prog=f"{PROG} bench")
+    if name == "serve":
+        from engine.serve.__main__ import main as serve_main
+
+        return serve_main(rest, prog=f"{PROG} serve")
     from tools.demo import main as demo_main
 
     return demo_main(rest)

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.metadata
 import inspect
 import io
+import json
 import tokenize
 import typing
 from functools import lru_cache
@@ -94,6 +95,8 @@ def _yaml(value: Any) -> str:
         return "[" + ",".join(_yaml(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{}" if not value else str(value)
+    if isinstance(value, str) and "\n" in value:   # one line: quoted, newlines as \n
+        return json.dumps(value)
     return str(value)
 
 

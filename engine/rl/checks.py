@@ -23,6 +23,7 @@ from engine.rl.env.contract import ENV_TOOLS, load_env_class
 from engine.rl.env.episode_batch import env_template_problem
 from engine.rl.env.tool_schema import load_tools
 from engine.rl.env.tools_env import tool_kwargs_problems
+from engine.rl.judge.checks import judge_problems
 from engine.rl.policy.reward_model_checks import (reward_key_problems, reward_model_problems,
                                                   vocabulary_problem)
 from engine.rl.rewards import load_reward_fn
@@ -95,8 +96,8 @@ def rl_problems(cfg: RLConfig) -> list[str]:
         load_reward_fn(cfg.reward.fn)
     except ValueError as e:
         p.append(f"reward.fn: {e}")
-    return (p + reward_key_problems(cfg) + env_problems(cfg) + val_problems(cfg)
-            + correction_problems(cfg)
+    return (p + reward_key_problems(cfg) + judge_problems(cfg) + env_problems(cfg)
+            + val_problems(cfg) + correction_problems(cfg)
             + checkpoint_config_problems(cfg))
 
 

@@ -55,13 +55,37 @@ class RewardModelConfig:
     offload: bool = False                # its weights in host memory outside its forward pass
 
 
+JUDGE_PROMPT = ("Rate how well the response answers the prompt, from 0 (wrong) to 10 "
+                "(perfect). Reply with the number only.\n\nPrompt:\n{prompt}\n\n"
+                "Response:\n{response}\n\nScore:")
+
+
+@dataclass
+class JudgeConfig:
+    """An LLM judge at an OpenAI-compatible URL (engine.rl.judge; docs/rl.md)."""
+    # the judge's OpenAI base URL, ending in /v1 (e.g. `megatron-sft-engine serve`'s); null: off
+    base_url: Optional[str] = None
+    model: str = "judge"                 # the model name sent in each request
+    prompt: str = JUDGE_PROMPT           # the judge's user message: {prompt}, {response} filled
+    # the score in the judge's reply: a regex whose one group is a float (its last match), or
+    # "package.module:function" taking the reply's text and returning a float
+    parser: str = r"(-?\d+(?:\.\d+)?)"
+    weight: float = 1.0                  # reward = reward.fn score + weight * the judge's score
+    concurrency: int = 16                # judge requests in flight at once
+    timeout_s: float = 60.0              # per request; past it the request scores 0 (an error)
+    api_key_env: Optional[str] = None    # environment variable holding the API key (null: none)
+    max_tokens: int = 256                # of the judge's reply
+    temperature: float = 0.0             # of the judge's reply (0: greedy)
+
+
 @dataclass
 class RewardConfig:
-    # built-in name or "package.module:function"; with reward.model.path set and reward.fn not
-    # given, none (the reward model alone: engine.rl.algo.presets)
+    # built-in name or "package.module:function"; with reward.model.path or
+    # reward.judge.base_url set and reward.fn not given, none (engine.rl.algo.presets)
     fn: str = "math"
     timeout_s: Optional[float] = 30.0    # per call; null: sequential, no timeout
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass

@@ -40,7 +40,6 @@ from engine.config.model_settings import describe as describe_settings
 from engine.config.model_settings import megatron_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.parallel_settings import overlap_settings
-from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.prompts import prompt_rows
 from engine.rl.collect.transport import broadcast_rollout
 from engine.rl.collect.validation import Validation
@@ -48,12 +47,12 @@ from engine.rl.config import RLConfig
 from engine.rl.disaggregated.trainer import RemoteRollout, RemoteValidation
 from engine.rl.disaggregated.world import active_split
 from engine.rl.env.episode_batch import check_env_start
+from engine.rl.judge.collector import make_collector
 from engine.rl.policy.logprob_stage import AuxiliaryModels
 from engine.rl.policy.reward_model import rescore_batch
 from engine.rl.policy.routing_replay import rollout_engine_kwargs
 from engine.rl.policy.train_step import build_auxiliary, train_on_rollout
 from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
-from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import backend_class
 from engine.rl.rollout.pool import RolloutPool
 from engine.rl.rollout.sync_quantization import sync_source
@@ -150,8 +149,7 @@ def _rollout_side(cfg: RLConfig, policy: TrainEngine, dtype, rows, tokenizer, pr
     pool = build_pool(cfg, policy, dtype)
     collector = None
     if dist.get_rank() == 0:
-        collector = RolloutCollector(pool, rows, tokenizer, load_reward_fn(cfg.reward.fn),
-                                     cfg, prompt_ids)
+        collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids)
         collector.next_gen_batch = int(extra.get("next_gen_batch", start))
     return pool, collector, None
 

@@ -68,33 +68,14 @@ class AgentServer:
 
     # ------------------------------------------------------------------ lifetime
     def start(self) -> "AgentServer":
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self.port))
-        except OSError as e:
-            sock.close()
-            raise RunError(f"the agent server cannot listen on {self.host}:{self.port}: {e}; "
-                           "choose another env.agent_port (0: any free port)") from None
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=60)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="agent-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RunError(f"the agent server did not start on {self.host}:{self.port}")
-            time.sleep(0.01)
+        self._server, self._thread, self.port = start_http(
+            self.app, self.host, self.port, "agent server",
+            "choose another env.agent_port (0: any free port)")
         return self
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=10)
+            stop_http(self._server, self._thread)
             self._server = None
         self.queue.fail_pending("the server stopped")
 
@@ -174,12 +155,47 @@ class AgentServer:
             self.queue.responded(eid, len(futures))
 
 
+def start_http(app: FastAPI, host: str, port: int, what: str, hint: str
+               ) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """Serve `app` with uvicorn in a daemon thread on host:port (0: a free port), bound and
+    started before it returns: (the uvicorn server, its thread, the port). A port that cannot
+    be bound is a RunError naming `what` (the server) and ending with `hint`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RunError(f"the {what} cannot listen on {host}:{port}: {e}; {hint}") from None
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_keep_alive=60)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                              name=what.replace(" ", "-"), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RunError(f"the {what} did not start on {host}:{port}")
+        time.sleep(0.01)
+    return server, thread, port
+
+
+def stop_http(server: uvicorn.Server, thread: threading.Thread) -> None:
+    """Stop a server of start_http and wait (at most 10 s) for its thread."""
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
 def models_body(limits: Limits) -> dict:
     return {"object": "list", "data": [{"id": limits.model, "object": "model", "created": 0,
                                         "owned_by": "megatron-sft-engine"}]}
 
 
-async def _body(request: Request) -> dict:
+async def json_body(request: Request) -> dict:
+    """The request's JSON body (ApiError 400 when it is not JSON)."""
     raw = await request.body()
     try:
         return json.loads(raw)
@@ -187,10 +203,8 @@ async def _body(request: Request) -> dict:
         raise bad(f"the request body is not valid JSON: {e}") from None
 
 
-def build_app(server: AgentServer) -> FastAPI:
-    """The FastAPI app of `server`'s routes (module docstring)."""
-    app = FastAPI(title="agent episodes", docs_url=None, redoc_url=None, openapi_url=None)
-
+def add_error_handlers(app: FastAPI) -> None:
+    """ApiError and routing errors (unknown path, wrong method) as OpenAI-style bodies."""
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
@@ -201,6 +215,12 @@ def build_app(server: AgentServer) -> FastAPI:
                                      if exc.status_code == 404 else "invalid_request_error"
                                      ).body(), status_code=exc.status_code)
 
+
+def build_app(server: AgentServer) -> FastAPI:
+    """The FastAPI app of `server`'s routes (module docstring)."""
+    app = FastAPI(title="agent episodes", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
+
     @app.get("/episodes/{eid}/v1/models")
     async def models(eid: str) -> dict:
         server.episode(eid)
@@ -208,7 +228,7 @@ def build_app(server: AgentServer) -> FastAPI:
 
     async def call(eid: str, request: Request, kind: str) -> JSONResponse:
         try:
-            return await server.handle(eid, kind, await _body(request))
+            return await server.handle(eid, kind, await json_body(request))
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must answer 500, not drop the request

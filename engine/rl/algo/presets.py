@@ -73,8 +73,9 @@ def _is_explicit(key: str, explicit: set[str]) -> bool:
 
 def apply_algorithm_defaults(cfg, explicit: set[str]):
     """Set the defaults of `cfg.algorithm` (an RLConfig) on every key not in `explicit` (nor
-    under an explicit group), and `reward.fn=none` when reward.model.path is set and reward.fn
-    is not (the reward model is then the only reward source). Mutates and returns `cfg`;
+    under an explicit group), and `reward.fn=none` when reward.model.path or
+    reward.judge.base_url is set and reward.fn is not (the reward model and the judge are then
+    the only reward sources). Mutates and returns `cfg`;
     ConfigError for an unknown algorithm."""
     if cfg.algorithm not in ALGORITHMS:
         raise ConfigError(f"algorithm={cfg.algorithm!r} is not valid; choose one of "
@@ -83,6 +84,7 @@ def apply_algorithm_defaults(cfg, explicit: set[str]):
         if not _is_explicit(key, explicit):
             group, name = key.split(".")
             setattr(getattr(cfg, group), name, value)
-    if cfg.reward.model.path and not _is_explicit("reward.fn", explicit):
+    if (cfg.reward.model.path or cfg.reward.judge.base_url) and \
+            not _is_explicit("reward.fn", explicit):
         cfg.reward.fn = "none"
     return cfg

@@ -4,7 +4,7 @@ training world and a rollout world, the fixed-lag version schedule, the trainer'
 the checks of the asynchronous keys and the behaviour-version check
 (rollout.check_behaviour_logprobs).
 
-May import: engine.rl.collect, engine.rl.policy, engine.rl.rollout, engine.rl.env,
-engine.rl.algo, engine.rl.rewards, engine.rl.config, engine.training,
-engine.errors.
+May import: engine.rl.collect, engine.rl.judge (the collector with an LLM judge),
+engine.rl.policy, engine.rl.rollout, engine.rl.env, engine.rl.algo, engine.rl.rewards,
+engine.rl.config, engine.training, engine.errors.
 """

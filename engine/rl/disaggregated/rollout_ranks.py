@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import RunError
-from engine.rl.collect.collector import RolloutCollector
+from engine.rl.judge.collector import make_collector
 from engine.rl.collect.prompts import prompt_rows
 from engine.rl.collect.transport import error_kind
 from engine.rl.collect.validation import Validation, val_due, validates_before_training
@@ -39,7 +39,6 @@ from engine.rl.disaggregated.schedule import batch_version, versions_after
 from engine.rl.disaggregated.weight_send import TAG_CONTROL, TAG_ROLLOUT
 from engine.rl.disaggregated.world import SplitWorld, active_split, isend_object, recv_object
 from engine.rl.env.episode_batch import check_env_start
-from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.pool import RolloutPool
 from engine.rl.rollout.vllm_lora import lora_engine_kwargs
 from models.hf.custom_code import load_tokenizer
@@ -197,8 +196,7 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
     pool.resync = weights.reload
     collector = None
     if rank == 0:
-        collector = RolloutCollector(pool, rows, tokenizer, load_reward_fn(cfg.reward.fn), cfg,
-                                     prompt_ids)
+        collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids)
         collector.next_gen_batch = next_gen
     validation.attach(pool, collector)
     try:

@@ -9,6 +9,8 @@ elsewhere), turns, reward (the score: reward.fn, or the sum of the env's step re
 an environment error; plus reward.model.weight x rm_score with a reward model), rm_score (with
 reward.model.path only: the reward model's score of token_ids, before the weight; on a
 disaggregated run written by training rank 0 when it scored the batch, `add_model_scores`),
+judge_score (with reward.judge.base_url only: the LLM judge's score of the response, before
+reward.judge.weight; 0 when the judge failed; engine.rl.judge),
 overlong_penalty (dapo.overlong_buffer), finish_reason (stop, length, max_turns, error), error (the environment's error or null), text (token_ids decoded, special
 tokens kept). With on-policy distillation, teacher_logprobs (same length as token_ids: the
 teacher's log-prob of each sampled token, 0.0 elsewhere; null for an episode the step did not
@@ -23,9 +25,12 @@ import os
 def episode_record(prompt_index: int, sample_index: int, gen_batch: int, prompt: list[int],
                    response: list[int], mask: list[int], logprobs: list[float], turns: int,
                    reward: float, penalty: float, finish_reason: str, error: str | None,
-                   tokenizer, rm_score: float | None = None) -> dict:
+                   tokenizer, rm_score: float | None = None,
+                   judge_score: float | None = None) -> dict:
     ids = list(prompt) + list(response)
     model = {} if rm_score is None else {"rm_score": float(rm_score)}
+    if judge_score is not None:
+        model["judge_score"] = float(judge_score)
     return {"prompt_index": int(prompt_index), "sample_index": int(sample_index),
             "gen_batch": int(gen_batch), "token_ids": [int(t) for t in ids],
             "loss_mask": [0] * len(prompt) + [int(m) for m in mask],
@@ -43,6 +48,7 @@ def part_records(part: dict, row_indices: list[int], n: int, gen_batch: int,
     data = part["data"]
     scores, penalty = data["scores"].tolist(), part["penalty"].tolist()
     rm = data["rm_scores"].tolist() if "rm_scores" in data else [None] * len(scores)
+    judge = data["judge_scores"].tolist() if "judge_scores" in data else [None] * len(scores)
     out = []
     for i, (prompt, response, logprobs) in enumerate(zip(
             data["prompt_ids"], data["response_ids"], data["rollout_logprobs"])):
@@ -54,7 +60,7 @@ def part_records(part: dict, row_indices: list[int], n: int, gen_batch: int,
             reason = "length" if part["clipped"][i] else "stop"
         out.append(episode_record(row_indices[i], i % n, gen_batch, prompt, response, mask,
                                   logprobs, turns, scores[i], penalty[i], reason, error,
-                                  tokenizer, rm[i]))
+                                  tokenizer, rm[i], judge[i]))
     return out
 
 

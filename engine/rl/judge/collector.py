@@ -1,0 +1,66 @@
+"""The RL collector with an LLM judge (reward.judge.base_url set): every generation batch's
+responses are judged right after reward.fn (or the environment) and the reward model scored
+them, and reward.judge.weight x the judge's score joins each response's score and reward before
+the overlong shaping, dynamic sampling, the advantages and the dump, as a reward model's does
+(engine.rl.collect.collector). Judged: training batches, single-turn and multi-turn (the
+response's text is the trajectory after the prompt, observations included), colocated or on
+disaggregated rollout ranks; not validation (it scores with reward.fn alone, as without a
+judge). Metrics: reward/judge_mean (the mean judge score of the step's responses, failed ones
+0), failed judge requests counted in reward/errors; dumps: judge_score per episode.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.rl.collect.collector import RolloutCollector
+from engine.rl.judge.scorer import JudgeScorer
+from engine.rl.rewards import load_reward_fn
+
+
+class JudgedCollector(RolloutCollector):
+    """RolloutCollector (same arguments) plus `judge` (module docstring)."""
+
+    def __init__(self, *args, judge: JudgeScorer, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.judge = judge
+        self.judged: list[torch.Tensor] = []   # the judge scores of the collect in progress
+
+    def _model_scores(self, part: dict) -> dict:
+        part = super()._model_scores(part)
+        data = part["data"]
+        items = []
+        for index, prompt, response in zip(part["row_indices"], data["prompt_ids"],
+                                            data["response_ids"]):
+            row = self.rows[index]
+            text = row["prompt"] if isinstance(row["prompt"], str) else self.tokenizer.decode(
+                prompt, skip_special_tokens=True)
+            items.append((text, self.tokenizer.decode(response, skip_special_tokens=True)))
+        result = self.judge.score(items)
+        if result.num_errors:
+            first = next(e for e in result.errors if e is not None)
+            print(f"[rl] warning: the judge failed on {result.num_errors} of {len(items)} "
+                  f"responses (scored 0); first: {first}", flush=True)
+        judged = torch.tensor(result.scores, dtype=torch.float32)
+        weight = float(self.judge.cfg.weight)
+        data.update(judge_scores=judged, scores=data["scores"] + weight * judged,
+                    rewards=data["rewards"] + weight * judged)
+        part["errors"] += result.num_errors
+        self.judged.append(judged)
+        return part
+
+    def collect(self, dump_step: int | None = None):
+        self.judged = []
+        batch = super().collect(dump_step)
+        batch.metrics["reward/judge_mean"] = float(torch.cat(self.judged).mean())
+        return batch
+
+
+def make_collector(pool, rows: list[dict], tokenizer, cfg,
+                   prompt_ids: list[list[int]] | None = None) -> RolloutCollector:
+    """Rank 0's collector of the run: JudgedCollector with reward.judge.base_url, else
+    RolloutCollector; reward.fn loaded by engine.rl.rewards."""
+    reward_fn = load_reward_fn(cfg.reward.fn)
+    if not cfg.reward.judge.base_url:
+        return RolloutCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids)
+    return JudgedCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids,
+                           judge=JudgeScorer(cfg.reward.judge))

@@ -1,0 +1,19 @@
+"""`megatron-sft-engine serve` / `python -m engine.serve`: any HF checkpoint the rollout engines
+load (hf: transformers, vllm), served OpenAI-compatibly at one fixed base URL ending in /v1, for
+evaluation and for LLM judges (reward.judge.*; docs/agents.md, "Serving a checkpoint").
+
+Built from the agent endpoint's parts (engine.rl.agent: request checks and their 400s, the
+chat template's rules, replies, the generate queue, SamplingBackend), without its episodes: a
+serve endpoint is stateless, every request is rendered whole.
+
+Modules (one job each):
+    batching   the queue's rule for independent clients (gather, then one generate call)
+    endpoint   the FastAPI app (/v1/models, /v1/chat/completions, /v1/completions), seeds
+    folder     the --model folder checked before anything heavy is imported
+    model      the folder loaded on the hf or vllm rollout engine
+    run        the serving lifetime: load, listen, serve, stop on SIGTERM / Ctrl-C
+    __main__   the command line: flags and their checks, --help
+
+May import: engine.rl.agent, engine.rl.rollout, engine.rl.config (the vllm engine's default
+settings), engine.data, engine.errors. Nothing imports engine.serve (tests/test_structure.py).
+"""

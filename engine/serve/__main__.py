@@ -1,0 +1,109 @@
+"""`python -m engine.serve --model DIR` (the console's `megatron-sft-engine serve`): serve a
+Hugging Face checkpoint OpenAI-compatibly at http://HOST:PORT/v1 until SIGTERM or Ctrl-C
+(docs/agents.md, "Serving a checkpoint"). Exit 0 after a signal (the requests in flight are
+answered, queued ones get 503), 2 for a bad flag or --model folder (one line naming it), 1
+when the engine dies.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.serve.folder import BACKENDS, DTYPES, folder_problem, model_context
+
+DESCRIPTION = """Serve a Hugging Face checkpoint OpenAI-compatibly (/v1/models,
+/v1/chat/completions, /v1/completions) for evaluation and for LLM judges (reward.judge.*).
+Requests of concurrent clients are batched into one generate call of the rollout engine
+(hf: transformers; vllm: vLLM in this process). A request's temperature, top_p, max_tokens
+(capped at --max-tokens), n, stop, logprobs and tools are honoured; a request without `seed`
+samples with a seed derived from --seed and its arrival number, one with `seed` samples the
+same reply whatever else is served. SIGTERM or Ctrl-C stops it (exit 0)."""
+
+EXAMPLES = """examples:
+  {prog} --model runs/x/hf --port 8000
+  {prog} --model /models/Qwen3-8B --backend vllm --max-tokens 1024 --temperature 0
+  then: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")"""
+
+
+def parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
+                                epilog=EXAMPLES.format(prog=prog),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="local HF checkpoint folder (config.json, weights, tokenizer)")
+    p.add_argument("--backend", choices=BACKENDS, default="hf",
+                   help="rollout engine: hf (transformers, CPU or GPU) or vllm (default: hf)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: a free one; default 8000)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the name /v1/models lists (default: the folder's name); requests "
+                        "may name any model")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="default sampling temperature, 0 = greedy (default: 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="default top_p (default: 1.0)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="tokens of a reply: the default and the cap of a request's "
+                        "max_tokens (default: 256)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="prompt + reply tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the seeds of requests without one derive from it (default: 0)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights' dtype (default: auto, the checkpoint's)")
+    p.add_argument("--batch-wait-ms", type=float, default=20.0,
+                   help="a batch goes this long after its oldest request arrived (default: 20)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="requests per generate call at most (default: no limit)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="the folder's own tokenizer code may run")
+    return p
+
+
+def flag_problems(args) -> list[str]:
+    """One sentence per bad flag, naming it."""
+    checks = [(0 <= args.temperature <= 2, f"--temperature {args.temperature} must be in [0, 2]"),
+              (0 < args.top_p <= 1, f"--top-p {args.top_p} must be in (0, 1]"),
+              (args.max_tokens >= 1, f"--max-tokens {args.max_tokens} must be >= 1"),
+              (0 <= args.port <= 65535, f"--port {args.port} must be in [0, 65535]"),
+              (args.batch_wait_ms >= 0, f"--batch-wait-ms {args.batch_wait_ms} must be >= 0"),
+              (args.max_batch is None or args.max_batch >= 1,
+               f"--max-batch {args.max_batch} must be >= 1"),
+              (args.max_context is None or args.max_context > args.max_tokens,
+               f"--max-context {args.max_context} must exceed --max-tokens {args.max_tokens} "
+               "(room for the prompt)")]
+    return [message for ok, message in checks if not ok]
+
+
+def settled(args) -> str | None:
+    """Check the folder and fill --max-context; why it cannot be served, or None."""
+    problem = folder_problem(args.model)
+    if problem:
+        return problem
+    if args.max_context is None:
+        args.max_context = model_context(args.model)
+        if args.max_context is None:
+            return (f"--model {args.model!r}: config.json has no max_position_embeddings; "
+                    "give --max-context")
+        if args.max_context <= args.max_tokens:
+            return (f"--max-tokens {args.max_tokens} leaves no room for a prompt in the "
+                    f"model's context of {args.max_context} tokens; lower it")
+    return None
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m engine.serve") -> int:
+    args = parser(prog).parse_args(argv)
+    problems = flag_problems(args)
+    problem = None if problems else settled(args)
+    for line in problems + ([problem] if problem else []):
+        print(f"error: {line}", file=sys.stderr)
+    if problems or problem:
+        return 2
+    # torch, transformers, fastapi (seconds): only once the flags and the folder are good
+    from engine.serve.run import serve_model
+
+    return serve_model(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

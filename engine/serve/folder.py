@@ -1,0 +1,51 @@
+"""The --model folder of `serve`, checked before anything heavy is imported (a clear error,
+exit 2, naming what is missing).
+
+A servable folder is local (nothing is downloaded) and holds config.json (a JSON object with
+model_type), weights (*.safetensors, or a pytorch_model*.bin) and the tokenizer
+(tokenizer.json or tokenizer_config.json); the engines then need an eos id somewhere (config,
+generation config or tokenizer).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+BACKENDS = ("hf", "vllm")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def folder_problem(path: str) -> str | None:
+    """Why `path` cannot be served (one sentence naming --model), or None."""
+    what = f"--model {path!r}"
+    if not os.path.isdir(path):
+        return (f"{what} is not a directory: give a local Hugging Face checkpoint folder "
+                "(config.json, *.safetensors, the tokenizer); nothing is downloaded")
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return f"{what} has no config.json: it is not a Hugging Face checkpoint folder"
+    try:
+        with open(config, encoding="utf-8") as f:
+            parsed = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{what}: config.json does not parse as JSON: {e}"
+    if not isinstance(parsed, dict) or not parsed.get("model_type"):
+        return f"{what}: config.json has no model_type"
+    if not any(glob.glob(os.path.join(path, pattern)) for pattern in WEIGHTS):
+        return f"{what} has no weights ({' or '.join(WEIGHTS)})"
+    if not any(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
+        return (f"{what} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): the endpoint "
+                "renders chats and decodes replies with it")
+    return None
+
+
+def model_context(path: str) -> int | None:
+    """The model's context length (max_position_embeddings of its text config), or None."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    value = (config.get("text_config") or {}).get("max_position_embeddings") \
+        or config.get("max_position_embeddings")
+    return int(value) if value else None

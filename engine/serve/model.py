@@ -1,0 +1,43 @@
+"""The --model folder (checked by engine.serve.folder) loaded on a rollout engine
+(engine.rl.rollout): hf (transformers, CPU or GPU) or vllm (vllm.LLM in this process, vLLM
+imported on first use; rollout.vllm's defaults with max_model_len = the endpoint's max
+context).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.rl.config import RolloutConfig
+from engine.rl.rollout.eos import folder_tokenizer
+from engine.rl.rollout.hf_backend import HFRolloutEngine
+from engine.rl.rollout.vllm_backend import VLLMRolloutEngine
+
+
+@dataclass
+class LoadedModel:
+    """A loaded --model: its rollout engine and tokenizer."""
+
+    engine: object           # an engine.rl.rollout.RolloutEngine
+    tokenizer: object
+
+
+def load_model(path: str, backend: str, dtype: str, seed: int, max_context: int,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """`path` on the `backend` rollout engine (module docstring); ValueError when it does
+    not load (the message names --model)."""
+    torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
+    try:
+        tokenizer = folder_tokenizer(path, trust_remote_code)
+        if backend == "hf":
+            engine = HFRolloutEngine(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        else:
+            settings = RolloutConfig(backend="vllm")
+            settings.vllm.max_model_len = max_context
+            engine = VLLMRolloutEngine.from_config(path, settings, torch_dtype or "auto", seed,
+                                                   trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--model {path!r} does not load on the {backend} backend: "
+                         f"{type(e).__name__}: {e}") from e
+    return LoadedModel(engine, tokenizer)

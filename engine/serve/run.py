@@ -1,0 +1,53 @@
+"""The serving lifetime of `python -m engine.serve` (flags checked by engine.serve.__main__):
+load the model, start the endpoint, serve on this thread (the one that owns the engine) until
+SIGTERM or SIGINT, then stop listening, answer what is queued with 503 and shut the engine down.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from engine.errors import RunError
+from engine.rl.agent.protocol import SamplingBackend
+from engine.serve.endpoint import ServeEndpoint, ServeSettings
+from engine.serve.model import load_model
+
+
+def serve_model(args) -> int:
+    """Serve `args` (the parsed, checked flags) until a signal: exit code 0, 2 when the model
+    does not load, 1 when the engine dies or the port cannot be bound."""
+    try:
+        loaded = load_model(args.model, args.backend, args.dtype, args.seed, args.max_context,
+                            args.trust_remote_code)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    settings = ServeSettings(name, args.max_tokens, args.max_context, args.temperature,
+                             args.top_p, args.seed)
+    engine, stop = loaded.engine, threading.Event()
+    previous = {}   # Python installs signal handlers from the main thread only
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, lambda *_: stop.set())
+                    for s in (signal.SIGINT, signal.SIGTERM)}
+    endpoint = ServeEndpoint(loaded.tokenizer, settings, args.host, args.port,
+                             args.batch_wait_ms / 1000, args.max_batch)
+    code = 0
+    try:
+        endpoint.start()
+        print(f"[serve] {args.model} on the {args.backend} backend: {endpoint.base_url} "
+              f"(model {name!r})", flush=True)
+        endpoint.serve(SamplingBackend(engine.generate), stop.is_set,
+                       alive=lambda: engine.is_alive)
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        endpoint.stop()
+        engine.shutdown()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print("[serve] stopped", flush=True)
+    return code

@@ -1,0 +1,313 @@
+"""`megatron-sft-engine serve` (engine.serve) and the LLM judge (reward.judge.*,
+engine.rl.judge) on a tiny locally built model (tools.tiny_models.build_eos_model; nothing is
+downloaded): /v1/models, chat and completions through the real `openai` client, greedy replies
+equal to the HF rollout engine's own greedy generation token for token, seeds, concurrent
+clients in one generate call, 400s; the command line (--help, a bad --model folder, SIGTERM);
+the judge's scores equal direct calls (a parser function and a regex), failures scored 0 and
+counted (unreachable URL, unparsable reply, timeout); its keys refused by name; one GRPO step of
+`python -m engine.rl` judged by a serve endpoint logs reward/judge_mean and dumps judge_score."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine.config.schema import load_config
+from engine.rl.agent.protocol import SamplingBackend
+from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
+from engine.rl.config import RLConfig
+from engine.rl.judge.checks import judge_problems
+from engine.rl.judge.scorer import JudgeScorer, fill
+from engine.rl.rewards import math_reward
+from engine.rl.rollout import SamplingParams
+from engine.serve.__main__ import main as serve_main
+from engine.serve.endpoint import ServeEndpoint, ServeSettings
+from tools.tiny_models import build_eos_model
+
+MAX_TOKENS, MAX_CONTEXT = 12, 200
+TEMPLATE = "judge {prompt} then {response} ."
+
+
+def reply_length(text: str) -> float:
+    """A judge parser (reward.judge.parser=tests.test_serve:reply_length)."""
+    return float(len(text))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_eos_model(str(tmp_path_factory.mktemp("serve_model") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """(endpoint, engine): an HF engine served on this process's loopback; the engine is
+    owned by the serving thread (the test thread touches it only while nothing is queued)."""
+    from engine.serve.model import load_model
+
+    loaded = load_model(model_dir, "hf", "float32", 0, MAX_CONTEXT)
+    endpoint = ServeEndpoint(loaded.tokenizer, ServeSettings("tiny", MAX_TOKENS, MAX_CONTEXT),
+                             gather_s=0.02).start()
+    stop = threading.Event()
+    owner = threading.Thread(target=endpoint.serve, args=(SamplingBackend(
+        loaded.engine.generate), stop.is_set), daemon=True)
+    owner.start()
+    yield endpoint, loaded.engine, loaded.tokenizer
+    stop.set()
+    owner.join(timeout=10)
+    endpoint.stop()
+
+
+def _client(endpoint) -> openai.OpenAI:
+    return openai.OpenAI(base_url=endpoint.base_url, api_key="unused", max_retries=0)
+
+
+def _greedy(engine, ids: list[int], n: int) -> list[int]:
+    (gen,) = engine.generate([ids], SamplingParams(max_new_tokens=n, temperature=0.0))
+    return list(gen.response_ids)
+
+
+def test_models_chat_completions_and_greedy_equal_the_engine(served):
+    """/v1/models; a greedy chat completion through the openai client and a greedy text
+    completion are the HF engine's own greedy ids for the same prompt ids, token for token;
+    max_tokens that does not fit in the context is a 400 (context_length_exceeded); a bad
+    temperature is a 400 naming it."""
+    endpoint, engine, tok = served
+    models = httpx.get(f"{endpoint.base_url}/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    client = _client(endpoint)
+    messages = [{"role": "user", "content": "what is 2 plus 3 ?"}]
+    reply = client.chat.completions.create(model="anything", messages=messages, temperature=0,
+                                           max_tokens=MAX_TOKENS,
+                                           extra_body={"return_token_ids": True})
+    got = reply.model_dump()
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert got["prompt_token_ids"] == prompt
+    ids = got["choices"][0]["token_ids"]
+    assert ids == _greedy(engine, prompt, MAX_TOKENS) and len(ids) >= 1
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(ids)
+
+    text = client.completions.create(model="tiny", prompt="w12 w40 w7", temperature=0,
+                                     max_tokens=5, extra_body={"return_token_ids": True})
+    body = text.model_dump()
+    assert body["choices"][0]["token_ids"] == _greedy(engine, body["prompt_token_ids"], 5)
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=messages,
+                                       max_tokens=MAX_CONTEXT)
+    assert err.value.code == "context_length_exceeded" and "--max-context" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=messages, temperature=3)
+    assert "temperature" in str(err.value)
+
+
+def _post(endpoint, body: dict) -> dict:
+    response = httpx.post(f"{endpoint.base_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_concurrent_clients_share_one_generate_call_and_seeds_decide(served):
+    """Four clients at once: ONE generate call of the engine; a seeded request's reply is the
+    same alone and in that batch, another seed gives another sample; malformed JSON is a
+    400."""
+    endpoint, engine, _ = served
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "count w1 w2 w3"}],
+            "temperature": 1.0, "max_tokens": MAX_TOKENS, "return_token_ids": True}
+    alone = _post(endpoint, {**body, "seed": 7})["choices"][0]["token_ids"]
+    seeds = [7, 8, 9, 10]
+    out: dict[int, list[int]] = {}
+    barrier = threading.Barrier(len(seeds))
+
+    def client(seed: int) -> None:
+        barrier.wait()
+        out[seed] = _post(endpoint, {**body, "seed": seed})["choices"][0]["token_ids"]
+
+    calls = engine.num_generate_calls
+    endpoint.queue.gather_s = 0.5   # a wide window: the four threads start on a busy host
+    threads = [threading.Thread(target=client, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    endpoint.queue.gather_s = 0.02
+    assert engine.num_generate_calls - calls == 1
+    assert out[7] == alone
+    assert len({tuple(v) for v in out.values()}) > 1
+    bad = httpx.post(f"{endpoint.base_url}/chat/completions", content=b"{not json")
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
+    """`serve --help`; a missing folder, one without config.json and one without a tokenizer
+    exit 2 naming --model; a real serve on the main thread answers the openai client and
+    exits 0 on SIGTERM."""
+    with pytest.raises(SystemExit) as e:
+        serve_main(["--help"], prog="megatron-sft-engine serve")
+    assert e.value.code == 0 and "--backend {hf,vllm}" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(model_dir, name), no_tok / name)
+    for folder, expected in ((tmp_path / "nope", "is not a directory"),
+                             (empty, "has no config.json"), (no_tok, "has no tokenizer")):
+        assert serve_main(["--model", str(folder)]) == 2
+        assert f"--model {str(folder)!r} {expected}" in capsys.readouterr().err
+    assert serve_main(["--model", model_dir, "--top-p", "0"]) == 2
+    assert "--top-p 0.0 must be in (0, 1]" in capsys.readouterr().err
+
+    port, seen = _free_port(), {}
+
+    def client() -> None:
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(600):
+                try:
+                    httpx.get(f"{url}/health")
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.05)
+            c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            seen["reply"] = c.chat.completions.create(
+                model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    helper = threading.Thread(target=client, daemon=True)
+    helper.start()
+    code = serve_main(["--model", model_dir, "--port", str(port), "--max-tokens", "8",
+                       "--dtype", "float32", "--batch-wait-ms", "1"])
+    helper.join(timeout=30)
+    out = capsys.readouterr().out
+    assert code == 0 and "[serve] stopped" in out and f"127.0.0.1:{port}/v1" in out
+    assert seen["reply"].model == "llama" and len(seen["reply"].choices) == 1
+
+
+# ------------------------------------------------------------------------------- the judge
+
+def _judge_config(argv: list[str]):
+    cfg, _ = load_config(RLConfig, argv)
+    return apply_algorithm_defaults(cfg, explicit_keys(argv))
+
+
+def _direct(endpoint, prompt: str, response: str) -> str:
+    """The judge's reply text from a direct openai-client call with the scorer's request."""
+    reply = _client(endpoint).chat.completions.create(
+        model="judge", temperature=0, max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": fill(TEMPLATE, prompt, response)}])
+    return reply.choices[0].message.content
+
+
+ITEMS = [("what is 1 plus 2 ?", "w12 w7 3"), ("say w40", "w40 w41"), ("{response}", "x")]
+
+
+def test_judge_scores_equal_direct_calls_and_failures_count(served):
+    """reward.judge against serve: a parser function and a regex give what direct calls of
+    the same request give (a reply the regex misses: 0 and an error); an unreachable URL, an
+    unparsable reply and a judge that never answers score 0 and are counted."""
+    endpoint = served[0]
+    texts = [_direct(endpoint, p, r) for p, r in ITEMS]
+    base = [f"reward.judge.base_url={endpoint.base_url}", f"reward.judge.prompt='{TEMPLATE}'",
+            f"reward.judge.max_tokens={MAX_TOKENS}", "reward.judge.concurrency=2"]
+    cfg = _judge_config(base + ["reward.judge.parser=tests.test_serve:reply_length"])
+    assert judge_problems(cfg) == [] and cfg.reward.fn == "none"
+    got = JudgeScorer(cfg.reward.judge).score(ITEMS)
+    assert got.scores == [float(len(t)) for t in texts] and got.num_errors == 0
+
+    regex = _judge_config(base + ["reward.judge.parser='w(\\d+)'"]).reward.judge
+    got = JudgeScorer(regex).score(ITEMS)
+    expected = [float(re.findall(r"w(\d+)", t)[-1]) if re.findall(r"w(\d+)", t) else 0.0
+                for t in texts]
+    assert got.scores == expected
+    assert got.num_errors == sum(not re.findall(r"w(\d+)", t) for t in texts)
+
+    never = _judge_config(base + ["reward.judge.parser='(NEVER)'"]).reward.judge
+    got = JudgeScorer(never).score(ITEMS)
+    assert got.scores == [0.0] * 3 and got.num_errors == 3 and "unparsable" in got.errors[0]
+
+    unreachable = _judge_config(base + [f"reward.judge.base_url=http://127.0.0.1:"
+                                        f"{_free_port()}/v1"]).reward.judge
+    got = JudgeScorer(unreachable).score(ITEMS[:2])
+    assert got.scores == [0.0, 0.0] and got.num_errors == 2 and "Connect" in got.errors[0]
+
+    with socket.socket() as silent:   # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        hangs = _judge_config(base + [
+            f"reward.judge.base_url=http://127.0.0.1:{silent.getsockname()[1]}/v1",
+            "reward.judge.timeout_s=0.3"]).reward.judge
+        t0 = time.monotonic()
+        got = JudgeScorer(hangs).score(ITEMS[:2])
+    assert got.num_errors == 2 and "timeout_s=0.3" in got.errors[0]
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["reward.judge.prompt='rate {prompt}'"], "reward.judge.prompt lacks {response}"),
+    (["reward.judge.prompt='rate {response}'"], "reward.judge.prompt lacks {prompt}"),
+    (["reward.judge.parser='(a)(b)'"], "has 2 groups; a regex needs exactly one"),
+    (["reward.judge.parser=tests.test_serve:missing"], "has no attribute 'missing'"),
+    (["reward.judge.concurrency=0"], "reward.judge.concurrency=0 must be an integer >= 1"),
+    (["reward.judge.timeout_s=0"], "reward.judge.timeout_s=0"),
+    (["reward.judge.api_key_env=SERVE_TEST_UNSET_KEY"], "that environment variable is not set"),
+    (["reward.judge.base_url=127.0.0.1:8000/v1"], "must be an http:// or https:// URL"),
+    (["env.agent=tests.test_serve:reply_length"], "with env.agent is not built")])
+def test_judge_keys_are_refused_by_name(argv, expected):
+    base = [] if any("base_url" in a for a in argv) else ["reward.judge.base_url=http://h/v1"]
+    assert any(expected in p for p in judge_problems(_judge_config(base + argv))), expected
+
+
+def test_rl_step_judged_by_serve_logs_judge_mean(served, pools, model_dir, tmp_path):
+    """One GRPO step of `python -m engine.rl` (1 process) with reward.fn=math and
+    reward.judge at the serve endpoint (weight 0.5): every dumped judge_score is a direct
+    judge call's score of (prompt, response text), reward = math + 0.5 x judge_score, and
+    reward/judge_mean is their mean; no reward errors."""
+    endpoint, _, tok = served
+    rows = [{"prompt": f"what is {a} plus {b} ?", "answer": a + b} for a, b in [(1, 2), (3, 4)]]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = pools.script(
+        1, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{data}]",
+        "reward.fn=math", f"reward.judge.base_url={endpoint.base_url}",
+        "reward.judge.parser=tests.test_serve:reply_length", "reward.judge.weight=0.5",
+        f"reward.judge.prompt='{TEMPLATE}'", f"reward.judge.max_tokens={MAX_TOKENS}",
+        "rollout.n=2", "rollout.max_new_tokens=6", "train.prompts_per_step=2",
+        "train.micro_batch_size=2", "train.max_steps=1", "train.seq_length=128",
+        "data.shuffle=false", f"logging.dir={tmp_path}", "logging.progress_bar=false",
+        f"logging.rollout_dir={tmp_path / 'rollouts'}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (metrics,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    dump = [json.loads(x) for x in (tmp_path / "rollouts" / "step_1.jsonl").read_text()
+            .splitlines()]
+    assert len(dump) == 4 and metrics["reward/errors"] == 0
+    judged = []
+    for record in dump:
+        start = record["loss_mask"].index(1)
+        response = tok.decode(record["token_ids"][start:], skip_special_tokens=True)
+        prompt = rows[record["prompt_index"]]["prompt"]
+        direct = float(len(_direct(endpoint, prompt, response)))
+        assert record["judge_score"] == direct
+        fn = math_reward(prompt, response, str(rows[record["prompt_index"]]["answer"]))
+        assert record["reward"] == pytest.approx(fn + 0.5 * direct, rel=1e-6)
+        judged.append(direct)
+    assert metrics["reward/judge_mean"] == pytest.approx(sum(judged) / len(judged), rel=1e-6)
+    assert metrics["reward/mean"] == pytest.approx(
+        sum(r["reward"] for r in dump) / len(dump), rel=1e-6)
