@@ -1,5 +1,6 @@
 # Shared by the RL CPU demos (sourced, not run): recipes/rl_cpu_demo.sh,
-# recipes/rl_distill_cpu_demo.sh and recipes/vlm_cpu_demo.sh. Goes to the repository root, sets the environment and an empty
+# recipes/rl_distill_cpu_demo.sh, recipes/vlm_cpu_demo.sh, recipes/rm_cpu_demo.sh and
+# recipes/agent_cpu_demo.sh. Goes to the repository root, sets the environment and an empty
 # $WORK (the caller sets WORK first), and defines:
 #
 #   demo_tiny_model DIR HIDDEN LAYERS INTERMEDIATE SEED   a tiny random Qwen3 (4 heads, 2 KV heads,

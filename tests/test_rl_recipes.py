@@ -11,6 +11,7 @@ RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes", "rl").g
 
 
 DENSE = [p for p in RECIPES if p.name.startswith("qwen3_8b_")]
+AGENT = RECIPES[0].parent / "qwen3_8b_agent_grpo_h100.yaml"
 MOE = Path(__file__).resolve().parents[1] / "recipes" / "rl" / "qwen3_30b_a3b_grpo_h100.yaml"
 
 
@@ -21,6 +22,7 @@ def test_every_recipe_exists():
                                          "qwen3_30b_a3b_lora_grpo_h100.yaml",
                                          "qwen3_30b_a3b_dapo_gspo_r2_h100.yaml",
                                          "qwen3_8b_tools_grpo_h100.yaml",
+                                         "qwen3_8b_agent_grpo_h100.yaml",
                                          "qwen3_8b_ppo_h100.yaml",
                                          "qwen3_1_7b_distill_qwen3_8b_h100.yaml",
                                          "gpt_oss_20b_grpo_h100.yaml",
@@ -71,6 +73,80 @@ def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
     assert detect_format(QWEN3) == "hermes"
 
 
+def test_agent_recipe_validates_with_the_vllm_engines_counted(capsys):
+    """The agent recipe (docs/agents.md): env.agent is the shipped example scaffold (importable,
+    env.fn unset: no env problem), two calls fit the episode bound and vLLM's max_model_len,
+    and --validate counts vLLM's share of the GPU beside the resident training state (the
+    placement and sync bytes: test_validate_prints_placement_and_sync_bytes)."""
+    from engine.rl.checks import env_problems
+    from engine.rl.recipe_check import rl_validate_main
+    from tools.example_agent import ATTEMPTS, math_retry
+
+    argv = ["--config", str(AGENT)]
+    cfg = apply_algorithm_defaults(load_config(RLConfig, argv)[0], explicit_keys(argv))
+    assert cfg.env.agent == "tools.example_agent:math_retry" and callable(math_retry)
+    assert cfg.env.fn is None and env_problems(cfg) == [] and cfg.env.max_turns == ATTEMPTS
+    assert cfg.train.seq_length >= ATTEMPTS * cfg.rollout.max_new_tokens + 1024
+    assert cfg.rollout.vllm.max_model_len == cfg.train.seq_length
+    assert rl_validate_main(argv + ["--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "+ KL reference 7.6 = 62.5" in out
+    assert "resident training state 40.2 + engine 27.9 (vLLM 0.35 x 79.6) = 68.1" in out
+    assert "recipe OK on 2 node(s) x 8 GPUs" in out
+
+
+class _ScriptedClient:
+    """Stands in for the OpenAI client: replies from a script, records the messages sent."""
+
+    def __init__(self, replies):
+        self.replies, self.sent = list(replies), []
+        self.chat = self.completions = self
+
+    def create(self, model, messages):
+        from types import SimpleNamespace
+
+        self.sent.append([dict(m) for m in messages])
+        message = SimpleNamespace(content=self.replies.pop(0))
+        return SimpleNamespace(choices=[SimpleNamespace(message=message)])
+
+
+@pytest.mark.parametrize("replies, reward, calls", [
+    (["7"], 1.0, 1), ([" 7 "], 1.0, 1), (["6", "7"], 0.5, 2), (["6", "8"], 0.0, 2),
+    # nothing but the sum's digits counts: no format, repetition or empty reply earns anything
+    (["7 7", "the answer is 7"], 0.0, 2), (["7 ?", ""], 0.0, 2), (["77", "07"], 0.0, 2)])
+def test_demo_scaffold_rewards_only_the_exact_sum(monkeypatch, replies, reward, calls):
+    """recipes/agent_cpu_demo.sh's scaffold (tools.example_agent.retry): 1.0 right first time,
+    0.5 right after the feedback, else 0; the second call's messages are the first plus the
+    reply and the feedback (so the run extends one trajectory)."""
+    import tools.example_agent as agent
+
+    client = _ScriptedClient(replies)
+    monkeypatch.setattr(agent, "client_for", lambda base_url: client)
+    row = {"prompt": "what is 3 plus 4 ?", "answer": 7}
+    out = agent.retry("http://unused/v1", row)
+    assert out["reward"] == reward and len(client.sent) == calls
+    assert out["metrics"] == {"first_try": float(reward == 1.0),
+                              "second_try": float(reward == 0.5)}
+    if calls == 2:
+        assert client.sent[1] == client.sent[0] + [
+            {"role": "assistant", "content": replies[0]},
+            {"role": "user", "content": agent.DEMO_FEEDBACK}]
+
+
+def test_recipe_scaffold_checks_the_final_answer_and_demo_feedback_is_in_vocabulary(
+        monkeypatch):
+    """math_retry (the H100 recipe's) checks the last \\boxed{} with the math reward; the CPU
+    demo's feedback is made of the tiny tokenizer's words (none reads as <unk>)."""
+    import tools.example_agent as agent
+    from tools.tiny_models import BASE_WORDS
+
+    client = _ScriptedClient(["so \\boxed{6}", "the mistake: \\boxed{7}"])
+    monkeypatch.setattr(agent, "client_for", lambda base_url: client)
+    out = agent.math_retry("http://unused/v1", {"prompt": "3 + 4?", "answer": "7"})
+    assert out["reward"] == 0.5 and client.sent[1][-1]["content"] == agent.MATH_FEEDBACK
+    assert set(agent.DEMO_FEEDBACK.split()) <= set(BASE_WORDS)
+
+
 def test_dapo_gspo_r2_recipe_selects_its_loss_replay_and_dapo_options():
     """The MoE off-policy recipe (docs/rl.md): DAPO with GSPO's sequence-ratio bounds, R2 routing
     replay on a MoE shape, seq-mean-token-mean (the GSPO paper's and verl's GSPO scripts'
@@ -98,9 +174,10 @@ def test_recipe_loads_with_algorithm_defaults(path):
     argv = ["--config", str(path)]
     cfg, _ = load_config(RLConfig, argv)
     cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))
-    # prompts with images need the hf backend (docs/vlm.md)
-    assert cfg.rollout.backend == ("vllm" if "vllm" in path.name else "hf" if "_vl_" in path.name
-                                   else "sglang")
+    # prompts with images need the hf backend (docs/vlm.md); env.agent is refused with sglang
+    # (docs/agents.md)
+    assert cfg.rollout.backend == ("vllm" if "vllm" in path.name or "agent" in path.name
+                                   else "hf" if "_vl_" in path.name else "sglang")
     assert cfg.model.dtype == "bfloat16"
     assert cfg.train.seq_length >= cfg.rollout.max_new_tokens
     if cfg.algorithm == "dapo":
