@@ -243,7 +243,9 @@ class VLLMRolloutEngine(RolloutEngine):
         with preserved_global_rng():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                         sampling, use_tqdm=False, lora_request=self._lora())
-        if not self._contract_seen:   # the first call: the log-probs came from the contract
+        # the first sampled call: its log-probs came from the contract (a greedy call does not
+        # go through the top-k/top-p sampler: `serve` may answer greedy requests first)
+        if not self._contract_seen and not greedy:
             if not all(self.llm.collective_rpc("rl_contract_calls")):
                 raise RuntimeError("vLLM sampled without its topk_topp_sampler, which carries "
                                    "the log-prob contract: its log-probs are not the contract's")
