@@ -4,8 +4,10 @@ downloaded): /v1/models, chat and completions through the real `openai` client, 
 equal to the HF rollout engine's own greedy generation token for token, seeds, concurrent
 clients in one generate call, 400s; the command line (--help, a bad --model folder, SIGTERM);
 the judge's scores equal direct calls (a parser function and a regex), failures scored 0 and
-counted (unreachable URL, unparsable reply, timeout); its keys refused by name; one GRPO step of
-`python -m engine.rl` judged by a serve endpoint logs reward/judge_mean and dumps judge_score."""
+counted (unreachable URL, unparsable reply, timeout); its keys refused by name; the collector
+adds reward.fn + a reward model's + the judge's weighted scores before the advantages; one GRPO
+step of `python -m engine.rl` judged by a serve endpoint logs reward/judge_mean and dumps
+judge_score."""
 from __future__ import annotations
 
 import json
@@ -20,15 +22,20 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from engine.config.schema import load_config
 from engine.rl.agent.protocol import SamplingBackend
+from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.config import RLConfig
 from engine.rl.judge.checks import judge_problems
+from engine.rl.judge.collector import JudgedCollector, make_collector
 from engine.rl.judge.scorer import JudgeScorer, fill
 from engine.rl.rewards import math_reward
 from engine.rl.rollout import SamplingParams
+from engine.rl.rollout.hf_backend import HFRolloutEngine
+from engine.rl.rollout.pool import RolloutPool
 from engine.serve.__main__ import main as serve_main
 from engine.serve.endpoint import ServeEndpoint, ServeSettings
 from tools.tiny_models import build_eos_model
@@ -273,6 +280,49 @@ def test_judge_scores_equal_direct_calls_and_failures_count(served):
 def test_judge_keys_are_refused_by_name(argv, expected):
     base = [] if any("base_url" in a for a in argv) else ["reward.judge.base_url=http://h/v1"]
     assert any(expected in p for p in judge_problems(_judge_config(base + argv))), expected
+
+
+def test_collector_adds_judge_and_reward_model_scores(served, model_dir, tmp_path):
+    """reward.fn=math + 0.5 x a reward model's score (a stand-in scorer on the pool) + 0.25 x
+    the judge's: the batch's scores and rewards, its GRPO advantages, reward/judge_mean and the
+    dump's judge_score; a judge whose replies never parse scores 0 and counts every response
+    in reward/errors."""
+    endpoint, _, tok = served
+    rows = [{"prompt": f"what is {a} plus {b} ?", "answer": str(a + b)} for a, b in [(1, 1),
+                                                                                     (2, 3)]]
+    argv = ["reward.fn=math", "reward.model.weight=0.5", "rollout.n=2",
+            "train.prompts_per_step=2", "rollout.max_new_tokens=6", "train.seq_length=96",
+            "data.shuffle=false", f"logging.rollout_dir={tmp_path}",
+            f"reward.judge.base_url={endpoint.base_url}", "reward.judge.weight=0.25",
+            "reward.judge.parser=tests.test_serve:reply_length",
+            f"reward.judge.prompt='{TEMPLATE}'", f"reward.judge.max_tokens={MAX_TOKENS}"]
+    engine = HFRolloutEngine(model_dir, dtype=torch.float32)   # not the served one's thread
+    dumped = None
+    for parser, dump in (("tests.test_serve:reply_length", 1), ("'(NEVER)'", None)):
+        cfg = _judge_config(argv + [f"reward.judge.parser={parser}"])
+        pool = RolloutPool.local(engine, cfg.rollout)
+        pool.scorer = lambda ids: [sum(x) / 100 for x in ids]
+        collector = make_collector(pool, rows, tok, cfg)
+        assert isinstance(collector, JudgedCollector)
+        batch = collector.collect(dump_step=dump)
+        texts = [(rows[i // 2]["prompt"], tok.decode(r, skip_special_tokens=True))
+                 for i, r in enumerate(batch.response_ids)]
+        fn = [math_reward(p, r, rows[i // 2]["answer"]) for i, (p, r) in enumerate(texts)]
+        rm = [sum(list(p) + list(r)) / 100 for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        judge = [float(len(_direct(endpoint, p, r))) if dump else 0.0 for p, r in texts]
+        assert batch.scores == pytest.approx([f + 0.5 * m + 0.25 * j
+                                              for f, m, j in zip(fn, rm, judge)], rel=1e-6)
+        assert batch.rewards == pytest.approx(batch.scores, rel=1e-6)
+        lengths = torch.tensor([len(r) for r in batch.response_ids])
+        adv = ADVANTAGE_ESTIMATORS["grpo"](torch.tensor(batch.rewards), 2, cfg.advantage,
+                                           lengths)
+        assert batch.advantages == pytest.approx(adv.tolist(), abs=1e-6)
+        assert batch.metrics["reward/judge_mean"] == pytest.approx(sum(judge) / 4, rel=1e-6)
+        assert batch.metrics["reward/errors"] == (0 if dump else 4)
+        dumped = judge if dump else dumped
+    records = [json.loads(x) for x in open(tmp_path / "step_1.jsonl")]
+    assert [r["judge_score"] for r in records] == dumped
+    assert all("rm_score" in r for r in records)
 
 
 def test_rl_step_judged_by_serve_logs_judge_mean(served, pools, model_dir, tmp_path):

@@ -18,7 +18,9 @@ from engine.rl.rewards import load_reward_fn
 
 
 class JudgedCollector(RolloutCollector):
-    """RolloutCollector (same arguments) plus `judge` (module docstring)."""
+    """RolloutCollector (same arguments) plus `judge` (module docstring): it extends the
+    collector's `_model_scores`, where a generation batch's reward-model scores join, and
+    `collect`, whose metrics gain reward/judge_mean."""
 
     def __init__(self, *args, judge: JudgeScorer, **kwargs) -> None:
         super().__init__(*args, **kwargs)
