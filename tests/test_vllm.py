@@ -6,7 +6,8 @@ log-probs of T = 1 are far), per-response seeds independent of the batch, finish
 sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
 skipped tensor is refused) in sampling and in the full-vocabulary probe of
 rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine reported dead
-(and, in the one-process GRPO run, restarted from the current weights);
+(and, in the one-process GRPO run, restarted from the current weights); env.agent episodes (an
+`openai`-client scaffold) on the module's engine training exactly the ids the client received;
 DeepSeek-V3 (MLA), GLM-4.5 and gpt-oss (whose loader copies the sinks and experts past vLLM's
 reload) sampling and syncing exactly. GRPO
 through `engine.rl` on the rank pool: LoRA from a non-zero PEFT adapter at one process and
@@ -111,6 +112,67 @@ def test_logprobs_follow_the_contract_and_seeds_do_not_depend_on_the_batch(qwen3
 def test_a_too_long_prompt_is_refused_with_its_position_and_key(qwen3):
     with pytest.raises(ValueError, match=r"prompt 1 has 60 tokens.*rollout\.vllm\.max_model_len=64"):
         qwen3.generate([[5] * 4, [5] * 60], SamplingParams(max_new_tokens=8))
+
+
+def test_agent_episodes_on_vllm_train_what_the_openai_client_received(qwen3, qwen3_dir,
+                                                                      tmp_path, monkeypatch):
+    """env.agent on rollout.backend=vllm: the module's engine (vLLM TP 2, its weights still
+    qwen3_dir's) in the real RolloutPool split, in this process; tests.test_rl_agent's
+    follow_up scaffold (the `openai` client, three calls per episode) at T = 0.7, top-p 0.9.
+    What trains equals, token for token, what the client received (`return_token_ids`) and
+    the rollout dump (tests.test_rl_agent.check_trained_as_received); every sampled id's
+    rollout log-prob is the contract's of transformers on the whole trajectory, observations
+    in context (< 2e-5; negative control: T = 1's are far); an episode's first call is what
+    the engine samples alone with that call's seed (call_seed). train.seq_length=63 and
+    max_model_len 64: the long row's last calls have a budget below the batch's, and go in a
+    generate call of their own budget (SamplingBackend's max_len) where the shared one would
+    pass max_model_len (vLLM refuses that)."""
+    import importlib
+
+    from engine.rl.agent.protocol import call_seed
+    from engine.rl.rollout.work_split import batch_seeds
+    from tests.test_rl_agent import _collect, _config, check_trained_as_received
+
+    rows = [{"prompt": "what is 1 plus 2 ?", "answer": "3"},
+            {"prompt": "what is 3 plus 4 ? and 5 and 5 and 5 and 5 and 5", "answer": "7"}]
+    calls, generate = [], qwen3.generate
+
+    def spy(prompts, params):
+        calls.append((max(len(p) for p in prompts), params.max_new_tokens))
+        return generate(prompts, params)
+
+    monkeypatch.setattr(qwen3, "generate", spy)
+    received = importlib.import_module("tests.test_rl_agent").RECEIVED   # follow_up's module
+    received.clear()
+    argv = ["rollout.backend=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9",
+            "train.seq_length=63"]
+    batch, tok = _collect(qwen3_dir, "follow_up", dump=tmp_path, pool_engines=[qwen3],
+                          argv=argv, rows=rows)
+    monkeypatch.undo()
+    assert batch.metrics["env/agent_errors"] == 0 and batch.metrics["env/turns_mean"] == 3
+    dump = check_trained_as_received(batch, tok, tmp_path, received, rows)
+    assert all(longest + budget <= 64 for longest, budget in calls), calls
+    assert any(budget < 6 for _, budget in calls), calls   # a call of its own budget ...
+    assert max(longest for longest, _ in calls) + 6 > 64, calls   # ... where 6 would not fit
+    model = _transformers(qwen3_dir)
+    diffs = {0.7: 0.0, 1.0: 0.0}
+    for r in dump:
+        with torch.no_grad():
+            logits = model(torch.tensor([r["token_ids"]])).logits[0, :-1].float()
+        target = torch.tensor(r["token_ids"][1:])[:, None]
+        mask = torch.tensor(r["loss_mask"][1:], dtype=torch.bool)
+        got = torch.tensor(r["rollout_logprobs"][1:])[mask]
+        for t in diffs:
+            ref = torch.log_softmax(logits / t, -1).gather(1, target)[:, 0][mask]
+            diffs[t] = max(diffs[t], float((ref - got).abs().max()))
+    assert diffs[0.7] < 2e-5 and diffs[1.0] > 1e-2, diffs
+    seeds = batch_seeds(_config(argv).seed, 0, len(rows), 2)
+    for g, row in enumerate(rows):
+        prompt = received[row["prompt"]][0][0]["prompt_token_ids"]
+        alone = [qwen3.generate([prompt], SamplingParams(
+            max_new_tokens=6, temperature=0.7, top_p=0.9,
+            seeds=[call_seed(seeds[2 * g + k], 0)]))[0].response_ids for k in range(2)]
+        assert sorted(alone) == sorted(e[0]["token_ids"] for e in received[row["prompt"]])
 
 
 def _new_weights(model_dir: str, out_dir, seed: int | None) -> dict[str, torch.Tensor]:

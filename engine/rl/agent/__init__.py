@@ -16,5 +16,6 @@ Modules (one job each):
     rollout    one generation batch of agent episodes for the RL collector, its dump records
     checks     the env.agent* keys, checked before any process group
 
-May import: engine.rl.env, engine.rl.rollout, engine.data, engine.errors.
+May import: engine.rl.algo (the overlong penalty), engine.rl.env, engine.rl.rollout, engine.data,
+engine.errors.
 """

@@ -7,9 +7,9 @@ from engine.rl.env.contract import load_object
 
 def agent_problems(cfg) -> list[str]:
     """Sentences naming each violated env.agent* key (docs/agents.md): env.agent is an
-    importable callable, env.fn unset; the parts of a run the agent path does not cover yet
-    (another rollout backend, disaggregated placement, dynamic sampling, the overlong
-    penalty, validation, a reward model) are refused by name."""
+    importable callable, env.fn unset; the parts of a run the agent path does not cover
+    (rollout.backend=sglang, disaggregated placement, a reward model) are refused by name,
+    each with its reason. (moe.routing_replay=R3: engine.rl.checks.)"""
     env = cfg.env
     agent = getattr(env, "agent", None)
     p: list[str] = []
@@ -37,16 +37,19 @@ def agent_problems(cfg) -> list[str]:
         p.append(f"env.agent_port={port!r} must be in [0, 65535] (0: a free port)")
     if env.fn is None and (not isinstance(env.max_turns, int) or env.max_turns < 1):
         p.append(f"env.max_turns={env.max_turns!r} must be an integer >= 1")
-    not_yet = [(cfg.rollout.backend != "hf", f"rollout.backend={cfg.rollout.backend}"),
-               (cfg.rollout.placement != "colocated",
-                f"rollout.placement={cfg.rollout.placement}"),
-               (cfg.dapo.dynamic_sampling, "dapo.dynamic_sampling=true"),
-               (cfg.dapo.overlong_buffer > 0, f"dapo.overlong_buffer={cfg.dapo.overlong_buffer}"),
-               (bool(getattr(cfg.data, "val_files", None)), "data.val_files (validation)"),
-               (bool(cfg.reward.model.path), f"reward.model.path={cfg.reward.model.path}")]
-    for bad, key in not_yet:
-        if bad:
-            p.append(f"env.agent is wired for rollout.backend=hf, colocated, without dynamic "
-                     f"sampling, the overlong penalty, validation or a reward model so far; "
-                     f"{key} is set (docs/agents.md)")
+    if cfg.rollout.backend == "sglang":
+        p.append("env.agent with rollout.backend=sglang is not wired: the agent path has run "
+                 "on hf and vllm only (SGLang is not in the test environment); use "
+                 "rollout.backend=hf or vllm (docs/agents.md)")
+    if cfg.rollout.placement != "colocated":
+        p.append(f"env.agent with rollout.placement={cfg.rollout.placement} is not wired: the "
+                 "agent's endpoint runs on rank 0 of a colocated run, next to the engines it "
+                 "drives through the pool; a disaggregated run's rollout ranks have no "
+                 "endpoint yet (docs/agents.md)")
+    if cfg.reward.model.path:
+        p.append(f"env.agent with reward.model.path={cfg.reward.model.path} is refused: an "
+                 "agent episode's reward is what its function returns, and an episode may "
+                 "have several trajectories, so which ids a reward model would score is not "
+                 "defined; score inside the function (e.g. a judge at an OpenAI-compatible "
+                 "URL) (docs/agents.md)")
     return p

@@ -61,22 +61,46 @@ class SamplingBackend:
     engine's `generate`, or a RolloutPool's wrapped with its n and generation batch): requests
     with the same (temperature, top_p) share one call with max_new_tokens = their largest
     max_tokens, each cut to its own max_tokens afterwards (exact: a seeded sample's first t
-    tokens do not depend on the budget), a cut one finishing "length"."""
+    tokens do not depend on the budget), a cut one finishing "length".
 
-    def __init__(self, generate: Callable[[list[list[int]], SamplingParams], list[Generation]]
-                 ) -> None:
+    `max_len` (None: no limit): the most ids a prompt plus its max_new_tokens may reach in one
+    call (the agent rollout passes train.seq_length + 1, what every call fits in; vLLM refuses
+    a prompt whose length plus the call's max_new_tokens exceeds rollout.vllm.max_model_len).
+    A request whose prompt would pass it with the shared budget goes in a call with its own
+    max_tokens instead (one call per such budget): the samples are the same either way."""
+
+    def __init__(self, generate: Callable[[list[list[int]], SamplingParams], list[Generation]],
+                 max_len: int | None = None) -> None:
         self._generate = generate
+        self.max_len = max_len
         self.calls = 0
 
-    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        out: list[GenerateResult | None] = [None] * len(requests)
+    def _calls(self, requests: list[GenerateRequest]) -> list[tuple[int, float, float,
+                                                                     list[int]]]:
+        """(max_new_tokens, temperature, top_p, request indices) of each generate call."""
         groups: dict[tuple[float, float], list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault((r.temperature, r.top_p), []).append(i)
+        calls = []
         for (temperature, top_p), idx in groups.items():
-            params = SamplingParams(max_new_tokens=max(requests[i].max_tokens for i in idx),
-                                    temperature=temperature, top_p=top_p,
-                                    seeds=[requests[i].seed for i in idx])
+            budget = max(requests[i].max_tokens for i in idx)
+            own: dict[int, list[int]] = {}
+            shared = []
+            for i in idx:
+                r = requests[i]
+                if self.max_len is not None and len(r.prompt_ids) + budget > self.max_len:
+                    own.setdefault(r.max_tokens, []).append(i)
+                else:
+                    shared.append(i)
+            calls += [(budget, temperature, top_p, shared)] if shared else []
+            calls += [(b, temperature, top_p, own[b]) for b in sorted(own)]
+        return calls
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        out: list[GenerateResult | None] = [None] * len(requests)
+        for max_new_tokens, temperature, top_p, idx in self._calls(requests):
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                    top_p=top_p, seeds=[requests[i].seed for i in idx])
             self.calls += 1
             gens = self._generate([list(requests[i].prompt_ids) for i in idx], params)
             for i, gen in zip(idx, gens):

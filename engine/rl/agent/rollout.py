@@ -6,7 +6,10 @@ rollout.temperature / top_p, env.max_turns). `generation_batch(rows, row_indices
 runs one episode per (prompt row, sample) with AgentRunner (env.agent_concurrency,
 env.agent_timeout_s; the response seeds of the environment path), its generate calls served by
 SamplingBackend over the pool's generate (n=1: every request is seeded on its own, so the
-samples do not depend on the engine split). `close()` stops the server.
+samples do not depend on the engine split; max_len train.seq_length + 1 keeps every generate
+call within what vLLM's max_model_len admits). `validation_batch(rows, params, tag)`: the
+validation episodes of engine.rl.collect.validation, the same function at val.temperature.
+`close()` stops the server.
 
 What it returns is what engine.rl.env.episode_batch.EnvRollout.generation_batch returns, with
 rows = TRAJECTORIES (each a training sequence like a multi-turn environment episode: loss mask
@@ -18,15 +21,20 @@ rows = TRAJECTORIES (each a training sequence like a multi-turn environment epis
 - "outcomes" (AgentOutcome per episode), "records" (the dump's record count) and
   "records_fn" (agent_records, which writes them); data["dump_rows_local"]: per trained trajectory, its record in the part.
   A failed episode's trajectories are dumped, not trained;
-- "env": the counts of env_metrics (turns = calls), plus "agent_errors".
+- "episode_rewards": episode scores plus the overlong penalty (dapo.overlong_buffer: an
+  episode's, on its longest call; none for a failed episode), what the advantages use;
+- "env": the counts of env_metrics (turns = calls; finish reasons with tool_calls), plus
+  "agent_errors".
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from engine.rl.agent.protocol import SamplingBackend
+from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.agent.requests import Limits
 from engine.rl.agent.runner import AgentRunner
 from engine.rl.agent.server import AgentServer
@@ -34,7 +42,7 @@ from engine.rl.env.contract import load_object
 from engine.rl.env.dump import episode_record
 from engine.rl.rollout.pool import GenerateStats
 
-FINISH_REASONS = ("stop", "length", "max_turns", "error")
+FINISH_REASONS = ("stop", "length", "max_turns", "error", "tool_calls")
 
 
 class AgentRollout:
@@ -56,8 +64,29 @@ class AgentRollout:
     def close(self) -> None:
         self.server.stop()
 
-    def generation_batch(self, rows: list[dict], row_indices: list[int], seeds: list[int],
-                         gen_batch: int) -> dict:
+    def validation_batch(self, rows: list[dict], params, tag: str) -> dict:
+        """Validation episodes (engine.rl.collect.validation.generate_for_validation): one per
+        row (group-major), response seeds params.seeds, the calls sampled at params'
+        temperature and top_p (the server's fixed sampling settings for these episodes; the
+        training ones are put back after). Returns {"scores": episode rewards (a failed
+        episode 0), "lengths": sampled ids per episode, "counts": {"agent_errors",
+        "turns_mean"}}."""
+        limits = self.server.limits
+        self.server.limits = dataclasses.replace(limits, temperature=params.temperature,
+                                                 top_p=params.top_p)
+        try:
+            part = self._episodes(rows, list(params.seeds), tag)
+        finally:
+            self.server.limits = limits
+        outcomes = part["outcomes"]
+        return {"scores": [float(o.reward) for o in outcomes],
+                "lengths": part["sampled"],
+                "counts": {"agent_errors": sum(o.error is not None for o in outcomes),
+                           "turns_mean": sum(o.calls for o in outcomes) / len(outcomes)}}
+
+    def _episodes(self, rows: list[dict], seeds: list[int], gen_batch) -> dict:
+        """Run one episode per (row, seed) through the pool: their outcomes, the sampled ids
+        of each episode's trained trajectories, generate stats and seconds."""
         stats: list[GenerateStats] = []
         gen_s = [0.0]
 
@@ -69,8 +98,19 @@ class AgentRollout:
             return gens
 
         t0 = time.perf_counter()
-        outcomes = self.runner.run(SamplingBackend(generate), rows, seeds)
+        outcomes = self.runner.run(
+            SamplingBackend(generate, max_len=self.cfg.train.seq_length + 1), rows, seeds)
         wall = time.perf_counter() - t0
+        sampled = [float(sum(sum(t.response_mask) for t in o.trajectories))
+                   if o.error is None else 0.0 for o in outcomes]
+        return {"outcomes": outcomes, "sampled": sampled, "stats": stats, "gen_s": gen_s[0],
+                "wall": wall}
+
+    def generation_batch(self, rows: list[dict], row_indices: list[int], seeds: list[int],
+                         gen_batch: int) -> dict:
+        run = self._episodes(rows, seeds, gen_batch)
+        outcomes, stats, wall = run["outcomes"], run["stats"], run["wall"]
+        gen_s = [run["gen_s"]]
         scores = torch.tensor([o.reward for o in outcomes], dtype=torch.float32)
         data = {k: [] for k in ("prompt_ids", "response_ids", "rollout_logprobs",
                                 "response_masks", "episode", "dump_rows_local")}
@@ -90,12 +130,19 @@ class AgentRollout:
                 sampled[i] += sum(t.response_mask)
                 clipped[i] = clipped[i] or t.finish_reason == "length"
             records += not o.trajectories
-        traj_scores = scores[torch.tensor(data["episode"], dtype=torch.long)]
-        data.update(rewards=traj_scores.clone(), scores=traj_scores)
+        penalty = torch.zeros(len(outcomes))
+        if self.cfg.dapo.overlong_buffer > 0:   # per episode, on its longest call
+            longest = torch.tensor([float(longest_call(o)) for o in outcomes])
+            ok = torch.tensor([o.error is None for o in outcomes])
+            penalty = torch.where(ok, overlong_penalty(
+                longest, self.cfg.rollout.max_new_tokens, self.cfg.dapo.overlong_buffer,
+                self.cfg.dapo.overlong_penalty), 0.0)
+        episode = torch.tensor(data["episode"], dtype=torch.long)
+        data.update(rewards=(scores + penalty)[episode], scores=scores[episode])
         return {
-            "data": data, "episode_scores": scores, "outcomes": outcomes, "records": records,
-            "records_fn": agent_records,
-            "lengths": torch.tensor(sampled), "penalty": torch.zeros(len(outcomes)),
+            "data": data, "episode_scores": scores, "episode_rewards": scores + penalty,
+            "outcomes": outcomes, "records": records, "records_fn": agent_records,
+            "lengths": torch.tensor(sampled), "penalty": penalty,
             "errors": 0, "gen_s": gen_s[0], "stats": _merge(stats), "clipped": clipped,
             "env": _counts(outcomes, wall - gen_s[0]),
         }
@@ -108,19 +155,33 @@ def agent_records(part: dict, row_indices: list[int], n: int, gen_batch: int,
     trajectories of one episode share prompt_index and sample_index; an episode without a
     call is one record with `error`, no tokens and trajectory null."""
     out = []
+    penalty = part["penalty"].tolist()
     for i, o in enumerate(part["outcomes"]):
         reason = "error" if o.error is not None else None
         for t in o.trajectories:
             rec = episode_record(row_indices[i], i % n, gen_batch, t.prompt_ids,
                                  t.response_ids, t.response_mask, t.response_logprobs,
-                                 t.turns, o.reward, 0.0, reason or t.finish_reason, o.error,
-                                 tokenizer)
+                                 t.turns, o.reward, penalty[i], reason or t.finish_reason,
+                                 o.error, tokenizer)
             out.append({**rec, "trajectory": t.index})
         if not o.trajectories:
             rec = episode_record(row_indices[i], i % n, gen_batch, [], [], [], [], 0,
                                  o.reward, 0.0, "error", o.error, tokenizer)
             out.append({**rec, "trajectory": None})
     return out
+
+
+def longest_call(outcome) -> int:
+    """The most ids one call of the episode sampled: the longest run of loss-mask 1 in its
+    trajectories (a call's sampled ids are contiguous; the next call's closing and
+    observation ids, loss mask 0, separate them)."""
+    longest = 0
+    for t in outcome.trajectories:
+        run = 0
+        for m in t.response_mask:
+            run = run + 1 if m else 0
+            longest = max(longest, run)
+    return longest
 
 
 def _merge(calls: list[GenerateStats]) -> GenerateStats:

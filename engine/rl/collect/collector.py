@@ -17,6 +17,9 @@ sampling, the advantages and the dump. A disaggregated run's rollout side has no
 training ranks add the reward model's score when the batch arrives
 (engine.rl.policy.reward_model.rescore_batch).
 
+Agent episodes (env.agent): group statistics, dynamic sampling and the advantages count
+EPISODES (groups of rollout.n episodes, each with its trajectories; docs/multi-turn.md).
+
 Prompt order: generation batch b (counted over the whole run; dynamic sampling may use several
 per step) takes prompts `global_batch_indices(len(rows), prompts_per_step, b, seed, shuffle)`,
 so the rollout batch never depends on the parallel layout. Responses are group-major:
@@ -181,21 +184,7 @@ class RolloutCollector:
         dynamic = cfg.dapo.dynamic_sampling
         sampler = DynamicSampler(group_size, cfg.train.prompts_per_step, cfg.dapo.max_gen_batches,
                                  allow_partial=True) if dynamic else None
-        parts, dumped = [], 0
-        while True:
-            part = self._generation_batch()
-            rows = len(part["data"]["response_ids"])
-            local = part["data"].pop("dump_rows_local", range(rows))
-            part["data"]["dump_row"] = [dumped + k for k in local]  # the dump's order
-            dumped += part.get("records", rows)
-            parts.append(part)
-            if sampler is None:
-                data = part["data"]
-                break
-            sampler.add(part["data"], part["data"]["scores"])
-            if not sampler.needs_more():
-                data = sampler.result() if sampler.num_groups_kept else None
-                break
+        parts, data = self._gather(sampler)
         # group statistics count episodes (an agent episode may train several trajectories)
         scores = torch.cat([p["episode_scores"] if "episode_scores" in p else p["data"]["scores"]
                             for p in parts])
@@ -233,7 +222,7 @@ class RolloutCollector:
         batch = RolloutBatch(metrics=metrics)
         if data is not None:
             adv = (self._advantages(data) if "episode" not in data else
-                   self._episode_advantages(data, parts[0]["episode_scores"]))
+                   self._episode_advantages(data, data["episode_rewards"]))
             batch = RolloutBatch(list(data["prompt_ids"]), list(data["response_ids"]),
                                  list(data["rollout_logprobs"]), adv.tolist(), metrics,
                                  rewards=data["rewards"].tolist(),
@@ -241,10 +230,39 @@ class RolloutCollector:
                                  response_masks=list(data.get("response_masks") or []),
                                  routed_experts=list(data.get("routed_experts") or []),
                                  dump_rows=list(data["dump_row"]))
-        trained = len(batch) if self.agent is None else len(scores) * (len(batch) > 0)
+        trained = (len(batch) if self.agent is None else
+                   len(data["episode_rewards"]) * (len(batch) > 0) if data is not None else 0)
         metrics["train/groups"] = float(trained // group_size)   # agent: episodes count
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return batch
+
+    def _gather(self, sampler: DynamicSampler | None) -> tuple[list[dict], dict | None]:
+        """The step's generation batches (one without `sampler`; with it, until it needs no
+        more) and the data that trains (None: dynamic sampling kept nothing). Rows carry
+        "dump_row", their record's position in the step's dump; agent episodes are filtered
+        as groups of episodes and their data carries "episode_rewards"."""
+        parts, dumped = [], 0
+        while True:
+            part = self._generation_batch()
+            rows = len(part["data"]["response_ids"])
+            local = part["data"].pop("dump_rows_local", range(rows))
+            part["data"]["dump_row"] = [dumped + k for k in local]  # the dump's order
+            dumped += part.get("records", rows)
+            parts.append(part)
+            if sampler is None:
+                data = part["data"]
+                if "episode_rewards" in part:
+                    data["episode_rewards"] = part["episode_rewards"]
+                return parts, data
+            if "episode_scores" in part:   # agent: groups of EPISODES, by their scores
+                sampler.add(_episode_rows(part), part["episode_scores"])
+            else:
+                sampler.add(part["data"], part["data"]["scores"])
+            if not sampler.needs_more():
+                data = sampler.result() if sampler.num_groups_kept else None
+                if data is not None and "episode_scores" in part:
+                    data = _trajectory_rows(data)
+                return parts, data
 
     def _advantages(self, data: dict) -> torch.Tensor:
         """Per-response advantages of a sequence-level estimator; zeros for a token-level one
@@ -259,7 +277,8 @@ class RolloutCollector:
                                                    lengths)
 
     def _episode_advantages(self, data: dict, episode_scores: torch.Tensor) -> torch.Tensor:
-        """Agent trajectories: the estimator over EPISODES (group-major, rollout.n a group;
+        """Agent trajectories: the estimator over EPISODES (`episode_scores`: their rewards,
+        score plus overlong penalty; group-major, rollout.n a group;
         an episode's length = the sampled tokens of its trained trajectories), then every
         trajectory gets its episode's advantage (AReaL's "individual" style,
         docs/multi-turn.md). Zeros for a token-level estimator."""
@@ -283,3 +302,35 @@ class RolloutCollector:
                                               part_records)(
             p, p["row_indices"], self.cfg.rollout.n, p["gen_batch"], self.tokenizer)]
         write_dump(rollout_dir, step, records)
+
+
+def _episode_rows(part: dict) -> dict:
+    """An agent generation batch's trajectories as one row per EPISODE (group-major, as
+    dynamic sampling filters them): "trajectories" (each episode's list of its trained
+    trajectories' fields; empty for a failed episode) and "episode_rewards"."""
+    data = part["data"]
+    keys = [k for k in data if k != "episode"]
+    per: list[list[dict]] = [[] for _ in range(len(part["episode_scores"]))]
+    for t, e in enumerate(data["episode"]):
+        per[e].append({k: data[k][t] for k in keys})
+    return {"trajectories": per, "episode_rewards": part["episode_rewards"]}
+
+
+def _trajectory_rows(episodes: dict) -> dict:
+    """The inverse of _episode_rows on the kept episodes: one row per trajectory, "episode"
+    renumbered over the kept episodes, "episode_rewards" theirs."""
+    keys = {k for trajs in episodes["trajectories"] for t in trajs for k in t} | {
+        "prompt_ids", "response_ids", "rollout_logprobs", "response_masks", "rewards",
+        "scores", "dump_row"}
+    data: dict = {k: [] for k in sorted(keys)}
+    data["episode"] = []
+    for e, trajs in enumerate(episodes["trajectories"]):
+        for t in trajs:
+            for k in keys:
+                data[k].append(t[k])
+            data["episode"].append(e)
+    for k in ("rewards", "scores", "rm_scores"):
+        if k in data:
+            data[k] = torch.tensor([float(x) for x in data[k]], dtype=torch.float32)
+    data["episode_rewards"] = episodes["episode_rewards"]
+    return data

@@ -9,7 +9,11 @@ steps (it never repeats the step-0 validation).
 How: ONE generation batch of every validation prompt x val.n through the rollout engines,
 group-major, by `RolloutCollector.generate_scored`, the same entry point the training batches
 use (engine split, retries, restarts); with env.fn, by the same multi-turn episodes as training
-(engine.rl.env.episodes.EpisodeRunner with the collector's environment factory); rank 0 drives it, the other ranks serve their engines
+(engine.rl.env.episodes.EpisodeRunner with the collector's environment factory); with env.agent,
+by the same agent function through the run's endpoint (AgentRollout.validation_batch: one
+episode per prompt x sample, the calls' sampling settings val.temperature and rollout.top_p,
+an episode's score its reward, a failed episode 0); rank 0 drives it, the other ranks serve
+their engines
 (`broadcast_rollout` ends the phase, as for a training rollout). Sampling: val.temperature
 (0: greedy), rollout.top_p, rollout.max_new_tokens. The seeds come from their own stream
 (`val_seeds`: hashed with a "val" tag, a function of (seed, prompt, sample) only, the same at
@@ -108,7 +112,12 @@ def generate_for_validation(collector, rows: list[dict], prompts: list[list[int]
     validation batch. Single-turn: RolloutCollector.generate_scored (the training batches'
     entry point). With env.fn (collector.env, engine.rl.env): the same episodes as training
     (EpisodeRunner with the collector's environment factory, pool and settings), sampled at
-    params' temperature / top_p; an episode's score is its reward."""
+    params' temperature / top_p; an episode's score is its reward. With env.agent
+    (collector.agent): the agent function's episodes (AgentRollout.validation_batch), counts
+    agent_errors (failed episodes, score 0) and turns_mean (calls per episode)."""
+    agent = getattr(collector, "agent", None)
+    if agent is not None:
+        return agent.validation_batch(rows, params, tag)
     env = getattr(collector, "env", None)
     if env is None:
         out = collector.generate_scored(rows, prompts, params, n, tag)

@@ -23,6 +23,7 @@ from engine.rl.rollout.pool import GenerateStats
 from models.hf.custom_code import load_tokenizer
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error")
+AGENT_REASONS = ("tool_calls",)   # env.agent episodes also end with a tool call
 
 
 class EnvRollout:
@@ -98,9 +99,10 @@ def _counts(episodes: list[Episode], env_s: float) -> dict:
 def env_metrics(parts: list[dict], tools: bool) -> dict[str, float]:
     """env/* metrics of one rollout step from its generation batches' "env" counts: turns
     per episode (mean, max), env/errors (episodes ended by an environment error), finish
-    reasons (env/finish_<reason>: episodes), every env-reported metric summed over episodes
-    (env/tool_calls, env/tool_errors for env.fn=tools: totals over the step's episodes),
-    time/env_s, rollout/observation_tokens (total, over the step's episodes)."""
+    reasons (env/finish_<reason>: episodes; env.agent's also tool_calls), every env-reported
+    metric summed over episodes (env/tool_calls, env/tool_errors for env.fn=tools: totals
+    over the step's episodes), time/env_s, rollout/observation_tokens (total, over the
+    step's episodes)."""
     counts = [p["env"] for p in parts]
     episodes = sum(c["episodes"] for c in counts)
     m = {"env/turns_mean": sum(c["turns_sum"] for c in counts) / max(episodes, 1),
@@ -108,7 +110,7 @@ def env_metrics(parts: list[dict], tools: bool) -> dict[str, float]:
          "env/errors": float(sum(c["errors"] for c in counts)),
          "time/env_s": sum(c["env_s"] for c in counts),
          "rollout/observation_tokens": float(sum(c["observation_tokens"] for c in counts))}
-    for reason in FINISH_REASONS:
+    for reason in FINISH_REASONS + tuple(r for r in AGENT_REASONS if r in counts[0]):
         m[f"env/finish_{reason}"] = float(sum(c[reason] for c in counts))
     names = {k for c in counts for k in c["metrics"]} | (
         {"tool_calls", "tool_errors"} if tools else set())
