@@ -5,8 +5,10 @@ to call) reduces to a gathering window.
 Rule: when the backend is free and a request is pending, every pending request (oldest first,
 at most max_batch) goes in ONE generate call once the oldest has waited gather_s, or at once
 when max_batch are pending. Requests that arrive while a generate call runs wait for it and go
-together in the next one. Batching changes no sample: each request is seeded on its own
-(engine.rl.agent.protocol; engine.serve.endpoint for the seeds).
+together in the next one. SamplingBackend (engine.rl.agent.protocol) turns the batch into one
+engine call per (temperature, top_p), plus one per budget for requests whose prompt would pass
+--max-context with the batch's largest max_tokens. Batching changes no sample: each request is
+seeded on its own (engine.serve.endpoint for the seeds).
 """
 from __future__ import annotations
 

@@ -39,7 +39,9 @@ def serve_model(args) -> int:
         endpoint.start()
         print(f"[serve] {args.model} on the {args.backend} backend: {endpoint.base_url} "
               f"(model {name!r})", flush=True)
-        endpoint.serve(SamplingBackend(engine.generate), stop.is_set,
+        # max_len: a request never shares a budget that would take its prompt past the
+        # context (vLLM refuses such a call: max_model_len = --max-context)
+        endpoint.serve(SamplingBackend(engine.generate, max_len=args.max_context), stop.is_set,
                        alive=lambda: engine.is_alive)
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
