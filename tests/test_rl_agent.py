@@ -276,16 +276,14 @@ def test_failed_episodes_are_dumped_counted_and_not_trained(eos_model_dir, tmp_p
      "env.agent with rollout.backend=sglang is not wired"),
     (["env.agent=tests.test_rl_agent:follow_up", "reward.model.path=/nonexistent"],
      "env.agent with reward.model.path=/nonexistent is refused"),
-    (["env.agent=tests.test_rl_agent:follow_up", "rollout.placement=disaggregated",
-      "rollout.num_ranks=1"], "env.agent with rollout.placement=disaggregated is not wired"),
 ])
 def test_agent_keys_are_refused_by_name(eos_model_dir, tmp_path, argv, expected):
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps(ROWS[0]) + "\n")
     cfg = _config([f"model.hf_path={eos_model_dir}", f"data.train_files=[{data}]",
                    "rollout.n=2", "train.prompts_per_step=1"] + argv)
-    with pytest.raises(ConfigError) as err:   # disaggregated: 1 training + 1 rollout rank
-        validate_rl(cfg, 2 if "rollout.placement=disaggregated" in argv else 1)
+    with pytest.raises(ConfigError) as err:
+        validate_rl(cfg, 1)
     assert expected in str(err.value)
 
 
@@ -317,12 +315,13 @@ def test_sampling_backend_keeps_each_call_within_max_len():
 
 
 def test_the_wired_keys_pass_the_agent_checks(tmp_path):
-    """rollout.backend=vllm, dynamic sampling, the overlong penalty and validation are wired
-    for env.agent: agent_problems has nothing to say about them (positive control of the
-    refusals above)."""
+    """rollout.backend=vllm, disaggregated placement, dynamic sampling, the overlong penalty
+    and validation are wired for env.agent: agent_problems has nothing to say about them
+    (positive control of the refusals above)."""
     from engine.rl.agent.checks import agent_problems
 
     cfg = _config(["env.agent=tests.test_rl_agent:follow_up", "rollout.backend=vllm",
+                   "rollout.placement=disaggregated", "rollout.num_ranks=1",
                    "dapo.dynamic_sampling=true", "dapo.overlong_buffer=2",
                    f"data.val_files=[{tmp_path / 'v.jsonl'}]"])
     assert agent_problems(cfg) == []
@@ -493,10 +492,13 @@ def test_validation_episodes_are_the_agents_at_val_temperature(eos_model_dir):
 
 def _cli_run(pools, model_dir, data, log_dir, world: int):
     """2 GRPO steps of `engine.rl` with env.agent=follow_up on the `world`-rank pool (4: DP2 x
-    TP2 with 2 engines, ranks 0 and 2), validated after step 2 (data.val_files = the first 2
+    TP2 with 2 engines, ranks 0 and 2; 3: disaggregated, 2 training ranks and 1 rollout rank
+    whose leader serves the endpoint, max_staleness 0), validated after step 2 (data.val_files = the first 2
     prompts, val.n=2 at val.temperature=0.5, driven by the same function)."""
-    layout = ["parallel.tp=2", "rollout.num_engines=2"] if world == 4 else [
-        f"rollout.num_engines={world}"]
+    layout = {4: ["parallel.tp=2", "rollout.num_engines=2"],
+              3: ["rollout.placement=disaggregated", "rollout.num_ranks=1",
+                  "rollout.max_staleness=0", "rollout.peer_timeout_s=120"]}.get(
+        world, [f"rollout.num_engines={world}"])
     val = log_dir.parent / "val.jsonl"
     val.write_text("".join(data.read_text().splitlines(keepends=True)[:2]))
     proc = pools.script(
@@ -506,7 +508,7 @@ def _cli_run(pools, model_dir, data, log_dir, world: int):
         "train.max_steps=2", "train.seq_length=128", "optim.lr=1e-3", "kl.beta=0.01",
         f"data.val_files=[{val}]", "train.val_interval=2", "val.n=2", "val.temperature=0.5",
         f"logging.dir={log_dir}", f"logging.rollout_dir={log_dir / 'rollouts'}",
-        "logging.progress_bar=false", timeout=400)
+        "logging.progress_bar=false", timeout=400, own_world=world == 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
     dumps = [[json.loads(x) for x in (log_dir / "rollouts" / f"step_{k}.jsonl")
@@ -514,17 +516,17 @@ def _cli_run(pools, model_dir, data, log_dir, world: int):
     return steps, dumps
 
 
-def test_cli_agent_grpo_dp2_tp2_equals_one_process(pools, eos_model_dir, tmp_path):
+def test_cli_agent_grpo_dp2_tp2_and_disaggregated_equal_one_process(pools, eos_model_dir, tmp_path):
     """`python -m engine.rl` with env.agent (3 openai-client calls per episode), GRPO on the hf
-    backend, 2 steps at 1 process and at DP2 x TP2 (4 ranks, 2 engines): the same episodes
-    (tokens, masks, rewards) and the same losses and metrics (rel 1e-5), validation after
-    step 2 included (the agent's episodes at val.temperature). Negative control: the two
+    backend, 2 steps at 1 process, at DP2 x TP2 (4 ranks, 2 engines) and disaggregated (2
+    training ranks, 1 rollout rank, max_staleness 0): the same episodes (tokens, masks,
+    rewards) and the same losses and metrics (rel 1e-5), validation after step 2 included (the agent's episodes at val.temperature). Negative control: the two
     steps' metrics and episodes differ by more than that tolerance."""
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
                             + "\n" for i in range(8)))
-    runs = {w: _cli_run(pools, eos_model_dir, data, tmp_path / f"w{w}", w) for w in (1, 4)}
-    (s1, d1), (s4, d4) = runs[1], runs[4]
+    runs = {w: _cli_run(pools, eos_model_dir, data, tmp_path / f"w{w}", w) for w in (1, 4, 3)}
+    (s1, d1), (s4, d4), (s3, d3) = runs[1], runs[4], runs[3]
     for steps, dumps in runs.values():
         for m, dump in zip(steps, dumps):
             assert m["env/agent_errors"] == 0 and m["env/turns_mean"] == 3
@@ -532,20 +534,24 @@ def test_cli_agent_grpo_dp2_tp2_equals_one_process(pools, eos_model_dir, tmp_pat
             assert len(dump) == 4 and {r["turns"] for r in dump} == {3}
         assert "val/reward_mean" not in steps[0]
         assert steps[1]["val/turns_mean"] == 3 and steps[1]["val/agent_errors"] == 0
-    for a, b in zip(d1, d4):
+    for a, b, c in zip(d1, d4, d3):
         assert [(r["token_ids"], r["loss_mask"], r["reward"]) for r in a] == \
-            [(r["token_ids"], r["loss_mask"], r["reward"]) for r in b]
+            [(r["token_ids"], r["loss_mask"], r["reward"]) for r in b] == \
+            [(r["token_ids"], r["loss_mask"], r["reward"]) for r in c]
     assert [r["token_ids"] for r in d1[0]] != [r["token_ids"] for r in d1[1]]
     assert s4[0]["rollout/engines"] == 2 and s1[0]["rollout/engines"] == 1
     keys = ("policy/loss", "policy/pg_loss", "policy/kl", "policy/entropy", "grad_norm",
             "reward/mean", "reward/std", "env/turns_mean", "env/chars",
             "rollout/observation_tokens", "train/groups")
-    for m1, m4 in zip(s1, s4):
+    assert [m["rollout/staleness"] for m in s3] == [0.0, 0.0]   # disaggregated, s = 0
+    for m1, m4, m3 in zip(s1, s4, s3):
         for key in keys:
             assert m4[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+            assert m3[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
         assert m1["grad_norm"] > 0 and m1["train/groups"] == 2
     for key in ("val/reward_mean", "val/pass@1", "val/pass@2", "val/response_length_mean"):
         assert s4[1][key] == pytest.approx(s1[1][key], rel=1e-5, abs=1e-7), key
+        assert s3[1][key] == pytest.approx(s1[1][key], rel=1e-5, abs=1e-7), key
     # negative control: the tolerance tells steps apart
     assert any(s1[1][k] != pytest.approx(s1[0][k], rel=1e-5, abs=1e-7)
                for k in ("policy/loss", "grad_norm", "policy/entropy"))

@@ -8,7 +8,7 @@ from engine.rl.env.contract import load_object
 def agent_problems(cfg) -> list[str]:
     """Sentences naming each violated env.agent* key (docs/agents.md): env.agent is an
     importable callable, env.fn unset; the parts of a run the agent path does not cover
-    (rollout.backend=sglang, disaggregated placement, a reward model) are refused by name,
+    (rollout.backend=sglang, a reward model) are refused by name,
     each with its reason. (moe.routing_replay=R3: engine.rl.checks.)"""
     env = cfg.env
     agent = getattr(env, "agent", None)
@@ -41,11 +41,6 @@ def agent_problems(cfg) -> list[str]:
         p.append("env.agent with rollout.backend=sglang is not wired: the agent path has run "
                  "on hf and vllm only (SGLang is not in the test environment); use "
                  "rollout.backend=hf or vllm (docs/agents.md)")
-    if cfg.rollout.placement != "colocated":
-        p.append(f"env.agent with rollout.placement={cfg.rollout.placement} is not wired: the "
-                 "agent's endpoint runs on rank 0 of a colocated run, next to the engines it "
-                 "drives through the pool; a disaggregated run's rollout ranks have no "
-                 "endpoint yet (docs/agents.md)")
     if cfg.reward.model.path:
         p.append(f"env.agent with reward.model.path={cfg.reward.model.path} is refused: an "
                  "agent episode's reward is what its function returns, and an episode may "

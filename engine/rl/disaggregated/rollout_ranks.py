@@ -208,4 +208,6 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
             pool.engine.shutdown()
         if collector is not None and collector.env is not None:
             collector.env.close()
+        if collector is not None and getattr(collector, "agent", None) is not None:
+            collector.agent.close()   # env.agent's endpoint (docs/agents.md)
     return 0
