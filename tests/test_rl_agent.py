@@ -375,8 +375,8 @@ def test_tool_calls_train_exactly_and_count_as_finish_reasons(tmp_path):
                         pool_engines=[ToolScript(tok)],
                         argv=["rollout.max_new_tokens=100", "train.seq_length=400"])
     m = batch.metrics
-    assert (m["env/finish_tool_calls"], m["env/finish_stop"], m["env/agent_errors"]) == \
-        (2.0, 2.0, 0.0)
+    assert (m["env/finish_tool_calls"], m["env/finish_stop"], m["env/agent_errors"],
+            m["env/tool_call_replies"]) == (2.0, 2.0, 0.0, 4.0)
     assert m["reward/mean"] == pytest.approx(0.75)
     assert all(e["first"] == "tool_calls" and e["calls"] == ["calculate"]
                for eps in received.values() for e in eps)

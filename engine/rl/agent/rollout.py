@@ -208,6 +208,7 @@ def _counts(outcomes, env_s: float) -> dict:
         out[reason] = sum(r == reason for r in reasons)
     out["metrics"]["agent_errors"] = float(out["errors"])
     out["metrics"]["trajectories"] = float(sum(len(o.trajectories) for o in outcomes))
+    out["metrics"]["tool_call_replies"] = float(sum(o.tool_call_replies for o in outcomes))
     for o in outcomes:
         for k, v in o.metrics.items():
             out["metrics"][k] = out["metrics"].get(k, 0.0) + v

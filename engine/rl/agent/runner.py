@@ -43,6 +43,7 @@ class AgentOutcome:
     error: str | None = None
     trajectories: list[Trajectory] = field(default_factory=list)
     calls: int = 0
+    tool_call_replies: int = 0   # choices answered with finish_reason "tool_calls"
 
 
 def _finite(value: Any) -> bool:
@@ -132,4 +133,5 @@ class AgentRunner:
             if failed is None and not episode.nodes:
                 out = AgentOutcome(0.0, error=f"agent {self.name} made no call to its base_url")
         out.trajectories, out.calls = trajectories, episode.calls
+        out.tool_call_replies = sum(n.finish_reason == "tool_calls" for n in episode.nodes)
         return out
