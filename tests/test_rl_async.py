@@ -226,13 +226,14 @@ def test_rollout_failures_end_the_job_with_a_message(runs):
     assert "engine exploded on purpose" in fail.stdout + fail.stderr
     hang = runs["hang"]
     assert hang.returncode != 0
-    assert ("waiting for rollout batch 0: no answer from rollout rank 0 (job rank 2) within "
+    # the trainer names the silent peer and the limit; what it was waiting for (rollout
+    # batch 0, or still the first weights when a loaded host delays it) is not the point
+    assert ("no answer from rollout rank 0 (job rank 2) within "
             "rollout.peer_timeout_s=15") in hang.stdout + hang.stderr
     # the rollout leader's process dies without a word: the trainer names it
     killed = runs["killed"]
     assert killed.returncode != 0
-    assert "waiting for rollout batch 0: no answer from rollout rank 0 (job rank 2)" in \
-        killed.stdout + killed.stderr
+    assert "no answer from rollout rank 0 (job rank 2)" in killed.stdout + killed.stderr
 
 
 def test_async_keys_are_refused_naming_the_key():
