@@ -283,6 +283,57 @@ def test_two_engines_equal_one_engine_for_multi_turn(eos_model_dir):
         assert a == pytest.approx(b, abs=1e-5)
     assert one.metrics["env/turns_max"] >= 2 and len({len(r) for r in one.response_ids}) > 1
 
+def test_a_turn_with_little_room_left_gets_a_call_of_its_own(eos_model_dir, monkeypatch):
+    """HF backend under vLLM's rule (an engine that refuses a prompt whose length plus the
+    call's max_new_tokens passes its max_model_len = train.seq_length + 1): episodes whose
+    room is below the turn's largest budget are sampled in calls with their own budget, and
+    every episode samples what an engine without that rule samples when all of them share one
+    call with the largest budget, the old rule (the ids, masks and log-probs).
+    Negative control: that one call passes the limit."""
+    import torch
+
+    from engine.rl.env import episodes
+    from engine.rl.rollout.hf_backend import HFRolloutEngine
+
+    max_new, seq_length = 16, 60
+
+    class MaxLenEngine(HFRolloutEngine):
+        def __init__(self, *a, limit=None, **k):
+            super().__init__(*a, **k)
+            self.limit, self.budgets = limit, []
+
+        def generate(self, prompts, params):
+            longest = max(len(p) for p in prompts) + params.max_new_tokens
+            self.budgets.append(params.max_new_tokens)
+            self.longest = max(getattr(self, "longest", 0), longest)
+            assert self.limit is None or longest <= self.limit, (longest, self.limit)
+            return super().generate(prompts, params)
+
+    rows = [{"prompt": f"what is {a} plus {b} ?" + " now" * (4 * a), "answer": str(a + b)}
+            for a, b in [(1, 2), (3, 4), (2, 2)]]
+    tok = AutoTokenizer.from_pretrained(eos_model_dir)
+    out, engines = [], []
+    for limit in (seq_length + 1, None):
+        if limit is None:   # the old rule: one call with the largest budget
+            monkeypatch.setattr(episodes, "budget_calls", lambda lengths, budgets, limit: {
+                max(budgets): list(range(len(budgets)))})
+        engine = MaxLenEngine(eos_model_dir, dtype=torch.float32, limit=limit)
+        cfg = _config(["rollout.n=2", "train.prompts_per_step=3",
+                       f"rollout.max_new_tokens={max_new}", f"train.seq_length={seq_length}", "env.fn=tests.test_rl_env:CountEnv",
+                       "env.max_turns=3", "rollout.temperature=1.0", "data.shuffle=false"])
+        collector = RolloutCollector(InProcessPool([engine], cfg.rollout), rows, tok,
+                                     load_reward_fn("math"), cfg)
+        out.append(collector.collect())
+        engines.append(engine)
+    limited, free = out
+    assert limited.response_ids == free.response_ids
+    assert limited.response_masks == free.response_masks
+    for a, b in zip(limited.rollout_logprobs, free.rollout_logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
+    # turn 2: two episodes at 16 and one at its own 12 (16 would pass the limit)
+    assert engines[0].budgets == [16, 16, 12, 2] and engines[1].budgets == [16, 16, 2]
+    assert engines[1].longest > seq_length + 1 >= engines[0].longest
+
 
 def _cli_run(pools, model_dir, data, log_dir, engines: int):
     proc = pools.script(

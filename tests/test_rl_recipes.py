@@ -87,7 +87,7 @@ def test_agent_recipe_validates_with_the_vllm_engines_counted(capsys):
     assert cfg.env.agent == "tools.example_agent:math_retry" and callable(math_retry)
     assert cfg.env.fn is None and env_problems(cfg) == [] and cfg.env.max_turns == ATTEMPTS
     assert cfg.train.seq_length >= ATTEMPTS * cfg.rollout.max_new_tokens + 1024
-    assert cfg.rollout.vllm.max_model_len == cfg.train.seq_length
+    assert cfg.rollout.vllm.max_model_len == cfg.train.seq_length + 1
     assert rl_validate_main(argv + ["--validate"]) == 0
     out = capsys.readouterr().out
     assert "+ KL reference 7.6 = 62.5" in out

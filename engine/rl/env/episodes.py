@@ -92,6 +92,17 @@ class EpisodeStats:
     env_s: float = 0.0
 
 
+def budget_calls(lengths: list[int], budgets: list[int], limit: int) -> dict[int, list[int]]:
+    """{max_new_tokens: indices} of one turn's generate calls: every episode in a call with
+    the largest budget, except those whose ids (`lengths`) plus it would pass `limit`: one
+    call per budget of theirs (EpisodeRunner._generate)."""
+    shared = max(budgets)
+    calls: dict[int, list[int]] = {}
+    for i, (length, budget) in enumerate(zip(lengths, budgets)):
+        calls.setdefault(shared if length + shared <= limit else budget, []).append(i)
+    return calls
+
+
 class EpisodeRunner:
     """Runs generation batches of episodes (module docstring) on rank 0."""
 
@@ -135,17 +146,35 @@ class EpisodeRunner:
 
     def _generate(self, active: list[Episode], turn: int, n: int, gen_batch: int,
                   stats: EpisodeStats) -> list[bool]:
-        """One generate call per engine for every active episode; appends the sampled ids.
-        Returns per episode whether its turn ended without an end of turn (token budget)."""
+        """The active episodes' turn `turn`: appends the sampled ids. Returns per episode
+        whether its turn ended without an end of turn (token budget).
+
+        Each episode's budget is min(rollout.max_new_tokens, what is left of
+        train.seq_length + 1). The episodes share one generate call (per engine) with the
+        largest budget, each cut to its own afterwards, except those whose ids plus that
+        budget would pass train.seq_length + 1: they go in one call per budget with their own
+        (vLLM refuses a prompt whose length plus max_new_tokens passes its max_model_len).
+        The samples are the same either way: a seeded sample's first t ids do not depend on
+        the budget (engine.rl.rollout.base)."""
         s = self.s
-        budgets = [min(s.max_new_tokens, s.seq_length + 1 - len(e)) for e in active]
-        params = SamplingParams(max_new_tokens=max(budgets), temperature=s.temperature,
-                                top_p=s.top_p, seeds=[turn_seed(e.seed, turn) for e in active])
+        limit = s.seq_length + 1
+        budgets = [min(s.max_new_tokens, limit - len(e)) for e in active]
+        calls = budget_calls([len(e) for e in active], budgets, limit)
+        if len(calls) > 1:
+            n = 1   # the engines' split keeps groups of n together only in a single call
+        gens: list = [None] * len(active)
         t0 = time.perf_counter()
-        gens, gstats = self.pool.generate([e.prompt_ids + e.response_ids for e in active],
-                                          params, n, gen_batch)
+        for budget, idx in calls.items():
+            params = SamplingParams(max_new_tokens=budget, temperature=s.temperature,
+                                    top_p=s.top_p,
+                                    seeds=[turn_seed(active[i].seed, turn) for i in idx])
+            part, gstats = self.pool.generate(
+                [active[i].prompt_ids + active[i].response_ids for i in idx], params, n,
+                gen_batch)
+            stats.generate.append(gstats)
+            for i, gen in zip(idx, part):
+                gens[i] = gen
         stats.gen_s += time.perf_counter() - t0
-        stats.generate.append(gstats)
         cut = []
         for e, gen, budget in zip(active, gens, budgets):
             ids = list(gen.response_ids[:budget])

@@ -84,9 +84,11 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
                  "(0, 1)")
     if v.sleep_level not in (1, 2):
         p.append(f"rollout.vllm.sleep_level={v.sleep_level!r} must be 1 or 2")
-    if v.max_model_len is not None and v.max_model_len < cfg.train.seq_length:
-        p.append(f"rollout.vllm.max_model_len={v.max_model_len} is below train.seq_length="
-                 f"{cfg.train.seq_length} (the longest prompt + response); raise it or null")
+    if v.max_model_len is not None and v.max_model_len < cfg.train.seq_length + 1:
+        p.append(f"rollout.vllm.max_model_len={v.max_model_len} is below train.seq_length + 1 "
+                 f"= {cfg.train.seq_length + 1} (the longest prompt + response: a trajectory "
+                 "holds seq_length + 1 ids, its last one sampled but never an input); raise it "
+                 "or null")
     given = set(v.engine_kwargs or {})   # vLLM's arg_utils is imported only to check these
     unknown = sorted(given - _engine_arg_names()) if given else []
     own = sorted(given & set(OWN_ARGS))
