@@ -45,7 +45,9 @@ setup(
         # pins torch 2.13.0 (the CPU build stays) and transformers <5.20, and pulls CUDA builds
         # of torchvision, torchaudio and torchcodec that break vLLM's and transformers' imports
         # next to CPU torch: the README's set-up command and .ci/run uninstall those three.
-        "test": ["pytest>=7.4", "pytest-timeout>=2.2", "tokenizers>=0.19", "matplotlib>=3.7",
+        # pytest-xdist: the README's command runs the suite on two workers (tests/conftest.py)
+        "test": ["pytest>=7.4", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "tokenizers>=0.19",
+                 "matplotlib>=3.7",
                  "datasets>=2.14", "peft",
                  # trl: tests/test_dpo.py checks engine.dpo against TRL's own DPOTrainer (an
                  # outside reference only; the engine never imports it)

@@ -9,6 +9,8 @@ something.
 from __future__ import annotations
 
 import gc
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +21,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from tests.launch import run_python  # noqa: E402
-from tests.pool import Pools  # noqa: E402
+from tests.pool import MAX_RANKS, Pools  # noqa: E402
 from tools.tiny_models import build_tiny_model  # noqa: E402
 
 CONVERT = "tools/convert.py"
@@ -41,6 +43,28 @@ def build_arch(out_dir: Path, arch: str, seed: int = 0) -> str:
                             kv_heads=2, seed=seed, initializer_range=INIT_RANGE, **spec)
 
 
+# Measured seconds per test file (tests/file_seconds.json, from a whole run on the 2-core
+# host): the order in which the README's two workers (pytest-xdist, --dist loadfile
+# --no-loadscope-reorder: a file's tests stay on one worker, with its module fixtures) take
+# the files, longest first, so that no long file starts last and leaves the other worker idle.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Under pytest-xdist only: the files longest first (FILE_SECONDS; unknown files after
+    the known ones, in their order), each file's tests in their own order. A plain run keeps
+    pytest's order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
+
+
+def workers() -> int:
+    """How many pytest-xdist workers share the host (1 without xdist)."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
 def pytest_collection_finish(session) -> None:
     """Once every test module is imported (torch, megatron-core, transformers, peft, the
     engine): their objects go to the collector's permanent generation (gc.freeze), so the
@@ -57,8 +81,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 def pools(tmp_path_factory) -> Pools:
     """The session's persistent rank pools (tests/pool.py): `pools.run(world, "mod:fn", ...)`
     and `pools.script(world, script_or_-m, *argv)` run a case on `world` gloo ranks started
-    once per world size, instead of a torchrun launch per case."""
-    manager = Pools(str(tmp_path_factory.mktemp("rank_pools")))
+    once per world size, instead of a torchrun launch per case. With several xdist workers
+    each has its own pools, the ranks kept started shared out between them."""
+    manager = Pools(str(tmp_path_factory.mktemp("rank_pools")),
+                    max_ranks=max(8, MAX_RANKS // workers()))
     yield manager
     manager.close()
 

@@ -347,7 +347,7 @@ def test_concurrent_episodes_are_batched(tok):
                                                delay_s=0.02, gather_s=0.05, max_wait_s=5.0)
     assert all(o.error is None for o in outcomes)
     assert backend.batches[0] == 16 and sum(backend.batches) == 32, backend.batches
-    assert stats.waits[1] < 0.6, stats.waits          # not held for the 1 s tools
+    assert stats.waits[1] < 0.9, stats.waits          # not held for the 1 s tools
     print(f"[agent] half the episodes in a 1 s tool: batches {backend.batches}, waits "
           f"{[round(w, 3) for w in stats.waits]}, wall {wall:.2f} s")
 
@@ -357,23 +357,23 @@ def test_batching_rule_waits_for_expected_episodes_only():
     answered: gather_s; started without a call: max_wait_s), and goes at once when every live
     episode is pending."""
     live = {"a": (time.monotonic(), 1), "b": (time.monotonic(), 1)}
-    q = GenerateQueue(lambda: dict(live), lambda eid: None, gather_s=0.2, max_wait_s=0.6)
+    q = GenerateQueue(lambda: dict(live), lambda eid: None, gather_s=0.2, max_wait_s=1.0)
     request = GenerateRequest((1,), 1, 1.0, 1.0, 0)
     q.responded("b", 0)                          # b was just answered
     q.submit("a", request)
     t0 = time.monotonic()
     assert len(q.next_batch(lambda: False)) == 1
-    assert 0.15 < time.monotonic() - t0 < 0.5    # waited for b's gather window
+    assert 0.15 < time.monotonic() - t0 < 0.9    # waited for b's gather window only
     q.responded("b", 0)
     q.submit("a", request)
     q.submit("b", request)
     t0 = time.monotonic()
-    assert len(q.next_batch(lambda: False)) == 2 and time.monotonic() - t0 < 0.1
+    assert len(q.next_batch(lambda: False)) == 2 and time.monotonic() - t0 < 0.15
     live["c"] = (time.monotonic(), 0)            # c started, no call yet
     q.submit("a", request)
     t0 = time.monotonic()
     assert len(q.next_batch(lambda: False)) == 1
-    assert 0.5 < time.monotonic() - t0 < 1.0     # max_wait_s: c never called
+    assert 0.95 < time.monotonic() - t0 < 1.9    # max_wait_s: c never called
 
 
 def test_runner_contains_failures(tok):
