@@ -82,3 +82,22 @@ def test_worker_start_method_only_inside_the_block_and_a_users_value_kept(monkey
     with engine_process_env(on_cpu=True):
         assert os.environ[WORKER_START] == "forkserver"
     assert os.environ[WORKER_START] == "forkserver"
+
+
+def test_launcher_variables_set_inside_the_block_do_not_leak(monkeypatch):
+    """vLLM's CPU platform sets LOCAL_WORLD_SIZE (its TP size) in the owner's process while the
+    engine is built: in a process started without torchrun it stayed set, and a later
+    placement in that process read 2 processes per node (seen as "world size 1 is not a whole
+    number of nodes of 2 processes" in a test after a TP 2 engine). Afterwards every launcher
+    variable is as before the block: absent ones removed, torchrun's values back."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("RANK", "3")
+    with engine_process_env(on_cpu=True, gpus=(0, 2)):
+        assert "RANK" not in os.environ
+        os.environ["LOCAL_WORLD_SIZE"] = "2"   # what vLLM's CpuPlatform does
+        os.environ["RANK"] = "0"
+    assert "LOCAL_WORLD_SIZE" not in os.environ and os.environ["RANK"] == "3"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with engine_process_env(on_cpu=True, gpus=(0, 2)):
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    assert os.environ["LOCAL_WORLD_SIZE"] == "4"

@@ -57,7 +57,8 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 @contextlib.contextmanager
 def engine_process_env(on_cpu: bool, gpus: tuple[int, int] = (0, 1)):
     """os.environ while an engine is built (its processes started), then restored: without
-    LAUNCHER_ENV; VLLM_WORKER_MULTIPROC_METHOD spawn unless the user set one;
+    LAUNCHER_ENV (afterwards exactly as before, whatever vLLM set meanwhile);
+    VLLM_WORKER_MULTIPROC_METHOD spawn unless the user set one;
     VLLM_ENABLE_V1_MULTIPROCESSING 0 on CPU (the engine core in this process, the model in the
     spawned worker: vllm_settings.engine_args picks the multiprocess executor) and 1 on GPUs;
     on GPUs CUDA_VISIBLE_DEVICES = `engine_devices(gpus)` (the engine's devices of this node:
@@ -77,8 +78,11 @@ def engine_process_env(on_cpu: bool, gpus: tuple[int, int] = (0, 1)):
     try:
         yield
     finally:
-        for k in added:
-            os.environ.pop(k, None)
+        # vLLM's CPU platform sets LOCAL_WORLD_SIZE (its TP size) in this process while the
+        # engine is built: a launcher variable this process did not have is removed again
+        for k in (*added, *LAUNCHER_ENV):
+            if k not in saved:
+                os.environ.pop(k, None)
         os.environ.update(saved)
 
 
