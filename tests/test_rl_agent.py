@@ -21,8 +21,9 @@ from engine.rl.config import RLConfig
 from engine.rl.agent.tokens import TemplateRules
 from engine.rl.env.observation import observation_ids
 from engine.rl.rewards import load_reward_fn
-from engine.rl.rollout import Generation, RolloutEngine
+from engine.rl.rollout import Generation
 from tests.test_rl_env import InProcessPool
+from tests.generate_only import GenerateOnlyEngine
 from tools.tiny_models import build_eos_model
 
 RECEIVED: dict[str, list[dict]] = {}   # prompt -> what each call returned (in-process tests)
@@ -327,7 +328,7 @@ def test_the_wired_keys_pass_the_agent_checks(tmp_path):
     assert agent_problems(cfg) == []
 
 
-class ToolScript(RolloutEngine):
+class ToolScript(GenerateOnlyEngine):
     """A rollout engine replying one id per character (so re-tokenising the text would
     change the ids: "<tool_call>" is one token of the tokenizer): the calculator call CALL to
     a context without a tool response, else "42"; then <|im_end|>. Log-probs -0.01 * (i+1)."""
@@ -345,15 +346,6 @@ class ToolScript(RolloutEngine):
             out.append(Generation(list(p), ids, [-0.01 * (i + 1) for i in range(len(ids))],
                                   "stop" if ids[-1] == self.tok.eos_token_id else "length"))
         return out
-
-    def update_weights(self, named_tensors):
-        raise AssertionError("not used")
-
-    def sleep(self):
-        pass
-
-    def wake(self):
-        pass
 
 
 def test_tool_calls_train_exactly_and_count_as_finish_reasons(tmp_path):

@@ -20,9 +20,10 @@ from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.env.episodes import turn_seed
 from engine.rl.rewards import load_reward_fn
-from engine.rl.rollout import Generation, RolloutEngine
+from engine.rl.rollout import Generation
 from engine.rl.rollout.placement import EnginePlacement
 from engine.rl.rollout.pool import RolloutPool, generate_with_retries
+from tests.generate_only import GenerateOnlyEngine
 from tools.tiny_models import build_eos_model, build_tiny_model
 
 
@@ -49,7 +50,7 @@ class CountEnv:
                 "reward": 0.25, "done": self.k >= self.turns, "metrics": {"steps": 1}}
 
 
-class ScriptedTurns(RolloutEngine):
+class ScriptedTurns(GenerateOnlyEngine):
     """Answers every trajectory with "<k>" + eos, k = the number of <|im_start|> tokens in it
     (so each turn differs); log-probs -0.1 * (position + 1). Prompts containing "copy" get
     5 tokens without eos (a turn cut by the budget)."""
@@ -70,15 +71,6 @@ class ScriptedTurns(RolloutEngine):
             ids = ids[:params.max_new_tokens]
             out.append(Generation(p, ids, [-0.1 * (i + 1) for i in range(len(ids))], reason))
         return out
-
-    def update_weights(self, named_tensors):
-        raise AssertionError("not used")
-
-    def sleep(self):
-        pass
-
-    def wake(self):
-        pass
 
 
 @pytest.fixture(scope="module")

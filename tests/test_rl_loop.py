@@ -21,8 +21,9 @@ from engine.rl.collect.batch import RolloutBatch, build_sequences
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.policy.update import split_mini_batches
-from engine.rl.rollout import Generation, RolloutEngine
+from engine.rl.rollout import Generation
 from tests.launch import result_lines, run_cli, run_torchrun
+from tests.generate_only import GenerateOnlyEngine
 from tools.tiny_models import build_tiny_model
 
 INVARIANCE = "tests/multirank/rl_invariance.py"
@@ -122,7 +123,7 @@ def test_unknown_algorithm_exits_2_listing_choices(model_dir, prompts_file):
 
 # ----------------------------------------------------------------------------- rollout batch
 
-class ScriptedEngine(RolloutEngine):
+class ScriptedEngine(GenerateOnlyEngine):
     """Answers "what is a plus b ?" prompts from a script: call 1 answers "0" everywhere (every
     group all wrong), later calls answer right at even positions and "0 0 0 0" (4 tokens, no
     eos: a length-clipped response) at odd ones."""
@@ -143,15 +144,6 @@ class ScriptedEngine(RolloutEngine):
             ids += [self.tokenizer.eos_token_id] if stop else []
             out.append(Generation(prompt, ids, [-0.5] * len(ids), "stop" if stop else "length"))
         return out
-
-    def update_weights(self, named_tensors):
-        raise AssertionError("not used")
-
-    def sleep(self):
-        pass
-
-    def wake(self):
-        pass
 
 
 def _collector(model_dir, argv):

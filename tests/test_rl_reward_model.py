@@ -27,9 +27,10 @@ from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.policy.reward_model_checks import reward_model_problems
 from engine.rl.rewards import load_reward_fn
-from engine.rl.rollout import Generation, RolloutEngine
+from engine.rl.rollout import Generation
 from engine.rl.rollout.pool import RolloutPool
 from tests.metrics_docs import undocumented
+from tests.generate_only import GenerateOnlyEngine
 from tools.tiny_models import build_eos_model, build_tiny_model
 
 TOLERANCE = 1e-5   # relative, the engine's score vs transformers'
@@ -151,7 +152,7 @@ def test_reward_fn_defaults_to_none_with_a_reward_model_and_counts_as_a_reward(m
 
 # ---------------------------------------------------------------------------- the collector
 
-class FixedEngine(RolloutEngine):
+class FixedEngine(GenerateOnlyEngine):
     """Sample j of every prompt answers "<j + 1>" + eos (a multi-turn trajectory's later turns
     too), rollout log-probs -0.5."""
 
@@ -166,15 +167,6 @@ class FixedEngine(RolloutEngine):
             ids = (ids + [self.tok.eos_token_id])[:params.max_new_tokens]
             out.append(Generation(prompt, ids, [-0.5] * len(ids), "stop"))
         return out
-
-    def update_weights(self, named_tensors):
-        raise AssertionError("not used")
-
-    def sleep(self):
-        pass
-
-    def wake(self):
-        pass
 
 
 def _collector(models, argv, scored: list):

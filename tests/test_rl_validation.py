@@ -24,6 +24,7 @@ import pytest
 from engine.rl.checks import val_problems
 from engine.rl.collect.validation import pass_at_k, pass_ks, val_seeds, validation_metrics
 from tests.launch import run_torchrun
+from tests.generate_only import GenerateOnlyEngine
 from tools.tiny_models import build_tiny_model
 
 STEPS = 4
@@ -266,9 +267,9 @@ def test_multi_turn_validation_runs_the_training_episodes(tmp_path):
     from engine.rl.collect.validation import generate_for_validation
     from engine.rl.config import RLConfig
     from engine.rl.rewards import load_reward_fn
-    from engine.rl.rollout import Generation, RolloutEngine, SamplingParams
+    from engine.rl.rollout import Generation, SamplingParams
 
-    class Sevens(RolloutEngine):
+    class Sevens(GenerateOnlyEngine):
         """Answers "7" + eos to every trajectory; records the sampling temperatures."""
 
         def __init__(self, tok):
@@ -279,15 +280,6 @@ def test_multi_turn_validation_runs_the_training_episodes(tmp_path):
             self.temperatures.append(params.temperature)
             ids = self.tok.encode("7", add_special_tokens=False) + [self.tok.eos_token_id]
             return [Generation(p, ids, [-0.5] * len(ids), "stop") for p in prompts]
-
-        def update_weights(self, named_tensors):
-            raise AssertionError("not used")
-
-        def sleep(self):
-            pass
-
-        def wake(self):
-            pass
 
     model = build_tiny_model(str(tmp_path / "m"), "qwen3", hidden=32, layers=2, heads=4,
                              kv_heads=2, seed=0)
