@@ -202,6 +202,31 @@ def test_truncation(toks, tmp_path):
         load_preference_dataset(path, tok, p + 15, "error", cache_dir=str(tmp_path / "c"))
 
 
+def test_sides_identical_after_truncation_are_refused(toks, tmp_path):
+    """Sides that differ only after the cut: refused by file and line once cut (they would
+    add a constant ln 2 to the loss and count in its mean), as identical renderings are. The
+    same row loads when seq_length keeps the difference (the control), and it renders to two
+    different sides before the cut (the identical-sides check of render_preference_row passes
+    it: the refusal must come after the cut)."""
+    tok = toks["chatml"]
+    row = {"prompt": [USER], "chosen": [{"role": "assistant", "content": "x" * 40 + "a"}],
+           "rejected": [{"role": "assistant", "content": "x" * 40 + "b"}]}
+    pair = render_preference_row(row, tok, "x")
+    p = pair.prompt_length
+    assert pair.chosen.ids != pair.rejected.ids and pair.differ_at > p + 16
+    path = write_jsonl(tmp_path / "cut.jsonl", [{**EXPLICIT, "prompt": [USER]}, row])
+    with pytest.raises(DataError, match=r"cut\.jsonl:2: the chosen and rejected sides are "
+                                        r"identical after truncation to train\.seq_length \+ "
+                                        rf"1 = {p + 16} tokens \(they first differ at token "
+                                        rf"{pair.differ_at}\)"):
+        load_preference_dataset(path, tok, p + 15, "right", num_workers=0,
+                                cache_dir=str(tmp_path / "c"))
+    ds = load_preference_dataset(path, tok, pair.differ_at + 1, "right", num_workers=0,
+                                 cache_dir=str(tmp_path / "c"))
+    assert len(ds) == 2 and ds.stats["truncated"] == 1
+    assert ds[1].chosen.tokens != ds[1].rejected.tokens or \
+        ds[1].chosen.labels != ds[1].rejected.labels
+
 PART = {"type": "image", "image": "x.png"}
 REFUSED = {
     "no_chosen": ({"prompt": [USER], "rejected": [GREEN]}, r"missing field 'chosen'"),

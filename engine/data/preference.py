@@ -27,7 +27,7 @@ from engine.data.preference_rows import FORM_NAMES
 
 __all__ = ["PreferencePair", "PreferenceDataset", "load_preference_dataset"]
 
-PREFERENCE_VERSION = 1   # bump when a preference row renders differently (part of the cache key)
+PREFERENCE_VERSION = 2   # bump when a preference row renders differently (part of the cache key)
 STATS = ("rows", "pairs", "truncated", "truncated_chosen", "truncated_rejected", "with_margin",
          *FORM_NAMES)
 

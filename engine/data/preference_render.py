@@ -47,6 +47,12 @@ class RenderedPair:
     margin: float | None
     form: str
 
+    @property
+    def differ_at(self) -> int:
+        """The first token index where the sides' ids differ (the shorter length if one side
+        is a prefix of the other)."""
+        return _common_prefix(self.chosen.ids, self.rejected.ids)
+
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
@@ -101,13 +107,15 @@ def fit_pair(pair: RenderedPair, seq_length: int, truncation: str, where: str) -
     """`pair` with each side at most seq_length + 1 ids (a Sample of at most seq_length
     tokens). A prompt of more than seq_length tokens is refused (no completion token would
     remain). Longer sides: truncation="right" cuts them on the right (the prompt stays, at least
-    one completion token remains; RenderedSide.truncated set), "error" refuses them. Messages
-    name train.seq_length and data.truncation."""
+    one completion token remains; RenderedSide.truncated set), "error" refuses them; sides
+    that are identical once cut are refused (as identical renderings are by
+    render_preference_row). Messages name train.seq_length and data.truncation."""
     if pair.prompt_length > seq_length:
         raise DataError(f"{where}: the prompt renders to {pair.prompt_length} tokens, more "
                         f"than train.seq_length={seq_length}, so no completion token would fit; "
                         "raise train.seq_length or shorten the prompt")
     max_ids = seq_length + 1
+    differ_at = pair.differ_at
     for field in ("chosen", "rejected"):
         side: RenderedSide = getattr(pair, field)
         if len(side.ids) <= max_ids:
@@ -118,4 +126,9 @@ def fit_pair(pair: RenderedPair, seq_length: int, truncation: str, where: str) -
                             "(data.truncation=error); raise train.seq_length, shorten the "
                             "row, or set data.truncation=right to cut long sides")
         setattr(pair, field, RenderedSide(side.ids[:max_ids], side.trained[:max_ids], True))
+    if pair.chosen.ids == pair.rejected.ids:   # the sides differed only beyond the cut
+        raise DataError(f"{where}: the chosen and rejected sides are identical after "
+                        f"truncation to train.seq_length + 1 = {max_ids} tokens (they first "
+                        f"differ at token {differ_at}); a preference pair needs two "
+                        "different replies: raise train.seq_length or shorten the row")
     return pair
