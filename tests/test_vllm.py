@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -270,6 +272,12 @@ def test_moe_families_of_2026_sample_and_sync_exactly(family, tmp_path):
         _eos_only_in_tokenizer(model_dir)
     engine = _engine(model_dir, max_model_len=64)
     try:
+        # every attention layer vLLM built runs the backend vllm_attention chose (MLA:
+        # CPU_MLA, also on AMX CPUs: test_mla_on_an_amx_cpu_selects_cpu_mla_for_target_and_draft)
+        backends = engine.llm.collective_rpc("rl_attention_backends")[0]
+        layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+        assert len(backends) == layers and set(backends.values()) == (
+            {"CPU_MLA"} if family == "deepseek_v3" else {"CPU_ATTN"}), backends
         assert engine.eos_token_ids == [3], engine.eos_token_ids   # the tiny tokenizer's
         params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
         old = _transformers(model_dir)
@@ -280,6 +288,63 @@ def test_moe_families_of_2026_sample_and_sync_exactly(family, tmp_path):
         assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
     finally:
         engine.shutdown()
+
+
+def test_mla_on_an_amx_cpu_selects_cpu_mla_for_target_and_draft(tmp_path, monkeypatch):
+    """On a CPU with AMX (simulated: vLLM's CPU platform asks torch.cpu._is_amx_tile_supported),
+    the vllm.LLM arguments the engine builds for a DeepSeek-V3 folder with a speculative MTP
+    draft select CPU_MLA, through vLLM's own selection (EngineArgs.create_engine_config, then
+    get_attn_backend with the target's config and with the config vLLM's proposer makes for
+    the draft), with the CPU MLA kernel's KV block size 16. Negative control: the same
+    arguments without the engine's choice (as before it) select AMX_MLA for both, block 128."""
+    import vllm
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.selector import _cached_get_attn_backend, get_attn_backend
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from engine.rl.rollout.vllm_backend import VLLMRolloutEngine
+
+    class Built(Exception):
+        """vllm.LLM called: its keyword arguments, nothing started."""
+
+    def llm(**kwargs):
+        raise Built(kwargs)
+
+    model_dir = build_deepseek_v3(str(tmp_path / "ds"), kv_lora_rank=512, qk_rope_head_dim=64)
+    draft = {"method": "mtp", "num_speculative_tokens": 1}   # its one MTP layer
+    monkeypatch.setattr(vllm, "LLM", llm)
+    with pytest.raises(Built) as built:
+        VLLMRolloutEngine(model_dir, dtype=torch.float32, seed=0, **engine_args(
+            VLLMConfig(max_model_len=64, engine_kwargs={"speculative_config": draft}), 1, True))
+    chosen = built.value.args[0]
+    before = {**chosen, "speculative_config": draft}   # the engine's arguments before the fix
+    before.pop("attention_backend", None)
+
+    def selected(kwargs) -> tuple[str, str, int]:
+        """(target backend, draft backend, KV block size) vLLM selects for `kwargs`."""
+        config = EngineArgs(**kwargs).create_engine_config()
+        draft_config = SpecDecodeBaseProposer._create_draft_vllm_config(SimpleNamespace(
+            speculative_config=config.speculative_config, vllm_config=config))
+        names = []
+        for cfg, model in ((config, config.model_config),
+                           (draft_config, config.speculative_config.draft_model_config)):
+            assert model.use_mla, model.hf_config.model_type
+            _cached_get_attn_backend.cache_clear()
+            with set_current_vllm_config(cfg):
+                names.append(get_attn_backend(model.get_head_size(), model.dtype, None,
+                                              use_mla=True).get_name())
+        return names[0], names[1], config.cache_config.block_size
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    environ = dict(os.environ)   # vLLM's CPU platform sets variables for its workers
+    try:
+        assert selected(chosen) == ("CPU_MLA", "CPU_MLA", 16)
+        assert selected(before) == ("AMX_MLA", "AMX_MLA", 128)   # negative control
+    finally:
+        _cached_get_attn_backend.cache_clear()
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def _eos_only_in_tokenizer(model_dir: str) -> None:

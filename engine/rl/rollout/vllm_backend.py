@@ -55,6 +55,10 @@ meets in the final barrier and exits 0. The worker ignores SIGTERM / SIGINT
 (`vllm_worker.rl_leave_signals_to_owner`): a signal to the job's process group asks the ranks
 to finish the step and save (engine.run.run_loop), which needs the engine alive.
 
+Attention on CPU: an MLA model (DeepSeek-V3, Kimi-K2, ...) runs vLLM's CPU_MLA backend in the
+target and in a speculative draft, never the AMX_MLA vLLM picks on AMX CPUs (fp32 refused,
+the weight reload failing; engine.rl.rollout.vllm_attention), unless engine_kwargs name one.
+
 Sleep/wake: on CPU vLLM has no sleep mode (its worker ignores sleep; enable_sleep_mode is refused
 at construction), so `sleep` releases nothing and only marks the engine asleep. On GPU, `sleep`
 is vLLM's at rollout.vllm.sleep_level (1: weights to host memory, KV cache dropped; 2: both
@@ -71,6 +75,7 @@ from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.bucket_files import discard, write_bucket
 from engine.rl.rollout.eos import eos_token_ids, folder_tokenizer, no_eos_message
 from engine.rl.rollout.vllm_adapter import AdapterSync
+from engine.rl.rollout.vllm_attention import cpu_attention_args
 from engine.rl.rollout.vllm_process import (engine_process_env, preserved_global_rng,
                                              trainer_groups_kept, without_chat_warmup_warning)
 from engine.rl.rollout.vllm_lora import AdapterServing
@@ -155,6 +160,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.sleep_level = sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
         engine_kwargs.update(lora.engine_args() if lora is not None else {})
+        # an MLA model's attention on vLLM's CPU platform: CPU_MLA, never AMX_MLA by default
+        engine_kwargs = cpu_attention_args(engine_kwargs, hf_path, self.on_cpu)
         set_num_threads = torch.set_num_threads
         # the engine's devices (CPU: worker processes): from gpus[0], as many as its TP size
         devices = (gpus[0], int(engine_kwargs.get("tensor_parallel_size", 1)))

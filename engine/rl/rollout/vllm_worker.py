@@ -13,6 +13,8 @@
   exit 0" (engine.run.run_loop) found its engine dead mid-step and exited 1. The owner ends the
   worker: vLLM's executor shutdown asks it to exit, and kills it if it does not (SIGKILL);
   vLLM's death pipe ends it when the owner dies.
+- `rl_attention_backends`: the backend each attention layer runs (vllm_attention's choice,
+  checked by the tests on the engine vLLM built).
 - `rl_load_bucket` / `rl_close_sync`: one exact weight sync (engine.rl.rollout.vllm_sync); a
   bucket arrives as a file (engine.rl.rollout.bucket_files), only its path through the RPC.
 """
@@ -66,6 +68,14 @@ class RolloutWorkerExtension:
     def rl_leave_signals_to_owner(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
+
+    def rl_attention_backends(self) -> dict[str, str]:
+        """The attention backend of every attention layer this worker built (its model's and a
+        speculative draft's: vLLM registers both in the static forward context), by layer name
+        (vLLM's AttentionBackend.get_name(), e.g. "CPU_MLA")."""
+        layers = self.vllm_config.compilation_config.static_forward_context
+        return {name: layer.get_attn_backend().get_name() for name, layer in layers.items()
+                if callable(getattr(layer, "get_attn_backend", None))}
 
     def rl_load_bucket(self, path: str, names: list[str]) -> None:
         """Load one bucket, bucket_files.write_bucket's file (mapped, not copied; the owner
