@@ -1,8 +1,9 @@
 """DPO exactness (docs/preference.md): every layout equals the single process, and the single
 process equals an independent transformers + torch AdamW loop written from the formulas below
 (and TRL 1.16's own DPOTrainer where it computes the same thing), for every loss type, with
-label smoothing and with RPO; LoRA DPO equals peft + the same loop, its reference the base with
-the adapters off.
+label smoothing and with RPO; LoRA DPO from a pretrained adapter equals peft + the same loop
+and TRL's DPOTrainer from the same adapter, its reference that starting adapter, frozen (step
+1: margins 0, loss ln 2; the bare base as reference, the negative control, is not).
 
 The layouts run on the session's rank pools (tests/multirank/dpo_check.py): one process (the
 references); DP2 with GA, CP2, DP2 with packed token-budget micro-batches, TP2 + SP with LoRA;
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.timeout(900)
 TOL = 1e-5
 SINGLE = ["1,1,0,1,8,loss=sigmoid", "1,1,0,1,8,loss=ipo", "1,1,0,1,8,loss=hinge",
           "1,1,0,1,8,loss=robust+ls=0.1", "1,1,0,1,8,loss=simpo",
-          "1,1,0,1,8,loss=sigmoid+ls=0.1+rpo=0.5", "1,1,0,1,8,lora"]
+          "1,1,0,1,8,loss=sigmoid+ls=0.1+rpo=0.5", "1,1,0,1,8,lora", "1,1,0,1,8,lora+baseref"]
 LAYOUTS = {
     2: ["1,1,0,1,2,loss=sigmoid+ls=0.1+rpo=0.5", "1,1,0,2,8,loss=ipo",
         "1,1,0,1,8,packing+tokens=90+loss=simpo", "2,1,0,1,4,sp+lora",
@@ -78,7 +79,11 @@ def test_every_layout_equals_single_process(dpo_runs, world):
             continue
         assert "error" not in r, (spec, r)
         for k in harness.METRICS:
-            assert r[f"{k}_rel"] <= TOL, (spec, k, r[k])
+            # LoRA: the reference is the starting adapter, so the rewards (beta x log-ratios
+            # of sums near -70) start at 0 and stay small (0.075 at step 2): fp32 rounding of
+            # the sums at tp2+sp (1.3e-6 absolute, logps rel 2e-8) is 1.75e-5 of that scale
+            tol = 1e-4 if "lora" in spec and k.startswith("rewards/") else TOL
+            assert r[f"{k}_rel"] <= tol, (spec, k, r[k])
         # LoRA at tp2 + sp: adapter entries with gradients near Adam's eps amplify the rounding
         # of the differently ordered TP sums into the parameters (measured 3.04e-5 since the
         # adapters gather the rank-r product, 1.4e-5 before; loss and grad norm 7e-7 and 3e-7;
@@ -138,7 +143,9 @@ def formula_loss(kind: str, beta: float, eps: float, pc, pr, rc, rr, nc, nr):
 
 def plain_loop(policy_dir: str, reference_dir: str, spec: str, adapter: str | None = None):
     """(losses, grad norms) of the plain loop: transformers models, per-pair formula losses
-    averaged over the batch, RPO's token-mean NLL of the chosen sides, torch AdamW, clip 1."""
+    averaged over the batch, RPO's token-mean NLL of the chosen sides, torch AdamW, clip 1.
+    With `adapter` the policy is peft's model of it and the reference a second, frozen peft
+    model of the same adapter (spec flag baseref: the policy with its adapter disabled)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -149,6 +156,9 @@ def plain_loop(policy_dir: str, reference_dir: str, spec: str, adapter: str | No
     reference = None
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
+        if "baseref" not in flags:
+            reference = PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(policy_dir), adapter).eval()
     else:
         reference = AutoModelForCausalLM.from_pretrained(reference_dir)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -161,7 +171,7 @@ def plain_loop(policy_dir: str, reference_dir: str, spec: str, adapter: str | No
             pc, tok_c, nc = side_logps(model, p.chosen)
             pr, _, nr = side_logps(model, p.rejected)
             with torch.no_grad():
-                if adapter is not None:
+                if adapter is not None and reference is None:
                     with model.disable_adapter():
                         rc, rr = side_logps(model, p.chosen)[0], side_logps(model, p.rejected)[0]
                 else:
@@ -262,3 +272,74 @@ def _pad_tokenizer():
     import tempfile
 
     return build_tokenizer(tempfile.mkdtemp(), 200)
+
+
+# ---------------------------------------------------------------- the reference after a LoRA start
+
+LN2 = math.log(2.0)
+
+
+def test_lora_reference_is_the_starting_adapter(dpo_runs):
+    """model.lora.init_from: the reference is the starting adapter, frozen, so step 1's policy
+    IS the reference: every log-ratio 0, rewards/margins 0 and the sigmoid loss ln 2 (the
+    later steps' equality with peft: test_single_process_equals_plain_loop; with TRL:
+    test_lora_dpo_equals_trl_dpo_trainer_from_the_same_adapter). Negative control: the bare
+    base as reference (adapters off, the engine's reference before issue 67) starts with
+    margins far from 0 and a loss other than ln 2."""
+    start = dpo_runs[1]["1,1,0,1,8,lora"]
+    assert abs(start["rewards/margins"][0]) < 1e-6, start["rewards/margins"]
+    assert abs(start["rewards/chosen"][0]) < 1e-6 and abs(start["rewards/rejected"][0]) < 1e-6
+    assert start["loss"][0] == pytest.approx(LN2, abs=1e-6), start["loss"]
+    assert abs(start["rewards/margins"][1]) > 1e-3   # the step trained the policy away from it
+    base = dpo_runs[1]["1,1,0,1,8,lora+baseref"]
+    assert abs(base["rewards/margins"][0]) > 1e-2, base["rewards/margins"]
+    assert abs(base["loss"][0] - LN2) > 1e-3, base["loss"]
+    assert base["logps/chosen"][0] == start["logps/chosen"][0]   # the same policy
+
+
+def test_lora_dpo_equals_trl_dpo_trainer_from_the_same_adapter(dpo_runs, tmp_path, monkeypatch):
+    """trl 1.16's DPOTrainer given peft's model of the same pretrained adapter and no
+    ref_model (it copies the adapter into a frozen "ref" adapter, trl/trainer/dpo_trainer.py),
+    fp32 as in test_single_process_equals_trl_dpo_trainer: per-step loss, grad norm and
+    rewards/margins of the engine's LoRA run at 1e-5 (step 1: margins 0, loss ln 2 in both)."""
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    monkeypatch.setattr(DPOTrainer, "_prepare_dataset", lambda self, ds, *a, **k: ds)
+    losses, rows = [], []
+
+    class Record(DPOTrainer):   # the loss unrounded (the Trainer logs it to 4 digits)
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            losses.append(float(loss.detach()))
+            return loss
+
+    class Rows(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "grad_norm" in logs:
+                rows.append(dict(logs))
+
+    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=harness.PAIRS,
+                     learning_rate=harness.LR, lr_scheduler_type="constant", adam_beta1=0.9,
+                     adam_beta2=0.95, adam_epsilon=harness.ADAM_EPS, weight_decay=0.0,
+                     max_grad_norm=1.0, beta=0.5, loss_type=["sigmoid"],
+                     max_steps=harness.STEPS, logging_steps=1, report_to=[], use_cpu=True,
+                     max_length=None, train_sampling_strategy="sequential", save_strategy="no",
+                     optim="adamw_torch", dataloader_num_workers=0, bf16=False)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(dpo_runs["policy"]),
+                                      dpo_runs["adapter"], is_trainable=True)
+    trainer = Record(model=model, ref_model=None, args=args,
+                     train_dataset=Dataset.from_list(_trl_rows()),
+                     processing_class=_pad_tokenizer(), callbacks=[Rows()])
+    assert "ref" in trainer.model.peft_config   # TRL's frozen copy of the starting adapter
+    trainer.train()
+    got = dpo_runs[1]["1,1,0,1,8,lora"]
+    assert len(losses) == len(rows) == harness.STEPS, (losses, rows)
+    assert abs(rows[0]["rewards/margins"]) < 1e-6 and losses[0] == pytest.approx(LN2, abs=1e-6)
+    for step, row in enumerate(rows):
+        assert got["loss"][step] == pytest.approx(losses[step], rel=TOL), (got, losses)
+        assert got["grad_norm"][step] == pytest.approx(row["grad_norm"], rel=TOL), (got, row)
+        assert got["rewards/margins"][step] == pytest.approx(row["rewards/margins"], rel=TOL,
+                                                             abs=1e-6), (got, row)

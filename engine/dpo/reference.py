@@ -1,9 +1,16 @@
 """The frozen reference's completion log-prob sums of one global batch (docs/preference.md).
 
 Computed once per step, before the update, forward-only at the trainer's layout and with the
-same pair-keeping micro-batches (engine.dpo.loss_fn). The reference is
-- with LoRA (model.lora.rank > 0): the policy's own base, its adapters switched off
-  (models.lora.adapters.adapters_disabled): no second model, no extra memory;
+same pair-keeping micro-batches (engine.dpo.loss_fn), without LoRA dropout. The reference is
+- with LoRA from model.lora.init_from: the policy with that STARTING adapter, frozen (as TRL's
+  DPOTrainer copies a pretrained adapter into a frozen "ref" adapter): a second copy of the
+  adapter matrices (rank r) inside the policy's own adapters, read from the folder (also after
+  a resume, never from the checkpoint: models.lora.peft.load_reference_adapter) and swapped in
+  for the reference pass (models.lora.adapters.reference_adapters); step 1's policy is the
+  reference, so its log-ratios are 0 (sigmoid loss ln 2);
+- with fresh LoRA adapters (model.lora.rank > 0, no init_from): the policy's own base, its
+  adapters switched off (models.lora.adapters.adapters_disabled), which is the initial policy
+  (B = 0): no second model, no extra memory;
 - otherwise a frozen copy of dpo.ref_path (default: model.hf_path, the initial policy; also
   after a resume), built at the policy's layout (TrainEngine.frozen): one more copy of the
   weights per rank, no gradients or optimizer state;
@@ -18,7 +25,9 @@ from megatron.core import parallel_state as ps
 from engine.training.micro_batches import SequenceData
 from engine.training.token_losses import token_logprobs
 from engine.training.train_engine import TrainEngine
-from models.lora.adapters import adapters_disabled
+from models.hf.conditional import peft_layers
+from models.lora.adapters import adapters_disabled, reference_adapters
+from models.lora.peft import load_reference_adapter
 from parallel import cpu_runtime
 
 
@@ -54,15 +63,25 @@ class Reference:
     """The reference of a DPO run: `sums(seqs, units)` as above, or None (reference-free).
 
     engine: the frozen reference engine (None with LoRA or reference-free); policy: the
-    trained engine (its base is the reference with LoRA)."""
+    trained engine (with LoRA the reference runs inside it); `start_adapter`: with LoRA, the
+    PEFT adapter folder the run started from (model.lora.init_from): it is loaded here, as
+    the policy's frozen reference adapter (every rank of the policy constructs a Reference;
+    local, no collective); None: the base with the adapters off."""
 
     def __init__(self, policy: TrainEngine, engine: TrainEngine | None, lora: bool,
-                 needed: bool):
+                 needed: bool, start_adapter: str | None = None):
         self.policy, self.engine, self.lora, self.needed = policy, engine, lora, needed
+        self.start_adapter = start_adapter if lora and needed else None
+        if self.start_adapter is not None:
+            load_reference_adapter(policy.chunks, self.start_adapter,
+                                   peft_layers(policy.hf_config))
 
     def describe(self) -> str:
         if not self.needed:
             return "none (reference-free loss)"
+        if self.start_adapter is not None:
+            return (f"the starting adapter ({self.start_adapter}), frozen beside the trained "
+                    "one (no second model)")
         if self.lora:
             return "the policy's base with its LoRA adapters off (no second model)"
         return "a frozen copy of the reference weights at the policy's layout"
@@ -71,6 +90,7 @@ class Reference:
         if not self.needed:
             return None
         if self.lora:
-            with adapters_disabled(self.policy.chunks):
+            mode = adapters_disabled if self.start_adapter is None else reference_adapters
+            with mode(self.policy.chunks):
                 return completion_logprob_sums(self.policy, seqs, units)
         return completion_logprob_sums(self.engine, seqs, units)

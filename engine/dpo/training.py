@@ -7,7 +7,8 @@ pair in one micro-batch) -> the reference's completion log-prob sums (forward-on
 layout, engine.dpo.reference) -> TrainEngine.train_batch with the pair loss
 (engine.dpo.loss_fn) -> metrics under TRL's names, logged by the RunLoop (metrics.jsonl,
 TensorBoard). Checkpoints and resume as in SFT (engine.sft.training); the reference is
-rebuilt from its HF folder on resume.
+rebuilt from its HF folder on resume (with LoRA from model.lora.init_from: that adapter
+folder, not the checkpoint's adapters).
 """
 from __future__ import annotations
 
@@ -114,7 +115,9 @@ def evaluate(engine: TrainEngine, reference: Reference, pairs: list[PreferencePa
 
 
 def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> Reference:
-    """The run's reference (engine.dpo.reference): none, the LoRA base, or a frozen engine."""
+    """The run's reference (engine.dpo.reference): none, the starting LoRA adapter
+    (model.lora.init_from, read from its folder, also on a resume), the LoRA base (fresh
+    adapters), or a frozen engine."""
     needed = pair_settings(cfg).uses_reference
     lora = bool(cfg.model.lora.rank)
     engine = None
@@ -126,7 +129,7 @@ def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> R
                                     **megatron_overrides(cfg.parallel),
                                     **moe_overrides(cfg, hf_config, forward_only=True),
                                     **fusion_overrides(cfg, hf_config))
-    return Reference(policy, engine, lora, needed)
+    return Reference(policy, engine, lora, needed, cfg.model.lora.init_from)
 
 
 def load_pairs(cfg, tokenizer, tag: str = "dpo", seq_length: int | None = None):

@@ -2,7 +2,7 @@
 
 Every optimizer step of the project (SFT, the RL policy update) is `TrainEngine.train_batch`;
 every forward-only pass (SFT evaluation, RL old/reference log-probs) is
-`TrainEngine.forward_only`. One step, as data flowing:
+`TrainEngine.forward_only`, without LoRA dropout. One step, as data flowing:
 
     seqs (the global mini-batch, same list on every rank)
       -> engine.training.rank_batch.build_rank_batch: DP plan, loss weights (GlobalLossNormalizer over
@@ -41,7 +41,7 @@ from engine.training.schedule import LossFn, reduce_reports, run_micro_batches
 from models.bridge.weights import load_hf_weights
 from models.build.factory import build_model_chunks
 from models.hf.io import SafetensorsReader
-from models.lora.adapters import LoraSpec
+from models.lora.adapters import LoraSpec, dropout_disabled
 from models.hf.conditional import peft_layers
 from models.lora.peft import load_peft_adapter
 
@@ -302,16 +302,19 @@ class TrainEngine:
         (memory does not grow with len(seqs)). `weights`: a normalizer or fixed per-sequence
         weights (default token-sum, i.e. 1). `output_fn` sees each micro-batch's logits on
         the last pipeline stage; `loss_fn` reports are reduced like `train_batch`'s; `units`
-        as in `train_batch`."""
+        as in `train_batch`. LoRA adapters apply no dropout here (model.lora.dropout acts in
+        train_batch only; models.lora.adapters.dropout_disabled): the pass is deterministic
+        and draws no random numbers."""
         if weights is None:
             weights = GlobalLossNormalizer("token-sum")
         self.gather_params()
         batch = build_rank_batch(list(seqs), weights, self.batching, self.pad_id,
                                  sequence_parallel=self.sequence_parallel, units=units)
-        reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn or _no_loss,
-                                    forward_only=True, output_fn=output_fn,
-                                    before_forward=self._routing_hook(seqs),
-                                    loss_chunk_tokens=self.loss_chunk_tokens)
+        with dropout_disabled(self.chunks):
+            reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn or _no_loss,
+                                        forward_only=True, output_fn=output_fn,
+                                        before_forward=self._routing_hook(seqs),
+                                        loss_chunk_tokens=self.loss_chunk_tokens)
         return reduce_reports(reports, list(report_keys))
 
 

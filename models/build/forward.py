@@ -9,6 +9,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from models.layers.heads.output import returning_hidden_states
 from models.layers.heads.value import value_head
+from models.lora.adapters import dropout_disabled
 from parallel import cpu_runtime
 
 
@@ -70,7 +71,7 @@ def _forward_only(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
     # the interleaved schedule needs at least pp micro-batches: repeat the same one
     num_mb = ps.get_pipeline_model_parallel_world_size() if vpp > 1 else 1
     iters = ([iter([None] * num_mb) for _ in range(vpp)] if vpp > 1 else iter([None]))
-    with torch.no_grad():
+    with torch.no_grad(), dropout_disabled(chunks):   # no LoRA dropout: a forward-only pass
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iters,
             model=chunks if vpp > 1 else chunks[0], num_microbatches=num_mb, seq_length=s,

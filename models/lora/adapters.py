@@ -40,11 +40,18 @@ TP group:
 `reduce=False` drops the adapter's TP reductions of activations (under sequence parallelism
 the gather's backward keeps this rank's rows unsummed, the reduce-scatter becomes a split): a
 deliberately wrong adapter for negative controls only. `enabled=False` (the
-`adapters_disabled` context) leaves the linear's output as the base computes it: the RL KL
-reference is the policy's own frozen base. Dropout (model.lora.dropout > 0) acts on the
-adapter's input in training mode with the ambient RNG; results then depend on the layout
-(documented in docs/lora.md). On a TP shard of the input (a column adapter's sequence shard,
-a row adapter's features) it draws the mask of the whole input and keeps this rank's part.
+`adapters_disabled` context) leaves the linear's output as the base computes it: the reference
+of a run from fresh adapters is the policy's own frozen base. `use_reference=True` (the
+`reference_adapters` context) computes with the adapter's frozen reference matrices instead of
+its parameters: the reference of a run from model.lora.init_from is that starting adapter
+(`attach_reference`, filled by models.lora.peft.load_reference_adapter), a second copy of the
+rank-r matrices with the parameters' shapes and shards (TP, experts over EP, this pipeline
+stage's layers), outside the state dict (never checkpointed, no gradient).
+Dropout (model.lora.dropout > 0) acts on the adapter's input in training mode with the ambient
+RNG, except inside `dropout_disabled` (every forward-only pass, TrainEngine.forward_only);
+training results then depend on the layout (documented in docs/lora.md). On a TP shard of the
+input (a column adapter's sequence shard, a row adapter's features) it draws the mask of the
+whole input and keeps this rank's part.
 """
 from __future__ import annotations
 
@@ -91,6 +98,10 @@ class LoraAdapter(torch.nn.Module):
         self.scalings = {sl.name: spec.scaling_of(keys.get(sl.name)) for sl in self.slices}
         self.reduce = True
         self.enabled = True            # False inside adapters_disabled: the base alone
+        # {parameter name: frozen tensor} (attach_reference); used inside reference_adapters
+        self.reference: dict[str, torch.Tensor] | None = None
+        self.use_reference = False
+        self.dropout_off = False       # True inside dropout_disabled (forward-only passes)
         self.group = linear.tp_group
         self.tp_size = self.group.size() if self.group is not None else 1
         self.tp_rank = self.group.rank() if self.group is not None else 0
@@ -135,17 +146,28 @@ class LoraAdapter(torch.nn.Module):
     def _slice(self, name: str) -> Slice:
         return next(sl for sl in self.slices if sl.name == name)
 
+    def _tensor(self, name: str) -> torch.Tensor:
+        """Parameter `name` (A_<slice>, B_<slice>[_i]), or its frozen reference copy while
+        `use_reference` is on (reference_adapters)."""
+        if not self.use_reference:
+            return getattr(self, name)
+        if self.reference is None:
+            raise RuntimeError("a LoRA adapter has no reference matrices (attach_reference)")
+        return self.reference[name]
+
     def matrices(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, B) of slice `name` as this rank computes with them: B's rows are this rank's
-        rows of the slice in the fused linear's local order (its blocks concatenated)."""
-        blocks = [getattr(self, n) for n in self._b_names(self._slice(name))]
-        return getattr(self, f"A_{name}"), blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        rows of the slice in the fused linear's local order (its blocks concatenated); the
+        reference copies inside reference_adapters."""
+        blocks = [self._tensor(n) for n in self._b_names(self._slice(name))]
+        return self._tensor(f"A_{name}"), blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
     def set_full(self, name: str, a_full: torch.Tensor, b_full: torch.Tensor) -> None:
         """Copy full (unsharded, HF-ordered) A [r, in] and B [out, r] of slice `name`; keeps
-        this rank's shard (Slice: row order and per-block TP split)."""
+        this rank's shard (Slice: row order and per-block TP split). Into the reference copies
+        inside reference_adapters."""
         sl = self._slice(name)
-        a = getattr(self, f"A_{name}")
+        a = self._tensor(f"A_{name}")
         if self.kind == "row":
             a_full = a_full.chunk(self.tp_size, dim=1)[self.tp_rank]
             blocks = [b_full]
@@ -155,7 +177,7 @@ class LoraAdapter(torch.nn.Module):
                                  f"has {sl.out_features} rows")
             blocks = [blk.chunk(self.tp_size, dim=0)[self.tp_rank]
                       for blk in sl.to_blocks(b_full)]
-        params = [getattr(self, n) for n in self._b_names(sl)]
+        params = [self._tensor(n) for n in self._b_names(sl)]
         shapes = [tuple(a_full.shape)] + [tuple(x.shape) for x in blocks]
         needed = [tuple(a.shape)] + [tuple(p.shape) for p in params]
         if shapes != needed:
@@ -169,8 +191,8 @@ class LoraAdapter(torch.nn.Module):
         """Full HF-ordered (A [r, in], B [out, r]) of slice `name`, the inverse of `set_full`.
         Collective over the linear's TP group (every TP rank calls it together)."""
         sl = self._slice(name)
-        a = getattr(self, f"A_{name}").detach()
-        params = [getattr(self, n).detach() for n in self._b_names(sl)]
+        a = self._tensor(f"A_{name}").detach()
+        params = [self._tensor(n).detach() for n in self._b_names(sl)]
         if self.kind == "row":
             return gather_cat(a, 1, self.group, self.tp_size), params[0]
         blocks = [gather_cat(p, 0, self.group, self.tp_size) for p in params]
@@ -224,12 +246,14 @@ class LoraAdapter(torch.nn.Module):
         return a, b * self.scalings[name]
 
     def _dropout(self, x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-        """`x` dropped out in training. `dim`: `x` is this TP rank's shard along `dim` (a column
-        adapter's sequence shard under sequence parallelism, a row adapter's input features):
-        the mask of the whole tensor is drawn, as one process draws it, and this rank's part
-        kept (a mask per shard would repeat itself on every TP rank of one generator state)."""
+        """`x` dropped out in training (module.training, outside dropout_disabled; `x` itself
+        otherwise, drawing no random numbers). `dim`: `x` is this TP rank's shard along `dim`
+        (a column adapter's sequence shard under sequence parallelism, a row adapter's input
+        features): the mask of the whole tensor is drawn, as one process draws it, and this
+        rank's part kept (a mask per shard would repeat itself on every TP rank of one
+        generator state)."""
         p = self.spec.dropout
-        if not (p and self.training):
+        if not (p and self.training) or self.dropout_off:
             return x
         if dim is None or self.tp_size == 1:
             return F.dropout(x, p, training=True)
@@ -326,6 +350,25 @@ def gather_cat(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor
     return torch.cat(parts, dim=dim)
 
 
+def lora_adapters(chunks: list) -> list[LoraAdapter]:
+    """Every LoraAdapter of `chunks` (model chunks, wrapped or not), in module order."""
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, LoraAdapter)]
+
+
+@contextmanager
+def _switched(found: list[LoraAdapter], attr: str, value: bool) -> Iterator[int]:
+    """Every adapter of `found` with `attr` set to `value` inside the block, its own value
+    back afterwards (also on an exception); yields len(found)."""
+    states = [getattr(m, attr) for m in found]
+    for m in found:
+        setattr(m, attr, value)
+    try:
+        yield len(found)
+    finally:
+        for m, state in zip(found, states):
+            setattr(m, attr, state)
+
+
 @contextmanager
 def adapters_disabled(chunks: list) -> Iterator[int]:
     """Within the block every LoraAdapter of `chunks` (model chunks, wrapped or not) adds
@@ -333,13 +376,51 @@ def adapters_disabled(chunks: list) -> Iterator[int]:
     same tensors, untouched by training). Yields the number of adapters switched off (0: no
     LoRA, the block runs the model as it is); they are switched back on when the block exits,
     also on an exception. Local to this rank: every rank of a collective forward must enter
-    it. The RL KL reference under LoRA (engine.rl.policy.logprob_stage)."""
-    found = [m for chunk in chunks for m in chunk.modules() if isinstance(m, LoraAdapter)]
-    states = [m.enabled for m in found]
+    it. The reference of a LoRA run from fresh adapters (DPO: engine.dpo.reference; RL's KL
+    reference: engine.rl.policy.logprob_stage)."""
+    with _switched(lora_adapters(chunks), "enabled", False) as n:
+        yield n
+
+
+def attach_reference(chunks: list) -> int:
+    """Give every LoraAdapter of `chunks` frozen reference matrices: zeros of its parameters'
+    shapes, dtypes and devices (this rank's shards), no gradient, outside the state dict.
+    Returns the number of adapters. models.lora.peft.load_reference_adapter fills them."""
+    found = lora_adapters(chunks)
     for m in found:
-        m.enabled = False
-    try:
-        yield len(found)
-    finally:
-        for m, state in zip(found, states):
-            m.enabled = state
+        m.reference = {n: torch.zeros_like(p, requires_grad=False)
+                       for n, p in m.named_parameters(recurse=False)}
+    return len(found)
+
+
+def has_reference(chunks: list) -> bool:
+    """Whether `chunks` hold adapters and every one has reference matrices."""
+    found = lora_adapters(chunks)
+    return bool(found) and all(m.reference is not None for m in found)
+
+
+@contextmanager
+def reference_adapters(chunks: list) -> Iterator[int]:
+    """Within the block every LoraAdapter of `chunks` computes with its frozen reference
+    matrices (attach_reference) instead of its parameters, through every path its parameters
+    take (the linears' hooks, grouped experts' factors, routers, the shared expert's gate), and
+    `set_full` writes into them. The trained parameters are neither read nor changed. Yields
+    the number of adapters; raises RuntimeError when one has no reference. Local to this
+    rank, like adapters_disabled. The reference of a LoRA run from model.lora.init_from."""
+    found = lora_adapters(chunks)
+    missing = sum(m.reference is None for m in found)
+    if missing:
+        raise RuntimeError(f"{missing} of {len(found)} LoRA adapters have no reference "
+                           "matrices (models.lora.adapters.attach_reference)")
+    with _switched(found, "use_reference", True) as n:
+        yield n
+
+
+@contextmanager
+def dropout_disabled(chunks: list) -> Iterator[int]:
+    """Within the block no LoraAdapter of `chunks` applies dropout (model.lora.dropout), in
+    training mode too, and none draws random numbers for it: TrainEngine.forward_only (every
+    forward-only pass: evaluation, the DPO reference, RL's old, reference and teacher log-probs)
+    runs inside it. Yields the number of adapters; local to this rank."""
+    with _switched(lora_adapters(chunks), "dropout_off", True) as n:
+        yield n

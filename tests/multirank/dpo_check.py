@@ -2,7 +2,9 @@
 
 `layouts(policy_dir, reference_dir, specs, adapter)` runs on every rank of a pool. Each spec is
 "tp,pp,vpp,cp,mbs[,flags]" (flags "+" separated: sp, packing, tokens=K (token-budget
-micro-batches), lora (the policy is `adapter` on the policy model, the reference its base),
+micro-batches), lora (the policy is `adapter` on the policy model, the reference that
+starting adapter frozen, engine.dpo.reference), baseref (with lora: the reference is the bare
+base with the adapters off, the engine's reference before issue 67: a negative control),
 loss=T, ls=EPS, rpo=ALPHA, bug=localmean|cpsum (negative controls, `inject_bug`)).
 For every spec it sets up megatron's layout in the same processes, loads the same HF weights,
 trains STEPS optimizer steps of engine.dpo.training.dpo_step on the same pair batches and
@@ -107,7 +109,8 @@ def build(spec: str, policy_dir: str, reference_dir: str, adapter: str | None):
     if needed and not lora:
         frozen = TrainEngine.frozen(hf_config, torch.float32, reference_dir, train, 0,
                                     loss_chunk_tokens=LOSS_CHUNK_TOKENS, **overrides)
-    return policy, Reference(policy, frozen, bool(lora), needed), hf_config
+    start = adapter if lora and "baseref" not in flags else None
+    return policy, Reference(policy, frozen, bool(lora), needed, start), hf_config
 
 
 def inject_bug(bug: str | None):
@@ -178,7 +181,7 @@ def reference_key(spec: str) -> str:
     """The single-process run a spec is compared with: its loss flags (and lora)."""
     flags = flags_of(spec)
     return "+".join(f"{k}={flags[k]}" if flags[k] is not True else k
-                    for k in ("lora", "loss", "ls", "rpo") if k in flags) or "sigmoid"
+                    for k in ("lora", "baseref", "loss", "ls", "rpo") if k in flags) or "sigmoid"
 
 
 def compare(result: dict, ref: dict) -> dict:
