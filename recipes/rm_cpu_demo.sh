@@ -43,8 +43,8 @@ demo_export "$WORK/rm_ckpt" rm_hf
 python - "$WORK/rm_logs/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-print("held-out preference accuracy / margin (eval/accuracy, eval/rewards/margins) by step: "
-      + ", ".join(f"{r['step']}: {r['eval/accuracy']:.2f} / {r['eval/rewards/margins']:.2f}"
+print("held-out preference accuracy / margin (eval/accuracy, eval/margin) by step: "
+      + ", ".join(f"{r['step']}: {r['eval/accuracy']:.2f} / {r['eval/margin']:.2f}"
                   for r in rows if "eval/accuracy" in r))
 PY
 

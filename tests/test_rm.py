@@ -110,18 +110,33 @@ def test_negative_control_dp_mean_of_rank_means_is_caught(rm_runs):
 def test_negative_control_cp_shard_scores_are_caught(rm_runs):
     r = rm_runs[2]["1,1,0,2,8,bug=cpsum"]
     assert r["loss_rel"] > 100 * TOL and r["rewards/chosen_rel"] > 100 * TOL
+    assert r["min_reward_rel"] > 100 * TOL
 
 
 # ------------------------------------------------------------ the plain transformers loop
 
-def _score(model, side) -> torch.Tensor:
-    ids = torch.tensor([list(side.tokens) + [side.labels[-1]]])
-    return model(input_ids=ids).logits[0, 0]
+def _eot_ids(side) -> list[int]:
+    """A side's rendered ids up to its last trained token (the end-of-turn token; the harness
+    renders 1 or 2 untrained ids after it, as ChatML renders "\\n" after <|im_end|>)."""
+    ids = list(side.tokens) + [side.labels[-1]]
+    trained = [t + 1 for t, m in enumerate(side.loss_mask) if m]   # rendered positions
+    return ids[:trained[-1] + 1]
 
 
-def plain_loop(model_dir: str, spec: str, adapter: str | None = None):
-    """(losses, grad norms): transformers' sequence classifier (batch 1 per side: its own last
-    non-pad token rule), the Bradley-Terry loss with margins and centering, AdamW, clip 1."""
+def _rendered_ids(side) -> list[int]:
+    """Every rendered id (the old rule: the last one is scored, here an untrained id)."""
+    return list(side.tokens) + [side.labels[-1]]
+
+
+def _score(model, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids])).logits[0, 0]
+
+
+def plain_loop(model_dir: str, spec: str, adapter: str | None = None, ids_of=_eot_ids):
+    """{metric: [per step]}: transformers' sequence classifier (batch 1 per side: its own last
+    non-pad token rule) on each side's ids up to its end-of-turn token (`ids_of`), the
+    Bradley-Terry loss with margins and centering, AdamW, clip 1; TRL RewardTrainer's
+    metrics."""
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
@@ -134,32 +149,48 @@ def plain_loop(model_dir: str, spec: str, adapter: str | None = None):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=harness.dpo_check.LR, betas=(0.9, 0.95),
                             eps=harness.dpo_check.ADAM_EPS, weight_decay=0.0)
-    losses, norms = [], []
+    out = {k: [] for k in harness.METRICS}
     for pairs in harness.batches(200, flags):
-        rc = torch.stack([_score(model, p.chosen) for p in pairs])
-        rr = torch.stack([_score(model, p.rejected) for p in pairs])
+        rc = torch.stack([_score(model, ids_of(p.chosen)) for p in pairs])
+        rr = torch.stack([_score(model, ids_of(p.rejected)) for p in pairs])
         m = torch.tensor([p.margin or 0.0 for p in pairs])
         loss = -F.logsigmoid(rc - rr - m).mean() + center * ((rc + rr) ** 2).mean()
         opt.zero_grad()
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+        out["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
         opt.step()
-        losses.append(float(loss.detach()))
-    return losses, norms
+        rc, rr, both = rc.detach(), rr.detach(), torch.cat([rc.detach(), rr.detach()])
+        for k, v in (("loss", loss.detach()), ("accuracy", (rc > rr).float().mean()),
+                     ("margin", (rc - rr).mean()), ("mean_reward", both.mean()),
+                     ("min_reward", both.min()), ("max_reward", both.max()),
+                     ("rewards/chosen", rc.mean()), ("rewards/rejected", rr.mean())):
+            out[k].append(float(v))
+    return out
 
 
 @pytest.mark.parametrize("spec", ["1,1,0,1,8", "1,1,0,1,8,margin+center=0.05",
                                   "1,1,0,1,8,lora", "1,1,0,1,8,moe"])
 def test_single_process_equals_plain_loop(rm_runs, spec):
+    """Per step at 1e-5: loss, grad norm and TRL RewardTrainer's metrics (accuracy, margin,
+    mean/min/max_reward) of a plain loop scoring each side's end-of-turn token."""
     dirs = rm_runs["dirs"]
     model_dir = dirs["moe_seqcls" if "moe" in spec else "seqcls"]
     adapter = rm_runs["adapter"] if "lora" in spec else None
-    losses, norms = plain_loop(model_dir, spec, adapter)
+    ref = plain_loop(model_dir, spec, adapter)
     got = rm_runs[1][spec]
-    for a, b in zip(got["loss"], losses):
-        assert a == pytest.approx(b, rel=TOL), (spec, got["loss"], losses)
-    for a, b in zip(got["grad_norm"], norms):
-        assert a == pytest.approx(b, rel=TOL), (spec, got["grad_norm"], norms)
+    for k in harness.METRICS:
+        scale = max(max(abs(v) for v in ref[k]), 1e-2)
+        for a, b in zip(got[k], ref[k]):
+            assert abs(a - b) <= TOL * scale, (spec, k, got[k], ref[k])
+
+
+def test_negative_control_the_last_rendered_id_is_not_what_the_engine_scores(rm_runs):
+    """The old rule (score the last rendered id: ChatML's untrained newline) gives another
+    loss already at step 1, and another gradient."""
+    ref = plain_loop(rm_runs["dirs"]["seqcls"], "1,1,0,1,8", ids_of=_rendered_ids)
+    got = rm_runs[1]["1,1,0,1,8"]
+    assert abs(got["loss"][0] - ref["loss"][0]) > 1e-3 * abs(ref["loss"][0]), (got, ref)
+    assert abs(got["grad_norm"][0] - ref["grad_norm"][0]) > 1e-3 * ref["grad_norm"][0]
 
 
 # ---------------------------------------------------------------- TRL's own RewardTrainer
@@ -167,14 +198,14 @@ def test_single_process_equals_plain_loop(rm_runs, spec):
 @pytest.mark.parametrize("spec", ["1,1,0,1,8", "1,1,0,1,8,margin+center=0.05"])
 def test_single_process_equals_trl_reward_trainer(rm_runs, spec, tmp_path):
     """trl 1.16's RewardTrainer on the same token ids (already-tokenized rows: chosen_ids,
-    rejected_ids, margin), fp32 (bf16=False), AdamW, clip 1: per-step loss and grad norm."""
+    rejected_ids ending on the end-of-turn token, margin), fp32 (bf16=False), AdamW, clip 1:
+    per-step loss and grad norm."""
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, TrainerCallback
     from trl import RewardConfig, RewardTrainer
 
     flags = harness.flags_of(spec)
-    rows = [{"chosen_ids": list(p.chosen.tokens) + [p.chosen.labels[-1]],
-             "rejected_ids": list(p.rejected.tokens) + [p.rejected.labels[-1]],
+    rows = [{"chosen_ids": _eot_ids(p.chosen), "rejected_ids": _eot_ids(p.rejected),
              **({"margin": p.margin or 0.0} if "margin" in flags else {})}
             for pairs in harness.batches(200, flags) for p in pairs]
     losses, norms = [], []

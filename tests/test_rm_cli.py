@@ -15,8 +15,9 @@ import torch
 from tests.launch import run_cli, run_python
 from tests.metrics_docs import undocumented
 
-REQUIRED = ("step", "loss", "grad_norm", "lr", "accuracy", "rewards/chosen", "rewards/rejected",
-            "rewards/margins", "num_pairs", "data/consumed_pairs")
+REQUIRED = ("step", "loss", "grad_norm", "lr", "accuracy", "margin", "mean_reward", "min_reward",
+            "max_reward", "rewards/chosen", "rewards/rejected", "num_pairs",
+            "data/consumed_pairs")
 
 
 def _args(assets, log_dir, steps, *extra):
@@ -34,23 +35,99 @@ def _metrics(log_dir):
     return [json.loads(line) for line in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
 
 
+def _side_ids(tokenizer, row: dict, side: str, end_of_turn: bool = True) -> list[int]:
+    """The row's prompt + side rendered by transformers' apply_chat_template (ChatML:
+    `... <|im_end|>\n`), cut after the last end-of-turn token `<|im_end|>` (the ids RL's
+    responses end on), or whole (`end_of_turn=False`: the old rule's last rendered id, "\n")."""
+    ids = list(tokenizer.apply_chat_template(row["prompt"] + row[side], tokenize=True,
+                                             return_dict=False))
+    if not end_of_turn:
+        return ids
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ids[-1] != eot                              # the template renders "\n" after it
+    return ids[:len(ids) - ids[::-1].index(eot)]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def _eval_chosen_scores(model_dir: str, assets: Path) -> list[float]:
-    """transformers' scores of the held-out chosen sides (the engine's rendering of the rows,
-    each side scored alone: its last token)."""
+    """transformers' scores of the held-out chosen sides, each alone, up to its end-of-turn
+    token."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from engine.data.preference import load_preference_dataset
-
     tokenizer = AutoTokenizer.from_pretrained(str(assets / "model"))
-    pairs = load_preference_dataset([str(assets / "dpo_eval.jsonl")], tokenizer, 63, "error")
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
-    out = []
     with torch.no_grad():
-        for i in range(len(pairs)):
-            side = pairs[i].chosen
-            ids = torch.tensor([list(side.tokens) + [side.labels[-1]]])
-            out.append(float(model(input_ids=ids).logits[0, 0]))
+        return [float(model(input_ids=torch.tensor([_side_ids(tokenizer, row, "chosen")]))
+                      .logits[0, 0]) for row in _rows(assets / "dpo_eval.jsonl")]
+
+
+def plain_reference(model_dir: str, rows: list[dict], steps: int, pairs: int, lr: float,
+                    end_of_turn: bool = True) -> dict[str, list[float]]:
+    """{loss, grad_norm}: a plain transformers AutoModelForSequenceClassification + torch AdamW
+    loop (the engine's optim defaults: betas 0.9/0.95, eps 1e-8, no weight decay, clip 1,
+    constant lr) on `pairs` rows per step in file order, each side rendered by
+    apply_chat_template and scored alone at its end-of-turn token (transformers' last-token
+    rule), the Bradley-Terry loss."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    out = {"loss": [], "grad_norm": []}
+    for step in range(steps):
+        batch = rows[step * pairs:(step + 1) * pairs]
+        score = lambda row, side: model(input_ids=torch.tensor(
+            [_side_ids(tokenizer, row, side, end_of_turn)])).logits[0, 0]
+        rc = torch.stack([score(row, "chosen") for row in batch])
+        rr = torch.stack([score(row, "rejected") for row in batch])
+        loss = -F.logsigmoid(rc - rr).mean()
+        opt.zero_grad()
+        loss.backward()
+        out["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
+        opt.step()
+        out["loss"].append(float(loss.detach()))
     return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_classifier_folder_trains_its_end_of_turn_token_from_the_command_line(
+        pools, demo_assets, tmp_path, arch):
+    """`-m engine.rm model.hf_path=<Qwen3ForSequenceClassification (tied) or
+    LlamaForSequenceClassification (untied) folder>` (ChatML template: a side renders as
+    `... <|im_end|>\n`) runs, and its per-step loss and grad norm are a plain transformers loop's
+    that scores each side's end-of-turn token (rel 1e-4); the old rule (the last rendered id,
+    the untrained "\n") misses. rm.init_std stays refused for such a folder."""
+    from tests.test_reward_model_convert import build_reward_model
+
+    model = build_reward_model(tmp_path / arch, arch, seed=1)
+    steps, pairs, lr = (3, 8, 1e-3) if arch == "qwen3" else (2, 4, 1e-3)
+    args = ["-m", "engine.rm", f"model.hf_path={model}",
+            f"data.train_files=[{demo_assets / 'dpo_train.jsonl'}]", "data.shuffle=false",
+            f"train.global_batch_size={pairs}", "train.micro_batch_size=2",
+            "train.seq_length=64", f"train.max_steps={steps}", f"optim.lr={lr}",
+            "optim.schedule=constant", "logging.progress_bar=false", f"logging.dir={tmp_path}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.save_interval=0"]
+    refused = run_cli("engine.rm", *args[2:], "rm.init_std=0.1") if arch == "llama" else None
+    proc = pools.script(1, *args, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "with its score head" in proc.stdout
+    rows = _metrics(tmp_path)
+    rows_in = _rows(demo_assets / "dpo_train.jsonl")
+    ref = plain_reference(model, rows_in, steps, pairs, lr)
+    for k in ("loss", "grad_norm"):
+        for r, b in zip(rows, ref[k]):
+            assert r[k] == pytest.approx(b, rel=1e-4), (k, [r[k] for r in rows], ref[k])
+    old = plain_reference(model, rows_in, 1, pairs, lr, end_of_turn=False)
+
+    assert abs(old["loss"][0] - rows[0]["loss"]) > 1e-3 * rows[0]["loss"], (old, rows[0])
+    if refused is not None:
+        assert refused.returncode == 2
+        assert "rm.init_std=0.1: model.hf_path is a sequence classifier" in refused.stderr
 
 
 def test_run_logs_metrics_evaluates_resumes_and_exports(pools, demo_assets, tmp_path):
@@ -63,12 +140,17 @@ def test_run_logs_metrics_evaluates_resumes_and_exports(pools, demo_assets, tmp_
         for key in REQUIRED:
             assert key in r, key
         assert r["num_pairs"] == 8 and 0 <= r["accuracy"] <= 1
-        assert r["rewards/margins"] == pytest.approx(
-            r["rewards/chosen"] - r["rewards/rejected"], abs=1e-6)
-    assert "eval/accuracy" in rows[1] and "eval/loss" in rows[1]
+        assert r["margin"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"],
+                                            abs=1e-6)
+        assert r["mean_reward"] == pytest.approx(
+            (r["rewards/chosen"] + r["rewards/rejected"]) / 2, abs=1e-6)
+        assert r["min_reward"] <= min(r["rewards/chosen"], r["rewards/rejected"])
+        assert r["max_reward"] >= max(r["rewards/chosen"], r["rewards/rejected"])
+    assert "eval/accuracy" in rows[1] and "eval/loss" in rows[1] and "eval/margin" in rows[1]
     assert undocumented({k for r in rows for k in r}) == []   # docs/metrics.md names them all
     # the step-2 checkpoint as transformers' sequence classifier (LoRA merged): its mean score
-    # of the held-out chosen sides is the engine's eval/rewards/chosen after step 2
+    # of the held-out chosen sides (each up to its end-of-turn token, where RL's responses
+    # end) is the engine's eval/rewards/chosen after step 2
     out = tmp_path / "hf"
     conv = run_python("tools/convert.py", "mcore-to-hf", "--ckpt", str(tmp_path / "ckpt"),
                       "--out", str(out), "--merge", "--base", str(demo_assets / "model"))

@@ -2,8 +2,8 @@
 
 The score r of a sequence is the score head (models.layers.heads.value, no bias) applied to the
 final-norm hidden state of its LAST token. Sequences enter as engine.rm.training.score_sequence
-makes them: tokens = the side's whole ids, loss_mask = 1 on the last position only, so
-r = sum_t value_t * loss_mask_t.
+makes them: tokens = the side's ids up to its last trained (end-of-turn) token, loss_mask = 1
+on the last position only, so r = sum_t value_t * loss_mask_t.
 
 Per pair k (chosen c, rejected r, the row's margin m_k, 0 when the row has none; c_center =
 rm.center_rewards_coefficient, 0 when off), as TRL's RewardTrainer:
@@ -19,6 +19,13 @@ the micro-batch's differentiable loss is sum_t g(seq(t)) * value_t * loss_mask_t
 g = d(loss / P)/d(score) from the detached scores (autograd on [P] float64 tensors), P the
 GLOBAL pair count: megatron's per-token loss contract sums it over micro-batches, CP and DP
 unchanged. Reports are sums over pairs of value / P, counted on CP rank 0 only.
+
+Metric names are TRL 1.16 RewardTrainer's: `accuracy`, `margin` (mean r_c - r_r),
+`mean_reward`, `min_reward`, `max_reward` (over both sides of every pair), plus
+`rewards/chosen` and `rewards/rejected` (each side's mean score; TRL logs no name for them).
+min and max are not sums: the loss function also writes every score into
+RewardBatch.scores (TP rank 0, CP rank 0 of the last stage), and `score_extremes` sums that
+table over the world once the step's passes are done.
 """
 from __future__ import annotations
 
@@ -26,12 +33,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
 
 from engine.dpo.loss_fn import sequence_table
 from engine.training.rank_batch import context_parallel_group
 from engine.training.schedule import LossFn
 
-REPORT_KEYS = ("loss", "accuracy", "rewards/chosen", "rewards/rejected", "rewards/margins")
+REPORT_KEYS = ("loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")
+EXTREME_KEYS = ("min_reward", "max_reward")
 
 
 @dataclass
@@ -39,10 +48,16 @@ class RewardBatch:
     """What every micro-batch's loss needs about the whole global batch (same on all ranks).
 
     margins: [P] float64, each pair's margin (0 where its row has none); center: the
-    center_rewards coefficient (0: off)."""
+    center_rewards coefficient (0: off); scores: [2P] float64, filled by the loss function
+    ([c_0, r_0, c_1, ...], this rank's pairs only; score_extremes sums it over the world)."""
 
     margins: torch.Tensor
     center: float = 0.0
+    scores: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.scores is None:
+            self.scores = torch.zeros(2 * self.margins.numel(), dtype=torch.float64)
 
     @property
     def num_pairs(self) -> int:
@@ -77,6 +92,18 @@ def _cp_rank0() -> bool:
     return group is None or torch.distributed.get_rank(group) == 0
 
 
+def score_extremes(batch: RewardBatch) -> dict[str, float]:
+    """{min_reward, max_reward} over every score of the batch's pairs (both sides), after the
+    step's forward passes filled batch.scores; collective over the world (every rank gets the
+    same numbers)."""
+    table = batch.scores.clone()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(table)
+    if table.numel() == 0:
+        return dict.fromkeys(EXTREME_KEYS, 0.0)
+    return {"min_reward": float(table.min()), "max_reward": float(table.max())}
+
+
 def rm_loss_fn(batch: RewardBatch, head) -> LossFn:
     """Loss function (engine.training.schedule contract; it takes hidden states) of one step,
     reporting REPORT_KEYS; `head`: this rank's score head (the last stage's)."""
@@ -103,12 +130,16 @@ def rm_loss_fn(batch: RewardBatch, head) -> LossFn:
         token_coef = torch.where(ids >= 0, coef[ids.clamp(min=0)], torch.zeros_like(coef[:1]))
         loss = (values * mask * token_coef.to(values.dtype)).sum()
         once = scale if _cp_rank0() else 0.0
+        if once and ps.get_tensor_model_parallel_rank() == 0:
+            seen = torch.cat([c, r])
+            batch.scores[seen.cpu()] = scores[seen].detach().to(torch.float64).cpu()
         total = (lambda v: v.sum().to(torch.float64) * once)
         reports = {"loss": total(losses),
                    "accuracy": total((scores[c] > scores[r]).to(torch.float64)),
+                   "margin": total(scores[c] - scores[r]),
+                   "mean_reward": total(scores[c] + scores[r]) / 2,
                    "rewards/chosen": total(scores[c]),
-                   "rewards/rejected": total(scores[r]),
-                   "rewards/margins": total(scores[c] - scores[r])}
+                   "rewards/rejected": total(scores[r])}
         return loss, reports
 
     return loss_fn

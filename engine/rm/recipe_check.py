@@ -31,7 +31,8 @@ def validate_rm_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     t = cfg.train
     report.summary[2:2] = [
         f"pairs: {t.global_batch_size} per step ({2 * t.global_batch_size} sequences), "
-        f"{t.micro_batch_size} per micro-batch; Bradley-Terry loss on the last token's score"
+        f"{t.micro_batch_size} per micro-batch; Bradley-Terry loss on each side's "
+        "end-of-turn token's score"
         + (f", center_rewards_coefficient {cfg.rm.center_rewards_coefficient}"
            if cfg.rm.center_rewards_coefficient else "")]
     return report

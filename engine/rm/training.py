@@ -24,7 +24,7 @@ from engine.config.rm_settings import RMConfig, score_init_std
 from engine.data.datasets import Sample, global_batch_indices
 from engine.data.preference import PreferencePair
 from engine.dpo.training import load_pairs
-from engine.rm.loss_fn import REPORT_KEYS, RewardBatch, rm_loss_fn
+from engine.rm.loss_fn import REPORT_KEYS, RewardBatch, rm_loss_fn, score_extremes
 from engine.run.run_loop import RunLoop
 from engine.run.train_engine_build import build_train_engine
 from engine.training.micro_batches import SequenceData
@@ -37,10 +37,24 @@ from models.hf.io import SafetensorsReader
 from models.layers.heads.value import attach_value_heads, seeded_row, value_head
 
 
+def scored_ids(side: Sample) -> list[int]:
+    """The ids a reward model reads of a side: its rendering up to and including its last
+    TRAINED token (the last position whose label mask is set: the end-of-turn token of its last
+    assistant turn, `<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3.1), nothing after it
+    (ChatML's trailing newline is not read). They end where RL's prompt + response ids end
+    (engine.rl.policy.reward_model), so the token trained here is the token scored there and by
+    transformers' sequence classifier after the export. A side cut on the right ends on its last
+    kept trained token. A side with no trained token (the preference loader refuses those) is
+    read whole."""
+    mask = side.loss_mask
+    last = next((t for t in range(len(mask) - 1, -1, -1) if mask[t]), len(mask) - 1)
+    return [int(x) for x in side.tokens[:last + 1]] + [int(side.labels[last])]
+
+
 def score_sequence(side: Sample, pad_id: int) -> SequenceData:
-    """A side as the RM reads it: every rendered id is an input (ids = tokens + [last label]),
-    loss_mask 1 on the last position only (the token whose hidden state is scored)."""
-    ids = list(side.tokens) + [int(side.labels[-1])]
+    """A side as the RM reads it: ids = scored_ids(side) as inputs, loss_mask 1 on the last
+    position only (the token whose hidden state is scored)."""
+    ids = scored_ids(side)
     return SequenceData(ids, ids[1:] + [pad_id], [0] * (len(ids) - 1) + [1])
 
 
@@ -61,11 +75,11 @@ def rm_step(engine: TrainEngine, pairs: list[PreferencePair], cfg) -> dict[str, 
     returns the metrics, reduced over the whole batch (the same on every layout)."""
     seqs, units = pair_sequences(pairs, engine.pad_id)
     weights = torch.zeros(len(seqs), dtype=torch.float64)   # no token loss: the head's sum
-    out = engine.train_batch(seqs, weights, rm_loss_fn(reward_batch(cfg, pairs),
-                                                       value_head(engine.chunks)),
+    batch = reward_batch(cfg, pairs)
+    out = engine.train_batch(seqs, weights, rm_loss_fn(batch, value_head(engine.chunks)),
                              REPORT_KEYS, units=units)
     tokens, dt = out["batch/num_tokens"], out["time/step_s"]
-    return {**{k: out[k] for k in REPORT_KEYS},
+    return {**{k: out[k] for k in REPORT_KEYS}, **score_extremes(batch),
             "grad_norm": out["grad_norm"], "lr": out["lr"], "num_pairs": len(pairs),
             "num_tokens": int(tokens), "time/step_s": dt,
             "throughput/tokens_per_s": tokens / dt if dt > 0 else 0.0,
@@ -79,18 +93,24 @@ def rm_step(engine: TrainEngine, pairs: list[PreferencePair], cfg) -> dict[str, 
 
 def evaluate(engine: TrainEngine, pairs: list[PreferencePair], cfg) -> dict[str, float]:
     """eval/* metrics: the REPORT_KEYS means over ALL eval pairs (forward-only, in chunks of
-    the global batch; each chunk weighted by its share of the pairs)."""
+    the global batch; each chunk weighted by its share of the pairs), min_reward and
+    max_reward over all of them."""
     totals = dict.fromkeys(REPORT_KEYS, 0.0)
+    low, high = [], []
     gbs = cfg.train.global_batch_size
     head = value_head(engine.chunks)
     for i in range(0, len(pairs), gbs):
         chunk = pairs[i:i + gbs]
         seqs, units = pair_sequences(chunk, engine.pad_id)
+        batch = reward_batch(cfg, chunk)
         out = engine.forward_only(seqs, torch.zeros(len(seqs), dtype=torch.float64),
-                                  rm_loss_fn(reward_batch(cfg, chunk), head), REPORT_KEYS,
-                                  units=units)
+                                  rm_loss_fn(batch, head), REPORT_KEYS, units=units)
         for k in REPORT_KEYS:
             totals[k] += out[k] * len(chunk) / len(pairs)
+        extremes = score_extremes(batch)
+        low.append(extremes["min_reward"])
+        high.append(extremes["max_reward"])
+    totals.update(min_reward=min(low), max_reward=max(high))
     return {f"eval/{k}": v for k, v in totals.items()}
 
 
@@ -111,7 +131,7 @@ def run(cfg: RMConfig, hf_config: dict, flags: list[str]) -> int:
     """The reward-model run on every rank (process groups and megatron state exist)."""
     tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    # a side's ids fit train.seq_length: the RM reads every id, the last one included
+    # a side's ids fit train.seq_length: the RM may read every id, the last one included
     dataset, eval_pairs = load_pairs(cfg, tokenizer, "rm", cfg.train.seq_length - 1)
     gbs, n = cfg.train.global_batch_size, len(dataset)
 

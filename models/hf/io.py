@@ -57,17 +57,32 @@ def _has_chat_template(path: Path) -> bool:
         return False
 
 
+def trunk_names(config: dict, names) -> list[str]:
+    """The tensor names of a *ForSequenceClassification folder (a reward model) as the causal
+    LM's mapping reads them: without its score head `score.weight` (models.bridge.reward_model
+    reads it), with `lm_head.weight` for an untied trunk that has none (filled with the input
+    embedding: models.bridge.critic.TrunkReader). Any other folder's names unchanged."""
+    names = list(names)
+    if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return names
+    names = [n for n in names if n != "score.weight"]
+    if not config.get("tie_word_embeddings") and "lm_head.weight" not in names:
+        names.append("lm_head.weight")
+    return names
+
+
 def weight_problems(hf_dir: str | os.PathLike) -> list[str]:
     """Safetensors weights present, holding exactly the tensors the bridge maps for the folder's
-    config (models.families.tensor_problems: none left over, none missing). Reads the
-    config and the tensor names (file headers), no tensor data."""
+    config (models.families.tensor_problems: none left over, none missing; a sequence
+    classifier's as its trunk plus its score head, `trunk_names`). Reads the config and the
+    tensor names (file headers), no tensor data."""
     path = Path(hf_dir)
     if not ((path / "model.safetensors").is_file()
             or (path / "model.safetensors.index.json").is_file()):
         return ["no weights: model.safetensors or model.safetensors.index.json is missing"]
     try:
-        names = SafetensorsReader(path).keys()
-        return tensor_problems(read_config(path), names)
+        config = read_config(path)
+        return tensor_problems(config, trunk_names(config, SafetensorsReader(path).keys()))
     except UnsupportedArchitectureError:
         return []  # reported by the config check (models.hf.config)
     except (OSError, ValueError, KeyError) as e:

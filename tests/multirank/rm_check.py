@@ -18,14 +18,26 @@ from tests.multirank import dpo_check
 
 STEPS, PAIRS = dpo_check.STEPS, dpo_check.PAIRS
 INIT_STD, SEED = 0.5, 7
-METRICS = ("loss", "grad_norm", "accuracy", "rewards/chosen", "rewards/rejected",
-           "rewards/margins")
+METRICS = ("loss", "grad_norm", "accuracy", "margin", "mean_reward", "min_reward",
+           "max_reward", "rewards/chosen", "rewards/rejected")
+TAIL = 4   # an untrained id after a side's last trained token (ChatML's "\n" after <|im_end|>)
 flags_of = dpo_check.flags_of
 
 
 def batches(vocab: int, flags: dict) -> list[list]:
-    """dpo_check's pair batches; with `margin`, odd pairs get margin 0.25 * k."""
+    """dpo_check's pair batches, every side followed by 1 (chosen) or 2 (rejected) untrained
+    TAIL ids, as ChatML renders `<|im_end|>\n` (the reward model reads a side up to its last
+    trained token: engine.rm.training.scored_ids); with `margin`, odd pairs get margin
+    0.25 * k."""
+    from engine.data.datasets import Sample
+
     out = dpo_check.pair_batches(vocab)
+    for batch in out:
+        for pair in batch:
+            for name, n in (("chosen", 1), ("rejected", 2)):
+                s = getattr(pair, name)
+                ids = list(s.tokens) + [s.labels[-1]] + [TAIL] * n
+                setattr(pair, name, Sample(ids[:-1], ids[1:], list(s.loss_mask) + [0] * n))
     if "margin" in flags:
         for batch in out:
             for k, pair in enumerate(batch):
