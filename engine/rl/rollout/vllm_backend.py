@@ -55,9 +55,8 @@ meets in the final barrier and exits 0. The worker ignores SIGTERM / SIGINT
 (`vllm_worker.rl_leave_signals_to_owner`): a signal to the job's process group asks the ranks
 to finish the step and save (engine.run.run_loop), which needs the engine alive.
 
-Attention on CPU: an MLA model (DeepSeek-V3, Kimi-K2, ...) runs vLLM's CPU_MLA backend in the
-target and in a speculative draft, never the AMX_MLA vLLM picks on AMX CPUs (fp32 refused,
-the weight reload failing; engine.rl.rollout.vllm_attention), unless engine_kwargs name one.
+Attention on CPU: MLA models run vLLM's CPU_MLA (the model and a speculative draft), not the
+AMX_MLA it picks on AMX CPUs, unless engine_kwargs name one (engine.rl.rollout.vllm_attention).
 
 Sleep/wake: on CPU vLLM has no sleep mode (its worker ignores sleep; enable_sleep_mode is refused
 at construction), so `sleep` releases nothing and only marks the engine asleep. On GPU, `sleep`
