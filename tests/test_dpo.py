@@ -238,12 +238,14 @@ def test_single_process_equals_trl_dpo_trainer(dpo_runs, spec, tmp_path, monkeyp
             losses.append(float(loss.detach()))
             return loss
 
-    norms = []
+    norms, logits = [], {"logits/chosen": [], "logits/rejected": []}
 
     class Norms(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "grad_norm" in logs:
                 norms.append(float(logs["grad_norm"]))
+                for k in logits:   # TRL's token means of the vocabulary-mean logit
+                    logits[k].append(float(logs[k]))
 
     args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=harness.PAIRS,
                      learning_rate=harness.LR, lr_scheduler_type="constant", adam_beta1=0.9,
@@ -264,6 +266,10 @@ def test_single_process_equals_trl_dpo_trainer(dpo_runs, spec, tmp_path, monkeyp
         assert a == pytest.approx(b, rel=TOL), (spec, got["loss"], losses)
     for a, b in zip(got["grad_norm"], norms):
         assert a == pytest.approx(b, rel=TOL), (spec, got["grad_norm"], norms)
+    for k, trl_values in logits.items():   # logits/chosen, logits/rejected (docs/metrics.md)
+        assert len(trl_values) == harness.STEPS and got[k][0] != got[k][1], (k, got[k])
+        for a, b in zip(got[k], trl_values):
+            assert a == pytest.approx(b, rel=TOL), (spec, k, got[k], trl_values)
 
 
 def _pad_tokenizer():

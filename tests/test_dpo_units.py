@@ -120,3 +120,100 @@ def test_loss_fn_on_one_rank(pools):
     assert "sides are in different micro-batches" in out["split_error"]
     assert out["grad_max_diff"] < 1e-6 * out["grad_max"] and out["grad_max"] > 0, out
     assert out["loss"] == pytest.approx(out["want"], rel=1e-6)
+
+
+# ---------------------------------------------------------------- evaluation in chunks
+
+@pytest.fixture(scope="module")
+def dpo_models(tmp_path_factory):
+    """The policy and the (different) reference of tests/test_dpo.py."""
+    from tools.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("dpo_eval")
+    return tuple(build_tiny_model(str(root / name), "qwen3", vocab_size=200, seed=seed,
+                                  initializer_range=0.1, tokenizer=False)
+                 for name, seed in (("policy", 0), ("reference", 1)))
+
+
+def _direct_eval(policy_dir: str, reference_dir: str) -> tuple[dict, dict]:
+    """(eval/* over all pairs, written here from transformers' logits, float64; the same
+    metrics as the old evaluate computed them: each chunk's own means weighted by its share
+    of the pairs)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.multirank.dpo_eval_check import CHUNK, RPO, eval_pairs
+
+    models = [AutoModelForCausalLM.from_pretrained(d) for d in (policy_dir, reference_dir)]
+    rows = []
+    for p in eval_pairs(200):
+        row = {}
+        for name, side in (("c", p.chosen), ("r", p.rejected)):
+            mask = torch.tensor(side.loss_mask, dtype=torch.bool)
+            labels = torch.tensor(side.labels)
+            for tag, model in zip(("", "ref_"), models):
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([side.tokens])).logits[0].double()
+                logp = torch.log_softmax(logits, -1).gather(-1, labels[:, None])[:, 0]
+                row[f"{tag}{name}"] = float(logp[mask].sum())
+                if not tag:
+                    row[f"mean_logit_{name}"] = float(logits.mean(-1)[mask].sum())
+            row[f"n_{name}"] = int(mask.sum())
+        delta = (row["c"] - row["ref_c"]) - (row["r"] - row["ref_r"])
+        row["loss"] = float(-torch.nn.functional.logsigmoid(torch.tensor(0.5 * delta)))
+        rows.append(row)
+
+    def metrics(group: list[dict]) -> dict:
+        nll = -sum(r["c"] for r in group) / sum(r["n_c"] for r in group)
+        mean = (lambda f: sum(f(r) for r in group) / len(group))
+        return {"eval/nll": nll, "eval/loss": mean(lambda r: r["loss"]) + RPO * nll,
+                "eval/rewards/chosen": mean(lambda r: 0.5 * (r["c"] - r["ref_c"])),
+                "eval/rewards/margins": mean(lambda r: 0.5 * ((r["c"] - r["ref_c"])
+                                                              - (r["r"] - r["ref_r"]))),
+                "eval/logps/rejected": mean(lambda r: r["r"]),
+                "eval/logits/chosen": sum(r["mean_logit_c"] for r in group)
+                / sum(r["n_c"] for r in group),
+                "eval/logits/rejected": sum(r["mean_logit_r"] for r in group)
+                / sum(r["n_r"] for r in group)}
+
+    chunks = [rows[i:i + CHUNK] for i in range(0, len(rows), CHUNK)]
+    old = {k: sum(metrics(c)[k] * len(c) / len(rows) for c in chunks) for k in metrics(rows)}
+    return metrics(rows), old
+
+
+@pytest.mark.parametrize("world,spec", [(1, "1,1,0,1,2"), (2, "1,1,0,1,1")])
+def test_eval_metrics_are_means_over_all_eval_pairs(pools, dpo_models, world, spec):
+    """engine.dpo.training.evaluate on 7 pairs in chunks of 3 (3, 3, 1 pairs of unequal
+    completion token counts; one process, and DP2) equals a direct computation over all 7
+    pairs from transformers' logits (rel 1e-5): eval/nll the token mean of the chosen NLL
+    (sum / total tokens), eval/loss the mean pair loss + rpo_alpha x eval/nll, eval/logits/*
+    token means, the per-pair metrics pair means. Negative control: the old chunk-weighted
+    mean of per-chunk token means misses eval/nll, eval/loss and eval/logits/chosen by far
+    more than the tolerance on the same pairs."""
+    got = pools.run(world, "tests.multirank.dpo_eval_check:evaluate_chunks", *dpo_models,
+                    spec)[0]
+    want, old = _direct_eval(*dpo_models)
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (k, got[k], v)
+    for k in ("eval/nll", "eval/loss", "eval/logits/chosen"):
+        assert abs(old[k] - want[k]) > 1e-3 * abs(want[k]), (k, old[k], want[k])
+
+
+def test_token_mean_logits_from_logits_and_from_hidden_states():
+    """logits/* read the vocabulary mean of the logits over the real vocabulary (the first
+    vocab_size rows; megatron pads the rest): from logits and from the chunked head's
+    HiddenStates (the logits never built) it equals the mean of hidden @ W[:V].T, float64
+    (the float32 logits' rounding: rel 1e-6). Negative control: the mean over the padded
+    vocabulary differs."""
+    from engine.dpo.loss_fn import token_mean_logits
+    from engine.training.loss_head import HiddenStates
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 5, 8, generator=g), torch.randn(13, 8, generator=g)
+    want = (hidden.double() @ weight[:11].double().T).mean(-1)
+    from_hidden = token_mean_logits(HiddenStates(hidden, weight, 4), 11)
+    from_logits = token_mean_logits(hidden @ weight.T, 11)
+    assert from_hidden.shape == from_logits.shape == (2, 5)
+    assert torch.allclose(from_hidden, want, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(from_logits, want, rtol=1e-6, atol=1e-6)
+    padded = (hidden.double() @ weight.double().T).mean(-1)
+    assert (padded - want).abs().max() > 1e-2

@@ -21,6 +21,14 @@ Layout contract (docs/preference.md, "What is exact"):
 - The chosen-side NLL (`nll`, RPO's term when dpo.rpo_alpha is set) is a token loss with the
   per-sequence weights of loss.agg_mode over the chosen completions of the global batch
   (mb.token_weights; 0 on rejected sides): a plain weighted sum, exact by construction.
+- `logits/chosen`, `logits/rejected` (TRL 1.16's DPOTrainer metrics): the mean over the
+  vocabulary of the policy's logits at each completion token (label position), averaged
+  over all completion tokens of that side in the global batch: a token sum over this
+  micro-batch's tokens divided by the global token count, so it sums over micro-batches, CP
+  shards and DP ranks like `nll` (the vocabulary mean is all-reduced over TP first).
+- Evaluation over more pairs than one batch (engine.dpo.training.evaluate) passes the whole
+  set's completion counts as `PairBatch.report_counts` and its NLL weights: each chunk then
+  reports its share of the whole set's means, and the chunks' reports simply add up.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from megatron.core import parallel_state as ps
 
 from engine.dpo.pair_loss import PairLossSettings, pair_gradients
 from engine.training.loss import aggregate
+from engine.training.loss_head import HiddenStates
 # the CP group summing a sequence's shards; the invariance harness's negative control replaces
 # this module's name for it (per-shard sums)
 from engine.training.rank_batch import context_parallel_group as cp_group
@@ -39,7 +48,9 @@ from engine.training.schedule import LossFn
 from engine.training.token_losses import token_logprobs
 
 REPORT_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
-               "rewards/margins", "logps/chosen", "logps/rejected", "nll")
+               "rewards/margins", "logps/chosen", "logps/rejected", "nll", "logits/chosen",
+               "logits/rejected")
+_ROW_CHUNK = 4096   # vocabulary rows (or tokens) per float64 chunk of token_mean_logits
 
 
 @dataclass
@@ -48,16 +59,31 @@ class PairBatch:
 
     counts: [2P] completion tokens per sequence (float64); ref: [2P] the reference's
     completion log-prob sums (None for reference-free loss types); rpo_alpha: weight of the
-    chosen NLL in the loss (0: logged only)."""
+    chosen NLL in the loss (0: logged only); report_counts: [2Q] the completion counts of
+    the Q pairs the reports average over, this batch among them (None: this batch, Q = P;
+    evaluation in chunks passes the whole eval set's)."""
 
     settings: PairLossSettings
     counts: torch.Tensor
     ref: torch.Tensor | None
     rpo_alpha: float = 0.0
+    report_counts: torch.Tensor | None = None
 
     @property
     def num_pairs(self) -> int:
         return self.counts.numel() // 2
+
+    @property
+    def report_pairs(self) -> int:
+        """Q: the pairs the per-pair reports are averaged over."""
+        if self.report_counts is None:
+            return self.num_pairs
+        return self.report_counts.numel() // 2
+
+    def report_tokens(self) -> tuple[float, float]:
+        """(chosen, rejected) completion tokens the per-token reports are averaged over."""
+        counts = self.counts if self.report_counts is None else self.report_counts
+        return float(counts[0::2].sum()), float(counts[1::2].sum())
 
 
 def _cp_rank() -> int:
@@ -82,10 +108,56 @@ def sequence_table(logp: torch.Tensor, mask: torch.Tensor, seq_ids: torch.Tensor
     return table
 
 
+def _vocab_rows(local: int, vocab_size: int, device) -> torch.Tensor:
+    """[local] bool: which of this TP rank's vocabulary rows are real (not megatron's
+    padding)."""
+    start = ps.get_tensor_model_parallel_rank() * local if ps.model_parallel_is_initialized() \
+        else 0
+    return torch.arange(start, start + local, device=device) < vocab_size
+
+
+def _tp_sum(t: torch.Tensor) -> torch.Tensor:
+    if ps.model_parallel_is_initialized():
+        group = ps.get_tensor_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, group=group)
+    return t
+
+
+def token_mean_logits(logits: torch.Tensor | HiddenStates, vocab_size: int) -> torch.Tensor:
+    """[b, s] float64, no gradient: the mean of the logits over the real vocabulary (the first
+    `vocab_size` ids, the HF model's) at every position, TRL's `mean_logits`. From
+    vocab-parallel logits [b, s, V/tp], or from the chunked head's HiddenStates as the hidden
+    state times the mean of the output weight's real rows (the logits are never built).
+    Float64 in chunks of _ROW_CHUNK rows or tokens. Collective over the TP group."""
+    chunked = isinstance(logits, HiddenStates)
+    with torch.no_grad():
+        if chunked:   # sum_v (h . w_v) / V = h . (sum_v w_v / V), summed over TP first
+            w = logits.weight
+            keep = _vocab_rows(w.shape[0], vocab_size, w.device)
+            mean_row = torch.zeros(w.shape[1], dtype=torch.float64, device=w.device)
+            for i in range(0, w.shape[0], _ROW_CHUNK):
+                mean_row += (w[i:i + _ROW_CHUNK].double() * keep[i:i + _ROW_CHUNK, None]).sum(0)
+            vec, source = _tp_sum(mean_row) / vocab_size, logits.hidden
+        else:         # this rank's share of the mean, summed over TP after
+            keep = _vocab_rows(logits.shape[-1], vocab_size, logits.device)
+            vec, source = keep.to(torch.float64) / vocab_size, logits
+        flat = source.reshape(-1, source.shape[-1])
+        out = torch.zeros(flat.shape[0], dtype=torch.float64, device=flat.device)
+        for i in range(0, flat.shape[0], _ROW_CHUNK):
+            out[i:i + _ROW_CHUNK] = flat[i:i + _ROW_CHUNK].double() @ vec
+        if not chunked:
+            out = _tp_sum(out)
+        return out.reshape(source.shape[:-1])
+
+
 def dpo_loss_fn(batch: PairBatch, vocab_size: int) -> LossFn:
     """Loss function (engine.training.schedule contract) of one step, reporting REPORT_KEYS."""
     s, n, size = batch.settings, batch.num_pairs, batch.counts.numel()
     scale = 1.0 / n if n else 0.0
+    q = batch.report_pairs
+    report_scale = 1.0 / q if q else 0.0
+    tokens_c, tokens_r = batch.report_tokens()
 
     def loss_fn(logits, mb):
         logp = token_logprobs(logits, mb.labels, vocab_size)
@@ -109,7 +181,10 @@ def dpo_loss_fn(batch: PairBatch, vocab_size: int) -> LossFn:
         nll = aggregate(-logp, mb.token_weights)
         loss = (logp * mask * token_coef.to(logp.dtype)).sum() + batch.rpo_alpha * nll
         once = 1.0 if _cp_rank() == 0 else 0.0
-        pair_sum = (lambda v: v.sum().detach().to(torch.float64) * (scale * once))
+        pair_sum = (lambda v: v.sum().detach().to(torch.float64) * (report_scale * once))
+        mean_logits = token_mean_logits(logits, vocab_size) * mask.to(torch.float64)
+        chosen_token = (ids >= 0) & (ids % 2 == 0)
+        rejected_token = (ids >= 0) & (ids % 2 == 1)
         value = pair_sum(terms.loss)
         reports = {
             "loss": value + batch.rpo_alpha * nll.detach().to(torch.float64),
@@ -120,7 +195,9 @@ def dpo_loss_fn(batch: PairBatch, vocab_size: int) -> LossFn:
             "rewards/margins": pair_sum(terms.chosen_rewards - terms.rejected_rewards),
             "logps/chosen": pair_sum(terms.chosen_logps),
             "logps/rejected": pair_sum(terms.rejected_logps),
-            "nll": nll.detach()}
+            "nll": nll.detach(),
+            "logits/chosen": mean_logits[chosen_token].sum() / max(tokens_c, 1.0),
+            "logits/rejected": mean_logits[rejected_token].sum() / max(tokens_r, 1.0)}
         return loss, reports
 
     return loss_fn

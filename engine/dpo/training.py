@@ -99,18 +99,28 @@ def dpo_step(engine: TrainEngine, reference: Reference, pairs: list[PreferencePa
 
 def evaluate(engine: TrainEngine, reference: Reference, pairs: list[PreferencePair],
              cfg) -> dict[str, float]:
-    """eval/* metrics: the REPORT_KEYS means over ALL eval pairs (forward-only, in chunks of
-    the global batch; each chunk weighted by its share of the pairs)."""
+    """eval/* metrics over ALL eval pairs as one batch (forward-only, in chunks of the global
+    batch): the per-pair REPORT_KEYS are means over all eval pairs, `eval/nll` is the chosen
+    completions' NLL aggregated over all eval pairs with loss.agg_mode (token-mean: the sum of
+    their token NLLs over their token count), `eval/loss` the mean pair loss plus
+    dpo.rpo_alpha x eval/nll, `eval/logits/*` token means over all eval completions. Every
+    chunk reports its share of those (PairBatch.report_counts, the whole set's NLL weights),
+    so the chunks' reports add up, whatever their sizes."""
+    seqs, _ = pair_sequences(pairs)
+    counts = completion_counts(seqs)
+    weights = chosen_nll_weights(counts, cfg.loss, cfg.train.seq_length)
+    settings, rpo = pair_settings(cfg), cfg.dpo.rpo_alpha or 0.0
     totals = dict.fromkeys(REPORT_KEYS, 0.0)
     gbs = cfg.train.global_batch_size
     for i in range(0, len(pairs), gbs):
-        chunk = pairs[i:i + gbs]
-        seqs, units = pair_sequences(chunk)
-        weights, batch = step_inputs(cfg, seqs, reference.sums(seqs, units))
-        out = engine.forward_only(seqs, weights, dpo_loss_fn(batch, engine.vocab_size),
+        chunk, part = seqs[2 * i:2 * (i + gbs)], slice(2 * i, 2 * (i + gbs))
+        units = [[2 * k, 2 * k + 1] for k in range(len(chunk) // 2)]
+        batch = PairBatch(settings, counts[part], reference.sums(chunk, units), rpo,
+                          report_counts=counts)
+        out = engine.forward_only(chunk, weights[part], dpo_loss_fn(batch, engine.vocab_size),
                                   REPORT_KEYS, units=units)
         for k in REPORT_KEYS:
-            totals[k] += out[k] * len(chunk) / len(pairs)
+            totals[k] += out[k]
     return {f"eval/{k}": v for k, v in totals.items()}
 
 

@@ -23,7 +23,8 @@ LOSS_CHUNK_TOKENS = 16
 RANK, ALPHA = 4, 8
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
-           "rewards/margins", "logps/chosen", "logps/rejected", "nll")
+           "rewards/margins", "logps/chosen", "logps/rejected", "nll", "logits/chosen",
+           "logits/rejected")
 
 
 def pair_batches(vocab: int, seed: int = 0) -> list[list]:
