@@ -9,7 +9,8 @@ rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine rep
 (and, in the one-process GRPO run, restarted from the current weights); env.agent episodes (an
 `openai`-client scaffold) on the module's engine training exactly the ids the client received;
 DeepSeek-V3 (MLA), GLM-4.5 and gpt-oss (whose loader copies the sinks and experts past vLLM's
-reload) sampling and syncing exactly. GRPO
+reload) sampling and syncing exactly, their layers on CPU_MLA / CPU_ATTN, and CPU_MLA selected for
+an MLA model and its MTP draft on a simulated AMX CPU (vLLM would pick AMX_MLA). GRPO
 through `engine.rl` on the rank pool: LoRA from a non-zero PEFT adapter at one process and
 DP2 x TP2 on two torchrun nodes with an engine on each (rollout/logprob_diff < 1e-5 at every
 step, the first included, the sync check on every engine, and the same training metrics), and one run with

@@ -20,8 +20,8 @@ How the choice reaches vLLM (0.32; it has no VLLM_ATTENTION_BACKEND variable):
   draft gets speculative_config.attention_backend too.
 
 A backend the user set (rollout.vllm.engine_kwargs: attention_backend, attention_config.backend,
-speculative_config.attention_backend) is left as given: AMX_MLA stays available by name, for
-bf16 engines that are never synced (`engine.serve`); it is not shown to reload here.
+speculative_config.attention_backend) is left as given: AMX_MLA stays available by name (a bf16
+engine only; its weight reload is not shown to work).
 """
 from __future__ import annotations
 
