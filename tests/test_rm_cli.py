@@ -122,6 +122,21 @@ def test_a_classifier_folder_trains_its_end_of_turn_token_from_the_command_line(
     for k in ("loss", "grad_norm"):
         for r, b in zip(rows, ref[k]):
             assert r[k] == pytest.approx(b, rel=1e-4), (k, [r[k] for r in rows], ref[k])
+    # RL scores prompt + response as generated (a stopped response ends on <|im_end|>): the
+    # very ids the engine trained on, scored at the same last position
+    from transformers import AutoTokenizer
+
+    from engine.data.preference import load_preference_dataset
+    from engine.rm.training import scored_ids
+
+    tok = AutoTokenizer.from_pretrained(model)
+    sides = load_preference_dataset([str(demo_assets / "dpo_train.jsonl")], tok, 63, "error")
+    for i, row in enumerate(rows_in[:4]):
+        prompt = list(tok.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+        response = tok.encode(row["chosen"][0]["content"], add_special_tokens=False)
+        rl_ids = prompt + response + [tok.convert_tokens_to_ids("<|im_end|>")]
+        assert scored_ids(sides[i].chosen) == rl_ids == _side_ids(tok, row, "chosen")
     old = plain_reference(model, rows_in, 1, pairs, lr, end_of_turn=False)
 
     assert abs(old["loss"][0] - rows[0]["loss"]) > 1e-3 * rows[0]["loss"], (old, rows[0])

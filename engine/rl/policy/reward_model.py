@@ -10,7 +10,14 @@ except during its forward pass (engine.training.host_offload).
 
 Scoring (`score_sequences`): each token-id list goes in WHOLE, as
 SequenceData(tokens=ids, labels=ids[1:] + [pad], loss mask 1 on the last position only), so the
-hidden state at position len - 1 is the last token's. TP rank 0 of the last stage writes the
+hidden state at position len - 1 is the last token's. A trajectory's ids are prompt + response as
+generated, and a response that stopped ends on its end-of-turn (eos) id: the token a reward
+model trained by engine.rm was trained on (a side's last trained token,
+engine.rm.training.scored_ids), and the token transformers' sequence classifier scores on the
+same ids. A multi-turn episode ends on its last sampled id too (observations are appended only
+before another turn). A response cut by rollout.max_new_tokens (or by its episode's token
+budget) has no end-of-turn id: its last generated id is scored, a position the model was not
+trained on. TP rank 0 of the last stage writes the
 head's value at that position into a table indexed by the sequence (seq_ids, position_ids undo
 DP partition, packing and CP sharding: the last token lives on one CP rank), and the table is
 summed over the world: every rank gets every score, whatever the layout.
