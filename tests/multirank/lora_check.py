@@ -26,7 +26,9 @@ sum of the gradients of the adapter matrices that see one sequence shard) and, w
 converted by `tools/convert.py hf-to-mcore --adapter` at tp2), "from_mcore_pp2": the dense
 run at pp2 with its adapters loaded from that checkpoint instead of ADAPTER. Rank 0 prints
 one "RESULT {json}" per run with the largest relative differences to the reference (loss,
-grad norm, adapter matrices).
+grad norm, adapter matrices); the dense tp2+sp, pp2 and resume_pp2 runs and every family's
+ep2 run add the reference after a LoRA start (tests/multirank/lora_reference_check.py:
+ref_gap, moved, and at tp2+sp base_gap).
 """
 from __future__ import annotations
 
@@ -250,6 +252,7 @@ class Results(list):
 def layouts(dense, moe, adapter, out, rank, world):
     import torch
 
+    from tests.multirank import lora_reference_check as reference
     from tests.multirank.lora_controls import unsummed, wrong_expert
     from models.lora.sites import set_reduction
     from parallel.layout import ParallelLayout
@@ -263,12 +266,20 @@ def layouts(dense, moe, adapter, out, rank, world):
             ("cp2", dict(cp=2), {}, None), ("tp2+sp_unsummed", *sp, unsummed),
             ("noreduce", dict(tp=2), {}, lambda e: set_reduction(e.chunks, False))]
     results = Results(rank)
+    starts = {}   # layout: the log-probs of the starting adapter (lora_reference_check)
     for name, layout, overrides, control in runs:
         setup_model_parallel(ParallelLayout(world, **layout))
         engine = build(*dense, False, adapter, overrides=overrides)
         if control is not None:   # a negative control
             control(engine)
-        results.append(compare(name, ref["dense"], *train(engine, data), adapter_tensors(engine)))
+        checked = name in ("tp2+sp", "pp2")
+        if checked:
+            starts[name] = reference.logprobs(engine, data[0])
+        row = compare(name, ref["dense"], *train(engine, data), adapter_tensors(engine))
+        if checked:
+            row.update(reference.reference_report(engine, data[0], adapter, starts[name],
+                                                  base=name == "tp2+sp"))
+        results.append(row)
     converted = os.path.join(out, "from_adapter")
     if os.path.isdir(converted):   # tools/convert.py hf-to-mcore --adapter ADAPTER --tp 2
         from models.bridge.checkpoint import load_model
@@ -282,8 +293,11 @@ def layouts(dense, moe, adapter, out, rank, world):
     engine = build(*dense, False, None, load=False)
     load_training_checkpoint(engine, os.path.join(out, "ckpt_resume", f"iter_{RESUME_AT:07d}"),
                              DataPosition(0, GBS, 100, 0, False))
-    results.append(compare("resume_pp2", ref["dense"], *train(engine, data, RESUME_AT),
-                           adapter_tensors(engine), start=RESUME_AT))
+    row = compare("resume_pp2", ref["dense"], *train(engine, data, RESUME_AT),
+                  adapter_tensors(engine), start=RESUME_AT)
+    # resumed from a checkpoint: the reference is still the starting adapter (its folder)
+    row.update(reference.reference_report(engine, data[0], adapter, starts["pp2"]))
+    results.append(row)
     setup_model_parallel(ParallelLayout(world, ep=2))
     engine = build(*moe, True, None)
     results.append(compare("ep2", ref["moe"], *train(engine, batches(moe[1]["vocab_size"])),
@@ -303,8 +317,14 @@ def layouts(dense, moe, adapter, out, rank, world):
             engine = build(*model, False, family_adapter, overrides=overrides, targets=targets)
             if control is not None:
                 control(engine, family_adapter)
-            results.append(compare(f"{family}_{name}", ref[family],
-                                   *train(engine, family_data), adapter_tensors(engine)))
+            checked = name == "ep2"   # experts over EP, routers, shared experts' gates
+            start = reference.logprobs(engine, family_data[0]) if checked else None
+            row = compare(f"{family}_{name}", ref[family], *train(engine, family_data),
+                          adapter_tensors(engine))
+            if checked:
+                row.update(reference.reference_report(engine, family_data[0], family_adapter,
+                                                      start))
+            results.append(row)
 
 
 def main():
