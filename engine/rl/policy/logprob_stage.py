@@ -24,7 +24,9 @@ from engine.rl.policy.routing_replay import after_old_logprobs, start_routing_re
 from engine.training.host_offload import HostOffload
 from engine.training.micro_batches import SequenceData
 from engine.training.train_engine import TrainEngine
-from models.lora.adapters import adapters_disabled
+from models.hf.conditional import peft_layers
+from models.lora.adapters import adapters_disabled, has_reference, reference_adapters
+from models.lora.peft import load_reference_adapter
 
 
 def attach_old_logprobs(policy, seqs: list[SequenceData], cfg) -> dict[str, float]:
@@ -53,13 +55,32 @@ def base_logprobs(policy: TrainEngine, seqs: list[SequenceData], temperature: fl
         return compute_token_logprobs(policy, seqs, temperature)
 
 
+def lora_reference_logprobs(policy: TrainEngine, seqs: list[SequenceData],
+                            temperature: float, start_adapter: str | None):
+    """compute_token_logprobs of a LoRA policy's KL reference: with `start_adapter` (the PEFT
+    folder of model.lora.init_from) the policy with that starting adapter, frozen (as TRL
+    keeps a pretrained adapter's frozen "ref" copy): loaded from the folder into the
+    policy's reference matrices on the first call in this process (after a resume too: never
+    the checkpoint's adapters; models.lora.peft.load_reference_adapter, local) and swapped in
+    for the pass (models.lora.adapters.reference_adapters); without it the frozen base
+    (`base_logprobs`, the initial policy of fresh adapters). Collective over the world."""
+    if start_adapter is None:
+        return base_logprobs(policy, seqs, temperature)
+    if not has_reference(policy.chunks):
+        load_reference_adapter(policy.chunks, start_adapter, peft_layers(policy.hf_config))
+    with reference_adapters(policy.chunks):
+        return compute_token_logprobs(policy, seqs, temperature)
+
+
 @dataclass
 class AuxiliaryModels:
     """The models of an RL run beside the policy, all at the policy's layout: the frozen KL
     reference (kl.beta > 0) and distillation teacher (distill.teacher_path), and the PPO
     critic (advantage.estimator=gae; trained, with its own optimizer). `reference_is_base`:
-    with LoRA the KL reference is the policy's own frozen base (its adapters switched off,
-    models.lora.adapters.adapters_disabled), so `reference` stays None: no second model.
+    with LoRA the KL reference runs inside the policy, so `reference` stays None (no second
+    model): the starting adapter of model.lora.init_from, frozen, or with fresh adapters the
+    policy's own frozen base (its adapters switched off, models.lora.adapters.
+    adapters_disabled); `lora_reference_logprobs`.
     `reward_model` (reward.model.path) scores rollouts, not the batch's tokens: it takes no
     part in the log-prob stage (engine.rl.policy.reward_model)."""
 
@@ -89,15 +110,18 @@ def logprob_stage(policy, aux: AuxiliaryModels | None, seqs: list[SequenceData],
        forward-only pass at the rollout temperature (with `aux.teacher_offload` its weights
        come from host memory for that pass and go back after it), and the advantages of
        sampled tokens shifted by engine.rl.algo.distill.apply_distillation.
-    With LoRA (`aux.reference_is_base`) step 4 runs first, on the policy with its adapters
-    switched off and before routing replay begins (the reference routes on its own).
+    With LoRA (`aux.reference_is_base`) step 4 runs first, on the policy with its starting
+    adapter (model.lora.init_from) swapped in or its adapters switched off
+    (`lora_reference_logprobs`), before routing replay begins (the reference routes on its
+    own).
     Collective over the world (unless bypass mode without reference and replay: local).
     Returns the metrics, with time/logprob_s the stage's wall time."""
     start = time.perf_counter()
     aux = aux or AuxiliaryModels()
     sampled = [list(s.loss_mask) for s in seqs]  # before rejection zeroes rejected tokens
     if aux.reference_is_base:
-        attach_extra(seqs, "ref_logprobs", base_logprobs(policy, seqs, cfg.rollout.temperature))
+        attach_extra(seqs, "ref_logprobs", lora_reference_logprobs(
+            policy, seqs, cfg.rollout.temperature, cfg.model.lora.init_from))
     mode = cfg.moe.routing_replay
     start_routing_replay(policy, mode)
     metrics = attach_old_logprobs(policy, seqs, cfg)
