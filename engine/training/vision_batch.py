@@ -8,13 +8,36 @@ Built by engine.training.micro_batches beside the token tensors, in the same row
   three), padding continuing from the sequence's last position + 1 (any value would do: real
   tokens never attend to later ones); NOT CP-sharded (models.vision.inputs.VisionBatch).
 A micro-batch none of whose sequences has images gets None (the plain 1-D RoPE path).
+
+Pixels are produced (stored images decoded and run through the image processor,
+models.vision.inputs.ImageSet) only where the vision tower reads them: on the first pipeline
+stage, on every TP rank (the tower is replicated) and every CP rank (each runs it on all the
+micro-batch's images) of it. Later stages get the VisionBatch without images (`images`
+None): they need the M-RoPE positions only, which come from the images' grids (read from the
+data cache, no decoding), and models.vision.model ignores `images` off the first stage.
 """
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
 
 from models.vision.inputs import ImageSet, VisionBatch
 from parallel import zigzag
+
+
+def feeds_tower() -> bool:
+    """Whether this rank runs the vision tower (the first pipeline stage; True without
+    megatron's parallel state, i.e. one process)."""
+    return (not ps.model_parallel_is_initialized()
+            or ps.is_pipeline_first_stage(ignore_virtual=True))
+
+
+def _images(seqs: list) -> ImageSet | None:
+    """The micro-batch's images, their pixels produced, on a rank that feeds the tower; None
+    elsewhere (module docstring)."""
+    if not feeds_tower():
+        return None
+    return ImageSet.cat([s.vision.images for s in seqs if s.vision is not None])
 
 
 def _positions(seq, width: int) -> torch.Tensor:
@@ -51,8 +74,7 @@ def padded_vision(seqs: list, width: int, cp: int, cp_rank: int) -> VisionBatch 
     if cp > 1:
         feature_rows = zigzag.shard(feature_rows, [width], cp, cp_rank, dim=1)
     positions = torch.stack([_positions(s, width) for s in seqs], dim=1)   # [3, b, width]
-    return VisionBatch(ImageSet.cat([s.vision.images for s in seqs if s.vision is not None]),
-                       feature_rows, positions)
+    return VisionBatch(_images(seqs), feature_rows, positions)
 
 
 def packed_vision(seqs: list, seq_lengths: list[int], cp: int, cp_rank: int
@@ -72,5 +94,4 @@ def packed_vision(seqs: list, seq_lengths: list[int], cp: int, cp_rank: int
     feature_rows = torch.cat(rows).unsqueeze(0)
     if cp > 1:
         feature_rows = zigzag.shard(feature_rows, seq_lengths, cp, cp_rank, dim=1)
-    return VisionBatch(ImageSet.cat([s.vision.images for s in seqs if s.vision is not None]),
-                       feature_rows, torch.cat(positions, dim=1).unsqueeze(1))
+    return VisionBatch(_images(seqs), feature_rows, torch.cat(positions, dim=1).unsqueeze(1))

@@ -83,8 +83,9 @@ class ImageSet:
 class VisionBatch:
     """What a micro-batch adds for a model with a vision tower (models.vision.model).
 
-    images: the images of the micro-batch's sequences in token order (None: no image), run
-        through the tower on the first pipeline stage;
+    images: the images of the micro-batch's sequences in token order (None: no image, or a
+        rank off the first pipeline stage, whose pixels are never produced:
+        engine.training.vision_batch), run through the tower on the first pipeline stage;
     feature_rows: [b, s_local] int64 like `tokens` (CP-sharded the same way): for a
         placeholder token, the row of the tower's output [image tokens, hidden] it takes;
         -1 elsewhere;
