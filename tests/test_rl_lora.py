@@ -128,7 +128,11 @@ def test_first_rollout_comes_from_the_adapter_and_from_the_resumed_checkpoint(
     The run stops after step 1 with a checkpoint and resumes: the resumed step is exact too.
     At DP2: a LoRA checkpoint written by two data-parallel ranks (their adapters are replicas;
     megatron numbered them both replica 0 until the adapters passed their DP x CP group, and
-    the save failed with "Invalid access pattern")."""
+    the save failed with "Invalid access pattern").
+    The KL reference (kl.beta 0.001, GRPO's default) is the starting adapter, frozen: at step 1
+    the policy is the reference (policy/kl measured 0.0; the bare base, the reference before
+    issue 67, gives 0.111 here), and after the resume it is still the starting adapter, not
+    the checkpoint's (which would give 0 at step 2; measured 0.188)."""
     adapter = build_peft_adapter(model_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
     ck = tmp_path / "ck"
     extra = (f"model.lora.init_from={adapter}", f"checkpoint.dir={ck}",
@@ -136,12 +140,14 @@ def test_first_rollout_comes_from_the_adapter_and_from_the_resumed_checkpoint(
     (first,) = _run(pools, 2, model_dir, prompts, tmp_path / "run", *extra,
                     "train.exit_interval=1")
     assert first["rollout/logprob_diff"] < 1e-5, first
+    assert first["policy/kl"] < 1e-9, first
     records = [json.loads(line) for line in open(tmp_path / "run" / "dump" / "step_1.jsonl")]
     pairs = _transformers_logprobs(model_dir, records, 1.0)
     base_gap = max(abs(a - b) for a, b in pairs)
     assert base_gap > 1e-2, base_gap
     both = _run(pools, 2, model_dir, prompts, tmp_path / "run", *extra)
     assert len(both) == 2 and both[1]["rollout/logprob_diff"] < 1e-5, both
+    assert both[1]["policy/kl"] > 1e-5, both
 
 
 def test_every_algorithm_runs_one_step_with_lora(pools, model_dir, prompts, tmp_path):
