@@ -9,6 +9,8 @@ last non-pad token; Megatron the last token of each sequence):
 - Megatron's scores at TP2 (load_reward_model, and the checkpoint) equal transformers' at 1e-5
   relative; negative control: the second-to-last token's values do not;
 - `verify` at TP2 x PP2 compares scores and passes; against another seed's folder it fails;
+  its rows ending on the end-of-turn id catch an --hf-dir whose pad id is that id (the old
+  batch could not); mcore-to-hf refuses such a pad id (config.json's or the tokenizer's);
 - `init_reward_model` gives the same score row (seeded_row) and scores at TP1 and TP2;
 - a LoRA reward model's checkpoint (adapters + the head trained in full, on a causal base)
   exports as peft's SEQ_CLS adapter (modules_to_save score) that peft loads with Megatron's
@@ -293,6 +295,74 @@ def test_verify_compares_scores_at_tp2_pp2(pools, rm_dirs, rm_ckpts, tmp_path):
                    check=False)
     [(diff, scale)] = _DIFF.findall(proc.stdout)
     assert proc.returncode != 0 and float(diff) > 1e-2 * float(scale), proc.stdout
+
+
+def _with_pad(src: str | Path, dst: Path, pad: int, config: str = "config.json") -> Path:
+    """A copy of the folder `src` whose `config` (relative path) has pad_token_id `pad`."""
+    shutil.copytree(src, dst)
+    path = dst / config
+    path.write_text(json.dumps({**json.loads(path.read_text()), "pad_token_id": pad}))
+    return dst
+
+
+def test_verify_scores_sequences_that_end_on_the_end_of_turn_token(pools, rm_dirs, rm_ckpts,
+                                                                  tmp_path):
+    """A reward model whose pad_token_id is its end-of-turn id (<|im_end|> = 3; the export
+    refuses to write one, below, so the folder and checkpoint are edited here): verify's even
+    rows now end on that id, where transformers scores the token before it, and verify fails.
+    Negative control: on the old test batch (no row ending on it) that folder scores every
+    sequence at its last token, so the old verify passed it."""
+    from models.hf.io import read_config
+    from tools.convert_reward import end_of_turn_id, score_batch
+    from transformers import AutoTokenizer
+
+    assert end_of_turn_id(AutoTokenizer.from_pretrained(rm_dirs["qwen3"])) == 3
+    bad = _with_pad(rm_dirs["qwen3"], tmp_path / "pad_eot", 3)
+    bad_ckpt = _with_pad(rm_ckpts["qwen3"], tmp_path / "ckpt", 3, "hf/config.json")
+    cfg = read_config(bad)
+
+    def truth(tokens, lengths):   # each sequence's last token, by the folder with pad 0
+        real = tokens.clone()
+        real[torch.arange(tokens.shape[1]).unsqueeze(0) >= lengths.unsqueeze(1)] = 0
+        return hf_scores(rm_dirs["qwen3"], real)
+
+    old, lengths = score_batch(cfg, 4, 12, seed=5)
+    new, _ = score_batch(cfg, 4, 12, seed=5, eot=3)
+    assert new[0, lengths[0] - 1] == 3 and new[2, lengths[2] - 1] == 3
+    assert rel(hf_scores(str(bad), old), truth(old, lengths)) < REL
+    assert rel(hf_scores(str(bad), new), truth(new, lengths)) > 1e-2
+    proc = convert(pools, 1, "verify", "--hf-dir", bad, "--ckpt", bad_ckpt, "--batch", 4,
+                   check=False)
+    assert proc.returncode != 0 and "end-of-turn id 3" in proc.stdout, proc.stdout
+    [(diff, scale)] = _DIFF.findall(proc.stdout)
+    assert float(diff) > 1e-2 * float(scale), proc.stdout
+
+
+def test_export_refuses_a_pad_id_equal_to_the_end_of_turn_token(rm_ckpts, tmp_path):
+    """mcore-to-hf of a reward model whose pad id (config.json's, or the tokenizer's when
+    config.json has none) is the scored end-of-turn id: exit 2 before any weight is read,
+    naming pad_token_id, the token and the files to change."""
+    from transformers import AutoTokenizer
+
+    ckpt = _with_pad(rm_ckpts["qwen3"], tmp_path / "ckpt", 3, "hf/config.json")
+    proc = convert_in_process("mcore-to-hf", "--ckpt", ckpt, "--out", tmp_path / "out")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    for needle in ("pad_token_id=3", "config.json's pad_token_id", "'<|im_end|>'",
+                   "end-of-turn token the reward model scores", "tokenizer_config.json",
+                   "'<pad>', id 0"):
+        assert needle in proc.stderr, (needle, proc.stderr)
+    assert not (tmp_path / "out").exists()
+    # the tokenizer's pad token (config.json without one) is checked too
+    tok_ckpt = tmp_path / "tok_ckpt"
+    shutil.copytree(rm_ckpts["qwen3"], tok_ckpt)
+    config = json.loads((tok_ckpt / "hf" / "config.json").read_text())
+    config.pop("pad_token_id")
+    (tok_ckpt / "hf" / "config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(str(tok_ckpt / "hf"))
+    tok.pad_token = "<|im_end|>"
+    tok.save_pretrained(str(tok_ckpt / "hf"))
+    proc = convert_in_process("mcore-to-hf", "--ckpt", tok_ckpt, "--out", tmp_path / "out")
+    assert proc.returncode == 2 and "the tokenizer's pad token" in proc.stderr, proc.stderr
 
 
 def test_init_reward_model_does_not_depend_on_the_layout(pools, qwen3_dir):

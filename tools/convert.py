@@ -182,12 +182,14 @@ def mcore_to_hf(args) -> None:
     from models.layers.heads.value import attach_value_heads
 
     from tools.convert_lora import checkpoint_lora, export_lora
-    from tools.convert_reward import export_config, export_reward_lora
+    from tools.convert_reward import export_config, export_reward_lora, pad_problem
 
     ckpt = resolve_checkpoint(args.ckpt, getattr(args, "iteration", None))
     out = Path(args.out)
     _claim_out(out, getattr(args, "overwrite", False), ckpt)
     cfg = read_hf_config(ckpt)
+    if is_reward_model_config(cfg) and (problem := pad_problem(cfg, ckpt)):  # before any work
+        _fail(f"--ckpt {ckpt}: {problem}")
     _setup(cfg)
     critic = is_critic_config(cfg)  # a PPO critic (checkpoint.dir/critic): its value head too
     reward = is_reward_model_config(cfg)  # a reward model: its score head (no bias)

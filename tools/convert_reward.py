@@ -14,8 +14,11 @@ A checkpoint is a reward model's when its hf/config.json is one (`is_reward_mode
 - `export_reward_lora(...)`: a LoRA reward model's checkpoint (adapters + the score head,
   trained in full) as peft writes a `task_type=SEQ_CLS, modules_to_save=["score"]` adapter,
   or with `--merge` the merged sequence-classification folder;
+- `pad_problem(cfg, ckpt)`: why an export would be scored at the wrong token (its pad id is
+  the end-of-turn id the model scores, `end_of_turn_id`); mcore-to-hf refuses it by name;
 - `verify_scores(chunks, cfg, args)`: `verify` for a reward model: last-token scores of
-  right-padded test sequences against transformers' AutoModelForSequenceClassification.
+  right-padded test sequences, half of them ending on the end-of-turn id, against
+  transformers' AutoModelForSequenceClassification.
 """
 from __future__ import annotations
 
@@ -75,7 +78,11 @@ def export_config(cfg: dict, ckpt: Path) -> dict:
     """config.json of a reward model's export: the one-label sequence classifier, with the
     config's pad_token_id, else the checkpoint tokenizer's (transformers' sequence
     classifiers need one to score batches of more than one sequence: they score the last
-    token that is not the pad id). Without either, a note says so (rank 0 prints)."""
+    token that is not the pad id). Without either, a note says so (rank 0 prints). Raises
+    ValueError when that pad id is the end-of-turn id the model scores (`pad_problem`)."""
+    problem = pad_problem(cfg, ckpt)
+    if problem:
+        raise ValueError(problem)
     out = reward_model_hf_config(cfg)
     if out.get("pad_token_id") is None:
         pad = _tokenizer_pad_id(ckpt / "hf")
@@ -90,16 +97,67 @@ def export_config(cfg: dict, ckpt: Path) -> dict:
     return out
 
 
-def _tokenizer_pad_id(folder: Path) -> int | None:
-    """The pad token id of the tokenizer files in `folder` (None: none, or no tokenizer)."""
-    if not (folder / "tokenizer_config.json").is_file():
+def end_of_turn_id(tokenizer) -> int | None:
+    """The id a reward model trained by engine.rm scores at the end of a reply: the last
+    trained id of a one-turn chat rendered with the tokenizer's chat template, as the engine
+    renders sides (engine.data.render; engine.rm.training.scored_ids). `<|im_end|>` for
+    ChatML, `<|eot_id|>` for Llama 3.1. None when the tokenizer renders no such chat."""
+    from engine.data.render import render_messages
+
+    chat = [{"role": "user", "content": "1 + 1 ?"}, {"role": "assistant", "content": "2"}]
+    try:
+        ids, trained = render_messages(chat, tokenizer, "the end-of-turn probe")
+    except Exception:  # noqa: BLE001 - no chat template, or one that refuses this chat
+        return None
+    kept = [i for i, t in enumerate(trained) if t]
+    return int(ids[kept[-1]]) if kept else None
+
+
+def pad_problem(cfg: dict, ckpt: Path) -> str | None:
+    """Why the export of the reward model in `ckpt` (its hf/config.json `cfg`) would be scored
+    at the wrong token (None: it would not): config.json's pad_token_id or the tokenizer's pad
+    token (copied into the export) is the end-of-turn id the model scores (`end_of_turn_id`).
+    transformers' sequence classifier scores the last token that is not pad_token_id, so a
+    sequence ending on that token would be scored at the token before it."""
+    folder = Path(ckpt) / "hf"
+    tokenizer = _tokenizer(folder)
+    eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
+    if eot is None:
+        return None
+    sources = {"config.json's pad_token_id": cfg.get("pad_token_id"),
+               "the tokenizer's pad token": tokenizer.pad_token_id}
+    bad = [name for name, pad in sources.items() if pad is not None and int(pad) == eot]
+    if not bad:
+        return None
+    others = [t for t in tokenizer.all_special_tokens
+              if tokenizer.convert_tokens_to_ids(t) != eot]
+    hint = sorted(others, key=lambda t: "pad" not in t.lower())[:1]
+    return (f"pad_token_id={eot} ({' and '.join(bad)} in {folder}) is "
+            f"{tokenizer.convert_ids_to_tokens(eot)!r}, the end-of-turn token the reward model "
+            "scores: transformers' sequence classifier scores the last token that is not "
+            "pad_token_id, so it would score the token before it. Set pad_token_id in "
+            f"{folder / 'config.json'} and the tokenizer's pad_token in "
+            f"{folder / 'tokenizer_config.json'} to a token that never ends a scored sequence"
+            + (f" (e.g. {hint[0]!r}, id {tokenizer.convert_tokens_to_ids(hint[0])})"
+               if hint else "") + ", then convert again")
+
+
+def _tokenizer(folder: Path):
+    """The tokenizer in `folder` (None: none, or it does not load)."""
+    if not (Path(folder) / "tokenizer_config.json").is_file():
         return None
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder)).pad_token_id
+        return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError):
         return None
+
+
+def _tokenizer_pad_id(folder: Path) -> int | None:
+    """The pad token id of the tokenizer files in `folder` (None: none, or no tokenizer)."""
+    tokenizer = _tokenizer(folder)
+    return None if tokenizer is None else tokenizer.pad_token_id
 
 
 def load_reward_lora(ckpt: Path, cfg: dict, spec, base: str) -> list:
@@ -157,10 +215,12 @@ def export_reward_lora(ckpt: Path, cfg: dict, found, out: Path, merge: bool, dty
     return len(tensors) + 1
 
 
-def score_batch(cfg: dict, batch: int, seq_len: int, seed: int):
+def score_batch(cfg: dict, batch: int, seq_len: int, seed: int, eot: int | None = None):
     """(tokens [batch, seq_len], lengths [batch]) of `verify`'s test sequences: seeded ids
     that are never the pad id, lengths seq_len, seq_len - 3, ... (at least 2), right-padded
-    with pad_token_id (0 without one), so transformers' last-non-pad rule is exercised."""
+    with pad_token_id (0 without one), so transformers' last-non-pad rule is exercised. With
+    `eot` (the end-of-turn id the model scores, `end_of_turn_id`), every even row ends on it,
+    as RL's stopped responses and engine.rm's sides do (a pad id equal to it then shows)."""
     import torch
 
     pad = cfg.get("pad_token_id")
@@ -169,6 +229,9 @@ def score_batch(cfg: dict, batch: int, seq_len: int, seed: int):
     tokens = torch.randint(0, cfg["vocab_size"] - 1, (batch, seq_len), generator=gen)
     tokens = tokens + (tokens >= pad).long()          # every id but the pad id
     lengths = torch.tensor([max(seq_len - 3 * i, 2) for i in range(batch)])
+    if eot is not None:
+        rows = torch.arange(0, batch, 2)
+        tokens[rows, lengths[rows] - 1] = int(eot)
     tokens[torch.arange(seq_len).unsqueeze(0) >= lengths.unsqueeze(1)] = pad
     return tokens, lengths
 
@@ -203,7 +266,9 @@ def verify_scores(chunks: list, cfg: dict, args) -> bool:
     from models.build.forward import forward_values
     from models.hf.io import read_config
 
-    tokens, lengths = score_batch(cfg, args.batch, args.seq_len, args.seed)
+    tokenizer = _tokenizer(Path(args.hf_dir))
+    eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
+    tokens, lengths = score_batch(cfg, args.batch, args.seq_len, args.seed, eot)
     values = forward_values(chunks, tokens).float().cpu()
     scores = values[torch.arange(len(lengths)), lengths - 1]
     if dist.get_rank() != 0:
@@ -217,7 +282,9 @@ def verify_scores(chunks: list, cfg: dict, args) -> bool:
     scale = ref.abs().max().item()
     tolerance = args.tolerance if args.tolerance is not None else (
         1e-4 * max(1.0, scale) if args.dtype == "float32" else 3e-2 * scale)
-    print(f"reference: transformers {name} (last-token scores, lengths {lengths.tolist()})")
+    ends = f", even rows ending on the end-of-turn id {eot}" if eot is not None else ""
+    print(f"reference: transformers {name} (last-token scores, lengths {lengths.tolist()}"
+          f"{ends})")
     print(f"layout tp={args.tp} pp={args.pp} ep={args.ep} dtype={args.dtype} "
           f"max_abs_diff={diff:.3e} (max |score| {scale:.3e})")
     ok = diff <= tolerance
