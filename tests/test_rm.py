@@ -1,7 +1,10 @@
 """Reward-model exactness (docs/preference.md, "Reward models"): every layout equals the single
 process, and the single process equals an independent transformers
 AutoModelForSequenceClassification + torch AdamW loop written from the Bradley-Terry formula
-(and TRL 1.16's own RewardTrainer), per step, at 1e-5 relative in fp32.
+(and TRL 1.16's own RewardTrainer), per step, at 1e-5 relative in fp32. Every side ends with
+one or two untrained ids after its last trained (end-of-turn) token, as ChatML renders "\n"
+after <|im_end|>: the references score the end-of-turn token; negative control: scoring the
+last rendered id (the old rule) gives another loss and gradient at step 1.
 
 The layouts run on the session's rank pools (tests/multirank/rm_check.py): one process (the
 references: a causal LM with a seeded score row, the same model as a sequence-classification

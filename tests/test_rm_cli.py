@@ -1,9 +1,11 @@
 """`engine.rm` through the command line, as a user runs it (`-m engine.rm` on the ranks of the
 session's rank pool, as torchrun runs it): the demo's model and preference files
-(tools/demo.py), LoRA on the body with the head trained in full, the issue's metric names,
+(tools/demo.py), LoRA on the body with the head trained in full, TRL RewardTrainer's metric names,
 evaluation on held-out pairs, a resume (the head comes back from the LoRA checkpoint), the
 export as a sequence classifier that transformers scores like the trainer, `--help` and
-`--validate` of the H100 recipe. The layouts and the math: tests/test_rm.py."""
+`--validate` of the H100 recipe; runs started from *ForSequenceClassification folders (tied
+Qwen3, untied Llama) against a plain transformers loop that scores the end-of-turn token. The
+layouts and the math: tests/test_rm.py."""
 from __future__ import annotations
 
 import json
