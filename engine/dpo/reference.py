@@ -6,10 +6,10 @@ same pair-keeping micro-batches (engine.dpo.loss_fn), without LoRA dropout. The 
   DPOTrainer copies a pretrained adapter into a frozen "ref" adapter): a second copy of the
   adapter matrices (rank r) inside the policy's own adapters, read from the folder (also after
   a resume, never from the checkpoint: models.lora.peft.load_reference_adapter) and swapped in
-  for the reference pass (models.lora.adapters.reference_adapters); step 1's policy is the
+  for the reference pass (models.lora.modes.reference_adapters); step 1's policy is the
   reference, so its log-ratios are 0 (sigmoid loss ln 2);
 - with fresh LoRA adapters (model.lora.rank > 0, no init_from): the policy's own base, its
-  adapters switched off (models.lora.adapters.adapters_disabled), which is the initial policy
+  adapters switched off (models.lora.modes.adapters_disabled), which is the initial policy
   (B = 0): no second model, no extra memory;
 - otherwise a frozen copy of dpo.ref_path (default: model.hf_path, the initial policy; also
   after a resume), built at the policy's layout (TrainEngine.frozen): one more copy of the
@@ -26,7 +26,7 @@ from engine.training.micro_batches import SequenceData
 from engine.training.token_losses import token_logprobs
 from engine.training.train_engine import TrainEngine
 from models.hf.conditional import peft_layers
-from models.lora.adapters import adapters_disabled, reference_adapters
+from models.lora.modes import adapters_disabled, reference_adapters
 from models.lora.peft import load_reference_adapter
 from parallel import cpu_runtime
 

@@ -41,7 +41,8 @@ from engine.training.schedule import LossFn, reduce_reports, run_micro_batches
 from models.bridge.weights import load_hf_weights
 from models.build.factory import build_model_chunks
 from models.hf.io import SafetensorsReader
-from models.lora.adapters import LoraSpec, dropout_disabled
+from models.lora.adapters import LoraSpec
+from models.lora.modes import dropout_disabled
 from models.hf.conditional import peft_layers
 from models.lora.peft import load_peft_adapter
 
@@ -303,7 +304,7 @@ class TrainEngine:
         weights (default token-sum, i.e. 1). `output_fn` sees each micro-batch's logits on
         the last pipeline stage; `loss_fn` reports are reduced like `train_batch`'s; `units`
         as in `train_batch`. LoRA adapters apply no dropout here (model.lora.dropout acts in
-        train_batch only; models.lora.adapters.dropout_disabled): the pass is deterministic
+        train_batch only; models.lora.modes.dropout_disabled): the pass is deterministic
         and draws no random numbers."""
         if weights is None:
             weights = GlobalLossNormalizer("token-sum")

@@ -9,7 +9,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from models.layers.heads.output import returning_hidden_states
 from models.layers.heads.value import value_head
-from models.lora.adapters import dropout_disabled
+from models.lora.modes import dropout_disabled
 from parallel import cpu_runtime
 
 

@@ -39,24 +39,21 @@ TP group:
 
 `reduce=False` drops the adapter's TP reductions of activations (under sequence parallelism
 the gather's backward keeps this rank's rows unsummed, the reduce-scatter becomes a split): a
-deliberately wrong adapter for negative controls only. `enabled=False` (the
-`adapters_disabled` context) leaves the linear's output as the base computes it: the reference
-of a run from fresh adapters is the policy's own frozen base. `use_reference=True` (the
-`reference_adapters` context) computes with the adapter's frozen reference matrices instead of
-its parameters: the reference of a run from model.lora.init_from is that starting adapter
-(`attach_reference`, filled by models.lora.peft.load_reference_adapter), a second copy of the
-rank-r matrices with the parameters' shapes and shards (TP, experts over EP, this pipeline
-stage's layers), outside the state dict (never checkpointed, no gradient).
-Dropout (model.lora.dropout > 0) acts on the adapter's input in training mode with the ambient
-RNG, except inside `dropout_disabled` (every forward-only pass, TrainEngine.forward_only);
-training results then depend on the layout (documented in docs/lora.md). On a TP shard of the
-input (a column adapter's sequence shard, a row adapter's features) it draws the mask of the
-whole input and keeps this rank's part.
+deliberately wrong adapter for negative controls only. The modes of models.lora.modes:
+`enabled=False` (adapters_disabled) leaves the linear's output as the base computes it (the
+reference of a run from fresh adapters: the policy's own frozen base); `use_reference=True`
+(reference_adapters) computes with the adapter's frozen `reference` matrices instead of its
+parameters (the reference of a run from model.lora.init_from: that starting adapter, put there
+by models.lora.peft.load_reference_adapter), a second copy of the rank-r matrices with the
+parameters' shapes and shards (TP, experts over EP, this pipeline stage's layers), outside the
+state dict (never checkpointed, no gradient); `dropout_off=True` (dropout_disabled, every
+forward-only pass: TrainEngine.forward_only) applies no dropout. Dropout (model.lora.dropout >
+0) otherwise acts on the adapter's input in training mode with the ambient RNG; training
+results then depend on the layout (documented in docs/lora.md). On a TP shard of the input (a
+column adapter's sequence shard, a row adapter's features) it draws the mask of the whole input
+and keeps this rank's part.
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +95,8 @@ class LoraAdapter(torch.nn.Module):
         self.scalings = {sl.name: spec.scaling_of(keys.get(sl.name)) for sl in self.slices}
         self.reduce = True
         self.enabled = True            # False inside adapters_disabled: the base alone
-        # {parameter name: frozen tensor} (attach_reference); used inside reference_adapters
+        # {parameter name: frozen tensor} (models.lora.modes.attach_reference), used while
+        # use_reference is on (models.lora.modes.reference_adapters)
         self.reference: dict[str, torch.Tensor] | None = None
         self.use_reference = False
         self.dropout_off = False       # True inside dropout_disabled (forward-only passes)
@@ -152,7 +150,8 @@ class LoraAdapter(torch.nn.Module):
         if not self.use_reference:
             return getattr(self, name)
         if self.reference is None:
-            raise RuntimeError("a LoRA adapter has no reference matrices (attach_reference)")
+            raise RuntimeError("a LoRA adapter has no reference matrices "
+                               "(models.lora.modes.attach_reference)")
         return self.reference[name]
 
     def matrices(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,79 +347,3 @@ def gather_cat(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor
     parts = [torch.empty_like(tensor) for _ in range(size)]
     torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
-
-
-def lora_adapters(chunks: list) -> list[LoraAdapter]:
-    """Every LoraAdapter of `chunks` (model chunks, wrapped or not), in module order."""
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, LoraAdapter)]
-
-
-@contextmanager
-def _switched(found: list[LoraAdapter], attr: str, value: bool) -> Iterator[int]:
-    """Every adapter of `found` with `attr` set to `value` inside the block, its own value
-    back afterwards (also on an exception); yields len(found)."""
-    states = [getattr(m, attr) for m in found]
-    for m in found:
-        setattr(m, attr, value)
-    try:
-        yield len(found)
-    finally:
-        for m, state in zip(found, states):
-            setattr(m, attr, state)
-
-
-@contextmanager
-def adapters_disabled(chunks: list) -> Iterator[int]:
-    """Within the block every LoraAdapter of `chunks` (model chunks, wrapped or not) adds
-    nothing: the chunks compute their frozen base model exactly (the base weights are the
-    same tensors, untouched by training). Yields the number of adapters switched off (0: no
-    LoRA, the block runs the model as it is); they are switched back on when the block exits,
-    also on an exception. Local to this rank: every rank of a collective forward must enter
-    it. The reference of a LoRA run from fresh adapters (DPO: engine.dpo.reference; RL's KL
-    reference: engine.rl.policy.logprob_stage)."""
-    with _switched(lora_adapters(chunks), "enabled", False) as n:
-        yield n
-
-
-def attach_reference(chunks: list) -> int:
-    """Give every LoraAdapter of `chunks` frozen reference matrices: zeros of its parameters'
-    shapes, dtypes and devices (this rank's shards), no gradient, outside the state dict.
-    Returns the number of adapters. models.lora.peft.load_reference_adapter fills them."""
-    found = lora_adapters(chunks)
-    for m in found:
-        m.reference = {n: torch.zeros_like(p, requires_grad=False)
-                       for n, p in m.named_parameters(recurse=False)}
-    return len(found)
-
-
-def has_reference(chunks: list) -> bool:
-    """Whether `chunks` hold adapters and every one has reference matrices."""
-    found = lora_adapters(chunks)
-    return bool(found) and all(m.reference is not None for m in found)
-
-
-@contextmanager
-def reference_adapters(chunks: list) -> Iterator[int]:
-    """Within the block every LoraAdapter of `chunks` computes with its frozen reference
-    matrices (attach_reference) instead of its parameters, through every path its parameters
-    take (the linears' hooks, grouped experts' factors, routers, the shared expert's gate), and
-    `set_full` writes into them. The trained parameters are neither read nor changed. Yields
-    the number of adapters; raises RuntimeError when one has no reference. Local to this
-    rank, like adapters_disabled. The reference of a LoRA run from model.lora.init_from."""
-    found = lora_adapters(chunks)
-    missing = sum(m.reference is None for m in found)
-    if missing:
-        raise RuntimeError(f"{missing} of {len(found)} LoRA adapters have no reference "
-                           "matrices (models.lora.adapters.attach_reference)")
-    with _switched(found, "use_reference", True) as n:
-        yield n
-
-
-@contextmanager
-def dropout_disabled(chunks: list) -> Iterator[int]:
-    """Within the block no LoraAdapter of `chunks` applies dropout (model.lora.dropout), in
-    training mode too, and none draws random numbers for it: TrainEngine.forward_only (every
-    forward-only pass: evaluation, the DPO reference, RL's old, reference and teacher log-probs)
-    runs inside it. Yields the number of adapters; local to this rank."""
-    with _switched(lora_adapters(chunks), "dropout_off", True) as n:
-        yield n

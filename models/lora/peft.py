@@ -23,7 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from models.lora.adapters import LoraAdapter, LoraSpec, attach_reference, reference_adapters
+from models.lora.adapters import LoraAdapter, LoraSpec
+from models.lora.modes import attach_reference, reference_adapters
 from models.lora.peft_experts import LAYERS, PARENT, PREFIX, export_experts, load_experts
 from models.lora.sites import EXPERT_PARAMS, LoraUnsupportedError, ROUTER_PATH, adapters
 from models.lora.targets import EXPERT_TARGETS, parameter_target, pattern_problems, user_names
@@ -110,7 +111,7 @@ def load_reference_adapter(chunks: list, adapter_dir: str | Path, layers: str = 
     """Give every adapter of `chunks` frozen reference matrices holding the PEFT adapter in
     `adapter_dir`, sharded as `load_peft_adapter` shards it into the parameters (the same
     code: TP shards, this rank's experts, this pipeline stage's layers), so that inside
-    models.lora.adapters.reference_adapters the chunks compute that adapter exactly; the
+    models.lora.modes.reference_adapters the chunks compute that adapter exactly; the
     trained parameters are untouched. Read from the folder, never from a checkpoint: after a
     resume the reference is still the starting adapter. Costs one more copy of this rank's
     adapter matrices. Returns how many slices were filled; raises as load_peft_adapter."""

@@ -25,7 +25,7 @@ from engine.training.host_offload import HostOffload
 from engine.training.micro_batches import SequenceData
 from engine.training.train_engine import TrainEngine
 from models.hf.conditional import peft_layers
-from models.lora.adapters import adapters_disabled, has_reference, reference_adapters
+from models.lora.modes import adapters_disabled, has_reference, reference_adapters
 from models.lora.peft import load_reference_adapter
 
 
@@ -62,7 +62,7 @@ def lora_reference_logprobs(policy: TrainEngine, seqs: list[SequenceData],
     keeps a pretrained adapter's frozen "ref" copy): loaded from the folder into the
     policy's reference matrices on the first call in this process (after a resume too: never
     the checkpoint's adapters; models.lora.peft.load_reference_adapter, local) and swapped in
-    for the pass (models.lora.adapters.reference_adapters); without it the frozen base
+    for the pass (models.lora.modes.reference_adapters); without it the frozen base
     (`base_logprobs`, the initial policy of fresh adapters). Collective over the world."""
     if start_adapter is None:
         return base_logprobs(policy, seqs, temperature)
@@ -79,7 +79,7 @@ class AuxiliaryModels:
     critic (advantage.estimator=gae; trained, with its own optimizer). `reference_is_base`:
     with LoRA the KL reference runs inside the policy, so `reference` stays None (no second
     model): the starting adapter of model.lora.init_from, frozen, or with fresh adapters the
-    policy's own frozen base (its adapters switched off, models.lora.adapters.
+    policy's own frozen base (its adapters switched off, models.lora.modes.
     adapters_disabled); `lora_reference_logprobs`.
     `reward_model` (reward.model.path) scores rollouts, not the batch's tokens: it takes no
     part in the log-prob stage (engine.rl.policy.reward_model)."""
