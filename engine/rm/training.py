@@ -110,7 +110,7 @@ def evaluate(engine: TrainEngine, pairs: list[PreferencePair], cfg) -> dict[str,
         extremes = score_extremes(batch)
         low.append(extremes["min_reward"])
         high.append(extremes["max_reward"])
-    totals.update(min_reward=min(low), max_reward=max(high))
+    totals.update(min_reward=min(low, default=0.0), max_reward=max(high, default=0.0))
     return {f"eval/{k}": v for k, v in totals.items()}
 
 
