@@ -209,7 +209,8 @@ def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
     biases kept; routers and the shared expert's gate too; for Qwen3.5 the fused in_proj and
     gated q rows mapped back to HF's) reach the engine before the first rollout and after
     every update: rollout/logprob_diff < 1e-5 at both steps, and the update trains (grad
-    norm > 0)."""
+    norm > 0). The KL reference (kl.beta 0.001) is the starting adapter, frozen, with its
+    expert, router and shared-gate matrices: policy/kl 0 at step 1, > 0 at step 2."""
     from tests.deepseek_v3_tiny import build_deepseek_v3
     from tests.glm4_moe_tiny import build_glm4_moe
     from tests.gpt_oss_tiny import build_gpt_oss
@@ -238,3 +239,4 @@ def test_grpo_with_lora_on_each_2026_family(pools, prompts, tmp_path, family):
     assert len(metrics) == 2
     for m in metrics:
         assert m["rollout/logprob_diff"] < 1e-5 and m["grad_norm"] > 0, m
+    assert metrics[0]["policy/kl"] < 1e-9 < metrics[1]["policy/kl"], metrics
