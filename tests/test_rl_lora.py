@@ -1,6 +1,7 @@
 """RL with LoRA adapters (docs/lora.md#rl): GRPO end to end on the HF rollout backend with the
-merged-weight sync, layout invariance, the KL reference as the policy's own frozen base (no
-second model), every algorithm and policy loss running, only the adapters trained.
+merged-weight sync, layout invariance, the KL reference inside the policy (no second model:
+its frozen base with fresh adapters, the starting adapter, frozen, from model.lora.init_from,
+also after a resume), every algorithm and policy loss running, only the adapters trained.
 
 Pool cases on the tiny Qwen3 (4 layers, hidden 64): the `engine.rl` command line at one process,
 TP2 + SP and PP2 (GRPO with a KL term), one step each of DAPO, PPO (critic) and on-policy
