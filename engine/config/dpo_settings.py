@@ -8,7 +8,8 @@
   batch with loss.agg_mode (token-mean by default: the token mean over ALL chosen completion
   tokens of the global batch, whatever the layout);
 - `dpo.ref_path` (null: model.hf_path): the frozen reference's HF folder. With LoRA the
-  reference is the policy's base with the adapters off and `ref_path` is refused.
+  reference is the policy's base with the adapters off (after `model.lora.init_from`: the
+  starting adapter, frozen) and `ref_path` is refused.
 `train.global_batch_size` and `train.micro_batch_size` count pairs; data.train_files hold
 preference rows (engine.data.preference).
 """
@@ -67,7 +68,8 @@ def dpo_problems(cfg, hf_config: dict) -> list[str]:
                      "leave dpo.ref_path null")
         elif cfg.model.lora.rank:
             p.append(f"dpo.ref_path={d.ref_path}: with LoRA (model.lora.rank > 0) the "
-                     "reference is the policy's base with its adapters off; leave it null")
+                     "reference is the policy's base with its adapters off (the starting "
+                     "adapter, frozen, after model.lora.init_from); leave it null")
         else:
             p.extend(_reference_problems(d.ref_path, hf_config))
     return p

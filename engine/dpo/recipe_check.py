@@ -9,7 +9,9 @@ Beside it: the dpo.* keys (engine.config.dpo_settings) and what the reference co
   rank in model.dtype, a vision tower whole on stage 0; no gradients, no optimizer state)
   and one forward-only pass over the step's pairs (its activations are freed micro-batch by
   micro-batch, below the training pass's peak);
-- nothing with LoRA (the policy's base with its adapters off) or a reference-free loss (simpo).
+- nothing with LoRA (the policy's base with its adapters off; after model.lora.init_from the
+  starting adapter, a frozen rank-r copy beside the trained one) or a reference-free loss
+  (simpo).
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ def validate_dpo_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     ref = reference_gib(cfg, hf)
     policy = report.data["memory_gib"]["total"]
     what = ("none (reference-free loss)" if cfg.dpo.loss_type == "simpo" else
+            "none: the starting adapter (model.lora.init_from), a frozen rank-r copy beside "
+            "the trained one" if cfg.model.lora.rank and cfg.model.lora.init_from else
             "none: the policy's base with its LoRA adapters off" if cfg.model.lora.rank else
             f"{ref:.1f} GiB per GPU (a frozen copy of the weights, forward-only)")
     report.summary[2:2] = [

@@ -164,7 +164,9 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
         f"{mem.weights:.1f} + grads {mem.grads:.1f} + optimizer {mem.optimizer:.1f} + "
         f"activations {mem.activations:.1f} + logits {mem.logits:.1f} + runtime "
         f"{mem.runtime:.1f}) + KL reference {reference:.1f}"
-        + (" (the policy's frozen base, adapters off)" if lora and cfg.kl.beta > 0 else "")
+        + ((" (the starting adapter of model.lora.init_from, a frozen rank-r copy)"
+            if cfg.model.lora.init_from else " (the policy's frozen base, adapters off)")
+           if lora and cfg.kl.beta > 0 else "")
         + (f" + distillation teacher {teacher_gib:.1f}" if teacher is not None
            and not offloaded else "")
         + (f" + PPO critic {critic:.1f}" if critic_lines else "")

@@ -100,8 +100,9 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
                     pad_id: int, optimizer_steps: int) -> AuxiliaryModels:
     """The models beside the policy, at its layout. Frozen (forward-only, never recomputed):
     the KL reference, the initial policy (model.hf_path, also after a resume; with LoRA
-    (model.lora.rank > 0) none is built: the reference is the policy's frozen base with its
-    adapters switched off, AuxiliaryModels.reference_is_base); the distillation teacher,
+    (model.lora.rank > 0) none is built: the reference runs inside the policy, its frozen base
+    with the adapters switched off, or after model.lora.init_from the starting adapter, a
+    frozen copy (AuxiliaryModels.reference_is_base)); the distillation teacher,
     distill.teacher_path (any supported family sharing the tokenizer), with distill.offload
     kept in host memory from here on except during its forward pass (AuxiliaryModels.
     teacher_offload); the reward model, reward.model.path (engine.rl.policy.reward_model,
