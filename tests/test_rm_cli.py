@@ -145,6 +145,16 @@ def test_a_classifier_folder_trains_its_end_of_turn_token_from_the_command_line(
     if refused is not None:
         assert refused.returncode == 2
         assert "rm.init_std=0.1: model.hf_path is a sequence classifier" in refused.stderr
+    # SFT, DPO and RL need an LM head: the same folder is refused before any process group,
+    # naming the entry point that trains it (the folder check itself now accepts classifiers)
+    sft_rows = tmp_path / "sft.jsonl"
+    sft_rows.write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
+                                                 {"role": "assistant", "content": "b"}]}) + "\n")
+    for entry, data in (("engine.sft", sft_rows), ("engine.dpo", demo_assets / "dpo_train.jsonl")):
+        other = run_cli(entry, f"model.hf_path={model}", f"data.train_files=[{data}]")
+        assert other.returncode == 2, (entry, other.stderr[-2000:])
+        assert "is a sequence classifier" in other.stderr and "python -m engine.rm" in \
+            other.stderr, (entry, other.stderr[-2000:])
 
 
 def test_run_logs_metrics_evaluates_resumes_and_exports(pools, demo_assets, tmp_path):

@@ -228,9 +228,9 @@ def data_file_problems(cfg, require_train: bool = True) -> list[str]:
 
 def model_dir_problems(cfg) -> list[str]:
     """What the folder at model.hf_path lacks for training (weights, tokenizer, chat template,
-    model.trust_remote_code for its tokenizer code) once read_model_config accepted it."""
+    trust_remote_code; a classifier only for engine.rm, whose config has an `rm` section)."""
     return [f"model.hf_path={cfg.model.hf_path}: {p}" for p in training_dir_problems(
-        cfg.model.hf_path)] + remote_code_problems(cfg)
+        cfg.model.hf_path, classifier_ok=hasattr(cfg, "rm"))] + remote_code_problems(cfg)
 
 
 def value_problems(cfg) -> list[str]:

@@ -89,13 +89,22 @@ def weight_problems(hf_dir: str | os.PathLike) -> list[str]:
         return [f"cannot read the weights' tensor names ({e})"]
 
 
-def training_dir_problems(hf_dir: str | os.PathLike) -> list[str]:
+def training_dir_problems(hf_dir: str | os.PathLike, classifier_ok: bool = False) -> list[str]:
     """What an existing HF folder lacks for training from it (empty list: nothing): safetensors
     weights holding exactly the tensors the bridge maps (`weight_problems`), a tokenizer, and
-    a chat template (every SFT row and RL prompt is rendered with it). Reads the file system
-    only."""
+    a chat template (every SFT row and RL prompt is rendered with it); with `classifier_ok`
+    false (SFT, DPO, RL: they need an LM head) a *ForSequenceClassification folder is refused,
+    naming engine.rm. Reads the file system only."""
     path = Path(hf_dir)
     problems = weight_problems(path)
+    if not classifier_ok and (path / "config.json").is_file():
+        try:
+            arch = json.loads((path / "config.json").read_text()).get("architectures") or []
+        except ValueError:
+            arch = []   # reported by the config check
+        problems += [f"{a} is a sequence classifier (a reward model: a score head, no LM head);"
+                     " train it with `python -m engine.rm`, or give the causal LM folder it was "
+                     "made from" for a in arch[:1] if a.endswith("ForSequenceClassification")]
     if not any((path / name).is_file() for name in VOCAB_FILES) and \
             custom_tokenizer(path) is None:  # a tokenizer's own code reads its own files
         problems.append(f"no tokenizer: none of {', '.join(VOCAB_FILES)} is present")
