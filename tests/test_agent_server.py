@@ -286,6 +286,45 @@ def test_over_limit_requests_get_clear_400s(tok):
     assert len(backend.seen) == 2        # nothing refused reached the backend
 
 
+def test_an_episode_cannot_reach_another_from_its_url(tok):
+    """Episode ids carry 128 random bits: nothing derived from episode A's URL reaches a live
+    episode B (404); B's real URL works. Negative control: the old scheme ("<n>-<server
+    token>") let A's id with the sequence part changed reach B."""
+    import base64
+
+    from engine.rl.agent import server as server_module
+
+    user = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3}
+
+    def derived(a: str) -> list[str]:   # what a scaffold could derive from A's id
+        number, _, token = a.partition("-")
+        out = [f"{int(number) + d}-{token}" for d in (1, -1)] if number.isdigit() else []
+        out += [a[:-1] + c for c in "AQgw"] + [a[1:], a + "0", a.upper()]
+        return [x for x in out if x != a]
+
+    with serving(tok, ScriptedBackend(tok)) as server:
+        a, b = server.open_episode(seed=1), server.open_episode(seed=2)
+        for e in (a, b):
+            assert len(base64.urlsafe_b64decode(e.id + "==")) == 16   # 128 bits
+        assert a.id[:4] != b.id[:4] and b.id not in derived(a.id)
+        for eid in derived(a.id):
+            url = server.base_url(a.id).replace(a.id, eid)
+            assert httpx.post(url + "/chat/completions", json=user).status_code == 404, eid
+        assert httpx.post(server.base_url(b.id) + "/chat/completions", json=user
+                          ).status_code == 200 and b.calls == 1 and a.calls == 0
+        server.close_episode(b.id)
+        assert httpx.get(server.base_url(b.id) + "/models").status_code == 410
+        # negative control: with the old ids, A's id with its number + 1 is B's URL
+        counter = iter(range(10))
+        token = "0123abcd"
+        server._new_id = lambda: f"{next(counter)}-{token}"
+        a, b = server.open_episode(seed=1), server.open_episode(seed=2)
+        url = server.base_url(a.id).replace(a.id, derived(a.id)[0])
+        assert httpx.post(url + "/chat/completions", json=user).status_code == 200
+        assert b.calls == 1 and a.calls == 0
+    assert server_module.new_episode_id() != server_module.new_episode_id()
+
+
 # ----------------------------------------------------------------------------- the runner
 
 def two_call_agent(base_url: str, row: dict) -> float:

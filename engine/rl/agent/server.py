@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server of agent episodes (docs/agents.md).
 
 Every episode gets its own base URL, http://HOST:PORT/episodes/<id>/v1 (what
-`openai.OpenAI(base_url=...)` takes), serving
+`openai.OpenAI(base_url=...)` takes), <id> 22 URL-safe characters carrying 128 random bits
+from `secrets` (`new_episode_id`): no episode's URL can be derived from another's, so a
+scaffold (or code it runs) reaches only the episodes whose URL it was given. It serves
     GET  /v1/models             the one served model (Limits.model)
     POST /v1/chat/completions   messages, tools -> choices with tool_calls, logprobs
     POST /v1/completions        a text or token-id prompt
@@ -40,6 +42,13 @@ from engine.rl.agent.sessions import Episode
 from engine.rl.agent.tokens import TemplateRules
 
 START_TIMEOUT_S = 30.0
+FINISHED_KEPT = 1 << 16   # finished episode ids remembered for 410 (older ones: 404)
+
+
+def new_episode_id() -> str:
+    """128 random bits from `secrets`, URL-safe (22 characters): independent of every other
+    id, so knowing one episode's URL gives nothing about another's."""
+    return secrets.token_urlsafe(16)
 
 
 class AgentServer:
@@ -58,8 +67,8 @@ class AgentServer:
         self.rules, self.limits, self.host, self.port = TemplateRules(tokenizer), limits, host, port
         self.episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()
-        self._issued = 0                      # episode ids are "<n>-<token>", n < _issued
-        self._token = secrets.token_hex(4)    # this server's
+        self._finished: dict[str, None] = {}  # closed ids, oldest first (FINISHED_KEPT)
+        self._new_id = new_episode_id
         self.queue = GenerateQueue(self._live, self._refusal, gather_s, max_wait_s,
                                    max_batch)
         self.app = build_app(self)
@@ -89,8 +98,9 @@ class AgentServer:
     def open_episode(self, seed: int) -> Episode:
         """A new episode seeded with its response seed; its URL is base_url(episode.id)."""
         with self._lock:
-            eid = f"{self._issued}-{self._token}"
-            self._issued += 1
+            eid = self._new_id()
+            while eid in self.episodes or eid in self._finished:   # 2**-128: never, but exact
+                eid = self._new_id()
             episode = self.episodes[eid] = Episode(eid, seed, self.rules, self.limits)
         return episode
 
@@ -99,6 +109,10 @@ class AgentServer:
         was closed already)."""
         with self._lock:
             episode = self.episodes.pop(eid, None)
+            if episode is not None:
+                self._finished[eid] = None
+                if len(self._finished) > FINISHED_KEPT:
+                    del self._finished[next(iter(self._finished))]
         if episode is not None:
             episode.close(reason)
             self.queue.forget(eid)
@@ -112,8 +126,7 @@ class AgentServer:
         with self._lock:
             episode = self.episodes.get(eid)
             if episode is None:
-                number, _, token = eid.partition("-")
-                if token == self._token and number.isdigit() and int(number) < self._issued:
+                if eid in self._finished:
                     raise ApiError(410, f"episode {eid} has finished; it takes no more calls")
                 raise ApiError(404, f"no episode {eid!r} on this server", kind="not_found_error")
         return episode
