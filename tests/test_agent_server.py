@@ -325,6 +325,30 @@ def test_an_episode_cannot_reach_another_from_its_url(tok):
     assert server_module.new_episode_id() != server_module.new_episode_id()
 
 
+def test_malformed_content_parts_get_400_naming_the_part(tok, monkeypatch):
+    """A non-object (or untyped, or textless) content part is a 400 naming the part, never a
+    500 (the openai client retries 5xx); nothing reaches the backend. Negative control:
+    without the part check (engine.data.rows.check_messages) the same request is a 500."""
+    import engine.rl.agent.requests as requests_module
+
+    backend = ScriptedBackend(tok)
+    with serving(tok, backend) as server:
+        url = server.base_url(server.open_episode(seed=1).id) + "/chat/completions"
+        for parts, words in ((["text"], "content[0] must be a part"),
+                             ([{"type": "text", "text": "a"}, 1], "content[1] must be a part"),
+                             ([None], "content[0] must be a part"),
+                             ([{"type": "text"}], "content[0].text must be a string"),
+                             ([{"type": "image"}], "a part other than text")):
+            r = httpx.post(url, json={"messages": [{"role": "user", "content": parts}]})
+            assert r.status_code == 400, (parts, r.text)
+            assert words in r.json()["error"]["message"] and \
+                r.json()["error"]["param"] == "messages", (parts, r.json())
+        monkeypatch.setattr(requests_module, "check_messages", lambda m, *_: m)
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": ["text"]}]})
+        assert r.status_code == 500
+    assert not backend.seen
+
+
 # ----------------------------------------------------------------------------- the runner
 
 def two_call_agent(base_url: str, row: dict) -> float:
