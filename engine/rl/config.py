@@ -67,12 +67,18 @@ class JudgeConfig:
     base_url: Optional[str] = None
     model: str = "judge"                 # the model name sent in each request
     prompt: str = JUDGE_PROMPT           # the judge's user message: {prompt}, {response} filled
-    # the score in the judge's reply: a regex whose one group is a float (its last match), or
-    # "package.module:function" taking the reply's text and returning a float
-    parser: str = r"(-?\d+(?:\.\d+)?)"
+    # the score in the judge's reply: "number" (the verdict: the last number that is not a
+    # denominator, as in 8/10 or 8 out of 10, inside score_range), a regex whose one group is a
+    # float (its last match), or "package.module:function" taking the text, returning a float
+    parser: str = "number"
+    # parser=number's accepted scores [low, high]; a verdict outside is unparsable (scores 0)
+    score_range: List[float] = field(default_factory=lambda: [0.0, 10.0])
     weight: float = 1.0                  # reward = reward.fn score + weight * the judge's score
     concurrency: int = 16                # judge requests in flight at once
     timeout_s: float = 60.0              # per request; past it the request scores 0 (an error)
+    # the whole judging of one RL step ends by then (below the 1800 s process-group timeout the
+    # other ranks wait in); responses not scored by then score 0 and count in reward/errors
+    deadline_s: float = 600.0
     api_key_env: Optional[str] = None    # environment variable holding the API key (null: none)
     max_tokens: int = 256                # of the judge's reply
     temperature: float = 0.0             # of the judge's reply (0: greedy)

@@ -7,6 +7,10 @@ import os
 
 from engine.rl.judge.scorer import load_parser
 
+# parallel.process_groups.init_distributed's timeout: the other ranks wait this long in a
+# collective while rank 0 judges (tests/test_judge_deadline.py keeps the two equal)
+PROCESS_GROUP_TIMEOUT_S = 1800
+
 
 def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -20,8 +24,9 @@ def _number(value) -> bool:
 def judge_problems(cfg) -> list[str]:
     """Sentences naming each violated reward.judge.* key (none while base_url is null): an
     http(s) base_url, a model name, a prompt with {prompt} and {response}, a loadable parser,
-    a finite weight, concurrency and max_tokens >= 1, timeout_s > 0, temperature in [0, 2],
-    api_key_env naming a set variable; agent episodes (env.agent) are not judged yet."""
+    a finite weight, concurrency and max_tokens >= 1, timeout_s > 0, deadline_s in
+    (0, PROCESS_GROUP_TIMEOUT_S), score_range two finite numbers low < high, temperature in
+    [0, 2], api_key_env naming a set variable; agent episodes (env.agent) are not judged yet."""
     judge = cfg.reward.judge
     if judge.base_url is None:
         return []
@@ -36,8 +41,15 @@ def judge_problems(cfg) -> list[str]:
         if not isinstance(judge.prompt, str) or "{" + field + "}" not in judge.prompt:
             p.append(f"reward.judge.prompt lacks {{{field}}}: the template must contain both "
                      "{prompt} and {response} (the response's prompt and its text)")
+    bounds = None if isinstance(judge.score_range, (str, int, float)) or judge.score_range \
+        is None else list(judge.score_range)
+    if not (bounds is not None and len(bounds) == 2 and all(_number(b) for b in bounds)
+            and bounds[0] < bounds[1]):
+        p.append(f"reward.judge.score_range={judge.score_range!r} must be two finite numbers "
+                 "[low, high] with low < high (e.g. [0, 10]): the verdicts parser=number accepts")
+        bounds = [0.0, 10.0]
     try:
-        load_parser(str(judge.parser))
+        load_parser(str(judge.parser), bounds)
     except ValueError as e:
         p.append(str(e))
     if not _number(judge.weight):
@@ -47,6 +59,10 @@ def judge_problems(cfg) -> list[str]:
             p.append(f"reward.judge.{key}={getattr(judge, key)!r} must be an integer >= 1")
     if not (_number(judge.timeout_s) and judge.timeout_s > 0):
         p.append(f"reward.judge.timeout_s={judge.timeout_s!r} must be > 0")
+    if not (_number(judge.deadline_s) and 0 < judge.deadline_s < PROCESS_GROUP_TIMEOUT_S):
+        p.append(f"reward.judge.deadline_s={judge.deadline_s!r} must be > 0 and below the "
+                 f"{PROCESS_GROUP_TIMEOUT_S} s process-group timeout (the other ranks wait in a "
+                 "collective while rank 0 judges), e.g. 600")
     if not (_number(judge.temperature) and 0 <= judge.temperature <= 2):
         p.append(f"reward.judge.temperature={judge.temperature!r} must be in [0, 2]")
     if judge.api_key_env is not None and not os.environ.get(str(judge.api_key_env)):

@@ -7,8 +7,16 @@ response's text is the trajectory after the prompt, observations included), colo
 disaggregated rollout ranks; not validation (it scores with reward.fn alone, as without a
 judge). Metrics: reward/judge_mean (the mean judge score of the step's responses, failed ones
 0), failed judge requests counted in reward/errors; dumps: judge_score per episode.
+
+The deadline: the judge's calls of one collect (every generation batch of the step together)
+spend at most reward.judge.deadline_s seconds; each call gets what the earlier ones left, and
+responses not scored within it score 0 and count in reward/errors (a batch judged after the
+budget is spent sends nothing). So the other ranks, waiting in a collective, wait for the
+judge at most deadline_s per step, below the process-group timeout.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -26,6 +34,7 @@ class JudgedCollector(RolloutCollector):
         super().__init__(*args, **kwargs)
         self.judge = judge
         self.judged: list[torch.Tensor] = []   # the judge scores of the collect in progress
+        self.judge_left_s = float(judge.cfg.deadline_s)   # the step's judging time left
 
     def _model_scores(self, part: dict) -> dict:
         part = super()._model_scores(part)
@@ -37,7 +46,9 @@ class JudgedCollector(RolloutCollector):
             text = row["prompt"] if isinstance(row["prompt"], str) else self.tokenizer.decode(
                 prompt, skip_special_tokens=True)
             items.append((text, self.tokenizer.decode(response, skip_special_tokens=True)))
-        result = self.judge.score(items)
+        t0 = time.monotonic()
+        result = self.judge.score(items, deadline_s=self.judge_left_s)
+        self.judge_left_s -= time.monotonic() - t0
         if result.num_errors:
             first = next(e for e in result.errors if e is not None)
             print(f"[rl] warning: the judge failed on {result.num_errors} of {len(items)} "
@@ -52,6 +63,7 @@ class JudgedCollector(RolloutCollector):
 
     def collect(self, dump_step: int | None = None):
         self.judged = []
+        self.judge_left_s = float(self.judge.cfg.deadline_s)
         batch = super().collect(dump_step)
         batch.metrics["reward/judge_mean"] = float(torch.cat(self.judged).mean())
         return batch

@@ -1,5 +1,5 @@
 """The judge's requests: one chat completion per (prompt, response), concurrently, with a
-deadline each; the reply's text parsed into a score.
+timeout each and one deadline for the whole batch; the reply's text parsed into a score.
 
 Request (POST {base_url}/chat/completions): {"model": reward.judge.model, "messages": [{"role":
 "user", "content": the template}], "max_tokens", "temperature"}; with reward.judge.api_key_env
@@ -7,14 +7,21 @@ the header `Authorization: Bearer <that variable's value>`. The template is rewa
 with every literal `{prompt}` and `{response}` replaced (in one pass: braces of other kinds, and
 such words inside the filled texts, stay as written).
 
-Parser (reward.judge.parser): "package.module:function" is called with the reply's text and
-returns the score; anything else is a regular expression with exactly one group, and the score
-is float(the group) of its LAST match (a judge that reasons first states its verdict last).
+Parser (reward.judge.parser): "number" (the default) takes the verdict, the LAST number of the
+reply that is not a denominator (the 10 of "8/10" or "8 out of 10"), and accepts it only inside
+reward.judge.score_range [low, high]: "8/10" scores 8, "Score: 7" 7, "11" with [0, 10] is
+unparsable (no fallback to an earlier number); "package.module:function" is called with the
+reply's text and returns the score; anything else is a regular expression with exactly one
+group, and the score is float(the group) of its LAST match (a judge that reasons first states
+its verdict last).
 
 Failures: a request that fails (connection, HTTP status other than 200, a body without a text
 reply), runs past reward.judge.timeout_s (counted from when it is sent: at most
-reward.judge.concurrency are in flight), or whose reply does not parse into a finite float
-scores 0.0 and is counted (the collector adds the count to reward/errors).
+reward.judge.concurrency are in flight), is not answered when the batch's deadline passes
+(JudgeScorer.score's `deadline_s`, reward.judge.deadline_s by default: queued and in-flight
+requests are cancelled then), or whose reply does not parse into a finite float scores 0.0 and
+is counted (the collector adds the count to reward/errors). So one score() call returns within
+its deadline plus the time to cancel (milliseconds), however many requests hang.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import asyncio
 import math
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,6 +39,8 @@ from engine.rl.env.contract import load_object
 
 FIELDS = re.compile(r"\{(prompt|response)\}")
 FUNCTION_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?")
+DENOMINATOR = re.compile(r"(?:/|\bout\s+of)\s*$", re.IGNORECASE)   # what precedes a denominator
 
 
 def fill(template: str, prompt: str, response: str) -> str:
@@ -39,9 +49,27 @@ def fill(template: str, prompt: str, response: str) -> str:
     return FIELDS.sub(lambda m: values[m.group(1)], template)
 
 
-def load_parser(spec: str) -> Callable[[str], float]:
-    """reward.judge.parser as a function text -> float (module docstring); ValueError naming
-    the key when it is neither a loadable function nor a regex with one group."""
+def verdict_parser(low: float, high: float) -> Callable[[str], float]:
+    """parser=number with score_range [low, high] (module docstring): text -> the verdict;
+    ValueError when the reply has no number outside denominators or the verdict is out of range."""
+    def parse(text: str) -> float:
+        verdicts = [m for m in NUMBER.finditer(text) if not DENOMINATOR.search(text[:m.start()])]
+        if not verdicts:
+            raise ValueError("no number (other than a denominator such as the 10 of 8/10)")
+        value = float(verdicts[-1].group())
+        if not low <= value <= high:
+            raise ValueError(f"verdict {verdicts[-1].group()} is outside "
+                             f"reward.judge.score_range=[{low:g}, {high:g}]")
+        return value
+    return parse
+
+
+def load_parser(spec: str, score_range=(0.0, 10.0)) -> Callable[[str], float]:
+    """reward.judge.parser as a function text -> float (module docstring; `score_range` is
+    parser=number's [low, high]); ValueError naming the key when it is neither "number", a
+    loadable function nor a regex with one group."""
+    if spec == "number":
+        return verdict_parser(float(score_range[0]), float(score_range[1]))
     if FUNCTION_SPEC.fullmatch(spec):
         fn = load_object(spec, "reward.judge.parser")
         if not callable(fn) or isinstance(fn, type):
@@ -80,7 +108,7 @@ class JudgeScorer:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.url = cfg.base_url.rstrip("/") + "/chat/completions"
-        self.parse = load_parser(cfg.parser)
+        self.parse = load_parser(cfg.parser, list(cfg.score_range))
         key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -90,19 +118,39 @@ class JudgeScorer:
                 "messages": [{"role": "user", "content": fill(self.cfg.prompt, prompt,
                                                               response)}]}
 
-    def score(self, items: list[tuple[str, str]]) -> JudgeScores:
-        """The score of each (prompt text, response text), in order (module docstring)."""
+    def score(self, items: list[tuple[str, str]],
+              deadline_s: float | None = None) -> JudgeScores:
+        """The score of each (prompt text, response text), in order, all within `deadline_s`
+        seconds from now (None: reward.judge.deadline_s; <= 0: none is sent, all score 0);
+        module docstring."""
         if not items:
             return JudgeScores([], [])
-        results = asyncio.run(self._score_all(items))
+        deadline_s = self.cfg.deadline_s if deadline_s is None else deadline_s
+        if deadline_s <= 0:
+            why = (f"not judged: this step's reward.judge.deadline_s={self.cfg.deadline_s} "
+                   "had passed")
+            return JudgeScores([0.0] * len(items), [why] * len(items))
+        loop = asyncio.new_event_loop()   # closed without waiting for stuck resolver threads
+        try:
+            results = loop.run_until_complete(self._score_all(items, deadline_s))
+        finally:
+            loop.close()
         return JudgeScores([s for s, _ in results], [e for _, e in results])
 
-    async def _score_all(self, items: list[tuple[str, str]]) -> list[tuple[float, str | None]]:
+    async def _score_all(self, items: list[tuple[str, str]],
+                         deadline_s: float) -> list[tuple[float, str | None]]:
         gate = asyncio.Semaphore(self.cfg.concurrency)
         limits = httpx.Limits(max_connections=self.cfg.concurrency)
+        late = (0.0, f"not answered within reward.judge.deadline_s={self.cfg.deadline_s} "
+                     f"(this batch's {deadline_s:.3g} s)")
         async with httpx.AsyncClient(timeout=self.cfg.timeout_s, limits=limits,
                                      headers=self.headers) as client:
-            return await asyncio.gather(*(self._one(client, gate, p, r) for p, r in items))
+            tasks = [asyncio.ensure_future(self._one(client, gate, p, r)) for p, r in items]
+            _, pending = await asyncio.wait(tasks, timeout=deadline_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        return [late if task in pending else task.result() for task in tasks]
 
     async def _one(self, client: httpx.AsyncClient, gate: asyncio.Semaphore, prompt: str,
                    response: str) -> tuple[float, str | None]:
