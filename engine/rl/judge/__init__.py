@@ -4,7 +4,8 @@ one), the judge's reply is parsed into a float, and reward.judge.weight x that s
 response's score like a reward model's.
 
 Modules (one job each):
-    scorer     the judge's requests (concurrent, with timeouts), the template and the parser
+    scorer     the judge's requests (concurrent, with timeouts and one deadline), the template
+               and the parsers
     checks     the reward.judge.* keys, checked before any process group
     collector  the RL collector that adds the judge's scores, metrics and dump field
 
