@@ -349,6 +349,56 @@ def test_malformed_content_parts_get_400_naming_the_part(tok, monkeypatch):
     assert not backend.seen
 
 
+def keyed_agent(base_url: str, row: dict, api_key: str | None = None) -> float:
+    """An agent function taking env.agent_api_key (tests of the key)."""
+    reply = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=30
+                          ).chat.completions.create(model="m", messages=[
+                              {"role": "user", "content": row["prompt"]}])
+    with pytest.raises(openai.AuthenticationError):   # another key: 401
+        client(base_url).models.list()
+    return float(len(reply.choices[0].message.content))
+
+
+def test_an_api_key_guards_the_endpoint_and_reaches_the_function(tok):
+    """env.agent_api_key: the function is called with api_key=KEY and its client's calls
+    work; a request without `Authorization: Bearer KEY` (none, or another key) gets 401 with
+    OpenAI's body and reaches nothing. Negative control: without a key the same bare request
+    is served. agent_problems checks the key and that the function takes it."""
+    from types import SimpleNamespace
+
+    from engine.rl.agent.checks import agent_problems
+
+    user = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3}
+    backend = ScriptedBackend(tok)
+    with AgentServer(tok, LIMITS, api_key="s3cret") as server:
+        (outcome,) = AgentRunner(server, keyed_agent, "tests:keyed", None, 20).run(
+            backend, [{"prompt": "p"}], [7])
+        url = server.base_url(server.open_episode(seed=1).id)
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(url + "/chat/completions", json=user, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert r.json()["error"]["type"] == "invalid_request_error"
+        assert httpx.get(url + "/models", headers={"Authorization": "Bearer s3cret"}
+                         ).status_code == 200
+    assert outcome.error is None and outcome.calls == 1 and len(backend.seen) == 1
+    with serving(tok, ScriptedBackend(tok)) as server:    # no key: open as before
+        url = server.base_url(server.open_episode(seed=1).id)
+        assert httpx.post(url + "/chat/completions", json=user).status_code == 200
+    cfg = SimpleNamespace(   # the keys agent_problems reads, as engine.rl.config has them
+        env=SimpleNamespace(fn=None, agent=None, agent_concurrency=None, agent_timeout_s=600.0,
+                            agent_host="127.0.0.1", agent_port=0, max_turns=4),
+        rollout=SimpleNamespace(backend="hf"), reward=SimpleNamespace(
+            model=SimpleNamespace(path=None)))
+    cfg.env.agent, cfg.env.agent_api_key = "tests.test_agent_server:keyed_agent", "k"
+    assert agent_problems(cfg) == []
+    cfg.env.agent = "tests.test_agent_server:two_call_agent"      # takes no api_key
+    assert "give it an api_key parameter" in " ".join(agent_problems(cfg))
+    cfg.env.agent, cfg.env.agent_api_key = "tests.test_agent_server:keyed_agent", "a b"
+    assert "env.agent_api_key must be" in " ".join(agent_problems(cfg))
+    cfg.env.agent_api_key = None
+    assert agent_problems(cfg) == []
+
+
 # ----------------------------------------------------------------------------- the runner
 
 def two_call_agent(base_url: str, row: dict) -> float:

@@ -163,8 +163,8 @@ def _free_port() -> int:
 
 def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     """`serve --help`; a missing folder, one without config.json and one without a tokenizer
-    exit 2 naming --model; a real serve on the main thread answers the openai client and
-    exits 0 on SIGTERM."""
+    exit 2 naming --model; a real serve with --api-key on the main thread answers the openai
+    client sending the key, 401 without it, and exits 0 on SIGTERM."""
     with pytest.raises(SystemExit) as e:
         serve_main(["--help"], prog="megatron-sft-engine serve")
     assert e.value.code == 0 and "--backend {hf,vllm}" in capsys.readouterr().out
@@ -180,6 +180,8 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
         assert f"--model {str(folder)!r} {expected}" in capsys.readouterr().err
     assert serve_main(["--model", model_dir, "--top-p", "0"]) == 2
     assert "--top-p 0.0 must be in (0, 1]" in capsys.readouterr().err
+    assert serve_main(["--model", model_dir, "--api-key", "a b"]) == 2
+    assert "--api-key must be a non-empty key without spaces" in capsys.readouterr().err
 
     port, seen = _free_port(), {}
 
@@ -192,19 +194,27 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
                     break
                 except httpx.HTTPError:
                     time.sleep(0.05)
-            c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            seen["reply"] = c.chat.completions.create(
-                model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            chat = dict(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+            seen["bare"] = httpx.post(f"{url}/v1/chat/completions", json=chat)
+            with pytest.raises(openai.AuthenticationError):       # another key: 401
+                openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0
+                              ).models.list()
+            c = openai.OpenAI(base_url=f"{url}/v1", api_key="k3y", max_retries=0)
+            seen["reply"] = c.chat.completions.create(**chat)
         finally:
             os.kill(os.getpid(), signal.SIGTERM)
 
     helper = threading.Thread(target=client, daemon=True)
     helper.start()
     code = serve_main(["--model", model_dir, "--port", str(port), "--max-tokens", "8",
-                       "--dtype", "float32", "--batch-wait-ms", "1"])
+                       "--dtype", "float32", "--batch-wait-ms", "1", "--api-key", "k3y"])
     helper.join(timeout=30)
     out = capsys.readouterr().out
     assert code == 0 and "[serve] stopped" in out and f"127.0.0.1:{port}/v1" in out
+    # --api-key: /health stayed open (the wait above), a request without the key got 401
+    # (the keyless `served` fixture answers the other tests' clients: open by default)
+    assert seen["bare"].status_code == 401, seen["bare"].text
+    assert seen["bare"].json()["error"]["code"] == "invalid_api_key"
     assert seen["reply"].model == "llama" and len(seen["reply"].choices) == 1
 
 

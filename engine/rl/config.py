@@ -199,6 +199,9 @@ class EnvConfig:
     agent_timeout_s: float = 600.0       # per episode, from its function's call
     agent_host: str = "127.0.0.1"        # the endpoint's address (loopback by default)
     agent_port: int = 0                  # the endpoint's port; 0: a free one
+    # null: open; a key: requests need "Authorization: Bearer KEY" (401 otherwise) and the
+    # function is called function(base_url, row, api_key=KEY)
+    agent_api_key: Optional[str] = None
 
 
 @dataclass

@@ -22,7 +22,8 @@ same reply whatever else is served. SIGTERM or Ctrl-C stops it (exit 0)."""
 EXAMPLES = """examples:
   {prog} --model runs/x/hf --port 8000
   {prog} --model /models/Qwen3-8B --backend vllm --max-tokens 1024 --temperature 0
-  then: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")"""
+  {prog} --model runs/x/hf --host 0.0.0.0 --api-key "$(openssl rand -hex 16)"
+  then: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")  (or the --api-key)"""
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
@@ -55,6 +56,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
                    help="a batch goes this long after its oldest request arrived (default: 20)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="requests per generate call at most (default: no limit)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="requests must send 'Authorization: Bearer KEY' (OpenAI(api_key=KEY)); "
+                        "others get 401 (default: none, open; /health is always open)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="the folder's own tokenizer code may run")
     return p
@@ -69,6 +73,9 @@ def flag_problems(args) -> list[str]:
               (args.batch_wait_ms >= 0, f"--batch-wait-ms {args.batch_wait_ms} must be >= 0"),
               (args.max_batch is None or args.max_batch >= 1,
                f"--max-batch {args.max_batch} must be >= 1"),
+              (args.api_key is None or (args.api_key.isprintable() and args.api_key.strip()
+                                        and not any(c.isspace() for c in args.api_key)),
+               "--api-key must be a non-empty key without spaces"),
               (args.max_context is None or args.max_context > args.max_tokens,
                f"--max-context {args.max_context} must exceed --max-tokens {args.max_tokens} "
                "(room for the prompt)")]

@@ -33,12 +33,13 @@ def serve_model(args) -> int:
         previous = {s: signal.signal(s, lambda *_: stop.set())
                     for s in (signal.SIGINT, signal.SIGTERM)}
     endpoint = ServeEndpoint(loaded.tokenizer, settings, args.host, args.port,
-                             args.batch_wait_ms / 1000, args.max_batch)
+                             args.batch_wait_ms / 1000, args.max_batch, args.api_key)
     code = 0
     try:
         endpoint.start()
         print(f"[serve] {args.model} on the {args.backend} backend: {endpoint.base_url} "
-              f"(model {name!r})", flush=True)
+              f"(model {name!r}{'; requests need the --api-key' if args.api_key else ''})",
+              flush=True)
         # max_len: a request never shares a budget that would take its prompt past the
         # context (vLLM refuses such a call: max_model_len = --max-context)
         endpoint.serve(SamplingBackend(engine.generate, max_len=args.max_context), stop.is_set,

@@ -2,7 +2,20 @@
 (engine.rl.checks.env_problems calls agent_problems; docs/agents.md)."""
 from __future__ import annotations
 
+import inspect
+
 from engine.rl.env.contract import load_object
+
+
+def takes_api_key(fn) -> bool:
+    """Whether fn(base_url, row, api_key=...) binds (an api_key parameter or **kwargs)."""
+    try:
+        inspect.signature(fn).bind("url", {}, api_key="key")
+    except TypeError:
+        return False
+    except ValueError:   # no signature (a builtin): let the call decide
+        return True
+    return True
 
 
 def agent_problems(cfg) -> list[str]:
@@ -13,7 +26,15 @@ def agent_problems(cfg) -> list[str]:
     env = cfg.env
     agent = getattr(env, "agent", None)
     p: list[str] = []
+    key = getattr(env, "agent_api_key", None)
+    if key is not None and (not isinstance(key, str) or not key or not key.isprintable()
+                            or any(c.isspace() for c in key)):
+        p.append("env.agent_api_key must be a non-empty string without spaces (what clients "
+                 "send as 'Authorization: Bearer KEY') or null (no key)")
     if agent is None:
+        if key is not None:
+            p.append("env.agent_api_key is set but env.agent is not: the key guards the agent "
+                     "endpoint; set env.agent or leave the key out")
         return p
     if env.fn is not None:
         p.append(f"env.agent={agent!r} and env.fn={env.fn!r} are both set: an agent function "
@@ -22,6 +43,10 @@ def agent_problems(cfg) -> list[str]:
         fn = load_object(agent, "env.agent")
         if not callable(fn) or isinstance(fn, type):
             p.append(f"env.agent={agent!r} is not a function(base_url, row)")
+        elif key is not None and not takes_api_key(fn):
+            p.append(f"env.agent_api_key is set, so env.agent={agent!r} is called "
+                     "function(base_url, row, api_key=KEY); give it an api_key parameter (its "
+                     "OpenAI client sends the key: OpenAI(base_url=base_url, api_key=api_key))")
     except ValueError as err:
         p.append(f"{err} (env.agent is package.module:function)")
     conc = env.agent_concurrency

@@ -1,7 +1,7 @@
 """One generation batch of agent episodes for RolloutCollector (rank 0; docs/agents.md).
 
 `AgentRollout(pool, tokenizer, cfg)` loads env.agent and starts ONE AgentServer for the run
-(env.agent_host, env.agent_port; the run's limits: rollout.max_new_tokens, train.seq_length,
+(env.agent_host, env.agent_port, env.agent_api_key; the run's limits: rollout.max_new_tokens, train.seq_length,
 rollout.temperature / top_p, env.max_turns). `generation_batch(rows, row_indices, seeds, b)`
 runs one episode per (prompt row, sample) with AgentRunner (env.agent_concurrency,
 env.agent_timeout_s; the response seeds of the environment path), its generate calls served by
@@ -56,7 +56,7 @@ class AgentRollout:
         self.server = AgentServer(tokenizer, Limits(
             max_new_tokens=r.max_new_tokens, seq_length=cfg.train.seq_length,
             temperature=r.temperature, top_p=r.top_p, max_turns=e.max_turns),
-            host=e.agent_host, port=e.agent_port).start()
+            host=e.agent_host, port=e.agent_port, api_key=e.agent_api_key).start()
         self.runner = AgentRunner(self.server, function, e.agent, e.agent_concurrency,
                                   e.agent_timeout_s)
         self.schemas = None

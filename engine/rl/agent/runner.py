@@ -3,7 +3,8 @@
 `AgentRunner(server, function, name, concurrency, timeout_s).run(backend, rows, seeds)` opens
 one episode per (row, seed) on `server`, and calls `function(base_url, row)` for each on up to
 `concurrency` threads (engine.rl.env.stepper.run_calls; None: all at once), `row` a deep copy
-of the dataset row. The calling thread, which owns the engines, serves the episodes' generate
+of the dataset row (`function(base_url, row, api_key=KEY)` when the server has a key,
+env.agent_api_key: the function's OpenAI client sends it). The calling thread, which owns the engines, serves the episodes' generate
 requests meanwhile (AgentServer.serve) and returns once every function returned or timed out.
 
 A function returns a finite int/float reward, or {"reward": number, "metrics": {name: number}}.
@@ -82,7 +83,10 @@ class AgentRunner:
         episode.start(self.timeout_s)
         self.server.queue.wake()
         try:
-            value = self.function(self.server.base_url(episode.id), row)
+            url = self.server.base_url(episode.id)
+            key = self.server.api_key
+            value = self.function(url, row) if key is None else \
+                self.function(url, row, api_key=key)
         except BaseException as e:  # noqa: BLE001 - user code may raise anything
             return 0.0, {}, f"agent {self.name} raised {type(e).__name__}: {e}"
         finally:

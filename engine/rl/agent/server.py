@@ -11,7 +11,8 @@ Requests are checked (engine.rl.agent.requests), matched to the episode's earlie
 given their context (engine.rl.agent.sessions), queued for the engine-owning thread
 (engine.rl.agent.batcher), and answered (engine.rl.agent.replies). Errors are OpenAI-style JSON
 bodies: 400 (malformed JSON, a parameter beyond the run's limits, context length exceeded,
-env.max_turns reached), 404 (no such episode), 410 (the episode finished or timed out), 503
+env.max_turns reached), 401 (an api_key is set and the request lacks `Authorization: Bearer
+<key>`), 404 (no such episode), 410 (the episode finished or timed out), 503
 (generation failed); nothing a client sends crashes the server.
 
 Threads: uvicorn runs FastAPI in a daemon thread with its own event loop (`start`); the thread
@@ -59,12 +60,15 @@ class AgentServer:
         limits: what a call may ask for.
         host, port: where to listen (loopback by default; 0: a free port).
         gather_s, max_wait_s, max_batch: the batching rule (engine.rl.agent.batcher).
+        api_key: when set, every request must carry `Authorization: Bearer <api_key>` (401
+            otherwise; require_api_key); None: open (env.agent_api_key).
     """
 
     def __init__(self, tokenizer, limits: Limits, host: str = "127.0.0.1", port: int = 0,
                  gather_s: float = 0.2, max_wait_s: float = 2.0,
-                 max_batch: int | None = None) -> None:
+                 max_batch: int | None = None, api_key: str | None = None) -> None:
         self.rules, self.limits, self.host, self.port = TemplateRules(tokenizer), limits, host, port
+        self.api_key = api_key
         self.episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()
         self._finished: dict[str, None] = {}  # closed ids, oldest first (FINISHED_KEPT)
@@ -229,10 +233,31 @@ def add_error_handlers(app: FastAPI) -> None:
                                      ).body(), status_code=exc.status_code)
 
 
+def require_api_key(app: FastAPI, api_key: str | None, open_paths: tuple[str, ...] = ()
+                    ) -> None:
+    """With `api_key`, a request to any path but `open_paths` without the header
+    `Authorization: Bearer <api_key>` gets 401 with OpenAI's body (type
+    invalid_request_error, code invalid_api_key) before its body is read; None: no check."""
+    if api_key is None:
+        return
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if request.url.path not in open_paths and not secrets.compare_digest(
+                request.headers.get("authorization", "").encode(), expected):
+            return JSONResponse(ApiError(
+                401, "Incorrect API key provided: send the header 'Authorization: Bearer "
+                "<key>' with the server's key (OpenAI(api_key=...))",
+                kind="invalid_request_error", code="invalid_api_key").body(), status_code=401)
+        return await call_next(request)
+
+
 def build_app(server: AgentServer) -> FastAPI:
     """The FastAPI app of `server`'s routes (module docstring)."""
     app = FastAPI(title="agent episodes", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
+    require_api_key(app, server.api_key)
 
     @app.get("/episodes/{eid}/v1/models")
     async def models(eid: str) -> dict:
