@@ -399,6 +399,24 @@ def test_an_api_key_guards_the_endpoint_and_reaches_the_function(tok):
     assert agent_problems(cfg) == []
 
 
+def test_a_body_over_the_limit_gets_413(tok):
+    """max_body_bytes: a body over it is a 413 naming the limit, whether it declares its
+    length or comes chunked; a body within it is served. Negative control: the default limit
+    (16 MiB) serves the same large body."""
+    small = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3}
+    big = json.dumps({**small, "user": "u" * 3000}).encode()   # `user`: accepted, ignored
+    with serving(tok, ScriptedBackend(tok), max_body_bytes=2000) as server:
+        url = server.base_url(server.open_episode(seed=1).id) + "/chat/completions"
+        for content in (big, iter([big[:1500], big[1500:]])):      # sized, chunked
+            r = httpx.post(url, content=content, headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and "limit of 2000 bytes" in r.json()["error"][
+                "message"], r.text
+        assert httpx.post(url, json=small).status_code == 200
+    with serving(tok, ScriptedBackend(tok)) as server:
+        url = server.base_url(server.open_episode(seed=1).id) + "/chat/completions"
+        assert httpx.post(url, content=big).status_code == 200
+
+
 # ----------------------------------------------------------------------------- the runner
 
 def two_call_agent(base_url: str, row: dict) -> float:

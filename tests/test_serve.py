@@ -164,7 +164,8 @@ def _free_port() -> int:
 def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     """`serve --help`; a missing folder, one without config.json and one without a tokenizer
     exit 2 naming --model; a real serve with --api-key on the main thread answers the openai
-    client sending the key, 401 without it, and exits 0 on SIGTERM."""
+    client sending the key, 401 without it, 413 over --max-body-mb, and exits 0 on
+    SIGTERM."""
     with pytest.raises(SystemExit) as e:
         serve_main(["--help"], prog="megatron-sft-engine serve")
     assert e.value.code == 0 and "--backend {hf,vllm}" in capsys.readouterr().out
@@ -182,6 +183,8 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     assert "--top-p 0.0 must be in (0, 1]" in capsys.readouterr().err
     assert serve_main(["--model", model_dir, "--api-key", "a b"]) == 2
     assert "--api-key must be a non-empty key without spaces" in capsys.readouterr().err
+    assert serve_main(["--model", model_dir, "--max-body-mb", "0"]) == 2
+    assert "--max-body-mb 0.0 must be a finite size" in capsys.readouterr().err
 
     port, seen = _free_port(), {}
 
@@ -196,6 +199,8 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
                     time.sleep(0.05)
             chat = dict(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
             seen["bare"] = httpx.post(f"{url}/v1/chat/completions", json=chat)
+            seen["big"] = httpx.post(f"{url}/v1/chat/completions", headers={
+                "Authorization": "Bearer k3y"}, json={**chat, "user": "u" * 2000})
             with pytest.raises(openai.AuthenticationError):       # another key: 401
                 openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0
                               ).models.list()
@@ -207,7 +212,8 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     helper = threading.Thread(target=client, daemon=True)
     helper.start()
     code = serve_main(["--model", model_dir, "--port", str(port), "--max-tokens", "8",
-                       "--dtype", "float32", "--batch-wait-ms", "1", "--api-key", "k3y"])
+                       "--dtype", "float32", "--batch-wait-ms", "1", "--api-key", "k3y",
+                       "--max-body-mb", "0.001"])
     helper.join(timeout=30)
     out = capsys.readouterr().out
     assert code == 0 and "[serve] stopped" in out and f"127.0.0.1:{port}/v1" in out
@@ -215,6 +221,8 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     # (the keyless `served` fixture answers the other tests' clients: open by default)
     assert seen["bare"].status_code == 401, seen["bare"].text
     assert seen["bare"].json()["error"]["code"] == "invalid_api_key"
+    # --max-body-mb 0.001 (1048 bytes): a 2 kB body is a 413, the chat above was served
+    assert seen["big"].status_code == 413 and "1048 bytes" in seen["big"].text
     assert seen["reply"].model == "llama" and len(seen["reply"].choices) == 1
 
 

@@ -59,6 +59,8 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="requests must send 'Authorization: Bearer KEY' (OpenAI(api_key=KEY)); "
                         "others get 401 (default: none, open; /health is always open)")
+    p.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
+                   help="a request body over this many MiB gets 413 (default: 16)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="the folder's own tokenizer code may run")
     return p
@@ -76,6 +78,8 @@ def flag_problems(args) -> list[str]:
               (args.api_key is None or (args.api_key.isprintable() and args.api_key.strip()
                                         and not any(c.isspace() for c in args.api_key)),
                "--api-key must be a non-empty key without spaces"),
+              (1 <= args.max_body_mb * 2 ** 20 < float("inf"), f"--max-body-mb "
+               f"{args.max_body_mb} must be a finite size of at least one byte"),
               (args.max_context is None or args.max_context > args.max_tokens,
                f"--max-context {args.max_context} must exceed --max-tokens {args.max_tokens} "
                "(room for the prompt)")]

@@ -10,8 +10,8 @@ are; a text prompt with the tokenizer's special tokens), checked by the agent en
 engine.rl.agent.replies. Errors are OpenAI-style bodies: 400 for malformed JSON, a parameter
 out of range, or context length exceeded (the prompt, or the prompt plus an explicit
 max_tokens, over max_context tokens: code context_length_exceeded); 401 (code invalid_api_key)
-without `Authorization: Bearer <key>` when the endpoint has a key (--api-key); 503 when
-generation failed.
+without `Authorization: Bearer <key>` when the endpoint has a key (--api-key); 413 for a body
+over --max-body-mb (16 MiB by default); 503 when generation failed.
 
 max_tokens: a request's max_tokens (or max_completion_tokens) is capped at
 ServeSettings.max_tokens; absent, the reply may take that many, or what is left of
@@ -39,8 +39,8 @@ from engine.errors import RunError
 from engine.rl.agent.protocol import GenerateBackend, GenerateRequest, call_seed
 from engine.rl.agent.replies import make_reply, response_body
 from engine.rl.agent.requests import ApiError, Call, Limits, bad, parse_chat, parse_completion
-from engine.rl.agent.server import (add_error_handlers, json_body, models_body,
-                                    require_api_key, start_http, stop_http)
+from engine.rl.agent.server import (MAX_BODY_BYTES, add_error_handlers, json_body,
+                                    models_body, require_api_key, start_http, stop_http)
 from engine.rl.agent.tokens import TemplateRules
 from engine.serve.batching import CLIENTS, ServeQueue
 
@@ -86,12 +86,13 @@ class ServeEndpoint:
         gather_s, max_batch: the batching rule (engine.serve.batching).
         api_key: when set, requests need `Authorization: Bearer <api_key>` (401 otherwise;
             /health stays open); None: open (--api-key).
+        max_body_bytes: a request body over it is a 413 (--max-body-mb).
     """
 
     def __init__(self, tokenizer, settings: ServeSettings, host: str = "127.0.0.1",
                  port: int = 0, gather_s: float = 0.02, max_batch: int | None = None,
-                 api_key: str | None = None) -> None:
-        self.api_key = api_key
+                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.rules, self.settings, self.host, self.port = (TemplateRules(tokenizer), settings,
                                                            host, port)
         self.limits = Limits(max_new_tokens=settings.max_tokens,
@@ -197,7 +198,8 @@ def build_app(endpoint: ServeEndpoint) -> FastAPI:
 
     async def call(request: Request, kind: str) -> JSONResponse:
         try:
-            return await endpoint.handle(kind, await json_body(request))
+            return await endpoint.handle(kind, await json_body(request,
+                                                               endpoint.max_body_bytes))
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must answer 500, not drop the request

@@ -33,7 +33,8 @@ def serve_model(args) -> int:
         previous = {s: signal.signal(s, lambda *_: stop.set())
                     for s in (signal.SIGINT, signal.SIGTERM)}
     endpoint = ServeEndpoint(loaded.tokenizer, settings, args.host, args.port,
-                             args.batch_wait_ms / 1000, args.max_batch, args.api_key)
+                             args.batch_wait_ms / 1000, args.max_batch, args.api_key,
+                             int(args.max_body_mb * 2 ** 20))
     code = 0
     try:
         endpoint.start()

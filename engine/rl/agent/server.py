@@ -12,7 +12,7 @@ given their context (engine.rl.agent.sessions), queued for the engine-owning thr
 (engine.rl.agent.batcher), and answered (engine.rl.agent.replies). Errors are OpenAI-style JSON
 bodies: 400 (malformed JSON, a parameter beyond the run's limits, context length exceeded,
 env.max_turns reached), 401 (an api_key is set and the request lacks `Authorization: Bearer
-<key>`), 404 (no such episode), 410 (the episode finished or timed out), 503
+<key>`), 413 (a body over max_body_bytes, 16 MiB by default), 404 (no such episode), 410 (the episode finished or timed out), 503
 (generation failed); nothing a client sends crashes the server.
 
 Threads: uvicorn runs FastAPI in a daemon thread with its own event loop (`start`); the thread
@@ -44,6 +44,7 @@ from engine.rl.agent.tokens import TemplateRules
 
 START_TIMEOUT_S = 30.0
 FINISHED_KEPT = 1 << 16   # finished episode ids remembered for 410 (older ones: 404)
+MAX_BODY_BYTES = 16 << 20  # a request body over it is a 413 (both servers' default)
 
 
 def new_episode_id() -> str:
@@ -62,13 +63,15 @@ class AgentServer:
         gather_s, max_wait_s, max_batch: the batching rule (engine.rl.agent.batcher).
         api_key: when set, every request must carry `Authorization: Bearer <api_key>` (401
             otherwise; require_api_key); None: open (env.agent_api_key).
+        max_body_bytes: a request body over it is a 413 (json_body).
     """
 
     def __init__(self, tokenizer, limits: Limits, host: str = "127.0.0.1", port: int = 0,
                  gather_s: float = 0.2, max_wait_s: float = 2.0,
-                 max_batch: int | None = None, api_key: str | None = None) -> None:
+                 max_batch: int | None = None, api_key: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.rules, self.limits, self.host, self.port = TemplateRules(tokenizer), limits, host, port
-        self.api_key = api_key
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()
         self._finished: dict[str, None] = {}  # closed ids, oldest first (FINISHED_KEPT)
@@ -211,9 +214,23 @@ def models_body(limits: Limits) -> dict:
                                         "owned_by": "megatron-sft-engine"}]}
 
 
-async def json_body(request: Request) -> dict:
-    """The request's JSON body (ApiError 400 when it is not JSON)."""
-    raw = await request.body()
+async def json_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
+    """The request's JSON body: ApiError 413 when it is over `max_bytes` (by its
+    Content-Length before reading, or while reading a chunked body), 400 when not JSON."""
+    def too_large() -> ApiError:
+        return ApiError(413, f"the request body is over this server's limit of {max_bytes} "
+                        "bytes", code="request_too_large")
+
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large()
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -266,7 +283,8 @@ def build_app(server: AgentServer) -> FastAPI:
 
     async def call(eid: str, request: Request, kind: str) -> JSONResponse:
         try:
-            return await server.handle(eid, kind, await json_body(request))
+            return await server.handle(eid, kind, await json_body(request,
+                                                                  server.max_body_bytes))
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must answer 500, not drop the request
