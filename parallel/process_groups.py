@@ -37,7 +37,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_s: int = 1800) -> tuple[int, int]:
+PROCESS_GROUP_TIMEOUT_S = 1800   # a collective waits this long for its slowest rank
+
+
+def init_distributed(timeout_s: int = PROCESS_GROUP_TIMEOUT_S) -> tuple[int, int]:
     """Initialise torch.distributed from env (RANK, WORLD_SIZE, MASTER_ADDR/PORT); return
     (rank, world_size). Without a launcher it starts a 1-process group."""
     cpu_runtime.install()

@@ -188,11 +188,11 @@ def mcore_to_hf(args) -> None:
     out = Path(args.out)
     _claim_out(out, getattr(args, "overwrite", False), ckpt)
     cfg = read_hf_config(ckpt)
-    if is_reward_model_config(cfg) and (problem := pad_problem(cfg, ckpt)):  # before any work
+    reward = is_reward_model_config(cfg)  # a reward model: its score head (no bias)
+    if reward and (problem := pad_problem(cfg, ckpt)):  # before any work
         _fail(f"--ckpt {ckpt}: {problem}")
     _setup(cfg)
     critic = is_critic_config(cfg)  # a PPO critic (checkpoint.dir/critic): its value head too
-    reward = is_reward_model_config(cfg)  # a reward model: its score head (no bias)
     found = checkpoint_lora(ckpt, getattr(args, "base", None), cfg)
     if found is None and getattr(args, "merge", False):
         _fail(f"--merge needs a LoRA checkpoint; {ckpt} holds a full model")

@@ -78,11 +78,9 @@ def export_config(cfg: dict, ckpt: Path) -> dict:
     """config.json of a reward model's export: the one-label sequence classifier, with the
     config's pad_token_id, else the checkpoint tokenizer's (transformers' sequence
     classifiers need one to score batches of more than one sequence: they score the last
-    token that is not the pad id). Without either, a note says so (rank 0 prints). Raises
-    ValueError when that pad id is the end-of-turn id the model scores (`pad_problem`)."""
-    problem = pad_problem(cfg, ckpt)
-    if problem:
-        raise ValueError(problem)
+    token that is not the pad id). Without either, a note says so (rank 0 prints). A pad id
+    equal to the end-of-turn id the model scores is refused before this (`pad_problem`,
+    checked by mcore-to-hf before any weight is read)."""
     out = reward_model_hf_config(cfg)
     if out.get("pad_token_id") is None:
         pad = _tokenizer_pad_id(ckpt / "hf")

@@ -57,13 +57,19 @@ def _has_chat_template(path: Path) -> bool:
         return False
 
 
+def sequence_classifier(config: dict) -> str | None:
+    """The config's *ForSequenceClassification architecture (a reward model's), else None."""
+    return next((a for a in config.get("architectures") or []
+                 if a.endswith("ForSequenceClassification")), None)
+
+
 def trunk_names(config: dict, names) -> list[str]:
     """The tensor names of a *ForSequenceClassification folder (a reward model) as the causal
     LM's mapping reads them: without its score head `score.weight` (models.bridge.reward_model
     reads it), with `lm_head.weight` for an untied trunk that has none (filled with the input
     embedding: models.bridge.critic.TrunkReader). Any other folder's names unchanged."""
     names = list(names)
-    if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+    if sequence_classifier(config) is None:
         return names
     names = [n for n in names if n != "score.weight"]
     if not config.get("tie_word_embeddings") and "lm_head.weight" not in names:
@@ -97,14 +103,15 @@ def training_dir_problems(hf_dir: str | os.PathLike, classifier_ok: bool = False
     naming engine.rm. Reads the file system only."""
     path = Path(hf_dir)
     problems = weight_problems(path)
-    if not classifier_ok and (path / "config.json").is_file():
+    if not classifier_ok:
         try:
-            arch = json.loads((path / "config.json").read_text()).get("architectures") or []
-        except ValueError:
-            arch = []   # reported by the config check
-        problems += [f"{a} is a sequence classifier (a reward model: a score head, no LM head);"
-                     " train it with `python -m engine.rm`, or give the causal LM folder it was "
-                     "made from" for a in arch[:1] if a.endswith("ForSequenceClassification")]
+            arch = sequence_classifier(read_config(path))
+        except HFCheckpointError:
+            arch = None   # reported by the config check
+        if arch is not None:
+            problems.append(f"{arch} is a sequence classifier (a reward model: a score head, no "
+                            "LM head); train it with `python -m engine.rm`, or give the causal "
+                            "LM folder it was made from")
     if not any((path / name).is_file() for name in VOCAB_FILES) and \
             custom_tokenizer(path) is None:  # a tokenizer's own code reads its own files
         problems.append(f"no tokenizer: none of {', '.join(VOCAB_FILES)} is present")

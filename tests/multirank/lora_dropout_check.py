@@ -15,24 +15,10 @@ tokens) of
 """
 from __future__ import annotations
 
-import random
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 RANK, ALPHA, DROPOUT = 4, 8.0, 0.5
-
-
-def _batch(vocab: int):
-    from engine.training.micro_batches import SequenceData
-
-    rng = random.Random(0)
-    seqs = []
-    for _ in range(6):
-        n = rng.randint(12, 24)
-        ids = [rng.randrange(4, vocab) for _ in range(n + 1)]
-        start = rng.randint(2, n - 4)
-        seqs.append(SequenceData(ids[:-1], ids[1:], [0] * start + [1] * (n - start)))
-    return seqs
 
 
 def _build(model_dir: str, hf_config: dict, adapter: str, dropout: float):
@@ -77,10 +63,11 @@ def dropout_check(model_dir: str, adapter: str) -> dict:
     from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
+    from tests.multirank.loss_head_check import sequences
 
     setup_model_parallel(ParallelLayout(1))
     hf_config = read_config(model_dir)
-    seqs = _batch(hf_config["vocab_size"])
+    seqs = sequences(hf_config["vocab_size"])   # the loss-head check's random batch
     width = max(len(s.tokens) for s in seqs)
     keep = torch.tensor([s.loss_mask + [0] * (width - len(s.loss_mask)) for s in seqs],
                         dtype=torch.bool)

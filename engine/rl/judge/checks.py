@@ -6,10 +6,8 @@ import math
 import os
 
 from engine.rl.judge.scorer import load_parser
-
-# parallel.process_groups.init_distributed's timeout: the other ranks wait this long in a
-# collective while rank 0 judges (tests/test_judge_deadline.py keeps the two equal)
-PROCESS_GROUP_TIMEOUT_S = 1800
+# the other ranks wait at most this long in a collective while rank 0 judges
+from parallel.process_groups import PROCESS_GROUP_TIMEOUT_S
 
 
 def _positive_int(value) -> bool:
