@@ -19,12 +19,13 @@ import openai
 import pytest
 import torch
 
-from engine.rl.agent.batcher import GenerateQueue
-from engine.rl.agent.protocol import GenerateRequest, GenerateResult, SamplingBackend, call_seed
-from engine.rl.agent.requests import ApiError, Limits, parse_chat, parse_completion
+from engine.api.backend import GenerateRequest, GenerateResult, call_seed
+from engine.api.batcher import GenerateQueue
+from engine.api.requests import ApiError, Limits, parse_chat, parse_completion
+from engine.data.observation import observation_ids
 from engine.rl.agent.runner import AgentRunner, check_result
 from engine.rl.agent.server import AgentServer
-from engine.rl.env.observation import observation_ids
+from engine.rl.rollout.sampling_backend import SamplingBackend
 from tools.char_tokenizer import build_char_tokenizer
 from tools.demo import TOOLS_TEMPLATE, calculator_tools
 
@@ -329,7 +330,7 @@ def test_malformed_content_parts_get_400_naming_the_part(tok, monkeypatch):
     """A non-object (or untyped, or textless) content part is a 400 naming the part, never a
     500 (the openai client retries 5xx); nothing reaches the backend. Negative control:
     without the part check (engine.data.rows.check_messages) the same request is a 500."""
-    import engine.rl.agent.requests as requests_module
+    import engine.api.requests as requests_module
 
     backend = ScriptedBackend(tok)
     with serving(tok, backend) as server:

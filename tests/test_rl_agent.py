@@ -13,17 +13,17 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from engine.api.tokens import TemplateRules
 from engine.config.schema import ConfigError, load_config
+from engine.data.observation import observation_ids
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.checks import validate_rl
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
-from engine.rl.agent.tokens import TemplateRules
-from engine.rl.env.observation import observation_ids
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout import Generation
-from tests.test_rl_env import InProcessPool
 from tests.generate_only import GenerateOnlyEngine
+from tests.test_rl_env import InProcessPool
 from tools.tiny_models import build_eos_model
 
 RECEIVED: dict[str, list[dict]] = {}   # prompt -> what each call returned (in-process tests)
@@ -293,7 +293,8 @@ def test_sampling_backend_keeps_each_call_within_max_len():
     pass 64 ids goes in a call of its own max_tokens; the samples equal those of one shared
     call (a seeded sample's first t ids do not depend on the budget). Negative control: without
     max_len the shared call holds a prompt of 60 with 6 new tokens."""
-    from engine.rl.agent.protocol import GenerateRequest, SamplingBackend
+    from engine.api.backend import GenerateRequest
+    from engine.rl.rollout.sampling_backend import SamplingBackend
 
     def backend(max_len):
         calls = []

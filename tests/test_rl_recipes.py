@@ -60,7 +60,7 @@ def test_tools_recipe_runs_multi_turn_episodes_with_the_calculator():
     """The Qwen3 tool recipe: env.fn=tools with the example calculator (its schema loads), the
     episode bound (seq_length) holds max_turns turns, Qwen3's template format is hermes."""
     from engine.rl.checks import env_problems
-    from engine.rl.env.tool_calls import detect_format
+    from engine.data.tool_calls import detect_format
     from engine.rl.env.tool_schema import load_tools
     from tools.char_tokenizer import QWEN3
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from engine.data.observation import observation_ids, observation_text
+from engine.data.tool_calls import detect_format, parse_tool_calls
 from engine.rl.env.example_tools import calculate
-from engine.rl.env.observation import observation_ids, observation_text
-from engine.rl.env.tool_calls import detect_format, parse_tool_calls
 from engine.rl.env.tool_pool import ToolPool
 from engine.rl.env.tool_schema import load_tools, tool_schema
 from engine.rl.env.tools_env import ToolEnv

@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from engine.config.schema import load_config
-from engine.rl.agent.protocol import SamplingBackend
 from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.config import RLConfig
@@ -36,6 +35,7 @@ from engine.rl.rewards import math_reward
 from engine.rl.rollout import SamplingParams
 from engine.rl.rollout.hf_backend import HFRolloutEngine
 from engine.rl.rollout.pool import RolloutPool
+from engine.rl.rollout.sampling_backend import SamplingBackend
 from engine.serve.__main__ import main as serve_main
 from engine.serve.endpoint import ServeEndpoint, ServeSettings
 from tools.tiny_models import build_eos_model

@@ -132,7 +132,7 @@ def test_agent_episodes_on_vllm_train_what_the_openai_client_received(qwen3, qwe
     pass max_model_len (vLLM refuses that)."""
     import importlib
 
-    from engine.rl.agent.protocol import call_seed
+    from engine.api.backend import call_seed
     from engine.rl.rollout.work_split import batch_seeds
     from tests.test_rl_agent import _collect, _config, check_trained_as_received
 

@@ -202,7 +202,7 @@ def answer(model, tok, prompt: str, max_new_tokens: int, tools: list[dict] | Non
     calculator and its result is the next turn's observation, for at most MAX_TOOL_TURNS
     assistant turns (as env.max_turns=3 in the demo)."""
     from engine.rl.env.example_tools import calculate
-    from engine.rl.env.tool_calls import parse_tool_calls
+    from engine.data.tool_calls import parse_tool_calls
 
     messages = [{"role": "user", "content": prompt}]
     transcript = []

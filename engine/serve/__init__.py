@@ -2,9 +2,10 @@
 load (hf: transformers, vllm), served OpenAI-compatibly at one fixed base URL ending in /v1, for
 evaluation and for LLM judges (reward.judge.*; docs/agents.md, "Serving a checkpoint").
 
-Built from the agent endpoint's parts (engine.rl.agent: request checks and their 400s, the
-chat template's rules, replies, the generate queue, SamplingBackend), without its episodes: a
-serve endpoint is stateless, every request is rendered whole.
+Built on the OpenAI protocol of engine.api (request checks and their 400s, the chat template's
+rules, replies, the generate queue, the HTTP plumbing), which the agent endpoint of RL episodes
+also speaks, and on RL's rollout engines (engine.rl.rollout, with SamplingBackend): a serve
+endpoint is stateless, every request is rendered whole.
 
 Modules (one job each):
     batching   the queue's rule for independent clients (gather, then one generate call)
@@ -14,6 +15,6 @@ Modules (one job each):
     run        the serving lifetime: load, listen, serve, stop on SIGTERM / Ctrl-C
     __main__   the command line: flags and their checks, --help
 
-May import: engine.rl.agent, engine.rl.rollout, engine.rl.config (the vllm engine's default
+May import: engine.api, engine.rl.rollout, engine.rl.config (the vllm engine's default
 settings), engine.data, engine.errors. Nothing imports engine.serve (tests/test_structure.py).
 """

@@ -1,19 +1,19 @@
 """The batching rule of a serve endpoint: its clients are independent (no episodes to wait
-for), so the agent queue's rule (engine.rl.agent.batcher: wait while a live episode is expected
+for), so the agent queue's rule (engine.api.batcher: wait while a live episode is expected
 to call) reduces to a gathering window.
 
 Rule: when the backend is free and a request is pending, every pending request (oldest first,
 at most max_batch) goes in ONE generate call once the oldest has waited gather_s, or at once
 when max_batch are pending. Requests that arrive while a generate call runs wait for it and go
-together in the next one. SamplingBackend (engine.rl.agent.protocol) turns the batch into one
+together in the next one. SamplingBackend (engine.api.backend) turns the batch into one
 engine call per (temperature, top_p), plus one per budget for requests whose prompt would pass
 --max-context with the batch's largest max_tokens. Batching changes no sample: each request is
 seeded on its own (engine.serve.endpoint for the seeds).
 """
 from __future__ import annotations
 
-from engine.rl.agent.batcher import GenerateQueue
-from engine.rl.agent.requests import ApiError
+from engine.api.batcher import GenerateQueue
+from engine.api.requests import ApiError
 
 CLIENTS = "serve"   # the one queue key of a serve endpoint's requests
 

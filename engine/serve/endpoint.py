@@ -5,9 +5,9 @@
     GET  /health                200 once the model is loaded (for scripts that wait for it)
 Stateless: every request is rendered whole (a chat with the generation prompt, as RL prompts
 are; a text prompt with the tokenizer's special tokens), checked by the agent endpoint's rules
-(engine.rl.agent.requests: the same parameters and 400s, any temperature / top_p), queued
+(engine.api.requests: the same parameters and 400s, any temperature / top_p), queued
 (engine.serve.batching: concurrent clients share one generate call) and answered by
-engine.rl.agent.replies. Errors are OpenAI-style bodies: 400 for malformed JSON, a parameter
+engine.api.replies. Errors are OpenAI-style bodies: 400 for malformed JSON, a parameter
 out of range, or context length exceeded (the prompt, or the prompt plus an explicit
 max_tokens, over max_context tokens: code context_length_exceeded); 401 (code invalid_api_key)
 without `Authorization: Bearer <key>` when the endpoint has a key (--api-key); 413 for a body
@@ -17,7 +17,7 @@ max_tokens: a request's max_tokens (or max_completion_tokens) is capped at
 ServeSettings.max_tokens; absent, the reply may take that many, or what is left of
 max_context. A value that does not fit in max_context with the prompt is a 400 (as vLLM's).
 
-Seeds: choice k of a request samples with call_seed(base, 0, k) (engine.rl.agent.protocol:
+Seeds: choice k of a request samples with call_seed(base, 0, k) (engine.api.backend:
 choice 0 samples with `base` itself), base = the request's `seed` (any integer, taken mod 2**63)
 or, without one, call_seed(ServeSettings.seed, i) for the i-th request accepted (from 0, in
 arrival order; refused requests take no number). So a request with a seed gets the same reply
@@ -35,13 +35,13 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from engine.api.backend import GenerateBackend, GenerateRequest, call_seed
+from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, json_body, models_body,
+                             require_api_key, start_http, stop_http)
+from engine.api.replies import make_reply, response_body
+from engine.api.requests import ApiError, Call, Limits, bad, parse_chat, parse_completion
+from engine.api.tokens import TemplateRules
 from engine.errors import RunError
-from engine.rl.agent.protocol import GenerateBackend, GenerateRequest, call_seed
-from engine.rl.agent.replies import make_reply, response_body
-from engine.rl.agent.requests import ApiError, Call, Limits, bad, parse_chat, parse_completion
-from engine.rl.agent.server import (MAX_BODY_BYTES, add_error_handlers, json_body,
-                                    models_body, require_api_key, start_http, stop_http)
-from engine.rl.agent.tokens import TemplateRules
 from engine.serve.batching import CLIENTS, ServeQueue
 
 SEED_RANGE = 2 ** 63

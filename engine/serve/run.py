@@ -10,7 +10,7 @@ import sys
 import threading
 
 from engine.errors import RunError
-from engine.rl.agent.protocol import SamplingBackend
+from engine.rl.rollout.sampling_backend import SamplingBackend
 from engine.serve.endpoint import ServeEndpoint, ServeSettings
 from engine.serve.model import load_model
 

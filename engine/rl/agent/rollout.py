@@ -33,14 +33,14 @@ import time
 
 import torch
 
-from engine.rl.agent.protocol import SamplingBackend
-from engine.rl.algo.overlong import overlong_penalty
-from engine.rl.agent.requests import Limits
+from engine.api.requests import Limits
 from engine.rl.agent.runner import AgentRunner
 from engine.rl.agent.server import AgentServer
+from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.env.contract import load_object
 from engine.rl.env.dump import episode_record
 from engine.rl.rollout.pool import GenerateStats
+from engine.rl.rollout.sampling_backend import SamplingBackend
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error", "tool_calls")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
-from engine.rl.agent.protocol import GenerateBackend
+from engine.api.backend import GenerateBackend
 from engine.rl.agent.server import AgentServer
 from engine.rl.agent.sessions import Episode, Trajectory
 from engine.rl.env.stepper import run_calls

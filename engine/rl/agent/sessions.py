@@ -34,10 +34,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from engine.api.backend import call_seed
+from engine.api.requests import ApiError, Call, Limits, bad
+from engine.api.tokens import TemplateRules
 from engine.data.rows import check_messages
-from engine.rl.agent.protocol import call_seed
-from engine.rl.agent.requests import ApiError, Call, Limits, bad
-from engine.rl.agent.tokens import TemplateRules
 
 
 def canonical(message: dict) -> str:

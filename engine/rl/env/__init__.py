@@ -3,14 +3,15 @@ the built-in tool environment (`env.fn=tools`), and rollout dumps.
 
 Modules (one job each):
     contract     loading `env.fn`, checking what `step` returns
-    observation  an observation rendered as the chat template's suffix (ids, never re-tokenized
-                 sampled text)
     stepper      environment calls run concurrently with per-call deadlines
     episodes     the turn loop: one generate call per engine per turn, env steps, masks
     episode_batch  one generation batch of episodes for engine.rl.collect.collector.RolloutCollector
-    tool_schema, tool_calls, tool_pool, tool_worker, tools_env   the built-in tool environment
+    tool_schema, tool_pool, tool_worker, tools_env   the built-in tool environment (its
+                 tool-call formats: engine.data.tool_calls)
     dump         `logging.rollout_dir` JSON lines
 
-May import: engine.rl.algo, engine.rl.rollout, engine.data, engine.errors. This package file
+Observations are rendered by engine.data.observation (the template delta, shared with the agent
+endpoint). May import: engine.api (turn seeds), engine.rl.algo, engine.rl.rollout, engine.data,
+engine.errors. This package file
 imports nothing: tool worker processes import engine.rl.env.tool_worker without torch.
 """

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from engine.data.observation import observation_text
 from engine.errors import ConfigError
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.env.contract import ENV_TOOLS, load_env_class
 from engine.rl.env.episodes import Episode, EpisodeRunner, EpisodeSettings
-from engine.rl.env.observation import observation_text
 from engine.rl.env.tools_env import tool_env_factory, tool_format, tool_schemas
 from engine.rl.rollout.pool import GenerateStats
 from models.hf.custom_code import load_tokenizer

@@ -20,26 +20,17 @@ One generation batch of episodes (group-major, like single-turn responses):
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
+from engine.api.backend import turn_seed
+from engine.data.observation import conversation_start, observation_ids
 from engine.rl.env.contract import check_step
-from engine.rl.env.observation import conversation_start, observation_ids
 from engine.rl.env.stepper import run_calls
 from engine.rl.rollout.base import SamplingParams
 from engine.rl.rollout.pool import GenerateStats
-
-
-def turn_seed(response_seed: int, turn: int) -> int:
-    """The sampling seed of one turn of one episode: turn 0 uses the response seed itself (so a
-    one-turn episode samples what single-turn RL samples); later turns hash (seed, turn)."""
-    if turn == 0:
-        return response_seed
-    key = f"{response_seed}/turn/{turn}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 @dataclass

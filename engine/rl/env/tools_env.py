@@ -15,7 +15,7 @@ max_output_chars (default 2000).
 from __future__ import annotations
 
 from engine.data.render import chat_template_text
-from engine.rl.env.tool_calls import FORMATS, detect_format, parse_tool_calls
+from engine.data.tool_calls import FORMATS, detect_format, parse_tool_calls
 from engine.rl.env.tool_pool import ToolPool
 from engine.rl.env.tool_schema import load_tools, tool_schema
 

@@ -5,9 +5,9 @@ Each choice's sampled ids go through:
    `stop` strings; the ids sampled after it are dropped (as an engine stopping there would not
    have sampled them), the returned text ends before the stop string, finish_reason "stop";
 2. the text: decoded without special tokens and without a final end-of-turn marker
-   (engine.rl.agent.tokens);
+   (engine.api.tokens);
 3. tool calls, when the call gave tools with tool_choice "auto" and the chat template has a
-   known format (engine.rl.env.tool_calls): parsed calls become `tool_calls` (arguments as JSON
+   known format (engine.data.tool_calls): parsed calls become `tool_calls` (arguments as JSON
    strings, ids call_<episode>_<call>_<choice>_<j>), the content is the text outside the
    tool-call blocks (null when empty), finish_reason "tool_calls" (a reply cut at max_tokens
    stays "length"); a malformed call leaves the whole text as the content.
@@ -20,10 +20,10 @@ import re
 import time
 from dataclasses import dataclass
 
-from engine.rl.agent.protocol import GenerateResult
-from engine.rl.agent.requests import Call
-from engine.rl.agent.tokens import TemplateRules
-from engine.rl.env.tool_calls import parse_tool_calls
+from engine.api.backend import GenerateResult
+from engine.api.requests import Call
+from engine.api.tokens import TemplateRules
+from engine.data.tool_calls import parse_tool_calls
 
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 

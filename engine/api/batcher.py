@@ -20,7 +20,7 @@ call running when it arrived. Measured against "gather_s after the oldest arriva
 (docs/agents.md): that rule splits episodes whose first calls trickle in into cohorts that stay
 out of phase, batch after batch. Requests of an episode that stopped taking calls are answered
 410 instead of generated. Batching changes no sample: each request is seeded on its own
-(engine.rl.agent.protocol).
+(engine.api.backend).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.rl.agent.protocol import GenerateBackend, GenerateRequest
-from engine.rl.agent.requests import ApiError
+from engine.api.backend import GenerateBackend, GenerateRequest
+from engine.api.requests import ApiError
 
 
 @dataclass

@@ -1,59 +1,12 @@
-"""The generate backend behind the agent server, and the seed of every agent call.
-
-A backend turns a batch of requests into one sampled continuation each, in ONE call (the
-server gathers the requests of concurrent episodes into that call: engine.rl.agent.batcher).
-It runs on the thread that owns the rollout engines, never on the HTTP thread.
-
-Contract of `GenerateBackend.generate(requests) -> results` (one result per request, in order):
-- result.ids: the sampled ids, at most request.max_tokens of them, the end-of-sequence id
-  included when one was sampled (finish_reason "stop"), else finish_reason "length";
-- result.logprobs: one per sampled id, per the log-probability contract of
-  engine.rl.rollout.base (log_softmax(logits / T) of the unmodified logits at the request's
-  temperature; top-p only restricts the draw);
-- request i's sample depends on (its prompt ids, its seed, its sampling settings) only: never
-  on the other requests of the batch, their number or their order.
-
-Seeds: call c of an episode, choice k, samples with call_seed(episode response seed, c, k):
-engine.rl.env.episodes.turn_seed for choice 0 (so an agent whose calls follow the environment
-path's turns samples what that path samples), a hash for the other choices.
+"""SamplingBackend: the batched generate protocol of engine.api.backend (what the agent
+endpoint and `serve` call) over a rollout engine's `generate(prompts, SamplingParams)`.
 """
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
-from engine.rl.env.episodes import turn_seed
+from engine.api.backend import GenerateRequest, GenerateResult
 from engine.rl.rollout.base import Generation, SamplingParams
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    prompt_ids: tuple[int, ...]
-    max_tokens: int          # >= 1
-    temperature: float       # >= 0 (0: greedy)
-    top_p: float             # (0, 1]
-    seed: int                # non-negative 63-bit
-
-
-@dataclass
-class GenerateResult:
-    ids: list[int]
-    logprobs: list[float]
-    finish_reason: str       # "stop" or "length"
-
-
-class GenerateBackend(Protocol):
-    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
-        """One result per request, in order, in one batched call (module docstring)."""
-
-
-def call_seed(response_seed: int, call: int, choice: int = 0) -> int:
-    """The sampling seed of choice `choice` of call `call` of an episode (module docstring)."""
-    if choice == 0:
-        return turn_seed(response_seed, call)
-    key = f"{response_seed}/call/{call}/choice/{choice}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 class SamplingBackend:

@@ -1,17 +1,17 @@
 """The model's chat template rules the agent server needs, probed once per tokenizer: rendering
 a new trajectory's prompt (engine.data.render.render_prompt, as RL prompts are rendered), the
-observation ids after an assistant turn (engine.rl.env.observation: the template delta), the
+observation ids after an assistant turn (engine.data.observation: the template delta), the
 end-of-turn marker that closes a turn the model did not close itself, the family's tool-call
 format, and the text a reply returns (no special tokens, no end-of-turn marker).
 """
 from __future__ import annotations
 
+from engine.api.requests import bad
 from engine.data.files import DataError
+from engine.data.observation import observation_ids
 from engine.data.render import chat_template_text, render_prompt, template_info
+from engine.data.tool_calls import detect_format
 from engine.errors import RunError
-from engine.rl.agent.requests import bad
-from engine.rl.env.observation import observation_ids
-from engine.rl.env.tool_calls import detect_format
 
 
 class TemplateRules:

@@ -1,0 +1,19 @@
+"""The OpenAI-compatible protocol both servers speak: the agent endpoint of RL episodes
+(engine.rl.agent) and `megatron-sft-engine serve` (engine.serve). Neither server's own rules
+live here: episodes and their trajectories are engine.rl.agent's, the serving lifetime and its
+model engine.serve's.
+
+Modules (one job each):
+    requests   OpenAI request bodies checked against the limits (Limits, Call; 400s that say why)
+    tokens     the chat template's rules (TemplateRules): prompts, observations, the end-of-turn
+               marker, reply text
+    replies    generated ids as OpenAI responses (stop strings, tool calls, log-probs)
+    backend    the batched generate protocol the servers call (GenerateRequest, GenerateResult,
+               GenerateBackend) and the seeds of calls (turn_seed, call_seed)
+    batcher    the queue between the HTTP thread and the thread that owns the engines
+    http       uvicorn in a daemon thread, the JSON body and its limit, error bodies, the key
+
+May import: engine.data (chat rendering, row checks, the template delta, tool-call formats),
+engine.errors. Never imports engine.rl, engine.serve or any training package: a rollout engine
+serves the protocol through engine.rl.rollout.sampling_backend.
+"""
