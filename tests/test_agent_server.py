@@ -184,7 +184,7 @@ def test_a_cut_reply_is_closed_and_stop_strings_cut_the_ids(tok):
         t = ep.trajectories()[0]
     prompt = render(tok, user)
     obs = observation_ids(tok, user, more[2:])
-    kept = backend.ids("<think>ok")                  # through the token completing "ok"
+    kept = backend.ids("<think>")                    # cut before the stop string "ok"
     assert t.token_ids == prompt + backend.ids("<thi") + [eot] + obs + kept
     assert t.loss_mask[len(prompt) + 4] == 0          # the closing <|im_end|> is not trained
 

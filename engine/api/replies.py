@@ -1,9 +1,14 @@
 """A call's generated ids as an OpenAI response.
 
 Each choice's sampled ids go through:
-1. stop strings: the reply ends with the first token whose text completes one of the call's
-   `stop` strings; the ids sampled after it are dropped (as an engine stopping there would not
-   have sampled them), the returned text ends before the stop string, finish_reason "stop";
+1. stop strings: the reply ends BEFORE the first of the call's `stop` strings in its text, in
+   ids as in text: the ids kept are the longest prefix of the sampled ids whose text is a
+   prefix of the text before the stop string (the ids that spell the stop string, a token
+   that spans its start, and everything sampled after are dropped, as an engine stopping
+   there would not have sampled them), the returned text is exactly the kept ids' text, and
+   finish_reason is "stop". So what a client sees is what the trajectory holds: a ReAct
+   scaffold that appends "\nObservation: ..." after the text (OpenAI semantics: the stop
+   string is not returned) never puts the stop string in the trajectory twice;
 2. the text: decoded without special tokens and without a final end-of-turn marker
    (engine.api.tokens);
 3. tool calls, when the call gave tools with tool_choice "auto" and the chat template has a
@@ -11,7 +16,10 @@ Each choice's sampled ids go through:
    strings, ids call_<episode>_<call>_<choice>_<j>), the content is the text outside the
    tool-call blocks (null when empty), finish_reason "tool_calls" (a reply cut at max_tokens
    stays "length"); a malformed call leaves the whole text as the content.
-Log-probs (when asked): one entry per sampled id kept, the end-of-turn id included.
+Log-probs (when asked): one entry per sampled id kept, the end-of-turn id included: the
+generate call's (the agent endpoint: what training uses), or `serve`'s raw-logit scores with
+their top-k alternatives (Reply.top, engine.api.evaluation). A log-prob below -9999 (-inf) is
+reported as -9999.0, as vLLM does (JSON has no infinity).
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ class Reply:
     text: str
     content: str | None
     tool_calls: list[dict] | None = None
+    top: list[dict[int, float]] | None = None   # serve: each kept id's top-k {id: log-prob}
 
     def message(self) -> dict:
         out = {"role": "assistant", "content": self.content}
@@ -45,8 +54,10 @@ class Reply:
 
 
 def stop_cut(rules: TemplateRules, ids: list[int], stops: list[str]) -> tuple[int, str] | None:
-    """(ids kept, text before the stop string) for the first stop string in the reply's text,
-    or None: the fewest ids whose text contains one (text grows with ids: bisection)."""
+    """(ids kept, their text) when the reply's text holds one of `stops`, None otherwise (rule
+    1 of the module docstring). The first stop string is found in the text of the fewest ids
+    that contain one (text grows with ids: bisection); the ids kept are the longest prefix
+    whose text the text before it starts with."""
     if not stops or not any(s in rules.reply_text(ids) for s in stops):
         return None
     lo, hi = 1, len(ids)
@@ -57,7 +68,11 @@ def stop_cut(rules: TemplateRules, ids: list[int], stops: list[str]) -> tuple[in
         else:
             lo = mid + 1
     text = rules.reply_text(ids[:lo])
-    return lo, text[:min(text.find(s) for s in stops if s in text)]
+    before = text[:min(text.find(s) for s in stops if s in text)]
+    keep = lo - 1
+    while keep > 0 and not before.startswith(rules.reply_text(ids[:keep])):
+        keep -= 1
+    return keep, rules.reply_text(ids[:keep])
 
 
 def _tool_calls(rules: TemplateRules, text: str, name: str) -> tuple[str | None, list | None]:
@@ -90,13 +105,24 @@ def make_reply(rules: TemplateRules, call: Call, result: GenerateResult, name: s
     return Reply(ids, logprobs, finish, text, content, tool_calls)
 
 
-def _chat_logprobs(rules: TemplateRules, reply: Reply) -> dict:
-    items = []
-    for token, lp in zip(reply.ids, reply.logprobs):
-        text = rules.token_text(token)
-        items.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                      "top_logprobs": []})
-    return {"content": items}
+def finite(logprob: float) -> float:
+    """A log-prob as JSON can carry it: at least -9999.0 (vLLM's clamp of -inf)."""
+    return max(float(logprob), -9999.0)
+
+
+def chat_entry(rules: TemplateRules, token: int, logprob: float) -> dict:
+    """OpenAI's {token, logprob, bytes} of one token."""
+    text = rules.token_text(token)
+    return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}
+
+
+def chat_logprobs(rules: TemplateRules, reply: Reply) -> dict:
+    """The chat choice's `logprobs`: one entry per id, its `top_logprobs` the top-k
+    alternatives most likely first (reply.top; [] without)."""
+    tops = reply.top if reply.top is not None else [{}] * len(reply.ids)
+    return {"content": [{**chat_entry(rules, token, lp),
+                         "top_logprobs": [chat_entry(rules, t, v) for t, v in top.items()]}
+                        for token, lp, top in zip(reply.ids, reply.logprobs, tops)]}
 
 
 def _completion_logprobs(rules: TemplateRules, reply: Reply) -> dict:
@@ -116,7 +142,7 @@ def response_body(rules: TemplateRules, call: Call, context: list[int], replies:
     for k, r in enumerate(replies):
         if call.kind == "chat":
             choice = {"index": k, "message": r.message(), "finish_reason": r.finish_reason,
-                      "logprobs": _chat_logprobs(rules, r) if call.logprobs else None}
+                      "logprobs": chat_logprobs(rules, r) if call.logprobs else None}
         else:
             choice = {"index": k, "text": r.text, "finish_reason": r.finish_reason,
                       "logprobs": _completion_logprobs(rules, r) if call.logprobs else None}
