@@ -2,7 +2,9 @@
 
 Engine cases on tiny checkpoints with 32-dim heads (vLLM's CPU attention refuses smaller ones):
 the log-prob contract against transformers at T = 0.7, top-p 0.9 (negative control: the
-log-probs of T = 1 are far), per-response seeds independent of the batch, finish reasons, a
+log-probs of T = 1 are far), `score`'s prompt log-probs and top-k against transformers' fp32
+log_softmax (negative control: shifted by one position), per-response seeds independent of
+the batch, finish reasons, a
 sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
 skipped tensor is refused) in sampling and in the full-vocabulary probe of
 rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine reported dead
@@ -110,6 +112,29 @@ def test_logprobs_follow_the_contract_and_seeds_do_not_depend_on_the_batch(qwen3
     assert alone.response_logprobs == gens[2].response_logprobs
     greedy = qwen3.generate(PROMPTS[:2], SamplingParams(max_new_tokens=6, temperature=0.0))
     assert _max_diff(model, greedy, 1.0) < 2e-5
+
+
+def test_score_is_transformers_raw_log_softmax(qwen3, qwen3_dir):
+    """RolloutEngine.score on vLLM (engine.rl.rollout.vllm_scoring): prompt log-probs of
+    sequences of different lengths in one call = log_softmax of transformers' fp32 logits of
+    each alone, the top-k ids most likely first (top_k=0: the token's log-prob alone); negative
+    control: the references shifted by one position are far."""
+    model = _transformers(qwen3_dir)
+    scores, plain = qwen3.score(PROMPTS[:3], top_k=4), qwen3.score(PROMPTS[:3], top_k=0)
+    worst, shifted = 0.0, 0.0
+    for seq, got, got0 in zip(PROMPTS[:3], scores, plain, strict=True):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([seq])).logits[0, :-1].float(), -1)
+        chosen = ref.gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+        worst = max(worst, float((torch.tensor(got.logprobs) - chosen).abs().max()),
+                    float((torch.tensor(got0.logprobs) - chosen).abs().max()))
+        shifted = max(shifted, float((torch.tensor(got.logprobs[1:]) - chosen[:-1]).abs().max()))
+        values, ids = ref.topk(4, -1)
+        assert [list(t) for t in got.top] == ids.tolist() and got0.top == [{}] * (len(seq) - 1)
+        worst = max(worst, float((torch.tensor([list(t.values()) for t in got.top])
+                                  - values).abs().max()))
+    assert worst < 1e-5 and shifted > 1e-2, (worst, shifted)
+    print(f"vLLM score vs transformers fp32: max |diff| {worst:.2e}")
 
 
 def test_a_too_long_prompt_is_refused_with_its_position_and_key(qwen3):

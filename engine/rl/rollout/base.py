@@ -20,6 +20,7 @@ from typing import Iterable
 
 import torch
 
+from engine.rl.rollout.scoring import SequenceScores, check_sequences
 from models.hf.conditional import original_config
 from models.vision.inputs import ImagePrompt
 
@@ -104,6 +105,8 @@ class RolloutEngine(abc.ABC):
     # True when the engine can serve LoRA adapters on its own base (from_config's `lora`,
     # engine.rl.rollout.vllm_lora): rollout.vllm.lora_sync=adapter syncs only the adapters
     serves_lora_adapters = False
+    # True when `score` works (prompt log-probs: engine.rl.rollout.scoring)
+    supports_scoring = False
 
     def __init__(self) -> None:
         self._num_generate_calls = 0
@@ -188,6 +191,25 @@ class RolloutEngine(abc.ABC):
             return []
         return self._generate([p if isinstance(p, ImagePrompt) else list(map(int, p))
                                for p in prompts], params)
+
+    def score(self, sequences: list[list[int]], top_k: int = 0) -> list[SequenceScores]:
+        """Score given token sequences (contract: engine.rl.rollout.scoring): for each sequence
+        of n ids, the n - 1 float32 log-probs log P(ids[i] | ids[:i]) = log_softmax of the RAW
+        logits (temperature 1, no top-p) after ids[:i], and at each of those positions the
+        `top_k` most likely next ids with their log-probs, most likely first. One
+        SequenceScores per sequence, in order; a sequence's scores do not depend on the others.
+
+        Refuses (ValueError) an empty sequence, a non-integer id or one outside
+        [0, vocab_size), and top_k < 0 or over the vocabulary; an engine that cannot score
+        raises NotImplementedError."""
+        checked = check_sequences(sequences, top_k, getattr(self, "vocab_size", None))
+        return self._score(checked, int(top_k)) if checked else []
+
+    def _score(self, sequences: list[list[int]], top_k: int) -> list[SequenceScores]:
+        """Backend scoring of checked, non-empty sequences (`score`); default: cannot."""
+        raise NotImplementedError(f"rollout backend {type(self).__module__}."
+                                  f"{type(self).__name__} cannot score sequences (score / "
+                                  "prompt log-probs); the hf and vllm backends can")
 
     @abc.abstractmethod
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

@@ -39,6 +39,7 @@ from engine.rl.rollout.hf_images import load_model, prefill, view_aliases
 from engine.rl.rollout.hf_routing import GateRecorder, assemble
 from engine.rl.rollout.hf_targets import checkpoint_targets
 from engine.rl.rollout.sampling import SeededSampler
+from engine.rl.rollout.scoring import SequenceScores, hf_scores
 from models.formats import fp8 as fp8_blocks
 from models.formats.quantized import QUANT_METHODS, quantization_config
 from models.vision.inputs import ImagePrompt
@@ -71,6 +72,7 @@ class HFRolloutEngine(RolloutEngine):
         pad_token_id: left-padding id (tokenizer pad, else config pad, else the first eos).
     """
     supports_logit_probe = True
+    supports_scoring = True        # engine.rl.rollout.scoring.hf_scores
     supports_images = True         # with a vision tower (engine.rl.rollout.hf_images)
     sync_quantizations = ("fp8",)  # float8 weights + scales dequantized on arrival (above)
     _routing: GateRecorder | None = None  # R3: the MoE gates' choices (enable_routed_experts)
@@ -181,6 +183,11 @@ class HFRolloutEngine(RolloutEngine):
             for gen, table in zip(result, tables):
                 gen.routed_experts = table
         return result
+
+    def _score(self, sequences: list[list[int]], top_k: int) -> list[SequenceScores]:
+        """One batched right-padded forward per chunk (engine.rl.rollout.scoring.hf_scores)."""
+        self._check_ready("score")
+        return hf_scores(self.model, sequences, top_k, self.device, self.pad_token_id)
 
     def _collect(self, prompts, tokens_per_step, logprobs_per_step,
                  active_per_step) -> list[Generation]:

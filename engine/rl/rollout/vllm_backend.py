@@ -19,6 +19,7 @@ filter; the sampled token is still vLLM's (its per-request generator).
 Sync check (rollout.check_weight_sync): vLLM reports no logits, so `probe_logits` returns
 their log_softmax, the engine's full-vocabulary prompt log-probs (engine built with
 max_logprobs=-1), and the check compares them with log_softmax of the trainer's logits.
+`score` (prompt log-probs, top_k <= max_logprobs) is engine.rl.rollout.vllm_scoring's.
 
 Tokens in and out: prompts go in as token ids, the tokenizer is not loaded and nothing is
 detokenized, responses are vLLM's sampled ids. Stop tokens: the rule of every backend
@@ -73,12 +74,14 @@ import torch
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.bucket_files import discard, write_bucket
 from engine.rl.rollout.eos import eos_token_ids, folder_tokenizer, no_eos_message
+from engine.rl.rollout.scoring import SequenceScores
 from engine.rl.rollout.vllm_adapter import AdapterSync
 from engine.rl.rollout.vllm_attention import cpu_attention_args
 from engine.rl.rollout.vllm_process import (engine_process_env, preserved_global_rng,
                                              trainer_groups_kept, without_chat_warmup_warning)
 from engine.rl.rollout.vllm_lora import AdapterServing
 from engine.rl.rollout.vllm_requests import check_prompts, generation
+from engine.rl.rollout.vllm_scoring import logprob_table, prompt_logprob_outputs, vllm_scores
 from engine.rl.rollout.vllm_settings import engine_args
 from engine.rl.rollout.vllm_version import (TESTED_VERSION, liveness_problem, missing_internals,
                                             untested_warning)
@@ -113,6 +116,7 @@ class VLLMRolloutEngine(RolloutEngine):
     """
 
     supports_logit_probe = True
+    supports_scoring = True   # prompt log-probs (engine.rl.rollout.vllm_scoring)
     logit_probe_space = "logprobs"   # vLLM reports log-probs of its logits, not the logits
     serves_lora_adapters = True   # vLLM's LoRA (rollout.vllm.lora_sync, vllm_adapter)
 
@@ -270,18 +274,14 @@ class VLLMRolloutEngine(RolloutEngine):
             raise RuntimeError("probe_logits needs an engine built with max_logprobs=-1 "
                                "(rollout.check_weight_sync=true sets it)")
         self._ready("probe_logits")
-        ids = [int(t) for t in input_ids[0]]
-        params = _vllm().SamplingParams(n=1, max_tokens=1, temperature=1.0, seed=0,
-                                        prompt_logprobs=-1, detokenize=False)
-        from vllm.inputs import TokensPrompt  # vLLM, imported on first use (_vllm)
-        with preserved_global_rng():
-            (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=ids + ids[:1])], params,
-                                       use_tqdm=False, lora_request=self._lora())
-        rows = out.prompt_logprobs[1:]   # row i: the distribution after ids[:i + 1]
-        table = torch.full((len(rows), self.vocab_size), float("-inf"))
-        for i, row in enumerate(rows):
-            table[i, torch.tensor(list(row))] = torch.tensor([lp.logprob for lp in row.values()])
-        return table[None]
+        ids = [int(t) for t in input_ids[0]]   # row i: the distribution after ids[:i + 1]
+        (out,) = prompt_logprob_outputs(self.llm, [ids + ids[:1]], -1, self._lora())
+        return logprob_table(out.prompt_logprobs[1:], self.vocab_size)[None]
+
+    def _score(self, sequences: list[list[int]], top_k: int) -> list[SequenceScores]:
+        """vLLM's prompt log-probs (engine.rl.rollout.vllm_scoring; top_k <= max_logprobs)."""
+        self._ready("score")
+        return vllm_scores(self.llm, sequences, top_k, self._lora())
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of full HF-named tensors (with `lora`: adapter tensors in peft's
