@@ -594,12 +594,32 @@ def test_request_checks():
         (parse_chat, {"messages": user, "stream": True}, "streaming is not served"),
         (parse_chat, {"messages": []}, "non-empty list"),
         (parse_completion, {"prompt": "x", "logprobs": 1}, "logprobs=0"),
-        (parse_completion, {"prompt": ["a", "b"]}, "one non-empty string"),
+        (parse_completion, {"prompt": ["a", "b"]}, "one prompt per call"),
         (parse_completion, {"prompt": "x", "tools": []}, "unsupported parameter 'tools'")]
     for parse, body, words in refused:
         with pytest.raises(ApiError, match=words) as e:
             parse(body, free)
         assert e.value.status == 400
+    # serve's evaluation parameters: the agent endpoint refuses each saying why (its replies
+    # are training samples); Limits(evaluation=True) (serve) accepts the same bodies
+    serve_only = [
+        (parse_completion, {"prompt": "x", "echo": True}, "echo", "training sample"),
+        (parse_chat, {"messages": user, "stream": True}, "stream", "recorded whole"),
+        (parse_completion, {"prompt": "x", "stream": True}, "stream", "recorded whole"),
+        (parse_chat, {"messages": user, "logprobs": True, "top_logprobs": 2}, "top_logprobs",
+         "what training uses"),
+        (parse_completion, {"prompt": "x", "logprobs": 2}, "logprobs", "what training uses"),
+        (parse_completion, {"prompt": "x", "echo": True, "max_tokens": 0}, "echo",
+         "training sample"),
+        (parse_completion, {"prompt": "x", "max_tokens": 0}, "max_tokens", "samples a reply"),
+        (parse_completion, {"prompt": [[1], [2]]}, "prompt", "extends one trajectory")]
+    evaluation = Limits(**{**free.__dict__, "evaluation": True})
+    for parse, body, param, why in serve_only:
+        with pytest.raises(ApiError, match=why) as e:
+            parse(body, free)
+        assert e.value.param == param and "megatron-sft-engine serve" in e.value.message
+        if param != "max_tokens":            # max_tokens 0 needs echo in serve as well
+            parse(body, evaluation)
 
 
 def test_check_result_contract():

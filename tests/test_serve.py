@@ -65,7 +65,7 @@ def served(model_dir):
                              gather_s=0.02).start()
     stop = threading.Event()
     owner = threading.Thread(target=endpoint.serve, args=(SamplingBackend(
-        loaded.engine.generate), stop.is_set), daemon=True)
+        loaded.engine.generate, score=loaded.engine.score), stop.is_set), daemon=True)
     owner.start()
     yield endpoint, loaded.engine, loaded.tokenizer
     stop.set()
@@ -379,3 +379,142 @@ def test_rl_step_judged_by_serve_logs_judge_mean(served, pools, model_dir, tmp_p
     assert metrics["reward/judge_mean"] == pytest.approx(sum(judged) / len(judged), rel=1e-6)
     assert metrics["reward/mean"] == pytest.approx(
         sum(r["reward"] for r in dump) / len(dump), rel=1e-6)
+
+
+# ------------------------------------------------------------------ evaluation (issue 68)
+
+def _reference(model, seq: list[int]) -> torch.Tensor:
+    """transformers' fp32 log_softmax rows of `seq` ([len, vocab]; row i: after seq[:i+1])."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([seq])).logits.float(), -1)[0]
+
+
+def _check_echo_logprobs(tok, model, seq: list[int], lp: dict, k: int) -> float:
+    """`lp` (a choice's logprobs over `seq`) against transformers: token_logprobs and the
+    top-k; returns the largest gap of the shifted-by-one reference (the negative control)."""
+    ref = _reference(model, seq)
+    assert lp["tokens"] == [tok.decode([t]) for t in seq]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = [ref[i - 1, seq[i]].item() for i in range(1, len(seq))]
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-5)
+    for i in range(1, len(seq)):
+        values, ids = torch.topk(ref[i - 1], k)
+        top = lp["top_logprobs"][i]
+        assert set(top) == {tok.decode([t]) for t in [seq[i], *ids.tolist()]}
+        for t, v in zip(ids.tolist(), values.tolist()):
+            assert top[tok.decode([t])] == pytest.approx(v, abs=1e-5)
+    shifted = [ref[i, seq[i]].item() for i in range(1, len(seq))]
+    return max(abs(a - b) for a, b in zip(shifted, lp["token_logprobs"][1:]))
+
+
+def test_echo_logprobs_prompt_lists_and_max_tokens_0_equal_transformers(served, model_dir):
+    """/v1/completions with echo and logprobs=3: two id-list prompts with max_tokens 0 (the
+    prompts scored, nothing generated) and two text prompts with max_tokens 1 and n=2: the
+    choices in prompt-major order with their index, the text the prompt's then the reply's,
+    token_logprobs = transformers' fp32 log_softmax gathered (1e-5; the first null), top_logprobs
+    = torch.topk of the same rows plus the chosen token; a shifted-by-one reference is off.
+    usage sums over the prompts; logprobs over the cap, max_tokens 0 without echo, a mixed
+    prompt list are 400s naming the parameter."""
+    from transformers import AutoModelForCausalLM
+
+    endpoint, engine, tok = served
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    url = f"{endpoint.base_url}/completions"
+    ids = [[1, 17, 40, 9, 33], [1, 5, 6]]
+    calls = engine.num_generate_calls
+    got = httpx.post(url, json={"prompt": ids, "echo": True, "logprobs": 3, "max_tokens": 0,
+                                "model": "tiny"}, timeout=60).json()
+    assert engine.num_generate_calls == calls               # max_tokens 0: nothing generated
+    assert [c["index"] for c in got["choices"]] == [0, 1]
+    gaps = []
+    for c, seq in zip(got["choices"], ids):
+        assert c["text"] == tok.decode(seq) and c["finish_reason"] == "length"
+        gaps.append(_check_echo_logprobs(tok, model, seq, c["logprobs"], 3))
+    assert got["usage"] == {"prompt_tokens": 8, "completion_tokens": 0, "total_tokens": 8}
+    assert max(gaps) > 1e-2                                  # negative control
+
+    texts = ["w12 w40 w7", "w3 w3"]
+    got = httpx.post(url, json={"prompt": texts, "echo": True, "logprobs": 2, "max_tokens": 1,
+                                "n": 2, "seed": 5, "return_token_ids": True},
+                     timeout=60).json()
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    for index, c in enumerate(got["choices"]):
+        prompt = tok(texts[index // 2])["input_ids"]
+        assert c["prompt_token_ids"] == prompt and len(c["token_ids"]) == 1
+        assert c["text"] == texts[index // 2] + tok.decode(c["token_ids"],
+                                                            skip_special_tokens=True)
+        _check_echo_logprobs(tok, model, prompt + c["token_ids"], c["logprobs"], 2)
+    assert got["usage"]["prompt_tokens"] == sum(len(tok(t)["input_ids"]) for t in texts)
+    assert got["usage"]["completion_tokens"] == 4          # each prompt counted once, n = 2
+    for body, param in (({"prompt": "x", "logprobs": 21}, "logprobs"),
+                        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": ["x", [1, 2]]}, "prompt")):
+        r = httpx.post(url, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "cap of 20" in httpx.post(url, json={"prompt": "x", "logprobs": 21}).text
+
+
+def test_chat_top_logprobs_and_response_format(served):
+    """A greedy chat with logprobs and top_logprobs=3: every entry's top-1 is the sampled token
+    with its log-prob, three alternatives most likely first; response_format text is served,
+    json_object a 400 by name, top_logprobs over the cap a 400."""
+    endpoint = served[0]
+    client = _client(endpoint)
+    messages = [{"role": "user", "content": "count w1 w2"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                           logprobs=True, top_logprobs=3, max_tokens=6,
+                                           response_format={"type": "text"})
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens >= 1
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
+        assert [t.logprob for t in e.top_logprobs] == sorted(
+            (t.logprob for t in e.top_logprobs), reverse=True)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=messages,
+                                       response_format={"type": "json_object"})
+    assert err.value.body["param"] == "response_format" and "json_object" in str(err.value)
+    with pytest.raises(openai.BadRequestError, match="cap of 20"):
+        client.chat.completions.create(model="tiny", messages=messages, logprobs=True,
+                                       top_logprobs=21)
+
+
+def test_streams_equal_the_whole_replies(served):
+    """stream=true through the openai client: a seeded chat's concatenated deltas equal the
+    non-streamed reply of the same request, its usage chunk (include_usage) the same usage;
+    a seeded completion with echo and logprobs likewise (text, tokens and token log-probs);
+    the raw stream is text/event-stream ending with data: [DONE]."""
+    endpoint = served[0]
+    client = _client(endpoint)
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "say w5 w9 w2"}],
+                max_tokens=MAX_TOKENS, seed=11, temperature=1.0, n=2)
+    whole = client.chat.completions.create(**chat)
+    parts, usage, finish, deltas = {0: "", 1: ""}, None, {}, 0
+    for chunk in client.chat.completions.create(**chat, stream=True,
+                                                stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            deltas += bool(c.delta.content)
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert [parts[k] for k in (0, 1)] == [c.message.content for c in whole.choices]
+    assert [finish[k] for k in (0, 1)] == [c.finish_reason for c in whole.choices]
+    assert usage.model_dump() == whole.usage.model_dump()
+    assert deltas > 2          # per-token deltas, not one piece per choice
+
+    text = dict(model="tiny", prompt="w12 w40 w7", max_tokens=MAX_TOKENS, seed=3, echo=True,
+                logprobs=1)
+    whole = client.completions.create(**text).choices[0]
+    got, tokens, lps = "", [], []
+    for chunk in client.completions.create(**text, stream=True):
+        for c in chunk.choices:
+            got += c.text
+            if c.logprobs:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+    assert got == whole.text and tokens == whole.logprobs.tokens
+    assert lps == whole.logprobs.token_logprobs
+    raw = httpx.post(f"{endpoint.base_url}/completions", json={**text, "stream": True})
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.text.endswith("data: [DONE]\n\n") and raw.text.startswith("data: {")

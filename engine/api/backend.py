@@ -12,7 +12,14 @@ Contract of `GenerateBackend.generate(requests) -> results` (one result per requ
   engine.rl.rollout.base (log_softmax(logits / T) of the unmodified logits at the request's
   temperature; top-p only restricts the draw);
 - request i's sample depends on (its prompt ids, its seed, its sampling settings) only: never
-  on the other requests of the batch, their number or their order.
+  on the other requests of the batch, their number or their order;
+- a request with max_tokens 0 is generated nothing (ids [], finish_reason "length");
+- scoring (`serve` only; the agent endpoint never asks): a request with score_top_k = k (not
+  None) gets result.scores over prompt_ids + result.ids: for that sequence s of m ids,
+  scores.logprobs[i - 1] = log P(s[i] | s[:i]) = log_softmax of the model's RAW logits after
+  s[:i] (float32; temperature and top_p do not change them: vLLM's raw_logprobs), and
+  scores.top[i - 1] the k most likely next ids {id: log-prob}, most likely first ({} for k
+  0), i = 1..m-1. result.logprobs stay the sampling ones (above).
 
 Seeds: call c of an episode, choice k, samples with call_seed(episode response seed, c, k):
 turn_seed for choice 0 (the seeds of engine.rl.env.episodes' turns, so an agent whose calls
@@ -29,10 +36,19 @@ from typing import Protocol
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt_ids: tuple[int, ...]
-    max_tokens: int          # >= 1
+    max_tokens: int          # >= 0 (0: nothing generated)
     temperature: float       # >= 0 (0: greedy)
     top_p: float             # (0, 1]
     seed: int                # non-negative 63-bit
+    score_top_k: int | None = None   # k >= 0: score prompt + reply (module docstring)
+
+
+@dataclass
+class TokenScores:
+    """Raw-logit log-probs of a sequence of m ids (module docstring): m - 1 entries each."""
+
+    logprobs: list[float]            # entry i - 1: log P(ids[i] | ids[:i])
+    top: list[dict[int, float]]      # entry i - 1: the k most likely ids after ids[:i]
 
 
 @dataclass
@@ -40,6 +56,7 @@ class GenerateResult:
     ids: list[int]
     logprobs: list[float]
     finish_reason: str       # "stop" or "length"
+    scores: TokenScores | None = None   # when the request asked score_top_k
 
 
 class GenerateBackend(Protocol):

@@ -125,14 +125,31 @@ def chat_logprobs(rules: TemplateRules, reply: Reply) -> dict:
                         for token, lp, top in zip(reply.ids, reply.logprobs, tops)]}
 
 
-def _completion_logprobs(rules: TemplateRules, reply: Reply) -> dict:
-    tokens = [rules.token_text(t) for t in reply.ids]
+def top_dict(rules: TemplateRules, token: int, logprob: float, top: dict[int, float]) -> dict:
+    """vLLM's completions `top_logprobs` entry: {text: log-prob} of the chosen token, then the
+    top-k alternatives, most likely first (k or k + 1 entries)."""
+    out = {rules.token_text(token): finite(logprob)}
+    for t, v in top.items():
+        out[rules.token_text(t)] = finite(v)
+    return out
+
+
+def completion_logprobs(rules: TemplateRules, ids: list[int], logprobs: list,
+                        tops: list | None) -> dict:
+    """The completions choice's `logprobs` for `ids` (vLLM's shape): `tokens`,
+    `token_logprobs`, `text_offset` (from 0, each token's text length added) and
+    `top_logprobs` (None without `tops`; a None log-prob or top: the echoed prompt's first
+    token, which has none)."""
+    tokens = [rules.token_text(t) for t in ids]
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": list(reply.logprobs), "top_logprobs": None,
-            "text_offset": offsets}
+    top = None if tops is None else [
+        None if d is None else top_dict(rules, t, lp, d) for t, lp, d in zip(ids, logprobs, tops)]
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else finite(lp)
+                                                 for lp in logprobs],
+            "top_logprobs": top, "text_offset": offsets}
 
 
 def response_body(rules: TemplateRules, call: Call, context: list[int], replies: list[Reply],
@@ -145,7 +162,8 @@ def response_body(rules: TemplateRules, call: Call, context: list[int], replies:
                       "logprobs": chat_logprobs(rules, r) if call.logprobs else None}
         else:
             choice = {"index": k, "text": r.text, "finish_reason": r.finish_reason,
-                      "logprobs": _completion_logprobs(rules, r) if call.logprobs else None}
+                      "logprobs": completion_logprobs(rules, r.ids, r.logprobs, r.top)
+                      if call.logprobs else None}
         if call.return_token_ids:
             choice["token_ids"] = list(r.ids)
         choices.append(choice)

@@ -5,12 +5,23 @@ Honoured (`Limits`): max_tokens / max_completion_tokens (capped at max_new_token
 value is served with max_new_tokens), temperature and top_p (with `fixed_sampling`, as in
 training, only the run's values: the trainer recomputes log-probs at the run's temperature, so
 a call sampled otherwise would train off-policy; without it any valid value), n (1..max_n),
-stop (a string or up to max_stop strings), logprobs (chat: a bool, top_logprobs 0; completions:
-0 or null: only the sampled tokens' log-probs exist), tools and tool_choice ("auto", "none"),
-return_token_ids (vLLM's extension: the prompt and sampled ids in the response).
-Accepted and ignored: IGNORED (`seed` among them: every call is seeded from its episode and
-its index). Refused: stream=true, any penalty, logit_bias, echo, suffix, best_of > 1, and
-every other parameter, by name.
+stop (a string or up to max_stop strings), logprobs (chat: a bool; completions: an integer),
+tools and tool_choice ("auto", "none"), return_token_ids (vLLM's extension: the prompt and
+sampled ids in the response), response_format {"type": "text"} (json_object / json_schema are
+refused by name: there is no constrained decoding).
+Accepted and ignored: IGNORED (`seed` among them: the agent endpoint seeds every call from
+its episode and its index; serve reads it itself).
+Refused: any penalty, logit_bias, suffix, best_of > 1, and every other parameter, by name.
+
+Evaluation (`Limits.evaluation`, `megatron-sft-engine serve` only; the agent endpoint refuses
+each of these saying why: an episode's call is one trajectory whose reply is a training
+sample, recorded whole with the sampled tokens' own log-probs):
+- completions: `echo` (the prompt's text, and its tokens' log-probs, first), `logprobs: k`
+  (top-k alternatives, k <= max_logprobs), `max_tokens: 0` (only with echo: nothing
+  generated, the prompt scored), `prompt` as a list of several strings or several id lists;
+- chat: `top_logprobs: k` (with logprobs=true, k <= max_logprobs);
+- both: `stream` (server-sent events, engine.api.streaming) with
+  `stream_options.include_usage`.
 """
 from __future__ import annotations
 
@@ -21,17 +32,24 @@ from engine.data.files import DataError
 from engine.data.rows import check_messages, check_tools
 
 IGNORED = {"model", "user", "seed", "metadata", "store", "service_tier", "parallel_tool_calls",
-           "stream_options", "prompt_cache_key", "safety_identifier", "reasoning_effort"}
+           "prompt_cache_key", "safety_identifier", "reasoning_effort"}
 SAMPLES = "it changes what the policy samples"
 NEUTRAL = {"presence_penalty": ((0,), SAMPLES), "frequency_penalty": ((0,), SAMPLES),
            "repetition_penalty": ((1,), SAMPLES), "logit_bias": (({},), SAMPLES),
            "top_k": ((-1, 0), SAMPLES), "min_p": ((0,), SAMPLES), "best_of": ((1,), SAMPLES),
-           "stream": ((False,), "streaming is not served (responses come whole)"),
-           "echo": ((False,), "echo is not served"), "suffix": (("",), "suffix is not served")}
+           "suffix": (("",), "suffix is not served")}
+# evaluation-only parameters (module docstring) and why the agent endpoint refuses them
+SERVE_ONLY = "megatron-sft-engine serve answers it"
+AGENT_REFUSES = {
+    "stream": "streaming is not served by the agent endpoint: a call's reply is recorded "
+              "whole as the episode's training sample",
+    "echo": "echo is not served by the agent endpoint: a call's reply is a training sample "
+            "of the sampled tokens only"}
 COMMON = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-          "logprobs", "return_token_ids"}
+          "logprobs", "return_token_ids", "response_format", "stream", "stream_options"}
 CHAT = COMMON | {"messages", "tools", "tool_choice", "top_logprobs"}
-COMPLETION = COMMON | {"prompt"}
+COMPLETION = COMMON | {"prompt", "echo"}
+CONSTRAINED = ("json_object", "json_schema", "regex", "grammar", "structural_tag")
 
 
 class ApiError(Exception):
@@ -61,6 +79,8 @@ class Limits:
     max_n: int = 8
     max_stop: int = 4
     model: str = "policy"            # the name /v1/models lists
+    evaluation: bool = False         # serve: echo, top-k, max_tokens 0, prompt lists, stream
+    max_logprobs: int = 20           # evaluation: the most top log-probs per position
 
 
 @dataclass
@@ -68,17 +88,22 @@ class Call:
     """One checked request; `messages` (chat) or `prompt` (completions: text or ids)."""
 
     kind: str                        # "chat" or "completion"
-    max_tokens: int | None           # None: as many as fit (at most max_new_tokens)
+    max_tokens: int | None           # None: as many as fit (at most max_new_tokens); 0: echo
     temperature: float
     top_p: float
     n: int
     stop: list[str]
-    logprobs: bool
+    logprobs: bool                   # log-probs in the reply
     return_token_ids: bool
     messages: list[dict] | None = None
     tools: list[dict] | None = None
     parse_tools: bool = False        # tools given and tool_choice "auto"
-    prompt: str | list[int] | None = None
+    prompt: str | list[int] | None = None     # completions: the first (the agent's only) one
+    prompts: list | None = None      # completions: every prompt, in order (evaluation: several)
+    top_logprobs: int = 0            # evaluation: alternatives per position (logprobs on)
+    echo: bool = False               # evaluation, completions: the prompt first
+    stream: bool = False             # evaluation: server-sent events
+    include_usage: bool = False      # stream_options.include_usage
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -110,13 +135,20 @@ def _sampling(body: dict, limits: Limits) -> tuple[float, float]:
 
 
 def _max_tokens(body: dict, limits: Limits) -> int | None:
+    """The requested reply length; 0 only with echo under evaluation (module docstring)."""
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else \
         "max_tokens"
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise bad(f"{key} must be an integer >= 1, got {value!r:.50}", key)
+    if value == 0 and not limits.evaluation:
+        raise bad(f"{key} must be an integer >= 1, got 0: a call of an episode samples a "
+                  f"reply ({key}=0 with echo scores a prompt: {SERVE_ONLY})", key)
+    if value == 0 and body.get("echo") is not True:
+        raise bad(f"{key}=0 is served only with echo=true on /v1/completions (nothing is "
+                  "generated: the prompt is scored), as vLLM", key)
     return min(value, limits.max_new_tokens)
 
 
@@ -130,6 +162,35 @@ def _stop(body: dict, limits: Limits) -> list[str]:
     return stops
 
 
+def _response_format(body: dict) -> None:
+    """{"type": "text"} or nothing; a constrained format is refused by name."""
+    value = body.get("response_format")
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in CONSTRAINED:
+        raise bad(f"response_format type {kind!r} is not honoured: this server has no "
+                  "constrained decoding; send {'type': 'text'} or leave response_format out",
+                  "response_format")
+    if kind != "text":
+        raise bad(f"response_format must be {{'type': 'text'}}, got {value!r:.80}",
+                  "response_format")
+
+
+def _stream(body: dict, limits: Limits) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage); stream_options without stream is ignored."""
+    stream, options = body.get("stream") or False, body.get("stream_options")
+    if not isinstance(stream, bool):
+        raise bad(f"stream must be a boolean, got {stream!r:.20}", "stream")
+    if options is None or not limits.evaluation:
+        return stream, False
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not isinstance(usage, bool):
+        raise bad("stream_options must be an object like {'include_usage': true}",
+                  "stream_options")
+    return stream, usage
+
+
 def _common(body: dict, limits: Limits, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -139,14 +200,23 @@ def _common(body: dict, limits: Limits, allowed: set[str]) -> dict:
             if value is not None and (isinstance(value, bool) != isinstance(neutral[0], bool)
                                       or value not in neutral):
                 raise bad(f"{key}={value!r:.50} is refused: {why}; leave it out", key)
+        elif key in AGENT_REFUSES and not limits.evaluation:
+            if value not in (None, False):
+                raise bad(f"{key}={value!r:.50} is refused: {AGENT_REFUSES[key]} "
+                          f"({SERVE_ONLY}); leave it out", key)
+        elif key == "echo" and key not in allowed:
+            if value not in (None, False):
+                raise bad("echo is served on /v1/completions only", key)
         elif key not in allowed and key not in IGNORED:
             raise bad(f"unsupported parameter {key!r}", key)
     n = body.get("n") if body.get("n") is not None else 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.max_n:
         raise bad(f"n={n!r:.20} must be an integer in [1, {limits.max_n}]", "n")
     temperature, top_p = _sampling(body, limits)
+    _response_format(body)
+    stream, include_usage = _stream(body, limits)
     return dict(max_tokens=_max_tokens(body, limits), temperature=temperature, top_p=top_p,
-                n=n, stop=_stop(body, limits),
+                n=n, stop=_stop(body, limits), stream=stream, include_usage=include_usage,
                 return_token_ids=bool(body.get("return_token_ids", False)))
 
 
@@ -159,6 +229,25 @@ def _text_parts(messages: list[dict]) -> list[dict]:
                           "served", "messages")
             m["content"] = "".join(p["text"] for p in m["content"])
     return messages
+
+
+def _top_logprobs(body: dict, limits: Limits, logprobs: bool) -> int:
+    """Chat's top_logprobs: 0 without; k needs logprobs=true, evaluation and k <= the cap."""
+    k = body.get("top_logprobs")
+    if k is None or k == 0 and not isinstance(k, bool):
+        return 0
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise bad(f"top_logprobs must be an integer >= 0, got {k!r:.20}", "top_logprobs")
+    if not limits.evaluation:
+        raise bad("top_logprobs is refused by the agent endpoint: a call records only the "
+                  f"sampled tokens' log-probs, what training uses ({SERVE_ONLY})",
+                  "top_logprobs")
+    if not logprobs:
+        raise bad("top_logprobs needs logprobs=true", "top_logprobs")
+    if k > limits.max_logprobs:
+        raise bad(f"top_logprobs={k} is over this server's cap of {limits.max_logprobs} "
+                  "(max_logprobs, as vLLM's)", "top_logprobs")
+    return k
 
 
 def parse_chat(body: dict, limits: Limits) -> Call:
@@ -179,26 +268,60 @@ def parse_chat(body: dict, limits: Limits) -> Call:
     logprobs = body.get("logprobs") or False
     if not isinstance(logprobs, bool):
         raise bad("logprobs must be a boolean", "logprobs")
-    if body.get("top_logprobs"):
-        raise bad("top_logprobs is not served: only the sampled tokens' log-probs are known",
-                  "top_logprobs")
     return Call("chat", messages=messages, tools=tools, logprobs=logprobs,
+                top_logprobs=_top_logprobs(body, limits, logprobs),
                 parse_tools=bool(tools) and choice == "auto", **common)
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+def _prompts(body: dict, limits: Limits) -> list:
+    """Every prompt of a completions body, in order: one string or id list, or (evaluation)
+    a list of several strings or several id lists."""
+    prompt = body.get("prompt")
+    if (isinstance(prompt, str) and prompt) or _is_ids(prompt):
+        return [prompt]
+    texts = isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(p, str) and p for p in prompt)
+    if texts or (isinstance(prompt, list) and bool(prompt) and all(map(_is_ids, prompt))):
+        if len(prompt) == 1 or limits.evaluation:
+            return list(prompt)
+        raise bad(f"prompt is a list of {len(prompt)} prompts; the agent endpoint takes one "
+                  "prompt per call: a call extends one trajectory of the episode "
+                  f"(a list of prompts: {SERVE_ONLY})", "prompt")
+    several = ", or a list of several of either" if limits.evaluation else ""
+    raise bad(f"prompt must be one non-empty string or one non-empty list of token ids"
+              f"{several}", "prompt")
+
+
+def _completion_logprobs(body: dict, limits: Limits) -> tuple[bool, int]:
+    """(log-probs asked, top-k): null, or an integer 0..max_logprobs (evaluation), 0
+    (the agent endpoint: only the sampled tokens' log-probs)."""
+    k = body.get("logprobs")
+    if k is None:
+        return False, 0
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise bad(f"logprobs must be an integer >= 0 or null, got {k!r:.20}", "logprobs")
+    if k and not limits.evaluation:
+        raise bad(f"logprobs={k} is refused by the agent endpoint: a call records only the "
+                  "sampled tokens' log-probs, what training uses; send logprobs=0 "
+                  f"(top-k log-probs: {SERVE_ONLY})", "logprobs")
+    if k > limits.max_logprobs:
+        raise bad(f"logprobs={k} is over this server's cap of {limits.max_logprobs} "
+                  "(max_logprobs, as vLLM's)", "logprobs")
+    return True, k
 
 
 def parse_completion(body: dict, limits: Limits) -> Call:
     """A /v1/completions body as a Call (ApiError 400 otherwise)."""
     common = _common(body, limits, COMPLETION)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                           and t >= 0 for t in prompt)
-    if not (isinstance(prompt, str) and prompt) and not (ids and prompt):
-        raise bad("prompt must be one non-empty string or one non-empty list of token ids",
-                  "prompt")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, 0) or isinstance(logprobs, bool):
-        raise bad(f"logprobs={logprobs!r:.20} is not served: only the sampled tokens' "
-                  "log-probs are known (logprobs=0)", "logprobs")
-    return Call("completion", prompt=prompt, logprobs=logprobs == 0, **common)
+    prompts = _prompts(body, limits)
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise bad(f"echo must be a boolean, got {echo!r:.20}", "echo")
+    logprobs, k = _completion_logprobs(body, limits)
+    return Call("completion", prompt=prompts[0], prompts=prompts, logprobs=logprobs,
+                top_logprobs=k, echo=echo, **common)

@@ -1,11 +1,14 @@
 """The OpenAI-compatible endpoint of `serve`: one fixed base URL, http://HOST:PORT/v1, serving
     GET  /v1/models             the one served model (ServeSettings.model_name)
-    POST /v1/chat/completions   messages (tools -> tool_calls, logprobs, n, stop)
-    POST /v1/completions        a text or token-id prompt
+    POST /v1/chat/completions   messages (tools -> tool_calls, logprobs with top_logprobs,
+                                n, stop, stream)
+    POST /v1/completions        a text or token-id prompt, or a list of several; echo,
+                                logprobs k, max_tokens 0 (with echo), n, stop, stream
     GET  /health                200 once the model is loaded (for scripts that wait for it)
 Stateless: every request is rendered whole (a chat with the generation prompt, as RL prompts
 are; a text prompt with the tokenizer's special tokens), checked by the agent endpoint's rules
-(engine.api.requests: the same parameters and 400s, any temperature / top_p), queued
+(engine.api.requests: the same parameters and 400s, any temperature / top_p, and the
+evaluation parameters below), queued
 (engine.serve.batching: concurrent clients share one generate call) and answered by
 engine.api.replies. Errors are OpenAI-style bodies: 400 for malformed JSON, a parameter
 out of range, or context length exceeded (the prompt, or the prompt plus an explicit
@@ -23,6 +26,18 @@ or, without one, call_seed(ServeSettings.seed, i) for the i-th request accepted 
 arrival order; refused requests take no number). So a request with a seed gets the same reply
 whatever else the endpoint serves (the sample depends on its prompt, seed and settings only,
 never on batching), and a fresh server answers the same unseeded sequence of requests the same.
+Each prompt of a list samples with these seeds too, as it would alone.
+
+Evaluation (vLLM's request and response shapes: Limits.evaluation in engine.api.requests,
+engine.api.evaluation, engine.api.streaming). Log-probs: every log-prob serve reports (the
+prompt's tokens under echo, the sampled tokens, the top-k alternatives) is log_softmax of the
+model's RAW logits (vLLM's default raw_logprobs: temperature and top_p do not change them),
+computed by one scoring pass (RolloutEngine.score, through SamplingBackend's `score`) over
+prompt + reply on the serving thread, after the batch's generate calls; k is capped at
+ServeSettings.max_logprobs (20, vLLM's default max_logprobs; more is a 400 naming the
+parameter and the cap). stream=true: the engines generate a reply whole (one batched call), so
+the events are cut from the finished reply and sent after generation: the time to the first
+token is the whole reply's time. Errors found before streaming starts are JSON error bodies.
 """
 from __future__ import annotations
 
@@ -33,13 +48,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.api.backend import GenerateBackend, GenerateRequest, call_seed
 from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, json_body, models_body,
                              require_api_key, start_http, stop_http)
-from engine.api.replies import make_reply, response_body
+from engine.api.evaluation import chat_reply, completion_reply
 from engine.api.requests import ApiError, Call, Limits, bad, parse_chat, parse_completion
+from engine.api.streaming import chat_chunks, completion_chunks, event_stream
 from engine.api.tokens import TemplateRules
 from engine.errors import RunError
 from engine.serve.batching import CLIENTS, ServeQueue
@@ -57,6 +73,7 @@ class ServeSettings:
     temperature: float = 1.0  # when a request gives none (--temperature)
     top_p: float = 1.0       # when a request gives none (--top-p)
     seed: int = 0            # the seeds of requests without one (--seed; module docstring)
+    max_logprobs: int = 20   # the most top log-probs a request may ask (vLLM's default cap)
 
 
 def request_seed(body: dict) -> int | None:
@@ -98,7 +115,8 @@ class ServeEndpoint:
         self.limits = Limits(max_new_tokens=settings.max_tokens,
                              seq_length=settings.max_context - 1,
                              temperature=settings.temperature, top_p=settings.top_p,
-                             fixed_sampling=False, model=settings.model_name)
+                             fixed_sampling=False, model=settings.model_name,
+                             evaluation=True, max_logprobs=settings.max_logprobs)
         self.queue = ServeQueue(gather_s, max_batch)
         self.app = build_app(self)
         self._lock = threading.Lock()
@@ -140,22 +158,35 @@ class ServeEndpoint:
                 print(f"[serve] warning: a generate call failed ({type(e).__name__}: {e}); "
                       "its requests got 503", flush=True)
 
-    def _context(self, call: Call) -> list[int]:
+    def _contexts(self, call: Call) -> list[list[int]]:
+        """The prompt ids of each of the call's prompts (a chat: its one rendering)."""
         if call.kind == "chat":
-            return self.rules.prompt_ids(call.messages, call.tools)
-        if isinstance(call.prompt, str):
-            return self.rules.text_ids(call.prompt, first=True)
-        self.rules.check_ids(list(call.prompt))
-        return list(call.prompt)
+            return [self.rules.prompt_ids(call.messages, call.tools)]
+        contexts = []
+        for prompt in call.prompts:
+            if isinstance(prompt, str):
+                contexts.append(self.rules.text_ids(prompt, first=True))
+            else:
+                self.rules.check_ids(list(prompt))
+                contexts.append(list(prompt))
+        return contexts
 
-    def _budget(self, call: Call, asked: int | None, context: int) -> int:
-        room = self.settings.max_context - context
-        if room < 1 or (asked is not None and asked > room):
+    def _budget(self, call: Call, asked: int | None, context: int, which: str) -> int:
+        """The reply's max_tokens for a prompt of `context` ids (`which`: "" or " (prompt i)"
+        of a list of prompts); 0 only for max_tokens 0 (echo, the prompt scored). A scored
+        request (log-probs asked) fits in max_context - 1 ids: the vllm engine scores a
+        sequence by generating one token after it (engine.rl.rollout.vllm_scoring)."""
+        most = self.settings.max_context - (1 if call.logprobs else 0)
+        room = most - context
+        if (room < 1 and asked != 0) or (asked is not None and asked > room):
             plus = f" plus max_tokens={asked}" if asked is not None else ""
-            raise ApiError(400, f"context length exceeded: this request has {context} prompt "
-                           f"tokens{plus}; this endpoint serves at most "
-                           f"{self.settings.max_context} tokens (--max-context)", "messages"
+            scored = " (max_context - 1 with log-probs)" if call.logprobs else ""
+            raise ApiError(400, f"context length exceeded: this request{which} has {context} "
+                           f"prompt tokens{plus}; this endpoint serves at most {most} tokens"
+                           f"{scored} (--max-context {self.settings.max_context})", "messages"
                            if call.kind == "chat" else "prompt", code="context_length_exceeded")
+        if call.max_tokens == 0:
+            return 0
         return min(call.max_tokens or self.settings.max_tokens, room)
 
     def _accept(self, seed: int | None) -> tuple[int, int]:
@@ -165,20 +196,35 @@ class ServeEndpoint:
             self._accepted += 1
         return number, seed if seed is not None else call_seed(self.settings.seed, number)
 
-    async def handle(self, kind: str, body: dict) -> JSONResponse:
+    async def handle(self, kind: str, body: dict) -> Response:
+        """One request: checked (400s before anything is queued or streamed), its prompts'
+        choices queued (prompt i choice k: seed call_seed(base, 0, k), the same as that prompt
+        alone; scored when log-probs are asked: raw-logit log-probs, engine.api.evaluation),
+        answered as JSON or, with stream=true, as server-sent events cut from the finished
+        reply (engine.api.streaming: sent after generation)."""
         seed = request_seed(body)
         call = (parse_chat if kind == "chat" else parse_completion)(body, self.limits)
-        context = self._context(call)
-        budget = self._budget(call, requested_max_tokens(body), len(context))
+        contexts = self._contexts(call)
+        asked = requested_max_tokens(body)
+        budgets = [self._budget(call, asked, len(c), f" (prompt {i})" if len(contexts) > 1
+                                else "") for i, c in enumerate(contexts)]
         number, base = self._accept(seed)
+        score = call.top_logprobs if call.logprobs else None
         futures = [asyncio.wrap_future(self.queue.submit(CLIENTS, GenerateRequest(
-            tuple(context), budget, call.temperature, call.top_p, call_seed(base, 0, k))))
-            for k in range(call.n)]
+            tuple(context), budget, call.temperature, call.top_p, call_seed(base, 0, k),
+            score))) for context, budget in zip(contexts, budgets) for k in range(call.n)]
         results = await asyncio.gather(*futures)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._token}-{number}"
-        replies = [make_reply(self.rules, call, r, f"{rid}_{k}") for k, r in enumerate(results)]
-        return JSONResponse(response_body(self.rules, call, context, replies,
-                                          self.limits.model, rid))
+        if kind == "chat":
+            reply, replies = chat_reply(self.rules, call, contexts[0], results,
+                                        self.limits.model, rid)
+            chunks = chat_chunks(self.rules, call, reply, replies) if call.stream else None
+        else:
+            reply, replies, echoes = completion_reply(self.rules, call, contexts, results,
+                                                      self.limits.model, rid)
+            chunks = (completion_chunks(self.rules, call, reply, replies, echoes)
+                      if call.stream else None)
+        return event_stream(chunks) if call.stream else JSONResponse(reply)
 
 
 def build_app(endpoint: ServeEndpoint) -> FastAPI:
@@ -196,7 +242,7 @@ def build_app(endpoint: ServeEndpoint) -> FastAPI:
     async def models() -> dict:
         return models_body(endpoint.limits)
 
-    async def call(request: Request, kind: str) -> JSONResponse:
+    async def call(request: Request, kind: str) -> Response:
         try:
             return await endpoint.handle(kind, await json_body(request,
                                                                endpoint.max_body_bytes))
@@ -206,11 +252,11 @@ def build_app(endpoint: ServeEndpoint) -> FastAPI:
             raise ApiError(500, f"{type(e).__name__}: {e}", kind="server_error") from e
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> JSONResponse:
+    async def chat(request: Request) -> Response:
         return await call(request, "chat")
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
+    async def completions(request: Request) -> Response:
         return await call(request, "completion")
 
     return app

@@ -42,9 +42,11 @@ def serve_model(args) -> int:
               f"(model {name!r}{'; requests need the --api-key' if args.api_key else ''})",
               flush=True)
         # max_len: a request never shares a budget that would take its prompt past the
-        # context (vLLM refuses such a call: max_model_len = --max-context)
-        endpoint.serve(SamplingBackend(engine.generate, max_len=args.max_context), stop.is_set,
-                       alive=lambda: engine.is_alive)
+        # context (vLLM refuses such a call: max_model_len = --max-context); score: the
+        # raw-logit log-probs of requests with logprobs / echo (engine.api.evaluation)
+        backend = SamplingBackend(engine.generate, max_len=args.max_context,
+                                  score=engine.score)
+        endpoint.serve(backend, stop.is_set, alive=lambda: engine.is_alive)
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         code = 1

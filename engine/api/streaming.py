@@ -1,0 +1,141 @@
+"""`stream: true` of `serve`: a finished response as server-sent events, OpenAI's chunks.
+
+The rollout engines generate a reply whole (one batched call), so a stream is cut from the
+finished response and sent after generation: the time to the first token is the whole reply's
+time. It is still a stream a client can consume: `data: {chunk}\\n\\n` events, then
+`data: [DONE]\\n\\n` (media type text/event-stream).
+
+Chunks (every one with the response's id, created and model):
+- chat (`chat.completion.chunk`), choice by choice: a first delta {"role": "assistant",
+  "content": ""}, then one content delta per sampled token (with its `logprobs` entry when
+  asked; a token whose text is not complete yet, e.g. half of a multi-byte character, gives
+  "" and its text comes with a later token), the content's rest, one `tool_calls` delta with
+  the parsed calls (each with its `index`) when the reply has them, and a last chunk with an
+  empty delta and the choice's finish_reason;
+- completions (`text_completion`), choice by choice: with echo, the prompt's text (and its
+  tokens' log-probs), then one text piece per sampled token as above, and a last chunk with
+  "" and the finish_reason;
+- with stream_options.include_usage, every chunk carries "usage": null and a final chunk has
+  "choices": [] and the response's usage (OpenAI's shape).
+A client concatenating a choice's deltas gets exactly the non-streamed text (token_pieces).
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+from fastapi.responses import StreamingResponse
+
+from engine.api.evaluation import Echo
+from engine.api.replies import Reply
+from engine.api.requests import Call
+from engine.api.tokens import TemplateRules
+
+
+def token_pieces(rules: TemplateRules, ids: list[int], text: str) -> tuple[list[str], str]:
+    """(one piece per id, the rest) with "".join(pieces) + rest == text: the pieces decode
+    `ids` incrementally (vLLM's way: the text of a short window of ids before a token and
+    with it, held back while it ends in an incomplete character), each kept only while the
+    pieces so far spell a prefix of `text` (a stop string or the end-of-turn marker end the
+    returned text early; tool-call blocks leave the content), the rest is text beyond them."""
+    decode = rules.tokenizer.decode
+    pieces, emitted, prefix, read = [], "", 0, 0
+    for j in range(1, len(ids) + 1):
+        before = decode(ids[prefix:read], skip_special_tokens=True)
+        after = decode(ids[prefix:j], skip_special_tokens=True)
+        delta = ""
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            delta = after[len(before):]
+            prefix, read = read, j
+        if delta and text.startswith(emitted + delta):
+            emitted += delta
+            pieces.append(delta)
+        else:
+            pieces.append("")
+    return pieces, text[len(emitted):]
+
+
+def _head(body: dict, obj: str) -> dict:
+    return {"id": body["id"], "object": obj, "created": body["created"],
+            "model": body["model"]}
+
+
+def _chat_choice(rules: TemplateRules, chunk, k: int, choice: dict,
+                 reply: Reply) -> Iterator[dict]:
+    message = choice["message"]
+    content = message.get("content")
+    entries = choice["logprobs"]["content"] if choice.get("logprobs") else None
+    yield chunk(k, {"role": "assistant", "content": "" if content is not None else None})
+    pieces, rest = (token_pieces(rules, reply.ids, content) if content is not None
+                    else ([""] * len(reply.ids), ""))
+    for j, piece in enumerate(pieces):
+        logprobs = {"content": [entries[j]]} if entries is not None else None
+        if piece or logprobs:
+            yield chunk(k, {"content": piece} if content is not None else {}, logprobs)
+    if rest:
+        yield chunk(k, {"content": rest})
+    if message.get("tool_calls"):
+        yield chunk(k, {"tool_calls": [{"index": j, **c}
+                                       for j, c in enumerate(message["tool_calls"])]})
+    yield chunk(k, {}, None, choice["finish_reason"])
+
+
+def chat_chunks(rules: TemplateRules, call: Call, body: dict,
+                replies: list[Reply]) -> list[dict]:
+    """The chat.completion.chunk objects of a chat response `body` (module docstring)."""
+    head = _head(body, "chat.completion.chunk")
+    usage = {"usage": None} if call.include_usage else {}
+
+    def chunk(k: int, delta: dict, logprobs=None, finish=None) -> dict:
+        return {**head, "choices": [{"index": k, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish}], **usage}
+
+    out = [c for k, (choice, reply) in enumerate(zip(body["choices"], replies))
+           for c in _chat_choice(rules, chunk, k, choice, reply)]
+    if call.include_usage:
+        out.append({**head, "choices": [], "usage": body["usage"]})
+    return out
+
+
+def _part(logprobs: dict | None, start: int, stop: int) -> dict | None:
+    return None if logprobs is None else {key: value[start:stop]
+                                          for key, value in logprobs.items()}
+
+
+def completion_chunks(rules: TemplateRules, call: Call, body: dict, replies: list[Reply],
+                      echoes: list[Echo | None]) -> list[dict]:
+    """The text_completion chunks of a completions response `body` (module docstring);
+    `replies` in choice order, `echoes` one per prompt."""
+    head = _head(body, "text_completion")
+    usage = {"usage": None} if call.include_usage else {}
+
+    def chunk(index: int, text: str, logprobs=None, finish=None) -> dict:
+        return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                     "finish_reason": finish}], **usage}
+
+    out = []
+    for index, (choice, reply) in enumerate(zip(body["choices"], replies)):
+        echo, lp = echoes[index // call.n], choice["logprobs"]
+        first = len(echo.ids) if echo is not None and lp is not None else 0
+        if echo is not None:
+            out.append(chunk(index, echo.text, _part(lp, 0, first)))
+        pieces, rest = token_pieces(rules, reply.ids, reply.text)
+        for j, piece in enumerate(pieces):
+            if piece or lp is not None:
+                out.append(chunk(index, piece, _part(lp, first + j, first + j + 1)))
+        if rest:
+            out.append(chunk(index, rest))
+        out.append(chunk(index, "", None, choice["finish_reason"]))
+    if call.include_usage:
+        out.append({**head, "choices": [], "usage": body["usage"]})
+    return out
+
+
+def event_stream(chunks: list[dict]) -> StreamingResponse:
+    """`chunks` as server-sent events ending with `data: [DONE]` (module docstring)."""
+    async def events():
+        for c in chunks:
+            yield f"data: {json.dumps(c, ensure_ascii=False, allow_nan=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
