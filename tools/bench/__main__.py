@@ -29,6 +29,12 @@
                                                (vocab 151,936, fp32; fresh process each);
                                                goal <= 3.0 GB at 8,192 tokens
     python -m tools.bench all      [--quick] [--plot PNG]
+    python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
+                                   [--cpu-smoke] [--override ITEM:ARG]
+                                               the GPU checklist in one call (tools/bench/gpu/):
+                                               sft, loss_head, grpo, lora_grpo, vision; each a
+                                               subprocess with its own timeout; DIR/results.json,
+                                               a table and the environment line; `gpu --help`
 
 Each prints readable tables (Markdown pipe tables) and, as its last stdout line, one JSON object.
 `all` prints the keys overhead_ratio, balance_max_over_mean, naive_balance_max_over_mean,
@@ -156,12 +162,18 @@ def run_all(args) -> BenchResult:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu"]:  # its own flags (tools/bench/gpu/cli.py)
+        from tools.bench.gpu.cli import main as gpu_main
+
+        return gpu_main(argv[1:], prog=f"{prog} gpu")
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     public = ("overhead", "balance", "rollout", "backends", "sync", "async", "mfu", "data", "loss_head",
               "all")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(public) + "}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{" + ",".join(public + ("gpu",)) + "}")
     for name in public:
         p = sub.add_parser(name)
         p.add_argument("--quick", action="store_true", help="CI size (fewer repeats, smaller)")

@@ -1,0 +1,99 @@
+"""The flags of `python -m tools.bench gpu` (the package docstring says what it runs)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tools.bench.gpu import __doc__ as PACKAGE_DOC
+from tools.bench.gpu.items import ITEMS, SMOKE_DEFAULT, build_items
+from tools.bench.gpu.report import environment, environment_line, read_metrics, table
+from tools.bench.gpu.runner import run_items
+
+DEFAULT_BUDGET_S = 420.0  # a 10-minute device call, with room for the session's own work
+
+
+def parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=PACKAGE_DOC.split("\n\n")[0],
+                                epilog=PACKAGE_DOC.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--items", default=None,
+                   help=f"comma-separated, run in this order (default: {','.join(ITEMS)}; "
+                        f"with --cpu-smoke: {','.join(SMOKE_DEFAULT)})")
+    p.add_argument("--out", default="/tmp/gpu_bench",
+                   help="results.json and <item>.log go here (default %(default)s)")
+    p.add_argument("--workdir", default="/tmp/gpu_bench_work",
+                   help="models, data and run folders (default %(default)s; kept out of --out "
+                        "so a device call does not send the models back)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="total seconds; an item that would start later is skipped, one that "
+                        "starts gets at most what is left (default %(default)s; 0: no budget)")
+    p.add_argument("--dry-run", action="store_true", help="print every command, run nothing")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny sizes (hidden 64, 2 layers), fp32, on the CPU (CUDA hidden)")
+    p.add_argument("--override", action="append", default=[], metavar="ITEM:ARG",
+                   help="append ARG to ITEM's last command (an engine override such as "
+                        "grpo:rollout.n=4, or a gpu_sft flag such as sft:--steps=4); repeatable")
+    return p
+
+
+def parse_overrides(specs: list[str]) -> dict[str, list[str]]:
+    """['grpo:rollout.n=4', ...] -> {'grpo': ['rollout.n=4'], ...}."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, arg = spec.partition(":")
+        if not sep or not arg:
+            raise ValueError(f"--override {spec!r}: expected ITEM:ARG with ITEM one of "
+                             f"{', '.join(ITEMS)}")
+        out.setdefault(name, []).append(arg)
+    return out
+
+
+def cuda_available() -> bool:
+    import torch  # function-level: --dry-run and --help need no torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m tools.bench gpu") -> int:
+    p = parser(prog)
+    args = p.parse_args(argv)
+    names = args.items.split(",") if args.items else list(SMOKE_DEFAULT if args.cpu_smoke
+                                                          else ITEMS)
+    try:
+        items = build_items([n for n in names if n], Path(args.workdir), args.cpu_smoke,
+                            parse_overrides(args.override))
+    except ValueError as e:
+        p.error(str(e))
+    if args.dry_run:
+        for item in items:
+            print(f"## {item.name} (timeout {item.timeout_s:.0f} s)")
+            for cmd in item.commands:
+                print(shlex.join(cmd))
+        return 0
+    if args.cpu_smoke:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the children run on the CPU
+    cuda = not args.cpu_smoke and cuda_available()
+    if not cuda and not args.cpu_smoke:
+        print("skipped: no CUDA (python -m tools.bench gpu --cpu-smoke runs grpo and vision "
+              "at tiny sizes on the CPU)")
+        return 0
+    env = environment(cuda)
+    print(f"[gpu] {environment_line(env)}", flush=True)
+    header = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "environment": env, "cpu_smoke": args.cpu_smoke, "budget_s": args.budget_s,
+              "argv": sys.argv[1:] if argv is None else argv}
+    start = time.monotonic()
+    records = run_items(items, Path(args.out), args.budget_s or None, read_metrics, header,
+                        say=lambda s: print(s, flush=True))
+    print(f"\n{table(records)}\n\nEnvironment: {environment_line(env)}\n"
+          f"Total {time.monotonic() - start:.0f} s; results in {Path(args.out) / 'results.json'}")
+    print(json.dumps({"items": {r["item"]: r["status"] for r in records},
+                      "seconds": round(time.monotonic() - start, 1),
+                      "results": str(Path(args.out) / "results.json")}))
+    return 0 if all(r["status"] in ("ok", "skipped") for r in records) else 1

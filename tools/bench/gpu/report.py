@@ -1,0 +1,187 @@
+"""What the checklist reports: each item's metrics, the summary table, the environment line.
+
+`read_metrics(item)` reads an item's result file: gpu_sft's --json (per case: step s,
+tokens/s, TFLOP/s, MFU, peak GiB, losses) or the engine's metrics.jsonl (per step: the keys of
+items.RL_KEYS for GRPO; loss, grad_norm and step time for SFT). It raises (OSError,
+ValueError) when there is nothing to read, and lists under "problems" what makes the item
+fail: fewer steps than asked, a missing key, a non-finite number. `key_numbers(record)` is the
+one-line digest of a record for `table(records)`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from tools.bench.gpu.items import RL_KEYS, Item
+
+SFT_CASE_KEYS = ("rc", "step_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "finite")
+SFT_RUN_KEYS = ("loss", "grad_norm", "time/step_s")
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def read_gpu_sft(item: Item) -> dict:
+    """{gpu, peak_bf16_tflops, cases: {case: {...}}} from gpu_sft's --json file."""
+    data = json.loads(item.result.read_text())
+    cases, problems = {}, []
+    for res in data["results"]:
+        case = {k: res.get(k) for k in SFT_CASE_KEYS}
+        case["losses"] = res.get("losses")
+        cases[res["case"]] = case
+        if res.get("rc") != 0 or "step_s" not in res:
+            problems.append(f"case {res['case']} failed (exit status {res.get('rc')})")
+        elif not res.get("finite"):
+            problems.append(f"case {res['case']}: non-finite loss or grad norm")
+    return {"gpu": data.get("gpu"), "peak_bf16_tflops": data.get("peak_bf16_tflops"),
+            "cases": cases, "problems": problems}
+
+
+def read_steps(item: Item) -> dict:
+    """{steps: [{step, key: value}], problems} from an engine's metrics.jsonl."""
+    with open(item.result) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"no steps in {item.result}")
+    keys = RL_KEYS if item.kind == "rl" else SFT_RUN_KEYS
+    steps = [{"step": r.get("step"), **{k: r.get(k) for k in keys}} for r in rows]
+    problems = []
+    if len(rows) < item.expected_steps:
+        problems.append(f"{len(rows)} of {item.expected_steps} steps")
+    missing = sorted({k for s in steps for k in keys if s[k] is None})
+    if missing:
+        problems.append(f"missing: {', '.join(missing)}")
+    bad = sorted({k for s in steps for k in keys if s[k] is not None and not finite(s[k])})
+    if bad:
+        problems.append(f"non-finite: {', '.join(bad)}")
+    return {"steps": steps, "finite": not bad, "problems": problems}
+
+
+def read_metrics(item: Item) -> dict:
+    """The metrics of `item` (module docstring)."""
+    return read_gpu_sft(item) if item.kind == "sft" else read_steps(item)
+
+
+def fmt(value, spec: str) -> str:
+    return "n/a" if not finite(value) else format(value, spec)
+
+
+def sft_digest(metrics: dict) -> str:
+    parts = []
+    for name, c in metrics.get("cases", {}).items():
+        if c.get("step_s") is None:
+            parts.append(f"{name} failed")
+            continue
+        losses = c.get("losses") or [None]
+        mfu = "n/a" if c.get("mfu") is None else f"{c['mfu']:.1%}"
+        parts.append(f"{name} {fmt(c['step_s'], '.3f')} s, {fmt(c['tokens_per_s'], ',.0f')} "
+                     f"tok/s, MFU {mfu}, {fmt(c['peak_mem_gib'], '.1f')} GiB, loss "
+                     f"{fmt(losses[0], '.3f')} -> {fmt(losses[-1], '.3f')}")
+    return "; ".join(parts)
+
+
+def rl_digest(metrics: dict) -> str:
+    steps = metrics.get("steps") or []
+    if not steps:
+        return ""
+    first, last = steps[0], steps[-1]
+    diffs = ", ".join(fmt(s["rollout/logprob_diff"], ".2e") for s in steps)
+    return (f"logprob_diff {diffs} (step-1 max {fmt(first['rollout/logprob_diff_max'], '.3g')});"
+            f" sync_logit_max_diff {fmt(first['debug/sync_logit_max_diff'], '.3g')}; "
+            f"last step {fmt(last['time/step_s'], '.2f')} s = rollout "
+            f"{fmt(last['time/rollout_s'], '.2f')} + logprob {fmt(last['time/logprob_s'], '.2f')}"
+            f" + train {fmt(last['time/train_s'], '.2f')} + sync "
+            f"{fmt(last['time/weight_sync_s'], '.3f')}")
+
+
+def sft_run_digest(metrics: dict) -> str:
+    steps = metrics.get("steps") or []
+    losses = ", ".join(fmt(s["loss"], ".4f") for s in steps)
+    norms = ", ".join(fmt(s["grad_norm"], ".2f") for s in steps)
+    return f"losses {losses}; grad norms {norms}; finite {metrics.get('finite')}"
+
+
+def key_numbers(record: dict) -> str:
+    """One line of the numbers a session pastes into docs/benchmarks.md."""
+    metrics = record.get("metrics") or {}
+    if "cases" in metrics:
+        return sft_digest(metrics)
+    if metrics.get("steps") and "rollout/logprob_diff" in metrics["steps"][0]:
+        return rl_digest(metrics)
+    if metrics.get("steps"):
+        return sft_run_digest(metrics)
+    return record.get("error") or ""
+
+
+def table(records: list[dict]) -> str:
+    """A Markdown table: item | status | seconds | key numbers."""
+    lines = ["| item | status | s | key numbers |", "|---|---|---|---|"]
+    for r in records:
+        note = key_numbers(r)
+        if r["status"] != "ok" and r.get("error") and r.get("error") not in note:
+            note = f"{note} ({r['error']})" if note else r["error"]
+        lines.append(f"| {r['item']} | {r['status']} | {r['seconds']:.0f} | {note} |")
+    return "\n".join(lines)
+
+
+def version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def command_output(cmd: list[str]) -> str | None:
+    """First line of `cmd`'s stdout, or None when it cannot run or fails."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30,
+                             cwd=Path(__file__).resolve().parents[3])
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() \
+        else None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(cuda: bool) -> dict:
+    """GPU, driver, Python and library versions, CPU, commit (None where unknown)."""
+    gpu = driver = None
+    smi = command_output(["nvidia-smi", "--query-gpu=name,driver_version",
+                          "--format=csv,noheader"]) if cuda else None
+    if smi and "," in smi:
+        gpu, driver = (s.strip() for s in smi.rsplit(",", 1))
+    if cuda and not gpu:
+        import torch  # function-level: only on a CUDA host without nvidia-smi
+
+        gpu = torch.cuda.get_device_name()
+    libs = {name: version(name) for name in ("torch", "transformers", "megatron-core", "peft",
+                                             "hydra-core")}
+    if "torch" in sys.modules:  # torch.__version__ keeps the local tag (+cu130), metadata not
+        libs["torch"] = sys.modules["torch"].__version__
+    return {"gpu": gpu, "driver": driver, "python": platform.python_version(), **libs,
+            "cpu": f"{cpu_model()} ({os.cpu_count()} cores)",
+            "commit": command_output(["git", "describe", "--always", "--dirty"])}
+
+
+def environment_line(env: dict) -> str:
+    gpu = f"{env['gpu']} (driver {env['driver']})" if env.get("gpu") else "no GPU"
+    libs = ", ".join(f"{k} {env.get(k)}" for k in ("torch", "transformers", "megatron-core",
+                                                    "peft", "hydra-core"))
+    return (f"{gpu}; Python {env['python']}, {libs}; CPU {env['cpu']}; "
+            f"commit {env.get('commit') or 'unknown'}")
