@@ -664,3 +664,75 @@ def test_hf_engine_trains_exactly_what_the_client_received(tok, tmp_path):
     ref = logp[:, 0][mask]
     rollout = torch.tensor(t.rollout_logprobs[1:])[mask]
     assert torch.allclose(rollout, ref, atol=1e-5), (rollout - ref).abs().max()
+
+
+# ------------------------------------------------------------ queue bound, stopping, log
+
+def test_a_full_queue_gets_429_and_stop_answers_503_at_once(tok):
+    """max_pending=1 and no engine thread: a call waits in the queue; another episode's call
+    gets 429 (code queue_full, Retry-After) at once and takes no call index of its episode
+    (the next call there is index 0); stop() answers the waiting call 503 and returns well
+    under 1 s. Negative control: unbounded (the default), the second call is queued too."""
+    user = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3}
+    for bound in (1, None):
+        server = AgentServer(tok, LIMITS, max_pending=bound).start()
+        a, b = server.open_episode(seed=1), server.open_episode(seed=2)
+        got: dict[str, httpx.Response] = {}
+
+        def send(eid: str) -> threading.Thread:
+            t = threading.Thread(target=lambda: got.__setitem__(eid, httpx.post(
+                server.base_url(eid) + "/chat/completions", json=user, timeout=30)),
+                daemon=True)
+            t.start()
+            return t
+
+        threads = [send(a.id)]
+        deadline = time.monotonic() + 10
+        while len(server.queue.pending) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if bound == 1:
+            full = httpx.post(server.base_url(b.id) + "/chat/completions", json=user)
+            assert full.status_code == 429 and full.headers["retry-after"] == "1"
+            assert full.json()["error"]["code"] == "queue_full" and b.calls == 0
+        else:
+            threads.append(send(b.id))
+            while len(server.queue.pending) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(server.queue.pending) == 2
+        t0 = time.monotonic()
+        server.stop()
+        assert time.monotonic() - t0 < 1.0
+        for t in threads:
+            t.join(timeout=10)
+        assert all(r.status_code == 503 and r.json()["error"]["code"] == "server_stopping"
+                   for r in got.values()) and len(got) == len(threads), got
+
+
+def test_request_log_is_off_by_default_and_one_line_per_call_when_given(tok, caplog):
+    """AgentServer(request_log=logger) logs one INFO line per request (route, status, the
+    reply's tokens, milliseconds; a refused call its status and message); without it (the
+    default) nothing is logged."""
+    import logging
+
+    user = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3}
+
+    def logged(name: str | None) -> list[str]:
+        return [r.getMessage() for r in caplog.records if "/episodes/" in r.getMessage()
+                and r.name != "httpx" and name in (None, r.name)]
+
+    with caplog.at_level(logging.INFO):
+        for logger in (None, logging.getLogger("tests.agent_requests")):
+            with serving(tok, ScriptedBackend(tok), request_log=logger) as server:
+                url = server.base_url(server.open_episode(seed=1).id) + "/chat/completions"
+                usage = httpx.post(url, json=user).json()["usage"]
+                assert httpx.post(url, json={**user, "n": 0}).status_code == 400
+                deadline = time.monotonic() + 5
+                while logger and len(logged(logger.name)) < 2 and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.01)
+    lines = logged(None)   # any logger's lines about episodes, but the client's (httpx)
+    assert len(lines) == 2 and lines == logged("tests.agent_requests"), lines
+    path = url.split(":", 2)[2].split("/", 1)[1]
+    assert lines[0].startswith(f"POST /{path} 200 prompt_tokens={usage['prompt_tokens']} "
+                               f"completion_tokens={usage['completion_tokens']} ")
+    assert lines[1].startswith(f"POST /{path} 400 ") and "n=0" in lines[1]

@@ -164,11 +164,13 @@ def _free_port() -> int:
 def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     """`serve --help`; a missing folder, one without config.json and one without a tokenizer
     exit 2 naming --model; a real serve with --api-key on the main thread answers the openai
-    client sending the key, 401 without it, 413 over --max-body-mb, and exits 0 on
-    SIGTERM."""
+    client sending the key, 401 without it (/tokenize too), 413 over --max-body-mb, logs one
+    line per request on stdout (no --quiet), and exits 0 on SIGTERM."""
     with pytest.raises(SystemExit) as e:
         serve_main(["--help"], prog="megatron-sft-engine serve")
-    assert e.value.code == 0 and "--backend {hf,vllm}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--backend {hf,vllm}" in out
+    assert "--max-queue N" in out and "--quiet" in out and "/tokenize" in out
     empty = tmp_path / "empty"
     empty.mkdir()
     no_tok = tmp_path / "no_tok"
@@ -185,6 +187,8 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     assert "--api-key must be a non-empty key without spaces" in capsys.readouterr().err
     assert serve_main(["--model", model_dir, "--max-body-mb", "0"]) == 2
     assert "--max-body-mb 0.0 must be a finite size" in capsys.readouterr().err
+    assert serve_main(["--model", model_dir, "--max-queue", "0"]) == 2
+    assert "--max-queue 0 must be >= 1" in capsys.readouterr().err
 
     port, seen = _free_port(), {}
 
@@ -199,6 +203,9 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
                     time.sleep(0.05)
             chat = dict(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
             seen["bare"] = httpx.post(f"{url}/v1/chat/completions", json=chat)
+            seen["tokenize"] = [httpx.post(f"{url}/tokenize", json={"prompt": "hi"},
+                                           headers=h).status_code
+                                for h in ({}, {"Authorization": "Bearer k3y"})]
             seen["big"] = httpx.post(f"{url}/v1/chat/completions", headers={
                 "Authorization": "Bearer k3y"}, json={**chat, "user": "u" * 2000})
             with pytest.raises(openai.AuthenticationError):       # another key: 401
@@ -213,7 +220,7 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     helper.start()
     code = serve_main(["--model", model_dir, "--port", str(port), "--max-tokens", "8",
                        "--dtype", "float32", "--batch-wait-ms", "1", "--api-key", "k3y",
-                       "--max-body-mb", "0.001"])
+                       "--max-body-mb", "0.001", "--max-queue", "4"])
     helper.join(timeout=30)
     out = capsys.readouterr().out
     assert code == 0 and "[serve] stopped" in out and f"127.0.0.1:{port}/v1" in out
@@ -224,6 +231,15 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     # --max-body-mb 0.001 (1048 bytes): a 2 kB body is a 413, the chat above was served
     assert seen["big"].status_code == 413 and "1048 bytes" in seen["big"].text
     assert seen["reply"].model == "llama" and len(seen["reply"].choices) == 1
+    assert seen["tokenize"] == [401, 200]
+    # one request line each on stdout: the 401s, the 413 and the served chat with its tokens
+    lines = [x for x in out.splitlines() if re.match(r"\[serve\] \S+ \S+ (GET|POST) ", x)]
+    assert len(lines) == 7, lines      # /health, chat 401, 2 x /tokenize, 413, models 401, chat
+    assert re.search(r"POST /v1/chat/completions 401 \d+\.\d ms: Incorrect API key", out)
+    assert re.search(r"POST /v1/chat/completions 413 \d+\.\d ms: the request body", out)
+    usage = seen["reply"].usage
+    assert f"POST /v1/chat/completions 200 prompt_tokens={usage.prompt_tokens} " \
+        f"completion_tokens={usage.completion_tokens} " in out
 
 
 # ------------------------------------------------------------------------------- the judge
@@ -518,3 +534,265 @@ def test_streams_equal_the_whole_replies(served):
     raw = httpx.post(f"{endpoint.base_url}/completions", json={**text, "stream": True})
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert raw.text.endswith("data: [DONE]\n\n") and raw.text.startswith("data: {")
+
+
+# ------------------------------------------------- tokenizer routes, request log, queue bound
+
+def _root(endpoint) -> str:
+    return endpoint.base_url[:-len("/v1")]
+
+
+def test_tokenizer_routes_equal_the_tokenizer_and_serve_lm_eval(served):
+    """/tokenize and /detokenize at the root equal the tokenizer's own encode / decode (a chat
+    with the generation prompt: the chat completion's prompt_token_ids; without it: the
+    template's ids, which differ); /tokenizer_info carries its special tokens, class and
+    template; lm-eval 0.4.13's check_remote_tokenizer_support and RemoteTokenizer work against
+    it (a port without a server: False); client.models.retrieve; malformed bodies are 400s
+    naming the parameter."""
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
+    endpoint, _, tok = served
+    root, text = _root(endpoint), "w12 w40 w7 what is 2 plus 3 ?"
+    got = httpx.post(f"{root}/tokenize", json={"prompt": text, "return_token_strs": True}
+                     ).json()
+    ids = tok.encode(text)
+    assert got == {"count": len(ids), "max_model_len": MAX_CONTEXT, "tokens": ids,
+                   "token_strs": tok.convert_ids_to_tokens(ids)}
+    assert httpx.post(f"{root}/tokenize", json={"prompt": text, "add_special_tokens": False}
+                      ).json()["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert httpx.post(f"{root}/detokenize", json={"tokens": ids}).json() == {
+        "prompt": tok.decode(ids)}
+    messages = [{"role": "user", "content": "what is 2 plus 3 ?"}]
+    chat = httpx.post(f"{endpoint.base_url}/chat/completions", json={
+        "messages": messages, "max_tokens": 1, "return_token_ids": True}).json()
+    prompt = httpx.post(f"{root}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert prompt == chat["prompt_token_ids"]
+    bare = httpx.post(f"{root}/tokenize", json={"messages": messages,
+                                                "add_generation_prompt": False}).json()
+    expected = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert bare["tokens"] == expected and expected != prompt
+    info = httpx.get(f"{root}/tokenizer_info").json()
+    assert info == {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token,
+                    "eos_token": tok.eos_token, "pad_token": tok.pad_token,
+                    "unk_token": tok.unk_token, "model_max_length": tok.model_max_length,
+                    "chat_template": tok.chat_template}
+
+    assert check_remote_tokenizer_support(f"{root}/v1/completions", max_retries=1)
+    assert not check_remote_tokenizer_support(f"http://127.0.0.1:{_free_port()}",
+                                              max_retries=1)
+    remote = RemoteTokenizer(f"{endpoint.base_url}/completions", max_retries=1)
+    for words in ("hello world", text):
+        assert remote.encode(words) == tok.encode(words, add_special_tokens=False)
+    assert remote.decode(ids) == tok.decode(ids) and remote.eos_token_id == tok.eos_token_id
+
+    client = _client(endpoint)
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("org/other")
+    assert err.value.code == "model_not_found" and "'org/other'" in str(err.value)
+    for route, body, param in (
+            ("tokenize", {"prompt": 1}, "prompt"),
+            ("tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+            ("tokenize", {"prompt": "x", "foo": 1}, "foo"),
+            ("tokenize", {"messages": [1]}, "messages"),
+            ("tokenize", {"messages": messages, "tools": [{"function": 1}]}, "tools"),
+            ("detokenize", {"tokens": [-1]}, "tokens"),
+            ("detokenize", {"tokens": [len(tok) + 5]}, "tokens"),
+            ("detokenize", {"tokens": "w1"}, "tokens")):
+        r = httpx.post(f"{root}/{route}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert param in r.json()["error"]["message"], r.text
+
+
+def _log_lines(caplog, count: int) -> list[str]:
+    """The engine.serve records once `count` are there (a line is logged once its response
+    went out: the client may see the response first)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [r.getMessage() for r in caplog.records if r.name == "engine.serve"]
+        if len(lines) >= count:
+            return lines
+        time.sleep(0.01)
+    return lines
+
+
+def test_one_log_line_per_request_and_none_with_quiet(served, caplog):
+    """serve logs one INFO line per request on the "engine.serve" logger: route, status,
+    the reply's prompt and completion tokens (the response's usage), milliseconds; a refused
+    request its status and the error's first line. Negative control: an endpoint built with
+    request_log=None (--quiet) logs nothing for the same requests (only a marker request to
+    the logged endpoint after them is)."""
+    import logging
+
+    endpoint, _, tok = served
+    body = {"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 2}
+    with caplog.at_level(logging.INFO, logger="engine.serve"):
+        usage = _post(endpoint, body)["usage"]
+        bad = httpx.post(f"{endpoint.base_url}/chat/completions", json={**body, "n": 0})
+        httpx.get(f"{endpoint.base_url}/models")
+        lines = _log_lines(caplog, 3)
+    assert len(lines) == 3 and all(r.levelno == logging.INFO for r in caplog.records)
+    assert re.fullmatch(rf"POST /v1/chat/completions 200 prompt_tokens="
+                        rf"{usage['prompt_tokens']} completion_tokens="
+                        rf"{usage['completion_tokens']} \d+\.\d ms", lines[0]), lines[0]
+    message = bad.json()["error"]["message"]
+    assert bad.status_code == 400 and re.fullmatch(
+        r"POST /v1/chat/completions 400 \d+\.\d ms: " + re.escape(message.splitlines()[0]),
+        lines[1]), lines[1]
+    assert re.fullmatch(r"GET /v1/models 200 \d+\.\d ms", lines[2]), lines[2]
+    caplog.clear()
+    quiet = ServeEndpoint(tok, ServeSettings("tiny", MAX_TOKENS, MAX_CONTEXT),
+                          request_log=None).start()
+    try:
+        with caplog.at_level(logging.INFO, logger="engine.serve"):
+            assert httpx.get(f"{quiet.base_url}/models").status_code == 200
+            assert httpx.post(f"{quiet.base_url}/chat/completions", json={**body, "n": 0}
+                              ).status_code == 400
+            httpx.get(f"{endpoint.base_url}/models")      # a marker from the logged endpoint
+            assert len(_log_lines(caplog, 1)) == 1 and \
+                _log_lines(caplog, 1)[0].startswith("GET /v1/models 200")
+    finally:
+        quiet.stop()
+
+
+class _BlockedBackend:
+    """A GenerateBackend whose generate call waits for `release` (one token per request)."""
+
+    def __init__(self) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def generate(self, requests):
+        from engine.api.backend import GenerateResult
+
+        self.started.set()
+        self.release.wait(10)
+        return [GenerateResult([5], [-0.5], "length") for _ in requests]
+
+
+def test_a_full_queue_gets_429_and_stopping_answers_503_at_once(served):
+    """max_pending=1 with the engine blocked in a generate call: a request in the call, one
+    queued, the next gets 429 (code queue_full, Retry-After: 1) at once. Stopping (the
+    serving loop's `until`): the call in flight is answered 200, the queued request 503.
+    Then stop() with a request queued and no engine: the request gets 503 and stop() returns
+    well under 1 s."""
+    tok = served[2]
+    body = {"prompt": "w1 w2", "max_tokens": 1}
+    for phase in ("serving", "stop"):
+        endpoint = ServeEndpoint(tok, ServeSettings("tiny", MAX_TOKENS, MAX_CONTEXT),
+                                 gather_s=0.0, max_pending=1, request_log=None).start()
+        url, backend, until = f"{endpoint.base_url}/completions", _BlockedBackend(), \
+            threading.Event()
+        owner = threading.Thread(target=endpoint.serve, args=(backend, until.is_set),
+                                 daemon=True)
+        got: dict[str, httpx.Response] = {}
+
+        def send(name: str) -> threading.Thread:
+            t = threading.Thread(target=lambda: got.__setitem__(name, httpx.post(
+                url, json=body, timeout=30)), daemon=True)
+            t.start()
+            return t
+
+        try:
+            if phase == "serving":
+                owner.start()
+                first = send("in_flight")
+                assert backend.started.wait(10)
+            queued = send("queued")
+            deadline = time.monotonic() + 10
+            while not endpoint.queue.pending and time.monotonic() < deadline:
+                time.sleep(0.01)
+            full = httpx.post(url, json=body, timeout=30)
+            assert full.status_code == 429 and full.headers["retry-after"] == "1"
+            assert full.json()["error"]["code"] == "queue_full", full.text
+            if phase == "serving":
+                until.set()
+                backend.release.set()
+                for t in (first, queued):
+                    t.join(timeout=10)
+                owner.join(timeout=10)
+                assert got["in_flight"].status_code == 200, got["in_flight"].text
+            else:
+                t0 = time.monotonic()
+                endpoint.stop()
+                assert time.monotonic() - t0 < 1.0
+                queued.join(timeout=10)
+            assert got["queued"].status_code == 503, got["queued"].text
+            assert got["queued"].json()["error"]["code"] == "server_stopping"
+        finally:
+            backend.release.set()
+            endpoint.stop()
+
+
+@pytest.fixture(scope="module")
+def agent_url(served):
+    """The chat and completions URLs of one episode of an agent endpoint on the served
+    tokenizer (nothing malformed reaches a queue: no engine thread)."""
+    from engine.api.requests import Limits
+    from engine.rl.agent.server import AgentServer
+
+    limits = Limits(max_new_tokens=MAX_TOKENS, seq_length=MAX_CONTEXT, temperature=1.0,
+                    top_p=1.0)
+    with AgentServer(served[2], limits) as server:
+        yield server.base_url(server.open_episode(seed=0).id)
+
+
+USER = [{"role": "user", "content": "w1"}]
+CALLED = USER + [{"role": "assistant", "content": "", "tool_calls": "TOOL_CALLS"}, *USER]
+MALFORMED = [   # (route, body: a dict or raw bytes, param, words the message holds)
+    ("chat", {"messages": USER, "tools": [{"function": 1}]}, "tools", "tools[0].function"),
+    ("chat", {"messages": USER, "tools": [{"type": "function", "function": {"name": 1}}]},
+     "tools", "tools[0].function.name"),
+    ("chat", {"messages": USER, "tools": [1]}, "tools", "tools[0]"),
+    ("chat", {"messages": USER, "tools": {"a": 1}}, "tools", "'tools'"),
+    ("chat", {"messages": [1]}, "messages", "messages[0]"),
+    ("chat", {"messages": [{"role": "user", "content": [1]}]}, "messages",
+     "messages[0].content[0]"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+     "messages", "messages[0].content[0].text"),
+    ("chat", {"messages": [{"role": "user", "content": {"a": 1}}]}, "messages",
+     "messages[0].content"),
+    ("chat", {"messages": [{"role": 1, "content": "w1"}]}, "messages", "messages[0].role"),
+    ("chat", {"messages": [{"role": "user", "content": "w1", "name": 1}]}, "messages",
+     "messages[0].name"),
+    ("chat", 1, "messages", "messages[1].tool_calls"),
+    ("chat", [1], "messages", "messages[1].tool_calls[0]"),
+    ("chat", [{"function": 1}], "messages", "messages[1].tool_calls[0].function"),
+    ("chat", [{"function": {"name": 1}}], "messages", "tool_calls[0].function.name"),
+    ("chat", [{"function": {"name": "f", "arguments": 1}}], "messages",
+     "tool_calls[0].function.arguments"),
+    ("chat", [{"id": 1, "function": {"name": "f"}}], "messages", "tool_calls[0].id"),
+    ("chat", {"messages": USER, "stop": [1]}, "stop", "stop"),
+    ("chat", {"messages": USER, "stop": {"a": 1}}, "stop", "stop"),
+    ("chat", {"messages": USER, "tool_choice": [1]}, "tool_choice", "tool_choice"),
+    ("completions", {"prompt": [None]}, "prompt", "prompt"),
+    ("completions", {"prompt": {"a": 1}}, "prompt", "prompt"),
+    ("completions", {"prompt": [1, "w1"]}, "prompt", "prompt"),
+    ("chat", b"[" * 100000 + b"]" * 100000, None, "nests deeper than 64 levels"),
+    ("chat", b'{"messages": [{"role": "user", "content": "w1", "x": ' + b"[" * 900
+     + b"]" * 900 + b"}]}", None, "nests deeper than 64 levels"),
+    ("chat", b'{"messages": [], "seed": ' + b"7" * 5000 + b"}", None,
+     "an integer of 5000 digits"),
+    ("chat", b'{"messages": [{"role": "user", "content": "w1"}], "temperature": NaN}', None,
+     "NaN is not a JSON number"),
+    ("completions", [{"prompt": "w1"}], None, "must be a JSON object")]
+
+
+@pytest.mark.parametrize("route, body, param, words", MALFORMED,
+                         ids=[f"{r}-{p}-{i}" for i, (r, _, p, _) in enumerate(MALFORMED)])
+def test_malformed_parts_get_400_naming_them_on_both_servers(served, agent_url, route, body,
+                                                             param, words):
+    """Every malformed part (a non-object tool, function or tool call, a non-string name,
+    role, text part or stop, a bad prompt list item, a body nested past 64 levels, an integer
+    of 5000 digits, NaN) is a 400 naming it from serve and from the agent endpoint, never a
+    500 (the openai client retries 5xx)."""
+    if isinstance(body, (int, list)) and route == "chat":    # tool_calls of an assistant turn
+        body = {"messages": [{**m, "tool_calls": body} if m["role"] == "assistant" else m
+                             for m in CALLED]}
+    for base in (served[0].base_url, agent_url):
+        url = f"{base}/{'chat/completions' if route == 'chat' else 'completions'}"
+        r = httpx.post(url, content=body) if isinstance(body, bytes) else \
+            httpx.post(url, json=body)
+        assert r.status_code == 400, (base, r.text[:300])
+        error = r.json()["error"]
+        assert error["param"] == param and words in error["message"], (base, error)

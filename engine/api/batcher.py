@@ -21,6 +21,11 @@ call running when it arrived. Measured against "gather_s after the oldest arriva
 out of phase, batch after batch. Requests of an episode that stopped taking calls are answered
 410 instead of generated. Batching changes no sample: each request is seeded on its own
 (engine.api.backend).
+
+Admission. With `max_pending`, a request arriving while max_pending generate requests wait
+(a request of n choices counts n) is refused at once with 429 (QueueFull: code queue_full, a
+Retry-After header); once `close(why)` ran (the server is stopping), every pending request is
+answered 503 at once and every new one gets 503, so a stopping server never waits for its queue.
 """
 from __future__ import annotations
 
@@ -32,6 +37,24 @@ from typing import Callable
 
 from engine.api.backend import GenerateBackend, GenerateRequest
 from engine.api.requests import ApiError
+
+RETRY_AFTER_S = 1   # the Retry-After of a 429: the queue moves every generate call
+
+
+class QueueFull(ApiError):
+    """429: the queue holds max_pending requests; `retry_after_s` becomes the Retry-After
+    header (engine.api.http.add_error_handlers)."""
+
+    def __init__(self, pending: int, max_pending: int) -> None:
+        super().__init__(429, f"the server is busy: {pending} requests wait for the engine "
+                         f"(at most {max_pending}); retry after {RETRY_AFTER_S} s",
+                         kind="rate_limit_error", code="queue_full")
+        self.retry_after_s = RETRY_AFTER_S
+
+
+def stopping_error(why: str) -> ApiError:
+    """503 of a stopping server (code server_stopping)."""
+    return ApiError(503, why, kind="server_error", code="server_stopping")
 
 
 @dataclass
@@ -63,13 +86,19 @@ class GenerateQueue:
             episodes now (called under the queue's lock).
         refusal: why an episode takes no more calls, or None.
         gather_s, max_wait_s, max_batch: the batching rule (None: no batch size limit).
+        max_pending: admission (module docstring); None: unbounded.
     """
 
     def __init__(self, live_episodes: Callable[[], dict[str, tuple[float, int]]],
                  refusal: Callable[[str], str | None], gather_s: float = 0.2,
-                 max_wait_s: float = 2.0, max_batch: int | None = None) -> None:
+                 max_wait_s: float = 2.0, max_batch: int | None = None,
+                 max_pending: int | None = None) -> None:
+        if max_pending is not None and max_pending < 1:
+            raise ValueError(f"max_pending={max_pending} must be >= 1 (None: unbounded)")
         self.live_episodes, self.refusal = live_episodes, refusal
         self.gather_s, self.max_wait_s, self.max_batch = gather_s, max_wait_s, max_batch
+        self.max_pending = max_pending
+        self.closed: str | None = None         # why the server is stopping (close)
         self.pending: list[Pending] = []
         self.answered: dict[str, float] = {}   # episode -> when its last response was sent
         self.outstanding: dict[str, int] = {}  # episode -> requests submitted, not responded
@@ -77,13 +106,40 @@ class GenerateQueue:
         self.stats = BatchStats()
 
     def submit(self, episode: str, request: GenerateRequest) -> concurrent.futures.Future:
-        """Queue one request (any thread); its future gets a GenerateResult or an ApiError."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        """Queue one request (any thread); its future gets a GenerateResult or an ApiError.
+        Raises 503 when closed, QueueFull (429) when max_pending wait (module docstring)."""
+        return self.submit_many(episode, [request])[0]
+
+    def submit_many(self, episode: str, requests: list[GenerateRequest]
+                    ) -> list[concurrent.futures.Future]:
+        """Queue the choices of one call together: all of them, or none (503 / 429 as
+        `submit`)."""
+        futures = [concurrent.futures.Future() for _ in requests]
         with self.cond:
-            self.pending.append(Pending(episode, request, future, time.monotonic()))
-            self.outstanding[episode] = self.outstanding.get(episode, 0) + 1
+            self.check_admission()
+            now = time.monotonic()
+            self.pending += [Pending(episode, r, f, now) for r, f in zip(requests, futures)]
+            self.outstanding[episode] = self.outstanding.get(episode, 0) + len(requests)
             self.cond.notify_all()
-        return future
+        return futures
+
+    def check_admission(self) -> None:
+        """Raise what a request arriving now gets: 503 when closed, 429 when full."""
+        with self.cond:
+            if self.closed is not None:
+                raise stopping_error(self.closed)
+            if self.max_pending is not None and len(self.pending) >= self.max_pending:
+                raise QueueFull(len(self.pending), self.max_pending)
+
+    def close(self, why: str) -> None:
+        """The server is stopping: every pending request and every later one gets 503
+        (`why`), at once."""
+        with self.cond:
+            self.closed = why
+            failed, self.pending = self.pending, []
+            self.cond.notify_all()
+        for p in failed:
+            p.future.set_exception(stopping_error(why))
 
     def responded(self, episode: str, requests: int) -> None:
         """The server's handler sent its response for `requests` submitted requests (or

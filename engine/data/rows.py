@@ -5,7 +5,11 @@ Row formats (normalize_chat; prompt/response rows are read by engine.data.render
   messages may carry ``tool_calls`` ([{"type": "function", "function": {"name", "arguments"}}],
   arguments a dict or a JSON string, parsed to a dict as HF chat templates expect) with null or
   missing content, and ``reasoning_content`` (rendered where the template renders it). Keys
-  whose value is null are dropped (Parquet fills absent struct fields with nulls).
+  whose value is null are dropped (Parquet fills absent struct fields with nulls). A tool is
+  ``{"type": "function", "function": {"name": str, "description": str, "parameters": {...}}}``
+  or its function's fields flat (``{"name", ...}``, as some datasets ship them).
+  Every part that templates read is checked for its type (a DataError naming it, e.g.
+  ``tools[0].function.name must be a non-empty string``): the servers answer 400, never 500.
 - ShareGPT ``{"conversations": [{"from": "human"|"gpt"|"system"|"tool"|..., "value": str}]}``,
   optional row fields ``system`` (str) and ``tools`` (list, or a JSON string).
 - ``{"prompt": str | messages, "response": str}``.
@@ -41,8 +45,15 @@ def _check_tool_calls(calls: Any, field: str, where: str) -> list[dict]:
         f = f"{field}[{j}]"
         if not isinstance(call, dict):
             raise DataError(f"{where}: {f} must be an object, got {type(call).__name__}")
+        for key in ("type", "id"):
+            if key in call and not isinstance(call[key], str):
+                raise DataError(f"{where}: {f}.{key} must be a string, got "
+                                f"{type(call[key]).__name__}")
         fn = call.get("function", call)
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(fn, dict):
+            raise DataError(f"{where}: {f}.function must be an object {{'name', "
+                            f"'arguments'}}, got {type(fn).__name__}")
+        if not isinstance(fn.get("name"), str):
             raise DataError(f"{where}: {f}.function.name must be a string")
         args = fn.get("arguments", {})
         if isinstance(args, str):
@@ -85,9 +96,10 @@ def check_messages(value: Any, field: str, where: str) -> list[dict]:
             elif not isinstance(m[key], str):
                 raise DataError(f"{where}: {field}[{i}].{key} must be a string, got "
                                 f"{type(m[key]).__name__}")
-        if "reasoning_content" in m and not isinstance(m["reasoning_content"], str):
-            raise DataError(f"{where}: {field}[{i}].reasoning_content must be a string, got "
-                            f"{type(m['reasoning_content']).__name__}")
+        for key in ("reasoning_content", "name", "tool_call_id"):
+            if key in m and not isinstance(m[key], str):
+                raise DataError(f"{where}: {field}[{i}].{key} must be a string, got "
+                                f"{type(m[key]).__name__}")
         out.append(m)
     return out
 
@@ -121,10 +133,38 @@ def check_tools(value: Any, where: str) -> list[dict] | None:
             raise DataError(f"{where}: field 'tools' is not valid JSON ({e.msg})") from None
         if value is None:
             return None
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+    if not isinstance(value, list):
         raise DataError(f"{where}: field 'tools' must be a list of tool objects (or a JSON "
                         f"string of one), got {type(value).__name__}")
+    for i, tool in enumerate(value):
+        _check_tool(tool, f"tools[{i}]", where)
     return value or None
+
+
+def _check_tool(tool: Any, field: str, where: str) -> None:
+    """One tool (module docstring): OpenAI's shape or the function's fields flat."""
+    if not isinstance(tool, dict):
+        raise DataError(f"{where}: {field} must be a tool object {{'type': 'function', "
+                        f"'function': {{'name', ...}}}}, got {type(tool).__name__}")
+    if "type" in tool and not isinstance(tool["type"], str):
+        raise DataError(f"{where}: {field}.type must be a string, got "
+                        f"{type(tool['type']).__name__}")
+    if "function" not in tool and "name" not in tool:
+        raise DataError(f"{where}: {field} has no 'function' ({{'type': 'function', "
+                        "'function': {'name', 'description', 'parameters'}})")
+    fn, f = (tool["function"], f"{field}.function") if "function" in tool else (tool, field)
+    if not isinstance(fn, dict):
+        raise DataError(f"{where}: {f} must be an object {{'name', 'description', "
+                        f"'parameters'}}, got {type(fn).__name__}")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise DataError(f"{where}: {f}.name must be a non-empty string, got "
+                        f"{fn.get('name')!r:.50}")
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise DataError(f"{where}: {f}.description must be a string, got "
+                        f"{type(fn['description']).__name__}")
+    if fn.get("parameters") is not None and not isinstance(fn["parameters"], (dict, str)):
+        raise DataError(f"{where}: {f}.parameters must be a JSON schema object, got "
+                        f"{type(fn['parameters']).__name__}")
 
 
 def _sharegpt_messages(row: dict, where: str) -> list[dict]:

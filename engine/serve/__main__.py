@@ -9,15 +9,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.serve.batching import DEFAULT_MAX_QUEUE
 from engine.serve.folder import BACKENDS, DTYPES, folder_problem, model_context
 
 DESCRIPTION = """Serve a Hugging Face checkpoint OpenAI-compatibly (/v1/models,
-/v1/chat/completions, /v1/completions) for evaluation and for LLM judges (reward.judge.*).
+/v1/chat/completions, /v1/completions; vLLM's /tokenize, /detokenize and /tokenizer_info at the
+root) for evaluation and for LLM judges (reward.judge.*).
 Requests of concurrent clients are batched into one generate call of the rollout engine
 (hf: transformers; vllm: vLLM in this process). A request's temperature, top_p, max_tokens
 (capped at --max-tokens), n, stop, logprobs and tools are honoured; a request without `seed`
 samples with a seed derived from --seed and its arrival number, one with `seed` samples the
-same reply whatever else is served. SIGTERM or Ctrl-C stops it (exit 0)."""
+same reply whatever else is served. Every request is logged in one line (route, status,
+tokens, milliseconds; --quiet: none). SIGTERM or Ctrl-C stops it (exit 0): queued requests get
+503."""
 
 EXAMPLES = """examples:
   {prog} --model runs/x/hf --port 8000
@@ -61,6 +65,12 @@ def parser(prog: str) -> argparse.ArgumentParser:
                         "others get 401 (default: none, open; /health is always open)")
     p.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
                    help="a request body over this many MiB gets 413 (default: 16)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help="a request arriving while N choices wait for the engine gets 429 "
+                        f"(code queue_full, Retry-After; default: {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--quiet", action="store_true",
+                   help="no log line per request (default: one INFO line each: route, "
+                        "status, prompt and completion tokens, milliseconds)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="the folder's own tokenizer code may run")
     return p
@@ -80,6 +90,7 @@ def flag_problems(args) -> list[str]:
                "--api-key must be a non-empty key without spaces"),
               (1 <= args.max_body_mb * 2 ** 20 < float("inf"), f"--max-body-mb "
                f"{args.max_body_mb} must be a finite size of at least one byte"),
+              (args.max_queue >= 1, f"--max-queue {args.max_queue} must be >= 1"),
               (args.max_context is None or args.max_context > args.max_tokens,
                f"--max-context {args.max_context} must exceed --max-tokens {args.max_tokens} "
                "(room for the prompt)")]

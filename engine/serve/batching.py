@@ -9,30 +9,43 @@ together in the next one. SamplingBackend (engine.api.backend) turns the batch i
 engine call per (temperature, top_p), plus one per budget for requests whose prompt would pass
 --max-context with the batch's largest max_tokens. Batching changes no sample: each request is
 seeded on its own (engine.serve.endpoint for the seeds).
+
+Admission (engine.api.batcher): a request arriving while max_pending choices wait gets 429
+(--max-queue, DEFAULT_MAX_QUEUE); once the serving loop's `until()` holds (SIGTERM / Ctrl-C),
+the queue closes between generate calls: what is pending and what arrives get 503 at once,
+the call in flight is answered.
 """
 from __future__ import annotations
 
-from engine.api.batcher import GenerateQueue
-from engine.api.requests import ApiError
+from typing import Callable
+
+from engine.api.batcher import GenerateQueue, Pending
 
 CLIENTS = "serve"   # the one queue key of a serve endpoint's requests
+DEFAULT_MAX_QUEUE = 1024   # --max-queue: choices waiting for the engine before 429s
+STOPPING = "the server is stopping"
 
 
 class ServeQueue(GenerateQueue):
     """GenerateQueue with the module's rule; no request is ever refused as "finished"."""
 
-    def __init__(self, gather_s: float = 0.02, max_batch: int | None = None) -> None:
+    def __init__(self, gather_s: float = 0.02, max_batch: int | None = None,
+                 max_pending: int | None = DEFAULT_MAX_QUEUE) -> None:
         super().__init__(dict, lambda key: None, gather_s=gather_s, max_wait_s=gather_s,
-                         max_batch=max_batch)
+                         max_batch=max_batch, max_pending=max_pending)
 
     def _wait(self, now: float) -> float:
         if self.max_batch is not None and len(self.pending) >= self.max_batch:
             return 0.0
         return max(0.0, self.pending[0].arrived + self.gather_s - now)
 
-    def fail_all(self, why: str) -> None:
-        """Answer 503 to every pending request (the endpoint is stopping)."""
-        with self.cond:
-            failed, self.pending = self.pending, []
-        for p in failed:
-            p.future.set_exception(ApiError(503, why, kind="server_error"))
+    def next_batch(self, until: Callable[[], bool], poll_s: float = 0.05) -> list[Pending]:
+        """The next batch by the rule; [] once `until()` holds, after closing the queue (the
+        module docstring: pending requests get 503 instead of a batch)."""
+        def stopping() -> bool:
+            if until():
+                self.close(STOPPING)
+                return True
+            return False
+
+        return [] if stopping() else super().next_batch(stopping, poll_s)

@@ -5,6 +5,11 @@
     POST /v1/completions        a text or token-id prompt, or a list of several; echo,
                                 logprobs k, max_tokens 0 (with echo), n, stop, stream
     GET  /health                200 once the model is loaded (for scripts that wait for it)
+    POST /tokenize, POST /detokenize, GET /tokenizer_info (at the root, as vLLM's), and
+    GET  /v1/models/{id}        engine.serve.tokenizer_routes
+Each request is logged in one INFO line (engine.api.http.log_requests on REQUEST_LOG; --quiet:
+none). A request arriving while max_pending choices wait gets 429 (code queue_full,
+Retry-After); once stopping, queued and new requests get 503 (engine.serve.batching).
 Stateless: every request is rendered whole (a chat with the generation prompt, as RL prompts
 are; a text prompt with the tokenizer's special tokens), checked by the agent endpoint's rules
 (engine.api.requests: the same parameters and 400s, any temperature / top_p, and the
@@ -42,6 +47,7 @@ token is the whole reply's time. Errors found before streaming starts are JSON e
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 from dataclasses import dataclass
@@ -51,16 +57,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.api.backend import GenerateBackend, GenerateRequest, call_seed
-from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, json_body, models_body,
-                             require_api_key, start_http, stop_http)
+from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, json_body, log_requests,
+                             models_body, require_api_key, start_http, stop_http)
 from engine.api.evaluation import chat_reply, completion_reply
 from engine.api.requests import ApiError, Call, Limits, bad, parse_chat, parse_completion
 from engine.api.streaming import chat_chunks, completion_chunks, event_stream
 from engine.api.tokens import TemplateRules
 from engine.errors import RunError
-from engine.serve.batching import CLIENTS, ServeQueue
+from engine.serve.batching import CLIENTS, DEFAULT_MAX_QUEUE, STOPPING, ServeQueue
+from engine.serve.tokenizer_routes import add_tokenizer_routes
 
 SEED_RANGE = 2 ** 63
+REQUEST_LOG = logging.getLogger("engine.serve")   # one INFO line per request (--quiet: off)
 
 
 @dataclass(frozen=True)
@@ -104,12 +112,19 @@ class ServeEndpoint:
         api_key: when set, requests need `Authorization: Bearer <api_key>` (401 otherwise;
             /health stays open); None: open (--api-key).
         max_body_bytes: a request body over it is a 413 (--max-body-mb).
+        max_pending: a request arriving while this many choices wait gets 429 (--max-queue;
+            None: unbounded; engine.serve.batching).
+        request_log: the logger of one INFO line per request (engine.api.http.log_requests);
+            None: no lines (--quiet).
     """
 
     def __init__(self, tokenizer, settings: ServeSettings, host: str = "127.0.0.1",
                  port: int = 0, gather_s: float = 0.02, max_batch: int | None = None,
-                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_pending: int | None = DEFAULT_MAX_QUEUE,
+                 request_log: logging.Logger | None = REQUEST_LOG) -> None:
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.request_log = request_log
         self.rules, self.settings, self.host, self.port = (TemplateRules(tokenizer), settings,
                                                            host, port)
         self.limits = Limits(max_new_tokens=settings.max_tokens,
@@ -117,7 +132,7 @@ class ServeEndpoint:
                              temperature=settings.temperature, top_p=settings.top_p,
                              fixed_sampling=False, model=settings.model_name,
                              evaluation=True, max_logprobs=settings.max_logprobs)
-        self.queue = ServeQueue(gather_s, max_batch)
+        self.queue = ServeQueue(gather_s, max_batch, max_pending)
         self.app = build_app(self)
         self._lock = threading.Lock()
         self._accepted = 0
@@ -136,11 +151,12 @@ class ServeEndpoint:
         return self
 
     def stop(self) -> None:
-        """Stop listening; requests still queued get 503."""
+        """Requests still queued (and any arriving) get 503 at once; then stop listening (the
+        answers go out first, so no handler holds the HTTP thread's shutdown)."""
+        self.queue.close(STOPPING)
         if self._http is not None:
             stop_http(*self._http)
             self._http = None
-        self.queue.fail_all("the server is stopping")
 
     def serve(self, backend: GenerateBackend, until: Callable[[], bool],
               alive: Callable[[], bool] = lambda: True) -> None:
@@ -233,6 +249,9 @@ def build_app(endpoint: ServeEndpoint) -> FastAPI:
                   openapi_url=None)
     add_error_handlers(app)
     require_api_key(app, endpoint.api_key, open_paths=("/health",))
+    if endpoint.request_log is not None:    # outermost: it logs the key's 401s too
+        log_requests(app, endpoint.request_log)
+    add_tokenizer_routes(app, endpoint)
 
     @app.get("/health")
     async def health() -> dict:

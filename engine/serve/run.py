@@ -1,9 +1,11 @@
 """The serving lifetime of `python -m engine.serve` (flags checked by engine.serve.__main__):
 load the model, start the endpoint, serve on this thread (the one that owns the engine) until
-SIGTERM or SIGINT, then stop listening, answer what is queued with 503 and shut the engine down.
+SIGTERM or SIGINT, then answer what is queued with 503, stop listening and shut the engine down.
+Request lines (unless --quiet) go to stdout through REQUEST_LOG ("[serve] <time> <line>").
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -11,7 +13,7 @@ import threading
 
 from engine.errors import RunError
 from engine.rl.rollout.sampling_backend import SamplingBackend
-from engine.serve.endpoint import ServeEndpoint, ServeSettings
+from engine.serve.endpoint import REQUEST_LOG, ServeEndpoint, ServeSettings
 from engine.serve.model import load_model
 
 
@@ -34,8 +36,14 @@ def serve_model(args) -> int:
                     for s in (signal.SIGINT, signal.SIGTERM)}
     endpoint = ServeEndpoint(loaded.tokenizer, settings, args.host, args.port,
                              args.batch_wait_ms / 1000, args.max_batch, args.api_key,
-                             int(args.max_body_mb * 2 ** 20))
-    code = 0
+                             int(args.max_body_mb * 2 ** 20), args.max_queue,
+                             None if args.quiet else REQUEST_LOG)
+    code, handler, level = 0, None, REQUEST_LOG.level
+    if not args.quiet:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[serve] %(asctime)s %(message)s"))
+        REQUEST_LOG.addHandler(handler)
+        REQUEST_LOG.setLevel(logging.INFO)
     try:
         endpoint.start()
         print(f"[serve] {args.model} on the {args.backend} backend: {endpoint.base_url} "
@@ -53,7 +61,10 @@ def serve_model(args) -> int:
     finally:
         endpoint.stop()
         engine.shutdown()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, previous_handler in previous.items():
+            signal.signal(s, previous_handler)
+        if handler is not None:
+            REQUEST_LOG.removeHandler(handler)
+            REQUEST_LOG.setLevel(level)
     print("[serve] stopped", flush=True)
     return code

@@ -12,8 +12,11 @@ given their context (engine.rl.agent.sessions), queued for the engine-owning thr
 (engine.api.batcher), and answered (engine.api.replies). Errors are OpenAI-style JSON
 bodies: 400 (malformed JSON, a parameter beyond the run's limits, context length exceeded,
 env.max_turns reached), 401 (an api_key is set and the request lacks `Authorization: Bearer
-<key>`), 413 (a body over max_body_bytes, 16 MiB by default), 404 (no such episode), 410 (the episode finished or timed out), 503
-(generation failed); nothing a client sends crashes the server.
+<key>`), 413 (a body over max_body_bytes, 16 MiB by default), 404 (no such episode), 410 (the
+episode finished or timed out), 429 (max_pending choices wait: code queue_full), 503
+(generation failed, or the server is stopping); nothing a client sends crashes the server.
+With request_log, every request is logged in one INFO line (engine.api.http.log_requests; off
+by default).
 
 Threads: uvicorn runs FastAPI in a daemon thread with its own event loop (`start`); the thread
 that owns the rollout engines calls `serve(backend, until)` (the only place the backend runs).
@@ -22,6 +25,7 @@ The server listens on loopback by default; port 0 picks a free port (`port` afte
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 from typing import Callable
@@ -32,8 +36,8 @@ from fastapi.responses import JSONResponse
 
 from engine.api.backend import GenerateBackend, GenerateRequest
 from engine.api.batcher import GenerateQueue
-from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, json_body, models_body,
-                             require_api_key, start_http, stop_http)
+from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, json_body, log_requests,
+                             models_body, require_api_key, start_http, stop_http)
 from engine.api.replies import make_reply, response_body
 from engine.api.requests import ApiError, Limits, parse_chat, parse_completion
 from engine.api.tokens import TemplateRules
@@ -59,20 +63,25 @@ class AgentServer:
         api_key: when set, every request must carry `Authorization: Bearer <api_key>` (401
             otherwise; require_api_key); None: open (env.agent_api_key).
         max_body_bytes: a request body over it is a 413 (json_body).
+        max_pending: a call arriving while this many choices wait gets 429 (None: unbounded;
+            engine.api.batcher).
+        request_log: the logger of one INFO line per request; None (default): no lines.
     """
 
     def __init__(self, tokenizer, limits: Limits, host: str = "127.0.0.1", port: int = 0,
                  gather_s: float = 0.2, max_wait_s: float = 2.0,
                  max_batch: int | None = None, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES, max_pending: int | None = None,
+                 request_log: logging.Logger | None = None) -> None:
         self.rules, self.limits, self.host, self.port = TemplateRules(tokenizer), limits, host, port
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.request_log = request_log
         self.episodes: dict[str, Episode] = {}
         self._lock = threading.Lock()
         self._finished: dict[str, None] = {}  # closed ids, oldest first (FINISHED_KEPT)
         self._new_id = new_episode_id
         self.queue = GenerateQueue(self._live, self._refusal, gather_s, max_wait_s,
-                                   max_batch)
+                                   max_batch, max_pending)
         self.app = build_app(self)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -85,10 +94,11 @@ class AgentServer:
         return self
 
     def stop(self) -> None:
+        """Queued calls (and any arriving) get 503 at once, then the server stops listening."""
+        self.queue.close("the server is stopping")
         if self._server is not None:
             stop_http(self._server, self._thread)
             self._server = None
-        self.queue.fail_pending("the server stopped")
 
     def __enter__(self) -> "AgentServer":
         return self.start()
@@ -152,10 +162,11 @@ class AgentServer:
     async def handle(self, eid: str, kind: str, body: dict) -> JSONResponse:
         episode = self.episode(eid)
         call = (parse_chat if kind == "chat" else parse_completion)(body, self.limits)
+        self.queue.check_admission()   # a 429 / 503 takes no call index of the episode
         plan = episode.plan(call)
-        futures = [asyncio.wrap_future(self.queue.submit(eid, GenerateRequest(
-            tuple(plan.context), plan.budget, call.temperature, call.top_p, seed)))
-            for seed in plan.seeds]
+        futures = [asyncio.wrap_future(f) for f in self.queue.submit_many(eid, [
+            GenerateRequest(tuple(plan.context), plan.budget, call.temperature, call.top_p,
+                            seed) for seed in plan.seeds])]
         try:
             results = await asyncio.gather(*futures)
             replies = [make_reply(self.rules, call, r, f"{eid}_{plan.call}_{k}")
@@ -175,6 +186,8 @@ def build_app(server: AgentServer) -> FastAPI:
     app = FastAPI(title="agent episodes", docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
     require_api_key(app, server.api_key)
+    if server.request_log is not None:     # outermost: it logs the key's 401s too
+        log_requests(app, server.request_log)
 
     @app.get("/episodes/{eid}/v1/models")
     async def models(eid: str) -> dict:
