@@ -619,7 +619,8 @@ def _log_lines(caplog, count: int) -> list[str]:
 
 def test_one_log_line_per_request_and_none_with_quiet(served, caplog):
     """serve logs one INFO line per request on the "engine.serve" logger: route, status,
-    the reply's prompt and completion tokens (the response's usage), milliseconds; a refused
+    the reply's prompt and completion tokens (the response's usage, or a stream's usage
+    chunk), milliseconds; a refused
     request its status and the error's first line. Negative control: an endpoint built with
     request_log=None (--quiet) logs nothing for the same requests (only a marker request to
     the logged endpoint after them is)."""
@@ -631,8 +632,10 @@ def test_one_log_line_per_request_and_none_with_quiet(served, caplog):
         usage = _post(endpoint, body)["usage"]
         bad = httpx.post(f"{endpoint.base_url}/chat/completions", json={**body, "n": 0})
         httpx.get(f"{endpoint.base_url}/models")
-        lines = _log_lines(caplog, 3)
-    assert len(lines) == 3 and all(r.levelno == logging.INFO for r in caplog.records)
+        streamed = list(_client(endpoint).chat.completions.create(
+            model="tiny", stream=True, stream_options={"include_usage": True}, **body))
+        lines = _log_lines(caplog, 4)
+    assert len(lines) == 4 and all(r.levelno == logging.INFO for r in caplog.records)
     assert re.fullmatch(rf"POST /v1/chat/completions 200 prompt_tokens="
                         rf"{usage['prompt_tokens']} completion_tokens="
                         rf"{usage['completion_tokens']} \d+\.\d ms", lines[0]), lines[0]
@@ -641,6 +644,10 @@ def test_one_log_line_per_request_and_none_with_quiet(served, caplog):
         r"POST /v1/chat/completions 400 \d+\.\d ms: " + re.escape(message.splitlines()[0]),
         lines[1]), lines[1]
     assert re.fullmatch(r"GET /v1/models 200 \d+\.\d ms", lines[2]), lines[2]
+    usage = streamed[-1].usage      # a stream's tokens: from its include_usage chunk
+    assert lines[3].startswith(f"POST /v1/chat/completions 200 prompt_tokens="
+                               f"{usage.prompt_tokens} completion_tokens="
+                               f"{usage.completion_tokens} "), lines[3]
     caplog.clear()
     quiet = ServeEndpoint(tok, ServeSettings("tiny", MAX_TOKENS, MAX_CONTEXT),
                           request_log=None).start()
