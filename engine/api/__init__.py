@@ -10,8 +10,10 @@ Modules (one job each):
     replies    generated ids as OpenAI responses (stop strings, tool calls, log-probs)
     backend    the batched generate protocol the servers call (GenerateRequest, GenerateResult,
                GenerateBackend) and the seeds of calls (turn_seed, call_seed)
-    batcher    the queue between the HTTP thread and the thread that owns the engines
-    http       uvicorn in a daemon thread, the JSON body and its limit, error bodies, the key
+    batcher    the queue between the HTTP thread and the thread that owns the engines (its
+               bound: 429; closed while stopping: 503)
+    http       uvicorn in a daemon thread, the JSON body (its size limit, its shape), error
+               bodies, the key, the request log line
 
 May import: engine.data (chat rendering, row checks, the template delta, tool-call formats),
 engine.errors. Never imports engine.rl, engine.serve or any training package: a rollout engine

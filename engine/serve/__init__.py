@@ -8,10 +8,13 @@ also speaks, and on RL's rollout engines (engine.rl.rollout, with SamplingBacken
 endpoint is stateless, every request is rendered whole.
 
 Modules (one job each):
-    batching   the queue's rule for independent clients (gather, then one generate call)
+    batching   the queue's rule for independent clients (gather, then one generate call),
+               its bound (--max-queue: 429) and its closing on SIGTERM (503)
     endpoint   the FastAPI app (/v1/models, /v1/chat/completions, /v1/completions), seeds
     folder     the --model folder checked before anything heavy is imported
     model      the folder loaded on the hf or vllm rollout engine
+    tokenizer_routes  /tokenize, /detokenize, /tokenizer_info (vLLM's, at the root) and
+               GET /v1/models/{id}
     run        the serving lifetime: load, listen, serve, stop on SIGTERM / Ctrl-C
     __main__   the command line: flags and their checks, --help
 
