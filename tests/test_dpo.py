@@ -1,14 +1,16 @@
 """DPO exactness (docs/preference.md): every layout equals the single process, and the single
 process equals an independent transformers + torch AdamW loop written from the formulas below
 (and TRL 1.16's own DPOTrainer where it computes the same thing), for every loss type, with
-label smoothing and with RPO; LoRA DPO from a pretrained adapter equals peft + the same loop
+label smoothing and with RPO, and ORPO (dpo.loss_type=orpo: TRL 1.16's experimental
+ORPOTrainer and a plain loop of its formula); LoRA DPO from a pretrained adapter equals peft + the same loop
 and TRL's DPOTrainer from the same adapter, its reference that starting adapter, frozen (step
 1: margins 0, loss ln 2; the bare base as reference, the negative control, is not).
 
 The layouts run on the session's rank pools (tests/multirank/dpo_check.py): one process (the
 references); DP2 with GA, CP2, DP2 with packed token-budget micro-batches, TP2 + SP with LoRA;
-DP2 x TP2 + SP, PP2 x DP2 with GA, PP2 x VPP2 x DP2, CP2 x DP2 packed. Negative controls:
-the DP mean of per-rank pair means (localmean), per-CP-shard sequence sums (cpsum).
+DP2 x TP2 + SP, PP2 x DP2 with GA, PP2 x VPP2 x DP2, CP2 x DP2 packed; ORPO at DP2 with GA, CP2 x DP2 packed
+and PP2 x DP2 with GA. Negative controls: the DP mean of per-rank pair means (localmean),
+per-CP-shard sequence sums (cpsum), ORPO's NLL as the mean of micro-batch token means (mbnll).
 The policy and the reference are two different random models (dpo.ref_path), so the log-ratios
 are not zero at step 1.
 """
@@ -28,13 +30,17 @@ pytestmark = pytest.mark.timeout(900)
 TOL = 1e-5
 SINGLE = ["1,1,0,1,8,loss=sigmoid", "1,1,0,1,8,loss=ipo", "1,1,0,1,8,loss=hinge",
           "1,1,0,1,8,loss=robust+ls=0.1", "1,1,0,1,8,loss=simpo",
-          "1,1,0,1,8,loss=sigmoid+ls=0.1+rpo=0.5", "1,1,0,1,8,lora", "1,1,0,1,8,lora+baseref"]
+          "1,1,0,1,8,loss=sigmoid+ls=0.1+rpo=0.5", "1,1,0,1,8,lora", "1,1,0,1,8,lora+baseref",
+          "1,1,0,1,8,loss=orpo"]
+ORPO_MBNLL = "1,1,0,1,2,bug=mbnll+loss=orpo"
 LAYOUTS = {
     2: ["1,1,0,1,2,loss=sigmoid+ls=0.1+rpo=0.5", "1,1,0,2,8,loss=ipo",
         "1,1,0,1,8,packing+tokens=90+loss=simpo", "2,1,0,1,4,sp+lora",
-        "1,1,0,1,8,bug=localmean+loss=sigmoid", "1,1,0,2,8,bug=cpsum+loss=sigmoid"],
+        "1,1,0,1,8,bug=localmean+loss=sigmoid", "1,1,0,2,8,bug=cpsum+loss=sigmoid",
+        "1,1,0,1,2,loss=orpo", ORPO_MBNLL],
     4: ["2,1,0,1,2,sp+loss=sigmoid", "1,2,0,1,1,loss=robust+ls=0.1", "1,2,2,1,1,loss=hinge",
-        "1,1,0,2,8,packing+tokens=120+loss=sigmoid+ls=0.1+rpo=0.5"],
+        "1,1,0,2,8,packing+tokens=120+loss=sigmoid+ls=0.1+rpo=0.5",
+        "1,1,0,2,8,packing+tokens=120+loss=orpo", "1,2,0,1,1,loss=orpo"],
 }
 
 
@@ -78,7 +84,7 @@ def test_every_layout_equals_single_process(dpo_runs, world):
         if "bug=" in spec:
             continue
         assert "error" not in r, (spec, r)
-        for k in harness.METRICS:
+        for k in (k for k in harness.METRICS + harness.ORPO_METRICS if f"{k}_rel" in r):
             # LoRA: the reference is the starting adapter, so the rewards (beta x log-ratios
             # of sums near -70) start at 0 and stay small (0.075 at step 2): fp32 rounding of
             # the sums at tp2+sp (1.3e-6 absolute, logps rel 2e-8) is 1.75e-5 of that scale
@@ -116,18 +122,35 @@ def test_negative_control_cp_shard_sums_is_caught(dpo_runs):
     assert r["loss_rel"] > 100 * TOL and r["grad_norm_rel"] > 100 * TOL, r
 
 
+def test_negative_control_orpo_micro_batch_nll_is_caught(dpo_runs):
+    """ORPO's NLL as the mean of the micro-batches' own token means (TRL's convention under
+    gradient accumulation and DP; 4 micro-batches of 2 pairs at DP2 x GA2) instead of one
+    token mean over the global batch: the NLL, the loss and the gradient move, the pair terms
+    of step 1 do not."""
+    r = dpo_runs[2][ORPO_MBNLL]
+    assert r["nll_loss_rel"] > 100 * TOL and r["loss_rel"] > 100 * TOL, r
+    assert r["grad_norm_rel"] > 100 * TOL, r
+    assert r["log_odds_chosen"][0] == pytest.approx(
+        dpo_runs[1]["1,1,0,1,8,loss=orpo"]["log_odds_chosen"][0], rel=TOL)
+
+
 # ---------------------------------------------------------------- the independent reference
 
-def side_logps(model, side) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(sum of completion log-probs, per-token log-probs * mask, completion tokens)."""
+def side_logps(model, side) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(sum of completion log-probs, per-token log-probs * mask, completion tokens, the
+    log-probs of every label, prompt included)."""
     logits = model(input_ids=torch.tensor([side.tokens])).logits[0].float()
     logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(side.labels)[:, None])[:, 0]
     masked = logp * torch.tensor(side.loss_mask, dtype=torch.float32)
-    return masked.sum(), masked, sum(side.loss_mask)
+    return masked.sum(), masked, sum(side.loss_mask), logp
 
 
 def formula_loss(kind: str, beta: float, eps: float, pc, pr, rc, rr, nc, nr):
     """One pair's loss, from the papers / TRL's code, written here without the engine."""
+    if kind == "orpo":   # ORPO paper eq. 4 and 7: log odds of the mean log-probs
+        mc, mr = pc / nc, pr / nr
+        log_odds = (mc - mr) - (torch.log1p(-torch.exp(mc)) - torch.log1p(-torch.exp(mr)))
+        return -beta * F.logsigmoid(log_odds)
     if kind == "simpo":
         z = beta * (pc / nc - pr / nr) - 0.5
         return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
@@ -143,7 +166,8 @@ def formula_loss(kind: str, beta: float, eps: float, pc, pr, rc, rr, nc, nr):
 
 def plain_loop(policy_dir: str, reference_dir: str, spec: str, adapter: str | None = None):
     """(losses, grad norms) of the plain loop: transformers models, per-pair formula losses
-    averaged over the batch, RPO's token-mean NLL of the chosen sides, torch AdamW, clip 1.
+    averaged over the batch, RPO's token-mean NLL of the chosen sides (ORPO's: the token mean
+    over every label of the chosen sequences, prompt included), torch AdamW, clip 1.
     With `adapter` the policy is peft's model of it and the reference a second, frozen peft
     model of the same adapter (spec flag baseref: the policy with its adapter disabled)."""
     from peft import PeftModel
@@ -166,10 +190,11 @@ def plain_loop(policy_dir: str, reference_dir: str, spec: str, adapter: str | No
                             weight_decay=0.0)
     losses, norms = [], []
     for pairs in harness.pair_batches(200):
-        total, nll, chosen_tokens = 0.0, 0.0, 0
+        total, nll, chosen_tokens, orpo_nll, orpo_tokens = 0.0, 0.0, 0, 0.0, 0
         for p in pairs:
-            pc, tok_c, nc = side_logps(model, p.chosen)
-            pr, _, nr = side_logps(model, p.rejected)
+            pc, tok_c, nc, every_c = side_logps(model, p.chosen)
+            pr, _, nr, _ = side_logps(model, p.rejected)
+            orpo_nll, orpo_tokens = orpo_nll - every_c.sum(), orpo_tokens + every_c.numel()
             with torch.no_grad():
                 if adapter is not None and reference is None:
                     with model.disable_adapter():
@@ -178,7 +203,8 @@ def plain_loop(policy_dir: str, reference_dir: str, spec: str, adapter: str | No
                     rc, rr = side_logps(reference, p.chosen)[0], side_logps(reference, p.rejected)[0]
             total = total + formula_loss(kind, 0.5, eps, pc, pr, rc, rr, nc, nr) / len(pairs)
             nll, chosen_tokens = nll - tok_c.sum(), chosen_tokens + nc
-        loss = total + alpha * nll / chosen_tokens
+        loss = total + alpha * nll / chosen_tokens + (orpo_nll / orpo_tokens if kind == "orpo"
+                                                      else 0.0)
         opt.zero_grad()
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
@@ -278,6 +304,76 @@ def _pad_tokenizer():
     import tempfile
 
     return build_tokenizer(tempfile.mkdtemp(), 200)
+
+
+# ---------------------------------------------------------------- TRL's ORPOTrainer
+
+ORPO_TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                    "logps/chosen", "logps/rejected", "nll_loss", "log_odds_ratio",
+                    "log_odds_chosen")
+
+
+def _trl_orpo_rows() -> list[dict]:
+    """The harness's pairs as the rows ORPOTrainer.tokenize_row would make (its tokenisation
+    bypassed): each side prompt + completion, its labels -100 on the prompt."""
+    rows = []
+    for row in _trl_rows():
+        out = {"prompt_input_ids": row["prompt_ids"],
+               "prompt_attention_mask": [1] * len(row["prompt_ids"])}
+        for side in ("chosen", "rejected"):
+            ids = row["prompt_ids"] + row[f"{side}_ids"]
+            out.update({f"{side}_input_ids": ids, f"{side}_attention_mask": [1] * len(ids),
+                        f"{side}_labels": [-100] * len(row["prompt_ids"]) + row[f"{side}_ids"]})
+        rows.append(out)
+    return rows
+
+
+def test_orpo_equals_trl_orpo_trainer(dpo_runs, tmp_path, monkeypatch):
+    """trl 1.16's experimental ORPOTrainer (beta = ORPO's lambda) on the same token ids, fp32,
+    AdamW and clipping as above: per-step loss, grad norm and its metrics (rewards/*, logps/*,
+    nll_loss over every label of the chosen rows, log_odds_ratio, log_odds_chosen) at 1e-5.
+    Not compared: its logits/* (a mean over the padded [batch, length, vocab] tensor, prompt
+    and padding positions included; ours are DPOTrainer's completion-token means)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    monkeypatch.setattr(ORPOTrainer, "tokenize_row", lambda self, feature, model=None: {})
+    losses, rows = [], []
+
+    class Record(ORPOTrainer):   # the loss unrounded
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            losses.append(float(loss.detach()))
+            return loss
+
+    class Rows(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "grad_norm" in logs:
+                rows.append(dict(logs))
+
+    args = ORPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=harness.PAIRS,
+                      learning_rate=harness.LR, lr_scheduler_type="constant", adam_beta1=0.9,
+                      adam_beta2=0.95, adam_epsilon=harness.ADAM_EPS, weight_decay=0.0,
+                      max_grad_norm=1.0, beta=0.5, max_steps=harness.STEPS, logging_steps=1,
+                      report_to=[], use_cpu=True, max_length=512,
+                      train_sampling_strategy="sequential", save_strategy="no",
+                      optim="adamw_torch", dataloader_num_workers=0, bf16=False)
+    trainer = Record(model=AutoModelForCausalLM.from_pretrained(dpo_runs["policy"]), args=args,
+                     train_dataset=Dataset.from_list(_trl_orpo_rows()),
+                     processing_class=_pad_tokenizer(), callbacks=[Rows()])
+    trainer.train()
+    got = dpo_runs[1]["1,1,0,1,8,loss=orpo"]
+    assert len(losses) == len(rows) == harness.STEPS, (losses, rows)
+    for step, row in enumerate(rows):
+        assert got["loss"][step] == pytest.approx(losses[step], rel=TOL), (got, losses)
+        assert got["grad_norm"][step] == pytest.approx(row["grad_norm"], rel=TOL), (got, row)
+        for k in ORPO_TRL_METRICS:
+            # margins and log-odds are differences of mean log-probs near -5.5 that TRL takes
+            # in float32 (resolution 4.8e-7 there): measured 1.7e-7 absolute at step 2
+            slack = 1e-6 if k in ("rewards/margins", "log_odds_chosen") else 0.0
+            assert got[k][step] == pytest.approx(row[k], rel=TOL, abs=slack), (k, got[k], row)
+    assert got["loss"][0] != got["loss"][1]
 
 
 # ---------------------------------------------------------------- the reference after a LoRA start

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.config.dpo_settings import DPOConfig, dpo_problems
 from engine.config.loading import load_config
@@ -82,6 +83,32 @@ def test_formulas_at_known_points():
         torch.tensor(-0.5, dtype=torch.float64)).item(), rel=1e-12)
 
 
+def test_orpo_pair_loss_equals_trl_odds_ratio_loss():
+    """The orpo pair term from log-prob SUMS and completion counts equals TRL 1.16's
+    ORPOTrainer.odds_ratio_loss on the means (its float32; both log1mexp branches: means
+    above and below -ln 2): loss = -beta x TRL's `losses`, rewards, and the per-pair
+    log_odds_ratio / log_odds_chosen whose batch means TRL logs."""
+    from types import SimpleNamespace
+
+    from trl.experimental.orpo import ORPOTrainer
+
+    n_c = torch.tensor([4.0, 10.0, 1.0, 7.0], dtype=torch.float64)
+    n_r = torch.tensor([2.0, 5.0, 3.0, 9.0], dtype=torch.float64)
+    mean_c = torch.tensor([-0.05, -0.9, -3.0, -0.4], dtype=torch.float64)
+    mean_r = torch.tensor([-0.2, -0.6, -0.01, -5.0], dtype=torch.float64)
+    terms = pair_terms(PairLossSettings("orpo", beta=0.3), mean_c * n_c, mean_r * n_r, None,
+                       None, n_c, n_r)
+    trainer = SimpleNamespace(beta=0.3, accelerator=SimpleNamespace(device="cpu"))
+    losses, chosen, rejected, ratio, log_odds = ORPOTrainer.odds_ratio_loss(
+        trainer, mean_c.float(), mean_r.float())
+    assert torch.allclose(terms.loss, -losses.double(), rtol=1e-6)
+    assert torch.allclose(terms.chosen_rewards, chosen.double(), rtol=1e-6)
+    assert torch.allclose(terms.rejected_rewards, rejected.double(), rtol=1e-6)
+    assert float(terms.extras["log_odds_ratio"].mean()) == pytest.approx(float(ratio), rel=1e-6)
+    assert float(terms.extras["log_odds_chosen"].mean()) == pytest.approx(float(log_odds),
+                                                                          rel=1e-6)
+
+
 def _cfg(*overrides):
     cfg, _ = load_config(DPOConfig, list(overrides))
     return cfg
@@ -95,6 +122,10 @@ def _cfg(*overrides):
     (["dpo.rpo_alpha=0"], "dpo.rpo_alpha=0"),
     (["dpo.simpo_gamma=1.0"], "applies only to dpo.loss_type=simpo"),
     (["dpo.loss_type=simpo", "dpo.ref_path=/x"], "reference-free"),
+    (["dpo.loss_type=orpo", "dpo.ref_path=/x"], "dpo.loss_type=orpo is reference-free"),
+    (["dpo.loss_type=orpo", "dpo.label_smoothing=0.1"],
+     "dpo.label_smoothing=0.1: dpo.loss_type=orpo has no label smoothing"),
+    (["dpo.loss_type=orpo", "dpo.rpo_alpha=0.5"], "dpo.loss_type=orpo has its own NLL term"),
     (["model.lora.rank=4", "dpo.ref_path=/x"], "adapters off"),
     (["dpo.ref_path=/nonexistent"], "dpo.ref_path=/nonexistent"),
 ])
@@ -196,6 +227,47 @@ def test_eval_metrics_are_means_over_all_eval_pairs(pools, dpo_models, world, sp
         assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (k, got[k], v)
     for k in ("eval/nll", "eval/loss", "eval/logits/chosen"):
         assert abs(old[k] - want[k]) > 1e-3 * abs(want[k]), (k, old[k], want[k])
+
+
+def test_orpo_eval_metrics_are_means_over_all_eval_pairs(pools, dpo_models):
+    """evaluate with dpo.loss_type=orpo on the same 7 pairs in chunks of 3, 3, 1 (one process)
+    equals a direct computation from transformers' logits over all 7 (rel 1e-5):
+    eval/nll_loss the token mean over EVERY label of the chosen sequences (prompt included,
+    TRL's ORPO NLL), eval/log_odds_chosen the pair mean of the log odds of the mean
+    completion log-probs, eval/loss the mean of -0.5 logsigmoid(log odds) plus eval/nll_loss.
+    Negative control: the chunk-weighted mean of per-chunk token means misses eval/nll_loss."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.multirank.dpo_eval_check import CHUNK, eval_pairs
+
+    got = pools.run(1, "tests.multirank.dpo_eval_check:evaluate_chunks", *dpo_models,
+                    "1,1,0,1,2", "orpo")[0]
+    model = AutoModelForCausalLM.from_pretrained(dpo_models[0])
+    rows = []
+    for p in eval_pairs(200):
+        row = {}
+        for name, side in (("c", p.chosen), ("r", p.rejected)):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([side.tokens])).logits[0].double()
+            logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(side.labels)[:, None])
+            mask = torch.tensor(side.loss_mask, dtype=torch.bool)
+            row[name] = logp[:, 0][mask].mean()
+            row[f"all_{name}"], row[f"n_{name}"] = float(logp.sum()), len(side.tokens)
+        row["odds"] = float((row["c"] - row["r"]) - (torch.log1p(-row["c"].exp())
+                                                     - torch.log1p(-row["r"].exp())))
+        rows.append(row)
+
+    def token_mean(group):
+        return -sum(r["all_c"] for r in group) / sum(r["n_c"] for r in group)
+
+    odds = torch.tensor([r["odds"] for r in rows], dtype=torch.float64)
+    want = {"eval/nll_loss": token_mean(rows), "eval/log_odds_chosen": float(odds.mean()),
+            "eval/loss": float(-0.5 * F.logsigmoid(odds).mean()) + token_mean(rows)}
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-5), (k, got[k], v)
+    chunks = [rows[i:i + CHUNK] for i in range(0, len(rows), CHUNK)]
+    old = sum(token_mean(c) * len(c) / len(rows) for c in chunks)
+    assert abs(old - want["eval/nll_loss"]) > 1e-3 * want["eval/nll_loss"], (old, want)
 
 
 def test_token_mean_logits_from_logits_and_from_hidden_states():

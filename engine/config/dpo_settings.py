@@ -1,15 +1,18 @@
 """DPO's configuration: the SFT tree plus `dpo.*` (docs/preference.md).
 
 - `dpo.loss_type`: TRL's names, engine.dpo.pair_loss.LOSS_TYPES (sigmoid, the default; ipo,
-  hinge, robust; simpo, reference-free as TRL's CPOTrainer loss_type=simpo with cpo_alpha=0);
+  hinge, robust; simpo, reference-free as TRL's CPOTrainer loss_type=simpo with cpo_alpha=0;
+  orpo, reference-free as TRL's experimental ORPOTrainer, with dpo.beta as its lambda);
 - `dpo.beta` (0.1); `dpo.label_smoothing` (0: cDPO for sigmoid, the robust loss's eps, simpo's
-  smoothing; refused for hinge and ipo, which have none); `dpo.simpo_gamma` (simpo only);
+  smoothing; refused for hinge, ipo and orpo, which have none); `dpo.simpo_gamma` (simpo only);
 - `dpo.rpo_alpha` (null: off): alpha x the chosen completions' NLL, aggregated over the global
   batch with loss.agg_mode (token-mean by default: the token mean over ALL chosen completion
-  tokens of the global batch, whatever the layout);
+  tokens of the global batch, whatever the layout); refused with orpo, whose own NLL term
+  (weight 1) covers the chosen sequences;
 - `dpo.ref_path` (null: model.hf_path): the frozen reference's HF folder. With LoRA the
   reference is the policy's base with the adapters off (after `model.lora.init_from`: the
-  starting adapter, frozen) and `ref_path` is refused.
+  starting adapter, frozen) and `ref_path` is refused; refused too with the reference-free
+  loss types (simpo, orpo).
 `train.global_batch_size` and `train.micro_batch_size` count pairs; data.train_files hold
 preference rows (engine.data.preference).
 """
@@ -22,8 +25,9 @@ from engine.errors import ConfigError
 from engine.config.schema import (LoggingConfig, SFTConfig, check_choice, raise_problems,
                                   read_hf_config, validate_sft)
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")   # engine.dpo.pair_loss
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")   # engine.dpo.pair_loss
 SMOOTHED = ("sigmoid", "robust", "simpo")
+REFERENCE_FREE = ("simpo", "orpo")
 DEFAULT_SIMPO_GAMMA = 0.5
 
 
@@ -59,13 +63,16 @@ def dpo_problems(cfg, hf_config: dict) -> list[str]:
         p.append(f"dpo.label_smoothing={eps!r} must lie in [0, 0.5]")
     if d.rpo_alpha is not None and not d.rpo_alpha > 0:
         p.append(f"dpo.rpo_alpha={d.rpo_alpha!r} must be null (off) or > 0")
+    elif d.rpo_alpha is not None and d.loss_type == "orpo":
+        p.append(f"dpo.rpo_alpha={d.rpo_alpha!r}: dpo.loss_type=orpo has its own NLL term "
+                 "(weight 1, every label of the chosen sequences); leave dpo.rpo_alpha null")
     if d.simpo_gamma != DEFAULT_SIMPO_GAMMA and d.loss_type != "simpo":
         p.append(f"dpo.simpo_gamma={d.simpo_gamma!r} applies only to dpo.loss_type=simpo "
                  f"(here {d.loss_type})")
     if d.ref_path:
-        if d.loss_type == "simpo":
-            p.append(f"dpo.ref_path={d.ref_path}: dpo.loss_type=simpo is reference-free; "
-                     "leave dpo.ref_path null")
+        if d.loss_type in REFERENCE_FREE:
+            p.append(f"dpo.ref_path={d.ref_path}: dpo.loss_type={d.loss_type} is "
+                     "reference-free; leave dpo.ref_path null")
         elif cfg.model.lora.rank:
             p.append(f"dpo.ref_path={d.ref_path}: with LoRA (model.lora.rank > 0) the "
                      "reference is the policy's base with its adapters off (the starting "

@@ -21,6 +21,12 @@ Layout contract (docs/preference.md, "What is exact"):
 - The chosen-side NLL (`nll`, RPO's term when dpo.rpo_alpha is set) is a token loss with the
   per-sequence weights of loss.agg_mode over the chosen completions of the global batch
   (mb.token_weights; 0 on rejected sides): a plain weighted sum, exact by construction.
+- ORPO's NLL (`nll_loss`, weight 1 in the loss; dpo.loss_type=orpo) is TRL's: the NLL of
+  EVERY label of the chosen sequences (prompt and completion, TRL's ORPOTrainer
+  cross-entropy over the chosen rows), aggregated with per-sequence weights
+  (PairBatch.sequence_nll_weights, loss.agg_mode over the chosen sides' full lengths of the
+  global batch: token-mean divides by all their tokens): again a plain weighted token sum
+  over the real tokens (seq_ids >= 0), exact on every layout; never a micro-batch mean.
 - `logits/chosen`, `logits/rejected` (TRL 1.16's DPOTrainer metrics): the mean over the
   vocabulary of the policy's logits at each completion token (label position), averaged
   over all completion tokens of that side in the global batch: a token sum over this
@@ -38,7 +44,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from engine.dpo.pair_loss import PairLossSettings, pair_gradients
+from engine.dpo.pair_loss import ORPO_EXTRAS, PairLossSettings, pair_gradients
 from engine.training.loss import aggregate
 from engine.training.loss_head import HiddenStates
 # the CP group summing a sequence's shards; the invariance harness's negative control replaces
@@ -50,6 +56,7 @@ from engine.training.token_losses import token_logprobs
 REPORT_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
                "rewards/margins", "logps/chosen", "logps/rejected", "nll", "logits/chosen",
                "logits/rejected")
+ORPO_REPORT_KEYS = ("nll_loss",) + ORPO_EXTRAS    # TRL's ORPOTrainer names, besides REPORT_KEYS
 _ROW_CHUNK = 4096   # vocabulary rows (or tokens) per float64 chunk of token_mean_logits
 
 
@@ -61,13 +68,16 @@ class PairBatch:
     completion log-prob sums (None for reference-free loss types); rpo_alpha: weight of the
     chosen NLL in the loss (0: logged only); report_counts: [2Q] the completion counts of
     the Q pairs the reports average over, this batch among them (None: this batch, Q = P;
-    evaluation in chunks passes the whole eval set's)."""
+    evaluation in chunks passes the whole eval set's); sequence_nll_weights: [2P] orpo's
+    per-sequence weights of the NLL over every label of a sequence (0 on rejected sides;
+    None for the other loss types)."""
 
     settings: PairLossSettings
     counts: torch.Tensor
     ref: torch.Tensor | None
     rpo_alpha: float = 0.0
     report_counts: torch.Tensor | None = None
+    sequence_nll_weights: torch.Tensor | None = None
 
     @property
     def num_pairs(self) -> int:
@@ -84,6 +94,22 @@ class PairBatch:
         """(chosen, rejected) completion tokens the per-token reports are averaged over."""
         counts = self.counts if self.report_counts is None else self.report_counts
         return float(counts[0::2].sum()), float(counts[1::2].sum())
+
+
+def report_keys(settings: PairLossSettings) -> tuple[str, ...]:
+    """The keys dpo_loss_fn reports for this loss type."""
+    return REPORT_KEYS + (ORPO_REPORT_KEYS if settings.loss_type == "orpo" else ())
+
+
+def sequence_nll(logp: torch.Tensor, seq_ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+    """sum over real tokens t (seq_ids >= 0) of -logp_t * weights[seq of t]: the micro-batch's
+    share of a per-sequence weighted NLL over EVERY label (loss mask ignored), differentiable
+    in logp. The invariance harness's negative control replaces it (a micro-batch mean)."""
+    ids = seq_ids.long()
+    w = torch.where(ids >= 0, weights.to(logp.device)[ids.clamp(min=0)],
+                    torch.zeros((), dtype=weights.dtype, device=logp.device))
+    return -(logp * w.to(logp.dtype)).sum()
 
 
 def _cp_rank() -> int:
@@ -152,7 +178,8 @@ def token_mean_logits(logits: torch.Tensor | HiddenStates, vocab_size: int) -> t
 
 
 def dpo_loss_fn(batch: PairBatch, vocab_size: int) -> LossFn:
-    """Loss function (engine.training.schedule contract) of one step, reporting REPORT_KEYS."""
+    """Loss function (engine.training.schedule contract) of one step, reporting
+    report_keys(batch.settings)."""
     s, n, size = batch.settings, batch.num_pairs, batch.counts.numel()
     scale = 1.0 / n if n else 0.0
     q = batch.report_pairs
@@ -180,13 +207,20 @@ def dpo_loss_fn(batch: PairBatch, vocab_size: int) -> LossFn:
         token_coef = torch.where(ids >= 0, coef[ids.clamp(min=0)], torch.zeros_like(coef[:1]))
         nll = aggregate(-logp, mb.token_weights)
         loss = (logp * mask * token_coef.to(logp.dtype)).sum() + batch.rpo_alpha * nll
+        extra = {}
+        if batch.sequence_nll_weights is not None:   # orpo: + the chosen sequences' NLL
+            seq_nll = sequence_nll(logp, mb.seq_ids, batch.sequence_nll_weights)
+            loss = loss + seq_nll
+            extra["nll_loss"] = seq_nll.detach().to(torch.float64)
         once = 1.0 if _cp_rank() == 0 else 0.0
         pair_sum = (lambda v: v.sum().detach().to(torch.float64) * (report_scale * once))
         mean_logits = token_mean_logits(logits, vocab_size) * mask.to(torch.float64)
         chosen_token = (ids >= 0) & (ids % 2 == 0)
         rejected_token = (ids >= 0) & (ids % 2 == 1)
-        value = pair_sum(terms.loss)
+        value = pair_sum(terms.loss) + extra.get("nll_loss", 0.0)
+        extra.update({k: pair_sum(v) for k, v in terms.extras.items()})
         reports = {
+            **extra,
             "loss": value + batch.rpo_alpha * nll.detach().to(torch.float64),
             "rewards/chosen": pair_sum(terms.chosen_rewards),
             "rewards/rejected": pair_sum(terms.rejected_rewards),

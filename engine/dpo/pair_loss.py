@@ -1,36 +1,43 @@
 """The per-pair preference losses (TRL's formulas) and their derivatives (docs/preference.md).
 
 For pair k with chosen side c and rejected side r, s_c and s_r are the policy's log-probs of the
-sides' completion tokens: their SUM, or their MEAN (sum / completion tokens) for `ipo` and
-`simpo`, as TRL computes them; ref_c and ref_r the same for the frozen reference (the same
-sum/mean rule). With the log-ratio difference
+sides' completion tokens: their SUM, or their MEAN (sum / completion tokens) for `ipo`,
+`simpo` and `orpo`, as TRL computes them; ref_c and ref_r the same for the frozen reference
+(the same sum/mean rule). With the log-ratio difference
 
     delta = (s_c - ref_c) - (s_r - ref_r)         (ipo: of the means)
 
 and beta, label smoothing eps, gamma:
 
-    sigmoid   -(1 - eps) logsigmoid(beta delta) - eps logsigmoid(-beta delta)    (cDPO when eps > 0)
+    sigmoid   -(1 - eps) logsigmoid(beta delta) - eps logsigmoid(-beta delta)  (cDPO if eps > 0)
     robust    (-(1 - eps) logsigmoid(beta delta) + eps logsigmoid(-beta delta)) / (1 - 2 eps)
     hinge     relu(1 - beta delta)
     ipo       (delta - 1 / (2 beta))^2
     simpo     z = beta (s_c - s_r) - gamma (reference-free; TRL's CPOTrainer, cpo_alpha=0):
               -(1 - eps) logsigmoid(z) - eps logsigmoid(-z)
+    orpo      -beta logsigmoid(log_odds),
+              log_odds = (s_c - s_r) - (log1mexp(s_c) - log1mexp(s_r)),
+              log1mexp(x) = log(1 - exp(x)) (reference-free; TRL's experimental
+              ORPOTrainer.odds_ratio_loss, beta its lambda). ORPO's other term, the NLL of
+              the chosen sequences, is a token loss (engine.dpo.loss_fn), not a pair term.
 
-Rewards (the logged `rewards/*`): beta (s - ref) per side, beta s for simpo; `logps/*` are
-s_c, s_r. Everything here is float64 on small [P] tensors; `pair_gradients` gives
-d(sum of losses)/d(policy SUMS), the per-token coefficients of the exact gradient
-(engine.dpo.loss_fn).
+Rewards (the logged `rewards/*`): beta (s - ref) per side, beta s for simpo and orpo;
+`logps/*` are s_c, s_r; orpo also gives TRL's per-pair `log_odds_ratio`
+(logsigmoid(log_odds)) and `log_odds_chosen` (log_odds) in PairTerms.extras. Everything here
+is float64 on small [P] tensors; `pair_gradients` gives d(sum of losses)/d(policy SUMS), the
+per-token coefficients of the exact gradient (engine.dpo.loss_fn).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
-MEAN_TYPES = ("ipo", "simpo")          # log-probs are per-token means, not sums
-REFERENCE_FREE = ("simpo",)            # no reference model at all
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
+MEAN_TYPES = ("ipo", "simpo", "orpo")  # log-probs are per-token means, not sums
+REFERENCE_FREE = ("simpo", "orpo")     # no reference model at all
+ORPO_EXTRAS = ("log_odds_ratio", "log_odds_chosen")   # PairTerms.extras of orpo (TRL's names)
 SMOOTHED = ("sigmoid", "robust", "simpo")  # types that take label_smoothing
 
 
@@ -61,6 +68,21 @@ class PairTerms:
     rejected_rewards: torch.Tensor
     chosen_logps: torch.Tensor     # s_c (sum or mean, as the loss type uses it)
     rejected_logps: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)   # ORPO_EXTRAS for orpo
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable on both sides of -ln 2 (TRL's orpo log1mexp)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)),
+                       torch.log(-torch.expm1(x)))
+
+
+def _orpo(beta: float, pc: torch.Tensor, pr: torch.Tensor) -> PairTerms:
+    log_odds = (pc - pr) - (log1mexp(pc) - log1mexp(pr))
+    ratio = F.logsigmoid(log_odds)
+    return PairTerms(-beta * ratio, beta * pc.detach(), beta * pr.detach(), pc.detach(),
+                     pr.detach(), {"log_odds_ratio": ratio.detach(),
+                                   "log_odds_chosen": log_odds.detach()})
 
 
 def _smoothed(z: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,6 +104,8 @@ def pair_terms(s: PairLossSettings, sum_c: torch.Tensor, sum_r: torch.Tensor,
         z = s.beta * (pc - pr) - s.simpo_gamma
         return PairTerms(_smoothed(z, s.label_smoothing), s.beta * pc.detach(),
                          s.beta * pr.detach(), pc.detach(), pr.detach())
+    if s.loss_type == "orpo":
+        return _orpo(s.beta, pc, pr)
     if s.uses_means:
         rc, rr = ref_c / n_c.clamp(min=1), ref_r / n_r.clamp(min=1)
     else:

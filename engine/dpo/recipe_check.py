@@ -11,13 +11,13 @@ Beside it: the dpo.* keys (engine.config.dpo_settings) and what the reference co
   micro-batch, below the training pass's peak);
 - nothing with LoRA (the policy's base with its adapters off; after model.lora.init_from the
   starting adapter, a frozen rank-r copy beside the trained one) or a reference-free loss
-  (simpo).
+  (simpo, orpo).
 """
 from __future__ import annotations
 
 import copy
 
-from engine.config.dpo_settings import DPOConfig, dpo_problems
+from engine.config.dpo_settings import REFERENCE_FREE, DPOConfig, dpo_problems
 from engine.config.recipe_validation import (RecipeReport, model_config, validate_main,
                                              validate_recipe)
 from models.estimate.counting import stage_parameters
@@ -27,7 +27,7 @@ from models.estimate.vision import tower_parameters
 
 def reference_gib(cfg, hf: dict) -> float:
     """GiB per GPU of the frozen reference (module docstring); 0 when there is none."""
-    if cfg.dpo.loss_type == "simpo" or cfg.model.lora.rank:
+    if cfg.dpo.loss_type in REFERENCE_FREE or cfg.model.lora.rank:
         return 0.0
     p = cfg.parallel
     stage = stage_parameters(hf, p.tp, p.pp, p.ep)
@@ -49,7 +49,7 @@ def validate_dpo_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     t = cfg.train
     ref = reference_gib(cfg, hf)
     policy = report.data["memory_gib"]["total"]
-    what = ("none (reference-free loss)" if cfg.dpo.loss_type == "simpo" else
+    what = ("none (reference-free loss)" if cfg.dpo.loss_type in REFERENCE_FREE else
             "none: the starting adapter (model.lora.init_from), a frozen rank-r copy beside "
             "the trained one" if cfg.model.lora.rank and cfg.model.lora.init_from else
             "none: the policy's base with its LoRA adapters off" if cfg.model.lora.rank else

@@ -14,7 +14,7 @@ same pair-keeping micro-batches (engine.dpo.loss_fn), without LoRA dropout. The 
 - otherwise a frozen copy of dpo.ref_path (default: model.hf_path, the initial policy; also
   after a resume), built at the policy's layout (TrainEngine.frozen): one more copy of the
   weights per rank, no gradients or optimizer state;
-- none for reference-free loss types (simpo).
+- none for reference-free loss types (simpo, orpo).
 """
 from __future__ import annotations
 

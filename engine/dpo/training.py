@@ -5,7 +5,8 @@ PAIRS (layout-independent order, engine.data.datasets.global_batch_indices over 
 the sequence list [c_0, r_0, c_1, r_1, ...] with units [[0, 1], [2, 3], ...] (both sides of a
 pair in one micro-batch) -> the reference's completion log-prob sums (forward-only, same
 layout, engine.dpo.reference) -> TrainEngine.train_batch with the pair loss
-(engine.dpo.loss_fn) -> metrics under TRL's names, logged by the RunLoop (metrics.jsonl,
+(engine.dpo.loss_fn; orpo adds the chosen sequences' NLL, no reference) -> metrics under TRL's
+names, logged by the RunLoop (metrics.jsonl,
 TensorBoard). Checkpoints and resume as in SFT (engine.sft.training); the reference is
 rebuilt from its HF folder on resume (with LoRA from model.lora.init_from: that adapter
 folder, not the checkpoint's adapters).
@@ -24,7 +25,7 @@ from engine.config.fusion_settings import fusion_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.data.datasets import global_batch_indices
 from engine.data.preference import PreferencePair, load_preference_dataset
-from engine.dpo.loss_fn import REPORT_KEYS, PairBatch, dpo_loss_fn
+from engine.dpo.loss_fn import PairBatch, dpo_loss_fn, report_keys
 from engine.dpo.pair_loss import PairLossSettings
 from engine.dpo.reference import Reference
 from engine.run.run_loop import RunLoop
@@ -65,12 +66,23 @@ def chosen_nll_weights(counts: torch.Tensor, loss_cfg, seq_length: int) -> torch
     return weights
 
 
+def orpo_nll_weights(cfg, seqs: list[SequenceData]) -> torch.Tensor | None:
+    """[2P] per-sequence weights of ORPO's NLL: loss.agg_mode over EVERY label of the chosen
+    sequences of `seqs` (prompt and completion, as TRL's ORPOTrainer; token-mean: 1 / their
+    total token count), 0 on rejected sides; None unless dpo.loss_type=orpo."""
+    if cfg.dpo.loss_type != "orpo":
+        return None
+    lengths = torch.tensor([float(len(s.tokens)) for s in seqs], dtype=torch.float64)
+    return chosen_nll_weights(lengths, cfg.loss, cfg.train.seq_length)
+
+
 def step_inputs(cfg, seqs: list[SequenceData], ref: torch.Tensor | None
                 ) -> tuple[torch.Tensor, PairBatch]:
     """(the NLL weights, the PairBatch) of one global batch, its counts taken once."""
     counts = completion_counts(seqs)
     return (chosen_nll_weights(counts, cfg.loss, cfg.train.seq_length),
-            PairBatch(pair_settings(cfg), counts, ref, cfg.dpo.rpo_alpha or 0.0))
+            PairBatch(pair_settings(cfg), counts, ref, cfg.dpo.rpo_alpha or 0.0,
+                      sequence_nll_weights=orpo_nll_weights(cfg, seqs)))
 
 
 def dpo_step(engine: TrainEngine, reference: Reference, pairs: list[PreferencePair],
@@ -82,10 +94,11 @@ def dpo_step(engine: TrainEngine, reference: Reference, pairs: list[PreferencePa
     ref = reference.sums(seqs, units)
     ref_s = time.perf_counter() - t0
     weights, batch = step_inputs(cfg, seqs, ref)
-    out = engine.train_batch(seqs, weights, dpo_loss_fn(batch, engine.vocab_size), REPORT_KEYS,
+    keys = report_keys(batch.settings)
+    out = engine.train_batch(seqs, weights, dpo_loss_fn(batch, engine.vocab_size), keys,
                              units=units)
     tokens, dt = out["batch/num_tokens"], out["time/step_s"]
-    return {**{k: out[k] for k in REPORT_KEYS},
+    return {**{k: out[k] for k in keys},
             "grad_norm": out["grad_norm"], "lr": out["lr"], "num_pairs": len(pairs),
             "num_tokens": int(tokens), "time/step_s": dt + ref_s, "time/reference_s": ref_s,
             "throughput/tokens_per_s": tokens / (dt + ref_s) if dt + ref_s > 0 else 0.0,
@@ -100,26 +113,30 @@ def dpo_step(engine: TrainEngine, reference: Reference, pairs: list[PreferencePa
 def evaluate(engine: TrainEngine, reference: Reference, pairs: list[PreferencePair],
              cfg) -> dict[str, float]:
     """eval/* metrics over ALL eval pairs as one batch (forward-only, in chunks of the global
-    batch): the per-pair REPORT_KEYS are means over all eval pairs, `eval/nll` is the chosen
+    batch): the per-pair report_keys are means over all eval pairs, `eval/nll` is the chosen
     completions' NLL aggregated over all eval pairs with loss.agg_mode (token-mean: the sum of
-    their token NLLs over their token count), `eval/loss` the mean pair loss plus
-    dpo.rpo_alpha x eval/nll, `eval/logits/*` token means over all eval completions. Every
+    their token NLLs over their token count; orpo's `eval/nll_loss` the same over every label
+    of the chosen sequences), `eval/loss` the mean pair loss plus dpo.rpo_alpha x eval/nll
+    (orpo: plus eval/nll_loss), `eval/logits/*` token means over all eval completions. Every
     chunk reports its share of those (PairBatch.report_counts, the whole set's NLL weights),
     so the chunks' reports add up, whatever their sizes."""
     seqs, _ = pair_sequences(pairs)
     counts = completion_counts(seqs)
     weights = chosen_nll_weights(counts, cfg.loss, cfg.train.seq_length)
+    orpo = orpo_nll_weights(cfg, seqs)
     settings, rpo = pair_settings(cfg), cfg.dpo.rpo_alpha or 0.0
-    totals = dict.fromkeys(REPORT_KEYS, 0.0)
+    keys = report_keys(settings)
+    totals = dict.fromkeys(keys, 0.0)
     gbs = cfg.train.global_batch_size
     for i in range(0, len(pairs), gbs):
         chunk, part = seqs[2 * i:2 * (i + gbs)], slice(2 * i, 2 * (i + gbs))
         units = [[2 * k, 2 * k + 1] for k in range(len(chunk) // 2)]
         batch = PairBatch(settings, counts[part], reference.sums(chunk, units), rpo,
-                          report_counts=counts)
+                          report_counts=counts,
+                          sequence_nll_weights=None if orpo is None else orpo[part])
         out = engine.forward_only(chunk, weights[part], dpo_loss_fn(batch, engine.vocab_size),
-                                  REPORT_KEYS, units=units)
-        for k in REPORT_KEYS:
+                                  keys, units=units)
+        for k in keys:
             totals[k] += out[k]
     return {f"eval/{k}": v for k, v in totals.items()}
 

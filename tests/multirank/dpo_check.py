@@ -5,11 +5,11 @@
 micro-batches), lora (the policy is `adapter` on the policy model, the reference that
 starting adapter frozen, engine.dpo.reference), baseref (with lora: the reference is the bare
 base with the adapters off, the engine's reference before issue 67: a negative control),
-loss=T, ls=EPS, rpo=ALPHA, bug=localmean|cpsum (negative controls, `inject_bug`)).
+loss=T, ls=EPS, rpo=ALPHA, bug=localmean|cpsum|mbnll (negative controls, `inject_bug`)).
 For every spec it sets up megatron's layout in the same processes, loads the same HF weights,
 trains STEPS optimizer steps of engine.dpo.training.dpo_step on the same pair batches and
 returns (rank 0; None elsewhere) {spec: {"loss": [...], "grad_norm": [...], metric: [...],
-"params": {name: tensor}}} at world size 1 (the references, saved to a file), else each spec's
+"params": {name: tensor}}} (orpo specs also ORPO_METRICS) at world size 1 (the references, saved to a file), else each spec's
 relative differences to its reference (`compare`).
 """
 from __future__ import annotations
@@ -25,6 +25,12 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
            "rewards/margins", "logps/chosen", "logps/rejected", "nll", "logits/chosen",
            "logits/rejected")
+ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")   # TRL's ORPOTrainer names
+
+
+def metrics_of(spec: str) -> tuple[str, ...]:
+    """The metrics a spec records and compares."""
+    return METRICS + (ORPO_METRICS if flags_of(spec).get("loss") == "orpo" else ())
 
 
 def pair_batches(vocab: int, seed: int = 0) -> list[list]:
@@ -114,13 +120,25 @@ def build(spec: str, policy_dir: str, reference_dir: str, adapter: str | None):
     return policy, Reference(policy, frozen, bool(lora), needed, start), hf_config
 
 
-def inject_bug(bug: str | None):
+def inject_bug(bug: str | None, micro_batches: int = 1):
     """Negative controls; returns an undo function. localmean: every DP rank divides by its
     OWN pair count (the DP mean of per-rank means, the classic DP bug). cpsum: the per-sequence
-    log-prob sums are not summed over CP (each CP rank uses its shard's sum)."""
+    log-prob sums are not summed over CP (each CP rank uses its shard's sum). mbnll (orpo): the
+    NLL is each micro-batch's own token mean over its chosen tokens, divided by the step's
+    `micro_batches` (DP x GA; TRL's convention under gradient accumulation and DP)."""
     import engine.dpo.loss_fn as loss_fn
     from megatron.core import parallel_state as ps
 
+    if bug == "mbnll":
+        original_nll = loss_fn.sequence_nll
+
+        def micro_batch_mean(logp, seq_ids, weights):
+            ids = seq_ids.long()
+            chosen = ((ids >= 0) & (ids % 2 == 0)).to(logp.dtype)
+            return -(logp * chosen).sum() / chosen.sum().clamp(min=1) / micro_batches
+
+        loss_fn.sequence_nll = micro_batch_mean
+        return lambda: setattr(loss_fn, "sequence_nll", original_nll)
     if bug == "localmean":
         original = loss_fn.PairBatch.num_pairs
         dp = ps.get_data_parallel_world_size()
@@ -158,12 +176,12 @@ def run_spec(spec: str, policy_dir: str, reference_dir: str, adapter: str | None
     policy.guard = NonFiniteGuard(3)
     flags = flags_of(spec)
     cfg = run_cfg(flags)
-    out = {k: [] for k in METRICS}
-    undo = inject_bug(flags.get("bug"))
+    out = {k: [] for k in metrics_of(spec)}
+    undo = inject_bug(flags.get("bug"), PAIRS // int(spec.split(",")[4]))
     try:
         for pairs in pair_batches(hf_config["vocab_size"]):
             m = dpo_step(policy, reference, pairs, cfg)
-            for k in METRICS:
+            for k in out:
                 out[k].append(m[k])
     finally:
         undo()
@@ -194,7 +212,7 @@ def compare(result: dict, ref: dict) -> dict:
     import torch.distributed as dist
 
     out = {}
-    for k in METRICS:
+    for k in (k for k in METRICS + ORPO_METRICS if k in ref):
         out[k] = result[k]
         scale = max(max(abs(b) for b in ref[k]), 1e-2)
         out[f"{k}_rel"] = max(abs(a - b) / scale for a, b in zip(result[k], ref[k]))
@@ -222,7 +240,7 @@ def layouts(policy_dir: str, reference_dir: str, specs: list[str], ref_file: str
         got = run_spec(spec, policy_dir, reference_dir, adapter)
         if single:
             refs[reference_key(spec)] = got
-            results[spec] = {k: got[k] for k in METRICS}
+            results[spec] = {k: got[k] for k in metrics_of(spec)}
         else:
             results[spec] = compare(got, refs[reference_key(spec)])
     if single:
