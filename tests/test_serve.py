@@ -434,7 +434,7 @@ def test_echo_logprobs_prompt_lists_and_max_tokens_0_equal_transformers(served, 
     from transformers import AutoModelForCausalLM
 
     endpoint, engine, tok = served
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     url = f"{endpoint.base_url}/completions"
     ids = [[1, 17, 40, 9, 33], [1, 5, 6]]
     calls = engine.num_generate_calls
@@ -534,6 +534,39 @@ def test_streams_equal_the_whole_replies(served):
     raw = httpx.post(f"{endpoint.base_url}/completions", json={**text, "stream": True})
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert raw.text.endswith("data: [DONE]\n\n") and raw.text.startswith("data: {")
+
+
+def test_sampling_backend_scores_in_one_call_and_skips_max_tokens_0():
+    """SamplingBackend with a score function: requests asking scores (k 1 and 3) are scored in
+    ONE call over prompt + sampled ids with the largest k, each cut to its own k; a request
+    with max_tokens 0 takes no generate call; one without score_top_k gets no scores (as the
+    agent endpoint's)."""
+    from engine.api.backend import GenerateRequest
+    from engine.rl.rollout.base import Generation
+    from engine.rl.rollout.scoring import SequenceScores
+
+    generated, scored = [], []
+
+    def generate(prompts, params):
+        generated.append([list(p) for p in prompts])
+        return [Generation(prompt_ids=list(p), response_ids=[7, 8],
+                           response_logprobs=[-1.0, -2.0], finish_reason="stop")
+                for p in prompts]
+
+    def score(sequences, top_k):
+        scored.append((sequences, top_k))
+        return [SequenceScores([-0.5] * (len(s) - 1),
+                               [{t: -float(t) for t in range(top_k)}] * (len(s) - 1))
+                for s in sequences]
+
+    backend = SamplingBackend(generate, score=score)
+    out = backend.generate([GenerateRequest((1, 2), 2, 1.0, 1.0, 0, score_top_k=1),
+                            GenerateRequest((3,), 0, 1.0, 1.0, 0, score_top_k=3),
+                            GenerateRequest((4, 5), 2, 1.0, 1.0, 0)])
+    assert generated == [[[1, 2], [4, 5]]] and scored == [([[1, 2, 7, 8], [3]], 3)]
+    assert out[0].scores.top == [{0: 0.0}] * 3 and out[0].scores.logprobs == [-0.5] * 3
+    assert out[1].ids == [] and out[1].finish_reason == "length" and out[1].scores.top == []
+    assert out[2].scores is None and out[2].logprobs == [-1.0, -2.0]
 
 
 # ------------------------------------------------- tokenizer routes, request log, queue bound

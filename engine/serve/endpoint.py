@@ -226,10 +226,11 @@ class ServeEndpoint:
                                 else "") for i, c in enumerate(contexts)]
         number, base = self._accept(seed)
         score = call.top_logprobs if call.logprobs else None
-        futures = [asyncio.wrap_future(self.queue.submit(CLIENTS, GenerateRequest(
-            tuple(context), budget, call.temperature, call.top_p, call_seed(base, 0, k),
-            score))) for context, budget in zip(contexts, budgets) for k in range(call.n)]
-        results = await asyncio.gather(*futures)
+        requests = [GenerateRequest(tuple(context), budget, call.temperature, call.top_p,
+                                    call_seed(base, 0, k), score)
+                    for context, budget in zip(contexts, budgets) for k in range(call.n)]
+        results = await asyncio.gather(*[asyncio.wrap_future(f) for f in
+                                         self.queue.submit_many(CLIENTS, requests)])
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._token}-{number}"
         if kind == "chat":
             reply, replies = chat_reply(self.rules, call, contexts[0], results,
