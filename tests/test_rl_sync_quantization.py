@@ -146,27 +146,34 @@ def test_hf_engine_holds_dequantized_fp8_with_negative_controls(fp8_dir):
     assert float((engine.probe_logits(probe) - good).abs().max()) > 1.0
 
 
-def test_sglang_gets_fused_halves_in_one_call():
+def test_sglang_gets_fused_halves_in_one_call(monkeypatch, tmp_path):
+    """On the fake sglang 0.5.23 Engine of tests/test_sglang_backend.py (the sync's session
+    included): the halves of a fused q_a / kv_a pair reach update_weights_from_tensor in one
+    call."""
+    import sys
+    import types
+
     from engine.rl.rollout.sglang_backend import SGLangRolloutEngine
-    from engine.rl.rollout.sglang_pairs import PairedBuckets, fuses_qkv_a
+    from engine.rl.rollout.sglang_pairs import fuses_qkv_a
+    from engine.rl.rollout.sglang_settings import TESTED_VERSION
+    from tests.test_sglang_backend import FakeEngine
 
-    class Fake:
-        calls: list = []
-
-        def update_weights_from_tensor(self, named_tensors, flush_cache):
-            self.calls.append([n for n, _ in named_tensors])
-            return True, ""
-
-    engine = SGLangRolloutEngine.__new__(SGLangRolloutEngine)
-    engine.engine, engine._pairs, engine._needs_flush = Fake(), PairedBuckets(), False
+    module = types.ModuleType("sglang")
+    module.__version__, module.Engine = TESTED_VERSION, FakeEngine
+    monkeypatch.setitem(sys.modules, "sglang", module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (tmp_path / "config.json").write_text(json.dumps({"q_lora_rank": 16, "kv_lora_rank": 8}))
+    engine = SGLangRolloutEngine(str(tmp_path))
     a, kv = "model.layers.3.self_attn.q_a_proj.", "model.layers.3.self_attn.kv_a_proj_with_mqa."
     engine.update_weights([(a + "weight", 1), (a + "weight_scale_inv", 2), ("x", 0)])
     assert engine._pairs.held == [a + "weight", a + "weight_scale_inv"]
     with pytest.raises(RuntimeError, match="waiting for its fused"):
         engine._generate([[1]], None)
     engine.update_weights([(kv + "weight", 3), (kv + "weight_scale_inv", 4)])
-    assert Fake.calls == [["x"], [a + "weight", kv + "weight", a + "weight_scale_inv",
-                                  kv + "weight_scale_inv"]]
+    calls = [[n for n, _ in kw["named_tensors"]] for name, kw in engine.engine.calls
+             if name == "update_weights_from_tensor"]
+    assert calls == [["x"], [a + "weight", kv + "weight", a + "weight_scale_inv",
+                             kv + "weight_scale_inv"]]
     assert engine._pairs.held == []
     assert fuses_qkv_a({"q_lora_rank": 1536, "kv_lora_rank": 512})
     assert not fuses_qkv_a({"q_lora_rank": None, "kv_lora_rank": 512})   # Moonlight: q_proj

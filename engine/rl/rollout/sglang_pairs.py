@@ -1,8 +1,9 @@
 """Tensors SGLang's DeepSeek loader must receive in ONE `update_weights_from_tensor` call.
 
-SGLang's DeepseekV2ForCausalLM.load_weights (sglang 0.5.x, python/sglang/srt/models/
-deepseek_v2.py) fuses `self_attn.q_a_proj` and `self_attn.kv_a_proj_with_mqa` of a layer into
-one `fused_qkv_a_proj_with_mqa` parameter whenever config.json has a q_lora_rank (DeepSeek-V3,
+SGLang's DeepseekV2ForCausalLM.load_weights (sglang 0.5.23: python/sglang/srt/models/
+deepseek_common/deepseek_weight_loader.py) fuses `self_attn.q_a_proj` and
+`self_attn.kv_a_proj_with_mqa` of a layer into one `fused_qkv_a_proj_with_mqa` parameter
+whenever config.json has a q_lora_rank (DeepSeek-V3,
 Kimi-K2; not Moonlight, whose q_proj is not fused): it caches the first of the two and loads
 the concatenation when the second arrives, in a cache local to that call. Two halves sent in
 different calls are never loaded: the layer would silently keep its old weights. The trainer's
@@ -11,7 +12,8 @@ different buckets, so `PairedBuckets` holds a half (weight or `weight_scale_inv`
 are fused the same way) until its partner comes and passes both in the same call. A weight and
 its scale already share a bucket (engine.rl.policy.weight_export.iter_buckets).
 
-Plain Python (no sglang); checked without a GPU by tests/test_rl_sync_quantization.py.
+Plain Python (no sglang); checked without a GPU by tests/test_rl_sync_quantization.py, the
+loader's call-local cache by tests/test_sglang_contract.py.
 """
 from __future__ import annotations
 
