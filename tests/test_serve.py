@@ -712,7 +712,8 @@ class _BlockedBackend:
 
 def test_a_full_queue_gets_429_and_stopping_answers_503_at_once(served):
     """max_pending=1 with the engine blocked in a generate call: a request in the call, one
-    queued, the next gets 429 (code queue_full, Retry-After: 1) at once. Stopping (the
+    queued, the next gets 429 (code queue_full, Retry-After: 1) at once and takes no request
+    number (the unseeded seeds of later requests do not move). Stopping (the
     serving loop's `until`): the call in flight is answered 200, the queued request 503.
     Then stop() with a request queued and no engine: the request gets 503 and stop() returns
     well under 1 s."""
@@ -745,6 +746,7 @@ def test_a_full_queue_gets_429_and_stopping_answers_503_at_once(served):
             full = httpx.post(url, json=body, timeout=30)
             assert full.status_code == 429 and full.headers["retry-after"] == "1"
             assert full.json()["error"]["code"] == "queue_full", full.text
+            assert endpoint._accepted == (2 if phase == "serving" else 1)   # 429: no number
             if phase == "serving":
                 until.set()
                 backend.release.set()

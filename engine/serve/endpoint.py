@@ -224,6 +224,7 @@ class ServeEndpoint:
         asked = requested_max_tokens(body)
         budgets = [self._budget(call, asked, len(c), f" (prompt {i})" if len(contexts) > 1
                                 else "") for i, c in enumerate(contexts)]
+        self.queue.check_admission()   # a 429 / 503 takes no number (no await until queued)
         number, base = self._accept(seed)
         score = call.top_logprobs if call.logprobs else None
         requests = [GenerateRequest(tuple(context), budget, call.temperature, call.top_p,
