@@ -179,3 +179,19 @@ def test_outputs_memory_saver_and_deepseek_loader(sgl):
     body = ast.unparse(_methods(loader)["do_load_weights"])   # the fused-half cache is local
     assert "cached_a_proj = {} if fuse_qkv_a_proj else None" in body
     assert sglang_settings.TESTED_VERSION == TESTED_VERSION
+
+
+def test_deterministic_mode_has_no_cpu_attention_backend(sgl):
+    """Why device cpu is refused (sglang_settings.device_problem), as SGLang resolves its
+    arguments: the CPU hook sets intel_amx / torch_native before the deterministic hook, which
+    raises for any backend outside DETERMINISTIC_ATTENTION_BACKEND_CHOICES."""
+    pipeline = (sgl / "srt/arg_groups/pipeline.py").read_text()
+    assert pipeline.index("run_hook(handle_cpu_backends, server_args)") < \
+        pipeline.index("run_hook(handle_deterministic_inference, server_args)")
+    cpu = ast.unparse([n for n in _tree(sgl / "srt/arg_groups/platform_hook.py").body
+                       if isinstance(n, ast.FunctionDef) and n.name == "handle_cpu_backends"][0])
+    assert "'torch_native' if is_host_cpu_arm64() else 'intel_amx'" in cpu
+    [check] = [n for n in _tree(sgl / "srt/arg_groups/overrides.py").body
+               if isinstance(n, ast.FunctionDef) and n.name == "_deterministic_attention_backend"]
+    assert "elif view.attention_backend not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:\n" \
+           "        raise ValueError(" in ast.unparse(check)
