@@ -202,3 +202,28 @@ def test_fields_of_a_msgspec_struct_and_of_a_dataclass():
     assert record_field_names(OldServerArgs) == {"model_path", "enable_return_routed_experts"}
     with pytest.raises(TypeError, match="neither a dataclass nor a msgspec Struct"):
         record_field_names(dict)
+
+
+def test_the_start_refusals_are_found_before_any_process_group(monkeypatch):
+    """engine.rl.checks.rl_problems gives the engine start's refusals (version, memory saver,
+    device) for rollout.backend=sglang where sglang is installed, and none where it is not
+    (a config checked on a machine without it)."""
+    import importlib.metadata
+    import importlib.util
+
+    from engine.rl.rollout import sglang_settings
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in (
+        "sglang", sglang_settings.MEMORY_SAVER_PACKAGE) else real_find_spec(name, *a))
+    assert sglang_settings.sglang_problems(True) == []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name ==
+                        "sglang" else None)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.9")
+    problems = sglang_settings.sglang_problems(True)
+    assert any("sglang 0.5.9 is installed" in p for p in problems)
+    assert any("rollout.sleep_during_train=true" in p for p in problems)
+    assert any("on device cpu is refused" in p for p in problems)   # this host has no GPU
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: sglang_settings.TESTED_VERSION)
+    assert not any("installed" in p for p in sglang_settings.sglang_problems(False))

@@ -31,6 +31,7 @@ from engine.rl.rollout.base import (BACKENDS, backend_class, conditional_checkpo
                                     custom_backend_class)
 from engine.rl.rollout.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
                                          split_sizes)
+from engine.rl.rollout.sglang_settings import sglang_problems
 from engine.rl.rollout.sync_quantization import sync_quantization_problems
 from engine.rl.rollout.vllm_settings import vllm_problems
 from models.bridge.critic import critic_problem
@@ -84,6 +85,8 @@ def rl_problems(cfg: RLConfig) -> list[str]:
     check_choice(p, cfg.policy_loss, "policy_loss", tuple(POLICY_LOSSES))
     check(0 < rollout.sglang.mem_fraction < 1,
           f"rollout.sglang.mem_fraction={rollout.sglang.mem_fraction} must be in (0, 1)")
+    if rollout.backend == "sglang":
+        p += sglang_problems(rollout.sleep_during_train)
     check(dapo.max_gen_batches >= 1, f"dapo.max_gen_batches={dapo.max_gen_batches} must be >= 1")
     check(0 <= dapo.overlong_buffer <= rollout.max_new_tokens,
           f"dapo.overlong_buffer={dapo.overlong_buffer} must be in "

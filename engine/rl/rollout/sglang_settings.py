@@ -23,6 +23,7 @@ backend uses nothing else. What the release requires of the backend:
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 
 import torch
@@ -140,3 +141,18 @@ def checked(result, call: str) -> str:
     if not success:
         raise RuntimeError(f"SGLang {call} failed: {message}")
     return str(message)
+
+
+def sglang_problems(sleep_during_train: bool) -> list[str]:
+    """The refusals the engine start would give (version, memory saver, device), found before
+    any process group (engine.rl.checks). Only where sglang is installed: a config may be
+    checked (`--validate`) on a machine without it, and the engine start refuses then."""
+    if importlib.util.find_spec("sglang") is None:
+        return []
+    try:
+        installed = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    found = (version_problem(installed), memory_saver_problem(sleep_during_train),
+             device_problem(host_device()))
+    return [problem for problem in found if problem is not None]
