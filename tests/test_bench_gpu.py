@@ -1,52 +1,151 @@
-"""`python -m tools.bench gpu` (tools/bench/gpu/): the GPU checklist's commands, its runner
-(a failed or timed-out item is recorded and the next one runs; the budget skips items) and its
-metrics, on the CPU: --dry-run, the no-CUDA skip, and one --cpu-smoke run of grpo and vision."""
+"""`python -m tools.bench gpu` (tools/bench/gpu/) on the CPU: the plan of a --dry-run (the items
+in order, the budget arithmetic, the skip reasons, the commands) and the report's skeleton; the
+budget arithmetic as pure functions; the no-CUDA skip; the runner on fake items (a failed or
+timed-out item is recorded and the next one runs; the budget is decided again at run time);
+`megatron-sft-engine bench gpu`. Nothing here runs a model: `--cpu-smoke` (grpo and vision at
+tiny sizes, ~20 s) is a manual check (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
-import math
+import re
 import sys
 import time
 
-from tests.launch import run_python
+import pytest
+
+from tools import cli as console
 from tools.bench import __main__ as bench
-from tools.bench.common import last_json_line
-from tools.bench.gpu import cli
-from tools.bench.gpu.items import ITEMS, RL_KEYS, Item
+from tools.bench import gpu_sft
+from tools.bench.gpu import cli, plan
+from tools.bench.gpu.items import ESTIMATE_S, ORDER, RL_KEYS, Item, build_items
+from tools.bench.gpu.output import saver
+from tools.bench.gpu.plan import Step, budget_reason, make_plan, missing_reason
 from tools.bench.gpu.report import read_metrics, table
 from tools.bench.gpu.runner import run_items
 
+HOST = {"megatron", "hydra", "transformers", "peft"}  # a GPU host as the checklist describes
+VLLM_REASON = ("rollout.backend=vllm needs vLLM's CUDA wheel, not carried; "
+               "rollout.sync_transport not implemented")
 
-def test_dry_run_prints_every_items_commands(tmp_path, capsys):
-    assert bench.main(["gpu", "--dry-run", "--workdir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert [line.split()[1] for line in out.splitlines() if line.startswith("## ")] == list(ITEMS)
-    sft, head = (line for line in out.splitlines() if "tools.bench.gpu_sft" in line)
-    assert "--cases dense,moe --steps 8 --warmup 3" in sft
-    assert "--cases dense,unchunked --seq 16384 --gbs 1 --rows 2 --steps 3 --warmup 1" in head
-    rl = [line for line in out.splitlines() if "-m engine.rl" in line]
-    assert len(rl) == 2 and "model.lora.init_from=" in rl[1] and "init_from" not in rl[0]
+
+def test_budget_arithmetic():
+    entries = [("a", 100, None), ("b", 50, "peft not installed"), ("c", 300, None),
+               ("d", 80, None)]
+    steps = make_plan(entries, 200)
+    assert steps == [Step("a", 100, "planned", None, 0.0),
+                     Step("b", 50, "skipped", "peft not installed", blocked=True),
+                     Step("c", 300, "skipped", "needs ~300 s, 100 s left"),
+                     Step("d", 80, "planned", None, 100.0)]  # greedy: a later, shorter item fits
+    assert make_plan(entries, 180)[3].status == "planned"  # estimate == time left fits
+    assert make_plan(entries, 179)[3].reason == "needs ~80 s, 79 s left"  # negative control
+    for none in (None, 0):  # no budget: only the missing requirement skips
+        assert [s.status for s in make_plan(entries, none)] == ["planned", "skipped", "planned",
+                                                                "planned"]
+    assert budget_reason(10, -5) == "needs ~10 s, 0 s left" and budget_reason(10, 10) is None
+    assert plan.planned_seconds(steps) == 180
+
+
+def test_requirements_name_what_is_missing(tmp_path):
+    assert missing_reason(("megatron", "peft"), {"megatron", "peft"}) is None
+    assert missing_reason(("peft", "cuda", "megatron"), {"megatron"}) == \
+        "needs CUDA (none on this host, or hidden by --cpu-smoke); peft not installed " \
+        "(the LoRA adapter is built with it)"
+    with pytest.raises(ValueError, match="needs \\['fla'\\] unknown; valid: cuda, megatron"):
+        missing_reason(("fla",), set())
+    (tmp_path / "config.py").write_text("class RolloutConfig:\n    backend: str = 'hf'\n")
+    assert not plan.sync_transport_declared(tmp_path)  # negative control
+    (tmp_path / "config.py").write_text("class C:\n    sync_transport: str = 'handle'\n")
+    assert plan.sync_transport_declared(tmp_path)
+    items = {i.name: i for i in build_items(list(ORDER), tmp_path, smoke=False)}
+    assert all("cuda" in i.needs and "megatron" in i.needs for i in items.values())
+    assert "peft" in items["lora_grpo"].needs and "peft" not in items["grpo"].needs
+    assert {"vllm_cuda", "sync_transport"} <= set(items["grpo_vllm_file"].needs)
+    smoke = {i.name: i for i in build_items(list(ORDER), tmp_path, smoke=True)}
+    assert [n for n, i in smoke.items() if "cuda" in i.needs] == ["fused"]  # rmsnorm: CUDA only
+
+
+def test_every_fusion_on_in_the_fused_cases():
+    from engine.config.fusion_settings import FUSIONS  # torch is loaded by conftest already
+
+    assert gpu_sft.FUSIONS == FUSIONS
+    for case in ("fused", "moe_fused"):
+        assert {f"model.fusions.{f}=true" for f in FUSIONS} <= set(gpu_sft.CASES[case][1])
+    assert gpu_sft.CASES["moe_fused"][0] == "moe" and gpu_sft.CASES["fused"][0] == "dense"
+
+
+def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "probe", lambda cuda: HOST | {"cuda"} if cuda else HOST)
+    out = tmp_path / "out"
+    assert bench.main(["gpu", "--dry-run", "--out", str(out), "--workdir", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "budget 480 s; dry run: CUDA assumed" in text
+    fused = next(line for line in text.splitlines() if " 7. fused " in line)
+    assert fused.endswith(" ~130 s  skipped: needs ~130 s, 82 s left")
+    assert "7 to run (~457 s), 3 skipped" in text
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("## ")] == list(ORDER)
+    sft_lines = [line for line in text.splitlines() if "tools.bench.gpu_sft" in line]
+    assert [line.split("--cases ")[1].split(" --json")[0] for line in sft_lines] == [
+        "dense,moe --steps 8 --warmup 3",
+        "dense --seq 32768 --gbs 1 --rows 2 --steps 3 --warmup 1",
+        "moe_loop --steps 8 --warmup 3", "fused,moe_fused --steps 8 --warmup 3",
+        "dense,unchunked --seq 16384 --gbs 1 --rows 2 --steps 3 --warmup 1"]
+    rl = [line for line in text.splitlines() if "-m engine.rl" in line]
+    assert len(rl) == 4 and "model.lora.init_from=" in rl[1] and "init_from" not in rl[0]
     for line in rl:
-        for part in ("model.dtype=bfloat16", "rollout.backend=hf", "rollout.check_weight_sync=true",
-                     "train.max_steps=3"):
+        for part in ("model.dtype=bfloat16", "rollout.check_weight_sync=true", "train.max_steps=3"):
             assert part in line
-    assert "--hidden 512 --layers 8 --intermediate 1536" in out
-    assert "lora-adapter" in out and "--scale 0.05" in out
-    assert "model.vision.freeze=false" in out and "vision-rows" in out
-    assert "parallel.overlap_grad_reduce" not in out  # the vision item keeps the default
-    assert str(tmp_path) in out and sys.executable in out
+    assert "rollout.backend=hf" in rl[0] and "rollout.backend=hf" not in rl[2]
+    assert rl[2].count("rollout.backend=vllm rollout.sync_transport=handle") == 1
+    assert "--hidden 512 --layers 8 --intermediate 1536" in text and "--scale 0.05" in text
+    assert "model.vision.freeze=false" in text and "parallel.overlap_grad_reduce" not in text
+    assert str(tmp_path) in text and sys.executable in text
+
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["dry_run"] is True and saved["budget_s"] == 480
+    by = {s["item"]: s for s in saved["plan"]}
+    starts = {n: s["start_s"] for n, s in by.items() if s["status"] == "planned"}
+    assert starts == {"sft": 0, "grpo": 102, "vision": 170, "lora_grpo": 210,
+                      "loss_head_32k": 293, "moe_loop": 338, "loss_head": 398}
+    assert by["grpo_vllm_handle"]["reason"] == VLLM_REASON and by["grpo_vllm_file"]["blocked"]
+    assert [r["status"] for r in saved["items"]] == [s["status"] for s in saved["plan"]]
+    assert all(r["seconds"] is None and r["commands"] for r in saved["items"])
+    report = (out / "report.md").read_text()
+    assert "| sft | planned |  | ~102 |  |" in report
+    assert "| fused | skipped: needs ~130 s, 82 s left |  | ~130 |" in report
+    assert f"| grpo_vllm_file | skipped: {VLLM_REASON} |" in report
+    assert "Budget 480 s; planned ~457 s (7 items); ran 0 s (3 skipped, 7 planned)." in report
+    assert "\nEnvironment: no GPU; Python " in report and "megatron-core " in report
+    # a larger budget plans everything but the vLLM items: 102+68+40+83+45+60+130+59 = 587
+    assert sum(ESTIMATE_S[n] for n in ORDER[:8]) == 587
+    assert bench.main(["gpu", "--dry-run", "--budget-s", "587", "--out", str(out),
+                       "--workdir", str(tmp_path)]) == 0
+    assert "8 to run (~587 s), 2 skipped" in capsys.readouterr().out
 
 
-def test_without_cuda_it_skips(monkeypatch, tmp_path, capsys):
+def test_without_cuda_every_item_is_skipped(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cli, "cuda_available", lambda: False)
-    assert bench.main(["gpu", "--out", str(tmp_path / "out")]) == 0
+    out = tmp_path / "out"
+    assert bench.main(["gpu", "--items", "grpo,vision", "--out", str(out)]) == 0
     assert capsys.readouterr().out.startswith("skipped: no CUDA")
-    assert not (tmp_path / "out").exists()
+    saved = json.loads((out / "results.json").read_text())
+    assert [(r["status"], r["reason"].split(" (")[0]) for r in saved["items"]] == \
+        [("skipped", "needs CUDA")] * 2
 
 
-def _python_item(name: str, code: str, work, timeout_s: float = 60) -> Item:
+def test_megatron_sft_engine_bench_gpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["megatron-sft-engine"])  # tools.cli sets argv[0]
+    with pytest.raises(SystemExit) as exit_:
+        console.main(["bench", "--help"])
+    assert exit_.value.code == 0 and ",all,gpu}" in capsys.readouterr().out
+    assert console.main(["bench", "gpu", "--dry-run", "--items", "vision", "--out",
+                         str(tmp_path / "o"), "--workdir", str(tmp_path)]) == 0
+    assert "1. vision" in capsys.readouterr().out and (tmp_path / "o" / "report.md").exists()
+
+
+def _python_item(name: str, code: str, work, timeout_s: float = 60, estimate_s=1.0) -> Item:
     return Item(name, "rl", [[sys.executable, "-c", code]], timeout_s,
-                work / name / "metrics.jsonl", work / name, expected_steps=2)
+                work / name / "metrics.jsonl", work / name, expected_steps=2,
+                estimate_s=estimate_s)
 
 
 def _write_steps(path, rows) -> str:
@@ -56,18 +155,25 @@ def _write_steps(path, rows) -> str:
             f"p.write_text({text!r})")
 
 
+def _planned(items) -> list[Step]:
+    return [Step(i.name, i.estimate_s, "planned", None, 0.0) for i in items]
+
+
 def test_runner_records_failures_timeouts_and_the_budget(tmp_path):
     good = [{"step": s, **{k: 0.5 * s for k in RL_KEYS}} for s in (1, 2)]
     nan = [dict(good[0]), dict(good[1], **{"rollout/logprob_diff": float("nan")})]
     items = [_python_item("crash", "raise SystemExit(3)", tmp_path),
-             _python_item("hang", "import time; time.sleep(60)", tmp_path, timeout_s=1.5),
+             _python_item("hang", "import time; time.sleep(60)", tmp_path, timeout_s=1.0),
              _python_item("nan", _write_steps(tmp_path / "nan" / "metrics.jsonl", nan), tmp_path),
              _python_item("short", _write_steps(tmp_path / "short" / "metrics.jsonl", good[:1]),
                           tmp_path),
              _python_item("good", _write_steps(tmp_path / "good" / "metrics.jsonl", good),
                           tmp_path)]
+    header = {"date": "d", "environment": {"python": "3", "cpu": "c"}, "budget_s": None}
+    steps = _planned(items)
     start = time.monotonic()
-    records = run_items(items, tmp_path / "out", None, read_metrics, say=lambda s: None)
+    records = run_items(items, steps, tmp_path / "out", None, read_metrics,
+                        save=saver(tmp_path / "out", header, steps), say=lambda s: None)
     assert time.monotonic() - start < 30  # the sleeping child was killed at its timeout
     status = {r["item"]: r["status"] for r in records}
     assert status == {"crash": "failed", "hang": "timeout", "nan": "failed", "short": "failed",
@@ -80,35 +186,30 @@ def test_runner_records_failures_timeouts_and_the_budget(tmp_path):
     assert by["good"]["metrics"]["steps"][1]["time/step_s"] == 1.0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["status"] for r in saved["items"]] == [r["status"] for r in records]
-    assert "| hang | timeout |" in table(records)
-    # a budget spent before an item starts skips it (and every later one)
-    records = run_items(items[-1:], tmp_path / "out2", 1e-9, read_metrics, say=lambda s: None)
-    assert records[0]["status"] == "skipped" and "budget" in records[0]["error"]
+    assert "| hang | timeout |" in (tmp_path / "out" / "report.md").read_text()
+    # at run time: a blocked item stays skipped; the budget is decided with the time really
+    # left (the first item sleeps 0.5 s of a 100 s budget: 99 s left, not 100 as planned)
+    sleep = _python_item("sleep", "import time; time.sleep(0.5)", tmp_path, estimate_s=1)
+    items = [sleep, items[-1], _python_item("big", "", tmp_path, estimate_s=99.6),
+             _python_item("small", "", tmp_path, estimate_s=0)]
+    steps = _planned(items)
+    steps[1] = Step("good", 1, "skipped", "peft not installed", blocked=True)
+    records = run_items(items, steps, tmp_path / "out2", 100, read_metrics, say=lambda s: None)
+    assert [r["status"] for r in records][:3] == ["failed", "skipped", "skipped"]
+    assert records[1]["reason"] == "peft not installed"
+    assert re.fullmatch(r"needs ~100 s, 9[89] s left", records[2]["reason"])
+    assert records[3]["status"] == "failed"  # ran (no metrics written): the small one fits
 
 
-def test_cpu_smoke_runs_grpo_and_vision_after_a_failed_item(tmp_path):
-    """loss_head fails (a bad gpu_sft flag injected with --override) and is recorded; grpo and
-    vision still run, at tiny sizes in fp32, and report finite numbers: the fp32 engine
-    matches the trainer's log-probs (rollout/logprob_diff < 1e-5, vs ~1e-2 in bf16 on an H100)
-    and the vision run's loss falls."""
-    out = tmp_path / "out"
-    proc = run_python("-m", "tools.bench", "gpu", "--cpu-smoke", "--items",
-                      "loss_head,grpo,vision", "--override", "loss_head:--cases=no_such_case",
-                      "--out", str(out), "--workdir", str(tmp_path / "work"), timeout=240)
-    assert proc.returncode == 1, proc.stderr[-3000:]  # one item failed
-    summary = last_json_line(proc.stdout)
-    assert summary["items"] == {"loss_head": "failed", "grpo": "ok", "vision": "ok"}
-    assert "| item | status | s | key numbers |" in proc.stdout
-    assert "Environment: " in proc.stdout and "torch " in proc.stdout
-    results = json.loads((out / "results.json").read_text())
-    assert results["cpu_smoke"] is True and results["environment"]["gpu"] is None
-    head, grpo, vision = results["items"]
-    assert "exit status 2" in head["error"] and "no_such_case" in (out / "loss_head.log").read_text()
-    steps = grpo["metrics"]["steps"]
-    assert len(steps) == 2 and all(math.isfinite(s[k]) for s in steps for k in RL_KEYS)
-    assert all(s["rollout/logprob_diff"] < 1e-5 for s in steps)
-    assert all(s["time/step_s"] > 0 for s in steps)
-    losses = [s["loss"] for s in vision["metrics"]["steps"]]
-    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
-    assert all(r["seconds"] > 0 for r in (grpo, vision))
-    assert (out / "grpo.log").read_text().count("$ ") == 3  # model, data, engine.rl
+def test_report_digests_the_loss_head(tmp_path):
+    case = dict(rc=0, step_s=0.607, tokens_per_s=1.0, tflops=1.0, mfu=0.1, peak_mem_gib=41.6,
+                finite=True, losses=[12.0, 10.4701])
+    data = {"gpu": "H100", "args": {"seq": 16384, "vocab": None}, "results": [
+        dict(case, case="dense"), dict(case, case="unchunked", step_s=0.471, peak_mem_gib=53.4)]}
+    item = Item("loss_head", "loss_head", [], 1, tmp_path / "h.json", tmp_path)
+    item.result.write_text(json.dumps(data))
+    rec = {"item": "loss_head", "kind": "loss_head", "status": "ok", "seconds": 59.0,
+           "estimate_s": 59, "metrics": read_metrics(item), "error": None}
+    assert table([rec]).splitlines()[-1] == (
+        "| loss_head | ok | 59 | ~59 | 16,384 tokens, vocab 151,936: chunked 0.607 s / 41.6 GiB;"
+        " unchunked 0.471 s / 53.4 GiB; same loss 10.470 |")

@@ -31,10 +31,13 @@
     python -m tools.bench all      [--quick] [--plot PNG]
     python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
                                    [--cpu-smoke] [--override ITEM:ARG]
-                                               the GPU checklist in one call (tools/bench/gpu/):
-                                               sft, loss_head, grpo, lora_grpo, vision; each a
-                                               subprocess with its own timeout; DIR/results.json,
-                                               a table and the environment line; `gpu --help`
+                                               the GPU checklist in one call (tools/bench/gpu/)
+                                               within a budget (480 s): sft, grpo, vision,
+                                               lora_grpo, loss_head_32k, moe_loop, fused,
+                                               loss_head, grpo_vllm_*; an item that does not
+                                               fit or lacks a package is skipped with the
+                                               reason; DIR/results.json and DIR/report.md;
+                                               --dry-run: the plan; `gpu --help`
 
 Each prints readable tables (Markdown pipe tables) and, as its last stdout line, one JSON object.
 `all` prints the keys overhead_ratio, balance_max_over_mean, naive_balance_max_over_mean,

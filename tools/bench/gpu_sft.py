@@ -15,7 +15,9 @@ Cases (each a separate launch, bf16 on CUDA):
   full       dense with train.recompute=full (uniform, 1 layer)
   moe        Qwen3-MoE: 16 layers, hidden 1024, 16 experts top-2 (moe_intermediate 768),
              untied embeddings; parallel.ep=1, moe.token_dispatcher=alltoall
-  unfused    dense with every model.fusions.* off (the CUDA default turns them on)
+  unfused    dense with every model.fusions.* off (the default since 2026-11-24; = dense)
+  fused      dense with every model.fusions.* on (swiglu, residual, rmsnorm; rmsnorm needs CUDA)
+  moe_fused  moe with every model.fusions.* on
   moe_loop   moe with moe.grouped_experts=false (megatron's SequentialMLP, one GEMM per expert)
   fuse_X     dense with only model.fusions.X on (X: swiglu, residual, rmsnorm)
   lora       dense with LoRA rank 16 on every linear layer (model.lora.rank=16, alpha 32)
@@ -60,6 +62,7 @@ TINY_MOE = dict(arch="qwen3_moe", vocab_size=200, hidden=64, layers=2, heads=4, 
                 intermediate=128, head_dim=16, num_experts=8, num_experts_per_tok=2,
                 moe_intermediate_size=32, max_position_embeddings=1024)
 
+FUSIONS = ("swiglu", "residual", "rmsnorm")  # engine.config.fusion_settings.FUSIONS (no torch here)
 CASES = {  # name -> (model key, extra engine.sft overrides)
     "dense": ("dense", []),
     "selective": ("dense", ["train.recompute=selective"]),
@@ -69,9 +72,12 @@ CASES = {  # name -> (model key, extra engine.sft overrides)
                           "model.fusions.rmsnorm=false"]),
     "moe_loop": ("moe", ["parallel.ep=1", "moe.token_dispatcher=alltoall",
                          "moe.grouped_experts=false"]),
+    "fused": ("dense", [f"model.fusions.{f}=true" for f in FUSIONS]),
+    "moe_fused": ("moe", ["parallel.ep=1", "moe.token_dispatcher=alltoall",
+                          *(f"model.fusions.{f}=true" for f in FUSIONS)]),
     **{f"fuse_{only}": ("dense", [f"model.fusions.{f}={'true' if f == only else 'false'}"
-                                  for f in ("swiglu", "residual", "rmsnorm")])
-       for only in ("swiglu", "residual", "rmsnorm")},
+                                  for f in FUSIONS])
+       for only in FUSIONS},
     "lora": ("dense", ["model.lora.rank=16", "model.lora.alpha=32"]),
     "unchunked": ("dense", ["train.loss_chunk_tokens=0"]),
 }

@@ -1,29 +1,55 @@
-"""`python -m tools.bench gpu`: the GPU checklist in one call (docs/benchmarks.md, Reproducing).
+"""`python -m tools.bench gpu`: the GPU checklist in one call, within a time budget.
 
-    python -m tools.bench gpu --out /tmp/gpu                   # every item: 352 s on one H100
+docs/benchmarks.md ("On a GPU: the checklist in one call") says how to run it and what it printed.
+
+    python -m tools.bench gpu --out /tmp/gpu                   # the plan within 480 s (one H100)
+    python -m tools.bench gpu --budget-s 600 --out /tmp/gpu    # a longer budget: more items fit
     python -m tools.bench gpu --items grpo,vision --out DIR    # some items, in the order given
-    python -m tools.bench gpu --dry-run                         # the exact commands, nothing run
-    python -m tools.bench gpu --cpu-smoke --out DIR             # grpo and vision, tiny, fp32, CPU
+    python -m tools.bench gpu --dry-run --out DIR              # the plan, the commands and the
+                                                               # report's skeleton; nothing run
+    python -m tools.bench gpu --cpu-smoke --out DIR            # manual: grpo and vision, tiny,
+                                                               # fp32, on the CPU (~20 s)
 
-Items (each one or more subprocesses under one timeout; a failure or timeout is recorded and
-the next item still runs; items that would start after `--budget-s` are recorded as skipped):
-  sft        tools/bench/gpu_sft.py cases dense,moe (0.6B dense, 16-expert MoE), 4,096 tokens,
-             8 sequences per step, 8 steps: step s, tokens/s, MFU, peak GiB, losses
-  loss_head  gpu_sft dense (chunked loss head) vs unchunked at 16,384 tokens, vocabulary 151,936
-  grpo       engine.rl GRPO, HF rollout backend, bf16, rollout.check_weight_sync=true, the demo
-             model at hidden 512 / 8 layers / FFN 1536 and the addition prompts, 3 steps:
-             rollout/logprob_diff(_max), debug/sync_logit_max_diff and the step-time split
-  lora_grpo  grpo with model.lora.init_from a small non-zero peft adapter (B scaled by 0.05)
-  vision     the counting demo's Qwen3-VL, trained vision tower, text-only micro-batches,
-             parallel.overlap_grad_reduce at its default: losses and grad norms, finite
+Items, in the default order (the most information per minute first; ~ = estimated seconds on
+one H100, what the budget counts):
+  sft            ~102  gpu_sft cases dense,moe (0.6B dense, 16-expert MoE; fusions off, grouped
+                       experts on), 4,096 tokens, 8 sequences per step, 8 steps: step s,
+                       tokens/s, MFU, peak GiB, losses
+  grpo            ~68  engine.rl GRPO, HF rollout backend, bf16, rollout.check_weight_sync=true,
+                       the demo model at hidden 512 / 8 layers / FFN 1536 and the addition
+                       prompts, 16 x 8 per step, 3 steps: rollout/logprob_diff(_max),
+                       debug/sync_logit_max_diff, the step-time split with time/weight_sync_s
+  vision          ~40  the counting demo's Qwen3-VL, trained vision tower, text-only
+                       micro-batches, parallel.overlap_grad_reduce at its default: losses and
+                       grad norms, finite
+  lora_grpo       ~83  grpo with model.lora.init_from a small non-zero peft adapter (B x 0.05)
+  loss_head_32k   ~45  gpu_sft dense (the chunked loss head) at 32,768 tokens, vocabulary
+                       151,936: step s and peak GiB (unchunked at 32K ran out of memory on an
+                       H100: not run)
+  moe_loop        ~60  gpu_sft moe_loop: the MoE with moe.grouped_experts=false
+  fused          ~130  gpu_sft fused,moe_fused: dense and MoE with every model.fusions.* on
+  loss_head       ~59  gpu_sft dense vs unchunked at 16,384 tokens, vocabulary 151,936
+  grpo_vllm_handle, grpo_vllm_file  ~75 each: grpo on rollout.backend=vllm with
+                       rollout.sync_transport=handle | file (weight sync by handle vs by file);
+                       skipped until vLLM's CUDA wheel can be carried and the key exists
 
-Output: OUT/results.json (one record per item: status ok|failed|timeout|skipped, seconds,
-metrics, commands; rewritten after every item, so a killed call keeps what finished),
-OUT/<item>.log (the tail of the item's output), and on stdout a Markdown table of the key
-numbers, the environment line (GPU, driver, versions, CPU) and, last, one JSON line.
-Without CUDA (and without --cpu-smoke) it prints `skipped: no CUDA` and exits 0.
+Budget (tools.bench.gpu.plan): the plan adds the estimates in order; an item whose estimate
+does not fit what is left is skipped ("needs ~N s, M s left") and a later, shorter one may
+still run; an item whose requirements are missing (CUDA, megatron-core, hydra-core,
+transformers, peft for lora_grpo, vLLM's CUDA wheel, rollout.sync_transport) is skipped with
+that reason. Before each item the run decides again with the time really left; an item that
+starts gets at most that time. Each item is one or more subprocesses under one timeout; a
+failure or timeout is recorded and the next item still runs.
 
-Modules: items (the commands), runner (subprocesses, timeouts, budget), report (metrics
-read from each item's files, the table, the environment), prep (the LoRA adapter and the
-mixed image/text rows), cli (the flags).
+Output: OUT/results.json (the header, the plan, one record per item: status planned | ok |
+failed | timeout | skipped, seconds, estimate, metrics, error or skip reason, commands),
+OUT/report.md (the Markdown table of the key numbers, the budget line and the environment
+line: GPU, driver, versions, CPU, commit), both written at the start and after every item, so a
+killed call keeps what finished; OUT/<item>.log (the tail of the item's output). Without CUDA
+(and without --cpu-smoke) every item is skipped with that reason and it exits 0.
+
+Modules: items (the commands, estimates, needs), plan (requirements and budget arithmetic),
+runner (subprocesses, timeouts, the budget at run time), report (metrics read from each item's
+files, the table, the environment), output (results.json, report.md), prep (the LoRA adapter
+and the mixed image/text rows), cli (the flags).
 """

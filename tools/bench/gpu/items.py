@@ -1,10 +1,21 @@
-"""The checklist's items as commands: what each runs, where its results land, its timeout.
+"""The checklist's items as commands: what each runs, its estimate, what it needs, its timeout.
 
 An `Item` is a list of argv lists (run in order from the repository root, each with
-`sys.executable`), a timeout for all of them together, and the files its metrics are read
-from (tools.bench.gpu.report). `build_items(names, workdir, smoke)` builds them for the GPU
-sizes (the commands of the 2026-11-24 and 2026-11-26 H100 sessions, docs/benchmarks.md) or,
-with `smoke`, for the CPU smoke sizes (fp32, hidden 64, 2 layers, fewer and shorter rollouts).
+`sys.executable`), a timeout for all of them together, the files its metrics are read from
+(tools.bench.gpu.report), its estimated seconds on one H100 (`estimate_s`, what the budget
+arithmetic of tools.bench.gpu.plan counts) and the requirements it needs (`needs`: keys of
+tools.bench.gpu.plan.REQUIREMENTS). `build_items(names, workdir, smoke)` builds them for the GPU
+sizes (the commands of the H100 sessions, docs/benchmarks.md) or, with `smoke`, for the CPU
+smoke sizes (fp32, hidden 64, 2 layers, fewer and shorter rollouts).
+
+ORDER is the default order, the most information per minute first: the goal metrics (dense and
+MoE MFU) and the bf16 RL checks that only a GPU shows, cheapest first among equals; then the
+parts that complete a comparison (32K loss head, grouped experts off, fusions on, the unchunked
+16K head, measured twice already), then the vLLM weight-sync parts, which cannot run yet.
+Estimates: the seconds `python -m tools.bench gpu` measured per item on one H100 on 2026-11-26
+(sft 102, loss_head 59, grpo 68, lora_grpo 83, vision 40); the others are derived from the
+2026-11-24 step times plus ~35 s of launch per gpu_sft case (loss_head_32k: 3 steps of 1.3 s;
+moe_loop: 8 of 3.2 s; fused: 8 of 1.8 s and 1.5 s plus torch.compile).
 """
 from __future__ import annotations
 
@@ -12,8 +23,19 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ITEMS = ("sft", "loss_head", "grpo", "lora_grpo", "vision")
+ORDER = ("sft", "grpo", "vision", "lora_grpo", "loss_head_32k", "moe_loop", "fused",
+         "loss_head", "grpo_vllm_handle", "grpo_vllm_file")
+ITEMS = ORDER
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
+ESTIMATE_S = {"sft": 102, "grpo": 68, "vision": 40, "lora_grpo": 83, "loss_head_32k": 45,
+              "moe_loop": 60, "fused": 130, "loss_head": 59, "grpo_vllm_handle": 75,
+              "grpo_vllm_file": 75}
+# --cpu-smoke on the 2-core CPU host (one run each, 2026-11-26; fused and the vLLM items
+# cannot run there: nominal)
+SMOKE_ESTIMATE_S = {"sft": 15, "grpo": 10, "vision": 10, "lora_grpo": 14, "loss_head_32k": 6,
+                    "moe_loop": 7, "fused": 20, "loss_head": 12, "grpo_vllm_handle": 15,
+                    "grpo_vllm_file": 15}
+BASE_NEEDS = ("megatron", "hydra", "transformers")
 RL_KEYS = ("rollout/logprob_diff", "rollout/logprob_diff_max", "debug/sync_logit_max_diff",
            "time/rollout_s", "time/logprob_s", "time/train_s", "time/weight_sync_s",
            "time/step_s", "reward/mean", "grad_norm")
@@ -31,28 +53,26 @@ class Sizes:
     n: int                # rollout.n
     micro: int            # train.micro_batch_size of the RL update
     rl_extra: tuple[str, ...] = ()
-    sft_args: tuple[str, ...] = ()        # gpu_sft flags of the `sft` item
-    head_args: tuple[str, ...] = ()       # gpu_sft flags of the `loss_head` item
+    sft: tuple[str, ...] = ()             # gpu_sft flags of the sft-like items (no --cases)
+    head: tuple[str, ...] = ()            # gpu_sft flags of the loss-head items (no --seq)
+    head_seq: tuple[int, int] = (16384, 32768)  # loss_head, loss_head_32k
 
 
 GPU = Sizes(dtype="bfloat16", hidden=512, layers=8, intermediate=1536, rl_steps=3, prompts=16,
-            n=8, micro=64,
-            sft_args=("--cases", "dense,moe", "--steps", "8", "--warmup", "3"),
-            head_args=("--cases", "dense,unchunked", "--seq", "16384", "--gbs", "1",
-                       "--rows", "2", "--steps", "3", "--warmup", "1"))
+            n=8, micro=64, sft=("--steps", "8", "--warmup", "3"),
+            head=("--gbs", "1", "--rows", "2", "--steps", "3", "--warmup", "1"))
 SMOKE = Sizes(dtype="float32", hidden=64, layers=2, intermediate=128, rl_steps=2, prompts=4,
               n=4, micro=16, rl_extra=("rollout.max_new_tokens=24",),
-              sft_args=("--tiny", "--cases", "dense,moe", "--seq", "64", "--steps", "3",
-                        "--warmup", "1"),
-              head_args=("--tiny", "--cases", "dense,unchunked", "--seq", "128", "--gbs", "1",
-                         "--rows", "2", "--steps", "3", "--warmup", "1"))
+              sft=("--tiny", "--seq", "64", "--steps", "3", "--warmup", "1"),
+              head=("--tiny", "--gbs", "1", "--rows", "2", "--steps", "3", "--warmup", "1"),
+              head_seq=(128, 256))
 
 
 @dataclass
 class Item:
     """One checklist item: `commands` run in order under one `timeout_s`; `kind` says how
-    its metrics are read (`sft`: gpu_sft's --json file `result`; `rl`/`sft_run`: the engine's
-    metrics.jsonl `result`)."""
+    its metrics are read (`sft`, `loss_head`: gpu_sft's --json file `result`; `rl`,
+    `sft_run`: the engine's metrics.jsonl `result`); `note` is shown in the report."""
     name: str
     kind: str
     commands: list[list[str]]
@@ -60,6 +80,9 @@ class Item:
     result: Path
     work: Path            # the item's folder (its whole log: WORK/<name>.full.log)
     expected_steps: int = 0
+    estimate_s: float = 0.0
+    needs: tuple[str, ...] = BASE_NEEDS
+    note: str = ""
 
 
 def module(name: str, *args) -> list[str]:
@@ -67,34 +90,38 @@ def module(name: str, *args) -> list[str]:
     return [sys.executable, "-m", name, *map(str, args)]
 
 
-def gpu_sft_item(name: str, work: Path, flags: tuple[str, ...], timeout_s: float) -> Item:
-    """A tools/bench/gpu_sft.py run; `sft` and `loss_head` share one workdir (the dense model
+def gpu_sft_item(name: str, work: Path, cases: str, flags: tuple[str, ...], timeout_s: float,
+                 kind: str = "sft", note: str = "") -> Item:
+    """A tools/bench/gpu_sft.py run of `cases`; every such item shares one workdir (each model
     is built once)."""
     out = work / f"{name}.json"
-    cmd = module("tools.bench.gpu_sft", "--workdir", work / "gpu_sft", *flags, "--json", out)
-    return Item(name, "sft", [cmd], timeout_s, out, work)
+    cmd = module("tools.bench.gpu_sft", "--workdir", work / "gpu_sft", "--cases", cases, *flags,
+                 "--json", out)
+    return Item(name, kind, [cmd], timeout_s, out, work, note=note)
 
 
-def grpo_item(name: str, work: Path, sizes: Sizes, lora: bool) -> Item:
-    """GRPO on the demo model and addition prompts (docs/benchmarks.md, H100 session 3)."""
+def grpo_item(name: str, work: Path, sizes: Sizes, lora: bool = False,
+              extra: tuple[str, ...] = ()) -> Item:
+    """GRPO on the demo model and addition prompts (docs/benchmarks.md, H100 session 3);
+    `extra` overrides go after the common ones."""
     w = work / name
     model = w / "init"
     prep = [module("tools.demo", "model", model, "--hidden", sizes.hidden, "--layers",
                    sizes.layers, "--intermediate", sizes.intermediate, "--seed", 0),
             module("tools.demo", "addition-data", w)]
-    extra = []
+    lora_args = []
     if lora:
         prep.append(module("tools.bench.gpu.prep", "lora-adapter", model, w / "adapter",
                            "--scale", 0.05))
-        extra = [f"model.lora.init_from={w / 'adapter'}"]
-    run = module("engine.rl", "algorithm=grpo", f"model.hf_path={model}", *extra,
+        lora_args = [f"model.lora.init_from={w / 'adapter'}"]
+    run = module("engine.rl", "algorithm=grpo", f"model.hf_path={model}", *lora_args,
                  f"model.dtype={sizes.dtype}", f"data.train_files=[{w / 'rl.jsonl'}]",
                  "reward.fn=math", "reward.timeout_s=null", "rollout.backend=hf",
                  f"rollout.n={sizes.n}", "rollout.temperature=1.0",
                  f"train.prompts_per_step={sizes.prompts}", "train.mini_batches_per_step=2",
                  f"train.micro_batch_size={sizes.micro}", f"train.max_steps={sizes.rl_steps}",
                  "optim.lr=5e-4", "optim.schedule=constant", "kl.beta=0.0",
-                 "rollout.check_weight_sync=true", *sizes.rl_extra,
+                 "rollout.check_weight_sync=true", *sizes.rl_extra, *extra,
                  f"logging.dir={w / 'logs'}", "logging.progress_bar=false")
     return Item(name, "rl", prep + [run], 150, w / "logs" / "metrics.jsonl", w, sizes.rl_steps)
 
@@ -118,10 +145,52 @@ def vision_item(work: Path, sizes: Sizes) -> Item:
     return Item("vision", "sft_run", prep + [run], 120, w / "logs" / "metrics.jsonl", w, 4)
 
 
+def vllm_item(name: str, work: Path, sizes: Sizes, transport: str) -> Item:
+    """grpo on rollout.backend=vllm with rollout.sync_transport=`transport` (handle | file):
+    the weight-sync split by transport. Not run yet (it needs both requirements); the command
+    is the one a session that has them would try first."""
+    item = grpo_item(name, work, sizes, extra=("rollout.backend=vllm",
+                                               f"rollout.sync_transport={transport}"))
+    item.commands[-1].remove("rollout.backend=hf")
+    item.needs = (*BASE_NEEDS, "vllm_cuda", "sync_transport")
+    return item
+
+
+def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
+    """The item `name` (one of ORDER) at these sizes, with its estimate and needs."""
+    short, long_ = sizes.head_seq
+    oom = ("unchunked at 32,768 tokens ran out of memory on an H100 (2026-11-24): not run; "
+           "loss_head compares both heads at 16,384")
+    make = {
+        "sft": lambda: gpu_sft_item("sft", workdir, "dense,moe", sizes.sft, 300),
+        "moe_loop": lambda: gpu_sft_item("moe_loop", workdir, "moe_loop", sizes.sft, 180,
+                                         note="moe.grouped_experts=false; compare sft's moe"),
+        "fused": lambda: gpu_sft_item("fused", workdir, "fused,moe_fused", sizes.sft, 300,
+                                      note="every model.fusions.* on; compare sft (all off)"),
+        "loss_head": lambda: gpu_sft_item("loss_head", workdir, "dense,unchunked",
+                                          ("--seq", str(short), *sizes.head), 150, "loss_head"),
+        "loss_head_32k": lambda: gpu_sft_item("loss_head_32k", workdir, "dense",
+                                              ("--seq", str(long_), *sizes.head), 150,
+                                              "loss_head", oom),
+        "grpo": lambda: grpo_item("grpo", workdir, sizes),
+        "lora_grpo": lambda: grpo_item("lora_grpo", workdir, sizes, lora=True),
+        "vision": lambda: vision_item(workdir, sizes),
+        "grpo_vllm_handle": lambda: vllm_item("grpo_vllm_handle", workdir, sizes, "handle"),
+        "grpo_vllm_file": lambda: vllm_item("grpo_vllm_file", workdir, sizes, "file"),
+    }
+    item = make[name]()
+    item.estimate_s = float((SMOKE_ESTIMATE_S if smoke else ESTIMATE_S)[name])
+    if name == "lora_grpo":
+        item.needs = (*item.needs, "peft")
+    if not smoke or name == "fused":  # fused: model.fusions.rmsnorm=true is CUDA only
+        item.needs = (*item.needs, "cuda")
+    return item
+
+
 def build_items(names: list[str], workdir: Path, smoke: bool,
                 overrides: dict[str, list[str]] | None = None) -> list[Item]:
     """The items `names` in that order; `overrides[name]` are appended to that item's last
-    command (a hydra override for the engine items, a gpu_sft flag for sft and loss_head)."""
+    command (a hydra override for the engine items, a gpu_sft flag for the gpu_sft ones)."""
     unknown = [n for n in names if n not in ITEMS]
     if unknown:
         raise ValueError(f"--items: {unknown} unknown; valid: {', '.join(ITEMS)}")
@@ -129,12 +198,7 @@ def build_items(names: list[str], workdir: Path, smoke: bool,
     if bad:
         raise ValueError(f"--override: item {bad} unknown; valid: {', '.join(ITEMS)}")
     sizes = SMOKE if smoke else GPU
-    make = {"sft": lambda: gpu_sft_item("sft", workdir, sizes.sft_args, 300),
-            "loss_head": lambda: gpu_sft_item("loss_head", workdir, sizes.head_args, 150),
-            "grpo": lambda: grpo_item("grpo", workdir, sizes, lora=False),
-            "lora_grpo": lambda: grpo_item("lora_grpo", workdir, sizes, lora=True),
-            "vision": lambda: vision_item(workdir, sizes)}
-    items = [make[n]() for n in names]
+    items = [make_item(n, workdir, sizes, smoke) for n in names]
     for item in items:
         item.commands[-1] += list((overrides or {}).get(item.name, []))
     return items

@@ -1,11 +1,13 @@
 """What the checklist reports: each item's metrics, the summary table, the environment line.
 
 `read_metrics(item)` reads an item's result file: gpu_sft's --json (per case: step s,
-tokens/s, TFLOP/s, MFU, peak GiB, losses) or the engine's metrics.jsonl (per step: the keys of
+tokens/s, TFLOP/s, MFU, peak GiB, losses; the run's tokens per sequence and vocabulary) or the
+engine's metrics.jsonl (per step: the keys of
 items.RL_KEYS for GRPO; loss, grad_norm and step time for SFT). It raises (OSError,
 ValueError) when there is nothing to read, and lists under "problems" what makes the item
 fail: fewer steps than asked, a missing key, a non-finite number. `key_numbers(record)` is the
-one-line digest of a record for `table(records)`.
+one-line digest of a record for `table(records)` (item | status | s | est. s | key numbers;
+a skipped item's status says why).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from importlib import metadata
 from pathlib import Path
 
 from tools.bench.gpu.items import RL_KEYS, Item
+from tools.bench.gpu_sft import DENSE, TINY_DENSE
 
 SFT_CASE_KEYS = ("rc", "step_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "finite")
 SFT_RUN_KEYS = ("loss", "grad_norm", "time/step_s")
@@ -29,8 +32,10 @@ def finite(value) -> bool:
 
 
 def read_gpu_sft(item: Item) -> dict:
-    """{gpu, peak_bf16_tflops, cases: {case: {...}}} from gpu_sft's --json file."""
+    """{gpu, peak_bf16_tflops, seq, vocab, cases: {case: {...}}} from gpu_sft's --json."""
     data = json.loads(item.result.read_text())
+    args = data.get("args") or {}
+    vocab = args.get("vocab") or (TINY_DENSE if args.get("tiny") else DENSE)["vocab_size"]
     cases, problems = {}, []
     for res in data["results"]:
         case = {k: res.get(k) for k in SFT_CASE_KEYS}
@@ -41,7 +46,7 @@ def read_gpu_sft(item: Item) -> dict:
         elif not res.get("finite"):
             problems.append(f"case {res['case']}: non-finite loss or grad norm")
     return {"gpu": data.get("gpu"), "peak_bf16_tflops": data.get("peak_bf16_tflops"),
-            "cases": cases, "problems": problems}
+            "seq": args.get("seq"), "vocab": vocab, "cases": cases, "problems": problems}
 
 
 def read_steps(item: Item) -> dict:
@@ -66,7 +71,7 @@ def read_steps(item: Item) -> dict:
 
 def read_metrics(item: Item) -> dict:
     """The metrics of `item` (module docstring)."""
-    return read_gpu_sft(item) if item.kind == "sft" else read_steps(item)
+    return read_gpu_sft(item) if item.kind in ("sft", "loss_head") else read_steps(item)
 
 
 def fmt(value, spec: str) -> str:
@@ -108,26 +113,51 @@ def sft_run_digest(metrics: dict) -> str:
     return f"losses {losses}; grad norms {norms}; finite {metrics.get('finite')}"
 
 
+def head_digest(metrics: dict) -> str:
+    """'16,384 tokens, vocab 151,936: chunked 0.607 s / 41.6 GiB; unchunked ...; same loss X'."""
+    label = {"dense": "chunked", "unchunked": "unchunked"}
+    parts, finals = [], []
+    for name, c in metrics.get("cases", {}).items():
+        if c.get("step_s") is None:
+            parts.append(f"{label.get(name, name)} failed")
+            continue
+        parts.append(f"{label.get(name, name)} {fmt(c['step_s'], '.3f')} s / "
+                     f"{fmt(c['peak_mem_gib'], '.1f')} GiB")
+        finals.append(fmt((c.get("losses") or [None])[-1], ".3f"))
+    if finals:
+        parts.append(f"same loss {finals[0]}" if len(set(finals)) == 1
+                     else f"losses {', '.join(finals)}")
+    seq, vocab = metrics.get("seq"), metrics.get("vocab")
+    head = f"{seq:,} tokens, vocab {vocab:,}: " if seq and vocab else ""
+    return head + "; ".join(parts)
+
+
 def key_numbers(record: dict) -> str:
     """One line of the numbers a session pastes into docs/benchmarks.md."""
     metrics = record.get("metrics") or {}
     if "cases" in metrics:
-        return sft_digest(metrics)
+        return head_digest(metrics) if record.get("kind") == "loss_head" else \
+            sft_digest(metrics)
     if metrics.get("steps") and "rollout/logprob_diff" in metrics["steps"][0]:
         return rl_digest(metrics)
     if metrics.get("steps"):
         return sft_run_digest(metrics)
-    return record.get("error") or ""
+    return ""
 
 
 def table(records: list[dict]) -> str:
-    """A Markdown table: item | status | seconds | key numbers."""
-    lines = ["| item | status | s | key numbers |", "|---|---|---|---|"]
+    """A Markdown table: item | status | s | est. s | key numbers (module docstring)."""
+    lines = ["| item | status | s | est. s | key numbers |", "|---|---|---|---|---|"]
     for r in records:
+        status = f"skipped: {r.get('reason')}" if r["status"] == "skipped" else r["status"]
         note = key_numbers(r)
-        if r["status"] != "ok" and r.get("error") and r.get("error") not in note:
+        if r.get("error") and r["error"] not in note:
             note = f"{note} ({r['error']})" if note else r["error"]
-        lines.append(f"| {r['item']} | {r['status']} | {r['seconds']:.0f} | {note} |")
+        if r.get("note"):
+            note = f"{note} ({r['note']})" if note else r["note"]
+        seconds = "" if r.get("seconds") is None else f"{r['seconds']:.0f}"
+        estimate = f"~{r['estimate_s']:.0f}" if r.get("estimate_s") else ""
+        lines.append(f"| {r['item']} | {status} | {seconds} | {estimate} | {note} |")
     return "\n".join(lines)
 
 

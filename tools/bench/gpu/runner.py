@@ -3,15 +3,17 @@
 Every command runs from the repository root with `PYTHONPATH` = the repository root in front
 of the caller's PYTHONPATH (the carried megatron-core and hydra wheels stay reachable), in its
 own session; at its item's deadline it is killed with all its descendants (torchrun workers
-included). A record per item: {"item", "status" (ok | failed | timeout | skipped), "seconds",
-"metrics", "error", "commands", "returncodes", "log"}. A command that exits non-zero fails its
-item (the later commands of that item are not run); so does a metrics reader that raises or
-lists "problems" (tools.bench.gpu.report.read_metrics). OUT/results.json is rewritten after every item.
+included). A record per item: {"item", "kind", "estimate_s", "note", "status" (planned |
+ok | failed | timeout | skipped), "seconds" (None until it ran), "metrics", "error" (why it
+failed), "reason" (why it was skipped), "commands", "returncodes", "log"}. A command that exits
+non-zero fails its item (the later commands of that item are not run); so does a metrics
+reader that raises or lists "problems" (tools.bench.gpu.report.read_metrics). The caller's
+`save` (tools.bench.gpu.output: OUT/results.json and OUT/report.md) gets the records after
+every item, so a killed call keeps what finished and shows what was left.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import signal
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from tools.bench.gpu.items import Item
+from tools.bench.gpu.plan import Step, budget_reason
 
 REPO = Path(__file__).resolve().parents[3]
 LOG_TAIL_LINES = 300
@@ -75,6 +78,12 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) + "\n"
 
 
+def base_record(item: Item) -> dict:
+    """The fields every record of `item` has, whatever its status."""
+    return {"item": item.name, "kind": item.kind, "estimate_s": item.estimate_s,
+            "note": item.note or None, "commands": [shlex.join(c) for c in item.commands]}
+
+
 def run_item(item: Item, timeout_s: float, out_dir: Path,
              read_metrics: Callable[[Item], dict]) -> dict:
     """Run `item`'s commands under one deadline `timeout_s` from now; its record (module
@@ -106,37 +115,50 @@ def run_item(item: Item, timeout_s: float, out_dir: Path,
         status, error = "failed", "; ".join(metrics["problems"])
     log_path = out_dir / f"{item.name}.log"
     log_path.write_text(tail(full_log))
-    return {"item": item.name, "status": status, "seconds": round(time.monotonic() - start, 1),
-            "metrics": metrics, "error": error, "commands": [shlex.join(c) for c in item.commands],
-            "returncodes": codes, "log": str(log_path)}
+    return {**base_record(item), "status": status,
+            "seconds": round(time.monotonic() - start, 1), "metrics": metrics, "error": error,
+            "reason": None, "returncodes": codes, "log": str(log_path)}
+
+
+def planned_record(item: Item, step: Step) -> dict:
+    """The skeleton record of `item` as the plan has it: planned, or skipped with a reason."""
+    return {**base_record(item), "status": step.status, "seconds": None, "metrics": {},
+            "error": None, "reason": step.reason, "returncodes": [], "log": None}
 
 
 def skipped(item: Item, reason: str) -> dict:
-    return {"item": item.name, "status": "skipped", "seconds": 0.0, "metrics": {},
-            "error": reason, "commands": [shlex.join(c) for c in item.commands],
-            "returncodes": [], "log": None}
+    return {**base_record(item), "status": "skipped", "seconds": None, "metrics": {},
+            "error": None, "reason": reason, "returncodes": [], "log": None}
 
 
-def run_items(items: list[Item], out_dir: Path, budget_s: float | None,
-              read_metrics: Callable[[Item], dict], header: dict | None = None,
+def run_items(items: list[Item], steps: list[Step], out_dir: Path, budget_s: float | None,
+              read_metrics: Callable[[Item], dict],
+              save: Callable[[list[dict]], None] = lambda records: None,
               say: Callable[[str], None] = print) -> list[dict]:
-    """Run `items` in order; an item that would start with the budget spent is skipped, and
-    one that starts gets min(its timeout, the budget left). Writes OUT/results.json ({**header,
-    "items": records}) after each item; returns the records."""
+    """Run `items` in order (`steps`: their plan, tools.bench.gpu.plan.make_plan). An item
+    whose requirements are missing stays skipped; any other runs when its estimate fits the
+    budget really left (plan.budget_reason; the plan's forecast is not binding), with at
+    most min(its timeout, the budget left). `save(records)` gets the skeleton (planned or
+    skipped) first and the records again after every item; returns the records."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    budget = budget_s if budget_s and budget_s > 0 else None
     start = time.monotonic()
-    records: list[dict] = []
-    for item in items:
-        left = None if budget_s is None else budget_s - (time.monotonic() - start)
-        if left is not None and left <= 0:
-            records.append(skipped(item, f"budget of {budget_s:.0f} s spent"))
+    records = [planned_record(item, step) for item, step in zip(items, steps)]
+    save(records)
+    for i, (item, step) in enumerate(zip(items, steps)):
+        left = None if budget is None else budget - (time.monotonic() - start)
+        reason = step.reason if step.blocked else budget_reason(item.estimate_s, left)
+        if reason:
+            records[i] = skipped(item, reason)
         else:
             timeout = item.timeout_s if left is None else min(item.timeout_s, left)
-            say(f"[gpu] {item.name}: {len(item.commands)} command(s), timeout {timeout:.0f} s")
-            records.append(run_item(item, timeout, out_dir, read_metrics))
-        rec = records[-1]
-        say(f"[gpu] {item.name}: {rec['status']} in {rec['seconds']:.0f} s"
-            + (f" ({rec['error']})" if rec["error"] else ""))
-        (out_dir / "results.json").write_text(
-            json.dumps({**(header or {}), "items": records}, indent=1, allow_nan=True))
+            say(f"[gpu] {item.name}: {len(item.commands)} command(s), ~{item.estimate_s:.0f} s "
+                f"expected, timeout {timeout:.0f} s")
+            records[i] = run_item(item, timeout, out_dir, read_metrics)
+        rec = records[i]
+        detail = rec["error"] or rec["reason"]
+        say(f"[gpu] {item.name}: {rec['status']}"
+            + (f" in {rec['seconds']:.0f} s" if rec["seconds"] is not None else "")
+            + (f" ({detail})" if detail else ""))
+        save(records)
     return records
