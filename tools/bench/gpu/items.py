@@ -27,8 +27,8 @@ ORDER = ("sft", "grpo", "vision", "lora_grpo", "loss_head_32k", "moe_loop", "fus
          "loss_head", "grpo_vllm_handle", "grpo_vllm_file")
 ITEMS = ORDER
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
-ESTIMATE_S = {"sft": 102, "grpo": 68, "vision": 40, "lora_grpo": 83, "loss_head_32k": 45,
-              "moe_loop": 60, "fused": 130, "loss_head": 59, "grpo_vllm_handle": 75,
+ESTIMATE_S = {"sft": 102, "grpo": 68, "vision": 40, "lora_grpo": 83, "loss_head_32k": 68,
+              "moe_loop": 78, "fused": 94, "loss_head": 59, "grpo_vllm_handle": 75,
               "grpo_vllm_file": 75}
 # --cpu-smoke on the 2-core CPU host (one run each, 2026-11-26; fused and the vLLM items
 # cannot run there: nominal)
