@@ -80,8 +80,8 @@ def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monke
     text = capsys.readouterr().out
     assert "budget 480 s; dry run: CUDA assumed" in text
     fused = next(line for line in text.splitlines() if " 7. fused " in line)
-    assert fused.endswith(" ~130 s  skipped: needs ~130 s, 82 s left")
-    assert "7 to run (~457 s), 3 skipped" in text
+    assert fused.endswith(" ~94 s  skipped: needs ~94 s, 41 s left")
+    assert "6 to run (~439 s), 4 skipped" in text
     assert [line.split()[1] for line in text.splitlines() if line.startswith("## ")] == list(ORDER)
     sft_lines = [line for line in text.splitlines() if "tools.bench.gpu_sft" in line]
     assert [line.split("--cases ")[1].split(" --json")[0] for line in sft_lines] == [
@@ -105,21 +105,21 @@ def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monke
     by = {s["item"]: s for s in saved["plan"]}
     starts = {n: s["start_s"] for n, s in by.items() if s["status"] == "planned"}
     assert starts == {"sft": 0, "grpo": 102, "vision": 170, "lora_grpo": 210,
-                      "loss_head_32k": 293, "moe_loop": 338, "loss_head": 398}
+                      "loss_head_32k": 293, "moe_loop": 361}
     assert by["grpo_vllm_handle"]["reason"] == VLLM_REASON and by["grpo_vllm_file"]["blocked"]
     assert [r["status"] for r in saved["items"]] == [s["status"] for s in saved["plan"]]
     assert all(r["seconds"] is None and r["commands"] for r in saved["items"])
     report = (out / "report.md").read_text()
     assert "| sft | planned |  | ~102 |  |" in report
-    assert "| fused | skipped: needs ~130 s, 82 s left |  | ~130 |" in report
+    assert "| fused | skipped: needs ~94 s, 41 s left |  | ~94 |" in report
     assert f"| grpo_vllm_file | skipped: {VLLM_REASON} |" in report
-    assert "Budget 480 s; planned ~457 s (7 items); ran 0 s (3 skipped, 7 planned)." in report
+    assert "Budget 480 s; planned ~439 s (6 items); ran 0 s (4 skipped, 6 planned)." in report
     assert "\nEnvironment: no GPU; Python " in report and "megatron-core " in report
-    # a larger budget plans everything but the vLLM items: 102+68+40+83+45+60+130+59 = 587
-    assert sum(ESTIMATE_S[n] for n in ORDER[:8]) == 587
-    assert bench.main(["gpu", "--dry-run", "--budget-s", "587", "--out", str(out),
+    # a larger budget plans everything but the vLLM items: 102+68+40+83+68+78+94+59 = 592
+    assert sum(ESTIMATE_S[n] for n in ORDER[:8]) == 592
+    assert bench.main(["gpu", "--dry-run", "--budget-s", "592", "--out", str(out),
                        "--workdir", str(tmp_path)]) == 0
-    assert "8 to run (~587 s), 2 skipped" in capsys.readouterr().out
+    assert "8 to run (~592 s), 2 skipped" in capsys.readouterr().out
 
 
 def test_without_cuda_every_item_is_skipped(monkeypatch, tmp_path, capsys):

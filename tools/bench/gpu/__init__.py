@@ -23,11 +23,11 @@ one H100, what the budget counts):
                        micro-batches, parallel.overlap_grad_reduce at its default: losses and
                        grad norms, finite
   lora_grpo       ~83  grpo with model.lora.init_from a small non-zero peft adapter (B x 0.05)
-  loss_head_32k   ~45  gpu_sft dense (the chunked loss head) at 32,768 tokens, vocabulary
+  loss_head_32k   ~68  gpu_sft dense (the chunked loss head) at 32,768 tokens, vocabulary
                        151,936: step s and peak GiB (unchunked at 32K ran out of memory on an
                        H100: not run)
-  moe_loop        ~60  gpu_sft moe_loop: the MoE with moe.grouped_experts=false
-  fused          ~130  gpu_sft fused,moe_fused: dense and MoE with every model.fusions.* on
+  moe_loop        ~78  gpu_sft moe_loop: the MoE with moe.grouped_experts=false
+  fused           ~94  gpu_sft fused,moe_fused: dense and MoE with every model.fusions.* on
   loss_head       ~59  gpu_sft dense vs unchunked at 16,384 tokens, vocabulary 151,936
   grpo_vllm_handle, grpo_vllm_file  ~75 each: grpo on rollout.backend=vllm with
                        rollout.sync_transport=handle | file (weight sync by handle vs by file);

@@ -19,7 +19,7 @@ from tools.bench.gpu.report import environment_line, table
 
 
 def budget_line(header: dict, steps: list[Step], records: list[dict]) -> str:
-    """'Budget 480 s; planned ~457 s (7 items); ran 352 s (5 ok, 0 failed, 3 skipped).'"""
+    """'Budget 480 s; planned ~439 s (6 items); ran 352 s (5 ok, 0 failed, 4 skipped).'"""
     budget = header.get("budget_s")
     ran = [r for r in records if r.get("seconds") is not None]
     count = {s: sum(r["status"] == s for r in records) for s in
