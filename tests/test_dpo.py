@@ -11,6 +11,10 @@ references); DP2 with GA, CP2, DP2 with packed token-budget micro-batches, TP2 +
 DP2 x TP2 + SP, PP2 x DP2 with GA, PP2 x VPP2 x DP2, CP2 x DP2 packed; ORPO at DP2 with GA, CP2 x DP2 packed
 and PP2 x DP2 with GA. Negative controls: the DP mean of per-rank pair means (localmean),
 per-CP-shard sequence sums (cpsum), ORPO's NLL as the mean of micro-batch token means (mbnll).
+KTO (engine.kto, unpaired examples, tests/multirank/kto_check.py) rides the same launch: one
+process against a plain loop of its formulas and TRL 1.16's KTOTrainer; DP2 with GA, TP2 + SP,
+PP2, CP2, DP2 packed, TP2 + SP with LoRA, CP2 x DP2 packed, PP2 x DP2 with GA against one
+process; negative control: a per-micro-batch KL reference point (mbkl).
 The policy and the reference are two different random models (dpo.ref_path), so the log-ratios
 are not zero at step 1.
 """
@@ -22,7 +26,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import kto_reference
 from tests.multirank import dpo_check as harness
+from tests.multirank import kto_check
 from tools.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -33,14 +39,21 @@ SINGLE = ["1,1,0,1,8,loss=sigmoid", "1,1,0,1,8,loss=ipo", "1,1,0,1,8,loss=hinge"
           "1,1,0,1,8,loss=sigmoid+ls=0.1+rpo=0.5", "1,1,0,1,8,lora", "1,1,0,1,8,lora+baseref",
           "1,1,0,1,8,loss=orpo"]
 ORPO_MBNLL = "1,1,0,1,2,bug=mbnll+loss=orpo"
+KTO = "1,1,0,1,8,kto+uw=1.5"          # KTO on unpaired examples (tests/multirank/kto_check.py)
+KTO_LORA = "1,1,0,1,8,lora+kto+uw=1.5"
+KTO_MBKL = "1,1,0,1,2,bug=mbkl+kto+uw=1.5"
 LAYOUTS = {
     2: ["1,1,0,1,2,loss=sigmoid+ls=0.1+rpo=0.5", "1,1,0,2,8,loss=ipo",
         "1,1,0,1,8,packing+tokens=90+loss=simpo", "2,1,0,1,4,sp+lora",
         "1,1,0,1,8,bug=localmean+loss=sigmoid", "1,1,0,2,8,bug=cpsum+loss=sigmoid",
-        "1,1,0,1,2,loss=orpo", ORPO_MBNLL],
+        "1,1,0,1,2,loss=orpo", ORPO_MBNLL,
+        "1,1,0,1,2,kto+uw=1.5", "2,1,0,1,4,sp+kto+uw=1.5", "1,2,0,1,2,kto+uw=1.5",
+        "1,1,0,2,8,kto+uw=1.5", "1,1,0,1,8,packing+tokens=90+kto+uw=1.5",
+        "2,1,0,1,4,sp+lora+kto+uw=1.5", KTO_MBKL],
     4: ["2,1,0,1,2,sp+loss=sigmoid", "1,2,0,1,1,loss=robust+ls=0.1", "1,2,2,1,1,loss=hinge",
         "1,1,0,2,8,packing+tokens=120+loss=sigmoid+ls=0.1+rpo=0.5",
-        "1,1,0,2,8,packing+tokens=120+loss=orpo", "1,2,0,1,1,loss=orpo"],
+        "1,1,0,2,8,packing+tokens=120+loss=orpo", "1,2,0,1,1,loss=orpo",
+        "1,1,0,2,8,packing+tokens=120+kto+uw=1.5", "1,2,0,1,1,kto+uw=1.5"],
 }
 
 
@@ -70,7 +83,8 @@ def dpo_runs(pools, tmp_path_factory):
     adapter = _adapter(policy, str(root / "adapter"))
     ref_file = str(root / "single.pt")
     out = {"policy": policy, "reference": reference, "adapter": adapter,
-           1: pools.run(1, "tests.multirank.dpo_check:layouts", policy, reference, SINGLE,
+           1: pools.run(1, "tests.multirank.dpo_check:layouts", policy, reference,
+                        SINGLE + [KTO, KTO_LORA],
                         ref_file, adapter, timeout=600)[0]}
     for world, specs in LAYOUTS.items():
         out[world] = pools.run(world, "tests.multirank.dpo_check:layouts", policy, reference,
@@ -84,7 +98,8 @@ def test_every_layout_equals_single_process(dpo_runs, world):
         if "bug=" in spec:
             continue
         assert "error" not in r, (spec, r)
-        for k in (k for k in harness.METRICS + harness.ORPO_METRICS if f"{k}_rel" in r):
+        metrics = harness.METRICS + harness.ORPO_METRICS + kto_check.METRICS
+        for k in (k for k in dict.fromkeys(metrics) if f"{k}_rel" in r):
             # LoRA: the reference is the starting adapter, so the rewards (beta x log-ratios
             # of sums near -70) start at 0 and stay small (0.075 at step 2): fp32 rounding of
             # the sums at tp2+sp (1.3e-6 absolute, logps rel 2e-8) is 1.75e-5 of that scale
@@ -445,3 +460,48 @@ def test_lora_dpo_equals_trl_dpo_trainer_from_the_same_adapter(dpo_runs, tmp_pat
         assert got["grad_norm"][step] == pytest.approx(row["grad_norm"], rel=TOL), (got, row)
         assert got["rewards/margins"][step] == pytest.approx(row["rewards/margins"], rel=TOL,
                                                              abs=1e-6), (got, row)
+
+
+# ---------------------------------------------------------------- KTO (engine.kto)
+
+def test_kto_single_process_equals_plain_loop(dpo_runs):
+    """engine.kto against tests/kto_reference.plain_loop (transformers, the formulas, AdamW):
+    per-step loss, grad norm and the KL reference point at 1e-5; the reference point is
+    positive (not clamped) at both steps, so it is tested."""
+    want = kto_reference.plain_loop(dpo_runs["policy"], dpo_runs["reference"],
+                                     harness.flags_of(KTO))
+    got = dpo_runs[1][KTO]
+    for k in ("loss", "grad_norm", "kl"):
+        for a, b in zip(got[k], want[k]):
+            assert a == pytest.approx(b, rel=TOL), (k, got[k], want[k])
+    assert min(want["kl"]) > 0.5 and got["loss"][0] != got["loss"][1]
+
+
+def test_kto_equals_trl_kto_trainer(dpo_runs, tmp_path, monkeypatch):
+    """trl 1.16's KTOTrainer on the same ids, the same reference, fp32: per-step loss, grad
+    norm and every metric it logs (kl, rewards/*, logps/*, logits/*, entropy) at 1e-5.
+    Conventions match here because one TRL batch is the engine's global batch (its KL pairs
+    and its batch mean are per device batch; the engine's per global batch, whatever the
+    layout)."""
+    losses, rows = kto_reference.trl_run(dpo_runs["policy"], dpo_runs["reference"],
+                                         harness.flags_of(KTO), _pad_tokenizer(),
+                                         str(tmp_path), monkeypatch)
+    got = dpo_runs[1][KTO]
+    assert len(losses) == len(rows) == kto_check.STEPS, (losses, rows)
+    for step, row in enumerate(rows):
+        assert got["loss"][step] == pytest.approx(losses[step], rel=TOL), (got, losses)
+        assert got["grad_norm"][step] == pytest.approx(row["grad_norm"], rel=TOL), (got, row)
+        for k in kto_reference.TRL_METRICS:
+            # TRL sums the log-probs in float32 (sums near -60..-120: ulp 7.6e-6), so its
+            # rewards, beta x differences of two such sums, carry ~1e-6 absolute: measured
+            # 1.25e-6 on rewards/margins (-0.0702) and 1.1e-6 on rewards/rejected at step 2
+            assert got[k][step] == pytest.approx(row[k], rel=TOL, abs=2e-6), (k, got[k], row)
+
+
+def test_negative_control_kto_micro_batch_kl_is_caught(dpo_runs):
+    """Each micro-batch (2 examples at DP2 x GA2) using the clamped mean of its own
+    mismatched-pair terms as the reference point instead of the global batch's: the loss and
+    the gradient move; the log-probs of step 1 do not."""
+    r = dpo_runs[2][KTO_MBKL]
+    assert r["loss_rel"] > 100 * TOL and r["grad_norm_rel"] > 100 * TOL, r
+    assert r["logps/chosen"][0] == pytest.approx(dpo_runs[1][KTO]["logps/chosen"][0], rel=TOL)

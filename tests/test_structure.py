@@ -13,26 +13,28 @@ SOURCE_ROOTS = ("engine", "models", "parallel")
 MAX_FILE_LINES = 350
 MAX_FUNCTION_LINES = 80
 ENTRY_POINTS = {"engine.sft.__main__", "engine.rl.__main__", "engine.dpo.__main__",
-                "engine.rm.__main__", "engine.serve.__main__"}
+                "engine.rm.__main__", "engine.kto.__main__", "engine.serve.__main__"}
 # package -> packages it must never import (engine/__init__.py; docs/development.md); api is
 # the OpenAI protocol both servers speak (RL's agent endpoint, serve): it reads data only, and
 # only rl and serve import it; serve (`megatron-sft-engine serve`) is built on api and RL's
 # rollout engines and trains nothing: nothing imports it, and it imports no training,
 # checkpoint or other entry point
 FORBIDDEN = {
-    "data": {"run", "sft", "rl", "dpo", "rm", "checkpoint", "training", "config", "serve",
-             "api"},
-    "training": {"run", "sft", "rl", "dpo", "rm", "checkpoint", "data", "config", "serve",
-                 "api"},
-    "checkpoint": {"run", "sft", "rl", "dpo", "rm", "serve", "api"},
-    "run": {"sft", "rl", "dpo", "rm", "serve", "api"},
-    "dpo": {"sft", "rl", "rm", "serve", "api"},
-    "sft": {"dpo", "rm", "serve", "api"},
-    "rl": {"dpo", "rm", "serve"},
-    "rm": {"sft", "rl", "serve", "api"},
-    "config": {"serve", "api"},
-    "serve": {"sft", "dpo", "rm", "run", "checkpoint", "training"},
-    "api": {"run", "sft", "rl", "dpo", "rm", "checkpoint", "training", "config", "serve"},
+    "data": {"run", "sft", "rl", "dpo", "rm", "kto", "checkpoint", "training", "config",
+             "serve", "api"},
+    "training": {"run", "sft", "rl", "dpo", "rm", "kto", "checkpoint", "data", "config",
+                 "serve", "api"},
+    "checkpoint": {"run", "sft", "rl", "dpo", "rm", "kto", "serve", "api"},
+    "run": {"sft", "rl", "dpo", "rm", "kto", "serve", "api"},
+    "dpo": {"sft", "rl", "rm", "kto", "serve", "api"},
+    "sft": {"dpo", "rm", "kto", "serve", "api"},
+    "rl": {"dpo", "rm", "kto", "serve"},
+    "rm": {"sft", "rl", "kto", "serve", "api"},
+    "kto": {"sft", "rl", "rm", "serve", "api"},
+    "config": {"serve", "api", "kto"},
+    "serve": {"sft", "dpo", "rm", "kto", "run", "checkpoint", "training"},
+    "api": {"run", "sft", "rl", "dpo", "rm", "kto", "checkpoint", "training", "config",
+            "serve"},
 }
 
 

@@ -78,21 +78,22 @@ def dpo_problems(cfg, hf_config: dict) -> list[str]:
                      "reference is the policy's base with its adapters off (the starting "
                      "adapter, frozen, after model.lora.init_from); leave it null")
         else:
-            p.extend(_reference_problems(d.ref_path, hf_config))
+            p.extend(reference_problems(d.ref_path, hf_config))
     return p
 
 
-def _reference_problems(path: str, hf_config: dict) -> list[str]:
-    """dpo.ref_path must hold an HF checkpoint of the policy's architecture and shape."""
+def reference_problems(path: str, hf_config: dict, key: str = "dpo.ref_path") -> list[str]:
+    """`key` (dpo.ref_path, kto.ref_path) must hold an HF checkpoint of the policy's
+    architecture and shape."""
     try:
-        ref = read_hf_config(path, "dpo.ref_path")
+        ref = read_hf_config(path, key)
     except ConfigError as e:  # the message names the key
         return [str(e)]
     keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "intermediate_size")
     diff = [f"{k} {ref.get(k)!r} (policy {hf_config.get(k)!r})" for k in keys
             if ref.get(k) != hf_config.get(k)]
-    return [f"dpo.ref_path={path} is not the policy's architecture: {', '.join(diff)}"] \
+    return [f"{key}={path} is not the policy's architecture: {', '.join(diff)}"] \
         if diff else []
 
 

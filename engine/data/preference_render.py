@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.data.files import DataError
-from engine.data.preference_rows import PreferenceRow, read_preference_row
+from engine.data.preference_rows import read_preference_row
 from engine.data.render import render_chat, render_prompt
 from engine.data.rows import Chat
 
@@ -62,10 +62,13 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _render_side(row: PreferenceRow, side: list[dict], prompt_ids: list[int], tokenizer,
-                 field: str, where: str) -> tuple[RenderedSide, int]:
-    """(the side rendered, its prompt length: the index of its first kept trained token)."""
-    ids, trained = render_chat(Chat(row.prompt + side, row.tools), tokenizer, where)
+def render_side(prompt: list[dict], tools: list[dict] | None, side: list[dict],
+                prompt_ids: list[int], tokenizer, field: str, where: str
+                ) -> tuple[RenderedSide, int]:
+    """(prompt + `side` rendered, its prompt length: the index of its first kept trained
+    token); `prompt_ids`: the prompt rendered alone with the generation prompt. Shared with
+    unpaired rows (engine.data.preference_unpaired)."""
+    ids, trained = render_chat(Chat(prompt + side, tools), tokenizer, where)
     ids, trained = list(ids), np.array(trained, dtype=np.uint8)
     trained[:_common_prefix(prompt_ids, ids)] = 0    # the prompt's assistant turns
     kept = np.flatnonzero(trained)
@@ -88,9 +91,10 @@ def render_preference_row(row: dict, tokenizer, where: str) -> RenderedPair:
     limit (fit_pair does that). DataError naming `where` for every refusal."""
     parsed = read_preference_row(row, where)
     prompt_ids = render_prompt(parsed.prompt, tokenizer, where, parsed.tools)
-    chosen, pc = _render_side(parsed, parsed.chosen, prompt_ids, tokenizer, "chosen", where)
-    rejected, pr = _render_side(parsed, parsed.rejected, prompt_ids, tokenizer, "rejected",
-                                where)
+    chosen, pc = render_side(parsed.prompt, parsed.tools, parsed.chosen, prompt_ids,
+                             tokenizer, "chosen", where)
+    rejected, pr = render_side(parsed.prompt, parsed.tools, parsed.rejected, prompt_ids,
+                               tokenizer, "rejected", where)
     if chosen.ids[:pc] != rejected.ids[:pr]:
         raise DataError(f"{where}: the chosen and rejected sides render different prompts "
                         f"({pc} and {pr} tokens before their first completion token; they "

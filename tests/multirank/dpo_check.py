@@ -5,7 +5,9 @@
 micro-batches), lora (the policy is `adapter` on the policy model, the reference that
 starting adapter frozen, engine.dpo.reference), baseref (with lora: the reference is the bare
 base with the adapters off, the engine's reference before issue 67: a negative control),
-loss=T, ls=EPS, rpo=ALPHA, bug=localmean|cpsum|mbnll (negative controls, `inject_bug`)).
+loss=T, ls=EPS, rpo=ALPHA, bug=localmean|cpsum|mbnll (negative controls, `inject_bug`);
+kto: a KTO run on unpaired examples instead (tests/multirank/kto_check.py: its flags and its
+negative control bug=mbkl)).
 For every spec it sets up megatron's layout in the same processes, loads the same HF weights,
 trains STEPS optimizer steps of engine.dpo.training.dpo_step on the same pair batches and
 returns (rank 0; None elsewhere) {spec: {"loss": [...], "grad_norm": [...], metric: [...],
@@ -30,6 +32,10 @@ ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")   # TRL's ORPOT
 
 def metrics_of(spec: str) -> tuple[str, ...]:
     """The metrics a spec records and compares."""
+    from tests.multirank import kto_check
+
+    if "kto" in flags_of(spec):
+        return kto_check.METRICS
     return METRICS + (ORPO_METRICS if flags_of(spec).get("loss") == "orpo" else ())
 
 
@@ -166,25 +172,37 @@ def inject_bug(bug: str | None, micro_batches: int = 1):
     return lambda: None
 
 
-def run_spec(spec: str, policy_dir: str, reference_dir: str, adapter: str | None) -> dict:
+def _dpo_steps(policy, reference, spec: str, vocab: int) -> dict:
     from engine.dpo.training import dpo_step
-    from engine.training.nonfinite import NonFiniteGuard
-    from models.bridge.weights import export_hf_weights
-    from tests.multirank.lora_check import adapter_tensors
 
-    policy, reference, hf_config = build(spec, policy_dir, reference_dir, adapter)
-    policy.guard = NonFiniteGuard(3)
     flags = flags_of(spec)
     cfg = run_cfg(flags)
     out = {k: [] for k in metrics_of(spec)}
     undo = inject_bug(flags.get("bug"), PAIRS // int(spec.split(",")[4]))
     try:
-        for pairs in pair_batches(hf_config["vocab_size"]):
+        for pairs in pair_batches(vocab):
             m = dpo_step(policy, reference, pairs, cfg)
             for k in out:
                 out[k].append(m[k])
     finally:
         undo()
+    return out
+
+
+def run_spec(spec: str, policy_dir: str, reference_dir: str, adapter: str | None) -> dict:
+    from engine.training.nonfinite import NonFiniteGuard
+    from models.bridge.weights import export_hf_weights
+    from tests.multirank.lora_check import adapter_tensors
+
+    from tests.multirank import kto_check
+
+    policy, reference, hf_config = build(spec, policy_dir, reference_dir, adapter)
+    policy.guard = NonFiniteGuard(3)
+    flags = flags_of(spec)
+    if "kto" in flags:
+        out = kto_check.run_steps(policy, reference, flags, hf_config["vocab_size"])
+    else:
+        out = _dpo_steps(policy, reference, spec, hf_config["vocab_size"])
     policy.gather_params()
     if "lora" in flags:
         out["params"] = adapter_tensors(policy)
@@ -200,7 +218,8 @@ def reference_key(spec: str) -> str:
     """The single-process run a spec is compared with: its loss flags (and lora)."""
     flags = flags_of(spec)
     return "+".join(f"{k}={flags[k]}" if flags[k] is not True else k
-                    for k in ("lora", "baseref", "loss", "ls", "rpo") if k in flags) or "sigmoid"
+                    for k in ("lora", "baseref", "kto", "dw", "uw", "loss", "ls", "rpo")
+                    if k in flags) or "sigmoid"
 
 
 def compare(result: dict, ref: dict) -> dict:
@@ -211,8 +230,12 @@ def compare(result: dict, ref: dict) -> dict:
     import torch
     import torch.distributed as dist
 
+    from tests.multirank import kto_check
+
     out = {}
-    for k in (k for k in METRICS + ORPO_METRICS if k in ref):
+    for k in dict.fromkeys(METRICS + ORPO_METRICS + kto_check.METRICS):
+        if k not in ref:
+            continue
         out[k] = result[k]
         scale = max(max(abs(b) for b in ref[k]), 1e-2)
         out[f"{k}_rel"] = max(abs(a - b) / scale for a, b in zip(result[k], ref[k]))

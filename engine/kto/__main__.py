@@ -1,0 +1,41 @@
+"""KTO entry point (docs/preference.md, "KTO").
+
+    torchrun --nproc_per_node N -m engine.kto model.hf_path=DIR data.train_files=[kto.jsonl] \
+        kto.beta=0.1 train.global_batch_size=64 train.max_steps=100
+    python -m engine.kto --config RECIPE.yaml --validate --nodes 1
+
+The configuration is parsed and validated here, before any process group exists (exit code 2
+on an error); the run itself is engine.kto.training.run.
+"""
+from __future__ import annotations
+
+import sys
+
+from engine.cli import answered_help, exit_process, run_entry
+from engine.config.kto_settings import KTOConfig, validate_kto
+from engine.kto.recipe_check import main as validate_main
+
+
+USAGE = "python -m engine.kto [--config FILE.yaml] [key=value ...]  (or torchrun ... -m engine.kto)"
+EXAMPLES = [
+    "python -m engine.kto model.hf_path=DIR data.train_files=[kto.jsonl] train.max_steps=100",
+    "torchrun --nproc_per_node 8 -m engine.kto model.hf_path=DIR data.train_files=[kto.jsonl] "
+    "kto.desirable_weight=1.33 parallel.tp=2",
+    "python -m engine.kto --config RECIPE.yaml --validate --nodes 1",
+]
+
+
+def main(argv: list[str] | None = None, prog: str = "engine.kto", usage: str = USAGE,
+         examples: list[str] = EXAMPLES) -> int:
+    """`python -m engine.kto [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
+    and `examples` are what --help prints (the console command passes its own)."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if answered_help(argv, prog, KTOConfig, usage, examples):
+        return 0
+    if "--validate" in argv:  # recipe check: no process groups, no weights, no training
+        return validate_main(argv)
+    return run_entry("engine.kto.training:run", argv, schema=KTOConfig, validate=validate_kto)
+
+
+if __name__ == "__main__":
+    exit_process(main())

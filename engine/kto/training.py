@@ -1,0 +1,215 @@
+"""One KTO run: unpaired examples, the policy's TrainEngine, the reference, the run loop.
+
+One optimizer step (docs/preference.md, "KTO"): the global batch of step k is
+`train.global_batch_size` EXAMPLES (layout-independent order, engine.data.datasets.
+global_batch_indices) -> each example one sequence and one planning unit -> the mismatched
+sequences (kl_sequences: example i's prompt with example i-1's completion, cyclically over the
+global batch in its order, as TRL shifts completions by one) -> the reference's completion
+log-prob sums of both, and the policy's of the mismatched ones (forward-only, same layout) ->
+the KL reference point (one global number) -> TrainEngine.train_batch with the KTO loss
+(engine.kto.loss_fn) -> metrics under TRL's names, logged by the RunLoop. Checkpoints, resume
+and the reference (a frozen copy of kto.ref_path or model.hf_path; with LoRA the base or the
+starting adapter) as in DPO (engine.dpo.training, engine.dpo.reference).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint.checkpointing import DataPosition
+from engine.config.fusion_settings import fusion_overrides
+from engine.config.kto_settings import KTOConfig
+from engine.config.model_settings import megatron_overrides
+from engine.config.moe_settings import moe_overrides
+from engine.data.datasets import global_batch_indices
+from engine.data.preference_unpaired_dataset import UnpairedExample, load_unpaired_dataset
+from engine.dpo.reference import Reference, completion_logprob_sums
+from engine.kto.loss import KTOLossSettings
+from engine.kto.loss_fn import REPORT_KEYS, ExampleBatch, kto_loss_fn
+from engine.run.run_loop import RunLoop
+from engine.run.train_engine_build import build_train_engine
+from engine.training.micro_batches import SequenceData
+from engine.training.nonfinite import NonFiniteGuard
+from engine.training.train_engine import BatchSettings, TrainEngine
+from models.hf.custom_code import load_tokenizer
+
+
+def loss_settings(cfg) -> KTOLossSettings:
+    k = cfg.kto
+    return KTOLossSettings(k.beta, k.desirable_weight, k.undesirable_weight)
+
+
+def _ids(example: UnpairedExample) -> tuple[list[int], list[int]]:
+    """(rendered ids, trained flags) of an example's Sample."""
+    s = example.sample
+    return list(s.tokens) + [s.labels[-1]], [0] + list(s.loss_mask)
+
+
+def example_sequences(examples: list[UnpairedExample]) -> list[SequenceData]:
+    return [SequenceData(e.sample.tokens, e.sample.labels, e.sample.loss_mask)
+            for e in examples]
+
+
+def kl_sequences(examples: list[UnpairedExample], seq_length: int) -> list[SequenceData]:
+    """The mismatched sequences of a batch: for i = 0..B-1 example i's prompt followed by the
+    completion of example (i - 1) mod B (TRL's shift by one: (x_0, y_{B-1}), (x_1, y_0), ...),
+    the completion's trained tokens trained, cut to seq_length + 1 ids on the right (the
+    prompt, at most seq_length tokens, and the completion's first token always fit)."""
+    out = []
+    for i, e in enumerate(examples):
+        other = examples[i - 1]
+        ids, _ = _ids(e)
+        other_ids, other_trained = _ids(other)
+        p, q = e.prompt_length, other.prompt_length
+        full = (ids[:p] + other_ids[q:])[:seq_length + 1]
+        trained = ([0] * p + other_trained[q:])[:seq_length + 1]
+        out.append(SequenceData(full[:-1], full[1:], trained[1:]))
+    return out
+
+
+def kl_reference_point(engine: TrainEngine, reference: Reference,
+                       seqs: list[SequenceData], kl_seqs: list[SequenceData]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the reference's sums of `seqs` [B], kl_terms [B], kl): kl_terms are the policy's minus
+    the reference's completion log-prob sums of the mismatched sequences, kl = clamp(their
+    mean over the whole batch, min=0) (TRL: `(KL_logps - ref_KL_logps).mean()`, gathered,
+    clamped, detached). Forward-only passes; collective over the world; every rank gets the
+    same numbers."""
+    b = len(seqs)
+    singles = [[i] for i in range(2 * b)]
+    ref = reference.sums(seqs + kl_seqs, singles)
+    policy_kl = completion_logprob_sums(engine, kl_seqs, singles[:b])
+    kl_terms = policy_kl - ref[b:]
+    return ref[:b], kl_terms, kl_terms.mean().clamp(min=0) if b else torch.zeros(())
+
+
+def example_batch(cfg, engine: TrainEngine, reference: Reference,
+                  examples: list[UnpairedExample]) -> tuple[list[SequenceData], ExampleBatch]:
+    """(the sequences, the ExampleBatch) of `examples`, the reference point included."""
+    seqs = example_sequences(examples)
+    kl_seqs = kl_sequences(examples, cfg.train.seq_length)
+    ref, kl_terms, kl = kl_reference_point(engine, reference, seqs, kl_seqs)
+    counts = torch.tensor([float(sum(s.loss_mask)) for s in seqs], dtype=torch.float64)
+    labels = torch.tensor([e.label for e in examples], dtype=torch.bool)
+    return seqs, ExampleBatch(loss_settings(cfg), counts, ref, labels, kl, kl_terms)
+
+
+def _with_margins(out: dict, batch: ExampleBatch) -> dict:
+    out = {**{k: out[k] for k in REPORT_KEYS}, "kl": float(batch.kl)}
+    out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out
+
+
+def kto_step(engine: TrainEngine, reference: Reference, examples: list[UnpairedExample],
+             cfg) -> dict[str, float]:
+    """One optimizer step on the global batch `examples` (every rank passes the same list);
+    returns the metrics, reduced over the whole batch (the same on every layout)."""
+    t0 = time.perf_counter()
+    seqs, batch = example_batch(cfg, engine, reference, examples)
+    ref_s = time.perf_counter() - t0
+    out = engine.train_batch(seqs, torch.zeros(len(seqs), dtype=torch.float64),
+                             kto_loss_fn(batch, engine.vocab_size), REPORT_KEYS,
+                             units=[[i] for i in range(len(seqs))])
+    tokens, dt = out["batch/num_tokens"], out["time/step_s"]
+    return {**_with_margins(out, batch),
+            "grad_norm": out["grad_norm"], "lr": out["lr"], "num_examples": len(examples),
+            "num_desirable": int(batch.labels.sum()), "num_tokens": int(tokens),
+            "time/step_s": dt + ref_s, "time/reference_s": ref_s,
+            "throughput/tokens_per_s": tokens / (dt + ref_s) if dt + ref_s > 0 else 0.0,
+            "batch/dp_imbalance": out["batch/dp_imbalance"],
+            "batch/padding_fraction": out["batch/num_padding"] / max(
+                out["batch/num_padding"] + tokens, 1),
+            "train/update_skipped": out["train/update_skipped"],
+            "train/skipped_steps": float(engine.guard.skipped),
+            **{k: v for k, v in out.items() if k.startswith("moe/")}}
+
+
+def evaluate(engine: TrainEngine, reference: Reference, examples: list[UnpairedExample],
+             cfg) -> dict[str, float]:
+    """eval/* metrics over ALL eval examples as one batch (forward-only, in the engine's
+    micro-batches): the mismatched pairs are formed over the whole eval set in file order and
+    its KL reference point is their mean, so every eval/* value is a mean over the whole
+    set, whatever the layout."""
+    seqs, batch = example_batch(cfg, engine, reference, examples)
+    out = engine.forward_only(seqs, torch.zeros(len(seqs), dtype=torch.float64),
+                              kto_loss_fn(batch, engine.vocab_size), REPORT_KEYS,
+                              units=[[i] for i in range(len(seqs))])
+    return {f"eval/{k}": v for k, v in _with_margins(out, batch).items()}
+
+
+def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> Reference:
+    """The run's reference (engine.dpo.reference): the starting LoRA adapter
+    (model.lora.init_from), the LoRA base (fresh adapters), or a frozen engine of
+    kto.ref_path (default model.hf_path)."""
+    lora = bool(cfg.model.lora.rank)
+    engine = None
+    if not lora:
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        engine = TrainEngine.frozen(hf_config, dtype, cfg.kto.ref_path or cfg.model.hf_path,
+                                    BatchSettings.from_config(cfg.train), pad_id,
+                                    loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
+                                    **megatron_overrides(cfg.parallel),
+                                    **moe_overrides(cfg, hf_config, forward_only=True),
+                                    **fusion_overrides(cfg, hf_config))
+    return Reference(policy, engine, lora, True, cfg.model.lora.init_from)
+
+
+def load_examples(cfg, tokenizer):
+    """(train dataset, eval examples or None) of data.train_files / data.eval_files."""
+    kw = dict(cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
+    length = cfg.train.seq_length
+    dataset = load_unpaired_dataset(cfg.data.train_files, tokenizer, length,
+                                    cfg.data.truncation, **kw)
+    eval_examples = None
+    if cfg.data.eval_files and cfg.train.eval_interval > 0:
+        eval_ds = load_unpaired_dataset(cfg.data.eval_files, tokenizer, length,
+                                        cfg.data.truncation, **kw)
+        eval_examples = [eval_ds[i] for i in range(len(eval_ds))]
+        if dist.get_rank() == 0:
+            print(f"[kto] eval data: {eval_ds.describe()}", flush=True)
+    if dist.get_rank() == 0:
+        print(f"[kto] train data: {dataset.describe()}", flush=True)
+    return dataset, eval_examples
+
+
+def run(cfg: KTOConfig, hf_config: dict, flags: list[str]) -> int:
+    """The KTO run on every rank (process groups and megatron state exist)."""
+    tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    dataset, eval_examples = load_examples(cfg, tokenizer)
+    gbs, n = cfg.train.global_batch_size, len(dataset)
+
+    def position(done: int) -> DataPosition:
+        return DataPosition(done, gbs, n, cfg.seed, cfg.data.shuffle)
+
+    engine, resumed = build_train_engine(cfg, hf_config, pad_id, position(0), "kto")
+    start = resumed.step
+    loop = RunLoop("kto", cfg, engine, hf_config, position, log_names=("metrics.jsonl",))
+    if not loop.prepare(start):
+        return 0
+    engine.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps,
+                                  skipped=start - engine.scheduler.num_steps)
+    reference = build_reference(cfg, hf_config, engine, pad_id)
+    if dist.get_rank() == 0:
+        k = cfg.kto
+        print(f"[kto] beta {k.beta}, desirable_weight {k.desirable_weight}, "
+              f"undesirable_weight {k.undesirable_weight}; reference: "
+              f"{reference.describe()}", flush=True)
+
+    def step_fn(step: int) -> dict:
+        idx = global_batch_indices(n, gbs, step, cfg.seed, cfg.data.shuffle)
+        metrics = kto_step(engine, reference, [dataset[i] for i in idx], cfg)
+        done = step + 1
+        metrics["data/consumed_examples"] = done * gbs
+        metrics["data/epoch"] = done * gbs / n
+        if eval_examples is not None and done % cfg.train.eval_interval == 0:
+            metrics.update(evaluate(engine, reference, eval_examples, cfg))
+        return metrics
+
+    history = loop.run(start, step_fn)
+    if history and dist.get_rank() == 0:
+        print(f"[kto] done: {start + len(history)} of {cfg.train.max_steps} steps, first loss "
+              f"{history[0]['loss']:.4f}, last loss {history[-1]['loss']:.4f}", flush=True)
+    return 0
