@@ -54,9 +54,9 @@ def test_installed_command_answers_version_and_help():
 
 @pytest.mark.parametrize("sub, expect", [
     ("rl", "  rollout.backend"), ("dpo", "  dpo.loss_type"),
-    ("validate", "usage: megatron-sft-engine validate {sft,rl,dpo,rm}"),
+    ("validate", "usage: megatron-sft-engine validate {sft,rl,dpo,rm,kto}"),
     ("convert", "{hf-to-mcore,mcore-to-hf,verify}"), ("bench", "overhead,balance,rollout"),
-    ("rm", "  rm.center_rewards_coefficient"),
+    ("rm", "  rm.center_rewards_coefficient"), ("kto", "  kto.undesirable_weight"),
     ("demo", "assets,model,addition-data,rm-data,tools-data,counting-data,"
              "counting-evaluate,evaluate"),
     ("serve", "--model DIR")])
@@ -75,8 +75,8 @@ def test_every_subcommand_has_help(sub, expect, capsys, monkeypatch):
 def test_unknown_subcommand_and_bad_nproc_are_refused(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["megatron-sft-engine"])
     assert cli.main(["train"]) == 2
-    assert "unknown subcommand 'train'; valid: sft, rl, dpo, rm, validate, convert, bench, demo, " \
-        "serve" in capsys.readouterr().err
+    assert "unknown subcommand 'train'; valid: sft, rl, dpo, rm, kto, validate, convert, bench, " \
+        "demo, serve" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli.pop_nproc(["--nproc-per-node", "0", "x=1"])
     assert e.value.code == 2

@@ -4,15 +4,17 @@
     megatron-sft-engine rl  [--nproc-per-node N] [--config FILE.yaml] [key=value ...]
     megatron-sft-engine dpo [--nproc-per-node N] [--config FILE.yaml] [key=value ...]
     megatron-sft-engine rm  [--nproc-per-node N] [--config FILE.yaml] [key=value ...]
-    megatron-sft-engine validate {sft,rl,dpo,rm} --config RECIPE.yaml [--world-size N] [--nodes M] [--json]
+    megatron-sft-engine kto [--nproc-per-node N] [--config FILE.yaml] [key=value ...]
+    megatron-sft-engine validate {sft,rl,dpo,rm,kto} --config RECIPE.yaml [--world-size N] [--nodes M] [--json]
     megatron-sft-engine convert {hf-to-mcore,mcore-to-hf,verify} ... [--nproc-per-node N]
     megatron-sft-engine bench NAME [--quick]
     megatron-sft-engine demo {assets,model,addition-data,tools-data,evaluate} ...
     megatron-sft-engine serve --model DIR [--backend hf|vllm] [--port P] ...
 
 Each subcommand is the module a checkout runs with `python -m` (`engine.sft`, `engine.rl`,
-`engine.dpo`, `engine.rm`, `engine.serve`, `tools.convert`, `tools.bench`, `tools.demo`; those
-keep working) and answers `--help` with its own text: for `sft`, `rl`, `dpo` and `rm`, every config key with its type, default
+`engine.dpo`, `engine.rm`, `engine.kto`, `engine.serve`, `tools.convert`, `tools.bench`,
+`tools.demo`; those keep working) and answers `--help` with its own text: for `sft`, `rl`,
+`dpo`, `rm` and `kto`, every config key with its type, default
 and meaning, generated from the schema. `--nproc-per-node N` starts N local ranks through torchrun (`python -m
 torch.distributed.run --standalone`); multi-node jobs call torchrun themselves
 (recipes/*_multi_node.sh). Exit codes are the module's: 0 done, 2 configuration or data error, 1
@@ -24,12 +26,13 @@ import os
 import sys
 
 PROG = "megatron-sft-engine"
-ENGINES = ("sft", "rl", "dpo", "rm")   # the training entry points (engine.<name>)
+ENGINES = ("sft", "rl", "dpo", "rm", "kto")   # the training entry points (engine.<name>)
 SUBCOMMANDS = {  # name: (module torchrun runs for --nproc-per-node, or None; one-line meaning)
     "sft": ("engine.sft", "supervised fine-tuning"),
     "rl": ("engine.rl", "GRPO / DAPO / PPO / on-policy distillation"),
     "dpo": ("engine.dpo", "preference optimisation: DPO, IPO, cDPO/robust, hinge, SimPO, RPO"),
     "rm": ("engine.rm", "reward models: Bradley-Terry on preference pairs"),
+    "kto": ("engine.kto", "KTO on unpaired feedback (a prompt, a completion, a boolean label)"),
     "validate": (None, "check a recipe's layout, memory and communication for a cluster; "
                        "no GPUs, no weights"),
     "convert": ("tools.convert", "checkpoints between Hugging Face and Megatron-Core"),
@@ -48,8 +51,8 @@ def usage() -> str:
              f"{PROG} {version()}: Megatron-Core SFT and RL whose loss does not depend on the "
              "parallel layout.", "", "subcommands:"]
     lines += [f"  {name:<{width}}  {meaning}" for name, (_, meaning) in SUBCOMMANDS.items()]
-    lines += ["", f"`{PROG} SUBCOMMAND --help` prints the subcommand's options (for sft, rl, dpo "
-              "and rm: every config key).", "", "examples:",
+    lines += ["", f"`{PROG} SUBCOMMAND --help` prints the subcommand's options (for sft, rl, dpo, "
+              "rm and kto: every config key).", "", "examples:",
               f"  {PROG} sft model.hf_path=DIR data.train_files=[train.jsonl] train.max_steps=100",
               f"  {PROG} sft --nproc-per-node 4 --config recipes/sft/qwen3_8b_h100.yaml "
               "model.hf_path=DIR",
@@ -92,11 +95,13 @@ def _engine_help(name: str) -> tuple[str, str, list[str]]:
     prog = f"{PROG} {name}"
     recipe = {"sft": "recipes/sft/qwen3_8b_h100.yaml", "rl": "recipes/rl/qwen3_8b_grpo_h100.yaml",
               "dpo": "recipes/dpo/qwen3_8b_dpo_h100.yaml",
-              "rm": "recipes/rm/qwen3_8b_rm_h100.yaml"}[name]
+              "rm": "recipes/rm/qwen3_8b_rm_h100.yaml",
+              "kto": "recipes/kto/qwen3_8b_kto_h100.yaml"}[name]
     data = {"sft": "data.train_files=[train.jsonl]",
             "rl": "data.train_files=[prompts.jsonl] reward.fn=math rollout.n=8",
             "dpo": "data.train_files=[pairs.jsonl] dpo.loss_type=sigmoid",
-            "rm": "data.train_files=[pairs.jsonl] rm.center_rewards_coefficient=0.01"}[name]
+            "rm": "data.train_files=[pairs.jsonl] rm.center_rewards_coefficient=0.01",
+            "kto": "data.train_files=[kto.jsonl] kto.beta=0.1"}[name]
     return prog, f"{prog} [--nproc-per-node N] [--config FILE.yaml] [key=value ...]", [
         f"{prog} model.hf_path=DIR {data} train.max_steps=100",
         f"{prog} --nproc-per-node 8 --config {recipe} model.hf_path=DIR parallel.tp=2",
@@ -112,6 +117,8 @@ def run_engine(name: str, argv: list[str]) -> int:
         from engine.dpo.__main__ import main
     elif name == "rm":
         from engine.rm.__main__ import main
+    elif name == "kto":
+        from engine.kto.__main__ import main
     else:
         from engine.rl.__main__ import main
     return main(argv, *_engine_help(name))
@@ -141,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if name in ENGINES:
         return run_engine(name, rest)
     if name == "validate":
-        usage_line = (f"usage: {PROG} validate {{sft,rl,dpo,rm}} --config RECIPE.yaml [--world-size N] "
+        usage_line = (f"usage: {PROG} validate {{sft,rl,dpo,rm,kto}} --config RECIPE.yaml [--world-size N] "
                       "[--nodes M] [--gpus-per-node G] [--json] [key=value ...]")
         if rest[:1] in (["-h"], ["--help"]):
             print(f"{usage_line}\n\nChecks a recipe's layout arithmetic, memory per GPU and "

@@ -5,7 +5,9 @@
         OUT/sft_eval.jsonl (chat rows "what is a + b ?" -> "the answer is c"),
         OUT/rl_prompts.jsonl ({"prompt", "answer"}) and OUT/dpo_train.jsonl, OUT/dpo_eval.jsonl
         (recipes/dpo_cpu_demo.sh: preference pairs, chosen "the answer is c", rejected "c is the
-        answer"; the eval pairs' prompts are not in the training pairs)
+        answer"; the eval pairs' prompts are not in the training pairs), OUT/kto_train.jsonl,
+        OUT/kto_eval.jsonl (recipes/kto_cpu_demo.sh: the same pairs unpaired, "the answer is c"
+        desirable, "c is the answer" undesirable; conversational rows, the eval rows as text)
     python -m tools.demo model DIR [--hidden H] [--layers L] [--intermediate I] [--seed S]
         a tiny random Qwen3 (4 heads, 2 KV heads) with the 200-token word-level tokenizer of
         tools/tiny_models.py (every addition-demo model shares it)
@@ -87,6 +89,24 @@ def preference_rows(pairs: list[tuple[int, int]]) -> list[dict]:
             for a, b in pairs]
 
 
+def unpaired_rows(pairs: list[tuple[int, int]], text: bool = False) -> list[dict]:
+    """KTO's unpaired rows of `pairs` (TRL's unpaired format): each prompt twice, with
+    "the answer is c" (label true) and "c is the answer" (label false); conversational, or
+    standard text with `text`."""
+    rows = []
+    for a, b in pairs:
+        prompt = f"what is {a} + {b} ?"
+        for completion, label in ((f"the answer is {a + b}", True),
+                                  (f"{a + b} is the answer", False)):
+            if text:
+                rows.append({"prompt": prompt, "completion": completion, "label": label})
+            else:
+                rows.append({"prompt": [{"role": "user", "content": prompt}],
+                             "completion": [{"role": "assistant", "content": completion}],
+                             "label": label})
+    return rows
+
+
 def make_assets(out: Path, seed: int = 0) -> str:
     """recipes/cpu_demo.sh's model and data in `out` (module docstring); returns a summary."""
     from tools.tiny_models import build_tiny_model
@@ -103,10 +123,15 @@ def make_assets(out: Path, seed: int = 0) -> str:
                 [{"prompt": f"what is {a} + {b} ?", "answer": str(a + b)} for a, b in pairs])
     write_jsonl(out / "dpo_train.jsonl", preference_rows(train_pairs))
     write_jsonl(out / "dpo_eval.jsonl", preference_rows(eval_pairs))
+    kto_train = unpaired_rows(train_pairs)
+    random.Random(seed + 1).shuffle(kto_train)   # desirable and undesirable rows mixed
+    write_jsonl(out / "kto_train.jsonl", kto_train)
+    write_jsonl(out / "kto_eval.jsonl", unpaired_rows(eval_pairs, text=True))
     return (f"demo assets in {out}: model/, sft_train.jsonl ({len(train_pairs) * 4} rows), "
             f"sft_eval.jsonl ({len(eval_pairs)} rows), rl_prompts.jsonl ({len(pairs)} rows), "
             f"dpo_train.jsonl ({len(train_pairs)} pairs), dpo_eval.jsonl "
-            f"({len(eval_pairs)} pairs)")
+            f"({len(eval_pairs)} pairs), kto_train.jsonl ({2 * len(train_pairs)} rows), "
+            f"kto_eval.jsonl ({2 * len(eval_pairs)} rows)")
 
 
 def make_model(out: str, hidden: int, layers: int, intermediate: int, seed: int) -> None:
