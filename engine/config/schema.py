@@ -28,6 +28,7 @@ from engine.config.model_settings import (loss_chunk_problems, recompute_layer_p
 from engine.config.parallel_settings import (ParallelConfig, overlap_problems,
                                              resolved_overlap_problems)
 from engine.config.tokenizer_settings import remote_code_problems
+from engine.config.logging_settings import LoggingConfig, tracker_problems, tracker_start_problems
 from models.families.base import UnsupportedModelError
 from models.families.registry import experts_per_layer, family_of
 from models.hf.config import check_config
@@ -35,7 +36,8 @@ from models.hf.io import HFCheckpointError, read_config, training_dir_problems
 from models.families.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
 
-__all__ = ["ConfigError", "ParallelConfig", "config_yaml", "load_config", "split_argv"]  # re-exp.
+__all__ = ["ConfigError", "LoggingConfig", "ParallelConfig", "config_yaml", "load_config",
+           "split_argv"]  # re-exported
 
 
 @dataclass
@@ -103,13 +105,6 @@ class LossConfig:
     agg_mode: str = "token-mean"
     norm_horizon: Optional[int] = None   # H of seq-mean-token-sum-norm; default train.seq_length
     count_empty_sequences: bool = True
-
-
-@dataclass
-class LoggingConfig:
-    dir: Optional[str] = "runs/sft"
-    progress_bar: bool = True
-    sample_ids: bool = False     # rank 0 appends {"step", "indices"} per step to samples.jsonl
 
 
 @dataclass
@@ -251,7 +246,7 @@ def value_problems(cfg) -> list[str]:
     p += loss_chunk_problems(cfg.train)
     if len(cfg.optim.betas) != 2:
         p.append(f"optim.betas={list(cfg.optim.betas)} must hold two numbers")
-    return p + overlap_problems(cfg) + fusion_problems(cfg)
+    return p + overlap_problems(cfg) + fusion_problems(cfg) + tracker_problems(cfg)
 
 
 def parallel_layout(parallel_cfg, world_size: int) -> ParallelLayout:
@@ -290,7 +285,8 @@ def validate_common(cfg, world_size: int) -> dict:
     raise_problems(model_dir_problems(cfg) + data_file_problems(cfg) + value_problems(cfg)
                    + layout_problems(cfg, world_size, hf_config) + moe_problems(cfg, hf_config)
                    + length_problems(cfg, hf_config) + resolved_overlap_problems(cfg)
-                   + lora_problems(cfg, hf_config) + vision_problems(cfg, hf_config))
+                   + lora_problems(cfg, hf_config) + vision_problems(cfg, hf_config)
+                   + tracker_start_problems(cfg))
     return hf_config
 
 

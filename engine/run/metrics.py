@@ -1,7 +1,10 @@
-"""Metrics output: a JSON-lines file, TensorBoard scalars and a tqdm progress bar.
+"""Metrics output: a JSON-lines file, TensorBoard scalars, the experiment trackers and a tqdm
+progress bar.
 
 Only one rank writes (the caller passes enabled = rank 0). The values handed in must already be
 reduced across ranks (see engine loss/metrics reduction); this module never communicates.
+Every step written to metrics.jsonl is also handed, as written, to the experiment trackers
+the run loop started (engine.run.trackers.active: W&B, MLflow), when there are any.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import os
 from typing import Any, Mapping
 
 from tqdm.auto import tqdm
+
+from engine.run.trackers import active
 
 __all__ = ["MetricsLogger", "progress_bar", "format_postfix", "POSTFIX_KEYS"]
 
@@ -34,7 +39,7 @@ def _to_float(name: str, value: Any) -> float:
 
 class MetricsLogger:
     """Appends one JSON object per `log` call to ``log_dir/metrics.jsonl`` and writes the same
-    scalars to TensorBoard event files in ``log_dir``.
+    scalars to TensorBoard event files in ``log_dir`` and to the active experiment trackers.
 
     JSON lines: ``{"step": int, "<name>": float, ...}``, flushed per line; NaN/inf are written as
     Python's json writes them (NaN, Infinity), so a diverged run stays visible. When `enabled`
@@ -73,6 +78,9 @@ class MetricsLogger:
         for name, v in values.items():
             self._writer.add_scalar(name, v, global_step=int(step))
         self._writer.flush()
+        trackers = active()
+        if trackers is not None:
+            trackers.log(int(step), values)
 
     def close(self) -> None:
         """Flush and close the files; further log calls raise (on the writing rank)."""

@@ -1,9 +1,9 @@
 """The run loop shared by SFT and RL: resume, steps, metrics, progress, checkpoints, stop.
 
 `RunLoop.run(step_fn)` calls `step_fn(step)` for every remaining step and owns everything
-around it: the metrics logger (metrics.jsonl + TensorBoard, rank 0), the progress bar, the
-non-finite divergence check after logging, the stop monitor, the save-due rule and the save
-(with the caller's checkpoint `extra`). `build_or_resume` is the resume preamble: it builds the
+around it: the metrics logger (metrics.jsonl, TensorBoard and the experiment trackers that
+`prepare` started, rank 0), the progress bar, the non-finite divergence check after logging,
+the stop monitor, the save-due rule and the save (with the caller's checkpoint `extra`). `build_or_resume` is the resume preamble: it builds the
 TrainEngine fresh from HF weights or loads the newest checkpoint into it.
 
 When a run saves and stops is decided the same way on every rank: `StopMonitor.should_stop`
@@ -36,6 +36,7 @@ from engine.checkpoint.checkpointing import (DataPosition, load_training_checkpo
                                   save_training_checkpoint, select_resume_checkpoint)
 from engine.config.schema import config_yaml
 from engine.run.metrics import LinesAboveBar, MetricsLogger, format_postfix, progress_bar
+from engine.run.trackers import close_trackers, open_trackers
 from engine.training.train_engine import TrainEngine
 from parallel.cpu_runtime import device
 
@@ -190,9 +191,14 @@ class RunLoop:
 
     def prepare(self, start: int) -> bool:
         """Before building anything else: False (rank 0 says so) when `start` steps leave
-        nothing to do; else the logs are trimmed to `start` (prepare_resumed_run)."""
-        return prepare_resumed_run(self.tag, start, self.cfg.train.max_steps,
-                                   self.cfg.logging.dir, self.log_names)
+        nothing to do; else the logs are trimmed to `start` (prepare_resumed_run) and the
+        experiment trackers are started (collective; engine.run.trackers.open_trackers: a
+        tracker that cannot start raises TrackerStartError on every rank). `run` ends them."""
+        if not prepare_resumed_run(self.tag, start, self.cfg.train.max_steps,
+                                   self.cfg.logging.dir, self.log_names):
+            return False
+        open_trackers(self.cfg, start, self.tag)
+        return True
 
     def run(self, start: int, step_fn: Callable[[int], dict]) -> list[dict]:
         """Run `step_fn(step)` (0-based; returns the step's metrics) from `start` (after
@@ -235,6 +241,7 @@ class RunLoop:
                 monitor.silent = True
             bar.close()
             logger.close()
+            close_trackers(failed=not finished)
         return history
 
     def _save(self, done: int, yaml: str) -> None:
