@@ -4,8 +4,6 @@ string and an observation after the returned text (OpenAI semantics) trains a tr
 that holds every piece of text once, exactly the transcript it sent."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import engine.api.replies as replies
 from engine.api.replies import stop_cut
 from tests.test_agent_server import LIMITS, ScriptedBackend, client, serving, tok  # noqa: F401
@@ -49,12 +47,11 @@ def test_a_react_scaffold_trains_its_transcript_once(tok):
     assert tok.decode(trained, skip_special_tokens=True) == \
         "Thought: add\nAction: calc[2+2] Final Answer: 4"
 
-    def old_rule(rules, ids, stops):
-        if not any(s in rules.reply_text(ids) for s in stops):
+    def old_rule(text_of, ids, stops):
+        if not any(s in text_of(ids) for s in stops):
             return None
-        lo = next(n for n in range(1, len(ids) + 1)
-                  if any(s in rules.reply_text(ids[:n]) for s in stops))
-        full = rules.reply_text(ids[:lo])
+        lo = next(n for n in range(1, len(ids) + 1) if any(s in text_of(ids[:n]) for s in stops))
+        full = text_of(ids[:lo])
         return lo, full[:min(full.find(s) for s in stops if s in full)]
 
     original, replies.stop_cut = replies.stop_cut, old_rule
@@ -71,9 +68,11 @@ def test_a_token_spanning_the_stop_string_is_dropped_with_it():
     the stop is "abc", but the token "c\\nObs" spans the stop's start, so the reply keeps one
     id and returns "ab" (what the kept ids spell); no stop string: None."""
     pieces = ["ab", "c\nObs", "ervation:", "x"]
-    rules = SimpleNamespace(reply_text=lambda ids: "".join(pieces[i] for i in ids))
-    assert stop_cut(rules, [0, 1, 2, 3], [STOP]) == (1, "ab")
-    assert stop_cut(rules, [0, 1, 2, 3], ["ervation"]) == (2, "abc\nObs")
-    assert stop_cut(rules, [0, 2, 3], ["x"]) == (2, "abervation:")
-    assert stop_cut(rules, [0, 1], ["zz"]) is None
-    assert stop_cut(rules, [3, 0], ["x"]) == (0, "")
+    def text_of(ids):
+        return "".join(pieces[i] for i in ids)
+
+    assert stop_cut(text_of, [0, 1, 2, 3], [STOP]) == (1, "ab")
+    assert stop_cut(text_of, [0, 1, 2, 3], ["ervation"]) == (2, "abc\nObs")
+    assert stop_cut(text_of, [0, 2, 3], ["x"]) == (2, "abervation:")
+    assert stop_cut(text_of, [0, 1], ["zz"]) is None
+    assert stop_cut(text_of, [3, 0], ["x"]) == (0, "")

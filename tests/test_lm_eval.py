@@ -38,7 +38,8 @@ def greedy_text(model, tok, prompt: str, new: int) -> str:
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new, do_sample=False,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    whole = tok.decode(out[0], skip_special_tokens=True)       # the continuation's text, as
+    return whole[len(tok.decode(ids[0], skip_special_tokens=True)):]   # vLLM returns it
 
 
 def loglikelihood(model, tok, context: str, continuation: str) -> float:

@@ -35,14 +35,14 @@ class Echo:
     top: list[dict[int, float] | None]
 
 
-def scored_reply(rules: TemplateRules, call: Call, result: GenerateResult, prompt_len: int,
-                 name: str) -> Reply:
+def scored_reply(rules: TemplateRules, call: Call, result: GenerateResult,
+                 context: list[int], name: str) -> Reply:
     """make_reply, then (when the request was scored) its log-probs replaced by the raw
     scores of its kept ids and their top-k alternatives (module docstring)."""
-    reply = make_reply(rules, call, result, name)
+    reply = make_reply(rules, call, result, name, context)
     if result.scores is None:
         return reply
-    start, n = prompt_len - 1, len(reply.ids)
+    start, n = len(context) - 1, len(reply.ids)
     return replace(reply, logprobs=result.scores.logprobs[start:start + n],
                    top=result.scores.top[start:start + n])
 
@@ -62,7 +62,7 @@ def chat_reply(rules: TemplateRules, call: Call, context: list[int],
                results: list[GenerateResult], model: str, rid: str
                ) -> tuple[dict, list[Reply]]:
     """(the /v1/chat/completions body, its replies) of one chat call."""
-    replies = [scored_reply(rules, call, r, len(context), f"{rid}_{k}")
+    replies = [scored_reply(rules, call, r, context, f"{rid}_{k}")
                for k, r in enumerate(results)]
     return response_body(rules, call, context, replies, model, rid), replies
 
@@ -91,7 +91,7 @@ def completion_reply(rules: TemplateRules, call: Call, contexts: list[list[int]]
               for i, (p, c) in enumerate(zip(call.prompts, contexts))]
     for index, result in enumerate(results):
         i = index // n
-        reply = scored_reply(rules, call, result, len(contexts[i]), f"{rid}_{index}")
+        reply = scored_reply(rules, call, result, contexts[i], f"{rid}_{index}")
         replies.append(reply)
         choice = _choice(rules, call, index, reply, echoes[i])
         if call.return_token_ids and len(contexts) > 1:

@@ -10,7 +10,9 @@ Each choice's sampled ids go through:
    scaffold that appends "\nObservation: ..." after the text (OpenAI semantics: the stop
    string is not returned) never puts the stop string in the trajectory twice;
 2. the text: decoded without special tokens and without a final end-of-turn marker
-   (engine.api.tokens);
+   (engine.api.tokens); a completion's text is what its ids add after the last context ids
+   (TemplateRules.reply_text with continuation_lead: prompt + text spells the sequence, a
+   space before the first token kept, as vLLM returns it), a chat reply's is decoded alone;
 3. tool calls, when the call gave tools with tool_choice "auto" and the chat template has a
    known format (engine.data.tool_calls): parsed calls become `tool_calls` (arguments as JSON
    strings, ids call_<episode>_<call>_<choice>_<j>), the content is the text outside the
@@ -26,11 +28,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.api.backend import GenerateResult
 from engine.api.requests import Call
-from engine.api.tokens import TemplateRules
+from engine.api.tokens import TemplateRules, continuation_lead
 from engine.data.tool_calls import parse_tool_calls
 
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
@@ -45,6 +48,7 @@ class Reply:
     content: str | None
     tool_calls: list[dict] | None = None
     top: list[dict[int, float]] | None = None   # serve: each kept id's top-k {id: log-prob}
+    lead: list[int] = field(default_factory=list)  # completions: the context ids text follows
 
     def message(self) -> dict:
         out = {"role": "assistant", "content": self.content}
@@ -53,26 +57,27 @@ class Reply:
         return out
 
 
-def stop_cut(rules: TemplateRules, ids: list[int], stops: list[str]) -> tuple[int, str] | None:
+def stop_cut(text_of: Callable[[list[int]], str], ids: list[int], stops: list[str]
+             ) -> tuple[int, str] | None:
     """(ids kept, their text) when the reply's text holds one of `stops`, None otherwise (rule
     1 of the module docstring). The first stop string is found in the text of the fewest ids
     that contain one (text grows with ids: bisection); the ids kept are the longest prefix
     whose text the text before it starts with."""
-    if not stops or not any(s in rules.reply_text(ids) for s in stops):
+    if not stops or not any(s in text_of(ids) for s in stops):
         return None
     lo, hi = 1, len(ids)
     while lo < hi:
         mid = (lo + hi) // 2
-        if any(s in rules.reply_text(ids[:mid]) for s in stops):
+        if any(s in text_of(ids[:mid]) for s in stops):
             hi = mid
         else:
             lo = mid + 1
-    text = rules.reply_text(ids[:lo])
+    text = text_of(ids[:lo])
     before = text[:min(text.find(s) for s in stops if s in text)]
     keep = lo - 1
-    while keep > 0 and not before.startswith(rules.reply_text(ids[:keep])):
+    while keep > 0 and not before.startswith(text_of(ids[:keep])):
         keep -= 1
-    return keep, rules.reply_text(ids[:keep])
+    return keep, text_of(ids[:keep])
 
 
 def _tool_calls(rules: TemplateRules, text: str, name: str) -> tuple[str | None, list | None]:
@@ -89,20 +94,27 @@ def _tool_calls(rules: TemplateRules, text: str, name: str) -> tuple[str | None,
     return content, calls
 
 
-def make_reply(rules: TemplateRules, call: Call, result: GenerateResult, name: str) -> Reply:
-    """Choice `name` ("<episode>_<call>_<choice>") of a call from its generate result."""
+def make_reply(rules: TemplateRules, call: Call, result: GenerateResult, name: str,
+               context: list[int] | None = None) -> Reply:
+    """Choice `name` ("<episode>_<call>_<choice>") of a call from its generate result;
+    `context`: the ids it continues (a completion's text follows their last ids, rule 2)."""
     ids, logprobs, finish = list(result.ids), list(result.logprobs), result.finish_reason
-    cut = stop_cut(rules, ids, call.stop)
+    lead = continuation_lead(context) if call.kind == "completion" and context else []
+
+    def text_of(part: list[int]) -> str:
+        return rules.reply_text(part, lead)
+
+    cut = stop_cut(text_of, ids, call.stop)
     if cut is not None:
         ids, logprobs, finish, text = ids[:cut[0]], logprobs[:cut[0]], "stop", cut[1]
     else:
-        text = rules.reply_text(ids)
+        text = text_of(ids)
     content, tool_calls = text, None
     if call.kind == "chat" and call.parse_tools and rules.tool_format:
         content, tool_calls = _tool_calls(rules, text, name)
         if tool_calls and finish != "length":
             finish = "tool_calls"
-    return Reply(ids, logprobs, finish, text, content, tool_calls)
+    return Reply(ids, logprobs, finish, text, content, tool_calls, lead=lead)
 
 
 def finite(logprob: float) -> float:

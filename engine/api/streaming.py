@@ -32,17 +32,21 @@ from engine.api.requests import Call
 from engine.api.tokens import TemplateRules
 
 
-def token_pieces(rules: TemplateRules, ids: list[int], text: str) -> tuple[list[str], str]:
+def token_pieces(rules: TemplateRules, ids: list[int], text: str, lead: list[int] = ()
+                 ) -> tuple[list[str], str]:
     """(one piece per id, the rest) with "".join(pieces) + rest == text: the pieces decode
     `ids` incrementally (vLLM's way: the text of a short window of ids before a token and
     with it, held back while it ends in an incomplete character), each kept only while the
     pieces so far spell a prefix of `text` (a stop string or the end-of-turn marker end the
-    returned text early; tool-call blocks leave the content), the rest is text beyond them."""
+    returned text early; tool-call blocks leave the content), the rest is text beyond them.
+    `lead`: the context ids a completion's text follows (Reply.lead), read before the first
+    id, so the first piece carries the space the text starts with."""
     decode = rules.tokenizer.decode
-    pieces, emitted, prefix, read = [], "", 0, 0
-    for j in range(1, len(ids) + 1):
-        before = decode(ids[prefix:read], skip_special_tokens=True)
-        after = decode(ids[prefix:j], skip_special_tokens=True)
+    seq = list(lead) + list(ids)
+    pieces, emitted, prefix, read = [], "", 0, len(lead)
+    for j in range(len(lead) + 1, len(seq) + 1):
+        before = decode(seq[prefix:read], skip_special_tokens=True)
+        after = decode(seq[prefix:j], skip_special_tokens=True)
         delta = ""
         if len(after) > len(before) and not after.endswith("\ufffd"):
             delta = after[len(before):]
@@ -119,7 +123,7 @@ def completion_chunks(rules: TemplateRules, call: Call, body: dict, replies: lis
         first = len(echo.ids) if echo is not None and lp is not None else 0
         if echo is not None:
             out.append(chunk(index, echo.text, _part(lp, 0, first)))
-        pieces, rest = token_pieces(rules, reply.ids, reply.text)
+        pieces, rest = token_pieces(rules, reply.ids, reply.text, reply.lead)
         for j, piece in enumerate(pieces):
             if piece or lp is not None:
                 out.append(chunk(index, piece, _part(lp, first + j, first + j + 1)))

@@ -14,6 +14,9 @@ from engine.data.tool_calls import detect_format
 from engine.errors import RunError
 
 
+LEAD_IDS = 6   # context ids a completion's text is decoded after (continuation_lead)
+
+
 class TemplateRules:
     """`tokenizer`'s rules (module docstring); `problem` says why chat calls cannot be served
     (no chat template), None when they can."""
@@ -70,13 +73,29 @@ class TemplateRules:
             raise bad(f"prompt has token ids beyond the vocabulary ({self.vocab_size})",
                       "prompt")
 
-    def reply_text(self, ids: list[int]) -> str:
+    def reply_text(self, ids: list[int], lead: list[int] | None = None) -> str:
         """The text a reply returns: decoded without special tokens, without a final
-        end-of-turn marker."""
+        end-of-turn marker. With `lead` (a completion's last context ids: continuation_lead),
+        the text the ids add after the lead's text, as vLLM's incremental detokenizer returns
+        a completion: decode(lead + ids) past decode(lead), so a word-level or SentencePiece
+        tokenizer's space before the first reply token is kept (prompt + text spells the
+        whole sequence); decoded alone when the lead's text is not a prefix of it."""
         n = len(self.close_ids)
         if n and ids[-n:] == self.close_ids:
             ids = ids[:-n]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not lead or not ids:
+            return text
+        head = self.tokenizer.decode(lead, skip_special_tokens=True)
+        whole = self.tokenizer.decode(list(lead) + list(ids), skip_special_tokens=True)
+        return whole[len(head):] if whole.startswith(head) else text
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def continuation_lead(context: list[int]) -> list[int]:
+    """The context ids a completion's text is decoded after (TemplateRules.reply_text): its
+    last LEAD_IDS ids (what a token's leading space or merge depends on; vLLM's incremental
+    detokenizer reads a window of the same kind)."""
+    return list(context[-LEAD_IDS:])

@@ -169,7 +169,7 @@ class AgentServer:
                             seed) for seed in plan.seeds])]
         try:
             results = await asyncio.gather(*futures)
-            replies = [make_reply(self.rules, call, r, f"{eid}_{plan.call}_{k}")
+            replies = [make_reply(self.rules, call, r, f"{eid}_{plan.call}_{k}", plan.context)
                        for k, r in enumerate(results)]
             for k, r in enumerate(replies):
                 episode.record(plan, k, r.ids, r.logprobs, r.finish_reason,
