@@ -7,7 +7,9 @@ log_softmax (negative control: shifted by one position), per-response seeds inde
 the batch, finish reasons, a
 sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
 skipped tensor is refused) in sampling and in the full-vocabulary probe of
-rollout.check_weight_sync, the refusal of a too-long prompt, a killed engine reported dead
+rollout.check_weight_sync; a sync by handle (rollout.sync_transport's default) leaving every
+worker's weights (rl_weight_digest) and the probe or samples bitwise as a file sync of the same
+weights, at TP 2 (the module's engine) and TP 1 (the MoE families); the refusal of a too-long prompt, a killed engine reported dead
 (and, in the one-process GRPO run, restarted from the current weights); env.agent episodes (an
 `openai`-client scaffold) on the module's engine training exactly the ids the client received;
 DeepSeek-V3 (MLA), GLM-4.5 and gpt-oss (whose loader copies the sinks and experts past vLLM's
@@ -224,6 +226,25 @@ def _sync(engine, weights: dict, skip: str | None = None, per_bucket: int = 3) -
         engine.update_weights([(n, weights[n]) for n in names[i:i + per_bucket]])
 
 
+def _same_weights_by_file(engine, weights: dict, outputs, before: list[str]) -> None:
+    """After a handle sync of `weights` (closed): a file sync of the same weights leaves every
+    worker's weights and `outputs()` (an engine call that closes the sync) bitwise as the
+    handle sync did; `before` (each worker's digest before the handle sync) differs (negative
+    control: the digest sees a sync)."""
+    digests, out = engine.llm.collective_rpc("rl_weight_digest"), outputs()
+    assert len(set(digests)) == len(digests) == engine.workers and before != digests
+    # the workers let go of every shared bucket at the close: the next sync reuses them
+    assert engine.shared_buckets.free and not engine.shared_buckets.held
+    engine.sync_transport = "file"
+    try:
+        _sync(engine, weights)
+        out_file = outputs()
+        assert engine.llm.collective_rpc("rl_weight_digest") == digests
+    finally:
+        engine.sync_transport = "handle"
+    assert torch.equal(out_file, out) if isinstance(out, torch.Tensor) else out_file == out
+
+
 def _probe_diff(engine, model) -> float:
     """max |engine.probe_logits - log_softmax(transformers logits)| on the sync check's probe."""
     probe = probe_tokens(engine.vocab_size)
@@ -244,12 +265,15 @@ def test_a_sync_that_changes_every_parameter_lands_exactly(qwen3, qwen3_dir, tmp
     model_dir, engine = qwen3_dir, qwen3
     weights = _new_weights(model_dir, tmp_path / "new", 1)
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
-    _sync(engine, weights)
+    before = engine.llm.collective_rpc("rl_weight_digest")
+    _sync(engine, weights)   # rollout.sync_transport=handle, the default
     gens = engine.generate(PROMPTS, params)
     new, old = _transformers(str(tmp_path / "new")), _transformers(model_dir)
     assert _max_diff(new, gens, 1.0) < 2e-5
     assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
     assert _probe_diff(engine, new) < 1e-5 and _probe_diff(engine, old) > 1e-1
+    _same_weights_by_file(engine, weights, lambda: engine.probe_logits(probe_tokens(
+        engine.vocab_size)), before)
     skipped = "model.layers.1.self_attn.o_proj.weight"
     _sync(engine, weights, skip=skipped)
     with pytest.raises(RuntimeError, match=r"not \(fully\) written.*o_proj"):
@@ -308,10 +332,14 @@ def test_moe_families_of_2026_sample_and_sync_exactly(family, tmp_path):
         params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
         old = _transformers(model_dir)
         assert _max_diff(old, engine.generate(PROMPTS, params), 1.0) < bound
-        _sync(engine, _new_weights(model_dir, tmp_path / "new", 1))
+        before = engine.llm.collective_rpc("rl_weight_digest")
+        weights = _new_weights(model_dir, tmp_path / "new", 1)
+        _sync(engine, weights)   # by handle, the default
         gens = engine.generate(PROMPTS, params)
         assert _max_diff(_transformers(str(tmp_path / "new")), gens, 1.0) < bound
         assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
+        _same_weights_by_file(engine, weights, lambda: [
+            g.response_logprobs for g in engine.generate(PROMPTS, params)], before)
     finally:
         engine.shutdown()
 
@@ -409,6 +437,12 @@ def test_rollout_vllm_keys_are_checked_by_name():
     assert engine_args(VLLMConfig(), 1, True, check_weight_sync=True)["max_logprobs"] == -1
     assert "max_logprobs" not in engine_args(VLLMConfig(), 1, True)
     assert not any("vllm" in p for p in rl_problems(_cfg()))
+    # rollout.sync_transport: handle (default) | file, on vllm and on hf (which ignores it)
+    for backend, transport in (("vllm", "file"), ("hf", "handle"), ("hf", "file")):
+        assert not any("sync_transport" in p for p in rl_problems(_cfg(
+            f"rollout.backend={backend}", f"rollout.sync_transport={transport}")))
+    assert "rollout.sync_transport='ipc' is not valid; choose one of handle, file" in \
+        rl_problems(_cfg("rollout.sync_transport=ipc"))
     # DeepSeek-V3 / Kimi-K2: vLLM reads scoring_func and topk_method (softmax and no correction
     # bias when absent), transformers and the trainer do not
     bare = " | ".join(vllm_problems(_cfg(), {"model_type": "deepseek_v3"}))

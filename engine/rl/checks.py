@@ -32,6 +32,7 @@ from engine.rl.rollout.base import (BACKENDS, backend_class, conditional_checkpo
 from engine.rl.rollout.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
                                          split_sizes)
 from engine.rl.rollout.sglang_settings import sglang_problems
+from engine.rl.rollout.sync_handles import TRANSPORTS
 from engine.rl.rollout.sync_quantization import sync_quantization_problems
 from engine.rl.rollout.vllm_settings import vllm_problems
 from models.bridge.critic import critic_problem
@@ -70,6 +71,7 @@ def rl_problems(cfg: RLConfig) -> list[str]:
     check(0 < rollout.top_p <= 1, f"rollout.top_p={rollout.top_p} must be in (0, 1]")
     check(rollout.sync_bucket_mb > 0,
           f"rollout.sync_bucket_mb={rollout.sync_bucket_mb} must be > 0")
+    check_choice(p, rollout.sync_transport, "rollout.sync_transport", TRANSPORTS)
     total = train.prompts_per_step * rollout.n
     check(train.mini_batches_per_step <= total, f"train.mini_batches_per_step="
           f"{train.mini_batches_per_step} exceeds the {total} responses of a rollout batch "

@@ -129,6 +129,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     sync_bucket_mb: float = 512.0
+    # how a colocated vLLM engine's workers get each bucket: handle (shared tensors: shared
+    # memory on CPU, CUDA IPC on GPUs; engine.rl.rollout.sync_handles) | file (a file on
+    # /dev/shm, bucket_files); hf updates its model in place and ignores it
+    sync_transport: str = "handle"
     # null: weights in model.dtype | fp8: the weights model.hf_path stores in FP8 go as FP8 +
     # weight_scale_inv (FP8 engines; engine.rl.sync_quantization)
     sync_quantization: Optional[str] = None

@@ -9,6 +9,19 @@ code path: megatron -> HF names, fused QKV and gate/up split, vocab unpadded) th
 (fp32 weights) / wall seconds of the whole stream, in GB/s (1e9 bytes). An "export only" row
 times the same stream without an engine (the conversion alone). On a CPU host torch runs with
 CPU_THREADS intra-op threads (see common.torch_threads).
+
+`--transport` (`run_transport`; `python -m tools.bench.sync --transport [--quick]`): the
+vLLM rollout engine's sync by rollout.sync_transport, `handle` against `file`, side by side in
+one process: the ~100M-parameter checkpoint of tools/bench/backends.py (fp32, 382 MB, one
+bucket at the default 512 MiB) loaded into one CPU vLLM engine (TP 1), then synced
+TRANSPORT_REPEATS times per transport after one warm-up each, the transports taken in turn (the
+order swapped every round). Timed: every `update_weights` call of a sync (the owner's packing
+or file write, the RPC, the worker's rebuild or read and vLLM's weight loaders) and, apart, the
+sync's close (the next generate: vLLM finalises the reload; one greedy token). Owner side
+alone: the refill of a reused shared buffer (handle: every sync after the first reuses the
+last sync's buffers) vs `write_bucket` + `discard` (file). The first (warm-up) sync of each
+transport is reported apart: by handle it allocates the shared buffers.
+After the last syncs the worker's weights are compared bitwise (rl_weight_digest).
 """
 from __future__ import annotations
 
@@ -22,6 +35,7 @@ from tools.bench.common import BenchResult, Table, fmt, median, torch_threads
 MODEL = dict(vocab_size=32000, hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816,
              head_dim=64)
 DEFAULT_BUCKET_MB = 512       # engine.rl.config rollout.sync_bucket_mb default
+TRANSPORT_REPEATS, TRANSPORT_QUICK = 7, 2   # timed syncs per transport (--transport)
 CPU_THREADS = 1               # torch intra-op threads on a CPU host (common.torch_threads)
 
 
@@ -113,3 +127,126 @@ def run_sync(quick: bool) -> BenchResult:
 def _greedy(max_new_tokens: int):
     from engine.rl.rollout import SamplingParams
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+
+
+def _buckets(weights: dict, bucket_mb: float) -> list[list]:
+    """[(name, tensor), ...] in checkpoint order, cut at `bucket_mb` MiB (sync_weights' rule:
+    a bucket closes before the tensor that would overflow it)."""
+    buckets, current, size = [], [], 0
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > bucket_mb * 2 ** 20:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, t))
+        size += nbytes
+    return buckets + ([current] if current else [])
+
+
+def _owner_side(buckets: list[list], transport: str, buffers: dict) -> float:
+    """Seconds of the owner's part alone: the refill of a reused shared buffer per bucket
+    (handle, as every sync after the first; `buffers` keeps them) or write + delete of the
+    file (file)."""
+    from engine.rl.rollout.bucket_files import discard, write_bucket
+    from engine.rl.rollout.sync_handles import layout, new_buffer, pack_into
+
+    start = time.perf_counter()
+    for i, bucket in enumerate(buckets):
+        if transport == "handle":
+            slots, nbytes = layout(bucket)
+            if i not in buffers:   # allocated outside the timing
+                pause = time.perf_counter()
+                buffers[i] = new_buffer(nbytes, torch_device_of(bucket))
+                start += time.perf_counter() - pause
+            pack_into(buffers[i], slots, bucket)
+        else:
+            discard(write_bucket(bucket)[0])
+    return time.perf_counter() - start
+
+
+def torch_device_of(bucket: list):
+    return bucket[0][1].device
+
+
+def run_transport(quick: bool) -> BenchResult:
+    """The vLLM engine's sync by handle vs by file (module docstring)."""
+    import torch  # torch, vLLM and the engine imported on use, as in run_sync
+    from safetensors.torch import load_file
+
+    from engine.rl.config import VLLMConfig
+    from engine.rl.rollout import make_rollout_engine
+    from engine.rl.rollout.vllm_settings import engine_args
+    from tools.bench.backends import MODEL as BACKENDS_MODEL, THREADS
+    from tools.bench.common import machine_info
+    from tools.tiny_models import build_tiny_model
+
+    repeats, order = (TRANSPORT_QUICK if quick else TRANSPORT_REPEATS), ["handle", "file"]
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))  # vLLM's worker process reads it
+    times = {t: {"sync": [], "close": [], "owner": [], "first": []} for t in order}
+    owner_buffers: dict = {}
+    with torch_threads(THREADS), tempfile.TemporaryDirectory(prefix="bench_transport_") as tmp:
+        model_dir = build_tiny_model(os.path.join(tmp, "model"), "qwen3", seed=0,
+                                     eos_token_id=1, **BACKENDS_MODEL)
+        weights = load_file(os.path.join(model_dir, "model.safetensors"))
+        buckets = _buckets(weights, DEFAULT_BUCKET_MB)
+        engine = make_rollout_engine("vllm", model_dir, dtype=torch.float32, seed=0,
+                                     **engine_args(VLLMConfig(), 1, True))
+        digests = {}
+        try:
+            for i in range(repeats + 1):   # i == 0: one warm-up per transport
+                for transport in (order if i % 2 == 0 else order[::-1]):
+                    engine.sync_transport = transport
+                    start = time.perf_counter()
+                    for bucket in buckets:
+                        engine.update_weights(bucket)
+                    loaded = time.perf_counter()
+                    engine.generate([[5, 6, 7]], _greedy(1))   # closes the sync
+                    closed = time.perf_counter()
+                    owner = _owner_side(buckets, transport, owner_buffers)
+                    digests[transport] = engine.llm.collective_rpc("rl_weight_digest")
+                    if i == 0:
+                        times[transport]["first"].append(loaded - start)
+                    for key, value in (("sync", loaded - start), ("close", closed - loaded),
+                                       ("owner", owner)) if i > 0 else ():
+                        times[transport][key].append(value)
+        finally:
+            engine.shutdown()
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    med = {t: {k: median(v) for k, v in parts.items()} for t, parts in times.items()}
+    rows = [[t, fmt(med[t]["sync"], 3), f"{min(times[t]['sync']):.3f} - "
+             f"{max(times[t]['sync']):.3f}", fmt(nbytes / med[t]["sync"] / 1e9, 2),
+             fmt(med[t]["owner"], 3), fmt(med[t]["close"], 3), fmt(med[t]["first"], 3)]
+            for t in order]
+    host = machine_info()
+    speedup = med["file"]["sync"] / med["handle"]["sync"]
+    table = Table(
+        "vLLM weight sync by rollout.sync_transport (median per sync, same process)",
+        ["transport", "update_weights s", "range s", "GB/s", "owner side s",
+         "close + 1 token s", "first sync s"], rows,
+        [f"~100M-parameter Qwen3-shaped checkpoint (tools/bench/backends.py), fp32, "
+         f"{nbytes / 1e6:.0f} MB in {len(buckets)} bucket(s) of <= {DEFAULT_BUCKET_MB} MiB; "
+         f"vLLM CPU engine, TP 1, {THREADS} threads; {repeats} timed syncs per transport after "
+         f"one warm-up each, in turn; file / handle = {speedup:.2f}x; weights bitwise equal "
+         f"after both: {digests['handle'] == digests['file']}",
+         f"host: {host['cpu']} ({host['cpu_vector_units']}), {host['cpu_cores']} cores, "
+         f"load {host.get('load_avg_1m')}"])
+    return BenchResult([table], {"sync_transport_seconds": med,
+                                 "sync_transport_file_over_handle": speedup,
+                                 "sync_transport_bitwise_equal":
+                                     digests["handle"] == digests["file"],
+                                 "sync_transport_bytes": nbytes, "machine": host})
+
+
+if __name__ == "__main__":   # python -m tools.bench.sync --transport [--quick]
+    import argparse
+
+    from tools.bench.common import emit, quiet_libraries
+
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.sync",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transport", action="store_true",
+                        help="the vLLM sync by handle vs by file (else: the HF engine's sync)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    cli = parser.parse_args()
+    quiet_libraries()
+    emit(run_transport(cli.quick) if cli.transport else run_sync(cli.quick))

@@ -34,13 +34,13 @@ Prompt length: len(prompt) + max_new_tokens > rollout.vllm.max_model_len is refu
 anything is queued, naming the prompt's position and the key (vLLM itself refuses only
 len(prompt) >= max_model_len and shortens the other responses silently).
 
-Weights: `update_weights` (one bucket per call) writes the bucket to a file, on /dev/shm where
-it has room (engine.rl.rollout.bucket_files; the worker process is on this machine), which the
-worker loads through engine.rl.rollout.vllm_sync and deletes; the
-next `generate` closes the sync and refuses to run if any parameter, or part of a fused layer,
-was left unwritten (a skipped bucket is never served with stale weights). With
-rollout.vllm.lora_sync=adapter (`lora`: engine.rl.rollout.vllm_lora) the base stays
-model.hf_path and the buckets hold the adapters, served as vLLM LoRA (vllm_adapter.AdapterSync).
+Weights: `update_weights` (one bucket per call) hands the bucket to every worker by
+rollout.sync_transport (`sync_transport`; engine.rl.rollout.sync_handles): `handle` (default)
+as shared tensors (CPU shared memory, CUDA IPC), `file` as a file on /dev/shm (bucket_files);
+the worker loads it through engine.rl.rollout.vllm_sync. The next `generate` closes the sync
+and refuses to run if any parameter, or part of a fused layer, was left unwritten (a skipped
+bucket is never served with stale weights). With rollout.vllm.lora_sync=adapter (`lora`:
+engine.rl.rollout.vllm_lora) the buckets hold the adapters, served as vLLM LoRA (AdapterSync).
 
 In-process side effects, undone: building vllm.LLM reseeds the global torch / random / numpy
 RNGs, CPU sampling draws from the global torch RNG (even with per-request seeds), and the CPU
@@ -72,9 +72,9 @@ from typing import Iterable
 import torch
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
-from engine.rl.rollout.bucket_files import discard, write_bucket
 from engine.rl.rollout.eos import eos_token_ids, folder_tokenizer, no_eos_message
 from engine.rl.rollout.scoring import SequenceScores
+from engine.rl.rollout.sync_handles import SharedBuckets, send_bucket
 from engine.rl.rollout.vllm_adapter import AdapterSync
 from engine.rl.rollout.vllm_attention import cpu_attention_args
 from engine.rl.rollout.vllm_process import (engine_process_env, preserved_global_rng,
@@ -135,6 +135,7 @@ class VLLMRolloutEngine(RolloutEngine):
             print(warning, flush=True)
         return cls(hf_path, dtype=dtype, seed=seed, sleep_level=rollout_cfg.vllm.sleep_level,
                    trust_remote_code=trust_remote_code, gpus=gpus, lora=lora,
+                   sync_transport=rollout_cfg.sync_transport,
                    **engine_args(rollout_cfg.vllm, gpus[1], _on_cpu(),
                                  check_weight_sync=rollout_cfg.check_weight_sync))
 
@@ -147,10 +148,11 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, hf_path: str, dtype: torch.dtype | str = "float32", seed: int = 0,
                  sleep_level: int = 1, trust_remote_code: bool = False,
                  gpus: tuple[int, int] = (0, 1), lora: AdapterServing | None = None,
-                 **engine_kwargs) -> None:
+                 sync_transport: str = "handle", **engine_kwargs) -> None:
         """`gpus[0]`: the engine's first local device (GPU); its device count is vLLM's
         tensor_parallel_size (engine_kwargs; engine_args sets it from gpus[1], 1 on CPU).
-        `lora`: vLLM's LoRA on, the adapters synced instead of weights (vllm_adapter)."""
+        `lora`: vLLM's LoRA on, the adapters synced instead of weights (vllm_adapter).
+        `sync_transport`: rollout.sync_transport (handle | file), read at every bucket."""
         super().__init__()
         self.eos_token_ids = eos_token_ids(hf_path, folder_tokenizer(hf_path, trust_remote_code))
         if not self.eos_token_ids:
@@ -175,13 +177,14 @@ class VLLMRolloutEngine(RolloutEngine):
                                 trust_remote_code=trust_remote_code,
                                 worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
         torch.set_num_threads = set_num_threads
-        self._alive = True
-        self._sync_open = False
+        self._alive, self._sync_open = True, False
+        self.sync_transport, self.shared_buckets = sync_transport, SharedBuckets()
         self._stale: list[str] = []
         self._seeds = random.Random(seed)
         self._adapter = AdapterSync(self.llm, lora, hf_path) if lora is not None else None
         try:
             self.vllm_config = self.llm.llm_engine.vllm_config
+            self.workers = int(self.vllm_config.parallel_config.world_size)
             self.max_model_len = int(self.vllm_config.model_config.max_model_len)
             self.vocab_size = int(self.vllm_config.model_config.get_vocab_size())
             problem = liveness_problem(*self._vllm_parts())
@@ -294,11 +297,7 @@ class VLLMRolloutEngine(RolloutEngine):
             self._adapter.take(bucket)
             self._sync_open = True
             return
-        path, names = write_bucket(bucket)
-        try:   # returns once every worker (one per TP rank) has loaded it
-            self.llm.collective_rpc("rl_load_bucket", args=(path, names))
-        finally:
-            discard(path)
+        send_bucket(self.llm, bucket, self.sync_transport, self.shared_buckets, self.workers)
         self._sync_open = True
 
     def _close_sync(self) -> None:
@@ -309,6 +308,7 @@ class VLLMRolloutEngine(RolloutEngine):
         # every worker's (one per TP rank) unwritten names, or the adapter tensors not sent
         self._stale = (self._adapter.close() if self._adapter is not None else sorted(
             {n for names in self.llm.collective_rpc("rl_close_sync") for n in names}))
+        self.shared_buckets.closed(set().union(*self.llm.collective_rpc("rl_held_buckets")))
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
         if self._stale:
             raise RuntimeError(f"weight sync left {len(self._stale)} vLLM parameters, layers or "

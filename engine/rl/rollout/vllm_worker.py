@@ -15,17 +15,25 @@
   vLLM's death pipe ends it when the owner dies.
 - `rl_attention_backends`: the backend each attention layer runs (vllm_attention's choice,
   checked by the tests on the engine vLLM built).
-- `rl_load_bucket` / `rl_close_sync`: one exact weight sync (engine.rl.rollout.vllm_sync); a
-  bucket arrives as a file (engine.rl.rollout.bucket_files), only its path through the RPC.
+- `rl_load_shared_bucket` / `rl_load_bucket` / `rl_close_sync`: one exact weight sync
+  (engine.rl.rollout.vllm_sync); a bucket arrives as shared tensors (rollout.sync_transport=
+  handle: engine.rl.rollout.sync_handles, only handles and the layout through the RPC) or as a
+  file (`file`: engine.rl.rollout.bucket_files, only its path through the RPC);
+  `rl_held_buckets`, after the close: the shared buckets this worker still references.
+- `rl_weight_digest`: one SHA-256 of the model's parameters and buffers (names, dtypes, shapes,
+  bytes), to compare two engines' or two syncs' weights bitwise (tests, debugging).
 """
 from __future__ import annotations
 
+import hashlib
 import signal
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from vllm.platforms import current_platform
 
 from engine.rl.rollout.bucket_files import read_bucket
+from engine.rl.rollout.sync_handles import SharedBucket, open_bucket
 from engine.rl.rollout.vllm_sync import LayerwiseSync
 from engine.rl.rollout.vllm_version import sampler_problem
 
@@ -52,6 +60,7 @@ class RolloutWorkerExtension:
     """Mixed into vLLM's worker class (it has `model_runner` and `vllm_config`)."""
 
     rl_sync: LayerwiseSync | None = None
+    rl_buffers: tuple = ()   # (owner's token, weak reference) of a sync's shared buckets
 
     def rl_install_contract_logprobs(self) -> None:
         sampler = self.model_runner.sampler
@@ -80,7 +89,26 @@ class RolloutWorkerExtension:
     def rl_load_bucket(self, path: str, names: list[str]) -> None:
         """Load one bucket, bucket_files.write_bucket's file (mapped, not copied; the owner
         deletes it once every worker has loaded it); the first bucket of a sync opens it."""
-        bucket = read_bucket(path, names)
+        self.rl_load(read_bucket(path, names))
+
+    def rl_load_shared_bucket(self, bucket: SharedBucket) -> None:
+        """Load one bucket of shared tensors (sync_handles: this worker's handle, by its rank;
+        views of the owner's buffer, not copies; the owner holds it until every worker
+        returned); the first bucket of a sync opens it."""
+        tensors = open_bucket(bucket, self.rank)
+        self.rl_buffers = (*self.rl_buffers,
+                           (bucket.token, StorageWeakRef(tensors[0][1].untyped_storage())))
+        self.rl_load(tensors)
+
+    def rl_held_buckets(self) -> list[int]:
+        """After `rl_close_sync`: the owner's tokens of the shared buckets this worker still
+        has a view of (the owner never reuses those buffers); forgets them all."""
+        held = [token for token, ref in self.rl_buffers if not ref.expired()]
+        self.rl_buffers = ()
+        return held
+
+    def rl_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Load [(HF name, full tensor), ...] into the open sync (none: open one)."""
         if self.rl_sync is None:
             self.rl_sync = LayerwiseSync(self.model_runner.get_model(), self.vllm_config,
                                          current_platform.is_cpu())
@@ -92,3 +120,16 @@ class RolloutWorkerExtension:
             return []
         sync, self.rl_sync = self.rl_sync, None
         return sync.close()
+
+    def rl_weight_digest(self) -> str:
+        """SHA-256 over this worker's model parameters and buffers, in name order: each name,
+        dtype, shape and bytes (equal digests: bitwise equal weights)."""
+        digest = hashlib.sha256()
+        model = self.model_runner.get_model()
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        tensors.update(model.named_buffers(remove_duplicate=False))
+        for name in sorted(tensors):
+            t = tensors[name].detach().contiguous().cpu()
+            digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
