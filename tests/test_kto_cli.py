@@ -1,7 +1,7 @@
 """`engine.kto` through the command line, as a user runs it (`-m engine.kto` on the ranks of the
 session's rank pool, as torchrun runs it): the CPU demo's unpaired files (tools/demo.py,
 recipes/kto_cpu_demo.sh) at DP2, metrics under TRL's names, held-out metrics that move the
-right way, a bad row refused by file and line before any step, `--validate` of the H100
+right way, a resume, a bad row refused by file and line before any step, `--validate` of the H100
 recipe. The layouts and the math: tests/test_dpo.py (KTO section)."""
 from __future__ import annotations
 
@@ -24,20 +24,25 @@ def _args(assets, log_dir, steps, *extra):
             f"data.eval_files=[{assets / 'kto_eval.jsonl'}]", "train.eval_interval=4",
             "train.global_batch_size=16", "train.micro_batch_size=4", "train.seq_length=64",
             f"train.max_steps={steps}", "optim.lr=2e-4", "optim.schedule=constant",
-            "logging.progress_bar=false", f"logging.dir={log_dir}", *extra]
+            "logging.progress_bar=false", f"logging.dir={log_dir}",
+            f"checkpoint.dir={log_dir / 'ckpt'}", "checkpoint.save_interval=8", *extra]
 
 
-def test_demo_trains_and_held_out_margins_grow(pools, demo_assets, tmp_path):
+def _metrics(log_dir) -> list[dict]:
+    return [json.loads(line) for line in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
+
+
+def test_demo_trains_held_out_margins_grow_and_resumes(pools, demo_assets, tmp_path):
     """Step 1: the policy is its own reference, so every log-ratio and the reference point are
     0 and the loss is 1 - sigmoid(0) = 0.5 exactly. The held-out rows (prompts never trained
     on, text rows) then move the right way: the desirable completions' implied reward rises
     above 0, the undesirable ones' falls below, their margin and the eval loss improve from
-    step 4 to step 8."""
+    step 4 to step 8. A resume from step 8's checkpoint continues the data stream."""
     proc = pools.script(2, *_args(demo_assets, tmp_path, 8), timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "[kto] beta 0.1, desirable_weight 1.0" in proc.stdout
     assert "160 unpaired examples (80 desirable, 80 undesirable" in proc.stdout
-    rows = [json.loads(line) for line in Path(tmp_path, "metrics.jsonl").read_text().splitlines()]
+    rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 9))
     for r in rows:
         for key in REQUIRED:
@@ -50,6 +55,11 @@ def test_demo_trains_and_held_out_margins_grow(pools, demo_assets, tmp_path):
     assert last["eval/loss"] < first["eval/loss"] < 0.5, (first, last)
     assert last["eval/rewards/chosen"] > 0 > last["eval/rewards/rejected"], last
     assert last["loss"] < rows[0]["loss"]
+    resumed = pools.script(2, *_args(demo_assets, tmp_path, 9), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 10))
+    assert rows[8]["data/consumed_examples"] == 144 and rows[8]["kl"] >= 0
 
 
 def test_bad_row_is_refused_by_file_and_line_before_any_step(pools, demo_assets, tmp_path):
