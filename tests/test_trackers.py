@@ -18,6 +18,7 @@ import yaml
 from engine.config.logging_settings import tracker_problems, tracker_start_problems
 from engine.config.schema import SFTConfig, load_config
 from engine.run.tracker_clients import MLFLOW_PARAM_CHARS, param_text
+from engine.run.trackers import TrackerSet, resume_id
 
 # the test extra installs both (setup.py); looked up, not imported (mlflow's import is ~1 s)
 pytestmark = pytest.mark.skipif(not (find_spec("wandb") and find_spec("mlflow")),
@@ -86,8 +87,10 @@ def test_sft_logs_the_same_numbers_to_wandb_offline_and_mlflow_and_resumes(
     first = pools.script(1, *args, env=env, timeout=300)
     assert "stopping after step 2" in first.stdout
     ids = json.loads((tmp_path / "trackers.json").read_text())
-    resumed = pools.script(1, *args, env=env, timeout=300)      # from the checkpoint at step 2
+    # from the checkpoint at step 2, with a changed value: MLflow keeps a param's first value
+    resumed = pools.script(1, *args, "optim.clip_grad=2.0", env=env, timeout=300)
     assert f"MLflow: logging to resumed run {ids['mlflow']['run_id']}" in resumed.stdout
+    assert "MLflow params cannot change: optim.clip_grad keeps its first value" in resumed.stdout
     assert json.loads((tmp_path / "trackers.json").read_text()) == ids
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -109,7 +112,8 @@ def test_sft_logs_the_same_numbers_to_wandb_offline_and_mlflow_and_resumes(
     texts = {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
     assert max(map(len, texts.values())) < MLFLOW_PARAM_CHARS
     assert params == texts
-    assert params["train.max_steps"] == "4" and params["logging.wandb.tags"] == '["cpu", "test"]'
+    assert params["optim.clip_grad"] == "1.0" and params["logging.wandb.tags"] == '["cpu", "test"]'
+    assert runs[1]["config"]["optim.clip_grad"] == 2.0     # W&B: the resumed launch's config
     assert logged == expected
 
 
@@ -218,6 +222,37 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _Tracker:
+    name, key = "fake", "logging.fake"
+
+    def __init__(self, fail: bool) -> None:
+        self.fail, self.steps = fail, []
+
+    def log(self, step, values):
+        if self.fail:
+            raise ConnectionError("server gone")
+        self.steps.append(step)
+
+
+def test_a_tracker_failing_mid_run_is_reported_once_and_dropped(capsys):
+    good, bad = _Tracker(False), _Tracker(True)
+    trackers = TrackerSet([bad, good])
+    trackers.log(1, {"loss": 1.0})
+    trackers.log(2, {"loss": 0.5})
+    assert good.steps == [1, 2] and trackers.trackers == [good]
+    assert capsys.readouterr().out == ("[trackers] fake stopped logging at step 1 (logging.fake)"
+                                       ": ConnectionError: server gone; metrics.jsonl keeps every"
+                                       " step\n")
+
+
+def test_stored_ids_are_reused_only_by_a_resumed_run_of_the_same_project():
+    stored = {"id": "abc", "project": "p", "entity": None}
+    assert resume_id(stored, 2, {"project": "p", "entity": None}, "id") == "abc"
+    assert resume_id(stored, 0, {"project": "p", "entity": None}, "id") is None   # fresh run
+    assert resume_id(stored, 2, {"project": "q", "entity": None}, "id") is None   # moved
+    assert resume_id({}, 2, {"project": "p"}, "id") is None
 
 
 def test_param_text_is_json_and_cut_at_the_limit():

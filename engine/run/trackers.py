@@ -37,7 +37,7 @@ from engine.run.tracker_clients import MlflowTracker, WandbTracker
 from parallel.cpu_runtime import device
 
 __all__ = ["TrackerStartError", "TrackerSet", "open_trackers", "close_trackers", "active",
-           "TRACKER_FILE"]
+           "resume_id", "stored_ids", "TRACKER_FILE"]
 
 TRACKER_FILE = "trackers.json"
 _ACTIVE: list["TrackerSet"] = []   # the set rank 0 of this process logs to (at most one)
@@ -95,7 +95,7 @@ def _store_ids(log_dir: str, ids: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _resume_id(stored: dict, start: int, match: dict, id_key: str) -> str | None:
+def resume_id(stored: dict, start: int, match: dict, id_key: str) -> str | None:
     """The stored run id when resuming (start > 0) and the stored `match` fields agree."""
     if start <= 0 or not stored.get(id_key):
         return None
@@ -110,16 +110,16 @@ def start_trackers(cfg: Any, start: int, tag: str) -> TrackerSet:
     wanted = []
     if wandb_on(cfg):
         wb = cfg.logging.wandb
-        wanted.append((WandbTracker, "wandb", _resume_id(
+        wanted.append((WandbTracker, "wandb", resume_id(
             stored.get("wandb", {}), start, {"project": wb.project, "entity": wb.entity}, "id")))
     if mlflow_on(cfg):
-        wanted.append((MlflowTracker, "mlflow", _resume_id(
+        wanted.append((MlflowTracker, "mlflow", resume_id(
             stored.get("mlflow", {}), start, {"tracking_uri": cfg.logging.mlflow.tracking_uri},
             "run_id")))
     started = TrackerSet([])
-    for cls, name, resume_id in wanted:
+    for cls, name, run_id in wanted:
         try:
-            tracker = cls(cfg, resume_id, tag)
+            tracker = cls(cfg, run_id, tag)
         except Exception as e:
             started.close(failed=True)
             value = getattr(cfg.logging, name)
@@ -128,7 +128,7 @@ def start_trackers(cfg: Any, start: int, tag: str) -> TrackerSet:
                                     f"{type(e).__name__}: {e}") from None
         started.trackers.append(tracker)
         stored[name] = tracker.ids()
-        how = "resumed" if resume_id else "new"
+        how = "resumed" if run_id else "new"
         print(f"[{tag}] {cls.name}: logging to {how} run {tracker.run_id}", flush=True)
         for key in getattr(tracker, "changed", ()):
             print(f"[{tag}] MLflow params cannot change: {key} keeps its first value",
