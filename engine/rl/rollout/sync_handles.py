@@ -25,7 +25,8 @@ still outstanding. Nothing is overwritten before the sync closes: vLLM's layerwi
 a worker's views of a layer's tensors until the layer is complete (a bucket may hold only part
 of it) and replays attention layers' loads when the sync closes. So within a sync every bucket
 has its own buffer. On CPU the buffers are reused by the next sync (a fresh shared buffer
-costs page faults on every page: 0.21 s against 0.02 s to refill one for 400 MB, 2-core host),
+costs a page fault per page: the first sync of 400 MB by handle took 0.46 s, the next ones
+0.20 s, of which 0.02 s refilling the buffer; bucket_files' docstring has the comparison),
 once the sync closed and no worker holds a view of them any more (each reports the buffers it
 still references: `rl_held_buckets`; such a buffer is dropped, never reused): the owner keeps
 one sync's buckets (the weights' bytes) in /dev/shm between syncs. Where /dev/shm lacks the
@@ -36,8 +37,7 @@ first failed worker, without waiting for the others) keeps its buffer held until
 closes; a worker still reading keeps its own mapping. A worker that never received its CPU
 handle (it died first) leaves that descriptor with the owner's resource sharer.
 
-Measured against the file path: see bucket_files' docstring and docs/benchmarks.md (weight
-sync).
+Measured against the file path: bucket_files' docstring and docs/benchmarks.md (weight sync).
 """
 from __future__ import annotations
 
