@@ -148,6 +148,9 @@ class RolloutConfig:
     # it (rollout/behaviour_logprob_diff; engine.rl.disaggregated.behaviour_check)
     check_behaviour_logprobs: bool = False
     peer_timeout_s: float = 600.0        # disaggregated: longest wait for the other side
+    # disaggregated: per tensor only the changed elements (or the whole tensor, whichever is
+    # smaller) cross to the engine owners (engine.rl.disaggregated.delta); colocated ignores it
+    sync_delta: bool = True
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 

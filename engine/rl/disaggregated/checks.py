@@ -1,5 +1,6 @@
 """The checks of the asynchronous-RL keys (rollout.placement, rollout.num_ranks,
-rollout.max_staleness, rollout.peer_timeout_s, rollout.check_behaviour_logprobs; docs/async-rl.md),
+rollout.max_staleness, rollout.peer_timeout_s, rollout.check_behaviour_logprobs,
+rollout.sync_delta; docs/async-rl.md),
 used by engine.rl.checks before any process group exists and by `--validate`: one sentence per
 problem, naming its key and the valid choices."""
 from __future__ import annotations
@@ -14,6 +15,8 @@ def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[st
     p: list[str] = []
     if rollout.placement not in PLACEMENTS:
         return [f"rollout.placement={rollout.placement!r} must be one of {list(PLACEMENTS)}"]
+    if not isinstance(rollout.sync_delta, bool):
+        p.append(f"rollout.sync_delta={rollout.sync_delta!r} must be true or false")
     staleness = rollout.max_staleness
     if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
         p.append(f"rollout.max_staleness={staleness!r} must be an integer >= 0")

@@ -7,6 +7,13 @@ trainer's next send waits until the main thread has taken it), and the owner kee
 its engine serves (`WeightState.current`) to reload a restarted engine: host memory up to
 2 x the model's bytes in the training dtype per engine owner.
 
+rollout.sync_delta (engine.rl.disaggregated.delta): entries may come as deltas against the
+version the thread received last (ReceiverBases: the tensors of that version, which are the
+ones in the queue or the served `current`: no extra copy); each is rebuilt into a new tensor,
+the base left untouched, so the Version handed on holds whole tensors, bitwise those of a full
+sync. A delta against a version this owner does not hold is refused (DeltaRefused), never
+applied.
+
 Timeouts: the thread waits for the start of a version without a deadline (the trainer sends it
 after a training step of any length); the main thread's `take` waits at most
 rollout.peer_timeout_s and then names the sender (BridgeTimeout). A transfer error in the
@@ -20,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.rl.disaggregated.delta import FULL, ReceiverBases, decode, payload_bytes
 from engine.rl.disaggregated.weight_send import TAG_WEIGHTS
 from engine.rl.disaggregated.world import BridgeTimeout, SplitWorld, recv_object, recv_tensor
 
@@ -34,8 +42,12 @@ class Version:
     buckets: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)
 
 
-def receive_version(split: SplitWorld, sources: list[int]) -> Version:
-    """The next version from `sources` (one stream per pipeline stage, in stage order)."""
+def receive_version(split: SplitWorld, sources: list[int],
+                    bases: ReceiverBases | None = None) -> Version:
+    """The next version from `sources` (one stream per pipeline stage, in stage order); its
+    deltas are applied to `bases`, which then hold this version (a fresh ReceiverBases when
+    None: full tensors only)."""
+    bases = ReceiverBases() if bases is None else bases
     out = Version(None)
     for i, src in enumerate(sources):
         while True:
@@ -51,14 +63,25 @@ def receive_version(split: SplitWorld, sources: list[int]) -> Version:
                                    f"{head[1]}, the other stages version {out.version}")
             if head[0] == "end":
                 break
-            bucket = []
-            for name, shape, dtype in head[2]:
-                n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-                raw = recv_tensor(split, torch.empty(n, dtype=torch.uint8), src, TAG_WEIGHTS,
-                                  f"receiving weight version {head[1]}", group=split.weights)
-                bucket.append((name, raw.view(dtype).reshape(shape)))
-            out.buckets.append(bucket)
+            out.buckets.append(receive_bucket(split, src, head, bases))
+    bases.version = out.version
+    bases.tensors = {name: t for bucket in out.buckets for name, t in bucket}
     return out
+
+
+def receive_bucket(split: SplitWorld, src: int, head: tuple, bases: ReceiverBases
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """The entries of one ("bucket", v, meta, base) message, whole tensors."""
+    _, version, meta, against = head
+    bucket = []
+    for name, shape, dtype, kind, changed in meta:
+        esize = torch.empty((), dtype=dtype).element_size()
+        n = payload_bytes(kind, torch.Size(shape).numel(), changed, esize)
+        raw = recv_tensor(split, torch.empty(n, dtype=torch.uint8), src, TAG_WEIGHTS,
+                          f"receiving weight version {version}", group=split.weights)
+        base = None if kind == FULL else bases.base(name, against, version)
+        bucket.append((name, decode(kind, changed, raw, shape, dtype, base)))
+    return bucket
 
 
 class WeightInbox:
@@ -67,12 +90,13 @@ class WeightInbox:
     def __init__(self, split: SplitWorld, sources: list[int]) -> None:
         self.split, self.sources = split, sources
         self._box: queue.Queue = queue.Queue(maxsize=1)
+        self.bases = ReceiverBases()   # the last received version (the deltas' base)
         threading.Thread(target=self._run, name="weight-inbox", daemon=True).start()
 
     def _run(self) -> None:
         try:
             while True:
-                got = receive_version(self.split, self.sources)
+                got = receive_version(self.split, self.sources, self.bases)
                 self._box.put(got)
                 if got.version is None:
                     return

@@ -20,7 +20,10 @@ generation of batch k overlaps the trainer's step k - 1). Versions arrive in the
 since the previous batch) and the collector's next_gen_batch (checkpointed by the trainer).
 A failed engine is restarted as in a colocated run (RolloutPool: rollout.max_retries, then one
 restart per generation batch), from model.hf_path plus the version the pool serves, which its
-owner keeps in host memory. Rollout errors reach the trainer as an error message.
+owner keeps in host memory as whole tensors (with rollout.sync_delta too: the inbox rebuilds
+them, engine.rl.disaggregated.delta), so a restarted engine gets a full sync from its owner and
+the trainer's deltas, against the owner's last received version, are unaffected. Rollout
+errors reach the trainer as an error message.
 """
 from __future__ import annotations
 

@@ -5,7 +5,10 @@
   ahead are queued in order); time/rollout_wait_s is the trainer's wait for it;
 - `push(policy, version)` (collective over the training world): after every RL step, version
   `version` goes to every rollout engine (engine.rl.disaggregated.weight_send: each pipeline stage sends
-  its own part) when a batch or a validation needs it (engine.rl.disaggregated.schedule);
+  its own part) when a batch or a validation needs it (engine.rl.disaggregated.schedule), as
+  deltas against the version each engine owner holds with rollout.sync_delta (`bases`:
+  engine.rl.disaggregated.delta.SenderBases); it logs sync/bytes, sync/changed_fraction and
+  sync/seconds (wire_metrics);
 - `validation(v)` (training rank 0): the rollout side's validation metrics of version v
   (RemoteValidation makes the run's Validation wait for them);
 - `ahead_state()` / `restore`: the checkpoint's `extra` holds the batches generated ahead of the
@@ -33,6 +36,7 @@ from engine.rl.collect.batch import RolloutBatch
 from engine.rl.collect.transport import broadcast_rollout
 from engine.rl.collect.validation import Validation
 from engine.rl.disaggregated.behaviour_check import VersionSnapshots
+from engine.rl.disaggregated.delta import SenderBases
 from engine.rl.disaggregated.schedule import version_needed, versions_after
 from engine.rl.disaggregated.weight_send import (TAG_CONTROL, TAG_ROLLOUT, push_weights, send_stop,
                                                  transfer_plan)
@@ -53,6 +57,7 @@ class RemoteRollout:
                                       split.rollout_procs_per_node)
         self.placement = placement
         self.plan = transfer_plan(split, list(placement.owners))
+        self.bases = SenderBases(bool(cfg.rollout.sync_delta))  # rollout.sync_delta
         self.queue: dict[int, RolloutBatch] = {}
         self.vals: dict[int, dict] = {}
         self.error: tuple | None = None
@@ -89,10 +94,11 @@ class RemoteRollout:
 
     def _push_weights(self, policy, version: int):
         """push_weights of the policy as version `version` (its LoRA adapters alone with
-        rollout.vllm.lora_sync=adapter: engine.rl.rollout.vllm_lora); the sender's SyncStats."""
+        rollout.vllm.lora_sync=adapter: engine.rl.rollout.vllm_lora); the sender's (SyncStats,
+        WireStats)."""
         adapters = lora_sync_mode(self.cfg, policy.hf_config) == "adapter"
         return push_weights(self.split, policy.chunks, policy.hf_config,
-                            self.cfg.rollout.sync_bucket_mb, self.plan, version,
+                            self.cfg.rollout.sync_bucket_mb, self.plan, version, self.bases,
                             sync_source(self.cfg, policy.hf_config), adapters)
 
     def _receive(self, what: str) -> None:
@@ -146,13 +152,15 @@ class RemoteRollout:
         out = {"time/weight_sync_s": time.perf_counter() - t0}
         found: list = [None] * dist.get_world_size()
         dist.all_gather_object(found, None if stats is None else
-                               (stats.num_buckets, stats.total_bytes, stats.seconds))
+                               (stats[0].num_buckets, stats[0].total_bytes, stats[0].seconds,
+                                stats[1].bytes, stats[1].changed, stats[1].elements))
         if dist.get_rank() == 0:  # engine 0's stream: one part per pipeline stage
             parts = [found[r] for r in self.plan.sources[self.plan.sends[0][0]]]
             nbytes, seconds = sum(p[1] for p in parts), max(p[2] for p in parts)
             out.update({"weight_sync/gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
                         "weight_sync/buckets": float(sum(p[0] for p in parts)),
                         "rollout/sync_bytes_per_engine": float(nbytes)})
+            out.update(wire_metrics([f for f in found if f is not None], self.bases.enabled))
         return out
 
     def ahead_state(self, done: int) -> dict:
@@ -177,6 +185,19 @@ class RemoteRollout:
             self._until_received(last, f"rollout batch {self.received} (stopping)")
         if versions_after(self.cfg, done):  # the rollout side waits for one of them
             send_stop(self.split, self.plan)
+
+
+def wire_metrics(senders: list[tuple], delta: bool) -> dict[str, float]:
+    """sync/* of one version from every sender's (buckets, bytes, seconds, wire bytes, changed,
+    elements): the bytes all senders put on the wire, the slowest sender's seconds and, with
+    rollout.sync_delta, the changed elements' fraction (a full tensor without a base counts as
+    all changed)."""
+    out = {"sync/bytes": float(sum(s[3] for s in senders)),
+           "sync/seconds": max((s[2] for s in senders), default=0.0)}
+    elements = sum(s[5] for s in senders)
+    if delta and elements:
+        out["sync/changed_fraction"] = sum(s[4] for s in senders) / elements
+    return out
 
 
 class RemoteValidation(Validation):

@@ -8,9 +8,14 @@ gathered inside the stage, the same path as checkpoint conversion and the coloca
 Replica d feeds the rollout engines e with e % replicas == d, so no tensor passes through a rank
 that does not hold it, and replicas stream in parallel. Each engine owner receives version v as
 one stream per stage, in stage order, on the WEIGHTS group (tag TAG_WEIGHTS):
-("bucket", v, [(name, shape, dtype), ...]) followed by one uint8 tensor per entry (raw bytes),
-..., then ("end", v); or, from the first stage's sender only, ("stop",) when the trainer stops
-before the rollout side's last batch. Buckets hold at most rollout.sync_bucket_mb MiB.
+("bucket", v, [(name, shape, dtype, kind, changed), ...], base) followed by one uint8 tensor
+per entry, ..., then ("end", v); or, from the first stage's sender only, ("stop",) when the
+trainer stops before the rollout side's last batch. Buckets hold at most rollout.sync_bucket_mb
+MiB of whole tensors. `kind` is the entry's encoding (engine.rl.disaggregated.delta: "full", the
+raw bytes, or with rollout.sync_delta a delta, "index" or "mask", of `changed` elements against
+version `base` that the receiver holds; base None: every entry of the message is full). The
+sender keeps its last sent version (SenderBases: one host copy of its stage in the sent dtype)
+and, per receiver, the version it holds; the first version a receiver gets is full.
 With rollout.sync_quantization=fp8 the senders' streams carry FP8 weights and their scales
 (raw bytes travel as they are; weight_export.export_stage_weights quantizes on the sender).
 
@@ -22,19 +27,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 
+from engine.rl.disaggregated.delta import SenderBases, WireStats
 from engine.rl.disaggregated.world import SplitWorld, send_object, send_tensor
 from engine.rl.policy.weight_export import (BucketStream, SyncStats, export_stage_weights,
                                             layout_table, stage_heads)
 
 TAG_ROLLOUT, TAG_WEIGHTS, TAG_CONTROL = 11, 12, 13
-
-
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as a flat uint8 CPU tensor."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 @dataclass
@@ -65,31 +65,46 @@ def transfer_plan(split: SplitWorld, engine_owners: list[int]) -> TransferPlan:
 
 
 def push_weights(split: SplitWorld, chunks, hf_config: dict, bucket_mb: float,
-                 plan: TransferPlan, version: int, quantized=None,
-                 adapters: bool = False) -> SyncStats | None:
+                 plan: TransferPlan, version: int, bases: SenderBases, quantized=None,
+                 adapters: bool = False) -> tuple[SyncStats, WireStats] | None:
     """Collective over the training world: every stage exports its weights (TP/EP gathered);
-    each sender streams its stage's buckets, tagged `version`, to its engine owners. Returns
-    the sender's SyncStats (bytes of its own stage per owner), None on other ranks.
-    `quantized`: a models.hf.quantized_stream.QuantizedSource (rollout.sync_quantization), used
-    by the senders only. `adapters` (rollout.vllm.lora_sync=adapter): the LoRA adapters in
-    peft's names instead of weights (weight_export.export_stage_weights), on every rank."""
+    each sender streams its stage's buckets, tagged `version`, to its engine owners, each
+    tensor full or as a delta against the version that owner holds (`bases`: this rank's
+    SenderBases, kept across versions). Returns the sender's SyncStats (whole-tensor bytes of
+    its own stage per owner) and WireStats (what it put on the wire for all its owners), None
+    on other ranks. `quantized`: a models.hf.quantized_stream.QuantizedSource
+    (rollout.sync_quantization), used by the senders only. `adapters`
+    (rollout.vllm.lora_sync=adapter): the LoRA adapters in peft's names instead of weights
+    (weight_export.export_stage_weights), on every rank."""
     targets = plan.sends.get(dist.get_rank(), [])
     what = f"sending weight version {version}"
     stream = BucketStream(export_stage_weights(chunks, hf_config,
                                                quantized if targets else None, adapters),
                          bucket_mb)
+    against = {dst: bases.base_for(dst) for dst in targets}
+    wire = WireStats()
     for bucket in stream:  # every rank of the stage exports (TP/EP gathers); senders send
-        meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
+        if not targets:
+            continue
+        coded = [bases.encode(name, t, any(b is not None for b in against.values()))
+                 for name, t in bucket]
         for dst in targets:
-            send_object(split, ("bucket", version, meta), dst, TAG_WEIGHTS, what,
+            mine = [c[0] if against[dst] is not None else c[1] for c in coded]
+            meta = [(name, tuple(t.shape), t.dtype, e.kind, e.changed)
+                    for (name, t), e in zip(bucket, mine)]
+            send_object(split, ("bucket", version, meta, against[dst]), dst, TAG_WEIGHTS, what,
                         group=split.weights)
-            for _, t in bucket:
-                send_tensor(split, raw_bytes(t), dst, TAG_WEIGHTS, what, group=split.weights)
+            for (_, t), e in zip(bucket, mine):
+                send_tensor(split, e.payload, dst, TAG_WEIGHTS, what, group=split.weights)
+                wire.bytes += e.payload.numel()
+                wire.changed += e.changed
+                wire.elements += t.numel()
     if not targets:
         return None
     for dst in targets:
         send_object(split, ("end", version), dst, TAG_WEIGHTS, what, group=split.weights)
-    return stream.stats()
+    bases.sent(version, targets)
+    return stream.stats(), wire
 
 
 def send_stop(split: SplitWorld, plan: TransferPlan) -> None:
