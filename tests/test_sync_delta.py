@@ -163,3 +163,13 @@ def test_sender_and_receivers_across_versions(monkeypatch):
                             lambda *a, _v=v: iter(_weights(_v)))
         _, stats = weight_send.push_weights(wire.split, [], {}, 0.004, plan, v, off)
         assert stats.bytes == 2 * full and off.tensors == {}
+
+
+def test_the_key_is_checked_by_name():
+    from engine.rl.config import RLConfig
+    from engine.rl.disaggregated.checks import async_problems
+
+    cfg = RLConfig()
+    assert cfg.rollout.sync_delta is True and async_problems(cfg, 2) == []
+    cfg.rollout.sync_delta = "yes"
+    assert async_problems(cfg, 2) == ["rollout.sync_delta='yes' must be true or false"]
