@@ -14,7 +14,8 @@
                                                the same prompts, weights and sampling (~100M
                                                parameters, 64 x 256 tokens); goal ratio >= 4
     python -m tools.bench sync     [--quick]   Megatron -> rollout engine weight sync GB/s per
-                                               bucket size (>= 100M-parameter model)
+                                               bucket size (>= 100M-parameter model);
+                                               --transport: vLLM sync by handle vs by file
     python -m tools.bench async    [--quick]   GRPO step time with rollout.max_staleness 1 vs 0
                                                (torchrun, 1 training + 1 rollout rank); goal
                                                ratio <= 0.6; trainer and rollout idle fractions
@@ -112,8 +113,9 @@ def run_one(name: str, args) -> BenchResult:
         from tools.bench.backends import run_backends
         return run_backends(args.quick)
     if name == "sync":
-        from tools.bench.sync import run_sync
-        return run_sync(args.quick)
+        from tools.bench.sync import run_sync, run_transport
+        return run_transport(args.quick) if getattr(args, "transport", False) \
+            else run_sync(args.quick)
     if name == "async":
         from tools.bench.async_rl import run_async
         return run_async(args.quick)
@@ -183,6 +185,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
         if name in ("balance", "all"):
             p.add_argument("--plot", default=None,
                            help="write the balance-vs-DP plot to this PNG path")
+        if name == "sync":
+            p.add_argument("--transport", action="store_true",
+                           help="instead: the vLLM engine's sync by rollout.sync_transport, "
+                                "handle vs file, side by side (tools/bench/sync.py)")
         if name == "mfu":
             p.add_argument("--profile", action="store_true",
                            help="also profile one step: its 30 largest GPU kernels")
