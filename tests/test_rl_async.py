@@ -6,8 +6,8 @@ two HF engines), every one validating before training and after steps 2 and 4: c
 vs disaggregated s=0 (equal, validation too); s=1 at DP2, TP2 and PP2 (equal to each other,
 different from s=0, rollout/staleness 1 from step 1 on); s=1 again with an engine killed on
 batch 2 (restarted: the same run bit for bit, the "same configuration twice" check); the
-weights cross as deltas (rollout.sync_delta, the default) except in the plain s=1 run (whole
-tensors), so the killed-engine run also checks deltas against full syncs bit for bit; s=1
+weights cross as deltas (rollout.sync_delta=true: its auto default keeps them whole on one
+machine) except in the plain s=1 run (whole tensors), so the killed-engine run also checks deltas against full syncs bit for bit; s=1
 stopped after steps 1 and 2 and resumed (equal to the straight run bit for bit). On one
 torchrun of 3 processes (2 training ranks, 1 rollout rank): DAPO with dynamic sampling and
 multi-turn episodes (s=0 equal to colocated), a rollout error, a hung rollout and a dead rollout
@@ -116,7 +116,9 @@ def runs(pools, tmp_path_factory) -> dict:
     dis = ("rollout.placement=disaggregated", "rollout.num_ranks=2", "rollout.num_engines=2",
            "rollout.peer_timeout_s=120")
     # the cheaper split where two nodes add nothing: 3 processes, the last one rolls out
-    dis1 = ("rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.peer_timeout_s=120")
+    # rollout.sync_delta=true: deltas on one machine too (auto turns them on across nodes only)
+    dis1 = ("rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.peer_timeout_s=120",
+            "rollout.sync_delta=true")
     # The two launches that end on rollout.peer_timeout_s spend most of their time waiting:
     # started first, they wait while the pool runs below use the cores.
     waiting = {

@@ -169,7 +169,13 @@ def test_the_key_is_checked_by_name():
     from engine.rl.config import RLConfig
     from engine.rl.disaggregated.checks import async_problems
 
+    from engine.rl.disaggregated.delta import delta_enabled
+
     cfg = RLConfig()
-    assert cfg.rollout.sync_delta is True and async_problems(cfg, 2) == []
+    assert cfg.rollout.sync_delta is None and async_problems(cfg, 2) == []
     cfg.rollout.sync_delta = "yes"
-    assert async_problems(cfg, 2) == ["rollout.sync_delta='yes' must be true or false"]
+    assert async_problems(cfg, 2) == ["rollout.sync_delta='yes' must be true, false or null "
+                                      "(auto: on when the job spans more than one node)"]
+    # null (auto): deltas only where the job spans nodes; true / false as set
+    assert [delta_enabled(None, n) for n in (1, 2)] == [False, True]
+    assert [delta_enabled(s, 1) for s in (True, False)] == [True, False]

@@ -149,8 +149,9 @@ class RolloutConfig:
     check_behaviour_logprobs: bool = False
     peer_timeout_s: float = 600.0        # disaggregated: longest wait for the other side
     # disaggregated: per tensor only the changed elements (or the whole tensor, whichever is
-    # smaller) cross to the engine owners (engine.rl.disaggregated.delta); colocated ignores it
-    sync_delta: bool = True
+    # smaller) cross to the engine owners (engine.rl.disaggregated.delta); null (auto): on when
+    # the job spans more than one node (bytes cross machines), off on one; colocated ignores it
+    sync_delta: Optional[bool] = None
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 

@@ -15,8 +15,9 @@ def async_problems(cfg, world: int, gpus_per_node: int | None = None) -> list[st
     p: list[str] = []
     if rollout.placement not in PLACEMENTS:
         return [f"rollout.placement={rollout.placement!r} must be one of {list(PLACEMENTS)}"]
-    if not isinstance(rollout.sync_delta, bool):
-        p.append(f"rollout.sync_delta={rollout.sync_delta!r} must be true or false")
+    if rollout.sync_delta is not None and not isinstance(rollout.sync_delta, bool):
+        p.append(f"rollout.sync_delta={rollout.sync_delta!r} must be true, false or null "
+                 "(auto: on when the job spans more than one node)")
     staleness = rollout.max_staleness
     if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
         p.append(f"rollout.max_staleness={staleness!r} must be an integer >= 0")

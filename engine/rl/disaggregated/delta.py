@@ -193,3 +193,10 @@ class ReceiverBases:
                                "refused, not applied (a receiver that joins late or restarts "
                                "must get full tensors first)")
         return self.tensors[name]
+
+
+def delta_enabled(setting: bool | None, job_nodes: int) -> bool:
+    """rollout.sync_delta resolved: true / false as set; null (auto) on when the job spans
+    more than one node, where the weights cross machines (on one machine a delta costs more
+    time to compute than the smaller transfer saves: docs/async-rl.md)."""
+    return job_nodes > 1 if setting is None else bool(setting)

@@ -36,7 +36,7 @@ from engine.rl.collect.batch import RolloutBatch
 from engine.rl.collect.transport import broadcast_rollout
 from engine.rl.collect.validation import Validation
 from engine.rl.disaggregated.behaviour_check import VersionSnapshots
-from engine.rl.disaggregated.delta import SenderBases
+from engine.rl.disaggregated.delta import SenderBases, delta_enabled
 from engine.rl.disaggregated.schedule import version_needed, versions_after
 from engine.rl.disaggregated.weight_send import (TAG_CONTROL, TAG_ROLLOUT, push_weights, send_stop,
                                                  transfer_plan)
@@ -57,7 +57,7 @@ class RemoteRollout:
                                       split.rollout_procs_per_node)
         self.placement = placement
         self.plan = transfer_plan(split, list(placement.owners))
-        self.bases = SenderBases(bool(cfg.rollout.sync_delta))  # rollout.sync_delta
+        self.bases = SenderBases(delta_enabled(cfg.rollout.sync_delta, split.job_nodes))
         self.queue: dict[int, RolloutBatch] = {}
         self.vals: dict[int, dict] = {}
         self.error: tuple | None = None

@@ -48,6 +48,7 @@ class SplitWorld:
                          # receiving end is a thread of the engine owners: engine.rl.disaggregated.inbox)
     timeout_s: float
     rollout_procs_per_node: int  # the rollout world's processes per node (its placement)
+    job_nodes: int = 1   # nodes of the whole job (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE)
 
     @property
     def rollout_leader(self) -> int:
@@ -85,6 +86,7 @@ def init_split_world(n_rollout: int, timeout_s: float) -> SplitWorld:
     # torchrun's env:// rendezvous keys live under this prefix too (one per restart attempt)
     store = dist.PrefixStore(f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
                              "/split", store)
+    nodes = max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     role, side_rank, side_world, side_local = _side_env(rank, world, n_rollout)
     os.environ.update(JOB_RANK=str(rank), JOB_WORLD_SIZE=str(world), RANK=str(side_rank),
                       WORLD_SIZE=str(side_world), LOCAL_WORLD_SIZE=str(side_local),
@@ -101,7 +103,7 @@ def init_split_world(n_rollout: int, timeout_s: float) -> SplitWorld:
                                     timedelta(seconds=max(timeout_s, 1)))
     global _ACTIVE
     _ACTIVE = SplitWorld(role, rank, world, world - n_rollout, bridge, weights,
-                         float(timeout_s), _side_env(world - 1, world, n_rollout)[3])
+                         float(timeout_s), _side_env(world - 1, world, n_rollout)[3], nodes)
     return _ACTIVE
 
 
