@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from engine.data import cache
-from engine.data.datasets import TRUNCATION_CHOICES, Sample, SFTDataset
-from engine.data.files import DataError, RowUnit, read_unit, resolve_data_files
+from engine.data.datasets import Sample, SFTDataset
+from engine.data.files import DataError, RowUnit, read_unit
 from engine.data.files import where as where_of
 from engine.data.preference_render import fit_pair, render_preference_row
 from engine.data.preference_rows import FORM_NAMES
+from engine.data.sequence_cache import build_sequences, open_sequences
 
 __all__ = ["PreferencePair", "PreferenceDataset", "load_preference_dataset"]
 
@@ -139,38 +139,12 @@ def _count(stats: dict[str, int], pair) -> None:
     stats["truncated"] += pair.chosen.truncated or pair.rejected.truncated
 
 
-def _concat(results: list[dict], name: str, dtype) -> np.ndarray:
-    return np.concatenate([r[name] for r in results] or [np.zeros(0, dtype)]).astype(dtype)
-
-
 def _build(tmp: str, paths: list[str], tokenizer, seq_length: int, truncation: str,
            num_workers: int | None, key: dict) -> None:
-    dtype = cache.token_dtype(len(tokenizer))
-    t0 = time.perf_counter()
-    results = cache.run_units(cache.units_for(paths), _preference_unit,
-                              (tmp, seq_length, truncation, dtype.name), tokenizer, num_workers,
-                              "rendering preference rows")
-    stats = dict.fromkeys(STATS, 0)
-    for r in results:  # the first error in file order, as a sequential pass would raise it
-        for name in STATS:
-            stats[name] += r["stats"][name]
-        if r["error"] is not None:
-            raise DataError(r["error"])
-    cache.concat_parts(tmp, [r["parts"][0] for r in results], "ids.bin")
-    cache.concat_parts(tmp, [r["parts"][1] for r in results], "trained.bin")
-    lengths = _concat(results, "lengths", np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    np.save(os.path.join(tmp, "offsets.npy"), offsets)
-    np.save(os.path.join(tmp, "lengths.npy"), lengths - 1)
-    np.save(os.path.join(tmp, "loss_tokens.npy"), _concat(results, "losses", np.int64))
-    np.save(os.path.join(tmp, "prompt_lengths.npy"), _concat(results, "prompts", np.int64))
-    np.save(os.path.join(tmp, "margins.npy"), _concat(results, "margins", np.float64))
-    seconds = time.perf_counter() - t0
-    cache.write_meta(tmp, {"key": key, "dtype": dtype.name, "stats": stats,
-                           "num_pairs": stats["pairs"], "num_ids": int(offsets[-1]),
-                           "build_seconds": seconds})
-    cache.log(f"rendered {stats['rows']} preference rows ({int(offsets[-1])} ids) in "
-              f"{seconds:.1f} s into {os.path.dirname(tmp)}")
+    build_sequences(tmp, paths, tokenizer, seq_length, truncation, num_workers, key,
+                    _preference_unit, "preference", STATS,
+                    {"prompt_lengths": ("prompts", np.int64), "margins": ("margins", np.float64)},
+                    meta=lambda stats: {"num_pairs": stats["pairs"]})
 
 
 def load_preference_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
@@ -187,26 +161,12 @@ def load_preference_dataset(files: str | Sequence[str], tokenizer, seq_length: i
     this process) as load_sft_dataset. Raises DataError for any refused row (the first in file
     order) and when the files hold no row.
     """
-    if truncation not in TRUNCATION_CHOICES:
-        raise ValueError(f"truncation={truncation!r} is not one of {', '.join(TRUNCATION_CHOICES)}")
-    if int(seq_length) < 1:
-        raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+    entry, stats, sequences = open_sequences(
+        "preference", PREFERENCE_VERSION, files, tokenizer, seq_length, truncation, cache_dir,
+        lambda tmp, paths, length, key: _build(tmp, paths, tokenizer, length, truncation,
+                                               num_workers, key),
+        "pairs", "no preference pairs")
     seq_length = int(seq_length)
-    paths = resolve_data_files(files)
-    params = {"seq_length": seq_length, "truncation": truncation, "version": PREFERENCE_VERSION}
-    key = cache.cache_key("preference", paths, tokenizer, params)
-    entry = cache.ensure_entry(cache_dir or cache.default_cache_dir(), key, lambda tmp: _build(
-        tmp, paths, tokenizer, seq_length, truncation, num_workers, key))
-    meta = cache.read_meta(entry)
-    stats = {k: int(v) for k, v in meta["stats"].items()}
-    if stats["pairs"] == 0:
-        raise DataError(f"no preference pairs in {', '.join(paths)}: the files hold no rows")
-    sequences = SFTDataset(cache.open_array(entry, "ids.bin", np.dtype(meta["dtype"])),
-                           cache.open_array(entry, "trained.bin", np.uint8),
-                           cache.open_array(entry, "offsets.npy", np.int64), {},
-                           lengths=cache.open_array(entry, "lengths.npy", np.int64),
-                           loss_tokens=cache.open_array(entry, "loss_tokens.npy", np.int64),
-                           cache_path=entry)
     return PreferenceDataset(sequences, cache.open_array(entry, "prompt_lengths.npy", np.int64),
                              cache.open_array(entry, "margins.npy", np.float64), stats,
                              seq_length, truncation, cache_path=entry)

@@ -7,17 +7,17 @@ is kept, cut on the right (counted), or refused with a DataError naming its file
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from engine.data import cache
-from engine.data.datasets import TRUNCATION_CHOICES, Sample, SFTDataset
-from engine.data.files import DataError, RowUnit, read_unit, resolve_data_files
+from engine.data.datasets import Sample, SFTDataset
+from engine.data.files import DataError, RowUnit, read_unit
 from engine.data.files import where as where_of
 from engine.data.preference_unpaired import UNPAIRED_FORMS, fit_example, render_unpaired_row
+from engine.data.sequence_cache import build_sequences, open_sequences
 
 __all__ = ["UnpairedExample", "UnpairedDataset", "load_unpaired_dataset"]
 
@@ -106,35 +106,9 @@ def _unpaired_unit(k: int, unit: RowUnit, tmp: str, seq_length: int, truncation:
 
 def _build(tmp: str, paths: list[str], tokenizer, seq_length: int, truncation: str,
            num_workers: int | None, key: dict) -> None:
-    dtype = cache.token_dtype(len(tokenizer))
-    t0 = time.perf_counter()
-    results = cache.run_units(cache.units_for(paths), _unpaired_unit,
-                              (tmp, seq_length, truncation, dtype.name), tokenizer, num_workers,
-                              "rendering unpaired rows")
-    stats = dict.fromkeys(STATS, 0)
-    for r in results:  # the first error in file order, as a sequential pass would raise it
-        for name in STATS:
-            stats[name] += r["stats"][name]
-        if r["error"] is not None:
-            raise DataError(r["error"])
-    cache.concat_parts(tmp, [r["parts"][0] for r in results], "ids.bin")
-    cache.concat_parts(tmp, [r["parts"][1] for r in results], "trained.bin")
-
-    def column(name):
-        return np.concatenate([r[name] for r in results] or [np.zeros(0, np.int64)])
-
-    lengths = column("lengths")
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    np.save(os.path.join(tmp, "offsets.npy"), offsets)
-    np.save(os.path.join(tmp, "lengths.npy"), lengths - 1)
-    for name, file in (("losses", "loss_tokens"), ("prompts", "prompt_lengths"),
-                       ("labels", "labels")):
-        np.save(os.path.join(tmp, f"{file}.npy"), column(name))
-    seconds = time.perf_counter() - t0
-    cache.write_meta(tmp, {"key": key, "dtype": dtype.name, "stats": stats,
-                           "num_ids": int(offsets[-1]), "build_seconds": seconds})
-    cache.log(f"rendered {stats['rows']} unpaired rows ({int(offsets[-1])} ids) in "
-              f"{seconds:.1f} s into {os.path.dirname(tmp)}")
+    build_sequences(tmp, paths, tokenizer, seq_length, truncation, num_workers, key,
+                    _unpaired_unit, "unpaired", STATS,
+                    {"prompt_lengths": ("prompts", np.int64), "labels": ("labels", np.int64)})
 
 
 def load_unpaired_dataset(files: str | Sequence[str], tokenizer, seq_length: int,
@@ -144,26 +118,12 @@ def load_unpaired_dataset(files: str | Sequence[str], tokenizer, seq_length: int
     rendered once per input into the cache, shared by all ranks. Each example may have at
     most seq_length + 1 rendered ids (engine.data.preference_unpaired.fit_example). Raises
     DataError for any refused row (the first in file order) and when the files hold none."""
-    if truncation not in TRUNCATION_CHOICES:
-        raise ValueError(f"truncation={truncation!r} is not one of {', '.join(TRUNCATION_CHOICES)}")
-    if int(seq_length) < 1:
-        raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+    entry, stats, sequences = open_sequences(
+        "unpaired", UNPAIRED_VERSION, files, tokenizer, seq_length, truncation, cache_dir,
+        lambda tmp, paths, length, key: _build(tmp, paths, tokenizer, length, truncation,
+                                               num_workers, key),
+        "rows", "no unpaired examples")
     seq_length = int(seq_length)
-    paths = resolve_data_files(files)
-    params = {"seq_length": seq_length, "truncation": truncation, "version": UNPAIRED_VERSION}
-    key = cache.cache_key("unpaired", paths, tokenizer, params)
-    entry = cache.ensure_entry(cache_dir or cache.default_cache_dir(), key, lambda tmp: _build(
-        tmp, paths, tokenizer, seq_length, truncation, num_workers, key))
-    meta = cache.read_meta(entry)
-    stats = {k: int(v) for k, v in meta["stats"].items()}
-    if stats["rows"] == 0:
-        raise DataError(f"no unpaired examples in {', '.join(paths)}: the files hold no rows")
-    sequences = SFTDataset(cache.open_array(entry, "ids.bin", np.dtype(meta["dtype"])),
-                           cache.open_array(entry, "trained.bin", np.uint8),
-                           cache.open_array(entry, "offsets.npy", np.int64), {},
-                           lengths=cache.open_array(entry, "lengths.npy", np.int64),
-                           loss_tokens=cache.open_array(entry, "loss_tokens.npy", np.int64),
-                           cache_path=entry)
     return UnpairedDataset(sequences, cache.open_array(entry, "prompt_lengths.npy", np.int64),
                            cache.open_array(entry, "labels.npy", np.int64), stats, seq_length,
                            truncation)

@@ -141,42 +141,54 @@ def evaluate(engine: TrainEngine, reference: Reference, pairs: list[PreferencePa
     return {f"eval/{k}": v for k, v in totals.items()}
 
 
-def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> Reference:
-    """The run's reference (engine.dpo.reference): none, the starting LoRA adapter
-    (model.lora.init_from, read from its folder, also on a resume), the LoRA base (fresh
-    adapters), or a frozen engine."""
-    needed = pair_settings(cfg).uses_reference
+def make_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int,
+                   ref_path: str | None, needed: bool) -> Reference:
+    """A run's reference (engine.dpo.reference): none (not `needed`), the starting LoRA
+    adapter (model.lora.init_from, read from its folder, also on a resume), the LoRA base
+    (fresh adapters), or a frozen engine of `ref_path` (default model.hf_path) at the
+    policy's layout. DPO's and KTO's (engine.kto.training) references."""
     lora = bool(cfg.model.lora.rank)
     engine = None
     if needed and not lora:
-        path = cfg.dpo.ref_path or cfg.model.hf_path
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        engine = TrainEngine.frozen(hf_config, dtype, path, BatchSettings.from_config(cfg.train),
-                                    pad_id, loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
+        engine = TrainEngine.frozen(hf_config, dtype, ref_path or cfg.model.hf_path,
+                                    BatchSettings.from_config(cfg.train), pad_id,
+                                    loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
                                     **megatron_overrides(cfg.parallel),
                                     **moe_overrides(cfg, hf_config, forward_only=True),
                                     **fusion_overrides(cfg, hf_config))
     return Reference(policy, engine, lora, needed, cfg.model.lora.init_from)
 
 
-def load_pairs(cfg, tokenizer, tag: str = "dpo", seq_length: int | None = None):
-    """(train pairs dataset, eval pairs or None) of data.train_files / data.eval_files, sides
-    fitted to `seq_length` sample tokens (default train.seq_length); rank 0 prints what was
-    loaded under `[tag]` (engine.rm reads pairs the same way)."""
+def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> Reference:
+    """DPO's reference (make_reference): none for a reference-free loss, else dpo.ref_path."""
+    return make_reference(cfg, hf_config, policy, pad_id, cfg.dpo.ref_path,
+                          pair_settings(cfg).uses_reference)
+
+
+def load_train_eval(cfg, tokenizer, loader, tag: str, seq_length: int | None = None):
+    """(train dataset, eval items or None) of data.train_files / data.eval_files read by
+    `loader(files, tokenizer, seq_length, truncation, cache_dir=, num_workers=)` (default
+    train.seq_length); the eval items only with train.eval_interval > 0; rank 0 prints what
+    was loaded under `[tag]`. DPO's and RM's pairs, KTO's examples."""
     kw = dict(cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
     length = seq_length or cfg.train.seq_length
-    dataset = load_preference_dataset(cfg.data.train_files, tokenizer, length,
-                                      cfg.data.truncation, **kw)
-    eval_pairs = None
+    dataset = loader(cfg.data.train_files, tokenizer, length, cfg.data.truncation, **kw)
+    eval_items = None
     if cfg.data.eval_files and cfg.train.eval_interval > 0:
-        eval_ds = load_preference_dataset(cfg.data.eval_files, tokenizer, length,
-                                          cfg.data.truncation, **kw)
-        eval_pairs = [eval_ds[i] for i in range(len(eval_ds))]
+        eval_ds = loader(cfg.data.eval_files, tokenizer, length, cfg.data.truncation, **kw)
+        eval_items = [eval_ds[i] for i in range(len(eval_ds))]
         if dist.get_rank() == 0:
             print(f"[{tag}] eval data: {eval_ds.describe()}", flush=True)
     if dist.get_rank() == 0:
         print(f"[{tag}] train data: {dataset.describe()}", flush=True)
-    return dataset, eval_pairs
+    return dataset, eval_items
+
+
+def load_pairs(cfg, tokenizer, tag: str = "dpo", seq_length: int | None = None):
+    """(train pairs dataset, eval pairs or None), sides fitted to `seq_length` sample tokens
+    (load_train_eval; engine.rm reads pairs the same way)."""
+    return load_train_eval(cfg, tokenizer, load_preference_dataset, tag, seq_length)
 
 
 def run(cfg: DPOConfig, hf_config: dict, flags: list[str]) -> int:

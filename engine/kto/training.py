@@ -19,20 +19,18 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.checkpointing import DataPosition
-from engine.config.fusion_settings import fusion_overrides
 from engine.config.kto_settings import KTOConfig
-from engine.config.model_settings import megatron_overrides
-from engine.config.moe_settings import moe_overrides
 from engine.data.datasets import global_batch_indices
 from engine.data.preference_unpaired_dataset import UnpairedExample, load_unpaired_dataset
 from engine.dpo.reference import Reference, completion_logprob_sums
+from engine.dpo.training import load_train_eval, make_reference
 from engine.kto.loss import KTOLossSettings
 from engine.kto.loss_fn import REPORT_KEYS, ExampleBatch, kto_loss_fn
 from engine.run.run_loop import RunLoop
 from engine.run.train_engine_build import build_train_engine
 from engine.training.micro_batches import SequenceData
 from engine.training.nonfinite import NonFiniteGuard
-from engine.training.train_engine import BatchSettings, TrainEngine
+from engine.training.train_engine import TrainEngine
 from models.hf.custom_code import load_tokenizer
 
 
@@ -140,38 +138,14 @@ def evaluate(engine: TrainEngine, reference: Reference, examples: list[UnpairedE
 
 
 def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> Reference:
-    """The run's reference (engine.dpo.reference): the starting LoRA adapter
-    (model.lora.init_from), the LoRA base (fresh adapters), or a frozen engine of
-    kto.ref_path (default model.hf_path)."""
-    lora = bool(cfg.model.lora.rank)
-    engine = None
-    if not lora:
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        engine = TrainEngine.frozen(hf_config, dtype, cfg.kto.ref_path or cfg.model.hf_path,
-                                    BatchSettings.from_config(cfg.train), pad_id,
-                                    loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
-                                    **megatron_overrides(cfg.parallel),
-                                    **moe_overrides(cfg, hf_config, forward_only=True),
-                                    **fusion_overrides(cfg, hf_config))
-    return Reference(policy, engine, lora, True, cfg.model.lora.init_from)
+    """KTO's reference (engine.dpo.training.make_reference: the starting LoRA adapter, the LoRA
+    base, or a frozen engine of kto.ref_path); KTO always needs one."""
+    return make_reference(cfg, hf_config, policy, pad_id, cfg.kto.ref_path, True)
 
 
 def load_examples(cfg, tokenizer):
     """(train dataset, eval examples or None) of data.train_files / data.eval_files."""
-    kw = dict(cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
-    length = cfg.train.seq_length
-    dataset = load_unpaired_dataset(cfg.data.train_files, tokenizer, length,
-                                    cfg.data.truncation, **kw)
-    eval_examples = None
-    if cfg.data.eval_files and cfg.train.eval_interval > 0:
-        eval_ds = load_unpaired_dataset(cfg.data.eval_files, tokenizer, length,
-                                        cfg.data.truncation, **kw)
-        eval_examples = [eval_ds[i] for i in range(len(eval_ds))]
-        if dist.get_rank() == 0:
-            print(f"[kto] eval data: {eval_ds.describe()}", flush=True)
-    if dist.get_rank() == 0:
-        print(f"[kto] train data: {dataset.describe()}", flush=True)
-    return dataset, eval_examples
+    return load_train_eval(cfg, tokenizer, load_unpaired_dataset, "kto")
 
 
 def run(cfg: KTOConfig, hf_config: dict, flags: list[str]) -> int:
