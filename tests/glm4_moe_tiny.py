@@ -8,7 +8,7 @@ balance (so that per-rank token counts differ from the global ones, see tests/te
 tests' word-level tokenizer."""
 from __future__ import annotations
 
-from tools.tiny_models import append_mtp_layer, build_tokenizer, save_random_model
+from tools.tiny_models import append_full_mtp_layer, append_mtp_layer, build_tokenizer, save_random_model
 
 CONFIG = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -22,9 +22,12 @@ CONFIG = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_l
               eos_token_id=3, bos_token_id=None, initializer_range=0.2)
 
 
-def build_glm4_moe(out_dir: str, seed: int = 0, tokenizer: bool = True, mtp: bool = True,
+def build_glm4_moe(out_dir: str, seed: int = 0, tokenizer: bool = True, mtp: bool | str = True,
                    **extra) -> str:
-    """Save the tiny Glm4MoeForCausalLM (fp32 safetensors) to `out_dir`; return it."""
+    """Save the tiny Glm4MoeForCausalLM (fp32 safetensors) to `out_dir`; return it. `mtp`:
+    True: the few pass-through MTP tensors above; "full": a complete MTP layer
+    (tools.tiny_models.append_full_mtp_layer: trainable, and what vLLM's drafter loads);
+    False: none."""
     from transformers.models.glm4_moe import Glm4MoeConfig
 
     values = dict(CONFIG, **extra)
@@ -35,7 +38,9 @@ def build_glm4_moe(out_dir: str, seed: int = 0, tokenizer: bool = True, mtp: boo
     # a near-balanced router: per-rank and global token counts differ in sign
     save_random_model(out_dir, config, seed, scales={"mlp.gate.weight": 0.1, "bias": 0.1},
                       buffer_scales={"e_score_correction_bias": 0.1})
-    if mtp:
+    if mtp == "full":
+        append_full_mtp_layer(out_dir, config, seed)
+    elif mtp:
         append_mtp_layer(out_dir, values, seed, "self_attn.q_proj.weight",
                          (values["hidden_size"], values["hidden_size"]))
     if tokenizer:

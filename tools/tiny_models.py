@@ -224,6 +224,47 @@ def append_mtp_layer(out_dir: str, config: dict, seed: int, attention_tensor: st
     save_file(tensors, path, metadata={"format": "pt"})
 
 
+def append_full_mtp_layer(out_dir: str, config, seed: int) -> None:
+    """Add a complete MTP layer `model.layers.{N}.*` (N = num_hidden_layers; the naming of
+    DeepSeek-V3, Kimi-K2 and GLM-4.5 checkpoints and of vLLM's MTP drafters) to
+    `out_dir/model.safetensors`, fp32: a random decoder layer of the model's own kind at index N
+    (built by transformers for `config` with one more layer), `enorm`, `hnorm`, `eh_proj`,
+    `shared_head.norm`, and `shared_head.head` / `embed_tokens` equal to the model's lm_head and
+    embedding (as published checkpoints store them). `config`: the transformers config object
+    the model was saved from (`architectures` set)."""
+    import copy
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    layers = int(config.num_hidden_layers)
+    hidden = int(config.hidden_size)
+    deeper = copy.deepcopy(config)
+    deeper.num_hidden_layers = layers + 1
+    if getattr(deeper, "layer_types", None):
+        deeper.layer_types = list(deeper.layer_types) + [deeper.layer_types[-1]]
+    head = f"model.layers.{layers}."
+    with tempfile.TemporaryDirectory() as tmp:
+        save_random_model(tmp, deeper, seed + 7, scales={"mlp.gate.weight": 0.1, "bias": 0.1},
+                          buffer_scales={"e_score_correction_bias": 0.1})
+        extra = {k: v for k, v in load_file(os.path.join(tmp, "model.safetensors")).items()
+                 if k.startswith(head)}
+    gen = torch.Generator().manual_seed(seed + 11)
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    lm_head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+    extra.update({
+        head + "enorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=gen),
+        head + "hnorm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=gen),
+        head + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=gen)
+        * (2 * hidden) ** -0.5,
+        head + "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=gen),
+        head + "shared_head.head.weight": lm_head.clone(),
+        head + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+    tensors.update(extra)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def save_random_model(out_dir: str, config, seed: int = 0, scales: dict[str, float] = {},
                       buffer_scales: dict[str, float] = {}) -> None:
     """transformers' model for `config` (a config object with `architectures` set), fp32,
