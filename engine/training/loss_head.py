@@ -194,3 +194,25 @@ class HiddenStates:
         """(log p(labels) [b, s], entropy [b, s] or None), float32, differentiable."""
         return chunked_logprobs(self.hidden, self.weight, labels, vocab_size, temperature,
                                 self.chunk_tokens, with_entropy)
+
+
+@torch.no_grad()
+def label_is_argmax(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                    vocab_size: int, chunk_tokens: int) -> torch.Tensor:
+    """bool [...]: whether each label's logit is the largest over the real vocabulary (ties
+    count as right), for hidden states [..., h] replicated over TP, this TP rank's weight shard
+    [V_padded/tp, h] and labels [...]. Collective over the TP group (MAX of the max logit and
+    of the label's logit). No gradient."""
+    shard = _shard(weight, vocab_size)
+    flat, ids = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    out = torch.empty(ids.shape, dtype=torch.bool, device=hidden.device)
+    for a in range(0, ids.numel(), max(int(chunk_tokens), 1)):
+        b = min(ids.numel(), a + max(int(chunk_tokens), 1))
+        z = _chunk_logits(flat[a:b], weight, 1.0, shard)
+        inside, cols = _label_columns(ids[a:b], shard, z.shape[1])
+        both = torch.stack([z.max(dim=1).values, torch.where(
+            inside, z.gather(1, cols[:, None]).squeeze(1), float("-inf"))], dim=1)
+        if shard.group is not None:
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=shard.group)
+        out[a:b] = both[:, 1] >= both[:, 0]
+    return out.view(labels.shape)

@@ -18,6 +18,7 @@ from megatron.core import parallel_state as ps
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.micro_batches import (MicroBatch, SequenceData, build_packed, build_padded,
                                   dummy_sequence, empty_extras)
+from engine.training.mtp import mtp_extras
 from engine.training.plan import MiniBatchPlan, plan_mini_batch
 
 
@@ -60,14 +61,15 @@ def pad_multiple(cp: int, tp: int, sequence_parallel: bool) -> int:
 def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer | torch.Tensor,
                      train_cfg, pad_id: int = 0, layout: dict | None = None,
                      sequence_parallel: bool = False,
-                     units: list[list[int]] | None = None) -> RankBatch:
+                     units: list[list[int]] | None = None, mtp: bool = False) -> RankBatch:
     """This rank's micro-batches for the mini-batch `seqs` (every rank passes the same list).
 
     `train_cfg` supplies micro_batch_size, max_tokens_per_micro_batch, balance_dp, packing.
     `normalizer`: a GlobalLossNormalizer (collective over the DP group), or a tensor of weights
     already fixed for every sequence of `seqs` (e.g. evaluation over a whole eval set).
     `sequence_parallel`: the model runs with Megatron sequence parallelism (pads to tp).
-    `units`: groups of positions of `seqs` kept in one micro-batch (plan_mini_batch)."""
+    `units`: groups of positions of `seqs` kept in one micro-batch (plan_mini_batch).
+    `mtp`: the sequences also carry their MTP targets (engine.training.mtp.mtp_extras)."""
     lay = layout or _layout()
     lengths = [len(s.tokens) for s in seqs]
     plan = plan_mini_batch(lengths, lay["dp"], train_cfg.balance_dp, train_cfg.micro_batch_size,
@@ -95,12 +97,14 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
     micro_batches = []
     for mb in mine:
         chosen = [SequenceData(seqs[i].tokens, seqs[i].labels, seqs[i].loss_mask,
-                               weight_of[i], seqs[i].extras, seqs[i].vision) for i in mb]
+                               weight_of[i], _extras(seqs[i], weight_of[i], mtp), seqs[i].vision)
+                  for i in mb]
         index = list(mb)
         while not chosen or len(chosen) < rows:
             dummy = dummy_sequence(multiple, pad_id)
-            if seqs and seqs[0].extras:
-                dummy.extras = empty_extras(seqs[0].extras, len(dummy.tokens))
+            template = _extras(seqs[0], 0.0, mtp) if seqs else {}
+            if template:
+                dummy.extras = empty_extras(template, len(dummy.tokens))
             chosen.append(dummy)
             index.append(-1)
         micro_batches.append(build(chosen, index, multiple, fixed, lay["cp"],
@@ -108,6 +112,11 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
     total_tokens = sum(lengths)
     padding = _global_padding(plan, lengths, multiple, packing, fixed, rows)
     return RankBatch(micro_batches, plan, positions, weights, total_tokens, padding)
+
+
+def _extras(seq: SequenceData, weight: float, mtp: bool) -> dict:
+    """A sequence's per-token extras, with its MTP targets when `mtp`."""
+    return {**seq.extras, **mtp_extras(seq, weight)} if mtp else seq.extras
 
 
 def _global_padding(plan: MiniBatchPlan, lengths: list[int], pad_multiple: int, packing: bool,

@@ -20,7 +20,8 @@ Metrics (`metrics()`, after the step; every rank gets the same values): `moe/aux
 DP x CP ranks and MoE layers), `moe/expert_load_max_over_mean` (per layer: the largest
 expert's routed token positions over the mean, from the whole step; averaged over layers) and,
 with moe.capacity_factor set, `moe/dropped_token_fraction` (per layer: the share of the step's
-top-k token-to-expert assignments dropped over capacity; averaged over layers).
+top-k token-to-expert assignments dropped over capacity; averaged over layers). They cover the
+decoder layers; a trained MTP layer's router (models.layers.mtp) is not counted.
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ class RouterLosses:
                               torch.tensor([float(routing_map.shape[0] * router.topk)],
                                            dtype=torch.float64)])
             layer = router.layer_number
+            if layer > self.config.num_layers:  # an MTP layer's router: not a decoder layer
+                return
             self.loads[layer] = self.loads.get(layer, 0) + load
 
     def before_step(self, micro_batches: list) -> None:

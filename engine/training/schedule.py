@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS, HiddenStates
 from engine.training.micro_batches import MicroBatch
+from engine.training.mtp import MTPTraining, add_mtp_loss, begin_forward, end_forward
 from models.bridge.weights import unwrap
 from models.layers.heads.output import output_weight, returning_hidden_states
 from parallel import cpu_runtime
@@ -86,16 +87,21 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
                       forward_only: bool = False,
                       output_fn: Callable[[torch.Tensor, MicroBatch], None] | None = None,
                       before_forward: Callable[[object, MicroBatch], None] | None = None,
-                      loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
+                      loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
+                      mtp: MTPTraining | None = None, vocab_size: int | None = None
                       ) -> list[dict[str, torch.Tensor]]:
     """Forward (and backward unless `forward_only`) of all micro-batches of this rank.
 
     All micro-batches must share one shape when pp > 1 (the caller pads them). `output_fn`,
     when given, sees each micro-batch's logits on the last stage (forward-only uses: recomputed
     log-probs). Both see a HiddenStates instead of logits when `loss_chunk_tokens` is set (the
-    chunked loss head, module docstring). Returns the per-micro-batch report dicts of the last
-    stage (empty elsewhere).
+    chunked loss head, module docstring). `mtp`: train the MTP layer too (engine.training.mtp:
+    the micro-batches carry its targets; needs the chunked head and `vocab_size`). Returns the
+    per-micro-batch report dicts of the last stage (empty elsewhere).
     """
+    if mtp is not None and not loss_chunk_tokens:
+        raise ValueError("the MTP loss runs on the chunked loss head: train.loss_chunk_tokens "
+                         "must be > 0 with model.mtp.enabled=true")
     device = cpu_runtime.device()
     batches = [_to_device(mb, device) for mb in micro_batches]
     shape = batches[0].tokens.shape
@@ -106,6 +112,8 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
         if before_forward is not None:  # e.g. MoE routing replay targets (engine.training.routing)
             before_forward(model, mb)
         vision = {} if mb.vision is None else {"vision": mb.vision}   # models.vision.model
+        if mtp is not None and unwrap(model).mtp_process:
+            begin_forward(model, mb, mtp)
         output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params,
                        **moe_padding_mask(model, mb), **vision)
 
@@ -116,6 +124,10 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
             if output_fn is not None:
                 output_fn(output_tensor, mb)
             loss, report = loss_fn(output_tensor, mb)
+            if mtp is not None and unwrap(model).mtp_process:
+                loss = add_mtp_loss(model, mb, mtp, loss, report, vocab_size,
+                                    loss_chunk_tokens)
+                end_forward(model)
             report = {k: v.detach() for k, v in report.items()}
             return loss, torch.tensor(1, dtype=torch.int), report
 

@@ -33,6 +33,7 @@ from engine.training.ddp_release import clear_megatron_caches, release_ddp
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.micro_batches import MicroBatch, SequenceData
+from engine.training.mtp import MTP_REPORT_KEYS, MTPTraining, mtp_metrics
 from engine.training.nonfinite import NonFiniteGuard, guarded_optimizer_step
 from engine.training.rank_batch import build_rank_batch
 from engine.training.router_losses import RouterLosses
@@ -40,6 +41,7 @@ from engine.training.routing import RoutingReplay
 from engine.training.schedule import LossFn, reduce_reports, run_micro_batches
 from models.bridge.weights import load_hf_weights
 from models.build.factory import build_model_chunks
+from models.families.mtp import with_trained_mtp
 from models.hf.io import SafetensorsReader
 from models.lora.adapters import LoraSpec
 from models.lora.modes import dropout_disabled
@@ -132,6 +134,7 @@ class TrainEngine:
     routing: RoutingReplay | None = None  # MoE routing record/replay (enable_routing_replay)
     # tokens per chunk of the loss head (train.loss_chunk_tokens); None: megatron's logits
     loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
+    mtp: MTPTraining | None = None  # train the MTP layer too (engine.training.mtp)
 
     @property
     def vocab_size(self) -> int:
@@ -159,7 +162,8 @@ class TrainEngine:
               loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
               prepare: Callable[[list], None] | None = None,
               lora: LoraSpec | None = None, lora_init: str | None = None,
-              reader=None, **model_overrides) -> "TrainEngine":
+              reader=None, mtp: MTPTraining | None = None,
+              **model_overrides) -> "TrainEngine":
         """Build this rank's model chunks, load HF weights from `weights_dir` (unless
         `load_weights` is False: a checkpoint will be loaded), wrap them in megatron DDP and
         create the optimizer and an LR schedule over `total_steps` optimizer steps.
@@ -173,8 +177,12 @@ class TrainEngine:
         always loaded from `weights_dir` (a checkpoint holds only the adapters); `lora_init`: a
         PEFT adapter folder the adapters start from (when `load_weights`). `reader`: what the
         HF weights are read from instead of `weights_dir`'s SafetensorsReader (e.g. a reward
-        model's trunk without its score head, models.bridge.critic.TrunkReader)."""
+        model's trunk without its score head, models.bridge.critic.TrunkReader). `mtp`: build,
+        load and train the checkpoint's MTP layer (models.layers.mtp, engine.training.mtp;
+        the engine's hf_config is then marked: models.families.mtp.with_trained_mtp)."""
         overlap = overlap or OverlapSettings()
+        if mtp is not None:
+            hf_config = with_trained_mtp(hf_config)
         raw = build_model_chunks(hf_config, params_dtype=dtype, lora=lora,
                                  **{**model_overrides, **p2p_overrides(overlap)})
         if load_weights or lora is not None:
@@ -194,7 +202,7 @@ class TrainEngine:
             c.broadcast_params()
         optimizer = _optimizer(chunks, optim_cfg, dtype)
         return cls(chunks, optimizer, _scheduler(optimizer, optim_cfg, total_steps), hf_config,
-                   batching, pad_id, loss_chunk_tokens=loss_chunk_tokens)
+                   batching, pad_id, loss_chunk_tokens=loss_chunk_tokens, mtp=mtp)
 
     @classmethod
     def frozen(cls, hf_config: dict, dtype: torch.dtype, weights_dir: str,
@@ -235,7 +243,8 @@ class TrainEngine:
         `units`: positions of `seqs` kept in one micro-batch (engine.training.plan)."""
         t0 = time.perf_counter()
         batch = build_rank_batch(list(seqs), normalizer, self.batching, self.pad_id,
-                                 sequence_parallel=self.sequence_parallel, units=units)
+                                 sequence_parallel=self.sequence_parallel, units=units,
+                                 mtp=self.mtp is not None)
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -244,8 +253,12 @@ class TrainEngine:
         self.router_losses.before_step(batch.micro_batches)
         reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn,
                                     before_forward=self._routing_hook(seqs),
-                                    loss_chunk_tokens=self.loss_chunk_tokens)
-        out = reduce_reports(reports, list(report_keys))
+                                    loss_chunk_tokens=self.loss_chunk_tokens, mtp=self.mtp,
+                                    vocab_size=self.vocab_size)
+        mtp_keys = list(MTP_REPORT_KEYS) if self.mtp is not None else []
+        out = reduce_reports(reports, list(report_keys) + mtp_keys)
+        if mtp_keys:
+            out.update(mtp_metrics(out))
         out.update(self.router_losses.metrics())
         if self.routing is not None and self.routing.mode == "replay":
             out["moe/replay_mismatch"] = self.routing.mismatch()

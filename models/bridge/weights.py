@@ -23,12 +23,14 @@ from models.layers import transforms as wm
 from models.build.transformer_config import model_shape
 from models.families.moe import ExpertNaming
 from models.families.base import UnmappedTensorsError
+from models.families.mtp import trained_mtp_layers
 from models.families.registry import expert_naming
 from models.families.tensors import tensor_problems
 from models.hf.config import check_config
 from models.lora.sites import is_adapter_param
 from models.formats.quantized import DequantizingReader
 from models.layers.biased_experts.fused import fuse_experts, fused_expert_reader
+from models.layers.mtp.mapping import mtp_mapping, shared_copies
 from models.layers.sigmoid_routing.mapping import mapped_buffers
 from models.vision.tower import VISION_PREFIX, tower_tensor_problems
 
@@ -85,20 +87,31 @@ def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None) -> _Mapp
     match = _LAYER.match(name)
     if match:
         local, suffix = int(match.group(1)), match.group(2)
-        layer = chunk.decoder.layers[local].layer_number - 1
-        claimed = kinds.claim(suffix, layer, chunk.config, naming)  # the layer kinds' own
-        if claimed is not None:
-            return _Mapping(*claimed)
-        if suffix not in _LAYER_MAP:
-            return None
-        kind, names = _LAYER_MAP[suffix]
-        return _Mapping(kind, tuple(f"model.layers.{layer}.{n}" for n in names))
+        claimed = _layer_mapping(chunk, suffix, chunk.decoder.layers[local].layer_number - 1,
+                                 naming)
+        return None if claimed is None else _Mapping(*claimed)
+    if name.startswith("mtp."):  # the trained MTP layer (models.layers.mtp.mapping)
+        claimed = mtp_mapping(name, chunk.config.num_layers,
+                              lambda suffix, layer: _layer_mapping(chunk, suffix, layer, naming))
+        return None if claimed is None else _Mapping(*claimed)
     if name in _TOP_MAP:
         kind, names = _TOP_MAP[name]
         if name == "output_layer.weight" and tied:
             names = ("model.embed_tokens.weight",)
         return _Mapping(kind, names)
     return None
+
+
+def _layer_mapping(chunk, suffix: str, layer: int, naming: ExpertNaming | None
+                   ) -> tuple[str, tuple[str, ...]] | None:
+    """(kind, HF names) of a decoder-layer parameter suffix at global layer `layer`."""
+    claimed = kinds.claim(suffix, layer, chunk.config, naming)  # the layer kinds' own
+    if claimed is not None:
+        return claimed
+    if suffix not in _LAYER_MAP:
+        return None
+    kind, names = _LAYER_MAP[suffix]
+    return kind, tuple(f"model.layers.{layer}.{n}" for n in names)
 
 
 def _weights(model) -> list:
@@ -117,7 +130,7 @@ def _local_shard(kind: str, hf: list[torch.Tensor], cfg: dict, padded_vocab: int
         return hf[0]
     if kind == "row":
         return hf[0].chunk(tp, dim=1)[rank]
-    if kind == "heads":
+    if kind in ("heads", "column"):
         return hf[0].chunk(tp, dim=0)[rank]
     if kind == "vocab":
         return wm.pad_vocab(hf[0], padded_vocab).chunk(tp, dim=0)[rank]
@@ -146,6 +159,7 @@ def load_hf_weights(chunks: list, reader, hf_config: dict,
     check_config(hf_config)
     reader = DequantizingReader(reader, hf_config)  # quantized weights: models.formats.quantized
     check_tensors(hf_config, reader.keys())
+    check_shared_copies(hf_config, reader)
     reader = fused_expert_reader(hf_config, reader)  # gpt-oss: per-expert views of fused
     shape = model_shape(hf_config)
     naming = expert_naming(hf_config)
@@ -177,6 +191,20 @@ def check_tensors(hf_config: dict, names) -> None:
     problems = tensor_problems(hf_config, names) + tower_tensor_problems(hf_config, names)
     if problems:
         raise UnmappedTensorsError("; ".join(problems))
+
+
+def check_shared_copies(hf_config: dict, reader) -> None:
+    """Raise UnmappedTensorsError unless a trained MTP layer's copies of the embedding and
+    output head (models.layers.mtp.mapping.shared_copies) equal the main tensors: the MTP
+    layer shares them, a different copy would be dropped."""
+    copies = shared_copies(int(hf_config["num_hidden_layers"]), trained_mtp_layers(hf_config),
+                           _tied(hf_config))
+    for copy, main in copies.items():
+        if not torch.equal(reader.get(copy), reader.get(main)):
+            raise UnmappedTensorsError(
+                f"{copy} differs from {main}: the trained MTP layer shares the model's "
+                "embedding and output head (model.mtp.enabled=true); a different copy would "
+                "be dropped. Set model.mtp.enabled=false to carry the MTP layer unchanged")
 
 
 def _gather_tp(tensor: torch.Tensor, dim: int) -> list[torch.Tensor]:
@@ -217,7 +245,9 @@ def _export_stage(chunks: list, hf_config: dict, transform: Callable | None = No
             mapping = _mapping(model, name, tied, naming)
             if mapping is None or (tied and name == "output_layer.weight"):
                 continue
-            if mapping.hf_names[0] in seen:  # TE/local aliases of the same norm
+            if name == _EMBEDDING and not model.pre_process:  # the MTP stage's copy
+                mapping = _Mapping(mapping.kind, ())
+            if mapping.hf_names and mapping.hf_names[0] in seen:  # TE/local aliases of a norm
                 continue
             data = param.detach() if transform is None else transform(model, name, param)
             kind = mapping.kind
@@ -230,6 +260,26 @@ def _export_stage(chunks: list, hf_config: dict, transform: Callable | None = No
             for hf_name, tensor in pairs:
                 seen.add(hf_name)
                 yield hf_name, tensor.contiguous()
+            if getattr(model, "mtp_process", False) and name in _SHARED_SOURCES:
+                yield from _mtp_copies(hf_config, name, tied, data, shape.vocab_size)
+
+
+_EMBEDDING = "embedding.word_embeddings.weight"
+_SHARED_SOURCES = (_EMBEDDING, "output_layer.weight")
+
+
+def _mtp_copies(hf_config: dict, name: str, tied: bool, data: torch.Tensor, vocab_size: int
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The MTP layer's copies (models.layers.mtp.mapping.shared_copies) of the embedding or
+    output head shard `data` of megatron parameter `name`, on the stage holding the MTP block."""
+    main = "model.embed_tokens.weight" if name == _EMBEDDING else "lm_head.weight"
+    copies = [c for c, m in shared_copies(int(hf_config["num_hidden_layers"]),
+                                          trained_mtp_layers(hf_config), tied).items()
+              if m == main]
+    if copies:
+        full = wm.unpad_vocab(torch.cat(_gather_tp(data, 0), 0), vocab_size).contiguous()
+        for copy in copies:
+            yield copy, full
 
 
 def _export_generic(kind: str, data: torch.Tensor, vocab_size: int, heads: int, kv_heads: int
@@ -239,7 +289,7 @@ def _export_generic(kind: str, data: torch.Tensor, vocab_size: int, heads: int, 
         return [data]
     if kind == "row":
         return [torch.cat(_gather_tp(data, 1), dim=1)]
-    if kind == "heads":
+    if kind in ("heads", "column"):
         return [torch.cat(_gather_tp(data, 0), dim=0)]
     if kind == "vocab":
         return [wm.unpad_vocab(torch.cat(_gather_tp(data, 0), 0), vocab_size)]

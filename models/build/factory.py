@@ -8,8 +8,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                            VocabParallelEmbedding)
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 
 from models.build.transformer_config import model_shape, transformer_config
+from models.families.mtp import trained_mtp_layers
 from models.families.registry import family_of
 from models.hf.conditional import peft_layers
 from models.hf.config import check_config, hf_config_object
@@ -22,6 +24,8 @@ from models.layers.biased_experts.fused import lora_row_orders as expert_lora_ro
 from models.layers.mla.mapping import lora_row_orders
 from models.layers.mla.module import hf_mla_layer_spec, is_mla
 from models.layers.biased_experts.spec import biased_moe_spec, has_biased_experts
+from models.layers.mtp.model import MTPGPTModel
+from models.layers.mtp.spec import mtp_block_spec
 from models.layers.gated_delta_net.spec import gpt_model_kwargs, hybrid_block_spec, is_hybrid
 from models.layers.sigmoid_routing.spec import is_heterogeneous, routed_block_spec
 from models.vision.model import VisionLanguageModel
@@ -53,6 +57,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
     _layout_overrides(config_overrides, cp)
+    if trained_mtp_layers(hf_config):  # one MTP layer on the last stage (models.layers.mtp)
+        config_overrides.setdefault("mtp_num_layers", trained_mtp_layers(hf_config))
     config = transformer_config(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                 params_dtype=params_dtype, **config_overrides)
     shape = model_shape(hf_config, tp)
@@ -73,6 +79,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
 
     spec = biased_moe_spec(make_spec(config), hf_config)  # declared router/expert biases
     vision = vision_spec(hf_config)
+    mtp = trained_mtp_layers(hf_config) > 0  # models.layers.mtp (key model.mtp.enabled)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -80,7 +87,9 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         extra = {} if vision is None else dict(
             vision_spec=vision,
             tower=build_tower(hf_config, params_dtype, train_vision) if pre_process else None)
-        model = (GPTModel if vision is None else VisionLanguageModel)(
+        if mtp and mtp_on_this_rank(config, ignore_virtual=False, vp_stage=stage):
+            extra["mtp_block_spec"] = mtp_block_spec(config, hf_config, make_spec, fused_norm)
+        model = (MTPGPTModel if mtp else GPTModel if vision is None else VisionLanguageModel)(
             config=config,
             transformer_layer_spec=(
                 hybrid_block_spec(config, spec, hf_config, stage) if hybrid

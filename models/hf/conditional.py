@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from models.families.base import original_config, wrapper_view
+from models.families.mtp import MTP_TRAINED
 from models.families.registry import FAMILIES
 
 TEXT_PREFIX = "model.language_model."        # stored prefix of the text model's tensors
@@ -67,8 +68,9 @@ def peft_layers(config: dict) -> str:
 
 
 def file_config(config: dict) -> dict:
-    """The config.json to write for the config dict the engines read."""
-    return original_config(config) or config
+    """The config.json to write for the config dict the engines read (without the engines'
+    own marks: models.families.mtp.MTP_TRAINED)."""
+    return original_config(config) or {k: v for k, v in config.items() if k != MTP_TRAINED}
 
 
 def _text_name(stored: str) -> str:

@@ -17,16 +17,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from models.families.mtp import trained_mtp_layers
 from models.families.registry import family_of
+from models.families.tensors import expected_tensors
 from models.hf.io import SafetensorsReader
 
 PASSTHROUGH_FILE = "passthrough.safetensors"
 
 
 def passthrough_names(hf_config: dict, names) -> list[str]:
-    """The names among `names` (an HF folder's tensors) that the family carries unchanged."""
+    """The names among `names` (an HF folder's tensors) that the family carries unchanged
+    (none of a trained MTP layer's: models.families.mtp)."""
     fam = family_of(hf_config)
-    return sorted(n for n in names if fam.passthrough(hf_config, n))
+    mapped = expected_tensors(hf_config) if trained_mtp_layers(hf_config) else set()
+    return sorted(n for n in names if fam.passthrough(hf_config, n) and n not in mapped)
 
 
 def save_passthrough(src_hf_dir: str | os.PathLike | None, hf_config: dict,

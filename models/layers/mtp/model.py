@@ -1,0 +1,72 @@
+"""GPTModel with megatron's MTP block whose output goes to the engine's loss head.
+
+megatron-core's GPTModel computes the MTP loss inside `_postprocess` (labels required, averaged
+per micro-batch, logged through a global tracker). The engine computes every loss outside the
+model with globally fixed per-token weights (engine.training.loss), so `MTPGPTModel` runs the
+MTP block only while its `mtp_inputs.next_ids` is set (training steps: engine.training.mtp),
+stores the block's output in `mtp_inputs.hidden` as the output layer's input ([b, s, h],
+replicated over TP exactly as the chunked loss head receives the main hidden states:
+models.layers.heads.output.tp_replicated_input) and returns what GPTModel returns for the main
+hidden states. Forward-only passes (evaluation, RL log-probs) skip the block.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from megatron.core.models.gpt import GPTModel
+
+from models.layers.heads.output import tp_replicated_input
+from models.layers.mtp.layer import MTPInputs
+
+
+@contextlib.contextmanager
+def _no_internal_mtp_loss(config):
+    """GPTModel._postprocess computes megatron's own MTP loss when config.mtp_num_layers is
+    set; the engine's loss head replaces it (the MTP block already ran)."""
+    layers = config.mtp_num_layers
+    config.mtp_num_layers = None
+    try:
+        yield
+    finally:
+        config.mtp_num_layers = layers
+
+
+class MTPGPTModel(GPTModel):
+    """A GPTModel built with `mtp_block_spec` (models.layers.mtp.spec); on the last pipeline
+    stage it holds the MTP block and a copy of the embedding (megatron ties it to the first
+    stage's: their gradients are summed over the embedding group by finalize_model_grads)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mtp_inputs = MTPInputs()
+        if self.mtp_process:
+            for layer in self.mtp.layers:
+                layer.inputs = self.mtp_inputs
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
+                     rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None,
+                     decoder_input=None, attention_mask=None, inference_params=None,
+                     packed_seq_params=None, sequence_len_offset=None,
+                     runtime_gather_output=None, extra_block_kwargs=None,
+                     inference_context=None):
+        state = self.mtp_inputs
+        state.hidden = None
+        if mtp_in_postprocess and state.next_ids is not None:
+            both = self.mtp(input_ids=input_ids, position_ids=position_ids,
+                            hidden_states=hidden_states, attention_mask=attention_mask,
+                            inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
+                            rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                            packed_seq_params=packed_seq_params,
+                            sequence_len_offset=sequence_len_offset, embedding=self.embedding,
+                            **(extra_block_kwargs or {}))
+            hidden_states, mtp_hidden = both.chunk(2, dim=0)
+            state.hidden = tp_replicated_input(self.output_layer, mtp_hidden).transpose(0, 1)
+        with _no_internal_mtp_loss(self.config):
+            return super()._postprocess(
+                hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                rotary_pos_sin, mtp_in_postprocess=False, loss_mask=loss_mask,
+                decoder_input=decoder_input, attention_mask=attention_mask,
+                inference_params=inference_params, packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                runtime_gather_output=runtime_gather_output,
+                extra_block_kwargs=extra_block_kwargs, inference_context=inference_context)
