@@ -22,6 +22,7 @@ from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.config.fusion_settings import FusionConfig, fusion_problems
 from engine.config.lora_settings import LoraConfig, lora_problems
 from engine.config.vision_settings import VisionConfig, vision_problems
+from engine.config.mtp_settings import MTPConfig, mtp_problems
 from engine.config.moe_settings import MoEConfig, moe_problems
 from engine.config.model_settings import (loss_chunk_problems, recompute_layer_problems,
                                           recompute_problems, sequence_parallel_on)
@@ -51,6 +52,7 @@ class ModelConfig:
     fusions: FusionConfig = field(default_factory=FusionConfig)  # engine.config.fusion_settings
     lora: LoraConfig = field(default_factory=LoraConfig)  # engine.config.lora_settings
     vision: VisionConfig = field(default_factory=VisionConfig)  # vision_settings
+    mtp: MTPConfig = field(default_factory=MTPConfig)  # engine.config.mtp_settings
 
 
 @dataclass
@@ -286,7 +288,7 @@ def validate_common(cfg, world_size: int) -> dict:
                    + layout_problems(cfg, world_size, hf_config) + moe_problems(cfg, hf_config)
                    + length_problems(cfg, hf_config) + resolved_overlap_problems(cfg)
                    + lora_problems(cfg, hf_config) + vision_problems(cfg, hf_config)
-                   + tracker_start_problems(cfg))
+                   + mtp_problems(cfg, hf_config) + tracker_start_problems(cfg))
     return hf_config
 
 

@@ -38,6 +38,7 @@ from engine.config.fusion_settings import fusion_overrides
 from engine.config.lora_settings import lora_build_kwargs
 from engine.config.model_settings import describe as describe_settings
 from engine.config.model_settings import megatron_overrides
+from engine.config.mtp_settings import mtp_training
 from engine.config.moe_settings import moe_overrides
 from engine.config.parallel_settings import overlap_settings
 from engine.rl.collect.prompts import prompt_rows
@@ -203,7 +204,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
         loss_chunk_tokens=train.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
-        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config)),
+        **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config),
+        mtp=mtp_training(cfg)),
         position(0),
         batch_key="train.prompts_per_step")
     policy.guard = NonFiniteGuard(train.max_consecutive_nonfinite_steps,

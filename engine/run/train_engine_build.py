@@ -13,6 +13,7 @@ from engine.config.fusion_settings import fusion_overrides
 from engine.config.lora_settings import lora_build_kwargs
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
 from engine.config.moe_settings import moe_overrides
+from engine.config.mtp_settings import mtp_training
 from engine.config.parallel_settings import overlap_settings
 from engine.run.run_loop import build_or_resume
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
@@ -39,7 +40,7 @@ def build_train_engine(cfg, hf_config: dict, pad_id: int, position: DataPosition
         loss_chunk_tokens=chunk_tokens,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
         **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config),
-        train_vision=not cfg.model.vision.freeze),
+        train_vision=not cfg.model.vision.freeze, mtp=mtp_training(cfg)),
         position)
     if dist.get_rank() == 0:
         print(f"[{tag}] model: {describe_settings(engine.chunks[0].config)}", flush=True)

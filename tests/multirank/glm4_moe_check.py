@@ -11,7 +11,14 @@
                 parameter, so the update must not depend on the layout;
      bug=localbias  negative control: each rank updates the bias from its own token counts
                 (no all-reduce over TP x DP x CP);
-     bug=padcount   negative control: padding tokens counted (no padding mask).
+     bug=padcount   negative control: padding tokens counted (no padding mask);
+     mtp=S      train the MTP layer too (model.mtp.enabled, loss scale S; MODEL_DIR must hold a
+                full MTP layer: tests/glm4_moe_tiny.build_glm4_moe(mtp="full")); the mtp/*
+                metrics ride the results' "moe" entries; mtpdetach: cut from the trunk (RL);
+     bug=mtproll    negative control: the next tokens rolled inside this rank's micro-batch
+                (megatron's in-model roll: it crosses packed sequences and CP shards);
+     bug=mtpmean    negative control: each micro-batch's MTP loss is its own token mean
+                (megatron's per-micro-batch normalisation).
    The harness's own negative controls (mean of means, DP x CP counts) are skipped here: the
    dense harness runs them.
 """
@@ -83,6 +90,31 @@ def _local_counts(tokens_per_expert, expert_bias, rate, **_group):
         return expert_bias + torch.sign(average - tokens_per_expert) * rate
 
 
+def _mtp_bug(bug):
+    """Install an MTP negative control (module docstring); returns the undo function."""
+    from engine.training import mtp, schedule
+
+    name = "begin_forward" if bug == "mtproll" else "add_mtp_loss"
+    original = getattr(schedule, name)
+
+    def rolled(model, mb, settings):
+        original(model, mb, settings)
+        state = mtp.unwrap(model).mtp_inputs
+        state.next_ids = torch.roll(mb.tokens, -1, dims=1)
+
+    def mean(model, mb, settings, loss, report, vocab, chunk):
+        weights = mb.extras["mtp_weights"]
+        mask = mb.extras["mtp_mask"]
+        mb.extras["mtp_weights"] = mask / mask.sum().clamp(min=1.0)
+        try:
+            return original(model, mb, settings, loss, report, vocab, chunk)
+        finally:
+            mb.extras["mtp_weights"] = weights
+
+    setattr(schedule, name, rolled if bug == "mtproll" else mean)
+    return lambda: setattr(schedule, name, original)
+
+
 def inject(bug):
     """Install the glm-specific negative controls; returns the undo function (or None when
     `bug` is none of them)."""
@@ -95,6 +127,8 @@ def inject(bug):
         original = finalize.get_updated_expert_bias
         finalize.get_updated_expert_bias = _local_counts
         return lambda: setattr(finalize, "get_updated_expert_bias", original)
+    if bug in ("mtproll", "mtpmean"):
+        return _mtp_bug(bug)
     if bug == "padcount":
         original = schedule.moe_padding_mask
         schedule.moe_padding_mask = lambda model, mb: {}
@@ -121,7 +155,12 @@ def main() -> None:
                  if f.split("=")[0] in ("bias", "aux", "z")}
         moe = MoEConfig(bias_update_rate=value.get("bias", 0.0),
                         aux_loss_coeff=value.get("aux"), z_loss_coeff=value.get("z"))
-        return moe_overrides(SimpleNamespace(moe=moe), config)
+        out = moe_overrides(SimpleNamespace(moe=moe), config)
+        scale = next((float(f.split("=")[1]) for f in flags if f.startswith("mtp=")), None)
+        if scale is not None:
+            from engine.training.mtp import MTPTraining
+            out["mtp"] = MTPTraining(scale, "mtpdetach" in flags)
+        return out
 
     def inject_bug(state, bug):
         undo = inject(bug)

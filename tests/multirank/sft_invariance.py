@@ -50,7 +50,7 @@ IMAGES = os.environ.get("INV_IMAGES") == "1"
 # the chunked loss head (train.loss_chunk_tokens) with chunks of 16 tokens: every micro-batch
 # of every layout spans several chunks, the last one ragged
 LOSS_CHUNK_TOKENS = 16
-MOE_METRICS: list[dict] = []  # the moe/* metrics of each step of the latest run_layout
+MOE_METRICS: list[dict] = []  # the moe/* and mtp/* metrics of each step of the latest run_layout
 
 
 def synthetic_batches(vocab: int, seed: int = 0):
@@ -237,7 +237,7 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
             m = train_step(state, seqs, normalizer)
             losses.append(m["loss"])
             norms.append(m["grad_norm"])
-            MOE_METRICS.append({k: v for k, v in m.items() if k.startswith("moe/")})
+            MOE_METRICS.append({k: v for k, v in m.items() if k.startswith(("moe/", "mtp/"))})
     finally:
         undo()
     if bug != "nogather":

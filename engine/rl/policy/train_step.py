@@ -84,9 +84,10 @@ def train_on_rollout(policy: TrainEngine, aux: AuxiliaryModels | None, batch, cf
                                                     critic_settings, horizon))
             updates.append(policy_update(policy, mini, cfg.loss, settings, horizon))
     end_replay(policy)
-    # moe/*: MoE policies (engine.training.router_losses); rollout_corr/*: bypass mode
+    # moe/*: MoE policies (engine.training.router_losses); rollout_corr/*: bypass mode;
+    # mtp/*: model.mtp.enabled (engine.training.mtp)
     moe_keys = sorted({k for u in updates for k in u
-                       if k.startswith(("moe/", "rollout_corr/"))})
+                       if k.startswith(("moe/", "rollout_corr/", "mtp/"))})
     metrics.update(_mean_metrics(updates, (*UPDATE_MEAN_KEYS, *moe_keys)))
     metrics.update(_mean_metrics(critic_updates, CRITIC_KEYS))
     metrics["lr"] = updates[-1]["lr"]

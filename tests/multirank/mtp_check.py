@@ -1,0 +1,143 @@
+"""MTP checks on the rank pool (launched by tests/test_mtp.py).
+
+`reference_parity(model_dir, detach)` (one rank): one SFT step of the engine with the MTP
+layer trained (engine.training.mtp) against a plain PyTorch loop written from DeepSeek-V3's
+formula on transformers' own modules and the same weights: the trunk's final normed hidden
+state h_t and the embedding of token t+1, each RMS-normed, concatenated [e; h], projected by
+eh_proj, one decoder layer (transformers' Glm4Moe layer of index N, run as a one-layer model
+whose final norm is shared_head.norm), the model's lm_head; the loss is main + scale x MTP, both
+weighted by the token-mean weights 1/N_tokens, the MTP term on the targets labels[t+1] where
+loss_mask[t+1]. Compared: loss, mtp/loss, mtp/accuracy, grad norm (all parameters, the shared
+embedding and head once). Negative controls on the reference side: the trunk's hidden state
+before the final norm, and [h; e] instead of [e; h].
+"""
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+SCALE = 0.3
+
+
+def _batch(vocab: int):
+    from engine.training.micro_batches import SequenceData
+
+    gen = torch.Generator().manual_seed(5)
+    seqs = []
+    for n, start in ((12, 3), (9, 0), (15, 14), (7, 2)):
+        ids = torch.randint(4, vocab, (n + 1,), generator=gen).tolist()
+        mask = [0] * start + [1] * (n - start)
+        seqs.append(SequenceData(ids[:-1], ids[1:], mask))
+    return seqs
+
+
+def _mtp_model(model_dir: str, hf, layer: int):
+    """transformers' one-layer Glm4MoeModel holding the MTP layer's decoder layer (as layer 0,
+    a MoE layer) and shared_head.norm as its final norm (saved and loaded through
+    from_pretrained, so transformers converts the experts as for any checkpoint), and the MTP
+    layer's own enorm, hnorm, eh_proj as parameters."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    prefix = f"model.layers.{layer}."
+    own_names = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+    state = {"model.layers.0." + k[len(prefix):]: v for k, v in tensors.items()
+             if k.startswith(prefix) and not k[len(prefix):].startswith(own_names)}
+    state["model.norm.weight"] = tensors[prefix + "shared_head.norm.weight"]
+    state["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    state["lm_head.weight"] = tensors["lm_head.weight"]
+    config = hf.config.to_dict()
+    config.update(num_hidden_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.config.__class__(**config).save_pretrained(tmp)
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).model
+    own = {k: torch.nn.Parameter(tensors[prefix + k + ".weight"].float().clone())
+           for k in ("enorm", "hnorm", "eh_proj")}
+    return model, own
+
+
+def _rms(x, w, eps):
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)) * w
+
+
+def _reference(model_dir: str, seqs, detach: bool, variant: str = "") -> dict:
+    """{"loss", "mtp_loss", "mtp_accuracy", "grad_norm"} of the plain loop (module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layer = hf.config.num_hidden_layers
+    mtp, own = _mtp_model(model_dir, hf, layer)
+    eps = hf.config.rms_norm_eps
+    total_tokens = sum(sum(s.loss_mask) for s in seqs)
+    w = 1.0 / total_tokens
+    main, extra, right, targets = 0.0, 0.0, 0, 0
+    embed, head = hf.model.embed_tokens.weight, hf.lm_head.weight
+    for s in seqs:
+        tokens = torch.tensor([s.tokens])
+        out = hf.model(tokens, output_hidden_states=True)
+        logits = hf.lm_head(out.last_hidden_state).float()
+        nll = -torch.log_softmax(logits[0], -1).gather(1, torch.tensor(s.labels)[:, None])[:, 0]
+        main = main + (nll * torch.tensor(s.loss_mask, dtype=torch.float32)).sum() * w
+        n = len(s.tokens)
+        h = out.hidden_states[-2] if variant == "prenorm" else out.last_hidden_state
+        h = h[0, :n - 1]
+        e_w, head_w = (embed.detach(), head.detach()) if detach else (embed, head)
+        if detach:
+            h = h.detach()
+        e = torch.nn.functional.embedding(tokens[0, 1:], e_w)
+        parts = [_rms(e, own["enorm"], eps), _rms(h, own["hnorm"], eps)]
+        if variant == "swapped":
+            parts.reverse()
+        u = torch.nn.functional.linear(torch.cat(parts, -1), own["eh_proj"])
+        g = mtp(inputs_embeds=u[None], position_ids=torch.arange(n - 1)[None]).last_hidden_state
+        z = torch.nn.functional.linear(g[0], head_w).float()
+        labels = torch.tensor(s.labels[1:])
+        mask = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+        logp = torch.log_softmax(z, -1).gather(1, labels[:, None])[:, 0]
+        extra = extra + -(logp * mask).sum() * w
+        right += int(((z.argmax(-1) == labels).float() * mask).sum())
+        targets += int(mask.sum())
+    (main + SCALE * extra).backward()
+    params = list(hf.parameters()) + list(mtp.layers.parameters()) + [mtp.norm.weight] \
+        + list(own.values())
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None))
+    return {"loss": float(main), "mtp_loss": float(extra), "mtp_accuracy": right / targets,
+            "grad_norm": float(norm)}
+
+
+def reference_parity(model_dir: str, detach: bool = False) -> dict:
+    """{"ours": engine metrics, "ref": the plain loop's, "prenorm"/"swapped": the controls'}."""
+    from engine.sft.training import train_step
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.mtp import MTPTraining
+    from engine.training.train_engine import TrainEngine
+    from models.hf.io import read_config
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    cfg = read_config(model_dir)
+    seqs = _batch(cfg["vocab_size"])
+    setup_model_parallel(ParallelLayout(1))
+    optim = SimpleNamespace(lr=1e-3, min_lr=0.0, warmup_steps=0, weight_decay=0.0,
+                            clip_grad=0.0, betas=[0.9, 0.95], eps=1e-8, schedule="constant",
+                            distributed_optimizer=True)
+    train = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None,
+                            balance_dp=True, packing=False)
+    engine = TrainEngine.build(cfg, optim, torch.float32, 1, train, weights_dir=model_dir,
+                               loss_chunk_tokens=8, mtp=MTPTraining(SCALE, detach))
+    m = train_step(engine, seqs, GlobalLossNormalizer("token-mean"))
+    engine.release()
+    ours = {"loss": m["loss"], "mtp_loss": m["mtp/loss"], "mtp_accuracy": m["mtp/accuracy"],
+            "grad_norm": m["grad_norm"]}
+    return {"ours": ours, "ref": _reference(model_dir, seqs, detach),
+            "prenorm": _reference(model_dir, seqs, detach, "prenorm"),
+            "swapped": _reference(model_dir, seqs, detach, "swapped")}
