@@ -163,51 +163,61 @@ def test_torn_build_is_never_used(tok, tok_dir, tmp_path, builds):
     assert not [n for n in os.listdir(cache) if ".tmp-" in n]
 
 
+# Each rank loads a good file (argv 2, cache argv 3), prints its samples' hash, then the file
+# whose last row is bad (argv 4, cache argv 5): two concurrent builds in one launch of the
+# ranks (their imports, most of a launch's time, paid once). SPLIT, on stderr between them,
+# separates the two builds' logs.
+SPLIT = "=== the bad file ==="
 CONCURRENT = """
     rank = int(os.environ["RANK"])
+    ds = D.load_sft_dataset([sys.argv[2]], tok, 64, cache_dir=sys.argv[3], num_workers=1)
+    h = hashlib.sha256(json.dumps([ds[i].tokens + ds[i].loss_mask
+                                   for i in range(len(ds))]).encode()).hexdigest()
+    print(json.dumps({"rank": rank, "n": len(ds), "hash": h, "path": ds.cache_path}), flush=True)
+    print("%s", file=sys.stderr, flush=True)
     try:
-        ds = D.load_sft_dataset([sys.argv[2]], tok, 64, cache_dir=sys.argv[3], num_workers=1)
+        D.load_sft_dataset([sys.argv[4]], tok, 64, cache_dir=sys.argv[5], num_workers=1)
     except D.DataError as e:
         print("DATAERROR " + str(e))
         sys.exit(2)
-    h = hashlib.sha256(json.dumps([ds[i].tokens + ds[i].loss_mask
-                                   for i in range(len(ds))]).encode()).hexdigest()
-    print(json.dumps({"rank": rank, "n": len(ds), "hash": h, "path": ds.cache_path}))
-"""
+""" % SPLIT
 
 
-def _ranks(script: str, tok_dir: str, path: str, cache: str, n: int = 3):
-    procs = [_run(script, tok_dir, path, cache, wait=False,
+def _ranks(script: str, tok_dir: str, *args: str, n: int = 3):
+    procs = [_run(script, tok_dir, *args, wait=False,
                   env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"})
              for r in range(n)]
     return [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
 
 
-def test_concurrent_ranks_one_builds_the_others_wait(tok_dir, tmp_path):
+def test_concurrent_ranks_one_builds_the_others_wait_and_errors_reach_every_rank(tok_dir,
+                                                                                 tmp_path):
+    """Three ranks of one node load a file at once: one builds (with a worker), the others wait
+    and map the same entry. Then they load a file whose last row is bad: the build error
+    reaches every rank (exit 2, the file and row named), from the one build."""
     rows = [{"messages": SINGLE * k} for k in range(1, 8)] + [PR_ROW]
     path = write_jsonl(tmp_path / "a.jsonl", rows * 400)  # 3200 rows: workers, a second or so
-    results = _ranks(_script(CONCURRENT), tok_dir, path, str(tmp_path / "cache"))
-    assert all(rc == 0 for rc, _, _ in results), [err[-2000:] for _, _, err in results]
-    outs = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [PR_ROW] * 2500 + [{"prompt": "a"}])
+    results = _ranks(_script(CONCURRENT), tok_dir, path, str(tmp_path / "cache"), bad,
+                     str(tmp_path / "bad_cache"))
+    assert [rc for rc, _, _ in results] == [2, 2, 2], [err[-2000:] for _, _, err in results]
+    assert all(err.count(SPLIT) == 1 for _, _, err in results), results
+    good = [err.split(SPLIT)[0] for _, _, err in results]
+    outs = [json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+            for _, out, _ in results]
     assert len({o["hash"] for o in outs}) == 1 and {o["n"] for o in outs} == {3200}
     assert len({o["path"] for o in outs}) == 1
-    errs = "".join(err for _, _, err in results)
+    errs = "".join(good)
     assert errs.count("] rank") and errs.count("rendered 3200 rows") == 1, errs[-3000:]
     # ranks that started before the build finished waited (a late one reads the cache)
     assert 1 <= errs.count("waiting for another process to build the data cache") <= 2
-
-
-def test_build_error_reaches_every_rank_once_built(tok_dir, tmp_path):
-    rows = [PR_ROW] * 2500 + [{"prompt": "a"}]
-    path = write_jsonl(tmp_path / "bad.jsonl", rows)
-    results = _ranks(_script(CONCURRENT), tok_dir, path, str(tmp_path / "cache"))
-    assert [rc for rc, _, _ in results] == [2, 2, 2]
+    # the bad file
     for _, out, _ in results:
-        assert f"DATAERROR {path}:2501: missing field 'response'" in out
+        assert f"DATAERROR {bad}:2501: missing field 'response'" in out
     # one build: only one rank renders; the others waited for it or, started after it
     # failed, read the recorded error
-    builders = [err for _, _, err in results if "rendering SFT rows" in err]
+    builders = [err for _, _, err in results if "rendering SFT rows" in err.split(SPLIT)[1]]
     assert len(builders) == 1, [err[-1000:] for _, _, err in results]
 
 
