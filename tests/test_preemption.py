@@ -59,21 +59,51 @@ def _assert_saved_on_signal(proc, run_dir: Path, name: str) -> int:
     return done
 
 
-def test_sigterm_saves_a_checkpoint_that_resumes(assets, tmp_path):
-    """torchrun (2 ranks) gets SIGTERM, as from a cluster scheduler: it forwards the signal,
-    the workers finish the step, save and exit 0 (torchrun itself then exits 1, reporting the
-    signal it received); the next launch resumes where the saved step left off."""
-    run_dir = tmp_path / "run"
-    proc = _signal_after_steps(torchrun_cmd(2, *_args(assets, run_dir, 100000)), run_dir,
+STEPS = 10   # every launch's train.max_steps (the uninterrupted run's too); saves every 2
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes_and_a_rank_killed_during_save_does_not_tear_it(
+        pools, assets, tmp_path):
+    """One run through three torchrun launches (2 ranks), against an uninterrupted run.
+    1. torchrun gets SIGTERM once step 3 is logged, as from a cluster scheduler: it forwards
+       the signal, the workers finish the step N, save and exit 0 (torchrun itself then exits
+       1, reporting the signal it received).
+    2. The next launch (checkpoint.save_interval=2 from here on) resumes from N, and rank 1
+       is SIGKILLed inside the save of the next interval step K (engine.checkpoint.fault_injection): the job fails, iter K stays an
+       unpublished staging directory, `latest` still names N.
+    3. The relaunch resumes from N again and finishes: steps N+1..STEPS equal those of an
+       uninterrupted run, and the staging directory is gone."""
+    run_dir, straight = tmp_path / "run", tmp_path / "straight"
+    extra = ["checkpoint.save_interval=2"]
+    # no save before the signal's: megatron's checkpoint writer, once started by a save, is a
+    # process of the job's group that the forwarded SIGTERM kills (the save on the signal then
+    # fails with BrokenPipeError; seen 2026-11-26, reported, not what this test checks)
+    proc = _signal_after_steps(torchrun_cmd(2, *_args(assets, run_dir, STEPS)), run_dir,
                                signal.SIGTERM)
     assert "got signal: 15" in proc.stderr       # torchrun's own report; no worker failed
     assert "exitcode" not in proc.stderr
     done = _assert_saved_on_signal(proc, run_dir, "SIGTERM")
-    resumed = run_torchrun(2, *_args(assets, run_dir, done + 2), timeout=300)
+    assert done < STEPS, done   # the signal came before the last step
+    killed_at = done + 2 - done % 2   # the next save_interval step after `done`
+    ckpt = run_dir / "ckpt"
+    proc = run_torchrun(2, *_args(assets, run_dir, STEPS, *extra), timeout=300,
+                        env={"ENGINE_FAULT_INJECT": f"save@1:{killed_at}"})
+    assert proc.returncode != 0
+    assert f"resumed from {iteration_dir(ckpt, done)}: {done} steps done" in proc.stdout
+    assert f"[fault-injection] killing rank 1 at save, step {killed_at}" in proc.stdout
+    assert read_latest(ckpt) == done and checkpoint_problems(iteration_dir(ckpt, done)) == []
+    assert staging_dir(ckpt, killed_at).is_dir() and not iteration_dir(ckpt, killed_at).exists()
+
+    resumed = run_torchrun(2, *_args(assets, run_dir, STEPS, *extra), timeout=300)
     assert resumed.returncode == 0
-    assert f"resumed from {iteration_dir(run_dir / 'ckpt', done)}: {done} steps done" in \
-        resumed.stdout
-    assert [r["step"] for r in _rows(run_dir)] == list(range(1, done + 3))
+    assert f"resumed from {iteration_dir(ckpt, done)}: {done} steps done" in resumed.stdout
+    assert pools.script(2, *_args(assets, straight, STEPS, *extra), timeout=300).returncode == 0
+    got, want = _rows(run_dir), _rows(straight)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(got[done:], want[done:], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), a["step"]
+    assert read_latest(ckpt) == STEPS and not staging_dir(ckpt, killed_at).exists()
 
 
 def test_sigint_single_process_saves_and_exits_0(assets, tmp_path):
@@ -83,29 +113,3 @@ def test_sigint_single_process_saves_and_exits_0(assets, tmp_path):
                                signal.SIGINT)
     assert proc.returncode == 0
     _assert_saved_on_signal(proc, run_dir, "SIGINT")
-
-
-def test_rank_killed_during_save_leaves_the_run_resumable(pools, assets, tmp_path):
-    """Rank 1 is SIGKILLed inside the save of step 4 (engine.checkpoint.fault_injection): the job fails,
-    iter 4 stays an unpublished staging directory, `latest` still names iter 2; the relaunch
-    resumes from iter 2 and steps 3-6 equal those of an uninterrupted run."""
-    crashed, straight = tmp_path / "crashed", tmp_path / "straight"
-    extra = ["checkpoint.save_interval=2"]
-    proc = run_torchrun(2, *_args(assets, crashed, 6, *extra), timeout=300,
-                        env={"ENGINE_FAULT_INJECT": "save@1:4"})
-    assert proc.returncode != 0
-    assert "[fault-injection] killing rank 1 at save, step 4" in proc.stdout
-    ckpt = crashed / "ckpt"
-    assert read_latest(ckpt) == 2 and checkpoint_problems(iteration_dir(ckpt, 2)) == []
-    assert staging_dir(ckpt, 4).is_dir() and not iteration_dir(ckpt, 4).exists()
-
-    resumed = run_torchrun(2, *_args(assets, crashed, 6, *extra), timeout=300)
-    assert resumed.returncode == 0
-    assert f"resumed from {iteration_dir(ckpt, 2)}: 2 steps done" in resumed.stdout
-    assert pools.script(2, *_args(assets, straight, 6, *extra), timeout=300).returncode == 0
-    got, want = _rows(crashed), _rows(straight)
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
-    for a, b in zip(got[2:], want[2:]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), a["step"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), a["step"]
-    assert read_latest(ckpt) == 6 and not staging_dir(ckpt, 4).exists()
