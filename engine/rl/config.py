@@ -100,6 +100,28 @@ class SGLangConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """rollout.vllm.speculative: speculative decoding in vLLM rollouts (checked by
+    engine.rl.rollout.vllm_speculative_settings; docs/rollout-backends.md). The rollout's
+    log-probs stay the target model's at every position, draft positions included."""
+    # null: off | mtp: the policy checkpoint's own MTP layers (synced with the policy when
+    # model.mtp.enabled) | draft_model: the HF folder draft_path (never synced)
+    method: Optional[str] = None
+    num_tokens: int = 2                  # draft tokens proposed per target step (>= 1)
+    draft_path: Optional[str] = None     # method=draft_model: the draft's HF folder
+    # the automatic off switch: after `patience_steps` RL steps in a row whose acceptance
+    # (accepted / proposed draft tokens) is below min_acceptance the engine stops speculating
+    # (rebuilt without the draft at the next weight sync). With acceptance a and k draft tokens
+    # a target step yields (1 - a^(k+1)) / (1 - a) tokens for 1 + k*c target-forward costs (c:
+    # one draft pass over one target pass; an MTP layer of an L-layer model c ~ 1/L plus its
+    # share of the head, ~0.1): k = 2, a = 0.3 gives 1.39 tokens for ~1.2, the smallest margin
+    # (1.16x) worth keeping once verifying k + 1 tokens is not free (large decode batches);
+    # null: never switch off
+    min_acceptance: Optional[float] = 0.3
+    patience_steps: int = 3
+
+
+@dataclass
 class VLLMConfig:
     """rollout.backend=vllm (engine.rl.rollout.vllm_settings checks these; TP size inside an
     engine is rollout.gpus_per_engine)."""
@@ -117,6 +139,7 @@ class VLLMConfig:
     # the base stays model.hf_path) | merged (base + adapter as full weights); auto: adapter
     # in bf16 where vLLM serves it, merged in fp32 (engine.rl.rollout.vllm_lora)
     lora_sync: str = "auto"
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass

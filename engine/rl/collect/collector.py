@@ -43,6 +43,7 @@ from engine.rl.env.dump import part_records, write_dump
 from engine.rl.rewards import score_responses
 from engine.rl.rollout import SamplingParams
 from engine.rl.rollout.pool import RolloutPool
+from engine.rl.rollout.vllm_speculative import spec_metrics
 from engine.rl.rollout.work_split import batch_seeds
 
 
@@ -216,6 +217,8 @@ class RolloutCollector:
                 torch.cat([p["penalty"] for p in parts]).mean())
         if sampler is not None:
             metrics.update(sampler.stats())
+        # rollout.vllm.speculative: vLLM's acceptance counters (rollout/spec_*)
+        metrics.update(spec_metrics([p["stats"].counters for p in parts], self.pool.num_engines))
         if self.env is not None or self.agent is not None:
             metrics.update(env_metrics(parts, cfg.env.fn == "tools"))
         self._dump(parts, dump_step)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch.distributed as dist
@@ -54,6 +54,9 @@ class EngineResult:
     error: str | None                      # the last error, when generations is None
     calls: int                             # generate calls made (retries included)
     seconds: float                         # wall time of the attempts
+    # the engine's speculative-decoding counters of the call (VLLMRolloutEngine
+    # .speculation_counters; engine.rl.rollout.vllm_speculative), {} without speculation
+    counters: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -64,6 +67,9 @@ class GenerateStats:
     retries: int                # failed calls that were retried on the same engine
     restarts: int               # engines rebuilt from the current weights
     engine_seconds: list[float]  # per engine that had work: its generate time
+    # speculative decoding, summed over the engines (EngineResult.counters): drafts, proposed,
+    # accepted, enabled (engines still speculating); {} without speculation
+    counters: dict = field(default_factory=dict)
 
     @property
     def imbalance(self) -> float:
@@ -88,7 +94,8 @@ def generate_with_retries(engine: RolloutEngine, prompts: list[list[int]],
             if len(gens) != len(prompts):
                 raise RuntimeError(f"returned {len(gens)} generations for {len(prompts)} "
                                    "prompts")
-            return EngineResult(-1, gens, None, calls, time.perf_counter() - t0)
+            counters = getattr(engine, "speculation_counters", dict)()
+            return EngineResult(-1, gens, None, calls, time.perf_counter() - t0, counters)
         except Exception as e:  # noqa: BLE001 - any backend failure is retried
             error = f"{type(e).__name__}: {e}"
         if attempt + 1 < attempts and engine.is_alive:
@@ -190,7 +197,11 @@ class RolloutPool:
             for i, gen in zip(idx, results[e].generations):
                 out[i] = gen
         retries = calls - len(shares) - restarts
-        return out, GenerateStats(calls, retries, restarts, list(seconds.values()))
+        counters: dict[str, float] = {}
+        for r in results.values():
+            for k, v in r.counters.items():
+                counters[k] = counters.get(k, 0.0) + v
+        return out, GenerateStats(calls, retries, restarts, list(seconds.values()), counters)
 
     def score(self, ids: list[list[int]]) -> list[float]:
         """Rank 0: `scorer(ids)` run on every rank (one float per token id list)."""

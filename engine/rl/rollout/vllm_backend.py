@@ -56,6 +56,13 @@ meets in the final barrier and exits 0. The worker ignores SIGTERM / SIGINT
 (`vllm_worker.rl_leave_signals_to_owner`): a signal to the job's process group asks the ranks
 to finish the step and save (engine.run.run_loop), which needs the engine alive.
 
+Speculative decoding (rollout.vllm.speculative; engine.rl.rollout.vllm_speculative_settings,
+vllm_speculative, vllm_spec_sampler, vllm_spec_sync): vLLM's speculative_config with the
+policy's MTP layers or a draft model; the log-probs stay the contract's at every position
+(the rejection sampler's path wrapped in the worker), the MTP layers are synced into the
+drafter, vLLM's acceptance counters become rollout/spec_* metrics, and an engine whose
+acceptance stays low is rebuilt without its draft at the next sync (the off switch).
+
 Attention on CPU: MLA models run vLLM's CPU_MLA (the model and a speculative draft), not the
 AMX_MLA it picks on AMX CPUs, unless engine_kwargs name one (engine.rl.rollout.vllm_attention).
 
@@ -67,14 +74,13 @@ dropped). The RL loop streams the weights after every `wake` either way.
 from __future__ import annotations
 
 import random
-from typing import Iterable
 
 import torch
 
 from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.eos import eos_token_ids, folder_tokenizer, no_eos_message
 from engine.rl.rollout.scoring import SequenceScores
-from engine.rl.rollout.sync_handles import SharedBuckets, send_bucket
+from engine.rl.rollout.sync_handles import SharedBuckets
 from engine.rl.rollout.vllm_adapter import AdapterSync
 from engine.rl.rollout.vllm_attention import cpu_attention_args
 from engine.rl.rollout.vllm_process import (engine_process_env, preserved_global_rng,
@@ -83,8 +89,10 @@ from engine.rl.rollout.vllm_lora import AdapterServing
 from engine.rl.rollout.vllm_requests import check_prompts, generation
 from engine.rl.rollout.vllm_scoring import logprob_table, prompt_logprob_outputs, vllm_scores
 from engine.rl.rollout.vllm_settings import engine_args
+from engine.rl.rollout.vllm_speculative import Speculation
 from engine.rl.rollout.vllm_version import (TESTED_VERSION, liveness_problem, missing_internals,
                                             untested_warning)
+from engine.rl.rollout.vllm_weights import WeightSync
 
 WORKER_EXTENSION = "engine.rl.rollout.vllm_worker.RolloutWorkerExtension"
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -103,7 +111,7 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-class VLLMRolloutEngine(RolloutEngine):
+class VLLMRolloutEngine(WeightSync, RolloutEngine):
     """`vllm.LLM` on the local HF directory `hf_path`, in this process.
 
     Args:
@@ -135,7 +143,9 @@ class VLLMRolloutEngine(RolloutEngine):
             print(warning, flush=True)
         return cls(hf_path, dtype=dtype, seed=seed, sleep_level=rollout_cfg.vllm.sleep_level,
                    trust_remote_code=trust_remote_code, gpus=gpus, lora=lora,
-                   sync_transport=rollout_cfg.sync_transport,
+                   sync_transport=rollout_cfg.sync_transport, off_switch=(
+                       rollout_cfg.vllm.speculative.min_acceptance,
+                       rollout_cfg.vllm.speculative.patience_steps),
                    **engine_args(rollout_cfg.vllm, gpus[1], _on_cpu(),
                                  check_weight_sync=rollout_cfg.check_weight_sync))
 
@@ -148,11 +158,13 @@ class VLLMRolloutEngine(RolloutEngine):
     def __init__(self, hf_path: str, dtype: torch.dtype | str = "float32", seed: int = 0,
                  sleep_level: int = 1, trust_remote_code: bool = False,
                  gpus: tuple[int, int] = (0, 1), lora: AdapterServing | None = None,
-                 sync_transport: str = "handle", **engine_kwargs) -> None:
+                 sync_transport: str = "handle", off_switch: tuple = (None, 1),
+                 **engine_kwargs) -> None:
         """`gpus[0]`: the engine's first local device (GPU); its device count is vLLM's
         tensor_parallel_size (engine_kwargs; engine_args sets it from gpus[1], 1 on CPU).
         `lora`: vLLM's LoRA on, the adapters synced instead of weights (vllm_adapter).
-        `sync_transport`: rollout.sync_transport (handle | file), read at every bucket."""
+        `sync_transport`: rollout.sync_transport (handle | file), read at every bucket.
+        `off_switch`: (min_acceptance, patience_steps) of a speculative engine (vllm_speculative)."""
         super().__init__()
         self.eos_token_ids = eos_token_ids(hf_path, folder_tokenizer(hf_path, trust_remote_code))
         if not self.eos_token_ids:
@@ -167,20 +179,27 @@ class VLLMRolloutEngine(RolloutEngine):
         engine_kwargs.update(lora.engine_args() if lora is not None else {})
         # an MLA model's attention on vLLM's CPU platform: CPU_MLA, never AMX_MLA by default
         engine_kwargs = cpu_attention_args(engine_kwargs, hf_path, self.on_cpu)
-        set_num_threads = torch.set_num_threads
-        # the engine's devices (CPU: worker processes): from gpus[0], as many as its TP size
-        devices = (gpus[0], int(engine_kwargs.get("tensor_parallel_size", 1)))
-        with preserved_global_rng(), engine_process_env(self.on_cpu, devices), \
-                without_chat_warmup_warning():
-            self.llm = _vllm().LLM(model=hf_path, dtype=DTYPES.get(dtype, dtype), seed=seed,
+        self.sync_transport, self.shared_buckets = sync_transport, SharedBuckets()
+        self._seeds = random.Random(seed)
+        self._start_args = dict(model=hf_path, dtype=DTYPES.get(dtype, dtype), seed=seed,
                                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                                 trust_remote_code=trust_remote_code,
                                 worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
+        spec = engine_kwargs.get("speculative_config")
+        self.speculation = Speculation(spec["method"], *off_switch) if spec else None
+        self._restart_args = (gpus[0], lora, hf_path)
+        self._start(*self._restart_args)
+
+    def _start(self, first_device: int, lora: AdapterServing | None, hf_path: str) -> None:
+        """Build vllm.LLM from `_start_args` on the devices from `first_device` (as many as its
+        TP size) and check it; the constructor's, and the off switch's rebuild."""
+        set_num_threads = torch.set_num_threads
+        devices = (first_device, int(self._start_args.get("tensor_parallel_size", 1)))
+        with preserved_global_rng(), engine_process_env(self.on_cpu, devices), \
+                without_chat_warmup_warning():
+            self.llm = _vllm().LLM(**self._start_args)
         torch.set_num_threads = set_num_threads
-        self._alive, self._sync_open = True, False
-        self.sync_transport, self.shared_buckets = sync_transport, SharedBuckets()
-        self._stale: list[str] = []
-        self._seeds = random.Random(seed)
+        self._alive, self._sync_open, self._stale = True, False, []
         self._adapter = AdapterSync(self.llm, lora, hf_path) if lora is not None else None
         try:
             self.vllm_config = self.llm.llm_engine.vllm_config
@@ -191,6 +210,8 @@ class VLLMRolloutEngine(RolloutEngine):
             if problem:
                 raise RuntimeError(f"{problem}: a dead engine would look alive")
             self.llm.collective_rpc("rl_install_contract_logprobs")
+            if self.vllm_config.speculative_config is not None:  # vllm_spec_sampler
+                self.llm.collective_rpc("rl_install_spec_contract")
             self.llm.collective_rpc("rl_leave_signals_to_owner")
             self._contract_seen = False
         except BaseException:
@@ -256,6 +277,8 @@ class VLLMRolloutEngine(RolloutEngine):
         with preserved_global_rng():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                         sampling, use_tqdm=False, lora_request=self._lora())
+        if self.speculation is not None and self.speculation.enabled:
+            self.speculation.after_generate(self.llm)   # counters, the off switch
         # the first sampled call: its log-probs came from the contract (a greedy call does not
         # go through the top-k/top-p sampler: `serve` may answer greedy requests first)
         if not self._contract_seen and not greedy:
@@ -285,35 +308,6 @@ class VLLMRolloutEngine(RolloutEngine):
         """vLLM's prompt log-probs (engine.rl.rollout.vllm_scoring; top_k <= max_logprobs)."""
         self._ready("score")
         return vllm_scores(self.llm, sequences, top_k, self._lora())
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket of full HF-named tensors (with `lora`: adapter tensors in peft's
-        names, AdapterSync.take); the next generate closes the sync."""
-        self._usable("update_weights")
-        bucket = list(named_tensors)
-        if not bucket:
-            return
-        if self._adapter is not None:
-            self._adapter.take(bucket)
-            self._sync_open = True
-            return
-        send_bucket(self.llm, bucket, self.sync_transport, self.shared_buckets, self.workers)
-        self._sync_open = True
-
-    def _close_sync(self) -> None:
-        if not self._sync_open:
-            return
-        self._sync_open = False
-        self._stale = ["(the sync failed to close)"]   # until it closes: never serve the old
-        # every worker's (one per TP rank) unwritten names, or the adapter tensors not sent
-        self._stale = (self._adapter.close() if self._adapter is not None else sorted(
-            {n for names in self.llm.collective_rpc("rl_close_sync") for n in names}))
-        self.shared_buckets.closed(set().union(*self.llm.collective_rpc("rl_held_buckets")))
-        self.llm.reset_prefix_cache()  # its KV was computed with the old weights
-        if self._stale:
-            raise RuntimeError(f"weight sync left {len(self._stale)} vLLM parameters, layers or "
-                               f"adapter tensors not (fully) written: {self._stale[:5]}; "
-                               "refusing to generate with stale weights")
 
     def _lora(self):
         """The LoRARequest of the adapter version served (None: the base, no adapter sync)."""

@@ -9,7 +9,9 @@ import dataclasses
 import importlib
 import importlib.util
 
-from engine.rl.rollout.vllm_lora import lora_sync_problems
+from engine.rl.rollout.vllm_lora import lora_sync_mode, lora_sync_problems
+from engine.rl.rollout.vllm_speculative_settings import (speculative_engine_args,
+                                                         speculative_problems)
 from engine.rl.rollout.vllm_version import version_problem
 from models.families.registry import FAMILIES
 
@@ -36,6 +38,8 @@ def engine_args(vcfg, tensor_parallel_size: int, on_cpu: bool,
     placement gives it); `check_weight_sync` (rollout.check_weight_sync): the engine reports
     full-vocabulary prompt log-probs (max_logprobs=-1), which its logit probe reads."""
     kwargs = dict(vcfg.engine_kwargs or {})
+    # rollout.vllm.speculative: vLLM's speculative_config and its stats (vllm_speculative_settings)
+    kwargs.update(speculative_engine_args(getattr(vcfg, "speculative", None)))
     if check_weight_sync:
         kwargs["max_logprobs"] = -1
     kwargs["tensor_parallel_size"] = 1 if on_cpu else tensor_parallel_size
@@ -101,7 +105,9 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
         p.append(f"rollout.sync_quantization={rollout.sync_quantization!r} with "
                  "rollout.backend=vllm is not built (vLLM's FP8 engine has never run here: its "
                  "CPU FP8 kernels need AMX); use null (weights in model.dtype)")
-    p += lora_sync_problems(cfg, hf_config)
+    lora = lora_sync_problems(cfg, hf_config)
+    p += lora + speculative_problems(cfg, hf_config,
+                                     None if lora else lora_sync_mode(cfg, hf_config))
     family = FAMILIES.get(hf_config.get("model_type"))
     p += [f"rollout.backend=vllm with model_type {family.model_type!r}: {why}"
           for why in (family.vllm_problems(hf_config) if family is not None else ())]

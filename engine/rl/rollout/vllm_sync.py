@@ -41,10 +41,14 @@ from engine.rl.rollout.vllm_direct_copies import DirectCopies
 
 class LayerwiseSync:
     """One weight sync into `model` (vLLM's model, in this process) of an engine with
-    `vllm_config`; `on_cpu`: apply the CPU repairs (module docstring)."""
+    `vllm_config`; `on_cpu`: apply the CPU repairs (module docstring). `model_config`: the
+    model's own config when it is not the engine's (a speculative drafter,
+    engine.rl.rollout.vllm_spec_sync), for finalising its attention layers."""
 
-    def __init__(self, model: torch.nn.Module, vllm_config, on_cpu: bool) -> None:
+    def __init__(self, model: torch.nn.Module, vllm_config, on_cpu: bool,
+                 model_config=None) -> None:
         self.model, self.vllm_config, self.on_cpu = model, vllm_config, on_cpu
+        self.model_config = model_config or vllm_config.model_config
         self.loaded: set[str] = set()
         self.moe_kernels: dict = {}
         if on_cpu:  # finalising rebuilds the CPU MoE kernels (pad + prepack) when they are None
@@ -75,7 +79,7 @@ class LayerwiseSync:
         bypassed = [f"{name} (copied past vLLM's reload)" for name in sorted(self.loaded)
                     if _waiting_for_loads(self.model, name)]
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            finalize_layerwise_reload(self.model, self.vllm_config.model_config)
+            finalize_layerwise_reload(self.model, self.model_config)
             for module, kernel in self.moe_kernels.items():
                 if module.quant_method.moe_kernel is None:  # a layer this sync did not reach
                     module.quant_method.moe_kernel = kernel

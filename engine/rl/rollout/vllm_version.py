@@ -37,6 +37,17 @@ PRIVATE_NAMES = {
         "weight sync of loads that copy past the reload (gpt-oss)",
     ("vllm.v1.sample.ops.topk_topp_sampler", "TopKTopPSampler.forward_native"):
         "log-prob contract",
+    # speculative decoding (engine.rl.rollout.vllm_spec_sampler, vllm_spec_sync)
+    ("vllm.v1.sample.rejection_sampler", "RejectionSampler._get_logprobs_tensors"):
+        "log-prob contract at draft positions",
+    ("vllm.v1.sample.rejection_sampler", "apply_sampling_constraints"):
+        "log-prob contract at draft positions",
+    ("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens"):
+        "log-prob contract at draft positions (the CPU fix)",
+    ("vllm.v1.sample.rejection_sampler", "apply_top_k_top_p"):
+        "log-prob contract at draft positions",
+    ("vllm.v1.spec_decode.llm_base_proposer", "compute_probs_and_sample_next_token"):
+        "seeded draft sampling",
 }
 # the sampler's forward as ContractLogprobs calls it (vllm_worker; the worker checks the
 # forward its sampler instance picked, `sampler_problem`)

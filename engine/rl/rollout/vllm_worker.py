@@ -21,7 +21,14 @@
   file (`file`: engine.rl.rollout.bucket_files, only its path through the RPC);
   `rl_held_buckets`, after the close: the shared buckets this worker still references.
 - `rl_weight_digest`: one SHA-256 of the model's parameters and buffers (names, dtypes, shapes,
-  bytes), to compare two engines' or two syncs' weights bitwise (tests, debugging).
+  bytes), to compare two engines' or two syncs' weights bitwise (tests, debugging); with
+  `draft=True` the speculative drafter's own ones (without the modules it shares).
+- speculative decoding (rollout.vllm.speculative): `rl_install_spec_contract` makes the
+  rejection sampler's log-probs the contract's (engine.rl.rollout.vllm_spec_sampler: vLLM's
+  broken CPU expand_batch_to_tokens replaced where it is broken, the unfiltered logits at draft
+  positions) and says whether it had to replace it; a sync routes the MTP layers' tensors into
+  the MTP drafter (engine.rl.rollout.vllm_spec_sync); `rl_draft_synced`: whether the last
+  closed sync wrote the drafter.
 """
 from __future__ import annotations
 
@@ -34,7 +41,8 @@ from vllm.platforms import current_platform
 
 from engine.rl.rollout.bucket_files import read_bucket
 from engine.rl.rollout.sync_handles import SharedBucket, open_bucket
-from engine.rl.rollout.vllm_sync import LayerwiseSync
+from engine.rl.rollout.vllm_spec_sampler import install as install_spec_contract
+from engine.rl.rollout.vllm_spec_sync import DraftModules, DraftRouter
 from engine.rl.rollout.vllm_version import sampler_problem
 
 
@@ -59,8 +67,9 @@ class ContractLogprobs(torch.nn.Module):
 class RolloutWorkerExtension:
     """Mixed into vLLM's worker class (it has `model_runner` and `vllm_config`)."""
 
-    rl_sync: LayerwiseSync | None = None
+    rl_sync: DraftRouter | None = None
     rl_buffers: tuple = ()   # (owner's token, weak reference) of a sync's shared buckets
+    rl_last_draft_written = False   # whether the last closed sync wrote the MTP drafter
 
     def rl_install_contract_logprobs(self) -> None:
         sampler = self.model_runner.sampler
@@ -73,6 +82,32 @@ class RolloutWorkerExtension:
 
     def rl_contract_calls(self) -> int:
         return ContractLogprobs.calls
+
+    def rl_install_spec_contract(self) -> bool:
+        """The contract on the rejection sampler (speculative engines only); True when vLLM's
+        expand_batch_to_tokens was broken here and replaced."""
+        sampler = getattr(self.model_runner, "rejection_sampler", None)
+        if sampler is None:
+            raise RuntimeError("a speculative engine without a rejection_sampler on its runner")
+        return install_spec_contract(sampler)["expand_patched"]
+
+    def rl_spec_contract_calls(self) -> int:
+        """Rejection-sampler forwards whose draft log-probs came from the unfiltered logits."""
+        hook = getattr(getattr(self.model_runner, "rejection_sampler", None),
+                       "rl_contract_hook", None)
+        return hook.calls if hook is not None else 0
+
+    def rl_draft_model(self) -> torch.nn.Module | None:
+        """The MTP drafter's model (method mtp), else None (no speculation, or a separate
+        draft model, which is not the policy's and is never synced)."""
+        spec = self.vllm_config.speculative_config
+        drafter = getattr(self.model_runner, "drafter", None)
+        if spec is None or spec.method != "mtp" or drafter is None:
+            return None
+        return drafter.model
+
+    def rl_draft_synced(self) -> bool:
+        return self.rl_last_draft_written
 
     def rl_leave_signals_to_owner(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -110,8 +145,8 @@ class RolloutWorkerExtension:
     def rl_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """Load [(HF name, full tensor), ...] into the open sync (none: open one)."""
         if self.rl_sync is None:
-            self.rl_sync = LayerwiseSync(self.model_runner.get_model(), self.vllm_config,
-                                         current_platform.is_cpu())
+            self.rl_sync = DraftRouter(self.model_runner.get_model(), self.rl_draft_model(),
+                                       self.vllm_config, current_platform.is_cpu())
         self.rl_sync.load(bucket)
 
     def rl_close_sync(self) -> list[str]:
@@ -119,13 +154,19 @@ class RolloutWorkerExtension:
         if self.rl_sync is None:
             return []
         sync, self.rl_sync = self.rl_sync, None
+        self.rl_last_draft_written = sync.draft_written
         return sync.close()
 
-    def rl_weight_digest(self) -> str:
-        """SHA-256 over this worker's model parameters and buffers, in name order: each name,
-        dtype, shape and bytes (equal digests: bitwise equal weights)."""
+    def rl_weight_digest(self, draft: bool = False) -> str:
+        """SHA-256 over this worker's model parameters and buffers (`draft`: the MTP drafter's
+        own, without the target's modules it shares), in name order: each name, dtype, shape
+        and bytes (equal digests: bitwise equal weights)."""
         digest = hashlib.sha256()
         model = self.model_runner.get_model()
+        if draft:
+            if self.rl_draft_model() is None:
+                raise RuntimeError("rl_weight_digest(draft=True): this engine has no MTP drafter")
+            model = DraftModules(self.rl_draft_model(), model)
         tensors = dict(model.named_parameters(remove_duplicate=False))
         tensors.update(model.named_buffers(remove_duplicate=False))
         for name in sorted(tensors):
