@@ -250,7 +250,9 @@ class RunLoop:
             save_training_checkpoint(engine, os.path.join(ck.dir, name), self.position(done),
                                      hf_config, self.cfg.model.hf_path, ck.keep_last, yaml)
         extra = self.extra() if self.extra is not None else None
-        path = save_training_checkpoint(self.engine, ck.dir, self.position(done), self.hf_config,
+        # the engine's own config: marked when it trains the MTP layer (models.families.mtp)
+        path = save_training_checkpoint(self.engine, ck.dir, self.position(done),
+                                        self.engine.hf_config,
                                         self.cfg.model.hf_path, ck.keep_last, yaml, extra=extra)
         if _rank0():
             print(f"[checkpoint] saved {path}", flush=True)

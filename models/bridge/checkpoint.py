@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
 
 from models.bridge.weights import unwrap
 from models.build.transformer_config import model_shape
+from models.families.mtp import trained_mtp_layers, with_trained_mtp
 from models.families.registry import family_of
 from models.hf.conditional import file_config, text_view
 from models.hf.io import copy_tokenizer_files
@@ -41,9 +43,19 @@ def model_sharded_state_dict(chunks: list) -> dict:
     (models.layers.heads.value, trained in full as peft's modules_to_save); the frozen base
     comes from model.hf_path."""
     lora = lora_spec_of(chunks) is not None
-    return {"model": {f"chunk{i}": {k: v for k, v in unwrap(c).sharded_state_dict().items()
+    return {"model": {f"chunk{i}": {k: v for k, v in _sharded(unwrap(c)).items()
                                     if not lora or _lora_saved(k)}
                       for i, c in enumerate(chunks)}}
+
+
+def _sharded(model) -> dict:
+    """A chunk's sharded state dict; a stage holding a trained MTP layer and not the first
+    stage ties its embedding copy to the first stage's, which megatron does over the DP x CP
+    group it needs in `metadata` (models.layers.mtp.model)."""
+    if getattr(model, "mtp_process", False) and not model.pre_process:
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        return model.sharded_state_dict(metadata={"dp_cp_group": group})
+    return model.sharded_state_dict()
 
 
 def _lora_saved(name: str) -> bool:
@@ -80,6 +92,8 @@ def write_metadata(ckpt_dir: str | os.PathLike, hf_config: dict, tokenizer_dir: 
     meta = {"format_version": FORMAT_VERSION, "architecture": family_of(hf_config).model_type,
             "vocab_size": hf_config["vocab_size"],
             "padded_vocab_size": model_shape(hf_config).padded_vocab_size}
+    if trained_mtp_layers(hf_config):  # the model state holds the MTP layer (models.layers.mtp)
+        meta["mtp_layers"] = trained_mtp_layers(hf_config)
     (Path(ckpt_dir) / "bridge.json").write_text(json.dumps(meta, indent=2))
 
 
@@ -119,6 +133,11 @@ def check_checkpoint_dir(ckpt_dir: str | os.PathLike) -> None:
 
 def read_hf_config(ckpt_dir: str | os.PathLike) -> dict:
     """The HF config stored with a checkpoint, as the engines read it (as
-    models.hf.io.read_config does)."""
+    models.hf.io.read_config does), marked as holding a trained MTP layer when bridge.json says
+    so (models.families.mtp: the model state then has it, and export writes it)."""
     check_checkpoint_dir(ckpt_dir)
-    return text_view(json.loads((Path(ckpt_dir) / "hf" / "config.json").read_text()))
+    config = text_view(json.loads((Path(ckpt_dir) / "hf" / "config.json").read_text()))
+    bridge = Path(ckpt_dir) / "bridge.json"
+    if bridge.is_file() and json.loads(bridge.read_text()).get("mtp_layers"):
+        config = with_trained_mtp(config)
+    return config

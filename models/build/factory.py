@@ -57,8 +57,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
     _layout_overrides(config_overrides, cp)
-    if trained_mtp_layers(hf_config):  # one MTP layer on the last stage (models.layers.mtp)
-        config_overrides.setdefault("mtp_num_layers", trained_mtp_layers(hf_config))
+    config_overrides.setdefault("mtp_num_layers", trained_mtp_layers(hf_config) or None)
     config = transformer_config(hf_config, tp=tp, pp=pp, vpp=vpp, cp=cp,
                                 params_dtype=params_dtype, **config_overrides)
     shape = model_shape(hf_config, tp)
@@ -79,7 +78,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
 
     spec = biased_moe_spec(make_spec(config), hf_config)  # declared router/expert biases
     vision = vision_spec(hf_config)
-    mtp = trained_mtp_layers(hf_config) > 0  # models.layers.mtp (key model.mtp.enabled)
+    mtp = trained_mtp_layers(hf_config) > 0  # on the last stage: models.layers.mtp
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -87,8 +86,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         extra = {} if vision is None else dict(
             vision_spec=vision,
             tower=build_tower(hf_config, params_dtype, train_vision) if pre_process else None)
-        if mtp and mtp_on_this_rank(config, ignore_virtual=False, vp_stage=stage):
-            extra["mtp_block_spec"] = mtp_block_spec(config, hf_config, make_spec, fused_norm)
+        extra.update(_mtp_kwargs(config, hf_config, make_spec, fused_norm, stage) if mtp else {})
         model = (MTPGPTModel if mtp else GPTModel if vision is None else VisionLanguageModel)(
             config=config,
             transformer_layer_spec=(
@@ -116,6 +114,13 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
                                   **expert_lora_row_orders(hf_config)},
                    peft_layers(hf_config), family_of(hf_config).lora_hf_paths)
     return chunks
+
+
+def _mtp_kwargs(config, hf_config: dict, make_spec, fused_norm: bool, stage) -> dict:
+    """MTPGPTModel's mtp_block_spec on the chunk that holds the MTP layer (the last)."""
+    if not mtp_on_this_rank(config, ignore_virtual=False, vp_stage=stage):
+        return {}
+    return {"mtp_block_spec": mtp_block_spec(config, hf_config, make_spec, fused_norm)}
 
 
 def _layout_overrides(config_overrides: dict, cp: int) -> None:

@@ -7,19 +7,18 @@ engine.config.mtp_settings). Then the engines read a config dict marked by `with
 models.hf.conditional.file_config drops it): the bridge maps the MTP layer's tensors
 (models.layers.mtp.mapping) instead of carrying them, and checkpoints record it in bridge.json.
 
-Trainable here: the families whose checkpoints store the MTP layer as decoder layer N =
-num_hidden_layers with DeepSeek-V3's names (enorm, hnorm, eh_proj, shared_head): GLM-4.5,
-DeepSeek-V3, Kimi-K2 (models.families.sigmoid_routed), one MTP layer.
+Trainable here: the families that declare `trainable_mtp` (their checkpoints store the MTP
+layer as decoder layer N = num_hidden_layers with DeepSeek-V3's names enorm, hnorm, eh_proj,
+shared_head: the sigmoid-routed families, models.families.sigmoid_routed), one MTP layer.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from models.families.base import field
-from models.families.registry import family_of
+from models.families.registry import FAMILIES, family_of
 
 MTP_TRAINED = "_mtp_trained"
-TRAINABLE_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "kimi_k2")
 
 
 def checkpoint_mtp_layers(cfg: Any) -> int:
@@ -45,16 +44,18 @@ def with_trained_mtp(hf_config: dict) -> dict:
 
 def mtp_training_problems(hf_config: dict) -> list[str]:
     """Why `model.mtp.enabled=true` cannot train this checkpoint's MTP layers (empty: it can)."""
-    model_type = family_of(hf_config).model_type
+    fam = family_of(hf_config)
+    model_type = fam.model_type
     layers = checkpoint_mtp_layers(hf_config)
     if layers == 0:
         return [f"model.mtp.enabled=true: the checkpoint (model_type {model_type!r}) has no MTP "
                 "layers (num_nextn_predict_layers / num_mtp_layers / mtp_num_hidden_layers is 0 "
                 "or absent); set model.mtp.enabled=false"]
-    if model_type not in TRAINABLE_MODEL_TYPES:
+    if not getattr(fam, "trainable_mtp", False):
+        trainable = sorted(t for t, f in FAMILIES.items() if getattr(f, "trainable_mtp", False))
         return [f"model.mtp.enabled=true is not supported for model_type {model_type!r}: MTP "
-                f"training is built for {', '.join(TRAINABLE_MODEL_TYPES)} (the DeepSeek-V3 "
-                "layout model.layers.{N}.enorm/hnorm/eh_proj/shared_head); its MTP layers pass "
+                f"training is built for {', '.join(trainable)} (the DeepSeek-V3 layout "
+                "model.layers.{N}.enorm/hnorm/eh_proj/shared_head); its MTP layers pass "
                 "through unchanged with model.mtp.enabled=false"]
     if layers != 1:
         return [f"model.mtp.enabled=true with {layers} MTP layers is not supported: one MTP "

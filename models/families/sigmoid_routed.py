@@ -91,8 +91,8 @@ def mtp_layers(cfg: Any) -> int:
 
 MTP_LAYERS = FieldRule("num_nextn_predict_layers (num_mtp_layers)", "any: the MTP layers "
                        "model.layers.{N..N+n-1}.* pass through conversion and training "
-                       "unchanged (models.hf.passthrough; not trained, transformers never "
-                       "runs them)")
+                       "unchanged (models.hf.passthrough; transformers never runs them), or "
+                       "with model.mtp.enabled=true (one layer) are trained (models.layers.mtp)")
 
 
 def routing_kwargs(cfg: Any) -> dict:
@@ -206,6 +206,9 @@ class SigmoidRoutedMoe(MoeFamily):
     heterogeneous = True   # per-layer dense / MoE specs (models.layers.sigmoid_routing.spec)
     expert_bias = True     # routers carry e_score_correction_bias (megatron expert_bias)
     lora_hf_paths = {"mlp.shared_expert": SHARED_EXPERTS}   # HF's mlp.shared_experts
+    # the MTP layer (model.layers.{N}: enorm, hnorm, eh_proj, shared_head) can be trained
+    # (models.families.mtp, models.layers.mtp)
+    trainable_mtp = True
 
     def num_experts(self, cfg: Any) -> int:
         return num_routed(cfg)

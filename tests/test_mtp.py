@@ -1,0 +1,153 @@
+"""The multi-token-prediction (MTP) layer trained with the model (key model.mtp.enabled;
+models.layers.mtp, engine.training.mtp), on the tiny GLM-4.5 of tests/glm4_moe_tiny.py with a
+complete MTP layer (mtp="full"):
+
+- one SFT step equals a plain PyTorch loop written from DeepSeek-V3's formula on transformers'
+  modules and the same weights (tests/multirank/mtp_check.py): loss, mtp/loss, mtp/accuracy and
+  grad norm within 1e-5, with the trunk attached and detached; negative controls (the trunk's
+  state before its final norm, [h; e] for [e; h]) are off by > 1e-3;
+- detached (RL's setting), every trunk parameter's gradient equals the run without MTP; attached
+  it does not (control);
+- TP2+SP, PP2 (the MTP block and an embedding copy on the last stage), CP2, EP2, DP2 packing,
+  CP2 x packing and DP2 x GA equal one process (loss, grad norm, mtp/loss, mtp/accuracy and every
+  exported parameter, the MTP layer's included, rel 1e-5); negative controls: the next tokens
+  rolled inside a CP shard (megatron's in-model roll), a per-micro-batch MTP token mean;
+- the keys are checked before any process group; `python -m engine.sft model.mtp.enabled=true`
+  trains, checkpoints and `tools/convert.py mcore-to-hf` exports the trained MTP layer under
+  model.layers.{N}.* (its embedding/head copies equal to the exported main tensors).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.glm4_moe_tiny import build_glm4_moe
+from tests.launch import result_lines
+
+CHECK = "tests/multirank/glm4_moe_check.py"
+TOL = 1e-5
+M = "mtp=0.3+modes=token-mean"
+SPECS = [f"2,1,0,1,16,sp+{M}", f"1,2,0,1,4,{M}", f"1,1,0,2,16,{M}", f"1,1,0,1,4,ep=2+{M}",
+         f"1,1,0,1,16,packing+{M}", f"1,1,0,2,16,packing+{M}", f"1,1,0,1,4,{M}"]
+CONTROLS = [f"1,1,0,2,16,bug=mtproll+{M}", f"1,1,0,1,4,bug=mtpmean+{M}"]
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory) -> str:
+    return build_glm4_moe(str(tmp_path_factory.mktemp("glm_mtp") / "model"), mtp="full")
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_one_step_equals_a_plain_loop(pools, glm_dir, detach):
+    [r] = pools.run(1, "tests.multirank.mtp_check:reference_parity", glm_dir, detach)
+    ours, ref = r["ours"], r["ref"]
+    for key in ("loss", "mtp_loss", "grad_norm"):
+        assert _rel(ours[key], ref[key]) < TOL, (key, ours, ref)
+    assert ours["mtp_accuracy"] == ref["mtp_accuracy"]
+    for control in ("prenorm", "swapped"):
+        assert _rel(r[control]["mtp_loss"], ref["mtp_loss"]) > 1e-3, r[control]
+
+
+def test_detached_mtp_leaves_the_trunk_gradient_alone(pools, glm_dir):
+    [r] = pools.run(1, "tests.multirank.mtp_check:trunk_gradients", glm_dir)
+    assert r["tensors"] > 20 and r["detached"] < 1e-6 and r["attached"] > 1e-2, r
+
+
+def test_layouts_equal_one_process(pools, glm_dir, tmp_path):
+    ref = str(tmp_path / "ref.pt")
+    first = pools.script(1, CHECK, glm_dir, ref, f"1,1,0,1,16,{M}", timeout=900)
+    [reference] = result_lines(first.stdout)
+    steps = reference["moe"]
+    assert len(steps) == 3 and all(0 < s["mtp/loss"] for s in steps)
+    assert any(s["mtp/accuracy"] > 0 for s in steps)   # the count is exercised
+    proc = pools.script(2, CHECK, glm_dir, ref, *SPECS, *CONTROLS, timeout=900)
+    results = {r["spec"]: r for r in result_lines(proc.stdout)}
+    assert len(results) == len(SPECS) + len(CONTROLS)
+    for spec in SPECS:
+        r = results[spec]
+        assert r["loss_rel"] < TOL and r["grad_norm_rel"] < TOL and r["param_rel"] < TOL, r
+        for got, want in zip(r["moe"], steps):
+            assert _rel(got["mtp/loss"], want["mtp/loss"]) < TOL, (spec, got, want)
+            assert got["mtp/accuracy"] == want["mtp/accuracy"], (spec, got, want)
+    for spec in CONTROLS:
+        r = results[spec]
+        assert r["param_rel"] > 1e-3 or r["grad_norm_rel"] > 1e-3, r
+
+
+def _cfg(**mtp):
+    from engine.config.mtp_settings import MTPConfig
+    lora = SimpleNamespace(rank=0, init_from=None)
+    return SimpleNamespace(model=SimpleNamespace(mtp=MTPConfig(**mtp), lora=lora),
+                           parallel=SimpleNamespace(vpp=None),
+                           train=SimpleNamespace(loss_chunk_tokens=1024),
+                           moe=SimpleNamespace(routing_replay=None))
+
+
+def test_keys_are_checked_by_name(glm_dir):
+    from engine.config.mtp_settings import mtp_problems, mtp_training
+    from models.hf.io import read_config
+
+    cfg = read_config(glm_dir)
+    assert mtp_problems(_cfg(), cfg) == [] and mtp_training(_cfg()) is None
+    assert mtp_problems(_cfg(enabled=True), cfg) == []
+    assert mtp_training(_cfg(enabled=True)).detach is False   # SFT-shaped: attached
+    rl = _cfg(enabled=True)
+    rl.rollout = SimpleNamespace()
+    assert mtp_training(rl).detach is True                     # RL: detached by default
+    rl.model.mtp.detach_trunk = False
+    assert any("detach_trunk=false is not allowed in RL" in p for p in mtp_problems(rl, cfg))
+    none = dict(cfg, num_nextn_predict_layers=0)
+    assert any("has no MTP layers" in p for p in mtp_problems(_cfg(enabled=True), none))
+    qwen = {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}
+    assert any("not supported for model_type 'qwen3_5_text'" in p
+               for p in mtp_problems(_cfg(enabled=True), qwen))
+    bad = _cfg(enabled=True, loss_scale=0)
+    bad.train.loss_chunk_tokens = 0
+    bad.parallel.vpp = 2
+    bad.model.lora.rank = 8
+    text = " ".join(mtp_problems(bad, cfg))
+    for key in ("model.mtp.loss_scale=0", "LoRA", "parallel.vpp=2", "train.loss_chunk_tokens"):
+        assert key in text, text
+
+
+def _tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_sft_trains_and_exports_the_mtp_layer(pools, glm_dir, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"w{i} w{i + 1}"},
+                          {"role": "assistant", "content": f"w{i + 2} w{i + 3} w{i + 4}"}]}
+            for i in range(16)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    pools.script(2, "-m", "engine.sft", f"model.hf_path={glm_dir}", f"data.train_files=[{train}]",
+                 "model.mtp.enabled=true", "model.mtp.loss_scale=0.5",
+                 "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_length=48",
+                 "train.max_steps=2", "optim.lr=1e-2", "logging.progress_bar=false",
+                 f"logging.dir={run}", f"checkpoint.dir={run / 'ckpt'}",
+                 "checkpoint.save_interval=2", timeout=600)
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["mtp/loss"] > 0 and 0 <= m["mtp/accuracy"] <= 1 for m in metrics[:2]), metrics
+    ckpt = next((run / "ckpt").glob("iter_*"))
+    assert json.loads((ckpt / "bridge.json").read_text())["mtp_layers"] == 1
+    assert "_mtp_trained" not in json.loads((ckpt / "hf" / "config.json").read_text())
+    out = tmp_path / "hf"
+    pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out))
+    before, after = _tensors(Path(glm_dir)), _tensors(out)
+    assert sorted(before) == sorted(after)
+    changed = [n for n in before if n.startswith("model.layers.2.")
+               and not torch.equal(before[n], after[n])]
+    assert "model.layers.2.eh_proj.weight" in changed and "model.layers.2.enorm.weight" in changed
+    assert torch.equal(after["model.layers.2.embed_tokens.weight"],
+                       after["model.embed_tokens.weight"])
+    assert torch.equal(after["model.layers.2.shared_head.head.weight"], after["lm_head.weight"])
