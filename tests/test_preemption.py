@@ -69,8 +69,9 @@ def test_sigterm_saves_a_checkpoint_that_resumes_and_a_rank_killed_during_save_d
        the signal, the workers finish the step N, save and exit 0 (torchrun itself then exits
        1, reporting the signal it received).
     2. The next launch (checkpoint.save_interval=2 from here on) resumes from N, and rank 1
-       is SIGKILLed inside the save of the next interval step K (engine.checkpoint.fault_injection): the job fails, iter K stays an
-       unpublished staging directory, `latest` still names N.
+       is SIGKILLed inside the save of the next interval step K
+       (engine.checkpoint.fault_injection): the job fails, iter K stays an unpublished
+       staging directory, `latest` still names N.
     3. The relaunch resumes from N again and finishes: steps N+1..STEPS equal those of an
        uninterrupted run, and the staging directory is gone."""
     run_dir, straight = tmp_path / "run", tmp_path / "straight"
