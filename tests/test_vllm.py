@@ -546,8 +546,11 @@ def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra, **pool_kw) ->
 
 def _grpo_two_nodes_stopped_by_sigterm(model_dir: str, prompts, out, *extra) -> "_Launch":
     """`_grpo_keys`'s run (2 steps) launched for real as two torchrun nodes of 2 ranks; once
-    step 1 is logged, node 0's torchrun gets SIGTERM (as from a cluster scheduler: it signals
-    its ranks' process groups, vLLM's worker included) during step 2, so every rank finishes
+    step 2's rollout is dumped (logging.rollout_dir: written during step 2, after step 1's
+    stop check; metrics.jsonl's step 1 row is written before that check, and a signal there,
+    seen once on a loaded host, stopped the run after step 1), node 0's torchrun gets SIGTERM
+    (as from a cluster scheduler: it signals its ranks' process groups, vLLM's worker
+    included) during step 2, so every rank finishes
     the step with its engine (the worker ignores the signal) and exits. Started here and
     watched by a thread, so the caller can run something else meanwhile (the launch's
     processes spend much of their time in single-threaded imports): `_Launch.result` waits
@@ -564,15 +567,16 @@ def _grpo_two_nodes_stopped_by_sigterm(model_dir: str, prompts, out, *extra) -> 
     port = str(free_port())
     cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
              str(k), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-             port, "-m", "engine.rl", *_grpo_keys(model_dir, prompts, out, *extra)]
+             port, "-m", "engine.rl", *_grpo_keys(model_dir, prompts, out, *extra,
+                                                   f"logging.rollout_dir={out}/rollouts")]
             for k in (0, 1)]
     procs = [start(cmd) for cmd in cmds]
     done: dict = {}
 
     def watch() -> None:
-        metrics, deadline = Path(f"{out}/run/metrics.jsonl"), time.time() + 400
+        step_2, deadline = Path(f"{out}/rollouts/step_2.jsonl"), time.time() + 400
         while time.time() < deadline and procs[0].poll() is None:
-            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+            if step_2.exists():
                 break
             time.sleep(0.05)
         procs[0].send_signal(signal.SIGTERM)
