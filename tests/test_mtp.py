@@ -59,6 +59,8 @@ def test_one_step_equals_a_plain_loop(pools, glm_dir, detach):
 def test_detached_mtp_leaves_the_trunk_gradient_alone(pools, glm_dir):
     [r] = pools.run(1, "tests.multirank.mtp_check:trunk_gradients", glm_dir)
     assert r["tensors"] > 20 and r["detached"] < 1e-6 and r["attached"] > 1e-2, r
+    norms = r["grad_norm"]
+    assert _rel(norms["detached"], norms["off"]) < 1e-6 < _rel(norms["attached"], norms["off"])
 
 
 def test_layouts_equal_one_process(pools, glm_dir, tmp_path):

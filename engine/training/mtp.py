@@ -16,8 +16,10 @@ main + `loss_scale` * mtp/loss. `mtp/accuracy` = (targets whose label is the MTP
 / (targets), both counted over the global batch (DP x CP sums, TP copies once).
 
 `detach` (RL): the MTP layer reads the trunk's hidden states, the embedding and the output
-head without gradient, so the policy's gradient is exactly the one without MTP (the
-optimizer's gradient clipping still sees the MTP layer's gradients in the global norm).
+head without gradient, so the policy's gradient is exactly the one without MTP; and its
+parameters are left out of the global gradient norm (`exclude_from_grad_norm`), so the reported
+grad_norm and the clipping coefficient are the policy's own too (the MTP layer is clipped with
+the policy's coefficient). The policy's update is then the one without MTP.
 """
 from __future__ import annotations
 
@@ -42,6 +44,19 @@ class MTPTraining:
 
     loss_scale: float
     detach: bool
+
+
+def exclude_from_grad_norm(chunks: list) -> int:
+    """Tag every MTP parameter of `chunks` (raw GPTModels) `shared = True`, megatron's flag
+    for parameters its grad-norm and clipping code skips (it uses it for a pipeline stage's
+    copy of the tied embedding); returns how many were tagged."""
+    tagged = 0
+    for chunk in chunks:
+        if getattr(chunk, "mtp_process", False):
+            for param in chunk.mtp.parameters():
+                param.shared = True
+                tagged += 1
+    return tagged
 
 
 def mtp_extras(seq: SequenceData, weight: float) -> dict[str, list[float]]:

@@ -33,7 +33,8 @@ from engine.training.ddp_release import clear_megatron_caches, release_ddp
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.micro_batches import MicroBatch, SequenceData
-from engine.training.mtp import MTP_REPORT_KEYS, MTPTraining, mtp_metrics
+from engine.training.mtp import (MTP_REPORT_KEYS, MTPTraining, exclude_from_grad_norm,
+                                 mtp_metrics)
 from engine.training.nonfinite import NonFiniteGuard, guarded_optimizer_step
 from engine.training.rank_batch import build_rank_batch
 from engine.training.router_losses import RouterLosses
@@ -191,6 +192,8 @@ class TrainEngine:
             load_peft_adapter(raw, lora_init, peft_layers(hf_config))
         if prepare is not None:
             prepare(raw)
+        if mtp is not None and mtp.detach:
+            exclude_from_grad_norm(raw)
         config = raw[0].config
         config.finalize_model_grads_func = finalize_grads
         mark_expert_params(raw)

@@ -8,7 +8,7 @@ eh_proj, one decoder layer (transformers' Glm4Moe layer of index N, run as a one
 whose final norm is shared_head.norm), the model's lm_head; the loss is main + scale x MTP, both
 weighted by the token-mean weights 1/N_tokens, the MTP term on the targets labels[t+1] where
 loss_mask[t+1]. Compared: loss, mtp/loss, mtp/accuracy, grad norm (all parameters, the shared
-embedding and head once). Negative controls on the reference side: the trunk's hidden state
+embedding and head once; detached: the trunk's only, engine.training.mtp). Negative controls on the reference side: the trunk's hidden state
 before the final norm, and [h; e] instead of [e; h].
 """
 from __future__ import annotations
@@ -107,8 +107,9 @@ def _reference(model_dir: str, seqs, detach: bool, variant: str = "") -> dict:
         right += int(((z.argmax(-1) == labels).float() * mask).sum())
         targets += int(mask.sum())
     (main + SCALE * extra).backward()
-    params = list(hf.parameters()) + list(mtp.layers.parameters()) + [mtp.norm.weight] \
-        + list(own.values())
+    params = list(hf.parameters())   # detached: the MTP layer is left out of the grad norm
+    if not detach:
+        params += list(mtp.layers.parameters()) + [mtp.norm.weight] + list(own.values())
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None))
     return {"loss": float(main), "mtp_loss": float(extra), "mtp_accuracy": right / targets,
             "grad_norm": float(norm)}
@@ -141,3 +142,42 @@ def reference_parity(model_dir: str, detach: bool = False) -> dict:
     return {"ours": ours, "ref": _reference(model_dir, seqs, detach),
             "prenorm": _reference(model_dir, seqs, detach, "prenorm"),
             "swapped": _reference(model_dir, seqs, detach, "swapped")}
+
+
+def trunk_gradients(model_dir: str) -> dict:
+    """Max relative difference of every non-MTP parameter's gradient (main_grad after one
+    step) between a run without the MTP layer and runs with it: detached (RL's setting: must be
+    0 up to float rounding of the same sums) and not detached (control); and the three grad
+    norms (detached: the MTP layer is left out, so it equals the run without MTP)."""
+    from engine.sft.training import train_step
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.mtp import MTPTraining
+    from engine.training.train_engine import TrainEngine
+    from models.bridge.weights import unwrap
+    from models.hf.io import read_config
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    cfg = read_config(model_dir)
+    seqs = _batch(cfg["vocab_size"])
+    setup_model_parallel(ParallelLayout(1))
+    optim = SimpleNamespace(lr=0.0, min_lr=0.0, warmup_steps=0, weight_decay=0.0,
+                            clip_grad=1.0, betas=[0.9, 0.95], eps=1e-8, schedule="constant",
+                            distributed_optimizer=False)
+    train = SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=None,
+                            balance_dp=True, packing=False)
+    grads, norms = {}, {}
+    for name, mtp in (("off", None), ("detached", MTPTraining(SCALE, True)),
+                      ("attached", MTPTraining(SCALE, False))):
+        engine = TrainEngine.build(cfg, optim, torch.float32, 1, train, weights_dir=model_dir,
+                                   loss_chunk_tokens=8, mtp=mtp)
+        norms[name] = train_step(engine, seqs, GlobalLossNormalizer("token-mean"))["grad_norm"]
+        grads[name] = {n: p.main_grad.clone() for n, p in
+                       unwrap(engine.chunks[0]).named_parameters() if not n.startswith("mtp.")}
+        engine.release()
+
+    def worst(other):
+        return max(float((other[n] - g).abs().max()) / max(float(g.abs().max()), 1e-12)
+                   for n, g in grads["off"].items())
+    return {"detached": worst(grads["detached"]), "attached": worst(grads["attached"]),
+            "tensors": len(grads["off"]), "grad_norm": norms}
