@@ -12,6 +12,8 @@ complete MTP layer (mtp="full"):
   CP2 x packing and DP2 x GA equal one process (loss, grad norm, mtp/loss, mtp/accuracy and every
   exported parameter, the MTP layer's included, rel 1e-5); negative controls: the next tokens
   rolled inside a CP shard (megatron's in-model roll), a per-micro-batch MTP token mean;
+- GRPO with the MTP layer trained (detached) logs mtp/* and leaves every policy metric as
+  without it (the HF rollout backend skips the MTP tensors of each sync);
 - the keys are checked before any process group; `python -m engine.sft model.mtp.enabled=true`
   trains, checkpoints and `tools/convert.py mcore-to-hf` exports the trained MTP layer under
   model.layers.{N}.* (its embedding/head copies equal to the exported main tensors).
@@ -153,3 +155,35 @@ def test_sft_trains_and_exports_the_mtp_layer(pools, glm_dir, tmp_path):
     assert torch.equal(after["model.layers.2.embed_tokens.weight"],
                        after["model.embed_tokens.weight"])
     assert torch.equal(after["model.layers.2.shared_head.head.weight"], after["lm_head.weight"])
+
+
+def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
+    """Fraction of digit characters in the response (varies within a group)."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def test_grpo_trains_the_mtp_layer_without_moving_the_policy(pools, glm_dir, tmp_path):
+    """GRPO (HF rollouts, DP2) with model.mtp.enabled=true (detached: RL's default) logs
+    mtp/loss and mtp/accuracy on the rollouts' tokens, and every policy metric of both steps
+    (rollouts, rewards, losses, grad norm) equals the run without MTP: the policy's update is
+    its own."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus {i + 1} ?",
+                                           "answer": 2 * i + 1}) + "\n" for i in range(8)))
+    runs = {}
+    for name, flag in (("off", "false"), ("on", "true")):
+        log_dir = tmp_path / name
+        pools.script(
+            2, "-m", "engine.rl", f"model.hf_path={glm_dir}", f"data.train_files=[{prompts}]",
+            f"model.mtp.enabled={flag}", "rollout.n=4", "rollout.max_new_tokens=8",
+            "train.prompts_per_step=2", "train.micro_batch_size=2", "train.max_steps=2",
+            "train.seq_length=64", "optim.lr=1e-3", "reward.fn=tests.test_mtp:digit_reward",
+            f"logging.dir={log_dir}", f"checkpoint.dir={log_dir / 'ckpt'}",
+            "logging.progress_bar=false", timeout=400)
+        runs[name] = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(runs["on"]) == len(runs["off"]) == 2
+    for off, on in zip(runs["off"], runs["on"]):
+        assert on["mtp/loss"] > 0 and 0 <= on["mtp/accuracy"] <= 1, on
+        for key in ("reward/mean", "policy/loss", "policy/entropy", "grad_norm",
+                    "response/length_mean", "rollout/logprob_diff"):
+            assert _rel(on[key], off[key]) < 1e-4, (key, on[key], off[key])

@@ -40,6 +40,7 @@ from engine.rl.rollout.hf_routing import GateRecorder, assemble
 from engine.rl.rollout.hf_targets import checkpoint_targets
 from engine.rl.rollout.sampling import SeededSampler
 from engine.rl.rollout.scoring import SequenceScores, hf_scores
+from models.families.registry import family_of
 from models.formats import fp8 as fp8_blocks
 from models.formats.quantized import QUANT_METHODS, quantization_config
 from models.vision.inputs import ImagePrompt
@@ -214,10 +215,14 @@ class HFRolloutEngine(RolloutEngine):
 
         The whole bucket is checked (names, shapes) before anything is copied. With tied
         embeddings, `model.embed_tokens.weight` also sets the output layer; `lm_head.weight`
-        is accepted too and writes the same tensor. Dtype and device are converted."""
+        is accepted too and writes the same tensor. Dtype and device are converted. A trained
+        MTP layer's tensors (models.layers.mtp: the family's pass-through names) are skipped:
+        transformers does not build that layer, and this backend does not speculate."""
         if self.is_asleep:
             raise RuntimeError("update_weights: the rollout engine is asleep; call wake() first")
-        bucket = self._dequantized(list(named_tensors))
+        family, config = self._family
+        bucket = [(n, t) for n, t in self._dequantized(list(named_tensors))
+                  if n in self._params or not family.passthrough(config, n)]
         for name, tensor in bucket:
             param = self._params.get(name)
             if param is None:
@@ -230,6 +235,12 @@ class HFRolloutEngine(RolloutEngine):
         for name, tensor in bucket:  # a view of a fused expert tensor copies in place
             self._params[name].copy_(tensor)
             self._stale.discard(self._canonical[name])
+
+    @functools.cached_property
+    def _family(self):
+        """(the model family, its config dict) of the served model (models.families)."""
+        config = self.model.config.to_dict()
+        return family_of(config), config
 
     def _dequantized(self, bucket: list[tuple[str, torch.Tensor]]
                      ) -> list[tuple[str, torch.Tensor]]:
