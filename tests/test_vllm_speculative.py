@@ -13,7 +13,8 @@ rollout/spec_* (proposed > 0, acceptance in [0, 1]); a weight sync that changes 
 layer changes the drafter's weights (digest) and what it proposes (seeded samples and counters
 differ, and return bitwise when the old layer is synced back) while the target's weights stay
 bitwise and its log-probs exact; a sync missing one MTP tensor is refused; a sync with no MTP
-tensor leaves the drafter as it was and warns once.
+tensor leaves the drafter as it was and warns once; the off switch, tripped, rebuilds the
+engine without its draft at the next sync, which then samples exactly (spec_enabled 0).
 
 Without an engine: vLLM 0.32's broken CPU expand_batch_to_tokens against the repeat_interleave
 replacement on tiny tensors (negative controls: the installed original and a stand-in that
@@ -169,6 +170,28 @@ def test_a_sync_carries_the_mtp_layer_into_the_drafter(spec, reference, glm_dir,
             assert _max_diff(reference, spec.generate(PROMPTS, SEEDED), 1.0) < 1e-5
     assert digest(True) == draft
     assert sum("untrained MTP head" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_off_switch_rebuilds_the_engine_without_its_draft(spec, reference, glm_dir,
+                                                              caplog):
+    """Low acceptance for `patience` calls: a WARNING, and at the next sync the engine is
+    rebuilt without speculation; that sync writes every parameter of the new engine, which
+    samples exactly; rollout/spec_enabled 0 (the module's last engine test: it ends speculation
+    on the module's engine)."""
+    spec.speculation.switch = OffSwitch(1.0, 1)   # any acceptance below 1 is low
+    with caplog.at_level(logging.WARNING, logger="engine.rl.rollout.vllm_speculative"):
+        spec.generate(PROMPTS, SEEDED)
+        assert spec.speculation.off_requested and spec.speculation.enabled
+        assert spec.speculation_counters()["enabled"] == 1.0
+        pids = spec.engine_pids()
+        _sync(spec, _perturbed_mtp(glm_dir)[0])
+        gens = spec.generate(PROMPTS, SEEDED)
+    assert sum("speculation is turned off" in r.getMessage() for r in caplog.records) == 1
+    assert spec.vllm_config.speculative_config is None and spec.engine_pids() != pids
+    assert _max_diff(reference, gens, 1.0) < 1e-5
+    counters = spec.speculation_counters()
+    assert counters["proposed"] == 0 and counters["enabled"] == 0.0
+    assert spec_metrics([counters], 1)["rollout/spec_enabled"] == 0.0
 
 
 def test_cpu_expand_fix_on_tiny_tensors(monkeypatch):
