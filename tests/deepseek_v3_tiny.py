@@ -21,7 +21,7 @@ import shutil
 
 import torch
 
-from tools.tiny_models import append_mtp_layer, build_tokenizer, save_random_model
+from tools.tiny_models import append_full_mtp_layer, append_mtp_layer, build_tokenizer, save_random_model
 
 CONFIG = dict(vocab_size=200, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -37,9 +37,11 @@ CONFIG = dict(vocab_size=200, hidden_size=64, intermediate_size=96, moe_intermed
 FP8_BLOCK = [16, 16]
 
 
-def build_deepseek_v3(out_dir: str, seed: int = 0, tokenizer: bool = True, mtp: bool = True,
-                      **extra) -> str:
-    """Save a tiny DeepseekV3ForCausalLM (fp32 safetensors) to `out_dir`; return it."""
+def build_deepseek_v3(out_dir: str, seed: int = 0, tokenizer: bool = True,
+                      mtp: bool | str = True, **extra) -> str:
+    """Save a tiny DeepseekV3ForCausalLM (fp32 safetensors) to `out_dir`; return it. `mtp`:
+    True: the few pass-through MTP tensors above; "full": a complete MTP layer
+    (tools.tiny_models.append_full_mtp_layer); False: none."""
     from transformers.models.deepseek_v3 import DeepseekV3Config
 
     values = dict(CONFIG, **extra)
@@ -48,7 +50,9 @@ def build_deepseek_v3(out_dir: str, seed: int = 0, tokenizer: bool = True, mtp: 
     config = DeepseekV3Config(**values)
     config.architectures = ["DeepseekV3ForCausalLM"]
     save_random_model(out_dir, config, seed, buffer_scales={"e_score_correction_bias": 0.3})
-    if mtp:
+    if mtp == "full":
+        append_full_mtp_layer(out_dir, config, seed)
+    elif mtp:
         append_mtp_layer(out_dir, values, seed, "self_attn.kv_b_proj.weight",
                          (values["hidden_size"], 16))
     if tokenizer:

@@ -4,8 +4,9 @@ complete MTP layer (mtp="full"):
 
 - one SFT step equals a plain PyTorch loop written from DeepSeek-V3's formula on transformers'
   modules and the same weights (tests/multirank/mtp_check.py): loss, mtp/loss, mtp/accuracy and
-  grad norm within 1e-5, with the trunk attached and detached; negative controls (the trunk's
-  state before its final norm, [h; e] for [e; h]) are off by > 1e-3;
+  grad norm within 1e-5, with the trunk attached and detached, and on the tiny DeepSeek-V3
+  (MLA with YaRN, tests/deepseek_v3_tiny.py) too; negative controls (the trunk's state before
+  its final norm, [h; e] for [e; h]) are off by > 1e-3;
 - detached (RL's setting), every trunk parameter's gradient equals the run without MTP; attached
   it does not (control);
 - TP2+SP, PP2 (the MTP block and an embedding copy on the last stage), CP2, EP2, DP2 packing,
@@ -47,9 +48,16 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("detach", [False, True])
-def test_one_step_equals_a_plain_loop(pools, glm_dir, detach):
-    [r] = pools.run(1, "tests.multirank.mtp_check:reference_parity", glm_dir, detach)
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory) -> str:
+    from tests.deepseek_v3_tiny import build_deepseek_v3
+    return build_deepseek_v3(str(tmp_path_factory.mktemp("ds_mtp") / "model"), mtp="full")
+
+
+@pytest.mark.parametrize("model,detach", [("glm", False), ("glm", True), ("deepseek", False)])
+def test_one_step_equals_a_plain_loop(pools, glm_dir, deepseek_dir, model, detach):
+    folder = glm_dir if model == "glm" else deepseek_dir
+    [r] = pools.run(1, "tests.multirank.mtp_check:reference_parity", folder, detach)
     ours, ref = r["ours"], r["ref"]
     for key in ("loss", "mtp_loss", "grad_norm"):
         assert _rel(ours[key], ref[key]) < TOL, (key, ours, ref)

@@ -4,8 +4,9 @@
 layer trained (engine.training.mtp) against a plain PyTorch loop written from DeepSeek-V3's
 formula on transformers' own modules and the same weights: the trunk's final normed hidden
 state h_t and the embedding of token t+1, each RMS-normed, concatenated [e; h], projected by
-eh_proj, one decoder layer (transformers' Glm4Moe layer of index N, run as a one-layer model
-whose final norm is shared_head.norm), the model's lm_head; the loss is main + scale x MTP, both
+eh_proj, one decoder layer (transformers' own layer of the family, GLM-4.5 or DeepSeek-V3, with
+the weights of index N, run as a one-layer model whose final norm is shared_head.norm), the
+model's lm_head; the loss is main + scale x MTP, both
 weighted by the token-mean weights 1/N_tokens, the MTP term on the targets labels[t+1] where
 loss_mask[t+1]. Compared: loss, mtp/loss, mtp/accuracy, grad norm (all parameters, the shared
 embedding and head once; detached: the trunk's only, engine.training.mtp). Negative controls on the reference side: the trunk's hidden state
@@ -37,8 +38,8 @@ def _batch(vocab: int):
 
 
 def _mtp_model(model_dir: str, hf, layer: int):
-    """transformers' one-layer Glm4MoeModel holding the MTP layer's decoder layer (as layer 0,
-    a MoE layer) and shared_head.norm as its final norm (saved and loaded through
+    """transformers' one-layer model of the family holding the MTP layer's decoder layer (as
+    layer 0, a MoE layer) and shared_head.norm as its final norm (saved and loaded through
     from_pretrained, so transformers converts the experts as for any checkpoint), and the MTP
     layer's own enorm, hnorm, eh_proj as parameters."""
     import tempfile
