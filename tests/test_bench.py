@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from tests.launch import run_python
 from tools.bench import __main__ as bench
 from tools.bench import async_rl as bench_async
 from tools.bench import balance as bench_balance
@@ -19,13 +18,11 @@ from tools.bench.common import last_json_line
 BENCH = ("-m", "tools.bench")
 
 
-def _run(*args: str, timeout: int = 300, pools=None) -> tuple[str, dict]:
-    """`python -m tools.bench ARGS`: a real process, or with `pools` on the session's 1-rank
-    pool (tests/pool.py; for the benchmarks that start no launch of their own)."""
-    if pools is None:
-        proc = run_python(*BENCH, *args, timeout=timeout)
-    else:
-        proc = pools.script(1, *BENCH, *args, timeout=timeout)
+def _run(*args: str, pools, timeout: int = 300) -> tuple[str, dict]:
+    """`python -m tools.bench ARGS` on the session's 1-rank pool (tests/pool.py: no process
+    start or imports of its own; the launches a benchmark starts from there get none of the
+    rank's launcher variables: tools.bench.common.subprocess_env)."""
+    proc = pools.script(1, *BENCH, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, last_json_line(proc.stdout)
 
@@ -163,11 +160,11 @@ def test_all_keeps_going_when_one_benchmark_fails(monkeypatch):
     json.dumps(summary)
 
 
-def test_data_quick_reports_rates_first_steps_and_memory():
+def test_data_quick_reports_rates_first_steps_and_memory(pools):
     """`data --quick`: 500 chat rows rendered with 0/1/2 workers,
     two 2-rank SFT launches (empty cache, built cache); the 4-rank one is left to the full
     size."""
-    out, result = _run("data", "--quick", timeout=900)
+    out, result = _run("data", "--quick", timeout=900, pools=pools)
     assert "| workers | rows | seconds | rows/s | M tokens/s |" in out
     assert set(result["data_rows_per_s_by_workers"]) == {"0", "1", "2"}
     assert result["data_rows"] == 500 and result["data_tokens"] > 700_000
