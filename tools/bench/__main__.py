@@ -16,6 +16,10 @@
     python -m tools.bench sync     [--quick]   Megatron -> rollout engine weight sync GB/s per
                                                bucket size (>= 100M-parameter model);
                                                --transport: vLLM sync by handle vs by file
+    python -m tools.bench spec     --model-dir DIR [--num-tokens K] | --quick
+                                               vLLM rollout tokens/s with and without
+                                               speculative decoding (MTP layers or a draft
+                                               model) side by side, acceptance, speedup
     python -m tools.bench async    [--quick]   GRPO step time with rollout.max_staleness 1 vs 0
                                                (torchrun, 1 training + 1 rollout rank); goal
                                                ratio <= 0.6; trainer and rollout idle fractions
@@ -116,6 +120,10 @@ def run_one(name: str, args) -> BenchResult:
         from tools.bench.sync import run_sync, run_transport
         return run_transport(args.quick) if getattr(args, "transport", False) \
             else run_sync(args.quick)
+    if name == "spec":
+        from tools.bench.spec import run_spec
+        return run_spec(args.quick, args.model_dir, args.method, args.num_tokens,
+                        args.draft_path, args.prompts, args.max_new, args.repeats)
     if name == "async":
         from tools.bench.async_rl import run_async
         return run_async(args.quick)
@@ -175,8 +183,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    public = ("overhead", "balance", "rollout", "backends", "sync", "async", "mfu", "data", "loss_head",
-              "all")
+    public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
+              "data", "loss_head", "all")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(public + ("gpu",)) + "}")
     for name in public:
@@ -189,6 +197,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
             p.add_argument("--transport", action="store_true",
                            help="instead: the vLLM engine's sync by rollout.sync_transport, "
                                 "handle vs file, side by side (tools/bench/sync.py)")
+        if name == "spec":   # tools/bench/spec.py
+            p.add_argument("--model-dir", default=None, help="HF folder with MTP layers")
+            p.add_argument("--method", default="mtp", choices=("mtp", "draft_model"))
+            p.add_argument("--num-tokens", type=int, default=2)
+            p.add_argument("--draft-path", default=None)
+            p.add_argument("--prompts", type=int, default=None)
+            p.add_argument("--max-new", type=int, default=None)
+            p.add_argument("--repeats", type=int, default=None)
         if name == "mfu":
             p.add_argument("--profile", action="store_true",
                            help="also profile one step: its 30 largest GPU kernels")
