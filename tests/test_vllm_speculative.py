@@ -14,7 +14,9 @@ layer changes the drafter's weights (digest) and what it proposes (seeded sample
 differ, and return bitwise when the old layer is synced back) while the target's weights stay
 bitwise and its log-probs exact; a sync missing one MTP tensor is refused; a sync with no MTP
 tensor leaves the drafter as it was and warns once; the off switch, tripped, rebuilds the
-engine without its draft at the next sync, which then samples exactly (spec_enabled 0).
+engine without its draft at the next sync, which then samples exactly (spec_enabled 0). GRPO
+through `python -m engine.rl` with model.mtp.enabled: the trained MTP layer reaches the drafter
+at every sync, rollout/logprob_diff_max < 1e-5 at every step, acceptance logged.
 
 Without an engine: vLLM 0.32's broken CPU expand_batch_to_tokens against the repeat_interleave
 replacement on tiny tensors (negative controls: the installed original and a stand-in that
@@ -192,6 +194,35 @@ def test_the_off_switch_rebuilds_the_engine_without_its_draft(spec, reference, g
     counters = spec.speculation_counters()
     assert counters["proposed"] == 0 and counters["enabled"] == 0.0
     assert spec_metrics([counters], 1)["rollout/spec_enabled"] == 0.0
+
+
+def test_grpo_with_a_trained_mtp_draft_keeps_logprobs_exact(pools, glm_dir, tmp_path):
+    """`python -m engine.rl` with model.mtp.enabled and method mtp: every sync carries the
+    trained MTP layer into the drafter (no "untrained MTP head" warning: a sync without it
+    warns, one with part of it is refused), rollout/logprob_diff < 1e-5 at every step as
+    without speculation, the sync check passes, acceptance is logged."""
+    import json
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
+                               + "\n" for i in range(4)))
+    proc = pools.script(1, "-m", "engine.rl", f"model.hf_path={glm_dir}",
+                        f"data.train_files=[{prompts}]", "rollout.backend=vllm",
+                        "reward.fn=tests.test_rl_loop:digit_reward", "rollout.n=2",
+                        "rollout.max_new_tokens=12", "train.prompts_per_step=2",
+                        "train.max_steps=2", "train.seq_length=48", "optim.lr=1e-2",
+                        "train.mini_batches_per_step=2", f"data.cache_dir={tmp_path}/cache",
+                        "data.num_workers=0", f"logging.dir={tmp_path}/run",
+                        "logging.progress_bar=false", "model.mtp.enabled=true",
+                        "rollout.vllm.speculative.method=mtp", "rollout.vllm.max_model_len=64",
+                        "rollout.check_weight_sync=true", timeout=300)
+    assert proc.returncode == 0
+    assert "untrained MTP head" not in proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in open(f"{tmp_path}/run/metrics.jsonl")]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["rollout/logprob_diff_max"] < 1e-5, row
+        assert row["rollout/spec_proposed_tokens"] > 0 and row["rollout/spec_enabled"] == 1.0
+        assert 0 <= row["rollout/spec_acceptance"] <= 1 and "mtp/loss" in row
 
 
 def test_cpu_expand_fix_on_tiny_tensors(monkeypatch):
