@@ -8,7 +8,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                            VocabParallelEmbedding)
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 
 from models.build.transformer_config import model_shape, transformer_config
 from models.families.mtp import trained_mtp_layers
@@ -117,8 +116,9 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
 
 
 def _mtp_kwargs(config, hf_config: dict, make_spec, fused_norm: bool, stage) -> dict:
-    """MTPGPTModel's mtp_block_spec on the chunk that holds the MTP layer (the last)."""
-    if not mtp_on_this_rank(config, ignore_virtual=False, vp_stage=stage):
+    """MTPGPTModel's mtp_block_spec on the chunk that holds the MTP layer: the last pipeline
+    stage's last chunk (megatron's placement without a custom pipeline layout)."""
+    if not ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage):
         return {}
     return {"mtp_block_spec": mtp_block_spec(config, hf_config, make_spec, fused_norm)}
 

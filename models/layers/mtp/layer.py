@@ -9,6 +9,7 @@ megatron's own code.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,11 @@ class EngineMTPLayer(MultiTokenPredictionLayer):
     inputs: MTPInputs | None = None
 
     def _get_embeddings(self, input_ids, position_ids, embedding, hidden_states,
-                        packed_seq_params=None):
+                        packed_seq_params=None, padding_mask=None):
+        """megatron's (input_ids, position_ids, decoder_input, hidden_states), and with
+        megatron-core >= 0.19 (whose layer passes `padding_mask`) (input_ids, position_ids,
+        padding_mask, decoder_input, hidden_states): the next tokens instead of the rolled
+        input ids; the padding mask unchanged (position t's padding is the token's own)."""
         state = self.inputs
         if state is None or state.next_ids is None:
             raise RuntimeError("the MTP layer ran without next-token ids: run it through "
@@ -55,4 +60,13 @@ class EngineMTPLayer(MultiTokenPredictionLayer):
             decoder_input = embedding(input_ids=next_ids, position_ids=position_ids)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True,
                                              keep_graph=True)
+        if not hidden_states.requires_grad:   # detached: recompute needs a grad-requiring input
+            hidden_states.requires_grad_(True)
+        if _PASSES_PADDING_MASK:
+            return next_ids, position_ids, padding_mask, decoder_input, hidden_states
         return next_ids, position_ids, decoder_input, hidden_states
+
+
+# megatron-core >= 0.19's MultiTokenPredictionLayer rolls and returns a padding mask too
+_PASSES_PADDING_MASK = "padding_mask" in inspect.signature(
+    MultiTokenPredictionLayer._get_embeddings).parameters

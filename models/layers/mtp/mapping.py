@@ -6,7 +6,8 @@ checkpoints store it: layer index N = num_hidden_layers.
   hnorm.weight                       hnorm.weight                          replicated
   eh_proj.weight                     eh_proj.weight [h, 2h]                column (rows over TP)
   final_layernorm.weight             shared_head.norm.weight               replicated
-  transformer_layer.<suffix>         as decoder layer N's <suffix>         (the layer's own)
+  transformer_layer.<suffix>         as decoder layer N's <suffix>         the layer's own
+  (megatron-core 0.19 names it mtp_model_layer.<suffix>)
 
 The checkpoint also stores `embed_tokens.weight` and `shared_head.head.weight` under
 model.layers.{N}.: copies of the model's embedding and output head, which the MTP layer shares
@@ -23,7 +24,8 @@ _OWN = {"enorm.weight": ("replicated", "enorm.weight"),
         "hnorm.weight": ("replicated", "hnorm.weight"),
         "eh_proj.weight": ("column", "eh_proj.weight"),
         "final_layernorm.weight": ("replicated", "shared_head.norm.weight")}
-_LAYER_PREFIX = "transformer_layer."
+# the decoder layer's attribute: transformer_layer (megatron-core 0.16), mtp_model_layer (0.19)
+_LAYER_PREFIXES = ("transformer_layer.", "mtp_model_layer.")
 
 # claim(suffix, layer) -> (kind, HF names) of a decoder-layer suffix at global layer `layer`
 LayerClaim = Callable[[str, int], "tuple[str, tuple[str, ...]] | None"]
@@ -40,8 +42,9 @@ def mtp_mapping(name: str, num_layers: int, claim: LayerClaim
     if suffix in _OWN:
         kind, hf = _OWN[suffix]
         return kind, (f"model.layers.{layer}.{hf}",)
-    if suffix.startswith(_LAYER_PREFIX):
-        return claim(suffix[len(_LAYER_PREFIX):], layer)
+    for prefix in _LAYER_PREFIXES:
+        if suffix.startswith(prefix):
+            return claim(suffix[len(prefix):], layer)
     return None
 
 

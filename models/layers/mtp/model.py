@@ -12,8 +12,10 @@ hidden states. Forward-only passes (evaluation, RL log-probs) skip the block.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 
 from models.layers.heads.output import tp_replicated_input
 from models.layers.mtp.layer import MTPInputs
@@ -43,30 +45,30 @@ class MTPGPTModel(GPTModel):
             for layer in self.mtp.layers:
                 layer.inputs = self.mtp_inputs
 
-    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
-                     rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None,
-                     decoder_input=None, attention_mask=None, inference_params=None,
-                     packed_seq_params=None, sequence_len_offset=None,
-                     runtime_gather_output=None, extra_block_kwargs=None,
-                     inference_context=None):
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        """GPTModel._postprocess of the installed megatron-core (its arguments bound by name:
+        they differ between releases) with the MTP block run here, its output stored in
+        `mtp_inputs.hidden`, and the main hidden states passed on."""
         state = self.mtp_inputs
         state.hidden = None
-        if mtp_in_postprocess and state.next_ids is not None:
-            both = self.mtp(input_ids=input_ids, position_ids=position_ids,
-                            hidden_states=hidden_states, attention_mask=attention_mask,
-                            inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
-                            rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                            packed_seq_params=packed_seq_params,
-                            sequence_len_offset=sequence_len_offset, embedding=self.embedding,
-                            **(extra_block_kwargs or {}))
-            hidden_states, mtp_hidden = both.chunk(2, dim=0)
+        bound = _POSTPROCESS.bind(self, hidden_states, *args, **kwargs).arguments
+        bound.pop("self")
+        if bound.get("mtp_in_postprocess") and state.next_ids is not None:
+            inputs = {k: bound.get(k) for k in _MTP_INPUTS}
+            inputs.update(bound.get("extra_block_kwargs") or {})
+            both = self.mtp(hidden_states=hidden_states, embedding=self.embedding, **inputs)
+            bound["hidden_states"], mtp_hidden = both.chunk(2, dim=0)
             state.hidden = tp_replicated_input(self.output_layer, mtp_hidden).transpose(0, 1)
+        bound["mtp_in_postprocess"] = False
         with _no_internal_mtp_loss(self.config):
-            return super()._postprocess(
-                hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
-                rotary_pos_sin, mtp_in_postprocess=False, loss_mask=loss_mask,
-                decoder_input=decoder_input, attention_mask=attention_mask,
-                inference_params=inference_params, packed_seq_params=packed_seq_params,
-                sequence_len_offset=sequence_len_offset,
-                runtime_gather_output=runtime_gather_output,
-                extra_block_kwargs=extra_block_kwargs, inference_context=inference_context)
+            return super()._postprocess(**bound)
+
+
+_POSTPROCESS = inspect.signature(GPTModel._postprocess)
+# what GPTModel._postprocess hands megatron's MTP block, of those this release's block takes
+_MTP_INPUTS = tuple(n for n in ("input_ids", "position_ids", "attention_mask",
+                                "inference_params", "rotary_pos_emb", "rotary_pos_cos",
+                                "rotary_pos_sin", "packed_seq_params", "sequence_len_offset",
+                                "padding_mask")
+                    if n in _POSTPROCESS.parameters
+                    and n in inspect.signature(MultiTokenPredictionBlock.forward).parameters)

@@ -32,8 +32,13 @@ def mtp_block_spec(config, hf_config: Any, make_layer_spec: Callable,
                    fused_norm: bool = False) -> MultiTokenPredictionBlockSubmodules:
     """One MTP layer (config.mtp_num_layers == 1) on the local spec."""
     norm = local_norm(fused_norm)
+    inner = {LAYER_FIELD: make_layer_spec(mtp_layer_config(config, hf_config))}
     layer = ModuleSpec(module=EngineMTPLayer, submodules=MultiTokenPredictionLayerSubmodules(
-        enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear,
-        transformer_layer=make_layer_spec(mtp_layer_config(config, hf_config)),
-        layer_norm=norm))
+        enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, layer_norm=norm, **inner))
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer])
+
+
+# the MTP layer's decoder layer: `transformer_layer` (megatron-core 0.16),
+# `mtp_model_layer` (0.19); also its attribute, so parameter names follow
+LAYER_FIELD = ("transformer_layer" if "transformer_layer" in
+               MultiTokenPredictionLayerSubmodules.__dataclass_fields__ else "mtp_model_layer")
