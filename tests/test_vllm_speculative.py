@@ -40,7 +40,8 @@ from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
 from engine.rl.rollout.vllm_spec_sampler import (ContractSpecLogprobs, expand_batch_to_tokens,
                                                  expand_is_broken)
 from engine.rl.rollout.vllm_spec_sync import MtpNames
-from engine.rl.rollout.vllm_speculative import OffSwitch, Speculation, spec_metrics
+from engine.rl.rollout.vllm_speculative import (OffSwitch, Speculation, merge_counters,
+                                                 spec_metrics)
 from engine.rl.rollout.vllm_speculative_settings import mtp_layers
 from tests.glm4_moe_tiny import build_glm4_moe
 
@@ -310,6 +311,9 @@ def test_off_switch_and_metrics():
     llm.values = [1, 2, 2]   # a new engine's counters start again at 0
     assert state.after_generate(llm) == {"drafts": 1.0, "proposed": 2.0, "accepted": 2.0}
     assert state.take()["enabled"] == 0.0
+    assert merge_counters([{}, {"drafts": 1, "proposed": 2, "accepted": 1, "enabled": 2},
+                           {"drafts": 1, "proposed": 2, "accepted": 0, "enabled": 1}]) == \
+        {"drafts": 2.0, "proposed": 4.0, "accepted": 1.0, "enabled": 1.0}   # turns, batches
     m = spec_metrics([{"drafts": 4, "proposed": 8, "accepted": 2, "enabled": 2},
                       {}, {"drafts": 6, "proposed": 12, "accepted": 8, "enabled": 1}], 2)
     assert m == {"rollout/spec_acceptance": 0.5, "rollout/spec_mean_accepted_tokens": 1.0,
@@ -343,9 +347,12 @@ def test_speculative_keys_are_checked_by_name(tmp_path):
         assert message in problems, (argv, problems)
     bare = " | ".join(vllm_problems(_cfg(f"{key}.method=mtp"), {"model_type": "glm4_moe"}))
     assert "declares no MTP layers (none of num_nextn_predict_layers" in bare, bare
-    qwen = {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}
+    qwen = {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1,
+            "layer_types": ["linear_attention", "full_attention"]}
     assert any("enable_prefix_caching=false" in p
                for p in vllm_problems(_cfg(f"{key}.method=mtp"), qwen))
+    assert not any("enable_prefix_caching" in p for p in vllm_problems(
+        _cfg(f"{key}.method=mtp", "rollout.vllm.enable_prefix_caching=false"), qwen))
     (tmp_path / "config.json").write_text("{}")   # a draft folder
     draft = (f"{key}.method=draft_model", f"{key}.draft_path={tmp_path}")
     qwen3 = {"model_type": "qwen3", "num_hidden_layers": 2}

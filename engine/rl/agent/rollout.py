@@ -41,6 +41,7 @@ from engine.rl.env.contract import load_object
 from engine.rl.env.dump import episode_record
 from engine.rl.rollout.pool import GenerateStats
 from engine.rl.rollout.sampling_backend import SamplingBackend
+from engine.rl.rollout.vllm_speculative import merge_counters
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error", "tool_calls")
 
@@ -187,7 +188,8 @@ def longest_call(outcome) -> int:
 def _merge(calls: list[GenerateStats]) -> GenerateStats:
     worst = max(calls, key=lambda s: s.imbalance) if calls else GenerateStats(0, 0, 0, [])
     return GenerateStats(sum(s.calls for s in calls), sum(s.retries for s in calls),
-                         sum(s.restarts for s in calls), list(worst.engine_seconds))
+                         sum(s.restarts for s in calls), list(worst.engine_seconds),
+                         merge_counters([s.counters for s in calls]))
 
 
 def _counts(outcomes, env_s: float) -> dict:

@@ -20,6 +20,7 @@ from engine.rl.env.contract import ENV_TOOLS, load_env_class
 from engine.rl.env.episodes import Episode, EpisodeRunner, EpisodeSettings
 from engine.rl.env.tools_env import tool_env_factory, tool_format, tool_schemas
 from engine.rl.rollout.pool import GenerateStats
+from engine.rl.rollout.vllm_speculative import merge_counters
 from models.hf.custom_code import load_tokenizer
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error")
@@ -78,7 +79,8 @@ def _merge(turns: list[GenerateStats]) -> GenerateStats:
     the least balanced turn (so `imbalance` is the worst turn's)."""
     worst = max(turns, key=lambda s: s.imbalance) if turns else GenerateStats(0, 0, 0, [])
     return GenerateStats(sum(s.calls for s in turns), sum(s.retries for s in turns),
-                         sum(s.restarts for s in turns), list(worst.engine_seconds))
+                         sum(s.restarts for s in turns), list(worst.engine_seconds),
+                         merge_counters([s.counters for s in turns]))
 
 
 def _counts(episodes: list[Episode], env_s: float) -> dict:

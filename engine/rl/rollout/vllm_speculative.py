@@ -59,21 +59,30 @@ def read_counters(llm) -> dict[str, float]:
     return out
 
 
-def spec_metrics(batches: list[dict], engines: int) -> dict[str, float]:
-    """rollout/spec_* of one RL step from the pool's counters of each generation batch
-    (GenerateStats.counters: FIELDS summed over the engines, "enabled": how many still
-    speculate) over `engines` engines; {} when no engine speculates nor did. Acceptance and the
-    mean accepted tokens per drafting step are over the whole step; spec_enabled is the share
-    of engines speculating after its last generation batch."""
+def merge_counters(batches: list[dict]) -> dict[str, float]:
+    """The counters of consecutive generate batches (generation batches of a step, turns of
+    multi-turn episodes; each GenerateStats.counters, summed over engines) as one: FIELDS
+    summed, "enabled" the last batch's; {} when none has counters."""
     batches = [c for c in batches if c]
     if not batches:
         return {}
-    proposed, accepted, drafts = (sum(c.get(k, 0.0) for c in batches)
-                                  for k in ("proposed", "accepted", "drafts"))
+    out = {k: float(sum(c.get(k, 0.0) for c in batches)) for k in FIELDS}
+    return {**out, "enabled": float(batches[-1].get("enabled", 0.0))}
+
+
+def spec_metrics(batches: list[dict], engines: int) -> dict[str, float]:
+    """rollout/spec_* of one RL step from the pool's counters of each generation batch
+    (`merge_counters`) over `engines` engines; {} when no engine speculates nor did.
+    Acceptance and the mean accepted tokens per drafting step are over the whole step;
+    spec_enabled is the share of engines speculating in its last generation batch."""
+    c = merge_counters(batches)
+    if not c:
+        return {}
+    proposed, accepted, drafts = c["proposed"], c["accepted"], c["drafts"]
     return {"rollout/spec_acceptance": accepted / proposed if proposed > 0 else 0.0,
             "rollout/spec_mean_accepted_tokens": accepted / drafts if drafts > 0 else 0.0,
             "rollout/spec_proposed_tokens": proposed,
-            "rollout/spec_enabled": batches[-1].get("enabled", 0.0) / max(engines, 1)}
+            "rollout/spec_enabled": c["enabled"] / max(engines, 1)}
 
 
 class Speculation:

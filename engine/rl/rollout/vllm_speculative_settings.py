@@ -19,8 +19,9 @@ Exactness: with speculation the rollout log-probs stay the contract's at every p
 top-k, penalties or logit processors. What is refused by name: a method other than
 mtp / draft_model, mtp on a checkpoint without MTP layers, draft_model without draft_path,
 a LoRA policy served as vLLM adapters (vLLM's LoRA with a drafter was never run here: use
-rollout.vllm.lora_sync=merged), a Qwen3.5-style (hybrid attention) model with prefix caching
-(its drafter ran here only with enable_prefix_caching=false), and speculative_config in
+rollout.vllm.lora_sync=merged), a model with linear-attention layers (Qwen3.5 style) with
+prefix caching (its drafter ran here only with enable_prefix_caching=false), and
+speculative_config in
 rollout.vllm.engine_kwargs.
 """
 from __future__ import annotations
@@ -31,9 +32,9 @@ METHODS = ("mtp", "draft_model")
 # the config keys that count a checkpoint's MTP layers: DeepSeek-V3 / Kimi-K2 / GLM-4.5,
 # MiMo-style, Qwen3.5 / 3.6 (also inside text_config)
 MTP_LAYER_KEYS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
-# model_types whose vLLM drafter ran only without prefix caching (hybrid linear attention)
-NO_PREFIX_CACHING = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text",
-                     "qwen3_next")
+# a hybrid model's layer kind (config.json layer_types; Qwen3.5 / Qwen3-Next style): its vLLM
+# drafter ran here only without prefix caching
+LINEAR_ATTENTION = "linear_attention"
 
 
 def mtp_layers(hf_config: dict) -> int:
@@ -43,6 +44,12 @@ def mtp_layers(hf_config: dict) -> int:
             if config.get(key):
                 return int(config[key])
     return 0
+
+
+def hybrid_attention(hf_config: dict) -> bool:
+    """Whether config.json (or its text_config) declares linear-attention layers."""
+    return any(LINEAR_ATTENTION in (config.get("layer_types") or ())
+               for config in (hf_config, hf_config.get("text_config") or {}))
 
 
 def speculative_problems(cfg, hf_config: dict, lora_mode: str | None = None) -> list[str]:
@@ -85,11 +92,10 @@ def speculative_problems(cfg, hf_config: dict, lora_mode: str | None = None) -> 
         p.append(f"{key}.method={spec.method} with a LoRA policy served as vLLM adapters "
                  "(rollout.vllm.lora_sync=adapter) was never run here; use "
                  "rollout.vllm.lora_sync=merged")
-    model_type = hf_config.get("model_type")
-    if model_type in NO_PREFIX_CACHING and cfg.rollout.vllm.enable_prefix_caching:
-        p.append(f"{key}.method={spec.method} on model_type {model_type!r} runs only with "
-                 "rollout.vllm.enable_prefix_caching=false (vLLM's drafter for its hybrid "
-                 "attention ran here only without it)")
+    if hybrid_attention(hf_config) and cfg.rollout.vllm.enable_prefix_caching:
+        p.append(f"{key}.method={spec.method} on a model with linear-attention layers "
+                 "(layer_types) runs only with rollout.vllm.enable_prefix_caching=false "
+                 "(vLLM's drafter for hybrid attention ran here only without it)")
     return p
 
 
