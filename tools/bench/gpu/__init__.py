@@ -15,6 +15,9 @@ one H100, what the budget counts):
   sft            ~102  gpu_sft cases dense,moe (0.6B dense, 16-expert MoE; fusions off, grouped
                        experts on), 4,096 tokens, 8 sequences per step, 8 steps: step s,
                        tokens/s, MFU, peak GiB, losses
+  mtp            ~135  gpu_sft cases mtp_off,mtp_on: a GLM-4.5-shaped MoE with a random MTP
+                       layer carried untrained vs trained (model.mtp.enabled): as sft plus
+                       mtp/loss and mtp/accuracy (MFU counts the MTP layer)
   grpo            ~68  engine.rl GRPO, HF rollout backend, bf16, rollout.check_weight_sync=true,
                        the demo model at hidden 512 / 8 layers / FFN 1536 and the addition
                        prompts, 16 x 8 per step, 3 steps: rollout/logprob_diff(_max),
@@ -29,6 +32,9 @@ one H100, what the budget counts):
   moe_loop        ~78  gpu_sft moe_loop: the MoE with moe.grouped_experts=false
   fused           ~94  gpu_sft fused,moe_fused: dense and MoE with every model.fusions.* on
   loss_head       ~59  gpu_sft dense vs unchunked at 16,384 tokens, vocabulary 151,936
+  spec_vllm      ~150  python -m tools.bench spec on mtp's GLM model: vLLM tokens/s with and
+                       without MTP speculation (2 draft tokens), acceptance, greedy ids equal;
+                       needs vLLM (CUDA wheel), skipped without it
   grpo_vllm_handle, grpo_vllm_file  ~75 each: grpo on rollout.backend=vllm with
                        rollout.sync_transport=handle | file (weight sync by handle vs by file);
                        skipped until vLLM's CUDA wheel can be carried and the key exists
@@ -36,7 +42,7 @@ one H100, what the budget counts):
 Budget (tools.bench.gpu.plan): the plan adds the estimates in order; an item whose estimate
 does not fit what is left is skipped ("needs ~N s, M s left") and a later, shorter one may
 still run; an item whose requirements are missing (CUDA, megatron-core, hydra-core,
-transformers, peft for lora_grpo, vLLM's CUDA wheel, rollout.sync_transport) is skipped with
+transformers, peft for lora_grpo, vLLM and its CUDA wheel, rollout.sync_transport) is skipped with
 that reason. Before each item the run decides again with the time really left; an item that
 starts gets at most that time. Each item is one or more subprocesses under one timeout; a
 failure or timeout is recorded and the next item still runs.

