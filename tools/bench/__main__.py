@@ -123,7 +123,8 @@ def run_one(name: str, args) -> BenchResult:
     if name == "spec":
         from tools.bench.spec import run_spec
         return run_spec(args.quick, args.model_dir, args.method, args.num_tokens,
-                        args.draft_path, args.prompts, args.max_new, args.repeats)
+                        args.draft_path, args.prompts, args.max_new, args.repeats,
+                        args.prompts_file)
     if name == "async":
         from tools.bench.async_rl import run_async
         return run_async(args.quick)
@@ -205,6 +206,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
             p.add_argument("--prompts", type=int, default=None)
             p.add_argument("--max-new", type=int, default=None)
             p.add_argument("--repeats", type=int, default=None)
+            p.add_argument("--prompts-file", default=None,
+                           help="RL prompt rows ({\"prompt\": ...}, .jsonl) rendered with the "
+                                "model's chat template instead of random token ids")
         if name == "mfu":
             p.add_argument("--profile", action="store_true",
                            help="also profile one step: its 30 largest GPU kernels")

@@ -4,13 +4,15 @@ same prompts, weights and sampling with and without speculation, side by side in
 
     python -m tools.bench spec --model-dir DIR [--method mtp] [--num-tokens 2]
                                [--prompts 64] [--max-new 256] [--repeats 1]
+                               [--prompts-file RL_PROMPTS.jsonl]
     python -m tools.bench spec --quick     a tiny random GLM-4.5 MoE with a random MTP layer
                                            (a smoke run: a random head accepts ~nothing)
 
 DIR: an HF folder whose config.json declares MTP layers (method mtp; a GLM-4.5 / DeepSeek-V3 /
 Qwen3.5 checkpoint, or one whose MTP head was trained by `python -m engine.sft` with
 model.mtp.enabled), or any folder with --method draft_model --draft-path DRAFT. Prompts: random
-token ids of 32-96 tokens (seeded), temperature 1, one seed per response as the RL loop sends
+token ids of 32-96 tokens (seeded), or with --prompts-file the first --prompts rows of an RL
+prompt file rendered with the model's chat template, temperature 1, one seed per response as the RL loop sends
 them, fp32 on CPU (model dtype on GPUs). Each engine is built, warmed up with one short call,
 then timed over `repeats` full calls (median); tokens/s = generated tokens / wall seconds of
 the call (engine start not counted, reported apart). Reported: tokens/s both ways, the
@@ -36,6 +38,20 @@ GREEDY_CHECK = (4, 16)   # prompts, new tokens of the greedy comparison
 def _prompts(count: int, vocab: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(32, 96))] for _ in range(count)]
+
+
+def _file_prompts(path: str, model_dir: str, count: int) -> list[list[int]]:
+    """The first `count` prompts of an RL prompt file ({"prompt": text} rows), each rendered
+    as one user turn with the model's chat template and the assistant's generation prompt."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()][:count]
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}],
+                                               add_generation_prompt=True, tokenize=True,
+                                               return_dict=False))
+            for r in rows]
 
 
 def _vocab(model_dir: str) -> int:
@@ -109,7 +125,8 @@ def _measure(model_dir: str, spec, prompts, max_new: int, repeats: int) -> dict:
 
 def run_spec(quick: bool, model_dir: str | None = None, method: str = "mtp",
              num_tokens: int = 2, draft_path: str | None = None, prompts: int | None = None,
-             max_new: int | None = None, repeats: int | None = None) -> BenchResult:
+             max_new: int | None = None, repeats: int | None = None,
+             prompts_file: str | None = None) -> BenchResult:
     from engine.rl.config import SpeculativeConfig
     from engine.rl.rollout.vllm_speculative import spec_metrics
 
@@ -121,7 +138,8 @@ def run_spec(quick: bool, model_dir: str | None = None, method: str = "mtp",
                 raise ValueError("tools.bench spec needs --model-dir (or --quick: a tiny "
                                  "random model)")
             model_dir = tiny_mtp_model(os.path.join(tmp, "glm"))
-        ids = _prompts(count, _vocab(model_dir))
+        ids = (_file_prompts(prompts_file, model_dir, count) if prompts_file
+               else _prompts(count, _vocab(model_dir)))
         plain = _measure(model_dir, SpeculativeConfig(), ids, new, reps)
         spec = _measure(model_dir, SpeculativeConfig(method=method, num_tokens=num_tokens,
                                                      draft_path=draft_path), ids, new, reps)
