@@ -45,6 +45,7 @@ from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
 from tests.deepseek_v3_tiny import build_deepseek_v3
 from tests.glm4_moe_tiny import build_glm4_moe
 from tests.gpt_oss_tiny import build_gpt_oss
+from tests.logprob_reference import max_logprob_diff
 from tools.tiny_models import build_eos_model, build_peft_adapter, build_tiny_model
 
 TINY = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, head_dim=32,
@@ -83,27 +84,12 @@ def _transformers(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _max_diff(model, generations, temperature: float) -> float:
-    """max |engine log-prob - log_softmax(logits / T)[token]| over every sampled token."""
-    worst = 0.0
-    for g in generations:
-        ids = g.prompt_ids + g.response_ids
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].float() / temperature
-        logp = torch.log_softmax(logits, -1)
-        start = len(g.prompt_ids) - 1
-        ref = logp[start:start + len(g.response_ids)].gather(
-            1, torch.tensor(g.response_ids)[:, None])[:, 0]
-        worst = max(worst, float((ref - torch.tensor(g.response_logprobs)).abs().max()))
-    return worst
-
-
 def test_logprobs_follow_the_contract_and_seeds_do_not_depend_on_the_batch(qwen3, qwen3_dir):
     params = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, seeds=[1, 2, 3, 4])
     gens = qwen3.generate(PROMPTS, params)
     model = _transformers(qwen3_dir)
-    assert _max_diff(model, gens, 0.7) < 2e-5
-    assert _max_diff(model, gens, 1.0) > 1e-2   # negative control: temperature ignored
+    assert max_logprob_diff(model, gens, 0.7) < 2e-5
+    assert max_logprob_diff(model, gens, 1.0) > 1e-2   # negative control: temperature ignored
     for g in gens:
         assert len(g.response_ids) == len(g.response_logprobs) <= 12
         assert (g.finish_reason == "stop") == (g.response_ids[-1] in qwen3.eos_token_ids)
@@ -113,7 +99,7 @@ def test_logprobs_follow_the_contract_and_seeds_do_not_depend_on_the_batch(qwen3
     assert alone.response_ids == gens[2].response_ids
     assert alone.response_logprobs == gens[2].response_logprobs
     greedy = qwen3.generate(PROMPTS[:2], SamplingParams(max_new_tokens=6, temperature=0.0))
-    assert _max_diff(model, greedy, 1.0) < 2e-5
+    assert max_logprob_diff(model, greedy, 1.0) < 2e-5
 
 
 def test_score_is_transformers_raw_log_softmax(qwen3, qwen3_dir):
@@ -210,6 +196,7 @@ def _new_weights(model_dir: str, out_dir, seed: int | None) -> dict[str, torch.T
     would (seed None: unchanged), and saved with the folder's config to `out_dir` (the
     reference)."""
     import shutil
+
     from safetensors.torch import load_file, save_file
     state = load_file(f"{model_dir}/model.safetensors")
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -269,8 +256,8 @@ def test_a_sync_that_changes_every_parameter_lands_exactly(qwen3, qwen3_dir, tmp
     _sync(engine, weights)   # rollout.sync_transport=handle, the default
     gens = engine.generate(PROMPTS, params)
     new, old = _transformers(str(tmp_path / "new")), _transformers(model_dir)
-    assert _max_diff(new, gens, 1.0) < 2e-5
-    assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
+    assert max_logprob_diff(new, gens, 1.0) < 2e-5
+    assert max_logprob_diff(old, gens, 1.0) > 1e-1   # the weights did move
     assert _probe_diff(engine, new) < 1e-5 and _probe_diff(engine, old) > 1e-1
     _same_weights_by_file(engine, weights, lambda: engine.probe_logits(probe_tokens(
         engine.vocab_size)), before)
@@ -283,9 +270,9 @@ def test_a_sync_that_changes_every_parameter_lands_exactly(qwen3, qwen3_dir, tmp
     with pytest.raises(RuntimeError, match="probe_logits.*stale weights"):
         engine.probe_logits(probe_tokens(engine.vocab_size))
     _sync(engine, weights, per_bucket=5)
-    assert _max_diff(new, engine.generate(PROMPTS, params), 1.0) < 2e-5
+    assert max_logprob_diff(new, engine.generate(PROMPTS, params), 1.0) < 2e-5
     _sync(engine, _new_weights(model_dir, tmp_path / "restored", None))  # back to the start
-    assert _max_diff(old, engine.generate(PROMPTS, params), 1.0) < 2e-5
+    assert max_logprob_diff(old, engine.generate(PROMPTS, params), 1.0) < 2e-5
 
 
 # The 2026 MoE families vLLM serves on this host, tiny, with heads vLLM's CPU kernels take, and
@@ -331,13 +318,13 @@ def test_moe_families_of_2026_sample_and_sync_exactly(family, tmp_path):
         assert engine.eos_token_ids == [3], engine.eos_token_ids   # the tiny tokenizer's
         params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
         old = _transformers(model_dir)
-        assert _max_diff(old, engine.generate(PROMPTS, params), 1.0) < bound
+        assert max_logprob_diff(old, engine.generate(PROMPTS, params), 1.0) < bound
         before = engine.llm.collective_rpc("rl_weight_digest")
         weights = _new_weights(model_dir, tmp_path / "new", 1)
         _sync(engine, weights)   # by handle, the default
         gens = engine.generate(PROMPTS, params)
-        assert _max_diff(_transformers(str(tmp_path / "new")), gens, 1.0) < bound
-        assert _max_diff(old, gens, 1.0) > 1e-1   # the weights did move
+        assert max_logprob_diff(_transformers(str(tmp_path / "new")), gens, 1.0) < bound
+        assert max_logprob_diff(old, gens, 1.0) > 1e-1   # the weights did move
         _same_weights_by_file(engine, weights, lambda: [
             g.response_logprobs for g in engine.generate(PROMPTS, params)], before)
     finally:
@@ -694,6 +681,7 @@ def _common_direction_model(model_dir: str, out: str) -> str:
     hidden dimension instead of averaging out. The tied head adds the same logit to every
     token: the distributions stay a model's."""
     import shutil
+
     from safetensors.torch import load_file, save_file
     shutil.copytree(model_dir, out)
     state = load_file(f"{out}/model.safetensors")

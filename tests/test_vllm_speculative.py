@@ -40,10 +40,10 @@ from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
 from engine.rl.rollout.vllm_spec_sampler import (ContractSpecLogprobs, expand_batch_to_tokens,
                                                  expand_is_broken)
 from engine.rl.rollout.vllm_spec_sync import MtpNames
-from engine.rl.rollout.vllm_speculative import (OffSwitch, Speculation, merge_counters,
-                                                 spec_metrics)
+from engine.rl.rollout.vllm_speculative import OffSwitch, Speculation, merge_counters, spec_metrics
 from engine.rl.rollout.vllm_speculative_settings import mtp_layers
 from tests.glm4_moe_tiny import build_glm4_moe
+from tests.logprob_reference import max_logprob_diff
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
 SEEDED = SamplingParams(max_new_tokens=16, temperature=1.0, seeds=[1, 2, 3, 4])
@@ -73,31 +73,15 @@ def reference(glm_dir):
     return AutoModelForCausalLM.from_pretrained(glm_dir, dtype=torch.float32).eval()
 
 
-def _max_diff(model, generations, temperature: float) -> float:
-    """max |engine log-prob - log_softmax(logits / T)[token]| over every sampled token (the
-    reference of tests/test_vllm.py)."""
-    worst = 0.0
-    for g in generations:
-        ids = g.prompt_ids + g.response_ids
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].float() / temperature
-        logp = torch.log_softmax(logits, -1)
-        start = len(g.prompt_ids) - 1
-        ref = logp[start:start + len(g.response_ids)].gather(
-            1, torch.tensor(g.response_ids)[:, None])[:, 0]
-        worst = max(worst, float((ref - torch.tensor(g.response_logprobs)).abs().max()))
-    return worst
-
-
 def test_speculative_rollouts_keep_the_targets_ids_and_logprobs(spec, reference):
     assert spec.llm.collective_rpc("rl_install_spec_contract") == [True]  # the CPU fix is on
     greedy = spec.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0.0))
     want = [reference.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
                                eos_token_id=3)[0, len(p):].tolist() for p in PROMPTS]
     assert [g.response_ids for g in greedy] == want
-    assert _max_diff(reference, greedy, 1.0) < 1e-5
+    assert max_logprob_diff(reference, greedy, 1.0) < 1e-5
     gens = spec.generate(PROMPTS, SEEDED)
-    assert _max_diff(reference, gens, 1.0) < 1e-5
+    assert max_logprob_diff(reference, gens, 1.0) < 1e-5
     assert sum(len(g.response_ids) for g in gens) > 40
     # a seeded response depends on its prompt and seed only (the draft's sampling is seeded
     # per request: vllm_spec_sampler.seeded_draft_sample), not on what ran before or the batch
@@ -109,8 +93,8 @@ def test_speculative_rollouts_keep_the_targets_ids_and_logprobs(spec, reference)
     calls = spec.llm.collective_rpc("rl_spec_contract_calls")[0]
     nucleus = spec.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0.7,
                                                     top_p=0.9, seeds=[1, 2, 3, 4]))
-    assert _max_diff(reference, nucleus, 0.7) < 1e-5
-    assert _max_diff(reference, nucleus, 1.0) > 1e-2   # negative control: T ignored
+    assert max_logprob_diff(reference, nucleus, 0.7) < 1e-5
+    assert max_logprob_diff(reference, nucleus, 1.0) > 1e-2   # negative control: T ignored
     # the draft positions' log-probs came through the hook, unfiltered
     assert spec.llm.collective_rpc("rl_spec_contract_calls")[0] > calls
     counters = spec.speculation_counters()
@@ -153,7 +137,7 @@ def test_a_sync_carries_the_mtp_layer_into_the_drafter(spec, reference, glm_dir,
     moved = spec.generate(PROMPTS, SEEDED)
     moved_counts = spec.speculation_counters()
     assert digest(False) == target and digest(True) != draft
-    assert _max_diff(reference, moved, 1.0) < 1e-5   # the target's log-probs stay exact
+    assert max_logprob_diff(reference, moved, 1.0) < 1e-5   # the target's log-probs stay exact
     assert ([g.response_ids for g in moved], moved_counts) != \
         ([g.response_ids for g in first], first_counts)   # the drafter proposes otherwise
     mtp = sorted(n for n in new if MtpNames(2)(n) and not MtpNames.shared(n))
@@ -170,7 +154,7 @@ def test_a_sync_carries_the_mtp_layer_into_the_drafter(spec, reference, glm_dir,
     with caplog.at_level(logging.WARNING, logger="engine.rl.rollout.vllm_speculative"):
         for _ in range(2):
             _sync(spec, {k: v for k, v in new.items() if not MtpNames(2)(k)})
-            assert _max_diff(reference, spec.generate(PROMPTS, SEEDED), 1.0) < 1e-5
+            assert max_logprob_diff(reference, spec.generate(PROMPTS, SEEDED), 1.0) < 1e-5
     assert digest(True) == draft
     assert sum("untrained MTP head" in r.getMessage() for r in caplog.records) == 1
 
@@ -191,7 +175,7 @@ def test_the_off_switch_rebuilds_the_engine_without_its_draft(spec, reference, g
         gens = spec.generate(PROMPTS, SEEDED)
     assert sum("speculation is turned off" in r.getMessage() for r in caplog.records) == 1
     assert spec.vllm_config.speculative_config is None and spec.engine_pids() != pids
-    assert _max_diff(reference, gens, 1.0) < 1e-5
+    assert max_logprob_diff(reference, gens, 1.0) < 1e-5
     counters = spec.speculation_counters()
     assert counters["proposed"] == 0 and counters["enabled"] == 0.0
     assert spec_metrics([counters], 1)["rollout/spec_enabled"] == 0.0

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from megatron.core.tensor_parallel import ColumnParallelLinear
-from megatron.core.transformer.multi_token_prediction import (
-    MultiTokenPredictionBlockSubmodules, MultiTokenPredictionLayerSubmodules)
+from megatron.core.transformer.multi_token_prediction import (MultiTokenPredictionBlockSubmodules,
+                                                              MultiTokenPredictionLayerSubmodules)
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from models.families.base import field
