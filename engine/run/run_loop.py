@@ -38,6 +38,7 @@ from engine.config.schema import config_yaml
 from engine.run.metrics import LinesAboveBar, MetricsLogger, format_postfix, progress_bar
 from engine.run.trackers import close_trackers, open_trackers
 from engine.training.train_engine import TrainEngine
+from models.families.mtp import with_trained_mtp
 from parallel.cpu_runtime import device
 
 
@@ -250,9 +251,11 @@ class RunLoop:
             save_training_checkpoint(engine, os.path.join(ck.dir, name), self.position(done),
                                      hf_config, self.cfg.model.hf_path, ck.keep_last, yaml)
         extra = self.extra() if self.extra is not None else None
-        # the engine's own config: marked when it trains the MTP layer (models.families.mtp)
-        path = save_training_checkpoint(self.engine, ck.dir, self.position(done),
-                                        self.engine.hf_config,
+        # the run's config (a reward model's is its classifier's), marked when the engine
+        # trains the MTP layer (models.families.mtp: bridge.json records it)
+        hf_config = (with_trained_mtp(self.hf_config) if self.engine.mtp is not None
+                     else self.hf_config)
+        path = save_training_checkpoint(self.engine, ck.dir, self.position(done), hf_config,
                                         self.cfg.model.hf_path, ck.keep_last, yaml, extra=extra)
         if _rank0():
             print(f"[checkpoint] saved {path}", flush=True)
