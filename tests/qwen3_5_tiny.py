@@ -5,6 +5,7 @@ random weights, random A_log / dt_bias / routers, and the tests' word-level toke
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 
@@ -22,8 +23,9 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
 
 
 def build_qwen3_5(out_dir: str, moe: bool = False, seed: int = 0, tokenizer: bool = True,
-                  **extra) -> str:
-    """Save a tiny Qwen3_5ForCausalLM (moe: Qwen3_5MoeForCausalLM) to `out_dir`; return it."""
+                  mtp: str | None = None, **extra) -> str:
+    """Save a tiny Qwen3_5ForCausalLM (moe: Qwen3_5MoeForCausalLM) to `out_dir`; return it.
+    `mtp="full"`: with a complete MTP layer as published checkpoints store it (`append_mtp`)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
@@ -36,9 +38,52 @@ def build_qwen3_5(out_dir: str, moe: bool = False, seed: int = 0, tokenizer: boo
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if mtp == "full":
+        append_mtp(out_dir, config, seed)
     if tokenizer:
         build_tokenizer(out_dir, values["vocab_size"])
     return out_dir
+
+
+def append_mtp(out_dir: str, config, seed: int) -> None:
+    """Add a complete MTP layer in Qwen3.5's layout (vLLM's qwen3_5_mtp) to `out_dir`:
+    `mtp.layers.0.*` (a random full-attention decoder layer with the model's MLP, built by
+    transformers for `config` with one more layer), `mtp.fc.weight` [h, 2h] and the zero-centred
+    `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden` and `mtp.norm` (random offsets from
+    one), fp32; and `mtp_num_hidden_layers: 1`, `mtp_use_dedicated_embeddings: false` in
+    config.json."""
+    import copy
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    layers, hidden = int(config.num_hidden_layers), int(config.hidden_size)
+    deeper = copy.deepcopy(config)
+    deeper.num_hidden_layers = layers + 1
+    deeper.layer_types = list(config.layer_types) + ["full_attention"]
+    torch.manual_seed(seed + 7)
+    model = AutoModelForCausalLM.from_config(deeper, dtype=torch.float32)
+    _randomize(model)
+    head = f"model.layers.{layers}."
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        extra = {"mtp.layers.0." + k[len(head):]: v
+                 for k, v in load_file(os.path.join(tmp, "model.safetensors")).items()
+                 if k.startswith(head)}
+    gen = torch.Generator().manual_seed(seed + 11)
+    extra.update({
+        "mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) * (2 * hidden) ** -0.5,
+        **{f"mtp.{n}.weight": 0.1 * torch.randn(hidden, generator=gen)
+           for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}})
+    path = os.path.join(out_dir, "model.safetensors")
+    save_file({**load_file(path), **extra}, path, metadata={"format": "pt"})
+    config_path = os.path.join(out_dir, "config.json")
+    with open(config_path) as f:
+        values = json.load(f)
+    values.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    with open(config_path, "w") as f:
+        json.dump(values, f, indent=2)
 
 
 def _randomize(model) -> None:

@@ -1,18 +1,21 @@
 """The multi-token-prediction (MTP) layer trained with the model (key model.mtp.enabled;
 models.layers.mtp, engine.training.mtp), on the tiny GLM-4.5 of tests/glm4_moe_tiny.py with a
-complete MTP layer (mtp="full"):
+complete MTP layer (mtp="full"), and on the tiny Qwen3.5 dense and MoE models of
+tests/qwen3_5_tiny.py with theirs (mtp.* names, zero-centred norms):
 
 - one SFT step equals a plain PyTorch loop written from DeepSeek-V3's formula on transformers'
   modules and the same weights (tests/multirank/mtp_check.py): loss, mtp/loss, mtp/accuracy and
   grad norm within 1e-5, with the trunk attached and detached, and on the tiny DeepSeek-V3
-  (MLA with YaRN, tests/deepseek_v3_tiny.py) too; negative controls (the trunk's state before
-  its final norm, [h; e] for [e; h]) are off by > 1e-3;
+  (MLA with YaRN, tests/deepseek_v3_tiny.py) and the tiny Qwen3.5 dense and MoE models too;
+  negative controls (the trunk's state before its final norm, [h; e] for [e; h]; Qwen3.5:
+  plain w instead of (1 + w) RMSNorms) are off by > 1e-3;
 - detached (RL's setting), every trunk parameter's gradient equals the run without MTP; attached
   it does not (control);
 - TP2+SP, PP2 (the MTP block and an embedding copy on the last stage), CP2, EP2, DP2 packing,
   CP2 x packing and DP2 x GA equal one process (loss, grad norm, mtp/loss, mtp/accuracy and every
   exported parameter, the MTP layer's included, rel 1e-5); negative controls: the next tokens
   rolled inside a CP shard (megatron's in-model roll), a per-micro-batch MTP token mean;
+  Qwen3.5 dense at TP2+SP and CP2 the same way;
 - GRPO with the MTP layer trained (detached) logs mtp/* and leaves every policy metric as
   without it (the HF rollout backend skips the MTP tensors of each sync);
 - the keys are checked before any process group; `python -m engine.sft model.mtp.enabled=true`
@@ -54,15 +57,31 @@ def deepseek_dir(tmp_path_factory) -> str:
     return build_deepseek_v3(str(tmp_path_factory.mktemp("ds_mtp") / "model"), mtp="full")
 
 
-@pytest.mark.parametrize("model,detach", [("glm", False), ("glm", True), ("deepseek", False)])
-def test_one_step_equals_a_plain_loop(pools, glm_dir, deepseek_dir, model, detach):
-    folder = glm_dir if model == "glm" else deepseek_dir
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> str:
+    from tests.qwen3_5_tiny import build_qwen3_5
+    return build_qwen3_5(str(tmp_path_factory.mktemp("qwen_mtp") / "model"), mtp="full")
+
+
+@pytest.fixture(scope="module")
+def qwen_moe_dir(tmp_path_factory) -> str:
+    from tests.qwen3_5_tiny import build_qwen3_5
+    return build_qwen3_5(str(tmp_path_factory.mktemp("qwen_moe_mtp") / "model"), moe=True,
+                         mtp="full")
+
+
+@pytest.mark.parametrize("model,detach", [("glm", False), ("glm", True), ("deepseek", False),
+                                          ("qwen", False), ("qwen_moe", False)])
+def test_one_step_equals_a_plain_loop(request, model, detach):
+    folder = request.getfixturevalue(f"{model}_dir")
+    pools = request.getfixturevalue("pools")
     [r] = pools.run(1, "tests.multirank.mtp_check:reference_parity", folder, detach)
     ours, ref = r["ours"], r["ref"]
     for key in ("loss", "mtp_loss", "grad_norm"):
         assert _rel(ours[key], ref[key]) < TOL, (key, ours, ref)
     assert ours["mtp_accuracy"] == ref["mtp_accuracy"]
-    for control in ("prenorm", "swapped"):
+    zero_centred = model.startswith("qwen")   # Qwen3.5's (1 + w) norms: one more control
+    for control in ("prenorm", "swapped") + (("plainnorm",) if zero_centred else ()):
         assert _rel(r[control]["mtp_loss"], ref["mtp_loss"]) > 1e-3, r[control]
 
 
@@ -94,6 +113,44 @@ def test_layouts_equal_one_process(pools, glm_dir, tmp_path):
         assert r["param_rel"] > 1e-3 or r["grad_norm_rel"] > 1e-3, r
 
 
+def test_qwen3_5_mtp_layer_maps_under_its_own_names(pools, qwen_moe_dir):
+    """The trained Qwen3.5 MTP layer loads from and exports to exactly the stored mtp.* names
+    (vLLM's qwen3_5_mtp names), bitwise; nothing passes through."""
+    [r] = pools.run(1, "tests.multirank.mtp_check:export_round_trip", qwen_moe_dir)
+    assert r["missing"] == r["extra"] == r["passthrough"] == [] and r["max_abs"] == 0.0, r
+    for name in ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight",
+                 "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+                 "mtp.layers.0.self_attn.q_proj.weight",
+                 "mtp.layers.0.mlp.experts.3.down_proj.weight",
+                 "mtp.layers.0.mlp.shared_expert_gate.weight"):
+        assert name in r["mtp"], (name, r["mtp"])
+
+
+def test_qwen3_5_layouts_equal_one_process(pools, qwen_dir, tmp_path):
+    """Qwen3.5's MTP layer (mtp.* names, zero-centred norms, gated attention) at TP2+SP and CP2
+    against one process: loss, grad norm, mtp/* and every exported parameter (the mtp.* ones
+    included). Adam eps 1e-3 as in tests/test_vlm.py: with the harness's 1e-4, Adam amplifies
+    the reduction-order noise of rarely seen embedding rows (TP2+SP measured 1.36e-5 in
+    model.embed_tokens.weight, 8.2e-6 in a trunk k_proj, loss 9e-8 and grad norm 4.5e-8
+    relative); with 1e-3 every tensor is within 1.2e-6."""
+    ref = str(tmp_path / "ref.pt")
+    env = {"INV_ADAM_EPS": "1e-3"}
+    first = pools.script(1, CHECK, qwen_dir, ref, f"1,1,0,1,16,{M}", env=env, timeout=900)
+    [reference] = result_lines(first.stdout)
+    steps = reference["moe"]
+    assert len(steps) == 3 and all(0 < s["mtp/loss"] for s in steps)
+    specs = [f"2,1,0,1,16,sp+{M}", f"1,1,0,2,16,{M}"]
+    proc = pools.script(2, CHECK, qwen_dir, ref, *specs, env=env, timeout=900)
+    results = {r["spec"]: r for r in result_lines(proc.stdout)}
+    assert sorted(results) == sorted(specs)
+    for spec in specs:
+        r = results[spec]
+        assert r["loss_rel"] < TOL and r["grad_norm_rel"] < TOL and r["param_rel"] < TOL, r
+        for got, want in zip(r["moe"], steps):
+            assert _rel(got["mtp/loss"], want["mtp/loss"]) < TOL, (spec, got, want)
+            assert got["mtp/accuracy"] == want["mtp/accuracy"], (spec, got, want)
+
+
 def _cfg(**mtp):
     from engine.config.mtp_settings import MTPConfig
     lora = SimpleNamespace(rank=0, init_from=None)
@@ -105,6 +162,7 @@ def _cfg(**mtp):
 
 def test_keys_are_checked_by_name(glm_dir):
     from engine.config.mtp_settings import mtp_problems, mtp_training
+    from models.families.base import ORIGINAL
     from models.hf.io import read_config
 
     cfg = read_config(glm_dir)
@@ -119,8 +177,16 @@ def test_keys_are_checked_by_name(glm_dir):
     none = dict(cfg, num_nextn_predict_layers=0)
     assert any("has no MTP layers" in p for p in mtp_problems(_cfg(enabled=True), none))
     qwen = {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}
-    assert any("not supported for model_type 'qwen3_5_text'" in p
-               for p in mtp_problems(_cfg(enabled=True), qwen))
+    assert mtp_problems(_cfg(enabled=True), qwen) == []
+    dedicated = dict(qwen, mtp_use_dedicated_embeddings=True)
+    assert any("mtp_use_dedicated_embeddings=true is not supported" in p
+               for p in mtp_problems(_cfg(enabled=True), dedicated))
+    wrapper = dict(qwen, **{ORIGINAL: {"model_type": "qwen3_5"}})   # a wrapper's text view
+    assert any("conditional-generation checkpoint ('qwen3_5'" in p
+               for p in mtp_problems(_cfg(enabled=True), wrapper))
+    plain = {"model_type": "qwen3", "num_mtp_layers": 1}
+    assert any("not supported for model_type 'qwen3'" in p
+               for p in mtp_problems(_cfg(enabled=True), plain))
     bad = _cfg(enabled=True, loss_scale=0)
     bad.train.loss_chunk_tokens = 0
     bad.parallel.vpp = 2

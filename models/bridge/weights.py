@@ -23,7 +23,6 @@ from models.layers import transforms as wm
 from models.build.transformer_config import model_shape
 from models.families.moe import ExpertNaming
 from models.families.base import UnmappedTensorsError
-from models.families.mtp import trained_mtp_layers
 from models.families.registry import expert_naming
 from models.families.tensors import tensor_problems
 from models.hf.config import check_config
@@ -77,7 +76,8 @@ def unwrap(chunk):
     return chunk
 
 
-def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None) -> _Mapping | None:
+def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None, hf_config: dict
+             ) -> _Mapping | None:
     """HF names for one megatron parameter of `chunk`, or None for entries with no HF twin.
     `naming`: the family's MoE router/expert names (None: dense). The vision tower's
     parameters (models.vision.tower) are replicated under their HF names."""
@@ -91,7 +91,7 @@ def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None) -> _Mapp
                                  naming)
         return None if claimed is None else _Mapping(*claimed)
     if name.startswith("mtp."):  # the trained MTP layer (models.layers.mtp.mapping)
-        claimed = mtp_mapping(name, chunk.config.num_layers,
+        claimed = mtp_mapping(name, hf_config,
                               lambda suffix, layer: _layer_mapping(chunk, suffix, layer, naming))
         return None if claimed is None else _Mapping(*claimed)
     if name in _TOP_MAP:
@@ -167,7 +167,7 @@ def load_hf_weights(chunks: list, reader, hf_config: dict,
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in _weights(model):
-            mapping = _mapping(model, name, _tied(hf_config), naming)
+            mapping = _mapping(model, name, _tied(hf_config), naming, hf_config)
             if mapping is None and is_adapter_param(name):
                 continue   # LoRA adapters: initialised by models.lora.sites, not from HF
             if mapping is None:
@@ -197,9 +197,7 @@ def check_shared_copies(hf_config: dict, reader) -> None:
     """Raise UnmappedTensorsError unless a trained MTP layer's copies of the embedding and
     output head (models.layers.mtp.mapping.shared_copies) equal the main tensors: the MTP
     layer shares them, a different copy would be dropped."""
-    copies = shared_copies(int(hf_config["num_hidden_layers"]), trained_mtp_layers(hf_config),
-                           _tied(hf_config))
-    for copy, main in copies.items():
+    for copy, main in shared_copies(hf_config).items():
         if not torch.equal(reader.get(copy), reader.get(main)):
             raise UnmappedTensorsError(
                 f"{copy} differs from {main}: the trained MTP layer shares the model's "
@@ -242,7 +240,7 @@ def _export_stage(chunks: list, hf_config: dict, transform: Callable | None = No
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in _weights(model):
-            mapping = _mapping(model, name, tied, naming)
+            mapping = _mapping(model, name, tied, naming, hf_config)
             if mapping is None or (tied and name == "output_layer.weight"):
                 continue
             if name == _EMBEDDING and not model.pre_process:  # the MTP stage's copy
@@ -261,21 +259,19 @@ def _export_stage(chunks: list, hf_config: dict, transform: Callable | None = No
                 seen.add(hf_name)
                 yield hf_name, tensor.contiguous()
             if getattr(model, "mtp_process", False) and name in _SHARED_SOURCES:
-                yield from _mtp_copies(hf_config, name, tied, data, shape.vocab_size)
+                yield from _mtp_copies(hf_config, name, data, shape.vocab_size)
 
 
 _EMBEDDING = "embedding.word_embeddings.weight"
 _SHARED_SOURCES = (_EMBEDDING, "output_layer.weight")
 
 
-def _mtp_copies(hf_config: dict, name: str, tied: bool, data: torch.Tensor, vocab_size: int
+def _mtp_copies(hf_config: dict, name: str, data: torch.Tensor, vocab_size: int
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The MTP layer's copies (models.layers.mtp.mapping.shared_copies) of the embedding or
     output head shard `data` of megatron parameter `name`, on the stage holding the MTP block."""
     main = "model.embed_tokens.weight" if name == _EMBEDDING else "lm_head.weight"
-    copies = [c for c, m in shared_copies(int(hf_config["num_hidden_layers"]),
-                                          trained_mtp_layers(hf_config), tied).items()
-              if m == main]
+    copies = [c for c, m in shared_copies(hf_config).items() if m == main]
     if copies:
         full = wm.unpad_vocab(torch.cat(_gather_tp(data, 0), 0), vocab_size).contiguous()
         for copy in copies:

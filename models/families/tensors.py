@@ -6,7 +6,7 @@ import re
 from typing import Any, Iterable
 
 from models.families.base import field, original_config
-from models.families.mtp import trained_mtp_layers
+from models.families.mtp import mtp_tensor_names, trained_mtp_layers
 from models.families.registry import family_of
 from models.formats.quantized import logical_names
 
@@ -14,9 +14,6 @@ from models.formats.quantized import logical_names
 # the config). With tied embeddings a stored lm_head.weight is replaced by the embedding.
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 _LISTED = 8  # tensor names quoted in a message
-# a trained MTP layer's own tensors besides its decoder layer's (models.layers.mtp.mapping)
-MTP_OWN_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                   "shared_head.head.weight", "embed_tokens.weight")
 
 
 def expected_tensors(hf_config: Any) -> set[str]:
@@ -29,8 +26,9 @@ def expected_tensors(hf_config: Any) -> set[str]:
     if not field(hf_config, "tie_word_embeddings", False):
         names.add("lm_head.weight")
     for k in range(trained_mtp_layers(hf_config)):  # models.layers.mtp.mapping
-        names |= {f"model.layers.{layers + k}.{s}" for s in
-                  fam.layer_tensors_of(hf_config, layers + k) + MTP_OWN_TENSORS}
+        mtp = mtp_tensor_names(hf_config, k)  # its own, its decoder layer's, the copies
+        names |= set(mtp.own().values()) | set(mtp.copies)
+        names |= {mtp.layer_prefix + s for s in fam.layer_tensors_of(hf_config, layers + k)}
     return names
 
 

@@ -4,13 +4,14 @@
 layer trained (engine.training.mtp) against a plain PyTorch loop written from DeepSeek-V3's
 formula on transformers' own modules and the same weights: the trunk's final normed hidden
 state h_t and the embedding of token t+1, each RMS-normed, concatenated [e; h], projected by
-eh_proj, one decoder layer (transformers' own layer of the family, GLM-4.5 or DeepSeek-V3, with
-the weights of index N, run as a one-layer model whose final norm is shared_head.norm), the
-model's lm_head; the loss is main + scale x MTP, both
+eh_proj, one decoder layer (transformers' own layer of the family, GLM-4.5 or DeepSeek-V3 with
+the weights of index N, run as a one-layer model whose final norm is shared_head.norm; Qwen3.5's
+full-attention layer with mtp.layers.0's weights and mtp.norm, its norms zero-centred: `_layout`),
+the model's lm_head; the loss is main + scale x MTP, both
 weighted by the token-mean weights 1/N_tokens, the MTP term on the targets labels[t+1] where
 loss_mask[t+1]. Compared: loss, mtp/loss, mtp/accuracy, grad norm (all parameters, the shared
 embedding and head once; detached: the trunk's only, engine.training.mtp). Negative controls on the reference side: the trunk's hidden state
-before the final norm, and [h; e] instead of [e; h].
+before the final norm, [h; e] instead of [e; h], and (Qwen3.5) enorm / hnorm as plain RMSNorms.
 """
 from __future__ import annotations
 
@@ -37,37 +38,57 @@ def _batch(vocab: int):
     return seqs
 
 
-def _mtp_model(model_dir: str, hf, layer: int):
+def _layout(hf) -> dict:
+    """How the checkpoint stores its MTP layer, written from the published layouts: DeepSeek-V3's
+    (GLM-4.5, DeepSeek-V3: decoder layer N under model.layers.N with enorm, hnorm, eh_proj,
+    shared_head.norm; plain RMSNorms) or Qwen3.5's (vLLM's qwen3_5_mtp: mtp.layers.0, mtp.fc,
+    mtp.pre_fc_norm_embedding / _hidden, mtp.norm; zero-centred norms y = norm(x) * (1 + w),
+    `offset` 1)."""
+    layer = hf.config.num_hidden_layers
+    if hf.config.model_type.startswith("qwen3_5"):
+        return dict(prefix="mtp.layers.0.", offset=1.0, one_layer=dict(
+            num_hidden_layers=1, layer_types=["full_attention"]),
+            own={"enorm": "mtp.pre_fc_norm_embedding.weight",
+                 "hnorm": "mtp.pre_fc_norm_hidden.weight", "eh_proj": "mtp.fc.weight"},
+            norm="mtp.norm.weight")
+    prefix = f"model.layers.{layer}."
+    return dict(prefix=prefix, offset=0.0, one_layer=dict(
+        num_hidden_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0),
+        own={k: prefix + k + ".weight" for k in ("enorm", "hnorm", "eh_proj")},
+        norm=prefix + "shared_head.norm.weight")
+
+
+def _mtp_model(model_dir: str, hf, layout: dict):
     """transformers' one-layer model of the family holding the MTP layer's decoder layer (as
-    layer 0, a MoE layer) and shared_head.norm as its final norm (saved and loaded through
-    from_pretrained, so transformers converts the experts as for any checkpoint), and the MTP
-    layer's own enorm, hnorm, eh_proj as parameters."""
+    layer 0: a MoE layer, Qwen3.5's full-attention layer) and the MTP final norm as its final
+    norm (saved and loaded through from_pretrained, so transformers converts the experts as for
+    any checkpoint), and the MTP layer's own enorm, hnorm, eh_proj as parameters."""
     import tempfile
 
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     tensors = load_file(os.path.join(model_dir, "model.safetensors"))
-    prefix = f"model.layers.{layer}."
+    prefix = layout["prefix"]
     own_names = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
     state = {"model.layers.0." + k[len(prefix):]: v for k, v in tensors.items()
              if k.startswith(prefix) and not k[len(prefix):].startswith(own_names)}
-    state["model.norm.weight"] = tensors[prefix + "shared_head.norm.weight"]
+    state["model.norm.weight"] = tensors[layout["norm"]]
     state["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
     state["lm_head.weight"] = tensors["lm_head.weight"]
     config = hf.config.to_dict()
-    config.update(num_hidden_layers=1, first_k_dense_replace=0, num_nextn_predict_layers=0)
+    config.update(layout["one_layer"])
     with tempfile.TemporaryDirectory() as tmp:
         hf.config.__class__(**config).save_pretrained(tmp)
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).model
-    own = {k: torch.nn.Parameter(tensors[prefix + k + ".weight"].float().clone())
-           for k in ("enorm", "hnorm", "eh_proj")}
+    own = {k: torch.nn.Parameter(tensors[name].float().clone())
+           for k, name in layout["own"].items()}
     return model, own
 
 
-def _rms(x, w, eps):
-    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)) * w
+def _rms(x, w, eps, offset=0.0):
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)) * (offset + w)
 
 
 def _reference(model_dir: str, seqs, detach: bool, variant: str = "") -> dict:
@@ -75,9 +96,11 @@ def _reference(model_dir: str, seqs, detach: bool, variant: str = "") -> dict:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    layer = hf.config.num_hidden_layers
-    mtp, own = _mtp_model(model_dir, hf, layer)
-    eps = hf.config.rms_norm_eps
+    layout = _layout(hf)
+    mtp, own = _mtp_model(model_dir, hf, layout)
+    eps, offset = hf.config.rms_norm_eps, layout["offset"]
+    if variant == "plainnorm":   # control: enorm / hnorm as plain RMSNorms (w, not 1 + w)
+        offset = 0.0
     total_tokens = sum(sum(s.loss_mask) for s in seqs)
     w = 1.0 / total_tokens
     main, extra, right, targets = 0.0, 0.0, 0, 0
@@ -95,7 +118,7 @@ def _reference(model_dir: str, seqs, detach: bool, variant: str = "") -> dict:
         if detach:
             h = h.detach()
         e = torch.nn.functional.embedding(tokens[0, 1:], e_w)
-        parts = [_rms(e, own["enorm"], eps), _rms(h, own["hnorm"], eps)]
+        parts = [_rms(e, own["enorm"], eps, offset), _rms(h, own["hnorm"], eps, offset)]
         if variant == "swapped":
             parts.reverse()
         u = torch.nn.functional.linear(torch.cat(parts, -1), own["eh_proj"])
@@ -117,7 +140,8 @@ def _reference(model_dir: str, seqs, detach: bool, variant: str = "") -> dict:
 
 
 def reference_parity(model_dir: str, detach: bool = False) -> dict:
-    """{"ours": engine metrics, "ref": the plain loop's, "prenorm"/"swapped": the controls'}."""
+    """{"ours": engine metrics, "ref": the plain loop's, "prenorm"/"swapped" (and "plainnorm"
+    for zero-centred families): the controls'}."""
     from engine.sft.training import train_step
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.mtp import MTPTraining
@@ -140,9 +164,15 @@ def reference_parity(model_dir: str, detach: bool = False) -> dict:
     engine.release()
     ours = {"loss": m["loss"], "mtp_loss": m["mtp/loss"], "mtp_accuracy": m["mtp/accuracy"],
             "grad_norm": m["grad_norm"]}
+    controls = ("prenorm", "swapped") + (("plainnorm",) if _zero_centred(model_dir) else ())
     return {"ours": ours, "ref": _reference(model_dir, seqs, detach),
-            "prenorm": _reference(model_dir, seqs, detach, "prenorm"),
-            "swapped": _reference(model_dir, seqs, detach, "swapped")}
+            **{c: _reference(model_dir, seqs, detach, c) for c in controls}}
+
+
+def _zero_centred(model_dir: str) -> bool:
+    """Whether the family's MTP norms are zero-centred (Qwen3.5: the `plainnorm` control)."""
+    from models.hf.io import read_config
+    return read_config(model_dir)["model_type"].startswith("qwen3_5")
 
 
 def trunk_gradients(model_dir: str) -> dict:
@@ -182,3 +212,29 @@ def trunk_gradients(model_dir: str) -> dict:
                    for n, g in grads["off"].items())
     return {"detached": worst(grads["detached"]), "attached": worst(grads["attached"]),
             "tensors": len(grads["off"]), "grad_norm": norms}
+
+
+def export_round_trip(model_dir: str) -> dict:
+    """HF -> megatron (the MTP layer trained: mapped, not carried) -> HF at one rank:
+    {"missing", "extra"}: checkpoint tensors the export lacks / adds (names as stored, e.g.
+    Qwen3.5's mtp.*), "max_abs": the largest difference, "passthrough": tensors still carried."""
+    from safetensors.torch import load_file
+
+    from models.bridge.weights import export_hf_weights, load_hf_weights
+    from models.build.factory import build_model_chunks
+    from models.families.mtp import with_trained_mtp
+    from models.hf.io import SafetensorsReader, read_config
+    from models.hf.passthrough import passthrough_names
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    setup_model_parallel(ParallelLayout(1))
+    cfg = with_trained_mtp(read_config(model_dir))
+    chunks = build_model_chunks(cfg)
+    load_hf_weights(chunks, SafetensorsReader(model_dir), cfg)
+    out = dict(export_hf_weights(chunks, cfg))
+    stored = load_file(os.path.join(model_dir, "model.safetensors"))
+    return {"missing": sorted(set(stored) - set(out)), "extra": sorted(set(out) - set(stored)),
+            "max_abs": max(float((out[k] - stored[k]).abs().max()) for k in out),
+            "mtp": sorted(k for k in out if k.startswith("mtp.")),
+            "passthrough": passthrough_names(cfg, stored.keys())}

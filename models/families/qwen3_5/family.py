@@ -12,6 +12,15 @@ shared expert behind a sigmoid `shared_expert_gate` (megatron moe_shared_expert_
 Parameter counts, kept activations and communication of the GDN and gated attention layers:
 models.layers.gated_delta_net.costs; the model.shape presets: models.families.qwen3_5.presets.
 
+The MTP layer (`mtp_num_hidden_layers` = 1; vLLM's qwen3_5_mtp / qwen3_next_mtp layout):
+`mtp.fc.weight` [h, 2h] on [pre_fc_norm_embedding(e_{t+1}); pre_fc_norm_hidden(h_t)],
+`mtp.layers.0.*` (a full-attention decoder layer with the model's MLP, dense or MoE) and
+`mtp.norm.weight`, every norm zero-centred, the embedding and lm_head shared. With
+model.mtp.enabled it is trained (models.layers.mtp; `mtp_tensor_names` gives its names),
+else it passes through (models.hf.passthrough) unchanged. Refused by name with
+model.mtp.enabled (`mtp_problems`): mtp_use_dedicated_embeddings=true and the
+conditional-generation wrappers.
+
 Conditional-generation checkpoints (`qwen3_5` / `qwen3_5_moe`: a `text_config`, the vision
 tower `model.visual.*`, the text model under `model.language_model.*`, MTP tensors `mtp.*`) are
 read as their text model (models.hf.conditional); the vision tower `model.visual.*` runs in
@@ -22,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.families.base import Family, FieldRule, field
+from models.families.base import Family, FieldRule, field, original_config
 from models.families.fields import ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE
 from models.families.moe import NUM_EXPERTS, TOP_K, AUX_LOSS, ExpertNaming, MoeFamily
 from models.families.qwen3_5.presets import DENSE_PRESETS, MOE_PRESETS
@@ -88,6 +97,33 @@ class _Hybrid:
 
     def passthrough(self, cfg: Any, name: str) -> bool:
         return name.startswith(PASSTHROUGH_PREFIXES)
+
+    # model.mtp.enabled trains the mtp.* layer (models.families.mtp, models.layers.mtp)
+    trainable_mtp = True
+
+    def mtp_tensor_names(self, cfg: Any, k: int) -> dict:
+        """MTP layer k's HF names (models.families.mtp.MTPTensorNames' fields), as vLLM's
+        qwen3_5_mtp loads them; no stored copies of the shared embedding / lm_head."""
+        return dict(enorm="mtp.pre_fc_norm_embedding.weight",
+                    hnorm="mtp.pre_fc_norm_hidden.weight", eh_proj="mtp.fc.weight",
+                    final_layernorm="mtp.norm.weight", layer_prefix=f"mtp.layers.{k}.",
+                    copies={})
+
+    def mtp_problems(self, cfg: Any) -> list[str]:
+        """Why model.mtp.enabled=true cannot train this config's MTP layer (empty: it can)."""
+        problems = []
+        if field(cfg, "mtp_use_dedicated_embeddings", False):
+            problems.append("model.mtp.enabled=true with mtp_use_dedicated_embeddings=true is "
+                            "not supported: the MTP layer shares the model's embedding; "
+                            "set model.mtp.enabled=false to carry it unchanged")
+        if original_config(cfg) is not None:
+            problems.append(f"model.mtp.enabled=true is not supported for the "
+                            f"conditional-generation checkpoint "
+                            f"({original_config(cfg).get('model_type')!r}, with a vision "
+                            "tower): train the MTP layer of the text model "
+                            "(qwen3_5_text / qwen3_5_moe_text), or set "
+                            "model.mtp.enabled=false to carry it unchanged")
+        return problems
 
     def layout_problems(self, cfg: Any, tp: int, cp: int) -> list[str]:
         """GDN layers split their key and value heads over TP and, with CP, over the CP ranks

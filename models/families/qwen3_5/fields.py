@@ -75,7 +75,8 @@ GDN_FIELDS = (
 
 MTP = FieldRule("mtp_num_hidden_layers / mtp_use_dedicated_embeddings", "the MTP layers "
                 "(mtp.* tensors), which transformers' model does not build: no effect on the "
-                "forward pass; the tensors pass through unchanged, untrained")
+                "forward pass; they pass through unchanged, or with model.mtp.enabled (one "
+                "layer, text models only, shared embeddings) are trained (models.layers.mtp)")
 
 
 

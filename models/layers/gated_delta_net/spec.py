@@ -41,8 +41,9 @@ def _text(hf_config: Any) -> Any:
     return hf_config_object(hf_config)
 
 
-def _zero_centered(layer_spec: ModuleSpec) -> ModuleSpec:
-    """A deep copy of an attention layer spec with every norm zero-centred."""
+def zero_centered_spec(layer_spec: ModuleSpec) -> ModuleSpec:
+    """A deep copy of an attention layer spec with every norm zero-centred (Qwen3.5's
+    full-attention layer; also its MTP layer's decoder layer: models.layers.mtp.spec)."""
     spec = copy.deepcopy(layer_spec)
     layer = spec.submodules
     layer.input_layernorm = ZeroCenteredRMSNorm
@@ -55,7 +56,7 @@ def _zero_centered(layer_spec: ModuleSpec) -> ModuleSpec:
 
 def hybrid_layer_specs(layer_spec: ModuleSpec, hf_config: Any) -> list[ModuleSpec]:
     """One spec per global layer: GDN where layer_types says linear_attention."""
-    attention = _zero_centered(layer_spec)
+    attention = zero_centered_spec(layer_spec)
     gdn = copy.deepcopy(attention)
     gdn.submodules.self_attention = ModuleSpec(module=GatedDeltaNet)
     kinds = list(field(_text(hf_config), "layer_types"))

@@ -1,6 +1,8 @@
 """megatron's MTP block spec for a model family: one `EngineMTPLayer` whose transformer layer
 is the family's own layer spec for layer index N = num_hidden_layers (where checkpoints store
-the MTP layer: a MoE layer in GLM-4.5 / DeepSeek-V3), with the local norms."""
+the MTP layer: a MoE layer in GLM-4.5 / DeepSeek-V3), with the local norms; for the hybrid
+(Qwen3.5) families the full-attention layer spec with every norm zero-centred and zero-centred
+enorm / hnorm / final norms (y = norm(x) * (1 + w), as vLLM's qwen3_5_mtp computes them)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -12,7 +14,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from models.families.base import field
 from models.families.registry import moe_family
+from models.layers.gated_delta_net.spec import is_hybrid, zero_centered_spec
 from models.layers.mtp.layer import EngineMTPLayer
+from models.layers.norms.zero_centered import ZeroCenteredRMSNorm
 from models.layers.sigmoid_routing.spec import dense_config
 from models.layers.spec import local_norm
 
@@ -32,7 +36,10 @@ def mtp_block_spec(config, hf_config: Any, make_layer_spec: Callable,
                    fused_norm: bool = False) -> MultiTokenPredictionBlockSubmodules:
     """One MTP layer (config.mtp_num_layers == 1) on the local spec."""
     norm = local_norm(fused_norm)
-    inner = {LAYER_FIELD: make_layer_spec(mtp_layer_config(config, hf_config))}
+    layer_spec = make_layer_spec(mtp_layer_config(config, hf_config))
+    if is_hybrid(hf_config):   # Qwen3.5: a full-attention layer, zero-centred norms
+        norm, layer_spec = ZeroCenteredRMSNorm, zero_centered_spec(layer_spec)
+    inner = {LAYER_FIELD: layer_spec}
     layer = ModuleSpec(module=EngineMTPLayer, submodules=MultiTokenPredictionLayerSubmodules(
         enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, layer_norm=norm, **inner))
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer])
