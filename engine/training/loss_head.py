@@ -65,7 +65,8 @@ def _label_columns(labels: torch.Tensor, shard: _Shard, width: int):
 
 
 def _forward_chunk(x, weight, labels, temperature, shard, with_entropy):
-    """(log p(label) [c], entropy [c] or None, log-partition [c]), all float32, TP-global."""
+    """(log p(label) [c], entropy [c] or None, log-partition [c], whether the label's logit is
+    the largest [c] bool (ties count)), all TP-global."""
     z = _chunk_logits(x, weight, temperature, shard)
     zmax = z.max(dim=1).values
     if shard.group is not None:
@@ -85,7 +86,8 @@ def _forward_chunk(x, weight, labels, temperature, shard, with_entropy):
         dist.all_reduce(sums, group=shard.group)
     log_z = torch.log(sums[:, 0])
     entropy = log_z - sums[:, 2] / sums[:, 0] if with_entropy else None
-    return sums[:, 1] - log_z, entropy, zmax + log_z
+    # sums[:, 1]: the label's logit minus the TP-global max logit
+    return sums[:, 1] - log_z, entropy, zmax + log_z, sums[:, 1] >= 0
 
 
 def _backward_chunk(x, weight, labels, temperature, shard, lse, entropy, g_logp, g_ent):
@@ -111,7 +113,8 @@ def _backward_chunk(x, weight, labels, temperature, shard, lse, entropy, g_logp,
 
 
 class _ChunkedHead(torch.autograd.Function):
-    """(hidden [n, h], weight [V/tp, h], labels [n]) -> (log p(label) [n], entropy [n] or [0])."""
+    """(hidden [n, h], weight [V/tp, h], labels [n]) -> (log p(label) [n], entropy [n] or [0],
+    label is the argmax [n] bool, no gradient)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, vocab_size, temperature, chunk, with_entropy):
@@ -120,11 +123,12 @@ class _ChunkedHead(torch.autograd.Function):
         logp = hidden.new_empty(n, dtype=torch.float32)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        hits = torch.empty(n, dtype=torch.bool, device=hidden.device)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            lp, ent, lz = _forward_chunk(hidden[a:b], weight, labels[a:b], temperature, shard,
-                                         with_entropy)
-            logp[a:b], lse[a:b] = lp, lz
+            lp, ent, lz, hit = _forward_chunk(hidden[a:b], weight, labels[a:b], temperature,
+                                              shard, with_entropy)
+            logp[a:b], lse[a:b], hits[a:b] = lp, lz, hit
             if with_entropy:
                 entropy[a:b] = ent
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
@@ -132,10 +136,11 @@ class _ChunkedHead(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
-        return logp, entropy
+        ctx.mark_non_differentiable(hits)
+        return logp, entropy, hits
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, g_hits):
         hidden, weight, labels, lse, entropy = ctx.saved_tensors
         shard, temperature, chunk, with_entropy = ctx.settings
         n = hidden.shape[0]
@@ -171,13 +176,31 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     replicated over TP (gradient: this rank's partial sum, see models.layers.heads.output), this TP
     rank's weight shard [V_padded/tp, h] and labels [...]. Collective over the TP group
     (forward only). `chunk_tokens` > 0 tokens per chunk."""
+    logp, entropy, _ = _head(hidden, weight, labels, vocab_size, temperature, chunk_tokens,
+                             with_entropy)
+    return logp, entropy
+
+
+def chunked_logprobs_and_hits(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                              vocab_size: int, chunk_tokens: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunked_logprobs at temperature 1 without entropy, plus bool [...]: whether each
+    label's logit is the largest over the real vocabulary (ties count as right; no gradient),
+    from the same pass (engine.training.mtp's accuracy)."""
+    logp, _, hits = _head(hidden, weight, labels, vocab_size, 1.0, chunk_tokens, False)
+    return logp, hits
+
+
+def _head(hidden, weight, labels, vocab_size, temperature, chunk_tokens, with_entropy):
+    """(log p, entropy or None, hits), each shaped like `labels` (chunked_logprobs)."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be > 0")
     shape = labels.shape
     flat = hidden.reshape(-1, hidden.shape[-1])
-    logp, entropy = _ChunkedHead.apply(flat, weight, labels.reshape(-1), int(vocab_size),
-                                       float(temperature), int(chunk_tokens), bool(with_entropy))
-    return logp.view(shape), entropy.view(shape) if with_entropy else None
+    logp, entropy, hits = _ChunkedHead.apply(flat, weight, labels.reshape(-1), int(vocab_size),
+                                             float(temperature), int(chunk_tokens),
+                                             bool(with_entropy))
+    return (logp.view(shape), entropy.view(shape) if with_entropy else None, hits.view(shape))
 
 
 @dataclass
@@ -194,25 +217,3 @@ class HiddenStates:
         """(log p(labels) [b, s], entropy [b, s] or None), float32, differentiable."""
         return chunked_logprobs(self.hidden, self.weight, labels, vocab_size, temperature,
                                 self.chunk_tokens, with_entropy)
-
-
-@torch.no_grad()
-def label_is_argmax(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                    vocab_size: int, chunk_tokens: int) -> torch.Tensor:
-    """bool [...]: whether each label's logit is the largest over the real vocabulary (ties
-    count as right), for hidden states [..., h] replicated over TP, this TP rank's weight shard
-    [V_padded/tp, h] and labels [...]. Collective over the TP group (MAX of the max logit and
-    of the label's logit). No gradient."""
-    shard = _shard(weight, vocab_size)
-    flat, ids = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    out = torch.empty(ids.shape, dtype=torch.bool, device=hidden.device)
-    for a in range(0, ids.numel(), max(int(chunk_tokens), 1)):
-        b = min(ids.numel(), a + max(int(chunk_tokens), 1))
-        z = _chunk_logits(flat[a:b], weight, 1.0, shard)
-        inside, cols = _label_columns(ids[a:b], shard, z.shape[1])
-        both = torch.stack([z.max(dim=1).values, torch.where(
-            inside, z.gather(1, cols[:, None]).squeeze(1), float("-inf"))], dim=1)
-        if shard.group is not None:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=shard.group)
-        out[a:b] = both[:, 1] >= both[:, 0]
-    return out.view(labels.shape)

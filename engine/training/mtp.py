@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.training.loss_head import chunked_logprobs, label_is_argmax
+from engine.training.loss_head import chunked_logprobs_and_hits
 from engine.training.micro_batches import MicroBatch, SequenceData
 from models.bridge.weights import unwrap
 from models.layers.heads.output import output_weight
@@ -96,10 +96,9 @@ def add_mtp_loss(model, mb: MicroBatch, settings: MTPTraining, loss: torch.Tenso
     labels = mb.extras["mtp_labels"].long()
     real = labels.shape[1]   # hidden may be longer: sequence-parallel padding is dropped
     hidden = hidden[:, :real]
-    logp, _ = chunked_logprobs(hidden, weight, labels, vocab_size, 1.0, chunk_tokens, False)
+    logp, right = chunked_logprobs_and_hits(hidden, weight, labels, vocab_size, chunk_tokens)
     mtp_sum = -(logp * mb.extras["mtp_weights"]).sum()
     mask = mb.extras["mtp_mask"]
-    right = label_is_argmax(hidden.detach(), weight.detach(), labels, vocab_size, chunk_tokens)
     report["mtp/loss"] = mtp_sum.detach()
     report["mtp/correct"] = (right.float() * mask).sum()
     report["mtp/targets"] = mask.sum()
