@@ -92,22 +92,34 @@ def test_detached_mtp_leaves_the_trunk_gradient_alone(pools, glm_dir):
     assert _rel(norms["detached"], norms["off"]) < 1e-6 < _rel(norms["attached"], norms["off"])
 
 
-def test_layouts_equal_one_process(pools, glm_dir, tmp_path):
-    ref = str(tmp_path / "ref.pt")
-    first = pools.script(1, CHECK, glm_dir, ref, f"1,1,0,1,16,{M}", timeout=900)
+def _layouts(pools, model_dir: str, ref: str, specs: list[str], env: dict | None = None
+             ) -> tuple[list[dict], dict]:
+    """(the one-process reference's per-step mtp/* metrics, {spec: result} of the 2-rank
+    launch) of the layout harness (CHECK) on `model_dir`."""
+    first = pools.script(1, CHECK, model_dir, ref, f"1,1,0,1,16,{M}", env=env, timeout=900)
     [reference] = result_lines(first.stdout)
     steps = reference["moe"]
     assert len(steps) == 3 and all(0 < s["mtp/loss"] for s in steps)
-    assert any(s["mtp/accuracy"] > 0 for s in steps)   # the count is exercised
-    proc = pools.script(2, CHECK, glm_dir, ref, *SPECS, *CONTROLS, timeout=900)
+    proc = pools.script(2, CHECK, model_dir, ref, *specs, env=env, timeout=900)
     results = {r["spec"]: r for r in result_lines(proc.stdout)}
-    assert len(results) == len(SPECS) + len(CONTROLS)
+    assert sorted(results) == sorted(specs)
+    return steps, results
+
+
+def _assert_equal_to_one_process(result: dict, steps: list[dict]) -> None:
+    """loss, grad norm, parameters within TOL; mtp/loss within TOL, mtp/accuracy equal."""
+    r = result
+    assert r["loss_rel"] < TOL and r["grad_norm_rel"] < TOL and r["param_rel"] < TOL, r
+    for got, want in zip(r["moe"], steps):
+        assert _rel(got["mtp/loss"], want["mtp/loss"]) < TOL, (r["spec"], got, want)
+        assert got["mtp/accuracy"] == want["mtp/accuracy"], (r["spec"], got, want)
+
+
+def test_layouts_equal_one_process(pools, glm_dir, tmp_path):
+    steps, results = _layouts(pools, glm_dir, str(tmp_path / "ref.pt"), SPECS + CONTROLS)
+    assert any(s["mtp/accuracy"] > 0 for s in steps)   # the count is exercised
     for spec in SPECS:
-        r = results[spec]
-        assert r["loss_rel"] < TOL and r["grad_norm_rel"] < TOL and r["param_rel"] < TOL, r
-        for got, want in zip(r["moe"], steps):
-            assert _rel(got["mtp/loss"], want["mtp/loss"]) < TOL, (spec, got, want)
-            assert got["mtp/accuracy"] == want["mtp/accuracy"], (spec, got, want)
+        _assert_equal_to_one_process(results[spec], steps)
     for spec in CONTROLS:
         r = results[spec]
         assert r["param_rel"] > 1e-3 or r["grad_norm_rel"] > 1e-3, r
@@ -133,22 +145,11 @@ def test_qwen3_5_layouts_equal_one_process(pools, qwen_dir, tmp_path):
     the reduction-order noise of rarely seen embedding rows (TP2+SP measured 1.36e-5 in
     model.embed_tokens.weight, 8.2e-6 in a trunk k_proj, loss 9e-8 and grad norm 4.5e-8
     relative); with 1e-3 every tensor is within 1.2e-6."""
-    ref = str(tmp_path / "ref.pt")
-    env = {"INV_ADAM_EPS": "1e-3"}
-    first = pools.script(1, CHECK, qwen_dir, ref, f"1,1,0,1,16,{M}", env=env, timeout=900)
-    [reference] = result_lines(first.stdout)
-    steps = reference["moe"]
-    assert len(steps) == 3 and all(0 < s["mtp/loss"] for s in steps)
     specs = [f"2,1,0,1,16,sp+{M}", f"1,1,0,2,16,{M}"]
-    proc = pools.script(2, CHECK, qwen_dir, ref, *specs, env=env, timeout=900)
-    results = {r["spec"]: r for r in result_lines(proc.stdout)}
-    assert sorted(results) == sorted(specs)
+    steps, results = _layouts(pools, qwen_dir, str(tmp_path / "ref.pt"), specs,
+                              env={"INV_ADAM_EPS": "1e-3"})
     for spec in specs:
-        r = results[spec]
-        assert r["loss_rel"] < TOL and r["grad_norm_rel"] < TOL and r["param_rel"] < TOL, r
-        for got, want in zip(r["moe"], steps):
-            assert _rel(got["mtp/loss"], want["mtp/loss"]) < TOL, (spec, got, want)
-            assert got["mtp/accuracy"] == want["mtp/accuracy"], (spec, got, want)
+        _assert_equal_to_one_process(results[spec], steps)
 
 
 def _cfg(**mtp):
