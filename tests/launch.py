@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -27,11 +28,41 @@ _NOISE = ("Warning", "warnings.warn", "warn(", "FutureWarning", "DeprecationWarn
           "UserWarning")
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for port-0 binds and outgoing connections (Linux default)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now and that the kernel will not hand out by itself.
+
+    A port taken by a port-0 bind is in the kernel's ephemeral range: until the caller binds it
+    (a torchrun rendezvous seconds later, a pool's rejoin minutes later) any outgoing connection
+    or port-0 listener may get it (CI saw EADDRINUSE that way). So the port is drawn at random
+    below that range (from 20000 up, or above it if the range starts too low), checked bindable,
+    and never handed out twice by one process."""
+    lo, hi = _ephemeral_range()
+    low, high = (20000, lo) if lo - 20000 >= 2000 else (hi + 1, 65535)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port in [{low}, {high}) on 127.0.0.1 after 200 tries")
 
 
 # A warning line as Python prints one ("UserWarning: ...", "FutureWarning(...") or its source

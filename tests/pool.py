@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener, wait as wait_conns
 from pathlib import Path
 
+from tests.launch import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # What a rank imports once, before its first case (the modules every multi-rank test needs).
@@ -160,12 +162,6 @@ def _zygote():
     return _ZYGOTE
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _current_test() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "(no test)").rsplit(" (", 1)[0]
 
@@ -230,7 +226,7 @@ class RankPool:
         key = secrets.token_bytes(16)
         sock = str(self._root / f"ctl{self.starts}.sock")
         self._listener = Listener(sock, family="AF_UNIX", authkey=key)
-        port = str(_free_port())
+        port = str(free_port())
         env = _base_env()
         log_dir = self._root / f"start{self.starts}"
         log_dir.mkdir(exist_ok=True)
@@ -547,7 +543,7 @@ class Pools:
             case = _case("script", argv, str(script), argv=argv[1:], env=env,
                          rank_env=per_rank, cwd=cwd)
         if own_world:
-            case.update(own_world=True, port=str(_free_port()), restore_port=str(_free_port()))
+            case.update(own_world=True, port=str(free_port()), restore_port=str(free_port()))
         return self.get(world).run_case(case, timeout, check)
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ from engine.rl.rollout.pool import RolloutPool
 from engine.rl.rollout.sampling_backend import SamplingBackend
 from engine.serve.__main__ import main as serve_main
 from engine.serve.endpoint import ServeEndpoint, ServeSettings
+from tests.launch import free_port
 from tools.tiny_models import build_eos_model
 
 MAX_TOKENS, MAX_CONTEXT = 12, 200
@@ -155,12 +156,6 @@ def test_concurrent_clients_share_one_generate_call_and_seeds_decide(served):
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     """`serve --help`; a missing folder, one without config.json and one without a tokenizer
     exit 2 naming --model; a real serve with --api-key on the main thread answers the openai
@@ -190,7 +185,7 @@ def test_command_line_help_bad_folders_and_sigterm(model_dir, tmp_path, capsys):
     assert serve_main(["--model", model_dir, "--max-queue", "0"]) == 2
     assert "--max-queue 0 must be >= 1" in capsys.readouterr().err
 
-    port, seen = _free_port(), {}
+    port, seen = free_port(), {}
 
     def client() -> None:
         try:
@@ -285,7 +280,7 @@ def test_judge_scores_equal_direct_calls_and_failures_count(served):
     assert got.scores == [0.0] * 3 and got.num_errors == 3 and "unparsable" in got.errors[0]
 
     unreachable = _judge_config(base + [f"reward.judge.base_url=http://127.0.0.1:"
-                                        f"{_free_port()}/v1"]).reward.judge
+                                        f"{free_port()}/v1"]).reward.judge
     got = JudgeScorer(unreachable).score(ITEMS[:2])
     assert got.scores == [0.0, 0.0] and got.num_errors == 2 and "Connect" in got.errors[0]
 
@@ -612,7 +607,7 @@ def test_tokenizer_routes_equal_the_tokenizer_and_serve_lm_eval(served):
                     "chat_template": tok.chat_template}
 
     assert check_remote_tokenizer_support(f"{root}/v1/completions", max_retries=1)
-    assert not check_remote_tokenizer_support(f"http://127.0.0.1:{_free_port()}",
+    assert not check_remote_tokenizer_support(f"http://127.0.0.1:{free_port()}",
                                               max_retries=1)
     remote = RemoteTokenizer(f"{endpoint.base_url}/completions", max_retries=1)
     for words in ("hello world", text):
