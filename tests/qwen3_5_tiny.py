@@ -45,13 +45,16 @@ def build_qwen3_5(out_dir: str, moe: bool = False, seed: int = 0, tokenizer: boo
     return out_dir
 
 
-def append_mtp(out_dir: str, config, seed: int) -> None:
+def append_mtp(out_dir: str, config, seed: int, sharp: bool = False) -> None:
     """Add a complete MTP layer in Qwen3.5's layout (vLLM's qwen3_5_mtp) to `out_dir`:
     `mtp.layers.0.*` (a random full-attention decoder layer with the model's MLP, built by
     transformers for `config` with one more layer), `mtp.fc.weight` [h, 2h] and the zero-centred
     `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden` and `mtp.norm` (random offsets from
     one), fp32; and `mtp_num_hidden_layers: 1`, `mtp_use_dedicated_embeddings: false` in
-    config.json."""
+    config.json (in its text_config for a conditional-generation wrapper). `config`: the text
+    model's config. `sharp`: the layer's q/k norm weights near 3 (1 + w with w ~ 2): attention
+    logits ~9x larger, so that the layer's output depends clearly on its positions (a random
+    layer's near-uniform attention hides them)."""
     import copy
     import json
 
@@ -71,6 +74,9 @@ def append_mtp(out_dir: str, config, seed: int) -> None:
         extra = {"mtp.layers.0." + k[len(head):]: v
                  for k, v in load_file(os.path.join(tmp, "model.safetensors")).items()
                  if k.startswith(head)}
+    if sharp:
+        for name in ("q_norm", "k_norm"):
+            extra[f"mtp.layers.0.self_attn.{name}.weight"] += 2.0
     gen = torch.Generator().manual_seed(seed + 11)
     extra.update({
         "mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) * (2 * hidden) ** -0.5,
@@ -81,7 +87,8 @@ def append_mtp(out_dir: str, config, seed: int) -> None:
     config_path = os.path.join(out_dir, "config.json")
     with open(config_path) as f:
         values = json.load(f)
-    values.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    fields = dict(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    (values["text_config"] if "text_config" in values else values).update(fields)
     with open(config_path, "w") as f:
         json.dump(values, f, indent=2)
 
@@ -156,10 +163,13 @@ VL_PROCESSOR = dict(patch_size=4, temporal_patch_size=2, merge_size=2, min_pixel
                     max_pixels=32 * 32)
 
 
-def build_qwen3_5_vl(out_dir: str, moe: bool = False, seed: int = 0) -> str:
+def build_qwen3_5_vl(out_dir: str, moe: bool = False, seed: int = 0,
+                     mtp: str | None = None) -> str:
     """Save a tiny Qwen3_5ForConditionalGeneration (moe: the MoE one) made for images:
     VL_TEXT / VL_VISION, the vision tokenizer (tools.tiny_models.build_tokenizer(vision=True))
-    and transformers' PIL image processor with VL_PROCESSOR (preprocessor_config.json)."""
+    and transformers' PIL image processor with VL_PROCESSOR (preprocessor_config.json).
+    `mtp="full"`: with a complete MTP layer (`append_mtp`, its fields in text_config as the
+    published checkpoints hold them)."""
     from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil)
@@ -183,6 +193,8 @@ def build_qwen3_5_vl(out_dir: str, moe: bool = False, seed: int = 0) -> str:
             if "visual" in name and "norm" in name:
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
+    if mtp == "full":
+        append_mtp(out_dir, model.config.text_config, seed, sharp=True)
     build_tokenizer(out_dir, vocab, vision=True)
     Qwen2VLImageProcessorPil(**VL_PROCESSOR).save_pretrained(out_dir)
     return out_dir

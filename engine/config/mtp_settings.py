@@ -56,7 +56,7 @@ def mtp_problems(cfg: Any, hf_config: dict) -> list[str]:
                  "supported (not tested); use parallel.vpp=null")
     if not cfg.train.loss_chunk_tokens:
         p.append("model.mtp.enabled=true needs the chunked loss head: train.loss_chunk_tokens "
-                 "must be > 0 (got {cfg.train.loss_chunk_tokens!r})")
+                 f"must be > 0 (got {cfg.train.loss_chunk_tokens!r})")
     moe = getattr(cfg, "moe", None)
     if moe is not None and getattr(moe, "routing_replay", None):
         p.append(f"model.mtp.enabled=true with moe.routing_replay={moe.routing_replay} is not "

@@ -27,7 +27,7 @@ from models.layers.mtp.model import MTPGPTModel
 from models.layers.mtp.spec import mtp_block_spec
 from models.layers.gated_delta_net.spec import gpt_model_kwargs, hybrid_block_spec, is_hybrid
 from models.layers.sigmoid_routing.spec import is_heterogeneous, routed_block_spec
-from models.vision.model import VisionLanguageModel
+from models.vision.model import MTPVisionLanguageModel, VisionLanguageModel
 from models.vision.spec import vision_spec
 from models.vision.tower import build_tower
 from parallel import cpu_runtime
@@ -48,7 +48,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     LoRA adapters (models.lora.sites; always on the local spec, whose linears see the normed
     input). A checkpoint with a vision tower (models.vision.spec) builds VisionLanguageModel
     chunks, the tower on the first stage, trained when `train_vision` (key
-    model.vision.freeze=false)."""
+    model.vision.freeze=false); with a trained MTP layer too, MTPVisionLanguageModel."""
     check_config(hf_config)
     moe_compat.install()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -86,7 +86,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
             vision_spec=vision,
             tower=build_tower(hf_config, params_dtype, train_vision) if pre_process else None)
         extra.update(_mtp_kwargs(config, hf_config, make_spec, fused_norm, stage) if mtp else {})
-        model = (MTPGPTModel if mtp else GPTModel if vision is None else VisionLanguageModel)(
+        model = _model_class(vision is not None, mtp)(
             config=config,
             transformer_layer_spec=(
                 hybrid_block_spec(config, spec, hf_config, stage) if hybrid
@@ -113,6 +113,13 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
                                   **expert_lora_row_orders(hf_config)},
                    peft_layers(hf_config), family_of(hf_config).lora_hf_paths)
     return chunks
+
+
+def _model_class(vision: bool, mtp: bool) -> type:
+    """The megatron model class of a chunk: with a vision tower, with a trained MTP layer."""
+    if vision:
+        return MTPVisionLanguageModel if mtp else VisionLanguageModel
+    return MTPGPTModel if mtp else GPTModel
 
 
 def _mtp_kwargs(config, hf_config: dict, make_spec, fused_norm: bool, stage) -> dict:

@@ -19,8 +19,10 @@ that wrapping; everything else sees the text model (model_type `qwen3_5_text` /
   folder (models.hf.io.SafetensorsReader): `model.language_model.X` -> `model.X`, the rest as
   stored. `stored_names(view, tensors)`: the inverse, for an export.
 
-The vision tower and the MTP layers are not mapped: the qwen3_5 families' `passthrough` claims
-them, so they travel as stored (models.hf.passthrough) and are never trained.
+The MTP layers are not mapped unless the run trains them (model.mtp.enabled: the engines'
+config is marked, models.families.mtp): the qwen3_5 families' `passthrough` claims them, so
+they travel as stored (models.hf.passthrough). The vision tower `model.visual.*` is the
+trainer's (models.vision).
 """
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ the decoder input with image features in place of the image placeholder tokens.
 - `rope`: the interleaved M-RoPE frequencies installed in megatron's rotary embedding.
 - `tower`: transformers' own vision tower module, built from the checkpoint's vision_config.
 - `model`: `VisionLanguageModel`, a megatron GPTModel whose first pipeline stage holds the
-  tower and whose every stage rotates queries and keys by the batch's M-RoPE positions.
+  tower and whose every stage rotates queries and keys by the batch's M-RoPE positions;
+  `MTPVisionLanguageModel`: the same with the trained MTP layer (models.layers.mtp).
 
 Which families take images is a family's declared `vision_prefix` (models.families.base).
 
-May import: models.hf, models.families, models.families.base.
+May import: models.hf, models.families, models.families.base, models.layers (the MTP layer).
 """

@@ -23,6 +23,14 @@ plain GPTModel forward):
   reduction finds the tower's gradients in every last micro-batch, as in the first step (a
   rank whose last micro-batch had images in one step and none in another never launched the
   reduction of the tower's bucket).
+
+`MTPVisionLanguageModel` adds the trained MTP layer (models.layers.mtp.model.MTPGPTModel's
+`_postprocess`) to the same model: a published Qwen3.5 conditional-generation checkpoint
+trained with model.mtp.enabled. The MTP layer reads the trunk's final hidden states (image
+rows included) and the plain token embedding of the next token (an image placeholder's own
+embedding row, as megatron's MTP layer embeds it; such targets sit in the untrained prompt),
+and rotates by the main model's M-RoPE positions of its own position t, as vLLM's Qwen3.5 MTP
+drafter is given the target's positions.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 
+from models.layers.mtp.model import MTPGPTModel
 from models.vision.inputs import VisionBatch
 from models.vision.rope import MultimodalRotary
 from models.vision.spec import VisionSpec
@@ -109,6 +118,12 @@ class VisionLanguageModel(GPTModel):
         hidden, *rest = output if isinstance(output, tuple) else (output,)
         added = hidden + _place(torch.zeros_like(hidden), features[layer.layer_number - 1], rows)
         return (added, *rest) if isinstance(output, tuple) else added
+
+
+class MTPVisionLanguageModel(VisionLanguageModel, MTPGPTModel):
+    """VisionLanguageModel whose last stage also runs the MTP block (module docstring). The
+    method resolution order VisionLanguageModel -> MTPGPTModel -> GPTModel keeps each part's
+    contract: the vision forward wraps GPTModel.forward, whose `_postprocess` is MTPGPTModel's."""
 
 
 def _place(base: torch.Tensor, features: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

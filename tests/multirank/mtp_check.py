@@ -44,8 +44,8 @@ def _layout(hf) -> dict:
     shared_head.norm; plain RMSNorms) or Qwen3.5's (vLLM's qwen3_5_mtp: mtp.layers.0, mtp.fc,
     mtp.pre_fc_norm_embedding / _hidden, mtp.norm; zero-centred norms y = norm(x) * (1 + w),
     `offset` 1)."""
-    layer = hf.config.num_hidden_layers
-    if hf.config.model_type.startswith("qwen3_5"):
+    layer = _text_config(hf).num_hidden_layers
+    if _text_config(hf).model_type.startswith("qwen3_5"):
         return dict(prefix="mtp.layers.0.", offset=1.0, one_layer=dict(
             num_hidden_layers=1, layer_types=["full_attention"]),
             own={"enorm": "mtp.pre_fc_norm_embedding.weight",
@@ -69,22 +69,64 @@ def _mtp_model(model_dir: str, hf, layout: dict):
     from transformers import AutoModelForCausalLM
 
     tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+    text = "model.language_model." if _is_wrapper(hf) else "model."
     prefix = layout["prefix"]
     own_names = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
     state = {"model.layers.0." + k[len(prefix):]: v for k, v in tensors.items()
              if k.startswith(prefix) and not k[len(prefix):].startswith(own_names)}
     state["model.norm.weight"] = tensors[layout["norm"]]
-    state["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    state["model.embed_tokens.weight"] = tensors[text + "embed_tokens.weight"]
     state["lm_head.weight"] = tensors["lm_head.weight"]
-    config = hf.config.to_dict()
+    config = _text_config(hf).to_dict()
     config.update(layout["one_layer"])
     with tempfile.TemporaryDirectory() as tmp:
-        hf.config.__class__(**config).save_pretrained(tmp)
+        _text_config(hf).__class__(**config).save_pretrained(tmp)
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).model
     own = {k: torch.nn.Parameter(tensors[name].float().clone())
            for k, name in layout["own"].items()}
     return model, own
+
+
+def _is_wrapper(hf) -> bool:
+    """A conditional-generation model (Qwen3.5 as published: text model + vision tower)."""
+    return hasattr(hf.config, "text_config")
+
+
+def _text_config(hf):
+    return hf.config.text_config if _is_wrapper(hf) else hf.config
+
+
+def _load(model_dir: str):
+    """transformers' model of the folder, fp32 (a wrapper's vision tower frozen, as the engine
+    keeps it by default), its text trunk (the module whose output is the final normed state)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    wrapper = hasattr(AutoConfig.from_pretrained(model_dir), "text_config")
+    hf = (AutoModelForImageTextToText if wrapper else AutoModelForCausalLM).from_pretrained(
+        model_dir, dtype=torch.float32)
+    if wrapper:
+        hf.model.visual.requires_grad_(False)
+    return hf, (hf.model.language_model if wrapper else hf.model)
+
+
+def _trunk_pass(hf, s):
+    """(the trunk's output with hidden states, the MTP layer's position ids of positions
+    0 .. n-2) for sequence `s`: with images through the wrapper (pixels, grids) and its M-RoPE
+    positions from transformers' own get_rope_index ([3, 1, n-1]), else [1, n-1] 0 .. n-2."""
+    tokens = torch.tensor([s.tokens])
+    n = len(s.tokens)
+    vision = getattr(s, "vision", None)
+    if vision is None:
+        trunk = hf.model.language_model if _is_wrapper(hf) else hf.model
+        return trunk(tokens, output_hidden_states=True), torch.arange(n - 1)[None]
+    images = vision.images
+    image = hf.config.image_token_id
+    kinds = (tokens == image).int()   # mm_token_type_ids: 1 at image placeholders
+    out = hf.model(tokens, pixel_values=images.pixel_values, image_grid_thw=images.grid_thw,
+                   mm_token_type_ids=kinds, output_hidden_states=True)
+    positions, _ = hf.model.get_rope_index(tokens, kinds, image_grid_thw=images.grid_thw)
+    return out, positions[:, :, :n - 1]
 
 
 def _rms(x, w, eps, offset=0.0):
@@ -93,21 +135,19 @@ def _rms(x, w, eps, offset=0.0):
 
 def _reference(model_dir: str, seqs, detach: bool, variant: str = "") -> dict:
     """{"loss", "mtp_loss", "mtp_accuracy", "grad_norm"} of the plain loop (module docstring)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf, trunk = _load(model_dir)
     layout = _layout(hf)
     mtp, own = _mtp_model(model_dir, hf, layout)
-    eps, offset = hf.config.rms_norm_eps, layout["offset"]
+    eps, offset = _text_config(hf).rms_norm_eps, layout["offset"]
     if variant == "plainnorm":   # control: enorm / hnorm as plain RMSNorms (w, not 1 + w)
         offset = 0.0
     total_tokens = sum(sum(s.loss_mask) for s in seqs)
     w = 1.0 / total_tokens
     main, extra, right, targets = 0.0, 0.0, 0, 0
-    embed, head = hf.model.embed_tokens.weight, hf.lm_head.weight
+    embed, head = trunk.embed_tokens.weight, hf.lm_head.weight
     for s in seqs:
         tokens = torch.tensor([s.tokens])
-        out = hf.model(tokens, output_hidden_states=True)
+        out, positions = _trunk_pass(hf, s)
         logits = hf.lm_head(out.last_hidden_state).float()
         nll = -torch.log_softmax(logits[0], -1).gather(1, torch.tensor(s.labels)[:, None])[:, 0]
         main = main + (nll * torch.tensor(s.loss_mask, dtype=torch.float32)).sum() * w
@@ -122,7 +162,9 @@ def _reference(model_dir: str, seqs, detach: bool, variant: str = "") -> dict:
         if variant == "swapped":
             parts.reverse()
         u = torch.nn.functional.linear(torch.cat(parts, -1), own["eh_proj"])
-        g = mtp(inputs_embeds=u[None], position_ids=torch.arange(n - 1)[None]).last_hidden_state
+        if variant == "textpos":   # control: 1-D positions where the trunk used M-RoPE's
+            positions = torch.arange(n - 1)[None]
+        g = mtp(inputs_embeds=u[None], position_ids=positions).last_hidden_state
         z = torch.nn.functional.linear(g[0], head_w).float()
         labels = torch.tensor(s.labels[1:])
         mask = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
@@ -131,7 +173,8 @@ def _reference(model_dir: str, seqs, detach: bool, variant: str = "") -> dict:
         right += int(((z.argmax(-1) == labels).float() * mask).sum())
         targets += int(mask.sum())
     (main + SCALE * extra).backward()
-    params = list(hf.parameters())   # detached: the MTP layer is left out of the grad norm
+    # detached: the MTP layer is left out of the grad norm; a frozen vision tower always is
+    params = [p for p in hf.parameters() if p.requires_grad]
     if not detach:
         params += list(mtp.layers.parameters()) + [mtp.norm.weight] + list(own.values())
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None))
@@ -147,11 +190,16 @@ def reference_parity(model_dir: str, detach: bool = False) -> dict:
     from engine.training.mtp import MTPTraining
     from engine.training.train_engine import TrainEngine
     from models.hf.io import read_config
+    from models.vision.spec import vision_spec
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
+    from tests.multirank.vision_batches import vision_batches
 
     cfg = read_config(model_dir)
-    seqs = _batch(cfg["vocab_size"])
+    images = vision_spec(cfg) is not None
+    # images of up to 16 tokens: M-RoPE positions then differ from 1-D ones by up to 12 across
+    # an image (the `textpos` control; with 1-4 token images it moved mtp/loss by only 5e-6)
+    seqs = vision_batches(cfg, 1, 6, sides=(4, 8))[0] if images else _batch(cfg["vocab_size"])
     setup_model_parallel(ParallelLayout(1))
     optim = SimpleNamespace(lr=1e-3, min_lr=0.0, warmup_steps=0, weight_decay=0.0,
                             clip_grad=0.0, betas=[0.9, 0.95], eps=1e-8, schedule="constant",
@@ -164,7 +212,8 @@ def reference_parity(model_dir: str, detach: bool = False) -> dict:
     engine.release()
     ours = {"loss": m["loss"], "mtp_loss": m["mtp/loss"], "mtp_accuracy": m["mtp/accuracy"],
             "grad_norm": m["grad_norm"]}
-    controls = ("prenorm", "swapped") + (("plainnorm",) if _zero_centred(model_dir) else ())
+    controls = ("prenorm", "swapped") + (("plainnorm",) if _zero_centred(model_dir) else ()) \
+        + (("textpos",) if images else ())
     return {"ours": ours, "ref": _reference(model_dir, seqs, detach),
             **{c: _reference(model_dir, seqs, detach, c) for c in controls}}
 

@@ -15,10 +15,10 @@ import torch
 
 
 def vision_batches(hf_config: dict, steps: int, gbs: int, seed: int = 0,
-                   image_rows: int | None = None) -> list:
+                   image_rows: int | None = None, sides: tuple = (2, 4)) -> list:
     """`steps` global batches of `gbs` sequences (module docstring); `image_rows`: only that
     many sequences of each batch, drawn at random, have images (one or two), the others
-    none."""
+    none; `sides`: the image heights and widths (patches) drawn from."""
     from engine.training.micro_batches import SequenceData
     from models.vision.inputs import ImageSet, SequenceVision
     from models.vision.spec import vision_spec
@@ -39,7 +39,7 @@ def vision_batches(hf_config: dict, steps: int, gbs: int, seed: int = 0,
             if with_images is not None:
                 count = max(count, 1) if i in with_images else 0
             for _ in range(count):
-                h, w = rng.choice([2, 4]), rng.choice([2, 4])
+                h, w = rng.choice(sides), rng.choice(sides)
                 grids.append([1, h, w])
                 ids += ([spec.vision_start_token_id] + [spec.image_token_id] * (h * w // 4)
                         + [spec.vision_end_token_id])

@@ -43,6 +43,7 @@ from engine.rl.rollout.scoring import SequenceScores, hf_scores
 from models.families.registry import family_of
 from models.formats import fp8 as fp8_blocks
 from models.formats.quantized import QUANT_METHODS, quantization_config
+from models.hf.conditional import text_view
 from models.vision.inputs import ImagePrompt
 
 
@@ -238,8 +239,10 @@ class HFRolloutEngine(RolloutEngine):
 
     @functools.cached_property
     def _family(self):
-        """(the model family, its config dict) of the served model (models.families)."""
-        config = self.model.config.to_dict()
+        """(the model family, its config dict) of the served model (models.families); a
+        conditional-generation wrapper's text view (models.hf.conditional), whose family
+        declares the pass-through names (Qwen3.5's mtp.*)."""
+        config = text_view(self.model.config.to_dict())
         return family_of(config), config
 
     def _dequantized(self, bucket: list[tuple[str, torch.Tensor]]

@@ -17,21 +17,21 @@ The MTP layer (`mtp_num_hidden_layers` = 1; vLLM's qwen3_5_mtp / qwen3_next_mtp 
 `mtp.layers.0.*` (a full-attention decoder layer with the model's MLP, dense or MoE) and
 `mtp.norm.weight`, every norm zero-centred, the embedding and lm_head shared. With
 model.mtp.enabled it is trained (models.layers.mtp; `mtp_tensor_names` gives its names),
-else it passes through (models.hf.passthrough) unchanged. Refused by name with
-model.mtp.enabled (`mtp_problems`): mtp_use_dedicated_embeddings=true and the
-conditional-generation wrappers.
+else it passes through (models.hf.passthrough) unchanged; the conditional-generation
+wrappers train it too, next to the vision tower (models.vision.model.MTPVisionLanguageModel).
+Refused by name with model.mtp.enabled (`mtp_problems`): mtp_use_dedicated_embeddings=true.
 
 Conditional-generation checkpoints (`qwen3_5` / `qwen3_5_moe`: a `text_config`, the vision
 tower `model.visual.*`, the text model under `model.language_model.*`, MTP tensors `mtp.*`) are
 read as their text model (models.hf.conditional); the vision tower `model.visual.*` runs in
 the trainer (models.vision: images, M-RoPE), the MTP layers are `passthrough` tensors
-(models.hf.passthrough): carried unchanged, never trained.
+(models.hf.passthrough), carried unchanged unless model.mtp.enabled trains them.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from models.families.base import Family, FieldRule, field, original_config
+from models.families.base import Family, FieldRule, field
 from models.families.fields import ATTENTION_DROPOUT, HEAD_DIM, NORM, TIE
 from models.families.moe import NUM_EXPERTS, TOP_K, AUX_LOSS, ExpertNaming, MoeFamily
 from models.families.qwen3_5.presets import DENSE_PRESETS, MOE_PRESETS
@@ -116,13 +116,6 @@ class _Hybrid:
             problems.append("model.mtp.enabled=true with mtp_use_dedicated_embeddings=true is "
                             "not supported: the MTP layer shares the model's embedding; "
                             "set model.mtp.enabled=false to carry it unchanged")
-        if original_config(cfg) is not None:
-            problems.append(f"model.mtp.enabled=true is not supported for the "
-                            f"conditional-generation checkpoint "
-                            f"({original_config(cfg).get('model_type')!r}, with a vision "
-                            "tower): train the MTP layer of the text model "
-                            "(qwen3_5_text / qwen3_5_moe_text), or set "
-                            "model.mtp.enabled=false to carry it unchanged")
         return problems
 
     def layout_problems(self, cfg: Any, tp: int, cp: int) -> list[str]:

@@ -76,7 +76,7 @@ GDN_FIELDS = (
 MTP = FieldRule("mtp_num_hidden_layers / mtp_use_dedicated_embeddings", "the MTP layers "
                 "(mtp.* tensors), which transformers' model does not build: no effect on the "
                 "forward pass; they pass through unchanged, or with model.mtp.enabled (one "
-                "layer, text models only, shared embeddings) are trained (models.layers.mtp)")
+                "layer, shared embeddings) are trained (models.layers.mtp)")
 
 
 
