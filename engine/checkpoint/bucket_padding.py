@@ -23,6 +23,8 @@ import contextlib
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from engine.checkpoint.empty_optimizer import empty_optimizers_answered
+
 
 def _expand(opt: DistributedOptimizer, state: dict | None) -> dict | None:
     """`state` (get_parameter_state_dp_zero's) with every compact world tensor re-expanded."""
@@ -65,6 +67,7 @@ def _padded_world_state(optimizer):
 def optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool,
                                  metadata: dict) -> dict:
     """`optimizer.sharded_state_dict(model_sd, is_loading, metadata)` with the bucket padding
-    fix of the module docstring (collective over the DP group, as megatron's)."""
-    with _padded_world_state(optimizer):
+    fix of the module docstring (collective over the DP group, as megatron's), and optimizers
+    without parameters on this rank answered (engine.checkpoint.empty_optimizer)."""
+    with _padded_world_state(optimizer), empty_optimizers_answered(optimizer):
         return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
