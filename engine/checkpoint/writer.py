@@ -9,6 +9,12 @@ and stderr open: `torchrun ... | tee log` and any supervisor reading the job's o
 forever. `install()` starts the same kind of Manager ourselves, with the Linux parent-death
 signal set in the server (it gets SIGKILL when its rank exits for any reason), and hands
 megatron its queue. Elsewhere (no prctl) megatron's own queue is kept.
+
+The server also ignores SIGTERM and SIGINT. A scheduler's SIGTERM or a Ctrl-C goes to the
+whole process group, and the engine answers it by finishing the step and saving a checkpoint
+(engine.run): a server killed by the same signal made that save fail with BrokenPipeError
+whenever an earlier save had started it. It still dies with its rank (the parent-death
+signal). A server found dead all the same is replaced at the next save.
 """
 from __future__ import annotations
 
@@ -23,7 +29,10 @@ _manager = None   # kept referenced: the queue's server process lives as long as
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Manager server initializer: SIGKILL this process when its parent exits (Linux)."""
+    """Manager server initializer: SIGKILL this process when its parent exits (Linux); the
+    process group's SIGTERM / SIGINT are the rank's to answer, not this server's."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent_pid:   # the parent died before prctl took effect
@@ -32,10 +41,13 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def install() -> None:
     """Give megatron's FileSystemWriterAsync a results queue whose server process dies with
-    this rank. Idempotent; a no-op off Linux or when megatron already made its queue."""
+    this rank. Idempotent while that server lives (a dead one is replaced); a no-op off Linux
+    or when megatron already made its own queue."""
     global _manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # async saves only
 
+    if _manager is not None and not _manager._process.is_alive():
+        filesystem_async._results_queue = _manager = None   # replaced below
     if not sys.platform.startswith("linux") or filesystem_async._results_queue is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
