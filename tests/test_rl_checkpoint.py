@@ -84,7 +84,9 @@ def runs(pools, tmp_path_factory) -> dict:
     def stopped_and_resumed() -> None:
         out["B"] = run("B", 1, grpo, "train.exit_interval=2")
         out["B2"] = run("B", 1, grpo, resume=True)
-        out["B3"] = run("B", 1, grpo, resume=True)
+        # B3 on the pool: B2's launch (a new process) wrote the checkpoint B3 reads, and B2
+        # and D2 stay the real launches whose exit codes are checked
+        out["B3"] = run("B", 1, grpo)
 
     def straight_then_dapo() -> None:
         out["A"] = run("A", 1, grpo)
