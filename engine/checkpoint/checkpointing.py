@@ -204,12 +204,22 @@ def training_state_dict(state, position: DataPosition, is_loading: bool,
     return sd
 
 
-def _without_gathered_state(common: dict) -> dict:
-    """The common state compared across ranks before a save, without the optimizer's
-    param_state: with the mem-efficient gather only DP rank 0 holds it (None elsewhere)."""
+def common_state_to_compare(common: dict) -> dict:
+    """The common state compared across ranks before a save, without the optimizers'
+    param_state: with the mem-efficient gather only DP rank 0 holds it (None elsewhere), and
+    an optimizer without parameters on a rank (engine.checkpoint.empty_optimizer: the expert
+    optimizer of an all-dense pipeline stage) keeps its empty one in the common state, where
+    the other stages' is sharded. A chained optimizer's state is {index: one optimizer's}."""
+    def strip(opt):
+        if isinstance(opt, dict) and "param_state" in opt:
+            return {k: v for k, v in opt.items() if k != "param_state"}
+        return opt
+
     opt = common.get("optimizer")
-    if isinstance(opt, dict) and "param_state" in opt:
-        common = {**common, "optimizer": {k: v for k, v in opt.items() if k != "param_state"}}
+    if isinstance(opt, dict):
+        chained = opt and all(isinstance(k, int) for k in opt)
+        opt = {k: strip(v) for k, v in opt.items()} if chained else strip(opt)
+        common = {**common, "optimizer": opt}
     return common
 
 
@@ -247,7 +257,7 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
     sd = training_state_dict(state, position, is_loading=False, extra=extra)
     # ends with a barrier: every rank's shards are written when it returns
     dist_checkpointing.save(sd, str(stage),
-                            preprocess_common_before_consistancy_check=_without_gathered_state)
+                            preprocess_common_before_consistancy_check=common_state_to_compare)
     error = None
     if rank == 0:
         try:
