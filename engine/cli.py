@@ -59,6 +59,20 @@ def answered_help(argv: list[str], prog: str, schema, usage: str,
     return False
 
 
+def entry_main(argv: list[str] | None, prog: str, schema, usage: str, examples: list[str],
+               check_recipe: Callable[[list[str]], int], run: str, **run_kwargs) -> int:
+    """The main function of every training entry point (`python -m engine.sft` and its
+    siblings): -h / --help / --version answered from `schema` (`answered_help`); --validate:
+    the recipe check `check_recipe(argv)` (no process groups, no weights, no training); else
+    `run_entry(run, argv, schema=schema, **run_kwargs)`. `argv`: None reads sys.argv[1:]."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if answered_help(argv, prog, schema, usage, examples):
+        return 0
+    if "--validate" in argv:
+        return check_recipe(argv)
+    return run_entry(run, argv, schema=schema, **run_kwargs)
+
+
 def kernel_notice() -> str:
     """What runs the layers, said once per launch (megatron's own import-time warnings about
     Transformer Engine and Apex are filtered in parallel/__init__.py)."""

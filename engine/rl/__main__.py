@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.cli import answered_help, exit_process, run_entry
+from engine.cli import entry_main, exit_process
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.checks import validate_rl
 from engine.rl.config import RLConfig
@@ -48,12 +48,8 @@ def main(argv: list[str] | None = None, prog: str = "engine.rl", usage: str = US
     """`python -m engine.rl [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
     and `examples` are what --help prints (the console command passes its own)."""
     argv = list(argv if argv is not None else sys.argv[1:])
-    if answered_help(argv, prog, RLConfig, usage, examples):
-        return 0
-    if "--validate" in argv:  # recipe check: no process groups, no weights, no training
-        return rl_validate_main(argv)
-    return run_entry("engine.rl.loop:run", argv, schema=RLConfig, validate=rl_validator(argv),
-                     split=start_split)
+    return entry_main(argv, prog, RLConfig, usage, examples, rl_validate_main,
+                      "engine.rl.loop:run", validate=rl_validator(argv), split=start_split)
 
 
 def start_split(cfg) -> tuple[str, str] | None:

@@ -9,9 +9,8 @@ on an error); the run itself is engine.rm.training.run.
 """
 from __future__ import annotations
 
-import sys
 
-from engine.cli import answered_help, exit_process, run_entry
+from engine.cli import entry_main, exit_process
 from engine.config.rm_settings import RMConfig, validate_rm
 from engine.rm.recipe_check import main as validate_main
 
@@ -29,12 +28,8 @@ def main(argv: list[str] | None = None, prog: str = "engine.rm", usage: str = US
          examples: list[str] = EXAMPLES) -> int:
     """`python -m engine.rm [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
     and `examples` are what --help prints (the console command passes its own)."""
-    argv = list(argv if argv is not None else sys.argv[1:])
-    if answered_help(argv, prog, RMConfig, usage, examples):
-        return 0
-    if "--validate" in argv:  # recipe check: no process groups, no weights, no training
-        return validate_main(argv)
-    return run_entry("engine.rm.training:run", argv, schema=RMConfig, validate=validate_rm)
+    return entry_main(argv, prog, RMConfig, usage, examples, validate_main,
+                      "engine.rm.training:run", validate=validate_rm)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,8 @@ on an error); the run itself is engine.sft.training.run.
 """
 from __future__ import annotations
 
-import sys
 
-from engine.cli import answered_help, exit_process, run_entry
+from engine.cli import entry_main, exit_process
 from engine.config.schema import SFTConfig, validate_sft
 from engine.config.recipe_validation import validate_main
 
@@ -32,12 +31,8 @@ def main(argv: list[str] | None = None, prog: str = "engine.sft", usage: str = U
          examples: list[str] = EXAMPLES) -> int:
     """`python -m engine.sft [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
     and `examples` are what --help prints (the console command passes its own)."""
-    argv = list(argv if argv is not None else sys.argv[1:])
-    if answered_help(argv, prog, SFTConfig, usage, examples):
-        return 0
-    if "--validate" in argv:  # recipe check: no process groups, no weights, no training
-        return validate_main(argv)
-    return run_entry("engine.sft.training:run", argv, validate=validate_sft)
+    return entry_main(argv, prog, SFTConfig, usage, examples, validate_main,
+                      "engine.sft.training:run", validate=validate_sft)
 
 
 if __name__ == "__main__":
