@@ -12,8 +12,8 @@ policy of $INV_T1_MODEL_DIR, references keyed "t1/MODE": no logits copy from a d
 case where entropy used to be computed from logits megatron's cross-entropy had mutated).
 On a FIXED synthetic rollout batch (prompts, responses,
 advantages, rollout/old/reference log-probs; no generation) and for every aggregation mode in
-MODES, it re-initialises megatron's parallel state in the same processes, loads the same HF
-weights and
+MODES, it re-initialises megatron's parallel state in the same processes (when the layout
+changes; a layout's cases share its process groups), loads the same HF weights and
   1. recomputes the token log-probs forward-only (engine.rl.policy.update.compute_token_logprobs);
   2. runs STEPS optimizer steps (engine.rl.policy.update.policy_update, one per mini-batch) with the
      full GRPO/DAPO loss: asymmetric + dual clip, truncated IS, k3 KL and an entropy bonus;
@@ -110,6 +110,20 @@ def optim_settings():
                            distributed_optimizer=True)
 
 
+def _is_current(layout) -> bool:
+    """Whether megatron's parallel state is already `layout`'s: the cases of one layout (both
+    MODES, the variants' shared engine, a control) then build their engines on its process
+    groups instead of destroying and creating them again (about 0.3 s a time on 4 ranks on 2
+    cores). Read from megatron itself, so a case the rank pool tore down starts afresh."""
+    from megatron.core import parallel_state as ps
+
+    return ps.model_parallel_is_initialized() and (
+        ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+        ps.get_virtual_pipeline_model_parallel_world_size()) == (
+        layout.tp, layout.pp, layout.cp, layout.ep, layout.vpp)
+
+
 def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None, steps=STEPS):
     """A TrainEngine of `model_dir` under the layout; `overrides`: TransformerConfig fields
     (default: the engine's own moe.* mapping with default keys, empty for dense models)."""
@@ -120,7 +134,9 @@ def _setup(model_dir, hf_config, layout_kw, world, train, overrides=None, steps=
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 
-    setup_model_parallel(ParallelLayout(world, **layout_kw))
+    layout = ParallelLayout(world, **layout_kw)
+    if not _is_current(layout):
+        setup_model_parallel(layout)
     optim = optim_settings()
     if overrides is None:
         overrides = moe_overrides(SimpleNamespace(moe=MoEConfig()), hf_config)
