@@ -11,7 +11,8 @@ tests/qwen3_5_tiny.py with theirs (mtp.* names, zero-centred norms):
   plain w instead of (1 + w) RMSNorms) are off by > 1e-3;
 - detached (RL's setting), every trunk parameter's gradient equals the run without MTP; attached
   it does not (control);
-- TP2+SP, PP2 (the MTP block and an embedding copy on the last stage), CP2, EP2, DP2 packing,
+- TP2+SP, PP2 (the MTP block and an embedding copy on the last stage), PP2 x VPP2 (in the last
+  virtual stage), CP2, EP2, DP2 packing,
   CP2 x packing and DP2 x GA equal one process (loss, grad norm, mtp/loss, mtp/accuracy and every
   exported parameter, the MTP layer's included, rel 1e-5); negative controls: the next tokens
   rolled inside a CP shard (megatron's in-model roll), a per-micro-batch MTP token mean;
@@ -37,14 +38,16 @@ from tests.launch import result_lines
 CHECK = "tests/multirank/glm4_moe_check.py"
 TOL = 1e-5
 M = "mtp=0.3+modes=token-mean"
-SPECS = [f"2,1,0,1,16,sp+{M}", f"1,2,0,1,4,{M}", f"1,1,0,2,16,{M}", f"1,1,0,1,4,ep=2+{M}",
+SPECS = [f"2,1,0,1,16,sp+{M}", f"1,2,0,1,4,{M}", f"1,2,2,1,4,{M}", f"1,1,0,2,16,{M}", f"1,1,0,1,4,ep=2+{M}",
          f"1,1,0,1,16,packing+{M}", f"1,1,0,2,16,packing+{M}", f"1,1,0,1,4,{M}"]
 CONTROLS = [f"1,1,0,2,16,bug=mtproll+{M}", f"1,1,0,1,4,bug=mtpmean+{M}"]
 
 
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory) -> str:
-    return build_glm4_moe(str(tmp_path_factory.mktemp("glm_mtp") / "model"), mtp="full")
+    # 4 layers (MTP layer 4): PP2 x VPP2 gives every virtual stage one
+    return build_glm4_moe(str(tmp_path_factory.mktemp("glm_mtp") / "model"), mtp="full",
+                          num_hidden_layers=4)
 
 
 def _rel(a: float, b: float) -> float:
@@ -230,10 +233,9 @@ def test_keys_are_checked_by_name(glm_dir):
                for p in mtp_problems(_cfg(enabled=True), plain))
     bad = _cfg(enabled=True, loss_scale=0)
     bad.train.loss_chunk_tokens = 0
-    bad.parallel.vpp = 2
     bad.model.lora.rank = 8
     text = " ".join(mtp_problems(bad, cfg))
-    for key in ("model.mtp.loss_scale=0", "LoRA", "parallel.vpp=2", "train.loss_chunk_tokens"):
+    for key in ("model.mtp.loss_scale=0", "LoRA", "train.loss_chunk_tokens"):
         assert key in text, text
 
 
@@ -264,12 +266,12 @@ def test_sft_trains_and_exports_the_mtp_layer(pools, glm_dir, tmp_path):
     pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out))
     before, after = _tensors(Path(glm_dir)), _tensors(out)
     assert sorted(before) == sorted(after)
-    changed = [n for n in before if n.startswith("model.layers.2.")
+    changed = [n for n in before if n.startswith("model.layers.4.")
                and not torch.equal(before[n], after[n])]
-    assert "model.layers.2.eh_proj.weight" in changed and "model.layers.2.enorm.weight" in changed
-    assert torch.equal(after["model.layers.2.embed_tokens.weight"],
+    assert "model.layers.4.eh_proj.weight" in changed and "model.layers.4.enorm.weight" in changed
+    assert torch.equal(after["model.layers.4.embed_tokens.weight"],
                        after["model.embed_tokens.weight"])
-    assert torch.equal(after["model.layers.2.shared_head.head.weight"], after["lm_head.weight"])
+    assert torch.equal(after["model.layers.4.shared_head.head.weight"], after["lm_head.weight"])
 
 
 def _image_rows(root: Path, n: int = 8) -> None:

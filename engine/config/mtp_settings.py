@@ -14,7 +14,7 @@ Keys (`model.mtp.*`):
 
 Refused by name (`mtp_problems`, before any process group starts): a checkpoint without MTP
 layers or of a family whose MTP layer is not built here (models.families.mtp), LoRA (the base
-and so the MTP layer are frozen), virtual pipeline stages (not tested), the unchunked loss head
+and so the MTP layer are frozen), the unchunked loss head
 (train.loss_chunk_tokens=0), MoE routing replay (its rollout records have no MTP layer), and
 detach_trunk=false in RL.
 """
@@ -51,9 +51,6 @@ def mtp_problems(cfg: Any, hf_config: dict) -> list[str]:
     if cfg.model.lora.rank or cfg.model.lora.init_from:
         p.append("model.mtp.enabled=true with LoRA is not supported: LoRA freezes the base "
                  "model, the MTP layer with it; train it in full (model.lora off)")
-    if (cfg.parallel.vpp or 1) > 1:
-        p.append(f"model.mtp.enabled=true with parallel.vpp={cfg.parallel.vpp} is not "
-                 "supported (not tested); use parallel.vpp=null")
     if not cfg.train.loss_chunk_tokens:
         p.append("model.mtp.enabled=true needs the chunked loss head: train.loss_chunk_tokens "
                  f"must be > 0 (got {cfg.train.loss_chunk_tokens!r})")
