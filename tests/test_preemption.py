@@ -65,10 +65,11 @@ STEPS = 10   # every launch's train.max_steps (the uninterrupted run's too); sav
 def test_sigterm_saves_a_checkpoint_that_resumes_and_a_rank_killed_during_save_does_not_tear_it(
         pools, assets, tmp_path):
     """One run through three torchrun launches (2 ranks), against an uninterrupted run.
-    1. torchrun gets SIGTERM once step 3 is logged, as from a cluster scheduler: it forwards
-       the signal, the workers finish the step N, save and exit 0 (torchrun itself then exits
-       1, reporting the signal it received).
-    2. The next launch (checkpoint.save_interval=2 from here on) resumes from N, and rank 1
+    1. torchrun gets SIGTERM once step 3 is logged (after the save of step 2: every launch
+       saves every 2 steps), as from a cluster scheduler: it forwards the signal, the workers
+       finish the step N, save and exit 0 (torchrun itself then exits 1, reporting the signal
+       it received).
+    2. The next launch resumes from N, and rank 1
        is SIGKILLed inside the save of the next interval step K
        (engine.checkpoint.fault_injection): the job fails, iter K stays an unpublished
        staging directory, `latest` still names N.
@@ -76,10 +77,11 @@ def test_sigterm_saves_a_checkpoint_that_resumes_and_a_rank_killed_during_save_d
        uninterrupted run, and the staging directory is gone."""
     run_dir, straight = tmp_path / "run", tmp_path / "straight"
     extra = ["checkpoint.save_interval=2"]
-    # no save before the signal's: megatron's checkpoint writer, once started by a save, is a
-    # process of the job's group that the forwarded SIGTERM kills (the save on the signal then
-    # fails with BrokenPipeError; seen 2026-11-26, reported, not what this test checks)
-    proc = _signal_after_steps(torchrun_cmd(2, *_args(assets, run_dir, STEPS)), run_dir,
+    # a save (step 2) before the signal: it starts the checkpoint writer's queue server, a
+    # process of the job's group that the forwarded SIGTERM also reaches; before
+    # engine.checkpoint.writer made it ignore the signal, the save on the signal failed
+    # with BrokenPipeError
+    proc = _signal_after_steps(torchrun_cmd(2, *_args(assets, run_dir, STEPS, *extra)), run_dir,
                                signal.SIGTERM)
     assert "got signal: 15" in proc.stderr       # torchrun's own report; no worker failed
     assert "exitcode" not in proc.stderr
