@@ -193,38 +193,52 @@ def load_pairs(cfg, tokenizer, tag: str = "dpo", seq_length: int | None = None):
 
 def run(cfg: DPOConfig, hf_config: dict, flags: list[str]) -> int:
     """The DPO run on every rank (process groups and megatron state exist)."""
+    return run_with_reference(
+        "dpo", cfg, hf_config, load_pairs, dpo_step, evaluate, "data/consumed_pairs",
+        build_reference, lambda reference: f"loss: {cfg.dpo.loss_type}, beta {cfg.dpo.beta}; "
+                                           f"reference: {reference.describe()}")
+
+
+def run_with_reference(tag: str, cfg, hf_config: dict, load, step, evaluate, consumed_key: str,
+                       reference_of, banner) -> int:
+    """The run of a trainer with a reference model (DPO; KTO reuses it), on every rank:
+    `load(cfg, tokenizer)` -> (train dataset, eval items or None); the policy's TrainEngine and
+    RunLoop (`tag` names the log lines and the checkpoint's engine); `reference_of(cfg,
+    hf_config, engine, pad_id)`; rank 0 prints `banner(reference)`; optimizer step k trains
+    `step(engine, reference, items, cfg)` on global batch k (engine.data.datasets.
+    global_batch_indices) and logs `consumed_key` (items seen) and data/epoch, plus
+    `evaluate(engine, reference, eval_items, cfg)` every train.eval_interval steps."""
     tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    dataset, eval_pairs = load_pairs(cfg, tokenizer)
+    dataset, eval_items = load(cfg, tokenizer)
     gbs, n = cfg.train.global_batch_size, len(dataset)
 
     def position(done: int) -> DataPosition:
         return DataPosition(done, gbs, n, cfg.seed, cfg.data.shuffle)
 
-    engine, resumed = build_train_engine(cfg, hf_config, pad_id, position(0), "dpo")
+    engine, resumed = build_train_engine(cfg, hf_config, pad_id, position(0), tag)
     start = resumed.step
-    loop = RunLoop("dpo", cfg, engine, hf_config, position, log_names=("metrics.jsonl",))
+    loop = RunLoop(tag, cfg, engine, hf_config, position, log_names=("metrics.jsonl",))
     if not loop.prepare(start):
         return 0
     engine.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps,
                                   skipped=start - engine.scheduler.num_steps)
-    reference = build_reference(cfg, hf_config, engine, pad_id)
+    reference = reference_of(cfg, hf_config, engine, pad_id)
     if dist.get_rank() == 0:
-        print(f"[dpo] loss: {cfg.dpo.loss_type}, beta {cfg.dpo.beta}; reference: "
-              f"{reference.describe()}", flush=True)
+        print(f"[{tag}] {banner(reference)}", flush=True)
 
-    def step_fn(step: int) -> dict:
-        idx = global_batch_indices(n, gbs, step, cfg.seed, cfg.data.shuffle)
-        metrics = dpo_step(engine, reference, [dataset[i] for i in idx], cfg)
-        done = step + 1
-        metrics["data/consumed_pairs"] = done * gbs
+    def step_fn(k: int) -> dict:
+        idx = global_batch_indices(n, gbs, k, cfg.seed, cfg.data.shuffle)
+        metrics = step(engine, reference, [dataset[i] for i in idx], cfg)
+        done = k + 1
+        metrics[consumed_key] = done * gbs
         metrics["data/epoch"] = done * gbs / n
-        if eval_pairs is not None and done % cfg.train.eval_interval == 0:
-            metrics.update(evaluate(engine, reference, eval_pairs, cfg))
+        if eval_items is not None and done % cfg.train.eval_interval == 0:
+            metrics.update(evaluate(engine, reference, eval_items, cfg))
         return metrics
 
     history = loop.run(start, step_fn)
     if history and dist.get_rank() == 0:
-        print(f"[dpo] done: {start + len(history)} of {cfg.train.max_steps} steps, first loss "
-              f"{history[0]['loss']:.4f}, last loss {history[-1]['loss']:.4f}", flush=True)
+        print(f"[{tag}] done: {start + len(history)} of {cfg.train.max_steps} steps, first "
+              f"loss {history[0]['loss']:.4f}, last loss {history[-1]['loss']:.4f}", flush=True)
     return 0

@@ -16,22 +16,15 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
-from engine.checkpoint.checkpointing import DataPosition
 from engine.config.kto_settings import KTOConfig
-from engine.data.datasets import global_batch_indices
 from engine.data.preference_unpaired_dataset import UnpairedExample, load_unpaired_dataset
 from engine.dpo.reference import Reference, completion_logprob_sums
-from engine.dpo.training import load_train_eval, make_reference
+from engine.dpo.training import load_train_eval, make_reference, run_with_reference
 from engine.kto.loss import KTOLossSettings
 from engine.kto.loss_fn import REPORT_KEYS, ExampleBatch, kto_loss_fn
-from engine.run.run_loop import RunLoop
-from engine.run.train_engine_build import build_train_engine
 from engine.training.micro_batches import SequenceData
-from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import TrainEngine
-from models.hf.custom_code import load_tokenizer
 
 
 def loss_settings(cfg) -> KTOLossSettings:
@@ -149,41 +142,11 @@ def load_examples(cfg, tokenizer):
 
 
 def run(cfg: KTOConfig, hf_config: dict, flags: list[str]) -> int:
-    """The KTO run on every rank (process groups and megatron state exist)."""
-    tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    dataset, eval_examples = load_examples(cfg, tokenizer)
-    gbs, n = cfg.train.global_batch_size, len(dataset)
-
-    def position(done: int) -> DataPosition:
-        return DataPosition(done, gbs, n, cfg.seed, cfg.data.shuffle)
-
-    engine, resumed = build_train_engine(cfg, hf_config, pad_id, position(0), "kto")
-    start = resumed.step
-    loop = RunLoop("kto", cfg, engine, hf_config, position, log_names=("metrics.jsonl",))
-    if not loop.prepare(start):
-        return 0
-    engine.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps,
-                                  skipped=start - engine.scheduler.num_steps)
-    reference = build_reference(cfg, hf_config, engine, pad_id)
-    if dist.get_rank() == 0:
-        k = cfg.kto
-        print(f"[kto] beta {k.beta}, desirable_weight {k.desirable_weight}, "
-              f"undesirable_weight {k.undesirable_weight}; reference: "
-              f"{reference.describe()}", flush=True)
-
-    def step_fn(step: int) -> dict:
-        idx = global_batch_indices(n, gbs, step, cfg.seed, cfg.data.shuffle)
-        metrics = kto_step(engine, reference, [dataset[i] for i in idx], cfg)
-        done = step + 1
-        metrics["data/consumed_examples"] = done * gbs
-        metrics["data/epoch"] = done * gbs / n
-        if eval_examples is not None and done % cfg.train.eval_interval == 0:
-            metrics.update(evaluate(engine, reference, eval_examples, cfg))
-        return metrics
-
-    history = loop.run(start, step_fn)
-    if history and dist.get_rank() == 0:
-        print(f"[kto] done: {start + len(history)} of {cfg.train.max_steps} steps, first loss "
-              f"{history[0]['loss']:.4f}, last loss {history[-1]['loss']:.4f}", flush=True)
-    return 0
+    """The KTO run on every rank (process groups and megatron state exist): DPO's loop
+    (engine.dpo.training.run_with_reference) with KTO's examples, step and reference."""
+    k = cfg.kto
+    return run_with_reference(
+        "kto", cfg, hf_config, load_examples, kto_step, evaluate, "data/consumed_examples",
+        build_reference, lambda reference: f"beta {k.beta}, desirable_weight "
+        f"{k.desirable_weight}, undesirable_weight {k.undesirable_weight}; reference: "
+        f"{reference.describe()}")
