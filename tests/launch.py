@@ -47,9 +47,17 @@ def free_port() -> int:
     (a torchrun rendezvous seconds later, a pool's rejoin minutes later) any outgoing connection
     or port-0 listener may get it (CI saw EADDRINUSE that way). So the port is drawn at random
     below that range (from 20000 up, or above it if the range starts too low), checked bindable,
-    and never handed out twice by one process."""
+    and never handed out twice by one process; a kernel range that leaves no room either side
+    gets the kernel's own choice."""
     lo, hi = _ephemeral_range()
-    low, high = (20000, lo) if lo - 20000 >= 2000 else (hi + 1, 65535)
+    if lo - 20000 >= 2000:
+        low, high = 20000, lo
+    elif 65535 - hi >= 2000:
+        low, high = hi + 1, 65536
+    else:   # the kernel's range covers (nearly) every port: its own choice, as before
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(low, high)
