@@ -198,3 +198,14 @@ def build_qwen3_5_vl(out_dir: str, moe: bool = False, seed: int = 0,
     build_tokenizer(out_dir, vocab, vision=True)
     Qwen2VLImageProcessorPil(**VL_PROCESSOR).save_pretrained(out_dir)
     return out_dir
+
+
+def write_png(path, h: int, w: int, seed: int):
+    """A random RGB PNG of h x w pixels at `path` (an image for the VL models above; at their
+    4-pixel patches merged 2 x 2, 16 x 16 pixels are 4 image tokens). Returns `path`."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(path)
+    return path

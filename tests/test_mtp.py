@@ -276,14 +276,11 @@ def test_sft_trains_and_exports_the_mtp_layer(pools, glm_dir, tmp_path):
 
 def _image_rows(root: Path, n: int = 8) -> None:
     """`n` random PNGs under root/imgs (12..20 x 16 pixels: 2-4 image tokens each)."""
-    import numpy as np
-    from PIL import Image
+    from tests.qwen3_5_tiny import write_png
 
     (root / "imgs").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
     for i in range(n):
-        pixels = (rng.random((12 + 4 * (i % 3), 16, 3)) * 255).astype("uint8")
-        Image.fromarray(pixels).save(root / "imgs" / f"{i}.png")
+        write_png(root / "imgs" / f"{i}.png", 12 + 4 * (i % 3), 16, i)
 
 
 def test_published_qwen3_5_trains_its_mtp_layer_with_images(pools, qwen_vl_dir, tmp_path):

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from tests.launch import result_lines, run_cli
-from tests.qwen3_5_tiny import build_qwen3_5_vl
+from tests.qwen3_5_tiny import build_qwen3_5_vl, write_png
 from tests.qwen3_vl_tiny import build_qwen3_vl
 from tests.test_qwen3_5 import _tensors, convert_round_trip
 
@@ -63,14 +63,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
             "moe": Path(build_qwen3_5_vl(str(root / "moe"), moe=True)),
             "vl3": Path(build_qwen3_vl(str(root / "vl3"))),
             "vl3m": Path(build_qwen3_vl(str(root / "vl3m"), moe=True))}
-
-
-def _png(path: Path, h: int, w: int, seed: int) -> Path:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(path)
-    return path
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -169,8 +161,8 @@ def test_rows_with_images_render_and_cache(models, tmp_path):
     from PIL import Image
     from transformers import AutoImageProcessor
 
-    _png(tmp_path / "a.png", 16, 24, 0)
-    _png(tmp_path / "b.png", 12, 12, 1)
+    write_png(tmp_path / "a.png", 16, 24, 0)
+    write_png(tmp_path / "b.png", 12, 12, 1)
     rows = [{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
                                                        {"type": "text", "text": "what is it ?"}]},
                           {"role": "assistant", "content": "it is 1"}]},
@@ -207,7 +199,7 @@ def _pictures(root: Path) -> list[Path]:
     Image.fromarray(smooth[::-1]).save(root / "smooth.png")
     Image.fromarray(smooth[:, :, 0]).save(root / "gray.png")
     return [root / "turned.jpg", root / "smooth.png", root / "gray.png",
-            _png(root / "noise.png", 16, 24, 3)]
+            write_png(root / "noise.png", 16, 24, 3)]
 
 
 def test_cache_holds_images_and_the_processor_is_exact(models, tmp_path):
@@ -271,7 +263,7 @@ def test_cache_holds_images_and_the_processor_is_exact(models, tmp_path):
 def test_bad_image_rows_name_file_and_line(models, tmp_path, row, needle):
     from engine.data.files import DataError
 
-    _png(tmp_path / "ok.png", 16, 16, 0)
+    write_png(tmp_path / "ok.png", 16, 16, 0)
     (tmp_path / "bad.png").write_bytes(b"not an image")
     rows = [{"prompt": "<image> fine", "images": ["ok.png"], "response": "1"}, row]
     with pytest.raises(DataError, match=r"rows\.jsonl:2: .*" + needle):
@@ -366,7 +358,7 @@ def test_sft_with_images_trains_the_tower_when_asked(pools, models, tmp_path):
     images.mkdir(parents=True)
     rows = []
     for i in range(8):
-        _png(images / f"{i}.png", 12 + 4 * (i % 3), 16, i)
+        write_png(images / f"{i}.png", 12 + 4 * (i % 3), 16, i)
         rows.append({"messages": [
             {"role": "user", "content": [{"type": "image", "image": f"imgs/{i}.png"},
                                          {"type": "text", "text": f"what is {i % 4} ?"}]},
@@ -415,7 +407,7 @@ def _prompt_images(root: Path) -> list[dict]:
     (root / "imgs").mkdir(parents=True, exist_ok=True)
     rows = []
     for i in range(8):
-        _png(root / "imgs" / f"{i}.png", 12 + 4 * (i % 3), 16, 10 + i)
+        write_png(root / "imgs" / f"{i}.png", 12 + 4 * (i % 3), 16, 10 + i)
         rows.append({"prompt": f"<image> what is {i} plus 1 ?", "images": [f"imgs/{i}.png"],
                      "answer": i + 1})
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

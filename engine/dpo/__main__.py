@@ -9,7 +9,6 @@ on an error); the run itself is engine.dpo.training.run.
 """
 from __future__ import annotations
 
-
 from engine.cli import entry_main, exit_process
 from engine.config.dpo_settings import DPOConfig, validate_dpo
 from engine.dpo.recipe_check import main as validate_main

@@ -9,7 +9,6 @@ on an error); the run itself is engine.kto.training.run.
 """
 from __future__ import annotations
 
-
 from engine.cli import entry_main, exit_process
 from engine.config.kto_settings import KTOConfig, validate_kto
 from engine.kto.recipe_check import main as validate_main

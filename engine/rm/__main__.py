@@ -9,7 +9,6 @@ on an error); the run itself is engine.rm.training.run.
 """
 from __future__ import annotations
 
-
 from engine.cli import entry_main, exit_process
 from engine.config.rm_settings import RMConfig, validate_rm
 from engine.rm.recipe_check import main as validate_main

@@ -11,7 +11,6 @@ on an error); the run itself is engine.sft.training.run.
 """
 from __future__ import annotations
 
-
 from engine.cli import entry_main, exit_process
 from engine.config.schema import SFTConfig, validate_sft
 from engine.config.recipe_validation import validate_main

@@ -110,15 +110,15 @@ def _load(model_dir: str):
     return hf, (hf.model.language_model if wrapper else hf.model)
 
 
-def _trunk_pass(hf, s):
+def _trunk_pass(hf, trunk, s):
     """(the trunk's output with hidden states, the MTP layer's position ids of positions
     0 .. n-2) for sequence `s`: with images through the wrapper (pixels, grids) and its M-RoPE
-    positions from transformers' own get_rope_index ([3, 1, n-1]), else [1, n-1] 0 .. n-2."""
+    positions from transformers' own get_rope_index ([3, 1, n-1]), else through `trunk` (the
+    text model, `_load`) with [1, n-1] 0 .. n-2."""
     tokens = torch.tensor([s.tokens])
     n = len(s.tokens)
     vision = getattr(s, "vision", None)
     if vision is None:
-        trunk = hf.model.language_model if _is_wrapper(hf) else hf.model
         return trunk(tokens, output_hidden_states=True), torch.arange(n - 1)[None]
     images = vision.images
     image = hf.config.image_token_id
@@ -147,7 +147,7 @@ def _reference(model_dir: str, seqs, detach: bool, variant: str = "") -> dict:
     embed, head = trunk.embed_tokens.weight, hf.lm_head.weight
     for s in seqs:
         tokens = torch.tensor([s.tokens])
-        out, positions = _trunk_pass(hf, s)
+        out, positions = _trunk_pass(hf, trunk, s)
         logits = hf.lm_head(out.last_hidden_state).float()
         nll = -torch.log_softmax(logits[0], -1).gather(1, torch.tensor(s.labels)[:, None])[:, 0]
         main = main + (nll * torch.tensor(s.loss_mask, dtype=torch.float32)).sum() * w
