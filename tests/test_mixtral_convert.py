@@ -47,7 +47,8 @@ def _launch(hf_dir: str, ckpt: str) -> int:
     from models.bridge.weights import export_hf_weights
     from models.bridge.checkpoint import load_model, read_hf_config
     from models.build.factory import build_model_chunks
-    from tools.convert import _setup, hf_to_mcore, verify
+    from tools.convert import hf_to_mcore, setup_layout
+    from tools.convert_verify import verify
 
     layout = dict(tp=2, pp=1, ep=2)
     hf_to_mcore(Namespace(hf_dir=hf_dir, out=ckpt, **layout))
@@ -55,7 +56,7 @@ def _launch(hf_dir: str, ckpt: str) -> int:
     rc = verify(Namespace(hf_dir=hf_dir, ckpt=ckpt, dtype="float32", tolerance=None,
                           seq_len=32, batch=2, seed=0, **layout))
     cfg = read_hf_config(Path(ckpt))
-    _setup(cfg, **layout)
+    setup_layout(cfg, **layout)
     chunks = build_model_chunks(cfg)
     load_model(chunks, Path(ckpt))
     exported = dict(export_hf_weights(chunks, cfg))

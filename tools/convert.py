@@ -39,7 +39,7 @@ def _fail(msg: str) -> None:
     raise SystemExit(2)
 
 
-def _setup(cfg: dict, tp: int = 1, pp: int = 1, ep: int = 1):
+def setup_layout(cfg: dict, tp: int = 1, pp: int = 1, ep: int = 1):
     """Process groups for (tp, pp, ep) after checking the layout against the model."""
     from models.families.registry import experts_per_layer
     from parallel.layout import ParallelLayout
@@ -121,7 +121,7 @@ def hf_to_mcore(args) -> None:
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         _fail(f"--out {out} exists and is not empty")
-    _setup(cfg, args.tp, args.pp, args.ep)
+    setup_layout(cfg, args.tp, args.pp, args.ep)
     if reward:
         reward_to_mcore(cfg, args.hf_dir, out)
         if dist.get_rank() == 0:
@@ -191,7 +191,7 @@ def mcore_to_hf(args) -> None:
     reward = is_reward_model_config(cfg)  # a reward model: its score head (no bias)
     if reward and (problem := pad_problem(cfg, ckpt)):  # before any work
         _fail(f"--ckpt {ckpt}: {problem}")
-    _setup(cfg)
+    setup_layout(cfg)
     critic = is_critic_config(cfg)  # a PPO critic (checkpoint.dir/critic): its value head too
     found = checkpoint_lora(ckpt, getattr(args, "base", None), cfg)
     if found is None and getattr(args, "merge", False):
@@ -239,72 +239,6 @@ def _write_hf(tensors: dict, cfg: dict, ckpt: Path, out: Path) -> None:
     _write_safetensors(stored_names(cfg, tensors), out)
     (out / "config.json").write_text(json.dumps(file_config(cfg), indent=2))
     copy_tokenizer_files(ckpt / "hf", out)
-
-
-def verify(args) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from models.bridge.checkpoint import load_model, read_hf_config
-    from models.build.factory import build_model_chunks
-    from models.build.forward import forward_logits
-
-    from models.bridge.reward_model import is_reward_model_config
-    from models.hf.config import check_config
-    from models.layers.heads.value import attach_value_heads
-    from tools.convert_reward import verify_scores
-
-    ckpt = resolve_checkpoint(args.ckpt, getattr(args, "iteration", None))
-    cfg = read_hf_config(ckpt)
-    check_config(cfg)
-    _setup(cfg, args.tp, args.pp, args.ep)
-    dtype = getattr(torch, args.dtype)
-    chunks = build_model_chunks(cfg, params_dtype=dtype)
-    reward = is_reward_model_config(cfg)  # compares scores, not logits
-    if reward:
-        attach_value_heads(chunks, bias=False)
-    load_model(chunks, ckpt)
-    for chunk in chunks:  # inference (megatron's MoE layer refuses TP without SP in training)
-        chunk.eval()
-    if reward:
-        ok = verify_scores(chunks, cfg, args)
-        flag = torch.tensor([0 if ok else 1])
-        dist.all_reduce(flag)
-        return int(flag.item() > 0)
-    gen = torch.Generator().manual_seed(args.seed)
-    tokens = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq_len), generator=gen)
-    logits = forward_logits(chunks, tokens, cfg["vocab_size"]).float().cpu()
-    if dist.get_rank() == 0:
-        import transformers
-
-        from models.hf.conditional import reference_class
-        from models.hf.io import read_config
-
-        # as published: a conditional-generation checkpoint's own class (text input only)
-        auto = getattr(transformers, reference_class(read_config(args.hf_dir)))
-        hf = auto.from_pretrained(args.hf_dir, dtype=dtype)
-        # transformers < 5.20 dequantizes published MXFP4 experts to bf16 whatever `dtype` is;
-        # the values are bf16-exact (fp4 x power-of-two scales), so casting restores them
-        hf = hf.to(dtype)
-        if torch.cuda.is_available():
-            hf = hf.cuda()
-        with torch.no_grad():
-            ref = hf(tokens.to(next(hf.parameters()).device)).logits.float().cpu()
-        diff = (logits - ref).abs().max().item()
-        scale = ref.abs().max().item()
-        tolerance = args.tolerance if args.tolerance is not None else (
-            1e-4 if args.dtype == "float32" else 3e-2 * scale)
-        print(f"reference: transformers {type(hf).__name__}")
-        print(f"layout tp={args.tp} pp={args.pp} ep={args.ep} dtype={args.dtype} "
-              f"max_abs_diff={diff:.3e} "
-              f"(max |logit| {scale:.3e})")
-        ok = diff <= tolerance
-        print("verify: OK" if ok else f"verify: FAILED (tolerance {tolerance:.3e})")
-    else:
-        ok = True
-    flag = torch.tensor([0 if ok else 1])
-    dist.all_reduce(flag)
-    return int(flag.item() > 0)
 
 
 def main(argv=None, prog: str = "convert.py") -> int:
@@ -368,6 +302,7 @@ def main(argv=None, prog: str = "convert.py") -> int:
             mcore_to_hf(args)
             rc = 0
         else:
+            from tools.convert_verify import verify
             rc = verify(args)
     except (UnsupportedModelError, CheckpointError, HFCheckpointError, LayoutError,
             ValueError) as e:
