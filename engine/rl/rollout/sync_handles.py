@@ -18,33 +18,30 @@ views each tensor at its offset; the model's weight loaders copy them into the p
 worker of a TP > 1 engine on another GPU reads the owner's GPU over peer access; a GPU the
 worker cannot see is refused, naming rollout.sync_transport=file.
 
-Lifetime (`SharedBuckets`): the owner holds each bucket's buffer from the export until the
-collective_rpc that carried it returned, that is until every worker finished loading it
-(vLLM's collective_rpc waits for every worker's reply); `release` refuses a bucket whose call is
-still outstanding. Nothing is overwritten before the sync closes: vLLM's layerwise reload keeps
-a worker's views of a layer's tensors until the layer is complete (a bucket may hold only part
-of it) and replays attention layers' loads when the sync closes. So within a sync every bucket
-has its own buffer. On CPU the buffers are reused by the next sync (a fresh shared buffer
-costs a page fault per page: the first sync of 400 MB by handle took 0.46 s, the next ones
-0.20 s, of which 0.02 s refilling the buffer; bucket_files' docstring has the comparison),
-once the sync closed and no worker holds a view of them any more (each reports the buffers it
-still references: `rl_held_buckets`; such a buffer is dropped, never reused): the owner keeps
-one sync's buckets (the weights' bytes) in /dev/shm between syncs. Where /dev/shm lacks the
-room for a new buffer, that bucket goes as a file (NoSharedMemory; a warning says so). On CUDA
-a buffer is released once its call returned and never reused: torch keeps an exported block out
-of the allocator until every importer released it. A call that failed (vLLM raises at the
-first failed worker, without waiting for the others) keeps its buffer held until the sync
-closes; a worker still reading keeps its own mapping. A worker that never received its CPU
+Lifetime (`SharedBuckets`): one state machine, engine.rl.rollout.sync_lifetime (states,
+allowed moves, the error naming a bad one). In short: the owner holds each bucket's buffer from
+the export until the collective_rpc that carried it returned (every worker loaded it) and, on
+CPU, until the sync closed; then the next sync refills it unless a worker still views it (the
+owner keeps one sync's buckets, the weights' bytes, in /dev/shm between syncs). A CUDA buffer
+is released once its call returned and never reused. A worker that never received its CPU
 handle (it died first) leaves that descriptor with the owner's resource sharer.
+
+/dev/shm (`new_buffer`): a CPU buffer's pages are reserved before anything is written
+(`reserved_storage`: posix_fallocate on a fresh shared-memory file), so an owner that finds the
+room gone, e.g. taken by another owner on the node that passed the same free-space check at the
+same time, gets ENOSPC (NoSharedMemory: that bucket goes as a file, with a warning) instead of
+the SIGBUS of a write into a full tmpfs (torch 2.13's own share_memory_ reserves too, but
+fails with a RuntimeError the sync did not survive, and leaves the file's name behind).
 
 Measured against the file path: bucket_files' docstring and docs/benchmarks.md (weight sync).
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
+import errno
 import os
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -53,6 +50,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_storage, reduce_tensor
 
 from engine.rl.rollout.bucket_files import HEADROOM, SHARED_MEMORY, discard, write_bucket
+from engine.rl.rollout.sync_lifetime import BufferTable, State
 
 TRANSPORTS = ("handle", "file")
 ALIGN = 64   # byte offset of every tensor in a bucket buffer: aligned for any dtype's view
@@ -129,16 +127,38 @@ def pack_into(buffer: torch.Tensor, slots: tuple[TensorSlot, ...],
 
 
 def new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 buffer of `nbytes` on `device`; on the CPU in shared memory (/dev/shm), refused
-    with NoSharedMemory where /dev/shm lacks the room (writing past it would kill the process
-    with SIGBUS)."""
+    """A uint8 buffer of `nbytes` on `device`; on the CPU in shared memory (/dev/shm), its pages
+    reserved before anything is written (`reserved_storage`), refused with NoSharedMemory where
+    /dev/shm lacks the room (writing past it would kill the process with SIGBUS)."""
     if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     free = shutil.disk_usage(SHARED_MEMORY).free if os.path.isdir(SHARED_MEMORY) else 0
     if free < nbytes * HEADROOM:
         raise NoSharedMemory(f"{SHARED_MEMORY} has {free / 2**20:.0f} MiB free, a weight-sync "
                              f"bucket needs {nbytes / 2**20:.0f} MiB")
-    return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    return torch.empty(0, dtype=torch.uint8).set_(reserved_storage(nbytes))
+
+
+def reserved_storage(nbytes: int, folder: str = SHARED_MEMORY) -> torch.UntypedStorage:
+    """`nbytes` of shared memory with every page allocated before the first write: a new file
+    in `folder` (unlinked at once: nothing is left behind, whatever happens), its pages taken
+    by posix_fallocate, which fails with ENOSPC (NoSharedMemory, nothing kept) where the room
+    is gone; mapped by torch as a descriptor-shared storage, the kind torch.multiprocessing
+    exports (reduce_storage) and share_memory_ makes."""
+    fd, path = tempfile.mkstemp(prefix="rl_sync_bucket_", dir=folder)
+    try:
+        os.unlink(path)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise NoSharedMemory(f"{folder} has no room left for a weight-sync bucket of "
+                                 f"{nbytes / 2**20:.0f} MiB ({e.strerror}; another process may "
+                                 "have taken it since the free-space check)") from e
+        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)   # maps a dup of fd
+    finally:
+        os.close(fd)
 
 
 class NoSharedMemory(OSError):
@@ -198,58 +218,48 @@ def open_bucket(bucket: SharedBucket, rank: int) -> list[tuple[str, torch.Tensor
 
 
 class SharedBuckets:
-    """The buffers an engine's owner exported and still holds (module docstring: lifetime).
-
-    `hold` registers a buffer whose call is outstanding, `returned` marks the call done,
-    `release` drops the owner's reference (refused while the call is outstanding). A CUDA
-    buffer is released once its call returned. A CPU buffer stays held until the sync closes
-    (`closed`): vLLM's reload may read a bucket's tensors until then; afterwards it is reused
-    by the next sync's buckets (`buffer`) unless a worker still holds it."""
+    """The buffers an engine's owner exported and still holds: a BufferTable whose moves
+    (engine.rl.rollout.sync_lifetime) are `hold` (exported: outstanding), `returned`,
+    `release` (refused while the call is outstanding) and `closed` (the sync closed: a CPU
+    buffer no worker views becomes free, refilled by the next sync's `buffer`)."""
 
     def __init__(self) -> None:
-        self.held: dict[int, torch.Tensor] = {}
-        self.outstanding: set[int] = set()
-        self.free: list[torch.Tensor] = []   # CPU buffers of the last closed sync
-        self.ids = itertools.count()
+        self.table = BufferTable()
+
+    @property
+    def held(self) -> dict[int, torch.Tensor]:
+        """Outstanding and returned buffers by token."""
+        return {t: self.table.buffers[t]
+                for t in self.table.tokens(State.OUTSTANDING, State.RETURNED)}
+
+    @property
+    def outstanding(self) -> set[int]:
+        return set(self.table.tokens(State.OUTSTANDING))
+
+    @property
+    def free(self) -> list[torch.Tensor]:
+        """CPU buffers of the last closed sync, reusable."""
+        return [self.table.buffers[t] for t in self.table.tokens(State.FREE)]
 
     def buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """A buffer of >= `nbytes` on `device`: the smallest free one that fits (CPU), else a
         new one (new_buffer)."""
-        fits = [b for b in self.free if b.device == device and b.numel() >= nbytes]
-        if not fits:
-            return new_buffer(nbytes, device)
-        best = min(fits, key=lambda b: b.numel())
-        self.free = [b for b in self.free if b is not best]
-        return best
+        reuse = self.table.reusable(nbytes, device)
+        return reuse if reuse is not None else new_buffer(nbytes, device)
 
     def hold(self, buffer: torch.Tensor) -> int:
-        token = next(self.ids)
-        self.held[token] = buffer
-        self.outstanding.add(token)
-        return token
+        return self.table.export(buffer)
 
     def returned(self, token: int) -> None:
-        self.outstanding.discard(token)
+        self.table.move(token, State.RETURNED)
 
     def release(self, token: int) -> None:
-        if token in self.outstanding:
-            raise RuntimeError(f"weight-sync bucket {token} is still being loaded by the "
-                               "engine's workers; it is released once their call returned")
-        self.held.pop(token, None)
+        self.table.move(token, State.RELEASED)
 
     def closed(self, still_held: set[int]) -> None:
-        """The sync closed on every worker: the held CPU buffers become the free ones (those of
-        earlier syncs are dropped; a sync without shared buckets, by file, changes nothing),
-        except those of `still_held` (tokens a worker still has a view of), which are released
-        and never reused."""
-        if all(token in self.outstanding for token in self.held):
-            return
-        reusable = [buffer for token, buffer in self.held.items()
-                    if token not in self.outstanding and token not in still_held
-                    and buffer.device.type == "cpu"]
-        for token in [t for t in self.held if t not in self.outstanding]:
-            self.release(token)
-        self.free = reusable
+        """The sync closed on every worker; `still_held`: tokens a worker still has a view of
+        (BufferTable.closed)."""
+        self.table.closed(still_held)
 
     @contextlib.contextmanager
     def exported(self, bucket: list[tuple[str, torch.Tensor]], workers: int

@@ -45,6 +45,8 @@ class WeightSync:
         # every worker's (one per TP rank) unwritten names, or the adapter tensors not sent
         self._stale = (self._adapter.close() if self._adapter is not None else sorted(
             {n for names in self.llm.collective_rpc("rl_close_sync") for n in names}))
+        # the buffers' lifetime (engine.rl.rollout.sync_lifetime): returned -> free, or
+        # released where a worker still views one
         self.shared_buckets.closed(set().union(*self.llm.collective_rpc("rl_held_buckets")))
         if self.speculation is not None and self._adapter is None:
             self.speculation.after_sync(any(self.llm.collective_rpc("rl_draft_synced")))

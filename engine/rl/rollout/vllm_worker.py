@@ -19,7 +19,8 @@
   (engine.rl.rollout.vllm_sync); a bucket arrives as shared tensors (rollout.sync_transport=
   handle: engine.rl.rollout.sync_handles, only handles and the layout through the RPC) or as a
   file (`file`: engine.rl.rollout.bucket_files, only its path through the RPC);
-  `rl_held_buckets`, after the close: the shared buckets this worker still references.
+  `rl_held_buckets`, after the close: the shared buckets this worker still references (the
+  worker's side of the buffers' lifetime, engine.rl.rollout.sync_lifetime.WorkerViews).
 - `rl_weight_digest`: one SHA-256 of the model's parameters and buffers (names, dtypes, shapes,
   bytes), to compare two engines' or two syncs' weights bitwise (tests, debugging); with
   `draft=True` the speculative drafter's own ones (without the modules it shares).
@@ -36,11 +37,11 @@ import hashlib
 import signal
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from vllm.platforms import current_platform
 
 from engine.rl.rollout.bucket_files import read_bucket
 from engine.rl.rollout.sync_handles import SharedBucket, open_bucket
+from engine.rl.rollout.sync_lifetime import WorkerViews
 from engine.rl.rollout.vllm_spec_sampler import install as install_spec_contract
 from engine.rl.rollout.vllm_spec_sync import DraftModules, DraftRouter
 from engine.rl.rollout.vllm_version import sampler_problem
@@ -68,7 +69,7 @@ class RolloutWorkerExtension:
     """Mixed into vLLM's worker class (it has `model_runner` and `vllm_config`)."""
 
     rl_sync: DraftRouter | None = None
-    rl_buffers: tuple = ()   # (owner's token, weak reference) of a sync's shared buckets
+    rl_views: WorkerViews | None = None   # the shared buckets this sync opened (lazily)
     rl_last_draft_written = False   # whether the last closed sync wrote the MTP drafter
 
     def rl_install_contract_logprobs(self) -> None:
@@ -131,16 +132,15 @@ class RolloutWorkerExtension:
         views of the owner's buffer, not copies; the owner holds it until every worker
         returned); the first bucket of a sync opens it."""
         tensors = open_bucket(bucket, self.rank)
-        self.rl_buffers = (*self.rl_buffers,
-                           (bucket.token, StorageWeakRef(tensors[0][1].untyped_storage())))
+        if self.rl_views is None:
+            self.rl_views = WorkerViews()
+        self.rl_views.open(bucket.token, tensors[0][1].untyped_storage())
         self.rl_load(tensors)
 
     def rl_held_buckets(self) -> list[int]:
         """After `rl_close_sync`: the owner's tokens of the shared buckets this worker still
         has a view of (the owner never reuses those buffers); forgets them all."""
-        held = [token for token, ref in self.rl_buffers if not ref.expired()]
-        self.rl_buffers = ()
-        return held
+        return self.rl_views.still_viewed() if self.rl_views is not None else []
 
     def rl_load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """Load [(HF name, full tensor), ...] into the open sync (none: open one)."""
