@@ -28,56 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# what the commands share (tools/convert_verify.py too): one module both import, no circle
+from tools.convert_common import fail, resolve_checkpoint, setup_layout  # noqa: E402
+
 MAX_SHARD_BYTES = 5 * 1024 ** 3
 ITERATION_HELP = ("--ckpt is a run's checkpoint directory: convert this iteration (default: "
                   "the newest complete one, which is printed)")
 # Imports live in the commands: `--help` and argument errors answer without loading megatron.
-
-
-def _fail(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def setup_layout(cfg: dict, tp: int = 1, pp: int = 1, ep: int = 1):
-    """Process groups for (tp, pp, ep) after checking the layout against the model."""
-    from models.families.registry import experts_per_layer
-    from parallel.layout import ParallelLayout
-    from parallel.process_groups import init_distributed, setup_model_parallel
-
-    _, world = init_distributed()
-    layout = ParallelLayout(world, tp=tp, pp=pp, ep=ep)
-    layout.validate(num_layers=cfg["num_hidden_layers"], num_heads=cfg["num_attention_heads"],
-                    num_kv_heads=cfg.get("num_key_value_heads"),
-                    num_experts=experts_per_layer(cfg))
-    setup_model_parallel(layout)
-    return layout
-
-
-def resolve_checkpoint(path: str, iteration: int | None = None) -> Path:
-    """A checkpoint dir itself, or a run's checkpoint dir (checkpoint.dir: iter_* folders and
-    latest_checkpointed_iteration.txt): its iteration `iteration`, else the newest complete
-    one that file names. Which iteration was taken is printed (rank 0); an iteration the run
-    does not hold exits 2 listing those it holds."""
-    from engine.checkpoint.io import LATEST_FILE, iteration_dir, list_iterations, read_latest
-
-    p = Path(path)
-    held = list_iterations(p)
-    if iteration is not None:
-        if not held:
-            _fail(f"--iteration {iteration}: {p} holds no iter_* folders (--ckpt is a single "
-                  "checkpoint; give the run's checkpoint directory)")
-        if iteration not in held:
-            _fail(f"--iteration {iteration}: {p} holds iterations {held}")
-        chosen, why = iteration, "--iteration"
-    elif (chosen := read_latest(p)) is not None:
-        why = f"the newest complete, {LATEST_FILE}"
-    else:
-        return p
-    if os.environ.get("RANK", "0") == "0":
-        print(f"[convert] {p}: iteration {chosen} ({why}; held: {held}; --iteration N picks "
-              "another)", flush=True)
-    return iteration_dir(p, chosen)
 
 
 def _claim_out(out: Path, overwrite: bool, ckpt: Path) -> None:
@@ -87,11 +44,11 @@ def _claim_out(out: Path, overwrite: bool, ckpt: Path) -> None:
     if not out.exists() or not any(out.iterdir()):
         return
     if not overwrite:
-        _fail(f"--out {out} exists and is not empty; pass --overwrite to replace it (its "
-              "contents are removed first)")
+        fail(f"--out {out} exists and is not empty; pass --overwrite to replace it (its "
+             "contents are removed first)")
     src, dst = ckpt.resolve(), out.resolve()
     if src == dst or dst in src.parents:
-        _fail(f"--out {out} holds the checkpoint {ckpt}; --overwrite would delete it")
+        fail(f"--out {out} holds the checkpoint {ckpt}; --overwrite would delete it")
     import shutil
     for child in out.iterdir():
         shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
@@ -116,11 +73,11 @@ def hf_to_mcore(args) -> None:
     reward = is_sequence_classifier(cfg)  # a reward model: its trunk maps, its head is ours
     if reward and (problem := reward_folder_problem(args.hf_dir, cfg, reader,
                                                     getattr(args, "adapter", None))):
-        _fail(problem)
+        fail(problem)
     check_tensors(cfg, trunk_reader(reader, cfg).keys() if reward else reader.keys())
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
-        _fail(f"--out {out} exists and is not empty")
+        fail(f"--out {out} exists and is not empty")
     setup_layout(cfg, args.tp, args.pp, args.ep)
     if reward:
         reward_to_mcore(cfg, args.hf_dir, out)
@@ -190,12 +147,12 @@ def mcore_to_hf(args) -> None:
     cfg = read_hf_config(ckpt)
     reward = is_reward_model_config(cfg)  # a reward model: its score head (no bias)
     if reward and (problem := pad_problem(cfg, ckpt)):  # before any work
-        _fail(f"--ckpt {ckpt}: {problem}")
+        fail(f"--ckpt {ckpt}: {problem}")
     setup_layout(cfg)
     critic = is_critic_config(cfg)  # a PPO critic (checkpoint.dir/critic): its value head too
     found = checkpoint_lora(ckpt, getattr(args, "base", None), cfg)
     if found is None and getattr(args, "merge", False):
-        _fail(f"--merge needs a LoRA checkpoint; {ckpt} holds a full model")
+        fail(f"--merge needs a LoRA checkpoint; {ckpt} holds a full model")
     if found is not None:
         out.mkdir(parents=True, exist_ok=True)
         export_any = export_reward_lora if reward else export_lora
@@ -203,6 +160,8 @@ def mcore_to_hf(args) -> None:
             tensors, export_config(cfg, ckpt) if reward else cfg, ckpt, out))
         what = "merged HF checkpoint" if args.merge else "PEFT adapter"
         print(f"wrote {what}{' of the reward model' if reward else ''} ({n} tensors) to {out}")
+        if reward and args.merge:   # a folder transformers loads as it is
+            _reward_calling_convention(out, ckpt)
         return
     chunks = build_model_chunks(cfg)
     if critic or reward:
@@ -228,6 +187,17 @@ def mcore_to_hf(args) -> None:
                                       cast, carried)
     _write_hf(tensors, export_config(out_cfg, ckpt) if reward else out_cfg, ckpt, out)
     print(f"wrote HF checkpoint ({len(tensors)} tensors) to {out}")
+    if reward:
+        _reward_calling_convention(out, ckpt)
+
+
+def _reward_calling_convention(out: Path, ckpt: Path) -> None:
+    """A reward model's export: its scoring chat template and README.md
+    (tools/convert_reward_template.py)."""
+    from tools.convert_reward_template import write_scoring_files
+
+    print(f"[convert] {write_scoring_files(out, ckpt / 'hf')}; README.md: how to call it",
+          flush=True)
 
 
 def _write_hf(tensors: dict, cfg: dict, ckpt: Path, out: Path) -> None:
@@ -306,7 +276,7 @@ def main(argv=None, prog: str = "convert.py") -> int:
             rc = verify(args)
     except (UnsupportedModelError, CheckpointError, HFCheckpointError, LayoutError,
             ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     from parallel.process_groups import shutdown
     shutdown()
     return rc

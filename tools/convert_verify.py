@@ -4,7 +4,7 @@ tools/convert.py's module docstring describes. Run under torchrun with tp x pp x
 """
 from __future__ import annotations
 
-from tools.convert import resolve_checkpoint, setup_layout
+from tools.convert_common import resolve_checkpoint, setup_layout
 
 
 def verify(args) -> int:
