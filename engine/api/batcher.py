@@ -22,10 +22,17 @@ out of phase, batch after batch. Requests of an episode that stopped taking call
 410 instead of generated. Batching changes no sample: each request is seeded on its own
 (engine.api.backend).
 
-Admission. With `max_pending`, a request arriving while max_pending generate requests wait
-(a request of n choices counts n) is refused at once with 429 (QueueFull: code queue_full, a
-Retry-After header); once `close(why)` ran (the server is stopping), every pending request is
-answered 503 at once and every new one gets 503, so a stopping server never waits for its queue.
+Admission. With `max_pending`, a request whose choices (one generate request each: prompts
+x n) would take the pending requests past max_pending is refused at once with 429 (QueueFull:
+code queue_full, a Retry-After header): all of its choices are queued, or none. Once
+`close(why)` ran (the server is stopping), every pending request is answered 503 at once and
+every new one gets 503, so a stopping server never waits for its queue.
+
+Failures. A generate call that raises answers its requests GenerationFailed (503, a short
+message; the exception rides along as `cause` for the server's log, never in the body) and is
+raised again on the owner thread. `run_batch` is the hook a server overrides to answer a
+failed batch otherwise (engine.serve.batching retries its halves, so one failing request does
+not fail the others).
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.api.backend import GenerateBackend, GenerateRequest
+from engine.api.backend import GenerateBackend, GenerateRequest, GenerateResult
 from engine.api.requests import ApiError
 
 RETRY_AFTER_S = 1   # the Retry-After of a 429: the queue moves every generate call
@@ -50,6 +57,16 @@ class QueueFull(ApiError):
                          f"(at most {max_pending}); retry after {RETRY_AFTER_S} s",
                          kind="rate_limit_error", code="queue_full")
         self.retry_after_s = RETRY_AFTER_S
+
+
+class GenerationFailed(ApiError):
+    """503: the generate call of this request raised `cause` (kept for the server's log; the
+    body says only that generation failed)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(503, "generation failed; the server log has the details",
+                         kind="server_error", code="generation_failed")
+        self.cause = cause
 
 
 def stopping_error(why: str) -> ApiError:
@@ -113,22 +130,24 @@ class GenerateQueue:
     def submit_many(self, episode: str, requests: list[GenerateRequest]
                     ) -> list[concurrent.futures.Future]:
         """Queue the choices of one call together: all of them, or none (503 / 429 as
-        `submit`)."""
+        `submit`, the choices counted)."""
         futures = [concurrent.futures.Future() for _ in requests]
         with self.cond:
-            self.check_admission()
+            self.check_admission(len(requests))
             now = time.monotonic()
             self.pending += [Pending(episode, r, f, now) for r, f in zip(requests, futures)]
             self.outstanding[episode] = self.outstanding.get(episode, 0) + len(requests)
             self.cond.notify_all()
         return futures
 
-    def check_admission(self) -> None:
-        """Raise what a request arriving now gets: 503 when closed, 429 when full."""
+    def check_admission(self, choices: int = 1) -> None:
+        """Raise what a request of `choices` generate requests arriving now gets: 503 when
+        closed, 429 when they would take the pending requests past max_pending."""
         with self.cond:
             if self.closed is not None:
                 raise stopping_error(self.closed)
-            if self.max_pending is not None and len(self.pending) >= self.max_pending:
+            if self.max_pending is not None and \
+                    len(self.pending) + choices > self.max_pending:
                 raise QueueFull(len(self.pending), self.max_pending)
 
     def close(self, why: str) -> None:
@@ -200,7 +219,8 @@ class GenerateQueue:
 
     def serve(self, backend: GenerateBackend, until: Callable[[], bool]) -> None:
         """The owner thread: batches through `backend` until `until()` holds and nothing is
-        pending. A backend error fails its batch's requests (503) and is raised here."""
+        pending. A request whose generate call failed gets GenerationFailed (503); the first
+        such exception of a batch is raised here once the batch is answered."""
         while batch := self.next_batch(until):
             now = time.monotonic()
             live = []
@@ -217,18 +237,29 @@ class GenerateQueue:
             self.stats.sizes.append(len(live))
             t0 = time.perf_counter()
             try:
-                results = backend.generate([p.request for p in live])
-                if len(results) != len(live):
-                    raise RuntimeError(f"{len(results)} results for {len(live)} requests")
-            except Exception as e:
-                for p in live:
-                    p.future.set_exception(ApiError(
-                        503, f"generation failed: {type(e).__name__}: {e}", kind="server_error"))
-                raise
+                results = self.run_batch(backend, live)
             finally:
                 self.stats.generate_s += time.perf_counter() - t0
             for p, r in zip(live, results):
-                p.future.set_result(r)
+                if isinstance(r, BaseException):
+                    p.future.set_exception(GenerationFailed(r))
+                else:
+                    p.future.set_result(r)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]
+
+    def run_batch(self, backend: GenerateBackend, batch: list[Pending]
+                  ) -> list[GenerateResult | Exception]:
+        """One backend.generate call for `batch`: a result per request, or (the call raised,
+        or answered the wrong number) its exception for every request."""
+        try:
+            results = backend.generate([p.request for p in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"{len(results)} results for {len(batch)} requests")
+            return list(results)
+        except Exception as e:  # noqa: BLE001 - answered per request, raised by serve
+            return [e] * len(batch)
 
     def fail_pending(self, why: str | None = None) -> None:
         """Answer 410 to every pending request (`why`: the server stopped serving), or with

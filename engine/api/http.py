@@ -1,9 +1,9 @@
 """HTTP plumbing shared by both OpenAI servers (the agent endpoint, `serve`): uvicorn in a
 daemon thread (start_http / stop_http), the JSON body with its size limit (413) and its shape
 (400 for what is not plain JSON: NaN, integers over MAX_INT_DIGITS digits, nesting deeper than
-MAX_JSON_DEPTH), OpenAI-style error bodies for ApiError (with Retry-After for a 429) and
-routing errors, the optional API key (401), the /v1/models bodies, one log line per request
-(log_requests).
+MAX_JSON_DEPTH), OpenAI-style error bodies for ApiError (with Retry-After for a 429,
+X-Request-Id when the error names its request) and routing errors, the optional API key (401),
+the /v1/models bodies, one log line per request (log_requests).
 """
 from __future__ import annotations
 
@@ -120,9 +120,9 @@ def parse_json(raw: bytes):
     return value
 
 
-async def json_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
-    """The request's JSON body: ApiError 413 when it is over `max_bytes` (by its
-    Content-Length before reading, or while reading a chunked body), 400 when not JSON."""
+async def read_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The request's body bytes: ApiError 413 when it is over `max_bytes` (by its
+    Content-Length before reading, or while reading a chunked body)."""
     def too_large() -> ApiError:
         return ApiError(413, f"the request body is over this server's limit of {max_bytes} "
                         "bytes", code="request_too_large")
@@ -136,17 +136,25 @@ async def json_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
         if size > max_bytes:
             raise too_large()
         chunks.append(chunk)
-    return parse_json(b"".join(chunks))
+    return b"".join(chunks)
+
+
+async def json_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict:
+    """The request's JSON body: 413 as read_body, 400 when not JSON (parse_json)."""
+    return parse_json(await read_body(request, max_bytes))
 
 
 def add_error_handlers(app: FastAPI) -> None:
     """ApiError and routing errors (unknown path, wrong method) as OpenAI-style bodies; an
-    ApiError with a `retry_after_s` (engine.api.batcher.QueueFull) sends it as Retry-After."""
+    ApiError with a `retry_after_s` (engine.api.batcher.QueueFull) sends it as Retry-After,
+    one with a `request_id` as X-Request-Id (what the openai client reads as the error's
+    request_id)."""
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        retry = getattr(exc, "retry_after_s", None)
-        return JSONResponse(exc.body(), status_code=exc.status,
-                            headers={"Retry-After": str(retry)} if retry else None)
+        retry, rid = getattr(exc, "retry_after_s", None), getattr(exc, "request_id", None)
+        headers = {**({"Retry-After": str(retry)} if retry else {}),
+                   **({"X-Request-Id": rid} if rid else {})}
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

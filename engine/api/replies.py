@@ -21,11 +21,13 @@ Each choice's sampled ids go through:
 Log-probs (when asked): one entry per sampled id kept, the end-of-turn id included: the
 generate call's (the agent endpoint: what training uses), or `serve`'s raw-logit scores with
 their top-k alternatives (Reply.top, engine.api.evaluation). A log-prob below -9999 (-inf) is
-reported as -9999.0, as vLLM does (JSON has no infinity).
+reported as -9999.0, as vLLM does (JSON has no infinity); NaN (a model whose logits overflowed)
+as -9999.0 too and +inf as 0.0, so every reported log-prob is a number in JSON.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -118,8 +120,12 @@ def make_reply(rules: TemplateRules, call: Call, result: GenerateResult, name: s
 
 
 def finite(logprob: float) -> float:
-    """A log-prob as JSON can carry it: at least -9999.0 (vLLM's clamp of -inf)."""
-    return max(float(logprob), -9999.0)
+    """A log-prob as JSON can carry it (module docstring): at least -9999.0 (vLLM's clamp of
+    -inf), NaN as -9999.0, +inf as 0.0."""
+    value = float(logprob)
+    if math.isnan(value):
+        return -9999.0
+    return min(max(value, -9999.0), 0.0) if math.isinf(value) else max(value, -9999.0)
 
 
 def chat_entry(rules: TemplateRules, token: int, logprob: float) -> dict:

@@ -18,17 +18,23 @@ Chunks (every one with the response's id, created and model):
 - with stream_options.include_usage, every chunk carries "usage": null and a final chunk has
   "choices": [] and the response's usage (OpenAI's shape).
 A client concatenating a choice's deltas gets exactly the non-streamed text (token_pieces).
+
+An error once the stream has started (its 200 is sent) ends it with one error event, OpenAI's
+error body `data: {"error": {"message", "type": "server_error", "param": null, "code":
+"stream_failed"}}` (the message names the request id, nothing of the exception), then `data:
+[DONE]`, as vLLM's server ends a failed stream; the exception goes to the server's log.
 """
 from __future__ import annotations
 
 import json
-from typing import Iterator
+import logging
+from typing import Iterable, Iterator
 
 from fastapi.responses import StreamingResponse
 
 from engine.api.evaluation import Echo
 from engine.api.replies import Reply
-from engine.api.requests import Call
+from engine.api.requests import ApiError, Call
 from engine.api.tokens import TemplateRules
 
 
@@ -135,11 +141,27 @@ def completion_chunks(rules: TemplateRules, call: Call, body: dict, replies: lis
     return out
 
 
-def event_stream(chunks: list[dict]) -> StreamingResponse:
-    """`chunks` as server-sent events ending with `data: [DONE]` (module docstring)."""
+def stream_error(request_id: str) -> dict:
+    """The error event's body of a stream that failed after it started (module docstring)."""
+    return ApiError(500, f"the stream of request {request_id} failed after it started; the "
+                    "server log has the details", kind="server_error",
+                    code="stream_failed").body()
+
+
+def event_stream(chunks: Iterable[dict], request_id: str = "",
+                 log: logging.Logger | None = None) -> StreamingResponse:
+    """`chunks` as server-sent events ending with `data: [DONE]`; an error while streaming
+    ends them with stream_error's event first, the exception logged on `log` (module
+    docstring)."""
+    log = log or logging.getLogger(__name__)
+
     async def events():
-        for c in chunks:
-            yield f"data: {json.dumps(c, ensure_ascii=False, allow_nan=False)}\n\n"
+        try:
+            for c in chunks:
+                yield f"data: {json.dumps(c, ensure_ascii=False, allow_nan=False)}\n\n"
+        except Exception:  # noqa: BLE001 - the 200 is sent: the stream says it failed
+            log.exception("request %s: the stream failed after it started", request_id)
+            yield f"data: {json.dumps(stream_error(request_id))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -7,10 +7,16 @@ when the engine dies.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from engine.serve.admission import DEFAULT_MAX_CHOICES, DEFAULT_MAX_SCORE_GIB
 from engine.serve.batching import DEFAULT_MAX_QUEUE
 from engine.serve.folder import BACKENDS, DTYPES, folder_problem, model_context
+
+# the API key's environment variable (--api-key wins); VLLM_API_KEY is deliberately not read:
+# a shell that talks to a vLLM server of its own keeps that key for it, and must not lock this one
+API_KEY_ENV = "MEGATRON_SFT_ENGINE_API_KEY"
 
 DESCRIPTION = """Serve a Hugging Face checkpoint OpenAI-compatibly (/v1/models,
 /v1/chat/completions, /v1/completions; vLLM's /tokenize, /detokenize and /tokenizer_info at the
@@ -26,7 +32,7 @@ tokens, milliseconds; --quiet: none). SIGTERM or Ctrl-C stops it (exit 0): queue
 EXAMPLES = """examples:
   {prog} --model runs/x/hf --port 8000
   {prog} --model /models/Qwen3-8B --backend vllm --max-tokens 1024 --temperature 0
-  {prog} --model runs/x/hf --host 0.0.0.0 --api-key "$(openssl rand -hex 16)"
+  MEGATRON_SFT_ENGINE_API_KEY="$(openssl rand -hex 16)" {prog} --model runs/x/hf --host 0.0.0.0
   then: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")  (or the --api-key)"""
 
 
@@ -62,12 +68,22 @@ def parser(prog: str) -> argparse.ArgumentParser:
                    help="requests per generate call at most (default: no limit)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="requests must send 'Authorization: Bearer KEY' (OpenAI(api_key=KEY)); "
-                        "others get 401 (default: none, open; /health is always open)")
+                        f"others get 401 (default: ${API_KEY_ENV} when set, which keeps the "
+                        "key out of `ps`; else none, open; /health is always open)")
     p.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
                    help="a request body over this many MiB gets 413 (default: 16)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help="a request arriving while N choices wait for the engine gets 429 "
                         f"(code queue_full, Retry-After; default: {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--max-choices", type=int, default=None, metavar="N",
+                   help="a request of more than N choices (prompts x n) gets 400 before it "
+                        "is tokenized (code too_many_choices; at most --max-queue; default: "
+                        f"{DEFAULT_MAX_CHOICES}, or --max-queue when smaller)")
+    p.add_argument("--max-score-gib", type=float, default=None, metavar="G",
+                   help="a request with log-probs whose prompt plus max_tokens needs more than "
+                        "G GiB of float32 log-probs (tokens x vocabulary x 4 bytes) gets 400 "
+                        "(code scoring_too_large; inf: no limit; default: "
+                        f"{DEFAULT_MAX_SCORE_GIB:g} on hf, inf on vllm, which scores in chunks)")
     p.add_argument("--quiet", action="store_true",
                    help="no log line per request (default: one INFO line each: route, "
                         "status, prompt and completion tokens, milliseconds)")
@@ -87,14 +103,33 @@ def flag_problems(args) -> list[str]:
                f"--max-batch {args.max_batch} must be >= 1"),
               (args.api_key is None or (args.api_key.isprintable() and args.api_key.strip()
                                         and not any(c.isspace() for c in args.api_key)),
-               "--api-key must be a non-empty key without spaces"),
+               f"{args.api_key_from} must be a non-empty key without spaces"),
               (1 <= args.max_body_mb * 2 ** 20 < float("inf"), f"--max-body-mb "
                f"{args.max_body_mb} must be a finite size of at least one byte"),
               (args.max_queue >= 1, f"--max-queue {args.max_queue} must be >= 1"),
+              (args.max_choices is None or 1 <= args.max_choices <= args.max_queue,
+               f"--max-choices {args.max_choices} must be in [1, --max-queue "
+               f"{args.max_queue}]"),
+              (args.max_score_gib is None or args.max_score_gib > 0,
+               f"--max-score-gib {args.max_score_gib} must be > 0 (inf: no limit)"),
               (args.max_context is None or args.max_context > args.max_tokens,
                f"--max-context {args.max_context} must exceed --max-tokens {args.max_tokens} "
                "(room for the prompt)")]
     return [message for ok, message in checks if not ok]
+
+
+def fill_defaults(args, environ=os.environ) -> None:
+    """The defaults that depend on more than the flag: the API key (--api-key, else
+    $MEGATRON_SFT_ENGINE_API_KEY when set; an empty one is refused by flag_problems, never read
+    as "open"; args.api_key_from names where it came from), --max-score-gib (by backend) and
+    --max-choices (at most --max-queue)."""
+    args.api_key_from = "--api-key"
+    if args.api_key is None and API_KEY_ENV in environ:
+        args.api_key, args.api_key_from = environ[API_KEY_ENV], API_KEY_ENV
+    if args.max_score_gib is None:
+        args.max_score_gib = DEFAULT_MAX_SCORE_GIB if args.backend == "hf" else float("inf")
+    if args.max_choices is None and args.max_queue >= 1:
+        args.max_choices = min(DEFAULT_MAX_CHOICES, args.max_queue)
 
 
 def settled(args) -> str | None:
@@ -115,6 +150,7 @@ def settled(args) -> str | None:
 
 def main(argv: list[str] | None = None, prog: str = "python -m engine.serve") -> int:
     args = parser(prog).parse_args(argv)
+    fill_defaults(args)
     problems = flag_problems(args)
     problem = None if problems else settled(args)
     for line in problems + ([problem] if problem else []):

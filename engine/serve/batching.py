@@ -10,15 +10,23 @@ engine call per (temperature, top_p), plus one per budget for requests whose pro
 --max-context with the batch's largest max_tokens. Batching changes no sample: each request is
 seeded on its own (engine.serve.endpoint for the seeds).
 
-Admission (engine.api.batcher): a request arriving while max_pending choices wait gets 429
-(--max-queue, DEFAULT_MAX_QUEUE); once the serving loop's `until()` holds (SIGTERM / Ctrl-C),
-the queue closes between generate calls: what is pending and what arrives get 503 at once,
-the call in flight is answered.
+Admission (engine.api.batcher): a request whose choices (prompts x n) would take the waiting
+choices past max_pending gets 429 (--max-queue, DEFAULT_MAX_QUEUE); a request of more than
+--max-choices choices is a 400 before it is tokenized
+(engine.serve.endpoint). Once the serving loop's `until()` holds (SIGTERM / Ctrl-C), the queue
+closes between generate calls: what is pending and what arrives get 503 at once, the call in
+flight is answered.
+
+Failures: a generate call that raises is retried in halves (each half one call, again halved
+while it fails), so a request that fails alone gets its 503 and the others of its batch their
+replies (each request is seeded on its own: a retried one samples what it would have). While
+`alive()` is false (the engine died) nothing is retried: the whole batch gets 503.
 """
 from __future__ import annotations
 
 from typing import Callable
 
+from engine.api.backend import GenerateBackend, GenerateResult
 from engine.api.batcher import GenerateQueue, Pending
 
 CLIENTS = "serve"   # the one queue key of a serve endpoint's requests
@@ -33,6 +41,7 @@ class ServeQueue(GenerateQueue):
                  max_pending: int | None = DEFAULT_MAX_QUEUE) -> None:
         super().__init__(dict, lambda key: None, gather_s=gather_s, max_wait_s=gather_s,
                          max_batch=max_batch, max_pending=max_pending)
+        self.alive: Callable[[], bool] = lambda: True   # the engine (ServeEndpoint.serve)
 
     def _wait(self, now: float) -> float:
         if self.max_batch is not None and len(self.pending) >= self.max_batch:
@@ -49,3 +58,13 @@ class ServeQueue(GenerateQueue):
             return False
 
         return [] if stopping() else super().next_batch(stopping, poll_s)
+
+    def run_batch(self, backend: GenerateBackend, batch: list[Pending]
+                  ) -> list[GenerateResult | Exception]:
+        """One generate call; when it fails and the engine is alive, each half again (module
+        docstring): only requests that fail in a call of their own get their exception."""
+        results = super().run_batch(backend, batch)
+        if len(batch) == 1 or not isinstance(results[0], Exception) or not self.alive():
+            return results
+        half = len(batch) // 2
+        return self.run_batch(backend, batch[:half]) + self.run_batch(backend, batch[half:])

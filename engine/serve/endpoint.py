@@ -8,8 +8,11 @@
     POST /tokenize, POST /detokenize, GET /tokenizer_info (at the root, as vLLM's), and
     GET  /v1/models/{id}        engine.serve.tokenizer_routes
 Each request is logged in one INFO line (engine.api.http.log_requests on REQUEST_LOG; --quiet:
-none). A request arriving while max_pending choices wait gets 429 (code queue_full,
-Retry-After); once stopping, queued and new requests get 503 (engine.serve.batching).
+none). A request of more than max_choices choices (prompts x n) is a 400 before its prompts
+are tokenized; one whose choices would take the waiting ones past max_pending gets 429 (code
+queue_full, Retry-After); once stopping, queued and new requests get 503
+(engine.serve.admission, engine.serve.batching). A body is parsed, checked and tokenized on a
+worker thread, never on the server's event loop (so /health answers meanwhile).
 Stateless: every request is rendered whole (a chat with the generation prompt, as RL prompts
 are; a text prompt with the tokenizer's special tokens), checked by the agent endpoint's rules
 (engine.api.requests: the same parameters and 400s, any temperature / top_p, and the
@@ -18,8 +21,11 @@ evaluation parameters below), queued
 engine.api.replies. Errors are OpenAI-style bodies: 400 for malformed JSON, a parameter
 out of range, or context length exceeded (the prompt, or the prompt plus an explicit
 max_tokens, over max_context tokens: code context_length_exceeded); 401 (code invalid_api_key)
-without `Authorization: Bearer <key>` when the endpoint has a key (--api-key); 413 for a body
-over --max-body-mb (16 MiB by default); 503 when generation failed.
+without `Authorization: Bearer <key>` when the endpoint has a key (--api-key or
+MEGATRON_SFT_ENGINE_API_KEY); 413 for a body over --max-body-mb (16 MiB by default); 503
+when generation failed (code generation_failed; the other requests of its batch are answered:
+engine.serve.batching) and 500 for a bug: both with a short message naming the request id
+(also the X-Request-Id header), the exception with its traceback on ERROR_LOG only.
 
 max_tokens: a request's max_tokens (or max_completion_tokens) is capped at
 ServeSettings.max_tokens; absent, the reply may take that many, or what is left of
@@ -42,7 +48,8 @@ prompt + reply on the serving thread, after the batch's generate calls; k is cap
 ServeSettings.max_logprobs (20, vLLM's default max_logprobs; more is a 400 naming the
 parameter and the cap). stream=true: the engines generate a reply whole (one batched call), so
 the events are cut from the finished reply and sent after generation: the time to the first
-token is the whole reply's time. Errors found before streaming starts are JSON error bodies.
+token is the whole reply's time. Errors found before streaming starts are JSON error bodies;
+one after it started ends the stream with an error event, then [DONE] (engine.api.streaming).
 """
 from __future__ import annotations
 
@@ -57,18 +64,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.api.backend import GenerateBackend, GenerateRequest, call_seed
-from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, json_body, log_requests,
-                             models_body, require_api_key, start_http, stop_http)
+from engine.api.batcher import GenerationFailed
+from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, log_requests, models_body,
+                             parse_json, read_body, require_api_key, start_http, stop_http)
 from engine.api.evaluation import chat_reply, completion_reply
 from engine.api.requests import ApiError, Call, Limits, bad, parse_chat, parse_completion
 from engine.api.streaming import chat_chunks, completion_chunks, event_stream
 from engine.api.tokens import TemplateRules
 from engine.errors import RunError
+from engine.serve.admission import (DEFAULT_MAX_CHOICES, DEFAULT_MAX_SCORE_GIB, budget,
+                                    check_choices, check_scoring)
 from engine.serve.batching import CLIENTS, DEFAULT_MAX_QUEUE, STOPPING, ServeQueue
 from engine.serve.tokenizer_routes import add_tokenizer_routes
 
 SEED_RANGE = 2 ** 63
 REQUEST_LOG = logging.getLogger("engine.serve")   # one INFO line per request (--quiet: off)
+ERROR_LOG = logging.getLogger("engine.serve.errors")   # failed requests' exceptions (always)
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,9 @@ class ServeSettings:
     top_p: float = 1.0       # when a request gives none (--top-p)
     seed: int = 0            # the seeds of requests without one (--seed; module docstring)
     max_logprobs: int = 20   # the most top log-probs a request may ask (vLLM's default cap)
+    max_choices: int = DEFAULT_MAX_CHOICES   # prompts x n of one request (--max-choices)
+    max_score_gib: float | None = DEFAULT_MAX_SCORE_GIB   # scoring memory (--max-score-gib)
+    vocab_size: int | None = None   # the logits' width (None: the tokenizer's length)
 
 
 def request_seed(body: dict) -> int | None:
@@ -112,8 +126,9 @@ class ServeEndpoint:
         api_key: when set, requests need `Authorization: Bearer <api_key>` (401 otherwise;
             /health stays open); None: open (--api-key).
         max_body_bytes: a request body over it is a 413 (--max-body-mb).
-        max_pending: a request arriving while this many choices wait gets 429 (--max-queue;
-            None: unbounded; engine.serve.batching).
+        max_pending: a request whose choices would take the waiting ones past it gets 429
+            (--max-queue; None: unbounded; engine.serve.batching); a request may bring
+            min(settings.max_choices, max_pending) choices (more could never be queued).
         request_log: the logger of one INFO line per request (engine.api.http.log_requests);
             None: no lines (--quiet).
     """
@@ -132,6 +147,9 @@ class ServeEndpoint:
                              temperature=settings.temperature, top_p=settings.top_p,
                              fixed_sampling=False, model=settings.model_name,
                              evaluation=True, max_logprobs=settings.max_logprobs)
+        self.max_choices = (settings.max_choices if max_pending is None
+                            else min(settings.max_choices, max_pending))
+        self.vocab_size = settings.vocab_size or self.rules.vocab_size
         self.queue = ServeQueue(gather_s, max_batch, max_pending)
         self.app = build_app(self)
         self._lock = threading.Lock()
@@ -161,8 +179,10 @@ class ServeEndpoint:
     def serve(self, backend: GenerateBackend, until: Callable[[], bool],
               alive: Callable[[], bool] = lambda: True) -> None:
         """On the engine-owning thread: batches through `backend` until `until()` holds and
-        nothing is pending. A failed generate call answers its batch 503 and serving goes on
-        while `alive()` (the engine still works); otherwise RunError."""
+        nothing is pending. A failed generate call answers its failing requests 503
+        (engine.serve.batching) and serving goes on while `alive()` (the engine still works);
+        otherwise RunError."""
+        self.queue.alive = alive
         while True:
             try:
                 self.queue.serve(backend, until)
@@ -172,7 +192,7 @@ class ServeEndpoint:
                     raise RunError(f"the rollout engine failed and is not alive: "
                                    f"{type(e).__name__}: {e}") from e
                 print(f"[serve] warning: a generate call failed ({type(e).__name__}: {e}); "
-                      "its requests got 503", flush=True)
+                      "its failing requests got 503 (their tracebacks: the log)", flush=True)
 
     def _contexts(self, call: Call) -> list[list[int]]:
         """The prompt ids of each of the call's prompts (a chat: its one rendering)."""
@@ -187,23 +207,25 @@ class ServeEndpoint:
                 contexts.append(list(prompt))
         return contexts
 
-    def _budget(self, call: Call, asked: int | None, context: int, which: str) -> int:
-        """The reply's max_tokens for a prompt of `context` ids (`which`: "" or " (prompt i)"
-        of a list of prompts); 0 only for max_tokens 0 (echo, the prompt scored). A scored
-        request (log-probs asked) fits in max_context - 1 ids: the vllm engine scores a
-        sequence by generating one token after it (engine.rl.rollout.vllm_scoring)."""
-        most = self.settings.max_context - (1 if call.logprobs else 0)
-        room = most - context
-        if (room < 1 and asked != 0) or (asked is not None and asked > room):
-            plus = f" plus max_tokens={asked}" if asked is not None else ""
-            scored = " (max_context - 1 with log-probs)" if call.logprobs else ""
-            raise ApiError(400, f"context length exceeded: this request{which} has {context} "
-                           f"prompt tokens{plus}; this endpoint serves at most {most} tokens"
-                           f"{scored} (--max-context {self.settings.max_context})", "messages"
-                           if call.kind == "chat" else "prompt", code="context_length_exceeded")
-        if call.max_tokens == 0:
-            return 0
-        return min(call.max_tokens or self.settings.max_tokens, room)
+    def _prepare(self, kind: str, raw: bytes) -> tuple[Call, list[list[int]], list[int],
+                                                       int | None]:
+        """(the call, its prompts' ids, their reply budgets, its seed) of a request body, on
+        a worker thread: JSON, checks, the choices' cap before tokenizing, the prompts'
+        budgets and scoring memory (engine.serve.admission; 400s)."""
+        body = parse_json(raw)
+        seed = request_seed(body)
+        call = (parse_chat if kind == "chat" else parse_completion)(body, self.limits)
+        check_choices(call, self.max_choices)
+        contexts = self._contexts(call)
+        asked = requested_max_tokens(body)
+        budgets = []
+        for i, c in enumerate(contexts):
+            which = f" (prompt {i})" if len(contexts) > 1 else ""
+            budgets.append(budget(call, asked, len(c), which, self.settings.max_context,
+                                  self.settings.max_tokens))
+            check_scoring(call, len(c) + budgets[-1], which, self.vocab_size,
+                          self.settings.max_score_gib)
+        return call, contexts, budgets, seed
 
     def _accept(self, seed: int | None) -> tuple[int, int]:
         """(the request's number, its base seed) (module docstring)."""
@@ -212,27 +234,33 @@ class ServeEndpoint:
             self._accepted += 1
         return number, seed if seed is not None else call_seed(self.settings.seed, number)
 
-    async def handle(self, kind: str, body: dict) -> Response:
-        """One request: checked (400s before anything is queued or streamed), its prompts'
-        choices queued (prompt i choice k: seed call_seed(base, 0, k), the same as that prompt
-        alone; scored when log-probs are asked: raw-logit log-probs, engine.api.evaluation),
-        answered as JSON or, with stream=true, as server-sent events cut from the finished
-        reply (engine.api.streaming: sent after generation)."""
-        seed = request_seed(body)
-        call = (parse_chat if kind == "chat" else parse_completion)(body, self.limits)
-        contexts = self._contexts(call)
-        asked = requested_max_tokens(body)
-        budgets = [self._budget(call, asked, len(c), f" (prompt {i})" if len(contexts) > 1
-                                else "") for i, c in enumerate(contexts)]
-        self.queue.check_admission()   # a 429 / 503 takes no number (no await until queued)
+    async def handle(self, kind: str, raw: bytes) -> Response:
+        """One request body: checked and tokenized on a worker thread (400s before anything
+        is queued or streamed), its prompts' choices queued (prompt i choice k: seed
+        call_seed(base, 0, k), the same as that prompt alone; scored when log-probs are asked:
+        raw-logit log-probs, engine.api.evaluation), answered as JSON or, with stream=true, as
+        server-sent events cut from the finished reply (engine.api.streaming: sent after
+        generation). A failed generation is a 503 naming the request id (module docstring)."""
+        call, contexts, budgets, seed = await asyncio.to_thread(self._prepare, kind, raw)
+        self.queue.check_admission(len(contexts) * call.n)   # 429 / 503: no number
         number, base = self._accept(seed)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._token}-{number}"
         score = call.top_logprobs if call.logprobs else None
         requests = [GenerateRequest(tuple(context), budget, call.temperature, call.top_p,
                                     call_seed(base, 0, k), score)
                     for context, budget in zip(contexts, budgets) for k in range(call.n)]
-        results = await asyncio.gather(*[asyncio.wrap_future(f) for f in
-                                         self.queue.submit_many(CLIENTS, requests)])
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._token}-{number}"
+        try:
+            results = await asyncio.gather(*[asyncio.wrap_future(f) for f in
+                                             self.queue.submit_many(CLIENTS, requests)])
+        except GenerationFailed as e:
+            raise failure(rid, e.cause, e) from None
+        try:
+            return self._answer(kind, call, contexts, results, rid)
+        except Exception as e:  # noqa: BLE001 - a bug: 500 naming the request, logged
+            raise failure(rid, e) from None
+
+    def _answer(self, kind: str, call: Call, contexts: list[list[int]], results: list,
+                rid: str) -> Response:
         if kind == "chat":
             reply, replies = chat_reply(self.rules, call, contexts[0], results,
                                         self.limits.model, rid)
@@ -242,7 +270,22 @@ class ServeEndpoint:
                                                       self.limits.model, rid)
             chunks = (completion_chunks(self.rules, call, reply, replies, echoes)
                       if call.stream else None)
-        return event_stream(chunks) if call.stream else JSONResponse(reply)
+        if call.stream:
+            return event_stream(chunks, rid, ERROR_LOG)
+        return JSONResponse(reply)
+
+
+def failure(rid: str, cause: BaseException, error: ApiError | None = None) -> ApiError:
+    """The answer to request `rid` that failed with `cause`: `error` (GenerationFailed's
+    503), else a 500; its message names the request id (so does X-Request-Id), the exception
+    and its traceback go to ERROR_LOG only."""
+    ERROR_LOG.error("request %s failed", rid, exc_info=(type(cause), cause,
+                                                         cause.__traceback__))
+    status, what = (error.status, "generation failed") if error else (500, "internal error")
+    out = ApiError(status, f"{what} (request id {rid}); the server log has the details",
+                   kind="server_error", code=error.code if error else "internal_error")
+    out.request_id = rid
+    return out
 
 
 def build_app(endpoint: ServeEndpoint) -> FastAPI:
@@ -265,12 +308,12 @@ def build_app(endpoint: ServeEndpoint) -> FastAPI:
 
     async def call(request: Request, kind: str) -> Response:
         try:
-            return await endpoint.handle(kind, await json_body(request,
+            return await endpoint.handle(kind, await read_body(request,
                                                                endpoint.max_body_bytes))
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must answer 500, not drop the request
-            raise ApiError(500, f"{type(e).__name__}: {e}", kind="server_error") from e
+            raise failure(f"{kind}-{secrets.token_hex(6)}", e) from None
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -42,10 +42,18 @@ def folder_problem(path: str) -> str | None:
     return None
 
 
-def model_context(path: str) -> int | None:
-    """The model's context length (max_position_embeddings of its text config), or None."""
+def _text_config_value(path: str, key: str) -> int | None:
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    value = (config.get("text_config") or {}).get("max_position_embeddings") \
-        or config.get("max_position_embeddings")
+    value = (config.get("text_config") or {}).get(key) or config.get(key)
     return int(value) if value else None
+
+
+def model_context(path: str) -> int | None:
+    """The model's context length (max_position_embeddings of its text config), or None."""
+    return _text_config_value(path, "max_position_embeddings")
+
+
+def model_vocab(path: str) -> int | None:
+    """The width of the model's logits (vocab_size of its text config), or None."""
+    return _text_config_value(path, "vocab_size")

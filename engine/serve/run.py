@@ -14,6 +14,7 @@ import threading
 from engine.errors import RunError
 from engine.rl.rollout.sampling_backend import SamplingBackend
 from engine.serve.endpoint import REQUEST_LOG, ServeEndpoint, ServeSettings
+from engine.serve.folder import model_vocab
 from engine.serve.model import load_model
 
 
@@ -28,7 +29,9 @@ def serve_model(args) -> int:
         return 2
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     settings = ServeSettings(name, args.max_tokens, args.max_context, args.temperature,
-                             args.top_p, args.seed)
+                             args.top_p, args.seed, max_choices=args.max_choices,
+                             max_score_gib=args.max_score_gib,
+                             vocab_size=model_vocab(args.model))
     engine, stop = loaded.engine, threading.Event()
     previous = {}   # Python installs signal handlers from the main thread only
     if threading.current_thread() is threading.main_thread():
@@ -46,9 +49,9 @@ def serve_model(args) -> int:
         REQUEST_LOG.setLevel(logging.INFO)
     try:
         endpoint.start()
+        keyed = f"; requests need the key of {args.api_key_from}" if args.api_key else ""
         print(f"[serve] {args.model} on the {args.backend} backend: {endpoint.base_url} "
-              f"(model {name!r}{'; requests need the --api-key' if args.api_key else ''})",
-              flush=True)
+              f"(model {name!r}{keyed})", flush=True)
         # max_len: a request never shares a budget that would take its prompt past the
         # context (vLLM refuses such a call: max_model_len = --max-context); score: the
         # raw-logit log-probs of requests with logprobs / echo (engine.api.evaluation)

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.api.backend import call_seed
+from engine.api.budget import Window, reply_budget
 from engine.api.requests import ApiError, Call, Limits, bad
 from engine.api.tokens import TemplateRules
 from engine.data.rows import check_messages
@@ -203,15 +204,13 @@ class Episode:
                     added, before + added, 0, [])
 
     def _budget(self, call: Call, context: int) -> int:
-        room = self.limits.seq_length + 1 - context
-        if room < 1 or (call.max_tokens is not None and call.max_tokens > room):
-            asked = f" plus max_tokens={call.max_tokens}" if call.max_tokens else ""
-            raise ApiError(400, f"context length exceeded: this call's context has {context} "
-                           f"tokens{asked}; a trajectory holds at most "
-                           f"{self.limits.seq_length + 1} (train.seq_length + 1)",
-                           "messages", code="context_length_exceeded")
-        return min(call.max_tokens or self.limits.max_new_tokens, room,
-                   self.limits.max_new_tokens)
+        """The call's reply budget by the one context-budget rule (engine.api.budget) in a
+        trajectory's window of train.seq_length + 1 ids."""
+        most = self.limits.seq_length + 1
+        window = Window(most, "this call's context", "tokens",
+                        f"a trajectory holds at most {most} (train.seq_length + 1)", "messages")
+        return reply_budget(window, context, call.max_tokens, call.max_tokens,
+                            self.limits.max_new_tokens)
 
     def record(self, plan: Plan, choice: int, ids: list[int], logprobs: list[float],
                finish_reason: str, returned) -> Node:
