@@ -261,6 +261,36 @@ def test_roundtrip_is_bitwise(arch, rm_dirs, rm_ckpts, rm_exports):
         assert (rm_exports[arch] / name).read_bytes() == (Path(rm_dirs[arch]) / name).read_bytes()
 
 
+def test_the_export_is_called_as_transformers_docs_show(pools, rm_dirs, rm_ckpts, rm_exports):
+    """The export's own apply_chat_template ids of a chat end on <|im_end|> (3), the token the
+    engine scores, and transformers' score of them is the source folder's score of the ids
+    cut there; the source template's ids end on the newline after it (4), another score. The
+    export carries README.md; `verify` of the export scores its chat rows as the checkpoint
+    does (a line of its own)."""
+    from transformers import AutoTokenizer
+
+    from engine.rm.scoring import chat_scored_ids
+
+    chat = [{"role": "user", "content": "what is 2 + 3 ?"},
+            {"role": "assistant", "content": "the answer is 5"}]
+    export, source = rm_exports["qwen3"], rm_dirs["qwen3"]
+    called = AutoTokenizer.from_pretrained(str(export)).apply_chat_template(
+        chat, return_tensors="pt", return_dict=True)["input_ids"]
+    engine = chat_scored_ids(chat, AutoTokenizer.from_pretrained(source), "chat")
+    assert called[0].tolist() == engine and engine[-1] == 3
+    expected = hf_scores(source, torch.tensor([engine]))
+    assert rel(hf_scores(str(export), called), expected) < REL
+    old = AutoTokenizer.from_pretrained(source).apply_chat_template(
+        chat, return_tensors="pt", return_dict=True)["input_ids"]
+    assert old[0, -1] == 4 and rel(hf_scores(source, old), expected) > 1e-2
+    assert "megatron-sft-engine rm score --model" in (export / "README.md").read_text()
+    proc = convert(pools, 1, "verify", "--hf-dir", export, "--ckpt", rm_ckpts["qwen3"],
+                   "--batch", 4)
+    assert proc.returncode == 0 and "verify: OK" in proc.stdout, proc.stdout
+    [chat_diff] = re.findall(r"apply_chat_template: max_abs_diff=(\S+)", proc.stdout)
+    assert float(chat_diff) <= REL * max(1.0, expected.abs().item()), proc.stdout
+
+
 def test_megatron_scores_at_tp2_equal_transformers(pools, rm_dirs, rm_ckpts):
     """load_reward_model and the checkpoint at TP2: the last token's value is transformers'
     score (1e-5 relative); negative control: the second-to-last token's is not."""

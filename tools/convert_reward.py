@@ -18,7 +18,9 @@ A checkpoint is a reward model's when its hf/config.json is one (`is_reward_mode
   the end-of-turn id the model scores, `end_of_turn_id`); mcore-to-hf refuses it by name;
 - `verify_scores(chunks, cfg, args)`: `verify` for a reward model: last-token scores of
   right-padded test sequences, half of them ending on the end-of-turn id, against
-  transformers' AutoModelForSequenceClassification.
+  transformers' AutoModelForSequenceClassification; and two chats rendered by --hf-dir's own
+  `apply_chat_template` (as transformers' docs call a model) against the checkpoint's scores of
+  their end-of-turn token (tools/convert_reward_template.py: the export's chat template).
 """
 from __future__ import annotations
 
@@ -234,10 +236,12 @@ def score_batch(cfg: dict, batch: int, seq_len: int, seed: int, eot: int | None 
     return tokens, lengths
 
 
-def hf_scores(hf_dir: str, tokens, lengths, dtype):
+def hf_scores(hf_dir: str, tokens, lengths, dtype, chats: list[list[int]] = ()):
     """transformers' AutoModelForSequenceClassification scores [b] (float32) of the
     right-padded `tokens`: one padded batch when the config has a pad_token_id, else one
-    unpadded sequence at a time (transformers scores no batch of several without it)."""
+    unpadded sequence at a time (transformers scores no batch of several without it); and
+    [len(chats)] of the id lists `chats`, one at a time. Returns (scores, chat scores, the
+    model's class name)."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -250,32 +254,42 @@ def hf_scores(hf_dir: str, tokens, lengths, dtype):
         else:
             scores = torch.cat([hf(tokens[i:i + 1, :int(n)].to(device)).logits[:, 0]
                                 for i, n in enumerate(lengths)])
-    return scores.float().cpu(), type(hf).__name__
+        chat = [hf(torch.tensor([ids], device=device)).logits[0, 0] for ids in chats]
+    chat = torch.stack(chat).float().cpu() if chat else torch.zeros(0)
+    return scores.float().cpu(), chat, type(hf).__name__
 
 
 def verify_scores(chunks: list, cfg: dict, args) -> bool:
     """Collective: the checkpoint's last-token scores (models.build.forward.forward_values) of
     score_batch's sequences against transformers' scores of --hf-dir; rank 0 prints
     max_abs_diff and returns whether it is within the tolerance (fp32 default: 1e-4 x
-    max(1, max |score|); bf16: 3e-2 x max |score|)."""
+    max(1, max |score|); bf16: 3e-2 x max |score|), for those and for the chats of
+    convert_reward_template.chat_inputs (transformers on --hf-dir's apply_chat_template ids,
+    the checkpoint on the ids the engine scores)."""
     import torch
     import torch.distributed as dist
 
     from models.build.forward import forward_values
     from models.hf.io import read_config
 
+    from tools.convert_reward_template import (chat_inputs, checkpoint_chat_scores,
+                                               report_chats)
+
     tokenizer = _tokenizer(Path(args.hf_dir))
     eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
     tokens, lengths = score_batch(cfg, args.batch, args.seq_len, args.seed, eot)
     values = forward_values(chunks, tokens).float().cpu()
     scores = values[torch.arange(len(lengths)), lengths - 1]
+    engine_ids, called_ids = chat_inputs(tokenizer) if tokenizer is not None else ([], [])
+    chat_scores = checkpoint_chat_scores(chunks, engine_ids)
     if dist.get_rank() != 0:
         return True
     if not is_sequence_classifier(read_config(args.hf_dir)):
         print(f"verify: FAILED (--hf-dir {args.hf_dir} is not a *{CLASSIFIER_SUFFIX} folder; "
               "the checkpoint is a reward model)")
         return False
-    ref, name = hf_scores(args.hf_dir, tokens, lengths, getattr(torch, args.dtype))
+    ref, chat_ref, name = hf_scores(args.hf_dir, tokens, lengths, getattr(torch, args.dtype),
+                                    called_ids)
     diff = (scores - ref).abs().max().item()
     scale = ref.abs().max().item()
     tolerance = args.tolerance if args.tolerance is not None else (
@@ -286,5 +300,7 @@ def verify_scores(chunks: list, cfg: dict, args) -> bool:
     print(f"layout tp={args.tp} pp={args.pp} ep={args.ep} dtype={args.dtype} "
           f"max_abs_diff={diff:.3e} (max |score| {scale:.3e})")
     ok = diff <= tolerance
+    ok = report_chats(engine_ids, called_ids, chat_scores, chat_ref, tolerance,
+                      tokenizer.chat_template if tokenizer is not None else None) and ok
     print("verify: OK" if ok else f"verify: FAILED (tolerance {tolerance:.3e})")
     return ok

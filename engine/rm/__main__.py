@@ -9,6 +9,8 @@ on an error); the run itself is engine.rm.training.run.
 """
 from __future__ import annotations
 
+import sys
+
 from engine.cli import entry_main, exit_process
 from engine.config.rm_settings import RMConfig, validate_rm
 from engine.rm.recipe_check import main as validate_main
@@ -25,8 +27,14 @@ EXAMPLES = [
 
 def main(argv: list[str] | None = None, prog: str = "engine.rm", usage: str = USAGE,
          examples: list[str] = EXAMPLES) -> int:
-    """`python -m engine.rm [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
-    and `examples` are what --help prints (the console command passes its own)."""
+    """`python -m engine.rm [--config FILE] [key=value ...] [--validate ...]`, or
+    `python -m engine.rm score ...` (engine.rm.score: a reward model's scores of chats). `prog`,
+    `usage` and `examples` are what --help prints (the console command passes its own)."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if argv[:1] == ["score"]:
+        from engine.rm.score import main as score_main   # loads transformers' model classes
+
+        return score_main(argv[1:], prog=f"{prog} score")
     return entry_main(argv, prog, RMConfig, usage, examples, validate_main,
                       "engine.rm.training:run", validate=validate_rm)
 

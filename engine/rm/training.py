@@ -25,6 +25,7 @@ from engine.data.datasets import Sample, global_batch_indices
 from engine.data.preference import PreferencePair
 from engine.dpo.training import load_pairs
 from engine.rm.loss_fn import REPORT_KEYS, RewardBatch, rm_loss_fn, score_extremes
+from engine.rm.scoring import scored_length
 from engine.run.run_loop import RunLoop
 from engine.run.train_engine_build import build_train_engine
 from engine.training.micro_batches import SequenceData
@@ -45,10 +46,10 @@ def scored_ids(side: Sample) -> list[int]:
     (engine.rl.policy.reward_model), so the token trained here is the token scored there and by
     transformers' sequence classifier after the export. A side cut on the right ends on its last
     kept trained token. A side with no trained token (the preference loader refuses those) is
-    read whole."""
-    mask = side.loss_mask
-    last = next((t for t in range(len(mask) - 1, -1, -1) if mask[t]), len(mask) - 1)
-    return [int(x) for x in side.tokens[:last + 1]] + [int(side.labels[last])]
+    read whole. The rule is engine.rm.scoring.scored_length's (the ids' trained flags are the
+    label mask shifted by one)."""
+    ids = [int(x) for x in side.tokens] + [int(side.labels[-1])]
+    return ids[:scored_length([0, *side.loss_mask])]
 
 
 def score_sequence(side: Sample, pad_id: int) -> SequenceData:

@@ -1,0 +1,127 @@
+"""`megatron-sft-engine rm score` (`python -m engine.rm score`): a reward model's scores of
+chats, on the CPU or one GPU, from an exported folder (docs/preference.md#scoring-chats).
+
+    megatron-sft-engine rm score --model runs/rm/hf --data chats.jsonl [--out scores.jsonl]
+
+`--model`: a reward model's HF folder (`*ForSequenceClassification`, num_labels 1: what
+`convert mcore-to-hf` writes). `--data`: .jsonl/.parquet files; a row is a chat
+(`{"messages": [...], "tools": [...]}`, its last message the assistant reply) or a preference
+row in any format `rm` trains on (`prompt`/`chosen`/`rejected`, implicit prompt, text). Each
+row is rendered with the folder's chat template exactly as training renders a side and cut
+after its end-of-turn token (engine.rm.scoring), one sequence per forward pass of transformers'
+AutoModelForSequenceClassification. One JSON line per row on stdout (or --out): `{"row": N,
+"score": s}` for a chat, `{"row": N, "chosen": c, "rejected": r, "margin": c - r}` for a pair;
+a summary on stderr (the pairs' preference accuracy and mean margin). Exit codes: 0 done, 2 a
+bad folder or row (named by file:line).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from engine.data.files import DataError, read_rows, where
+from engine.data.rows import chat_field, normalize_chat
+from engine.rm.scoring import chat_scored_ids, pair_scored_ids
+from models.bridge.reward_model import is_reward_model_config
+from models.hf.custom_code import load_tokenizer
+from models.hf.io import read_config
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=(
+        "Score chats (or both sides of preference pairs) with a reward model's HF folder, "
+        "rendered as `rm` training renders them and scored on the reply's end-of-turn token."))
+    p.add_argument("--model", required=True, help="the reward model's HF folder "
+                   "(*ForSequenceClassification, num_labels 1; convert mcore-to-hf writes it)")
+    p.add_argument("--data", required=True, nargs="+", help="rows: chats "
+                   '({"messages": [...]}) or preference rows (prompt/chosen/rejected)')
+    p.add_argument("--out", help="write the JSON lines here instead of stdout")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    p.add_argument("--limit", type=int, default=None, help="score the first N rows only")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the folder's own tokenizer code run")
+    return p
+
+
+def row_ids(row: dict, tokenizer, at: str) -> dict[str, list[int]]:
+    """{"score": ids} of a chat row, {"chosen": ids, "rejected": ids} of a preference row."""
+    if chat_field(row) is not None and "chosen" not in row:
+        chat = normalize_chat(row, at)
+        return {"score": chat_scored_ids(chat.messages, tokenizer, at, chat.tools)}
+    if "chosen" in row or "rejected" in row:
+        chosen, rejected = pair_scored_ids(row, tokenizer, at)
+        return {"chosen": chosen, "rejected": rejected}
+    raise DataError(f"{at}: a row to score needs field 'messages' (a chat ending with the "
+                    f"assistant reply) or 'chosen' and 'rejected' (a preference row); found "
+                    f"fields {sorted(row)}")
+
+
+def load(folder: str, dtype: str, device: str | None, trust_remote_code: bool):
+    """(tokenizer, model in eval mode, device) of a reward model's folder; DataError when the
+    folder is not one."""
+    try:
+        config = read_config(folder)
+    except (OSError, ValueError) as e:
+        raise DataError(f"--model {folder}: {e}") from None
+    if not is_reward_model_config(config):
+        raise DataError(f"--model {folder} is not a reward model: its config.json names "
+                        f"{config.get('architectures')} with num_labels "
+                        f"{config.get('num_labels')}; a *ForSequenceClassification with "
+                        "num_labels 1 is (convert mcore-to-hf writes one from an rm run)")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForSequenceClassification.from_pretrained(
+        folder, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+    return load_tokenizer(folder, trust_remote_code), model.to(device).eval(), device
+
+
+def score_rows(args) -> list[dict]:
+    """One result per row (module docstring), in file order."""
+    tokenizer, model, device = load(args.model, args.dtype, args.device, args.trust_remote_code)
+    out = []
+    for n, (path, line, row) in enumerate(read_rows(args.data)):
+        if args.limit is not None and n >= args.limit:
+            break
+        result = {"row": n + 1}
+        for name, ids in row_ids(row, tokenizer, where(path, line)).items():
+            with torch.no_grad():
+                logits = model(torch.tensor([ids], device=device)).logits
+            result[name] = float(logits[0, 0].float())
+        if "chosen" in result:
+            result["margin"] = result["chosen"] - result["rejected"]
+        out.append(result)
+    return out
+
+
+def summary(results: list[dict]) -> str:
+    pairs = [r for r in results if "margin" in r]
+    text = f"scored {len(results)} rows"
+    if pairs:
+        accuracy = sum(r["margin"] > 0 for r in pairs) / len(pairs)
+        margin = sum(r["margin"] for r in pairs) / len(pairs)
+        text += (f"; {len(pairs)} pairs: accuracy {accuracy:.4f} (chosen scored above "
+                 f"rejected), mean margin {margin:.4f}")
+    return text
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m engine.rm score") -> int:
+    args = parser(prog).parse_args(argv)
+    try:
+        results = score_rows(args)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    text = "".join(json.dumps(r) + "\n" for r in results)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    print(summary(results), file=sys.stderr, flush=True)
+    return 0
