@@ -10,15 +10,17 @@ One package per concern; package-level imports run one way (tests/test_structure
     run         RunLoop around every step; may import config, training, checkpoint
     sft, rl,    entry points (`python -m engine.sft`, `python -m engine.rl`, `python -m engine.dpo`,
     dpo, rm,    `python -m engine.rm`, `python -m engine.kto`); nothing imports them, and they
-    kto         never import each other, except that rm reuses dpo's per-sequence
-                context-parallel sums and kto dpo's reference and those sums
+    kto         never import each other
+    preference  the core dpo, kto and rm share (the reference, per-sequence context-parallel
+                sums, the float64 loss scaffold, the run loop, chunked evaluation); only they
+                import it
     api         the OpenAI-compatible protocol both servers speak (request checks, template
                 rules, replies, the generate queue, HTTP plumbing); imports data only, and only
                 rl (the agent endpoint) and serve import it
     serve       `python -m engine.serve`: a checkpoint served OpenAI-compatibly (api) on RL's
                 rollout engines (imports rl.rollout); nothing imports it, it trains nothing
 
-data and training never import run, sft, rl, dpo, rm, kto or checkpoint; run never imports
-sft, rl, dpo, rm or kto.
+data and training never import run, sft, rl, dpo, rm, kto, preference or checkpoint; run
+never imports sft, rl, dpo, rm, kto or preference.
 `cli.py` and `errors.py` are shared by the entry points.
 """

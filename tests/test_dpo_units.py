@@ -276,7 +276,7 @@ def test_token_mean_logits_from_logits_and_from_hidden_states():
     HiddenStates (the logits never built) it equals the mean of hidden @ W[:V].T, float64
     (the float32 logits' rounding: rel 1e-6). Negative control: the mean over the padded
     vocabulary differs."""
-    from engine.dpo.loss_fn import token_mean_logits
+    from engine.preference.logits import token_mean_logits
     from engine.training.loss_head import HiddenStates
 
     g = torch.Generator().manual_seed(0)

@@ -19,23 +19,27 @@ ENTRY_POINTS = {"engine.sft.__main__", "engine.rl.__main__", "engine.dpo.__main_
 # only rl and serve import it; serve (`megatron-sft-engine serve`) is built on api and RL's
 # rollout engines and trains nothing: nothing imports it, and it imports no training,
 # checkpoint or other entry point
+# preference is the core DPO, KTO and reward models share (issue 76): only they import it, and
+# none of them imports another
 FORBIDDEN = {
     "data": {"run", "sft", "rl", "dpo", "rm", "kto", "checkpoint", "training", "config",
-             "serve", "api"},
+             "serve", "api", "preference"},
     "training": {"run", "sft", "rl", "dpo", "rm", "kto", "checkpoint", "data", "config",
-                 "serve", "api"},
-    "checkpoint": {"run", "sft", "rl", "dpo", "rm", "kto", "serve", "api"},
-    "run": {"sft", "rl", "dpo", "rm", "kto", "serve", "api"},
+                 "serve", "api", "preference"},
+    "checkpoint": {"run", "sft", "rl", "dpo", "rm", "kto", "serve", "api", "preference"},
+    "run": {"sft", "rl", "dpo", "rm", "kto", "serve", "api", "preference"},
+    "preference": {"sft", "rl", "dpo", "rm", "kto", "serve", "api"},
     "dpo": {"sft", "rl", "rm", "kto", "serve", "api"},
-    "sft": {"dpo", "rm", "kto", "serve", "api"},
-    "rl": {"dpo", "rm", "kto", "serve"},
-    "rm": {"sft", "rl", "kto", "serve", "api"},
-    "kto": {"sft", "rl", "rm", "serve", "api"},
-    "config": {"serve", "api", "kto"},
-    "serve": {"sft", "dpo", "rm", "kto", "run", "checkpoint", "training"},
+    "sft": {"dpo", "rm", "kto", "serve", "api", "preference"},
+    "rl": {"dpo", "rm", "kto", "serve", "preference"},
+    "rm": {"sft", "rl", "dpo", "kto", "serve", "api"},
+    "kto": {"sft", "rl", "dpo", "rm", "serve", "api"},
+    "config": {"serve", "api", "kto", "preference"},
+    "serve": {"sft", "dpo", "rm", "kto", "run", "checkpoint", "training", "preference"},
     "api": {"run", "sft", "rl", "dpo", "rm", "kto", "checkpoint", "training", "config",
-            "serve"},
+            "serve", "preference"},
 }
+OBJECTIVES = ("dpo", "kto", "rm")   # the preference objectives (engine/preference: their core)
 
 
 def _module_name(path: Path) -> str:
@@ -179,6 +183,25 @@ def test_cycle_finder_and_rules_catch_violations():
     deps = _imported(tree, "engine.training.loss", False, known)
     assert deps == {"engine.run.run_loop"}
     assert _package_graph({"engine.training.loss": deps}) == {"training": {"run"}}
+
+
+def _objective_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) of every import between two preference objectives in `graph`."""
+    packages = _package_graph(graph)
+    return {(a, b) for a in OBJECTIVES for b in packages.get(a, set()) if b in OBJECTIVES}
+
+
+def test_preference_objectives_share_one_core_and_import_no_other_objective():
+    """engine.dpo, engine.kto and engine.rm each import the preference core (engine.preference)
+    and none imports another objective (issue 76: kto read dpo's reference and sums, rm its
+    sums and loaders). Negative control: a kto -> dpo edge is found."""
+    graph = _graph()
+    assert _objective_imports(graph) == set()
+    packages = _package_graph(graph)
+    assert all("preference" in packages[o] for o in OBJECTIVES), packages
+    assert _objective_imports({"engine.kto.training": {"engine.dpo.training"},
+                               "engine.rm.loss_fn": {"engine.preference.table"}}) == {
+        ("kto", "dpo")}
 
 
 @pytest.mark.parametrize("root", SOURCE_ROOTS)

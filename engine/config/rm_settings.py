@@ -8,6 +8,7 @@
   brings its head;
 - `rm.center_rewards_coefficient` (null: off): c in the loss term c * mean((r_c + r_r)^2)
   (TRL's RewardTrainer);
+- `model.mtp.enabled=true` is refused: a reward model trains no MTP layer (docs/mtp.md);
 `train.global_batch_size` and `train.micro_batch_size` count pairs; data.train_files hold
 preference rows (engine.data.preference; a row's optional `margin` enters the loss).
 """
@@ -66,6 +67,10 @@ def rm_problems(cfg, hf_config: dict) -> list[str]:
     missing = classifier_problem(hf_config)
     if missing:
         p.append(f"model.hf_path={cfg.model.hf_path}: {missing}")
+    if cfg.model.mtp.enabled:
+        p.append("model.mtp.enabled=true is not supported for reward models: a reward model "
+                 "scores a sequence at one token and predicts none, so its MTP layer (a "
+                 "draft model) would learn nothing; leave model.mtp.enabled false")
     return p
 
 

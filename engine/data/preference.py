@@ -80,15 +80,17 @@ class PreferenceDataset:
         return PreferencePair(self._sequences[2 * i], self._sequences[2 * i + 1],
                               None if math.isnan(margin) else margin)
 
-    def describe(self) -> str:
-        """One line for the run log: pairs, rows per format, truncated sides, margins."""
+    def describe(self, limit: str | None = None) -> str:
+        """One line for the run log: pairs, rows per format, truncated sides, margins. `limit`
+        names the side length the sides were fitted to (default "train.seq_length=<seq_length>
+        tokens"; a reward model, which reads one id more, names its own)."""
         s = self.stats
         forms = ", ".join(f"{name} {s[name]}" for name in FORM_NAMES)
+        limit = limit or f"train.seq_length={self.seq_length} tokens"
         return (f"{len(self)} preference pairs from {s['rows']} rows ({forms}); truncated: "
                 f"{s['truncated']} pairs (chosen {s['truncated_chosen']}, rejected "
-                f"{s['truncated_rejected']}; sides longer than train.seq_length="
-                f"{self.seq_length} tokens cut on the {self.truncation}, prompts kept); "
-                f"with margin: {s['with_margin']}; dropped: 0")
+                f"{s['truncated_rejected']}; sides longer than {limit} cut on the "
+                f"{self.truncation}, prompts kept); with margin: {s['with_margin']}; dropped: 0")
 
 
 def _preference_unit(k: int, unit: RowUnit, tmp: str, seq_length: int, truncation: str,

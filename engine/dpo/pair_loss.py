@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.preference.gradients import float64_gradients
+
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
 MEAN_TYPES = ("ipo", "simpo", "orpo")  # log-probs are per-token means, not sums
 REFERENCE_FREE = ("simpo", "orpo")     # no reference model at all
@@ -132,14 +134,12 @@ def pair_gradients(s: PairLossSettings, sum_c: torch.Tensor, sum_r: torch.Tensor
                    ref_c, ref_r, n_c: torch.Tensor, n_r: torch.Tensor, scale: float
                    ) -> tuple[PairTerms, torch.Tensor, torch.Tensor]:
     """(pair_terms, g_c, g_r): g = d(scale * sum_k loss_k) / d(policy sum) per pair, float64
-    [P] (autograd on the small tensors; works inside torch.no_grad)."""
-    with torch.enable_grad():
-        leaf_c = sum_c.detach().to(torch.float64).requires_grad_(True)
-        leaf_r = sum_r.detach().to(torch.float64).requires_grad_(True)
+    [P] (engine.preference.gradients; works inside torch.no_grad)."""
+    def loss_of(leaf_c, leaf_r):
         terms = pair_terms(s, leaf_c, leaf_r, ref_c, ref_r, n_c.to(torch.float64),
                            n_r.to(torch.float64))
-        if leaf_c.numel() == 0:
-            return terms, leaf_c.detach(), leaf_r.detach()
-        g_c, g_r = torch.autograd.grad(terms.loss.sum() * scale, (leaf_c, leaf_r))
+        return terms.loss, terms
+
+    terms, (g_c, g_r) = float64_gradients(loss_of, (sum_c, sum_r), scale)
     terms.loss = terms.loss.detach()
     return terms, g_c, g_r

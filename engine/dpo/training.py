@@ -4,37 +4,30 @@ One optimizer step (docs/preference.md): the global batch of step k is `train.gl
 PAIRS (layout-independent order, engine.data.datasets.global_batch_indices over pairs) ->
 the sequence list [c_0, r_0, c_1, r_1, ...] with units [[0, 1], [2, 3], ...] (both sides of a
 pair in one micro-batch) -> the reference's completion log-prob sums (forward-only, same
-layout, engine.dpo.reference) -> TrainEngine.train_batch with the pair loss
+layout, engine.preference.reference) -> TrainEngine.train_batch with the pair loss
 (engine.dpo.loss_fn; orpo adds the chosen sequences' NLL, no reference) -> metrics under TRL's
-names, logged by the RunLoop (metrics.jsonl,
-TensorBoard). Checkpoints and resume as in SFT (engine.sft.training); the reference is
-rebuilt from its HF folder on resume (with LoRA from model.lora.init_from: that adapter
-folder, not the checkpoint's adapters).
+names, logged by the RunLoop (metrics.jsonl, TensorBoard; the run: engine.preference.run).
+The per-sequence weights passed to train_batch are the chosen completions' (loss.agg_mode over
+them): the `nll` term's and the MTP layer's targets' (model.mtp.enabled). Checkpoints and
+resume as in SFT (engine.sft.training); the reference is rebuilt from its HF folder on resume
+(with LoRA from model.lora.init_from: that adapter folder, not the checkpoint's adapters).
 """
 from __future__ import annotations
 
 import time
 
 import torch
-import torch.distributed as dist
 
-from engine.checkpoint.checkpointing import DataPosition
 from engine.config.dpo_settings import DPOConfig
-from engine.config.model_settings import megatron_overrides
-from engine.config.fusion_settings import fusion_overrides
-from engine.config.moe_settings import moe_overrides
-from engine.data.datasets import global_batch_indices
-from engine.data.preference import PreferencePair, load_preference_dataset
+from engine.data.preference import PreferencePair
 from engine.dpo.loss_fn import PairBatch, dpo_loss_fn, report_keys
 from engine.dpo.pair_loss import PairLossSettings
-from engine.dpo.reference import Reference
-from engine.run.run_loop import RunLoop
-from engine.run.train_engine_build import build_train_engine
-from engine.training.loss import GlobalLossNormalizer
+from engine.preference.evaluation import evaluate_in_chunks
+from engine.preference.reference import Reference, make_reference
+from engine.preference.run import Objective, load_pairs, run_objective
+from engine.preference.weights import completion_counts, subset_weights
 from engine.training.micro_batches import SequenceData
-from engine.training.nonfinite import NonFiniteGuard
-from engine.training.train_engine import BatchSettings, TrainEngine
-from models.hf.custom_code import load_tokenizer
+from engine.training.train_engine import TrainEngine
 
 
 def pair_sequences(pairs: list[PreferencePair]) -> tuple[list[SequenceData], list[list[int]]]:
@@ -49,21 +42,12 @@ def pair_settings(cfg) -> PairLossSettings:
     return PairLossSettings(d.loss_type, d.beta, d.label_smoothing, d.simpo_gamma)
 
 
-def completion_counts(seqs: list[SequenceData]) -> torch.Tensor:
-    """[2P] float64: each sequence's completion (trained) tokens."""
-    return torch.tensor([float(sum(s.loss_mask)) for s in seqs], dtype=torch.float64)
-
-
 def chosen_nll_weights(counts: torch.Tensor, loss_cfg, seq_length: int) -> torch.Tensor:
     """[2P] per-sequence weights of the chosen completions' NLL (loss.agg_mode over the chosen
-    sides of the whole global batch, engine.training.loss; 0 on rejected sides), from the
-    completion_counts of [c_0, r_0, ...]. Every rank holds the whole batch, so no collective
-    is needed."""
-    normalizer = GlobalLossNormalizer(loss_cfg.agg_mode, loss_cfg.norm_horizon or seq_length,
-                                      loss_cfg.count_empty_sequences)
-    weights = torch.zeros(counts.numel(), dtype=torch.float64)
-    weights[0::2] = normalizer.sequence_weights(counts[0::2].long())
-    return weights
+    sides of the whole global batch, engine.preference.weights; 0 on rejected sides), from the
+    completion_counts of [c_0, r_0, ...]."""
+    chosen = torch.arange(counts.numel()) % 2 == 0
+    return subset_weights(counts, chosen, loss_cfg, seq_length)
 
 
 def orpo_nll_weights(cfg, seqs: list[SequenceData]) -> torch.Tensor | None:
@@ -119,45 +103,25 @@ def evaluate(engine: TrainEngine, reference: Reference, pairs: list[PreferencePa
     of the chosen sequences), `eval/loss` the mean pair loss plus dpo.rpo_alpha x eval/nll
     (orpo: plus eval/nll_loss), `eval/logits/*` token means over all eval completions. Every
     chunk reports its share of those (PairBatch.report_counts, the whole set's NLL weights),
-    so the chunks' reports add up, whatever their sizes."""
+    so the chunks' reports add up, whatever their sizes (engine.preference.evaluation)."""
     seqs, _ = pair_sequences(pairs)
     counts = completion_counts(seqs)
     weights = chosen_nll_weights(counts, cfg.loss, cfg.train.seq_length)
     orpo = orpo_nll_weights(cfg, seqs)
     settings, rpo = pair_settings(cfg), cfg.dpo.rpo_alpha or 0.0
     keys = report_keys(settings)
-    totals = dict.fromkeys(keys, 0.0)
-    gbs = cfg.train.global_batch_size
-    for i in range(0, len(pairs), gbs):
-        chunk, part = seqs[2 * i:2 * (i + gbs)], slice(2 * i, 2 * (i + gbs))
-        units = [[2 * k, 2 * k + 1] for k in range(len(chunk) // 2)]
-        batch = PairBatch(settings, counts[part], reference.sums(chunk, units), rpo,
+
+    def run_chunk(i: int, chunk: list[PreferencePair]) -> dict:
+        part = slice(2 * i, 2 * (i + len(chunk)))
+        chunk_seqs, units = pair_sequences(chunk)
+        batch = PairBatch(settings, counts[part], reference.sums(chunk_seqs, units), rpo,
                           report_counts=counts,
                           sequence_nll_weights=None if orpo is None else orpo[part])
-        out = engine.forward_only(chunk, weights[part], dpo_loss_fn(batch, engine.vocab_size),
-                                  keys, units=units)
-        for k in keys:
-            totals[k] += out[k]
+        return engine.forward_only(chunk_seqs, weights[part],
+                                   dpo_loss_fn(batch, engine.vocab_size), keys, units=units)
+
+    totals = evaluate_in_chunks(pairs, cfg.train.global_batch_size, keys, run_chunk)
     return {f"eval/{k}": v for k, v in totals.items()}
-
-
-def make_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int,
-                   ref_path: str | None, needed: bool) -> Reference:
-    """A run's reference (engine.dpo.reference): none (not `needed`), the starting LoRA
-    adapter (model.lora.init_from, read from its folder, also on a resume), the LoRA base
-    (fresh adapters), or a frozen engine of `ref_path` (default model.hf_path) at the
-    policy's layout. DPO's and KTO's (engine.kto.training) references."""
-    lora = bool(cfg.model.lora.rank)
-    engine = None
-    if needed and not lora:
-        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        engine = TrainEngine.frozen(hf_config, dtype, ref_path or cfg.model.hf_path,
-                                    BatchSettings.from_config(cfg.train), pad_id,
-                                    loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
-                                    **megatron_overrides(cfg.parallel),
-                                    **moe_overrides(cfg, hf_config, forward_only=True),
-                                    **fusion_overrides(cfg, hf_config))
-    return Reference(policy, engine, lora, needed, cfg.model.lora.init_from)
 
 
 def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> Reference:
@@ -166,79 +130,12 @@ def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> R
                           pair_settings(cfg).uses_reference)
 
 
-def load_train_eval(cfg, tokenizer, loader, tag: str, seq_length: int | None = None):
-    """(train dataset, eval items or None) of data.train_files / data.eval_files read by
-    `loader(files, tokenizer, seq_length, truncation, cache_dir=, num_workers=)` (default
-    train.seq_length); the eval items only with train.eval_interval > 0; rank 0 prints what
-    was loaded under `[tag]`. DPO's and RM's pairs, KTO's examples."""
-    kw = dict(cache_dir=cfg.data.cache_dir, num_workers=cfg.data.num_workers)
-    length = seq_length or cfg.train.seq_length
-    dataset = loader(cfg.data.train_files, tokenizer, length, cfg.data.truncation, **kw)
-    eval_items = None
-    if cfg.data.eval_files and cfg.train.eval_interval > 0:
-        eval_ds = loader(cfg.data.eval_files, tokenizer, length, cfg.data.truncation, **kw)
-        eval_items = [eval_ds[i] for i in range(len(eval_ds))]
-        if dist.get_rank() == 0:
-            print(f"[{tag}] eval data: {eval_ds.describe()}", flush=True)
-    if dist.get_rank() == 0:
-        print(f"[{tag}] train data: {dataset.describe()}", flush=True)
-    return dataset, eval_items
-
-
-def load_pairs(cfg, tokenizer, tag: str = "dpo", seq_length: int | None = None):
-    """(train pairs dataset, eval pairs or None), sides fitted to `seq_length` sample tokens
-    (load_train_eval; engine.rm reads pairs the same way)."""
-    return load_train_eval(cfg, tokenizer, load_preference_dataset, tag, seq_length)
-
-
 def run(cfg: DPOConfig, hf_config: dict, flags: list[str]) -> int:
-    """The DPO run on every rank (process groups and megatron state exist)."""
-    return run_with_reference(
-        "dpo", cfg, hf_config, load_pairs, dpo_step, evaluate, "data/consumed_pairs",
-        build_reference, lambda reference: f"loss: {cfg.dpo.loss_type}, beta {cfg.dpo.beta}; "
-                                           f"reference: {reference.describe()}")
-
-
-def run_with_reference(tag: str, cfg, hf_config: dict, load, step, evaluate, consumed_key: str,
-                       reference_of, banner) -> int:
-    """The run of a trainer with a reference model (DPO; KTO reuses it), on every rank:
-    `load(cfg, tokenizer)` -> (train dataset, eval items or None); the policy's TrainEngine and
-    RunLoop (`tag` names the log lines and the checkpoint's engine); `reference_of(cfg,
-    hf_config, engine, pad_id)`; rank 0 prints `banner(reference)`; optimizer step k trains
-    `step(engine, reference, items, cfg)` on global batch k (engine.data.datasets.
-    global_batch_indices) and logs `consumed_key` (items seen) and data/epoch, plus
-    `evaluate(engine, reference, eval_items, cfg)` every train.eval_interval steps."""
-    tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    dataset, eval_items = load(cfg, tokenizer)
-    gbs, n = cfg.train.global_batch_size, len(dataset)
-
-    def position(done: int) -> DataPosition:
-        return DataPosition(done, gbs, n, cfg.seed, cfg.data.shuffle)
-
-    engine, resumed = build_train_engine(cfg, hf_config, pad_id, position(0), tag)
-    start = resumed.step
-    loop = RunLoop(tag, cfg, engine, hf_config, position, log_names=("metrics.jsonl",))
-    if not loop.prepare(start):
-        return 0
-    engine.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps,
-                                  skipped=start - engine.scheduler.num_steps)
-    reference = reference_of(cfg, hf_config, engine, pad_id)
-    if dist.get_rank() == 0:
-        print(f"[{tag}] {banner(reference)}", flush=True)
-
-    def step_fn(k: int) -> dict:
-        idx = global_batch_indices(n, gbs, k, cfg.seed, cfg.data.shuffle)
-        metrics = step(engine, reference, [dataset[i] for i in idx], cfg)
-        done = k + 1
-        metrics[consumed_key] = done * gbs
-        metrics["data/epoch"] = done * gbs / n
-        if eval_items is not None and done % cfg.train.eval_interval == 0:
-            metrics.update(evaluate(engine, reference, eval_items, cfg))
-        return metrics
-
-    history = loop.run(start, step_fn)
-    if history and dist.get_rank() == 0:
-        print(f"[{tag}] done: {start + len(history)} of {cfg.train.max_steps} steps, first "
-              f"loss {history[0]['loss']:.4f}, last loss {history[-1]['loss']:.4f}", flush=True)
-    return 0
+    """The DPO run on every rank (process groups and megatron state exist):
+    engine.preference.run with DPO's pairs, step, evaluation and reference."""
+    return run_objective(Objective(
+        "dpo", lambda cfg, tokenizer: load_pairs(cfg, tokenizer, "dpo"), build_reference,
+        dpo_step, evaluate,
+        lambda reference: f"loss: {cfg.dpo.loss_type}, beta {cfg.dpo.beta}; "
+                          f"reference: {reference.describe()}",
+        "data/consumed_pairs"), cfg, hf_config)

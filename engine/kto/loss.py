@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.preference.gradients import float64_gradients
+
 
 @dataclass(frozen=True)
 class KTOLossSettings:
@@ -53,13 +55,12 @@ def example_gradients(s: KTOLossSettings, sums: torch.Tensor, ref: torch.Tensor,
                       labels: torch.Tensor, kl: torch.Tensor, scale: float
                       ) -> tuple[ExampleTerms, torch.Tensor]:
     """(example_terms, g): g = d(scale * sum_i loss_i) / d(sums) per example, float64 [n]
-    (autograd on the small tensors; works inside torch.no_grad)."""
-    with torch.enable_grad():
-        leaf = sums.detach().to(torch.float64).requires_grad_(True)
+    (engine.preference.gradients; works inside torch.no_grad)."""
+    def loss_of(leaf):
         terms = example_terms(s, leaf, ref.to(torch.float64), labels,
                               kl.detach().to(torch.float64))
-        if leaf.numel() == 0:
-            return terms, leaf.detach()
-        (g,) = torch.autograd.grad(terms.loss.sum() * scale, (leaf,))
+        return terms.loss, terms
+
+    terms, (g,) = float64_gradients(loss_of, (sums,), scale)
     terms.loss = terms.loss.detach()
     return terms, g

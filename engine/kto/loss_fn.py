@@ -10,27 +10,28 @@ Layout contract (docs/preference.md, "KTO"):
   ever estimates its own (`reference_point` is where the negative control swaps in a
   micro-batch estimate).
 - Context parallelism spreads a sequence's tokens over the CP ranks: the per-sequence sums are
-  summed over the CP group (engine.dpo.loss_fn.sequence_table). The loss is non-linear in
-  them; its gradient is exact through the chain rule, the differentiable micro-batch loss
-  being sum_t g(seq of t) * logp_t with g = dL/d(sum) from the detached sums
-  (engine.kto.loss.example_gradients), which megatron's per-token-loss contract sums over
-  micro-batches, CP shards and DP ranks unchanged.
+  summed over the CP group (engine.preference.table.sequence_table). The loss is non-linear in
+  them; its gradient is exact through the chain rule (engine.preference.table.
+  coefficient_loss, g = dL/d(sum) from the detached sums: engine.kto.loss.example_gradients).
 - Reports are shares of global means: per-example values divided by the GLOBAL count of the
   examples they average (all B for `loss`; the desirable ones for `rewards/chosen`,
-  `logps/chosen`; the undesirable ones for `*/rejected`), counted on CP rank 0 only;
-  per-token values (`logits/*`, `entropy`) divided by the global completion-token counts.
-  reduce_reports sums them over micro-batches and DP x CP. Evaluation in chunks passes the
-  whole set's counts (ExampleBatch.report), so the chunks' reports add up.
+  `logps/chosen`; the undesirable ones for `*/rejected`), counted on CP rank 0 only
+  (engine.preference.table.report_share); per-token values (`logits/*`, `entropy`) divided by
+  the global completion-token counts. reduce_reports sums them over micro-batches and DP x CP.
+  Evaluation in chunks passes the whole set's counts (ExampleBatch.report), so the chunks'
+  reports add up. A side with no example in the batch (no token, for `logits/*`) reports 0
+  here; `kto_metrics` then leaves its keys, and `rewards/margins`, out of the step's metrics
+  (as TRL's KTOTrainer).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from megatron.core import parallel_state as ps
 
-from engine.dpo.loss_fn import sequence_table, token_mean_logits
 from engine.kto.loss import KTOLossSettings, example_gradients
+from engine.preference.logits import side_mean_logits, token_mean_logits
+from engine.preference.table import coefficient_loss, report_share, sequence_table
 from engine.training.schedule import LossFn
 from engine.training.token_losses import token_logprobs_and_entropy
 
@@ -88,19 +89,14 @@ def reference_point(batch: ExampleBatch, present: torch.Tensor) -> torch.Tensor:
     return batch.kl
 
 
-def _share(total: float):
-    once = 1.0 if (not ps.model_parallel_is_initialized()
-                   or ps.get_context_parallel_rank() == 0) else 0.0
-    return lambda v: v.sum().detach().to(torch.float64) * (once / total if total else 0.0)
-
-
 def kto_loss_fn(batch: ExampleBatch, vocab_size: int) -> LossFn:
     """Loss function (engine.training.schedule contract) of one step, reporting
     REPORT_KEYS."""
     s, size = batch.settings, batch.num_examples
     scale = 1.0 / size if size else 0.0
     r = batch.report_counts()
-    per_example, chosen, rejected = _share(r.examples), _share(r.desirable), _share(r.undesirable)
+    per_example = report_share(r.examples)
+    chosen, rejected = report_share(r.desirable), report_share(r.undesirable)
 
     def loss_fn(logits, mb):
         logp, entropy = token_logprobs_and_entropy(logits, mb.labels, vocab_size,
@@ -112,15 +108,11 @@ def kto_loss_fn(batch: ExampleBatch, vocab_size: int) -> LossFn:
         kl = reference_point(batch, idx).to(table.device)
         terms, g = example_gradients(s, table[idx, 0], batch.ref.to(table.device)[idx],
                                      labels, kl, scale)
-        coef = torch.zeros(size, dtype=torch.float64, device=table.device)
-        coef[idx] = g
+        loss = coefficient_loss(logp, mask, idx, g, mb.seq_ids, size)
         ids = mb.seq_ids.long()
-        token_coef = torch.where(ids >= 0, coef[ids.clamp(min=0)], torch.zeros_like(coef[:1]))
-        loss = (logp * mask * token_coef.to(logp.dtype)).sum()
-        mask64 = mask.to(torch.float64)
         token_label = torch.where(ids >= 0, batch.labels.to(ids.device)[ids.clamp(min=0)],
                                   torch.zeros_like(ids, dtype=torch.bool))
-        mean_logits = token_mean_logits(logits, vocab_size) * mask64
+        mean_logits = token_mean_logits(logits, vocab_size)
         total_tokens = r.desirable_tokens + r.undesirable_tokens
         reports = {
             "loss": per_example(terms.loss),
@@ -128,11 +120,30 @@ def kto_loss_fn(batch: ExampleBatch, vocab_size: int) -> LossFn:
             "rewards/rejected": rejected(terms.rewards[~labels]),
             "logps/chosen": chosen(terms.logps[labels]),
             "logps/rejected": rejected(terms.logps[~labels]),
-            "logits/chosen": mean_logits[token_label].sum() / max(r.desirable_tokens, 1.0),
-            "logits/rejected": mean_logits[~token_label].sum() / max(r.undesirable_tokens,
-                                                                     1.0),
-            "entropy": (entropy.detach().to(torch.float64) * mask64).sum()
+            "logits/chosen": side_mean_logits(mean_logits, mask, token_label,
+                                              r.desirable_tokens),
+            "logits/rejected": side_mean_logits(mean_logits, mask, ~token_label,
+                                                r.undesirable_tokens),
+            "entropy": (entropy.detach().to(torch.float64) * mask.to(torch.float64)).sum()
             / max(total_tokens, 1.0)}
         return loss, reports
 
     return loss_fn
+
+
+def kto_metrics(out: dict, batch: ExampleBatch) -> dict[str, float]:
+    """The step's (or evaluation's) KTO metrics from the reduced reports `out`: REPORT_KEYS,
+    `kl` and `rewards/margins`, as TRL's KTOTrainer logs them: a side without an example
+    (`logits/*`: without a completion token) in the batch has no `rewards/*`, `logps/*`,
+    `logits/*` of its own, and `rewards/margins` needs both sides."""
+    r = batch.report_counts()
+    absent = [side for side, n in (("chosen", r.desirable), ("rejected", r.undesirable))
+              if not n]
+    absent_tokens = [side for side, n in (("chosen", r.desirable_tokens),
+                                          ("rejected", r.undesirable_tokens)) if not n]
+    drop = {f"{k}/{side}" for side in absent for k in ("rewards", "logps")}
+    drop |= {f"logits/{side}" for side in absent_tokens}
+    metrics = {**{k: out[k] for k in REPORT_KEYS if k not in drop}, "kl": float(batch.kl)}
+    if not absent:
+        metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return metrics

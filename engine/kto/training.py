@@ -7,9 +7,15 @@ sequences (kl_sequences: example i's prompt with example i-1's completion, cycli
 global batch in its order, as TRL shifts completions by one) -> the reference's completion
 log-prob sums of both, and the policy's of the mismatched ones (forward-only, same layout) ->
 the KL reference point (one global number) -> TrainEngine.train_batch with the KTO loss
-(engine.kto.loss_fn) -> metrics under TRL's names, logged by the RunLoop. Checkpoints, resume
-and the reference (a frozen copy of kto.ref_path or model.hf_path; with LoRA the base or the
-starting adapter) as in DPO (engine.dpo.training, engine.dpo.reference).
+(engine.kto.loss_fn) -> metrics under TRL's names, logged by the RunLoop. The run, checkpoints,
+resume and the reference (a frozen copy of kto.ref_path or model.hf_path; with LoRA the base or
+the starting adapter) are the preference core's (engine.preference.run,
+engine.preference.reference), as DPO's.
+
+The per-sequence weights passed to train_batch feed nothing but the MTP layer's targets
+(model.mtp.enabled; KTO's loss reads none): loss.agg_mode over the DESIRABLE examples'
+completion tokens of the global batch, 0 on the undesirable ones (`mtp_weights`), as DPO trains
+it on the chosen completions: the draft learns the text the policy is moved towards.
 """
 from __future__ import annotations
 
@@ -19,10 +25,11 @@ import torch
 
 from engine.config.kto_settings import KTOConfig
 from engine.data.preference_unpaired_dataset import UnpairedExample, load_unpaired_dataset
-from engine.dpo.reference import Reference, completion_logprob_sums
-from engine.dpo.training import load_train_eval, make_reference, run_with_reference
 from engine.kto.loss import KTOLossSettings
-from engine.kto.loss_fn import REPORT_KEYS, ExampleBatch, kto_loss_fn
+from engine.kto.loss_fn import REPORT_KEYS, ExampleBatch, kto_loss_fn, kto_metrics
+from engine.preference.reference import Reference, completion_logprob_sums, make_reference
+from engine.preference.run import Objective, load_train_eval, run_objective
+from engine.preference.weights import completion_counts, subset_weights
 from engine.training.micro_batches import SequenceData
 from engine.training.train_engine import TrainEngine
 
@@ -82,15 +89,18 @@ def example_batch(cfg, engine: TrainEngine, reference: Reference,
     seqs = example_sequences(examples)
     kl_seqs = kl_sequences(examples, cfg.train.seq_length)
     ref, kl_terms, kl = kl_reference_point(engine, reference, seqs, kl_seqs)
-    counts = torch.tensor([float(sum(s.loss_mask)) for s in seqs], dtype=torch.float64)
+    counts = completion_counts(seqs)
     labels = torch.tensor([e.label for e in examples], dtype=torch.bool)
     return seqs, ExampleBatch(loss_settings(cfg), counts, ref, labels, kl, kl_terms)
 
 
-def _with_margins(out: dict, batch: ExampleBatch) -> dict:
-    out = {**{k: out[k] for k in REPORT_KEYS}, "kl": float(batch.kl)}
-    out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-    return out
+def mtp_weights(engine: TrainEngine, batch: ExampleBatch, cfg) -> torch.Tensor:
+    """[B] the per-sequence weights a step passes to train_batch (module docstring): the MTP
+    layer's, loss.agg_mode over the desirable completions; zeros when the engine trains no MTP
+    layer (nothing else reads them)."""
+    if engine.mtp is None:
+        return torch.zeros(batch.num_examples, dtype=torch.float64)
+    return subset_weights(batch.counts, batch.labels, cfg.loss, cfg.train.seq_length)
 
 
 def kto_step(engine: TrainEngine, reference: Reference, examples: list[UnpairedExample],
@@ -100,11 +110,11 @@ def kto_step(engine: TrainEngine, reference: Reference, examples: list[UnpairedE
     t0 = time.perf_counter()
     seqs, batch = example_batch(cfg, engine, reference, examples)
     ref_s = time.perf_counter() - t0
-    out = engine.train_batch(seqs, torch.zeros(len(seqs), dtype=torch.float64),
+    out = engine.train_batch(seqs, mtp_weights(engine, batch, cfg),
                              kto_loss_fn(batch, engine.vocab_size), REPORT_KEYS,
                              units=[[i] for i in range(len(seqs))])
     tokens, dt = out["batch/num_tokens"], out["time/step_s"]
-    return {**_with_margins(out, batch),
+    return {**kto_metrics(out, batch),
             "grad_norm": out["grad_norm"], "lr": out["lr"], "num_examples": len(examples),
             "num_desirable": int(batch.labels.sum()), "num_tokens": int(tokens),
             "time/step_s": dt + ref_s, "time/reference_s": ref_s,
@@ -127,12 +137,12 @@ def evaluate(engine: TrainEngine, reference: Reference, examples: list[UnpairedE
     out = engine.forward_only(seqs, torch.zeros(len(seqs), dtype=torch.float64),
                               kto_loss_fn(batch, engine.vocab_size), REPORT_KEYS,
                               units=[[i] for i in range(len(seqs))])
-    return {f"eval/{k}": v for k, v in _with_margins(out, batch).items()}
+    return {f"eval/{k}": v for k, v in kto_metrics(out, batch).items()}
 
 
 def build_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int) -> Reference:
-    """KTO's reference (engine.dpo.training.make_reference: the starting LoRA adapter, the LoRA
-    base, or a frozen engine of kto.ref_path); KTO always needs one."""
+    """KTO's reference (engine.preference.reference.make_reference: the starting LoRA adapter,
+    the LoRA base, or a frozen engine of kto.ref_path); KTO always needs one."""
     return make_reference(cfg, hf_config, policy, pad_id, cfg.kto.ref_path, True)
 
 
@@ -142,11 +152,12 @@ def load_examples(cfg, tokenizer):
 
 
 def run(cfg: KTOConfig, hf_config: dict, flags: list[str]) -> int:
-    """The KTO run on every rank (process groups and megatron state exist): DPO's loop
-    (engine.dpo.training.run_with_reference) with KTO's examples, step and reference."""
+    """The KTO run on every rank (process groups and megatron state exist): the preference
+    core's loop (engine.preference.run) with KTO's examples, step and reference."""
     k = cfg.kto
-    return run_with_reference(
-        "kto", cfg, hf_config, load_examples, kto_step, evaluate, "data/consumed_examples",
-        build_reference, lambda reference: f"beta {k.beta}, desirable_weight "
-        f"{k.desirable_weight}, undesirable_weight {k.undesirable_weight}; reference: "
-        f"{reference.describe()}")
+    return run_objective(Objective(
+        "kto", load_examples, build_reference, kto_step, evaluate,
+        lambda reference: f"beta {k.beta}, desirable_weight {k.desirable_weight}, "
+                          f"undesirable_weight {k.undesirable_weight}; reference: "
+                          f"{reference.describe()}",
+        "data/consumed_examples"), cfg, hf_config)

@@ -4,6 +4,7 @@ of each side's end-of-turn (last trained) token (loss_fn.py) and the recipe chec
 (recipe_check.py).
 docs/preference.md ("Reward models").
 
-May import every other engine package but sft and rl (it reuses engine.dpo's per-sequence CP
-sums); nothing imports it.
+May import every other engine package but sft, rl, dpo and kto (the per-sequence CP sums, the
+run loop and the chunked evaluation it shares with them are engine.preference's); nothing
+imports it.
 """

@@ -10,15 +10,18 @@ rm.center_rewards_coefficient, 0 when off), as TRL's RewardTrainer:
 
     loss_k = -logsigmoid(r_c - r_r - m_k) + c_center * (r_c + r_r)^2,   loss = mean_k loss_k
 
-Layout contract (the same as DPO's, engine.dpo.loss_fn): the mini-batch is [c_0, r_0, c_1, ...]
-planned with pair units, so a pair's sides share a micro-batch of one DP rank; under CP each
-sequence's score is summed over the CP group (engine.dpo.loss_fn.sequence_table; only the CP
-rank holding the last token contributes); TP ranks hold the same scores (the head all-reduces
-over TP); the last pipeline stage computes the loss. The loss is non-linear in the scores, so
-the micro-batch's differentiable loss is sum_t g(seq(t)) * value_t * loss_mask_t with
-g = d(loss / P)/d(score) from the detached scores (autograd on [P] float64 tensors), P the
-GLOBAL pair count: megatron's per-token loss contract sums it over micro-batches, CP and DP
-unchanged. Reports are sums over pairs of value / P, counted on CP rank 0 only.
+Layout contract (the same as DPO's, the preference core's: engine.preference.table): the
+mini-batch is [c_0, r_0, c_1, ...] planned with pair units, so a pair's sides share a
+micro-batch of one DP rank; under CP each sequence's score is summed over the CP group
+(sequence_table; only the CP rank holding the last token contributes); TP ranks hold the same
+scores (the head all-reduces over TP); the last pipeline stage computes the loss. The loss is
+non-linear in the scores, so the micro-batch's differentiable loss is
+sum_t g(seq(t)) * value_t * loss_mask_t (coefficient_loss) with g = d(loss / P)/d(score) from
+the detached scores (engine.preference.gradients), P the GLOBAL pair count: megatron's
+per-token loss contract sums it over micro-batches, CP and DP unchanged. Reports are sums over
+pairs of value / Q, counted on CP rank 0 only (report_share), Q = P in training; evaluation in
+chunks passes the whole eval set's pair count (RewardBatch.total_pairs), so the chunks'
+reports add up (engine.preference.evaluation).
 
 Metric names are TRL 1.16 RewardTrainer's: `accuracy`, `margin` (mean r_c - r_r),
 `mean_reward`, `min_reward`, `max_reward` (over both sides of every pair), plus
@@ -35,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
-from engine.dpo.loss_fn import sequence_table
-from engine.training.rank_batch import context_parallel_group
+from engine.preference.gradients import float64_gradients
+from engine.preference.table import (coefficient_loss, cp_share, present_pairs, report_share,
+                                     sequence_table)
 from engine.training.schedule import LossFn
 
 REPORT_KEYS = ("loss", "accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")
@@ -49,11 +53,14 @@ class RewardBatch:
 
     margins: [P] float64, each pair's margin (0 where its row has none); center: the
     center_rewards coefficient (0: off); scores: [2P] float64, filled by the loss function
-    ([c_0, r_0, c_1, ...], this rank's pairs only; score_extremes sums it over the world)."""
+    ([c_0, r_0, c_1, ...], this rank's pairs only; score_extremes sums it over the world);
+    total_pairs: the Q pairs the reports average over (None: this batch's P; evaluation in
+    chunks passes the whole eval set's)."""
 
     margins: torch.Tensor
     center: float = 0.0
     scores: torch.Tensor | None = None
+    total_pairs: int | None = None
 
     def __post_init__(self) -> None:
         if self.scores is None:
@@ -62,6 +69,11 @@ class RewardBatch:
     @property
     def num_pairs(self) -> int:
         return self.margins.numel()
+
+    @property
+    def report_pairs(self) -> int:
+        """Q: the pairs the reports are averaged over."""
+        return self.num_pairs if self.total_pairs is None else self.total_pairs
 
 
 def pair_losses(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch.Tensor,
@@ -77,19 +89,12 @@ def score_gradients(chosen: torch.Tensor, rejected: torch.Tensor, margins: torch
                     center: float, scale: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(losses [P], d(scale * sum loss)/d chosen, .../d rejected), float64, detached."""
-    with torch.enable_grad():
-        c = chosen.detach().to(torch.float64).requires_grad_(True)
-        r = rejected.detach().to(torch.float64).requires_grad_(True)
+    def loss_of(c, r):
         loss = pair_losses(c, r, margins.to(torch.float64), center)
-        if c.numel() == 0:
-            return loss.detach(), c.detach(), r.detach()
-        g_c, g_r = torch.autograd.grad(loss.sum() * scale, (c, r))
+        return loss, loss
+
+    loss, (g_c, g_r) = float64_gradients(loss_of, (chosen, rejected), scale)
     return loss.detach(), g_c, g_r
-
-
-def _cp_rank0() -> bool:
-    group = context_parallel_group()
-    return group is None or torch.distributed.get_rank(group) == 0
 
 
 def score_extremes(batch: RewardBatch) -> dict[str, float]:
@@ -109,31 +114,22 @@ def rm_loss_fn(batch: RewardBatch, head) -> LossFn:
     reporting REPORT_KEYS; `head`: this rank's score head (the last stage's)."""
     n, size = batch.num_pairs, 2 * batch.margins.numel()
     scale = 1.0 / n if n else 0.0
+    total = report_share(batch.report_pairs)
 
     def loss_fn(output, mb):
         values = head(output.hidden)
         mask = mb.loss_mask.to(values.dtype)
         table = sequence_table(values, mask, mb.seq_ids, size)
-        present = table[:, 1] > 0
-        if not bool((present[0::2] == present[1::2]).all()):
-            raise RuntimeError("a preference pair's sides are in different micro-batches: plan "
-                               "the mini-batch with units (engine.rm.loss_fn)")
-        pairs = torch.nonzero(present[0::2], as_tuple=True)[0]
-        c, r = 2 * pairs, 2 * pairs + 1
+        pairs, c, r = present_pairs(table, "engine.rm.loss_fn")
         scores = table[:, 0]
         losses, g_c, g_r = score_gradients(scores[c], scores[r],
                                            batch.margins.to(table.device)[pairs],
                                            batch.center, scale)
-        coef = torch.zeros(size, dtype=torch.float64, device=table.device)
-        coef[c], coef[r] = g_c, g_r
-        ids = mb.seq_ids.long()
-        token_coef = torch.where(ids >= 0, coef[ids.clamp(min=0)], torch.zeros_like(coef[:1]))
-        loss = (values * mask * token_coef.to(values.dtype)).sum()
-        once = scale if _cp_rank0() else 0.0
-        if once and ps.get_tensor_model_parallel_rank() == 0:
+        loss = coefficient_loss(values, mask, torch.cat([c, r]), torch.cat([g_c, g_r]),
+                                mb.seq_ids, size)
+        if cp_share() and ps.get_tensor_model_parallel_rank() == 0:
             seen = torch.cat([c, r])
             batch.scores[seen.cpu()] = scores[seen].detach().to(torch.float64).cpu()
-        total = (lambda v: v.sum().to(torch.float64) * once)
         reports = {"loss": total(losses),
                    "accuracy": total((scores[c] > scores[r]).to(torch.float64)),
                    "margin": total(scores[c] - scores[r]),

@@ -10,30 +10,28 @@ writes a folder transformers' AutoModelForSequenceClassification loads.
 One optimizer step: `train.global_batch_size` PAIRS (layout-independent order over pairs) ->
 [c_0, r_0, c_1, r_1, ...] as score sequences (score_sequence) with pair units ->
 TrainEngine.train_batch with the Bradley-Terry loss (engine.rm.loss_fn) -> metrics logged by
-the RunLoop (metrics.jsonl, TensorBoard).
+the RunLoop (metrics.jsonl, TensorBoard). The run loop, the data loaders and the chunked
+evaluation are the preference core's (engine.preference), as DPO's and KTO's; a reward model
+has no reference. It trains no MTP layer: model.mtp.enabled=true is refused
+(engine.config.rm_settings.rm_problems).
 """
 from __future__ import annotations
 
 import time
 
 import torch
-import torch.distributed as dist
 
-from engine.checkpoint.checkpointing import DataPosition
 from engine.config.rm_settings import RMConfig, score_init_std
-from engine.data.datasets import Sample, global_batch_indices
-from engine.data.preference import PreferencePair
-from engine.dpo.training import load_pairs
+from engine.data.datasets import Sample
+from engine.data.preference import PreferenceDataset, PreferencePair
+from engine.preference.evaluation import evaluate_in_chunks
+from engine.preference.run import Objective, load_pairs, run_objective
 from engine.rm.loss_fn import REPORT_KEYS, RewardBatch, rm_loss_fn, score_extremes
 from engine.rm.scoring import scored_length
-from engine.run.run_loop import RunLoop
-from engine.run.train_engine_build import build_train_engine
 from engine.training.micro_batches import SequenceData
-from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import TrainEngine
 from models.bridge.critic import SCORE_WEIGHT, TrunkReader
 from models.bridge.reward_model import is_reward_model_config, reward_model_hf_config
-from models.hf.custom_code import load_tokenizer
 from models.hf.io import SafetensorsReader
 from models.layers.heads.value import attach_value_heads, seeded_row, value_head
 
@@ -66,9 +64,13 @@ def pair_sequences(pairs: list[PreferencePair], pad_id: int
     return seqs, [[2 * k, 2 * k + 1] for k in range(len(pairs))]
 
 
-def reward_batch(cfg, pairs: list[PreferencePair]) -> RewardBatch:
+def reward_batch(cfg, pairs: list[PreferencePair], total_pairs: int | None = None
+                 ) -> RewardBatch:
+    """The RewardBatch of `pairs`; `total_pairs`: the pairs its reports average over (None:
+    these)."""
     margins = torch.tensor([p.margin or 0.0 for p in pairs], dtype=torch.float64)
-    return RewardBatch(margins, float(cfg.rm.center_rewards_coefficient or 0.0))
+    return RewardBatch(margins, float(cfg.rm.center_rewards_coefficient or 0.0),
+                       total_pairs=total_pairs)
 
 
 def rm_step(engine: TrainEngine, pairs: list[PreferencePair], cfg) -> dict[str, float]:
@@ -93,24 +95,23 @@ def rm_step(engine: TrainEngine, pairs: list[PreferencePair], cfg) -> dict[str, 
 
 
 def evaluate(engine: TrainEngine, pairs: list[PreferencePair], cfg) -> dict[str, float]:
-    """eval/* metrics: the REPORT_KEYS means over ALL eval pairs (forward-only, in chunks of
-    the global batch; each chunk weighted by its share of the pairs), min_reward and
-    max_reward over all of them."""
-    totals = dict.fromkeys(REPORT_KEYS, 0.0)
+    """eval/* metrics: the REPORT_KEYS means over ALL eval pairs (forward-only, in chunks of the
+    global batch, each reporting its share of the whole set's means:
+    engine.preference.evaluation), min_reward and max_reward over all of them."""
     low, high = [], []
-    gbs = cfg.train.global_batch_size
     head = value_head(engine.chunks)
-    for i in range(0, len(pairs), gbs):
-        chunk = pairs[i:i + gbs]
+
+    def run_chunk(_, chunk: list[PreferencePair]) -> dict:
         seqs, units = pair_sequences(chunk, engine.pad_id)
-        batch = reward_batch(cfg, chunk)
+        batch = reward_batch(cfg, chunk, total_pairs=len(pairs))
         out = engine.forward_only(seqs, torch.zeros(len(seqs), dtype=torch.float64),
                                   rm_loss_fn(batch, head), REPORT_KEYS, units=units)
-        for k in REPORT_KEYS:
-            totals[k] += out[k] * len(chunk) / len(pairs)
         extremes = score_extremes(batch)
         low.append(extremes["min_reward"])
         high.append(extremes["max_reward"])
+        return out
+
+    totals = evaluate_in_chunks(pairs, cfg.train.global_batch_size, REPORT_KEYS, run_chunk)
     totals.update(min_reward=min(low, default=0.0), max_reward=max(high, default=0.0))
     return {f"eval/{k}": v for k, v in totals.items()}
 
@@ -128,45 +129,30 @@ def score_head_setup(cfg, hf_config: dict):
     return None, lambda raw: attach_value_heads(raw, bias=False, row=row)
 
 
+def data_line(dataset: PreferenceDataset, cfg) -> str:
+    """The run log's line on a pair dataset: a reward model reads every id of a side, the last
+    one included, so its sides are fitted to train.seq_length IDS (train.seq_length - 1 sample
+    tokens: engine.preference.run.load_pairs), and the line says so."""
+    return dataset.describe(f"train.seq_length={cfg.train.seq_length} ids")
+
+
+def load_rm_pairs(cfg, tokenizer):
+    """(train pairs dataset, eval pairs or None), each side at most train.seq_length ids."""
+    return load_pairs(cfg, tokenizer, "rm", cfg.train.seq_length - 1,
+                      describe=lambda dataset: data_line(dataset, cfg))
+
+
 def run(cfg: RMConfig, hf_config: dict, flags: list[str]) -> int:
-    """The reward-model run on every rank (process groups and megatron state exist)."""
-    tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    # a side's ids fit train.seq_length: the RM may read every id, the last one included
-    dataset, eval_pairs = load_pairs(cfg, tokenizer, "rm", cfg.train.seq_length - 1)
-    gbs, n = cfg.train.global_batch_size, len(dataset)
-
-    def position(done: int) -> DataPosition:
-        return DataPosition(done, gbs, n, cfg.seed, cfg.data.shuffle)
-
+    """The reward-model run on every rank (process groups and megatron state exist): the
+    preference core's loop (engine.preference.run) with the RM's pairs, step and evaluation, a
+    score head on the trained engine and no reference."""
     reader, prepare = score_head_setup(cfg, hf_config)
-    engine, resumed = build_train_engine(cfg, hf_config, pad_id, position(0), "rm",
-                                         reader=reader, prepare=prepare, hidden_states=True)
-    start = resumed.step
-    loop = RunLoop("rm", cfg, engine, reward_model_hf_config(hf_config), position,
-                   log_names=("metrics.jsonl",))
-    if not loop.prepare(start):
-        return 0
-    engine.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps,
-                                  skipped=start - engine.scheduler.num_steps)
-    if dist.get_rank() == 0:
-        source = ("its score head" if reader is not None else
-                  f"a new score head ~ N(0, {score_init_std(cfg, hf_config):g}^2), seed "
-                  f"{cfg.seed}")
-        print(f"[rm] reward model: {cfg.model.hf_path} with {source}", flush=True)
-
-    def step_fn(step: int) -> dict:
-        idx = global_batch_indices(n, gbs, step, cfg.seed, cfg.data.shuffle)
-        metrics = rm_step(engine, [dataset[i] for i in idx], cfg)
-        done = step + 1
-        metrics["data/consumed_pairs"] = done * gbs
-        metrics["data/epoch"] = done * gbs / n
-        if eval_pairs is not None and done % cfg.train.eval_interval == 0:
-            metrics.update(evaluate(engine, eval_pairs, cfg))
-        return metrics
-
-    history = loop.run(start, step_fn)
-    if history and dist.get_rank() == 0:
-        print(f"[rm] done: {start + len(history)} of {cfg.train.max_steps} steps, first loss "
-              f"{history[0]['loss']:.4f}, last loss {history[-1]['loss']:.4f}", flush=True)
-    return 0
+    source = ("its score head" if reader is not None else
+              f"a new score head ~ N(0, {score_init_std(cfg, hf_config):g}^2), seed {cfg.seed}")
+    return run_objective(Objective(
+        "rm", load_rm_pairs, lambda *_: None,
+        lambda engine, _, pairs, cfg: rm_step(engine, pairs, cfg),
+        lambda engine, _, pairs, cfg: evaluate(engine, pairs, cfg),
+        lambda _: f"reward model: {cfg.model.hf_path} with {source}", "data/consumed_pairs",
+        engine_options=dict(reader=reader, prepare=prepare, hidden_states=True),
+        export_config=reward_model_hf_config(hf_config)), cfg, hf_config)

@@ -3,7 +3,7 @@
 `layouts(policy_dir, reference_dir, specs, adapter)` runs on every rank of a pool. Each spec is
 "tp,pp,vpp,cp,mbs[,flags]" (flags "+" separated: sp, packing, tokens=K (token-budget
 micro-batches), lora (the policy is `adapter` on the policy model, the reference that
-starting adapter frozen, engine.dpo.reference), baseref (with lora: the reference is the bare
+starting adapter frozen, engine.preference.reference), baseref (with lora: the reference is the bare
 base with the adapters off, the engine's reference before issue 67: a negative control),
 loss=T, ls=EPS, rpo=ALPHA, bug=localmean|cpsum|mbnll (negative controls, `inject_bug`);
 kto: a KTO run on unpaired examples instead (tests/multirank/kto_check.py: its flags and its
@@ -85,13 +85,14 @@ def optim_cfg():
 
 
 def build(spec: str, policy_dir: str, reference_dir: str, adapter: str | None):
-    """(policy engine, engine.dpo.reference.Reference) at the spec's layout (set up here)."""
+    """(policy engine, engine.preference.reference.Reference) at the spec's layout (set up
+    here)."""
     import torch
 
     from engine.config.lora_settings import LoraConfig, lora_spec
     from engine.config.model_settings import megatron_overrides
     from engine.dpo.pair_loss import REFERENCE_FREE
-    from engine.dpo.reference import Reference
+    from engine.preference.reference import Reference
     from engine.training.train_engine import TrainEngine
     from models.hf.io import read_config
     from parallel.layout import ParallelLayout
@@ -156,11 +157,13 @@ def inject_bug(bug: str | None, micro_batches: int = 1):
         def shard_sums(logp, mask, seq_ids, size):
             import torch.distributed as dist
 
-            group, loss_fn.cp_group = loss_fn.cp_group, lambda: None
+            import engine.preference.table as core
+
+            group, core.cp_group = core.cp_group, lambda: None
             try:
                 table = original(logp, mask, seq_ids, size)
             finally:
-                loss_fn.cp_group = group
+                core.cp_group = group
             counts = table[:, 1].contiguous()
             dist.all_reduce(counts, group=group())
             table[:, 1] = counts

@@ -1,7 +1,7 @@
 """The reference after a LoRA start at a layout (used by tests/multirank/lora_check.py).
 
 A run from a PEFT adapter (model.lora.init_from) has that starting adapter, frozen, as its
-reference (DPO: engine.dpo.reference; RL's KL reference:
+reference (DPO, KTO: engine.preference.reference; RL's KL reference:
 engine.rl.policy.logprob_stage.lora_reference_logprobs, called here). `logprobs(engine, seqs)`
 before training, then `reference_report` after it (or after a resume, with `before` from a run
 of the same layout) gives the largest |difference| over the trained tokens of:

@@ -109,7 +109,7 @@ def inject_bug(bug: str | None):
         loss_fn.RewardBatch.num_pairs = property(lambda self: self.margins.numel() // dp)
         return lambda: setattr(loss_fn.RewardBatch, "num_pairs", original)
     if bug == "cpsum":
-        import engine.dpo.loss_fn as dpo_loss_fn
+        import engine.preference.table as dpo_loss_fn
 
         group = dpo_loss_fn.cp_group
 

@@ -1,7 +1,9 @@
-"""The frozen reference's completion log-prob sums of one global batch (docs/preference.md).
+"""The frozen reference's completion log-prob sums of one global batch (docs/preference.md), for
+DPO and KTO.
 
 Computed once per step, before the update, forward-only at the trainer's layout and with the
-same pair-keeping micro-batches (engine.dpo.loss_fn), without LoRA dropout. The reference is
+step's own planning units (DPO's pairs stay in one micro-batch), without LoRA dropout. The
+reference is
 - with LoRA from model.lora.init_from: the policy with that STARTING adapter, frozen (as TRL's
   DPOTrainer copies a pretrained adapter into a frozen "ref" adapter): a second copy of the
   adapter matrices (rank r) inside the policy's own adapters, read from the folder (also after
@@ -11,10 +13,10 @@ same pair-keeping micro-batches (engine.dpo.loss_fn), without LoRA dropout. The 
 - with fresh LoRA adapters (model.lora.rank > 0, no init_from): the policy's own base, its
   adapters switched off (models.lora.modes.adapters_disabled), which is the initial policy
   (B = 0): no second model, no extra memory;
-- otherwise a frozen copy of dpo.ref_path (default: model.hf_path, the initial policy; also
-  after a resume), built at the policy's layout (TrainEngine.frozen): one more copy of the
-  weights per rank, no gradients or optimizer state;
-- none for reference-free loss types (simpo, orpo).
+- otherwise a frozen copy of dpo.ref_path / kto.ref_path (default: model.hf_path, the initial
+  policy; also after a resume), built at the policy's layout (TrainEngine.frozen): one more
+  copy of the weights per rank, no gradients or optimizer state;
+- none for DPO's reference-free loss types (simpo, orpo).
 """
 from __future__ import annotations
 
@@ -22,9 +24,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from engine.config.fusion_settings import fusion_overrides
+from engine.config.model_settings import megatron_overrides
+from engine.config.moe_settings import moe_overrides
 from engine.training.micro_batches import SequenceData
 from engine.training.token_losses import token_logprobs
-from engine.training.train_engine import TrainEngine
+from engine.training.train_engine import BatchSettings, TrainEngine
 from models.hf.conditional import peft_layers
 from models.lora.modes import adapters_disabled, reference_adapters
 from models.lora.peft import load_reference_adapter
@@ -60,7 +65,7 @@ def completion_logprob_sums(engine: TrainEngine, seqs: list[SequenceData],
 
 
 class Reference:
-    """The reference of a DPO run: `sums(seqs, units)` as above, or None (reference-free).
+    """The reference of a DPO or KTO run: `sums(seqs, units)` as above, or None (reference-free).
 
     engine: the frozen reference engine (None with LoRA or reference-free); policy: the
     trained engine (with LoRA the reference runs inside it); `start_adapter`: with LoRA, the
@@ -94,3 +99,21 @@ class Reference:
             with mode(self.policy.chunks):
                 return completion_logprob_sums(self.policy, seqs, units)
         return completion_logprob_sums(self.engine, seqs, units)
+
+
+def make_reference(cfg, hf_config: dict, policy: TrainEngine, pad_id: int,
+                   ref_path: str | None, needed: bool) -> Reference:
+    """A run's reference: none (not `needed`), the starting LoRA adapter (model.lora.init_from,
+    read from its folder, also on a resume), the LoRA base (fresh adapters), or a frozen engine
+    of `ref_path` (default model.hf_path) at the policy's layout. DPO's and KTO's references."""
+    lora = bool(cfg.model.lora.rank)
+    engine = None
+    if needed and not lora:
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        engine = TrainEngine.frozen(hf_config, dtype, ref_path or cfg.model.hf_path,
+                                    BatchSettings.from_config(cfg.train), pad_id,
+                                    loss_chunk_tokens=cfg.train.loss_chunk_tokens or None,
+                                    **megatron_overrides(cfg.parallel),
+                                    **moe_overrides(cfg, hf_config, forward_only=True),
+                                    **fusion_overrides(cfg, hf_config))
+    return Reference(policy, engine, lora, needed, cfg.model.lora.init_from)
