@@ -13,10 +13,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from engine.api.budget import Window, reply_budget
 from engine.api.requests import ApiError, Limits, parse_completion
 from engine.serve import __main__ as serve_cli
-from engine.serve.admission import check_scoring
 from engine.serve.endpoint import ServeSettings
 from tests.serve_fakes import MAX_CONTEXT, MAX_TOKENS, ScriptedBackend, serving
 from tools.tiny_models import build_tokenizer
@@ -116,6 +114,8 @@ def test_scoring_memory_is_refused_up_front_naming_the_limit(tok):
     most tokens allowed, before anything is queued; the same prompt without log-probs is
     served. The issue's case: 32,768 tokens on Qwen's 151,936 ids is 18.5 GiB, over the hf
     default of 4 GiB (7067 tokens at most); the vllm backend has no default limit."""
+    from engine.serve.admission import check_scoring
+
     # 20 prompt tokens + 4 = 24 tokens x 200 ids x 4 bytes = 19,200 bytes; limit 10,000 bytes
     settings = ServeSettings("tiny", MAX_TOKENS, MAX_CONTEXT, max_score_gib=10_000 / 2 ** 30)
     backend = ScriptedBackend()
@@ -148,6 +148,8 @@ def test_one_context_budget_rule_for_both_servers():
     """engine.api.budget.reply_budget is the rule of both servers: in the agent's trajectory
     window and serve's --max-context window it gives the same budgets and the messages each
     server's tests expect."""
+    from engine.api.budget import Window, reply_budget
+
     agent = Window(9, "this call's context", "tokens",
                    "a trajectory holds at most 9 (train.seq_length + 1)", "messages")
     assert reply_budget(agent, 5, None, None, 3) == 3
