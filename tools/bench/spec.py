@@ -132,12 +132,15 @@ def run_spec(quick: bool, model_dir: str | None = None, method: str = "mtp",
 
     count, new, reps = QUICK if quick else (PROMPTS, MAX_NEW, REPEATS)
     count, new, reps = prompts or count, max_new or new, repeats or reps
+    model = model_dir   # what the report names: never the temporary folder it deletes
     with tempfile.TemporaryDirectory() as tmp:
         if model_dir is None:
             if not quick:
                 raise ValueError("tools.bench spec needs --model-dir (or --quick: a tiny "
                                  "random model)")
             model_dir = tiny_mtp_model(os.path.join(tmp, "glm"))
+            model = "a tiny random GLM-4.5 MoE with an MTP layer (--quick; built in a " \
+                    "temporary folder, deleted after the run)"
         ids = (_file_prompts(prompts_file, model_dir, count) if prompts_file
                else _prompts(count, _vocab(model_dir)))
         plain = _measure(model_dir, SpeculativeConfig(), ids, new, reps)
@@ -153,7 +156,7 @@ def run_spec(quick: bool, model_dir: str | None = None, method: str = "mtp",
                     fmt(m["rollout/spec_acceptance"]),
                     fmt(m["rollout/spec_mean_accepted_tokens"])]],
                   [f"speedup {speedup:.3f}x; greedy ids equal both ways: "
-                   f"{plain['greedy'] == spec['greedy']}; model {model_dir}"])
+                   f"{plain['greedy'] == spec['greedy']}; model: {model}"])
     return BenchResult([table], {
         "spec_speedup": speedup, "spec_acceptance": m["rollout/spec_acceptance"],
         "spec_mean_accepted_tokens": m["rollout/spec_mean_accepted_tokens"],
