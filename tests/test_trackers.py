@@ -203,6 +203,18 @@ def test_bad_tracking_uri_fails_before_any_step(pools, demo_assets, tmp_path):
                                      "ftp://nowhere/x"), timeout=300, check=False)
     assert bad.returncode == 2
     assert "error: logging.mlflow.tracking_uri='ftp://nowhere/x': scheme 'ftp'" in bad.stderr
+    # a file store this MLflow refuses (no MLFLOW_ALLOW_FILE_STORE=true): exit 2 at the same
+    # check, before W&B (on too) made its folder or MLflow its store
+    store = tmp_path / "mlruns"
+    refused = pools.script(1, *_sft_args(demo_assets, tmp_path, "logging.wandb.project=demo",
+                                         "logging.wandb.mode=offline",
+                                         f"logging.mlflow.tracking_uri={store}"),
+                           env={"MLFLOW_ALLOW_FILE_STORE": "false", "WANDB_DIR": ""},
+                           timeout=300, check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert (f"error: logging.mlflow.tracking_uri={store} is a file store, which MLflow 3."
+            in refused.stderr) and "MLFLOW_ALLOW_FILE_STORE=true" in refused.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []    # no wandb/, mlruns/, ckpt/
     port = _closed_port()
     gone = pools.script(2, *_sft_args(demo_assets, tmp_path, "logging.mlflow.tracking_uri="
                                       f"http://127.0.0.1:{port}"), timeout=300, check=False,
@@ -213,6 +225,43 @@ def test_bad_tracking_uri_fails_before_any_step(pools, demo_assets, tmp_path):
             "start: MlflowException:") in gone.stderr
     assert "Connection refused" in gone.stderr and "[sft] MLflow: logging" not in gone.stdout
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_store_this_mlflow_cannot_open_is_refused_by_the_config_check(monkeypatch):
+    """MLflow >= 3.13 refuses a file store (a path or file:) unless MLFLOW_ALLOW_FILE_STORE is
+    true; a database store needs SQLAlchemy (full mlflow, not the extra's mlflow-skinny)."""
+    import importlib.metadata
+    import importlib.util
+
+    from engine.config import logging_settings
+
+    installed = logging_settings._mlflow_version()    # read from the package metadata
+    assert installed == tuple(map(int, importlib.metadata.version("mlflow-skinny").split(".")[:2]))
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setattr(logging_settings, "_mlflow_version", lambda: (3, 17))
+
+    def problems(uri):
+        return tracker_start_problems(_cfg(f"logging.mlflow.tracking_uri='{uri}'"))
+
+    refused = ("logging.mlflow.tracking_uri={} is a file store, which MLflow 3.17 refuses "
+               "unless MLFLOW_ALLOW_FILE_STORE=true is set: set it, or log to a server "
+               "(http://...) or a database (sqlite:///mlflow.db, with the full mlflow package)")
+    assert problems("/tmp/mlruns") == [refused.format("/tmp/mlruns")]
+    assert problems("file:///tmp/mlruns") == [refused.format("file:///tmp/mlruns")]
+    assert problems("http://h:5000") == []
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "True")
+    assert problems("/tmp/mlruns") == []
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    monkeypatch.setattr(logging_settings, "_mlflow_version", lambda: (3, 12))   # before 3.13
+    assert problems("/tmp/mlruns") == []
+    real = importlib.util.find_spec
+    for found in (False, True):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+            real(name, *a) if name != "sqlalchemy" else (object() if found else None)))
+        assert problems("sqlite:///x.db") == ([] if found else [
+            "logging.mlflow.tracking_uri=sqlite:///x.db: a sqlite store needs the full mlflow "
+            "package (SQLAlchemy); the [mlflow] extra installs mlflow-skinny: pip install "
+            "mlflow"])
 
 
 def _closed_port() -> int:

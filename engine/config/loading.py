@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, OmegaConfBaseException,
                               ValidationError)
 
+from engine.config.redaction import redacted_yaml
 from engine.errors import ConfigError
 
 # Keys renamed in this release: refused with the new name.
@@ -50,8 +51,9 @@ def split_argv(argv: list[str]) -> tuple[Optional[str], list[str], list[str]]:
 
 
 def config_yaml(cfg) -> str:
-    """The resolved configuration as YAML (saved with every checkpoint, for humans)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved configuration as YAML (saved with every checkpoint, for humans), secrets
+    redacted (engine.config.redaction: secret keys and URI credentials read `***`)."""
+    return redacted_yaml(cfg)
 
 
 def load_config(schema: type, argv: list[str]) -> tuple[Any, list[str]]:

@@ -9,24 +9,34 @@ is set. Rank 0 logs to them exactly what it writes to metrics.jsonl (engine.run.
 `tracker_problems(cfg)` checks the values (no file system, no imports); `tracker_start_problems
 (cfg)` what a tracker needs to start on this host: its package importable (looked up, not
 imported), an API key for W&B online (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE or a netrc entry
-for the W&B host) and a tracking URI whose scheme MLflow serves. Both run on every rank before
-any process group exists and name the key; what only starting the tracker can tell (an
-unreachable server, a refused store) is checked by engine.run.trackers before the first step.
+for the W&B host) and an MLflow store this installation opens (`mlflow_store_problems`: a file
+store refused by MLflow >= 3.13 without MLFLOW_ALLOW_FILE_STORE=true; a database store without
+SQLAlchemy, which the `[mlflow]` extra's mlflow-skinny lacks). Both run on every rank before
+any process group exists, so nothing (no W&B folder, no MLflow run) is made before them, and
+name the key (a URI's credentials masked, engine.config.redaction); what only starting the
+tracker can tell (an unreachable server, a refused login) is checked by engine.run.trackers
+before the first step.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import netrc
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 from urllib.parse import urlparse
+
+from engine.config.redaction import redact_text
 
 WANDB_MODES = ("online", "offline", "disabled")
 # tracking URI schemes MLflow's tracking stores serve (a plain path is a local file store)
 MLFLOW_SCHEMES = ("file", "http", "https", "databricks", "databricks-uc", "sqlite",
                   "postgresql", "mysql", "mssql")
 WANDB_HOST = "https://api.wandb.ai"
+MLFLOW_DB_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # SqlAlchemyStore (full mlflow)
+MLFLOW_FILE_STORE_REFUSED = (3, 13)  # the first MLflow release refusing file stores by default
 
 
 @dataclass
@@ -91,7 +101,8 @@ def tracker_problems(cfg: Any) -> list[str]:
     if ml.tracking_uri:
         scheme = urlparse(ml.tracking_uri).scheme
         if scheme and len(scheme) > 1 and scheme not in MLFLOW_SCHEMES:  # C:\... is a path
-            p.append(f"logging.mlflow.tracking_uri={ml.tracking_uri!r}: scheme {scheme!r} is "
+            p.append(f"logging.mlflow.tracking_uri={redact_text(ml.tracking_uri)!r}: scheme "
+                     f"{scheme!r} is "
                      f"not valid; choose one of {', '.join(MLFLOW_SCHEMES)} (or a directory "
                      "path: a local file store)")
     if (wandb_on(cfg) or mlflow_on(cfg)) and not cfg.logging.dir:
@@ -132,5 +143,34 @@ def tracker_start_problems(cfg: Any) -> list[str]:
                      "logging.wandb.mode=online needs a W&B API key: set WANDB_API_KEY or run "
                      "`wandb login`, or use logging.wandb.mode=offline (`wandb sync` later)")
     if mlflow_on(cfg):
-        p += _missing("mlflow", "logging.mlflow.tracking_uri", "mlflow")
+        p += (_missing("mlflow", "logging.mlflow.tracking_uri", "mlflow")
+              or mlflow_store_problems(cfg.logging.mlflow.tracking_uri))
     return p
+
+
+def _mlflow_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed mlflow or mlflow-skinny (package metadata, no import)."""
+    for dist in ("mlflow", "mlflow-skinny"):
+        try:
+            found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version(dist))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if found:
+            return int(found.group(1)), int(found.group(2))
+    return None
+
+
+def mlflow_store_problems(uri: str) -> list[str]:
+    """What keeps the installed MLflow from opening tracking URI `uri` (module docstring)."""
+    scheme, key = urlparse(uri).scheme, f"logging.mlflow.tracking_uri={redact_text(uri)}"
+    version = _mlflow_version()
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
+    if (scheme == "file" or len(scheme) <= 1) and not allowed and version is not None \
+            and version >= MLFLOW_FILE_STORE_REFUSED:
+        return [f"{key} is a file store, which MLflow {version[0]}.{version[1]} refuses unless "
+                "MLFLOW_ALLOW_FILE_STORE=true is set: set it, or log to a server (http://...) "
+                "or a database (sqlite:///mlflow.db, with the full mlflow package)"]
+    if scheme in MLFLOW_DB_SCHEMES and importlib.util.find_spec("sqlalchemy") is None:
+        return [f"{key}: a {scheme} store needs the full mlflow package (SQLAlchemy); the "
+                "[mlflow] extra installs mlflow-skinny: pip install mlflow"]
+    return []

@@ -5,31 +5,35 @@ client, `logging.mlflow.*`), and what they log as the run's parameters.
 Both take the metrics of one step exactly as metrics.jsonl holds them (name -> Python float,
 the step number of metrics.jsonl) and the resolved configuration as parameters:
 `flat_config(cfg)` is every key of the run's config, nested keys joined by dots
-(`train.max_steps`), values as resolved (lists kept). W&B stores them as the run's config;
-MLflow's params are strings: `param_text` writes a non-string value as JSON (`true`, `null`,
-`[1, 2]`) and cuts a value at `MLFLOW_PARAM_CHARS` characters (the limit older MLflow servers
-enforce; newer ones allow 6000), ending it with "..."; MLflow's client sends them 100 per
-request (its batch limit). MLflow's params cannot change: a resumed run logs the keys its run
-lacks and reports (`MlflowTracker.changed`) the ones whose value differs, keeping the first.
-MLflow's metric names allow letters, digits and `_-. :/`; any other character is logged as `_`
-(RL's `val/pass@k` is MLflow's `val/pass_k`; W&B takes every name as it is).
+(`train.max_steps`), values as resolved (lists kept), secrets redacted as in the checkpoint's
+config.yaml (engine.config.redaction: a secret key's value and URI credentials read `***`).
+W&B stores them as the run's config; MLflow's params are strings: `param_text` writes a
+non-string value as JSON (`true`, `null`, `[1, 2]`) and cuts a value at `MLFLOW_PARAM_CHARS`
+characters (the limit older MLflow servers enforce; newer ones allow 6000), ending it with
+"..."; MLflow's client sends them 100 per request (its batch limit). MLflow's params cannot
+change: a resumed run logs the keys its run lacks and reports (`MlflowTracker.changed`) the
+ones whose value differs, keeping the first. MLflow's metric names allow letters, digits and
+`_-. :/`; any other character is logged as `_` (RL's `val/pass@k` is MLflow's `val/pass_k`;
+W&B takes every name as it is).
 
 Each client's constructor starts or resumes its run (`resume_id`: the id a run of the same
 logging.dir stored, engine.run.trackers) and raises whatever the library raises when it cannot;
-`ids()` is what a resumed run needs to find it again; `close(failed)` ends the run (W&B exit
-code 1, MLflow status FAILED when `failed`).
+`ids()` is what a resumed run needs to find it again (the tracking URI as redact_text writes
+it: trackers.json is a file of the run folder); `close(failed)` ends the run (W&B exit code 1,
+MLflow status FAILED when `failed`). W&B records the command line in its run metadata: the
+process's argv is redacted (redact_argv) while wandb.init reads it, and restored after.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import sys
 import time
 from typing import Any, Mapping
 
-from omegaconf import OmegaConf
-
 from engine.config.logging_settings import wandb_mode
+from engine.config.redaction import redact_argv, redact_text, redacted_container
 
 __all__ = ["WandbTracker", "MlflowTracker", "flat_config", "param_text", "MLFLOW_PARAM_CHARS"]
 
@@ -38,8 +42,9 @@ _BAD_METRIC_CHARS = re.compile(r"[^/\w.\- :]")
 
 
 def flat_config(cfg: Any) -> dict[str, Any]:
-    """The resolved configuration as {dotted key: value} (lists and scalars as resolved)."""
-    tree = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    """The resolved configuration as {dotted key: value} (lists and scalars as resolved),
+    redacted (module docstring)."""
+    tree = redacted_container(cfg)
     out: dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:
@@ -79,10 +84,14 @@ class WandbTracker:
         if folder:
             os.makedirs(folder, exist_ok=True)
         resume = {"id": resume_id, "resume": "allow"} if resume_id else {}
-        self.run = wandb.init(project=wb.project, entity=wb.entity, name=wb.name,
-                              group=wb.group, tags=list(wb.tags) or None, job_type=tag,
-                              mode=wandb_mode(cfg), dir=folder, config=flat_config(cfg),
-                              **resume)
+        argv, sys.argv = sys.argv, redact_argv(sys.argv)   # wandb stores it (docstring)
+        try:
+            self.run = wandb.init(project=wb.project, entity=wb.entity, name=wb.name,
+                                  group=wb.group, tags=list(wb.tags) or None, job_type=tag,
+                                  mode=wandb_mode(cfg), dir=folder, config=flat_config(cfg),
+                                  **resume)
+        finally:
+            sys.argv = argv
         self.run_id = self.run.id
 
     def ids(self) -> dict:
@@ -132,7 +141,7 @@ class MlflowTracker:
         return sorted(k for k, v in params.items() if k in existing and existing[k] != v)
 
     def ids(self) -> dict:
-        return {"run_id": self.run_id, "tracking_uri": self.uri}
+        return {"run_id": self.run_id, "tracking_uri": redact_text(self.uri)}
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         from mlflow.entities import Metric  # the optional package, as above

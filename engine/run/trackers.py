@@ -21,6 +21,11 @@ last one it has), while metrics.jsonl is rewound to the checkpoint.
 
 A tracker whose logging fails during the run (its server gone) is reported once on rank 0 and
 dropped; training and metrics.jsonl go on.
+
+Secrets (engine.config.redaction): the params are redacted (tracker_clients.flat_config),
+trackers.json keeps the tracking URI redacted (a resumed run matches it redacted), and every
+message here (the URI a start error names, a library's exception text) has the config's
+secrets and any URI credentials masked.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config.logging_settings import mlflow_on, wandb_on
+from engine.config.redaction import redact_text, scrub, secret_values
 from engine.errors import RunError
 from engine.run.tracker_clients import MlflowTracker, WandbTracker
 from parallel.cpu_runtime import device
@@ -49,10 +55,11 @@ class TrackerStartError(RunError):
 
 class TrackerSet:
     """The started trackers of one run (rank 0): `log` hands a step to each, `close` ends
-    them. A tracker whose `log` raises is reported and dropped (module docstring)."""
+    them. A tracker whose `log` raises is reported and dropped (module docstring); `secrets`
+    (redaction.secret_values) are masked in what is printed."""
 
-    def __init__(self, trackers: list) -> None:
-        self.trackers = list(trackers)
+    def __init__(self, trackers: list, secrets: tuple[str, ...] = ()) -> None:
+        self.trackers, self.secrets = list(trackers), tuple(secrets)
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         for tracker in list(self.trackers):
@@ -61,14 +68,16 @@ class TrackerSet:
             except Exception as e:  # a tracker's outage must not stop training
                 self.trackers.remove(tracker)
                 print(f"[trackers] {tracker.name} stopped logging at step {step} ({tracker.key}"
-                      f"): {type(e).__name__}: {e}; metrics.jsonl keeps every step", flush=True)
+                      f"): {type(e).__name__}: {scrub(str(e), self.secrets)}; metrics.jsonl "
+                      "keeps every step", flush=True)
 
     def close(self, failed: bool) -> None:
         for tracker in self.trackers:
             try:
                 tracker.close(failed)
             except Exception as e:  # closing is best effort; the metrics were logged
-                print(f"[trackers] {tracker.name} did not close cleanly: {e}", flush=True)
+                print(f"[trackers] {tracker.name} did not close cleanly: "
+                      f"{scrub(str(e), self.secrets)}", flush=True)
         self.trackers = []
 
 
@@ -114,9 +123,10 @@ def start_trackers(cfg: Any, start: int, tag: str) -> TrackerSet:
             stored.get("wandb", {}), start, {"project": wb.project, "entity": wb.entity}, "id")))
     if mlflow_on(cfg):
         wanted.append((MlflowTracker, "mlflow", resume_id(
-            stored.get("mlflow", {}), start, {"tracking_uri": cfg.logging.mlflow.tracking_uri},
-            "run_id")))
-    started = TrackerSet([])
+            stored.get("mlflow", {}), start,
+            {"tracking_uri": redact_text(cfg.logging.mlflow.tracking_uri)}, "run_id")))
+    secrets = tuple(secret_values(cfg))
+    started = TrackerSet([], secrets)
     for cls, name, run_id in wanted:
         try:
             tracker = cls(cfg, run_id, tag)
@@ -124,8 +134,9 @@ def start_trackers(cfg: Any, start: int, tag: str) -> TrackerSet:
             started.close(failed=True)
             value = getattr(cfg.logging, name)
             value = value.project if name == "wandb" else value.tracking_uri
-            raise TrackerStartError(f"{cls.key}={value}: {cls.name} could not start: "
-                                    f"{type(e).__name__}: {e}") from None
+            raise TrackerStartError(f"{cls.key}={redact_text(value)}: {cls.name} could not "
+                                    f"start: {type(e).__name__}: {scrub(str(e), secrets)}"
+                                    ) from None
         started.trackers.append(tracker)
         stored[name] = tracker.ids()
         how = "resumed" if run_id else "new"
@@ -150,7 +161,8 @@ def open_trackers(cfg: Any, start: int, tag: str) -> None:
             _ACTIVE.append(start_trackers(cfg, start, tag))
         except Exception as e:  # every rank must learn of it, or the others would wait
             error = e if isinstance(e, TrackerStartError) else TrackerStartError(
-                f"experiment trackers (logging.dir={cfg.logging.dir}): {type(e).__name__}: {e}")
+                f"experiment trackers (logging.dir={cfg.logging.dir}): {type(e).__name__}: "
+                f"{scrub(str(e), secret_values(cfg))}")
     failed = error is not None
     if dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([int(failed)], dtype=torch.int32, device=device())
