@@ -147,20 +147,21 @@ def reserved_storage(nbytes: int, folder: str = SHARED_MEMORY) -> torch.UntypedS
     by posix_fallocate, which fails with ENOSPC (NoSharedMemory, nothing kept) where the room
     is gone; mapped by torch as a descriptor-shared storage, the kind torch.multiprocessing
     exports (reduce_storage) and share_memory_ makes."""
-    fd, path = tempfile.mkstemp(prefix="rl_sync_bucket_", dir=folder)
+    fd = -1
     try:
+        fd, path = tempfile.mkstemp(prefix="rl_sync_bucket_", dir=folder)
         os.unlink(path)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
-                raise
-            raise NoSharedMemory(f"{folder} has no room left for a weight-sync bucket of "
-                                 f"{nbytes / 2**20:.0f} MiB ({e.strerror}; another process may "
-                                 "have taken it since the free-space check)") from e
+        os.posix_fallocate(fd, 0, nbytes)
         return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)   # maps a dup of fd
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        raise NoSharedMemory(f"{folder} has no room left for a weight-sync bucket of "
+                             f"{nbytes / 2**20:.0f} MiB ({e.strerror}; another process may "
+                             "have taken it since the free-space check)") from e
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 class NoSharedMemory(OSError):
