@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 
+from engine.config.redaction import redact_text
 from engine.rl.judge.scorer import load_parser
 # the other ranks wait at most this long in a collective while rank 0 judges
 from parallel.process_groups import PROCESS_GROUP_TIMEOUT_S
@@ -31,7 +32,7 @@ def judge_problems(cfg) -> list[str]:
     p: list[str] = []
     if not isinstance(judge.base_url, str) or not judge.base_url.startswith(("http://",
                                                                             "https://")):
-        p.append(f"reward.judge.base_url={judge.base_url!r} must be an http:// or https:// URL "
+        p.append(f"reward.judge.base_url={redact_text(repr(judge.base_url))} must be an http:// or https:// URL "
                  "ending in /v1 (e.g. megatron-sft-engine serve's), or null (no judge)")
     if not isinstance(judge.model, str) or not judge.model:
         p.append(f"reward.judge.model={judge.model!r} must be a model name")

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from engine.config.redaction import redact_text
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.judge.scorer import JudgeScorer
 from engine.rl.rewards import load_reward_fn
@@ -52,7 +53,7 @@ class JudgedCollector(RolloutCollector):
         if result.num_errors:
             first = next(e for e in result.errors if e is not None)
             print(f"[rl] warning: the judge failed on {result.num_errors} of {len(items)} "
-                  f"responses (scored 0); first: {first}", flush=True)
+                  f"responses (scored 0); first: {redact_text(str(first))}", flush=True)
         judged = torch.tensor(result.scores, dtype=torch.float32)
         weight = float(self.judge.cfg.weight)
         data.update(judge_scores=judged, scores=data["scores"] + weight * judged,
