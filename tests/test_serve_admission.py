@@ -79,33 +79,44 @@ def test_choices_count_against_the_queue_and_are_capped_per_request(tok):
         assert endpoint._accepted == 0
 
 
+class _HeldTokenizer:
+    """`tok` whose encode waits for `release` (after setting `entered`)."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.entered, self.release = tok, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, *args, **kw):
+        self.entered.set()
+        self.release.wait(10)
+        return self.tok.encode(*args, **kw)
+
+
 def test_health_answers_while_a_request_is_tokenized(tok):
-    """A completions request whose tokenization is held (the tokenizer blocked on an event):
-    GET /health answers 200 meanwhile (tokenization runs on a worker thread, not the server's
-    event loop); released, the request is answered 200."""
+    """A completions request, then a /tokenize request, whose tokenization is held (the
+    tokenizer's encode blocked on an event): GET /health answers 200 meanwhile (bodies are
+    parsed and tokenized on a worker thread, not the server's event loop); released, the
+    request is answered 200."""
     with serving(tok, ScriptedBackend()) as endpoint:
-        entered, release = threading.Event(), threading.Event()
-        text_ids = endpoint.rules.text_ids
-
-        def slow_text_ids(text, first):
-            entered.set()
-            release.wait(10)
-            return text_ids(text, first)
-
-        endpoint.rules.text_ids = slow_text_ids
-        got = {}
-        t = threading.Thread(target=lambda: got.__setitem__("r", httpx.post(
-            f"{endpoint.base_url}/completions", json={"prompt": "w1", "max_tokens": 2},
-            timeout=30)), daemon=True)
-        t.start()
-        assert entered.wait(10)
-        try:
-            health = httpx.get(endpoint.base_url[:-len("/v1")] + "/health", timeout=2)
-            assert health.status_code == 200
-        finally:
-            release.set()
-        t.join(timeout=10)
-        assert got["r"].status_code == 200 and got["r"].json()["choices"][0]["text"]
+        root = endpoint.base_url[:-len("/v1")]
+        for url, body in ((f"{endpoint.base_url}/completions", {"prompt": "w1",
+                                                               "max_tokens": 2}),
+                          (f"{root}/tokenize", {"prompt": "w1"})):
+            held = endpoint.rules.tokenizer = _HeldTokenizer(tok)
+            got = {}
+            t = threading.Thread(target=lambda: got.__setitem__("r", httpx.post(
+                url, json=body, timeout=30)), daemon=True)
+            t.start()
+            assert held.entered.wait(10)
+            try:
+                assert httpx.get(f"{root}/health", timeout=2).status_code == 200
+            finally:
+                held.release.set()
+                endpoint.rules.tokenizer = tok
+            t.join(timeout=10)
+            assert got["r"].status_code == 200, got["r"].text
 
 
 def test_scoring_memory_is_refused_up_front_naming_the_limit(tok):

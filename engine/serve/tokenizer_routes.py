@@ -17,13 +17,16 @@ The ids are those the completion routes are prompted with: a text prompt with th
 add_special_tokens is /v1/completions' prompt; messages with the generation prompt are
 /v1/chat/completions' prompt (checked by the same parse_chat: the same 400s). `model` may be
 sent and is ignored; any other key is a 400 naming it. The API key (when set) guards these
-routes as it guards /v1 (engine.api.http.require_api_key).
+routes as it guards /v1 (engine.api.http.require_api_key). /tokenize and /detokenize parse and
+(de)tokenize on a worker thread, never on the server's event loop.
 """
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI, Request
 
-from engine.api.http import json_body, model_object
+from engine.api.http import model_object, parse_json, read_body
 from engine.api.requests import ApiError, bad, parse_chat
 
 PROMPT_KEYS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
@@ -116,11 +119,13 @@ def add_tokenizer_routes(app: FastAPI, endpoint) -> None:
     limits, settings and max_body_bytes)."""
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
-        return tokenize(endpoint, await json_body(request, endpoint.max_body_bytes))
+        raw = await read_body(request, endpoint.max_body_bytes)
+        return await asyncio.to_thread(lambda: tokenize(endpoint, parse_json(raw)))
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict:
-        return detokenize(endpoint, await json_body(request, endpoint.max_body_bytes))
+        raw = await read_body(request, endpoint.max_body_bytes)
+        return await asyncio.to_thread(lambda: detokenize(endpoint, parse_json(raw)))
 
     @app.get("/tokenizer_info")
     async def tokenizer_info_route() -> dict:
