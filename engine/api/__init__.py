@@ -10,8 +10,10 @@ Modules (one job each):
     replies    generated ids as OpenAI responses (stop strings, tool calls, log-probs)
     backend    the batched generate protocol the servers call (GenerateRequest, GenerateResult,
                GenerateBackend) and the seeds of calls (turn_seed, call_seed)
+    budget     the context-budget rule of both servers (a reply's max_tokens, or 400 "context
+               length exceeded")
     batcher    the queue between the HTTP thread and the thread that owns the engines (its
-               bound: 429; closed while stopping: 503)
+               bound: 429; a failed generate call: 503; closed while stopping: 503)
     http       uvicorn in a daemon thread, the JSON body (its size limit, its shape), error
                bodies, the key, the request log line
 

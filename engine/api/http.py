@@ -151,7 +151,7 @@ def add_error_handlers(app: FastAPI) -> None:
     request_id)."""
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        retry, rid = getattr(exc, "retry_after_s", None), getattr(exc, "request_id", None)
+        retry, rid = getattr(exc, "retry_after_s", None), exc.request_id
         headers = {**({"Retry-After": str(retry)} if retry else {}),
                    **({"X-Request-Id": rid} if rid else {})}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)

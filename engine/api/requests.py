@@ -53,7 +53,10 @@ CONSTRAINED = ("json_object", "json_schema", "regex", "grammar", "structural_tag
 
 
 class ApiError(Exception):
-    """An OpenAI-style error answer: `status` and {"error": {"message", "type", "param"}}."""
+    """An OpenAI-style error answer: `status` and {"error": {"message", "type", "param"}};
+    `request_id` (set by a server for its 5xx answers) goes out as X-Request-Id."""
+
+    request_id: str | None = None
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  kind: str = "invalid_request_error", code: str | None = None) -> None:

@@ -8,8 +8,11 @@ also speaks, and on RL's rollout engines (engine.rl.rollout, with SamplingBacken
 endpoint is stateless, every request is rendered whole.
 
 Modules (one job each):
+    admission  what one request may ask before it is queued: its choices (--max-choices),
+               the context budget (engine.api.budget), scoring memory (--max-score-gib)
     batching   the queue's rule for independent clients (gather, then one generate call),
-               its bound (--max-queue: 429) and its closing on SIGTERM (503)
+               its bound (--max-queue: 429), failed calls retried in halves (503 only for
+               the failing request) and its closing on SIGTERM (503)
     endpoint   the FastAPI app (/v1/models, /v1/chat/completions, /v1/completions), seeds
     folder     the --model folder checked before anything heavy is imported
     model      the folder loaded on the hf or vllm rollout engine
