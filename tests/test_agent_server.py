@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import random
 import threading
 import time
@@ -326,7 +327,7 @@ def test_an_episode_cannot_reach_another_from_its_url(tok):
     assert server_module.new_episode_id() != server_module.new_episode_id()
 
 
-def test_malformed_content_parts_get_400_naming_the_part(tok, monkeypatch):
+def test_malformed_content_parts_get_400_naming_the_part(tok, monkeypatch, caplog):
     """A non-object (or untyped, or textless) content part is a 400 naming the part, never a
     500 (the openai client retries 5xx); nothing reaches the backend. Negative control:
     without the part check (engine.data.rows.check_messages) the same request is a 500."""
@@ -345,8 +346,15 @@ def test_malformed_content_parts_get_400_naming_the_part(tok, monkeypatch):
             assert words in r.json()["error"]["message"] and \
                 r.json()["error"]["param"] == "messages", (parts, r.json())
         monkeypatch.setattr(requests_module, "check_messages", lambda m, *_: m)
-        r = httpx.post(url, json={"messages": [{"role": "user", "content": ["text"]}]})
+        with caplog.at_level(logging.ERROR, logger="engine.rl.agent.errors"):
+            r = httpx.post(url, json={"messages": [{"role": "user", "content": ["text"]}]})
         assert r.status_code == 500
+        # The bug's 500 names the request, never the exception (engine.api.failures): its
+        # type and text go to the server's error log.
+        rid = r.headers["x-request-id"]
+        assert r.json()["error"]["message"] == (f"internal error (request id {rid}); the "
+                                                "server log has the details"), r.text
+        assert "Error" not in r.text and rid in caplog.text and "Error" in caplog.text
     assert not backend.seen
 
 

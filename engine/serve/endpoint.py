@@ -65,6 +65,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.api.backend import GenerateBackend, GenerateRequest, call_seed
 from engine.api.batcher import GenerationFailed
+from engine.api.failures import failure
 from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, log_requests, models_body,
                              parse_json, read_body, require_api_key, start_http, stop_http)
 from engine.api.evaluation import chat_reply, completion_reply
@@ -253,11 +254,11 @@ class ServeEndpoint:
             results = await asyncio.gather(*[asyncio.wrap_future(f) for f in
                                              self.queue.submit_many(CLIENTS, requests)])
         except GenerationFailed as e:
-            raise failure(rid, e.cause, e) from None
+            raise failure(rid, e.cause, ERROR_LOG, e) from None
         try:
             return self._answer(kind, call, contexts, results, rid)
         except Exception as e:  # noqa: BLE001 - a bug: 500 naming the request, logged
-            raise failure(rid, e) from None
+            raise failure(rid, e, ERROR_LOG) from None
 
     def _answer(self, kind: str, call: Call, contexts: list[list[int]], results: list,
                 rid: str) -> Response:
@@ -273,19 +274,6 @@ class ServeEndpoint:
         if call.stream:
             return event_stream(chunks, rid, ERROR_LOG)
         return JSONResponse(reply)
-
-
-def failure(rid: str, cause: BaseException, error: ApiError | None = None) -> ApiError:
-    """The answer to request `rid` that failed with `cause`: `error` (GenerationFailed's
-    503), else a 500; its message names the request id (so does X-Request-Id), the exception
-    and its traceback go to ERROR_LOG only."""
-    ERROR_LOG.error("request %s failed", rid, exc_info=(type(cause), cause,
-                                                         cause.__traceback__))
-    status, what = (error.status, "generation failed") if error else (500, "internal error")
-    out = ApiError(status, f"{what} (request id {rid}); the server log has the details",
-                   kind="server_error", code=error.code if error else "internal_error")
-    out.request_id = rid
-    return out
 
 
 def build_app(endpoint: ServeEndpoint) -> FastAPI:
@@ -313,7 +301,7 @@ def build_app(endpoint: ServeEndpoint) -> FastAPI:
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must answer 500, not drop the request
-            raise failure(f"{kind}-{secrets.token_hex(6)}", e) from None
+            raise failure(f"{kind}-{secrets.token_hex(6)}", e, ERROR_LOG) from None
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse
 
 from engine.api.backend import GenerateBackend, GenerateRequest
 from engine.api.batcher import GenerateQueue
+from engine.api.failures import failure
 from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, json_body, log_requests,
                              models_body, require_api_key, start_http, stop_http)
 from engine.api.replies import make_reply, response_body
@@ -44,6 +45,7 @@ from engine.api.tokens import TemplateRules
 from engine.rl.agent.sessions import Episode
 
 FINISHED_KEPT = 1 << 16   # finished episode ids remembered for 410 (older ones: 404)
+ERROR_LOG = logging.getLogger("engine.rl.agent.errors")   # failed calls' exceptions (always)
 
 
 def new_episode_id() -> str:
@@ -201,7 +203,7 @@ def build_app(server: AgentServer) -> FastAPI:
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must answer 500, not drop the request
-            raise ApiError(500, f"{type(e).__name__}: {e}", kind="server_error") from e
+            raise failure(f"{kind}-{secrets.token_hex(6)}", e, ERROR_LOG) from None
 
     @app.post("/episodes/{eid}/v1/chat/completions")
     async def chat(eid: str, request: Request) -> JSONResponse:
