@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+source recipes/demo_args.sh
 rm -rf "$OUT/cpu_demo"
 megatron-sft-engine demo assets --out "$OUT/demo_assets"   # tools/demo.py; nothing downloaded
 megatron-sft-engine sft --nproc-per-node 4 \
@@ -21,9 +22,10 @@ megatron-sft-engine sft --nproc-per-node 4 \
   optim.lr=3e-3 optim.min_lr=3e-4 optim.warmup_steps=10 optim.schedule=cosine \
   loss.agg_mode=token-mean \
   logging.dir="$OUT/cpu_demo" checkpoint.dir="$OUT/cpu_demo/ckpt" "$@"
+LOGS=$(demo_arg logging.dir "$OUT/cpu_demo" "$@")   # the folder the run logged to
 megatron-sft-engine convert mcore-to-hf --ckpt "$OUT/cpu_demo/ckpt" --out "$OUT/cpu_demo/hf"
 # the first 20 prompts of rl_prompts.jsonl are the held-out sums of sft_eval.jsonl
 megatron-sft-engine demo evaluate --data "$OUT/demo_assets/rl_prompts.jsonl" \
   --model sft="$OUT/cpu_demo/hf" --limit 20
-echo "metrics: $OUT/cpu_demo/metrics.jsonl  (tensorboard --logdir $OUT/cpu_demo)"
+echo "metrics: $LOGS/metrics.jsonl  (tensorboard --logdir $LOGS)"
 echo "model: $OUT/cpu_demo/hf  (megatron-sft-engine serve --model $OUT/cpu_demo/hf)"

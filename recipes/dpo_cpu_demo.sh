@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+source recipes/demo_args.sh
 megatron-sft-engine demo assets --out "$OUT/demo_assets"   # tools/demo.py; nothing downloaded
 megatron-sft-engine dpo --nproc-per-node 2 \
   model.hf_path="$OUT/demo_assets/model" \
@@ -17,4 +18,5 @@ megatron-sft-engine dpo --nproc-per-node 2 \
   optim.lr=2e-4 optim.min_lr=2e-5 optim.warmup_steps=5 optim.schedule=cosine \
   dpo.loss_type=sigmoid dpo.beta=0.1 \
   logging.dir="$OUT/dpo_cpu_demo" "$@"
-echo "metrics: $OUT/dpo_cpu_demo/metrics.jsonl  (tensorboard --logdir $OUT/dpo_cpu_demo)"
+LOGS=$(demo_arg logging.dir "$OUT/dpo_cpu_demo" "$@")   # the folder the run logged to
+echo "metrics: $LOGS/metrics.jsonl  (tensorboard --logdir $LOGS)"

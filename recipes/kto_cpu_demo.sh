@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
+source recipes/demo_args.sh
 megatron-sft-engine demo assets --out "$OUT/demo_assets"   # tools/demo.py; nothing downloaded
 megatron-sft-engine kto --nproc-per-node 2 \
   model.hf_path="$OUT/demo_assets/model" \
@@ -18,4 +19,5 @@ megatron-sft-engine kto --nproc-per-node 2 \
   optim.lr=2e-4 optim.min_lr=2e-5 optim.warmup_steps=5 optim.schedule=cosine \
   kto.beta=0.1 \
   logging.dir="$OUT/kto_cpu_demo" "$@"
-echo "metrics: $OUT/kto_cpu_demo/metrics.jsonl  (tensorboard --logdir $OUT/kto_cpu_demo)"
+LOGS=$(demo_arg logging.dir "$OUT/kto_cpu_demo" "$@")   # the folder the run logged to
+echo "metrics: $LOGS/metrics.jsonl  (tensorboard --logdir $LOGS)"

@@ -120,3 +120,35 @@ def test_library_warnings_are_filtered_and_megatrons_fallback_said_once():
     assert shown(None) == ["something actionable"]
     assert len(shown("1")) == len(examples) + 1
     assert kernel_notice().startswith("Transformer Engine not installed: torch layers")
+
+
+def test_preference_keys_have_meanings_and_choices():
+    """`dpo --help`, `kto --help` and `rm --help` give each objective's own keys a meaning;
+    dpo.loss_type's names every loss type (ORPO included). Negative control: a key without a
+    comment is reported."""
+    from engine.config.dpo_settings import LOSS_TYPES, DPOConfig
+    from engine.config.kto_settings import KTOConfig
+    from engine.config.rm_settings import RMConfig
+
+    def bare(schema, prefix):
+        return [k for k, _, _, meaning in schema_keys(schema)
+                if k.startswith(prefix) and not meaning]
+
+    assert bare(DPOConfig, "dpo.") == [] and bare(KTOConfig, "kto.") == []
+    assert bare(RMConfig, "rm.") == []
+    assert "parallel.tp" in bare(SFTConfig, "parallel.")   # a key without a comment is found
+    meaning = {k: m for k, _, _, m in schema_keys(DPOConfig)}["dpo.loss_type"]
+    assert [t for t in LOSS_TYPES if t not in meaning.replace("|", " ").split()] == []
+
+
+def test_top_level_help_names_every_preference_objective():
+    """The console's overview names each dpo.loss_type under the name papers and TRL use, and
+    `rm score`."""
+    from engine.config.dpo_settings import LOSS_TYPES
+    from tools.cli import usage
+
+    names = {"sigmoid": "DPO", "ipo": "IPO", "hinge": "hinge", "robust": "robust",
+             "simpo": "SimPO", "orpo": "ORPO"}
+    lines = {line.split()[0]: line for line in usage().splitlines() if line.startswith("  ")}
+    assert [t for t in LOSS_TYPES if names[t] not in lines["dpo"]] == []
+    assert "`rm score`" in lines["rm"] and "KTO" in lines["kto"]

@@ -4,11 +4,12 @@
     megatron-sft-engine rl  [--nproc-per-node N] [--config FILE.yaml] [key=value ...]
     megatron-sft-engine dpo [--nproc-per-node N] [--config FILE.yaml] [key=value ...]
     megatron-sft-engine rm  [--nproc-per-node N] [--config FILE.yaml] [key=value ...]
+    megatron-sft-engine rm score --model HF_DIR --data FILE.jsonl
     megatron-sft-engine kto [--nproc-per-node N] [--config FILE.yaml] [key=value ...]
     megatron-sft-engine validate {sft,rl,dpo,rm,kto} --config RECIPE.yaml [--world-size N] [--nodes M] [--json]
     megatron-sft-engine convert {hf-to-mcore,mcore-to-hf,verify} ... [--nproc-per-node N]
     megatron-sft-engine bench NAME [--quick]
-    megatron-sft-engine demo {assets,model,addition-data,tools-data,evaluate} ...
+    megatron-sft-engine demo {assets,model,addition-data,rm-data,tools-data,...} ...
     megatron-sft-engine serve --model DIR [--backend hf|vllm] [--port P] ...
 
 Each subcommand is the module a checkout runs with `python -m` (`engine.sft`, `engine.rl`,
@@ -30,8 +31,10 @@ ENGINES = ("sft", "rl", "dpo", "rm", "kto")   # the training entry points (engin
 SUBCOMMANDS = {  # name: (module torchrun runs for --nproc-per-node, or None; one-line meaning)
     "sft": ("engine.sft", "supervised fine-tuning"),
     "rl": ("engine.rl", "GRPO / DAPO / PPO / on-policy distillation"),
-    "dpo": ("engine.dpo", "preference optimisation: DPO, IPO, cDPO/robust, hinge, SimPO, RPO"),
-    "rm": ("engine.rm", "reward models: Bradley-Terry on preference pairs"),
+    "dpo": ("engine.dpo", "preference optimisation on pairs: DPO, IPO, cDPO/robust, hinge, "
+                          "SimPO, ORPO (dpo.loss_type), RPO"),
+    "rm": ("engine.rm", "reward models: Bradley-Terry on preference pairs; `rm score`: "
+                        "an exported reward model's scores of chats"),
     "kto": ("engine.kto", "KTO on unpaired feedback (a prompt, a completion, a boolean label)"),
     "validate": (None, "check a recipe's layout, memory and communication for a cluster; "
                        "no GPUs, no weights"),
@@ -102,12 +105,14 @@ def _engine_help(name: str) -> tuple[str, str, list[str]]:
             "dpo": "data.train_files=[pairs.jsonl] dpo.loss_type=sigmoid",
             "rm": "data.train_files=[pairs.jsonl] rm.center_rewards_coefficient=0.01",
             "kto": "data.train_files=[kto.jsonl] kto.beta=0.1"}[name]
+    scoring = [f"{prog} score --model runs/rm/hf --data chats.jsonl  (an exported reward "
+               "model's scores of chats; `score --help`)"] if name == "rm" else []
     return prog, f"{prog} [--nproc-per-node N] [--config FILE.yaml] [key=value ...]", [
         f"{prog} model.hf_path=DIR {data} train.max_steps=100",
         f"{prog} --nproc-per-node 8 --config {recipe} model.hf_path=DIR parallel.tp=2",
         f"torchrun --nnodes 2 --nproc_per_node 8 ... -m engine.{name} --config {recipe}  "
         "(multi-node)",
-        f"{PROG} validate {name} --config {recipe} --nodes 2"]
+        f"{PROG} validate {name} --config {recipe} --nodes 2", *scoring]
 
 
 def run_engine(name: str, argv: list[str]) -> int:

@@ -33,11 +33,16 @@ DEFAULT_SIMPO_GAMMA = 0.5
 
 @dataclass
 class DPOSettings:
+    # sigmoid (DPO; cDPO with label_smoothing) | ipo | hinge | robust | simpo (reference-free)
+    # | orpo (reference-free; SFT + odds-ratio preference, beta as ORPO's lambda)
     loss_type: str = "sigmoid"
-    beta: float = 0.1
+    beta: float = 0.1                # beta of every loss type (ORPO's lambda, SimPO's beta)
+    # eps of cDPO (sigmoid), robust (< 0.5) and simpo; must be 0 for hinge, ipo and orpo
     label_smoothing: float = 0.0
+    # RPO: + alpha x NLL of the chosen completions (null: off); refused with orpo
     rpo_alpha: Optional[float] = None
-    simpo_gamma: float = DEFAULT_SIMPO_GAMMA
+    simpo_gamma: float = DEFAULT_SIMPO_GAMMA   # SimPO's target margin gamma (simpo only)
+    # the frozen reference's HF folder (null: model.hf_path); refused with LoRA, simpo, orpo
     ref_path: Optional[str] = None
 
 

@@ -22,6 +22,8 @@ EXAMPLES = [
     "torchrun --nproc_per_node 8 -m engine.rm --config recipes/rm/qwen3_8b_rm_h100.yaml "
     "model.hf_path=DIR",
     "python -m engine.rm --config recipes/rm/qwen3_8b_rm_h100.yaml --validate --nodes 1",
+    "python -m engine.rm score --model runs/rm/hf --data chats.jsonl  (an exported reward "
+    "model's scores of chats; `score --help`)",
 ]
 
 

@@ -1,5 +1,6 @@
 """`megatron-sft-engine rm score` (`python -m engine.rm score`): a reward model's scores of
-chats, on the CPU or one GPU, from an exported folder (docs/preference.md#scoring-chats).
+chats, on the CPU or one GPU, from an exported folder
+(docs/preference.md#scoring-chats-megatron-sft-engine-rm-score).
 
     megatron-sft-engine rm score --model runs/rm/hf --data chats.jsonl [--out scores.jsonl]
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -112,6 +114,10 @@ def summary(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None, prog: str = "python -m engine.rm score") -> int:
     args = parser(prog).parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print(f"error: {prog} runs in one process (WORLD_SIZE="
+              f"{os.environ['WORLD_SIZE']}); drop --nproc-per-node", file=sys.stderr)
+        return 2
     try:
         results = score_rows(args)
     except DataError as e:
