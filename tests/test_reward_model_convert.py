@@ -269,13 +269,14 @@ def test_the_export_is_called_as_transformers_docs_show(pools, rm_dirs, rm_ckpts
     does (a line of its own)."""
     from transformers import AutoTokenizer
 
-    from engine.rm.scoring import chat_scored_ids
-
     chat = [{"role": "user", "content": "what is 2 + 3 ?"},
             {"role": "assistant", "content": "the answer is 5"}]
     export, source = rm_exports["qwen3"], rm_dirs["qwen3"]
     called = AutoTokenizer.from_pretrained(str(export)).apply_chat_template(
         chat, return_tensors="pt", return_dict=True)["input_ids"]
+    assert called[0, -1] == 3, called      # <|im_end|>, not the template's trailing "\n" (4)
+    from engine.rm.scoring import chat_scored_ids   # the engine's rule (checked next)
+
     engine = chat_scored_ids(chat, AutoTokenizer.from_pretrained(source), "chat")
     assert called[0].tolist() == engine and engine[-1] == 3
     expected = hf_scores(source, torch.tensor([engine]))
