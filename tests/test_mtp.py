@@ -360,3 +360,24 @@ def test_grpo_trains_the_mtp_layer_without_moving_the_policy(pools, glm_dir, tmp
         for key in ("reward/mean", "policy/loss", "policy/entropy", "grad_norm",
                     "response/length_mean", "rollout/logprob_diff"):
             assert _rel(on[key], off[key]) < 1e-4, (key, on[key], off[key])
+
+
+def test_kto_trains_the_mtp_layer_on_the_desirable_completions(pools, glm_dir):
+    """Issue 76 item 3: KTO passed zero per-sequence weights, so `mtp/loss` was 0 and the MTP
+    layer got no gradient. Now its targets are the DESIRABLE examples' completion tokens
+    (token-mean over them, 0 on the undesirable ones, as DPO trains it on the chosen side): on
+    a batch of 5 desirable and 3 undesirable examples `mtp/loss` is logged and > 0 and every
+    step moves the MTP layer; on the same examples all undesirable the weights are all 0, so
+    `mtp/loss` is 0 (and the one-sided metrics are left out, item 7)."""
+    [r] = pools.run(1, "tests.multirank.preference_mtp_check:kto_trains_the_mtp_layer", glm_dir)
+    mixed, rejected = r["steps"]
+    desirable = sum(c for c, label in zip(mixed["counts"], mixed["labels"]) if label)
+    assert mixed["weights"] == pytest.approx(
+        [1 / desirable if label else 0.0 for label in mixed["labels"]], rel=1e-12)
+    assert 3 < mixed["mtp_loss"] < 10 and mixed["tensors"] > 5, mixed   # ln 200 = 5.3
+    assert mixed["moved"] > 1e-3, mixed
+    assert "rewards/margins" in mixed["keys"] and "mtp/accuracy" in mixed["keys"]
+    assert rejected["weights"] == [0.0] * 8 and rejected["mtp_loss"] == 0.0, rejected
+    for key in ("rewards/chosen", "logps/chosen", "logits/chosen", "rewards/margins"):
+        assert key not in rejected["keys"], rejected["keys"]
+    assert "rewards/rejected" in rejected["keys"]

@@ -161,6 +161,10 @@ def test_run_logs_metrics_evaluates_resumes_and_exports(pools, demo_assets, tmp_
     proc = pools.script(2, *_args(demo_assets, tmp_path, 2), timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "[rm] reward model:" in proc.stdout and "a new score head" in proc.stdout
+    # a side may have train.seq_length ids (the RM reads the last one): the data line says so
+    # (it said "train.seq_length=63 tokens" for train.seq_length=64)
+    assert "sides longer than train.seq_length=64 ids cut on" in proc.stdout, proc.stdout
+    assert "train.seq_length=63" not in proc.stdout
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:

@@ -25,6 +25,7 @@ from engine.dpo.pair_loss import PairLossSettings
 from engine.preference.evaluation import evaluate_in_chunks
 from engine.preference.reference import Reference, make_reference
 from engine.preference.run import Objective, load_pairs, run_objective
+from engine.preference.step_metrics import step_metrics
 from engine.preference.weights import completion_counts, subset_weights
 from engine.training.micro_batches import SequenceData
 from engine.training.train_engine import TrainEngine
@@ -81,17 +82,8 @@ def dpo_step(engine: TrainEngine, reference: Reference, pairs: list[PreferencePa
     keys = report_keys(batch.settings)
     out = engine.train_batch(seqs, weights, dpo_loss_fn(batch, engine.vocab_size), keys,
                              units=units)
-    tokens, dt = out["batch/num_tokens"], out["time/step_s"]
     return {**{k: out[k] for k in keys},
-            "grad_norm": out["grad_norm"], "lr": out["lr"], "num_pairs": len(pairs),
-            "num_tokens": int(tokens), "time/step_s": dt + ref_s, "time/reference_s": ref_s,
-            "throughput/tokens_per_s": tokens / (dt + ref_s) if dt + ref_s > 0 else 0.0,
-            "batch/dp_imbalance": out["batch/dp_imbalance"],
-            "batch/padding_fraction": out["batch/num_padding"] / max(
-                out["batch/num_padding"] + tokens, 1),
-            "train/update_skipped": out["train/update_skipped"],
-            "train/skipped_steps": float(engine.guard.skipped),
-            **{k: v for k, v in out.items() if k.startswith("moe/")}}
+            **step_metrics(out, engine, {"num_pairs": len(pairs)}, ref_s)}
 
 
 def evaluate(engine: TrainEngine, reference: Reference, pairs: list[PreferencePair],

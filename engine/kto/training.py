@@ -29,6 +29,7 @@ from engine.kto.loss import KTOLossSettings
 from engine.kto.loss_fn import REPORT_KEYS, ExampleBatch, kto_loss_fn, kto_metrics
 from engine.preference.reference import Reference, completion_logprob_sums, make_reference
 from engine.preference.run import Objective, load_train_eval, run_objective
+from engine.preference.step_metrics import step_metrics
 from engine.preference.weights import completion_counts, subset_weights
 from engine.training.micro_batches import SequenceData
 from engine.training.train_engine import TrainEngine
@@ -113,18 +114,9 @@ def kto_step(engine: TrainEngine, reference: Reference, examples: list[UnpairedE
     out = engine.train_batch(seqs, mtp_weights(engine, batch, cfg),
                              kto_loss_fn(batch, engine.vocab_size), REPORT_KEYS,
                              units=[[i] for i in range(len(seqs))])
-    tokens, dt = out["batch/num_tokens"], out["time/step_s"]
     return {**kto_metrics(out, batch),
-            "grad_norm": out["grad_norm"], "lr": out["lr"], "num_examples": len(examples),
-            "num_desirable": int(batch.labels.sum()), "num_tokens": int(tokens),
-            "time/step_s": dt + ref_s, "time/reference_s": ref_s,
-            "throughput/tokens_per_s": tokens / (dt + ref_s) if dt + ref_s > 0 else 0.0,
-            "batch/dp_imbalance": out["batch/dp_imbalance"],
-            "batch/padding_fraction": out["batch/num_padding"] / max(
-                out["batch/num_padding"] + tokens, 1),
-            "train/update_skipped": out["train/update_skipped"],
-            "train/skipped_steps": float(engine.guard.skipped),
-            **{k: v for k, v in out.items() if k.startswith("moe/")}}
+            **step_metrics(out, engine, {"num_examples": len(examples),
+                                         "num_desirable": int(batch.labels.sum())}, ref_s)}
 
 
 def evaluate(engine: TrainEngine, reference: Reference, examples: list[UnpairedExample],

@@ -17,8 +17,6 @@ has no reference. It trains no MTP layer: model.mtp.enabled=true is refused
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from engine.config.rm_settings import RMConfig, score_init_std
@@ -26,6 +24,7 @@ from engine.data.datasets import Sample
 from engine.data.preference import PreferenceDataset, PreferencePair
 from engine.preference.evaluation import evaluate_in_chunks
 from engine.preference.run import Objective, load_pairs, run_objective
+from engine.preference.step_metrics import step_metrics
 from engine.rm.loss_fn import REPORT_KEYS, RewardBatch, rm_loss_fn, score_extremes
 from engine.rm.scoring import scored_length
 from engine.training.micro_batches import SequenceData
@@ -81,17 +80,8 @@ def rm_step(engine: TrainEngine, pairs: list[PreferencePair], cfg) -> dict[str, 
     batch = reward_batch(cfg, pairs)
     out = engine.train_batch(seqs, weights, rm_loss_fn(batch, value_head(engine.chunks)),
                              REPORT_KEYS, units=units)
-    tokens, dt = out["batch/num_tokens"], out["time/step_s"]
     return {**{k: out[k] for k in REPORT_KEYS}, **score_extremes(batch),
-            "grad_norm": out["grad_norm"], "lr": out["lr"], "num_pairs": len(pairs),
-            "num_tokens": int(tokens), "time/step_s": dt,
-            "throughput/tokens_per_s": tokens / dt if dt > 0 else 0.0,
-            "batch/dp_imbalance": out["batch/dp_imbalance"],
-            "batch/padding_fraction": out["batch/num_padding"] / max(
-                out["batch/num_padding"] + tokens, 1),
-            "train/update_skipped": out["train/update_skipped"],
-            "train/skipped_steps": float(engine.guard.skipped),
-            **{k: v for k, v in out.items() if k.startswith("moe/")}}
+            **step_metrics(out, engine, {"num_pairs": len(pairs)})}
 
 
 def evaluate(engine: TrainEngine, pairs: list[PreferencePair], cfg) -> dict[str, float]:
