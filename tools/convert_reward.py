@@ -29,6 +29,8 @@ from pathlib import Path
 from models.bridge.critic import LM_HEAD, TrunkReader
 from models.bridge.reward_model import (CLASSIFIER_SUFFIX, num_labels, reward_model_hf_config,
                                         reward_model_problem)
+from tools.convert_reward_template import (chat_inputs, checkpoint_chat_scores,  # verify's chats
+                                           end_of_turn_id, report_chats)
 
 SCORE_MODULE = "score"   # transformers' and peft's name of the head (modules_to_save)
 
@@ -95,22 +97,6 @@ def export_config(cfg: dict, ckpt: Path) -> dict:
                   "transformers' sequence classifier then scores one sequence per batch",
                   flush=True)
     return out
-
-
-def end_of_turn_id(tokenizer) -> int | None:
-    """The id a reward model trained by engine.rm scores at the end of a reply: the last
-    trained id of a one-turn chat rendered with the tokenizer's chat template, as the engine
-    renders sides (engine.data.render; engine.rm.training.scored_ids). `<|im_end|>` for
-    ChatML, `<|eot_id|>` for Llama 3.1. None when the tokenizer renders no such chat."""
-    from engine.data.render import render_messages
-
-    chat = [{"role": "user", "content": "1 + 1 ?"}, {"role": "assistant", "content": "2"}]
-    try:
-        ids, trained = render_messages(chat, tokenizer, "the end-of-turn probe")
-    except Exception:  # noqa: BLE001 - no chat template, or one that refuses this chat
-        return None
-    kept = [i for i, t in enumerate(trained) if t]
-    return int(ids[kept[-1]]) if kept else None
 
 
 def pad_problem(cfg: dict, ckpt: Path) -> str | None:
@@ -271,9 +257,6 @@ def verify_scores(chunks: list, cfg: dict, args) -> bool:
 
     from models.build.forward import forward_values
     from models.hf.io import read_config
-
-    from tools.convert_reward_template import (chat_inputs, checkpoint_chat_scores,
-                                               report_chats)
 
     tokenizer = _tokenizer(Path(args.hf_dir))
     eot = end_of_turn_id(tokenizer) if tokenizer is not None else None

@@ -123,6 +123,19 @@ def report_chats(engine_ids: list[list[int]], called_ids: list[list[int]], score
     return True
 
 
+def end_of_turn_id(tokenizer) -> int | None:
+    """The id a reward model trained by engine.rm scores at the end of a reply: the last id
+    the engine reads of a one-turn chat rendered with the tokenizer's chat template
+    (engine.rm.scoring, as training renders sides). `<|im_end|>` for ChatML, `<|eot_id|>` for
+    Llama 3.1. None when the tokenizer renders no such chat."""
+    from engine.rm.scoring import chat_scored_ids   # the engine's renderer, when a tool runs
+
+    try:
+        return int(chat_scored_ids(PROBE, tokenizer, "the end-of-turn probe")[-1])
+    except Exception:  # noqa: BLE001 - no chat template, or one that refuses this chat
+        return None
+
+
 def end_and_trailer(tokenizer, eot: int) -> tuple[str, str] | None:
     """(the end-of-turn token's text, the text the chat template renders after it) for the
     probe chat; None when the rendering does not hold that token's text."""
@@ -149,7 +162,6 @@ def _write_template(out: Path, ckpt_hf: Path) -> tuple[str, str | None]:
     from transformers import AutoTokenizer   # tools load transformers only when they run
 
     from engine.rm.scoring import chat_scored_ids
-    from tools.convert_reward import end_of_turn_id
 
     if not (out / "tokenizer_config.json").is_file():
         return "no tokenizer was exported: render chats with the base model's template", None
