@@ -2,9 +2,11 @@
 
 Keys (`model.mtp.*`):
 - `enabled` (default false): build, load and train the MTP layer (models.layers.mtp) instead of
-  carrying it unchanged (models.hf.passthrough). SFT-shaped runs (SFT, DPO, reward models, KTO)
-  and RL train it on the batch's own tokens: at each trained position t the layer predicts
-  labels[t+1] from the trunk's state at t and the embedding of token t+1 (engine.training.mtp).
+  carrying it unchanged (models.hf.passthrough). SFT, DPO, KTO and RL train it on the batch's
+  own tokens: at each trained position t the layer predicts labels[t+1] from the trunk's state
+  at t and the embedding of token t+1 (engine.training.mtp), weighted by the per-sequence
+  weights each trainer passes (DPO: the chosen completions, KTO: the desirable ones; docs/mtp.md).
+  Reward models refuse it (engine.config.rm_settings).
   Exported under the checkpoint's own names (model.layers.{N}.*), so a vLLM MTP drafter loads it.
 - `loss_scale` (default 0.1, megatron's mtp_loss_scaling_factor default): the step's loss is
   main + loss_scale x mtp/loss.
