@@ -179,3 +179,17 @@ def test_verify_chat_rows_tell_the_old_template_from_the_export(rm_folders, caps
     assert not report_chats(engine_ids, called, scores, ref, 1e-4, f"{{# {MARK} #}}")
     engine_ids, called = chat_inputs(_hf(export)[0])
     assert engine_ids == called and {c[-1] for c in called} == {3}
+
+
+def test_an_export_whose_tokenizer_does_not_load_keeps_its_template(rm_folders, tmp_path):
+    """The weights are written before the template is: a tokenizer that does not load here
+    leaves the folder's template as it was, says so, and README.md is still written."""
+    src, _ = rm_folders
+    out = tmp_path / "broken"
+    shutil.copytree(src, out)
+    (out / "tokenizer.json").write_text("{not json")
+    template = (out / "chat_template.jinja").read_text()
+    note = write_scoring_files(out, Path(src))
+    assert note.startswith("the chat template is kept: it could not be checked here"), note
+    assert (out / "chat_template.jinja").read_text() == template
+    assert "megatron-sft-engine rm score --model" in (out / "README.md").read_text()

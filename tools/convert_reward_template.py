@@ -67,17 +67,16 @@ VERIFY_CHATS = [PROBE, [{"role": "user", "content": "what is 2 + 3 ?"},
 def chat_inputs(tokenizer) -> tuple[list[list[int]], list[list[int]]]:
     """(the ids the engine scores, the ids `tokenizer.apply_chat_template` gives) of
     VERIFY_CHATS; both empty when the tokenizer has no chat template the engine renders."""
-    from engine.data.files import DataError   # the engine's renderer, when verify runs
-    from engine.rm.scoring import chat_scored_ids
+    from engine.rm.scoring import chat_scored_ids   # the engine's renderer, when verify runs
 
     if not getattr(tokenizer, "chat_template", None):
         return [], []
     try:
         engine = [chat_scored_ids(chat, tokenizer, "verify's chat") for chat in VERIFY_CHATS]
-    except DataError:
+        called = [list(tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)
+                       ["input_ids"]) for chat in VERIFY_CHATS]
+    except Exception:  # noqa: BLE001 - a template that renders no such chat: no chat rows
         return [], []
-    called = [list(tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)
-                   ["input_ids"]) for chat in VERIFY_CHATS]
     return engine, called
 
 
@@ -149,7 +148,11 @@ def write_scoring_files(out: Path, ckpt_hf: Path) -> str:
     """Write `out`/chat_template.jinja (when needed) and `out`/README.md for the reward model
     exported to `out`, whose checkpoint tokenizer is in `ckpt_hf` (module docstring); return
     what was done, one sentence for the conversion's output."""
-    note, end = _write_template(Path(out), Path(ckpt_hf))
+    try:
+        note, end = _write_template(Path(out), Path(ckpt_hf))
+    except Exception as e:  # noqa: BLE001 - the weights are written; the template is a courtesy
+        note, end = (f"the chat template is kept: it could not be checked here "
+                     f"({type(e).__name__}: {e}); make ids end on the end-of-turn token"), None
     arch = (json.loads((Path(out) / "config.json").read_text()).get("architectures") or ["?"])[0]
     (Path(out) / "README.md").write_text(README.format(
         arch=arch, out=out, end=repr(end or "<the end-of-turn token>"),
