@@ -368,7 +368,8 @@ def test_kto_trains_the_mtp_layer_on_the_desirable_completions(pools, glm_dir):
     (token-mean over them, 0 on the undesirable ones, as DPO trains it on the chosen side): on
     a batch of 5 desirable and 3 undesirable examples `mtp/loss` is logged and > 0 and every
     step moves the MTP layer; on the same examples all undesirable the weights are all 0, so
-    `mtp/loss` is 0 (and the one-sided metrics are left out, item 7)."""
+    `mtp/loss` is 0 (and the one-sided metrics are left out, item 7). A DPO step on the same
+    engine logs `mtp/*` too (its chosen completions)."""
     [r] = pools.run(1, "tests.multirank.preference_mtp_check:kto_trains_the_mtp_layer", glm_dir)
     mixed, rejected = r["steps"]
     desirable = sum(c for c, label in zip(mixed["counts"], mixed["labels"]) if label)
@@ -381,3 +382,5 @@ def test_kto_trains_the_mtp_layer_on_the_desirable_completions(pools, glm_dir):
     for key in ("rewards/chosen", "logps/chosen", "logits/chosen", "rewards/margins"):
         assert key not in rejected["keys"], rejected["keys"]
     assert "rewards/rejected" in rejected["keys"]
+    dpo = r["dpo"]   # DPO trained it on the chosen completions but did not log mtp/*
+    assert 3 < dpo["mtp_loss"] < 10 and dpo["moved"] > 1e-3 and "mtp/accuracy" in dpo["keys"]
