@@ -49,3 +49,30 @@ def test_a_given_model_folder_is_named(monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 200}))
     (note,) = spec.run_spec(quick=True, model_dir=str(tmp_path)).tables[0].notes
     assert measured == [str(tmp_path)] * 2 and note.endswith(f"model: {tmp_path}")
+
+
+def test_demo_model_mtp_writes_a_glm_with_its_mtp_layer(tmp_path):
+    """`demo model DIR --mtp` (docs/mtp.md's CPU example): a tiny GLM-4.5 MoE whose config
+    declares one MTP layer and whose weights hold it (model.layers.2.*, after 2 trunk layers),
+    with the word-level tokenizer. Without --mtp the folder is the plain Qwen3 (control)."""
+    from safetensors import safe_open
+
+    from tools import demo
+
+    def layout(path):
+        config = json.loads((path / "config.json").read_text())
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            names = list(f.keys())
+        return config, names
+
+    assert demo.main(["model", str(tmp_path / "mtp"), "--mtp"]) == 0
+    config, names = layout(tmp_path / "mtp")
+    assert config["architectures"] == ["Glm4MoeForCausalLM"]
+    assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 2
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight",
+            "model.layers.2.shared_head.head.weight"} <= set(names)
+    assert (tmp_path / "mtp" / "tokenizer.json").exists()
+    assert demo.main(["model", str(tmp_path / "plain")]) == 0
+    config, names = layout(tmp_path / "plain")
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert not any(n.startswith("model.layers.2.") for n in names)

@@ -10,7 +10,8 @@
         desirable, "c is the answer" undesirable; conversational rows, the eval rows as text)
     python -m tools.demo model DIR [--hidden H] [--layers L] [--intermediate I] [--seed S]
         a tiny random Qwen3 (4 heads, 2 KV heads) with the 200-token word-level tokenizer of
-        tools/tiny_models.py (every addition-demo model shares it)
+        tools/tiny_models.py (every addition-demo model shares it); --mtp: instead a tiny random
+        GLM-4.5 MoE with a multi-token-prediction layer (docs/mtp.md's CPU example)
     python -m tools.demo addition-data WORK
         WORK/sft.jsonl ("what is a plus b ?" -> "a+b") and WORK/rl.jsonl (the same prompts with
         "answer"), single-digit a and b: 100 rows each
@@ -46,6 +47,7 @@ if __package__ in (None, ""):  # `python tools/demo.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.demo_images import evaluate_counting, make_counting_data  # noqa: E402
+from tools.tiny_models import tiny_mtp_model  # noqa: E402
 
 # A compact Qwen-style template: tools in a short system turn, tool calls as <tool_call> JSON,
 # tool results as <tool_response> in a user turn (the tool-call format detected: "hermes").
@@ -302,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mtp", action="store_true", help="a tiny GLM-4.5 MoE with an MTP layer")
     p = sub.add_parser("addition-data", help="single-digit addition, SFT and RL rows")
     p.add_argument("work")
     p = sub.add_parser("rm-data", help="the reward-model demo's SFT rows, RL prompts and pairs")
@@ -329,13 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "assets":
         print(make_assets(Path(args.out), args.seed))
     elif args.command == "model":
-        make_model(args.dir, args.hidden, args.layers, args.intermediate, args.seed)
-    elif args.command == "addition-data":
-        make_addition_data(Path(args.work))
-    elif args.command == "rm-data":
-        make_rm_data(Path(args.work))
-    elif args.command == "tools-data":
-        make_tools_data(Path(args.work))
+        (tiny_mtp_model(args.dir) if args.mtp else
+         make_model(args.dir, args.hidden, args.layers, args.intermediate, args.seed))
+    elif args.command in ("addition-data", "rm-data", "tools-data"):
+        {"addition-data": make_addition_data, "rm-data": make_rm_data,
+         "tools-data": make_tools_data}[args.command](Path(args.work))
     elif args.command == "counting-data":
         print(make_counting_data(Path(args.work)))
     elif args.command == "counting-evaluate":

@@ -289,3 +289,23 @@ def save_random_model(out_dir: str, config, seed: int = 0, scales: dict[str, flo
             if scale is not None:
                 b.copy_(scale * torch.randn_like(b))
     model.save_pretrained(out_dir, safe_serialization=True)
+
+
+def tiny_mtp_model(out_dir: str) -> str:
+    """A tiny random GLM-4.5 MoE (head_dim 32, vLLM's CPU minimum) with a complete random MTP
+    layer (append_full_mtp_layer) and the tiny tokenizer (`bench spec --quick`, `demo model
+    --mtp`: docs/mtp.md's CPU example)."""
+    from transformers.models.glm4_moe import Glm4MoeConfig
+
+    config = Glm4MoeConfig(
+        vocab_size=200, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=64,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        first_k_dense_replace=1, norm_topk_prob=True, num_nextn_predict_layers=1,
+        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=3,
+        pad_token_id=0, initializer_range=0.2)
+    config.architectures = ["Glm4MoeForCausalLM"]
+    save_random_model(out_dir, config, 0)
+    append_full_mtp_layer(out_dir, config, 0)
+    build_tokenizer(out_dir, 200)
+    return out_dir

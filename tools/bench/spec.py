@@ -29,6 +29,7 @@ import tempfile
 import time
 
 from tools.bench.common import BenchResult, Table, fmt, median
+from tools.tiny_models import tiny_mtp_model
 
 PROMPTS, MAX_NEW, REPEATS = 64, 256, 1
 QUICK = (8, 32, 1)
@@ -58,27 +59,6 @@ def _vocab(model_dir: str) -> int:
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
-
-
-def tiny_mtp_model(out_dir: str) -> str:
-    """A tiny random GLM-4.5 MoE (head_dim 32, vLLM's CPU minimum) with a complete random MTP
-    layer (tools.tiny_models.append_full_mtp_layer) and the tiny tokenizer."""
-    from transformers.models.glm4_moe import Glm4MoeConfig
-
-    from tools.tiny_models import append_full_mtp_layer, build_tokenizer, save_random_model
-
-    config = Glm4MoeConfig(
-        vocab_size=200, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, moe_intermediate_size=64,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        first_k_dense_replace=1, norm_topk_prob=True, num_nextn_predict_layers=1,
-        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=3,
-        pad_token_id=0, initializer_range=0.2)
-    config.architectures = ["Glm4MoeForCausalLM"]
-    save_random_model(out_dir, config, 0)
-    append_full_mtp_layer(out_dir, config, 0)
-    build_tokenizer(out_dir, 200)
-    return out_dir
 
 
 def _engine(model_dir: str, spec, max_len: int):
