@@ -24,6 +24,8 @@ import inspect
 import sys
 import typing
 
+import typing_extensions
+
 EMERGING_OPTIMIZERS = "emerging-optimizers==0.3.0"
 INSTALL_HINT = ("install it with `bash tools/install.sh` (pip install --no-deps "
                 f"--ignore-requires-python {EMERGING_OPTIMIZERS})")
@@ -39,7 +41,6 @@ def ensure_typing_override() -> bool:
     (Python < 3.12); returns True when it was added now."""
     if hasattr(typing, "override"):
         return False
-    import typing_extensions
     typing.override = typing_extensions.override
     return True
 
@@ -83,7 +84,7 @@ def muon_module():
     stale = sys.modules.get("megatron.core.optimizer.muon")
     if stale is not None and not stale.HAVE_EMERGING_OPTIMIZERS:
         del sys.modules["megatron.core.optimizer.muon"]  # imported before the shim
-    from megatron.core.optimizer import muon
+    from megatron.core.optimizer import muon  # after the shim: it imports emerging_optimizers
     if not muon.HAVE_EMERGING_OPTIMIZERS:
         raise ImportError("megatron.core.optimizer.muon could not import emerging_optimizers "
                           f"({EMERGING_OPTIMIZERS} is installed): {INSTALL_HINT}")
