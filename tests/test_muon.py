@@ -24,12 +24,14 @@ needs_package = pytest.mark.skipif(importlib.util.find_spec("emerging_optimizers
 
 def test_typing_override_shim_is_needed_and_enough():
     """Fails when the shim is no longer needed (the interpreter has typing.override: drop
-    ensure_typing_override) or no longer enough (emerging-optimizers does not import with it).
-    Runs in a fresh interpreter, so that no earlier import has added the attribute."""
+    ensure_typing_override) or no longer enough (emerging-optimizers' orthogonalized
+    optimizers, what megatron-core's Muon imports, do not import with it). Runs in a fresh
+    interpreter, so that no earlier import has added the attribute."""
     code = ("import typing; had = hasattr(typing, 'override'); "
-            "from engine.training.muon import ensure_typing_override, muon_module; "
-            "added = ensure_typing_override(); m = muon_module(); "
-            "print(had, added, m.HAVE_EMERGING_OPTIMIZERS)")
+            "from engine.training.muon import ensure_typing_override; "
+            "added = ensure_typing_override(); "
+            "import emerging_optimizers.orthogonalized_optimizers as o; "
+            "print(had, added, hasattr(o, 'OrthogonalizedOptimizer'))")
     if importlib.util.find_spec("emerging_optimizers") is None:
         pytest.skip("emerging-optimizers is not installed (bash tools/install.sh)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
