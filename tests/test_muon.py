@@ -5,6 +5,7 @@ against the formulas, DP2 / TP2 / PP2 / EP2 against 1 process, Muon differs from
 tests/test_sft_invariance.py's launches (flag `muon`)."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import subprocess
 import sys
@@ -158,3 +159,15 @@ def test_validate_memory_counts_muons_state():
         assert plain.optimizer == pytest.approx(n * adam / GIB)
         assert got.optimizer == pytest.approx((vectors * adam + (n - vectors) * muon) / GIB)
         assert got.total < plain.total and got.weights == plain.weights
+
+
+def test_muon_is_refused_by_name_on_megatron_core_0_17_and_later(monkeypatch):
+    """megatron-core >= 0.17 builds Muon through get_megatron_optimizer(optimizer="muon"), which
+    the engine does not wire: refused by name instead of silently training AdamW."""
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda d: "0.19.2" if d == "megatron-core" else real(d))
+    problems = optim_problems(OptimConfig(name="muon", distributed_optimizer=False))
+    assert any(p.startswith("optim.name=muon is wired to megatron-core 0.16's") and
+               "megatron-core 0.19.2" in p for p in problems), problems
+    assert optim_problems(OptimConfig()) == []

@@ -15,6 +15,7 @@ with reduction-order noise, which would hide real bugs under a loose tolerance.
 import pytest
 
 from tests.launch import result_lines
+from tests.multirank.muon_check import MUON_RUNS
 from tools.tiny_models import build_tiny_model
 
 # the module fixture runs four multi-rank runs inside the first test's setup
@@ -99,7 +100,7 @@ MUON_SPECS = {
     2: [f"1,1,0,1,3,muon=duplicated+{MUON}", f"2,1,0,1,16,muon=duplicated+{MUON}",
         f"1,2,0,1,4,muon=duplicated+{MUON}", f"1,1,0,1,4,moe+ep=2+muon=duplicated+{MUON}",
         f"2,1,0,1,16,muon=blockwise+{MUON}"],
-}
+} if MUON_RUNS else {}
 for _extra in (MOE_SPECS, OVERLAP_SPECS, MUON_SPECS):
     for _world, _specs in _extra.items():
         LAUNCHES[_world] = LAUNCHES[_world] + _specs
@@ -226,6 +227,8 @@ def test_negative_control_expert_grads_averaged_over_expert_dp_is_caught(invaria
     assert r["param_rel"] > 100 * TOL, r
 
 
+@pytest.mark.skipif(not MUON_RUNS, reason="optim.name=muon does not run here (emerging-optimizers "
+                                           "missing or megatron-core >= 0.17)")
 def test_muon_equals_its_formulas_is_layout_invariant_and_differs_from_adamw(invariance_runs):
     """optim.name=muon: at 1 process (fp32) every step's parameters equal the plain Muon +
     AdamW formulas (tests/muon_reference.py) and the grad norm theirs; DP2, TP2, PP2 and EP2

@@ -18,7 +18,8 @@ docs/optimizers.md). Implemented by engine.training.muon (megatron-core's own Mu
   is megatron's local one on every family it trains without Transformer Engine.
 
 Refused by name before any process group (`optim_problems`): a bad choice or range,
-optim.name=muon without emerging-optimizers installed, and optim.name=muon with
+optim.name=muon without emerging-optimizers installed or with megatron-core >= 0.17 (whose
+Muon is built through another API, not wired here), and optim.name=muon with
 optim.distributed_optimizer=true (megatron-core's get_megatron_muon_optimizer raises
 "muon with dist optimizer is not supported"; set optim.distributed_optimizer=false).
 """
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.training.muon import EMERGING_OPTIMIZERS, INSTALL_HINT, emerging_optimizers_installed
+from engine.training.muon import (EMERGING_OPTIMIZERS, INSTALL_HINT,
+                                  emerging_optimizers_installed, megatron_core_problem)
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_TP_MODES = ("duplicated", "distributed", "blockwise")
@@ -91,6 +93,8 @@ def optim_problems(optim) -> list[str]:
                  "multi-latent attention, and this engine trains with megatron's local "
                  "attention; supported: optim.qk_clip=false")
     if optim.name == "muon":
+        if megatron_core_problem():
+            p.append(megatron_core_problem())
         if not emerging_optimizers_installed():
             p.append(f"optim.name=muon needs {EMERGING_OPTIMIZERS}, which is not installed: "
                      f"{INSTALL_HINT}")

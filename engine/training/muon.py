@@ -19,6 +19,7 @@ Two compatibility steps, each applied only when needed and checked by tests/test
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import inspect
 import sys
@@ -29,6 +30,20 @@ import typing_extensions
 EMERGING_OPTIMIZERS = "emerging-optimizers==0.3.0"
 INSTALL_HINT = ("install it with `bash tools/install.sh` (pip install --no-deps "
                 f"--ignore-requires-python {EMERGING_OPTIMIZERS})")
+
+
+def megatron_core_problem() -> str | None:
+    """Why this megatron-core cannot run optim.name=muon here, or None. Releases from 0.17
+    replace get_megatron_muon_optimizer by get_megatron_optimizer(optimizer="muon") with other
+    config fields, and import emerging-optimizers when megatron.core.optimizer is first imported
+    (before any shim); the engine wires megatron-core 0.16's API only."""
+    version = importlib.metadata.version("megatron-core")
+    major, minor = (int(x) for x in version.split(".")[:2])
+    if (major, minor) >= (0, 17):
+        return (f"optim.name=muon is wired to megatron-core 0.16's get_megatron_muon_optimizer; "
+                f"megatron-core {version} builds Muon another way, not wired here: use "
+                "megatron-core 0.16.1 (pip install megatron-core==0.16.1) or optim.name=adamw")
+    return None
 
 
 def emerging_optimizers_installed() -> bool:
@@ -80,6 +95,8 @@ def muon_module():
     Raises ImportError naming the package when emerging-optimizers is missing."""
     if not emerging_optimizers_installed():
         raise ImportError(f"optim.name=muon needs {EMERGING_OPTIMIZERS}: {INSTALL_HINT}")
+    if megatron_core_problem():
+        raise ImportError(megatron_core_problem())
     ensure_typing_override()
     stale = sys.modules.get("megatron.core.optimizer.muon")
     if stale is not None and not stale.HAVE_EMERGING_OPTIMIZERS:

@@ -14,7 +14,12 @@ import copy
 import torch
 
 from engine.config.optim_settings import MuonConfig
+from engine.training.muon import emerging_optimizers_installed, megatron_core_problem
 from tests.muon_reference import ReferenceOptimizer
+
+# whether this environment runs optim.name=muon (emerging-optimizers installed, megatron-core
+# 0.16): the tests add their Muon specs only then (.ci/run's megatron-core 0.19 subset refuses it)
+MUON_RUNS = emerging_optimizers_installed() and megatron_core_problem() is None
 
 
 def muon_optim(optim, tp_mode: str = "duplicated"):
