@@ -38,6 +38,11 @@ setup(
         "uvicorn>=0.29",
         # reward.judge.*: the LLM judge's concurrent requests (engine.rl.judge.scorer)
         "httpx>=0.27",
+        # not listed: emerging-optimizers==0.3.0 (optim.name=muon, docs/optimizers.md). Its only
+        # release declares Requires-Python >= 3.12 but runs on 3.10/3.11 (engine.training.muon),
+        # so pip would refuse it here; tools/install.sh installs it with --no-deps
+        # --ignore-requires-python (its needs, torch and absl-py, come with the lines above:
+        # absl-py through tensorboard).
     ],
     extras_require={
         # datasets: the save_to_disk format is tested with the real library

@@ -438,6 +438,16 @@ def test_optimizer_scheduler_and_rng_round_trip(pools, tmp_path, tiny_model):
     assert [t["save_overlap"] for t in ov["trips"]] == [True, False]
     for trip in ov["trips"]:
         assert trip["loss_next"][0] == pytest.approx(trip["loss_next"][1], rel=1e-6, abs=0), trip
+    # optim.name=muon (megatron-core's Muon for the matrices, AdamW for the rest): every
+    # momentum buffer, Adam moment and parameter bitwise equal after the resume, the next step
+    # identical
+    from tests.multirank.muon_check import MUON_RUNS
+    if not MUON_RUNS:   # emerging-optimizers missing, or megatron-core >= 0.17
+        return
+    (mu,) = result_lines(proc.stdout, "MUON ")
+    assert mu["state_equal"] and mu["momentum_buffers"] > 0, mu
+    assert mu["loss_next"][0] == mu["loss_next"][1], mu
+    assert mu["grad_norm_next"][0] == mu["grad_norm_next"][1], mu
 
 
 if __name__ == "__main__":

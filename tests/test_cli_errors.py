@@ -144,6 +144,16 @@ CONFIG_CASES = [
     Case("unknown_key", ("train.nonexistent=1",), needles=(
         "unknown key train.nonexistent on the command line; valid keys of train:",
         "seq_length")),
+    # optim.name=muon (docs/optimizers.md): refused by name before any process group, for SFT
+    # and for RL (the same optim keys)
+    Case("muon_with_distributed_optimizer", ("optim.name=muon",), needles=(
+        "optim.name=muon with optim.distributed_optimizer=true",
+        "set optim.distributed_optimizer=false")),
+    Case("muon_tp_mode", ("optim.name=muon", "optim.distributed_optimizer=false",
+                          "optim.muon.tp_mode=rows", "optim.qk_clip=true"),
+         module="engine.rl", data="prompts", needles=(
+             "optim.muon.tp_mode='rows' is not one of duplicated, distributed, blockwise",
+             "optim.qk_clip=true is not supported")),
 ]
 
 DATA_CASES = [

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tests import kto_reference
 from tests.multirank import dpo_check as harness
 from tests.multirank import kto_check
+from tests.multirank.muon_check import MUON_RUNS
 from tools.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -38,6 +39,10 @@ SINGLE = ["1,1,0,1,8,loss=sigmoid", "1,1,0,1,8,loss=ipo", "1,1,0,1,8,loss=hinge"
           "1,1,0,1,8,loss=robust+ls=0.1", "1,1,0,1,8,loss=simpo",
           "1,1,0,1,8,loss=sigmoid+ls=0.1+rpo=0.5", "1,1,0,1,8,lora", "1,1,0,1,8,lora+baseref",
           "1,1,0,1,8,loss=orpo"]
+# optim.name=muon (megatron-core's Muon, tests/multirank/muon_check.py): DPO at DP2 with GA, KTO
+# at TP2 + SP, each against its own single-process Muon run
+MUON_SINGLE = ["1,1,0,1,8,muon", "1,1,0,1,8,kto+uw=1.5+muon"] if MUON_RUNS else []
+MUON_LAYOUTS = ["1,1,0,1,2,muon", "2,1,0,1,4,sp+kto+uw=1.5+muon"] if MUON_RUNS else []
 ORPO_MBNLL = "1,1,0,1,2,bug=mbnll+loss=orpo"
 KTO = "1,1,0,1,8,kto+uw=1.5"          # KTO on unpaired examples (tests/multirank/kto_check.py)
 KTO_LORA = "1,1,0,1,8,lora+kto+uw=1.5"
@@ -49,7 +54,7 @@ LAYOUTS = {
         "1,1,0,1,2,loss=orpo", ORPO_MBNLL,
         "1,1,0,1,2,kto+uw=1.5", "2,1,0,1,4,sp+kto+uw=1.5", "1,2,0,1,2,kto+uw=1.5",
         "1,1,0,2,8,kto+uw=1.5", "1,1,0,1,8,packing+tokens=90+kto+uw=1.5",
-        "2,1,0,1,4,sp+lora+kto+uw=1.5", KTO_MBKL],
+        "2,1,0,1,4,sp+lora+kto+uw=1.5", KTO_MBKL, *MUON_LAYOUTS],
     4: ["2,1,0,1,2,sp+loss=sigmoid", "1,2,0,1,1,loss=robust+ls=0.1", "1,2,2,1,1,loss=hinge",
         "1,1,0,2,8,packing+tokens=120+loss=sigmoid+ls=0.1+rpo=0.5",
         "1,1,0,2,8,packing+tokens=120+loss=orpo", "1,2,0,1,1,loss=orpo",
@@ -84,7 +89,7 @@ def dpo_runs(pools, tmp_path_factory):
     ref_file = str(root / "single.pt")
     out = {"policy": policy, "reference": reference, "adapter": adapter,
            1: pools.run(1, "tests.multirank.dpo_check:layouts", policy, reference,
-                        SINGLE + [KTO, KTO_LORA],
+                        SINGLE + [KTO, KTO_LORA] + MUON_SINGLE,
                         ref_file, adapter, timeout=600)[0]}
     for world, specs in LAYOUTS.items():
         out[world] = pools.run(world, "tests.multirank.dpo_check:layouts", policy, reference,
@@ -114,11 +119,23 @@ def test_every_layout_equals_single_process(dpo_runs, world):
 
 
 def test_single_process_learns_and_every_type_differs(dpo_runs):
-    single = dpo_runs[1]
+    single = {s: r for s, r in dpo_runs[1].items() if "muon" not in s}
     for spec, r in single.items():
         assert all(g > 0 for g in r["grad_norm"]), spec
         assert r["loss"][0] != r["loss"][1], spec
     assert len({round(r["loss"][0], 6) for r in single.values()}) == len(single)
+
+
+@pytest.mark.skipif(not MUON_RUNS, reason="optim.name=muon does not run here")
+@pytest.mark.parametrize("muon,adamw", [("1,1,0,1,8,muon", "1,1,0,1,8,loss=sigmoid"),
+                                        ("1,1,0,1,8,kto+uw=1.5+muon", KTO)])
+def test_muon_trains_another_model_than_adamw(dpo_runs, muon, adamw):
+    """optim.name=muon for DPO and KTO: the same first loss (same weights), then another
+    trajectory than AdamW's (its layouts matched it in test_every_layout_equals_single_process)."""
+    m, a = dpo_runs[1][muon], dpo_runs[1][adamw]
+    assert m["loss"][0] == pytest.approx(a["loss"][0], rel=TOL)
+    assert abs(m["loss"][-1] - a["loss"][-1]) > 100 * TOL * abs(a["loss"][-1]), (m, a)
+    assert set(MUON_LAYOUTS) <= set(dpo_runs[2])
 
 
 def test_negative_control_dp_mean_of_rank_means_is_caught(dpo_runs):

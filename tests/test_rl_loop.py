@@ -24,6 +24,7 @@ from engine.rl.policy.update import split_mini_batches
 from engine.rl.rollout import Generation
 from tests.launch import result_lines, run_cli, run_torchrun
 from tests.generate_only import GenerateOnlyEngine
+from tests.multirank.muon_check import MUON_RUNS
 from tools.tiny_models import build_tiny_model
 
 INVARIANCE = "tests/multirank/rl_invariance.py"
@@ -307,8 +308,11 @@ def test_cli_moe_policy_with_expert_parallelism(pools, moe_dir, prompts_file, tm
 # (+SP) x DP2; the T=1 policy (flag t1) at DP4 and TP2 x DP2. Flag ov: gradient-reduce and
 # parameter-gather overlap on (PP2 x DP2, CP2 x DP2, both MoE layouts, T=1 DP4), compared with
 # the same overlap-off single-process reference, weight sync included.
+# optim.name=muon (megatron-core's Muon): the dense policy at TP2 x DP2 against its own
+# single-process Muon run.
 RL_SPECS = ["1,1,1,1", "2,1,1,1,sp", "1,2,1,1,ov", "1,1,2,1,packing+ov",
-            "1,1,1,1,moe+ep=2+ov", "2,1,1,1,moe+ep=2+sp+ov", "1,1,1,1,t1+ov", "2,1,1,1,t1"]
+            "1,1,1,1,moe+ep=2+ov", "2,1,1,1,moe+ep=2+sp+ov", "1,1,1,1,t1+ov", "2,1,1,1,t1",
+            *(["2,1,1,1,muon"] if MUON_RUNS else [])]
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +325,8 @@ def rl_invariance(pools, model_dir, moe_dir, tmp_path_factory) -> dict:
     ref_file = str(root / "rl_ref.pt")
     env = {"INV_MOE_MODEL_DIR": moe_dir, "INV_T1_MODEL_DIR": t1_dir}
     ref = pools.script(1, INVARIANCE, model_dir, ref_file, "1,1,1,2", "1,1,1,2,moe",
-                       "1,1,1,2,t1", timeout=600, env=env)
+                       "1,1,1,2,t1", *(["1,1,1,2,muon"] if MUON_RUNS else []), timeout=600,
+                       env=env)
     assert ref.returncode == 0
     proc = pools.script(4, INVARIANCE, model_dir, ref_file, *RL_SPECS, timeout=900, env=env)
     assert proc.returncode == 0
@@ -345,7 +350,8 @@ def test_policy_update_is_layout_invariant(rl_invariance):
     """The dense and the Qwen3-MoE policy at every layout give the single-process losses,
     grad norms, metrics, log-probs and synced weights (experts gathered over EP into the
     rollout engine)."""
-    refs = {k: r for k, r in rl_invariance["ref"].items() if not r.get("variant")}
+    refs = {k: r for k, r in rl_invariance["ref"].items()
+            if not r.get("variant") and "muon" not in k[0]}
     assert len(refs) == 6
     for (spec, _), r in refs.items():  # the fixed batch exercises every term of the loss
         m = r["metrics"]
@@ -355,7 +361,7 @@ def test_policy_update_is_layout_invariant(rl_invariance):
         assert min(m["policy/clipfrac_low"]) > 0 and min(m["policy/clipfrac_high"]) > 0
         assert min(m["policy/kl"]) > 0 and min(m["policy/entropy"]) > 0
     results = [r for r in rl_invariance["results"]
-               if "t1" not in r["spec"] and not r.get("variant")]
+               if "t1" not in r["spec"] and "muon" not in r["spec"] and not r.get("variant")]
     assert len(results) == 6 * 2
     for r in results:
         _assert_matches_reference(r)
@@ -364,6 +370,22 @@ def test_policy_update_is_layout_invariant(rl_invariance):
         assert r["n_params"] == (2 * (8 + 1 + 8 * 3) + 3 if "moe" in r["spec"] else 46), r
     control = rl_invariance["control"]
     assert abs(control["mean_of_means"] - control["reference"]) > 1e-3 * abs(control["reference"])
+
+
+@pytest.mark.skipif(not MUON_RUNS, reason="optim.name=muon does not run here")
+def test_muon_policy_update_is_layout_invariant_and_differs_from_adamw(rl_invariance):
+    """optim.name=muon for the RL policy update: TP2 x DP2 gives the single-process Muon
+    run's losses, grad norms, metrics, log-probs and synced weights, in both modes; its second
+    step's loss differs from AdamW's (same first step: same weights)."""
+    results = [r for r in rl_invariance["results"] if "muon" in r["spec"]]
+    assert len(results) == 2
+    for r in results:
+        _assert_matches_reference(r)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        m = rl_invariance["ref"][("1,1,1,2,muon", mode)]["loss"]
+        a = rl_invariance["ref"][("1,1,1,2", mode)]["loss"]
+        assert m[0] == pytest.approx(a[0], rel=1e-5)
+        assert abs(m[1] - a[1]) > 1e-3 * abs(a[1]), (m, a)
 
 
 def test_new_losses_estimators_and_corrections_are_layout_invariant(rl_invariance):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.multirank import rm_check as harness
+from tests.multirank.muon_check import MUON_RUNS
 from tests.test_dpo import _adapter, _pad_tokenizer
 from tools.tiny_models import build_tiny_model
 
@@ -29,10 +30,11 @@ pytestmark = pytest.mark.timeout(900)
 
 TOL = 1e-5
 SINGLE = ["1,1,0,1,8", "1,1,0,1,8,seqcls", "1,1,0,1,8,margin+center=0.05", "1,1,0,1,8,lora",
-          "1,1,0,1,8,moe"]
+          "1,1,0,1,8,moe"] + (["1,1,0,1,8,muon"] if MUON_RUNS else [])
 LAYOUTS = {
     2: ["1,1,0,1,2,margin+center=0.05", "1,1,0,2,8", "2,1,0,1,4,sp+lora", "1,1,0,1,8,moe+ep=2",
-        "1,1,0,1,8,bug=localmean", "1,1,0,2,8,bug=cpsum"],
+        "1,1,0,1,8,bug=localmean", "1,1,0,2,8,bug=cpsum"]
+    + (["1,1,0,1,2,muon"] if MUON_RUNS else []),
     4: ["1,2,2,1,1,margin+center=0.05", "1,1,0,2,8,packing+tokens=120"],
 }
 
@@ -100,6 +102,17 @@ def test_single_process_learns(rm_runs):
     assert all(math.isfinite(v) for k in harness.METRICS for v in base[k])
     margins = rm_runs[1]["1,1,0,1,8,margin+center=0.05"]
     assert abs(margins["loss"][0] - base["loss"][0]) > 1e-3   # margins and centering count
+
+
+@pytest.mark.skipif(not MUON_RUNS, reason="optim.name=muon does not run here")
+def test_muon_reward_model_trains_another_model_than_adamw(rm_runs):
+    """optim.name=muon for a reward model (the score row, a 1 x h matrix, is one of Muon's
+    parameters as megatron-core assigns every 2-D weight but the embedding and output layer):
+    the same first loss as AdamW, another last loss; DP2 with GA matched it above."""
+    m, a = rm_runs[1]["1,1,0,1,8,muon"], rm_runs[1]["1,1,0,1,8"]
+    assert m["loss"][0] == pytest.approx(a["loss"][0], rel=TOL)
+    assert abs(m["loss"][-1] - a["loss"][-1]) > 100 * TOL * abs(a["loss"][-1]), (m, a)
+    assert "1,1,0,1,2,muon" in rm_runs[2]
 
 
 def test_negative_control_dp_mean_of_rank_means_is_caught(rm_runs):

@@ -15,6 +15,7 @@ with reduction-order noise, which would hide real bugs under a loose tolerance.
 import pytest
 
 from tests.launch import result_lines
+from tests.multirank.muon_check import MUON_RUNS
 from tools.tiny_models import build_tiny_model
 
 # the module fixture runs four multi-rank runs inside the first test's setup
@@ -89,7 +90,18 @@ OVERLAP_SPECS = {
     2: [f"1,1,0,1,3,{OV}", "1,1,0,1,3,ov+bug=nogather+modes=token-mean"],
     4: [f"2,1,0,1,3,sp+{OV}", f"1,2,2,1,2,{OV}", f"1,1,0,2,4,{OV}", f"1,1,0,1,2,moe+ep=2+{OV}"],
 }
-for _extra in (MOE_SPECS, OVERLAP_SPECS):
+# optim.name=muon (megatron-core's Muon, tests/multirank/muon_check.py), token-mean: the
+# single process against the plain formulas (muonref) and as the reference of DP2 with GA,
+# TP2, PP2 (dense) and EP2 (MoE, its own single-process Muon reference); TP2 with megatron-core's
+# default tp_mode blockwise, which orthogonalizes each TP shard alone (layout-dependent).
+MUON = "modes=token-mean"
+MUON_SPECS = {
+    1: [f"1,1,0,1,16,muonref+{MUON}", f"1,1,0,1,16,moe+muon=duplicated+{MUON}"],
+    2: [f"1,1,0,1,3,muon=duplicated+{MUON}", f"2,1,0,1,16,muon=duplicated+{MUON}",
+        f"1,2,0,1,4,muon=duplicated+{MUON}", f"1,1,0,1,4,moe+ep=2+muon=duplicated+{MUON}",
+        f"2,1,0,1,16,muon=blockwise+{MUON}"],
+} if MUON_RUNS else {}
+for _extra in (MOE_SPECS, OVERLAP_SPECS, MUON_SPECS):
     for _world, _specs in _extra.items():
         LAUNCHES[_world] = LAUNCHES[_world] + _specs
 
@@ -141,7 +153,8 @@ def test_loss_grad_norm_and_params_match_reference(invariance_runs, world):
         if r.get("reference"):
             assert all(x > 0 for x in r["grad_norm"])
             continue
-        if is_control(r["spec"]) or "aux=" in r["spec"] or "cap=" in r["spec"]:
+        if (is_control(r["spec"]) or "aux=" in r["spec"] or "cap=" in r["spec"]
+                or "muon=blockwise" in r["spec"]):
             continue
         where = f"world={world} spec={r['spec']} mode={r['mode']}"
         assert r["loss_rel"] <= TOL, (where, r["loss"])
@@ -212,6 +225,26 @@ def test_negative_control_expert_grads_averaged_over_expert_dp_is_caught(invaria
     (r,) = [r for r in results[4] if "bug=expertgrad" in r["spec"]]
     assert r["grad_norm_rel"] > 100 * TOL, r
     assert r["param_rel"] > 100 * TOL, r
+
+
+@pytest.mark.skipif(not MUON_RUNS, reason="optim.name=muon does not run here (emerging-optimizers "
+                                           "missing or megatron-core >= 0.17)")
+def test_muon_equals_its_formulas_is_layout_invariant_and_differs_from_adamw(invariance_runs):
+    """optim.name=muon: at 1 process (fp32) every step's parameters equal the plain Muon +
+    AdamW formulas (tests/muon_reference.py) and the grad norm theirs; DP2, TP2, PP2 and EP2
+    matched the 1-process Muon run above (test_loss_grad_norm_and_params_match_reference);
+    Muon trains another model than AdamW from the first update; megatron-core's blockwise
+    tp_mode at TP2 misses the TP1 run by far more than the tolerance."""
+    results, _ = invariance_runs
+    (ref,) = [r for r in results[1] if "muonref" in r["spec"]]
+    assert ref["muon_formula_rel"] <= TOL and ref["muon_grad_norm_rel"] <= TOL, ref
+    adamw = next(r for r in results[1] if r["spec"] == "1,1,0,1,16" and r["mode"] == "token-mean")
+    assert ref["loss"][0] == pytest.approx(adamw["loss"][0], rel=TOL)
+    assert abs(ref["loss"][2] - adamw["loss"][2]) > 100 * TOL * adamw["loss"][2], (ref, adamw)
+    got = {r["spec"] for r in results[2] if "muon=duplicated" in r["spec"]}
+    assert got == {s for s in MUON_SPECS[2] if "duplicated" in s}, got
+    (block,) = [r for r in results[2] if "muon=blockwise" in r["spec"]]
+    assert block["param_rel"] > 100 * TOL, block
 
 
 def test_router_aux_loss_is_invariant_to_ep_at_the_same_micro_batches(invariance_runs):

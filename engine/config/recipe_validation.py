@@ -39,12 +39,13 @@ WARN_FRACTION = 0.9          # warn when the estimate exceeds this share of GPU 
 EXPECTED_TOLERANCE = 0.10    # recipe.expected_memory_gib must be within 10% of the estimate
 
 def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: bool,
-                    micro_batches: int, lora=None, vision=(False, 0)) -> MemoryEstimate:
+                    micro_batches: int, lora=None, vision=(False, 0),
+                    muon: bool = False) -> MemoryEstimate:
     """models.estimate.training_memory.estimate_memory with train.recompute* resolved;
-    `vision`: engine.config.vision_settings.vision_estimate."""
+    `vision`: engine.config.vision_settings.vision_estimate; `muon`: optim.name=muon."""
     return training_memory.estimate_memory(hf, layout, train, bf16, distributed_optimizer,
                                            micro_batches, recompute_settings(train), lora,
-                                           vision)
+                                           vision, muon)
 
 
 def memory_checks(estimate: float, recipe, at_recipe_size: bool, what: str, fix: str,
@@ -138,7 +139,8 @@ def validate_recipe(cfg, world_size: int, nodes: int, beside=None) -> RecipeRepo
                         f"max_position_embeddings={hf['max_position_embeddings']}")
     bf16 = cfg.model.dtype == "bfloat16"
     mem = estimate_memory(hf, layout, train, bf16, cfg.optim.distributed_optimizer, m,
-                          lora_spec(cfg, hf), vision_estimate(cfg, train))
+                          lora_spec(cfg, hf), vision_estimate(cfg, train),
+                          cfg.optim.name == "muon")
     cap = cfg.recipe.gpu_memory_gib
     too_big, near = _checked_memory(cfg, mem.total, world_size, nodes,
                                     beside(hf) if beside is not None else ("", 0.0))

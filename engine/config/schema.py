@@ -23,6 +23,7 @@ from engine.config.fusion_settings import FusionConfig, fusion_problems
 from engine.config.lora_settings import LoraConfig, lora_problems
 from engine.config.vision_settings import VisionConfig, vision_problems
 from engine.config.mtp_settings import MTPConfig, mtp_problems
+from engine.config.optim_settings import OptimConfig, optim_problems
 from engine.config.moe_settings import MoEConfig, moe_problems
 from engine.config.model_settings import (loss_chunk_problems, recompute_layer_problems,
                                           recompute_problems, sequence_parallel_on)
@@ -87,19 +88,6 @@ class TrainConfig:
     recompute_num_layers: Optional[int] = None   # full only: layers per group / block (null: 1)
     # tokens per chunk of the loss head (engine.config.model_settings); 0 or null: unchunked
     loss_chunk_tokens: Optional[int] = DEFAULT_LOSS_CHUNK_TOKENS
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    schedule: str = "cosine"     # cosine | constant
-    distributed_optimizer: bool = True
 
 
 @dataclass
@@ -248,7 +236,8 @@ def value_problems(cfg) -> list[str]:
     p += loss_chunk_problems(cfg.train)
     if len(cfg.optim.betas) != 2:
         p.append(f"optim.betas={list(cfg.optim.betas)} must hold two numbers")
-    return p + overlap_problems(cfg) + fusion_problems(cfg) + tracker_problems(cfg)
+    return (p + optim_problems(cfg.optim) + overlap_problems(cfg) + fusion_problems(cfg)
+            + tracker_problems(cfg))
 
 
 def parallel_layout(parallel_cfg, world_size: int) -> ParallelLayout:

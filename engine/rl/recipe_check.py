@@ -130,7 +130,8 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
     a = 2 if cfg.model.dtype == "bfloat16" else 4
     lora = lora_spec(cfg, hf)  # LoRA: adapters trained, and the KL reference is the frozen base
     mem = estimate_memory(hf, layout, train, a == 2, cfg.optim.distributed_optimizer,
-                          plan.num_micro_batches, lora, vision_estimate(cfg, train))
+                          plan.num_micro_batches, lora, vision_estimate(cfg, train),
+                          muon=cfg.optim.name == "muon")
     reference = reference_gib(cfg, hf, a, lora)
     engine, engine_text = engine_budget(cfg, hf, gpus_per_engine)
     teacher_gib, teacher_lines = frozen_memory(cfg, cfg.distill.teacher_path,
@@ -196,7 +197,8 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int, rm: dict | None = 
                            cfg.train.max_tokens_per_micro_batch)
     lora = lora_spec(cfg, hf)
     mem = estimate_memory(hf, layout, cfg.train, a == 2, cfg.optim.distributed_optimizer,
-                          plan.num_micro_batches, lora, vision_estimate(cfg, cfg.train))
+                          plan.num_micro_batches, lora, vision_estimate(cfg, cfg.train),
+                          muon=cfg.optim.name == "muon")
     reference = reference_gib(cfg, hf, a, lora)
     engine = stage_parameters(hf, 1, 1).total * a / GIB  # hf backend: the whole model
     rm_gib, lines = frozen_memory(cfg, cfg.reward.model.path, "reward.model.path", rm,

@@ -33,6 +33,7 @@ from engine.training.ddp_release import clear_megatron_caches, release_ddp
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.micro_batches import MicroBatch, SequenceData
+from engine.training.muon import build_muon_optimizer, muon_config_kwargs
 from engine.training.mtp import (MTP_REPORT_KEYS, MTPTraining, exclude_from_grad_norm,
                                  mtp_metrics)
 from engine.training.nonfinite import NonFiniteGuard, guarded_optimizer_step
@@ -96,12 +97,19 @@ def mark_expert_params(chunks: list) -> int:
 
 
 def _optimizer(chunks: list, optim_cfg, dtype: torch.dtype):
-    return get_megatron_optimizer(OptimizerConfig(
+    """megatron-core's AdamW (optim.name=adamw) or Muon with AdamW for the non-matrix
+    parameters (optim.name=muon: engine.training.muon), for every objective."""
+    config = OptimizerConfig(
         optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
         weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.betas[0],
         adam_beta2=optim_cfg.betas[1], adam_eps=optim_cfg.eps, clip_grad=optim_cfg.clip_grad,
         bf16=dtype == torch.bfloat16, params_dtype=dtype,
-        use_distributed_optimizer=optim_cfg.distributed_optimizer), chunks)
+        use_distributed_optimizer=optim_cfg.distributed_optimizer)
+    if getattr(optim_cfg, "name", "adamw") != "muon":
+        return get_megatron_optimizer(config, chunks)
+    for key, value in muon_config_kwargs(optim_cfg.muon).items():
+        setattr(config, key, value)
+    return build_muon_optimizer(chunks, config)
 
 
 def _scheduler(optimizer, optim_cfg, total_steps: int) -> OptimizerParamScheduler:

@@ -125,3 +125,16 @@ def stage_parameters(hf: Any, tp: int, pp: int, ep: int = 1) -> StageParams:
     expert_stage = max(stage(i)[1] for i in range(pp))
     return StageParams(rest + moe_layers * experts * per_expert, first, last, per_stage,
                        active=rest + moe_layers * topk * per_expert, expert_stage=expert_stage)
+
+
+def embedding_output_parameters(hf: Any, tp: int, pp: int) -> tuple[int, int]:
+    """Parameters of the embedding, the output layer and the final norm on one TP rank of the
+    first / last pipeline stage (as stage_parameters counts them): what Muon leaves to AdamW
+    besides the layers' norms and biases (models.estimate.training_memory)."""
+    h = field(hf, "hidden_size")
+    embedding = padded_vocab_size(field(hf, "vocab_size"), tp) * h // tp
+    tied = bool(field(hf, "tie_word_embeddings", False))
+    output = embedding if (not tied or pp > 1) else 0
+    if pp == 1:
+        return (embedding + output + h,) * 2
+    return embedding, output + h

@@ -8,7 +8,10 @@ configured, engine.config.model_settings):
 - weights: parameters of the fullest pipeline stage on one TP rank x 2 bytes (bf16) or 4;
 - grads: the same count x 4 bytes (`grad_reduce_in_fp32`);
 - optimizer: x 12 bytes in bf16 (fp32 master + Adam m, v) or x 8 in fp32 (Adam m, v), divided
-  by dp x cp with the distributed optimizer;
+  by dp x cp with the distributed optimizer; with Muon (optim.name=muon, never distributed) the
+  layers' parameters (matrices; their norms and biases, a few per mille, counted with them)
+  hold x 8 in bf16 (fp32 master + momentum) or x 4 in fp32 (momentum), the embedding, output
+  layer and final norm Adam's bytes;
 - activations: per layer and micro-batch, t = tokens of the micro-batch / cp and
   bytes = a x t x (4 h / s + (q_rot + kv_rep + attn_out + 2 kv + 3 ffn) / tp) with a = 2
   (bf16) or 4 (q, kv = query and key/value widths; kv_rep = 2 q when GQA repeats KV heads for
@@ -48,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from models.estimate.counting import stage_parameters
+from models.estimate.counting import embedding_output_parameters, stage_parameters
 from models.estimate.vision import tower_activation_bytes, tower_parameters
 from models.estimate.lora_memory import adapter_activation_bytes, with_adapters
 from models.estimate.memory import logits_bytes, mixer_bytes
@@ -91,7 +94,7 @@ def optimizer_bytes(bf16: bool, layout, distributed_optimizer: bool) -> float:
 
 def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: bool,
                     micro_batches: int, recompute: tuple, lora=None,
-                    vision: tuple[bool, int] = (False, 0)) -> MemoryEstimate:
+                    vision: tuple[bool, int] = (False, 0), muon: bool = False) -> MemoryEstimate:
     """Per-GPU peak estimate (formulas in the module docstring) for `layout`
     (a parallel.layout.ParallelLayout, its `sequence_parallel` resolved) and `micro_batches`
     per DP rank per step. `train`: any object with seq_length, micro_batch_size,
@@ -125,6 +128,8 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     logits = logits_bytes(hf, t, tp, a, getattr(train, "loss_chunk_tokens", None))
     opt_bytes = optimizer_bytes(bf16, layout, distributed_optimizer)
     expert_opt_bytes = opt_bytes * (layout.ep if distributed_optimizer else 1)
+    muon_bytes = (8 if bf16 else 4) if muon else None
+    adam_only = dict(zip((True, False), embedding_output_parameters(hf, tp, pp)))
 
     chunk_layers = layers // (pp * vpp)
 
@@ -137,10 +142,17 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
         kept = min(group, chunk_layers) / chunk_layers
         return passes * (kept * layer_input + (1 - kept) * per_layer) + per_layer
 
-    def stage(n_params: int, act_layers: float, with_logits: bool) -> MemoryEstimate:
+    def optimizer_state(n_params: int, first: bool) -> float:
+        if muon_bytes is None:
+            return ((n_params - params.expert_stage) * opt_bytes
+                    + params.expert_stage * expert_opt_bytes)
+        return (adam_only[first] * opt_bytes
+                + (n_params - adam_only[first]) * muon_bytes)
+
+    def stage(n_params: int, act_layers: float, with_logits: bool,
+              first: bool = True) -> MemoryEstimate:
         est = MemoryEstimate(weights=n_params * a / GIB, grads=n_params * 4 / GIB,
-                             optimizer=((n_params - params.expert_stage) * opt_bytes
-                                        + params.expert_stage * expert_opt_bytes) / GIB,
+                             optimizer=optimizer_state(n_params, first) / GIB,
                              activations=(activation_bytes(act_layers)
                                           + 3 * a * t * scores) / GIB,
                              logits=logits / GIB if with_logits else 0.0,
@@ -155,7 +167,7 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
                         opt_bytes)
     if pp == 1:
         return first
-    last = stage(params.last_stage, layers // pp, True)
+    last = stage(params.last_stage, layers // pp, True, first=False)
     return max(first, last, key=lambda m: m.total)
 
 

@@ -12,6 +12,10 @@ Then the gradient-reduce/parameter-gather overlap (engine.training.comm_overlap)
 checkpoint saved with both overlaps on (the parameters' other DP shards still deferred to the
 next forward) resumes with them off, and one saved with them off resumes with them on; rank 0
 prints "OVERLAP {json}" with whether the resumed parameters and next-step losses are equal.
+Then optim.name=muon (megatron-core's Muon + AdamW, tests/multirank/muon_check.py): 2 steps,
+save, resume into a fresh state; rank 0 prints "MUON {json}": whether every optimizer state
+tensor (Muon's momentum buffers, Adam's moments) and parameter is bitwise equal, and the next
+step's losses and grad norms of both.
 """
 from __future__ import annotations
 
@@ -113,6 +117,56 @@ def overlap_round_trip(hf: dict, model_dir: str, root: str, save_on: bool) -> di
                           train_step(resumed, nxt, normalizer)["loss"]]}
 
 
+def optimizer_state_tensors(optimizer) -> list:
+    """Every state tensor of every chained optimizer (any optimizer kind), in a fixed order."""
+    import torch
+
+    out = []
+    for opt in optimizer.chained_optimizers:
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                out.append(p.detach().clone())
+                out += [v.clone() for _, v in sorted(opt.optimizer.state[p].items())
+                        if isinstance(v, torch.Tensor)]
+    return out
+
+
+def muon_round_trip(hf: dict, model_dir: str, root: str) -> dict:
+    """optim.name=muon: 2 steps, save, resume into a fresh state, compare (module docstring)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from engine.checkpoint.checkpointing import (DataPosition, load_training_checkpoint,
+                                                 save_training_checkpoint)
+    from engine.sft.training import train_step
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.train_engine import TrainEngine
+    from tests.multirank.muon_check import muon_optim
+
+    optim = muon_optim(OPTIM)
+    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
+    saved = TrainEngine.build(hf, optim, torch.float32, 6, TRAIN, weights_dir=model_dir)
+    for seqs in batches(hf["vocab_size"], 2):
+        train_step(saved, seqs, normalizer)
+    path = save_training_checkpoint(saved, root, DataPosition(2, GBS, 100, 7, True), hf,
+                                    model_dir)
+    resumed = TrainEngine.build(hf, optim, torch.float32, 6, TRAIN, weights_dir=model_dir,
+                                load_weights=False)
+    load_training_checkpoint(resumed, path, DataPosition(0, GBS, 100, 7, True))
+    want, got = (optimizer_state_tensors(s.optimizer) for s in (saved, resumed))
+    equal = len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
+    flag = torch.tensor([0 if equal else 1])
+    torch.distributed.all_reduce(flag)
+    nxt = batches(hf["vocab_size"], 3)[2]
+    steps = [train_step(s, nxt, normalizer) for s in (saved, resumed)]
+    return {"state_equal": int(flag) == 0, "n_state_tensors": len(want),
+            "momentum_buffers": sum("momentum_buffer" in o.optimizer.state[p]
+                                    for o in saved.optimizer.chained_optimizers
+                                    for g in o.optimizer.param_groups for p in g["params"]),
+            "loss_next": [m["loss"] for m in steps], "grad_norm_next": [m["grad_norm"]
+                                                                       for m in steps]}
+
+
 def main() -> None:
     import numpy as np
     import torch
@@ -191,6 +245,10 @@ def main() -> None:
     if rank == 0:
         print("OVERLAP " + json.dumps({"trips": trips, "all_params_equal": int(equal) == 0}),
               flush=True)
+    from tests.multirank.muon_check import MUON_RUNS
+    muon = muon_round_trip(hf, model_dir, os.path.join(out_dir, "muon")) if MUON_RUNS else {}
+    if rank == 0 and muon:
+        print("MUON " + json.dumps(muon), flush=True)
     shutdown()
 
 

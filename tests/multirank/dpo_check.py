@@ -7,7 +7,8 @@ starting adapter frozen, engine.preference.reference), baseref (with lora: the r
 base with the adapters off, the engine's reference before issue 67: a negative control),
 loss=T, ls=EPS, rpo=ALPHA, bug=localmean|cpsum|mbnll (negative controls, `inject_bug`);
 kto: a KTO run on unpaired examples instead (tests/multirank/kto_check.py: its flags and its
-negative control bug=mbkl)).
+negative control bug=mbkl); muon: optim.name=muon (megatron-core's Muon, tests/multirank/
+muon_check.py)).
 For every spec it sets up megatron's layout in the same processes, loads the same HF weights,
 trains STEPS optimizer steps of engine.dpo.training.dpo_step on the same pair batches and
 returns (rank 0; None elsewhere) {spec: {"loss": [...], "grad_norm": [...], metric: [...],
@@ -78,10 +79,14 @@ def run_cfg(flags: dict):
         train=SimpleNamespace(seq_length=SEQ_LENGTH))
 
 
-def optim_cfg():
-    return SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.0, clip_grad=1.0,
-                           betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
-                           distributed_optimizer=True)
+def optim_cfg(flags: dict | None = None):
+    """AdamW, or with the flag `muon` megatron-core's Muon (tests/multirank/muon_check.py)."""
+    from tests.multirank.muon_check import muon_optim
+
+    optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.0, clip_grad=1.0,
+                            betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
+                            distributed_optimizer=True)
+    return muon_optim(optim) if flags and "muon" in flags else optim
 
 
 def build(spec: str, policy_dir: str, reference_dir: str, adapter: str | None):
@@ -115,7 +120,7 @@ def build(spec: str, policy_dir: str, reference_dir: str, adapter: str | None):
         cfg = SimpleNamespace(model=SimpleNamespace(lora=LoraConfig(
             rank=RANK, alpha=ALPHA, target_modules=list(TARGETS), init_from=adapter)), seed=7)
         lora = dict(lora=lora_spec(cfg, hf_config), lora_init=adapter)
-    policy = TrainEngine.build(hf_config, optim_cfg(), torch.float32, STEPS, train,
+    policy = TrainEngine.build(hf_config, optim_cfg(flags), torch.float32, STEPS, train,
                                weights_dir=policy_dir, loss_chunk_tokens=LOSS_CHUNK_TOKENS,
                                **overrides, **lora)
     needed = flags.get("loss", "sigmoid") not in REFERENCE_FREE
@@ -221,7 +226,7 @@ def reference_key(spec: str) -> str:
     """The single-process run a spec is compared with: its loss flags (and lora)."""
     flags = flags_of(spec)
     return "+".join(f"{k}={flags[k]}" if flags[k] is not True else k
-                    for k in ("lora", "baseref", "kto", "dw", "uw", "loss", "ls", "rpo")
+                    for k in ("lora", "baseref", "kto", "dw", "uw", "loss", "ls", "rpo", "muon")
                     if k in flags) or "sigmoid"
 
 

@@ -9,7 +9,9 @@ train.max_tokens_per_micro_batch N (dynamic micro-batches); moe: the Qwen3-MoE p
 of $INV_MOE_MODEL_DIR instead of MODEL_DIR, references keyed "moe/MODE"; ep=E: expert
 parallelism; sp: Megatron sequence parallelism; t1: sampling temperature 1.0 with the dense
 policy of $INV_T1_MODEL_DIR, references keyed "t1/MODE": no logits copy from a division, the
-case where entropy used to be computed from logits megatron's cross-entropy had mutated).
+case where entropy used to be computed from logits megatron's cross-entropy had mutated);
+muon: optim.name=muon (megatron-core's Muon, tests/multirank/muon_check.py), references keyed
+"muon/MODE" after the model's prefix).
 On a FIXED synthetic rollout batch (prompts, responses,
 advantages, rollout/old/reference log-probs; no generation) and for every aggregation mode in
 MODES, it re-initialises megatron's parallel state in the same processes (when the layout
@@ -48,6 +50,7 @@ STEPS = 2                  # mini-batches = optimizer steps
 # MiB buckets): the weight sync then reads parameters whose all-gather the last optimizer step
 # deferred (engine.rl.policy.weight_sync finishes it). Set by parse_spec for the spec being run.
 OVERLAP = {"on": None}
+MUON = {"on": False}       # flag muon, set by parse_spec like OVERLAP
 LR, ADAM_EPS, HORIZON = 1e-2, 1e-4, 24
 LOSS_CHUNK_TOKENS = 16  # chunked loss head, several (ragged) chunks per micro-batch
 SETTINGS = dict(temperature=0.8, eps_low=0.2, eps_high=0.28, dual_c=3.0, kl_beta=0.05,
@@ -105,9 +108,12 @@ class RecordingEngine:
 
 
 def optim_settings():
-    return SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
-                           clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
-                           distributed_optimizer=True)
+    from tests.multirank.muon_check import muon_optim
+
+    optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
+                            clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
+                            distributed_optimizer=True)
+    return muon_optim(optim) if MUON["on"] else optim
 
 
 def _is_current(layout) -> bool:
@@ -248,6 +254,7 @@ def parse_spec(spec: str):
     flags = spec_flags(spec)
     from engine.training.comm_overlap import OverlapSettings
     OVERLAP["on"] = OverlapSettings(True, True, bucket_mb=0.02) if "ov" in flags else None
+    MUON["on"] = "muon" in flags
     ep = next((int(f.split("=")[1]) for f in flags if f.startswith("ep=")), 1)
     dyn = next((int(f.split("=")[1]) for f in flags if f.startswith("dyn=")), None)
     train = SimpleNamespace(micro_batch_size=mbs, max_tokens_per_micro_batch=dyn,
@@ -266,11 +273,12 @@ def spec_model(spec: str, dense: tuple) -> tuple:
     from models.hf.io import read_config
 
     mt = "mt/" if "mt" in spec_flags(spec) else ""
+    muon = "muon/" if "muon" in spec_flags(spec) else ""
     flag = next((f for f in spec_flags(spec) if f in OTHER_MODELS), None)
     if flag is None:
-        return (*dense, mt)
+        return (*dense, mt + muon)
     variable, key = OTHER_MODELS[flag]
-    return os.environ[variable], read_config(os.environ[variable]), mt + key
+    return os.environ[variable], read_config(os.environ[variable]), mt + key + muon
 
 
 def _rel(a, b):

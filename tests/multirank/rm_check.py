@@ -4,8 +4,8 @@
 "tp,pp,vpp,cp,mbs[,flags]" (flags "+" separated: sp, packing, tokens=K, lora (adapters from
 `adapter` on the body, the head trained in full), margin (odd pairs carry a margin), center=C
 (rm.center_rewards_coefficient), seqcls (start from the sequence-classification folder, not
-the causal LM plus a seeded row: the same numbers), moe (the Qwen3-MoE model), ep=E,
-bug=localmean|cpsum (negative controls)). Pairs and the compare rule are tests/multirank/
+the causal LM plus a seeded row: the same numbers), moe (the Qwen3-MoE model), ep=E, muon
+(optim.name=muon, as dpo_check), bug=localmean|cpsum (negative controls)). Pairs and the compare rule are tests/multirank/
 dpo_check's; each spec trains STEPS steps of engine.rm.training.rm_step and returns (rank 0)
 its metrics and final parameters (score row included) at world size 1, else its relative
 differences to the single process.
@@ -89,7 +89,7 @@ def build(spec: str, dirs: dict, adapter: str | None):
             init_from=adapter)), seed=SEED)
         lora = dict(lora=lora_spec(lcfg, hf_config), lora_init=adapter)
     reader, prepare = score_head_setup(cfg, hf_config)
-    engine = TrainEngine.build(hf_config, dpo_check.optim_cfg(), torch.float32, STEPS, train,
+    engine = TrainEngine.build(hf_config, dpo_check.optim_cfg(flags), torch.float32, STEPS, train,
                                weights_dir=model_dir, reader=reader, prepare=prepare,
                                loss_chunk_tokens=dpo_check.LOSS_CHUNK_TOKENS, **overrides,
                                **lora)
@@ -165,7 +165,7 @@ def reference_key(spec: str) -> str:
     """The single-process run a spec is compared with (seqcls starts equal the causal run)."""
     flags = flags_of(spec)
     return "+".join(f"{k}={flags[k]}" if flags[k] is not True else k
-                    for k in ("lora", "moe", "margin", "center") if k in flags) or "base"
+                    for k in ("lora", "moe", "margin", "center", "muon") if k in flags) or "base"
 
 
 def layouts(dirs: dict, specs: list[str], ref_file: str, adapter: str | None = None

@@ -13,7 +13,10 @@ load-balancing loss type (aux_loss, seq_aux_loss, global_aux_loss); cap=F: exper
 factor F (token dropping); the spec's results then carry the moe/* metrics);
 ov: gradient-reduce and parameter-gather overlap on (engine.training.comm_overlap), with
 bug=nogather (negative control) reading the final parameters without finishing the deferred
-parameter all-gather.
+parameter all-gather. muon=MODE: optim.name=muon with optim.muon.tp_mode=MODE (megatron-core's Muon, fp32 Newton-Schulz; references
+keyed "muon/MODE", tests/multirank/muon_check.py); muonref (1 process): also advance a copy of
+the parameters with the plain Muon + AdamW formulas (tests/muon_reference.py) and report
+"muon_formula_rel" and "muon_grad_norm_rel".
 For every spec and every aggregation mode it re-initialises megatron's parallel state in the
 same processes, loads the same HF weights, trains 3 optimizer steps on fixed synthetic global
 batches and records per-step loss, grad norm and the final parameters. With W == 1 and the
@@ -51,6 +54,7 @@ IMAGES = os.environ.get("INV_IMAGES") == "1"
 # of every layout spans several chunks, the last one ragged
 LOSS_CHUNK_TOKENS = 16
 MOE_METRICS: list[dict] = []  # the moe/* and mtp/* metrics of each step of the latest run_layout
+MUON_FORMULA: dict = {}  # flag muonref: the latest run_layout's differences from the formulas
 
 
 def synthetic_batches(vocab: int, seed: int = 0):
@@ -135,7 +139,9 @@ def spec_options(spec: str) -> dict:
     parallel = SimpleNamespace(tp=int(parts[0]), sequence_parallel="sp" in flags)
     modes = tuple(value["modes"].split("/")) if "modes" in value else MODES
     return dict(overrides=megatron_overrides(parallel, train), modes=modes,
-                bug=value.get("bug"), overlap=overlap_of(flags))
+                bug=value.get("bug"), overlap=overlap_of(flags),
+                muon=value.get("muon") or ("duplicated" if "muonref" in flags else None),
+                muonref="muonref" in flags)
 
 
 def overlap_of(flags: list[str]):
@@ -211,7 +217,7 @@ def average_expert_grads(state):
 
 
 def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=None,
-               overlap=None):
+               overlap=None, muon=None, muonref=False):
     """3 steps from the HF weights under the current parallel state (set up once per layout:
     creating megatron's process groups is the slowest part of a gloo launch)."""
     import torch
@@ -225,11 +231,14 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
     optim = SimpleNamespace(lr=LR, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
                             distributed_optimizer=True)
+    from tests.multirank.muon_check import FormulaCheck, check_step, muon_optim
+    optim = muon_optim(optim, muon) if muon else optim
     vision = {"train_vision": True} if IMAGES else {}
     state = TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
                               weights_dir=model_dir, overlap=overlap,
                               loss_chunk_tokens=LOSS_CHUNK_TOKENS, **(overrides or {}), **vision)
     normalizer = GlobalLossNormalizer(mode, HORIZON, True, group=ps.get_data_parallel_group())
+    check = FormulaCheck(state, optim) if muonref else None
     losses, norms = [], []
     undo = inject_bug(state, bug)
     try:
@@ -237,9 +246,12 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
             m = train_step(state, seqs, normalizer)
             losses.append(m["loss"])
             norms.append(m["grad_norm"])
+            check_step(check, m["grad_norm"])
             MOE_METRICS.append({k: v for k, v in m.items() if k.startswith(("moe/", "mtp/"))})
     finally:
         undo()
+    if check is not None:
+        MUON_FORMULA.update(muon_formula_rel=check.rel, muon_grad_norm_rel=check.norm_rel)
     if bug != "nogather":
         state.gather_params()
     params = {k: v.clone() for k, v in export_hf_weights(state.chunks, hf_config)}
@@ -312,6 +324,13 @@ def negative_controls(model_dir, hf_config, batches, world):
     return {"mean_of_means": mean_of_means, "dpcp_count": dpcp, "cp": cp}
 
 
+def spec_key(spec: str, dense: tuple) -> str:
+    """The reference key prefix of a spec: its model's, then "oneimage/", then "muon/"."""
+    flags = spec.split(",")[5].split("+") if spec.count(",") >= 5 else []
+    return (spec_model(spec, dense)[2] + ("oneimage/" if "oneimage" in flags else "")
+            + ("muon/" if any(f.startswith(("muon=", "muonref")) for f in flags) else ""))
+
+
 def main():
     import torch
     import torch.distributed as dist
@@ -337,10 +356,10 @@ def main():
 
     for i, spec in enumerate(specs):
         layout_kw, train = parse_spec(spec)
-        spec_dir, spec_config, key = spec_model(spec, dense)
-        data, key = (one_image, key + "oneimage/") if "oneimage" in spec else (batches, key)
-        first_of_model = all(spec_model(s, dense)[2] + ("oneimage/" if "oneimage" in s else "")
-                             != key for s in specs[:i])
+        spec_dir, spec_config, _ = spec_model(spec, dense)
+        key = spec_key(spec, dense)
+        data = one_image if "oneimage" in spec else batches
+        first_of_model = all(spec_key(s, dense) != key for s in specs[:i])
         opts = spec_options(spec)
         opts["overrides"].update(moe_loss_overrides(spec))
         setup_started = time.perf_counter()
@@ -348,11 +367,13 @@ def main():
         setup_s = round(time.perf_counter() - setup_started, 2)
         for mode in opts["modes"]:
             MOE_METRICS.clear()
+            MUON_FORMULA.clear()
             started = time.perf_counter()
             try:
                 losses, norms, params = run_layout(spec_dir, spec_config, train, mode, data,
                                                    opts["overrides"], opts["bug"],
-                                                   opts["overlap"])
+                                                   opts["overlap"], opts["muon"],
+                                                   opts["muonref"])
             except AssertionError as e:   # bug=notowerpass: the crash it stands for
                 if opts["bug"] != "notowerpass":
                     raise
@@ -376,6 +397,7 @@ def main():
                        "grad_norm_rel": rel(norms, r["grad_norm"]),
                        "param_rel": float(pdiff[0]), "param_rel_embedding": float(pdiff[1]),
                        "param_rel_other": float(pdiff[2]), "n_params": len(params)}
+            out.update(MUON_FORMULA)
             if any(MOE_METRICS):
                 out["moe"] = list(MOE_METRICS)
             out["seconds"] = round(time.perf_counter() - started, 2)

@@ -1,0 +1,124 @@
+"""optim.name=muon: megatron-core's own Muon (`megatron.core.optimizer.muon`,
+`get_megatron_muon_optimizer`, `TensorParallelMuon` over emerging-optimizers), docs/optimizers.md.
+
+Muon updates the 2-D hidden weights (orthogonalized momentum, Newton-Schulz); AdamW the
+embeddings, output layer, norms and biases, as megatron-core assigns them. Nothing here
+computes an update: this module only makes megatron-core's optimizer importable and callable
+in this environment and hands it the optim.muon.* keys.
+
+Two compatibility steps, each applied only when needed and checked by tests/test_muon.py:
+- `typing.override`: emerging-optimizers 0.3.0 (its only release, Requires-Python >= 3.12)
+  imports it from `typing`; on Python < 3.12 `ensure_typing_override` provides
+  `typing_extensions.override` there, once, right before the optimizer is imported.
+- megatron-core 0.16.1's TensorParallelMuon was written against an older emerging-optimizers:
+  it passes `use_nesterov=` to OrthogonalizedOptimizer (0.3.0 names it `nesterov`) and `mode=` to
+  `newton_schulz_tp` (0.3.0: `tp_mode`). When the installed signatures disagree,
+  `muon_module` renames those two keywords (no value changes); megatron-core >= 0.17 passes
+  the 0.3.0 names and is used as it is.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import inspect
+import sys
+import typing
+
+import typing_extensions
+
+EMERGING_OPTIMIZERS = "emerging-optimizers==0.3.0"
+INSTALL_HINT = ("install it with `bash tools/install.sh` (pip install --no-deps "
+                f"--ignore-requires-python {EMERGING_OPTIMIZERS})")
+
+
+def megatron_core_problem() -> str | None:
+    """Why this megatron-core cannot run optim.name=muon here, or None. Releases from 0.17
+    replace get_megatron_muon_optimizer by get_megatron_optimizer(optimizer="muon") with other
+    config fields, and import emerging-optimizers when megatron.core.optimizer is first imported
+    (before any shim); the engine wires megatron-core 0.16's API only."""
+    version = importlib.metadata.version("megatron-core")
+    major, minor = (int(x) for x in version.split(".")[:2])
+    if (major, minor) >= (0, 17):
+        return (f"optim.name=muon is wired to megatron-core 0.16's get_megatron_muon_optimizer; "
+                f"megatron-core {version} builds Muon another way, not wired here: use "
+                "megatron-core 0.16.1 (pip install megatron-core==0.16.1) or optim.name=adamw")
+    return None
+
+
+def emerging_optimizers_installed() -> bool:
+    """Whether the emerging_optimizers package can be found (without importing it)."""
+    return importlib.util.find_spec("emerging_optimizers") is not None
+
+
+def ensure_typing_override() -> bool:
+    """Give `typing` an `override` (typing_extensions') when the interpreter lacks it
+    (Python < 3.12); returns True when it was added now."""
+    if hasattr(typing, "override"):
+        return False
+    typing.override = typing_extensions.override
+    return True
+
+
+def _renaming_newton_schulz_tp(newton_schulz_tp):
+    @functools.wraps(newton_schulz_tp)
+    def call(*args, mode=None, **kwargs):
+        if mode is not None:
+            kwargs["tp_mode"] = mode
+        return newton_schulz_tp(*args, **kwargs)
+    return call
+
+
+def _adapt_old_megatron(module) -> None:
+    """megatron-core 0.16.1 against emerging-optimizers 0.3.0: rename the two keywords."""
+    base = module.OrthogonalizedOptimizer
+    if "nesterov" not in inspect.signature(base.__init__).parameters:
+        return
+    if "use_nesterov" not in inspect.getsource(module.TensorParallelMuon.__init__):
+        return
+
+    class _NesterovKeyword(base):
+        def __init__(self, *args, use_nesterov: bool, **kwargs):
+            super().__init__(*args, nesterov=use_nesterov, **kwargs)
+
+    class TensorParallelMuon(module.TensorParallelMuon, _NesterovKeyword):
+        """megatron-core's TensorParallelMuon with emerging-optimizers 0.3.0's keyword names."""
+
+    module.TensorParallelMuon = TensorParallelMuon
+    if "tp_mode" in inspect.signature(module.newton_schulz_tp).parameters:
+        module.newton_schulz_tp = _renaming_newton_schulz_tp(module.newton_schulz_tp)
+
+
+@functools.lru_cache(maxsize=None)
+def muon_module():
+    """megatron.core.optimizer.muon, importable and callable here (see the module docstring).
+    Raises ImportError naming the package when emerging-optimizers is missing."""
+    if not emerging_optimizers_installed():
+        raise ImportError(f"optim.name=muon needs {EMERGING_OPTIMIZERS}: {INSTALL_HINT}")
+    if megatron_core_problem():
+        raise ImportError(megatron_core_problem())
+    ensure_typing_override()
+    stale = sys.modules.get("megatron.core.optimizer.muon")
+    if stale is not None and not stale.HAVE_EMERGING_OPTIMIZERS:
+        del sys.modules["megatron.core.optimizer.muon"]  # imported before the shim
+    from megatron.core.optimizer import muon  # after the shim: it imports emerging_optimizers
+    if not muon.HAVE_EMERGING_OPTIMIZERS:
+        raise ImportError("megatron.core.optimizer.muon could not import emerging_optimizers "
+                          f"({EMERGING_OPTIMIZERS} is installed): {INSTALL_HINT}")
+    _adapt_old_megatron(muon)
+    return muon
+
+
+def muon_config_kwargs(muon_cfg) -> dict:
+    """megatron-core OptimizerConfig fields of the optim.muon.* keys."""
+    return dict(muon_momentum=muon_cfg.momentum, muon_use_nesterov=muon_cfg.nesterov,
+                muon_scale_mode=muon_cfg.scale_mode, muon_num_ns_steps=muon_cfg.ns_steps,
+                muon_split_qkv=muon_cfg.split_qkv, muon_tp_mode=muon_cfg.tp_mode,
+                muon_extra_scale_factor=muon_cfg.extra_scale_factor,
+                muon_fp32_matmul_prec=muon_cfg.fp32_matmul_prec)
+
+
+def build_muon_optimizer(chunks: list, config):
+    """megatron-core's get_megatron_muon_optimizer over `chunks` with the megatron-core
+    OptimizerConfig `config` (its muon_* fields set: muon_config_kwargs)."""
+    return muon_module().get_megatron_muon_optimizer(config, chunks)
