@@ -50,10 +50,38 @@ def build_arch(out_dir: Path, arch: str, seed: int = 0) -> str:
 FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
 
 
+# The suite's two tiers (docs/development.md, "Suite time"): a run given the whole tests/
+# folder runs the default tier, every file but these (the README's command, inside the 20-minute
+# budget); TESTS_TIER=second runs only these, TESTS_TIER=all both (.ci/run runs the default tier,
+# then the second). A file or test named on the command line always runs.
+SECOND_TIER = ("tests/test_vllm_speculative.py", "tests/test_preemption.py",
+               "tests/test_bench.py", "tests/test_data_cache.py")
+TIERS = ("default", "second", "all")
+
+
+def tier_of_run(config) -> str | None:
+    """The tier this run selects: None when it names files or tests (no tiering), else
+    TESTS_TIER (default: "default"), refused by name when it is none of TIERS."""
+    tests_dir = Path(__file__).parent.resolve()
+    if not any(Path(a).resolve() == tests_dir for a in config.args):
+        return None
+    tier = os.environ.get("TESTS_TIER") or "default"
+    if tier not in TIERS:
+        raise pytest.UsageError(f"TESTS_TIER={tier!r}: valid tiers are {', '.join(TIERS)}")
+    return tier
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Under pytest-xdist only: the files longest first (FILE_SECONDS; unknown files after
-    the known ones, in their order), each file's tests in their own order. A plain run keeps
-    pytest's order."""
+    """The tier's files (tier_of_run; the others are deselected), then, under pytest-xdist
+    only: the files longest first (FILE_SECONDS; unknown files after the known ones, in their
+    order), each file's tests in their own order. A plain run keeps pytest's order."""
+    tier = tier_of_run(config)
+    if tier in ("default", "second"):
+        second = [i.nodeid.split("::")[0] in SECOND_TIER for i in items]
+        keep = [i for i, s in zip(items, second) if s == (tier == "second")]
+        config.hook.pytest_deselected(items=[i for i, s in zip(items, second)
+                                             if s != (tier == "second")])
+        items[:] = keep
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
