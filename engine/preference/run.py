@@ -110,8 +110,5 @@ def run_objective(objective: Objective, cfg, hf_config: dict) -> int:
             metrics.update(o.evaluate(engine, reference, eval_items, cfg))
         return metrics
 
-    history = loop.run(start, step_fn)
-    if history and dist.get_rank() == 0:
-        print(f"[{tag}] done: {start + len(history)} of {cfg.train.max_steps} steps, first "
-              f"loss {history[0]['loss']:.4f}, last loss {history[-1]['loss']:.4f}", flush=True)
+    loop.print_done(start, loop.run(start, step_fn))
     return 0

@@ -201,6 +201,14 @@ class RunLoop:
         open_trackers(self.cfg, start, self.tag)
         return True
 
+    def print_done(self, start: int, history: list[dict]) -> None:
+        """Rank 0's closing line of a run that stepped from `start`: the steps done of
+        train.max_steps, the first and last step's `loss` (nothing when no step ran here)."""
+        if history and _rank0():
+            print(f"[{self.tag}] done: {start + len(history)} of {self.cfg.train.max_steps} "
+                  f"steps, first loss {history[0]['loss']:.4f}, last loss "
+                  f"{history[-1]['loss']:.4f}", flush=True)
+
     def run(self, start: int, step_fn: Callable[[int], dict]) -> list[dict]:
         """Run `step_fn(step)` (0-based; returns the step's metrics) from `start` (after
         `prepare`) until train.max_steps or a stop reason; log, checkpoint and stop as the

@@ -152,8 +152,5 @@ def run(cfg: SFTConfig, hf_config: dict, flags: list[str]) -> int:
             _log_sample_ids(cfg.logging.dir, done, idx)
         return metrics
 
-    history = loop.run(start, step_fn)
-    if history and dist.get_rank() == 0:
-        print(f"[sft] done: {start + len(history)} of {cfg.train.max_steps} steps, first loss "
-              f"{history[0]['loss']:.4f}, last loss {history[-1]['loss']:.4f}", flush=True)
+    loop.print_done(start, loop.run(start, step_fn))
     return 0
