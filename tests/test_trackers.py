@@ -7,6 +7,7 @@ runs' parameters, a resumed run logs to the same tracker runs, and a tracker tha
 fails before any step naming its key."""
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from importlib.util import find_spec
@@ -215,10 +216,11 @@ def test_bad_tracking_uri_fails_before_any_step(pools, demo_assets, tmp_path):
     assert (f"error: logging.mlflow.tracking_uri={store} is a file store, which MLflow 3."
             in refused.stderr) and "MLFLOW_ALLOW_FILE_STORE=true" in refused.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []    # no wandb/, mlruns/, ckpt/
-    port = _closed_port()
-    gone = pools.script(2, *_sft_args(demo_assets, tmp_path, "logging.mlflow.tracking_uri="
-                                      f"http://127.0.0.1:{port}"), timeout=300, check=False,
-                        env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+    with _refusing_port() as port:
+        gone = pools.script(2, *_sft_args(demo_assets, tmp_path, "logging.mlflow.tracking_uri="
+                                          f"http://127.0.0.1:{port}"), timeout=300, check=False,
+                            env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+                                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"})
     assert [r.exit_code for r in gone.ranks] == [1, 1], gone.merged().stderr  # rank 1 learns
     assert gone.merged().stderr.count("could not start") == 1                  # rank 0 says it
     assert (f"error: logging.mlflow.tracking_uri=http://127.0.0.1:{port}: MLflow could not "
@@ -264,13 +266,17 @@ def test_a_store_this_mlflow_cannot_open_is_refused_by_the_config_check(monkeypa
             "mlflow"])
 
 
-def _closed_port() -> int:
-    """A local TCP port nothing listens on (bound, then released)."""
+@contextlib.contextmanager
+def _refusing_port():
+    """A local TCP port that refuses every connection for as long as the block runs: bound and
+    never listened on, so a connect gets RST ("Connection refused"). Held, not released: a
+    released port can be taken at once by another process (a gloo pair's listener took one in
+    CI, and MLflow then waited 120 s for an answer instead of being refused)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 class _Tracker:
