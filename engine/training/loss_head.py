@@ -7,14 +7,22 @@ micro-batch (which today's path holds twice: the logits and the cross-entropy's 
 backward recomputes each chunk's logits from the saved hidden states; it needs no collective
 (the per-token log-partition and entropy saved by the forward are already TP-global).
 
-Numbers (tested against the unchunked path in tests/test_loss_head.py): the same operations as
-megatron's output layer + `vocab_parallel_cross_entropy` + engine.training.token_losses, i.e.
-logits = hidden @ W^T in the hidden/weight dtype, then float32; `/ temperature`; padded vocab
-rows (ids >= vocab_size) masked to -inf; max all-reduced (MAX) over TP; sum of exp, label
-logit and (with entropy) sum of p*z all-reduced (SUM) over TP. Gradients: d/dz of
-g_logp * log p(label) + g_H * H, /temperature, cast to the weight dtype, then
-grad_hidden = grad_z @ W (this TP rank's partial sum: the caller's TP region op sums it over TP,
-models.layers.heads.output) and grad_W = grad_z^T @ hidden accumulated in float32 over chunks.
+Numbers (tested against the unchunked path in tests/test_loss_head.py and
+tests/test_fp32_wgrad.py): the math of megatron's output layer + `vocab_parallel_cross_entropy`
++ engine.training.token_losses, with one difference in bf16: the logits come out of the GEMM
+in float32 (models.build.wgrad_fp32.matmul_fp32: fp32 products and sums) where megatron
+rounds them to bf16 and then casts; each chunk's logits are written once and read by the
+softmax passes, with no dtype round trip. `/ temperature`; padded vocab rows (ids >=
+vocab_size) masked to -inf; max all-reduced (MAX) over TP; sum of exp, label logit and (with
+entropy) sum of p*z all-reduced (SUM) over TP. Gradients: d/dz of g_logp * log p(label) +
+g_H * H, /temperature, computed in float32 and rounded to the weight dtype once (by the last
+multiplication), then grad_hidden = grad_z @ W (this TP rank's partial sum: the caller's TP
+region op sums it over TP, models.layers.heads.output) and grad_W = grad_z^T @ hidden as GEMMs
+with float32 output accumulated over the chunks: for a bf16 weight under megatron DDP with a
+float32 buffer straight into `weight.main_grad` (DDP's hook told so, as megatron's own fused
+linears do: `_into_main_grad_result`), so neither a chunk's nor a micro-batch's output-weight
+gradient is ever rounded to bf16 and no [V/tp, h] gradient buffer is allocated; otherwise
+into a float32 buffer handed to autograd in the weight's dtype.
 """
 from __future__ import annotations
 
@@ -24,6 +32,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+
+from models.build.wgrad_fp32 import accumulate_matmul_fp32_, gemm_operand, matmul_fp32
 
 # Tokens per chunk (train.loss_chunk_tokens' default), chosen by measurement: docs/benchmarks.md
 # "Loss head memory".
@@ -47,9 +57,10 @@ def _shard(weight: torch.Tensor, vocab_size: int) -> _Shard:
 
 def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, temperature: float,
                   shard: _Shard) -> torch.Tensor:
-    """Float32 logits [c, V/tp] of one chunk: matmul in the input dtype (as megatron's output
-    layer), / temperature, padded vocab rows -inf."""
-    z = torch.matmul(x, weight.t()).float()
+    """Float32 logits [c, V/tp] of one chunk, written by the GEMM itself (no logits in the
+    input dtype, no cast pass; `weight` as models.build.wgrad_fp32.gemm_operand gives it),
+    / temperature, padded vocab rows -inf."""
+    z = matmul_fp32(x, weight.t())
     if temperature != 1.0:
         z = z.div_(temperature)
     if shard.real < z.shape[1]:
@@ -68,19 +79,22 @@ def _forward_chunk(x, weight, labels, temperature, shard, with_entropy):
     """(log p(label) [c], entropy [c] or None, log-partition [c], whether the label's logit is
     the largest [c] bool (ties count)), all TP-global."""
     z = _chunk_logits(x, weight, temperature, shard)
-    zmax = z.max(dim=1).values
+    zmax = z.amax(dim=1)
     if shard.group is not None:
         dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=shard.group)
     z.sub_(zmax[:, None])
     inside, cols = _label_columns(labels, shard, z.shape[1])
     picked = torch.where(inside, z.gather(1, cols[:, None]).squeeze(1), 0.0)
-    e = z.exp()
-    sums = [e.sum(dim=1), picked]
     if with_entropy:
+        e = z.exp()
+        sums = [e.sum(dim=1), picked]
         if shard.real < z.shape[1]:
             z[:, shard.real:] = 0.0  # exp is 0 there: 0 * 0 instead of 0 * -inf
         sums.append(e.mul_(z).sum(dim=1))
-    del z, e
+        del e
+    else:
+        sums = [z.exp_().sum(dim=1), picked]  # z is not needed any more: exp in place
+    del z
     sums = torch.stack(sums, dim=1)
     if shard.group is not None:
         dist.all_reduce(sums, group=shard.group)
@@ -90,26 +104,57 @@ def _forward_chunk(x, weight, labels, temperature, shard, with_entropy):
     return sums[:, 1] - log_z, entropy, zmax + log_z, sums[:, 1] >= 0
 
 
-def _backward_chunk(x, weight, labels, temperature, shard, lse, entropy, g_logp, g_ent):
-    """d(sum g_logp * log p(label) + g_ent * H)/d logits for one chunk, [c, V/tp] in the
-    weight dtype (already divided by the temperature)."""
+def _backward_chunk(x, weight, labels, temperature, shard, lse, entropy, g_logp, g_ent,
+                    dtype):
+    """d(sum g_logp * log p(label) + g_ent * H)/d logits for one chunk, [c, V/tp] in `dtype`
+    (the weight's), already divided by the temperature; computed in float32 and rounded to
+    `dtype` once, by the last multiplication."""
     z = _chunk_logits(x, weight, temperature, shard)
     z.sub_(lse[:, None])  # log p
-    p = z.exp()
-    if g_ent is not None:  # dH/dz_j = -p_j (log p_j + H)
+    inside, cols = _label_columns(labels, shard, z.shape[1])
+    if g_ent is None:  # g_logp (onehot - p) = -g_logp (p - onehot)
+        p = z.exp_()
+        p.scatter_add_(1, cols[:, None], torch.where(inside, -1.0, 0.0)[:, None])
+        scale = g_logp / -temperature
+    else:  # dH/dz_j = -p_j (log p_j + H): -(p (g_logp + g_ent (log p + H)) - g_logp onehot)
+        p = z.exp()
         if shard.real < z.shape[1]:
             z[:, shard.real:] = 0.0  # p is 0 there: 0 * 0 instead of 0 * -inf
-        z.add_(entropy[:, None]).mul_(p).mul_(g_ent[:, None])  # g_ent p (log p + H)
-        grad = p.mul_(g_logp[:, None]).add_(z)
-    else:
-        grad = p.mul_(g_logp[:, None])
-    del z
-    grad.neg_()  # -(g_logp p + g_ent p (log p + H)); + g_logp at the label column:
-    inside, cols = _label_columns(labels, shard, grad.shape[1])
-    grad.scatter_add_(1, cols[:, None], torch.where(inside, g_logp, 0.0)[:, None])
-    if temperature != 1.0:
-        grad.div_(temperature)
-    return grad.to(weight.dtype)
+        z.add_(entropy[:, None]).mul_(g_ent[:, None]).add_(g_logp[:, None])
+        p.mul_(z)
+        del z
+        p.scatter_add_(1, cols[:, None], torch.where(inside, -g_logp, 0.0)[:, None])
+        scale = torch.full_like(g_logp, -1.0 / temperature)
+    if dtype == torch.float32:
+        return p.mul_(scale[:, None])
+    return torch.mul(p, scale[:, None], out=torch.empty(p.shape, dtype=dtype, device=p.device))
+
+
+def _weight_grad_target(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the float32 [V/tp, h] buffer the chunks' weight gradients are accumulated in, whether
+    it is megatron DDP's `main_grad` itself). main_grad directly for a bf16/fp16 weight whose
+    DDP buffer is float32 (models.build.wgrad_fp32's protocol); else a zeroed buffer returned
+    to autograd in the weight's dtype (an fp32 weight: DDP's hook adds it, as for any
+    parameter)."""
+    main = getattr(weight, "main_grad", None)
+    if (weight.dtype != torch.float32 and main is not None and main.dtype == torch.float32
+            and hasattr(weight, "grad_added_to_main_grad")):
+        return main, True
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device), False
+
+
+def _into_main_grad_result(weight: torch.Tensor):
+    """What the head hands autograd as the weight's gradient once it added it to main_grad
+    itself (megatron's LinearWithGradAccumulationAndAsyncCommunication protocol): DDP's hook
+    then adds nothing (`grad_added_to_main_grad`) but still runs (bucket readiness with
+    overlap_grad_reduce), so autograd gets a dummy. A weight that megatron marks
+    `zero_out_wgrad` (tied embeddings with pp=1: the embedding lookup's gradient reaches
+    param.grad too, and DDP's hook adds param.grad) gets None: param.grad then holds the
+    lookup's gradient alone, and that run of the hook adds it."""
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return None
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -124,13 +169,15 @@ class _ChunkedHead(torch.autograd.Function):
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         hits = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        w_gemm = gemm_operand(weight)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            lp, ent, lz, hit = _forward_chunk(hidden[a:b], weight, labels[a:b], temperature,
+            lp, ent, lz, hit = _forward_chunk(hidden[a:b], w_gemm, labels[a:b], temperature,
                                               shard, with_entropy)
             logp[a:b], lse[a:b], hits[a:b] = lp, lz, hit
             if with_entropy:
                 entropy[a:b] = ent
+        del w_gemm
         ctx.save_for_backward(hidden, weight, labels, lse, entropy)
         ctx.settings = (shard, temperature, chunk, with_entropy)
         ctx.set_materialize_grads(False)
@@ -149,23 +196,22 @@ class _ChunkedHead(torch.autograd.Function):
         g_ent = g_ent if with_entropy else None
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if want_w else None
+        grad_w, into_main = _weight_grad_target(weight) if want_w else (None, False)
+        w_gemm = gemm_operand(weight)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             x = hidden[a:b]
-            grad = _backward_chunk(x, weight, labels[a:b], temperature, shard, lse[a:b],
+            grad = _backward_chunk(x, w_gemm, labels[a:b], temperature, shard, lse[a:b],
                                    entropy[a:b] if with_entropy else None, g_logp[a:b],
-                                   g_ent[a:b] if g_ent is not None else None)
+                                   g_ent[a:b] if g_ent is not None else None, weight.dtype)
             if want_h:
                 torch.matmul(grad, weight, out=grad_h[a:b])
-            if want_w:
-                if grad.dtype == torch.float32:
-                    grad_w.addmm_(grad.t(), x)
-                else:
-                    grad_w.add_(torch.matmul(grad.t(), x).float())
+            if want_w and grad.dtype == torch.float32:
+                grad_w.addmm_(grad.t(), x)
+            elif want_w:  # a GEMM with fp32 output: no chunk's weight gradient rounded
+                accumulate_matmul_fp32_(grad_w, grad.t(), x)
         if want_w:
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = _into_main_grad_result(weight) if into_main else grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
 
 

@@ -42,6 +42,7 @@ from engine.training.router_losses import RouterLosses
 from engine.training.routing import RoutingReplay
 from engine.training.schedule import LossFn, reduce_reports, run_micro_batches
 from models.bridge.weights import load_hf_weights
+from models.build import wgrad_fp32
 from models.build.factory import build_model_chunks
 from models.families.mtp import with_trained_mtp
 from models.hf.io import SafetensorsReader
@@ -205,6 +206,7 @@ class TrainEngine:
         config = raw[0].config
         config.finalize_model_grads_func = finalize_grads
         mark_expert_params(raw)
+        wgrad_fp32.enable(raw)  # weight gradients straight into DDP's main_grad, in fp32
         ddp = ddp_config(overlap, optim_cfg.distributed_optimizer, dtype)
         chunks = [DistributedDataParallel(config, ddp, module=c, disable_bucketing=i > 0)
                   for i, c in enumerate(raw)]
