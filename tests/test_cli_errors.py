@@ -146,9 +146,10 @@ CONFIG_CASES = [
         "seq_length")),
     # optim.name=muon (docs/optimizers.md): refused by name before any process group, for SFT
     # and for RL (the same optim keys)
-    Case("muon_with_distributed_optimizer", ("optim.name=muon",), needles=(
-        "optim.name=muon with optim.distributed_optimizer=true",
-        "set optim.distributed_optimizer=false")),
+    Case("muon_with_param_gather_overlap", ("optim.name=muon",
+                                            "parallel.overlap_param_gather=true"), needles=(
+        "parallel.overlap_param_gather=true needs optim.distributed_optimizer=true with "
+        "optim.name=adamw",)),
     Case("muon_tp_mode", ("optim.name=muon", "optim.distributed_optimizer=false",
                           "optim.muon.tp_mode=rows", "optim.qk_clip=true"),
          module="engine.rl", data="prompts", needles=(

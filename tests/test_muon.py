@@ -10,6 +10,7 @@ import importlib.util
 import subprocess
 import sys
 import typing
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,12 +120,26 @@ def test_bad_values_are_refused_by_name(key, value, needle):
     assert len(problems) == 1 and needle in problems[0], problems
 
 
-def test_muon_refuses_the_distributed_optimizer_and_a_missing_package(monkeypatch):
+def test_muon_takes_the_layer_wise_distributed_optimizer_and_refuses_a_missing_package(
+        monkeypatch):
+    """optim.distributed_optimizer=true with Muon is megatron-core's layer-wise distributed
+    optimizer (DDP then runs without megatron's ZeRO-style one, and its parameter-gather
+    overlap is refused by name); a missing emerging-optimizers is refused by name."""
+    from engine.config.optim_settings import layer_wise_muon, megatron_distributed_optimizer
+    from engine.config.parallel_settings import ParallelConfig, overlap_problems
+
     if importlib.util.find_spec("emerging_optimizers") is not None:
-        assert optim_problems(OptimConfig(name="muon", distributed_optimizer=False)) == []
-    p = optim_problems(OptimConfig(name="muon", distributed_optimizer=True))[-1]
-    assert p.startswith("optim.name=muon with optim.distributed_optimizer=true") and \
-        "set optim.distributed_optimizer=false" in p
+        for distributed in (False, True):
+            assert optim_problems(OptimConfig(name="muon",
+                                              distributed_optimizer=distributed)) == []
+    muon, adamw = OptimConfig(name="muon"), OptimConfig()
+    assert layer_wise_muon(muon) and not megatron_distributed_optimizer(muon)
+    assert megatron_distributed_optimizer(adamw) and not layer_wise_muon(adamw)
+    gather = ParallelConfig(overlap_param_gather=True)
+    (p,) = overlap_problems(SimpleNamespace(parallel=gather, optim=muon))
+    assert p.startswith("parallel.overlap_param_gather=true needs optim.distributed_optimizer="
+                        "true with optim.name=adamw"), p
+    assert overlap_problems(SimpleNamespace(parallel=gather, optim=adamw)) == []
     monkeypatch.setattr("engine.config.optim_settings.emerging_optimizers_installed",
                         lambda: False)
     problems = optim_problems(OptimConfig(name="muon", distributed_optimizer=False))
@@ -136,7 +151,8 @@ def test_muon_refuses_the_distributed_optimizer_and_a_missing_package(monkeypatc
 def test_validate_memory_counts_muons_state():
     """--validate's estimate with optim.name=muon: AdamW's 12 bytes (bf16: fp32 master, m, v)
     for the embedding, output layer and final norm, 8 (fp32 master, momentum) for the layers'
-    parameters; 4 vs 8 in fp32. Without the distributed optimizer (Muon refuses it)."""
+    parameters; 4 vs 8 in fp32; with the layer-wise distributed optimizer all of it divided by
+    dp x cp."""
     from engine.config.recipe_validation import estimate_memory
     from models.estimate.counting import stage_parameters
     from models.estimate.training_memory import GIB
@@ -159,6 +175,10 @@ def test_validate_memory_counts_muons_state():
         assert plain.optimizer == pytest.approx(n * adam / GIB)
         assert got.optimizer == pytest.approx((vectors * adam + (n - vectors) * muon) / GIB)
         assert got.total < plain.total and got.weights == plain.weights
+        # the layer-wise distributed optimizer: every part shared over dp x cp (here dp 2)
+        wide = ParallelLayout(4, tp=2, sequence_parallel=True)
+        lw = estimate_memory(hf, wide, train, bf16, True, 4, muon=True)
+        assert lw.optimizer == pytest.approx((vectors * adam + (n - vectors) * muon) / 2 / GIB)
 
 
 def test_muon_is_refused_by_name_on_megatron_core_0_17_and_later(monkeypatch):

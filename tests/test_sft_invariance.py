@@ -94,12 +94,18 @@ OVERLAP_SPECS = {
 # single process against the plain formulas (muonref) and as the reference of DP2 with GA,
 # TP2, PP2 (dense) and EP2 (MoE, its own single-process Muon reference); TP2 with megatron-core's
 # default tp_mode blockwise, which orthogonalizes each TP shard alone (layout-dependent).
+# "lw": under megatron-core's layer-wise distributed optimizer (optim.distributed_optimizer=true
+# with Muon): DP2 with GA, DP2 x EP2, TP2+SP x DP2, DP4 x EP2 (experts dealt over 2 expert-DP
+# ranks).
 MUON = "modes=token-mean"
 MUON_SPECS = {
     1: [f"1,1,0,1,16,muonref+{MUON}", f"1,1,0,1,16,moe+muon=duplicated+{MUON}"],
     2: [f"1,1,0,1,3,muon=duplicated+{MUON}", f"2,1,0,1,16,muon=duplicated+{MUON}",
         f"1,2,0,1,4,muon=duplicated+{MUON}", f"1,1,0,1,4,moe+ep=2+muon=duplicated+{MUON}",
-        f"2,1,0,1,16,muon=blockwise+{MUON}"],
+        f"2,1,0,1,16,muon=blockwise+{MUON}", f"1,1,0,1,3,muon=duplicated+lw+{MUON}",
+        f"1,1,0,1,4,moe+ep=2+muon=duplicated+lw+{MUON}",
+        f"1,1,0,1,3,muon=duplicated+lw+bug=nolwgather+{MUON}"],
+    4: [f"2,1,0,1,8,sp+muon=duplicated+lw+{MUON}", f"1,1,0,1,2,moe+ep=2+muon=duplicated+lw+{MUON}"],
 } if MUON_RUNS else {}
 for _extra in (MOE_SPECS, OVERLAP_SPECS, MUON_SPECS):
     for _world, _specs in _extra.items():
@@ -241,10 +247,14 @@ def test_muon_equals_its_formulas_is_layout_invariant_and_differs_from_adamw(inv
     adamw = next(r for r in results[1] if r["spec"] == "1,1,0,1,16" and r["mode"] == "token-mean")
     assert ref["loss"][0] == pytest.approx(adamw["loss"][0], rel=TOL)
     assert abs(ref["loss"][2] - adamw["loss"][2]) > 100 * TOL * adamw["loss"][2], (ref, adamw)
-    got = {r["spec"] for r in results[2] if "muon=duplicated" in r["spec"]}
-    assert got == {s for s in MUON_SPECS[2] if "duplicated" in s}, got
+    got = {r["spec"] for w in (2, 4) for r in results[w] if "muon=duplicated" in r["spec"]}
+    assert got == {s for w in (2, 4) for s in MUON_SPECS[w] if "duplicated" in s}, got
     (block,) = [r for r in results[2] if "muon=blockwise" in r["spec"]]
     assert block["param_rel"] > 100 * TOL, block
+    # the layer-wise distributed optimizer without its all-gather: rank 0's copies of the
+    # parameters rank 1 updated stay stale (negative control of the "lw" runs above)
+    (stale,) = [r for r in results[2] if "bug=nolwgather" in r["spec"]]
+    assert stale["param_rel"] > 100 * TOL, stale
 
 
 def test_router_aux_loss_is_invariant_to_ep_at_the_same_micro_batches(invariance_runs):

@@ -17,11 +17,18 @@ docs/optimizers.md). Implemented by engine.training.muon (megatron-core's own Mu
   Transformer Engine's attention and clips only multi-latent attention; this engine's attention
   is megatron's local one on every family it trains without Transformer Engine.
 
+- `optim.distributed_optimizer` with `optim.name=muon`: true (the default) selects
+  megatron-core's layer-wise distributed optimizer (`LayerWiseDistributedOptimizer`: whole
+  parameters, Muon's and AdamW's, dealt to the data-parallel x context-parallel ranks by size,
+  expert parameters to the expert-data-parallel ranks; gradients all-reduced by plain DDP; each
+  rank updates its own parameters, then every rank all-gathers them); false keeps the whole
+  optimizer state on every DP rank. megatron-core's ZeRO-style distributed optimizer (which
+  shards flat gradient buckets) cannot run Muon, which needs whole matrices:
+  `megatron_distributed_optimizer` says which of the two DDP sees.
+
 Refused by name before any process group (`optim_problems`): a bad choice or range,
 optim.name=muon without emerging-optimizers installed or with megatron-core >= 0.17 (whose
-Muon is built through another API, not wired here), and optim.name=muon with
-optim.distributed_optimizer=true (megatron-core's get_megatron_muon_optimizer raises
-"muon with dist optimizer is not supported"; set optim.distributed_optimizer=false).
+Muon is built through another API, not wired here).
 """
 from __future__ import annotations
 
@@ -98,8 +105,17 @@ def optim_problems(optim) -> list[str]:
         if not emerging_optimizers_installed():
             p.append(f"optim.name=muon needs {EMERGING_OPTIMIZERS}, which is not installed: "
                      f"{INSTALL_HINT}")
-        if optim.distributed_optimizer:
-            p.append("optim.name=muon with optim.distributed_optimizer=true: megatron-core's "
-                     "Muon does not support the distributed optimizer (get_megatron_muon_"
-                     "optimizer refuses it); set optim.distributed_optimizer=false")
     return p
+
+
+def layer_wise_muon(optim) -> bool:
+    """Whether `optim` runs megatron-core's layer-wise distributed optimizer (Muon with
+    optim.distributed_optimizer=true; module docstring)."""
+    return getattr(optim, "name", "adamw") == "muon" and bool(optim.distributed_optimizer)
+
+
+def megatron_distributed_optimizer(optim) -> bool:
+    """Whether megatron-core's ZeRO-style distributed optimizer runs (DDP's
+    `use_distributed_optimizer`: gradients reduce-scattered into flat shards, parameters
+    all-gathered from them): optim.distributed_optimizer with AdamW; never with Muon."""
+    return bool(optim.distributed_optimizer) and getattr(optim, "name", "adamw") != "muon"

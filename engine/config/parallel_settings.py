@@ -2,11 +2,11 @@
 
 Overlap keys (engine.training.comm_overlap says what each does inside megatron):
 
-- parallel.overlap_grad_reduce: null (default) = on with optim.distributed_optimizer on a CUDA
-  host, off otherwise; true/false force it. Memory: none beyond the fp32 gradient buffer the
+- parallel.overlap_grad_reduce: null (default) = on with megatron-core's distributed optimizer
+  (optim.distributed_optimizer with optim.name=adamw) on a CUDA host, off otherwise; true/false force it. Memory: none beyond the fp32 gradient buffer the
   engine always keeps; buckets (parallel.ddp_bucket_mb) only change when reductions start.
-- parallel.overlap_param_gather: the same null rule; true needs optim.distributed_optimizer
-  (refused otherwise) and refuses parallel.overlap_grad_reduce=false (megatron supports the
+- parallel.overlap_param_gather: the same null rule; true needs megatron-core's distributed
+  optimizer (refused otherwise, Muon's layer-wise one included) and refuses parallel.overlap_grad_reduce=false (megatron supports the
   parameter-gather overlap only together with the gradient one; null then resolves to on).
   Memory: none (the gather writes into the existing parameter buffer).
 - parallel.ddp_bucket_mb: MiB of gradient buffer per DDP bucket (null: megatron's default of
@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from engine.config.optim_settings import megatron_distributed_optimizer
 from engine.training.comm_overlap import OverlapSettings
 
 
@@ -66,10 +67,12 @@ def overlap_problems(cfg) -> list[str]:
     """The overlap keys against each other and optim.distributed_optimizer (no host facts:
     the same answer on the CPU host that validates a recipe and the GPUs that run it)."""
     p, problems = cfg.parallel, []
-    if p.overlap_param_gather and not cfg.optim.distributed_optimizer:
+    if p.overlap_param_gather and not megatron_distributed_optimizer(cfg.optim):
         problems.append("parallel.overlap_param_gather=true needs optim.distributed_optimizer="
-                        "true (only the distributed optimizer shards parameters that must be "
-                        "gathered); set parallel.overlap_param_gather=false or null")
+                        "true with optim.name=adamw (only megatron-core's distributed optimizer "
+                        "shards parameters that must be gathered; Muon's layer-wise one gathers "
+                        "them at the end of its step); set parallel.overlap_param_gather=false "
+                        "or null")
     if p.overlap_param_gather and p.overlap_grad_reduce is False:
         problems.append("parallel.overlap_param_gather=true with parallel.overlap_grad_reduce="
                         "false is not supported by megatron; set parallel.overlap_grad_reduce="
@@ -88,7 +91,7 @@ def overlap_problems(cfg) -> list[str]:
 def resolved_overlap_problems(cfg, cuda: bool | None = None) -> list[str]:
     """At run time, on this host: parallel.ddp_bucket_mb while the gradient overlap resolves
     to off (null on a host without CUDA or without the distributed optimizer)."""
-    s = overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer, cuda)
+    s = overlap_settings(cfg.parallel, megatron_distributed_optimizer(cfg.optim), cuda)
     if cfg.parallel.ddp_bucket_mb is not None and not s.overlap_grad_reduce:
         return [f"parallel.ddp_bucket_mb={cfg.parallel.ddp_bucket_mb} has no effect: "
                 "parallel.overlap_grad_reduce=null resolves to off here (no CUDA or "

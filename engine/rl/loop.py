@@ -40,6 +40,7 @@ from engine.config.model_settings import describe as describe_settings
 from engine.config.model_settings import megatron_overrides
 from engine.config.mtp_settings import mtp_training
 from engine.config.moe_settings import moe_overrides
+from engine.config.optim_settings import megatron_distributed_optimizer
 from engine.config.parallel_settings import overlap_settings
 from engine.rl.collect.prompts import prompt_rows
 from engine.rl.collect.transport import broadcast_rollout
@@ -201,7 +202,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     policy, resumed, extra = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, optimizer_steps, batching, pad_id,
         weights_dir=cfg.model.hf_path, load_weights=load,
-        overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
+        overlap=overlap_settings(cfg.parallel, megatron_distributed_optimizer(cfg.optim)),
         loss_chunk_tokens=train.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
         **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config),

@@ -14,6 +14,7 @@ from engine.config.lora_settings import lora_build_kwargs
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.mtp_settings import mtp_training
+from engine.config.optim_settings import megatron_distributed_optimizer
 from engine.config.parallel_settings import overlap_settings
 from engine.run.run_loop import build_or_resume
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
@@ -36,7 +37,7 @@ def build_train_engine(cfg, hf_config: dict, pad_id: int, position: DataPosition
         hf_config, cfg.optim, dtype, cfg.train.max_steps, BatchSettings.from_config(cfg.train),
         pad_id, weights_dir=cfg.model.hf_path, load_weights=load, reader=reader,
         prepare=prepare,
-        overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
+        overlap=overlap_settings(cfg.parallel, megatron_distributed_optimizer(cfg.optim)),
         loss_chunk_tokens=chunk_tokens,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
         **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config),

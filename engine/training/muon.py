@@ -118,7 +118,15 @@ def muon_config_kwargs(muon_cfg) -> dict:
                 muon_fp32_matmul_prec=muon_cfg.fp32_matmul_prec)
 
 
-def build_muon_optimizer(chunks: list, config):
+def build_muon_optimizer(chunks: list, config, layer_wise: bool = False):
     """megatron-core's get_megatron_muon_optimizer over `chunks` with the megatron-core
-    OptimizerConfig `config` (its muon_* fields set: muon_config_kwargs)."""
-    return muon_module().get_megatron_muon_optimizer(config, chunks)
+    OptimizerConfig `config` (its muon_* fields set: muon_config_kwargs;
+    `use_distributed_optimizer` false). `layer_wise`: megatron-core's
+    LayerWiseDistributedOptimizer, each data-parallel rank updating whole parameters of its
+    own; its `allgather_params` must follow every update (engine.training.nonfinite does)."""
+    optimizer = muon_module().get_megatron_muon_optimizer(
+        config, chunks, layer_wise_distributed_optimizer=layer_wise)
+    if layer_wise:
+        from engine.training.layer_wise import with_fp32_checkpoints
+        optimizer = with_fp32_checkpoints(optimizer)
+    return optimizer

@@ -6,7 +6,9 @@ a NaN gradient norm makes the clip coefficient NaN and Adam writes NaN into ever
 `guarded_optimizer_step` runs the same stages as megatron's `optimizer.step()` (prepare grads,
 global grad norm, clip by that norm, step) but returns before the update when the global loss
 or the global grad norm is not finite: weights, Adam moments and the step counter stay as they
-were. Both numbers are already reduced over every rank that holds a piece of them (the loss
+were. With megatron-core's layer-wise distributed optimizer (Muon, optim.distributed_optimizer)
+`step()` would also all-gather the updated parameters; this step calls its `allgather_params`
+after the update. Both numbers are already reduced over every rank that holds a piece of them (the loss
 over DP x CP and the pipeline by engine.training.schedule.reduce_reports; the grad norm by megatron over
 the model-parallel and, with the distributed optimizer, data-parallel groups), so every rank
 takes the same decision without another collective.
@@ -51,7 +53,11 @@ def guarded_optimizer_step(optimizer, loss: float) -> tuple[bool, float]:
             clip_grad_by_total_norm_fp32(
                 params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
                 use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
-    return bool(optimizer.step_with_ready_grads()), grad_norm
+    stepped = bool(optimizer.step_with_ready_grads())
+    gather = getattr(optimizer, "allgather_params", None)
+    if gather is not None:   # Muon's layer-wise distributed optimizer: each DP rank updated
+        gather()             # its own parameters; every rank now takes the others'
+    return stepped, grad_norm
 
 
 @dataclass

@@ -30,9 +30,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from engine.training.comm_overlap import (OverlapSettings, ddp_config, finish_param_gather,
                                           install_schedule_hooks, p2p_overrides)
 from engine.training.ddp_release import clear_megatron_caches, release_ddp
+from engine.training.grad_norm import install as install_grad_norm
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.micro_batches import MicroBatch, SequenceData
+from engine.config.optim_settings import layer_wise_muon, megatron_distributed_optimizer
 from engine.training.muon import build_muon_optimizer, muon_config_kwargs
 from engine.training.mtp import (MTP_REPORT_KEYS, MTPTraining, exclude_from_grad_norm,
                                  mtp_metrics)
@@ -99,18 +101,20 @@ def mark_expert_params(chunks: list) -> int:
 
 def _optimizer(chunks: list, optim_cfg, dtype: torch.dtype):
     """megatron-core's AdamW (optim.name=adamw) or Muon with AdamW for the non-matrix
-    parameters (optim.name=muon: engine.training.muon), for every objective."""
+    parameters (optim.name=muon: engine.training.muon), for every objective; its grad norm
+    and clipping with one host sync (engine.training.grad_norm)."""
+    install_grad_norm()
     config = OptimizerConfig(
         optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
         weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.betas[0],
         adam_beta2=optim_cfg.betas[1], adam_eps=optim_cfg.eps, clip_grad=optim_cfg.clip_grad,
         bf16=dtype == torch.bfloat16, params_dtype=dtype,
-        use_distributed_optimizer=optim_cfg.distributed_optimizer)
+        use_distributed_optimizer=megatron_distributed_optimizer(optim_cfg))
     if getattr(optim_cfg, "name", "adamw") != "muon":
         return get_megatron_optimizer(config, chunks)
     for key, value in muon_config_kwargs(optim_cfg.muon).items():
         setattr(config, key, value)
-    return build_muon_optimizer(chunks, config)
+    return build_muon_optimizer(chunks, config, layer_wise=layer_wise_muon(optim_cfg))
 
 
 def _scheduler(optimizer, optim_cfg, total_steps: int) -> OptimizerParamScheduler:
@@ -207,7 +211,7 @@ class TrainEngine:
         config.finalize_model_grads_func = finalize_grads
         mark_expert_params(raw)
         wgrad_fp32.enable(raw)  # weight gradients straight into DDP's main_grad, in fp32
-        ddp = ddp_config(overlap, optim_cfg.distributed_optimizer, dtype)
+        ddp = ddp_config(overlap, megatron_distributed_optimizer(optim_cfg), dtype)
         chunks = [DistributedDataParallel(config, ddp, module=c, disable_bucketing=i > 0)
                   for i, c in enumerate(raw)]
         install_schedule_hooks(chunks, overlap)

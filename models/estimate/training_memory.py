@@ -8,10 +8,12 @@ configured, engine.config.model_settings):
 - weights: parameters of the fullest pipeline stage on one TP rank x 2 bytes (bf16) or 4;
 - grads: the same count x 4 bytes (`grad_reduce_in_fp32`);
 - optimizer: x 12 bytes in bf16 (fp32 master + Adam m, v) or x 8 in fp32 (Adam m, v), divided
-  by dp x cp with the distributed optimizer; with Muon (optim.name=muon, never distributed) the
-  layers' parameters (matrices; their norms and biases, a few per mille, counted with them)
-  hold x 8 in bf16 (fp32 master + momentum) or x 4 in fp32 (momentum), the embedding, output
-  layer and final norm Adam's bytes;
+  by dp x cp with the distributed optimizer; with Muon (optim.name=muon) the layers'
+  parameters (matrices; their norms and biases, a few per mille, counted with them) hold x 8
+  in bf16 (fp32 master + momentum) or x 4 in fp32 (momentum), the embedding, output layer and
+  final norm Adam's bytes; with Muon's layer-wise distributed optimizer
+  (optim.distributed_optimizer=true) every part divided by dp x cp (experts by dp x cp / ep),
+  an even share of the whole parameters dealt to each rank;
 - activations: per layer and micro-batch, t = tokens of the micro-batch / cp and
   bytes = a x t x (4 h / s + (q_rot + kv_rep + attn_out + 2 kv + 3 ffn) / tp) with a = 2
   (bf16) or 4 (q, kv = query and key/value widths; kv_rep = 2 q when GQA repeats KV heads for
@@ -129,6 +131,10 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     opt_bytes = optimizer_bytes(bf16, layout, distributed_optimizer)
     expert_opt_bytes = opt_bytes * (layout.ep if distributed_optimizer else 1)
     muon_bytes = (8 if bf16 else 4) if muon else None
+    # Muon with the (layer-wise) distributed optimizer: whole parameters dealt over dp x cp
+    # (experts over the expert-data-parallel ranks), counted as an even share
+    muon_share = layout.dp * layout.cp if muon and distributed_optimizer else 1
+    expert_share = max(1, muon_share // layout.ep)
     adam_only = dict(zip((True, False), embedding_output_parameters(hf, tp, pp)))
 
     chunk_layers = layers // (pp * vpp)
@@ -146,8 +152,9 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
         if muon_bytes is None:
             return ((n_params - params.expert_stage) * opt_bytes
                     + params.expert_stage * expert_opt_bytes)
-        return (adam_only[first] * opt_bytes
-                + (n_params - adam_only[first]) * muon_bytes)
+        dense = n_params - adam_only[first] - params.expert_stage
+        return (adam_only[first] * opt_bytes + dense * muon_bytes / muon_share
+                + params.expert_stage * muon_bytes / expert_share)
 
     def stage(n_params: int, act_layers: float, with_logits: bool,
               first: bool = True) -> MemoryEstimate:

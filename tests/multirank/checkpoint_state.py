@@ -15,7 +15,9 @@ prints "OVERLAP {json}" with whether the resumed parameters and next-step losses
 Then optim.name=muon (megatron-core's Muon + AdamW, tests/multirank/muon_check.py): 2 steps,
 save, resume into a fresh state; rank 0 prints "MUON {json}": whether every optimizer state
 tensor (Muon's momentum buffers, Adam's moments) and parameter is bitwise equal, and the next
-step's losses and grad norms of both.
+step's losses and grad norms of both; then the same under megatron-core's layer-wise
+distributed optimizer (optim.distributed_optimizer=true with Muon), its checkpoint also resumed
+at TP2 x DP1, rank 0 printing "MUONLW {json}".
 """
 from __future__ import annotations
 
@@ -131,8 +133,11 @@ def optimizer_state_tensors(optimizer) -> list:
     return out
 
 
-def muon_round_trip(hf: dict, model_dir: str, root: str) -> dict:
-    """optim.name=muon: 2 steps, save, resume into a fresh state, compare (module docstring)."""
+def muon_round_trip(hf: dict, model_dir: str, root: str, layer_wise: bool = False) -> dict:
+    """optim.name=muon: 2 steps, save, resume into a fresh state, compare (module docstring);
+    `layer_wise`: under megatron-core's layer-wise distributed optimizer, where each rank
+    saves the state of the parameters it owns, then also resumed at TP2 (DP1): see
+    `muon_relayout`."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -143,7 +148,7 @@ def muon_round_trip(hf: dict, model_dir: str, root: str) -> dict:
     from engine.training.train_engine import TrainEngine
     from tests.multirank.muon_check import muon_optim
 
-    optim = muon_optim(OPTIM)
+    optim = muon_optim(OPTIM, layer_wise=layer_wise)
     normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
     saved = TrainEngine.build(hf, optim, torch.float32, 6, TRAIN, weights_dir=model_dir)
     for seqs in batches(hf["vocab_size"], 2):
@@ -159,12 +164,35 @@ def muon_round_trip(hf: dict, model_dir: str, root: str) -> dict:
     torch.distributed.all_reduce(flag)
     nxt = batches(hf["vocab_size"], 3)[2]
     steps = [train_step(s, nxt, normalizer) for s in (saved, resumed)]
-    return {"state_equal": int(flag) == 0, "n_state_tensors": len(want),
+    relayout = muon_relayout(hf, model_dir, path, optim, nxt) if layer_wise else {}
+    return {**relayout, "state_equal": int(flag) == 0, "n_state_tensors": len(want),
             "momentum_buffers": sum("momentum_buffer" in o.optimizer.state[p]
                                     for o in saved.optimizer.chained_optimizers
                                     for g in o.optimizer.param_groups for p in g["params"]),
             "loss_next": [m["loss"] for m in steps], "grad_norm_next": [m["grad_norm"]
                                                                        for m in steps]}
+
+
+def muon_relayout(hf: dict, model_dir: str, path: str, optim, nxt) -> dict:
+    """The layer-wise Muon checkpoint at `path` (saved at DP2) resumed at TP2 x DP1 (the
+    layout-invariant tp_mode): the next step's loss and grad norm there ("relayout_next")."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from engine.checkpoint.checkpointing import DataPosition, load_training_checkpoint
+    from engine.sft.training import train_step
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.train_engine import TrainEngine
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    setup_model_parallel(ParallelLayout(torch.distributed.get_world_size(), tp=2))
+    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
+    state = TrainEngine.build(hf, optim, torch.float32, 6, TRAIN, weights_dir=model_dir,
+                              load_weights=False)
+    load_training_checkpoint(state, path, DataPosition(0, GBS, 100, 7, True))
+    m = train_step(state, nxt, normalizer)
+    return {"relayout_next": [m["loss"], m["grad_norm"]]}
 
 
 def main() -> None:
@@ -246,9 +274,12 @@ def main() -> None:
         print("OVERLAP " + json.dumps({"trips": trips, "all_params_equal": int(equal) == 0}),
               flush=True)
     from tests.multirank.muon_check import MUON_RUNS
-    muon = muon_round_trip(hf, model_dir, os.path.join(out_dir, "muon")) if MUON_RUNS else {}
-    if rank == 0 and muon:
-        print("MUON " + json.dumps(muon), flush=True)
+    if MUON_RUNS:
+        muon = muon_round_trip(hf, model_dir, os.path.join(out_dir, "muon"))
+        layer_wise = muon_round_trip(hf, model_dir, os.path.join(out_dir, "muon_lw"), True)
+        if rank == 0:
+            print("MUON " + json.dumps(muon), flush=True)
+            print("MUONLW " + json.dumps(layer_wise), flush=True)
     shutdown()
 
 

@@ -2,8 +2,8 @@
 `muon` and `muonref`; tests/test_sft_invariance.py asserts the results).
 
 `muon_optim(optim)`: the harness's optimizer keys with megatron-core's Muon (fp32 Newton-Schulz,
-`fp32_matmul_prec=highest`, the layout-invariant tp_mode `duplicated`; megatron-core's Muon
-refuses the distributed optimizer). `FormulaCheck` (single process only): before every
+`fp32_matmul_prec=highest`, the layout-invariant tp_mode `duplicated`; the full optimizer
+state on every DP rank, or with `layer_wise` megatron-core's layer-wise distributed optimizer). `FormulaCheck` (single process only): before every
 optimizer step it records the engine's parameters and reduced gradients and advances a copy
 with tests/muon_reference.py's plain formulas; after the step it compares the engine's
 parameters with that copy (max abs difference relative to each tensor's largest value)."""
@@ -22,10 +22,11 @@ from tests.muon_reference import ReferenceOptimizer
 MUON_RUNS = emerging_optimizers_installed() and megatron_core_problem() is None
 
 
-def muon_optim(optim, tp_mode: str = "duplicated"):
-    """A copy of the harness's optim namespace that selects megatron-core's Muon."""
+def muon_optim(optim, tp_mode: str = "duplicated", layer_wise: bool = False):
+    """A copy of the harness's optim namespace that selects megatron-core's Muon
+    (`layer_wise`: under its layer-wise distributed optimizer, optim.distributed_optimizer)."""
     out = copy.copy(optim)
-    out.name, out.distributed_optimizer = "muon", False
+    out.name, out.distributed_optimizer = "muon", layer_wise
     out.muon = MuonConfig(fp32_matmul_prec="highest", tp_mode=tp_mode)
     return out
 

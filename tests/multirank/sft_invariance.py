@@ -14,7 +14,9 @@ factor F (token dropping); the spec's results then carry the moe/* metrics);
 ov: gradient-reduce and parameter-gather overlap on (engine.training.comm_overlap), with
 bug=nogather (negative control) reading the final parameters without finishing the deferred
 parameter all-gather. muon=MODE: optim.name=muon with optim.muon.tp_mode=MODE (megatron-core's Muon, fp32 Newton-Schulz; references
-keyed "muon/MODE", tests/multirank/muon_check.py); muonref (1 process): also advance a copy of
+keyed "muon/MODE", tests/multirank/muon_check.py); lw (with muon=MODE): Muon under megatron-core's
+layer-wise distributed optimizer (optim.distributed_optimizer=true: each DP rank updates whole
+parameters of its own, then all-gathers the rest); muonref (1 process): also advance a copy of
 the parameters with the plain Muon + AdamW formulas (tests/muon_reference.py) and report
 "muon_formula_rel" and "muon_grad_norm_rel".
 For every spec and every aggregation mode it re-initialises megatron's parallel state in the
@@ -141,7 +143,7 @@ def spec_options(spec: str) -> dict:
     return dict(overrides=megatron_overrides(parallel, train), modes=modes,
                 bug=value.get("bug"), overlap=overlap_of(flags),
                 muon=value.get("muon") or ("duplicated" if "muonref" in flags else None),
-                muonref="muonref" in flags)
+                muonref="muonref" in flags, muon_layer_wise="lw" in flags)
 
 
 def overlap_of(flags: list[str]):
@@ -159,7 +161,9 @@ def inject_bug(state, bug: str | None):
     finalize_model_grads does not sum their sequence-sliced gradients over TP (the classic SP
     bug). detach: recomputed layers get a detached input (reentrant checkpointing then
     produces no gradient for anything inside or before them: the classic recompute bug).
-    Returns an undo function."""
+    nolwgather: Muon's layer-wise distributed optimizer skips the all-gather after its update,
+    so each rank keeps stale copies of the parameters other ranks own. Returns an undo
+    function."""
     import torch
     from megatron.core import tensor_parallel
 
@@ -182,6 +186,10 @@ def inject_bug(state, bug: str | None):
         return average_expert_grads(state)
     if bug == "nogather":  # handled by run_layout: parameters read before the gather
         return lambda: None
+    if bug == "nolwgather":   # Muon's layer-wise optimizer without its parameter all-gather
+        optimizer = state.optimizer
+        optimizer.allgather_params = lambda: None
+        return lambda: optimizer.__dict__.pop("allgather_params", None)
     if bug == "mrope":
         from tests.multirank.vision_batches import misplaced_restarts
         return misplaced_restarts()
@@ -217,7 +225,7 @@ def average_expert_grads(state):
 
 
 def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=None,
-               overlap=None, muon=None, muonref=False):
+               overlap=None, muon=None, muonref=False, muon_layer_wise=False):
     """3 steps from the HF weights under the current parallel state (set up once per layout:
     creating megatron's process groups is the slowest part of a gloo launch)."""
     import torch
@@ -232,7 +240,7 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
                             clip_grad=1.0, betas=[0.9, 0.95], eps=ADAM_EPS, schedule="constant",
                             distributed_optimizer=True)
     from tests.multirank.muon_check import FormulaCheck, check_step, muon_optim
-    optim = muon_optim(optim, muon) if muon else optim
+    optim = muon_optim(optim, muon, layer_wise=muon_layer_wise) if muon else optim
     vision = {"train_vision": True} if IMAGES else {}
     state = TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
                               weights_dir=model_dir, overlap=overlap,
@@ -373,7 +381,7 @@ def main():
                 losses, norms, params = run_layout(spec_dir, spec_config, train, mode, data,
                                                    opts["overrides"], opts["bug"],
                                                    opts["overlap"], opts["muon"],
-                                                   opts["muonref"])
+                                                   opts["muonref"], opts["muon_layer_wise"])
             except AssertionError as e:   # bug=notowerpass: the crash it stands for
                 if opts["bug"] != "notowerpass":
                     raise

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from engine.config.fusion_settings import fusion_overrides
 from engine.config.model_settings import megatron_overrides
 from engine.config.moe_settings import moe_overrides
+from engine.config.optim_settings import megatron_distributed_optimizer
 from engine.config.parallel_settings import overlap_settings
 from engine.config.schema import read_hf_config
 from engine.rl.collect.batch import build_sequences
@@ -143,7 +144,7 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
             weights_dir=cfg.model.hf_path, load_weights=path is None,
             prepare=(attach_value_heads if path is None else
                      lambda raw: load_critic(raw, path, hf_config)),
-            overlap=overlap_settings(cfg.parallel, cfg.optim.distributed_optimizer),
+            overlap=overlap_settings(cfg.parallel, megatron_distributed_optimizer(cfg.optim)),
             loss_chunk_tokens=cfg.train.loss_chunk_tokens or DEFAULT_LOSS_CHUNK_TOKENS,
             **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
             **fusion_overrides(cfg, hf_config))
