@@ -29,6 +29,7 @@ from engine.rl.policy.reward_model_checks import (reward_key_problems, reward_mo
 from engine.rl.rewards import load_reward_fn
 from engine.rl.rollout.base import (BACKENDS, backend_class, conditional_checkpoint_problems,
                                     custom_backend_class)
+from engine.rl.rollout.hf_settings import hf_problems
 from engine.rl.rollout.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
                                          split_sizes)
 from engine.rl.rollout.sglang_settings import sglang_problems
@@ -125,7 +126,8 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                    + routing_replay_problems(cfg) + distill_problems(cfg, world_size)
                    + reward_model_problems(cfg, world_size, hf_config)
                    + ppo_problems(cfg) + conditional_checkpoint_problems(cfg, hf_config)
-                   + sync_quantization_problems(cfg, hf_config) + vllm_problems(cfg, hf_config))
+                   + sync_quantization_problems(cfg, hf_config) + vllm_problems(cfg, hf_config)
+                   + hf_problems(cfg, hf_config))
     return hf_config
 
 

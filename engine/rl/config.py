@@ -143,6 +143,18 @@ class VLLMConfig:
 
 
 @dataclass
+class HFRolloutConfig:
+    """rollout.backend=hf (engine.rl.rollout.hf_settings checks these; docs/rollout-backends.md
+    #the-hf-backends-static-cache-and-compiled-decode)."""
+    # a static KV cache per (batch, cache length) bucket, length groups, finished rows compacted
+    # out (null: on with CUDA, off on CPU)
+    static_cache: Optional[bool] = None
+    # torch.compile the decode step over the static cache (CUDA: mode reduce-overhead, CUDA
+    # graphs); null: on with CUDA, off on CPU; true needs static_cache true or null
+    compile: Optional[bool] = None
+
+
+@dataclass
 class RolloutConfig:
     backend: str = "hf"                  # hf | vllm | sglang | package.module:Class
     num_engines: Optional[int] = None    # rollout engines in the job (null: one per node)
@@ -177,6 +189,7 @@ class RolloutConfig:
     sync_delta: Optional[bool] = None
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)
 
 
 @dataclass
