@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from parallel import zigzag
+from parallel.packed_seqs import host_cu_seqlens
 
 
 def _cp_group():
@@ -105,10 +106,7 @@ def heads_to_seq(x: torch.Tensor, group, seq_dim: int, head_dim: int) -> torch.T
 def _segments(packed_seq_params, total: int) -> list[int]:
     if packed_seq_params is None:
         return [total]
-    cu = packed_seq_params.cu_seqlens_q_padded
-    if cu is None:
-        cu = packed_seq_params.cu_seqlens_q
-    bounds = cu.tolist()
+    bounds = host_cu_seqlens(packed_seq_params)   # host ints: no device read per layer
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 

@@ -2,7 +2,8 @@
 
 A `MicroBatch` holds tensors for one forward pass, already cut to this CP rank's zigzag shard:
   padded:  tokens/labels/token_weights/position_ids [b, S/cp]
-  packed:  the same as [1, T/cp] plus `packed_seq_params` ("thd", cu_seqlens of the full row)
+  packed:  the same as [1, T/cp] plus `packed_seq_params` ("thd", cu_seqlens of the full row;
+           parallel.packed_seqs.HostPackedSeqParams: the boundaries as host ints too)
 `token_weights` = w_seq(t) * loss_mask(t): the GlobalLossNormalizer weight of the token's
 sequence, 0 on padding and untrained tokens. `seq_ids` [.., S/cp] maps tokens to the index of
 their sequence in this rank's list (-1 on padding) so per-sequence outputs can be gathered.
@@ -16,12 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
 from engine.training.batching import pack_sequences, pad_batch
 from engine.training.vision_batch import packed_vision, padded_vision
 from models.vision.inputs import SequenceVision, VisionBatch
 from parallel import zigzag
+from parallel.packed_seqs import packed_seq_params
 
 
 @dataclass
@@ -148,10 +149,10 @@ def build_packed(seqs: list[SequenceData], seq_index: list[int], pad_multiple: i
     if cp > 1:
         tensors = {k: zigzag.shard(v, seq_lengths, cp, cp_rank, dim=1) for k, v in tensors.items()}
         extras = {k: zigzag.shard(v, seq_lengths, cp, cp_rank, dim=1) for k, v in extras.items()}
-    cu = torch.tensor([0] + list(torch.tensor(seq_lengths).cumsum(0).tolist()), dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
-                             max_seqlen_q=max(seq_lengths), max_seqlen_kv=max(seq_lengths))
+    bounds = [0]
+    for n in seq_lengths:
+        bounds.append(bounds[-1] + n)
+    params = packed_seq_params(bounds)   # host ints too: no layer reads them back
     return MicroBatch(**tensors, packed_seq_params=params, extras=extras,
                       num_tokens=sum(len(s.tokens) for s in seqs), num_padding=num_padding,
                       vision=packed_vision(seqs, seq_lengths, cp, cp_rank))

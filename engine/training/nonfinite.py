@@ -27,6 +27,7 @@ import torch
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
 from engine.errors import RunError
+from engine.training.grad_norm import install as install_grad_norm
 
 
 class TrainingDiverged(RunError):
@@ -41,6 +42,7 @@ def guarded_optimizer_step(optimizer, loss: float) -> tuple[bool, float]:
     `optimizer` is a megatron MegatronOptimizer or ChainedOptimizer whose gradients are
     reduced (finalize_model_grads has run). Returns (stepped, grad_norm): grad_norm is the
     global L2 norm of the gradients before clipping (computed also when clip_grad is 0)."""
+    install_grad_norm()   # megatron's grad norm and clip scale with one host sync
     found_inf = optimizer.prepare_grads()   # True only with an fp16 loss scaler
     grad_norm = float(optimizer.get_grad_norm())
     if found_inf or not math.isfinite(grad_norm) or not math.isfinite(loss):

@@ -30,7 +30,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from engine.training.comm_overlap import (OverlapSettings, ddp_config, finish_param_gather,
                                           install_schedule_hooks, p2p_overrides)
 from engine.training.ddp_release import clear_megatron_caches, release_ddp
-from engine.training.grad_norm import install as install_grad_norm
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.micro_batches import MicroBatch, SequenceData
@@ -101,9 +100,7 @@ def mark_expert_params(chunks: list) -> int:
 
 def _optimizer(chunks: list, optim_cfg, dtype: torch.dtype):
     """megatron-core's AdamW (optim.name=adamw) or Muon with AdamW for the non-matrix
-    parameters (optim.name=muon: engine.training.muon), for every objective; its grad norm
-    and clipping with one host sync (engine.training.grad_norm)."""
-    install_grad_norm()
+    parameters (optim.name=muon: engine.training.muon), for every objective."""
     config = OptimizerConfig(
         optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
         weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.betas[0],

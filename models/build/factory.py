@@ -18,6 +18,8 @@ from models.layers.spec import block_spec, layer_spec, transformer_engine_availa
 from models.lora.adapters import LoraSpec
 from models.lora.sites import apply_lora
 from models.layers.experts import compat as moe_compat
+from models.layers.experts import sync_free as moe_sync_free
+from models.layers.attention import packed_rope
 from models.layers.attention.rope import install_rope
 from models.layers.biased_experts.fused import lora_row_orders as expert_lora_row_orders
 from models.layers.mla.mapping import lora_row_orders
@@ -50,7 +52,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     chunks, the tower on the first stage, trained when `train_vision` (key
     model.vision.freeze=false); with a trained MTP layer too, MTPVisionLanguageModel."""
     check_config(hf_config)
-    moe_compat.install()
+    _install_megatron_fixes()
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -113,6 +115,14 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
                                   **expert_lora_row_orders(hf_config)},
                    peft_layers(hf_config), family_of(hf_config).lora_hf_paths)
     return chunks
+
+
+def _install_megatron_fixes() -> None:
+    """megatron-core's MoE without Transformer Engine (models.layers.experts.compat), and its
+    MoE dispatch and packed RoPE without host syncs (experts.sync_free, attention.packed_rope)."""
+    moe_compat.install()
+    moe_sync_free.install()
+    packed_rope.install()
 
 
 def _model_class(vision: bool, mtp: bool) -> type:

@@ -19,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from models.layers.attention.sinks import (Attend, attend_fn, layer_window, make_sinks,
                                       sinks_sharded_state_dict)
 from parallel import ulysses
+from parallel.packed_seqs import host_cu_seqlens
 
 
 def _repeat_kv(x: torch.Tensor, times: int, head_dim_index: int) -> torch.Tensor:
@@ -32,12 +33,13 @@ def causal_attention_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            cu_seqlens: torch.Tensor, scale: float,
+                            cu_seqlens: torch.Tensor | list[int], scale: float,
                             attend: Attend | None = None) -> torch.Tensor:
     """Causal attention per segment of [t, h, d] tensors; segments never see each other.
+    `cu_seqlens`: the boundaries, as host ints (no device read) or a tensor.
     `attend`: sinks / sliding window (models.layers.attention.sinks), else plain causal SDPA."""
     out = q.new_empty(*q.shape[:-1], v.shape[-1])  # value head dim may differ (MLA)
-    bounds = cu_seqlens.tolist()
+    bounds = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end <= start:
             continue
@@ -85,7 +87,8 @@ class SDPACoreAttention(MegatronModule):
         if packed:
             rep = query.shape[1] // key.shape[1]
             key, value = _repeat_kv(key, rep, 1), _repeat_kv(value, rep, 1)
-            out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+            out = packed_causal_attention(query, key, value,
+                                          host_cu_seqlens(packed_seq_params, padded=False),
                                           self.scale, self._attend())
             return out.reshape(out.shape[0], -1)
         rep = query.shape[2] // key.shape[2]

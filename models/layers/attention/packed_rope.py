@@ -1,0 +1,72 @@
+"""RoPE on packed ("thd") rows by a gather of each token's angles: no device-to-host copy.
+
+Megatron's unfused thd RoPE (megatron-core 0.16 `rope_utils._apply_rotary_pos_emb_thd`, what its
+attention runs without Transformer Engine) reads the sequence lengths back from the device
+(`.tolist()`; and per sequence `cu_seqlens[i].item()` when the angle table covers the whole row),
+splits the tokens per sequence, slices each one's angles and concatenates them: a host sync for
+queries and another for keys, in every layer of every micro-batch. `apply_thd` computes the same
+angles for every token on the device instead (`thd_angle_index`: a searchsorted over the
+boundaries) and applies them with megatron's own `_apply_rotary_pos_emb_bshd`, so the result is
+the same tensor, bitwise; `install()` puts it in megatron's place (idempotent).
+
+Token t of sequence i (full length L_i, boundaries cu_seqlens of the full row; this CP rank holds
+L_i / cp of its tokens, o = t's offset among them) takes the angles of position
+  cp = 1: o;
+  cp > 1: megatron's zigzag chunks r and 2cp-1-r of size s = L_i / (2cp):
+          r*s + o for o < s, else cp*(L_i/cp) - (r+1)*s + (o - s);
+plus cu_seqlens[i] when the table covers the whole row (freqs.size(0) == the row's length, the
+case megatron maps by offset: M-RoPE angles per token, models.vision.rope). As in megatron, every
+L_i must be a multiple of cp (of 2cp for cp > 1); the row's length is the local tokens times cp.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+
+_MEGATRON_THD = rope_utils._apply_rotary_pos_emb_thd
+
+
+def thd_angle_index(cu_seqlens: torch.Tensor, tokens: int, cp_size: int, cp_rank: int,
+                    whole_row: bool) -> torch.Tensor:
+    """[tokens] long index into the angle table for this CP rank's tokens of a packed row whose
+    full boundaries are `cu_seqlens` (module docstring); computed where cu_seqlens lives."""
+    cu = cu_seqlens.to(torch.long)
+    lengths = cu[1:] - cu[:-1]
+    local = torch.div(lengths, cp_size, rounding_mode="floor")
+    local_end = torch.cumsum(local, 0)
+    token = torch.arange(tokens, device=cu.device)
+    seq = torch.searchsorted(local_end, token, right=True)
+    offset = token - (local_end - local)[seq]
+    if cp_size == 1:
+        position = offset
+    else:
+        seg = torch.div(local[seq], 2, rounding_mode="floor")
+        position = torch.where(offset < seg, cp_rank * seg + offset,
+                               cp_size * local[seq] - (cp_rank + 1) * seg + (offset - seg))
+    return position + cu[:-1][seq] if whole_row else position
+
+
+def apply_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
+              rotary_interleaved: bool = False, multi_latent_attention: bool = False,
+              mscale: float = 1.0, cp_group=None) -> torch.Tensor:
+    """Megatron's `_apply_rotary_pos_emb_thd` (same signature and result): t [tokens, h, d],
+    freqs [S, 1, 1, d] -> t with RoPE, every token's angles gathered on the device."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided for THD format RoPE")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    whole_row = freqs.dim() >= 1 and freqs.size(0) == t.size(0) * cp_size
+    index = thd_angle_index(cu_seqlens, t.size(0), cp_size, cp_rank, whole_row)
+    return rope_utils._apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1), freqs.index_select(0, index.to(freqs.device)),
+        rotary_interleaved=rotary_interleaved, multi_latent_attention=multi_latent_attention,
+        mscale=mscale).squeeze(1)
+
+
+def install() -> None:
+    """Make megatron's rope_utils apply thd RoPE with `apply_thd` (idempotent)."""
+    rope_utils._apply_rotary_pos_emb_thd = apply_thd
+
+
+def megatron_thd():
+    """Megatron's own thd RoPE (tests compare against it)."""
+    return _MEGATRON_THD
