@@ -1,0 +1,155 @@
+"""rollout.hf.static_cache / rollout.hf.compile (engine.rl.rollout.hf_static_decode): the static
+path's samples and log-probs are the eager loop's (fp32, CPU: equal tokens, log-probs within
+1e-6) across length groups, filler rows and batch compaction; the compiled decode step too, and
+a weight sync (also after sleep/wake) reaches the compiled model without a recompilation; the
+bucket arithmetic and the settings' checks by name."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.rl.config import RLConfig
+from engine.rl.rollout import SamplingParams
+from engine.rl.rollout.hf_backend import HFRolloutEngine
+from engine.rl.rollout.hf_length_buckets import (batch_bucket, cache_bucket, compact_size,
+                                                 length_groups)
+from engine.rl.rollout.hf_settings import hf_problems, resolve
+from engine.rl.rollout.hf_static_decode import static_problem
+from tools.tiny_models import build_eos_model
+
+TOL = 3e-6  # fp32 rounding of a masked static cache, see test_static_path_equals_eager
+
+
+@pytest.fixture(scope="module")
+def eos_dir(tmp_path_factory) -> str:
+    return build_eos_model(str(tmp_path_factory.mktemp("static") / "model"))
+
+
+def mixed_prompts(rows: int = 12, seed: int = 0) -> list[list[int]]:
+    """Half short (3-6 tokens), half long (24-30): two length groups at 10 new tokens."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 200) for _ in range(rng.randint(*((3, 6) if i % 2 else (24, 30))))]
+            for i in range(rows)]
+
+
+def sample(engine, prompts, seeds, max_new=10):
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, top_p=0.95, seeds=seeds)
+    return [(g.response_ids, g.response_logprobs, g.finish_reason)
+            for g in engine.generate(prompts, params)]
+
+
+def assert_same(got, ref) -> float:
+    """Equal tokens and finish reasons, log-probs within TOL; returns the largest difference."""
+    assert [g[0] for g in got] == [r[0] for r in ref]
+    assert [g[2] for g in got] == [r[2] for r in ref]
+    diff = max(abs(a - b) for g, r in zip(got, ref) for a, b in zip(g[1], r[1]))
+    assert diff <= TOL, diff
+    return diff
+
+
+def test_bucket_arithmetic():
+    assert [cache_bucket(n) for n in (1, 64, 65, 266, 320, 321, 1000)] == \
+        [64, 64, 80, 320, 320, 384, 1024]
+    assert [batch_bucket(n) for n in (1, 3, 5, 8, 9, 96, 100, 128, 129)] == \
+        [1, 4, 8, 8, 10, 96, 112, 128, 160]
+    assert [compact_size(a, 16) for a in (16, 9, 8, 5, 1, 0)] == [None, None, 8, 8, 1, None]
+    assert length_groups([30, 4, 26, 5, 3], 10) == [[4, 1, 3], [2, 0]]
+    assert length_groups([30, 4, 26, 5, 3], 100) == [[4, 1, 3, 2, 0]]  # 130 <= 1.5 x 103
+
+
+def test_static_path_equals_eager_and_keeps_row_seeds(eos_dir):
+    eager = HFRolloutEngine(eos_dir, device="cpu")
+    static = HFRolloutEngine(eos_dir, device="cpu", static_cache=True, compile=False)
+    assert eager.decoder is None and static.decoder is not None
+    prompts, seeds = mixed_prompts(), list(range(100, 112))
+    ref = sample(eager, prompts, seeds)
+    got = sample(static, prompts, seeds)
+    diff = assert_same(got, ref)
+    # two length groups (caches 64 for 6 + 10 tokens, 64 for 30 + 10), batch 6 -> filler to 8,
+    # and compaction once at most half of a batch still ran
+    shapes = static.decoder.shapes
+    assert (8, 64) in shapes and any(b < 8 for b, _ in shapes), shapes
+    assert {g[2] for g in ref} == {"stop", "length"}
+    # a row's response depends on its own seed only: reversed order, same rows
+    back = sample(static, prompts[::-1], seeds[::-1])[::-1]
+    assert_same(back, ref)
+    # negative control: other seeds for the same rows give other samples
+    moved = sample(static, prompts, seeds[1:] + seeds[:1])
+    assert sum(m[0] != r[0] for m, r in zip(moved, ref)) >= 6
+    print(f"static vs eager: max |logprob diff| {diff:.2e}")
+
+
+def perturbed(engine, scale: float) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    return [(n, p.detach() * (1 + scale * torch.randn(p.shape, generator=gen)))
+            for n, p in engine.model.named_parameters()]
+
+
+def test_compiled_decode_exact_and_weight_sync_needs_no_recompile(eos_dir):
+    from torch._dynamo.utils import counters
+
+    def graphs() -> int:   # graphs compiled by this test (counters are per process)
+        return counters["stats"]["unique_graphs"] - start
+
+    start = counters["stats"]["unique_graphs"]
+    eager = HFRolloutEngine(eos_dir, device="cpu")
+    compiled = HFRolloutEngine(eos_dir, device="cpu", static_cache=True, compile=True)
+    prompts, seeds = mixed_prompts(8, seed=1)[1::2] * 2, list(range(200, 208))  # one group
+    ref = sample(eager, prompts, seeds)
+    assert_same(sample(compiled, prompts, seeds), ref)
+    assert_same(sample(compiled, prompts, seeds), ref)   # the same shape: no new graph
+    decoder = compiled.decoder
+    assert decoder.shapes == [(8, 64)] and graphs() == 1
+
+    weights = perturbed(eager, 0.2)
+    for engine in (eager, compiled):
+        engine.update_weights(weights)
+    ref2 = sample(eager, prompts, seeds)
+    assert [r[0] for r in ref2] != [r[0] for r in ref]   # the sync changed the samples
+    assert_same(sample(compiled, prompts, seeds), ref2)
+    # one graph per shape: compaction's new batches (8 -> 4 -> 2) compiled, the synced
+    # weights did not recompile the (8, 64) step
+    assert decoder.shapes == [(8, 64), (4, 64), (2, 64)]
+    assert graphs() == 3
+    compiled.sleep()   # parameters to the meta device and back: new tensors, same graphs
+    compiled.wake()
+    compiled.update_weights(weights)
+    assert_same(sample(compiled, prompts, seeds), ref2)
+    assert graphs() == 3 and len(decoder.shapes) == 3
+
+
+def test_settings_resolve_and_refuse_by_key(eos_dir):
+    assert resolve(None, None, "cpu") == (False, False)
+    assert resolve(None, None, "cuda") == (True, True)
+    assert resolve(True, None, "cpu") == (True, False)
+    assert resolve(None, True, "cpu") == (True, True)
+    assert resolve(True, False, "cuda") == (True, False)
+    with pytest.raises(ValueError, match=r"rollout.hf.compile=true needs rollout.hf.static"):
+        resolve(False, True, "cpu")
+    with pytest.raises(ValueError, match=r"rollout.hf.static_cache='yes' must be true"):
+        resolve("yes", None, "cpu")
+
+    cfg = RLConfig()
+    assert hf_problems(cfg, {"layer_types": ["sliding_attention"]}) == []  # null: no refusal
+    cfg.rollout.hf.compile = True
+    assert hf_problems(cfg, {"model_type": "qwen3"}) == []
+    [sliding] = hf_problems(cfg, {"layer_types": ["full_attention", "sliding_attention"]})
+    assert sliding.startswith("rollout.hf.compile=true: the checkpoint's layer types "
+                              "['sliding_attention']")
+    cfg.moe.routing_replay = "R3"
+    assert "moe.routing_replay=R3" in hf_problems(cfg, {})[0]
+    cfg.rollout.hf.static_cache = False
+    assert hf_problems(cfg, {}) == ["rollout.hf.compile=true needs rollout.hf.static_cache "
+                                    "true or null (a decode step over the growing dynamic "
+                                    "cache changes shape every step, so it would compile "
+                                    "every step)"]
+
+    text = SimpleNamespace(layer_types=["full_attention", "linear_attention"])
+    model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
+    assert "['linear_attention']" in static_problem(model)
+    text.layer_types = ["full_attention"]
+    assert static_problem(model) is None
