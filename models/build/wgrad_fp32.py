@@ -39,6 +39,7 @@ import sys
 import types
 
 import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, layers
 
 __all__ = ["accumulate_matmul_fp32_", "enable", "gemm_operand", "install", "matmul_fp32"]
 
@@ -141,8 +142,6 @@ def _stand_in() -> types.ModuleType:
 def install() -> None:
     """Register the stand-in where megatron-core imports Apex's module from (idempotent; a real
     Apex that megatron already imported is kept)."""
-    from megatron.core.tensor_parallel import layers
-
     if getattr(layers, "_grad_accum_fusion_available", False):
         return
     module = sys.modules.get(APEX_MODULE) or _stand_in()
@@ -154,8 +153,6 @@ def install() -> None:
 def enable(chunks: list) -> int:
     """Switch megatron's gradient_accumulation_fusion on for every Column/RowParallelLinear of
     `chunks` (before megatron DDP wraps them; module docstring). Returns how many linears."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
     install()
     count = 0
     for chunk in chunks:
