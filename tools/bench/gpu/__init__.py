@@ -12,9 +12,15 @@ docs/benchmarks.md ("On a GPU: the checklist in one call") says how to run it an
 
 Items, in the default order (the most information per minute first; ~ = estimated seconds on
 one H100, what the budget counts):
-  sft            ~102  gpu_sft cases dense,moe (0.6B dense, 16-expert MoE; fusions off, grouped
+  sft            ~118  gpu_sft cases dense,moe (0.6B dense, 16-expert MoE; fusions off, grouped
                        experts on), 4,096 tokens, 8 sequences per step, 8 steps: step s,
-                       tokens/s, MFU, peak GiB, losses
+                       tokens/s, MFU, peak GiB, losses; step 3 profiled (step_profile.py):
+                       GPU busy share, kernels and host syncs per step
+  peer           ~150  tools/bench/peer.py: sft's dense shape and tokens in plain transformers
+                       (Qwen3ForCausalLM, SDPA, fused AdamW, fp32 params + bf16 autocast, 8 x 1
+                       micro-batches), eager and torch.compile'd: step s, tokens/s, MFU (the
+                       engine's FLOP count), peak GiB, a profiled step; the table's last line
+                       and results.json "ratios": engine/peer tokens/s per sft case and mode
   mtp            ~135  gpu_sft cases mtp_off,mtp_on: a GLM-4.5-shaped MoE with a random MTP
                        layer carried untrained vs trained (model.mtp.enabled): as sft plus
                        mtp/loss and mtp/accuracy (MFU counts the MTP layer)
@@ -26,6 +32,8 @@ one H100, what the budget counts):
                        micro-batches, parallel.overlap_grad_reduce at its default: losses and
                        grad norms, finite
   lora_grpo       ~83  grpo with model.lora.init_from a small non-zero peft adapter (B x 0.05)
+  mfu             ~60  python -m tools.bench mfu --profile: the ~1.1B Qwen3-shaped engine step
+                       (8 packed 4,096-token micro-batches): MFU, TFLOP/s, step s
   loss_head_32k   ~68  gpu_sft dense (the chunked loss head) at 32,768 tokens, vocabulary
                        151,936: step s and peak GiB (unchunked at 32K ran out of memory on an
                        H100: not run)
@@ -48,7 +56,8 @@ starts gets at most that time. Each item is one or more subprocesses under one t
 failure or timeout is recorded and the next item still runs.
 
 Output: OUT/results.json (the header, the plan, one record per item: status planned | ok |
-failed | timeout | skipped, seconds, estimate, metrics, error or skip reason, commands),
+failed | timeout | skipped, seconds, estimate, metrics, error or skip reason, commands; the
+engine/peer ratios),
 OUT/report.md (the Markdown table of the key numbers, the budget line and the environment
 line: GPU, driver, versions, CPU, commit), both written at the start and after every item, so a
 killed call keeps what finished; OUT/<item>.log (the tail of the item's output). Without CUDA
@@ -56,6 +65,7 @@ killed call keeps what finished; OUT/<item>.log (the tail of the item's output).
 
 Modules: items (the commands, estimates, needs), plan (requirements and budget arithmetic),
 runner (subprocesses, timeouts, the budget at run time), report (metrics read from each item's
-files, the table, the environment), output (results.json, report.md), prep (the LoRA adapter
-and the mixed image/text rows), cli (the flags).
+files, the table, the ratios, the environment), output (results.json, report.md), prep (the
+LoRA adapter, the mixed image/text rows, a tools.bench summary as a file), step_profile (one
+engine step under torch.profiler), cli (the flags).
 """

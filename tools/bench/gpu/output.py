@@ -2,7 +2,9 @@
 
 results.json: {**header (date, environment, argv, budget_s, dry_run, cpu_smoke, plan: one
 {item, estimate_s, status, reason, start_s} per item), "items": one record per item
-(tools.bench.gpu.runner)}. report.md: a title, the Markdown table of tools.bench.gpu.report
+(tools.bench.gpu.runner), "ratios": tools.bench.gpu.report.engine_peer_ratios (the engine's
+tokens/s over the transformers peer's, per sft case and peer mode; {} until both ran)}.
+report.md: a title, the Markdown table of tools.bench.gpu.report
 (item | status | s | est. s | key numbers), the budget line and the environment line, ready to
 paste into docs/benchmarks.md. Both are written by the dry run (the skeleton: every item
 planned or skipped with its reason) and rewritten after every item of a real run.
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from tools.bench.gpu.plan import Step, planned_seconds
-from tools.bench.gpu.report import environment_line, table
+from tools.bench.gpu.report import engine_peer_ratios, environment_line, table
 
 
 def budget_line(header: dict, steps: list[Step], records: list[dict]) -> str:
@@ -41,7 +43,8 @@ def report_markdown(header: dict, steps: list[Step], records: list[dict]) -> str
 def write_outputs(out_dir: Path, header: dict, steps: list[Step], records: list[dict]) -> None:
     """OUT/results.json and OUT/report.md (module docstring)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = {**header, "plan": [asdict(s) for s in steps], "items": records}
+    data = {**header, "plan": [asdict(s) for s in steps], "items": records,
+            "ratios": engine_peer_ratios(records)}
     (out_dir / "results.json").write_text(json.dumps(data, indent=1, allow_nan=True))
     (out_dir / "report.md").write_text(report_markdown(header, steps, records))
 

@@ -14,6 +14,8 @@
     python -m tools.bench.gpu.prep spec-json OUT [SPEC ARGS...]
         runs `python -m tools.bench spec SPEC ARGS...`, shows its output and writes its summary
         (the JSON object of its last stdout line) to OUT; exits with spec's status
+    python -m tools.bench.gpu.prep bench-json OUT BENCH [ARGS...]
+        the same for any `python -m tools.bench BENCH ARGS...` (the mfu item: BENCH mfu)
 """
 from __future__ import annotations
 
@@ -80,9 +82,15 @@ def build_glm_model(workdir: str) -> str:
 def spec_json(out: str, spec_args: list[str]) -> int:
     """Run tools.bench spec with `spec_args`, echo its stdout, save its last JSON line to
     `out` (only when it exits 0); its exit status."""
+    return bench_json(out, "spec", spec_args)
+
+
+def bench_json(out: str, bench: str, bench_args: list[str]) -> int:
+    """Run `python -m tools.bench BENCH ARGS...`, echo its stdout, save its last JSON line to
+    `out` (only when it exits 0); its exit status."""
     from tools.bench.common import last_json_line  # function-level: only this command
 
-    proc = subprocess.run([sys.executable, "-m", "tools.bench", "spec", *spec_args],
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", bench, *bench_args],
                           stdout=subprocess.PIPE, text=True)
     print(proc.stdout, flush=True)
     if proc.returncode == 0:
@@ -109,12 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     spec = sub.add_parser("spec-json")
     spec.add_argument("out")
     spec.add_argument("spec_args", nargs=argparse.REMAINDER)
+    anybench = sub.add_parser("bench-json")
+    anybench.add_argument("out")
+    anybench.add_argument("bench")
+    anybench.add_argument("bench_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "glm-model":
         print(f"model {build_glm_model(args.workdir)}")
         return 0
     if args.command == "spec-json":
         return spec_json(args.out, args.spec_args)
+    if args.command == "bench-json":
+        return bench_json(args.out, args.bench, args.bench_args)
     if args.command == "lora-adapter":
         count = build_lora_adapter(args.base, args.out, args.scale, args.rank)
         print(f"adapter {args.out}: {count} LoRA parameters, B scaled by {args.scale}")

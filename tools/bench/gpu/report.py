@@ -2,14 +2,19 @@
 
 `read_metrics(item)` reads an item's result file: gpu_sft's --json (per case: step s,
 tokens/s, TFLOP/s, MFU, peak GiB, losses, mtp/loss and mtp/accuracy first and last where the
-case trains MTP; the run's tokens per sequence and vocabulary), tools.bench spec's summary
+case trains MTP, the profiled step's summary (tools/bench/gpu/step_profile.py) where the item
+profiles one; the run's tokens per sequence and vocabulary), tools.bench.peer's --json (per
+mode: the same numbers plus the first step's seconds, compile included), tools.bench mfu's
+summary (kind bench: MFU, TFLOP/s, step s of the ~1.1B step), tools.bench spec's summary
 (kind spec: tokens/s both ways, speedup, acceptance, greedy ids equal) or the
 engine's metrics.jsonl (per step: the keys of
 items.RL_KEYS for GRPO; loss, grad_norm and step time for SFT). It raises (OSError,
 ValueError) when there is nothing to read, and lists under "problems" what makes the item
 fail: fewer steps than asked, a missing key, a non-finite number. `key_numbers(record)` is the
 one-line digest of a record for `table(records)` (item | status | s | est. s | key numbers;
-a skipped item's status says why).
+a skipped item's status says why). `engine_peer_ratios(records)`: the engine's tokens/s over
+the peer's, for every sft case against every peer mode, when both items are there (ratios of
+one call, one card); the table's last line and results.json's "ratios".
 """
 from __future__ import annotations
 
@@ -26,7 +31,11 @@ from tools.bench.gpu.items import RL_KEYS, Item
 from tools.bench.gpu_sft import DENSE, TINY_DENSE
 
 SFT_CASE_KEYS = ("rc", "step_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "finite",
-                 "mtp_loss", "mtp_accuracy")
+                 "mtp_loss", "mtp_accuracy", "profile")
+PEER_KEYS = ("step_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "finite", "compile_s",
+             "profile")
+MFU_KEYS = ("mfu", "tflops_per_gpu", "mfu_step_s", "mfu_params", "mfu_tokens_per_step_per_gpu",
+            "mfu_gpu")
 SPEC_KEYS = ("plain_tokens_per_s", "spec_tokens_per_s", "spec_speedup", "spec_acceptance",
              "spec_mean_accepted_tokens", "spec_greedy_ids_equal")
 SFT_RUN_KEYS = ("loss", "grad_norm", "time/step_s")
@@ -86,15 +95,53 @@ def read_spec(item: Item) -> dict:
     return {**metrics, "problems": problems}
 
 
+def read_peer(item: Item) -> dict:
+    """{gpu, peak_bf16_tflops, seq, torch, transformers, modes: {mode: {...}}} from
+    tools.bench.peer's --json; a mode that is not finite, or missing, is a problem."""
+    data = json.loads(item.result.read_text())
+    args = data.get("args") or {}
+    modes, problems = {}, []
+    for res in data["results"]:
+        modes[res["mode"]] = {**{k: res.get(k) for k in PEER_KEYS}, "losses": res.get("losses")}
+        if not res.get("finite"):
+            problems.append(f"peer {res['mode']}: non-finite loss")
+    asked = [m for m in (args.get("modes") or "").split(",") if m]
+    problems += [f"peer {m}: no result" for m in asked if m not in modes]
+    return {"gpu": data.get("gpu"), "peak_bf16_tflops": data.get("peak_bf16_tflops"),
+            "seq": args.get("seq"), "sequences": args.get("gbs"), "dtype": args.get("dtype"),
+            "torch": data.get("torch"), "transformers": data.get("transformers"),
+            "modes": modes, "problems": problems}
+
+
+def read_bench(item: Item) -> dict:
+    """tools.bench mfu's summary keys (MFU_KEYS); a missing mfu is a problem."""
+    data = json.loads(item.result.read_text())
+    metrics = {k: data.get(k) for k in MFU_KEYS}
+    return {**metrics, "problems": [] if finite(metrics["mfu"]) else ["mfu: not measured"]}
+
+
 def read_metrics(item: Item) -> dict:
     """The metrics of `item` (module docstring)."""
     if item.kind == "spec":
         return read_spec(item)
+    if item.kind == "peer":
+        return read_peer(item)
+    if item.kind == "bench":
+        return read_bench(item)
     return read_gpu_sft(item) if item.kind in ("sft", "loss_head") else read_steps(item)
 
 
 def fmt(value, spec: str) -> str:
     return "n/a" if not finite(value) else format(value, spec)
+
+
+def profile_digest(profile: dict | None) -> str:
+    """', GPU busy 71.2 % of a profiled step, 16,675 kernels, 3 host syncs' (or '')."""
+    if not profile:
+        return ""
+    busy = profile.get("gpu_busy")
+    return (f", GPU busy {'n/a' if busy is None else f'{busy:.1%}'} of a profiled step, "
+            f"{profile.get('kernels', 0):,} kernels, {profile.get('host_syncs', 0):,} host syncs")
 
 
 def sft_digest(metrics: dict) -> str:
@@ -113,7 +160,44 @@ def sft_digest(metrics: dict) -> str:
             parts[-1] += (f", mtp/loss {fmt(c['mtp_loss'][0], '.3f')} -> "
                           f"{fmt(c['mtp_loss'][-1], '.3f')}, mtp/accuracy "
                           f"{fmt(acc[0], '.3f')} -> {fmt(acc[-1], '.3f')}")
+        parts[-1] += profile_digest(c.get("profile"))
     return "; ".join(parts)
+
+
+def peer_digest(metrics: dict) -> str:
+    """'eager 1.316 s, 24,901 tok/s, MFU 12.5 %, 19.3 GiB (first step 1.5 s); compiled ...'."""
+    parts = []
+    for mode, m in metrics.get("modes", {}).items():
+        mfu = "n/a" if m.get("mfu") is None else f"{m['mfu']:.1%}"
+        parts.append(f"{mode} {fmt(m.get('step_s'), '.3f')} s, "
+                     f"{fmt(m.get('tokens_per_s'), ',.0f')} tok/s, MFU {mfu}, "
+                     f"{fmt(m.get('peak_mem_gib'), '.1f')} GiB (first step "
+                     f"{fmt(m.get('compile_s'), '.1f')} s)" + profile_digest(m.get("profile")))
+    return "; ".join(parts)
+
+
+def bench_digest(metrics: dict) -> str:
+    """'1.10B, 32,768 tokens/step: 1.180 s, 205.3 TFLOP/s, MFU 20.8 %'."""
+    params, tokens = metrics.get("mfu_params"), metrics.get("mfu_tokens_per_step_per_gpu")
+    mfu = "n/a" if not finite(metrics.get("mfu")) else f"{metrics['mfu']:.1%}"
+    return (f"{fmt(params and params / 1e9, '.2f')}B, {fmt(tokens, ',.0f')} tokens/step: "
+            f"{fmt(metrics.get('mfu_step_s'), '.3f')} s, "
+            f"{fmt(metrics.get('tflops_per_gpu'), '.1f')} TFLOP/s, MFU {mfu}")
+
+
+def engine_peer_ratios(records: list[dict]) -> dict[str, float]:
+    """{"<sft case>/<peer mode>": engine tokens/s / peer tokens/s} over the ok sft and peer
+    records of one call (empty when either is missing); e.g. "dense/compiled": 1.25."""
+    by = {r["item"]: r for r in records if r.get("status") == "ok"}
+    if "sft" not in by or "peer" not in by:
+        return {}
+    out = {}
+    for case, c in (by["sft"].get("metrics") or {}).get("cases", {}).items():
+        for mode, m in (by["peer"].get("metrics") or {}).get("modes", {}).items():
+            if finite(c.get("tokens_per_s")) and finite(m.get("tokens_per_s")) \
+                    and m["tokens_per_s"] > 0:
+                out[f"{case}/{mode}"] = round(c["tokens_per_s"] / m["tokens_per_s"], 4)
+    return out
 
 
 def spec_digest(metrics: dict) -> str:
@@ -172,6 +256,10 @@ def key_numbers(record: dict) -> str:
     metrics = record.get("metrics") or {}
     if "spec_speedup" in metrics:
         return spec_digest(metrics)
+    if "modes" in metrics:
+        return peer_digest(metrics)
+    if "mfu_step_s" in metrics:
+        return bench_digest(metrics)
     if "cases" in metrics:
         return head_digest(metrics) if record.get("kind") == "loss_head" else \
             sft_digest(metrics)
@@ -195,6 +283,10 @@ def table(records: list[dict]) -> str:
         seconds = "" if r.get("seconds") is None else f"{r['seconds']:.0f}"
         estimate = f"~{r['estimate_s']:.0f}" if r.get("estimate_s") else ""
         lines.append(f"| {r['item']} | {status} | {seconds} | {estimate} | {note} |")
+    ratios = engine_peer_ratios(records)
+    if ratios:
+        lines.append("\nEngine/peer tokens/s (sft case / peer mode, this call): " + ", ".join(
+            f"{k} {v:.2f}x" for k, v in ratios.items()))
     return "\n".join(lines)
 
 
