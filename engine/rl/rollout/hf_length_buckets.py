@@ -8,9 +8,10 @@ up to a few sizes and every generate call of an RL run reuses the same few graph
   cache is beyond the longest row, four sizes per doubling;
 - batch (`batch_bucket`): at most 8 rows round to the next power of two; above, the same
   quarter-octave rounding (96 -> 96, 100 -> 112, 129 -> 160); the extra rows are filler;
-- compaction (`compact_size`): once at most half of a batch's rows are still decoding, the
-  batch shrinks to the power of two holding them, so a run of finished rows stops costing
-  compute and the compacted sizes of every call are the same powers of two.
+- compaction (`compact_size`): once at most a quarter of a batch's rows are still decoding, the
+  batch shrinks to the power of two holding them (at least MIN_COMPACT), so a run of finished
+  rows stops costing compute, and a batch of 128 meets at most 3 shapes (128, 32, 8): every
+  new shape is one more compilation (and CUDA graph), seconds each.
 
 Length groups (`length_groups`): rows sorted by prompt length (stable), cut into consecutive
 groups where a row's required cache length (prompt + max_new_tokens) would exceed `max_ratio`
@@ -24,6 +25,8 @@ from __future__ import annotations
 MAX_RATIO = 1.5
 SMALL_CACHE = 64
 SMALL_BATCH = 8
+COMPACT_FACTOR = 4   # compact once running rows <= batch / COMPACT_FACTOR
+MIN_COMPACT = 8      # never compact to fewer rows (a decode step of 8 rows costs ~ one of 1)
 
 
 def _quarter_octave(n: int) -> int:
@@ -48,10 +51,12 @@ def batch_bucket(n: int) -> int:
 
 def compact_size(active: int, batch: int) -> int | None:
     """The batch to compact to when `active` of `batch` rows still decode: the power of two
-    holding them once active <= batch / 2, else None (keep the batch)."""
-    if active < 1 or 2 * active > batch:
+    holding them, at least MIN_COMPACT, once active <= batch / COMPACT_FACTOR and that is
+    smaller than `batch`; else None (keep the batch)."""
+    if active < 1 or COMPACT_FACTOR * active > batch:
         return None
-    return 1 << (active - 1).bit_length()
+    size = max(MIN_COMPACT, 1 << (active - 1).bit_length())
+    return size if size < batch else None
 
 
 def length_groups(lengths: list[int], max_new_tokens: int,

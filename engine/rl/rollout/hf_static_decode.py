@@ -10,16 +10,18 @@ steps, each a call of `StaticDecoder.step` (compiled with torch.compile when `co
 over the same static cache otherwise). The attention mask is the group's full
 [batch, cache length] mask, fixed for the whole group (zeros on the left padding, ones
 elsewhere: positions not written yet are excluded by causality), so every decode step has the
-same shapes. When at most half of the batch still decodes, the running rows' cache rows are
-copied into the cache of the smaller power-of-two batch (compaction) and decoding goes on there.
+same shapes. When at most a quarter of the batch still decodes, the running rows' cache rows are
+copied into the cache of a smaller power-of-two batch (compaction: hf_length_buckets
+.compact_size) and decoding goes on there.
 
 Samples and log-probs are those of the eager loop (engine.rl.rollout.hf_backend): the same
 SeededSampler draw per (row seed, step), the seeds of the call's rows computed once for the
 whole call (so grouping, filler rows and compaction change no row's randomness), the same
 positions (real tokens counted per row), the same log-prob contract. What differs is only
 rounding: padded columns and rows enter the matmuls and the attention softmax as exact zeros,
-but kernels may sum in another order (tests/test_hf_rollout_static.py: fp32 on the CPU, equal
-tokens and log-probs within 1e-6).
+but kernels sum in another order: SDPA over the fixed-length masked cache rounds differently
+from the eager loop's growing one (tests/test_hf_rollout_static.py, fp32 on the CPU: equal
+tokens, log-probs within 3e-6, measured 1.1e-6; docs/rollout-backends.md).
 
 Caches are kept per (batch, cache length) shape and reset before reuse, so a compiled step
 (and on CUDA its CUDA graph, mode="reduce-overhead") sees the same cache tensors every call;
