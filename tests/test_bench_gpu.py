@@ -87,8 +87,8 @@ def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monke
     text = capsys.readouterr().out
     assert "budget 480 s; dry run: CUDA assumed" in text
     fused = next(line for line in text.splitlines() if " 10. fused " in line)
-    assert fused.endswith(" ~94 s  skipped: needs ~94 s, 9 s left")
-    assert "4 to run (~471 s), 10 skipped" in text
+    assert fused.endswith(" ~94 s  skipped: needs ~94 s, 2 s left")
+    assert "4 to run (~478 s), 10 skipped" in text
     assert [line.split()[1] for line in text.splitlines() if line.startswith("## ")] == list(ORDER)
     sft_lines = [line for line in text.splitlines() if "tools.bench.gpu_sft" in line]
     assert [line.split("--cases ")[1].split(" --json")[0] for line in sft_lines] == [
@@ -111,7 +111,7 @@ def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monke
     assert saved["dry_run"] is True and saved["budget_s"] == 480
     by = {s["item"]: s for s in saved["plan"]}
     starts = {n: s["start_s"] for n, s in by.items() if s["status"] == "planned"}
-    assert starts == {"sft": 0, "peer": 118, "mtp": 268, "grpo": 403}
+    assert starts == {"sft": 0, "peer": 125, "mtp": 275, "grpo": 410}
     spec = [line for line in text.splitlines() if "tools.bench.gpu.prep" in line][-2:]
     assert spec[0].endswith(f"glm-model {tmp_path / 'gpu_sft'}")
     assert spec[1].endswith(f"spec-json {tmp_path / 'spec_vllm.json'} --model-dir "
@@ -123,17 +123,17 @@ def test_dry_run_prints_the_plan_and_writes_the_skeleton(tmp_path, capsys, monke
     assert [r["status"] for r in saved["items"]] == [s["status"] for s in saved["plan"]]
     assert all(r["seconds"] is None and r["commands"] for r in saved["items"])
     report = (out / "report.md").read_text()
-    assert "| sft | planned |  | ~118 |  |" in report
-    assert "| fused | skipped: needs ~94 s, 9 s left |  | ~94 |" in report
+    assert "| sft | planned |  | ~125 |  |" in report
+    assert "| fused | skipped: needs ~94 s, 2 s left |  | ~94 |" in report
     assert f"| grpo_vllm_file | skipped: {VLLM_REASON} |" in report
-    assert "Budget 480 s; planned ~471 s (4 items); ran 0 s (10 skipped, 4 planned)." in report
+    assert "Budget 480 s; planned ~478 s (4 items); ran 0 s (10 skipped, 4 planned)." in report
     assert "\nEnvironment: no GPU; Python " in report and "megatron-core " in report
     # a larger budget plans everything but the vLLM items:
-    # 118+150+135+68+40+83+60+68+78+94+59 = 953
-    assert ORDER[11] == "spec_vllm" and sum(ESTIMATE_S[n] for n in ORDER[:11]) == 953
-    assert bench.main(["gpu", "--dry-run", "--budget-s", "953", "--out", str(out),
+    # 125+150+135+68+40+83+60+68+78+94+59 = 960
+    assert ORDER[11] == "spec_vllm" and sum(ESTIMATE_S[n] for n in ORDER[:11]) == 960
+    assert bench.main(["gpu", "--dry-run", "--budget-s", "960", "--out", str(out),
                        "--workdir", str(tmp_path)]) == 0
-    assert "11 to run (~953 s), 3 skipped" in capsys.readouterr().out
+    assert "11 to run (~960 s), 3 skipped" in capsys.readouterr().out
 
 
 def test_without_cuda_every_item_is_skipped(monkeypatch, tmp_path, capsys):

@@ -351,7 +351,7 @@ def main() -> int:
             p, busy = r["profile"], r["profile"].get("gpu_busy")
             print(f"\n{r['case']}: step {p['call']} profiled: {p['wall_ms']:.0f} ms, GPU busy "
                   f"{'n/a' if busy is None else f'{busy:.1%}'}, {p['kernels']} kernels, "
-                  f"{p['host_syncs']} host syncs {p['sync_calls']}")
+                  f"{p['host_syncs']} host syncs {p['sync_calls']}")  # None: not traced
     return 0 if all(r["rc"] == 0 and r.get("finite") for r in results) else 1
 
 

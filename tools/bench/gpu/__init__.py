@@ -12,7 +12,7 @@ docs/benchmarks.md ("On a GPU: the checklist in one call") says how to run it an
 
 Items, in the default order (the most information per minute first; ~ = estimated seconds on
 one H100, what the budget counts):
-  sft            ~118  gpu_sft cases dense,moe (0.6B dense, 16-expert MoE; fusions off, grouped
+  sft            ~125  gpu_sft cases dense,moe (0.6B dense, 16-expert MoE; fusions off, grouped
                        experts on), 4,096 tokens, 8 sequences per step, 8 steps: step s,
                        tokens/s, MFU, peak GiB, losses; step 3 profiled (step_profile.py):
                        GPU busy share, kernels and host syncs per step
@@ -28,6 +28,8 @@ one H100, what the budget counts):
                        the demo model at hidden 512 / 8 layers / FFN 1536 and the addition
                        prompts, 16 x 8 per step, 3 steps: rollout/logprob_diff(_max),
                        debug/sync_logit_max_diff, the step-time split with time/weight_sync_s
+                       (the HF backend's static KV cache and compiled decode step: rollout.hf.*
+                       null, on with CUDA; timeout 300 s for the compilation)
   vision          ~40  the counting demo's Qwen3-VL, trained vision tower, text-only
                        micro-batches, parallel.overlap_grad_reduce at its default: losses and
                        grad norms, finite
@@ -46,6 +48,10 @@ one H100, what the budget counts):
   grpo_vllm_handle, grpo_vllm_file  ~75 each: grpo on rollout.backend=vllm with
                        rollout.sync_transport=handle | file (weight sync by handle vs by file);
                        skipped until vLLM's CUDA wheel can be carried and the key exists
+Not in the default plan (name it in --items):
+  grpo_hf_eager   ~68  grpo on the HF backend's eager loop (rollout.hf.static_cache=false,
+                       compile=false): `--items grpo_hf_eager,grpo` is the static cache and
+                       compiled decode's before/after (time/rollout_s, logprob_diff) in one call
 
 Budget (tools.bench.gpu.plan): the plan adds the estimates in order; an item whose estimate
 does not fit what is left is skipped ("needs ~N s, M s left") and a later, shorter one may

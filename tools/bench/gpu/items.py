@@ -20,8 +20,9 @@ MFU goal) comes after lora_grpo. The sft item profiles its cases' third step (th
 warm-up step, outside the median: gpu_sft --profile-step, tools/bench/gpu/step_profile.py):
 GPU busy share, kernels and host syncs per step.
 Estimates: the seconds `python -m tools.bench gpu` measured per item on one H100 on 2026-11-26
-(sft 102, loss_head 59, grpo 68, lora_grpo 83, vision 40; sft +16 s for its two profiled steps:
-tracing and reading ~20,000 kernels each, not measured yet); the others are derived from the
+(sft 102, loss_head 59, grpo 68, lora_grpo 83, vision 40; sft +23 s for its two profiled
+steps: tracing and reading ~100,000 profiler events each, ~5 s per 100,000 on the 2-core CPU
+host, not measured on the GPU host yet); the others are derived from the
 2026-11-24 step times plus ~35 s of launch per gpu_sft case (loss_head_32k: 3 steps of 1.3 s;
 moe_loop: 8 of 3.2 s; fused: 8 of 1.8 s and 1.5 s plus torch.compile). mtp (not measured
 yet): building the GLM model with its MTP layer (~40 s: transformers builds the model twice),
@@ -42,9 +43,12 @@ from pathlib import Path
 
 ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_32k",
          "moe_loop", "fused", "loss_head", "spec_vllm", "grpo_vllm_handle", "grpo_vllm_file")
-ITEMS = ORDER
+# also runnable, not in the default plan: grpo_hf_eager, grpo on the HF backend's eager loop
+# (rollout.hf.static_cache=false, compile=false), the "before" of grpo's static cache and
+# compiled decode (null: on with CUDA): `--items grpo_hf_eager,grpo` measures both in one call
+ITEMS = ORDER + ("grpo_hf_eager",)
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
-ESTIMATE_S = {"sft": 118, "peer": 150, "mfu": 60, "mtp": 135, "grpo": 68, "vision": 40,
+ESTIMATE_S = {"sft": 125, "peer": 150, "mfu": 60, "mtp": 135, "grpo": 68, "vision": 40,
               "lora_grpo": 83, "loss_head_32k": 68, "moe_loop": 78, "fused": 94, "loss_head": 59,
               "spec_vllm": 150, "grpo_vllm_handle": 75, "grpo_vllm_file": 75}
 # --cpu-smoke on the 2-core CPU host (one run each, 2026-11-26; mtp 17 s, spec_vllm 38 s on
@@ -54,6 +58,7 @@ SMOKE_ESTIMATE_S = {"sft": 15, "peer": 35, "mfu": 30, "mtp": 20, "grpo": 10, "vi
                     "lora_grpo": 14, "loss_head_32k": 6, "moe_loop": 7, "fused": 20,
                     "loss_head": 12,
                     "spec_vllm": 40, "grpo_vllm_handle": 15, "grpo_vllm_file": 15}
+ESTIMATE_S["grpo_hf_eager"], SMOKE_ESTIMATE_S["grpo_hf_eager"] = 68, 10  # grpo's, measured eager
 BASE_NEEDS = ("megatron", "hydra", "transformers")
 RL_KEYS = ("rollout/logprob_diff", "rollout/logprob_diff_max", "debug/sync_logit_max_diff",
            "time/rollout_s", "time/logprob_s", "time/train_s", "time/weight_sync_s",
@@ -169,7 +174,7 @@ def grpo_item(name: str, work: Path, sizes: Sizes, lora: bool = False,
                  "optim.lr=5e-4", "optim.schedule=constant", "kl.beta=0.0",
                  "rollout.check_weight_sync=true", *sizes.rl_extra, *extra,
                  f"logging.dir={w / 'logs'}", "logging.progress_bar=false")
-    return Item(name, "rl", prep + [run], 150, w / "logs" / "metrics.jsonl", w, sizes.rl_steps)
+    return Item(name, "rl", prep + [run], 300, w / "logs" / "metrics.jsonl", w, sizes.rl_steps)
 
 
 def vision_item(work: Path, sizes: Sizes) -> Item:
@@ -220,7 +225,7 @@ def spec_item(work: Path, smoke: bool) -> Item:
 
 
 def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
-    """The item `name` (one of ORDER) at these sizes, with its estimate and needs."""
+    """The item `name` (one of ITEMS) at these sizes, with its estimate and needs."""
     short, long_ = sizes.head_seq
     oom = ("unchunked at 32,768 tokens ran out of memory on an H100 (2026-11-24): not run; "
            "loss_head compares both heads at 16,384")
@@ -242,6 +247,8 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
                                               ("--seq", str(long_), *sizes.head), 150,
                                               "loss_head", oom),
         "grpo": lambda: grpo_item("grpo", workdir, sizes),
+        "grpo_hf_eager": lambda: grpo_item("grpo_hf_eager", workdir, sizes, extra=(
+            "rollout.hf.static_cache=false", "rollout.hf.compile=false")),
         "lora_grpo": lambda: grpo_item("lora_grpo", workdir, sizes, lora=True),
         "vision": lambda: vision_item(workdir, sizes),
         "grpo_vllm_handle": lambda: vllm_item("grpo_vllm_handle", workdir, sizes, "handle"),

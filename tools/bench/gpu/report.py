@@ -140,8 +140,10 @@ def profile_digest(profile: dict | None) -> str:
     if not profile:
         return ""
     busy = profile.get("gpu_busy")
+    syncs = profile.get("host_syncs")
     return (f", GPU busy {'n/a' if busy is None else f'{busy:.1%}'} of a profiled step, "
-            f"{profile.get('kernels', 0):,} kernels, {profile.get('host_syncs', 0):,} host syncs")
+            f"{profile.get('kernels', 0):,} kernels, "
+            f"{'n/a' if syncs is None else f'{syncs:,}'} host syncs")
 
 
 def sft_digest(metrics: dict) -> str:

@@ -23,6 +23,8 @@
   sync_calls    those calls by name (own ones removed from cudaDeviceSynchronize)
   d2h_copies    device-to-host memcpys on the GPU (each a sync unless into pinned memory with
                 non_blocking)
+With device events but no CUDA runtime or driver call in the trace (a profiler that did not
+record them), launch_calls, host_syncs and sync_calls are None, not 0.
 The profiler's own overhead (a few microseconds per recorded operator) makes wall_ms, and so
 the idle share, a little larger than in an unprofiled step: gpu_busy is a lower bound.
 """
@@ -71,6 +73,7 @@ def summarize(events: list[Event], wall_s: float, own_syncs: int = 0) -> dict:
     device = [e for e in events if e.on_device]
     kernels = [e for e in device if not e.name.startswith(("Memcpy", "Memset"))]
     host = [e.name for e in events if not e.on_device]
+    runtime = not device or any(n.startswith("cu") for n in host)
     sync_calls = {n: host.count(n) for n in SYNC_CALLS if n in host}
     if own_syncs and sync_calls.get(OWN_SYNC):
         sync_calls[OWN_SYNC] -= min(own_syncs, sync_calls[OWN_SYNC])
@@ -79,9 +82,10 @@ def summarize(events: list[Event], wall_s: float, own_syncs: int = 0) -> dict:
     return {"wall_ms": round(wall_ms, 3), "device_ms": round(device_ms, 3),
             "gpu_busy": round(min(device_ms / wall_ms, 1.0), 4) if device and wall_ms > 0
             else None,
-            "kernels": len(kernels), "launch_calls": sum(host.count(n) for n in LAUNCH_CALLS),
-            "host_syncs": sum(sync_calls.values()),
-            "sync_calls": {n: c for n, c in sync_calls.items() if c},
+            "kernels": len(kernels),
+            "launch_calls": sum(host.count(n) for n in LAUNCH_CALLS) if runtime else None,
+            "host_syncs": sum(sync_calls.values()) if runtime else None,
+            "sync_calls": {n: c for n, c in sync_calls.items() if c} if runtime else None,
             "d2h_copies": sum(e.name.startswith("Memcpy DtoH") for e in device)}
 
 
