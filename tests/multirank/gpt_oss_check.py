@@ -39,7 +39,7 @@ def broken(control: str | None):
     def leaky_packed(q, k, v, cu_seqlens, scale, attend=None):
         if attend is None or getattr(attend, "window_left", None) is None:
             return original_packed(q, k, v, cu_seqlens, scale, attend)
-        whole = cu_seqlens.new_tensor([0, q.shape[0]])
+        whole = [0, q.shape[0]]   # the boundaries come as host ints (parallel.packed_seqs)
         return original_packed(q, k, v, whole, scale, attend)
 
     def wrong_slice(qkv, scale, attend, first_head):
