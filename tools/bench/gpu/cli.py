@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tools.bench.gpu import __doc__ as PACKAGE_DOC
-from tools.bench.gpu.items import ITEMS, SMOKE_DEFAULT, Item, build_items
+from tools.bench.gpu.items import ITEMS, ORDER, SMOKE_DEFAULT, Item, build_items
 from tools.bench.gpu.output import saver, write_outputs
 from tools.bench.gpu.plan import Step, make_plan, missing_reason, plan_text, probe
 from tools.bench.gpu.report import environment, environment_line, read_metrics, table
@@ -25,8 +25,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
                                 epilog=PACKAGE_DOC.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--items", default=None,
-                   help=f"comma-separated, run in this order (default: {','.join(ITEMS)}; "
-                        f"with --cpu-smoke: {','.join(SMOKE_DEFAULT)})")
+                   help=f"comma-separated, run in this order (default: {','.join(ORDER)}; "
+                        f"with --cpu-smoke: {','.join(SMOKE_DEFAULT)}; also: "
+                        f"{','.join(n for n in ITEMS if n not in ORDER)})")
     p.add_argument("--out", default="/tmp/gpu_bench",
                    help="results.json, report.md and <item>.log go here (default %(default)s)")
     p.add_argument("--workdir", default="/tmp/gpu_bench_work",
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench gpu")
     p = parser(prog)
     args = p.parse_args(argv)
     names = args.items.split(",") if args.items else list(SMOKE_DEFAULT if args.cpu_smoke
-                                                          else ITEMS)
+                                                          else ORDER)
     try:
         items = build_items([n for n in names if n], Path(args.workdir), args.cpu_smoke,
                             parse_overrides(args.override))
