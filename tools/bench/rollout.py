@@ -12,6 +12,10 @@ step the fixed costs of a forward pass dominate, as in GPU decoding of small bat
 large batch amortises them); longer responses (attention over the KV cache grows and scales with
 the batch) and a 4x wider model (compute-bound on a CPU core) show where batching gains less on
 a CPU. Torch runs with THREADS intra-op threads (see common.torch_threads).
+
+Each case also times the backend's eager loop against its static KV cache and compiled decode
+step (rollout.hf.static_cache / rollout.hf.compile; tools/bench/rollout_static.py), one call
+for the whole rollout batch, in the same run.
 """
 from __future__ import annotations
 
@@ -94,8 +98,11 @@ def run_rollout(quick: bool) -> BenchResult:
     from engine.rl.rollout import make_rollout_engine
     from tools.tiny_models import build_tiny_model
 
+    from engine.rl.rollout.work_split import batch_seeds
+    from tools.bench.rollout_static import static_rows, static_table, time_engines
+
     t0 = time.perf_counter()
-    rows, speedups = [], []
+    rows, speedups, fast_rows, fast = [], [], [], {}
     with torch_threads(THREADS):
         for label, cfg, max_new, reps_quick, reps_full, in_quick in CASES:
             if quick and not in_quick:
@@ -107,6 +114,12 @@ def run_rollout(quick: bool) -> BenchResult:
                 engine = make_rollout_engine("hf", model_dir, device="cpu")
                 prompts = make_prompts(cfg["vocab_size"])
                 times, tokens = time_variants(engine, prompts, repeats, max_new)
+                seeds = batch_seeds(2000, 0, len(prompts) // N, N)
+                compared = time_engines(model_dir, prompts, seeds, max_new, repeats)
+            case_rows, ratios = static_rows(label, max_new, compared)
+            fast_rows += case_rows
+            for name, x in ratios.items():
+                fast[f"{label}, {max_new} new tokens, {name}"] = x
             speedup = median(times["per_micro_batch"]) / median(times["once"])
             speedups.append((label, max_new, speedup))
             for name, calls in (("once", 1), ("per_micro_batch", MICRO_BATCHES)):
@@ -125,7 +138,8 @@ def run_rollout(quick: bool) -> BenchResult:
          f"alternating; torch intra-op threads = "
          f"{THREADS}. speedup = median time of 8 calls / median time of 1 call."])
     summary = {"generate_once_speedup": speedups[0][2],
+               "hf_static_vs_eager": fast,
                "generate_once_speedups": {f"{label}, {n} new tokens": x
                                           for label, n, x in speedups},
                "rollout_seconds": time.perf_counter() - t0}
-    return BenchResult([table], summary)
+    return BenchResult([table, static_table(fast_rows, len(prompts))], summary)
