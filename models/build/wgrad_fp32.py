@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, layers
@@ -73,6 +74,10 @@ def _fp32_output_kind(device: torch.device, dtype: torch.dtype) -> str:
                     kind = "mm"
             except (RuntimeError, TypeError, NotImplementedError):
                 pass
+        if kind == "upcast" and device.type == "cuda":
+            warnings.warn(f"this torch has no GEMM with float32 output for {dtype} inputs on "
+                          "CUDA (torch.mm/addmm out_dtype): weight gradients and the loss "
+                          "head's logits run as float32 GEMMs on upcast copies (slower)")
         _FP32_OUTPUT_KIND[key] = kind
     return _FP32_OUTPUT_KIND[key]
 
