@@ -150,8 +150,27 @@ def test_settings_resolve_and_refuse_by_key(eos_dir):
                                     "cache changes shape every step, so it would compile "
                                     "every step)"]
 
+    # the RL pool builds the engine through from_config, which reads rollout.hf.*
+    cfg = RLConfig()
+    assert HFRolloutEngine.from_config(eos_dir, cfg.rollout, torch.float32, 0).decoder is None
+    cfg.rollout.hf.static_cache = True
+    decoder = HFRolloutEngine.from_config(eos_dir, cfg.rollout, torch.float32, 0).decoder
+    assert decoder is not None and decoder.compile is False
+
     text = SimpleNamespace(layer_types=["full_attention", "linear_attention"])
     model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: text))
     assert "['linear_attention']" in static_problem(model)
     text.layer_types = ["full_attention"]
     assert static_problem(model) is None
+
+
+def test_gpu_checklist_has_the_eager_baseline(tmp_path):
+    """`python -m tools.bench gpu --items grpo_hf_eager,grpo`: the eager loop, then the CUDA
+    default (static cache and compiled decode), in one call; not in the default plan."""
+    from tools.bench.gpu.items import ITEMS, ORDER, build_items
+
+    eager, fast = build_items(["grpo_hf_eager", "grpo"], tmp_path, smoke=False)
+    assert eager.commands[-1][-4:-2] == ["rollout.hf.static_cache=false",
+                                         "rollout.hf.compile=false"]
+    assert not any("rollout.hf." in a for a in fast.commands[-1])
+    assert "grpo_hf_eager" in ITEMS and "grpo_hf_eager" not in ORDER

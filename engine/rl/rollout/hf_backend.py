@@ -76,10 +76,11 @@ class HFRolloutEngine(RolloutEngine):
         dtype: parameter dtype; default the checkpoint's dtype.
         trust_remote_code: the tokenizer may be the folder's own code (model.trust_remote_code,
             models.hf.custom_code.load_tokenizer); the model is always transformers' own class.
-        static_cache, compile: rollout.hf.static_cache / rollout.hf.compile (null: on with
-            CUDA, off elsewhere; engine.rl.rollout.hf_settings.resolve); true for a model the
-            static path does not serve (a vision tower, layers other than full attention) is
-            refused naming the key, null then stays on the eager loop.
+        static_cache, compile: rollout.hf.static_cache / rollout.hf.compile (from_config
+            passes the keys; None: on with CUDA, off elsewhere, engine.rl.rollout.hf_settings
+            .resolve); default False: the eager loop (engine.serve and tools construct it so).
+            True for a model the static path does not serve (a vision tower, layers other than
+            full attention) is refused naming the key; None then stays on the eager loop.
     Attributes:
         model: the transformers model (read it to inspect weights or compute reference logits).
         eos_token_ids: generation stops per sequence at any of these (config, generation
@@ -116,7 +117,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def __init__(self, hf_path: str, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, trust_remote_code: bool = False,
-                 static_cache: bool | None = None, compile: bool | None = None) -> None:
+                 static_cache: bool | None = False, compile: bool | None = False) -> None:
         super().__init__()
         if not os.path.isfile(os.path.join(hf_path, "config.json")):
             raise ValueError(f"rollout hf_path={hf_path!r} is not a local HF model directory "
