@@ -19,10 +19,10 @@ g_H * H, /temperature, computed in float32 and rounded to the weight dtype once 
 multiplication), then grad_hidden = grad_z @ W (this TP rank's partial sum: the caller's TP
 region op sums it over TP, models.layers.heads.output) and grad_W = grad_z^T @ hidden as GEMMs
 with float32 output accumulated over the chunks: for a bf16 weight under megatron DDP with a
-float32 buffer straight into `weight.main_grad` (DDP's hook told so, as megatron's own fused
-linears do: `_into_main_grad_result`), so neither a chunk's nor a micro-batch's output-weight
-gradient is ever rounded to bf16 and no [V/tp, h] gradient buffer is allocated; otherwise
-into a float32 buffer handed to autograd in the weight's dtype.
+float32 buffer straight into `weight.main_grad` (DDP's hook told so, as megatron's own
+fused linears do: `wgrad_fp32.main_grad_autograd_result`), so neither a chunk's nor a
+micro-batch's output-weight gradient is ever rounded to bf16 and no [V/tp, h] gradient buffer
+is allocated; otherwise into a float32 buffer handed to autograd in the weight's dtype.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from models.build.wgrad_fp32 import accumulate_matmul_fp32_, gemm_operand, matmul_fp32
+from models.build.wgrad_fp32 import (accumulate_matmul_fp32_, accumulates_into_main_grad,
+                                     gemm_operand, main_grad_autograd_result, matmul_fp32)
 
 # Tokens per chunk (train.loss_chunk_tokens' default), chosen by measurement: docs/benchmarks.md
 # "Loss head memory".
@@ -132,29 +133,13 @@ def _backward_chunk(x, weight, labels, temperature, shard, lse, entropy, g_logp,
 
 def _weight_grad_target(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """(the float32 [V/tp, h] buffer the chunks' weight gradients are accumulated in, whether
-    it is megatron DDP's `main_grad` itself). main_grad directly for a bf16/fp16 weight whose
-    DDP buffer is float32 (models.build.wgrad_fp32's protocol); else a zeroed buffer returned
-    to autograd in the weight's dtype (an fp32 weight: DDP's hook adds it, as for any
-    parameter)."""
-    main = getattr(weight, "main_grad", None)
-    if (weight.dtype != torch.float32 and main is not None and main.dtype == torch.float32
-            and hasattr(weight, "grad_added_to_main_grad")):
-        return main, True
+    it is megatron DDP's `main_grad` itself): main_grad where
+    models.build.wgrad_fp32.accumulates_into_main_grad (a bf16 weight, fp32 DDP buffer); else
+    a zeroed buffer returned to autograd in the weight's dtype (an fp32 weight: DDP's hook adds
+    it, as for any parameter)."""
+    if accumulates_into_main_grad(weight):
+        return weight.main_grad, True
     return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device), False
-
-
-def _into_main_grad_result(weight: torch.Tensor):
-    """What the head hands autograd as the weight's gradient once it added it to main_grad
-    itself (megatron's LinearWithGradAccumulationAndAsyncCommunication protocol): DDP's hook
-    then adds nothing (`grad_added_to_main_grad`) but still runs (bucket readiness with
-    overlap_grad_reduce), so autograd gets a dummy. A weight that megatron marks
-    `zero_out_wgrad` (tied embeddings with pp=1: the embedding lookup's gradient reaches
-    param.grad too, and DDP's hook adds param.grad) gets None: param.grad then holds the
-    lookup's gradient alone, and that run of the hook adds it."""
-    weight.grad_added_to_main_grad = True
-    if getattr(weight, "zero_out_wgrad", False):
-        return None
-    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -211,7 +196,8 @@ class _ChunkedHead(torch.autograd.Function):
             elif want_w:  # a GEMM with fp32 output: no chunk's weight gradient rounded
                 accumulate_matmul_fp32_(grad_w, grad.t(), x)
         if want_w:
-            grad_w = _into_main_grad_result(weight) if into_main else grad_w.to(weight.dtype)
+            grad_w = (main_grad_autograd_result(weight) if into_main
+                      else grad_w.to(weight.dtype))
         return grad_h, grad_w, None, None, None, None, None
 
 

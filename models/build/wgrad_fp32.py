@@ -19,8 +19,11 @@ TransformerConfig's field). Call it only for chunks that megatron DDP wraps: the
 needs `param.main_grad` (megatron raises in the backward without it), which only DDP creates.
 Frozen weights (LoRA's base) keep megatron's frozen-weight path; Transformer Engine's layers
 read the config field when they are built (not this module's business); the project's grouped
-experts (models.layers.experts.grouped) compute their weight gradients through `torch.stack`
-and are not covered.
+experts (models.layers.experts.grouped: `torch.stack` of the expert weights) and LoRA adapters
+(models.lora.adapters: `F.linear`) still get their weight gradients through `param.grad` and
+DDP's hook, rounded per micro-batch in bf16. The chunked loss head
+(engine.training.loss_head) follows the same protocol for the output weight with
+`accumulates_into_main_grad`, `accumulate_matmul_fp32_` and `main_grad_autograd_result`.
 
 Numbers, by the dtypes megatron hands the stand-in:
 - bf16/fp16 inputs, fp32 main_grad (the engine's default, parallel.grad_reduce_in_fp32):
@@ -42,7 +45,8 @@ import warnings
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, layers
 
-__all__ = ["accumulate_matmul_fp32_", "enable", "gemm_operand", "install", "matmul_fp32"]
+__all__ = ["accumulate_matmul_fp32_", "accumulates_into_main_grad", "enable", "gemm_operand",
+           "install", "main_grad_autograd_result", "matmul_fp32"]
 
 APEX_MODULE = "fused_weight_gradient_mlp_cuda"
 
@@ -134,6 +138,28 @@ def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor,
         raise TypeError(f"wgrad_gemm_accum_fp16: inputs {total_input.dtype}/"
                         f"{grad_output.dtype} and main_grad {main_grad.dtype} must match")
     main_grad.addmm_(grad_output.t(), total_input)
+
+
+def accumulates_into_main_grad(weight: torch.Tensor) -> bool:
+    """Whether a weight gradient should be added to `weight.main_grad` directly: a bf16/fp16
+    parameter megatron DDP gave an fp32 main_grad (parallel.grad_reduce_in_fp32, the default)."""
+    main = getattr(weight, "main_grad", None)
+    return (weight.dtype != torch.float32 and main is not None and main.dtype == torch.float32
+            and hasattr(weight, "grad_added_to_main_grad"))
+
+
+def main_grad_autograd_result(weight: torch.Tensor) -> torch.Tensor | None:
+    """What a backward hands autograd as `weight`'s gradient once it added that gradient to
+    main_grad itself (megatron's LinearWithGradAccumulationAndAsyncCommunication protocol):
+    DDP's hook then adds nothing (`grad_added_to_main_grad`) but still runs (bucket readiness
+    with overlap_grad_reduce), so autograd gets a dummy. A weight megatron marks
+    `zero_out_wgrad` (tied embeddings at pp=1: the embedding lookup's gradient reaches
+    param.grad too, and DDP's hook adds param.grad whatever the flag) gets None: param.grad
+    then holds the lookup's gradient alone, and that run of the hook adds it."""
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return None
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 def _stand_in() -> types.ModuleType:
