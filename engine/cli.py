@@ -31,7 +31,12 @@ def exit_process(code: int) -> NoReturn:
     joined, atexit handlers run, stdout/stderr flushed), minus the interpreter's teardown of
     every module, which takes about 1 s of CPU with torch, megatron and transformers loaded
     (per rank, at the end of every launch). For `__main__` blocks only: files the run wrote
-    must be closed by then (the engines close theirs before returning)."""
+    must be closed by then (the engines close theirs before returning). As at a normal exit,
+    threading's exit callbacks run before the joins: concurrent.futures' one stops the idle
+    workers of its thread pools (torch.compile's compile pool), which a join would wait on
+    forever."""
+    for callback in reversed(getattr(threading, "_threading_atexits", [])):
+        callback()
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
