@@ -148,6 +148,7 @@ def test_report_ratios_and_digest(tmp_path):
                                                    "mfu": 0.23, "peak_mem_gib": 19.3,
                                                    "compile_s": 80.0}}}}
     records = [sft_record(50000.0), peer_rec]
+    records[0]["metrics"]["cases"]["moe"] = {"tokens_per_s": 30000.0}  # another model: no ratio
     assert engine_peer_ratios(records) == {"dense/eager": 2.0, "dense/compiled": 1.25}
     assert engine_peer_ratios([sft_record(50000.0, "failed"), peer_rec]) == {}  # negative
     text = table(records)

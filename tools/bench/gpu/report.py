@@ -14,7 +14,8 @@ fail: fewer steps than asked, a missing key, a non-finite number. `key_numbers(r
 one-line digest of a record for `table(records)` (item | status | s | est. s | key numbers;
 a skipped item's status says why). `engine_peer_ratios(records)`: the engine's tokens/s over
 the peer's, for every sft case against every peer mode, when both items are there (ratios of
-one call, one card); the table's last line and results.json's "ratios".
+one call, one card), for the sft cases of the peer's model (gpu_sft.CASES: the dense model;
+the MoE is another model); the table's last line and results.json's "ratios".
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 
 from tools.bench.gpu.items import RL_KEYS, Item
-from tools.bench.gpu_sft import DENSE, TINY_DENSE
+from tools.bench.gpu_sft import CASES, DENSE, TINY_DENSE
 
 SFT_CASE_KEYS = ("rc", "step_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "finite",
                  "mtp_loss", "mtp_accuracy", "profile")
@@ -189,12 +190,15 @@ def bench_digest(metrics: dict) -> str:
 
 def engine_peer_ratios(records: list[dict]) -> dict[str, float]:
     """{"<sft case>/<peer mode>": engine tokens/s / peer tokens/s} over the ok sft and peer
-    records of one call (empty when either is missing); e.g. "dense/compiled": 1.25."""
+    records of one call (empty when either is missing), dense-model cases only; e.g.
+    "dense/compiled": 1.25."""
     by = {r["item"]: r for r in records if r.get("status") == "ok"}
     if "sft" not in by or "peer" not in by:
         return {}
     out = {}
     for case, c in (by["sft"].get("metrics") or {}).get("cases", {}).items():
+        if CASES.get(case, ("",))[0] != "dense":
+            continue
         for mode, m in (by["peer"].get("metrics") or {}).get("modes", {}).items():
             if finite(c.get("tokens_per_s")) and finite(m.get("tokens_per_s")) \
                     and m["tokens_per_s"] > 0:
