@@ -108,27 +108,26 @@ def _forward_chunk(x, weight, labels, temperature, shard, with_entropy):
 def _backward_chunk(x, weight, labels, temperature, shard, lse, entropy, g_logp, g_ent,
                     dtype):
     """d(sum g_logp * log p(label) + g_ent * H)/d logits for one chunk, [c, V/tp] in `dtype`
-    (the weight's), already divided by the temperature; computed in float32 and rounded to
-    `dtype` once, by the last multiplication."""
+    (the weight's), already divided by the temperature: computed in float32 (in fp32 the
+    same operations, in the same order, as before the bf16 changes of issue 77; the sign folded
+    into the multiplications, which is exact) and rounded to `dtype` once, by the last one."""
     z = _chunk_logits(x, weight, temperature, shard)
     z.sub_(lse[:, None])  # log p
-    inside, cols = _label_columns(labels, shard, z.shape[1])
-    if g_ent is None:  # g_logp (onehot - p) = -g_logp (p - onehot)
-        p = z.exp_()
-        p.scatter_add_(1, cols[:, None], torch.where(inside, -1.0, 0.0)[:, None])
-        scale = g_logp / -temperature
-    else:  # dH/dz_j = -p_j (log p_j + H): -(p (g_logp + g_ent (log p + H)) - g_logp onehot)
+    if g_ent is None:  # -(g_logp p) + g_logp at the label column
+        grad = z.exp_().mul_(-g_logp[:, None])
+    else:  # dH/dz_j = -p_j (log p_j + H): -(g_logp p + g_ent p (log p + H)) + g_logp onehot
         p = z.exp()
         if shard.real < z.shape[1]:
             z[:, shard.real:] = 0.0  # p is 0 there: 0 * 0 instead of 0 * -inf
-        z.add_(entropy[:, None]).mul_(g_ent[:, None]).add_(g_logp[:, None])
-        p.mul_(z)
-        del z
-        p.scatter_add_(1, cols[:, None], torch.where(inside, -g_logp, 0.0)[:, None])
-        scale = torch.full_like(g_logp, -1.0 / temperature)
+        z.add_(entropy[:, None]).mul_(p).mul_(g_ent[:, None])  # g_ent p (log p + H)
+        grad = p.mul_(-g_logp[:, None]).sub_(z)
+    del z
+    inside, cols = _label_columns(labels, shard, grad.shape[1])
+    grad.scatter_add_(1, cols[:, None], torch.where(inside, g_logp, 0.0)[:, None])
     if dtype == torch.float32:
-        return p.mul_(scale[:, None])
-    return torch.mul(p, scale[:, None], out=torch.empty(p.shape, dtype=dtype, device=p.device))
+        return grad.div_(temperature) if temperature != 1.0 else grad
+    return torch.div(grad, temperature, out=torch.empty(grad.shape, dtype=dtype,
+                                                          device=grad.device))
 
 
 def _weight_grad_target(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
