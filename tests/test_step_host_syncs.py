@@ -11,6 +11,13 @@ change removed are counted there, by name, with the same logits and gradients bi
 The grad norm over 49 gradient tensors: megatron's local stand-in reads each tensor's norm back
 (49 + 2 syncs), the engine's one `.item()`; the clip scale has none either way and gives the
 same gradients bitwise.
+
+A whole SFT optimizer step of the MoE model (TrainEngine, 2 packed micro-batches, 2 MoE layers)
+reads the device three times, each once per step whatever the micro-batch and layer counts: the
+reports of all micro-batches (one stacked copy; before, one read per entry), the expert loads of
+the MoE metrics (one stacked copy; before, a copy per layer per micro-batch in a router hook)
+and the grad norm. Its other counted calls read host tensors (on a GPU host too): the batch's
+loss weights and token counts, the metrics' CPU reductions, and torch AdamW's step counters.
 """
 from __future__ import annotations
 
@@ -23,6 +30,16 @@ from tools.tiny_models import build_tiny_model
 
 CHECK = str(Path(__file__).parent / "multirank" / "step_syncs_check.py")
 LAYERS = 2
+# the step's device reads, each once per step (2 micro-batches x 2 MoE layers would show as more)
+STEP_DEVICE_READS = {"cpu @ engine/training/schedule.py": 1,
+                     "cpu @ engine/training/router_losses.py": 1,
+                     "item @ megatron/core/optimizer/clip_grads.py": 1}
+# calls on host tensors (host tensors on a GPU host too): batch planning before any device work,
+# the metrics' gloo reductions, the reports' host copy, torch AdamW's CPU step counters
+STEP_HOST_ONLY = {"__float__ @ engine/training/loss.py", "tolist @ engine/training/rank_batch.py",
+                  "__float__ @ engine/training/router_losses.py",
+                  "tolist @ engine/training/schedule.py", "__float__ @ engine/training/schedule.py",
+                  "item @ megatron/core/optimizer/optimizer.py"}
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +102,11 @@ def test_grad_norm_reads_the_device_once(rows):
     assert clips == {"engine": 0, "megatron": 0}
     (same,) = [r for r in rows if r.get("case") == "clip_equal"]
     assert same["equal"] and same["norm_equal"], same
+
+
+def test_whole_step_reads_the_device_three_times(rows):
+    (step,) = [r for r in rows if r.get("case") == "step"]
+    assert step["micro_batches"] == 2.0 and step["loss"] > 0, step
+    sites = _sites(step)
+    device = {k: n for k, n in sites.items() if k not in STEP_HOST_ONLY}
+    assert device == STEP_DEVICE_READS, step["sites"]

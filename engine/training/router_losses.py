@@ -65,9 +65,8 @@ class RouterLosses:
     def _count(self, router, inputs, outputs) -> None:
         if torch.is_grad_enabled():  # training forwards (forward-only passes run no_grad)
             routing_map = outputs[1].detach()
-            load = torch.cat([routing_map.sum(dim=0).to(torch.float64).cpu(),
-                              torch.tensor([float(routing_map.shape[0] * router.topk)],
-                                           dtype=torch.float64)])
+            counts = routing_map.sum(dim=0).to(torch.float64)   # stays on the device: no sync
+            load = torch.cat([counts, counts.new_full((1,), routing_map.shape[0] * router.topk)])
             layer = router.layer_number
             if layer > self.config.num_layers:  # an MTP layer's router: not a decoder layer
                 return
@@ -109,8 +108,11 @@ class RouterLosses:
         vec[:2] = _sum(vec[:2].contiguous(), dpcp)
         # columns: the experts' routed counts, then the assignments before dropping
         counts = torch.zeros(layers, self.config.num_moe_experts + 1, dtype=torch.float64)
-        for layer_number, load in self.loads.items():
-            counts[layer_number - 1] += load
+        seen = sorted(self.loads)
+        if seen:   # the step's loads, read from the device once
+            loads = torch.stack([self.loads[n] for n in seen]).cpu()
+            for layer_number, load in zip(seen, loads):
+                counts[layer_number - 1] += load
         counts = _sum(counts, dpcp)
         if self.config.sequence_parallel:  # each TP rank routed its own slice of tokens
             counts = _sum(counts, ps.get_tensor_model_parallel_group())

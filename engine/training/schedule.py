@@ -65,13 +65,27 @@ def moe_padding_mask(model, mb: MicroBatch) -> dict:
     return {"padding_mask": mask.contiguous()}
 
 
+def _host_floats(values: list) -> list[float]:
+    """float(v) of every value (tensors of one element, or numbers), reading each device's
+    tensors with one copy instead of one device read per value (the same float64 numbers)."""
+    out = [v if not torch.is_tensor(v) else None for v in values]
+    by_device: dict = {}
+    for j, v in enumerate(values):
+        if torch.is_tensor(v):
+            by_device.setdefault(v.device, []).append(j)
+    for idx in by_device.values():
+        host = torch.stack([values[j].detach().reshape(()).to(torch.float64) for j in idx])
+        for j, x in zip(idx, host.cpu().tolist()):
+            out[j] = x
+    return [float(x) for x in out]
+
+
 def reduce_reports(reports: list[dict[str, torch.Tensor]], keys: list[str]) -> dict[str, float]:
     """Sum report entries over micro-batches (last stage), DP x CP, then share over PP."""
     vec = torch.zeros(len(keys), dtype=torch.float64)
-    for rep in reports:
-        for i, k in enumerate(keys):
-            if k in rep:
-                vec[i] += float(rep[k])
+    entries = [(i, rep[k]) for rep in reports for i, k in enumerate(keys) if k in rep]
+    for (i, _), value in zip(entries, _host_floats([v for _, v in entries])):
+        vec[i] += value
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         vec.zero_()
     group = ps.get_data_parallel_group(with_context_parallel=True)

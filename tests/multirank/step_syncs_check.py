@@ -24,6 +24,8 @@ bitwise). Then the grad norm of the MoE model's gradients with megatron's get_gr
 the clip scale (engine.training.grad_norm installed, then megatron's local stand-ins):
   {"case": "grad_norm", "mode", "syncs", "sites", "norm", "tensors"}
   {"case": "clip", "mode", "syncs", "sites", "grads"}
+Last, one whole SFT optimizer step of the MoE model through TrainEngine (`whole_step`):
+  {"case": "step", "syncs", "sites", "loss", "micro_batches"}
 """
 from __future__ import annotations
 
@@ -213,6 +215,49 @@ def norm_cases(grads: dict) -> None:
     grad_norm.install()
 
 
+def whole_step(hf_dir: str) -> None:
+    """One SFT optimizer step of the MoE model through TrainEngine (packing into 2 micro-batches,
+    fp32, distributed optimizer, the engine's loss head): every sync site of the step, counted
+    from the batch on the host to the updated weights.
+    {"case": "step", "syncs", "sites", "loss", "micro_batches"}"""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe import token_dispatcher
+
+    from engine.sft.training import SFT_REPORT_KEYS, sft_loss_fn
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.micro_batches import SequenceData
+    from engine.training.train_engine import BatchSettings, TrainEngine
+    from models.hf.io import read_config
+
+    cfg = read_config(hf_dir)
+    optim = SimpleNamespace(lr=1e-3, min_lr=0.0, warmup_steps=0, weight_decay=0.01,
+                            clip_grad=1.0, betas=[0.9, 0.95], eps=1e-8, schedule="constant",
+                            distributed_optimizer=True)
+    batching = BatchSettings(max_tokens_per_micro_batch=13, packing=True)   # 2 micro-batches
+    engine = TrainEngine.build(cfg, optim, torch.float32, 2, batching, weights_dir=hf_dir)
+    gen = torch.Generator().manual_seed(3)
+    seqs = []
+    for n in LENGTHS:
+        toks = torch.randint(1, cfg["vocab_size"], (n,), generator=gen).tolist()
+        seqs.append(SequenceData(toks, toks[1:] + [0], [1] * n))
+    normalizer = GlobalLossNormalizer("token-mean", 32, True, group=ps.get_data_parallel_group())
+    counter = SyncCounter()
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _counted(move, counter)
+    try:
+        with counter:
+            out = engine.train_batch(seqs, normalizer, sft_loss_fn(engine.vocab_size),
+                                     SFT_REPORT_KEYS)
+    finally:
+        token_dispatcher.maybe_move_tensor_to_cpu = move
+    print("RESULT " + json.dumps({"case": "step", "syncs": sum(counter.sites.values()),
+                                  "sites": dict(counter.sites), "loss": out["loss"],
+                                  "micro_batches": out["train/micro_batches"]}), flush=True)
+    engine.release()
+
+
 def main() -> int:
     from parallel.layout import ParallelLayout
     from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
@@ -221,6 +266,7 @@ def main() -> int:
     setup_model_parallel(ParallelLayout(world))
     model_cases("dense", sys.argv[1])
     norm_cases(model_cases("moe", sys.argv[2]))
+    whole_step(sys.argv[2])
     shutdown()
     return 0
 
