@@ -121,15 +121,21 @@ class RolloutEngine(abc.ABC):
         count) this engine may use on its node (engine.rl.rollout.placement); `routed_experts`:
         report Generation.routed_experts (moe.routing_replay=R3); `trust_remote_code`:
         model.trust_remote_code (the folder's tokenizer code may run). Default:
-        `cls(hf_path, dtype=dtype)` on the owner's current device, how a user's
-        `package.module:Class` backend is constructed (plus `trust_remote_code=True` when the key
-        is set: a constructor without that argument fails loudly), then
-        `enable_routed_experts()`."""
-        engine = cls(hf_path, dtype=dtype,
+        `cls(hf_path, dtype=dtype, **cls.config_kwargs(rollout_cfg))` on the owner's current
+        device, how a user's `package.module:Class` backend is constructed (plus
+        `trust_remote_code=True` when the key is set: a constructor without that argument fails
+        loudly), then `enable_routed_experts()`."""
+        engine = cls(hf_path, dtype=dtype, **cls.config_kwargs(rollout_cfg),
                      **({"trust_remote_code": True} if trust_remote_code else {}))
         if routed_experts:
             engine.enable_routed_experts()
         return engine
+
+    @classmethod
+    def config_kwargs(cls, rollout_cfg) -> dict:
+        """Constructor keyword arguments the default `from_config` reads from the `rollout`
+        group (a backend's own rollout.<backend> settings); default none."""
+        return {}
 
     @classmethod
     def routed_experts_problem(cls) -> str | None:

@@ -23,12 +23,8 @@ Images (a checkpoint with a vision tower, engine.rl.rollout.hf_images): the cond
 generation model is loaded, prompts may be ImagePrompts, and the prefill passes their pixels and
 M-RoPE positions.
 
-Static cache and compiled decode (rollout.hf.static_cache / rollout.hf.compile, resolved by
-engine.rl.rollout.hf_settings: null = on with CUDA, off on a CPU): text prompts are decoded by
-engine.rl.rollout.hf_static_decode (a static KV cache per shape bucket, length groups, finished
-rows compacted out, the decode step compiled once per bucket), with the same seeded sampler, so
-samples and log-probs are the eager loop's up to rounding. The eager loop below stays the
-reference and serves what the static path does not: routed experts (R3) and image prompts.
+Static cache and compiled decode (rollout.hf.*): engine.rl.rollout.hf_static_decode decodes text
+prompts when on; the eager loop below stays the reference and serves routed experts and images.
 """
 from __future__ import annotations
 
@@ -44,8 +40,7 @@ from engine.rl.rollout.base import Generation, RolloutEngine, SamplingParams
 from engine.rl.rollout.eos import eos_token_ids, folder_tokenizer, no_eos_message
 from engine.rl.rollout.hf_images import load_model, prefill, view_aliases
 from engine.rl.rollout.hf_routing import GateRecorder, assemble
-from engine.rl.rollout.hf_settings import resolve
-from engine.rl.rollout.hf_static_decode import StaticDecoder, static_problem
+from engine.rl.rollout.hf_static_decode import static_decoder
 from engine.rl.rollout.hf_targets import checkpoint_targets
 from engine.rl.rollout.sampling import SeededSampler
 from engine.rl.rollout.scoring import SequenceScores, hf_scores
@@ -76,11 +71,8 @@ class HFRolloutEngine(RolloutEngine):
         dtype: parameter dtype; default the checkpoint's dtype.
         trust_remote_code: the tokenizer may be the folder's own code (model.trust_remote_code,
             models.hf.custom_code.load_tokenizer); the model is always transformers' own class.
-        static_cache, compile: rollout.hf.static_cache / rollout.hf.compile (from_config
-            passes the keys; None: on with CUDA, off elsewhere, engine.rl.rollout.hf_settings
-            .resolve); default False: the eager loop (engine.serve and tools construct it so).
-            True for a model the static path does not serve (a vision tower, layers other than
-            full attention) is refused naming the key; None then stays on the eager loop.
+        static_cache, compile: rollout.hf.* (from_config passes them; None: by device,
+            hf_static_decode.static_decoder); default False: the eager loop.
     Attributes:
         model: the transformers model (read it to inspect weights or compute reference logits).
         eos_token_ids: generation stops per sequence at any of these (config, generation
@@ -105,15 +97,9 @@ class HFRolloutEngine(RolloutEngine):
             self._routing = GateRecorder(self.model)
 
     @classmethod
-    def from_config(cls, hf_path: str, rollout_cfg, dtype: torch.dtype, seed: int,
-                    gpus: tuple[int, int] = (0, 1), routed_experts: bool = False,
-                    trust_remote_code: bool = False) -> "HFRolloutEngine":
-        """RolloutEngine.from_config with rollout.hf.static_cache / rollout.hf.compile."""
-        engine = cls(hf_path, dtype=dtype, trust_remote_code=trust_remote_code,
-                     static_cache=rollout_cfg.hf.static_cache, compile=rollout_cfg.hf.compile)
-        if routed_experts:
-            engine.enable_routed_experts()
-        return engine
+    def config_kwargs(cls, rollout_cfg) -> dict:
+        """rollout.hf.static_cache / rollout.hf.compile for the constructor (from_config)."""
+        return {"static_cache": rollout_cfg.hf.static_cache, "compile": rollout_cfg.hf.compile}
 
     def __init__(self, hf_path: str, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, trust_remote_code: bool = False,
@@ -146,23 +132,7 @@ class HFRolloutEngine(RolloutEngine):
         self.vocab_size: int = int(self.model.config.get_text_config().vocab_size)
         self._index_parameters()
         self._stale: set[str] = set()  # parameters not yet written since the last wake()
-        self.decoder = self._static_decoder(static_cache, compile)
-
-    def _static_decoder(self, static_cache: bool | None, compile: bool | None
-                        ) -> StaticDecoder | None:
-        """The static-path decoder the settings ask for (class docstring), or None."""
-        static, compiled = resolve(static_cache, compile, self.device.type)
-        if not static:
-            return None
-        problem = ("it has a vision tower (image prompts decode on the eager loop)"
-                   if self.vision is not None else static_problem(self.model))
-        if problem is None:
-            return StaticDecoder(self.model, self._cache, compiled, self.device)
-        if static_cache or compile:
-            key = "rollout.hf.static_cache" if static_cache else "rollout.hf.compile"
-            raise ValueError(f"{key}=true is not built for {self.hf_path}: {problem}; set it "
-                             "to null or false")
-        return None
+        self.decoder = static_decoder(self, static_cache, compile)
 
     # ----------------------------------------------------------------------------- generation
     def _check_ready(self, what: str) -> None:
@@ -184,7 +154,8 @@ class HFRolloutEngine(RolloutEngine):
         if self.vision is None and any(isinstance(p, ImagePrompt) for p in prompts):
             raise ValueError(f"{self.hf_path} has no vision tower; prompts with images need one")
         if self.decoder is not None and self._routing is None:
-            return self._generate_static(prompts, params)
+            return self.decoder.generations(prompts, params, self.pad_token_id,
+                                            self.eos_token_ids)
         batch, longest = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((batch, longest), dtype=torch.long)
@@ -232,15 +203,6 @@ class HFRolloutEngine(RolloutEngine):
             for gen, table in zip(result, tables):
                 gen.routed_experts = table
         return result
-
-    def _generate_static(self, prompts: list[list[int]], params: SamplingParams
-                         ) -> list[Generation]:
-        """The static path (engine.rl.rollout.hf_static_decode) for text prompts."""
-        eos = set(self.eos_token_ids)
-        return [Generation(prompt_ids=list(prompt), response_ids=ids, response_logprobs=lps,
-                           finish_reason="stop" if ids and ids[-1] in eos else "length")
-                for prompt, (ids, lps) in zip(prompts, self.decoder.generate(
-                    prompts, params, self.pad_token_id, self.eos_token_ids))]
 
     def _score(self, sequences: list[list[int]], top_k: int) -> list[SequenceScores]:
         """One batched right-padded forward per chunk (engine.rl.rollout.scoring.hf_scores)."""

@@ -33,9 +33,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from transformers import StaticCache
 
+from engine.rl.rollout.base import Generation
 from engine.rl.rollout.hf_length_buckets import (batch_bucket, cache_bucket, compact_size,
                                                  length_groups)
+from engine.rl.rollout.hf_settings import resolve
 from engine.rl.rollout.sampling import SeededSampler, row_seeds
 
 # Layer types whose StaticCache layer is a plain StaticLayer (keys and values of every position)
@@ -52,6 +55,26 @@ def static_problem(model) -> str | None:
     if other:
         return (f"its layer types {other} are not plain full attention (the static path "
                 "copies and compacts whole key/value rows)")
+    return None
+
+
+def static_decoder(engine, static_cache: bool | None, compile: bool | None
+                   ) -> "StaticDecoder | None":
+    """The decoder an HFRolloutEngine's settings ask for (hf_settings.resolve: None = on with
+    CUDA), or None for the eager loop. A model the static path does not serve (a vision tower:
+    image prompts decode on the eager loop; layers other than full attention) stays eager under
+    None and is refused naming the key under True."""
+    static, compiled = resolve(static_cache, compile, engine.device.type)
+    if not static:
+        return None
+    problem = ("it has a vision tower (image prompts decode on the eager loop)"
+               if engine.vision is not None else static_problem(engine.model))
+    if problem is None:
+        return StaticDecoder(engine.model, engine._cache, compiled, engine.device)
+    if static_cache or compile:
+        key = "rollout.hf.static_cache" if static_cache else "rollout.hf.compile"
+        raise ValueError(f"{key}=true is not built for {engine.hf_path}: {problem}; set it to "
+                         "null or false")
     return None
 
 
@@ -102,8 +125,6 @@ class StaticDecoder:
 
     def _cache(self, batch: int, length: int):
         """The reset StaticCache of this shape (allocated on first use)."""
-        from transformers import StaticCache
-
         cache = self._caches.get((batch, length))
         if cache is None:
             cache = StaticCache(config=self.model.config, max_cache_len=length)
@@ -120,6 +141,15 @@ class StaticDecoder:
         if self.compile and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         return self._step(input_ids, mask, positions, cache)
+
+    def generations(self, prompts: list[list[int]], params, pad_id: int,
+                    eos_ids: list[int]) -> list[Generation]:
+        """`generate` as the backend's Generations (finish "stop" at an eos, else "length")."""
+        eos = set(eos_ids)
+        return [Generation(prompt_ids=list(prompt), response_ids=ids, response_logprobs=lps,
+                           finish_reason="stop" if ids and ids[-1] in eos else "length")
+                for prompt, (ids, lps) in zip(prompts, self.generate(prompts, params, pad_id,
+                                                                     eos_ids))]
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params, pad_id: int,
