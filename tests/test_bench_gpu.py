@@ -71,6 +71,20 @@ def test_requirements_name_what_is_missing(tmp_path):
     assert smoke["spec_vllm"].commands[-1][-1] == "--quick"
 
 
+def test_muon_item_runs_the_dense_case_with_muon_and_needs_emerging_optimizers(tmp_path):
+    """`muon` (issue 79): not in the default plan, runnable by name; gpu_sft's muon case is the
+    dense case plus optim.name=muon; skipped by name where emerging-optimizers is missing."""
+    assert "muon" not in ORDER
+    (item,) = build_items(["muon"], tmp_path, smoke=False)
+    assert {"cuda", "megatron", "emerging_optimizers"} <= set(item.needs)
+    cmd = item.commands[-1]
+    assert cmd[cmd.index("--cases") + 1] == "muon"
+    assert gpu_sft.CASES["muon"] == ("dense", ["optim.name=muon"])
+    assert missing_reason(item.needs, {"cuda", "megatron", "hydra", "transformers"}) == \
+        "emerging-optimizers not installed (optim.name=muon; carry its wheel: " \
+        "docs/benchmarks.md)"
+
+
 def test_every_fusion_on_in_the_fused_cases():
     from engine.config.fusion_settings import FUSIONS  # torch is loaded by conftest already
 

@@ -22,6 +22,9 @@ Cases (each a separate launch, bf16 on CUDA):
   fuse_X     dense with only model.fusions.X on (X: swiglu, residual, rmsnorm)
   lora       dense with LoRA rank 16 on every linear layer (model.lora.rank=16, alpha 32)
   unchunked  dense with train.loss_chunk_tokens=0 (megatron's whole [tokens, vocab] logits)
+  muon       dense with optim.name=muon (megatron-core's Muon for the layers' matrices, AdamW for
+             the rest; bf16 Newton-Schulz, its default; the layer-wise distributed optimizer,
+             one rank: no sharding); needs emerging-optimizers (docs/optimizers.md)
   mtp_off    glm: a GLM-4.5-shaped MoE (glm4_moe; the moe case's sizes where they apply: 16
              layers, hidden 1024, the first dense (FFN 3072), 16 routed experts top-2 of width
              768 plus one shared expert, n_group 1) with a complete random MTP layer
@@ -100,6 +103,7 @@ CASES = {  # name -> (model key, extra engine.sft overrides)
        for only in FUSIONS},
     "lora": ("dense", ["model.lora.rank=16", "model.lora.alpha=32"]),
     "unchunked": ("dense", ["train.loss_chunk_tokens=0"]),
+    "muon": ("dense", ["optim.name=muon"]),
     "mtp_off": ("glm", ["parallel.ep=1", "moe.token_dispatcher=alltoall"]),
     "mtp_on": ("glm", ["parallel.ep=1", "moe.token_dispatcher=alltoall",
                        "model.mtp.enabled=true"]),

