@@ -108,9 +108,9 @@ def _forward_chunk(x, weight, labels, temperature, shard, with_entropy):
 def _backward_chunk(x, weight, labels, temperature, shard, lse, entropy, g_logp, g_ent,
                     dtype):
     """d(sum g_logp * log p(label) + g_ent * H)/d logits for one chunk, [c, V/tp] in `dtype`
-    (the weight's), already divided by the temperature: computed in float32 (in fp32 the
-    same operations, in the same order, as before the bf16 changes of issue 77; the sign folded
-    into the multiplications, which is exact) and rounded to `dtype` once, by the last one."""
+    (the weight's), already divided by the temperature: computed in float32 (the sign folded
+    into the multiplications, which is exact, so fp32 gives bitwise the numbers of a separate
+    negation) and rounded to `dtype` once, by the last operation."""
     z = _chunk_logits(x, weight, temperature, shard)
     z.sub_(lse[:, None])  # log p
     if g_ent is None:  # -(g_logp p) + g_logp at the label column
