@@ -125,7 +125,7 @@ def test_muon_takes_the_layer_wise_distributed_optimizer_and_refuses_a_missing_p
     """optim.distributed_optimizer=true with Muon is megatron-core's layer-wise distributed
     optimizer (DDP then runs without megatron's ZeRO-style one, and its parameter-gather
     overlap is refused by name); a missing emerging-optimizers is refused by name."""
-    from engine.config.optim_settings import layer_wise_muon, megatron_distributed_optimizer
+    from engine.training.muon import layer_wise_muon, megatron_distributed_optimizer
     from engine.config.parallel_settings import ParallelConfig, overlap_problems
 
     if importlib.util.find_spec("emerging_optimizers") is not None:

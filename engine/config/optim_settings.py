@@ -24,7 +24,7 @@ docs/optimizers.md). Implemented by engine.training.muon (megatron-core's own Mu
   rank updates its own parameters, then every rank all-gathers them); false keeps the whole
   optimizer state on every DP rank. megatron-core's ZeRO-style distributed optimizer (which
   shards flat gradient buckets) cannot run Muon, which needs whole matrices:
-  `megatron_distributed_optimizer` says which of the two DDP sees.
+  engine.training.muon's `megatron_distributed_optimizer` says which of the two DDP sees.
 
 Refused by name before any process group (`optim_problems`): a bad choice or range,
 optim.name=muon without emerging-optimizers installed or with megatron-core >= 0.17 (whose
@@ -34,8 +34,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.training.muon import (EMERGING_OPTIMIZERS, INSTALL_HINT,
-                                  emerging_optimizers_installed, megatron_core_problem)
+from engine.training.muon import (EMERGING_OPTIMIZERS, INSTALL_HINT,  # noqa: F401 (re-exported)
+                                  emerging_optimizers_installed, layer_wise_muon,
+                                  megatron_core_problem, megatron_distributed_optimizer)
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_TP_MODES = ("duplicated", "distributed", "blockwise")
@@ -107,15 +108,3 @@ def optim_problems(optim) -> list[str]:
                      f"{INSTALL_HINT}")
     return p
 
-
-def layer_wise_muon(optim) -> bool:
-    """Whether `optim` runs megatron-core's layer-wise distributed optimizer (Muon with
-    optim.distributed_optimizer=true; module docstring)."""
-    return getattr(optim, "name", "adamw") == "muon" and bool(optim.distributed_optimizer)
-
-
-def megatron_distributed_optimizer(optim) -> bool:
-    """Whether megatron-core's ZeRO-style distributed optimizer runs (DDP's
-    `use_distributed_optimizer`: gradients reduce-scattered into flat shards, parameters
-    all-gathered from them): optim.distributed_optimizer with AdamW; never with Muon."""
-    return bool(optim.distributed_optimizer) and getattr(optim, "name", "adamw") != "muon"

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from engine.config.optim_settings import megatron_distributed_optimizer
+from engine.training.muon import megatron_distributed_optimizer
 from engine.training.comm_overlap import OverlapSettings
 
 

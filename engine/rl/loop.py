@@ -40,7 +40,7 @@ from engine.config.model_settings import describe as describe_settings
 from engine.config.model_settings import megatron_overrides
 from engine.config.mtp_settings import mtp_training
 from engine.config.moe_settings import moe_overrides
-from engine.config.optim_settings import megatron_distributed_optimizer
+from engine.training.muon import megatron_distributed_optimizer
 from engine.config.parallel_settings import overlap_settings
 from engine.rl.collect.prompts import prompt_rows
 from engine.rl.collect.transport import broadcast_rollout

@@ -14,7 +14,7 @@ from engine.config.lora_settings import lora_build_kwargs
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.mtp_settings import mtp_training
-from engine.config.optim_settings import megatron_distributed_optimizer
+from engine.training.muon import megatron_distributed_optimizer
 from engine.config.parallel_settings import overlap_settings
 from engine.run.run_loop import build_or_resume
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS

@@ -118,6 +118,19 @@ def muon_config_kwargs(muon_cfg) -> dict:
                 muon_fp32_matmul_prec=muon_cfg.fp32_matmul_prec)
 
 
+def layer_wise_muon(optim) -> bool:
+    """Whether `optim` runs megatron-core's layer-wise distributed optimizer (Muon with
+    optim.distributed_optimizer=true; module docstring)."""
+    return getattr(optim, "name", "adamw") == "muon" and bool(optim.distributed_optimizer)
+
+
+def megatron_distributed_optimizer(optim) -> bool:
+    """Whether megatron-core's ZeRO-style distributed optimizer runs (DDP's
+    `use_distributed_optimizer`: gradients reduce-scattered into flat shards, parameters
+    all-gathered from them): optim.distributed_optimizer with AdamW; never with Muon."""
+    return bool(optim.distributed_optimizer) and getattr(optim, "name", "adamw") != "muon"
+
+
 def build_muon_optimizer(chunks: list, config, layer_wise: bool = False):
     """megatron-core's get_megatron_muon_optimizer over `chunks` with the megatron-core
     OptimizerConfig `config` (its muon_* fields set: muon_config_kwargs;
@@ -126,7 +139,7 @@ def build_muon_optimizer(chunks: list, config, layer_wise: bool = False):
     own; its `allgather_params` must follow every update (engine.training.nonfinite does)."""
     optimizer = muon_module().get_megatron_muon_optimizer(
         config, chunks, layer_wise_distributed_optimizer=layer_wise)
-    if layer_wise:
-        from engine.training.layer_wise import with_fp32_checkpoints
+    if layer_wise:   # megatron-core's optimizer package: this module is imported by the
+        from engine.training.layer_wise import with_fp32_checkpoints   # config check, no need
         optimizer = with_fp32_checkpoints(optimizer)
     return optimizer

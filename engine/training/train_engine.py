@@ -33,8 +33,8 @@ from engine.training.ddp_release import clear_megatron_caches, release_ddp
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.micro_batches import MicroBatch, SequenceData
-from engine.config.optim_settings import layer_wise_muon, megatron_distributed_optimizer
-from engine.training.muon import build_muon_optimizer, muon_config_kwargs
+from engine.training.muon import (build_muon_optimizer, layer_wise_muon,
+                                  megatron_distributed_optimizer, muon_config_kwargs)
 from engine.training.mtp import (MTP_REPORT_KEYS, MTPTraining, exclude_from_grad_norm,
                                  mtp_metrics)
 from engine.training.nonfinite import NonFiniteGuard, guarded_optimizer_step

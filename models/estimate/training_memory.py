@@ -131,10 +131,8 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     opt_bytes = optimizer_bytes(bf16, layout, distributed_optimizer)
     expert_opt_bytes = opt_bytes * (layout.ep if distributed_optimizer else 1)
     muon_bytes = (8 if bf16 else 4) if muon else None
-    # Muon with the (layer-wise) distributed optimizer: whole parameters dealt over dp x cp
-    # (experts over the expert-data-parallel ranks), counted as an even share
+    # Muon's layer-wise distributed optimizer: an even share over dp x cp (experts: expert DP)
     muon_share = layout.dp * layout.cp if muon and distributed_optimizer else 1
-    expert_share = max(1, muon_share // layout.ep)
     adam_only = dict(zip((True, False), embedding_output_parameters(hf, tp, pp)))
 
     chunk_layers = layers // (pp * vpp)
@@ -154,7 +152,7 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
                     + params.expert_stage * expert_opt_bytes)
         dense = n_params - adam_only[first] - params.expert_stage
         return (adam_only[first] * opt_bytes + dense * muon_bytes / muon_share
-                + params.expert_stage * muon_bytes / expert_share)
+                + params.expert_stage * muon_bytes / max(1, muon_share // layout.ep))
 
     def stage(n_params: int, act_layers: float, with_logits: bool,
               first: bool = True) -> MemoryEstimate:

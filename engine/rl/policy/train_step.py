@@ -17,7 +17,7 @@ import torch.distributed as dist
 from engine.config.fusion_settings import fusion_overrides
 from engine.config.model_settings import megatron_overrides
 from engine.config.moe_settings import moe_overrides
-from engine.config.optim_settings import megatron_distributed_optimizer
+from engine.training.muon import megatron_distributed_optimizer
 from engine.config.parallel_settings import overlap_settings
 from engine.config.schema import read_hf_config
 from engine.rl.collect.batch import build_sequences
