@@ -9,6 +9,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                            VocabParallelEmbedding)
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+from models.build.compile_layers import compile_layers as compile_model_layers
 from models.build.transformer_config import model_shape, transformer_config
 from models.families.mtp import trained_mtp_layers
 from models.families.registry import family_of
@@ -36,7 +37,8 @@ from parallel import cpu_runtime
 def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float32,
                        use_te: bool | None = None, grouped_experts: bool = True,
                        fused_norm: bool = False, lora: LoraSpec | None = None,
-                       train_vision: bool = False, **config_overrides) -> list:
+                       train_vision: bool = False, compile_layers: bool = False,
+                       **config_overrides) -> list:
     """GPTModel chunks of this rank (length vpp, or 1), in pipeline order, on this host's
     device, uninitialised weights (load them with `models.bridge.weights.load_hf_weights`).
     Raises UnsupportedArchitectureError / UnsupportedConfigError before building anything
@@ -48,7 +50,9 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     LoRA adapters (models.lora.sites; always on the local spec, whose linears see the normed
     input). A checkpoint with a vision tower (models.vision.spec) builds VisionLanguageModel
     chunks, the tower on the first stage, trained when `train_vision` (key
-    model.vision.freeze=false); with a trained MTP layer too, MTPVisionLanguageModel."""
+    model.vision.freeze=false); with a trained MTP layer too, MTPVisionLanguageModel.
+    `compile_layers` (key train.compile): every transformer layer under torch.compile
+    (models.build.compile_layers; compiled lazily at its first forward, after LoRA attaches)."""
     check_config(hf_config)
     moe_compat.install()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -112,6 +116,8 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
         apply_lora(chunks, lora, {**lora_row_orders(hf_config),
                                   **expert_lora_row_orders(hf_config)},
                    peft_layers(hf_config), family_of(hf_config).lora_hf_paths)
+    if compile_layers:
+        compile_model_layers(chunks)
     return chunks
 
 
