@@ -5,13 +5,18 @@ chunks of this rank (the decoder's layers of each GPTModel chunk; MTP layers and
 stay eager):
 
 - a dense layer is compiled whole (`nn.Module.compile`: the layer's own forward, norms,
-  attention, MLP and residual adds in one region; a graph break, e.g. the host-side segment
-  loop of packed attention, splits it into a few regions, never one per operator);
+  attention, RoPE (its cos and sin computed inside the fused RoPE kernel), MLP and residual
+  adds in one region; packed rows' attention, whose loop over the host's segment bounds is
+  marked eager, splits it in two);
 - its SDPA core attention (models.layers.attention.core) serves grouped KV heads with SDPA's
   own `enable_gqa` instead of repeating K and V (`native_gqa`);
 - an MoE layer compiles its norms, its attention and its router, each a region of its own,
   while its experts (models.layers.experts.grouped: one grouped GEMM) and the token dispatcher
-  (all-to-all and permutation with host-known split sizes) stay eager.
+  (all-to-all and permutation with host-known split sizes) stay eager;
+- with tensor parallelism (tp > 1) megatron's TP linears do not trace (their backward starts
+  asynchronous collectives): the engine compiles the norms, the core attention (and an MoE
+  layer's router) as regions of their own, the linears and their collectives eager between
+  them.
 
 Shapes: torch's automatic dynamic shapes: a region is first compiled for the shapes it meets;
 when a micro-batch's length differs it is compiled once more with symbolic sizes, and no more
@@ -36,10 +41,14 @@ layers run there (inductor's C++ backend), which is how the suite proves exactne
 """
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state, utils
+from megatron.core.tensor_parallel import layers, mappings
+from torch._guards import CompileContext
 
 # graphs a layer may hold for one code object: static and dynamic shapes, with and without
 # grad (RL's log-prob recomputation), times two for regions split by a graph break
@@ -62,7 +71,7 @@ _STATS = CompileStats()
 
 def _counting_inductor(gm: torch.fx.GraphModule, example_inputs):
     """Inductor, counting the graph (and whether it is a recompile of its frame)."""
-    from torch._guards import CompileContext
+    # Inductor loads on the first compile only (seconds of imports a run without it skips)
     from torch._inductor.compile_fx import compile_fx
 
     compile_id = CompileContext.current_compile_id()
@@ -75,10 +84,9 @@ def _counting_inductor(gm: torch.fx.GraphModule, example_inputs):
 
 def compile_stats() -> CompileStats:
     """The graph, recompile and graph-break counts of this process so far."""
-    from torch._dynamo.utils import counters
-
-    return CompileStats(_STATS.graphs, _STATS.recompiles,
-                        int(sum(counters["graph_break"].values())))
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")   # loaded by any compile
+    breaks = 0 if dynamo_utils is None else sum(dynamo_utils.counters["graph_break"].values())
+    return CompileStats(_STATS.graphs, _STATS.recompiles, int(breaks))
 
 
 def describe_stats(stats: CompileStats) -> str:
@@ -96,14 +104,26 @@ def _layers(chunk) -> list:
 
 
 def _regions(layer) -> list[torch.nn.Module]:
-    """What to compile of one layer: the layer itself, or for an MoE layer its norms, its
-    attention and its router (the experts stay on their grouped GEMM)."""
-    if not getattr(layer, "is_moe_layer", False):
+    """What to compile of one layer: the layer itself; for an MoE layer its norms, its
+    attention and its router (the experts stay on their grouped GEMM); with tensor
+    parallelism (the linears' autograd functions start asynchronous collectives in their
+    backward, which dynamo cannot trace: traced, every linear and RoPE call became a frame of
+    its own, recompiled per weight shape) the norms, the core attention and the router, the
+    TP linears eager between them. A region without parameters or computation (megatron's
+    IdentityOp) is left out, except the core attention."""
+    attention = layer.self_attention
+    tp = getattr(layer.config, "tensor_model_parallel_size", 1) > 1
+    moe = getattr(layer, "is_moe_layer", False)
+    if not moe and not tp:
         return [layer]
-    regions = [layer.input_layernorm, layer.self_attention, layer.pre_mlp_layernorm,
-               layer.mlp.router]
+    core = getattr(attention, "core_attention", None)   # none: a linear-attention mixer
+    parts = ([core, getattr(attention, "q_layernorm", None),
+              getattr(attention, "k_layernorm", None)] if tp else [attention])
+    regions = [layer.input_layernorm, *parts, layer.pre_mlp_layernorm]
+    if moe:
+        regions.append(layer.mlp.router)
     return [r for r in regions if isinstance(r, torch.nn.Module)
-            and any(True for _ in r.parameters())]
+            and (r is core or any(True for _ in r.parameters()))]
 
 
 def compile_layers(chunks: list) -> int:
@@ -128,14 +148,13 @@ def compile_layers(chunks: list) -> int:
 
 
 def _quiet_megatron_tp_group_default() -> None:
-    """megatron-core's RowParallelLinear passes `tp_group=None` to its linear function, whose
+    """Two warnings megatron-core issues from inside every layer's forward, each a graph break
+    for dynamo: RowParallelLinear passes `tp_group=None` to its linear function, whose
     `get_tensor_model_parallel_group_if_none` then issues a DeprecationWarning on rank 0 before
-    returning the default group: `warnings.warn` is a graph break for dynamo, in every layer.
-    The same lookup without the warning (same group, same arguments) replaces it where the
-    tensor-parallel layers and mappings call it. Idempotent."""
-    from megatron.core import parallel_state, utils
-    from megatron.core.tensor_parallel import layers, mappings
-
+    returning the default group; the same lookup without the warning (same group, same
+    arguments) replaces it where the tensor-parallel layers and mappings call it. And the
+    sequence-parallel linear's one-time advice to set CUDA_DEVICE_MAX_CONNECTIONS is marked as
+    given. Numerics untouched. Idempotent."""
     if getattr(layers.get_tensor_model_parallel_group_if_none, "_engine_quiet", False):
         return
 
@@ -149,6 +168,9 @@ def _quiet_megatron_tp_group_default() -> None:
                 check_initialized=check_initialized)
         return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
 
+    # its sequence-parallel recommendation (CUDA_DEVICE_MAX_CONNECTIONS) is given once, by
+    # setting an attribute on the function: a graph break under dynamo, in every TP linear
+    layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
     group_if_none._engine_quiet = True
     group_if_none.__doc__ = utils.get_tensor_model_parallel_group_if_none.__doc__
     for module in (layers, mappings):
@@ -161,8 +183,8 @@ def release_compile_threads() -> None:
     ending through engine.cli.exit_process (which joins every non-daemon thread first) would
     hang on them; the engine calls this after every step of a compiled model. Cheap when no
     pool exists."""
-    from torch._inductor.async_compile import AsyncCompile
-
-    if AsyncCompile.pool.cache_info().currsize:
-        AsyncCompile.pool().shutdown(wait=True)
-        AsyncCompile.pool.cache_clear()
+    async_compile = sys.modules.get("torch._inductor.async_compile")  # none: never compiled
+    pool = None if async_compile is None else async_compile.AsyncCompile.pool
+    if pool is not None and pool.cache_info().currsize:
+        pool().shutdown(wait=True)
+        pool.cache_clear()

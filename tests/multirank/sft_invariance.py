@@ -14,8 +14,8 @@ factor F (token dropping); the spec's results then carry the moe/* metrics);
 ov: gradient-reduce and parameter-gather overlap on (engine.training.comm_overlap), with
 bug=nogather (negative control) reading the final parameters without finishing the deferred
 parameter all-gather. compile: train.compile=true (every transformer layer under torch.compile,
-models.build.compile_layers; compared with the eager references), with bug=attnscale (negative
-control) its attention softmax scale 1 % off. lora: LoRA (rank 4, every linear layer, the
+models.build.compile_layers; compared with the eager references); bug=attnscale (negative
+control): the attention softmax scale 1 % off. lora: LoRA (rank 4, every linear layer, the
 base frozen; references keyed "lora/MODE"). muon=MODE: optim.name=muon with optim.muon.tp_mode=MODE (megatron-core's Muon, fp32 Newton-Schulz; references
 keyed "muon/MODE", tests/multirank/muon_check.py); muonref (1 process): also advance a copy of
 the parameters with the plain Muon + AdamW formulas (tests/muon_reference.py) and report
@@ -198,7 +198,7 @@ def inject_bug(state, bug: str | None):
         return lambda: setattr(tensor_parallel, "checkpoint", original)
     if bug == "expertgrad":
         return average_expert_grads(state)
-    if bug == "attnscale":  # compiled run whose attention scale is off by 1 % (relative)
+    if bug == "attnscale":  # the attention scale off by 1 % (relative)
         for chunk in state.chunks:
             for module in chunk.modules():
                 if type(module).__name__ == "SDPACoreAttention":

@@ -33,11 +33,14 @@ def causal_attention_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
+@torch.compiler.disable
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_seqlens: torch.Tensor, scale: float,
                             attend: Attend | None = None) -> torch.Tensor:
     """Causal attention per segment of [t, h, d] tensors; segments never see each other.
-    `attend`: sinks / sliding window (models.layers.attention.sinks), else plain causal SDPA."""
+    `attend`: sinks / sliding window (models.layers.attention.sinks), else plain causal SDPA.
+    Eager inside a compiled layer (train.compile): its loop over the host's segment bounds
+    would otherwise be traced into a graph per set of bounds (a recompile per micro-batch)."""
     out = q.new_empty(*q.shape[:-1], v.shape[-1])  # value head dim may differ (MLA)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
