@@ -5,9 +5,9 @@ chunks of this rank (the decoder's layers of each GPTModel chunk; MTP layers and
 stay eager):
 
 - a dense layer is compiled whole (`nn.Module.compile`: the layer's own forward, norms,
-  attention, RoPE (its cos and sin computed inside the fused RoPE kernel), MLP and residual
-  adds in one region; packed rows' attention, whose loop over the host's segment bounds is
-  marked eager, splits it in two);
+  attention, RoPE (megatron's, its cos and sin computed per layer inside the region), MLP and
+  residual adds in one region; packed rows' attention, whose loop over the host's segment
+  bounds is wrapped in torch.compiler.disable, splits it in two);
 - its SDPA core attention (models.layers.attention.core) serves grouped KV heads with SDPA's
   own `enable_gqa` instead of repeating K and V (`native_gqa`);
 - an MoE layer compiles its norms, its attention and its router, each a region of its own,
@@ -140,6 +140,8 @@ def compile_layers(chunks: list) -> int:
         for module in layer.modules():
             if hasattr(module, "native_gqa"):   # models.layers.attention.core.SDPACoreAttention
                 module.native_gqa = True
+                if not getattr(module.packed_attention, "_torchdynamo_disable", False):
+                    module.packed_attention = torch.compiler.disable(module.packed_attention)
         for region in _regions(layer):
             if getattr(region, "_compiled_call_impl", None) is None:
                 region.compile(backend=_counting_inductor)

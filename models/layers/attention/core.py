@@ -33,14 +33,11 @@ def causal_attention_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
-@torch.compiler.disable
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cu_seqlens: torch.Tensor, scale: float,
                             attend: Attend | None = None) -> torch.Tensor:
     """Causal attention per segment of [t, h, d] tensors; segments never see each other.
-    `attend`: sinks / sliding window (models.layers.attention.sinks), else plain causal SDPA.
-    Eager inside a compiled layer (train.compile): its loop over the host's segment bounds
-    would otherwise be traced into a graph per set of bounds (a recompile per micro-batch)."""
+    `attend`: sinks / sliding window (models.layers.attention.sinks), else plain causal SDPA."""
     out = q.new_empty(*q.shape[:-1], v.shape[-1])  # value head dim may differ (MLA)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -71,6 +68,10 @@ class SDPACoreAttention(MegatronModule):
         # compiled layers; off, eager keeps its K/V repeat: the same forward, but K/V gradients
         # summed over each group in another order, so eager stays bitwise as it was)
         self.native_gqa = False
+        # packed rows' attention; models.build.compile_layers wraps it in torch.compiler.disable
+        # (eager inside a compiled layer: its loop over the host's segment bounds would be
+        # traced into a graph per set of bounds)
+        self.packed_attention = packed_causal_attention
 
     def _kv_repeat(self, query, key, head_dim_index: int) -> int:
         """How many times to repeat each kv head: 1 when SDPA's own GQA will serve them."""
@@ -100,8 +101,8 @@ class SDPACoreAttention(MegatronModule):
         if packed:
             rep = self._kv_repeat(query, key, 1)
             key, value = _repeat_kv(key, rep, 1), _repeat_kv(value, rep, 1)
-            out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
-                                          self.scale, self._attend())
+            out = self.packed_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                        self.scale, self._attend())
             return out.reshape(out.shape[0], -1)
         rep = self._kv_repeat(query, key, 2)
         key, value = _repeat_kv(key, rep, 2), _repeat_kv(value, rep, 2)
