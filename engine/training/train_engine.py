@@ -29,7 +29,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from engine.training.comm_overlap import (OverlapSettings, ddp_config, finish_param_gather,
                                           install_schedule_hooks, p2p_overrides)
-from engine.training.compile_report import CompileReport, release_compile_threads
+from engine.training.compile_report import compile_metrics, release_compile_threads
 from engine.training.ddp_release import clear_megatron_caches, release_ddp
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
@@ -145,8 +145,6 @@ class TrainEngine:
     # tokens per chunk of the loss head (train.loss_chunk_tokens); None: megatron's logits
     loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS
     mtp: MTPTraining | None = None  # train the MTP layer too (engine.training.mtp)
-    # compiled layers' counters as step metrics (train.compile; engine.training.compile_report)
-    compile_report: CompileReport | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -183,8 +181,6 @@ class TrainEngine:
         (e.g. models.layers.heads.value.attach_value_heads for a PPO critic).
         `model_overrides` go to the TransformerConfig (e.g. cp_comm_type; sequence
         parallelism and recomputation: engine.config.model_settings.megatron_overrides);
-        `compile_layers=True` among them (train.compile) compiles every transformer layer
-        (models.build.compile_layers) and adds the compile/* metrics to each step's;
         `overlap`: DDP communication settings (engine.training.comm_overlap; default none);
         `loss_chunk_tokens`: tokens per chunk of the loss head (None: unchunked logits).
         `lora`: attach LoRA adapters (models.lora.sites) and freeze the base, which is then
@@ -218,9 +214,7 @@ class TrainEngine:
             c.broadcast_params()
         optimizer = _optimizer(chunks, optim_cfg, dtype)
         return cls(chunks, optimizer, _scheduler(optimizer, optim_cfg, total_steps), hf_config,
-                   batching, pad_id, loss_chunk_tokens=loss_chunk_tokens, mtp=mtp,
-                   compile_report=(CompileReport() if model_overrides.get("compile_layers")
-                                   else None))
+                   batching, pad_id, loss_chunk_tokens=loss_chunk_tokens, mtp=mtp)
 
     @classmethod
     def frozen(cls, hf_config: dict, dtype: torch.dtype, weights_dir: str,
@@ -278,11 +272,10 @@ class TrainEngine:
         if mtp_keys:
             out.update(mtp_metrics(out))
         out.update(self.router_losses.metrics())
-        if self.compile_report is not None:
-            out.update(self.compile_report.metrics())
         if self.routing is not None and self.routing.mode == "replay":
             out["moe/replay_mismatch"] = self.routing.mismatch()
         label = self.optimizer_steps_attempted + 1
+        out.update(compile_metrics(self.chunks, label))   # train.compile: compile/* counts
         stepped, grad_norm = guarded_optimizer_step(self.optimizer, out[report_keys[0]])
         lr = self.lr
         if stepped:
@@ -349,8 +342,7 @@ class TrainEngine:
                                         forward_only=True, output_fn=output_fn,
                                         before_forward=self._routing_hook(seqs),
                                         loss_chunk_tokens=self.loss_chunk_tokens)
-        if self.compile_report is not None:   # a pass may have compiled (no-grad graphs)
-            release_compile_threads()
+        release_compile_threads()   # train.compile: a pass may have compiled (no-grad graphs)
         return reduce_reports(reports, list(report_keys))
 
 

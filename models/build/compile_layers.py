@@ -126,27 +126,44 @@ def _regions(layer) -> list[torch.nn.Module]:
             and (r is core or any(True for _ in r.parameters()))]
 
 
+def has_compiled_layers(chunks: list) -> bool:
+    """Whether `compile_layers` compiled these model chunks (DDP-wrapped or not)."""
+    return any(getattr(getattr(c, "module", c), "compiled_regions", 0) for c in chunks)
+
+
 def compile_layers(chunks: list) -> int:
-    """Compile every transformer layer of `chunks` in place (see the module docstring);
-    returns the number of compiled regions. Idempotent per module."""
+    """Compile every transformer layer of `chunks` in place (see the module docstring) and
+    mark each chunk with its count (`compiled_regions`); returns the number of compiled
+    regions. Idempotent per module."""
     _quiet_megatron_tp_group_default()
-    layers = [layer for c in chunks for layer in _layers(c)]
-    limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_LAYER * max(len(layers), 1))
+    layers = sum(len(_layers(c)) for c in chunks)
+    limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_LAYER * max(layers, 1))
     torch._dynamo.config.recompile_limit = limit
     torch._dynamo.config.accumulated_recompile_limit = max(
         torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
     regions = 0
-    for layer in layers:
-        for module in layer.modules():
-            if hasattr(module, "native_gqa"):   # models.layers.attention.core.SDPACoreAttention
-                module.native_gqa = True
-                if not getattr(module.packed_attention, "_torchdynamo_disable", False):
-                    module.packed_attention = torch.compiler.disable(module.packed_attention)
-        for region in _regions(layer):
-            if getattr(region, "_compiled_call_impl", None) is None:
-                region.compile(backend=_counting_inductor)
-            regions += 1
+    for chunk in chunks:
+        count = 0
+        for layer in _layers(chunk):
+            count += _compile_layer(layer)
+        getattr(chunk, "module", chunk).compiled_regions = count
+        regions += count
     return regions
+
+
+def _compile_layer(layer) -> int:
+    """Compile one layer's regions (SDPA attention switched to its own GQA, packed attention
+    kept eager); returns how many."""
+    for module in layer.modules():
+        if hasattr(module, "native_gqa"):   # models.layers.attention.core.SDPACoreAttention
+            module.native_gqa = True
+            if not getattr(module.packed_attention, "_torchdynamo_disable", False):
+                module.packed_attention = torch.compiler.disable(module.packed_attention)
+    regions = _regions(layer)
+    for region in regions:
+        if getattr(region, "_compiled_call_impl", None) is None:
+            region.compile(backend=_counting_inductor)
+    return len(regions)
 
 
 def _quiet_megatron_tp_group_default() -> None:

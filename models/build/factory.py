@@ -112,13 +112,18 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
             install_rope(model, hf_config)
         _tag_tensor_parallel_params(model)
         chunks.append(model.to(cpu_runtime.device()))
+    _adapt(chunks, hf_config, lora, compile_layers)
+    return chunks
+
+
+def _adapt(chunks: list, hf_config: dict, lora: LoraSpec | None, compile_layers: bool) -> None:
+    """LoRA adapters attached (then the layers compiled: the adapters are part of them)."""
     if lora is not None:
         apply_lora(chunks, lora, {**lora_row_orders(hf_config),
                                   **expert_lora_row_orders(hf_config)},
                    peft_layers(hf_config), family_of(hf_config).lora_hf_paths)
     if compile_layers:
         compile_model_layers(chunks)
-    return chunks
 
 
 def _model_class(vision: bool, mtp: bool) -> type:
