@@ -19,6 +19,7 @@ from engine.config.loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
 from engine.training.loss import AGG_MODES
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
+from engine.config.compile_settings import compile_problems
 from engine.config.fusion_settings import FusionConfig, fusion_problems
 from engine.config.lora_settings import LoraConfig, lora_problems
 from engine.config.vision_settings import VisionConfig, vision_problems
@@ -88,6 +89,9 @@ class TrainConfig:
     recompute_num_layers: Optional[int] = None   # full only: layers per group / block (null: 1)
     # tokens per chunk of the loss head (engine.config.model_settings); 0 or null: unchunked
     loss_chunk_tokens: Optional[int] = DEFAULT_LOSS_CHUNK_TOKENS
+    # torch.compile per transformer layer: auto (on with CUDA) | true | false
+    # (engine.config.compile_settings)
+    compile: str = "auto"
 
 
 @dataclass
@@ -233,7 +237,7 @@ def value_problems(cfg) -> list[str]:
               optional=True)
     _positive(p, cfg.train.max_consecutive_nonfinite_steps,
               "train.max_consecutive_nonfinite_steps")
-    p += loss_chunk_problems(cfg.train)
+    p += loss_chunk_problems(cfg.train) + compile_problems(cfg.train)
     if len(cfg.optim.betas) != 2:
         p.append(f"optim.betas={list(cfg.optim.betas)} must hold two numbers")
     return (p + optim_problems(cfg.optim) + overlap_problems(cfg) + fusion_problems(cfg)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.checkpointing import DataPosition
+from engine.config.compile_settings import compile_overrides
 from engine.config.fusion_settings import fusion_overrides
 from engine.config.lora_settings import lora_build_kwargs
 from engine.config.model_settings import describe as describe_settings
@@ -206,7 +207,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         loss_chunk_tokens=train.loss_chunk_tokens or None,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
         **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config),
-        mtp=mtp_training(cfg)),
+        **compile_overrides(cfg), mtp=mtp_training(cfg)),
         position(0),
         batch_key="train.prompts_per_step")
     policy.guard = NonFiniteGuard(train.max_consecutive_nonfinite_steps,

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint.checkpointing import DataPosition
+from engine.config.compile_settings import compile_overrides
 from engine.config.fusion_settings import fusion_overrides
 from engine.config.lora_settings import lora_build_kwargs
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
@@ -25,7 +26,7 @@ def build_train_engine(cfg, hf_config: dict, pad_id: int, position: DataPosition
                        tag: str, reader=None, prepare=None, hidden_states: bool = False
                        ) -> tuple[TrainEngine, DataPosition]:
     """The trained engine of an SFT-shaped run (SFT, DPO, reward models) from the model, optim,
-    parallel, train, MoE, fusion, LoRA and vision keys, with HF weights or resumed from
+    parallel, train (train.compile included), MoE, fusion, LoRA and vision keys, with HF weights or resumed from
     checkpoint.dir (build_or_resume; collective). Returns (engine, the data position to
     continue from). `reader`, `prepare`: as TrainEngine.build's (a reward model's trunk and
     score head); `hidden_states`: the loss functions take hidden states (the chunked head's
@@ -41,7 +42,7 @@ def build_train_engine(cfg, hf_config: dict, pad_id: int, position: DataPosition
         loss_chunk_tokens=chunk_tokens,
         **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
         **fusion_overrides(cfg, hf_config), **lora_build_kwargs(cfg, hf_config),
-        train_vision=not cfg.model.vision.freeze, mtp=mtp_training(cfg)),
+        **compile_overrides(cfg), train_vision=not cfg.model.vision.freeze, mtp=mtp_training(cfg)),
         position)
     if dist.get_rank() == 0:
         print(f"[{tag}] model: {describe_settings(engine.chunks[0].config)}", flush=True)

@@ -29,6 +29,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from engine.training.comm_overlap import (OverlapSettings, ddp_config, finish_param_gather,
                                           install_schedule_hooks, p2p_overrides)
+from engine.training.compile_report import compile_metrics, release_compile_threads
 from engine.training.ddp_release import clear_megatron_caches, release_ddp
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
@@ -277,6 +278,7 @@ class TrainEngine:
         if self.routing is not None and self.routing.mode == "replay":
             out["moe/replay_mismatch"] = self.routing.mismatch()
         label = self.optimizer_steps_attempted + 1
+        out.update(compile_metrics(self.chunks, label))   # train.compile: compile/* counts
         stepped, grad_norm = guarded_optimizer_step(self.optimizer, out[report_keys[0]])
         lr = self.lr
         if stepped:
@@ -343,6 +345,7 @@ class TrainEngine:
                                         forward_only=True, output_fn=output_fn,
                                         before_forward=self._routing_hook(seqs),
                                         loss_chunk_tokens=self.loss_chunk_tokens)
+        release_compile_threads()   # train.compile: a pass may have compiled (no-grad graphs)
         return reduce_reports(reports, list(report_keys))
 
 

@@ -9,6 +9,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
                                            VocabParallelEmbedding)
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+from models.build.compile_layers import compile_layers as compile_model_layers
 from models.build.transformer_config import model_shape, transformer_config
 from models.families.mtp import trained_mtp_layers
 from models.families.registry import family_of
@@ -38,7 +39,8 @@ from parallel import cpu_runtime
 def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float32,
                        use_te: bool | None = None, grouped_experts: bool = True,
                        fused_norm: bool = False, lora: LoraSpec | None = None,
-                       train_vision: bool = False, **config_overrides) -> list:
+                       train_vision: bool = False, compile_layers: bool = False,
+                       **config_overrides) -> list:
     """GPTModel chunks of this rank (length vpp, or 1), in pipeline order, on this host's
     device, uninitialised weights (load them with `models.bridge.weights.load_hf_weights`).
     Raises UnsupportedArchitectureError / UnsupportedConfigError before building anything
@@ -50,7 +52,9 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     LoRA adapters (models.lora.sites; always on the local spec, whose linears see the normed
     input). A checkpoint with a vision tower (models.vision.spec) builds VisionLanguageModel
     chunks, the tower on the first stage, trained when `train_vision` (key
-    model.vision.freeze=false); with a trained MTP layer too, MTPVisionLanguageModel."""
+    model.vision.freeze=false); with a trained MTP layer too, MTPVisionLanguageModel.
+    `compile_layers` (key train.compile): every transformer layer under torch.compile
+    (models.build.compile_layers; compiled lazily at its first forward, after LoRA attaches)."""
     check_config(hf_config)
     _install_megatron_fixes()
     tp = ps.get_tensor_model_parallel_world_size()
@@ -110,11 +114,18 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
             install_rope(model, hf_config)
         _tag_tensor_parallel_params(model)
         chunks.append(model.to(cpu_runtime.device()))
+    _adapt(chunks, hf_config, lora, compile_layers)
+    return chunks
+
+
+def _adapt(chunks: list, hf_config: dict, lora: LoraSpec | None, compile_layers: bool) -> None:
+    """LoRA adapters attached (then the layers compiled: the adapters are part of them)."""
     if lora is not None:
         apply_lora(chunks, lora, {**lora_row_orders(hf_config),
                                   **expert_lora_row_orders(hf_config)},
                    peft_layers(hf_config), family_of(hf_config).lora_hf_paths)
-    return chunks
+    if compile_layers:
+        compile_model_layers(chunks)
 
 
 def _install_megatron_fixes() -> None:

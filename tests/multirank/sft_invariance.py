@@ -13,8 +13,12 @@ load-balancing loss type (aux_loss, seq_aux_loss, global_aux_loss); cap=F: exper
 factor F (token dropping); the spec's results then carry the moe/* metrics);
 ov: gradient-reduce and parameter-gather overlap on (engine.training.comm_overlap), with
 bug=nogather (negative control) reading the final parameters without finishing the deferred
-parameter all-gather. muon=MODE: optim.name=muon with optim.muon.tp_mode=MODE (megatron-core's Muon, fp32 Newton-Schulz; references
-keyed "muon/MODE", tests/multirank/muon_check.py); lw (with muon=MODE): Muon under megatron-core's
+parameter all-gather. compile: train.compile=true (every transformer layer under torch.compile,
+models.build.compile_layers; compared with the eager references); bug=attnscale (negative
+control): the attention softmax scale 1 % off. lora: LoRA (rank 4, every linear layer, the
+base frozen; references keyed "lora/MODE"). muon=MODE: optim.name=muon with
+optim.muon.tp_mode=MODE (megatron-core's Muon, fp32 Newton-Schulz; references keyed
+"muon/MODE", tests/multirank/muon_check.py); lw (with muon=MODE): Muon under megatron-core's
 layer-wise distributed optimizer (optim.distributed_optimizer=true: each DP rank updates whole
 parameters of its own, then all-gathers the rest); muonref (1 process): also advance a copy of
 the parameters with the plain Muon + AdamW formulas (tests/muon_reference.py) and report
@@ -29,7 +33,7 @@ averaged over micro-batches and DP ranks) and "dpcp_count" (token counts reduced
 INV_IMAGES=1: MODEL_DIR takes images (tests/qwen3_5_tiny.build_qwen3_5_vl) and the batches
 hold images (tests/multirank/vision_batches.py), its vision tower trained; bug=mrope: packed
 rows restart M-RoPE positions one token late (negative control); the two controls above are
-not run. The flag `oneimage`: batches where only the last sequence has images (references
+not run (nor with INV_CONTROLS=0). The flag `oneimage`: batches where only the last sequence has images (references
 keyed "NAME/oneimage/MODE"), so that micro-batches, and at DP2 all of one rank's, have none;
 bug=notowerpass: text-only micro-batches skip the trained tower's zero pass
 (models.vision.tower.zero_pass), which with `ov` fails in megatron's finish_grad_sync: the
@@ -126,6 +130,18 @@ def moe_loss_overrides(spec: str) -> dict:
     return moe_overrides(cfg, {"model_type": "qwen3_moe"})
 
 
+def lora_overrides(spec: str, hf_config: dict) -> dict:
+    """The flag `lora`: LoRA rank 4, alpha 8 on every linear layer (model.lora.* through the
+    engine's own mapping, engine.config.lora_family), the base frozen; references keyed
+    "lora/MODE"."""
+    from engine.config.lora_family import family_spec
+
+    flags = spec.split(",")[5].split("+") if spec.count(",") >= 5 else []
+    if "lora" not in flags:
+        return {}
+    return {"lora": family_spec(hf_config, 4, 8.0, ["all-linear"], False, {}, {}, 0.0, 0)}
+
+
 def spec_options(spec: str) -> dict:
     """The spec's model settings (megatron TransformerConfig overrides, through the engine's
     own mapping), aggregation modes and injected bug."""
@@ -140,7 +156,10 @@ def spec_options(spec: str) -> dict:
                             recompute_num_layers=None)
     parallel = SimpleNamespace(tp=int(parts[0]), sequence_parallel="sp" in flags)
     modes = tuple(value["modes"].split("/")) if "modes" in value else MODES
-    return dict(overrides=megatron_overrides(parallel, train), modes=modes,
+    overrides = megatron_overrides(parallel, train)
+    if "compile" in flags:   # train.compile=true (models.build.compile_layers)
+        overrides["compile_layers"] = True
+    return dict(overrides=overrides, modes=modes,
                 bug=value.get("bug"), overlap=overlap_of(flags),
                 muon=value.get("muon") or ("duplicated" if "muonref" in flags else None),
                 muonref="muonref" in flags, muon_layer_wise="lw" in flags)
@@ -184,6 +203,12 @@ def inject_bug(state, bug: str | None):
         return lambda: setattr(tensor_parallel, "checkpoint", original)
     if bug == "expertgrad":
         return average_expert_grads(state)
+    if bug == "attnscale":  # the attention scale off by 1 % (relative)
+        for chunk in state.chunks:
+            for module in chunk.modules():
+                if type(module).__name__ == "SDPACoreAttention":
+                    module.scale *= 1.01
+        return lambda: None
     if bug == "nogather":  # handled by run_layout: parameters read before the gather
         return lambda: None
     if bug == "nolwgather":   # Muon's layer-wise optimizer without its parameter all-gather
@@ -336,6 +361,7 @@ def spec_key(spec: str, dense: tuple) -> str:
     """The reference key prefix of a spec: its model's, then "oneimage/", then "muon/"."""
     flags = spec.split(",")[5].split("+") if spec.count(",") >= 5 else []
     return (spec_model(spec, dense)[2] + ("oneimage/" if "oneimage" in flags else "")
+            + ("lora/" if "lora" in flags else "")
             + ("muon/" if any(f.startswith(("muon=", "muonref")) for f in flags) else ""))
 
 
@@ -370,6 +396,7 @@ def main():
         first_of_model = all(spec_key(s, dense) != key for s in specs[:i])
         opts = spec_options(spec)
         opts["overrides"].update(moe_loss_overrides(spec))
+        opts["overrides"].update(lora_overrides(spec, spec_config))
         setup_started = time.perf_counter()
         setup_model_parallel(ParallelLayout(world, **layout_kw))
         setup_s = round(time.perf_counter() - setup_started, 2)
@@ -414,7 +441,7 @@ def main():
                 print("RESULT " + json.dumps(out), flush=True)
     if making_ref:
         torch.save(new_ref, ref_file)
-    if world > 1 and not IMAGES:
+    if world > 1 and not IMAGES and os.environ.get("INV_CONTROLS", "1") == "1":
         controls = negative_controls(model_dir, hf_config, batches, world)
         if rank == 0:
             controls.update(world=world, reference_loss=(ref or new_ref)["token-mean"]["loss"][0])

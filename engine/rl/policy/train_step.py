@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from engine.config.compile_settings import compile_overrides
 from engine.config.fusion_settings import fusion_overrides
 from engine.config.model_settings import megatron_overrides
 from engine.config.moe_settings import moe_overrides
@@ -147,6 +148,6 @@ def build_auxiliary(cfg, hf_config: dict, dtype: torch.dtype, batching: BatchSet
             overlap=overlap_settings(cfg.parallel, megatron_distributed_optimizer(cfg.optim)),
             loss_chunk_tokens=cfg.train.loss_chunk_tokens or DEFAULT_LOSS_CHUNK_TOKENS,
             **megatron_overrides(cfg.parallel, cfg.train), **moe_overrides(cfg, hf_config),
-            **fusion_overrides(cfg, hf_config))
+            **fusion_overrides(cfg, hf_config), **compile_overrides(cfg))
         aux.critic.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps)
     return aux

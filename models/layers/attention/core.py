@@ -28,8 +28,10 @@ def _repeat_kv(x: torch.Tensor, times: int, head_dim_index: int) -> torch.Tensor
 
 def causal_attention_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           scale: float) -> torch.Tensor:
-    """Causal SDPA on [b, h, s, d] tensors (kv heads already repeated)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    """Causal SDPA on [b, h, s, d] tensors; k and v may hold fewer heads than q (GQA: each kv
+    head serves h / kv consecutive query heads, SDPA's own `enable_gqa`)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -64,6 +66,20 @@ class SDPACoreAttention(MegatronModule):
         # gpt-oss: learned sinks (softmax_type learnable) and sliding windows (window_size)
         self.window_left = layer_window(config, layer_number)
         self.register_parameter("softmax_offset", make_sinks(config))
+        # GQA by SDPA itself instead of repeating K/V (set by models.build.compile_layers for
+        # compiled layers; off, eager keeps its K/V repeat: the same forward, but K/V gradients
+        # summed over each group in another order, so eager stays bitwise as it was)
+        self.native_gqa = False
+        # packed rows' attention; models.build.compile_layers wraps it in torch.compiler.disable
+        # (eager inside a compiled layer: its loop over the host's segment bounds would be
+        # traced into a graph per set of bounds)
+        self.packed_attention = packed_causal_attention
+
+    def _kv_repeat(self, query, key, head_dim_index: int) -> int:
+        """How many times to repeat each kv head: 1 when SDPA's own GQA will serve them."""
+        if self.native_gqa and self._attend() is None:
+            return 1
+        return query.shape[head_dim_index] // key.shape[head_dim_index]
 
     def _attend(self) -> Attend | None:
         """The sink / window attention of this layer, or None: plain causal SDPA."""
@@ -85,13 +101,13 @@ class SDPACoreAttention(MegatronModule):
             return ulysses.ulysses_attention(query, key, value, self.scale, packed_seq_params,
                                              attend=self._attend())
         if packed:
-            rep = query.shape[1] // key.shape[1]
+            rep = self._kv_repeat(query, key, 1)
             key, value = _repeat_kv(key, rep, 1), _repeat_kv(value, rep, 1)
-            out = packed_causal_attention(query, key, value,
-                                          host_cu_seqlens(packed_seq_params, padded=False),
-                                          self.scale, self._attend())
+            out = self.packed_attention(query, key, value,
+                                        host_cu_seqlens(packed_seq_params, padded=False),
+                                        self.scale, self._attend())
             return out.reshape(out.shape[0], -1)
-        rep = query.shape[2] // key.shape[2]
+        rep = self._kv_repeat(query, key, 2)
         key, value = _repeat_kv(key, rep, 2), _repeat_kv(value, rep, 2)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, h, s, d]
         attend = self._attend()
