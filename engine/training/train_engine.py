@@ -24,8 +24,6 @@ from typing import Callable, Sequence
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from engine.training.comm_overlap import (OverlapSettings, ddp_config, finish_param_gather,
                                           install_schedule_hooks, p2p_overrides)
@@ -34,11 +32,11 @@ from engine.training.ddp_release import clear_megatron_caches, release_ddp
 from engine.training.loss import GlobalLossNormalizer
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
 from engine.training.micro_batches import MicroBatch, SequenceData
-from engine.training.muon import (build_muon_optimizer, layer_wise_muon,
-                                  megatron_distributed_optimizer, muon_config_kwargs)
+from engine.training.muon import megatron_distributed_optimizer
 from engine.training.mtp import (MTP_REPORT_KEYS, MTPTraining, exclude_from_grad_norm,
                                  mtp_metrics)
 from engine.training.nonfinite import NonFiniteGuard, guarded_optimizer_step
+from engine.training.optimizers import build_optimizer, build_scheduler
 from engine.training.rank_batch import build_rank_batch
 from engine.training.router_losses import RouterLosses
 from engine.training.routing import RoutingReplay
@@ -97,34 +95,6 @@ def mark_expert_params(chunks: list) -> int:
                     param.allreduce = False
                     marked += 1
     return marked
-
-
-def _optimizer(chunks: list, optim_cfg, dtype: torch.dtype):
-    """megatron-core's AdamW (optim.name=adamw) or Muon with AdamW for the non-matrix
-    parameters (optim.name=muon: engine.training.muon), for every objective."""
-    config = OptimizerConfig(
-        optimizer="adam", lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
-        weight_decay=optim_cfg.weight_decay, adam_beta1=optim_cfg.betas[0],
-        adam_beta2=optim_cfg.betas[1], adam_eps=optim_cfg.eps, clip_grad=optim_cfg.clip_grad,
-        bf16=dtype == torch.bfloat16, params_dtype=dtype,
-        use_distributed_optimizer=megatron_distributed_optimizer(optim_cfg))
-    if getattr(optim_cfg, "name", "adamw") != "muon":
-        return get_megatron_optimizer(config, chunks)
-    for key, value in muon_config_kwargs(optim_cfg.muon).items():
-        setattr(config, key, value)
-    return build_muon_optimizer(chunks, config, layer_wise=layer_wise_muon(optim_cfg))
-
-
-def _scheduler(optimizer, optim_cfg, total_steps: int) -> OptimizerParamScheduler:
-    decay_steps = max(total_steps, optim_cfg.warmup_steps + 1)
-    cosine = optim_cfg.schedule == "cosine"
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if optim_cfg.warmup_steps else optim_cfg.lr,
-        max_lr=optim_cfg.lr, min_lr=optim_cfg.min_lr if cosine else optim_cfg.lr,
-        lr_warmup_steps=optim_cfg.warmup_steps, lr_decay_steps=decay_steps,
-        lr_decay_style="cosine" if cosine else "constant",
-        start_wd=optim_cfg.weight_decay, end_wd=optim_cfg.weight_decay,
-        wd_incr_steps=decay_steps, wd_incr_style="constant")
 
 
 @dataclass
@@ -215,8 +185,8 @@ class TrainEngine:
         install_schedule_hooks(chunks, overlap)
         for c in chunks:
             c.broadcast_params()
-        optimizer = _optimizer(chunks, optim_cfg, dtype)
-        return cls(chunks, optimizer, _scheduler(optimizer, optim_cfg, total_steps), hf_config,
+        optimizer = build_optimizer(chunks, optim_cfg, dtype)
+        return cls(chunks, optimizer, build_scheduler(optimizer, optim_cfg, total_steps), hf_config,
                    batching, pad_id, loss_chunk_tokens=loss_chunk_tokens, mtp=mtp)
 
     @classmethod

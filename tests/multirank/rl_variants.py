@@ -76,15 +76,15 @@ class SharedEngine:
         import torch
 
         from engine.training.nonfinite import NonFiniteGuard
-        from engine.training.train_engine import _optimizer, _scheduler
+        from engine.training.optimizers import build_optimizer, build_scheduler
 
         with torch.no_grad():
             for chunk, saved in zip(self.state.chunks, self.snapshot):
                 for p, s in zip(chunk.parameters(), saved):
                     p.copy_(s)
-        optimizer = _optimizer(self.state.chunks, self.optim, torch.float32)
+        optimizer = build_optimizer(self.state.chunks, self.optim, torch.float32)
         return self.replace(self.state, optimizer=optimizer, guard=NonFiniteGuard(),
-                            scheduler=_scheduler(optimizer, self.optim, VARIANT_STEPS))
+                            scheduler=build_scheduler(optimizer, self.optim, VARIANT_STEPS))
 
 
 def run_variant(shared: SharedEngine, table, variant, batch, temperature):
