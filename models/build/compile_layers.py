@@ -4,19 +4,17 @@
 chunks of this rank (the decoder's layers of each GPTModel chunk; MTP layers and vision towers
 stay eager):
 
-- a dense layer is compiled whole (`nn.Module.compile`: the layer's own forward, norms,
-  attention, RoPE (megatron's, its cos and sin computed per layer inside the region), MLP and
-  residual adds in one region; packed rows' attention, whose loop over the host's segment
-  bounds is wrapped in torch.compiler.disable, splits it in two);
+- every layer compiles its norms, its core attention (RoPE is applied before it, by
+  megatron's attention module, eager) with its q/k norms, and an MoE layer's router, each a
+  region of its own; megatron's linears and the MLP activation between them stay eager, as do
+  an MoE layer's experts (models.layers.experts.grouped: one grouped GEMM) and its token
+  dispatcher. The linears cannot be traced: their autograd functions start tensor-parallel
+  collectives in the backward and, with the fp32 weight-gradient accumulation every trained
+  model has (models.build.wgrad_fp32), assign `weight.main_grad` there, a side effect dynamo
+  refuses (a whole layer compiled then broke at every linear);
 - its SDPA core attention (models.layers.attention.core) serves grouped KV heads with SDPA's
-  own `enable_gqa` instead of repeating K and V (`native_gqa`);
-- an MoE layer compiles its norms, its attention and its router, each a region of its own,
-  while its experts (models.layers.experts.grouped: one grouped GEMM) and the token dispatcher
-  (all-to-all and permutation with host-known split sizes) stay eager;
-- with tensor parallelism (tp > 1) megatron's TP linears do not trace (their backward starts
-  asynchronous collectives): the engine compiles the norms, the core attention (and an MoE
-  layer's router) as regions of their own, the linears and their collectives eager between
-  them.
+  own `enable_gqa` instead of repeating K and V (`native_gqa`); packed rows' attention, whose
+  loop over the host's segment bounds is wrapped in torch.compiler.disable, stays eager.
 
 Shapes: torch's automatic dynamic shapes: a region is first compiled for the shapes it meets;
 when a micro-batch's length differs it is compiled once more with symbolic sizes, and no more
@@ -104,21 +102,20 @@ def _layers(chunk) -> list:
 
 
 def _regions(layer) -> list[torch.nn.Module]:
-    """What to compile of one layer: the layer itself; for an MoE layer its norms, its
-    attention and its router (the experts stay on their grouped GEMM); with tensor
-    parallelism (the linears' autograd functions start asynchronous collectives in their
-    backward, which dynamo cannot trace: traced, every linear and RoPE call became a frame of
-    its own, recompiled per weight shape) the norms, the core attention and the router, the
-    TP linears eager between them. A region without parameters or computation (megatron's
-    IdentityOp) is left out, except the core attention."""
+    """What to compile of one layer: its norms, its core attention (with its q/k norms) and an
+    MoE layer's router, each a region of its own; megatron's linears stay eager between them
+    (and an MoE layer's experts on their grouped GEMM). The linears' autograd functions do not
+    trace: their backward starts tensor-parallel collectives and, with the fp32 weight-gradient
+    accumulation every trained model has (models.build.wgrad_fp32, megatron's
+    gradient_accumulation_fusion), assigns `weight.main_grad`, a side effect dynamo refuses:
+    traced, every linear became a graph break (37 in one 2-layer step). A region without
+    parameters or computation (megatron's IdentityOp) is left out, except the core
+    attention."""
     attention = layer.self_attention
-    tp = getattr(layer.config, "tensor_model_parallel_size", 1) > 1
     moe = getattr(layer, "is_moe_layer", False)
-    if not moe and not tp:
-        return [layer]
     core = getattr(attention, "core_attention", None)   # none: a linear-attention mixer
-    parts = ([core, getattr(attention, "q_layernorm", None),
-              getattr(attention, "k_layernorm", None)] if tp else [attention])
+    parts = [core, getattr(attention, "q_layernorm", None),
+             getattr(attention, "k_layernorm", None)] if core is not None else []
     regions = [layer.input_layernorm, *parts, layer.pre_mlp_layernorm]
     if moe:
         regions.append(layer.mlp.router)

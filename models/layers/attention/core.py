@@ -31,7 +31,7 @@ def causal_attention_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal SDPA on [b, h, s, d] tensors; k and v may hold fewer heads than q (GQA: each kv
     head serves h / kv consecutive query heads, SDPA's own `enable_gqa`)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+                                          enable_gqa=bool(k.shape[1] != q.shape[1]))
 
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
