@@ -16,9 +16,12 @@ and 5 tokens in one row), in two modes:
   engine:   as the engine builds it (host boundaries, gather RoPE, argsort permutation,
             sync-free dispatcher at tp x ep = 1);
   megatron: the negative control, megatron's code paths restored (a plain PackedSeqParams,
-            megatron's thd RoPE, masked_select permutation, the dispatcher's D2H copy/sync and
+            megatron's thd and bshd RoPE, masked_select permutation, the dispatcher's D2H copy/sync and
             chunk sort).
-One RESULT line each: {"model", "mode", "syncs", "sites": {site: count}, "logits", "grads"}
+One RESULT line each: {"model", "mode", "syncs", "sites": {site: count}, "cos", "logits",
+"grads"} ("cos": torch.cos calls, RoPE's tables: once per micro-batch in engine mode,
+models.layers.attention.rope_tables; per layer, for queries and keys, per sequence in
+megatron's)
 ("logits"/"grads": max |engine - megatron|, the same forward/backward, must be 0: fp32
 bitwise). Then the grad norm of the MoE model's gradients with megatron's get_grad_norm_fp32 and
 the clip scale (engine.training.grad_norm installed, then megatron's local stand-ins):
@@ -68,14 +71,17 @@ def _tensors_in(values) -> int:
 
 
 class SyncCounter(TorchFunctionMode):
-    """Counts SYNC_OPS calls (and `count_copy` calls) by caller site while active."""
+    """Counts SYNC_OPS calls (and `count_copy` calls) by caller site while active, and the
+    `torch.cos` calls (RoPE's cos tables) in `cos`."""
 
     def __init__(self):
         super().__init__()
         self.sites = collections.Counter()
+        self.cos = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        self.cos += name == "cos"
         if name in SYNC_OPS:
             self.sites[f"{name} @ {_site()}"] += 1
         elif name == "tensor" and args and isinstance(args[0], (list, tuple)):
@@ -101,13 +107,17 @@ def _set_mode(mode: str, chunk) -> None:
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer.moe import token_dispatcher
 
-    from models.layers.attention import packed_rope
+    from models.layers.attention import packed_rope, rope_tables
     from models.layers.experts import sync_free
 
     engine = mode == "engine"
     rope_utils._apply_rotary_pos_emb_thd = (packed_rope.apply_thd if engine
                                             else packed_rope.megatron_thd())
-    token_dispatcher.permute = sync_free.permute if engine else sync_free._MEGATRON_PERMUTE
+    rope_utils._apply_rotary_pos_emb_bshd = (rope_tables.apply_bshd if engine
+                                             else rope_tables.megatron_bshd())
+    rope_tables.clear()
+    own = engine and not sync_free.MEGATRON_PERMUTE_IS_SYNC_FREE  # >= 0.17 is megatron's own
+    token_dispatcher.permute = sync_free.permute if own else sync_free._MEGATRON_PERMUTE
     dispatchers = [getattr(m, "token_dispatcher", None) for m in chunk.modules()]
     for d in dispatchers:
         if isinstance(d, sync_free.SyncFreeAlltoAllDispatcher):
@@ -154,7 +164,7 @@ def forward_backward(chunk, cfg: dict, mode: str):
     finally:
         token_dispatcher.maybe_move_tensor_to_cpu = move
     grads = {k: p.grad.clone() for k, p in chunk.named_parameters() if p.grad is not None}
-    return counter.sites, logits.detach(), grads
+    return counter, logits.detach(), grads
 
 
 def model_cases(name: str, hf_dir: str) -> dict:
@@ -168,10 +178,12 @@ def model_cases(name: str, hf_dir: str) -> dict:
     runs = {mode: forward_backward(chunk, cfg, mode) for mode in ("engine", "megatron")}
     _set_mode("engine", chunk)
     _, ref_logits, ref_grads = runs["megatron"]
-    for mode, (sites, logits, grads) in runs.items():
+    for mode, (counter, logits, grads) in runs.items():
         diff = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
+        sites = counter.sites
         print("RESULT " + json.dumps({
             "model": name, "mode": mode, "syncs": sum(sites.values()), "sites": dict(sites),
+            "cos": counter.cos,
             "logits": (logits - ref_logits).abs().max().item(),
             "grads": diff if set(grads) == set(ref_grads) else float("inf")}), flush=True)
     return runs["engine"][2]

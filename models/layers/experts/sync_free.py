@@ -25,15 +25,21 @@ counts read them themselves: SequentialMLP's forward and the padded-bmm fallback
 experts call `.tolist()` (one sync per layer on those paths only).
 
 `install()` (idempotent) points megatron's dispatcher module at `permute` and its MoE layer at
-`SyncFreeAlltoAllDispatcher`.
+`SyncFreeAlltoAllDispatcher`. Megatron-core >= 0.17 ships the argsort permutation itself (its
+`permute` takes `tokens_per_expert` and answers five values): there `permute` stays megatron's
+(`MEGATRON_PERMUTE_IS_SYNC_FREE`), and only the dispatcher is replaced.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 from megatron.core.transformer.moe import moe_layer, moe_utils, token_dispatcher
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 _MEGATRON_PERMUTE = moe_utils.permute
+# megatron-core >= 0.17: argsort-based, five results (pad offsets, padded counts) - keep it.
+MEGATRON_PERMUTE_IS_SYNC_FREE = "tokens_per_expert" in inspect.signature(_MEGATRON_PERMUTE).parameters
 
 
 def argsort_permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None,
@@ -96,6 +102,8 @@ class SyncFreeAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
 
 def install() -> None:
     """Idempotent: megatron's all-to-all dispatch permutes with `permute`, and its MoE layers
-    build `SyncFreeAlltoAllDispatcher`."""
-    token_dispatcher.permute = permute
+    build `SyncFreeAlltoAllDispatcher`; megatron's own `permute` stays where it is already
+    sync-free (megatron-core >= 0.17, module docstring)."""
+    if not MEGATRON_PERMUTE_IS_SYNC_FREE:
+        token_dispatcher.permute = permute
     moe_layer.MoEAlltoAllTokenDispatcher = SyncFreeAlltoAllDispatcher
