@@ -74,6 +74,10 @@ def test_packed_forward_backward_has_no_host_sync(rows, model):
     assert row["syncs"] == 0, row["sites"]
     # the same numbers as megatron's paths, bitwise
     assert row["logits"] == 0.0 and row["grads"] == 0.0, row
+    # RoPE's cos table once per micro-batch (models.layers.attention.rope_tables); megatron's
+    # RoPE computes it for queries and for keys in every layer
+    assert row["cos"] == 1, row
+    assert _model(rows, model, "megatron")["cos"] == 2 * LAYERS
 
 
 def test_negative_control_counts_the_removed_syncs(rows):

@@ -20,7 +20,7 @@ from models.lora.adapters import LoraSpec
 from models.lora.sites import apply_lora
 from models.layers.experts import compat as moe_compat
 from models.layers.experts import sync_free as moe_sync_free
-from models.layers.attention import packed_rope
+from models.layers.attention import packed_rope, rope_tables
 from models.layers.attention.rope import install_rope
 from models.layers.biased_experts.fused import lora_row_orders as expert_lora_row_orders
 from models.layers.mla.mapping import lora_row_orders
@@ -129,11 +129,13 @@ def _adapt(chunks: list, hf_config: dict, lora: LoraSpec | None, compile_layers:
 
 
 def _install_megatron_fixes() -> None:
-    """megatron-core's MoE without Transformer Engine (models.layers.experts.compat), and its
-    MoE dispatch and packed RoPE without host syncs (experts.sync_free, attention.packed_rope)."""
+    """megatron-core's MoE without Transformer Engine (models.layers.experts.compat), its MoE
+    dispatch and packed RoPE without host syncs (experts.sync_free, attention.packed_rope), and
+    RoPE's cos/sin tables once per micro-batch (attention.rope_tables)."""
     moe_compat.install()
     moe_sync_free.install()
     packed_rope.install()
+    rope_tables.install()
 
 
 def _model_class(vision: bool, mtp: bool) -> type:

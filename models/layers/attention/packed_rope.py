@@ -6,8 +6,10 @@ attention runs without Transformer Engine) reads the sequence lengths back from 
 splits the tokens per sequence, slices each one's angles and concatenates them: a host sync for
 queries and another for keys, in every layer of every micro-batch. `apply_thd` computes the same
 angles for every token on the device instead (`thd_angle_index`: a searchsorted over the
-boundaries) and applies them with megatron's own `_apply_rotary_pos_emb_bshd`, so the result is
-the same tensor, bitwise; `install()` puts it in megatron's place (idempotent).
+boundaries) and applies them with megatron's own rotation, so the result is the same tensor,
+bitwise; `install()` puts it in megatron's place (idempotent). The gathered cos/sin rows are
+computed once per micro-batch and shared by every layer's queries and keys
+(models.layers.attention.rope_tables).
 
 Token t of sequence i (full length L_i, boundaries cu_seqlens of the full row; this CP rank holds
 L_i / cp of its tokens, o = t's offset among them) takes the angles of position
@@ -17,11 +19,16 @@ L_i / cp of its tokens, o = t's offset among them) takes the angles of position
 plus cu_seqlens[i] when the table covers the whole row (freqs.size(0) == the row's length, the
 case megatron maps by offset: M-RoPE angles per token, models.vision.rope). As in megatron, every
 L_i must be a multiple of cp (of 2cp for cp > 1); the row's length is the local tokens times cp.
+
+Megatron-core 0.17+ renamed the MLA flag (`mla_rotary_interleaved`; `multi_latent_attention`
+deprecated, moved behind cp_group): `apply_thd` takes both names.
 """
 from __future__ import annotations
 
 import torch
 from megatron.core.models.common.embeddings import rope_utils
+
+from models.layers.attention import rope_tables
 
 _MEGATRON_THD = rope_utils._apply_rotary_pos_emb_thd
 
@@ -47,19 +54,22 @@ def thd_angle_index(cu_seqlens: torch.Tensor, tokens: int, cp_size: int, cp_rank
 
 
 def apply_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
-              rotary_interleaved: bool = False, multi_latent_attention: bool = False,
-              mscale: float = 1.0, cp_group=None) -> torch.Tensor:
-    """Megatron's `_apply_rotary_pos_emb_thd` (same signature and result): t [tokens, h, d],
-    freqs [S, 1, 1, d] -> t with RoPE, every token's angles gathered on the device."""
+              rotary_interleaved: bool = False, mla_rotary_interleaved: bool = False,
+              mscale: float = 1.0, cp_group=None,
+              multi_latent_attention: bool | None = None) -> torch.Tensor:
+    """Megatron's `_apply_rotary_pos_emb_thd` (its 0.16 and 0.17+ signatures: the MLA flag is
+    the fifth argument under either name; same result): t [tokens, h, d], freqs [S, 1, 1, d]
+    -> t with RoPE, every token's angles gathered on the device."""
     if cp_group is None:
         raise ValueError("cp_group must be provided for THD format RoPE")
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     whole_row = freqs.dim() >= 1 and freqs.size(0) == t.size(0) * cp_size
-    index = thd_angle_index(cu_seqlens, t.size(0), cp_size, cp_rank, whole_row)
-    return rope_utils._apply_rotary_pos_emb_bshd(
-        t.unsqueeze(1), freqs.index_select(0, index.to(freqs.device)),
-        rotary_interleaved=rotary_interleaved, multi_latent_attention=multi_latent_attention,
-        mscale=mscale).squeeze(1)
+    cos, sin = rope_tables.gathered(
+        freqs, t.dtype, mscale, cu_seqlens,
+        lambda: thd_angle_index(cu_seqlens, t.size(0), cp_size, cp_rank, whole_row),
+        (t.size(0), cp_size, cp_rank, whole_row))
+    return rope_tables.rotate(t.unsqueeze(1), cos, sin, rotary_interleaved,
+                              bool(mla_rotary_interleaved or multi_latent_attention)).squeeze(1)
 
 
 def install() -> None:
