@@ -107,7 +107,10 @@ MUON_SPECS = {
         f"1,1,0,1,3,muon=duplicated+lw+bug=nolwgather+{MUON}"],
     4: [f"2,1,0,1,8,sp+muon=duplicated+lw+{MUON}", f"1,1,0,1,2,moe+ep=2+muon=duplicated+lw+{MUON}"],
 } if MUON_RUNS else {}
-for _extra in (MOE_SPECS, OVERLAP_SPECS, MUON_SPECS):
+# optim.fused=true (torch's fused AdamW under megatron's distributed optimizer,
+# engine.training.fused_adamw) at DP2 with GA, against the unfused single process.
+FUSED_SPECS = {2: ["1,1,0,1,3,fused+modes=token-mean"]}
+for _extra in (MOE_SPECS, OVERLAP_SPECS, MUON_SPECS, FUSED_SPECS):
     for _world, _specs in _extra.items():
         LAUNCHES[_world] = LAUNCHES[_world] + _specs
 

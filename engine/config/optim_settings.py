@@ -17,6 +17,8 @@ docs/optimizers.md). Implemented by engine.training.muon (megatron-core's own Mu
   Transformer Engine's attention and clips only multi-latent attention; this engine's attention
   is megatron's local one on every family it trains without Transformer Engine.
 
+- `optim.fused`: null (default) | true | false: torch's fused AdamW kernel for every AdamW of
+  the run: null = on when the parameters are on CUDA (engine.training.fused_adamw).
 - `optim.distributed_optimizer` with `optim.name=muon`: true (the default) selects
   megatron-core's layer-wise distributed optimizer (`LayerWiseDistributedOptimizer`: whole
   parameters, Muon's and AdamW's, dealt to the data-parallel x context-parallel ranks by size,
@@ -67,6 +69,8 @@ class OptimConfig:
     eps: float = 1e-8
     schedule: str = "cosine"     # cosine | constant
     distributed_optimizer: bool = True
+    # torch's fused AdamW kernel: null = on when the parameters are on CUDA (engine.training.fused_adamw)
+    fused: bool | None = None
     # adamw | muon, Muon's keys and MuonClip (module docstring, docs/optimizers.md)
     name: str = "adamw"
     muon: MuonConfig = field(default_factory=MuonConfig)

@@ -1,13 +1,14 @@
 """The optimizer and LR schedule of the optim.* keys (`build_optimizer`, `build_scheduler`),
 for every objective's TrainEngine (engine.training.train_engine): megatron-core's AdamW, or
 megatron-core's Muon with AdamW for the non-matrix parameters (engine.training.muon,
-docs/optimizers.md)."""
+docs/optimizers.md); torch's fused AdamW kernel per optim.fused (engine.training.fused_adamw)."""
 from __future__ import annotations
 
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from engine.training.fused_adamw import use_fused
 from engine.training.muon import (build_muon_optimizer, layer_wise_muon,
                                   megatron_distributed_optimizer, muon_config_kwargs)
 
@@ -22,10 +23,13 @@ def build_optimizer(chunks: list, optim_cfg, dtype: torch.dtype):
         bf16=dtype == torch.bfloat16, params_dtype=dtype,
         use_distributed_optimizer=megatron_distributed_optimizer(optim_cfg))
     if getattr(optim_cfg, "name", "adamw") != "muon":
-        return get_megatron_optimizer(config, chunks)
-    for key, value in muon_config_kwargs(optim_cfg.muon).items():
-        setattr(config, key, value)
-    return build_muon_optimizer(chunks, config, layer_wise=layer_wise_muon(optim_cfg))
+        optimizer = get_megatron_optimizer(config, chunks)
+    else:
+        for key, value in muon_config_kwargs(optim_cfg.muon).items():
+            setattr(config, key, value)
+        optimizer = build_muon_optimizer(chunks, config, layer_wise=layer_wise_muon(optim_cfg))
+    use_fused(optimizer, getattr(optim_cfg, "fused", None))   # torch's fused AdamW: optim.fused
+    return optimizer
 
 
 def build_scheduler(optimizer, optim_cfg, total_steps: int) -> OptimizerParamScheduler:

@@ -162,7 +162,8 @@ def spec_options(spec: str) -> dict:
     return dict(overrides=overrides, modes=modes,
                 bug=value.get("bug"), overlap=overlap_of(flags),
                 muon=value.get("muon") or ("duplicated" if "muonref" in flags else None),
-                muonref="muonref" in flags, muon_layer_wise="lw" in flags)
+                muonref="muonref" in flags, muon_layer_wise="lw" in flags,
+                fused="fused" in flags)
 
 
 def overlap_of(flags: list[str]):
@@ -250,7 +251,7 @@ def average_expert_grads(state):
 
 
 def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=None,
-               overlap=None, muon=None, muonref=False, muon_layer_wise=False):
+               overlap=None, muon=None, muonref=False, muon_layer_wise=False, fused=False):
     """3 steps from the HF weights under the current parallel state (set up once per layout:
     creating megatron's process groups is the slowest part of a gloo launch)."""
     import torch
@@ -266,10 +267,15 @@ def run_layout(model_dir, hf_config, train, mode, batches, overrides=None, bug=N
                             distributed_optimizer=True)
     from tests.multirank.muon_check import FormulaCheck, check_step, muon_optim
     optim = muon_optim(optim, muon, layer_wise=muon_layer_wise) if muon else optim
+    optim.fused = True if fused else None   # torch's fused AdamW (engine.training.fused_adamw)
     vision = {"train_vision": True} if IMAGES else {}
     state = TrainEngine.build(hf_config, optim, torch.float32, STEPS, train,
                               weights_dir=model_dir, overlap=overlap,
                               loss_chunk_tokens=LOSS_CHUNK_TOKENS, **(overrides or {}), **vision)
+    if fused:   # the flag reached every torch AdamW of megatron's optimizer
+        from engine.training.fused_adamw import torch_adams
+        adams = torch_adams(state.optimizer)
+        assert adams and all(g["fused"] for o in adams for g in o.param_groups), "not fused"
     normalizer = GlobalLossNormalizer(mode, HORIZON, True, group=ps.get_data_parallel_group())
     check = FormulaCheck(state, optim) if muonref else None
     losses, norms = [], []
@@ -408,7 +414,8 @@ def main():
                 losses, norms, params = run_layout(spec_dir, spec_config, train, mode, data,
                                                    opts["overrides"], opts["bug"],
                                                    opts["overlap"], opts["muon"],
-                                                   opts["muonref"], opts["muon_layer_wise"])
+                                                   opts["muonref"], opts["muon_layer_wise"],
+                                                   opts["fused"])
             except AssertionError as e:   # bug=notowerpass: the crash it stands for
                 if opts["bug"] != "notowerpass":
                     raise

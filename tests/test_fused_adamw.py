@@ -1,0 +1,81 @@
+"""optim.fused (engine.training.fused_adamw): torch's fused AdamW switched on inside megatron's
+optimizer. Here on plain torch AdamWs wrapped the way megatron wraps them (a chained optimizer
+of optimizers holding a torch one): fused on request on the CPU, off by default there (null:
+CUDA only), the update within fp32 rounding of foreach AdamW (the measured worst is asserted
+and printed), the run's own setting back after a checkpoint load from a run with the other
+setting, a refusal by name for a device without the kernel. Megatron's real distributed
+optimizer with optim.fused=true against the unfused single process: tests/test_sft_invariance.py
+(flag `fused`)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.training.fused_adamw import torch_adams, use_fused
+
+
+def _megatron_like(params: list[torch.nn.Parameter]):
+    adam = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    return SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=adam)]), adam
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen))
+            for shape in ((64, 32), (32,), (7, 5, 3))]
+
+
+def _steps(adam, params, steps: int, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        adam.step()
+
+
+def test_fused_on_request_within_rounding_of_foreach():
+    ref_params, params = _params(), _params()
+    ref_wrapper, ref_adam = _megatron_like(ref_params)
+    wrapper, adam = _megatron_like(params)
+    assert use_fused(ref_wrapper, None) == 0          # null: CUDA only; these are CPU tensors
+    assert use_fused(wrapper, True) == 1 and torch_adams(wrapper) == [adam]
+    _steps(ref_adam, ref_params, 5)
+    _steps(adam, params, 5)
+    assert all(g["fused"] for g in adam.param_groups)
+    assert not any(g["fused"] for g in ref_adam.param_groups)
+    rel = max(((p - r).norm() / r.norm()).item() for p, r in zip(params, ref_params))
+    moved = max(((p - q).norm() / q.norm()).item() for p, q in zip(params, _params()))
+    print(f"fused vs foreach AdamW after 5 steps: max rel {rel:.2e} (moved {moved:.2e})")
+    assert rel <= 1e-6 and moved > 1e-2
+
+
+@pytest.mark.parametrize("saved,resumed", [(True, False), (False, True)])
+def test_a_resumed_run_keeps_its_own_setting(saved, resumed):
+    """A checkpoint carries the saving run's param groups (fused flag included); the resumed
+    run's setting wins at the next step, with the same step counters."""
+    params = _params()
+    wrapper, adam = _megatron_like(params)
+    use_fused(wrapper, saved)
+    _steps(adam, params, 3)
+    state = adam.state_dict()
+    params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    wrapper2, adam2 = _megatron_like(params2)
+    use_fused(wrapper2, resumed)
+    adam2.load_state_dict(state)
+    assert all(g["fused"] is saved for g in adam2.param_groups)   # what torch loaded
+    for s in adam2.state.values():    # as megatron's loaders leave them: host numbers
+        s["step"] = float(s["step"])
+    _steps(adam2, params2, 1, seed=9)
+    assert all(g["fused"] is resumed for g in adam2.param_groups)
+    assert {float(s["step"]) for s in adam2.state.values()} == {4.0}
+    assert all(torch.is_tensor(s["step"]) and s["step"].dtype == torch.float32
+               for s in adam2.state.values())
+
+
+def test_a_device_without_the_kernel_is_refused_by_name():
+    wrapper, _ = _megatron_like([torch.nn.Parameter(torch.zeros(3, device="meta"))])
+    with pytest.raises(ValueError, match=r"optim.fused=true: .* on meta"):
+        use_fused(wrapper, True)
+    assert use_fused(wrapper, False) == 0
