@@ -53,6 +53,8 @@ def test_tables_recomputed_for_new_or_changed_angles():
     other = freqs.clone()                              # equal values, another tensor
     rope_tables.apply_bshd(t, other)
     assert rope_tables._TABLES.misses == 4
+    del other                                          # freed: its tables go with it
+    assert rope_tables._TABLES._value is None
     # negative control: a cache keyed on shape alone would have served the stale tables
     stale = rope_tables.rotate(t, *(x.to(t.dtype) for x in (torch.cos(freqs / 2),
                                                              torch.sin(freqs / 2))), False, False)

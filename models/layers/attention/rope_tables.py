@@ -35,7 +35,8 @@ MLA_FLAG = ("mla_rotary_interleaved" if "mla_rotary_interleaved"
 
 class _OneEntry:
     """The last value computed for one key, valid while the same anchor tensors (held weakly:
-    identity, never kept alive) are given again."""
+    identity, never kept alive) are given again; dropped as soon as an anchor is freed, so no
+    table outlives its angles (e.g. on a GPU while the model sleeps)."""
 
     def __init__(self) -> None:
         self._refs: tuple = ()
@@ -43,14 +44,22 @@ class _OneEntry:
         self._value = None
         self.misses = 0   # computations (tests count them)
 
+    def _drop(self, ref=None) -> None:
+        """Forget the entry (`ref`: a freed anchor's reference; one of an older entry is
+        ignored)."""
+        if ref is None or any(ref is r for r in self._refs):
+            self._refs, self._key, self._value = (), (), None
+
     def get(self, anchors: tuple, key: tuple, compute: Callable):
-        if (len(self._refs) == len(anchors) and self._key == key
+        if (self._refs and len(self._refs) == len(anchors) and self._key == key
                 and all(r() is a for r, a in zip(self._refs, anchors))):
             return self._value
         self.misses += 1
-        self._value = compute()
-        self._refs, self._key = tuple(weakref.ref(a) for a in anchors), key
-        return self._value
+        self._drop()
+        value = compute()
+        self._refs = tuple(weakref.ref(a, self._drop) for a in anchors)
+        self._key, self._value = key, value
+        return value
 
 
 _TABLES = _OneEntry()
