@@ -25,6 +25,7 @@ evaluates the same formula in another order); tests/test_fused_adamw.py measures
 from __future__ import annotations
 
 import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 _TORCH_ADAM = (torch.optim.AdamW, torch.optim.Adam)
 
@@ -45,7 +46,6 @@ def _params(opt) -> list[torch.Tensor]:
 
 def fused_supported(opt) -> str | None:
     """None when torch's fused AdamW kernel takes every parameter of `opt`, else why not."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
     devices = set(_get_fused_kernels_supported_devices())
     for p in _params(opt):
         if p.device.type not in devices or not p.is_floating_point():
