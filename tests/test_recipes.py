@@ -76,10 +76,14 @@ def test_memory_estimate_by_hand_llama8b_tp2_dp4():
     assert mem.optimizer == pytest.approx(per_rank * 12 / 4 / GIB)
     act = 2 * t * (4 * h + (q + 2 * q + q + 2 * kv + 3 * ffn) / 2)
     assert mem.activations == pytest.approx(layers * act / GIB)
-    # the chunked loss head (train.loss_chunk_tokens 1024): three fp32 [1024, V/2] buffers
-    # and the output weight's gradient in fp32 plus its bf16 cast
-    assert mem.logits == pytest.approx((12 * 1024 * vocab / 2 + vocab / 2 * h * 6) / GIB)
-    assert mem.total == pytest.approx(51.36, abs=0.01)
+    # the chunked loss head (train.loss_chunk_tokens 1024): three fp32 [1024, V/2] buffers;
+    # the bf16 output weight's gradient goes straight into DDP's fp32 main_grad (in grads)
+    assert mem.logits == pytest.approx(12 * 1024 * vocab / 2 / GIB)
+    assert mem.total == pytest.approx(51.36 - vocab / 2 * h * 6 / GIB, abs=0.01)   # 49.89
+    # fp32 weights: the head returns its fp32 [V/2, h] weight gradient to autograd
+    fp32 = estimate_memory(hf, ParallelLayout(8, tp=2), cfg.train, bf16=False,
+                           distributed_optimizer=True, micro_batches=32)
+    assert fp32.logits == pytest.approx((12 * 1024 * vocab / 2 + vocab / 2 * h * 4) / GIB)
     unchunked = estimate_memory(hf, ParallelLayout(8, tp=2), load(
         REPO_ROOT / "recipes" / "sft" / "llama31_8b_h100.yaml", "train.loss_chunk_tokens=0").train,
         bf16=True, distributed_optimizer=True, micro_batches=32)

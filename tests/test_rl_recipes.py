@@ -90,7 +90,7 @@ def test_agent_recipe_validates_with_the_vllm_engines_counted(capsys):
     assert cfg.rollout.vllm.max_model_len == cfg.train.seq_length + 1
     assert rl_validate_main(argv + ["--validate"]) == 0
     out = capsys.readouterr().out
-    assert "+ KL reference 7.6 = 62.5" in out
+    assert "+ KL reference 7.6 = 60.8" in out
     assert "resident training state 40.2 + engine 27.9 (vLLM 0.35 x 79.6) = 68.1" in out
     assert "recipe OK on 2 node(s) x 8 GPUs" in out
 

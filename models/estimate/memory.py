@@ -27,11 +27,16 @@ def mixer_bytes(hf: dict, tp: int, s: int, a: int, keep_kv_copy: bool) -> float:
     return gdn_costs.mean_mixer_bytes(hf, tp, a, gqa) if gdn_costs.uses_gdn(hf) else gqa
 
 
-def logits_bytes(hf: dict, tokens: float, tp: int, a: int, chunk: int | None) -> float:
+def logits_bytes(hf: dict, tokens: float, tp: int, a: int, chunk: int | None,
+                 head_trained: bool = True) -> float:
     """Loss-head bytes on the last stage for `tokens` tokens per GPU: unchunked (`chunk` 0 or
-    None) tokens x V/tp x (a + 12); chunked, CHUNK_LOGIT_BYTES x min(chunk, tokens) x V/tp plus
-    the output weight's gradient the head accumulates in fp32 and casts, V/tp x h x (4 + a)."""
+    None) tokens x V/tp x (a + 12); chunked, CHUNK_LOGIT_BYTES x min(chunk, tokens) x V/tp plus,
+    for a trained fp32 output weight (a == 4), the fp32 weight-gradient buffer the head returns
+    to autograd, V/tp x h x 4 (engine.training.loss_head). A trained bf16 weight's gradient
+    goes straight into DDP's fp32 main_grad (counted with the gradients), a frozen one (LoRA)
+    has none."""
     vocab = padded_vocab_size(hf["vocab_size"], tp) / tp
     if not chunk:
         return tokens * vocab * (a + 12)
-    return CHUNK_LOGIT_BYTES * min(chunk, tokens) * vocab + vocab * hf["hidden_size"] * (4 + a)
+    grad_buffer = vocab * hf["hidden_size"] * 4 if head_trained and a == 4 else 0
+    return CHUNK_LOGIT_BYTES * min(chunk, tokens) * vocab + grad_buffer

@@ -38,8 +38,9 @@ configured, engine.config.model_settings):
   each layer's activations, plus 3 such copies once (the transient scores of the layer being
   computed);
 - logits (last stage): with the chunked loss head (train.loss_chunk_tokens = c, the default)
-  12 x min(c, t) x padded vocab / tp bytes (about three fp32 chunk buffers) plus the output
-  weight's gradient accumulated in fp32 and cast, padded vocab / tp x h x (4 + a); unchunked
+  12 x min(c, t) x padded vocab / tp bytes (about three fp32 chunk buffers), plus for a
+  trained fp32 output weight the head's fp32 weight-gradient buffer, padded vocab / tp x h x 4
+  (bf16: the gradient goes straight into DDP's fp32 main_grad; LoRA: frozen); unchunked
   t x padded vocab / tp x (a + 12) (bf16/fp32 logits, the fp32 copy, the masked copy and its
   gradient in the vocab-parallel cross-entropy);
 - runtime: RUNTIME_OVERHEAD_GIB for the CUDA context, NCCL buffers and allocator slack;
@@ -127,7 +128,8 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     else:
         chunks = min(micro_batches * vpp, 2 * (pp - 1) + (vpp - 1) * pp + 1)
         first_layers = chunks * (layers // (pp * vpp))
-    logits = logits_bytes(hf, t, tp, a, getattr(train, "loss_chunk_tokens", None))
+    logits = logits_bytes(hf, t, tp, a, getattr(train, "loss_chunk_tokens", None),
+                          head_trained=lora is None)
     opt_bytes = optimizer_bytes(bf16, layout, distributed_optimizer)
     expert_opt_bytes = opt_bytes * (layout.ep if distributed_optimizer else 1)
     muon_bytes = (8 if bf16 else 4) if muon else None
