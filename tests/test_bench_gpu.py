@@ -71,6 +71,18 @@ def test_requirements_name_what_is_missing(tmp_path):
     assert smoke["spec_vllm"].commands[-1][-1] == "--quick"
 
 
+def test_ladder_item_runs_dense_beside_each_switch_off(tmp_path):
+    """`ladder` (issue 77): not in the default plan; the dense case, then the same case with
+    train.compile=false and with optim.fused=false, in one gpu_sft run."""
+    assert "ladder" not in ORDER
+    (item,) = build_items(["ladder"], tmp_path, smoke=False)
+    (cmd,) = item.commands
+    assert cmd[cmd.index("--cases") + 1] == "dense,eager,foreach"
+    assert gpu_sft.CASES["eager"] == ("dense", ["train.compile=false"])
+    assert gpu_sft.CASES["foreach"] == ("dense", ["optim.fused=false"])
+    assert item.estimate_s == 165 and "cuda" in item.needs
+
+
 def test_muon_item_runs_the_dense_case_with_muon_and_needs_emerging_optimizers(tmp_path):
     """`muon` (issue 79): not in the default plan, runnable by name; gpu_sft's muon case is the
     dense case plus optim.name=muon; skipped by name where emerging-optimizers is missing."""

@@ -22,6 +22,8 @@ Cases (each a separate launch, bf16 on CUDA):
   fuse_X     dense with only model.fusions.X on (X: swiglu, residual, rmsnorm)
   lora       dense with LoRA rank 16 on every linear layer (model.lora.rank=16, alpha 32)
   unchunked  dense with train.loss_chunk_tokens=0 (megatron's whole [tokens, vocab] logits)
+  eager      dense with train.compile=false (no compiled regions; the ladder of issue 77)
+  foreach    dense with optim.fused=false (torch's foreach AdamW instead of its fused kernel)
   muon       dense with optim.name=muon (megatron-core's Muon for the layers' matrices, AdamW for
              the rest; bf16 Newton-Schulz, its default; the layer-wise distributed optimizer,
              one rank: no sharding); needs emerging-optimizers (docs/optimizers.md)
@@ -103,6 +105,8 @@ CASES = {  # name -> (model key, extra engine.sft overrides)
        for only in FUSIONS},
     "lora": ("dense", ["model.lora.rank=16", "model.lora.alpha=32"]),
     "unchunked": ("dense", ["train.loss_chunk_tokens=0"]),
+    "eager": ("dense", ["train.compile=false"]),
+    "foreach": ("dense", ["optim.fused=false"]),
     "muon": ("dense", ["optim.name=muon"]),
     "mtp_off": ("glm", ["parallel.ep=1", "moe.token_dispatcher=alltoall"]),
     "mtp_on": ("glm", ["parallel.ep=1", "moe.token_dispatcher=alltoall",

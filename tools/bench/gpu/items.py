@@ -48,7 +48,9 @@ ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_
 # compiled decode (null: on with CUDA): `--items grpo_hf_eager,grpo` measures both in one call
 # muon: gpu_sft's muon case (optim.name=muon), to compare with sft's dense case (AdamW) in the
 # same call: `--items sft,muon` (docs/optimizers.md)
-ITEMS = ORDER + ("grpo_hf_eager", "muon")
+# ladder: gpu_sft's dense case beside the same case with one switchable change of the step off
+# (train.compile=false, optim.fused=false): each change's share in one call, `--items ladder`
+ITEMS = ORDER + ("grpo_hf_eager", "muon", "ladder")
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
 ESTIMATE_S = {"sft": 125, "peer": 150, "mfu": 60, "mtp": 135, "grpo": 68, "vision": 40,
               "lora_grpo": 83, "loss_head_32k": 68, "moe_loop": 78, "fused": 94, "loss_head": 59,
@@ -65,6 +67,9 @@ ESTIMATE_S["grpo_hf_eager"], SMOKE_ESTIMATE_S["grpo_hf_eager"] = 68, 10  # grpo'
 # Newton-Schulz iterations (5 per matrix per step; not measured on a GPU yet): ~55 s; smoke
 # derived from sft's (two cases, 15 s)
 ESTIMATE_S["muon"], SMOKE_ESTIMATE_S["muon"] = 55, 10
+# ladder: three gpu_sft cases of ~55 s each (the eager case without compile time; not measured
+# on a GPU yet); smoke from sft's
+ESTIMATE_S["ladder"], SMOKE_ESTIMATE_S["ladder"] = 165, 20
 BASE_NEEDS = ("megatron", "hydra", "transformers")
 RL_KEYS = ("rollout/logprob_diff", "rollout/logprob_diff_max", "debug/sync_logit_max_diff",
            "time/rollout_s", "time/logprob_s", "time/train_s", "time/weight_sync_s",
@@ -245,6 +250,9 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
         "spec_vllm": lambda: spec_item(workdir, smoke),
         "muon": lambda: gpu_sft_item("muon", workdir, "muon", sizes.sft, 180,
                                      note="optim.name=muon; compare sft's dense (AdamW)"),
+        "ladder": lambda: gpu_sft_item("ladder", workdir, "dense,eager,foreach", sizes.sft, 300,
+                                       note="dense; eager: train.compile=false; foreach: "
+                                            "optim.fused=false"),
         "moe_loop": lambda: gpu_sft_item("moe_loop", workdir, "moe_loop", sizes.sft, 180,
                                          note="moe.grouped_experts=false; compare sft's moe"),
         "fused": lambda: gpu_sft_item("fused", workdir, "fused,moe_fused", sizes.sft, 300,
