@@ -22,7 +22,7 @@ Cases (each a separate launch, bf16 on CUDA):
   fuse_X     dense with only model.fusions.X on (X: swiglu, residual, rmsnorm)
   lora       dense with LoRA rank 16 on every linear layer (model.lora.rank=16, alpha 32)
   unchunked  dense with train.loss_chunk_tokens=0 (megatron's whole [tokens, vocab] logits)
-  eager      dense with train.compile=false (no compiled regions; the ladder of issue 77)
+  eager      dense with train.compile=false (no compiled regions: the ladder item, docs/benchmarks.md)
   foreach    dense with optim.fused=false (torch's foreach AdamW instead of its fused kernel)
   muon       dense with optim.name=muon (megatron-core's Muon for the layers' matrices, AdamW for
              the rest; bf16 Newton-Schulz, its default; the layer-wise distributed optimizer,

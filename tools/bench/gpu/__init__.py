@@ -56,8 +56,8 @@ Not in the default plan (name it in --items):
                        needs emerging-optimizers): step s, tokens/s, peak GiB; `--items
                        sft,muon` compares it with sft's dense (AdamW) in one call
   ladder         ~165  gpu_sft dense, eager (train.compile=false) and foreach
-                       (optim.fused=false): the share of the two switchable step changes of
-                       issue 77 in one call
+                       (optim.fused=false): the share of the two switchable step changes
+                       (docs/benchmarks.md) in one call
 
 Budget (tools.bench.gpu.plan): the plan adds the estimates in order; an item whose estimate
 does not fit what is left is skipped ("needs ~N s, M s left") and a later, shorter one may

@@ -68,8 +68,8 @@ ESTIMATE_S["grpo_hf_eager"], SMOKE_ESTIMATE_S["grpo_hf_eager"] = 68, 10  # grpo'
 # derived from sft's (two cases, 15 s)
 ESTIMATE_S["muon"], SMOKE_ESTIMATE_S["muon"] = 55, 10
 # ladder: three gpu_sft cases of ~55 s each (the eager case without compile time; not measured
-# on a GPU yet); smoke from sft's
-ESTIMATE_S["ladder"], SMOKE_ESTIMATE_S["ladder"] = 165, 20
+# on a GPU yet); smoke: 30 s measured on the 2-core CPU host (2026-11-27)
+ESTIMATE_S["ladder"], SMOKE_ESTIMATE_S["ladder"] = 165, 30
 BASE_NEEDS = ("megatron", "hydra", "transformers")
 RL_KEYS = ("rollout/logprob_diff", "rollout/logprob_diff_max", "debug/sync_logit_max_diff",
            "time/rollout_s", "time/logprob_s", "time/train_s", "time/weight_sync_s",
