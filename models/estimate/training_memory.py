@@ -128,8 +128,7 @@ def estimate_memory(hf: dict, layout, train, bf16: bool, distributed_optimizer: 
     else:
         chunks = min(micro_batches * vpp, 2 * (pp - 1) + (vpp - 1) * pp + 1)
         first_layers = chunks * (layers // (pp * vpp))
-    logits = logits_bytes(hf, t, tp, a, getattr(train, "loss_chunk_tokens", None),
-                          head_trained=lora is None)
+    logits = logits_bytes(hf, t, tp, a, getattr(train, "loss_chunk_tokens", None), lora is None)
     opt_bytes = optimizer_bytes(bf16, layout, distributed_optimizer)
     expert_opt_bytes = opt_bytes * (layout.ep if distributed_optimizer else 1)
     muon_bytes = (8 if bf16 else 4) if muon else None
