@@ -149,11 +149,9 @@ def test_fusion_keys_resolve_and_are_validated():
         bias_activation_fusion=True, bias_dropout_fusion=False, fused_norm=False)
     # megatron's fused GeGLU is gelu's tanh approximation: never for HF's exact gelu
     assert not fusion_overrides(_cfg(swiglu=True), gelu)["bias_activation_fusion"]
-    assert fusion_problems(_cfg(swiglu=True, residual=False), cuda=False) == []
-    (problem,) = fusion_problems(_cfg(rmsnorm=True), cuda=False)
-    assert problem.startswith("model.fusions.rmsnorm=true needs CUDA")
-    assert fusion_problems(_cfg(rmsnorm=True), cuda=True) == []
-    (problem,) = fusion_problems(_cfg(swiglu="on"), cuda=True)
+    assert fusion_problems(_cfg(swiglu=True, residual=False)) == []
+    assert fusion_problems(_cfg(rmsnorm=True)) == []   # the CPU runtime too (torch >= 2.13)
+    (problem,) = fusion_problems(_cfg(swiglu="on"))
     assert problem.startswith("model.fusions.swiglu='on' must be")
 
 

@@ -2,7 +2,8 @@
 SequentialMLP: one expert module (experts without tokens, both kernels, fused SwiGLU, a
 negative control that routes the tokens to the wrong experts) and a whole Qwen3-MoE model at
 EP1, EP2 and TP2 with sequence parallelism, and at EP2 with megatron's fused SwiGLU and
-residual add (model.fusions) against the unfused sequential model (logits and every gradient, fp32, rel 1e-5;
+residual add and the compiled RMSNorm (model.fusions, under the CPU runtime) against the unfused
+sequential model (logits and every gradient, fp32, rel 1e-5;
 tests/multirank/grouped_experts_check.py). The checkpoint layout is SequentialMLP's, so the
 HF <-> Megatron round trips of tests/test_moe_convert.py, tests/test_mixtral_convert.py and
 tests/test_moe_sft_cli.py (grouped by default) cover the mapping."""
@@ -44,6 +45,8 @@ def test_whole_model_matches_sequential_at_ep1_ep2_tp2sp_and_fused(pools, tmp_pa
     for row in rows.values():
         assert row["grouped_modules"] == 4  # one per layer on every rank
         assert row["logits"] <= TOL and row["grads"] <= TOL, row
+        # the compiled RMSNorm (model.fusions.rmsnorm) ran under the CPU runtime in ep2_fusions
+        assert (row["fused_norms"] > 0) == (row["layout"] == "ep2_fusions"), row
 
 
 def test_grouped_experts_key_is_validated_and_passed_to_the_builder():

@@ -14,9 +14,9 @@ residual +13 %, all three +70 %. They stay available, exact, for hosts where the
 - `model.fusions.residual`: megatron's fused bias-dropout-add (`bias_dropout_fusion`: the
   residual add of attention and MLP outputs, with dropout 0, under the same jit fuser).
 - `model.fusions.rmsnorm`: RMSNorm through torch.compile (models.layers.norms.local.FusedRMSNorm: one
-  fused forward kernel and a backward whose weight gradient is one fused reduction). CUDA
-  only: on a CPU host the engine runs megatron under a device-mapping torch function mode
-  (parallel.cpu_runtime) that torch.compile does not trace, so true is refused there.
+  fused forward kernel and a backward whose weight gradient is one fused reduction). On a CPU
+  host too: torch >= 2.13's dynamo traces the CPU runtime's device-mapping torch function mode
+  (parallel.cpu_runtime), as train.compile's regions do (inductor's C++ backend).
 
 All three are exact rewrites of the unfused math (the same operations, in the same dtypes);
 tests/test_fusions.py checks them against the unfused path on the CPU (rel 1e-5, forward and
@@ -30,17 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
 FUSIONS = ("swiglu", "residual", "rmsnorm")
-CUDA_ONLY = ("rmsnorm",)
 
 
 @dataclass
 class FusionConfig:
     swiglu: Optional[bool] = False    # megatron's fused SwiGLU
     residual: Optional[bool] = False  # megatron's fused bias-dropout-add
-    rmsnorm: Optional[bool] = False   # torch.compile'd RMSNorm (CUDA only)
+    rmsnorm: Optional[bool] = False   # torch.compile'd RMSNorm
 
 
 def _fusions(cfg: Any) -> FusionConfig:
@@ -52,17 +49,13 @@ def fusion_on(cfg: Any, name: str) -> bool:
     return bool(getattr(_fusions(cfg), name))
 
 
-def fusion_problems(cfg: Any, cuda: bool | None = None) -> list[str]:
+def fusion_problems(cfg: Any) -> list[str]:
     """Every invalid model.fusions.* value, naming the key (before any process group)."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
     fusions, p = _fusions(cfg), []
     for name in FUSIONS:
         value = getattr(fusions, name)
         if value is not None and not isinstance(value, bool):
             p.append(f"model.fusions.{name}={value!r} must be true or false")
-        elif value is True and name in CUDA_ONLY and not cuda:
-            p.append(f"model.fusions.{name}=true needs CUDA (torch.compile does not run under "
-                     "the CPU host's device mapping); use false on this host")
     return p
 
 

@@ -37,9 +37,10 @@ LAYOUTS = {"ep1": dict(tp=1, ep=1, sp=False), "ep2": dict(tp=1, ep=2, sp=False),
 # ranks 6 and 3 (not multiples of 4: the grouped experts take their padded-bmm kernel, whose
 # weight gradients are not contiguous) at expert TP 2; every adapter gradient compared
 LORA_PATTERN = {"experts.down_proj": 6, "experts.gate_up_proj": 3}
-# "ep2_fusions": the grouped model with megatron's fused SwiGLU and bias-dropout-add
-# (model.fusions.swiglu / residual) against the sequential, unfused one
-FUSIONS = dict(bias_activation_fusion=True, bias_dropout_fusion=True)
+# "ep2_fusions": the grouped model with megatron's fused SwiGLU and bias-dropout-add and the
+# compiled RMSNorm (model.fusions.swiglu / residual / rmsnorm; the last under the CPU runtime's
+# device mapping, which dynamo traces) against the sequential, unfused one
+FUSIONS = dict(bias_activation_fusion=True, bias_dropout_fusion=True, fused_norm=True)
 BATCH, SEQ = 2, 16
 
 
@@ -152,6 +153,7 @@ def _forward_backward(cfg: dict, reader, tokens, grouped: bool, sp: bool, lora: 
     from models.bridge.weights import load_hf_weights
     from models.build.factory import build_model_chunks
     from models.layers.experts.grouped import GroupedExperts
+    from models.layers.norms.local import FusedRMSNorm
 
     (chunk,) = build_model_chunks(cfg, grouped_experts=grouped, sequence_parallel=sp,
                                   lora=_lora_spec() if lora else None, **overrides)
@@ -159,12 +161,13 @@ def _forward_backward(cfg: dict, reader, tokens, grouped: bool, sp: bool, lora: 
     if lora:
         _random_adapters(chunk)
     n = sum(isinstance(m, GroupedExperts) for m in chunk.modules())
+    norms = sum(isinstance(m, FusedRMSNorm) for m in chunk.modules())
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     logits = chunk(tokens, positions, None)
     logits.backward(torch.cos(torch.arange(logits.numel(), dtype=torch.float32))
                     .view_as(logits))
     return logits.detach(), {k: p.grad for k, p in chunk.named_parameters()
-                             if p.grad is not None}, n
+                             if p.grad is not None}, (n, norms)
 
 
 def whole_model(hf_dir: str) -> None:
@@ -185,15 +188,15 @@ def whole_model(hf_dir: str) -> None:
         tokens = torch.randint(0, cfg["vocab_size"], (BATCH, SEQ), generator=gen)
         fused = FUSIONS if name.endswith("fusions") else {}
         lora = name.endswith("lora")
-        got, got_grads, n = _forward_backward(cfg, reader, tokens, True, lay["sp"], lora,
-                                              **fused)
-        ref, ref_grads, n_ref = _forward_backward(cfg, reader, tokens, False, lay["sp"], lora)
+        got, got_grads, (n, norms) = _forward_backward(cfg, reader, tokens, True, lay["sp"],
+                                                       lora, **fused)
+        ref, ref_grads, (n_ref, _) = _forward_backward(cfg, reader, tokens, False, lay["sp"], lora)
         assert n > 0 and n_ref == 0, (n, n_ref)
         assert set(got_grads) == set(ref_grads) and (not lora or all(
             "_lora." in k for k in ref_grads)), sorted(set(got_grads) ^ set(ref_grads))
         grads = max(_rel(got_grads[k], ref_grads[k]) for k in ref_grads)
         record = {"layout": name, "logits": _world_max(_rel(got, ref)),
-                  "grads": _world_max(grads), "grouped_modules": n}
+                  "grads": _world_max(grads), "grouped_modules": n, "fused_norms": norms}
         if rank == 0:
             print("RESULT " + json.dumps(record), flush=True)
     dist.barrier()
