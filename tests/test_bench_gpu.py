@@ -15,7 +15,7 @@ import pytest
 
 from tools import cli as console
 from tools.bench import __main__ as bench
-from tools.bench import gpu_sft
+from tools.bench import gpu_sft, model_flops
 from tools.bench.gpu import cli, plan
 from tools.bench.gpu.items import ESTIMATE_S, ORDER, RL_KEYS, Item, build_items
 from tools.bench.gpu.output import saver
@@ -290,7 +290,7 @@ def test_mtp_layer_flops_by_hand():
     dense, moe = attn + 3 * h * 128, attn + 2 * 3 * h * 32 + 3 * h * 32 + h * 8
     tokens, pairs = 10, 55
     base = 3 * (2 * (dense + moe + h * v) * tokens + 2 * 4 * q * pairs)
-    assert gpu_sft.model_flops(hf, [10]) == base
+    assert model_flops.model_flops(hf, [10]) == base
     with_mtp = 3 * (2 * (dense + 2 * moe + 2 * h * v + 2 * h * h) * tokens + 3 * 4 * q * pairs)
-    assert gpu_sft.model_flops(hf, [10], mtp_layers=1) == with_mtp
-    assert gpu_sft.param_counts(hf, 1)[0] > gpu_sft.param_counts(hf)[0]
+    assert model_flops.model_flops(hf, [10], mtp_layers=1) == with_mtp
+    assert model_flops.param_counts(hf, 1)[0] > model_flops.param_counts(hf)[0]

@@ -85,7 +85,7 @@ def test_peer_steps_match_the_reference(tiny, mode):
     out = peer.summarize(res, config, SEQ, SEQS, warmup=1, peak_tflops=None)
     assert out["tokens_per_step"] == SEQ * SEQS and out["finite"] and out["mfu"] is None
     assert out["tokens_per_s"] == pytest.approx(SEQ * SEQS / res["step_s_all"][1])
-    from tools.bench.gpu_sft import model_flops
+    from tools.bench.model_flops import model_flops
 
     assert out["tflops"] * 1e12 * out["step_s"] == pytest.approx(
         model_flops(config.to_dict(), [SEQ] * SEQS))

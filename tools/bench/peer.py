@@ -47,7 +47,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # also `python tools/bench/peer.py`
 
-from tools.bench.gpu_sft import DENSE, TINY_DENSE, model_flops  # noqa: E402
+from tools.bench.gpu_sft import DENSE, TINY_DENSE  # noqa: E402
+from tools.bench.model_flops import model_flops  # noqa: E402
 
 MODES = ("eager", "compiled")
 LR, BETAS, EPS, CLIP = 3e-4, (0.9, 0.95), 1e-8, 1.0

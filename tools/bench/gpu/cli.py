@@ -14,7 +14,8 @@ from tools.bench.gpu import __doc__ as PACKAGE_DOC
 from tools.bench.gpu.items import ITEMS, ORDER, SMOKE_DEFAULT, Item, build_items
 from tools.bench.gpu.output import saver, write_outputs
 from tools.bench.gpu.plan import Step, make_plan, missing_reason, plan_text, probe
-from tools.bench.gpu.report import environment, environment_line, read_metrics, table
+from tools.bench.gpu.environment import environment, environment_line
+from tools.bench.gpu.report import read_metrics, table
 from tools.bench.gpu.runner import planned_record, run_items
 
 DEFAULT_BUDGET_S = 480.0  # 8 minutes of a 15-minute device lease, room for start and copies

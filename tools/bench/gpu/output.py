@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from tools.bench.gpu.plan import Step, planned_seconds
-from tools.bench.gpu.report import engine_peer_ratios, environment_line, table
+from tools.bench.gpu.environment import environment_line
+from tools.bench.gpu.report import engine_peer_ratios, table
 
 
 def budget_line(header: dict, steps: list[Step], records: list[dict]) -> str:
