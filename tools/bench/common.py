@@ -155,7 +155,8 @@ def torch_threads(n: int):
         torch.set_num_threads(previous)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else platform.processor(), else "unknown CPU"."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -184,7 +185,7 @@ def machine_info() -> dict:
     """Facts about the host the numbers came from (CPU, cores, memory, load, versions, GPU)."""
     import torch
 
-    info = {"cpu": _cpu_model(), "cpu_vector_units": cpu_vector_units(),
+    info = {"cpu": cpu_model(), "cpu_vector_units": cpu_vector_units(),
             "cpu_cores": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "platform": platform.platform()}
     try:

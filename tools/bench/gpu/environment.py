@@ -10,6 +10,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from tools.bench.common import cpu_model
+
 
 def version(dist: str) -> str | None:
     try:
@@ -27,16 +29,6 @@ def command_output(cmd: list[str]) -> str | None:
         return None
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() \
         else None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def environment(cuda: bool) -> dict:
