@@ -416,7 +416,7 @@ def test_export_of_training_checkpoint_loads_and_matches_eval(runs):
 
 def test_optimizer_scheduler_and_rng_round_trip(pools, tmp_path, tiny_model):
     """At DP2: after a save and a load into a fresh state, every master weight and Adam moment
-    is bitwise equal, the LR schedule and all RNG streams continue, the next step is identical;
+    (torch's fused AdamW too, and resumed unfused) is bitwise equal, the LR schedule and all RNG streams continue, the next step is identical;
     a checkpoint of another global batch size and a model-only checkpoint are refused. (The
     harness saves and loads inside one run, on the session's 2-rank pool.)"""
     proc = pools.script(2, "tests/multirank/checkpoint_state.py", tiny_model, str(tmp_path),
@@ -438,6 +438,16 @@ def test_optimizer_scheduler_and_rng_round_trip(pools, tmp_path, tiny_model):
     assert [t["save_overlap"] for t in ov["trips"]] == [True, False]
     for trip in ov["trips"]:
         assert trip["loss_next"][0] == pytest.approx(trip["loss_next"][1], rel=1e-6, abs=0), trip
+    # optim.fused=true (torch's fused AdamW): resumed fused, every master shard, moment and step
+    # counter bitwise equal and the next two steps identical; resumed with optim.fused=false,
+    # the resumed run runs foreach AdamW (its own setting) from the same state: the step after
+    # the resumed update within fp32 rounding of the fused run's
+    (fu,) = result_lines(proc.stdout, "FUSED ")
+    assert fu["state_equal"] and fu["n_state_tensors"] > 0, fu
+    assert fu["fused"] == [True, True, False], fu
+    assert fu["loss_next"][0] == fu["loss_next"][1] == fu["loss_next"][2], fu
+    assert fu["loss_after"][0] == fu["loss_after"][1], fu
+    assert fu["loss_after"][2] == pytest.approx(fu["loss_after"][0], rel=1e-6), fu
     # optim.name=muon (megatron-core's Muon for the matrices, AdamW for the rest): every
     # momentum buffer, Adam moment and parameter bitwise equal after the resume, the next step
     # identical

@@ -17,7 +17,9 @@ save, resume into a fresh state; rank 0 prints "MUON {json}": whether every opti
 tensor (Muon's momentum buffers, Adam's moments) and parameter is bitwise equal, and the next
 step's losses and grad norms of both; then the same under megatron-core's layer-wise
 distributed optimizer (optim.distributed_optimizer=true with Muon), its checkpoint also resumed
-at TP2 x DP1, rank 0 printing "MUONLW {json}".
+at TP2 x DP1, rank 0 printing "MUONLW {json}". Before Muon, optim.fused=true (torch's fused
+AdamW): saved, resumed fused and resumed unfused; rank 0 prints "FUSED {json}" (state bitwise
+equal after the fused resume, the next steps' losses, which implementation each run used).
 """
 from __future__ import annotations
 
@@ -117,6 +119,50 @@ def overlap_round_trip(hf: dict, model_dir: str, root: str, save_on: bool) -> di
     return {"save_overlap": save_on, "params_equal": params_equal,
             "loss_next": [train_step(saved, nxt, normalizer)["loss"],
                           train_step(resumed, nxt, normalizer)["loss"]]}
+
+
+def fused_round_trip(hf: dict, model_dir: str, root: str) -> dict:
+    """optim.fused=true (torch's fused AdamW, engine.training.fused_adamw): 2 steps, save,
+    resume fused (every master shard, Adam moment and step counter bitwise equal, the next
+    step identical) and resume unfused (the resumed run's own setting: foreach AdamW, the next
+    step within fp32 rounding of the fused one)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from engine.checkpoint.checkpointing import (DataPosition, load_training_checkpoint,
+                                                 save_training_checkpoint)
+    from engine.sft.training import train_step
+    from engine.training.fused_adamw import torch_adams
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.train_engine import TrainEngine
+
+    fused, foreach = (SimpleNamespace(**{**vars(OPTIM), "fused": f}) for f in (True, False))
+    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
+    saved = TrainEngine.build(hf, fused, torch.float32, 6, TRAIN, weights_dir=model_dir)
+    for seqs in batches(hf["vocab_size"], 2):
+        train_step(saved, seqs, normalizer)
+    path = save_training_checkpoint(saved, root, DataPosition(2, GBS, 100, 7, True), hf,
+                                    model_dir)
+    runs = []
+    for optim in (fused, foreach):
+        state = TrainEngine.build(hf, optim, torch.float32, 6, TRAIN, weights_dir=model_dir,
+                                  load_weights=False)
+        load_training_checkpoint(state, path, DataPosition(0, GBS, 100, 7, True))
+        runs.append(state)
+    want, got = (optimizer_tensors(s.optimizer) for s in (saved, runs[0]))
+    equal = len(want) == len(got) and all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(want, got))
+    flag = torch.tensor([0 if equal else 1])
+    torch.distributed.all_reduce(flag)
+    nxt, after = batches(hf["vocab_size"], 4)[2:]
+    steps = [train_step(s, nxt, normalizer) for s in (saved, *runs)]
+    later = [train_step(s, after, normalizer) for s in (saved, *runs)]  # after the resumed step
+    return {"state_equal": int(flag) == 0, "n_state_tensors": len(want),
+            "loss_after": [m["loss"] for m in later],
+            "fused": [all(g["fused"] for o in torch_adams(s.optimizer) for g in o.param_groups)
+                      for s in (saved, *runs)],
+            "loss_next": [m["loss"] for m in steps],
+            "grad_norm_next": [m["grad_norm"] for m in steps]}
 
 
 def optimizer_state_tensors(optimizer) -> list:
@@ -273,6 +319,9 @@ def main() -> None:
     if rank == 0:
         print("OVERLAP " + json.dumps({"trips": trips, "all_params_equal": int(equal) == 0}),
               flush=True)
+    fused = fused_round_trip(hf, model_dir, os.path.join(out_dir, "fused"))
+    if rank == 0:
+        print("FUSED " + json.dumps(fused), flush=True)
     from tests.multirank.muon_check import MUON_RUNS
     if MUON_RUNS:
         muon = muon_round_trip(hf, model_dir, os.path.join(out_dir, "muon"))
