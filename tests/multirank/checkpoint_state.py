@@ -121,34 +121,52 @@ def overlap_round_trip(hf: dict, model_dir: str, root: str, save_on: bool) -> di
                           train_step(resumed, nxt, normalizer)["loss"]]}
 
 
+def saved_after_two_steps(hf: dict, optim, model_dir: str, root: str):
+    """(state, checkpoint path, token-mean normalizer): 2 steps of `optim` from the HF weights,
+    then a training checkpoint under `root`."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from engine.checkpoint.checkpointing import DataPosition, save_training_checkpoint
+    from engine.sft.training import train_step
+    from engine.training.loss import GlobalLossNormalizer
+    from engine.training.train_engine import TrainEngine
+
+    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
+    saved = TrainEngine.build(hf, optim, torch.float32, 6, TRAIN, weights_dir=model_dir)
+    for seqs in batches(hf["vocab_size"], 2):
+        train_step(saved, seqs, normalizer)
+    path = save_training_checkpoint(saved, root, DataPosition(2, GBS, 100, 7, True), hf,
+                                    model_dir)
+    return saved, path, normalizer
+
+
+def resumed_from(hf: dict, optim, model_dir: str, path: str):
+    """A fresh state of `optim` (no weights loaded) with the checkpoint at `path` loaded."""
+    import torch
+
+    from engine.checkpoint.checkpointing import DataPosition, load_training_checkpoint
+    from engine.training.train_engine import TrainEngine
+
+    state = TrainEngine.build(hf, optim, torch.float32, 6, TRAIN, weights_dir=model_dir,
+                              load_weights=False)
+    load_training_checkpoint(state, path, DataPosition(0, GBS, 100, 7, True))
+    return state
+
+
 def fused_round_trip(hf: dict, model_dir: str, root: str) -> dict:
     """optim.fused=true (torch's fused AdamW, engine.training.fused_adamw): 2 steps, save,
     resume fused (every master shard, Adam moment and step counter bitwise equal, the next
     step identical) and resume unfused (the resumed run's own setting: foreach AdamW, the next
     step within fp32 rounding of the fused one)."""
     import torch
-    from megatron.core import parallel_state as ps
 
-    from engine.checkpoint.checkpointing import (DataPosition, load_training_checkpoint,
-                                                 save_training_checkpoint)
     from engine.sft.training import train_step
     from engine.training.fused_adamw import torch_adams
-    from engine.training.loss import GlobalLossNormalizer
-    from engine.training.train_engine import TrainEngine
 
     fused, foreach = (SimpleNamespace(**{**vars(OPTIM), "fused": f}) for f in (True, False))
-    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
-    saved = TrainEngine.build(hf, fused, torch.float32, 6, TRAIN, weights_dir=model_dir)
-    for seqs in batches(hf["vocab_size"], 2):
-        train_step(saved, seqs, normalizer)
-    path = save_training_checkpoint(saved, root, DataPosition(2, GBS, 100, 7, True), hf,
-                                    model_dir)
-    runs = []
-    for optim in (fused, foreach):
-        state = TrainEngine.build(hf, optim, torch.float32, 6, TRAIN, weights_dir=model_dir,
-                                  load_weights=False)
-        load_training_checkpoint(state, path, DataPosition(0, GBS, 100, 7, True))
-        runs.append(state)
+    saved, path, normalizer = saved_after_two_steps(hf, fused, model_dir, root)
+    runs = [resumed_from(hf, optim, model_dir, path) for optim in (fused, foreach)]
     want, got = (optimizer_tensors(s.optimizer) for s in (saved, runs[0]))
     equal = len(want) == len(got) and all(
         torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(want, got))
@@ -185,25 +203,13 @@ def muon_round_trip(hf: dict, model_dir: str, root: str, layer_wise: bool = Fals
     saves the state of the parameters it owns, then also resumed at TP2 (DP1): see
     `muon_relayout`."""
     import torch
-    from megatron.core import parallel_state as ps
 
-    from engine.checkpoint.checkpointing import (DataPosition, load_training_checkpoint,
-                                                 save_training_checkpoint)
     from engine.sft.training import train_step
-    from engine.training.loss import GlobalLossNormalizer
-    from engine.training.train_engine import TrainEngine
     from tests.multirank.muon_check import muon_optim
 
     optim = muon_optim(OPTIM, layer_wise=layer_wise)
-    normalizer = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
-    saved = TrainEngine.build(hf, optim, torch.float32, 6, TRAIN, weights_dir=model_dir)
-    for seqs in batches(hf["vocab_size"], 2):
-        train_step(saved, seqs, normalizer)
-    path = save_training_checkpoint(saved, root, DataPosition(2, GBS, 100, 7, True), hf,
-                                    model_dir)
-    resumed = TrainEngine.build(hf, optim, torch.float32, 6, TRAIN, weights_dir=model_dir,
-                                load_weights=False)
-    load_training_checkpoint(resumed, path, DataPosition(0, GBS, 100, 7, True))
+    saved, path, normalizer = saved_after_two_steps(hf, optim, model_dir, root)
+    resumed = resumed_from(hf, optim, model_dir, path)
     want, got = (optimizer_state_tensors(s.optimizer) for s in (saved, resumed))
     equal = len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
     flag = torch.tensor([0 if equal else 1])
