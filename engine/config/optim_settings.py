@@ -35,6 +35,7 @@ Muon is built through another API, not wired here).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from engine.training.muon import (EMERGING_OPTIMIZERS, INSTALL_HINT,  # noqa: F401 (re-exported)
                                   emerging_optimizers_installed, layer_wise_muon,
@@ -69,8 +70,8 @@ class OptimConfig:
     eps: float = 1e-8
     schedule: str = "cosine"     # cosine | constant
     distributed_optimizer: bool = True
-    # torch's fused AdamW kernel: null = on when the parameters are on CUDA (engine.training.fused_adamw)
-    fused: bool | None = None
+    # torch's fused AdamW kernel: null = on with CUDA parameters | true | false (engine.training.fused_adamw)
+    fused: Optional[bool] = None
     # adamw | muon, Muon's keys and MuonClip (module docstring, docs/optimizers.md)
     name: str = "adamw"
     muon: MuonConfig = field(default_factory=MuonConfig)
