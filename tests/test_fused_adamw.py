@@ -79,3 +79,27 @@ def test_a_device_without_the_kernel_is_refused_by_name():
     with pytest.raises(ValueError, match=r"optim.fused=true: .* on meta"):
         use_fused(wrapper, True)
     assert use_fused(wrapper, False) == 0
+
+
+def test_step_counters_follow_the_parameters_device():
+    """The device placement a CUDA run needs, on the meta device: fused, a host step counter
+    (as megatron's loaders leave it) moves to the parameter's device as fp32; unfused, host
+    counters stay on the host (torch's default without capturable/fused; a device counter
+    comes back with .cpu(), which a meta tensor cannot show) and plain numbers become
+    tensors."""
+    from engine.training.fused_adamw import _pre_step
+
+    p = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    adam = torch.optim.AdamW([p])
+    adam.state[p] = {"step": torch.tensor(7.0, dtype=torch.float64)}
+    _pre_step(adam, True)
+    step = adam.state[p]["step"]
+    assert step.device.type == "meta" and step.dtype == torch.float32
+    assert adam.param_groups[0]["fused"] is True and adam.param_groups[0]["foreach"] is False
+    adam.state[p]["step"] = torch.tensor(7.0)
+    _pre_step(adam, False)
+    step = adam.state[p]["step"]
+    assert step.device.type == "cpu" and adam.param_groups[0]["fused"] is False
+    adam.state[p]["step"] = 5          # a plain number (older checkpoints)
+    _pre_step(adam, False)
+    assert torch.is_tensor(adam.state[p]["step"]) and float(adam.state[p]["step"]) == 5.0
