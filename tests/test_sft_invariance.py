@@ -16,7 +16,7 @@ import pytest
 
 from tests.launch import result_lines
 from tests.multirank.muon_check import MUON_RUNS
-from tools.tiny_models import build_tiny_model
+from tests.multirank.sft_invariance import harness_models
 
 # the module fixture runs four multi-rank runs inside the first test's setup
 pytestmark = pytest.mark.timeout(2400)
@@ -118,13 +118,7 @@ for _extra in (MOE_SPECS, OVERLAP_SPECS, MUON_SPECS, FUSED_SPECS):
 @pytest.fixture(scope="module")
 def invariance_runs(pools, tmp_path_factory):
     root = tmp_path_factory.mktemp("sft_inv")
-    # initializer_range 0.4: per-token losses differ a lot at init (loss ~10 vs log 200 = 5.3),
-    # so aggregation bugs move the loss far beyond the tolerance (a near-uniform model would
-    # give every token the same loss and hide them)
-    model = build_tiny_model(str(root / "model"), "qwen3", vocab_size=200,
-                             initializer_range=0.4, tokenizer=False)
-    moe = build_tiny_model(str(root / "moe"), "qwen3_moe", vocab_size=200, layers=2,
-                           initializer_range=0.4, tokenizer=False)
+    model, moe = harness_models(str(root))   # initializer_range 0.4: see its docstring
     ref = str(root / "reference.pt")
     results, controls = {}, {}
     for world, specs in LAUNCHES.items():

@@ -14,7 +14,7 @@ and train.compile is validated by name.
 import pytest
 
 from tests.launch import result_lines
-from tools.tiny_models import build_tiny_model
+from tests.multirank.sft_invariance import harness_models
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -38,10 +38,7 @@ LAUNCHES = {
 @pytest.fixture(scope="module")
 def compile_runs(pools, tmp_path_factory):
     root = tmp_path_factory.mktemp("compile")
-    model = build_tiny_model(str(root / "model"), "qwen3", vocab_size=200,
-                             initializer_range=0.4, tokenizer=False)
-    moe = build_tiny_model(str(root / "moe"), "qwen3_moe", vocab_size=200, layers=2,
-                           initializer_range=0.4, tokenizer=False)
+    model, moe = harness_models(str(root))
     ref = str(root / "reference.pt")
     results = {}
     for world, specs in LAUNCHES.items():

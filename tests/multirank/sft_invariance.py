@@ -371,6 +371,21 @@ def spec_key(spec: str, dense: tuple) -> str:
             + ("muon/" if any(f.startswith(("muon=", "muonref")) for f in flags) else ""))
 
 
+def harness_models(root: str) -> tuple[str, str]:
+    """(dense, MoE) tiny HF model folders under `root` for this harness's launches (the MoE one
+    goes in INV_MOE_MODEL_DIR): Qwen3 and Qwen3-MoE (2 layers), vocabulary 200,
+    initializer_range 0.4 so that per-token losses differ a lot at init (loss ~10 vs log 200 =
+    5.3) and aggregation bugs move the loss far beyond the tolerance (a near-uniform model would
+    give every token the same loss and hide them)."""
+    from tools.tiny_models import build_tiny_model
+
+    dense = build_tiny_model(os.path.join(root, "model"), "qwen3", vocab_size=200,
+                             initializer_range=0.4, tokenizer=False)
+    moe = build_tiny_model(os.path.join(root, "moe"), "qwen3_moe", vocab_size=200, layers=2,
+                           initializer_range=0.4, tokenizer=False)
+    return dense, moe
+
+
 def main():
     import torch
     import torch.distributed as dist
