@@ -17,8 +17,11 @@ One package per concern; package-level imports run one way (tests/test_structure
     api         the OpenAI-compatible protocol both servers speak (request checks, template
                 rules, replies, the generate queue, HTTP plumbing); imports data only, and only
                 rl (the agent endpoint) and serve import it
-    serve       `python -m engine.serve`: a checkpoint served OpenAI-compatibly (api) on RL's
-                rollout engines (imports rl.rollout); nothing imports it, it trains nothing
+    generation  the generation engines (hf, vllm, sglang; weight-sync transport, the engine pool):
+                RL's rollout, serve, the agent endpoint and judges run on them; imports api's
+                protocol, config's LoRA spec and models, never rl, serve or training
+    serve       `python -m engine.serve`: a checkpoint served OpenAI-compatibly (api) on the
+                generation engines; nothing imports it, it trains nothing, it never imports rl
 
 data and training never import run, sft, rl, dpo, rm, kto, preference or checkpoint; run
 never imports sft, rl, dpo, rm, kto or preference.

@@ -18,8 +18,8 @@ import os
 import signal
 import time
 
-from engine.rl.rollout.hf_backend import HFRolloutEngine
-from engine.rl.rollout.vllm_backend import VLLMRolloutEngine
+from engine.generation.hf.backend import HFRolloutEngine
+from engine.generation.vllm.backend import VLLMRolloutEngine
 
 
 class FlakyHFEngine(HFRolloutEngine):

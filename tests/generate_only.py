@@ -3,7 +3,7 @@
 and sleeping or waking them does nothing)."""
 from __future__ import annotations
 
-from engine.rl.rollout.base import RolloutEngine
+from engine.generation.base import RolloutEngine
 
 
 class GenerateOnlyEngine(RolloutEngine):

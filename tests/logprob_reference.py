@@ -7,7 +7,7 @@ import torch
 
 def max_logprob_diff(model, generations, temperature: float) -> float:
     """max |engine log-prob - log_softmax(logits / T)[token]| over every response token of
-    `generations` (engine.rl.rollout.base.Generation), `model` a transformers causal LM."""
+    `generations` (engine.generation.base.Generation), `model` a transformers causal LM."""
     worst = 0.0
     for g in generations:
         ids = g.prompt_ids + g.response_ids

@@ -26,7 +26,7 @@ from engine.api.requests import ApiError, Limits, parse_chat, parse_completion
 from engine.data.observation import observation_ids
 from engine.rl.agent.runner import AgentRunner, check_result
 from engine.rl.agent.server import AgentServer
-from engine.rl.rollout.sampling_backend import SamplingBackend
+from engine.generation.sampling_backend import SamplingBackend
 from tools.char_tokenizer import build_char_tokenizer
 from tools.demo import TOOLS_TEMPLATE, calculator_tools
 
@@ -643,7 +643,7 @@ def test_hf_engine_trains_exactly_what_the_client_received(tok, tmp_path):
     """SamplingBackend over the HF rollout engine of a tiny model: the trajectory's sampled ids
     are the ids the client received, and its rollout log-probs are the model's own log-probs of
     those ids in that context (recomputed on the whole trajectory)."""
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation.hf.backend import HFRolloutEngine
     from tools.tiny_models import build_tiny_model
 
     tok.save_pretrained(tmp_path)

@@ -50,7 +50,7 @@ def test_sync_quick_reports_throughput(pools):
     assert result["weight_sync_bytes"] == 4 * result["weight_sync_params"]  # fp32, every weight
     assert set(result["weight_sync_per_bucket_gbps"]) == {"32", "128", "512"}
     # the headline is the RL default bucket size (engine.rl.config rollout.sync_bucket_mb)
-    from engine.rl.config import RolloutConfig
+    from engine.config.rollout_settings import RolloutConfig
 
     assert bench_sync.DEFAULT_BUCKET_MB == RolloutConfig().sync_bucket_mb
     assert result["weight_sync_gbps"] == result["weight_sync_per_bucket_gbps"]["512"] > 0

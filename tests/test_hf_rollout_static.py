@@ -1,4 +1,4 @@
-"""rollout.hf.static_cache / rollout.hf.compile (engine.rl.rollout.hf_static_decode): the static
+"""rollout.hf.static_cache / rollout.hf.compile (engine.generation.hf.static_decode): the static
 path's samples and log-probs are the eager loop's (fp32, CPU: equal tokens, log-probs within
 1e-6) across length groups, filler rows and batch compaction; the compiled decode step too, and
 a weight sync (also after sleep/wake) reaches the compiled model without a recompilation; the
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from engine.rl.config import RLConfig
-from engine.rl.rollout import SamplingParams
-from engine.rl.rollout.hf_backend import HFRolloutEngine
-from engine.rl.rollout.hf_length_buckets import (batch_bucket, cache_bucket, compact_size,
+from engine.generation import SamplingParams
+from engine.generation.hf.backend import HFRolloutEngine
+from engine.generation.hf.length_buckets import (batch_bucket, cache_bucket, compact_size,
                                                  length_groups)
-from engine.rl.rollout.hf_settings import hf_problems, resolve
-from engine.rl.rollout.hf_static_decode import static_problem
+from engine.generation.hf.settings import hf_problems, resolve
+from engine.generation.hf.static_decode import static_problem
 from tools.tiny_models import build_eos_model
 
 # fp32 rounding of a masked static cache (test_static_path_equals_eager...): measured up to

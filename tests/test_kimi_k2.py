@@ -118,7 +118,7 @@ def _logits(model_dir: str, cls=None) -> tuple[torch.Tensor, str]:
 def test_registered_class_is_deepseek_v3_with_control(kimi, tmp_path):
     from transformers.models.deepseek_v3 import DeepseekV3ForCausalLM
 
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation.hf.backend import HFRolloutEngine
 
     cfg = json.loads(Path(kimi["kimi"], "config.json").read_text())
     as_v3 = _with_config(kimi["kimi"], tmp_path / "v3", model_type="deepseek_v3")
@@ -210,7 +210,7 @@ def test_sft_trains_with_the_folders_tokenizer_code(pools, kimi, tmp_path):
 
 
 def test_rl_grpo_step_with_the_folders_tokenizer_code(pools, kimi, tmp_path):
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation.hf.backend import HFRolloutEngine
 
     with pytest.raises(ValueError, match="trust_remote_code=True"):   # control
         HFRolloutEngine(kimi["custom"], dtype=torch.float32)

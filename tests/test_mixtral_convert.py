@@ -152,14 +152,14 @@ def test_tp2_ep2_write_verify_and_export(pools, mixtral_dir, tmp_path):
 
 
 def test_rollout_targets_cover_every_checkpoint_tensor(mixtral_dir):
-    """engine.rl.rollout.hf_targets maps each checkpoint name (what the weight sync streams)
+    """engine.generation.hf.targets maps each checkpoint name (what the weight sync streams)
     to the transformers tensor holding it: the router renamed from `mlp.gate`, the experts
     as views of the fused `mlp.experts.gate_up_proj` / `down_proj`."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from engine.rl.rollout.hf_targets import checkpoint_targets
+    from engine.generation.hf.targets import checkpoint_targets
 
     model = AutoModelForCausalLM.from_pretrained(mixtral_dir, dtype=torch.float32)
     assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())

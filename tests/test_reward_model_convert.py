@@ -508,7 +508,7 @@ def test_vllm_pooling_scores_the_export_as_transformers(rm_exports, tmp_path):
     mcore-to-hf's Qwen3 export scores 4 sequences of different lengths as transformers does
     (1e-5 relative; measured ~3e-6). Negative control: transformers' scores without the last
     token are far. A real process: vLLM's worker spawns, one engine start in the suite."""
-    from engine.rl.rollout.vllm_process import cpu_bind
+    from engine.generation.vllm.process import cpu_bind
 
     model = str(rm_exports["qwen3"])
     sequences = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27], [30, 31]]

@@ -21,7 +21,7 @@ from engine.rl.checks import validate_rl
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.rewards import load_reward_fn
-from engine.rl.rollout import Generation
+from engine.generation import Generation
 from tests.generate_only import GenerateOnlyEngine
 from tests.test_rl_env import InProcessPool
 from tools.tiny_models import build_eos_model
@@ -146,7 +146,7 @@ def _collector(model_dir, agent, engines=1, dump=None, argv=(), pool_engines=Non
         *([f"logging.rollout_dir={dump}"] if dump is not None else []), *argv))
     cfg = _config([f"{k}={v}" for k, v in keys.items()])
     if pool_engines is None:
-        from engine.rl.rollout.hf_backend import HFRolloutEngine
+        from engine.generation.hf.backend import HFRolloutEngine
 
         pool_engines = [HFRolloutEngine(model_dir, dtype=torch.float32) for _ in range(engines)]
     return RolloutCollector(InProcessPool(pool_engines, cfg.rollout), rows, tok,
@@ -294,7 +294,7 @@ def test_sampling_backend_keeps_each_call_within_max_len():
     call (a seeded sample's first t ids do not depend on the budget). Negative control: without
     max_len the shared call holds a prompt of 60 with 6 new tokens."""
     from engine.api.backend import GenerateRequest
-    from engine.rl.rollout.sampling_backend import SamplingBackend
+    from engine.generation.sampling_backend import SamplingBackend
 
     def backend(max_len):
         calls = []
@@ -457,7 +457,7 @@ def test_validation_episodes_are_the_agents_at_val_temperature(eos_model_dir):
     identical whatever their seeds; negative control: at 1.0 they differ), and the training
     sampling settings are back afterwards."""
     from engine.rl.collect.validation import generate_for_validation, val_seeds
-    from engine.rl.rollout import SamplingParams
+    from engine.generation import SamplingParams
 
     received = importlib.import_module("tests.test_rl_agent").RECEIVED
     collector, tok = _collector(eos_model_dir, "follow_up")

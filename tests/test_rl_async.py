@@ -39,7 +39,7 @@ def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
 
 
 def _broken_engine():
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation.hf.backend import HFRolloutEngine
 
     class BrokenEngine(HFRolloutEngine):
         def generate(self, prompts, params):

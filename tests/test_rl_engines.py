@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.rl.rollout.base import SamplingParams
-from engine.rl.rollout.placement import placement_problems, resolve_placement
-from engine.rl.rollout.work_split import batch_seeds, response_seed, split_groups
+from engine.generation.base import SamplingParams
+from engine.generation.placement import placement_problems, resolve_placement
+from engine.generation.work_split import batch_seeds, response_seed, split_groups
 from tests.launch import result_lines, run_two_nodes
 from tools.tiny_models import build_tiny_model
 
@@ -91,7 +91,7 @@ def model_dir(tmp_path_factory) -> str:
 def test_hf_seeded_rows_do_not_depend_on_the_rest_of_the_call(model_dir):
     """The same seeds give the same responses whether all prompts share one generate call or
     are split over two engines (different padding widths and batch sizes)."""
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation.hf.backend import HFRolloutEngine
 
     engine = HFRolloutEngine(model_dir)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19]]

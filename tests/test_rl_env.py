@@ -20,9 +20,9 @@ from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.env.episodes import turn_seed
 from engine.rl.rewards import load_reward_fn
-from engine.rl.rollout import Generation
-from engine.rl.rollout.placement import EnginePlacement
-from engine.rl.rollout.pool import RolloutPool, generate_with_retries
+from engine.generation import Generation
+from engine.generation.placement import EnginePlacement
+from engine.generation.pool import RolloutPool, generate_with_retries
 from tests.generate_only import GenerateOnlyEngine
 from tools.tiny_models import build_eos_model, build_tiny_model
 
@@ -252,7 +252,7 @@ def test_two_engines_equal_one_engine_for_multi_turn(eos_model_dir):
     pool's; each engine got at most one call per turn."""
     import torch
 
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation.hf.backend import HFRolloutEngine
 
     rows = [{"prompt": f"what is {a} plus {b} ?", "answer": str(a + b)}
             for a, b in [(1, 2), (3, 4), (2, 2)]]
@@ -285,7 +285,7 @@ def test_a_turn_with_little_room_left_gets_a_call_of_its_own(eos_model_dir, monk
     import torch
 
     from engine.rl.env import episodes
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation.hf.backend import HFRolloutEngine
 
     max_new, seq_length = 16, 60
 

@@ -21,7 +21,7 @@ from engine.rl.collect.batch import RolloutBatch, build_sequences
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.policy.update import split_mini_batches
-from engine.rl.rollout import Generation
+from engine.generation import Generation
 from tests.launch import result_lines, run_cli, run_torchrun
 from tests.generate_only import GenerateOnlyEngine
 from tests.multirank.muon_check import MUON_RUNS

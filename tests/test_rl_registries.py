@@ -11,7 +11,7 @@ from engine.rl.algo.presets import ALGORITHMS, apply_algorithm_defaults
 from engine.rl.algo.seq_reduce import SequenceReducer
 from engine.rl.checks import rl_problems
 from engine.rl.config import RLConfig
-from engine.rl.rollout import BACKENDS, RolloutEngine, backend_class
+from engine.generation import BACKENDS, RolloutEngine, backend_class
 
 
 def test_rloo_is_reward_minus_mean_of_the_others():

@@ -27,8 +27,8 @@ from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.policy.reward_model_checks import reward_model_problems
 from engine.rl.rewards import load_reward_fn
-from engine.rl.rollout import Generation
-from engine.rl.rollout.pool import RolloutPool
+from engine.generation import Generation
+from engine.generation.pool import RolloutPool
 from tests.metrics_docs import undocumented
 from tests.generate_only import GenerateOnlyEngine
 from tools.tiny_models import build_eos_model, build_tiny_model

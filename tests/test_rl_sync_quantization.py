@@ -1,4 +1,4 @@
-"""rollout.sync_quantization=fp8 (engine.rl.rollout.sync_quantization): the weight sync to FP8
+"""rollout.sync_quantization=fp8 (engine.generation.sync.quantization): the weight sync to FP8
 rollout engines, on the tiny FP8 DeepSeek-V3 of tests/deepseek_v3_tiny.py (16 x 16 blocks):
 
 - the quantized stream (models.hf.quantized_stream) equals what `mcore-to-hf --quantize fp8`
@@ -8,7 +8,7 @@ rollout engines, on the tiny FP8 DeepSeek-V3 of tests/deepseek_v3_tiny.py (16 x 
 - the HF engine, after an FP8 sync, holds dequant(quant(W)) bitwise (the other tensors W);
   negative controls: a sync without the scales is refused by name, and unit scales (an FP8
   weight cast unscaled, what a bf16 sync does to an FP8 engine) move the logits by > 1;
-- SGLang's fused q_a / kv_a halves reach it in one call (engine.rl.rollout.sglang_pairs);
+- SGLang's fused q_a / kv_a halves reach it in one call (engine.generation.sglang.pairs);
 - the key is refused by name (bad value, unquantized model, backend, SGLang on an FP8 model
   without it); the estimate counts FP8 engine weights (DeepSeek-V3: 669.07 B FP8 parameters,
   40.8 M scales; the rest is exactly embeddings, lm_head, norms and routers) and the 64-node
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.rl.rollout.hf_backend import HFRolloutEngine
+from engine.generation.hf.backend import HFRolloutEngine
 from tests.deepseek_v3_tiny import build_deepseek_v3, build_fp8
 
 
@@ -153,9 +153,9 @@ def test_sglang_gets_fused_halves_in_one_call(monkeypatch, tmp_path):
     import sys
     import types
 
-    from engine.rl.rollout.sglang_backend import SGLangRolloutEngine
-    from engine.rl.rollout.sglang_pairs import fuses_qkv_a
-    from engine.rl.rollout.sglang_settings import TESTED_VERSION
+    from engine.generation.sglang.backend import SGLangRolloutEngine
+    from engine.generation.sglang.pairs import fuses_qkv_a
+    from engine.generation.sglang.settings import TESTED_VERSION
     from tests.test_sglang_backend import FakeEngine
 
     module = types.ModuleType("sglang")
@@ -187,7 +187,7 @@ def _rl_cfg(*keys):
 
 
 def test_the_key_is_refused_by_name(fp8_dir):
-    from engine.rl.rollout.sync_quantization import sync_quantization_problems
+    from engine.generation.sync.quantization import sync_quantization_problems
 
     src = str(Path(fp8_dir).parent / "src")
     fp8 = _config(fp8_dir)
@@ -212,7 +212,7 @@ def test_the_key_is_refused_by_name(fp8_dir):
 
 def test_fp8_engine_estimate_and_the_h200_recipe(capsys):
     from engine.rl.recipe_check import rl_validate_main
-    from engine.rl.rollout.engine_memory import engine_weights, engine_weights_problem
+    from engine.generation.engine_memory import engine_weights, engine_weights_problem
     from models.estimate.counting import stage_parameters
     from models.families.presets import MODEL_SHAPES
 

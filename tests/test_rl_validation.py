@@ -70,7 +70,7 @@ def test_validation_metrics_overall_and_per_data_source():
 
 
 def test_validation_seeds_are_a_separate_stream():
-    from engine.rl.rollout.work_split import batch_seeds
+    from engine.generation.work_split import batch_seeds
 
     seeds = val_seeds(1234, 3, 4)
     assert len(set(seeds)) == 12 and all(0 <= s < 2 ** 63 for s in seeds)
@@ -210,8 +210,8 @@ def test_initial_validation_equals_an_independent_recomputation(runs):
     from transformers import AutoTokenizer
 
     from engine.data.render import render_prompt
-    from engine.rl.rollout import SamplingParams
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation import SamplingParams
+    from engine.generation.hf.backend import HFRolloutEngine
 
     rows = _read_jsonl(runs["val"])
     tokenizer = AutoTokenizer.from_pretrained(runs["model"])
@@ -267,7 +267,7 @@ def test_multi_turn_validation_runs_the_training_episodes(tmp_path):
     from engine.rl.collect.validation import generate_for_validation
     from engine.rl.config import RLConfig
     from engine.rl.rewards import load_reward_fn
-    from engine.rl.rollout import Generation, SamplingParams
+    from engine.generation import Generation, SamplingParams
 
     class Sevens(GenerateOnlyEngine):
         """Answers "7" + eos to every trajectory; records the sampling temperatures."""

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.rl.policy.weight_export import SyncStats, iter_buckets, tensor_bytes
 from engine.rl.policy.weight_sync import sync_weights
-from engine.rl.rollout import Generation, SamplingParams, make_rollout_engine
+from engine.generation import Generation, SamplingParams, make_rollout_engine
 from tools.tiny_models import build_tiny_model
 
 LAYERS = 2
@@ -295,7 +295,7 @@ def test_moe_checkpoint_names_fill_fused_experts_after_wake(tmp_path):
 
 
 def test_bucket_files_round_trip_in_order_and_leave_nothing_behind(tmp_path, monkeypatch):
-    """engine.rl.rollout.bucket_files: a bucket comes back bitwise in its order (tensors that
+    """engine.generation.sync.bucket_files: a bucket comes back bitwise in its order (tensors that
     share storage, views, non-contiguous and empty ones included) to every reader, and the
     file stays until its writer deletes it;
     without room in /dev/shm the file goes to the temporary directory, without room anywhere
@@ -303,7 +303,7 @@ def test_bucket_files_round_trip_in_order_and_leave_nothing_behind(tmp_path, mon
     import shutil
     from collections import namedtuple
 
-    from engine.rl.rollout import bucket_files
+    from engine.generation.sync import bucket_files as bucket_files
 
     base = torch.randn(6, 4)
     bucket = [("z.weight", base), ("a.weight", base[:, :2].t()), ("tied.weight", base),

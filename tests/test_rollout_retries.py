@@ -12,7 +12,7 @@ from engine.config.schema import ConfigError, load_config
 from engine.rl.checks import validate_rl
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
-from engine.rl.rollout.pool import RolloutFailed
+from engine.generation.pool import RolloutFailed
 from tests.flaky_rollout import BrokenHFEngine, FlakyHFEngine
 from tools.tiny_models import build_tiny_model
 
@@ -47,7 +47,7 @@ def _collector(engine_cls, model_dir, *argv):
 
 def test_transient_failures_are_retried_and_give_the_same_batch(model_dir, capsys,
                                                                 monkeypatch):
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation.hf.backend import HFRolloutEngine
 
     reference = _collector(HFRolloutEngine, model_dir).collect()
     monkeypatch.setenv("FLAKY_ROLLOUT_FAILURES", "2")

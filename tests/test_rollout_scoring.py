@@ -1,4 +1,4 @@
-"""RolloutEngine.score (engine.rl.rollout.scoring): the HF engine's batched, right-padded scores
+"""RolloutEngine.score (engine.generation.scoring): the HF engine's batched, right-padded scores
 against transformers on each sequence alone (fp32, 1e-5; negative control: left padding without
 a mask leaks), top-k ids and values against torch.topk, chunking that does not change a number,
 input checks by name, the sleeping engine refused, a backend without scoring refused by name;
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.rl.rollout.base import RolloutEngine
-from engine.rl.rollout.hf_backend import HFRolloutEngine
-from engine.rl.rollout.scoring import hf_scores
-from engine.rl.rollout.vllm_scoring import prompt_scores, scoring_problem
+from engine.generation.base import RolloutEngine
+from engine.generation.hf.backend import HFRolloutEngine
+from engine.generation.scoring import hf_scores
+from engine.generation.vllm.scoring import prompt_scores, scoring_problem
 from tools.tiny_models import build_tiny_model
 
 SEQUENCES = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], list(range(20, 32))]

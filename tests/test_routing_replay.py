@@ -44,7 +44,7 @@ def test_routing_replay_key_is_validated():
 
 def test_r3_backend_and_mode_refusals():
     from engine.rl.checks import routing_replay_problems
-    from engine.rl.rollout.sglang_backend import SGLangRolloutEngine
+    from engine.generation.sglang.backend import SGLangRolloutEngine
 
     def cfg(mode, backend="hf", bypass=False, env=None):
         return SimpleNamespace(moe=MoEConfig(routing_replay=mode),
@@ -63,7 +63,7 @@ def test_r3_backend_and_mode_refusals():
     assert (problems == []) == (reason is None)
     if reason is not None:  # this host: sglang missing or too old -> refused, reason named
         assert "rollout.backend=sglang" in problems[0] and reason in problems[0]
-    custom = routing_replay_problems(cfg("R3", backend="engine.rl.rollout.base:RolloutEngine"))
+    custom = routing_replay_problems(cfg("R3", backend="engine.generation.base:RolloutEngine"))
     assert custom and "does not report routed experts" in custom[0]
 
 

@@ -1,4 +1,4 @@
-"""The HF backend's vectorized seeded sampler (engine.rl.rollout.sampling): the counter-based
+"""The HF backend's vectorized seeded sampler (engine.generation.sampling): the counter-based
 hash against a scalar Python reference, uniformity and independence of its uniforms, sampled
 frequencies against the closed-form softmax (temperature, top-p), row independence from the
 batch, greedy and the reported log-probs."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.rl.rollout import SamplingParams
-from engine.rl.rollout.sampling import SeededSampler, hash32, inverse_cdf, uniforms
+from engine.generation import SamplingParams
+from engine.generation.sampling import SeededSampler, hash32, inverse_cdf, uniforms
 
 
 def lowbias32(x: int) -> int:
@@ -117,7 +117,7 @@ def test_inverse_cdf_edges():
 
 
 def test_seed_and_no_seed_paths():
-    from engine.rl.rollout.sampling import row_seeds
+    from engine.generation.sampling import row_seeds
 
     a = row_seeds(SamplingParams(max_new_tokens=1, seed=7), 3)
     assert a == row_seeds(SamplingParams(max_new_tokens=1, seed=7), 3) and len(set(a)) == 3

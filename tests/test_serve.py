@@ -32,10 +32,10 @@ from engine.rl.judge.checks import judge_problems
 from engine.rl.judge.collector import JudgedCollector, make_collector
 from engine.rl.judge.scorer import JudgeScorer, fill
 from engine.rl.rewards import math_reward
-from engine.rl.rollout import SamplingParams
-from engine.rl.rollout.hf_backend import HFRolloutEngine
-from engine.rl.rollout.pool import RolloutPool
-from engine.rl.rollout.sampling_backend import SamplingBackend
+from engine.generation import SamplingParams
+from engine.generation.hf.backend import HFRolloutEngine
+from engine.generation.pool import RolloutPool
+from engine.generation.sampling_backend import SamplingBackend
 from engine.serve.__main__ import main as serve_main
 from engine.serve.endpoint import ServeEndpoint, ServeSettings
 from tests.launch import free_port
@@ -537,8 +537,8 @@ def test_sampling_backend_scores_in_one_call_and_skips_max_tokens_0():
     with max_tokens 0 takes no generate call; one without score_top_k gets no scores (as the
     agent endpoint's)."""
     from engine.api.backend import GenerateRequest
-    from engine.rl.rollout.base import Generation
-    from engine.rl.rollout.scoring import SequenceScores
+    from engine.generation.base import Generation
+    from engine.generation.scoring import SequenceScores
 
     generated, scored = [], []
 

@@ -1,5 +1,5 @@
 """The SGLang backend's own logic on CPU, against a fake `sglang` module whose Engine behaves as
-sglang 0.5.23's does where the backend depends on it (engine.rl.rollout.sglang_settings):
+sglang 0.5.23's does where the backend depends on it (engine.generation.sglang.settings):
 `update_weights_from_tensor` outside a begin/end_weight_update session returns (False, "...must
 run between begin_weight_update() and end_weight_update()") as SGLang's scheduler does
 (srt/managers/scheduler_components/weight_updater.py), and every call is recorded, so the names
@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.rl.rollout.base import SamplingParams
-from engine.rl.rollout.sglang_backend import SGLangRolloutEngine
-from engine.rl.rollout.sglang_settings import (ENGINE_CALLS, SAMPLING_KEYS, SERVER_ARGS,
+from engine.generation.base import SamplingParams
+from engine.generation.sglang.backend import SGLangRolloutEngine
+from engine.generation.sglang.settings import (ENGINE_CALLS, SAMPLING_KEYS, SERVER_ARGS,
                                                TESTED_VERSION, record_field_names)
 
 OUTSIDE = ("update_weights_from_tensor must run between begin_weight_update() and "
@@ -211,7 +211,7 @@ def test_the_start_refusals_are_found_before_any_process_group(monkeypatch):
     import importlib.metadata
     import importlib.util
 
-    from engine.rl.rollout import sglang_settings
+    from engine.generation.sglang import settings as sglang_settings
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in (

@@ -8,7 +8,7 @@ the environment (its dependencies pin a CUDA torch):
 
 (.ci/run installs it elsewhere and names the folder in CONTRACT_SGLANG_DIR, which overrides
 that default). Nothing is imported from it: the modules' source is parsed (`ast`) and every
-SGLang name the backend uses (engine.rl.rollout.sglang_settings: Engine methods and the keyword
+SGLang name the backend uses (engine.generation.sglang.settings: Engine methods and the keyword
 arguments passed to them, ServerArgs fields, sampling_params keys) is looked up as used, as are
 the behaviours the backend relies on. tests/test_sglang_backend.py checks that the backend uses
 nothing outside those tables. Without the folder the test fails, saying how to install it.
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.rl.rollout import sglang_settings
-from engine.rl.rollout.sglang_settings import (DETERMINISTIC_ATTENTION_BACKENDS, ENGINE_CALLS,
+from engine.generation.sglang import settings as sglang_settings
+from engine.generation.sglang.settings import (DETERMINISTIC_ATTENTION_BACKENDS, ENGINE_CALLS,
                                                MEMORY_SAVER_PACKAGE, SAMPLING_KEYS, SERVER_ARGS,
                                                TESTED_VERSION)
 
@@ -93,7 +93,7 @@ def test_every_engine_method_takes_the_arguments_the_backend_passes(sgl):
 def test_the_backend_calls_nothing_else_on_the_engine():
     """Static check of sglang_backend.py: every self.engine.X(...) is in ENGINE_CALLS with
     keywords from its entry (the fake-engine test covers what arrives through **extra)."""
-    tree = ast.parse((ROOT / "engine/rl/rollout/sglang_backend.py").read_text())
+    tree = ast.parse((ROOT / "engine/generation/sglang/backend.py").read_text())
     seen = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \

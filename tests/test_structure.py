@@ -17,8 +17,9 @@ ENTRY_POINTS = {"engine.sft.__main__", "engine.rl.__main__", "engine.dpo.__main_
 # package -> packages it must never import (engine/__init__.py; docs/development.md); api is
 # the OpenAI protocol both servers speak (RL's agent endpoint, serve): it reads data only, and
 # only rl and serve import it; serve (`megatron-sft-engine serve`) is built on api and RL's
-# rollout engines and trains nothing: nothing imports it, and it imports no training,
-# checkpoint or other entry point
+# generation engines and trains nothing: nothing imports it, and it imports no training,
+# checkpoint, rl or other entry point; generation holds the engines RL, serve, the agent
+# endpoint and the judges share
 # preference is the core DPO, KTO and reward models share (issue 76): only they import it, and
 # none of them imports another
 FORBIDDEN = {
@@ -35,9 +36,12 @@ FORBIDDEN = {
     "rm": {"sft", "rl", "dpo", "kto", "serve", "api"},
     "kto": {"sft", "rl", "dpo", "rm", "serve", "api"},
     "config": {"serve", "api", "kto", "preference"},
-    "serve": {"sft", "dpo", "rm", "kto", "run", "checkpoint", "training", "preference"},
+    "serve": {"sft", "rl", "dpo", "rm", "kto", "run", "checkpoint", "training", "preference"},
     "api": {"run", "sft", "rl", "dpo", "rm", "kto", "checkpoint", "training", "config",
-            "serve", "preference"},
+            "serve", "preference", "generation"},
+    # the generation engines (issue 82): one floor below rl and serve, which both run on them
+    "generation": {"run", "sft", "rl", "dpo", "rm", "kto", "checkpoint", "training", "data",
+                   "serve", "preference"},
 }
 OBJECTIVES = ("dpo", "kto", "rm")   # the preference objectives (engine/preference: their core)
 
@@ -183,6 +187,44 @@ def test_cycle_finder_and_rules_catch_violations():
     deps = _imported(tree, "engine.training.loss", False, known)
     assert deps == {"engine.run.run_loop"}
     assert _package_graph({"engine.training.loss": deps}) == {"training": {"run"}}
+
+
+GENERATION_BACKENDS = ("hf", "vllm", "sglang")   # engine/generation's backend sub-packages
+
+
+def _generation_unit(module: str) -> str | None:
+    """engine.generation's unit of a module: a sub-package name, or 'shared' for its top level."""
+    parts = module.split(".")
+    if parts[:2] != ["engine", "generation"]:
+        return None
+    return parts[2] if len(parts) > 3 else "shared"
+
+
+def _generation_violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) units of engine.generation against its rule: a backend imports the
+    shared level and sync/ only, sync/ imports no backend, the shared level imports no
+    sub-package (the backend registry names classes by string)."""
+    units = _unit_graph(graph, _generation_unit)
+    allowed = {"shared": set(), "sync": {"shared"}}
+    allowed.update({b: {"shared", "sync"} for b in GENERATION_BACKENDS})
+    return {(a, b) for a, deps in units.items() for b in deps - allowed.get(a, set())}
+
+
+def test_generation_is_one_package_per_backend_with_one_way_imports():
+    """engine/generation (issue 82): the engines RL and serve share, one sub-package per backend
+    (hf, vllm, sglang) and one for the sync transport; the backends never import each other.
+    Negative control: a vllm -> hf edge and a shared -> vllm edge are found."""
+    root = ROOT / "engine" / "generation"
+    subs = {p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert subs == set(GENERATION_BACKENDS) | {"sync"}, subs
+    assert not any(p.name.startswith(tuple(f"{s}_" for s in subs)) for p in root.glob("*.py"))
+    assert _generation_violations(_graph()) == set()
+    assert _generation_violations({
+        "engine.generation.vllm.backend": {"engine.generation.hf.backend"},
+        "engine.generation.pool": {"engine.generation.vllm.process"},
+        "engine.generation.hf.backend": {"engine.generation.sync.handles",
+                                         "engine.generation.base"}}) == {
+        ("vllm", "hf"), ("shared", "vllm")}
 
 
 def _objective_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:

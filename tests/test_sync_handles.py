@@ -1,4 +1,4 @@
-"""engine.rl.rollout.sync_handles without vLLM (rollout.sync_transport=handle; the syncs into
+"""engine.generation.sync.handles without vLLM (rollout.sync_transport=handle; the syncs into
 real vLLM engines, bitwise against the file transport at TP 1 and TP 2, are in test_vllm.py).
 
 CPU: a bucket of mixed dtypes comes back bitwise, in order, from every worker's handle, as
@@ -20,8 +20,8 @@ import weakref
 import pytest
 import torch
 
-from engine.rl.rollout import sync_handles
-from engine.rl.rollout.sync_handles import (SharedBucket, SharedBuckets, export, open_bucket,
+from engine.generation.sync import handles as sync_handles
+from engine.generation.sync.handles import (SharedBucket, SharedBuckets, export, open_bucket,
                                             pack, rebuild_buffer, send_bucket)
 
 

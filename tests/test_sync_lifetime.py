@@ -1,4 +1,4 @@
-"""engine.rl.rollout.sync_lifetime: the weight-sync buffer lifetime as one state machine. One
+"""engine.generation.sync.lifetime: the weight-sync buffer lifetime as one state machine. One
 test per allowed move (through BufferTable, the owner's table SharedBuckets keeps), every other
 move refused naming both states, and the worker's side (WorkerViews). In-process, no vLLM."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 
-from engine.rl.rollout.sync_handles import SharedBuckets
-from engine.rl.rollout.sync_lifetime import (NEW, TRANSITIONS, BadTransition, BufferTable, State,
+from engine.generation.sync.handles import SharedBuckets
+from engine.generation.sync.lifetime import (NEW, TRANSITIONS, BadTransition, BufferTable, State,
                                              WorkerViews, check)
 
 ALL = [NEW, *State]

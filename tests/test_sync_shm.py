@@ -1,4 +1,4 @@
-"""/dev/shm reserved before a weight-sync buffer is written (engine.rl.rollout.sync_handles.
+"""/dev/shm reserved before a weight-sync buffer is written (engine.generation.sync.handles.
 reserved_storage; issue 76, item 6).
 
 Owners colocated on one node sync at once: each can pass the free-space check before any of
@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.rl.rollout import sync_handles
-from engine.rl.rollout.sync_handles import (NoSharedMemory, SharedBuckets, reserved_storage,
+from engine.generation.sync import handles as sync_handles
+from engine.generation.sync.handles import (NoSharedMemory, SharedBuckets, reserved_storage,
                                             send_bucket)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,9 +76,9 @@ def test_a_failed_reservation_sends_the_bucket_as_a_file_leaving_nothing(tmp_pat
 RACE = """
 import json, os, shutil, types, warnings
 import torch
-from engine.rl.rollout import sync_handles
-from engine.rl.rollout.bucket_files import read_bucket
-from engine.rl.rollout.sync_handles import SharedBuckets, open_bucket, send_bucket
+from engine.generation.sync import handles as sync_handles
+from engine.generation.sync.bucket_files import read_bucket
+from engine.generation.sync.handles import SharedBuckets, open_bucket, send_bucket
 
 seen = shutil.disk_usage("/dev/shm")   # both owners check before either allocates
 sync_handles.shutil = types.SimpleNamespace(disk_usage=lambda folder: seen)  # the check only

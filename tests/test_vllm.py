@@ -39,9 +39,9 @@ from engine.config.loading import load_config
 from engine.rl.checks import rl_problems
 from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.policy.weight_sync import probe_tokens
-from engine.rl.rollout.base import SamplingParams
-from engine.rl.rollout.sync_quantization import sync_quantization_problems
-from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
+from engine.generation.base import SamplingParams
+from engine.generation.sync.quantization import sync_quantization_problems
+from engine.generation.vllm.settings import engine_args, vllm_problems
 from tests.deepseek_v3_tiny import build_deepseek_v3
 from tests.glm4_moe_tiny import build_glm4_moe
 from tests.gpt_oss_tiny import build_gpt_oss
@@ -56,7 +56,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
 def _engine(model_dir: str, check_weight_sync: bool = False, tp: int = 1, **vllm_keys):
     """A CPU engine; `tp` > 1: vLLM's tensor parallelism over `tp` worker processes (a CPU
     run's engines have one: engine_args; tests use it for the TP > 1 paths a GPU engine runs)."""
-    from engine.rl.rollout.vllm_backend import VLLMRolloutEngine  # vLLM: this file only
+    from engine.generation.vllm.backend import VLLMRolloutEngine  # vLLM: this file only
     kwargs = engine_args(VLLMConfig(**vllm_keys), 1, True, check_weight_sync)
     return VLLMRolloutEngine(model_dir, dtype=torch.float32, seed=0,
                              **{**kwargs, "tensor_parallel_size": tp})
@@ -103,7 +103,7 @@ def test_logprobs_follow_the_contract_and_seeds_do_not_depend_on_the_batch(qwen3
 
 
 def test_score_is_transformers_raw_log_softmax(qwen3, qwen3_dir):
-    """RolloutEngine.score on vLLM (engine.rl.rollout.vllm_scoring): prompt log-probs of
+    """RolloutEngine.score on vLLM (engine.generation.vllm.scoring): prompt log-probs of
     sequences of different lengths in one call = log_softmax of transformers' fp32 logits of
     each alone, the top-k ids most likely first (top_k=0: the token's log-prob alone); negative
     control: the references shifted by one position are far."""
@@ -146,7 +146,7 @@ def test_agent_episodes_on_vllm_train_what_the_openai_client_received(qwen3, qwe
     import importlib
 
     from engine.api.backend import call_seed
-    from engine.rl.rollout.work_split import batch_seeds
+    from engine.generation.work_split import batch_seeds
     from tests.test_rl_agent import _collect, _config, check_trained_as_received
 
     rows = [{"prompt": "what is 1 plus 2 ?", "answer": "3"},
@@ -283,7 +283,7 @@ def test_a_sync_that_changes_every_parameter_lands_exactly(qwen3, qwen3_dir, tmp
 # shared expert); gpt-oss at the published swiglu_limit 7 (vLLM's experts hard-code it), whose
 # loader copies the attention sinks and the unquantized experts straight into the parameters,
 # past vLLM's reload (log-prob errors 0.08 and 1.4 after one sync, measured before
-# engine.rl.rollout.vllm_direct_copies caught those copies); 4 layers: 1.6e-5 when loaded.
+# engine.generation.vllm.direct_copies caught those copies); 4 layers: 1.6e-5 when loaded.
 FAMILIES = {
     "deepseek_v3": (lambda d: build_deepseek_v3(
         d, mtp=False, hidden_size=128, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32,
@@ -344,7 +344,7 @@ def test_mla_on_an_amx_cpu_selects_cpu_mla_for_target_and_draft(tmp_path, monkey
     from vllm.v1.attention.selector import _cached_get_attn_backend, get_attn_backend
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    from engine.rl.rollout.vllm_backend import VLLMRolloutEngine
+    from engine.generation.vllm.backend import VLLMRolloutEngine
 
     class Built(Exception):
         """vllm.LLM called: its keyword arguments, nothing started."""
@@ -392,7 +392,7 @@ def _eos_only_in_tokenizer(model_dir: str) -> None:
     """Drop eos_token_id from the folder's config.json and generation_config.json (the
     tokenizer keeps its eos, <|im_end|> = 3): the engine must stop there all the same, as the
     hf backend and vLLM's own generation do; the config files alone name no eos."""
-    from engine.rl.rollout.eos import eos_token_ids
+    from engine.generation.eos import eos_token_ids
     for name in ("config.json", "generation_config.json"):
         path = Path(model_dir) / name
         if path.is_file():
@@ -485,13 +485,13 @@ def test_rollout_vllm_keys_are_checked_by_name():
 
 
 def test_rollout_vllm_lora_sync_is_chosen_and_refused_by_name():
-    """rollout.vllm.lora_sync (engine.rl.rollout.vllm_lora): auto serves the adapters with
+    """rollout.vllm.lora_sync (engine.generation.vllm.lora): auto serves the adapters with
     vLLM's LoRA in bf16 where vLLM serves them (the dense families' attention and MLP) and
     merges in fp32 (exact there) and where vLLM cannot (MoE families: with enable_lora vLLM
     runs every MoE layer on its Triton LoRA kernel, which the CPU lacks; families not run);
     `adapter` refuses those cases by name, and a value outside the choices; the engines get
     the adapter's tensor names, vLLM's LoRA modules and max_lora_rank."""
-    from engine.rl.rollout.vllm_lora import adapter_serving, lora_sync_mode
+    from engine.generation.vllm.lora import adapter_serving, lora_sync_mode
     qwen3 = {"model_type": "qwen3", "num_hidden_layers": 2}
     moe = {"model_type": "qwen3_moe", "num_hidden_layers": 2}
     lora, bf16 = ("model.lora.rank=4", "model.lora.alpha=8"), "model.dtype=bfloat16"
@@ -889,14 +889,14 @@ def test_a_dead_engine_is_reported_dead_and_not_retried(qwen3):
     """The engine's worker survives a SIGTERM (left to its owner). Then its model process killed (last in this module: it kills the module's engine):
     vLLM's executor reports it failed (`is_alive` False), so the rollout pool's retry loop gives up after
     the one failed call instead of retrying, and the loop restarts the engine from the
-    current weights (engine.rl.rollout.pool; run on vLLM in the LoRA GRPO test above).
+    current weights (engine.generation.pool; run on vLLM in the LoRA GRPO test above).
     Shutting the dead engine down is harmless."""
     import os
     import signal
     import time
     from types import SimpleNamespace
 
-    from engine.rl.rollout.pool import generate_with_retries
+    from engine.generation.pool import generate_with_retries
 
     pids = qwen3.engine_pids()   # on CPU: the TP workers (the engine core is in this process)
     for pid in pids:   # as torchrun's signal to the job's process groups: ignored, the owner
@@ -922,7 +922,7 @@ def test_the_chat_warmup_warning_alone_is_dropped_while_an_engine_starts():
     built; the logger's other records pass, and after the block that one passes too."""
     import logging
 
-    from engine.rl.rollout.vllm_process import (CHAT_WARMUP_LOGGER, CHAT_WARMUP_MESSAGE,
+    from engine.generation.vllm.process import (CHAT_WARMUP_LOGGER, CHAT_WARMUP_MESSAGE,
                                                 without_chat_warmup_warning)
 
     seen: list[str] = []
@@ -957,7 +957,7 @@ def test_vllms_teardown_leaves_the_trainers_default_group_alive():
     import torch.distributed as dist
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    from engine.rl.rollout.vllm_process import trainer_groups_kept
+    from engine.generation.vllm.process import trainer_groups_kept
     from tests.launch import free_port
 
     assert not dist.is_initialized()   # the test process starts no group of its own
@@ -979,14 +979,14 @@ def test_vllms_teardown_leaves_the_trainers_default_group_alive():
 
 
 def test_an_untested_vllm_or_a_missing_internal_is_refused_by_name(monkeypatch):
-    """The version guard (engine.rl.rollout.vllm_version): another vLLM release is refused
+    """The version guard (engine.generation.vllm.version): another vLLM release is refused
     before any process group unless rollout.vllm.allow_untested_version=true (then a warning);
     every private name the backend uses exists in the installed vLLM 0.32.0, and a missing one
     is named with what uses it; a sampler the log-prob contract cannot wrap, and liveness flags
     that are gone, are refused instead of read as alive."""
     from types import SimpleNamespace
 
-    from engine.rl.rollout import vllm_version as vv
+    from engine.generation.vllm import version as vv
 
     assert vv.version_problem(False, "0.32.0+cpu") is None
     refusal = vv.version_problem(False, "0.33.1")

@@ -1,4 +1,4 @@
-"""engine.rl.rollout.vllm_attention's rules, without vLLM: which vllm.LLM arguments select
+"""engine.generation.vllm.attention's rules, without vLLM: which vllm.LLM arguments select
 CPU_MLA (an MLA folder on a CPU host, for the target and for an MLA speculative draft) and
 which are left alone (GPUs, models without MLA, a draft folder without MLA, a backend the user
 named). vLLM's own selection with these arguments on a simulated AMX CPU, and the backends of a
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.rl.rollout.vllm_attention import CPU_MLA, cpu_attention_args, uses_mla
+from engine.generation.vllm.attention import CPU_MLA, cpu_attention_args, uses_mla
 
 
 def _folder(path: Path, **config) -> str:

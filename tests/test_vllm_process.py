@@ -1,4 +1,4 @@
-"""The environment a vLLM engine's processes start with (engine.rl.rollout.vllm_process),
+"""The environment a vLLM engine's processes start with (engine.generation.vllm.process),
 checked without vLLM or a GPU: each engine's CUDA_VISIBLE_DEVICES follows its placement slot
 (two engines at TP4 on an 8-GPU node, two nodes, disaggregated rollout ranks, a job-wide
 CUDA_VISIBLE_DEVICES), the worker start method is set only inside the block and a user's value
@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from engine.rl.rollout.placement import (resolve_placement, rollout_procs_per_node,
+from engine.generation.placement import (resolve_placement, rollout_procs_per_node,
                                          split_sizes)
-from engine.rl.rollout.vllm_process import (DEVICES, WORKER_START, engine_devices,
+from engine.generation.vllm.process import (DEVICES, WORKER_START, engine_devices,
                                             engine_process_env)
 
 

@@ -35,13 +35,13 @@ import torch
 
 from engine.config.loading import load_config
 from engine.rl.config import RLConfig, SpeculativeConfig, VLLMConfig
-from engine.rl.rollout.base import SamplingParams
-from engine.rl.rollout.vllm_settings import engine_args, vllm_problems
-from engine.rl.rollout.vllm_spec_sampler import (ContractSpecLogprobs, expand_batch_to_tokens,
+from engine.generation.base import SamplingParams
+from engine.generation.vllm.settings import engine_args, vllm_problems
+from engine.generation.vllm.spec_sampler import (ContractSpecLogprobs, expand_batch_to_tokens,
                                                  expand_is_broken)
-from engine.rl.rollout.vllm_spec_sync import MtpNames
-from engine.rl.rollout.vllm_speculative import OffSwitch, Speculation, merge_counters, spec_metrics
-from engine.rl.rollout.vllm_speculative_settings import mtp_layers
+from engine.generation.vllm.spec_sync import MtpNames
+from engine.generation.vllm.speculative import OffSwitch, Speculation, merge_counters, spec_metrics
+from engine.generation.vllm.speculative_settings import mtp_layers
 from tests.glm4_moe_tiny import build_glm4_moe
 from tests.logprob_reference import max_logprob_diff
 
@@ -58,7 +58,7 @@ def glm_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def spec(glm_dir):
     """The module's engine: method mtp, 2 draft tokens, no off switch."""
-    from engine.rl.rollout.vllm_backend import VLLMRolloutEngine  # vLLM: this file only
+    from engine.generation.vllm.backend import VLLMRolloutEngine  # vLLM: this file only
     kwargs = engine_args(VLLMConfig(max_model_len=64, speculative=SpeculativeConfig(
         method="mtp", num_tokens=2)), 1, True)
     engine = VLLMRolloutEngine(glm_dir, dtype=torch.float32, seed=0, off_switch=(None, 1),
@@ -151,7 +151,7 @@ def test_a_sync_carries_the_mtp_layer_into_the_drafter(spec, reference, glm_dir,
     assert [g.response_logprobs for g in back] == [g.response_logprobs for g in first]
     assert spec.speculation_counters() == first_counts
     # a sync without MTP tensors (model.mtp.enabled off): the drafter kept, one warning
-    with caplog.at_level(logging.WARNING, logger="engine.rl.rollout.vllm_speculative"):
+    with caplog.at_level(logging.WARNING, logger="engine.generation.vllm.speculative"):
         for _ in range(2):
             _sync(spec, {k: v for k, v in new.items() if not MtpNames(2)(k)})
             assert max_logprob_diff(reference, spec.generate(PROMPTS, SEEDED), 1.0) < 1e-5
@@ -166,7 +166,7 @@ def test_the_off_switch_rebuilds_the_engine_without_its_draft(spec, reference, g
     samples exactly; rollout/spec_enabled 0 (the module's last engine test: it ends speculation
     on the module's engine)."""
     spec.speculation.switch = OffSwitch(1.0, 1)   # any acceptance below 1 is low
-    with caplog.at_level(logging.WARNING, logger="engine.rl.rollout.vllm_speculative"):
+    with caplog.at_level(logging.WARNING, logger="engine.generation.vllm.speculative"):
         spec.generate(PROMPTS, SEEDED)
         assert spec.speculation.off_requested and spec.speculation.enabled
         assert spec.speculation_counters()["enabled"] == 1.0

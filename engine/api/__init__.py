@@ -21,5 +21,5 @@ Modules (one job each):
 
 May import: engine.data (chat rendering, row checks, the template delta, tool-call formats),
 engine.errors. Never imports engine.rl, engine.serve or any training package: a rollout engine
-serves the protocol through engine.rl.rollout.sampling_backend.
+serves the protocol through engine.generation.sampling_backend.
 """

@@ -9,7 +9,7 @@ Contract of `GenerateBackend.generate(requests) -> results` (one result per requ
 - result.ids: the sampled ids, at most request.max_tokens of them, the end-of-sequence id
   included when one was sampled (finish_reason "stop"), else finish_reason "length";
 - result.logprobs: one per sampled id, per the log-probability contract of
-  engine.rl.rollout.base (log_softmax(logits / T) of the unmodified logits at the request's
+  engine.generation.base (log_softmax(logits / T) of the unmodified logits at the request's
   temperature; top-p only restricts the draw);
 - request i's sample depends on (its prompt ids, its seed, its sampling settings) only: never
   on the other requests of the batch, their number or their order;
@@ -24,7 +24,7 @@ Contract of `GenerateBackend.generate(requests) -> results` (one result per requ
 Seeds: call c of an episode, choice k, samples with call_seed(episode response seed, c, k):
 turn_seed for choice 0 (the seeds of engine.rl.env.episodes' turns, so an agent whose calls
 follow the environment path's turns samples what that path samples), a hash for the other
-choices. engine.rl.rollout.sampling_backend serves this protocol with a rollout engine.
+choices. engine.generation.sampling_backend serves this protocol with a rollout engine.
 """
 from __future__ import annotations
 

@@ -27,15 +27,15 @@ from engine.rl.judge.checks import judge_problems
 from engine.rl.policy.reward_model_checks import (reward_key_problems, reward_model_problems,
                                                   vocabulary_problem)
 from engine.rl.rewards import load_reward_fn
-from engine.rl.rollout.base import (BACKENDS, backend_class, conditional_checkpoint_problems,
+from engine.generation.base import (BACKENDS, backend_class, conditional_checkpoint_problems,
                                     custom_backend_class)
-from engine.rl.rollout.hf_settings import hf_problems
-from engine.rl.rollout.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
+from engine.generation.hf.settings import hf_problems
+from engine.generation.placement import (placement_problems, procs_per_node, rollout_procs_per_node,
                                          split_sizes)
-from engine.rl.rollout.sglang_settings import sglang_problems
-from engine.rl.rollout.sync_handles import TRANSPORTS
-from engine.rl.rollout.sync_quantization import sync_quantization_problems
-from engine.rl.rollout.vllm_settings import vllm_problems
+from engine.generation.sglang.settings import sglang_problems
+from engine.generation.sync.handles import TRANSPORTS
+from engine.generation.sync.quantization import sync_quantization_problems
+from engine.generation.vllm.settings import vllm_problems
 from models.bridge.critic import critic_problem
 
 def rl_problems(cfg: RLConfig) -> list[str]:

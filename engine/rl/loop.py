@@ -15,7 +15,7 @@ One RL step:
 4. weight sync (engine.rl.policy.weight_sync): each engine's owner assembles the HF tensors
    from its own model replica (TP gathered, pipeline stages streamed point-to-point) and loads
    them in buckets; all engines in parallel.
-Rollout engine placement (engine.rl.rollout.placement): rollout.num_engines engines (default one
+Rollout engine placement (engine.generation.placement): rollout.num_engines engines (default one
 per node), each owned by one rank, rollout.gpus_per_engine devices each; engine 0 on rank 0.
 
 Checkpoints (engine.run.run_loop, as for SFT): the policy's model, optimizer and scheduler, the data
@@ -56,10 +56,10 @@ from engine.rl.policy.reward_model import rescore_batch
 from engine.rl.policy.routing_replay import rollout_engine_kwargs
 from engine.rl.policy.train_step import build_auxiliary, train_on_rollout
 from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
-from engine.rl.rollout import backend_class
-from engine.rl.rollout.pool import RolloutPool
-from engine.rl.rollout.sync_quantization import sync_source
-from engine.rl.rollout.vllm_lora import lora_engine_kwargs, lora_sync_mode
+from engine.generation import backend_class
+from engine.generation.pool import RolloutPool
+from engine.generation.sync.quantization import sync_source
+from engine.generation.vllm.lora import lora_engine_kwargs, lora_sync_mode
 from engine.run.run_loop import RunLoop, build_or_resume, resume_side_engines
 from engine.training.nonfinite import NonFiniteGuard
 from engine.training.train_engine import BatchSettings, TrainEngine
@@ -131,7 +131,7 @@ def rl_step(policy: TrainEngine, aux: AuxiliaryModels | None, collector, pool: R
 def build_pool(cfg: RLConfig, policy: TrainEngine, dtype: torch.dtype) -> RolloutPool:
     """Every rank: the job's rollout engines (RolloutPool.for_world); a restarted engine gets
     the policy's weights through the colocated sync (`resync`: the LoRA adapters alone with
-    rollout.vllm.lora_sync=adapter, engine.rl.rollout.vllm_lora)."""
+    rollout.vllm.lora_sync=adapter, engine.generation.vllm.lora)."""
     pool = RolloutPool.for_world(cfg, dtype, **rollout_engine_kwargs(cfg),
                                  **lora_engine_kwargs(cfg, policy.hf_config))
     adapters = lora_sync_mode(cfg, policy.hf_config) == "adapter"   # else merged weights

@@ -6,7 +6,7 @@ config.json, else the model.shape preset) and the rollout engine placement, and 
 placement (engines, GPUs per engine, owner ranks), what one weight sync moves (every engine
 receives the whole model in model.dtype, HF tensors, unpadded vocabulary, once per RL step;
 with rollout.sync_quantization=fp8 the published FP8 weights at 1 byte plus their scales:
-engine.rl.rollout.engine_memory, which also checks that an SGLang engine's share of them fits
+engine.generation.engine_memory, which also checks that an SGLang engine's share of them fits
 its mem_fraction and reports the KV cache left)
 , the communication plan of one policy optimizer step (engine.config.comm_report: bytes each
 GPU hands to collectives, by kind) plus the weight-sync bytes per engine, and an ESTIMATE of
@@ -32,7 +32,7 @@ the memory per GPU (GiB), in two phases:
   pipeline stage of the policy's peak);
 - rollout, on an engine's GPUs: the resident training state (weights, fp32 gradient buffers,
   optimizer state, the reference, the teacher unless offloaded, the critic, the runtime) plus
-  the engine (engine.rl.rollout.engine_memory.engine_budget): SGLang takes
+  the engine (engine.generation.engine_memory.engine_budget): SGLang takes
   rollout.sglang.mem_fraction of the GPU (weights and KV cache), vLLM
   rollout.vllm.gpu_memory_utilization of it (or its share of the weights plus
   rollout.vllm.kv_cache_gib); the HF backend holds the whole model in model.dtype on its owner
@@ -64,10 +64,10 @@ from engine.rl.checks import ppo_problems, rl_problems
 from engine.rl.config import RLConfig
 from engine.rl.policy.frozen_memory import frozen_config, frozen_memory
 from engine.rl.policy.reward_model_checks import reward_model_fit
-from engine.rl.rollout.engine_memory import (engine_budget, engine_fit, engine_weights,
+from engine.generation.engine_memory import (engine_budget, engine_fit, engine_weights,
                                               engine_weights_problem)
-from engine.rl.rollout.placement import placement_problems, resolve_placement, split_sizes
-from engine.rl.rollout.sync_quantization import sync_quantization_problems
+from engine.generation.placement import placement_problems, resolve_placement, split_sizes
+from engine.generation.sync.quantization import sync_quantization_problems
 from engine.training.plan import plan_mini_batch
 from models.estimate.counting import padded_vocab_size, stage_parameters
 from models.estimate.training_memory import GIB, micro_batch_tokens, optimizer_bytes
@@ -227,7 +227,7 @@ def rl_comm(cfg: RLConfig, hf: dict, world: int, engines: int) -> tuple[list[str
     """Communication lines and JSON of one policy optimizer step (a mini-batch of
     prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
     the weight sync: every engine receives the whole model once per RL step (model.dtype, or
-    FP8 + scales: engine.rl.rollout.engine_memory)."""
+    FP8 + scales: engine.generation.engine_memory)."""
     t, r = cfg.train, cfg.rollout
     layout = parallel_layout(cfg.parallel, world)
     responses = max(t.prompts_per_step * r.n // t.mini_batches_per_step, 1)

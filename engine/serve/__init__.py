@@ -4,7 +4,7 @@ evaluation and for LLM judges (reward.judge.*; docs/agents.md, "Serving a checkp
 
 Built on the OpenAI protocol of engine.api (request checks and their 400s, the chat template's
 rules, replies, the generate queue, the HTTP plumbing), which the agent endpoint of RL episodes
-also speaks, and on RL's rollout engines (engine.rl.rollout, with SamplingBackend): a serve
+also speaks, and on the generation engines (engine.generation, with SamplingBackend): a serve
 endpoint is stateless, every request is rendered whole.
 
 Modules (one job each):
@@ -21,6 +21,7 @@ Modules (one job each):
     run        the serving lifetime: load, listen, serve, stop on SIGTERM / Ctrl-C
     __main__   the command line: flags and their checks, --help
 
-May import: engine.api, engine.rl.rollout, engine.rl.config (the vllm engine's default
-settings), engine.data, engine.errors. Nothing imports engine.serve (tests/test_structure.py).
+May import: engine.api, engine.generation, engine.config (rollout_settings: the vllm engine's
+default settings), engine.data, engine.errors; never engine.rl. Nothing imports engine.serve
+(tests/test_structure.py).
 """

@@ -9,7 +9,7 @@ that sets the limit):
   generating one token after it; code context_length_exceeded);
 - scoring memory: a request with log-probs is scored over each prompt plus its reply, and the
   hf engine holds a sequence's float32 log-probs in one piece (tokens x vocabulary x 4 bytes;
-  engine.rl.rollout.scoring), so a sequence over --max-score-gib (prompt tokens + the reply's
+  engine.generation.scoring), so a sequence over --max-score-gib (prompt tokens + the reply's
   budget) is refused (code scoring_too_large) instead of failing in the engine. E.g. 32,768
   tokens on Qwen's vocabulary of 151,936: 18.5 GiB, over the hf default of 4 GiB (at most
   7,067 tokens there); vLLM computes prompt log-probs chunk by chunk, so vllm has no default

@@ -1,5 +1,5 @@
 """The --model folder (checked by engine.serve.folder) loaded on a rollout engine
-(engine.rl.rollout): hf (transformers, CPU or GPU) or vllm (vllm.LLM in this process, vLLM
+(engine.generation): hf (transformers, CPU or GPU) or vllm (vllm.LLM in this process, vLLM
 imported on first use; rollout.vllm's defaults with max_model_len = the endpoint's max
 context).
 """
@@ -9,17 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.rl.config import RolloutConfig
-from engine.rl.rollout.eos import folder_tokenizer
-from engine.rl.rollout.hf_backend import HFRolloutEngine
-from engine.rl.rollout.vllm_backend import VLLMRolloutEngine
+from engine.config.rollout_settings import RolloutConfig
+from engine.generation.eos import folder_tokenizer
+from engine.generation.hf.backend import HFRolloutEngine
+from engine.generation.vllm.backend import VLLMRolloutEngine
 
 
 @dataclass
 class LoadedModel:
     """A loaded --model: its rollout engine and tokenizer."""
 
-    engine: object           # an engine.rl.rollout.RolloutEngine
+    engine: object           # an engine.generation.RolloutEngine
     tokenizer: object
 
 

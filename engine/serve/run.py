@@ -12,7 +12,7 @@ import sys
 import threading
 
 from engine.errors import RunError
-from engine.rl.rollout.sampling_backend import SamplingBackend
+from engine.generation.sampling_backend import SamplingBackend
 from engine.serve.endpoint import REQUEST_LOG, ServeEndpoint, ServeSettings
 from engine.serve.folder import model_vocab
 from engine.serve.model import load_model

@@ -135,10 +135,10 @@ class Family:
     # (mlp.shared_expert, mlp.gate): {default: this family's}, for adapter names and keys
     lora_hf_paths: dict = {}
     # vLLM's model module for this architecture imports transformers' image processors, which
-    # import torchvision (engine.rl.rollout.vllm_settings refuses vLLM where it cannot import)
+    # import torchvision (engine.generation.vllm.settings refuses vLLM where it cannot import)
     vllm_imports_torchvision: bool = False
     # the resolved LoRA targets (models.lora.targets) vLLM 0.32's LoRA serves on this family
-    # (engine.rl.rollout.vllm_lora: rollout.vllm.lora_sync=adapter); empty: none, adapters reach
+    # (engine.generation.vllm.lora: rollout.vllm.lora_sync=adapter); empty: none, adapters reach
     # vLLM as merged weights
     vllm_lora_targets: tuple = ()
     text_model_type: str | None = None     # a conditional-generation wrapper's entry: read as
@@ -183,7 +183,7 @@ class Family:
     def vllm_problems(self, cfg: Any) -> list[str]:
         """Why vLLM (the version rollout.backend=vllm is tested with, 0.32) would not serve or
         sync the model of config `cfg` exactly as transformers and the trainer compute it, one
-        sentence each; empty: it does (engine.rl.rollout.vllm_settings refuses the backend)."""
+        sentence each; empty: it does (engine.generation.vllm.settings refuses the backend)."""
         return []
 
     def rotary_percent(self, cfg: Any) -> float:

@@ -33,7 +33,7 @@ class ExpertNaming:
     `{block}.experts.{e}.{proj}.weight` with `proj` = gate [I, H], up [I, H], down [H, I]
     spelled by `gate` / `up` / `down` (e.g. gate_proj or w1). transformers >= 5 holds the
     same weights under `mlp.gate.weight` and fused `mlp.experts.gate_up_proj` [E, 2I, H] /
-    `mlp.experts.down_proj` [E, H, I] whatever `block` is (engine.rl.rollout.hf_targets)."""
+    `mlp.experts.down_proj` [E, H, I] whatever `block` is (engine.generation.hf.targets)."""
 
     block: str
     gate: str

@@ -168,8 +168,8 @@ def r3_from_hf(model_dir, hf_config, spec, batch):
 
     from engine.rl.collect.batch import RolloutBatch, build_sequences
     from engine.rl.policy.logprobs import compute_token_logprobs
-    from engine.rl.rollout import SamplingParams
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation import SamplingParams
+    from engine.generation.hf.backend import HFRolloutEngine
 
     layout_kw, train, flags = parse_spec(spec)
     engine = build(model_dir, hf_config, layout_kw, train, "sp" in flags)

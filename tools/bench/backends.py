@@ -52,12 +52,12 @@ def _prompts(count: int, vocab: int) -> list[list[int]]:
 def _time_backend(name: str, model_dir: str, prompts, max_new: int, repeats: int) -> dict:
     import torch
 
-    from engine.rl.rollout import SamplingParams, make_rollout_engine
-    from engine.rl.rollout.vllm_settings import engine_args
+    from engine.generation import SamplingParams, make_rollout_engine
+    from engine.generation.vllm.settings import engine_args
 
     start = time.perf_counter()
     if name == "vllm":
-        from engine.rl.config import VLLMConfig
+        from engine.config.rollout_settings import VLLMConfig
         kwargs = engine_args(VLLMConfig(), 1, not torch.cuda.is_available())
         engine = make_rollout_engine("vllm", model_dir, dtype=torch.float32, seed=0, **kwargs)
     else:
@@ -143,9 +143,9 @@ def _time_vllm_plain(model_dir: str, prompts, max_new: int, repeats: int) -> dic
     import torch
     import vllm
 
-    from engine.rl.config import VLLMConfig
-    from engine.rl.rollout.vllm_process import engine_process_env
-    from engine.rl.rollout.vllm_settings import engine_args
+    from engine.config.rollout_settings import VLLMConfig
+    from engine.generation.vllm.process import engine_process_env
+    from engine.generation.vllm.settings import engine_args
 
     on_cpu = not torch.cuda.is_available()
     start = time.perf_counter()

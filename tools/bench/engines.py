@@ -2,8 +2,8 @@
 
 `python -m tools.bench rollout --engines 1,2` runs, per engine count E, one torchrun launch of
 WORLD gloo ranks on this machine (one "node", training layout DP=WORLD, TP1: every rank holds a
-model replica). E HF engines are placed by engine.rl.rollout.placement (owners: ranks 0, ...,
-one engine per rank at most) and driven through engine.rl.rollout.pool exactly as the RL loop
+model replica). E HF engines are placed by engine.generation.placement (owners: ranks 0, ...,
+one engine per rank at most) and driven through engine.generation.pool exactly as the RL loop
 does: rank 0 splits a fixed rollout batch (PROMPTS prompts x N samples, seeded per response)
 over the engines, each owner makes one generate call, results come back to rank 0. Timed:
 REPEATS generation batches after one warm-up, and REPEATS weight syncs
@@ -41,10 +41,10 @@ def engines_worker(model_dir: str, engines: int, repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from engine.rl.rollout import SamplingParams, make_rollout_engine
-    from engine.rl.rollout.placement import resolve_placement
-    from engine.rl.rollout.pool import RolloutPool
-    from engine.rl.rollout.work_split import batch_seeds
+    from engine.generation import SamplingParams, make_rollout_engine
+    from engine.generation.placement import resolve_placement
+    from engine.generation.pool import RolloutPool
+    from engine.generation.work_split import batch_seeds
     from engine.rl.policy.weight_sync import sync_to_rollout
     from models.bridge.weights import load_hf_weights
     from models.build.factory import build_model_chunks

@@ -72,8 +72,8 @@ def time_variants(engine, prompts: list[list[int]], repeats: int, max_new: int
                   ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     """Wall seconds and generated tokens per timed repeat of each variant (one warm-up each,
     order alternating between repeats)."""
-    from engine.rl.rollout import SamplingParams
-    from engine.rl.rollout.work_split import batch_seeds
+    from engine.generation import SamplingParams
+    from engine.generation.work_split import batch_seeds
 
     variants = {"once": generate_once, "per_micro_batch": generate_per_micro_batch}
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -95,10 +95,10 @@ def time_variants(engine, prompts: list[list[int]], repeats: int, max_new: int
 
 def run_rollout(quick: bool) -> BenchResult:
     """Time both variants for every case; returns tables and summary."""
-    from engine.rl.rollout import make_rollout_engine
+    from engine.generation import make_rollout_engine
     from tools.tiny_models import build_tiny_model
 
-    from engine.rl.rollout.work_split import batch_seeds
+    from engine.generation.work_split import batch_seeds
     from tools.bench.rollout_static import static_rows, static_table, time_engines
 
     t0 = time.perf_counter()

@@ -26,8 +26,8 @@ def time_engines(model_dir: str, prompts: list[list[int]], seeds: list[int], max
                  repeats: int) -> dict[str, dict]:
     """Per variant: first-call seconds, timed seconds and tokens, and per repeat whether its
     tokens equal eager's and the largest |log-prob - eager's|."""
-    from engine.rl.rollout import SamplingParams
-    from engine.rl.rollout.hf_backend import HFRolloutEngine
+    from engine.generation import SamplingParams
+    from engine.generation.hf.backend import HFRolloutEngine
 
     engines = {name: HFRolloutEngine(model_dir, device="cpu", **kw)
                for name, kw in VARIANTS.items()}

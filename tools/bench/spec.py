@@ -64,9 +64,9 @@ def _vocab(model_dir: str) -> int:
 def _engine(model_dir: str, spec, max_len: int):
     import torch
 
-    from engine.rl.config import VLLMConfig
-    from engine.rl.rollout.vllm_backend import VLLMRolloutEngine
-    from engine.rl.rollout.vllm_settings import engine_args
+    from engine.config.rollout_settings import VLLMConfig
+    from engine.generation.vllm.backend import VLLMRolloutEngine
+    from engine.generation.vllm.settings import engine_args
 
     on_cpu = not torch.cuda.is_available()
     kwargs = engine_args(VLLMConfig(max_model_len=max_len, speculative=spec), 1, on_cpu)
@@ -77,7 +77,7 @@ def _engine(model_dir: str, spec, max_len: int):
 def _measure(model_dir: str, spec, prompts, max_new: int, repeats: int) -> dict:
     """One engine (`spec`: SpeculativeConfig, method None: plain): load seconds, median
     tokens/s, its spec counters over the timed calls, greedy ids of the check."""
-    from engine.rl.rollout import SamplingParams
+    from engine.generation import SamplingParams
 
     start = time.perf_counter()
     engine = _engine(model_dir, spec, 96 + max_new + 8)
@@ -107,8 +107,8 @@ def run_spec(quick: bool, model_dir: str | None = None, method: str = "mtp",
              num_tokens: int = 2, draft_path: str | None = None, prompts: int | None = None,
              max_new: int | None = None, repeats: int | None = None,
              prompts_file: str | None = None) -> BenchResult:
-    from engine.rl.config import SpeculativeConfig
-    from engine.rl.rollout.vllm_speculative import spec_metrics
+    from engine.config.rollout_settings import SpeculativeConfig
+    from engine.generation.vllm.speculative import spec_metrics
 
     count, new, reps = QUICK if quick else (PROMPTS, MAX_NEW, REPEATS)
     count, new, reps = prompts or count, max_new or new, repeats or reps

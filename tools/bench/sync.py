@@ -56,7 +56,7 @@ def run_sync(quick: bool) -> BenchResult:
     """Time weight syncs per bucket size; returns tables and summary (GB/s)."""
     import torch
 
-    from engine.rl.rollout import make_rollout_engine
+    from engine.generation import make_rollout_engine
     from engine.rl.policy.weight_sync import sync_weights
     from models.bridge.weights import export_hf_weights, load_hf_weights
     from models.build.factory import build_model_chunks
@@ -125,7 +125,7 @@ def run_sync(quick: bool) -> BenchResult:
 
 
 def _greedy(max_new_tokens: int):
-    from engine.rl.rollout import SamplingParams
+    from engine.generation import SamplingParams
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
 
 
@@ -147,8 +147,8 @@ def _owner_side(buckets: list[list], transport: str, buffers: dict) -> float:
     """Seconds of the owner's part alone: the refill of a reused shared buffer per bucket
     (handle, as every sync after the first; `buffers` keeps them) or write + delete of the
     file (file)."""
-    from engine.rl.rollout.bucket_files import discard, write_bucket
-    from engine.rl.rollout.sync_handles import layout, new_buffer, pack_into
+    from engine.generation.sync.bucket_files import discard, write_bucket
+    from engine.generation.sync.handles import layout, new_buffer, pack_into
 
     start = time.perf_counter()
     for i, bucket in enumerate(buckets):
@@ -173,9 +173,9 @@ def run_transport(quick: bool) -> BenchResult:
     import torch  # torch, vLLM and the engine imported on use, as in run_sync
     from safetensors.torch import load_file
 
-    from engine.rl.config import VLLMConfig
-    from engine.rl.rollout import make_rollout_engine
-    from engine.rl.rollout.vllm_settings import engine_args
+    from engine.config.rollout_settings import VLLMConfig
+    from engine.generation import make_rollout_engine
+    from engine.generation.vllm.settings import engine_args
     from tools.bench.backends import MODEL as BACKENDS_MODEL, THREADS
     from tools.bench.common import machine_info
     from tools.tiny_models import build_tiny_model

@@ -14,5 +14,5 @@ The OpenAI protocol itself (request checks, template rules, replies, the generat
 HTTP plumbing) is engine.api, shared with `serve`.
 
 May import: engine.api, engine.rl.algo (the overlong penalty), engine.rl.env,
-engine.rl.rollout, engine.data, engine.errors.
+engine.generation, engine.data, engine.errors.
 """

@@ -39,9 +39,9 @@ from engine.rl.agent.server import AgentServer
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.env.contract import load_object
 from engine.rl.env.dump import episode_record
-from engine.rl.rollout.pool import GenerateStats
-from engine.rl.rollout.sampling_backend import SamplingBackend
-from engine.rl.rollout.vllm_speculative import merge_counters
+from engine.generation.pool import GenerateStats
+from engine.generation.sampling_backend import SamplingBackend
+from engine.generation.vllm.speculative import merge_counters
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error", "tool_calls")
 

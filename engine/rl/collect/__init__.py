@@ -2,6 +2,6 @@
 their length fit, the collector (generate, score, shape, filter, advantages), its transport to
 every rank, and validation (pass@k) through the same collector.
 
-May import: engine.rl.agent, engine.rl.algo, engine.rl.env, engine.rl.rollout, engine.rl.rewards, engine.data,
-engine.training, engine.run, engine.errors.
+May import: engine.rl.agent, engine.rl.algo, engine.rl.env, engine.generation, engine.rl.rewards,
+engine.data, engine.training, engine.run, engine.errors.
 """

@@ -2,7 +2,7 @@
 dynamic sampling -> group advantages (docs/design/rl.md).
 
 Rank 0 drives the rollout (RolloutCollector): each generation batch is split over the job's
-engines by engine.rl.rollout.pool (one generate call per engine, results back in the global
+engines by engine.generation.pool (one generate call per engine, results back in the global
 order), scored and shaped on rank 0; the other ranks serve their engines meanwhile, and
 engine.rl.collect.transport.broadcast_rollout ends that phase by sending the token lists to
 every rank over the default (world) group. Sampling is seeded per response
@@ -41,17 +41,17 @@ from engine.rl.collect.batch import RolloutBatch
 from engine.rl.env.episode_batch import EnvRollout, env_metrics
 from engine.rl.env.dump import part_records, write_dump
 from engine.rl.rewards import score_responses
-from engine.rl.rollout import SamplingParams
-from engine.rl.rollout.pool import RolloutPool
-from engine.rl.rollout.vllm_speculative import spec_metrics
-from engine.rl.rollout.work_split import batch_seeds
+from engine.generation import SamplingParams
+from engine.generation.pool import RolloutPool
+from engine.generation.vllm.speculative import spec_metrics
+from engine.generation.work_split import batch_seeds
 
 
 class RolloutCollector:
     """Rank 0's side of a rollout: renders prompts, generates, scores, shapes and filters.
 
     Args:
-        engine: the RolloutPool of the job's engines (engine.rl.rollout.pool), or one
+        engine: the RolloutPool of the job's engines (engine.generation.pool), or one
             RolloutEngine used in this process (wrapped in `RolloutPool.local`).
         rows: prompt rows (engine.data.datasets.load_prompt_rows).
         tokenizer: renders prompts (chat template) and decodes responses for the reward.

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from engine.data.files import DataError
 from engine.errors import RunError
 from engine.rl.collect.batch import RolloutBatch
-from engine.rl.rollout.pool import RolloutPool
+from engine.generation.pool import RolloutPool
 
 
 def broadcast_rollout(batch: RolloutBatch | Exception | None, pool: RolloutPool | None

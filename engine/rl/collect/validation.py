@@ -39,7 +39,7 @@ import torch.distributed as dist
 from engine.rl.collect.prompts import prompt_rows
 from engine.rl.collect.transport import broadcast_rollout
 from engine.rl.env.episodes import Episode, EpisodeRunner
-from engine.rl.rollout import SamplingParams
+from engine.generation import SamplingParams
 from engine.run.metrics import MetricsLogger
 
 
@@ -77,7 +77,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def val_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
     """Per-response sampling seeds of a validation batch (group-major): blake2b of
     ("val", seed, prompt, sample), a stream disjoint from the training seeds
-    (engine.rl.rollout.work_split.response_seed hashes "seed/gen_batch/prompt/sample")."""
+    (engine.generation.work_split.response_seed hashes "seed/gen_batch/prompt/sample")."""
     return [int.from_bytes(hashlib.blake2b(f"val/{seed}/{g}/{j}".encode(), digest_size=8)
                            .digest(), "little") >> 1 for g in range(num_prompts)
             for j in range(n)]

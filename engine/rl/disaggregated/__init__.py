@@ -5,6 +5,6 @@ the checks of the asynchronous keys and the behaviour-version check
 (rollout.check_behaviour_logprobs).
 
 May import: engine.rl.collect, engine.rl.judge (the collector with an LLM judge),
-engine.rl.policy, engine.rl.rollout, engine.rl.env, engine.rl.algo, engine.rl.rewards,
+engine.rl.policy, engine.generation, engine.rl.env, engine.rl.algo, engine.rl.rewards,
 engine.rl.config, engine.training, engine.errors.
 """

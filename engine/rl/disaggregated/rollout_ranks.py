@@ -42,8 +42,8 @@ from engine.rl.disaggregated.schedule import batch_version, versions_after
 from engine.rl.disaggregated.weight_send import TAG_CONTROL, TAG_ROLLOUT
 from engine.rl.disaggregated.world import SplitWorld, active_split, isend_object, recv_object
 from engine.rl.env.episode_batch import check_env_start
-from engine.rl.rollout.pool import RolloutPool
-from engine.rl.rollout.vllm_lora import lora_engine_kwargs
+from engine.generation.pool import RolloutPool
+from engine.generation.vllm.lora import lora_engine_kwargs
 from models.hf.custom_code import load_tokenizer
 
 

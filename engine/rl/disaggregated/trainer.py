@@ -41,9 +41,9 @@ from engine.rl.disaggregated.schedule import version_needed, versions_after
 from engine.rl.disaggregated.weight_send import (TAG_CONTROL, TAG_ROLLOUT, push_weights, send_stop,
                                                  transfer_plan)
 from engine.rl.disaggregated.world import SplitWorld, recv_object, send_object
-from engine.rl.rollout.placement import resolve_placement
-from engine.rl.rollout.sync_quantization import sync_source
-from engine.rl.rollout.vllm_lora import lora_sync_mode
+from engine.generation.placement import resolve_placement
+from engine.generation.sync.quantization import sync_source
+from engine.generation.vllm.lora import lora_sync_mode
 
 
 class RemoteRollout:
@@ -94,7 +94,7 @@ class RemoteRollout:
 
     def _push_weights(self, policy, version: int):
         """push_weights of the policy as version `version` (its LoRA adapters alone with
-        rollout.vllm.lora_sync=adapter: engine.rl.rollout.vllm_lora); the sender's (SyncStats,
+        rollout.vllm.lora_sync=adapter: engine.generation.vllm.lora); the sender's (SyncStats,
         WireStats)."""
         adapters = lora_sync_mode(self.cfg, policy.hf_config) == "adapter"
         return push_weights(self.split, policy.chunks, policy.hf_config,

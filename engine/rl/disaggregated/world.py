@@ -4,7 +4,7 @@ With `rollout.placement=disaggregated` the job's last `rollout.num_ranks` proces
 rollout engines. `init_split_world(n)` gives each side its OWN default process group (over the
 job's TCP store, under a per-side prefix), so megatron's parallel_state, the training engine and
 every world collective of the trainer cover the training ranks only, and the rollout side's
-pool (engine.rl.rollout.pool) covers the rollout ranks only; the rollout ranks never import a
+pool (engine.generation.pool) covers the rollout ranks only; the rollout ranks never import a
 training model. A third group, the BRIDGE (gloo, every rank of the job, numbered by the job's
 global rank), carries the rollout batches (rollout leader -> training rank 0), control messages and
 validation results; a fourth (WEIGHTS, gloo, the same ranks) carries only the weight versions

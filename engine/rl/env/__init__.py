@@ -11,7 +11,7 @@ Modules (one job each):
     dump         `logging.rollout_dir` JSON lines
 
 Observations are rendered by engine.data.observation (the template delta, shared with the agent
-endpoint). May import: engine.api (turn seeds), engine.rl.algo, engine.rl.rollout, engine.data,
+endpoint). May import: engine.api (turn seeds), engine.rl.algo, engine.generation, engine.data,
 engine.errors. This package file
 imports nothing: tool worker processes import engine.rl.env.tool_worker without torch.
 """

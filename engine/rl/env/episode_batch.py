@@ -19,8 +19,8 @@ from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.env.contract import ENV_TOOLS, load_env_class
 from engine.rl.env.episodes import Episode, EpisodeRunner, EpisodeSettings
 from engine.rl.env.tools_env import tool_env_factory, tool_format, tool_schemas
-from engine.rl.rollout.pool import GenerateStats
-from engine.rl.rollout.vllm_speculative import merge_counters
+from engine.generation.pool import GenerateStats
+from engine.generation.vllm.speculative import merge_counters
 from models.hf.custom_code import load_tokenizer
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error")

@@ -3,7 +3,7 @@
 One generation batch of episodes (group-major, like single-turn responses):
 1. every episode's environment is built, `make_env(row)`, concurrently (env.num_workers);
 2. turn t = 0, 1, ... < env.max_turns: the active episodes' trajectories go to the engines in ONE
-   generate call per engine (engine.rl.rollout.pool; turn 0 in whole groups, later turns as
+   generate call per engine (engine.generation.pool; turn 0 in whole groups, later turns as
    single responses), each response seeded with turn_seed(its response seed, t), so nothing
    depends on the engine count; each episode appends its sampled ids exactly as generated
    (loss mask 1, rollout log-probs), cut to its own budget min(rollout.max_new_tokens,
@@ -29,8 +29,8 @@ from engine.api.backend import turn_seed
 from engine.data.observation import conversation_start, observation_ids
 from engine.rl.env.contract import check_step
 from engine.rl.env.stepper import run_calls
-from engine.rl.rollout.base import SamplingParams
-from engine.rl.rollout.pool import GenerateStats
+from engine.generation.base import SamplingParams
+from engine.generation.pool import GenerateStats
 
 
 @dataclass
@@ -146,7 +146,7 @@ class EpisodeRunner:
         budget would pass train.seq_length + 1: they go in one call per budget with their own
         (vLLM refuses a prompt whose length plus max_new_tokens passes its max_model_len).
         The samples are the same either way: a seeded sample's first t ids do not depend on
-        the budget (engine.rl.rollout.base)."""
+        the budget (engine.generation.base)."""
         s = self.s
         limit = s.seq_length + 1
         budgets = [min(s.max_new_tokens, limit - len(e)) for e in active]

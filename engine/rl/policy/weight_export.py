@@ -118,7 +118,7 @@ def export_stage_weights(chunks: list, hf_config: dict, quantized: QuantizedSour
     one weight at a time). `quantized` (rollout.sync_quantization; pass it only on ranks whose
     stream reaches an engine): the weights its source stores quantized are yielded as their
     stored parts (FP8: the fp8 weight, then its fp32 `weight_scale_inv`). `adapters`
-    (rollout.vllm.lora_sync=adapter, engine.rl.rollout.vllm_lora): the LoRA adapters alone, in
+    (rollout.vllm.lora_sync=adapter, engine.generation.vllm.lora): the LoRA adapters alone, in
     peft's names and format (models.lora.peft.export_peft_tensors), instead of any weight.
     """
     finish_param_gather(chunks)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from engine.rl.policy.weight_export import (BucketStream, LayoutTable, SyncStats,
                                             export_stage_weights, layout_table, stage_heads)
-from engine.rl.rollout.base import RolloutEngine
+from engine.generation.base import RolloutEngine
 from models.build.forward import forward_logits
 from models.hf.quantized_stream import QuantizedSource
 from parallel import cpu_runtime

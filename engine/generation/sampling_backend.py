@@ -1,0 +1,95 @@
+"""SamplingBackend: the batched generate protocol of engine.api.backend (what the agent
+endpoint and `serve` call) over a rollout engine's `generate(prompts, SamplingParams)`, and
+(`serve`) its `score(sequences, top_k)` (engine.generation.scoring).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.api.backend import GenerateRequest, GenerateResult, TokenScores
+from engine.generation.base import Generation, SamplingParams
+
+
+class SamplingBackend:
+    """GenerateBackend over `generate(prompts, SamplingParams) -> [Generation]` (a rollout
+    engine's `generate`, or a RolloutPool's wrapped with its n and generation batch): requests
+    with the same (temperature, top_p) share one call with max_new_tokens = their largest
+    max_tokens, each cut to its own max_tokens afterwards (exact: a seeded sample's first t
+    tokens do not depend on the budget), a cut one finishing "length". A request with
+    max_tokens 0 takes no generate call (ids [], "length").
+
+    `max_len` (None: no limit): the most ids a prompt plus its max_new_tokens may reach in one
+    call (the agent rollout passes train.seq_length + 1, what every call fits in; vLLM refuses
+    a prompt whose length plus the call's max_new_tokens exceeds rollout.vllm.max_model_len).
+    A request whose prompt would pass it with the shared budget goes in a call with its own
+    max_tokens instead (one call per such budget): the samples are the same either way.
+
+    `score` (None: no request may ask for scores): a rollout engine's `score(sequences, top_k)
+    -> [SequenceScores]` (`serve` passes it). After the generate calls, the requests with
+    score_top_k set are scored in ONE call: prompt + sampled ids of each, top_k = the largest
+    score_top_k among them, each request's top dicts cut to its own k (most likely first, so
+    the cut is its own top-k). The agent endpoint never asks: its log-probs are the
+    generate calls' (the trained ones)."""
+
+    def __init__(self, generate: Callable[[list[list[int]], SamplingParams], list[Generation]],
+                 max_len: int | None = None,
+                 score: Callable[[list[list[int]], int], list] | None = None) -> None:
+        self._generate = generate
+        self._score = score
+        self.max_len = max_len
+        self.calls = 0
+        self.score_calls = 0
+
+    def _calls(self, requests: list[GenerateRequest]) -> list[tuple[int, float, float,
+                                                                     list[int]]]:
+        """(max_new_tokens, temperature, top_p, request indices) of each generate call."""
+        groups: dict[tuple[float, float], list[int]] = {}
+        for i, r in enumerate(requests):
+            if r.max_tokens > 0:
+                groups.setdefault((r.temperature, r.top_p), []).append(i)
+        calls = []
+        for (temperature, top_p), idx in groups.items():
+            budget = max(requests[i].max_tokens for i in idx)
+            own: dict[int, list[int]] = {}
+            shared = []
+            for i in idx:
+                r = requests[i]
+                if self.max_len is not None and len(r.prompt_ids) + budget > self.max_len:
+                    own.setdefault(r.max_tokens, []).append(i)
+                else:
+                    shared.append(i)
+            calls += [(budget, temperature, top_p, shared)] if shared else []
+            calls += [(b, temperature, top_p, own[b]) for b in sorted(own)]
+        return calls
+
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
+        out = [GenerateResult([], [], "length") for _ in requests]
+        for max_new_tokens, temperature, top_p, idx in self._calls(requests):
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                    top_p=top_p, seeds=[requests[i].seed for i in idx])
+            self.calls += 1
+            gens = self._generate([list(requests[i].prompt_ids) for i in idx], params)
+            for i, gen in zip(idx, gens):
+                budget = requests[i].max_tokens
+                ids = list(gen.response_ids[:budget])
+                cut = gen.finish_reason == "length" or len(gen.response_ids) > budget
+                out[i] = GenerateResult(ids, [float(x) for x in gen.response_logprobs[:budget]],
+                                        "length" if cut else "stop")
+        self._add_scores(requests, out)
+        return out
+
+    def _add_scores(self, requests: list[GenerateRequest], out: list[GenerateResult]) -> None:
+        """Scores of the requests that asked, in one score call (class docstring)."""
+        asked = [i for i, r in enumerate(requests) if r.score_top_k is not None]
+        if not asked:
+            return
+        if self._score is None:
+            raise ValueError("a request asked for scores (score_top_k) but this "
+                             "SamplingBackend has no score function")
+        top_k = max(requests[i].score_top_k for i in asked)
+        self.score_calls += 1
+        scored = self._score([list(requests[i].prompt_ids) + out[i].ids for i in asked], top_k)
+        for i, s in zip(asked, scored):
+            k = requests[i].score_top_k
+            out[i].scores = TokenScores([float(x) for x in s.logprobs],
+                                        [dict(list(d.items())[:k]) for d in s.top])
