@@ -53,8 +53,9 @@ def test_tables_recomputed_for_new_or_changed_angles():
     other = freqs.clone()                              # equal values, another tensor
     rope_tables.apply_bshd(t, other)
     assert rope_tables._TABLES.misses == 4
+    assert len(rope_tables._TABLES) == 2               # freqs' entry and other's
     del other                                          # freed: its tables go with it
-    assert rope_tables._TABLES._value is None
+    assert len(rope_tables._TABLES) == 1
     # negative control: a cache keyed on shape alone would have served the stale tables
     stale = rope_tables.rotate(t, *(x.to(t.dtype) for x in (torch.cos(freqs / 2),
                                                              torch.sin(freqs / 2))), False, False)
@@ -78,3 +79,23 @@ def test_thd_equals_megatron_bitwise_and_gathers_once(cp_size, cp_rank, whole_ro
     assert rope_tables._GATHERED.misses == 1 and rope_tables._TABLES.misses == 1
     packed_rope.apply_thd(q, cu.clone(), freqs, cp_group=group)   # the next micro-batch
     assert rope_tables._GATHERED.misses == 2 and rope_tables._TABLES.misses == 1
+
+
+def test_two_models_keep_their_own_tables():
+    """A policy and a reference model (two RotaryEmbeddings, two freqs tensors) alternating in
+    one process: each computes its tables once (issue 82: one process-global entry made them
+    evict each other on every call). Negative control: a one-entry cache (the old design)
+    recomputes on every alternation."""
+    rope_tables.clear()
+    policy, reference = _freqs(7, 8), _freqs(7, 8) * 1.5
+    t = torch.randn(7, 1, 2, 8)
+    for _ in range(4):
+        for freqs in (policy, reference):
+            assert torch.equal(rope_tables.apply_bshd(t, freqs),
+                               rope_tables.megatron_bshd()(t, freqs))
+    assert rope_tables._TABLES.misses == 2 and len(rope_tables._TABLES) == 2
+    one = rope_tables._OneEntry()
+    computed = [one.get((f,), (), lambda: 0)[1] for _ in range(4) for f in (policy, reference)]
+    assert sum(computed) == 8
+    del policy
+    assert len(rope_tables._TABLES) == 1

@@ -5,9 +5,12 @@ without Transformer Engine) recomputes `(cos(freqs) * mscale).to(t.dtype)` and t
 on every call: twice per layer (queries, keys) per micro-batch, six kernels each time, although
 the model computes `freqs` once per forward (its RotaryEmbedding even caches it across forwards
 by sequence length). `apply_bshd` is megatron's function (same arguments, same result, bitwise)
-that takes the two tables from `tables(freqs, dtype, mscale)`: a one-entry cache keyed on the
-identity and version of the `freqs` tensor (a weak reference: the cache never keeps it alive,
-and an in-place change of it is a miss), the dtype and mscale. Packed rows
+that takes the two tables from `tables(freqs, dtype, mscale)`: a cache with one entry per
+`freqs` tensor, keyed on its identity and version (a weak reference: the cache never keeps it
+alive, an entry goes with its tensor, and an in-place change of it is a miss), the dtype and
+mscale. Each model's RotaryEmbedding computes (and caches) its own `freqs`, so each model owns
+its entry: a policy and a reference model (or a critic) in one process keep their tables side by
+side instead of evicting each other on every alternation. Packed rows
 (models.layers.attention.packed_rope) gather per-token rows of the same tables once per
 micro-batch (`gathered`, keyed on the packed boundaries as well). The tables are plain tensors
 (freqs never requires a gradient), read by autograd like any other saved input; they are never
@@ -36,34 +39,58 @@ MLA_FLAG = ("mla_rotary_interleaved" if "mla_rotary_interleaved"
 class _OneEntry:
     """The last value computed for one key, valid while the same anchor tensors (held weakly:
     identity, never kept alive) are given again; dropped as soon as an anchor is freed, so no
-    table outlives its angles (e.g. on a GPU while the model sleeps)."""
+    table outlives its angles (e.g. on a GPU while the model sleeps). `on_free()` runs when a
+    held anchor is freed."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_free: Callable[[], None] = lambda: None) -> None:
         self._refs: tuple = ()
         self._key: tuple = ()
         self._value = None
-        self.misses = 0   # computations (tests count them)
+        self._on_free = on_free
 
     def _drop(self, ref=None) -> None:
         """Forget the entry (`ref`: a freed anchor's reference; one of an older entry is
         ignored)."""
         if ref is None or any(ref is r for r in self._refs):
             self._refs, self._key, self._value = (), (), None
+            if ref is not None:
+                self._on_free()
 
-    def get(self, anchors: tuple, key: tuple, compute: Callable):
+    def get(self, anchors: tuple, key: tuple, compute: Callable) -> tuple:
+        """(value, computed): the held value when anchors and key match, else `compute()`'s."""
         if (self._refs and len(self._refs) == len(anchors) and self._key == key
                 and all(r() is a for r, a in zip(self._refs, anchors))):
-            return self._value
-        self.misses += 1
+            return self._value, False
         self._drop()
         value = compute()
         self._refs = tuple(weakref.ref(a, self._drop) for a in anchors)
         self._key, self._value = key, value
+        return value, True
+
+
+class _PerAngles:
+    """One `_OneEntry` per angle table (the first anchor, a `freqs` tensor: one per model's
+    RotaryEmbedding and sequence length), removed when that tensor is freed."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, _OneEntry] = {}
+        self.misses = 0   # computations over all entries (tests count them)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, anchors: tuple, key: tuple, compute: Callable):
+        ident = id(anchors[0])
+        entry = self._entries.get(ident)
+        if entry is None:
+            entry = self._entries[ident] = _OneEntry(lambda: self._entries.pop(ident, None))
+        value, computed = entry.get(anchors, key, compute)
+        self.misses += computed
         return value
 
 
-_TABLES = _OneEntry()
-_GATHERED = _OneEntry()
+_TABLES = _PerAngles()
+_GATHERED = _PerAngles()
 
 
 def tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
@@ -109,9 +136,9 @@ def apply_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = 
 
 
 def clear() -> None:
-    """Forget both cached entries (tests count computations from a clean state)."""
+    """Forget every cached entry (tests count computations from a clean state)."""
     global _TABLES, _GATHERED
-    _TABLES, _GATHERED = _OneEntry(), _OneEntry()
+    _TABLES, _GATHERED = _PerAngles(), _PerAngles()
 
 
 def install() -> None:
