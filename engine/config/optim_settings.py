@@ -49,35 +49,40 @@ MATMUL_PRECISIONS = ("medium", "high", "highest")
 
 @dataclass
 class MuonConfig:
-    momentum: float = 0.95
-    nesterov: bool = False
+    momentum: float = 0.95               # Muon's momentum coefficient, in [0, 1)
+    nesterov: bool = False               # Nesterov momentum
     scale_mode: str = "spectral"         # spectral | unit_rms_norm | shape_scaling
-    ns_steps: int = 5
-    split_qkv: bool = True
+    ns_steps: int = 5                    # Newton-Schulz iterations per update (>= 1)
+    split_qkv: bool = True               # Newton-Schulz on Q, K and V apart
     tp_mode: str = "duplicated"          # duplicated | distributed | blockwise (layout-dependent)
-    extra_scale_factor: float = 1.0
+    extra_scale_factor: float = 1.0      # multiplies the scaled update (> 0)
     fp32_matmul_prec: str = "medium"     # medium (bf16 Newton-Schulz) | high | highest
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    lr: float = 1e-5             # peak learning rate (after warmup_steps)
+    min_lr: float = 0.0          # the cosine schedule's final learning rate
+    warmup_steps: int = 0        # linear warmup from 0 to lr over this many steps
+    weight_decay: float = 0.0    # decoupled (AdamW) weight decay
+    clip_grad: float = 1.0       # clip the global gradient norm to this (0: no clipping)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's beta1, beta2
+    eps: float = 1e-8            # Adam's epsilon
     schedule: str = "cosine"     # cosine | constant
     distributed_optimizer: bool = True
+    # megatron's distributed optimizer (state sharded over DP); with name=muon its layer-wise
+    # distributed optimizer (docs/optimizers.md)
     # torch's fused AdamW kernel: null = on with CUDA parameters | true | false (engine.training.fused_adamw)
     fused: Optional[bool] = None
-    # adamw | muon, Muon's keys and MuonClip (module docstring, docs/optimizers.md)
+    # adamw | muon (Muon for 2-D hidden weights, AdamW for the rest; engine.config.optim_settings,
+    # docs/optimizers.md)
     name: str = "adamw"
     muon: MuonConfig = field(default_factory=MuonConfig)
     qk_clip: bool = False
-    qk_clip_alpha: float = 0.5
-    qk_clip_threshold: float = 100.0
+    # MuonClip: only false is accepted (true is refused: megatron-core 0.16.1 clips only
+    # multi-latent attention under Transformer Engine; docs/optimizers.md)
+    qk_clip_alpha: float = 0.5           # MuonClip's alpha (unused: qk_clip is refused)
+    qk_clip_threshold: float = 100.0     # MuonClip's max-logit threshold (unused: as qk_clip)
 
 
 def _choice(problems: list[str], value, key: str, choices: tuple) -> None:

@@ -61,8 +61,8 @@ class ModelConfig:
 class DataConfig:
     # files (.jsonl, .parquet, .arrow), globs, directories, datasets.save_to_disk folders
     train_files: list[str] = field(default_factory=list)
-    eval_files: list[str] = field(default_factory=list)
-    shuffle: bool = True
+    eval_files: list[str] = field(default_factory=list)  # evaluation files (same formats)
+    shuffle: bool = True  # seeded shuffle; the order never depends on the world size or layout
     truncation: str = "right"    # right | error
     # rendered-data cache (engine.data.cache); null: $MEGATRON_SFT_DATA_CACHE, else
     # ${XDG_CACHE_HOME:-~/.cache}/megatron_sft_engine/data. Node-local or shared; one process
@@ -73,13 +73,14 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    global_batch_size: int = 16
-    micro_batch_size: int = 1
+    global_batch_size: int = 16          # sequences per optimizer step
+    micro_batch_size: int = 1            # sequences per micro-batch (accumulation: the rest)
+    # token budget per micro-batch (replaces micro_batch_size); null: micro_batch_size
     max_tokens_per_micro_batch: Optional[int] = None
-    max_steps: int = 10
-    seq_length: int = 512
-    balance_dp: bool = True
-    packing: bool = False
+    max_steps: int = 10                  # optimizer steps
+    seq_length: int = 512                # max tokens per sequence (see data.truncation)
+    balance_dp: bool = True              # split each global batch over DP ranks by work a*L+b*L^2
+    packing: bool = False                # several sequences per row, no padding between them
     eval_interval: int = 0               # eval/loss every N steps (0: never); needs eval_files
     exit_interval: Optional[int] = None  # stop after a step number divisible by this
     exit_duration_mins: Optional[float] = None  # stop after this much wall time (minutes)
@@ -96,9 +97,11 @@ class TrainConfig:
 
 @dataclass
 class LossConfig:
+    # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean |
+    # seq-mean-token-sum-norm (docs/sft.md, loss aggregation modes)
     agg_mode: str = "token-mean"
     norm_horizon: Optional[int] = None   # H of seq-mean-token-sum-norm; default train.seq_length
-    count_empty_sequences: bool = True
+    count_empty_sequences: bool = True   # sequences without trained tokens count in S
 
 
 @dataclass
@@ -117,7 +120,7 @@ class RecipeConfig:
     """Deployment facts of a recipe, read only by `--validate` (never by training)."""
 
     nodes: int = 1                     # default node count to validate for
-    gpus_per_node: int = 8
+    gpus_per_node: int = 8             # default GPUs per node to validate for
     gpu_memory_gib: float = 79.6       # H100 80GB HBM3 (81559 MiB)
     expected_memory_gib: Optional[float] = None  # the per-GPU peak the recipe states
 
@@ -134,7 +137,7 @@ class SFTConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)   # MoE models (engine.config.moe_settings)
-    seed: int = 1234
+    seed: int = 1234                   # data order and RNG
 
 
 # ----------------------------------------------------------------------------- validation

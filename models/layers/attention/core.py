@@ -2,7 +2,10 @@
 
 Plugged into the layer spec (`ModuleSpec` extension point). It runs on CPUs and GPUs without
 Transformer Engine, handles GQA, causal masking, packed ("thd") sequences and, with context
-parallelism, the Ulysses all-to-all of `parallel.ulysses`.
+parallelism, the Ulysses all-to-all of `parallel.ulysses`. Packed rows at CP1 go through torch's
+Flash-Attention varlen kernel in one call where `varlen.uses_varlen` says it covers them (CUDA,
+fp16/bf16, no learned sinks: models.layers.attention.varlen), else through the per-segment loop
+`packed_causal_attention`.
 
 Shapes (per TP rank; h = heads/tp, g = kv groups/tp, d = head dim):
   sbhd: query [s, b, h, d], key/value [s, b, g, d]  ->  [s, b, h*d]
@@ -18,6 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from models.layers.attention.sinks import (Attend, attend_fn, layer_window, make_sinks,
                                       sinks_sharded_state_dict)
+from models.layers.attention.varlen import uses_varlen, varlen_packed_attention
 from parallel import ulysses
 from parallel.packed_seqs import host_cu_seqlens
 
@@ -101,6 +105,12 @@ class SDPACoreAttention(MegatronModule):
             return ulysses.ulysses_attention(query, key, value, self.scale, packed_seq_params,
                                              attend=self._attend())
         if packed:
+            if uses_varlen(query, key, value, has_sinks=self.softmax_offset is not None):
+                out = varlen_packed_attention(query, key, value,
+                                              host_cu_seqlens(packed_seq_params, padded=False),
+                                              self.scale, self.window_left,
+                                              packed_seq_params.cu_seqlens_q)
+                return out.reshape(out.shape[0], -1)
             rep = self._kv_repeat(query, key, 1)
             key, value = _repeat_kv(key, rep, 1), _repeat_kv(value, rep, 1)
             out = self.packed_attention(query, key, value,
