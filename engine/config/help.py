@@ -31,7 +31,17 @@ def version() -> str:
 
 @lru_cache(maxsize=None)
 def field_comments(cls: type) -> dict[str, str]:
-    """{field name: its comment} from the source of dataclass `cls` (see module docstring)."""
+    """{field name: its comment} from the source of dataclass `cls` (see module docstring);
+    a field `cls` inherits keeps its base class's comment unless `cls` declares it again."""
+    comments: dict[str, str] = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            comments.update(_own_comments(base))
+    return comments
+
+
+def _own_comments(cls: type) -> dict[str, str]:
+    """The comments of the fields the class body of `cls` itself declares."""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):

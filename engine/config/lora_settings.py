@@ -54,7 +54,7 @@ class LoraConfig:
     dora: bool = False            # peft use_dora: not implemented, only false
     # peft's {module pattern: rank} / {module pattern: alpha}; empty: init_from's, else none
     rank_pattern: dict[str, int] = field(default_factory=dict)
-    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)  # as rank_pattern, for alpha
 
 
 def fill_lora_keys(lora: LoraConfig) -> None:

@@ -31,8 +31,8 @@ from models.families.mtp import mtp_training_problems
 
 @dataclass
 class MTPConfig:
-    enabled: bool = False
-    loss_scale: float = 0.1
+    enabled: bool = False  # build, load and train the checkpoint's MTP layer (engine.config.mtp_settings)
+    loss_scale: float = 0.1  # the step's loss is main + loss_scale x the MTP loss
     detach_trunk: Optional[bool] = None   # null: false (SFT-shaped runs), true (RL)
 
 

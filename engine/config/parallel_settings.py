@@ -29,19 +29,22 @@ from engine.training.comm_overlap import OverlapSettings
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    cp: int = 1
+    tp: int = 1                  # tensor parallel size
+    pp: int = 1                  # pipeline parallel size (stages)
+    vpp: Optional[int] = None    # virtual pipeline chunks per stage (interleaved); null: none
+    cp: int = 1                  # context parallel size; dp = world / (tp x pp x cp)
     cp_comm_type: str = "a2a"    # a2a | p2p | all_gather (p2p/all_gather need Transformer Engine)
     ep: int = 1                  # expert parallel (MoE models): carved out of dp x cp
     # Megatron TP sequence parallelism (engine.config.model_settings); null: on whenever tp > 1
     sequence_parallel: Optional[bool] = None
-    # DDP communication (module docstring); null: on with the distributed optimizer on CUDA
+    # DDP communication (engine.config.parallel_settings); null: on with megatron's distributed
+    # optimizer on CUDA
     overlap_grad_reduce: Optional[bool] = None
+    # gather updated parameter shards in the next forward (needs megatron's distributed
+    # optimizer and overlap_grad_reduce); null: as overlap_grad_reduce
     overlap_param_gather: Optional[bool] = None
     ddp_bucket_mb: Optional[float] = None     # MiB of gradients per DDP bucket; null: megatron's
-    grad_reduce_in_fp32: bool = True
+    grad_reduce_in_fp32: bool = True  # fp32 gradient buffer and reduction; false: bf16, less exact
 
 
 def cuda_host() -> bool:

@@ -34,7 +34,7 @@ class SpeculativeConfig:
     # (1.16x) worth keeping once verifying k + 1 tokens is not free (large decode batches);
     # null: never switch off
     min_acceptance: Optional[float] = 0.3
-    patience_steps: int = 3
+    patience_steps: int = 3              # RL steps in a row below min_acceptance to switch off
 
 
 @dataclass
@@ -46,7 +46,7 @@ class VLLMConfig:
     kv_cache_gib: Optional[float] = None  # KV-cache size (null: GPU by utilization, CPU 1 GiB)
     max_num_seqs: Optional[int] = None   # sequences per engine step (null: vLLM's default)
     enforce_eager: Optional[bool] = None  # no CUDA graphs / compile (null: true on CPU only)
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True   # vLLM's automatic prefix caching (shared prompts)
     sleep_level: int = 1                 # GPU sleep_during_train: 1 offloads weights, 2 drops
     engine_kwargs: dict = field(default_factory=dict)  # any other vllm.EngineArgs field
     # run a vLLM other than the tested release (engine.generation.vllm.version), with a warning
@@ -76,10 +76,10 @@ class RolloutConfig:
     num_engines: Optional[int] = None    # rollout engines in the job (null: one per node)
     gpus_per_engine: Optional[int] = None  # devices per engine, SGLang tp_size (null: node/engines)
     n: int = 8                           # responses per prompt (the GRPO group size)
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    sync_bucket_mb: float = 512.0
+    max_new_tokens: int = 256            # response tokens per sample at most
+    temperature: float = 1.0             # sampling temperature (log-probs use the same)
+    top_p: float = 1.0                   # nucleus sampling (1.0: off)
+    sync_bucket_mb: float = 512.0        # MiB of weights per bucket of the weight sync
     # how a colocated vLLM engine's workers get each bucket: handle (shared tensors: shared
     # memory on CPU, CUDA IPC on GPUs; engine.generation.sync.handles) | file (a file on
     # /dev/shm, bucket_files); hf updates its model in place and ignores it

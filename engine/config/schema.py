@@ -75,8 +75,7 @@ class DataConfig:
 class TrainConfig:
     global_batch_size: int = 16          # sequences per optimizer step
     micro_batch_size: int = 1            # sequences per micro-batch (accumulation: the rest)
-    # token budget per micro-batch (replaces micro_batch_size); null: micro_batch_size
-    max_tokens_per_micro_batch: Optional[int] = None
+    max_tokens_per_micro_batch: Optional[int] = None  # token budget (replaces micro_batch_size)
     max_steps: int = 10                  # optimizer steps
     seq_length: int = 512                # max tokens per sequence (see data.truncation)
     balance_dp: bool = True              # split each global batch over DP ranks by work a*L+b*L^2
@@ -97,8 +96,7 @@ class TrainConfig:
 
 @dataclass
 class LossConfig:
-    # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean |
-    # seq-mean-token-sum-norm (docs/sft.md, loss aggregation modes)
+    # token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     agg_mode: str = "token-mean"
     norm_horizon: Optional[int] = None   # H of seq-mean-token-sum-norm; default train.seq_length
     count_empty_sequences: bool = True   # sequences without trained tokens count in S

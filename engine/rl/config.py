@@ -30,12 +30,13 @@ class RLTrainConfig:
     prompts_per_step: int = 8            # prompts per rollout batch (x rollout.n responses)
     mini_batches_per_step: int = 1       # optimizer steps per rollout batch and epoch
     epochs_per_rollout: int = 1          # passes over the rollout batch
-    micro_batch_size: int = 1
+    micro_batch_size: int = 1            # sequences per micro-batch of the updates
+    # token budget per micro-batch (replaces micro_batch_size); null: micro_batch_size
     max_tokens_per_micro_batch: Optional[int] = None
     max_steps: int = 10                  # RL steps (rollout batches)
     seq_length: int = 512                # longest prompt + response (tokens) allowed
-    balance_dp: bool = True
-    packing: bool = False
+    balance_dp: bool = True              # split each mini-batch over DP ranks by work (as SFT)
+    packing: bool = False                # several sequences per row, no padding (as SFT)
     exit_interval: Optional[int] = None  # stop after an RL step number divisible by this
     exit_duration_mins: Optional[float] = None  # stop after this much wall time (minutes)
     max_consecutive_nonfinite_steps: int = 3  # skipped (inf/NaN) optimizer steps in a row
@@ -101,8 +102,8 @@ class RewardConfig:
 
 @dataclass
 class ClipConfig:
-    eps_low: float = 0.2
-    eps_high: float = 0.2
+    eps_low: float = 0.2                 # ratio clipped below at 1 - eps_low (A < 0)
+    eps_high: float = 0.2                # ratio clipped above at 1 + eps_high (A > 0)
     dual_c: Optional[float] = None       # dual clip (> 1) for negative advantages
 
 
@@ -180,7 +181,7 @@ class CriticConfig:
     """PPO's critic (advantage.estimator=gae; engine.rl.policy.critic)."""
     hf_path: Optional[str] = None       # null: the policy's initial weights + a zero value head
     lr: float = 1e-5                    # its own optimizer (the rest of optim.* is shared)
-    warmup_steps: int = 0
+    warmup_steps: int = 0               # the critic's linear LR warmup (optimizer steps)
     value_clip: float = 0.5             # verl critic.cliprange_value
 
 
@@ -196,7 +197,7 @@ class DistillConfig:
 
 @dataclass
 class RLConfig:
-    algorithm: str = "grpo"
+    algorithm: str = "grpo"              # grpo | ppo | dapo: defaults (engine.rl.algo.presets)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: RLDataConfig = field(default_factory=RLDataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -221,7 +222,7 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # steps: RL steps
     recipe: RecipeConfig = field(default_factory=RecipeConfig)  # --validate cluster shape
     policy_loss: str = "ppo_clip"        # engine.rl.algo.policy_loss.POLICY_LOSSES
-    entropy_coef: float = 0.0
-    seed: int = 1234
+    entropy_coef: float = 0.0            # loss - entropy_coef x entropy (0: no entropy term)
+    seed: int = 1234                     # data order, sampling and RNG
 
 
