@@ -28,9 +28,11 @@ class ScriptedBackend:
         if not blocked:
             self.release.set()
         self.calls: list[int] = []
+        self.requests: list = []      # every GenerateRequest generated, in call order
 
     def generate(self, requests):
         self.calls.append(len(requests))
+        self.requests += requests
         self.started.set()
         self.release.wait(10)
         if any(self.poison in r.prompt_ids for r in requests):

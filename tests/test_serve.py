@@ -86,7 +86,8 @@ def _greedy(engine, ids: list[int], n: int) -> list[int]:
 def test_models_chat_completions_and_greedy_equal_the_engine(served):
     """/v1/models; a greedy chat completion through the openai client and a greedy text
     completion are the HF engine's own greedy ids for the same prompt ids, token for token;
-    max_tokens that does not fit in the context is a 400 (context_length_exceeded); a bad
+    max_tokens over --max-tokens is served with --max-tokens; capped, one that does not fit
+    in the context is a 400 (context_length_exceeded); a bad
     temperature is a 400 naming it."""
     endpoint, engine, tok = served
     models = httpx.get(f"{endpoint.base_url}/models").json()
@@ -110,9 +111,12 @@ def test_models_chat_completions_and_greedy_equal_the_engine(served):
     body = text.model_dump()
     assert body["choices"][0]["token_ids"] == _greedy(engine, body["prompt_token_ids"], 5)
 
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="tiny", messages=messages,
-                                       max_tokens=MAX_CONTEXT)
+    served_capped = client.chat.completions.create(   # over --max-tokens: served with it
+        model="tiny", messages=messages, max_tokens=MAX_CONTEXT, temperature=0)
+    assert served_capped.choices[0].message.content == reply.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as err:   # the capped 12 do not fit
+        client.completions.create(model="tiny", prompt=[60] * (MAX_CONTEXT - 5),
+                                  max_tokens=MAX_CONTEXT)
     assert err.value.code == "context_length_exceeded" and "--max-context" in str(err.value)
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=messages, temperature=3)

@@ -55,6 +55,8 @@ def test_choices_count_against_the_queue_and_are_capped_per_request(tok):
         _wait_pending(endpoint, 3)
         full = httpx.post(url, json={"prompt": "w4", "n": 2, "max_tokens": 1}, timeout=10)
         assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+        assert "3 choices (prompts x n) wait for the engine (at most 4, --max-queue)" in \
+            full.json()["error"]["message"]   # issue 82 defect 9: it counts choices
         many = httpx.post(url, json={"prompt": ["w1", "w2", "w3"], "n": 2}, timeout=10)
         assert many.status_code == 400, many.text
         error = many.json()["error"]
@@ -226,3 +228,24 @@ def test_api_key_from_the_environment(tok, monkeypatch, tmp_path, capsys):
         assert httpx.post(url, json=body, timeout=10).status_code == 401
         assert httpx.post(url, json=body, timeout=10, headers={
             "Authorization": "Bearer k3y-from-env"}).status_code == 200
+
+
+def test_max_tokens_is_capped_before_the_context_check_and_413_names_its_flag(tok):
+    """Issue 82 defect 9 (each fails on the old code): max_tokens=100000 is served with
+    --max-tokens (12 here; the old code answered 400 context_length_exceeded), and a prompt
+    with no room for the capped 12 is still a 400 naming max_tokens=12; a body over
+    --max-body-mb is a 413 whose message names the flag and its value."""
+    backend = ScriptedBackend()
+    with serving(tok, backend, max_body_bytes=2000) as endpoint:
+        url = f"{endpoint.base_url}/completions"
+        r = httpx.post(url, json={"prompt": [60, 61], "max_tokens": 100000}, timeout=10)
+        assert r.status_code == 200, r.text
+        assert [q.max_tokens for q in backend.requests] == [MAX_TOKENS]
+        long = [60 + i % 100 for i in range(MAX_CONTEXT - 5)]   # room for 5 tokens only
+        r = httpx.post(url, json={"prompt": long, "max_tokens": 100000}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert f"plus max_tokens={MAX_TOKENS};" in r.json()["error"]["message"]
+        r = httpx.post(url, json={"prompt": "w1 " * 1000}, timeout=10)
+        assert r.status_code == 413
+        assert r.json()["error"]["message"].endswith(
+            "limit of 2000 bytes (--max-body-mb 0.00190735)"), r.text

@@ -165,3 +165,93 @@ def test_a_bug_answers_500_with_a_request_id_and_logs_the_exception(tok, monkeyp
     assert ScriptedBackend.SECRET not in r.text and "KeyError" not in r.text
     logged = [rec for rec in caplog.records if rid in rec.getMessage()]
     assert logged and isinstance(logged[0].exc_info[1], KeyError)
+
+
+def _queue_behind_first(endpoint, backend, bodies: list[dict]) -> tuple[dict, list]:
+    """Send one request that holds the (blocked) backend, then `bodies` (queued in this order
+    behind it); returns (name -> response, threads) with the backend still blocked."""
+    url, got = f"{endpoint.base_url}/completions", {}
+
+    def send(name, body):
+        t = threading.Thread(target=lambda: got.__setitem__(name, httpx.post(
+            url, json=body, timeout=30)), daemon=True)
+        t.start()
+        return t
+
+    threads = [send("first", {"prompt": [60], "max_tokens": 2, "seed": 1})]
+    assert backend.started.wait(10)
+    for i, body in enumerate(bodies):   # one at a time: the queue holds them in this order
+        threads.append(send(i, body))
+        deadline = time.monotonic() + 10
+        while len(endpoint.queue.pending) <= i and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(endpoint.queue.pending) == i + 1
+    return got, threads
+
+
+@pytest.mark.parametrize("remember", [True, False])
+def test_a_failing_request_costs_its_halving_once_and_its_twins_no_call(tok, remember):
+    """Issue 82 defect 3. Eight queued requests, two of them twins that make generate raise
+    (the same poison prompt, different seeds): the halving isolates the first twin alone
+    (calls of 8, 4, 2, 1, then the good 2 and 4) and the second is answered 503 without a
+    call of its own (negative control, remember=False (FailedTwins ttl 0): one call more,
+    the second twin retried alone). A third twin arriving afterwards gets 503 repeated_failure at admission with a
+    Retry-After, no generate call (control: one more failing call); a request with another
+    prompt is still served."""
+    from engine.serve.batching import FailedTwins
+
+    backend = ScriptedBackend(poison=66, blocked=True)
+    with serving(tok, backend) as endpoint:
+        if not remember:
+            endpoint.queue.twins = FailedTwins(ttl_s=0)
+        bodies = [{"prompt": [66, 70], "max_tokens": 2, "seed": s} for s in (1, 2)] + \
+            [{"prompt": [71 + i], "max_tokens": 2, "seed": 1} for i in range(6)]
+        got, threads = _queue_behind_first(endpoint, backend, bodies)
+        backend.release.set()
+        for t in threads:
+            t.join(timeout=10)
+        assert [got[i].status_code for i in range(8)] == [503] * 2 + [200] * 6
+        # depth first: 8 fails, its first half 4 fails, 2 fails, the first twin alone fails
+        assert backend.calls == [1, 8, 4, 2, 1] + ([] if remember else [1]) + [2, 4]
+        before = len(backend.calls)
+        third = httpx.post(f"{endpoint.base_url}/completions",
+                           json={"prompt": [66, 70], "max_tokens": 2}, timeout=10)
+        assert third.status_code == 503
+        if remember:
+            assert third.json()["error"]["code"] == "repeated_failure"
+            assert 1 <= int(third.headers["retry-after"]) <= 60
+            assert len(backend.calls) == before and endpoint._accepted == 9
+        else:
+            assert third.json()["error"]["code"] == "generation_failed"
+            assert len(backend.calls) == before + 1
+        other = httpx.post(f"{endpoint.base_url}/completions",
+                           json={"prompt": [66, 71], "max_tokens": 1}, timeout=10)
+        assert other.status_code == 503   # another prompt: a twin of nothing, generated
+        ok = httpx.post(f"{endpoint.base_url}/completions",
+                        json={"prompt": [67, 70], "max_tokens": 2}, timeout=10)
+        assert ok.status_code == 200
+
+
+def test_failed_twins_are_bounded_and_expire():
+    """FailedTwins keeps at most `capacity` fingerprints, the oldest evicted first, each for
+    ttl_s seconds (a fake clock); the seed is not part of the fingerprint, the prompt and
+    every sampling setting are."""
+    from engine.api.backend import GenerateRequest
+    from engine.serve.batching import FailedTwins, fingerprint
+
+    now = [0.0]
+    twins = FailedTwins(ttl_s=10.0, capacity=2, clock=lambda: now[0])
+    a, b, c = (GenerateRequest((i, 5), 4, 1.0, 1.0, seed=3) for i in (1, 2, 3))
+    assert fingerprint(a) == fingerprint(GenerateRequest((1, 5), 4, 1.0, 1.0, seed=99))
+    assert len({fingerprint(a), fingerprint(GenerateRequest((1, 5), 5, 1.0, 1.0, 3)),
+                fingerprint(GenerateRequest((1, 5), 4, 0.5, 1.0, 3)),
+                fingerprint(GenerateRequest((1, 5), 4, 1.0, 0.9, 3)),
+                fingerprint(GenerateRequest((1, 5), 4, 1.0, 1.0, 3, score_top_k=0))}) == 5
+    twins.add(a)
+    now[0] = 1.0
+    twins.add(b)
+    twins.add(c)                       # over capacity: a (the oldest) is forgotten
+    now[0] = 2.0
+    assert twins.left_s(a) is None and twins.left_s(b) == 9.0 and twins.left_s(c) == 9.0
+    now[0] = 11.0
+    assert twins.left_s(b) is None and len(twins.failed) == 1

@@ -52,9 +52,10 @@ class QueueFull(ApiError):
     """429: the queue holds max_pending requests; `retry_after_s` becomes the Retry-After
     header (engine.api.http.add_error_handlers)."""
 
-    def __init__(self, pending: int, max_pending: int) -> None:
-        super().__init__(429, f"the server is busy: {pending} requests wait for the engine "
-                         f"(at most {max_pending}); retry after {RETRY_AFTER_S} s",
+    def __init__(self, pending: int, max_pending: int, limit: str = "") -> None:
+        super().__init__(429, f"the server is busy: {pending} choices (prompts x n) wait for "
+                         f"the engine (at most {max_pending}{limit}); retry after "
+                         f"{RETRY_AFTER_S} s",
                          kind="rate_limit_error", code="queue_full")
         self.retry_after_s = RETRY_AFTER_S
 
@@ -115,6 +116,7 @@ class GenerateQueue:
         self.live_episodes, self.refusal = live_episodes, refusal
         self.gather_s, self.max_wait_s, self.max_batch = gather_s, max_wait_s, max_batch
         self.max_pending = max_pending
+        self.limit_name = ""   # how a 429 names max_pending's setting, e.g. ", --max-queue"
         self.closed: str | None = None         # why the server is stopping (close)
         self.pending: list[Pending] = []
         self.answered: dict[str, float] = {}   # episode -> when its last response was sent
@@ -148,7 +150,7 @@ class GenerateQueue:
                 raise stopping_error(self.closed)
             if self.max_pending is not None and \
                     len(self.pending) + choices > self.max_pending:
-                raise QueueFull(len(self.pending), self.max_pending)
+                raise QueueFull(len(self.pending), self.max_pending, self.limit_name)
 
     def close(self, why: str) -> None:
         """The server is stopping: every pending request and every later one gets 503

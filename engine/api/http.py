@@ -120,12 +120,15 @@ def parse_json(raw: bytes):
     return value
 
 
-async def read_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(request: Request, max_bytes: int = MAX_BODY_BYTES,
+                    setting: str = "") -> bytes:
     """The request's body bytes: ApiError 413 when it is over `max_bytes` (by its
-    Content-Length before reading, or while reading a chunked body)."""
+    Content-Length before reading, or while reading a chunked body); `setting`: how the
+    message names the limit's setting (serve: "--max-body-mb 16")."""
     def too_large() -> ApiError:
+        named = f" ({setting})" if setting else ""
         return ApiError(413, f"the request body is over this server's limit of {max_bytes} "
-                        "bytes", code="request_too_large")
+                        f"bytes{named}", code="request_too_large")
 
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > max_bytes:

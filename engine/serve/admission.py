@@ -4,8 +4,9 @@ that sets the limit):
   never more than --max-queue; code too_many_choices), counted before any prompt is
   tokenized; the queue then admits all of them or none (--max-queue: 429,
   engine.api.batcher);
-- the context budget of each prompt: the one rule of engine.api.budget in a window of
-  --max-context ids (one fewer when log-probs are asked: the vllm engine scores a sequence by
+- the context budget of each prompt: the one rule of engine.api.budget, with max_tokens
+  capped at --max-tokens before it (max_tokens=100000 is served with --max-tokens when
+  that fits), in a window of --max-context ids (one fewer when log-probs are asked: the vllm engine scores a sequence by
   generating one token after it; code context_length_exceeded);
 - scoring memory: a request with log-probs is scored over each prompt plus its reply, and the
   hf engine holds a sequence's float32 log-probs in one piece (tokens x vocabulary x 4 bytes;
@@ -44,7 +45,9 @@ def budget(call: Call, asked: int | None, context: int, which: str, max_context:
            max_tokens: int) -> int:
     """The reply's max_tokens for a prompt of `context` ids (`which`: "" or " (prompt i)" of
     a list of prompts; `asked`: max_tokens as sent), by engine.api.budget's rule in
-    --max-context (module docstring)."""
+    --max-context (module docstring), `asked` capped at --max-tokens first (a larger value is
+    served with --max-tokens, so only what would be generated must fit)."""
+    asked = None if asked is None else min(asked, max_tokens)
     most = max_context - (1 if call.logprobs else 0)
     scored = " (max_context - 1 with log-probs)" if call.logprobs else ""
     window = Window(most, f"this request{which}", "prompt tokens",

@@ -54,6 +54,7 @@ one after it started ends the stream with an error event, then [DONE] (engine.ap
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import threading
@@ -152,6 +153,8 @@ class ServeEndpoint:
                             else min(settings.max_choices, max_pending))
         self.vocab_size = settings.vocab_size or self.rules.vocab_size
         self.queue = ServeQueue(gather_s, max_batch, max_pending)
+        self.queue.limit_name = ", --max-queue"
+        self.body_limit = f"--max-body-mb {max_body_bytes / 2 ** 20:g}"
         self.app = build_app(self)
         self._lock = threading.Lock()
         self._accepted = 0
@@ -244,12 +247,14 @@ class ServeEndpoint:
         generation). A failed generation is a 503 naming the request id (module docstring)."""
         call, contexts, budgets, seed = await asyncio.to_thread(self._prepare, kind, raw)
         self.queue.check_admission(len(contexts) * call.n)   # 429 / 503: no number
+        score = call.top_logprobs if call.logprobs else None
+        shapes = [GenerateRequest(tuple(context), budget, call.temperature, call.top_p, 0,
+                                  score) for context, budget in zip(contexts, budgets)]
+        self.queue.check_twins(shapes)   # 503 repeated_failure (the seed is not looked at)
         number, base = self._accept(seed)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._token}-{number}"
-        score = call.top_logprobs if call.logprobs else None
-        requests = [GenerateRequest(tuple(context), budget, call.temperature, call.top_p,
-                                    call_seed(base, 0, k), score)
-                    for context, budget in zip(contexts, budgets) for k in range(call.n)]
+        requests = [dataclasses.replace(shape, seed=call_seed(base, 0, k))
+                    for shape in shapes for k in range(call.n)]
         try:
             results = await asyncio.gather(*[asyncio.wrap_future(f) for f in
                                              self.queue.submit_many(CLIENTS, requests)])
@@ -296,8 +301,8 @@ def build_app(endpoint: ServeEndpoint) -> FastAPI:
 
     async def call(request: Request, kind: str) -> Response:
         try:
-            return await endpoint.handle(kind, await read_body(request,
-                                                               endpoint.max_body_bytes))
+            return await endpoint.handle(kind, await read_body(
+                request, endpoint.max_body_bytes, endpoint.body_limit))
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must answer 500, not drop the request

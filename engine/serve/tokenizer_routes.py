@@ -119,12 +119,12 @@ def add_tokenizer_routes(app: FastAPI, endpoint) -> None:
     limits, settings and max_body_bytes)."""
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict:
-        raw = await read_body(request, endpoint.max_body_bytes)
+        raw = await read_body(request, endpoint.max_body_bytes, endpoint.body_limit)
         return await asyncio.to_thread(lambda: tokenize(endpoint, parse_json(raw)))
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict:
-        raw = await read_body(request, endpoint.max_body_bytes)
+        raw = await read_body(request, endpoint.max_body_bytes, endpoint.body_limit)
         return await asyncio.to_thread(lambda: detokenize(endpoint, parse_json(raw)))
 
     @app.get("/tokenizer_info")
