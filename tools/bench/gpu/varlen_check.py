@@ -22,8 +22,8 @@ median milliseconds of a forward + backward of each side (CUDA events, 20 runs a
 With --smoke (the CPU, fp32, 256 tokens, 4 heads over 2, head dim 16) the kernel cannot run:
 the candidate is `varlen_reference`, the kernel's contract (a block-diagonal causal / window
 mask from cu_seq_q, GQA through SDPA's enable_gqa) as one dense SDPA call, handed the
-arguments `varlen.varlen_call` builds: it checks the arguments, not the kernel; times are
-CPU wall times (time.perf_counter).
+arguments `varlen.varlen_call` builds (`path` "reference"): it checks the arguments, not the
+kernel; times are CPU wall times (time.perf_counter).
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def run_case(case: Case, tokens: int, head_dim: int, device: torch.device,
             out = module(q_, k_, v_, packed_seq_params=params)
             return out.reshape(tokens, case.heads, head_dim)
     else:
-        path = "varlen_reference (CPU smoke: the kernel's contract, not the kernel)"
+        path = "reference"   # the CPU smoke: the kernel's contract, not the kernel
 
         def candidate(q_, k_, v_):
             call = varlen.varlen_call(q_, k_, bounds, scale, case.window_left)
