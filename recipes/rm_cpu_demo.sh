@@ -2,7 +2,7 @@
 # CPU demo of RLHF's three stages (docs/preference.md "CPU demo of the loop"): SFT, a reward
 # model trained on preference pairs, then GRPO against that reward model (no reward function).
 #
-#   bash recipes/rm_cpu_demo.sh            # WORK=/tmp/rm_cpu_demo by default
+#   bash recipes/rm_cpu_demo.sh            # WORK=runs/rm_cpu_demo by default
 #
 # 1. a tiny random Qwen3-shaped model and single-digit addition rows (megatron-sft-engine demo;
 #    nothing is downloaded): every prompt answered both "c" and "the answer is c";
@@ -19,7 +19,7 @@
 # reward/model_mean 0.56 -> 3.44 (means of the first and last 20 steps 2.34 -> 3.35); greedy
 # answers in the preferred format 0.87 -> 1.00, greedy sums right 0.21 -> 0.11. More in
 # docs/preference.md ("CPU demo of the loop").
-WORK=${WORK:-/tmp/rm_cpu_demo}
+WORK=${WORK:-runs/rm_cpu_demo}
 SFT_STEPS=${SFT_STEPS:-80}
 RM_STEPS=${RM_STEPS:-60}
 RL_STEPS=${RL_STEPS:-100}

@@ -201,3 +201,24 @@ def test_top_level_help_names_every_preference_objective():
     lines = {line.split()[0]: line for line in usage().splitlines() if line.startswith("  ")}
     assert [t for t in LOSS_TYPES if names[t] not in lines["dpo"]] == []
     assert "`rm score`" in lines["rm"] and "KTO" in lines["kto"]
+
+
+def test_commands_say_what_they_wrote_in_the_right_number(tmp_path, capsys):
+    """`demo model` and `demo addition-data` print what they wrote (they printed nothing);
+    `rm score`'s summary counts in the singular for one row and one pair ("scored 1 rows")."""
+    from engine.rm.score import summary
+    from tools.demo import main as demo_main
+
+    demo_main(["addition-data", str(tmp_path)])
+    said = capsys.readouterr().out
+    assert said.strip() == (f"wrote {tmp_path / 'sft.jsonl'} (100 rows), "
+                            f"{tmp_path / 'rl.jsonl'} (100 rows)")
+    assert len((tmp_path / "sft.jsonl").read_text().splitlines()) == 100
+    demo_main(["model", str(tmp_path / "m"), "--hidden", "32", "--layers", "1",
+               "--intermediate", "32"])
+    said = capsys.readouterr().out
+    assert said.startswith(f"wrote {tmp_path / 'm'}: a tiny random Qwen3 (hidden 32, layers 1)")
+    assert (tmp_path / "m" / "config.json").exists()
+    assert summary([{"score": 1.0}]) == "scored 1 row"
+    assert summary([{"score": 1.0}, {"chosen": 2.0, "rejected": 1.0, "margin": 1.0}]) \
+        .startswith("scored 2 rows; 1 pair: accuracy 1.0000")

@@ -132,7 +132,7 @@ def test_rm_score_scores_the_end_of_turn_token(rm_folders, tmp_path):
     other = _score(model, chat_scored_ids(REPLY[:1] + rejected, tok, "x"))
     assert second["rejected"] == pytest.approx(other, rel=1e-6)
     assert second["margin"] == pytest.approx(expected - other, rel=1e-5)
-    assert "scored 2 rows; 1 pairs: accuracy" in proc.stderr
+    assert "scored 2 rows; 1 pair: accuracy" in proc.stderr
     old = _hf(src)[0].apply_chat_template(REPLY, tokenize=True, return_dict=True)["input_ids"]
     assert old[-1] == 4 and abs(_score(model, old) - expected) > 1e-2 * abs(expected)
 

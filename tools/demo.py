@@ -69,10 +69,12 @@ TOOLS_TEMPLATE = (
 MAX_TOOL_TURNS = 3
 
 
-def write_jsonl(path: Path | str, rows: list[dict]) -> None:
+def write_jsonl(path: Path | str, rows: list[dict]) -> str:
+    """Write `rows` as JSON lines; returns "PATH (N rows)" for the command's summary."""
     with open(path, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+    return f"{path} ({len(rows)} rows)"
 
 
 def chat_row(a: int, b: int) -> dict:
@@ -143,28 +145,30 @@ def make_model(out: str, hidden: int, layers: int, intermediate: int, seed: int)
                      kv_heads=2, intermediate=intermediate, seed=seed)
 
 
-def make_addition_data(work: Path) -> None:
+def make_addition_data(work: Path) -> list[str]:
+    """sft.jsonl and rl.jsonl of single-digit addition in `work`; returns what was written."""
     pairs = [(a, b) for a in range(10) for b in range(10)]
     random.Random(0).shuffle(pairs)
-    write_jsonl(work / "sft.jsonl", [{"prompt": f"what is {a} plus {b} ?",
-                                      "response": str(a + b)} for a, b in pairs])
-    write_jsonl(work / "rl.jsonl", [{"prompt": f"what is {a} plus {b} ?", "answer": a + b}
-                                    for a, b in pairs])
+    return [write_jsonl(work / "sft.jsonl", [{"prompt": f"what is {a} plus {b} ?",
+                                              "response": str(a + b)} for a, b in pairs]),
+            write_jsonl(work / "rl.jsonl", [{"prompt": f"what is {a} plus {b} ?",
+                                             "answer": a + b} for a, b in pairs])]
 
 
-def make_rm_data(work: Path) -> None:
+def make_rm_data(work: Path) -> list[str]:
     """The reward-model demo's rows (recipes/rm_cpu_demo.sh), single-digit addition with two
     answer formats: rm_sft.jsonl (every prompt answered "c" and "the answer is c": the SFT'd
     policy samples both), rl.jsonl (the prompts with "answer"), rm_train.jsonl (80 prompts) and
-    rm_eval.jsonl (the other 20): preference pairs, chosen "the answer is c", rejected "c"."""
+    rm_eval.jsonl (the other 20): preference pairs, chosen "the answer is c", rejected "c".
+    Returns what was written."""
     pairs = [(a, b) for a in range(10) for b in range(10)]
     random.Random(0).shuffle(pairs)
     q = "what is {} plus {} ?"
-    write_jsonl(work / "rm_sft.jsonl", [{"prompt": q.format(a, b), "response": r}
-                                        for a, b in pairs
-                                        for r in (str(a + b), f"the answer is {a + b}")])
-    write_jsonl(work / "rl.jsonl", [{"prompt": q.format(a, b), "answer": a + b}
-                                    for a, b in pairs])
+    written = [write_jsonl(work / "rm_sft.jsonl", [
+        {"prompt": q.format(a, b), "response": r} for a, b in pairs
+        for r in (str(a + b), f"the answer is {a + b}")]),
+        write_jsonl(work / "rl.jsonl", [{"prompt": q.format(a, b), "answer": a + b}
+                                        for a, b in pairs])]
 
     def rows(prompts):
         return [{"prompt": [{"role": "user", "content": q.format(a, b)}],
@@ -172,8 +176,8 @@ def make_rm_data(work: Path) -> None:
                  "rejected": [{"role": "assistant", "content": str(a + b)}]}
                 for a, b in prompts]
 
-    write_jsonl(work / "rm_train.jsonl", rows(pairs[:80]))
-    write_jsonl(work / "rm_eval.jsonl", rows(pairs[80:]))
+    return written + [write_jsonl(work / "rm_train.jsonl", rows(pairs[:80])),
+                      write_jsonl(work / "rm_eval.jsonl", rows(pairs[80:]))]
 
 
 def calculator_tools() -> list[dict]:
@@ -184,7 +188,8 @@ def calculator_tools() -> list[dict]:
     return [tool_schema(calculate)]
 
 
-def make_tools_data(work: Path) -> None:
+def make_tools_data(work: Path) -> list[str]:
+    """The tools demo's model (work/init) and multiplication rows; returns what was written."""
     from tools.char_tokenizer import build_char_tokenizer
     from tools.tiny_models import build_tiny_model
 
@@ -205,9 +210,10 @@ def make_tools_data(work: Path) -> None:
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "content": str(a * b)},
             {"role": "assistant", "content": str(a * b)}]})
-    write_jsonl(work / "sft.jsonl", rows)
-    write_jsonl(work / "rl.jsonl", [{"prompt": f"What is {a}*{b}?", "answer": a * b}
-                                    for a, b in pairs[2000:4000]])
+    return [f"{work / 'init'} (a tiny random Qwen3 and its character tokenizer)",
+            write_jsonl(work / "sft.jsonl", rows),
+            write_jsonl(work / "rl.jsonl", [{"prompt": f"What is {a}*{b}?", "answer": a * b}
+                                            for a, b in pairs[2000:4000]])]
 
 
 def _greedy_turn(model, tok, messages: list[dict], tools, max_new_tokens: int) -> str:
@@ -334,9 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "model":
         (tiny_mtp_model(args.dir) if args.mtp else
          make_model(args.dir, args.hidden, args.layers, args.intermediate, args.seed))
+        print(f"wrote {args.dir}: " + ("a tiny GLM-4.5 MoE with an MTP layer" if args.mtp else
+              f"a tiny random Qwen3 (hidden {args.hidden}, layers {args.layers})") +
+              ", its config and tokenizer")
     elif args.command in ("addition-data", "rm-data", "tools-data"):
-        {"addition-data": make_addition_data, "rm-data": make_rm_data,
-         "tools-data": make_tools_data}[args.command](Path(args.work))
+        written = {"addition-data": make_addition_data, "rm-data": make_rm_data,
+                   "tools-data": make_tools_data}[args.command](Path(args.work))
+        print("wrote " + ", ".join(written))
     elif args.command == "counting-data":
         print(make_counting_data(Path(args.work)))
     elif args.command == "counting-evaluate":

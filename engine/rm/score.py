@@ -103,11 +103,11 @@ def score_rows(args) -> list[dict]:
 
 def summary(results: list[dict]) -> str:
     pairs = [r for r in results if "margin" in r]
-    text = f"scored {len(results)} rows"
+    text = f"scored {len(results)} row{'s' * (len(results) != 1)}"
     if pairs:
         accuracy = sum(r["margin"] > 0 for r in pairs) / len(pairs)
         margin = sum(r["margin"] for r in pairs) / len(pairs)
-        text += (f"; {len(pairs)} pairs: accuracy {accuracy:.4f} (chosen scored above "
+        text += (f"; {len(pairs)} pair{'s' * (len(pairs) != 1)}: accuracy {accuracy:.4f} (chosen scored above "
                  f"rejected), mean margin {margin:.4f}")
     return text
 

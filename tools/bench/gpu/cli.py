@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tools.bench.gpu import __doc__ as PACKAGE_DOC
 from tools.bench.gpu.items import ITEMS, ORDER, SMOKE_DEFAULT, Item, build_items
-from tools.bench.gpu.output import saver, write_outputs
+from tools.bench.gpu.output import report_markdown, saver, write_outputs
 from tools.bench.gpu.plan import Step, make_plan, missing_reason, plan_text, probe
 from tools.bench.gpu.environment import environment, environment_line
 from tools.bench.gpu.report import read_metrics, table
@@ -39,8 +39,8 @@ def parser(prog: str) -> argparse.ArgumentParser:
                         "skipped, one that starts gets at most what is left (default "
                         "%(default)s; 0: no budget)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the plan and every command, write the report's skeleton, run "
-                        "nothing (CUDA assumed)")
+                   help="print the plan, every command and the report's skeleton; run and "
+                        "write nothing (CUDA assumed)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny sizes (hidden 64, 2 layers), fp32, on the CPU (CUDA hidden); "
                         "a manual check, minutes on a 2-core host")
@@ -103,10 +103,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench gpu")
     header = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "environment": env, "cpu_smoke": args.cpu_smoke, "dry_run": args.dry_run,
               "budget_s": args.budget_s, "argv": sys.argv[1:] if argv is None else argv}
-    if args.dry_run or not any(s.status == "planned" for s in steps):
-        if args.dry_run:
-            print_commands(items)
-        write_outputs(out, header, steps, [planned_record(i, s) for i, s in zip(items, steps)])
+    skeleton = [planned_record(i, s) for i, s in zip(items, steps)]
+    if args.dry_run:   # prints the plan, the commands and the report's skeleton; writes nothing
+        print_commands(items)
+        print(f"\n{report_markdown(header, steps, skeleton)}\n[gpu] dry run: nothing run, "
+              "nothing written")
+        return 0
+    if not any(s.status == "planned" for s in steps):
+        write_outputs(out, header, steps, skeleton)
         print(f"[gpu] nothing run; the report's skeleton: {out / 'report.md'}, "
               f"{out / 'results.json'}")
         return 0

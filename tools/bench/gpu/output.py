@@ -6,8 +6,9 @@ results.json: {**header (date, environment, argv, budget_s, dry_run, cpu_smoke, 
 tokens/s over the transformers peer's, per sft case and peer mode; {} until both ran)}.
 report.md: a title, the Markdown table of tools.bench.gpu.report
 (item | status | s | est. s | key numbers), the budget line and the environment line, ready to
-paste into docs/benchmarks.md. Both are written by the dry run (the skeleton: every item
-planned or skipped with its reason) and rewritten after every item of a real run.
+paste into docs/benchmarks.md. Both are written when nothing can run (the skeleton: every
+item skipped with its reason) and rewritten after every item of a real run; a dry run prints
+the skeleton and writes nothing.
 """
 from __future__ import annotations
 
