@@ -6,7 +6,11 @@ config.yaml) with W&B and MLflow faked at the import boundary tests/test_tracker
 go through (`import wandb`, `from mlflow.tracking import MlflowClient`); no secret string may
 reach W&B's config or the command line it records, MLflow's params, any file the run wrote, or
 the run's printed lines (a tracker failing with the URI in its message included). The values
-the program runs with keep every secret."""
+the program runs with keep every secret. The secrets come in each shape issue 82 found leaking:
+a camelCase key (`accessToken`), header-style keys in a dict-valued override (`X-Api-Key`,
+`Authorization: 'Bearer ...'`, which W&B's recorded command line holds whole), a `Bearer` token
+inside a plain string, `{api_key: ...}` as a dict-valued override, and a URI password holding
+`@` and `/`; non-secret keys beside them (`tokenizer`, `maxNewTokens`) stay in clear."""
 from __future__ import annotations
 
 import json
@@ -20,6 +24,7 @@ import yaml
 from engine.config.logging_settings import tracker_problems
 from engine.config.schema import load_config
 from engine.rl.config import RLConfig
+from engine.rl.judge.checks import judge_problems
 from engine.run import run_loop as run_loop_module
 from engine.run.run_loop import RunLoop
 from engine.run.trackers import TrackerStartError, close_trackers, open_trackers
@@ -27,7 +32,14 @@ from engine.run.trackers import TrackerStartError, close_trackers, open_trackers
 MASK = "***"   # engine.config.redaction.MASK (imported by the rule's test only, so that the
 #               run tests also run, and fail, on a tree without the module)
 SECRETS = {"agent": "sk-agent-7Qx2", "kwargs": "hf_kwTok9Zp", "user": "ml-user-Jd4",
-           "password": "ml-pass-Vb8", "token": "ml-tok-Hq3", "judge": "judge-pw-Rt6"}
+           "password": "ml-pass-Vb8", "token": "ml-tok-Hq3", "judge": "judge-pw-Rt6",
+           "camel": "tok-camel-Ly7", "x_api_key": "xk-Tn8Wq", "header": "sk-hdr-Gd5",
+           "bearer": "sk-line-Hb2", "dict": "sk-live-999999", "at": "at-Pz5",
+           "slash": "sl-Wm3"}
+# the judge's password holds '@' and '/': "judge-pw-Rt6@at-Pz5/sl-Wm3"
+JUDGE = (f"https://judge:{SECRETS['judge']}@{SECRETS['at']}/{SECRETS['slash']}"
+         "@judge.example/v1")
+HEADERS = f"{{X-Api-Key: {SECRETS['x_api_key']}, Authorization: 'Bearer {SECRETS['header']}'}}"
 URI = (f"https://{SECRETS['user']}:{SECRETS['password']}@mlflow.example:5000/"
        f"?token={SECRETS['token']}&region=eu")
 
@@ -35,7 +47,10 @@ URI = (f"https://{SECRETS['user']}:{SECRETS['password']}@mlflow.example:5000/"
 def _overrides(tmp_path) -> list[str]:
     return [f"env.agent_api_key={SECRETS['agent']}", f"env.kwargs.hf_token={SECRETS['kwargs']}",
             f"logging.mlflow.tracking_uri='{URI}'", "logging.mlflow.experiment=rl",
-            f"reward.judge.base_url='https://judge:{SECRETS['judge']}@judge.example/v1'",
+            f"reward.judge.base_url='{JUDGE}'", f"env.kwargs.accessToken={SECRETS['camel']}",
+            f"env.kwargs.headers={HEADERS}", f"env.kwargs.extra={{api_key: {SECRETS['dict']}, n: 2}}",
+            f"env.kwargs.header_line='Authorization: Bearer {SECRETS['bearer']}'",
+            "env.kwargs.tokenizer=qwen-tok", "env.kwargs.maxNewTokens=64",
             "logging.wandb.project=demo", "logging.wandb.mode=offline",
             f"logging.dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'run/ckpt'}",
             "checkpoint.save_interval=1", "train.max_steps=2", "logging.progress_bar=false"]
@@ -126,7 +141,7 @@ def test_no_secret_reaches_trackers_files_or_log_lines(monkeypatch, tmp_path, ca
     saved = []
 
     def save(engine, root, position, hf_config, tokenizer_dir, keep_last, config_yaml,
-             extra=None):
+             extra=None, save_hf=False):
         """save_training_checkpoint's rank-0 write of the run's config (the rest needs a
         process group and a model): `config_yaml` verbatim into <iteration>/config.yaml."""
         path = tmp_path / "run/ckpt" / f"iter_{position:07d}"
@@ -150,7 +165,15 @@ def test_no_secret_reaches_trackers_files_or_log_lines(monkeypatch, tmp_path, ca
         f"https://{MASK}@mlflow.example:5000/?token={MASK}&region=eu")
     assert init["config"]["reward.judge.base_url"] == f"https://{MASK}@judge.example/v1"
     assert init["config"]["train.max_steps"] == 2                  # the rest as resolved
+    kwargs = {k[len("env.kwargs."):]: v for k, v in init["config"].items()
+              if k.startswith("env.kwargs.")}
+    assert kwargs == {"hf_token": MASK, "accessToken": MASK, "headers.X-Api-Key": MASK,
+                      "headers.Authorization": MASK, "extra.api_key": MASK, "extra.n": 2,
+                      "header_line": f"Authorization: Bearer {MASK}",
+                      "tokenizer": "qwen-tok", "maxNewTokens": 64}   # the last two in clear
     assert f"env.agent_api_key={MASK}" in init["argv"]
+    assert f"env.kwargs.extra={{api_key: {MASK}, n: 2}}" in init["argv"]
+    assert f"env.kwargs.headers={{X-Api-Key: {MASK}, Authorization: '{MASK}'}}" in init["argv"]
     params = dict(libs.mlflow["params"])
     assert params["env.agent_api_key"] == MASK and params["train.max_steps"] == "2"
     assert libs.mlflow["metrics"] == [("loss", 1.0, 1), ("reward/mean", 0.5, 1)]
@@ -170,6 +193,8 @@ def test_no_secret_reaches_trackers_files_or_log_lines(monkeypatch, tmp_path, ca
     # the program's own values are untouched: the endpoint, the judge and the client get them
     assert cfg.env.agent_api_key == SECRETS["agent"] and cfg.logging.mlflow.tracking_uri == URI
     assert libs.mlflow["uri"] == [URI] and sys.argv == argv
+    assert cfg.reward.judge.base_url == JUDGE and cfg.env.kwargs["headers"]["Authorization"] \
+        == f"Bearer {SECRETS['header']}" and cfg.env.kwargs["accessToken"] == SECRETS["camel"]
 
     # a resumed run finds its MLflow run by the redacted URI trackers.json keeps
     open_trackers(cfg, 1, "rl")
@@ -187,10 +212,16 @@ def test_a_tracker_that_cannot_start_names_the_key_without_its_secrets(monkeypat
                               f"?token={MASK}&region=eu: MLflow could not start: "
                               f"ConnectionError: API request to https://{MASK}@")
     assert _leaks(message) == []
-    bad = load_config(RLConfig, [
-        f"logging.mlflow.tracking_uri='ftp://u:{SECRETS['password']}@h/x'"])[0]
+    # the config checks' messages (a password holding '@' and '/': the old rule kept its tail)
+    password = f"{SECRETS['password']}@{SECRETS['at']}/{SECRETS['slash']}"
+    bad = load_config(RLConfig, [f"logging.mlflow.tracking_uri='ftp://u:{password}@h/x'",
+                                 f"reward.judge.base_url='ftp://judge:{password}@h/v1'"])[0]
     assert tracker_problems(bad)[0].startswith(
         f"logging.mlflow.tracking_uri='ftp://{MASK}@h/x': scheme 'ftp' is not valid")
+    judge = [p for p in judge_problems(bad) if p.startswith("reward.judge.base_url=")]
+    assert judge == [f"reward.judge.base_url='ftp://{MASK}@h/v1' must be an http:// or "
+                     "https:// URL ending in /v1 (e.g. megatron-sft-engine serve's), or null "
+                     "(no judge)"]
 
 
 def test_the_rule_names_secret_keys_and_uri_credentials():
@@ -221,3 +252,53 @@ def test_the_rule_names_secret_keys_and_uri_credentials():
     tree = redacted_container(cfg)
     assert tree["env"]["kwargs"] == {"token": MASK} and tree["env"]["agent_api_key"] == MASK
     assert tree["reward"]["judge"]["api_key_env"] is None        # null stays null
+
+
+def test_the_shapes_issue_82_found_leaking_are_masked_and_plain_keys_stay():
+    """camelCase and header-style keys, a `Bearer` credential and secret `name: value` pairs in
+    a string, secret keys inside a dict- or list-valued override, a URI password holding `@`,
+    `/` or `?`. The rule before issue 82 left each in clear (all but `apiKey` and `X-Api-Key`,
+    which lower-casing already caught). Controls: keys and texts with token-like words that
+    name no secret stay as they are."""
+    from engine.config.redaction import (is_secret_key, redact_argv, redact_text, redact_tree,
+                                         scrub, secret_values)
+
+    secret = ["env.kwargs.accessToken", "apiKey", "clientSecret", "X-Api-Key", "Authorization",
+              "Proxy-Authorization", "HFToken", "myAPIKey", "secretAccessKey", "Cookie"]
+    plain = ["num_tokens", "tokenizer", "max_new_tokens", "maxNewTokens", "token_budget",
+             "tokenBudget", "apiKeyEnv", "authorName", "signatureSize", "oauth"]
+    assert [k for k in secret if not is_secret_key(k)] == []
+    assert [k for k in plain if is_secret_key(k)] == []
+    texts = {
+        "Authorization: Bearer sk-abc123": f"Authorization: Bearer {MASK}",
+        "Bearer sk-abc123 was refused": f"Bearer {MASK} was refused",
+        "curl -H 'X-Api-Key: xk-91' -H 'Authorization: Basic dXNlcjpw' https://h/v1":
+            f"curl -H 'X-Api-Key: {MASK}' -H 'Authorization: Basic {MASK}' https://h/v1",
+        '{"apiKey": "sk-1", "model": "m"}': f'{{"apiKey": "{MASK}", "model": "m"}}',
+        "https://user:p@ss@host/path": f"https://{MASK}@host/path",
+        "https://user:pa/ss@host/path": f"https://{MASK}@host/path",
+        "https://u:p@ss/w0rd@host/x?y=1": f"https://{MASK}@host/x?y=1",
+        "https://user:pa?ss@host/x": f"https://{MASK}@host/x",
+        "max_tokens=5 num_tokens: 7 tokenizer=qwen maxNewTokens: 64": None,   # controls
+        "Token budget: 5; {% if token == eos_token %}": None,
+        "user@example.com http://h/p@x https://h/p?next=a@b.com": None}
+    texts = {text: text if want is None else want for text, want in texts.items()}
+    assert {text: redact_text(text) for text in texts} == texts
+    assert [t for t in texts.values() if redact_text(t) != t] == []     # idempotent
+    argv = ["env.kwargs={api_key: sk-live-999999}", "+env.kwargs.servers=[{token: t-1}, {n: x}]",
+            "env.kwargs.accessToken=tok-2", "--clientSecret", "cs-3", "--header",
+            "Authorization: Bearer sk-4", "data.sizes=[1,2]", "env.kwargs={tokenizer: q}"]
+    assert redact_argv(argv) == [
+        f"env.kwargs={{api_key: {MASK}}}", f"+env.kwargs.servers=[{{token: {MASK}}}, {{n: x}}]",
+        f"env.kwargs.accessToken={MASK}", "--clientSecret", MASK, "--header",
+        f"Authorization: Bearer {MASK}", "data.sizes=[1,2]", "env.kwargs={tokenizer: q}"]
+    tree = {"accessToken": "a-5", "headers": {"Authorization": "Bearer sk-6", "X-Api-Key": "k"},
+            "note": "Bearer sk-7", "maxNewTokens": 64, "tokenizer": "tok"}
+    assert redact_tree({"kwargs": tree}, "env") == {"kwargs": {
+        "accessToken": MASK, "headers": {"Authorization": MASK, "X-Api-Key": MASK},
+        "note": f"Bearer {MASK}", "maxNewTokens": 64, "tokenizer": "tok"}}
+    # a library message quoting the bare credential of a string value is scrubbed too
+    cfg = load_config(RLConfig, ["env.kwargs.note='Authorization: Bearer sk-note-Kd2'",
+                                 "env.kwargs.url='https://u:p@ss/wd@h'"])[0]
+    assert secret_values(cfg) == ["sk-note-Kd2", "u:p@ss/wd", "p@ss/wd"]   # longest first
+    assert scrub("401: key sk-note-Kd2 refused", secret_values(cfg)) == f"401: key {MASK} refused"
