@@ -1,6 +1,6 @@
 """Every configuration and data error a user can meet, met the way a user meets it: through
 `python -m engine.sft` / `engine.rl` (or torchrun). Each case checks the contract of
-engine.cli.run_entry: the worker exits with code 2, one `error: ...` report on stderr (rank 0
+engine.run.launch.run_entry: the worker exits with code 2, one `error: ...` report on stderr (rank 0
 only) names the key, the constraint and the valid values (file:line for a row of data), and no
 traceback runs through our code (engine/, models/, parallel/).
 
@@ -281,8 +281,8 @@ def test_model_dir_problems_name_what_is_missing(paths, tmp_path):
 @pytest.mark.parametrize("yaml_text,message", [
     ("train:\n  seqlen: 4\n", "unknown key train.seqlen in --config {file}; valid keys of "
                               "train: global_batch_size, micro_batch_size,"),
-    ("train:\n  seq_length: abc\n", "train.seq_length: Value 'abc' of type 'str' could not be "
-                                    "converted to Integer (in --config {file})"),
+    ("train:\n  seq_length: abc\n", "train.seq_length (in --config {file}): Value 'abc' of type "
+                                    "'str' could not be converted to Integer"),
     ("train: [\n", "invalid configuration in --config {file}: while parsing"),
 ])
 def test_config_file_errors_name_the_key_and_the_file(tmp_path, yaml_text, message):
@@ -339,8 +339,8 @@ def test_free_form_dict_in_a_group_and_in_a_config_file(tmp_path):
     cfg, _ = load_config(_DictSchema, ["extra={y:2}", "extra.z.w=3"])
     assert cfg.extra == {"x": 1, "y": 2, "z": {"w": 3}}
     for argv in (["group.limits={a:many}"], ["group.limits.a=many"]):
-        with pytest.raises(ConfigError, match="group.limits.a: Value 'many' of type 'str' could "
-                                              r"not be converted to Integer \(on the command"):
+        with pytest.raises(ConfigError, match=r"group.limits.a \(on the command line\): Value "
+                                              "'many' of type 'str' could not be converted"):
             load_config(_DictSchema, argv)
     file = tmp_path / "run.yaml"
     file.write_text("env:\n  kwargs:\n    fail_step: 2\n")

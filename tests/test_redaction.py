@@ -302,3 +302,21 @@ def test_the_shapes_issue_82_found_leaking_are_masked_and_plain_keys_stay():
                                  "env.kwargs.url='https://u:p@ss/wd@h'"])[0]
     assert secret_values(cfg) == ["sk-note-Kd2", "u:p@ss/wd", "p@ss/wd"]   # longest first
     assert scrub("401: key sk-note-Kd2 refused", secret_values(cfg)) == f"401: key {MASK} refused"
+
+
+@pytest.mark.parametrize("override,secret", [
+    ("env.agent_api_key=[sk-agent-1]", "sk-agent-1"),          # OmegaConf quotes the list
+    ("env.kwargs={api_key: sk-live-999999", "sk-live-999999"),   # hydra quotes the bad text
+])
+def test_config_errors_quoting_an_override_are_scrubbed(override, secret):
+    """Hydra's and OmegaConf's own errors quote the override's text: the ConfigError carries
+    `***` in its place (engine.config.loading._override_secrets, redact_text), and still says
+    where the bad value came from."""
+    from engine.config.loading import load_config
+    from engine.errors import ConfigError
+    from engine.rl.config import RLConfig
+
+    with pytest.raises(ConfigError) as info:
+        load_config(RLConfig, [override])
+    assert secret not in str(info.value) and "***" in str(info.value)
+    assert "on the command line" in str(info.value)

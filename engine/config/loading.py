@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, OmegaConfBaseException,
                               ValidationError)
 
-from engine.config.redaction import redacted_yaml
+from engine.config.redaction import is_secret_key, redacted_yaml, scrub
 from engine.errors import ConfigError
 
 # Keys renamed in this release: refused with the new name.
@@ -83,7 +83,22 @@ def load_config(schema: type, argv: list[str]) -> tuple[Any, list[str]]:
     except ConfigError:
         raise
     except (OmegaConfBaseException, Exception) as e:  # hydra wraps errors in several types
-        raise ConfigError(_describe_load_error(e, schema, config_file)) from None
+        message = _describe_load_error(e, schema, config_file)
+        raise ConfigError(scrub(message, _override_secrets(overrides))) from None
+
+
+def _override_secrets(overrides: list[str]) -> list[str]:
+    """The literal values given to secret keys on the command line (`key=value`, a list or
+    dict value also item by item), longest first: hydra's and OmegaConf's own errors quote
+    an override's text, so the message is scrubbed of them (engine.config.redaction)."""
+    found: set[str] = set()
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        if not eq or not is_secret_key(key.lstrip("+~")):
+            continue
+        found.add(value)
+        found.update(part.strip(" '\"") for part in value.strip("[]{} ").split(","))
+    return sorted((s for s in found if s), key=lambda s: (-len(s), s))
 
 
 def _is_free_form(node: DictConfig) -> bool:
@@ -162,7 +177,7 @@ def _describe_load_error(error: BaseException, schema: type, config_file: Option
                     f"{group or 'the top level'}: {valid}")
         if isinstance(err, ValidationError):
             hint = (f"; write a list: {key}=[a,b]" if "ListConfig" in first_line else "")
-            return f"{key}: {first_line} ({origin}){hint}"
+            return f"{key} ({origin}): {first_line}{hint}"
     parts: list[str] = []
     for err in chain:
         text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
