@@ -1,7 +1,11 @@
-"""Shared entry-point plumbing: parse and validate the config before any process group
-exists, report configuration errors once (rank 0) without a traceback and exit 2, then set up
-torch.distributed and megatron's parallel state and run. Exit codes: 0 done (also when
-stopped by a signal or train.exit_*), 2 configuration or data error, 1 run-time failure
+"""Shared entry-point plumbing: parse the command line first, import what the command needs
+after. -h / --help, --version and every configuration hydra refuses (an unknown key, a wrong
+type, a missing --config file) are answered from the schema as engine.config.schema_source
+reads it from source, before torch, megatron-core or transformers is imported (well under
+2 s). Only then are the entry point's modules imported and engine.run.launch.run_entry
+validates the values, reports configuration errors once (rank 0) without a traceback and exits
+2, sets up torch.distributed and megatron's parallel state and runs. Exit codes: 0 done (also
+when stopped by a signal or train.exit_*), 2 configuration or data error, 1 run-time failure
 (engine.errors.RunError: diverged training, failed rollout backend)."""
 from __future__ import annotations
 
@@ -14,12 +18,9 @@ import time
 from typing import Callable, NoReturn
 
 from engine.config.help import help_text, version
-from engine.config.schema import (ConfigError, SFTConfig, load_config, parallel_layout,
-                           validate_common)
-from engine.data.files import DataError
-from engine.errors import RunError
-from models.layers.spec import transformer_engine_available
-from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
+from engine.config.loading import load_config
+from engine.config.schema_source import SchemaSourceError, real_schema, source_schema
+from engine.errors import ConfigError
 
 
 def _rank() -> int:
@@ -64,83 +65,58 @@ def answered_help(argv: list[str], prog: str, schema, usage: str,
     return False
 
 
-def entry_main(argv: list[str] | None, prog: str, schema, usage: str, examples: list[str],
+def hook(ref: str) -> Callable:
+    """The function `ref` ("package.module:function"), imported at its first call: an entry
+    point names its validation, recipe check and split this way, so that nothing of them loads
+    before its command line parsed."""
+    def call(*args, **kwargs):
+        module, _, name = ref.partition(":")
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+    call.__qualname__ = call.__name__ = ref
+    return call
+
+
+def parsed_schema(ref: str) -> type:
+    """The schema `ref` ("package.module:Class") as --help and the first parse read it: rebuilt
+    from source (no heavy import), or, for a construct the reader does not evaluate, imported."""
+    try:
+        return source_schema(ref)
+    except SchemaSourceError:
+        return real_schema(ref)
+
+
+def entry_main(argv: list[str] | None, prog: str, schema: str, usage: str, examples: list[str],
                check_recipe: Callable[[list[str]], int], run: str, **run_kwargs) -> int:
     """The main function of every training entry point (`python -m engine.sft` and its
-    siblings): -h / --help / --version answered from `schema` (`answered_help`); --validate:
-    the recipe check `check_recipe(argv)` (no process groups, no weights, no training); else
-    `run_entry(run, argv, schema=schema, **run_kwargs)`. `argv`: None reads sys.argv[1:]."""
+    siblings). `schema`: "package.module:Class". -h / --help / --version answered from the
+    schema's source (`answered_help`); --validate: the recipe check `check_recipe(argv)` (no
+    process groups, no weights, no training); else the command line is composed against the
+    schema's source (a refusal exits 2 here, nothing heavy imported), then
+    engine.run.launch.run_entry(run, argv, schema=the imported schema, **run_kwargs).
+    `argv`: None reads sys.argv[1:]."""
     argv = list(argv if argv is not None else sys.argv[1:])
-    if answered_help(argv, prog, schema, usage, examples):
+    light = parsed_schema(schema)
+    if answered_help(argv, prog, light, usage, examples):
         return 0
     if "--validate" in argv:
         return check_recipe(argv)
-    return run_entry(run, argv, schema=schema, **run_kwargs)
+    try:
+        load_config(light, argv)
+    except ConfigError as e:
+        return refuse(str(e))
+    return hook("engine.run.launch:run_entry")(run, argv, schema=real_schema(schema),
+                                                **run_kwargs)
 
 
-def kernel_notice() -> str:
-    """What runs the layers, said once per launch (megatron's own import-time warnings about
-    Transformer Engine and Apex are filtered in parallel/__init__.py)."""
-    if transformer_engine_available():
-        return "Transformer Engine (fused attention, norms and linears)"
-    return ("Transformer Engine not installed: torch layers (SDPA attention, torch norms), "
-            "torch Adam and megatron's unfused fallbacks; exact, slower on GPUs")
+def refuse(message: str) -> int:
+    """A configuration error: exit code 2, the message printed by rank 0 only (the other ranks
+    wait 3 s first, so rank 0 prints before torchrun stops the job on the first exit)."""
+    if _rank() != 0:
+        time.sleep(3)
+    return fail(message)
 
 
 def fail(message: str, code: int = 2) -> int:
     if _rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
     return code
-
-
-def run_entry(run: str, argv: list[str], schema=None,
-              validate: Callable | None = None, split: Callable | None = None) -> int:
-    """Load `schema` (default SFTConfig) from argv, validate (default validate_common), start
-    distributed + megatron state for the configured layout, then import `run`
-    ("package.module:function") and call it as run(cfg, hf_config, flags).
-    `split(cfg)`: None (one world), or it starts a split job's process groups itself and
-    returns (role, other_run): role "train" continues as above over the training world
-    (os.environ WORLD_SIZE is then the training world's); role "rollout" calls `other_run`
-    as other_run(cfg, hf_config, flags) without megatron state."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        cfg, flags = load_config(schema or SFTConfig, argv)
-        hf_config = (validate or validate_common)(cfg, world)
-    except ConfigError as e:
-        if _rank() != 0:  # let rank 0 print before torchrun stops the job on the first exit
-            time.sleep(3)
-        return fail(str(e))
-    side = split(cfg) if split is not None else None
-    if side is None:
-        init_distributed()
-    elif side[0] == "rollout":
-        rc = _call(side[1], cfg, hf_config, flags)
-        shutdown(barrier=rc == 0)
-        return rc
-    layout = parallel_layout(cfg.parallel, int(os.environ["WORLD_SIZE"]))
-    setup_model_parallel(layout, seed=cfg.seed)
-    if _rank() == 0:
-        tag = run.split(".")[1]   # "engine.<entry point>.module:function"
-        print(f"[{tag}] layout: {layout.describe()}", flush=True)
-        print(f"[{tag}] kernels: {kernel_notice()}", flush=True)
-    rc = _call(run, cfg, hf_config, flags)
-    shutdown(barrier=rc == 0)
-    return rc
-
-
-def _call(run: str, cfg, hf_config: dict, flags: list[str]) -> int:
-    """Import `run` ("package.module:function"), call it, map its errors to exit codes."""
-    # the run module is imported only now (it builds models; a config error above exits first)
-    module_name, function = run.split(":")
-    run_fn = getattr(importlib.import_module(module_name), function)
-    # megatron's dist_checkpointing loads only once a run starts (config errors exit first)
-    from engine.checkpoint.checkpointing import CheckpointError, ResumeMismatchError
-    try:
-        return run_fn(cfg, hf_config, flags)
-    except (CheckpointError, ResumeMismatchError) as e:
-        return fail(f"checkpoint: {e}")
-    except DataError as e:
-        return fail(f"data: {e}")
-    except RunError as e:
-        return fail(str(e), code=1)

@@ -18,7 +18,7 @@ skip_megatron_jit_on_cpu()  # before any megatron import of the process (see cpu
 LIBRARY_WARNINGS = (
     (UserWarning, "(Transformer Engine and Apex are|Apex is) not installed",
      "megatron-core says it six times at import; the entry points say it once, with what it "
-     "means (engine.cli.kernel_notice)"),
+     "means (engine.run.launch.kernel_notice)"),
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf",
      "megatron's distributed optimizer zero_grad reads .grad of its fp32 shard views; the "
      "gradients live in main_grad"),

@@ -4,11 +4,14 @@ schema's own comment, and nothing else needs to be kept in step with it."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
-from engine.config.help import field_comments, schema_keys, version
+from engine.config.help import field_comments, help_text, schema_keys, version
 from engine.config.schema import DataConfig, ModelConfig, SFTConfig
 from engine.rl.config import RLConfig
 
@@ -121,13 +124,13 @@ def test_library_warnings_are_filtered_and_megatrons_fallback_said_once():
     (parallel.LIBRARY_WARNINGS: the six "Transformer Engine and Apex are not installed" of
     megatron's import, its optimizer's non-leaf .grad read, torch's collective and checkpoint
     deprecations) are filtered in every process that imports `parallel`; the launch says the
-    fallback once (engine.cli.kernel_notice, checked in tests/test_rl_loop.py). Negative
+    fallback once (engine.run.launch.kernel_notice, checked in tests/test_rl_loop.py). Negative
     controls: another UserWarning still reaches the user, and ENGINE_LIBRARY_WARNINGS=1 shows
     them all."""
     import os
     import warnings
 
-    from engine.cli import kernel_notice
+    from engine.run.launch import kernel_notice
     from parallel import CPU_ONLY_WARNINGS, LIBRARY_WARNINGS, SHOW_ENV, quiet_library_warnings
 
     examples = [
@@ -222,3 +225,76 @@ def test_commands_say_what_they_wrote_in_the_right_number(tmp_path, capsys):
     assert summary([{"score": 1.0}]) == "scored 1 row"
     assert summary([{"score": 1.0}, {"chosen": 2.0, "rejected": 1.0, "margin": 1.0}]) \
         .startswith("scored 2 rows; 1 pair: accuracy 1.0000")
+
+
+SCHEMA_REFS = {"sft": "engine.config.schema:SFTConfig", "rl": "engine.rl.config:RLConfig",
+               "dpo": "engine.config.dpo_settings:DPOConfig",
+               "rm": "engine.config.rm_settings:RMConfig",
+               "kto": "engine.config.kto_settings:KTOConfig"}
+
+
+@pytest.mark.parametrize("entry", SCHEMA_REFS)
+def test_the_schema_read_from_source_is_the_schema(entry):
+    """What `--help` and the first parse use (engine.config.schema_source, no heavy import) is
+    the imported schema: the same help text, and hydra composes or refuses each command line
+    alike."""
+    from engine.config.loading import load_config
+    from engine.config.schema_source import real_schema, source_schema
+    from engine.errors import ConfigError
+
+    light, real = source_schema(SCHEMA_REFS[entry]), real_schema(SCHEMA_REFS[entry])
+    assert light is not real
+    assert help_text("p", light, "u", ["e"]) == help_text("p", real, "u", ["e"])
+
+    def outcome(schema, argv):
+        try:
+            return repr(load_config(schema, argv)[0])
+        except ConfigError as e:
+            return str(e)
+
+    for argv in (["train.max_stepz=3"], ["train.max_steps=abc"], ["model.lora.rank=4",
+                 "data.train_files=[a.jsonl]"], ["data.train_files=a.jsonl"], ["+seed2=1"],
+                 ["optim.muon.ns_steps=x", "optim.name=muon"], ["logging.dir=null"]):
+        assert outcome(light, argv) == outcome(real, argv), argv
+
+
+GUARD = """
+import runpy, sys
+class Forbidden:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "megatron", "transformers"):
+            raise ImportError(f"{name} imported before the command line was parsed")
+sys.meta_path.insert(0, Forbidden())
+module, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
+
+
+def _guarded(module: str, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", GUARD, module, *argv], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).parents[1])
+
+
+def test_help_and_refusals_import_no_torch_megatron_or_transformers():
+    """--help of every entry point (module and console command), `rm score --help` and the
+    refusal of a bad key or a bad type answer before torch, megatron-core or transformers is
+    imported (an import of any of them fails the subprocess): the 5-14 s these imports cost
+    are not paid to print help or to name a typo. Negative control: --validate, which needs
+    them, fails under the same guard."""
+    for entry in SCHEMA_REFS:
+        proc = _guarded(f"engine.{entry}", "--help")
+        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m engine.{entry}"), \
+            proc.stderr[-2000:]
+        assert len(proc.stdout.splitlines()) > 100
+    proc = _guarded("tools.cli", "rl", "-h")
+    assert proc.returncode == 0 and "rollout.vllm.speculative.patience_steps" in proc.stdout
+    proc = _guarded("engine.rm", "score", "--help")
+    assert proc.returncode == 0 and "--trust-remote-code" in proc.stdout, proc.stderr[-2000:]
+    proc = _guarded("engine.sft", "optim.lrr=1e-5")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: unknown key optim.lrr on "
+                                                           "the command line; valid keys of optim: lr,")
+    proc = _guarded("tools.cli", "rl", "rollout.n=eight")
+    assert proc.returncode == 2 and "rollout.n (on the command line): Value 'eight'" in \
+        proc.stderr, proc.stderr[-2000:]
+    proc = _guarded("engine.sft", "--config", "recipes/sft/qwen3_8b_h100.yaml", "--validate")
+    assert proc.returncode != 0 and "imported before the command line was parsed" in proc.stderr

@@ -5,6 +5,8 @@
 source: its inline comment, else the comment block right above it (joined into one line). A
 key without a comment has an empty meaning; the key, type and default are always there.
 `help_text(prog, schema, usage, examples)` is the text `python -m engine.sft --help` prints.
+The entry points pass the schema as engine.config.schema_source rebuilds it (no torch,
+megatron or transformers import: `--help` answers in well under 2 s); the text is the same.
 """
 from __future__ import annotations
 
@@ -41,11 +43,14 @@ def field_comments(cls: type) -> dict[str, str]:
 
 
 def _own_comments(cls: type) -> dict[str, str]:
-    """The comments of the fields the class body of `cls` itself declares."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
+    """The comments of the fields the class body of `cls` itself declares (its source: the
+    module's, or `__schema_source__` for a class engine.config.schema_source rebuilt)."""
+    source = cls.__dict__.get("__schema_source__")
+    if source is None:
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            return {}
     names = {f.name for f in dataclasses.fields(cls)}
     comments: dict[str, str] = {}
     above: list[str] = []      # the comment lines right above the current line

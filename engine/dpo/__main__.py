@@ -9,9 +9,7 @@ on an error); the run itself is engine.dpo.training.run.
 """
 from __future__ import annotations
 
-from engine.cli import entry_main, exit_process
-from engine.config.dpo_settings import DPOConfig, validate_dpo
-from engine.dpo.recipe_check import main as validate_main
+from engine.cli import entry_main, exit_process, hook
 
 
 USAGE = "python -m engine.dpo [--config FILE.yaml] [key=value ...]  (or torchrun ... -m engine.dpo)"
@@ -27,8 +25,9 @@ def main(argv: list[str] | None = None, prog: str = "engine.dpo", usage: str = U
          examples: list[str] = EXAMPLES) -> int:
     """`python -m engine.dpo [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
     and `examples` are what --help prints (the console command passes its own)."""
-    return entry_main(argv, prog, DPOConfig, usage, examples, validate_main,
-                      "engine.dpo.training:run", validate=validate_dpo)
+    return entry_main(argv, prog, "engine.config.dpo_settings:DPOConfig", usage, examples,
+                      hook("engine.dpo.recipe_check:main"), "engine.dpo.training:run",
+                      validate=hook("engine.config.dpo_settings:validate_dpo"))
 
 
 if __name__ == "__main__":

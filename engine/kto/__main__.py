@@ -9,9 +9,7 @@ on an error); the run itself is engine.kto.training.run.
 """
 from __future__ import annotations
 
-from engine.cli import entry_main, exit_process
-from engine.config.kto_settings import KTOConfig, validate_kto
-from engine.kto.recipe_check import main as validate_main
+from engine.cli import entry_main, exit_process, hook
 
 
 USAGE = "python -m engine.kto [--config FILE.yaml] [key=value ...]  (or torchrun ... -m engine.kto)"
@@ -27,8 +25,9 @@ def main(argv: list[str] | None = None, prog: str = "engine.kto", usage: str = U
          examples: list[str] = EXAMPLES) -> int:
     """`python -m engine.kto [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
     and `examples` are what --help prints (the console command passes its own)."""
-    return entry_main(argv, prog, KTOConfig, usage, examples, validate_main,
-                      "engine.kto.training:run", validate=validate_kto)
+    return entry_main(argv, prog, "engine.config.kto_settings:KTOConfig", usage, examples,
+                      hook("engine.kto.recipe_check:main"), "engine.kto.training:run",
+                      validate=hook("engine.config.kto_settings:validate_kto"))
 
 
 if __name__ == "__main__":

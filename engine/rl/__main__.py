@@ -13,22 +13,17 @@ from __future__ import annotations
 
 import sys
 
-from engine.cli import entry_main, exit_process
-from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
-from engine.rl.checks import validate_rl
-from engine.rl.config import RLConfig
-from engine.rl.disaggregated.world import init_split_world
-from engine.rl.recipe_check import rl_validate_main
+from engine.cli import entry_main, exit_process, hook
 
 
 def rl_validator(argv: list[str]):
-    """The `validate` hook for engine.cli.run_entry: algorithm defaults (explicit keys from
+    """The `validate` hook for engine.run.launch.run_entry: algorithm defaults (explicit keys from
     `argv` win), then validate_rl."""
-    explicit = explicit_keys(argv)
-
-    def validate(cfg: RLConfig, world_size: int) -> dict:
-        apply_algorithm_defaults(cfg, explicit)  # ConfigError for an unknown algorithm
-        return validate_rl(cfg, world_size)
+    def validate(cfg, world_size: int) -> dict:
+        explicit = hook("engine.rl.algo.presets:explicit_keys")(argv)
+        # ConfigError for an unknown algorithm
+        hook("engine.rl.algo.presets:apply_algorithm_defaults")(cfg, explicit)
+        return hook("engine.rl.checks:validate_rl")(cfg, world_size)
 
     return validate
 
@@ -48,8 +43,9 @@ def main(argv: list[str] | None = None, prog: str = "engine.rl", usage: str = US
     """`python -m engine.rl [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
     and `examples` are what --help prints (the console command passes its own)."""
     argv = list(argv if argv is not None else sys.argv[1:])
-    return entry_main(argv, prog, RLConfig, usage, examples, rl_validate_main,
-                      "engine.rl.loop:run", validate=rl_validator(argv), split=start_split)
+    return entry_main(argv, prog, "engine.rl.config:RLConfig", usage, examples,
+                      hook("engine.rl.recipe_check:rl_validate_main"), "engine.rl.loop:run",
+                      validate=rl_validator(argv), split=start_split)
 
 
 def start_split(cfg) -> tuple[str, str] | None:
@@ -57,7 +53,8 @@ def start_split(cfg) -> tuple[str, str] | None:
     (engine.rl.disaggregated.world); the rollout ranks run engine.rl.disaggregated.rollout_ranks."""
     if cfg.rollout.placement != "disaggregated":
         return None
-    split = init_split_world(cfg.rollout.num_ranks, cfg.rollout.peer_timeout_s)
+    split = hook("engine.rl.disaggregated.world:init_split_world")(cfg.rollout.num_ranks,
+                                                                   cfg.rollout.peer_timeout_s)
     return split.role, "engine.rl.disaggregated.rollout_ranks:run_rollout"
 
 

@@ -17,7 +17,6 @@ bad folder or row (named by file:line).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -31,26 +30,6 @@ from engine.rm.scoring import chat_scored_ids, pair_scored_ids
 from models.bridge.reward_model import is_reward_model_config
 from models.hf.custom_code import load_tokenizer
 from models.hf.io import read_config
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=(
-        "Score chats (or both sides of preference pairs) with a reward model's HF folder, "
-        "rendered as `rm` training renders them and scored on the reply's end-of-turn token."))
-    p.add_argument("--model", required=True, help="the reward model's HF folder "
-                   "(*ForSequenceClassification, num_labels 1; convert mcore-to-hf writes it)")
-    p.add_argument("--data", required=True, nargs="+", help="rows: chats "
-                   '({"messages": [...]}) or preference rows (prompt/chosen/rejected)')
-    p.add_argument("--out", help="write the JSON lines here instead of stdout")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
-    p.add_argument("--limit", type=int, default=None, help="score the first N rows only")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let the folder's own tokenizer code run")
-    return p
-
 
 def row_ids(row: dict, tokenizer, at: str) -> dict[str, list[int]]:
     """{"score": ids} of a chat row, {"chosen": ids, "rejected": ids} of a preference row."""
@@ -112,8 +91,9 @@ def summary(results: list[dict]) -> str:
     return text
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m engine.rm score") -> int:
-    args = parser(prog).parse_args(argv)
+def main(args, prog: str = "python -m engine.rm score") -> int:
+    """Score `args` (engine.rm.__main__.score_parser's flags, parsed there before this module
+    and transformers load); the exit code."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         print(f"error: {prog} runs in one process (WORLD_SIZE="
               f"{os.environ['WORLD_SIZE']}); drop --nproc-per-node", file=sys.stderr)

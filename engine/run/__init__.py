@@ -1,7 +1,10 @@
 """The run loop around every optimizer step: metrics, progress, stop signals, saves and resume
 (run_loop.py), and the metric writers (metrics.py: JSONL, TensorBoard, progress bar; the
-experiment trackers W&B and MLflow: trackers.py, tracker_clients.py).
+experiment trackers W&B and MLflow: trackers.py, tracker_clients.py), and the launch every
+training entry point runs once engine.cli parsed its command line (launch.py: validation,
+process groups, megatron state, header lines; the entry point's run by name).
 
-May import: engine.config, engine.training, engine.checkpoint, engine.errors. Never imports sft
-or rl. Entry point: run_loop.RunLoop.
+May import: engine.config, engine.training, engine.checkpoint, engine.data (DataError),
+engine.errors, engine.cli. Never imports sft or rl. Entry points: run_loop.RunLoop,
+launch.run_entry.
 """

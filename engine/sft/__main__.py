@@ -11,9 +11,7 @@ on an error); the run itself is engine.sft.training.run.
 """
 from __future__ import annotations
 
-from engine.cli import entry_main, exit_process
-from engine.config.schema import SFTConfig, validate_sft
-from engine.config.recipe_validation import validate_main
+from engine.cli import entry_main, exit_process, hook
 
 
 USAGE = "python -m engine.sft [--config FILE.yaml] [key=value ...]  (or torchrun ... -m engine.sft)"
@@ -30,8 +28,9 @@ def main(argv: list[str] | None = None, prog: str = "engine.sft", usage: str = U
          examples: list[str] = EXAMPLES) -> int:
     """`python -m engine.sft [--config FILE] [key=value ...] [--validate ...]`. `prog`, `usage`
     and `examples` are what --help prints (the console command passes its own)."""
-    return entry_main(argv, prog, SFTConfig, usage, examples, validate_main,
-                      "engine.sft.training:run", validate=validate_sft)
+    return entry_main(argv, prog, "engine.config.schema:SFTConfig", usage, examples,
+                      hook("engine.config.recipe_validation:validate_main"),
+                      "engine.sft.training:run", validate=hook("engine.config.schema:validate_sft"))
 
 
 if __name__ == "__main__":
