@@ -73,6 +73,7 @@ def train_step(engine: TrainEngine, seqs: list[SequenceData],
         "train/skipped_steps": float(engine.guard.skipped),
         **{k: v for k, v in out.items() if k.startswith("moe/")},  # MoE models only
         **{k: v for k, v in out.items() if k.startswith("mtp/")},  # model.mtp.enabled only
+        **{k: v for k, v in out.items() if k.startswith("compile/")},  # train.compile only
         **memory,  # this rank's peak allocated GPU memory so far (GPU runs only)
     }
 

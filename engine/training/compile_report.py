@@ -2,9 +2,13 @@
 metrics, and a run-log line whenever they change.
 
 Metrics, for a model built with compiled layers (models.build.compile_layers marks its chunks;
-the counts are this rank's process-wide counts since it started): `compile/graphs` (graphs
-Inductor compiled for the layers), `compile/recompiles` (of these, a frame compiled again: a
-new shape, grad mode or guard), `compile/graph_breaks` (dynamo graph breaks met while tracing).
+the counts are this rank's process-wide counts since it started, models.build.compile_counts):
+`compile/graphs` (graphs Inductor compiled for the layers), `compile/recompiles` (of these, the
+ones dynamo compiled as recompiles: a region's frame compiled again because its guards failed,
+on a new shape, grad mode or guarded value), `compile/graph_breaks` (dynamo graph breaks met
+while tracing). Every objective's step metrics carry them: SFT (engine.sft.training.train_step),
+DPO, KTO and reward models (engine.preference.step_metrics) and the RL step (the counts after
+its last policy update, engine.rl.policy.train_step).
 Rank 0's values reach metrics.jsonl and the trackers; rank 0 also prints "[compile] after step
 N: G graphs, R recompiles, B graph breaks" when a count changed during step N (so the run log
 shows the first compiles and any later recompile). An eager model gets no compile/* metrics.
@@ -13,8 +17,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from models.build.compile_layers import (compile_stats, describe_stats, has_compiled_layers,
-                                         release_compile_threads)
+from models.build.compile_counts import compile_stats, describe_stats
+from models.build.compile_layers import has_compiled_layers, release_compile_threads
 
 __all__ = ["compile_metrics", "release_compile_threads"]
 

@@ -6,27 +6,37 @@ stay eager):
 
 - every layer compiles its norms, its core attention (RoPE is applied before it, by
   megatron's attention module, eager) with its q/k norms, and an MoE layer's router, each a
-  region of its own; megatron's linears and the MLP activation between them stay eager, as do
-  an MoE layer's experts (models.layers.experts.grouped: one grouped GEMM) and its token
-  dispatcher. The linears cannot be traced: their autograd functions start tensor-parallel
-  collectives in the backward and, with the fp32 weight-gradient accumulation every trained
-  model has (models.build.wgrad_fp32), assign `weight.main_grad` there, a side effect dynamo
-  refuses (a whole layer compiled then broke at every linear);
+  region of its own (`CompiledRegion`: the module's `forward` under torch.compile); megatron's
+  linears and the MLP activation between them stay eager, as do an MoE layer's experts
+  (models.layers.experts.grouped: one grouped GEMM) and its token dispatcher. The linears
+  cannot be traced: their autograd functions start tensor-parallel collectives in the backward
+  and, with the fp32 weight-gradient accumulation every trained model has
+  (models.build.wgrad_fp32), assign `weight.main_grad` there, a side effect dynamo refuses (a
+  whole layer compiled then broke at every linear);
 - its SDPA core attention (models.layers.attention.core) serves grouped KV heads with SDPA's
-  own `enable_gqa` instead of repeating K and V (`native_gqa`); packed rows' attention, whose
-  loop over the host's segment bounds is wrapped in torch.compiler.disable, stays eager.
+  own `enable_gqa` instead of repeating K and V (`native_gqa`);
+- packed ("thd") rows never enter the compiled attention: the core attention's region runs
+  its eager forward for them (`packed_rows`), at every CP size. Their attention is driven by
+  the host-known segment bounds (the per-segment loop, Ulysses' segment list and zigzag
+  index), Python values that dynamo would bake into the graph and guard on: traced, every new
+  number of sequences in a row (and at CP > 1 every new set of bounds) was a re-trace. The
+  packed row's norms and router are compiled like any other (their only varying size is the
+  row's token count).
 
 Shapes: torch's automatic dynamic shapes: a region is first compiled for the shapes it meets;
-when a micro-batch's length differs it is compiled once more with symbolic sizes, and no more
-after that. With stable shapes (fixed-length packed rows) every region keeps its static graph.
-Dynamo's recompile limit (a per-code-object count of cached graphs; every layer shares
-`Module._call_impl`'s code) is raised to `GRAPHS_PER_LAYER` per layer of this process so that
-each layer keeps its own graphs.
+when a size differs (the sequence length or tokens of a micro-batch, its row count) it is
+compiled once more with that size symbolic, and not again for other values (sizes 0 and 1
+keep graphs of their own). With stable shapes every region keeps its static graph.
 
-Backend: inductor, through a wrapper that counts the graphs it is given and the recompiles
-among them (a compile of a frame already compiled before); graph breaks come from dynamo's own
-counters. `compile_stats()` returns the three counts of this process; the engine reports them
-as metrics (compile/graphs, compile/recompiles, compile/graph_breaks).
+Limits, per region: each region's torch.compile has its own cache (`isolate_recompiles`) and
+its own recompile limit, `GRAPHS_PER_REGION` graphs; beyond it that region runs eagerly.
+Dynamo's second cap, `accumulated_recompile_limit` (graphs of one code object over all regions:
+every layer's norm shares torch's RMSNorm `forward`), is raised to the regions' total only while
+a compiled region runs (a dynamo config patch entered by `CompiledRegion`), so the process-wide
+settings, those of the rollout's compiled decode and of user code, stay torch's.
+
+Counts: the regions' backend counts graphs and recompiles (models.build.compile_counts); the
+engine reports them as metrics (compile/graphs, compile/recompiles, compile/graph_breaks).
 
 Exactness: the compiled regions compute the same operations as eager; inductor fuses
 element-wise chains and may reorder floating-point reductions, so fp32 results agree to
@@ -40,57 +50,52 @@ layers run there (inductor's C++ backend), which is how the suite proves exactne
 from __future__ import annotations
 
 import sys
-import threading
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from megatron.core import parallel_state, utils
 from megatron.core.tensor_parallel import layers, mappings
-from torch._guards import CompileContext
 
-# graphs a layer may hold for one code object: static and dynamic shapes, with and without
-# grad (RL's log-prob recomputation), times two for regions split by a graph break
-GRAPHS_PER_LAYER = 8
+from models.build.compile_counts import count_graphs
 
-_LOCK = threading.Lock()
+# graphs one region may hold: static and dynamic shapes, a size of 1 specialised, with and
+# without grad (RL's log-prob recomputation)
+GRAPHS_PER_REGION = 8
 
-
-@dataclass
-class CompileStats:
-    """Counts of this process since it started (all compiled layers together)."""
-
-    graphs: int = 0        # graphs inductor compiled for the layers (forward graphs)
-    recompiles: int = 0    # of these, compiles of a frame that already had a graph
-    graph_breaks: int = 0  # dynamo graph breaks met while tracing (any compiled code)
+# the regions compiled in this process and the dynamo config patch their calls enter
+# (accumulated_recompile_limit: GRAPHS_PER_REGION per region), None while torch's own cap is
+# enough
+_LIMITS: dict = {"regions": 0, "patch": None}
 
 
-_STATS = CompileStats()
+class CompiledRegion:
+    """A module's `forward` under torch.compile (installed as the module's `forward`, so its
+    hooks stay eager around it): Inductor through models.build.compile_counts.count_graphs,
+    this region's own dynamo cache and recompile limit (GRAPHS_PER_REGION), dynamo's
+    accumulated cap raised only while it runs. `eager_when(args, kwargs)` true: this call runs
+    the eager forward instead (the core attention's packed rows)."""
+
+    def __init__(self, forward: Callable, eager_when: Callable | None = None):
+        self.eager = forward
+        self.eager_when = eager_when
+        self.compiled = torch.compile(forward, backend=count_graphs,
+                                      recompile_limit=GRAPHS_PER_REGION, isolate_recompiles=True)
+
+    def __call__(self, *args, **kwargs):
+        if self.eager_when is not None and self.eager_when(args, kwargs):
+            return self.eager(*args, **kwargs)
+        patch = _LIMITS["patch"]
+        if patch is None:
+            return self.compiled(*args, **kwargs)
+        with patch:
+            return self.compiled(*args, **kwargs)
 
 
-def _counting_inductor(gm: torch.fx.GraphModule, example_inputs):
-    """Inductor, counting the graph (and whether it is a recompile of its frame)."""
-    # Inductor loads on the first compile only (seconds of imports a run without it skips)
-    from torch._inductor.compile_fx import compile_fx
-
-    compile_id = CompileContext.current_compile_id()
-    with _LOCK:
-        _STATS.graphs += 1
-        if compile_id is not None and (compile_id.frame_compile_id or 0) > 0:
-            _STATS.recompiles += 1
-    return compile_fx(gm, example_inputs)
-
-
-def compile_stats() -> CompileStats:
-    """The graph, recompile and graph-break counts of this process so far."""
-    dynamo_utils = sys.modules.get("torch._dynamo.utils")   # loaded by any compile
-    breaks = 0 if dynamo_utils is None else sum(dynamo_utils.counters["graph_break"].values())
-    return CompileStats(_STATS.graphs, _STATS.recompiles, int(breaks))
-
-
-def describe_stats(stats: CompileStats) -> str:
-    """e.g. "compile: 16 graphs, 4 recompiles, 4 graph breaks"."""
-    return (f"compile: {stats.graphs} graphs, {stats.recompiles} recompiles, "
-            f"{stats.graph_breaks} graph breaks")
+def packed_rows(args: tuple, kwargs: dict) -> bool:
+    """Whether a core attention call (megatron's signature: query, key, value, attention_mask,
+    attn_mask_type, attention_bias, packed_seq_params) carries packed ("thd") rows."""
+    params = kwargs.get("packed_seq_params", args[6] if len(args) > 6 else None)
+    return params is not None and getattr(params, "qkv_format", None) == "thd"
 
 
 def _layers(chunk) -> list:
@@ -133,34 +138,41 @@ def compile_layers(chunks: list) -> int:
     mark each chunk with its count (`compiled_regions`); returns the number of compiled
     regions. Idempotent per module."""
     _quiet_megatron_tp_group_default()
-    layers = sum(len(_layers(c)) for c in chunks)
-    limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_LAYER * max(layers, 1))
-    torch._dynamo.config.recompile_limit = limit
-    torch._dynamo.config.accumulated_recompile_limit = max(
-        torch._dynamo.config.accumulated_recompile_limit, 4 * limit)
-    regions = 0
+    regions = new = 0
     for chunk in chunks:
         count = 0
         for layer in _layers(chunk):
-            count += _compile_layer(layer)
+            new += _compile_layer(layer)
+            count += len(_regions(layer))
         getattr(chunk, "module", chunk).compiled_regions = count
         regions += count
+    _raise_accumulated_cap(new)
     return regions
 
 
+def _raise_accumulated_cap(new_regions: int) -> None:
+    """Count `new_regions` more regions in this process; when their graphs could exceed
+    dynamo's accumulated_recompile_limit, the regions' calls enter a config patch raising it to
+    GRAPHS_PER_REGION per region (the process-wide value untouched)."""
+    _LIMITS["regions"] += new_regions
+    cap = GRAPHS_PER_REGION * _LIMITS["regions"]
+    if cap > torch._dynamo.config.accumulated_recompile_limit:
+        _LIMITS["patch"] = torch._dynamo.config.patch(accumulated_recompile_limit=cap)
+
+
 def _compile_layer(layer) -> int:
-    """Compile one layer's regions (SDPA attention switched to its own GQA, packed attention
-    kept eager); returns how many."""
-    for module in layer.modules():
-        if hasattr(module, "native_gqa"):   # models.layers.attention.core.SDPACoreAttention
-            module.native_gqa = True
-            if not getattr(module.packed_attention, "_torchdynamo_disable", False):
-                module.packed_attention = torch.compiler.disable(module.packed_attention)
-    regions = _regions(layer)
-    for region in regions:
-        if getattr(region, "_compiled_call_impl", None) is None:
-            region.compile(backend=_counting_inductor)
-    return len(regions)
+    """Compile one layer's regions (SDPA attention switched to its own GQA, packed rows kept
+    on its eager forward); returns how many regions it newly compiled."""
+    count = 0
+    for region in _regions(layer):
+        if isinstance(region.forward, CompiledRegion):
+            continue
+        core = hasattr(region, "native_gqa")   # models.layers.attention.core.SDPACoreAttention
+        if core:
+            region.native_gqa = True
+        region.forward = CompiledRegion(region.forward, eager_when=packed_rows if core else None)
+        count += 1
+    return count
 
 
 def _quiet_megatron_tp_group_default() -> None:

@@ -3,9 +3,10 @@ per mini-batch (the critic's first with PPO, then the policy's), epochs_per_roll
 the models beside the policy (`build_auxiliary`).
 
 Metrics of the updates are averaged over the step's optimizer steps, except maxima (MAX_KEYS)
-which take the max. With logging.rollout_dir, rank 0 (the collector's rank, which wrote the
-step's dump) adds the token fields the stage computed: teacher_logprobs (distillation) and
-values, returns and advantages (PPO), aligned with each record's token_ids.
+which take the max and the compile/* counts (train.compile) which are the last update's. With
+logging.rollout_dir, rank 0 (the collector's rank, which wrote the step's dump) adds the token
+fields the stage computed: teacher_logprobs (distillation) and values, returns and advantages
+(PPO), aligned with each record's token_ids.
 """
 from __future__ import annotations
 
@@ -92,6 +93,9 @@ def train_on_rollout(policy: TrainEngine, aux: AuxiliaryModels | None, batch, cf
                        if k.startswith(("moe/", "rollout_corr/", "mtp/"))})
     metrics.update(_mean_metrics(updates, (*UPDATE_MEAN_KEYS, *moe_keys)))
     metrics.update(_mean_metrics(critic_updates, CRITIC_KEYS))
+    # compile/*: train.compile's counts since the process started (engine.training.
+    # compile_report), so the last update's, not a mean
+    metrics.update({k: v for k, v in updates[-1].items() if k.startswith("compile/")})
     metrics["lr"] = updates[-1]["lr"]
     metrics["train/optimizer_steps"] = float(len(updates))
     metrics["train/micro_batches"] = sum(u["train/micro_batches"] for u in updates)

@@ -74,9 +74,9 @@ class SDPACoreAttention(MegatronModule):
         # compiled layers; off, eager keeps its K/V repeat: the same forward, but K/V gradients
         # summed over each group in another order, so eager stays bitwise as it was)
         self.native_gqa = False
-        # packed rows' attention; models.build.compile_layers wraps it in torch.compiler.disable
-        # (eager inside a compiled layer: its loop over the host's segment bounds would be
-        # traced into a graph per set of bounds)
+        # packed rows' attention (per-segment loop); a compiled layer never traces it:
+        # models.build.compile_layers sends packed rows to this module's eager forward (the
+        # loop over the host's segment bounds would be traced into a graph per set of bounds)
         self.packed_attention = packed_causal_attention
 
     def _kv_repeat(self, query, key, head_dim_index: int) -> int:
