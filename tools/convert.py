@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -31,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # what the commands share (tools/convert_verify.py too): one module both import, no circle
 from tools.convert_common import fail, resolve_checkpoint, setup_layout  # noqa: E402
 
-MAX_SHARD_BYTES = 5 * 1024 ** 3
 ITERATION_HELP = ("--ckpt is a run's checkpoint directory: convert this iteration (default: "
                   "the newest complete one, which is printed)")
 # Imports live in the commands: `--help` and argument errors answer without loading megatron.
@@ -99,43 +97,14 @@ def hf_to_mcore(args) -> None:
         print(f"wrote Megatron distributed checkpoint to {out}")
 
 
-def _write_safetensors(tensors: dict, out: Path) -> None:
-    from safetensors.torch import save_file
-
-    shards: list[dict] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size()
-                                            for t in tensors.values())},
-             "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
 def mcore_to_hf(args) -> None:
     from tqdm import tqdm
 
-    from models.bridge.weights import export_hf_weights
+    from engine.checkpoint.hf_export import export_model_folder, write_hf
     from models.bridge.checkpoint import load_model, read_hf_config
-    from models.bridge.critic import export_critic, is_critic_config
-    from models.bridge.reward_model import export_reward_model, is_reward_model_config
+    from models.bridge.critic import is_critic_config
+    from models.bridge.reward_model import is_reward_model_config
     from models.build.factory import build_model_chunks
-    from models.hf.passthrough import read_passthrough
-    from models.formats.quantized import quant_method
-    from models.hf.quantized_export import export_tensors
     from models.layers.heads.value import attach_value_heads
 
     from tools.convert_lora import checkpoint_lora, export_lora
@@ -156,8 +125,8 @@ def mcore_to_hf(args) -> None:
     if found is not None:
         out.mkdir(parents=True, exist_ok=True)
         export_any = export_reward_lora if reward else export_lora
-        n = export_any(ckpt, cfg, found, out, args.merge, args.dtype, lambda tensors: _write_hf(
-            tensors, export_config(cfg, ckpt) if reward else cfg, ckpt, out))
+        n = export_any(ckpt, cfg, found, out, args.merge, args.dtype, lambda tensors: write_hf(
+            tensors, export_config(cfg, ckpt) if reward else cfg, ckpt / "hf", out))
         what = "merged HF checkpoint" if args.merge else "PEFT adapter"
         print(f"wrote {what}{' of the reward model' if reward else ''} ({n} tensors) to {out}")
         if reward and args.merge:   # a folder transformers loads as it is
@@ -168,25 +137,12 @@ def mcore_to_hf(args) -> None:
         attach_value_heads(chunks, bias=critic)
     load_model(chunks, ckpt)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    export = export_critic if critic else export_reward_model if reward else export_hf_weights
     cast = getattr(__import__("torch"), args.dtype) if args.dtype else None
-    head = critic or reward
-    quantized = quant_method(cfg) is not None and not head  # export_tensors casts then
-    for name, tensor in tqdm(export(chunks, cfg), desc="mcore-to-hf"):
-        dtype = cast if cast is not None and not quantized else tensor.dtype
-        tensors[name] = tensor.to(dtype).clone()
-    carried = read_passthrough(ckpt / "hf")
-    if head and carried:  # a classifier has no MTP layers: said, not dropped quietly
-        print(f"[convert] left out {len(carried)} pass-through tensors of the causal LM (e.g. "
-              f"{sorted(carried)[0]}): transformers' {cfg['architectures'][0]} has none")
-        carried = {}
-    tensors.update(carried)  # tensors carried unchanged (e.g. MTP layers): as read, never cast
-    # a quantized HF source (FP8 blocks): bf16 by default, --quantize re-quantizes
-    tensors, out_cfg = export_tensors(tensors, cfg, ckpt / "hf", getattr(args, "quantize", None),
-                                      cast, carried)
-    _write_hf(tensors, export_config(out_cfg, ckpt) if reward else out_cfg, ckpt, out)
-    print(f"wrote HF checkpoint ({len(tensors)} tensors) to {out}")
+    # the export checkpoint.save_hf writes during training too (engine.checkpoint.hf_export)
+    n = export_model_folder(chunks, cfg, ckpt / "hf", out, cast, getattr(args, "quantize", None),
+                            config_of=lambda c: export_config(c, ckpt) if reward else c,
+                            progress=lambda s: tqdm(s, desc="mcore-to-hf"))
+    print(f"wrote HF checkpoint ({n} tensors) to {out}")
     if reward:
         _reward_calling_convention(out, ckpt)
 
@@ -198,17 +154,6 @@ def _reward_calling_convention(out: Path, ckpt: Path) -> None:
 
     print(f"[convert] {write_scoring_files(out, ckpt / 'hf')}; README.md: how to call it",
           flush=True)
-
-
-def _write_hf(tensors: dict, cfg: dict, ckpt: Path, out: Path) -> None:
-    """An HF folder: the tensors, config.json and the checkpoint's tokenizer files (a
-    conditional-generation checkpoint's own names and config.json: models.hf.conditional)."""
-    from models.hf.conditional import file_config, stored_names
-    from models.hf.io import copy_tokenizer_files
-
-    _write_safetensors(stored_names(cfg, tensors), out)
-    (out / "config.json").write_text(json.dumps(file_config(cfg), indent=2))
-    copy_tokenizer_files(ckpt / "hf", out)
 
 
 def main(argv=None, prog: str = "convert.py") -> int:

@@ -79,29 +79,24 @@ def load_lora_model(ckpt: Path, cfg: dict, spec, base: str):
 
 
 def export_lora(ckpt: Path, cfg: dict, found, out: Path, merge: bool, dtype, write_hf) -> int:
-    """Write the PEFT adapter (or with `merge` the merged HF model via `write_hf(tensors)`);
-    returns the number of tensors written."""
+    """Write the PEFT adapter (engine.checkpoint.hf_export.export_adapter_folder, which
+    checkpoint.save_hf writes during training too), or with `merge` the merged HF model via
+    `write_hf(tensors)`; returns the number of tensors written."""
     import torch
 
+    from engine.checkpoint.hf_export import export_adapter_folder
     from models.bridge.weights import export_hf_weights
-    from models.families.registry import family_of
-    from models.hf.conditional import peft_layers
-    from models.lora.peft import export_peft_tensors, write_peft_adapter
-    from models.lora.sites import ROUTER_PATH
     from models.lora.sites import merged_weight
 
     spec, base = found
     chunks = load_lora_model(ckpt, cfg, spec, base)
-    cast = (lambda t: t.to(getattr(torch, dtype))) if dtype else (lambda t: t)
+    cast = getattr(torch, dtype) if dtype else None
     if merge:
-        tensors = {n: cast(t).clone()
+        tensors = {n: (t if cast is None else t.to(cast)).clone()
                    for n, t in export_hf_weights(chunks, cfg, transform=merged_weight)}
         write_hf(tensors)
         return len(tensors)
-    tensors = {n: cast(t).clone() for n, t in export_peft_tensors(chunks, peft_layers(cfg))}
-    router = family_of(cfg).lora_hf_paths.get(ROUTER_PATH, ROUTER_PATH)
-    write_peft_adapter(tensors, spec, str(base), out, router)
-    return len(tensors)
+    return export_adapter_folder(chunks, cfg, spec, base, out, cast)
 
 
 def adapter_to_mcore(cfg: dict, hf_dir: str, adapter_dir: str, out: Path) -> None:

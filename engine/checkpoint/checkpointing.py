@@ -29,22 +29,22 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from engine.checkpoint.io import (CheckpointError, iteration_dir, prune, publish,
                                   resolve_resume, staging_dir, write_complete_marker)
+from engine.checkpoint.hf_export import save_hf_export
+from engine.checkpoint.rng import capture_rng, restore_rng
 from engine.checkpoint.writer import install as install_writer_queue
 from engine.checkpoint.fault_injection import maybe_crash
 from engine.checkpoint.bucket_padding import optimizer_sharded_state_dict
@@ -85,25 +85,6 @@ class DataPosition:
         return [f"{name}: checkpoint has {getattr(self, field)}, this run has "
                 f"{getattr(run, field)}" for field, name in keys.items()
                 if getattr(self, field) != getattr(run, field)]
-
-
-# ----------------------------------------------------------------------------- RNG
-
-def capture_rng() -> dict:
-    """This rank's RNG states: python, numpy, torch CPU, torch CUDA (the CPU host's stand-in
-    on a CPU host) and megatron's model-parallel tracker."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(),
-            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-
-
-def restore_rng(states: dict) -> None:
-    """Inverse of capture_rng on the same rank and layout."""
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    torch.cuda.set_rng_state(states["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
 
 
 # ----------------------------------------------------------------------------- state dict
@@ -235,9 +216,10 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
                              hf_config: dict, tokenizer_dir: Optional[str],
                              keep_last: Optional[int] = None,
                              config_yaml: Optional[str] = None,
-                             extra: Optional[dict] = None) -> Path:
+                             extra: Optional[dict] = None, save_hf: bool = False) -> Path:
     """Collective: save `state` after `position.step` optimizer steps as
-    `root/iter_%07d` (atomic, see engine.checkpoint.io), then prune to `keep_last`.
+    `root/iter_%07d` (atomic, see engine.checkpoint.io), then prune to `keep_last`. `save_hf`
+    (checkpoint.save_hf): also its HF folder `hf_export/` (engine.checkpoint.hf_export).
     `extra`: optional plain JSON values (identical on every rank; rank 0's copy is stored),
     returned by read_checkpoint_info(...)["extra"]; None stores no `extra` key (the SFT
     checkpoint format). Returns the published directory; raises CheckpointError on every rank
@@ -264,9 +246,14 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
             write_metadata(stage, hf_config, tokenizer_dir)
             if config_yaml is not None:
                 (stage / "config.yaml").write_text(config_yaml)
-            info = {"layout": sd["layout"], "data": sd["data"]}
-            if extra is not None:
-                info["extra"] = extra
+        except OSError as e:
+            error = f"saving {iteration_dir(root, position.step)} failed: {e}"
+    if save_hf:  # hf_export/, as convert mcore-to-hf writes it (engine.checkpoint.hf_export)
+        error = save_hf_export(state.chunks, stage, hf_config, tokenizer_dir, error)
+    if rank == 0 and error is None:
+        try:
+            info = {"layout": sd["layout"], "data": sd["data"], **(
+                {"extra": extra} if extra is not None else {})}
             write_complete_marker(stage, position.step, info)
             publish(root, position.step)
             for p in prune(root, keep_last):

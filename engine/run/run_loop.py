@@ -257,13 +257,15 @@ class RunLoop:
         ck = self.cfg.checkpoint
         for name, (engine, hf_config) in self.side_engines.items():  # first: main one last
             save_training_checkpoint(engine, os.path.join(ck.dir, name), self.position(done),
-                                     hf_config, self.cfg.model.hf_path, ck.keep_last, yaml)
+                                     hf_config, self.cfg.model.hf_path, ck.keep_last, yaml,
+                                     save_hf=ck.save_hf)
         extra = self.extra() if self.extra is not None else None
         # the run's config (a reward model's is its classifier's), marked when the engine
         # trains the MTP layer (models.families.mtp: bridge.json records it)
         hf_config = (with_trained_mtp(self.hf_config) if self.engine.mtp is not None
                      else self.hf_config)
         path = save_training_checkpoint(self.engine, ck.dir, self.position(done), hf_config,
-                                        self.cfg.model.hf_path, ck.keep_last, yaml, extra=extra)
+                                        self.cfg.model.hf_path, ck.keep_last, yaml, extra=extra,
+                                        save_hf=ck.save_hf)
         if _rank0():
             print(f"[checkpoint] saved {path}", flush=True)

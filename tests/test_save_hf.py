@@ -1,0 +1,168 @@
+"""checkpoint.save_hf: every saved checkpoint also holds `iter_NNNNNNN/hf_export/`, the folder
+`tools/convert.py mcore-to-hf` writes from that checkpoint (engine.checkpoint.hf_export, the
+export both share), written from the training model at save time.
+
+Real `-m engine.sft` runs of a tiny Qwen3 on the session's rank pool (tests/pool.py):
+  one process, 3 steps, a save every step, keep_last=2: iter_0000003/hf_export/ against
+      convert's output of iter_0000003: the same files, the same tensors (names, dtypes,
+      shapes, bytes), byte-equal config/tokenizer files, and model.safetensors byte for byte;
+      it loads in transformers (one forward). Negative controls: iter_0000002's folder (one
+      step older) differs from it, and so does the source model. keep_last removed
+      iter_0000001 with its folder; complete.json lists the folder's files;
+  PP2 on two ranks, in bf16: the pipeline's second stage is handed to rank 0, and the weights
+      are upcast as convert reads a bf16 checkpoint back (fp32): bitwise equal to convert;
+  LoRA on one process: hf_export/ is the peft adapter folder convert writes (adapter tensors
+      bitwise, adapter_config.json equal).
+Refusals (in this process): save_hf without checkpoint.dir, save_hf for a reward-model run.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.checkpoint.io import checkpoint_problems, iteration_dir, read_latest
+from tests.conftest import CONVERT
+
+EXPORT = "hf_export"
+
+
+def _write_jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    from tools.demo import chat_row
+    from tools.tiny_models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("save_hf")
+    model = build_tiny_model(str(root / "model"), "qwen3", vocab_size=200,
+                             initializer_range=0.1)
+    train = _write_jsonl(root / "train.jsonl", [chat_row(a, b) for a in range(8)
+                                                for b in range(2)])
+    return {"root": root, "model": model, "train": train}
+
+
+def _sft(pools, assets, world: int, name: str, *extra: str) -> Path:
+    """A tiny SFT run with checkpoint.save_hf=true; returns its checkpoint.dir."""
+    run = assets["root"] / name
+    proc = pools.script(world, "-m", "engine.sft", f"model.hf_path={assets['model']}",
+                        f"data.train_files=[{assets['train']}]", "model.dtype=float32",
+                        "train.global_batch_size=4", "train.micro_batch_size=2",
+                        "train.seq_length=32", "optim.lr=1e-2", "optim.eps=1e-4",
+                        "logging.progress_bar=false", f"logging.dir={run}",
+                        f"checkpoint.dir={run / 'ckpt'}", "checkpoint.save_interval=1",
+                        "checkpoint.save_hf=true", *extra, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"[checkpoint] {EXPORT}/ written: " in proc.stdout
+    return run / "ckpt"
+
+
+def _convert(pools, ckpt: Path, out: Path) -> Path:
+    proc = pools.script(1, CONVERT, "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out),
+                        timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return out
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _tensors(folder: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(str(folder / name))
+
+
+def _differences(a: dict, b: dict) -> list[str]:
+    """Why two tensor dicts are not bitwise equal ([]: they are)."""
+    if sorted(a) != sorted(b):
+        return [f"names differ: {sorted(set(a) ^ set(b))[:4]}"]
+    return [n for n in a if a[n].dtype != b[n].dtype or a[n].shape != b[n].shape
+            or a[n].view(torch.uint8).flatten().tolist() != b[n].view(torch.uint8).flatten()
+            .tolist()]
+
+
+def _assert_same_folder(saved: Path, converted: Path, weights: str = "model.safetensors"):
+    assert _files(saved) == _files(converted)
+    assert _differences(_tensors(saved, weights), _tensors(converted, weights)) == []
+    for name in _files(converted):
+        if not name.endswith(".safetensors"):   # config, tokenizer, chat template
+            assert (saved / name).read_bytes() == (converted / name).read_bytes(), name
+
+
+@pytest.fixture(scope="module")
+def one_process(pools, assets) -> Path:
+    return _sft(pools, assets, 1, "one", "train.max_steps=3", "checkpoint.keep_last=2")
+
+
+def test_save_hf_equals_convert_bitwise_and_loads(pools, one_process, assets, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = one_process
+    assert read_latest(ckpt) == 3
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000002", "iter_0000003"]
+    saved = iteration_dir(ckpt, 3) / EXPORT
+    converted = _convert(pools, iteration_dir(ckpt, 3), tmp_path / "converted")
+    _assert_same_folder(saved, converted)
+    assert "model.safetensors" in _files(saved) and "config.json" in _files(saved)
+    assert (saved / "model.safetensors").read_bytes() == \
+        (converted / "model.safetensors").read_bytes()
+    # the folder is part of the checkpoint: its files are in the completeness marker
+    marker = json.loads((iteration_dir(ckpt, 3) / "complete.json").read_text())
+    assert f"{EXPORT}/model.safetensors" in marker["files"]
+    assert checkpoint_problems(iteration_dir(ckpt, 3)) == []
+    # negative controls: a step older, and the source model, differ from it
+    now = _tensors(saved)
+    assert _differences(_tensors(iteration_dir(ckpt, 2) / EXPORT), now)
+    assert _differences(_tensors(Path(assets["model"])), now)
+    model = AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 17, 42, 9]])).logits
+    assert logits.shape == (1, 4, 200) and torch.isfinite(logits).all()
+
+
+def test_pp2_bf16_save_hf_equals_convert_bitwise(pools, assets, tmp_path):
+    ckpt = _sft(pools, assets, 2, "pp2", "train.max_steps=1", "parallel.pp=2",
+                "model.dtype=bfloat16")
+    saved = iteration_dir(ckpt, 1) / EXPORT
+    assert not list(saved.glob(".stage*"))   # the second stage's hand-over file is gone
+    converted = _convert(pools, iteration_dir(ckpt, 1), tmp_path / "converted")
+    _assert_same_folder(saved, converted)
+    tensors = _tensors(saved)
+    assert {t.dtype for t in tensors.values()} == {torch.float32}   # as convert reads bf16
+    assert all(torch.equal(t, t.bfloat16().float()) for t in tensors.values())
+    assert "model.layers.3.mlp.down_proj.weight" in tensors   # the last stage's layer
+
+
+def test_lora_save_hf_is_converts_peft_adapter(pools, assets, tmp_path):
+    ckpt = _sft(pools, assets, 1, "lora", "train.max_steps=1", "model.lora.rank=4",
+                "model.lora.alpha=8")
+    saved = iteration_dir(ckpt, 1) / EXPORT
+    converted = _convert(pools, iteration_dir(ckpt, 1), tmp_path / "converted")
+    assert _files(saved) == ["adapter_config.json", "adapter_model.safetensors"]
+    _assert_same_folder(saved, converted, "adapter_model.safetensors")
+    b = [t for n, t in _tensors(saved, "adapter_model.safetensors").items() if "lora_B" in n]
+    assert b and any(t.abs().max() > 0 for t in b)   # trained: B starts at zero
+
+
+def test_save_hf_refusals():
+    from engine.config.loading import load_config
+    from engine.config.rm_settings import RMConfig
+    from engine.config.schema import SFTConfig, checkpoint_config_problems
+
+    assert not load_config(SFTConfig, [])[0].checkpoint.save_hf   # off by default
+    cfg = load_config(SFTConfig, ["checkpoint.save_hf=true"])[0]
+    assert checkpoint_config_problems(cfg) == [
+        "checkpoint.save_hf=true needs a checkpoint.dir (the HF folder is written into each "
+        "saved checkpoint)"]
+    assert checkpoint_config_problems(load_config(SFTConfig, [
+        "checkpoint.save_hf=true", "checkpoint.dir=/tmp/x_save_hf_never_made"])[0]) == []
+    rm = load_config(RMConfig, ["checkpoint.save_hf=true", "checkpoint.dir=/tmp/x"])[0]
+    problems = checkpoint_config_problems(rm)
+    assert len(problems) == 1 and "checkpoint.save_hf=true is not available for reward" \
+        in problems[0] and "tools/convert.py mcore-to-hf" in problems[0]
