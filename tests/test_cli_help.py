@@ -298,3 +298,59 @@ def test_help_and_refusals_import_no_torch_megatron_or_transformers():
         proc.stderr, proc.stderr[-2000:]
     proc = _guarded("engine.sft", "--config", "recipes/sft/qwen3_8b_h100.yaml", "--validate")
     assert proc.returncode != 0 and "imported before the command line was parsed" in proc.stderr
+
+
+def test_the_run_header_says_what_runs():
+    """The `[sft] runs:` / `[rl] runs:` line (engine.run.header) changes with optim.name=muon,
+    optim.fused=true, train.compile=true, packing and the rollout settings, each resolved for
+    the host (the kernels line read the same for all of them). Each change is compared with
+    every line seen before: a header that ignored a key would repeat one."""
+    from engine.run.header import Host, run_header
+
+    cpu, gpu = Host(cuda=False, flash=False, te=False), Host(cuda=True, flash=True, te=False)
+    base = SFTConfig()
+    line = run_header(base, cpu)
+    assert line == ("optimizer adamw, unfused (optim.fused=null), distributed optimizer; "
+                    "layers eager (train.compile=auto); attention torch SDPA over padded rows "
+                    "(train.packing=false)")
+    seen = {line}
+    for key, value in (("optim.name", "muon"), ("optim.fused", True), ("train.compile", "true"),
+                       ("train.packing", True)):
+        cfg = SFTConfig()
+        group, name = key.split(".")
+        setattr(getattr(cfg, group), name, value)
+        changed = run_header(cfg, cpu)
+        assert changed not in seen, key
+        seen.add(changed)
+    assert "optimizer muon (Muon on the 2-D hidden weights), its AdamW unfused" in \
+        run_header(_with(SFTConfig(), optim__name="muon"), cpu)
+    assert "adamw, fused (optim.fused=true)" in run_header(_with(SFTConfig(), optim__fused=True),
+                                                           cpu)
+    assert "layers compiled (train.compile=true)" in run_header(
+        _with(SFTConfig(), train__compile="true"), cpu)
+    on_gpu = run_header(_with(SFTConfig(), train__packing=True, model__dtype="bfloat16"), gpu)
+    assert "adamw, fused (optim.fused=null)" in on_gpu and "layers compiled" in on_gpu
+    assert "attention flash varlen, one call per packed row" in on_gpu
+    assert "SDPA per packed segment (train.packing=true; no CUDA)" in run_header(
+        _with(SFTConfig(), train__packing=True), cpu)
+    rl = RLConfig()
+    assert run_header(rl, cpu).endswith("; rollout hf (dynamic KV cache, eager decode)")
+    assert run_header(rl, gpu).endswith("; rollout hf (static KV cache, compiled decode)")
+    assert run_header(_with(rl, rollout__backend="vllm"), cpu).endswith("rollout vllm (eager)")
+    assert "rollout hf (static KV cache, eager decode)" in run_header(
+        _with(RLConfig(), rollout__hf__static_cache=True), cpu)
+    docs = (Path(__file__).parents[1] / "docs" / "sft.md").read_text()   # its two examples
+    assert f"\n[sft] runs: {line}\n" in docs
+    h100 = _with(RLConfig(), optim__name="muon", train__packing=True, model__dtype="bfloat16")
+    assert f"\n[rl] runs: {run_header(h100, gpu)}\n" in docs
+
+
+def _with(cfg, **keys):
+    """`cfg` with `group__name=value` keys set (a nested key per `__`)."""
+    for key, value in keys.items():
+        *groups, name = key.split("__")
+        node = cfg
+        for group in groups:
+            node = getattr(node, group)
+        setattr(node, name, value)
+    return cfg

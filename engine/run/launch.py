@@ -3,8 +3,9 @@ process groups, megatron's parallel state, the header lines and the run itself.
 
 `run_entry(run, argv, schema, validate, split)`: load `schema` from argv, validate (default
 validate_common), start torch.distributed and megatron state for the configured layout, print
-the layout and kernels lines (rank 0), then import `run` ("package.module:function") and call
-it as run(cfg, hf_config, flags); its errors become exit codes (engine.cli's module docstring).
+the layout, kernels and run header lines (rank 0; the header: engine.run.header), then import
+`run` ("package.module:function") and call it as run(cfg, hf_config, flags); its errors become
+exit codes (engine.cli's module docstring).
 """
 from __future__ import annotations
 
@@ -12,11 +13,15 @@ import importlib
 import os
 from typing import Callable
 
+import torch
+
 from engine.cli import fail, refuse
 from engine.config.schema import (ConfigError, SFTConfig, load_config, parallel_layout,
                                   validate_common)
 from engine.data.files import DataError
 from engine.errors import RunError
+from engine.run.header import Host, run_header
+from models.layers.attention.varlen import flash_capable
 from models.layers.spec import transformer_engine_available
 from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
 
@@ -26,8 +31,15 @@ def kernel_notice() -> str:
     Transformer Engine and Apex are filtered in parallel/__init__.py)."""
     if transformer_engine_available():
         return "Transformer Engine (fused attention, norms and linears)"
-    return ("Transformer Engine not installed: torch layers (SDPA attention, torch norms), "
-            "torch Adam and megatron's unfused fallbacks; exact, slower on GPUs")
+    return ("Transformer Engine not installed: torch layers (SDPA attention, torch norms) "
+            "and megatron's unfused fallbacks; exact, slower on GPUs")
+
+
+def this_host() -> Host:
+    """What this process runs on, for the run header (engine.run.header)."""
+    cuda = torch.cuda.is_available()
+    return Host(cuda=cuda, flash=cuda and flash_capable(torch.cuda.current_device()),
+                te=transformer_engine_available())
 
 
 def run_entry(run: str, argv: list[str], schema=None,
@@ -59,6 +71,7 @@ def run_entry(run: str, argv: list[str], schema=None,
         tag = run.split(".")[1]   # "engine.<entry point>.module:function"
         print(f"[{tag}] layout: {layout.describe()}", flush=True)
         print(f"[{tag}] kernels: {kernel_notice()}", flush=True)
+        print(f"[{tag}] runs: {run_header(cfg, this_host())}", flush=True)
     rc = _call(run, cfg, hf_config, flags)
     shutdown(barrier=rc == 0)
     return rc
