@@ -14,43 +14,40 @@ The server also ignores SIGTERM and SIGINT. A scheduler's SIGTERM or a Ctrl-C go
 whole process group, and the engine answers it by finishing the step and saving a checkpoint
 (engine.run): a server killed by the same signal made that save fail with BrokenPipeError
 whenever an earlier save had started it. It still dies with its rank (the parent-death
-signal). A server found dead all the same is replaced at the next save.
+signal). A server found dead all the same is replaced at the next save. Its initializer lives in
+engine.checkpoint.writer_server, which imports the standard library only: the spawned server
+imports that module, not this one (torch, megatron).
+
+Its entry in models.build.megatron_patches (`async_writer_queue`) gates it by megatron-core
+version and probe (outside them megatron's own queue is kept).
 """
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
-import signal
 import sys
 from multiprocessing.managers import SyncManager
 
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+from engine.checkpoint.writer_server import die_with_parent
+from models.build import megatron_patches
+
 _manager = None   # kept referenced: the queue's server process lives as long as this rank
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Manager server initializer: SIGKILL this process when its parent exits (Linux); the
-    process group's SIGTERM / SIGINT are the rank's to answer, not this server's."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:   # the parent died before prctl took effect
-        os._exit(0)
 
 
 def install() -> None:
     """Give megatron's FileSystemWriterAsync a results queue whose server process dies with
     this rank. Idempotent while that server lives (a dead one is replaced); a no-op off Linux
-    or when megatron already made its own queue."""
+    or when megatron already made its own queue, or outside the registry's versions."""
     global _manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async  # async saves only
-
+    if not megatron_patches.gate("async_writer_queue"):
+        return
     if _manager is not None and not _manager._process.is_alive():
         filesystem_async._results_queue = _manager = None   # replaced below
     if not sys.platform.startswith("linux") or filesystem_async._results_queue is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
     _manager = manager

@@ -13,13 +13,17 @@ expects; megatron's `get_grad_norm_fp32` then all-reduces it and reads it once (
 sync, per optimizer whose gradient-statistics group differs). `scale` multiplies a list of
 gradients in place with one `torch._foreach_mul_` (the same products, bitwise).
 `install()` puts both in place of megatron's local stand-ins in `megatron.core.optimizer.
-clip_grads`; where Apex's or TE's kernels are in use it changes nothing (idempotent).
+clip_grads`; where Apex's or TE's kernels are in use it changes nothing (idempotent). Its entry
+in models.build.megatron_patches (`grad_norm_one_sync`) gates it by megatron-core version and
+probe.
 """
 from __future__ import annotations
 
 import torch
 from megatron.core import utils as megatron_utils
 from megatron.core.optimizer import clip_grads
+
+from models.build import megatron_patches
 
 _MEGATRON_L2_NORM = megatron_utils.local_multi_tensor_l2_norm
 _MEGATRON_SCALE = megatron_utils.local_multi_tensor_scale
@@ -47,9 +51,15 @@ def scale(chunk_size, noop_flag, tensor_lists, factor):
     _MEGATRON_SCALE(chunk_size, noop_flag, tensor_lists, factor)
 
 
+l2_norm.megatron_original = _MEGATRON_L2_NORM   # what models.build.megatron_probes checks
+scale.megatron_original = _MEGATRON_SCALE
+
+
 def install() -> None:
     """Use `l2_norm`/`scale` in megatron's gradient norm and clipping where it runs its local
-    stand-ins (no Apex, no TE); idempotent."""
+    stand-ins (no Apex, no TE) and the registry lets it (`grad_norm_one_sync`); idempotent."""
+    if not megatron_patches.gate("grad_norm_one_sync"):
+        return
     if clip_grads.l2_norm_impl in (_MEGATRON_L2_NORM, l2_norm):
         clip_grads.l2_norm_impl = l2_norm
     if clip_grads.multi_tensor_scale_impl in (_MEGATRON_SCALE, scale):

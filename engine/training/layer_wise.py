@@ -10,12 +10,16 @@ answers the torch optimizer's own layout (`sd["state"]`, `sd["param_groups"]`), 
 post-processing fails with KeyError: 'optimizer'. `LayerWiseOptimizer` presents each fp32
 optimizer's answer under the key "optimizer" while megatron-core post-processes it and removes
 the key again, so the saved layout is the one FP32Optimizer.load_state_dict reads. Nothing
-else changes; bf16 runs (mixed-precision optimizers) go through megatron-core untouched.
+else changes; bf16 runs (mixed-precision optimizers) go through megatron-core untouched. Its
+entry in models.build.megatron_patches (`layer_wise_fp32_checkpoints`) refuses, by name, a
+megatron-core outside the versions it was written for or whose probe fails.
 """
 from __future__ import annotations
 
 from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer
+
+from models.build import megatron_patches
 
 _KEY = "optimizer"
 
@@ -46,5 +50,6 @@ def with_fp32_checkpoints(optimizer):
     get_megatron_muon_optimizer) as a LayerWiseOptimizer: the same object, its class
     switched to the subclass above (no state is added)."""
     assert type(optimizer) is LayerWiseDistributedOptimizer, type(optimizer)
+    megatron_patches.gate("layer_wise_fp32_checkpoints")   # refuses (raises) or applies
     optimizer.__class__ = LayerWiseOptimizer
     return optimizer

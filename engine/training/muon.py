@@ -22,6 +22,8 @@ Two compatibility steps, each applied only when needed and checked by tests/test
   `newton_schulz_tp` (0.3.0: `tp_mode`). When the installed signatures disagree,
   `muon_module` renames those two keywords (no value changes); megatron-core >= 0.17 passes
   the 0.3.0 names and is used as it is.
+The renames are the registry's entry `muon_keyword_renames` (models.build.megatron_patches:
+the megatron-core versions, the probe of megatron's source), which gates them.
 """
 from __future__ import annotations
 
@@ -117,8 +119,11 @@ def _renaming_newton_schulz_tp(newton_schulz_tp):
     return call
 
 
-def _adapt_old_megatron(module) -> None:
-    """megatron-core 0.16.1 against emerging-optimizers 0.3.0: rename the two keywords."""
+def _adapt_old_megatron(module, patches) -> None:
+    """megatron-core 0.16.1 against emerging-optimizers 0.3.0: rename the two keywords
+    (`patches`: models.build.megatron_patches, whose gate refuses other megatron-cores)."""
+    if not patches.gate("muon_keyword_renames"):
+        return
     base = module.OrthogonalizedOptimizer
     if "nesterov" not in inspect.signature(base.__init__).parameters:
         return
@@ -152,10 +157,12 @@ def muon_module():
     if stale is not None and not stale.HAVE_EMERGING_OPTIMIZERS:
         del sys.modules["megatron.core.optimizer.muon"]  # imported before the shim
     from megatron.core.optimizer import muon  # after the shim: it imports emerging_optimizers
+    # the patch registry imports torch and megatron: only once Muon is built
+    from models.build import megatron_patches
     if not muon.HAVE_EMERGING_OPTIMIZERS:
         raise ImportError("megatron.core.optimizer.muon could not import emerging_optimizers "
                           f"({EMERGING_OPTIMIZERS} is installed): {INSTALL_HINT}")
-    _adapt_old_megatron(muon)
+    _adapt_old_megatron(muon, megatron_patches)
     return muon
 
 

@@ -10,6 +10,7 @@ from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLine
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from models.build.compile_layers import compile_layers as compile_model_layers
+from models.build.megatron_patches import install_all as install_megatron_patches
 from models.build.transformer_config import model_shape, transformer_config
 from models.families.mtp import trained_mtp_layers
 from models.families.registry import family_of
@@ -18,9 +19,6 @@ from models.hf.config import check_config, hf_config_object
 from models.layers.spec import block_spec, layer_spec, transformer_engine_available
 from models.lora.adapters import LoraSpec
 from models.lora.sites import apply_lora
-from models.layers.experts import compat as moe_compat
-from models.layers.experts import sync_free as moe_sync_free
-from models.layers.attention import packed_rope, rope_tables
 from models.layers.attention.rope import install_rope
 from models.layers.biased_experts.fused import lora_row_orders as expert_lora_row_orders
 from models.layers.mla.mapping import lora_row_orders
@@ -56,7 +54,7 @@ def build_model_chunks(hf_config: dict, params_dtype: torch.dtype = torch.float3
     `compile_layers` (key train.compile): every transformer layer under torch.compile
     (models.build.compile_layers; compiled lazily at its first forward, after LoRA attaches)."""
     check_config(hf_config)
-    _install_megatron_fixes()
+    install_megatron_patches()   # every model-level change to megatron-core (one registry)
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -126,16 +124,6 @@ def _adapt(chunks: list, hf_config: dict, lora: LoraSpec | None, compile_layers:
                    peft_layers(hf_config), family_of(hf_config).lora_hf_paths)
     if compile_layers:
         compile_model_layers(chunks)
-
-
-def _install_megatron_fixes() -> None:
-    """megatron-core's MoE without Transformer Engine (models.layers.experts.compat), its MoE
-    dispatch and packed RoPE without host syncs (experts.sync_free, attention.packed_rope), and
-    RoPE's cos/sin tables once per micro-batch (attention.rope_tables)."""
-    moe_compat.install()
-    moe_sync_free.install()
-    packed_rope.install()
-    rope_tables.install()
 
 
 def _model_class(vision: bool, mtp: bool) -> type:

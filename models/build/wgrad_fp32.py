@@ -45,6 +45,8 @@ import warnings
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, layers
 
+from models.build import megatron_patches
+
 __all__ = ["accumulate_matmul_fp32_", "accumulates_into_main_grad", "enable", "gemm_operand",
            "install", "main_grad_autograd_result", "matmul_fp32"]
 
@@ -172,8 +174,11 @@ def _stand_in() -> types.ModuleType:
 
 def install() -> None:
     """Register the stand-in where megatron-core imports Apex's module from (idempotent; a real
-    Apex that megatron already imported is kept)."""
-    if getattr(layers, "_grad_accum_fusion_available", False):
+    Apex that megatron already imported is kept). The registry's entry
+    `wgrad_fp32_apex_stand_in` (models.build.megatron_patches) gates it: PatchRefused outside
+    the megatron-core versions it was written for."""
+    if (not megatron_patches.gate("wgrad_fp32_apex_stand_in")
+            or getattr(layers, "_grad_accum_fusion_available", False)):
         return
     module = sys.modules.get(APEX_MODULE) or _stand_in()
     sys.modules[APEX_MODULE] = module   # megatron.core.utils imports it inside a function

@@ -21,7 +21,8 @@ case megatron maps by offset: M-RoPE angles per token, models.vision.rope). As i
 L_i must be a multiple of cp (of 2cp for cp > 1); the row's length is the local tokens times cp.
 
 Megatron-core 0.17+ renamed the MLA flag (`mla_rotary_interleaved`; `multi_latent_attention`
-deprecated, moved behind cp_group): `apply_thd` takes both names.
+deprecated, moved behind cp_group): `apply_thd` takes both names. models.build.megatron_patches
+applies `install` (entry `rope_thd_gather`).
 """
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ def apply_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
         (t.size(0), cp_size, cp_rank, whole_row))
     return rope_tables.rotate(t.unsqueeze(1), cos, sin, rotary_interleaved,
                               bool(mla_rotary_interleaved or multi_latent_attention)).squeeze(1)
+
+
+apply_thd.megatron_original = _MEGATRON_THD   # what models.build.megatron_probes checks
 
 
 def install() -> None:

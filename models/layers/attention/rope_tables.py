@@ -19,7 +19,8 @@ written in place.
 The cached tables are `cos(freqs) * mscale` and `sin(freqs) * mscale` cast to the activations'
 dtype, as megatron computes them; gathering rows of them equals computing them on gathered angles
 (elementwise functions), so both paths equal megatron's bitwise (tests/test_rope_tables.py).
-`install()` (idempotent) puts `apply_bshd` in megatron's place.
+`install()` (idempotent) puts `apply_bshd` in megatron's place; models.build.megatron_patches
+applies it (entry `rope_bshd_tables`: the megatron-core versions, the probe).
 """
 from __future__ import annotations
 
@@ -133,6 +134,9 @@ def apply_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = 
     cos, sin = tables(freqs, t.dtype, mscale)
     return rotate(t, cos, sin, rotary_interleaved,
                   bool(mla_rotary_interleaved or multi_latent_attention))
+
+
+apply_bshd.megatron_original = _MEGATRON_BSHD   # what models.build.megatron_probes checks
 
 
 def clear() -> None:

@@ -24,10 +24,15 @@ all-to-all sizes must be on the host (one sync per layer, megatron's). Consumers
 counts read them themselves: SequentialMLP's forward and the padded-bmm fallback of the grouped
 experts call `.tolist()` (one sync per layer on those paths only).
 
-`install()` (idempotent) points megatron's dispatcher module at `permute` and its MoE layer at
-`SyncFreeAlltoAllDispatcher`. Megatron-core >= 0.17 ships the argsort permutation itself (its
-`permute` takes `tokens_per_expert` and answers five values): there `permute` stays megatron's
-(`MEGATRON_PERMUTE_IS_SYNC_FREE`), and only the dispatcher is replaced.
+`install_permute()` points megatron's dispatcher module at `permute`, `install_dispatcher()` its
+MoE layer at `SyncFreeAlltoAllDispatcher` (both idempotent); models.build.megatron_patches
+applies them (entries `moe_argsort_permute`, `moe_sync_free_dispatcher`). Megatron-core >= 0.17
+ships the argsort permutation itself (its `permute` takes `tokens_per_expert` and answers five
+values): there `permute` stays megatron's (the registry's version range; this module's
+`MEGATRON_PERMUTE_IS_SYNC_FREE` says the same from the signature), and only the dispatcher is
+replaced. Megatron-core >= 0.18 starts the shared experts' fc1 in `token_dispatch` instead of
+`dispatch_postprocess`: the local path does it where megatron's own method does
+(`SHARED_FC1_IN_POSTPROCESS`), never twice.
 """
 from __future__ import annotations
 
@@ -40,6 +45,9 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 _MEGATRON_PERMUTE = moe_utils.permute
 # megatron-core >= 0.17: argsort-based, five results (pad offsets, padded counts) - keep it.
 MEGATRON_PERMUTE_IS_SYNC_FREE = "tokens_per_expert" in inspect.signature(_MEGATRON_PERMUTE).parameters
+# megatron-core 0.16-0.17 start the shared experts' fc1 in dispatch_postprocess, >= 0.18 earlier
+SHARED_FC1_IN_POSTPROCESS = ("linear_fc1_forward_and_act"
+                             in inspect.getsource(MoEAlltoAllTokenDispatcher.dispatch_postprocess))
 
 
 def argsort_permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None,
@@ -89,7 +97,7 @@ class SyncFreeAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
     def dispatch_postprocess(self, global_input_tokens, global_probs):
         if not self.local_only:
             return super().dispatch_postprocess(global_input_tokens, global_probs)
-        if self.shared_experts is not None:
+        if SHARED_FC1_IN_POSTPROCESS and self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(global_input_tokens)
         tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
         return global_input_tokens, tokens_per_expert, global_probs
@@ -100,10 +108,16 @@ class SyncFreeAlltoAllDispatcher(MoEAlltoAllTokenDispatcher):
         return hidden_states
 
 
-def install() -> None:
-    """Idempotent: megatron's all-to-all dispatch permutes with `permute`, and its MoE layers
-    build `SyncFreeAlltoAllDispatcher`; megatron's own `permute` stays where it is already
-    sync-free (megatron-core >= 0.17, module docstring)."""
-    if not MEGATRON_PERMUTE_IS_SYNC_FREE:
-        token_dispatcher.permute = permute
+permute.megatron_original = _MEGATRON_PERMUTE   # what models.build.megatron_probes checks
+SyncFreeAlltoAllDispatcher.megatron_original = MoEAlltoAllTokenDispatcher
+
+
+def install_permute() -> None:
+    """Idempotent: megatron's all-to-all dispatch permutes with `permute` (megatron-core 0.16;
+    the registry keeps megatron's own, sync-free one from 0.17)."""
+    token_dispatcher.permute = permute
+
+
+def install_dispatcher() -> None:
+    """Idempotent: megatron's MoE layers build `SyncFreeAlltoAllDispatcher`."""
     moe_layer.MoEAlltoAllTokenDispatcher = SyncFreeAlltoAllDispatcher
