@@ -29,6 +29,7 @@ from models.build import megatron_patches as mp
 from models.build import megatron_probes as probes
 from models.build import wgrad_fp32
 from models.build.compile_layers import compile_layers
+from models.layers.experts import sync_free
 from models.layers.mla.module import HFMultiLatentAttention
 from parallel import cpu_runtime
 
@@ -294,3 +295,23 @@ def test_the_scan_catches_a_new_assignment():
               "unrelated = types.SimpleNamespace(); unrelated.x = 1\n")
     assert megatron_writes(source) == {"helper", "is_initialized", "jit_fuser", "world",
                                        "__class__"}
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_sync_free_dispatch_starts_shared_experts_once(flip, monkeypatch):
+    """megatron-core >= 0.18 starts the shared experts' fc1 in token_dispatch, 0.16-0.17 in
+    dispatch_postprocess: with the local path's own call, one dispatch starts it exactly once.
+    `flip` (negative control): the other choice starts it twice or never."""
+    if flip:
+        monkeypatch.setattr(sync_free, "SHARED_FC1_IN_POSTPROCESS",
+                            not sync_free.SHARED_FC1_IN_POSTPROCESS)
+    calls = []
+    shared = types.SimpleNamespace(linear_fc1_forward_and_act=calls.append)
+    dispatcher = types.SimpleNamespace(local_only=True, shared_experts=shared,
+                                       tokens_per_expert=torch.tensor([2, 1]))
+    tokens, probs = torch.ones(3, 4), torch.ones(3)
+    out = sync_free.SyncFreeAlltoAllDispatcher.dispatch_postprocess(dispatcher, tokens, probs)
+    assert out[1].tolist() == [2, 1] and dispatcher.tokens_per_expert is None
+    megatron = probes.original(probes.A2A)
+    in_dispatch = "linear_fc1_forward_and_act" in inspect.getsource(megatron.token_dispatch)
+    assert (in_dispatch + len(calls) == 1) != flip
