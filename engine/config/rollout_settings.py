@@ -103,6 +103,16 @@ class RolloutConfig:
     # smaller) cross to the engine owners (engine.rl.disaggregated.delta); null (auto): on when
     # the job spans more than one node (bytes cross machines), off on one; colocated ignores it
     sync_delta: Optional[bool] = None
+    # partial rollouts (engine.rl.collect.partial; docs/async-rl.md#partial-rollouts): replies
+    # cut after a token budget continue in the next step's batch under the new weights
+    partial: bool = False
+    # >= 1: a rollout batch keeps ceil(factor x train.prompts_per_step) groups in flight
+    partial_oversample: float = 1.5
+    # tokens a reply may decode per generation round before it is cut and carried (null:
+    # max(1, rollout.max_new_tokens // 4))
+    partial_max_new_tokens: Optional[int] = None
+    # versions an unfinished reply may span; one that would span more restarts from its prompt
+    partial_max_staleness: int = 4
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)

@@ -14,6 +14,7 @@ drawn, not the reported value, so it is the number the trainer recomputes with
 from __future__ import annotations
 
 import abc
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Iterable
@@ -45,6 +46,14 @@ class SamplingParams:
         seeds[i] only (HF backend: counter-based noise, engine.generation.sampling; SGLang: its
         per-request sampling_seed), so it does not depend on the other prompts of the call
         (the RL loop passes engine.generation.work_split.response_seed values).
+    first_steps: per prompt, the decode step its first sampled token counts as (default all
+        0): row i's token j draws the randomness of step first_steps[i] + j, so a reply cut
+        after k tokens and continued with prompt + those k tokens and first_steps = k samples
+        what it would have sampled uninterrupted (rollout.partial; the hf backend applies it,
+        engine.generation.sampling; other backends ignore it and are refused for partial).
+    row_max_new_tokens: per prompt, its own bound on response tokens (each in
+        [1, max_new_tokens]; default max_new_tokens for all): the hf backend stops that row
+        there ("length").
     """
 
     max_new_tokens: int
@@ -52,6 +61,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     seeds: list[int] | None = None
+    first_steps: list[int] | None = None
+    row_max_new_tokens: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -60,6 +71,22 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.first_steps is not None and min(self.first_steps, default=0) < 0:
+            raise ValueError(f"first_steps must be >= 0, got {self.first_steps}")
+        if self.row_max_new_tokens is not None and not all(
+                1 <= m <= self.max_new_tokens for m in self.row_max_new_tokens):
+            raise ValueError(f"row_max_new_tokens must be in [1, max_new_tokens="
+                             f"{self.max_new_tokens}], got {self.row_max_new_tokens}")
+
+    def rows(self, idx: list[int]) -> "SamplingParams":
+        """These params for the prompts `idx` of the call (every per-prompt list sliced)."""
+        return dataclasses.replace(self, **{
+            k: [getattr(self, k)[i] for i in idx] for k in PER_ROW
+            if getattr(self, k) is not None})
+
+
+# the per-prompt fields of SamplingParams (one entry per prompt of a generate call)
+PER_ROW = ("seeds", "first_steps", "row_max_new_tokens")
 
 
 @dataclass
@@ -185,8 +212,9 @@ class RolloutEngine(abc.ABC):
         lists of token ids; a prompt with images (models.vision.inputs.ImagePrompt) reaches
         `_generate` as it is, and only an engine with `supports_images` takes one."""
         self._num_generate_calls += 1
-        if params.seeds is not None and len(params.seeds) != len(prompts):
-            raise ValueError(f"{len(params.seeds)} seeds for {len(prompts)} prompts")
+        for key in PER_ROW:
+            if getattr(params, key) is not None and len(getattr(params, key)) != len(prompts):
+                raise ValueError(f"{len(getattr(params, key))} {key} for {len(prompts)} prompts")
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")

@@ -233,9 +233,7 @@ class RolloutPool:
     def _round(self, shares: dict[int, list[int]], prompts, params: SamplingParams,
                gen_batch: int) -> dict[int, EngineResult]:
         """One generate call per engine in `shares` (engine -> response indices)."""
-        work = {e: ([prompts[i] for i in idx],
-                    dataclasses.replace(params, seeds=None if params.seeds is None
-                                        else [params.seeds[i] for i in idx]))
+        work = {e: ([prompts[i] for i in idx], params.rows(idx))   # per-prompt fields sliced
                 for e, idx in shares.items()}
         self._command(("generate", gen_batch, work))
         mine = self._serve_generate(gen_batch, work)

@@ -7,7 +7,10 @@ token by inverse CDF: the first vocabulary index i with cdf_b[i] > u * cdf_b[V-1
 is the float64 running sum of the row's (temperature-scaled, top-p filtered) probabilities. A
 row's tokens therefore depend on its seed, its own logits and the step only: never on the other
 rows of the call, the batch size or the engine count; and no per-row torch.Generator is needed
-(one Generator per row cost one multinomial call per row per step).
+(one Generator per row cost one multinomial call per row per step). A row may start at step
+first_steps[b] > 0 (SamplingParams.first_steps): a reply cut after k tokens and continued from
+prompt + its k tokens draws u(s_b, k), u(s_b, k + 1), ..., the numbers it would have drawn
+uninterrupted (rollout.partial).
 
 The hash: two 32-bit lanes (low and high half of the seed) mixed with the step by
 `lowbias32` (Chris Wellons' 32-bit integer hash, a bijection), all in int64 tensors whose
@@ -52,13 +55,16 @@ def row_seeds(params, batch: int) -> list[int]:
                            .digest(), "little") >> 1 for i in range(batch)]
 
 
-def uniforms(seeds: torch.Tensor, first_step: int, steps: int) -> torch.Tensor:
-    """float64 [B, steps] in (0, 1): column j is u(seed_b, first_step + j). `seeds` is int64 [B]
-    of non-negative 63-bit seeds (any device)."""
+def uniforms(seeds: torch.Tensor, first_step: int, steps: int,
+             offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 [B, steps] in (0, 1): column j is u(seed_b, offsets_b + first_step + j). `seeds`
+    is int64 [B] of non-negative 63-bit seeds (any device); `offsets` int64 [B] (None: 0)."""
     seeds = seeds.to(torch.int64)
     lo, hi = (seeds & MASK32)[:, None], (seeds >> 32)[:, None]
     t = torch.arange(first_step, first_step + steps, dtype=torch.int64,
                      device=seeds.device)[None, :]
+    if offsets is not None:
+        t = t + offsets.to(device=seeds.device, dtype=torch.int64)[:, None]
     a = hash32(hash32(lo ^ 0x243F6A88) ^ hash32(t & MASK32))
     b = hash32(hash32(hi ^ 0x85A308D3) ^ hash32((t ^ 0x13198A2E) & MASK32) ^ a)
     a = hash32(a ^ b)
@@ -70,7 +76,8 @@ class SeededSampler:
     """The sampler of one generate call: `sample(logits, step)` for step 0, 1, ... in order.
 
     Args:
-        params: SamplingParams (temperature, top_p, seed / seeds).
+        params: SamplingParams (temperature, top_p, seed / seeds, first_steps: row b's step
+            `step` draws u(seed_b, first_steps[b] + step), the continuation of a cut reply).
         batch: rows of the call.
         device: where the logits live.
     """
@@ -78,12 +85,16 @@ class SeededSampler:
     def __init__(self, params, batch: int, device: torch.device) -> None:
         self.params = params
         self.seeds = torch.tensor(row_seeds(params, batch), dtype=torch.int64, device=device)
+        first = getattr(params, "first_steps", None)
+        self.offsets = (None if first is None else
+                        torch.tensor([int(f) for f in first], dtype=torch.int64, device=device))
         self._chunk_start, self._chunk = -1, None
 
     def _uniform(self, step: int) -> torch.Tensor:
         start = step - step % STEP_CHUNK
         if start != self._chunk_start:
-            self._chunk_start, self._chunk = start, uniforms(self.seeds, start, STEP_CHUNK)
+            self._chunk_start, self._chunk = start, uniforms(self.seeds, start, STEP_CHUNK,
+                                                             self.offsets)
         return self._chunk[:, step - start]
 
     def sample(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:

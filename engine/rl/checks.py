@@ -17,6 +17,7 @@ from engine.rl.algo.policy_loss import KL_ESTIMATORS
 from engine.rl.algo.policy_loss_variants import POLICY_LOSSES
 from engine.rl.algo.rollout_correction import IS_LEVELS, LOSS_TYPES, parse_rs
 from engine.rl.disaggregated.checks import async_problems
+from engine.rl.collect.partial_checks import partial_problems
 from engine.rl.config import RLConfig
 from engine.rl.agent.checks import agent_problems
 from engine.rl.env.contract import ENV_TOOLS, load_env_class
@@ -103,7 +104,7 @@ def rl_problems(cfg: RLConfig) -> list[str]:
     except ValueError as e:
         p.append(f"reward.fn: {e}")
     return (p + reward_key_problems(cfg) + judge_problems(cfg) + env_problems(cfg)
-            + val_problems(cfg) + correction_problems(cfg)
+            + val_problems(cfg) + correction_problems(cfg) + partial_problems(cfg)
             + checkpoint_config_problems(cfg))
 
 

@@ -20,8 +20,8 @@ per node), each owned by one rank, rollout.gpus_per_engine devices each; engine 
 
 Checkpoints (engine.run.run_loop, as for SFT): the policy's model, optimizer and scheduler, the data
 position (RL steps done, prompts_per_step, prompt rows, seed, shuffle) and, as the checkpoint's
-`extra`, the collector's next_gen_batch (ahead of the step count with DAPO dynamic sampling)
-and the skipped-step count. After a resume the rollout engine (started from model.hf_path) is
+`extra`, the collector's next_gen_batch (ahead of the step count with DAPO dynamic sampling),
+with rollout.partial the carried replies (engine.rl.collect.partial), and the skipped-step count. After a resume the rollout engine (started from model.hf_path) is
 synced with the checkpoint's weights before the first rollout; the KL reference stays the
 initial policy (model.hf_path). With PPO the critic (model, optimizer, scheduler) is saved
 before each policy checkpoint under checkpoint.dir/critic/ and resumed from the same step.
@@ -43,6 +43,7 @@ from engine.config.mtp_settings import mtp_training
 from engine.config.moe_settings import moe_overrides
 from engine.training.muon import megatron_distributed_optimizer
 from engine.config.parallel_settings import overlap_settings
+from engine.rl.collect.partial import PartialCollector
 from engine.rl.collect.prompts import prompt_rows
 from engine.rl.collect.transport import broadcast_rollout
 from engine.rl.collect.validation import Validation
@@ -55,6 +56,7 @@ from engine.rl.policy.logprob_stage import AuxiliaryModels
 from engine.rl.policy.reward_model import rescore_batch
 from engine.rl.policy.routing_replay import rollout_engine_kwargs
 from engine.rl.policy.train_step import build_auxiliary, train_on_rollout
+from engine.rl.rewards import load_reward_fn
 from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
 from engine.generation import backend_class
 from engine.generation.pool import RolloutPool
@@ -152,7 +154,12 @@ def _rollout_side(cfg: RLConfig, policy: TrainEngine, dtype, rows, tokenizer, pr
     pool = build_pool(cfg, policy, dtype)
     collector = None
     if dist.get_rank() == 0:
-        collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids)
+        if cfg.rollout.partial:   # partial rollouts (engine.rl.collect.partial)
+            collector = PartialCollector(pool, rows, tokenizer, load_reward_fn(cfg.reward.fn),
+                                         cfg, prompt_ids)
+            collector.restore(extra.get("partial"))
+        else:
+            collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids)
         collector.next_gen_batch = int(extra.get("next_gen_batch", start))
     return pool, collector, None
 
@@ -175,12 +182,14 @@ def _count(done: list, step: int) -> dict:
     return {}
 
 
-def _next_gen_batch(collector) -> int:
-    """Collective: rank 0's collector.next_gen_batch on every rank (the checkpoint's common
-    state must be the same on every rank)."""
-    box = [collector.next_gen_batch if collector is not None else None]
+def _collector_state(collector) -> dict:
+    """Collective: rank 0's collector.next_gen_batch (and with rollout.partial its carried
+    replies, PartialCollector.state) on every rank (the checkpoint's common state must be the
+    same on every rank)."""
+    box = [None if collector is None else {"next_gen_batch": collector.next_gen_batch, **(
+        {"partial": collector.state()} if isinstance(collector, PartialCollector) else {})}]
     dist.broadcast_object_list(box, src=0)
-    return int(box[0])
+    return box[0]
 
 
 def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
@@ -219,7 +228,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
                                             extra, start)
     done = [start]  # RL steps done (the checkpoint extra of a disaggregated run needs it)
     loop = RunLoop("rl", cfg, policy, hf_config, position, desc=cfg.algorithm,
-                   extra=lambda: {**({"next_gen_batch": _next_gen_batch(collector)}
+                   extra=lambda: {**(_collector_state(collector)
                                      if remote is None else remote.ahead_state(done[0])),
                                   "skipped_steps": policy.guard.skipped},
                    postfix=lambda m: {"reward": f"{m['reward/mean']:.3f}"})

@@ -33,6 +33,9 @@
                                                log-probs, unchunked vs chunked loss head
                                                (vocab 151,936, fp32; fresh process each);
                                                goal <= 3.0 GB at 8,192 tokens
+    python -m tools.bench partial  [--quick]   partial rollouts on vs off on a long-tailed
+                                               length workload (hf backend): rollout s per
+                                               trained group, engine fill, staleness
     python -m tools.bench all      [--quick] [--plot PNG]
     python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
                                    [--cpu-smoke] [--override ITEM:ARG]
@@ -137,6 +140,9 @@ def run_one(name: str, args) -> BenchResult:
     if name == "loss_head":
         from tools.bench.loss_head import run_loss_head
         return run_loss_head(args.quick)
+    if name == "partial":
+        from tools.bench.partial import run_partial
+        return run_partial(args.quick)
     raise ValueError(f"unknown benchmark {name!r}")
 
 
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
-              "data", "loss_head", "all")
+              "data", "loss_head", "partial", "all")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(public + ("gpu",)) + "}")
     for name in public:

@@ -24,7 +24,8 @@ generation model is loaded, prompts may be ImagePrompts, and the prefill passes 
 M-RoPE positions.
 
 Static cache and compiled decode (rollout.hf.*): engine.generation.hf.static_decode decodes text
-prompts when on; the eager loop below stays the reference and serves routed experts and images.
+prompts when on; the eager loop below stays the reference and serves routed experts, images and
+per-row step offsets and bounds (SamplingParams.first_steps / row_max_new_tokens: rollout.partial).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import torch
 from engine.generation.base import Generation, RolloutEngine, SamplingParams
 from engine.generation.eos import eos_token_ids, folder_tokenizer, no_eos_message
 from engine.generation.hf.images import load_model, prefill, view_aliases
+from engine.generation.hf.responses import collect_generations, row_limits
 from engine.generation.hf.routing import GateRecorder, assemble
 from engine.generation.hf.static_decode import static_decoder
 from engine.generation.hf.targets import checkpoint_targets
@@ -153,7 +155,8 @@ class HFRolloutEngine(RolloutEngine):
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad}")
         if self.vision is None and any(isinstance(p, ImagePrompt) for p in prompts):
             raise ValueError(f"{self.hf_path} has no vision tower; prompts with images need one")
-        if self.decoder is not None and self._routing is None:
+        per_row = params.first_steps is not None or params.row_max_new_tokens is not None
+        if self.decoder is not None and self._routing is None and not per_row:
             return self.decoder.generations(prompts, params, self.pad_token_id,
                                             self.eos_token_ids)
         batch, longest = len(prompts), max(len(p) for p in prompts)
@@ -178,6 +181,7 @@ class HFRolloutEngine(RolloutEngine):
         sampler = SeededSampler(params, batch, self.device)
         eos = torch.tensor(self.eos_token_ids, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        limits = row_limits(params, batch, self.device)   # rows with their own bound
         tokens_per_step, logprobs_per_step, active_per_step = [], [], []
         for step in range(params.max_new_tokens):
             token, logprob = sampler.sample(logits, step)
@@ -185,6 +189,8 @@ class HFRolloutEngine(RolloutEngine):
             tokens_per_step.append(token)
             logprobs_per_step.append(logprob)
             done = done | torch.isin(token, eos)
+            if limits is not None:
+                done = done | (limits <= step + 1)
             if bool(done.all()) or step == params.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)],
@@ -196,7 +202,8 @@ class HFRolloutEngine(RolloutEngine):
             next_pos = next_pos + 1          # [b, 1], or [3, b, 1] with M-RoPE
             if routed is not None:
                 routed.append(self._routing.take())
-        result = self._collect(prompts, tokens_per_step, logprobs_per_step, active_per_step)
+        result = collect_generations(prompts, tokens_per_step, logprobs_per_step,
+                                     active_per_step, self.eos_token_ids)
         if routed is not None:
             tables = assemble(prompts, routed[0], routed[1:],
                               [len(g.response_ids) for g in result])
@@ -208,22 +215,6 @@ class HFRolloutEngine(RolloutEngine):
         """One batched right-padded forward per chunk (engine.generation.scoring.hf_scores)."""
         self._check_ready("score")
         return hf_scores(self.model, sequences, top_k, self.device, self.pad_token_id)
-
-    def _collect(self, prompts, tokens_per_step, logprobs_per_step,
-                 active_per_step) -> list[Generation]:
-        tokens = torch.stack(tokens_per_step, dim=1).cpu()
-        logprobs = torch.stack(logprobs_per_step, dim=1).cpu()
-        active = torch.stack(active_per_step, dim=1).cpu()
-        eos = set(self.eos_token_ids)
-        result = []
-        for i, prompt in enumerate(prompts):
-            n = int(active[i].sum())  # steps taken before (and including) this row's eos
-            response = tokens[i, :n].tolist()
-            stopped = bool(response) and response[-1] in eos
-            result.append(Generation(prompt_ids=list(prompt), response_ids=response,
-                                     response_logprobs=logprobs[i, :n].tolist(),
-                                     finish_reason="stop" if stopped else "length"))
-        return result
 
     # ------------------------------------------------------------------------- weights, memory
     @torch.no_grad()

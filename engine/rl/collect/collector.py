@@ -38,6 +38,7 @@ from engine.rl.algo.dynamic_sampling import DynamicSampler
 from engine.rl.algo.gae import TOKEN_ESTIMATORS
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.collect.batch import RolloutBatch
+from engine.rl.collect.fill import engine_fill, fill_counts
 from engine.rl.env.episode_batch import EnvRollout, env_metrics
 from engine.rl.env.dump import part_records, write_dump
 from engine.rl.rewards import score_responses
@@ -104,17 +105,22 @@ class RolloutCollector:
         t0 = time.perf_counter()
         gens, stats = self.pool.generate(prompts, params, n, gen_batch)
         gen_s = time.perf_counter() - t0
+        scores, errors = self.score(rows, prompts, [g.response_ids for g in gens])
+        return {"generations": gens, "scores": scores, "errors": errors, "stats": stats,
+                "gen_s": gen_s}
+
+    def score(self, rows: list[dict], prompts: list[list[int]],
+              responses: list[list[int]]) -> tuple[list[float], int]:
+        """reward.fn of each response (decoded) to its prompt (the row's text, else decoded)
+        and row: (scores, number of reward errors), engine.rl.rewards.score_responses."""
         items = []
-        for row, prompt, gen in zip(rows, prompts, gens):
+        for row, prompt, response in zip(rows, prompts, responses):
             text = row["prompt"] if isinstance(row["prompt"], str) else self.tokenizer.decode(
                 prompt, skip_special_tokens=True)
             extra = {k: v for k, v in row.items() if k not in ("prompt", "answer", "response")}
             items.append({**extra, "prompt": text, "answer": row["answer"],
-                          "response": self.tokenizer.decode(gen.response_ids,
-                                                            skip_special_tokens=True)})
-        scores, errors = score_responses(self.reward_fn, items, self.cfg.reward.timeout_s)
-        return {"generations": gens, "scores": scores, "errors": errors, "stats": stats,
-                "gen_s": gen_s}
+                          "response": self.tokenizer.decode(response, skip_special_tokens=True)})
+        return score_responses(self.reward_fn, items, self.cfg.reward.timeout_s)
 
     def _generation_batch(self) -> dict:
         """One generation batch: prompts_per_step prompts x n responses in one generate call,
@@ -221,6 +227,10 @@ class RolloutCollector:
         metrics.update(spec_metrics([p["stats"].counters for p in parts], self.pool.num_engines))
         if self.env is not None or self.agent is not None:
             metrics.update(env_metrics(parts, cfg.env.fn == "tools"))
+        else:   # single-turn: busy rows over batch rows per decode step, every engine's call
+            metrics["rollout/engine_fill"] = engine_fill([fill_counts(
+                [len(x) for x in p["data"]["prompt_ids"]], p["lengths"].tolist(), group_size,
+                cfg.rollout.max_new_tokens, self.pool.num_engines) for p in parts])
         self._dump(parts, dump_step)
         batch = RolloutBatch(metrics=metrics)
         if data is not None:

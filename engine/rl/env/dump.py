@@ -12,7 +12,9 @@ disaggregated run written by training rank 0 when it scored the batch, `add_mode
 judge_score (with reward.judge.base_url only: the LLM judge's score of the response, before
 reward.judge.weight; 0 when the judge failed; engine.rl.judge),
 overlong_penalty (dapo.overlong_buffer), finish_reason (stop, length, max_turns, error), error (the environment's error or null), text (token_ids decoded, special
-tokens kept). With on-policy distillation, teacher_logprobs (same length as token_ids: the
+tokens kept). With rollout.partial (engine.rl.collect.partial) the records are the step's trained
+replies and carry token_versions (same length as token_ids: the policy version, RL steps done,
+whose weights sampled each token; -1 on prompt tokens). With on-policy distillation, teacher_logprobs (same length as token_ids: the
 teacher's log-prob of each sampled token, 0.0 elsewhere; null for an episode the step did not
 train, e.g. a group dynamic sampling dropped), added after the step's log-prob stage.
 """
@@ -26,11 +28,14 @@ def episode_record(prompt_index: int, sample_index: int, gen_batch: int, prompt:
                    response: list[int], mask: list[int], logprobs: list[float], turns: int,
                    reward: float, penalty: float, finish_reason: str, error: str | None,
                    tokenizer, rm_score: float | None = None,
-                   judge_score: float | None = None) -> dict:
+                   judge_score: float | None = None,
+                   token_versions: list[int] | None = None) -> dict:
     ids = list(prompt) + list(response)
     model = {} if rm_score is None else {"rm_score": float(rm_score)}
     if judge_score is not None:
         model["judge_score"] = float(judge_score)
+    if token_versions is not None:   # rollout.partial: the version that sampled each token
+        model["token_versions"] = [-1] * len(prompt) + [int(v) for v in token_versions]
     return {"prompt_index": int(prompt_index), "sample_index": int(sample_index),
             "gen_batch": int(gen_batch), "token_ids": [int(t) for t in ids],
             "loss_mask": [0] * len(prompt) + [int(m) for m in mask],

@@ -1,0 +1,256 @@
+"""Partial rollouts (rollout.partial; docs/async-rl.md#partial-rollouts): a rollout batch does not
+wait for its longest reply. Replies are decoded in rounds of at most rollout.partial_max_new_tokens
+tokens; a reply still unfinished after its round is cut and carried, and continues in a later
+round (the next step's, under the new weights) from its prompt + its tokens so far. Every cut is
+made by token counts, never by wall time, so a run gives the same numbers twice.
+
+One step (PartialCollector.collect, rank 0):
+1. unfinished replies whose continuation would span more than rollout.partial_max_staleness
+   versions restart from their prompt (same seed; counted in rollout/partial_restarts);
+2. rounds until train.prompts_per_step complete groups wait (or a round budget is spent):
+   new groups are started so that groups in flight + waiting = ceil(partial_oversample x
+   prompts_per_step); ONE generate call over the engines holds every unfinished reply (carried
+   ones first, by group number) and the new groups' replies; each row draws the randomness of
+   its own decode steps (SamplingParams.first_steps = its tokens so far: with unchanged weights
+   a cut-and-continued reply is token for token the uninterrupted one) and stops at the round's
+   budget or at rollout.max_new_tokens in all (row_max_new_tokens);
+3. a group whose replies are all complete (an end of sequence, or rollout.max_new_tokens
+   tokens) is scored (reward.fn, a reward model through the pool, the overlong penalty on its
+   total length); with dapo.dynamic_sampling a group whose scores all agree is dropped
+   (rollout/partial_dropped_groups); the others wait, FIFO by group number;
+4. the first prompts_per_step waiting groups train (advantages over them, as usual); the rest
+   wait for the next step.
+
+Group number q takes prompt row global_batch_indices(rows, prompts_per_step, q // P, seed,
+shuffle)[q % P] and the seeds response_seed(seed, q // P, q % P, j): the prompts and seeds of
+generation batch q // P of a run without partial rollouts. Each token keeps the log-prob and
+the policy version of the weights that sampled it (version = RL steps done), which the dump
+records (token_versions, -1 on prompt tokens) and the trainer uses as its behaviour log-prob.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from engine.data.datasets import global_batch_indices
+from engine.rl.algo.advantages import zero_std_groups
+from engine.rl.algo.overlong import overlong_penalty
+from engine.rl.collect.batch import RolloutBatch
+from engine.rl.collect.collector import RolloutCollector
+from engine.rl.collect.fill import engine_fill, fill_counts
+from engine.rl.collect.partial_checks import groups_in_flight, partial_budget
+from engine.rl.collect.partial_state import (Group, Reply, from_plain, span_metrics,
+                                             to_plain)
+from engine.rl.env.dump import episode_record, write_dump
+from engine.generation import SamplingParams
+from engine.generation.work_split import response_seed
+
+
+class PartialCollector(RolloutCollector):
+    """RolloutCollector (same arguments) whose `collect` runs partial rollouts (module
+    docstring). State between steps: `groups` (in flight, by number), `ready` (complete,
+    waiting), `next_group`; `state()` / `restore()` put it in the checkpoint's extra."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.groups: list[Group] = []
+        self.ready: list[Group] = []
+        self.next_group = 0
+        self.steps = 0                   # collects so far (the version without a dump step)
+
+    # ------------------------------------------------------------------- checkpoint state
+    def state(self) -> dict:
+        """Plain JSON: what a resumed run needs to continue these replies."""
+        return {"next_group": self.next_group, "steps": self.steps,
+                "groups": to_plain(self.groups), "ready": to_plain(self.ready)}
+
+    def restore(self, state: dict | None) -> None:
+        """Continue from `state()` of a checkpoint (None: a fresh run)."""
+        if state:
+            self.next_group, self.steps = int(state["next_group"]), int(state["steps"])
+            self.groups, self.ready = from_plain(state["groups"]), from_plain(state["ready"])
+
+    # ----------------------------------------------------------------------------- a step
+    def collect(self, dump_step: int | None = None) -> RolloutBatch:
+        """The next step's rollout batch (module docstring); `dump_step` as
+        RolloutCollector.collect (its version: dump_step - 1, the RL steps done)."""
+        cfg, rollout = self.cfg, self.cfg.rollout
+        t0 = time.perf_counter()
+        version = dump_step - 1 if dump_step is not None else self.steps
+        self.steps += 1
+        restarts = 0
+        for g in self.groups:
+            for r in g.replies:
+                if r.finish is None and r.versions and version - r.versions[0] > \
+                        rollout.partial_max_staleness:
+                    r.restart()
+                    restarts += 1
+        budget = partial_budget(rollout)
+        cap = math.ceil(rollout.max_new_tokens / budget) * (
+            cfg.dapo.max_gen_batches if cfg.dapo.dynamic_sampling else 1) + 1
+        log = {"calls": 0.0, "retries": 0.0, "restarts": 0.0, "imbalance": 1.0,
+               "fill": [], "tokens": 0, "gen_s": 0.0, "errors": 0, "dropped": 0, "rounds": 0}
+        while len(self.ready) < cfg.train.prompts_per_step and log["rounds"] < cap:
+            self._round(version, budget, log)
+        take = cfg.train.prompts_per_step
+        trained, self.ready = self.ready[:take], self.ready[take:]
+        batch = self._batch(trained, dump_step)
+        m = batch.metrics
+        m.update(span_metrics(trained, version))
+        engines = self.pool.num_engines
+        m.update({
+            "reward/errors": float(log["errors"]),
+            "rollout/engine_fill": engine_fill(log["fill"]),
+            "rollout/engines": float(engines),
+            "rollout/generate_calls": log["calls"] / engines,
+            "rollout/num_gen_batches": float(log["rounds"]),
+            "rollout/retries": log["retries"], "rollout/restarts": log["restarts"],
+            "rollout/engine_imbalance": log["imbalance"],
+            "rollout/tokens_per_s": log["tokens"] / log["gen_s"] if log["gen_s"] > 0 else 0.0,
+            "rollout/partial_restarts": float(restarts),
+            "rollout/partial_carried": float(sum(r.finish is None for g in self.groups
+                                                 for r in g.replies)),
+            "rollout/partial_waiting_groups": float(len(self.ready)),
+            "rollout/partial_dropped_groups": float(log["dropped"]),
+            "train/groups": float(len(trained)),
+            "time/rollout_s": time.perf_counter() - t0})
+        return batch
+
+    def _prompt_row(self, number: int) -> int:
+        p = self.cfg.train.prompts_per_step
+        return global_batch_indices(len(self.rows), p, number // p, self.cfg.seed,
+                                    self.cfg.data.shuffle)[number % p]
+
+    def _start_groups(self) -> None:
+        """New groups up to ceil(partial_oversample x prompts_per_step) in flight + waiting."""
+        cfg = self.cfg
+        p, n = cfg.train.prompts_per_step, cfg.rollout.n
+        for _ in range(groups_in_flight(cfg.rollout, p) - len(self.groups) - len(self.ready)):
+            q = self.next_group
+            self.next_group += 1
+            self.groups.append(Group(q, self._prompt_row(q), [
+                Reply(response_seed(cfg.seed, q // p, q % p, j)) for j in range(n)]))
+
+    def _round(self, version: int, budget: int, log: dict) -> None:
+        """One generate call over every unfinished reply (module docstring, step 2), then the
+        complete groups scored and queued."""
+        rollout = self.cfg.rollout
+        self._start_groups()
+        rows = [(g, r) for g in self.groups for r in g.replies if r.finish is None]
+        log["rounds"] += 1
+        if rows:
+            prompts = [self._prompt_ids(g.row) + r.tokens for g, r in rows]
+            params = SamplingParams(
+                max_new_tokens=budget, temperature=rollout.temperature, top_p=rollout.top_p,
+                seeds=[r.seed for _, r in rows], first_steps=[len(r.tokens) for _, r in rows],
+                row_max_new_tokens=[min(budget, rollout.max_new_tokens - len(r.tokens))
+                                    for _, r in rows])
+            t0 = time.perf_counter()
+            gens, stats = self.pool.generate(prompts, params, 1, self.next_gen_batch)
+            log["gen_s"] += time.perf_counter() - t0
+            self.next_gen_batch += 1
+            log["calls"] += stats.calls
+            log["retries"] += stats.retries
+            log["restarts"] += stats.restarts
+            log["imbalance"] = max(log["imbalance"], stats.imbalance)
+            lengths = [len(gen.response_ids) for gen in gens]
+            log["fill"].append(fill_counts([len(x) for x in prompts], lengths, 1, budget,
+                                           self.pool.num_engines))
+            log["tokens"] += sum(lengths)
+            for (_, r), gen in zip(rows, gens):
+                r.tokens += gen.response_ids
+                r.logprobs += [float(x) for x in gen.response_logprobs]
+                r.versions += [version] * len(gen.response_ids)
+                if gen.finish_reason == "stop":
+                    r.finish = "stop"
+                elif len(r.tokens) >= rollout.max_new_tokens:
+                    r.finish = "length"
+        done = [g for g in self.groups if g.complete]
+        self.groups = [g for g in self.groups if not g.complete]
+        if done:
+            self._complete(done, log)
+
+    def _complete(self, groups: list[Group], log: dict) -> None:
+        """Score complete groups (reward.fn, the reward model, the overlong penalty), drop the
+        ones without signal under dapo.dynamic_sampling, queue the rest by number."""
+        cfg, n = self.cfg, self.cfg.rollout.n
+        replies = [r for g in groups for r in g.replies]
+        rows = [self.rows[g.row] for g in groups for _ in range(n)]
+        prompts = [self._prompt_ids(g.row) for g in groups for _ in range(n)]
+        scores, errors = self.score(rows, prompts, [r.tokens for r in replies])
+        log["errors"] += errors
+        scores_t = torch.tensor(scores, dtype=torch.float32)
+        penalty = torch.zeros_like(scores_t)
+        if cfg.dapo.overlong_buffer > 0:
+            lengths = torch.tensor([len(r.tokens) for r in replies], dtype=torch.float32)
+            penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens,
+                                       cfg.dapo.overlong_buffer, cfg.dapo.overlong_penalty)
+        part = self._model_scores({"data": {
+            "prompt_ids": prompts, "response_ids": [r.tokens for r in replies],
+            "scores": scores_t, "rewards": scores_t + penalty}})
+        data = part["data"]
+        keys = ["scores", "rewards"] + (["rm_scores"] if "rm_scores" in data else [])
+        flat = {k: data[k].tolist() for k in keys}
+        flat["penalty"] = penalty.tolist()
+        keep = (~zero_std_groups(data["scores"], n)).tolist() if cfg.dapo.dynamic_sampling \
+            else [True] * len(groups)
+        for i, g in enumerate(groups):
+            g.values = {k: v[i * n:(i + 1) * n] for k, v in flat.items()}
+            if keep[i]:
+                self.ready.append(g)
+            else:
+                log["dropped"] += 1
+        self.ready.sort(key=lambda g: g.number)
+
+    def _batch(self, trained: list[Group], dump_step: int | None) -> RolloutBatch:
+        """The RolloutBatch of the trained groups (group-major), with the reward and length
+        metrics of their replies, and the step's dump of them (token_versions included)."""
+        cfg, n = self.cfg, self.cfg.rollout.n
+        replies = [r for g in trained for r in g.replies]
+        values = {k: [x for g in trained for x in g.values[k]]
+                  for k in (trained[0].values if trained else ())}
+        prompts = [self._prompt_ids(g.row) for g in trained for _ in range(n)]
+        scores = torch.tensor(values.get("scores", []), dtype=torch.float32)
+        lengths = torch.tensor([len(r.tokens) for r in replies], dtype=torch.float32)
+        metrics = {"reward/mean": float(scores.mean()) if len(scores) else 0.0,
+                   "reward/std": float(scores.std(unbiased=False)) if len(scores) else 0.0,
+                   "reward/frac_zero_std_groups": float(zero_std_groups(scores, n).float()
+                                                        .mean()) if len(scores) else 0.0,
+                   "response/length_mean": float(lengths.mean()) if len(lengths) else 0.0,
+                   "response/length_max": float(lengths.max()) if len(lengths) else 0.0,
+                   "response/clip_ratio": (sum(r.finish == "length" for r in replies)
+                                           / len(replies)) if replies else 0.0}
+        if "rm_scores" in values:
+            metrics["reward/model_mean"] = sum(values["rm_scores"]) / len(replies)
+        if cfg.dapo.overlong_buffer > 0:
+            metrics["reward/overlong_penalty_mean"] = (sum(values["penalty"]) / len(replies)
+                                                       if replies else 0.0)
+        self._dump_groups(trained, prompts, dump_step)
+        if not trained:
+            return RolloutBatch(metrics=metrics)
+        rewards = torch.tensor(values["rewards"], dtype=torch.float32)
+        data = {"rewards": rewards, "response_ids": [r.tokens for r in replies]}
+        return RolloutBatch(prompts, [list(r.tokens) for r in replies],
+                            [list(r.logprobs) for r in replies],
+                            self._advantages(data).tolist(), metrics,
+                            rewards=rewards.tolist(), scores=values["scores"],
+                            dump_rows=list(range(len(replies))))
+
+    def _dump_groups(self, trained: list[Group], prompts: list[list[int]],
+                     dump_step: int | None) -> None:
+        """<rollout_dir>/step_<dump_step>.jsonl: one record per trained reply
+        (engine.rl.env.dump; gen_batch = the group's number // prompts_per_step)."""
+        rollout_dir = getattr(self.cfg.logging, "rollout_dir", None)
+        if dump_step is None or not rollout_dir:
+            return
+        p, n, records = self.cfg.train.prompts_per_step, self.cfg.rollout.n, []
+        for gi, g in enumerate(trained):
+            rm = g.values.get("rm_scores", [None] * n)
+            for j, r in enumerate(g.replies):
+                records.append(episode_record(
+                    g.row, j, g.number // p, prompts[gi * n + j], r.tokens, [1] * len(r.tokens),
+                    r.logprobs, 1, g.values["scores"][j], g.values["penalty"][j], r.finish,
+                    None, self.tokenizer, rm[j], token_versions=r.versions))
+        write_dump(rollout_dir, dump_step, records)

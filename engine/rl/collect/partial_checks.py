@@ -1,0 +1,65 @@
+"""The checks of rollout.partial* (partial rollouts, engine.rl.collect.partial), run by
+engine.rl.checks before any process group exists: one sentence per problem naming its key."""
+from __future__ import annotations
+
+import math
+
+
+def partial_budget(rollout) -> int:
+    """Tokens a reply may decode per generation round (rollout.partial_max_new_tokens, null:
+    max(1, rollout.max_new_tokens // 4))."""
+    if rollout.partial_max_new_tokens is not None:
+        return int(rollout.partial_max_new_tokens)
+    return max(1, int(rollout.max_new_tokens) // 4)
+
+
+def groups_in_flight(rollout, prompts_per_step: int) -> int:
+    """ceil(rollout.partial_oversample x train.prompts_per_step): the groups a rollout batch
+    keeps started (carried, waiting and new together)."""
+    return math.ceil(float(rollout.partial_oversample) * prompts_per_step - 1e-9)
+
+
+def partial_problems(cfg) -> list[str]:
+    """The ranges of rollout.partial_* (always) and, with rollout.partial=true, what partial
+    rollouts are not built for, refused by name: a backend other than hf (vLLM and SGLang do
+    not apply SamplingParams.first_steps, the per-row step offset that makes a continued reply
+    draw the randomness of its own decode steps), the disaggregated placement, multi-turn
+    environments (env.fn) and agent episodes (env.agent), an LLM judge, R3 routing replay."""
+    r = cfg.rollout
+    p: list[str] = []
+    if not isinstance(r.partial, bool):
+        p.append(f"rollout.partial={r.partial!r} must be true or false")
+    if not r.partial_oversample >= 1:
+        p.append(f"rollout.partial_oversample={r.partial_oversample} must be >= 1 (groups in "
+                 "flight per train.prompts_per_step)")
+    budget = r.partial_max_new_tokens
+    if budget is not None and not (isinstance(budget, int) and 1 <= budget <= r.max_new_tokens):
+        p.append(f"rollout.partial_max_new_tokens={budget!r} must be an integer in [1, "
+                 f"rollout.max_new_tokens={r.max_new_tokens}] or null (max_new_tokens // 4)")
+    if not (isinstance(r.partial_max_staleness, int) and r.partial_max_staleness >= 0):
+        p.append(f"rollout.partial_max_staleness={r.partial_max_staleness!r} must be an "
+                 "integer >= 0")
+    if r.partial is not True:
+        return p
+    if r.backend != "hf":
+        p.append(f"rollout.partial=true with rollout.backend={r.backend!r} is not built: a "
+                 "continued reply must draw the randomness of its own decode steps "
+                 "(SamplingParams.first_steps), which only rollout.backend=hf applies; use hf "
+                 "or rollout.partial=false")
+    if r.placement != "colocated":
+        p.append(f"rollout.partial=true with rollout.placement={r.placement!r} is not built "
+                 "(the carried replies live in the colocated collector); use colocated")
+    env = cfg.env
+    if env.fn:
+        p.append(f"rollout.partial=true with env.fn={env.fn!r} is not built: a multi-turn "
+                 "episode is not cut between steps; use rollout.partial=false")
+    if env.agent:
+        p.append(f"rollout.partial=true with env.agent={env.agent!r} is not built: an agent "
+                 "episode runs in the agent's own function; use rollout.partial=false")
+    if cfg.reward.judge.base_url:
+        p.append("rollout.partial=true with reward.judge.base_url is not built (the judge "
+                 "scores whole generation batches); use rollout.partial=false")
+    if cfg.moe.routing_replay == "R3":
+        p.append("rollout.partial=true with moe.routing_replay=R3 is not built (a continued "
+                 "reply's routed experts come from several calls); use R2")
+    return p

@@ -1,0 +1,215 @@
+"""Partial rollouts (rollout.partial, engine.rl.collect.partial), in this process on the hf
+backend: the per-row step offset (a cut-and-continued reply equals the uninterrupted one), the
+collector at fixed weights against the collector without partial rollouts, carried log-probs
+against the weights of the version that sampled them, the checkpoint state, the checks.
+The real runs (determinism, layouts) are in tests/test_rl_partial_runs.py."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from engine.config.schema import ConfigError, load_config
+from engine.generation import SamplingParams
+from engine.generation.hf.backend import HFRolloutEngine
+from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
+from engine.rl.checks import validate_rl
+from engine.rl.collect.collector import RolloutCollector
+from engine.rl.collect.fill import fill_counts
+from engine.rl.collect.partial import PartialCollector
+from engine.rl.config import RLConfig
+from engine.rl.rewards import load_reward_fn
+from tools.bench.partial import eos_prone_model
+
+ROWS = [{"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?", "answer": str(i)}
+        for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny qwen3 whose end-of-sequence logit is scaled up: reply lengths spread from 1 to
+    max_new_tokens, so groups complete at different rounds."""
+    return eos_prone_model(str(tmp_path_factory.mktemp("partial") / "qwen3"), eos_scale=2.5)
+
+
+def _config(argv: list[str]) -> RLConfig:
+    cfg, _ = load_config(RLConfig, argv)
+    return apply_algorithm_defaults(cfg, explicit_keys(argv))
+
+
+BASE = ["rollout.n=2", "train.prompts_per_step=2", "rollout.max_new_tokens=16",
+        "data.shuffle=false", "train.seq_length=64", "rollout.partial_max_new_tokens=4"]
+
+
+def _collector(cls, engine, model_dir, tmp_path, argv=()):
+    from transformers import AutoTokenizer
+    cfg = _config(BASE + [f"logging.rollout_dir={tmp_path}"] + list(argv))
+    return cls(engine, ROWS, AutoTokenizer.from_pretrained(model_dir), load_reward_fn("math"),
+               cfg)
+
+
+def _records(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_continued_reply_equals_uninterrupted(model_dir):
+    """Cut after k tokens, continued from prompt + those tokens with first_steps=k: the same
+    tokens and log-probs; without the offset (negative control) other tokens."""
+    engine = HFRolloutEngine(model_dir, dtype=torch.float32)
+    prompt = [5, 17, 33, 60, 9]
+    params = SamplingParams(max_new_tokens=24, seeds=[11, 12])
+    full = HFRolloutEngine.generate(engine, [prompt, prompt], params)
+    whole = [g for g in full if len(g.response_ids) >= 12]
+    assert whole, [len(g.response_ids) for g in full]
+    g = whole[0]
+    seed = params.seeds[full.index(g)]
+    cut = engine.generate([prompt], SamplingParams(max_new_tokens=24, seeds=[seed],
+                                                   row_max_new_tokens=[5]))[0]
+    assert cut.response_ids == g.response_ids[:5] and cut.finish_reason == "length"
+    rest = engine.generate([prompt + cut.response_ids], SamplingParams(
+        max_new_tokens=24, seeds=[seed], first_steps=[5],
+        row_max_new_tokens=[len(g.response_ids) - 5]))[0]
+    assert cut.response_ids + rest.response_ids == g.response_ids
+    assert cut.response_logprobs + rest.response_logprobs == pytest.approx(
+        g.response_logprobs, abs=1e-5)
+    control = engine.generate([prompt + cut.response_ids], SamplingParams(
+        max_new_tokens=len(g.response_ids) - 5, seeds=[seed]))[0]
+    assert control.response_ids != g.response_ids[5:]
+
+
+class NoOffsetEngine(HFRolloutEngine):
+    """The negative control: continued rows restart their randomness at step 0."""
+
+    def _generate(self, prompts, params):
+        return super()._generate(prompts, SamplingParams(
+            max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+            top_p=params.top_p, seeds=params.seeds,
+            row_max_new_tokens=params.row_max_new_tokens))
+
+
+def _replies(records: list[dict]) -> dict:
+    return {(r["gen_batch"], r["prompt_index"], r["sample_index"]):
+            (r["token_ids"], r["rollout_logprobs"]) for r in records}
+
+
+def test_fixed_weights_partial_replies_equal_the_plain_run(model_dir, tmp_path):
+    """lr = 0 (weights never change): every reply a partial run trains, cut and carried across
+    steps or not, is token for token and log-prob for log-prob the reply of the run without
+    partial rollouts (same prompts, same seeds); with the offset dropped they differ."""
+    engine = HFRolloutEngine(model_dir, dtype=torch.float32)
+    plain = _collector(RolloutCollector, engine, model_dir, tmp_path / "plain")
+    for step in range(1, 6):
+        plain.collect(dump_step=step)
+    reference = {}
+    for step in range(1, 6):
+        reference.update(_replies(_records(tmp_path / "plain" / f"step_{step}.jsonl")))
+
+    def partial_run(eng, where) -> tuple[dict, list[dict]]:
+        c = _collector(PartialCollector, eng, model_dir, tmp_path / where)
+        metrics = [c.collect(dump_step=s).metrics for s in range(1, 5)]
+        out = {}
+        for s in range(1, 5):
+            records = _records(tmp_path / where / f"step_{s}.jsonl")
+            assert all(len(r["token_versions"]) == len(r["token_ids"]) for r in records)
+            out.update(_replies(records))
+        return out, metrics
+
+    got, metrics = partial_run(engine, "partial")
+    assert len(got) == 4 * 2 * 2 and set(got) <= set(reference)
+    for key, (ids, logprobs) in got.items():
+        assert ids == reference[key][0], key
+        assert logprobs == pytest.approx(reference[key][1], abs=1e-5)
+    # replies were really cut and carried over steps: some span two versions
+    assert max(m["rollout/version_span_max"] for m in metrics) >= 1
+    assert sum(m["rollout/partial_share"] for m in metrics) > 0
+    assert all(0 < m["rollout/engine_fill"] <= 1 for m in metrics)
+    control, _ = partial_run(NoOffsetEngine(model_dir, dtype=torch.float32), "control")
+    differ = [k for k in control if k in reference and control[k][0] != reference[k][0]]
+    assert differ
+
+
+def test_carried_logprobs_are_those_of_the_sampling_version(model_dir, tmp_path):
+    """Weights change between steps (version 0 -> 1 -> 2): each token's recorded log-prob is
+    log_softmax of the logits under the weights of the version its token_versions entry names
+    (kept here); under the newest weights (negative control) the older tokens disagree."""
+    engine = HFRolloutEngine(model_dir, dtype=torch.float32)
+    c = _collector(PartialCollector, engine, model_dir, tmp_path)
+    versions = [{k: v.clone() for k, v in engine.model.state_dict().items()}]
+    spanning = []
+    for step in range(1, 4):
+        c.collect(dump_step=step)
+        spanning += [r for r in _records(tmp_path / f"step_{step}.jsonl")
+                     if len(set(v for v in r["token_versions"] if v >= 0)) > 1]
+        gen = torch.Generator().manual_seed(step)
+        update = [(n, p + 0.05 * torch.randn(p.shape, generator=gen))
+                  for n, p in engine.model.named_parameters() if p.dim() == 2]
+        engine.update_weights(update)
+        versions.append({k: v.clone() for k, v in engine.model.state_dict().items()})
+    assert spanning, "no carried reply spans versions"
+
+    def logprobs_under(state, ids):
+        engine.model.load_state_dict(state)
+        with torch.no_grad():
+            logits = engine.model(input_ids=torch.tensor([ids])).logits[0].float()
+        return torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+    for r in spanning:
+        ids, tv, lp = r["token_ids"], r["token_versions"], r["rollout_logprobs"]
+        recomputed = {v: logprobs_under(versions[v], ids) for v in set(tv) if v >= 0}
+        for t in range(1, len(ids)):
+            if tv[t] >= 0:
+                assert abs(recomputed[tv[t]][t - 1] - lp[t]) < 1e-4, (t, tv[t])
+        newest = logprobs_under(versions[-1], ids)
+        old = [t for t in range(1, len(ids)) if 0 <= tv[t] < len(versions) - 1]
+        assert max(abs(newest[t - 1] - lp[t]) for t in old) > 1e-3
+
+
+def test_checkpoint_state_continues_the_same_run(model_dir, tmp_path):
+    """state() through JSON into a fresh collector (a resume): the following batches equal the
+    straight run's."""
+    engine = HFRolloutEngine(model_dir, dtype=torch.float32)
+    straight = _collector(PartialCollector, engine, model_dir, tmp_path / "a")
+    batches = [straight.collect(dump_step=s) for s in range(1, 4)]
+    first = _collector(PartialCollector, engine, model_dir, tmp_path / "b")
+    first.collect(dump_step=1)
+    resumed = _collector(PartialCollector, engine, model_dir, tmp_path / "b")
+    resumed.restore(json.loads(json.dumps(first.state())))
+    resumed.next_gen_batch = first.next_gen_batch
+    assert resumed.state()["groups"], "nothing carried: the test would not test a resume"
+    for s, want in zip((2, 3), batches[1:]):
+        got = resumed.collect(dump_step=s)
+        assert (got.response_ids, got.rollout_logprobs, got.advantages) == (
+            want.response_ids, want.rollout_logprobs, want.advantages)
+
+
+def test_fill_counts_follow_the_engine_split():
+    # one engine: rows of 4, 1, 1 tokens decode 4 steps, 6 of 12 slots busy
+    assert fill_counts([3, 3, 3], [4, 1, 1], 1, 4, 1) == (6, 12)
+    # two engines take rows 0, 2 and 1, 3 (split_groups): each call's own longest row counts
+    assert fill_counts([3, 3, 3, 3], [4, 1, 4, 1], 1, 4, 2) == (10, 10)
+    assert fill_counts([3, 3, 3, 3], [4, 1, 4, 1], 1, 4, 1) == (10, 16)
+
+
+def test_partial_keys_are_checked_and_refused_by_name(tmp_path):
+    from tools.tiny_models import build_tiny_model
+    model = build_tiny_model(str(tmp_path / "m"), "qwen3", hidden=32, layers=1, heads=4,
+                             kv_heads=2, seed=0)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "1 + 1 ?", "answer": 2}) + "\n")
+    base = [f"model.hf_path={model}", f"data.train_files=[{data}]", "rollout.partial=true"]
+    assert validate_rl(_config(base), 1)
+    cases = {"rollout.partial_oversample=0.5": "rollout.partial_oversample=0.5 must be >= 1",
+             "rollout.partial_max_new_tokens=300": "rollout.partial_max_new_tokens=300 must be "
+                                                   "an integer in [1, rollout.max_new_tokens=256]",
+             "rollout.partial_max_staleness=-1": "rollout.partial_max_staleness=-1 must be an "
+                                                 "integer >= 0",
+             "rollout.backend=vllm": "rollout.partial=true with rollout.backend='vllm' is not "
+                                     "built",
+             "env.fn=tools": "rollout.partial=true with env.fn='tools' is not built",
+             "reward.judge.base_url=http://127.0.0.1:1/v1": "rollout.partial=true with "
+                                                           "reward.judge.base_url is not built"}
+    for override, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate_rl(_config(base + [override]), 1)

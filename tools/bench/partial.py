@@ -1,0 +1,140 @@
+"""`python -m tools.bench partial [--quick]`: partial rollouts (rollout.partial) against the
+plain rollout on a long-tailed length workload, side by side in one run, on the hf backend.
+
+Workload: every reply's length is fixed by its seed (LengthScheduledEngine): 10 % of the replies
+run 8x the median length (= rollout.max_new_tokens), the others end near the median (an end of
+sequence forced there), so a plain rollout batch decodes max_new_tokens steps while most of its
+rows are done. Both modes drive the rank-0 collectors (engine.rl.collect) for the same steps,
+prompts and seeds, with the weights nudged between steps (a new version each step: the
+staleness partial rollouts pay is measured, the training itself is not timed). Reported per
+mode: rollout seconds per trained group, engine fill (busy rows over batch rows per decode step),
+decode steps, and the staleness (share of trained replies spanning versions, version span mean
+and max). Also `eos_prone_model`, the tests' tiny model with spread reply lengths.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import tempfile
+
+import torch
+
+from engine.config.schema import load_config
+from engine.generation import SamplingParams
+from engine.generation.hf.backend import HFRolloutEngine
+from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
+from engine.rl.collect.collector import RolloutCollector
+from engine.rl.collect.partial import PartialCollector
+from engine.rl.config import RLConfig
+from engine.rl.rewards import load_reward_fn
+from tools.bench.common import BenchResult, Table, fmt, machine_info
+from tools.tiny_models import build_tiny_model
+
+
+def eos_prone_model(path: str, eos_scale: float = 2.5, hidden: int = 64, layers: int = 2) -> str:
+    """A tiny qwen3 (word-level tokenizer, eos id 3, tied embeddings) whose end-of-sequence
+    embedding row is scaled by `eos_scale`: sampled reply lengths spread from 1 token to the
+    limit (2.5: at 64 tokens, lengths 1 to 64, mean ~17). Returns `path`."""
+    from safetensors.torch import load_file, save_file  # a dependency of transformers
+
+    build_tiny_model(path, "qwen3", hidden=hidden, layers=layers, heads=8, kv_heads=2, seed=0,
+                     initializer_range=0.2)
+    (weights,) = glob.glob(f"{path}/*.safetensors")
+    state = load_file(weights)
+    state["model.embed_tokens.weight"][3] *= eos_scale
+    save_file(state, weights, metadata={"format": "pt"})
+    return path
+
+
+def scheduled_length(seed: int, median: int) -> int:
+    """A reply's length from its seed: 8 x median for 10 % of the seeds, else median / 2 to
+    3 median / 2."""
+    u = int.from_bytes(hashlib.blake2b(str(seed).encode(), digest_size=8).digest(), "little")
+    return 8 * median if u % 10 == 0 else median // 2 + (u >> 8) % (median + 1)
+
+
+class LengthScheduledEngine(HFRolloutEngine):
+    """The hf engine with each reply's length fixed by its seed (scheduled_length): a row stops
+    at that length, its last token replaced by the end-of-sequence id ("stop")."""
+
+    median = 8
+
+    def _generate(self, prompts, params):
+        first = params.first_steps or [0] * len(prompts)
+        bound = params.row_max_new_tokens or [params.max_new_tokens] * len(prompts)
+        want = [scheduled_length(s, self.median) for s in params.seeds]
+        rows = [max(1, min(b, w - f)) for b, w, f in zip(bound, want, first)]
+        gens = super()._generate(prompts, SamplingParams(
+            params.max_new_tokens, params.temperature, params.top_p, params.seed, params.seeds,
+            params.first_steps, rows))
+        for gen, f, w in zip(gens, first, want):
+            if f + len(gen.response_ids) >= w and gen.response_ids:
+                gen.response_ids[-1] = self.eos_token_ids[0]
+                gen.finish_reason = "stop"
+        return gens
+
+
+def _collect(cls, engine, cfg, tokenizer, rows, steps: int) -> list[dict]:
+    collector = cls(engine, rows, tokenizer, load_reward_fn("math"), cfg)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(steps):
+        out.append(collector.collect(dump_step=step + 1).metrics)
+        engine.update_weights([(n, p + 1e-3 * torch.randn(p.shape, generator=gen))
+                               for n, p in engine.model.named_parameters() if p.dim() == 2])
+    return out
+
+
+def run_partial(quick: bool) -> BenchResult:
+    """Both modes on the same engine weights, prompts and seeds (module docstring)."""
+    from transformers import AutoTokenizer  # the tokenizer of the tiny model folder
+
+    steps, prompts, n, median = (6, 8, 4, 8) if quick else (12, 16, 8, 16)
+    hidden, layers = (128, 2) if quick else (256, 4)
+    rows = [{"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?", "answer": str(i)}
+            for i in range(64)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = eos_prone_model(f"{tmp}/model", eos_scale=1.0, hidden=hidden, layers=layers)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        argv = [f"rollout.n={n}", f"train.prompts_per_step={prompts}", "data.shuffle=false",
+                f"rollout.max_new_tokens={8 * median}", "train.seq_length=512"]
+        cfg, _ = load_config(RLConfig, argv)
+        cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))
+        results = {}
+        for mode, cls in (("off", RolloutCollector), ("on", PartialCollector)):
+            engine = LengthScheduledEngine(path, dtype=torch.float32)
+            engine.median = median
+            results[mode] = _collect(cls, engine, cfg, tokenizer, rows, steps)
+    summary = {"partial_machine": machine_info()}
+    table_rows = []
+    for mode, ms in results.items():
+        groups = sum(m["train/groups"] for m in ms)
+        seconds = sum(m["time/rollout_s"] for m in ms)
+        row = {"rollout_s_per_group": seconds / groups,
+               "engine_fill": sum(m["rollout/engine_fill"] for m in ms) / len(ms),
+               "partial_share": sum(m.get("rollout/partial_share", 0.0) for m in ms) / len(ms),
+               "version_span_mean": sum(m.get("rollout/version_span_mean", 0.0)
+                                        for m in ms) / len(ms),
+               "version_span_max": max(m.get("rollout/version_span_max", 0.0) for m in ms),
+               "staleness_mean": sum(m.get("rollout/partial_staleness_mean", 0.0)
+                                     for m in ms) / len(ms),
+               "restarts": sum(m.get("rollout/partial_restarts", 0.0) for m in ms),
+               "groups": groups, "seconds": seconds}
+        summary.update({f"partial_{mode}_{k}": v for k, v in row.items()})
+        table_rows.append([mode, f"{groups:.0f}", fmt(seconds, 2),
+                           fmt(row["rollout_s_per_group"], 4), fmt(row["engine_fill"]),
+                           fmt(row["partial_share"]), fmt(row["version_span_mean"]),
+                           f"{row['version_span_max']:.0f}", fmt(row["staleness_mean"]),
+                           f"{row['restarts']:.0f}"])
+    summary["partial_speedup_per_group"] = (summary["partial_off_rollout_s_per_group"]
+                                            / summary["partial_on_rollout_s_per_group"])
+    table = Table(
+        f"Partial rollouts: {steps} steps x {prompts} groups of {n}, median reply {median}, "
+        f"10 % at {8 * median} tokens (hf backend, hidden {hidden}, {layers} layers)",
+        ["rollout.partial", "trained groups", "rollout s", "s per trained group",
+         "engine fill", "partial share", "version span mean", "span max",
+         "staleness mean", "restarts"],
+        table_rows,
+        [f"speedup per trained group: {summary['partial_speedup_per_group']:.2f}x "
+         "(partial: oversample 1.5, partial_max_new_tokens = max_new_tokens / 4)"])
+    return BenchResult([table], summary)
