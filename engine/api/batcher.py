@@ -81,6 +81,9 @@ class Pending:
     request: GenerateRequest
     future: concurrent.futures.Future
     arrived: float
+    # called on the owner thread with the ids sampled so far, by a step-level server
+    # (engine.serve.stepping) after each engine step; None: the result only
+    progress: Callable[[list[int]], None] | None = None
 
 
 @dataclass
@@ -129,15 +132,18 @@ class GenerateQueue:
         Raises 503 when closed, QueueFull (429) when max_pending wait (module docstring)."""
         return self.submit_many(episode, [request])[0]
 
-    def submit_many(self, episode: str, requests: list[GenerateRequest]
+    def submit_many(self, episode: str, requests: list[GenerateRequest],
+                    progress: list[Callable[[list[int]], None]] | None = None
                     ) -> list[concurrent.futures.Future]:
         """Queue the choices of one call together: all of them, or none (503 / 429 as
-        `submit`, the choices counted)."""
+        `submit`, the choices counted); `progress`: one Pending.progress per request."""
         futures = [concurrent.futures.Future() for _ in requests]
+        calls = progress if progress is not None else [None] * len(requests)
         with self.cond:
             self.check_admission(len(requests))
             now = time.monotonic()
-            self.pending += [Pending(episode, r, f, now) for r, f in zip(requests, futures)]
+            self.pending += [Pending(episode, r, f, now, c)
+                             for r, f, c in zip(requests, futures, calls)]
             self.outstanding[episode] = self.outstanding.get(episode, 0) + len(requests)
             self.cond.notify_all()
         return futures
@@ -148,9 +154,13 @@ class GenerateQueue:
         with self.cond:
             if self.closed is not None:
                 raise stopping_error(self.closed)
-            if self.max_pending is not None and \
-                    len(self.pending) + choices > self.max_pending:
-                raise QueueFull(len(self.pending), self.max_pending, self.limit_name)
+            waiting = self.waiting()
+            if self.max_pending is not None and waiting + choices > self.max_pending:
+                raise QueueFull(waiting, self.max_pending, self.limit_name)
+
+    def waiting(self) -> int:
+        """The requests admission counts (under the lock): the pending ones."""
+        return len(self.pending)
 
     def close(self, why: str) -> None:
         """The server is stopping: every pending request and every later one gets 503

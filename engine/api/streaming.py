@@ -1,9 +1,13 @@
-"""`stream: true` of `serve`: a finished response as server-sent events, OpenAI's chunks.
+"""`stream: true` of `serve`: a response as server-sent events, OpenAI's chunks.
 
-The rollout engines generate a reply whole (one batched call), so a stream is cut from the
-finished response and sent after generation: the time to the first token is the whole reply's
-time. It is still a stream a client can consume: `data: {chunk}\\n\\n` events, then
-`data: [DONE]\\n\\n` (media type text/event-stream).
+Two ways. Cut from the finished response (`chat_chunks`, `completion_chunks`, `event_stream`:
+the batch path of the hf engine, and every request with log-probs or echo, whose log-probs
+come from a scoring pass after the reply, or chat tool parsing): sent after generation, the
+time to the first token is the whole reply's time. Live (`LiveText`, engine.serve.live: the
+vllm engine's step-level serving): each step's new text is sent as it is sampled, the rest
+and the finish chunk at the end, with the same chunk shapes. Either is a stream a client
+consumes the same way: `data: {chunk}\\n\\n` events, then `data: [DONE]\\n\\n` (media type
+text/event-stream).
 
 Chunks (every one with the response's id, created and model):
 - chat (`chat.completion.chunk`), choice by choice: a first delta {"role": "assistant",
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from fastapi.responses import StreamingResponse
 
@@ -139,6 +143,44 @@ def completion_chunks(rules: TemplateRules, call: Call, body: dict, replies: lis
     if call.include_usage:
         out.append({**head, "choices": [], "usage": body["usage"]})
     return out
+
+
+class LiveText:
+    """A choice's text sent while its ids are sampled (a step-level server: engine.serve.live):
+    `piece(ids)` is the new text to send after the ids so far, always a prefix of the reply's
+    final text: the text of every id but the last (a token's text may change with the next
+    one: half a character, spaces cleaned up; a final end-of-turn marker is not text), without
+    a trailing incomplete character, less the longest stop string's length - 1 characters (a
+    stop string may be starting there); nothing more once the text holds a stop string (the
+    reply is cut there: engine.api.replies). `rest(final)` is what the final text adds to what
+    was sent. `text_of(ids)`: the reply's text of ids (TemplateRules.reply_text with the
+    choice's lead)."""
+
+    def __init__(self, text_of: Callable[[list[int]], str], stops: list[str]) -> None:
+        self.text_of, self.stops = text_of, list(stops)
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent, self.frozen = "", False
+
+    def piece(self, ids: list[int]) -> str:
+        if self.frozen or len(ids) < 2:
+            return ""
+        text = self.text_of(list(ids[:-1])).rstrip("\ufffd")
+        if any(s in text for s in self.stops):
+            self.frozen = True
+            return ""
+        safe = text[:len(text) - self.hold]
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        new, self.sent = safe[len(self.sent):], safe
+        return new
+
+    def rest(self, final: str) -> str:
+        """The final text past what was sent; RuntimeError if what was sent is not its start
+        (the stream then ends with its error event)."""
+        if not final.startswith(self.sent):
+            raise RuntimeError(f"the streamed text {self.sent[-40:]!r} is not the start of the "
+                               "reply's text")
+        return final[len(self.sent):]
 
 
 def stream_error(request_id: str) -> dict:

@@ -93,3 +93,85 @@ class SamplingBackend:
             k = requests[i].score_top_k
             out[i].scores = TokenScores([float(x) for x in s.logprobs],
                                         [dict(list(d.items())[:k]) for d in s.top])
+
+
+class StepBackend:
+    """GenerateRequest-level continuous batching over a step driver (the interface of
+    engine.generation.vllm.stepper.VLLMStepDriver: add, add_scoring, abort, step, busy), for
+    a server whose requests join the running engine step (engine.serve.stepping). The same
+    results as SamplingBackend.generate, request by request: each request runs with its own
+    max_tokens (a seeded sample's first t tokens do not depend on the budget), max_tokens 0
+    takes no generation, and a request with score_top_k = k is scored after its reply
+    (prompt + sampled ids, its own k) by a scoring request of the same driver.
+
+    Keys: the caller's, unique among the requests in flight; a scoring request runs under
+    key + SCORING. `calls` counts the requests added to the driver (generations and
+    scorings)."""
+
+    SCORING = "/score"
+
+    def __init__(self, driver) -> None:
+        self.driver = driver
+        self.requests: dict[str, GenerateRequest] = {}
+        self.scored: dict[str, GenerateResult] = {}   # key -> its reply, while it is scored
+        self.calls = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.driver.busy
+
+    def add(self, key: str, request: GenerateRequest) -> GenerateResult | None:
+        """Start `request`; its result at once when nothing is to run (max_tokens 0 without
+        scores), else None (it comes from `step`). Raises what the driver refuses."""
+        if request.max_tokens == 0:
+            return self._finish(key, request, GenerateResult([], [], "length"))
+        params = SamplingParams(max_new_tokens=request.max_tokens,
+                                temperature=request.temperature, top_p=request.top_p,
+                                seeds=[request.seed])
+        self.driver.add(key, list(request.prompt_ids), params)
+        self.calls += 1
+        self.requests[key] = request
+        return None
+
+    def _finish(self, key: str, request: GenerateRequest, result: GenerateResult
+                ) -> GenerateResult | None:
+        """`result`, or None after starting its scoring (class docstring)."""
+        if request.score_top_k is None:
+            return result
+        self.driver.add_scoring(key + self.SCORING, list(request.prompt_ids) + result.ids,
+                                request.score_top_k)
+        self.calls += 1
+        self.requests[key], self.scored[key] = request, result
+        return None
+
+    def abort(self, key: str) -> None:
+        """Stop `key`'s generation or scoring (a cancelled client)."""
+        self.requests.pop(key, None)
+        self.scored.pop(key, None)
+        self.driver.abort(key)
+        self.driver.abort(key + self.SCORING)
+
+    def step(self) -> list[tuple[str, list[int], GenerateResult | None]]:
+        """One engine step: (key, ids sampled so far, its result once finished) of each
+        request that moved."""
+        out = []
+        for o in self.driver.step():
+            if o.key.endswith(self.SCORING):
+                if o.done is None:
+                    continue
+                key = o.key[:-len(self.SCORING)]
+                result = self.scored.pop(key)
+                self.requests.pop(key)
+                result.scores = TokenScores([float(x) for x in o.done.logprobs],
+                                            [dict(d) for d in o.done.top])
+                out.append((key, result.ids, result))
+            elif o.done is None:
+                out.append((o.key, o.ids, None))
+            else:
+                request = self.requests.pop(o.key)
+                gen = o.done
+                result = self._finish(o.key, request, GenerateResult(
+                    list(gen.response_ids), [float(x) for x in gen.response_logprobs],
+                    gen.finish_reason))
+                out.append((o.key, list(gen.response_ids), result))
+        return out

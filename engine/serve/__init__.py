@@ -13,6 +13,9 @@ Modules (one job each):
     batching   the queue's rule for independent clients (gather, then one generate call),
                its bound (--max-queue: 429), failed calls retried in halves (503 only for
                the failing request) and its closing on SIGTERM (503)
+    stepping   continuous batching over a step-level backend (the vllm engine: vLLM's step
+               API, engine.generation.vllm.stepper): requests join the running step
+    live       live streams of a step-level endpoint (each step's new text as chunks)
     endpoint   the FastAPI app (/v1/models, /v1/chat/completions, /v1/completions), seeds
     folder     the --model folder checked before anything heavy is imported
     model      the folder loaded on the hf or vllm rollout engine

@@ -21,8 +21,9 @@ API_KEY_ENV = "MEGATRON_SFT_ENGINE_API_KEY"
 DESCRIPTION = """Serve a Hugging Face checkpoint OpenAI-compatibly (/v1/models,
 /v1/chat/completions, /v1/completions; vLLM's /tokenize, /detokenize and /tokenizer_info at the
 root) for evaluation and for LLM judges (reward.judge.*).
-Requests of concurrent clients are batched into one generate call of the rollout engine
-(hf: transformers; vllm: vLLM in this process). A request's temperature, top_p, max_tokens
+On vllm (vLLM in this process) requests join the running batch at the next engine step
+and `stream: true` sends text as it is sampled; on hf (transformers) concurrent requests are
+batched into one generate call and a stream is sent after it. A request's temperature, top_p, max_tokens
 (capped at --max-tokens), n, stop, logprobs and tools are honoured; a request without `seed`
 samples with a seed derived from --seed and its arrival number, one with `seed` samples the
 same reply whatever else is served. Every request is logged in one line (route, status,
@@ -63,9 +64,11 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights' dtype (default: auto, the checkpoint's)")
     p.add_argument("--batch-wait-ms", type=float, default=20.0,
-                   help="a batch goes this long after its oldest request arrived (default: 20)")
+                   help="hf: a batch goes this long after its oldest request arrived "
+                        "(default: 20; vllm: unused, requests join the running step)")
     p.add_argument("--max-batch", type=int, default=None,
-                   help="requests per generate call at most (default: no limit)")
+                   help="hf: requests per generate call at most (default: no limit; vllm: "
+                        "unused, vLLM's scheduler bounds its batch)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="requests must send 'Authorization: Bearer KEY' (OpenAI(api_key=KEY)); "
                         f"others get 401 (default: ${API_KEY_ENV} when set, which keeps the "
@@ -73,7 +76,8 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
                    help="a request body over this many MiB gets 413 (default: 16)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
-                   help="a request arriving while N choices wait for the engine gets 429 "
+                   help="a request arriving while N choices wait for the engine (vllm: "
+                        "queued or running in it) gets 429 "
                         f"(code queue_full, Retry-After; default: {DEFAULT_MAX_QUEUE})")
     p.add_argument("--max-choices", type=int, default=None, metavar="N",
                    help="a request of more than N choices (prompts x n) gets 400 before it "

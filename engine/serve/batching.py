@@ -109,12 +109,18 @@ class ServeQueue(GenerateQueue):
                          max_batch=max_batch, max_pending=max_pending)
         self.alive: Callable[[], bool] = lambda: True   # the engine (ServeEndpoint.serve)
         self.twins = twins if twins is not None else FailedTwins()
+        self.running = 0   # choices in the engine (step-level serving: engine.serve.stepping)
 
-    def submit_many(self, episode: str, requests: list[GenerateRequest]):
+    def waiting(self) -> int:
+        """What admission counts: the queued choices, plus those running in the engine under
+        step-level serving (0 under the batch rule: the call in flight is not counted)."""
+        return len(self.pending) + self.running
+
+    def submit_many(self, episode: str, requests: list[GenerateRequest], progress=None):
         """GenerateQueue.submit_many, and 503 (repeated_failure) when one of the choices has
         a twin that failed alone (module docstring)."""
         self.check_twins(requests)
-        return super().submit_many(episode, requests)
+        return super().submit_many(episode, requests, progress)
 
     def check_twins(self, requests: list[GenerateRequest]) -> None:
         """Raise twin_failed when one of `requests` has a twin that failed alone."""

@@ -17,7 +17,9 @@ Stateless: every request is rendered whole (a chat with the generation prompt, a
 are; a text prompt with the tokenizer's special tokens), checked by the agent endpoint's rules
 (engine.api.requests: the same parameters and 400s, any temperature / top_p, and the
 evaluation parameters below), queued
-(engine.serve.batching: concurrent clients share one generate call) and answered by
+(engine.serve.batching: concurrent clients share one generate call; with a step-level
+backend, the vllm engine's, engine.serve.stepping: each request joins the running engine
+step) and answered by
 engine.api.replies. Errors are OpenAI-style bodies: 400 for malformed JSON, a parameter
 out of range, or context length exceeded (the prompt, or the prompt plus an explicit
 max_tokens, over max_context tokens: code context_length_exceeded); 401 (code invalid_api_key)
@@ -46,10 +48,13 @@ model's RAW logits (vLLM's default raw_logprobs: temperature and top_p do not ch
 computed by one scoring pass (RolloutEngine.score, through SamplingBackend's `score`) over
 prompt + reply on the serving thread, after the batch's generate calls; k is capped at
 ServeSettings.max_logprobs (20, vLLM's default max_logprobs; more is a 400 naming the
-parameter and the cap). stream=true: the engines generate a reply whole (one batched call), so
-the events are cut from the finished reply and sent after generation: the time to the first
-token is the whole reply's time. Errors found before streaming starts are JSON error bodies;
-one after it started ends the stream with an error event, then [DONE] (engine.api.streaming).
+parameter and the cap). stream=true: with a step-level backend, a request without
+log-probs, echo or chat tool parsing streams live (engine.serve.live: each engine step's new
+text as it is sampled); otherwise (the hf engine's batch path, or those requests) the events
+are cut from the finished reply and sent after generation (engine.api.streaming). Errors found
+before streaming starts are JSON error bodies (a full queue's 429 before the body is read);
+one after it started ends the stream with an error event, then [DONE] (engine.api.streaming;
+a live stream's generation failure too).
 """
 from __future__ import annotations
 
@@ -74,9 +79,12 @@ from engine.api.requests import ApiError, Call, Limits, bad, parse_chat, parse_c
 from engine.api.streaming import chat_chunks, completion_chunks, event_stream
 from engine.api.tokens import TemplateRules
 from engine.errors import RunError
+from engine.generation.sampling_backend import StepBackend
 from engine.serve.admission import (DEFAULT_MAX_CHOICES, DEFAULT_MAX_SCORE_GIB, budget,
                                     check_choices, check_scoring)
 from engine.serve.batching import CLIENTS, DEFAULT_MAX_QUEUE, STOPPING, ServeQueue
+from engine.serve.live import LiveStream, streams_live
+from engine.serve.stepping import StepServing
 from engine.serve.tokenizer_routes import add_tokenizer_routes
 
 SEED_RANGE = 2 ** 63
@@ -160,6 +168,7 @@ class ServeEndpoint:
         self._accepted = 0
         self._token = secrets.token_hex(4)
         self._http = None
+        self.live = False   # live streams: a step-level backend (serve; engine.serve.live)
 
     @property
     def base_url(self) -> str:
@@ -182,14 +191,17 @@ class ServeEndpoint:
 
     def serve(self, backend: GenerateBackend, until: Callable[[], bool],
               alive: Callable[[], bool] = lambda: True) -> None:
-        """On the engine-owning thread: batches through `backend` until `until()` holds and
-        nothing is pending. A failed generate call answers its failing requests 503
+        """On the engine-owning thread: batches through `backend` (a StepBackend: steps,
+        engine.serve.stepping) until `until()` holds and nothing is pending. A failed generate call answers its failing requests 503
         (engine.serve.batching) and serving goes on while `alive()` (the engine still works);
         otherwise RunError."""
         self.queue.alive = alive
+        self.live = isinstance(backend, StepBackend)
+        run = (StepServing(self.queue, backend).run if self.live
+               else lambda stop: self.queue.serve(backend, stop))
         while True:
             try:
-                self.queue.serve(backend, until)
+                run(until)
                 return
             except Exception as e:  # noqa: BLE001 - the batch got its 503s; the engine decides
                 if not alive():
@@ -255,6 +267,9 @@ class ServeEndpoint:
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._token}-{number}"
         requests = [dataclasses.replace(shape, seed=call_seed(base, 0, k))
                     for shape in shapes for k in range(call.n)]
+        if self.live and streams_live(call, self.rules):   # engine.serve.live
+            return LiveStream(self.rules, call, contexts, self.limits.model, rid,
+                              ERROR_LOG).response(self.queue, CLIENTS, requests)
         try:
             results = await asyncio.gather(*[asyncio.wrap_future(f) for f in
                                              self.queue.submit_many(CLIENTS, requests)])
@@ -300,6 +315,7 @@ def build_app(endpoint: ServeEndpoint) -> FastAPI:
         return models_body(endpoint.limits)
 
     async def call(request: Request, kind: str) -> Response:
+        endpoint.queue.check_admission(1)   # a full queue: 429 before the body is read
         try:
             return await endpoint.handle(kind, await read_body(
                 request, endpoint.max_body_bytes, endpoint.body_limit))

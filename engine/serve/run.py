@@ -12,7 +12,8 @@ import sys
 import threading
 
 from engine.errors import RunError
-from engine.generation.sampling_backend import SamplingBackend
+from engine.generation.sampling_backend import SamplingBackend, StepBackend
+from engine.generation.vllm.stepper import VLLMStepDriver
 from engine.serve.endpoint import REQUEST_LOG, ServeEndpoint, ServeSettings
 from engine.serve.folder import model_vocab
 from engine.serve.model import load_model
@@ -55,8 +56,11 @@ def serve_model(args) -> int:
         # max_len: a request never shares a budget that would take its prompt past the
         # context (vLLM refuses such a call: max_model_len = --max-context); score: the
         # raw-logit log-probs of requests with logprobs / echo (engine.api.evaluation)
-        backend = SamplingBackend(engine.generate, max_len=args.max_context,
-                                  score=engine.score)
+        # vllm: continuous batching through vLLM's step API (engine.serve.stepping), so
+        # requests join the running batch and streams are live; hf: one call per batch
+        backend = (StepBackend(VLLMStepDriver(engine)) if args.backend == "vllm" else
+                   SamplingBackend(engine.generate, max_len=args.max_context,
+                                   score=engine.score))
         endpoint.serve(backend, stop.is_set, alive=lambda: engine.is_alive)
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -86,7 +86,7 @@ from engine.generation.vllm.attention import cpu_attention_args
 from engine.generation.vllm.process import (engine_process_env, preserved_global_rng,
                                              trainer_groups_kept, without_chat_warmup_warning)
 from engine.generation.vllm.lora import AdapterServing
-from engine.generation.vllm.requests import check_prompts, generation
+from engine.generation.vllm.requests import check_prompts, generation, sampling_args
 from engine.generation.vllm.scoring import logprob_table, prompt_logprob_outputs, vllm_scores
 from engine.generation.vllm.settings import engine_args
 from engine.generation.vllm.speculative import Speculation
@@ -99,9 +99,8 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "
 
 
 def _vllm():
-    """vLLM, imported on first use. Every rank loads this module (the loop reads the class's
-    flags), only an engine's owner builds one: the others never pay vLLM's import (7-18 s on a
-    2-core host)."""
+    """vLLM, imported on first use: only an engine's owner pays its import (7-18 s on 2 cores;
+    every rank loads this module for the class's flags)."""
     import vllm  # only an engine's owner pays vLLM's import
     return vllm
 
@@ -261,31 +260,37 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
                                f"parameters or layers unwritten ({self._stale[:3]}); refusing "
                                "to sample with stale weights")
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def vllm_params(self, prompts: list[list[int]], params: SamplingParams) -> list:
+        """vLLM SamplingParams of each prompt, the engine ready and the prompts checked (the
+        seed rule of the module docstring; requests.sampling_args): what `generate` and the
+        step driver (engine.generation.vllm.stepper) hand to vLLM."""
         self._ready("generate")
         check_prompts(prompts, params, self.vocab_size, self.max_model_len)
-        greedy = params.temperature == 0
-        sampling, make_params = [], _vllm().SamplingParams
-        for i in range(len(prompts)):
-            seed = (params.seeds[i] if params.seeds is not None
-                    else self._seeds.getrandbits(31) if params.seed is None else params.seed + i)
-            sampling.append(make_params(
-                n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
-                top_p=1.0 if greedy else params.top_p, top_k=0, seed=seed, logprobs=0,
-                stop_token_ids=list(self.eos_token_ids), detokenize=False))
-        from vllm.inputs import TokensPrompt  # vLLM, imported on first use (_vllm)
-        with preserved_global_rng():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                        sampling, use_tqdm=False, lora_request=self._lora())
-        if self.speculation is not None and self.speculation.enabled:
-            self.speculation.after_generate(self.llm)   # counters, the off switch
-        # the first sampled call: its log-probs came from the contract (a greedy call does not
-        # go through the top-k/top-p sampler: `serve` may answer greedy requests first)
+        make_params = _vllm().SamplingParams
+        return [make_params(**sampling_args(params, params.seeds[i] if params.seeds is not None
+                                            else self._seeds.getrandbits(31)
+                                            if params.seed is None else params.seed + i,
+                                            self.eos_token_ids)) for i in range(len(prompts))]
+
+    def check_contract(self, greedy: bool) -> None:
+        """After the first sampled (not greedy) requests: refuse when vLLM sampled without the
+        contract's sampler (a greedy call does not go through the top-k/top-p sampler: `serve`
+        may answer greedy requests first)."""
         if not self._contract_seen and not greedy:
             if not all(self.llm.collective_rpc("rl_contract_calls")):
                 raise RuntimeError("vLLM sampled without its topk_topp_sampler, which carries "
                                    "the log-prob contract: its log-probs are not the contract's")
             self._contract_seen = True
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        sampling = self.vllm_params(prompts, params)
+        from vllm.inputs import TokensPrompt  # vLLM, imported on first use (_vllm)
+        with preserved_global_rng():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                        sampling, use_tqdm=False, lora_request=self.lora_request())
+        if self.speculation is not None and self.speculation.enabled:
+            self.speculation.after_generate(self.llm)   # counters, the off switch
+        self.check_contract(params.temperature == 0)
         return [generation(prompt, out.outputs[0], self.eos_token_ids)
                 for prompt, out in zip(prompts, outputs, strict=True)]
 
@@ -301,16 +306,17 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
                                "(rollout.check_weight_sync=true sets it)")
         self._ready("probe_logits")
         ids = [int(t) for t in input_ids[0]]   # row i: the distribution after ids[:i + 1]
-        (out,) = prompt_logprob_outputs(self.llm, [ids + ids[:1]], -1, self._lora())
+        (out,) = prompt_logprob_outputs(self.llm, [ids + ids[:1]], -1, self.lora_request())
         return logprob_table(out.prompt_logprobs[1:], self.vocab_size)[None]
 
     def _score(self, sequences: list[list[int]], top_k: int) -> list[SequenceScores]:
         """vLLM's prompt log-probs (engine.generation.vllm.scoring; top_k <= max_logprobs)."""
         self._ready("score")
-        return vllm_scores(self.llm, sequences, top_k, self._lora())
+        return vllm_scores(self.llm, sequences, top_k, self.lora_request())
 
-    def _lora(self):
-        """The LoRARequest of the adapter version served (None: the base, no adapter sync)."""
+    def lora_request(self):
+        """The LoRARequest of the adapter version served (None: the base, no adapter sync);
+        the step driver's requests are served with it too."""
         return self._adapter.request if self._adapter is not None else None
 
     def sleep(self) -> None:

@@ -22,6 +22,17 @@ def check_prompts(prompts: list[list[int]], params: SamplingParams, vocab_size: 
                 f"{max_model_len}: raise rollout.vllm.max_model_len or shorten the prompts")
 
 
+def sampling_args(params: SamplingParams, seed: int, eos_token_ids) -> dict:
+    """vllm.SamplingParams' keywords of one request (engine.generation.vllm.backend): one
+    sample of at most max_new_tokens, top-p off when greedy, no top-k, the request's `seed`,
+    the sampled token's log-prob (by the contract's sampler), ids only (no detokenizing), and
+    the backend's stop ids."""
+    greedy = params.temperature == 0
+    return dict(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
+                top_p=1.0 if greedy else params.top_p, top_k=0, seed=seed, logprobs=0,
+                stop_token_ids=list(eos_token_ids), detokenize=False)
+
+
 def generation(prompt: list[int], completion, eos_token_ids) -> Generation:
     """vLLM's CompletionOutput of `prompt` as a Generation: the sampled ids, the contract's
     log-prob of each (the engine runs the ContractLogprobs sampler), "stop" exactly when the

@@ -53,6 +53,13 @@ def prompt_scores(ids: list[int], prompt_logprobs, top_k: int) -> SequenceScores
     return SequenceScores(logprobs=logprobs, top=top)
 
 
+def scoring_args(k: int) -> dict:
+    """vllm.SamplingParams' keywords of a scoring request: one token generated after the
+    sequence (discarded), its prompt log-probs with the k most likely ids (-1: all)."""
+    return dict(n=1, max_tokens=1, temperature=1.0, seed=0, prompt_logprobs=k,
+                detokenize=False)
+
+
 def prompt_logprob_outputs(llm, sequences: list[list[int]], k: int, lora_request=None) -> list:
     """vLLM's RequestOutputs of one `generate` call on `llm` (a vllm.LLM built without a
     tokenizer) over the token-id `sequences`, each with max_tokens=1 and prompt_logprobs=k
@@ -60,8 +67,7 @@ def prompt_logprob_outputs(llm, sequences: list[list[int]], k: int, lora_request
     RNG states are left as they were."""
     from vllm import SamplingParams  # vLLM: imported by the engine's owner only (vllm.backend)
     from vllm.inputs import TokensPrompt  # vLLM: as above
-    params = SamplingParams(n=1, max_tokens=1, temperature=1.0, seed=0, prompt_logprobs=k,
-                            detokenize=False)
+    params = SamplingParams(**scoring_args(k))
     with preserved_global_rng():
         return llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params,
                             use_tqdm=False, lora_request=lora_request)

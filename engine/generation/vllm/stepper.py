@@ -1,0 +1,138 @@
+"""Step-level generation on a VLLMRolloutEngine: requests join vLLM's running batch as they
+arrive and leave it at their own end (continuous batching), driven through vLLM 0.32's public
+LLMEngine API (`add_request`, `step`, `abort_request`, `has_unfinished_requests`) on the
+thread that owns the engine (the engine is not thread-safe: every call of this module runs
+there).
+
+Contract: the same as VLLMRolloutEngine.generate's, request by request. A request's vLLM
+SamplingParams are built by the engine's own `vllm_params` (its seed, the contract's log-probs,
+the stop ids), its finished output is read by the engine's `generation` and a scoring request
+by engine.generation.vllm.scoring's `prompt_scores`: so a request's tokens and log-probs are
+what `generate` gives it, whatever runs beside it and whenever it arrived (vLLM seeds a
+generator per request; tested against `generate` and alone vs under load in
+tests/test_serve_steps.py). Every `step` runs under `preserved_global_rng` (CPU sampling
+draws from the global torch RNG even with per-request seeds).
+
+Keys: the caller's request keys are vLLM's external request ids (unique per driver: a key
+still running is refused). A step's outputs: for each running request with new tokens, its
+ids so far (`StepOutput.ids`), and once finished its `Generation` (or `SequenceScores` for a
+scoring request, `add_scoring`). `abort(key)` removes a request from the engine (a cancelled
+client); its slot is free from the next step.
+
+Events (`events`, the last MAX_EVENTS): ("added", key, step), ("finished", key, step),
+("aborted", key, step), with `step` the number of engine steps run before the event, so tests
+and benchmarks read which request joined a running batch and which finished first without
+clocks.
+
+`generate` and `score` of the engine must not run while requests are in the driver (vLLM's
+offline `LLM.generate` steps every request of the engine and would take their outputs): a
+server uses one or the other (engine.serve.stepping uses the driver only).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.generation.base import Generation, SamplingParams
+from engine.generation.scoring import SequenceScores
+from engine.generation.vllm.process import preserved_global_rng
+from engine.generation.vllm.requests import generation
+from engine.generation.vllm.scoring import prompt_scores, scoring_args, scoring_problem
+
+MAX_EVENTS = 4096
+
+
+@dataclass
+class StepOutput:
+    key: str
+    ids: list[int]                                  # sampled so far ([] for scoring)
+    done: Generation | SequenceScores | None = None  # set once the request finished
+
+
+@dataclass
+class _Running:
+    prompt: list[int]
+    greedy: bool
+    top_k: int | None = None   # a scoring request's k
+
+
+class VLLMStepDriver:
+    """The module's driver over `engine` (a VLLMRolloutEngine built in this process)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.running: dict[str, _Running] = {}
+        self.steps = 0
+        self.events: deque[tuple[str, str, int]] = deque(maxlen=MAX_EVENTS)
+
+    @property
+    def llm_engine(self):
+        return self.engine.llm.llm_engine
+
+    @property
+    def busy(self) -> bool:
+        """True while a request is in the engine (running or waiting in vLLM's scheduler)."""
+        return bool(self.running)
+
+    def _add(self, key: str, prompt: list[int], params, state: _Running) -> None:
+        if key in self.running:
+            raise ValueError(f"request {key!r} is already running in the step driver")
+        self.llm_engine.add_request(key, {"prompt_token_ids": list(prompt)}, params,
+                                    lora_request=self.engine.lora_request())
+        self.running[key] = state
+        self.events.append(("added", key, self.steps))
+
+    def add(self, key: str, prompt: list[int], params: SamplingParams) -> None:
+        """Start one generation (params.seeds: one seed, or params.seed; the engine's rule).
+        Raises (ValueError) what `generate` refuses, before anything runs."""
+        (vllm_params,) = self.engine.vllm_params([list(prompt)], params)
+        self._add(key, prompt, vllm_params, _Running(list(prompt), params.temperature == 0))
+
+    def add_scoring(self, key: str, sequence: list[int], top_k: int) -> None:
+        """Start scoring one sequence (engine.generation.scoring's contract, as `score`)."""
+        model_config = self.engine.vllm_config.model_config
+        problem = scoring_problem([sequence], top_k, int(model_config.max_logprobs),
+                                  int(model_config.max_model_len))
+        if problem:
+            raise ValueError(problem)
+        self._add(key, sequence, self._scoring_params(top_k),
+                  _Running(list(sequence), True, top_k))
+
+    @staticmethod
+    def _scoring_params(top_k: int):
+        from vllm import SamplingParams as VLLMParams  # vLLM: its owner imported it already
+        return VLLMParams(**scoring_args(top_k))
+
+    def abort(self, key: str) -> None:
+        """Remove a running request (nothing happens for a key not running)."""
+        if self.running.pop(key, None) is not None:
+            self.llm_engine.abort_request([key])
+            self.events.append(("aborted", key, self.steps))
+
+    def step(self) -> list[StepOutput]:
+        """One engine step: the requests with new tokens, the finished ones with their
+        result (module docstring). Nothing to run: []."""
+        if not self.running:
+            return []
+        with preserved_global_rng():
+            outputs = self.llm_engine.step()
+        self.steps += 1
+        out = []
+        for o in outputs:
+            state = self.running.get(o.request_id)
+            if state is None:        # aborted meanwhile
+                continue
+            completion = o.outputs[0]
+            if not o.finished:
+                out.append(StepOutput(o.request_id, list(completion.token_ids)))
+                continue
+            del self.running[o.request_id]
+            self.events.append(("finished", o.request_id, self.steps))
+            if state.top_k is not None:
+                done = prompt_scores(state.prompt, o.prompt_logprobs, state.top_k)
+                out.append(StepOutput(o.request_id, [], done))
+                continue
+            self.engine.check_contract(state.greedy)
+            done = generation(state.prompt, completion, self.engine.eos_token_ids)
+            out.append(StepOutput(o.request_id, list(done.response_ids), done))
+        return out
