@@ -182,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console() -> None:
-    """The installed script's entry point: main(), then, when a subcommand loaded torch and
-    megatron, engine.cli.exit_process (the exit without the interpreter's module teardown, ~1 s
-    then); a plain exit otherwise (--version and the overview load neither)."""
+    """The installed script's entry point: main(), then, when a subcommand loaded torch,
+    engine.cli.exit_process (the exit without the interpreter's module teardown, ~1 s then); a
+    plain exit otherwise (--help, --version and refused keys load no torch: engine.cli)."""
     code = main()
-    if "engine.cli" not in sys.modules:
+    if "torch" not in sys.modules:
         raise SystemExit(code)
     from engine.cli import exit_process
 
