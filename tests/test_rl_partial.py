@@ -213,3 +213,28 @@ def test_partial_keys_are_checked_and_refused_by_name(tmp_path):
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate_rl(_config(base + [override]), 1)
+
+
+class FailsOnce(HFRolloutEngine):
+    """Raises on its third generate call (a round of the second step), once."""
+
+    def _generate(self, prompts, params):
+        if self.num_generate_calls == 3 and not getattr(self, "failed", False):
+            self.failed = True
+            raise RuntimeError("injected engine failure")
+        return super()._generate(prompts, params)
+
+
+def test_failed_round_is_retried_with_the_same_rows(model_dir, tmp_path):
+    """A generate call that fails is retried (rollout.max_retries) with the same prefixes, seeds
+    and step offsets: the run equals the one without the failure; the retry is counted."""
+    want = _collector(PartialCollector, HFRolloutEngine(model_dir, dtype=torch.float32),
+                      model_dir, tmp_path / "a")
+    got = _collector(PartialCollector, FailsOnce(model_dir, dtype=torch.float32), model_dir,
+                     tmp_path / "b", ["rollout.retry_wait_s=0"])
+    retries = 0.0
+    for s in range(1, 4):
+        a, b = want.collect(dump_step=s), got.collect(dump_step=s)
+        assert (a.response_ids, a.rollout_logprobs) == (b.response_ids, b.rollout_logprobs)
+        retries += b.metrics["rollout/retries"]
+    assert got.pool.engine.failed and retries == 1

@@ -1,0 +1,97 @@
+"""Partial rollouts in real runs of `python -m engine.rl` (rollout.partial=true, the hf backend,
+an EOS-prone tiny qwen3 so reply lengths spread): the run trains and its dumps carry
+token_versions spanning versions, two runs with the same seed give identical metrics, and DP2
+and TP2 training equal one process (rel 1e-5). Second tier (tests/conftest.py SECOND_TIER): four
+launches on the session's rank pool. The in-process properties (the step offset, fixed-weight
+equality, the sampling version's log-probs) are in tests/test_rl_partial.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tools.bench.partial import eos_prone_model
+
+STEPS = 4
+# metrics that measure time or speed: not expected to repeat
+TIMING = ("time/", "rollout/tokens_per_s", "weight_sync/gbps", "perf/", "throughput/")
+COMPARED = ("policy/loss", "grad_norm", "reward/mean", "rollout/logprob_diff",
+            "rollout/version_span_mean", "rollout/partial_share", "rollout/engine_fill",
+            "policy/kl", "policy/entropy")
+
+
+@pytest.fixture(scope="module")
+def runs(pools, tmp_path_factory) -> dict:
+    """{name: (metrics per step, dump records per step)} for the 1-process run, its repeat,
+    DP2 and TP2."""
+    root = tmp_path_factory.mktemp("partial_runs")
+    model = eos_prone_model(str(root / "model"), eos_scale=2.5, hidden=64, layers=4)
+    data = root / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?",
+                                        "answer": i}) + "\n" for i in range(32)))
+    out = {}
+    for name, ranks, layout in (("one", 1, []), ("again", 1, []), ("dp2", 2, []),
+                                ("tp2", 2, ["parallel.tp=2"])):
+        log = root / name
+        proc = pools.script(
+            ranks, "-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{data}]",
+            *layout, "rollout.partial=true", "rollout.partial_max_new_tokens=4",
+            "rollout.max_new_tokens=16", "rollout.n=4", "train.prompts_per_step=2",
+            "train.mini_batches_per_step=1", "train.micro_batch_size=2",
+            f"train.max_steps={STEPS}", "train.seq_length=64", "optim.lr=1e-3",
+            "kl.beta=0.05", "reward.fn=tests.test_rl_loop:digit_reward", "data.shuffle=false",
+            f"logging.dir={log}", f"logging.rollout_dir={log / 'rollouts'}",
+            "logging.progress_bar=false", timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+        dumps = [[json.loads(x) for x in (log / "rollouts" / f"step_{s}.jsonl").read_text()
+                  .splitlines()] for s in range(1, STEPS + 1)]
+        out[name] = (metrics, dumps)
+    return out
+
+
+def test_partial_run_trains_with_replies_spanning_versions(runs):
+    metrics, dumps = runs["one"]
+    assert len(metrics) == STEPS
+    for m in metrics:
+        for key in ("rollout/partial_share", "rollout/version_span_mean",
+                    "rollout/version_span_max", "rollout/engine_fill"):
+            assert key in m, key
+        assert m["train/groups"] == 2 and m["grad_norm"] > 0
+        assert 0 < m["rollout/engine_fill"] <= 1
+    assert max(m["rollout/version_span_max"] for m in metrics) >= 1
+    spanning = 0
+    for step, records in enumerate(dumps):
+        assert len(records) == 2 * 4
+        for r in records:
+            tv, mask = r["token_versions"], r["loss_mask"]
+            assert len(tv) == len(r["token_ids"])
+            assert all(v == -1 for v, m in zip(tv, mask) if m == 0)
+            sampled = [v for v, m in zip(tv, mask) if m == 1]
+            assert sampled == sorted(sampled) and max(sampled) <= step  # oldest first
+            spanning += len(set(sampled)) > 1
+    assert spanning > 0
+    # the trained replies of a step were sampled by at most the step's version: the
+    # behaviour/proximal gap of the carried tokens shows in rollout/logprob_diff
+    assert any(m["rollout/logprob_diff"] > 1e-3 for m in metrics[1:])
+
+
+def test_partial_run_repeats_exactly(runs):
+    (a, da), (b, db) = runs["one"], runs["again"]
+    for ma, mb in zip(a, b):
+        same = {k: v for k, v in ma.items() if not k.startswith(TIMING)}
+        assert same == {k: v for k, v in mb.items() if not k.startswith(TIMING)}
+    assert [[r["token_ids"] for r in s] for s in da] == [[r["token_ids"] for r in s] for s in db]
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_partial_run_is_layout_invariant(runs, layout):
+    ref, _ = runs["one"]
+    got, dumps = runs[layout]
+    assert [[r["token_ids"] for r in s] for s in dumps] == \
+        [[r["token_ids"] for r in s] for s in runs["one"][1]]
+    for mr, mg in zip(ref, got):
+        for key in COMPARED:
+            a, b = mr[key], mg[key]
+            assert abs(a - b) <= 1e-5 * max(abs(a), abs(b)) + 1e-6, (layout, key, a, b)
