@@ -57,7 +57,8 @@ FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
 SECOND_TIER = ("tests/test_vllm_speculative.py", "tests/test_preemption.py",
                "tests/test_bench.py", "tests/test_data_cache.py", "tests/test_lora_layouts.py",
                "tests/test_rl_lora.py", "tests/test_rl_checkpoint.py",
-               "tests/test_train_compile.py", "tests/test_bench_peer.py",
+               "tests/test_train_compile.py", "tests/test_compile_stability.py",
+               "tests/test_bench_peer.py",
                "tests/test_rl_async.py", "tests/test_rl_engines.py",
                "tests/test_vlm.py", "tests/test_mtp.py", "tests/test_qwen3_5.py",
                "tests/test_reward_model_convert.py")
