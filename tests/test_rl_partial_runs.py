@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tools.bench.partial import eos_prone_model
 
@@ -31,7 +32,10 @@ def runs(pools, tmp_path_factory) -> dict:
     data.write_text("".join(json.dumps({"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?",
                                         "answer": i}) + "\n" for i in range(32)))
     out = {}
-    for name, ranks, layout in (("one", 1, []), ("again", 1, []), ("dp2", 2, []),
+    # the first run keeps every version's weights as the trainer exports them (hf_export/)
+    keep = [f"checkpoint.dir={root / 'ckpt'}", "checkpoint.save_interval=1",
+            "checkpoint.save_hf=true"]
+    for name, ranks, layout in (("one", 1, keep), ("again", 1, []), ("dp2", 2, []),
                                 ("tp2", 2, ["parallel.tp=2"])):
         log = root / name
         proc = pools.script(
@@ -48,6 +52,8 @@ def runs(pools, tmp_path_factory) -> dict:
         dumps = [[json.loads(x) for x in (log / "rollouts" / f"step_{s}.jsonl").read_text()
                   .splitlines()] for s in range(1, STEPS + 1)]
         out[name] = (metrics, dumps)
+    out["versions"] = [model] + [str(root / "ckpt" / f"iter_{v:07d}" / "hf_export")
+                                 for v in range(1, STEPS)]
     return out
 
 
@@ -95,3 +101,37 @@ def test_partial_run_is_layout_invariant(runs, layout):
         for key in COMPARED:
             a, b = mr[key], mg[key]
             assert abs(a - b) <= 1e-5 * max(abs(a), abs(b)) + 1e-6, (layout, key, a, b)
+
+
+def test_carried_tokens_keep_the_logprobs_of_their_version(runs):
+    """For every trained reply whose tokens span versions, each token's recorded log-prob equals
+    log_softmax of the logits under the trainer's weights of the version that sampled it (the
+    run's hf_export of that step; version 0 = model.hf_path), to 1e-4; under the newest
+    version's weights (negative control) the older tokens disagree."""
+    from transformers import AutoModelForCausalLM
+
+    _, dumps = runs["one"]
+    spanning = [r for records in dumps for r in records
+                if len({v for v in r["token_versions"] if v >= 0}) > 1]
+    assert spanning
+    models = {}
+
+    def logprobs(version: int, ids: list[int]) -> torch.Tensor:
+        if version not in models:
+            models[version] = AutoModelForCausalLM.from_pretrained(
+                runs["versions"][version], dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = models[version](input_ids=torch.tensor([ids])).logits[0].float()
+        return torch.log_softmax(logits[:-1], -1).gather(
+            -1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+    for r in spanning:
+        ids, tv, lp = r["token_ids"], r["token_versions"], r["rollout_logprobs"]
+        sampled = [t for t in range(1, len(ids)) if tv[t] >= 0]
+        for v in {tv[t] for t in sampled}:
+            mine = logprobs(v, ids)
+            for t in (t for t in sampled if tv[t] == v):
+                assert abs(float(mine[t - 1]) - lp[t]) < 1e-4, (v, t)
+        newest = logprobs(max(tv), ids)
+        older = [t for t in sampled if tv[t] < max(tv)]
+        assert max(abs(float(newest[t - 1]) - lp[t]) for t in older) > 1e-3
