@@ -3,8 +3,9 @@ backend on this CPU host) train the same model as eager megatron.
 
 Two launches of the SFT invariance harness (tests/multirank/sft_invariance.py, flag `compile`)
 on the session's rank pool: at 1 process the eager references (dense, MoE, LoRA) and the
-compiled dense run; at 2 processes compiled runs at TP2 + SP, PP2 x VPP2, CP2, packing, EP2
-(MoE: attention and router compiled, experts eager) and LoRA, each compared with its eager
+compiled dense and packed runs; at 2 processes compiled runs at TP2 + SP, PP2 x VPP2, CP2,
+packing (DP2, TP2 + SP, CP2), EP2 (MoE: attention and router compiled, experts eager) and
+LoRA, each compared with its eager
 1-process reference: per-step loss and grad norm and the final parameters, fp32, relative 1e-5
 (the harness's comparator, token-mean). Negative control: a run whose attention scale is 1 %
 off misses the reference by far more than the tolerance.
@@ -26,11 +27,14 @@ LAUNCHES = {
     # an eager run, since compiling it too would cost seconds and prove nothing more), then
     # the compiled dense run
     1: [f"1,1,0,1,16,{TM}", f"1,1,0,1,16,lora+{TM}", f"1,1,0,1,16,moe+{TM}",
-        f"1,1,0,1,16,bug=attnscale+{TM}", f"1,1,0,1,16,compile+{TM}"],
-    # TP2 + SP with GA; PP2 x VPP2; CP2; DP2 packed; EP2 (MoE); LoRA at PP2 (2 ranks: each
-    # rank compiles its own graphs, so 2 ranks on this 2-core host compile at full speed)
+        f"1,1,0,1,16,bug=attnscale+{TM}", f"1,1,0,1,16,compile+{TM}",
+        f"1,1,0,1,16,packing+compile+{TM}"],
+    # TP2 + SP with GA; PP2 x VPP2; CP2; DP2 packed; TP2 + SP packed; CP2 packed (Ulysses);
+    # EP2 (MoE); LoRA at PP2 (2 ranks: each rank compiles its own graphs, so 2 ranks on this
+    # 2-core host compile at full speed)
     2: [f"2,1,0,1,3,sp+compile+{TM}", f"1,2,2,1,4,compile+{TM}", f"1,1,0,2,4,compile+{TM}",
-        f"1,1,0,1,16,packing+compile+{TM}", f"1,1,0,1,4,moe+ep=2+compile+{TM}",
+        f"1,1,0,1,16,packing+compile+{TM}", f"2,1,0,1,4,sp+packing+compile+{TM}",
+        f"1,1,0,2,4,packing+compile+{TM}", f"1,1,0,1,4,moe+ep=2+compile+{TM}",
         f"1,2,0,1,4,lora+compile+{TM}"],
 }
 
