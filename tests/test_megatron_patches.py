@@ -100,6 +100,52 @@ def _in_effect(name: str, applied) -> bool:
     return mp.patch(name).active()
 
 
+# left applied after a test: the Muon module's renames (muon_module is cached; test_muon uses
+# them), the writer's queue (its server lives with the process); the CPU runtime runs elsewhere
+KEPT = ("muon_keyword_renames", "async_writer_queue", "layer_wise_fp32_checkpoints",
+        "cpu_host_runtime")
+MISSING = object()
+
+
+def _loaded(dotted: str):
+    """The object at `dotted` through modules already imported (none imported here), or None."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        obj = sys.modules.get(".".join(parts[:cut]))
+        if obj is not None:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr, None)
+            return obj
+    return None
+
+
+@pytest.fixture(autouse=True)
+def megatron_as_found():
+    """Undo each test's installs: later test files on this worker see megatron-core as this one
+    found it (tests/test_rope_tables.py counts table computations through megatron's own thd
+    RoPE, which calls the bshd one)."""
+    saved = [(sys.modules, "fused_weight_gradient_mlp_cuda",
+              sys.modules.get("fused_weight_gradient_mlp_cuda", MISSING))]
+    for entry in mp.PATCHES:
+        for target in entry.targets if entry.name not in KEPT else ():
+            owner_name, attr = target.rsplit(".", 1)
+            owner = _loaded(owner_name)
+            if owner is not None and not target.startswith("sys.modules"):
+                saved.append((owner, attr, vars(owner).get(attr, MISSING)))
+    yield
+    for owner, attr, value in reversed(saved):
+        if owner is sys.modules:
+            if value is MISSING:
+                sys.modules.pop(attr, None)
+            else:
+                sys.modules[attr] = value
+        elif value is MISSING:
+            if attr in vars(owner):
+                delattr(owner, attr)
+        else:
+            setattr(owner, attr, value)
+
+
 def test_every_entry_is_complete():
     names = [p.name for p in mp.PATCHES]
     assert len(names) == len(set(names)) == 14
