@@ -283,16 +283,16 @@ def test_help_and_refusals_import_no_torch_megatron_or_transformers():
     them, fails under the same guard."""
     for entry in SCHEMA_REFS:
         proc = _guarded(f"engine.{entry}", "--help")
-        assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m engine.{entry}"), \
-            proc.stderr[-2000:]
+        usage = f"usage: python -m engine.{entry}"
+        assert proc.returncode == 0 and proc.stdout.startswith(usage), proc.stderr[-2000:]
         assert len(proc.stdout.splitlines()) > 100
     proc = _guarded("tools.cli", "rl", "-h")
     assert proc.returncode == 0 and "rollout.vllm.speculative.patience_steps" in proc.stdout
     proc = _guarded("engine.rm", "score", "--help")
     assert proc.returncode == 0 and "--trust-remote-code" in proc.stdout, proc.stderr[-2000:]
     proc = _guarded("engine.sft", "optim.lrr=1e-5")
-    assert proc.returncode == 2 and proc.stderr.startswith("error: unknown key optim.lrr on "
-                                                           "the command line; valid keys of optim: lr,")
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        "error: unknown key optim.lrr on the command line; valid keys of optim: lr,")
     proc = _guarded("tools.cli", "rl", "rollout.n=eight")
     assert proc.returncode == 2 and "rollout.n (on the command line): Value 'eight'" in \
         proc.stderr, proc.stderr[-2000:]

@@ -179,7 +179,8 @@ class RolloutSide:
 
 
 def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
-    """Every rollout rank (engine.run.launch.run_entry's rollout role): the module docstring's loop."""
+    """Every rollout rank (engine.run.launch.run_entry's rollout role): the module
+    docstring's loop."""
     split = active_split()
     rank = dist.get_rank()
     tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.trust_remote_code)
