@@ -14,15 +14,19 @@ Where each one is applied:
   `install_all()`, called once per model build by models.build.factory.build_model_chunks,
   applies every one of them (idempotent), but the fp32 weight-gradient stand-in, which
   models.build.wgrad_fp32.enable applies (through `gate`) to the chunks megatron DDP wraps;
-- patches applied where the engine needs them (models/ never imports engine/, so these stay in
-  their owner modules, which call `gate(name)` before changing anything): the grad norm with
-  one host sync (engine.training.grad_norm.install, from engine.training.nonfinite when the
+- engine-level patches stay in their owner modules and are applied where the engine needs
+  them, each owner calling `gate(name)` first: models/ never imports engine/, and these belong
+  to one optimizer, one kind of save or one optional package, not to every model build (the
+  registry holds their range, probe and in-effect check all the same): the grad norm with one
+  host sync (engine.training.grad_norm.install, from engine.training.nonfinite when the
   optimizer is built), the checkpoint writer's queue (engine.checkpoint.writer.install, from
   engine.checkpoint.checkpointing at each save), Muon's keyword renames and its fp32
   layer-wise checkpoints (engine.training.muon / engine.training.layer_wise, when a Muon
-  optimizer is built), and the compiled layers' quiet tensor-parallel lookup
-  (models.build.compile_layers, with train.compile);
-- the MLA module's TE switch (models.layers.mla.module, at each HFMultiLatentAttention build);
+  optimizer is built);
+- model-level patches applied at their own site, gated by `install_all()` at every build
+  (CHECKED_AT_BUILD: models/layers cannot import models/build): the MLA module's TE switch
+  (models.layers.mla.module, at each HFMultiLatentAttention build) and the compiled layers'
+  quiet tensor-parallel lookup (models.build.compile_layers, with train.compile);
 - the CPU host runtime (parallel.cpu_runtime, applied by `import models` and
   parallel.cpu_runtime.install() on a host without CUDA): the documented CPU-only layer below
   models/, which cannot consult this registry; listed here, its range and probe checked by the
@@ -33,7 +37,8 @@ applies the patch. Outside the range, or with a failing probe, an entry whose ab
 costs speed ("skip": megatron's own code runs) is skipped with a warning; an entry whose
 absence breaks a run or changes its numbers ("refuse") raises PatchRefused / PatchMismatch
 naming the patch, the version and what to do. The ranges cover the releases whose source was
-read and tested: 0.16.1, 0.17.1, 0.18.2 and 0.19.2.
+read for each target (0.16.1, 0.17.1, 0.18.2, 0.19.2); the suite runs on 0.16.1 and CI's subset,
+tests/test_megatron_patches.py among it, on the newest 0.19.x.
 """
 from __future__ import annotations
 
