@@ -35,9 +35,14 @@ def runs(pools, tmp_path_factory) -> dict:
     # the first run keeps every version's weights as the trainer exports them (hf_export/)
     keep = [f"checkpoint.dir={root / 'ckpt'}", "checkpoint.save_interval=1",
             "checkpoint.save_hf=true"]
+    # "half" stops after step 2 (saving the carried replies in the checkpoint), "resumed"
+    # continues it from the checkpoint in the same folders to step 4
+    resume = [f"checkpoint.dir={root / 'ckpt_half'}"]
     for name, ranks, layout in (("one", 1, keep), ("again", 1, []), ("dp2", 2, []),
-                                ("tp2", 2, ["parallel.tp=2"])):
-        log = root / name
+                                ("tp2", 2, ["parallel.tp=2"]),
+                                ("half", 1, resume + ["train.exit_interval=2"]),
+                                ("resumed", 1, resume)):
+        log = root / ("half" if name == "resumed" else name)
         proc = pools.script(
             ranks, "-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{data}]",
             *layout, "rollout.partial=true", "rollout.partial_max_new_tokens=4",
@@ -50,7 +55,7 @@ def runs(pools, tmp_path_factory) -> dict:
         assert proc.returncode == 0, proc.stderr[-3000:]
         metrics = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
         dumps = [[json.loads(x) for x in (log / "rollouts" / f"step_{s}.jsonl").read_text()
-                  .splitlines()] for s in range(1, STEPS + 1)]
+                  .splitlines()] for s in range(1, STEPS + 1) if s <= len(metrics)]
         out[name] = (metrics, dumps)
     out["versions"] = [model] + [str(root / "ckpt" / f"iter_{v:07d}" / "hf_export")
                                  for v in range(1, STEPS)]
@@ -135,3 +140,18 @@ def test_carried_tokens_keep_the_logprobs_of_their_version(runs):
         newest = logprobs(max(tv), ids)
         older = [t for t in sampled if tv[t] < max(tv)]
         assert max(abs(float(newest[t - 1]) - lp[t]) for t in older) > 1e-3
+
+
+def test_resumed_partial_run_continues_the_carried_replies(runs):
+    """Stopped after step 2 and resumed from its checkpoint (whose extra holds the carried
+    replies and the waiting groups): steps 3 and 4 equal the straight run's."""
+    half, _ = runs["half"]
+    resumed, dumps = runs["resumed"]
+    straight, straight_dumps = runs["again"]
+    assert len(half) == 2 and len(resumed) == STEPS
+    assert half[-1]["rollout/partial_carried"] + half[-1]["rollout/partial_waiting_groups"] > 0
+    for mr, ms in zip(resumed[2:], straight[2:]):
+        assert {k: v for k, v in mr.items() if not k.startswith(TIMING)} == \
+            {k: v for k, v in ms.items() if not k.startswith(TIMING)}
+    assert [[r["token_ids"] for r in s] for s in dumps[2:]] == \
+        [[r["token_ids"] for r in s] for s in straight_dumps[2:]]
