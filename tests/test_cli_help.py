@@ -311,7 +311,7 @@ def test_the_run_header_says_what_runs():
     base = SFTConfig()
     line = run_header(base, cpu)
     assert line == ("optimizer adamw, unfused (optim.fused=null), distributed optimizer; "
-                    "layers eager (train.compile=auto); attention torch SDPA over padded rows "
+                    "layers eager (train.compile=null); attention torch SDPA over padded rows "
                     "(train.packing=false)")
     seen = {line}
     for key, value in (("optim.name", "muon"), ("optim.fused", True), ("train.compile", "true"),

@@ -107,21 +107,24 @@ def test_bad_value_refused_naming_the_key_and_choices(schema):
     assert not [p for p in value_problems(cfg) if "train.compile" in p]
     cfg.train.compile = "fast"
     (problem,) = [p for p in value_problems(cfg) if "train.compile" in p]
-    assert "train.compile='fast'" in problem and "auto, true, false" in problem, problem
+    assert "train.compile='fast'" in problem and "null, true, false" in problem, problem
 
 
 def test_compile_on_resolves_auto_by_host():
+    """null (the default) and its old spelling `auto` resolve by host; the switch reads like
+    the engine's other three-way switches (optim.fused, rollout.hf.*)."""
     from types import SimpleNamespace
 
     from engine.config.compile_settings import compile_on, compile_overrides
 
     train = lambda v: SimpleNamespace(compile=v)   # noqa: E731
-    assert compile_on(train("auto"), cuda=False) is False
-    assert compile_on(train("auto"), cuda=True) is True
+    for null in (None, "null", "auto", "Auto"):
+        assert compile_on(train(null), cuda=False) is False
+        assert compile_on(train(null), cuda=True) is True
     for value, on in (("true", True), ("True", True), (True, True), ("false", False),
                       ("False", False), (False, False)):   # OmegaConf gives "True"/"False"
         assert compile_on(train(value), cuda=False) is on, value
-    # this CPU host: auto leaves the model eager (no compile_layers call in the build)
-    assert compile_overrides(SimpleNamespace(train=train("auto"))) == {"compile_layers": False}
+    # this CPU host: null leaves the model eager (no compile_layers call in the build)
+    assert compile_overrides(SimpleNamespace(train=train(None))) == {"compile_layers": False}
     with pytest.raises(ValueError, match="train.compile"):
         compile_on(train("sometimes"))

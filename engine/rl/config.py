@@ -47,9 +47,9 @@ class RLTrainConfig:
     # tokens per chunk of the loss head in policy updates and log-prob recomputation (as SFT);
     # 0 or null: unchunked logits
     loss_chunk_tokens: Optional[int] = DEFAULT_LOSS_CHUNK_TOKENS
-    # torch.compile per transformer layer of the policy (and critic) updates: auto (on with
-    # CUDA) | true | false (engine.config.compile_settings)
-    compile: str = "auto"
+    # torch.compile per transformer layer of the policy (and critic) updates: null (on with
+    # CUDA; `auto` is its old spelling) | true | false (engine.config.compile_settings)
+    compile: Optional[str] = None
 
 
 @dataclass

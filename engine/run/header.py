@@ -7,7 +7,7 @@ executes once every null / auto key is resolved for the host (engine.run.launch 
 - the optimizer: `adamw` or `muon` (megatron-core's Muon for the 2-D hidden weights, AdamW for
   the rest), the AdamW fused or not (optim.fused resolved: null = on with CUDA parameters;
   engine.training.fused_adamw), and the distributed optimizer when on;
-- the layers: compiled or eager (train.compile resolved: auto = compiled with CUDA;
+- the layers: compiled or eager (train.compile resolved: null = compiled with CUDA;
   engine.config.compile_settings);
 - the attention: Transformer Engine's, torch SDPA over padded rows (train.packing=false), or
   for packed rows torch's flash varlen kernel (CUDA, flash-capable, bf16: one call per row;
@@ -47,7 +47,8 @@ def optimizer_part(optim: Any, cuda: bool) -> str:
 
 def layers_part(train: Any, cuda: bool) -> str:
     state = "compiled" if compile_on(train, cuda) else "eager"
-    return f"layers {state} (train.compile={train.compile})"
+    value = "null" if train.compile is None else train.compile
+    return f"layers {state} (train.compile={value})"
 
 
 def attention_part(cfg: Any, host: Host) -> str:
