@@ -50,6 +50,11 @@ def _collector(cls, engine, model_dir, tmp_path, argv=()):
                cfg)
 
 
+def parity_reward(prompt: str, response: str, answer: str, **fields) -> float:
+    """1 for a response of odd length in characters: agrees within about half the groups."""
+    return float(len(response) % 2)
+
+
 def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -238,3 +243,30 @@ def test_failed_round_is_retried_with_the_same_rows(model_dir, tmp_path):
         assert (a.response_ids, a.rollout_logprobs) == (b.response_ids, b.rollout_logprobs)
         retries += b.metrics["rollout/retries"]
     assert got.pool.engine.failed and retries == 1
+
+
+def test_dapo_keeps_its_meaning_under_partial_rollouts(model_dir, tmp_path):
+    """algorithm=dapo: a complete group whose scores all agree is dropped and counted, the
+    overlong penalty is that of each reply's whole length, and a reward model's score (the
+    pool's scorer) joins reward.fn's, as without partial rollouts."""
+    from engine.rl.algo.overlong import overlong_penalty
+
+    engine = HFRolloutEngine(model_dir, dtype=torch.float32)
+    c = _collector(PartialCollector, engine, model_dir, tmp_path,
+                   ["algorithm=dapo", "dapo.overlong_buffer=8", "dapo.max_gen_batches=4",
+                    "reward.fn=tests.test_rl_partial:parity_reward", "reward.model.weight=0.5"])
+    c.pool.scorer = lambda ids: [float(len(x) % 3) for x in ids]   # a stand-in reward model
+    dropped = 0.0
+    for step in range(1, 4):
+        batch = c.collect(dump_step=step)
+        dropped += batch.metrics["rollout/partial_dropped_groups"]
+        records = _records(tmp_path / f"step_{step}.jsonl")
+        for g in range(0, len(batch), 2):
+            assert batch.scores[g] != batch.scores[g + 1]     # signal in every trained group
+        for r, reward in zip(records, batch.rewards):
+            n = sum(r["loss_mask"])
+            want = float(overlong_penalty(torch.tensor([float(n)]), 16, 8, 1.0)[0])
+            assert r["overlong_penalty"] == pytest.approx(want)
+            assert r["rm_score"] == float(len(r["token_ids"]) % 3)
+            assert reward == pytest.approx(r["reward"] + want)
+    assert dropped > 0

@@ -8,8 +8,9 @@ rows are done. Both modes drive the rank-0 collectors (engine.rl.collect) for th
 prompts and seeds, with the weights nudged between steps (a new version each step: the
 staleness partial rollouts pay is measured, the training itself is not timed). Reported per
 mode: rollout seconds per trained group, engine fill (busy rows over batch rows per decode step),
-decode steps, and the staleness (share of trained replies spanning versions, version span mean
-and max). Also `eos_prone_model`, the tests' tiny model with spread reply lengths.
+and the staleness (share of trained replies spanning versions, version span mean and max, the
+mean lag of a trained reply's oldest token behind the weights it trains against). Also
+`eos_prone_model`, the tests' tiny model with spread reply lengths.
 """
 from __future__ import annotations
 
