@@ -12,7 +12,10 @@ Real `-m engine.sft` runs of a tiny Qwen3 on the session's rank pool (tests/pool
   PP2 on two ranks, in bf16: the pipeline's second stage is handed to rank 0, and the weights
       are upcast as convert reads a bf16 checkpoint back (fp32): bitwise equal to convert;
   LoRA on one process: hf_export/ is the peft adapter folder convert writes (adapter tensors
-      bitwise, adapter_config.json equal).
+      bitwise, adapter_config.json equal);
+  GLM-4.5 (MoE) training its MTP layer at EP2: experts and the MTP layer bitwise;
+  PPO (engine.rl, one process): the critic's folder (*ForTokenClassification) and the
+      policy's, each bitwise equal to convert's.
 Refusals (in this process): save_hf without checkpoint.dir, save_hf for a reward-model run.
 """
 from __future__ import annotations
@@ -148,6 +151,53 @@ def test_lora_save_hf_is_converts_peft_adapter(pools, assets, tmp_path):
     _assert_same_folder(saved, converted, "adapter_model.safetensors")
     b = [t for n, t in _tensors(saved, "adapter_model.safetensors").items() if "lora_B" in n]
     assert b and any(t.abs().max() > 0 for t in b)   # trained: B starts at zero
+
+
+def test_moe_ep2_trained_mtp_save_hf_equals_convert_bitwise(pools, tmp_path):
+    """GLM-4.5 (MoE) training its MTP layer at EP2 on two ranks: the experts gathered over
+    the expert-parallel group, the MTP layer and its copies of the embedding and head."""
+    from tests.glm4_moe_tiny import build_glm4_moe
+    from tools.demo import chat_row
+
+    model = build_glm4_moe(str(tmp_path / "model"), mtp="full", num_hidden_layers=4)
+    assets = {"root": tmp_path, "model": model, "train": _write_jsonl(
+        tmp_path / "train.jsonl", [chat_row(a, b) for a in range(4) for b in range(2)])}
+    ckpt = _sft(pools, assets, 2, "mtp", "train.max_steps=1", "parallel.ep=2",
+                "model.mtp.enabled=true")
+    saved = iteration_dir(ckpt, 1) / EXPORT
+    converted = _convert(pools, iteration_dir(ckpt, 1), tmp_path / "converted")
+    _assert_same_folder(saved, converted)
+    tensors = _tensors(saved)
+    assert "model.layers.4.eh_proj.weight" in tensors   # the trained MTP layer
+    assert any(".mlp.experts." in n for n in tensors)
+    assert _differences(_tensors(Path(model)), tensors)   # trained: not the source
+
+
+def test_ppo_critic_and_policy_save_hf_equal_convert(pools, assets, tmp_path):
+    """An RL run with a PPO critic (one process, one step): checkpoint.dir/critic/iter_*/
+    hf_export/ is convert's *ForTokenClassification folder of the critic checkpoint, and the
+    policy's folder is convert's of the policy checkpoint."""
+    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"what is {i} plus 1 ?",
+                                                   "answer": i + 1} for i in range(4)])
+    run = tmp_path / "ppo"
+    proc = pools.script(
+        1, "-m", "engine.rl", f"model.hf_path={assets['model']}", f"data.train_files=[{prompts}]",
+        "algorithm=ppo", "critic.lr=2e-3", "reward.fn=tests.test_rl_loop:digit_reward",
+        "kl.beta=0", "rollout.n=2", "rollout.max_new_tokens=4", "train.prompts_per_step=2",
+        "train.micro_batch_size=1", "train.max_steps=1", "train.seq_length=32",
+        f"data.cache_dir={run}/cache", "data.num_workers=0", f"logging.dir={run}",
+        "logging.progress_bar=false", f"checkpoint.dir={run / 'ckpt'}",
+        "checkpoint.save_hf=true", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    for ckpt in (run / "ckpt" / "critic", run / "ckpt"):
+        saved = iteration_dir(ckpt, 1) / EXPORT
+        converted = _convert(pools, iteration_dir(ckpt, 1), tmp_path / f"conv_{ckpt.name}")
+        _assert_same_folder(saved, converted)
+    critic = _tensors(iteration_dir(run / "ckpt" / "critic", 1) / EXPORT)
+    assert "score.weight" in critic and "score.bias" in critic and "lm_head.weight" not in critic
+    config = json.loads((iteration_dir(run / "ckpt" / "critic", 1) / EXPORT / "config.json")
+                        .read_text())
+    assert config["architectures"] == ["Qwen3ForTokenClassification"]
 
 
 def test_save_hf_refusals():
