@@ -3,7 +3,7 @@
 # against the real `openai` client (tools/example_agent.py) drives every episode through the run's
 # OpenAI-compatible endpoint (env.agent), and a tiny Qwen3-shaped model learns from its reward.
 #
-#   bash recipes/agent_cpu_demo.sh          # WORK=/tmp/agent_cpu_demo by default
+#   bash recipes/agent_cpu_demo.sh          # WORK=runs/agent_cpu_demo by default
 #
 # Needs the `openai` package (the test extra: pip install -e ".[test]").
 # 1. a tiny random model and single-digit addition rows (megatron-sft-engine demo; nothing is
@@ -27,7 +27,7 @@
 # is not exactly the sum; greedy single-turn accuracy 0.60 -> 0.60 (the sampled policy caught up
 # with its greedy answers; why the greedy ones did not move: docs/agents.md "CPU demo");
 # 6 min 27 s in all. Not run in CI.
-WORK=${WORK:-/tmp/agent_cpu_demo}
+WORK=${WORK:-runs/agent_cpu_demo}
 SFT_STEPS=${SFT_STEPS:-80}
 RL_STEPS=${RL_STEPS:-300}
 source "$(dirname "$0")/rl_demo_common.sh"   # cd to the repo root, environment, empty $WORK

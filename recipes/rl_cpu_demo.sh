@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU demo of the RL loop: a tiny Qwen3-shaped model learns single-digit addition.
 #
-#   bash recipes/rl_cpu_demo.sh            # WORK=/tmp/rl_cpu_demo by default
+#   bash recipes/rl_cpu_demo.sh            # WORK=runs/rl_cpu_demo by default
 #
 # 1. builds a tiny random model (megatron-sft-engine demo model) and addition data locally (no
 #    download);
@@ -16,7 +16,7 @@
 # CPU cores (2026-11-25, twice, the same numbers): reward/mean 0.329 -> 0.658 (means of the first
 # and last 60 steps); greedy accuracy 0.60 (after SFT) -> 0.81 (after GRPO) on the 100 prompts;
 # about 2 minutes in all. Not run in CI. Adam's first steps move every weight by ~lr, so RL needs a far smaller lr than SFT here.
-WORK=${WORK:-/tmp/rl_cpu_demo}
+WORK=${WORK:-runs/rl_cpu_demo}
 SFT_STEPS=${SFT_STEPS:-80}
 RL_STEPS=${RL_STEPS:-300}
 source "$(dirname "$0")/rl_demo_common.sh"   # cd to the repo root, environment, empty $WORK

@@ -23,6 +23,7 @@
 # The commands are the console command that `pip install -e .` installs (megatron-sft-engine).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+case "$WORK" in /*) ;; *) WORK="$PWD/$WORK" ;; esac   # runs/NAME: under the repository root
 export TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 rm -rf "$WORK" && mkdir -p "$WORK"

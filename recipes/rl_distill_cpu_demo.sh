@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU demo of on-policy distillation: a tiny student learns from a bigger tiny teacher.
 #
-#   bash recipes/rl_distill_cpu_demo.sh      # WORK=/tmp/rl_distill_cpu_demo by default
+#   bash recipes/rl_distill_cpu_demo.sh      # WORK=runs/rl_distill_cpu_demo by default
 #
 # 1. builds two tiny random Qwen3-shaped models with the same tokenizer (megatron-sft-engine demo model):
 #    the student (hidden 64, 2 layers) and the teacher (hidden 128, 4 layers), and the addition
@@ -20,7 +20,7 @@
 # 3 of 150); greedy accuracy on the 100 prompts: teacher 0.49, student 0.00 -> 0.07 (the student
 # now answers with numbers, mostly wrong ones: 150 steps of a 64-wide model); 1 min 35 s in all.
 # Not run in CI.
-WORK=${WORK:-/tmp/rl_distill_cpu_demo}
+WORK=${WORK:-runs/rl_distill_cpu_demo}
 SFT_STEPS=${SFT_STEPS:-80}
 RL_STEPS=${RL_STEPS:-150}
 source "$(dirname "$0")/rl_demo_common.sh"   # cd to the repo root, environment, empty $WORK

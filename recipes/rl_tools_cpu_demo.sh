@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU demo of multi-turn RL with tools: a tiny model learns to use a calculator tool.
 #
-#   bash recipes/rl_tools_cpu_demo.sh          # WORK=/tmp/rl_tools_cpu_demo by default
+#   bash recipes/rl_tools_cpu_demo.sh          # WORK=runs/rl_tools_cpu_demo by default
 #
 # 1. builds a tiny random Qwen3-shaped model with a character-level tokenizer whose chat template
 #    renders tools and <tool_call> blocks the Qwen way (no download), and multiplication data
@@ -22,7 +22,7 @@
 # GRPO) on 100 prompts; 4 min 36 s in all. Not run in CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WORK=${WORK:-/tmp/rl_tools_cpu_demo}
+WORK=${WORK:-runs/rl_tools_cpu_demo}
 SFT_STEPS=${SFT_STEPS:-300}
 RL_STEPS=${RL_STEPS:-60}
 export TOKENIZERS_PARALLELISM=false

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU demo with images: a tiny Qwen3-VL learns to count the squares in pictures it is shown.
 #
-#   bash recipes/vlm_cpu_demo.sh            # WORK=/tmp/vlm_cpu_demo by default
+#   bash recipes/vlm_cpu_demo.sh            # WORK=runs/vlm_cpu_demo by default
 #
 # 1. draws 1,000 pictures of 1 to 4 coloured squares and builds a tiny random Qwen3-VL with
 #    its image processor (megatron-sft-engine demo counting-data; nothing is downloaded);
@@ -14,7 +14,7 @@
 #    (megatron-sft-engine demo counting-evaluate).
 # Prints the reward curve with the means of its first and last fifth and the greedy accuracy
 # before and after GRPO. Measured on 2 CPU cores: see docs/vlm.md. Not run in CI.
-WORK=${WORK:-/tmp/vlm_cpu_demo}
+WORK=${WORK:-runs/vlm_cpu_demo}
 SFT_STEPS=${SFT_STEPS:-30}
 RL_STEPS=${RL_STEPS:-100}
 source "$(dirname "$0")/rl_demo_common.sh"   # cd to the repo root, environment, empty $WORK
