@@ -19,8 +19,10 @@ from engine.rl.checks import validate_rl
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.fill import fill_counts
 from engine.rl.collect.partial import PartialCollector
+from engine.rl.collect.partial_checks import partial_model_problems
 from engine.rl.config import RLConfig
 from engine.rl.rewards import load_reward_fn
+from models.families.base import ORIGINAL
 from tools.bench.partial import eos_prone_model
 
 ROWS = [{"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?", "answer": str(i)}
@@ -218,6 +220,12 @@ def test_partial_keys_are_checked_and_refused_by_name(tmp_path):
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate_rl(_config(base + [override]), 1)
+    # a conditional-generation checkpoint's view (prompts with images): refused by name
+    view = {"model_type": "qwen3", ORIGINAL: {"model_type": "qwen3_vl"}}
+    assert partial_model_problems(_config(base), {"model_type": "qwen3"}) == []
+    (problem,) = partial_model_problems(_config(base), view)
+    assert "rollout.partial=true with a conditional-generation checkpoint" in problem
+    assert partial_model_problems(_config(base[:-1]), view) == []
 
 
 class FailsOnce(HFRolloutEngine):

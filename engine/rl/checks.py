@@ -17,7 +17,7 @@ from engine.rl.algo.policy_loss import KL_ESTIMATORS
 from engine.rl.algo.policy_loss_variants import POLICY_LOSSES
 from engine.rl.algo.rollout_correction import IS_LEVELS, LOSS_TYPES, parse_rs
 from engine.rl.disaggregated.checks import async_problems
-from engine.rl.collect.partial_checks import partial_problems
+from engine.rl.collect.partial_checks import partial_model_problems, partial_problems
 from engine.rl.config import RLConfig
 from engine.rl.agent.checks import agent_problems
 from engine.rl.env.contract import ENV_TOOLS, load_env_class
@@ -127,6 +127,7 @@ def validate_rl(cfg: RLConfig, world_size: int) -> dict:
                    + routing_replay_problems(cfg) + distill_problems(cfg, world_size)
                    + reward_model_problems(cfg, world_size, hf_config)
                    + ppo_problems(cfg) + conditional_checkpoint_problems(cfg, hf_config)
+                   + partial_model_problems(cfg, hf_config)
                    + sync_quantization_problems(cfg, hf_config) + vllm_problems(cfg, hf_config)
                    + hf_problems(cfg, hf_config))
     return hf_config

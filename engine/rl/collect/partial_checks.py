@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from models.hf.conditional import original_config
+
 
 def partial_budget(rollout) -> int:
     """Tokens a reply may decode per generation round (rollout.partial_max_new_tokens, null:
@@ -63,3 +65,14 @@ def partial_problems(cfg) -> list[str]:
         p.append("rollout.partial=true with moe.routing_replay=R3 is not built (a continued "
                  "reply's routed experts come from several calls); use R2")
     return p
+
+
+def partial_model_problems(cfg, hf_config: dict) -> list[str]:
+    """rollout.partial=true with a conditional-generation checkpoint (prompts with images,
+    models.hf.conditional) is not built: a carried reply's prefix is the prompt's token ids plus
+    its tokens, which an image prompt is not."""
+    if cfg.rollout.partial is not True or original_config(hf_config) is None:
+        return []
+    return ["rollout.partial=true with a conditional-generation checkpoint (model_type "
+            f"{original_config(hf_config).get('model_type')!r}: prompts with images) is not "
+            "built; use rollout.partial=false"]
