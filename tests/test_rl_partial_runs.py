@@ -1,9 +1,11 @@
 """Partial rollouts in real runs of `python -m engine.rl` (rollout.partial=true, the hf backend,
 an EOS-prone tiny qwen3 so reply lengths spread): the run trains and its dumps carry
-token_versions spanning versions, two runs with the same seed give identical metrics, and DP2
-and TP2 training equal one process (rel 1e-5). Second tier (tests/conftest.py SECOND_TIER): four
-launches on the session's rank pool. The in-process properties (the step offset, fixed-weight
-equality, the sampling version's log-probs) are in tests/test_rl_partial.py."""
+token_versions spanning versions, two runs with the same seed give identical metrics, DP2, TP2
+and PP2 training equal one process (rel 1e-5), a run stopped and resumed equals the straight
+one, and carried tokens keep the log-probs of the weights that sampled them. Second tier
+(tests/conftest.py SECOND_TIER): seven launches on the session's rank pool. The in-process
+properties (the step offset, fixed-weight equality, retries, DAPO) are in
+tests/test_rl_partial.py."""
 from __future__ import annotations
 
 import json
@@ -25,21 +27,22 @@ COMPARED = ("policy/loss", "grad_norm", "reward/mean", "rollout/logprob_diff",
 @pytest.fixture(scope="module")
 def runs(pools, tmp_path_factory) -> dict:
     """{name: (metrics per step, dump records per step)} for the 1-process run, its repeat,
-    DP2 and TP2."""
+    DP2, TP2, PP2, the stopped and the resumed run; "versions": each version's HF folder."""
     root = tmp_path_factory.mktemp("partial_runs")
     model = eos_prone_model(str(root / "model"), eos_scale=2.5, hidden=64, layers=4)
     data = root / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?",
                                         "answer": i}) + "\n" for i in range(32)))
     out = {}
-    # the first run keeps every version's weights as the trainer exports them (hf_export/)
+    # the first run keeps every version's weights as the trainer exports them
+    # (checkpoint.save_hf's iter_NNNNNNN/hf/)
     keep = [f"checkpoint.dir={root / 'ckpt'}", "checkpoint.save_interval=1",
             "checkpoint.save_hf=true"]
     # "half" stops after step 2 (saving the carried replies in the checkpoint), "resumed"
     # continues it from the checkpoint in the same folders to step 4
     resume = [f"checkpoint.dir={root / 'ckpt_half'}"]
     for name, ranks, layout in (("one", 1, keep), ("again", 1, []), ("dp2", 2, []),
-                                ("tp2", 2, ["parallel.tp=2"]),
+                                ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, ["parallel.pp=2"]),
                                 ("half", 1, resume + ["train.exit_interval=2"]),
                                 ("resumed", 1, resume)):
         log = root / ("half" if name == "resumed" else name)
@@ -57,7 +60,7 @@ def runs(pools, tmp_path_factory) -> dict:
         dumps = [[json.loads(x) for x in (log / "rollouts" / f"step_{s}.jsonl").read_text()
                   .splitlines()] for s in range(1, STEPS + 1) if s <= len(metrics)]
         out[name] = (metrics, dumps)
-    out["versions"] = [model] + [str(root / "ckpt" / f"iter_{v:07d}" / "hf_export")
+    out["versions"] = [model] + [str(root / "ckpt" / f"iter_{v:07d}" / "hf")
                                  for v in range(1, STEPS)]
     return out
 
@@ -96,7 +99,7 @@ def test_partial_run_repeats_exactly(runs):
     assert [[r["token_ids"] for r in s] for s in da] == [[r["token_ids"] for r in s] for s in db]
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
 def test_partial_run_is_layout_invariant(runs, layout):
     ref, _ = runs["one"]
     got, dumps = runs[layout]
@@ -111,8 +114,8 @@ def test_partial_run_is_layout_invariant(runs, layout):
 def test_carried_tokens_keep_the_logprobs_of_their_version(runs):
     """For every trained reply whose tokens span versions, each token's recorded log-prob equals
     log_softmax of the logits under the trainer's weights of the version that sampled it (the
-    run's hf_export of that step; version 0 = model.hf_path), to 1e-4; under the newest
-    version's weights (negative control) the older tokens disagree."""
+    run's checkpoint.save_hf folder hf/ of that step; version 0 = model.hf_path), to 1e-4;
+    under the newest version's weights (negative control) the older tokens disagree."""
     from transformers import AutoModelForCausalLM
 
     _, dumps = runs["one"]
