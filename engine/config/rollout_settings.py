@@ -103,7 +103,7 @@ class RolloutConfig:
     # smaller) cross to the engine owners (engine.rl.disaggregated.delta); null (auto): on when
     # the job spans more than one node (bytes cross machines), off on one; colocated ignores it
     sync_delta: Optional[bool] = None
-    # partial rollouts (engine.rl.collect.partial; docs/async-rl.md#partial-rollouts): replies
+    # partial rollouts (engine.rl.collect.partial; docs/async-rl.md, partial rollouts): replies
     # cut after a token budget continue in the next step's batch under the new weights
     partial: bool = False
     # >= 1: a rollout batch keeps ceil(factor x train.prompts_per_step) groups in flight

@@ -1,7 +1,7 @@
-"""Partial rollouts (rollout.partial; docs/async-rl.md#partial-rollouts): a rollout batch does not
-wait for its longest reply. Replies are decoded in rounds of at most rollout.partial_max_new_tokens
-tokens; a reply still unfinished after its round is cut and carried, and continues in a later
-round (the next step's, under the new weights) from its prompt + its tokens so far. Every cut is
+"""Partial rollouts (rollout.partial; docs/async-rl.md#partial-rollouts-rolloutpartial): a rollout
+batch does not wait for its longest reply. Replies are decoded in rounds of at most
+rollout.partial_max_new_tokens tokens; a reply still unfinished after its round is cut and
+carried, and continues in a later round (the next step's, under the new weights) from its prompt + its tokens so far. Every cut is
 made by token counts, never by wall time, so a run gives the same numbers twice.
 
 One step (PartialCollector.collect, rank 0):
