@@ -29,6 +29,8 @@ from engine.checkpoint.io import (LATEST_FILE, CheckpointError, checkpoint_probl
                                   resolve_resume, rewind_jsonl, staging_dir,
                                   write_complete_marker)
 from engine.checkpoint.checkpointing import DataPosition
+from models.bridge.checkpoint import (LEGACY_SOURCE_DIR, SOURCE_DIR, check_checkpoint_dir,
+                                      source_dir)
 from tests.launch import (REPO_ROOT, WARNING_LINE, filter_noise, free_port, result_lines,
                           run_torchrun)
 
@@ -44,8 +46,8 @@ def fake_checkpoint(root: Path, it: int, complete: bool = True) -> Path:
     stage.mkdir(parents=True)
     (stage / "metadata.json").write_text("{}")
     (stage / "__0_0.distcp").write_bytes(b"x" * (10 + it))
-    (stage / "hf").mkdir()
-    (stage / "hf" / "config.json").write_text("{}")
+    (stage / SOURCE_DIR).mkdir()
+    (stage / SOURCE_DIR / "config.json").write_text("{}")
     if not complete:
         os.replace(stage, iteration_dir(root, it))  # a directory renamed without a marker
         return iteration_dir(root, it)
@@ -59,7 +61,8 @@ def test_publish_writes_marker_then_latest(tmp_path):
     assert read_latest(tmp_path) == 10
     assert (tmp_path / LATEST_FILE).read_text() == "10\n"
     marker = json.loads((path / "complete.json").read_text())
-    assert marker["files"] == {"__0_0.distcp": 20, "hf/config.json": 2, "metadata.json": 2}
+    assert marker["files"] == {"__0_0.distcp": 20, "hf_source/config.json": 2,
+                               "metadata.json": 2}
     assert checkpoint_problems(path) == []
 
 
@@ -113,7 +116,25 @@ def test_resolve_resume_modes(tmp_path):
     with pytest.raises(CheckpointError, match="no such directory"):
         resolve_resume(str(tmp_path / "missing"), None, print)
     with pytest.raises(CheckpointError, match="no complete iter_NNNNNNN"):
-        resolve_resume(str(tmp_path / "run" / "iter_0000002" / "hf"), None, print)
+        resolve_resume(str(tmp_path / "run" / "iter_0000002" / SOURCE_DIR), None, print)
+
+
+def test_source_dir_prefers_hf_source_and_reads_old_hf(tmp_path):
+    """The checkpoint's own folder: hf_source/ when there (a save_hf checkpoint's hf/ beside it
+    is the export, never read), else hf/ as checkpoints written before hf_source/ hold it."""
+    new = fake_checkpoint(tmp_path / "new", 1)
+    (new / "hf").mkdir()   # checkpoint.save_hf's export
+    (new / "hf" / "config.json").write_text('{"export": true}')
+    assert (SOURCE_DIR, LEGACY_SOURCE_DIR) == ("hf_source", "hf")
+    assert source_dir(new) == new / "hf_source"
+    check_checkpoint_dir(new)
+    old = fake_checkpoint(tmp_path / "old", 1)
+    (old / SOURCE_DIR).rename(old / "hf")
+    assert source_dir(old) == old / "hf"
+    check_checkpoint_dir(old)   # an old checkpoint is still one of this project
+    shutil.rmtree(old / "hf")   # control: neither folder
+    with pytest.raises(CheckpointError, match="no hf_source/config.json"):
+        check_checkpoint_dir(old)
 
 
 def test_prune_keeps_newest_complete(tmp_path):

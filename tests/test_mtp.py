@@ -261,7 +261,7 @@ def test_sft_trains_and_exports_the_mtp_layer(pools, glm_dir, tmp_path):
     assert all(m["mtp/loss"] > 0 and 0 <= m["mtp/accuracy"] <= 1 for m in metrics[:2]), metrics
     ckpt = next((run / "ckpt").glob("iter_*"))
     assert json.loads((ckpt / "bridge.json").read_text())["mtp_layers"] == 1
-    assert "_mtp_trained" not in json.loads((ckpt / "hf" / "config.json").read_text())
+    assert "_mtp_trained" not in json.loads((ckpt / "hf_source" / "config.json").read_text())
     out = tmp_path / "hf"
     pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt", str(ckpt), "--out", str(out))
     before, after = _tensors(Path(glm_dir)), _tensors(out)

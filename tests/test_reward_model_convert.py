@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.bridge.checkpoint import SOURCE_DIR
 from tests.conftest import CONVERT, REPO_ROOT
 
 REL = 1e-5           # fp32 Megatron / peft / vLLM vs transformers, relative to max |score|
@@ -255,7 +256,7 @@ def test_roundtrip_is_bitwise(arch, rm_dirs, rm_ckpts, rm_exports):
     config = json.loads((rm_exports[arch] / "config.json").read_text())
     source = json.loads((Path(rm_dirs[arch]) / "config.json").read_text())
     assert config.pop("num_labels") == 1 and config == source   # pad_token_id 0 kept
-    ckpt_config = json.loads((Path(rm_ckpts[arch]) / "hf" / "config.json").read_text())
+    ckpt_config = json.loads((Path(rm_ckpts[arch]) / SOURCE_DIR / "config.json").read_text())
     assert ckpt_config["architectures"] == CLASSIFIER[arch]["architectures"]
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (rm_exports[arch] / name).read_bytes() == (Path(rm_dirs[arch]) / name).read_bytes()
@@ -349,7 +350,7 @@ def test_verify_scores_sequences_that_end_on_the_end_of_turn_token(pools, rm_dir
 
     assert end_of_turn_id(AutoTokenizer.from_pretrained(rm_dirs["qwen3"])) == 3
     bad = _with_pad(rm_dirs["qwen3"], tmp_path / "pad_eot", 3)
-    bad_ckpt = _with_pad(rm_ckpts["qwen3"], tmp_path / "ckpt", 3, "hf/config.json")
+    bad_ckpt = _with_pad(rm_ckpts["qwen3"], tmp_path / "ckpt", 3, f"{SOURCE_DIR}/config.json")
     cfg = read_config(bad)
 
     def truth(tokens, lengths):   # each sequence's last token, by the folder with pad 0
@@ -375,7 +376,7 @@ def test_export_refuses_a_pad_id_equal_to_the_end_of_turn_token(rm_ckpts, tmp_pa
     naming pad_token_id, the token and the files to change."""
     from transformers import AutoTokenizer
 
-    ckpt = _with_pad(rm_ckpts["qwen3"], tmp_path / "ckpt", 3, "hf/config.json")
+    ckpt = _with_pad(rm_ckpts["qwen3"], tmp_path / "ckpt", 3, f"{SOURCE_DIR}/config.json")
     proc = convert_in_process("mcore-to-hf", "--ckpt", ckpt, "--out", tmp_path / "out")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     for needle in ("pad_token_id=3", "config.json's pad_token_id", "'<|im_end|>'",
@@ -386,12 +387,12 @@ def test_export_refuses_a_pad_id_equal_to_the_end_of_turn_token(rm_ckpts, tmp_pa
     # the tokenizer's pad token (config.json without one) is checked too
     tok_ckpt = tmp_path / "tok_ckpt"
     shutil.copytree(rm_ckpts["qwen3"], tok_ckpt)
-    config = json.loads((tok_ckpt / "hf" / "config.json").read_text())
+    config = json.loads((tok_ckpt / SOURCE_DIR / "config.json").read_text())
     config.pop("pad_token_id")
-    (tok_ckpt / "hf" / "config.json").write_text(json.dumps(config))
-    tok = AutoTokenizer.from_pretrained(str(tok_ckpt / "hf"))
+    (tok_ckpt / SOURCE_DIR / "config.json").write_text(json.dumps(config))
+    tok = AutoTokenizer.from_pretrained(str(tok_ckpt / SOURCE_DIR))
     tok.pad_token = "<|im_end|>"
-    tok.save_pretrained(str(tok_ckpt / "hf"))
+    tok.save_pretrained(str(tok_ckpt / SOURCE_DIR))
     proc = convert_in_process("mcore-to-hf", "--ckpt", tok_ckpt, "--out", tmp_path / "out")
     assert proc.returncode == 2 and "the tokenizer's pad token" in proc.stderr, proc.stderr
 

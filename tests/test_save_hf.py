@@ -1,17 +1,22 @@
-"""checkpoint.save_hf: every saved checkpoint also holds `iter_NNNNNNN/hf_export/`, the folder
+"""checkpoint.save_hf: every saved checkpoint also holds `iter_NNNNNNN/hf/`, the folder
 `tools/convert.py mcore-to-hf` writes from that checkpoint (engine.checkpoint.hf_export, the
-export both share), written from the training model at save time.
+export both share), written from the training model at save time; the checkpoint's own source
+files (HF config, tokenizer, pass-through tensors) are in `iter_NNNNNNN/hf_source/`.
 
 Real `-m engine.sft` runs of a tiny Qwen3 on the session's rank pool (tests/pool.py):
-  one process, 3 steps, a save every step, keep_last=2: iter_0000003/hf_export/ against
+  one process, 3 steps, a save every step, keep_last=2: iter_0000003/hf/ against
       convert's output of iter_0000003: the same files, the same tensors (names, dtypes,
       shapes, bytes), byte-equal config/tokenizer files, and model.safetensors byte for byte;
       it loads in transformers (one forward). Negative controls: iter_0000002's folder (one
       step older) differs from it, and so does the source model. keep_last removed
       iter_0000001 with its folder; complete.json lists the folder's files;
+  the same checkpoint in the layout written before hf_source/ (its own folder as hf/, no
+      export): it converts to the same folder bitwise, and a run resumes from it; convert
+      reads hf_source/ when both folders are there (control: a changed hf/config.json is not
+      read), and refuses --out on the old layout's own folder;
   PP2 on two ranks, in bf16: the pipeline's second stage is handed to rank 0, and the weights
       are upcast as convert reads a bf16 checkpoint back (fp32): bitwise equal to convert;
-  LoRA on one process: hf_export/ is the peft adapter folder convert writes (adapter tensors
+  LoRA on one process: hf/ is the peft adapter folder convert writes (adapter tensors
       bitwise, adapter_config.json equal);
   GLM-4.5 (MoE) training its MTP layer at EP2: experts and the MTP layer bitwise;
   PPO (engine.rl, one process): the critic's folder (*ForTokenClassification) and the
@@ -21,16 +26,21 @@ Refusals (in this process): save_hf without checkpoint.dir, save_hf for a reward
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.checkpoint.io import checkpoint_problems, iteration_dir, read_latest
+from engine.checkpoint.io import (LATEST_FILE, checkpoint_problems, iteration_dir, iteration_of,
+                                  read_latest)
+from models.bridge.checkpoint import LEGACY_SOURCE_DIR, SOURCE_DIR, source_dir
 from tests.conftest import CONVERT
+from tests.launch import run_main
+from tools.convert import main as convert_main
 
-EXPORT = "hf_export"
+EXPORT = "hf"            # checkpoint.save_hf's folder (engine.checkpoint.hf_export.HF_EXPORT_DIR)
 
 
 def _write_jsonl(path: Path, rows: list) -> str:
@@ -129,6 +139,56 @@ def test_save_hf_equals_convert_bitwise_and_loads(pools, one_process, assets, tm
     assert logits.shape == (1, 4, 200) and torch.isfinite(logits).all()
 
 
+def _as_legacy(ckpt: Path, root: Path) -> Path:
+    """A copy of the checkpoint `ckpt` (save_hf's layout) as one written before hf_source/:
+    its own folder under hf/ and no export, complete.json listing the files so, in the run
+    directory `root` whose latest file names it."""
+    it = iteration_of(ckpt)
+    old = iteration_dir(root, it)
+    shutil.copytree(ckpt, old)
+    shutil.rmtree(old / EXPORT)
+    (old / SOURCE_DIR).rename(old / LEGACY_SOURCE_DIR)
+    marker = json.loads((old / "complete.json").read_text())
+    moved = {}
+    for rel, size in marker["files"].items():
+        if rel.startswith(f"{SOURCE_DIR}/"):
+            moved[f"{LEGACY_SOURCE_DIR}/{rel[len(SOURCE_DIR) + 1:]}"] = size
+        elif not rel.startswith(f"{EXPORT}/"):
+            moved[rel] = size
+    marker["files"] = moved
+    (old / "complete.json").write_text(json.dumps(marker))
+    (root / LATEST_FILE).write_text(f"{it}\n")
+    return old
+
+
+def test_old_layout_converts_and_resumes(pools, one_process, assets, tmp_path):
+    new = iteration_dir(one_process, 3)
+    # the new layout: the checkpoint's own folder beside save_hf's export
+    assert (new / SOURCE_DIR / "config.json").is_file()
+    assert not (new / SOURCE_DIR / "model.safetensors").exists()
+    assert source_dir(new) == new / SOURCE_DIR
+    old = _as_legacy(new, tmp_path / "old")
+    assert checkpoint_problems(old) == [] and not (old / SOURCE_DIR).exists()
+    assert source_dir(old) == old / LEGACY_SOURCE_DIR
+    _assert_same_folder(new / EXPORT, _convert(pools, old, tmp_path / "from_old"))
+    refused = run_main(convert_main, ["mcore-to-hf", "--ckpt", str(old), "--out",
+                                      str(old / LEGACY_SOURCE_DIR), "--overwrite"])
+    assert refused.returncode == 2 and "the checkpoint's own folder" in refused.stderr
+    assert (old / LEGACY_SOURCE_DIR / "config.json").is_file()   # nothing removed
+    # both folders present: hf_source/ is read; a changed hf/config.json (control) is not
+    both = tmp_path / "both" / new.name
+    shutil.copytree(new, both)
+    config = json.loads((both / EXPORT / "config.json").read_text())
+    (both / EXPORT / "config.json").write_text(json.dumps({**config, "vocab_size": 7}))
+    _assert_same_folder(new / EXPORT, _convert(pools, both, tmp_path / "from_both"))
+    # a run resumes from the old layout (3 steps done, one more) and saves the new one
+    resumed = _sft(pools, assets, 1, "resumed", "train.max_steps=4",
+                   f"checkpoint.resume={old}")
+    assert sorted(p.name for p in resumed.glob("iter_*")) == ["iter_0000004"]
+    assert (iteration_dir(resumed, 4) / SOURCE_DIR / "config.json").is_file()
+    assert checkpoint_problems(iteration_dir(resumed, 4)) == []
+
+
 def test_pp2_bf16_save_hf_equals_convert_bitwise(pools, assets, tmp_path):
     ckpt = _sft(pools, assets, 2, "pp2", "train.max_steps=1", "parallel.pp=2",
                 "model.dtype=bfloat16")
@@ -175,7 +235,7 @@ def test_moe_ep2_trained_mtp_save_hf_equals_convert_bitwise(pools, tmp_path):
 
 def test_ppo_critic_and_policy_save_hf_equal_convert(pools, assets, tmp_path):
     """An RL run with a PPO critic (one process, one step): checkpoint.dir/critic/iter_*/
-    hf_export/ is convert's *ForTokenClassification folder of the critic checkpoint, and the
+    hf/ is convert's *ForTokenClassification folder of the critic checkpoint, and the
     policy's folder is convert's of the policy checkpoint."""
     prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"what is {i} plus 1 ?",
                                                    "answer": i + 1} for i in range(4)])

@@ -11,7 +11,7 @@
       [--quantize fp8]            (an FP8 source: re-quantize with its scales; default bf16)
       [--merge] [--base H]        (LoRA checkpoints: a PEFT adapter, or the merged model)
       A PPO critic (checkpoint.dir/critic) exports as *ForTokenClassification; a reward model
-      (hf/config.json a one-label *ForSequenceClassification: hf-to-mcore of one, or an RM run)
+      (its own config.json a one-label *ForSequenceClassification: hf-to-mcore of one, or an RM run)
       as *ForSequenceClassification, and with LoRA as a peft SEQ_CLS adapter (the score head
       in modules_to_save) or with --merge the merged classifier (tools/convert_reward.py)
   torchrun --nproc_per_node T*P*D tools/convert.py verify --hf-dir H --ckpt C --tp T --pp P
@@ -35,10 +35,11 @@ ITERATION_HELP = ("--ckpt is a run's checkpoint directory: convert this iteratio
 # Imports live in the commands: `--help` and argument errors answer without loading megatron.
 
 
-def _claim_out(out: Path, overwrite: bool, ckpt: Path) -> None:
+def _claim_out(out: Path, overwrite: bool, ckpt: Path, meta: Path) -> None:
     """mcore-to-hf's --out: refuse a non-empty folder unless --overwrite, which empties it
     first (a stale shard or index left beside the new files would be loaded with them); never
-    the checkpoint itself or a folder holding it."""
+    the checkpoint itself, a folder holding it or its own folder `meta` (hf_source/, or an
+    older checkpoint's hf/; a newer checkpoint's hf/ is checkpoint.save_hf's export)."""
     if not out.exists() or not any(out.iterdir()):
         return
     if not overwrite:
@@ -47,6 +48,9 @@ def _claim_out(out: Path, overwrite: bool, ckpt: Path) -> None:
     src, dst = ckpt.resolve(), out.resolve()
     if src == dst or dst in src.parents:
         fail(f"--out {out} holds the checkpoint {ckpt}; --overwrite would delete it")
+    if dst == meta.resolve():
+        fail(f"--out {out} is the checkpoint's own folder (its config, tokenizer and pass-through "
+             "tensors); --overwrite would delete it")
     import shutil
     for child in out.iterdir():
         shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
@@ -101,7 +105,7 @@ def mcore_to_hf(args) -> None:
     from tqdm import tqdm
 
     from engine.checkpoint.hf_export import export_model_folder, write_hf
-    from models.bridge.checkpoint import load_model, read_hf_config
+    from models.bridge.checkpoint import load_model, read_hf_config, source_dir
     from models.bridge.critic import is_critic_config
     from models.bridge.reward_model import is_reward_model_config
     from models.build.factory import build_model_chunks
@@ -112,7 +116,8 @@ def mcore_to_hf(args) -> None:
 
     ckpt = resolve_checkpoint(args.ckpt, getattr(args, "iteration", None))
     out = Path(args.out)
-    _claim_out(out, getattr(args, "overwrite", False), ckpt)
+    meta = source_dir(ckpt)  # its hf_source/, or an older checkpoint's hf/
+    _claim_out(out, getattr(args, "overwrite", False), ckpt, meta)
     cfg = read_hf_config(ckpt)
     reward = is_reward_model_config(cfg)  # a reward model: its score head (no bias)
     if reward and (problem := pad_problem(cfg, ckpt)):  # before any work
@@ -126,11 +131,11 @@ def mcore_to_hf(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         export_any = export_reward_lora if reward else export_lora
         n = export_any(ckpt, cfg, found, out, args.merge, args.dtype, lambda tensors: write_hf(
-            tensors, export_config(cfg, ckpt) if reward else cfg, ckpt / "hf", out))
+            tensors, export_config(cfg, ckpt) if reward else cfg, meta, out))
         what = "merged HF checkpoint" if args.merge else "PEFT adapter"
         print(f"wrote {what}{' of the reward model' if reward else ''} ({n} tensors) to {out}")
         if reward and args.merge:   # a folder transformers loads as it is
-            _reward_calling_convention(out, ckpt)
+            _reward_calling_convention(out, meta)
         return
     chunks = build_model_chunks(cfg)
     if critic or reward:
@@ -139,20 +144,20 @@ def mcore_to_hf(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cast = getattr(__import__("torch"), args.dtype) if args.dtype else None
     # the export checkpoint.save_hf writes during training too (engine.checkpoint.hf_export)
-    n = export_model_folder(chunks, cfg, ckpt / "hf", out, cast, getattr(args, "quantize", None),
+    n = export_model_folder(chunks, cfg, meta, out, cast, getattr(args, "quantize", None),
                             config_of=lambda c: export_config(c, ckpt) if reward else c,
                             progress=lambda s: tqdm(s, desc="mcore-to-hf"))
     print(f"wrote HF checkpoint ({n} tensors) to {out}")
     if reward:
-        _reward_calling_convention(out, ckpt)
+        _reward_calling_convention(out, meta)
 
 
-def _reward_calling_convention(out: Path, ckpt: Path) -> None:
+def _reward_calling_convention(out: Path, meta: Path) -> None:
     """A reward model's export: its scoring chat template and README.md
-    (tools/convert_reward_template.py)."""
+    (tools/convert_reward_template.py); `meta`: the checkpoint's own folder (its tokenizer)."""
     from tools.convert_reward_template import write_scoring_files
 
-    print(f"[convert] {write_scoring_files(out, ckpt / 'hf')}; README.md: how to call it",
+    print(f"[convert] {write_scoring_files(out, meta)}; README.md: how to call it",
           flush=True)
 
 

@@ -4,7 +4,8 @@ A reward model is transformers' <Family>ForSequenceClassification with num_label
 (models.bridge.reward_model): the trunk under the causal LM's names without `lm_head.weight`,
 plus `score.weight` [1, h] and no bias. Its score of a sequence is score.weight . h_last, the
 final-norm hidden state of the sequence's last token (transformers: the last non-pad token).
-A checkpoint is a reward model's when its hf/config.json is one (`is_reward_model_config`):
+A checkpoint is a reward model's when its own config.json (models.bridge.checkpoint.source_dir)
+is one (`is_reward_model_config`):
 `hf-to-mcore` of such a folder and the engine's reward-model runs (engine.rm) write it so.
 
 - `reward_folder_problem(hf_dir, cfg, reader, adapter)`: why hf-to-mcore refuses a
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models.bridge.checkpoint import source_dir
 from models.bridge.critic import LM_HEAD, TrunkReader
 from models.bridge.reward_model import (CLASSIFIER_SUFFIX, num_labels, reward_model_hf_config,
                                         reward_model_problem)
@@ -68,7 +70,7 @@ def reward_folder_problem(hf_dir: str, cfg: dict, reader, adapter: str | None) -
 
 def reward_to_mcore(cfg: dict, hf_dir: str, out: Path) -> None:
     """Collective: a Megatron checkpoint of the reward model in `hf_dir` (trunk and score
-    head), its hf/config.json the one-label sequence classifier's."""
+    head), its hf_source/config.json the one-label sequence classifier's."""
     from models.bridge.checkpoint import model_sharded_state_dict, save_checkpoint
     from models.bridge.reward_model import load_reward_model
     from models.build.factory import build_model_chunks
@@ -87,7 +89,7 @@ def export_config(cfg: dict, ckpt: Path) -> dict:
     checked by mcore-to-hf before any weight is read)."""
     out = reward_model_hf_config(cfg)
     if out.get("pad_token_id") is None:
-        pad = _tokenizer_pad_id(ckpt / "hf")
+        pad = _tokenizer_pad_id(source_dir(ckpt))
         if pad is not None:
             out["pad_token_id"] = pad
             print(f"[convert] pad_token_id={pad}: the tokenizer's pad token (config.json has "
@@ -100,12 +102,12 @@ def export_config(cfg: dict, ckpt: Path) -> dict:
 
 
 def pad_problem(cfg: dict, ckpt: Path) -> str | None:
-    """Why the export of the reward model in `ckpt` (its hf/config.json `cfg`) would be scored
+    """Why the export of the reward model in `ckpt` (its own config.json `cfg`) would be scored
     at the wrong token (None: it would not): config.json's pad_token_id or the tokenizer's pad
     token (copied into the export) is the end-of-turn id the model scores (`end_of_turn_id`).
     transformers' sequence classifier scores the last token that is not pad_token_id, so a
     sequence ending on that token would be scored at the token before it."""
-    folder = Path(ckpt) / "hf"
+    folder = source_dir(ckpt)
     tokenizer = _tokenizer(folder)
     eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
     if eot is None:

@@ -219,7 +219,8 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
                              extra: Optional[dict] = None, save_hf: bool = False) -> Path:
     """Collective: save `state` after `position.step` optimizer steps as
     `root/iter_%07d` (atomic, see engine.checkpoint.io), then prune to `keep_last`. `save_hf`
-    (checkpoint.save_hf): also its HF folder `hf_export/` (engine.checkpoint.hf_export).
+    (checkpoint.save_hf): also its HF folder `hf/` (engine.checkpoint.hf_export; the
+    checkpoint's own source files go to `hf_source/`: models.bridge.checkpoint.write_metadata).
     `extra`: optional plain JSON values (identical on every rank; rank 0's copy is stored),
     returned by read_checkpoint_info(...)["extra"]; None stores no `extra` key (the SFT
     checkpoint format). Returns the published directory; raises CheckpointError on every rank
@@ -248,7 +249,7 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
                 (stage / "config.yaml").write_text(config_yaml)
         except OSError as e:
             error = f"saving {iteration_dir(root, position.step)} failed: {e}"
-    if save_hf:  # hf_export/, as convert mcore-to-hf writes it (engine.checkpoint.hf_export)
+    if save_hf:  # hf/, as convert mcore-to-hf writes it (engine.checkpoint.hf_export)
         error = save_hf_export(state.chunks, stage, hf_config, tokenizer_dir, error)
     if rank == 0 and error is None:
         try:

@@ -4,13 +4,14 @@ mcore-to-hf` and `checkpoint.save_hf` share (docs/checkpoints.md#hugging-face-fo
 - `export_model_folder(chunks, cfg, meta_dir, out, ...)`: a full model as convert writes it:
   safetensors (models.bridge: the causal LM with its trained MTP layer, a PPO critic as
   *ForTokenClassification, a reward model's tensors), the pass-through tensors of `meta_dir`
-  (a checkpoint's `hf/`: models.hf.passthrough), a quantized source's export rules
+  (a checkpoint's source folder `hf_source/`: models.bridge.checkpoint.source_dir,
+  models.hf.passthrough), a quantized source's export rules
   (models.hf.quantized_export), config.json and the tokenizer files of `meta_dir`;
 - `export_adapter_folder(chunks, cfg, spec, base, out, ...)`: a LoRA model's adapters as a
   peft adapter folder (models.lora.peft);
 - `save_hf_export(...)`: checkpoint.save_hf's step inside engine.checkpoint.checkpointing's
-  save: the training chunks exported into `iter_NNNNNNN/hf_export/` before the checkpoint is
-  marked complete.
+  save: the training chunks exported into `iter_NNNNNNN/hf/` before the checkpoint is marked
+  complete (the checkpoint's own source files are in `iter_NNNNNNN/hf_source/`).
 
 Both exports are collective over the default process group. Every rank iterates its pipeline
 stage's stream (TP and expert-parallel gathers inside: models.bridge.weights.export_hf_weights,
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from safetensors.torch import load_file, save_file
 
+from models.bridge.checkpoint import source_dir
 from models.bridge.critic import export_critic, is_critic_config
 from models.bridge.reward_model import export_reward_model, is_reward_model_config
 from models.bridge.weights import export_hf_weights
@@ -46,7 +48,7 @@ from models.hf.quantized_export import export_tensors
 from models.lora.peft import export_peft_tensors, write_peft_adapter
 from models.lora.sites import ROUTER_PATH, lora_spec_of
 
-HF_EXPORT_DIR = "hf_export"        # iter_NNNNNNN/hf_export/ (hf/ holds the checkpoint's own)
+HF_EXPORT_DIR = "hf"     # iter_NNNNNNN/hf/ (hf_source/ holds the checkpoint's own source files)
 MAX_SHARD_BYTES = 5 * 1024 ** 3    # one safetensors file up to 5 GiB, then model-0000k-of-...
 # the dtype convert's model holds (models.build.factory.build_model_chunks' default): a run
 # training in bf16 exports its weights upcast to it, exactly as convert reads them back
@@ -137,7 +139,8 @@ def export_model_folder(chunks: list, cfg: dict, meta_dir: Path, out: Path,
                         progress: Callable[[Stream], Stream] = lambda s: s) -> int:
     """Collective (module docstring): write the full model of `chunks` (HF config `cfg`) to
     `out` as convert mcore-to-hf does; returns the tensor count on rank 0 (0 elsewhere).
-    `meta_dir`: the checkpoint's hf/ (tokenizer, pass-through tensors, quantized source);
+    `meta_dir`: the checkpoint's source folder (models.bridge.checkpoint.source_dir: tokenizer,
+    pass-through tensors, quantized source);
     `dtype`: cast (convert's --dtype; not the weights a quantized source stored quantized);
     `quantize`: convert's --quantize; `held`: the dtype the weights are first brought to;
     `config_of`: the config.json written for the exported config (a reward model's: tools/
@@ -192,10 +195,10 @@ def save_hf_problem(hf_config: dict) -> Optional[str]:
 
 def save_hf_export(chunks: list, ckpt_dir: Path, hf_config: dict, base: Optional[str],
                    error: Optional[str]) -> Optional[str]:
-    """Collective, inside a checkpoint save after rank 0 wrote `ckpt_dir`/hf/ (write_metadata)
-    and reported `error` (None: no error; only rank 0's counts): unless rank 0 failed, write
-    `ckpt_dir`/hf_export/, the folder `convert mcore-to-hf --ckpt ckpt_dir` writes: the full
-    model, or with LoRA adapters (models.lora.sites) the peft adapter on the base `base`
+    """Collective, inside a checkpoint save after rank 0 wrote `ckpt_dir`/hf_source/
+    (write_metadata) and reported `error` (None: no error; only rank 0's counts): unless rank 0
+    failed, write `ckpt_dir`/hf/, the folder `convert mcore-to-hf --ckpt ckpt_dir` writes: the
+    full model, or with LoRA adapters (models.lora.sites) the peft adapter on the base `base`
     (model.hf_path). Returns rank 0's error (a failed write) or `error`; None elsewhere.
     Rank 0 prints the folder, its tensor count and the seconds the export took."""
     box = [error]
@@ -210,7 +213,7 @@ def save_hf_export(chunks: list, ckpt_dir: Path, hf_config: dict, base: Optional
         if spec is not None:
             n = export_adapter_folder(chunks, hf_config, spec, base, out, held=CONVERT_DTYPE)
         else:
-            n = export_model_folder(chunks, hf_config, Path(ckpt_dir) / "hf", out,
+            n = export_model_folder(chunks, hf_config, source_dir(ckpt_dir), out,
                                     held=CONVERT_DTYPE)
     except OSError as e:
         return f"writing {out} failed: {e}" if dist.get_rank() == 0 else None

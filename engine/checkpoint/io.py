@@ -5,8 +5,10 @@ rank 0) or by a test. Layout of a run directory `root` (`checkpoint.dir`)::
 
     root/iter_0000010/                      one complete checkpoint (optimizer steps done = 10)
         metadata.json, *.distcp, common.pt  Megatron distributed checkpoint (dist_checkpointing)
-        hf/, bridge.json                    HF config + tokenizer, bridge metadata (export)
-        hf_export/                          checkpoint.save_hf: the HF folder convert writes
+        hf_source/, bridge.json             the source's HF config + tokenizer, bridge metadata
+                                            (an older checkpoint: hf/; models.bridge.checkpoint
+                                            .source_dir reads either)
+        hf/                                 checkpoint.save_hf: the HF folder convert writes
         config.yaml                         the run's resolved configuration (for humans)
         complete.json                       the completeness marker, written last (see below)
     root/iter_0000020.tmp/                  a save in progress (or torn by a crash): never read

@@ -111,7 +111,7 @@ class CheckpointConfig:
     keep_last: Optional[int] = None    # keep the newest N complete checkpoints (null: all)
     resume: str = "auto"               # auto (newest complete in dir) | never | <path>
     save_on_exit: bool = True          # save at the end, at exit_interval/duration, on signal
-    # also write iter_NNNNNNN/hf_export/ at every save: the folder `tools/convert.py mcore-to-hf`
+    # also write iter_NNNNNNN/hf/ at every save: the folder `tools/convert.py mcore-to-hf`
     # writes from that checkpoint (docs/checkpoints.md#hugging-face-folders-during-training)
     save_hf: bool = False
 

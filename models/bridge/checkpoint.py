@@ -4,7 +4,11 @@ A checkpoint directory holds:
   - the `megatron.core.dist_checkpointing` files (`metadata.json`, `*.distcp`, `common.pt`);
     model weights live under the state-dict key `model` (training checkpoints add `optimizer`,
     `scheduler`, `rng`, `data`, which model-only readers ignore);
-  - `hf/`: the HF `config.json` and tokenizer files, so later commands need no extra flags;
+  - `hf_source/` (SOURCE_DIR): the source's HF `config.json`, tokenizer files and pass-through
+    tensors, so later commands need no extra flags; checkpoints written before this folder was
+    named so hold it as `hf/` (LEGACY_SOURCE_DIR), which `source_dir` still finds. A training
+    checkpoint with `checkpoint.save_hf` also holds `hf/`: then the HF folder `convert
+    mcore-to-hf` writes (engine.checkpoint.hf_export), never read as the source;
   - `bridge.json`: architecture, padded vocab and format version.
 """
 from __future__ import annotations
@@ -28,6 +32,8 @@ from models.hf.quantized_export import record_source
 from models.lora.sites import is_adapter_param, lora_spec_of
 
 FORMAT_VERSION = 1
+SOURCE_DIR = "hf_source"       # a checkpoint's own HF config, tokenizer, pass-through tensors
+LEGACY_SOURCE_DIR = "hf"       # ... as checkpoints written before SOURCE_DIR stored them
 
 
 class CheckpointError(FileNotFoundError):
@@ -77,11 +83,21 @@ def load_model_state(chunk, state: dict) -> None:
                               f"unexpected {result.unexpected_keys[:4]}")
 
 
+def source_dir(ckpt_dir: str | os.PathLike) -> Path:
+    """The folder of `ckpt_dir` holding the checkpoint's own HF config, tokenizer files and
+    pass-through tensors: `hf_source/` when present, else `hf/` (a checkpoint written before
+    SOURCE_DIR; a newer one's `hf/` is checkpoint.save_hf's export and `hf_source/` is there
+    too). File-system only; the folder may not exist (check_checkpoint_dir says so)."""
+    path = Path(ckpt_dir)
+    new = path / SOURCE_DIR
+    return new if new.is_dir() else path / LEGACY_SOURCE_DIR
+
+
 def write_metadata(ckpt_dir: str | os.PathLike, hf_config: dict, tokenizer_dir: str | None
                    ) -> None:
-    """Rank-0 writer of `hf/` (config, tokenizer files and the pass-through tensors of the
-    HF folder `tokenizer_dir`: models.hf.passthrough) and `bridge.json`."""
-    hf_dir = Path(ckpt_dir) / "hf"
+    """Rank-0 writer of `hf_source/` (SOURCE_DIR: config, tokenizer files and the pass-through
+    tensors of the HF folder `tokenizer_dir`: models.hf.passthrough) and `bridge.json`."""
+    hf_dir = Path(ckpt_dir) / SOURCE_DIR
     hf_dir.mkdir(parents=True, exist_ok=True)
     # as stored in the source (a conditional-generation wrapper's own: models.hf.conditional)
     (hf_dir / "config.json").write_text(json.dumps(file_config(hf_config), indent=2))
@@ -127,8 +143,10 @@ def check_checkpoint_dir(ckpt_dir: str | os.PathLike) -> None:
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{path} is not a Megatron distributed checkpoint "
                               f"(no metadata.json)")
-    if not (path / "hf" / "config.json").is_file():
-        raise CheckpointError(f"{path} has no hf/config.json: not written by this project")
+    if not (source_dir(path) / "config.json").is_file():
+        raise CheckpointError(f"{path} has no {SOURCE_DIR}/config.json (nor "
+                              f"{LEGACY_SOURCE_DIR}/config.json, as older checkpoints store it): "
+                              "not written by this project")
 
 
 def read_hf_config(ckpt_dir: str | os.PathLike) -> dict:
@@ -136,7 +154,7 @@ def read_hf_config(ckpt_dir: str | os.PathLike) -> dict:
     models.hf.io.read_config does), marked as holding a trained MTP layer when bridge.json says
     so (models.families.mtp: the model state then has it, and export writes it)."""
     check_checkpoint_dir(ckpt_dir)
-    config = text_view(json.loads((Path(ckpt_dir) / "hf" / "config.json").read_text()))
+    config = text_view(json.loads((source_dir(ckpt_dir) / "config.json").read_text()))
     bridge = Path(ckpt_dir) / "bridge.json"
     if bridge.is_file() and json.loads(bridge.read_text()).get("mtp_layers"):
         config = with_trained_mtp(config)

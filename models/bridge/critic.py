@@ -2,8 +2,9 @@
 i.e. the trunk's tensors under the policy's names without `lm_head.weight`, plus the value
 head as `score.weight` [1, h] and `score.bias` [1] (models.layers.heads.value).
 
-- `critic_hf_config(hf_config)`: the config.json of that form (also the hf/config.json of a
-  critic's training checkpoint, so tools/convert.py recognises it: `is_critic_config`);
+- `critic_hf_config(hf_config)`: the config.json of that form (also the config.json in a
+  critic's training checkpoint's hf_source/, so tools/convert.py recognises it:
+  `is_critic_config`);
 - `export_critic(chunks, hf_config)`: (name, full tensor) of a critic's chunks (the value
   head gathered over TP; collective over each stage's TP group, like export_hf_weights);
 - `load_critic(raw_chunks, hf_dir, hf_config)`: fill raw (pre-DDP) chunks from such a folder:
@@ -31,7 +32,7 @@ LM_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 def is_critic_config(hf_config: dict) -> bool:
-    """Whether a config (an HF folder's, or a checkpoint's hf/config.json) is a critic's."""
+    """Whether a config (an HF folder's, or a checkpoint's own config.json) is a critic's."""
     return hf_config.get("num_labels") == 1 and any(
         a.endswith("ForTokenClassification") for a in hf_config.get("architectures") or [])
 

@@ -8,8 +8,8 @@ sequence it is given, engine.rm). On Megatron the model is the causal LM's GPTMo
 score head on the last pipeline stage; its output layer is never used (frozen, filled with the
 input embedding when the folder has no `lm_head.weight`, as models.bridge.critic does).
 
-- `reward_model_hf_config(hf_config)`: the config.json of that form (also the hf/config.json of
-  a reward model's training checkpoint, so tools/convert.py recognises it:
+- `reward_model_hf_config(hf_config)`: the config.json of that form (also the config.json in
+  a reward model's training checkpoint's hf_source/, so tools/convert.py recognises it:
   `is_reward_model_config`);
 - `reward_model_problem(hf_dir)`: why a folder is not such a checkpoint (None: it is one);
 - `init_reward_model(raw_chunks, std, seed)`: a new score head, N(0, std^2) from a seeded
@@ -39,7 +39,7 @@ __all__ = ["classifier_problem", "is_reward_model_config", "reward_model_hf_conf
 
 
 def is_reward_model_config(hf_config: dict) -> bool:
-    """Whether a config (an HF folder's, or a checkpoint's hf/config.json) is a reward model's:
+    """Whether a config (an HF folder's, or a checkpoint's own config.json) is a reward model's:
     a *ForSequenceClassification architecture with num_labels 1."""
     return num_labels(hf_config) == 1 and any(
         a.endswith(CLASSIFIER_SUFFIX) for a in hf_config.get("architectures") or [])

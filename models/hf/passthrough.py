@@ -4,7 +4,8 @@ MTP layers `model.layers.{N..}.*`, models.families.glm4_moe).
 
 Every checkpoint this project writes from an HF folder (tools/convert.py hf-to-mcore and every
 training checkpoint, whose `model.hf_path` is the source) stores them as read, dtype and bytes,
-in `hf/passthrough.safetensors` next to the HF config (models.bridge.checkpoint.write_metadata);
+in `hf_source/passthrough.safetensors` next to the HF config (an older checkpoint: `hf/`;
+models.bridge.checkpoint.write_metadata and source_dir);
 `tools/convert.py mcore-to-hf` writes them back beside the exported weights. They are never
 trained, never synced to rollout engines (transformers drops them on load) and never cast by
 `--dtype`.
@@ -52,6 +53,7 @@ def save_passthrough(src_hf_dir: str | os.PathLike | None, hf_config: dict,
 
 
 def read_passthrough(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The pass-through tensors stored in a checkpoint's `hf/` folder ({} when none)."""
+    """The pass-through tensors stored in a checkpoint's own folder `hf_dir`
+    (models.bridge.checkpoint.source_dir; {} when none)."""
     path = Path(hf_dir) / PASSTHROUGH_FILE
     return load_file(str(path)) if path.is_file() else {}

@@ -2,9 +2,10 @@
 record of that source which makes it possible.
 
 `record_source` (models.bridge.checkpoint.write_metadata: every checkpoint written from an HF folder,
-conversions and training checkpoints alike) stores in the checkpoint's `hf/` folder, as
-`quantization.safetensors`, the stored parts of every quantized weight besides the weight itself
-(FP8: the fp32 scales), as read, and the stored dtype of every tensor of the source.
+conversions and training checkpoints alike) stores in the checkpoint's own folder (`hf_source/`;
+an older checkpoint's `hf/`), as `quantization.safetensors`, the stored parts of every quantized
+weight besides the weight itself (FP8: the fp32 scales), as read, and the stored dtype of every
+tensor of the source.
 
 `export_tensors` (tools/convert.py mcore-to-hf): unquantized by default (the dequantized weights
 in bf16, every other tensor in its source dtype, config.json without quantization_config); with
@@ -27,7 +28,7 @@ from models.hf.io import SafetensorsReader
 from models.formats.quantized import (QUANT_METHODS, logical_parts, quant_method,
                               quantization_config)
 
-SOURCE_FILE = "quantization.safetensors"  # in a checkpoint's hf/: source scales and dtypes
+SOURCE_FILE = "quantization.safetensors"  # in a checkpoint's hf_source/: scales and dtypes
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
            "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
@@ -54,7 +55,8 @@ def record_source(src_hf_dir: str | os.PathLike | None, cfg: dict,
 
 
 def read_source(hf_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(recorded parts, recorded dtypes) of a checkpoint's `hf/` folder ({} and {}: none)."""
+    """(recorded parts, recorded dtypes) of a checkpoint's own folder `hf_dir`
+    (models.bridge.checkpoint.source_dir; {} and {}: none)."""
     path = Path(hf_dir) / SOURCE_FILE
     if not path.is_file():
         return {}, {}
