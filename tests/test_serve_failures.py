@@ -195,9 +195,9 @@ def test_a_failing_request_costs_its_halving_once_and_its_twins_no_call(tok, rem
     (the same poison prompt, different seeds): the halving isolates the first twin alone
     (calls of 8, 4, 2, 1, then the good 2 and 4) and the second is answered 503 without a
     call of its own (negative control, remember=False (FailedTwins ttl 0): one call more,
-    the second twin retried alone). A third twin arriving afterwards gets 503 repeated_failure at admission with a
-    Retry-After, no generate call (control: one more failing call); a request with another
-    prompt is still served."""
+    the second twin retried alone). A third twin arriving afterwards gets 503 repeated_failure
+    at admission with a Retry-After, no generate call (control: one more failing call); a
+    request with another prompt is still served."""
     from engine.serve.batching import FailedTwins
 
     backend = ScriptedBackend(poison=66, blocked=True)

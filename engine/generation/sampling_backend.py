@@ -120,15 +120,17 @@ class StepBackend:
     def busy(self) -> bool:
         return self.driver.busy
 
-    def add(self, key: str, request: GenerateRequest) -> GenerateResult | None:
+    def add(self, key: str, request: GenerateRequest, stream: bool = False
+            ) -> GenerateResult | None:
         """Start `request`; its result at once when nothing is to run (max_tokens 0 without
-        scores), else None (it comes from `step`). Raises what the driver refuses."""
+        scores), else None (it comes from `step`; `stream`: its ids after every step too).
+        Raises what the driver refuses."""
         if request.max_tokens == 0:
             return self._finish(key, request, GenerateResult([], [], "length"))
         params = SamplingParams(max_new_tokens=request.max_tokens,
                                 temperature=request.temperature, top_p=request.top_p,
                                 seeds=[request.seed])
-        self.driver.add(key, list(request.prompt_ids), params)
+        self.driver.add(key, list(request.prompt_ids), params, stream)
         self.calls += 1
         self.requests[key] = request
         return None

@@ -23,12 +23,12 @@ DESCRIPTION = """Serve a Hugging Face checkpoint OpenAI-compatibly (/v1/models,
 root) for evaluation and for LLM judges (reward.judge.*).
 On vllm (vLLM in this process) requests join the running batch at the next engine step
 and `stream: true` sends text as it is sampled; on hf (transformers) concurrent requests are
-batched into one generate call and a stream is sent after it. A request's temperature, top_p, max_tokens
-(capped at --max-tokens), n, stop, logprobs and tools are honoured; a request without `seed`
-samples with a seed derived from --seed and its arrival number, one with `seed` samples the
-same reply whatever else is served. Every request is logged in one line (route, status,
-tokens, milliseconds; --quiet: none). SIGTERM or Ctrl-C stops it (exit 0): queued requests get
-503."""
+batched into one generate call and a stream is sent after it. A request's temperature,
+top_p, max_tokens (capped at --max-tokens), n, stop, logprobs and tools are honoured; a
+request without `seed` samples with a seed derived from --seed and its arrival number, one
+with `seed` samples the same reply whatever else is served. Every request is logged in one
+line (route, status, tokens, milliseconds; --quiet: none). SIGTERM or Ctrl-C stops it (exit
+0): queued requests get 503."""
 
 EXAMPLES = """examples:
   {prog} --model runs/x/hf --port 8000

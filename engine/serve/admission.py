@@ -6,8 +6,8 @@ that sets the limit):
   engine.api.batcher);
 - the context budget of each prompt: the one rule of engine.api.budget, with max_tokens
   capped at --max-tokens before it (max_tokens=100000 is served with --max-tokens when
-  that fits), in a window of --max-context ids (one fewer when log-probs are asked: the vllm engine scores a sequence by
-  generating one token after it; code context_length_exceeded);
+  that fits), in a window of --max-context ids (one fewer when log-probs are asked: the
+  vllm engine scores a sequence by generating one token after it; code context_length_exceeded);
 - scoring memory: a request with log-probs is scored over each prompt plus its reply, and the
   hf engine holds a sequence's float32 log-probs in one piece (tokens x vocabulary x 4 bytes;
   engine.generation.scoring), so a sequence over --max-score-gib (prompt tokens + the reply's

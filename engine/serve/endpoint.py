@@ -192,9 +192,9 @@ class ServeEndpoint:
     def serve(self, backend: GenerateBackend, until: Callable[[], bool],
               alive: Callable[[], bool] = lambda: True) -> None:
         """On the engine-owning thread: batches through `backend` (a StepBackend: steps,
-        engine.serve.stepping) until `until()` holds and nothing is pending. A failed generate call answers its failing requests 503
-        (engine.serve.batching) and serving goes on while `alive()` (the engine still works);
-        otherwise RunError."""
+        engine.serve.stepping) until `until()` holds and nothing is pending. A failed generate
+        call answers its failing requests 503 (engine.serve.batching) and serving goes on
+        while `alive()` (the engine still works); otherwise RunError."""
         self.queue.alive = alive
         self.live = isinstance(backend, StepBackend)
         run = (StepServing(self.queue, backend).run if self.live

@@ -8,14 +8,16 @@ body, as vLLM's server does. A client that goes away cancels its choices' future
 owner thread aborts them in the engine (their slots free from the next step).
 
 Each choice's ids reach the server's event loop through Pending.progress (called on the owner
-thread after each step, handed over with call_soon_threadsafe); only the latest ids matter
-(LiveText reads the whole text each time).
+thread after each step) and `Latest` (one call_soon_threadsafe wake-up waiting at most); only
+the latest ids matter (LiveText reads the whole text each time), so a loop that falls behind
+the engine sends bigger pieces instead of slowing it.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -39,12 +41,32 @@ def _sse(value: dict) -> str:
     return f"data: {json.dumps(value, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-def _reporter(loop: asyncio.AbstractEventLoop, updates: asyncio.Queue, i: int
-              ) -> Callable[[list[int]], None]:
-    def report(ids: list[int]) -> None:   # on the owner thread
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(updates.put_nowait, (i, list(ids)))
-    return report
+class Latest:
+    """The latest ids of each choice, handed from the owner thread to the event loop with at
+    most one wake-up waiting at a time (a loop that falls behind reads only the newest ids)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, choices: int) -> None:
+        self.loop, self.event, self.lock = loop, asyncio.Event(), threading.Lock()
+        self.ids: dict[int, list[int]] = {}
+        self.posted = False
+        self.choices = choices
+
+    def reporter(self, i: int) -> Callable[[list[int]], None]:
+        def report(ids: list[int]) -> None:   # on the owner thread
+            with self.lock:
+                self.ids[i] = ids
+                if self.posted or self.loop.is_closed():
+                    return
+                self.posted = True
+            self.loop.call_soon_threadsafe(self.event.set)
+        return report
+
+    async def take(self) -> dict[int, list[int]]:
+        await self.event.wait()
+        with self.lock:
+            self.event.clear()
+            got, self.ids, self.posted = self.ids, {}, False
+        return got
 
 
 class LiveStream:
@@ -78,29 +100,29 @@ class LiveStream:
 
     def response(self, queue: GenerateQueue, episode: str,
                  requests: list[GenerateRequest]) -> StreamingResponse:
-        loop, updates = asyncio.get_running_loop(), asyncio.Queue()
+        updates = Latest(asyncio.get_running_loop(), len(requests))
         futures = queue.submit_many(episode, requests,
-                                    [_reporter(loop, updates, i) for i in range(len(requests))])
+                                    [updates.reporter(i) for i in range(len(requests))])
         texts = [LiveText(self._text_of(i), self.call.stop) for i in range(len(requests))]
         return StreamingResponse(self._events(futures, updates, texts),
                                  media_type="text/event-stream")
 
-    async def _events(self, futures, updates: asyncio.Queue, texts: list[LiveText]):
+    async def _events(self, futures, updates: Latest, texts: list[LiveText]):
         waiter = asyncio.gather(*[asyncio.wrap_future(f) for f in futures])
         try:
             if self.kind == "chat":
                 for k in range(len(texts)):
                     yield _sse(self.chunk(k, role=True))
             while not waiter.done():
-                getter = asyncio.ensure_future(updates.get())
+                getter = asyncio.ensure_future(updates.take())
                 await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
                 if not getter.done():
                     getter.cancel()
                     continue
-                i, ids = getter.result()
-                piece = texts[i].piece(ids)
-                if piece:
-                    yield _sse(self.chunk(i, piece))
+                for i, ids in sorted(getter.result().items()):
+                    piece = texts[i].piece(ids)
+                    if piece:
+                        yield _sse(self.chunk(i, piece))
             for value in self._ending(waiter.result(), texts):
                 yield _sse(value)
         except Exception:  # noqa: BLE001 - the 200 is sent: the stream says it failed

@@ -61,7 +61,7 @@ class StepServing:
         self.added += 1
         self.inflight[key] = p
         try:
-            result = self.backend.add(key, p.request)
+            result = self.backend.add(key, p.request, stream=p.progress is not None)
         except Exception as e:  # noqa: BLE001 - this request alone fails (its twins refused)
             self.queue.failed_alone(p.request)
             self._answer(key, p, error=e)

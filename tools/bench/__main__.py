@@ -36,6 +36,10 @@
     python -m tools.bench partial  [--quick]   partial rollouts on vs off on a long-tailed
                                                length workload (hf backend): rollout s per
                                                trained group, engine fill, staleness
+    python -m tools.bench serve_steps [--quick]
+                                               serve on vLLM: a short request's latency during
+                                               a long one and a stream's first chunk, batch
+                                               path vs continuous batching side by side
     python -m tools.bench all      [--quick] [--plot PNG]
     python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
                                    [--cpu-smoke] [--override ITEM:ARG]
@@ -140,6 +144,9 @@ def run_one(name: str, args) -> BenchResult:
     if name == "loss_head":
         from tools.bench.loss_head import run_loss_head
         return run_loss_head(args.quick)
+    if name == "serve_steps":
+        from tools.bench.serve_steps import run_serve_steps
+        return run_serve_steps(args.quick)
     if name == "partial":
         from tools.bench.partial import run_partial
         return run_partial(args.quick)
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
-              "data", "loss_head", "partial", "all")
+              "data", "loss_head", "partial", "serve_steps", "all")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(public + ("gpu",)) + "}")
     for name in public:

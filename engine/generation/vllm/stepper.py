@@ -14,10 +14,12 @@ tests/test_serve_steps.py). Every `step` runs under `preserved_global_rng` (CPU 
 draws from the global torch RNG even with per-request seeds).
 
 Keys: the caller's request keys are vLLM's external request ids (unique per driver: a key
-still running is refused). A step's outputs: for each running request with new tokens, its
-ids so far (`StepOutput.ids`), and once finished its `Generation` (or `SequenceScores` for a
-scoring request, `add_scoring`). `abort(key)` removes a request from the engine (a cancelled
-client); its slot is free from the next step.
+still running is refused). A step's outputs: for each streamed request (`add(stream=True)`)
+with new tokens, its ids so far (`StepOutput.ids`), and for every request once finished its
+`Generation` (or `SequenceScores` for a scoring request, `add_scoring`). vLLM hands a streamed
+request's new tokens only (its DELTA outputs, gathered here with their log-prob entries) and
+the others' at their end only (FINAL_ONLY): no step copies a whole reply. `abort(key)`
+removes a request from the engine (a cancelled client); its slot is free from the next step.
 
 Events (`events`, the last MAX_EVENTS): ("added", key, step), ("finished", key, step),
 ("aborted", key, step), with `step` the number of engine steps run before the event, so tests
@@ -31,7 +33,8 @@ server uses one or the other (engine.serve.stepping uses the driver only).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from engine.generation.base import Generation, SamplingParams
 from engine.generation.scoring import SequenceScores
@@ -54,6 +57,8 @@ class _Running:
     prompt: list[int]
     greedy: bool
     top_k: int | None = None   # a scoring request's k
+    ids: list[int] = field(default_factory=list)         # a streamed request's ids so far
+    logprobs: list = field(default_factory=list)        # and vLLM's log-prob entries
 
 
 class VLLMStepDriver:
@@ -82,10 +87,14 @@ class VLLMStepDriver:
         self.running[key] = state
         self.events.append(("added", key, self.steps))
 
-    def add(self, key: str, prompt: list[int], params: SamplingParams) -> None:
-        """Start one generation (params.seeds: one seed, or params.seed; the engine's rule).
-        Raises (ValueError) what `generate` refuses, before anything runs."""
+    def add(self, key: str, prompt: list[int], params: SamplingParams,
+            stream: bool = False) -> None:
+        """Start one generation (params.seeds: one seed, or params.seed; the engine's rule);
+        `stream`: report its ids after every step (vLLM's delta outputs), else only its end
+        (vLLM's final-only outputs: no per-step copies). Raises (ValueError) what `generate`
+        refuses, before anything runs."""
         (vllm_params,) = self.engine.vllm_params([list(prompt)], params)
+        vllm_params.output_kind = _output_kind(stream)
         self._add(key, prompt, vllm_params, _Running(list(prompt), params.temperature == 0))
 
     def add_scoring(self, key: str, sequence: list[int], top_k: int) -> None:
@@ -101,7 +110,7 @@ class VLLMStepDriver:
     @staticmethod
     def _scoring_params(top_k: int):
         from vllm import SamplingParams as VLLMParams  # vLLM: its owner imported it already
-        return VLLMParams(**scoring_args(top_k))
+        return VLLMParams(**scoring_args(top_k), output_kind=_output_kind(False))
 
     def abort(self, key: str) -> None:
         """Remove a running request (nothing happens for a key not running)."""
@@ -123,8 +132,13 @@ class VLLMStepDriver:
             if state is None:        # aborted meanwhile
                 continue
             completion = o.outputs[0]
+            if not o.finished or state.ids:     # a delta: gather (module docstring)
+                state.ids += completion.token_ids
+                state.logprobs += completion.logprobs or []
+                completion = SimpleNamespace(token_ids=state.ids, logprobs=state.logprobs,
+                                             finish_reason=completion.finish_reason)
             if not o.finished:
-                out.append(StepOutput(o.request_id, list(completion.token_ids)))
+                out.append(StepOutput(o.request_id, list(state.ids)))
                 continue
             del self.running[o.request_id]
             self.events.append(("finished", o.request_id, self.steps))
@@ -136,3 +150,9 @@ class VLLMStepDriver:
             done = generation(state.prompt, completion, self.engine.eos_token_ids)
             out.append(StepOutput(o.request_id, list(done.response_ids), done))
         return out
+
+
+def _output_kind(stream: bool):
+    """vLLM's RequestOutputKind: DELTA for a streamed request, FINAL_ONLY otherwise."""
+    from vllm.sampling_params import RequestOutputKind  # vLLM: its owner imported it already
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
