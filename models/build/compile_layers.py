@@ -23,10 +23,16 @@ stay eager):
   packed row's norms and router are compiled like any other (their only varying size is the
   row's token count).
 
-Shapes: torch's automatic dynamic shapes: a region is first compiled for the shapes it meets;
-when a size differs (the sequence length or tokens of a micro-batch, its row count) it is
-compiled once more with that size symbolic, and not again for other values (sizes 0 and 1
-keep graphs of their own). With stable shapes every region keeps its static graph.
+Shapes: static, except the token dims of every region's inputs (the sequence and rows of a
+padded micro-batch, the tokens of a packed row), marked dynamic at every call
+(`torch._dynamo.maybe_mark_dynamic`; `CompiledRegion`), so a region's first graph serves every
+length and row count (a size of 0 or 1 keeps a graph of its own): a region compiles once per
+grad mode, and a length or row count first seen late in a run compiles nothing. Head counts and
+hidden sizes stay static: dynamo's automatic dynamic shapes, which would make any size seen
+with two values symbolic, are off (`dynamic=False`), because its memory of sizes is per code
+object: every layer's norm shares one `forward`, so regions of other models in the process
+(an RL critic or teacher, another test) would make each other's head and hidden sizes
+symbolic (symbolic heads were a TypeError in SDPA's GQA check, a graph break).
 
 Limits, per region: each region's torch.compile has its own cache (`isolate_recompiles`) and
 its own recompile limit, `GRAPHS_PER_REGION` graphs; beyond it that region runs eagerly.
@@ -72,18 +78,27 @@ class CompiledRegion:
     """A module's `forward` under torch.compile (installed as the module's `forward`, so its
     hooks stay eager around it): Inductor through models.build.compile_counts.count_graphs,
     this region's own dynamo cache and recompile limit (GRAPHS_PER_REGION), dynamo's
-    accumulated cap raised only while it runs. `eager_when(args, kwargs)` true: this call runs
-    the eager forward instead (the core attention's packed rows)."""
+    accumulated cap raised only while it runs. Shapes: static (`dynamic=False`) except the
+    token dims of its tensor arguments, marked dynamic at every call: the leading dims before
+    the last `feature_dims` ones, at most two ([s, b, hidden] and [t, hidden] with 1; q/k
+    heads [s, b, heads, d] and packed [t, heads, d] with 2). `eager_when(args, kwargs)` true:
+    this call runs the eager forward instead (the core attention's packed rows)."""
 
-    def __init__(self, forward: Callable, eager_when: Callable | None = None):
+    def __init__(self, forward: Callable, eager_when: Callable | None = None,
+                 feature_dims: int = 1):
         self.eager = forward
         self.eager_when = eager_when
-        self.compiled = torch.compile(forward, backend=count_graphs,
+        self.feature_dims = feature_dims
+        self.compiled = torch.compile(forward, backend=count_graphs, dynamic=False,
                                       recompile_limit=GRAPHS_PER_REGION, isolate_recompiles=True)
 
     def __call__(self, *args, **kwargs):
         if self.eager_when is not None and self.eager_when(args, kwargs):
             return self.eager(*args, **kwargs)
+        for x in args:   # the token dims: all but the trailing feature dims, at most 2
+            if isinstance(x, torch.Tensor):
+                for dim in range(min(2, x.dim() - self.feature_dims)):
+                    torch._dynamo.maybe_mark_dynamic(x, dim)
         patch = _LIMITS["patch"]
         if patch is None:
             return self.compiled(*args, **kwargs)
@@ -163,6 +178,8 @@ def _raise_accumulated_cap(new_regions: int) -> None:
 def _compile_layer(layer) -> int:
     """Compile one layer's regions (SDPA attention switched to its own GQA, packed rows kept
     on its eager forward); returns how many regions it newly compiled."""
+    attention = layer.self_attention
+    per_head = [getattr(attention, "q_layernorm", None), getattr(attention, "k_layernorm", None)]
     count = 0
     for region in _regions(layer):
         if isinstance(region.forward, CompiledRegion):
@@ -170,7 +187,9 @@ def _compile_layer(layer) -> int:
         core = hasattr(region, "native_gqa")   # models.layers.attention.core.SDPACoreAttention
         if core:
             region.native_gqa = True
-        region.forward = CompiledRegion(region.forward, eager_when=packed_rows if core else None)
+        heads = core or any(region is norm for norm in per_head)   # [.., heads, head dim]
+        region.forward = CompiledRegion(region.forward, eager_when=packed_rows if core else None,
+                                        feature_dims=2 if heads else 1)
         count += 1
     return count
 
