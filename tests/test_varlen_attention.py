@@ -164,9 +164,11 @@ def test_cpu_training_never_calls_the_kernel(monkeypatch):
 
 
 def test_compiled_layers_call_the_kernel_once_per_packing_without_retracing(monkeypatch):
-    """Under torch.compile (as models.build.compile_layers compiles the core attention) the
-    dispatch adds no graph: the predicate traces (the device capability a dynamo constant) and
-    the kernel call stays eager, one call per forward, for three different packings."""
+    """The dispatch under torch.compile adds no graph: the predicate traces (the device
+    capability a dynamo constant) and the kernel call stays eager, one call per forward, for
+    three different packings. (models.build.compile_layers never traces a packed row at all:
+    packed micro-batches take the core attention's eager forward; this guards the dispatch for
+    a caller that does compile around it.)"""
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(varlen, "flash_device",

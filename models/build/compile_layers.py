@@ -62,6 +62,7 @@ import torch
 from megatron.core import parallel_state, utils
 from megatron.core.tensor_parallel import layers, mappings
 
+from models.build import megatron_patches
 from models.build.compile_counts import count_graphs
 
 # graphs one region may hold: static and dynamic shapes, a size of 1 specialised, with and
@@ -201,8 +202,12 @@ def _quiet_megatron_tp_group_default() -> None:
     returning the default group; the same lookup without the warning (same group, same
     arguments) replaces it where the tensor-parallel layers and mappings call it. And the
     sequence-parallel linear's one-time advice to set CUDA_DEVICE_MAX_CONNECTIONS is marked as
-    given. Numerics untouched. Idempotent."""
+    given. Numerics untouched. Idempotent; applied only where the registry's gate lets it
+    through (models.build.megatron_patches, entry quiet_tp_group_default: outside its
+    megatron-core range megatron's own lookup runs, warnings and graph breaks included)."""
     if getattr(layers.get_tensor_model_parallel_group_if_none, "_engine_quiet", False):
+        return
+    if not megatron_patches.gate("quiet_tp_group_default"):
         return
 
     def group_if_none(tp_group, is_expert=False, check_initialized=True):

@@ -162,7 +162,8 @@ PATCHES: tuple[Patch, ...] = (
                                      f"{probes.TP_MAPPINGS}.get_tensor_model_parallel_group_if_none",
                                      f"{probes.TP_LAYERS}.linear_with_grad_accumulation_and_"
                                      "async_allreduce.warned"),
-          "models.build.compile_layers.compile_layers (train.compile)", SUPPORTED, SKIP,
+          "models.build.compile_layers.compile_layers (train.compile; gated there)",
+          SUPPORTED, SKIP,
           "two warnings megatron issues inside every layer's forward are graph breaks under "
           "torch.compile; the same group lookup without the warning, the advice marked given.",
           probes.quiet_tp_group_default,
