@@ -110,10 +110,11 @@ class StaticDecoder:
         self.shapes: list[tuple[int, int]] = []
         self._step = self._forward
         if compile:
-            dynamo = torch._dynamo.config
-            dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+            # the limit is this decode function's own (isolated cache), not dynamo's
+            # process-wide recompile_limit, which training regions and user code share
             mode = "reduce-overhead" if device.type == "cuda" else None
-            self._step = torch.compile(self._forward, dynamic=False, mode=mode)
+            self._step = torch.compile(self._forward, dynamic=False, mode=mode,
+                                       recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True)
 
     def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
