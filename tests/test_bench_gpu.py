@@ -297,3 +297,28 @@ def test_mtp_layer_flops_by_hand():
     with_mtp = 3 * (2 * (dense + 2 * moe + 2 * h * v + 2 * h * h) * tokens + 3 * 4 * q * pairs)
     assert model_flops.model_flops(hf, [10], mtp_layers=1) == with_mtp
     assert model_flops.param_counts(hf, 1)[0] > model_flops.param_counts(hf)[0]
+
+
+def test_bench_help_lists_every_gpu_item_and_docs_quote_it():
+    """`python -m tools.bench --help` names every gpu item (the default plan in its order, then
+    the named-only ones) from tools.bench.gpu.items, and docs/benchmarks.md quotes that listing
+    as printed (issue 82: the old hand-written listing missed seven items and had another
+    order). Negative control: the old listing's items are a strict subset of ITEMS."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tools.bench.gpu.items import ITEMS, ORDER
+
+    out = subprocess.run([sys.executable, "-m", "tools.bench", "--help"], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    listing = " ".join(out[out.index("gpu items, the default plan in order:"):].split())
+    names = listing.replace(";", ",").replace(":", ",").split(",")
+    named = [n.strip() for n in names if n.strip() in ITEMS]
+    assert named[:len(ORDER)] == list(ORDER) and sorted(named) == sorted(ITEMS), named
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md")
+                    .read_text().split())
+    assert listing in docs
+    old = {"sft", "grpo", "vision", "lora_grpo", "loss_head_32k", "moe_loop", "fused",
+           "loss_head"}
+    assert old < set(ITEMS) and len(set(ITEMS) - old) >= 7

@@ -44,12 +44,10 @@
     python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
                                    [--cpu-smoke] [--override ITEM:ARG]
                                                the GPU checklist in one call (tools/bench/gpu/)
-                                               within a budget (480 s): sft, grpo, vision,
-                                               lora_grpo, loss_head_32k, moe_loop, fused,
-                                               loss_head, grpo_vllm_*; an item that does not
-                                               fit or lacks a package is skipped with the
-                                               reason; DIR/results.json and DIR/report.md;
-                                               --dry-run: the plan; `gpu --help`
+                                               within a budget (480 s): the items below; one
+                                               that does not fit or lacks a package is skipped
+                                               with the reason; DIR/results.json and
+                                               DIR/report.md; --dry-run: the plan; `gpu --help`
 
 Each prints readable tables (Markdown pipe tables) and, as its last stdout line, one JSON object.
 `all` prints the keys overhead_ratio, balance_max_over_mean, naive_balance_max_over_mean,
@@ -63,11 +61,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import time
 from datetime import date
 
 from tools.bench.common import (BenchResult, Table, emit, machine_info, machine_table,
                                 quiet_libraries)
+from tools.bench.gpu.items import ITEMS, ORDER
 
 # key -> (comparison, threshold): the issue's goals
 GOALS: dict[str, tuple[str, float]] = {
@@ -188,6 +188,20 @@ def run_all(args) -> BenchResult:
     return BenchResult(tables, summary)
 
 
+def gpu_listing(width: int = 96) -> str:
+    """`gpu`'s items as --help lists them, from tools.bench.gpu.items (the default plan in its
+    order, then the items run only when named), so the listing cannot drift from the code."""
+    extra = [n for n in ITEMS if n not in ORDER]
+    text = (f"gpu items, the default plan in order: {', '.join(ORDER)}; "
+            f"run only when named (--items): {', '.join(extra)}")
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent="    "))
+
+
+def epilog() -> str:
+    """The module docstring's listing plus the gpu items (gpu_listing)."""
+    return __doc__.split("\n\n", 1)[1].rstrip() + "\n\n" + gpu_listing()
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["gpu"]:  # its own flags (tools/bench/gpu/cli.py)
@@ -196,7 +210,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
         return gpu_main(argv[1:], prog=f"{prog} gpu")
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
+                                     epilog=epilog())
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
               "data", "loss_head", "partial", "serve_steps", "all")
     sub = parser.add_subparsers(dest="command", required=True,
