@@ -18,8 +18,10 @@ read when it arrives.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,7 +32,7 @@ from engine.generation.vllm.stepper import VLLMStepDriver
 from engine.serve.endpoint import ServeEndpoint, ServeSettings
 from tools.tiny_models import build_eos_model
 
-MAX_TOKENS, MAX_CONTEXT = 160, 256
+LONG, MAX_TOKENS, MAX_CONTEXT = 240, 1000, 1024
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,9 @@ def served(tmp_path_factory):
 
     path = build_eos_model(str(tmp_path_factory.mktemp("steps") / "llama"), hidden=128,
                            eos_boost=-3.0)
+    config = json.loads((Path(path) / "config.json").read_text())   # RoPE to MAX_CONTEXT
+    (Path(path) / "config.json").write_text(json.dumps({**config, "max_position_embeddings":
+                                                        MAX_CONTEXT}))
     loaded = load_model(path, "vllm", "float32", 0, MAX_CONTEXT)
     driver = VLLMStepDriver(loaded.engine)
     endpoint = ServeEndpoint(loaded.tokenizer, ServeSettings("tiny", MAX_TOKENS, MAX_CONTEXT),
@@ -75,14 +80,14 @@ def _post(url: str, body: dict, out: dict, name: str) -> threading.Thread:
 
 
 def test_a_short_request_joins_the_running_batch_and_finishes_first(served):
-    """A 160-token request, then while it runs a 4-token one: the short one is added between
+    """A LONG (240) token request, then while it runs a 4-token one: the short one is added between
     the long one's start and end and finishes before it, within a prefill and its 4 decode
     steps; a request arriving while the long one runs with --max-queue 1 gets 429 (running
     choices count). Negative control: the batch path on the same engine puts the short one
     in a second generate call after the long one (stats.sizes [1, 1]), same long sample."""
     endpoint, driver, engine = served
     url, got, mark = f"{endpoint.base_url}/completions", {}, len(driver.events)
-    long = _post(url, {"prompt": [10, 11, 12], "max_tokens": MAX_TOKENS, "seed": 1,
+    long = _post(url, {"prompt": [10, 11, 12], "max_tokens": LONG, "seed": 1,
                        "return_token_ids": True}, got, "long")
     _wait(lambda: any(e[0] == "added" for e in _events(driver, mark)), "long added")
     started = driver.steps
@@ -96,7 +101,7 @@ def test_a_short_request_joins_the_running_batch_and_finishes_first(served):
     long.join(timeout=300)
     assert got["long"].status_code == got["short"].status_code == 200
     stepped = got["long"].json()["choices"][0]["token_ids"]
-    assert len(stepped) == MAX_TOKENS
+    assert len(stepped) == LONG
     events = _events(driver, mark)
     (long_key, long_in), (short_key, short_in) = [(k, s) for e, k, s in events if e == "added"]
     ends = {k: s for e, k, s in events if e == "finished"}
@@ -116,7 +121,7 @@ def test_a_short_request_joins_the_running_batch_and_finishes_first(served):
     owner.start()
     try:
         got, burl = {}, f"{batch.base_url}/completions"
-        long = _post(burl, {"prompt": [10, 11, 12], "max_tokens": MAX_TOKENS, "seed": 1,
+        long = _post(burl, {"prompt": [10, 11, 12], "max_tokens": LONG, "seed": 1,
                             "return_token_ids": True}, got, "long")
         _wait(lambda: engine.num_generate_calls > calls, "the batch path's long call")
         short = _post(burl, {"prompt": [20, 21], "max_tokens": 4, "seed": 2}, got, "short")
@@ -184,7 +189,7 @@ def test_a_client_gone_mid_stream_has_its_request_aborted(served):
     "finished"), and the running count goes back to 0."""
     endpoint, driver, _ = served
     mark = len(driver.events)
-    body = {"prompt": [30, 31], "max_tokens": MAX_TOKENS, "seed": 9, "stream": True}
+    body = {"prompt": [10, 11, 12], "max_tokens": MAX_TOKENS, "seed": 1, "stream": True}
     with httpx.stream("POST", f"{endpoint.base_url}/completions", json=body,
                       timeout=300) as r:
         for line in r.iter_lines():
@@ -196,6 +201,30 @@ def test_a_client_gone_mid_stream_has_its_request_aborted(served):
     ended = [e for e in _events(driver, mark) if e[0] != "added"]
     assert ended[0][0] == "aborted" and ended[0][2] - added < MAX_TOKENS   # before its end
     _wait(lambda: endpoint.queue.running == 0, "the running count back to 0")
+
+
+def test_a_client_gone_while_waiting_has_its_request_aborted(served):
+    """A non-streamed request whose client closes its connection once the request runs (a
+    raw socket, closed after the driver's "added" event): the driver aborts it before its
+    end, the running count goes back to 0, and the endpoint still answers."""
+    endpoint, driver, _ = served
+    mark = len(driver.events)
+    # test 1's long request: its first LONG tokens hold no eos (asserted there)
+    payload = json.dumps({"prompt": [10, 11, 12], "max_tokens": MAX_TOKENS, "seed": 1}).encode()
+    sock = socket.create_connection((endpoint.host, endpoint.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+    _wait(lambda: any(e[0] == "added" for e in _events(driver, mark)), "the request added")
+    sock.close()
+    _wait(lambda: any(e[0] in ("aborted", "finished") for e in _events(driver, mark)),
+          "the request ended")
+    (added,) = [s for e, _, s in _events(driver, mark) if e == "added"]
+    ended = [e for e in _events(driver, mark) if e[0] != "added"]
+    assert ended[0][0] == "aborted" and ended[0][2] - added < MAX_TOKENS, ended
+    _wait(lambda: endpoint.queue.running == 0, "the running count back to 0")
+    ok = httpx.post(f"{endpoint.base_url}/completions", json={"prompt": [32], "max_tokens": 2},
+                    timeout=300)
+    assert ok.status_code == 200
 
 
 def test_seeded_requests_alone_and_under_load_are_the_same(served):

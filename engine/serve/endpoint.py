@@ -83,7 +83,7 @@ from engine.generation.sampling_backend import StepBackend
 from engine.serve.admission import (DEFAULT_MAX_CHOICES, DEFAULT_MAX_SCORE_GIB, budget,
                                     check_choices, check_scoring)
 from engine.serve.batching import CLIENTS, DEFAULT_MAX_QUEUE, STOPPING, ServeQueue
-from engine.serve.live import LiveStream, streams_live
+from engine.serve.live import LiveStream, results_unless_gone, streams_live
 from engine.serve.stepping import StepServing
 from engine.serve.tokenizer_routes import add_tokenizer_routes
 
@@ -250,13 +250,15 @@ class ServeEndpoint:
             self._accepted += 1
         return number, seed if seed is not None else call_seed(self.settings.seed, number)
 
-    async def handle(self, kind: str, raw: bytes) -> Response:
+    async def handle(self, kind: str, raw: bytes, gone=None) -> Response:
         """One request body: checked and tokenized on a worker thread (400s before anything
         is queued or streamed), its prompts' choices queued (prompt i choice k: seed
         call_seed(base, 0, k), the same as that prompt alone; scored when log-probs are asked:
         raw-logit log-probs, engine.api.evaluation), answered as JSON or, with stream=true, as
-        server-sent events cut from the finished reply (engine.api.streaming: sent after
-        generation). A failed generation is a 503 naming the request id (module docstring)."""
+        server-sent events (live with a step-level backend, engine.serve.live; else cut from
+        the finished reply, engine.api.streaming). A failed generation is a 503 naming the
+        request id (module docstring). `gone`: an async check that the client disconnected
+        (a step-level backend then aborts a waiting request's choices)."""
         call, contexts, budgets, seed = await asyncio.to_thread(self._prepare, kind, raw)
         self.queue.check_admission(len(contexts) * call.n)   # 429 / 503: no number
         score = call.top_logprobs if call.logprobs else None
@@ -271,8 +273,8 @@ class ServeEndpoint:
             return LiveStream(self.rules, call, contexts, self.limits.model, rid,
                               ERROR_LOG).response(self.queue, CLIENTS, requests)
         try:
-            results = await asyncio.gather(*[asyncio.wrap_future(f) for f in
-                                             self.queue.submit_many(CLIENTS, requests)])
+            results = await results_unless_gone(self.queue.submit_many(CLIENTS, requests),
+                                                gone if self.live else None)
         except GenerationFailed as e:
             raise failure(rid, e.cause, ERROR_LOG, e) from None
         try:
@@ -318,7 +320,7 @@ def build_app(endpoint: ServeEndpoint) -> FastAPI:
         endpoint.queue.check_admission(1)   # a full queue: 429 before the body is read
         try:
             return await endpoint.handle(kind, await read_body(
-                request, endpoint.max_body_bytes, endpoint.body_limit))
+                request, endpoint.max_body_bytes, endpoint.body_limit), request.is_disconnected)
         except ApiError:
             raise
         except Exception as e:  # noqa: BLE001 - a bug must answer 500, not drop the request

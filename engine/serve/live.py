@@ -5,7 +5,9 @@ LiveText and chunk shapes), then the rest of the final text, the finish chunk (a
 chunk), then [DONE]. The 200 goes out before generation, so a failure after it (a generation
 that failed, a bug) ends the stream with engine.api.streaming's error event instead of a 503
 body, as vLLM's server does. A client that goes away cancels its choices' futures: the
-owner thread aborts them in the engine (their slots free from the next step).
+owner thread aborts them in the engine (their slots free from the next step); a
+non-streamed request whose client disconnects while it waits is aborted the same way
+(`results_unless_gone`).
 
 Each choice's ids reach the server's event loop through Pending.progress (called on the owner
 thread after each step) and `Latest` (one call_soon_threadsafe wake-up waiting at most); only
@@ -19,16 +21,37 @@ import json
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 from fastapi.responses import StreamingResponse
 
 from engine.api.backend import GenerateRequest
 from engine.api.batcher import GenerateQueue
 from engine.api.evaluation import chat_reply, completion_reply
-from engine.api.requests import Call
+from engine.api.requests import ApiError, Call
 from engine.api.streaming import LiveText, stream_error
 from engine.api.tokens import TemplateRules, continuation_lead
+
+
+GONE_POLL_S = 0.05   # how often a waiting non-streamed request checks its client
+
+
+async def results_unless_gone(futures: list, gone: Callable[[], Awaitable[bool]] | None
+                              ) -> list:
+    """The futures' results (a non-streamed request of a step-level endpoint); when `gone()`
+    (the client disconnected, polled every GONE_POLL_S) holds first, the futures are cancelled
+    (the owner thread aborts their requests: engine.serve.stepping) and ApiError 499 raised
+    (nobody reads it). `gone` None: just the results."""
+    waiter = asyncio.gather(*[asyncio.wrap_future(f) for f in futures])
+    if gone is None:
+        return await waiter
+    while True:
+        done, _ = await asyncio.wait({waiter}, timeout=GONE_POLL_S)
+        if done:
+            return waiter.result()
+        if await gone():
+            waiter.cancel()
+            raise ApiError(499, "the client closed the request", code="client_closed")
 
 
 def streams_live(call: Call, rules: TemplateRules) -> bool:
