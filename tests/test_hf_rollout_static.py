@@ -126,6 +126,11 @@ def test_compiled_decode_exact_and_weight_sync_needs_no_recompile(eos_dir):
     # recompile a shape compiled before
     assert set(decoder.shapes) <= {(16, 64), (8, 64)} and graphs() == len(decoder.shapes)
     seen = graphs()
+    # a sync copies into the same storage, which CUDA graphs keep reading: no reset
+    pointers = {n: q.data_ptr() for n, q in compiled.model.named_parameters()}
+    compiled.update_weights(weights)
+    assert pointers == {n: q.data_ptr() for n, q in compiled.model.named_parameters()}
+    assert decoder.graph_resets == 0
     compiled.sleep()   # parameters to the meta device and back: new tensors, same graphs
     compiled.wake()
     compiled.update_weights(weights)
@@ -183,3 +188,22 @@ def test_gpu_checklist_has_the_eager_baseline(tmp_path):
                                          "rollout.hf.compile=false"]
     assert not any("rollout.hf." in a for a in fast.commands[-1])
     assert "grpo_hf_eager" in ITEMS and "grpo_hf_eager" not in ORDER
+
+
+def test_sleep_resets_cuda_graph_trees_only_for_a_compiled_cuda_decoder(monkeypatch):
+    """The storage contract of the compiled decode's CUDA graphs (static_decode.release): sleep
+    frees the parameters' and caches' storage the recordings read, so a compiled decoder on CUDA
+    resets torch's cudagraph trees at release (bounded pool, one re-recording per shape after a
+    wake) and counts it; an eager or CPU decoder leaves them alone. CPU logic only (no device):
+    the reset is recorded instead of run."""
+    from engine.generation.hf import static_decode
+
+    calls = []
+    monkeypatch.setattr(static_decode.cudagraph_trees, "reset_cudagraph_trees",
+                        lambda: calls.append(1))
+    for device, compile, resets in (("cuda", True, 1), ("cuda", False, 0), ("cpu", True, 0)):
+        decoder = static_decode.StaticDecoder(None, "past_key_values", compile,
+                                              torch.device(device))
+        decoder.release()
+        assert decoder.graph_resets == resets and len(calls) == resets, (device, compile)
+        calls.clear()

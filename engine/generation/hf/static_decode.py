@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch._inductor import cudagraph_trees
 from transformers import StaticCache
 
 from engine.generation.base import Generation
@@ -108,6 +109,7 @@ class StaticDecoder:
         self._cache_kw = cache_keyword
         self._caches: dict[tuple[int, int], object] = {}
         self.shapes: list[tuple[int, int]] = []
+        self.graph_resets = 0   # cudagraph-tree resets at sleep (`release`)
         self._step = self._forward
         if compile:
             # the limit is this decode function's own (isolated cache), not dynamo's
@@ -122,8 +124,21 @@ class StaticDecoder:
         return out.logits[:, -1, :].float()
 
     def release(self) -> None:
-        """Drop the KV caches (the engine sleeps); they are allocated again on the next call."""
+        """Drop the KV caches (the engine sleeps); they are allocated again on the next call.
+
+        With CUDA graphs (compile on CUDA: mode reduce-overhead) the recorded graphs read the
+        parameters' and the caches' storage, which sleep frees (parameters go to the meta
+        device; wake allocates new ones). torch's cudagraph trees would re-record every shape
+        after a wake and keep the old recordings and their memory pool alive, so the pool grew
+        with every RL iteration; the trees are reset here instead, deliberately: after a wake
+        each (batch, cache length) shape is recorded once more (dynamo's graphs stay: no
+        recompilation) and the pool holds one iteration's recordings at most. A weight sync
+        without sleep copies into the same storage (update_weights), and nothing is reset.
+        `graph_resets` counts the resets."""
         self._caches.clear()
+        if self.compile and self.device.type == "cuda":
+            cudagraph_trees.reset_cudagraph_trees()
+            self.graph_resets += 1
 
     def _cache(self, batch: int, length: int):
         """The reset StaticCache of this shape (allocated on first use)."""
