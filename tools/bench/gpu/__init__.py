@@ -9,7 +9,7 @@ docs/benchmarks.md ("On a GPU: the checklist in one call") says how to run it an
                                                                # report's skeleton; nothing run
                                                                # or written
     python -m tools.bench gpu --cpu-smoke --out DIR            # manual: grpo and vision, tiny,
-                                                               # fp32, on the CPU (~20 s)
+                                                               # fp32, on the CPU (~50 s)
 
 Items, in the default order (the most information per minute first; ~ = estimated seconds on
 one H100, what the budget counts):
