@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.training.fused_adamw import torch_adams, use_fused
+from engine.training.fused_adamw import reapply, torch_adams, use_fused
 
 
 def _megatron_like(params: list[torch.nn.Parameter]):
@@ -54,7 +54,9 @@ def test_fused_on_request_within_rounding_of_foreach():
 @pytest.mark.parametrize("saved,resumed", [(True, False), (False, True)])
 def test_a_resumed_run_keeps_its_own_setting(saved, resumed):
     """A checkpoint carries the saving run's param groups (fused flag included); the resumed
-    run's setting wins at the next step, with the same step counters."""
+    run's setting wins once the load is done (`reapply`, which engine.checkpoint's loader
+    calls), with the same step counters; nothing runs per step (no step pre-hook). Negative
+    control: without `reapply` the loaded run keeps the saving run's setting."""
     params = _params()
     wrapper, adam = _megatron_like(params)
     use_fused(wrapper, saved)
@@ -67,11 +69,19 @@ def test_a_resumed_run_keeps_its_own_setting(saved, resumed):
     assert all(g["fused"] is saved for g in adam2.param_groups)   # what torch loaded
     for s in adam2.state.values():    # as megatron's loaders leave them: host numbers
         s["step"] = float(s["step"])
+    assert not adam2._optimizer_step_pre_hooks
+    reapply(wrapper2)
     _steps(adam2, params2, 1, seed=9)
     assert all(g["fused"] is resumed for g in adam2.param_groups)
     assert {float(s["step"]) for s in adam2.state.values()} == {4.0}
     assert all(torch.is_tensor(s["step"]) and s["step"].dtype == torch.float32
                for s in adam2.state.values())
+    params3 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    wrapper3, adam3 = _megatron_like(params3)
+    use_fused(wrapper3, resumed)
+    adam3.load_state_dict(state)     # no reapply: the saving run's setting stays
+    _steps(adam3, params3, 1, seed=9)
+    assert all(g["fused"] is saved for g in adam3.param_groups)
 
 
 def test_a_device_without_the_kernel_is_refused_by_name():
@@ -87,19 +97,19 @@ def test_step_counters_follow_the_parameters_device():
     counters stay on the host (torch's default without capturable/fused; a device counter
     comes back with .cpu(), which a meta tensor cannot show) and plain numbers become
     tensors."""
-    from engine.training.fused_adamw import _pre_step
+    from engine.training.fused_adamw import apply_setting
 
     p = torch.nn.Parameter(torch.zeros(3, device="meta"))
     adam = torch.optim.AdamW([p])
     adam.state[p] = {"step": torch.tensor(7.0, dtype=torch.float64)}
-    _pre_step(adam, True)
+    apply_setting(adam, True)
     step = adam.state[p]["step"]
     assert step.device.type == "meta" and step.dtype == torch.float32
     assert adam.param_groups[0]["fused"] is True and adam.param_groups[0]["foreach"] is False
     adam.state[p]["step"] = torch.tensor(7.0)
-    _pre_step(adam, False)
+    apply_setting(adam, False)
     step = adam.state[p]["step"]
     assert step.device.type == "cpu" and adam.param_groups[0]["fused"] is False
     adam.state[p]["step"] = 5          # a plain number (older checkpoints)
-    _pre_step(adam, False)
+    apply_setting(adam, False)
     assert torch.is_tensor(adam.state[p]["step"]) and float(adam.state[p]["step"]) == 5.0

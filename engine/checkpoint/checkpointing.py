@@ -48,6 +48,8 @@ from engine.checkpoint.rng import capture_rng, restore_rng
 from engine.checkpoint.writer import install as install_writer_queue
 from engine.checkpoint.fault_injection import maybe_crash
 from engine.checkpoint.bucket_padding import optimizer_sharded_state_dict
+from engine.training import fused_adamw
+from engine.training.adam_steps import own_counters, steps_set_aside
 from models.bridge.checkpoint import load_model_state, model_sharded_state_dict, write_metadata
 
 FORMAT_VERSION = 1
@@ -115,7 +117,9 @@ def _load_optimizer(optimizer, loaded) -> None:
     groups), and megatron copies every state key (KeyError 'step'). The param groups and step
     are loaded first, the step tensors are set aside while the tensors are copied, then put
     back. Megatron also gives every parameter the same step tensor, which torch's Adam then
-    increments once per parameter: each parameter gets its own copy here."""
+    increments once per parameter: each parameter gets its own copy here
+    (engine.training.adam_steps). Last, the run's optim.fused setting is applied again
+    (engine.training.fused_adamw.reapply): the load brought the saving run's."""
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
     states = [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))]
     for opt, sd in zip(opts, states):
@@ -127,19 +131,12 @@ def _load_optimizer(optimizer, loaded) -> None:
         param_state = sd.pop("param_state")
         sd.pop("param_state_sharding_type")
         opt.load_state_dict(sd)
-        steps = {p: s.pop("step") for p, s in opt.optimizer.state.items() if "step" in s}
-        try:
+        with steps_set_aside(opt.optimizer):
             opt.load_parameter_state_from_fully_reshardable(param_state)
-        finally:
-            for p, step in steps.items():
-                opt.optimizer.state[p]["step"] = step
-    for opt in opts:
-        inner = getattr(opt, "optimizer", None)
-        for s in (inner.state.values() if inner is not None else []):
-            if isinstance(s.get("step"), torch.Tensor):
-                s["step"] = s["step"].clone()
+    own_counters(o.optimizer for o in opts if getattr(o, "optimizer", None) is not None)
     if len(opts) > 1 and hasattr(optimizer, "_synchronize_steps"):
         optimizer._synchronize_steps()
+    fused_adamw.reapply(optimizer)
 
 
 def _plain_extra(extra: dict) -> dict:

@@ -20,18 +20,11 @@ import contextlib
 from megatron.core.optimizer import distrib_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from engine.training.adam_steps import common_step
+
 
 def _owns_no_parameter(opt: DistributedOptimizer) -> bool:
     return not any(group["params"] for group in opt.optimizer.param_groups)
-
-
-def _adam_step(opts: list[DistributedOptimizer]) -> float | None:
-    """The step of the optimizers' Adam state on this rank (None: not stepped yet)."""
-    steps = {float(s["step"]) for opt in opts for s in opt.optimizer.state.values()
-             if "step" in s}
-    if len(steps) > 1:
-        raise RuntimeError(f"the rank's optimizers disagree about the step: {sorted(steps)}")
-    return steps.pop() if steps else None
 
 
 def _state_dict_without_parameters(opt: DistributedOptimizer, step) -> dict:
@@ -57,7 +50,7 @@ def empty_optimizers_answered(optimizer):
     if distrib_optimizer.HAVE_APEX_OR_TE or not empty:
         yield
         return
-    step = _adam_step([o for o in opts if o not in empty])
+    step = common_step(o.optimizer for o in opts if o not in empty)
     for opt in empty:
         opt.state_dict = lambda _opt=opt: _state_dict_without_parameters(_opt, step)
     try:

@@ -10,14 +10,15 @@ optimizer of a ChainedOptimizer: dense, experts, Muon's AdamW part) after it is 
 - `optim.fused=null` (default): fused where every parameter of the optimizer is on CUDA;
   `true`: wherever torch's fused kernel exists for the parameters' device and dtype (the CPU
   too: that is how the suite tests it), refused by name where it does not; `false`: never.
-- The switch is a step pre-hook on the torch optimizer: before each step it sets each param
-  group's `fused`/`foreach` as this run says and puts every parameter's step counter where
-  that implementation wants it (fused: an fp32 tensor on the parameter's device; unfused: a
-  host tensor, torch's default). A checkpoint load replaces the param groups (they carry the
-  saving run's `fused`) and megatron's loaders create host step counters; the hook puts both
-  right before the next step, whichever path loaded them, so a run resumed with another
-  setting runs its own. The counters keep their values: the step numbers, hence the bias
-  corrections, are unchanged.
+- The switch is applied twice, never per step: once after the optimizer is built
+  (`use_fused`) and once after every checkpoint load (`reapply`, called by
+  engine.checkpoint.checkpointing after megatron's loader): it sets each param group's
+  `fused`/`foreach` as this run says and puts every parameter's step counter where that
+  implementation wants it (engine.training.adam_steps.place_counters: fused, an fp32 tensor on
+  the parameter's device; unfused, a host tensor). A load replaces the param groups (they carry
+  the saving run's `fused`) and megatron's loaders create host step counters; `reapply` puts
+  both right, so a run resumed with another setting runs its own. The counters keep their
+  values: the step numbers, hence the bias corrections, are unchanged.
 
 Exactness: fused and foreach AdamW agree to fp32 rounding, not bitwise (the fused kernel
 evaluates the same formula in another order); tests/test_fused_adamw.py measures it.
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+from engine.training.adam_steps import place_counters
 
 _TORCH_ADAM = (torch.optim.AdamW, torch.optim.Adam)
 
@@ -54,24 +57,12 @@ def fused_supported(opt) -> str | None:
     return None
 
 
-def _pre_step(opt, fused: bool) -> None:
-    """Every group fused (foreach off) or not (foreach torch's choice), as this run says; every
-    step counter where that implementation wants it (fused: an fp32 tensor on the parameter's
-    device; else a host tensor, torch's default), with the value it had."""
+def apply_setting(opt, fused: bool) -> None:
+    """Every group of the torch optimizer `opt` fused (foreach off) or not (foreach torch's
+    choice), as this run says, and its step counters placed for that (adam_steps)."""
     for group in opt.param_groups:
         group["fused"], group["foreach"] = fused, (False if fused else None)
-        for p in group["params"]:
-            state = opt.state.get(p)
-            step = state.get("step") if state else None
-            if step is None:
-                continue
-            if not torch.is_tensor(step):
-                step = torch.tensor(float(step), dtype=torch.float32)
-            if fused and (step.device != p.device or step.dtype != torch.float32):
-                step = step.to(device=p.device, dtype=torch.float32)
-            elif not fused and step.device.type != "cpu":
-                step = step.cpu()
-            state["step"] = step
+    place_counters(opt, fused)
 
 
 def use_fused(optimizer, setting: bool | None) -> int:
@@ -86,9 +77,16 @@ def use_fused(optimizer, setting: bool | None) -> int:
         if problem:
             raise ValueError(f"optim.fused=true: torch's fused AdamW cannot take {problem}; "
                              f"use optim.fused=null (fused on CUDA only) or false")
-        if getattr(opt, "_engine_fused", None) is None:
-            opt.register_step_pre_hook(lambda o, args, kwargs: _pre_step(o, o._engine_fused))
-        opt._engine_fused = fused
-        _pre_step(opt, fused)
+        opt.engine_fused = fused
+        apply_setting(opt, fused)
         fused_count += fused
     return fused_count
+
+
+def reapply(optimizer) -> None:
+    """After a checkpoint load into megatron's `optimizer`: each torch AdamW that `use_fused`
+    set up runs this run's setting again (the load brought the saving run's param groups and
+    host step counters)."""
+    for opt in torch_adams(optimizer):
+        if getattr(opt, "engine_fused", None) is not None:
+            apply_setting(opt, opt.engine_fused)
