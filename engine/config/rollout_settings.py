@@ -85,7 +85,7 @@ class RolloutConfig:
     # /dev/shm, bucket_files); hf updates its model in place and ignores it
     sync_transport: str = "handle"
     # null: weights in model.dtype | fp8: the weights model.hf_path stores in FP8 go as FP8 +
-    # weight_scale_inv (FP8 engines; engine.rl.sync_quantization)
+    # weight_scale_inv (FP8 engines; engine.generation.sync.quantization)
     sync_quantization: Optional[str] = None
     sleep_during_train: bool = False     # release the engine's memory while training
     check_weight_sync: bool = False      # after each sync compare engine vs trainer logits

@@ -127,7 +127,7 @@ class RolloutEngine(abc.ABC):
     # True when `_generate` takes prompts with images (models.vision.inputs.ImagePrompt)
     supports_images = False
     # rollout.sync_quantization values `update_weights` accepts (engine.generation
-    # .sync_quantization): "fp8" = float8 weights, each with its `weight_scale_inv` in the bucket
+    # .sync.quantization): "fp8" = float8 weights, each with its `weight_scale_inv` in the bucket
     sync_quantizations: tuple[str, ...] = ()
     # True when the engine can serve LoRA adapters on its own base (from_config's `lora`,
     # engine.generation.vllm.lora): rollout.vllm.lora_sync=adapter syncs only the adapters

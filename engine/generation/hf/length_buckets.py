@@ -1,5 +1,5 @@
 """Shape buckets and length groups of the HF backend's static decode (engine.generation
-.hf_static_decode): pure arithmetic on row counts and prompt lengths, no torch.
+.hf.static_decode): pure arithmetic on row counts and prompt lengths, no torch.
 
 A compiled decode step is specialised to one (batch, cache length) shape, so both are rounded
 up to a few sizes and every generate call of an RL run reuses the same few graphs:

@@ -1,5 +1,5 @@
 """The adapter sync of a vLLM engine (rollout.vllm.lora_sync=adapter; engine.generation
-.vllm_lora decides it, engine.generation.vllm.backend owns one `AdapterSync`).
+.vllm.lora decides it, engine.generation.vllm.backend owns one `AdapterSync`).
 
 The engine loaded model.hf_path with vLLM's LoRA enabled (AdapterServing.engine_args) and its
 base weights are never written again. A sync is a run of `take` calls, one per bucket of the
