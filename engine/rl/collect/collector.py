@@ -33,12 +33,13 @@ import torch
 
 from engine.data.datasets import global_batch_indices, render_prompt
 from engine.data.files import DataError
-from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS, zero_std_groups
+from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.algo.dynamic_sampling import DynamicSampler
 from engine.rl.algo.gae import TOKEN_ESTIMATORS
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.collect.batch import RolloutBatch
 from engine.rl.collect.fill import engine_fill, fill_counts
+from engine.rl.collect.reward_metrics import reward_length_metrics
 from engine.rl.env.episode_batch import EnvRollout, env_metrics
 from engine.rl.env.dump import part_records, write_dump
 from engine.rl.rewards import score_responses
@@ -199,14 +200,8 @@ class RolloutCollector:
         gen_s = sum(p["gen_s"] for p in parts)
         clipped = [c for p in parts for c in p["clipped"]]
         metrics = {
-            "reward/mean": float(scores.mean()),
-            "reward/std": float(scores.std(unbiased=False)),
-            "reward/frac_zero_std_groups": float(zero_std_groups(scores, group_size).float()
-                                                 .mean()),
+            **reward_length_metrics(scores, lengths, clipped, group_size),
             "reward/errors": float(sum(p["errors"] for p in parts)),
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/clip_ratio": sum(clipped) / len(clipped),
             "rollout/engines": float(self.pool.num_engines),
             "rollout/generate_calls": sum(p["stats"].calls for p in parts) / self.pool.num_engines,
             "rollout/num_gen_batches": float(len(parts)),

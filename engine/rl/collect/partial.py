@@ -43,6 +43,7 @@ from engine.rl.collect.fill import engine_fill, fill_counts
 from engine.rl.collect.partial_checks import groups_in_flight, partial_budget
 from engine.rl.collect.partial_state import (Group, Reply, from_plain, span_metrics,
                                              to_plain)
+from engine.rl.collect.reward_metrics import reward_length_metrics
 from engine.rl.env.dump import episode_record, write_dump
 from engine.generation import SamplingParams
 from engine.generation.work_split import response_seed
@@ -214,14 +215,8 @@ class PartialCollector(RolloutCollector):
         prompts = [self._prompt_ids(g.row) for g in trained for _ in range(n)]
         scores = torch.tensor(values.get("scores", []), dtype=torch.float32)
         lengths = torch.tensor([len(r.tokens) for r in replies], dtype=torch.float32)
-        metrics = {"reward/mean": float(scores.mean()) if len(scores) else 0.0,
-                   "reward/std": float(scores.std(unbiased=False)) if len(scores) else 0.0,
-                   "reward/frac_zero_std_groups": float(zero_std_groups(scores, n).float()
-                                                        .mean()) if len(scores) else 0.0,
-                   "response/length_mean": float(lengths.mean()) if len(lengths) else 0.0,
-                   "response/length_max": float(lengths.max()) if len(lengths) else 0.0,
-                   "response/clip_ratio": (sum(r.finish == "length" for r in replies)
-                                           / len(replies)) if replies else 0.0}
+        metrics = reward_length_metrics(scores, lengths, [r.finish == "length" for r in replies],
+                                        n)
         if "rm_scores" in values:
             metrics["reward/model_mean"] = sum(values["rm_scores"]) / len(replies)
         if cfg.dapo.overlong_buffer > 0:
