@@ -99,22 +99,40 @@ class SeededSampler:
 
     def sample(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Next tokens [B] (int64) and their log-probs [B] from fp32 logits [B, V] at decode
-        step `step`: log_softmax(logits / T)[token] (log_softmax(logits) when greedy), per the
-        log-probability contract of engine.generation.base; top-p only restricts the draw."""
+        step `step` (`draw` with this call's temperature, top_p and uniforms)."""
         p = self.params
-        if p.temperature == 0:
-            logp = torch.log_softmax(logits, dim=-1)
-            token = logits.argmax(dim=-1)
-            return token, logp.gather(-1, token[:, None]).squeeze(-1)
-        logp = torch.log_softmax(logits / p.temperature, dim=-1)
-        probs = logp.exp()
-        if p.top_p < 1.0:  # keep the smallest prefix of sorted tokens reaching top_p
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        token = inverse_cdf(probs, self._uniform(step))
+        return draw(logits, p.temperature, p.top_p,
+                    None if p.temperature == 0 else self._uniform(step))
+
+
+def row_uniforms(seeds: list[int], steps: list[int], device: torch.device) -> torch.Tensor:
+    """float64 [B]: u(seeds[b], steps[b]) for each row b, the number SeededSampler draws for a
+    row of seed seeds[b] at its step steps[b] (first_steps included), whatever the batch: the
+    per-row form for callers whose rows are at different steps (engine.generation.hf.stepper)."""
+    return uniforms(torch.tensor(seeds, dtype=torch.int64, device=device), 0, 1,
+                    torch.tensor(steps, dtype=torch.int64, device=device))[:, 0]
+
+
+def draw(logits: torch.Tensor, temperature: float, top_p: float,
+         u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next tokens [B] (int64) and their log-probs [B] from fp32 logits [B, V] and one uniform
+    per row `u` [B] (None when greedy): log_softmax(logits / T)[token] (log_softmax(logits)
+    when greedy, T = 0: the argmax), per the log-probability contract of
+    engine.generation.base; top-p only restricts the draw (inverse CDF at u). Row-wise: a
+    row's result does not depend on the other rows."""
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        token = logits.argmax(dim=-1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.exp()
+    if top_p < 1.0:  # keep the smallest prefix of sorted tokens reaching top_p
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    token = inverse_cdf(probs, u)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

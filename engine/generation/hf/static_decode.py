@@ -140,7 +140,7 @@ class StaticDecoder:
             cudagraph_trees.reset_cudagraph_trees()
             self.graph_resets += 1
 
-    def _cache(self, batch: int, length: int):
+    def cache(self, batch: int, length: int):
         """The reset StaticCache of this shape (allocated on first use)."""
         cache = self._caches.get((batch, length))
         if cache is None:
@@ -199,7 +199,7 @@ class StaticDecoder:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask[:, :longest].cumsum(-1) - 1).clamp(min=0)
         next_pos = positions[:, -1:] + 1
-        cache = self._cache(batch, length)
+        cache = self.cache(batch, length)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         logits = out.logits[:, -1, :].float()
@@ -238,7 +238,7 @@ class StaticDecoder:
 
     def _compact(self, cache, keep: torch.Tensor, batch: int, length: int):
         """The cache of `batch` rows holding `cache`'s rows `keep`, at the same position."""
-        small = self._cache(batch, length)
+        small = self.cache(batch, length)
         for big_layer, layer in zip(cache.layers, small.layers):
             keys, values = big_layer.keys[keep], big_layer.values[keep]
             if not layer.is_initialized:
