@@ -4,8 +4,10 @@ character-level Qwen-style template (tools/demo.py), and once against the HF rol
 a tiny model. Token-in/token-out: a trajectory's ids are the prompt, each call's sampled ids as
 generated (deliberately non-canonical: re-tokenising their text gives other ids) and the
 template-delta observation ids; rewritten history and retries start new trajectories; seeds
-depend on (episode, call index) only; concurrent episodes are batched; over-limit calls get
-400s; tool calls, log-probs, /v1/models; the runner's failures are contained."""
+depend on (episode, call index) only; concurrent episodes are batched (the gather path) or
+share engine steps (the step path over a scripted step driver: its events say which calls
+ran in one step, and admission's 429 / 410 / 503 hold there); over-limit calls get 400s;
+tool calls, log-probs, /v1/models; the runner's failures are contained."""
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +28,9 @@ from engine.api.requests import ApiError, Limits, parse_chat, parse_completion
 from engine.data.observation import observation_ids
 from engine.rl.agent.runner import AgentRunner, check_result
 from engine.rl.agent.server import AgentServer
-from engine.generation.sampling_backend import SamplingBackend
+from engine.generation.base import Generation
+from engine.generation.sampling_backend import SamplingBackend, StepBackend
+from engine.generation.vllm.stepper import StepOutput
 from tools.char_tokenizer import build_char_tokenizer
 from tools.demo import TOOLS_TEMPLATE, calculator_tools
 
@@ -76,6 +80,74 @@ class ScriptedBackend:
             out.append(GenerateResult(ids[:r.max_tokens], lps[:r.max_tokens],
                                       "length" if cut else "stop"))
         return out
+
+
+class ScriptedDriver:
+    """A step driver (VLLMStepDriver's interface: add, abort, step, busy, steps, events) over
+    ScriptedBackend's script: each step samples one more id of every running request, which
+    finishes with ScriptedBackend's reply to it (the same ids, log-probs and finish reason).
+    `hold(key)` True: that request does not advance this step. `max_running`: at most that
+    many run at once, the others wait inside the driver and count as added when they start
+    (an engine's max_num_seqs)."""
+
+    def __init__(self, tok, max_running: int | None = None) -> None:
+        self.script = ScriptedBackend(tok)
+        self.max_running = max_running
+        self.hold = lambda key: False
+        self.waiting: dict[str, GenerateRequest] = {}
+        self.running: dict[str, tuple[GenerateResult, int]] = {}   # key -> (reply, ids out)
+        self.prompts: dict[str, str] = {}
+        self.submitted, self.steps = 0, 0
+        self.events: list[tuple[str, str, int]] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, key, prompt, params, stream=False):
+        self.submitted += 1
+        self.prompts[key] = self.script.tok.decode(prompt)
+        self.waiting[key] = GenerateRequest(tuple(prompt), params.max_new_tokens,
+                                            params.temperature, params.top_p, params.seeds[0])
+        self._start()
+
+    def _start(self) -> None:
+        for key in list(self.waiting):
+            if self.max_running is None or len(self.running) < self.max_running:
+                (reply,) = self.script.generate([self.waiting.pop(key)])
+                self.running[key] = (reply, 0)
+                self.events.append(("added", key, self.steps))
+
+    def abort(self, key) -> None:
+        self.waiting.pop(key, None)
+        if self.running.pop(key, None) is not None:
+            self.events.append(("aborted", key, self.steps))
+
+    def step(self):
+        if not any(not self.hold(k) for k in self.running):
+            time.sleep(0.001)          # held: let the HTTP side move
+            return []
+        self.steps += 1
+        out = []
+        for key, (reply, n) in list(self.running.items()):
+            if self.hold(key):
+                continue
+            self.running[key] = (reply, n + 1)
+            if n + 1 < len(reply.ids):
+                continue
+            del self.running[key]
+            self.events.append(("finished", key, self.steps))
+            out.append(StepOutput(key, reply.ids, Generation(
+                [], reply.ids, reply.logprobs, reply.finish_reason)))
+        self._start()
+        return out
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
 
 
 @contextlib.contextmanager
@@ -443,8 +515,10 @@ def two_call_agent(base_url: str, row: dict) -> float:
 
 
 def run_agent(tok, function, rows, seeds, concurrency=None, timeout_s=60.0, delay_s=0.0,
-              **kw):
-    backend = ScriptedBackend(tok, delay_s=delay_s)
+              driver=None, **kw):
+    """The runner's episodes on the gather path (ScriptedBackend), or with `driver` on the
+    step path (StepBackend over it)."""
+    backend = ScriptedBackend(tok, delay_s=delay_s) if driver is None else StepBackend(driver)
     with AgentServer(tok, LIMITS, **kw) as server:
         t0 = time.perf_counter()
         outcomes = AgentRunner(server, function, "tests:agent", concurrency, timeout_s).run(
@@ -469,27 +543,128 @@ def test_seeds_depend_only_on_episode_and_call_index(tok):
     assert other[0].trajectories[0].token_ids != runs[0][0][1][0][0]
 
 
-def test_concurrent_episodes_are_batched(tok):
-    """The batching rule, measured: 16 lock-step episodes of 2 calls each take 2 generate
-    calls of 16; when half of them run a 1 s 'tool' before their second call, the other half's
-    second calls do not wait for them (gather_s after the answers, not max_wait_s)."""
+def running_steps(events) -> dict[str, range]:
+    """key -> the engine steps it ran in, from a step driver's events (("added" |
+    "finished" | "aborted", key, steps run before)): added before step a+1, finished in
+    step f, so it ran in steps a+1..f."""
+    added = {k: n for kind, k, n in events if kind == "added"}
+    return {k: range(added[k] + 1, n + 1) for kind, k, n in events
+            if kind in ("finished", "aborted") and k in added}
+
+
+def most_sharing(events) -> int:
+    """The most requests that ran in one engine step."""
+    count: dict[int, int] = {}
+    for steps in running_steps(events).values():
+        for n in steps:
+            count[n] = count.get(n, 0) + 1
+    return max(count.values(), default=0)
+
+
+def test_concurrent_episodes_share_engine_steps(tok):
+    """The step path (continuous batching over a step driver): 16 lock-step episodes of 2
+    calls; the driver runs no step until their 16 first calls are in (`hold`), so all 16
+    share the first steps: every call answered, the trajectories those of the gather path
+    (ScriptedBackend, the same seeded script). Events, not clocks. Negative control: a driver
+    that runs one request at a time (max_running=1) never has two in one step."""
     rows = [{"prompt": f"p{i}"} for i in range(16)]
-    outcomes, backend, stats, wall = run_agent(tok, two_call_agent, rows, list(range(16)),
-                                               delay_s=0.02, gather_s=2.0, max_wait_s=5.0)
-    assert all(o.error is None for o in outcomes)
-    # gather_s costs nothing here (a batch goes once every live episode is pending); it
-    # bounds how late a client on a loaded host may send its second call
-    assert backend.batches == [16, 16], backend.batches
-    print(f"[agent] 16 episodes x 2 calls: batches {backend.batches}, wall {wall:.2f} s, "
-          f"waits {[round(w, 3) for w in stats.waits]}")
-    rows = [{"prompt": f"p{i}", "tool_s": 1.0 * (i % 2)} for i in range(16)]
-    outcomes, backend, stats, wall = run_agent(tok, two_call_agent, rows, list(range(16)),
-                                               delay_s=0.02, gather_s=0.05, max_wait_s=5.0)
-    assert all(o.error is None for o in outcomes)
-    assert backend.batches[0] == 16 and sum(backend.batches) == 32, backend.batches
-    assert stats.waits[1] < 0.9, stats.waits          # not held for the 1 s tools
-    print(f"[agent] half the episodes in a 1 s tool: batches {backend.batches}, waits "
-          f"{[round(w, 3) for w in stats.waits]}, wall {wall:.2f} s")
+    gathered, *_ = run_agent(tok, two_call_agent, rows, list(range(16)))
+    for max_running, sharing in ((None, 16), (1, 1)):   # the second: the negative control
+        driver = ScriptedDriver(tok, max_running=max_running)
+        driver.hold = lambda key, d=driver: d.submitted < 16
+        outcomes, *_ = run_agent(tok, two_call_agent, rows, list(range(16)), driver=driver)
+        assert all(o.error is None for o in outcomes)
+        assert [[t.token_ids for t in o.trajectories] for o in outcomes] == \
+            [[t.token_ids for t in o.trajectories] for o in gathered]
+        assert sum(e[0] == "finished" for e in driver.events) == 32
+        assert most_sharing(driver.events) == sharing, driver.events
+
+
+def test_a_call_back_from_its_tool_joins_the_running_step(tok):
+    """Uneven tools: episode A's long call (120 tokens) is held in the engine until episode
+    B, which makes 3 short calls one after another once A's runs, returned; each of B's
+    calls is added while A's runs and finishes before it (B never waits for A's reply, as a
+    gather wave would). Negative control: the predicate rejects batch-wave events (B's call
+    added after A's finished)."""
+    done = threading.Event()
+
+    def agent(base_url: str, row: dict) -> float:
+        c = client(base_url)
+        messages = [{"role": "user", "content": row["prompt"]}]
+        if row["calls"] == 3:      # B starts once A's long call runs
+            wait_for(lambda: any("long" in driver.prompts[k] for k in list(driver.running)),
+                     "A's call in the engine")
+        for _ in range(row["calls"]):
+            r = c.chat.completions.create(model="m", messages=messages)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": "more"}]
+        if row["calls"] == 3:
+            done.set()
+        return 1.0
+
+    driver = ScriptedDriver(tok)
+    driver.hold = lambda key: not done.is_set() and "long" in driver.prompts[key]
+    outcomes, *_ = run_agent(tok, agent, [{"prompt": "long", "calls": 1},
+                                          {"prompt": "b", "calls": 3}], [1, 2], driver=driver)
+    assert all(o.error is None for o in outcomes) and [o.calls for o in outcomes] == [1, 3]
+    assert len(outcomes[0].trajectories[0].response_ids) == LIMITS.max_new_tokens   # cut
+
+    def joined(events, prompts) -> bool:
+        ran = running_steps(events)
+        (a,) = [k for k in ran if "long" in prompts[k]]
+        b = [k for k in ran if k != a]
+        return len(b) == 3 and all(ran[a].start <= ran[k].start and ran[k].stop <
+                                   ran[a].stop for k in b)
+
+    assert joined(driver.events, driver.prompts), driver.events
+    wave = [("added", "a", 0), ("finished", "a", 120)] + [
+        e for k in range(3) for e in (("added", f"b{k}", 120 + 10 * k),
+                                      ("finished", f"b{k}", 130 + 10 * k))]
+    assert not joined(wave, {"a": "long", "b0": "", "b1": "", "b2": ""})
+
+
+def test_step_path_admission_429_410_and_503(tok):
+    """The step path keeps admission: with max_pending=1 a call running in the engine counts
+    (another episode's call gets 429 queue_full); closing its episode aborts it in the engine
+    and answers it 410; once the server stops a call gets 503 server_stopping. Negative
+    control: unbounded, the second call is admitted and runs beside the first."""
+    user = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3}
+    for bound in (1, None):
+        driver = ScriptedDriver(tok)
+        driver.hold = lambda key: True            # nothing finishes: the calls stay running
+        with serving(tok, StepBackend(driver), max_pending=bound) as server:
+            a, b = server.open_episode(seed=1), server.open_episode(seed=2)
+            got: dict[str, httpx.Response] = {}
+
+            def send(eid: str) -> threading.Thread:
+                t = threading.Thread(target=lambda: got.__setitem__(eid, httpx.post(
+                    server.base_url(eid) + "/chat/completions", json=user, timeout=30)),
+                    daemon=True)
+                t.start()
+                return t
+
+            first = send(a.id)
+            wait_for(lambda: driver.running, "a's call in the engine")
+            if bound == 1:
+                full = httpx.post(server.base_url(b.id) + "/chat/completions", json=user)
+                assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+                assert b.calls == 0
+            else:
+                second = send(b.id)
+                wait_for(lambda: len(driver.running) == 2, "b's call beside a's")
+            server.close_episode(a.id)
+            first.join(timeout=10)
+            assert got[a.id].status_code == 410 and "takes no more calls" in got[a.id].text
+            assert [e[0] for e in driver.events if e[1].startswith(a.id)] == \
+                ["added", "aborted"]
+            if bound is None:
+                server.close_episode(b.id)
+                second.join(timeout=10)
+            server.queue.close("the server is stopping")
+            stopped = httpx.post(server.base_url(server.open_episode(seed=3).id)
+                                 + "/chat/completions", json=user)
+            assert stopped.status_code == 503
+            assert stopped.json()["error"]["code"] == "server_stopping"
 
 
 def test_batching_rule_waits_for_expected_episodes_only():

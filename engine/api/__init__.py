@@ -14,6 +14,8 @@ Modules (one job each):
                length exceeded")
     batcher    the queue between the HTTP thread and the thread that owns the engines (its
                bound: 429; a failed generate call: 503; closed while stopping: 503)
+    stepping   continuous batching over a step-level backend (the owner thread's loop: requests
+               join the running engine step; both servers, when their engine has a driver)
     failures   the answer to a request that failed inside a server (a short message naming the
                request id; the exception to the server's error log, never to the client)
     http       uvicorn in a daemon thread, the JSON body (its size limit, its shape), error

@@ -82,7 +82,7 @@ class Pending:
     future: concurrent.futures.Future
     arrived: float
     # called on the owner thread with the ids sampled so far, by a step-level server
-    # (engine.serve.stepping) after each engine step; None: the result only
+    # (engine.api.stepping) after each engine step; None: the result only
     progress: Callable[[list[int]], None] | None = None
 
 
@@ -126,6 +126,7 @@ class GenerateQueue:
         self.outstanding: dict[str, int] = {}  # episode -> requests submitted, not responded
         self.cond = threading.Condition()
         self.stats = BatchStats()
+        self.running = 0   # choices in the engine (step-level serving: engine.api.stepping)
 
     def submit(self, episode: str, request: GenerateRequest) -> concurrent.futures.Future:
         """Queue one request (any thread); its future gets a GenerateResult or an ApiError.
@@ -159,8 +160,14 @@ class GenerateQueue:
                 raise QueueFull(waiting, self.max_pending, self.limit_name)
 
     def waiting(self) -> int:
-        """The requests admission counts (under the lock): the pending ones."""
-        return len(self.pending)
+        """The requests admission counts (under the lock): the queued choices, plus those
+        running in the engine under step-level serving (engine.api.stepping; 0 under the
+        batch rule: the call in flight is not counted)."""
+        return len(self.pending) + self.running
+
+    def failed_alone(self, request: GenerateRequest) -> None:
+        """`request` failed on its own (the step-level loop calls it when the driver refused
+        it): nothing here; `serve`'s queue refuses its twins (engine.serve.batching)."""
 
     def close(self, why: str) -> None:
         """The server is stopping: every pending request and every later one gets 503

@@ -98,7 +98,7 @@ class SamplingBackend:
 class StepBackend:
     """GenerateRequest-level continuous batching over a step driver (the interface of
     engine.generation.vllm.stepper.VLLMStepDriver: add, add_scoring, abort, step, busy), for
-    a server whose requests join the running engine step (engine.serve.stepping). The same
+    a server whose requests join the running engine step (engine.api.stepping). The same
     results as SamplingBackend.generate, request by request: each request runs with its own
     max_tokens (a seeded sample's first t tokens do not depend on the budget), max_tokens 0
     takes no generation, and a request with score_top_k = k is scored after its reply

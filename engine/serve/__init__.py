@@ -5,7 +5,9 @@ evaluation and for LLM judges (reward.judge.*; docs/agents.md, "Serving a checkp
 Built on the OpenAI protocol of engine.api (request checks and their 400s, the chat template's
 rules, replies, the generate queue, the HTTP plumbing), which the agent endpoint of RL episodes
 also speaks, and on the generation engines (engine.generation, with SamplingBackend): a serve
-endpoint is stateless, every request is rendered whole.
+endpoint is stateless, every request is rendered whole. A step-level backend (the vllm
+engine: vLLM's step API, engine.generation.vllm.stepper) is served by engine.api.stepping's
+continuous batching, which the agent endpoint shares: requests join the running step.
 
 Modules (one job each):
     admission  what one request may ask before it is queued: its choices (--max-choices),
@@ -13,8 +15,6 @@ Modules (one job each):
     batching   the queue's rule for independent clients (gather, then one generate call),
                its bound (--max-queue: 429), failed calls retried in halves (503 only for
                the failing request) and its closing on SIGTERM (503)
-    stepping   continuous batching over a step-level backend (the vllm engine: vLLM's step
-               API, engine.generation.vllm.stepper): requests join the running step
     live       live streams of a step-level endpoint (each step's new text as chunks)
     endpoint   the FastAPI app (/v1/models, /v1/chat/completions, /v1/completions), seeds
     folder     the --model folder checked before anything heavy is imported

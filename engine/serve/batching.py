@@ -9,7 +9,7 @@ together in the next one. SamplingBackend (engine.api.backend) turns the batch i
 engine call per (temperature, top_p), plus one per budget for requests whose prompt would pass
 --max-context with the batch's largest max_tokens. Batching changes no sample: each request is
 seeded on its own (engine.serve.endpoint for the seeds). A backend with a step-level driver
-(engine.serve.stepping) does not batch this way: its requests join the running engine step.
+(engine.api.stepping) does not batch this way: its requests join the running engine step.
 
 Admission (engine.api.batcher): a request whose choices (prompts x n) would take the waiting
 choices past max_pending gets 429 (--max-queue, DEFAULT_MAX_QUEUE); a request of more than
@@ -109,12 +109,6 @@ class ServeQueue(GenerateQueue):
                          max_batch=max_batch, max_pending=max_pending)
         self.alive: Callable[[], bool] = lambda: True   # the engine (ServeEndpoint.serve)
         self.twins = twins if twins is not None else FailedTwins()
-        self.running = 0   # choices in the engine (step-level serving: engine.serve.stepping)
-
-    def waiting(self) -> int:
-        """What admission counts: the queued choices, plus those running in the engine under
-        step-level serving (0 under the batch rule: the call in flight is not counted)."""
-        return len(self.pending) + self.running
 
     def submit_many(self, episode: str, requests: list[GenerateRequest], progress=None):
         """GenerateQueue.submit_many, and 503 (repeated_failure) when one of the choices has

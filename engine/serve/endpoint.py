@@ -18,7 +18,7 @@ are; a text prompt with the tokenizer's special tokens), checked by the agent en
 (engine.api.requests: the same parameters and 400s, any temperature / top_p, and the
 evaluation parameters below), queued
 (engine.serve.batching: concurrent clients share one generate call; with a step-level
-backend, the vllm engine's, engine.serve.stepping: each request joins the running engine
+backend, the vllm engine's, engine.api.stepping: each request joins the running engine
 step) and answered by
 engine.api.replies. Errors are OpenAI-style bodies: 400 for malformed JSON, a parameter
 out of range, or context length exceeded (the prompt, or the prompt plus an explicit
@@ -72,6 +72,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.api.backend import GenerateBackend, GenerateRequest, call_seed
 from engine.api.batcher import GenerationFailed
 from engine.api.failures import failure
+from engine.api.stepping import StepServing
 from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, log_requests, models_body,
                              parse_json, read_body, require_api_key, start_http, stop_http)
 from engine.api.evaluation import chat_reply, completion_reply
@@ -84,7 +85,6 @@ from engine.serve.admission import (DEFAULT_MAX_CHOICES, DEFAULT_MAX_SCORE_GIB, 
                                     check_choices, check_scoring)
 from engine.serve.batching import CLIENTS, DEFAULT_MAX_QUEUE, STOPPING, ServeQueue
 from engine.serve.live import LiveStream, results_unless_gone, streams_live
-from engine.serve.stepping import StepServing
 from engine.serve.tokenizer_routes import add_tokenizer_routes
 
 SEED_RANGE = 2 ** 63
@@ -192,12 +192,12 @@ class ServeEndpoint:
     def serve(self, backend: GenerateBackend, until: Callable[[], bool],
               alive: Callable[[], bool] = lambda: True) -> None:
         """On the engine-owning thread: batches through `backend` (a StepBackend: steps,
-        engine.serve.stepping) until `until()` holds and nothing is pending. A failed generate
+        engine.api.stepping) until `until()` holds and nothing is pending. A failed generate
         call answers its failing requests 503 (engine.serve.batching) and serving goes on
         while `alive()` (the engine still works); otherwise RunError."""
         self.queue.alive = alive
         self.live = isinstance(backend, StepBackend)
-        run = (StepServing(self.queue, backend).run if self.live
+        run = (StepServing(self.queue, backend, STOPPING).run if self.live
                else lambda stop: self.queue.serve(backend, stop))
         while True:
             try:

@@ -1,4 +1,4 @@
-"""Live streams of a step-level serve endpoint (engine.serve.stepping): `stream: true`
+"""Live streams of a step-level serve endpoint (engine.api.stepping): `stream: true`
 requests whose reply text can be sent as it is sampled (no log-probs, no echo, no chat tool
 parsing: `streams_live`) get each engine step's new text as chunks (engine.api.streaming's
 LiveText and chunk shapes), then the rest of the final text, the finish chunk (and the usage
@@ -40,7 +40,7 @@ async def results_unless_gone(futures: list, gone: Callable[[], Awaitable[bool]]
                               ) -> list:
     """The futures' results (a non-streamed request of a step-level endpoint); when `gone()`
     (the client disconnected, polled every GONE_POLL_S) holds first, the futures are cancelled
-    (the owner thread aborts their requests: engine.serve.stepping) and ApiError 499 raised
+    (the owner thread aborts their requests: engine.api.stepping) and ApiError 499 raised
     (nobody reads it). `gone` None: just the results."""
     waiter = asyncio.gather(*[asyncio.wrap_future(f) for f in futures])
     if gone is None:

@@ -56,7 +56,7 @@ def serve_model(args) -> int:
         # max_len: a request never shares a budget that would take its prompt past the
         # context (vLLM refuses such a call: max_model_len = --max-context); score: the
         # raw-logit log-probs of requests with logprobs / echo (engine.api.evaluation)
-        # vllm: continuous batching through vLLM's step API (engine.serve.stepping), so
+        # vllm: continuous batching through vLLM's step API (engine.api.stepping), so
         # requests join the running batch and streams are live; hf: one call per batch
         backend = (StepBackend(VLLMStepDriver(engine)) if args.backend == "vllm" else
                    SamplingBackend(engine.generate, max_len=args.max_context,

@@ -1,4 +1,4 @@
-"""`serve` on the vllm backend: continuous batching (the step driver, engine.serve.stepping)
+"""`serve` on the vllm backend: continuous batching (the step driver, engine.api.stepping)
 against the batch path (one generate call per batch, engine.serve.batching), side by side in
 one run on one engine (docs/benchmarks.md, "serve on vLLM").
 

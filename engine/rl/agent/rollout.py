@@ -4,10 +4,25 @@
 (env.agent_host, env.agent_port, env.agent_api_key; the run's limits: rollout.max_new_tokens, train.seq_length,
 rollout.temperature / top_p, env.max_turns). `generation_batch(rows, row_indices, seeds, b)`
 runs one episode per (prompt row, sample) with AgentRunner (env.agent_concurrency,
-env.agent_timeout_s; the response seeds of the environment path), its generate calls served by
-SamplingBackend over the pool's generate (n=1: every request is seeded on its own, so the
-samples do not depend on the engine split; max_len train.seq_length + 1 keeps every generate
-call within what vLLM's max_model_len admits). `validation_batch(rows, params, tag)`: the
+env.agent_timeout_s; the response seeds of the environment path). Its calls are served one of
+two ways (`step_driver`):
+- the step path, where the pool is ONE engine in this process (rollout.num_engines=1: the
+  single-node colocated case, and a disaggregated run's one rollout rank) and that engine has
+  a step driver (the vllm backend without rollout.vllm.speculative:
+  engine.generation.vllm.stepper): continuous batching (StepBackend, engine.api.stepping):
+  every call joins the running engine step at once and is answered at its own end, so an
+  episode back from a slow tool never waits for a batch, nor a batch for it;
+- the gather path everywhere else (several engines, on one rank or many: the pool splits
+  each batch over them; an hf or sglang engine, which has no driver here; speculative
+  decoding, whose acceptance counters and off switch are read per generate call):
+  SamplingBackend over the pool's generate, batched by the gather rule of engine.api.batcher
+  (max_len train.seq_length + 1 keeps every generate call within what vLLM's max_model_len
+  admits), with the pool's retries and restarts (rollout.max_retries).
+Both give every call the same tokens and log-probs: each request is seeded on its own
+(call_seed of the episode's response seed), so a sample depends on its context and seed,
+not on what runs beside it. The step path makes no retries: a failed engine step answers the
+running calls 503 and the run stops with it. Its stats: calls = requests added to the engine,
+engine seconds = time inside its steps. `validation_batch(rows, params, tag)`: the
 validation episodes of engine.rl.collect.validation, the same function at val.temperature.
 `close()` stops the server.
 
@@ -40,18 +55,34 @@ from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.env.contract import load_object
 from engine.rl.env.dump import episode_record
 from engine.generation.pool import GenerateStats
-from engine.generation.sampling_backend import SamplingBackend
+from engine.generation.sampling_backend import SamplingBackend, StepBackend
+from engine.generation.vllm.backend import VLLMRolloutEngine
 from engine.generation.vllm.speculative import merge_counters
+from engine.generation.vllm.stepper import VLLMStepDriver
 
 FINISH_REASONS = ("stop", "length", "max_turns", "error", "tool_calls")
 
 
-class AgentRollout:
-    """Rank 0: the episodes of env.agent (module docstring)."""
+def step_driver(pool):
+    """A step driver over the pool's engine when the step path serves it (module docstring),
+    else None (the gather path)."""
+    engine = pool.engine
+    if pool.num_engines != 1 or engine is None:
+        return None
+    if isinstance(engine, VLLMRolloutEngine) and engine.speculation is None:
+        return VLLMStepDriver(engine)
+    return None
 
-    def __init__(self, pool, tokenizer, cfg) -> None:
+
+class AgentRollout:
+    """Rank 0: the episodes of env.agent (module docstring): the step path wherever
+    `step_driver` gives a driver; `gather_only`: the gather path always (a baseline:
+    tools.bench agent_steps). `driver`: the step path's driver, once used."""
+
+    def __init__(self, pool, tokenizer, cfg, gather_only: bool = False) -> None:
         e, r = cfg.env, cfg.rollout
-        self.pool, self.cfg = pool, cfg
+        self.pool, self.cfg, self.gather_only = pool, cfg, gather_only
+        self.driver, self._driven = None, None   # the driver and the engine it drives
         self.name = e.agent
         function = load_object(e.agent, "env.agent")
         self.server = AgentServer(tokenizer, Limits(
@@ -88,6 +119,10 @@ class AgentRollout:
     def _episodes(self, rows: list[dict], seeds: list[int], gen_batch) -> dict:
         """Run one episode per (row, seed) through the pool: their outcomes, the sampled ids
         of each episode's trained trajectories, generate stats and seconds."""
+        if not self.gather_only and self._driven is not self.pool.engine:
+            self.driver, self._driven = step_driver(self.pool), self.pool.engine
+        if not self.gather_only and self.driver is not None:
+            return self._counted(self._stepped(rows, seeds, StepBackend(self.driver)))
         stats: list[GenerateStats] = []
         gen_s = [0.0]
 
@@ -101,11 +136,24 @@ class AgentRollout:
         t0 = time.perf_counter()
         outcomes = self.runner.run(
             SamplingBackend(generate, max_len=self.cfg.train.seq_length + 1), rows, seeds)
+        return self._counted({"outcomes": outcomes, "stats": stats, "gen_s": gen_s[0],
+                              "wall": time.perf_counter() - t0})
+
+    def _stepped(self, rows: list[dict], seeds: list[int], backend: StepBackend) -> dict:
+        """`_episodes` on the step path (module docstring)."""
+        t0 = time.perf_counter()
+        outcomes = self.runner.run(backend, rows, seeds)
         wall = time.perf_counter() - t0
-        sampled = [float(sum(sum(t.response_mask) for t in o.trajectories))
-                   if o.error is None else 0.0 for o in outcomes]
-        return {"outcomes": outcomes, "sampled": sampled, "stats": stats, "gen_s": gen_s[0],
-                "wall": wall}
+        gen_s = self.server.stepping.step_s
+        return {"outcomes": outcomes, "gen_s": gen_s, "wall": wall,
+                "stats": [GenerateStats(backend.calls, 0, 0, [gen_s])]}
+
+    @staticmethod
+    def _counted(run: dict) -> dict:
+        """`run` with "sampled": the sampled ids of each episode's trained trajectories."""
+        run["sampled"] = [float(sum(sum(t.response_mask) for t in o.trajectories))
+                          if o.error is None else 0.0 for o in run["outcomes"]]
+        return run
 
     def generation_batch(self, rows: list[dict], row_indices: list[int], seeds: list[int],
                          gen_batch: int) -> dict:

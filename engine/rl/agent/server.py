@@ -8,13 +8,21 @@ scaffold (or code it runs) reaches only the episodes whose URL it was given. It 
     POST /v1/chat/completions   messages, tools -> choices with tool_calls, logprobs
     POST /v1/completions        a text or token-id prompt
 Requests are checked (engine.api.requests), matched to the episode's earlier calls and
-given their context (engine.rl.agent.sessions), queued for the engine-owning thread
-(engine.api.batcher), and answered (engine.api.replies). Errors are OpenAI-style JSON
+given their context (engine.rl.agent.sessions), queued for the engine-owning thread, and
+answered (engine.api.replies). Two ways to run them, by the backend `serve` is given:
+- a StepBackend over a step driver (engine.generation.sampling_backend; the rollout's one
+  in-process engine, engine.rl.agent.rollout): continuous batching (engine.api.stepping):
+  each call joins the running engine step and is answered at its own end, whatever the
+  other episodes do; no gathering (gather_s and max_wait_s are not used);
+- a batched GenerateBackend (SamplingBackend over the pool's generate: several engines, or an
+  engine without a driver): the gather rule of engine.api.batcher (gather_s, the expected
+  episodes, max_wait_s), one generate call per batch. Errors are OpenAI-style JSON
 bodies: 400 (malformed JSON, a parameter beyond the run's limits, context length exceeded,
 env.max_turns reached), 401 (an api_key is set and the request lacks `Authorization: Bearer
 <key>`), 413 (a body over max_body_bytes, 16 MiB by default), 404 (no such episode), 410 (the
 episode finished or timed out), 429 (max_pending choices wait: code queue_full), 503
-(generation failed, or the server is stopping); nothing a client sends crashes the server.
+(generation failed, or the server is stopping; the queue's bound counts the running
+choices too on the step path); nothing a client sends crashes the server.
 With request_log, every request is logged in one INFO line (engine.api.http.log_requests; off
 by default).
 
@@ -37,11 +45,13 @@ from fastapi.responses import JSONResponse
 from engine.api.backend import GenerateBackend, GenerateRequest
 from engine.api.batcher import GenerateQueue
 from engine.api.failures import failure
+from engine.api.stepping import StepServing
 from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, json_body, log_requests,
                              models_body, require_api_key, start_http, stop_http)
 from engine.api.replies import make_reply, response_body
 from engine.api.requests import ApiError, Limits, parse_chat, parse_completion
 from engine.api.tokens import TemplateRules
+from engine.generation.sampling_backend import StepBackend
 from engine.rl.agent.sessions import Episode
 
 FINISHED_KEPT = 1 << 16   # finished episode ids remembered for 410 (older ones: 404)
@@ -61,7 +71,8 @@ class AgentServer:
         tokenizer: the policy's tokenizer (its chat template renders prompts and observations).
         limits: what a call may ask for.
         host, port: where to listen (loopback by default; 0: a free port).
-        gather_s, max_wait_s, max_batch: the batching rule (engine.api.batcher).
+        gather_s, max_wait_s, max_batch: the gather rule of the batched path
+            (engine.api.batcher); the step path does not gather.
         api_key: when set, every request must carry `Authorization: Bearer <api_key>` (401
             otherwise; require_api_key); None: open (env.agent_api_key).
         max_body_bytes: a request body over it is a 413 (json_body).
@@ -85,6 +96,7 @@ class AgentServer:
         self.queue = GenerateQueue(self._live, self._refusal, gather_s, max_wait_s,
                                    max_batch, max_pending)
         self.app = build_app(self)
+        self.stepping: StepServing | None = None   # the last step-path loop (serve)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -157,9 +169,16 @@ class AgentServer:
         return "it finished" if episode is None else episode.refusal()
 
     # ------------------------------------------------------------------ serving
-    def serve(self, backend: GenerateBackend, until: Callable[[], bool]) -> None:
-        """On the engine-owning thread: generate batches until `until()` and nothing pends."""
-        self.queue.serve(backend, until)
+    def serve(self, backend: GenerateBackend | StepBackend, until: Callable[[], bool]) -> None:
+        """On the engine-owning thread, until `until()` holds and nothing is queued or
+        running: a StepBackend's steps (continuous batching; `stepping` keeps the loop, its
+        step_s the engine's busy seconds), else generate batches by the gather rule (module
+        docstring)."""
+        if isinstance(backend, StepBackend):
+            self.stepping = StepServing(self.queue, backend)
+            self.stepping.run(until)
+        else:
+            self.queue.serve(backend, until)
 
     async def handle(self, eid: str, kind: str, body: dict) -> JSONResponse:
         episode = self.episode(eid)
