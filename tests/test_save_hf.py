@@ -20,8 +20,16 @@ Real `-m engine.sft` runs of a tiny Qwen3 on the session's rank pool (tests/pool
       bitwise, adapter_config.json equal);
   GLM-4.5 (MoE) training its MTP layer at EP2: experts and the MTP layer bitwise;
   PPO (engine.rl, one process): the critic's folder (*ForTokenClassification) and the
-      policy's, each bitwise equal to convert's.
-Refusals (in this process): save_hf without checkpoint.dir, save_hf for a reward-model run.
+      policy's, each bitwise equal to convert's;
+  a reward model (engine.rm) at TP2 on two ranks, started from a causal LM: the score head
+      gathered over TP, config.json (one label, pad_token_id), the scoring chat template and
+      README.md (engine.rm.export, handed to the save by the RM run) equal to convert's, the
+      README naming its own folder (convert's names --out: equal once that path is replaced;
+      control: the unreplaced READMEs differ); the scoring template ends a reply on its
+      end-of-turn token in transformers' apply_chat_template, and the folder scores in
+      transformers' sequence classifier. Control: the source model differs from it.
+Refusals (in this process): save_hf without checkpoint.dir; a reward-model run's save_hf with
+LoRA, or with a pad id that is the end-of-turn id the model scores.
 """
 from __future__ import annotations
 
@@ -260,8 +268,58 @@ def test_ppo_critic_and_policy_save_hf_equal_convert(pools, assets, tmp_path):
     assert config["architectures"] == ["Qwen3ForTokenClassification"]
 
 
-def test_save_hf_refusals():
+def test_reward_model_tp2_save_hf_equals_convert(pools, assets, tmp_path):
+    """engine.rm at TP2 with checkpoint.save_hf: iter_0000002/hf/ is convert's folder of that
+    checkpoint, its scoring files (chat template, README, config.json) included."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from tools.demo import preference_rows
+
+    pairs = _write_jsonl(tmp_path / "pairs.jsonl", preference_rows(
+        [(a, b) for a in range(4) for b in range(2)]))
+    run = tmp_path / "rm"
+    proc = pools.script(2, "-m", "engine.rm", f"model.hf_path={assets['model']}",
+                        f"data.train_files=[{pairs}]", "parallel.tp=2", "model.dtype=float32",
+                        "train.global_batch_size=4", "train.micro_batch_size=2",
+                        "train.seq_length=48", "train.max_steps=2", "optim.lr=1e-2",
+                        "logging.progress_bar=false", f"logging.dir={run}",
+                        f"checkpoint.dir={run / 'ckpt'}", "checkpoint.save_interval=2",
+                        "checkpoint.save_hf=true", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"[checkpoint] {EXPORT}/ written: " in proc.stdout
+    assert "chat_template.jinja renders a chat ending in an assistant turn" in proc.stdout
+    ckpt = iteration_dir(run / "ckpt", 2)
+    saved, converted = ckpt / EXPORT, _convert(pools, ckpt, tmp_path / "converted")
+    assert {"chat_template.jinja", "README.md", "config.json"} <= set(_files(saved))
+    readme = (saved / "README.md").read_text()
+    assert f'path = "{saved}"' in readme           # it names its own (published) folder
+    assert readme != (converted / "README.md").read_text()   # control: convert's names --out
+    (converted / "README.md").write_text((converted / "README.md").read_text()
+                                         .replace(str(converted), str(saved)))
+    _assert_same_folder(saved, converted)
+    tensors = _tensors(saved)
+    assert tensors["score.weight"].shape == (1, 64) and "lm_head.weight" not in tensors
+    assert _differences(_tensors(Path(assets["model"])), tensors)   # trained, and a classifier
+    config = json.loads((saved / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForSequenceClassification"]
+    assert config["num_labels"] == 1 and config["pad_token_id"] is not None
+    tokenizer = AutoTokenizer.from_pretrained(str(saved))
+    chat = [{"role": "user", "content": "what is 1 + 1 ?"},
+            {"role": "assistant", "content": "the answer is 2"}]
+    ids = tokenizer.apply_chat_template(chat, return_dict=True)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids[-1]) == "<|im_end|>"   # the scored token
+    model = AutoModelForSequenceClassification.from_pretrained(str(saved),
+                                                               dtype=torch.float32).eval()
+    with torch.no_grad():
+        score = model(torch.tensor([ids])).logits
+    assert score.shape == (1, 1) and torch.isfinite(score).all()
+
+
+def test_save_hf_refusals(assets):
+    from transformers import AutoTokenizer
+
     from engine.config.loading import load_config
+    from engine.rm.export import end_of_turn_id, save_hf_problems
     from engine.config.rm_settings import RMConfig
     from engine.config.schema import SFTConfig, checkpoint_config_problems
 
@@ -272,7 +330,20 @@ def test_save_hf_refusals():
         "saved checkpoint)"]
     assert checkpoint_config_problems(load_config(SFTConfig, [
         "checkpoint.save_hf=true", "checkpoint.dir=/tmp/x_save_hf_never_made"])[0]) == []
-    rm = load_config(RMConfig, ["checkpoint.save_hf=true", "checkpoint.dir=/tmp/x"])[0]
-    problems = checkpoint_config_problems(rm)
-    assert len(problems) == 1 and "checkpoint.save_hf=true is not available for reward" \
-        in problems[0] and "tools/convert.py mcore-to-hf" in problems[0]
+    # a reward model's run: allowed (engine.rm.export writes its scoring files), except with
+    # LoRA (its peft folder carries the score head) or a pad id that is the scored token
+    rm = load_config(RMConfig, ["checkpoint.save_hf=true", "checkpoint.dir=/tmp/x",
+                                f"model.hf_path={assets['model']}"])[0]
+    assert checkpoint_config_problems(rm) == []
+    hf_config = json.loads((Path(assets["model"]) / "config.json").read_text())
+    assert save_hf_problems(rm, hf_config) == []
+    assert save_hf_problems(load_config(RMConfig, [f"model.hf_path={assets['model']}"])[0],
+                            {**hf_config, "pad_token_id": 3}) == []   # save_hf off: no check
+    rm.model.lora.rank = 4
+    (lora,) = save_hf_problems(rm, hf_config)
+    assert "model.lora.rank=4 is not available for reward models" in lora
+    rm.model.lora.rank = 0
+    eot = end_of_turn_id(AutoTokenizer.from_pretrained(assets["model"]))
+    (pad,) = save_hf_problems(rm, {**hf_config, "pad_token_id": eot})
+    assert pad.startswith(f"checkpoint.save_hf=true: pad_token_id={eot} (config.json's "
+                          "pad_token_id in ") and pad.endswith(", then train again")

@@ -105,6 +105,7 @@ def mcore_to_hf(args) -> None:
     from tqdm import tqdm
 
     from engine.checkpoint.hf_export import export_model_folder, write_hf
+    from engine.rm.export import export_config, pad_problem
     from models.bridge.checkpoint import load_model, read_hf_config, source_dir
     from models.bridge.critic import is_critic_config
     from models.bridge.reward_model import is_reward_model_config
@@ -112,7 +113,7 @@ def mcore_to_hf(args) -> None:
     from models.layers.heads.value import attach_value_heads
 
     from tools.convert_lora import checkpoint_lora, export_lora
-    from tools.convert_reward import export_config, export_reward_lora, pad_problem
+    from tools.convert_reward import export_reward_lora
 
     ckpt = resolve_checkpoint(args.ckpt, getattr(args, "iteration", None))
     out = Path(args.out)
@@ -120,7 +121,7 @@ def mcore_to_hf(args) -> None:
     _claim_out(out, getattr(args, "overwrite", False), ckpt, meta)
     cfg = read_hf_config(ckpt)
     reward = is_reward_model_config(cfg)  # a reward model: its score head (no bias)
-    if reward and (problem := pad_problem(cfg, ckpt)):  # before any work
+    if reward and (problem := pad_problem(cfg, meta)):  # before any work
         fail(f"--ckpt {ckpt}: {problem}")
     setup_layout(cfg)
     critic = is_critic_config(cfg)  # a PPO critic (checkpoint.dir/critic): its value head too
@@ -131,7 +132,7 @@ def mcore_to_hf(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         export_any = export_reward_lora if reward else export_lora
         n = export_any(ckpt, cfg, found, out, args.merge, args.dtype, lambda tensors: write_hf(
-            tensors, export_config(cfg, ckpt) if reward else cfg, meta, out))
+            tensors, export_config(cfg, meta) if reward else cfg, meta, out))
         what = "merged HF checkpoint" if args.merge else "PEFT adapter"
         print(f"wrote {what}{' of the reward model' if reward else ''} ({n} tensors) to {out}")
         if reward and args.merge:   # a folder transformers loads as it is
@@ -145,7 +146,7 @@ def mcore_to_hf(args) -> None:
     cast = getattr(__import__("torch"), args.dtype) if args.dtype else None
     # the export checkpoint.save_hf writes during training too (engine.checkpoint.hf_export)
     n = export_model_folder(chunks, cfg, meta, out, cast, getattr(args, "quantize", None),
-                            config_of=lambda c: export_config(c, ckpt) if reward else c,
+                            config_of=lambda c: export_config(c, meta) if reward else c,
                             progress=lambda s: tqdm(s, desc="mcore-to-hf"))
     print(f"wrote HF checkpoint ({n} tensors) to {out}")
     if reward:
@@ -153,9 +154,9 @@ def mcore_to_hf(args) -> None:
 
 
 def _reward_calling_convention(out: Path, meta: Path) -> None:
-    """A reward model's export: its scoring chat template and README.md
-    (tools/convert_reward_template.py); `meta`: the checkpoint's own folder (its tokenizer)."""
-    from tools.convert_reward_template import write_scoring_files
+    """A reward model's export: its scoring chat template and README.md (engine.rm.export, as
+    a checkpoint.save_hf run writes them); `meta`: the checkpoint's own folder (its tokenizer)."""
+    from engine.rm.export import write_scoring_files
 
     print(f"[convert] {write_scoring_files(out, meta)}; README.md: how to call it",
           flush=True)

@@ -11,28 +11,29 @@ is one (`is_reward_model_config`):
 - `reward_folder_problem(hf_dir, cfg, reader, adapter)`: why hf-to-mcore refuses a
   sequence-classification folder (None: it converts);
 - `reward_to_mcore(cfg, hf_dir, out)`: hf-to-mcore of such a folder (collective);
-- `export_config(cfg, ckpt)`: the config.json mcore-to-hf writes (one label, pad_token_id);
 - `export_reward_lora(...)`: a LoRA reward model's checkpoint (adapters + the score head,
   trained in full) as peft writes a `task_type=SEQ_CLS, modules_to_save=["score"]` adapter,
   or with `--merge` the merged sequence-classification folder;
-- `pad_problem(cfg, ckpt)`: why an export would be scored at the wrong token (its pad id is
-  the end-of-turn id the model scores, `end_of_turn_id`); mcore-to-hf refuses it by name;
 - `verify_scores(chunks, cfg, args)`: `verify` for a reward model: last-token scores of
   right-padded test sequences, half of them ending on the end-of-turn id, against
   transformers' AutoModelForSequenceClassification; and two chats rendered by --hf-dir's own
   `apply_chat_template` (as transformers' docs call a model) against the checkpoint's scores of
   their end-of-turn token (tools/convert_reward_template.py: the export's chat template).
+
+The export's config.json (`export_config`), its scoring chat template and README, and
+`pad_problem` (why an export would be scored at the wrong token; mcore-to-hf refuses it by
+name) are engine.rm.export's, which a `checkpoint.save_hf` run of engine.rm writes too.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from models.bridge.checkpoint import source_dir
 from models.bridge.critic import LM_HEAD, TrunkReader
 from models.bridge.reward_model import (CLASSIFIER_SUFFIX, num_labels, reward_model_hf_config,
                                         reward_model_problem)
+from engine.rm.export import end_of_turn_id, tokenizer_in
 from tools.convert_reward_template import (chat_inputs, checkpoint_chat_scores,  # verify's chats
-                                           end_of_turn_id, report_chats)
+                                           report_chats)
 
 SCORE_MODULE = "score"   # transformers' and peft's name of the head (modules_to_save)
 
@@ -78,74 +79,6 @@ def reward_to_mcore(cfg: dict, hf_dir: str, out: Path) -> None:
     chunks = build_model_chunks(cfg)
     load_reward_model(chunks, hf_dir, cfg)
     save_checkpoint(model_sharded_state_dict(chunks), out, reward_model_hf_config(cfg), hf_dir)
-
-
-def export_config(cfg: dict, ckpt: Path) -> dict:
-    """config.json of a reward model's export: the one-label sequence classifier, with the
-    config's pad_token_id, else the checkpoint tokenizer's (transformers' sequence
-    classifiers need one to score batches of more than one sequence: they score the last
-    token that is not the pad id). Without either, a note says so (rank 0 prints). A pad id
-    equal to the end-of-turn id the model scores is refused before this (`pad_problem`,
-    checked by mcore-to-hf before any weight is read)."""
-    out = reward_model_hf_config(cfg)
-    if out.get("pad_token_id") is None:
-        pad = _tokenizer_pad_id(source_dir(ckpt))
-        if pad is not None:
-            out["pad_token_id"] = pad
-            print(f"[convert] pad_token_id={pad}: the tokenizer's pad token (config.json has "
-                  "none)", flush=True)
-        else:
-            print("[convert] note: no pad_token_id in config.json or the tokenizer: "
-                  "transformers' sequence classifier then scores one sequence per batch",
-                  flush=True)
-    return out
-
-
-def pad_problem(cfg: dict, ckpt: Path) -> str | None:
-    """Why the export of the reward model in `ckpt` (its own config.json `cfg`) would be scored
-    at the wrong token (None: it would not): config.json's pad_token_id or the tokenizer's pad
-    token (copied into the export) is the end-of-turn id the model scores (`end_of_turn_id`).
-    transformers' sequence classifier scores the last token that is not pad_token_id, so a
-    sequence ending on that token would be scored at the token before it."""
-    folder = source_dir(ckpt)
-    tokenizer = _tokenizer(folder)
-    eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
-    if eot is None:
-        return None
-    sources = {"config.json's pad_token_id": cfg.get("pad_token_id"),
-               "the tokenizer's pad token": tokenizer.pad_token_id}
-    bad = [name for name, pad in sources.items() if pad is not None and int(pad) == eot]
-    if not bad:
-        return None
-    others = [t for t in tokenizer.all_special_tokens
-              if tokenizer.convert_tokens_to_ids(t) != eot]
-    hint = sorted(others, key=lambda t: "pad" not in t.lower())[:1]
-    return (f"pad_token_id={eot} ({' and '.join(bad)} in {folder}) is "
-            f"{tokenizer.convert_ids_to_tokens(eot)!r}, the end-of-turn token the reward model "
-            "scores: transformers' sequence classifier scores the last token that is not "
-            "pad_token_id, so it would score the token before it. Set pad_token_id in "
-            f"{folder / 'config.json'} and the tokenizer's pad_token in "
-            f"{folder / 'tokenizer_config.json'} to a token that never ends a scored sequence"
-            + (f" (e.g. {hint[0]!r}, id {tokenizer.convert_tokens_to_ids(hint[0])})"
-               if hint else "") + ", then convert again")
-
-
-def _tokenizer(folder: Path):
-    """The tokenizer in `folder` (None: none, or it does not load)."""
-    if not (Path(folder) / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError):
-        return None
-
-
-def _tokenizer_pad_id(folder: Path) -> int | None:
-    """The pad token id of the tokenizer files in `folder` (None: none, or no tokenizer)."""
-    tokenizer = _tokenizer(folder)
-    return None if tokenizer is None else tokenizer.pad_token_id
 
 
 def load_reward_lora(ckpt: Path, cfg: dict, spec, base: str) -> list:
@@ -260,7 +193,7 @@ def verify_scores(chunks: list, cfg: dict, args) -> bool:
     from models.build.forward import forward_values
     from models.hf.io import read_config
 
-    tokenizer = _tokenizer(Path(args.hf_dir))
+    tokenizer = tokenizer_in(Path(args.hf_dir))
     eot = end_of_turn_id(tokenizer) if tokenizer is not None else None
     tokens, lengths = score_batch(cfg, args.batch, args.seq_len, args.seed, eot)
     values = forward_values(chunks, tokens).float().cpu()

@@ -43,7 +43,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from engine.checkpoint.io import (CheckpointError, iteration_dir, prune, publish,
                                   resolve_resume, staging_dir, write_complete_marker)
-from engine.checkpoint.hf_export import save_hf_export
+from engine.checkpoint.hf_export import ExportExtras, save_hf_export
 from engine.checkpoint.rng import capture_rng, restore_rng
 from engine.checkpoint.writer import install as install_writer_queue
 from engine.checkpoint.fault_injection import maybe_crash
@@ -213,11 +213,13 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
                              hf_config: dict, tokenizer_dir: Optional[str],
                              keep_last: Optional[int] = None,
                              config_yaml: Optional[str] = None,
-                             extra: Optional[dict] = None, save_hf: bool = False) -> Path:
+                             extra: Optional[dict] = None, save_hf: bool = False,
+                             hf_extras: Optional[ExportExtras] = None) -> Path:
     """Collective: save `state` after `position.step` optimizer steps as
     `root/iter_%07d` (atomic, see engine.checkpoint.io), then prune to `keep_last`. `save_hf`
     (checkpoint.save_hf): also its HF folder `hf/` (engine.checkpoint.hf_export; the
-    checkpoint's own source files go to `hf_source/`: models.bridge.checkpoint.write_metadata).
+    checkpoint's own source files go to `hf_source/`: models.bridge.checkpoint.write_metadata),
+    with the run's `hf_extras` (a reward model's scoring files: engine.rm.export).
     `extra`: optional plain JSON values (identical on every rank; rank 0's copy is stored),
     returned by read_checkpoint_info(...)["extra"]; None stores no `extra` key (the SFT
     checkpoint format). Returns the published directory; raises CheckpointError on every rank
@@ -247,7 +249,7 @@ def save_training_checkpoint(state, root: str | os.PathLike, position: DataPosit
         except OSError as e:
             error = f"saving {iteration_dir(root, position.step)} failed: {e}"
     if save_hf:  # hf/, as convert mcore-to-hf writes it (engine.checkpoint.hf_export)
-        error = save_hf_export(state.chunks, stage, hf_config, tokenizer_dir, error)
+        error = save_hf_export(state.chunks, stage, hf_config, tokenizer_dir, error, hf_extras)
     if rank == 0 and error is None:
         try:
             info = {"layout": sd["layout"], "data": sd["data"], **(

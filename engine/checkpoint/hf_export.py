@@ -11,7 +11,9 @@ mcore-to-hf` and `checkpoint.save_hf` share (docs/checkpoints.md#hugging-face-fo
   peft adapter folder (models.lora.peft);
 - `save_hf_export(...)`: checkpoint.save_hf's step inside engine.checkpoint.checkpointing's
   save: the training chunks exported into `iter_NNNNNNN/hf/` before the checkpoint is marked
-  complete (the checkpoint's own source files are in `iter_NNNNNNN/hf_source/`).
+  complete (the checkpoint's own source files are in `iter_NNNNNNN/hf_source/`), with the
+  run's `ExportExtras` (a reward model's config.json, chat template and README: engine.rm.export,
+  handed down by its run; this package imports no objective).
 
 Both exports are collective over the default process group. Every rank iterates its pipeline
 stage's stream (TP and expert-parallel gathers inside: models.bridge.weights.export_hf_weights,
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -35,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from safetensors.torch import load_file, save_file
 
+from engine.checkpoint.io import STAGING_SUFFIX
 from models.bridge.checkpoint import source_dir
 from models.bridge.critic import export_critic, is_critic_config
 from models.bridge.reward_model import export_reward_model, is_reward_model_config
@@ -181,43 +185,66 @@ def export_adapter_folder(chunks: list, cfg: dict, spec, base: str, out: Path,
     return len(tensors)
 
 
-def save_hf_problem(hf_config: dict) -> Optional[str]:
-    """Why checkpoint.save_hf cannot write the HF folder of a run of `hf_config` (None: it
-    can). A reward model's export also writes its scoring chat template, which needs engine.rm's
-    renderer (tools/convert_reward_template.py): convert writes it after the run."""
-    if is_reward_model_config(hf_config):
-        return ("checkpoint.save_hf=true: a reward model's HF folder also holds its scoring "
-                "chat template (tools/convert_reward_template.py), which the save does not "
-                "write; leave checkpoint.save_hf=false and run `tools/convert.py mcore-to-hf "
-                "--ckpt CHECKPOINT_DIR --out OUT` after the run")
+@dataclass(frozen=True)
+class ExportExtras:
+    """What a run's objective adds to its checkpoint.save_hf folder beyond convert's common
+    export, handed down by the objective's run (a reward model's: engine.rm.export.hf_extras):
+    `config_of(cfg, meta_dir)`: the config.json written for the exported HF config `cfg`
+    (`meta_dir`: the checkpoint's source folder, its tokenizer); `files(out, meta_dir,
+    shown)`: called on rank 0 after the folder's tensors, config and tokenizer are written,
+    writes its further files into `out` (`shown`: the folder's path once the checkpoint is
+    published) and returns one sentence for the log."""
+    config_of: Callable[[dict, Path], dict]
+    files: Callable[[Path, Path, Path], str]
+
+
+def save_hf_problem(hf_config: dict, extras: Optional[ExportExtras], lora: bool
+                    ) -> Optional[str]:
+    """Why checkpoint.save_hf cannot write the HF folder convert writes of a run of
+    `hf_config` (None: it can): a reward model's folder needs its run's `extras` (its
+    config.json, scoring chat template and README) and is not a plain adapter folder with
+    LoRA (engine.rm.export refuses both before the run; this guards other callers)."""
+    if is_reward_model_config(hf_config) and (extras is None or lora):
+        return ("checkpoint.save_hf=true: a reward model's HF folder is written with its "
+                "scoring files (engine.rm.export.hf_extras), and not with LoRA; leave "
+                "checkpoint.save_hf=false and run `tools/convert.py mcore-to-hf --ckpt "
+                "CHECKPOINT_DIR --out OUT` after the run")
     return None
 
 
 def save_hf_export(chunks: list, ckpt_dir: Path, hf_config: dict, base: Optional[str],
-                   error: Optional[str]) -> Optional[str]:
+                   error: Optional[str], extras: Optional[ExportExtras] = None
+                   ) -> Optional[str]:
     """Collective, inside a checkpoint save after rank 0 wrote `ckpt_dir`/hf_source/
     (write_metadata) and reported `error` (None: no error; only rank 0's counts): unless rank 0
     failed, write `ckpt_dir`/hf/, the folder `convert mcore-to-hf --ckpt ckpt_dir` writes: the
-    full model, or with LoRA adapters (models.lora.sites) the peft adapter on the base `base`
-    (model.hf_path). Returns rank 0's error (a failed write) or `error`; None elsewhere.
-    Rank 0 prints the folder, its tensor count and the seconds the export took."""
+    full model (with the run's `extras`: ExportExtras), or with LoRA adapters
+    (models.lora.sites) the peft adapter on the base `base` (model.hf_path). Returns rank 0's
+    error (a failed write) or `error`; None elsewhere. Rank 0 prints the folder, its tensor
+    count and the seconds the export took (the extras' files included)."""
     box = [error]
     dist.broadcast_object_list(box, src=0)
     if box[0]:
         return error
-    if (problem := save_hf_problem(hf_config)) is not None:   # checked before the run too
-        return problem if dist.get_rank() == 0 else None
-    start = time.perf_counter()
     out, spec = Path(ckpt_dir) / HF_EXPORT_DIR, lora_spec_of(chunks)
+    if (problem := save_hf_problem(hf_config, extras, spec is not None)) is not None:
+        return problem if dist.get_rank() == 0 else None
+    start, meta = time.perf_counter(), source_dir(ckpt_dir)
+    shown = Path(ckpt_dir).with_name(Path(ckpt_dir).name.removesuffix(STAGING_SUFFIX)) \
+        / HF_EXPORT_DIR
+    note = ""
     try:
         if spec is not None:
             n = export_adapter_folder(chunks, hf_config, spec, base, out, held=CONVERT_DTYPE)
         else:
-            n = export_model_folder(chunks, hf_config, source_dir(ckpt_dir), out,
-                                    held=CONVERT_DTYPE)
+            n = export_model_folder(chunks, hf_config, meta, out, held=CONVERT_DTYPE,
+                                    config_of=(lambda c: extras.config_of(c, meta))
+                                    if extras is not None else (lambda c: c))
+            if extras is not None and dist.get_rank() == 0:
+                note = f"; {extras.files(out, meta, shown)}"
     except OSError as e:
         return f"writing {out} failed: {e}" if dist.get_rank() == 0 else None
     if dist.get_rank() == 0:
         print(f"[checkpoint] {HF_EXPORT_DIR}/ written: {n} tensors in "
-              f"{time.perf_counter() - start:.2f} s (checkpoint.save_hf)", flush=True)
+              f"{time.perf_counter() - start:.2f} s (checkpoint.save_hf){note}", flush=True)
     return None

@@ -314,11 +314,9 @@ def checkpoint_config_problems(cfg) -> list[str]:
                  "> 0")
     if ck.dir is not None and os.path.exists(ck.dir) and not os.path.isdir(ck.dir):
         p.append(f"checkpoint.dir={ck.dir} exists and is not a directory")
-    if ck.save_hf and (not ck.dir or getattr(cfg, "rm", None) is not None):
-        p.append("checkpoint.save_hf=true " + ("needs a checkpoint.dir (the HF folder is written "
-                 "into each saved checkpoint)" if not ck.dir else "is not available for reward "
-                 "models: their HF folder also holds a scoring chat template the save does not "
-                 "write; run tools/convert.py mcore-to-hf on the checkpoint after the run"))
+    if ck.save_hf and not ck.dir:
+        p.append("checkpoint.save_hf=true needs a checkpoint.dir (the HF folder is written "
+                 "into each saved checkpoint)")
     if ck.resume not in ("auto", "never") and not os.path.isdir(ck.resume):
         p.append(f"checkpoint.resume={ck.resume!r}: no such directory; use auto, never or the "
                  "path of a checkpoint (iter_NNNNNNN) or of a run's checkpoint.dir")

@@ -14,6 +14,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from engine.checkpoint.checkpointing import DataPosition
+from engine.checkpoint.hf_export import ExportExtras
 from engine.data.datasets import global_batch_indices
 from engine.data.preference import load_preference_dataset
 from engine.run.run_loop import RunLoop
@@ -61,7 +62,9 @@ class Objective:
     eval items, cfg) -> eval/* metrics; banner(reference) -> the line rank 0 prints; `tag`
     names the log lines and the checkpoint's engine; `consumed_key` the items-seen metric;
     engine_options: build_train_engine's extra arguments (a reward model's reader, prepare,
-    hidden_states); export_config: the HF config the checkpoints carry (None: the model's)."""
+    hidden_states); export_config: the HF config the checkpoints carry (None: the model's);
+    hf_extras: what checkpoint.save_hf's folder adds (engine.checkpoint.hf_export.ExportExtras;
+    a reward model's scoring files)."""
 
     tag: str
     load: Callable
@@ -72,6 +75,7 @@ class Objective:
     consumed_key: str
     engine_options: dict = field(default_factory=dict)
     export_config: dict | None = None
+    hf_extras: ExportExtras | None = None
 
 
 def run_objective(objective: Objective, cfg, hf_config: dict) -> int:
@@ -91,7 +95,7 @@ def run_objective(objective: Objective, cfg, hf_config: dict) -> int:
                                          **o.engine_options)
     start = resumed.step
     loop = RunLoop(tag, cfg, engine, o.export_config or hf_config, position,
-                   log_names=("metrics.jsonl",))
+                   log_names=("metrics.jsonl",), hf_extras=o.hf_extras)
     if not loop.prepare(start):
         return 0
     engine.guard = NonFiniteGuard(cfg.train.max_consecutive_nonfinite_steps,

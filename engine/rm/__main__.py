@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None, prog: str = "engine.rm", usage: str = US
         return hook("engine.rm.score:main")(args, prog=f"{prog} score")
     return entry_main(argv, prog, "engine.config.rm_settings:RMConfig", usage, examples,
                       hook("engine.rm.recipe_check:main"), "engine.rm.training:run",
-                      validate=hook("engine.config.rm_settings:validate_rm"))
+                      validate=hook("engine.rm.export:validate_rm_run"))
 
 
 if __name__ == "__main__":

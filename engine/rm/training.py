@@ -5,7 +5,8 @@ on the last pipeline stage, loaded from a *ForSequenceClassification folder or s
 causal LM with a seeded row (engine.config.rm_settings); with LoRA the adapters train on the
 body and the head trains in full (peft's modules_to_save=["score"]). Checkpoints carry the
 sequence-classification config (models.bridge.reward_model), so tools/convert.py mcore-to-hf
-writes a folder transformers' AutoModelForSequenceClassification loads.
+writes a folder transformers' AutoModelForSequenceClassification loads; with
+checkpoint.save_hf every checkpoint holds that folder (its scoring files: engine.rm.export).
 
 One optimizer step: `train.global_batch_size` PAIRS (layout-independent order over pairs) ->
 [c_0, r_0, c_1, r_1, ...] as score sequences (score_sequence) with pair units ->
@@ -25,6 +26,7 @@ from engine.data.preference import PreferenceDataset, PreferencePair
 from engine.preference.evaluation import evaluate_in_chunks
 from engine.preference.run import Objective, load_pairs, run_objective
 from engine.preference.step_metrics import step_metrics
+from engine.rm.export import hf_extras
 from engine.rm.loss_fn import REPORT_KEYS, RewardBatch, rm_loss_fn, score_extremes
 from engine.rm.scoring import scored_length
 from engine.training.micro_batches import SequenceData
@@ -145,4 +147,4 @@ def run(cfg: RMConfig, hf_config: dict, flags: list[str]) -> int:
         lambda engine, _, pairs, cfg: evaluate(engine, pairs, cfg),
         lambda _: f"reward model: {cfg.model.hf_path} with {source}", "data/consumed_pairs",
         engine_options=dict(reader=reader, prepare=prepare, hidden_states=True),
-        export_config=reward_model_hf_config(hf_config)), cfg, hf_config)
+        export_config=reward_model_hf_config(hf_config), hf_extras=hf_extras()), cfg, hf_config)

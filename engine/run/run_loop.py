@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.hf_export import ExportExtras
 from engine.checkpoint.io import CheckpointError, iteration_dir, rewind_jsonl
 from engine.checkpoint.checkpointing import (DataPosition, load_training_checkpoint, read_checkpoint_info,
                                   save_training_checkpoint, select_resume_checkpoint)
@@ -189,6 +190,9 @@ class RunLoop:
     # carry: saved with every checkpoint, before it, under checkpoint.dir/<name>/ (resume:
     # resume_side_engines)
     side_engines: dict[str, tuple[TrainEngine, dict]] = field(default_factory=dict)
+    # what the run adds to the main engine's checkpoint.save_hf folder (a reward model's
+    # scoring files: engine.rm.export.hf_extras); None: convert's common export
+    hf_extras: ExportExtras | None = None
 
     def prepare(self, start: int) -> bool:
         """Before building anything else: False (rank 0 says so) when `start` steps leave
@@ -266,6 +270,6 @@ class RunLoop:
                      else self.hf_config)
         path = save_training_checkpoint(self.engine, ck.dir, self.position(done), hf_config,
                                         self.cfg.model.hf_path, ck.keep_last, yaml, extra=extra,
-                                        save_hf=ck.save_hf)
+                                        save_hf=ck.save_hf, hf_extras=self.hf_extras)
         if _rank0():
             print(f"[checkpoint] saved {path}", flush=True)
