@@ -61,6 +61,7 @@ SECOND_TIER = ("tests/test_vllm_speculative.py", "tests/test_preemption.py",
                "tests/test_bench_peer.py",
                "tests/test_rl_async.py", "tests/test_rl_engines.py",
                "tests/test_rl_partial_runs.py", "tests/test_serve_steps.py",
+               "tests/test_hf_stepper_compiled.py",
                "tests/test_save_hf.py",
                "tests/test_vlm.py", "tests/test_mtp.py", "tests/test_qwen3_5.py",
                "tests/test_reward_model_convert.py")
