@@ -46,7 +46,7 @@ def served(tmp_path_factory):
     config = json.loads((Path(path) / "config.json").read_text())   # RoPE to MAX_CONTEXT
     (Path(path) / "config.json").write_text(json.dumps({**config, "max_position_embeddings":
                                                         MAX_CONTEXT}))
-    loaded = load_model(path, "vllm", "float32", 0, MAX_CONTEXT)
+    loaded = load_model(path, "vllm", "float32", 0, MAX_CONTEXT, enforce_eager=True)
     driver = VLLMStepDriver(loaded.engine)
     endpoint = ServeEndpoint(loaded.tokenizer, ServeSettings("tiny", MAX_TOKENS, MAX_CONTEXT),
                              request_log=None).start()

@@ -1,7 +1,10 @@
 """The --model folder (checked by engine.serve.folder) loaded on a rollout engine
 (engine.generation): hf (transformers, CPU or GPU) or vllm (vllm.LLM in this process, vLLM
 imported on first use; rollout.vllm's defaults with max_model_len = the endpoint's max
-context).
+context, and the model compiled as vLLM's own server does unless --enforce-eager: rollout's CPU
+default is eager, because RL restarts engines and a compile costs a start about 35 s on a
+2-core host, while a server starts once and decodes about 3x faster per step compiled,
+measured on that host: docs/benchmarks.md, "serve under load against vLLM's server").
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ class LoadedModel:
 
 
 def load_model(path: str, backend: str, dtype: str, seed: int, max_context: int,
-               trust_remote_code: bool = False) -> LoadedModel:
-    """`path` on the `backend` rollout engine (module docstring); ValueError when it does
+               trust_remote_code: bool = False, enforce_eager: bool = False) -> LoadedModel:
+    """`path` on the `backend` rollout engine (module docstring); `enforce_eager` (vllm;
+    --enforce-eager): vLLM runs the model eagerly instead of compiled. ValueError when it does
     not load (the message names --model)."""
     torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
     try:
@@ -35,6 +39,7 @@ def load_model(path: str, backend: str, dtype: str, seed: int, max_context: int,
         else:
             settings = RolloutConfig(backend="vllm")
             settings.vllm.max_model_len = max_context
+            settings.vllm.enforce_eager = enforce_eager
             engine = VLLMRolloutEngine.from_config(path, settings, torch_dtype or "auto", seed,
                                                    trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:

@@ -12,6 +12,7 @@ import sys
 import threading
 
 from engine.errors import RunError
+from engine.generation.hf.stepper import HFStepDriver, step_problem
 from engine.generation.sampling_backend import SamplingBackend, StepBackend
 from engine.generation.vllm.stepper import VLLMStepDriver
 from engine.serve.endpoint import REQUEST_LOG, ServeEndpoint, ServeSettings
@@ -19,12 +20,30 @@ from engine.serve.folder import model_vocab
 from engine.serve.model import load_model
 
 
+def serving_backend(backend: str, engine, max_context: int):
+    """Continuous batching through the engine's step driver (vllm: VLLMStepDriver over
+    vLLM's step API; hf: HFStepDriver over its slot cache), so requests join the running
+    batch and streams are live (engine.api.stepping). An hf engine the step driver does not
+    serve (hf.stepper.step_problem: a vision tower, layers other than full attention) gets one
+    generate call per batch (SamplingBackend: max_len, a request never shares a budget that
+    would take its prompt past the context; score, the raw-logit log-probs of requests with
+    logprobs / echo, engine.api.evaluation), said on stdout."""
+    if backend == "vllm":
+        return StepBackend(VLLMStepDriver(engine))
+    problem = step_problem(engine)
+    if problem is None:
+        return StepBackend(HFStepDriver(engine))
+    print(f"[serve] one generate call per batch (no continuous batching): {problem}",
+          flush=True)
+    return SamplingBackend(engine.generate, max_len=max_context, score=engine.score)
+
+
 def serve_model(args) -> int:
     """Serve `args` (the parsed, checked flags) until a signal: exit code 0, 2 when the model
     does not load, 1 when the engine dies or the port cannot be bound."""
     try:
         loaded = load_model(args.model, args.backend, args.dtype, args.seed, args.max_context,
-                            args.trust_remote_code)
+                            args.trust_remote_code, args.enforce_eager)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -53,14 +72,7 @@ def serve_model(args) -> int:
         keyed = f"; requests need the key of {args.api_key_from}" if args.api_key else ""
         print(f"[serve] {args.model} on the {args.backend} backend: {endpoint.base_url} "
               f"(model {name!r}{keyed})", flush=True)
-        # max_len: a request never shares a budget that would take its prompt past the
-        # context (vLLM refuses such a call: max_model_len = --max-context); score: the
-        # raw-logit log-probs of requests with logprobs / echo (engine.api.evaluation)
-        # vllm: continuous batching through vLLM's step API (engine.api.stepping), so
-        # requests join the running batch and streams are live; hf: one call per batch
-        backend = (StepBackend(VLLMStepDriver(engine)) if args.backend == "vllm" else
-                   SamplingBackend(engine.generate, max_len=args.max_context,
-                                   score=engine.score))
+        backend = serving_backend(args.backend, engine, args.max_context)
         endpoint.serve(backend, stop.is_set, alive=lambda: engine.is_alive)
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -127,7 +127,7 @@ def run_serve_steps(quick: bool) -> BenchResult:
     (Path(path) / "config.json").write_text(json.dumps({**config, "max_position_embeddings":
                                                         MAX_CONTEXT}))
     t0 = time.perf_counter()
-    loaded = load_model(path, "vllm", "float32", 0, MAX_CONTEXT)
+    loaded = load_model(path, "vllm", "float32", 0, MAX_CONTEXT, enforce_eager=True)
     start_s = time.perf_counter() - t0
     engine, settings = loaded.engine, ServeSettings("tiny", max(long, stream), MAX_CONTEXT)
     driver = VLLMStepDriver(engine)
