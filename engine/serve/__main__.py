@@ -21,9 +21,10 @@ API_KEY_ENV = "MEGATRON_SFT_ENGINE_API_KEY"
 DESCRIPTION = """Serve a Hugging Face checkpoint OpenAI-compatibly (/v1/models,
 /v1/chat/completions, /v1/completions; vLLM's /tokenize, /detokenize and /tokenizer_info at the
 root) for evaluation and for LLM judges (reward.judge.*).
-On vllm (vLLM in this process) requests join the running batch at the next engine step
-and `stream: true` sends text as it is sampled; on hf (transformers) concurrent requests are
-batched into one generate call and a stream is sent after it. A request's temperature,
+On vllm (vLLM in this process) and on hf (transformers, slots of a static KV cache) requests
+join the running batch at the next engine step and `stream: true` sends text as it is
+sampled (an hf model with a vision tower or non-full-attention layers batches concurrent
+requests into one generate call instead, its stream sent after it). A request's temperature,
 top_p, max_tokens (capped at --max-tokens), n, stop, logprobs and tools are honoured; a
 request without `seed` samples with a seed derived from --seed and its arrival number, one
 with `seed` samples the same reply whatever else is served. Every request is logged in one
@@ -64,11 +65,11 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weights' dtype (default: auto, the checkpoint's)")
     p.add_argument("--batch-wait-ms", type=float, default=20.0,
-                   help="hf: a batch goes this long after its oldest request arrived "
-                        "(default: 20; vllm: unused, requests join the running step)")
+                   help="hf batch path: a batch goes this long after its oldest request "
+                        "arrived (default: 20; unused where requests join the running step)")
     p.add_argument("--max-batch", type=int, default=None,
-                   help="hf: requests per generate call at most (default: no limit; vllm: "
-                        "unused, vLLM's scheduler bounds its batch)")
+                   help="hf batch path: requests per generate call at most (default: no "
+                        "limit; unused where requests join the running step)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="requests must send 'Authorization: Bearer KEY' (OpenAI(api_key=KEY)); "
                         f"others get 401 (default: ${API_KEY_ENV} when set, which keeps the "

@@ -17,9 +17,9 @@ Stateless: every request is rendered whole (a chat with the generation prompt, a
 are; a text prompt with the tokenizer's special tokens), checked by the agent endpoint's rules
 (engine.api.requests: the same parameters and 400s, any temperature / top_p, and the
 evaluation parameters below), queued
-(engine.serve.batching: concurrent clients share one generate call; with a step-level
-backend, the vllm engine's, engine.api.stepping: each request joins the running engine
-step) and answered by
+(with a step-level backend, the vllm or hf engine's step driver, engine.api.stepping:
+each request joins the running engine step; engine.serve.batching, an hf model the step
+driver does not serve: concurrent clients share one generate call) and answered by
 engine.api.replies. Errors are OpenAI-style bodies: 400 for malformed JSON, a parameter
 out of range, or context length exceeded (the prompt, or the prompt plus an explicit
 max_tokens, over max_context tokens: code context_length_exceeded); 401 (code invalid_api_key)
@@ -50,7 +50,7 @@ prompt + reply on the serving thread, after the batch's generate calls; k is cap
 ServeSettings.max_logprobs (20, vLLM's default max_logprobs; more is a 400 naming the
 parameter and the cap). stream=true: with a step-level backend, a request without
 log-probs, echo or chat tool parsing streams live (engine.serve.live: each engine step's new
-text as it is sampled); otherwise (the hf engine's batch path, or those requests) the events
+text as it is sampled); otherwise (the hf batch path, or those requests) the events
 are cut from the finished reply and sent after generation (engine.api.streaming). Errors found
 before streaming starts are JSON error bodies (a full queue's 429 before the body is read);
 one after it started ends the stream with an error event, then [DONE] (engine.api.streaming;
