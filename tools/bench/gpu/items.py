@@ -52,7 +52,10 @@ ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_
 # (train.compile=false, optim.fused=false): each change's share in one call, `--items ladder`
 # varlen: packed attention through torch's varlen kernel against the per-segment loop, bf16 on
 # one row of 16,384 tokens (tools/bench/gpu/varlen_check.py): `--items varlen`
-ITEMS = ORDER + ("grpo_hf_eager", "muon", "ladder", "varlen")
+# packed: chat rows of log-normal lengths packed by train.max_tokens_per_micro_batch through
+# the compiled step, beside the transformers peer's padding-free path on the same micro-batches
+# (tools/bench/gpu_packed.py): `--items sft,packed` puts it beside the fixed-shape sft item
+ITEMS = ORDER + ("grpo_hf_eager", "muon", "ladder", "varlen", "packed")
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
 ESTIMATE_S = {"sft": 125, "peer": 150, "mfu": 60, "mtp": 135, "grpo": 68, "vision": 40,
               "lora_grpo": 83, "loss_head_32k": 68, "moe_loop": 78, "fused": 94, "loss_head": 59,
@@ -75,6 +78,17 @@ ESTIMATE_S["ladder"], SMOKE_ESTIMATE_S["ladder"] = 165, 30
 # varlen: imports ~15 s, three cases of 26 forward + backward each way (the loop ~50 segments;
 # not measured on a GPU yet): ~40 s; smoke 13 s measured on the 2-core CPU host (2026-11-27)
 ESTIMATE_S["varlen"], SMOKE_ESTIMATE_S["varlen"] = 40, 15
+# packed (not measured on a GPU yet): the engine ~35 s of launch, compiling the dense model's
+# regions and the re-traces new packings cause (~40 s), 9 steps of ~48 rows (~50,000 tokens,
+# ~1.6 s at the dense case's tokens/s); the peer eager ~35 s, compiled ~110 s (torch.compile of
+# the 28-layer model plus one dynamic-shape recompile): ~240 s; smoke 30 s measured on the
+# 2-core CPU host (2026-11-28, train.compile=true)
+ESTIMATE_S["packed"], SMOKE_ESTIMATE_S["packed"] = 240, 30
+PACKED_GPU = ("--rows-per-step", "48", "--steps", "6", "--warmup", "3", "--budget", "16384",
+              "--median", "700", "--sigma", "0.9", "--min-len", "64", "--max-len", "4096")
+PACKED_SMOKE = ("--tiny", "--rows-per-step", "4", "--steps", "2", "--warmup", "1", "--median",
+                "24", "--sigma", "0.6", "--min-len", "12", "--max-len", "80", "--budget", "128",
+                "--compile", "true", "--peer-modes", "eager")   # compiling the peer: ~60 s more
 BASE_NEEDS = ("megatron", "hydra", "transformers")
 RL_KEYS = ("rollout/logprob_diff", "rollout/logprob_diff_max", "debug/sync_logit_max_diff",
            "time/rollout_s", "time/logprob_s", "time/train_s", "time/weight_sync_s",
@@ -170,6 +184,17 @@ def varlen_item(work: Path, smoke: bool) -> Item:
                 note="smoke: the kernel's contract on the CPU, not the kernel" if smoke else "")
 
 
+def packed_item(work: Path, smoke: bool) -> Item:
+    """tools/bench/gpu_packed.py: packed rows of log-normal lengths, the engine's compiled step
+    and the transformers peer (padding-free) on the same micro-batches."""
+    out = work / "packed.json"
+    cmd = module("tools.bench.gpu_packed", "--workdir", work / "gpu_packed",
+                 *(PACKED_SMOKE if smoke else PACKED_GPU), "--json", out)
+    return Item("packed", "packed", [cmd], 150 if smoke else 420, out, work,
+                note="log-normal lengths packed by train.max_tokens_per_micro_batch; peer: "
+                     "transformers padding-free (position_ids, SDPA with a block mask)")
+
+
 def mfu_item(work: Path) -> Item:
     """`python -m tools.bench mfu --profile` (the ~1.1B Qwen3-shaped engine step, 8 packed
     4,096-token micro-batches) through prep bench-json, which keeps its summary."""
@@ -262,6 +287,7 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
         "peer": lambda: peer_item(workdir, sizes),
         "mfu": lambda: mfu_item(workdir),
         "varlen": lambda: varlen_item(workdir, smoke),
+        "packed": lambda: packed_item(workdir, smoke),
         "mtp": lambda: gpu_sft_item("mtp", workdir, "mtp_off,mtp_on", sizes.sft, 300,
                                     note="GLM-4.5-shaped MoE; mtp_on trains the MTP layer"),
         "spec_vllm": lambda: spec_item(workdir, smoke),
