@@ -30,7 +30,7 @@ from engine.rl.agent.runner import AgentRunner, check_result
 from engine.rl.agent.server import AgentServer
 from engine.generation.base import Generation
 from engine.generation.sampling_backend import SamplingBackend, StepBackend
-from engine.generation.vllm.stepper import StepOutput
+from engine.generation.steps import StepOutput
 from tools.char_tokenizer import build_char_tokenizer
 from tools.demo import TOOLS_TEMPLATE, calculator_tools
 

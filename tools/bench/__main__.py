@@ -40,6 +40,9 @@
                                                serve on vLLM: a short request's latency during
                                                a long one and a stream's first chunk, batch
                                                path vs continuous batching side by side
+    python -m tools.bench agent_steps [--quick]
+                                               agent episodes (uneven tools): RL rollout
+                                               time per step, gather rule vs step driver
     python -m tools.bench all      [--quick] [--plot PNG]
     python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
                                    [--cpu-smoke] [--override ITEM:ARG]
@@ -147,6 +150,9 @@ def run_one(name: str, args) -> BenchResult:
     if name == "serve_steps":
         from tools.bench.serve_steps import run_serve_steps
         return run_serve_steps(args.quick)
+    if name == "agent_steps":
+        from tools.bench.agent_steps import run_agent_steps
+        return run_agent_steps(args.quick)
     if name == "partial":
         from tools.bench.partial import run_partial
         return run_partial(args.quick)
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=epilog())
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
-              "data", "loss_head", "partial", "serve_steps", "all")
+              "data", "loss_head", "partial", "serve_steps", "agent_steps", "all")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(public + ("gpu",)) + "}")
     for name in public:

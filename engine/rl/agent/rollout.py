@@ -8,13 +8,17 @@ env.agent_timeout_s; the response seeds of the environment path). Its calls are 
 two ways (`step_driver`):
 - the step path, where the pool is ONE engine in this process (rollout.num_engines=1: the
   single-node colocated case, and a disaggregated run's one rollout rank) and that engine has
-  a step driver (the vllm backend without rollout.vllm.speculative:
-  engine.generation.vllm.stepper): continuous batching (StepBackend, engine.api.stepping):
-  every call joins the running engine step at once and is answered at its own end, so an
-  episode back from a slow tool never waits for a batch, nor a batch for it;
+  a step driver (`step_driver`: vllm without rollout.vllm.speculative,
+  engine.generation.vllm.stepper; hf without a vision tower, routed experts or layers other
+  than full attention, engine.generation.hf.stepper): continuous batching (StepBackend,
+  engine.api.stepping): every call joins the running engine step at once and is answered at
+  its own end, so an episode back from a slow tool never waits for a batch, nor a batch for
+  it. A driver is built for each generation batch (the engine may be rebuilt or put to
+  sleep between them);
 - the gather path everywhere else (several engines, on one rank or many: the pool splits
-  each batch over them; an hf or sglang engine, which has no driver here; speculative
-  decoding, whose acceptance counters and off switch are read per generate call):
+  each batch over them; an sglang engine, or an hf engine the driver refuses (its
+  step_problem); speculative decoding, whose acceptance counters and off switch are read per
+  generate call):
   SamplingBackend over the pool's generate, batched by the gather rule of engine.api.batcher
   (max_len train.seq_length + 1 keeps every generate call within what vLLM's max_model_len
   admits), with the pool's retries and restarts (rollout.max_retries).
@@ -54,6 +58,8 @@ from engine.rl.agent.server import AgentServer
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.env.contract import load_object
 from engine.rl.env.dump import episode_record
+from engine.generation.hf.backend import HFRolloutEngine
+from engine.generation.hf.stepper import HFStepDriver, step_problem
 from engine.generation.pool import GenerateStats
 from engine.generation.sampling_backend import SamplingBackend, StepBackend
 from engine.generation.vllm.backend import VLLMRolloutEngine
@@ -71,18 +77,21 @@ def step_driver(pool):
         return None
     if isinstance(engine, VLLMRolloutEngine) and engine.speculation is None:
         return VLLMStepDriver(engine)
+    if isinstance(engine, HFRolloutEngine) and step_problem(engine) is None:
+        return HFStepDriver(engine)
     return None
 
 
 class AgentRollout:
     """Rank 0: the episodes of env.agent (module docstring): the step path wherever
     `step_driver` gives a driver; `gather_only`: the gather path always (a baseline:
-    tools.bench agent_steps). `driver`: the step path's driver, once used."""
+    tools.bench agent_steps). `driver`: the step path's driver of the last generation batch
+    (None: it went the gather path)."""
 
     def __init__(self, pool, tokenizer, cfg, gather_only: bool = False) -> None:
         e, r = cfg.env, cfg.rollout
         self.pool, self.cfg, self.gather_only = pool, cfg, gather_only
-        self.driver, self._driven = None, None   # the driver and the engine it drives
+        self.driver = None
         self.name = e.agent
         function = load_object(e.agent, "env.agent")
         self.server = AgentServer(tokenizer, Limits(
@@ -119,9 +128,8 @@ class AgentRollout:
     def _episodes(self, rows: list[dict], seeds: list[int], gen_batch) -> dict:
         """Run one episode per (row, seed) through the pool: their outcomes, the sampled ids
         of each episode's trained trajectories, generate stats and seconds."""
-        if not self.gather_only and self._driven is not self.pool.engine:
-            self.driver, self._driven = step_driver(self.pool), self.pool.engine
-        if not self.gather_only and self.driver is not None:
+        self.driver = None if self.gather_only else step_driver(self.pool)
+        if self.driver is not None:
             return self._counted(self._stepped(rows, seeds, StepBackend(self.driver)))
         stats: list[GenerateStats] = []
         gen_s = [0.0]
