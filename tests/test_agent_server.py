@@ -625,14 +625,16 @@ def test_a_call_back_from_its_tool_joins_the_running_step(tok):
 
 def test_step_path_admission_429_410_and_503(tok):
     """The step path keeps admission: with max_pending=1 a call running in the engine counts
-    (another episode's call gets 429 queue_full); closing its episode aborts it in the engine
+    (another episode's call gets 429 queue_full, a body over max_body_bytes too: refused
+    before it is read); closing its episode aborts it in the engine
     and answers it 410; once the server stops a call gets 503 server_stopping. Negative
     control: unbounded, the second call is admitted and runs beside the first."""
     user = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3}
     for bound in (1, None):
         driver = ScriptedDriver(tok)
         driver.hold = lambda key: True            # nothing finishes: the calls stay running
-        with serving(tok, StepBackend(driver), max_pending=bound) as server:
+        with serving(tok, StepBackend(driver), max_pending=bound,
+                     max_body_bytes=2000) as server:
             a, b = server.open_episode(seed=1), server.open_episode(seed=2)
             got: dict[str, httpx.Response] = {}
 
@@ -645,11 +647,14 @@ def test_step_path_admission_429_410_and_503(tok):
 
             first = send(a.id)
             wait_for(lambda: driver.running, "a's call in the engine")
-            if bound == 1:
+            big = json.dumps({**user, "user": "u" * 3000}).encode()   # over max_body_bytes
+            refused = httpx.post(server.base_url(b.id) + "/chat/completions", content=big)
+            if bound == 1:     # 429 before the body is read (the unbounded control: 413)
                 full = httpx.post(server.base_url(b.id) + "/chat/completions", json=user)
                 assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
-                assert b.calls == 0
+                assert b.calls == 0 and refused.status_code == 429
             else:
+                assert refused.status_code == 413
                 second = send(b.id)
                 wait_for(lambda: len(driver.running) == 2, "b's call beside a's")
             server.close_episode(a.id)

@@ -1,4 +1,5 @@
-"""The queue between the HTTP thread and the thread that owns the engines, and the batching rule.
+"""The queue between the HTTP thread and the thread that owns the engines, and the batching rule
+of a batched backend (a step-level backend's loop over the same queue: engine.api.stepping).
 
 The server's handlers `submit` one GenerateRequest per choice and await its future; the owner
 thread runs `serve(backend, until)`, which takes batches and makes ONE backend.generate call per

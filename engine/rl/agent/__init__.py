@@ -1,7 +1,9 @@
 """Agents through an OpenAI-compatible endpoint (docs/agents.md): a user's program drives an
 episode by calling a per-episode `base_url`; the server keeps every call's token ids exactly
-(token-in/token-out, the observation rule of docs/multi-turn.md) and batches the calls of
-concurrent episodes into one generate call of the backend.
+(token-in/token-out, the observation rule of docs/multi-turn.md) and runs the calls of
+concurrent episodes together: continuous batching over the engine's step driver where the
+rollout is one engine in this process (each call joins the running engine step), else one
+generate call per gathered batch (engine.rl.agent.rollout says which).
 
 Modules (one job each):
     sessions   per-episode bookkeeping: calls matched to earlier calls, trajectories

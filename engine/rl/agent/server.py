@@ -22,7 +22,7 @@ env.max_turns reached), 401 (an api_key is set and the request lacks `Authorizat
 <key>`), 413 (a body over max_body_bytes, 16 MiB by default), 404 (no such episode), 410 (the
 episode finished or timed out), 429 (max_pending choices wait: code queue_full), 503
 (generation failed, or the server is stopping; the queue's bound counts the running
-choices too on the step path); nothing a client sends crashes the server.
+choices too on the step path; a full queue answers 429 before the body is read); nothing a client sends crashes the server.
 With request_log, every request is logged in one INFO line (engine.api.http.log_requests; off
 by default).
 
@@ -216,6 +216,8 @@ def build_app(server: AgentServer) -> FastAPI:
         return models_body(server.limits)
 
     async def call(eid: str, request: Request, kind: str) -> JSONResponse:
+        server.episode(eid)                  # 404 / 410 first
+        server.queue.check_admission(1)      # a full queue: 429 before the body is read
         try:
             return await server.handle(eid, kind, await json_body(request,
                                                                   server.max_body_bytes))
