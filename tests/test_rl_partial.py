@@ -19,7 +19,7 @@ from engine.rl.checks import validate_rl
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.fill import fill_counts
 from engine.rl.collect.partial import PartialCollector
-from engine.rl.collect.partial_checks import partial_model_problems
+from engine.rl.collect.partial_checks import partial_model_problems, partial_problems
 from engine.rl.config import RLConfig
 from engine.rl.rewards import load_reward_fn
 from models.families.base import ORIGINAL
@@ -212,14 +212,16 @@ def test_partial_keys_are_checked_and_refused_by_name(tmp_path):
                                                    "an integer in [1, rollout.max_new_tokens=256]",
              "rollout.partial_max_staleness=-1": "rollout.partial_max_staleness=-1 must be an "
                                                  "integer >= 0",
-             "rollout.backend=vllm": "rollout.partial=true with rollout.backend='vllm' is not "
-                                     "built",
+             "rollout.backend=sglang": "rollout.partial=true with rollout.backend='sglang' is "
+                                       "not built",
              "env.fn=tools": "rollout.partial=true with env.fn='tools' is not built",
              "reward.judge.base_url=http://127.0.0.1:1/v1": "rollout.partial=true with "
                                                            "reward.judge.base_url is not built"}
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate_rl(_config(base + [override]), 1)
+    # vllm is built (a continued reply: a fresh seeded draw), its keys checked as usual
+    assert partial_problems(_config(base + ["rollout.backend=vllm"])) == []
     # a conditional-generation checkpoint's view (prompts with images): refused by name
     view = {"model_type": "qwen3", ORIGINAL: {"model_type": "qwen3_vl"}}
     assert partial_model_problems(_config(base), {"model_type": "qwen3"}) == []

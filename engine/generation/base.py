@@ -50,10 +50,12 @@ class SamplingParams:
         0): row i's token j draws the randomness of step first_steps[i] + j, so a reply cut
         after k tokens and continued with prompt + those k tokens and first_steps = k samples
         what it would have sampled uninterrupted (rollout.partial; the hf backend applies it,
-        engine.generation.sampling; other backends ignore it and are refused for partial).
+        engine.generation.sampling; vllm seeds such a row with a seed derived from (seeds[i],
+        first_steps[i]) instead: a fresh deterministic draw, engine.generation.vllm.requests;
+        other backends ignore it and are refused for partial).
     row_max_new_tokens: per prompt, its own bound on response tokens (each in
-        [1, max_new_tokens]; default max_new_tokens for all): the hf backend stops that row
-        there ("length").
+        [1, max_new_tokens]; default max_new_tokens for all): the hf and vllm backends stop
+        that row there ("length").
     """
 
     max_new_tokens: int

@@ -57,6 +57,9 @@ class EngineResult:
     # the engine's speculative-decoding counters of the call (VLLMRolloutEngine
     # .speculation_counters; engine.generation.vllm.speculative), {} without speculation
     counters: dict = field(default_factory=dict)
+    # the call's (busy, total) sequence slot-steps when the engine measured them
+    # (VLLMRolloutEngine.last_fill: rollout/engine_fill), else None
+    fill: tuple[int, int] | None = None
 
 
 @dataclass
@@ -70,6 +73,8 @@ class GenerateStats:
     # speculative decoding, summed over the engines (EngineResult.counters): drafts, proposed,
     # accepted, enabled (engines still speculating); {} without speculation
     counters: dict = field(default_factory=dict)
+    # (busy, total) slot-steps summed over the engines when every one measured them, else None
+    fill: tuple[int, int] | None = None
 
     @property
     def imbalance(self) -> float:
@@ -95,7 +100,8 @@ def generate_with_retries(engine: RolloutEngine, prompts: list[list[int]],
                 raise RuntimeError(f"returned {len(gens)} generations for {len(prompts)} "
                                    "prompts")
             counters = getattr(engine, "speculation_counters", dict)()
-            return EngineResult(-1, gens, None, calls, time.perf_counter() - t0, counters)
+            return EngineResult(-1, gens, None, calls, time.perf_counter() - t0, counters,
+                                getattr(engine, "last_fill", None))
         except Exception as e:  # noqa: BLE001 - any backend failure is retried
             error = f"{type(e).__name__}: {e}"
         if attempt + 1 < attempts and engine.is_alive:
@@ -201,7 +207,10 @@ class RolloutPool:
         for r in results.values():
             for k, v in r.counters.items():
                 counters[k] = counters.get(k, 0.0) + v
-        return out, GenerateStats(calls, retries, restarts, list(seconds.values()), counters)
+        fills = [results[e].fill for e in shares]
+        fill = None if None in fills else (sum(f[0] for f in fills), sum(f[1] for f in fills))
+        return out, GenerateStats(calls, retries, restarts, list(seconds.values()), counters,
+                                  fill)
 
     def score(self, ids: list[list[int]]) -> list[float]:
         """Rank 0: `scorer(ids)` run on every rank (one float per token id list)."""

@@ -28,7 +28,10 @@ for its eos id only); the eos token is kept in response_ids with finish_reason "
 
 Seeds: SamplingParams.seeds[i] (else seed + i) is the request's vLLM seed, so a response depends
 on its own prompt and seed only, not on the batch. Without seeds each request draws a fresh seed
-from the engine's own generator: every request is seeded.
+from the engine's own generator: every request is seeded. Per-row fields (rollout.partial;
+vllm.requests, vllm.rounds): row_max_new_tokens is exact; a cut reply continued (first_steps
+k > 0) is a fresh draw seeded continuation_seed(seed, k), not the uninterrupted reply's tokens
+as on hf (vLLM 0.32 has no generator offset).
 
 Prompt length: len(prompt) + max_new_tokens > rollout.vllm.max_model_len is refused before
 anything is queued, naming the prompt's position and the key (vLLM itself refuses only
@@ -86,7 +89,8 @@ from engine.generation.vllm.attention import cpu_attention_args
 from engine.generation.vllm.process import (engine_process_env, preserved_global_rng,
                                              trainer_groups_kept, without_chat_warmup_warning)
 from engine.generation.vllm.lora import AdapterServing
-from engine.generation.vllm.requests import check_prompts, generation, sampling_args
+from engine.generation.vllm.requests import check_prompts, sampling_args
+from engine.generation.vllm.rounds import generate_call
 from engine.generation.vllm.scoring import logprob_table, prompt_logprob_outputs, vllm_scores
 from engine.generation.vllm.settings import engine_args
 from engine.generation.vllm.speculative import Speculation
@@ -267,7 +271,7 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
         self._ready("generate")
         check_prompts(prompts, params, self.vocab_size, self.max_model_len)
         make_params = _vllm().SamplingParams
-        return [make_params(**sampling_args(params, params.seeds[i] if params.seeds is not None
+        return [make_params(**sampling_args(params, i, params.seeds[i] if params.seeds is not None
                                             else self._seeds.getrandbits(31)
                                             if params.seed is None else params.seed + i,
                                             self.eos_token_ids)) for i in range(len(prompts))]
@@ -283,16 +287,12 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
             self._contract_seen = True
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        sampling = self.vllm_params(prompts, params)
-        from vllm.inputs import TokensPrompt  # vLLM, imported on first use (_vllm)
-        with preserved_global_rng():
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                        sampling, use_tqdm=False, lora_request=self.lora_request())
+        """vllm.rounds.generate_call; `last_fill`: its (busy, total) slot-steps or None (pool)."""
+        gens, self.last_fill = generate_call(self, prompts, params)
         if self.speculation is not None and self.speculation.enabled:
             self.speculation.after_generate(self.llm)   # counters, the off switch
         self.check_contract(params.temperature == 0)
-        return [generation(prompt, out.outputs[0], self.eos_token_ids)
-                for prompt, out in zip(prompts, outputs, strict=True)]
+        return gens
 
     def probe_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """log_softmax of the engine's logits, float32 [1, s, V] on CPU, for `input_ids` [1, s]

