@@ -739,12 +739,20 @@ def test_runner_contains_failures(tok):
     assert late == [410]                              # its later call was refused
 
 
-def test_a_backend_failure_is_the_runs(tok):
-    """The engines failing is not a scaffold's failure: the call gets 503 and `run` raises."""
+@pytest.mark.parametrize("path", ["gather", "steps"])
+def test_a_backend_failure_is_the_runs(tok, path):
+    """The engines failing is not a scaffold's failure: the call gets 503 and `run` raises,
+    on the gather path (a generate call raises) and on the step path (an engine step
+    raises)."""
     class Broken(ScriptedBackend):
         def generate(self, requests):
             raise RuntimeError("engine died")
 
+    class BrokenDriver(ScriptedDriver):
+        def step(self):
+            raise RuntimeError("engine died")
+
+    backend = Broken(tok) if path == "gather" else StepBackend(BrokenDriver(tok))
     statuses = []
 
     def agent(base_url, row):
@@ -757,7 +765,7 @@ def test_a_backend_failure_is_the_runs(tok):
 
     with AgentServer(tok, LIMITS) as server:
         with pytest.raises(RuntimeError, match="engine died"):
-            AgentRunner(server, agent, "tests:agent", None, 10).run(Broken(tok), [{}], [0])
+            AgentRunner(server, agent, "tests:agent", None, 10).run(backend, [{}], [0])
         t0 = time.monotonic()
         while not statuses and time.monotonic() - t0 < 10:
             time.sleep(0.02)
