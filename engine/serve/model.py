@@ -4,7 +4,9 @@ imported on first use; rollout.vllm's defaults with max_model_len = the endpoint
 context, and the model compiled as vLLM's own server does unless --enforce-eager: rollout's CPU
 default is eager, because RL restarts engines and a compile costs a start about 35 s on a
 2-core host, while a server starts once and decodes about 3x faster per step compiled,
-measured on that host: docs/benchmarks.md, "serve under load against vLLM's server").
+measured on that host: docs/benchmarks.md, "serve under load against vLLM's server"), and
+on a CPU host vLLM's own thread binding (vllm.process.cpu_bind: a server's steps are short
+and latency-bound; rollout binds the worker to every CPU for throughput).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def load_model(path: str, backend: str, dtype: str, seed: int, max_context: int,
             settings.vllm.max_model_len = max_context
             settings.vllm.enforce_eager = enforce_eager
             engine = VLLMRolloutEngine.from_config(path, settings, torch_dtype or "auto", seed,
-                                                   trust_remote_code=trust_remote_code)
+                                                   trust_remote_code=trust_remote_code,
+                                                   bind_all_cpus=False)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"--model {path!r} does not load on the {backend} backend: "
                          f"{type(e).__name__}: {e}") from e

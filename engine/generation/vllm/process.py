@@ -55,7 +55,8 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 @contextlib.contextmanager
-def engine_process_env(on_cpu: bool, gpus: tuple[int, int] = (0, 1)):
+def engine_process_env(on_cpu: bool, gpus: tuple[int, int] = (0, 1),
+                       bind_all_cpus: bool = True):
     """os.environ while an engine is built (its processes started), then restored: without
     LAUNCHER_ENV (afterwards exactly as before, whatever vLLM set meanwhile);
     VLLM_WORKER_MULTIPROC_METHOD spawn unless the user set one;
@@ -63,9 +64,10 @@ def engine_process_env(on_cpu: bool, gpus: tuple[int, int] = (0, 1)):
     spawned worker: vllm.settings.engine_args picks the multiprocess executor) and 1 on GPUs;
     on GPUs CUDA_VISIBLE_DEVICES = `engine_devices(gpus)` (the engine's devices of this node:
     `gpus` = (first local device, count), the placement's slot), on CPU `cpu_bind(gpus[1])`'s
-    binding (gpus[1]: the engine's worker count) unless the user set one."""
+    binding (gpus[1]: the engine's worker count) unless the user set one or `bind_all_cpus` is
+    False (then vLLM's own "auto": what a latency-bound server wants, `cpu_bind`)."""
     saved = {k: os.environ.pop(k) for k in (*LAUNCHER_ENV, MULTIPROCESSING) if k in os.environ}
-    added = {k: v for k, v in (cpu_bind(gpus[1]) if on_cpu else {}).items()
+    added = {k: v for k, v in (cpu_bind(gpus[1]) if on_cpu and bind_all_cpus else {}).items()
              if k not in os.environ}
     added[MULTIPROCESSING] = "0" if on_cpu else "1"
     if WORKER_START not in os.environ:
@@ -128,9 +130,14 @@ def cpu_bind(workers: int = 1) -> dict[str, str]:
     `workers` contiguous groups ("0|1": one per worker of a tensor-parallel engine). vLLM's own
     "auto" binds its worker to one core per NUMA node and reserves the rest for its scheduler
     (on 2 cores: one computes); measured on the ~100M-parameter benchmark model, 2 cores: auto
-    185 tokens/s, "0-1" 294 tokens/s. With several ranks per machine each engine keeps "auto"
-    (binding each to every CPU would oversubscribe them); a non-contiguous CPU set, or fewer
-    CPUs than workers, gets "nobind"."""
+    185 tokens/s, "0-1" 294 tokens/s: rollout's throughput. A server's decode steps are short
+    and latency-bound, and there the core "auto" leaves to the scheduler (this process, which
+    waits on the worker by spinning) pays: a decode step of 8 requests on a tiny Llama (hidden
+    512, compiled, 2 cores at load 5) took 1.9 ms with "auto" and 17-19 ms with "0-1", so
+    `serve` keeps vLLM's "auto" (engine_process_env's bind_all_cpus=False; docs/benchmarks.md,
+    "serve under load against vLLM's server"). With several ranks per machine each engine
+    keeps "auto" (binding each to every CPU would oversubscribe them); a non-contiguous CPU
+    set, or fewer CPUs than workers, gets "nobind"."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
         return {}
     cpus = sorted(os.sched_getaffinity(0))
