@@ -36,20 +36,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from engine.generation.base import Generation, SamplingParams
-from engine.generation.scoring import SequenceScores
+from engine.generation.base import SamplingParams
+from engine.generation.steps import MAX_EVENTS, StepOutput
 from engine.generation.vllm.process import preserved_global_rng
 from engine.generation.vllm.requests import generation
 from engine.generation.vllm.scoring import prompt_scores, scoring_args, scoring_problem
-
-MAX_EVENTS = 4096
-
-
-@dataclass
-class StepOutput:
-    key: str
-    ids: list[int]                                  # sampled so far ([] for scoring)
-    done: Generation | SequenceScores | None = None  # set once the request finished
 
 
 @dataclass
