@@ -1,6 +1,8 @@
 """`python -m tools.bench agent_steps [--quick]`: the agent endpoint's RL rollout (env.agent,
 engine.rl.agent.rollout) on the gather rule against continuous batching through the step
-driver, side by side in one run on one vLLM engine (docs/benchmarks.md, "Agent episodes").
+driver, side by side in one run on one vLLM engine built as an RL run builds it (rollout.vllm's
+defaults: eager and every CPU bound to the worker on a CPU host; docs/benchmarks.md, "Agent
+episodes").
 
 Workload: PROMPTS prompts x N samples = one generation batch of episodes per RL step; each
 episode is `tool_agent` (the real `openai` client): 3 or 4 chat calls (by its row's seed),
@@ -27,6 +29,8 @@ import os
 import random
 import tempfile
 import time
+
+import torch
 
 PROMPTS, N, MAX_NEW, TOOL_MS, STEPS = 8, 2, 128, 200, 3
 QUICK = (4, 2)   # prompts, steps
@@ -85,20 +89,23 @@ def run_agent_steps(quick: bool):
     from engine.generation.pool import RolloutPool
     from engine.rl.agent.rollout import AgentRollout
     from engine.generation.work_split import batch_seeds
-    from engine.serve.model import load_model
+    from engine.generation.eos import folder_tokenizer
+    from engine.generation.vllm.backend import VLLMRolloutEngine
     from tools.bench.common import BenchResult, Table, fmt, median
     from tools.bench.partial import eos_prone_model
 
     prompts, steps = QUICK if quick else (PROMPTS, STEPS)
     path = eos_prone_model(tempfile.mkdtemp(prefix="bench_agent_steps_") + "/qwen3",
                            hidden=HIDDEN, heads=HEADS, head_dim=HIDDEN // HEADS)
-    t0 = time.perf_counter()
-    loaded = load_model(path, "vllm", "float32", 0, MAX_CONTEXT)
-    start_s = time.perf_counter() - t0
     cfg = _config(path, prompts)
-    pool = RolloutPool.local(loaded.engine, cfg.rollout)
-    paths = {"gather": AgentRollout(pool, loaded.tokenizer, cfg, gather_only=True),
-             "steps": AgentRollout(pool, loaded.tokenizer, cfg)}
+    cfg.rollout.vllm.max_model_len = MAX_CONTEXT
+    t0 = time.perf_counter()   # the engine as an RL run builds it (eager on a CPU host)
+    engine = VLLMRolloutEngine.from_config(path, cfg.rollout, torch.float32, 0)
+    start_s = time.perf_counter() - t0
+    tokenizer = folder_tokenizer(path)
+    pool = RolloutPool.local(engine, cfg.rollout)
+    paths = {"gather": AgentRollout(pool, tokenizer, cfg, gather_only=True),
+             "steps": AgentRollout(pool, tokenizer, cfg)}
     runs: dict[str, list[dict]] = {k: [] for k in paths}
     worst_lp = 0.0
     try:
@@ -118,7 +125,7 @@ def run_agent_steps(quick: bool):
     finally:
         for r in paths.values():
             r.close()
-        loaded.engine.shutdown()
+        engine.shutdown()
     out, rows_t = {}, []
     for name, rs in runs.items():
         s, eng = median([r["s"] for r in rs]), median([r["engine_s"] for r in rs])
