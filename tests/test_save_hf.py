@@ -27,9 +27,14 @@ Real `-m engine.sft` runs of a tiny Qwen3 on the session's rank pool (tests/pool
       README naming its own folder (convert's names --out: equal once that path is replaced;
       control: the unreplaced READMEs differ); the scoring template ends a reply on its
       end-of-turn token in transformers' apply_chat_template, and the folder scores in
-      transformers' sequence classifier. Control: the source model differs from it.
+      transformers' sequence classifier. Control: the source model differs from it;
+  a reward model with LoRA at PP2 on two ranks: hf/ is convert's peft SEQ_CLS adapter (the
+      score head, trained in full on the last stage, in modules_to_save; adapter tensors
+      bitwise, adapter_config.json equal); peft loads it on the base as a sequence classifier
+      with that head. Control: the step-older folder differs (score head and adapters).
 Refusals (in this process): save_hf without checkpoint.dir; a reward-model run's save_hf with
-LoRA, or with a pad id that is the end-of-turn id the model scores.
+a pad id that is the end-of-turn id the model scores (LoRA is not refused); a reward model's
+full folder without its run's scoring files (engine.checkpoint.hf_export.save_hf_problem).
 """
 from __future__ import annotations
 
@@ -315,11 +320,61 @@ def test_reward_model_tp2_save_hf_equals_convert(pools, assets, tmp_path):
     assert score.shape == (1, 1) and torch.isfinite(score).all()
 
 
+def test_lora_reward_model_pp2_save_hf_is_converts_seq_cls_adapter(pools, assets, tmp_path):
+    """engine.rm with LoRA at PP2 on two ranks: iter_0000002/hf/ is convert's peft SEQ_CLS
+    adapter of that checkpoint, the score head (on the last pipeline stage only) handed to
+    rank 0 with the second stage's adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    from tools.demo import preference_rows
+
+    pairs = _write_jsonl(tmp_path / "pairs.jsonl", preference_rows(
+        [(a, b) for a in range(4) for b in range(2)]))
+    run = tmp_path / "rm_lora"
+    proc = pools.script(2, "-m", "engine.rm", f"model.hf_path={assets['model']}",
+                        f"data.train_files=[{pairs}]", "parallel.pp=2", "model.dtype=float32",
+                        "model.lora.rank=4", "model.lora.alpha=8",
+                        "train.global_batch_size=4", "train.micro_batch_size=2",
+                        "train.seq_length=48", "train.max_steps=2", "optim.lr=1e-2",
+                        "logging.progress_bar=false", f"logging.dir={run}",
+                        f"checkpoint.dir={run / 'ckpt'}", "checkpoint.save_interval=1",
+                        "checkpoint.save_hf=true", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"[checkpoint] {EXPORT}/ written: " in proc.stdout
+    ckpt, adapter = iteration_dir(run / "ckpt", 2), "adapter_model.safetensors"
+    saved, converted = ckpt / EXPORT, _convert(pools, ckpt, tmp_path / "converted")
+    assert _files(saved) == ["adapter_config.json", adapter]
+    assert not list(saved.glob(".stage*"))   # the second stage's hand-over file is gone
+    _assert_same_folder(saved, converted, adapter)
+    config = json.loads((saved / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["score"]
+    tensors = _tensors(saved, adapter)
+    score = tensors["base_model.model.score.weight"]
+    assert score.shape == (1, 64) and score.dtype == torch.float32
+    assert any(".layers.3." in n and "lora_B" in n for n in tensors)   # the last stage's
+    # control: one step older, the score head and the adapters differ
+    older = _differences(_tensors(iteration_dir(run / "ckpt", 1) / EXPORT, adapter), tensors)
+    assert "base_model.model.score.weight" in older and any("lora_B" in n for n in older)
+    base = AutoModelForSequenceClassification.from_pretrained(assets["model"], num_labels=1,
+                                                              dtype=torch.float32)
+    assert not torch.equal(base.score.weight.detach(), score)   # control: a fresh head
+    model = PeftModel.from_pretrained(base, str(saved)).eval()
+    loaded = [p for n, p in model.named_parameters() if n.endswith("score.modules_to_save."
+                                                                   "default.weight")]
+    assert len(loaded) == 1 and torch.equal(loaded[0].detach(), score)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([[5, 17, 42, 9]])).logits
+    assert out.shape == (1, 1) and torch.isfinite(out).all()
+
+
 def test_save_hf_refusals(assets):
     from transformers import AutoTokenizer
 
     from engine.config.loading import load_config
-    from engine.rm.export import end_of_turn_id, save_hf_problems
+    from engine.checkpoint.hf_export import save_hf_problem
+    from engine.rm.export import end_of_turn_id, hf_extras, save_hf_problems
+    from models.bridge.reward_model import reward_model_hf_config
     from engine.config.rm_settings import RMConfig
     from engine.config.schema import SFTConfig, checkpoint_config_problems
 
@@ -330,8 +385,8 @@ def test_save_hf_refusals(assets):
         "saved checkpoint)"]
     assert checkpoint_config_problems(load_config(SFTConfig, [
         "checkpoint.save_hf=true", "checkpoint.dir=/tmp/x_save_hf_never_made"])[0]) == []
-    # a reward model's run: allowed (engine.rm.export writes its scoring files), except with
-    # LoRA (its peft folder carries the score head) or a pad id that is the scored token
+    # a reward model's run: allowed (engine.rm.export writes its scoring files; with LoRA
+    # the peft SEQ_CLS adapter), except with a pad id that is the scored token
     rm = load_config(RMConfig, ["checkpoint.save_hf=true", "checkpoint.dir=/tmp/x",
                                 f"model.hf_path={assets['model']}"])[0]
     assert checkpoint_config_problems(rm) == []
@@ -340,9 +395,16 @@ def test_save_hf_refusals(assets):
     assert save_hf_problems(load_config(RMConfig, [f"model.hf_path={assets['model']}"])[0],
                             {**hf_config, "pad_token_id": 3}) == []   # save_hf off: no check
     rm.model.lora.rank = 4
-    (lora,) = save_hf_problems(rm, hf_config)
-    assert "model.lora.rank=4 is not available for reward models" in lora
+    assert save_hf_problems(rm, hf_config) == []
     rm.model.lora.rank = 0
+    # the save's own guard: a reward model's full folder needs its run's scoring files
+    classifier = reward_model_hf_config(hf_config)
+    full = save_hf_problem(classifier, None, lora=False) or ""
+    assert full.startswith("checkpoint.save_hf=true: a reward model's HF folder is written "
+                           "with its scoring files")
+    assert save_hf_problem(classifier, None, lora=True) is None   # convert writes none there
+    assert save_hf_problem(classifier, hf_extras(), lora=False) is None
+    assert save_hf_problem(hf_config, None, lora=False) is None   # control: a causal LM
     eot = end_of_turn_id(AutoTokenizer.from_pretrained(assets["model"]))
     (pad,) = save_hf_problems(rm, {**hf_config, "pad_token_id": eot})
     assert pad.startswith(f"checkpoint.save_hf=true: pad_token_id={eot} (config.json's "

@@ -35,8 +35,6 @@ from engine.rm.export import end_of_turn_id, tokenizer_in
 from tools.convert_reward_template import (chat_inputs, checkpoint_chat_scores,  # verify's chats
                                            report_chats)
 
-SCORE_MODULE = "score"   # transformers' and peft's name of the head (modules_to_save)
-
 
 def is_sequence_classifier(cfg: dict) -> bool:
     """Whether an HF config names a *ForSequenceClassification architecture (any labels)."""
@@ -104,36 +102,30 @@ def load_reward_lora(ckpt: Path, cfg: dict, spec, base: str) -> list:
 def export_reward_lora(ckpt: Path, cfg: dict, found, out: Path, merge: bool, dtype,
                        write_hf) -> int:
     """A LoRA reward model's checkpoint as a peft adapter (task_type SEQ_CLS, the score head
-    in modules_to_save, as peft 0.21 saves it: `base_model.model.score.weight`), or with
-    `merge` the merged sequence-classification model via `write_hf(tensors)`; returns the
-    number of tensors written."""
+    in modules_to_save: engine.checkpoint.hf_export.export_adapter_folder, which a
+    checkpoint.save_hf run of engine.rm writes too), or with `merge` the merged
+    sequence-classification model via `write_hf(tensors)`; returns the number of tensors
+    written."""
     import torch
 
-    from models.bridge.critic import full_head_row
+    from engine.checkpoint.hf_export import export_adapter_folder
     from models.bridge.reward_model import export_reward_model
-    from models.families.registry import family_of
-    from models.hf.conditional import peft_layers
-    from models.layers.heads.value import value_head
-    from models.lora.peft import export_peft_tensors, write_peft_adapter
-    from models.lora.sites import ROUTER_PATH, merged_weight
+    from models.lora.sites import merged_weight
 
     spec, base = found
     chunks = load_reward_lora(ckpt, cfg, spec, base)
-    cast = (lambda t: t.to(getattr(torch, dtype))) if dtype else (lambda t: t)
     if merge:
+        cast = (lambda t: t.to(getattr(torch, dtype))) if dtype else (lambda t: t)
         tensors = {n: cast(t).clone()
                    for n, t in export_reward_model(chunks, cfg, transform=merged_weight)}
         write_hf(tensors)
         return len(tensors)
-    tensors = {n: cast(t).clone() for n, t in export_peft_tensors(chunks, peft_layers(cfg))}
-    score = cast(full_head_row(value_head(chunks))).clone()
-    router = family_of(cfg).lora_hf_paths.get(ROUTER_PATH, ROUTER_PATH)
-    write_peft_adapter(tensors, spec, str(base), out, router, task_type="SEQ_CLS",
-                       saved_modules={SCORE_MODULE: score})
+    n = export_adapter_folder(chunks, cfg, spec, base, out, getattr(torch, dtype) if dtype
+                              else None)
     print(f"[convert] peft loads it on the base as a one-label sequence classifier: "
           f"PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained("
           f"{str(base)!r}, num_labels=1), {str(out)!r})", flush=True)
-    return len(tensors) + 1
+    return n
 
 
 def score_batch(cfg: dict, batch: int, seq_len: int, seed: int, eot: int | None = None):

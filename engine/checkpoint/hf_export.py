@@ -8,7 +8,8 @@ mcore-to-hf` and `checkpoint.save_hf` share (docs/checkpoints.md#hugging-face-fo
   models.hf.passthrough), a quantized source's export rules
   (models.hf.quantized_export), config.json and the tokenizer files of `meta_dir`;
 - `export_adapter_folder(chunks, cfg, spec, base, out, ...)`: a LoRA model's adapters as a
-  peft adapter folder (models.lora.peft);
+  peft adapter folder (models.lora.peft); a reward model's as peft's SEQ_CLS adapter, its
+  trained score head (the last pipeline stage's) in modules_to_save;
 - `save_hf_export(...)`: checkpoint.save_hf's step inside engine.checkpoint.checkpointing's
   save: the training chunks exported into `iter_NNNNNNN/hf/` before the checkpoint is marked
   complete (the checkpoint's own source files are in `iter_NNNNNNN/hf_source/`), with the
@@ -40,7 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.io import STAGING_SUFFIX
 from models.bridge.checkpoint import source_dir
-from models.bridge.critic import export_critic, is_critic_config
+from models.bridge.critic import SCORE_WEIGHT, export_critic, full_head_row, is_critic_config
 from models.bridge.reward_model import export_reward_model, is_reward_model_config
 from models.bridge.weights import export_hf_weights
 from models.families.registry import family_of
@@ -49,6 +50,7 @@ from models.hf.conditional import file_config, peft_layers, stored_names
 from models.hf.io import copy_tokenizer_files
 from models.hf.passthrough import read_passthrough
 from models.hf.quantized_export import export_tensors
+from models.layers.heads.value import value_head
 from models.lora.peft import export_peft_tensors, write_peft_adapter
 from models.lora.sites import ROUTER_PATH, lora_spec_of
 
@@ -57,6 +59,9 @@ MAX_SHARD_BYTES = 5 * 1024 ** 3    # one safetensors file up to 5 GiB, then mode
 # the dtype convert's model holds (models.build.factory.build_model_chunks' default): a run
 # training in bf16 exports its weights upcast to it, exactly as convert reads them back
 CONVERT_DTYPE = torch.float32
+# transformers' and peft's name of a reward model's head: the module a LoRA reward model's
+# adapter folder saves in full (modules_to_save), beside the adapters
+SCORE_MODULE = "score"
 Stream = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -170,19 +175,35 @@ def export_model_folder(chunks: list, cfg: dict, meta_dir: Path, out: Path,
     return len(tensors)
 
 
+def _with_score_head(stream: Stream, chunks: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """`stream`, then on the last pipeline stage the reward model's whole score row
+    [1, h] as SCORE_WEIGHT (collective over that stage's TP group: full_head_row)."""
+    yield from stream
+    head = value_head(chunks)
+    if head is not None:
+        yield SCORE_WEIGHT, full_head_row(head)
+
+
 def export_adapter_folder(chunks: list, cfg: dict, spec, base: str, out: Path,
                           dtype: Optional[torch.dtype] = None,
                           held: Optional[torch.dtype] = None) -> int:
     """Collective (module docstring): the LoRA adapters of `chunks` (LoraSpec `spec`, on the
     base HF folder `base`) as a peft adapter folder in `out` (adapter_config.json,
-    adapter_model.safetensors); returns the tensor count on rank 0 (0 elsewhere)."""
-    stream = _on_host(export_peft_tensors(chunks, peft_layers(cfg)), dtype, held)
+    adapter_model.safetensors); returns the tensor count on rank 0 (0 elsewhere). A reward
+    model's (`cfg` is_reward_model_config: the score head trained in full beside the
+    adapters) is peft's task_type SEQ_CLS adapter with its score row in modules_to_save, as
+    peft 0.21 saves it (`base_model.model.score.weight`)."""
+    reward = is_reward_model_config(cfg)
+    stream = export_peft_tensors(chunks, peft_layers(cfg))
+    stream = _on_host(_with_score_head(stream, chunks) if reward else stream, dtype, held)
     tensors = gather_stages(stream, out)
     if tensors is None:
         return 0
     router = family_of(cfg).lora_hf_paths.get(ROUTER_PATH, ROUTER_PATH)
-    write_peft_adapter(tensors, spec, str(base), out, router)
-    return len(tensors)
+    saved = {SCORE_MODULE: tensors.pop(SCORE_WEIGHT)} if reward else {}
+    write_peft_adapter(tensors, spec, str(base), out, router,
+                       task_type="SEQ_CLS" if reward else "CAUSAL_LM", saved_modules=saved)
+    return len(tensors) + len(saved)
 
 
 @dataclass(frozen=True)
@@ -201,14 +222,14 @@ class ExportExtras:
 def save_hf_problem(hf_config: dict, extras: Optional[ExportExtras], lora: bool
                     ) -> Optional[str]:
     """Why checkpoint.save_hf cannot write the HF folder convert writes of a run of
-    `hf_config` (None: it can): a reward model's folder needs its run's `extras` (its
-    config.json, scoring chat template and README) and is not a plain adapter folder with
-    LoRA (engine.rm.export refuses both before the run; this guards other callers)."""
-    if is_reward_model_config(hf_config) and (extras is None or lora):
+    `hf_config` (None: it can): a reward model's full folder needs its run's `extras` (its
+    config.json, scoring chat template and README; engine.rm.export hands them down). With
+    LoRA (`lora`) its folder is the peft adapter, which needs none (export_adapter_folder)."""
+    if is_reward_model_config(hf_config) and extras is None and not lora:
         return ("checkpoint.save_hf=true: a reward model's HF folder is written with its "
-                "scoring files (engine.rm.export.hf_extras), and not with LoRA; leave "
-                "checkpoint.save_hf=false and run `tools/convert.py mcore-to-hf --ckpt "
-                "CHECKPOINT_DIR --out OUT` after the run")
+                "scoring files (engine.rm.export.hf_extras), which this run does not hand "
+                "to its saves; leave checkpoint.save_hf=false and run `tools/convert.py "
+                "mcore-to-hf --ckpt CHECKPOINT_DIR --out OUT` after the run")
     return None
 
 
@@ -219,7 +240,8 @@ def save_hf_export(chunks: list, ckpt_dir: Path, hf_config: dict, base: Optional
     (write_metadata) and reported `error` (None: no error; only rank 0's counts): unless rank 0
     failed, write `ckpt_dir`/hf/, the folder `convert mcore-to-hf --ckpt ckpt_dir` writes: the
     full model (with the run's `extras`: ExportExtras), or with LoRA adapters
-    (models.lora.sites) the peft adapter on the base `base` (model.hf_path). Returns rank 0's
+    (models.lora.sites) the peft adapter on the base `base` (model.hf_path; a reward model's
+    with its score head, no `extras`: convert writes none there). Returns rank 0's
     error (a failed write) or `error`; None elsewhere. Rank 0 prints the folder, its tensor
     count and the seconds the export took (the extras' files included)."""
     box = [error]

@@ -213,7 +213,7 @@ def _tokenizer_pad_id(folder: Path) -> int | None:
 def hf_extras() -> ExportExtras:
     """A reward model's checkpoint.save_hf additions: its config.json (`export_config`) and,
     on rank 0 after the tensors, its chat template and README (`write_scoring_files`), as
-    mcore-to-hf writes them."""
+    mcore-to-hf writes them (a full model's folder; a LoRA run's peft adapter has none)."""
     return ExportExtras(lambda cfg, meta: export_config(cfg, meta, tag="checkpoint"),
                         write_scoring_files)
 
@@ -221,16 +221,11 @@ def hf_extras() -> ExportExtras:
 def save_hf_problems(cfg, hf_config: dict) -> list[str]:
     """Why a reward-model run's checkpoint.save_hf would not write the folder mcore-to-hf
     writes ([]: it will, or save_hf is off): the pad id `pad_problem` refuses (read from
-    model.hf_path, whose tokenizer and config the checkpoints carry); LoRA (mcore-to-hf
-    writes a reward model's adapters with its score head, task_type SEQ_CLS, which the save's
-    adapter export does not)."""
+    model.hf_path, whose tokenizer and config the checkpoints carry; mcore-to-hf refuses it
+    for a LoRA checkpoint too). A LoRA run's folder is the peft SEQ_CLS adapter with the score
+    head (engine.checkpoint.hf_export.export_adapter_folder, convert's own export)."""
     if not cfg.checkpoint.save_hf:
         return []
-    if cfg.model.lora.rank:
-        return [f"checkpoint.save_hf=true with model.lora.rank={cfg.model.lora.rank} is not "
-                "available for reward models (their peft folder also carries the trained "
-                "score head); leave checkpoint.save_hf=false and run `tools/convert.py "
-                "mcore-to-hf --ckpt CHECKPOINT_DIR --out OUT` after the run"]
     problem = pad_problem(reward_model_hf_config(hf_config), Path(cfg.model.hf_path),
                           then="train again")
     return [f"checkpoint.save_hf=true: {problem}"] if problem else []
