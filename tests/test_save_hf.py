@@ -20,7 +20,8 @@ Real `-m engine.sft` runs of a tiny Qwen3 on the session's rank pool (tests/pool
       bitwise, adapter_config.json equal);
   GLM-4.5 (MoE) training its MTP layer at EP2: experts and the MTP layer bitwise;
   PPO (engine.rl, one process): the critic's folder (*ForTokenClassification) and the
-      policy's, each bitwise equal to convert's;
+      policy's, each bitwise equal to convert's; with a LoRA policy too (the critic is a full
+      model: convert once read its config.yaml's model.lora.* and failed on it);
   a reward model (engine.rm) at TP2 on two ranks, started from a causal LM: the score head
       gathered over TP, config.json (one label, pad_token_id), the scoring chat template and
       README.md (engine.rm.export, handed to the save by the RM run) equal to convert's, the
@@ -246,13 +247,10 @@ def test_moe_ep2_trained_mtp_save_hf_equals_convert_bitwise(pools, tmp_path):
     assert _differences(_tensors(Path(model)), tensors)   # trained: not the source
 
 
-def test_ppo_critic_and_policy_save_hf_equal_convert(pools, assets, tmp_path):
-    """An RL run with a PPO critic (one process, one step): checkpoint.dir/critic/iter_*/
-    hf/ is convert's *ForTokenClassification folder of the critic checkpoint, and the
-    policy's folder is convert's of the policy checkpoint."""
-    prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"what is {i} plus 1 ?",
-                                                   "answer": i + 1} for i in range(4)])
-    run = tmp_path / "ppo"
+def _ppo(pools, assets, run: Path, *extra: str) -> None:
+    """A one-process, one-step RL run with a PPO critic and checkpoint.save_hf=true."""
+    prompts = _write_jsonl(run.with_suffix(".jsonl"), [{"prompt": f"what is {i} plus 1 ?",
+                                                        "answer": i + 1} for i in range(4)])
     proc = pools.script(
         1, "-m", "engine.rl", f"model.hf_path={assets['model']}", f"data.train_files=[{prompts}]",
         "algorithm=ppo", "critic.lr=2e-3", "reward.fn=tests.test_rl_loop:digit_reward",
@@ -260,8 +258,16 @@ def test_ppo_critic_and_policy_save_hf_equal_convert(pools, assets, tmp_path):
         "train.micro_batch_size=1", "train.max_steps=1", "train.seq_length=32",
         f"data.cache_dir={run}/cache", "data.num_workers=0", f"logging.dir={run}",
         "logging.progress_bar=false", f"checkpoint.dir={run / 'ckpt'}",
-        "checkpoint.save_hf=true", timeout=600)
+        "checkpoint.save_hf=true", *extra, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_ppo_critic_and_policy_save_hf_equal_convert(pools, assets, tmp_path):
+    """An RL run with a PPO critic (one process, one step): checkpoint.dir/critic/iter_*/
+    hf/ is convert's *ForTokenClassification folder of the critic checkpoint, and the
+    policy's folder is convert's of the policy checkpoint."""
+    run = tmp_path / "ppo"
+    _ppo(pools, assets, run)
     for ckpt in (run / "ckpt" / "critic", run / "ckpt"):
         saved = iteration_dir(ckpt, 1) / EXPORT
         converted = _convert(pools, iteration_dir(ckpt, 1), tmp_path / f"conv_{ckpt.name}")
@@ -271,6 +277,23 @@ def test_ppo_critic_and_policy_save_hf_equal_convert(pools, assets, tmp_path):
     config = json.loads((iteration_dir(run / "ckpt" / "critic", 1) / EXPORT / "config.json")
                         .read_text())
     assert config["architectures"] == ["Qwen3ForTokenClassification"]
+
+
+def test_ppo_lora_policy_critic_save_hf_equals_convert(pools, assets, tmp_path):
+    """PPO with a LoRA policy: the critic is a full model (engine.rl.policy.train_step), so
+    its checkpoint (whose config.yaml names the policy's model.lora.*) converts, and saves,
+    as the full *ForTokenClassification folder; the policy's folder is its peft adapter."""
+    run = tmp_path / "ppo_lora"
+    _ppo(pools, assets, run, "model.lora.rank=4", "model.lora.alpha=8")
+    critic = iteration_dir(run / "ckpt" / "critic", 1)
+    saved = critic / EXPORT
+    _assert_same_folder(saved, _convert(pools, critic, tmp_path / "conv_critic"))
+    tensors = _tensors(saved)
+    assert "score.weight" in tensors and not any("lora" in n for n in tensors)
+    policy = iteration_dir(run / "ckpt", 1)
+    assert _files(policy / EXPORT) == ["adapter_config.json", "adapter_model.safetensors"]
+    _assert_same_folder(policy / EXPORT, _convert(pools, policy, tmp_path / "conv_policy"),
+                        "adapter_model.safetensors")
 
 
 def test_reward_model_tp2_save_hf_equals_convert(pools, assets, tmp_path):

@@ -125,7 +125,8 @@ def mcore_to_hf(args) -> None:
         fail(f"--ckpt {ckpt}: {problem}")
     setup_layout(cfg)
     critic = is_critic_config(cfg)  # a PPO critic (checkpoint.dir/critic): its value head too
-    found = checkpoint_lora(ckpt, getattr(args, "base", None), cfg)
+    # a critic is a full model, also when its config.yaml names the policy's LoRA adapters
+    found = None if critic else checkpoint_lora(ckpt, getattr(args, "base", None), cfg)
     if found is None and getattr(args, "merge", False):
         fail(f"--merge needs a LoRA checkpoint; {ckpt} holds a full model")
     if found is not None:
