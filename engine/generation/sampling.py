@@ -105,14 +105,6 @@ class SeededSampler:
                     None if p.temperature == 0 else self._uniform(step))
 
 
-def row_uniforms(seeds: list[int], steps: list[int], device: torch.device) -> torch.Tensor:
-    """float64 [B]: u(seeds[b], steps[b]) for each row b, the number SeededSampler draws for a
-    row of seed seeds[b] at its step steps[b] (first_steps included), whatever the batch: the
-    per-row form for callers whose rows are at different steps (engine.generation.hf.stepper)."""
-    return uniforms(torch.tensor(seeds, dtype=torch.int64, device=device), 0, 1,
-                    torch.tensor(steps, dtype=torch.int64, device=device))[:, 0]
-
-
 def draw(logits: torch.Tensor, temperature: float, top_p: float,
          u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [B] (int64) and their log-probs [B] from fp32 logits [B, V] and one uniform

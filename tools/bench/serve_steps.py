@@ -1,6 +1,7 @@
-"""`serve` on the vllm backend: continuous batching (the step driver, engine.api.stepping)
-against the batch path (one generate call per batch, engine.serve.batching), side by side in
-one run on one engine (docs/benchmarks.md, "serve on vLLM").
+"""`serve` on the vllm backend (`--backend hf`: the hf one): continuous batching (a step
+driver under engine.api.stepping: VLLMStepDriver, or HFStepDriver's slot cache) against the
+batch path (one generate call per batch, engine.serve.batching), side by side in one run on
+one engine (docs/benchmarks.md, "serve on vLLM: ...").
 
 (a) A long request (LONG tokens) is sent, and once it ran for SHORT_AT of its own time alone
     (measured first, on the same path) a short one (SHORT tokens): the short request's latency
@@ -15,7 +16,8 @@ GIL. Model: a tiny
 Llama (tools.tiny_models.build_eos_model, hidden 1024, 2 layers, 4 heads of 256, word-level
 vocabulary of 200, RoPE positions up to MAX_CONTEXT; the long and streamed requests' seeds
 are the first whose samples run their length without eos, `_seed_without_eos`), float32,
-one vLLM engine in this process (vLLM's CPU backend on a CPU host). Medians over REPEATS; --quick:
+one engine in this process (vLLM's CPU backend on a CPU host: eager, serve's thread binding; or
+transformers, eager). Medians over REPEATS; --quick:
 LONG 128, STREAM 64, one repeat (a smoke run, not a measurement).
 """
 from __future__ import annotations
@@ -113,7 +115,8 @@ def _short_during_long(clients, url: str, long: dict, running, after_s: float) -
             "ids": body["choices"][0]["token_ids"]}
 
 
-def run_serve_steps(quick: bool) -> BenchResult:
+def run_serve_steps(quick: bool, backend: str = "vllm") -> BenchResult:
+    from engine.generation.hf.stepper import HFStepDriver
     from engine.generation.sampling_backend import SamplingBackend, StepBackend
     from engine.generation.vllm.stepper import VLLMStepDriver
     from engine.serve.endpoint import ServeEndpoint, ServeSettings
@@ -127,10 +130,10 @@ def run_serve_steps(quick: bool) -> BenchResult:
     (Path(path) / "config.json").write_text(json.dumps({**config, "max_position_embeddings":
                                                         MAX_CONTEXT}))
     t0 = time.perf_counter()
-    loaded = load_model(path, "vllm", "float32", 0, MAX_CONTEXT, enforce_eager=True)
+    loaded = load_model(path, backend, "float32", 0, MAX_CONTEXT, enforce_eager=True)
     start_s = time.perf_counter() - t0
     engine, settings = loaded.engine, ServeSettings("tiny", max(long, stream), MAX_CONTEXT)
-    driver = VLLMStepDriver(engine)
+    driver = (VLLMStepDriver if backend == "vllm" else HFStepDriver)(engine)
     long_body = {"prompt": LONG_PROMPT, "max_tokens": long, "return_token_ids": True,
                  "seed": _seed_without_eos(engine, LONG_PROMPT, long)}
     stream_seed = _seed_without_eos(engine, STREAM_PROMPT, stream)

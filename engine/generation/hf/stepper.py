@@ -12,7 +12,7 @@ on are copied into free slots (the slot cache's `arrange` / `place`). A finished
 row frees its slot at once.
 
 Contract: `generate`'s, request by request. Each row samples with engine.generation.sampling's
-`draw` and its own uniforms u(seed, step) (`row_uniforms`: its seed, `row_seeds` of its one
+`draw` and its own uniforms u(seed, step) (`uniforms`: its seed, `row_seeds` of its one
 prompt, and its own step counter, from SamplingParams.first_steps), stops at an eos id of the
 engine or at its bound (max_new_tokens, or row_max_new_tokens), and reports log-probs per
 engine.generation.base's contract: so its tokens do not depend on what runs beside it or when
@@ -42,7 +42,7 @@ from engine.generation.base import Generation, SamplingParams
 from engine.generation.hf.backend import cache_keyword
 from engine.generation.hf.slot_cache import SlotCache
 from engine.generation.hf.static_decode import StaticDecoder, static_problem
-from engine.generation.sampling import draw, row_seeds, row_uniforms
+from engine.generation.sampling import STEP_CHUNK, draw, row_seeds, uniforms
 from engine.generation.scoring import check_sequences
 from engine.generation.steps import MAX_EVENTS, StepOutput
 from models.vision.inputs import ImagePrompt
@@ -70,11 +70,22 @@ class _Row:
     stream: bool
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    chunk: tuple[int, list[float]] = (-1, [])   # (first step, its STEP_CHUNK uniforms)
 
     @property
     def step(self) -> int:
         """The decode step its next token counts as (its uniform's counter)."""
         return self.first_step + len(self.ids)
+
+    def uniform(self) -> float:
+        """u(seed, step): engine.generation.sampling's number for its next token, made for
+        STEP_CHUNK steps at a time (one hash per step cost about a millisecond per decode
+        step on a CPU); the same float64 as `uniforms(seed, step, 1)`."""
+        start = self.step - self.step % STEP_CHUNK
+        if self.chunk[0] != start:
+            seed = torch.tensor([self.seed], dtype=torch.int64)
+            self.chunk = (start, uniforms(seed, start, STEP_CHUNK)[0].tolist())
+        return self.chunk[1][self.step - start]
 
 
 class HFStepDriver:
@@ -198,8 +209,8 @@ class HFStepDriver:
             groups.setdefault((row.temperature, row.top_p), []).append(i)
         result: list = [None] * len(rows)
         for (temperature, top_p), idx in groups.items():
-            u = None if temperature == 0 else row_uniforms(
-                [rows[i].seed for i in idx], [rows[i].step for i in idx], logits.device)
+            u = None if temperature == 0 else torch.tensor(
+                [rows[i].uniform() for i in idx], dtype=torch.float64, device=logits.device)
             token, logprob = draw(logits[idx], temperature, top_p, u)
             for i, t, lp in zip(idx, token.tolist(), logprob.tolist()):
                 result[i] = (t, lp)
