@@ -139,25 +139,27 @@ def test_agent_episodes_on_vllm_train_what_the_openai_client_received(qwen3, qwe
     the rollout dump (tests.test_rl_agent.check_trained_as_received); every sampled id's
     rollout log-prob is the contract's of transformers on the whole trajectory, observations
     in context (< 2e-5; negative control: T = 1's are far); an episode's first call is what
-    the engine samples alone with that call's seed (call_seed). train.seq_length=63 and
-    max_model_len 64: the long row's last calls have a budget below the batch's, and go in a
-    generate call of their own budget (SamplingBackend's max_len) where the shared one would
-    pass max_model_len (vLLM refuses that)."""
+    the engine samples alone with that call's seed (call_seed). The pool is this one engine in
+    this process, so the calls run on the step path (VLLMStepDriver: each call a request of its
+    own, no generate call). train.seq_length=63 and max_model_len 64: the long row's last calls
+    get a budget of their own below 6 (what fits), where a shared budget of 6 would pass
+    max_model_len (vLLM refuses that)."""
     import importlib
 
     from engine.api.backend import call_seed
+    from engine.generation.vllm.stepper import VLLMStepDriver
     from engine.generation.work_split import batch_seeds
     from tests.test_rl_agent import _collect, _config, check_trained_as_received
 
     rows = [{"prompt": "what is 1 plus 2 ?", "answer": "3"},
             {"prompt": "what is 3 plus 4 ? and 5 and 5 and 5 and 5 and 5", "answer": "7"}]
-    calls, generate = [], qwen3.generate
+    calls, add, generate_calls = [], VLLMStepDriver.add, qwen3.num_generate_calls
 
-    def spy(prompts, params):
-        calls.append((max(len(p) for p in prompts), params.max_new_tokens))
-        return generate(prompts, params)
+    def spy(driver, key, prompt, params, stream=False):
+        calls.append((len(prompt), params.max_new_tokens))
+        return add(driver, key, prompt, params, stream)
 
-    monkeypatch.setattr(qwen3, "generate", spy)
+    monkeypatch.setattr(VLLMStepDriver, "add", spy)
     received = importlib.import_module("tests.test_rl_agent").RECEIVED   # follow_up's module
     received.clear()
     argv = ["rollout.backend=vllm", "rollout.temperature=0.7", "rollout.top_p=0.9",
@@ -165,6 +167,7 @@ def test_agent_episodes_on_vllm_train_what_the_openai_client_received(qwen3, qwe
     batch, tok = _collect(qwen3_dir, "follow_up", dump=tmp_path, pool_engines=[qwen3],
                           argv=argv, rows=rows)
     monkeypatch.undo()
+    assert qwen3.num_generate_calls == generate_calls and len(calls) == 12   # the step path
     assert batch.metrics["env/agent_errors"] == 0 and batch.metrics["env/turns_mean"] == 3
     dump = check_trained_as_received(batch, tok, tmp_path, received, rows)
     assert all(longest + budget <= 64 for longest, budget in calls), calls
