@@ -5,6 +5,7 @@ against the weights of the version that sampled them, the checkpoint state, the 
 The real runs (determinism, layouts) are in tests/test_rl_partial_runs.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -86,14 +87,29 @@ def test_continued_reply_equals_uninterrupted(model_dir):
     assert control.response_ids != g.response_ids[5:]
 
 
-class NoOffsetEngine(HFRolloutEngine):
-    """The negative control: continued rows restart their randomness at step 0."""
+class NoOffsetDriver:
+    """The negative control: a step driver whose continued rows restart their randomness at
+    step 0 (first_steps dropped)."""
 
-    def _generate(self, prompts, params):
-        return super()._generate(prompts, SamplingParams(
-            max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-            top_p=params.top_p, seeds=params.seeds,
-            row_max_new_tokens=params.row_max_new_tokens))
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def add(self, key, prompt, params, stream=False):
+        self.inner.add(key, prompt, dataclasses.replace(params, first_steps=None), stream)
+
+
+class NoOffsetCollector(PartialCollector):
+    def step_driver(self):
+        return NoOffsetDriver(super().step_driver())
+
+
+class RoundsCollector(PartialCollector):
+    """The rounds path (what pools without a step driver run: several engines, sglang)."""
+
+    use_driver = False
 
 
 def _replies(records: list[dict]) -> dict:
@@ -107,24 +123,27 @@ def test_fixed_weights_partial_replies_equal_the_plain_run(model_dir, tmp_path):
     partial rollouts (same prompts, same seeds); with the offset dropped they differ."""
     engine = HFRolloutEngine(model_dir, dtype=torch.float32)
     plain = _collector(RolloutCollector, engine, model_dir, tmp_path / "plain")
-    for step in range(1, 6):   # the plain rollout logs the engine's fill too
-        assert 0 < plain.collect(dump_step=step).metrics["rollout/engine_fill"] < 1
+    # the driver session admits groups as slots free: 6 partial steps may train groups of
+    # later generation batches than 6 (the rounds went up to 5)
+    fills = [plain.collect(dump_step=step).metrics["rollout/engine_fill"]
+             for step in range(1, 13)]
+    assert all(0 < f <= 1 for f in fills) and min(fills) < 1   # the plain rollout's fill too
     reference = {}
-    for step in range(1, 6):
+    for step in range(1, 13):
         reference.update(_replies(_records(tmp_path / "plain" / f"step_{step}.jsonl")))
 
-    def partial_run(eng, where) -> tuple[dict, list[dict]]:
-        c = _collector(PartialCollector, eng, model_dir, tmp_path / where)
-        metrics = [c.collect(dump_step=s).metrics for s in range(1, 5)]
+    def partial_run(cls, where) -> tuple[dict, list[dict]]:
+        c = _collector(cls, engine, model_dir, tmp_path / where)
+        metrics = [c.collect(dump_step=s).metrics for s in range(1, 7)]
         out = {}
-        for s in range(1, 5):
+        for s in range(1, 7):
             records = _records(tmp_path / where / f"step_{s}.jsonl")
             assert all(len(r["token_versions"]) == len(r["token_ids"]) for r in records)
             out.update(_replies(records))
         return out, metrics
 
-    got, metrics = partial_run(engine, "partial")
-    assert len(got) == 4 * 2 * 2 and set(got) <= set(reference)
+    got, metrics = partial_run(PartialCollector, "partial")
+    assert len(got) == 6 * 2 * 2 and set(got) <= set(reference)
     for key, (ids, logprobs) in got.items():
         assert ids == reference[key][0], key
         assert logprobs == pytest.approx(reference[key][1], abs=1e-5)
@@ -132,9 +151,13 @@ def test_fixed_weights_partial_replies_equal_the_plain_run(model_dir, tmp_path):
     assert max(m["rollout/version_span_max"] for m in metrics) >= 1
     assert sum(m["rollout/partial_share"] for m in metrics) > 0
     assert all(0 < m["rollout/engine_fill"] <= 1 for m in metrics)
-    control, _ = partial_run(NoOffsetEngine(model_dir, dtype=torch.float32), "control")
+    control, _ = partial_run(NoOffsetCollector, "control")
     differ = [k for k in control if k in reference and control[k][0] != reference[k][0]]
     assert differ
+    rounds, rounds_metrics = partial_run(RoundsCollector, "rounds")   # the rounds path too
+    assert len(rounds) == 6 * 2 * 2
+    assert all(ids == reference[k][0] for k, (ids, _) in rounds.items())
+    assert max(m["rollout/version_span_max"] for m in rounds_metrics) >= 1
 
 
 def test_carried_logprobs_are_those_of_the_sampling_version(model_dir, tmp_path):
@@ -241,11 +264,12 @@ class FailsOnce(HFRolloutEngine):
 
 
 def test_failed_round_is_retried_with_the_same_rows(model_dir, tmp_path):
-    """A generate call that fails is retried (rollout.max_retries) with the same prefixes, seeds
-    and step offsets: the run equals the one without the failure; the retry is counted."""
-    want = _collector(PartialCollector, HFRolloutEngine(model_dir, dtype=torch.float32),
+    """On the rounds path, a generate call that fails is retried (rollout.max_retries) with the
+    same prefixes, seeds and step offsets: the run equals the one without the failure; the
+    retry is counted. (The step driver path makes no retries: the test below.)"""
+    want = _collector(RoundsCollector, HFRolloutEngine(model_dir, dtype=torch.float32),
                       model_dir, tmp_path / "a")
-    got = _collector(PartialCollector, FailsOnce(model_dir, dtype=torch.float32), model_dir,
+    got = _collector(RoundsCollector, FailsOnce(model_dir, dtype=torch.float32), model_dir,
                      tmp_path / "b", ["rollout.retry_wait_s=0"])
     retries = 0.0
     for s in range(1, 4):
@@ -280,3 +304,102 @@ def test_dapo_keeps_its_meaning_under_partial_rollouts(model_dir, tmp_path):
             assert r["rm_score"] == float(len(r["token_ids"]) % 3)
             assert reward == pytest.approx(r["reward"] + want)
     assert dropped > 0
+
+
+class FailingStep:
+    """A step driver whose first step raises."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("injected engine step failure")
+        return self.inner.step()
+
+
+class FailingCollector(PartialCollector):
+    def step_driver(self):
+        return FailingStep(super().step_driver())
+
+
+def test_failed_driver_step_stops_the_run_and_empties_the_engine(model_dir, tmp_path):
+    """On the step driver there are no retries: a failed step raises out of collect, and every
+    row of the session is aborted (nothing stays in the engine)."""
+    c = _collector(FailingCollector, HFRolloutEngine(model_dir, dtype=torch.float32), model_dir,
+                   tmp_path, ["train.prompts_per_step=4"])
+    with pytest.raises(RuntimeError, match="injected engine step failure"):
+        c.collect(dump_step=1)
+    assert c.driver.calls == 1 and not c.driver.busy
+    assert [e[0] for e in c.driver.events].count("aborted") > 0
+
+
+def _session_events(driver) -> dict[str, tuple[int, int]]:
+    """key -> (step added, step finished or aborted) from a driver's events."""
+    spans: dict[str, list[int]] = {}
+    for kind, key, step in driver.events:
+        if kind == "added":
+            spans[key] = [step, -1]
+        else:
+            spans[key][1] = step
+    return {k: (a, b) for k, (a, b) in spans.items()}
+
+
+def test_driver_session_admits_rows_as_slots_free(model_dir, tmp_path):
+    """One session per step on the hf step driver: rows are added at driver steps > 0 while rows
+    added before are still running (slots refilled mid-session), whole groups at a time, never
+    more rows in flight than ceil(partial_oversample x prompts_per_step) x n; the session ends
+    with its unfinished rows aborted (carried). Control: the rounds path runs generate calls and
+    no driver."""
+    c = _collector(PartialCollector, HFRolloutEngine(model_dir, dtype=torch.float32), model_dir,
+                   tmp_path, ["train.prompts_per_step=4", "rollout.partial_oversample=1.5"])
+    late = 0
+    for step in range(1, 4):
+        batch = c.collect(dump_step=step)
+        assert batch.metrics["rollout/num_gen_batches"] == 1.0
+        spans = _session_events(c.driver)
+        for key, (added, _) in spans.items():
+            if added > 0:
+                late += any(a < added < e for k, (a, e) in spans.items() if k != key)
+        for t in range(c.driver.steps + 1):   # rows in flight after each step's admissions
+            assert sum(a <= t < e for a, e in spans.values()) <= 6 * 2
+        added_at: dict[int, list[str]] = {}
+        for key, (added, _) in spans.items():
+            added_at.setdefault(added, []).append(key)
+        for when, keys in added_at.items():   # groups join whole after the session's start
+            if when > 0:
+                assert len(keys) == 2 * len({k.split("/")[0] for k in keys}), keys
+        aborted = [e for e in c.driver.events if e[0] == "aborted"]
+        assert len(aborted) == batch.metrics["rollout/partial_carried"]
+        assert 0 < batch.metrics["rollout/engine_fill"] <= 1
+    assert late > 0
+    engine = c.pool.engine
+    assert engine.num_generate_calls == 0   # the sessions ran on the driver alone
+    rounds = _collector(RoundsCollector, engine, model_dir, tmp_path / "r",
+                        ["train.prompts_per_step=4"])
+    rounds.collect(dump_step=1)
+    assert rounds.driver is None and engine.num_generate_calls > 0
+
+
+def _dump(path) -> list[str]:
+    return sorted(p.name + p.read_text() for p in path.glob("step_*.jsonl"))
+
+
+def test_driver_sessions_repeat_exactly(model_dir, tmp_path):
+    """Two collectors with the same seed on fresh hf engines: identical metrics (wall-time ones
+    aside) and dumps (token_versions included); another seed (negative control) gives other
+    dumps."""
+    def run(where, seed):
+        c = _collector(PartialCollector, HFRolloutEngine(model_dir, dtype=torch.float32),
+                       model_dir, tmp_path / where, [f"seed={seed}"])
+        ms = [c.collect(dump_step=s).metrics for s in range(1, 5)]
+        return [{k: v for k, v in m.items() if not k.startswith("time/")
+                 and k != "rollout/tokens_per_s"} for m in ms], _dump(tmp_path / where)
+
+    a, b, other = run("a", 1), run("b", 1), run("c", 2)
+    assert a == b and a[1] and "token_versions" in a[1][0]
+    assert other[1] != a[1]

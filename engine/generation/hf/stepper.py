@@ -149,6 +149,15 @@ class HFStepDriver:
         self._added(key)
         self.scoring[key] = (checked, int(top_k))
 
+    def so_far(self, key: str) -> tuple[list[int], list[float]]:
+        """A request's sampled ids so far and the log-prob of each (what a partial rollout
+        carries when it cuts the request, engine.rl.collect.partial_session; [] and [] for a
+        key not in the driver or not yet prefilled)."""
+        for k, row in self.running.values():
+            if k == key:
+                return list(row.ids), list(row.logprobs)
+        return [], []
+
     def abort(self, key: str) -> None:
         """Remove a request (nothing happens for a key not in the driver); its slot is free
         at once."""

@@ -19,7 +19,9 @@ with new tokens, its ids so far (`StepOutput.ids`), and for every request once f
 `Generation` (or `SequenceScores` for a scoring request, `add_scoring`). vLLM hands a streamed
 request's new tokens only (its DELTA outputs, gathered here with their log-prob entries) and
 the others' at their end only (FINAL_ONLY): no step copies a whole reply. `abort(key)`
-removes a request from the engine (a cancelled client); its slot is free from the next step.
+removes a request from the engine (a cancelled client); its slot is free from the next step;
+`so_far(key)` gives a streamed request's ids and log-probs before it is aborted (the cut of a
+partial rollout, engine.rl.collect.partial_session).
 
 Events (`events`, the last MAX_EVENTS): ("added", key, step), ("finished", key, step),
 ("aborted", key, step), with `step` the number of engine steps run before the event, so tests
@@ -109,6 +111,16 @@ class VLLMStepDriver:
     def _scoring_params(top_k: int):
         from vllm import SamplingParams as VLLMParams  # vLLM: its owner imported it already
         return VLLMParams(**scoring_args(top_k), output_kind=_output_kind(False))
+
+    def so_far(self, key: str) -> tuple[list[int], list[float]]:
+        """A running streamed request's sampled ids so far and the contract's log-prob of each
+        (what a partial rollout carries when it cuts the request; [] and [] for a key not
+        running)."""
+        state = self.running.get(key)
+        if state is None:
+            return [], []
+        return list(state.ids), [step[token].logprob
+                                 for step, token in zip(state.logprobs, state.ids)]
 
     def abort(self, key: str) -> None:
         """Remove a running request (nothing happens for a key not running)."""

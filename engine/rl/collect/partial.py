@@ -1,13 +1,22 @@
 """Partial rollouts (rollout.partial; docs/async-rl.md#partial-rollouts-rolloutpartial): a rollout
-batch does not wait for its longest reply. Replies are decoded in rounds of at most
-rollout.partial_max_new_tokens tokens; a reply still unfinished after its round is cut and
-carried, and continues in a later round (the next step's, under the new weights) from its prompt + its tokens so far. Every cut is
-made by token counts, never by wall time, so a run gives the same numbers twice.
+batch does not wait for its longest reply. A reply still unfinished when the step's batch is cut
+is carried, and continues in the next step (under the new weights) from its prompt + its tokens
+so far. Every cut is made by step or token counts, never by wall time, so a run gives the same
+numbers twice.
+
+Two ways to generate (`step_driver`): where the pool is one engine in this process with a step
+driver (engine.rl.agent.rollout.step_driver: vllm without speculative decoding, hf without a
+vision tower, routed experts or layers other than full attention), a step is ONE driver session
+that admits new groups' replies as slots free and cuts once prompts_per_step groups wait
+(engine.rl.collect.partial_session); everywhere else (several engines, sglang excluded by
+partial_checks, speculative decoding, an hf model the driver refuses) in rounds:
 
 One step (PartialCollector.collect, rank 0):
 1. unfinished replies whose continuation would span more than rollout.partial_max_staleness
    versions restart from their prompt (same seed; counted in rollout/partial_restarts);
-2. rounds until train.prompts_per_step complete groups wait (or a round budget is spent):
+2. on the driver: one session (partial_session); in rounds: rounds of at most
+   rollout.partial_max_new_tokens tokens per reply until train.prompts_per_step complete
+   groups wait (or a round budget is spent):
    new groups are started so that groups in flight + waiting = ceil(partial_oversample x
    prompts_per_step); ONE generate call over the engines holds every unfinished reply (carried
    ones first, by group number) and the new groups' replies; each row draws the randomness of
@@ -40,7 +49,9 @@ from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.collect.batch import RolloutBatch
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.fill import engine_fill, fill_counts
+from engine.rl.agent.rollout import step_driver
 from engine.rl.collect.partial_checks import groups_in_flight, partial_budget
+from engine.rl.collect.partial_session import run_session
 from engine.rl.collect.partial_state import (Group, Reply, from_plain, span_metrics,
                                              to_plain)
 from engine.rl.collect.reward_metrics import reward_length_metrics
@@ -52,7 +63,12 @@ from engine.generation.work_split import response_seed
 class PartialCollector(RolloutCollector):
     """RolloutCollector (same arguments) whose `collect` runs partial rollouts (module
     docstring). State between steps: `groups` (in flight, by number), `ready` (complete,
-    waiting), `next_group`; `state()` / `restore()` put it in the checkpoint's extra."""
+    waiting), `next_group`; `state()` / `restore()` put it in the checkpoint's extra.
+    `use_driver` (class attribute, default True): False keeps the rounds path everywhere (a
+    baseline for benchmarks, the rounds' own tests); `driver`: the last session's driver
+    (None: that step went in rounds)."""
+
+    use_driver = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -60,6 +76,7 @@ class PartialCollector(RolloutCollector):
         self.ready: list[Group] = []
         self.next_group = 0
         self.steps = 0                   # collects so far (the version without a dump step)
+        self.driver = None
 
     # ------------------------------------------------------------------- checkpoint state
     def state(self) -> dict:
@@ -93,7 +110,13 @@ class PartialCollector(RolloutCollector):
             cfg.dapo.max_gen_batches if cfg.dapo.dynamic_sampling else 1) + 1
         log = {"calls": 0.0, "retries": 0.0, "restarts": 0.0, "imbalance": 1.0,
                "fill": [], "tokens": 0, "gen_s": 0.0, "errors": 0, "dropped": 0, "rounds": 0}
-        while len(self.ready) < cfg.train.prompts_per_step and log["rounds"] < cap:
+        self.driver = self.step_driver() if len(self.ready) < cfg.train.prompts_per_step \
+            else None
+        if self.driver is not None:
+            run_session(self, self.driver, version, log)
+            self.next_gen_batch += 1
+        while self.driver is None and len(self.ready) < cfg.train.prompts_per_step and \
+                log["rounds"] < cap:
             self._round(version, budget, log)
         take = cfg.train.prompts_per_step
         trained, self.ready = self.ready[:take], self.ready[take:]
@@ -119,6 +142,25 @@ class PartialCollector(RolloutCollector):
             "time/rollout_s": time.perf_counter() - t0})
         return batch
 
+    def step_driver(self):
+        """A step driver over the pool's one engine (engine.rl.agent.rollout.step_driver), or
+        None: the rounds path (module docstring; always None when `use_driver` is False)."""
+        return step_driver(self.pool) if self.use_driver else None
+
+    def prefix(self, group: Group, reply: Reply) -> list[int]:
+        """What a continued reply is generated from: its prompt's ids + its tokens so far."""
+        return self._prompt_ids(group.row) + reply.tokens
+
+    def start_group(self) -> Group:
+        """The next group number's group (its prompt row and seeds), appended to `groups`."""
+        cfg = self.cfg
+        p, q = cfg.train.prompts_per_step, self.next_group
+        self.next_group += 1
+        group = Group(q, self._prompt_row(q), [Reply(response_seed(cfg.seed, q // p, q % p, j))
+                                               for j in range(cfg.rollout.n)])
+        self.groups.append(group)
+        return group
+
     def _prompt_row(self, number: int) -> int:
         p = self.cfg.train.prompts_per_step
         return global_batch_indices(len(self.rows), p, number // p, self.cfg.seed,
@@ -126,13 +168,10 @@ class PartialCollector(RolloutCollector):
 
     def _start_groups(self) -> None:
         """New groups up to ceil(partial_oversample x prompts_per_step) in flight + waiting."""
-        cfg = self.cfg
-        p, n = cfg.train.prompts_per_step, cfg.rollout.n
-        for _ in range(groups_in_flight(cfg.rollout, p) - len(self.groups) - len(self.ready)):
-            q = self.next_group
-            self.next_group += 1
-            self.groups.append(Group(q, self._prompt_row(q), [
-                Reply(response_seed(cfg.seed, q // p, q % p, j)) for j in range(n)]))
+        p = self.cfg.train.prompts_per_step
+        for _ in range(groups_in_flight(self.cfg.rollout, p) - len(self.groups)
+                       - len(self.ready)):
+            self.start_group()
 
     def _round(self, version: int, budget: int, log: dict) -> None:
         """One generate call over every unfinished reply (module docstring, step 2), then the
@@ -142,7 +181,7 @@ class PartialCollector(RolloutCollector):
         rows = [(g, r) for g in self.groups for r in g.replies if r.finish is None]
         log["rounds"] += 1
         if rows:
-            prompts = [self._prompt_ids(g.row) + r.tokens for g, r in rows]
+            prompts = [self.prefix(g, r) for g, r in rows]
             params = SamplingParams(
                 max_new_tokens=budget, temperature=rollout.temperature, top_p=rollout.top_p,
                 seeds=[r.seed for _, r in rows], first_steps=[len(r.tokens) for _, r in rows],
@@ -171,9 +210,9 @@ class PartialCollector(RolloutCollector):
         done = [g for g in self.groups if g.complete]
         self.groups = [g for g in self.groups if not g.complete]
         if done:
-            self._complete(done, log)
+            self.complete_groups(done, log)
 
-    def _complete(self, groups: list[Group], log: dict) -> None:
+    def complete_groups(self, groups: list[Group], log: dict) -> None:
         """Score complete groups (reward.fn, the reward model, the overlong penalty), drop the
         ones without signal under dapo.dynamic_sampling, queue the rest by number."""
         cfg, n = self.cfg, self.cfg.rollout.n

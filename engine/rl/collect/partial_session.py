@@ -1,0 +1,133 @@
+"""Partial rollouts on a step driver (engine.rl.collect.partial, rollout.partial): where the pool
+is ONE engine in this process with a step driver (engine.rl.agent.rollout.step_driver, the
+agent endpoint's decision: vllm without speculative decoding, hf without a vision tower, routed
+experts or layers other than full attention), an RL step's generation is ONE driver session
+that admits replies as sequence slots free, instead of rounds whose rows all start together.
+
+A session (`run_session`, rank 0, a driver built for it):
+1. the carried replies are added first (by group number), each from its prompt + its tokens so
+   far with SamplingParams(seeds=[its seed], first_steps=[its tokens so far],
+   row_max_new_tokens=[rollout.max_new_tokens - its tokens so far]); then new groups, each
+   whole (its rollout.n replies together), while the rows in flight stay within the slot
+   budget (`slot_budget`: ceil(partial_oversample x prompts_per_step) x rollout.n rows, on
+   vLLM also at most max(rollout.n, max_num_seqs));
+2. the driver steps; every finished row may complete its group (scored and queued as in the
+   rounds path); after every step with a finished row, further new groups are admitted while
+   the budget allows (a row added at driver step s > 0 joins rows running since earlier steps);
+3. the cut: once train.prompts_per_step groups wait, or the session ran `session_steps` driver
+   steps, every row still running is aborted and carried with its tokens so far (their
+   log-probs and this version; the driver's `so_far`).
+Everything is decided by driver step counts and finish events, never by wall time: the same
+seed gives the same session. A continued row draws as on the rounds path (hf: u(seed, t) of its
+own decode step t, so at fixed weights a cut-and-continued reply is token for token the
+uninterrupted one; vLLM: continuation_seed(seed, k), a fresh deterministic draw).
+
+Fill (rollout/engine_fill): busy slot-steps / (slot budget x driver steps), busy = rows that got
+a token in a step (from the driver's step outputs: every row is streamed). No retries on this
+path: a failed engine step aborts the session's rows and raises (the run stops), as the agent
+endpoint's step path does; the rounds path (several engines, sglang, speculative decoding)
+keeps the pool's retries and restarts.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from engine.generation import SamplingParams
+from engine.rl.collect.partial_checks import groups_in_flight, partial_budget
+from engine.rl.collect.partial_state import Group, Reply
+
+
+def slot_budget(cfg, driver) -> int:
+    """Rows a session keeps in flight (module docstring, step 1): ceil(partial_oversample x
+    prompts_per_step) x rollout.n, on a vLLM engine capped at max(rollout.n, max_num_seqs)."""
+    n = cfg.rollout.n
+    rows = groups_in_flight(cfg.rollout, cfg.train.prompts_per_step) * n
+    vllm_config = getattr(driver.engine, "vllm_config", None)
+    if vllm_config is not None:
+        rows = min(rows, max(n, int(vllm_config.scheduler_config.max_num_seqs)))
+    return rows
+
+
+def session_steps(cfg) -> int:
+    """The session's bound on driver steps: the rounds path's bound on what a row decodes in a
+    step, (ceil(rollout.max_new_tokens / partial_max_new_tokens) x (dapo.max_gen_batches under
+    dapo.dynamic_sampling, else 1) + 1) x partial_max_new_tokens."""
+    budget = partial_budget(cfg.rollout)
+    rounds = math.ceil(cfg.rollout.max_new_tokens / budget) * (
+        cfg.dapo.max_gen_batches if cfg.dapo.dynamic_sampling else 1) + 1
+    return rounds * budget
+
+
+def _extend(reply: Reply, ids: list[int], logprobs: list[float], version: int) -> None:
+    reply.tokens += list(ids)
+    reply.logprobs += [float(x) for x in logprobs]
+    reply.versions += [version] * len(ids)
+
+
+def run_session(collector, driver, version: int, log: dict) -> None:
+    """One session (module docstring) of `collector` (a PartialCollector: its groups in
+    flight, its waiting groups, `start_group`, `prefix`, `complete_groups`) on `driver`, the
+    tokens sampled at policy version `version`; adds to `log` (the collector's step counts:
+    calls = rows added, tokens, gen_s = seconds inside driver steps, fill)."""
+    cfg = collector.cfg
+    rollout, p, n = cfg.rollout, cfg.train.prompts_per_step, cfg.rollout.n
+    slots, limit = slot_budget(cfg, driver), session_steps(cfg)
+    live: dict[str, Reply] = {}
+    seen: dict[str, int] = {}
+
+    def add(group: Group) -> None:
+        for j, reply in enumerate(group.replies):
+            if reply.finish is None:
+                key = f"{group.number}/{j}"
+                driver.add(key, collector.prefix(group, reply), SamplingParams(
+                    max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                    top_p=rollout.top_p, seeds=[reply.seed], first_steps=[len(reply.tokens)],
+                    row_max_new_tokens=[rollout.max_new_tokens - len(reply.tokens)]),
+                    stream=True)
+                live[key], seen[key] = reply, 0
+                log["calls"] += 1
+
+    def admit() -> None:
+        while len(live) + n <= slots:
+            add(collector.start_group())
+
+    steps = busy = 0
+    try:
+        for group in sorted(collector.groups, key=lambda g: g.number):
+            add(group)
+        admit()
+        while len(collector.ready) < p and driver.busy and steps < limit:
+            t0 = time.perf_counter()
+            outputs = driver.step()
+            log["gen_s"] += time.perf_counter() - t0
+            steps += 1
+            finished = False
+            for out in outputs:
+                if len(out.ids) > seen[out.key]:
+                    busy += 1
+                    seen[out.key] = len(out.ids)
+                if out.done is not None:
+                    reply = live.pop(out.key)
+                    _extend(reply, out.done.response_ids, out.done.response_logprobs, version)
+                    log["tokens"] += len(out.done.response_ids)
+                    reply.finish = "stop" if out.done.finish_reason == "stop" else "length"
+                    finished = True
+            if finished:
+                done = [g for g in collector.groups if g.complete]
+                collector.groups = [g for g in collector.groups if not g.complete]
+                if done:
+                    collector.complete_groups(done, log)
+                if len(collector.ready) < p:
+                    admit()
+    except BaseException:   # a failed step: nothing stays in the engine, the run stops
+        for key in live:
+            driver.abort(key)
+        raise
+    for key, reply in live.items():   # the cut
+        ids, logprobs = driver.so_far(key)
+        driver.abort(key)
+        _extend(reply, ids, logprobs, version)
+        log["tokens"] += len(ids)
+    log["fill"].append((busy, slots * steps))
+    log["rounds"] += 1
