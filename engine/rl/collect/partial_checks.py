@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from engine.generation.base import BACKENDS, custom_backend_class
 from models.hf.conditional import original_config
 
 
@@ -21,11 +22,26 @@ def groups_in_flight(rollout, prompts_per_step: int) -> int:
     return math.ceil(float(rollout.partial_oversample) * prompts_per_step - 1e-9)
 
 
+def applies_row_fields(backend: str) -> bool:
+    """Whether rollout.backend=`backend` applies SamplingParams.first_steps and
+    row_max_new_tokens: hf, vllm, or a package.module:Class subclass of their engines (which
+    inherits their generate); False for sglang and any other class, or one that does not load
+    (engine.rl.checks reports that)."""
+    built = (BACKENDS["hf"], BACKENDS["vllm"])
+    if backend in BACKENDS or ":" not in backend:
+        return backend in ("hf", "vllm")
+    try:
+        cls = custom_backend_class(backend)
+    except ValueError:
+        return False
+    return any(f"{c.__module__}:{c.__qualname__}" in built for c in cls.__mro__)
+
+
 def partial_problems(cfg) -> list[str]:
     """The ranges of rollout.partial_* (always) and, with rollout.partial=true, what partial
-    rollouts are not built for, refused by name: a backend other than hf and vllm (SGLang and
-    a user's package.module:Class do not apply SamplingParams.first_steps /
-    row_max_new_tokens), the disaggregated placement, multi-turn environments (env.fn) and
+    rollouts are not built for, refused by name: a backend that does not apply
+    SamplingParams.first_steps / row_max_new_tokens (applies_row_fields: SGLang, a user's
+    package.module:Class not derived from the hf or vllm engine), the disaggregated placement, multi-turn environments (env.fn) and
     agent episodes (env.agent), an LLM judge, R3 routing replay.
 
     Backends: on hf a continued reply draws the randomness of its own decode steps (with
@@ -50,11 +66,12 @@ def partial_problems(cfg) -> list[str]:
                  "integer >= 0")
     if r.partial is not True:
         return p
-    if r.backend not in ("hf", "vllm"):
+    if not applies_row_fields(r.backend):
         p.append(f"rollout.partial=true with rollout.backend={r.backend!r} is not built: a "
                  "continued reply needs the per-row step offset and bound "
                  "(SamplingParams.first_steps / row_max_new_tokens), which rollout.backend=hf "
-                 "and vllm apply; use hf, vllm or rollout.partial=false")
+                 "and vllm (and subclasses of their engines) apply; use hf, vllm or "
+                 "rollout.partial=false")
     if r.placement != "colocated":
         p.append(f"rollout.partial=true with rollout.placement={r.placement!r} is not built "
                  "(the carried replies live in the colocated collector); use colocated")
