@@ -327,15 +327,83 @@ class FailingCollector(PartialCollector):
         return FailingStep(super().step_driver())
 
 
-def test_failed_driver_step_stops_the_run_and_empties_the_engine(model_dir, tmp_path):
-    """On the step driver there are no retries: a failed step raises out of collect, and every
-    row of the session is aborted (nothing stays in the engine)."""
+def test_failing_driver_steps_stop_the_run_and_empty_the_engine(model_dir, tmp_path):
+    """A session whose driver step fails every time: rollout.max_retries more sessions from the
+    same state, then collect raises; every row of the session was aborted (nothing stays in
+    the engine)."""
     c = _collector(FailingCollector, HFRolloutEngine(model_dir, dtype=torch.float32), model_dir,
-                   tmp_path, ["train.prompts_per_step=4"])
+                   tmp_path, ["train.prompts_per_step=4", "rollout.retry_wait_s=0",
+                              "rollout.max_retries=2"])
     with pytest.raises(RuntimeError, match="injected engine step failure"):
         c.collect(dump_step=1)
     assert c.driver.calls == 1 and not c.driver.busy
     assert [e[0] for e in c.driver.events].count("aborted") > 0
+
+
+class DiesOnce(HFRolloutEngine):
+    """An engine that dies (is_alive False) at the 5th driver step of the run, once (a class
+    flag: the restarted engine works)."""
+
+    died = False
+    steps = 0
+    dead = False
+
+    @property
+    def is_alive(self) -> bool:
+        return not self.dead
+
+
+class DyingStep(FailingStep):
+    def step(self):
+        DiesOnce.steps += 1
+        if DiesOnce.steps == 5 and not DiesOnce.died:
+            DiesOnce.died = True
+            self.inner.engine.dead = True
+            raise RuntimeError("injected engine death")
+        return self.inner.step()
+
+
+class DyingCollector(PartialCollector):
+    def step_driver(self):
+        return DyingStep(super().step_driver())
+
+
+def test_failed_driver_session_is_run_again_and_equals_the_straight_run(model_dir, tmp_path):
+    """A driver step that fails mid-session: the session runs again from the state it started
+    from, on a restarted engine when the engine died (RolloutPool.restart), and the run equals
+    the straight one (a session is a function of its start state and the weights); the
+    restart is counted. Control: a pool that cannot restart raises."""
+    from engine.generation.placement import EnginePlacement
+    from engine.generation.pool import RolloutPool
+
+    straight = _collector(PartialCollector, HFRolloutEngine(model_dir, dtype=torch.float32),
+                          model_dir, tmp_path / "a")
+    engines = []
+
+    def factory():
+        engines.append(DiesOnce(model_dir, dtype=torch.float32))
+        return engines[-1]
+
+    cfg = _config(BASE + [f"logging.rollout_dir={tmp_path / 'b'}", "rollout.retry_wait_s=0"])
+    pool = RolloutPool(EnginePlacement(1, 1, 1, 1, (0,)), factory(), cfg.rollout,
+                       factory=factory, resync=lambda engines: None)   # fixed weights
+    DiesOnce.died, DiesOnce.steps = False, 0
+    from transformers import AutoTokenizer
+    got = DyingCollector(pool, ROWS, AutoTokenizer.from_pretrained(model_dir),
+                         load_reward_fn("math"), cfg)
+    restarts = 0.0
+    for s in range(1, 5):
+        a, b = straight.collect(dump_step=s), got.collect(dump_step=s)
+        assert (a.response_ids, a.rollout_logprobs, a.advantages) == (
+            b.response_ids, b.rollout_logprobs, b.advantages), s
+        restarts += b.metrics["rollout/restarts"]
+    assert DiesOnce.died and restarts == 1 and len(engines) == 2
+    DiesOnce.died, DiesOnce.steps = False, 0
+    local = _collector(DyingCollector, DiesOnce(model_dir, dtype=torch.float32),
+                       model_dir, tmp_path / "c", ["rollout.retry_wait_s=0"])
+    with pytest.raises(RuntimeError, match="cannot restart"):
+        for s in range(1, 5):
+            local.collect(dump_step=s)
 
 
 def _session_events(driver) -> dict[str, tuple[int, int]]:

@@ -212,6 +212,17 @@ class RolloutPool:
         return out, GenerateStats(calls, retries, restarts, list(seconds.values()), counters,
                                   fill)
 
+    def restart(self, engines: list[int]) -> None:
+        """Rank 0: rebuild `engines` with the factory and stream the trainer's weights into
+        them (collective: ranks > 0 follow in `serve`), as `generate` does after a failed call;
+        for callers that drive the engine themselves (engine.rl.collect.partial_session).
+        Raises RuntimeError for a pool without a factory (RolloutPool.local)."""
+        if self._factory is None:
+            raise RuntimeError("this rollout pool cannot restart its engines (no factory: "
+                               "RolloutPool.local)")
+        self._command(("restart", list(engines)))
+        self._restart(list(engines))
+
     def score(self, ids: list[list[int]]) -> list[float]:
         """Rank 0: `scorer(ids)` run on every rank (one float per token id list)."""
         self._command(("score", ids))

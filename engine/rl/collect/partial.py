@@ -38,6 +38,7 @@ records (token_versions, -1 on prompt tokens) and the trainer uses as its behavi
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -113,8 +114,7 @@ class PartialCollector(RolloutCollector):
         self.driver = self.step_driver() if len(self.ready) < cfg.train.prompts_per_step \
             else None
         if self.driver is not None:
-            run_session(self, self.driver, version, log)
-            self.next_gen_batch += 1
+            self._session(version, log)
         while self.driver is None and len(self.ready) < cfg.train.prompts_per_step and \
                 log["rounds"] < cap:
             self._round(version, budget, log)
@@ -141,6 +141,37 @@ class PartialCollector(RolloutCollector):
             "train/groups": float(len(trained)),
             "time/rollout_s": time.perf_counter() - t0})
         return batch
+
+    def _session(self, version: int, log: dict) -> None:
+        """The step's driver session (partial_session.run_session). A failed one is run again
+        from the state it started from (rollout.max_retries times; the engine restarted first
+        where it died, RolloutPool.restart), so a recovered step equals the one without the
+        failure: a session is a function of that state and the weights."""
+        start = (json.dumps(self.state()), {k: list(v) if isinstance(v, list) else v
+                                             for k, v in log.items()})
+        for attempt in range(self.cfg.rollout.max_retries + 1):
+            try:
+                run_session(self, self.driver, version, log)
+                break
+            except Exception as e:  # noqa: BLE001 - any engine failure is retried
+                if attempt == self.cfg.rollout.max_retries:
+                    raise
+                self.restore(json.loads(start[0]))
+                log.clear()
+                log.update({k: list(v) if isinstance(v, list) else v
+                            for k, v in start[1].items()})
+                dead = not self.pool.engine.is_alive
+                print(f"[rollout] warning: the step driver failed on generation batch "
+                      f"{self.next_gen_batch} (attempt {attempt + 1}): {type(e).__name__}: "
+                      f"{e}; {'restarting the engine and ' if dead else ''}running the "
+                      "session again", flush=True)
+                if dead:
+                    self.pool.restart([0])
+                else:
+                    time.sleep(self.cfg.rollout.retry_wait_s * 2 ** attempt)
+                log["restarts" if dead else "retries"] += 1
+                self.driver = self.step_driver()
+        self.next_gen_batch += 1
 
     def step_driver(self):
         """A step driver over the pool's one engine (engine.rl.agent.rollout.step_driver), or
