@@ -2,67 +2,29 @@
 an EOS-prone tiny qwen3 so reply lengths spread): the run trains and its dumps carry
 token_versions spanning versions, two runs with the same seed give identical metrics, DP2, TP2
 and PP2 training equal one process (rel 1e-5), a run stopped and resumed equals the straight
-one, and carried tokens keep the log-probs of the weights that sampled them. Second tier
-(tests/conftest.py SECOND_TIER): seven launches on the session's rank pool. The in-process
-properties (the step offset, fixed-weight equality, retries, DAPO) are in
-tests/test_rl_partial.py."""
+one, and carried tokens keep the log-probs of the weights that sampled them; the negative
+control of the equalities: the stopped run resumed without its carried replies differs. Second
+tier (tests/conftest.py SECOND_TIER): eight launches on the session's rank pool
+(tests/partial_runs.py). The in-process properties (the step offset, fixed-weight equality,
+retries, DAPO) are in tests/test_rl_partial.py."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
+from tests.partial_runs import (STEPS, TokenLogprobs, layout_differences, partial_runs, tokens,
+                                untimed)
 from tools.bench.partial import eos_prone_model
-
-STEPS = 4
-# metrics that measure time or speed: not expected to repeat
-TIMING = ("time/", "rollout/tokens_per_s", "weight_sync/gbps", "perf/", "throughput/")
-COMPARED = ("policy/loss", "grad_norm", "reward/mean", "rollout/logprob_diff",
-            "rollout/version_span_mean", "rollout/partial_share", "rollout/engine_fill",
-            "policy/kl", "policy/entropy")
 
 
 @pytest.fixture(scope="module")
 def runs(pools, tmp_path_factory) -> dict:
     """{name: (metrics per step, dump records per step)} for the 1-process run, its repeat,
-    DP2, TP2, PP2, the stopped and the resumed run; "versions": each version's HF folder."""
+    DP2, TP2, PP2, the stopped and the resumed run, and "dropped" (the stopped run resumed
+    from a copy of its checkpoint without the carried replies: the negative control);
+    "versions": each version's HF folder."""
     root = tmp_path_factory.mktemp("partial_runs")
     model = eos_prone_model(str(root / "model"), eos_scale=2.5, hidden=64, layers=4)
-    data = root / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?",
-                                        "answer": i}) + "\n" for i in range(32)))
-    out = {}
-    # the first run keeps every version's weights as the trainer exports them
-    # (checkpoint.save_hf's iter_NNNNNNN/hf/)
-    keep = [f"checkpoint.dir={root / 'ckpt'}", "checkpoint.save_interval=1",
-            "checkpoint.save_hf=true"]
-    # "half" stops after step 2 (saving the carried replies in the checkpoint), "resumed"
-    # continues it from the checkpoint in the same folders to step 4
-    resume = [f"checkpoint.dir={root / 'ckpt_half'}"]
-    for name, ranks, layout in (("one", 1, keep), ("again", 1, []), ("dp2", 2, []),
-                                ("tp2", 2, ["parallel.tp=2"]), ("pp2", 2, ["parallel.pp=2"]),
-                                ("half", 1, resume + ["train.exit_interval=2"]),
-                                ("resumed", 1, resume)):
-        log = root / ("half" if name == "resumed" else name)
-        proc = pools.script(
-            ranks, "-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{data}]",
-            *layout, "rollout.partial=true", "rollout.partial_max_new_tokens=4",
-            "rollout.max_new_tokens=16", "rollout.n=4", "train.prompts_per_step=2",
-            "train.mini_batches_per_step=1", "train.micro_batch_size=2",
-            f"train.max_steps={STEPS}", "train.seq_length=64", "optim.lr=1e-3",
-            "kl.beta=0.05", "reward.fn=tests.test_rl_loop:digit_reward", "data.shuffle=false",
-            f"logging.dir={log}", f"logging.rollout_dir={log / 'rollouts'}",
-            "logging.progress_bar=false", timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        metrics = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
-        dumps = [[json.loads(x) for x in (log / "rollouts" / f"step_{s}.jsonl").read_text()
-                  .splitlines()] for s in range(1, STEPS + 1) if s <= len(metrics)]
-        out[name] = (metrics, dumps)
-    out["versions"] = [model] + [str(root / "ckpt" / f"iter_{v:07d}" / "hf")
-                                 for v in range(1, STEPS)]
-    return out
+    return partial_runs(pools, root, model, [])
 
 
 def test_partial_run_trains_with_replies_spanning_versions(runs):
@@ -92,23 +54,23 @@ def test_partial_run_trains_with_replies_spanning_versions(runs):
 
 
 def test_partial_run_repeats_exactly(runs):
+    """Two runs with the same seed: the same metrics (timing aside) and dumps; the run that
+    lost its carried replies at step 2 (negative control) differs from step 3 on."""
     (a, da), (b, db) = runs["one"], runs["again"]
-    for ma, mb in zip(a, b):
-        same = {k: v for k, v in ma.items() if not k.startswith(TIMING)}
-        assert same == {k: v for k, v in mb.items() if not k.startswith(TIMING)}
-    assert [[r["token_ids"] for r in s] for s in da] == [[r["token_ids"] for r in s] for s in db]
+    assert [untimed(m) for m in a] == [untimed(m) for m in b]
+    assert tokens(da) == tokens(db)
+    dropped, dropped_dumps = runs["dropped"]
+    assert [untimed(m) for m in dropped[2:]] != [untimed(m) for m in a[2:]]
+    assert tokens(dropped_dumps[2:]) != tokens(da[2:])
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
 def test_partial_run_is_layout_invariant(runs, layout):
-    ref, _ = runs["one"]
-    got, dumps = runs[layout]
-    assert [[r["token_ids"] for r in s] for s in dumps] == \
-        [[r["token_ids"] for r in s] for s in runs["one"][1]]
-    for mr, mg in zip(ref, got):
-        for key in COMPARED:
-            a, b = mr[key], mg[key]
-            assert abs(a - b) <= 1e-5 * max(abs(a), abs(b)) + 1e-6, (layout, key, a, b)
+    """The layout's run equals the 1-process one: token ids, and the COMPARED metrics to rel
+    1e-5; the run that lost its carried replies at step 2 (negative control) does not."""
+    assert layout_differences(runs["one"], runs[layout]) == []
+    control = layout_differences(runs["one"], runs["dropped"])
+    assert "token_ids" in control and {step for step, *_ in control[1:]} >= {3}, control
 
 
 def test_carried_tokens_keep_the_logprobs_of_their_version(runs):
@@ -116,23 +78,11 @@ def test_carried_tokens_keep_the_logprobs_of_their_version(runs):
     log_softmax of the logits under the trainer's weights of the version that sampled it (the
     run's checkpoint.save_hf folder hf/ of that step; version 0 = model.hf_path), to 1e-4;
     under the newest version's weights (negative control) the older tokens disagree."""
-    from transformers import AutoModelForCausalLM
-
     _, dumps = runs["one"]
     spanning = [r for records in dumps for r in records
                 if len({v for v in r["token_versions"] if v >= 0}) > 1]
     assert spanning
-    models = {}
-
-    def logprobs(version: int, ids: list[int]) -> torch.Tensor:
-        if version not in models:
-            models[version] = AutoModelForCausalLM.from_pretrained(
-                runs["versions"][version], dtype=torch.float32).eval()
-        with torch.no_grad():
-            logits = models[version](input_ids=torch.tensor([ids])).logits[0].float()
-        return torch.log_softmax(logits[:-1], -1).gather(
-            -1, torch.tensor(ids[1:])[:, None])[:, 0]
-
+    logprobs = TokenLogprobs(runs["versions"])
     for r in spanning:
         ids, tv, lp = r["token_ids"], r["token_versions"], r["rollout_logprobs"]
         sampled = [t for t in range(1, len(ids)) if tv[t] >= 0]
@@ -147,14 +97,13 @@ def test_carried_tokens_keep_the_logprobs_of_their_version(runs):
 
 def test_resumed_partial_run_continues_the_carried_replies(runs):
     """Stopped after step 2 and resumed from its checkpoint (whose extra holds the carried
-    replies and the waiting groups): steps 3 and 4 equal the straight run's."""
+    replies and the waiting groups): steps 3 and 4 equal the straight run's; resumed from the
+    checkpoint without them (negative control) they differ."""
     half, _ = runs["half"]
     resumed, dumps = runs["resumed"]
     straight, straight_dumps = runs["again"]
-    assert len(half) == 2 and len(resumed) == STEPS
+    assert len(half) == 2 and len(resumed) == len(runs["dropped"][0]) == STEPS
     assert half[-1]["rollout/partial_carried"] + half[-1]["rollout/partial_waiting_groups"] > 0
-    for mr, ms in zip(resumed[2:], straight[2:]):
-        assert {k: v for k, v in mr.items() if not k.startswith(TIMING)} == \
-            {k: v for k, v in ms.items() if not k.startswith(TIMING)}
-    assert [[r["token_ids"] for r in s] for s in dumps[2:]] == \
-        [[r["token_ids"] for r in s] for s in straight_dumps[2:]]
+    assert [untimed(m) for m in resumed[2:]] == [untimed(m) for m in straight[2:]]
+    assert tokens(dumps[2:]) == tokens(straight_dumps[2:])
+    assert tokens(runs["dropped"][1][2:]) != tokens(straight_dumps[2:])

@@ -3,10 +3,14 @@ vllm.rounds): a row's bound is exact; a cut reply continued (first_steps k > 0) 
 seeded continuation_seed(row seed, k), token for token a direct generate of prompt + prefix with
 that seed (negative control: the row's own seed draws other tokens); a partial round's measured
 fill (busy and total slot-steps); the PartialCollector at fixed weights replayed segment by
-segment from direct generates; real `python -m engine.rl` runs (they train, replies span
-versions in the dumps, two runs with the same seed give identical metrics and dumps, each
-carried token's log-prob is its own version's). Second tier (tests/conftest.py SECOND_TIER):
-one in-process engine (max_num_seqs 8) and two launches on the rank pool."""
+segment from direct generates; subclasses of the hf and vllm engines take rollout.partial; real
+`python -m engine.rl` runs (tests.partial_runs, test_rl_partial_runs' checks: they train,
+replies span versions in the dumps, two runs with the same seed give identical metrics and
+dumps, each carried token's log-prob is its own version's, DP2, TP2 and PP2 training equal one
+process, a run stopped and resumed equals the straight one; negative control: resumed without
+its carried replies it differs) and an engine killed mid-run and restarted gives the same run.
+Second tier (tests/conftest.py SECOND_TIER): one in-process engine (max_num_seqs 8) and eight
+launches on the rank pool."""
 from __future__ import annotations
 
 import json
@@ -15,6 +19,7 @@ import pytest
 import torch
 
 import tests.test_rl_partial_runs as hf_runs
+from tests.partial_runs import RESTART_COUNTERS, TokenLogprobs, partial_runs, tokens, untimed
 from engine.config.schema import load_config
 from engine.data.datasets import global_batch_indices
 from engine.generation import SamplingParams
@@ -24,6 +29,7 @@ from engine.generation.work_split import response_seed
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.collect.fill import fill_counts
 from engine.rl.collect.partial import PartialCollector
+from engine.rl.collect.partial_checks import applies_row_fields
 from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.rewards import load_reward_fn
 from tools.bench.partial import eos_prone_model
@@ -165,37 +171,36 @@ def test_partial_collector_on_vllm_replays_from_direct_generates(engine, model_d
     assert differ > 0
 
 
+def test_subclasses_of_the_hf_and_vllm_engines_run_partial_rollouts():
+    """rollout.partial takes a package.module:Class backend derived from the hf or vllm engine
+    (it inherits their per-row fields: the restart test's DyingVLLMEngine); sglang, a class
+    that does not load, and RolloutEngine itself (negative control) are refused."""
+    ok = ["hf", "vllm", "tests.flaky_rollout:DyingVLLMEngine", "tests.flaky_rollout:DyingHFEngine"]
+    assert [applies_row_fields(b) for b in ok] == [True] * 4
+    refused = ["sglang", "engine.generation.base:RolloutEngine", "tests.no_such_module:Engine"]
+    assert [applies_row_fields(b) for b in refused] == [False] * 3
+
+
+DIE_AT = 5     # the stopped run's engine is killed at this generate call: step 2's first round
+# (step 1 takes 4 rounds of this model)
+
+
 @pytest.fixture(scope="module")
 def runs(pools, tmp_path_factory) -> dict:
-    """test_rl_partial_runs' one and again runs (same keys, 4 steps) on rollout.backend=vllm:
-    {name: (metrics per step, dump records per step)}, "versions": each version's HF folder."""
+    """test_rl_partial_runs' runs (tests.partial_runs.partial_runs: one, again, dp2, tp2, pp2,
+    half, resumed, dropped; 4 steps) on rollout.backend=vllm; in the stopped run ("half") the
+    engine's model process is killed at its DIE_AT-th generate call
+    (tests.flaky_rollout.DyingVLLMEngine) and "died" says it was."""
     root = tmp_path_factory.mktemp("partial_vllm_runs")
     model = eos_prone_model(str(root / "model"), eos_scale=2.5, **TINY)
-    data = root / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?",
-                                        "answer": i}) + "\n" for i in range(32)))
-    out = {}
-    keep = [f"checkpoint.dir={root / 'ckpt'}", "checkpoint.save_interval=1",
-            "checkpoint.save_hf=true"]
-    for name, layout in (("one", keep), ("again", [])):
-        log = root / name
-        proc = pools.script(
-            1, "-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{data}]",
-            *layout, "rollout.backend=vllm", "rollout.vllm.max_model_len=96",
-            "rollout.partial=true", "rollout.partial_max_new_tokens=4",
-            "rollout.max_new_tokens=16", "rollout.n=4", "train.prompts_per_step=2",
-            "train.mini_batches_per_step=1", "train.micro_batch_size=2",
-            f"train.max_steps={hf_runs.STEPS}", "train.seq_length=64", "optim.lr=1e-3",
-            "kl.beta=0.05", "reward.fn=tests.test_rl_loop:digit_reward", "data.shuffle=false",
-            f"logging.dir={log}", f"logging.rollout_dir={log / 'rollouts'}",
-            "logging.progress_bar=false", timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        metrics = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
-        dumps = [[json.loads(x) for x in (log / "rollouts" / f"step_{s}.jsonl").read_text()
-                  .splitlines()] for s in range(1, hf_runs.STEPS + 1) if s <= len(metrics)]
-        out[name] = (metrics, dumps)
-    out["versions"] = [model] + [str(root / "ckpt" / f"iter_{v:07d}" / "hf")
-                                 for v in range(1, hf_runs.STEPS)]
+    marker = root / "engine_died"
+    out = partial_runs(pools, root, model, ["rollout.backend=vllm",
+                                             "rollout.vllm.max_model_len=96"],
+                       half_args=("rollout.backend=tests.flaky_rollout:DyingVLLMEngine",
+                                  "rollout.retry_wait_s=0"),
+                       half_env={"DYING_ROLLOUT_MARKER": str(marker),
+                                 "DYING_ROLLOUT_AT_CALL": str(DIE_AT)})
+    out["died"] = marker.exists()
     return out
 
 
@@ -209,3 +214,43 @@ def test_vllm_partial_run_repeats_exactly(runs):
 
 def test_vllm_carried_tokens_keep_the_logprobs_of_their_version(runs):
     hf_runs.test_carried_tokens_keep_the_logprobs_of_their_version(runs)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_vllm_partial_run_is_layout_invariant(runs, layout):
+    """DP2, TP2 and PP2 training (one vLLM engine, owned by rank 0) equal one process: token
+    ids, metrics to rel 1e-5; negative control: the run resumed without its carried replies."""
+    hf_runs.test_partial_run_is_layout_invariant(runs, layout)
+
+
+def test_vllm_resumed_partial_run_continues_the_carried_replies(runs):
+    """Stopped after step 2, resumed from its checkpoint: steps 3 and 4 equal the straight
+    run's; resumed without the carried replies (negative control) they differ."""
+    hf_runs.test_resumed_partial_run_continues_the_carried_replies(runs)
+
+
+def test_vllm_engine_restart_mid_run_gives_the_same_run(runs):
+    """The stopped run's engine dies (SIGKILL of vLLM's model process) at its DIE_AT-th generate
+    call, step 2's first round (version 1): the pool rebuilds it from model.hf_path, syncs
+    the current weights, generates the round again, and steps 1 and 2 equal the straight
+    run's (every metric but the generate-call counters, and the dumps). Negative control:
+    under the weights the rebuilt engine loaded (version 0), the tokens it sampled (version 1
+    in step 2) have other log-probs than the recorded ones (> 1e-3): a restart without the
+    sync would change the dumps and rollout/logprob_diff (compared above)."""
+    half, dumps = runs["half"]
+    straight, straight_dumps = runs["again"]
+    assert runs["died"]
+    assert [m["rollout/restarts"] for m in half] == [0.0, 1.0], half
+    assert "was restarted from the current weights on generation batch" in \
+        runs["half_proc"].stdout
+    assert [untimed(m, RESTART_COUNTERS) for m in half] == \
+        [untimed(m, RESTART_COUNTERS) for m in straight[:2]]
+    assert tokens(dumps) == tokens(straight_dumps[:2])
+    logprobs = TokenLogprobs(runs["versions"])
+    gaps = []
+    for r in dumps[1]:
+        mine = [t for t, v in enumerate(r["token_versions"]) if v == 1]
+        if mine:
+            old = logprobs(0, r["token_ids"])
+            gaps += [abs(float(old[t - 1]) - r["rollout_logprobs"][t]) for t in mine]
+    assert gaps and max(gaps) > 1e-3, gaps
