@@ -10,7 +10,9 @@ A session (`run_session`, rank 0, a driver built for it):
    row_max_new_tokens=[rollout.max_new_tokens - its tokens so far]); then new groups, each
    whole (its rollout.n replies together), while the rows in flight stay within the slot
    budget (`slot_budget`: ceil(partial_oversample x prompts_per_step) x rollout.n rows, on
-   vLLM also at most max(rollout.n, max_num_seqs));
+   vLLM also at most max(rollout.n, max_num_seqs)); admitted rows enter the driver in order,
+   on vLLM only as many per step as fit its token budget beside the running rows
+   (`token_budget`);
 2. the driver steps; every finished row may complete its group (scored and queued as in the
    rounds path); after every step with a finished row, further new groups are admitted while
    the budget allows (a row added at driver step s > 0 joins rows running since earlier steps);
@@ -23,10 +25,9 @@ own decode step t, so at fixed weights a cut-and-continued reply is token for to
 uninterrupted one; vLLM: continuation_seed(seed, k), a fresh deterministic draw).
 
 Fill (rollout/engine_fill): busy slot-steps / (slot budget x driver steps), busy = rows that got
-a token in a step (from the driver's step outputs: every row is streamed). No retries on this
-path: a failed engine step aborts the session's rows and raises (the run stops), as the agent
-endpoint's step path does; the rounds path (several engines, sglang, speculative decoding)
-keeps the pool's retries and restarts.
+a token in a step (from the driver's step outputs: every row is streamed). A failed engine
+step aborts the session's rows and raises; PartialCollector runs the session again from the
+state it started from (rollout.max_retries, the engine restarted first when it died).
 """
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ def slot_budget(cfg, driver) -> int:
     if vllm_config is not None:
         rows = min(rows, max(n, int(vllm_config.scheduler_config.max_num_seqs)))
     return rows
+
+
+def token_budget(driver) -> int | None:
+    """Prompt tokens one engine step may take (vLLM: scheduler_config.max_num_batched_tokens),
+    or None (hf: each joining row is prefilled alone). A session feeds vLLM no more new rows per
+    step than fit it beside the running rows' decode tokens, so no prompt is prefilled in
+    chunks: vLLM 0.32 rewinds a chunked request's seeded generator with set_offset, which a CPU
+    generator refuses ("CPU Generator does not use offset")."""
+    vllm_config = getattr(driver.engine, "vllm_config", None)
+    if vllm_config is None:
+        return None
+    return int(vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 def session_steps(cfg) -> int:
@@ -72,24 +85,31 @@ def run_session(collector, driver, version: int, log: dict) -> None:
     calls = rows added, tokens, gen_s = seconds inside driver steps, fill)."""
     cfg = collector.cfg
     rollout, p, n = cfg.rollout, cfg.train.prompts_per_step, cfg.rollout.n
-    slots, limit = slot_budget(cfg, driver), session_steps(cfg)
-    live: dict[str, Reply] = {}
+    slots, limit, tokens = slot_budget(cfg, driver), session_steps(cfg), token_budget(driver)
+    live: dict[str, Reply] = {}      # rows in the driver
+    queue: list[tuple[str, list[int], Reply]] = []   # admitted rows not yet in the driver
     seen: dict[str, int] = {}
 
     def add(group: Group) -> None:
         for j, reply in enumerate(group.replies):
             if reply.finish is None:
-                key = f"{group.number}/{j}"
-                driver.add(key, collector.prefix(group, reply), SamplingParams(
-                    max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                    top_p=rollout.top_p, seeds=[reply.seed], first_steps=[len(reply.tokens)],
-                    row_max_new_tokens=[rollout.max_new_tokens - len(reply.tokens)]),
-                    stream=True)
-                live[key], seen[key] = reply, 0
-                log["calls"] += 1
+                queue.append((f"{group.number}/{j}", collector.prefix(group, reply), reply))
+
+    def feed() -> None:
+        """Queued rows into the driver, in order, within the step's token budget."""
+        used = len(live)
+        while queue and (tokens is None or not live or used + len(queue[0][1]) <= tokens):
+            key, prefix, reply = queue.pop(0)
+            driver.add(key, prefix, SamplingParams(
+                max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                top_p=rollout.top_p, seeds=[reply.seed], first_steps=[len(reply.tokens)],
+                row_max_new_tokens=[rollout.max_new_tokens - len(reply.tokens)]), stream=True)
+            live[key], seen[key] = reply, 0
+            used += len(prefix)
+            log["calls"] += 1
 
     def admit() -> None:
-        while len(live) + n <= slots:
+        while len(live) + len(queue) + n <= slots:
             add(collector.start_group())
 
     steps = busy = 0
@@ -97,6 +117,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
         for group in sorted(collector.groups, key=lambda g: g.number):
             add(group)
         admit()
+        feed()
         while len(collector.ready) < p and driver.busy and steps < limit:
             t0 = time.perf_counter()
             outputs = driver.step()
@@ -120,11 +141,13 @@ def run_session(collector, driver, version: int, log: dict) -> None:
                     collector.complete_groups(done, log)
                 if len(collector.ready) < p:
                     admit()
-    except BaseException:   # a failed step: nothing stays in the engine, the run stops
+            feed()
+    except BaseException:   # a failed step: nothing stays in the engine
         for key in live:
             driver.abort(key)
         raise
-    for key, reply in live.items():   # the cut
+    queue.clear()   # the cut: queued rows keep their tokens; running ones are aborted
+    for key, reply in live.items():
         ids, logprobs = driver.so_far(key)
         driver.abort(key)
         _extend(reply, ids, logprobs, version)
