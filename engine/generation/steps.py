@@ -1,5 +1,5 @@
 """What a step-level generation driver hands back (engine.generation.vllm.stepper,
-engine.generation.hf.stepper: the same interface, `add`, `add_scoring`, `abort`, `step`,
+engine.generation.hf.stepper: the same interface, `add`, `add_scoring`, `abort`, `so_far`, `step`,
 `busy`, `steps`, `events`), shared so a server reads either driver's outputs alike."""
 from __future__ import annotations
 
