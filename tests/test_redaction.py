@@ -141,7 +141,7 @@ def test_no_secret_reaches_trackers_files_or_log_lines(monkeypatch, tmp_path, ca
     saved = []
 
     def save(engine, root, position, hf_config, tokenizer_dir, keep_last, config_yaml,
-             extra=None, save_hf=False):
+             extra=None, save_hf=False, hf_extras=None):
         """save_training_checkpoint's rank-0 write of the run's config (the rest needs a
         process group and a model): `config_yaml` verbatim into <iteration>/config.yaml."""
         path = tmp_path / "run/ckpt" / f"iter_{position:07d}"
