@@ -42,8 +42,11 @@ def _config(argv: list[str]) -> RLConfig:
     return apply_algorithm_defaults(cfg, explicit_keys(argv))
 
 
+# rollout.partial_driver=true: PartialCollector runs driver sessions here (RoundsCollector the
+# rounds, the default path)
 BASE = ["rollout.n=2", "train.prompts_per_step=2", "rollout.max_new_tokens=16",
-        "data.shuffle=false", "train.seq_length=64", "rollout.partial_max_new_tokens=4"]
+        "data.shuffle=false", "train.seq_length=64", "rollout.partial_max_new_tokens=4",
+        "rollout.partial_driver=true"]
 
 
 def _collector(cls, engine, model_dir, tmp_path, argv=()):
@@ -245,6 +248,10 @@ def test_partial_keys_are_checked_and_refused_by_name(tmp_path):
             validate_rl(_config(base + [override]), 1)
     # vllm is built (a continued reply: a fresh seeded draw), its keys checked as usual
     assert partial_problems(_config(base + ["rollout.backend=vllm"])) == []
+    # the driver path is a choice of partial rollouts: alone it is refused by name
+    assert partial_problems(_config(base + ["rollout.partial_driver=true"])) == []
+    assert partial_problems(_config(base[:-1] + ["rollout.partial_driver=true"])) == [
+        "rollout.partial_driver=true needs rollout.partial=true"]
     # a conditional-generation checkpoint's view (prompts with images): refused by name
     view = {"model_type": "qwen3", ORIGINAL: {"model_type": "qwen3_vl"}}
     assert partial_model_problems(_config(base), {"model_type": "qwen3"}) == []
@@ -471,3 +478,16 @@ def test_driver_sessions_repeat_exactly(model_dir, tmp_path):
     a, b, other = run("a", 1), run("b", 1), run("c", 2)
     assert a == b and a[1] and "token_versions" in a[1][0]
     assert other[1] != a[1]
+
+
+def test_the_driver_path_on_a_pool_it_does_not_serve_is_refused_by_name():
+    """rollout.partial_driver=true on a pool of two engines: refused naming the key (never a
+    silent fallback to rounds); false: the rounds (no driver) on any pool."""
+    from types import SimpleNamespace
+    pool = SimpleNamespace(num_engines=2, engine=None)
+    on = SimpleNamespace(use_driver=True, cfg=_config(BASE), pool=pool)
+    with pytest.raises(ValueError, match=re.escape("rollout.partial_driver=true needs a pool "
+                                                   "of one engine")):
+        PartialCollector.step_driver(on)
+    off = SimpleNamespace(use_driver=True, cfg=_config(BASE[:-1]), pool=pool)
+    assert PartialCollector.step_driver(off) is None

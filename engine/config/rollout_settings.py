@@ -113,6 +113,9 @@ class RolloutConfig:
     partial_max_new_tokens: Optional[int] = None
     # versions an unfinished reply may span; one that would span more restarts from its prompt
     partial_max_staleness: int = 4
+    # true: one step-driver session per step admits replies as engine slots free (a pool of one
+    # in-process hf or vllm engine; more fill, more staleness, not layout-tested); false: rounds
+    partial_driver: bool = False
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     hf: HFRolloutConfig = field(default_factory=HFRolloutConfig)

@@ -212,6 +212,7 @@ def run_partial(quick: bool, backend: str = "hf") -> BenchResult:
         for mode, cls in (("off", RolloutCollector), ("rounds", ScheduledRounds),
                           ("on", ScheduledPartial)):
             engine = _engine(backend, path, median, 64 + 8 * median)
+            cfg.rollout.partial_driver = mode == "on"
             weights = load_file(glob.glob(f"{path}/*.safetensors")[0])
             results[mode] = _collect(cls, engine, cfg, tokenizer, rows, steps, weights)
             counts = getattr(engine, "fills", [])

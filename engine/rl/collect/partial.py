@@ -4,12 +4,13 @@ is carried, and continues in the next step (under the new weights) from its prom
 so far. Every cut is made by step or token counts, never by wall time, so a run gives the same
 numbers twice.
 
-Two ways to generate (`step_driver`): where the pool is one engine in this process with a step
-driver (engine.rl.agent.rollout.step_driver: vllm without speculative decoding, hf without a
-vision tower, routed experts or layers other than full attention), a step is ONE driver session
-that admits new groups' replies as slots free and cuts once prompts_per_step groups wait
-(engine.rl.collect.partial_session); everywhere else (several engines, sglang excluded by
-partial_checks, speculative decoding, an hf model the driver refuses) in rounds:
+Two ways to generate (`step_driver`). rollout.partial_driver=true (a pool of one engine in this
+process with a step driver, engine.rl.agent.rollout.step_driver: vllm without speculative
+decoding, hf without a vision tower, routed experts or layers other than full attention; else
+refused naming the key): a step is ONE driver session that admits new groups' replies as slots
+free and cuts once prompts_per_step groups wait (engine.rl.collect.partial_session): more fill,
+more staleness, and its layout invariance is not tested (docs/async-rl.md). false (the
+default): rounds, tested layout-invariant:
 
 One step (PartialCollector.collect, rank 0):
 1. unfinished replies whose continuation would span more than rollout.partial_max_staleness
@@ -174,9 +175,19 @@ class PartialCollector(RolloutCollector):
         self.next_gen_batch += 1
 
     def step_driver(self):
-        """A step driver over the pool's one engine (engine.rl.agent.rollout.step_driver), or
-        None: the rounds path (module docstring; always None when `use_driver` is False)."""
-        return step_driver(self.pool) if self.use_driver else None
+        """With rollout.partial_driver=true, a step driver over the pool's one engine
+        (engine.rl.agent.rollout.step_driver; a pool it does not serve is refused naming the
+        key); else None: the rounds path (module docstring; always None when `use_driver` is
+        False)."""
+        if not (self.use_driver and self.cfg.rollout.partial_driver):
+            return None
+        driver = step_driver(self.pool)
+        if driver is None:
+            raise ValueError("rollout.partial_driver=true needs a pool of one engine in the "
+                             "rank-0 process with a step driver (rollout.backend hf or vllm "
+                             "without speculative decoding, rollout.num_engines 1); set "
+                             "rollout.partial_driver=false for rounds")
+        return driver
 
     def prefix(self, group: Group, reply: Reply) -> list[int]:
         """What a continued reply is generated from: its prompt's ids + its tokens so far."""

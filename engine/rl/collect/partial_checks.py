@@ -64,7 +64,11 @@ def partial_problems(cfg) -> list[str]:
     if not (isinstance(r.partial_max_staleness, int) and r.partial_max_staleness >= 0):
         p.append(f"rollout.partial_max_staleness={r.partial_max_staleness!r} must be an "
                  "integer >= 0")
+    if not isinstance(r.partial_driver, bool):
+        p.append(f"rollout.partial_driver={r.partial_driver!r} must be true or false")
     if r.partial is not True:
+        if r.partial_driver is True:
+            p.append("rollout.partial_driver=true needs rollout.partial=true")
         return p
     if not applies_row_fields(r.backend):
         p.append(f"rollout.partial=true with rollout.backend={r.backend!r} is not built: a "
