@@ -181,6 +181,15 @@ def sampled(backend, text: str) -> list[int]:
 
 # ----------------------------------------------------------------------------- exact ids
 
+
+def send_call(server, got: dict, eid: str, body: dict) -> threading.Thread:
+    """POST `body` to episode `eid`'s chat completions on a thread of its own; the response
+    lands in got[eid]. Returns the started thread."""
+    t = threading.Thread(target=lambda: got.__setitem__(eid, httpx.post(
+        server.base_url(eid) + "/chat/completions", json=body, timeout=30)), daemon=True)
+    t.start()
+    return t
+
 def test_two_calls_reuse_the_ids_exactly(tok):
     backend = ScriptedBackend(tok)
     with serving(tok, backend) as server:
@@ -639,11 +648,7 @@ def test_step_path_admission_429_410_and_503(tok):
             got: dict[str, httpx.Response] = {}
 
             def send(eid: str) -> threading.Thread:
-                t = threading.Thread(target=lambda: got.__setitem__(eid, httpx.post(
-                    server.base_url(eid) + "/chat/completions", json=user, timeout=30)),
-                    daemon=True)
-                t.start()
-                return t
+                return send_call(server, got, eid, user)
 
             first = send(a.id)
             wait_for(lambda: driver.running, "a's call in the engine")
@@ -876,11 +881,7 @@ def test_a_full_queue_gets_429_and_stop_answers_503_at_once(tok):
         got: dict[str, httpx.Response] = {}
 
         def send(eid: str) -> threading.Thread:
-            t = threading.Thread(target=lambda: got.__setitem__(eid, httpx.post(
-                server.base_url(eid) + "/chat/completions", json=user, timeout=30)),
-                daemon=True)
-            t.start()
-            return t
+            return send_call(server, got, eid, user)
 
         threads = [send(a.id)]
         deadline = time.monotonic() + 10
