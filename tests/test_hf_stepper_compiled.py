@@ -19,6 +19,13 @@ def test_the_driver_decodes_with_the_compiled_step(tmp_path):
     assert driver.layout.decoder is compiled.decoder and not driver.own_decoder
     p = SamplingParams(max_new_tokens=12, temperature=1.0, seeds=[4])
     ref = compiled.generate([[5, 6, 7]], p)[0]
+    calls, step = [], compiled.decoder.step   # the decoder's (compiled) step, counted from here
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return step(*args)
+
+    compiled.decoder.step = counted
     driver.add("k", [5, 6, 7], p)
     done = []
     while driver.busy:
@@ -26,4 +33,6 @@ def test_the_driver_decodes_with_the_compiled_step(tmp_path):
     (got,) = done
     assert got.response_ids == ref.response_ids and len(got.response_ids) == 12
     assert max(abs(a - b) for a, b in zip(got.response_logprobs, ref.response_logprobs)) <= TOL
-    assert (4, 64) in compiled.decoder.shapes     # the driver's slot cache: 4 slots x 64
+    # the driver's 11 decode steps (the first token comes from the prefill) ran the compiled
+    # step on its slot cache: one slot (slot_cache.MIN_SLOTS) x 64 columns
+    assert calls == [1] * 11 and (1, 64) in compiled.decoder.shapes
