@@ -18,3 +18,20 @@ class StepOutput:
     key: str
     ids: list[int]                                  # sampled so far ([] for scoring)
     done: Generation | SequenceScores | None = None  # set once the request finished
+
+
+class BusySlots:
+    """Busy slot-steps of a driver whose requests are all streamed (rollout/engine_fill:
+    engine.generation.vllm.rounds, engine.rl.collect.partial_session): a request is busy in a
+    step when its ids grew in it (vLLM under speculative decoding: several tokens count once).
+    `count(outputs)` after every step; `busy` is the total."""
+
+    def __init__(self) -> None:
+        self.busy = 0
+        self.seen: dict[str, int] = {}
+
+    def count(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            if len(out.ids) > self.seen.get(out.key, 0):
+                self.busy += 1
+                self.seen[out.key] = len(out.ids)

@@ -19,6 +19,7 @@ reports (busy slot-steps, min(B, max_num_seqs) x T).
 from __future__ import annotations
 
 from engine.generation.base import Generation, SamplingParams
+from engine.generation.steps import BusySlots
 from engine.generation.vllm.process import preserved_global_rng
 from engine.generation.vllm.requests import generation
 from engine.generation.vllm.stepper import VLLMStepDriver
@@ -48,16 +49,10 @@ def stepped_generate(engine, prompts: list[list[int]], params: SamplingParams
     driver = VLLMStepDriver(engine)
     for i, (prompt, vllm_params) in enumerate(zip(prompts, sampling)):
         driver.add_built(str(i), prompt, vllm_params, params.temperature == 0, stream=True)
-    seen = [0] * len(prompts)
-    done: dict[int, Generation] = {}
-    busy = 0
+    fill, done = BusySlots(), {}
     while driver.busy:
-        for out in driver.step():
-            i = int(out.key)
-            if len(out.ids) > seen[i]:
-                busy += 1
-                seen[i] = len(out.ids)
-            if out.done is not None:
-                done[i] = out.done
+        outputs = driver.step()
+        fill.count(outputs)
+        done.update({int(out.key): out.done for out in outputs if out.done is not None})
     slots = min(len(prompts), int(engine.vllm_config.scheduler_config.max_num_seqs))
-    return [done[i] for i in range(len(prompts))], (busy, slots * driver.steps)
+    return [done[i] for i in range(len(prompts))], (fill.busy, slots * driver.steps)

@@ -40,7 +40,6 @@ records (token_versions, -1 on prompt tokens) and the trainer uses as its behavi
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import torch
@@ -52,7 +51,7 @@ from engine.rl.collect.batch import RolloutBatch
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.fill import engine_fill, fill_counts
 from engine.rl.agent.rollout import step_driver
-from engine.rl.collect.partial_checks import groups_in_flight, partial_budget
+from engine.rl.collect.partial_checks import groups_in_flight, partial_budget, round_cap
 from engine.rl.collect.partial_session import run_session
 from engine.rl.collect.partial_state import (Group, Reply, from_plain, span_metrics,
                                              to_plain)
@@ -108,8 +107,7 @@ class PartialCollector(RolloutCollector):
                     r.restart()
                     restarts += 1
         budget = partial_budget(rollout)
-        cap = math.ceil(rollout.max_new_tokens / budget) * (
-            cfg.dapo.max_gen_batches if cfg.dapo.dynamic_sampling else 1) + 1
+        cap = round_cap(cfg)
         log = {"calls": 0.0, "retries": 0.0, "restarts": 0.0, "imbalance": 1.0,
                "fill": [], "tokens": 0, "gen_s": 0.0, "errors": 0, "dropped": 0, "rounds": 0}
         self.driver = self.step_driver() if len(self.ready) < cfg.train.prompts_per_step \

@@ -16,6 +16,15 @@ def partial_budget(rollout) -> int:
     return max(1, int(rollout.max_new_tokens) // 4)
 
 
+def round_cap(cfg) -> int:
+    """Rounds a step may run: ceil(rollout.max_new_tokens / partial_budget) x
+    (dapo.max_gen_batches under dapo.dynamic_sampling, else 1) + 1 (a driver session's bound
+    is this many rounds' tokens, engine.rl.collect.partial_session.session_steps)."""
+    rollout = cfg.rollout
+    return math.ceil(rollout.max_new_tokens / partial_budget(rollout)) * (
+        cfg.dapo.max_gen_batches if cfg.dapo.dynamic_sampling else 1) + 1
+
+
 def groups_in_flight(rollout, prompts_per_step: int) -> int:
     """ceil(rollout.partial_oversample x train.prompts_per_step): the groups a rollout batch
     keeps started (carried, waiting and new together)."""

@@ -31,11 +31,11 @@ state it started from (rollout.max_retries, the engine restarted first when it d
 """
 from __future__ import annotations
 
-import math
 import time
 
 from engine.generation import SamplingParams
-from engine.rl.collect.partial_checks import groups_in_flight, partial_budget
+from engine.generation.steps import BusySlots
+from engine.rl.collect.partial_checks import groups_in_flight, partial_budget, round_cap
 from engine.rl.collect.partial_state import Group, Reply
 
 
@@ -66,10 +66,7 @@ def session_steps(cfg) -> int:
     """The session's bound on driver steps: the rounds path's bound on what a row decodes in a
     step, (ceil(rollout.max_new_tokens / partial_max_new_tokens) x (dapo.max_gen_batches under
     dapo.dynamic_sampling, else 1) + 1) x partial_max_new_tokens."""
-    budget = partial_budget(cfg.rollout)
-    rounds = math.ceil(cfg.rollout.max_new_tokens / budget) * (
-        cfg.dapo.max_gen_batches if cfg.dapo.dynamic_sampling else 1) + 1
-    return rounds * budget
+    return round_cap(cfg) * partial_budget(cfg.rollout)
 
 
 def _extend(reply: Reply, ids: list[int], logprobs: list[float], version: int) -> None:
@@ -88,7 +85,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
     slots, limit, tokens = slot_budget(cfg, driver), session_steps(cfg), token_budget(driver)
     live: dict[str, Reply] = {}      # rows in the driver
     queue: list[tuple[str, list[int], Reply]] = []   # admitted rows not yet in the driver
-    seen: dict[str, int] = {}
+    fill = BusySlots()
 
     def add(group: Group) -> None:
         for j, reply in enumerate(group.replies):
@@ -104,7 +101,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
                 max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                 top_p=rollout.top_p, seeds=[reply.seed], first_steps=[len(reply.tokens)],
                 row_max_new_tokens=[rollout.max_new_tokens - len(reply.tokens)]), stream=True)
-            live[key], seen[key] = reply, 0
+            live[key] = reply
             used += len(prefix)
             log["calls"] += 1
 
@@ -112,7 +109,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
         while len(live) + len(queue) + n <= slots:
             add(collector.start_group())
 
-    steps = busy = 0
+    steps = 0
     try:
         for group in sorted(collector.groups, key=lambda g: g.number):
             add(group)
@@ -124,10 +121,8 @@ def run_session(collector, driver, version: int, log: dict) -> None:
             log["gen_s"] += time.perf_counter() - t0
             steps += 1
             finished = False
+            fill.count(outputs)
             for out in outputs:
-                if len(out.ids) > seen[out.key]:
-                    busy += 1
-                    seen[out.key] = len(out.ids)
                 if out.done is not None:
                     reply = live.pop(out.key)
                     _extend(reply, out.done.response_ids, out.done.response_logprobs, version)
@@ -152,5 +147,5 @@ def run_session(collector, driver, version: int, log: dict) -> None:
         driver.abort(key)
         _extend(reply, ids, logprobs, version)
         log["tokens"] += len(ids)
-    log["fill"].append((busy, slots * steps))
+    log["fill"].append((fill.busy, slots * steps))
     log["rounds"] += 1
