@@ -296,25 +296,33 @@ def test_ppo_lora_policy_critic_save_hf_equals_convert(pools, assets, tmp_path):
                         "adapter_model.safetensors")
 
 
+
+def _train_rm(pools, assets, run: Path, *overrides: str):
+    """engine.rm on two pool ranks for 2 steps with checkpoint.save_hf=true on tools.demo's
+    preference pairs, at `overrides` (the layout, LoRA, the save interval): (run folder, the
+    finished process), its exit 0 and its export line checked."""
+    from tools.demo import preference_rows
+
+    pairs = _write_jsonl(run.parent / f"{run.name}_pairs.jsonl", preference_rows(
+        [(a, b) for a in range(4) for b in range(2)]))
+    proc = pools.script(2, "-m", "engine.rm", f"model.hf_path={assets['model']}",
+                        f"data.train_files=[{pairs}]", "model.dtype=float32",
+                        "train.global_batch_size=4", "train.micro_batch_size=2",
+                        "train.seq_length=48", "train.max_steps=2", "optim.lr=1e-2",
+                        "logging.progress_bar=false", f"logging.dir={run}",
+                        f"checkpoint.dir={run / 'ckpt'}", "checkpoint.save_hf=true",
+                        *overrides, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"[checkpoint] {EXPORT}/ written: " in proc.stdout
+    return run, proc
+
 def test_reward_model_tp2_save_hf_equals_convert(pools, assets, tmp_path):
     """engine.rm at TP2 with checkpoint.save_hf: iter_0000002/hf/ is convert's folder of that
     checkpoint, its scoring files (chat template, README, config.json) included."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from tools.demo import preference_rows
-
-    pairs = _write_jsonl(tmp_path / "pairs.jsonl", preference_rows(
-        [(a, b) for a in range(4) for b in range(2)]))
-    run = tmp_path / "rm"
-    proc = pools.script(2, "-m", "engine.rm", f"model.hf_path={assets['model']}",
-                        f"data.train_files=[{pairs}]", "parallel.tp=2", "model.dtype=float32",
-                        "train.global_batch_size=4", "train.micro_batch_size=2",
-                        "train.seq_length=48", "train.max_steps=2", "optim.lr=1e-2",
-                        "logging.progress_bar=false", f"logging.dir={run}",
-                        f"checkpoint.dir={run / 'ckpt'}", "checkpoint.save_interval=2",
-                        "checkpoint.save_hf=true", timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"[checkpoint] {EXPORT}/ written: " in proc.stdout
+    run, proc = _train_rm(pools, assets, tmp_path / "rm", "parallel.tp=2",
+                          "checkpoint.save_interval=2")
     assert "chat_template.jinja renders a chat ending in an assistant turn" in proc.stdout
     ckpt = iteration_dir(run / "ckpt", 2)
     saved, converted = ckpt / EXPORT, _convert(pools, ckpt, tmp_path / "converted")
@@ -350,21 +358,9 @@ def test_lora_reward_model_pp2_save_hf_is_converts_seq_cls_adapter(pools, assets
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
-    from tools.demo import preference_rows
-
-    pairs = _write_jsonl(tmp_path / "pairs.jsonl", preference_rows(
-        [(a, b) for a in range(4) for b in range(2)]))
-    run = tmp_path / "rm_lora"
-    proc = pools.script(2, "-m", "engine.rm", f"model.hf_path={assets['model']}",
-                        f"data.train_files=[{pairs}]", "parallel.pp=2", "model.dtype=float32",
-                        "model.lora.rank=4", "model.lora.alpha=8",
-                        "train.global_batch_size=4", "train.micro_batch_size=2",
-                        "train.seq_length=48", "train.max_steps=2", "optim.lr=1e-2",
-                        "logging.progress_bar=false", f"logging.dir={run}",
-                        f"checkpoint.dir={run / 'ckpt'}", "checkpoint.save_interval=1",
-                        "checkpoint.save_hf=true", timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"[checkpoint] {EXPORT}/ written: " in proc.stdout
+    run, proc = _train_rm(pools, assets, tmp_path / "rm_lora", "parallel.pp=2",
+                          "model.lora.rank=4", "model.lora.alpha=8",
+                          "checkpoint.save_interval=1")
     ckpt, adapter = iteration_dir(run / "ckpt", 2), "adapter_model.safetensors"
     saved, converted = ckpt / EXPORT, _convert(pools, ckpt, tmp_path / "converted")
     assert _files(saved) == ["adapter_config.json", adapter]
