@@ -25,8 +25,7 @@ transformers' padding-free path: one row per micro-batch, the sequences concaten
 `position_ids` restarting at 0 per sequence and no attention mask (transformers derives a
 block-diagonal causal mask from them, masking_utils.find_packed_sequence_indices, and hands it
 to SDPA as a dense mask: not a varlen kernel), labels -100 at each sequence's first token. Its
-token ids are random (speed does not depend on them), its loss covers every token (the
-engine's only the assistant's).
+token ids are random, its loss covers every token (the engine's: the assistant's only).
 
 Reported (timed steps: after --warmup): tokens/s = timed tokens / timed seconds, median step
 seconds, model TFLOP/s and MFU (tools/bench/model_flops.py over each step's own sequence

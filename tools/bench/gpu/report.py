@@ -22,9 +22,10 @@ the MoE is another model); the table's last line and results.json's "ratios".
 from __future__ import annotations
 
 import json
-import math
 
 from tools.bench.gpu.items import RL_KEYS, Item
+from tools.bench.gpu.numbers import finite, fmt
+from tools.bench.gpu.packed_report import packed_digest, read_packed
 from tools.bench.gpu_sft import CASES, DENSE, TINY_DENSE
 
 SFT_CASE_KEYS = ("rc", "step_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "finite",
@@ -36,10 +37,6 @@ MFU_KEYS = ("mfu", "tflops_per_gpu", "mfu_step_s", "mfu_params", "mfu_tokens_per
 SPEC_KEYS = ("plain_tokens_per_s", "spec_tokens_per_s", "spec_speedup", "spec_acceptance",
              "spec_mean_accepted_tokens", "spec_greedy_ids_equal")
 SFT_RUN_KEYS = ("loss", "grad_norm", "time/step_s")
-
-
-def finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def read_gpu_sft(item: Item) -> dict:
@@ -129,26 +126,6 @@ def read_varlen(item: Item) -> dict:
             "smoke": data.get("smoke"), "varlen_cases": cases, "problems": problems}
 
 
-def read_packed(item: Item) -> dict:
-    """{packed_engine: tokens/s, MFU, step s, peak GiB, compile counts (last step), token
-    check; packed_peer: {mode: tokens/s, MFU, peak GiB or error}; ratios; length_stats} from
-    gpu_packed's --json; a token mismatch, a non-finite loss or a failed peer is a problem."""
-    data = json.loads(item.result.read_text())
-    e = data["engine"]
-    engine = {k: e.get(k) for k in ("tokens_per_s", "mfu", "step_s", "peak_mem_gib",
-                                    "tokens_match", "graphs_grew_after_warmup")}
-    engine["compile"] = {k.split("/")[1]: v[-1] for k, v in (e.get("compile") or {}).items()
-                         if v}
-    peers = {m: {k: p.get(k) for k in ("tokens_per_s", "mfu", "peak_mem_gib", "error")}
-             for m, p in (data.get("peer") or {}).items()}
-    problems = ([] if e.get("tokens_match") else ["packed: packed tokens != drawn lengths"])
-    problems += [] if e.get("finite") else ["packed: non-finite loss"]
-    problems += [f"packed peer {m}: {p['error']}" for m, p in peers.items() if p.get("error")]
-    return {"packed_engine": engine, "packed_peer": peers, "length_stats":
-            data.get("length_stats"), "gpu": data.get("gpu"), "problems": problems,
-            **{k: v for k, v in data.items() if k.startswith("engine_over_peer")}}
-
-
 def read_metrics(item: Item) -> dict:
     """The metrics of `item` (module docstring)."""
     if item.kind == "packed":
@@ -162,10 +139,6 @@ def read_metrics(item: Item) -> dict:
     if item.kind == "bench":
         return read_bench(item)
     return read_gpu_sft(item) if item.kind in ("sft", "loss_head") else read_steps(item)
-
-
-def fmt(value, spec: str) -> str:
-    return "n/a" if not finite(value) else format(value, spec)
 
 
 def profile_digest(profile: dict | None) -> str:
@@ -300,25 +273,6 @@ def varlen_digest(metrics: dict) -> str:
                      f"{fmt(c.get('candidate_ms'), '.2f')} ms vs loop "
                      f"{fmt(c.get('loop_ms'), '.2f')} ms (x{fmt(c.get('speedup'), '.2f')}), "
                      "max |diff| " + ", ".join(f"{k} {fmt(v, '.1e')}" for k, v in diff.items()))
-    return "; ".join(parts)
-
-
-def packed_digest(metrics: dict) -> str:
-    """'engine 30,000 tok/s, MFU 15.0%, peak 40.1 GiB, graphs 60 recompiles 4 breaks 0
-    (grew after warm-up: False); peer eager 20,000 tok/s (x1.50), compiled ...'."""
-    e, stats = metrics["packed_engine"], metrics.get("length_stats") or {}
-    c = e.get("compile") or {}
-    mfu = "n/a" if e.get("mfu") is None else f"{e['mfu']:.1%}"
-    parts = [f"lengths mean {fmt(stats.get('mean'), '.0f')} (max {stats.get('max')}): engine "
-             f"{fmt(e.get('tokens_per_s'), ',.0f')} tok/s, MFU {mfu}, peak "
-             f"{fmt(e.get('peak_mem_gib'), '.1f')} GiB, graphs {c.get('graphs')} recompiles "
-             f"{c.get('recompiles')} breaks {c.get('graph_breaks')} (grew after warm-up: "
-             f"{e.get('graphs_grew_after_warmup')})"]
-    for mode, p in metrics.get("packed_peer", {}).items():
-        ratio = metrics.get(f"engine_over_peer_{mode}")
-        parts.append(f"peer {mode} " + (p["error"] if p.get("error") else
-                                        f"{fmt(p.get('tokens_per_s'), ',.0f')} tok/s "
-                                        f"(engine x{fmt(ratio, '.2f')})"))
     return "; ".join(parts)
 
 
