@@ -261,3 +261,30 @@ def test_seeded_requests_alone_and_under_load_are_the_same(served):
         pairs = zip(under["logprobs"]["token_logprobs"], a["logprobs"]["token_logprobs"])
         worst = max([worst] + [abs(x - y) for x, y in pairs])
     assert worst < 2e-5
+
+
+def test_prompts_past_a_steps_token_budget_are_held_not_chunked(served):
+    """20 seeded 300-token prompts at once (6,000 prompt tokens, past the engine's
+    max_num_batched_tokens): on a CPU host the driver holds what does not fit a step beside
+    the running requests and hands it to vLLM at a later step (vllm.stepper `_feed`), because
+    a chunked prefill rewinds a seeded CPU generator, which vLLM 0.32 refuses ("CPU Generator
+    does not use offset": the engine died before the driver held them). All 20 are answered
+    (at most 4 tokens each: an end of sequence may come first), the one checked equal to its
+    request sent alone."""
+    endpoint, driver, engine = served
+    url, got = f"{endpoint.base_url}/completions", {}
+    budget = engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prompts = [[4 + (7 * i + j) % 190 for j in range(300)] for i in range(20)]
+    assert 20 * 300 > budget
+    threads = [_post(url, {"prompt": p, "max_tokens": 4, "seed": 100 + i,
+                           "return_token_ids": True}, got, str(i))
+               for i, p in enumerate(prompts)]
+    for t in threads:
+        t.join(timeout=300)
+    assert all(got[str(i)].status_code == 200 for i in range(20)), \
+        [got[str(i)].text[:200] for i in range(20) if got[str(i)].status_code != 200]
+    ids = [got[str(i)].json()["choices"][0]["token_ids"] for i in range(20)]
+    assert all(1 <= len(x) <= 4 for x in ids) and sum(map(len, ids)) > 20
+    alone = httpx.post(url, json={"prompt": prompts[7], "max_tokens": 4, "seed": 107,
+                                  "return_token_ids": True}, timeout=300)
+    assert alone.json()["choices"][0]["token_ids"] == ids[7]

@@ -23,6 +23,14 @@ removes a request from the engine (a cancelled client); its slot is free from th
 `so_far(key)` gives a streamed request's ids and log-probs before it is aborted (the cut of a
 partial rollout, engine.rl.collect.partial_session).
 
+CPU: vLLM 0.32 prefills a prompt that does not fit a step's token budget in chunks and rewinds
+its seeded generator with set_offset, which a CPU generator refuses ("CPU Generator does not
+use offset": 24 seeded 400-token prompts added at once killed the engine). On a CPU host a
+request is therefore held by the driver (`waiting`) and handed to vLLM at a step whose
+prefills fit max_num_batched_tokens beside the running requests' decode tokens (`_feed`); a
+single prompt longer than that budget still goes alone, and vLLM chunks it. On GPUs requests
+go to vLLM at once (CUDA generators take offsets).
+
 Events (`events`, the last MAX_EVENTS): ("added", key, step), ("finished", key, step),
 ("aborted", key, step), with `step` the number of engine steps run before the event, so tests
 and benchmarks read which request joined a running batch and which finished first without
@@ -60,6 +68,7 @@ class VLLMStepDriver:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.running: dict[str, _Running] = {}
+        self.waiting: dict[str, tuple[list[int], object]] = {}   # CPU: not in vLLM yet
         self.steps = 0
         self.events: deque[tuple[str, str, int]] = deque(maxlen=MAX_EVENTS)
 
@@ -75,10 +84,29 @@ class VLLMStepDriver:
     def _add(self, key: str, prompt: list[int], params, state: _Running) -> None:
         if key in self.running:
             raise ValueError(f"request {key!r} is already running in the step driver")
-        self.llm_engine.add_request(key, {"prompt_token_ids": list(prompt)}, params,
-                                    lora_request=self.engine.lora_request())
+        if self.engine.on_cpu:    # handed to vLLM by _feed (module docstring, "CPU")
+            self.waiting[key] = (list(prompt), params)
+        else:
+            self.llm_engine.add_request(key, {"prompt_token_ids": list(prompt)}, params,
+                                        lora_request=self.engine.lora_request())
         self.running[key] = state
         self.events.append(("added", key, self.steps))
+
+    def _feed(self) -> None:
+        """CPU: hand waiting requests to vLLM, oldest first, while this step's prefills fit
+        beside the running requests' decode tokens (scheduler_config.max_num_batched_tokens)
+        and within max_num_seqs; one at least when vLLM holds none (module docstring)."""
+        config = self.engine.vllm_config.scheduler_config
+        held = len(self.running) - len(self.waiting)
+        used = held
+        for key, (prompt, params) in list(self.waiting.items()):
+            if held and (used + len(prompt) > config.max_num_batched_tokens
+                         or held >= config.max_num_seqs):
+                break
+            self.llm_engine.add_request(key, {"prompt_token_ids": prompt}, params,
+                                        lora_request=self.engine.lora_request())
+            del self.waiting[key]
+            held, used = held + 1, used + len(prompt)
 
     def add(self, key: str, prompt: list[int], params: SamplingParams,
             stream: bool = False) -> None:
@@ -125,7 +153,8 @@ class VLLMStepDriver:
     def abort(self, key: str) -> None:
         """Remove a running request (nothing happens for a key not running)."""
         if self.running.pop(key, None) is not None:
-            self.llm_engine.abort_request([key])
+            if self.waiting.pop(key, None) is None:
+                self.llm_engine.abort_request([key])
             self.events.append(("aborted", key, self.steps))
 
     def step(self) -> list[StepOutput]:
@@ -133,6 +162,7 @@ class VLLMStepDriver:
         result (module docstring). Nothing to run: []."""
         if not self.running:
             return []
+        self._feed()
         with preserved_global_rng():
             outputs = self.llm_engine.step()
         self.steps += 1
