@@ -33,9 +33,10 @@ def prompts_file(root: Path) -> Path:
 
 
 def launch(pools, ranks: int, model: str, data: Path, log: Path, *args: str,
-           env: dict | None = None) -> tuple[Run, object]:
+           env: dict | None = None, own_world: bool = False) -> tuple[Run, object]:
     """One run on `ranks` ranks of the session's rank pool, logging to `log` (metrics.jsonl,
-    rollouts/step_N.jsonl); `args` are added to (and may override) the common settings.
+    rollouts/step_N.jsonl); `args` are added to (and may override) the common settings;
+    `own_world`: the run starts its own process groups (a disaggregated split, Pools.script).
     Returns ((metrics per step, dump records per step), the pool's PoolRun)."""
     proc = pools.script(
         ranks, "-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{data}]",
@@ -45,7 +46,7 @@ def launch(pools, ranks: int, model: str, data: Path, log: Path, *args: str,
         f"train.max_steps={STEPS}", "train.seq_length=64", "optim.lr=1e-3",
         "kl.beta=0.05", "reward.fn=tests.test_rl_loop:digit_reward", "data.shuffle=false",
         f"logging.dir={log}", f"logging.rollout_dir={log / 'rollouts'}",
-        "logging.progress_bar=false", *args, env=env, timeout=600)
+        "logging.progress_bar=false", *args, env=env, timeout=600, own_world=own_world)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
     dumps = [[json.loads(x) for x in (log / "rollouts" / f"step_{s}.jsonl").read_text()

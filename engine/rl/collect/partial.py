@@ -34,8 +34,12 @@ One step (PartialCollector.collect, rank 0):
 Group number q takes prompt row global_batch_indices(rows, prompts_per_step, q // P, seed,
 shuffle)[q % P] and the seeds response_seed(seed, q // P, q % P, j): the prompts and seeds of
 generation batch q // P of a run without partial rollouts. Each token keeps the log-prob and
-the policy version of the weights that sampled it (version = RL steps done), which the dump
-records (token_versions, -1 on prompt tokens) and the trainer uses as its behaviour log-prob.
+the policy version of the weights that sampled it (version = RL steps done; on a
+disaggregated run the version the rollout engines hold, max(0, k - rollout.max_staleness) for
+batch k), which the dump records (token_versions, -1 on prompt tokens) and the trainer uses as
+its behaviour log-prob. On a disaggregated run (rollout.placement=disaggregated) the collector
+lives on the rollout leader (engine.rl.disaggregated.rollout_ranks), and its `state()` travels
+with every batch to the trainer, which checkpoints the state after the last batch it received.
 """
 from __future__ import annotations
 
@@ -92,12 +96,15 @@ class PartialCollector(RolloutCollector):
             self.groups, self.ready = from_plain(state["groups"]), from_plain(state["ready"])
 
     # ----------------------------------------------------------------------------- a step
-    def collect(self, dump_step: int | None = None) -> RolloutBatch:
+    def collect(self, dump_step: int | None = None, version: int | None = None) -> RolloutBatch:
         """The next step's rollout batch (module docstring); `dump_step` as
-        RolloutCollector.collect (its version: dump_step - 1, the RL steps done)."""
+        RolloutCollector.collect. `version`: the policy version the engines hold, which samples
+        this step's tokens (None: dump_step - 1, the RL steps done, as colocated; a
+        disaggregated run passes its engines' version, batch_version(k, max_staleness))."""
         cfg, rollout = self.cfg, self.cfg.rollout
         t0 = time.perf_counter()
-        version = dump_step - 1 if dump_step is not None else self.steps
+        if version is None:
+            version = dump_step - 1 if dump_step is not None else self.steps
         self.steps += 1
         restarts = 0
         for g in self.groups:
