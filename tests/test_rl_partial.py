@@ -248,6 +248,12 @@ def test_partial_keys_are_checked_and_refused_by_name(tmp_path):
             validate_rl(_config(base + [override]), 1)
     # vllm is built (a continued reply: a fresh seeded draw), its keys checked as usual
     assert partial_problems(_config(base + ["rollout.backend=vllm"])) == []
+    # both placements are built (tests/test_rl_partial_async.py runs the disaggregated one)
+    dis = base + ["rollout.placement=disaggregated", "rollout.max_staleness=1"]
+    assert partial_problems(_config(dis)) == []
+    (problem,) = partial_problems(_config(dis + ["rollout.check_behaviour_logprobs=true"]))
+    assert problem.startswith("rollout.partial=true with rollout.check_behaviour_logprobs=true "
+                              "is not built")
     # the driver path is a choice of partial rollouts: alone it is refused by name
     assert partial_problems(_config(base + ["rollout.partial_driver=true"])) == []
     assert partial_problems(_config(base[:-1] + ["rollout.partial_driver=true"])) == [

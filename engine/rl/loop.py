@@ -56,7 +56,6 @@ from engine.rl.policy.logprob_stage import AuxiliaryModels
 from engine.rl.policy.reward_model import rescore_batch
 from engine.rl.policy.routing_replay import rollout_engine_kwargs
 from engine.rl.policy.train_step import build_auxiliary, train_on_rollout
-from engine.rl.rewards import load_reward_fn
 from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
 from engine.generation import backend_class
 from engine.generation.pool import RolloutPool
@@ -154,12 +153,9 @@ def _rollout_side(cfg: RLConfig, policy: TrainEngine, dtype, rows, tokenizer, pr
     pool = build_pool(cfg, policy, dtype)
     collector = None
     if dist.get_rank() == 0:
-        if cfg.rollout.partial:   # partial rollouts (engine.rl.collect.partial)
-            collector = PartialCollector(pool, rows, tokenizer, load_reward_fn(cfg.reward.fn),
-                                         cfg, prompt_ids)
+        collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids)
+        if isinstance(collector, PartialCollector):   # its carried replies
             collector.restore(extra.get("partial"))
-        else:
-            collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids)
         collector.next_gen_batch = int(extra.get("next_gen_batch", start))
     return pool, collector, None
 

@@ -50,8 +50,10 @@ def partial_problems(cfg) -> list[str]:
     """The ranges of rollout.partial_* (always) and, with rollout.partial=true, what partial
     rollouts are not built for, refused by name: a backend that does not apply
     SamplingParams.first_steps / row_max_new_tokens (applies_row_fields: SGLang, a user's
-    package.module:Class not derived from the hf or vllm engine), the disaggregated placement, multi-turn environments (env.fn) and
-    agent episodes (env.agent), an LLM judge, R3 routing replay.
+    package.module:Class not derived from the hf or vllm engine), multi-turn environments
+    (env.fn) and agent episodes (env.agent), an LLM judge, R3 routing replay, and
+    rollout.check_behaviour_logprobs (a disaggregated run's one-version check). Both placements
+    are built: colocated, and disaggregated (the collector on the rollout leader).
 
     Backends: on hf a continued reply draws the randomness of its own decode steps (with
     unchanged weights it is token for token the uninterrupted reply). On vllm a cut reply
@@ -85,9 +87,11 @@ def partial_problems(cfg) -> list[str]:
                  "(SamplingParams.first_steps / row_max_new_tokens), which rollout.backend=hf "
                  "and vllm (and subclasses of their engines) apply; use hf, vllm or "
                  "rollout.partial=false")
-    if r.placement != "colocated":
-        p.append(f"rollout.partial=true with rollout.placement={r.placement!r} is not built "
-                 "(the carried replies live in the colocated collector); use colocated")
+    if r.check_behaviour_logprobs:
+        p.append("rollout.partial=true with rollout.check_behaviour_logprobs=true is not built: "
+                 "the check recomputes a batch under the one version that sampled it, and a "
+                 "partial batch's replies span versions (the dumps' token_versions); use "
+                 "rollout.check_behaviour_logprobs=false")
     env = cfg.env
     if env.fn:
         p.append(f"rollout.partial=true with env.fn={env.fn!r} is not built: a multi-turn "

@@ -17,7 +17,11 @@ so batch k always comes from the same weights, whatever the timing (with max_sta
 generation of batch k overlaps the trainer's step k - 1). Versions arrive in the background
 (engine.rl.disaggregated.inbox) and switch only between batches. Each batch carries rollout/staleness
 (k - version), rollout/policy_version, time/generate_s, rollout/idle_s (waiting for weights
-since the previous batch) and the collector's next_gen_batch (checkpointed by the trainer).
+since the previous batch) and the collector's next_gen_batch and, with rollout.partial, its
+carried replies (PartialCollector.state; both checkpointed by the trainer). With
+rollout.partial each batch's tokens are sampled at the version the engines hold
+(PartialCollector.collect's `version`); a reply carried into a later batch continues under the
+version that batch is generated with.
 A failed engine is restarted as in a colocated run (RolloutPool: rollout.max_retries, then one
 restart per generation batch), from model.hf_path plus the version the pool serves, which its
 owner keeps in host memory as whole tensors (with rollout.sync_delta too: the inbox rebuilds
@@ -34,6 +38,7 @@ import torch.distributed as dist
 
 from engine.errors import RunError
 from engine.rl.judge.collector import make_collector
+from engine.rl.collect.partial import PartialCollector
 from engine.rl.collect.prompts import prompt_rows
 from engine.rl.collect.transport import error_kind
 from engine.rl.collect.validation import Validation, val_due, validates_before_training
@@ -145,8 +150,10 @@ class RolloutSide:
                 raise RunError(f"the rollout leader failed on batch {k}: {payload[2]}")
             return
         t1 = time.perf_counter()
+        partial = isinstance(self.collector, PartialCollector)
         try:
-            batch = self.collector.collect(dump_step=k + 1)
+            batch = self.collector.collect(
+                dump_step=k + 1, **({"version": self.weights.version} if partial else {}))
         except Exception as e:
             self.pool.finish(("error", error_kind(e), str(e)))
             self._fail(e, f"batch {k}")
@@ -157,8 +164,8 @@ class RolloutSide:
                               "rollout/policy_version": float(v),
                               "time/generate_s": time.perf_counter() - t1,
                               "rollout/idle_s": idle})
-        self._send(("batch", k, batch, self.collector.next_gen_batch),
-                   f"sending rollout batch {k}")
+        self._send(("batch", k, batch, self.collector.next_gen_batch,
+                    self.collector.state() if partial else None), f"sending rollout batch {k}")
 
     def run(self, first: int, start: int) -> None:
         cfg = self.cfg
@@ -191,8 +198,8 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
     pool = RolloutPool.for_world(cfg, dtype, **lora_engine_kwargs(cfg, hf_config))
     # the trainer's start message: (first batch, next_gen_batch, steps done, version the
     # engines get first (None: the trainer stops at once), {engine owner job rank: its
-    # senders' job ranks})
-    first, next_gen, start, version0, sources = _bcast(
+    # senders' job ranks}, rollout.partial's collector state or None)
+    first, next_gen, start, version0, sources, partial = _bcast(
         recv_object(split, 0, TAG_CONTROL, "waiting for the trainer's start")
         if rank == 0 else None)
     inbox = (WeightInbox(split, sources[split.job_rank]) if pool.engine is not None else None)
@@ -202,6 +209,8 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
     if rank == 0:
         collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids)
         collector.next_gen_batch = next_gen
+        if isinstance(collector, PartialCollector):
+            collector.restore(partial)
     validation.attach(pool, collector)
     try:
         if version0 is not None and not weights.advance(version0):  # the policy's weights

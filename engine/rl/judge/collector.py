@@ -22,6 +22,7 @@ import torch
 
 from engine.config.redaction import redact_text
 from engine.rl.collect.collector import RolloutCollector
+from engine.rl.collect.partial import PartialCollector
 from engine.rl.judge.scorer import JudgeScorer
 from engine.rl.rewards import load_reward_fn
 
@@ -72,9 +73,13 @@ class JudgedCollector(RolloutCollector):
 
 def make_collector(pool, rows: list[dict], tokenizer, cfg,
                    prompt_ids: list[list[int]] | None = None) -> RolloutCollector:
-    """Rank 0's collector of the run: JudgedCollector with reward.judge.base_url, else
-    RolloutCollector; reward.fn loaded by engine.rl.rewards."""
+    """Rank 0's collector of the run (the rollout leader's on a disaggregated run):
+    PartialCollector with rollout.partial (engine.rl.collect.partial; the caller restores its
+    carried replies), JudgedCollector with reward.judge.base_url, else RolloutCollector;
+    reward.fn loaded by engine.rl.rewards."""
     reward_fn = load_reward_fn(cfg.reward.fn)
+    if cfg.rollout.partial:   # partial_problems refuses it with a judge
+        return PartialCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids)
     if not cfg.reward.judge.base_url:
         return RolloutCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids)
     return JudgedCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids,
