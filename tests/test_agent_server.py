@@ -678,27 +678,43 @@ def test_step_path_admission_429_410_and_503(tok):
 
 
 def test_batching_rule_waits_for_expected_episodes_only():
-    """GenerateQueue alone: a request waits while another live episode is expected (just
-    answered: gather_s; started without a call: max_wait_s), and goes at once when every live
-    episode is pending."""
-    live = {"a": (time.monotonic(), 1), "b": (time.monotonic(), 1)}
+    """GenerateQueue alone, its rule (wait_s) read at chosen times: a request waits while
+    another live episode is expected (just answered: gather_s; started without a call:
+    max_wait_s) and goes once that window ends, or at once when every live episode is pending;
+    next_batch keeps to the rule (it returns no earlier than the window's end)."""
+    t0 = time.monotonic()
+    live = {"a": (t0, 1), "b": (t0, 1)}
     q = GenerateQueue(lambda: dict(live), lambda eid: None, gather_s=0.2, max_wait_s=1.0)
     request = GenerateRequest((1,), 1, 1.0, 1.0, 0)
     q.responded("b", 0)                          # b was just answered
+    answered = q.answered["b"]
     q.submit("a", request)
-    t0 = time.monotonic()
+    arrived = q.pending[0].arrived
+    assert q.wait_s(arrived) == pytest.approx(answered + 0.2 - arrived)   # b's gather window
+    assert q.wait_s(answered + 0.2) == 0.0       # ... and not past it
+    # negative control: with b not live, nothing is expected: a goes at once
+    live_b = live.pop("b")
+    assert q.wait_s(arrived) == 0.0
+    live["b"] = live_b
     assert len(q.next_batch(lambda: False)) == 1
-    assert 0.15 < time.monotonic() - t0 < 0.9    # waited for b's gather window only
+    assert time.monotonic() >= answered + 0.2    # next_batch waited for the window
     q.responded("b", 0)
     q.submit("a", request)
     q.submit("b", request)
-    t0 = time.monotonic()
-    assert len(q.next_batch(lambda: False)) == 2 and time.monotonic() - t0 < 0.15
-    live["c"] = (time.monotonic(), 0)            # c started, no call yet
+    assert q.wait_s(q.pending[0].arrived) == 0.0  # every live episode pending: at once
+    assert len(q.next_batch(lambda: False)) == 2
+    started = time.monotonic()
+    live["c"] = (started, 0)                     # c started, no call yet
+    q.responded("a", 0)
+    q.responded("b", 0)
     q.submit("a", request)
-    t0 = time.monotonic()
-    assert len(q.next_batch(lambda: False)) == 1
-    assert 0.95 < time.monotonic() - t0 < 1.9    # max_wait_s: c never called
+    q.submit("b", request)
+    # a and b pending, c expected until max_wait_s after its start, capped by a's own wait
+    arrived = q.pending[0].arrived
+    assert q.wait_s(arrived) == pytest.approx(min(started, arrived) + 1.0 - arrived, abs=1e-6)
+    assert q.wait_s(started + 1.0) == 0.0
+    assert len(q.next_batch(lambda: False)) == 2
+    assert time.monotonic() >= started + 1.0 - 1e-3   # it waited for c's first call
 
 
 def test_runner_contains_failures(tok):

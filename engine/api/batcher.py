@@ -215,8 +215,10 @@ class GenerateQueue:
                 until = end if until is None else max(until, end)
         return until
 
-    def _wait(self, now: float) -> float:
-        """0 when the pending requests go now (module docstring), else how long to wait."""
+    def wait_s(self, now: float) -> float:
+        """The batching rule at monotonic time `now` (module docstring), with requests pending:
+        0 when they go now, else how many seconds they wait (a pure function of the queue's
+        state and `now`; next_batch calls it)."""
         if self.max_batch is not None and len(self.pending) >= self.max_batch:
             return 0.0
         cap = self.pending[0].arrived + self.max_wait_s - now
@@ -228,7 +230,7 @@ class GenerateQueue:
         with self.cond:
             while True:
                 now = time.monotonic()
-                wait = self._wait(now) if self.pending else poll_s
+                wait = self.wait_s(now) if self.pending else poll_s
                 if self.pending and wait <= 0:
                     take = self.max_batch or len(self.pending)
                     batch, self.pending = self.pending[:take], self.pending[take:]

@@ -128,7 +128,9 @@ class ServeQueue(GenerateQueue):
         with self.cond:
             self.twins.add(request)
 
-    def _wait(self, now: float) -> float:
+    def wait_s(self, now: float) -> float:
+        """GenerateQueue.wait_s under serve's rule: 0 at max_batch pending, else the oldest
+        request's gather window left."""
         if self.max_batch is not None and len(self.pending) >= self.max_batch:
             return 0.0
         return max(0.0, self.pending[0].arrived + self.gather_s - now)
