@@ -3,16 +3,18 @@ an EOS-prone tiny qwen3 so reply lengths spread): the run trains and its dumps c
 token_versions spanning versions, two runs with the same seed give identical metrics, DP2, TP2
 and PP2 training equal one process (rel 1e-5), a run stopped and resumed equals the straight
 one, and carried tokens keep the log-probs of the weights that sampled them; the negative
-control of the equalities: the stopped run resumed without its carried replies differs. Second
-tier (tests/conftest.py SECOND_TIER): eight launches on the session's rank pool
+control of the equalities: the stopped run resumed without its carried replies differs. The
+driver-session path (rollout.partial_driver=true): DP2 equals one process (rel 1e-5) at Adam
+eps 1e-6 (test_partial_driver_run_is_layout_invariant says why not at 1e-8). Second tier
+(tests/conftest.py SECOND_TIER): ten launches on the session's rank pool
 (tests/partial_runs.py). The in-process properties (the step offset, fixed-weight equality,
 retries, DAPO) are in tests/test_rl_partial.py."""
 from __future__ import annotations
 
 import pytest
 
-from tests.partial_runs import (STEPS, TokenLogprobs, layout_differences, partial_runs, tokens,
-                                untimed)
+from tests.partial_runs import (STEPS, TokenLogprobs, launch, layout_differences, partial_runs,
+                                prompts_file, tokens, untimed)
 from tools.bench.partial import eos_prone_model
 
 
@@ -25,6 +27,18 @@ def runs(pools, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("partial_runs")
     model = eos_prone_model(str(root / "model"), eos_scale=2.5, hidden=64, layers=4)
     return partial_runs(pools, root, model, [])
+
+
+@pytest.fixture(scope="module")
+def driver_runs(pools, tmp_path_factory) -> dict:
+    """{"one", "dp2": Run} of the driver-session path (rollout.partial_driver=true) with Adam
+    eps 1e-6 (test_partial_driver_run_is_layout_invariant), the model and data of `runs`."""
+    root = tmp_path_factory.mktemp("partial_driver_runs")
+    model = eos_prone_model(str(root / "model"), eos_scale=2.5, hidden=64, layers=4)
+    data = prompts_file(root)
+    common = ("rollout.partial_driver=true", "optim.eps=1e-6")
+    return {name: launch(pools, ranks, model, data, root / name, *common)[0]
+            for name, ranks in (("one", 1), ("dp2", 2))}
 
 
 def test_partial_run_trains_with_replies_spanning_versions(runs):
@@ -69,6 +83,29 @@ def test_partial_run_is_layout_invariant(runs, layout):
     """The layout's run equals the 1-process one: token ids, and the COMPARED metrics to rel
     1e-5; the run that lost its carried replies at step 2 (negative control) does not."""
     assert layout_differences(runs["one"], runs[layout]) == []
+    control = layout_differences(runs["one"], runs["dropped"])
+    assert "token_ids" in control and {step for step, *_ in control[1:]} >= {3}, control
+
+
+def test_partial_driver_run_is_layout_invariant(driver_runs, runs):
+    """The driver-session path: DP2 equals one process (token ids; the COMPARED metrics to rel
+    1e-5) while carried replies train; the run that lost its carried replies (`runs`'
+    negative control) does not equal its straight run.
+
+    Why Adam eps 1e-6, not the default 1e-8: at 1e-8 any change of summation order changes step
+    2 by ~50x the tolerance, one process against itself included (train.micro_batch_size 1 or
+    4 instead of 2: policy/kl 94x and 53x the tolerance; DP2 48x, PP2 49x; TP2's token ids
+    part at step 4). The chain, measured: in step 1's gradient one entry (layer 0 q_proj) is
+    ~eps (clipped 2.0e-9 in one process, -3.7e-10 in DP2); Adam's first update lr g / (|g| +
+    eps), gain up to lr / eps = 1e5, moves it 2.0e-4 apart (the entries with |g| > 99 eps, 99.65
+    %, move +-lr to 1 % in both); version 1's log-probs then differ by up to 4.8e-4 (that one entry swapped
+    in: 8.6e-6); and step 2 trains a stale reply whose first token (EOS, sampled at version 0)
+    lost 8.0 nats in step 1, whose k3 KL exp(8) - 9 = 3006 is 99.6 % of the step's KL (33.2 per
+    token) and multiplies its log-prob's difference by ~3000. At eps 1e-6 (gain 1e3) DP2 stays
+    within 0.2x the tolerance (TP2 4.7x, PP2 1.1x: not checked here)."""
+    one, dp2 = driver_runs["one"], driver_runs["dp2"]
+    assert len(one[0]) == STEPS and max(m["rollout/partial_share"] for m in one[0]) > 0
+    assert layout_differences(one, dp2) == []
     control = layout_differences(runs["one"], runs["dropped"])
     assert "token_ids" in control and {step for step, *_ in control[1:]} >= {3}, control
 
