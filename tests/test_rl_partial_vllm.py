@@ -3,7 +3,8 @@ vllm.rounds): a row's bound is exact; a cut reply continued (first_steps k > 0) 
 seeded continuation_seed(row seed, k), token for token a direct generate of prompt + prefix with
 that seed (negative control: the row's own seed draws other tokens); a partial round's measured
 fill (busy and total slot-steps); the PartialCollector at fixed weights replayed segment by
-segment from direct generates; subclasses of the hf and vllm engines take rollout.partial; real
+segment from direct generates; two weight syncs with no generate between (a step of waiting
+groups only) serve the second; subclasses of the hf and vllm engines take rollout.partial; real
 `python -m engine.rl` runs (tests.partial_runs, test_rl_partial_runs' checks: they train,
 replies span versions in the dumps, two runs with the same seed give identical metrics and
 dumps, each carried token's log-prob is its own version's, DP2, TP2 and PP2 training equal one
@@ -13,10 +14,12 @@ Second tier (tests/conftest.py SECOND_TIER): one in-process engine (max_num_seqs
 launches on the rank pool."""
 from __future__ import annotations
 
+import glob
 import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import tests.test_rl_partial_runs as hf_runs
 from tests.partial_runs import RESTART_COUNTERS, TokenLogprobs, partial_runs, tokens, untimed
@@ -31,6 +34,7 @@ from engine.rl.collect.fill import fill_counts
 from engine.rl.collect.partial import PartialCollector
 from engine.rl.collect.partial_checks import applies_row_fields
 from engine.rl.config import RLConfig, VLLMConfig
+from engine.rl.policy.weight_sync import sync_weights
 from engine.rl.rewards import load_reward_fn
 from tools.bench.partial import eos_prone_model
 
@@ -179,6 +183,43 @@ def test_subclasses_of_the_hf_and_vllm_engines_run_partial_rollouts():
     assert [applies_row_fields(b) for b in ok] == [True] * 4
     refused = ["sglang", "engine.generation.base:RolloutEngine", "tests.no_such_module:Engine"]
     assert [applies_row_fields(b) for b in refused] == [False] * 3
+
+
+def test_a_sync_right_after_a_sync_lands_on_vllm(engine, model_dir):
+    """A partial step whose batch is only groups that waited from earlier steps generates
+    nothing, so the RL loop syncs twice with no generate between (a resumed driver run died in
+    the second: 'Attempted to load weight (torch.Size([128, 128])) into parameter
+    (torch.Size([0]))', the first sync still open). Two syncs back to back (weight_sync.
+    sync_weights, several buckets), then a generate: the engine samples under the second's
+    weights, tokens and log-probs exactly as after that sync alone: perturbed weights then
+    the originals give the draws from before any sync, the originals then perturbed ones the
+    perturbed weights' draws, a sync that left a tensor out then the originals the originals'
+    draws; negative control: the perturbed weights' draws differ from the originals'."""
+    (path,) = glob.glob(f"{model_dir}/*.safetensors")
+    original = load_file(path)
+    gen = torch.Generator().manual_seed(3)
+    perturbed = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=gen)
+                 for k, v in original.items()}
+    params = SamplingParams(max_new_tokens=8, seeds=list(range(4)))
+
+    def draws() -> list:
+        return [(g.response_ids, g.response_logprobs)
+                for g in engine.generate([PROMPT] * 4, params)]
+
+    before = draws()
+    sync_weights(perturbed.items(), engine, 0.05)
+    moved = draws()
+    assert all(a[1] != b[1] for a, b in zip(moved, before))
+    sync_weights(original.items(), engine, 0.05)
+    assert sync_weights(perturbed.items(), engine, 0.05).num_buckets > 1
+    assert draws() == moved
+    sync_weights(perturbed.items(), engine, 0.05)
+    sync_weights(original.items(), engine, 0.05)
+    assert draws() == before
+    skipped = "model.layers.1.self_attn.o_proj.weight"
+    sync_weights(((n, t) for n, t in perturbed.items() if n != skipped), engine, 0.05)
+    sync_weights(original.items(), engine, 0.05)   # supersedes the incomplete one
+    assert draws() == before
 
 
 DIE_AT = 5     # the stopped run's engine is killed at this generate call: step 2's first round
