@@ -37,11 +37,11 @@ anything is queued, naming the prompt's position and the key (vLLM itself refuse
 len(prompt) >= max_model_len and shortens the other responses silently).
 
 Weights: `update_weights` (one bucket per call) hands the bucket to every worker by
-rollout.sync_transport (`sync_transport`; engine.generation.sync.handles): `handle` (default)
-as shared tensors (CPU shared memory, CUDA IPC), `file` as a file on /dev/shm (bucket_files);
-the worker loads it through engine.generation.vllm.sync. The next `generate` (or the next
-sync, vllm.weights) closes the sync; a generate refuses to run if any parameter, or part of a
-fused layer, was left unwritten (a skipped bucket is never served with stale weights). With rollout.vllm.lora_sync=adapter (`lora`:
+rollout.sync_transport (`sync_transport`; engine.generation.sync.handles): `handle` (default) as
+shared tensors (CPU shared memory, CUDA IPC), `file` as a file on /dev/shm (bucket_files); the
+worker loads it through engine.generation.vllm.sync. The next `generate` or sync (vllm.weights)
+closes the sync; a generate refuses to run while a parameter, or part of a fused layer, is left
+unwritten (a skipped bucket is never served stale). With rollout.vllm.lora_sync=adapter (`lora`:
 engine.generation.vllm.lora) the buckets hold the adapters, served as vLLM LoRA (AdapterSync).
 
 In-process side effects, undone: building vllm.LLM reseeds the global torch / random / numpy
