@@ -8,6 +8,9 @@ cache) on a tiny fp32 Llama on the CPU, by events, never clocks:
 - a short request added while a long one runs finishes first, after its prefill and 3
   decode steps; a streamed request reports its ids after every step, a plain one only its end;
 - abort frees the slot at once (the next request takes it), and scoring equals `score`;
+- joining rows are prefilled together (engine.generation.hf.prefill, forwards counted on the
+  model): a group sharing one prompt in ONE forward, bitwise the first log-prob each row gets
+  alone; distinct prompts of one length in one [B, L] forward, within TOL;
 - what the driver does not serve is refused by name.
 """
 from __future__ import annotations
@@ -156,6 +159,59 @@ def test_streams_report_every_step_and_abort_frees_the_slot(engine):
     assert not driver.busy and driver.layout.slots == 0
     driver.abort("nothing")   # a key not in the driver: no event
     assert driver.events[-1][1] == "c"
+
+
+def prefill_shapes(engine):
+    """A list that records the input_ids shape of every model forward of more than one
+    position (a prefill; decode steps feed one), and the hook's handle."""
+    shapes = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:
+            shapes.append(tuple(ids.shape))
+    return shapes, engine.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+GROUP = [20, 21, 22, 23, 24]   # a group's prompt (4 replies, seeds 0-3)
+BESIDE = [7, 8, 9]             # a distinct prompt joining beside it
+SAME_LENGTH = ([30, 31, 32, 33], [40, 41, 42, 43])
+
+
+def test_rows_sharing_a_prompt_are_prefilled_once(engine):
+    """Four rows with one prompt (seeds 0-3, a group's replies) and one of another length join
+    at one step: two prefill forwards, [1, 5] for the four and [1, 3] beside them (joining one
+    by one, the same rows take one each: the count's negative control). Each row: the tokens
+    it gets alone and from `generate`, its first log-prob (the shared forward's) bitwise its
+    own, the rest within TOL. Negative control: the four seeds draw four different replies
+    from the one forward. Two distinct prompts of one length: one [2, 4] forward, the same
+    tokens as alone, log-probs within TOL."""
+    driver = HFStepDriver(engine)
+    requests = [(f"g{s}", GROUP, params(s, 1.0, 1.0, 12)) for s in range(4)]
+    requests.append(("b", BESIDE, params(5, 0.8, 0.9, 12)))
+    shapes, handle = prefill_shapes(engine)
+    try:
+        alone = {}
+        for key, prompt, p in requests:
+            alone.update(run(driver, {0: [(key, prompt, p)]})[0])
+        assert shapes == [(1, 5)] * 4 + [(1, 3)]
+        shapes.clear()
+        together, _ = run(driver, {0: requests})
+        assert shapes == [(1, 5), (1, 3)]
+        shapes.clear()
+        pair = [(f"l{i}", prompt, params(i, 1.0, 1.0, 12)) for i, prompt in enumerate(SAME_LENGTH)]
+        batched, _ = run(driver, {0: pair})
+        assert shapes == [(2, 4)]
+    finally:
+        handle.remove()
+    for key, prompt, p in requests:
+        ref = engine.generate([prompt], p)[0]
+        assert_close(together[key], ref)
+        assert_close(together[key], alone[key])
+        assert together[key].response_logprobs[0] == alone[key].response_logprobs[0]
+    assert len({tuple(together[f"g{s}"].response_ids) for s in range(4)}) == 4
+    for key, prompt, p in pair:
+        assert_close(batched[key], run(driver, {0: [(key, prompt, p)]})[0][key])
 
 
 def test_scoring_equals_score(engine):

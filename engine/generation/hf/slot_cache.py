@@ -7,9 +7,9 @@ row has its own attention-mask row (ones on its own columns only) and its own po
 (its real tokens counted, as the eager loop's), so where a row's keys sit in the cache changes
 no value: masked columns enter the attention as exact zeros (only the summation order, i.e.
 rounding, can differ; the static path's tolerance, engine.generation.hf.static_decode). A
-request that joins is prefilled alone (its own one-row forward, engine.generation.hf.stepper)
-and its keys/values copied into a free slot so that its prompt ends just left of `col`
-(columns [col - n, col)). A slot whose row finished or was aborted is free at once (its mask
+request that joins is prefilled (engine.generation.hf.prefill: one forward per distinct
+prompt, prompts of one length batched without padding) and its keys/values copied into a free
+slot so that its prompt ends just left of `col` (columns [col - n, col)). A slot whose row finished or was aborted is free at once (its mask
 row zeroed; it is fed the pad id and attends to its own current column, so no row of the batch
 is ever fully masked).
 
@@ -105,15 +105,16 @@ class SlotCache:
             layer.lazy_initialization(keys[:1, :, :0].expand(slots, -1, -1, -1),
                                       values[:1, :, :0].expand(slots, -1, -1, -1))
 
-    def place(self, slot: int, prefill, n: int, token: int, left: int) -> None:
-        """Row in `slot`: the keys/values of its n-token prompt (a one-row transformers cache
-        of the prompt alone, `prefill.layers[i].keys` [1, heads, n, head_dim]) at columns
-        [col - n, col); it feeds `token` next at position n and will write `left` columns."""
+    def place(self, slot: int, prefill, n: int, token: int, left: int, row: int = 0) -> None:
+        """Row in `slot`: the keys/values of its n-token prompt (row `row` of a prefill's
+        transformers cache, `prefill.layers[i].keys` [rows, heads, n, head_dim]) at columns
+        [col - n, col); it feeds `token` next at position n and will write `left` columns.
+        `prefill` is only read (copied from): one cache may be placed in several slots."""
         lo = self.col - n
         for layer, source in zip(self.cache.layers, prefill.layers):
             self._initialize(layer, source.keys, source.values, self.slots)
-            layer.keys[slot, :, lo:self.col] = source.keys[0]
-            layer.values[slot, :, lo:self.col] = source.values[0]
+            layer.keys[slot, :, lo:self.col] = source.keys[row]
+            layer.values[slot, :, lo:self.col] = source.values[row]
         self.mask[slot] = 0
         self.mask[slot, lo:self.col] = 1
         self.feed[slot], self.pos[slot] = token, n

@@ -6,10 +6,11 @@ runs there). The interface and events are engine.generation.vllm.stepper.VLLMSte
 A step: (1) one decode forward of every running row (the engine's StaticDecoder.step, compiled
 when rollout.hf.compile is on; an eager StaticDecoder of the driver's own otherwise), each row
 sampling its next token; (2) the scoring requests added since the last step, each by the
-engine's own `score` (one forward); (3) the generations added since the last step, each
-prefilled alone (a one-row forward of its prompt) and sampling its first token; those that go
-on are copied into free slots (the slot cache's `arrange` / `place`). A finished or aborted
-row frees its slot at once.
+engine's own `score` (one forward); (3) the generations added since the last step, prefilled
+together (engine.generation.hf.prefill: rows with the same prompt, a group's replies, share
+one forward of it; distinct prompts of one length are batched without padding), each sampling
+its first token with its own uniform; those that go on are copied into free slots (the slot
+cache's `arrange` / `place`). A finished or aborted row frees its slot at once.
 
 Contract: `generate`'s, request by request. Each row samples with engine.generation.sampling's
 `draw` and its own uniforms u(seed, step) (`uniforms`: its seed, `row_seeds` of its one
@@ -40,6 +41,7 @@ import torch
 
 from engine.generation.base import Generation, SamplingParams
 from engine.generation.hf.backend import cache_keyword
+from engine.generation.hf.prefill import prefill
 from engine.generation.hf.slot_cache import SlotCache
 from engine.generation.hf.static_decode import StaticDecoder, static_problem
 from engine.generation.sampling import STEP_CHUNK, draw, row_seeds, uniforms
@@ -243,24 +245,29 @@ class HFStepDriver:
         return out
 
     def _join(self) -> list[StepOutput]:
-        """Prefill each waiting request alone, sample its first token, and place those that
-        go on into free slots."""
+        """Prefill the waiting requests (engine.generation.hf.prefill: one forward per distinct
+        prompt, distinct prompts of one length batched), sample each one's first token, and
+        place those that go on into free slots, in the order they were added."""
+        keys, rows = list(self.waiting), list(self.waiting.values())
+        self.waiting.clear()
+        drawn: list = [None] * len(rows)
+        for done in prefill(self.engine.model, cache_keyword(self.engine.model),
+                            [row.prompt for row in rows], self.engine.device):
+            sharing = [rows[i] for i in done.rows]
+            logits = done.logits[None].expand(len(sharing), -1)
+            for i, first in zip(done.rows, self._sample(logits, sharing)):
+                drawn[i] = (first, done)
         out, going = [], []
-        keyword = cache_keyword(self.engine.model)
-        for key, row in list(self.waiting.items()):
-            del self.waiting[key]
-            ids = torch.tensor([row.prompt], dtype=torch.long, device=self.engine.device)
-            result = self.engine.model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            ((token, logprob),) = self._sample(result.logits[:, -1, :].float(), [row])
+        for key, row, ((token, logprob), done) in zip(keys, rows, drawn):
             moved = self._moved(key, row, token, logprob)
             if moved is not None:
                 out.append(moved)
             if moved is None or moved.done is None:
-                going.append((key, row, getattr(result, keyword)))
+                going.append((key, row, done))
         if going:   # a row will still write limit - 1 columns (its tokens 0 .. limit - 2)
             self.layout.arrange([(len(r.prompt), r.limit - len(r.ids)) for _, r, _ in going])
-            for (key, row, prefill), slot in zip(going, self.layout.free_slots()):
-                self.layout.place(slot, prefill, len(row.prompt), row.ids[-1],
-                                 row.limit - len(row.ids))
+            for (key, row, done), slot in zip(going, self.layout.free_slots()):
+                self.layout.place(slot, done.cache, len(row.prompt), row.ids[-1],
+                                  row.limit - len(row.ids), done.index)
                 self.running[slot] = (key, row)
         return out
