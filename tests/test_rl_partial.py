@@ -497,3 +497,42 @@ def test_the_driver_path_on_a_pool_it_does_not_serve_is_refused_by_name():
         PartialCollector.step_driver(on)
     off = SimpleNamespace(use_driver=True, cfg=_config(BASE[:-1]), pool=pool)
     assert PartialCollector.step_driver(off) is None
+
+
+class CutAnyway(PartialCollector):
+    """The previous rule (negative control): a step cuts replies at the staleness bound too,
+    and the next step restarts them."""
+
+    def must_finish(self, version: int) -> bool:
+        return False
+
+
+class CutAnywayRounds(CutAnyway):
+    use_driver = False
+
+
+@pytest.mark.parametrize("path", ["driver", "rounds"])
+def test_no_reply_is_carried_past_the_staleness_bound(model_dir, tmp_path, path):
+    """rollout.partial_max_staleness=1 over 8 steps (max_new_tokens 16, rounds of 4 tokens):
+    no reply restarts, none a step trains spans more than one version and none carried spans
+    one already (it would span two at the next step), while some reply spans the bound (the
+    bound is reached); cutting such replies anyway (negative control: the previous rule) makes
+    later steps restart them."""
+    cls, control = ((PartialCollector, CutAnyway) if path == "driver"
+                    else (RoundsCollector, CutAnywayRounds))
+
+    def run(kind, where):
+        c = _collector(kind, HFRolloutEngine(model_dir, dtype=torch.float32), model_dir,
+                       tmp_path / where, ["rollout.partial_max_staleness=1"])
+        metrics, carried = [], []
+        for s in range(1, 9):
+            metrics.append(c.collect(dump_step=s).metrics)
+            carried += [r.span() for g in c.groups for r in g.replies if r.versions]
+        return metrics, carried
+
+    metrics, carried = run(cls, "bounded")
+    assert sum(m["rollout/partial_restarts"] for m in metrics) == 0
+    assert max(m["rollout/version_span_max"] for m in metrics) == 1
+    assert carried and max(carried) == 0
+    old, _ = run(control, "cut")
+    assert sum(m["rollout/partial_restarts"] for m in old) > 0

@@ -14,10 +14,14 @@ default): rounds, tested layout-invariant:
 
 One step (PartialCollector.collect, rank 0):
 1. unfinished replies whose continuation would span more than rollout.partial_max_staleness
-   versions restart from their prompt (same seed; counted in rollout/partial_restarts);
+   versions restart from their prompt (same seed; counted in rollout/partial_restarts). Step 2
+   never carries such a reply, so this happens only after a resume with a smaller bound;
 2. on the driver: one session (partial_session); in rounds: rounds of at most
    rollout.partial_max_new_tokens tokens per reply until train.prompts_per_step complete
-   groups wait (or a round budget is spent):
+   groups wait (or a round budget is spent), and in either case further on while a reply
+   would outlive the staleness bound if cut now (`must_finish`: a reply that already spans
+   partial_max_staleness versions finishes under this version; bounded, as its bound on
+   tokens is):
    new groups are started so that groups in flight + waiting = ceil(partial_oversample x
    prompts_per_step); ONE generate call over the engines holds every unfinished reply (carried
    ones first, by group number) and the new groups' replies; each row draws the randomness of
@@ -57,8 +61,8 @@ from engine.rl.collect.fill import engine_fill, fill_counts
 from engine.rl.agent.rollout import step_driver
 from engine.rl.collect.partial_checks import groups_in_flight, partial_budget, round_cap
 from engine.rl.collect.partial_session import run_session
-from engine.rl.collect.partial_state import (Group, Reply, from_plain, span_metrics,
-                                             to_plain)
+from engine.rl.collect.partial_state import (Group, Reply, from_plain, outlives_bound,
+                                             span_metrics, to_plain)
 from engine.rl.collect.reward_metrics import reward_length_metrics
 from engine.rl.env.dump import episode_record, write_dump
 from engine.generation import SamplingParams
@@ -117,12 +121,13 @@ class PartialCollector(RolloutCollector):
         cap = round_cap(cfg)
         log = {"calls": 0.0, "retries": 0.0, "restarts": 0.0, "imbalance": 1.0,
                "fill": [], "tokens": 0, "gen_s": 0.0, "errors": 0, "dropped": 0, "rounds": 0}
-        self.driver = self.step_driver() if len(self.ready) < cfg.train.prompts_per_step \
+        p = cfg.train.prompts_per_step
+        self.driver = self.step_driver() if len(self.ready) < p or self.must_finish(version) \
             else None
         if self.driver is not None:
             self._session(version, log)
-        while self.driver is None and len(self.ready) < cfg.train.prompts_per_step and \
-                log["rounds"] < cap:
+        while self.driver is None and ((len(self.ready) < p and log["rounds"] < cap)
+                                       or self.must_finish(version)):
             self._round(version, budget, log)
         take = cfg.train.prompts_per_step
         trained, self.ready = self.ready[:take], self.ready[take:]
@@ -193,6 +198,13 @@ class PartialCollector(RolloutCollector):
                              "without speculative decoding, rollout.num_engines 1); set "
                              "rollout.partial_driver=false for rounds")
         return driver
+
+    def must_finish(self, version: int) -> bool:
+        """Whether an unfinished reply would outlive rollout.partial_max_staleness if this
+        step (sampling at `version`) cut it (partial_state.outlives_bound): the step goes on
+        (more rounds, or the session keeps stepping) until none would."""
+        bound = self.cfg.rollout.partial_max_staleness
+        return any(outlives_bound(r, version, bound) for g in self.groups for r in g.replies)
 
     def prefix(self, group: Group, reply: Reply) -> list[int]:
         """What a continued reply is generated from: its prompt's ids + its tokens so far."""

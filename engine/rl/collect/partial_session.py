@@ -17,8 +17,11 @@ A session (`run_session`, rank 0, a driver built for it):
    rounds path); after every step with a finished row, further new groups are admitted while
    the budget allows (a row added at driver step s > 0 joins rows running since earlier steps);
 3. the cut: once train.prompts_per_step groups wait, or the session ran `session_steps` driver
-   steps, every row still running is aborted and carried with its tokens so far (their
-   log-probs and this version; the driver's `so_far`).
+   steps, and no row in flight would outlive rollout.partial_max_staleness if carried
+   (PartialCollector.must_finish: while one would, the session keeps stepping, admitting no
+   new group once prompts_per_step groups wait, until it finished), every row still running
+   is aborted and carried with its tokens so far (their log-probs and this version; the
+   driver's `so_far`).
 Everything is decided by driver step counts and finish events, never by wall time: the same
 seed gives the same session. A continued row draws as on the rounds path (hf: u(seed, t) of its
 own decode step t, so at fixed weights a cut-and-continued reply is token for token the
@@ -109,13 +112,17 @@ def run_session(collector, driver, version: int, log: dict) -> None:
         while len(live) + len(queue) + n <= slots:
             add(collector.start_group())
 
+    def going() -> bool:
+        return (len(collector.ready) < p and steps < limit) or collector.must_finish(version)
+
     steps = 0
     try:
         for group in sorted(collector.groups, key=lambda g: g.number):
             add(group)
-        admit()
+        if len(collector.ready) < p:
+            admit()
         feed()
-        while len(collector.ready) < p and driver.busy and steps < limit:
+        while driver.busy and going():
             t0 = time.perf_counter()
             outputs = driver.step()
             log["gen_s"] += time.perf_counter() - t0

@@ -50,6 +50,14 @@ class Group:
         return all(r.finish is not None for r in self.replies)
 
 
+def outlives_bound(reply: Reply, version: int, bound: int) -> bool:
+    """Whether `reply`, unfinished while policy version `version` samples, would span more
+    than `bound` versions (rollout.partial_max_staleness) if it were carried to version + 1:
+    such a reply is not cut; it finishes under `version` (engine.rl.collect.partial)."""
+    return reply.finish is None and bool(reply.versions) and \
+        version + 1 - reply.versions[0] > bound
+
+
 def to_plain(groups: list[Group]) -> list[dict]:
     """Groups as plain JSON values (floats round-trip exactly through JSON)."""
     return [asdict(g) for g in groups]
