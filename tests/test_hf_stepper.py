@@ -214,6 +214,33 @@ def test_rows_sharing_a_prompt_are_prefilled_once(engine):
         assert_close(batched[key], run(driver, {0: [(key, prompt, p)]})[0][key])
 
 
+def test_the_eager_step_attends_to_the_columns_in_use(engine):
+    """A request bounded at 100 tokens (a 128-column cache), a short one joining at step 5:
+    every decode step's window (the columns its attention covers) holds every running row's
+    columns and the column written, and is narrower than the cache while the rows are short;
+    the replies equal `generate`. Negative control: with a compiled decoder the window is the
+    whole cache (one shape per cache)."""
+    driver = HFStepDriver(engine)
+    long_p, short_p = params(LONG_SEED, 1.0, 1.0, 100), params(2, 1.0, 1.0, 4)
+    layout, narrower, done, k = driver.layout, 0, {}, 0
+    driver.add("long", [10, 11, 12], long_p)
+    while driver.busy:
+        if k == 5:
+            driver.add("short", [20, 21], short_p)
+        if layout.start:
+            lo, hi = layout.window()
+            assert lo <= min(layout.start.values()) and layout.col < hi <= layout.length
+            narrower += hi - lo < layout.length
+            layout.decoder.compile = True
+            assert layout.window() == (0, layout.length)
+            layout.decoder.compile = False
+        done.update({o.key: o.done for o in driver.step() if o.done is not None})
+        k += 1
+    assert narrower > 0 and set(done) == {"long", "short"}
+    assert_close(done["long"], engine.generate([[10, 11, 12]], long_p)[0])
+    assert_close(done["short"], engine.generate([[20, 21]], short_p)[0])
+
+
 def test_scoring_equals_score(engine):
     driver = HFStepDriver(engine)
     driver.add_scoring("sc", [5, 6, 7, 8, 9], 3)

@@ -127,13 +127,36 @@ class SlotCache:
         self.mask[slot] = 0
         self.feed[slot] = self.pad_id
 
+    def window(self) -> tuple[int, int]:
+        """The columns [lo, hi) a decode step attends to: the whole cache for a compiled
+        decoder (one shape per cache); else a cache_bucket(span) wide window ending just right
+        of `col` (span: from the first running row's first column to `col` included), so the
+        step's attention and GQA key/value repeat cover the columns in use, not the cache's
+        length. Columns outside hold no running row's keys (masked: exact zeros)."""
+        if self.decoder.compile:
+            return 0, self.length
+        lo = min(self.start.values(), default=self.col)
+        width = min(self.length, cache_bucket(self.col + 1 - lo))
+        hi = max(self.col + 1, width)
+        return hi - width, hi
+
     def decode(self) -> torch.Tensor:
-        """One decode step of every slot at column `col`: fp32 logits [slots, V] (rows of free
-        slots are not meaningful); then col and the running rows' positions move on."""
-        for layer in self.cache.layers:
-            layer.cumulative_length.fill_(self.col)   # StaticLayer writes here
+        """One decode step of every slot at column `col` (attending to `window()`'s columns):
+        fp32 logits [slots, V] (rows of free slots are not meaningful); then col and the
+        running rows' positions move on."""
+        lo, hi = self.window()
         self.mask[:, self.col] = 1
-        logits = self.decoder.step(self.feed[:, None], self.mask, self.pos[:, None], self.cache)
+        saved = [(layer.keys, layer.values, layer.max_cache_len) for layer in self.cache.layers]
+        try:   # the step sees (and writes through) views of columns [lo, hi)
+            for layer, (keys, values, _) in zip(self.cache.layers, saved):
+                layer.keys, layer.values = keys[:, :, lo:hi], values[:, :, lo:hi]
+                layer.max_cache_len = hi - lo
+                layer.cumulative_length.fill_(self.col - lo)   # StaticLayer writes here
+            logits = self.decoder.step(self.feed[:, None], self.mask[:, lo:hi],
+                                       self.pos[:, None], self.cache)
+        finally:
+            for layer, (keys, values, length) in zip(self.cache.layers, saved):
+                layer.keys, layer.values, layer.max_cache_len = keys, values, length
         self.col += 1
         self.pos += 1
         for slot in self.left:
