@@ -11,10 +11,12 @@ eps 1e-6 (test_partial_driver_run_is_layout_invariant says why not at 1e-8). Sec
 retries, DAPO) are in tests/test_rl_partial.py."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
-from tests.partial_runs import (STEPS, TokenLogprobs, launch, layout_differences, partial_runs,
-                                prompts_file, tokens, untimed)
+from tests.partial_runs import (STEPS, TokenLogprobs, drop_carried_replies, launch,
+                                layout_differences, partial_runs, prompts_file, tokens, untimed)
 from tools.bench.partial import eos_prone_model
 
 
@@ -31,14 +33,25 @@ def runs(pools, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def driver_runs(pools, tmp_path_factory) -> dict:
-    """{"one", "dp2": Run} of the driver-session path (rollout.partial_driver=true) with Adam
-    eps 1e-6 (test_partial_driver_run_is_layout_invariant), the model and data of `runs`."""
+    """{"one", "dp2", "half", "resumed", "dropped": Run} of the driver-session path
+    (rollout.partial_driver=true) with Adam eps 1e-6 (test_partial_driver_run_is_layout_invariant),
+    the model and data of `runs`; half / resumed / dropped as in tests.partial_runs."""
     root = tmp_path_factory.mktemp("partial_driver_runs")
     model = eos_prone_model(str(root / "model"), eos_scale=2.5, hidden=64, layers=4)
     data = prompts_file(root)
     common = ("rollout.partial_driver=true", "optim.eps=1e-6")
-    return {name: launch(pools, ranks, model, data, root / name, *common)[0]
-            for name, ranks in (("one", 1), ("dp2", 2))}
+    out = {name: launch(pools, ranks, model, data, root / name, *common)[0]
+           for name, ranks in (("one", 1), ("dp2", 2))}
+    ckpt = f"checkpoint.dir={root / 'ckpt'}"
+    out["half"], _ = launch(pools, 1, model, data, root / "half", *common, ckpt,
+                            "train.exit_interval=2")
+    shutil.copytree(root / "ckpt", root / "ckpt_dropped")
+    shutil.copytree(root / "half", root / "dropped")
+    drop_carried_replies(root / "ckpt_dropped", 2)
+    out["resumed"], _ = launch(pools, 1, model, data, root / "half", *common, ckpt)
+    out["dropped"], _ = launch(pools, 1, model, data, root / "dropped", *common,
+                               f"checkpoint.dir={root / 'ckpt_dropped'}")
+    return out
 
 
 def test_partial_run_trains_with_replies_spanning_versions(runs):
@@ -144,3 +157,17 @@ def test_resumed_partial_run_continues_the_carried_replies(runs):
     assert [untimed(m) for m in resumed[2:]] == [untimed(m) for m in straight[2:]]
     assert tokens(dumps[2:]) == tokens(straight_dumps[2:])
     assert tokens(runs["dropped"][1][2:]) != tokens(straight_dumps[2:])
+
+
+def test_resumed_driver_run_continues_the_carried_replies(driver_runs):
+    """The driver-session path stopped after step 2 and resumed from its checkpoint: steps 3
+    and 4 equal the straight driver run's (metrics, token ids); resumed without the carried
+    replies (negative control) they differ."""
+    half, _ = driver_runs["half"]
+    resumed, dumps = driver_runs["resumed"]
+    straight, straight_dumps = driver_runs["one"]
+    assert len(half) == 2 and len(resumed) == len(driver_runs["dropped"][0]) == STEPS
+    assert half[-1]["rollout/partial_carried"] + half[-1]["rollout/partial_waiting_groups"] > 0
+    assert [untimed(m) for m in resumed[2:]] == [untimed(m) for m in straight[2:]]
+    assert tokens(dumps[2:]) == tokens(straight_dumps[2:])
+    assert tokens(driver_runs["dropped"][1][2:]) != tokens(straight_dumps[2:])
