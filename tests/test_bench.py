@@ -217,3 +217,21 @@ def test_async_summary_by_hand():
     with pytest.raises(ValueError, match="nothing left"):
         bench_async.run_stats(s0[:1])
     json.dumps(out)
+
+
+def test_partial_quick_counts_steps_fill_and_staleness():
+    """`tools.bench partial --quick` on hf: the three modes train the same 48 groups; off decodes
+    8 engine steps per group (each batch of 8 groups runs to its 64-token reply), rounds fewer,
+    the driver fewest; partial modes restart nothing (3ee2763's rule) and span versions;
+    a --set key other than rollout.partial_* is refused by name."""
+    from tools.bench.partial import run_partial
+    s = run_partial(True, "hf").summary
+    assert [s[f"partial_{m}_groups"] for m in ("off", "rounds", "on")] == [48.0] * 3
+    assert s["partial_off_engine_steps_per_completed_group"] == 8.0
+    assert s["partial_on_engine_steps_per_completed_group"] < \
+        s["partial_rounds_engine_steps_per_completed_group"] < 8.0
+    assert s["partial_rounds_restarts"] == s["partial_on_restarts"] == 0
+    assert s["partial_off_partial_share"] == 0 < s["partial_on_partial_share"]
+    assert s["partial_off_engine_fill"] < s["partial_rounds_engine_fill"]
+    with pytest.raises(ValueError, match="rollout.partial_driver"):
+        run_partial(True, "hf", ("rollout.partial_driver=true",))

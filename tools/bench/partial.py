@@ -71,7 +71,9 @@ class LengthSchedule:
     """Mixed into a rollout engine: each reply's length fixed by its seed (scheduled_length): a
     row stops at that length, its last token replaced by the end-of-sequence id ("stop").
     Keeps each call's measured (busy, total) slot-steps where the engine reports them
-    (`fills`; vLLM's last_fill)."""
+    (`fills`; vLLM's last_fill) and counts the engine's decode steps (`engine_steps`: vLLM,
+    total slot-steps over the call's slots min(rows, max_num_seqs); hf, the call's longest
+    reply, its decode loop's length)."""
 
     median = 8
 
@@ -85,6 +87,11 @@ class LengthSchedule:
             params.first_steps, rows))
         if getattr(self, "last_fill", None) is not None:
             self.fills = getattr(self, "fills", []) + [self.last_fill]
+            slots = min(len(prompts), self.vllm_config.scheduler_config.max_num_seqs)
+            self.engine_steps = getattr(self, "engine_steps", 0) + self.last_fill[1] // slots
+        else:
+            self.engine_steps = getattr(self, "engine_steps", 0) + max(
+                (len(g.response_ids) for g in gens), default=0)
         for gen, f, w in zip(gens, first, want):
             if f + len(gen.response_ids) >= w and gen.response_ids:
                 gen.response_ids[-1] = self.eos_token_ids[0]
@@ -126,6 +133,8 @@ class LengthScheduledDriver:
 
     def step(self):
         outputs = self.inner.step()
+        engine = self.inner.engine
+        engine.engine_steps = getattr(engine, "engine_steps", 0) + 1
         self.fills[-1][1] += self.slots
         for out in outputs:
             if len(out.ids) > self.seen[out.key]:
@@ -217,7 +226,7 @@ def run_partial(quick: bool, backend: str = "hf", overrides: tuple[str, ...] = (
                 f"rollout.backend={backend}", *overrides]
         cfg, _ = load_config(RLConfig, argv)
         cfg = apply_algorithm_defaults(cfg, explicit_keys(argv))
-        results, fills = {}, {}
+        results, fills, steps_run = {}, {}, {}
         for mode, cls in (("off", RolloutCollector), ("rounds", ScheduledRounds),
                           ("on", ScheduledPartial)):
             engine = _engine(backend, path, median, 64 + 8 * median)
@@ -225,6 +234,7 @@ def run_partial(quick: bool, backend: str = "hf", overrides: tuple[str, ...] = (
             weights = load_file(glob.glob(f"{path}/*.safetensors")[0])
             results[mode] = _collect(cls, engine, cfg, tokenizer, rows, steps, weights)
             counts = getattr(engine, "fills", [])
+            steps_run[mode] = getattr(engine, "engine_steps", 0)
             fills[mode] = sum(c[0] for c in counts) / max(1, sum(c[1] for c in counts))
             engine.shutdown()
     key = "partial" if backend == "hf" else "partial_vllm"
@@ -233,7 +243,13 @@ def run_partial(quick: bool, backend: str = "hf", overrides: tuple[str, ...] = (
     for mode, ms in results.items():
         groups = sum(m["train/groups"] for m in ms)
         seconds = sum(m["time/rollout_s"] for m in ms)
+        # completed groups: the trained ones and those left waiting after the last step
+        # (generated for later steps: a finite run's remainder, not waste)
+        completed = groups + ms[-1].get("rollout/partial_waiting_groups", 0.0)
         row = {"rollout_s_per_group": seconds / groups,
+               "rollout_s_per_completed_group": seconds / completed,
+               # decode steps: what a memory-bound (GPU) engine's time follows
+               "engine_steps_per_completed_group": steps_run[mode] / completed,
                "engine_fill": (sum(m["rollout/engine_fill"] for m in ms) / len(ms)
                                if backend == "hf" else fills[mode]),
                "partial_share": sum(m.get("rollout/partial_share", 0.0) for m in ms) / len(ms),
@@ -243,13 +259,20 @@ def run_partial(quick: bool, backend: str = "hf", overrides: tuple[str, ...] = (
                "staleness_mean": sum(m.get("rollout/partial_staleness_mean", 0.0)
                                      for m in ms) / len(ms),
                "restarts": sum(m.get("rollout/partial_restarts", 0.0) for m in ms),
+               # the trained replies' mean length: below off's, partial rollouts train the
+               # short replies first (a bias that fades as carried long replies complete)
+               "length_mean": sum(m["response/length_mean"] * m["train/groups"]
+                                  for m in ms) / max(1.0, groups),
                "groups": groups, "seconds": seconds}
         summary.update({f"{key}_{mode}_{k}": v for k, v in row.items()})
         table_rows.append([mode, f"{groups:.0f}", fmt(seconds, 2),
-                           fmt(row["rollout_s_per_group"], 4), fmt(row["engine_fill"]),
+                           fmt(row["rollout_s_per_group"], 4),
+                           fmt(row["rollout_s_per_completed_group"], 4),
+                           fmt(row["engine_steps_per_completed_group"], 2),
+                           fmt(row["engine_fill"]),
                            fmt(row["partial_share"]), fmt(row["version_span_mean"]),
                            f"{row['version_span_max']:.0f}", fmt(row["staleness_mean"]),
-                           f"{row['restarts']:.0f}"])
+                           f"{row['restarts']:.0f}", fmt(row["length_mean"], 1)])
     speedup = (summary[f"{key}_off_rollout_s_per_group"]
                / summary[f"{key}_on_rollout_s_per_group"])
     summary[f"{key}_speedup_per_group"] = speedup
@@ -260,8 +283,8 @@ def run_partial(quick: bool, backend: str = "hf", overrides: tuple[str, ...] = (
         f"Partial rollouts: {steps} steps x {prompts} groups of {n}, median reply {median}, "
         f"10 % at {8 * median} tokens ({backend} backend, hidden {hidden}, {layers} layers)",
         ["rollout.partial", "trained groups", "rollout s", "s per trained group",
-         "engine fill", "partial share", "version span mean", "span max",
-         "staleness mean", "restarts"],
+         "s per completed group", "engine steps per completed group", "engine fill", "partial share", "version span mean", "span max",
+         "staleness mean", "restarts", "trained length mean"],
         table_rows,
         [f"speedup per trained group over off: on (driver) {speedup:.2f}x, rounds "
          f"{rounds:.2f}x (partial: oversample {cfg.rollout.partial_oversample}, "
