@@ -55,9 +55,9 @@ def slot_budget(cfg, driver) -> int:
 
 def token_budget(driver) -> int | None:
     """Prompt tokens one engine step may take (vLLM: scheduler_config.max_num_batched_tokens),
-    or None (hf: each joining row is prefilled alone). A session feeds vLLM no more new rows per
-    step than fit it beside the running rows' decode tokens, so no prompt is prefilled in
-    chunks: vLLM 0.32 rewinds a chunked request's seeded generator with set_offset, which a CPU
+    or None (hf: the driver prefills its joining rows itself, engine.generation.hf.prefill). A
+    session feeds vLLM no more new rows per step than fit it beside the running rows' decode
+    tokens, so no prompt is prefilled in chunks: vLLM 0.32 rewinds a chunked request's seeded generator with set_offset, which a CPU
     generator refuses ("CPU Generator does not use offset")."""
     vllm_config = getattr(driver.engine, "vllm_config", None)
     if vllm_config is None:
