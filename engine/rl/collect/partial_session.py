@@ -18,10 +18,11 @@ A session (`run_session`, rank 0, a driver built for it):
    the budget allows (a row added at driver step s > 0 joins rows running since earlier steps);
 3. the cut: once train.prompts_per_step groups wait, or the session ran `session_steps` driver
    steps, and no row in flight would outlive rollout.partial_max_staleness if carried
-   (PartialCollector.must_finish: while one would, the session keeps stepping, admitting no
-   new group once prompts_per_step groups wait, until it finished), every row still running
-   is aborted and carried with its tokens so far (their log-probs and this version; the
-   driver's `so_far`).
+   (PartialCollector.must_finish: while one would, the session keeps stepping until it
+   finished, admitting new groups into freed slots only while fewer than
+   ceil(partial_oversample x prompts_per_step) groups wait and the bound is >= 1), every row
+   still running is aborted and carried with its tokens so far (their log-probs and this
+   version; the driver's `so_far`).
 Everything is decided by driver step counts and finish events, never by wall time: the same
 seed gives the same session. A continued row draws as on the rounds path (hf: u(seed, t) of its
 own decode step t, so at fixed weights a cut-and-continued reply is token for token the
@@ -86,6 +87,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
     cfg = collector.cfg
     rollout, p, n = cfg.rollout, cfg.train.prompts_per_step, cfg.rollout.n
     slots, limit, tokens = slot_budget(cfg, driver), session_steps(cfg), token_budget(driver)
+    waiting_cap = groups_in_flight(rollout, p)
     live: dict[str, Reply] = {}      # rows in the driver
     queue: list[tuple[str, list[int], Reply]] = []   # admitted rows not yet in the driver
     fill = BusySlots()
@@ -112,14 +114,24 @@ def run_session(collector, driver, version: int, log: dict) -> None:
         while len(live) + len(queue) + n <= slots:
             add(collector.start_group())
 
-    def going() -> bool:
-        return (len(collector.ready) < p and steps < limit) or collector.must_finish(version)
+    def filling() -> bool:   # the session's own phase: fewer than p groups wait
+        return len(collector.ready) < p and steps < limit
+
+    def going() -> bool:     # ... or the drain: a row would outlive the staleness bound
+        return filling() or collector.must_finish(version)
+
+    def may_admit() -> bool:
+        """New groups while filling; while draining (slots would idle) only while fewer than
+        ceil(partial_oversample x p) groups wait and the bound is >= 1 (with 0 a new row
+        would have to finish too)."""
+        return filling() or (rollout.partial_max_staleness >= 1 and len(collector.ready) <
+                             waiting_cap and collector.must_finish(version))
 
     steps = 0
     try:
         for group in sorted(collector.groups, key=lambda g: g.number):
             add(group)
-        if len(collector.ready) < p:
+        if may_admit():
             admit()
         feed()
         while driver.busy and going():
@@ -141,7 +153,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
                 collector.groups = [g for g in collector.groups if not g.complete]
                 if done:
                     collector.complete_groups(done, log)
-                if len(collector.ready) < p:
+                if may_admit():
                     admit()
             feed()
     except BaseException:   # a failed step: nothing stays in the engine
