@@ -10,9 +10,9 @@ A session (`run_session`, rank 0, a driver built for it):
    row_max_new_tokens=[rollout.max_new_tokens - its tokens so far]); then new groups, each
    whole (its rollout.n replies together), while the rows in flight stay within the slot
    budget (`slot_budget`: ceil(partial_oversample x prompts_per_step) x rollout.n rows, on
-   vLLM also at most max(rollout.n, max_num_seqs)); admitted rows enter the driver in order,
-   on vLLM only as many per step as fit its token budget beside the running rows
-   (`token_budget`);
+   vLLM also at most max(rollout.n, max_num_seqs)); admitted rows enter the driver in order
+   (a vLLM driver on a CPU host hands vLLM only as many per step as fit its token budget
+   beside the running rows, so no prompt is prefilled in chunks: VLLMStepDriver._feed);
 2. the driver steps; every finished row may complete its group (scored and queued as in the
    rounds path); after every step with a finished row, further new groups are admitted while
    the budget allows (a row added at driver step s > 0 joins rows running since earlier steps);
@@ -54,18 +54,6 @@ def slot_budget(cfg, driver) -> int:
     return rows
 
 
-def token_budget(driver) -> int | None:
-    """Prompt tokens one engine step may take (vLLM: scheduler_config.max_num_batched_tokens),
-    or None (hf: the driver prefills its joining rows itself, engine.generation.hf.prefill). A
-    session feeds vLLM no more new rows per step than fit it beside the running rows' decode
-    tokens, so no prompt is prefilled in chunks: vLLM 0.32 rewinds a chunked request's seeded generator with set_offset, which a CPU
-    generator refuses ("CPU Generator does not use offset")."""
-    vllm_config = getattr(driver.engine, "vllm_config", None)
-    if vllm_config is None:
-        return None
-    return int(vllm_config.scheduler_config.max_num_batched_tokens)
-
-
 def session_steps(cfg) -> int:
     """The session's bound on driver steps: the rounds path's bound on what a row decodes in a
     step, (ceil(rollout.max_new_tokens / partial_max_new_tokens) x (dapo.max_gen_batches under
@@ -86,32 +74,27 @@ def run_session(collector, driver, version: int, log: dict) -> None:
     calls = rows added, tokens, gen_s = seconds inside driver steps, fill)."""
     cfg = collector.cfg
     rollout, p, n = cfg.rollout, cfg.train.prompts_per_step, cfg.rollout.n
-    slots, limit, tokens = slot_budget(cfg, driver), session_steps(cfg), token_budget(driver)
+    slots, limit = slot_budget(cfg, driver), session_steps(cfg)
     waiting_cap = groups_in_flight(rollout, p)
     live: dict[str, Reply] = {}      # rows in the driver
-    queue: list[tuple[str, list[int], Reply]] = []   # admitted rows not yet in the driver
     fill = BusySlots()
 
     def add(group: Group) -> None:
+        """The group's unfinished rows into the driver, in order (a vLLM driver on a CPU host
+        hands them to vLLM as its step's token budget allows: VLLMStepDriver._feed)."""
         for j, reply in enumerate(group.replies):
             if reply.finish is None:
-                queue.append((f"{group.number}/{j}", collector.prefix(group, reply), reply))
-
-    def feed() -> None:
-        """Queued rows into the driver, in order, within the step's token budget."""
-        used = len(live)
-        while queue and (tokens is None or not live or used + len(queue[0][1]) <= tokens):
-            key, prefix, reply = queue.pop(0)
-            driver.add(key, prefix, SamplingParams(
-                max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                top_p=rollout.top_p, seeds=[reply.seed], first_steps=[len(reply.tokens)],
-                row_max_new_tokens=[rollout.max_new_tokens - len(reply.tokens)]), stream=True)
-            live[key] = reply
-            used += len(prefix)
-            log["calls"] += 1
+                key = f"{group.number}/{j}"
+                driver.add(key, collector.prefix(group, reply), SamplingParams(
+                    max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                    top_p=rollout.top_p, seeds=[reply.seed], first_steps=[len(reply.tokens)],
+                    row_max_new_tokens=[rollout.max_new_tokens - len(reply.tokens)]),
+                    stream=True)
+                live[key] = reply
+                log["calls"] += 1
 
     def admit() -> None:
-        while len(live) + len(queue) + n <= slots:
+        while len(live) + n <= slots:
             add(collector.start_group())
 
     def filling() -> bool:   # the session's own phase: fewer than p groups wait
@@ -133,7 +116,6 @@ def run_session(collector, driver, version: int, log: dict) -> None:
             add(group)
         if may_admit():
             admit()
-        feed()
         while driver.busy and going():
             t0 = time.perf_counter()
             outputs = driver.step()
@@ -155,13 +137,11 @@ def run_session(collector, driver, version: int, log: dict) -> None:
                     collector.complete_groups(done, log)
                 if may_admit():
                     admit()
-            feed()
     except BaseException:   # a failed step: nothing stays in the engine
         for key in live:
             driver.abort(key)
         raise
-    queue.clear()   # the cut: queued rows keep their tokens; running ones are aborted
-    for key, reply in live.items():
+    for key, reply in live.items():   # the cut: each row keeps the tokens it has so far
         ids, logprobs = driver.so_far(key)
         driver.abort(key)
         _extend(reply, ids, logprobs, version)
