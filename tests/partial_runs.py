@@ -135,13 +135,28 @@ def partial_runs(pools, root: Path, model: str, common: list[str],
                                 ("dp2", 2, []), ("tp2", 2, ["parallel.tp=2"]),
                                 ("pp2", 2, ["parallel.pp=2"])):
         out[name], _ = launch(pools, ranks, model, data, root / name, *common, *layout)
+    out.update(stop_and_resume(pools, 1, root, model, data, common, half_args, half_env))
+    return out
+
+
+def stop_and_resume(pools, ranks: int, root: Path, model: str, data: Path, common,
+                    half_args: tuple[str, ...] = (), half_env: dict | None = None,
+                    own_world: bool = False) -> dict:
+    """{"half": the run stopped after step 2 (checkpoint in root/ckpt_half; `half_args` and
+    `half_env` for it alone), "half_proc": its PoolRun, "resumed": half continued to step 4
+    in the same folders, "dropped": half continued from a copy of its checkpoint without the
+    carried replies and the waiting groups (drop_carried_replies)}; `ranks` and `own_world`
+    as `launch`."""
+    out: dict = {}
     half = f"checkpoint.dir={root / 'ckpt_half'}"
-    out["half"], out["half_proc"] = launch(pools, 1, model, data, root / "half", *common, half,
-                                           "train.exit_interval=2", *half_args, env=half_env)
+    out["half"], out["half_proc"] = launch(pools, ranks, model, data, root / "half", *common,
+                                           half, "train.exit_interval=2", *half_args,
+                                           env=half_env, own_world=own_world)
     shutil.copytree(root / "ckpt_half", root / "ckpt_dropped")
     shutil.copytree(root / "half", root / "dropped")
     drop_carried_replies(root / "ckpt_dropped", 2)
-    out["resumed"], _ = launch(pools, 1, model, data, root / "half", *common, half)
-    out["dropped"], _ = launch(pools, 1, model, data, root / "dropped", *common,
-                               f"checkpoint.dir={root / 'ckpt_dropped'}")
+    out["resumed"], _ = launch(pools, ranks, model, data, root / "half", *common, half,
+                               own_world=own_world)
+    out["dropped"], _ = launch(pools, ranks, model, data, root / "dropped", *common,
+                               f"checkpoint.dir={root / 'ckpt_dropped'}", own_world=own_world)
     return out

@@ -13,12 +13,10 @@ tests/partial_runs.py's setting (the hf backend, an EOS-prone tiny qwen3, lr 1e-
 Second tier (tests/conftest.py SECOND_TIER): six launches on the session's rank pool."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from tests.partial_runs import (STEPS, drop_carried_replies, launch, layout_differences,
-                                prompts_file, tokens, untimed)
+from tests.partial_runs import (STEPS, launch, layout_differences, prompts_file,
+                                stop_and_resume, tokens, untimed)
 from tools.bench.partial import eos_prone_model
 
 SPLIT = ("rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.peer_timeout_s=120")
@@ -39,16 +37,8 @@ def runs(pools, tmp_path_factory) -> dict:
     for name, s in (("s0", 0), ("s1", 1)):
         out[name], _ = launch(pools, 2, model, data, root / name, *SPLIT,
                               f"rollout.max_staleness={s}", own_world=True)
-    s1 = (*SPLIT, "rollout.max_staleness=1")
-    ckpt = f"checkpoint.dir={root / 'ckpt'}"
-    out["half"], _ = launch(pools, 2, model, data, root / "half", *s1, ckpt,
-                            "train.exit_interval=2", own_world=True)
-    shutil.copytree(root / "ckpt", root / "ckpt_dropped")
-    shutil.copytree(root / "half", root / "dropped")
-    drop_carried_replies(root / "ckpt_dropped", 2)
-    out["resumed"], _ = launch(pools, 2, model, data, root / "half", *s1, ckpt, own_world=True)
-    out["dropped"], _ = launch(pools, 2, model, data, root / "dropped", *s1,
-                               f"checkpoint.dir={root / 'ckpt_dropped'}", own_world=True)
+    out.update(stop_and_resume(pools, 2, root, model, data, (*SPLIT, "rollout.max_staleness=1"),
+                               own_world=True))
     return out
 
 

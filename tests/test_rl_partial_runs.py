@@ -11,12 +11,10 @@ eps 1e-6 (test_partial_driver_run_is_layout_invariant says why not at 1e-8). Sec
 retries, DAPO) are in tests/test_rl_partial.py."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from tests.partial_runs import (STEPS, TokenLogprobs, drop_carried_replies, launch,
-                                layout_differences, partial_runs, prompts_file, tokens, untimed)
+from tests.partial_runs import (STEPS, TokenLogprobs, launch, layout_differences, partial_runs,
+                                prompts_file, stop_and_resume, tokens, untimed)
 from tools.bench.partial import eos_prone_model
 
 
@@ -42,15 +40,7 @@ def driver_runs(pools, tmp_path_factory) -> dict:
     common = ("rollout.partial_driver=true", "optim.eps=1e-6")
     out = {name: launch(pools, ranks, model, data, root / name, *common)[0]
            for name, ranks in (("one", 1), ("dp2", 2))}
-    ckpt = f"checkpoint.dir={root / 'ckpt'}"
-    out["half"], _ = launch(pools, 1, model, data, root / "half", *common, ckpt,
-                            "train.exit_interval=2")
-    shutil.copytree(root / "ckpt", root / "ckpt_dropped")
-    shutil.copytree(root / "half", root / "dropped")
-    drop_carried_replies(root / "ckpt_dropped", 2)
-    out["resumed"], _ = launch(pools, 1, model, data, root / "half", *common, ckpt)
-    out["dropped"], _ = launch(pools, 1, model, data, root / "dropped", *common,
-                               f"checkpoint.dir={root / 'ckpt_dropped'}")
+    out.update(stop_and_resume(pools, 1, root, model, data, common))
     return out
 
 
@@ -110,9 +100,9 @@ def test_partial_driver_run_is_layout_invariant(driver_runs, runs):
     4 instead of 2: policy/kl 94x and 53x the tolerance; DP2 48x, PP2 49x; TP2's token ids
     part at step 4). The chain, measured: in step 1's gradient one entry (layer 0 q_proj) is
     ~eps (clipped 2.0e-9 in one process, -3.7e-10 in DP2); Adam's first update lr g / (|g| +
-    eps), gain up to lr / eps = 1e5, moves it 2.0e-4 apart (the entries with |g| > 99 eps, 99.65
-    %, move +-lr to 1 % in both); version 1's log-probs then differ by up to 4.8e-4 (that one entry swapped
-    in: 8.6e-6); and step 2 trains a stale reply whose first token (EOS, sampled at version 0)
+    eps), gain up to lr / eps = 1e5, moves it 2.0e-4 apart (the entries with |g| > 99 eps,
+    99.65 %, move +-lr to 1 % in both); version 1's log-probs then differ by up to 4.8e-4
+    (that one entry swapped in: 8.6e-6); and step 2 trains a stale reply whose first token (EOS, sampled at version 0)
     lost 8.0 nats in step 1, whose k3 KL exp(8) - 9 = 3006 is 99.6 % of the step's KL (33.2 per
     token) and multiplies its log-prob's difference by ~3000. At eps 1e-6 (gain 1e3) DP2 stays
     within 0.2x the tolerance (TP2 4.7x, PP2 1.1x: not checked here)."""
