@@ -94,7 +94,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
                 log["calls"] += 1
 
     def admit() -> None:
-        while len(live) + n <= slots:
+        while may_admit() and len(live) + n <= slots:
             add(collector.start_group())
 
     def filling() -> bool:   # the session's own phase: fewer than p groups wait
@@ -114,8 +114,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
     try:
         for group in sorted(collector.groups, key=lambda g: g.number):
             add(group)
-        if may_admit():
-            admit()
+        admit()
         while driver.busy and going():
             t0 = time.perf_counter()
             outputs = driver.step()
@@ -135,8 +134,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
                 collector.groups = [g for g in collector.groups if not g.complete]
                 if done:
                     collector.complete_groups(done, log)
-                if may_admit():
-                    admit()
+                admit()
     except BaseException:   # a failed step: nothing stays in the engine
         for key in live:
             driver.abort(key)
