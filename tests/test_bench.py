@@ -235,3 +235,16 @@ def test_partial_quick_counts_steps_fill_and_staleness():
     assert s["partial_off_engine_fill"] < s["partial_rounds_engine_fill"]
     with pytest.raises(ValueError, match="rollout.partial_driver"):
         run_partial(True, "hf", ("rollout.partial_driver=true",))
+
+
+def test_partial_vllm_engine_takes_the_gpu_settings_on_a_cuda_host(monkeypatch):
+    """tools.bench partial --backend vllm: bf16 and engine_args' GPU settings (not eager, no
+    spawned CPU worker) when CUDA is there; float32 and the CPU settings without (this host)."""
+    from tools.bench.partial import vllm_engine_settings
+    dtype, cpu = vllm_engine_settings(96)
+    assert dtype == torch.float32 and cpu["enforce_eager"] is True
+    assert cpu["distributed_executor_backend"] == "mp"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    dtype, gpu = vllm_engine_settings(96)
+    assert dtype == torch.bfloat16 and gpu["enforce_eager"] is False
+    assert "distributed_executor_backend" not in gpu and gpu["max_model_len"] == 96

@@ -183,12 +183,22 @@ def _collect(cls, engine, cfg, tokenizer, rows, steps: int, weights: dict) -> li
     return out
 
 
+def vllm_engine_settings(max_model_len: int) -> tuple[torch.dtype, dict]:
+    """(dtype, VLLMRolloutEngine keyword arguments) of the benchmark's vLLM engine: on a CUDA
+    host bf16 with the GPU settings (CUDA graphs, KV cache by memory share; engine_args'
+    on_cpu=False), else float32 with the CPU settings (eager, KV cache in bytes, one spawned
+    worker)."""
+    cuda = torch.cuda.is_available()
+    return (torch.bfloat16 if cuda else torch.float32,
+            engine_args(VLLMConfig(max_model_len=max_model_len), 1, not cuda, False))
+
+
 def _engine(backend: str, path: str, median: int, max_model_len: int):
     if backend == "hf":
         engine = LengthScheduledEngine(path, dtype=torch.float32)
     else:
-        engine = LengthScheduledVLLM(path, dtype=torch.float32, seed=0, **engine_args(
-            VLLMConfig(max_model_len=max_model_len), 1, True, False))
+        dtype, kwargs = vllm_engine_settings(max_model_len)
+        engine = LengthScheduledVLLM(path, dtype=dtype, seed=0, **kwargs)
     engine.median = median
     return engine
 
