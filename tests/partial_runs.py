@@ -75,6 +75,21 @@ def tokens(dumps: list[list[dict]]) -> list[list[list[int]]]:
     return [[r["token_ids"] for r in s] for s in dumps]
 
 
+def check_resume(runs: dict, straight: str, skip: tuple[str, ...] = ()) -> None:
+    """stop_and_resume's runs in `runs` against runs[straight]: the stopped run carried
+    something, steps 3 and 4 of the resumed run equal the straight run's (untimed metrics
+    without the keys starting with `skip`, token ids), and the run resumed without the
+    carried replies (negative control) has other token ids there."""
+    half, _ = runs["half"]
+    resumed, dumps = runs["resumed"]
+    ref, ref_dumps = runs[straight]
+    assert len(half) == 2 and len(resumed) == len(runs["dropped"][0]) == STEPS
+    assert half[-1]["rollout/partial_carried"] + half[-1]["rollout/partial_waiting_groups"] > 0
+    assert [untimed(m, skip) for m in resumed[2:]] == [untimed(m, skip) for m in ref[2:]]
+    assert tokens(dumps[2:]) == tokens(ref_dumps[2:])
+    assert tokens(runs["dropped"][1][2:]) != tokens(ref_dumps[2:])
+
+
 def layout_differences(ref: Run, got: Run) -> list:
     """What keeps `got` from equalling `ref` as a layout must: the dumps' token ids
     ("token_ids") and, per step, each COMPARED metric beyond rel 1e-5 (step, key, a, b)."""

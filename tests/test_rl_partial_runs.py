@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.partial_runs import (STEPS, TokenLogprobs, launch, layout_differences, partial_runs,
-                                prompts_file, stop_and_resume, tokens, untimed)
+from tests.partial_runs import (STEPS, TokenLogprobs, check_resume, launch, layout_differences,
+                                partial_runs, prompts_file, stop_and_resume, tokens, untimed)
 from tools.bench.partial import eos_prone_model
 
 
@@ -139,25 +139,11 @@ def test_resumed_partial_run_continues_the_carried_replies(runs):
     """Stopped after step 2 and resumed from its checkpoint (whose extra holds the carried
     replies and the waiting groups): steps 3 and 4 equal the straight run's; resumed from the
     checkpoint without them (negative control) they differ."""
-    half, _ = runs["half"]
-    resumed, dumps = runs["resumed"]
-    straight, straight_dumps = runs["again"]
-    assert len(half) == 2 and len(resumed) == len(runs["dropped"][0]) == STEPS
-    assert half[-1]["rollout/partial_carried"] + half[-1]["rollout/partial_waiting_groups"] > 0
-    assert [untimed(m) for m in resumed[2:]] == [untimed(m) for m in straight[2:]]
-    assert tokens(dumps[2:]) == tokens(straight_dumps[2:])
-    assert tokens(runs["dropped"][1][2:]) != tokens(straight_dumps[2:])
+    check_resume(runs, "again")
 
 
 def test_resumed_driver_run_continues_the_carried_replies(driver_runs):
     """The driver-session path stopped after step 2 and resumed from its checkpoint: steps 3
     and 4 equal the straight driver run's (metrics, token ids); resumed without the carried
     replies (negative control) they differ."""
-    half, _ = driver_runs["half"]
-    resumed, dumps = driver_runs["resumed"]
-    straight, straight_dumps = driver_runs["one"]
-    assert len(half) == 2 and len(resumed) == len(driver_runs["dropped"][0]) == STEPS
-    assert half[-1]["rollout/partial_carried"] + half[-1]["rollout/partial_waiting_groups"] > 0
-    assert [untimed(m) for m in resumed[2:]] == [untimed(m) for m in straight[2:]]
-    assert tokens(dumps[2:]) == tokens(straight_dumps[2:])
-    assert tokens(driver_runs["dropped"][1][2:]) != tokens(straight_dumps[2:])
+    check_resume(driver_runs, "one")
