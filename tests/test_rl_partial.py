@@ -335,9 +335,17 @@ class FailingStep:
         return self.inner.step()
 
 
-class FailingCollector(PartialCollector):
+class WrappedDriverCollector(PartialCollector):
+    """PartialCollector whose step driver is wrapped in `wrapper` (a test's injected failure)."""
+
+    wrapper = FailingStep
+
     def step_driver(self):
-        return FailingStep(super().step_driver())
+        return self.wrapper(super().step_driver())
+
+
+class FailingCollector(WrappedDriverCollector):
+    wrapper = FailingStep
 
 
 def test_failing_driver_steps_stop_the_run_and_empty_the_engine(model_dir, tmp_path):
@@ -376,9 +384,8 @@ class DyingStep(FailingStep):
         return self.inner.step()
 
 
-class DyingCollector(PartialCollector):
-    def step_driver(self):
-        return DyingStep(super().step_driver())
+class DyingCollector(WrappedDriverCollector):
+    wrapper = DyingStep
 
 
 def test_failed_driver_session_is_run_again_and_equals_the_straight_run(model_dir, tmp_path):

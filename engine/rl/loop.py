@@ -21,8 +21,9 @@ per node), each owned by one rank, rollout.gpus_per_engine devices each; engine 
 Checkpoints (engine.run.run_loop, as for SFT): the policy's model, optimizer and scheduler, the data
 position (RL steps done, prompts_per_step, prompt rows, seed, shuffle) and, as the checkpoint's
 `extra`, the collector's next_gen_batch (ahead of the step count with DAPO dynamic sampling),
-with rollout.partial the carried replies (engine.rl.collect.partial), and the skipped-step count. After a resume the rollout engine (started from model.hf_path) is
-synced with the checkpoint's weights before the first rollout; the KL reference stays the
+with rollout.partial the carried replies (engine.rl.collect.partial), and the skipped-step
+count. After a resume the rollout engine (started from model.hf_path) is synced with the
+checkpoint's weights before the first rollout; the KL reference stays the
 initial policy (model.hf_path). With PPO the critic (model, optimizer, scheduler) is saved
 before each policy checkpoint under checkpoint.dir/critic/ and resumed from the same step.
 """
@@ -153,9 +154,7 @@ def _rollout_side(cfg: RLConfig, policy: TrainEngine, dtype, rows, tokenizer, pr
     pool = build_pool(cfg, policy, dtype)
     collector = None
     if dist.get_rank() == 0:
-        collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids)
-        if isinstance(collector, PartialCollector):   # its carried replies
-            collector.restore(extra.get("partial"))
+        collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids, extra.get("partial"))
         collector.next_gen_batch = int(extra.get("next_gen_batch", start))
     return pool, collector, None
 

@@ -9,8 +9,8 @@ process with a step driver, engine.rl.agent.rollout.step_driver: vllm without sp
 decoding, hf without a vision tower, routed experts or layers other than full attention; else
 refused naming the key): a step is ONE driver session that admits new groups' replies as slots
 free and cuts once prompts_per_step groups wait (engine.rl.collect.partial_session): more fill,
-more staleness, and its layout invariance is not tested (docs/async-rl.md). false (the
-default): rounds, tested layout-invariant:
+more staleness (docs/async-rl.md; its DP2 run equals one process at optim.eps=1e-6,
+tests/test_rl_partial_runs.py). false (the default): rounds, tested layout-invariant:
 
 One step (PartialCollector.collect, rank 0):
 1. unfinished replies whose continuation would span more than rollout.partial_max_staleness
@@ -111,10 +111,9 @@ class PartialCollector(RolloutCollector):
             version = dump_step - 1 if dump_step is not None else self.steps
         self.steps += 1
         restarts = 0
-        for g in self.groups:
+        for g in self.groups:   # carried past the bound (a resume with a smaller one)
             for r in g.replies:
-                if r.finish is None and r.versions and version - r.versions[0] > \
-                        rollout.partial_max_staleness:
+                if outlives_bound(r, version - 1, rollout.partial_max_staleness):
                     r.restart()
                     restarts += 1
         budget = partial_budget(rollout)

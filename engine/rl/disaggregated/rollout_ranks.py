@@ -207,10 +207,8 @@ def run_rollout(cfg, hf_config: dict, flags: list[str]) -> int:
     pool.resync = weights.reload
     collector = None
     if rank == 0:
-        collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids)
+        collector = make_collector(pool, rows, tokenizer, cfg, prompt_ids, partial)
         collector.next_gen_batch = next_gen
-        if isinstance(collector, PartialCollector):
-            collector.restore(partial)
     validation.attach(pool, collector)
     try:
         if version0 is not None and not weights.advance(version0):  # the policy's weights

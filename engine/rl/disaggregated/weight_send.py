@@ -20,8 +20,9 @@ With rollout.sync_quantization=fp8 the senders' streams carry FP8 weights and th
 (raw bytes travel as they are; weight_export.export_stage_weights quantizes on the sender).
 
 Messages from the rollout leader to training rank 0 (tag TAG_ROLLOUT, one ordered stream on
-the bridge): ("batch", k, RolloutBatch, next_gen_batch, partial state or None: rollout.partial's
-PartialCollector.state() after batch k), ("val", v, metrics) and ("error", kind, message). Training rank 0 starts the rollout side with one TAG_CONTROL message.
+the bridge): ("batch", k, RolloutBatch, next_gen_batch, rollout.partial's
+PartialCollector.state() after batch k or None), ("val", v, metrics) and ("error", kind,
+message). Training rank 0 starts the rollout side with one TAG_CONTROL message.
 """
 from __future__ import annotations
 

@@ -72,14 +72,17 @@ class JudgedCollector(RolloutCollector):
 
 
 def make_collector(pool, rows: list[dict], tokenizer, cfg,
-                   prompt_ids: list[list[int]] | None = None) -> RolloutCollector:
+                   prompt_ids: list[list[int]] | None = None,
+                   carried: dict | None = None) -> RolloutCollector:
     """Rank 0's collector of the run (the rollout leader's on a disaggregated run):
-    PartialCollector with rollout.partial (engine.rl.collect.partial; the caller restores its
-    carried replies), JudgedCollector with reward.judge.base_url, else RolloutCollector;
-    reward.fn loaded by engine.rl.rewards."""
+    PartialCollector with rollout.partial (engine.rl.collect.partial), restored from `carried`
+    (its state() from the checkpoint; None: a fresh run), JudgedCollector with
+    reward.judge.base_url, else RolloutCollector; reward.fn loaded by engine.rl.rewards."""
     reward_fn = load_reward_fn(cfg.reward.fn)
     if cfg.rollout.partial:   # partial_problems refuses it with a judge
-        return PartialCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids)
+        collector = PartialCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids)
+        collector.restore(carried)
+        return collector
     if not cfg.reward.judge.base_url:
         return RolloutCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids)
     return JudgedCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids,
