@@ -114,9 +114,8 @@ class StepServing:
         t0 = time.perf_counter()
         try:
             moved = self.backend.step()
-        except Exception as e:
+        except Exception as e:   # run's aborted_on_error aborts them in the engine
             for key, p in list(self.inflight.items()):
-                self.backend.abort(key)
                 self._answer(key, p, error=e)
             raise
         finally:
@@ -132,14 +131,17 @@ class StepServing:
 
     def run(self, until: Callable[[], bool]) -> None:
         """Serve until `until()` holds and the running requests are answered (module
-        docstring); a failed step is raised once its requests got 503."""
-        while True:
-            stop = until()
-            for p in self._take(stop):
-                self._add(p)
-            self._drop_gone()
-            if self.backend.busy:
-                self._step()
-            elif not self.inflight and (self.queue.closed is not None or (
-                    stop and self.stopping is None and not self.queue.pending)):
-                return
+        docstring); a failed step is raised once its requests got 503, and whatever raises
+        leaves none of the loop's requests running in the engine (the backend's
+        aborted_on_error, engine.generation.steps)."""
+        with self.backend.aborted_on_error():
+            while True:
+                stop = until()
+                for p in self._take(stop):
+                    self._add(p)
+                self._drop_gone()
+                if self.backend.busy:
+                    self._step()
+                elif not self.inflight and (self.queue.closed is not None or (
+                        stop and self.stopping is None and not self.queue.pending)):
+                    return

@@ -8,6 +8,7 @@ from typing import Callable
 
 from engine.api.backend import GenerateRequest, GenerateResult, TokenScores
 from engine.generation.base import Generation, SamplingParams
+from engine.generation.steps import aborted_on_error
 
 
 class SamplingBackend:
@@ -145,6 +146,17 @@ class StepBackend:
         self.calls += 1
         self.requests[key], self.scored[key] = request, result
         return None
+
+    def in_flight(self) -> set[str]:
+        """The caller's keys whose generation or scoring runs (engine.generation.steps'
+        aborted_on_error aborts them by these)."""
+        return set(self.requests)
+
+    def aborted_on_error(self):
+        """engine.generation.steps' aborted_on_error over this backend: a block that raises
+        leaves none of the requests it added running (its user outside engine.generation,
+        engine.api.stepping, takes it from here)."""
+        return aborted_on_error(self)
 
     def abort(self, key: str) -> None:
         """Stop `key`'s generation or scoring (a cancelled client)."""

@@ -1,8 +1,11 @@
 """What a step-level generation driver hands back (engine.generation.vllm.stepper,
 engine.generation.hf.stepper: the same interface, `add`, `add_scoring`, `abort`, `so_far`, `step`,
-`busy`, `steps`, `events`), shared so a server reads either driver's outputs alike."""
+`busy`, `in_flight`, `steps`, `events`), shared so a server reads either driver's outputs alike,
+and the one abort-on-exit every user of a driver runs its requests under (`aborted_on_error`)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from engine.generation.base import Generation
@@ -35,3 +38,27 @@ class BusySlots:
             if len(out.ids) > self.seen.get(out.key, 0):
                 self.busy += 1
                 self.seen[out.key] = len(out.ids)
+
+
+@contextmanager
+def aborted_on_error(driver) -> Iterator[None]:
+    """Abort-on-exit of a step driver's users (engine.generation.vllm.rounds' stepped_generate,
+    engine.rl.collect.partial_session, engine.api.stepping's StepServing): when the block exits
+    by an exception, every request added to `driver` inside the block that has not finished
+    (`driver.in_flight()` now, less the keys it held when the block began) is aborted, so
+    nothing of the block stays in the engine. Without it vLLM keeps a failed call's requests
+    running, and a retry that reuses their keys gets their leftover tokens under the new
+    request's key. Requests the driver held before the block are left as they are; the
+    exception is raised again, and an abort that fails too (a dead engine) is added to it as
+    a note instead of hiding it. `driver`: a step driver or anything with `in_flight()` (the
+    keys it holds) and `abort(key)` (engine.generation.sampling_backend.StepBackend)."""
+    before = set(driver.in_flight())
+    try:
+        yield
+    except BaseException as error:
+        for key in sorted(set(driver.in_flight()) - before):
+            try:
+                driver.abort(key)
+            except Exception as e:  # noqa: BLE001 - the block's own error is the one raised
+                error.add_note(f"aborting request {key!r} failed too: {type(e).__name__}: {e}")
+        raise

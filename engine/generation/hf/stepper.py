@@ -117,6 +117,10 @@ class HFStepDriver:
     def _keys(self) -> set[str]:
         return set(self.waiting) | set(self.scoring) | {k for k, _ in self.running.values()}
 
+    def in_flight(self) -> set[str]:
+        """The keys of the requests in the driver (added, not finished, not aborted)."""
+        return self._keys()
+
     def _added(self, key: str) -> None:
         if key in self._keys():
             raise ValueError(f"request {key!r} is already running in the step driver")

@@ -15,11 +15,16 @@ steps alike; a step that only prefills a chunk counts as a step with its slots i
 is busy in a step when its request got at least one new token in it (vLLM's delta outputs:
 one per request per step, several tokens counting once under speculative decoding). The call
 reports (busy slot-steps, min(B, max_num_seqs) x T).
+
+A stepped call that fails (an engine step raising, a request refused) aborts every request it
+added that has not finished before the error is raised (engine.generation.steps'
+aborted_on_error): the pool's retry adds the same request ids "0".."B-1" again, and a request
+left running in vLLM would hand its tokens to the new request of the same id.
 """
 from __future__ import annotations
 
 from engine.generation.base import Generation, SamplingParams
-from engine.generation.steps import BusySlots
+from engine.generation.steps import BusySlots, aborted_on_error
 from engine.generation.vllm.process import preserved_global_rng
 from engine.generation.vllm.requests import generation
 from engine.generation.vllm.stepper import VLLMStepDriver
@@ -47,12 +52,13 @@ def stepped_generate(engine, prompts: list[list[int]], params: SamplingParams
     (busy slot-steps, total slot-steps) (module docstring)."""
     sampling = engine.vllm_params(prompts, params)
     driver = VLLMStepDriver(engine)
-    for i, (prompt, vllm_params) in enumerate(zip(prompts, sampling)):
-        driver.add_built(str(i), prompt, vllm_params, params.temperature == 0, stream=True)
     fill, done = BusySlots(), {}
-    while driver.busy:
-        outputs = driver.step()
-        fill.count(outputs)
-        done.update({int(out.key): out.done for out in outputs if out.done is not None})
+    with aborted_on_error(driver):   # a failed call leaves nothing in vLLM (module docstring)
+        for i, (prompt, vllm_params) in enumerate(zip(prompts, sampling)):
+            driver.add_built(str(i), prompt, vllm_params, params.temperature == 0, stream=True)
+        while driver.busy:
+            outputs = driver.step()
+            fill.count(outputs)
+            done.update({int(out.key): out.done for out in outputs if out.done is not None})
     slots = min(len(prompts), int(engine.vllm_config.scheduler_config.max_num_seqs))
     return [done[i] for i in range(len(prompts))], (fill.busy, slots * driver.steps)

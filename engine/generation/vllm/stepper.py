@@ -81,6 +81,10 @@ class VLLMStepDriver:
         """True while a request is in the engine (running or waiting in vLLM's scheduler)."""
         return bool(self.running)
 
+    def in_flight(self) -> set[str]:
+        """The keys of the requests in the driver (added, not finished, not aborted)."""
+        return set(self.running)
+
     def _add(self, key: str, prompt: list[int], params, state: _Running) -> None:
         if key in self.running:
             raise ValueError(f"request {key!r} is already running in the step driver")

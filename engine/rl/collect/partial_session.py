@@ -30,15 +30,16 @@ uninterrupted one; vLLM: continuation_seed(seed, k), a fresh deterministic draw)
 
 Fill (rollout/engine_fill): busy slot-steps / (slot budget x driver steps), busy = rows that got
 a token in a step (from the driver's step outputs: every row is streamed). A failed engine
-step aborts the session's rows and raises; PartialCollector runs the session again from the
-state it started from (rollout.max_retries, the engine restarted first when it died).
+step aborts the session's rows (engine.generation.steps' aborted_on_error) and raises;
+PartialCollector runs the session again from the state it started from (rollout.max_retries,
+the engine restarted first when it died).
 """
 from __future__ import annotations
 
 import time
 
 from engine.generation import SamplingParams
-from engine.generation.steps import BusySlots
+from engine.generation.steps import BusySlots, aborted_on_error
 from engine.rl.collect.partial_checks import groups_in_flight, partial_budget, round_cap
 from engine.rl.collect.partial_state import Group, Reply
 
@@ -111,7 +112,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
                              waiting_cap and collector.must_finish(version))
 
     steps = 0
-    try:
+    with aborted_on_error(driver):   # a failed step: nothing of the session stays in the engine
         for group in sorted(collector.groups, key=lambda g: g.number):
             add(group)
         admit()
@@ -135,10 +136,6 @@ def run_session(collector, driver, version: int, log: dict) -> None:
                 if done:
                     collector.complete_groups(done, log)
                 admit()
-    except BaseException:   # a failed step: nothing stays in the engine
-        for key in live:
-            driver.abort(key)
-        raise
     for key, reply in live.items():   # the cut: each row keeps the tokens it has so far
         ids, logprobs = driver.so_far(key)
         driver.abort(key)
