@@ -9,9 +9,22 @@ no value: masked columns enter the attention as exact zeros (only the summation 
 rounding, can differ; the static path's tolerance, engine.generation.hf.static_decode). A
 request that joins is prefilled (engine.generation.hf.prefill: one forward per distinct
 prompt, prompts of one length batched without padding) and its keys/values copied into a free
-slot so that its prompt ends just left of `col` (columns [col - n, col)). A slot whose row finished or was aborted is free at once (its mask
-row zeroed; it is fed the pad id and attends to its own current column, so no row of the batch
-is ever fully masked).
+slot so that its prompt ends just left of `col` (columns [col - n, col)). A slot whose row
+finished or was aborted is free at once (its mask row zeroed; it is fed the pad id at position 0
+and attends to its own current column, so no row of the batch is ever fully masked).
+
+Positions. Only running rows' positions move; a free slot's stays 0 (reset by `release`, not
+moved by `decode`, carried as 0 by `_repack`), so the batch's highest position is a running
+row's own: a model with learned positions (gpt2's n_positions) never indexes past its table
+however long the driver stays busy, and rope scalings that pick their frequencies from the
+batch's highest position (longrope's short/long factors, dynamic NTK) pick what the running
+rows' own positions ask for (tests/test_slot_cache.py).
+
+Storage. The cache's key/value tensors are allocated once per shape (StaticLayer's
+`lazy_initialization`, which marks them static for torch.compile: `mark_static_address`) and
+never replaced: a decode over the whole cache (a compiled decoder) hands the step the layer's own
+tensors; a narrower window (eager) hands it views for the step and puts the layer's own tensors
+back after it. The StaticLayer fields this relies on are probed (`static_layer_problem`).
 
 Room. Each running row knows how many more columns it will write (`left`: its tokens still to
 feed), and every row ends at `col`, so once `col + max(left) <= length` holds it holds to the
@@ -30,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.generation.hf.cache_probe import static_layer_problem
 from engine.generation.hf.length_buckets import batch_bucket, cache_bucket
 
 MIN_SLOTS = 1   # measured: at hidden 1024 on 2 CPU cores a 4-row step cost 2-5x a 1-row one
@@ -45,6 +59,9 @@ class SlotCache:
     """
 
     def __init__(self, decoder, pad_id: int, device: torch.device) -> None:
+        problem = static_layer_problem()
+        if problem:
+            raise RuntimeError(f"the hf slot cache does not run on this transformers: {problem}")
         self.decoder, self.pad_id, self.device = decoder, pad_id, device
         self.clear()
 
@@ -53,7 +70,7 @@ class SlotCache:
         self.cache, self.slots, self.length, self.col = None, 0, 0, 0
         self.left: dict[int, int] = {}
         self.start: dict[int, int] = {}    # slot -> its first (prompt) column
-        self.mask = self.feed = self.pos = None
+        self.mask = self.feed = self.pos = self.live = None   # live: 1 on running slots
 
     def free_slots(self) -> list[int]:
         return [s for s in range(self.slots) if s not in self.left]
@@ -85,16 +102,18 @@ class SlotCache:
         mask = torch.zeros((slots, length), dtype=torch.long, device=self.device)
         feed = torch.full((slots,), self.pad_id, dtype=torch.long, device=self.device)
         pos = torch.zeros((slots,), dtype=torch.long, device=self.device)
-        if self.mask is not None:
+        live = torch.zeros((slots,), dtype=torch.long, device=self.device)
+        if self.mask is not None:   # a free slot's position is 0 (module docstring)
             mask[:old_slots, a + shift:b + shift] = self.mask[:, a:b]
-            feed[:old_slots], pos[:old_slots] = self.feed, self.pos
+            feed[:old_slots], live[:old_slots] = self.feed, self.live
+            pos[:old_slots] = self.pos * self.live
         self.cache = self.decoder.cache(slots, length)   # reset
         for layer, (keys, values) in zip(self.cache.layers, old):
             self._initialize(layer, keys, values, slots)
             layer.keys[:old_slots, :, a + shift:b + shift] = keys
             layer.values[:old_slots, :, a + shift:b + shift] = values
         self.slots, self.length, self.col = slots, length, new_col
-        self.mask, self.feed, self.pos = mask, feed, pos
+        self.mask, self.feed, self.pos, self.live = mask, feed, pos, live
         self.start = {s: c + shift for s, c in self.start.items()}
 
     @staticmethod
@@ -117,15 +136,15 @@ class SlotCache:
             layer.values[slot, :, lo:self.col] = source.values[row]
         self.mask[slot] = 0
         self.mask[slot, lo:self.col] = 1
-        self.feed[slot], self.pos[slot] = token, n
+        self.feed[slot], self.pos[slot], self.live[slot] = token, n, 1
         self.left[slot], self.start[slot] = left, lo
 
     def release(self, slot: int) -> None:
-        """Free `slot` (its row finished or was aborted)."""
+        """Free `slot` (its row finished or was aborted): pad fed at position 0."""
         self.left.pop(slot, None)
         self.start.pop(slot, None)
         self.mask[slot] = 0
-        self.feed[slot] = self.pad_id
+        self.feed[slot], self.pos[slot], self.live[slot] = self.pad_id, 0, 0
 
     def window(self) -> tuple[int, int]:
         """The columns [lo, hi) a decode step attends to: the whole cache for a compiled
@@ -143,25 +162,36 @@ class SlotCache:
     def decode(self) -> torch.Tensor:
         """One decode step of every slot at column `col` (attending to `window()`'s columns):
         fp32 logits [slots, V] (rows of free slots are not meaningful); then col and the
-        running rows' positions move on."""
+        running rows' positions move on (a free slot's stays 0: module docstring). The layers
+        keep their own key/value tensors (module docstring: Storage)."""
         lo, hi = self.window()
         self.mask[:, self.col] = 1
-        saved = [(layer.keys, layer.values, layer.max_cache_len) for layer in self.cache.layers]
-        try:   # the step sees (and writes through) views of columns [lo, hi)
-            for layer, (keys, values, _) in zip(self.cache.layers, saved):
-                layer.keys, layer.values = keys[:, :, lo:hi], values[:, :, lo:hi]
-                layer.max_cache_len = hi - lo
-                layer.cumulative_length.fill_(self.col - lo)   # StaticLayer writes here
-            logits = self.decoder.step(self.feed[:, None], self.mask[:, lo:hi],
-                                       self.pos[:, None], self.cache)
-        finally:
-            for layer, (keys, values, length) in zip(self.cache.layers, saved):
-                layer.keys, layer.values, layer.max_cache_len = keys, values, length
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(self.col - lo)   # StaticLayer writes here
+        if (lo, hi) == (0, self.length):
+            logits = self.decoder.step(self.feed[:, None], self.mask, self.pos[:, None],
+                                       self.cache)
+        else:
+            logits = self._windowed(lo, hi)
         self.col += 1
-        self.pos += 1
+        self.pos += self.live
         for slot in self.left:
             self.left[slot] -= 1
         return logits
+
+    def _windowed(self, lo: int, hi: int) -> torch.Tensor:
+        """The decode step over views of columns [lo, hi) (it writes through them); the
+        layers' own tensors put back after it, whatever it raised."""
+        saved = [(layer.keys, layer.values, layer.max_cache_len) for layer in self.cache.layers]
+        try:
+            for layer, (keys, values, _) in zip(self.cache.layers, saved):
+                layer.keys, layer.values = keys[:, :, lo:hi], values[:, :, lo:hi]
+                layer.max_cache_len = hi - lo
+            return self.decoder.step(self.feed[:, None], self.mask[:, lo:hi],
+                                     self.pos[:, None], self.cache)
+        finally:
+            for layer, (keys, values, length) in zip(self.cache.layers, saved):
+                layer.keys, layer.values, layer.max_cache_len = keys, values, length
 
     def set_token(self, slot: int, token: int) -> None:
         """The token `slot` feeds at the next decode step."""
