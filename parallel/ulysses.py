@@ -9,7 +9,8 @@ NCCL's all-to-all for CUDA tensors and an all-gather for CPU tensors (gloo, whic
 all-to-all). (torch.distributed.nn's own gloo fallback passes group ranks as global ranks, so
 it breaks whenever the CP group is not ranks 0..cp-1, e.g. TP2 x CP2.) KV heads are repeated
 to the query head count first when the local KV head count is not divisible by cp (GQA with
-fewer KV heads than cp).
+fewer KV heads than cp). A prefix tree's row (parallel.tree_attention) is sharded as one sequence;
+after the gather every rank attends the whole tree for its heads.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from megatron.core import parallel_state
 
 from parallel import zigzag
 from parallel.packed_seqs import host_cu_seqlens
+from parallel.tree_attention import is_tree, tree_attention
 
 
 def _cp_group():
@@ -140,7 +142,11 @@ def ulysses_attention(query, key, value, scale: float, packed_seq_params=None,
     if rep > 1:
         k = k.repeat_interleave(rep, dim=head_dim_index)
         v = v.repeat_interleave(rep, dim=head_dim_index)
-    if thd:
+    if thd and is_tree(packed_seq_params):   # prefix sharing: the whole tree on every rank
+        if attend is not None:
+            raise ValueError("prefix sharing does not take sinks or sliding windows")
+        out = tree_attention(q, k, v, packed_seq_params, scale)
+    elif thd:
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # value head dim may differ (MLA)
         bounds = [0]
         for n in segments:

@@ -7,7 +7,7 @@ def step_metrics(out: dict, engine, counts: dict, reference_s: float | None = No
     """grad_norm, lr, the objective's `counts` (e.g. num_pairs), num_tokens, time/step_s (the
     reference pass included), time/reference_s (with a reference: `reference_s`),
     throughput/tokens_per_s, batch/dp_imbalance, batch/padding_fraction, train/update_skipped,
-    train/skipped_steps, and moe/* (MoE models), mtp/* (model.mtp.enabled) and compile/*
+    train/skipped_steps, train/prefix_token_ratio, and moe/* (MoE models), mtp/* (model.mtp.enabled) and compile/*
     (train.compile, engine.training.compile_report) as train_batch reported them."""
     tokens, dt = out["batch/num_tokens"], out["time/step_s"]
     total = dt + (reference_s or 0.0)
@@ -22,4 +22,5 @@ def step_metrics(out: dict, engine, counts: dict, reference_s: float | None = No
                 out["batch/num_padding"] + tokens, 1),
             "train/update_skipped": out["train/update_skipped"],
             "train/skipped_steps": float(engine.guard.skipped),
+            "train/prefix_token_ratio": out["train/prefix_token_ratio"],
             **{k: v for k, v in out.items() if k.startswith(("moe/", "mtp/", "compile/"))}}

@@ -71,6 +71,7 @@ def train_step(engine: TrainEngine, seqs: list[SequenceData],
         "batch/padding_fraction": padding / max(padding + tokens, 1),
         "train/update_skipped": out["train/update_skipped"],
         "train/skipped_steps": float(engine.guard.skipped),
+        "train/prefix_token_ratio": out["train/prefix_token_ratio"],   # train.prefix_sharing
         **{k: v for k, v in out.items() if k.startswith("moe/")},  # MoE models only
         **{k: v for k, v in out.items() if k.startswith("mtp/")},  # model.mtp.enabled only
         **{k: v for k, v in out.items() if k.startswith("compile/")},  # train.compile only

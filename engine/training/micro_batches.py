@@ -10,7 +10,9 @@ their sequence in this rank's list (-1 on padding) so per-sequence outputs can b
 `extras` carries per-token RL inputs (old/ref log-probs, advantages; routed experts with a
 trailing [layers * k] dimension) sharded the same way: [b, S/cp, ...] / [1, T/cp, ...].
 `vision` (models.vision.inputs.VisionBatch; engine.training.vision_batch) carries the images
-of a micro-batch whose sequences have some, None otherwise.
+of a micro-batch whose sequences have some, None otherwise. `tree`
+(engine.training.tree_batch.TreeInput, train.prefix_sharing) is what the model runs instead of
+`tokens` when the rows share prefixes; every other field stays the unshared rows'.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class MicroBatch:
     num_tokens: int = 0           # real (unpadded) tokens before CP sharding
     num_padding: int = 0
     vision: VisionBatch | None = None
+    tree: object | None = None    # engine.training.tree_batch.TreeInput: the model runs a prefix tree
 
 
 @dataclass

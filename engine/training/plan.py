@@ -25,7 +25,8 @@ class MiniBatchPlan:
 
 def plan_mini_batch(lengths: list[int], dp: int, balance: bool, micro_batch_size: int,
                     max_tokens_per_micro_batch: int | None,
-                    units: list[list[int]] | None = None) -> MiniBatchPlan:
+                    units: list[list[int]] | None = None,
+                    unit_lengths: list[int] | None = None) -> MiniBatchPlan:
     """Partition sequence indices 0..n-1 over `dp` ranks (balanced by a*L + b*L^2 work, or
     contiguous), then into the same number of micro-batches on every rank: by count
     (`micro_batch_size` sequences at most) or by token budget.
@@ -33,9 +34,11 @@ def plan_mini_batch(lengths: list[int], dp: int, balance: bool, micro_batch_size
     `units` (e.g. the two sides of a preference pair, engine.dpo): groups of sequence indices
     that must land in ONE micro-batch of one rank. The plan is then made over the units (a
     unit's length is the sum of its sequences', `micro_batch_size` counts units) and each
-    unit is expanded to its sequences, in the unit's order."""
+    unit is expanded to its sequences, in the unit's order. `unit_lengths`: the tokens each
+    unit runs, when not the sum of its sequences' (prefix sharing: its tree's nodes)."""
     if units is not None:
-        unit_plan = plan_mini_batch([sum(lengths[i] for i in u) for u in units], dp, balance,
+        sizes = unit_lengths or [sum(lengths[i] for i in u) for u in units]
+        unit_plan = plan_mini_batch(sizes, dp, balance,
                                     micro_batch_size, max_tokens_per_micro_batch)
         return MiniBatchPlan([[[i for u in mb for i in units[u]] for mb in rank]
                               for rank in unit_plan.ranks], unit_plan.dp_imbalance)

@@ -20,6 +20,8 @@ from engine.training.micro_batches import (MicroBatch, SequenceData, build_packe
                                   dummy_sequence, empty_extras)
 from engine.training.mtp import mtp_extras
 from engine.training.plan import MiniBatchPlan, plan_mini_batch
+from engine.training.prefix_tree import prefix_units, tree_tokens
+from engine.training.tree_batch import build_tree_micro_batch, tree_row_length
 
 
 @dataclass
@@ -30,6 +32,13 @@ class RankBatch:
     weights: torch.Tensor       # their loss weights (float64), same order
     num_tokens: int             # real tokens of the whole mini-batch (all ranks)
     num_padding: int            # padding tokens of the whole mini-batch (all ranks, all CP)
+    model_tokens: int = 0       # real tokens run through the model (all ranks): tree nodes
+    #                             with train.prefix_sharing, else num_tokens
+
+    @property
+    def prefix_token_ratio(self) -> float:
+        """Tokens run through the model over the tokens of the unshared rows (1.0 unshared)."""
+        return self.model_tokens / self.num_tokens if self.num_tokens else 1.0
 
 
 def _layout():
@@ -69,11 +78,20 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
     already fixed for every sequence of `seqs` (e.g. evaluation over a whole eval set).
     `sequence_parallel`: the model runs with Megatron sequence parallelism (pads to tp).
     `units`: groups of positions of `seqs` kept in one micro-batch (plan_mini_batch).
-    `mtp`: the sequences also carry their MTP targets (engine.training.mtp.mtp_extras)."""
+    `mtp`: the sequences also carry their MTP targets (engine.training.mtp.mtp_extras).
+    `train_cfg.prefix_sharing` (optional attribute): each micro-batch runs its rows as a prefix
+    tree (engine.training.tree_batch); the plan keeps rows sharing a prefix in one micro-batch
+    (prefix_tree.prefix_units: `micro_batch_size` then counts those groups) and its token
+    budget and DP balance count tree tokens."""
     lay = layout or _layout()
     lengths = [len(s.tokens) for s in seqs]
+    sharing = bool(getattr(train_cfg, "prefix_sharing", False))
+    unit_lengths = None
+    if sharing:   # rows sharing a prefix in one micro-batch; budgets count tree tokens
+        units, unit_lengths = prefix_units([s.tokens for s in seqs],
+                                           train_cfg.max_tokens_per_micro_batch, units)
     plan = plan_mini_batch(lengths, lay["dp"], train_cfg.balance_dp, train_cfg.micro_batch_size,
-                           train_cfg.max_tokens_per_micro_batch, units)
+                           train_cfg.max_tokens_per_micro_batch, units, unit_lengths)
     mine = plan.ranks[lay["dp_rank"]]
     positions = [i for mb in mine for i in mb]
     counts = torch.tensor([int(sum(seqs[i].loss_mask)) for i in positions], dtype=torch.long)
@@ -83,15 +101,18 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
         weights = normalizer.sequence_weights(counts)
     weight_of = dict(zip(positions, weights.tolist()))
     multiple = pad_multiple(lay["cp"], lay["tp"] if sequence_parallel else 1, sequence_parallel)
-    packing = bool(train_cfg.packing)
+    packing = bool(train_cfg.packing) or sharing
     fixed = None
+    trees = _tree_sizes(seqs, plan) if sharing else None
     if lay["pp"] > 1:  # one p2p shape for every micro-batch of the step
-        if packing:
+        if sharing:
+            fixed = max(tree_row_length(n, multiple) for n in trees)
+        elif packing:
             fixed = max(sum(_round_up(lengths[i], multiple) for i in mb)
                         for ranks in plan.ranks for mb in ranks) or multiple
         else:
             fixed = _round_up(max(lengths), multiple)
-    build = build_packed if packing else build_padded
+    build = build_tree_micro_batch if sharing else build_packed if packing else build_padded
     # with PP every micro-batch has the same rows too: top up with fully masked dummies
     rows = max(len(mb) for r in plan.ranks for mb in r) if lay["pp"] > 1 and not packing else 1
     micro_batches = []
@@ -110,8 +131,17 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
         micro_batches.append(build(chosen, index, multiple, fixed, lay["cp"],
                                    lay["cp_rank"], pad_id))
     total_tokens = sum(lengths)
-    padding = _global_padding(plan, lengths, multiple, packing, fixed, rows)
-    return RankBatch(micro_batches, plan, positions, weights, total_tokens, padding)
+    padding = _global_padding(plan, lengths, multiple, packing and not sharing, fixed, rows) \
+        if not sharing else sum(max(tree_row_length(n, multiple), fixed or 0) - n
+                                for n in trees)
+    return RankBatch(micro_batches, plan, positions, weights, total_tokens, padding,
+                     sum(trees) if sharing else total_tokens)
+
+
+def _tree_sizes(seqs: list[SequenceData], plan: MiniBatchPlan) -> list[int]:
+    """Tree tokens of every micro-batch of every rank (the same on every rank)."""
+    return [tree_tokens([seqs[i].tokens for i in mb]) if mb else 0
+            for ranks in plan.ranks for mb in ranks]
 
 
 def _extras(seq: SequenceData, weight: float, mtp: bool) -> dict:

@@ -11,6 +11,9 @@ model returns hidden states (models.layers.heads.output) and the loss function r
 engine.training.loss_head.HiddenStates instead of [b, s, V/tp] logits; the token_losses
 functions compute the same log-probs/entropy from either, chunk by chunk over tokens. With
 `loss_chunk_tokens=None` the loss function receives megatron's logits (unchunked).
+
+Prefix sharing (a micro-batch with `tree`, engine.training.tree_batch): the model runs the tree
+row and the loss and output functions receive its output gathered into the unshared rows.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS, HiddenStates
 from engine.training.micro_batches import MicroBatch
 from engine.training.mtp import MTPTraining, add_mtp_loss, begin_forward, end_forward
+from engine.training.tree_batch import unshared_output
 from models.bridge.weights import unwrap
 from models.layers.heads.output import output_weight, returning_hidden_states
 from parallel import cpu_runtime
@@ -40,6 +44,8 @@ def _to_device(mb: MicroBatch, device) -> MicroBatch:
     mb.extras = {k: v.to(device) for k, v in mb.extras.items()}
     if mb.vision is not None:
         mb.vision = mb.vision.to(device)
+    if mb.tree is not None:
+        mb.tree.to(device)
     if mb.packed_seq_params is not None:
         p = mb.packed_seq_params
         for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
@@ -57,7 +63,7 @@ def moe_padding_mask(model, mb: MicroBatch) -> dict:
     chunk = unwrap(model)
     if not getattr(chunk.config, "moe_router_enable_expert_bias", False):
         return {}
-    mask = mb.seq_ids < 0
+    mask = mb.seq_ids < 0 if mb.tree is None else mb.tree.padding
     if chunk.config.sequence_parallel and not chunk.pre_process:
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         width = mask.shape[1] // tp
@@ -118,7 +124,7 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
                          "must be > 0 with model.mtp.enabled=true")
     device = cpu_runtime.device()
     batches = [_to_device(mb, device) for mb in micro_batches]
-    shape = batches[0].tokens.shape
+    shape = (batches[0].tokens if batches[0].tree is None else batches[0].tree.tokens).shape
     cp = ps.get_context_parallel_world_size()
 
     def forward_step(data_iterator, model):
@@ -128,13 +134,17 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
         vision = {} if mb.vision is None else {"vision": mb.vision}   # models.vision.model
         if mtp is not None and unwrap(model).mtp_process:
             begin_forward(model, mb, mtp)
-        output = model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params,
+        tree = mb.tree   # prefix sharing: the model runs the tree (engine.training.tree_batch)
+        output = model(*((mb.tokens, mb.position_ids) if tree is None else
+                         (tree.tokens, tree.position_ids)), None,
+                       packed_seq_params=mb.packed_seq_params if tree is None else tree.params,
                        **moe_padding_mask(model, mb), **vision)
 
         def loss_func(output_tensor):
             if loss_chunk_tokens:
                 output_tensor = HiddenStates(output_tensor, output_weight(model),
                                              loss_chunk_tokens)
+            output_tensor = unshared_output(output_tensor, mb.tree)   # the one gather
             if output_fn is not None:
                 output_fn(output_tensor, mb)
             loss, report = loss_fn(output_tensor, mb)

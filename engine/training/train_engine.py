@@ -64,11 +64,13 @@ class BatchSettings:
     max_tokens_per_micro_batch: int | None = None
     balance_dp: bool = True
     packing: bool = False
+    prefix_sharing: bool = False    # rows run as a prefix tree (engine.training.tree_batch)
 
     @classmethod
     def from_config(cls, train_cfg) -> "BatchSettings":
         return cls(train_cfg.micro_batch_size, train_cfg.max_tokens_per_micro_batch,
-                   train_cfg.balance_dp, train_cfg.packing)
+                   train_cfg.balance_dp, train_cfg.packing,
+                   bool(getattr(train_cfg, "prefix_sharing", False)))
 
 
 def finalize_grads(model, num_tokens=None, **kwargs):
@@ -220,9 +222,9 @@ class TrainEngine:
         sum, {key: sum}); the loss driving the guard is report key `report_keys[0]`. Returns
         the report sums reduced over the whole
         mini-batch plus grad_norm, lr (of this step), train/update_skipped,
-        train/micro_batches, batch/num_tokens, batch/num_padding, batch/dp_imbalance and
-        time/step_s (and for MoE models the moe/* metrics of engine.training.router_losses). A
-        non-finite loss or gradient skips the update (weights, Adam state and
+        train/micro_batches, batch/num_tokens, batch/num_padding, batch/dp_imbalance,
+        train/prefix_token_ratio and time/step_s (and for MoE models the moe/* metrics of
+        engine.training.router_losses). A non-finite loss or gradient skips the update (weights, Adam state and
         LR schedule untouched) and is counted in `self.guard`; the caller logs the step, then
         calls `self.guard.raise_if_diverged()`. `normalizer`: or fixed per-sequence weights;
         `units`: positions of `seqs` kept in one micro-batch (engine.training.plan)."""
@@ -260,6 +262,7 @@ class TrainEngine:
             "batch/num_tokens": float(batch.num_tokens),
             "batch/num_padding": float(batch.num_padding),
             "batch/dp_imbalance": batch.plan.dp_imbalance,
+            "train/prefix_token_ratio": batch.prefix_token_ratio,
             "time/step_s": time.perf_counter() - t0})
         return out
 

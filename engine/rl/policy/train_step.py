@@ -99,6 +99,9 @@ def train_on_rollout(policy: TrainEngine, aux: AuxiliaryModels | None, batch, cf
     metrics["lr"] = updates[-1]["lr"]
     metrics["train/optimizer_steps"] = float(len(updates))
     metrics["train/micro_batches"] = sum(u["train/micro_batches"] for u in updates)
+    # tree tokens / unshared tokens of the updates (1.0 without train.prefix_sharing)
+    metrics["train/prefix_token_ratio"] = sum(u["train/prefix_token_ratio"]
+                                              for u in updates) / len(updates)
     metrics["train/response_tokens"] = sum(u["policy/response_tokens"] for u in updates)
     return metrics
 

@@ -5,7 +5,8 @@ Transformer Engine, handles GQA, causal masking, packed ("thd") sequences and, w
 parallelism, the Ulysses all-to-all of `parallel.ulysses`. Packed rows at CP1 go through torch's
 Flash-Attention varlen kernel in one call where `varlen.uses_varlen` says it covers them (CUDA,
 fp16/bf16, no learned sinks: models.layers.attention.varlen), else through the per-segment loop
-`packed_causal_attention`.
+`packed_causal_attention`. A prefix tree's row (parallel.tree_attention.TreeAttentionParams,
+train.prefix_sharing) attends each token to its ancestors (`tree_attention`).
 
 Shapes (per TP rank; h = heads/tp, g = kv groups/tp, d = head dim):
   sbhd: query [s, b, h, d], key/value [s, b, g, d]  ->  [s, b, h*d]
@@ -24,6 +25,7 @@ from models.layers.attention.sinks import (Attend, attend_fn, layer_window, make
 from models.layers.attention.varlen import uses_varlen, varlen_packed_attention
 from parallel import ulysses
 from parallel.packed_seqs import host_cu_seqlens
+from parallel.tree_attention import is_tree, tree_attention
 
 
 def _repeat_kv(x: torch.Tensor, times: int, head_dim_index: int) -> torch.Tensor:
@@ -104,6 +106,11 @@ class SDPACoreAttention(MegatronModule):
         if self.cp_size > 1:
             return ulysses.ulysses_attention(query, key, value, self.scale, packed_seq_params,
                                              attend=self._attend())
+        if packed and is_tree(packed_seq_params):   # prefix sharing: ancestors only
+            rep = query.shape[1] // key.shape[1]
+            key, value = _repeat_kv(key, rep, 1), _repeat_kv(value, rep, 1)
+            out = tree_attention(query, key, value, packed_seq_params, self.scale)
+            return out.reshape(out.shape[0], -1)
         if packed:
             if uses_varlen(query, key, value, has_sinks=self.softmax_offset is not None):
                 out = varlen_packed_attention(query, key, value,

@@ -17,8 +17,11 @@ L_i / cp of its tokens, o = t's offset among them) takes the angles of position
   cp > 1: megatron's zigzag chunks r and 2cp-1-r of size s = L_i / (2cp):
           r*s + o for o < s, else cp*(L_i/cp) - (r+1)*s + (o - s);
 plus cu_seqlens[i] when the table covers the whole row (freqs.size(0) == the row's length, the
-case megatron maps by offset: M-RoPE angles per token, models.vision.rope). As in megatron, every
-L_i must be a multiple of cp (of 2cp for cp > 1); the row's length is the local tokens times cp.
+case megatron maps by offset: M-RoPE angles per token, models.vision.rope). A prefix tree's row
+(parallel.tree_attention: its cu_seqlens carries `tree_positions`) takes each token's own
+position in its row (its depth in the tree), this CP rank's tokens already selected.
+As in megatron, every L_i must be a multiple of cp (of 2cp for cp > 1); the row's length is the
+local tokens times cp.
 
 Megatron-core 0.17+ renamed the MLA flag (`mla_rotary_interleaved`; `multi_latent_attention`
 deprecated, moved behind cp_group): `apply_thd` takes both names. models.build.megatron_patches
@@ -30,6 +33,7 @@ import torch
 from megatron.core.models.common.embeddings import rope_utils
 
 from models.layers.attention import rope_tables
+from parallel.tree_attention import tree_positions
 
 _MEGATRON_THD = rope_utils._apply_rotary_pos_emb_thd
 
@@ -64,11 +68,13 @@ def apply_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
     if cp_group is None:
         raise ValueError("cp_group must be provided for THD format RoPE")
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
-    whole_row = freqs.dim() >= 1 and freqs.size(0) == t.size(0) * cp_size
+    tree = tree_positions(cu_seqlens)   # a prefix tree's row: each token's depth (its position)
+    whole_row = tree is None and freqs.dim() >= 1 and freqs.size(0) == t.size(0) * cp_size
     cos, sin = rope_tables.gathered(
         freqs, t.dtype, mscale, cu_seqlens,
+        (lambda: tree) if tree is not None else
         lambda: thd_angle_index(cu_seqlens, t.size(0), cp_size, cp_rank, whole_row),
-        (t.size(0), cp_size, cp_rank, whole_row))
+        (t.size(0), cp_size, cp_rank, whole_row, tree is not None))
     return rope_tables.rotate(t.unsqueeze(1), cos, sin, rotary_interleaved,
                               bool(mla_rotary_interleaved or multi_latent_attention)).squeeze(1)
 

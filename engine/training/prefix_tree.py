@@ -1,0 +1,219 @@
+"""A micro-batch's rows merged into a tree by their token ids (prefix sharing, docs/prefix-sharing.md).
+
+Pure functions on lists of ints, no tensors, no process groups. Rows that begin with the same
+tokens (a GRPO group's prompt, a DPO pair's prompt, an agent's history) are merged into a trie:
+node = (parent node, token id); no metadata is assumed, identical prefixes share whatever their
+origin. The tree is laid out in depth-first order (children in order of first appearance), so
+every node follows all of its ancestors and a node's subtree is the contiguous span
+[node, subtree_end[node]).
+
+Contract of `build_prefix_tree(rows)` (T = number of tree nodes = distinct prefixes):
+- `tokens[n]`: the token id of node n; `depth[n]`: its position in every row that contains it
+  (rows share only prefixes, so that position is the same in each of them);
+- `parent[n]`: the parent node (-1 for a root); `subtree_end[n]`: one past the last node of n's
+  subtree, so b is an ancestor-or-self of a  <=>  b <= a < subtree_end[b];
+- `gather[i][t]`: the node of row i's token t: tokens[gather[i][t]] == rows[i][t] and
+  depth[gather[i][t]] == t;
+- `segments`: bounds [0, ..., T] of the root subtrees (no token of one sees another);
+- `runs`: the chains between branch points (RunSpan: queries [start, end), keys the spans of
+  the run's ancestors then the run itself), the unit of the per-run attention
+  (parallel.tree_attention).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class RunSpan:
+    """One chain of the tree: nodes [start, end) each the only child of the one before.
+    `keys`: the contiguous spans (a, b) of tree nodes the run's queries attend, ascending, the
+    last one ending at `end` (the run itself, seen causally: lower-right aligned)."""
+    start: int
+    end: int
+    keys: tuple[tuple[int, int], ...]
+
+
+@dataclass
+class PrefixTree:
+    tokens: list[int]
+    parent: list[int]
+    depth: list[int]
+    subtree_end: list[int]
+    gather: list[list[int]]
+    segments: list[int]
+    runs: list[RunSpan]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def build_prefix_tree(rows: Sequence[Sequence[int]]) -> PrefixTree:
+    """The trie of `rows` in depth-first layout (module docstring for the contract)."""
+    children: list[dict[int, int]] = []     # insertion-order node ids
+    token_of: list[int] = []
+    roots: dict[int, int] = {}
+    paths: list[list[int]] = []
+    for row in rows:
+        level, path = roots, []
+        for tok in row:
+            tok = int(tok)
+            node = level.get(tok)
+            if node is None:
+                node = level[tok] = len(token_of)
+                token_of.append(tok)
+                children.append({})
+            path.append(node)
+            level = children[node]
+        paths.append(path)
+    # depth-first order: children in order of first appearance (dict insertion order)
+    order: list[int] = []
+    stack = list(reversed(list(roots.values())))
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(list(children[node].values())))
+    dfs = [0] * len(order)
+    for pos, node in enumerate(order):
+        dfs[node] = pos
+    n = len(order)
+    tokens = [token_of[node] for node in order]
+    parent = [-1] * n
+    for node in order:
+        for child in children[node].values():
+            parent[dfs[child]] = dfs[node]
+    depth = [0] * n
+    for a in range(n):
+        if parent[a] >= 0:
+            depth[a] = depth[parent[a]] + 1
+    size = [1] * n
+    for a in range(n - 1, -1, -1):
+        if parent[a] >= 0:
+            size[parent[a]] += size[a]
+    subtree_end = [a + size[a] for a in range(n)]
+    segments = [0]
+    for a in range(n):
+        if parent[a] < 0 and a > 0:
+            segments.append(a)
+    if n:
+        segments.append(n)
+    gather = [[dfs[node] for node in path] for path in paths]
+    return PrefixTree(tokens, parent, depth, subtree_end, gather, segments,
+                      _runs(parent, children, order, dfs))
+
+
+def _runs(parent: list[int], children: list[dict[int, int]], order: list[int],
+          dfs: list[int]) -> list[RunSpan]:
+    """The chains of the tree (a node starts a run when it is a root or its parent has more
+    than one child or its parent is not the node before it), with their key spans."""
+    n = len(parent)
+    fanout = [len(children[node]) for node in order]
+    starts = [a for a in range(n)
+              if parent[a] < 0 or fanout[parent[a]] > 1 or parent[a] != a - 1]
+    runs: list[RunSpan] = []
+    run_of = [0] * n
+    for r, (a, b) in enumerate(zip(starts, starts[1:] + [n])):
+        for node in range(a, b):
+            run_of[node] = r
+        p = parent[a]
+        if p < 0:
+            keys: tuple[tuple[int, int], ...] = ((a, b),)
+        else:   # the parent's run up to the parent, then that run's own ancestors
+            parent_run = runs[run_of[p]]
+            keys = parent_run.keys[:-1] + ((parent_run.keys[-1][0], p + 1), (a, b))
+        runs.append(RunSpan(a, b, _merge(keys)))
+    return runs
+
+
+def _merge(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """Adjacent spans joined ((0, 4), (4, 9) -> (0, 9)): fewer pieces to concatenate."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def shared_groups(rows: Sequence[Sequence[int]], min_fraction: float = 0.25,
+                  min_tokens: int = 256) -> list[list[int]]:
+    """Groups of row indices worth running as one tree: rows sorted by their tokens, a row
+    joins the previous row's group when their common prefix covers at least `min_fraction` of
+    the shorter of the two or at least `min_tokens` tokens (a GRPO group's prompt, a DPO
+    pair's prompt, an agent's earlier turns; not a chat template's few header tokens). Each
+    group is ascending; groups in order of their first row; every index appears once.
+    Deterministic in `rows` alone."""
+    order = sorted(range(len(rows)), key=lambda i: (list(rows[i]), i))
+    groups: list[list[int]] = []
+    prev = None
+    for i in order:
+        if prev is not None:
+            shorter = min(len(rows[i]), len(rows[prev]))
+            shared = common_prefix(rows[i], rows[prev])
+            if shorter and (shared >= min_fraction * shorter or shared >= min_tokens):
+                groups[-1].append(i)
+                prev = i
+                continue
+        groups.append([i])
+        prev = i
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tree_tokens(rows: Sequence[Sequence[int]]) -> int:
+    """Nodes of the trie of `rows` (tokens that run through the model when they share)."""
+    roots: dict = {}
+    count = 0
+    for row in rows:
+        level = roots
+        for tok in row:
+            nxt = level.get(int(tok))
+            if nxt is None:
+                nxt = level[int(tok)] = {}
+                count += 1
+            level = nxt
+    return count
+
+
+def prefix_units(rows: Sequence[Sequence[int]], max_tokens: int | None,
+                 units: Sequence[Sequence[int]] | None = None
+                 ) -> tuple[list[list[int]], list[int]]:
+    """(units, tree tokens of each unit) for planning a mini-batch with prefix sharing: the
+    rows that share a prefix (`shared_groups`) kept together, a group split (in its sorted
+    order, so that neighbours share most) where its tree would exceed `max_tokens` (null: no
+    split). Given `units` (e.g. preference pairs that must stay together) are kept as they are
+    and merged when they share a prefix. Deterministic in `rows` alone."""
+    if units is None:
+        base = [[i] for i in range(len(rows))]
+    else:
+        base = [list(u) for u in units]
+    heads = [rows[u[0]] for u in base]
+    out: list[list[int]] = []
+    sizes: list[int] = []
+    for group in shared_groups(heads):
+        members = sorted(group, key=lambda g: (list(heads[g]), g))
+        current: list[int] = []
+        for g in members:
+            trial = current + base[g]
+            size = tree_tokens([rows[i] for i in trial])
+            if current and max_tokens and size > max_tokens:
+                out.append(current)
+                sizes.append(tree_tokens([rows[i] for i in current]))
+                current = list(base[g])
+            else:
+                current = trial
+        out.append(current)
+        sizes.append(tree_tokens([rows[i] for i in current]))
+    return out, sizes

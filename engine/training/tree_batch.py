@@ -1,0 +1,136 @@
+"""A micro-batch run as a prefix tree (train.prefix_sharing): the model's input and the one
+gather that brings its outputs back to the unshared rows (docs/prefix-sharing.md).
+
+`build_tree_micro_batch` returns an ordinary packed MicroBatch of the unshared rows (labels,
+token weights, loss mask, seq_ids, position_ids, extras: everything a loss function, an output
+function or a metric reads, built by micro_batches.build_packed exactly as without sharing)
+plus `mb.tree`, a `TreeInput`: what the model runs instead (the tree's tokens, each token's
+depth as its position, parallel.tree_attention.TreeAttentionParams) and `gather`, the tree
+node of each token of the unshared layout. The schedule runs the model on the tree and hands
+the loss function `unshared_output(output, mb.tree)`: the last stage's output (hidden states
+or logits, [1, T/cp, ...]) gathered into the unshared layout [1, T_u/cp, ...]. From there the
+loss, the GlobalLossNormalizer's counts, the metrics, KL and rollout-correction terms are
+computed as without sharing; a node several rows contain receives each row's gradient, summed
+by autograd through the gather.
+
+Context parallelism: the tree row is zigzag-sharded as one sequence (parallel.zigzag) and the
+Ulysses attention sees the whole tree on every rank; before the gather each rank all-gathers
+the output over the CP group (its backward sums the gradients over the group and keeps this
+rank's shard), and gathers the tokens of its own zigzag shard of the unshared rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from engine.training.loss_head import HiddenStates
+from engine.training.micro_batches import MicroBatch, SequenceData, build_packed
+from engine.training.prefix_tree import build_prefix_tree
+from parallel import zigzag
+from parallel.tree_attention import TreeAttentionParams, tree_params
+
+
+@dataclass
+class TreeInput:
+    tokens: torch.Tensor            # [1, T/cp] the tree row's tokens (this CP rank's shard)
+    position_ids: torch.Tensor      # [1, T/cp] their depths (position in their own rows)
+    params: TreeAttentionParams
+    gather: torch.Tensor            # [T_u/cp] long: tree row index (natural order) per token
+    padding: torch.Tensor           # [1, T/cp] bool, True on the row's padding tail
+    num_tokens: int                 # tree nodes (real tokens run through the model)
+    row_length: int                 # T, padding included
+    cp: int = 1
+
+    def to(self, device) -> "TreeInput":
+        for name in ("tokens", "position_ids", "gather", "padding"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.params.to_device(device)
+        return self
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def tree_row_length(tree_tokens: int, pad_multiple: int) -> int:
+    """Length of a tree row of `tree_tokens` nodes: rounded up to `pad_multiple` (>= 1 token)."""
+    return _round_up(max(tree_tokens, 1), pad_multiple)
+
+
+def build_tree_micro_batch(seqs: list[SequenceData], seq_index: list[int], pad_multiple: int,
+                           length: int | None, cp: int, cp_rank: int,
+                           pad_id: int = 0) -> MicroBatch:
+    """The unshared packed micro-batch of `seqs` with its tree (module docstring). The tree row
+    is padded to a multiple of `pad_multiple` (the unshared rows' padding multiple) and to
+    `length` when given (pipeline parallelism: one p2p shape; a multiple of pad_multiple)."""
+    mb = build_packed(seqs, seq_index, pad_multiple, None, cp, cp_rank, pad_id)
+    tree = build_prefix_tree([s.tokens for s in seqs])
+    real = tree.num_tokens
+    total = max(tree_row_length(real, pad_multiple), length or 0)
+    pad = total - real
+    tokens = torch.tensor(tree.tokens + [pad_id] * pad, dtype=torch.long)
+    depth = torch.tensor(tree.depth + list(range(pad)), dtype=torch.long)
+    subtree_end = tree.subtree_end + [total] * pad
+    padding = torch.zeros(total, dtype=torch.bool)
+    padding[real:] = True
+    # the unshared row's tokens -> tree nodes (its padding points at node 0: weight 0 there)
+    seq_lengths = [_round_up(len(s.tokens), pad_multiple) for s in seqs]
+    gather = torch.zeros(sum(seq_lengths), dtype=torch.long)
+    start = 0
+    for row, n in zip(tree.gather, seq_lengths):
+        gather[start:start + len(row)] = torch.tensor(row, dtype=torch.long)
+        start += n
+    if cp > 1:
+        bounds = [0, total]
+        gather = zigzag.shard(gather[None], seq_lengths, cp, cp_rank)[0]
+    else:
+        bounds = tree.segments + ([total] if pad else [])
+    local = [zigzag.shard(x[None], [total], cp, cp_rank) for x in (tokens, depth, padding)]
+    longest = max(max(b - a for a, b in zip(bounds[:-1], bounds[1:])), max(depth.tolist()) + 1)
+    params = tree_params(bounds, subtree_end, tree.runs, local[1][0], longest)
+    mb.tree = TreeInput(local[0], local[1], params, gather, local[2], real, total, cp)
+    return mb
+
+
+class _GatherCP(torch.autograd.Function):
+    """All-gather of [1, T/cp, ...] shards over the CP group in rank order; the backward sums
+    the gradient over the group (an all-reduce: gloo has no reduce-scatter) and keeps this
+    rank's shard."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        ctx.width = x.shape[1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return grad[:, rank * ctx.width:(rank + 1) * ctx.width], None
+
+
+def _to_unshared(x: torch.Tensor, tree: TreeInput) -> torch.Tensor:
+    """[1, T/cp, ...] on the tree row -> [1, T_u/cp, ...] on the unshared rows."""
+    if tree.cp > 1:
+        full = _GatherCP.apply(x, ps.get_context_parallel_group())
+        order = zigzag.gathered_to_natural([tree.row_length], tree.cp).to(full.device)
+        x = full.index_select(1, order)
+    return x.index_select(1, tree.gather)
+
+
+def unshared_output(output, tree: TreeInput | None):
+    """The last stage's output of a tree row (logits/values [1, T/cp, ...] or a HiddenStates)
+    in the unshared layout; `output` itself when the micro-batch has no tree."""
+    if tree is None:
+        return output
+    if isinstance(output, HiddenStates):
+        return dataclasses.replace(output, hidden=_to_unshared(output.hidden, tree))
+    return _to_unshared(output, tree)

@@ -1,0 +1,172 @@
+"""Attention over a prefix tree: the attention input of prefix sharing, beside packed_seqs.
+
+A micro-batch whose rows share prefixes runs as one packed ("thd") row of tree nodes in
+depth-first order (engine.training.prefix_tree): every node follows its ancestors, and node b
+is an ancestor-or-self of node a exactly when b <= a < subtree_end[b]. `TreeAttentionParams`
+is megatron's PackedSeqParams (a subclass of parallel.packed_seqs.HostPackedSeqParams, so every
+layer passes it along unchanged) plus the tree:
+
+- `subtree_end` [T] (host ints): the ancestor structure of the full row (natural order);
+- `runs`: the chains between branch points, each with the spans of its keys (its ancestors and
+  itself), host ints; the attention runs one SDPA per run over those keys with a lower-right
+  causal mask: the work of the tree, no more (a dense [T, T] mask would cost T^2 however
+  little is shared);
+- `positions`: the RoPE position of each of this rank's tokens (its depth: its position in its
+  own row), attached to the cu_seqlens tensor megatron hands to RoPE
+  (models.layers.attention.packed_rope reads it with `tree_positions`);
+- `host_cu_seqlens` / cu_seqlens: the bounds the row is sharded by (one span at cp > 1: the
+  whole tree row is zigzag-sharded as one sequence; the root subtrees at cp 1), max_seqlen the
+  longest, which also sizes megatron's rotary table (>= the deepest node + 1).
+
+Contract of `tree_attention(q, k, v, params, scale)` (q [T, h, d], k/v [T, h, d'] with K/V
+already repeated to h heads, T the full row in natural order): out[a] = softmax over the keys
+b with b <= a < subtree_end[b] (its ancestors and itself) of q[a].k[b] * scale, times v[b] --
+the attention token a gets in its own unshared row. `dense_tree_mask` is the same rule as a
+[T, T] bool matrix (the reference the tests compare with); `flex_mask_mod` the same rule for
+FlexAttention's block mask on CUDA (`flex_block_mask`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
+
+from parallel.packed_seqs import HostPackedSeqParams
+
+
+@dataclass
+class TreeAttentionParams(HostPackedSeqParams):
+    """PackedSeqParams of a tree row (module docstring)."""
+
+    subtree_end: tuple[int, ...] = ()
+    runs: tuple = ()                    # engine.training.prefix_tree.RunSpan-like: start, end, keys
+    positions: torch.Tensor | None = None   # [T_local] long, this rank's tokens' depths
+    row_length: int = 0                 # T: tokens of the full tree row (padding included)
+
+    def attach_positions(self) -> None:
+        """Hang `positions` on the cu_seqlens tensors megatron passes to RoPE (call again after
+        moving them: a moved tensor is a new object)."""
+        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+                     "cu_seqlens_kv_padded"):
+            cu = getattr(self, name)
+            if cu is not None:
+                cu.tree_positions = self.positions
+
+    def to_device(self, device) -> None:
+        """Move the cu_seqlens tensors and positions to `device` (one tensor object shared by
+        the four names, as built), positions attached again."""
+        moved: dict = {}
+        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+                     "cu_seqlens_kv_padded"):
+            cu = getattr(self, name)
+            if cu is not None:
+                if id(cu) not in moved:
+                    moved[id(cu)] = cu.to(device)
+                setattr(self, name, moved[id(cu)])
+        if self.positions is not None:
+            self.positions = self.positions.to(device)
+        self.attach_positions()
+
+
+def tree_positions(cu_seqlens) -> torch.Tensor | None:
+    """The per-token RoPE positions a tree row's cu_seqlens carries, or None (a plain row)."""
+    return getattr(cu_seqlens, "tree_positions", None)
+
+
+def is_tree(packed_seq_params) -> bool:
+    return isinstance(packed_seq_params, TreeAttentionParams)
+
+
+def tree_params(shard_bounds: list[int], subtree_end: list[int], runs, positions: torch.Tensor,
+                longest: int) -> TreeAttentionParams:
+    """Parameters of a tree row: `shard_bounds` the row's packing bounds (module docstring),
+    `subtree_end` and `runs` of the full row, `positions` this rank's depths (long),
+    `longest` >= the deepest node + 1 and >= the longest span (megatron sizes RoPE by it)."""
+    bounds = [int(b) for b in shard_bounds]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    p = TreeAttentionParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                            cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                            max_seqlen_q=int(longest), max_seqlen_kv=int(longest),
+                            host_cu_seqlens=tuple(bounds),
+                            subtree_end=tuple(int(e) for e in subtree_end), runs=tuple(runs),
+                            positions=positions.to(torch.long), row_length=bounds[-1])
+    p.attach_positions()
+    return p
+
+
+def dense_tree_mask(subtree_end, device=None) -> torch.Tensor:
+    """[T, T] bool: mask[a, b] = b is an ancestor-or-self of a (b <= a < subtree_end[b])."""
+    end = torch.as_tensor(list(subtree_end), dtype=torch.long, device=device)
+    idx = torch.arange(end.numel(), device=device)
+    return (idx[None, :] <= idx[:, None]) & (idx[:, None] < end[None, :])
+
+
+def _lower_right(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """[q_len, kv_len] bool: query i sees keys j <= i + kv_len - q_len."""
+    i = torch.arange(q_len, device=device)[:, None]
+    j = torch.arange(kv_len, device=device)[None, :]
+    return j <= i + (kv_len - q_len)
+
+
+def _keys(x: torch.Tensor, spans) -> torch.Tensor:
+    if len(spans) == 1:
+        a, b = spans[0]
+        return x[a:b]
+    return torch.cat([x[a:b] for a, b in spans], dim=0)
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   params: TreeAttentionParams, scale: float) -> torch.Tensor:
+    """Each token's attention over its ancestors and itself (module docstring), one SDPA per
+    run of the tree; [T, h, d] -> [T, h, d_v]. Tokens past the tree's runs (padding) attend
+    causally among themselves (they carry no loss)."""
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    covered = 0
+    for run in params.runs:
+        start, end, spans = run.start, run.end, run.keys
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)        # [1, h, n, d]
+        ks, vs = (_keys(x, spans).transpose(0, 1).unsqueeze(0) for x in (k, v))
+        if len(spans) == 1 and spans[0] == (start, end):
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        else:
+            mask = _lower_right(end - start, ks.shape[2], q.device)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        out[start:end] = o[0].transpose(0, 1)
+        covered = max(covered, end)
+    if covered < q.shape[0]:   # the row's padding tail: its own causal chain
+        seg = [x[covered:].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+        out[covered:] = F.scaled_dot_product_attention(*seg, is_causal=True,
+                                                       scale=scale)[0].transpose(0, 1)
+    return out
+
+
+def dense_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         subtree_end, scale: float) -> torch.Tensor:
+    """The same attention with one dense [T, T] mask (the tests' reference; T^2 work)."""
+    mask = dense_tree_mask(subtree_end, q.device)
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                          scale=scale)[0].transpose(0, 1)
+
+
+def flex_mask_mod(subtree_end: torch.Tensor):
+    """FlexAttention's mask_mod(b, h, q_idx, kv_idx) of a tree row: kv_idx an ancestor-or-self
+    of q_idx. `subtree_end` [T] long on the device the block mask is built on."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
+    return mask_mod
+
+
+def flex_block_mask(params: TreeAttentionParams, device, block_size: int = 128):
+    """FlexAttention's BlockMask of a tree row (built once per micro-batch, before the layers),
+    for `flex_attention(q, k, v, block_mask=...)` with [1, h, T, d] tensors on CUDA."""
+    end = torch.tensor(params.subtree_end, dtype=torch.long, device=device)
+    n = len(params.subtree_end)
+    return create_block_mask(flex_mask_mod(end), None, None, n, n, device=str(device),
+                             BLOCK_SIZE=block_size)
+
+
+__all__ = ["TreeAttentionParams", "tree_params", "tree_positions", "is_tree", "tree_attention",
+           "dense_tree_attention", "dense_tree_mask", "flex_mask_mod", "flex_block_mask"]

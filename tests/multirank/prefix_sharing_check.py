@@ -1,0 +1,242 @@
+"""Prefix sharing (train.prefix_sharing) against the unshared rows, on the same batches
+(launched by tests/test_prefix_sharing.py).
+
+    torchrun --nproc_per_node W tests/multirank/prefix_sharing_check.py MODEL_DIR SPEC...
+
+Each SPEC is "tp,pp,cp[,flags]" (flags "+"-separated: sp, Megatron sequence parallelism;
+dyn=N, train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; ctl, the negative
+controls). For each spec, at W ranks (DP = W / (tp*pp*cp)), with sharing off and then on, the
+same HF weights loaded each time:
+  grpo: a GRPO rollout batch whose groups share their prompts (one row a prefix of another,
+        one row duplicated): recomputed token log-probs (the log-prob stage and reference
+        path, engine.rl.policy.logprobs), then STEPS optimizer steps of the full policy loss
+        (asymmetric + dual clip, k3 KL, entropy bonus, truncated IS; engine.rl.policy.update);
+  sft:  STEPS SFT steps (token-mean cross-entropy) on rows sharing a system prompt and agent
+        rows each extending the previous one.
+Rank 0 prints one "RESULT {json}" line per (spec, objective): the largest relative difference
+of the log-prob table and of every compared metric (loss, grad norm, policy/* metrics) over
+the steps, and both runs' train/prefix_token_ratio.
+Negative controls (flag ctl): the same comparison with the tree attention broken so that a
+row also sees its sibling branches (every earlier tree node), and with RoPE positions counted
+along the tree row instead of the row; both must differ.
+Adam eps 1e-4 (as tests/multirank/rl_invariance.py): reduction-order noise stays small.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+STEPS = 3
+GROUPS, N = 3, 4
+SETTINGS = dict(temperature=0.8, eps_low=0.2, eps_high=0.28, dual_c=3.0, kl_beta=0.05,
+                kl_estimator="k3", entropy_coef=0.01)
+SKIP = ("time/", "train/micro_batches", "batch/num_padding", "batch/dp_imbalance",
+        "train/prefix_token_ratio", "lr", "compile/")
+
+
+def grpo_rollout(vocab: int):
+    """GROUPS prompts of 12..20 tokens x N replies of 1..12 tokens; in group 0 reply 1 extends
+    reply 0 (a prefix row) and reply 3 repeats reply 2 (a duplicate)."""
+    import torch
+
+    from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS
+    from engine.rl.collect.batch import RolloutBatch
+
+    rng = random.Random(5)
+    prompts, responses, rewards = [], [], []
+    for g in range(GROUPS):
+        prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(12, 20))]
+        replies = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, 12))] for _ in range(N)]
+        if g == 0:
+            replies[1] = replies[0] + replies[1]
+            replies[3] = list(replies[2])
+        for reply in replies:
+            prompts.append(prompt)
+            responses.append(reply)
+            rewards.append(float(rng.random() < 0.5))
+    adv = ADVANTAGE_ESTIMATORS["grpo"](torch.tensor(rewards), N, SimpleNamespace(norm_by_std=True),
+                                       torch.tensor([len(r) for r in responses])).tolist()
+    return RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], adv)
+
+
+def sft_rows(vocab: int):
+    """Rows sharing a 14-token system prompt with their own turns, and agent rows each
+    extending the previous by one turn (trained: the turn's reply)."""
+    from engine.training.micro_batches import SequenceData
+
+    rng = random.Random(9)
+    system = [rng.randrange(4, vocab) for _ in range(14)]
+    rows = []
+    for _ in range(4):
+        ids = system + [rng.randrange(4, vocab) for _ in range(rng.randint(3, 10))]
+        rows.append((ids, len(system)))
+    history = list(system)
+    for _ in range(4):
+        start = len(history)
+        history = history + [rng.randrange(4, vocab) for _ in range(rng.randint(3, 6))]
+        rows.append((list(history), start))
+    seqs = []
+    for ids, start in rows:
+        labels = ids[1:] + [0]
+        mask = [0] * (start - 1) + [1] * (len(ids) - start) + [0]
+        seqs.append(SequenceData(ids, labels, mask))
+    return seqs
+
+
+def _engine(model_dir, hf_config, layout_kw, world, train, sp):
+    from tests.multirank.rl_invariance import _is_current, optim_settings
+    import torch
+
+    from engine.training.train_engine import TrainEngine
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    layout = ParallelLayout(world, sequence_parallel=sp, **layout_kw)
+    if not _is_current(layout):
+        setup_model_parallel(layout)
+    return TrainEngine.build(hf_config, optim_settings(), torch.float32, STEPS, train,
+                             weights_dir=model_dir, loss_chunk_tokens=16, sequence_parallel=sp)
+
+
+def grpo_run(model_dir, hf_config, layout_kw, world, train, sp):
+    from tests.multirank.rl_invariance import _sequences
+    from engine.rl.policy.update import PolicyLossSettings, policy_update
+
+    state = _engine(model_dir, hf_config, layout_kw, world, train, sp)
+    batch = grpo_rollout(hf_config["vocab_size"])
+    seqs, table, _, _ = _sequences(state, batch, SETTINGS["temperature"])
+    settings = PolicyLossSettings(vocab_size=state.vocab_size, **SETTINGS)
+    loss_cfg = SimpleNamespace(agg_mode="token-mean", count_empty_sequences=True)
+    steps = [policy_update(state, seqs, loss_cfg, settings, 40) for _ in range(STEPS)]
+    state.release()
+    return table, steps
+
+
+def sft_run(model_dir, hf_config, layout_kw, world, train, sp):
+    from megatron.core import parallel_state as ps
+
+    from engine.rl.policy.logprobs import compute_token_logprobs
+    from engine.sft.training import SFT_REPORT_KEYS, sft_loss_fn
+    from engine.training.loss import GlobalLossNormalizer
+
+    state = _engine(model_dir, hf_config, layout_kw, world, train, sp)
+    seqs = sft_rows(hf_config["vocab_size"])
+    table = compute_token_logprobs(state, seqs, 1.0)
+    steps = []
+    for _ in range(STEPS):
+        norm = GlobalLossNormalizer("token-mean", group=ps.get_data_parallel_group())
+        steps.append(state.train_batch(seqs, norm, sft_loss_fn(state.vocab_size),
+                                       SFT_REPORT_KEYS))
+    state.release()
+    return table, steps
+
+
+def compare(off, on) -> dict:
+    """Largest relative differences of the log-prob tables and of each compared metric."""
+    (t0, s0), (t1, s1) = off, on
+    scale = float(t0.abs().max())
+    out = {"logprob_rel": float((t1 - t0).abs().max()) / scale, "metric_rel": 0.0}
+    for a, b in zip(s0, s1):
+        for k, v in a.items():
+            if any(k.startswith(p) for p in SKIP):
+                continue
+            d = abs(b[k] - v) / max(abs(v), 1e-6)
+            if d > out["metric_rel"]:
+                out["metric_rel"], out["worst_metric"] = d, k
+    out["losses"] = [a.get("loss", a.get("policy/pg_loss")) for a in s0]
+    out["grad_norms"] = [a["grad_norm"] for a in s0]
+    out["ratio_off"] = s0[0]["train/prefix_token_ratio"]
+    out["ratio_on"] = s1[0]["train/prefix_token_ratio"]
+    out["micro_batches_on"] = s1[0]["train/micro_batches"]
+    return out
+
+
+def parse_spec(spec: str):
+    parts = spec.split(",")
+    tp, pp, cp = (int(x) for x in parts[:3])
+    flags = parts[3].split("+") if len(parts) > 3 and parts[3] else []
+    opts = dict(f.split("=") for f in flags if "=" in f)
+    train = dict(micro_batch_size=int(opts.get("mbs", 1)),
+                 max_tokens_per_micro_batch=int(opts["dyn"]) if "dyn" in opts else None,
+                 balance_dp=True, packing=True)
+    return dict(tp=tp, pp=pp, cp=cp), train, "sp" in flags, "ctl" in flags
+
+
+def broken(kind: str):
+    """A context manager that breaks prefix sharing the way a negative control needs."""
+    import contextlib
+
+    import dataclasses
+
+    import engine.training.tree_batch as tb
+    import models.layers.attention.core as core
+    from engine.training.prefix_tree import RunSpan
+
+    @contextlib.contextmanager
+    def patch():
+        if kind == "sibling_visible":   # every earlier node of the row, siblings too
+            original = core.tree_attention
+
+            def leaky(q, k, v, params, scale):
+                runs = tuple(RunSpan(r.start, r.end, ((0, r.end),)) for r in params.runs)
+                return original(q, k, v, dataclasses.replace(params, runs=runs), scale)
+            core.tree_attention = leaky
+            try:
+                yield
+            finally:
+                core.tree_attention = original
+        else:   # positions along the tree row instead of each token's depth
+            original = tb.tree_params
+
+            def along_tree(bounds, subtree_end, runs, positions, longest):
+                import torch
+                return original(bounds, subtree_end, runs,
+                                torch.arange(positions.numel()), max(longest, bounds[-1]))
+            tb.tree_params = along_tree
+            try:
+                yield
+            finally:
+                tb.tree_params = original
+    return patch()
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    from models.hf.io import read_config
+    from parallel.process_groups import init_distributed, shutdown
+
+    _, world = init_distributed()
+    model_dir = sys.argv[1]
+    hf_config = read_config(model_dir)
+    for spec in sys.argv[2:]:
+        layout_kw, train_kw, sp, controls = parse_spec(spec)
+        for name, run in (("grpo", grpo_run), ("sft", sft_run)):
+            off = run(model_dir, hf_config, layout_kw, world,
+                      SimpleNamespace(**train_kw, prefix_sharing=False), sp)
+            on = run(model_dir, hf_config, layout_kw, world,
+                     SimpleNamespace(**train_kw, prefix_sharing=True), sp)
+            result = {"spec": spec, "objective": name, **compare(off, on)}
+            if dist.get_rank() == 0:
+                print("RESULT " + json.dumps(result), flush=True)
+            if controls and name == "grpo":
+                for kind in ("sibling_visible", "tree_positions"):
+                    with broken(kind):
+                        bad = run(model_dir, hf_config, layout_kw, world,
+                                  SimpleNamespace(**train_kw, prefix_sharing=True), sp)
+                    if dist.get_rank() == 0:
+                        print("CONTROL " + json.dumps({"spec": spec, "kind": kind,
+                                                       **compare(off, bad)}), flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    from engine.cli import exit_process
+
+    main()
+    exit_process(0)
