@@ -24,6 +24,7 @@ from engine.config.fusion_settings import FusionConfig, fusion_problems
 from engine.config.lora_settings import LoraConfig, lora_problems
 from engine.config.vision_settings import VisionConfig, vision_problems
 from engine.config.mtp_settings import MTPConfig, mtp_problems
+from engine.config.prefix_sharing_settings import prefix_sharing_problems
 from engine.config.optim_settings import OptimConfig, optim_problems
 from engine.config.moe_settings import MoEConfig, moe_problems
 from engine.config.model_settings import (loss_chunk_problems, recompute_layer_problems,
@@ -80,6 +81,7 @@ class TrainConfig:
     seq_length: int = 512                # max tokens per sequence (see data.truncation)
     balance_dp: bool = True              # split each global batch over DP ranks by work a*L+b*L^2
     packing: bool = False                # several sequences per row, no padding between them
+    prefix_sharing: bool = False         # rows sharing a prefix run it once (docs/prefix-sharing.md)
     eval_interval: int = 0               # eval/loss every N steps (0: never); needs eval_files
     exit_interval: Optional[int] = None  # stop after a step number divisible by this
     exit_duration_mins: Optional[float] = None  # stop after this much wall time (minutes)
@@ -285,7 +287,8 @@ def validate_common(cfg, world_size: int) -> dict:
                    + layout_problems(cfg, world_size, hf_config) + moe_problems(cfg, hf_config)
                    + length_problems(cfg, hf_config) + resolved_overlap_problems(cfg)
                    + lora_problems(cfg, hf_config) + vision_problems(cfg, hf_config)
-                   + mtp_problems(cfg, hf_config) + tracker_start_problems(cfg))
+                   + mtp_problems(cfg, hf_config) + tracker_start_problems(cfg)
+                   + prefix_sharing_problems(cfg, hf_config))
     return hf_config
 
 

@@ -37,6 +37,7 @@ class RLTrainConfig:
     seq_length: int = 512                # longest prompt + response (tokens) allowed
     balance_dp: bool = True              # split each mini-batch over DP ranks by work (as SFT)
     packing: bool = False                # several sequences per row, no padding (as SFT)
+    prefix_sharing: bool = False         # rows sharing a prefix run it once (as SFT)
     exit_interval: Optional[int] = None  # stop after an RL step number divisible by this
     exit_duration_mins: Optional[float] = None  # stop after this much wall time (minutes)
     max_consecutive_nonfinite_steps: int = 3  # skipped (inf/NaN) optimizer steps in a row
@@ -224,5 +225,3 @@ class RLConfig:
     policy_loss: str = "ppo_clip"        # engine.rl.algo.policy_loss.POLICY_LOSSES
     entropy_coef: float = 0.0            # loss - entropy_coef x entropy (0: no entropy term)
     seed: int = 1234                     # data order, sampling and RNG
-
-
