@@ -37,6 +37,11 @@
                                                partial rollouts on vs off on a long-tailed
                                                length workload (hf or vllm): rollout s per
                                                trained group, engine fill, staleness
+    python -m tools.bench prefix_sharing [--quick]
+                                               train.prefix_sharing on vs off, one process,
+                                               the same batches (GRPO, DPO pairs, agent rows,
+                                               short prompts): log-prob, reference and update
+                                               seconds, peak memory; goal GRPO >= 3x
     python -m tools.bench serve_steps [--quick] [--backend vllm|hf]
                                                serve on vLLM: a short request's latency during
                                                a long one and a stream's first chunk, batch
@@ -151,6 +156,9 @@ def run_one(name: str, args) -> BenchResult:
     if name == "loss_head":
         from tools.bench.loss_head import run_loss_head
         return run_loss_head(args.quick)
+    if name == "prefix_sharing":
+        from tools.bench.prefix_sharing import run_prefix_sharing
+        return run_prefix_sharing(args.quick)
     if name == "serve_steps":
         from tools.bench.serve_steps import run_serve_steps
         return run_serve_steps(args.quick, args.backend)
@@ -225,7 +233,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=epilog())
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
-              "data", "loss_head", "partial", "serve_steps", "agent_steps", "serve_load", "all")
+              "data", "loss_head", "partial", "serve_steps", "agent_steps", "serve_load",
+              "prefix_sharing", "all")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(public + ("gpu",)) + "}")
     for name in public:
