@@ -13,7 +13,10 @@ read when it arrives.
   goes away mid-stream has its request aborted;
 - the same seeded requests alone, under staggered concurrent load, and through the engine's
   own `generate` give the same tokens; their log-probs (serve's raw scores) agree within
-  2e-5, greedy too.
+  2e-5, greedy too;
+- `--dtype auto` serves the folder's dtype: the module's engine, loaded with auto from a
+  float32 folder, runs float32 (vLLM's own auto downcasts it to bfloat16: the code before
+  issue 90's item 6 did), and its greedy ids equal the hf backend's on the same folder.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from engine.generation.base import SamplingParams
 from engine.generation.sampling_backend import SamplingBackend, StepBackend
@@ -46,7 +50,8 @@ def served(tmp_path_factory):
     config = json.loads((Path(path) / "config.json").read_text())   # RoPE to MAX_CONTEXT
     (Path(path) / "config.json").write_text(json.dumps({**config, "max_position_embeddings":
                                                         MAX_CONTEXT}))
-    loaded = load_model(path, "vllm", "float32", 0, MAX_CONTEXT, enforce_eager=True)
+    # --dtype auto on a float32 folder: float32 (test_dtype_auto_is_the_checkpoints)
+    loaded = load_model(path, "vllm", "auto", 0, MAX_CONTEXT, enforce_eager=True)
     driver = VLLMStepDriver(loaded.engine)
     endpoint = ServeEndpoint(loaded.tokenizer, ServeSettings("tiny", MAX_TOKENS, MAX_CONTEXT),
                              request_log=None).start()
@@ -288,3 +293,19 @@ def test_prompts_past_a_steps_token_budget_are_held_not_chunked(served):
     alone = httpx.post(url, json={"prompt": prompts[7], "max_tokens": 4, "seed": 107,
                                   "return_token_ids": True}, timeout=300)
     assert alone.json()["choices"][0]["token_ids"] == ids[7]
+
+
+def test_dtype_auto_is_the_checkpoints(served):
+    """The module's engine was loaded with --dtype auto from a float32 folder: vLLM runs it
+    in float32, and greedy replies of four prompts equal the hf backend's (auto too)."""
+    from engine.serve.model import load_model
+
+    _, _, engine = served
+    model_config = engine.vllm_config.model_config
+    assert model_config.dtype == torch.float32
+    hf = load_model(model_config.model, "hf", "auto", 0, MAX_CONTEXT).engine
+    assert next(hf.model.parameters()).dtype == torch.float32
+    prompts = [[40 + i, 50 + i, 60] for i in range(4)]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
+    assert ([g.response_ids for g in engine.generate(prompts, greedy)]
+            == [g.response_ids for g in hf.generate(prompts, greedy)])

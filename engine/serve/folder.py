@@ -16,6 +16,7 @@ BACKENDS = ("hf", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def folder_problem(path: str) -> str | None:
@@ -47,6 +48,26 @@ def _text_config_value(path: str, key: str) -> int | None:
         config = json.load(f)
     value = (config.get("text_config") or {}).get(key) or config.get(key)
     return int(value) if value else None
+
+
+def checkpoint_dtype(path: str) -> str | None:
+    """The dtype the folder's weights are stored in, as transformers' dtype="auto" reads it
+    (`--dtype auto`): config.json's dtype (or torch_dtype, of its text config first), else
+    the first floating-point tensor's in the first *.safetensors file's header; one of DTYPES
+    other than auto, or None when neither says (a pytorch_model*.bin folder without one)."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    for scope in (config.get("text_config") or {}, config):
+        value = scope.get("dtype") or scope.get("torch_dtype")
+        if isinstance(value, str) and value.removeprefix("torch.") in DTYPES[1:]:
+            return value.removeprefix("torch.")
+    for weights in sorted(glob.glob(os.path.join(path, "*.safetensors")))[:1]:
+        with open(weights, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__" and entry.get("dtype") in SAFETENSORS_DTYPES:
+                return SAFETENSORS_DTYPES[entry["dtype"]]
+    return None
 
 
 def model_context(path: str) -> int | None:

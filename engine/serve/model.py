@@ -18,6 +18,7 @@ from engine.config.rollout_settings import RolloutConfig
 from engine.generation.eos import folder_tokenizer
 from engine.generation.hf.backend import HFRolloutEngine
 from engine.generation.vllm.backend import VLLMRolloutEngine
+from engine.serve.folder import checkpoint_dtype
 
 
 @dataclass
@@ -30,7 +31,9 @@ class LoadedModel:
 
 def load_model(path: str, backend: str, dtype: str, seed: int, max_context: int,
                trust_remote_code: bool = False, enforce_eager: bool = False) -> LoadedModel:
-    """`path` on the `backend` rollout engine (module docstring); `enforce_eager` (vllm;
+    """`path` on the `backend` rollout engine (module docstring) in `dtype` (auto: the
+    checkpoint's on both backends; vLLM is told it, engine.serve.folder.checkpoint_dtype,
+    since its own auto serves a float32 folder in bfloat16); `enforce_eager` (vllm;
     --enforce-eager): vLLM runs the model eagerly instead of compiled. ValueError when it does
     not load (the message names --model)."""
     torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
@@ -42,7 +45,9 @@ def load_model(path: str, backend: str, dtype: str, seed: int, max_context: int,
             settings = RolloutConfig(backend="vllm")
             settings.vllm.max_model_len = max_context
             settings.vllm.enforce_eager = enforce_eager
-            engine = VLLMRolloutEngine.from_config(path, settings, torch_dtype or "auto", seed,
+            # auto: the checkpoint's dtype, told to vLLM (its own auto downcasts float32)
+            stored = torch_dtype or checkpoint_dtype(path) or "auto"
+            engine = VLLMRolloutEngine.from_config(path, settings, stored, seed,
                                                    trust_remote_code=trust_remote_code,
                                                    bind_all_cpus=False)
     except (OSError, ValueError, KeyError) as e:
