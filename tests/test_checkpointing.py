@@ -217,6 +217,10 @@ def test_checkpoint_config_problems(tmp_path):
     assert "already holds checkpoints (up to iter_0000003)" in problems[1]
     cfg.checkpoint.resume = str(tmp_path / "nope")
     assert "no such directory" in sft_problems(cfg)[-1]
+    cfg = SFTConfig()
+    cfg.checkpoint.schedule = "keep"
+    assert sft_problems(cfg) == ["checkpoint.schedule='keep' is not valid; choose one of same, "
+                                 "checkpoint, config"]
 
 
 # ----------------------------------------------------------------------------- real runs
@@ -311,6 +315,15 @@ checkpoint: {{save_interval: 1, keep_last: 3}}
     # with Python's default warning filters (the suite's PYTHONWARNINGS=ignore removed): the
     # resume's output is checked for library warnings (tests/launch.py WARNING_LINE)
     out["B2"] = run_torchrun(2, *b, timeout=600, env={"PYTHONWARNINGS": ""})
+    # D: B's final checkpoint (4 of 4 steps) resumed with train.max_steps=8 under each
+    # checkpoint.schedule (the default "same" refuses before any step)
+    for name, mode in (("D_same", None), ("D_config", "config"), ("D_checkpoint", "checkpoint")):
+        out[name] = pools.script(
+            2, *base, f"logging.dir={root / name}", f"checkpoint.dir={root / name / 'ckpt'}",
+            f"checkpoint.resume={iteration_dir(root / 'B' / 'ckpt', STEPS)}",
+            f"train.max_steps={2 * STEPS}", "checkpoint.save_interval=0",
+            "checkpoint.save_on_exit=false", "train.eval_interval=0",
+            *([f"checkpoint.schedule={mode}"] if mode else []), timeout=600)
     c_ckpt = root / "C" / "checkpoints"  # A's checkpoints, the two newest torn
     if (root / "A" / "checkpoints").is_dir():
         shutil.copytree(root / "A" / "checkpoints", c_ckpt)
@@ -361,6 +374,98 @@ def test_exit_interval_saves_and_resume_is_exact(runs):
     assert _rel(b[4]["eval/loss"], a[4]["eval/loss"]) <= SAME_LAYOUT_TOL
     ckpt = runs["root"] / "B" / "ckpt"
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000002", "iter_0000004"]
+
+
+def _schedule_lrs(optim, total_steps: int, steps: range) -> list[float]:
+    """The lr a straight run logs at each 1-based step of `steps` (the lr before the step's
+    scheduler advance), from engine.training.optimizers.build_scheduler alone."""
+    from types import SimpleNamespace
+
+    from engine.training.optimizers import build_scheduler
+
+    scheduler = build_scheduler(SimpleNamespace(param_groups=[{}]), optim, total_steps)
+    lrs = {}
+    for step in range(1, max(steps) + 1):
+        lrs[step] = scheduler.optimizer.param_groups[0]["lr"]
+        scheduler.step(increment=1)
+    return [lrs[s] for s in steps]
+
+
+def _tiny_optim(**overrides):
+    from engine.config.optim_settings import OptimConfig
+
+    return OptimConfig(**{"lr": 3.0e-3, "min_lr": 3.0e-4, "schedule": "cosine", **overrides})
+
+
+def test_resume_schedule_modes_unit():
+    """engine.checkpoint.schedule on megatron's scheduler: a 4-step schedule saved after 4
+    steps against an 8-step config: the difference names train.max_steps with both values;
+    `config` gives the straight 8-step run's lr at steps 5-8 (bitwise), `checkpoint` the
+    decayed optim.min_lr (megatron's load_state_dict alone: the old behaviour)."""
+    from types import SimpleNamespace
+
+    from engine.checkpoint.schedule import resume_schedule, schedule_differences
+    from engine.training.optimizers import build_scheduler
+
+    old = build_scheduler(SimpleNamespace(param_groups=[{}]), _tiny_optim(), STEPS)
+    old.step(increment=STEPS)
+    saved = old.state_dict()
+    straight = _schedule_lrs(_tiny_optim(), 2 * STEPS, range(STEPS + 1, 2 * STEPS + 1))
+    assert all(lr > 3.0e-4 for lr in straight[:-1])
+
+    def resumed(mode: str, optim) -> tuple[list[float], str | None]:
+        new = build_scheduler(SimpleNamespace(param_groups=[{}]), optim, 2 * STEPS)
+        note = resume_schedule(new, saved, mode)
+        lrs = []
+        for _ in range(STEPS):
+            lrs.append(new.optimizer.param_groups[0]["lr"])
+            new.step(increment=1)
+        return lrs, note
+
+    new_state = build_scheduler(SimpleNamespace(param_groups=[{}]), _tiny_optim(),
+                                2 * STEPS).state_dict()
+    assert schedule_differences(saved, new_state) == [
+        "train.max_steps (optimizer steps the schedule spans): checkpoint 4, config 8"]
+    assert schedule_differences(saved, old.state_dict()) == []   # num_steps is not compared
+    lrs, note = resumed("config", _tiny_optim())
+    assert lrs == straight and "rebuilt from the config at step 4" in note
+    lrs, note = resumed("checkpoint", _tiny_optim())
+    assert lrs == [3.0e-4] * STEPS and "checkpoint is kept" in note   # the old behaviour
+    changed = build_scheduler(SimpleNamespace(param_groups=[{}]), _tiny_optim(
+        lr=1e-3, warmup_steps=2, schedule="constant"), STEPS).state_dict()
+    assert schedule_differences(saved, changed) == [
+        "optim.lr (peak lr): checkpoint 0.003, config 0.001",
+        "optim.min_lr (final lr (optim.lr when optim.schedule=constant)): checkpoint 0.0003, "
+        "config 0.001",
+        "optim.warmup_steps (warmup steps): checkpoint 0, config 2",
+        "optim.schedule (decay style): checkpoint 'cosine', config 'constant'"]
+    with pytest.raises(ValueError, match="checkpoint.schedule='keep' is not one of same, "
+                                         "checkpoint, config"):
+        resume_schedule(build_scheduler(SimpleNamespace(param_groups=[{}]), _tiny_optim(),
+                                        STEPS), saved, "keep")
+
+
+def test_resume_with_a_longer_schedule(runs):
+    """B's checkpoint (4 of 4 steps, cosine 3e-3 -> 3e-4) resumed with train.max_steps=8:
+    the default refuses before any step, naming train.max_steps with both values;
+    checkpoint.schedule=config trains steps 5-8 at the straight 8-step run's lr (not the
+    decayed min_lr the old code kept); checkpoint.schedule=checkpoint keeps that min_lr."""
+    refused = runs["D_same"]
+    assert refused.returncode == 2, refused.stderr
+    assert ("train.max_steps (optimizer steps the schedule spans): checkpoint 4, config 8"
+            in refused.stderr and "checkpoint.schedule=config" in refused.stderr)
+    assert not (runs["root"] / "D_same" / "metrics.jsonl").exists()   # no step ran
+    for name in ("D_config", "D_checkpoint"):
+        assert runs[name].returncode == 0, runs[name].stderr
+    config, kept = _losses(runs["root"] / "D_config"), _losses(runs["root"] / "D_checkpoint")
+    steps = range(STEPS + 1, 2 * STEPS + 1)
+    assert sorted(config) == sorted(kept) == list(steps)
+    expected = _schedule_lrs(_tiny_optim(), 2 * STEPS, steps)
+    assert [config[s]["lr"] for s in steps] == pytest.approx(expected, rel=1e-12)
+    assert config[STEPS + 1]["lr"] == pytest.approx(1.65e-3, rel=1e-9)   # cosine midpoint
+    assert [kept[s]["lr"] for s in steps] == pytest.approx([3.0e-4] * STEPS, rel=1e-12)
+    assert "rebuilt from the config at step 4" in runs["D_config"].stdout
+    assert "checkpoint is kept" in runs["D_checkpoint"].stdout
 
 
 def test_data_position_no_sample_twice_or_skipped(runs):

@@ -197,7 +197,7 @@ def test_old_layout_converts_and_resumes(pools, one_process, assets, tmp_path):
     _assert_same_folder(new / EXPORT, _convert(pools, both, tmp_path / "from_both"))
     # a run resumes from the old layout (3 steps done, one more) and saves the new one
     resumed = _sft(pools, assets, 1, "resumed", "train.max_steps=4",
-                   f"checkpoint.resume={old}")
+                   "checkpoint.schedule=config", f"checkpoint.resume={old}")
     assert sorted(p.name for p in resumed.glob("iter_*")) == ["iter_0000004"]
     assert (iteration_dir(resumed, 4) / SOURCE_DIR / "config.json").is_file()
     assert checkpoint_problems(iteration_dir(resumed, 4)) == []

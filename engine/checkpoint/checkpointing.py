@@ -45,6 +45,7 @@ from engine.checkpoint.io import (CheckpointError, iteration_dir, prune, publish
                                   resolve_resume, staging_dir, write_complete_marker)
 from engine.checkpoint.hf_export import ExportExtras, save_hf_export
 from engine.checkpoint.rng import capture_rng, restore_rng
+from engine.checkpoint.schedule import refusal, resume_schedule, schedule_differences
 from engine.checkpoint.writer import install as install_writer_queue
 from engine.checkpoint.fault_injection import maybe_crash
 from engine.checkpoint.bucket_padding import optimizer_sharded_state_dict
@@ -294,20 +295,18 @@ def select_resume_checkpoint(resume: str, root: Optional[str]) -> Optional[Path]
     return Path(box[0]) if box[0] else None
 
 
-def _schedule_differences(saved: dict, configured: dict) -> list[str]:
-    return [f"{k}: checkpoint {saved[k]!r}, config {configured[k]!r}"
-            for k in sorted(configured) if k != "num_steps" and k in saved
-            and saved[k] != configured[k]]
-
-
 def load_training_checkpoint(state, ckpt_dir: str | os.PathLike, run_position: DataPosition,
-                             batch_key: str = "train.global_batch_size") -> DataPosition:
+                             batch_key: str = "train.global_batch_size",
+                             schedule: str = "same") -> DataPosition:
     """Collective: load model, optimizer, scheduler (and RNG at the same layout) from
     `ckpt_dir` into `state`, built for the current layout. `run_position` describes this run
-    (its step is ignored); raises ResumeMismatchError if the checkpoint belongs to another data
-    stream (`batch_key`: the config key of the batch size, named in that message). Returns the
-    saved position: training continues at its `step`. The saved `extra` values, if any, come
-    from read_checkpoint_info."""
+    (its step is ignored); raises ResumeMismatchError, before anything is loaded, if the
+    checkpoint belongs to another data stream (`batch_key`: the config key of the batch size,
+    named in that message) or, with `schedule` (checkpoint.schedule) "same", if its LR schedule
+    differs from the one `state` was built with (engine.checkpoint.schedule: "checkpoint" keeps
+    the checkpoint's, "config" advances this config's to the saved step). Returns the saved
+    position: training continues at its `step`. The saved `extra` values, if any, come from
+    read_checkpoint_info."""
 
     info = read_checkpoint_info(ckpt_dir)
     saved = DataPosition(**info["data"])
@@ -316,14 +315,16 @@ def load_training_checkpoint(state, ckpt_dir: str | os.PathLike, run_position: D
         raise ResumeMismatchError(f"cannot resume from {ckpt_dir}: the data stream differs "
                                   "(" + "; ".join(problems) + "); restore those settings, or "
                                   "start over with an empty checkpoint.dir")
+    differences = schedule_differences(info["scheduler"], state.scheduler.state_dict())
+    if differences and schedule == "same":
+        raise ResumeMismatchError(refusal(ckpt_dir, differences, saved.step))
     same_layout = info["layout"] == current_layout()
     sd = training_state_dict(state, saved, is_loading=True, with_rng=same_layout)
     loaded = dist_checkpointing.load(sd, str(ckpt_dir))
     for i, chunk in enumerate(state.chunks):
         load_model_state(chunk, loaded["model"][f"chunk{i}"])
     _load_optimizer(state.optimizer, loaded["optimizer"])
-    differences = _schedule_differences(loaded["scheduler"], state.scheduler.state_dict())
-    state.scheduler.load_state_dict(loaded["scheduler"])
+    schedule_note = resume_schedule(state.scheduler, loaded["scheduler"], schedule)
     if same_layout:
         restore_rng(loaded["rng"])
     if dist.get_rank() == 0:
@@ -331,7 +332,6 @@ def load_training_checkpoint(state, ckpt_dir: str | os.PathLike, run_position: D
                                        "not restored)")
         print(f"[checkpoint] resumed from {ckpt_dir}: {saved.step} steps done, "
               f"{saved.consumed_samples} samples consumed{note}", flush=True)
-        if differences:
-            print("[checkpoint] warning: the LR schedule of the checkpoint is kept; it differs "
-                  "from the configuration: " + "; ".join(differences), flush=True)
+        if schedule_note:
+            print(f"[checkpoint] {schedule_note}", flush=True)
     return saved

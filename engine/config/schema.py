@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.checkpoint.io import list_iterations
+from engine.checkpoint.schedule import SCHEDULE_CHOICES
+from engine.config.checkpoint_settings import CheckpointConfig
 from engine.data.files import SUPPORTED_EXTENSIONS, data_spec_problem
 from engine.config.loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
@@ -40,8 +42,8 @@ from models.hf.io import HFCheckpointError, read_config, training_dir_problems
 from models.families.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
 
-__all__ = ["ConfigError", "LoggingConfig", "ParallelConfig", "config_yaml", "load_config",
-           "split_argv"]  # re-exported
+__all__ = ["CheckpointConfig", "ConfigError", "LoggingConfig", "ParallelConfig", "config_yaml",
+           "load_config", "split_argv"]  # re-exported
 
 
 @dataclass
@@ -102,20 +104,6 @@ class LossConfig:
     agg_mode: str = "token-mean"
     norm_horizon: Optional[int] = None   # H of seq-mean-token-sum-norm; default train.seq_length
     count_empty_sequences: bool = True   # sequences without trained tokens count in S
-
-
-@dataclass
-class CheckpointConfig:
-    """Training checkpoints (engine.checkpoint.checkpointing): `dir`/iter_NNNNNNN/ per save."""
-
-    dir: Optional[str] = None          # run directory of checkpoints; null: never save
-    save_interval: int = 0             # save every N optimizer steps (0: only on exit)
-    keep_last: Optional[int] = None    # keep the newest N complete checkpoints (null: all)
-    resume: str = "auto"               # auto (newest complete in dir) | never | <path>
-    save_on_exit: bool = True          # save at the end, at exit_interval/duration, on signal
-    # also write iter_NNNNNNN/hf/ at every save: the folder `tools/convert.py mcore-to-hf`
-    # writes from that checkpoint (docs/checkpoints.md#hugging-face-folders-during-training)
-    save_hf: bool = False
 
 
 @dataclass
@@ -320,6 +308,7 @@ def checkpoint_config_problems(cfg) -> list[str]:
     if ck.save_hf and not ck.dir:
         p.append("checkpoint.save_hf=true needs a checkpoint.dir (the HF folder is written "
                  "into each saved checkpoint)")
+    check_choice(p, ck.schedule, "checkpoint.schedule", SCHEDULE_CHOICES)
     if ck.resume not in ("auto", "never") and not os.path.isdir(ck.resume):
         p.append(f"checkpoint.resume={ck.resume!r}: no such directory; use auto, never or the "
                  "path of a checkpoint (iter_NNNNNNN) or of a run's checkpoint.dir")

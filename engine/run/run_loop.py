@@ -142,7 +142,8 @@ def build_or_resume(cfg, build: Callable[[bool], TrainEngine], position: DataPos
                     ) -> tuple[TrainEngine, DataPosition, dict]:
     """Collective resume preamble. `build(load_weights)` makes the TrainEngine; when
     checkpoint.resume finds a checkpoint in checkpoint.dir, it is built without HF weights and
-    the checkpoint (model, optimizer, scheduler, RNG at the same layout) is loaded into it.
+    the checkpoint (model, optimizer, scheduler per checkpoint.schedule, RNG at the same
+    layout) is loaded into it.
     Returns (engine, the data position to continue from, the checkpoint's `extra` or {}).
     Raises CheckpointError / ResumeMismatchError (`position` describes this run; `batch_key`
     names its batch-size key in that message)."""
@@ -150,7 +151,8 @@ def build_or_resume(cfg, build: Callable[[bool], TrainEngine], position: DataPos
     engine = build(resume_from is None)
     if resume_from is None:
         return engine, position, {}
-    saved = load_training_checkpoint(engine, resume_from, position, batch_key=batch_key)
+    saved = load_training_checkpoint(engine, resume_from, position, batch_key=batch_key,
+                                     schedule=cfg.checkpoint.schedule)
     return engine, saved, read_checkpoint_info(resume_from)["extra"]
 
 
@@ -164,7 +166,8 @@ def resume_side_engines(cfg, engines: dict[str, tuple[TrainEngine, dict]],
         if not path.is_dir():
             raise CheckpointError(f"{path} is missing: the {name} of the checkpoint at step "
                                   f"{position.step} in checkpoint.dir={cfg.checkpoint.dir}")
-        load_training_checkpoint(engine, path, position, batch_key=batch_key)
+        load_training_checkpoint(engine, path, position, batch_key=batch_key,
+                                 schedule=cfg.checkpoint.schedule)
 
 
 @dataclass
