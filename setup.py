@@ -38,6 +38,9 @@ setup(
         "uvicorn>=0.29",
         # reward.judge.*: the LLM judge's concurrent requests (engine.rl.judge.scorer)
         "httpx>=0.27",
+        # reward.fn=math_verify (engine.rl.rewards.verify_math; docs/rewards.md): Hugging Face
+        # math-verify, which brings its one dependency latex2sympy2_extended 1.11
+        "math-verify==0.9.*",
         # not listed: emerging-optimizers==0.3.0 (optim.name=muon, docs/optimizers.md). Its only
         # release declares Requires-Python >= 3.12 but runs on 3.10/3.11 (engine.training.muon),
         # so pip would refuse it here; tools/install.sh installs it with --no-deps

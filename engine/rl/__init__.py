@@ -12,8 +12,10 @@ Packages (one concern each; every `__init__.py` names what it may import):
                     send and inbox, the asynchronous keys' checks
     env/            multi-turn environments and tools
     rollout/        rollout engines (HF, SGLang, user backends), their placement and pool
-Modules: config (the schema), checks (every key check), rewards (reward functions and their
-contract), loop (the RL run), recipe_check (`--validate`), __main__ (the entry point).
+    rewards/        reward functions and their contract (math, math_verify, code in a
+                    sandbox), scored in a process pool
+Modules: config (the schema), checks (every key check), loop (the RL run), recipe_check
+(`--validate`), __main__ (the entry point).
 
 May import every other engine package; nothing outside engine.rl imports it.
 """

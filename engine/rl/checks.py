@@ -27,7 +27,7 @@ from engine.rl.env.tools_env import tool_kwargs_problems
 from engine.rl.judge.checks import judge_problems
 from engine.rl.policy.reward_model_checks import (reward_key_problems, reward_model_problems,
                                                   vocabulary_problem)
-from engine.rl.rewards import load_reward_fn
+from engine.rl.rewards.settings import reward_settings_problems
 from engine.generation.base import (BACKENDS, backend_class, conditional_checkpoint_problems,
                                     custom_backend_class)
 from engine.generation.hf.settings import hf_problems
@@ -99,10 +99,7 @@ def rl_problems(cfg: RLConfig) -> list[str]:
           f"dapo.overlong_penalty={dapo.overlong_penalty} must be >= 0")
     check(cfg.reward.timeout_s is None or cfg.reward.timeout_s > 0,
           f"reward.timeout_s={cfg.reward.timeout_s} must be > 0 or null")
-    try:
-        load_reward_fn(cfg.reward.fn)
-    except ValueError as e:
-        p.append(f"reward.fn: {e}")
+    p += reward_settings_problems(cfg.reward)   # fn, num_workers, failure_score, code_*
     return (p + reward_key_problems(cfg) + judge_problems(cfg) + env_problems(cfg)
             + val_problems(cfg) + correction_problems(cfg) + partial_problems(cfg)
             + checkpoint_config_problems(cfg))

@@ -97,6 +97,12 @@ class RewardConfig:
     # reward.judge.base_url set and reward.fn not given, none (engine.rl.algo.presets)
     fn: str = "math"
     timeout_s: Optional[float] = 30.0    # per call; null: sequential, no timeout
+    # reward.fn's calls run in this many worker processes (engine.rl.rewards.pool); null: the
+    # CPUs this rank may use; 0: in the trainer (threads, as timeout_s says)
+    num_workers: Optional[int] = None
+    failure_score: float = 0.0           # an item that raised, crashed or timed out scores this
+    code_score: str = "fraction"         # reward.fn=code: fraction of tests passed | all
+    code_sandbox: str = "strict"         # reward.fn=code: strict (refuse a missing layer) | relaxed
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
@@ -225,3 +231,5 @@ class RLConfig:
     policy_loss: str = "ppo_clip"        # engine.rl.algo.policy_loss.POLICY_LOSSES
     entropy_coef: float = 0.0            # loss - entropy_coef x entropy (0: no entropy term)
     seed: int = 1234                     # data order, sampling and RNG
+
+

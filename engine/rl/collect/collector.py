@@ -42,7 +42,7 @@ from engine.rl.collect.fill import engine_fill, fill_counts
 from engine.rl.collect.reward_metrics import reward_length_metrics
 from engine.rl.env.episode_batch import EnvRollout, env_metrics
 from engine.rl.env.dump import part_records, write_dump
-from engine.rl.rewards import score_responses
+from engine.rl.rewards.scorer import BatchScorer
 from engine.generation import SamplingParams
 from engine.generation.pool import RolloutPool
 from engine.generation.vllm.speculative import spec_metrics
@@ -68,6 +68,8 @@ class RolloutCollector:
         self.pool = (engine if isinstance(engine, RolloutPool)
                      else RolloutPool.local(engine, cfg.rollout))
         self.rows, self.tokenizer, self.reward_fn, self.cfg = rows, tokenizer, reward_fn, cfg
+        # reward.fn's calls: the worker pool of reward.num_workers (engine.rl.rewards.scorer)
+        self.scorer = BatchScorer(reward_fn, cfg.reward)
         self.next_gen_batch = 0          # generation batches used so far in the run
         self._rendered: dict[int, list[int]] = dict(enumerate(prompt_ids or []))
         env_fn = getattr(getattr(cfg, "env", None), "fn", None)
@@ -113,7 +115,7 @@ class RolloutCollector:
     def score(self, rows: list[dict], prompts: list[list[int]],
               responses: list[list[int]]) -> tuple[list[float], int]:
         """reward.fn of each response (decoded) to its prompt (the row's text, else decoded)
-        and row: (scores, number of reward errors), engine.rl.rewards.score_responses."""
+        and row: (scores, number of reward errors), by self.scorer (engine.rl.rewards.scorer)."""
         items = []
         for row, prompt, response in zip(rows, prompts, responses):
             text = row["prompt"] if isinstance(row["prompt"], str) else self.tokenizer.decode(
@@ -121,7 +123,8 @@ class RolloutCollector:
             extra = {k: v for k, v in row.items() if k not in ("prompt", "answer", "response")}
             items.append({**extra, "prompt": text, "answer": row["answer"],
                           "response": self.tokenizer.decode(response, skip_special_tokens=True)})
-        return score_responses(self.reward_fn, items, self.cfg.reward.timeout_s)
+        report = self.scorer.score(items)
+        return report.scores, report.errors
 
     def _generation_batch(self) -> dict:
         """One generation batch: prompts_per_step prompts x n responses in one generate call,
@@ -189,6 +192,7 @@ class RolloutCollector:
         (engine.rl.env.dump)."""
         cfg, group_size = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
+        self.scorer.reset_counts()
         dynamic = cfg.dapo.dynamic_sampling
         sampler = DynamicSampler(group_size, cfg.train.prompts_per_step, cfg.dapo.max_gen_batches,
                                  allow_partial=True) if dynamic else None
@@ -202,6 +206,7 @@ class RolloutCollector:
         metrics = {
             **reward_length_metrics(scores, lengths, clipped, group_size),
             "reward/errors": float(sum(p["errors"] for p in parts)),
+            **self.scorer.take_metrics(),   # reward/timeouts, reward/failures, time/reward_s
             "rollout/engines": float(self.pool.num_engines),
             "rollout/generate_calls": sum(p["stats"].calls for p in parts) / self.pool.num_engines,
             "rollout/num_gen_batches": float(len(parts)),

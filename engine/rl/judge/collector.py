@@ -24,7 +24,7 @@ from engine.config.redaction import redact_text
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.partial import PartialCollector
 from engine.rl.judge.scorer import JudgeScorer
-from engine.rl.rewards import load_reward_fn
+from engine.rl.rewards.settings import reward_fn_for
 
 
 class JudgedCollector(RolloutCollector):
@@ -77,8 +77,9 @@ def make_collector(pool, rows: list[dict], tokenizer, cfg,
     """Rank 0's collector of the run (the rollout leader's on a disaggregated run):
     PartialCollector with rollout.partial (engine.rl.collect.partial), restored from `carried`
     (its state() from the checkpoint; None: a fresh run), JudgedCollector with
-    reward.judge.base_url, else RolloutCollector; reward.fn loaded by engine.rl.rewards."""
-    reward_fn = load_reward_fn(cfg.reward.fn)
+    reward.judge.base_url, else RolloutCollector; reward.fn by
+    engine.rl.rewards.settings.reward_fn_for."""
+    reward_fn = reward_fn_for(cfg.reward)
     if cfg.rollout.partial:   # partial_problems refuses it with a judge
         collector = PartialCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids)
         collector.restore(carried)

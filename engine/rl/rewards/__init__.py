@@ -1,0 +1,22 @@
+"""Reward functions and their scoring (docs/rewards.md).
+
+Modules: registry (`reward.fn` names and `package.module:function` specs), math_match (`math`,
+`none`), verify_math (`math_verify`, Hugging Face math-verify), code (`code`: tests run in
+engine.rl.rewards.sandbox), scoring (one call's checks; the in-process thread scorer),
+pool (the process pool of `reward.num_workers`, per-item timeouts), worker (one pool process).
+
+The contract: ``load_reward_fn(name)`` returns ``fn(prompt, response, answer, **fields) ->
+float``; users and tests call it directly. Scoring runs on the process that collects the
+rollout; no collective.
+
+May import: nothing else in engine.rl (engine.rl.rewards is a leaf).
+"""
+from engine.rl.rewards.math_match import (extract_answer, last_boxed, last_number, math_reward,
+                                          no_reward, normalize_answer)
+from engine.rl.rewards.registry import (BUILTIN_REWARDS, RewardFn, check_picklable,
+                                        load_reward_fn)
+from engine.rl.rewards.scoring import call_reward, score_responses
+
+__all__ = ["BUILTIN_REWARDS", "RewardFn", "call_reward", "check_picklable", "extract_answer",
+           "last_boxed", "last_number", "load_reward_fn", "math_reward", "no_reward",
+           "normalize_answer", "score_responses"]

@@ -1,0 +1,264 @@
+"""The process pool of `reward.num_workers` that scores reward calls (docs/rewards.md).
+
+Each worker is a fresh interpreter (engine.rl.rewards.worker) in a session of its own, started
+once and kept across steps. Items are dispatched one at a time to idle workers, so a call's
+clock (`timeout_s`) starts when it starts. A call that runs past it has its worker's process
+group killed and the worker replaced; a worker that dies mid-call (a crash, an exit, the OOM
+killer) is replaced too. Either way the item scores `failure_score` and the others go on.
+
+Scores equal serial scoring exactly: every item is one call of the same function on the same
+arguments, in whichever worker.
+
+Use: ``pool.submit(key, item)`` as items are ready (replies finishing during generation), then
+``pool.wait(keys)``; or ``pool.score(items)`` for a whole batch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Hashable
+
+from engine.rl.rewards.registry import RewardFn, check_picklable
+from engine.rl.rewards.scoring import check_items
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 120.0  # a worker that has not loaded the function by then is an error
+ENGINE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding `engine`
+
+
+def default_num_workers() -> int:
+    """The CPUs this process may run on (its affinity mask), at least 1."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+@dataclass
+class Outcome:
+    """One item's result: its score, and how it failed (None: scored)."""
+    score: float
+    failure: str | None = None       # "error" (raised / non-finite), "crash", "timeout"
+    detail: str = ""
+    seconds: float = 0.0             # from the call's dispatch to its result
+
+
+@dataclass
+class ScoreReport:
+    """A batch's scores in item order and its failure counts (every failed item also counts
+    in `errors`, the metric reward/errors)."""
+    scores: list[float]
+    errors: int = 0
+    timeouts: int = 0
+    failures: int = 0                # worker crashes
+    details: list[str] = field(default_factory=list)
+    work_s: float = 0.0              # the calls' seconds, summed (time/reward_s)
+
+    @classmethod
+    def of(cls, outcomes: Sequence[Outcome]) -> "ScoreReport":
+        kinds = [o.failure for o in outcomes]
+        return cls([o.score for o in outcomes], errors=sum(k is not None for k in kinds),
+                   timeouts=kinds.count("timeout"), failures=kinds.count("crash"),
+                   details=[o.detail for o in outcomes if o.failure is not None],
+                   work_s=sum(o.seconds for o in outcomes))
+
+
+class _Worker:
+    """One worker process and its two pipe ends."""
+
+    def __init__(self, fn_bytes: bytes) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([ENGINE_ROOT] + [p for p in env.get(
+            "PYTHONPATH", "").split(os.pathsep) if p])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.rl.rewards.worker", str(to_child_r),
+             str(from_child_w)], pass_fds=(to_child_r, from_child_w), env=env,
+            start_new_session=True, stdin=subprocess.DEVNULL)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self.inbox = Connection(to_child_w, readable=False)
+        self.outbox = Connection(from_child_r, writable=False)
+        self.inbox.send((list(sys.path), fn_bytes))
+        self.ready = False
+        self.task: tuple[Hashable, float] | None = None   # (key, start time) while busy
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group (it and anything it started), reap it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.inbox.close()
+        self.outbox.close()
+
+
+class RewardPool:
+    """Worker processes scoring ``fn`` (module docstring).
+
+    Args:
+        fn: the reward function; it must pickle (engine.rl.rewards.check_picklable).
+        num_workers: processes (>= 1); None: default_num_workers().
+        timeout_s: per call, from its start; None: unbounded.
+        failure_score: the score of an item that raised, returned a non-finite value, crashed
+            its worker or timed out.
+    """
+
+    def __init__(self, fn: RewardFn, num_workers: int | None = None,
+                 timeout_s: float | None = 30.0, failure_score: float = 0.0) -> None:
+        self.num_workers = default_num_workers() if num_workers is None else num_workers
+        if self.num_workers < 1 or (timeout_s is not None and timeout_s <= 0):
+            raise ValueError(f"need num_workers >= 1 and timeout_s > 0 or None, got "
+                             f"{num_workers}, {timeout_s}")
+        check_picklable(fn, getattr(fn, "__qualname__", type(fn).__name__))
+        self.fn_bytes = pickle.dumps(fn)
+        self.timeout_s, self.failure_score = timeout_s, failure_score
+        t0 = time.perf_counter()
+        self.workers = [_Worker(self.fn_bytes) for _ in range(self.num_workers)]
+        self.queue: deque[tuple[Hashable, Mapping[str, Any]]] = deque()
+        self.done: dict[Hashable, Outcome] = {}
+        self.replaced = 0
+        self._closer = weakref.finalize(self, _kill_all, self.workers)
+        self._await_ready(self.workers)
+        self.startup_s = time.perf_counter() - t0
+
+    def submit(self, key: Hashable, item: Mapping[str, Any]) -> None:
+        """Queue one item under ``key`` (unique among the pending and unread results) and hand
+        it to an idle worker if there is one."""
+        check_items([item])
+        self.queue.append((key, item))
+        self._dispatch()
+
+    def knows(self, key: Hashable) -> bool:
+        """Whether ``key`` was submitted and not forgotten since."""
+        return key in self.done or any(k == key for k, _ in self.queue) or any(
+            w.task is not None and w.task[0] == key for w in self.workers)
+
+    def wait(self, keys: Iterable[Hashable]) -> list[Outcome]:
+        """The outcomes of ``keys`` in their order (a key may repeat), waiting for the ones
+        still running; they stay until ``forget``."""
+        keys = list(keys)
+        while any(k not in self.done for k in keys):
+            self.poll(None)
+        return [self.done[k] for k in keys]
+
+    def forget(self, keys: Iterable[Hashable] | None = None) -> None:
+        """Drop the results of ``keys`` (None: every finished one)."""
+        for key in list(self.done) if keys is None else keys:
+            self.done.pop(key, None)
+
+    def score(self, items: Sequence[Mapping[str, Any]]) -> ScoreReport:
+        """Score a whole batch: its report, scores in item order."""
+        check_items(items)
+        keys = [("batch", id(items), i) for i in range(len(items))]
+        for key, item in zip(keys, items):
+            self.queue.append((key, item))
+        self._dispatch()
+        report = ScoreReport.of(self.wait(keys))
+        self.forget(keys)
+        if report.errors:
+            logger.warning("reward function failed on %d of %d items (%d timed out, %d crashed "
+                           "their worker); first: %s", report.errors, len(items),
+                           report.timeouts, report.failures, report.details[0])
+        return report
+
+    def poll(self, timeout: float | None) -> None:
+        """Handle what the workers sent, deaths and deadlines, waiting up to ``timeout``
+        seconds (None: until something happens); then dispatch queued items."""
+        busy = [w for w in self.workers if w.task is not None]
+        if not busy:
+            return
+        deadline = self._next_deadline(busy)
+        if deadline is not None:
+            left = max(0.0, deadline - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
+        for conn in wait([w.outbox for w in busy], timeout):
+            worker = next(w for w in busy if w.outbox is conn)
+            self._receive(worker)
+        now = time.monotonic()
+        for worker in busy:
+            if (worker.task is not None and self.timeout_s is not None
+                    and now - worker.task[1] >= self.timeout_s):
+                self._replace(worker, Outcome(self.failure_score, "timeout",
+                                              f"timed out after {self.timeout_s:g} s"))
+        self._dispatch()
+
+    def close(self) -> None:
+        """Kill every worker (also done when the pool is garbage-collected or at exit)."""
+        self._closer()
+
+    def _next_deadline(self, busy: list[_Worker]) -> float | None:
+        if self.timeout_s is None:
+            return None
+        return min(w.task[1] for w in busy) + self.timeout_s
+
+    def _receive(self, worker: _Worker) -> None:
+        key = worker.task[0]
+        try:
+            kind, _, value = worker.outbox.recv()
+        except (EOFError, OSError):
+            code = worker.proc.wait()
+            self._replace(worker, Outcome(self.failure_score, "crash",
+                                          f"the worker died (exit status {code})"))
+            return
+        seconds = time.monotonic() - worker.task[1]
+        outcome = (Outcome(float(value), seconds=seconds) if kind == "ok"
+                   else Outcome(self.failure_score, "error", str(value), seconds))
+        self.done[key] = outcome
+        worker.task = None
+
+    def _replace(self, worker: _Worker, outcome: Outcome) -> None:
+        """Record the failed item, kill the worker and start a fresh one in its place."""
+        outcome.seconds = time.monotonic() - worker.task[1]
+        self.done[worker.task[0]] = outcome
+        worker.task = None
+        worker.kill()
+        fresh = _Worker(self.fn_bytes)
+        self.workers[self.workers.index(worker)] = fresh
+        self.replaced += 1
+        self._await_ready([fresh])
+
+    def _dispatch(self) -> None:
+        for worker in self.workers:
+            if not self.queue:
+                return
+            if worker.task is None:
+                key, item = self.queue.popleft()
+                worker.task = (key, time.monotonic())
+                try:
+                    worker.inbox.send((key, dict(item)))
+                except (BrokenPipeError, OSError):
+                    self._replace(worker, Outcome(self.failure_score, "crash",
+                                                  "the worker died before the call"))
+
+    def _await_ready(self, workers: list[_Worker]) -> None:
+        """Wait for each worker's "ready"; RuntimeError with the reason if one cannot load the
+        function."""
+        for worker in workers:
+            if not worker.outbox.poll(STARTUP_TIMEOUT_S):
+                raise RuntimeError(f"a reward worker did not start within {STARTUP_TIMEOUT_S:g} s")
+            try:
+                kind, _, reason = worker.outbox.recv()
+            except EOFError:
+                kind, reason = "fatal", f"it exited with status {worker.proc.wait()}"
+            if kind != "ready":
+                self.close()
+                raise RuntimeError(f"reward worker failed to start: {reason}")
+            worker.ready = True
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        if not worker.inbox.closed:
+            worker.kill()
