@@ -168,7 +168,13 @@ class GenerateQueue:
 
     def failed_alone(self, request: GenerateRequest) -> None:
         """`request` failed on its own (the step-level loop calls it when the driver refused
-        it): nothing here; `serve`'s queue refuses its twins (engine.serve.batching)."""
+        it or it failed alone in a step): nothing here; `serve`'s queue refuses its twins
+        (engine.serve.batching)."""
+
+    def check_twins(self, requests: list[GenerateRequest]) -> None:
+        """Raise the ApiError of `requests` when one has a twin that failed alone (the
+        step-level loop asks before adding a queued request): never here; `serve`'s queue
+        raises 503 repeated_failure (engine.serve.batching)."""
 
     def close(self, why: str) -> None:
         """The server is stopping: every pending request and every later one gets 503

@@ -22,8 +22,12 @@ deadline) is answered 410 instead of added, and a running one is aborted and ans
 Admission is the queue's (engine.api.batcher.GenerateQueue.check_admission), counting what
 the engine holds: a request whose choices would take the queued plus running choices past
 max_pending gets 429 (`GenerateQueue.running`). Failures: a request the driver refuses when
-it is added fails alone (GenerateQueue.failed_alone: `serve` then refuses its twins); a step
-that raises answers every running request 503 (GenerationFailed) and is raised again.
+it is added, or that fails alone in a step (its own prefill or scoring raised: the backend's
+step reports it with its exception, engine.generation.steps.RequestsFailed), fails alone: it
+gets 503 (GenerationFailed), the step's other results are delivered and the other requests
+go on, and `serve` refuses its twins (GenerateQueue.failed_alone, checked again before a
+queued request is added: GenerateQueue.check_twins). A step that raises otherwise (a decode
+forward of every running row) answers every running request 503 and is raised again.
 
 Stopping, once `until()` holds: with `stopping` (serve) the queue closes with that reason
 (queued and new requests get 503), the running requests finish and are answered, then `run`
@@ -90,6 +94,11 @@ class StepServing:
         if why:
             self._answer(key, p, error=refused(p, why))
             return
+        try:   # a twin that failed alone since this request was queued: 503, not added
+            self.queue.check_twins([p.request])
+        except ApiError as e:
+            self._answer(key, p, error=e)
+            return
         try:
             result = self.backend.add(key, p.request, stream=p.progress is not None)
         except Exception as e:  # noqa: BLE001 - this request alone fails (its twins refused)
@@ -124,7 +133,10 @@ class StepServing:
             p = self.inflight.get(key)
             if p is None:
                 continue
-            if result is not None:
+            if isinstance(result, Exception):   # it failed alone: its twins are refused
+                self.queue.failed_alone(p.request)
+                self._answer(key, p, error=result)
+            elif result is not None:
                 self._answer(key, p, result)
             elif p.progress is not None:
                 p.progress(ids)

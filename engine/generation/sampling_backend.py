@@ -8,7 +8,7 @@ from typing import Callable
 
 from engine.api.backend import GenerateRequest, GenerateResult, TokenScores
 from engine.generation.base import Generation, SamplingParams
-from engine.generation.steps import aborted_on_error
+from engine.generation.steps import RequestsFailed, aborted_on_error
 
 
 class SamplingBackend:
@@ -165,11 +165,16 @@ class StepBackend:
         self.driver.abort(key)
         self.driver.abort(key + self.SCORING)
 
-    def step(self) -> list[tuple[str, list[int], GenerateResult | None]]:
+    def step(self) -> list[tuple[str, list[int], GenerateResult | Exception | None]]:
         """One engine step: (key, ids sampled so far, its result once finished) of each
-        request that moved."""
+        request that moved; (key, [], the exception) of each that failed alone in it (the
+        driver's RequestsFailed: the others' outputs come as usual)."""
+        try:
+            outputs, failed = self.driver.step(), {}
+        except RequestsFailed as e:
+            outputs, failed = e.outputs, e.failed
         out = []
-        for o in self.driver.step():
+        for o in outputs:
             if o.key.endswith(self.SCORING):
                 if o.done is None:
                     continue
@@ -188,4 +193,9 @@ class StepBackend:
                     list(gen.response_ids), [float(x) for x in gen.response_logprobs],
                     gen.finish_reason))
                 out.append((o.key, list(gen.response_ids), result))
+        for key, error in failed.items():
+            key = key[:-len(self.SCORING)] if key.endswith(self.SCORING) else key
+            self.requests.pop(key, None)
+            self.scored.pop(key, None)
+            out.append((key, [], error))
         return out

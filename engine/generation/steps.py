@@ -23,6 +23,21 @@ class StepOutput:
     done: Generation | SequenceScores | None = None  # set once the request finished
 
 
+class RequestsFailed(Exception):
+    """Raised by a driver's `step` when requests failed on their own in it (a request's own
+    prefill or scoring raised: engine.generation.hf.stepper): `failed` maps each one's key to
+    its exception, and those requests have left the driver; every other request's step ran,
+    `outputs` holding what it returned (finished results included), and they go on. A user
+    that knows it answers the failed ones alone (engine.generation.sampling_backend
+    .StepBackend); to any other it is the step's failure as before."""
+
+    def __init__(self, failed: dict[str, BaseException], outputs: list[StepOutput]) -> None:
+        first = next(iter(failed.items()))
+        super().__init__(f"{len(failed)} request(s) failed in a step, e.g. {first[0]!r}: "
+                         f"{type(first[1]).__name__}: {first[1]}")
+        self.failed, self.outputs = failed, outputs
+
+
 class BusySlots:
     """Busy slot-steps of a driver whose requests are all streamed (rollout/engine_fill:
     engine.generation.vllm.rounds, engine.rl.collect.partial_session): a request is busy in a

@@ -13,6 +13,8 @@ one-row forward up to rounding.
   rounding (the matmuls' blocking over B x L rows; the decode step's batching already differs
   so, engine.generation.hf.static_decode's tolerance). Prompts of different lengths are never
   padded into one forward.
+- A forward that raises (`prefill_apart`): each distinct prompt again alone, so only the rows
+  of a prompt that fails in its own forward fail.
 """
 from __future__ import annotations
 
@@ -72,3 +74,28 @@ def prefill(model, keyword: str, prompts: list[list[int]],
         cache = getattr(result, keyword)
         out += [Prefilled(rows[p], logits[j], cache, j) for j, p in enumerate(batch)]
     return out
+
+
+def prefill_apart(model, keyword: str, prompts: list[list[int]], device: torch.device
+                  ) -> tuple[list[Prefilled], dict[int, BaseException]]:
+    """`prefill`, and when one of its forwards raises, each distinct prompt's prefill alone:
+    (the Prefilled of every prompt whose forward ran, row index -> the exception of each row
+    whose prompt failed in a forward of its own). So a prompt that makes the model raise fails
+    its own rows only (the step driver answers them alone), at the cost of one forward per
+    distinct prompt in that step; a row's values are then those of its one-row forward."""
+    try:
+        return prefill(model, keyword, prompts, device), {}
+    except Exception:  # noqa: BLE001 - which prompt failed is found below, one at a time
+        pass
+    rows: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        rows.setdefault(tuple(prompt), []).append(i)
+    done, failed = [], {}
+    for prompt, idx in rows.items():
+        try:
+            (one,) = prefill(model, keyword, [list(prompt)], device)
+        except Exception as e:  # noqa: BLE001 - this prompt's rows fail alone
+            failed.update({i: e for i in idx})
+            continue
+        done.append(Prefilled(idx, one.logits, one.cache, one.index))
+    return done, failed

@@ -23,7 +23,9 @@ tolerance: tests/test_hf_stepper.py, fp32 on the CPU).
 Keys, outputs and events are VLLMStepDriver's: a step's outputs are, for each streamed request
 (`add(stream=True)`) that moved, its ids so far, and for each request once finished its
 Generation (SequenceScores for a scoring request); events ("added", key, step),
-("finished", key, step), ("aborted", key, step) with `step` the steps run before the event.
+("finished", key, step), ("aborted", key, step) with `step` the steps run before the event,
+and ("failed", key, step) for a request that failed alone (its own prefill or scoring raised:
+`step` raises engine.generation.steps.RequestsFailed once the other requests' step ran).
 
 Refused by name (`step_problem`, also raised by the constructor): a model with a vision tower
 (image prompts decode on the eager loop), layers other than full attention (the slot cache
@@ -41,12 +43,12 @@ import torch
 
 from engine.generation.base import Generation, SamplingParams
 from engine.generation.hf.backend import cache_keyword
-from engine.generation.hf.prefill import prefill
+from engine.generation.hf.prefill import prefill_apart
 from engine.generation.hf.slot_cache import SlotCache
 from engine.generation.hf.static_decode import StaticDecoder, static_problem
 from engine.generation.sampling import STEP_CHUNK, draw, row_seeds, uniforms
 from engine.generation.scoring import check_sequences
-from engine.generation.steps import MAX_EVENTS, StepOutput
+from engine.generation.steps import MAX_EVENTS, RequestsFailed, StepOutput
 from models.vision.inputs import ImagePrompt
 
 
@@ -186,20 +188,34 @@ class HFStepDriver:
 
     def step(self) -> list[StepOutput]:
         """One engine step (module docstring): the requests with new tokens, the finished
-        ones with their result. Nothing to run: []."""
+        ones with their result. Nothing to run: []. A request whose own prefill or scoring
+        raised fails alone: it leaves the driver (event "failed") and, once every other
+        request's step ran, RequestsFailed carries the failures and the step's outputs; a
+        decode forward (every running row's) that raises is raised as it is."""
         if not self.busy:
             return []
         self.engine._check_ready("the hf step driver")
         self.steps += 1
+        failed: dict[str, BaseException] = {}
         with torch.no_grad():
             out = self._decode() if self.running else []
             for key in list(self.scoring):
                 sequence, top_k = self.scoring.pop(key)
-                (done,) = self.engine.score([sequence], top_k)
+                try:
+                    (done,) = self.engine.score([sequence], top_k)
+                except Exception as e:  # noqa: BLE001 - this request fails alone
+                    self._failed(failed, key, e)
+                    continue
                 out.append(self._finished(key, [], done))
             if self.waiting:
-                out += self._join()
+                out += self._join(failed)
+        if failed:
+            raise RequestsFailed(failed, out)
         return out
+
+    def _failed(self, failed: dict[str, BaseException], key: str, error: BaseException) -> None:
+        failed[key] = error
+        self.events.append(("failed", key, self.steps))
 
     def _finished(self, key: str, ids: list[int], done) -> StepOutput:
         self.events.append(("finished", key, self.steps))
@@ -248,21 +264,28 @@ class HFStepDriver:
                 out.append(moved)
         return out
 
-    def _join(self) -> list[StepOutput]:
+    def _join(self, failed: dict[str, BaseException]) -> list[StepOutput]:
         """Prefill the waiting requests (engine.generation.hf.prefill: one forward per distinct
-        prompt, distinct prompts of one length batched), sample each one's first token, and
-        place those that go on into free slots, in the order they were added."""
+        prompt, distinct prompts of one length batched; a prompt whose own forward raises
+        fails its rows into `failed`), sample each one's first token, and place those that go
+        on into free slots, in the order they were added."""
         keys, rows = list(self.waiting), list(self.waiting.values())
         self.waiting.clear()
         drawn: list = [None] * len(rows)
-        for done in prefill(self.engine.model, cache_keyword(self.engine.model),
-                            [row.prompt for row in rows], self.engine.device):
+        prefilled, errors = prefill_apart(self.engine.model, cache_keyword(self.engine.model),
+                                          [row.prompt for row in rows], self.engine.device)
+        for i, error in errors.items():
+            self._failed(failed, keys[i], error)
+        for done in prefilled:
             sharing = [rows[i] for i in done.rows]
             logits = done.logits[None].expand(len(sharing), -1)
             for i, first in zip(done.rows, self._sample(logits, sharing)):
                 drawn[i] = (first, done)
         out, going = [], []
-        for key, row, ((token, logprob), done) in zip(keys, rows, drawn):
+        for key, row, drawn_row in zip(keys, rows, drawn):
+            if drawn_row is None:   # failed
+                continue
+            (token, logprob), done = drawn_row
             moved = self._moved(key, row, token, logprob)
             if moved is not None:
                 out.append(moved)
