@@ -1,11 +1,12 @@
 """Shared entry-point plumbing: parse the command line first, import what the command needs
 after. -h / --help, --version and every configuration hydra refuses (an unknown key, a wrong
-type, a missing --config file) are answered from the schema as engine.config.schema_source
-reads it from source, before torch, megatron-core or transformers is imported (well under
-2 s). Only then are the entry point's modules imported and engine.run.launch.run_entry
-validates the values, reports configuration errors once (rank 0) without a traceback and exits
-2, sets up torch.distributed and megatron's parallel state and runs. Exit codes: 0 done (also
-when stopped by a signal or train.exit_*), 2 configuration or data error, 1 run-time failure
+type, a missing --config file) or engine.config.choices refuses (a value that is none of its
+key's choices) are answered from the schema as engine.config.schema_source reads it from
+source, before torch, megatron-core or transformers is imported (well under 2 s). Only then
+are the entry point's modules imported and engine.run.launch.run_entry validates the values,
+reports configuration errors once (rank 0) without a traceback and exits 2, sets up
+torch.distributed and megatron's parallel state and runs. Exit codes: 0 done (also when
+stopped by a signal or train.exit_*), 2 configuration or data error, 1 run-time failure
 (engine.errors.RunError: diverged training, failed rollout backend)."""
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import threading
 import time
 from typing import Callable, NoReturn
 
+from engine.config.choices import choice_error
 from engine.config.help import help_text, version
 from engine.config.loading import load_config
 from engine.config.schema_source import SchemaSourceError, real_schema, source_schema
@@ -91,7 +93,8 @@ def entry_main(argv: list[str] | None, prog: str, schema: str, usage: str, examp
     siblings). `schema`: "package.module:Class". -h / --help / --version answered from the
     schema's source (`answered_help`); --validate: the recipe check `check_recipe(argv)` (no
     process groups, no weights, no training); else the command line is composed against the
-    schema's source (a refusal exits 2 here, nothing heavy imported), then
+    schema's source and its choice keys checked (engine.config.choices; a refusal exits 2
+    here, nothing heavy imported), then
     engine.run.launch.run_entry(run, argv, schema=the imported schema, **run_kwargs).
     `argv`: None reads sys.argv[1:]."""
     argv = list(argv if argv is not None else sys.argv[1:])
@@ -101,9 +104,12 @@ def entry_main(argv: list[str] | None, prog: str, schema: str, usage: str, examp
     if "--validate" in argv:
         return check_recipe(argv)
     try:
-        load_config(light, argv)
+        composed, _ = load_config(light, argv)
     except ConfigError as e:
         return refuse(str(e))
+    bad_choice = choice_error(composed)   # before the heavy imports (engine.config.choices)
+    if bad_choice:
+        return refuse(bad_choice)
     return hook("engine.run.launch:run_entry")(run, argv, schema=real_schema(schema),
                                                 **run_kwargs)
 

@@ -150,11 +150,15 @@ CONFIG_CASES = [
                                             "parallel.overlap_param_gather=true"), needles=(
         "parallel.overlap_param_gather=true needs optim.distributed_optimizer=true with "
         "optim.name=adamw",)),
+    # an invalid choice is refused first, alone, before the heavy imports (engine.config.choices)
     Case("muon_tp_mode", ("optim.name=muon", "optim.distributed_optimizer=false",
                           "optim.muon.tp_mode=rows", "optim.qk_clip=true"),
          module="engine.rl", data="prompts", needles=(
-             "optim.muon.tp_mode='rows' is not one of duplicated, distributed, blockwise",
-             "optim.qk_clip=true is not supported")),
+             "optim.muon.tp_mode='rows' is not valid; choose one of duplicated, distributed, "
+             "blockwise",)),
+    Case("muon_qk_clip", ("optim.name=muon", "optim.distributed_optimizer=false",
+                          "optim.qk_clip=true"),
+         module="engine.rl", data="prompts", needles=("optim.qk_clip=true is not supported",)),
 ]
 
 DATA_CASES = [

@@ -3,9 +3,11 @@ generated from the config schema, so every key is listed with its type, default 
 schema's own comment, and nothing else needs to be kept in step with it."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +94,72 @@ def test_meanings_name_the_choices_and_what_is_refused():
     assert "refused" in sft["optim.qk_clip"] and "only false" in sft["optim.qk_clip"]
     assert rl["data.train_files"] == sft["data.train_files"] != ""
     assert rl["logging.progress_bar"] == sft["logging.progress_bar"] != ""
+
+
+def _declared_inline_comments(cls: type) -> dict[str, str]:
+    """{field: the comment on the line that declares it}, read line by line from the class's
+    own source (independent of engine.config.help's tokenizer walk)."""
+    import inspect
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    found = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"^    (\w+)\s*:[^#]*#\s*(.+)$", line)
+        if m and m.group(1) in names and m.group(1) in cls.__dict__.get("__annotations__", {}):
+            found[m.group(1)] = m.group(2).strip()
+    return found
+
+
+def _dataclasses_of(schema: type) -> list[type]:
+    seen, todo = [], [schema]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.append(cls)
+        hints = typing.get_type_hints(cls)
+        todo += [hints[f.name] for f in dataclasses.fields(cls)
+                 if dataclasses.is_dataclass(hints[f.name])]
+    return seen
+
+
+def test_every_help_line_is_the_keys_own():
+    """For every dataclass of every entry point's schema, a field declared with an inline
+    comment has that comment as its meaning (a comment block above it, such as a section
+    heading or the wrapped tail of the previous field's comment, does not replace it); a
+    wrapped inline comment keeps its tail; a group's defaults are those its parent builds
+    (rl's logging.dir is runs/rl); every choice key lists its choices; every flag of the
+    console's usage line is in the flags list. Before the fix moe.aux_loss_type read
+    "output_router_logits, else 0", rollout.placement "asynchronous RL (...)", rl's logging.dir
+    runs/sft, policy_loss only "...POLICY_LOSSES", and --nproc-per-node was not listed."""
+    from engine.config.choices import CHOICES, lists_choices
+    from tools.cli import _engine_help
+
+    wrong = []
+    for schema in _entry_schemas().values():
+        for cls in _dataclasses_of(schema):
+            own = field_comments(cls)
+            for name, comment in _declared_inline_comments(cls).items():
+                if not own.get(name, "").startswith(comment):
+                    wrong.append((cls.__name__, name, own.get(name), comment))
+    assert wrong == []
+    rl = {k: (d, m) for k, _, d, m in schema_keys(RLConfig)}
+    assert rl["moe.aux_loss_type"][1] == "aux_loss | seq_aux_loss | global_aux_loss"
+    assert rl["moe.aux_loss_coeff"][1] == ("null: HF router_aux_loss_coef if "
+                                           "output_router_logits, else 0")
+    assert rl["rollout.placement"][1].startswith("colocated | disaggregated")
+    assert rl["reward.model.path"][1] == "null: no reward model"
+    assert rl["env.agent"][1].startswith("package.module:function(base_url, row)")
+    assert rl["logging.dir"][0] == "runs/rl"
+    assert rl["policy_loss"][1].endswith("one of ppo_clip | gspo | geo_mean | cispo | sapo")
+    for entry, schema in _entry_schemas().items():
+        rows = {k: m for k, _, _, m in schema_keys(schema)}
+        assert [k for k in CHOICES if k in rows and not lists_choices(k, rows[k])] == [], entry
+        assert {k: d for k, _, d, _ in schema_keys(schema)}["logging.dir"] == f"runs/{entry}"
+        prog, usage, examples = _engine_help(entry)
+        text = help_text(prog, schema, usage, examples)
+        flags = text.split("Other flags:")[1].split("Examples:")[0]
+        assert [f for f in re.findall(r"--[\w-]+", usage) if f"  {f}" not in flags] == [], entry
 
 
 def test_version(capsys):
@@ -298,6 +366,49 @@ def test_help_and_refusals_import_no_torch_megatron_or_transformers():
         proc.stderr, proc.stderr[-2000:]
     proc = _guarded("engine.sft", "--config", "recipes/sft/qwen3_8b_h100.yaml", "--validate")
     assert proc.returncode != 0 and "imported before the command line was parsed" in proc.stderr
+
+
+def test_invalid_choices_are_refused_before_the_heavy_imports():
+    """A value that is none of its key's choices (engine.config.choices) is refused like an
+    unknown key: exit 2 naming the key, the value and every choice, with torch, megatron-core
+    and transformers never imported (the guard fails the subprocess on their import; before
+    the fix the refusal came from the full validation, after ~20 s of those imports, and the
+    guard failed it). Every problem is named at once; a valid choice passes the early check."""
+    proc = _guarded("engine.rl", "rollout.placement=foo")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == ("error: rollout.placement='foo' is not valid; choose one of "
+                           "colocated, disaggregated\n")
+    proc = _guarded("tools.cli", "dpo", "dpo.loss_type=nope", "checkpoint.schedule=keep")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        "error: invalid configuration:",
+        "  - checkpoint.schedule='keep' is not valid; choose one of same, checkpoint, config",
+        "  - dpo.loss_type='nope' is not valid; choose one of sigmoid, ipo, hinge, robust, "
+        "simpo, orpo"]
+    proc = _guarded("engine.rl", "rollout_correction.rollout_rs='token_k1,seq_k9'")
+    assert proc.returncode == 2 and "rollout_correction.rollout_rs='token_k1,seq_k9' is not " \
+        "valid; choose one of null, token_k1," in proc.stderr, proc.stderr[-2000:]
+    # control: valid choices pass the early check and reach the heavy imports (the guard)
+    proc = _guarded("engine.rl", "rollout.placement=disaggregated", "policy_loss=gspo")
+    assert proc.returncode != 0 and "imported before the command line was parsed" in proc.stderr
+
+
+def test_the_choice_table_is_the_codes():
+    """engine.config.choices.CHOICES (read without heavy imports) holds, for every key with a
+    table in the code, exactly that table's values (SOURCES); the keys are real keys of an
+    entry point's schema, and the defaults are valid choices."""
+    import importlib
+
+    from engine.config.choices import CHOICES, NULL_OK, SOURCES, choice_problems
+
+    for key, ref in SOURCES.items():
+        module, name = ref.split(":")
+        assert tuple(getattr(importlib.import_module(module), name)) == CHOICES[key], key
+    keys = {k for schema in _entry_schemas().values() for k, _, _, _ in schema_keys(schema)}
+    assert sorted(set(CHOICES) - keys) == []
+    for schema in _entry_schemas().values():
+        assert choice_problems(schema()) == [], schema
+    assert NULL_OK <= set(CHOICES)
 
 
 def test_the_run_header_says_what_runs():

@@ -5,6 +5,7 @@
 source: its inline comment, else the comment block right above it (joined into one line). A
 key without a comment has an empty meaning; the key, type and default are always there.
 `help_text(prog, schema, usage, examples)` is the text `python -m engine.sft --help` prints.
+A choice key's line lists its choices (engine.config.choices) when its comment does not.
 The entry points pass the schema as engine.config.schema_source rebuilds it (no torch,
 megatron or transformers import: `--help` answers in well under 2 s); the text is the same.
 """
@@ -20,7 +21,12 @@ import typing
 from functools import lru_cache
 from typing import Any, Iterator
 
+from engine.config.choices import choices_text, lists_choices
 PACKAGE = "megatron-sft-engine"
+# flags of a launcher's usage line (the console command's: tools/cli.py), listed when the
+# usage names them
+LAUNCHER_FLAGS = {"--nproc-per-node": "  --nproc-per-node N start N local ranks through torchrun "
+                                      "(--standalone: this host)"}
 
 
 def version() -> str:
@@ -44,7 +50,11 @@ def field_comments(cls: type) -> dict[str, str]:
 
 def _own_comments(cls: type) -> dict[str, str]:
     """The comments of the fields the class body of `cls` itself declares (its source: the
-    module's, or `__schema_source__` for a class engine.config.schema_source rebuilt)."""
+    module's, or `__schema_source__` for a class engine.config.schema_source rebuilt). A
+    field's inline comment is its meaning, continued by the comment-only lines right below it
+    that are indented past the `#` (`#      ... rest of the sentence`); only a field without
+    an inline comment takes the comment block right above it (a block that is a section
+    heading above a commented field names nothing)."""
     source = cls.__dict__.get("__schema_source__")
     if source is None:
         try:
@@ -52,33 +62,38 @@ def _own_comments(cls: type) -> dict[str, str]:
         except (OSError, TypeError):
             return {}
     names = {f.name for f in dataclasses.fields(cls)}
-    comments: dict[str, str] = {}
+    inline: dict[str, str] = {}
+    blocks: dict[str, str] = {}
     above: list[str] = []      # the comment lines right above the current line
     line_name = None           # the field this logical line declares
+    continued = None           # the field whose inline comment the next comment line continues
     depth = 0                  # bracket depth: a default spanning lines is one logical line
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
             text = tok.string.lstrip("#").strip()
             if line_name is not None:
-                comments.setdefault(line_name, text)       # inline comment
+                inline.setdefault(line_name, text)
+            elif continued is not None and tok.string[1:].startswith("  "):
+                inline[continued] += " " + text
             else:
+                continued = None
                 above.append(text)
         elif tok.type == tokenize.NAME and line_name is None and depth == 0 \
                 and tok.string in names and tok.start[1] == len(tok.line) - len(tok.line.lstrip()):
-            line_name = tok.string
+            line_name, continued = tok.string, None
             if above:
-                comments[line_name] = " ".join(above)
+                blocks[line_name] = " ".join(above)
         elif tok.type == tokenize.OP and tok.string in "([{":
             depth += 1
         elif tok.type == tokenize.OP and tok.string in ")]}":
             depth -= 1
         elif tok.type == tokenize.NEWLINE:
+            continued = line_name if line_name in inline else None
             line_name, above = None, []
         elif tok.type == tokenize.NL and line_name is None and depth == 0:
-            if not above or tok.line.strip():
-                continue
-            above = []          # a blank line ends a comment block
-    return comments
+            if not tok.line.strip():
+                above, continued = [], None   # a blank line ends a comment block
+    return {**blocks, **inline}
 
 
 def _type_name(tp: Any) -> str:
@@ -115,17 +130,31 @@ def _yaml(value: Any) -> str:
     return str(value)
 
 
-def schema_keys(schema: type, prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
-    """(dotted key, type, default as on the command line, meaning) of every leaf key."""
+def _meaning(key: str, comment: str) -> str:
+    """The field's comment, followed by its choices (engine.config.choices) when it does not
+    name them all itself (a comment that points at a table in the code)."""
+    text = choices_text(key)
+    if text is None or lists_choices(key, comment):
+        return comment
+    return f"{comment}; {text}" if comment else text
+
+
+def schema_keys(schema: type, prefix: str = "",
+                defaults: Any = None) -> Iterator[tuple[str, str, str, str]]:
+    """(dotted key, type, default as on the command line, meaning) of every leaf key. A group's
+    defaults are those of the instance its parent's field builds (RL's
+    `LoggingConfig(dir="runs/rl")`), not its class's; `defaults`: that instance."""
     hints = typing.get_type_hints(schema)
     comments = field_comments(schema)
     for f in dataclasses.fields(schema):
         tp = hints[f.name]
+        value = getattr(defaults, f.name) if defaults is not None else _default(f)
         if dataclasses.is_dataclass(tp):
-            yield from schema_keys(tp, f"{prefix}{f.name}.")
+            yield from schema_keys(tp, f"{prefix}{f.name}.",
+                                   value if dataclasses.is_dataclass(value) else None)
             continue
-        yield (f"{prefix}{f.name}", _type_name(tp), _yaml(_default(f)),
-               comments.get(f.name, ""))
+        key = f"{prefix}{f.name}"
+        yield key, _type_name(tp), _yaml(value), _meaning(key, comments.get(f.name, ""))
 
 
 def help_text(prog: str, schema: type, usage: str, examples: list[str]) -> str:
@@ -143,7 +172,9 @@ def help_text(prog: str, schema: type, usage: str, examples: list[str]) -> str:
             out += ["", f"{group}:"]
         line = f"  {key:<{width}}  {tp} = {default}"
         out.append(line + (f"  # {meaning}" if meaning else ""))
-    out += ["", "Other flags:", "  --config FILE      a YAML file of keys (overrides win)",
+    launcher = [line for flag, line in LAUNCHER_FLAGS.items() if flag in usage]
+    out += ["", "Other flags:", *launcher,
+            "  --config FILE      a YAML file of keys (overrides win)",
             "  --validate ...     check a recipe's layout and memory; no training",
             "  -h, --help         this text", "  --version          the version", "",
             "Examples:", *(f"  {e}" for e in examples)]
