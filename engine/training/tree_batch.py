@@ -7,8 +7,10 @@ function or a metric reads, built by micro_batches.build_packed exactly as witho
 plus `mb.tree`, a `TreeInput`: what the model runs instead (the tree's tokens, each token's
 depth as its position, parallel.tree_attention.TreeAttentionParams) and `gather`, the tree
 node of each token of the unshared layout. The schedule runs the model on the tree and hands
-the loss function `unshared_output(output, mb.tree)`: the last stage's output (hidden states
-or logits, [1, T/cp, ...]) gathered into the unshared layout [1, T_u/cp, ...]. From there the
+the loss function `unshared_output(output, mb.tree)`: the last stage's output (logits or
+values [1, T/cp, ...]) gathered into the unshared layout [1, T_u/cp, ...], or with the
+chunked loss head a `TreeHiddenStates`, whose log-probs run the output layer once per
+distinct (tree node, next token) pair and are then gathered. From there the
 loss, the GlobalLossNormalizer's counts, the metrics, KL and rollout-correction terms are
 computed as without sharing; a node several rows contain receives each row's gradient, summed
 by autograd through the gather.
@@ -20,14 +22,13 @@ rank's shard), and gathers the tokens of its own zigzag shard of the unshared ro
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from engine.training.loss_head import HiddenStates
+from engine.training.loss_head import HiddenStates, chunked_logprobs
 from engine.training.micro_batches import MicroBatch, SequenceData, build_packed
 from engine.training.prefix_tree import build_prefix_tree
 from parallel import zigzag
@@ -117,13 +118,49 @@ class _GatherCP(torch.autograd.Function):
         return grad[:, rank * ctx.width:(rank + 1) * ctx.width], None
 
 
-def _to_unshared(x: torch.Tensor, tree: TreeInput) -> torch.Tensor:
-    """[1, T/cp, ...] on the tree row -> [1, T_u/cp, ...] on the unshared rows."""
-    if tree.cp > 1:
-        full = _GatherCP.apply(x, ps.get_context_parallel_group())
-        order = zigzag.gathered_to_natural([tree.row_length], tree.cp).to(full.device)
-        x = full.index_select(1, order)
-    return x.index_select(1, tree.gather)
+def _whole_row(x: torch.Tensor, tree: TreeInput) -> torch.Tensor:
+    """[1, T/cp, ...] on this CP rank -> [1, T, ...], the whole tree row in natural order."""
+    if tree.cp == 1:
+        return x
+    full = _GatherCP.apply(x, ps.get_context_parallel_group())
+    return full.index_select(1, zigzag.gathered_to_natural([tree.row_length],
+                                                           tree.cp).to(full.device))
+
+
+class TreeHiddenStates(HiddenStates):
+    """A HiddenStates of the unshared rows backed by the tree row's hidden states: `hidden`
+    is the gather ([1, T_u/cp, h], made on first use: value heads read it), while `logprobs`
+    runs the chunked loss head once per distinct (tree node, label) pair -- a node that
+    several rows continue with the same next token is projected once -- and gathers the
+    results: the same per-token numbers as the head on the gathered hidden states (the head
+    treats tokens independently), at the cost of the tree's tokens instead of the rows'."""
+
+    def __init__(self, tree_hidden: torch.Tensor, weight: torch.Tensor, chunk_tokens: int,
+                 gather: torch.Tensor):
+        self.tree_hidden, self.gather = tree_hidden, gather   # [1, T, h], [T_u/cp] long
+        self.weight, self.chunk_tokens = weight, chunk_tokens
+        self._hidden = None
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        if self._hidden is None:
+            self._hidden = self.tree_hidden.index_select(1, self.gather)
+        return self._hidden
+
+    def logprobs(self, labels: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                 with_entropy: bool = False):
+        """HiddenStates.logprobs of the unshared rows (labels [1, T_u/cp])."""
+        flat = labels.reshape(-1).to(torch.long)
+        # the padded vocabulary bounds every label: a pair's key node * span + label is unique
+        span = int(self.weight.shape[0]) * ps.get_tensor_model_parallel_world_size()
+        pairs, inverse = torch.unique(self.gather * span + flat, return_inverse=True)
+        nodes, pair_labels = pairs // span, pairs % span
+        logp, entropy = chunked_logprobs(self.tree_hidden[0].index_select(0, nodes),
+                                         self.weight, pair_labels, vocab_size, temperature,
+                                         self.chunk_tokens, with_entropy)
+        shape = labels.shape
+        return (logp[inverse].view(shape),
+                entropy[inverse].view(shape) if entropy is not None else None)
 
 
 def unshared_output(output, tree: TreeInput | None):
@@ -132,5 +169,6 @@ def unshared_output(output, tree: TreeInput | None):
     if tree is None:
         return output
     if isinstance(output, HiddenStates):
-        return dataclasses.replace(output, hidden=_to_unshared(output.hidden, tree))
-    return _to_unshared(output, tree)
+        return TreeHiddenStates(_whole_row(output.hidden, tree), output.weight,
+                                output.chunk_tokens, tree.gather)
+    return _whole_row(output, tree).index_select(1, tree.gather)

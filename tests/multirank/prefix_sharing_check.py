@@ -5,17 +5,21 @@
 
 Each SPEC is "tp,pp,cp[,flags]" (flags "+"-separated: sp, Megatron sequence parallelism;
 dyn=N, train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; ctl, the negative
-controls). For each spec, at W ranks (DP = W / (tp*pp*cp)), with sharing off and then on, the
-same HF weights loaded each time:
+controls; obj=A/B, only these objectives, default all). For each spec, at W ranks (DP = W /
+(tp*pp*cp)), with sharing off and then on, the same HF weights loaded each time:
   grpo: a GRPO rollout batch whose groups share their prompts (one row a prefix of another,
         one row duplicated): recomputed token log-probs (the log-prob stage and reference
         path, engine.rl.policy.logprobs), then STEPS optimizer steps of the full policy loss
         (asymmetric + dual clip, k3 KL, entropy bonus, truncated IS; engine.rl.policy.update);
   sft:  STEPS SFT steps (token-mean cross-entropy) on rows sharing a system prompt and agent
-        rows each extending the previous one.
+        rows each extending the previous one;
+  dpo:  STEPS DPO steps (sigmoid, frozen reference) on pairs sharing their prompts, the policy's
+        log-probs of the first batch's rows;
+  ppo:  the PPO critic's token values of the grpo rows, GAE, STEPS critic updates.
 Rank 0 prints one "RESULT {json}" line per (spec, objective): the largest relative difference
-of the log-prob table and of every compared metric (loss, grad norm, policy/* metrics) over
-the steps, and both runs' train/prefix_token_ratio.
+of the log-prob table and of every compared metric (loss, grad norm, policy/*, rewards/*,
+critic/* metrics) over the steps (relative to that metric's largest size over the steps: DPO's
+rewards start at exactly 0), and both runs' train/prefix_token_ratio.
 Negative controls (flag ctl): the same comparison with the tree attention broken so that a
 row also sees its sibling branches (every earlier tree node), and with RoPE positions counted
 along the tree row instead of the row; both must differ.
@@ -136,23 +140,101 @@ def sft_run(model_dir, hf_config, layout_kw, world, train, sp):
     return table, steps
 
 
+def dpo_run(model_dir, hf_config, layout_kw, world, train, sp):
+    """STEPS DPO steps (sigmoid loss, frozen reference: engine.dpo.training.dpo_step) on pairs
+    sharing their prompts; the table: the policy's token log-probs of the first batch's rows."""
+    import torch
+
+    from engine.dpo.training import dpo_step
+    from engine.preference.reference import Reference
+    from engine.rl.policy.logprobs import compute_token_logprobs
+    from engine.training.micro_batches import SequenceData
+    from engine.training.train_engine import TrainEngine
+    from tests.multirank.dpo_check import METRICS, pair_batches, run_cfg
+
+    policy = _engine(model_dir, hf_config, layout_kw, world, train, sp)
+    frozen = TrainEngine.frozen(hf_config, torch.float32, model_dir, train, 0,
+                                loss_chunk_tokens=16, sequence_parallel=sp)
+    reference = Reference(policy, frozen, False, True, None)
+    batches = (pair_batches(hf_config["vocab_size"], 0)
+               + pair_batches(hf_config["vocab_size"], 1))[:STEPS]
+    rows = [SequenceData(s.tokens, s.labels, s.loss_mask) for p in batches[0]
+            for s in (p.chosen, p.rejected)]
+    table = compute_token_logprobs(policy, rows, 1.0)
+    steps = []
+    for pairs in batches:
+        m = dpo_step(policy, reference, pairs, run_cfg({}))
+        steps.append({k: m[k] for k in METRICS + ("train/prefix_token_ratio",)})
+    policy.release()
+    frozen.release()
+    return table, steps
+
+
+def ppo_run(model_dir, hf_config, layout_kw, world, train, sp):
+    """The PPO critic (a value head on the policy model, seeded): its token values of the GRPO
+    rollout rows, GAE, then STEPS critic updates (engine.rl.policy.critic)."""
+    import torch
+
+    from engine.rl.collect.batch import build_sequences
+    from engine.rl.policy.critic import (CriticSettings, attach_gae, compute_token_values,
+                                         critic_update)
+    from engine.training.train_engine import TrainEngine
+    from models.layers.heads.value import attach_value_heads
+    from tests.multirank.rl_invariance import _is_current, optim_settings
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    layout = ParallelLayout(world, sequence_parallel=sp, **layout_kw)
+    if not _is_current(layout):
+        setup_model_parallel(layout)
+    row = torch.randn(1, hf_config["hidden_size"],
+                      generator=torch.Generator().manual_seed(4)) * 0.2
+    critic = TrainEngine.build(hf_config, optim_settings(), torch.float32, STEPS, train,
+                               weights_dir=model_dir, loss_chunk_tokens=16,
+                               sequence_parallel=sp,
+                               prepare=lambda raw: attach_value_heads(raw, row=row))
+    batch = grpo_rollout(hf_config["vocab_size"])
+    seqs = build_sequences(batch)
+    seen: dict = {}
+    train_batch = critic.train_batch
+
+    def recording(*args, **kwargs):   # critic_update keeps only critic/*: record the rest
+        out = train_batch(*args, **kwargs)
+        seen.update(out)
+        return out
+    critic.train_batch = recording
+    table = compute_token_values(critic, seqs)
+    sampled = [s.loss_mask for s in seqs]
+    settings = CriticSettings(value_clip=0.2, gamma=1.0, lam=0.95)
+    attach_gae(seqs, table, sampled, [float(a > 0) for a in batch.advantages], settings)
+    loss_cfg = SimpleNamespace(agg_mode="token-mean", count_empty_sequences=True)
+    steps = []
+    for _ in range(STEPS):
+        m = critic_update(critic, seqs, loss_cfg, settings, 40)
+        steps.append({**m, "loss": m["critic/value_loss"], "grad_norm": m["critic/grad_norm"],
+                      "train/prefix_token_ratio": seen["train/prefix_token_ratio"]})
+    critic.release()
+    return table, steps
+
+
 def compare(off, on) -> dict:
     """Largest relative differences of the log-prob tables and of each compared metric."""
     (t0, s0), (t1, s1) = off, on
     scale = float(t0.abs().max())
     out = {"logprob_rel": float((t1 - t0).abs().max()) / scale, "metric_rel": 0.0}
+    scales = {k: max(abs(a[k]) for a in s0) for k in s0[0]}   # a metric's size over the run
     for a, b in zip(s0, s1):
         for k, v in a.items():
             if any(k.startswith(p) for p in SKIP):
                 continue
-            d = abs(b[k] - v) / max(abs(v), 1e-6)
+            d = abs(b[k] - v) / max(scales[k], 1e-6)
             if d > out["metric_rel"]:
                 out["metric_rel"], out["worst_metric"] = d, k
     out["losses"] = [a.get("loss", a.get("policy/pg_loss")) for a in s0]
     out["grad_norms"] = [a["grad_norm"] for a in s0]
     out["ratio_off"] = s0[0]["train/prefix_token_ratio"]
     out["ratio_on"] = s1[0]["train/prefix_token_ratio"]
-    out["micro_batches_on"] = s1[0]["train/micro_batches"]
+    out["micro_batches_on"] = s1[0].get("train/micro_batches")
     return out
 
 
@@ -164,7 +246,9 @@ def parse_spec(spec: str):
     train = dict(micro_batch_size=int(opts.get("mbs", 1)),
                  max_tokens_per_micro_batch=int(opts["dyn"]) if "dyn" in opts else None,
                  balance_dp=True, packing=True)
-    return dict(tp=tp, pp=pp, cp=cp), train, "sp" in flags, "ctl" in flags
+    names = opts.get("obj", "/".join(n for n, _ in OBJECTIVES)).split("/")
+    return (dict(tp=tp, pp=pp, cp=cp), train, "sp" in flags, "ctl" in flags,
+            [(n, r) for n, r in OBJECTIVES if n in names])
 
 
 def broken(kind: str):
@@ -205,6 +289,9 @@ def broken(kind: str):
     return patch()
 
 
+OBJECTIVES = (("grpo", grpo_run), ("sft", sft_run), ("dpo", dpo_run), ("ppo", ppo_run))
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -215,8 +302,8 @@ def main() -> None:
     model_dir = sys.argv[1]
     hf_config = read_config(model_dir)
     for spec in sys.argv[2:]:
-        layout_kw, train_kw, sp, controls = parse_spec(spec)
-        for name, run in (("grpo", grpo_run), ("sft", sft_run)):
+        layout_kw, train_kw, sp, controls, objectives = parse_spec(spec)
+        for name, run in objectives:
             off = run(model_dir, hf_config, layout_kw, world,
                       SimpleNamespace(**train_kw, prefix_sharing=False), sp)
             on = run(model_dir, hf_config, layout_kw, world,

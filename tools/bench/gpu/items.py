@@ -40,6 +40,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from tools.bench.gpu import prefix_item as prefix   # the prefix_sharing item
 
 ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_32k",
          "moe_loop", "fused", "loss_head", "spec_vllm", "grpo_vllm_handle", "grpo_vllm_file")
@@ -55,7 +56,7 @@ ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_
 # packed: chat rows of log-normal lengths packed by train.max_tokens_per_micro_batch through
 # the compiled step, beside the transformers peer's padding-free path on the same micro-batches
 # (tools/bench/gpu_packed.py): `--items sft,packed` puts it beside the fixed-shape sft item
-ITEMS = ORDER + ("grpo_hf_eager", "muon", "ladder", "varlen", "packed")
+ITEMS = ORDER + ("grpo_hf_eager", "muon", "ladder", "varlen", "packed", "prefix_sharing")
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
 ESTIMATE_S = {"sft": 125, "peer": 150, "mfu": 60, "mtp": 135, "grpo": 68, "vision": 40,
               "lora_grpo": 83, "loss_head_32k": 68, "moe_loop": 78, "fused": 94, "loss_head": 59,
@@ -84,6 +85,7 @@ ESTIMATE_S["varlen"], SMOKE_ESTIMATE_S["varlen"] = 40, 15
 # the 28-layer model plus one dynamic-shape recompile): ~240 s; smoke 30 s measured on the
 # 2-core CPU host (2026-11-28, train.compile=true)
 ESTIMATE_S["packed"], SMOKE_ESTIMATE_S["packed"] = 240, 30
+ESTIMATE_S["prefix_sharing"], SMOKE_ESTIMATE_S["prefix_sharing"] = prefix.ESTIMATES
 PACKED_GPU = ("--rows-per-step", "48", "--steps", "6", "--warmup", "3", "--budget", "16384",
               "--median", "700", "--sigma", "0.9", "--min-len", "64", "--max-len", "4096")
 PACKED_SMOKE = ("--tiny", "--rows-per-step", "4", "--steps", "2", "--warmup", "1", "--median",
@@ -288,6 +290,7 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
         "mfu": lambda: mfu_item(workdir),
         "varlen": lambda: varlen_item(workdir, smoke),
         "packed": lambda: packed_item(workdir, smoke),
+        "prefix_sharing": lambda: prefix.prefix_sharing_item(workdir, smoke),
         "mtp": lambda: gpu_sft_item("mtp", workdir, "mtp_off,mtp_on", sizes.sft, 300,
                                     note="GLM-4.5-shaped MoE; mtp_on trains the MTP layer"),
         "spec_vllm": lambda: spec_item(workdir, smoke),
