@@ -7,14 +7,14 @@ Layers, every one on by default (``probe()`` says which this host can enforce):
 - ``session``: a new session and process group, SIGKILLed at the run's timeout;
 - ``rlimits``: CPU seconds, address space, file size, open files (RLIMIT_*);
 - ``processes``: RLIMIT_NPROC, which the kernel enforces only for a non-root uid (so as root
-  the program runs as ``uid`` 65534);
+  the program runs as one of RUN_UIDS);
 - ``output-cap``: stdout and stderr read up to ``Limits.output_bytes`` each; past it the
   program is killed;
 - ``netns``: a network namespace of its own (``unshare --net``: only a down loopback);
 - ``pidns``: a PID namespace (``unshare --pid --fork --mount-proc``) whose init
   (engine.rl.rewards.sandbox_init) ends every process of the program when it exits;
-- ``uid``: another uid (65534) than the trainer's, so it can neither signal nor read the
-  trainer's processes and files;
+- ``uid``: a uid of its own (RUN_UIDS, unused by any account; one per concurrent run) instead
+  of the trainer's, so it can neither signal nor read the trainer's processes and files;
 - ``private-tmp``: tmpfs over /tmp, /var/tmp and /dev/shm (a mount namespace).
 
 ``reward.code_sandbox=strict`` refuses to start when a layer is missing (``missing_layers``);
@@ -22,7 +22,9 @@ Layers, every one on by default (``probe()`` says which this host can enforce):
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import json
 import os
@@ -36,7 +38,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SANDBOX_UID = 65534                       # "nobody"
+SANDBOX_UID = 65534                       # "nobody": the interpreter probe's uid
+# the uids programs run as: one per concurrent run (claimed with a lock file), since
+# RLIMIT_NPROC counts every process of a uid, and a flood in one run must not starve another
+RUN_UIDS = range(1_500_000_000, 1_500_000_256)
+LOCK_DIR = Path(tempfile.gettempdir())
 INIT = str(Path(__file__).with_name("sandbox_init.py"))
 LAYERS = ("tempdir", "empty-env", "session", "rlimits", "processes", "output-cap", "netns",
           "pidns", "uid", "private-tmp")
@@ -139,35 +145,53 @@ def _die_with_parent() -> None:   # in the child between fork and exec: SIGKILL 
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def claimed_uid():
+    """A uid of RUN_UIDS no other run holds (a non-blocking flock on its lock file)."""
+    for uid in RUN_UIDS:
+        handle = open(LOCK_DIR / f".reward-sandbox-{uid}.lock", "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        try:
+            yield uid
+        finally:
+            handle.close()
+        return
+    raise RuntimeError(f"all {len(RUN_UIDS)} sandbox uids are in use")
+
+
 def run_program(files: dict[str, str], argv: list[str], stdin: bytes, timeout_s: float,
                 limits: Limits = Limits()) -> RunResult:
     """Write ``files`` (name -> text) into a fresh working directory and run ``argv`` (relative
     to it; ``argv[0]`` "python" is this interpreter, isolated: ``-I``) with ``stdin``, inside
     every layer ``probe()`` found (module docstring); SIGKILL at ``timeout_s`` seconds."""
     missing = missing_layers()
+    switch_uid = "uid" not in missing
     workdir = tempfile.mkdtemp(prefix="reward-code-")
     try:
-        for name, text in files.items():
-            Path(workdir, name).write_text(text)
-        switch_uid = "uid" not in missing
-        if switch_uid:
-            os.chmod(workdir, 0o700)
-            for path in [workdir, *(str(Path(workdir, n)) for n in files)]:
-                os.chown(path, SANDBOX_UID, SANDBOX_UID)
-        python = (interpreter() if switch_uid else None) or sys.executable
-        program = [python, "-I", *argv[1:]] if argv[0] == "python" else list(argv)
-        spec = {"argv": program, "rlimits": _rlimits(timeout_s, limits, switch_uid),
-                "uid": SANDBOX_UID if switch_uid else None,
-                "private_tmp": "private-tmp" not in missing}
-        command = [sys.executable, "-I", "-S", INIT, json.dumps(spec)]
-        if "pidns" not in missing:
-            flags = UNSHARE_FLAGS if os.geteuid() == 0 else [
-                "--user", "--map-root-user"] + UNSHARE_FLAGS
-            command = [shutil.which("unshare"), *flags] + command
-        proc = subprocess.Popen(command, cwd=workdir, env={}, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-        return _communicate(proc, stdin, timeout_s, limits.output_bytes)
+        with claimed_uid() if switch_uid else contextlib.nullcontext(None) as uid:
+            for name, text in files.items():
+                Path(workdir, name).write_text(text)
+            if uid is not None:
+                os.chmod(workdir, 0o700)
+                for path in [workdir, *(str(Path(workdir, n)) for n in files)]:
+                    os.chown(path, uid, uid)
+            python = (interpreter() if switch_uid else None) or sys.executable
+            program = [python, "-I", *argv[1:]] if argv[0] == "python" else list(argv)
+            spec = {"argv": program, "rlimits": _rlimits(timeout_s, limits, switch_uid),
+                    "uid": uid, "private_tmp": "private-tmp" not in missing}
+            command = [sys.executable, "-I", "-S", INIT, json.dumps(spec)]
+            if "pidns" not in missing:
+                flags = UNSHARE_FLAGS if os.geteuid() == 0 else [
+                    "--user", "--map-root-user"] + UNSHARE_FLAGS
+                command = [shutil.which("unshare"), *flags] + command
+            proc = subprocess.Popen(command, cwd=workdir, env={}, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+            return _communicate(proc, stdin, timeout_s, limits.output_bytes)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -212,13 +236,34 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, timeout_s: float,
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-    _kill_group(proc)   # what is left of its group (the whole PID namespace through its init)
+    if proc.poll() is None:
+        _kill(proc)
     code = proc.wait()
+    _kill_group(proc)   # anything of its group left (without a PID namespace)
     out, err = (bytes(chunks[s.fileno()][:cap]) for s in (proc.stdout, proc.stderr))
     proc.stdout.close()
     proc.stderr.close()
     killed = timed_out or capped
     return RunResult(None if killed else code, out, err, timed_out, capped)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL a running sandbox. With a PID namespace, its init (unshare's child) first, so
+    unshare reaps it (killing unshare first would orphan the init to the host's reaper) and
+    the kernel ends the namespace's other processes; then the process group."""
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for child in children:
+        try:
+            os.kill(int(child), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
