@@ -127,7 +127,7 @@ def test_render_prompt_response_rows(tok):
     ({"prompt": 5, "response": "a"}, r"f\.jsonl:4: field 'prompt' must be a string or a list"),
     ({"messages": [{"role": "user"}]}, r"f\.jsonl:4: messages\[0\] is missing field 'content'"),
     ({"messages": "hi"}, r"f\.jsonl:4: field 'messages' must be a non-empty list"),
-    ({"text": "hi"}, r"f\.jsonl:4: row needs field 'messages'.*\['text'\]"),
+    ({"txt": "hi"}, r"f\.jsonl:4: row needs field 'messages'.*'text'.*\['txt'\]"),
 ])
 def test_render_errors_name_field_and_place(tok, row, pattern):
     with pytest.raises(DataError, match=pattern):

@@ -28,6 +28,7 @@ import numpy as np
 
 from engine.data.files import DataError
 from engine.data.rows import Chat, chat_field, check_messages, check_tools, normalize_chat
+from engine.data.trl_rows import render_trl_row, trl_format
 
 # bump when rendering changes what a row becomes (the cache key holds it)
 RENDERER_VERSION = 2
@@ -234,12 +235,17 @@ def render_row_arrays(row: dict, tokenizer, where: str) -> tuple[list[int], np.n
     """(ids, trained uint8 array) of one SFT row; see render_sft_row."""
     if chat_field(row) is not None:
         return render_chat(normalize_chat(row, where), tokenizer, where)
+    if trl_format(row) is not None:   # TRL's {"text"} and {"prompt", "completion"} rows
+        return render_trl_row(row, tokenizer, where)
     if "prompt" not in row and "response" not in row:
-        raise DataError(f"{where}: row needs field 'messages' (or 'conversations'), or fields "
-                        f"'prompt' and 'response'; found fields {sorted(row)}")
+        raise DataError(f"{where}: row needs field 'messages' (or 'conversations'), 'text', "
+                        f"fields 'prompt' and 'completion', or fields 'prompt' and 'response'; "
+                        f"found fields {sorted(row)}")
     for key in ("prompt", "response"):
         if key not in row:
-            raise DataError(f"{where}: missing field {key!r}")
+            raise DataError(f"{where}: missing field {key!r}" + (
+                " (or 'completion': TRL's prompt-completion format)" if key == "response"
+                else ""))
     response = row["response"]
     if not isinstance(response, str):
         raise DataError(f"{where}: field 'response' must be a string, got "
@@ -258,7 +264,8 @@ def render_sft_row(row: dict, tokenizer, where: str) -> tuple[list[int], list[in
     """(ids, trained) of one SFT row.
 
     ``{"messages": [...]}`` or ``{"conversations": [...]}``: the chat template renders it;
-    assistant turns are trained. ``{"prompt": str | messages, "response": str}``: prompt ids
+    assistant turns are trained. TRL's ``{"text"}`` and ``{"prompt", "completion"}`` rows:
+    as TRL renders them (engine.data.trl_rows). ``{"prompt": str | messages, "response": str}``: prompt ids
     (generation prompt added, not trained) + response ids + eos (trained; eos not repeated if
     the response already ends in it). Raises DataError naming `where` and the missing or
     invalid field.

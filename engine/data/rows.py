@@ -13,6 +13,7 @@ Row formats (normalize_chat; prompt/response rows are read by engine.data.render
 - ShareGPT ``{"conversations": [{"from": "human"|"gpt"|"system"|"tool"|..., "value": str}]}``,
   optional row fields ``system`` (str) and ``tools`` (list, or a JSON string).
 - ``{"prompt": str | messages, "response": str}``.
+- TRL's ``{"text"}`` and ``{"prompt", "completion"}`` rows: engine.data.trl_rows.
 """
 from __future__ import annotations
 
