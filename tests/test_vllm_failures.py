@@ -13,6 +13,8 @@ aborted_on_error:
 - the serving loop (engine.api.stepping's StepServing over StepBackend): the failed step's
   requests get GenerationFailed, vLLM holds none of them, and the same requests served again
   give the reference replies.
+Also here, where vLLM is imported anyway: the head dims engine.generation.vllm.attention lets
+through to vLLM's CPU attention (CPU_HEAD_DIMS, tests/test_vllm_head_dim.py) are vLLM's own.
 """
 from __future__ import annotations
 
@@ -183,3 +185,10 @@ def test_a_failed_serving_step_leaves_nothing_in_vllm(engine):
     assert unfinished(engine) == 0
     again = _serve(engine, requests, fail=False)
     assert [(r.ids, r.logprobs) for r in again] == [(r.ids, r.logprobs) for r in reference]
+
+
+def test_the_head_dims_let_through_are_vllms_cpu_attentions():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # vLLM: this file only
+
+    from engine.generation.vllm.attention import CPU_HEAD_DIMS
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == CPU_HEAD_DIMS

