@@ -20,6 +20,12 @@ Contract of `GenerateBackend.generate(requests) -> results` (one result per requ
   s[:i] (float32; temperature and top_p do not change them: vLLM's raw_logprobs), and
   scores.top[i - 1] the k most likely next ids {id: log-prob}, most likely first ({} for k
   0), i = 1..m-1. result.logprobs stay the sampling ones (above).
+- sampling (`serve` only): vLLM's sampling fields (engine.api.sampling_fields.SamplingFields;
+  None: neutral) shape the draw and the stop ids (stop_token_ids, ignore_eos: finish_reason
+  "stop" when the reply ends in one of its stop ids), never the scores (serve's reported
+  log-probs: raw, as vLLM's raw_logprobs). result.logprobs keep the contract on hf; on vllm a
+  request with fields gets vLLM's processed ones (its sampler hands the contract's wrapper the
+  shaped logits); serve never reports them.
 
 Seeds: call c of an episode, choice k, samples with call_seed(episode response seed, c, k):
 turn_seed for choice 0 (the seeds of engine.rl.env.episodes' turns, so an agent whose calls
@@ -32,6 +38,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.api.sampling_fields import SamplingFields
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -41,6 +49,7 @@ class GenerateRequest:
     top_p: float             # (0, 1]
     seed: int                # non-negative 63-bit
     score_top_k: int | None = None   # k >= 0: score prompt + reply (module docstring)
+    sampling: SamplingFields | None = None   # vLLM's sampling fields (module docstring)
 
 
 @dataclass

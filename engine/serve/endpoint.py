@@ -77,6 +77,7 @@ from engine.api.http import (MAX_BODY_BYTES, add_error_handlers, log_requests, m
                              parse_json, read_body, require_api_key, start_http, stop_http)
 from engine.api.evaluation import chat_reply, completion_reply
 from engine.api.requests import ApiError, Call, Limits, bad, parse_chat, parse_completion
+from engine.api.sampling_fields import FieldError, check_vocabulary
 from engine.api.streaming import chat_chunks, completion_chunks, event_stream
 from engine.api.tokens import TemplateRules
 from engine.errors import RunError
@@ -232,6 +233,10 @@ class ServeEndpoint:
         seed = request_seed(body)
         call = (parse_chat if kind == "chat" else parse_completion)(body, self.limits)
         check_choices(call, self.max_choices)
+        try:
+            check_vocabulary(call.sampling, self.vocab_size)
+        except FieldError as e:
+            raise bad(str(e), e.param) from None
         contexts = self._contexts(call)
         asked = requested_max_tokens(body)
         budgets = []
@@ -263,7 +268,8 @@ class ServeEndpoint:
         self.queue.check_admission(len(contexts) * call.n)   # 429 / 503: no number
         score = call.top_logprobs if call.logprobs else None
         shapes = [GenerateRequest(tuple(context), budget, call.temperature, call.top_p, 0,
-                                  score) for context, budget in zip(contexts, budgets)]
+                                  score, call.sampling)
+                  for context, budget in zip(contexts, budgets)]
         self.queue.check_twins(shapes)   # 503 repeated_failure (the seed is not looked at)
         number, base = self._accept(seed)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._token}-{number}"

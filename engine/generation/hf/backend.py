@@ -24,8 +24,9 @@ generation model is loaded, prompts may be ImagePrompts, and the prefill passes 
 M-RoPE positions.
 
 Static cache and compiled decode (rollout.hf.*): engine.generation.hf.static_decode decodes text
-prompts when on; the eager loop below stays the reference and serves routed experts, images and
-per-row step offsets and bounds (SamplingParams.first_steps / row_max_new_tokens: rollout.partial).
+prompts when on; the eager loop below stays the reference and serves routed experts, images,
+per-row step offsets and bounds (SamplingParams.first_steps / row_max_new_tokens: rollout.partial)
+and vLLM's sampling fields (SamplingParams.sampling: engine.generation.processing).
 """
 from __future__ import annotations
 
@@ -155,7 +156,8 @@ class HFRolloutEngine(RolloutEngine):
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}): {bad}")
         if self.vision is None and any(isinstance(p, ImagePrompt) for p in prompts):
             raise ValueError(f"{self.hf_path} has no vision tower; prompts with images need one")
-        per_row = params.first_steps is not None or params.row_max_new_tokens is not None
+        per_row = params.first_steps is not None or params.row_max_new_tokens is not None \
+            or params.sampling is not None
         if self.decoder is not None and self._routing is None and not per_row:
             return self.decoder.generations(prompts, params, self.pad_token_id,
                                             self.eos_token_ids)
@@ -178,8 +180,7 @@ class HFRolloutEngine(RolloutEngine):
         cache, logits = getattr(out, self._cache), out.logits[:, -1, :].float()
         routed = [self._routing.take()] if self._routing is not None else None
 
-        sampler = SeededSampler(params, batch, self.device)
-        eos = torch.tensor(self.eos_token_ids, device=self.device)
+        sampler = SeededSampler(params, batch, self.device, prompts, self.eos_token_ids)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         limits = row_limits(params, batch, self.device)   # rows with their own bound
         tokens_per_step, logprobs_per_step, active_per_step = [], [], []
@@ -188,7 +189,7 @@ class HFRolloutEngine(RolloutEngine):
             active_per_step.append(~done)
             tokens_per_step.append(token)
             logprobs_per_step.append(logprob)
-            done = done | torch.isin(token, eos)
+            done = done | sampler.stopped(token)
             if limits is not None:
                 done = done | (limits <= step + 1)
             if bool(done.all()) or step == params.max_new_tokens - 1:
@@ -203,7 +204,7 @@ class HFRolloutEngine(RolloutEngine):
             if routed is not None:
                 routed.append(self._routing.take())
         result = collect_generations(prompts, tokens_per_step, logprobs_per_step,
-                                     active_per_step, self.eos_token_ids)
+                                     active_per_step, sampler.stops)
         if routed is not None:
             tables = assemble(prompts, routed[0], routed[1:],
                               [len(g.response_ids) for g in result])

@@ -19,19 +19,20 @@ def row_limits(params, batch: int, device: torch.device) -> torch.Tensor | None:
 def collect_generations(prompts, tokens_per_step: list[torch.Tensor],
                         logprobs_per_step: list[torch.Tensor],
                         active_per_step: list[torch.Tensor],
-                        eos_token_ids: list[int]) -> list[Generation]:
+                        stops: list) -> list[Generation]:
     """One Generation per prompt from the loop's per-step [B] tensors: row i's response is its
-    tokens of the steps it was active (up to and including its eos); finish reason "stop" when
-    the last one is an eos id, else "length" (max_new_tokens or the row's own bound)."""
+    tokens of the steps it was active (up to and including its stop id); finish reason "stop"
+    when the last one is in stops[i] (its stop ids: the engine's eos ids, or those of its
+    sampling fields, engine.generation.processing.row_stops), else "length" (max_new_tokens or
+    the row's own bound)."""
     tokens = torch.stack(tokens_per_step, dim=1).cpu()
     logprobs = torch.stack(logprobs_per_step, dim=1).cpu()
     active = torch.stack(active_per_step, dim=1).cpu()
-    eos = set(eos_token_ids)
     result = []
     for i, prompt in enumerate(prompts):
         n = int(active[i].sum())  # steps taken before (and including) this row's eos
         response = tokens[i, :n].tolist()
-        stopped = bool(response) and response[-1] in eos
+        stopped = bool(response) and response[-1] in stops[i]
         result.append(Generation(prompt_ids=list(prompt), response_ids=response,
                                  response_logprobs=logprobs[i, :n].tolist(),
                                  finish_reason="stop" if stopped else "length"))

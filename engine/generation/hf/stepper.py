@@ -14,8 +14,9 @@ cache's `arrange` / `place`). A finished or aborted row frees its slot at once.
 
 Contract: `generate`'s, request by request. Each row samples with engine.generation.sampling's
 `draw` and its own uniforms u(seed, step) (`uniforms`: its seed, `row_seeds` of its one
-prompt, and its own step counter, from SamplingParams.first_steps), stops at an eos id of the
-engine or at its bound (max_new_tokens, or row_max_new_tokens), and reports log-probs per
+prompt, and its own step counter, from SamplingParams.first_steps; its vLLM sampling fields,
+SamplingParams.sampling: engine.generation.processing), stops at an eos id of the engine (its
+fields' stop ids) or at its bound (max_new_tokens, or row_max_new_tokens), and reports log-probs per
 engine.generation.base's contract: so its tokens do not depend on what runs beside it or when
 it joined, and its log-probs differ from `generate`'s only by rounding (the static path's
 tolerance: tests/test_hf_stepper.py, fp32 on the CPU).
@@ -46,6 +47,7 @@ from engine.generation.hf.backend import cache_keyword
 from engine.generation.hf.prefill import prefill_apart
 from engine.generation.hf.slot_cache import SlotCache
 from engine.generation.hf.static_decode import StaticDecoder, static_problem
+from engine.generation.processing import row_stops, shape
 from engine.generation.sampling import STEP_CHUNK, draw, row_seeds, uniforms
 from engine.generation.scoring import check_sequences
 from engine.generation.steps import MAX_EVENTS, RequestsFailed, StepOutput
@@ -72,6 +74,8 @@ class _Row:
     temperature: float
     top_p: float
     stream: bool
+    sampling: object = None    # its vLLM sampling fields (SamplingParams.sampling; None)
+    stops: frozenset = frozenset()   # the ids that end it (processing.row_stops)
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     chunk: tuple[int, list[float]] = (-1, [])   # (first step, its STEP_CHUNK uniforms)
@@ -137,7 +141,7 @@ class HFStepDriver:
         if isinstance(prompt, ImagePrompt):
             raise ValueError("an image prompt is not served by the hf step driver (image "
                              "prompts decode on the eager loop)")
-        for name in ("seeds", "first_steps", "row_max_new_tokens"):
+        for name in ("seeds", "first_steps", "row_max_new_tokens", "sampling"):
             given = getattr(params, name)
             if given is not None and len(given) != 1:
                 raise ValueError(f"SamplingParams.{name} has {len(given)} entries; the step "
@@ -145,9 +149,11 @@ class HFStepDriver:
         (checked,) = check_sequences([prompt], 0, self.engine.vocab_size)
         limit = (params.max_new_tokens if params.row_max_new_tokens is None
                  else int(params.row_max_new_tokens[0]))
+        sampling = None if params.sampling is None else params.sampling[0]
         row = _Row(checked, row_seeds(params, 1)[0],
                    0 if params.first_steps is None else int(params.first_steps[0]), limit,
-                   float(params.temperature), float(params.top_p), stream)
+                   float(params.temperature), float(params.top_p), stream, sampling,
+                   row_stops([sampling], self.eos, 1)[0])
         self._added(key)
         self.waiting[key] = row
 
@@ -225,8 +231,8 @@ class HFStepDriver:
         """Record a row's sampled token: its output (None: not streamed, not finished)."""
         row.ids.append(token)
         row.logprobs.append(logprob)
-        if token in self.eos or len(row.ids) >= row.limit:
-            stop = token in self.eos
+        if token in row.stops or len(row.ids) >= row.limit:
+            stop = token in row.stops
             done = Generation(list(row.prompt), list(row.ids), list(row.logprobs),
                               "stop" if stop else "length")
             return self._finished(key, list(row.ids), done)
@@ -234,7 +240,8 @@ class HFStepDriver:
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[tuple[int, float]]:
         """(token, log-prob) of each row from its fp32 logits [len(rows), V]: rows of the same
-        (temperature, top_p) drawn together, each with its own u(seed, step)."""
+        (temperature, top_p) drawn together, each with its own u(seed, step) and its own
+        sampling fields (engine.generation.processing.shape over its prompt and ids so far)."""
         groups: dict[tuple[float, float], list[int]] = {}
         for i, row in enumerate(rows):
             groups.setdefault((row.temperature, row.top_p), []).append(i)
@@ -242,7 +249,9 @@ class HFStepDriver:
         for (temperature, top_p), idx in groups.items():
             u = None if temperature == 0 else torch.tensor(
                 [rows[i].uniform() for i in idx], dtype=torch.float64, device=logits.device)
-            token, logprob = draw(logits[idx], temperature, top_p, u)
+            shaping = shape(logits[idx], [rows[i].sampling for i in idx],
+                            [rows[i].prompt for i in idx], [rows[i].ids for i in idx], self.eos)
+            token, logprob = draw(logits[idx], temperature, top_p, u, shaping)
             for i, t, lp in zip(idx, token.tolist(), logprob.tolist()):
                 result[i] = (t, lp)
         return result

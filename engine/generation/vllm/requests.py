@@ -12,6 +12,14 @@ continuation cannot redraw the uninterrupted reply's numbers. A row with first_s
 is seeded instead with `continuation_seed(seed_i, k)`: a deterministic fresh draw (the same
 seed, prefix and weights give the same tokens), a valid sample of the policy continuing the
 prefix, not the tokens the uninterrupted reply would have drawn.
+
+vLLM's sampling fields (SamplingParams.sampling[i], `serve`): handed to vLLM as they are
+(top_k, min_p, the penalties, logit_bias, ignore_eos, min_tokens), its stop ids
+(SamplingFields.stop_ids: the engine's eos ids unless ignore_eos, and stop_token_ids) as vLLM's
+stop_token_ids; `stop_ids` reads a built request's back (what ends it: finish_reason "stop").
+Such a request's log-probs are log_softmax of vLLM's shaped logits / T (penalties, bias and
+masks applied before ContractLogprobs sees them), not the contract's unshaped ones; `serve`,
+the only sender of fields, reports the scoring pass's raw log-probs instead.
 """
 from __future__ import annotations
 
@@ -60,19 +68,36 @@ def sampling_args(params: SamplingParams, i: int, seed: int, eos_token_ids) -> d
     sample of at most row_max_tokens(params, i), top-p off when greedy, no top-k, the seed
     continuation_seed(seed, first_steps[i]) (`seed`: the request's seed by the backend's rule),
     the sampled token's log-prob (by the contract's sampler), ids only (no detokenizing), and
-    the backend's stop ids."""
+    the backend's stop ids; with sampling fields (module docstring) theirs."""
     greedy = params.temperature == 0
     first = int(params.first_steps[i]) if params.first_steps is not None else 0
-    return dict(n=1, max_tokens=row_max_tokens(params, i), temperature=params.temperature,
+    args = dict(n=1, max_tokens=row_max_tokens(params, i), temperature=params.temperature,
                 top_p=1.0 if greedy else params.top_p, top_k=0,
                 seed=continuation_seed(seed, first), logprobs=0,
                 stop_token_ids=list(eos_token_ids), detokenize=False)
+    fields = params.sampling[i] if params.sampling is not None else None
+    if fields is not None:
+        args.update(top_k=fields.top_k, min_p=fields.min_p,
+                    repetition_penalty=fields.repetition_penalty,
+                    presence_penalty=fields.presence_penalty,
+                    frequency_penalty=fields.frequency_penalty,
+                    logit_bias=dict(fields.logit_bias) or None, ignore_eos=fields.ignore_eos,
+                    min_tokens=fields.min_tokens,
+                    stop_token_ids=sorted(fields.stop_ids(eos_token_ids)))
+    return args
+
+
+def stop_ids(vllm_params, eos_token_ids) -> frozenset[int]:
+    """The ids that end a request built by `sampling_args`: its stop_token_ids, and the
+    engine's eos ids unless it ignores them."""
+    own = frozenset(vllm_params.stop_token_ids or ())
+    return own if vllm_params.ignore_eos else own | frozenset(eos_token_ids)
 
 
 def generation(prompt: list[int], completion, eos_token_ids) -> Generation:
     """vLLM's CompletionOutput of `prompt` as a Generation: the sampled ids, the contract's
     log-prob of each (the engine runs the ContractLogprobs sampler), "stop" exactly when the
-    last token is an eos id."""
+    last token is one of `eos_token_ids` (the request's stop ids: `stop_ids`)."""
     tokens = list(completion.token_ids)
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 from engine.generation.base import Generation, SamplingParams
 from engine.generation.steps import BusySlots, aborted_on_error
 from engine.generation.vllm.process import preserved_global_rng
-from engine.generation.vllm.requests import generation
+from engine.generation.vllm.requests import generation, stop_ids
 from engine.generation.vllm.stepper import VLLMStepDriver
 
 
@@ -42,8 +42,8 @@ def generate_call(engine, prompts: list[list[int]], params: SamplingParams
         outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                       sampling, use_tqdm=False,
                                       lora_request=engine.lora_request())
-    return [generation(prompt, out.outputs[0], engine.eos_token_ids)
-            for prompt, out in zip(prompts, outputs, strict=True)], None
+    return [generation(prompt, out.outputs[0], stop_ids(built, engine.eos_token_ids))
+            for prompt, out, built in zip(prompts, outputs, sampling, strict=True)], None
 
 
 def stepped_generate(engine, prompts: list[list[int]], params: SamplingParams

@@ -49,7 +49,7 @@ from types import SimpleNamespace
 from engine.generation.base import SamplingParams
 from engine.generation.steps import MAX_EVENTS, StepOutput
 from engine.generation.vllm.process import preserved_global_rng
-from engine.generation.vllm.requests import generation
+from engine.generation.vllm.requests import generation, stop_ids
 from engine.generation.vllm.scoring import prompt_scores, scoring_args, scoring_problem
 
 
@@ -58,6 +58,7 @@ class _Running:
     prompt: list[int]
     greedy: bool
     top_k: int | None = None   # a scoring request's k
+    stops: frozenset = frozenset()   # the ids that end it (requests.stop_ids)
     ids: list[int] = field(default_factory=list)         # a streamed request's ids so far
     logprobs: list = field(default_factory=list)        # and vLLM's log-prob entries
 
@@ -127,7 +128,8 @@ class VLLMStepDriver:
         `vllm_params` (a whole call's requests built together: engine.generation.vllm.rounds);
         `greedy`: built at temperature 0."""
         vllm_params.output_kind = _output_kind(stream)
-        self._add(key, prompt, vllm_params, _Running(list(prompt), greedy))
+        self._add(key, prompt, vllm_params, _Running(
+            list(prompt), greedy, stops=stop_ids(vllm_params, self.engine.eos_token_ids)))
 
     def add_scoring(self, key: str, sequence: list[int], top_k: int) -> None:
         """Start scoring one sequence (engine.generation.scoring's contract, as `score`)."""
@@ -191,7 +193,7 @@ class VLLMStepDriver:
                 out.append(StepOutput(o.request_id, [], done))
                 continue
             self.engine.check_contract(state.greedy)
-            done = generation(state.prompt, completion, self.engine.eos_token_ids)
+            done = generation(state.prompt, completion, state.stops)
             out.append(StepOutput(o.request_id, list(done.response_ids), done))
         return out
 
