@@ -40,6 +40,7 @@ from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.collect.batch import RolloutBatch
 from engine.rl.collect.fill import engine_fill, fill_counts
 from engine.rl.collect.reward_metrics import reward_length_metrics
+from engine.rl.collect.reward_items import reward_item
 from engine.rl.env.episode_batch import EnvRollout, env_metrics
 from engine.rl.env.dump import part_records, write_dump
 from engine.rl.rewards.scorer import BatchScorer
@@ -116,14 +117,8 @@ class RolloutCollector:
               responses: list[list[int]]) -> tuple[list[float], int]:
         """reward.fn of each response (decoded) to its prompt (the row's text, else decoded)
         and row: (scores, number of reward errors), by self.scorer (engine.rl.rewards.scorer)."""
-        items = []
-        for row, prompt, response in zip(rows, prompts, responses):
-            text = row["prompt"] if isinstance(row["prompt"], str) else self.tokenizer.decode(
-                prompt, skip_special_tokens=True)
-            extra = {k: v for k, v in row.items() if k not in ("prompt", "answer", "response")}
-            items.append({**extra, "prompt": text, "answer": row["answer"],
-                          "response": self.tokenizer.decode(response, skip_special_tokens=True)})
-        report = self.scorer.score(items)
+        report = self.scorer.score([reward_item(row, prompt, response, self.tokenizer)
+                                    for row, prompt, response in zip(rows, prompts, responses)])
         return report.scores, report.errors
 
     def _generation_batch(self) -> dict:

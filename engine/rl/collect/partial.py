@@ -53,13 +53,12 @@ import time
 import torch
 
 from engine.data.datasets import global_batch_indices
-from engine.rl.algo.advantages import zero_std_groups
-from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.collect.batch import RolloutBatch
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.fill import engine_fill, fill_counts
 from engine.rl.agent.rollout import step_driver
 from engine.rl.collect.partial_checks import groups_in_flight, partial_budget, round_cap
+from engine.rl.collect.partial_scoring import PartialScoring
 from engine.rl.collect.partial_session import run_session
 from engine.rl.collect.partial_state import (Group, Reply, from_plain, outlives_bound,
                                              span_metrics, to_plain)
@@ -69,7 +68,7 @@ from engine.generation import SamplingParams
 from engine.generation.work_split import response_seed
 
 
-class PartialCollector(RolloutCollector):
+class PartialCollector(PartialScoring, RolloutCollector):
     """RolloutCollector (same arguments) whose `collect` runs partial rollouts (module
     docstring). State between steps: `groups` (in flight, by number), `ready` (complete,
     waiting), `next_group`; `state()` / `restore()` put it in the checkpoint's extra.
@@ -107,6 +106,7 @@ class PartialCollector(RolloutCollector):
         disaggregated run passes its engines' version, batch_version(k, max_staleness))."""
         cfg, rollout = self.cfg, self.cfg.rollout
         t0 = time.perf_counter()
+        self.scorer.reset_counts()
         if version is None:
             version = dump_step - 1 if dump_step is not None else self.steps
         self.steps += 1
@@ -128,6 +128,7 @@ class PartialCollector(RolloutCollector):
         while self.driver is None and ((len(self.ready) < p and log["rounds"] < cap)
                                        or self.must_finish(version)):
             self._round(version, budget, log)
+        self.settle_scores(log)   # the queued groups' scores (partial_scoring)
         take = cfg.train.prompts_per_step
         trained, self.ready = self.ready[:take], self.ready[take:]
         batch = self._batch(trained, dump_step)
@@ -135,7 +136,7 @@ class PartialCollector(RolloutCollector):
         m.update(span_metrics(trained, version))
         engines = self.pool.num_engines
         m.update({
-            "reward/errors": float(log["errors"]),
+            "reward/errors": float(log["errors"]), **self.scorer.take_metrics(),
             "rollout/engine_fill": engine_fill(log["fill"]),
             "rollout/engines": float(engines),
             "rollout/generate_calls": log["calls"] / engines,
@@ -269,38 +270,6 @@ class PartialCollector(RolloutCollector):
         self.groups = [g for g in self.groups if not g.complete]
         if done:
             self.complete_groups(done, log)
-
-    def complete_groups(self, groups: list[Group], log: dict) -> None:
-        """Score complete groups (reward.fn, the reward model, the overlong penalty), drop the
-        ones without signal under dapo.dynamic_sampling, queue the rest by number."""
-        cfg, n = self.cfg, self.cfg.rollout.n
-        replies = [r for g in groups for r in g.replies]
-        rows = [self.rows[g.row] for g in groups for _ in range(n)]
-        prompts = [self._prompt_ids(g.row) for g in groups for _ in range(n)]
-        scores, errors = self.score(rows, prompts, [r.tokens for r in replies])
-        log["errors"] += errors
-        scores_t = torch.tensor(scores, dtype=torch.float32)
-        penalty = torch.zeros_like(scores_t)
-        if cfg.dapo.overlong_buffer > 0:
-            lengths = torch.tensor([len(r.tokens) for r in replies], dtype=torch.float32)
-            penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens,
-                                       cfg.dapo.overlong_buffer, cfg.dapo.overlong_penalty)
-        part = self._model_scores({"data": {
-            "prompt_ids": prompts, "response_ids": [r.tokens for r in replies],
-            "scores": scores_t, "rewards": scores_t + penalty}})
-        data = part["data"]
-        keys = ["scores", "rewards"] + (["rm_scores"] if "rm_scores" in data else [])
-        flat = {k: data[k].tolist() for k in keys}
-        flat["penalty"] = penalty.tolist()
-        keep = (~zero_std_groups(data["scores"], n)).tolist() if cfg.dapo.dynamic_sampling \
-            else [True] * len(groups)
-        for i, g in enumerate(groups):
-            g.values = {k: v[i * n:(i + 1) * n] for k, v in flat.items()}
-            if keep[i]:
-                self.ready.append(g)
-            else:
-                log["dropped"] += 1
-        self.ready.sort(key=lambda g: g.number)
 
     def _batch(self, trained: list[Group], dump_step: int | None) -> RolloutBatch:
         """The RolloutBatch of the trained groups (group-major), with the reward and length

@@ -13,8 +13,9 @@ A session (`run_session`, rank 0, a driver built for it):
    vLLM also at most max(rollout.n, max_num_seqs)); admitted rows enter the driver in order
    (a vLLM driver on a CPU host hands vLLM only as many per step as fit its token budget
    beside the running rows, so no prompt is prefilled in chunks: VLLMStepDriver._feed);
-2. the driver steps; every finished row may complete its group (scored and queued as in the
-   rounds path); after every step with a finished row, further new groups are admitted while
+2. the driver steps; every finished row goes to the reward pool at once (scored while the
+   others generate: engine.rl.collect.partial_scoring) and may complete its group (queued as
+   in the rounds path); after every step with a finished row, further new groups are admitted while
    the budget allows (a row added at driver step s > 0 joins rows running since earlier steps);
 3. the cut: once train.prompts_per_step groups wait, or the session ran `session_steps` driver
    steps, and no row in flight would outlive rollout.partial_max_staleness if carried
@@ -129,6 +130,7 @@ def run_session(collector, driver, version: int, log: dict) -> None:
                     _extend(reply, out.done.response_ids, out.done.response_logprobs, version)
                     log["tokens"] += len(out.done.response_ids)
                     reply.finish = "stop" if out.done.finish_reason == "stop" else "length"
+                    collector.reply_finished(reply)   # scored while the others generate
                     finished = True
             if finished:
                 done = [g for g in collector.groups if g.complete]
