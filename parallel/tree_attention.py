@@ -110,11 +110,38 @@ def _lower_right(q_len: int, kv_len: int, device) -> torch.Tensor:
     return j <= i + (kv_len - q_len)
 
 
-def _keys(x: torch.Tensor, spans) -> torch.Tensor:
-    if len(spans) == 1:
-        a, b = spans[0]
-        return x[a:b]
-    return torch.cat([x[a:b] for a, b in spans], dim=0)
+# a run reads its keys as one contiguous slice (masking the sibling subtrees in between) when
+# that slice is at most this many times its keys; else it concatenates its key spans
+MAX_SLICE_WASTE = 1.5
+
+
+def _run_keys(run, device, cache: dict):
+    """(first key, last key + 1, mask or None) of a run: keys [a, b) of the row; mask
+    [n_q, b - a] bool (None: plain causal over the run alone); built once per micro-batch
+    (`cache`: the params' own, shared by every layer)."""
+    key = (run.start, str(device))
+    if key not in cache:
+        spans = run.keys
+        needed = sum(b - a for a, b in spans)
+        first, last = spans[0][0], spans[-1][1]
+        if len(spans) == 1 and spans[0] == (run.start, run.end):
+            cache[key] = (first, last, None, None)
+        elif last - first <= MAX_SLICE_WASTE * needed:   # one slice, siblings masked out
+            cols = torch.zeros(last - first, dtype=torch.bool, device=device)
+            for a, b in spans:   # the ancestors (the run's own columns: causal, below)
+                cols[a - first:b - first] = True
+            cols[run.start - first:] = False
+            mask = cols[None, :] | _shifted_causal(run.end - run.start, last - first, device)
+            cache[key] = (first, last, mask, None)
+        else:   # the key spans concatenated: lower-right causal over them
+            cache[key] = (first, last, _lower_right(run.end - run.start, needed, device), spans)
+    return cache[key]
+
+
+def _shifted_causal(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """[q_len, kv_len] bool: the run's own keys (the last q_len columns), causal."""
+    return _lower_right(q_len, kv_len, device) & (
+        torch.arange(kv_len, device=device)[None, :] >= kv_len - q_len)
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -124,14 +151,19 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     causally among themselves (they carry no loss)."""
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     covered = 0
+    cache = params.__dict__.setdefault("_run_masks", {})
     for run in params.runs:
-        start, end, spans = run.start, run.end, run.keys
+        start, end = run.start, run.end
+        first, last, mask, spans = _run_keys(run, q.device, cache)
         qs = q[start:end].transpose(0, 1).unsqueeze(0)        # [1, h, n, d]
-        ks, vs = (_keys(x, spans).transpose(0, 1).unsqueeze(0) for x in (k, v))
-        if len(spans) == 1 and spans[0] == (start, end):
+        if spans is None:
+            ks, vs = (x[first:last].transpose(0, 1).unsqueeze(0) for x in (k, v))
+        else:
+            ks, vs = (torch.cat([x[a:b] for a, b in spans]).transpose(0, 1).unsqueeze(0)
+                      for x in (k, v))
+        if mask is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:
-            mask = _lower_right(end - start, ks.shape[2], q.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         out[start:end] = o[0].transpose(0, 1)
         covered = max(covered, end)

@@ -23,6 +23,7 @@ from engine.training.prefix_tree import (build_prefix_tree, prefix_units, shared
 from engine.training.tree_batch import build_tree_micro_batch, unshared_output
 from models.layers.attention import packed_rope
 from models.layers.attention.rope_tables import megatron_bshd
+from parallel import tree_attention as tree_attention_module
 from parallel import zigzag
 from parallel.tree_attention import (dense_tree_attention, dense_tree_mask, flex_block_mask,
                                      flex_mask_mod, tree_attention, tree_params)
@@ -91,8 +92,10 @@ def _params(tree, pad: int = 0):
     return tree_params(bounds, end, tree.runs, depth, max(int(depth.max()) + 1, total))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_tree_attention_equals_each_rows_own_attention(seed):
+@pytest.mark.parametrize("waste", [0.0, 100.0])   # every run: its key spans concatenated /
+@pytest.mark.parametrize("seed", range(4))         # one slice with its siblings masked
+def test_tree_attention_equals_each_rows_own_attention(seed, waste, monkeypatch):
+    monkeypatch.setattr(tree_attention_module, "MAX_SLICE_WASTE", waste)
     rows = random_rows(seed + 10)
     tree = build_prefix_tree(rows)
     gen = torch.Generator().manual_seed(seed)
@@ -255,3 +258,14 @@ def test_refused_settings_and_accepted_dense_models():
         assert len(problems) == 1 and word in problems[0]
     assert "use_sliding_window" in prefix_sharing_problems(
         _cfg(), {"model_type": "qwen2", "use_sliding_window": True})[0]
+
+
+def test_rows_sharing_too_little_run_unshared():
+    """A micro-batch whose trie saves less than MIN_SAVING of its tokens runs as the plain
+    packed rows (no tree); with a fixed shape (pipeline parallelism) it stays a tree."""
+    rows = [[1, 2] + [10 + i] * 18 for i in range(3)]   # share 2 of 20 tokens each
+    plain = build_tree_micro_batch(seqs_of(rows), [0, 1, 2], 1, None, 1, 0)
+    assert plain.tree is None and plain.tokens.shape == (1, 60)
+    fixed = build_tree_micro_batch(seqs_of(rows), [0, 1, 2], 1, 64, 1, 0)
+    assert fixed.tree is not None and fixed.tree.row_length == 64
+    assert fixed.tree.num_tokens == 56

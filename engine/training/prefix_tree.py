@@ -172,6 +172,17 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+# a micro-batch runs as a tree only when the tree saves at least this share of its tokens: below
+# it the per-chain attention and the gather cost more than they save (docs/prefix-sharing.md)
+MIN_SAVING = 0.1
+
+
+def worth_sharing(tree_size: int, row_tokens: int) -> bool:
+    """Whether a micro-batch of `row_tokens` tokens whose trie has `tree_size` nodes runs as a
+    tree (MIN_SAVING)."""
+    return tree_size <= (1.0 - MIN_SAVING) * row_tokens
+
+
 def tree_tokens(rows: Sequence[Sequence[int]]) -> int:
     """Nodes of the trie of `rows` (tokens that run through the model when they share)."""
     roots: dict = {}

@@ -20,7 +20,7 @@ from engine.training.micro_batches import (MicroBatch, SequenceData, build_packe
                                   dummy_sequence, empty_extras)
 from engine.training.mtp import mtp_extras
 from engine.training.plan import MiniBatchPlan, plan_mini_batch
-from engine.training.prefix_tree import prefix_units, tree_tokens
+from engine.training.prefix_tree import prefix_units, tree_tokens, worth_sharing
 from engine.training.tree_batch import build_tree_micro_batch, tree_row_length
 
 
@@ -103,7 +103,7 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
     multiple = pad_multiple(lay["cp"], lay["tp"] if sequence_parallel else 1, sequence_parallel)
     packing = bool(train_cfg.packing) or sharing
     fixed = None
-    trees = _tree_sizes(seqs, plan) if sharing else None
+    trees = _tree_sizes(seqs, plan, lay["pp"] > 1) if sharing else None
     if lay["pp"] > 1:  # one p2p shape for every micro-batch of the step
         if sharing:
             fixed = max(tree_row_length(n, multiple) for n in trees)
@@ -138,10 +138,17 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
                      sum(trees) if sharing else total_tokens)
 
 
-def _tree_sizes(seqs: list[SequenceData], plan: MiniBatchPlan) -> list[int]:
-    """Tree tokens of every micro-batch of every rank (the same on every rank)."""
-    return [tree_tokens([seqs[i].tokens for i in mb]) if mb else 0
-            for ranks in plan.ranks for mb in ranks]
+def _tree_sizes(seqs: list[SequenceData], plan: MiniBatchPlan, fixed_shape: bool) -> list[int]:
+    """Tokens every micro-batch of every rank runs through the model (the same on every rank):
+    its tree's nodes, or its rows' tokens where it runs unshared (tree_batch: never with a
+    fixed shape, pipeline parallelism)."""
+    sizes = []
+    for ranks in plan.ranks:
+        for mb in ranks:
+            rows = [seqs[i].tokens for i in mb]
+            size, total = tree_tokens(rows), sum(len(r) for r in rows)
+            sizes.append(size if fixed_shape or worth_sharing(size, total) else total)
+    return sizes
 
 
 def _extras(seq: SequenceData, weight: float, mtp: bool) -> dict:

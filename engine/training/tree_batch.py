@@ -30,7 +30,7 @@ from megatron.core import parallel_state as ps
 
 from engine.training.loss_head import HiddenStates, chunked_logprobs
 from engine.training.micro_batches import MicroBatch, SequenceData, build_packed
-from engine.training.prefix_tree import build_prefix_tree
+from engine.training.prefix_tree import build_prefix_tree, tree_tokens, worth_sharing
 from parallel import zigzag
 from parallel.tree_attention import TreeAttentionParams, tree_params
 
@@ -67,9 +67,14 @@ def build_tree_micro_batch(seqs: list[SequenceData], seq_index: list[int], pad_m
                            pad_id: int = 0) -> MicroBatch:
     """The unshared packed micro-batch of `seqs` with its tree (module docstring). The tree row
     is padded to a multiple of `pad_multiple` (the unshared rows' padding multiple) and to
-    `length` when given (pipeline parallelism: one p2p shape; a multiple of pad_multiple)."""
+    `length` when given (pipeline parallelism: one p2p shape; a multiple of pad_multiple).
+    Without `length`, rows that share too little (prefix_tree.worth_sharing) run unshared:
+    the plain packed micro-batch, no tree."""
+    rows = [s.tokens for s in seqs]
+    if length is None and not worth_sharing(tree_tokens(rows), sum(len(r) for r in rows)):
+        return build_packed(seqs, seq_index, pad_multiple, None, cp, cp_rank, pad_id)
+    tree = build_prefix_tree(rows)
     mb = build_packed(seqs, seq_index, pad_multiple, None, cp, cp_rank, pad_id)
-    tree = build_prefix_tree([s.tokens for s in seqs])
     real = tree.num_tokens
     total = max(tree_row_length(real, pad_multiple), length or 0)
     pad = total - real
