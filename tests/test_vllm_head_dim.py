@@ -2,7 +2,8 @@
 first request: `serve --backend vllm` exits 2 before vLLM is imported, and rollout.backend=vllm
 fails its config check, both naming the head dim and the smallest one vLLM runs
 (engine.generation.vllm.attention.head_dim_problem). Positive controls: a 32-dim model passes
-both checks, the hf backend takes the 16-dim one. No vLLM engine starts here (that vLLM's own
+both checks, the hf backend takes the 16-dim one, and `demo model --head-dim 32` builds a demo
+model the vllm backend takes (the default 16 it refuses). No vLLM engine starts here (that vLLM's own
 list of head sizes is CPU_HEAD_DIMS: tests/test_vllm_failures.py, which imports vLLM).
 """
 from __future__ import annotations
@@ -64,3 +65,16 @@ def test_serve_backend_vllm_refuses_small_heads_before_loading(folders, capsys):
     for dim, backend in ((32, "vllm"), (16, "hf")):    # positive controls
         args = parser("serve").parse_args(["--model", folders[dim], "--backend", backend])
         assert settled(args) is None
+
+
+def test_demo_model_with_head_dim_32_passes_the_vllm_check(tmp_path):
+    from tools.demo import main as demo_main
+
+    for dim, ok in ((32, True), (16, False)):
+        out = str(tmp_path / str(dim))
+        argv = ["model", out, "--layers", "1"] + (["--head-dim", "32"] if ok else [])
+        assert demo_main(argv) == 0
+        config = json.loads(open(f"{out}/config.json").read())
+        assert (config["num_attention_heads"], config["head_dim"]) == (4, dim)
+        args = parser("serve").parse_args(["--model", out, "--backend", "vllm"])
+        assert (settled(args) is None) == ok

@@ -8,10 +8,14 @@
         answer"; the eval pairs' prompts are not in the training pairs), OUT/kto_train.jsonl,
         OUT/kto_eval.jsonl (recipes/kto_cpu_demo.sh: the same pairs unpaired, "the answer is c"
         desirable, "c is the answer" undesirable; conversational rows, the eval rows as text)
-    python -m tools.demo model DIR [--hidden H] [--layers L] [--intermediate I] [--seed S]
-        a tiny random Qwen3 (4 heads, 2 KV heads) with the 200-token word-level tokenizer of
-        tools/tiny_models.py (every addition-demo model shares it); --mtp: instead a tiny random
-        GLM-4.5 MoE with a multi-token-prediction layer (docs/mtp.md's CPU example)
+    python -m tools.demo model DIR [--hidden H] [--layers L] [--intermediate I] [--head-dim D]
+        [--seed S]
+        a tiny random Qwen3 (4 heads of D dims, default 16, and 2 KV heads) with the 200-token
+        word-level tokenizer of tools/tiny_models.py (every addition-demo model shares it);
+        vLLM's CPU attention needs heads of 32 dims or more: `--head-dim 32` serves on every
+        backend, the default 16 is refused by `serve --backend vllm` and rollout.backend=vllm;
+        --mtp: instead a tiny random GLM-4.5 MoE with a multi-token-prediction layer
+        (docs/mtp.md's CPU example)
     python -m tools.demo addition-data WORK
         WORK/sft.jsonl ("what is a plus b ?" -> "a+b") and WORK/rl.jsonl (the same prompts with
         "answer"), single-digit a and b: 100 rows each
@@ -139,11 +143,12 @@ def make_assets(out: Path, seed: int = 0) -> str:
             f"kto_eval.jsonl ({2 * len(eval_pairs)} rows)")
 
 
-def make_model(out: str, hidden: int, layers: int, intermediate: int, seed: int) -> None:
+def make_model(out: str, hidden: int, layers: int, intermediate: int, seed: int,
+               head_dim: int = 16) -> None:
     from tools.tiny_models import build_tiny_model
 
     build_tiny_model(out, "qwen3", vocab_size=200, hidden=hidden, layers=layers, heads=4,
-                     kv_heads=2, intermediate=intermediate, seed=seed)
+                     kv_heads=2, intermediate=intermediate, seed=seed, head_dim=head_dim)
 
 
 def make_addition_data(work: Path) -> list[str]:
@@ -237,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--head-dim", type=int, default=16,
+                   help="dims of each of the 4 heads (vLLM's CPU attention needs 32 or more)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mtp", action="store_true", help="a tiny GLM-4.5 MoE with an MTP layer")
     p = sub.add_parser("addition-data", help="single-digit addition, SFT and RL rows")
@@ -267,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         print(make_assets(Path(args.out), args.seed))
     elif args.command == "model":
         (tiny_mtp_model(args.dir) if args.mtp else
-         make_model(args.dir, args.hidden, args.layers, args.intermediate, args.seed))
+         make_model(args.dir, args.hidden, args.layers, args.intermediate, args.seed,
+                    args.head_dim))
         print(f"wrote {args.dir}: " + ("a tiny GLM-4.5 MoE with an MTP layer" if args.mtp else
               f"a tiny random Qwen3 (hidden {args.hidden}, layers {args.layers})") +
               ", its config and tokenizer")
