@@ -196,8 +196,12 @@ class _Seen:
         self.body = bytearray()
         self.usage: dict | None = None
         self.error: str | None = None
+        self.finished = False   # the last body part went out
+        self.gone = False       # the client disconnected (or a send to it failed)
 
     def add(self, message: dict) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
         if message["type"] == "http.response.start":
             self.status = message["status"]
             headers = dict(message.get("headers") or [])
@@ -228,6 +232,9 @@ class _Seen:
     def line(self, method: str, path: str, ms: float) -> str:
         if self.body:
             self.read(bytes(self.body))
+        cut = self.gone and self.status is not None and not self.finished
+        if cut:   # a response (a stream) the client left before its end: as a timeout's 499
+            self.status, self.error = 499, "the client closed the request before its end"
         parts = [method, path, str(self.status or "-")]
         usage = self.usage or {}
         for key in ("prompt_tokens", "completion_tokens"):
@@ -253,10 +260,19 @@ class RequestLog:
 
         async def watch(message: dict) -> None:
             seen.add(message)
-            await send(message)
+            try:
+                await send(message)
+            except OSError:   # the client went away (ASGI 2.4 servers raise on send)
+                seen.gone = True
+                raise
+
+        async def listen() -> dict:
+            message = await receive()
+            seen.gone = seen.gone or message["type"] == "http.disconnect"
+            return message
 
         try:
-            await self.app(scope, receive, watch)
+            await self.app(scope, listen, watch)
         except Exception:
             seen.status = seen.status or 500
             raise
@@ -269,6 +285,8 @@ def log_requests(app: FastAPI, logger: logging.Logger) -> None:
     """One INFO line on `logger` per request, once it is answered: "METHOD PATH STATUS
     [prompt_tokens=P completion_tokens=C] MS ms[: the error message's first line]", tokens
     from the response's `usage` (a JSON body, or the streamed chunk that carries it), a
-    request that raised logged as 500. Call it after every other middleware of `app` (it then
+    request that raised logged as 500, a response its client left before the end (an aborted
+    stream) as 499, as a request answered 499 (engine.serve.live: a client gone while its
+    reply waited). Call it after every other middleware of `app` (it then
     sees their answers too, e.g. require_api_key's 401s)."""
     app.add_middleware(RequestLog, logger=logger)

@@ -104,19 +104,36 @@ def progress_bar(total: int, enabled: bool, desc: str, initial: int = 0):
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True)
 
 
+def _one_file_not_a_terminal(a, b) -> bool:
+    """Whether streams `a` and `b` write to the same file or pipe, which is not a terminal
+    (`2>&1` into a log, SLURM's one output file)."""
+    try:
+        fa, fb = a.fileno(), b.fileno()
+        sa, sb = os.fstat(fa), os.fstat(fb)
+        return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino) and not os.isatty(fa)
+    except (AttributeError, OSError, ValueError):   # no file descriptor (a test's buffer)
+        return False
+
+
 class LinesAboveBar:
     """A stdout for the time a progress bar is drawn: every complete line printed is written
     above the bar (bar cleared, line written and flushed, bar redrawn) instead of on the bar's
-    own line. Use with contextlib.redirect_stdout; a disabled bar changes nothing."""
+    own line. Where the bar and the lines share one file that is not a terminal (stderr merged
+    into stdout), a carriage return cannot clear the bar: the bar's line is ended first, so
+    every printed line starts a line of that file (`grep '^\\[compile\\]'` finds it). Use with
+    contextlib.redirect_stdout; a disabled bar changes nothing."""
 
     def __init__(self, bar, out) -> None:
         self.bar, self.out, self.pending = bar, out, ""
+        self.merged = not bar.disable and _one_file_not_a_terminal(out, getattr(bar, "fp", None))
 
     def write(self, text: str) -> int:
         self.pending += text
         if "\n" in self.pending:
             lines, self.pending = self.pending.rsplit("\n", 1)
-            if not self.bar.disable:
+            if self.merged:
+                lines = "\n" + lines          # ends the bar's line
+            elif not self.bar.disable:
                 self.bar.clear()
             self.out.write(lines + "\n")
             self.out.flush()

@@ -2,8 +2,8 @@
 
 `RunLoop.run(step_fn)` calls `step_fn(step)` for every remaining step and owns everything
 around it: the metrics logger (metrics.jsonl, TensorBoard and the experiment trackers that
-`prepare` started, rank 0), the progress bar, the non-finite divergence check after logging,
-the stop monitor, the save-due rule and the save (with the caller's checkpoint `extra`). `build_or_resume` is the resume preamble: it builds the
+`prepare` started, rank 0), the eval line of a step that evaluated (print_eval), the progress
+bar, the non-finite divergence check after logging, the stop monitor, the save-due rule and the save (with the caller's checkpoint `extra`). `build_or_resume` is the resume preamble: it builds the
 TrainEngine fresh from HF weights or loads the newest checkpoint into it.
 
 When a run saves and stops is decided the same way on every rank: `StopMonitor.should_stop`
@@ -133,6 +133,17 @@ def prepare_resumed_run(tag: str, start: int, max_steps: int, log_dir: Optional[
     return True
 
 
+def print_eval(tag: str, done: int, metrics: dict) -> None:
+    """The step's evaluation metrics (`eval/*`, e.g. eval/loss every train.eval_interval
+    steps) as one run-log line, "[sft] step 40: eval/loss 1.2345", progress bar or not (above
+    the bar when it is drawn: RunLoop.run's LinesAboveBar)."""
+    evals = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+    if evals:
+        print(f"[{tag}] step {done}: " + ", ".join(
+            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in evals.items()),
+            flush=True)
+
+
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -236,6 +247,8 @@ class RunLoop:
                     done = step + 1
                     logger.log(done, metrics)
                     history.append(metrics)
+                    if rank0:
+                        print_eval(self.tag, done, metrics)
                     bar.update(1)
                     bar.set_postfix({**format_postfix(metrics), **self.postfix(metrics)})
                     self.engine.guard.raise_if_diverged()  # after logging: bad steps are logged

@@ -7,7 +7,8 @@ that failed, a bug) ends the stream with engine.api.streaming's error event inst
 body, as vLLM's server does. A client that goes away cancels its choices' futures: the
 owner thread aborts them in the engine (their slots free from the next step); a
 non-streamed request whose client disconnects while it waits is aborted the same way
-(`results_unless_gone`).
+(`results_unless_gone`); neither leaves asyncio an unretrieved CancelledError to log
+(`cancel_gone`).
 
 Each choice's ids reach the server's event loop through Pending.progress (called on the owner
 thread after each step) and `Latest` (one call_soon_threadsafe wake-up waiting at most); only
@@ -50,8 +51,17 @@ async def results_unless_gone(futures: list, gone: Callable[[], Awaitable[bool]]
         if done:
             return waiter.result()
         if await gone():
-            waiter.cancel()
+            cancel_gone(waiter)
             raise ApiError(499, "the client closed the request", code="client_closed")
+
+
+def cancel_gone(waiter: asyncio.Future) -> None:
+    """Cancel `waiter` (the gather of a request whose client went away) and retrieve its
+    outcome once it settles: a cancelled gather ends holding a CancelledError as its
+    exception, which asyncio would otherwise log as "_GatheringFuture exception was never
+    retrieved" on every disconnect."""
+    waiter.cancel()
+    waiter.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 def streams_live(call: Call, rules: TemplateRules) -> bool:
@@ -153,7 +163,7 @@ class LiveStream:
             yield _sse(stream_error(self.rid))
         finally:
             if not waiter.done():          # the client went away: its choices are aborted
-                waiter.cancel()
+                cancel_gone(waiter)
         yield "data: [DONE]\n\n"
 
     def _ending(self, results: list, texts: list[LiveText]) -> list[dict]:
