@@ -439,6 +439,10 @@ def test_resume_schedule_modes_unit():
         "config 0.001",
         "optim.warmup_steps (warmup steps): checkpoint 0, config 2",
         "optim.schedule (decay style): checkpoint 'cosine', config 'constant'"]
+    # a constant lr over more steps is the same schedule (DPO/KTO/RM tests resume so)
+    constant = [build_scheduler(SimpleNamespace(param_groups=[{}]), _tiny_optim(
+        schedule="constant"), steps).state_dict() for steps in (STEPS, 2 * STEPS)]
+    assert schedule_differences(*constant) == []
     with pytest.raises(ValueError, match="checkpoint.schedule='keep' is not one of same, "
                                          "checkpoint, config"):
         resume_schedule(build_scheduler(SimpleNamespace(param_groups=[{}]), _tiny_optim(),

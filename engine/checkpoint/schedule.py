@@ -34,14 +34,24 @@ _FIELDS = (
 )
 
 
+# a span that sets no value while both schedules hold constant (the lr after warmup, the
+# weight decay): a longer constant-lr run resumes as it is
+_SPAN_OF_STYLE = {"lr_decay_steps": "lr_decay_style", "wd_incr_steps": "wd_incr_style"}
+
+
 def schedule_differences(saved: dict, configured: dict) -> list[str]:
     """How the checkpoint's scheduler state `saved` differs from the scheduler this run's
     config built (`configured`, its state_dict()), one line per config key:
     "train.max_steps (optimizer steps the schedule spans): checkpoint 4, config 8". The
-    step count (num_steps) is not compared: it is where the run stands, not its schedule."""
+    step count (num_steps) is not compared: it is where the run stands, not its schedule;
+    nor is the span of a part both hold constant (optim.schedule=constant with another
+    train.max_steps: the same lr at every step)."""
     lines, named = [], set()
     for state_key, config_key, what in _FIELDS:
         if config_key in named or state_key not in saved or state_key not in configured:
+            continue
+        style = _SPAN_OF_STYLE.get(state_key)
+        if style and saved.get(style) == configured.get(style) == "constant":
             continue
         if saved[state_key] != configured[state_key]:
             named.add(config_key)
