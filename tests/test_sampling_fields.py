@@ -141,3 +141,26 @@ def test_failed_twins_tell_sampling_fields_apart():
     b = dataclasses.replace(a, sampling=SamplingFields(top_k=2))
     assert fingerprint(a) != fingerprint(b)
     assert fingerprint(b) == fingerprint(dataclasses.replace(b, seed=9))
+
+
+def test_vllm_request_arguments():
+    """The vllm backend's request: the fields as vLLM's keywords, its stop ids (eos dropped
+    under ignore_eos), min_tokens at most max_tokens (vLLM refuses a larger one: a request
+    capped by --max-tokens must not fail); no fields: the keywords of a plain request."""
+    from vllm import SamplingParams as VLLMParams
+
+    from engine.generation.base import SamplingParams
+    from engine.generation.vllm.requests import sampling_args, stop_ids
+
+    fields = SamplingFields(top_k=4, min_p=0.1, repetition_penalty=1.2, logit_bias=((5, 1.0),),
+                            ignore_eos=True, min_tokens=50, stop_token_ids=(9,))
+    args = sampling_args(SamplingParams(max_new_tokens=10, seeds=[1], sampling=[fields]), 0, 1,
+                         [3])
+    built = VLLMParams(**args)
+    assert (built.top_k, built.min_p, built.repetition_penalty, built.logit_bias,
+            built.min_tokens, built.ignore_eos) == (4, 0.1, 1.2, {5: 1.0}, 10, True)
+    assert stop_ids(built, [3]) == {9}
+    plain = sampling_args(SamplingParams(max_new_tokens=10, seeds=[1]), 0, 1, [3])
+    assert plain == sampling_args(SamplingParams(max_new_tokens=10, seeds=[1], sampling=[None]),
+                                  0, 1, [3])
+    assert stop_ids(VLLMParams(**plain), [3]) == {3} and "min_tokens" not in plain

@@ -14,7 +14,8 @@ seed, prefix and weights give the same tokens), a valid sample of the policy con
 prefix, not the tokens the uninterrupted reply would have drawn.
 
 vLLM's sampling fields (SamplingParams.sampling[i], `serve`): handed to vLLM as they are
-(top_k, min_p, the penalties, logit_bias, ignore_eos, min_tokens), its stop ids
+(top_k, min_p, the penalties, logit_bias, ignore_eos; min_tokens at most the request's
+max_tokens, which vLLM refuses otherwise: a reply cut there is cut either way), its stop ids
 (SamplingFields.stop_ids: the engine's eos ids unless ignore_eos, and stop_token_ids) as vLLM's
 stop_token_ids; `stop_ids` reads a built request's back (what ends it: finish_reason "stop").
 Such a request's log-probs are log_softmax of vLLM's shaped logits / T (penalties, bias and
@@ -82,7 +83,7 @@ def sampling_args(params: SamplingParams, i: int, seed: int, eos_token_ids) -> d
                     presence_penalty=fields.presence_penalty,
                     frequency_penalty=fields.frequency_penalty,
                     logit_bias=dict(fields.logit_bias) or None, ignore_eos=fields.ignore_eos,
-                    min_tokens=fields.min_tokens,
+                    min_tokens=min(fields.min_tokens, args["max_tokens"]),
                     stop_token_ids=sorted(fields.stop_ids(eos_token_ids)))
     return args
 
