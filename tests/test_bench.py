@@ -248,3 +248,16 @@ def test_partial_vllm_engine_takes_the_gpu_settings_on_a_cuda_host(monkeypatch):
     dtype, gpu = vllm_engine_settings(96)
     assert dtype == torch.bfloat16 and gpu["enforce_eager"] is False
     assert "distributed_executor_backend" not in gpu and gpu["max_model_len"] == 96
+
+
+def test_rewards_quick_scores_equal_and_reports_every_number():
+    """`tools.bench rewards --quick`: the pool's scores equal serial scoring for math_verify
+    and code, and the overlapped GRPO rollout's rewards equal scoring after generation (the
+    benchmark raises otherwise); every summary number is there and positive."""
+    import os   # the CPUs this process may use: the pool's default size
+    from tools.bench.rewards import run_rewards
+    s = run_rewards(True).summary
+    for key in ("rewards_math_verify_speedup", "rewards_code_speedup",
+                "rewards_overlap_wait_ratio", "rewards_after_wait_s", "rewards_pool_startup_s"):
+        assert s[key] > 0, key
+    assert s["rewards_workers"] == float(len(os.sched_getaffinity(0)))

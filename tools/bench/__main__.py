@@ -46,6 +46,11 @@
                                                serve on vLLM: a short request's latency during
                                                a long one and a stream's first chunk, batch
                                                path vs continuous batching side by side
+    python -m tools.bench rewards  [--quick]   reward scoring: math-verify and code items serial
+                                               vs the reward pool (goal >= 1.8x on 2 cores); a
+                                               GRPO rollout on the step driver with a 20 ms
+                                               reward, scored after generation vs overlapped
+                                               (goal: wait <= 0.2x)
     python -m tools.bench agent_steps [--quick]
                                                agent episodes (uneven tools): RL rollout
                                                time per step, gather rule vs step driver
@@ -171,6 +176,9 @@ def run_one(name: str, args) -> BenchResult:
     if name == "partial":
         from tools.bench.partial import run_partial
         return run_partial(args.quick, args.backend, tuple(args.set))
+    if name == "rewards":
+        from tools.bench.rewards import run_rewards
+        return run_rewards(args.quick)
     raise ValueError(f"unknown benchmark {name!r}")
 
 
@@ -233,8 +241,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=epilog())
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
-              "data", "loss_head", "partial", "serve_steps", "agent_steps", "serve_load",
-              "prefix_sharing", "all")
+              "data", "loss_head", "partial", "rewards", "serve_steps", "agent_steps",
+              "serve_load", "prefix_sharing", "all")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(public + ("gpu",)) + "}")
     for name in public:

@@ -10,7 +10,9 @@ Scores equal serial scoring exactly: every item is one call of the same function
 arguments, in whichever worker.
 
 Use: ``pool.submit(key, item)`` as items are ready (replies finishing during generation), then
-``pool.wait(keys)``; or ``pool.score(items)`` for a whole batch.
+``pool.wait(keys)``; or ``pool.score(items)`` for a whole batch. A service thread in the
+caller's process reads results, enforces deadlines and dispatches queued items meanwhile, so
+the pool works while the caller generates.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections import deque
@@ -129,42 +132,53 @@ class RewardPool:
         self.queue: deque[tuple[Hashable, Mapping[str, Any]]] = deque()
         self.done: dict[Hashable, Outcome] = {}
         self.replaced = 0
+        self._cond = threading.Condition()   # guards the state above (two threads use it)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._closed = False
         self._closer = weakref.finalize(self, _kill_all, self.workers)
         self._await_ready(self.workers)
         self.startup_s = time.perf_counter() - t0
+        # reads results, replaces dead or late workers and dispatches queued items while the
+        # caller does other work (generation): the pool makes progress between calls
+        self._service = threading.Thread(target=self._serve, name="reward-pool", daemon=True)
+        self._service.start()
 
     def submit(self, key: Hashable, item: Mapping[str, Any]) -> None:
-        """Queue one item under ``key`` (unique among the pending and unread results) and hand
-        it to an idle worker if there is one."""
+        """Queue one item under ``key`` and hand it to an idle worker if there is one."""
         check_items([item])
-        self.queue.append((key, item))
-        self._dispatch()
+        with self._cond:
+            self.queue.append((key, item))
+            self._dispatch()
 
     def knows(self, key: Hashable) -> bool:
         """Whether ``key`` was submitted and not forgotten since."""
-        return key in self.done or any(k == key for k, _ in self.queue) or any(
-            w.task is not None and w.task[0] == key for w in self.workers)
+        with self._cond:
+            return key in self.done or any(k == key for k, _ in self.queue) or any(
+                w.task is not None and w.task[0] == key for w in self.workers)
 
     def wait(self, keys: Iterable[Hashable]) -> list[Outcome]:
         """The outcomes of ``keys`` in their order (a key may repeat), waiting for the ones
         still running; they stay until ``forget``."""
         keys = list(keys)
-        while any(k not in self.done for k in keys):
-            self.poll(None)
-        return [self.done[k] for k in keys]
+        with self._cond:
+            while any(k not in self.done for k in keys):
+                self._cond.wait()
+            return [self.done[k] for k in keys]
 
     def forget(self, keys: Iterable[Hashable] | None = None) -> None:
         """Drop the results of ``keys`` (None: every finished one)."""
-        for key in list(self.done) if keys is None else keys:
-            self.done.pop(key, None)
+        with self._cond:
+            for key in list(self.done) if keys is None else keys:
+                self.done.pop(key, None)
 
     def score(self, items: Sequence[Mapping[str, Any]]) -> ScoreReport:
         """Score a whole batch: its report, scores in item order."""
         check_items(items)
         keys = [("batch", id(items), i) for i in range(len(items))]
-        for key, item in zip(keys, items):
-            self.queue.append((key, item))
-        self._dispatch()
+        with self._cond:
+            self.queue.extend(zip(keys, items))
+            self._dispatch()
         report = ScoreReport.of(self.wait(keys))
         self.forget(keys)
         if report.errors:
@@ -173,30 +187,57 @@ class RewardPool:
                            report.timeouts, report.failures, report.details[0])
         return report
 
-    def poll(self, timeout: float | None) -> None:
-        """Handle what the workers sent, deaths and deadlines, waiting up to ``timeout``
-        seconds (None: until something happens); then dispatch queued items."""
-        busy = [w for w in self.workers if w.task is not None]
-        if not busy:
-            return
-        deadline = self._next_deadline(busy)
-        if deadline is not None:
-            left = max(0.0, deadline - time.monotonic())
-            timeout = left if timeout is None else min(timeout, left)
-        for conn in wait([w.outbox for w in busy], timeout):
-            worker = next(w for w in busy if w.outbox is conn)
-            self._receive(worker)
+    def close(self) -> None:
+        """Stop the service thread and kill every worker (also done at exit)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._wake()
+        self._service.join()
+        self._closer()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+    def _serve(self) -> None:
+        """The service thread: wait for a worker's message, a wake-up or the next deadline;
+        then handle them (results, deaths, timeouts), dispatch and notify the waiters."""
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                busy = [w for w in self.workers if w.task is not None]
+                deadline = self._next_deadline(busy) if busy else None
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                ready = wait([w.outbox for w in busy] + [self._wake_r], timeout)
+            except (OSError, ValueError):   # a worker replaced meanwhile closed its pipe
+                ready = []
+            with self._cond:
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                for worker in busy:
+                    if worker.outbox in ready and worker.task is not None \
+                            and worker in self.workers:
+                        self._receive(worker)
+                self._expire(busy)
+                self._dispatch()
+                self._cond.notify_all()
+
+    def _expire(self, busy: list[_Worker]) -> None:
+        """Replace the workers whose call ran past timeout_s."""
         now = time.monotonic()
         for worker in busy:
-            if (worker.task is not None and self.timeout_s is not None
-                    and now - worker.task[1] >= self.timeout_s):
+            if (worker.task is not None and worker in self.workers
+                    and self.timeout_s is not None and now - worker.task[1] >= self.timeout_s):
                 self._replace(worker, Outcome(self.failure_score, "timeout",
                                               f"timed out after {self.timeout_s:g} s"))
-        self._dispatch()
 
-    def close(self) -> None:
-        """Kill every worker (also done when the pool is garbage-collected or at exit)."""
-        self._closer()
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:   # already pending
+            pass
 
     def _next_deadline(self, busy: list[_Worker]) -> float | None:
         if self.timeout_s is None:
@@ -230,10 +271,14 @@ class RewardPool:
         self._await_ready([fresh])
 
     def _dispatch(self) -> None:
+        """Queued items to idle workers (the caller holds the lock); wakes the service thread
+        to watch them."""
+        sent = False
         for worker in self.workers:
             if not self.queue:
-                return
+                break
             if worker.task is None:
+                sent = True
                 key, item = self.queue.popleft()
                 worker.task = (key, time.monotonic())
                 try:
@@ -241,6 +286,8 @@ class RewardPool:
                 except (BrokenPipeError, OSError):
                     self._replace(worker, Outcome(self.failure_score, "crash",
                                                   "the worker died before the call"))
+        if sent:
+            self._wake()
 
     def _await_ready(self, workers: list[_Worker]) -> None:
         """Wait for each worker's "ready"; RuntimeError with the reason if one cannot load the
