@@ -5,7 +5,7 @@ image form, image_codec.py; the cached images and their references, image_store.
 preference pairs for DPO and reward models (preference.py; rows, preference_rows.py; rendering,
 preference_render.py), the chat template's delta after an assistant turn (observation.py: an
 observation's ids, never re-tokenized sampled text) and the tool-call formats of the chat
-families (tool_calls.py); the rendered-sequence cache the pairs and unpaired examples share
+families (tool_calls.py); TRL's SFT row formats (trl_rows.py); the rendered-sequence cache the pairs and unpaired examples share
 (sequence_cache.py).
 
 May import: engine.errors, models, parallel. Never imports config, training, checkpoint, run,
