@@ -136,12 +136,15 @@ class RewardPool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._closed = False
-        self._closer = weakref.finalize(self, _kill_all, self.workers)
+        # at close, garbage collection or exit: kill the workers, wake the thread to end
+        self._closer = weakref.finalize(self, _shut_down, self.workers, self._wake_w)
         self._await_ready(self.workers)
         self.startup_s = time.perf_counter() - t0
         # reads results, replaces dead or late workers and dispatches queued items while the
         # caller does other work (generation): the pool makes progress between calls
-        self._service = threading.Thread(target=self._serve, name="reward-pool", daemon=True)
+        # (it holds the pool weakly, so a pool nobody holds is collected and its workers end)
+        self._service = threading.Thread(target=_serve, args=(weakref.ref(self),),
+                                         name="reward-pool", daemon=True)
         self._service.start()
 
     def submit(self, key: Hashable, item: Mapping[str, Any]) -> None:
@@ -188,41 +191,38 @@ class RewardPool:
         return report
 
     def close(self) -> None:
-        """Stop the service thread and kill every worker (also done at exit)."""
+        """Stop the service thread and kill every worker (also done when the pool is collected
+        or at exit)."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-            self._wake()
-        self._service.join()
         self._closer()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        self._service.join()
 
-    def _serve(self) -> None:
-        """The service thread: wait for a worker's message, a wake-up or the next deadline;
-        then handle them (results, deaths, timeouts), dispatch and notify the waiters."""
-        while True:
-            with self._cond:
-                if self._closed:
-                    return
-                busy = [w for w in self.workers if w.task is not None]
-                deadline = self._next_deadline(busy) if busy else None
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                ready = wait([w.outbox for w in busy] + [self._wake_r], timeout)
-            except (OSError, ValueError):   # a worker replaced meanwhile closed its pipe
-                ready = []
-            with self._cond:
-                if self._wake_r in ready:
-                    os.read(self._wake_r, 4096)
-                for worker in busy:
-                    if worker.outbox in ready and worker.task is not None \
-                            and worker in self.workers:
-                        self._receive(worker)
-                self._expire(busy)
-                self._dispatch()
-                self._cond.notify_all()
+    def watch(self) -> tuple[list[_Worker], float | None] | None:
+        """The service thread's next wait: the busy workers and the seconds to the next
+        deadline (None: none); None once the pool is closed."""
+        with self._cond:
+            if self._closed:
+                return None
+            busy = [w for w in self.workers if w.task is not None]
+            deadline = self._next_deadline(busy) if busy else None
+        return busy, None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def handle(self, busy: list[_Worker], ready: list) -> None:
+        """After the service thread's wait: results of the `ready` workers, deaths, timeouts;
+        then dispatch and notify the waiters."""
+        with self._cond:
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+            for worker in busy:
+                if worker.outbox in ready and worker.task is not None \
+                        and worker in self.workers:
+                    self._receive(worker)
+            self._expire(busy)
+            self._dispatch()
+            self._cond.notify_all()
 
     def _expire(self, busy: list[_Worker]) -> None:
         """Replace the workers whose call ran past timeout_s."""
@@ -305,7 +305,39 @@ class RewardPool:
             worker.ready = True
 
 
-def _kill_all(workers: list[_Worker]) -> None:
+def _shut_down(workers: list[_Worker], wake_w: int) -> None:
+    """Kill the workers and wake the service thread (which closes the wake pipe)."""
     for worker in workers:
         if not worker.inbox.closed:
             worker.kill()
+    try:
+        os.write(wake_w, b"x")
+    except (BlockingIOError, OSError):
+        pass
+
+
+def _serve(ref: weakref.ref) -> None:
+    """The service thread: waits on the busy workers' pipes, the wake pipe and the next
+    deadline, then lets the pool handle what happened. It holds the pool only between waits,
+    so a pool nobody else holds is collected (its finalizer wakes this thread to end)."""
+    pool = ref()
+    wake_r, wake_w = pool._wake_r, pool._wake_w
+    del pool
+    while True:
+        pool = ref()
+        plan = pool.watch() if pool is not None else None
+        del pool
+        if plan is None:
+            break
+        busy, timeout = plan
+        try:
+            ready = wait([w.outbox for w in busy] + [wake_r], timeout)
+        except (OSError, ValueError):   # a worker replaced meanwhile closed its pipe
+            ready = []
+        pool = ref()
+        if pool is None:
+            break
+        pool.handle(busy, ready)
+        del pool
+    os.close(wake_r)
+    os.close(wake_w)
