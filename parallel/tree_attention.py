@@ -115,27 +115,41 @@ def _lower_right(q_len: int, kv_len: int, device) -> torch.Tensor:
 MAX_SLICE_WASTE = 1.5
 
 
-def _run_keys(run, device, cache: dict):
-    """(first key, last key + 1, mask or None) of a run: keys [a, b) of the row; mask
-    [n_q, b - a] bool (None: plain causal over the run alone); built once per micro-batch
-    (`cache`: the params' own, shared by every layer)."""
-    key = (run.start, str(device))
+def _run_keys(run, device, dtype, cache: dict):
+    """(first key, last key + 1, mask or None, key spans or None) of a run: keys [a, b) of
+    the row (or the spans concatenated); mask [n_q, n_k] additive in `dtype` (0 visible, -inf
+    not: SDPA would convert a bool mask in every call; None: plain causal over the run alone);
+    built once per micro-batch (`cache`: the params' own, shared by every layer)."""
+    key = (run.start, str(device), dtype)
     if key not in cache:
-        spans = run.keys
-        needed = sum(b - a for a, b in spans)
-        first, last = spans[0][0], spans[-1][1]
-        if len(spans) == 1 and spans[0] == (run.start, run.end):
-            cache[key] = (first, last, None, None)
-        elif last - first <= MAX_SLICE_WASTE * needed:   # one slice, siblings masked out
-            cols = torch.zeros(last - first, dtype=torch.bool, device=device)
-            for a, b in spans:   # the ancestors (the run's own columns: causal, below)
-                cols[a - first:b - first] = True
-            cols[run.start - first:] = False
-            mask = cols[None, :] | _shifted_causal(run.end - run.start, last - first, device)
-            cache[key] = (first, last, mask, None)
-        else:   # the key spans concatenated: lower-right causal over them
-            cache[key] = (first, last, _lower_right(run.end - run.start, needed, device), spans)
+        cache[key] = _additive(_bool_run_keys(run, device), dtype)
     return cache[key]
+
+
+def _additive(entry, dtype):
+    first, last, mask, spans = entry
+    if mask is not None:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            ~mask, float("-inf"))
+    return first, last, mask, spans
+
+
+def _bool_run_keys(run, device):
+    """_run_keys with a bool mask (True: visible)."""
+    spans = run.keys
+    needed = sum(b - a for a, b in spans)
+    first, last = spans[0][0], spans[-1][1]
+    if len(spans) == 1 and spans[0] == (run.start, run.end):
+        return first, last, None, None
+    if last - first <= MAX_SLICE_WASTE * needed:   # one slice, siblings masked out
+        cols = torch.zeros(last - first, dtype=torch.bool, device=device)
+        for a, b in spans:   # the ancestors (the run's own columns: causal, below)
+            cols[a - first:b - first] = True
+        cols[run.start - first:] = False
+        return (first, last,
+                cols[None, :] | _shifted_causal(run.end - run.start, last - first, device), None)
+    # the key spans concatenated: lower-right causal over them
+    return first, last, _lower_right(run.end - run.start, needed, device), spans
 
 
 def _shifted_causal(q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -154,7 +168,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cache = params.__dict__.setdefault("_run_masks", {})
     for run in params.runs:
         start, end = run.start, run.end
-        first, last, mask, spans = _run_keys(run, q.device, cache)
+        first, last, mask, spans = _run_keys(run, q.device, q.dtype, cache)
         qs = q[start:end].transpose(0, 1).unsqueeze(0)        # [1, h, n, d]
         if spans is None:
             ks, vs = (x[first:last].transpose(0, 1).unsqueeze(0) for x in (k, v))
