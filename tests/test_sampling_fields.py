@@ -164,3 +164,38 @@ def test_vllm_request_arguments():
     assert plain == sampling_args(SamplingParams(max_new_tokens=10, seeds=[1], sampling=[None]),
                                   0, 1, [3])
     assert stop_ids(VLLMParams(**plain), [3]) == {3} and "min_tokens" not in plain
+
+
+def test_hf_eager_loop_equals_the_step_driver(tmp_path):
+    """The hf engine's `generate` (the eager loop, SamplingBackend's path) and its step driver
+    (serve's path) give the same tokens and finish reasons for rows with different fields in
+    one call, greedy and seeded; ignore_eos runs to the bound, a stop id ends a row "stop"."""
+    from engine.generation.base import SamplingParams
+    from engine.generation.hf.backend import HFRolloutEngine
+    from engine.generation.hf.stepper import HFStepDriver
+    from tools.tiny_models import build_tiny_model
+
+    engine = HFRolloutEngine(build_tiny_model(str(tmp_path / "m"), "llama", layers=2, seed=3),
+                             dtype=torch.float32)
+    prompts = [[10, 20, 30], [10, 20, 30], [44, 5], [7, 8, 9, 10]]
+    fields = [None, SamplingFields(repetition_penalty=1.5, top_k=5, min_p=0.05),
+              SamplingFields(ignore_eos=True, logit_bias=((3, 5.0),)),
+              SamplingFields(stop_token_ids=(11,), logit_bias=((11, 9.0),), min_tokens=3)]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_new_tokens=12, temperature=temperature, seeds=[1, 1, 2, 3],
+                                sampling=fields)
+        eager = engine.generate(prompts, params)
+        driver = HFStepDriver(engine)
+        for i, prompt in enumerate(prompts):
+            driver.add(str(i), prompt, params.rows([i]))
+        stepped = {}
+        while driver.busy:
+            stepped.update({o.key: o.done for o in driver.step() if o.done is not None})
+        for i, gen in enumerate(eager):
+            assert (gen.response_ids, gen.finish_reason) == (
+                stepped[str(i)].response_ids, stepped[str(i)].finish_reason), (temperature, i)
+        assert len(eager[2].response_ids) == 12 and eager[2].finish_reason == "length"
+        assert 3 in eager[2].response_ids                       # eos sampled, not the end
+        assert eager[3].response_ids[-1] == 11 and eager[3].finish_reason == "stop"
+        assert len(eager[3].response_ids) > 3        # 11 masked for min_tokens, then drawn
+        assert temperature == 0 or eager[0].response_ids != eager[1].response_ids

@@ -11,6 +11,7 @@ min_tokens / ignore_eos / stop_token_ids have something to change):
   transformers' own logits processors (MinNewTokensLength, SequenceBias, RepetitionPenalty,
   Temperature, MinP, TopK, TopP; presence / frequency by OpenAI's formula, which transformers
   lacks) and the engine's documented draw (inverse CDF at u(seed, t));
+- requests with different fields sent at once (one running batch) get their replies alone;
 - every case changes the reply of the same request without the field (the field is not
   ignored: negative control), and the reported log-probs are the raw scores whatever the
   fields (vLLM's raw_logprobs).
@@ -246,3 +247,18 @@ def test_reported_logprobs_ignore_the_fields(servers):
         assert diff < 2e-4, (server, diff)
     biased = [i for i, t in enumerate(got["serve hf"]["ids"]) if t == 7]
     assert biased and all(got["serve hf"]["logprobs"][i] < -0.5 for i in biased)
+
+
+def test_mixed_fields_in_one_batch_equal_each_alone(servers, replies):
+    """Every case sent at once (one running batch of rows with different fields, and a row
+    without any) gives each request's reply alone, on both backends: rows are shaped on their
+    own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = {"neutral": {}, **CASES}
+    for server in ("serve vllm", "serve hf"):
+        with ThreadPoolExecutor(len(cases)) as pool:
+            got = dict(zip(cases, pool.map(
+                lambda f: _complete(servers[server], f, MODES["seeded"]), cases.values())))
+        for case in cases:
+            assert got[case]["ids"] == replies[server, case, "seeded"]["ids"], (server, case)
