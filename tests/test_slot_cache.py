@@ -10,6 +10,10 @@
   layers' own key/value tensors (the objects transformers marked static), a windowed one views
   of them, and after every step the layers hold the same tensors at the same data pointers
   (before the fix the whole-cache step got fresh views, unmarked);
+- a lone request's decode steps run SDPA unmasked with grouped KV heads (the eager loop's
+  kernel call: no mask, no key/value repeat) and equal `generate` within TOL; with two rows
+  the mask is back, and the layers are compileable again after every step (before the fix
+  every lone step was masked over a bucketed window, with repeated keys/values);
 - the StaticLayer probe passes on the installed transformers and names a changed field.
 """
 from __future__ import annotations
@@ -155,6 +159,40 @@ def test_decode_keeps_the_layers_tensors(tmp_path, whole):
                     values.untyped_storage().data_ptr()} <= storage
         views += not all(hasattr(t, "_dynamo_static_input_type") for kv in seen for t in kv)
     assert views == 0 if whole else views > 0
+
+
+def test_a_lone_row_decodes_as_the_eager_loop(tmp_path, monkeypatch):
+    path = build_tiny_model(str(tmp_path / "llama"), "llama", hidden=32, layers=2, heads=4,
+                            kv_heads=2)
+    engine = HFRolloutEngine(path, device="cpu")
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        if q.shape[2] == 1:   # decode steps only
+            calls.append((attn_mask is None, kw.get("enable_gqa", False), k.shape[1]))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    p = SamplingParams(max_new_tokens=30, temperature=1.0, seeds=[3])
+    (ref,) = engine.generate([[5, 6, 7, 8]], p)
+    assert len(ref.response_ids) == 30
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    driver = HFStepDriver(engine)
+    driver.add("a", [5, 6, 7, 8], p)
+    while driver.busy:
+        out = driver.step()
+        assert all(layer.is_compileable for layer in driver.layout.cache.layers) \
+            if driver.layout.cache is not None else True
+    got = out[0].done
+    assert got.response_ids == ref.response_ids
+    assert max(abs(a - b) for a, b in zip(got.response_logprobs, ref.response_logprobs)) <= TOL
+    assert calls == [(True, True, 2)] * (2 * 29)   # 29 decode steps x 2 layers, 2 KV heads
+    calls.clear()
+    driver.add("a", [5, 6, 7, 8], p)
+    driver.add("b", [9, 10], p)
+    while driver.busy:
+        driver.step()
+    assert calls and all(c == (False, False, 4) for c in calls)   # two rows: masked
 
 
 class Misplaced(StaticLayer):

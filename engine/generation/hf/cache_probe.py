@@ -9,7 +9,8 @@ the slot cache does and names the first field that no longer behaves so (None: a
 `lazy_initialization` allocates [batch, heads, max_cache_len, head_dim] tensors marked static for
 torch.compile (`mark_static_address`), `update` writes at `cumulative_length` into the layer's
 tensors in place (returning them) and also through a window's views, and `get_mask_sizes` reads
-`max_cache_len`. The slot cache refuses to start, naming it, instead of decoding wrong numbers.
+`max_cache_len`, and `is_compileable` is a class attribute True (a lone row's step sets it False
+on its layers and deletes that again). The slot cache refuses to start, naming it, instead of decoding wrong numbers.
 Passing another `layer_class` (tests hand it a changed fake) shows that a change is caught.
 """
 from __future__ import annotations
@@ -26,6 +27,9 @@ def _problem(layer_class) -> str | None:
     for field in ("lazy_initialization", "update", "get_mask_sizes"):
         if not callable(getattr(layer_class, field, None)):
             return f"{name}.{field} is gone"
+    if getattr(layer_class, "is_compileable", None) is not True:
+        return (f"{name}.is_compileable is no longer True (the slot cache clears it for a lone "
+                "row's step, so that transformers drops an all-ones mask)")
     layer = layer_class(max_cache_len=4)
     if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
         return f"{name}.cumulative_length is no longer a tensor (the column `update` writes)"

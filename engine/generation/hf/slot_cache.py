@@ -26,6 +26,13 @@ never replaced: a decode over the whole cache (a compiled decoder) hands the ste
 tensors; a narrower window (eager) hands it views for the step and puts the layer's own tensors
 back after it. The StaticLayer fields this relies on are probed (`static_layer_problem`).
 
+A lone row (one slot, an eager decoder): its step attends to exactly its own columns, all of
+them, and its cache's layers are marked not compileable for that step (StaticLayer's
+`is_compileable`, put back after it), so transformers drops the all-ones mask as it does on
+the eager loop's growing cache (its mask creation keeps the mask of a compileable cache when
+decoding): SDPA then runs unmasked with grouped KV heads in the kernel, no key/value repeat,
+the eager loop's work (issue 90: a lone request cost 1.31x the eager loop before).
+
 Room. Each running row knows how many more columns it will write (`left`: its tokens still to
 feed), and every row ends at `col`, so once `col + max(left) <= length` holds it holds to the
 end. `arrange` (before joiners are placed) keeps the layout when the joiners fit (enough free
@@ -151,10 +158,13 @@ class SlotCache:
         decoder (one shape per cache); else a cache_bucket(span) wide window ending just right
         of `col` (span: from the first running row's first column to `col` included), so the
         step's attention and GQA key/value repeat cover the columns in use, not the cache's
-        length. Columns outside hold no running row's keys (masked: exact zeros)."""
+        length. Columns outside hold no running row's keys (masked: exact zeros). A lone row
+        (one slot): exactly its columns [start, col] (module docstring)."""
         if self.decoder.compile:
             return 0, self.length
         lo = min(self.start.values(), default=self.col)
+        if self.slots == 1 and self.left:   # a lone row: exactly its columns (module docstring)
+            return lo, self.col + 1
         width = min(self.length, cache_bucket(self.col + 1 - lo))
         hi = max(self.col + 1, width)
         return hi - width, hi
@@ -166,13 +176,21 @@ class SlotCache:
         keep their own key/value tensors (module docstring: Storage)."""
         lo, hi = self.window()
         self.mask[:, self.col] = 1
+        lone = self.slots == 1 and bool(self.left) and not self.decoder.compile
         for layer in self.cache.layers:
             layer.cumulative_length.fill_(self.col - lo)   # StaticLayer writes here
-        if (lo, hi) == (0, self.length):
-            logits = self.decoder.step(self.feed[:, None], self.mask, self.pos[:, None],
-                                       self.cache)
-        else:
-            logits = self._windowed(lo, hi)
+            if lone:   # transformers may then drop the all-ones mask (module docstring)
+                layer.is_compileable = False
+        try:
+            if (lo, hi) == (0, self.length):
+                logits = self.decoder.step(self.feed[:, None], self.mask, self.pos[:, None],
+                                           self.cache)
+            else:
+                logits = self._windowed(lo, hi)
+        finally:
+            if lone:
+                for layer in self.cache.layers:
+                    del layer.is_compileable   # StaticLayer's own (True) again
         self.col += 1
         self.pos += self.live
         for slot in self.left:
