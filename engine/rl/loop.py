@@ -58,7 +58,6 @@ from engine.rl.policy.reward_model import rescore_batch
 from engine.rl.policy.routing_replay import rollout_engine_kwargs
 from engine.rl.policy.train_step import build_auxiliary, train_on_rollout
 from engine.rl.policy.weight_sync import check_weight_sync, probe_tokens, sync_to_rollout
-from engine.rl.rewards.settings import scoring_header
 from engine.generation import backend_class
 from engine.generation.pool import RolloutPool
 from engine.generation.sync.quantization import sync_source
@@ -237,7 +236,6 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
               f"{pool.placement.describe(torch.cuda.is_available()) if pool else remote.describe()}; policy model: "
               f"{describe_settings(policy.chunks[0].config)}", flush=True)
-        print(f"[rl] {scoring_header(cfg.reward)}", flush=True)
     validation = RemoteValidation(validation, remote) if remote is not None else validation
     validation.attach(pool, collector)
     try:

@@ -24,7 +24,7 @@ from engine.config.redaction import redact_text
 from engine.rl.collect.collector import RolloutCollector
 from engine.rl.collect.partial import PartialCollector
 from engine.rl.judge.scorer import JudgeScorer
-from engine.rl.rewards.settings import reward_fn_for
+from engine.rl.rewards.settings import reward_fn_for, scoring_header
 
 
 class JudgedCollector(RolloutCollector):
@@ -78,8 +78,9 @@ def make_collector(pool, rows: list[dict], tokenizer, cfg,
     PartialCollector with rollout.partial (engine.rl.collect.partial), restored from `carried`
     (its state() from the checkpoint; None: a fresh run), JudgedCollector with
     reward.judge.base_url, else RolloutCollector; reward.fn by
-    engine.rl.rewards.settings.reward_fn_for."""
+    engine.rl.rewards.settings.reward_fn_for; prints the run header's scoring line."""
     reward_fn = reward_fn_for(cfg.reward)
+    print(f"[rl] {scoring_header(cfg.reward)}", flush=True)
     if cfg.rollout.partial:   # partial_problems refuses it with a judge
         collector = PartialCollector(pool, rows, tokenizer, reward_fn, cfg, prompt_ids)
         collector.restore(carried)
