@@ -3,8 +3,9 @@ first request: `serve --backend vllm` exits 2 before vLLM is imported, and rollo
 fails its config check, both naming the head dim and the smallest one vLLM runs
 (engine.generation.vllm.attention.head_dim_problem). Positive controls: a 32-dim model passes
 both checks, the hf backend takes the 16-dim one, and `demo model --head-dim 32` builds a demo
-model the vllm backend takes (the default 16 it refuses). No vLLM engine starts here (that vLLM's own
-list of head sizes is CPU_HEAD_DIMS: tests/test_vllm_failures.py, which imports vLLM).
+model the vllm backend takes (the default 16 it refuses). No vLLM engine starts here (that
+vLLM's own list of head sizes is CPU_HEAD_DIMS: tests/test_vllm_failures.py, which imports
+vLLM).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from engine.generation.vllm.attention import CPU_HEAD_DIMS, head_dim_problem
 from engine.generation.vllm.settings import vllm_problems
 from engine.rl.config import RLConfig
 from engine.serve.__main__ import main as serve_main
-from engine.serve.__main__ import parser, settled
+from engine.serve.run import backend_problem
 from tools.tiny_models import build_tiny_model
 
 
@@ -63,8 +64,7 @@ def test_serve_backend_vllm_refuses_small_heads_before_loading(folders, capsys):
     assert err.rstrip().endswith("use --backend hf")
     assert json.loads(open(f"{folders[32]}/config.json").read())["head_dim"] == 32
     for dim, backend in ((32, "vllm"), (16, "hf")):    # positive controls
-        args = parser("serve").parse_args(["--model", folders[dim], "--backend", backend])
-        assert settled(args) is None
+        assert backend_problem(backend, folders[dim]) is None
 
 
 def test_demo_model_with_head_dim_32_passes_the_vllm_check(tmp_path):
@@ -76,5 +76,4 @@ def test_demo_model_with_head_dim_32_passes_the_vllm_check(tmp_path):
         assert demo_main(argv) == 0
         config = json.loads(open(f"{out}/config.json").read())
         assert (config["num_attention_heads"], config["head_dim"]) == (4, dim)
-        args = parser("serve").parse_args(["--model", out, "--backend", "vllm"])
-        assert (settled(args) is None) == ok
+        assert (backend_problem("vllm", out) is None) == ok

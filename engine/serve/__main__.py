@@ -7,7 +7,6 @@ when the engine dies.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -142,26 +141,9 @@ def fill_defaults(args, environ=os.environ) -> None:
         args.max_choices = min(DEFAULT_MAX_CHOICES, args.max_queue)
 
 
-def vllm_problem(args) -> str | None:
-    """--backend vllm on a CPU host: why vLLM's CPU attention cannot run the folder's model
-    (engine.generation.vllm.attention.head_dim_problem: it would start, then fail every
-    request), checked before vLLM is imported; else None."""
-    if args.backend != "vllm":
-        return None
-    import torch  # the vllm backend only (the check's CPU test); vLLM itself comes later
-
-    from engine.generation.vllm.attention import head_dim_problem
-    if torch.cuda.is_available():
-        return None
-    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
-        why = head_dim_problem(json.load(f))
-    return (f"--model {args.model!r} does not run on the vllm backend on a CPU host: {why}; "
-            "use --backend hf") if why else None
-
-
 def settled(args) -> str | None:
     """Check the folder and fill --max-context; why it cannot be served, or None."""
-    problem = folder_problem(args.model) or vllm_problem(args)
+    problem = folder_problem(args.model)
     if problem:
         return problem
     if args.max_context is None:

@@ -5,15 +5,19 @@ Request lines (unless --quiet) go to stdout through REQUEST_LOG ("[serve] <time>
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import threading
 
+import torch
+
 from engine.errors import RunError
 from engine.generation.hf.stepper import HFStepDriver, step_problem
 from engine.generation.sampling_backend import SamplingBackend, StepBackend
+from engine.generation.vllm.attention import head_dim_problem
 from engine.generation.vllm.stepper import VLLMStepDriver
 from engine.serve.endpoint import REQUEST_LOG, ServeEndpoint, ServeSettings
 from engine.serve.folder import model_vocab
@@ -38,9 +42,26 @@ def serving_backend(backend: str, engine, max_context: int):
     return SamplingBackend(engine.generate, max_len=max_context, score=engine.score)
 
 
+def backend_problem(backend: str, path: str) -> str | None:
+    """--backend vllm on a CPU host: why vLLM's CPU attention cannot run the folder's model
+    (engine.generation.vllm.attention.head_dim_problem: it would start, then fail every
+    request), checked before vLLM is imported; else None."""
+    if backend != "vllm" or torch.cuda.is_available():
+        return None
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        why = head_dim_problem(json.load(f))
+    return (f"--model {path!r} does not run on the vllm backend on a CPU host: {why}; "
+            "use --backend hf") if why else None
+
+
 def serve_model(args) -> int:
     """Serve `args` (the parsed, checked flags) until a signal: exit code 0, 2 when the model
-    does not load, 1 when the engine dies or the port cannot be bound."""
+    does not load (or the vllm backend cannot run it: backend_problem), 1 when the engine dies
+    or the port cannot be bound."""
+    problem = backend_problem(args.backend, args.model)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         loaded = load_model(args.model, args.backend, args.dtype, args.seed, args.max_context,
                             args.trust_remote_code, args.enforce_eager)

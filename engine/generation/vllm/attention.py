@@ -27,8 +27,8 @@ Head sizes (`head_dim_problem`): vLLM 0.32's CPU attention (CPU_ATTN, every othe
 host) runs the head dims of CPUAttentionBackend.get_supported_head_sizes only (CPU_HEAD_DIMS,
 the smallest 32). A model with others starts and reports healthy, then every request fails
 ("Unsupported CPU attention configuration: head_dim=16"): `serve --backend vllm`
-(engine.serve.__main__) and rollout.backend=vllm (engine.generation.vllm.settings) refuse it
-while checking their settings, before vLLM is imported.
+(engine.serve.run.backend_problem, exit 2) and rollout.backend=vllm (its config check,
+engine.generation.vllm.settings) refuse it before vLLM is imported.
 """
 from __future__ import annotations
 

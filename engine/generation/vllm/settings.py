@@ -9,6 +9,8 @@ import dataclasses
 import importlib
 import importlib.util
 
+import torch
+
 from engine.generation.vllm.attention import head_dim_problem
 from engine.generation.vllm.lora import lora_sync_mode, lora_sync_problems
 from engine.generation.vllm.speculative_settings import (speculative_engine_args,
@@ -110,10 +112,11 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
     lora = lora_sync_problems(cfg, hf_config)
     p += lora + speculative_problems(cfg, hf_config,
                                      None if lora else lora_sync_mode(cfg, hf_config))
-    heads = None if _cuda() else head_dim_problem(hf_config)
+    heads = None if torch.cuda.is_available() else head_dim_problem(hf_config)
     if heads:
         p.append(f"rollout.backend=vllm on a CPU host: {heads}; use rollout.backend=hf, or a "
-                 "model whose heads vLLM runs (fewer attention heads at the same hidden_size)")
+                 "model with heads of 32 dims or more (`megatron-sft-engine demo model DIR "
+                 "--head-dim 32` builds a demo one)")
     family = FAMILIES.get(hf_config.get("model_type"))
     p += [f"rollout.backend=vllm with model_type {family.model_type!r}: {why}"
           for why in (family.vllm_problems(hf_config) if family is not None else ())]
@@ -126,12 +129,6 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
                  "imports with this torch (none does on this host: the registry's wheel is "
                  "built for CUDA torch); use rollout.backend=hf")
     return p
-
-
-def _cuda() -> bool:
-    """Whether the engines run on GPUs (vLLM's CPU attention limits do not apply there)."""
-    import torch  # the checks run in processes that import torch anyway
-    return torch.cuda.is_available()
 
 
 def mla_problems(hf_config: dict) -> list[str]:
