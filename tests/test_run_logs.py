@@ -1,4 +1,4 @@
-"""Log lines that used to mislead (issue 90 item 9), each checked where it is made:
+"""Log lines that used to mislead, each checked where it is made:
 
 - the run loop prints a step's eval/* metrics (eval/loss) as a run-log line, progress bar or
   not (before, eval/loss reached only metrics.jsonl and the bar's postfix: a run with the bar
