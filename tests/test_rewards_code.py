@@ -122,6 +122,8 @@ def test_hostile_programs_are_contained_and_the_next_item_scores(tmp_path, liste
         "1 GB out": ("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n"
                      "    sys.stdout.write(chunk)", [{"input": "", "output": "x"}]),
         "loop": ("while True:\n    pass", [{"input": "", "output": "ok"}]),
+        "disk fill": ("for i in range(64):\n    open(f'f{i}', 'wb').write(b'x' * (15 << 20))\n"
+                      "print('ok')", [{"input": "", "output": "ok"}]),
         "kill parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
                         f"os.killpg({os.getpgid(0)}, signal.SIGKILL)\n"
                         "os.killpg(0, signal.SIGKILL)\nprint('ok')",

@@ -30,8 +30,8 @@ class PartialScoring:
 
     def reply_finished(self, reply: Reply) -> None:
         """Submit a reply that just finished to the reward pool (with overlap_scoring)."""
-        if self.overlap_scoring:
-            group = next(g for g in self.groups if any(r is reply for r in g.replies))
+        group = next((g for g in self.groups if any(r is reply for r in g.replies)), None)
+        if self.overlap_scoring and group is not None:   # (its group completes it otherwise)
             self._submit(group, reply)
 
     def complete_groups(self, groups: list[Group], log: dict) -> None:

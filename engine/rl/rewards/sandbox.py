@@ -15,7 +15,9 @@ Layers, every one on by default (``probe()`` says which this host can enforce):
   (engine.rl.rewards.sandbox_init) ends every process of the program when it exits;
 - ``uid``: a uid of its own (RUN_UIDS, unused by any account; one per concurrent run) instead
   of the trainer's, so it can neither signal nor read the trainer's processes and files;
-- ``private-tmp``: tmpfs over /tmp, /var/tmp and /dev/shm (a mount namespace).
+- ``private-tmp``: tmpfs (64 MiB each) over /tmp, /var/tmp and /dev/shm (a mount namespace);
+  the program runs in /tmp/work, a copy of the working directory on that tmpfs, so whatever it
+  writes is bounded and never reaches the host's disk.
 
 ``reward.code_sandbox=strict`` refuses to start when a layer is missing (``missing_layers``);
 ``relaxed`` runs with what the host has and says what is missing.
