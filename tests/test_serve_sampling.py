@@ -14,7 +14,8 @@ min_tokens / ignore_eos / stop_token_ids have something to change):
 - requests with different fields sent at once (one running batch) get their replies alone;
 - every case changes the reply of the same request without the field (the field is not
   ignored: negative control), and the reported log-probs are the raw scores whatever the
-  fields (vLLM's raw_logprobs).
+  fields (vLLM's raw_logprobs); each engine's own sampling log-probs keep the contract of
+  engine.generation.base (the unshaped logits) under fields.
 
 Requests go through the openai client with `extra_body` (as evaluation harnesses send them).
 Slow (two vLLM engines and an hf engine start): second tier.
@@ -119,7 +120,8 @@ def servers(tmp_path_factory):
         serve_hf, stop_h = _serve(on_hf, HFStepDriver(on_hf.engine))
         _wait(proc, vllm_url, log)
         yield {"vllm server": vllm_url, "serve vllm": serve_vllm.base_url,
-               "serve hf": serve_hf.base_url, "path": path}
+               "serve hf": serve_hf.base_url, "path": path,
+               "engines": {"vllm": on_vllm.engine, "hf": on_hf.engine}}
         for stop, endpoint in ((stop_v, serve_vllm), (stop_h, serve_hf)):
             stop.set()
             endpoint.stop()
@@ -262,3 +264,25 @@ def test_mixed_fields_in_one_batch_equal_each_alone(servers, replies):
                 lambda f: _complete(servers[server], f, MODES["seeded"]), cases.values())))
         for case in cases:
             assert got[case]["ids"] == replies[server, case, "seeded"]["ids"], (server, case)
+
+
+def test_sampling_logprobs_keep_the_contract(servers):
+    """Each engine's `generate` under fields (the engines are idle between requests): the
+    sampled ids' log-probs are log_softmax(logits / T) of the UNSHAPED logits, at T = 1 the
+    raw scores of the same ids, although the bias and penalties moved the draw (negative
+    control: vLLM's sampler hands its contract wrapper the shaped logits; without
+    vllm.worker.keep_unshaped the vllm engine reports those)."""
+    from engine.api.sampling_fields import SamplingFields
+    from engine.generation.base import SamplingParams
+
+    fields = SamplingFields(logit_bias=((57, 8.0),), repetition_penalty=1.6,
+                            presence_penalty=1.0, min_tokens=8)
+    for name, engine in servers["engines"].items():
+        params = SamplingParams(max_new_tokens=MAX_TOKENS, temperature=1.0, seeds=[SEED],
+                                sampling=[fields])
+        (gen,) = engine.generate([PROMPT], params)
+        (scores,) = engine.score([PROMPT + gen.response_ids], 0)
+        raw = scores.logprobs[len(PROMPT) - 1:]
+        assert 57 in gen.response_ids and len(gen.response_ids) > 8, name
+        diff = max(abs(a - b) for a, b in zip(gen.response_logprobs, raw))
+        assert diff < 2e-4, (name, diff)

@@ -22,10 +22,9 @@ Contract of `GenerateBackend.generate(requests) -> results` (one result per requ
   0), i = 1..m-1. result.logprobs stay the sampling ones (above).
 - sampling (`serve` only): vLLM's sampling fields (engine.api.sampling_fields.SamplingFields;
   None: neutral) shape the draw and the stop ids (stop_token_ids, ignore_eos: finish_reason
-  "stop" when the reply ends in one of its stop ids), never the scores (serve's reported
-  log-probs: raw, as vLLM's raw_logprobs). result.logprobs keep the contract on hf; on vllm a
-  request with fields gets vLLM's processed ones (its sampler hands the contract's wrapper the
-  shaped logits); serve never reports them.
+  "stop" when the reply ends in one of its stop ids), never result.logprobs (the contract
+  above: the unshaped logits) nor the scores (serve's reported log-probs: raw, as vLLM's
+  raw_logprobs).
 
 Seeds: call c of an episode, choice k, samples with call_seed(episode response seed, c, k):
 turn_seed for choice 0 (the seeds of engine.rl.env.episodes' turns, so an agent whose calls

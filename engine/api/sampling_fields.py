@@ -17,10 +17,9 @@ min_tokens, stop_token_ids, with vLLM 0.32's ranges and meanings (vllm.SamplingP
 
 vLLM's order: min_tokens mask, logit_bias, repetition, frequency, presence, then temperature,
 min_p, top_k, top_p (engine.generation.processing writes it for the hf backend; the vllm
-backend hands the fields to vLLM). The log-probs `serve` reports are the scoring pass's raw
-ones, which none of them changes (as vLLM's default raw_logprobs); the sampling log-probs of
-engine.generation.base's contract are kept on hf, and are vLLM's processed ones on vllm
-(engine.api.backend).
+backend hands the fields to vLLM). None of them changes a log-prob: `serve` reports the
+scoring pass's raw ones (as vLLM's default raw_logprobs), and the sampling log-probs stay
+engine.generation.base's contract (log_softmax of the unshaped logits / T) on both backends.
 
 `serve` (Limits.evaluation) takes them; the agent endpoint refuses each other than its neutral
 value (engine.api.requests.NEUTRAL): a training sample must be the policy's own draw.

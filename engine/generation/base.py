@@ -62,9 +62,8 @@ class SamplingParams:
     sampling: per prompt, vLLM's sampling fields (engine.api.sampling_fields.SamplingFields,
         None: neutral; `serve` only): the hf backend applies them by vLLM's formulas
         (engine.generation.processing), the vllm backend hands them to vLLM; they shape the
-        draw and the row's stop ids. The hf backend's log-probs keep the contract above; the
-        vllm backend's are then those of vLLM's shaped logits / T (its sampler applies the
-        fields before the contract's wrapper sees the logits; `serve` reports raw scores).
+        draw and the row's stop ids, never the reported log-probs (the contract above: the
+        unshaped logits; vLLM's through engine.generation.vllm.worker.keep_unshaped).
     """
 
     max_new_tokens: int

@@ -18,9 +18,8 @@ vLLM's sampling fields (SamplingParams.sampling[i], `serve`): handed to vLLM as 
 max_tokens, which vLLM refuses otherwise: a reply cut there is cut either way), its stop ids
 (SamplingFields.stop_ids: the engine's eos ids unless ignore_eos, and stop_token_ids) as vLLM's
 stop_token_ids; `stop_ids` reads a built request's back (what ends it: finish_reason "stop").
-Such a request's log-probs are log_softmax of vLLM's shaped logits / T (penalties, bias and
-masks applied before ContractLogprobs sees them), not the contract's unshaped ones; `serve`,
-the only sender of fields, reports the scoring pass's raw log-probs instead.
+Such a request's log-probs stay the contract's (the unshaped logits / T: vLLM's processors
+run after engine.generation.vllm.worker.keep_unshaped kept them).
 """
 from __future__ import annotations
 

@@ -37,6 +37,8 @@ PRIVATE_NAMES = {
         "weight sync of loads that copy past the reload (gpt-oss)",
     ("vllm.v1.sample.ops.topk_topp_sampler", "TopKTopPSampler.forward_native"):
         "log-prob contract",
+    ("vllm.v1.sample.sampler", "Sampler.apply_logits_processors"):
+        "log-prob contract under serve's sampling fields (vllm.worker.keep_unshaped)",
     # speculative decoding (engine.generation.vllm.spec_sampler, vllm.spec_sync)
     ("vllm.v1.sample.rejection_sampler", "RejectionSampler._get_logprobs_tensors"):
         "log-prob contract at draft positions",

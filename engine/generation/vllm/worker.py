@@ -5,7 +5,11 @@
 - `rl_install_contract_logprobs`: the runner's top-k/top-p sampler wrapped by
   `ContractLogprobs`, so the log-probs are log_softmax(logits / T) before top-p (the contract
   of engine.generation.base), the sampled token still vLLM's; refused when the sampler has no
-  such module or calls it otherwise (engine.generation.vllm.version). `rl_contract_calls`: how
+  such module or calls it otherwise (engine.generation.vllm.version). The sampler's
+  `apply_logits_processors` is wrapped too (`keep_unshaped`): a batch that is not all greedy
+  keeps its logits / T from before vLLM's processors (penalties, logit bias, min-tokens mask;
+  min-p later), and ContractLogprobs reports log_softmax of those, so a `serve` request's
+  sampling fields move the draw only; without fields the numbers are bitwise the same. `rl_contract_calls`: how
   often it ran (the owner checks its first generate went through it).
 - `rl_leave_signals_to_owner`: SIGTERM and SIGINT ignored in the worker. torchrun (and a
   cluster scheduler, and Ctrl-C) signal the whole process group, the engine's worker included;
@@ -55,14 +59,36 @@ class ContractLogprobs(torch.nn.Module):
         super().__init__()
         inner.logprobs_mode = "raw_logprobs"  # the wrapped sampler computes no log-probs
         self.inner = inner
+        self.unshaped: torch.Tensor | None = None   # this batch's logits / T (keep_unshaped)
 
     calls = 0   # forward calls: the owner checks the contract carried the first generate
 
     def forward(self, logits, generators, k, p):
         ContractLogprobs.calls += 1
-        logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+        unshaped, self.unshaped = self.unshaped, None
+        source = logits if unshaped is None else unshaped
+        logprobs = source.log_softmax(dim=-1, dtype=torch.float32)
         sampled, _ = self.inner(logits, generators, k, p)
         return sampled, logprobs
+
+
+def keep_unshaped(sampler, contract: ContractLogprobs) -> None:
+    """Wrap `sampler.apply_logits_processors` (module docstring): before vLLM's processors
+    run, a batch that is not all greedy leaves its float32 logits divided by the temperature
+    as vLLM's sampler divides them (a greedy row's T read as 1) in `contract.unshaped`."""
+    original = sampler.apply_logits_processors
+
+    def apply(logits, sampling_metadata, *args, **kwargs):
+        contract.unshaped = None
+        if not sampling_metadata.all_greedy:
+            temperature = sampling_metadata.temperature
+            if not sampling_metadata.all_random:   # vLLM's _SAMPLING_EPS
+                temperature = torch.where(temperature < 1e-5, 1.0, temperature)
+            contract.unshaped = logits / temperature.unsqueeze(dim=1)
+        return original(logits, sampling_metadata, *args, **kwargs)
+
+    apply.rl_keeps_unshaped = True
+    sampler.apply_logits_processors = apply
 
 
 class RolloutWorkerExtension:
@@ -80,6 +106,8 @@ class RolloutWorkerExtension:
             raise RuntimeError(problem)
         if not isinstance(sampler.topk_topp_sampler, ContractLogprobs):
             sampler.topk_topp_sampler = ContractLogprobs(sampler.topk_topp_sampler)
+        if not getattr(sampler.apply_logits_processors, "rl_keeps_unshaped", False):
+            keep_unshaped(sampler, sampler.topk_topp_sampler)
 
     def rl_contract_calls(self) -> int:
         return ContractLogprobs.calls
