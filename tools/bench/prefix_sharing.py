@@ -17,8 +17,8 @@ pass a frozen copy runs) and one GRPO update (engine.rl.policy.update.policy_upd
 loss, backward, Adam), packed micro-batches of at most 4,096 tokens. Reported: the token ratio
 (train/prefix_token_ratio), seconds of each pass, the peak RSS increase over each workload's
 passes (sampled every 5 ms), and the largest differences of the log-prob table, loss and grad
-norm between the modes. Each mode runs twice per workload and each pass keeps its smaller time
-(other load on the host only adds). `--quick` (the CI size): a 2-layer model, workloads a
+norm between the modes. Each mode runs three times per workload, alternating with the other,
+and each pass keeps its smallest time (other load on the host only adds). `--quick` (the CI size): a 2-layer model, workloads a
 quarter long, one run each.
 """
 from __future__ import annotations
@@ -162,14 +162,21 @@ def _run(model_dir: str, rows, sharing: bool) -> dict:
     return out
 
 
-def _best(model_dir: str, rows, sharing: bool, repeats: int) -> dict:
-    """`_run` `repeats` times; each pass's seconds and the peak: the smallest (a loaded host's
-    noise only ever adds); the numbers of the last run."""
-    runs = [_run(model_dir, rows, sharing) for _ in range(repeats)]
-    best = dict(runs[-1])
-    for key in ("logprob_s", "reference_s", "update_s", "peak_gb"):
-        best[key] = min(r[key] for r in runs)
-    return best
+def _best_pair(model_dir: str, rows, repeats: int) -> tuple[dict, dict]:
+    """(unshared, shared): `_run` of each mode `repeats` times, alternating (a load that
+    drifts over the minutes hits both modes alike); each pass's seconds and the peak the
+    smallest (a loaded host's noise only ever adds); the other numbers of the last run."""
+    runs: dict = {False: [], True: []}
+    for _ in range(repeats):
+        for sharing in (False, True):
+            runs[sharing].append(_run(model_dir, rows, sharing))
+    out = []
+    for sharing in (False, True):
+        best = dict(runs[sharing][-1])
+        for key in ("logprob_s", "reference_s", "update_s", "peak_gb"):
+            best[key] = min(r[key] for r in runs[sharing])
+        out.append(best)
+    return out[0], out[1]
 
 
 def run_prefix_sharing(quick: bool) -> BenchResult:
@@ -188,7 +195,7 @@ def run_prefix_sharing(quick: bool) -> BenchResult:
     init_distributed()
     setup_model_parallel(ParallelLayout(1))
     spec = QUICK_MODEL if quick else MODEL
-    repeats = 1 if quick else 2
+    repeats = 1 if quick else 3
     rows, summary = [], {"prefix_sharing_quick": quick}
     with tempfile.TemporaryDirectory(prefix="bench_prefix_") as tmp:
         model_dir = build_tiny_model(os.path.join(tmp, "model"), "qwen3", tokenizer=False,
@@ -196,8 +203,7 @@ def run_prefix_sharing(quick: bool) -> BenchResult:
         work = _workloads(spec["vocab_size"], 0.25 if quick else 1.0)
         _run(model_dir, work["agent"], True)   # warm-up (allocator, kernels), not reported
         for name, batch in work.items():
-            off, on = _best(model_dir, batch, False, repeats), _best(model_dir, batch, True,
-                                                                     repeats)
+            off, on = _best_pair(model_dir, batch, repeats)
             total_off = off["logprob_s"] + off["reference_s"] + off["update_s"]
             total_on = on["logprob_s"] + on["reference_s"] + on["update_s"]
             speed = total_off / total_on
