@@ -2,7 +2,7 @@
 real engine: GRPO (log-prob stage, 3 policy updates with the full loss), SFT (3 steps), DPO
 (3 steps with a frozen reference) and the PPO critic (values, GAE, 3 critic updates), at 1
 process (with the negative controls) and at DP2 with gradient accumulation, TP2 with sequence
-parallelism, PP2 and CP2 (Ulysses, packed). The harness:
+parallelism, PP2, PP2 with virtual stages and CP2 (Ulysses, packed). The harness:
 tests/multirank/prefix_sharing_check.py; the pieces: tests/test_prefix_tree.py."""
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import pytest
 
 CHECK = "tests/multirank/prefix_sharing_check.py"
 TOL = 1e-5
+# DP2 with gradient accumulation, TP2 + SP, PP2, PP2 x VPP2, CP2 (Ulysses, packed)
+LAYOUTS = ("1,1,1,mbs=1", "2,1,1,sp", "1,2,1", "1,2,1,vpp=2+mbs=1", "1,1,2")
 
 
 def _lines(proc, tag: str) -> list[dict]:
@@ -28,8 +30,7 @@ def one_process(pools, qwen3_dir):
 
 @pytest.fixture(scope="module")
 def two_ranks(pools, qwen3_dir):
-    proc = pools.script(2, CHECK, qwen3_dir, "1,1,1,mbs=1", "2,1,1,sp", "1,2,1", "1,1,2",
-                        timeout=900)
+    proc = pools.script(2, CHECK, qwen3_dir, *LAYOUTS, timeout=900)
     return _lines(proc, "RESULT")
 
 
@@ -60,7 +61,6 @@ def test_negative_controls_are_caught(one_process):
 
 def test_shared_equals_unshared_at_every_layout(two_ranks):
     specs = {(r["spec"], r["objective"]) for r in two_ranks}
-    assert specs == {(s, o) for s in ("1,1,1,mbs=1", "2,1,1,sp", "1,2,1", "1,1,2")
-                     for o in ("grpo", "sft", "dpo", "ppo")}
+    assert specs == {(s, o) for s in LAYOUTS for o in ("grpo", "sft", "dpo", "ppo")}
     for r in two_ranks:
         _check(r)

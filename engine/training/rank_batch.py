@@ -45,7 +45,9 @@ def _layout():
     return dict(dp=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
                 cp=ps.get_context_parallel_world_size(), cp_rank=ps.get_context_parallel_rank(),
                 tp=ps.get_tensor_model_parallel_world_size(),
-                pp=ps.get_pipeline_model_parallel_world_size(), dp_group=ps.get_data_parallel_group())
+                pp=ps.get_pipeline_model_parallel_world_size(),
+                dp_group=ps.get_data_parallel_group(),
+                vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1)
 
 
 def context_parallel_group():
@@ -92,6 +94,12 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
                                            train_cfg.max_tokens_per_micro_batch, units)
     plan = plan_mini_batch(lengths, lay["dp"], train_cfg.balance_dp, train_cfg.micro_batch_size,
                            train_cfg.max_tokens_per_micro_batch, units, unit_lengths)
+    if lay.get("vpp", 1) > 1 and plan.num_micro_batches % lay["pp"]:
+        # megatron's interleaved schedule wants a multiple of pp micro-batches (a remainder
+        # below pp is refused): top every rank up with empty, zero-weight micro-batches
+        extra = lay["pp"] - plan.num_micro_batches % lay["pp"]
+        plan = MiniBatchPlan([r + [[] for _ in range(extra)] for r in plan.ranks],
+                             plan.dp_imbalance)
     mine = plan.ranks[lay["dp_rank"]]
     positions = [i for mb in mine for i in mb]
     counts = torch.tensor([int(sum(seqs[i].loss_mask)) for i in positions], dtype=torch.long)

@@ -4,7 +4,8 @@
     torchrun --nproc_per_node W tests/multirank/prefix_sharing_check.py MODEL_DIR SPEC...
 
 Each SPEC is "tp,pp,cp[,flags]" (flags "+"-separated: sp, Megatron sequence parallelism;
-dyn=N, train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; ctl, the negative
+dyn=N, train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; vpp=V, virtual
+pipeline stages; ctl, the negative
 controls; obj=A/B, only these objectives, default all). For each spec, at W ranks (DP = W /
 (tp*pp*cp)), with sharing off and then on, the same HF weights loaded each time:
   grpo: a GRPO rollout batch whose groups share their prompts (one row a prefix of another,
@@ -247,7 +248,8 @@ def parse_spec(spec: str):
                  max_tokens_per_micro_batch=int(opts["dyn"]) if "dyn" in opts else None,
                  balance_dp=True, packing=True)
     names = opts.get("obj", "/".join(n for n, _ in OBJECTIVES)).split("/")
-    return (dict(tp=tp, pp=pp, cp=cp), train, "sp" in flags, "ctl" in flags,
+    layout = dict(tp=tp, pp=pp, cp=cp, **({"vpp": int(opts["vpp"])} if "vpp" in opts else {}))
+    return (layout, train, "sp" in flags, "ctl" in flags,
             [(n, r) for n, r in OBJECTIVES if n in names])
 
 
