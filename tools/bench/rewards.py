@@ -6,7 +6,9 @@ in one process (docs/rewards.md, docs/benchmarks.md "Rewards"):
    process's main thread, then in the reward pool (reward.num_workers = the CPUs this process
    may use; its start-up timed apart). Goal: pool >= 1.8x serial on 2 cores. Scores equal.
 2. overlap: a GRPO rollout on the hf step driver (rollout.partial_driver, a tiny qwen3 with
-   spread reply lengths: tools.bench.partial.eos_prone_model) with a reward of ~20 ms of CPU
+   reply lengths spread from 1 to MAX_NEW tokens, mean ~17: tools.bench.partial.eos_prone_model
+   at EOS_SCALE; the replies that hit the cap all end in the same driver step, which is the
+   tail overlapping cannot hide) with a reward of ~20 ms of CPU
    per item (tools.bench.reward_fns.busy_reward), STEPS steps scored after generation
    (`overlap_scoring = False`: each group scored when it completes, the rollout waiting) and
    overlapped (replies scored as they finish). Reported: time/reward_wait_s and
@@ -35,13 +37,16 @@ from tools.bench.partial import eos_prone_model
 from tools.bench.reward_fns import WORK_S, busy_reward
 
 MATH_ITEMS, CODE_ITEMS, STEPS, PROMPTS, N = 2048, 256, 3, 8, 8
+# reply lengths spread from 1 token to MAX_NEW (mean ~17; a few hit the cap together)
+EOS_SCALE, MAX_NEW = 2.5, 64
 QUICK = (128, 8, 1)   # math items, code items, overlap steps
 
 
 def math_items(count: int) -> list[dict]:
     """`count` answer/response pairs, a few kinds of tricky agreement and disagreement."""
     kinds = [
-        lambda i: (rf"\frac{{{i}}}{{{i + 1}}}", rf"so $\boxed{{\dfrac{{{2 * i}}}{{{2 * i + 2}}}}}$"),
+        lambda i: (rf"\frac{{{i}}}{{{i + 1}}}",
+                   rf"so $\boxed{{\dfrac{{{2 * i}}}{{{2 * i + 2}}}}}$"),
         lambda i: (f"{i}.5", rf"The answer is $\boxed{{\frac{{{2 * i + 1}}}{{2}}}}$."),
         lambda i: (rf"\{{{i},{i + 2}\}}", rf"$\boxed{{\{{{i + 2}, {i}\}}}}$"),
         lambda i: (f"({i},{i + 3}]", rf"$\boxed{{({i}, {i + 3})}}$"),
@@ -89,14 +94,15 @@ def serial_vs_pool(fn, items: list[dict]) -> dict:
 def overlap(steps: int) -> dict:
     """The GRPO rollout on the step driver, scored after generation vs overlapped."""
     model_dir = eos_prone_model(tempfile.mkdtemp(prefix="bench-rewards-") + "/qwen3",
-                                eos_scale=2.0)
+                                eos_scale=EOS_SCALE)
     from transformers import AutoTokenizer   # after the model folder exists
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = [{"prompt": f"what is {i % 10} plus {(3 * i + 1) % 10} ?", "answer": str(i % 7)}
             for i in range(64)]
-    argv = [f"rollout.n={N}", f"train.prompts_per_step={PROMPTS}", "rollout.max_new_tokens=48",
-            "data.shuffle=false", "train.seq_length=96", "rollout.partial=true",
-            "rollout.partial_max_new_tokens=16", "rollout.partial_driver=true"]
+    argv = [f"rollout.n={N}", f"train.prompts_per_step={PROMPTS}",
+            f"rollout.max_new_tokens={MAX_NEW}", "data.shuffle=false", "train.seq_length=128",
+            "rollout.partial=true", "rollout.partial_max_new_tokens=16",
+            "rollout.partial_driver=true"]
     cfg = apply_algorithm_defaults(load_config(RLConfig, argv)[0], explicit_keys(argv))
     out = {}
     for mode, on in (("after", False), ("overlapped", True)):

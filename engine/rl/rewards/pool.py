@@ -1,10 +1,11 @@
 """The process pool of `reward.num_workers` that scores reward calls (docs/rewards.md).
 
 Each worker is a fresh interpreter (engine.rl.rewards.worker) in a session of its own, started
-once and kept across steps. Items are dispatched one at a time to idle workers, so a call's
-clock (`timeout_s`) starts when it starts. A call that runs past it has its worker's process
-group killed and the worker replaced; a worker that dies mid-call (a crash, an exit, the OOM
-killer) is replaced too. Either way the item scores `failure_score` and the others go on.
+once and kept across steps. Each worker gets up to DEPTH calls ahead of its answers; a call's
+clock (`timeout_s`) starts when the one before it was answered. A call past it has its
+worker's process group killed and the worker replaced, as has a worker that dies mid-call (a
+crash, an exit, the OOM killer): the item scores `failure_score`, the worker's later calls go
+back to the queue and the others go on.
 
 Scores equal serial scoring exactly: every item is one call of the same function on the same
 arguments, in whichever worker.
@@ -37,6 +38,7 @@ from engine.rl.rewards.scoring import check_items
 
 logger = logging.getLogger(__name__)
 
+DEPTH = 2                  # calls sent to a worker ahead of its answers
 STARTUP_TIMEOUT_S = 120.0  # a worker that has not loaded the function by then is an error
 ENGINE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding `engine`
 
@@ -94,7 +96,9 @@ class _Worker:
         self.outbox = Connection(from_child_r, writable=False)
         self.inbox.send((list(sys.path), fn_bytes))
         self.ready = False
-        self.task: tuple[Hashable, float] | None = None   # (key, start time) while busy
+        # sent and unanswered: [key, item, start time]; only the first has started (its start
+        # is when the one before was answered)
+        self.tasks: deque[list] = deque()
 
     def kill(self) -> None:
         """SIGKILL the worker's process group (it and anything it started), reap it."""
@@ -158,7 +162,7 @@ class RewardPool:
         """Whether ``key`` was submitted and not forgotten since."""
         with self._cond:
             return key in self.done or any(k == key for k, _ in self.queue) or any(
-                w.task is not None and w.task[0] == key for w in self.workers)
+                t[0] == key for w in self.workers for t in w.tasks)
 
     def wait(self, keys: Iterable[Hashable]) -> list[Outcome]:
         """The outcomes of ``keys`` in their order (a key may repeat), waiting for the ones
@@ -206,7 +210,7 @@ class RewardPool:
         with self._cond:
             if self._closed:
                 return None
-            busy = [w for w in self.workers if w.task is not None]
+            busy = [w for w in self.workers if w.tasks]
             deadline = self._next_deadline(busy) if busy else None
         return busy, None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -217,8 +221,7 @@ class RewardPool:
             if self._wake_r in ready:
                 os.read(self._wake_r, 4096)
             for worker in busy:
-                if worker.outbox in ready and worker.task is not None \
-                        and worker in self.workers:
+                if worker.outbox in ready and worker.tasks and worker in self.workers:
                     self._receive(worker)
             self._expire(busy)
             self._dispatch()
@@ -228,8 +231,8 @@ class RewardPool:
         """Replace the workers whose call ran past timeout_s."""
         now = time.monotonic()
         for worker in busy:
-            if (worker.task is not None and worker in self.workers
-                    and self.timeout_s is not None and now - worker.task[1] >= self.timeout_s):
+            if (worker.tasks and worker in self.workers and self.timeout_s is not None
+                    and now - worker.tasks[0][2] >= self.timeout_s):
                 self._replace(worker, Outcome(self.failure_score, "timeout",
                                               f"timed out after {self.timeout_s:g} s"))
 
@@ -240,12 +243,11 @@ class RewardPool:
             pass
 
     def _next_deadline(self, busy: list[_Worker]) -> float | None:
-        if self.timeout_s is None:
-            return None
-        return min(w.task[1] for w in busy) + self.timeout_s
+        return None if self.timeout_s is None else min(w.tasks[0][2] for w in busy) + self.timeout_s
 
     def _receive(self, worker: _Worker) -> None:
-        key = worker.task[0]
+        """The worker's answer to its first task (the next one starts now), or its death."""
+        key = worker.tasks[0][0]
         try:
             kind, _, value = worker.outbox.recv()
         except (EOFError, OSError):
@@ -253,17 +255,22 @@ class RewardPool:
             self._replace(worker, Outcome(self.failure_score, "crash",
                                           f"the worker died (exit status {code})"))
             return
-        seconds = time.monotonic() - worker.task[1]
+        now = time.monotonic()
+        seconds = now - worker.tasks.popleft()[2]
         outcome = (Outcome(float(value), seconds=seconds) if kind == "ok"
                    else Outcome(self.failure_score, "error", str(value), seconds))
         self.done[key] = outcome
-        worker.task = None
+        if worker.tasks:
+            worker.tasks[0][2] = now
 
     def _replace(self, worker: _Worker, outcome: Outcome) -> None:
-        """Record the failed item, kill the worker and start a fresh one in its place."""
-        outcome.seconds = time.monotonic() - worker.task[1]
-        self.done[worker.task[0]] = outcome
-        worker.task = None
+        """Record the failed (first) item, queue the worker's later ones again (not started),
+        kill the worker and start a fresh one in its place."""
+        key, _, start = worker.tasks.popleft()
+        outcome.seconds = time.monotonic() - start
+        self.done[key] = outcome
+        self.queue.extendleft((k, item) for k, item, _ in reversed(worker.tasks))
+        worker.tasks.clear()
         worker.kill()
         fresh = _Worker(self.fn_bytes)
         self.workers[self.workers.index(worker)] = fresh
@@ -271,21 +278,21 @@ class RewardPool:
         self._await_ready([fresh])
 
     def _dispatch(self) -> None:
-        """Queued items to idle workers (the caller holds the lock); wakes the service thread
-        to watch them."""
+        """Queued items to the workers, up to DEPTH unanswered each, so a worker starts its
+        next call without waiting for this process to read its answer (the caller holds the
+        lock); wakes the service thread to watch them."""
         sent = False
-        for worker in self.workers:
-            if not self.queue:
-                break
-            if worker.task is None:
-                sent = True
-                key, item = self.queue.popleft()
-                worker.task = (key, time.monotonic())
-                try:
-                    worker.inbox.send((key, dict(item)))
-                except (BrokenPipeError, OSError):
-                    self._replace(worker, Outcome(self.failure_score, "crash",
-                                                  "the worker died before the call"))
+        for depth in range(1, DEPTH + 1):
+            for worker in self.workers:
+                if self.queue and len(worker.tasks) < depth:
+                    sent = True
+                    key, item = self.queue.popleft()
+                    worker.tasks.append([key, item, time.monotonic()])
+                    try:
+                        worker.inbox.send((key, dict(item)))
+                    except (BrokenPipeError, OSError):
+                        self._replace(worker, Outcome(self.failure_score, "crash",
+                                                      "the worker died before the call"))
         if sent:
             self._wake()
 

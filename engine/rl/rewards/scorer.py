@@ -13,6 +13,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 from engine.rl.rewards.pool import RewardPool, ScoreReport
+from engine.rl.rewards.math_match import no_reward
 from engine.rl.rewards.registry import RewardFn
 from engine.rl.rewards.scoring import check_items, score_responses
 
@@ -27,7 +28,8 @@ class BatchScorer:
     """
 
     def __init__(self, fn: RewardFn, reward: Any) -> None:
-        self.fn, self.num_workers = fn, reward.num_workers
+        # reward.fn=none has nothing to score: no worker processes for it
+        self.fn, self.num_workers = fn, 0 if fn is no_reward else reward.num_workers
         self.timeout_s, self.failure_score = reward.timeout_s, float(reward.failure_score)
         self._pool: RewardPool | None = None
         self._held: dict[Hashable, Mapping[str, Any]] = {}   # num_workers=0: scored at wait
