@@ -9,7 +9,8 @@ min_tokens, stop_token_ids, with vLLM 0.32's ranges and meanings (vllm.SamplingP
 - logit_bias {id: b}: b (clamped to [-100, 100]) added to that id's logit (keys may be
   strings of integers, as OpenAI's clients send them);
 - min_tokens m >= 0: the end-of-sequence ids and stop_token_ids are masked while the reply
-  has fewer than m tokens (m <= max_tokens when max_tokens is given, as vLLM refuses);
+  has fewer than m tokens (an m above the request's max_tokens is a 400, as vLLM answers; a
+  reply the server's budget ends earlier ends there);
 - ignore_eos: the end-of-sequence ids do not end the reply (stop_token_ids still do);
 - stop_token_ids: ids that end the reply (kept in it, finish_reason "stop");
 - top_k k (0 or -1: off; else >= 1) and min_p in [0, 1] restrict the random draw after the
