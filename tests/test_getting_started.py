@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+import torch
+
 from tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,3 +82,27 @@ def test_every_cpu_demo_is_listed():
                    if p.name not in HELPERS)
     assert len(demos) >= 9
     assert [d for d in demos if f"bash recipes/{d}" not in text] == []
+
+
+def test_demo_model_eos_prone_is_the_partial_tests_model(tmp_path):
+    """`tools.demo model --eos-prone` (docs/async-rl.md's partial-rollout example) writes
+    tools.tiny_models.eos_prone_model: the plain build with the end-of-turn row (id 3) scaled by
+    2.5 and every other tensor equal. Control: the plain demo model differs from it."""
+    from safetensors.torch import load_file
+
+    from tools.demo import main
+    from tools.tiny_models import build_tiny_model
+
+    demo, plain = str(tmp_path / "demo"), str(tmp_path / "plain")
+    main(["model", demo, "--eos-prone", "--layers", "1"])
+    build_tiny_model(plain, "qwen3", hidden=64, layers=1, heads=8, kv_heads=2, seed=0,
+                     initializer_range=0.2, intermediate=128, head_dim=16)
+    got, ref = (load_file(f"{d}/model.safetensors") for d in (demo, plain))
+    assert got.keys() == ref.keys()
+    row = "model.embed_tokens.weight"
+    assert torch.equal(got[row][3], 2.5 * ref[row][3]) and not torch.equal(got[row][3], ref[row][3])
+    assert all(torch.equal(got[k], ref[k]) for k in ref if k != row)
+    assert torch.equal(got[row][4:], ref[row][4:])
+    main(["model", str(tmp_path / "default"), "--layers", "1"])
+    default = load_file(f"{tmp_path}/default/model.safetensors")
+    assert not torch.equal(default[row], got[row])

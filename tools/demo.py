@@ -14,6 +14,9 @@
         word-level tokenizer of tools/tiny_models.py (every addition-demo model shares it);
         vLLM's CPU attention needs heads of 32 dims or more: `--head-dim 32` serves on every
         backend, the default 16 is refused by `serve --backend vllm` and rollout.backend=vllm;
+        --eos-prone: instead the partial-rollout tests' Qwen3 (8 heads, init 0.2, its end-of-turn
+        embedding scaled by 2.5: tools.tiny_models.eos_prone_model) whose sampled replies end at
+        spread lengths, so partial rollouts cut some and carry them (docs/async-rl.md);
         --mtp: instead a tiny random GLM-4.5 MoE with a multi-token-prediction layer
         (docs/mtp.md's CPU example)
     python -m tools.demo addition-data WORK
@@ -52,7 +55,7 @@ if __package__ in (None, ""):  # `python tools/demo.py` from a checkout
 
 from tools.demo_evaluate import evaluate  # noqa: E402
 from tools.demo_images import evaluate_counting, make_counting_data  # noqa: E402
-from tools.tiny_models import tiny_mtp_model  # noqa: E402
+from tools.tiny_models import eos_prone_model, tiny_mtp_model  # noqa: E402
 
 # A compact Qwen-style template: tools in a short system turn, tool calls as <tool_call> JSON,
 # tool results as <tool_response> in a user turn (the tool-call format detected: "hermes").
@@ -245,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=16,
                    help="dims of each of the 4 heads (vLLM's CPU attention needs 32 or more)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eos-prone", action="store_true",
+                   help="replies that end at spread lengths (the partial-rollout tests' model)")
     p.add_argument("--mtp", action="store_true", help="a tiny GLM-4.5 MoE with an MTP layer")
     p = sub.add_parser("addition-data", help="single-digit addition, SFT and RL rows")
     p.add_argument("work")
@@ -273,12 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "assets":
         print(make_assets(Path(args.out), args.seed))
     elif args.command == "model":
-        (tiny_mtp_model(args.dir) if args.mtp else
-         make_model(args.dir, args.hidden, args.layers, args.intermediate, args.seed,
-                    args.head_dim))
-        print(f"wrote {args.dir}: " + ("a tiny GLM-4.5 MoE with an MTP layer" if args.mtp else
-              f"a tiny random Qwen3 (hidden {args.hidden}, layers {args.layers})") +
-              ", its config and tokenizer")
+        if args.mtp:
+            tiny_mtp_model(args.dir)
+        elif args.eos_prone:
+            eos_prone_model(args.dir, hidden=args.hidden, layers=args.layers,
+                            intermediate=args.intermediate, head_dim=args.head_dim)
+        else:
+            make_model(args.dir, args.hidden, args.layers, args.intermediate, args.seed,
+                       args.head_dim)
+        kind = ("a tiny GLM-4.5 MoE with an MTP layer" if args.mtp else
+                f"a tiny {'eos-prone' if args.eos_prone else 'random'} Qwen3 (hidden "
+                f"{args.hidden}, layers {args.layers})")
+        print(f"wrote {args.dir}: {kind}, its config and tokenizer")
     elif args.command in ("addition-data", "rm-data", "tools-data"):
         written = {"addition-data": make_addition_data, "rm-data": make_rm_data,
                    "tools-data": make_tools_data}[args.command](Path(args.work))

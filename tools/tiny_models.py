@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file as load_eager, save_file as save_eager
 
 # transformers renders templates with trim_blocks=True, which eats a literal newline right after
 # a block tag; newlines are therefore written as {{ '\n' }} expressions.
@@ -160,6 +161,22 @@ def build_eos_model(out_dir: str, hidden: int = 32, arch: str = "llama",
         mean = model.model(ids).last_hidden_state.reshape(-1, hidden).mean(0)
         model.lm_head.weight[3] += eos_boost * mean / mean.norm() ** 2
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def eos_prone_model(path: str, eos_scale: float = 2.5, hidden: int = 64, layers: int = 2,
+                    heads: int = 8, **extra) -> str:
+    """A tiny qwen3 (word-level tokenizer, eos id 3, tied embeddings) whose end-of-sequence
+    embedding row is scaled by `eos_scale`: sampled reply lengths spread from 1 token to the
+    limit (2.5: at 64 tokens, lengths 1 to 64, mean ~17). `extra`: build_tiny_model's keys
+    (head_dim=32 for vLLM's CPU attention). Returns `path`. The partial-rollout benchmark's and
+    tests' model (tools.bench.partial), and `python -m tools.demo model --eos-prone`."""
+    build_tiny_model(path, "qwen3", hidden=hidden, layers=layers, heads=heads, kv_heads=2,
+                     seed=0, initializer_range=0.2, **extra)
+    (weights,) = Path(path).glob("*.safetensors")
+    state = load_eager(str(weights))
+    state["model.embed_tokens.weight"][3] *= eos_scale
+    save_eager(state, str(weights), metadata={"format": "pt"})
     return path
 
 

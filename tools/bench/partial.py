@@ -40,24 +40,7 @@ from engine.rl.collect.partial_session import slot_budget
 from engine.rl.config import RLConfig, VLLMConfig
 from engine.rl.rewards import load_reward_fn
 from tools.bench.common import BenchResult, Table, fmt, machine_info
-from tools.tiny_models import build_tiny_model
-
-
-def eos_prone_model(path: str, eos_scale: float = 2.5, hidden: int = 64, layers: int = 2,
-                    heads: int = 8, **extra) -> str:
-    """A tiny qwen3 (word-level tokenizer, eos id 3, tied embeddings) whose end-of-sequence
-    embedding row is scaled by `eos_scale`: sampled reply lengths spread from 1 token to the
-    limit (2.5: at 64 tokens, lengths 1 to 64, mean ~17). `extra`: build_tiny_model's keys
-    (head_dim=32 for vLLM's CPU attention). Returns `path`."""
-    from safetensors.torch import load_file, save_file  # a dependency of transformers
-
-    build_tiny_model(path, "qwen3", hidden=hidden, layers=layers, heads=heads, kv_heads=2,
-                     seed=0, initializer_range=0.2, **extra)
-    (weights,) = glob.glob(f"{path}/*.safetensors")
-    state = load_file(weights)
-    state["model.embed_tokens.weight"][3] *= eos_scale
-    save_file(state, weights, metadata={"format": "pt"})
-    return path
+from tools.tiny_models import build_tiny_model, eos_prone_model  # noqa: F401 (the tests' import)
 
 
 def scheduled_length(seed: int, median: int) -> int:
