@@ -1,7 +1,7 @@
 """train.prefix_sharing against the unshared rows on the same batches (issue 91), through the
 real engine: GRPO (log-prob stage, 3 policy updates with the full loss), SFT (3 steps), DPO
 (3 steps with a frozen reference) and the PPO critic (values, GAE, 3 critic updates), at 1
-process (with the negative controls) and at DP2 with gradient accumulation, TP2 with sequence
+process (with the negative controls; GRPO, SFT and DPO again with a LoRA policy) and at DP2 with gradient accumulation, TP2 with sequence
 parallelism, PP2, PP2 with virtual stages and CP2 (Ulysses, packed). The harness:
 tests/multirank/prefix_sharing_check.py; the pieces: tests/test_prefix_tree.py."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ CHECK = "tests/multirank/prefix_sharing_check.py"
 TOL = 1e-5
 # DP2 with gradient accumulation, TP2 + SP, PP2, PP2 x VPP2, CP2 (Ulysses, packed)
 LAYOUTS = ("1,1,1,mbs=1", "2,1,1,sp", "1,2,1", "1,2,1,vpp=2+mbs=1", "1,1,2")
+LORA = "1,1,1,mbs=2+lora+obj=grpo/sft/dpo"   # a LoRA policy (all-linear adapters)
 
 
 def _lines(proc, tag: str) -> list[dict]:
@@ -24,7 +25,7 @@ def _lines(proc, tag: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def one_process(pools, qwen3_dir):
-    proc = pools.script(1, CHECK, qwen3_dir, "1,1,1,mbs=2+ctl", timeout=600)
+    proc = pools.script(1, CHECK, qwen3_dir, "1,1,1,mbs=2+ctl", LORA, timeout=600)
     return _lines(proc, "RESULT"), _lines(proc, "CONTROL")
 
 
@@ -45,7 +46,9 @@ def _check(result: dict) -> None:
 
 def test_shared_equals_unshared_at_one_process(one_process):
     results, _ = one_process
-    assert sorted(r["objective"] for r in results) == ["dpo", "grpo", "ppo", "sft"]
+    assert sorted((r["spec"], r["objective"]) for r in results) == sorted(
+        [("1,1,1,mbs=2+ctl", o) for o in ("dpo", "grpo", "ppo", "sft")]
+        + [(LORA, o) for o in ("dpo", "grpo", "sft")])
     for r in results:
         _check(r)
 
