@@ -269,3 +269,33 @@ def test_rows_sharing_too_little_run_unshared():
     fixed = build_tree_micro_batch(seqs_of(rows), [0, 1, 2], 1, 64, 1, 0)
     assert fixed.tree is not None and fixed.tree.row_length == 64
     assert fixed.tree.num_tokens == 56
+
+
+def test_cli_refuses_before_any_process_group(tmp_path):
+    """`python -m engine.sft ... train.prefix_sharing=true` with settings it cannot share
+    under: exit code 2, one report naming the keys, before torch.distributed starts
+    (tests.launch.run_main fails the case otherwise). Negative control: the same run without
+    sharing gets past the check (and would start the process groups)."""
+    import json as json_lib
+
+    from engine.sft.__main__ import main
+    from tests.launch import run_main
+    from tools.tiny_models import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "model"), "qwen3", hidden=64, layers=2, heads=8,
+                             kv_heads=2, intermediate=64)
+    data = tmp_path / "train.jsonl"
+    data.write_text(json_lib.dumps({"messages": [
+        {"role": "user", "content": "what is 1 + 2 ?"},
+        {"role": "assistant", "content": "the answer is 3"}]}) + "\n")
+    base = [f"model.hf_path={model}", f"data.train_files=[{data}]", "train.seq_length=32",
+            "train.global_batch_size=2", "train.max_steps=1", "logging.progress_bar=false",
+            f"logging.dir={tmp_path}/log", "train.compile=true"]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    proc = run_main(main, base + ["train.prefix_sharing=true"], env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    report = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(report) == 1 and "train.prefix_sharing=true" in report[0] \
+        and "train.compile" in report[0], proc.stderr[-2000:]
+    with pytest.raises(AssertionError, match="start torch.distributed"):
+        run_main(main, base, env)
