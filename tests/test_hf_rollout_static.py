@@ -24,8 +24,9 @@ from tools.tiny_models import build_eos_model
 # fp32 rounding of a masked static cache (test_static_path_equals_eager...): measured up to
 # 2.4e-6 over three prompt sets; the eager loop itself moves a row's log-probs by up to 3.6e-6
 # when the row is decoded alone instead of in its batch (other left padding), so a bound below
-# that would hold the static path to a reproducibility the reference does not have
-TOL = 3e-6
+# that would hold the static path to a reproducibility the reference does not have; the compiled
+# decode step measured 3.34e-6 on a host with AMX (inductor's kernels round differently there)
+TOL = 4e-6
 
 
 @pytest.fixture(scope="module")
