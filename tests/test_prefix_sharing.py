@@ -2,7 +2,8 @@
 real engine: GRPO (log-prob stage, 3 policy updates with the full loss), SFT (3 steps), DPO
 (3 steps with a frozen reference) and the PPO critic (values, GAE, 3 critic updates), at 1
 process (with the negative controls; GRPO, SFT and DPO again with a LoRA policy) and at DP2 with gradient accumulation, TP2 with sequence
-parallelism, PP2, PP2 with virtual stages and CP2 (Ulysses, packed). The harness:
+parallelism (also with the loss on megatron's logits instead of the chunked head), PP2, PP2
+with virtual stages and CP2 (Ulysses, packed). The harness:
 tests/multirank/prefix_sharing_check.py; the pieces: tests/test_prefix_tree.py."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ TOL = 1e-5
 # DP2 with gradient accumulation, TP2 + SP, PP2, PP2 x VPP2, CP2 (Ulysses, packed)
 LAYOUTS = ("1,1,1,mbs=1", "2,1,1,sp", "1,2,1", "1,2,1,vpp=2+mbs=1", "1,1,2")
 LORA = "1,1,1,mbs=2+lora+obj=grpo/sft/dpo"   # a LoRA policy (all-linear adapters)
+UNCHUNKED = "2,1,1,sp+unchunked+obj=grpo/sft"   # megatron's logits gathered (TP2 + SP)
 
 
 def _lines(proc, tag: str) -> list[dict]:
@@ -31,7 +33,7 @@ def one_process(pools, qwen3_dir):
 
 @pytest.fixture(scope="module")
 def two_ranks(pools, qwen3_dir):
-    proc = pools.script(2, CHECK, qwen3_dir, *LAYOUTS, timeout=900)
+    proc = pools.script(2, CHECK, qwen3_dir, *LAYOUTS, UNCHUNKED, timeout=900)
     return _lines(proc, "RESULT")
 
 
@@ -64,6 +66,7 @@ def test_negative_controls_are_caught(one_process):
 
 def test_shared_equals_unshared_at_every_layout(two_ranks):
     specs = {(r["spec"], r["objective"]) for r in two_ranks}
-    assert specs == {(s, o) for s in LAYOUTS for o in ("grpo", "sft", "dpo", "ppo")}
+    assert specs == {(s, o) for s in LAYOUTS for o in ("grpo", "sft", "dpo", "ppo")} | {
+        (UNCHUNKED, "grpo"), (UNCHUNKED, "sft")}
     for r in two_ranks:
         _check(r)

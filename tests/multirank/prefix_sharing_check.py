@@ -5,7 +5,9 @@
 
 Each SPEC is "tp,pp,cp[,flags]" (flags "+"-separated: sp, Megatron sequence parallelism;
 dyn=N, train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; vpp=V, virtual
-pipeline stages; lora, a LoRA policy (all-linear, rank 4); ctl, the negative
+pipeline stages; lora, a LoRA policy (all-linear, rank 4); unchunked, the policy's loss on megatron's
+logits (train.loss_chunk_tokens null: the gather moves logits, which megatron's cross-entropy
+then modifies in place); ctl, the negative
 controls; obj=A/B, only these objectives, default all). For each spec, at W ranks (DP = W /
 (tp*pp*cp)), with sharing off and then on, the same HF weights loaded each time:
   grpo: a GRPO rollout batch whose groups share their prompts (one row a prefix of another,
@@ -109,9 +111,10 @@ def _engine(model_dir, hf_config, layout_kw, world, train, sp):
         from models.lora.adapters import LoraSpec
         from models.lora.sites import resolve_targets
         lora = dict(lora=LoraSpec(4, 8.0, resolve_targets("all-linear"), seed=3))
+    chunk = None if getattr(train, "unchunked", False) else 16   # None: megatron's logits
     return TrainEngine.build(hf_config, optim_settings(), torch.float32, STEPS, train,
-                             weights_dir=model_dir, loss_chunk_tokens=16, sequence_parallel=sp,
-                             **lora)
+                             weights_dir=model_dir, loss_chunk_tokens=chunk,
+                             sequence_parallel=sp, **lora)
 
 
 def grpo_run(model_dir, hf_config, layout_kw, world, train, sp):
@@ -252,7 +255,8 @@ def parse_spec(spec: str):
     opts = dict(f.split("=") for f in flags if "=" in f)
     train = dict(micro_batch_size=int(opts.get("mbs", 1)),
                  max_tokens_per_micro_batch=int(opts["dyn"]) if "dyn" in opts else None,
-                 balance_dp=True, packing=True, lora="lora" in flags)
+                 balance_dp=True, packing=True, lora="lora" in flags,
+                 unchunked="unchunked" in flags)
     names = opts.get("obj", "/".join(n for n, _ in OBJECTIVES)).split("/")
     layout = dict(tp=tp, pp=pp, cp=cp, **({"vpp": int(opts["vpp"])} if "vpp" in opts else {}))
     return (layout, train, "sp" in flags, "ctl" in flags,
