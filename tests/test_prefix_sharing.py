@@ -1,10 +1,10 @@
 """train.prefix_sharing against the unshared rows on the same batches (issue 91), through the
 real engine: GRPO (log-prob stage, 3 policy updates with the full loss), SFT (3 steps), DPO
 (3 steps with a frozen reference) and the PPO critic (values, GAE, 3 critic updates), at 1
-process (with the negative controls; GRPO, SFT and DPO again with a LoRA policy) and at DP2 with gradient accumulation, TP2 with sequence
-parallelism (also with the loss on megatron's logits instead of the chunked head), PP2, PP2
-with virtual stages and CP2 (Ulysses, packed). The harness:
-tests/multirank/prefix_sharing_check.py; the pieces: tests/test_prefix_tree.py."""
+process (with the negative controls; GRPO, SFT and DPO again with a LoRA policy) and at DP2
+with gradient accumulation, TP2 with sequence parallelism (also with the loss on megatron's
+logits instead of the chunked head), PP2, PP2 with virtual stages and CP2 (Ulysses, packed).
+The harness: tests/multirank/prefix_sharing_check.py; the pieces: tests/test_prefix_tree.py."""
 from __future__ import annotations
 
 import json

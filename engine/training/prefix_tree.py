@@ -1,4 +1,5 @@
-"""A micro-batch's rows merged into a tree by their token ids (prefix sharing, docs/prefix-sharing.md).
+"""A micro-batch's rows merged into a tree by their token ids (prefix sharing,
+docs/prefix-sharing.md).
 
 Pure functions on lists of ints, no tensors, no process groups. Rows that begin with the same
 tokens (a GRPO group's prompt, a DPO pair's prompt, an agent's history) are merged into a trie:

@@ -5,11 +5,11 @@
 
 Each SPEC is "tp,pp,cp[,flags]" (flags "+"-separated: sp, Megatron sequence parallelism;
 dyn=N, train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; vpp=V, virtual
-pipeline stages; lora, a LoRA policy (all-linear, rank 4); unchunked, the policy's loss on megatron's
-logits (train.loss_chunk_tokens null: the gather moves logits, which megatron's cross-entropy
-then modifies in place); ctl, the negative
-controls; obj=A/B, only these objectives, default all). For each spec, at W ranks (DP = W /
-(tp*pp*cp)), with sharing off and then on, the same HF weights loaded each time:
+pipeline stages; lora, a LoRA policy (all-linear, rank 4); unchunked, the policy's loss on
+megatron's logits (train.loss_chunk_tokens null: the gather moves logits, which megatron's
+cross-entropy then modifies in place); ctl, the negative controls; obj=A/B, only these
+objectives, default all). For each spec, at W ranks (DP = W / (tp*pp*cp)), with sharing off
+and then on, the same HF weights loaded each time:
   grpo: a GRPO rollout batch whose groups share their prompts (one row a prefix of another,
         one row duplicated): recomputed token log-probs (the log-prob stage and reference
         path, engine.rl.policy.logprobs), then STEPS optimizer steps of the full policy loss

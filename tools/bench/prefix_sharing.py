@@ -4,7 +4,8 @@ batches, side by side (docs/prefix-sharing.md, docs/benchmarks.md "Prefix sharin
     python -m tools.bench prefix_sharing [--quick]
 
 Model: Qwen3-shaped, fp32, hidden 256, 8 layers, 8 query / 2 KV heads, vocabulary 4,096 (the
-output layer ~15 % of a token's linear work), random weights, world 1, CPU (or one GPU). Workloads (rows = prompt + reply; every pass sees the same rows in both modes):
+output layer ~15 % of a token's linear work), random weights, world 1, CPU (or one GPU).
+Workloads (rows = prompt + reply; every pass sees the same rows in both modes):
 
   grpo:   one 1,024-token prompt x rollout.n=8 replies, log-normal lengths (median 128);
   dpo:    4 pairs: 512-token prompts, 256-token chosen and rejected answers;
@@ -18,8 +19,8 @@ loss, backward, Adam), packed micro-batches of at most 4,096 tokens. Reported: t
 (train/prefix_token_ratio), seconds of each pass, the peak RSS increase over each workload's
 passes (sampled every 5 ms), and the largest differences of the log-prob table, loss and grad
 norm between the modes. Each mode runs three times per workload, alternating with the other,
-and each pass keeps its smallest time (other load on the host only adds). `--quick` (the CI size): a 2-layer model, workloads a
-quarter long, one run each.
+and each pass keeps its smallest time (other load on the host only adds). `--quick` (the CI
+size): a 2-layer model, workloads a quarter long, one run each.
 """
 from __future__ import annotations
 
