@@ -216,16 +216,44 @@ def prefix_units(rows: Sequence[Sequence[int]], max_tokens: int | None,
     sizes: list[int] = []
     for group in shared_groups(heads):
         members = sorted(group, key=lambda g: (list(heads[g]), g))
-        current: list[int] = []
+        current, trie = [], _Trie()
         for g in members:
-            trial = current + base[g]
-            size = tree_tokens([rows[i] for i in trial])
-            if current and max_tokens and size > max_tokens:
+            grow = sum(trie.new_nodes(rows[i]) for i in base[g]) if len(base[g]) == 1 else \
+                tree_tokens([rows[i] for i in current + base[g]]) - trie.size
+            if current and max_tokens and trie.size + grow > max_tokens:
                 out.append(current)
-                sizes.append(tree_tokens([rows[i] for i in current]))
-                current = list(base[g])
-            else:
-                current = trial
+                sizes.append(trie.size)
+                current, trie = [], _Trie()
+            current = current + base[g]
+            for i in base[g]:
+                trie.insert(rows[i])
         out.append(current)
-        sizes.append(tree_tokens([rows[i] for i in current]))
+        sizes.append(trie.size)
     return out, sizes
+
+
+class _Trie:
+    """A trie of token rows that counts its nodes (prefix_units' running unit)."""
+
+    def __init__(self) -> None:
+        self.root: dict = {}
+        self.size = 0
+
+    def new_nodes(self, row: Sequence[int]) -> int:
+        """Nodes inserting `row` would add."""
+        level, depth = self.root, 0
+        for tok in row:
+            level = level.get(int(tok))
+            if level is None:
+                break
+            depth += 1
+        return len(row) - depth
+
+    def insert(self, row: Sequence[int]) -> None:
+        level = self.root
+        for tok in row:
+            nxt = level.get(int(tok))
+            if nxt is None:
+                nxt = level[int(tok)] = {}
+                self.size += 1
+            level = nxt
