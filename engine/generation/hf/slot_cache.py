@@ -31,7 +31,8 @@ them, and its cache's layers are marked not compileable for that step (StaticLay
 `is_compileable`, put back after it), so transformers drops the all-ones mask as it does on
 the eager loop's growing cache (its mask creation keeps the mask of a compileable cache when
 decoding): SDPA then runs unmasked with grouped KV heads in the kernel, no key/value repeat,
-the eager loop's work (issue 90: a lone request cost 1.31x the eager loop before).
+the eager loop's work (docs/benchmarks.md, "serve on hf": a lone request cost about 1.3x
+the eager loop with the bucketed, masked window).
 
 Room. Each running row knows how many more columns it will write (`left`: its tokens still to
 feed), and every row ends at `col`, so once `col + max(left) <= length` holds it holds to the
