@@ -70,3 +70,22 @@ def test_shared_equals_unshared_at_every_layout(two_ranks):
         (UNCHUNKED, "grpo"), (UNCHUNKED, "sft")}
     for r in two_ranks:
         _check(r)
+
+
+def test_bench_quick_reports_equal_numbers_and_ratios(pools):
+    """`python -m tools.bench prefix_sharing --quick` (one rank of the pool): every workload's
+    loss, grad norm and log-probs equal between the modes, the token ratios of its workloads
+    (the short one runs unshared: ratio 1); no timing is asserted."""
+    from tools.bench.common import last_json_line
+
+    proc = pools.script(1, "-m", "tools.bench", "prefix_sharing", "--quick", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = last_json_line(proc.stdout)
+    work = {k.split("_")[-1]: v for k, v in summary.items() if isinstance(v, dict)
+            and k.startswith("prefix_sharing_")}
+    assert sorted(work) == ["agent", "dpo", "grpo", "short"]
+    for w in work.values():
+        assert w["loss_rel"] < 1e-5 and w["grad_norm_rel"] < 1e-5, w
+        assert w["logprob_max_abs"] < 1e-4, w
+    assert work["grpo"]["ratio"] < 0.3 and work["agent"]["ratio"] < 0.3, work
+    assert 0.6 < work["dpo"]["ratio"] < 0.75 and work["short"]["ratio"] == 1.0, work

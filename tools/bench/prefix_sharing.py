@@ -188,12 +188,7 @@ def run_prefix_sharing(quick: bool) -> BenchResult:
     from parallel.process_groups import init_distributed, setup_model_parallel
     from tools.tiny_models import build_tiny_model
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                 ("LOCAL_WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    init_distributed()
+    init_distributed()   # a 1-process group of its own unless launched (a free port)
     setup_model_parallel(ParallelLayout(1))
     spec = QUICK_MODEL if quick else MODEL
     repeats = 1 if quick else 3
