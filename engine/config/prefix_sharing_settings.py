@@ -23,35 +23,36 @@ from typing import Any
 
 from engine.config.compile_settings import compile_on
 from models.families.base import field
+from models.families.registry import FAMILIES, is_moe
 
-# model_type -> why it cannot share prefixes exactly (dense llama, qwen2, qwen3 can)
-SHARING_FAMILIES = ("llama", "qwen2", "qwen3")
-REFUSED_FAMILIES = {
-    "qwen3_5": "a Gated DeltaNet hybrid (its recurrent state would have to fork at each branch)",
-    "qwen3_5_moe": "a Gated DeltaNet hybrid (its recurrent state would have to fork at each "
-                   "branch)",
-    "qwen3_5_conditional": "a Gated DeltaNet hybrid with images",
-    "qwen3_5_moe_conditional": "a Gated DeltaNet hybrid with images",
-    "deepseek_v3": "multi-head latent attention (MLA) is not tree-aware yet",
-    "kimi_k2": "multi-head latent attention (MLA) is not tree-aware yet",
-    "gpt_oss": "learned attention sinks and sliding windows are not tree-aware yet",
-}
+HYBRID_REASON = "a Gated DeltaNet hybrid (its recurrent state would have to fork at each branch)"
+MLA_REASON = "multi-head latent attention (MLA) is not tree-aware yet"
 MOE_REASON = ("a mixture-of-experts model (router auxiliary losses and expert-bias counts would "
               "count a shared token once, not once per row)")
 VISION_REASON = "a vision-language model (images in a shared prefix are not handled)"
 
 
 def _reason(hf_config: dict) -> str | None:
-    """Why this model cannot share prefixes exactly, or None."""
-    model_type = field(hf_config, "model_type")
-    if model_type in REFUSED_FAMILIES:
-        return REFUSED_FAMILIES[model_type]
-    if "vl" in str(model_type).split("_") or "vision_config" in hf_config:
+    """Why this model cannot share prefixes exactly, or None: read from the family's declared
+    facts (models.families.base.Family), never from its model_type. An unknown model_type is
+    left to the model checks, which name it."""
+    wrapper = FAMILIES.get(field(hf_config, "model_type"))
+    if wrapper is None:
+        return None
+    # a conditional-generation wrapper trains its text model: both families' facts count
+    fams = [f for f in (wrapper, FAMILIES.get(wrapper.text_model_type)) if f is not None]
+    refused = [f.prefix_sharing_refused for f in fams if f.prefix_sharing_refused]
+    if refused:
+        return refused[0]
+    if any(f.hybrid for f in fams):
+        return HYBRID_REASON
+    if (any(f.vision_prefix for f in fams) or "vision_config" in hf_config
+            or "vl" in str(field(hf_config, "model_type")).split("_")):
         return VISION_REASON
-    if model_type not in SHARING_FAMILIES:
-        return MOE_REASON if "moe" in str(model_type) or model_type in (
-            "mixtral", "glm4_moe") else f"model_type {model_type!r} is not one of " \
-            f"{', '.join(SHARING_FAMILIES)}"
+    if any(f.multi_latent_attention for f in fams):
+        return MLA_REASON
+    if is_moe(hf_config):
+        return MOE_REASON
     if hf_config.get("use_sliding_window"):
         return "use_sliding_window=true (sliding-window attention is not tree-aware yet)"
     return None
@@ -67,7 +68,8 @@ def prefix_sharing_problems(cfg: Any, hf_config: dict) -> list[str]:
     reason = _reason(hf_config)
     if reason:
         problems.append(f"{key} is not supported for model.hf_path={cfg.model.hf_path}: "
-                        f"{reason}; supported: dense {', '.join(SHARING_FAMILIES)} models")
+                        f"{reason}; supported: dense text-only decoders with softmax attention "
+                        "(Llama, Qwen2, Qwen3)")
     mtp = getattr(getattr(cfg.model, "mtp", None), "enabled", False)
     if mtp:
         problems.append(f"{key} with model.mtp.enabled=true: the next-next-token targets differ "

@@ -146,6 +146,9 @@ class Family:
     # where a conditional-generation checkpoint of this family stores its vision tower
     # (transformers' module, run in the trainer: models.vision); None: no images
     vision_prefix: str | None = None
+    # why a prefix tree (train.prefix_sharing) is not exact for this family beyond what the facts
+    # above say (hybrid, multi_latent_attention, vision_prefix, experts); None: nothing more
+    prefix_sharing_refused: str | None = None
 
     def lora_linear(self, cfg: Any) -> tuple:
         """The projection names peft's all-linear adapts on the model of `cfg` as modules

@@ -39,7 +39,8 @@ from models.layers.heads.value import attach_value_heads
 # Metrics averaged over the optimizer steps of one RL step (maxima: MAX_KEYS).
 UPDATE_MEAN_KEYS = ("policy/loss", "policy/pg_loss", "policy/clipfrac_low",
                     "policy/clipfrac_high", "policy/kl", "policy/entropy", "grad_norm",
-                    "train/update_skipped")
+                    "train/update_skipped",
+                    "train/prefix_token_ratio")   # tree / unshared tokens (1.0 unshared)
 CRITIC_KEYS = ("critic/value_loss", "critic/grad_norm", "critic/vpred_mean",
                "critic/values_clipfrac")
 # dump field -> the sequence extra it holds (when the stage computed it)
@@ -99,9 +100,6 @@ def train_on_rollout(policy: TrainEngine, aux: AuxiliaryModels | None, batch, cf
     metrics["lr"] = updates[-1]["lr"]
     metrics["train/optimizer_steps"] = float(len(updates))
     metrics["train/micro_batches"] = sum(u["train/micro_batches"] for u in updates)
-    # tree tokens / unshared tokens of the updates (1.0 without train.prefix_sharing)
-    metrics["train/prefix_token_ratio"] = sum(u["train/prefix_token_ratio"]
-                                              for u in updates) / len(updates)
     metrics["train/response_tokens"] = sum(u["policy/response_tokens"] for u in updates)
     return metrics
 

@@ -290,7 +290,7 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
         "mfu": lambda: mfu_item(workdir),
         "varlen": lambda: varlen_item(workdir, smoke),
         "packed": lambda: packed_item(workdir, smoke),
-        "prefix_sharing": lambda: prefix.prefix_sharing_item(workdir, smoke),
+        "prefix_sharing": lambda: prefix.prefix_sharing_item(workdir, smoke, Item, module),
         "mtp": lambda: gpu_sft_item("mtp", workdir, "mtp_off,mtp_on", sizes.sft, 300,
                                     note="GLM-4.5-shaped MoE; mtp_on trains the MTP layer"),
         "spec_vllm": lambda: spec_item(workdir, smoke),

@@ -10,11 +10,10 @@ from pathlib import Path
 ESTIMATES = (60, 35)   # seconds on a GPU (guessed), of the CPU smoke (measured)
 
 
-def prefix_sharing_item(work: Path, smoke: bool):
-    """The Item (tools.bench.gpu.items) of `python -m tools.bench prefix_sharing`."""
-    from tools.bench.gpu.items import Item, module   # function-level: items imports this module
-
+def prefix_sharing_item(work: Path, smoke: bool, item, module):
+    """The Item of `python -m tools.bench prefix_sharing`; `item` and `module` are
+    tools.bench.gpu.items' Item and module (passed in: items imports this module)."""
     out = work / "prefix_sharing.json"
     cmd = module("tools.bench.gpu.prep", "bench-json", out, "prefix_sharing",
                  *(["--quick"] if smoke else []))
-    return Item("prefix_sharing", "prefix", [cmd], 300, out, work, note="fp32")
+    return item("prefix_sharing", "prefix", [cmd], 300, out, work, note="fp32")
