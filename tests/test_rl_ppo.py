@@ -253,6 +253,7 @@ def test_ppo_resumes_policy_and_critic_at_another_layout(pools, model_dir, tmp_p
                         "rollout.n=2", "rollout.max_new_tokens=6", "train.prompts_per_step=2",
                         "train.mini_batches_per_step=2", "train.micro_batch_size=1",
                         "train.max_steps=2", "train.seq_length=48", f"checkpoint.dir={ck}",
+                        "optim.lr=1e-3", "critic.lr=2e-3",   # the checkpoint's schedule
                         f"logging.dir={tmp_path / 'missing'}", "logging.progress_bar=false",
                         timeout=300)
     assert proc.returncode != 0 and "critic/iter_0000001 is missing" in proc.stdout + proc.stderr
