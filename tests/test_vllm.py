@@ -694,7 +694,12 @@ def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen
             assert m["debug/sync_logit_change"] > 1e-2, m   # ... and the weights did move
         assert a["reward/mean"] == b["reward/mean"]   # the same samples (per-response seeds)
         for key in ("policy/loss", "policy/kl", "grad_norm", "response/length_mean"):
-            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (key, a, b)
+            # policy/loss is what is left of terms that cancel (group-centred advantages): its
+            # size is not the scale of its rounding, so it gets test_rl_ppo's absolute bound too
+            # (step 2 measured 7.6e-7 apart at 0.0328 on a host with AMX, rel 2.3e-5 before
+            # this session's changes as after)
+            absolute = 2e-6 if key == "policy/loss" else 1e-7
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=absolute), (key, a, b)
     assert one[1]["policy/kl"] > 0 and one[0]["grad_norm"] > 0
     assert [m["rollout/engines"] for m in one + four] == [1.0, 1.0, 2.0, 2.0]
     # the killed engine was restarted from the current weights and sampled the same responses
