@@ -358,8 +358,12 @@ def test_grpo_trains_the_mtp_layer_without_moving_the_policy(pools, glm_dir, tmp
     for off, on in zip(runs["off"], runs["on"]):
         assert on["mtp/loss"] > 0 and 0 <= on["mtp/accuracy"] <= 1, on
         for key in ("reward/mean", "policy/loss", "policy/entropy", "grad_norm",
-                    "response/length_mean", "rollout/logprob_diff"):
+                    "response/length_mean"):
             assert _rel(on[key], off[key]) < 1e-4, (key, on[key], off[key])
+        # the rollout/trainer log-prob gap is fp32 rounding (~1e-6) in both runs: its size is the
+        # check; a relative comparison of two rounding residues is not (1.17e-6 vs 9.8e-7 on a
+        # host with AMX)
+        assert on["rollout/logprob_diff"] < 1e-5 and off["rollout/logprob_diff"] < 1e-5, on
 
 
 def test_kto_trains_the_mtp_layer_on_the_desirable_completions(pools, glm_dir):
