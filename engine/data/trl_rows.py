@@ -18,6 +18,7 @@ as they are; a row with both "response" and "completion" is refused.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -61,15 +62,6 @@ def _chat_ids(tokenizer, messages: list[dict], where: str, tools, generation: bo
     return list(out["input_ids"])
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _string(row: dict, key: str, where: str) -> str:
     value = row[key]
     if not isinstance(value, str):
@@ -102,7 +94,7 @@ def _prompt_completion(row: dict, tokenizer, where: str) -> tuple[list[int], np.
         ids = _text_ids(tokenizer, prompt + completion
                         + ("" if completion.endswith(eos) else eos))
     trained = np.zeros(len(ids), dtype=np.uint8)
-    trained[_common_prefix(prompt_ids, ids):] = 1
+    trained[len(os.path.commonprefix([prompt_ids, ids])):] = 1
     return ids, trained
 
 
