@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from parallel.packed_seqs import HostPackedSeqParams
+from parallel.tree_attention_split import split_tree_attention
 
 
 @dataclass
@@ -160,9 +161,19 @@ def _shifted_causal(q_len: int, kv_len: int, device) -> torch.Tensor:
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    params: TreeAttentionParams, scale: float) -> torch.Tensor:
-    """Each token's attention over its ancestors and itself (module docstring), one SDPA per
-    run of the tree; [T, h, d] -> [T, h, d_v]. Tokens past the tree's runs (padding) attend
-    causally among themselves (they carry no loss)."""
+    """Each token's attention over its ancestors and itself (module docstring); [T, h, d] ->
+    [T, h, d_v]. Tokens past the tree's runs (padding) attend causally among themselves (they
+    carry no loss). On the CPU: parallel.tree_attention_split (ancestors and own keys in
+    separate unmasked calls, merged); elsewhere `per_run_attention`."""
+    if q.device.type == "cpu":
+        return split_tree_attention(q, k, v, params, scale)
+    return per_run_attention(q, k, v, params, scale)
+
+
+def per_run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      params: TreeAttentionParams, scale: float) -> torch.Tensor:
+    """tree_attention as one SDPA per run of the tree over its keys (a mask where the keys
+    are not one causal block): the path off the CPU."""
     out = q.new_empty(*q.shape[:-1], v.shape[-1])
     covered = 0
     cache = params.__dict__.setdefault("_run_masks", {})
@@ -215,4 +226,5 @@ def flex_block_mask(params: TreeAttentionParams, device, block_size: int = 128):
 
 
 __all__ = ["TreeAttentionParams", "tree_params", "tree_positions", "is_tree", "tree_attention",
+           "per_run_attention",
            "dense_tree_attention", "dense_tree_mask", "flex_mask_mod", "flex_block_mask"]

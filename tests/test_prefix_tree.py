@@ -26,7 +26,8 @@ from models.layers.attention.rope_tables import megatron_bshd
 from parallel import tree_attention as tree_attention_module
 from parallel import zigzag
 from parallel.tree_attention import (dense_tree_attention, dense_tree_mask, flex_block_mask,
-                                     flex_mask_mod, tree_attention, tree_params)
+                                     flex_mask_mod, per_run_attention, tree_attention,
+                                     tree_params)
 
 
 def random_rows(seed: int, groups: int = 3, per_group: int = 4, vocab: int = 5):
@@ -92,16 +93,24 @@ def _params(tree, pad: int = 0):
     return tree_params(bounds, end, tree.runs, depth, max(int(depth.max()) + 1, total))
 
 
-@pytest.mark.parametrize("waste", [0.0, 100.0])   # every run: its key spans concatenated /
-@pytest.mark.parametrize("seed", range(4))         # one slice with its siblings masked
-def test_tree_attention_equals_each_rows_own_attention(seed, waste, monkeypatch):
-    monkeypatch.setattr(tree_attention_module, "MAX_SLICE_WASTE", waste)
+# the CPU's split path (tree_attention), and the per-run path of other devices with every run's
+# key spans concatenated (waste 0) / read as one slice with its siblings masked (waste 100)
+PATHS = {"split": (tree_attention, None), "per_run_concat": (per_run_attention, 0.0),
+         "per_run_slice": (per_run_attention, 100.0)}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_attention_equals_each_rows_own_attention(seed, path, monkeypatch):
+    fn, waste = PATHS[path]
+    if waste is not None:
+        monkeypatch.setattr(tree_attention_module, "MAX_SLICE_WASTE", waste)
     rows = random_rows(seed + 10)
     tree = build_prefix_tree(rows)
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(tree.num_tokens + 3, 4, 8, generator=gen, dtype=torch.float64)
                for _ in range(3))
-    ours = tree_attention(q, k, v, _params(tree, pad=3), 0.35)
+    ours = fn(q, k, v, _params(tree, pad=3), 0.35)
     ref = per_row_attention(q[:-3], k[:-3], v[:-3], tree, 0.35)
     assert float((ours[:-3] - ref).abs().max()) < 1e-12
     dense = dense_tree_attention(q, k, v, tree.subtree_end + [tree.num_tokens + 3] * 3, 0.35)
@@ -112,15 +121,17 @@ def test_tree_attention_equals_each_rows_own_attention(seed, waste, monkeypatch)
     assert float((leaky[:-3] - ref).abs().max()) > 1e-2
 
 
-def test_tree_attention_backward_matches_rows():
-    rows = random_rows(3)
+@pytest.mark.parametrize("path", ["split", "per_run_concat"])
+@pytest.mark.parametrize("seed", [3, 4])
+def test_tree_attention_backward_matches_rows(seed, path):
+    rows = random_rows(seed)
     tree = build_prefix_tree(rows)
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(tree.num_tokens, 2, 4, generator=gen, dtype=torch.float64)
             for _ in range(3)]
     w = torch.randn(tree.num_tokens, 2, 4, generator=gen, dtype=torch.float64)
     grads = []
-    for fn in (lambda q, k, v: tree_attention(q, k, v, _params(tree), 0.5),
+    for fn in (lambda q, k, v: PATHS[path][0](q, k, v, _params(tree), 0.5),
                lambda q, k, v: per_row_attention(q, k, v, tree, 0.5)):
         x = [t.clone().requires_grad_() for t in base]
         (fn(*x) * w).sum().backward()
