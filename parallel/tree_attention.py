@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from parallel.packed_seqs import HostPackedSeqParams
-from parallel.tree_attention_split import split_tree_attention
+from parallel.tree_attention_split import split_tree_attention, splits
 
 
 @dataclass
@@ -163,9 +163,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    params: TreeAttentionParams, scale: float) -> torch.Tensor:
     """Each token's attention over its ancestors and itself (module docstring); [T, h, d] ->
     [T, h, d_v]. Tokens past the tree's runs (padding) attend causally among themselves (they
-    carry no loss). On the CPU: parallel.tree_attention_split (ancestors and own keys in
-    separate unmasked calls, merged); elsewhere `per_run_attention`."""
-    if q.device.type == "cpu":
+    carry no loss). On the CPU, a row whose sibling runs share long ancestors:
+    parallel.tree_attention_split (ancestors and own keys in separate calls, merged); else
+    `per_run_attention`."""
+    if q.device.type == "cpu" and splits(params, q.shape[0]):
         return split_tree_attention(q, k, v, params, scale)
     return per_run_attention(q, k, v, params, scale)
 

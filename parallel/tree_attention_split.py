@@ -32,34 +32,68 @@ _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+# a set of sibling runs takes the split (stacked queries over the ancestors + each run's own
+# causal call, merged) when their ancestors have at least this many keys; below it each run is
+# one call over its keys with a lower-right causal mask (the kernel arithmetic of the run's own
+# unshared row: its forward bitwise equal on the CPU). A row with no set to split runs
+# parallel.tree_attention's per-run path (the split saves little on short prefixes)
+SPLIT_MIN_KEYS = 256
+
+
 @dataclass(frozen=True)
 class _Piece:
-    """One flash call: queries `q_spans`, keys `k_spans` (row spans, concatenated in order),
-    causal (then q_spans == k_spans, one span) or every key visible."""
+    """One flash call: queries `q_spans`, keys `k_spans` (row spans, concatenated in order);
+    kind "causal" (q_spans == k_spans, one span), "full" (every key visible) or "lower_right"
+    (one query span, the last of its keys: query i sees every key up to len(keys) - n + i)."""
     q_spans: tuple[tuple[int, int], ...]
     k_spans: tuple[tuple[int, int], ...]
-    causal: bool
+    kind: str
 
 
-def split_plan(runs, row_length: int) -> tuple[list[_Piece], list[_Piece]]:
-    """(causal pieces: one per run and one for the padding tail; ancestor pieces: one per set
-    of runs with the same ancestors, their queries stacked in run order). Every query token is
-    in exactly one causal piece and at most one ancestor piece."""
-    causal, groups = [], {}
+def split_plan(runs, row_length: int, min_keys: int | None = None
+               ) -> tuple[list[_Piece], list[_Piece]]:
+    """(whole pieces: every query token in exactly one, its output and log-sum-exp complete or,
+    for a split run, its own keys' part; stacked pieces: the "full" calls of the split sets of
+    runs, merged into their runs' parts). `min_keys`: SPLIT_MIN_KEYS."""
+    min_keys = SPLIT_MIN_KEYS if min_keys is None else min_keys
+    whole, groups = [], {}
     covered = 0
     for run in runs:
-        causal.append(_Piece(((run.start, run.end),), ((run.start, run.end),), True))
         covered = max(covered, run.end)
         ancestors = list(run.keys)
         a, b = ancestors.pop()           # the last span ends with the run itself
         if a < run.start:                # merged with the ancestors just before it
             ancestors.append((a, run.start))
-        if ancestors:
-            groups.setdefault(tuple(ancestors), []).append((run.start, run.end))
+        groups.setdefault(tuple(ancestors), []).append(run)
+    stacked = []
+    for ancestors, members in groups.items():
+        split = bool(ancestors) and sum(b - a for a, b in ancestors) >= min_keys
+        for run in members:
+            own = ((run.start, run.end),)
+            whole.append(_Piece(own, own, "causal") if split or not ancestors else
+                         _Piece(own, tuple(run.keys), "lower_right"))
+        if split:
+            stacked.append(_Piece(_merge([(r.start, r.end) for r in members]), ancestors,
+                                  "full"))
     if covered < row_length:
-        causal.append(_Piece(((covered, row_length),), ((covered, row_length),), True))
-    stacked = [_Piece(_merge(q), k, False) for k, q in groups.items()]
-    return causal, stacked
+        whole.append(_Piece(((covered, row_length),), ((covered, row_length),), "causal"))
+    return whole, stacked
+
+
+def _mask(piece: _Piece, dtype, device, cache: dict):
+    """The additive [1, 1, n, keys] mask of a lower_right piece (None for the others), built
+    once per plan."""
+    if piece.kind != "lower_right":
+        return None
+    key = (piece, dtype, str(device))
+    if key not in cache:
+        (a, b), = piece.q_spans
+        n, nk = b - a, sum(e - s for s, e in piece.k_spans)
+        i = torch.arange(n, device=device)[:, None]
+        j = torch.arange(nk, device=device)[None, :]
+        cache[key] = torch.zeros(n, nk, dtype=dtype, device=device).masked_fill_(
+            j > i + (nk - n), float("-inf"))[None, None]
+    return cache[key]
 
 
 def _merge(spans):
@@ -108,25 +142,29 @@ class _SplitTreeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan, scale):
-        causal, stacked = plan
+        whole, stacked = plan[0]
+        masks = plan[1]
         acc = _acc_dtype(q.dtype)
         out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=acc)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=acc, device=q.device)   # [h, T]
-        for p in causal:
+        for p in whole:
             (a, b), = p.q_spans
-            o, l = _FWD(_bhsd(q[a:b]), _bhsd(k[a:b]), _bhsd(v[a:b]), 0.0, True, scale=scale)
+            o, l = _FWD(_bhsd(q[a:b]), _bhsd(_take(k, p.k_spans)), _bhsd(_take(v, p.k_spans)),
+                        0.0, p.kind == "causal", attn_mask=_mask(p, q.dtype, q.device, masks),
+                        scale=scale)
             out[a:b] = _thd(o)
             lse[:, a:b] = l[0]
         for p in stacked:
             o, l = _FWD(_bhsd(_take(q, p.q_spans)), _bhsd(_take(k, p.k_spans)),
                         _bhsd(_take(v, p.k_spans)), 0.0, False, scale=scale)
-            o, l = _thd(o).to(acc), l[0].to(acc)
-            own_o = _take(out, p.q_spans)
-            own_l = torch.cat([lse[:, a:b] for a, b in p.q_spans], dim=1)
+            o, l = _thd(o).double(), l[0].double()   # merged in float64: one rounding
+            own_o = _take(out, p.q_spans).double()
+            own_l = torch.cat([lse[:, a:b] for a, b in p.q_spans], dim=1).double()
             both = torch.logaddexp(own_l, l)
             w_own = torch.exp(own_l - both).t().unsqueeze(-1)     # [n, h, 1]
             w_anc = torch.exp(l - both).t().unsqueeze(-1)
-            _put(out, p.q_spans, own_o * w_own + o * w_anc, add=False)
+            _put(out, p.q_spans, (own_o * w_own + o * w_anc).to(acc), add=False)
+            both = both.to(acc)
             at = 0
             for a, b in p.q_spans:
                 lse[:, a:b] = both[:, at:at + b - a]
@@ -139,17 +177,17 @@ class _SplitTreeAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, stacked = ctx.plan
+        (whole, stacked), masks = ctx.plan
         acc = _acc_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-        lse = lse.to(torch.float32) if q.dtype not in (torch.float32, torch.float64) else lse
-        for p in causal + stacked:
+        for p in reversed(whole + stacked):
             qs, ks = p.q_spans, p.k_spans
             lp = lse[:, qs[0][0]:qs[0][1]] if len(qs) == 1 else torch.cat(
                 [lse[:, a:b] for a, b in qs], dim=1)
             gq, gk, gv = _BWD(_bhsd(_take(grad, qs)), _bhsd(_take(q, qs)), _bhsd(_take(k, ks)),
                               _bhsd(_take(v, ks)), _bhsd(_take(out, qs)), lp.unsqueeze(0),
-                              0.0, p.causal, scale=ctx.scale)
+                              0.0, p.kind == "causal",
+                              attn_mask=_mask(p, q.dtype, q.device, masks), scale=ctx.scale)
             _put(dq, qs, _thd(gq), add=True)
             _put(dk, ks, _thd(gk), add=True)
             _put(dv, ks, _thd(gv), add=True)
@@ -160,11 +198,20 @@ def split_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, para
                          scale: float) -> torch.Tensor:
     """Each token's attention over its ancestors and itself on the CPU (module docstring);
     [T, h, d] -> [T, h, d_v]. The plan is built once per micro-batch (cached on params)."""
+    return _SplitTreeAttention.apply(q, k, v, _plan_of(params, q.shape[0]), scale)
+
+
+def _plan_of(params, n: int):
     cache = params.__dict__.setdefault("_split_plan", {})
-    n = q.shape[0]
     if n not in cache:
-        cache[n] = split_plan(params.runs, n)
-    return _SplitTreeAttention.apply(q, k, v, cache[n], scale)
+        cache[n] = (split_plan(params.runs, n), {})   # (pieces, their masks)
+    return cache[n]
 
 
-__all__ = ["split_plan", "split_tree_attention"]
+def splits(params, n: int) -> bool:
+    """Whether a tree row of `n` tokens has a set of sibling runs worth splitting
+    (SPLIT_MIN_KEYS); without one parallel.tree_attention runs its per-run path."""
+    return bool(_plan_of(params, n)[0][1])
+
+
+__all__ = ["split_plan", "split_tree_attention", "splits"]

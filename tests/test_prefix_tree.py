@@ -24,6 +24,8 @@ from engine.training.tree_batch import build_tree_micro_batch, unshared_output
 from models.layers.attention import packed_rope
 from models.layers.attention.rope_tables import megatron_bshd
 from parallel import tree_attention as tree_attention_module
+from parallel import tree_attention_split as tree_split_module
+from parallel.tree_attention_split import split_tree_attention
 from parallel import zigzag
 from parallel.tree_attention import (dense_tree_attention, dense_tree_mask, flex_block_mask,
                                      flex_mask_mod, per_run_attention, tree_attention,
@@ -93,18 +95,26 @@ def _params(tree, pad: int = 0):
     return tree_params(bounds, end, tree.runs, depth, max(int(depth.max()) + 1, total))
 
 
-# the CPU's split path (tree_attention), and the per-run path of other devices with every run's
-# key spans concatenated (waste 0) / read as one slice with its siblings masked (waste 100)
-PATHS = {"split": (tree_attention, None), "per_run_concat": (per_run_attention, 0.0),
-         "per_run_slice": (per_run_attention, 100.0)}
+# the CPU's split path (tree_attention with every set of sibling runs split / its pieces with
+# none split: every run one call with a lower-right mask), and the per-run path of other devices with every run's key spans
+# concatenated (waste 0) / read as one slice with its siblings masked (waste 100)
+PATHS = {"split": (tree_attention, "SPLIT_MIN_KEYS", 0),
+         "lower_right": (split_tree_attention, "SPLIT_MIN_KEYS", 10 ** 9),
+         "per_run_concat": (per_run_attention, "MAX_SLICE_WASTE", 0.0),
+         "per_run_slice": (per_run_attention, "MAX_SLICE_WASTE", 100.0)}
+
+
+def _path(path: str, monkeypatch):
+    fn, name, value = PATHS[path]
+    module = tree_split_module if name == "SPLIT_MIN_KEYS" else tree_attention_module
+    monkeypatch.setattr(module, name, value)
+    return fn
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("seed", range(4))
 def test_tree_attention_equals_each_rows_own_attention(seed, path, monkeypatch):
-    fn, waste = PATHS[path]
-    if waste is not None:
-        monkeypatch.setattr(tree_attention_module, "MAX_SLICE_WASTE", waste)
+    fn = _path(path, monkeypatch)
     rows = random_rows(seed + 10)
     tree = build_prefix_tree(rows)
     gen = torch.Generator().manual_seed(seed)
@@ -121,9 +131,10 @@ def test_tree_attention_equals_each_rows_own_attention(seed, path, monkeypatch):
     assert float((leaky[:-3] - ref).abs().max()) > 1e-2
 
 
-@pytest.mark.parametrize("path", ["split", "per_run_concat"])
+@pytest.mark.parametrize("path", ["split", "lower_right", "per_run_concat"])
 @pytest.mark.parametrize("seed", [3, 4])
-def test_tree_attention_backward_matches_rows(seed, path):
+def test_tree_attention_backward_matches_rows(seed, path, monkeypatch):
+    attention = _path(path, monkeypatch)
     rows = random_rows(seed)
     tree = build_prefix_tree(rows)
     gen = torch.Generator().manual_seed(0)
@@ -131,7 +142,7 @@ def test_tree_attention_backward_matches_rows(seed, path):
             for _ in range(3)]
     w = torch.randn(tree.num_tokens, 2, 4, generator=gen, dtype=torch.float64)
     grads = []
-    for fn in (lambda q, k, v: PATHS[path][0](q, k, v, _params(tree), 0.5),
+    for fn in (lambda q, k, v: attention(q, k, v, _params(tree), 0.5),
                lambda q, k, v: per_row_attention(q, k, v, tree, 0.5)):
         x = [t.clone().requires_grad_() for t in base]
         (fn(*x) * w).sum().backward()
