@@ -22,6 +22,11 @@ engine count, the split or a restart.
 model at the trainer's layout, engine.rl.policy.reward_model), while the engines stay as they
 are; rank 0 gets the scores.
 
+`on_every_rank(fn, payload)` (rank 0): every rank runs `fn(pool, payload)` (a module-level
+function, sent by reference), the results gathered to rank 0 in rank order; `rank_state` keeps
+what such functions hold on a rank between calls (each rank's share of the reward scoring,
+engine.rl.collect.rank_scoring).
+
 Without torch.distributed (or with one process) the pool is local: the same steps, no
 collectives.
 """
@@ -135,6 +140,7 @@ class RolloutPool:
         self.placement, self.engine, self.cfg = placement, engine, rollout_cfg
         self._factory, self.resync = factory, resync
         self.scorer: Callable[[list[list[int]]], list[float]] | None = None
+        self.rank_state: dict = {}   # on_every_rank's functions' state on this rank
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._rank = dist.get_rank() if dist.is_initialized() else 0
 
@@ -228,6 +234,13 @@ class RolloutPool:
         self._command(("score", ids))
         return self.scorer(ids)
 
+    def on_every_rank(self, fn: Callable, payload, gather: bool = True) -> list:
+        """Rank 0: `fn(self, payload)` on every rank (ranks > 0 follow in `serve`); with
+        `gather` the ranks' results in rank order, else [rank 0's]. `fn` must not raise on
+        ranks > 0 (rank 0 would wait for their results): it returns its errors."""
+        self._command(("call", fn, payload, gather))
+        return self._serve_call(fn, payload, gather)
+
     def finish(self, payload):
         """Rank 0: end the other ranks' `serve` with `payload` (the step's rollout batch, or
         an error description); returns it."""
@@ -274,6 +287,8 @@ class RolloutPool:
                 self._restart(command[1])
             elif command[0] == "score":
                 self.scorer(command[1])
+            elif command[0] == "call":
+                self._serve_call(*command[1:])
             else:
                 return command[1]
 
@@ -284,6 +299,14 @@ class RolloutPool:
         box = [command]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def _serve_call(self, fn: Callable, payload, gather: bool) -> list:
+        result = fn(self, payload)
+        if not (self._distributed and gather):
+            return [result]
+        gathered: list | None = [None] * dist.get_world_size() if self._rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        return gathered if gathered is not None else [result]
 
     def _serve_generate(self, gen_batch: int, work: dict) -> list[EngineResult]:
         mine = self.placement.engine_of(self._rank)

@@ -3,7 +3,8 @@ dynamic sampling -> group advantages (docs/design/rl.md).
 
 Rank 0 drives the rollout (RolloutCollector): each generation batch is split over the job's
 engines by engine.generation.pool (one generate call per engine, results back in the global
-order), scored and shaped on rank 0; the other ranks serve their engines meanwhile, and
+order), scored (reward.fn: each rank its share, engine.rl.collect.rank_scoring) and shaped on
+rank 0; the other ranks serve their engines meanwhile, and
 engine.rl.collect.transport.broadcast_rollout ends that phase by sending the token lists to
 every rank over the default (world) group. Sampling is seeded per response
 (work_split.response_seed), so the batch does not depend on the engine count.
@@ -39,6 +40,7 @@ from engine.rl.algo.gae import TOKEN_ESTIMATORS
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.collect.batch import RolloutBatch
 from engine.rl.collect.fill import engine_fill, fill_counts
+from engine.rl.collect.rank_scoring import RankScorer, spreads
 from engine.rl.collect.reward_metrics import reward_length_metrics
 from engine.rl.collect.reward_items import reward_item
 from engine.rl.env.episode_batch import EnvRollout, env_metrics
@@ -69,8 +71,11 @@ class RolloutCollector:
         self.pool = (engine if isinstance(engine, RolloutPool)
                      else RolloutPool.local(engine, cfg.rollout))
         self.rows, self.tokenizer, self.reward_fn, self.cfg = rows, tokenizer, reward_fn, cfg
-        # reward.fn's calls: the worker pool of reward.num_workers (engine.rl.rewards.scorer)
+        # reward.fn's calls: the worker pool of reward.num_workers (engine.rl.rewards.scorer),
+        # on a multi-rank pool one on every rank, each scoring its share (rank_scoring)
         self.scorer = BatchScorer(reward_fn, cfg.reward)
+        if spreads(self.pool, self.scorer):
+            self.scorer = RankScorer(reward_fn, cfg.reward, self.pool)
         self.next_gen_batch = 0          # generation batches used so far in the run
         self._rendered: dict[int, list[int]] = dict(enumerate(prompt_ids or []))
         env_fn = getattr(getattr(cfg, "env", None), "fn", None)

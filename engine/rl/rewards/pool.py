@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Hashable
 
+from engine.rl.rewards.cpus import default_num_workers
 from engine.rl.rewards.registry import RewardFn, check_picklable
 from engine.rl.rewards.scoring import check_items
 
@@ -41,11 +42,6 @@ logger = logging.getLogger(__name__)
 DEPTH = 2                  # calls sent to a worker ahead of its answers
 STARTUP_TIMEOUT_S = 120.0  # a worker that has not loaded the function by then is an error
 ENGINE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding `engine`
-
-
-def default_num_workers() -> int:
-    """The CPUs this process may run on (its affinity mask), at least 1."""
-    return max(1, len(os.sched_getaffinity(0)))
 
 
 @dataclass
