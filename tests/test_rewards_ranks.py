@@ -10,8 +10,11 @@ import pytest
 from engine.rl.collect.rank_scoring import shares
 from engine.rl.rewards.scoring import call_reward
 from tests.multirank.rank_scoring_check import items, logged_reward
+from tests.partial_runs import STEPS, launch, prompts_file, untimed
+from tools.bench.partial import eos_prone_model
 
 CHECK = "tests.multirank.rank_scoring_check:check"
+REWARD = "tests.multirank.rank_scoring_check:logged_run_reward"
 COUNT = 11
 FAILURE = -1.0
 
@@ -73,3 +76,33 @@ def test_audit_catches_a_broken_split(pools, tmp_path, broken, problem):
     pools.run(2, CHECK, str(tmp_path), COUNT, broken)
     owner = {i: str(r) for r, part in enumerate(shares(COUNT, 2)) for i in part}
     assert problem in audit(tmp_path / "batch.log", owner)
+
+
+@pytest.mark.parametrize("path", [["rollout.partial=false"], ["rollout.partial_driver=true"]],
+                         ids=["rounds", "driver"])
+def test_two_rank_run_equals_rank0_scoring(pools, tmp_path, path):
+    """A 2-rank RL run (one engine on rank 0; plain rollouts, or the step driver's partial
+    rollouts scored as replies finish) scoring reward.fn on both ranks equals the same run
+    scoring on rank 0 alone (reward.num_workers=0, the path before): every metric but the
+    timings and the dumps, exactly; both ranks scored, together as many calls as one process
+    scoring in its own pool (the driver path scores a finished reply again in the step its
+    group completes when the group was carried over a cut; reward.num_workers=0 scores only
+    at the end)."""
+    model = eos_prone_model(str(tmp_path / "model"), eos_scale=2.5, hidden=64, layers=4)
+    data = prompts_file(tmp_path)
+    runs, calls = {}, {}
+    for name, ranks, extra in (("ranks", 2, []), ("rank0", 2, ["reward.num_workers=0"]),
+                               ("one", 1, [])):
+        log = tmp_path / f"{name}.log"
+        runs[name], _ = launch(pools, ranks, model, data, tmp_path / name, *path, *extra,
+                               f"reward.fn={REWARD}", env={"RANK_SCORING_LOG": str(log)})
+        calls[name] = Counter(log.read_text().split())
+    (m_ranks, d_ranks), (m_rank0, d_rank0) = runs["ranks"], runs["rank0"]
+    assert [untimed(m) for m in m_ranks] == [untimed(m) for m in m_rank0]
+    assert d_ranks == d_rank0 and len(d_ranks) == STEPS
+    assert set(calls["rank0"]) == {"0"}
+    assert calls["ranks"]["0"] > 0 and calls["ranks"]["1"] > 0
+    assert sum(calls["ranks"].values()) == sum(calls["one"].values()) >= sum(
+        calls["rank0"].values())
+    scores = [m["reward/mean"] for m in m_ranks]
+    assert len(set(scores)) > 1 and all(s > 0 for s in scores)

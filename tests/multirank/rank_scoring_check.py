@@ -81,3 +81,12 @@ def check(log_dir: str, count: int, broken_split: str | None = None) -> dict:
         state = pool.rank_state.get("reward")
         if state and state["pool"] is not None:
             state["pool"].close()
+
+
+def logged_run_reward(prompt, response, answer, **fields):
+    """reward.fn of the RL runs of tests/test_rewards_ranks.py: the digit fraction of the
+    response plus its length / 100 (varies within a group); appends this process's RANK to
+    the file $RANK_SCORING_LOG."""
+    with open(os.environ["RANK_SCORING_LOG"], "a") as f:
+        f.write(f"{os.environ.get('RANK', '?')}\n")
+    return sum(c.isdigit() for c in response) / max(len(response), 1) + len(response) / 100
