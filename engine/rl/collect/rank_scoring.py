@@ -25,6 +25,8 @@ import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from engine.rl.rewards.pool import Outcome, RewardPool, ScoreReport
 from engine.rl.rewards.scorer import BatchScorer
 from engine.rl.rewards.scoring import check_items
@@ -86,7 +88,6 @@ def rank_op(rollout_pool, payload: tuple) -> Any:
 
 
 def _world(rollout_pool) -> int:
-    import torch.distributed as dist
     return dist.get_world_size() if rollout_pool._distributed else 1
 
 
