@@ -4,9 +4,8 @@ dynamic sampling -> group advantages (docs/design/rl.md).
 Rank 0 drives the rollout (RolloutCollector): each generation batch is split over the job's
 engines by engine.generation.pool (one generate call per engine, results back in the global
 order), scored (reward.fn: each rank its share, engine.rl.collect.rank_scoring) and shaped on
-rank 0; the other ranks serve their engines meanwhile, and
-engine.rl.collect.transport.broadcast_rollout ends that phase by sending the token lists to
-every rank over the default (world) group. Sampling is seeded per response
+rank 0; the other ranks serve their engines meanwhile, and transport.broadcast_rollout ends
+that phase by sending the token lists to every rank over the default (world) group. Sampling is seeded per response
 (work_split.response_seed), so the batch does not depend on the engine count.
 
 With a reward model (reward.model.path; the pool's `scorer`, colocated runs), every generation
@@ -71,16 +70,18 @@ class RolloutCollector:
         self.pool = (engine if isinstance(engine, RolloutPool)
                      else RolloutPool.local(engine, cfg.rollout))
         self.rows, self.tokenizer, self.reward_fn, self.cfg = rows, tokenizer, reward_fn, cfg
-        # reward.fn's calls: the worker pool of reward.num_workers (engine.rl.rewards.scorer),
-        # on a multi-rank pool one on every rank, each scoring its share (rank_scoring)
+        # reward.fn's calls: the worker pool of reward.num_workers (engine.rl.rewards.scorer);
+        # multi-rank, one on every rank (rank_scoring), but not for env.fn=tools' answers
+        # (scored from step threads while the engines generate: no collective)
+        env_fn = getattr(getattr(cfg, "env", None), "fn", None)
         self.scorer = BatchScorer(reward_fn, cfg.reward)
-        if spreads(self.pool, self.scorer):
+        if not env_fn and spreads(self.pool, self.scorer):
             self.scorer = RankScorer(reward_fn, cfg.reward, self.pool)
         self.next_gen_batch = 0          # generation batches used so far in the run
         self._rendered: dict[int, list[int]] = dict(enumerate(prompt_ids or []))
-        env_fn = getattr(getattr(cfg, "env", None), "fn", None)
         # multi-turn episodes (engine.rl.env) when env.fn is set
-        self.env = EnvRollout(self.pool, tokenizer, cfg, reward_fn) if env_fn else None
+        self.env = EnvRollout(self.pool, tokenizer, cfg, reward_fn,
+                              self.scorer) if env_fn else None
         # an agent function's episodes through the OpenAI-compatible endpoint (env.agent)
         self.agent = None
         if getattr(getattr(cfg, "env", None), "agent", None):

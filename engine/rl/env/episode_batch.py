@@ -1,8 +1,9 @@
 """One generation batch of multi-turn episodes for RolloutCollector (rank 0), and the env/*
 metrics of a rollout step.
 
-`EnvRollout(pool, tokenizer, cfg, reward_fn)` builds the environment factory of env.fn (a user
-class, or the built-in tool environment with its worker processes) and checks once that the
+`EnvRollout(pool, tokenizer, cfg, reward_fn, scorer)` builds the environment factory of env.fn
+(a user class, or the built-in tool environment with its worker processes, its final answers
+scored by `scorer`) and checks once that the
 chat template can place observations. `generation_batch(prompts, rows, row_indices, seeds, b)`
 returns what RolloutCollector._generation_batch returns for single-turn, plus
 "response_masks" in "data", "env" (counts for `env_metrics`) and "episodes".
@@ -30,11 +31,12 @@ AGENT_REASONS = ("tool_calls",)   # env.agent episodes also end with a tool call
 class EnvRollout:
     """Rank 0: the episodes of env.fn (module docstring)."""
 
-    def __init__(self, pool, tokenizer, cfg, reward_fn) -> None:
+    def __init__(self, pool, tokenizer, cfg, reward_fn, scorer=None) -> None:
         e, r = cfg.env, cfg.rollout
         self.cfg, self.tools_pool, schemas = cfg, None, None
-        if e.fn == ENV_TOOLS:
-            make_env, schemas, self.tools_pool = tool_env_factory(cfg, tokenizer, reward_fn)
+        if e.fn == ENV_TOOLS:   # `scorer`: the collector's, for the final answers (tools_env)
+            make_env, schemas, self.tools_pool = tool_env_factory(cfg, tokenizer, reward_fn,
+                                                                  scorer)
         else:
             cls, kwargs = load_env_class(e.fn), dict(e.kwargs)
 

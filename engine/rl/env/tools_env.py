@@ -9,6 +9,13 @@ episode goes on (step reward 0). A turn without any tool call is the final answe
 ends and `reward.fn(prompt=, response=<that turn>, answer=, **row fields)` is its reward.
 Step metrics: tool_calls (calls, malformed ones included) and tool_errors.
 
+That reward is scored through the collector's reward scorer when it passes one (`scorer`:
+engine.rl.rewards.scorer.BatchScorer, rank 0's own pool of reward.num_workers, called from the
+step's thread): the same one call of reward.fn, bounded by reward.timeout_s (a call past it,
+or one that raises, crashes its worker or returns a non-finite score, scores
+reward.failure_score; counted in reward/timeouts and reward/failures). Without a scorer (tests,
+direct use) reward.fn is called here and a raising call fails the step (env/errors).
+
 env.kwargs (all optional): tool_timeout_s (default 10 s; keep it below env.step_timeout_s),
 max_output_chars (default 2000).
 """
@@ -52,16 +59,19 @@ def _prompt_text(prompt) -> str:
 class ToolEnv:
     """One episode of the tool environment (module docstring)."""
 
-    def __init__(self, row: dict, *, pool: ToolPool, fmt: str, reward_fn) -> None:
+    def __init__(self, row: dict, *, pool: ToolPool, fmt: str, reward_fn, scorer=None) -> None:
         self.row, self.pool, self.fmt, self.reward_fn = row, pool, fmt, reward_fn
+        self.scorer = scorer
 
     def step(self, action: str) -> dict:
         parsed = parse_tool_calls(action, self.fmt)
         if parsed.is_answer:
             extra = {k: v for k, v in self.row.items()
                      if k not in ("prompt", "answer", "response")}
-            reward = float(self.reward_fn(prompt=_prompt_text(self.row["prompt"]),
-                                          response=action, answer=self.row["answer"], **extra))
+            item = {**extra, "prompt": _prompt_text(self.row["prompt"]), "response": action,
+                    "answer": self.row["answer"]}
+            reward = (self.scorer.score([item]).scores[0] if self.scorer is not None else
+                      float(self.reward_fn(**item)))
             return {"observations": [], "reward": reward, "done": True,
                     "metrics": {"tool_calls": 0.0, "tool_errors": 0.0}}
         obs = [{"role": "tool", "content": f"error: {e}"} for e in parsed.errors]
@@ -76,8 +86,9 @@ class ToolEnv:
                             "tool_errors": float(errors)}}
 
 
-def tool_env_factory(cfg, tokenizer, reward_fn):
-    """(make_env(row), tool schemas for the chat template, the ToolPool) of env.fn=tools."""
+def tool_env_factory(cfg, tokenizer, reward_fn, scorer=None):
+    """(make_env(row), tool schemas for the chat template, the ToolPool) of env.fn=tools;
+    `scorer` scores the final answers (module docstring)."""
     settings = {**TOOL_KWARGS, **dict(cfg.env.kwargs)}
     tools = load_tools(list(cfg.env.tools))
     schemas = [tool_schema(fn, name) for name, fn in tools.items()]
@@ -86,7 +97,7 @@ def tool_env_factory(cfg, tokenizer, reward_fn):
     fmt = tool_format(tokenizer)
 
     def make_env(row: dict) -> ToolEnv:
-        return ToolEnv(row, pool=pool, fmt=fmt, reward_fn=reward_fn)
+        return ToolEnv(row, pool=pool, fmt=fmt, reward_fn=reward_fn, scorer=scorer)
 
     return make_env, schemas, pool
 

@@ -4,10 +4,12 @@ in-process thread scorer. Counts timeouts, worker crashes and time between `take
 calls: time/reward_s (the scoring work: the calls' seconds summed; with num_workers=0 the
 scoring's wall time) and time/reward_wait_s (the time the collector blocked waiting for scores:
 all of the scoring when it starts after generation, only the tail when replies were submitted
-as they finished).
+as they finished). `score` may be called from several threads at once (env.fn=tools scores
+each episode's final answer from its environment step's thread).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
@@ -33,15 +35,17 @@ class BatchScorer:
         self.timeout_s, self.failure_score = reward.timeout_s, float(reward.failure_score)
         self._pool: RewardPool | None = None
         self._held: dict[Hashable, Mapping[str, Any]] = {}   # num_workers=0: scored at wait
+        self._lock = threading.Lock()   # the pool's start and the counts, across threads
         self.reset_counts()
 
     @property
     def pool(self) -> RewardPool | None:
         """The worker pool (started on first use), None with num_workers=0."""
-        if self._pool is None and self.num_workers != 0:
-            self._pool = RewardPool(self.fn, self.num_workers, self.timeout_s,
-                                    self.failure_score)
-        return self._pool
+        with self._lock:
+            if self._pool is None and self.num_workers != 0:
+                self._pool = RewardPool(self.fn, self.num_workers, self.timeout_s,
+                                        self.failure_score)
+            return self._pool
 
     def reset_counts(self) -> None:
         """Start counting afresh (a step's first call)."""
@@ -103,7 +107,8 @@ class BatchScorer:
         return ScoreReport(scores, errors=errors, work_s=time.perf_counter() - t0)
 
     def _count(self, report: ScoreReport, waited_s: float) -> None:
-        self.timeouts += report.timeouts
-        self.failures += report.failures
-        self.reward_s += report.work_s
-        self.wait_s += waited_s
+        with self._lock:
+            self.timeouts += report.timeouts
+            self.failures += report.failures
+            self.reward_s += report.work_s
+            self.wait_s += waited_s
