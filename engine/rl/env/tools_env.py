@@ -95,6 +95,8 @@ def tool_env_factory(cfg, tokenizer, reward_fn, scorer=None):
     pool = ToolPool(list(cfg.env.tools), cfg.env.num_workers, settings["tool_timeout_s"],
                     int(settings["max_output_chars"]))
     fmt = tool_format(tokenizer)
+    if scorer is not None:   # its workers start now, not within the first answer's step timeout
+        scorer.pool
 
     def make_env(row: dict) -> ToolEnv:
         return ToolEnv(row, pool=pool, fmt=fmt, reward_fn=reward_fn, scorer=scorer)
