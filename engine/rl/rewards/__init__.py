@@ -3,11 +3,12 @@
 Modules: registry (`reward.fn` names and `package.module:function` specs), math_match (`math`,
 `none`), verify_math (`math_verify`, Hugging Face math-verify), code (`code`: tests run in
 engine.rl.rewards.sandbox), scoring (one call's checks; the in-process thread scorer),
-pool (the process pool of `reward.num_workers`, per-item timeouts), worker (one pool process).
+pool (the process pool of `reward.num_workers`, per-item timeouts), worker (one pool process),
+cpus (the default worker count: the CPUs the rank may use), scorer (a collector's scoring).
 
 The contract: ``load_reward_fn(name)`` returns ``fn(prompt, response, answer, **fields) ->
-float``; users and tests call it directly. Scoring runs on the process that collects the
-rollout; no collective.
+float``; users and tests call it directly. This package scores in the calling process's pool;
+no collective (engine.rl.collect.rank_scoring spreads a batch over the ranks' pools).
 
 May import: nothing else in engine.rl (engine.rl.rewards is a leaf).
 """
