@@ -136,10 +136,15 @@ def drop_carried_replies(ckpt: Path, step: int) -> None:
                                          if k not in ("iteration", "time", "files")})
 
 
+LAYOUTS = {"dp2": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}   # 2-rank runs
+
+
 def partial_runs(pools, root: Path, model: str, common: list[str],
-                 half_args: tuple[str, ...] = (), half_env: dict | None = None) -> dict:
+                 half_args: tuple[str, ...] = (), half_env: dict | None = None,
+                 layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict:
     """{name: Run} of `model`, the arguments `common` added to each: "one" (keeping every
-    version's weights, "versions": their folders), "again" (its repeat), "dp2", "tp2", "pp2",
+    version's weights, "versions": their folders), "again" (its repeat), each of `layouts`
+    (names of LAYOUTS: 2-rank runs; all three by default),
     "half" (stopped after step 2 with `half_args` and the environment `half_env`; its PoolRun
     in "half_proc"), "resumed" (half continued from its checkpoint in the same folders to step
     4) and "dropped" (the negative control: half continued from a copy of its checkpoint
@@ -147,8 +152,7 @@ def partial_runs(pools, root: Path, model: str, common: list[str],
     data = prompts_file(root)
     out = {"versions": version_folders(model, root / "ckpt")}
     for name, ranks, layout in (("one", 1, keep_versions(root / "ckpt")), ("again", 1, []),
-                                ("dp2", 2, []), ("tp2", 2, ["parallel.tp=2"]),
-                                ("pp2", 2, ["parallel.pp=2"])):
+                                *((n, 2, LAYOUTS[n]) for n in layouts)):
         out[name], _ = launch(pools, ranks, model, data, root / name, *common, *layout)
     out.update(stop_and_resume(pools, 1, root, model, data, common, half_args, half_env))
     return out

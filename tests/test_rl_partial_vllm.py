@@ -7,10 +7,17 @@ segment from direct generates; two weight syncs with no generate between (a step
 groups only) serve the second; subclasses of the hf and vllm engines take rollout.partial; real
 `python -m engine.rl` runs (tests.partial_runs, test_rl_partial_runs' checks: they train,
 replies span versions in the dumps, two runs with the same seed give identical metrics and
-dumps, each carried token's log-prob is its own version's, DP2, TP2 and PP2 training equal one
-process, a run stopped and resumed equals the straight one; negative control: resumed without
-its carried replies it differs) and an engine killed mid-run and restarted gives the same run.
-Second tier (tests/conftest.py SECOND_TIER): one in-process engine (max_num_seqs 8) and eight
+dumps, each carried token's log-prob is its own version's, PP2 training equals one process, a
+run stopped and resumed equals the straight one; negative control: resumed without its carried
+replies it differs) and an engine killed mid-run and restarted gives the same run.
+DP2 and TP2 are not launched here (the vLLM engine lives on rank 0 whatever the trainer's
+layout, and the partial collector is the hf runs'): partial runs at DP2 and TP2 stay covered
+by test_rl_partial_runs::test_partial_run_is_layout_invariant[dp2/tp2] (same runs, hf
+backend), a TP-sharded trainer syncing vLLM by test_vllm::
+test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant (DP2 x TP2). PP2 stays: the
+one layout whose sync gathers another rank's layers into rank 0's vLLM engine, launched nowhere
+else on vLLM.
+Second tier (tests/conftest.py SECOND_TIER): one in-process engine (max_num_seqs 8) and six
 launches on the rank pool."""
 from __future__ import annotations
 
@@ -228,9 +235,10 @@ DIE_AT = 5     # the stopped run's engine is killed at this generate call: step 
 
 @pytest.fixture(scope="module")
 def runs(pools, tmp_path_factory) -> dict:
-    """test_rl_partial_runs' runs (tests.partial_runs.partial_runs: one, again, dp2, tp2, pp2,
-    half, resumed, dropped; 4 steps) on rollout.backend=vllm; in the stopped run ("half") the
-    engine's model process is killed at its DIE_AT-th generate call
+    """test_rl_partial_runs' runs (tests.partial_runs.partial_runs: one, again, pp2, half,
+    resumed, dropped; 4 steps; DP2 and TP2: the module docstring says where they stay
+    covered) on rollout.backend=vllm; in the stopped run ("half") the engine's model process
+    is killed at its DIE_AT-th generate call
     (tests.flaky_rollout.DyingVLLMEngine) and "died" says it was."""
     root = tmp_path_factory.mktemp("partial_vllm_runs")
     model = eos_prone_model(str(root / "model"), eos_scale=2.5, **TINY)
@@ -240,7 +248,8 @@ def runs(pools, tmp_path_factory) -> dict:
                        half_args=("rollout.backend=tests.flaky_rollout:DyingVLLMEngine",
                                   "rollout.retry_wait_s=0"),
                        half_env={"DYING_ROLLOUT_MARKER": str(marker),
-                                 "DYING_ROLLOUT_AT_CALL": str(DIE_AT)})
+                                 "DYING_ROLLOUT_AT_CALL": str(DIE_AT)},
+                       layouts=("pp2",))
     out["died"] = marker.exists()
     return out
 
@@ -257,11 +266,11 @@ def test_vllm_carried_tokens_keep_the_logprobs_of_their_version(runs):
     hf_runs.test_carried_tokens_keep_the_logprobs_of_their_version(runs)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
-def test_vllm_partial_run_is_layout_invariant(runs, layout):
-    """DP2, TP2 and PP2 training (one vLLM engine, owned by rank 0) equal one process: token
-    ids, metrics to rel 1e-5; negative control: the run resumed without its carried replies."""
-    hf_runs.test_partial_run_is_layout_invariant(runs, layout)
+def test_vllm_partial_run_is_layout_invariant(runs):
+    """PP2 training (one vLLM engine, owned by rank 0, synced from both stages) equals one
+    process: token ids, metrics to rel 1e-5; negative control: the run resumed without its
+    carried replies."""
+    hf_runs.test_partial_run_is_layout_invariant(runs, "pp2")
 
 
 def test_vllm_resumed_partial_run_continues_the_carried_replies(runs):
