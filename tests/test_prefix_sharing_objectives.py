@@ -72,6 +72,7 @@ def test_shared_equals_unshared(runs, objective):
     assert all(s["train/prefix_token_ratio"] == 1.0 for s in off["steps"])
     ratios = [s["train/prefix_token_ratio"] for s in on["steps"]]
     assert all(r < 0.7 for r in ratios), ratios   # the rows' prompts ran once
+    assert off["split_calls"] == 0 and on["split_calls"] > 0   # the CPU's split attention
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)

@@ -4,7 +4,8 @@ batches, at one process (run on a pool rank by tests/test_prefix_sharing_objecti
 
 `run(model_dir, teacher_dir, objective, sharing, control)` returns {"table": per-token outputs
 of the first batch's rows ([rows][max length] floats), "steps": [metrics per optimizer step]}
-for one mode, and the test compares the modes:
+for one mode, and the number of split tree-attention calls (parallel.tree_attention_split: the
+prompts are long enough), and the test compares the modes:
   kto:     STEPS engine.kto.training.kto_steps (frozen reference, the KL reference point from
            the mismatched sequences) on unpaired examples, four per prompt; the table: the
            policy's token log-probs of the first batch's examples;
@@ -24,14 +25,16 @@ from types import SimpleNamespace
 
 STEPS = 3
 PROMPTS, PER_PROMPT = 2, 4
+PROMPT_MIN = 260   # >= parallel.tree_attention_split.SPLIT_MIN_KEYS: the split attention runs
 
 
 def _prompt_rows(vocab: int, seed: int) -> list[tuple[list[int], list[list[int]]]]:
-    """PROMPTS prompts of 20..30 tokens, each with PER_PROMPT completions of 3..14 tokens."""
+    """PROMPTS prompts of 260..270 tokens, each with PER_PROMPT completions of 3..14 tokens."""
     rng = random.Random(seed)
     out = []
     for _ in range(PROMPTS):
-        prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(20, 30))]
+        length = rng.randint(PROMPT_MIN, PROMPT_MIN + 10)
+        prompt = [rng.randrange(4, vocab) for _ in range(length)]
         out.append((prompt, [[rng.randrange(4, vocab) for _ in range(rng.randint(3, 14))]
                              for _ in range(PER_PROMPT)]))
     return out
@@ -79,6 +82,7 @@ def kto_run(model_dir: str, hf_config: dict, train, _teacher: str) -> dict:
                                 loss_chunk_tokens=16)
     reference = Reference(policy, frozen, False, True, None)
     cfg = run_cfg({})
+    cfg.train.seq_length = 512
     steps, table = [], None
     for step in range(STEPS):
         examples = [UnpairedExample(_sample(p, c), len(p), (k + step) % 3 != 0)
@@ -168,11 +172,23 @@ def run(model_dir: str, teacher_dir: str, objective: str, sharing: bool,
     from parallel.process_groups import setup_model_parallel
     from tests.multirank.prefix_sharing_check import broken
 
+    import parallel.tree_attention as tree_attention
+
     setup_model_parallel(ParallelLayout(1))
     context = broken("sibling_visible") if control else contextlib.nullcontext()
-    with context:
-        out = RUNS[objective](model_dir, read_config(model_dir), _train(sharing), teacher_dir)
+    split, calls = tree_attention.split_tree_attention, []
+
+    def counted(*args):
+        calls.append(1)
+        return split(*args)
+    tree_attention.split_tree_attention = counted
+    try:
+        with context:
+            out = RUNS[objective](model_dir, read_config(model_dir), _train(sharing),
+                                  teacher_dir)
+    finally:
+        tree_attention.split_tree_attention = split
     # plain lists and floats back to the test (a tensor would travel as shared memory)
-    return {"table": out["table"].tolist(),
+    return {"table": out["table"].tolist(), "split_calls": len(calls),
             "steps": [{k: float(v) for k, v in s.items() if isinstance(v, (int, float))}
                       for s in out["steps"]]}
