@@ -3,6 +3,7 @@ scores its share of reward.fn's items in its own reward pool, and rank 0 gets ex
 scores and failure counts of scoring every item itself."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -85,9 +86,8 @@ def test_two_rank_run_equals_rank0_scoring(pools, tmp_path, path):
     rollouts scored as replies finish) scoring reward.fn on both ranks equals the same run
     scoring on rank 0 alone (reward.num_workers=0, the path before): every metric but the
     timings and the dumps, exactly; both ranks scored, together as many calls as one process
-    scoring in its own pool (the driver path scores a finished reply again in the step its
-    group completes when the group was carried over a cut; reward.num_workers=0 scores only
-    at the end)."""
+    scoring in its own pool (the driver path scores each reply as it finishes, also those of
+    the groups still carried after the last step; reward.num_workers=0 only what is read)."""
     model = eos_prone_model(str(tmp_path / "model"), eos_scale=2.5, hidden=64, layers=4)
     data = prompts_file(tmp_path)
     runs, calls = {}, {}
@@ -96,13 +96,15 @@ def test_two_rank_run_equals_rank0_scoring(pools, tmp_path, path):
         log = tmp_path / f"{name}.log"
         runs[name], _ = launch(pools, ranks, model, data, tmp_path / name, *path, *extra,
                                f"reward.fn={REWARD}", env={"RANK_SCORING_LOG": str(log)})
-        calls[name] = Counter(log.read_text().split())
+        calls[name] = [tuple(json.loads(x)) for x in log.read_text().splitlines()]
     (m_ranks, d_ranks), (m_rank0, d_rank0) = runs["ranks"], runs["rank0"]
     assert [untimed(m) for m in m_ranks] == [untimed(m) for m in m_rank0]
     assert d_ranks == d_rank0 and len(d_ranks) == STEPS
-    assert set(calls["rank0"]) == {"0"}
-    assert calls["ranks"]["0"] > 0 and calls["ranks"]["1"] > 0
-    assert sum(calls["ranks"].values()) == sum(calls["one"].values()) >= sum(
-        calls["rank0"].values())
+    ranks = {name: Counter(c[0] for c in calls[name]) for name in calls}
+    assert set(ranks["rank0"]) == {"0"} and ranks["ranks"]["0"] > 0 and ranks["ranks"]["1"] > 0
+    assert len(calls["ranks"]) == len(calls["one"]) >= len(calls["rank0"])
+    for name in ("ranks", "one") if "driver" in path[0] else ():
+        # replies are keyed by row and tokens: each scored once, carried ones too
+        assert len(set(c[1:] for c in calls[name])) == len(calls[name]), name
     scores = [m["reward/mean"] for m in m_ranks]
     assert len(set(scores)) > 1 and all(s > 0 for s in scores)

@@ -86,7 +86,8 @@ def check(log_dir: str, count: int, broken_split: str | None = None) -> dict:
 def logged_run_reward(prompt, response, answer, **fields):
     """reward.fn of the RL runs of tests/test_rewards_ranks.py: the digit fraction of the
     response plus its length / 100 (varies within a group); appends this process's RANK to
-    the file $RANK_SCORING_LOG."""
+    and the item (JSON: [rank, prompt, response]) to the file $RANK_SCORING_LOG."""
+    import json
     with open(os.environ["RANK_SCORING_LOG"], "a") as f:
-        f.write(f"{os.environ.get('RANK', '?')}\n")
+        f.write(json.dumps([os.environ.get("RANK", "?"), prompt, response]) + "\n")
     return sum(c.isdigit() for c in response) / max(len(response), 1) + len(response) / 100

@@ -51,13 +51,15 @@ class PartialScoring:
 
     def settle_scores(self, log: dict) -> None:
         """Fill the values of the queued groups still unscored (waiting for their scores),
-        then drop the pool's results of the step."""
+        then drop the pool's results of the step but those of the finished replies of groups
+        still in flight (carried: read when their group completes, not scored again)."""
         pending = getattr(self, "unscored", [])
         self.unscored = []
         queued = [g for g in pending if any(g is q for q in self.ready)]   # not rolled back
         if queued:
             self._value_groups(queued, log, queue=False)
-        self.scorer.forget()
+        self.scorer.forget(keep=[self._reply_key(g, r) for g in self.groups
+                                 for r in g.replies if r.finish is not None])
 
     def _submit(self, group: Group, reply: Reply) -> None:
         self.scorer.submit(self._reply_key(group, reply), reward_item(

@@ -79,7 +79,7 @@ def rank_op(rollout_pool, payload: tuple) -> Any:
         if op == "wait":
             return ("ok", pool.wait(arg.get(rank, [])))
         if op == "forget":
-            pool.forget()
+            pool.forget(keep=set(arg))
             return ("ok", None)
         raise ValueError(f"unknown scoring command {op!r}")
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 instead of hanging it
@@ -154,10 +154,11 @@ class RankScorer(BatchScorer):
         self._count(report, time.perf_counter() - t0)
         return report
 
-    def forget(self) -> None:
+    def forget(self, keep: Iterable[Hashable] = ()) -> None:
+        keep = [k for k in keep if k in self._owner]
         if self._owner:
-            self._call("forget", gather=False)
-        self._owner.clear()
+            self._call("forget", keep, gather=False)
+        self._owner = {k: self._owner[k] for k in keep}
 
     def close(self) -> None:
         """Nothing to stop here: each rank's pool ends with its process (a collective here

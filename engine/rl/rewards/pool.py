@@ -169,10 +169,10 @@ class RewardPool:
                 self._cond.wait()
             return [self.done[k] for k in keys]
 
-    def forget(self, keys: Iterable[Hashable] | None = None) -> None:
-        """Drop the results of ``keys`` (None: every finished one)."""
+    def forget(self, keys: Iterable[Hashable] | None = None, keep: set = frozenset()) -> None:
+        """Drop the results of ``keys`` (None: every finished one) but those in ``keep``."""
         with self._cond:
-            for key in list(self.done) if keys is None else keys:
+            for key in [k for k in (list(self.done) if keys is None else keys) if k not in keep]:
                 self.done.pop(key, None)
 
     def score(self, items: Sequence[Mapping[str, Any]]) -> ScoreReport:

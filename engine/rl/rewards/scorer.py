@@ -88,11 +88,13 @@ class BatchScorer:
         self._count(report, time.perf_counter() - t0)
         return report
 
-    def forget(self) -> None:
-        """Drop every submitted item's result (a step's end: none is read again)."""
-        self._held.clear()
+    def forget(self, keep: Iterable[Hashable] = ()) -> None:
+        """Drop every submitted item's result but those of ``keep`` (a step's end: the
+        finished replies of groups carried to the next step are kept, not scored again)."""
+        keep = set(keep)
+        self._held = {k: v for k, v in self._held.items() if k in keep}
         if self._pool is not None:
-            self._pool.forget()
+            self._pool.forget(keep=keep)
 
     def close(self) -> None:
         """Stop the pool's workers (a later call starts a fresh pool)."""
