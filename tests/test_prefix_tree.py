@@ -260,7 +260,6 @@ def _cfg(**over):
 
 @pytest.mark.parametrize("model_type,word", [
     ("qwen3_5", "Gated DeltaNet"), ("deepseek_v3", "MLA"), ("gpt_oss", "sinks"),
-    ("qwen3_moe", "mixture-of-experts"), ("mixtral", "mixture-of-experts"),
     ("qwen3_vl", "images")])
 def test_refused_families_are_named(model_type, word):
     problems = prefix_sharing_problems(_cfg(), {"model_type": model_type})

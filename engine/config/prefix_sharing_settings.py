@@ -7,12 +7,23 @@ is gathered back to the unshared rows before the loss. That is exact for decoder
 token state depends only on the token's own row prefix through softmax attention with RoPE
 positions. Everything else is refused here, by name:
 
+Mixture-of-experts families share: each token's routing and expert outputs depend on its own
+hidden state only, so the log-probs, the loss and its gradient are exact (EP2 tested). The
+router's auxiliary losses (moe.aux_loss_coeff, moe.z_loss_coeff) and the moe/* metrics are
+treated like packing (engine.training.router_losses): megatron computes them per micro-batch
+over the token positions the model runs, so a shared token counts once, as a packed micro-batch
+already changes them with micro-batch size, dp and pp. They are therefore not equal to the
+unshared run's; with both coefficients 0 (the default of families whose HF config does not
+train them) the step is exact.
+
 - Gated DeltaNet hybrids (Qwen3.5/3.6): the recurrent state would have to fork at each branch;
 - vision-language models: an image in a shared prefix (M-RoPE positions per image) is not handled;
 - MLA (DeepSeek-V3, Kimi-K2), learned sinks and sliding windows (gpt-oss, Qwen2's
   use_sliding_window): their attention is not yet tree-aware;
-- mixture-of-experts families: the router's auxiliary losses and expert-bias counts would count a
-  shared token once instead of once per row, and routing replay records per model token;
+- with a mixture-of-experts model: moe.routing_replay (it records and replays one routing per
+  row token; a shared token runs once for all its rows), moe.bias_update_rate > 0 (the
+  expert-bias update counts the tokens routed) and moe.capacity_factor (which tokens are
+  dropped depends on the tokens that share the micro-batch);
 - model.mtp.enabled (next-next-token targets differ per row at a branch);
 - train.compile resolved on (a compiled layer would trace each tree's RoPE positions);
 - context parallelism other than Ulysses (parallel.cp_comm_type a2a).
@@ -27,8 +38,6 @@ from models.families.registry import FAMILIES, is_moe
 
 HYBRID_REASON = "a Gated DeltaNet hybrid (its recurrent state would have to fork at each branch)"
 MLA_REASON = "multi-head latent attention (MLA) is not tree-aware yet"
-MOE_REASON = ("a mixture-of-experts model (router auxiliary losses and expert-bias counts would "
-              "count a shared token once, not once per row)")
 VISION_REASON = "a vision-language model (images in a shared prefix are not handled)"
 
 
@@ -51,11 +60,33 @@ def _reason(hf_config: dict) -> str | None:
         return VISION_REASON
     if any(f.multi_latent_attention for f in fams):
         return MLA_REASON
-    if is_moe(hf_config):
-        return MOE_REASON
     if hf_config.get("use_sliding_window"):
         return "use_sliding_window=true (sliding-window attention is not tree-aware yet)"
     return None
+
+
+def _moe_problems(cfg: Any, key: str) -> list[str]:
+    """The moe.* settings that count or record per row token (module docstring)."""
+    moe = getattr(cfg, "moe", None)
+    if moe is None:
+        return []
+    problems = []
+    replay = getattr(moe, "routing_replay", None)
+    if replay is not None:
+        problems.append(f"{key} with moe.routing_replay={replay}: replay records one routing "
+                        "per row token and a shared token runs once for all its rows; set "
+                        "moe.routing_replay=null or train.prefix_sharing=false")
+    rate = getattr(moe, "bias_update_rate", 0.0)
+    if isinstance(rate, (int, float)) and rate > 0:
+        problems.append(f"{key} with moe.bias_update_rate={rate}: the expert-bias update "
+                        "counts routed tokens, and a shared token would count once instead of "
+                        "once per row; set moe.bias_update_rate=0 or train.prefix_sharing=false")
+    cf = getattr(moe, "capacity_factor", None)
+    if cf:
+        problems.append(f"{key} with moe.capacity_factor={cf}: which tokens are dropped "
+                        "depends on the tokens sharing the micro-batch; set "
+                        "moe.capacity_factor=null (dropless) or train.prefix_sharing=false")
+    return problems
 
 
 def prefix_sharing_problems(cfg: Any, hf_config: dict) -> list[str]:
@@ -69,7 +100,9 @@ def prefix_sharing_problems(cfg: Any, hf_config: dict) -> list[str]:
     if reason:
         problems.append(f"{key} is not supported for model.hf_path={cfg.model.hf_path}: "
                         f"{reason}; supported: dense text-only decoders with softmax attention "
-                        "(Llama, Qwen2, Qwen3)")
+                        "(Llama, Qwen2, Qwen3) and mixture-of-experts ones (Qwen3-MoE, Mixtral)")
+    if is_moe(hf_config):
+        problems += _moe_problems(cfg, key)
     mtp = getattr(getattr(cfg.model, "mtp", None), "enabled", False)
     if mtp:
         problems.append(f"{key} with model.mtp.enabled=true: the next-next-token targets differ "

@@ -15,6 +15,12 @@ router gets no padding mask). So the router loss is the same under every ep at t
 pp and micro-batch settings, and changes with dp, pp (it pads every micro-batch to one
 shape), cp, micro-batch size, token budget and packing.
 
+Prefix sharing (train.prefix_sharing, docs/prefix-sharing.md) is treated like packing: the
+router runs on the tree's tokens, so its losses, their token count N (`run_tokens`: the tree's
+tokens of a shared micro-batch) and the moe/* metrics count a shared token once, not once per
+row that contains it. With both coefficients 0 the step is exact against the unshared rows;
+the metrics (moe/expert_load_max_over_mean) still count the tokens run.
+
 Metrics (`metrics()`, after the step; every rank gets the same values): `moe/aux_loss` and
 `moe/z_loss` (megatron's tracked values without the coefficient, averaged over micro-batches,
 DP x CP ranks and MoE layers), `moe/expert_load_max_over_mean` (per layer: the largest
@@ -42,6 +48,13 @@ def _sum(vec: torch.Tensor, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(vec, group=group)
     return vec
+
+
+def run_tokens(mb) -> int:
+    """The token positions the model runs for micro-batch `mb` (this rank's): the prefix
+    tree's when it runs as one (engine.training.tree_batch), else its packed rows'."""
+    tree = getattr(mb, "tree", None)
+    return tree.tokens.numel() if tree is not None else mb.tokens.numel()
 
 
 class RouterLosses:
@@ -76,7 +89,7 @@ class RouterLosses:
         """Set this step's coefficients (collective over DP x CP) and clear the trackers."""
         if not self.active:
             return
-        local = sum(mb.tokens.numel() for mb in micro_batches)
+        local = sum(run_tokens(mb) for mb in micro_batches)
         n = _sum(torch.tensor([float(local)], dtype=torch.float64),
                  ps.get_data_parallel_group(with_context_parallel=True))
         tokens = max(float(n), 1.0)

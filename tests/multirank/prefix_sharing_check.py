@@ -7,7 +7,8 @@ Each SPEC is "tp,pp,cp[,flags]" (flags "+"-separated: sp, Megatron sequence para
 dyn=N, train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; vpp=V, virtual
 pipeline stages; lora, a LoRA policy (all-linear, rank 4); unchunked, the policy's loss on
 megatron's logits (train.loss_chunk_tokens null: the gather moves logits, which megatron's
-cross-entropy then modifies in place); ctl, the negative controls; obj=A/B, only these
+cross-entropy then modifies in place); ep=N, expert parallelism (a MoE MODEL_DIR); aux, AUX:
+the router's load-balancing and z losses on; ctl, the negative controls; obj=A/B, only these
 objectives, default all). For each spec, at W ranks (DP = W / (tp*pp*cp)), with sharing off
 and then on, the same HF weights loaded each time:
   grpo: a GRPO rollout batch whose groups share their prompts (one row a prefix of another,
@@ -22,7 +23,9 @@ and then on, the same HF weights loaded each time:
 Rank 0 prints one "RESULT {json}" line per (spec, objective): the largest relative difference
 of the log-prob table and of every compared metric (loss, grad norm, policy/*, rewards/*,
 critic/* metrics) over the steps (relative to that metric's largest size over the steps: DPO's
-rewards start at exactly 0), and both runs' train/prefix_token_ratio.
+rewards start at exactly 0), and both runs' train/prefix_token_ratio. The moe/* metrics count
+the tokens the model runs (engine.training.router_losses: a shared token once), so they are
+reported apart ("moe_rel"), with the first step's loss and grad norm differences.
 Negative controls (flag ctl): the same comparison with the tree attention broken so that a
 row also sees its sibling branches (every earlier tree node), and with RoPE positions counted
 along the tree row instead of the row; both must differ.
@@ -43,7 +46,9 @@ GROUPS, N = 3, 4
 SETTINGS = dict(temperature=0.8, eps_low=0.2, eps_high=0.28, dual_c=3.0, kl_beta=0.05,
                 kl_estimator="k3", entropy_coef=0.01)
 SKIP = ("time/", "train/micro_batches", "batch/num_padding", "batch/dp_imbalance",
-        "train/prefix_token_ratio", "lr", "compile/")
+        "train/prefix_token_ratio", "lr", "compile/", "moe/")
+AUX = dict(moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss",
+           moe_z_loss_coeff=1e-3)
 
 
 def grpo_rollout(vocab: int):
@@ -112,9 +117,10 @@ def _engine(model_dir, hf_config, layout_kw, world, train, sp):
         from models.lora.sites import resolve_targets
         lora = dict(lora=LoraSpec(4, 8.0, resolve_targets("all-linear"), seed=3))
     chunk = None if getattr(train, "unchunked", False) else 16   # None: megatron's logits
+    aux = AUX if getattr(train, "aux", False) else {}
     return TrainEngine.build(hf_config, optim_settings(), torch.float32, STEPS, train,
                              weights_dir=model_dir, loss_chunk_tokens=chunk,
-                             sequence_parallel=sp, **lora)
+                             sequence_parallel=sp, **lora, **aux)
 
 
 def grpo_run(model_dir, hf_config, layout_kw, world, train, sp):
@@ -133,7 +139,6 @@ def grpo_run(model_dir, hf_config, layout_kw, world, train, sp):
 
 def sft_run(model_dir, hf_config, layout_kw, world, train, sp):
     from megatron.core import parallel_state as ps
-
     from engine.rl.policy.logprobs import compute_token_logprobs
     from engine.sft.training import SFT_REPORT_KEYS, sft_loss_fn
     from engine.training.loss import GlobalLossNormalizer
@@ -230,18 +235,21 @@ def ppo_run(model_dir, hf_config, layout_kw, world, train, sp):
 def compare(off, on) -> dict:
     """Largest relative differences of the log-prob tables and of each compared metric."""
     (t0, s0), (t1, s1) = off, on
-    scale = float(t0.abs().max())
-    out = {"logprob_rel": float((t1 - t0).abs().max()) / scale, "metric_rel": 0.0}
+    out = {"logprob_rel": float((t1 - t0).abs().max() / t0.abs().max()), "metric_rel": 0.0,
+           "moe_rel": {}}
     scales = {k: max(abs(a[k]) for a in s0) for k in s0[0]}   # a metric's size over the run
     for a, b in zip(s0, s1):
         for k, v in a.items():
-            if any(k.startswith(p) for p in SKIP):
-                continue
             d = abs(b[k] - v) / max(scales[k], 1e-6)
-            if d > out["metric_rel"]:
+            if k.startswith("moe/"):
+                out["moe_rel"][k] = max(out["moe_rel"].get(k, 0.0), d)
+            if d > out["metric_rel"] and not any(k.startswith(p) for p in SKIP):
                 out["metric_rel"], out["worst_metric"] = d, k
     out["losses"] = [a.get("loss", a.get("policy/pg_loss")) for a in s0]
     out["grad_norms"] = [a["grad_norm"] for a in s0]
+    l0, l1 = (a.get("loss", a.get("policy/pg_loss")) for a in (s0[0], s1[0]))
+    out["first_loss_rel"] = abs(l1 - l0) / max(abs(l0), 1e-12)
+    out["first_grad_norm_rel"] = abs(s1[0]["grad_norm"] - s0[0]["grad_norm"]) / s0[0]["grad_norm"]
     out["ratio_off"] = s0[0]["train/prefix_token_ratio"]
     out["ratio_on"] = s1[0]["train/prefix_token_ratio"]
     out["micro_batches_on"] = s1[0].get("train/micro_batches")
@@ -256,9 +264,10 @@ def parse_spec(spec: str):
     train = dict(micro_batch_size=int(opts.get("mbs", 1)),
                  max_tokens_per_micro_batch=int(opts["dyn"]) if "dyn" in opts else None,
                  balance_dp=True, packing=True, lora="lora" in flags,
-                 unchunked="unchunked" in flags)
+                 unchunked="unchunked" in flags, aux="aux" in flags)
     names = opts.get("obj", "/".join(n for n, _ in OBJECTIVES)).split("/")
-    layout = dict(tp=tp, pp=pp, cp=cp, **({"vpp": int(opts["vpp"])} if "vpp" in opts else {}))
+    layout = dict(tp=tp, pp=pp, cp=cp, **({"vpp": int(opts["vpp"])} if "vpp" in opts else {}),
+                  **({"ep": int(opts["ep"])} if "ep" in opts else {}))
     return (layout, train, "sp" in flags, "ctl" in flags,
             [(n, r) for n, r in OBJECTIVES if n in names])
 
@@ -266,7 +275,6 @@ def parse_spec(spec: str):
 def broken(kind: str):
     """A context manager that breaks prefix sharing the way a negative control needs."""
     import contextlib
-
     import dataclasses
 
     import engine.training.tree_batch as tb
