@@ -73,7 +73,7 @@ def split_plan(runs, row_length: int, min_keys: int | None = None
             whole.append(_Piece(own, own, "causal") if split or not ancestors else
                          _Piece(own, tuple(run.keys), "lower_right"))
         if split:
-            stacked.append(_Piece(_merge([(r.start, r.end) for r in members]), ancestors,
+            stacked.append(_Piece(merge_spans([(r.start, r.end) for r in members]), ancestors,
                                   "full"))
     if covered < row_length:
         whole.append(_Piece(((covered, row_length),), ((covered, row_length),), "causal"))
@@ -96,7 +96,8 @@ def _mask(piece: _Piece, dtype, device, cache: dict):
     return cache[key]
 
 
-def _merge(spans):
+def merge_spans(spans) -> tuple[tuple[int, int], ...]:
+    """Adjacent spans joined ((0, 4), (4, 9) -> (0, 9)): fewer pieces to concatenate."""
     out: list[tuple[int, int]] = []
     for a, b in spans:
         if out and out[-1][1] == a:

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from parallel.tree_attention_split import merge_spans
+
 
 @dataclass(frozen=True)
 class RunSpan:
@@ -124,19 +126,8 @@ def _runs(parent: list[int], children: list[dict[int, int]], order: list[int],
         else:   # the parent's run up to the parent, then that run's own ancestors
             parent_run = runs[run_of[p]]
             keys = parent_run.keys[:-1] + ((parent_run.keys[-1][0], p + 1), (a, b))
-        runs.append(RunSpan(a, b, _merge(keys)))
+        runs.append(RunSpan(a, b, merge_spans(keys)))
     return runs
-
-
-def _merge(spans: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """Adjacent spans joined ((0, 4), (4, 9) -> (0, 9)): fewer pieces to concatenate."""
-    out: list[tuple[int, int]] = []
-    for a, b in spans:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return tuple(out)
 
 
 def shared_groups(rows: Sequence[Sequence[int]], min_fraction: float = 0.25,
