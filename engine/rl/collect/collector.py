@@ -5,9 +5,8 @@ Rank 0 drives the rollout (RolloutCollector): each generation batch is split ove
 engines by engine.generation.pool (one generate call per engine, results back in the global
 order), scored (reward.fn: each rank its share, engine.rl.collect.rank_scoring) and shaped on
 rank 0; the other ranks serve their engines meanwhile, and transport.broadcast_rollout ends
-that phase by sending the token lists to every rank over the default (world) group. Sampling
-is seeded per response (work_split.response_seed), so the batch does not depend on the engine
-count.
+that phase by sending the token lists to every rank over the default (world) group. Seeds
+are per response (work_split.response_seed): the batch does not depend on the engine count.
 
 With a reward model (reward.model.path; the pool's `scorer`, colocated runs), every generation
 batch's trajectories are scored by it through the pool (RolloutPool.score: a collective of
