@@ -3,7 +3,8 @@
 # recipes/agent_cpu_demo.sh. Goes to the repository root, sets the environment and an empty
 # $WORK (the caller sets WORK first), and defines:
 #
-#   demo_tiny_model DIR HIDDEN LAYERS INTERMEDIATE SEED   a tiny random Qwen3 (4 heads, 2 KV heads,
+#   demo_tiny_model DIR HIDDEN LAYERS INTERMEDIATE SEED   a tiny random Qwen3 (HIDDEN / 32 heads
+#       of 32 dims, vLLM's CPU minimum; 2 KV heads; the
 #       200-token word-level tokenizer of tools/tiny_models.py: every demo model shares it)
 #   demo_addition_data   $WORK/sft.jsonl ("what is a plus b ?" -> "a+b") and $WORK/rl.jsonl
 #       (the same prompts with "answer"), single-digit a, b: 100 rows each, no download

@@ -288,7 +288,8 @@ def test_commands_say_what_they_wrote_in_the_right_number(tmp_path, capsys):
     demo_main(["model", str(tmp_path / "m"), "--hidden", "32", "--layers", "1",
                "--intermediate", "32"])
     said = capsys.readouterr().out
-    assert said.startswith(f"wrote {tmp_path / 'm'}: a tiny random Qwen3 (hidden 32, layers 1)")
+    assert said.startswith(f"wrote {tmp_path / 'm'}: a tiny random Qwen3 (hidden 32, layers 1) "
+                           "with 1 head of 32 dims")
     assert (tmp_path / "m" / "config.json").exists()
     assert summary([{"score": 1.0}]) == "scored 1 row"
     assert summary([{"score": 1.0}, {"chosen": 2.0, "rejected": 1.0, "margin": 1.0}]) \

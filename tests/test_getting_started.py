@@ -95,8 +95,8 @@ def test_demo_model_eos_prone_is_the_partial_tests_model(tmp_path):
 
     demo, plain = str(tmp_path / "demo"), str(tmp_path / "plain")
     main(["model", demo, "--eos-prone", "--layers", "1"])
-    build_tiny_model(plain, "qwen3", hidden=64, layers=1, heads=8, kv_heads=2, seed=0,
-                     initializer_range=0.2, intermediate=128, head_dim=16)
+    build_tiny_model(plain, "qwen3", hidden=64, layers=1, heads=2, kv_heads=2, seed=0,
+                     initializer_range=0.2, intermediate=128, head_dim=32)
     got, ref = (load_file(f"{d}/model.safetensors") for d in (demo, plain))
     assert got.keys() == ref.keys()
     row = "model.embed_tokens.weight"

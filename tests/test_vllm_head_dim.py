@@ -2,8 +2,9 @@
 first request: `serve --backend vllm` exits 2 before vLLM is imported, and rollout.backend=vllm
 fails its config check, both naming the head dim and the smallest one vLLM runs
 (engine.generation.vllm.attention.head_dim_problem). Positive controls: a 32-dim model passes
-both checks, the hf backend takes the 16-dim one, and `demo model --head-dim 32` builds a demo
-model the vllm backend takes (the default 16 it refuses). No vLLM engine starts here (that
+both checks, the hf backend takes the 16-dim one, and `demo model` builds a demo model the
+vllm backend takes by default (32-dim heads; `--head-dim 16` it refuses). No vLLM engine starts
+here (that
 vLLM's own list of head sizes is CPU_HEAD_DIMS: tests/test_vllm_failures.py, which imports
 vLLM).
 """
@@ -67,13 +68,31 @@ def test_serve_backend_vllm_refuses_small_heads_before_loading(folders, capsys):
         assert backend_problem(backend, folders[dim]) is None
 
 
-def test_demo_model_with_head_dim_32_passes_the_vllm_check(tmp_path):
+def test_the_default_demo_models_pass_the_vllm_check(tmp_path):
+    """`demo model` (hidden 64: 2 heads of 32 dims, 2 KV heads) and `demo assets`' model
+    (hidden 128: 4 of 32) pass the vllm check by default; control: `demo model --head-dim 16`
+    (the old default, 4 heads of 16) is refused."""
     from tools.demo import main as demo_main
 
-    for dim, ok in ((32, True), (16, False)):
+    for dim, heads, ok in ((32, 2, True), (16, 4, False)):
         out = str(tmp_path / str(dim))
-        argv = ["model", out, "--layers", "1"] + (["--head-dim", "32"] if ok else [])
+        argv = ["model", out, "--layers", "1"] + ([] if ok else ["--head-dim", "16"])
         assert demo_main(argv) == 0
         config = json.loads(open(f"{out}/config.json").read())
-        assert (config["num_attention_heads"], config["head_dim"]) == (4, dim)
+        assert (config["num_attention_heads"], config["num_key_value_heads"],
+                config["head_dim"]) == (heads, 2, dim)
         assert (backend_problem("vllm", out) is None) == ok
+    assert demo_main(["assets", "--out", str(tmp_path / "assets")]) == 0
+    config = json.loads((tmp_path / "assets" / "model" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_attention_heads"],
+            config["head_dim"]) == (128, 4, 32)
+    assert backend_problem("vllm", str(tmp_path / "assets" / "model")) is None
+
+
+def test_demo_model_names_a_hidden_size_the_head_dim_does_not_divide(capsys):
+    from tools.demo import main as demo_main
+
+    with pytest.raises(SystemExit) as exit_:
+        demo_main(["model", "unused", "--hidden", "48"])
+    assert exit_.value.code == 2
+    assert "--hidden 48 is not a multiple of --head-dim 32" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """The CPU demos' local models, data and evaluation (recipes/*_demo.sh); nothing is downloaded.
 
     python -m tools.demo assets --out runs/demo_assets         (recipes/cpu_demo.sh)
-        OUT/model/ (tiny random Qwen3, word-level chat tokenizer), OUT/sft_train.jsonl,
+        OUT/model/ (tiny random Qwen3, hidden 128, 4 heads of 32 dims), OUT/sft_train.jsonl,
         OUT/sft_eval.jsonl (chat rows "what is a + b ?" -> "the answer is c"),
         OUT/rl_prompts.jsonl ({"prompt", "answer"}) and OUT/dpo_train.jsonl, OUT/dpo_eval.jsonl
         (recipes/dpo_cpu_demo.sh: preference pairs, chosen "the answer is c", rejected "c is the
@@ -10,13 +10,15 @@
         desirable, "c is the answer" undesirable; conversational rows, the eval rows as text)
     python -m tools.demo model DIR [--hidden H] [--layers L] [--intermediate I] [--head-dim D]
         [--seed S]
-        a tiny random Qwen3 (4 heads of D dims, default 16, and 2 KV heads) with the 200-token
-        word-level tokenizer of tools/tiny_models.py (every addition-demo model shares it);
-        vLLM's CPU attention needs heads of 32 dims or more: `--head-dim 32` serves on every
-        backend, the default 16 is refused by `serve --backend vllm` and rollout.backend=vllm;
-        --eos-prone: instead the partial-rollout tests' Qwen3 (8 heads, init 0.2, its end-of-turn
-        embedding scaled by 2.5: tools.tiny_models.eos_prone_model) whose sampled replies end at
-        spread lengths, so partial rollouts cut some and carry them (docs/async-rl.md);
+        a tiny random Qwen3 (H / D heads of D dims, default 32, and 2 KV heads: hidden 64 has 2
+        heads, 128 has 4; 1 KV head where H / D is odd) with the 200-token word-level tokenizer
+        of tools/tiny_models.py (every addition-demo model shares it); 32 is the smallest head
+        dim vLLM's CPU attention runs, so the default serves on every backend, and `--head-dim
+        16` is refused by `serve --backend vllm` and rollout.backend=vllm;
+        --eos-prone: instead the partial-rollout tests' Qwen3 (init 0.2, its end-of-turn
+        embedding scaled by 2.5: tools.tiny_models.eos_prone_model; H / D heads, an even number)
+        whose sampled replies end at spread lengths, so partial rollouts cut some and carry them
+        (docs/async-rl.md; `--hidden 128 --intermediate 256` is tests/test_rl_partial_vllm.py's);
         --mtp: instead a tiny random GLM-4.5 MoE with a multi-token-prediction layer
         (docs/mtp.md's CPU example)
     python -m tools.demo addition-data WORK
@@ -75,6 +77,9 @@ TOOLS_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant" + _NL + "{%- endif %}")
 MAX_TOOL_TURNS = 3
+# the demo models' head dim: the smallest vLLM's CPU attention runs
+# (engine.generation.vllm.attention.CPU_HEAD_DIMS), so every demo serves on every backend
+DEMO_HEAD_DIM = 32
 
 
 def write_jsonl(path: Path | str, rows: list[dict]) -> str:
@@ -125,7 +130,7 @@ def make_assets(out: Path, seed: int = 0) -> str:
 
     out.mkdir(parents=True, exist_ok=True)
     build_tiny_model(str(out / "model"), "qwen3", vocab_size=256, hidden=128, layers=4,
-                     heads=8, kv_heads=2, intermediate=256, seed=seed)
+                     heads=4, kv_heads=2, intermediate=256, seed=seed, head_dim=DEMO_HEAD_DIM)
     pairs = [(a, b) for a in range(10) for b in range(10)]
     random.Random(seed).shuffle(pairs)
     eval_pairs, train_pairs = pairs[:20], pairs[20:]
@@ -146,12 +151,25 @@ def make_assets(out: Path, seed: int = 0) -> str:
             f"kto_eval.jsonl ({2 * len(eval_pairs)} rows)")
 
 
+def demo_heads(hidden: int, head_dim: int) -> tuple[int, int]:
+    """(heads, KV heads) of a `demo model` of width `hidden`: hidden / head_dim heads (so
+    heads x head_dim = hidden), 2 KV heads (TP2 splits them) where that count is even, else 1.
+    ValueError naming --hidden and --head-dim where head_dim does not divide hidden."""
+    if head_dim <= 0 or hidden % head_dim:
+        raise ValueError(f"--hidden {hidden} is not a multiple of --head-dim {head_dim} (the "
+                         f"model has hidden / head dim heads; {DEMO_HEAD_DIM} is the default)")
+    heads = hidden // head_dim
+    return heads, 2 if heads % 2 == 0 else 1
+
+
 def make_model(out: str, hidden: int, layers: int, intermediate: int, seed: int,
-               head_dim: int = 16) -> None:
+               head_dim: int = DEMO_HEAD_DIM) -> None:
+    """`demo model`'s tiny random Qwen3 (module docstring) in `out`."""
     from tools.tiny_models import build_tiny_model
 
-    build_tiny_model(out, "qwen3", vocab_size=200, hidden=hidden, layers=layers, heads=4,
-                     kv_heads=2, intermediate=intermediate, seed=seed, head_dim=head_dim)
+    heads, kv_heads = demo_heads(hidden, head_dim)
+    build_tiny_model(out, "qwen3", vocab_size=200, hidden=hidden, layers=layers, heads=heads,
+                     kv_heads=kv_heads, intermediate=intermediate, seed=seed, head_dim=head_dim)
 
 
 def make_addition_data(work: Path) -> list[str]:
@@ -206,6 +224,7 @@ def make_tools_data(work: Path) -> list[str]:
     tok = build_char_tokenizer(str(work / "init"), "qwen2.5", template=TOOLS_TEMPLATE)
     build_tiny_model(str(work / "init"), "qwen3", vocab_size=len(tok), hidden=128, layers=2,
                      heads=4, kv_heads=2, intermediate=256, seed=0, tokenizer=False,
+                     head_dim=DEMO_HEAD_DIM,
                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     tools = calculator_tools()
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
@@ -245,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=128)
-    p.add_argument("--head-dim", type=int, default=16,
-                   help="dims of each of the 4 heads (vLLM's CPU attention needs 32 or more)")
+    p.add_argument("--head-dim", type=int, default=DEMO_HEAD_DIM,
+                   help="dims of each of the hidden / D heads (vLLM's CPU attention needs 32 "
+                   "or more)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eos-prone", action="store_true",
                    help="replies that end at spread lengths (the partial-rollout tests' model)")
@@ -278,17 +298,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "assets":
         print(make_assets(Path(args.out), args.seed))
     elif args.command == "model":
+        try:
+            heads, kv_heads = demo_heads(args.hidden, args.head_dim)
+        except ValueError as e:
+            parser.error(str(e))
+        if args.eos_prone and kv_heads != 2:
+            parser.error(f"--eos-prone needs an even number of heads (2 KV heads): --hidden "
+                         f"{args.hidden} / --head-dim {args.head_dim} is {heads}")
         if args.mtp:
             tiny_mtp_model(args.dir)
         elif args.eos_prone:
-            eos_prone_model(args.dir, hidden=args.hidden, layers=args.layers,
+            eos_prone_model(args.dir, hidden=args.hidden, layers=args.layers, heads=heads,
                             intermediate=args.intermediate, head_dim=args.head_dim)
         else:
             make_model(args.dir, args.hidden, args.layers, args.intermediate, args.seed,
                        args.head_dim)
         kind = ("a tiny GLM-4.5 MoE with an MTP layer" if args.mtp else
                 f"a tiny {'eos-prone' if args.eos_prone else 'random'} Qwen3 (hidden "
-                f"{args.hidden}, layers {args.layers})")
+                f"{args.hidden}, layers {args.layers}) with {heads} head"
+                f"{'s' * (heads != 1)} of {args.head_dim} dims")
         print(f"wrote {args.dir}: {kind}, its config and tokenizer")
     elif args.command in ("addition-data", "rm-data", "tools-data"):
         written = {"addition-data": make_addition_data, "rm-data": make_rm_data,
