@@ -123,7 +123,7 @@ def _run_keys(run, device, dtype, cache: dict):
     built once per micro-batch (`cache`: the params' own, shared by every layer)."""
     key = (run.start, str(device), dtype)
     if key not in cache:
-        cache[key] = _additive(_bool_run_keys(run, device), dtype)
+        cache[key] = _additive(run_key_mask(run, device), dtype)
     return cache[key]
 
 
@@ -135,7 +135,7 @@ def _additive(entry, dtype):
     return first, last, mask, spans
 
 
-def _bool_run_keys(run, device):
+def run_key_mask(run, device):
     """_run_keys with a bool mask (True: visible)."""
     spans = run.keys
     needed = sum(b - a for a, b in spans)
@@ -227,5 +227,5 @@ def flex_block_mask(params: TreeAttentionParams, device, block_size: int = 128):
 
 
 __all__ = ["TreeAttentionParams", "tree_params", "tree_positions", "is_tree", "tree_attention",
-           "per_run_attention",
+           "per_run_attention", "run_key_mask",
            "dense_tree_attention", "dense_tree_mask", "flex_mask_mod", "flex_block_mask"]

@@ -10,7 +10,8 @@ all-to-all). (torch.distributed.nn's own gloo fallback passes group ranks as glo
 it breaks whenever the CP group is not ranks 0..cp-1, e.g. TP2 x CP2.) KV heads are repeated
 to the query head count first when the local KV head count is not divisible by cp (GQA with
 fewer KV heads than cp). A prefix tree's row (parallel.tree_attention) is sharded as one sequence;
-after the gather every rank attends the whole tree for its heads.
+after the gather every rank attends the whole tree for its heads (with its heads' sinks and the
+layer's window: parallel.tree_attention_sinks).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from megatron.core import parallel_state
 from parallel import zigzag
 from parallel.packed_seqs import host_cu_seqlens
 from parallel.tree_attention import is_tree, tree_attention
+from parallel.tree_attention_sinks import tree_sink_attention
 
 
 def _cp_group():
@@ -143,9 +145,8 @@ def ulysses_attention(query, key, value, scale: float, packed_seq_params=None,
         k = k.repeat_interleave(rep, dim=head_dim_index)
         v = v.repeat_interleave(rep, dim=head_dim_index)
     if thd and is_tree(packed_seq_params):   # prefix sharing: the whole tree on every rank
-        if attend is not None:
-            raise ValueError("prefix sharing does not take sinks or sliding windows")
-        out = tree_attention(q, k, v, packed_seq_params, scale)
+        out = (tree_attention(q, k, v, packed_seq_params, scale) if attend is None else
+               tree_sink_attention(q, k, v, packed_seq_params, attend, first_head))
     elif thd:
         out = q.new_empty(*q.shape[:-1], v.shape[-1])  # value head dim may differ (MLA)
         bounds = [0]

@@ -16,10 +16,13 @@ already changes them with micro-batch size, dp and pp. They are therefore not eq
 unshared run's; with both coefficients 0 (the default of families whose HF config does not
 train them) the step is exact.
 
+Learned attention sinks and sliding windows (gpt-oss; Qwen2's use_sliding_window, whose
+sliding layers the model checks refuse anyway) share: the tree attention applies the layer's
+sinks and counts its window along each token's own row (parallel.tree_attention_sinks).
+
 - Gated DeltaNet hybrids (Qwen3.5/3.6): the recurrent state would have to fork at each branch;
 - vision-language models: an image in a shared prefix (M-RoPE positions per image) is not handled;
-- MLA (DeepSeek-V3, Kimi-K2), learned sinks and sliding windows (gpt-oss, Qwen2's
-  use_sliding_window): their attention is not yet tree-aware;
+- MLA (DeepSeek-V3, Kimi-K2): its attention is not yet tree-aware;
 - with a mixture-of-experts model: moe.routing_replay (it records and replays one routing per
   row token; a shared token runs once for all its rows), moe.bias_update_rate > 0 (the
   expert-bias update counts the tokens routed) and moe.capacity_factor (which tokens are
@@ -60,8 +63,6 @@ def _reason(hf_config: dict) -> str | None:
         return VISION_REASON
     if any(f.multi_latent_attention for f in fams):
         return MLA_REASON
-    if hf_config.get("use_sliding_window"):
-        return "use_sliding_window=true (sliding-window attention is not tree-aware yet)"
     return None
 
 
@@ -100,7 +101,8 @@ def prefix_sharing_problems(cfg: Any, hf_config: dict) -> list[str]:
     if reason:
         problems.append(f"{key} is not supported for model.hf_path={cfg.model.hf_path}: "
                         f"{reason}; supported: dense text-only decoders with softmax attention "
-                        "(Llama, Qwen2, Qwen3) and mixture-of-experts ones (Qwen3-MoE, Mixtral)")
+                        "(Llama, Qwen2, Qwen3) and mixture-of-experts ones (Qwen3-MoE, Mixtral, "
+                        "gpt-oss)")
     if is_moe(hf_config):
         problems += _moe_problems(cfg, key)
     mtp = getattr(getattr(cfg.model, "mtp", None), "enabled", False)

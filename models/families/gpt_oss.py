@@ -136,7 +136,6 @@ class GptOss(MoeFamily):
     lora = True
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")   # no MLP outside the experts
     lora_hf_paths = {"mlp.gate": "mlp.router"}   # its router (target_parameters router.weight)
-    prefix_sharing_refused = "learned attention sinks and sliding windows are not tree-aware yet"
     # Per-expert names the generic expert mapping (models.layers.experts.mapping) reads and writes;
     # models.layers.biased_experts.fused translates them to and from the fused on-disk tensors.
     experts = ExpertNaming(block="mlp", gate="gate_proj", up="up_proj", down="down_proj",

@@ -6,7 +6,8 @@ parallelism, the Ulysses all-to-all of `parallel.ulysses`. Packed rows at CP1 go
 Flash-Attention varlen kernel in one call where `varlen.uses_varlen` says it covers them (CUDA,
 fp16/bf16, no learned sinks: models.layers.attention.varlen), else through the per-segment loop
 `packed_causal_attention`. A prefix tree's row (parallel.tree_attention.TreeAttentionParams,
-train.prefix_sharing) attends each token to its ancestors (`tree_attention`).
+train.prefix_sharing) attends each token to its ancestors (`tree_attention`; with sinks or a
+sliding window `tree_sink_attention`, the window counted along each token's own row).
 
 Shapes (per TP rank; h = heads/tp, g = kv groups/tp, d = head dim):
   sbhd: query [s, b, h, d], key/value [s, b, g, d]  ->  [s, b, h*d]
@@ -26,6 +27,7 @@ from models.layers.attention.varlen import uses_varlen, varlen_packed_attention
 from parallel import ulysses
 from parallel.packed_seqs import host_cu_seqlens
 from parallel.tree_attention import is_tree, tree_attention
+from parallel.tree_attention_sinks import tree_sink_attention
 
 
 def _repeat_kv(x: torch.Tensor, times: int, head_dim_index: int) -> torch.Tensor:
@@ -109,7 +111,10 @@ class SDPACoreAttention(MegatronModule):
         if packed and is_tree(packed_seq_params):   # prefix sharing: ancestors only
             rep = query.shape[1] // key.shape[1]
             key, value = _repeat_kv(key, rep, 1), _repeat_kv(value, rep, 1)
-            out = tree_attention(query, key, value, packed_seq_params, self.scale)
+            attend = self._attend()   # sinks / window: parallel.tree_attention_sinks
+            out = (tree_attention(query, key, value, packed_seq_params, self.scale)
+                   if attend is None else
+                   tree_sink_attention(query, key, value, packed_seq_params, attend, 0))
             return out.reshape(out.shape[0], -1)
         if packed:
             if uses_varlen(query, key, value, has_sinks=self.softmax_offset is not None):

@@ -18,6 +18,11 @@ repeated; `first_head` is the index, among this TP rank's heads, of the first he
 (Ulysses CP hands each CP rank heads/cp of them), so the matching sink logits are used.
 Without a sink and a window it is torch SDPA (the path of every other family, unchanged).
 The sink/window path materialises the [b, h, s, s] scores (memory O(s^2) per head).
+
+A prefix tree's row (parallel.tree_attention_sinks, train.prefix_sharing) has no causal order
+to count a window along: `attend.masked(q, k, v, first_head, visible)` takes the query-by-key
+visibility ([n, m] bool: ancestors, and the window counted by each token's position in its own
+row, `window_visible`) and applies the same sinks and softmax.
 """
 from __future__ import annotations
 
@@ -39,16 +44,30 @@ def sink_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention on [b, h, s, d] tensors with an optional window (query i sees keys
     i - window_left .. i) and optional sink logits `sinks` [h]."""
-    s = q.shape[2]
+    pos = torch.arange(q.shape[2], device=q.device)
+    return sink_masked_attention(q, k, v, scale, window_visible(pos, pos, window_left), sinks)
+
+
+def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor,
+                   window_left: int | None) -> torch.Tensor:
+    """[n, m] bool: key position k_pos[j] is visible to query position q_pos[i] (causal, and
+    within the window: q - k <= window_left; None: no window)."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    visible = diff >= 0
+    return visible if window_left is None else visible & (diff <= window_left)
+
+
+def sink_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          visible: torch.Tensor, sinks: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """Attention of [b, h, n, d] queries over [b, h, m, d] keys where `visible` [n, m] is
+    True, with optional sink logits `sinks` [h] (HF GptOss eager_attention_forward's
+    concatenation, max subtraction and softmax). Every query must see at least one key."""
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    rows = torch.arange(s, device=q.device)[:, None]
-    cols = torch.arange(s, device=q.device)[None, :]
-    hidden = cols > rows
-    if window_left is not None:
-        hidden = hidden | (rows - cols > window_left)
-    scores = scores.masked_fill(hidden, float("-inf"))
+    scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
-        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, s, 1)
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(
+            q.shape[0], -1, q.shape[2], 1)
         scores = torch.cat([scores, sink], dim=-1)
     scores = scores - scores.max(dim=-1, keepdim=True).values
     probs = F.softmax(scores, dim=-1, dtype=scores.dtype)
@@ -85,15 +104,33 @@ def make_sinks(config) -> torch.nn.Parameter | None:
     return param
 
 
+class SinkWindowAttend:
+    """`attend(q, k, v, first_head)` for one layer (module docstring), and `masked` for rows
+    without a causal order (a prefix tree). `window_left`, `sinks` and `scale` are read by the
+    tree attention and the tests' negative controls."""
+
+    def __init__(self, scale: float, window_left: int | None, sinks: torch.Tensor | None):
+        self.scale, self.window_left, self.sinks = scale, window_left, sinks
+
+    def _local(self, first_head: int, heads: int) -> torch.Tensor | None:
+        return None if self.sinks is None else self.sinks[first_head:first_head + heads]
+
+    def __call__(self, q, k, v, first_head: int = 0) -> torch.Tensor:
+        if self.window_left is None and self.sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return sink_window_attention(q, k, v, self.scale, self.window_left,
+                                     self._local(first_head, q.shape[1]))
+
+    def masked(self, q, k, v, first_head: int, visible: torch.Tensor) -> torch.Tensor:
+        """[b, h, n, d] queries over [b, h, m, d] keys where `visible` [n, m] (the window
+        already applied by the caller: `window_visible`), with this layer's sinks."""
+        return sink_masked_attention(q, k, v, self.scale, visible,
+                                     self._local(first_head, q.shape[1]))
+
+
 def attend_fn(scale: float, window_left: int | None, sinks: torch.Tensor | None) -> Attend:
     """`attend(q, k, v, first_head)` for one layer (module docstring)."""
-    def attend(q, k, v, first_head: int = 0):
-        if window_left is None and sinks is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        local = None if sinks is None else sinks[first_head:first_head + q.shape[1]]
-        return sink_window_attention(q, k, v, scale, window_left, local)
-    attend.window_left = window_left  # read by tests' negative controls
-    return attend
+    return SinkWindowAttend(scale, window_left, sinks)
 
 
 def sinks_sharded_state_dict(module, prefix: str, sharded_offsets, metadata) -> dict:
