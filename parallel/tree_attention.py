@@ -22,18 +22,20 @@ Contract of `tree_attention(q, k, v, params, scale)` (q [T, h, d], k/v [T, h, d'
 already repeated to h heads, T the full row in natural order): out[a] = softmax over the keys
 b with b <= a < subtree_end[b] (its ancestors and itself) of q[a].k[b] * scale, times v[b] --
 the attention token a gets in its own unshared row. `dense_tree_mask` is the same rule as a
-[T, T] bool matrix (the reference the tests compare with); `flex_mask_mod` the same rule for
-FlexAttention's block mask on CUDA (`flex_block_mask`).
+[T, T] bool matrix (the reference the tests compare with); on CUDA the row runs one
+FlexAttention call (parallel.tree_attention_flex: `flex_mask_mod` the same rule).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask
 
 from parallel.packed_seqs import HostPackedSeqParams
+from parallel.tree_attention_flex import (flex_block_mask, flex_mask_mod,
+                                          flex_tree_attention, uses_flex)
 from parallel.tree_attention_split import split_tree_attention, splits
 
 
@@ -159,15 +161,26 @@ def _shifted_causal(q_len: int, kv_len: int, device) -> torch.Tensor:
         torch.arange(kv_len, device=device)[None, :] >= kv_len - q_len)
 
 
+# calls of `tree_attention` by the path that ran ("flex", "split", "per_run"): what a benchmark
+# reports (tools.bench.prefix_sharing)
+PATHS_RUN: Counter = Counter()
+
+
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    params: TreeAttentionParams, scale: float) -> torch.Tensor:
     """Each token's attention over its ancestors and itself (module docstring); [T, h, d] ->
     [T, h, d_v]. Tokens past the tree's runs (padding) attend causally among themselves (they
     carry no loss). On the CPU, a row whose sibling runs share long ancestors:
     parallel.tree_attention_split (ancestors and own keys in separate calls, merged); else
-    `per_run_attention`."""
+    `per_run_attention`. On CUDA (bf16/fp16/fp32, head dims 16-256): one FlexAttention call
+    (parallel.tree_attention_flex)."""
+    if uses_flex(q, k, v):
+        PATHS_RUN["flex"] += 1
+        return flex_tree_attention(q, k, v, params, scale)
     if q.device.type == "cpu" and splits(params, q.shape[0]):
+        PATHS_RUN["split"] += 1
         return split_tree_attention(q, k, v, params, scale)
+    PATHS_RUN["per_run"] += 1
     return per_run_attention(q, k, v, params, scale)
 
 
@@ -209,23 +222,6 @@ def dense_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                           scale=scale)[0].transpose(0, 1)
 
 
-def flex_mask_mod(subtree_end: torch.Tensor):
-    """FlexAttention's mask_mod(b, h, q_idx, kv_idx) of a tree row: kv_idx an ancestor-or-self
-    of q_idx. `subtree_end` [T] long on the device the block mask is built on."""
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
-    return mask_mod
-
-
-def flex_block_mask(params: TreeAttentionParams, device, block_size: int = 128):
-    """FlexAttention's BlockMask of a tree row (built once per micro-batch, before the layers),
-    for `flex_attention(q, k, v, block_mask=...)` with [1, h, T, d] tensors on CUDA."""
-    end = torch.tensor(params.subtree_end, dtype=torch.long, device=device)
-    n = len(params.subtree_end)
-    return create_block_mask(flex_mask_mod(end), None, None, n, n, device=str(device),
-                             BLOCK_SIZE=block_size)
-
-
 __all__ = ["TreeAttentionParams", "tree_params", "tree_positions", "is_tree", "tree_attention",
-           "per_run_attention", "run_key_mask",
+           "PATHS_RUN", "per_run_attention", "run_key_mask",
            "dense_tree_attention", "dense_tree_mask", "flex_mask_mod", "flex_block_mask"]
