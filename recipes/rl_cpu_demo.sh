@@ -13,9 +13,10 @@
 #    transformers (megatron-sft-engine demo evaluate).
 # Prints the reward curve with the means of its first and last 60 steps (a fifth of the run each),
 # three greedy answers of each model and the greedy accuracy before and after GRPO. Measured on 2
-# CPU cores (2026-11-25, twice, the same numbers): reward/mean 0.329 -> 0.658 (means of the first
-# and last 60 steps); greedy accuracy 0.60 (after SFT) -> 0.81 (after GRPO) on the 100 prompts;
-# about 2 minutes in all. Not run in CI. Adam's first steps move every weight by ~lr, so RL needs a far smaller lr than SFT here.
+# CPU cores (2026-11-28, the model's heads of 32 dims; with 16 it was 0.329 -> 0.658 and 0.60 ->
+# 0.81): reward/mean 0.098 -> 0.230 (means of the first and last 60 steps); greedy accuracy 0.11
+# (after SFT) -> 0.30 (after GRPO) on the 100 prompts; wall time: docs/benchmarks.md ("The other
+# CPU demos' wall times"). Not run in CI. Adam's first steps move every weight by ~lr, so RL needs a far smaller lr than SFT here.
 WORK=${WORK:-runs/rl_cpu_demo}
 SFT_STEPS=${SFT_STEPS:-80}
 RL_STEPS=${RL_STEPS:-300}

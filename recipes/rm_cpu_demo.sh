@@ -14,11 +14,11 @@
 #    response's reward is the reward model's score of its token ids (reward/model_mean);
 # 5. greedy answers before and after GRPO: the share in the preferred format, and their accuracy
 #    under the math reward the run never used (the RM scores the format, not the sum).
-# Measured on 2 CPU cores (2026-11-26, 1 min 42 s warm; 2 min 45 s in a fresh clone): the RM's held-out accuracy 1.00 from
-# its first evaluation (step 10), held-out margin 2.92 -> 6.94 (steps 10 -> 60); GRPO's
-# reward/model_mean 0.56 -> 3.44 (means of the first and last 20 steps 2.34 -> 3.35); greedy
-# answers in the preferred format 0.87 -> 1.00, greedy sums right 0.21 -> 0.11. More in
-# docs/preference.md ("CPU demo of the loop").
+# Measured on 2 CPU cores (2026-11-28, the model's heads of 32 dims; wall time: docs/benchmarks.md):
+# the RM's held-out accuracy 1.00 from its first evaluation (step 10), held-out margin 2.64 ->
+# 6.90 (steps 10 -> 60); GRPO's reward/model_mean 0.87 -> 3.40 (means of the first and last 20
+# steps 2.70 -> 3.37); greedy answers in the preferred format 1.00 -> 1.00, greedy sums right
+# 0.09 -> 0.02. More in docs/preference.md ("CPU demo of the loop").
 WORK=${WORK:-runs/rm_cpu_demo}
 SFT_STEPS=${SFT_STEPS:-80}
 RM_STEPS=${RM_STEPS:-60}
