@@ -271,8 +271,9 @@ def test_refused_settings_and_accepted_dense_models():
     off = _cfg()
     off.train.prefix_sharing = False
     assert prefix_sharing_problems(off, {"model_type": "qwen3_5"}) == []
+    # train.compile shares (tests/test_prefix_sharing_compile.py): not refused
+    assert prefix_sharing_problems(_cfg(compile="true"), {"model_type": "qwen3"}) == []
     for over, word in ((dict(mtp=True), "model.mtp.enabled"),
-                       (dict(compile="true"), "train.compile"),
                        (dict(cp=2, comm="p2p"), "parallel.cp_comm_type")):
         problems = prefix_sharing_problems(_cfg(**over), {"model_type": "llama"})
         assert len(problems) == 1 and word in problems[0]
@@ -304,20 +305,20 @@ def test_cli_refuses_before_any_process_group(tmp_path):
     from tests.launch import run_main
     from tools.tiny_models import build_tiny_model
 
-    model = build_tiny_model(str(tmp_path / "model"), "qwen3", hidden=64, layers=2, heads=8,
-                             kv_heads=2, intermediate=64)
+    model = build_tiny_model(str(tmp_path / "model"), "qwen3_moe", hidden=64, layers=2,
+                             heads=8, kv_heads=2, intermediate=64)
     data = tmp_path / "train.jsonl"
     data.write_text(json_lib.dumps({"messages": [
         {"role": "user", "content": "what is 1 + 2 ?"},
         {"role": "assistant", "content": "the answer is 3"}]}) + "\n")
     base = [f"model.hf_path={model}", f"data.train_files=[{data}]", "train.seq_length=32",
             "train.global_batch_size=2", "train.max_steps=1", "logging.progress_bar=false",
-            f"logging.dir={tmp_path}/log", "train.compile=true"]
+            f"logging.dir={tmp_path}/log", "moe.capacity_factor=1.5"]
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     proc = run_main(main, base + ["train.prefix_sharing=true"], env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     report = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(report) == 1 and "train.prefix_sharing=true" in report[0] \
-        and "train.compile" in report[0], proc.stderr[-2000:]
+        and "moe.capacity_factor" in report[0], proc.stderr[-2000:]
     with pytest.raises(AssertionError, match="start torch.distributed"):
         run_main(main, base, env)

@@ -28,14 +28,16 @@ sinks and counts its window along each token's own row (parallel.tree_attention_
   expert-bias update counts the tokens routed) and moe.capacity_factor (which tokens are
   dropped depends on the tokens that share the micro-batch);
 - model.mtp.enabled (next-next-token targets differ per row at a branch);
-- train.compile resolved on (a compiled layer would trace each tree's RoPE positions);
 - context parallelism other than Ulysses (parallel.cp_comm_type a2a).
+
+train.compile shares: a tree row is a packed ("thd") row, whose RoPE (each token's depth,
+`tree_positions`) and tree attention run eagerly outside the compiled regions; these see only
+its [tokens, hidden] activations, so no tree compiles anything new (models.build.compile_layers).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from engine.config.compile_settings import compile_on
 from models.families.base import field
 from models.families.registry import FAMILIES, is_moe
 
@@ -109,13 +111,6 @@ def prefix_sharing_problems(cfg: Any, hf_config: dict) -> list[str]:
     if mtp:
         problems.append(f"{key} with model.mtp.enabled=true: the next-next-token targets differ "
                         "per row at a branch; turn one of them off")
-    try:
-        compiled = compile_on(cfg.train)
-    except ValueError:   # an invalid train.compile: compile_problems names it
-        compiled = False
-    if compiled:
-        problems.append(f"{key} with train.compile on: compiled layers would trace each tree's "
-                        "positions; set train.compile=false")
     if cfg.parallel.cp > 1 and cfg.parallel.cp_comm_type != "a2a":
         problems.append(f"{key} with parallel.cp={cfg.parallel.cp} and parallel.cp_comm_type="
                         f"{cfg.parallel.cp_comm_type}: the tree attention runs in Ulysses (a2a) "

@@ -21,7 +21,10 @@ stay eager):
   index), Python values that dynamo would bake into the graph and guard on: traced, every new
   number of sequences in a row (and at CP > 1 every new set of bounds) was a re-trace. The
   packed row's norms and router are compiled like any other (their only varying size is the
-  row's token count).
+  row's token count). A prefix tree's row (train.prefix_sharing, parallel.tree_attention) is a
+  packed row too: its tree attention (host-known chains and key spans) runs eagerly here, and
+  its RoPE positions (`tree_positions` on its cu_seqlens) are read by megatron's eager RoPE
+  before the core attention, so no tree compiles a graph (tests/test_prefix_sharing_compile.py).
 
 Shapes: static, except the token dims of every region's inputs (the sequence and rows of a
 padded micro-batch, the tokens of a packed row), marked dynamic at every call
