@@ -20,13 +20,12 @@
 # Prints the reward curve, the scaffold's metrics as shares of the episodes (means of the first
 # and last fifth of the steps), an audit of the dumps (every rewarded trajectory's last reply is
 # exactly the sum), an episode, and the greedy accuracy before and after. Measured on 2 CPU
-# cores (2026-11-26; the first 150 steps identical in a second run): reward/mean 0.345 -> 0.647
-# (means of the first and last 60 steps; step 1 0.285, step 300 0.590); right at the first call
-# 0.310 -> 0.614 of the episodes, right only after the feedback 0.069 -> 0.066, calls per
-# episode 1.69 -> 1.39; no failed episode; 21,194 rewarded trajectories, none whose last reply
-# is not exactly the sum; greedy single-turn accuracy 0.60 -> 0.60 (the sampled policy caught up
-# with its greedy answers; why the greedy ones did not move: docs/agents.md "CPU demo");
-# 6 min 27 s in all. Not run in CI.
+# cores (2026-11-28, the model's heads of 32 dims): reward/mean 0.127 -> 0.283 (means of the
+# first and last 60 steps; step 1 0.117, step 300 0.352); right at the first call 0.092 -> 0.215
+# of the episodes, right only after the feedback 0.070 -> 0.137, calls per episode 1.91 -> 1.79;
+# no failed episode; 9,690 rewarded trajectories, one whose last reply is not exactly the sum
+# (a special token inside it: docs/agents.md "CPU demo"); greedy single-turn accuracy 0.11 ->
+# 0.28; wall time: docs/benchmarks.md. Not run in CI.
 WORK=${WORK:-runs/agent_cpu_demo}
 SFT_STEPS=${SFT_STEPS:-80}
 RL_STEPS=${RL_STEPS:-300}
