@@ -142,3 +142,29 @@ def test_dispatch_by_device_dtype_and_head_dims(cuda, monkeypatch):
         ref = dense_tree_attention(*(x.double() for x in (q, k, v)), params.subtree_end, 0.2)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
         assert float((out.double() - ref).abs().max()) < tol, (dtype, d, dv)
+
+
+def test_gpu_report_says_which_attention_ran(tmp_path):
+    """tools.bench.gpu's prefix_sharing item: its digest names the tree attention each shared
+    workload ran, and on CUDA a shared workload that did not run FlexAttention alone is a
+    problem (the short workload runs unshared: ratio 1, no tree attention)."""
+    import json
+
+    from tools.bench.gpu.items import Item
+    from tools.bench.gpu.report import key_numbers, read_prefix
+
+    def workload(ratio, attention):
+        return dict(speedup=2.0, ratio=ratio, loss_rel=0.0, grad_norm_rel=0.0,
+                    attention=attention)
+    result = tmp_path / "prefix_sharing.json"
+    item = Item("prefix_sharing", "prefix", [], 1, result, tmp_path)
+    for device, grpo, problems in (("cuda", {"flex": 16}, 0), ("cuda", {"per_run": 16}, 1),
+                                   ("cpu", {"split": 16}, 0)):
+        result.write_text(json.dumps({"prefix_sharing_device": device,
+                                      "prefix_sharing_grpo": workload(0.27, grpo),
+                                      "prefix_sharing_short": workload(1.0, {})}))
+        metrics = read_prefix(item)
+        assert len(metrics["problems"]) == problems, metrics
+        line = key_numbers({"metrics": metrics})
+        assert line == f"grpo x2.00 (ratio 0.27; {next(iter(grpo))}); short x2.00 (ratio 1.00; " \
+                       "unshared)", line

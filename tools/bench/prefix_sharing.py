@@ -17,8 +17,9 @@ Per workload and mode, the three passes of an RL step: the log-prob stage and th
 pass a frozen copy runs) and one GRPO update (engine.rl.policy.update.policy_update: forward,
 loss, backward, Adam), packed micro-batches of at most 4,096 tokens. Reported: the token ratio
 (train/prefix_token_ratio), seconds of each pass, the peak RSS increase over each workload's
-passes (sampled every 5 ms), and the largest differences of the log-prob table, loss and grad
-norm between the modes. Each mode runs three times per workload, alternating with the other,
+passes (sampled every 5 ms), the largest differences of the log-prob table, loss and grad
+norm between the modes, and which tree attention the shared mode ran (`attention`: calls per
+path of parallel.tree_attention; on a GPU one FlexAttention call per layer and micro-batch). Each mode runs three times per workload, alternating with the other,
 and each pass keeps its smallest time (other load on the host only adds). `--quick` (the CI
 size): a 2-layer model, workloads a quarter long, one run each.
 """
@@ -133,8 +134,10 @@ def _run(model_dir: str, rows, sharing: bool) -> dict:
     from engine.rl.collect.batch import RolloutBatch, build_sequences
     from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs
     from engine.rl.policy.update import PolicyLossSettings, policy_update
+    from parallel.tree_attention import PATHS_RUN
 
     engine = _engine(model_dir, sharing)
+    paths_before = dict(PATHS_RUN)
     prompts, replies = rows
     gen = torch.Generator().manual_seed(0)
     adv = torch.randn(len(replies), generator=gen).tolist()
@@ -158,7 +161,9 @@ def _run(model_dir: str, rows, sharing: bool) -> dict:
         t3 = time.perf_counter()
     out.update(logprob_s=t1 - t0, reference_s=t2 - t1, update_s=t3 - t2, peak_gb=peak.gb,
                table=table, loss=m["policy/pg_loss"], grad_norm=m["grad_norm"],
-               ratio=m["train/prefix_token_ratio"], tokens=sum(len(s.tokens) for s in seqs))
+               ratio=m["train/prefix_token_ratio"], tokens=sum(len(s.tokens) for s in seqs),
+               attention={p: c - paths_before.get(p, 0) for p, c in PATHS_RUN.items()
+                          if c > paths_before.get(p, 0)})
     engine.release()
     return out
 
@@ -192,7 +197,8 @@ def run_prefix_sharing(quick: bool) -> BenchResult:
     setup_model_parallel(ParallelLayout(1))
     spec = QUICK_MODEL if quick else MODEL
     repeats = 1 if quick else 3
-    rows, summary = [], {"prefix_sharing_quick": quick}
+    rows, summary = [], {"prefix_sharing_quick": quick,
+                         "prefix_sharing_device": "cuda" if torch.cuda.is_available() else "cpu"}
     with tempfile.TemporaryDirectory(prefix="bench_prefix_") as tmp:
         model_dir = build_tiny_model(os.path.join(tmp, "model"), "qwen3", tokenizer=False,
                                      seed=0, initializer_range=0.05, **spec)
@@ -211,13 +217,15 @@ def run_prefix_sharing(quick: bool) -> BenchResult:
                 off={k: off[k] for k in ("logprob_s", "reference_s", "update_s", "peak_gb")},
                 on={k: on[k] for k in ("logprob_s", "reference_s", "update_s", "peak_gb")},
                 logprob_max_abs=lp, loss_rel=loss_rel, grad_norm_rel=gn_rel,
+                attention=on["attention"],
                 goal=GOALS[name], met=speed >= GOALS[name])
             for mode, r in (("unshared", off), ("shared", on)):
                 rows.append([name, mode, str(r["tokens"]), fmt(r["ratio"], 3),
                              fmt(r["logprob_s"], 2), fmt(r["reference_s"], 2),
                              fmt(r["update_s"], 2), fmt(r["peak_gb"], 2)])
             rows.append([name, "shared / unshared", "", "", "", "", f"x{fmt(speed, 2)} faster",
-                         f"lp {lp:.1e}, loss {loss_rel:.1e}, gn {gn_rel:.1e}"])
+                         f"lp {lp:.1e}, loss {loss_rel:.1e}, gn {gn_rel:.1e}; attention "
+                         + (", ".join(sorted(on["attention"])) or "unshared")])
     head = ["workload", "mode", "tokens (rows)", "token ratio", "log-prob s", "reference s",
             "update s", "peak RSS +GB"]
     notes = [f"Qwen3-shaped fp32, hidden {spec['hidden']}, {spec['layers']} layers, vocabulary "
@@ -225,6 +233,7 @@ def run_prefix_sharing(quick: bool) -> BenchResult:
              f"micro-batches <= {BUDGET} tokens (packed). Goals (log-prob + reference + "
              "update time): grpo >= 3x, dpo >= 1.3x, agent >= 3x, short >= 0.97x. Last row "
              "per workload: largest |log-prob| difference, loss and grad-norm relative "
-             "differences between the modes."]
+             "differences between the modes, and the tree attention the shared mode ran "
+             "(parallel.tree_attention.PATHS_RUN: flex on CUDA; split / per_run on the CPU)."]
     return BenchResult([Table("Prefix sharing: shared vs unshared, same batches", head, rows,
                               notes=notes)], summary)

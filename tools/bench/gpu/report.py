@@ -129,14 +129,20 @@ def read_varlen(item: Item) -> dict:
 def read_prefix(item: Item) -> dict:
     """{prefix_sharing: {workload: speedup, ratio, seconds, differences}} from tools.bench
     prefix_sharing's summary; a workload whose loss or grad norm differs by more than 1e-4
-    (relative) between the modes is a problem."""
+    (relative) between the modes is a problem, and on CUDA a shared workload whose tree
+    attention was not FlexAttention alone (`attention`, parallel.tree_attention.PATHS_RUN)."""
     data = json.loads(item.result.read_text())
     work = {k[len("prefix_sharing_"):]: v for k, v in data.items()
             if k.startswith("prefix_sharing_") and isinstance(v, dict)}
     problems = [f"prefix_sharing {n}: loss {w['loss_rel']:.1e}, grad norm "
                 f"{w['grad_norm_rel']:.1e} apart" for n, w in work.items()
                 if max(w["loss_rel"], w["grad_norm_rel"]) > 1e-4]
-    return {"prefix_sharing": work, "problems": problems}
+    if data.get("prefix_sharing_device") == "cuda":   # shared rows must run FlexAttention
+        problems += [f"prefix_sharing {n}: tree attention ran {w.get('attention')}, not flex"
+                     for n, w in work.items() if w["ratio"] < 1 and
+                     set(w.get("attention", {})) != {"flex"}]
+    return {"prefix_sharing": work, "prefix_sharing_device": data.get("prefix_sharing_device"),
+            "problems": problems}
 
 
 def read_metrics(item: Item) -> dict:
@@ -298,8 +304,9 @@ def key_numbers(record: dict) -> str:
         return packed_digest(metrics)
     if "varlen_cases" in metrics:
         return varlen_digest(metrics)
-    if "prefix_sharing" in metrics:   # 'grpo x3.10 (ratio 0.27); dpo ...'
-        return "; ".join(f"{n} x{w['speedup']:.2f} (ratio {w['ratio']:.2f})"
+    if "prefix_sharing" in metrics:   # 'grpo x3.10 (ratio 0.27; flex); dpo ...'
+        return "; ".join(f"{n} x{w['speedup']:.2f} (ratio {w['ratio']:.2f}; "
+                         f"{'/'.join(sorted(w.get('attention') or {})) or 'unshared'})"
                          for n, w in metrics["prefix_sharing"].items())
     if "spec_speedup" in metrics:
         return spec_digest(metrics)
