@@ -198,8 +198,17 @@ class _SplitTreeAttention(torch.autograd.Function):
 def split_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params,
                          scale: float) -> torch.Tensor:
     """Each token's attention over its ancestors and itself on the CPU (module docstring);
-    [T, h, d] -> [T, h, d_v]. The plan is built once per micro-batch (cached on params)."""
-    return _SplitTreeAttention.apply(q, k, v, _plan_of(params, q.shape[0]), scale)
+    [T, h, d] -> [T, h, d_v]. The plan is built once per micro-batch (cached on params).
+    The CPU flash kernel needs one head size: with d_v != d (MLA: DeepSeek-V3's 192 / 128)
+    the smaller side is zero-padded (v, or q and k: a zero dim adds 0 to q.k, `scale` is
+    explicit) and the output sliced to d_v, the same numbers, gradients through the pad."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        v = torch.nn.functional.pad(v, (0, d - dv))
+    elif dv > d:
+        q, k = (torch.nn.functional.pad(x, (0, dv - d)) for x in (q, k))
+    out = _SplitTreeAttention.apply(q, k, v, _plan_of(params, q.shape[0]), scale)
+    return out if dv == out.shape[-1] else out[..., :dv]
 
 
 def _plan_of(params, n: int):

@@ -259,7 +259,7 @@ def _cfg(**over):
 
 
 @pytest.mark.parametrize("model_type,word", [
-    ("qwen3_5", "Gated DeltaNet"), ("deepseek_v3", "MLA"), ("qwen3_vl", "images")])
+    ("qwen3_5", "Gated DeltaNet"), ("qwen3_vl", "images")])
 def test_refused_families_are_named(model_type, word):
     problems = prefix_sharing_problems(_cfg(), {"model_type": model_type})
     assert len(problems) == 1 and "train.prefix_sharing=true" in problems[0]

@@ -19,10 +19,12 @@ train them) the step is exact.
 Learned attention sinks and sliding windows (gpt-oss; Qwen2's use_sliding_window, whose
 sliding layers the model checks refuse anyway) share: the tree attention applies the layer's
 sinks and counts its window along each token's own row (parallel.tree_attention_sinks).
+Multi-latent attention (DeepSeek-V3, Kimi-K2) shares: its RoPE reaches the same thd rotary,
+which takes each token's depth (models.layers.attention.packed_rope), and the tree attention
+takes its value head dim (parallel.tree_attention_split pads it to the query's on the CPU).
 
 - Gated DeltaNet hybrids (Qwen3.5/3.6): the recurrent state would have to fork at each branch;
 - vision-language models: an image in a shared prefix (M-RoPE positions per image) is not handled;
-- MLA (DeepSeek-V3, Kimi-K2): its attention is not yet tree-aware;
 - with a mixture-of-experts model: moe.routing_replay (it records and replays one routing per
   row token; a shared token runs once for all its rows), moe.bias_update_rate > 0 (the
   expert-bias update counts the tokens routed) and moe.capacity_factor (which tokens are
@@ -42,7 +44,6 @@ from models.families.base import field
 from models.families.registry import FAMILIES, is_moe
 
 HYBRID_REASON = "a Gated DeltaNet hybrid (its recurrent state would have to fork at each branch)"
-MLA_REASON = "multi-head latent attention (MLA) is not tree-aware yet"
 VISION_REASON = "a vision-language model (images in a shared prefix are not handled)"
 
 
@@ -63,8 +64,6 @@ def _reason(hf_config: dict) -> str | None:
     if (any(f.vision_prefix for f in fams) or "vision_config" in hf_config
             or "vl" in str(field(hf_config, "model_type")).split("_")):
         return VISION_REASON
-    if any(f.multi_latent_attention for f in fams):
-        return MLA_REASON
     return None
 
 
@@ -104,7 +103,7 @@ def prefix_sharing_problems(cfg: Any, hf_config: dict) -> list[str]:
         problems.append(f"{key} is not supported for model.hf_path={cfg.model.hf_path}: "
                         f"{reason}; supported: dense text-only decoders with softmax attention "
                         "(Llama, Qwen2, Qwen3) and mixture-of-experts ones (Qwen3-MoE, Mixtral, "
-                        "gpt-oss)")
+                        "gpt-oss, DeepSeek-V3 and Kimi-K2 with MLA)")
     if is_moe(hf_config):
         problems += _moe_problems(cfg, key)
     mtp = getattr(getattr(cfg.model, "mtp", None), "enabled", False)
