@@ -141,17 +141,20 @@ LAYOUTS = {"dp2": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}   # 2-
 
 def partial_runs(pools, root: Path, model: str, common: list[str],
                  half_args: tuple[str, ...] = (), half_env: dict | None = None,
-                 layouts: tuple[str, ...] = tuple(LAYOUTS)) -> dict:
+                 layouts: tuple[str, ...] = tuple(LAYOUTS), again: bool = True) -> dict:
     """{name: Run} of `model`, the arguments `common` added to each: "one" (keeping every
-    version's weights, "versions": their folders), "again" (its repeat), each of `layouts`
-    (names of LAYOUTS: 2-rank runs; all three by default),
+    version's weights, "versions": their folders), "again" (its repeat; not launched when
+    `again` is False: the caller repeats "one" with "half" and "resumed", as
+    test_rl_partial_vllm does), each of `layouts` (names of LAYOUTS: 2-rank runs; all three
+    by default),
     "half" (stopped after step 2 with `half_args` and the environment `half_env`; its PoolRun
     in "half_proc"), "resumed" (half continued from its checkpoint in the same folders to step
     4) and "dropped" (the negative control: half continued from a copy of its checkpoint
     without the carried replies and the waiting groups, drop_carried_replies)."""
     data = prompts_file(root)
     out = {"versions": version_folders(model, root / "ckpt")}
-    for name, ranks, layout in (("one", 1, keep_versions(root / "ckpt")), ("again", 1, []),
+    for name, ranks, layout in (("one", 1, keep_versions(root / "ckpt")),
+                                *((("again", 1, []),) if again else ()),
                                 *((n, 2, LAYOUTS[n]) for n in layouts)):
         out[name], _ = launch(pools, ranks, model, data, root / name, *common, *layout)
     out.update(stop_and_resume(pools, 1, root, model, data, common, half_args, half_env))

@@ -9,7 +9,9 @@ groups only) serve the second; subclasses of the hf and vllm engines take rollou
 replies span versions in the dumps, two runs with the same seed give identical metrics and
 dumps, each carried token's log-prob is its own version's, PP2 training equals one process, a
 run stopped and resumed equals the straight one; negative control: resumed without its carried
-replies it differs) and an engine killed mid-run and restarted gives the same run.
+replies it differs) and an engine killed mid-run and restarted gives the same run. The repeat
+of the straight run is the stopped run (steps 1-2) and its resumption (steps 3-4), not a launch
+of its own (test_vllm_partial_run_repeats_exactly).
 DP2 and TP2 are not launched here (the vLLM engine lives on rank 0 whatever the trainer's
 layout, and the partial collector is the hf runs'): partial runs at DP2 and TP2 stay covered
 by test_rl_partial_runs::test_partial_run_is_layout_invariant[dp2/tp2] (same runs, hf
@@ -17,7 +19,7 @@ backend), a TP-sharded trainer syncing vLLM by test_vllm::
 test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant (DP2 x TP2). PP2 stays: the
 one layout whose sync gathers another rank's layers into rank 0's vLLM engine, launched nowhere
 else on vLLM.
-Second tier (tests/conftest.py SECOND_TIER): one in-process engine (max_num_seqs 8) and six
+Second tier (tests/conftest.py SECOND_TIER): one in-process engine (max_num_seqs 8) and five
 launches on the rank pool."""
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ import torch
 from safetensors.torch import load_file
 
 import tests.test_rl_partial_runs as hf_runs
-from tests.partial_runs import RESTART_COUNTERS, TokenLogprobs, partial_runs, tokens, untimed
+from tests.partial_runs import (RESTART_COUNTERS, TokenLogprobs, check_resume, partial_runs,
+                                tokens, untimed)
 from engine.config.schema import load_config
 from engine.data.datasets import global_batch_indices
 from engine.generation import SamplingParams
@@ -235,10 +238,10 @@ DIE_AT = 5     # the stopped run's engine is killed at this generate call: step 
 
 @pytest.fixture(scope="module")
 def runs(pools, tmp_path_factory) -> dict:
-    """test_rl_partial_runs' runs (tests.partial_runs.partial_runs: one, again, pp2, half,
-    resumed, dropped; 4 steps; DP2 and TP2: the module docstring says where they stay
-    covered) on rollout.backend=vllm; in the stopped run ("half") the engine's model process
-    is killed at its DIE_AT-th generate call
+    """test_rl_partial_runs' runs (tests.partial_runs.partial_runs: one, pp2, half, resumed,
+    dropped; 4 steps; no "again": half and resumed repeat one; DP2 and TP2: the module
+    docstring says where they stay covered) on rollout.backend=vllm; in the stopped run
+    ("half") the engine's model process is killed at its DIE_AT-th generate call
     (tests.flaky_rollout.DyingVLLMEngine) and "died" says it was."""
     root = tmp_path_factory.mktemp("partial_vllm_runs")
     model = eos_prone_model(str(root / "model"), eos_scale=2.5, **TINY)
@@ -249,7 +252,7 @@ def runs(pools, tmp_path_factory) -> dict:
                                   "rollout.retry_wait_s=0"),
                        half_env={"DYING_ROLLOUT_MARKER": str(marker),
                                  "DYING_ROLLOUT_AT_CALL": str(DIE_AT)},
-                       layouts=("pp2",))
+                       layouts=("pp2",), again=False)
     out["died"] = marker.exists()
     return out
 
@@ -259,7 +262,20 @@ def test_vllm_partial_run_trains_with_replies_spanning_versions(runs):
 
 
 def test_vllm_partial_run_repeats_exactly(runs):
-    hf_runs.test_partial_run_repeats_exactly(runs)
+    """Two runs with the same seed give the same metrics (timing aside) and dumps: the
+    straight run against its repeat in two launches, the stopped run (steps 1 and 2; its
+    engine killed and restarted at step 2, so the generate-call counters aside there) and its
+    resumption (steps 3 and 4); the run that lost its carried replies at step 2 (negative
+    control) differs from step 3 on."""
+    (a, da), (half, dh), (resumed, dr) = runs["one"], runs["half"], runs["resumed"]
+    assert len(half) == 2 and len(resumed) == len(a)
+    assert [untimed(m, RESTART_COUNTERS) for m in half] == \
+        [untimed(m, RESTART_COUNTERS) for m in a[:2]]
+    assert [untimed(m) for m in resumed[2:]] == [untimed(m) for m in a[2:]]
+    assert tokens(dh) + tokens(dr[2:]) == tokens(da)
+    dropped, dropped_dumps = runs["dropped"]
+    assert [untimed(m) for m in dropped[2:]] != [untimed(m) for m in a[2:]]
+    assert tokens(dropped_dumps[2:]) != tokens(da[2:])
 
 
 def test_vllm_carried_tokens_keep_the_logprobs_of_their_version(runs):
@@ -276,7 +292,7 @@ def test_vllm_partial_run_is_layout_invariant(runs):
 def test_vllm_resumed_partial_run_continues_the_carried_replies(runs):
     """Stopped after step 2, resumed from its checkpoint: steps 3 and 4 equal the straight
     run's; resumed without the carried replies (negative control) they differ."""
-    hf_runs.test_resumed_partial_run_continues_the_carried_replies(runs)
+    check_resume(runs, "one")
 
 
 def test_vllm_engine_restart_mid_run_gives_the_same_run(runs):
@@ -288,7 +304,7 @@ def test_vllm_engine_restart_mid_run_gives_the_same_run(runs):
     in step 2) have other log-probs than the recorded ones (> 1e-3): a restart without the
     sync would change the dumps and rollout/logprob_diff (compared above)."""
     half, dumps = runs["half"]
-    straight, straight_dumps = runs["again"]
+    straight, straight_dumps = runs["one"]
     assert runs["died"]
     assert [m["rollout/restarts"] for m in half] == [0.0, 1.0], half
     assert "was restarted from the current weights on generation batch" in \
