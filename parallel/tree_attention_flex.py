@@ -24,7 +24,8 @@ closure by its code); elsewhere eager flex_attention (forward only: FlexAttentio
 backward in torch 2.13; the tests' path). `uses_flex(q, k, v)` is the dispatch rule of
 parallel.tree_attention: CUDA, bf16/fp16/fp32, and head dims FlexAttention's CUDA kernels
 take (q/k and v each in [16, 256]: tl.dot needs >= 16, the tuned configs stop at 256; MLA's
-192 / 128 qualify); anything else runs `per_run_attention`.
+192 / 128 qualify); anything else takes tree_attention's other paths (per_run_attention off
+the CPU). Layers with sinks or a window never get here (parallel.tree_attention_sinks).
 """
 from __future__ import annotations
 
