@@ -168,3 +168,29 @@ def test_gpu_report_says_which_attention_ran(tmp_path):
         line = key_numbers({"metrics": metrics})
         assert line == f"grpo x2.00 (ratio 0.27; {next(iter(grpo))}); short x2.00 (ratio 1.00; " \
                        "unshared)", line
+
+
+def test_compiled_flex_does_not_recompile_for_new_micro_batches():
+    """torch.compile(flex_attention, dynamic=True) (dynamo's guards; the aot_eager backend runs
+    on the CPU) over four micro-batches' block masks of new lengths and new mask_mod closures:
+    one graph for one-block rows (dynamo specializes a size of 1) and one for every longer row,
+    each equal to the dense reference."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(flex_attention, backend="aot_eager", dynamic=True)
+    graphs = []
+    for seed in (1, 2, 3, 4):
+        params = _params(build_prefix_tree(random_rows(seed, groups=6 * seed, per_group=6)), 3)
+        n = len(params.subtree_end)
+        q, k, v = (torch.randn(n, 2, 16) for _ in range(3))
+        out = compiled(*(x.transpose(0, 1)[None] for x in (q, k, v)),
+                       block_mask=row_block_mask(params, n, "cpu"), scale=0.3)[0].transpose(0, 1)
+        dense = dense_tree_attention(q, k, v, params.subtree_end, 0.3)
+        assert float((out - dense).abs().max()) < 2e-6
+        graphs.append((n > flex_module.BLOCK_SIZE, counters["stats"]["unique_graphs"]))
+    assert graphs == [(False, 1), (True, 2), (True, 2), (True, 2)], graphs
+    torch._dynamo.reset()
