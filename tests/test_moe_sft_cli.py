@@ -2,7 +2,9 @@
 ranks, its step-2 checkpoint resumed on one process (ep 1: every expert and its optimizer
 state resharded from 2 EP ranks) continues with the same losses; the moe.* / parallel.ep configuration errors name their keys (exit 2, before
 any process group: in this process, tests.launch.run_main). The runs use the session's rank
-pool (tests/pool.py); the 2-rank run and the resumed 1-process run are different processes."""
+pool (tests/pool.py); the 2-rank run and the resumed 1-process run are different processes.
+One training row at DP2 with router aux and z-losses on (rank 1 runs only a dummy micro-batch)
+equals the one-process run (engine.training.router_losses: a dummy contributes nothing)."""
 import json
 from pathlib import Path
 
@@ -61,6 +63,42 @@ def test_ep2_run_resumes_at_ep1_with_resharded_experts(pools, assets, tmp_path):
         assert r["loss"] == pytest.approx(a["loss"], rel=1e-5), r["step"]
         assert r["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), r["step"]
     assert abs(ep2[3]["loss"] - ep2[2]["loss"]) > 1e-3 * ep2[2]["loss"]
+
+
+ROUTER_LOSSES = ("moe.aux_loss_coeff=0.01", "moe.z_loss_coeff=0.01")
+LOGGED = ("loss", "grad_norm", "moe/aux_loss", "moe/z_loss", "moe/expert_load_max_over_mean")
+
+
+def _one_row_run(pools, assets, log_dir, world, undo=False, *extra):
+    """3 steps on one training row (global batch 1) with the router losses on, on `world`
+    ranks of the pool (tests/multirank/dummy_micro_batch.py; `undo`: the fix undone)."""
+    row = Path(log_dir).parent / "one_row.jsonl"
+    row.write_text((assets / "sft_train.jsonl").read_text().splitlines()[0] + "\n")
+    args = _args(assets, log_dir, "train.global_batch_size=1", "train.micro_batch_size=1",
+                 "train.max_steps=3", f"data.train_files=[{row}]", *ROUTER_LOSSES, *extra)
+    codes = pools.run(world, "tests.multirank.dummy_micro_batch:sft", args[2:], undo,
+                      timeout=600)
+    assert codes == [0] * world
+    return _metrics(log_dir)
+
+
+def test_dummy_micro_batch_contributes_nothing_to_router_losses(pools, assets, tmp_path):
+    """One row at DP2 x EP2 (rank 1 gets no row: it runs one dummy micro-batch) with
+    moe.aux_loss_coeff and moe.z_loss_coeff > 0 repeats the one-process run's loss, grad norm
+    and moe/* metrics at every step (rel 1e-5, the MoE layouts' tolerance in
+    tests/test_sft_invariance.py). Negative control: with the dummy unmarked (the fix undone)
+    its router losses reach the pad token's all-zero embedding row through RMSNorm (grad norm
+    ~1e7 at step 1) and the moe/* metrics count it."""
+    one = _one_row_run(pools, assets, tmp_path / "one", 1)
+    two = _one_row_run(pools, assets, tmp_path / "two", 2, False, "parallel.ep=2")
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        for key in LOGGED:
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+    assert one[2]["loss"] < one[0]["loss"] - 1.0
+    undone = _one_row_run(pools, assets, tmp_path / "undone", 2, True, "parallel.ep=2")
+    assert undone[0]["grad_norm"] > 100 * one[0]["grad_norm"]
+    assert abs(undone[0]["moe/z_loss"] - one[0]["moe/z_loss"]) > 0.1 * one[0]["moe/z_loss"]
 
 
 def _refused(args: list[str]):

@@ -13,6 +13,9 @@ trailing [layers * k] dimension) sharded the same way: [b, S/cp, ...] / [1, T/cp
 of a micro-batch whose sequences have some, None otherwise. `tree`
 (engine.training.tree_batch.TreeInput, train.prefix_sharing) is what the model runs instead of
 `tokens` when the rows share prefixes; every other field stays the unshared rows'.
+`dummy` marks a micro-batch of dummy sequences only (`dummy_sequence`: a DP rank with fewer
+micro-batches than the others): it carries no token of the batch, so it contributes nothing,
+no loss, no router loss (engine.training.router_losses) and no moe/* count.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class MicroBatch:
     num_padding: int = 0
     vision: VisionBatch | None = None
     tree: object | None = None    # engine.training.tree_batch.TreeInput: the model runs a prefix tree
+    dummy: bool = False           # dummy sequences only (module docstring)
 
 
 @dataclass
@@ -107,7 +111,7 @@ def build_padded(seqs: list[SequenceData], seq_index: list[int], pad_multiple: i
         extras = {k: zigzag.shard(v, [width], cp, cp_rank, dim=1) for k, v in extras.items()}
     return MicroBatch(**tensors, extras=extras, num_tokens=sum(len(s.tokens) for s in seqs),
                       num_padding=int(batch["num_padding"]),
-                      vision=padded_vision(seqs, width, cp, cp_rank))
+                      vision=padded_vision(seqs, width, cp, cp_rank), dummy=_dummy(seq_index))
 
 
 def build_packed(seqs: list[SequenceData], seq_index: list[int], pad_multiple: int,
@@ -158,7 +162,13 @@ def build_packed(seqs: list[SequenceData], seq_index: list[int], pad_multiple: i
     params = packed_seq_params(bounds)   # host ints too: no layer reads them back
     return MicroBatch(**tensors, packed_seq_params=params, extras=extras,
                       num_tokens=sum(len(s.tokens) for s in seqs), num_padding=num_padding,
-                      vision=packed_vision(seqs, seq_lengths, cp, cp_rank))
+                      vision=packed_vision(seqs, seq_lengths, cp, cp_rank),
+                      dummy=_dummy(seq_index))
+
+
+def _dummy(seq_index: list[int]) -> bool:
+    """Whether a micro-batch's sequences are all dummies (index -1: no sequence of the batch)."""
+    return all(i < 0 for i in seq_index)
 
 
 def dummy_sequence(pad_multiple: int, pad_id: int = 0) -> SequenceData:

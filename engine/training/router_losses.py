@@ -21,9 +21,19 @@ tokens of a shared micro-batch) and the moe/* metrics count a shared token once,
 row that contains it. With both coefficients 0 the step is exact against the unshared rows;
 the metrics (moe/expert_load_max_over_mean) still count the tokens run.
 
+Dummy micro-batches (engine.training.micro_batches `dummy`: a DP rank with fewer micro-batches
+than the others runs fully masked dummy sequences) carry no token of the batch, so they
+contribute nothing: no aux or z-loss and no gradient from either, no token to N, no moe/*
+count, and they are not among the micro-batches the metrics average over. The step is then the
+one-process step (the single-row DP2 run equals one process: tests/test_moe_sft_cli.py).
+The schedule hands a dummy's routers an all-True padding mask
+(engine.training.schedule.moe_padding_mask): megatron then zeroes its z-loss and global
+aux-loss terms (the DP-wide expert counts stay collective), and `RouterLosses` turns the
+per-micro-batch aux losses off for that router call (their megatron value would be 0/0).
+
 Metrics (`metrics()`, after the step; every rank gets the same values): `moe/aux_loss` and
 `moe/z_loss` (megatron's tracked values without the coefficient, averaged over micro-batches,
-DP x CP ranks and MoE layers), `moe/expert_load_max_over_mean` (per layer: the largest
+DP x CP ranks' real micro-batches and MoE layers), `moe/expert_load_max_over_mean` (per layer: the largest
 expert's routed token positions over the mean, from the whole step; averaged over layers) and,
 with moe.capacity_factor set, `moe/dropped_token_fraction` (per layer: the share of the step's
 top-k token-to-expert assignments dropped over capacity; averaged over layers). They cover the
@@ -72,10 +82,29 @@ class RouterLosses:
         self.loads: dict[int, torch.Tensor] = {}
         self.capacity = self.config.moe_expert_capacity_factor is not None
         self.micro_batches = 0
+        self._saved_coeff = None   # the aux coefficient while a dummy's router runs
         for router in self.routers:
-            router.register_forward_hook(self._count)
+            router.register_forward_pre_hook(self._enter, with_kwargs=True)
+            router.register_forward_hook(self._count, with_kwargs=True)
 
-    def _count(self, router, inputs, outputs) -> None:
+    def _enter(self, router, args, kwargs) -> None:
+        """Before a router's training forward: a dummy micro-batch's (all-True padding mask)
+        runs without the per-micro-batch aux losses (module docstring); `_count` restores."""
+        mask = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
+        if mask is None or not torch.is_grad_enabled() or not bool(mask.all()):
+            return
+        coeff, kinds = self.config.moe_aux_loss_coeff, router.routing_type
+        self._saved_coeff = coeff
+        if isinstance(kinds, list):   # one coefficient per type: keep the global one's
+            self.config.moe_aux_loss_coeff = [c if k == "global_aux_loss" else 0.0
+                                              for k, c in zip(kinds, coeff)]
+        elif kinds != "global_aux_loss":
+            self.config.moe_aux_loss_coeff = 0.0
+
+    def _count(self, router, inputs, kwargs, outputs) -> None:
+        if self._saved_coeff is not None:   # a dummy micro-batch: restore, count nothing
+            self.config.moe_aux_loss_coeff, self._saved_coeff = self._saved_coeff, None
+            return
         if torch.is_grad_enabled():  # training forwards (forward-only passes run no_grad)
             routing_map = outputs[1].detach()
             counts = routing_map.sum(dim=0).to(torch.float64)   # stays on the device: no sync
@@ -89,7 +118,8 @@ class RouterLosses:
         """Set this step's coefficients (collective over DP x CP) and clear the trackers."""
         if not self.active:
             return
-        local = sum(run_tokens(mb) for mb in micro_batches)
+        real = [mb for mb in micro_batches if not mb.dummy]
+        local = sum(run_tokens(mb) for mb in real)
         n = _sum(torch.tensor([float(local)], dtype=torch.float64),
                  ps.get_data_parallel_group(with_context_parallel=True))
         tokens = max(float(n), 1.0)
@@ -101,7 +131,7 @@ class RouterLosses:
             router.reset_global_aux_loss_tracker()
         clear_aux_losses_tracker()
         self.loads.clear()
-        self.micro_batches = len(micro_batches)
+        self.micro_batches = len(real)
 
     def metrics(self) -> dict[str, float]:
         """The step's MoE metrics (collective over the world); {} for dense models."""
@@ -109,16 +139,17 @@ class RouterLosses:
             return {}
         layers = self.config.num_layers
         tracker = get_moe_layer_wise_logging_tracker()
-        # rows: aux, z, load ratio (then dropped share); columns: layers. Summed over DP x CP,
-        # then over PP.
+        # rows: aux, z, load ratio (then dropped share); columns: layers. Summed over DP x CP
+        # (aux and z: over the real micro-batches, dummies add nothing), then over PP.
         vec = torch.zeros(3, layers, dtype=torch.float64)
         for name, entry in tracker.items():
             if name in _TRACKED:
                 row = 0 if _TRACKED[name] == "moe/aux_loss" else 1
                 vec[row] += entry["values"].detach().to(torch.float64).cpu()[:layers]
         dpcp = ps.get_data_parallel_group(with_context_parallel=True)
-        vec[:2] /= max(self.micro_batches, 1) * dist.get_world_size(dpcp)
-        vec[:2] = _sum(vec[:2].contiguous(), dpcp)
+        losses = _sum(torch.cat([vec[:2].flatten(), vec.new_full((1,), self.micro_batches)]),
+                      dpcp)
+        vec[:2] = losses[:-1].view(2, layers) / max(float(losses[-1]), 1.0)
         # columns: the experts' routed counts, then the assignments before dropping
         counts = torch.zeros(layers, self.config.num_moe_experts + 1, dtype=torch.float64)
         seen = sorted(self.loads)

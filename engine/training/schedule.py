@@ -57,13 +57,18 @@ def _to_device(mb: MicroBatch, device) -> MicroBatch:
 def moe_padding_mask(model, mb: MicroBatch) -> dict:
     """{"padding_mask": [b, s] bool, True on padding} for models whose routers count tokens
     for the aux-loss-free bias update (megatron expert_bias), so that padding and dummy
-    sequences (seq_ids -1) never count and the count does not depend on the layout; {}
-    otherwise. Megatron scatters the mask over TP only on the first pipeline stage; later
-    stages with sequence parallelism get this TP rank's slice of the sequence here."""
+    sequences (seq_ids -1) never count and the count does not depend on the layout, and for
+    every MoE model's dummy micro-batch (all True: engine.training.router_losses gives it no
+    router loss and no count); {} otherwise. Megatron scatters the mask over TP only on the
+    first pipeline stage; later stages with sequence parallelism get this TP rank's slice of
+    the sequence here."""
     chunk = unwrap(model)
-    if not getattr(chunk.config, "moe_router_enable_expert_bias", False):
+    bias = getattr(chunk.config, "moe_router_enable_expert_bias", False)
+    if not bias and not (mb.dummy and chunk.config.num_moe_experts):
         return {}
     mask = mb.seq_ids < 0 if mb.tree is None else mb.tree.padding
+    if mb.dummy:
+        mask = torch.ones_like(mb.tokens if mb.tree is None else mb.tree.tokens, dtype=torch.bool)
     if chunk.config.sequence_parallel and not chunk.pre_process:
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         width = mask.shape[1] // tp
