@@ -36,7 +36,10 @@ _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 # causal call, merged) when their ancestors have at least this many keys; below it each run is
 # one call over its keys with a lower-right causal mask (the kernel arithmetic of the run's own
 # unshared row: its forward bitwise equal on the CPU). A row with no set to split runs
-# parallel.tree_attention's per-run path (the split saves little on short prefixes)
+# parallel.tree_attention's per-run path (the split saves little on short prefixes: forward +
+# backward of 2 siblings under a 128-token prefix ran 0.65-0.9x the per-run path's speed, and
+# tools.bench prefix_sharing --quick's DPO pairs (128-token prompts) 7 % slower split; load 3-5,
+# 2026-11-28). tests/test_prefix_sharing.py runs its layouts split (PREFIX_SPLIT_MIN_KEYS)
 SPLIT_MIN_KEYS = 256
 
 

@@ -25,21 +25,52 @@ def _lines(proc, tag: str) -> list[dict]:
             if line.startswith(tag + " ")]
 
 
+# the CPU's split tree attention (parallel.tree_attention_split) for every set of sibling runs:
+# its SPLIT_MIN_KEYS (256) keeps these fixtures' short prompts on the per-run path otherwise
+# (the MoE and bench cases below keep it, so both paths run through the engine)
+SPLIT = {"PREFIX_SPLIT_MIN_KEYS": "1"}
+
+
 @pytest.fixture(scope="module")
 def one_process(pools, qwen3_dir):
-    proc = pools.script(1, CHECK, qwen3_dir, "1,1,1,mbs=2+ctl", LORA, timeout=600)
+    proc = pools.script(1, CHECK, qwen3_dir, "1,1,1,mbs=2+ctl", LORA, timeout=600, env=SPLIT)
     return _lines(proc, "RESULT"), _lines(proc, "CONTROL")
 
 
 @pytest.fixture(scope="module")
 def two_ranks(pools, qwen3_dir):
-    proc = pools.script(2, CHECK, qwen3_dir, *LAYOUTS, UNCHUNKED, timeout=900)
+    proc = pools.script(2, CHECK, qwen3_dir, *LAYOUTS, UNCHUNKED, timeout=900, env=SPLIT)
     return _lines(proc, "RESULT")
+
+
+# DPO's rewards/chosen, rewards/rejected and rewards/margins are beta times differences of the
+# policy's and the frozen reference's log-prob sums (up to -118 on these fixtures; the rewards
+# start at exactly 0 and stay below 1.4): their rounding is the sums' rounding, so
+# they are compared relative to beta times the sums' size (logps/*, the largest over the
+# steps), as tests/test_mtp.py judges a rounding residue by its size. Relative to their own
+# small size they read up to 2.7e-5 on the split tree attention with LoRA (over the 1e-5
+# tolerance; 2.0e-6 relative to the sums, which agree within 3.4e-8). Every other metric:
+# relative to its own largest size (the harness).
+DPO_BETA = 0.5   # tests/multirank/dpo_check.run_cfg's dpo.beta
+REWARD_DIFFERENCES = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+
+
+def metric_rel(result: dict) -> float:
+    """The largest relative difference of a result's compared metrics (the harness's
+    metric_rel), DPO's reward differences relative to their log-prob sums (above)."""
+    if result["objective"] != "dpo":
+        return result["metric_rel"]
+    from tests.multirank.prefix_sharing_check import SKIP
+
+    scales, diffs = result["scales"], result["metric_abs"]
+    sums = DPO_BETA * max(scales["logps/chosen"], scales["logps/rejected"])
+    return max(d / (sums if k in REWARD_DIFFERENCES else max(scales[k], 1e-6))
+               for k, d in diffs.items() if not k.startswith(SKIP))
 
 
 def _check(result: dict) -> None:
     assert result["logprob_rel"] < TOL, result
-    assert result["metric_rel"] < TOL, result
+    assert metric_rel(result) < TOL, result
     assert result["ratio_off"] == 1.0, result
     assert result["ratio_on"] < (0.9 if result["objective"] == "dpo" else 0.5), result
     losses = result["losses"]

@@ -3,33 +3,30 @@
 
     torchrun --nproc_per_node W tests/multirank/prefix_sharing_check.py MODEL_DIR SPEC...
 
-Each SPEC is "tp,pp,cp[,flags]" (flags "+"-separated: sp, Megatron sequence parallelism;
-dyn=N, train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; vpp=V, virtual
-pipeline stages; lora, a LoRA policy (all-linear, rank 4); unchunked, the policy's loss on
-megatron's logits (train.loss_chunk_tokens null: the gather moves logits, which megatron's
-cross-entropy then modifies in place); ep=N, expert parallelism (a MoE MODEL_DIR); aux, AUX:
-the router's load-balancing and z losses on; ctl, the negative controls; obj=A/B, only these
-objectives, default all). For each spec, at W ranks (DP = W / (tp*pp*cp)), with sharing off
-and then on, the same HF weights loaded each time:
-  grpo: a GRPO rollout batch whose groups share their prompts (one row a prefix of another,
-        one row duplicated): recomputed token log-probs (the log-prob stage and reference
-        path, engine.rl.policy.logprobs), then STEPS optimizer steps of the full policy loss
-        (asymmetric + dual clip, k3 KL, entropy bonus, truncated IS; engine.rl.policy.update);
-  sft:  STEPS SFT steps (token-mean cross-entropy) on rows sharing a system prompt and agent
-        rows each extending the previous one;
-  dpo:  STEPS DPO steps (sigmoid, frozen reference) on pairs sharing their prompts, the policy's
+Each SPEC is "tp,pp,cp[,flags]" (flags "+"-separated: sp, Megatron sequence parallelism; dyn=N,
+train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; vpp=V, virtual pipeline
+stages; lora, a LoRA policy (all-linear, rank 4); unchunked, the policy's loss on megatron's
+logits (train.loss_chunk_tokens null: the gather moves logits, which megatron's cross-entropy
+then modifies in place); ep=N, expert parallelism (a MoE MODEL_DIR); aux, AUX: the router's
+load-balancing and z losses on; ctl, the negative controls; obj=A/B, only these objectives,
+default all). For each spec, at W ranks (DP = W / (tp*pp*cp)), with sharing off and then on, the
+same HF weights loaded each time:
+  grpo: a GRPO batch whose groups share prompts (a row a prefix of another, one duplicated):
+        token log-probs, STEPS steps of the full policy loss (dual clip, k3 KL, entropy, IS);
+  sft:  STEPS SFT steps on rows sharing a system prompt and agent rows each extending the last;
+  dpo:  STEPS DPO steps (sigmoid, frozen reference) on pairs sharing prompts, the policy's
         log-probs of the first batch's rows;
   ppo:  the PPO critic's token values of the grpo rows, GAE, STEPS critic updates.
 Rank 0 prints one "RESULT {json}" line per (spec, objective): the largest relative difference
 of the log-prob table and of every compared metric (loss, grad norm, policy/*, rewards/*,
-critic/* metrics) over the steps (relative to that metric's largest size over the steps: DPO's
-rewards start at exactly 0), and both runs' train/prefix_token_ratio. The moe/* metrics count
-the tokens the model runs (engine.training.router_losses: a shared token once), so they are
-reported apart ("moe_rel"), with the first step's loss and grad norm differences.
-Negative controls (flag ctl): the same comparison with the tree attention broken so that a
-row also sees its sibling branches (every earlier tree node), and with RoPE positions counted
-along the tree row instead of the row; both must differ.
+critic/* metrics) over the steps (relative to that metric's largest size over the steps,
+"scales": DPO's rewards start at 0; "metric_abs" per metric), both train/prefix_token_ratio.
+The moe/* metrics count the tokens the model runs (engine.training.router_losses: a shared
+token once): reported apart ("moe_rel"), with the first step's loss and grad norm differences.
+Negative controls (flag ctl): the tree attention broken so that a row sees its sibling branches
+(every earlier tree node), and RoPE positions counted along the tree row; both must differ.
 Adam eps 1e-4 (as tests/multirank/rl_invariance.py): reduction-order noise stays small.
+PREFIX_SPLIT_MIN_KEYS=N in the environment: parallel.tree_attention_split's threshold (1: all).
 """
 from __future__ import annotations
 
@@ -235,11 +232,12 @@ def ppo_run(model_dir, hf_config, layout_kw, world, train, sp):
 def compare(off, on) -> dict:
     """Largest relative differences of the log-prob tables and of each compared metric."""
     (t0, s0), (t1, s1) = off, on
-    out = {"logprob_rel": float((t1 - t0).abs().max() / t0.abs().max()), "metric_rel": 0.0,
-           "moe_rel": {}}
     scales = {k: max(abs(a[k]) for a in s0) for k in s0[0]}   # a metric's size over the run
+    out = {"logprob_rel": float((t1 - t0).abs().max() / t0.abs().max()), "metric_rel": 0.0,
+           "moe_rel": {}, "scales": scales, "metric_abs": {}}   # abs: each metric's largest
     for a, b in zip(s0, s1):
         for k, v in a.items():
+            out["metric_abs"][k] = max(out["metric_abs"].get(k, 0.0), abs(b[k] - v))
             d = abs(b[k] - v) / max(scales[k], 1e-6)
             if k.startswith("moe/"):
                 out["moe_rel"][k] = max(out["moe_rel"].get(k, 0.0), d)
@@ -319,6 +317,9 @@ def main() -> None:
     from parallel.process_groups import init_distributed, shutdown
 
     _, world = init_distributed()
+    if os.environ.get("PREFIX_SPLIT_MIN_KEYS"):   # the split tree attention (module docstring)
+        import parallel.tree_attention_split as split
+        split.SPLIT_MIN_KEYS = int(os.environ["PREFIX_SPLIT_MIN_KEYS"])
     model_dir = sys.argv[1]
     hf_config = read_config(model_dir)
     for spec in sys.argv[2:]:
