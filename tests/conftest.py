@@ -70,7 +70,7 @@ SECOND_TIER = ("tests/test_vllm_speculative.py", "tests/test_preemption.py",
                "tests/test_reward_model_convert.py",
                "tests/test_vllm_failures.py", "tests/test_serve_sampling.py",
                "tests/test_rewards_overlap.py", "tests/test_prefix_sharing.py",
-               "tests/test_rewards_ranks.py")
+               "tests/test_rewards_ranks.py", "tests/test_prefix_sharing_compile.py")
 TIERS = ("default", "second", "all")
 
 
