@@ -83,6 +83,7 @@ class RouterLosses:
         self.capacity = self.config.moe_expert_capacity_factor is not None
         self.micro_batches = 0
         self._saved_coeff = None   # the aux coefficient while a dummy's router runs
+        self._dummies = False      # whether this rank's step has a dummy micro-batch
         for router in self.routers:
             router.register_forward_pre_hook(self._enter, with_kwargs=True)
             router.register_forward_hook(self._count, with_kwargs=True)
@@ -91,7 +92,9 @@ class RouterLosses:
         """Before a router's training forward: a dummy micro-batch's (all-True padding mask)
         runs without the per-micro-batch aux losses (module docstring); `_count` restores."""
         mask = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
-        if mask is None or not torch.is_grad_enabled() or not bool(mask.all()):
+        if not self._dummies or mask is None or not torch.is_grad_enabled():
+            return
+        if not bool(mask.all()):   # one device read, only in a step with a dummy
             return
         coeff, kinds = self.config.moe_aux_loss_coeff, router.routing_type
         self._saved_coeff = coeff
@@ -132,6 +135,7 @@ class RouterLosses:
         clear_aux_losses_tracker()
         self.loads.clear()
         self.micro_batches = len(real)
+        self._dummies = len(real) < len(micro_batches)
 
     def metrics(self) -> dict[str, float]:
         """The step's MoE metrics (collective over the world); {} for dense models."""

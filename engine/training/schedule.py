@@ -59,16 +59,22 @@ def moe_padding_mask(model, mb: MicroBatch) -> dict:
     for the aux-loss-free bias update (megatron expert_bias), so that padding and dummy
     sequences (seq_ids -1) never count and the count does not depend on the layout, and for
     every MoE model's dummy micro-batch (all True: engine.training.router_losses gives it no
-    router loss and no count); {} otherwise. Megatron scatters the mask over TP only on the
+    router loss and no count). With moe.aux_loss_type=global_aux_loss every other micro-batch
+    gets an all-False mask (padding still counts, as in the other aux losses): megatron then
+    sums the step's real token counts over DP instead of assuming the local count on every
+    rank. {} otherwise. Megatron scatters the mask over TP only on the
     first pipeline stage; later stages with sequence parallelism get this TP rank's slice of
     the sequence here."""
     chunk = unwrap(model)
     bias = getattr(chunk.config, "moe_router_enable_expert_bias", False)
-    if not bias and not (mb.dummy and chunk.config.num_moe_experts):
+    moe = bool(chunk.config.num_moe_experts)
+    global_aux = moe and chunk.config.moe_router_load_balancing_type == "global_aux_loss"
+    if not bias and not (mb.dummy and moe) and not global_aux:
         return {}
+    run = mb.tokens if mb.tree is None else mb.tree.tokens
     mask = mb.seq_ids < 0 if mb.tree is None else mb.tree.padding
-    if mb.dummy:
-        mask = torch.ones_like(mb.tokens if mb.tree is None else mb.tree.tokens, dtype=torch.bool)
+    if mb.dummy or not bias:   # a dummy: all padding; global aux: count every token run
+        mask = torch.full_like(run, mb.dummy, dtype=torch.bool)
     if chunk.config.sequence_parallel and not chunk.pre_process:
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         width = mask.shape[1] // tp
