@@ -138,7 +138,7 @@ def _additive(entry, dtype):
 
 
 def run_key_mask(run, device):
-    """_run_keys with a bool mask (True: visible)."""
+    """_run_keys with a bool mask (True: visible): (first, last, mask or None, spans or None)."""
     spans = run.keys
     needed = sum(b - a for a, b in spans)
     first, last = spans[0][0], spans[-1][1]
