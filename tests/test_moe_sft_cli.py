@@ -83,9 +83,9 @@ def _one_row_run(pools, assets, log_dir, world, undo=False, *extra):
 
 
 def test_dummy_micro_batch_contributes_nothing_to_router_losses(pools, assets, tmp_path):
-    """One row at DP2 x EP2 (rank 1 gets no row: it runs one dummy micro-batch) with
-    moe.aux_loss_coeff and moe.z_loss_coeff > 0 repeats the one-process run's loss, grad norm
-    and moe/* metrics at every step (rel 1e-5, the MoE layouts' tolerance in
+    """One row at DP2 x EP2 (and DP2 x TP2+SP against TP2+SP; DP rank 1 gets no row: it runs
+    one dummy micro-batch) with moe.aux_loss_coeff and moe.z_loss_coeff > 0 repeats the
+    one-process run's loss, grad norm and moe/* metrics at every step (rel 1e-5, the MoE layouts' tolerance in
     tests/test_sft_invariance.py). Negative control: with the dummy unmarked (the fix undone)
     its router losses reach the pad token's all-zero embedding row through RMSNorm (grad norm
     ~1e7 at step 1) and the moe/* metrics count it."""
@@ -96,6 +96,14 @@ def test_dummy_micro_batch_contributes_nothing_to_router_losses(pools, assets, t
         for key in LOGGED:
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
     assert one[2]["loss"] < one[0]["loss"] - 1.0
+    # DP2 x TP2 with sequence parallelism against TP2+SP alone (the same padding to a multiple
+    # of tp, which the router losses count): the dummy's routers decide together over TP
+    # (engine.training.router_losses._all_padding: each rank holds a slice of the sequence)
+    tp = ("parallel.tp=2", "parallel.sequence_parallel=true")
+    tp1, tp2 = (_one_row_run(pools, assets, tmp_path / f"tp_{w}", w, False, *tp) for w in (2, 4))
+    for a, b in zip(tp1, tp2):
+        for key in LOGGED:
+            assert b[key] == pytest.approx(a[key], rel=1e-5), ("tp", a["step"], key)
     undone = _one_row_run(pools, assets, tmp_path / "undone", 2, True, "parallel.ep=2")
     assert undone[0]["grad_norm"] > 100 * one[0]["grad_norm"]
     assert abs(undone[0]["moe/z_loss"] - one[0]["moe/z_loss"]) > 0.1 * one[0]["moe/z_loss"]

@@ -60,6 +60,19 @@ def _sum(vec: torch.Tensor, group) -> torch.Tensor:
     return vec
 
 
+def _all_padding(mask: torch.Tensor) -> bool:
+    """Whether the micro-batch a router runs is all padding (a dummy): this rank's slice of its
+    padding mask all True on every rank of the TP x CP group that shares the sequence (one
+    device read and a MIN all-reduce over that group). A real micro-batch's slice can be all
+    padding on one TP/CP rank only (sequence-parallel or CP shards); its peers must decide
+    alike, since megatron's aux losses reduce their token counts over that group."""
+    flag = mask.all().to(torch.int32).reshape(1)
+    group = ps.get_tensor_and_context_parallel_group()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
 def run_tokens(mb) -> int:
     """The token positions the model runs for micro-batch `mb` (this rank's): the prefix
     tree's when it runs as one (engine.training.tree_batch), else its packed rows'."""
@@ -94,7 +107,7 @@ class RouterLosses:
         mask = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
         if not self._dummies or mask is None or not torch.is_grad_enabled():
             return
-        if not bool(mask.all()):   # one device read, only in a step with a dummy
+        if not _all_padding(mask):   # only in a step with a dummy
             return
         coeff, kinds = self.config.moe_aux_loss_coeff, router.routing_type
         self._saved_coeff = coeff

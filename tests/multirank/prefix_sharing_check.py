@@ -3,30 +3,24 @@
 
     torchrun --nproc_per_node W tests/multirank/prefix_sharing_check.py MODEL_DIR SPEC...
 
-Each SPEC is "tp,pp,cp[,flags]" (flags "+"-separated: sp, Megatron sequence parallelism; dyn=N,
+Each SPEC is "tp,pp,cp[,flags]" (flags "+"-separated: sp, sequence parallelism; dyn=N,
 train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; vpp=V, virtual pipeline
 stages; lora, a LoRA policy (all-linear, rank 4); unchunked, the policy's loss on megatron's
-logits (train.loss_chunk_tokens null: the gather moves logits, which megatron's cross-entropy
-then modifies in place); ep=N, expert parallelism (a MoE MODEL_DIR); aux, AUX: the router's
-load-balancing and z losses on; ctl, the negative controls; obj=A/B, only these objectives,
-default all). For each spec, at W ranks (DP = W / (tp*pp*cp)), with sharing off and then on, the
-same HF weights loaded each time:
+logits (train.loss_chunk_tokens null: megatron's cross-entropy modifies the gathered logits in
+place); ep=N, expert parallelism (a MoE MODEL_DIR); aux, the router's load-balancing and z
+losses on; ctl, the negative controls; obj=A/B, only these objectives). Per spec, at W ranks
+(DP = W / (tp*pp*cp)), sharing off then on, the same HF weights loaded each time:
   grpo: a GRPO batch whose groups share prompts (a row a prefix of another, one duplicated):
         token log-probs, STEPS steps of the full policy loss (dual clip, k3 KL, entropy, IS);
   sft:  STEPS SFT steps on rows sharing a system prompt and agent rows each extending the last;
-  dpo:  STEPS DPO steps (sigmoid, frozen reference) on pairs sharing prompts, the policy's
-        log-probs of the first batch's rows;
+  dpo:  STEPS DPO steps (sigmoid, frozen reference) on pairs sharing prompts, and log-probs;
   ppo:  the PPO critic's token values of the grpo rows, GAE, STEPS critic updates.
-Rank 0 prints one "RESULT {json}" line per (spec, objective): the largest relative difference
-of the log-prob table and of every compared metric (loss, grad norm, policy/*, rewards/*,
-critic/* metrics) over the steps (relative to that metric's largest size over the steps,
-"scales": DPO's rewards start at 0; "metric_abs" per metric), both train/prefix_token_ratio.
-The moe/* metrics count the tokens the model runs (engine.training.router_losses: a shared
-token once): reported apart ("moe_rel"), with the first step's loss and grad norm differences.
-Negative controls (flag ctl): the tree attention broken so that a row sees its sibling branches
-(every earlier tree node), and RoPE positions counted along the tree row; both must differ.
-Adam eps 1e-4 (as tests/multirank/rl_invariance.py): reduction-order noise stays small.
-PREFIX_SPLIT_MIN_KEYS=N in the environment: parallel.tree_attention_split's threshold (1: all).
+Rank 0 prints a "RESULT {json}" line per (spec, objective): the largest relative difference of
+the log-prob table and of each compared metric over the steps (relative to the metric's largest
+size, "scales": DPO's rewards start at 0; "metric_abs" per metric), both prefix token ratios;
+moe/* (a shared token counts once) apart ("moe_rel") with step 1's loss and grad norm. Controls
+(ctl): a row sees its sibling branches; RoPE positions along the tree row. Adam eps 1e-4 (as
+rl_invariance.py). PREFIX_SPLIT_MIN_KEYS=N: the split attention's threshold (1: always).
 """
 from __future__ import annotations
 
@@ -310,9 +304,32 @@ def broken(kind: str):
 OBJECTIVES = (("grpo", grpo_run), ("sft", sft_run), ("dpo", dpo_run), ("ppo", ppo_run))
 
 
-def main() -> None:
+def run_specs(model_dir, hf_config, world, specs, control_kinds, broken_fn) -> None:
+    """Each SPEC's objectives sharing off and on (RESULT lines); with ctl, after grpo, each of
+    `control_kinds` run shared inside `broken_fn(kind)` (CONTROL lines)."""
     import torch.distributed as dist
 
+    for spec in specs:
+        layout_kw, train_kw, sp, controls, objectives = parse_spec(spec)
+        for name, run in objectives:
+            off, on = (run(model_dir, hf_config, layout_kw, world,
+                           SimpleNamespace(**train_kw, prefix_sharing=sharing), sp)
+                       for sharing in (False, True))
+            if dist.get_rank() == 0:
+                print("RESULT " + json.dumps({"spec": spec, "objective": name,
+                                              **compare(off, on)}), flush=True)
+            if not (controls and name == "grpo"):
+                continue
+            for kind in control_kinds:
+                with broken_fn(kind):
+                    bad = run(model_dir, hf_config, layout_kw, world,
+                              SimpleNamespace(**train_kw, prefix_sharing=True), sp)
+                if dist.get_rank() == 0:
+                    print("CONTROL " + json.dumps({"spec": spec, "kind": kind,
+                                                   **compare(off, bad)}), flush=True)
+
+
+def main() -> None:
     from models.hf.io import read_config
     from parallel.process_groups import init_distributed, shutdown
 
@@ -320,26 +337,8 @@ def main() -> None:
     if os.environ.get("PREFIX_SPLIT_MIN_KEYS"):   # the split tree attention (module docstring)
         import parallel.tree_attention_split as split
         split.SPLIT_MIN_KEYS = int(os.environ["PREFIX_SPLIT_MIN_KEYS"])
-    model_dir = sys.argv[1]
-    hf_config = read_config(model_dir)
-    for spec in sys.argv[2:]:
-        layout_kw, train_kw, sp, controls, objectives = parse_spec(spec)
-        for name, run in objectives:
-            off = run(model_dir, hf_config, layout_kw, world,
-                      SimpleNamespace(**train_kw, prefix_sharing=False), sp)
-            on = run(model_dir, hf_config, layout_kw, world,
-                     SimpleNamespace(**train_kw, prefix_sharing=True), sp)
-            result = {"spec": spec, "objective": name, **compare(off, on)}
-            if dist.get_rank() == 0:
-                print("RESULT " + json.dumps(result), flush=True)
-            if controls and name == "grpo":
-                for kind in ("sibling_visible", "tree_positions"):
-                    with broken(kind):
-                        bad = run(model_dir, hf_config, layout_kw, world,
-                                  SimpleNamespace(**train_kw, prefix_sharing=True), sp)
-                    if dist.get_rank() == 0:
-                        print("CONTROL " + json.dumps({"spec": spec, "kind": kind,
-                                                       **compare(off, bad)}), flush=True)
+    run_specs(sys.argv[1], read_config(sys.argv[1]), world, sys.argv[2:],
+              ("sibling_visible", "tree_positions"), broken)
     shutdown()
 
 

@@ -12,10 +12,8 @@ drops the layer's sink logits).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -44,33 +42,13 @@ def broken(kind: str):
 
 
 def main() -> None:
-    import torch.distributed as dist
-
     from models.hf.io import read_config
     from parallel.process_groups import init_distributed, shutdown
-    from tests.multirank.prefix_sharing_check import compare, parse_spec
+    from tests.multirank.prefix_sharing_check import run_specs
 
     _, world = init_distributed()
-    model_dir = sys.argv[1]
-    hf_config = read_config(model_dir)
-    for spec in sys.argv[2:]:
-        layout_kw, train_kw, sp, controls, objectives = parse_spec(spec)
-        for name, run in objectives:
-            off, on = (run(model_dir, hf_config, layout_kw, world,
-                           SimpleNamespace(**train_kw, prefix_sharing=sharing), sp)
-                       for sharing in (False, True))
-            if dist.get_rank() == 0:
-                print("RESULT " + json.dumps({"spec": spec, "objective": name,
-                                              **compare(off, on)}), flush=True)
-            if not (controls and name == "grpo"):
-                continue
-            for kind in ("natural_order", "no_sinks"):
-                with broken(kind):
-                    bad = run(model_dir, hf_config, layout_kw, world,
-                              SimpleNamespace(**train_kw, prefix_sharing=True), sp)
-                if dist.get_rank() == 0:
-                    print("CONTROL " + json.dumps({"spec": spec, "kind": kind,
-                                                   **compare(off, bad)}), flush=True)
+    run_specs(sys.argv[1], read_config(sys.argv[1]), world, sys.argv[2:],
+              ("natural_order", "no_sinks"), broken)
     shutdown()
 
 
