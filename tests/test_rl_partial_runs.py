@@ -20,13 +20,13 @@ from tools.bench.partial import eos_prone_model
 
 @pytest.fixture(scope="module")
 def runs(pools, tmp_path_factory) -> dict:
-    """{name: (metrics per step, dump records per step)} for the 1-process run, its repeat,
-    DP2, TP2, PP2, the stopped and the resumed run, and "dropped" (the stopped run resumed
+    """{name: (metrics per step, dump records per step)} for the 1-process run, DP2, TP2, PP2,
+    the stopped and the resumed run (together the 1-process run's repeat), and "dropped" (the stopped run resumed
     from a copy of its checkpoint without the carried replies: the negative control);
     "versions": each version's HF folder."""
     root = tmp_path_factory.mktemp("partial_runs")
     model = eos_prone_model(str(root / "model"), eos_scale=2.5, hidden=64, layers=4)
-    return partial_runs(pools, root, model, [])
+    return partial_runs(pools, root, model, [], again=False)
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +71,14 @@ def test_partial_run_trains_with_replies_spanning_versions(runs):
 
 
 def test_partial_run_repeats_exactly(runs):
-    """Two runs with the same seed: the same metrics (timing aside) and dumps; the run that
-    lost its carried replies at step 2 (negative control) differs from step 3 on."""
-    (a, da), (b, db) = runs["one"], runs["again"]
-    assert [untimed(m) for m in a] == [untimed(m) for m in b]
-    assert tokens(da) == tokens(db)
+    """Two runs with the same seed: the same metrics (timing aside) and dumps; the repeat is
+    the stopped run (steps 1 and 2) and its resumption (steps 3 and 4), launched anyway; the
+    run that lost its carried replies at step 2 (negative control) differs from step 3 on."""
+    (a, da), (half, dh), (resumed, dr) = runs["one"], runs["half"], runs["resumed"]
+    assert len(half) == 2 and len(resumed) == len(a)
+    assert [untimed(m) for m in half] == [untimed(m) for m in a[:2]]
+    assert [untimed(m) for m in resumed[2:]] == [untimed(m) for m in a[2:]]
+    assert tokens(dh) + tokens(dr[2:]) == tokens(da)
     dropped, dropped_dumps = runs["dropped"]
     assert [untimed(m) for m in dropped[2:]] != [untimed(m) for m in a[2:]]
     assert tokens(dropped_dumps[2:]) != tokens(da[2:])
@@ -139,7 +142,7 @@ def test_resumed_partial_run_continues_the_carried_replies(runs):
     """Stopped after step 2 and resumed from its checkpoint (whose extra holds the carried
     replies and the waiting groups): steps 3 and 4 equal the straight run's; resumed from the
     checkpoint without them (negative control) they differ."""
-    check_resume(runs, "again")
+    check_resume(runs, "one")
 
 
 def test_resumed_driver_run_continues_the_carried_replies(driver_runs):
