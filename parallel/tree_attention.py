@@ -184,6 +184,15 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return per_run_attention(q, k, v, params, scale)
 
 
+def run_keys_values(k: torch.Tensor, v: torch.Tensor, first: int, last: int, spans):
+    """A run's keys and values as [1, h, m, d] (run_key_mask's first, last and spans): the
+    row's nodes [first, last), or the key spans concatenated when spans is not None."""
+    if spans is None:
+        return tuple(x[first:last].transpose(0, 1).unsqueeze(0) for x in (k, v))
+    return tuple(torch.cat([x[a:b] for a, b in spans]).transpose(0, 1).unsqueeze(0)
+                 for x in (k, v))
+
+
 def per_run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       params: TreeAttentionParams, scale: float) -> torch.Tensor:
     """tree_attention as one SDPA per run of the tree over its keys (a mask where the keys
@@ -195,11 +204,7 @@ def per_run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         start, end = run.start, run.end
         first, last, mask, spans = _run_keys(run, q.device, q.dtype, cache)
         qs = q[start:end].transpose(0, 1).unsqueeze(0)        # [1, h, n, d]
-        if spans is None:
-            ks, vs = (x[first:last].transpose(0, 1).unsqueeze(0) for x in (k, v))
-        else:
-            ks, vs = (torch.cat([x[a:b] for a, b in spans]).transpose(0, 1).unsqueeze(0)
-                      for x in (k, v))
+        ks, vs = run_keys_values(k, v, first, last, spans)
         if mask is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         else:
@@ -223,5 +228,5 @@ def dense_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 __all__ = ["TreeAttentionParams", "tree_params", "tree_positions", "is_tree", "tree_attention",
-           "PATHS_RUN", "per_run_attention", "run_key_mask",
+           "PATHS_RUN", "per_run_attention", "run_key_mask", "run_keys_values",
            "dense_tree_attention", "dense_tree_mask", "flex_mask_mod", "flex_block_mask"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.tree_attention import TreeAttentionParams, run_key_mask
+from parallel.tree_attention import TreeAttentionParams, run_key_mask, run_keys_values
 
 
 def run_depths(run, nodes: torch.Tensor) -> torch.Tensor:
@@ -70,11 +70,7 @@ def tree_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for run in params.runs:
         first, last, visible, spans = _visible_keys(run, q.device, attend.window_left, cache)
         qs = q[run.start:run.end].transpose(0, 1).unsqueeze(0)        # [1, h, n, d]
-        if spans is None:
-            ks, vs = (x[first:last].transpose(0, 1).unsqueeze(0) for x in (k, v))
-        else:
-            ks, vs = (torch.cat([x[a:b] for a, b in spans]).transpose(0, 1).unsqueeze(0)
-                      for x in (k, v))
+        ks, vs = run_keys_values(k, v, first, last, spans)
         out[run.start:run.end] = attend.masked(qs, ks, vs, first_head, visible)[0].transpose(0, 1)
         covered = max(covered, run.end)
     if covered < q.shape[0]:   # the row's padding tail: its own causal chain
