@@ -2,10 +2,14 @@
 checked without vLLM or a GPU: each engine's CUDA_VISIBLE_DEVICES follows its placement slot
 (two engines at TP4 on an 8-GPU node, two nodes, disaggregated rollout ranks, a job-wide
 CUDA_VISIBLE_DEVICES), the worker start method is set only inside the block and a user's value
-is kept, and torchrun's variables are hidden from the engine's processes."""
+is kept, and torchrun's variables are hidden from the engine's processes. The worker's exit
+without the interpreter's teardown (engine.generation.vllm.worker_exit) in a plain process: its
+atexit callbacks and C exit handlers run, its final collection does not."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -13,6 +17,7 @@ from engine.generation.placement import (resolve_placement, rollout_procs_per_no
                                          split_sizes)
 from engine.generation.vllm.process import (DEVICES, WORKER_START, engine_devices,
                                             engine_process_env)
+from tests.launch import REPO_ROOT
 
 
 def _engine_envs(placement) -> list[dict]:
@@ -101,3 +106,59 @@ def test_launcher_variables_set_inside_the_block_do_not_leak(monkeypatch):
     with engine_process_env(on_cpu=True, gpus=(0, 2)):
         os.environ["LOCAL_WORLD_SIZE"] = "2"
     assert os.environ["LOCAL_WORLD_SIZE"] == "4"
+
+
+# A process shaped as a vLLM worker at its exit (engine.generation.vllm.worker_exit): atexit
+# callbacks registered before and after the install, a C-level exit handler (as vLLM's C++
+# shared-memory communicator, which unlinks its segments at exit), unflushed stdout, and an
+# object in a reference cycle that only the interpreter's final collection frees.
+_WORKER_EXIT = """
+import atexit, ctypes, gc, sys
+from pathlib import Path
+out, install = Path(sys.argv[1]), sys.argv[2] == "install"
+def mark(name):
+    (out / name).write_text(name)
+atexit.register(mark, "atexit_before")
+class Cycle:
+    def __del__(self):
+        mark("teardown")
+mark("c_exit")   # a C exit handler unlinks it (its path in memory no teardown frees)
+libc = ctypes.CDLL(None)
+libc.strdup.restype = ctypes.c_void_p
+path = ctypes.c_void_p(libc.strdup(str(out / "c_exit").encode()))
+libc.__cxa_atexit(ctypes.cast(libc.unlink, ctypes.c_void_p), path, None)
+if install:
+    from engine.generation.vllm.worker_exit import install
+    assert install(int(sys.argv[3])) and not install(0)   # once per process
+atexit.register(mark, "atexit_after")
+gc.disable()   # the cycle is left to the final collection
+cycle = Cycle()
+cycle.me = cycle
+del cycle
+print("unflushed", end="")
+if sys.argv[2] == "os_exit":
+    import os
+    os._exit(0)
+"""
+
+
+def test_a_worker_exits_without_the_interpreters_teardown(tmp_path):
+    """With worker_exit installed the process exits with the given status after every atexit
+    callback (registered before and after it) and every C-level exit handler, its stdout
+    flushed, and the interpreter's final collection never runs (the cycle's __del__ does not).
+    Negative controls: the same process without it runs that collection (its __del__ marks);
+    one ending in os._exit leaves the C handler's file (and its stdout) behind."""
+    def run(*argv: str) -> tuple[int, str, set[str]]:
+        out = tmp_path / "_".join(argv)
+        out.mkdir()
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}   # buffered
+        proc = subprocess.run([sys.executable, "-c", _WORKER_EXIT, str(out), *argv], env=env,
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        return proc.returncode, proc.stdout, {p.name for p in out.iterdir()}
+
+    kept = {"atexit_before", "atexit_after"}   # "c_exit" unlinked by the C exit handler
+    assert run("install", "0") == (0, "unflushed", kept)
+    assert run("install", "3") == (3, "unflushed", kept)
+    assert run("plain") == (0, "unflushed", kept | {"teardown"})   # negative control
+    # os._exit (the first try) skips the C exit handlers too: vLLM's segments stayed
+    assert run("os_exit") == (0, "", {"c_exit"})   # nor the atexit callbacks, nor a flush

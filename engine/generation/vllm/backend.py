@@ -56,7 +56,8 @@ process that hosts it (on CPU the owner, a trainer rank): `shutdown`, and a cons
 fails after vLLM started, run it under `vllm.process.trainer_groups_kept`, so every rank still
 meets in the final barrier and exits 0. The worker ignores SIGTERM / SIGINT
 (`vllm.worker.rl_leave_signals_to_owner`): a signal to the job's process group asks the ranks
-to finish the step and save (engine.run.run_loop), which needs the engine alive.
+to finish the step and save (engine.run.run_loop), which needs the engine alive; once shut
+down it exits without the interpreter's teardown (vllm.worker_exit: no 5-9 s wait for it).
 
 Speculative decoding (rollout.vllm.speculative; engine.generation.vllm.speculative_settings,
 vllm.speculative, vllm.spec_sampler, vllm.spec_sync): vLLM's speculative_config with the
@@ -202,7 +203,7 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
         with preserved_global_rng(), env, without_chat_warmup_warning():
             self.llm = _vllm().LLM(**self._start_args)
         torch.set_num_threads = set_num_threads
-        self._alive, self._sync_open, self._stale = True, False, []
+        self._alive, self._sync_open, self._stale, self._contract_seen = True, False, [], False
         self._adapter = AdapterSync(self.llm, lora, hf_path) if lora is not None else None
         try:
             self.vllm_config = self.llm.llm_engine.vllm_config
@@ -215,8 +216,8 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
             self.llm.collective_rpc("rl_install_contract_logprobs")
             if self.vllm_config.speculative_config is not None:  # vllm.spec_sampler
                 self.llm.collective_rpc("rl_install_spec_contract")
-            self.llm.collective_rpc("rl_leave_signals_to_owner")
-            self._contract_seen = False
+            for call in ("rl_leave_signals_to_owner", "rl_exit_without_teardown"):
+                self.llm.collective_rpc(call)   # the owner ends the worker (vllm.worker_exit)
         except BaseException:
             self.shutdown()   # not left to vLLM's finalizer (it would end the trainer's group)
             raise
@@ -255,8 +256,7 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
             raise RuntimeError(f"{what}: the rollout engine is asleep; call wake() first")
 
     def _ready(self, what: str) -> None:
-        """Alive, awake, the open sync closed, and no parameter left stale by it; else refuse
-        `what`."""
+        """Alive, awake, the open sync closed, no parameter left stale; else refuse `what`."""
         self._usable(what)
         self._close_sync()
         if self._stale:

@@ -17,6 +17,9 @@
   exit 0" (engine.run.run_loop) found its engine dead mid-step and exited 1. The owner ends the
   worker: vLLM's executor shutdown asks it to exit, and kills it if it does not (SIGKILL);
   vLLM's death pipe ends it when the owner dies.
+- `rl_exit_without_teardown`: the worker process ends without the interpreter's final
+  collection and module teardown once vLLM's orderly shutdown is done (vllm.worker_exit):
+  an engine's shutdown no longer waits out vLLM's 5 s grace and the SIGTERM after it.
 - `rl_attention_backends`: the backend each attention layer runs (vllm.attention's choice,
   checked by the tests on the engine vLLM built).
 - `rl_load_shared_bucket` / `rl_load_bucket` / `rl_close_sync`: one exact weight sync
@@ -49,6 +52,7 @@ from engine.generation.sync.lifetime import WorkerViews
 from engine.generation.vllm.spec_sampler import install as install_spec_contract
 from engine.generation.vllm.spec_sync import DraftModules, DraftRouter
 from engine.generation.vllm.version import sampler_problem
+from engine.generation.vllm.worker_exit import install as install_worker_exit
 
 
 class ContractLogprobs(torch.nn.Module):
@@ -141,6 +145,11 @@ class RolloutWorkerExtension:
     def rl_leave_signals_to_owner(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
+
+    def rl_exit_without_teardown(self) -> bool:
+        """At its exit this worker process skips the interpreter's teardown
+        (engine.generation.vllm.worker_exit); True the first time in a process."""
+        return install_worker_exit()
 
     def rl_attention_backends(self) -> dict[str, str]:
         """The attention backend of every attention layer this worker built (its model's and a
