@@ -166,8 +166,9 @@ def test_moe_router_losses_count_tokens_run(moe_ep2):
 
 
 def test_moe_settings_refused_by_name():
-    """MoE families share; routing replay, the expert-bias update and capacity dropping are
-    refused with sharing on, each naming its key (and nothing else is refused)."""
+    """MoE families share, with routing replay too (tests/test_prefix_sharing_replay.py); the
+    expert-bias update and capacity dropping are refused with sharing on, each naming its key
+    (and nothing else is refused)."""
     from engine.config.prefix_sharing_settings import prefix_sharing_problems
     from types import SimpleNamespace as NS
 
@@ -179,8 +180,10 @@ def test_moe_settings_refused_by_name():
                                    capacity_factor=None), **moe}))
     for model_type in ("qwen3_moe", "mixtral", "glm4_moe"):
         assert prefix_sharing_problems(cfg(), {"model_type": model_type}) == []
-    for moe, word in ((dict(routing_replay="R3"), "moe.routing_replay=R3"),
-                      (dict(bias_update_rate=1e-3), "moe.bias_update_rate"),
+    for replay in ("R2", "R3"):
+        assert prefix_sharing_problems(cfg(routing_replay=replay),
+                                       {"model_type": "qwen3_moe"}) == []
+    for moe, word in ((dict(bias_update_rate=1e-3), "moe.bias_update_rate"),
                       (dict(capacity_factor=1.5), "moe.capacity_factor")):
         problems = prefix_sharing_problems(cfg(**moe), {"model_type": "qwen3_moe"})
         assert len(problems) == 1 and word in problems[0], problems

@@ -14,7 +14,10 @@ treated like packing (engine.training.router_losses): megatron computes them per
 over the token positions the model runs, so a shared token counts once, as a packed micro-batch
 already changes them with micro-batch size, dp and pp. They are therefore not equal to the
 unshared run's; with both coefficients 0 (the default of families whose HF config does not
-train them) the step is exact.
+train them) the step is exact. Routing replay (moe.routing_replay R2/R3) shares too: a node
+records its choice for every row token it stands for, and with routed experts to replay the
+trie is keyed by (token, recorded routing), so rows share a node only where their recorded
+routings agree (engine.training.tree_routing).
 
 Learned attention sinks and sliding windows (gpt-oss; Qwen2's use_sliding_window, whose
 sliding layers the model checks refuse anyway) share: the tree attention applies the layer's
@@ -25,10 +28,9 @@ takes its value head dim (parallel.tree_attention_split pads it to the query's o
 
 - Gated DeltaNet hybrids (Qwen3.5/3.6): the recurrent state would have to fork at each branch;
 - vision-language models: an image in a shared prefix (M-RoPE positions per image) is not handled;
-- with a mixture-of-experts model: moe.routing_replay (it records and replays one routing per
-  row token; a shared token runs once for all its rows), moe.bias_update_rate > 0 (the
-  expert-bias update counts the tokens routed) and moe.capacity_factor (which tokens are
-  dropped depends on the tokens that share the micro-batch);
+- with a mixture-of-experts model: moe.bias_update_rate > 0 (the expert-bias update counts the
+  tokens routed) and moe.capacity_factor (which tokens are dropped depends on the tokens that
+  share the micro-batch);
 - model.mtp.enabled (next-next-token targets differ per row at a branch);
 - context parallelism other than Ulysses (parallel.cp_comm_type a2a).
 
@@ -68,16 +70,11 @@ def _reason(hf_config: dict) -> str | None:
 
 
 def _moe_problems(cfg: Any, key: str) -> list[str]:
-    """The moe.* settings that count or record per row token (module docstring)."""
+    """The moe.* settings that count routed tokens or drop them (module docstring)."""
     moe = getattr(cfg, "moe", None)
     if moe is None:
         return []
     problems = []
-    replay = getattr(moe, "routing_replay", None)
-    if replay is not None:
-        problems.append(f"{key} with moe.routing_replay={replay}: replay records one routing "
-                        "per row token and a shared token runs once for all its rows; set "
-                        "moe.routing_replay=null or train.prefix_sharing=false")
     rate = getattr(moe, "bias_update_rate", 0.0)
     if isinstance(rate, (int, float)) and rate > 0:
         problems.append(f"{key} with moe.bias_update_rate={rate}: the expert-bias update "

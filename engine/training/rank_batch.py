@@ -22,6 +22,7 @@ from engine.training.mtp import mtp_extras
 from engine.training.plan import MiniBatchPlan, plan_mini_batch
 from engine.training.prefix_tree import prefix_units, tree_tokens, worth_sharing
 from engine.training.tree_batch import build_tree_micro_batch, tree_row_length
+from engine.training.tree_routing import trie_rows
 
 
 @dataclass
@@ -89,9 +90,9 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
     lengths = [len(s.tokens) for s in seqs]
     sharing = bool(getattr(train_cfg, "prefix_sharing", False))
     unit_lengths = None
+    trie = trie_rows(seqs) if sharing else None   # tokens, or (token, routing) with replay
     if sharing:   # rows sharing a prefix in one micro-batch; budgets count tree tokens
-        units, unit_lengths = prefix_units([s.tokens for s in seqs],
-                                           train_cfg.max_tokens_per_micro_batch, units)
+        units, unit_lengths = prefix_units(trie, train_cfg.max_tokens_per_micro_batch, units)
     plan = plan_mini_batch(lengths, lay["dp"], train_cfg.balance_dp, train_cfg.micro_batch_size,
                            train_cfg.max_tokens_per_micro_batch, units, unit_lengths)
     if lay.get("vpp", 1) > 1 and plan.num_micro_batches % lay["pp"]:
@@ -111,7 +112,7 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
     multiple = pad_multiple(lay["cp"], lay["tp"] if sequence_parallel else 1, sequence_parallel)
     packing = bool(train_cfg.packing) or sharing
     fixed = None
-    trees = _tree_sizes(seqs, plan, lay["pp"] > 1) if sharing else None
+    trees = _tree_sizes(trie, plan, lay["pp"] > 1) if sharing else None
     if lay["pp"] > 1:  # one p2p shape for every micro-batch of the step
         if sharing:
             fixed = max(tree_row_length(n, multiple) for n in trees)
@@ -146,14 +147,14 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
                      sum(trees) if sharing else total_tokens)
 
 
-def _tree_sizes(seqs: list[SequenceData], plan: MiniBatchPlan, fixed_shape: bool) -> list[int]:
+def _tree_sizes(trie: list[list[int]], plan: MiniBatchPlan, fixed_shape: bool) -> list[int]:
     """Tokens every micro-batch of every rank runs through the model (the same on every rank):
     its tree's nodes, or its rows' tokens where it runs unshared (tree_batch: never with a
-    fixed shape, pipeline parallelism)."""
+    fixed shape, pipeline parallelism). `trie`: the rows the trie merges (tree_routing)."""
     sizes = []
     for ranks in plan.ranks:
         for mb in ranks:
-            rows = [seqs[i].tokens for i in mb]
+            rows = [trie[i] for i in mb]
             size, total = tree_tokens(rows), sum(len(r) for r in rows)
             sizes.append(size if fixed_shape or worth_sharing(size, total) else total)
     return sizes

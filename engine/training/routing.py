@@ -16,6 +16,11 @@ flattening) and, with Megatron sequence parallelism, the TP rank's slice of s.
   layers), then summed over the world: `recorded()`.
 - mode "replay": every forward uses the micro-batch's ROUTED_EXPERTS on real tokens (padding
   and dummy sequences keep the router's own choice).
+- a prefix tree row (train.prefix_sharing, engine.training.tree_routing): the router runs the
+  tree's nodes; recording writes a node's choice to every (sequence, position) it stands for
+  (the CP rank whose shard holds the node writes them), replay takes the node's routing (the
+  trie is keyed by (token, routing), so every row it stands for recorded it) and counts its
+  mismatch once per row token it stands for.
 - `mismatch()`: the fraction of (token, MoE layer) pairs of the run whose recomputed top-k set
   differs from the replayed one, real tokens only, summed over the world (TP duplicates
   counted once): a global count, the same at every layout.
@@ -53,6 +58,7 @@ class RoutingReplay:
         self.mode: str | None = None
         self.table: torch.Tensor | None = None
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tree_rows: tuple | None = None   # recording a prefix tree row (_begin_tree)
 
     @property
     def slots(self):
@@ -92,6 +98,9 @@ class RoutingReplay:
         """Before `model`'s forward of `mb` (engine.training.schedule's before_forward)."""
         if self.mode is None:
             return
+        if mb.tree is not None:
+            self._begin_tree(model, mb.tree)
+            return
         seq_ids = self._token_order(mb.seq_ids.cpu())
         if self.mode == "record":
             self._rows = (seq_ids, self._token_order(mb.position_ids.cpu()))
@@ -105,12 +114,42 @@ class RoutingReplay:
             layer = slot.layer_number - 1
             slot.set_target(routed[:, layer * self.topk:(layer + 1) * self.topk], valid)
 
+    def _begin_tree(self, model, tree) -> None:
+        """`begin` for a prefix tree row (engine.training.tree_routing.TreeRouting): the
+        router runs the tree's nodes; recording writes each node's choice to every row token
+        it stands for, replay takes each node's routing (every row it stands for recorded
+        it: the trie is keyed by it) and weighs its mismatch by those tokens."""
+        routing = tree.routing
+        if self.mode == "record":
+            order = self._token_order(routing.natural)
+            where = torch.full((tree.row_length,), -1, dtype=torch.long)
+            where[order] = torch.arange(order.numel())
+            self._rows = None
+            self._tree_rows = (routing.members, where)
+            return
+        if routing.routed is None:
+            raise RuntimeError("routing replay: the micro-batch carries no routed experts "
+                               f"(extra {ROUTED_EXPERTS!r})")
+        routed = self._token_order(routing.routed)
+        weight = self._token_order(routing.weight)
+        for slot in self._slots[self._chunk_of[id(model)]]:
+            layer = slot.layer_number - 1
+            slot.set_target(routed[:, layer * self.topk:(layer + 1) * self.topk], weight > 0,
+                            weight)
+
     def _record(self, layer_number: int, indices: torch.Tensor) -> None:
         if not self.writer or self.table is None:
             return
+        cols = slice((layer_number - 1) * self.topk, layer_number * self.topk)
+        if self._rows is None:   # a prefix tree row (_begin_tree)
+            (nodes, seq_ids, positions), where = self._tree_rows
+            token = where[nodes]
+            mine = token >= 0
+            self.table[seq_ids[mine], positions[mine], cols] = \
+                indices.cpu()[token[mine]].to(torch.int32)
+            return
         seq_ids, positions = self._rows
         valid = seq_ids >= 0
-        cols = slice((layer_number - 1) * self.topk, layer_number * self.topk)
         self.table[seq_ids[valid], positions[valid], cols] = indices.cpu()[valid].to(torch.int32)
 
     def recorded(self) -> torch.Tensor:

@@ -31,6 +31,7 @@ from megatron.core import parallel_state as ps
 from engine.training.loss_head import HiddenStates, chunked_logprobs
 from engine.training.micro_batches import MicroBatch, SequenceData, build_packed
 from engine.training.prefix_tree import build_prefix_tree, tree_tokens, worth_sharing
+from engine.training.tree_routing import TreeRouting, node_tokens, trie_rows, tree_routing
 from parallel import zigzag
 from parallel.tree_attention import TreeAttentionParams, tree_params
 
@@ -45,6 +46,7 @@ class TreeInput:
     num_tokens: int                 # tree nodes (real tokens run through the model)
     row_length: int                 # T, padding included
     cp: int = 1
+    routing: TreeRouting | None = None   # MoE routing replay on the tree (tree_routing; host)
 
     def to(self, device) -> "TreeInput":
         for name in ("tokens", "position_ids", "gather", "padding"):
@@ -70,10 +72,11 @@ def build_tree_micro_batch(seqs: list[SequenceData], seq_index: list[int], pad_m
     `length` when given (pipeline parallelism: one p2p shape; a multiple of pad_multiple).
     Without `length`, rows that share too little (prefix_tree.worth_sharing) run unshared:
     the plain packed micro-batch, no tree."""
-    rows = [s.tokens for s in seqs]
+    rows = trie_rows(seqs)   # token ids, or (token, routing) ids with routed experts
     if length is None and not worth_sharing(tree_tokens(rows), sum(len(r) for r in rows)):
         return build_packed(seqs, seq_index, pad_multiple, None, cp, cp_rank, pad_id)
     tree = build_prefix_tree(rows)
+    tree.tokens = node_tokens(tree, seqs)
     mb = build_packed(seqs, seq_index, pad_multiple, None, cp, cp_rank, pad_id)
     real = tree.num_tokens
     total = max(tree_row_length(real, pad_multiple), length or 0)
@@ -98,7 +101,8 @@ def build_tree_micro_batch(seqs: list[SequenceData], seq_index: list[int], pad_m
     local = [zigzag.shard(x[None], [total], cp, cp_rank) for x in (tokens, depth, padding)]
     longest = max(max(b - a for a, b in zip(bounds[:-1], bounds[1:])), max(depth.tolist()) + 1)
     params = tree_params(bounds, subtree_end, tree.runs, local[1][0], longest)
-    mb.tree = TreeInput(local[0], local[1], params, gather, local[2], real, total, cp)
+    mb.tree = TreeInput(local[0], local[1], params, gather, local[2], real, total, cp,
+                        tree_routing(seqs, seq_index, tree, total, cp, cp_rank))
     return mb
 
 

@@ -26,7 +26,8 @@ micro-batches of a chunk in forward order). `reset()` clears the queue before ea
 
 Mismatch counting: in replay mode every first (non-recompute) call compares, per valid token,
 the router's own top-k set with the replayed set; `counts` = [tokens that differ, valid
-tokens] (float64), read and cleared by the caller (engine.training.routing).
+tokens] (float64; a token weighted by `set_target`'s weight: a prefix tree's node counts the
+rows' tokens it stands for), read and cleared by the caller (engine.training.routing).
 """
 from __future__ import annotations
 
@@ -61,10 +62,13 @@ class ReplaySlot:
         self.counts.zero_()
         self.calls = 0
 
-    def set_target(self, indices: torch.Tensor, valid: torch.Tensor) -> None:
+    def set_target(self, indices: torch.Tensor, valid: torch.Tensor,
+                   weight: torch.Tensor | None = None) -> None:
         """indices [tokens, k] (long), valid [tokens] (bool): this forward's routing, tokens
-        in the router's order (sequence-major, this rank's sequence-parallel slice)."""
-        self.target = (indices, valid)
+        in the router's order (sequence-major, this rank's sequence-parallel slice).
+        `weight` [tokens] (float64): how many tokens each one counts for in `counts` (a prefix
+        tree's node: the rows' tokens it stands for); default 1 on valid tokens."""
+        self.target = (indices, valid, valid.to(torch.float64) if weight is None else weight)
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
                         default_compute_topk=None):
@@ -84,9 +88,9 @@ class ReplaySlot:
                                "replay target (the micro-batch carried no routed experts)")
         recompute = torch.is_grad_enabled() and bool(self.pending)
         if recompute:
-            indices, valid = self.pending.popleft()
+            indices, valid, weight = self.pending.popleft()
         else:
-            indices, valid = self.target
+            indices, valid, weight = self.target
             if not torch.is_grad_enabled():
                 self.pending.append(self.target)
         if indices.shape != own.shape:
@@ -100,8 +104,8 @@ class ReplaySlot:
             self.calls += 1
             if self.counting:
                 differs = (chosen.sort(dim=1).values != own.sort(dim=1).values).any(dim=1)
-                self.counts += torch.tensor([float((differs & valid).sum()),
-                                             float(valid.sum())], dtype=torch.float64)
+                weight = torch.where(valid.cpu(), weight.cpu(), 0.0)
+                self.counts += torch.stack([(weight * differs.cpu()).sum(), weight.sum()])
         return scores.gather(1, chosen), chosen
 
 

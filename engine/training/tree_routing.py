@@ -1,0 +1,114 @@
+"""MoE routing replay on a prefix tree (train.prefix_sharing with moe.routing_replay,
+docs/prefix-sharing.md).
+
+A tree node stands for several (row, position) tokens of the unshared rows. Their hidden states
+are equal (each sees the same row prefix), so their routers' own choices are equal too, but the
+routing REPLAYED for them comes from a recording that may differ per row: the rollout engine's
+(R3: each row's prefill and decode ran on its own), or the old-log-prob forward's (R2) when the
+rows ran in different micro-batches or unshared there (a near-tie of the k-th and (k+1)-th
+scores can flip with the rounding of another layout). A node replays one routing, so:
+
+- `trie_rows(seqs)`: the rows the trie merges. Without routed experts, the token ids (the
+  trie of tokens). When the sequences carry ROUTED_EXPERTS (the extra replayed,
+  engine.training.routing), one integer per distinct (token, recorded routing of every layer)
+  pair: rows share a node only where their tokens AND their recorded routings agree up to
+  and including it, so every node's replayed routing is the one each row it stands for
+  recorded. Exact; rows whose routings agree share as much as by tokens alone.
+- `tree_routing(...)`: what engine.training.routing needs to record and replay on the tree
+  row instead of the unshared rows (`TreeRouting`, host tensors):
+  `natural` the natural tree-row index of every token of this CP rank's shard;
+  `members` (node, sequence index, position) of every real token of the unshared rows (all
+  CP shards): recording writes a node's choice to each of them, one writer per entry (the
+  CP rank whose shard holds the node);
+  `routed` [1, T/cp, width] the replayed routing of every node (None without routed experts);
+  `weight` [1, T/cp] float64: the real tokens each node stands for (0 on padding and on nodes
+  of dummy rows only): the replay-mismatch counts weigh a node by it, so moe/replay_mismatch
+  counts every row's token as without sharing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from engine.training.micro_batches import SequenceData
+from engine.training.prefix_tree import PrefixTree
+from engine.training.routing import ROUTED_EXPERTS
+from parallel import zigzag
+
+
+@dataclass
+class TreeRouting:
+    natural: torch.Tensor                                  # [1, T/cp] long
+    members: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # node, seq index, position [M]
+    routed: torch.Tensor | None                            # [1, T/cp, width] long, or None
+    weight: torch.Tensor                                   # [1, T/cp] float64
+
+
+def _routing_rows(seqs: Sequence[SequenceData]) -> list[torch.Tensor] | None:
+    """Each sequence's routed experts [len, width] (long), or None when none carries any; a
+    sequence without them (none in the engine's batches) gets a row of -1 (never shared with
+    a recorded one)."""
+    tables = [s.extras.get(ROUTED_EXPERTS) for s in seqs]
+    known = [t for t in tables if t is not None]
+    if not known:
+        return None
+    width = torch.as_tensor(known[0]).reshape(len(known[0]), -1).shape[1]
+    return [torch.as_tensor(t).reshape(len(s.tokens), -1).long() if t is not None
+            else torch.full((len(s.tokens), width), -1, dtype=torch.long)
+            for s, t in zip(seqs, tables)]
+
+
+def trie_rows(seqs: Sequence[SequenceData]) -> list[list[int]]:
+    """The rows prefix_tree merges for `seqs` (module docstring): token ids, or ids of
+    (token, recorded routing) pairs when the sequences carry routed experts. Equal pairs get
+    equal ids within one call, so a trie over these rows counts the same nodes as one over any
+    subset of them in another call."""
+    routing = _routing_rows(seqs)
+    if routing is None:
+        return [list(s.tokens) for s in seqs]
+    keys = torch.cat([torch.cat([torch.as_tensor(s.tokens, dtype=torch.long)[:, None], r], 1)
+                      for s, r in zip(seqs, routing)]) if seqs else torch.zeros(0, 1)
+    if keys.numel() == 0:
+        return [[] for _ in seqs]
+    ids = torch.unique(keys, dim=0, return_inverse=True)[1].tolist()
+    out, start = [], 0
+    for s in seqs:
+        out.append(ids[start:start + len(s.tokens)])
+        start += len(s.tokens)
+    return out
+
+
+def node_tokens(tree: PrefixTree, seqs: Sequence[SequenceData]) -> list[int]:
+    """The token id of every node of a trie built over `trie_rows(seqs)`."""
+    tokens = [0] * tree.num_tokens
+    for path, s in zip(tree.gather, seqs):
+        for node, tok in zip(path, s.tokens):
+            tokens[node] = int(tok)
+    return tokens
+
+
+def tree_routing(seqs: Sequence[SequenceData], seq_index: Sequence[int], tree: PrefixTree,
+                 total: int, cp: int, cp_rank: int) -> TreeRouting:
+    """The tree row's routing inputs (module docstring) for a tree row of `total` tokens
+    (padding included) over `seqs` (`seq_index`: their indices in the run, -1 for dummies)."""
+    nodes, seq_ids, positions = [], [], []
+    for path, index in zip(tree.gather, seq_index):
+        if index < 0 or not path:
+            continue
+        nodes.append(torch.tensor(path, dtype=torch.long))
+        seq_ids.append(torch.full((len(path),), index, dtype=torch.long))
+        positions.append(torch.arange(len(path), dtype=torch.long))
+    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
+    members = (cat(nodes), cat(seq_ids), cat(positions))
+    weight = torch.bincount(members[0], minlength=total).to(torch.float64)
+    routing = _routing_rows(seqs)
+    routed = None
+    if routing is not None:
+        flat = torch.cat(routing)
+        routed = torch.zeros(total, flat.shape[1], dtype=torch.long)
+        routed[torch.tensor([n for path in tree.gather for n in path], dtype=torch.long)] = flat
+        routed = zigzag.shard(routed[None], [total], cp, cp_rank)
+    natural = zigzag.shard(torch.arange(total)[None], [total], cp, cp_rank)
+    return TreeRouting(natural, members, routed, zigzag.shard(weight[None], [total], cp, cp_rank))
