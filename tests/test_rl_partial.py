@@ -126,14 +126,16 @@ def test_fixed_weights_partial_replies_equal_the_plain_run(model_dir, tmp_path):
     partial rollouts (same prompts, same seeds); with the offset dropped they differ."""
     engine = HFRolloutEngine(model_dir, dtype=torch.float32)
     plain = _collector(RolloutCollector, engine, model_dir, tmp_path / "plain")
-    # the driver session admits groups as slots free: 6 partial steps may train groups of
-    # later generation batches than 6 (the rounds went up to 5)
-    fills = [plain.collect(dump_step=step).metrics["rollout/engine_fill"]
-             for step in range(1, 13)]
-    assert all(0 < f <= 1 for f in fills) and min(fills) < 1   # the plain rollout's fill too
-    reference = {}
-    for step in range(1, 13):
-        reference.update(_replies(_records(tmp_path / "plain" / f"step_{step}.jsonl")))
+    reference, fills = {}, []
+
+    def reference_through(runs: list[dict]) -> None:
+        """The plain run's replies (`reference`) through the newest generation batch `runs`
+        trained: the driver session admits groups as slots free, so 6 partial steps may
+        train groups of later generation batches than 6 (up to 6, measured)."""
+        newest = max(gen_batch for run in runs for gen_batch, *_ in run)
+        while len(fills) <= newest:   # plain step s is generation batch s - 1
+            fills.append(plain.collect(dump_step=len(fills) + 1).metrics["rollout/engine_fill"])
+            reference.update(_replies(_records(tmp_path / "plain" / f"step_{len(fills)}.jsonl")))
 
     def partial_run(cls, where) -> tuple[dict, list[dict]]:
         c = _collector(cls, engine, model_dir, tmp_path / where)
@@ -146,6 +148,10 @@ def test_fixed_weights_partial_replies_equal_the_plain_run(model_dir, tmp_path):
         return out, metrics
 
     got, metrics = partial_run(PartialCollector, "partial")
+    control, _ = partial_run(NoOffsetCollector, "control")
+    rounds, rounds_metrics = partial_run(RoundsCollector, "rounds")   # the rounds path too
+    reference_through([got, control, rounds])
+    assert all(0 < f <= 1 for f in fills) and min(fills) < 1   # the plain rollout's fill too
     assert len(got) == 6 * 2 * 2 and set(got) <= set(reference)
     for key, (ids, logprobs) in got.items():
         assert ids == reference[key][0], key
@@ -154,10 +160,8 @@ def test_fixed_weights_partial_replies_equal_the_plain_run(model_dir, tmp_path):
     assert max(m["rollout/version_span_max"] for m in metrics) >= 1
     assert sum(m["rollout/partial_share"] for m in metrics) > 0
     assert all(0 < m["rollout/engine_fill"] <= 1 for m in metrics)
-    control, _ = partial_run(NoOffsetCollector, "control")
     differ = [k for k in control if k in reference and control[k][0] != reference[k][0]]
     assert differ
-    rounds, rounds_metrics = partial_run(RoundsCollector, "rounds")   # the rounds path too
     assert len(rounds) == 6 * 2 * 2
     assert all(ids == reference[k][0] for k, (ids, _) in rounds.items())
     assert max(m["rollout/version_span_max"] for m in rounds_metrics) >= 1
