@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -305,7 +306,8 @@ def test_moe_families_of_2026_sample_and_sync_exactly(family, tmp_path):
     that changes every parameter they equal transformers' with the new weights (DeepSeek-V3:
     MLA's W_UK_T / W_UV, which vLLM derives from kv_b_proj, follow the sync; gpt-oss: the sinks
     and experts its loader copies past the reload), far from the old weights' (a stale tensor
-    fails the second bound)."""
+    fails the second bound). The engine's shutdown ends its worker with status 0 and no
+    /dev/shm segment left (`_shut_down_cleanly`)."""
     build, bound = FAMILIES[family]
     model_dir = build(str(tmp_path / family))
     if family == "glm4_moe":   # its end-of-turn token declared by the tokenizer alone
@@ -330,8 +332,22 @@ def test_moe_families_of_2026_sample_and_sync_exactly(family, tmp_path):
         assert max_logprob_diff(old, gens, 1.0) > 1e-1   # the weights did move
         _same_weights_by_file(engine, weights, lambda: [
             g.response_logprobs for g in engine.generate(PROMPTS, params)], before)
+        _shut_down_cleanly(engine)
     finally:
         engine.shutdown()
+
+
+def _shut_down_cleanly(engine) -> None:
+    """Shut `engine` down: its workers exit 0 (through engine.generation.vllm.worker_exit,
+    installed once per worker at the start) and leave none of the /dev/shm segments they had
+    mapped (vLLM's message queues; its C++ CPU communicator's at TP > 1)."""
+    assert engine.llm.collective_rpc("rl_exit_without_teardown") == [False] * engine.workers
+    workers = [w.proc for w in engine._vllm_parts()[1].workers]
+    mapped = {m for w in workers for m in re.findall(   # not the owner's semaphores
+        r"/dev/shm/((?:psm_|vllm_)\S+)", Path(f"/proc/{w.pid}/maps").read_text())}
+    engine.shutdown()
+    assert [w.exitcode for w in workers] == [0] * len(workers)
+    assert mapped and not [m for m in mapped if Path("/dev/shm", m).exists()], mapped
 
 
 def test_mla_on_an_amx_cpu_selects_cpu_mla_for_target_and_draft(tmp_path, monkeypatch):
