@@ -125,7 +125,7 @@ def test_dpo_and_grpo_log_the_compile_counts(pools, demo_assets, tmp_path):
                       "rollout.max_new_tokens=8", "rollout.temperature=2.0",
                       "train.prompts_per_step=3", "train.mini_batches_per_step=2",
                       "train.packing=true", f"train.max_steps={RL_STEPS}", "kl.beta=0",
-                      "reward.fn=tests.test_rl_loop:digit_reward", *common,
+                      "reward.fn=tests.rl_rewards:digit_reward", *common,
                       f"logging.dir={tmp_path / 'rl'}", timeout=600)
     assert rl.returncode == 0, rl.stderr[-3000:]
     for name, proc, steps in (("dpo", dpo, 2), ("rl", rl, RL_STEPS)):

@@ -186,7 +186,7 @@ def _grpo(pools, model: Path, out: Path, nproc: int, *extra: str) -> list[dict]:
                                + "\n" for i in range(8)))
     proc = pools.script(
         nproc, "-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{prompts}]",
-        "reward.fn=tests.test_rl_loop:digit_reward", "kl.beta=0.05", "rollout.n=2",
+        "reward.fn=tests.rl_rewards:digit_reward", "kl.beta=0.05", "rollout.n=2",
         "rollout.max_new_tokens=6", "train.prompts_per_step=2", "train.mini_batches_per_step=1",
         "train.micro_batch_size=1", "train.max_steps=2", "train.seq_length=48", "optim.lr=1e-2",
         f"data.cache_dir={out}/cache", "data.num_workers=0", f"logging.dir={out}/run",

@@ -25,6 +25,9 @@ from engine.generation import Generation
 from tests.launch import result_lines, run_cli, run_torchrun
 from tests.generate_only import GenerateOnlyEngine
 from tests.multirank.muon_check import MUON_RUNS
+# reward.fn=tests.test_rl_loop:digit_reward (many tests): defined in a module without imports, so
+# the reward pool's worker processes import that module, not this one (tests/rl_rewards.py)
+from tests.rl_rewards import digit_reward  # noqa: E402,F401
 from tools.tiny_models import build_tiny_model
 
 INVARIANCE = "tests/multirank/rl_invariance.py"
@@ -34,12 +37,6 @@ REQUIRED_METRICS = (
     "policy/clipfrac_high", "policy/kl", "policy/entropy", "grad_norm", "rollout/generate_calls",
     "rollout/num_gen_batches", "rollout/logprob_diff", "rollout/tokens_per_s", "time/rollout_s",
     "time/train_s", "time/weight_sync_s", "time/step_s")
-
-
-def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """Fraction of digit characters in the response: varies within a group even for a random
-    model, so advantages (and the update) are non-zero. Used via reward.fn in the CLI test."""
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
 @pytest.fixture(scope="module")
