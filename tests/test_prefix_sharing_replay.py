@@ -1,7 +1,7 @@
 """train.prefix_sharing with MoE routing replay (moe.routing_replay, issue 91): shared equals
 unshared on the tiny Qwen3-MoE (8 experts, top-2) for GRPO, with a recorded routing that
 disagrees where rows share tokens (the harness: tests/multirank/prefix_replay_check.py), at 1
-process (with the negative controls), EP2 (DP2), TP2 + SP and CP2 (Ulysses); and the pieces
+process (with the negative controls), EP2 (DP2), TP2 + SP, CP2 (Ulysses) and PP2; and the pieces
 (engine.training.tree_routing) on hand-made rows."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 CHECK = "tests/multirank/prefix_replay_check.py"
 TOL = 1e-5
-LAYOUTS = ("1,1,1,ep=2+mbs=2", "2,1,1,sp+mbs=2", "1,1,2,mbs=2")
+LAYOUTS = ("1,1,1,ep=2+mbs=2", "2,1,1,sp+mbs=2", "1,1,2,mbs=2", "1,2,1,mbs=2")
 
 
 def _lines(proc, tag: str) -> list[dict]:
@@ -69,8 +69,9 @@ def test_replay_negative_controls_are_caught(one_process):
 
 
 def test_replay_shared_equals_unshared_at_every_layout(pools, moe_dir):
-    """EP2 (DP2), TP2 + SP (each TP rank records its slice of the tree) and CP2 (each CP
-    rank records the nodes of its zigzag shard for every row token they stand for)."""
+    """EP2 (DP2), TP2 + SP (each TP rank records its slice of the tree), CP2 (each CP rank
+    records the nodes of its zigzag shard for every row token they stand for) and PP2 (each
+    stage its layers; one tree row length for the step, from the keyed trees)."""
     proc = pools.script(2, CHECK, moe_dir, *LAYOUTS, timeout=600)
     results = _lines(proc, "RESULT")
     assert [r["spec"] for r in results] == list(LAYOUTS)
@@ -110,7 +111,7 @@ def test_trie_is_keyed_by_recorded_routing():
     routing = tree_routing(seqs, [4, 7, 2], tree, total, 1, 0)
     routed = routing.routed[0]
     for s, path in zip(seqs, tree.gather):
-        assert torch.equal(routed[path], s.extras["routed_experts"].long())
+        assert torch.equal(routed[path].long(), s.extras["routed_experts"].long())
     assert routing.weight[0].tolist() == [3, 3, 2, 2, 1, 1, 1, 1, 1, 0, 0, 0]
     nodes, seq_ids, positions = routing.members
     assert sorted(zip(seq_ids.tolist(), positions.tolist())) == sorted(

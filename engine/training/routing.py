@@ -130,7 +130,7 @@ class RoutingReplay:
         if routing.routed is None:
             raise RuntimeError("routing replay: the micro-batch carries no routed experts "
                                f"(extra {ROUTED_EXPERTS!r})")
-        routed = self._token_order(routing.routed)
+        routed = self._token_order(routing.routed).long()
         weight = self._token_order(routing.weight)
         for slot in self._slots[self._chunk_of[id(model)]]:
             layer = slot.layer_number - 1

@@ -15,6 +15,10 @@ loss, the GlobalLossNormalizer's counts, the metrics, KL and rollout-correction 
 computed as without sharing; a node several rows contain receives each row's gradient, summed
 by autograd through the gather.
 
+MoE routing replay: rows carrying routed experts are merged by (token, recorded routing)
+(engine.training.tree_routing.trie_rows), and `tree.routing` holds what engine.training.routing
+records and replays on the tree row.
+
 Context parallelism: the tree row is zigzag-sharded as one sequence (parallel.zigzag) and the
 Ulysses attention sees the whole tree on every rank; before the gather each rank all-gathers
 the output over the CP group (its backward sums the gradients over the group and keeps this
