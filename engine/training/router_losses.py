@@ -1,19 +1,31 @@
 """Per-step scaling of megatron's MoE router losses, and the MoE metrics of a step.
 
+Padding: every MoE micro-batch's routers get its padding mask (engine.training.schedule.
+moe_padding_mask), so megatron-core leaves padding positions out of the z-loss, the aux-loss
+scores and expert / token counts (aux_loss, seq_aux_loss, global_aux_loss) and the expert-bias
+counts; `_count` leaves them out of the moe/* loads. A padding position then gets no router-loss
+gradient (without the mask, the z-loss gradient on a pad token reached its all-zero embedding
+row through RMSNorm, ~1/sqrt(eps): grad norm 3057.6 instead of 10.8 for 2 rows padded by one
+position). Not masked by megatron: token dropping (moe.capacity_factor counts capacity over
+every position, padding included) and seq_aux_loss's normalisation of a padded [b, s]
+micro-batch, which divides every row by the rows' mean real length (its own length when the
+rows are equally long or b = 1, as in packing).
+
 Megatron (calculate_per_token_loss=True) attaches each micro-batch's load-balancing loss and
-z-loss times the micro-batch's local token count n_mb (token positions, padding included) and
-expects finalize_model_grads to divide every gradient by the step's token count. This engine
-never divides (engine.training.loss: the language-model loss is already globally normalised), so before
-each step `RouterLosses.before_step` sets the coefficients to coeff / N, N = the step's token
-positions summed over micro-batches and the DP x CP group. The router-loss gradient of a step
+z-loss times the micro-batch's local real token count n_mb (padding left out) and expects
+finalize_model_grads to divide every gradient by the step's token count. This engine never
+divides (engine.training.loss: the language-model loss is already globally normalised), so
+before each step `RouterLosses.before_step` sets the coefficients to coeff / N, N = the step's
+real tokens summed over micro-batches and the DP x CP group. The router-loss gradient of a step
 is then coeff x sum_mb n_mb grad(L_mb) / N: the token-weighted mean of megatron's per-micro-
 batch losses. The language-model loss and its gradient do not depend on any of this.
 
-Layout invariance (tested in tests/test_sft_invariance.py): L_mb depends on which token
-positions share a micro-batch (per-micro-batch expert loads), padding included (megatron's
-router gets no padding mask). So the router loss is the same under every ep at the same dp,
-pp and micro-batch settings, and changes with dp, pp (it pads every micro-batch to one
-shape), cp, micro-batch size, token budget and packing.
+Layout invariance (tests/test_sft_invariance.py, tests/test_moe_sft_cli.py): L_mb depends on
+which tokens share a micro-batch (per-micro-batch expert loads), not on padding. So the router
+loss is the same under every ep, tp (with or without sequence parallelism), pp padding and
+padding to a multiple, and for padded rows against the same rows packed; it changes with dp,
+cp's micro-batch cut, micro-batch size, token budget and packing only through which tokens
+share a micro-batch (the z-loss, a per-token mean, not even then).
 
 Prefix sharing (train.prefix_sharing, docs/prefix-sharing.md) is treated like packing: the
 router runs on the tree's tokens, so its losses, their token count N (`run_tokens`: the tree's
@@ -74,10 +86,12 @@ def _all_padding(mask: torch.Tensor) -> bool:
 
 
 def run_tokens(mb) -> int:
-    """The token positions the model runs for micro-batch `mb` (this rank's): the prefix
-    tree's when it runs as one (engine.training.tree_batch), else its packed rows'."""
+    """The real token positions (padding left out) the model runs for micro-batch `mb` (this
+    rank's CP shard): the prefix tree's when it runs as one (engine.training.tree_batch), else
+    its rows'. The count megatron's masked router losses attach per micro-batch."""
     tree = getattr(mb, "tree", None)
-    return tree.tokens.numel() if tree is not None else mb.tokens.numel()
+    padding = tree.padding if tree is not None else mb.seq_ids < 0
+    return int(padding.numel() - padding.sum())
 
 
 class RouterLosses:
@@ -123,8 +137,13 @@ class RouterLosses:
             return
         if torch.is_grad_enabled():  # training forwards (forward-only passes run no_grad)
             routing_map = outputs[1].detach()
+            mask = kwargs.get("padding_mask", inputs[1] if len(inputs) > 1 else None)
+            if mask is not None:   # padding routes too, but is not counted
+                routing_map = routing_map & ~mask.reshape(-1, 1)
             counts = routing_map.sum(dim=0).to(torch.float64)   # stays on the device: no sync
-            load = torch.cat([counts, counts.new_full((1,), routing_map.shape[0] * router.topk)])
+            real = (routing_map.shape[0] if mask is None else (~mask).sum()) * router.topk
+            load = torch.cat([counts, torch.as_tensor(real, dtype=torch.float64,
+                                                      device=counts.device).reshape(1)])
             layer = router.layer_number
             if layer > self.config.num_layers:  # an MTP layer's router: not a decoder layer
                 return

@@ -55,26 +55,22 @@ def _to_device(mb: MicroBatch, device) -> MicroBatch:
 
 
 def moe_padding_mask(model, mb: MicroBatch) -> dict:
-    """{"padding_mask": [b, s] bool, True on padding} for models whose routers count tokens
-    for the aux-loss-free bias update (megatron expert_bias), so that padding and dummy
-    sequences (seq_ids -1) never count and the count does not depend on the layout, and for
-    every MoE model's dummy micro-batch (all True: engine.training.router_losses gives it no
-    router loss and no count). With moe.aux_loss_type=global_aux_loss every other micro-batch
-    gets an all-False mask (padding still counts, as in the other aux losses): megatron then
-    sums the step's real token counts over DP instead of assuming the local count on every
-    rank. {} otherwise. Megatron scatters the mask over TP only on the
-    first pipeline stage; later stages with sequence parallelism get this TP rank's slice of
-    the sequence here."""
+    """{"padding_mask": [b, s] bool, True on padding} for every MoE model's routers; {} for
+    dense models. Padding is a position of no sequence (seq_ids -1; a prefix tree's padding
+    tail); a dummy micro-batch is all padding. Megatron-core's router then leaves padding out
+    of the z-loss, the aux_loss / seq_aux_loss / global_aux_loss scores, expert counts and
+    token counts, and the aux-loss-free bias update (expert_bias) counts, so padding gets no
+    router-loss gradient and the router losses do not depend on how much padding a layout adds
+    (engine.training.router_losses: its step token count and moe/* metrics skip it too; a
+    dummy gets no per-micro-batch aux loss there). Megatron scatters the mask over TP only on
+    the first pipeline stage; later stages with sequence parallelism get this TP rank's slice
+    of the sequence here."""
     chunk = unwrap(model)
-    bias = getattr(chunk.config, "moe_router_enable_expert_bias", False)
-    moe = bool(chunk.config.num_moe_experts)
-    global_aux = moe and chunk.config.moe_router_load_balancing_type == "global_aux_loss"
-    if not bias and not (mb.dummy and moe) and not global_aux:
+    if not chunk.config.num_moe_experts:
         return {}
-    run = mb.tokens if mb.tree is None else mb.tree.tokens
     mask = mb.seq_ids < 0 if mb.tree is None else mb.tree.padding
-    if mb.dummy or not bias:   # a dummy: all padding; global aux: count every token run
-        mask = torch.full_like(run, mb.dummy, dtype=torch.bool)
+    if mb.dummy:
+        mask = torch.ones_like(mask)
     if chunk.config.sequence_parallel and not chunk.pre_process:
         tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         width = mask.shape[1] // tp
