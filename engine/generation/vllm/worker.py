@@ -17,7 +17,7 @@
   exit 0" (engine.run.run_loop) found its engine dead mid-step and exited 1. The owner ends the
   worker: vLLM's executor shutdown asks it to exit, and kills it if it does not (SIGKILL);
   vLLM's death pipe ends it when the owner dies.
-- `rl_exit_without_teardown`: the worker process ends without the interpreter's final
+- `rl_exit_without_teardown`: on CPU the worker process ends without the interpreter's final
   collection and module teardown once vLLM's orderly shutdown is done (vllm.worker_exit):
   an engine's shutdown no longer waits out vLLM's 5 s grace and the SIGTERM after it.
 - `rl_attention_backends`: the backend each attention layer runs (vllm.attention's choice,
@@ -147,9 +147,10 @@ class RolloutWorkerExtension:
             signal.signal(sig, signal.SIG_IGN)
 
     def rl_exit_without_teardown(self) -> bool:
-        """At its exit this worker process skips the interpreter's teardown
-        (engine.generation.vllm.worker_exit); True the first time in a process."""
-        return install_worker_exit()
+        """On CPU, at its exit this worker process skips the interpreter's teardown
+        (engine.generation.vllm.worker_exit); True the first time in a process. GPU workers
+        keep vLLM's exit (not run there)."""
+        return current_platform.is_cpu() and install_worker_exit()
 
     def rl_attention_backends(self) -> dict[str, str]:
         """The attention backend of every attention layer this worker built (its model's and a

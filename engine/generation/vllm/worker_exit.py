@@ -1,5 +1,6 @@
 """The exit of a vLLM worker process without the interpreter's teardown (installed by the worker
-extension's `rl_exit_without_teardown` when the engine starts; engine.generation.vllm.worker).
+extension's `rl_exit_without_teardown` when a CPU engine starts; engine.generation.vllm.worker;
+GPU workers keep vLLM's own exit: not run there).
 
 An engine's shutdown (vLLM's executor) asks its workers to exit and waits for them: 5 s
 (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS), then SIGTERM, which the worker ignores
