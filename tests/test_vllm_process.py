@@ -127,9 +127,13 @@ libc = ctypes.CDLL(None)
 libc.strdup.restype = ctypes.c_void_p
 path = ctypes.c_void_p(libc.strdup(str(out / "c_exit").encode()))
 libc.__cxa_atexit(ctypes.cast(libc.unlink, ctypes.c_void_p), path, None)
-if install:
-    from engine.generation.vllm.worker_exit import install
-    assert install(int(sys.argv[3])) and not install(0)   # once per process
+if install:   # the module alone, by its path (the package would import torch: seconds)
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "worker_exit", "engine/generation/vllm/worker_exit.py")
+    worker_exit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker_exit)
+    assert worker_exit.install(int(sys.argv[3])) and not worker_exit.install(0)   # once
 atexit.register(mark, "atexit_after")
 gc.disable()   # the cycle is left to the final collection
 cycle = Cycle()
