@@ -10,8 +10,13 @@ after WARMUP steps none of the three may change. Negative control: the same run 
 rows traced into the compiled core attention (tests/multirank/compile_retrace.py, the
 behaviour before issue 83: the host boundaries baked into the graph) keeps compiling after the
 warm-up, step after step (CONTROL_STEPS: each later step re-traces, so it runs the warm-up and
-three more, not all 12). DPO (2 steps) and GRPO (5 steps, packed): the counts in every row,
-GRPO's constant from its first step on.
+three more, not all 12). DPO (2 steps) and GRPO (5 steps), both packed, on the same model: the
+counts in every row, GRPO's constant from its first step on. Every run here trains that one
+model on packed rows, so the later runs' graphs are those the first run's Inductor compiled:
+they come from Inductor's FX graph cache (its C++ kernels compile once per file, not once per
+objective: on a cold cache a DPO on another model's padded micro-batches compiled 7 kernels,
+88 s of its first step at load 17, against none and 16 s here). Dynamo still traces each run's
+graphs, so the counts and the step-1 line are the same with a warm or a cold cache.
 
 The counts are each rank process's since it started (the pool's ranks run other cases too), so
 the runs compare their own rows with each other, never with fixed totals; that a run compiled
@@ -43,7 +48,10 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".spl
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory) -> tuple[str, str]:
     """(model dir, train file): a 2-layer Qwen3 (q/k norms, GQA 8:2) and 400 chats whose answer
-    lengths are log-normal (2 to 90 words: 1 to ~10 sequences per packed micro-batch)."""
+    lengths are log-normal (2 to 90 words: 1 to ~10 sequences per packed micro-batch). Beside
+    the train file: the CPU demo's preference pairs (dpo_train.jsonl) and addition prompts
+    (rl_prompts.jsonl), tools.demo's rows."""
+    from tools.demo import preference_rows, write_jsonl
     from tools.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("compile_stability")
@@ -58,6 +66,11 @@ def workload(tmp_path_factory) -> tuple[str, str]:
                                              {"role": "assistant", "content": answer}]}))
     data = root / "train.jsonl"
     data.write_text("\n".join(rows) + "\n")
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    rng.shuffle(pairs)
+    write_jsonl(root / "dpo_train.jsonl", preference_rows(pairs))
+    write_jsonl(root / "rl_prompts.jsonl",
+                [{"prompt": f"what is {a} + {b} ?", "answer": str(a + b)} for a, b in pairs])
     return model, str(data)
 
 
@@ -108,23 +121,24 @@ def test_negative_control_traced_packed_rows_recompile_every_step(pools, workloa
     assert counts[-1][1] > counts[WARMUP - 1][1], counts   # and they are recompiles
 
 
-def test_dpo_and_grpo_log_the_compile_counts(pools, demo_assets, tmp_path):
-    """DPO (2 steps) and GRPO (RL_STEPS steps, packed, two policy updates per step, the
-    log-prob forward without grad): compile/* in every row; GRPO's counts constant after its
-    first step (where both grad modes compiled)."""
-    assets = demo_assets
+def test_dpo_and_grpo_log_the_compile_counts(pools, workload, tmp_path):
+    """DPO (2 steps, packed pairs, the reference log-probs without grad) and GRPO (RL_STEPS
+    steps, packed, two policy updates per step, the log-prob forward without grad) on the
+    workload's model: compile/* in every row; GRPO's counts constant after its first step
+    (where both grad modes compiled)."""
+    model, data = workload
+    root = Path(data).parent
     common = ("train.compile=true", "optim.lr=1e-3", "logging.progress_bar=false",
-              "train.seq_length=64")
-    dpo = pools.script(1, "-m", "engine.dpo", f"model.hf_path={assets / 'model'}",
-                       f"data.train_files=[{assets / 'dpo_train.jsonl'}]", "train.max_steps=2",
-                       "train.global_batch_size=4", "train.micro_batch_size=2", *common,
+              "train.seq_length=64", "train.packing=true", f"model.hf_path={model}")
+    dpo = pools.script(1, "-m", "engine.dpo", f"data.train_files=[{root / 'dpo_train.jsonl'}]",
+                       "train.max_steps=2", "train.global_batch_size=4",
+                       "train.micro_batch_size=2", *common,
                        f"logging.dir={tmp_path / 'dpo'}", timeout=600)
     assert dpo.returncode == 0, dpo.stderr[-3000:]
-    rl = pools.script(1, "-m", "engine.rl", f"model.hf_path={assets / 'model'}",
-                      f"data.train_files=[{assets / 'rl_prompts.jsonl'}]", "rollout.n=2",
-                      "rollout.max_new_tokens=8", "rollout.temperature=2.0",
+    rl = pools.script(1, "-m", "engine.rl", f"data.train_files=[{root / 'rl_prompts.jsonl'}]",
+                      "rollout.n=2", "rollout.max_new_tokens=8", "rollout.temperature=2.0",
                       "train.prompts_per_step=3", "train.mini_batches_per_step=2",
-                      "train.packing=true", f"train.max_steps={RL_STEPS}", "kl.beta=0",
+                      f"train.max_steps={RL_STEPS}", "kl.beta=0",
                       "reward.fn=tests.rl_rewards:digit_reward", *common,
                       f"logging.dir={tmp_path / 'rl'}", timeout=600)
     assert rl.returncode == 0, rl.stderr[-3000:]

@@ -61,13 +61,19 @@ def count_graphs(gm: torch.fx.GraphModule, example_inputs):
     # Inductor loads on the first compile only (seconds of imports a run without it skips)
     from torch._inductor.compile_fx import compile_fx
 
+    note_graph()
+    return compile_fx(gm, example_inputs)
+
+
+def note_graph() -> None:
+    """Count one graph of the compile dynamo is running now (called from a backend: its
+    recompile status is read from dynamo's record of that compile later)."""
     compile_id = CompileContext.current_compile_id()
     with _LOCK:
         _read_records()   # the compiles before this one have their records now
         _STATS.graphs += 1
         if compile_id is not None:
             _PENDING.add(str(compile_id))
-    return compile_fx(gm, example_inputs)
 
 
 def compile_stats() -> CompileStats:
