@@ -22,6 +22,7 @@ Slow (two vLLM engines and an hf engine start): second tier.
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -173,13 +174,20 @@ def test_hf_backend_greedy_equals_vllms_own_server(replies):
         assert (ours["ids"], ours["finish"]) == (theirs["ids"], theirs["finish"]), case
 
 
+@functools.lru_cache(maxsize=1)
+def _reference_model(path: str):
+    """The folder in transformers (float32, eval), loaded once for every reference case."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def _reference(path: str, fields: dict, mode: dict) -> tuple[list[int], str]:
     """The hf reference loop (module docstring): full forwards, transformers' processors in
     vLLM's order, the engine's inverse-CDF draw at u(SEED, t)."""
-    from transformers import AutoModelForCausalLM
     from transformers.generation import logits_process as lp
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _reference_model(path)
     eos = {EOS}
     stops = set(fields.get("stop_token_ids", [])) | (set() if fields.get("ignore_eos") else eos)
     procs = []
