@@ -58,11 +58,13 @@ def test_replay_shared_equals_unshared_at_one_process(one_process):
 def test_replay_negative_controls_are_caught(one_process):
     """Rows whose recorded routings differ merged by tokens alone replay one row's routing
     for all (log-probs and metrics move); a node's mismatch counted once, not per row token,
-    moves moe/replay_mismatch (all else equal)."""
+    moves moe/replay_mismatch (all else equal); a node's choice recorded for its first row
+    only leaves the other rows' recordings empty (recorded_diff)."""
     (result,), controls = one_process
     by_kind = {c["kind"]: c for c in controls}
-    assert sorted(by_kind) == ["per_node", "unkeyed"]
+    assert sorted(by_kind) == ["first_row", "per_node", "unkeyed"]
     unkeyed, per_node = by_kind["unkeyed"], by_kind["per_node"]
+    assert by_kind["first_row"]["recorded_diff"] > 0.1, by_kind["first_row"]
     assert unkeyed["logprob_rel"] > 1e-2 and unkeyed["metric_rel"] > 1e-2, unkeyed
     assert unkeyed["ratio_on"] < result["ratio_on"], unkeyed   # it shared the diverged tokens
     assert per_node["mismatch_rel"] > 1e-2 and per_node["logprob_rel"] < TOL, per_node

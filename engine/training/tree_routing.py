@@ -48,18 +48,20 @@ class TreeRouting:
     weight: torch.Tensor                                   # [1, T/cp] float64
 
 
-def _routing_rows(seqs: Sequence[SequenceData]) -> list[torch.Tensor] | None:
-    """Each sequence's routed experts [len, width] (int16: expert indices < 32768), or None
-    when none carries any; a sequence without them (none in the engine's batches) gets a row
-    of -1 (never shared with a recorded one)."""
+def _routing_rows(seqs: Sequence[SequenceData]) -> np.ndarray | None:
+    """The sequences' routed experts, concatenated: [sum of lengths, width] int16 (expert
+    indices < 32768; numpy: torch's copies of these small tables are slower on a loaded CPU),
+    or None when none carries any; a sequence without them (none in the engine's batches) gets
+    rows of -1 (never shared with a recorded one)."""
     tables = [s.extras.get(ROUTED_EXPERTS) for s in seqs]
     known = [t for t in tables if t is not None]
     if not known:
         return None
     width = torch.as_tensor(known[0]).reshape(len(known[0]), -1).shape[1]
-    return [torch.as_tensor(t).reshape(len(s.tokens), -1).to(torch.int16) if t is not None
-            else torch.full((len(s.tokens), width), -1, dtype=torch.int16)
-            for s, t in zip(seqs, tables)]
+    parts = [torch.as_tensor(t).reshape(len(s.tokens), width).numpy() if t is not None
+             else np.full((len(s.tokens), width), -1, dtype=np.int16)
+             for s, t in zip(seqs, tables)]
+    return np.concatenate(parts).astype("<i2", copy=False) if parts else None
 
 
 def trie_rows(seqs: Sequence[SequenceData]) -> list[list[int]]:
@@ -75,9 +77,8 @@ def trie_rows(seqs: Sequence[SequenceData]) -> list[list[int]]:
     # one byte string per token: its id (int64) then its routing (int16: experts < 32768, -1
     # where none), numbered in order of first appearance (torch.unique(dim=0): ~70x slower)
     tokens = np.concatenate([np.asarray(s.tokens, dtype="<i8") for s in seqs])
-    experts = torch.cat(routing).numpy().astype("<i2", copy=False)
     keys = np.concatenate([tokens.view(np.uint8).reshape(len(tokens), 8),
-                           experts.view(np.uint8).reshape(len(tokens), -1)], axis=1)
+                           routing.view(np.uint8).reshape(len(tokens), -1)], axis=1)
     keys = np.ascontiguousarray(keys).view(f"V{keys.shape[1]}").ravel()
     number: dict[bytes, int] = {}
     ids = [number.setdefault(key, len(number)) for key in keys.tolist()]
@@ -114,7 +115,7 @@ def tree_routing(seqs: Sequence[SequenceData], seq_index: Sequence[int], tree: P
     routing = _routing_rows(seqs)
     routed = None
     if routing is not None:
-        flat = torch.cat(routing)
+        flat = torch.from_numpy(routing)
         routed = torch.zeros(total, flat.shape[1], dtype=torch.int16)
         routed[torch.tensor([n for path in tree.gather for n in path], dtype=torch.long)] = flat
         routed = zigzag.shard(routed[None], [total], cp, cp_rank)

@@ -18,7 +18,8 @@ fraction of (token, layer-choice) entries where the two runs' step-1 recordings 
 Controls (ctl), shared runs with a piece broken ("CONTROL {json}"):
   unkeyed:  the trie keyed by tokens only, so rows whose recorded routings differ share a node
             (which replays one of them);
-  per_node: the replay mismatch counted once per tree node instead of per row token.
+  per_node: the replay mismatch counted once per tree node instead of per row token;
+  first_row: the recording pass writes a node's choice to its first row only.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests.multirank.prefix_sharing_check import (SETTINGS, STEPS, _engine,  # noqa: E402
                                                   compare, grpo_rollout, parse_spec)
 
-CONTROLS = ("unkeyed", "per_node")
+CONTROLS = ("unkeyed", "per_node", "first_row")
 
 
 def diverge(recorded, batch, topk: int, num_experts: int):
@@ -82,6 +83,8 @@ def broken(kind: str):
     """A context manager that breaks routing replay on the tree the way a control needs."""
     import contextlib
 
+    import torch
+
     import engine.training.rank_batch as rb
     import engine.training.tree_batch as tb
 
@@ -94,14 +97,23 @@ def broken(kind: str):
                 yield
             finally:
                 tb.trie_rows, rb.trie_rows = saved
-        else:   # a node's mismatch counted once, not once per row token it stands for
-            original = tb.tree_routing
+        else:   # per_node: a node's mismatch counted once, not once per row token;
+            original = tb.tree_routing   # first_row: a node's choice recorded for one row only
 
-            def per_node(*args):
+            def changed(*args):
                 out = original(*args)
-                out.weight = (out.weight > 0).to(out.weight.dtype)
+                if kind == "per_node":
+                    out.weight = (out.weight > 0).to(out.weight.dtype)
+                    return out
+                nodes = out.members[0]
+                first = torch.zeros(nodes.numel(), dtype=torch.bool)
+                seen = set()
+                for i, n in enumerate(nodes.tolist()):
+                    first[i] = n not in seen
+                    seen.add(n)
+                out.members = tuple(m[first] for m in out.members)
                 return out
-            tb.tree_routing = per_node
+            tb.tree_routing = changed
             try:
                 yield
             finally:
