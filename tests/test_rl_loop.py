@@ -1,10 +1,11 @@
 """The GRPO/DAPO loop: configuration, rollout batches, the command line end to end (one
 generate call per rollout batch, weight sync parity), and policy-loss layout invariance.
 
-Multi-rank parts run with gloo on the tiny qwen3 model (4 layers, hidden 64): one real
-`torchrun -m engine.rl` launch (the command line end to end), the other runs of the command
-line and the invariance scripts on the session's rank pool (tests/pool.py) as torchrun would
-run them; the refusal of an unknown algorithm in this process (tests.launch.run_main)."""
+Multi-rank parts run with gloo on the tiny qwen3 model (4 layers, hidden 64): the runs of the
+command line (end to end) and the invariance scripts on the session's rank pool
+(tests/pool.py) as torchrun would run them (real `torchrun -m engine.rl` launches: see
+test_cli_generates_once_per_step_and_syncs_weights); the refusal of an unknown algorithm in
+this process (tests.launch.run_main)."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ from engine.rl.collect.collector import RolloutCollector
 from engine.rl.config import RLConfig
 from engine.rl.policy.update import split_mini_batches
 from engine.generation import Generation
-from tests.launch import result_lines, run_cli, run_torchrun
+from tests.launch import result_lines, run_cli
 from tests.generate_only import GenerateOnlyEngine
 from tests.multirank.muon_check import MUON_RUNS
 # reward.fn=tests.test_rl_loop:digit_reward (many tests): defined in a module without imports, so
@@ -243,10 +244,14 @@ def _metrics(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_cli_generates_once_per_step_and_syncs_weights(model_dir, prompts_file, tmp_path):
-    """A real torchrun launch: the engine.rl command line as a user starts it."""
+def test_cli_generates_once_per_step_and_syncs_weights(pools, model_dir, prompts_file,
+                                                       tmp_path):
+    """The engine.rl command line as a user starts it, on the 2-rank pool (as torchrun runs
+    it; the real launches of engine.rl that check every rank's exit code are
+    tests/test_rl_validation.py's resume and tests/test_rl_ppo.py's, and in the second tier
+    tests/test_rl_async.py's)."""
     log_dir = tmp_path / "run"
-    proc = run_torchrun(
+    proc = pools.script(
         2, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{prompts_file}]",
         "parallel.tp=2", "rollout.n=4", "rollout.max_new_tokens=8", "train.prompts_per_step=4",
         "train.mini_batches_per_step=2", "train.micro_batch_size=2", "train.max_steps=2",
