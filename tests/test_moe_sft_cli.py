@@ -118,9 +118,9 @@ def test_dummy_micro_batch_contributes_nothing_to_router_losses(pools, assets, t
         for key in LOGGED:
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
     assert one[2]["loss"] < one[0]["loss"] - 1.0
-    # DP2 x TP2 with sequence parallelism against TP2+SP alone (the same padding to a multiple
-    # of tp, which the router losses count): the dummy's routers decide together over TP
-    # (engine.training.router_losses._all_padding: each rank holds a slice of the sequence)
+    # DP2 x TP2 with sequence parallelism against TP2+SP alone (the router-loss gradient under
+    # SP is not the one-process one: engine.training.router_losses): the dummy's routers
+    # decide together over TP (_all_padding: each rank holds a slice of the sequence)
     tp = ("parallel.tp=2", "parallel.sequence_parallel=true")
     tp1, tp2 = (_one_row_run(pools, assets, tmp_path / f"tp_{w}", w, False, *tp) for w in (2, 4))
     for a, b in zip(tp1, tp2):
@@ -128,7 +128,7 @@ def test_dummy_micro_batch_contributes_nothing_to_router_losses(pools, assets, t
             assert b[key] == pytest.approx(a[key], rel=1e-5), ("tp", a["step"], key)
     undone = _one_row_run(pools, assets, tmp_path / "undone", 2, True, "parallel.ep=2")
     assert undone[0]["grad_norm"] > 100 * one[0]["grad_norm"]
-    assert abs(undone[0]["moe/z_loss"] - one[0]["moe/z_loss"]) > 0.1 * one[0]["moe/z_loss"]
+    assert abs(undone[0]["moe/aux_loss"] - one[0]["moe/aux_loss"]) > 0.1 * one[0]["moe/aux_loss"]
 
 
 def _refused(args: list[str]):

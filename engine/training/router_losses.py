@@ -19,13 +19,19 @@ before each step `RouterLosses.before_step` sets the coefficients to coeff / N, 
 real tokens summed over micro-batches and the DP x CP group. The router-loss gradient of a step
 is then coeff x sum_mb n_mb grad(L_mb) / N: the token-weighted mean of megatron's per-micro-
 batch losses. The language-model loss and its gradient do not depend on any of this.
+Under tp with sequence parallelism and under cp each rank of the TP x CP group routes a slice
+of the micro-batch; megatron divides the z-loss coefficient by the group's size g and attaches
+a slice's aux-loss share times the slice's real tokens, so there the router-loss gradient is
+not the one-process one (one row, aux and z 0.01: grad norm 12.385 at TP2+SP and CP2 against
+12.398 in one process; coefficients times g: 12.401, still not equal, cause not found).
 
 Layout invariance (tests/test_sft_invariance.py, tests/test_moe_sft_cli.py): L_mb depends on
 which tokens share a micro-batch (per-micro-batch expert loads), not on padding. So the router
-loss is the same under every ep, tp (with or without sequence parallelism), pp padding and
-padding to a multiple, and for padded rows against the same rows packed; it changes with dp,
-cp's micro-batch cut, micro-batch size, token budget and packing only through which tokens
-share a micro-batch (the z-loss, a per-token mean, not even then).
+loss is the same under every ep at the same dp, pp and micro-batch settings, and for padded
+rows against the same rows packed; it changes with dp, micro-batch size, token budget and
+packing through which tokens share a micro-batch (the z-loss, a per-token mean, not even then),
+and its gradient with tp+SP and cp (above). The metrics below are the one-process values at
+TP2+SP and CP2 (step 1 of one row: rel 1e-7).
 
 Prefix sharing (train.prefix_sharing, docs/prefix-sharing.md) is treated like packing: the
 router runs on the tree's tokens, so its losses, their token count N (`run_tokens`: the tree's
@@ -43,9 +49,11 @@ The schedule hands a dummy's routers an all-True padding mask
 aux-loss terms (the DP-wide expert counts stay collective), and `RouterLosses` turns the
 per-micro-batch aux losses off for that router call (their megatron value would be 0/0).
 
-Metrics (`metrics()`, after the step; every rank gets the same values): `moe/aux_loss` and
-`moe/z_loss` (megatron's tracked values without the coefficient, averaged over micro-batches,
-DP x CP ranks' real micro-batches and MoE layers), `moe/expert_load_max_over_mean` (per layer: the largest
+Metrics (`metrics()`, after the step; every rank gets the same values): `moe/aux_loss`
+(megatron's tracked value without the coefficient, its TP x CP slices' shares summed, averaged
+over the step's real micro-batches of every DP rank and over MoE layers), `moe/z_loss` (the mean
+over the step's real tokens of megatron's per-token z-loss without the coefficient, averaged over
+MoE layers), `moe/expert_load_max_over_mean` (per layer: the largest
 expert's routed token positions over the mean, from the whole step; averaged over layers) and,
 with moe.capacity_factor set, `moe/dropped_token_fraction` (per layer: the share of the step's
 top-k token-to-expert assignments dropped over capacity; averaged over layers). They cover the
@@ -109,6 +117,9 @@ class RouterLosses:
         self.loads: dict[int, torch.Tensor] = {}
         self.capacity = self.config.moe_expert_capacity_factor is not None
         self.micro_batches = 0
+        # layer -> [sum over router calls of (real tokens x megatron's z-loss mean), real tokens]
+        self.z_sums: dict[int, torch.Tensor] = {}
+        self._z_before = None      # the layer's tracked z-loss before this router call
         self._saved_coeff = None   # the aux coefficient while a dummy's router runs
         self._dummies = False      # whether this rank's step has a dummy micro-batch
         for router in self.routers:
@@ -119,6 +130,10 @@ class RouterLosses:
         """Before a router's training forward: a dummy micro-batch's (all-True padding mask)
         runs without the per-micro-batch aux losses (module docstring); `_count` restores."""
         mask = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
+        if self.z_coeff and torch.is_grad_enabled():
+            entry = get_moe_layer_wise_logging_tracker().get("z_loss")
+            self._z_before = (None if entry is None or router.layer_number > len(entry["values"])
+                              else entry["values"][router.layer_number - 1].clone())
         if not self._dummies or mask is None or not torch.is_grad_enabled():
             return
         if not _all_padding(mask):   # only in a step with a dummy
@@ -148,6 +163,11 @@ class RouterLosses:
             if layer > self.config.num_layers:  # an MTP layer's router: not a decoder layer
                 return
             self.loads[layer] = self.loads.get(layer, 0) + load
+            if self.z_coeff:   # megatron added this call's z-loss mean over its real tokens
+                after = get_moe_layer_wise_logging_tracker()["z_loss"]["values"][layer - 1]
+                mean = (after - (0 if self._z_before is None else self._z_before)).double()
+                n = load[-1] / router.topk
+                self.z_sums[layer] = self.z_sums.get(layer, 0) + torch.stack([mean * n, n])
 
     def before_step(self, micro_batches: list) -> None:
         """Set this step's coefficients (collective over DP x CP) and clear the trackers."""
@@ -166,6 +186,7 @@ class RouterLosses:
             router.reset_global_aux_loss_tracker()
         clear_aux_losses_tracker()
         self.loads.clear()
+        self.z_sums.clear()
         self.micro_batches = len(real)
         self._dummies = len(real) < len(micro_batches)
 
@@ -175,17 +196,26 @@ class RouterLosses:
             return {}
         layers = self.config.num_layers
         tracker = get_moe_layer_wise_logging_tracker()
-        # rows: aux, z, load ratio (then dropped share); columns: layers. Summed over DP x CP
-        # (aux and z: over the real micro-batches, dummies add nothing), then over PP.
+        # rows: aux, z, load ratio (then dropped share); columns: layers. The aux row: each
+        # TP x CP rank's tracked share of a micro-batch's loss (its slice's scores), summed over
+        # DP x CP and TP, over the micro-batches counted once per DP rank. The z row: the
+        # real-token-weighted mean of megatron's per-call means (every slice, micro-batch, rank).
         vec = torch.zeros(3, layers, dtype=torch.float64)
         for name, entry in tracker.items():
-            if name in _TRACKED:
-                row = 0 if _TRACKED[name] == "moe/aux_loss" else 1
-                vec[row] += entry["values"].detach().to(torch.float64).cpu()[:layers]
+            if _TRACKED.get(name) == "moe/aux_loss":
+                vec[0] += entry["values"].detach().to(torch.float64).cpu()[:layers]
+        z = torch.zeros(2, layers, dtype=torch.float64)
+        seen = sorted(self.z_sums)
+        if seen:
+            z[:, [n - 1 for n in seen]] = torch.stack([self.z_sums[n] for n in seen]).cpu().T
         dpcp = ps.get_data_parallel_group(with_context_parallel=True)
-        losses = _sum(torch.cat([vec[:2].flatten(), vec.new_full((1,), self.micro_batches)]),
-                      dpcp)
-        vec[:2] = losses[:-1].view(2, layers) / max(float(losses[-1]), 1.0)
+        tp = ps.get_tensor_model_parallel_group()
+        losses = torch.cat([vec[0], z.flatten(), vec.new_full((1,), self.micro_batches)])
+        losses = _sum(_sum(losses, dpcp), tp)
+        shares = dist.get_world_size(tp) * ps.get_context_parallel_world_size()
+        vec[0] = losses[:layers] / max(float(losses[-1]) / shares, 1.0)
+        z = losses[layers:-1].view(2, layers)
+        vec[1] = torch.where(z[1] > 0, z[0] / z[1].clamp(min=1.0), 0.0)
         # columns: the experts' routed counts, then the assignments before dropping
         counts = torch.zeros(layers, self.config.num_moe_experts + 1, dtype=torch.float64)
         seen = sorted(self.loads)
