@@ -141,8 +141,7 @@ LAYOUTS = {"dp2": [], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}   # 2-
 
 def partial_runs(pools, root: Path, model: str, common: list[str],
                  half_args: tuple[str, ...] = (), half_env: dict | None = None,
-                 layouts: tuple[str, ...] = tuple(LAYOUTS), again: bool = True,
-                 env: dict | None = None) -> dict:
+                 layouts: tuple[str, ...] = tuple(LAYOUTS), again: bool = True) -> dict:
     """{name: Run} of `model`, the arguments `common` added to each: "one" (keeping every
     version's weights, "versions": their folders), "again" (its repeat; not launched when
     `again` is False: the caller repeats "one" with "half" and "resumed", as
@@ -151,40 +150,35 @@ def partial_runs(pools, root: Path, model: str, common: list[str],
     "half" (stopped after step 2 with `half_args` and the environment `half_env`; its PoolRun
     in "half_proc"), "resumed" (half continued from its checkpoint in the same folders to step
     4) and "dropped" (the negative control: half continued from a copy of its checkpoint
-    without the carried replies and the waiting groups, drop_carried_replies); `env`: the
-    environment of every launch (half_env added for "half")."""
+    without the carried replies and the waiting groups, drop_carried_replies)."""
     data = prompts_file(root)
     out = {"versions": version_folders(model, root / "ckpt")}
     for name, ranks, layout in (("one", 1, keep_versions(root / "ckpt")),
                                 *((("again", 1, []),) if again else ()),
                                 *((n, 2, LAYOUTS[n]) for n in layouts)):
-        out[name], _ = launch(pools, ranks, model, data, root / name, *common, *layout,
-                              env=env)
-    out.update(stop_and_resume(pools, 1, root, model, data, common, half_args, half_env,
-                               env=env))
+        out[name], _ = launch(pools, ranks, model, data, root / name, *common, *layout)
+    out.update(stop_and_resume(pools, 1, root, model, data, common, half_args, half_env))
     return out
 
 
 def stop_and_resume(pools, ranks: int, root: Path, model: str, data: Path, common,
                     half_args: tuple[str, ...] = (), half_env: dict | None = None,
-                    own_world: bool = False, env: dict | None = None) -> dict:
+                    own_world: bool = False) -> dict:
     """{"half": the run stopped after step 2 (checkpoint in root/ckpt_half; `half_args` and
     `half_env` for it alone), "half_proc": its PoolRun, "resumed": half continued to step 4
     in the same folders, "dropped": half continued from a copy of its checkpoint without the
     carried replies and the waiting groups (drop_carried_replies)}; `ranks` and `own_world`
-    as `launch`; `env`: the environment of the three launches (half_env added for "half")."""
+    as `launch`."""
     out: dict = {}
     half = f"checkpoint.dir={root / 'ckpt_half'}"
     out["half"], out["half_proc"] = launch(pools, ranks, model, data, root / "half", *common,
                                            half, "train.exit_interval=2", *half_args,
-                                           env={**(env or {}), **(half_env or {})},
-                                           own_world=own_world)
+                                           env=half_env, own_world=own_world)
     shutil.copytree(root / "ckpt_half", root / "ckpt_dropped")
     shutil.copytree(root / "half", root / "dropped")
     drop_carried_replies(root / "ckpt_dropped", 2)
     out["resumed"], _ = launch(pools, ranks, model, data, root / "half", *common, half,
-                               env=env, own_world=own_world)
-    out["dropped"], _ = launch(pools, ranks, model, data, root / "dropped", *common,
-                               f"checkpoint.dir={root / 'ckpt_dropped'}", env=env,
                                own_world=own_world)
+    out["dropped"], _ = launch(pools, ranks, model, data, root / "dropped", *common,
+                               f"checkpoint.dir={root / 'ckpt_dropped'}", own_world=own_world)
     return out

@@ -20,13 +20,7 @@ test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant (DP2 x TP2). PP
 one layout whose sync gathers another rank's layers into rank 0's vLLM engine, launched nowhere
 else on vLLM.
 Second tier (tests/conftest.py SECOND_TIER): one in-process engine (max_num_seqs 8) and five
-launches on the rank pool. Every engine here keeps vLLM's own CPU binding ("auto": the worker
-computes on one core, the scheduler, which waits on it by spinning, has the other), not
-rollout's "0-1" (engine.generation.vllm.process.cpu_bind): this tiny model's steps are
-latency-bound as a server's, and beside other work on 2 cores "0-1" ran a partial round
-workload 2x slower (24 calls of 8 rows x 4 tokens: 20.7 and 10.3 s against 10.2 and 5.9 s,
-alternating, load 7-11) and shut down in 5-6 s against 3-3.6 s. What the checks compare
-(tokens, log-probs, metrics between runs of this file) does not depend on it."""
+launches on the rank pool."""
 from __future__ import annotations
 
 import glob
@@ -58,7 +52,6 @@ from tools.bench.partial import eos_prone_model
 TINY = dict(hidden=128, layers=2, heads=4, head_dim=32, intermediate=256)
 PROMPT = [8, 9, 10]   # replies mostly run to the limit on this model
 SLOTS = 8      # the module engine's max_num_seqs
-AUTO_BIND = {"VLLM_CPU_OMP_THREADS_BIND": "auto"}   # vLLM's own binding (module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +64,7 @@ def model_dir(tmp_path_factory) -> str:
 def engine(model_dir):
     from engine.generation.vllm.backend import VLLMRolloutEngine  # vLLM: this file only
     kwargs = engine_args(VLLMConfig(max_model_len=128, max_num_seqs=SLOTS), 1, True, False)
-    eng = VLLMRolloutEngine(model_dir, dtype=torch.float32, seed=0, bind_all_cpus=False,
-                            **kwargs)   # vLLM's own binding: AUTO_BIND
+    eng = VLLMRolloutEngine(model_dir, dtype=torch.float32, seed=0, **kwargs)
     yield eng
     eng.shutdown()
 
@@ -260,7 +252,7 @@ def runs(pools, tmp_path_factory) -> dict:
                                   "rollout.retry_wait_s=0"),
                        half_env={"DYING_ROLLOUT_MARKER": str(marker),
                                  "DYING_ROLLOUT_AT_CALL": str(DIE_AT)},
-                       layouts=("pp2",), again=False, env=AUTO_BIND)
+                       layouts=("pp2",), again=False)
     out["died"] = marker.exists()
     return out
 
