@@ -209,10 +209,6 @@ def test_layouts_equal_the_single_process(pools, models, tmp_path):
         assert results[spec]["loss_rel"] > 1e-3, results[spec]
 
 
-def _digits(prompt: str, response: str, answer: str, **fields) -> float:
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
-
-
 def test_grpo_with_the_hf_rollout_backend(pools, models, tmp_path):
     """GRPO at EP2 x DP2 with the HF backend and R3 routing replay: the weight sync writes
     the fused experts into the engine (its logits equal the trainer's after the step's
@@ -228,7 +224,7 @@ def test_grpo_with_the_hf_rollout_backend(pools, models, tmp_path):
         "parallel.ep=2", "rollout.n=4", "rollout.max_new_tokens=8", "train.prompts_per_step=4",
         "train.mini_batches_per_step=2", "train.micro_batch_size=2", "train.max_steps=2",
         "train.seq_length=64", "optim.lr=1e-3", "kl.beta=0.05", "moe.routing_replay=R3",
-        "reward.fn=tests.test_gpt_oss:_digits", "rollout.check_weight_sync=true",
+        "reward.fn=tests.rl_rewards:digit_reward", "rollout.check_weight_sync=true",
         f"logging.dir={log_dir}", "logging.progress_bar=false", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]

@@ -53,27 +53,9 @@ def __getattr__(name):  # rollout.backend=tests.test_rl_async:BrokenEngine (impo
     raise AttributeError(name)
 
 
-_SLEPT = []
-
-
-def sleeping_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """Hangs the rollout leader for 40 s once (longer than rollout.peer_timeout_s=15)."""
-    import time
-    if not _SLEPT:
-        _SLEPT.append(1)
-        time.sleep(40)
-    return 0.0
-
-
 def _lines(log_dir: Path) -> list[dict]:
     path = log_dir / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
-def dying_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """Kills its process at once (no exception, no message): a rollout rank that dies."""
-    import os
-    os._exit(3)
 
 
 def _metrics(log_dir: Path) -> list[dict]:
@@ -123,10 +105,10 @@ def runs(pools, tmp_path_factory) -> dict:
     # started first, they wait while the pool runs below use the cores.
     waiting = {
         "hang": start(torchrun_cmd(3, *common, *dis1, "rollout.peer_timeout_s=15",
-                                   "reward.fn=tests.test_rl_async:sleeping_reward",
+                                   "reward.fn=tests.rl_rewards:sleeping_reward",
                                    "reward.timeout_s=null", f"logging.dir={root / 'hang'}")),
         "killed": start(torchrun_cmd(3, *common, *dis1, "rollout.peer_timeout_s=15",
-                                     "reward.fn=tests.test_rl_async:dying_reward",
+                                     "reward.fn=tests.rl_rewards:dying_reward",
                                      "reward.timeout_s=null", f"logging.dir={root / 'killed'}"))}
     out = {"colocated": pools.script(2, *common, *val, f"logging.dir={root / 'colocated'}")}
     marker = root / "engine_died"
@@ -329,7 +311,7 @@ def more_runs(pools, runs) -> dict:
     dapo = ("algorithm=dapo", "model.dtype=bfloat16", "rollout.max_new_tokens=6",
             "train.prompts_per_step=2",
             "train.max_steps=3", "dapo.max_gen_batches=4", "seed=1",
-            "reward.fn=tests.test_rl_checkpoint:parity_reward")
+            "reward.fn=tests.rl_rewards:parity_reward")
     # a model whose sampled turns end (eos), so episodes reach their second turn
     eos_model = build_eos_model(str(root / "eos_llama"))
     env = (f"model.hf_path={eos_model}", "env.fn=tests.test_rl_env:CountEnv", "env.max_turns=2",

@@ -35,12 +35,6 @@ def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
     return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
-def parity_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """1 for a response of odd length, else 0: about half of the 2-response groups agree, so
-    DAPO's dynamic sampling needs more than one generation batch per step."""
-    return float(len(response) % 2)
-
-
 def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -76,7 +70,7 @@ def runs(pools, tmp_path_factory) -> dict:
 
     dapo = ["-m", "engine.rl", "algorithm=dapo", *common, "rollout.n=2",
             "rollout.max_new_tokens=6", "train.prompts_per_step=2", "train.max_steps=2",
-            "dapo.max_gen_batches=4", "reward.fn=tests.test_rl_checkpoint:parity_reward",
+            "dapo.max_gen_batches=4", "reward.fn=tests.rl_rewards:parity_reward",
             # seed 1: both groups of the first generation batch agree (checked with the HF
             # backend's per-response seeds), so step 1 needs more than one generation batch
             "seed=1"]

@@ -56,11 +56,6 @@ def _collector(cls, engine, model_dir, tmp_path, argv=()):
                cfg)
 
 
-def parity_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """1 for a response of odd length in characters: agrees within about half the groups."""
-    return float(len(response) % 2)
-
-
 def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -305,7 +300,7 @@ def test_dapo_keeps_its_meaning_under_partial_rollouts(model_dir, tmp_path):
     engine = HFRolloutEngine(model_dir, dtype=torch.float32)
     c = _collector(PartialCollector, engine, model_dir, tmp_path,
                    ["algorithm=dapo", "dapo.overlong_buffer=8", "dapo.max_gen_batches=4",
-                    "reward.fn=tests.test_rl_partial:parity_reward", "reward.model.weight=0.5"])
+                    "reward.fn=tests.rl_rewards:parity_reward", "reward.model.weight=0.5"])
     c.pool.scorer = lambda ids: [float(len(x) % 3) for x in ids]   # a stand-in reward model
     dropped = 0.0
     for step in range(1, 4):

@@ -845,7 +845,7 @@ def test_async_staleness_1_on_vllm_serves_the_version_that_sampled_each_batch(po
             "rollout.check_behaviour_logprobs=true", "rollout.peer_timeout_s=300",
             "train.max_steps=3", "train.mini_batches_per_step=1",
             "dapo.dynamic_sampling=true", "dapo.max_gen_batches=4",
-            "reward.fn=tests.test_rl_checkpoint:parity_reward",
+            "reward.fn=tests.rl_rewards:parity_reward",
             "rollout_correction.rollout_is=token",
             f"checkpoint.dir={tmp_path / 'ckpt'}")
     metrics = _grpo(pools, 3, qwen3_dir, prompts, tmp_path / "async", *keys,
