@@ -34,10 +34,13 @@ LAYERS = 2
 STEP_DEVICE_READS = {"cpu @ engine/training/schedule.py": 1,
                      "cpu @ engine/training/router_losses.py": 1,
                      "item @ megatron/core/optimizer/clip_grads.py": 1}
-# calls on host tensors (host tensors on a GPU host too): batch planning before any device work,
-# the metrics' gloo reductions, the reports' host copy, torch AdamW's CPU step counters
+# calls on host tensors (host tensors on a GPU host too): batch planning before any device work
+# (RouterLosses.before_step's real-token counts run on the host micro-batches, before
+# run_micro_batches moves them), the metrics' gloo reductions, the reports' host copy, torch
+# AdamW's CPU step counters
 STEP_HOST_ONLY = {"__float__ @ engine/training/loss.py", "tolist @ engine/training/rank_batch.py",
                   "__float__ @ engine/training/router_losses.py",
+                  "__int__ @ engine/training/router_losses.py",
                   "tolist @ engine/training/schedule.py", "__float__ @ engine/training/schedule.py",
                   "item @ megatron/core/optimizer/optimizer.py"}
 
