@@ -79,6 +79,8 @@ class VisionLanguageModel(GPTModel):
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
                 decoder_input = decoder_input + zero_pass(self.vision, self.vision_spec).to(
                     decoder_input.dtype)
+            if decoder_input is not None:   # built here: megatron leaves the mask whole
+                kwargs = self._shard_padding_mask(kwargs)
         if vision is None:
             return super().forward(input_ids, position_ids, attention_mask, *args,
                                    decoder_input=decoder_input, **kwargs)
@@ -89,6 +91,18 @@ class VisionLanguageModel(GPTModel):
         finally:
             self.rotary_pos_emb.positions = None
             self._deepstack = None
+
+    def _shard_padding_mask(self, kwargs: dict) -> dict:
+        """kwargs with the MoE routers' `padding_mask` [b, s] cut to this TP rank's sequence
+        shard [b, s/tp] under sequence parallelism. Megatron's GPTModel scatters the mask only
+        when it embeds the tokens itself; this model may hand it a decoder_input it built (with
+        images, or the tower's zero pass), and megatron then leaves the mask whole."""
+        mask = kwargs.get("padding_mask")
+        if mask is None or not self.config.sequence_parallel:
+            return kwargs
+        tp = ps.get_tensor_model_parallel_world_size()
+        shard = mask.chunk(tp, dim=1)[ps.get_tensor_model_parallel_rank()].contiguous()
+        return {**kwargs, "padding_mask": shard}
 
     def _tower_needs_zero_pass(self) -> bool:
         """A micro-batch without images, the tower trained and gradients on: run the tower's
