@@ -107,9 +107,12 @@ def runs(pools, tmp_path_factory) -> dict:
         "hang": start(torchrun_cmd(3, *common, *dis1, "rollout.peer_timeout_s=15",
                                    "reward.fn=tests.rl_rewards:sleeping_reward",
                                    "reward.timeout_s=null", f"logging.dir={root / 'hang'}")),
+        # reward.num_workers=0: scored in the rollout rank's own process, so dying_reward ends
+        # that rank (in a pool worker it would end only the worker, which the pool replaces)
         "killed": start(torchrun_cmd(3, *common, *dis1, "rollout.peer_timeout_s=15",
                                      "reward.fn=tests.rl_rewards:dying_reward",
-                                     "reward.timeout_s=null", f"logging.dir={root / 'killed'}"))}
+                                     "reward.num_workers=0", "reward.timeout_s=null",
+                                     f"logging.dir={root / 'killed'}"))}
     out = {"colocated": pools.script(2, *common, *val, f"logging.dir={root / 'colocated'}")}
     marker = root / "engine_died"
     for name, extra in (("s0", ("rollout.max_staleness=0",)),
