@@ -263,7 +263,7 @@ def test_grpo_with_hf_rollouts_at_tp2(pools, models, tmp_path):
         "parallel.tp=2", "rollout.n=4", "rollout.max_new_tokens=8", "train.prompts_per_step=4",
         "train.mini_batches_per_step=2", "train.micro_batch_size=2", "train.max_steps=2",
         "train.seq_length=64", "optim.lr=1e-3", "kl.beta=0.05",
-        "reward.fn=tests.test_glm4_moe:digit_reward", "rollout.check_weight_sync=true",
+        "reward.fn=tests.rl_rewards:digit_reward", "rollout.check_weight_sync=true",
         f"logging.dir={log_dir}", "logging.progress_bar=false", timeout=400)
     steps = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2

@@ -193,11 +193,6 @@ def test_invariance_with_bias_update(pools, glm_dir, tmp_path):
         assert results[spec]["param_rel"] > 1e-3, results[spec]
 
 
-def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """Fraction of digit characters in the response (varies within a group)."""
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
-
-
 def _prompts(path: Path) -> str:
     with open(path, "w") as f:
         for i in range(16):
@@ -223,7 +218,7 @@ def test_grpo_with_hf_rollouts_at_ep2(pools, glm_dir, tmp_path):
         "moe.bias_update_rate=0.01", "moe.routing_replay=R3", "rollout.n=4", "rollout.max_new_tokens=8",
         "train.prompts_per_step=4", "train.mini_batches_per_step=2",
         "train.micro_batch_size=2", "train.max_steps=2", "train.seq_length=64",
-        "optim.lr=1e-3", "kl.beta=0.05", "reward.fn=tests.test_glm4_moe:digit_reward",
+        "optim.lr=1e-3", "kl.beta=0.05", "reward.fn=tests.rl_rewards:digit_reward",
         "rollout.check_weight_sync=true", f"logging.dir={log_dir}", f"checkpoint.dir={ckpt}",
         "logging.progress_bar=false", timeout=400)
     steps = _metrics(log_dir)
@@ -256,7 +251,7 @@ def test_r2_replays_the_sigmoid_group_routing_exactly(pools, glm_dir, tmp_path):
             "rollout.max_new_tokens=6", "train.prompts_per_step=2",
             "train.mini_batches_per_step=1", "train.micro_batch_size=2", "train.max_steps=2",
             "train.seq_length=64", "optim.lr=1e-2", "kl.beta=0.05",
-            "reward.fn=tests.test_glm4_moe:digit_reward", "logging.progress_bar=false")
+            "reward.fn=tests.rl_rewards:digit_reward", "logging.progress_bar=false")
     runs = {}
     for name, extra in (("plain", ()), ("r2", ("moe.routing_replay=R2",))):
         pools.script(1, *args, *extra, f"logging.dir={tmp_path / name}", timeout=300)

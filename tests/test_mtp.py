@@ -330,11 +330,6 @@ def test_published_qwen3_5_trains_its_mtp_layer_with_images(pools, qwen_vl_dir, 
         json.loads((Path(qwen_vl_dir) / "config.json").read_text())
 
 
-def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """Fraction of digit characters in the response (varies within a group)."""
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
-
-
 def test_grpo_trains_the_mtp_layer_without_moving_the_policy(pools, glm_dir, tmp_path):
     """GRPO (HF rollouts, DP2) with model.mtp.enabled=true (detached: RL's default) logs
     mtp/loss and mtp/accuracy on the rollouts' tokens, and every policy metric of both steps
@@ -350,7 +345,7 @@ def test_grpo_trains_the_mtp_layer_without_moving_the_policy(pools, glm_dir, tmp
             2, "-m", "engine.rl", f"model.hf_path={glm_dir}", f"data.train_files=[{prompts}]",
             f"model.mtp.enabled={flag}", "rollout.n=4", "rollout.max_new_tokens=8",
             "train.prompts_per_step=2", "train.micro_batch_size=2", "train.max_steps=2",
-            "train.seq_length=64", "optim.lr=1e-3", "reward.fn=tests.test_mtp:digit_reward",
+            "train.seq_length=64", "optim.lr=1e-3", "reward.fn=tests.rl_rewards:digit_reward",
             f"logging.dir={log_dir}", f"checkpoint.dir={log_dir / 'ckpt'}",
             "logging.progress_bar=false", timeout=400)
         runs[name] = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]

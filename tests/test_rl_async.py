@@ -34,10 +34,6 @@ SAME = ("reward/mean", "reward/std", "response/length_mean", "policy/loss", "pol
 STEPS = 4
 
 
-def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    return sum(ch.isdigit() for ch in response) / max(1, len(response))
-
-
 def _broken_engine():
     from engine.generation.hf.backend import HFRolloutEngine
 
@@ -89,7 +85,7 @@ def runs(pools, tmp_path_factory) -> dict:
     common = ("-m", "engine.rl", f"model.hf_path={model}", f"data.train_files=[{prompts}]",
               "rollout.n=2", "rollout.max_new_tokens=8", "train.prompts_per_step=4",
               f"train.max_steps={STEPS}", "train.seq_length=64", "optim.lr=1e-3",
-              "kl.beta=0.05", "reward.fn=tests.test_rl_async:digit_reward",
+              "kl.beta=0.05", "reward.fn=tests.rl_rewards:digit_reward",
               "logging.progress_bar=false")
     # validation before training and after steps 2 and 4 (version 2 and 4; 4 is needed only
     # by the validation), sampled at T=1 so it sees the policy

@@ -29,12 +29,6 @@ RESUME_TOL = 1e-6
 COMPARED = ("reward/mean", "policy/loss", "grad_norm", "policy/kl", "rollout/logprob_diff")
 
 
-def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """Fraction of digit characters in the response: varies within a group even for a random
-    model, so every step updates the policy."""
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
-
-
 def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -56,7 +50,7 @@ def runs(pools, tmp_path_factory) -> dict:
               "optim.lr=1e-3", "logging.progress_bar=false"]
     grpo = ["-m", "engine.rl", *common, "rollout.n=4", "rollout.max_new_tokens=8",
             "train.prompts_per_step=2", f"train.max_steps={STEPS}", "kl.beta=0.05",
-            "reward.fn=tests.test_rl_checkpoint:digit_reward"]
+            "reward.fn=tests.rl_rewards:digit_reward"]
     out = {"root": root}
 
     def run(name: str, nproc: int, argv: list[str], *extra: str, resume: bool = False):

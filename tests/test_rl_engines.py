@@ -172,12 +172,6 @@ SAME = ("reward/mean", "reward/std", "response/length_mean", "policy/loss", "pol
         "policy/kl", "policy/entropy", "grad_norm", "train/groups")
 
 
-def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """Dense reward for a random tiny model: the fraction of response characters that are
-    digits."""
-    return sum(ch.isdigit() for ch in response) / max(1, len(response))
-
-
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("engines_data") / "add.jsonl"
@@ -200,7 +194,7 @@ def runs(pools, model_dir, prompts_file, tmp_path_factory) -> dict:
               f"data.train_files=[{prompts_file}]", "parallel.tp=2", "rollout.n=2",
               "rollout.max_new_tokens=8", "train.prompts_per_step=6", "train.max_steps=3",
               "train.seq_length=64", "optim.lr=1e-3", "kl.beta=0.05", "rollout.retry_wait_s=0",
-              "reward.fn=tests.test_rl_engines:digit_reward", "logging.progress_bar=false")
+              "reward.fn=tests.rl_rewards:digit_reward", "logging.progress_bar=false")
     out = {}
     marker = root / "engine1_died"
     node1 = {"DYING_ROLLOUT_MARKER": str(marker), "DYING_ROLLOUT_AT_CALL": "2"}

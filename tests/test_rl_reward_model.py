@@ -32,13 +32,9 @@ from engine.generation.pool import RolloutPool
 from tests.metrics_docs import undocumented
 from tests.generate_only import GenerateOnlyEngine
 from tools.tiny_models import build_eos_model, build_tiny_model
+from tests.rl_rewards import digit_reward
 
 TOLERANCE = 1e-5   # relative, the engine's score vs transformers'
-
-
-def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """reward.fn of the runs: the fraction of digit characters in the response."""
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
 def build_reward_model(out_dir: str, layers: int = 2, vocab_size: int = 200, seed: int = 5,
@@ -287,7 +283,7 @@ def test_one_process_scores_equal_transformers_with_reward_fn_and_offload(pools,
     steps, dumps = _run(pools, 1, tmp_path, f"data.train_files=[{models['prompts']}]",
                         f"reward.model.path={models['rm']}", "reward.model.weight=0.5",
                         "reward.model.offload=true",
-                        "reward.fn=tests.test_rl_reward_model:digit_reward",
+                        "reward.fn=tests.rl_rewards:digit_reward",
                         policy=models["policy"])
     _check_scores(models["rm"], steps, dumps)
     _check_rewards(models["policy"], steps, dumps, 0.5)
@@ -333,7 +329,7 @@ def test_disaggregated_pp2_trainer_scores_the_batch_it_receives(pools, models, t
     is transformers' score and reward/mean includes 0.5 x the model's score."""
     steps, dumps = _run(pools, 3, tmp_path, f"data.train_files=[{models['prompts']}]",
                         f"reward.model.path={models['rm']}", "reward.model.weight=0.5",
-                        "reward.fn=tests.test_rl_reward_model:digit_reward", "parallel.pp=2",
+                        "reward.fn=tests.rl_rewards:digit_reward", "parallel.pp=2",
                         "rollout.placement=disaggregated", "rollout.num_ranks=1",
                         "rollout.peer_timeout_s=120", policy=models["policy"], own_world=True)
     _check_scores(models["rm"], steps, dumps)

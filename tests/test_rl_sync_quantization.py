@@ -247,7 +247,7 @@ def _grpo(pools, path: str, log_dir: Path, *extra: str) -> list[dict]:
         2, "-m", "engine.rl", f"model.hf_path={path}", f"data.train_files=[{prompts}]",
         "parallel.pp=2", "rollout.n=4", "rollout.max_new_tokens=8", "train.prompts_per_step=2",
         "train.micro_batch_size=2", "train.max_steps=2", "train.seq_length=64",
-        "optim.lr=1e-3", "kl.beta=0", "reward.fn=tests.test_glm4_moe:digit_reward",
+        "optim.lr=1e-3", "kl.beta=0", "reward.fn=tests.rl_rewards:digit_reward",
         "rollout.check_weight_sync=true", f"logging.dir={log_dir}",
         "logging.progress_bar=false", *extra, timeout=400)
     return [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]

@@ -26,14 +26,10 @@ from engine.rl.collect.validation import pass_at_k, pass_ks, val_seeds, validati
 from tests.launch import run_torchrun
 from tests.generate_only import GenerateOnlyEngine
 from tools.tiny_models import build_tiny_model
+from tests.rl_rewards import digit_reward
 
 STEPS = 4
 THRESHOLD = 0.25
-
-
-def digit_reward(prompt: str, response: str, answer: str, **fields) -> float:
-    """Fraction of digit characters in the response (varies for a random model)."""
-    return sum(c.isdigit() for c in response) / max(len(response), 1)
 
 
 def test_pass_at_k_matches_its_closed_forms():
@@ -143,7 +139,7 @@ def runs(pools, tmp_path_factory) -> dict:
             "train.seq_length=64", "optim.lr=1e-3", "logging.progress_bar=false",
             "rollout.n=4", "rollout.max_new_tokens=8", "train.prompts_per_step=2",
             f"train.max_steps={STEPS}", "kl.beta=0.05", "rollout.num_engines=2",
-            "reward.fn=tests.test_rl_validation:digit_reward", f"data.cache_dir={root / 'cache'}"]
+            "reward.fn=tests.rl_rewards:digit_reward", f"data.cache_dir={root / 'cache'}"]
     with_val = [*base, f"data.val_files=[{val}]", "train.val_interval=2", "val.n=4",
                 "val.temperature=1.0", "val.before_train=true",
                 f"val.pass_threshold={THRESHOLD}"]
