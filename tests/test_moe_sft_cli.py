@@ -72,7 +72,8 @@ LOGGED = ("loss", "grad_norm", "moe/aux_loss", "moe/z_loss", "moe/expert_load_ma
 def _one_row_run(pools, assets, log_dir, world, undo=False, *extra, rows=1, steps=3):
     """`steps` steps on the first `rows` training rows (global batch and micro-batch size
     `rows`) with the router losses on, on `world` ranks of the pool
-    (tests/multirank/dummy_micro_batch.py; `undo`: the fix undone)."""
+    (tests/multirank/dummy_micro_batch.py; `undo`: True undoes the padding / dummy fix,
+    "uncompensated" hands megatron its own coefficients)."""
     data = Path(log_dir).parent / f"rows_{rows}.jsonl"
     data.write_text("".join(line + "\n" for line in
                             (assets / "sft_train.jsonl").read_text().splitlines()[:rows]))
@@ -105,30 +106,34 @@ def test_padding_contributes_nothing_to_router_losses(pools, assets, tmp_path):
 
 
 def test_dummy_micro_batch_contributes_nothing_to_router_losses(pools, assets, tmp_path):
-    """One row at DP2 x EP2 (and DP2 x TP2+SP against TP2+SP; DP rank 1 gets no row: it runs
+    """One row at DP2 x EP2, TP2+SP, DP2 x TP2+SP and CP2 (at DP2 rank 1 gets no row: it runs
     one dummy micro-batch) with moe.aux_loss_coeff and moe.z_loss_coeff > 0 repeats the
-    one-process run's loss, grad norm and moe/* metrics at every step (rel 1e-5, the MoE layouts' tolerance in
-    tests/test_sft_invariance.py). Negative control: with the dummy unmarked (the fix undone)
-    its router losses reach the pad token's all-zero embedding row through RMSNorm (grad norm
-    ~1e7 at step 1) and the moe/* metrics count it."""
+    one-process run's loss, grad norm and moe/* metrics at every step (rel 1e-5, the MoE
+    layouts' tolerance in tests/test_sft_invariance.py): a dummy contributes nothing, and the
+    router losses' gradient under TP+SP and CP is the one-process one
+    (engine.training.router_losses `coefficients`). Negative controls: with the dummy unmarked
+    (the fix undone) its router losses reach the pad token's all-zero embedding row through
+    RMSNorm (grad norm ~1e7 at step 1) and the moe/* metrics count it; with the coefficients
+    megatron-core expects (not compensated for TP x CP) TP2+SP's grad norm is off (megatron
+    0.16.1: the z-loss gradient halved, 12.491 against 12.527; 0.19.2: the aux-loss gradient
+    doubled, 12.539)."""
     one = _one_row_run(pools, assets, tmp_path / "one", 1)
-    two = _one_row_run(pools, assets, tmp_path / "two", 2, False, "parallel.ep=2")
-    assert [r["step"] for r in two] == [1, 2, 3]
-    for a, b in zip(one, two):
-        for key in LOGGED:
-            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
     assert one[2]["loss"] < one[0]["loss"] - 1.0
-    # DP2 x TP2 with sequence parallelism against TP2+SP alone (the router-loss gradient under
-    # SP is not the one-process one: engine.training.router_losses): the dummy's routers
-    # decide together over TP (_all_padding: each rank holds a slice of the sequence)
     tp = ("parallel.tp=2", "parallel.sequence_parallel=true")
-    tp1, tp2 = (_one_row_run(pools, assets, tmp_path / f"tp_{w}", w, False, *tp) for w in (2, 4))
-    for a, b in zip(tp1, tp2):
-        for key in LOGGED:
-            assert b[key] == pytest.approx(a[key], rel=1e-5), ("tp", a["step"], key)
+    # the dummy's routers decide together over TP (_all_padding: each rank holds a slice)
+    for name, world, extra in (("ep2", 2, ("parallel.ep=2",)), ("tp2", 2, tp),
+                               ("dp2_tp2", 4, tp), ("cp2", 2, ("parallel.cp=2",))):
+        run = _one_row_run(pools, assets, tmp_path / name, world, False, *extra)
+        assert [r["step"] for r in run] == [1, 2, 3]
+        for a, b in zip(one, run):
+            for key in LOGGED:
+                assert b[key] == pytest.approx(a[key], rel=1e-5), (name, a["step"], key)
     undone = _one_row_run(pools, assets, tmp_path / "undone", 2, True, "parallel.ep=2")
     assert undone[0]["grad_norm"] > 100 * one[0]["grad_norm"]
     assert abs(undone[0]["moe/aux_loss"] - one[0]["moe/aux_loss"]) > 0.1 * one[0]["moe/aux_loss"]
+    plain = _one_row_run(pools, assets, tmp_path / "plain", 2, "uncompensated", *tp, steps=1)
+    # 50 x the layouts' tolerance (measured: rel 2.9e-3 on megatron 0.16.1, 9.4e-4 on 0.19.2)
+    assert abs(plain[0]["grad_norm"] - one[0]["grad_norm"]) > 5e-4 * one[0]["grad_norm"]
 
 
 def _refused(args: list[str]):

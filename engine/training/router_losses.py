@@ -19,18 +19,23 @@ before each step `RouterLosses.before_step` sets the coefficients to coeff / N, 
 real tokens summed over micro-batches and the DP x CP group. The router-loss gradient of a step
 is then coeff x sum_mb n_mb grad(L_mb) / N: the token-weighted mean of megatron's per-micro-
 batch losses. The language-model loss and its gradient do not depend on any of this.
-Under tp with sequence parallelism and under cp each rank of the TP x CP group routes a slice
-of the micro-batch; megatron divides the z-loss coefficient by the group's size g and attaches
-a slice's aux-loss share times the slice's real tokens, so there the router-loss gradient is
-not the one-process one (one row, aux and z 0.01: grad norm 12.385 at TP2+SP and CP2 against
-12.398 in one process; coefficients times g: 12.401, still not equal, cause not found).
+Under tp with sequence parallelism and under cp each rank of the TP x CP group (size g) routes
+a slice of the micro-batch. Megatron-core 0.16-0.18 attaches a slice's aux-loss share times the
+slice's real tokens, which sums to the one-process aux gradient, but divides the z-loss
+coefficient by g while attaching the slice's z-loss mean times the slice's tokens: the z-loss
+gradient came out 1/g of the one-process one (one row, z-loss coefficient 10: grad norm 379.53
+at TP2+SP and CP2 against 758.18). Megatron-core 0.19 multiplies both attached losses by g
+(`_attaches_times_tp_cp`): its z-loss gradient is the one-process one and its aux gradient g
+times it (167.47 against 84.99 with an aux coefficient of 10). `before_step` compensates for
+the release at hand (`coefficients`), so both gradients equal the one-process ones at every
+TP x CP layout (tests/test_moe_sft_cli.py).
 
 Layout invariance (tests/test_sft_invariance.py, tests/test_moe_sft_cli.py): L_mb depends on
 which tokens share a micro-batch (per-micro-batch expert loads), not on padding. So the router
 loss is the same under every ep at the same dp, pp and micro-batch settings, and for padded
 rows against the same rows packed; it changes with dp, micro-batch size, token budget and
 packing through which tokens share a micro-batch (the z-loss, a per-token mean, not even then),
-and its gradient with tp+SP and cp (above). The metrics below are the one-process values at
+but not with tp+SP and cp (above). The metrics below are the one-process values at
 TP2+SP and CP2 (step 1 of one row: rel 1e-7).
 
 Prefix sharing (train.prefix_sharing, docs/prefix-sharing.md) is treated like packing: the
@@ -63,12 +68,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
                                                      get_moe_layer_wise_logging_tracker)
 from megatron.core.transformer.moe.router import TopKRouter
 
 from models.bridge.weights import unwrap
+from models.build.megatron_patches import megatron_version
 
 _TRACKED = {"load_balancing_loss": "moe/aux_loss", "seq_load_balancing_loss": "moe/aux_loss",
             "global_load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}
@@ -91,6 +98,26 @@ def _all_padding(mask: torch.Tensor) -> bool:
     if dist.get_world_size(group) > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def _attaches_times_tp_cp() -> bool:
+    """Whether this megatron-core attaches its router losses times the TP x CP group's size
+    (0.19 on; module docstring)."""
+    return Version(megatron_version()).release[:2] >= (0, 19)
+
+
+def coefficients(aux: float, z: float | None, tokens: float,
+                 tp_cp: int) -> tuple[float, float]:
+    """The (aux, z) coefficients to hand megatron for a step of `tokens` real tokens (summed
+    over micro-batches and DP x CP) on a TP x CP group of `tp_cp` ranks, such that the
+    router-loss gradients are coeff x the token-weighted mean of the per-micro-batch losses,
+    as in one process (module docstring): megatron 0.16-0.18 divides the z-loss by tp_cp
+    without attaching the difference back; 0.19 attaches both losses times tp_cp. A z of None
+    (no z-loss) counts as 0."""
+    z = z or 0.0
+    if _attaches_times_tp_cp():
+        return aux / (tokens * tp_cp), z / tokens
+    return aux / tokens, z * tp_cp / tokens
 
 
 def run_tokens(mb) -> int:
@@ -177,11 +204,12 @@ class RouterLosses:
         local = sum(run_tokens(mb) for mb in real)
         n = _sum(torch.tensor([float(local)], dtype=torch.float64),
                  ps.get_data_parallel_group(with_context_parallel=True))
-        tokens = max(float(n), 1.0)
+        aux, z = coefficients(self.aux_coeff, self.z_coeff, max(float(n), 1.0),
+                              ps.get_tensor_and_context_parallel_world_size())
         if isinstance(self.aux_coeff, (int, float)) and self.aux_coeff > 0:
-            self.config.moe_aux_loss_coeff = self.aux_coeff / tokens
+            self.config.moe_aux_loss_coeff = aux
         if self.z_coeff:
-            self.config.moe_z_loss_coeff = self.z_coeff / tokens
+            self.config.moe_z_loss_coeff = z
         for router in self.routers:
             router.reset_global_aux_loss_tracker()
         clear_aux_losses_tracker()
