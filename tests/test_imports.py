@@ -1,6 +1,7 @@
 """Every module of engine/, models/ and parallel/ imports cleanly as the first project import of
 a fresh process (tests/import_each.py: one fork per module after the libraries are loaded), and
-the check catches a broken import cycle (negative control)."""
+the check catches a broken import cycle (negative control); the config schema and the SFT / DPO
+`--validate` recipe checks import neither megatron-core nor transformers."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,36 @@ def test_every_module_imports_first_in_a_fresh_process():
                   "import import_each; sys.exit(import_each.main())", TESTS.parent)
     assert result["modules"] >= 200, result  # engine/, models/ and parallel/ were all found
     assert result["failures"] == {}, result["failures"]
+
+
+HEAVY = ("megatron.core", "transformers")   # seconds of imports each (issue 90, item 15)
+
+
+def test_config_checks_import_neither_megatron_nor_transformers():
+    """`import engine.config.schema` (every CLI start, every --validate) and the SFT and DPO
+    `--validate` of a shipped recipe (preset shapes, no model folder) leave megatron-core and
+    transformers unimported in a fresh process: a check of a config needs neither (their
+    imports took 6.6 s per start). A model folder's config.json is read through transformers'
+    config classes only when the config names one (engine.config.schema.read_hf_config).
+    Negative control: before the lazy imports, schema alone imported both."""
+    code = textwrap.dedent(f"""
+        import contextlib, io, json, sys
+        heavy = {HEAVY!r}
+        import engine.config.schema
+        seen = {{"schema": [m for m in heavy if m in sys.modules]}}
+        from engine.config.recipe_validation import validate_main
+        from engine.dpo.recipe_check import main as dpo_main
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            seen["codes"] = [validate_main(["--config", "recipes/sft/qwen3_30b_a3b_h100.yaml",
+                                            "--validate"]),
+                             dpo_main(["--config", "recipes/dpo/qwen3_8b_dpo_h100.yaml",
+                                       "--validate"])]
+        seen["report"] = out.getvalue().count("recipe OK")
+        seen["validate"] = [m for m in heavy if m in sys.modules]
+        print(json.dumps(seen))
+    """)
+    seen = _run(code, TESTS.parent)
+    assert seen == {"schema": [], "codes": [0, 0], "report": 2, "validate": []}, seen
 
 
 # issue 42's broken cycle in miniature: quantized -> fam/__init__ -> reg -> quantized

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from models.bridge.checkpoint import CheckpointError
+from models.bridge.errors import CheckpointError
 
 __all__ = ["CheckpointError", "LATEST_FILE", "COMPLETE_MARKER", "iteration_dir", "staging_dir",
            "list_iterations", "read_latest", "atomic_write_text", "write_complete_marker",

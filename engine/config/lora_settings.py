@@ -32,7 +32,7 @@ from engine.config.lora_family import (FUSED_NAMES, family, family_spec, init_fr
                                        layer_rank_problems, target_problems)
 from models.families.base import ORIGINAL
 from models.families.registry import FAMILIES
-from models.lora.peft import adapter_config_problems, adapter_keys
+from models.lora.peft_config import adapter_config_problems, adapter_keys
 from models.lora.slices import LoraSpec
 from models.lora.targets import TARGET_NAMES, pattern_problems, target_list
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from engine.training.mtp import MTPTraining
+from engine.training.settings import MTPTraining
 from models.families.mtp import mtp_training_problems
 
 

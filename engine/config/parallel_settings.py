@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from engine.training.muon import megatron_distributed_optimizer
-from engine.training.comm_overlap import OverlapSettings
+from engine.training.settings import OverlapSettings
 
 
 @dataclass

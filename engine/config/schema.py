@@ -19,8 +19,7 @@ from engine.config.checkpoint_settings import CheckpointConfig
 from engine.data.files import SUPPORTED_EXTENSIONS, data_spec_problem
 from engine.config.loading import config_yaml, load_config, split_argv
 from engine.errors import ConfigError
-from engine.training.loss import AGG_MODES
-from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
+from engine.training.loss import AGG_MODES, DEFAULT_LOSS_CHUNK_TOKENS
 from engine.config.compile_settings import compile_problems
 from engine.config.fusion_settings import FusionConfig, fusion_problems
 from engine.config.lora_settings import LoraConfig, lora_problems
@@ -37,7 +36,6 @@ from engine.config.tokenizer_settings import remote_code_problems
 from engine.config.logging_settings import LoggingConfig, tracker_problems, tracker_start_problems
 from models.families.base import UnsupportedModelError
 from models.families.registry import experts_per_layer, family_of
-from models.hf.config import check_config
 from models.hf.io import HFCheckpointError, read_config, training_dir_problems
 from models.families.presets import MODEL_SHAPES, shape_mismatches
 from parallel.layout import ParallelLayout
@@ -173,6 +171,7 @@ def read_model_config(cfg) -> dict:
 def read_hf_config(path: str, key: str) -> dict:
     """The checked HF config dict at `path` (the value of config key `key`, named in the
     ConfigError read_model_config describes)."""
+    from models.hf.config import check_config  # transformers' config classes: only here
     try:
         hf_config = read_config(path)
         check_config(hf_config)

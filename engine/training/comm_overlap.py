@@ -27,34 +27,12 @@ only issued earlier (tests/multirank/sft_invariance.py and rl_invariance.py run 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallelConfig
 
+from engine.training.settings import OverlapSettings  # noqa: F401 (re-exported)
 from models.layers.experts.grouped import GroupedExperts
-
-MIB = 2 ** 20
-
-
-@dataclass(frozen=True)
-class OverlapSettings:
-    """Resolved DDP communication settings (the defaults are the engine's behaviour before
-    the overlap keys existed: nothing overlapped, fp32 gradient reduction)."""
-
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    bucket_mb: float | None = None       # MiB of gradient buffer per DDP bucket (None: megatron)
-    grad_reduce_in_fp32: bool = True
-
-    def bucket_elements(self, params_dtype: torch.dtype) -> int | None:
-        """megatron's `bucket_size` (parameters per bucket) of `bucket_mb` MiB of gradients:
-        4 bytes each with grad_reduce_in_fp32, else the parameter dtype's size."""
-        if self.bucket_mb is None:
-            return None
-        grad_bytes = 4 if self.grad_reduce_in_fp32 else torch.finfo(params_dtype).bits // 8
-        return max(1, int(self.bucket_mb * MIB) // grad_bytes)
 
 
 def ddp_config(settings: OverlapSettings, distributed_optimizer: bool,

@@ -28,6 +28,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Tokens per chunk of the chunked loss head (engine.training.loss_head; train.loss_chunk_tokens'
+# default), chosen by measurement: docs/benchmarks.md "Loss head memory". Defined here, beside
+# AGG_MODES, so the config schema reads it without loss_head's megatron-core import.
+DEFAULT_LOSS_CHUNK_TOKENS = 1024
+
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
              "seq-mean-token-sum-norm")
 

@@ -35,10 +35,7 @@ from megatron.core import parallel_state as ps
 
 from models.build.wgrad_fp32 import (accumulate_matmul_fp32_, accumulates_into_main_grad,
                                      gemm_operand, main_grad_autograd_result, matmul_fp32)
-
-# Tokens per chunk (train.loss_chunk_tokens' default), chosen by measurement: docs/benchmarks.md
-# "Loss head memory".
-DEFAULT_LOSS_CHUNK_TOKENS = 1024
+from engine.training.loss import DEFAULT_LOSS_CHUNK_TOKENS  # noqa: F401 (re-exported)
 
 
 class _Shard(NamedTuple):

@@ -23,27 +23,16 @@ the policy's coefficient). The policy's update is then the one without MTP.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.training.loss_head import chunked_logprobs_and_hits
 from engine.training.micro_batches import MicroBatch, SequenceData
+from engine.training.settings import MTPTraining  # noqa: F401 (re-exported)
 from models.bridge.weights import unwrap
 from models.layers.heads.output import output_weight
 
 MTP_EXTRAS = ("mtp_next", "mtp_labels", "mtp_mask", "mtp_weights")
 MTP_REPORT_KEYS = ("mtp/loss", "mtp/correct", "mtp/targets")
-
-
-@dataclass(frozen=True)
-class MTPTraining:
-    """How a TrainEngine trains the MTP layer: `loss_scale` (model.mtp.loss_scale) times the
-    MTP loss joins the step's loss; `detach`: no MTP gradient reaches the trunk, embedding or
-    output head (model.mtp.detach_trunk; RL always)."""
-
-    loss_scale: float
-    detach: bool
 
 
 def exclude_from_grad_norm(chunks: list) -> int:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
+from models.bridge.errors import CheckpointError  # noqa: F401 (re-exported)
 from models.bridge.weights import unwrap
 from models.build.transformer_config import model_shape
 from models.families.mtp import trained_mtp_layers, with_trained_mtp
@@ -34,10 +35,6 @@ from models.lora.sites import is_adapter_param, lora_spec_of
 FORMAT_VERSION = 1
 SOURCE_DIR = "hf_source"       # a checkpoint's own HF config, tokenizer, pass-through tensors
 LEGACY_SOURCE_DIR = "hf"       # ... as checkpoints written before SOURCE_DIR stored them
-
-
-class CheckpointError(FileNotFoundError):
-    """A path that is not a readable checkpoint of this project."""
 
 
 HEAD_PREFIX = "value_head."   # models.layers.heads.value.attach_value_heads's attribute

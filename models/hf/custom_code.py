@@ -20,10 +20,6 @@ import json
 import os
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer
-from transformers.models.auto.tokenization_auto import (TOKENIZER_MAPPING_NAMES,
-                                                        tokenizer_class_from_name)
-
 from models.families.registry import register_hf_classes
 
 CODE_CONFIGS = ("config.json", "tokenizer_config.json")  # the files whose auto_map names code
@@ -35,6 +31,15 @@ def _json(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def _tokenization_auto():
+    """transformers' tokenizer auto module (AutoConfig, AutoTokenizer, TOKENIZER_MAPPING_NAMES,
+    tokenizer_class_from_name), imported at first use: transformers takes seconds to import and
+    the config checks (engine.config.tokenizer_settings, models.hf.io) import this module for
+    every run, while only a folder with an auto_map or a tokenizer load needs it."""
+    from transformers.models.auto import tokenization_auto  # heavy: at first use (docstring)
+    return tokenization_auto
 
 
 def _auto_tokenizer_refs(tokenizer_config: dict) -> list[str]:
@@ -49,12 +54,13 @@ def _auto_tokenizer_refs(tokenizer_config: dict) -> list[str]:
 
 
 def _transformers_has(tokenizer_config: dict, config: dict) -> bool:
+    auto = _tokenization_auto()
     name = tokenizer_config.get("tokenizer_class")
     if isinstance(name, str):
         base = name.removesuffix("Fast")
-        if tokenizer_class_from_name(base) or tokenizer_class_from_name(base + "Fast"):
+        if auto.tokenizer_class_from_name(base) or auto.tokenizer_class_from_name(base + "Fast"):
             return True
-    return TOKENIZER_MAPPING_NAMES.get(config.get("model_type")) is not None
+    return auto.TOKENIZER_MAPPING_NAMES.get(config.get("model_type")) is not None
 
 
 def custom_tokenizer(hf_dir: str | os.PathLike) -> str | None:
@@ -72,11 +78,12 @@ def load_tokenizer(hf_dir: str | os.PathLike, trust_remote_code: bool = False):
     """`AutoTokenizer.from_pretrained(hf_dir)`; with `trust_remote_code` the folder's own
     tokenizer code may run (the model config is read without its code), without it a folder
     that needs that code raises ValueError (transformers' refusal)."""
+    auto = _tokenization_auto()
     if not trust_remote_code:  # False, not None: transformers would ask on stdin
-        return AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False)
+        return auto.AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False)
     register_hf_classes()  # e.g. a kimi_k2 config.json is read as DeepSeek-V3, not by its code
-    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
-    return AutoTokenizer.from_pretrained(hf_dir, config=config, trust_remote_code=True)
+    config = auto.AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
+    return auto.AutoTokenizer.from_pretrained(hf_dir, config=config, trust_remote_code=True)
 
 
 def code_files(hf_dir: str | os.PathLike) -> list[str]:
