@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel import random as mrandom
 
 from parallel import cpu_runtime
 from parallel.layout import ParallelLayout
+from parallel.timeouts import PROCESS_GROUP_TIMEOUT_S
 
 
 # On GPUs every process group gets NCCL for CUDA tensors and gloo for CPU tensors: the engine
@@ -35,9 +36,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-PROCESS_GROUP_TIMEOUT_S = 1800   # a collective waits this long for its slowest rank
 
 
 def init_distributed(timeout_s: int = PROCESS_GROUP_TIMEOUT_S) -> tuple[int, int]:

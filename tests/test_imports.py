@@ -1,7 +1,7 @@
 """Every module of engine/, models/ and parallel/ imports cleanly as the first project import of
 a fresh process (tests/import_each.py: one fork per module after the libraries are loaded), and
-the check catches a broken import cycle (negative control); the config schema and the SFT / DPO
-`--validate` recipe checks import neither megatron-core nor transformers."""
+the check catches a broken import cycle (negative control); the config schema and the SFT, DPO
+and RL `--validate` recipe checks import neither megatron-core nor transformers."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,7 @@ HEAVY = ("megatron.core", "transformers")   # seconds of imports each (issue 90,
 
 
 def test_config_checks_import_neither_megatron_nor_transformers():
-    """`import engine.config.schema` (every CLI start, every --validate) and the SFT and DPO
+    """`import engine.config.schema` (every CLI start, every --validate) and the SFT, DPO and RL
     `--validate` of a shipped recipe (preset shapes, no model folder) leave megatron-core and
     transformers unimported in a fresh process: a check of a config needs neither (their
     imports took 6.6 s per start). A model folder's config.json is read through transformers'
@@ -44,17 +44,21 @@ def test_config_checks_import_neither_megatron_nor_transformers():
         seen = {{"schema": [m for m in heavy if m in sys.modules]}}
         from engine.config.recipe_validation import validate_main
         from engine.dpo.recipe_check import main as dpo_main
+        from engine.rl.recipe_check import rl_validate_main
         with contextlib.redirect_stdout(io.StringIO()) as out:
             seen["codes"] = [validate_main(["--config", "recipes/sft/qwen3_30b_a3b_h100.yaml",
                                             "--validate"]),
                              dpo_main(["--config", "recipes/dpo/qwen3_8b_dpo_h100.yaml",
-                                       "--validate"])]
+                                       "--validate"]),
+                             rl_validate_main(["--config",
+                                               "recipes/rl/qwen3_30b_a3b_grpo_h100.yaml",
+                                               "--validate"])]
         seen["report"] = out.getvalue().count("recipe OK")
         seen["validate"] = [m for m in heavy if m in sys.modules]
         print(json.dumps(seen))
     """)
     seen = _run(code, TESTS.parent)
-    assert seen == {"schema": [], "codes": [0, 0], "report": 2, "validate": []}, seen
+    assert seen == {"schema": [], "codes": [0, 0, 0], "report": 3, "validate": []}, seen
 
 
 # issue 42's broken cycle in miniature: quantized -> fam/__init__ -> reg -> quantized

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.config.schema import LoggingConfig, SFTConfig, raise_problems, validate_sft
-from models.bridge.reward_model import (classifier_problem, is_reward_model_config,
-                                        reward_model_problem)
+from models.bridge.head_checks import (classifier_problem, is_reward_model_config,
+                                       reward_model_problem)
 
 DEFAULT_INIT_STD = 0.02
 

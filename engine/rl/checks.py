@@ -15,7 +15,7 @@ from engine.rl.algo.advantages import ADVANTAGE_ESTIMATORS
 from engine.rl.algo.gae import TOKEN_ESTIMATORS
 from engine.rl.algo.policy_loss import KL_ESTIMATORS
 from engine.rl.algo.policy_loss_variants import POLICY_LOSSES
-from engine.rl.algo.rollout_correction import IS_LEVELS, LOSS_TYPES, parse_rs
+from engine.rl.algo.rollout_correction_config import IS_LEVELS, LOSS_TYPES, parse_rs
 from engine.rl.disaggregated.checks import async_problems
 from engine.rl.collect.partial_checks import partial_model_problems, partial_problems
 from engine.rl.config import RLConfig
@@ -37,7 +37,7 @@ from engine.generation.sglang.settings import sglang_problems
 from engine.generation.sync.handles import TRANSPORTS
 from engine.generation.sync.quantization import sync_quantization_problems
 from engine.generation.vllm.settings import vllm_problems
-from models.bridge.critic import critic_problem
+from models.bridge.head_checks import critic_problem
 
 def rl_problems(cfg: RLConfig) -> list[str]:
     """Every violated constraint of the RL keys, as sentences naming the key; the checkpoint

@@ -21,8 +21,8 @@ from engine.config.schema import (CheckpointConfig, DataConfig, LoggingConfig, L
                                   ModelConfig, OptimConfig, ParallelConfig, RecipeConfig)
 from engine.config.rollout_settings import (HFRolloutConfig, RolloutConfig, SGLangConfig,
                                            SpeculativeConfig, VLLMConfig)
-from engine.rl.algo.rollout_correction import RolloutCorrectionConfig
-from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS
+from engine.rl.algo.rollout_correction_config import RolloutCorrectionConfig
+from engine.training.loss import DEFAULT_LOSS_CHUNK_TOKENS
 
 
 @dataclass

@@ -22,12 +22,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from models.bridge.weights import export_hf_weights, load_hf_weights
-from models.families.base import UnsupportedModelError
-from models.hf.config import check_config
-from models.hf.io import HFCheckpointError, SafetensorsReader, read_config
+from models.bridge.head_checks import (SCORE_BIAS, SCORE_WEIGHT,  # noqa: F401 (re-exported)
+                                       critic_problem)
+from models.hf.io import SafetensorsReader
 from models.layers.heads.value import attach_value_heads, value_head
 
-SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"
 LM_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
@@ -44,23 +43,6 @@ def critic_hf_config(hf_config: dict) -> dict:
                             for a in hf_config.get("architectures") or []]
     out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return out
-
-
-def critic_problem(hf_dir: str, policy_dir: str) -> str | None:
-    """Why `hf_dir` is not a critic for the policy at `policy_dir` (None: it is one): it must
-    be this module's HF form, with the policy's model type, hidden size, layers and vocabulary
-    (tools/convert.py mcore-to-hf writes it from checkpoint.dir/critic)."""
-    try:
-        critic = read_config(hf_dir)
-        policy = read_config(policy_dir) if policy_dir else critic
-        check_config(critic)
-        if SCORE_WEIGHT not in SafetensorsReader(hf_dir):
-            return "no score.weight (not a *ForTokenClassification critic with num_labels 1)"
-    except (HFCheckpointError, UnsupportedModelError, OSError) as e:
-        return str(e)
-    differ = [k for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
-              if critic.get(k) != policy.get(k)]
-    return f"its {', '.join(differ)} differ from model.hf_path's" if differ else None
 
 
 class TrunkReader:

@@ -25,79 +25,16 @@ from typing import Callable, Iterator
 
 import torch
 
+from models.bridge.head_checks import (CLASSIFIER_SUFFIX,  # noqa: F401 (re-exported)
+                                       classifier_problem, is_reward_model_config, num_labels,
+                                       reward_model_hf_config, reward_model_problem)
 from models.bridge.critic import LM_HEAD, SCORE_BIAS, SCORE_WEIGHT, TrunkReader, full_head_row
 from models.bridge.weights import export_hf_weights, load_hf_weights
-from models.families.base import UnsupportedModelError
-from models.hf.config import check_config
-from models.hf.io import HFCheckpointError, SafetensorsReader, read_config
+from models.hf.io import SafetensorsReader
 from models.layers.heads.value import attach_value_heads, seeded_row, value_head
-
-CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
 __all__ = ["classifier_problem", "is_reward_model_config", "reward_model_hf_config", "reward_model_problem",
            "init_reward_model", "load_reward_model", "export_reward_model", "SCORE_WEIGHT"]
-
-
-def is_reward_model_config(hf_config: dict) -> bool:
-    """Whether a config (an HF folder's, or a checkpoint's own config.json) is a reward model's:
-    a *ForSequenceClassification architecture with num_labels 1."""
-    return num_labels(hf_config) == 1 and any(
-        a.endswith(CLASSIFIER_SUFFIX) for a in hf_config.get("architectures") or [])
-
-
-def num_labels(hf_config: dict) -> int:
-    """transformers' rule: `num_labels` if given, else the size of `id2label`, else 2."""
-    if hf_config.get("num_labels") is not None:
-        return int(hf_config["num_labels"])
-    return len(hf_config["id2label"]) if hf_config.get("id2label") else 2
-
-
-def reward_model_hf_config(hf_config: dict) -> dict:
-    """The causal LM's (or a reward model's own) config as a one-label sequence classifier
-    (transformers' naming)."""
-    out = dict(hf_config)
-    out["architectures"] = [a.replace("ForCausalLM", CLASSIFIER_SUFFIX)
-                            for a in hf_config.get("architectures") or []]
-    out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    return out
-
-
-def classifier_problem(hf_config: dict) -> str | None:
-    """Why a model's reward-model form would not load in transformers (None: it would): the
-    export is transformers' <Family>ForSequenceClassification, which must exist (it does for
-    Qwen3, Qwen2, Llama, Qwen3-MoE, Mixtral, DeepSeek-V3/Kimi-K2, gpt-oss and Qwen3.5's text
-    model in transformers 5.19; not for GLM-4.5 or vision-language wrappers)."""
-    import transformers  # heavy; only a reward-model check needs its class list
-
-    names = reward_model_hf_config(hf_config)["architectures"]
-    known = [n for n in names if n.endswith(CLASSIFIER_SUFFIX) and hasattr(transformers, n)]
-    if known:
-        return None
-    return (f"transformers {transformers.__version__} has no sequence-classification class for "
-            f"architectures {hf_config.get('architectures')} (looked for {names}); reward "
-            "models need one")
-
-
-def reward_model_problem(hf_dir: str) -> str | None:
-    """Why `hf_dir` is not a reward model this engine loads (None: it is one): an HF folder of a
-    supported family with `score.weight` [1, hidden] and no `score.bias`."""
-    try:
-        config = read_config(hf_dir)
-        check_config(config)
-        reader = SafetensorsReader(hf_dir)
-        if SCORE_WEIGHT not in reader:
-            return ("no score.weight: not a *ForSequenceClassification checkpoint "
-                    "(num_labels 1)")
-        shape = tuple(reader.get(SCORE_WEIGHT).shape)
-    except (HFCheckpointError, UnsupportedModelError, OSError) as e:
-        return str(e)
-    if shape != (1, config["hidden_size"]):
-        return (f"score.weight is {list(shape)}, not [1, {config['hidden_size']}] "
-                "(a reward model has num_labels 1)")
-    if SCORE_BIAS in reader:
-        return ("it has score.bias: a *ForSequenceClassification score head has no bias (a "
-                "*ForTokenClassification critic is read with critic.hf_path)")
-    return None
 
 
 def init_reward_model(raw_chunks: list, std: float, seed: int) -> None:

@@ -8,7 +8,7 @@ import os
 from engine.config.redaction import redact_text
 from engine.rl.judge.scorer import load_parser
 # the other ranks wait at most this long in a collective while rank 0 judges
-from parallel.process_groups import PROCESS_GROUP_TIMEOUT_S
+from parallel.timeouts import PROCESS_GROUP_TIMEOUT_S
 
 
 def _positive_int(value) -> bool:

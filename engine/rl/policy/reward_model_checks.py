@@ -8,7 +8,7 @@ import math
 import os
 
 from engine.config.schema import layout_problems, read_hf_config
-from models.bridge.reward_model import reward_model_problem
+from models.bridge.head_checks import reward_model_problem
 from models.hf.custom_code import load_tokenizer
 
 
