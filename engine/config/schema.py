@@ -171,9 +171,9 @@ def read_model_config(cfg) -> dict:
 def read_hf_config(path: str, key: str) -> dict:
     """The checked HF config dict at `path` (the value of config key `key`, named in the
     ConfigError read_model_config describes)."""
-    from models.hf.config import check_config  # transformers' config classes: only here
     try:
         hf_config = read_config(path)
+        from models.hf.config import check_config  # transformers' config classes: a read folder
         check_config(hf_config)
     except (HFCheckpointError, UnsupportedModelError) as e:
         raise ConfigError(f"{key}={path}: {e}") from None
