@@ -7,8 +7,8 @@ heavy imports, listed by --help) and --help (help.py), the `--validate` recipe c
 counts, memory terms and communication plan themselves: models.estimate). Everything here runs
 before any process group exists, and none of it imports megatron-core or transformers at import
 (tests/test_imports.py): a recipe's `--validate` takes 1.4-1.8 s instead of 5.8-6.6 s (wall, the
-2-core CPU host, idle); a model folder's config.json loads transformers' config classes when one is read
-(schema.read_hf_config).
+2-core CPU host, idle); a model folder's config.json loads transformers' config classes when one
+is read (schema.read_hf_config).
 
 May import: engine.errors, engine.data (file specs), engine.training (loss modes, DP plan),
 engine.checkpoint (resume checks), models. Entry points: schema.validate_sft,
