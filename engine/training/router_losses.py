@@ -66,6 +66,8 @@ decoder layers; a trained MTP layer's router (models.layers.mtp) is not counted.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from packaging.version import Version
@@ -100,9 +102,10 @@ def _all_padding(mask: torch.Tensor) -> bool:
     return bool(flag.item())
 
 
+@functools.cache
 def _attaches_times_tp_cp() -> bool:
     """Whether this megatron-core attaches its router losses times the TP x CP group's size
-    (0.19 on; module docstring)."""
+    (0.19 on; module docstring). Read once per process: `coefficients` runs every step."""
     return Version(megatron_version()).release[:2] >= (0, 19)
 
 
