@@ -22,6 +22,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from tests.launch import run_python  # noqa: E402
 from tests.pool import MAX_RANKS, Pools  # noqa: E402
+from tests.vllm_forkserver import ENV as VLLM_FORKSERVER, VLLM_FILES  # noqa: E402
 from tools.tiny_models import build_tiny_model  # noqa: E402
 
 CONVERT = "tools/convert.py"
@@ -118,6 +119,23 @@ def pytest_collection_finish(session) -> None:
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     gc.unfreeze()   # an ordinary exit: nanobind reports objects still alive at exit as leaks
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_worker_server(request) -> str | None:
+    """The session's server of vLLM worker processes (tests/vllm_forkserver.py): started when
+    the session runs a file of VLLM_FILES, unless TESTS_VLLM_FORKSERVER=0; its socket in
+    TESTS_VLLM_FORKSERVER for this process and the rank pools started after it (autouse and
+    session-scoped: set up before `pools`). None when not started."""
+    if os.environ.get(VLLM_FORKSERVER) == "0" or not any(
+            item.nodeid.split("::")[0] in VLLM_FILES for item in request.session.items):
+        return None
+    from tests.launch import _env
+    from tests.vllm_forkserver import install_client, start_server
+
+    os.environ[VLLM_FORKSERVER] = start_server(_env())
+    install_client()
+    return os.environ[VLLM_FORKSERVER]
 
 
 @pytest.fixture(scope="session")

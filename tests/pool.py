@@ -899,6 +899,9 @@ def _worker_main() -> None:
 
     engine.cli.exit_process = _exit_without_ending
     preload()
+    from tests.vllm_forkserver import install_client
+
+    install_client()   # vLLM's workers from the session's server when it has one
     freeze_heap()
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     from multiprocessing.connection import Client
