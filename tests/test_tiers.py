@@ -1,6 +1,7 @@
 """The suite's tiers (tests/conftest.py, docs/development.md "Suite time"): the whole tests/
-folder runs the default tier unless TESTS_TIER says otherwise; naming files runs them whatever
-their tier; a bad TESTS_TIER is refused by name."""
+folder runs the default tier unless TESTS_TIER says otherwise, without collecting the other
+tier's files; naming files runs them whatever their tier; a bad TESTS_TIER is refused by
+name."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import SECOND_TIER, TIERS, tier_of_run
+from tests.conftest import SECOND_TIER, TIERS, pytest_ignore_collect, tier_of_run
 
 TESTS = Path(__file__).parent
 
@@ -39,3 +40,20 @@ def test_a_bad_tier_is_refused_naming_the_choices(monkeypatch):
     with pytest.raises(pytest.UsageError, match="TESTS_TIER='fast': valid tiers are "
                                                 + ", ".join(TIERS)):
         tier_of_run(SimpleNamespace(args=["tests"]))
+
+
+def test_a_tier_run_does_not_collect_the_other_tiers_files(monkeypatch):
+    monkeypatch.chdir(TESTS.parent)
+    whole, named = SimpleNamespace(args=["tests"]), SimpleNamespace(args=[SECOND_TIER[0]])
+    second, default = TESTS.parent / SECOND_TIER[0], TESTS / "test_tiers.py"
+    helper = TESTS / "pool.py"
+    monkeypatch.setenv("TESTS_TIER", "second")
+    assert [pytest_ignore_collect(p, whole) for p in (second, default, helper)] == \
+        [None, True, None]
+    assert pytest_ignore_collect(second, named) is None
+    monkeypatch.delenv("TESTS_TIER")
+    assert [pytest_ignore_collect(p, whole) for p in (second, default, helper)] == \
+        [True, None, None]
+    assert pytest_ignore_collect(second, named) is None   # a named file runs whatever its tier
+    monkeypatch.setenv("TESTS_TIER", "all")
+    assert [pytest_ignore_collect(p, whole) for p in (second, default)] == [None, None]
