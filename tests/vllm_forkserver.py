@@ -97,8 +97,9 @@ class EnvForkServerProcess(multiprocessing.context.ForkServerProcess):
     def run(self) -> None:
         os.environ.clear()
         os.environ.update(self._owner_environ)
+        sys.stdout.flush()
+        sys.stderr.flush()
         for fd, target in zip(self._owner_std, (1, 2)):
-            sys.stdout.flush() if target == 1 else sys.stderr.flush()
             os.dup2(fd, target)
             os.close(fd)
         super().run()
