@@ -11,9 +11,15 @@ import os
 import sys
 
 from engine.generation.vllm.process import WORKER_START
-from tests.vllm_forkserver import CONTEXT, ENV, install_client
+from tests.vllm_forkserver import CONTEXT, ENV, VLLM_FILES, install_client
 
 PROBE = "VLLM_FORKSERVER_PROBE"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_server_files_exist():
+    """A renamed vLLM file would silently lose the server (its engines spawned again)."""
+    assert [f for f in VLLM_FILES if not os.path.isfile(os.path.join(REPO, f))] == []
 
 
 def report(path: str, code: int) -> None:

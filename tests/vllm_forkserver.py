@@ -42,12 +42,13 @@ import multiprocessing.resource_tracker as resource_tracker
 import os
 import sys
 from multiprocessing import reduction
+from unittest import mock
 
 ENV = "TESTS_VLLM_FORKSERVER"
-# What the server imports once: what a worker would import at its start
-SERVER_PRELOAD = ["torch", "transformers", "vllm.v1.worker.cpu_worker",
-                  "vllm.v1.executor.multiproc_executor", "engine.generation.vllm.worker"]
 EXECUTOR = "vllm.v1.executor.multiproc_executor"
+# What the server imports once: what a worker would import at its start
+SERVER_PRELOAD = ["torch", "transformers", "vllm.v1.worker.cpu_worker", EXECUTOR,
+                  "engine.generation.vllm.worker"]
 # The test files that start vLLM engines or test the server (a session with one of them
 # starts the server)
 VLLM_FILES = ("tests/test_vllm.py", "tests/test_rl_partial_vllm.py",
@@ -63,14 +64,8 @@ def start_server(env: dict[str, str]) -> str:
     `env`; return its socket's address. The server ends when this process does."""
     server = forkserver._forkserver
     server.set_forkserver_preload(SERVER_PRELOAD)
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env, clear=True):
         server.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     return server._forkserver_address
 
 
