@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -115,29 +116,40 @@ def active_split() -> SplitWorld | None:
     return _ACTIVE
 
 
-def _wait(work, split: SplitWorld, peer: int, what: str, timeout_s: float | None) -> None:
-    t = split.timeout_s if timeout_s is None else timeout_s
+@contextmanager
+def _naming_peer(split: SplitWorld, peer: int, what: str, t: float):
+    """Turn gloo's errors inside the block into a BridgeTimeout naming job rank `peer`. gloo
+    raises RuntimeError on a timeout, and on a closed peer socket either at the wait or already
+    when the send / recv is posted (a peer that died before it): both are inside."""
     try:
-        work.wait(timedelta(seconds=t))
-    except Exception as e:  # gloo raises RuntimeError on timeout or a closed peer socket
+        yield
+    except Exception as e:
         raise BridgeTimeout(
             f"{what}: no answer from {split.describe_peer(peer)} within "
             f"rollout.peer_timeout_s={t:g} s (the peer died, hung or is far behind): "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 
 
+def _wait(post, split: SplitWorld, peer: int, what: str, timeout_s: float | None) -> None:
+    """`post()` (a send / recv returning its Work) and the wait for it, `timeout_s` (None: the
+    bridge's) at most."""
+    t = split.timeout_s if timeout_s is None else timeout_s
+    with _naming_peer(split, peer, what, t):
+        post().wait(timedelta(seconds=t))
+
+
 def send_tensor(split: SplitWorld, tensor: torch.Tensor, dst: int, tag: int, what: str,
                 timeout_s: float | None = None, group=None) -> None:
     """Blocking send of a CPU tensor to job rank `dst` over `group` (default: the bridge)."""
     t = tensor.detach().contiguous().cpu()
-    _wait((group or split.bridge).send([t], dst, tag), split, dst, what, timeout_s)
+    _wait(lambda: (group or split.bridge).send([t], dst, tag), split, dst, what, timeout_s)
 
 
 def recv_tensor(split: SplitWorld, out: torch.Tensor, src: int, tag: int, what: str,
                 timeout_s: float | None = None, group=None) -> torch.Tensor:
     """Blocking receive into the CPU tensor `out` from job rank `src` over `group` (default:
     the bridge); returns `out`."""
-    _wait((group or split.bridge).recv([out], src, tag), split, src, what, timeout_s)
+    _wait(lambda: (group or split.bridge).recv([out], src, tag), split, src, what, timeout_s)
     return out
 
 
@@ -168,7 +180,7 @@ class PendingSend:
 
     def wait(self, timeout_s: float | None = None) -> None:
         for work in self.works:
-            _wait(work, self.split, self.dst, self.what, timeout_s)
+            _wait(lambda w=work: w, self.split, self.dst, self.what, timeout_s)
         self.works, self.keep = [], []
 
 
@@ -176,5 +188,6 @@ def isend_object(split: SplitWorld, obj, dst: int, tag: int, what: str) -> Pendi
     """Start sending `obj` to job rank `dst` without waiting for the receiver."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)
-    works = [split.bridge.send([size], dst, tag), split.bridge.send([data], dst, tag)]
+    with _naming_peer(split, dst, what, split.timeout_s):
+        works = [split.bridge.send([size], dst, tag), split.bridge.send([data], dst, tag)]
     return PendingSend(split, works, [size, data], dst, what)
