@@ -136,6 +136,33 @@ def test_dummy_micro_batch_contributes_nothing_to_router_losses(pools, assets, t
     assert abs(plain[0]["grad_norm"] - one[0]["grad_norm"]) > 5e-4 * one[0]["grad_norm"]
 
 
+def test_moe_models_of_different_depths_train_in_turn_in_one_process(pools, assets, tmp_path):
+    """One process trains a 5-layer MoE model between two runs of the 2-layer one, router
+    losses on (megatron-core sizes its process-wide router-loss tracker by the first model that
+    records, deeper than any other MoE model of the suite here:
+    engine.training.router_losses `_resize_tracker`). The deep run steps and logs its own
+    moe/*, and the second 2-layer run repeats the first exactly: loss, grad norm and moe/* at
+    both steps. Before the change the deep run raised IndexError at its first router call past
+    layer 2 (index 2 of size 2)."""
+    deep = tmp_path / "moe5"
+    build_tiny_model(str(deep), "qwen3_moe", vocab_size=256, layers=5, initializer_range=0.2)
+    runs = [(assets / "moe", "a"), (deep, "deep"), (assets / "moe", "c")]
+    argvs = []
+    for model, name in runs:
+        args = _args(assets, tmp_path / name, "train.max_steps=2", *ROUTER_LOSSES)
+        args[2] = f"model.hf_path={model}"
+        argvs.append(args[2:])
+    [codes] = pools.run(1, "tests.multirank.sft_in_turn:sft_in_turn", argvs, timeout=600)
+    assert codes == [0, 0, 0]
+    first, deep_run, again = (_metrics(tmp_path / name) for _, name in runs)
+    assert [r["step"] for r in again] == [r["step"] for r in deep_run] == [1, 2]
+    for a, b in zip(first, again):
+        for key in LOGGED:
+            assert b[key] == a[key], (a["step"], key)
+    assert all(r["moe/aux_loss"] > 0 and r["moe/z_loss"] > 0 for r in first + deep_run)
+    assert abs(deep_run[0]["moe/z_loss"] - first[0]["moe/z_loss"]) > 1e-3
+
+
 def _refused(args: list[str]):
     """`python -m engine.sft ARGS` for a configuration error: main(argv) in this process."""
     assert args[:2] == ["-m", "engine.sft"]

@@ -54,6 +54,12 @@ The schedule hands a dummy's routers an all-True padding mask
 aux-loss terms (the DP-wide expert counts stay collective), and `RouterLosses` turns the
 per-micro-batch aux losses off for that router call (their megatron value would be 0/0).
 
+Megatron keeps its per-layer router-loss records in one process-wide tracker whose entries it
+sizes by the first model that records (its layer count plus MTP layers) and afterwards only
+zeroes. `before_step` drops the entries sized for another model (`_resize_tracker`), so one
+process can train MoE models of different depths in turn (a policy and a deeper critic, the
+test suite's reused ranks); before, the deeper model's first router call raised IndexError.
+
 Metrics (`metrics()`, after the step; every rank gets the same values): `moe/aux_loss`
 (megatron's tracked value without the coefficient, its TP x CP slices' shares summed, averaged
 over the step's real micro-batches of every DP rank and over MoE layers), `moe/z_loss` (the mean
@@ -75,6 +81,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
                                                      get_moe_layer_wise_logging_tracker)
 from megatron.core.transformer.moe.router import TopKRouter
+
+try:   # megatron-core 0.17 on: the router-loss records live in a MoEMetricsTracker
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+except ImportError:   # 0.16: in the dict get_moe_layer_wise_logging_tracker returns
+    get_moe_metrics_tracker = None
 
 from models.bridge.weights import unwrap
 from models.build.megatron_patches import megatron_version
@@ -107,6 +118,22 @@ def _attaches_times_tp_cp() -> bool:
     """Whether this megatron-core attaches its router losses times the TP x CP group's size
     (0.19 on; module docstring). Read once per process: `coefficients` runs every step."""
     return Version(megatron_version()).release[:2] >= (0, 19)
+
+
+def _resize_tracker(num_layers: int) -> None:
+    """Drop megatron's router-loss tracker entries whose per-layer vector is not `num_layers`
+    long (another model's): the next record recreates them at this model's size. 0.17 on keep
+    them in MoEMetricsTracker (`metrics`: its live dict); 0.16 returns its live dict from
+    get_moe_layer_wise_logging_tracker (0.17 on: a copy)."""
+    if get_moe_metrics_tracker is None:   # megatron-core 0.16
+        live = get_moe_layer_wise_logging_tracker()
+        sizes = {name: len(entry["values"]) for name, entry in live.items()}
+    else:
+        live = get_moe_metrics_tracker().metrics
+        sizes = {name: len(entry.values) for name, entry in live.items()}
+    for name, size in sizes.items():
+        if size != num_layers:
+            del live[name]
 
 
 def coefficients(aux: float, z: float | None, tokens: float,
@@ -216,6 +243,7 @@ class RouterLosses:
         for router in self.routers:
             router.reset_global_aux_loss_tracker()
         clear_aux_losses_tracker()
+        _resize_tracker(self.config.num_layers + (self.config.mtp_num_layers or 0))
         self.loads.clear()
         self.z_sums.clear()
         self.micro_batches = len(real)
