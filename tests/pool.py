@@ -745,8 +745,11 @@ def _forget_megatron_groups() -> None:
     for name, value in list(vars(ps).items()):
         if isinstance(value, dist.ProcessGroup):
             setattr(ps, name, None)
+    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
-    if moe_utils is not None:
+    if moe_logging is not None:   # megatron-core 0.17 on (moe_utils' dict is a copy there)
+        moe_logging.destroy_moe_metrics_tracker()
+    elif moe_utils is not None:
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 

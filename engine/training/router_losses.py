@@ -56,7 +56,7 @@ per-micro-batch aux losses off for that router call (their megatron value would 
 
 Megatron keeps its per-layer router-loss records in one process-wide tracker whose entries it
 sizes by the first model that records (its layer count plus MTP layers) and afterwards only
-zeroes. `before_step` drops the entries sized for another model (`_resize_tracker`), so one
+zeroes. `before_step` drops the entries sized for another model (`_reset_tracker`), so one
 process can train MoE models of different depths in turn (a policy and a deeper critic, the
 test suite's reused ranks); before, the deeper model's first router call raised IndexError.
 
@@ -78,13 +78,13 @@ import torch
 import torch.distributed as dist
 from packaging.version import Version
 from megatron.core import parallel_state as ps
-from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
-                                                     get_moe_layer_wise_logging_tracker)
 from megatron.core.transformer.moe.router import TopKRouter
 
-try:   # megatron-core 0.17 on: the router-loss records live in a MoEMetricsTracker
+try:   # megatron-core 0.17 on: the router-loss records live in a MoEMetricsTracker (the
+    # moe_utils functions below are its deprecated wrappers there, the dict a copy)
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-except ImportError:   # 0.16: in the dict get_moe_layer_wise_logging_tracker returns
+except ImportError:   # 0.16: in the module-level dict get_moe_layer_wise_logging_tracker returns
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
     get_moe_metrics_tracker = None
 
 from models.bridge.weights import unwrap
@@ -120,20 +120,29 @@ def _attaches_times_tp_cp() -> bool:
     return Version(megatron_version()).release[:2] >= (0, 19)
 
 
-def _resize_tracker(num_layers: int) -> None:
-    """Drop megatron's router-loss tracker entries whose per-layer vector is not `num_layers`
-    long (another model's): the next record recreates them at this model's size. 0.17 on keep
-    them in MoEMetricsTracker (`metrics`: its live dict); 0.16 returns its live dict from
-    get_moe_layer_wise_logging_tracker (0.17 on: a copy)."""
+def _tracker() -> dict:
+    """megatron's live router-loss records by name (deleting a key drops the record); each
+    entry holds its per-layer vector in `_values(entry)`."""
     if get_moe_metrics_tracker is None:   # megatron-core 0.16
-        live = get_moe_layer_wise_logging_tracker()
-        sizes = {name: len(entry["values"]) for name, entry in live.items()}
-    else:
-        live = get_moe_metrics_tracker().metrics
-        sizes = {name: len(entry.values) for name, entry in live.items()}
-    for name, size in sizes.items():
-        if size != num_layers:
+        return get_moe_layer_wise_logging_tracker()
+    return get_moe_metrics_tracker().metrics
+
+
+def _values(entry) -> torch.Tensor:
+    """The per-layer vector of one record (layer n at index n - 1), live."""
+    return entry["values"] if isinstance(entry, dict) else entry.values
+
+
+def _reset_tracker(num_layers: int) -> None:
+    """Zero megatron's router-loss records, as its own clear does, and drop those whose vector
+    is not `num_layers` long (another model's): the next record recreates them at this
+    model's size."""
+    live = _tracker()
+    for name, entry in list(live.items()):
+        if len(_values(entry)) != num_layers:
             del live[name]
+        else:
+            _values(entry).zero_()
 
 
 def coefficients(aux: float, z: float | None, tokens: float,
@@ -188,9 +197,9 @@ class RouterLosses:
         runs without the per-micro-batch aux losses (module docstring); `_count` restores."""
         mask = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
         if self.z_coeff and torch.is_grad_enabled():
-            entry = get_moe_layer_wise_logging_tracker().get("z_loss")
-            self._z_before = (None if entry is None or router.layer_number > len(entry["values"])
-                              else entry["values"][router.layer_number - 1].clone())
+            entry = _tracker().get("z_loss")
+            self._z_before = (None if entry is None or router.layer_number > len(_values(entry))
+                              else _values(entry)[router.layer_number - 1].clone())
         if not self._dummies or mask is None or not torch.is_grad_enabled():
             return
         if not _all_padding(mask):   # only in a step with a dummy
@@ -221,7 +230,7 @@ class RouterLosses:
                 return
             self.loads[layer] = self.loads.get(layer, 0) + load
             if self.z_coeff:   # megatron added this call's z-loss mean over its real tokens
-                after = get_moe_layer_wise_logging_tracker()["z_loss"]["values"][layer - 1]
+                after = _values(_tracker()["z_loss"])[layer - 1]
                 mean = (after - (0 if self._z_before is None else self._z_before)).double()
                 n = load[-1] / router.topk
                 self.z_sums[layer] = self.z_sums.get(layer, 0) + torch.stack([mean * n, n])
@@ -242,8 +251,7 @@ class RouterLosses:
             self.config.moe_z_loss_coeff = z
         for router in self.routers:
             router.reset_global_aux_loss_tracker()
-        clear_aux_losses_tracker()
-        _resize_tracker(self.config.num_layers + (self.config.mtp_num_layers or 0))
+        _reset_tracker(self.config.num_layers + (self.config.mtp_num_layers or 0))
         self.loads.clear()
         self.z_sums.clear()
         self.micro_batches = len(real)
@@ -254,15 +262,14 @@ class RouterLosses:
         if not self.active:
             return {}
         layers = self.config.num_layers
-        tracker = get_moe_layer_wise_logging_tracker()
         # rows: aux, z, load ratio (then dropped share); columns: layers. The aux row: each
         # TP x CP rank's tracked share of a micro-batch's loss (its slice's scores), summed over
         # DP x CP and TP, over the micro-batches counted once per DP rank. The z row: the
         # real-token-weighted mean of megatron's per-call means (every slice, micro-batch, rank).
         vec = torch.zeros(3, layers, dtype=torch.float64)
-        for name, entry in tracker.items():
+        for name, entry in _tracker().items():
             if _TRACKED.get(name) == "moe/aux_loss":
-                vec[0] += entry["values"].detach().to(torch.float64).cpu()[:layers]
+                vec[0] += _values(entry).detach().to(torch.float64).cpu()[:layers]
         z = torch.zeros(2, layers, dtype=torch.float64)
         seen = sorted(self.z_sums)
         if seen:
