@@ -163,6 +163,19 @@ def test_moe_models_of_different_depths_train_in_turn_in_one_process(pools, asse
     assert abs(deep_run[0]["moe/z_loss"] - first[0]["moe/z_loss"]) > 1e-3
 
 
+def test_a_pool_case_leaves_no_router_loss_records_to_the_next(pools, assets, tmp_path):
+    """A case that trains with router losses leaves megatron's process-wide records in its rank
+    (control: read in the same case); the next case on that rank starts without them
+    (tests/pool.py `_forget_megatron_groups`: on megatron-core 0.17 on the dict it used to
+    clear was a copy, so records and the process groups they hold outlived their case)."""
+    args = _args(assets, tmp_path / "run", "train.max_steps=1", *ROUTER_LOSSES)[2:]
+    [(pid, codes)] = pools.run(1, "tests.multirank.sft_in_turn:sft_in_turn_then_names", [args],
+                               timeout=600)
+    assert codes[0] == [0] and codes[1] == ["load_balancing_loss", "z_loss"], codes
+    [(next_pid, names)] = pools.run(1, "tests.multirank.sft_in_turn:tracker_names")
+    assert next_pid == pid and names == []
+
+
 def _refused(args: list[str]):
     """`python -m engine.sft ARGS` for a configuration error: main(argv) in this process."""
     assert args[:2] == ["-m", "engine.sft"]
