@@ -4,7 +4,9 @@ state resharded from 2 EP ranks) continues with the same losses; the moe.* / par
 any process group: in this process, tests.launch.run_main). The runs use the session's rank
 pool (tests/pool.py); the 2-rank run and the resumed 1-process run are different processes.
 One training row at DP2 with router aux and z-losses on (rank 1 runs only a dummy micro-batch)
-equals the one-process run (engine.training.router_losses: a dummy contributes nothing)."""
+equals the one-process run (engine.training.router_losses: a dummy contributes nothing).
+MoE models of different depths train in turn in one process, and a pool case leaves no
+megatron router-loss records to the next (megatron's tracker is process-wide)."""
 import json
 from pathlib import Path
 
