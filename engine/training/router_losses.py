@@ -57,8 +57,9 @@ per-micro-batch aux losses off for that router call (their megatron value would 
 Megatron keeps its per-layer router-loss records in one process-wide tracker whose entries it
 sizes by the first model that records (its layer count plus MTP layers) and afterwards only
 zeroes. `before_step` drops the entries sized for another model (`_reset_tracker`), so one
-process can train MoE models of different depths in turn (a policy and a deeper critic, the
-test suite's reused ranks); before, the deeper model's first router call raised IndexError.
+process can run MoE trainings of different depths one after another (several runs in one Python
+process, as a notebook or the test suite's reused ranks do; a PPO critic must match its
+policy's depth); before, the deeper model's first router call raised IndexError.
 
 Metrics (`metrics()`, after the step; every rank gets the same values): `moe/aux_loss`
 (megatron's tracked value without the coefficient, its TP x CP slices' shares summed, averaged

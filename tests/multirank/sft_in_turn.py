@@ -1,6 +1,6 @@
 """Several `engine.sft` runs one after another in one pool rank (tests/test_moe_sft_cli.py: MoE
-models of different depths trained in turn by one process, as a policy and a deeper critic
-are; megatron-core's router-loss tracker is process-wide), and what that tracker holds."""
+models of different depths trained in turn by one process, as a notebook would; megatron-core's
+router-loss tracker is process-wide), and what that tracker holds."""
 from __future__ import annotations
 
 import os
