@@ -40,39 +40,43 @@ def _posting_fails(group) -> bool:
     return False
 
 
-def test_a_silent_and_a_dead_peer_are_named():
+def _world_with_peer() -> tuple[SplitWorld, subprocess.Popen]:
+    """A two-rank gloo group (this process job rank 0, training; the PEER subprocess job rank
+    1, the rollout leader) as both bridges of a SplitWorld, and the peer's process."""
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60),
                           wait_for_workers=False)
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(store.port)],
                             stdin=subprocess.PIPE, text=True)
+    group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=60))
+    return SplitWorld("train", 0, 2, 1, group, group, 60.0, 1), peer
+
+
+def _end(peer: subprocess.Popen) -> int:
+    """Tell the peer to die; its exit code."""
+    peer.stdin.write("\n")
+    peer.stdin.flush()
+    return peer.wait(timeout=60)
+
+
+def test_a_silent_and_a_dead_peer_are_named():
+    split, peer = _world_with_peer()
     try:
-        group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=60))
-        split = SplitWorld("train", 0, 2, 1, group, group, 60.0, 1)
         with pytest.raises(BridgeTimeout) as silent:
             recv_object(split, 1, 3, "waiting for rollout batch 0", timeout_s=0.5)
         assert str(silent.value).startswith(
             "waiting for rollout batch 0: no answer from rollout rank 0 (job rank 1) within "
             "rollout.peer_timeout_s=0.5 s")
     finally:
-        peer.stdin.write("\n")
-        peer.stdin.flush()
-        peer.wait(timeout=60)
+        _end(peer)
     # A new group: gloo closes a pair after its timeout, and the dead peer is the point here.
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60),
-                          wait_for_workers=False)
-    peer = subprocess.Popen([sys.executable, "-c", PEER, str(store.port)],
-                            stdin=subprocess.PIPE, text=True)
-    group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=60))
-    peer.stdin.write("\n")
-    peer.stdin.flush()
-    assert peer.wait(timeout=60) == 0
+    split, peer = _world_with_peer()
+    assert _end(peer) == 0
     # negative control: once gloo has seen the socket close, posting the receive raises a bare
     # RuntimeError that names no one (a wait-only wrapper lets it through)
     deadline = time.monotonic() + 60
-    while not _posting_fails(group):
+    while not _posting_fails(split.bridge):
         assert time.monotonic() < deadline, "gloo never noticed the dead peer"
         time.sleep(0.1)
-    split = SplitWorld("train", 0, 2, 1, group, group, 60.0, 1)
     with pytest.raises(BridgeTimeout) as dead:
         recv_object(split, 1, 3, "waiting for rollout batch 0", timeout_s=15)
     assert "no answer from rollout rank 0 (job rank 1)" in str(dead.value)
