@@ -1,51 +1,40 @@
-"""`reward.fn=code`: the response's last fenced Python block runs against the row's tests, each
-test one program run in the sandbox (engine.rl.rewards.sandbox; docs/rewards.md).
+"""`reward.fn=code`: the reply's solution (engine.rl.rewards.fences.last_code_block) against the
+row's tests (engine.rl.rewards.code_tests), each test one run in the sandbox
+(engine.rl.rewards.sandbox; docs/rewards.md#code).
 
-Test formats (the row's fields), as the public code-RL sets write them:
+No verdict is the solution's exit status alone; the solution's process only computes:
 
-- stdin/stdout: ``tests: [{"input": str, "output": str}, ...]`` (APPS/TACO/LiveCodeBench
-  "standard input"); passed when the output equals the expected one after whitespace
-  normalisation (every line's trailing spaces dropped, trailing empty lines dropped);
-- call-based: ``fn_name`` with ``inputs`` (a list of argument lists) and ``outputs`` (the
-  results), top level or inside ``tests`` as a dict (APPS's input_output); passed when the
-  function's result equals the expected one (or the expected one is the result wrapped in a
-  one-element list, as APPS writes it). A ``class Solution`` method of that name is found too;
-- assert script: ``test_code`` (a string), run after the solution in one program; passed when
-  it exits with status 0.
+- StdinTest: the scorer compares the program's stdout (whitespace-normalised) with the
+  expected output; the program must also exit 0;
+- CallTest and AssertCalls: the calls run in the solution's process, which writes each result
+  as plain data (engine.rl.rewards.plain_data); the scorer decodes and compares them. A result
+  that is not plain data, a call that raises, and a process that ends (whatever its status)
+  before writing every result fail the test;
+- AssertScript: the test code runs in a harness process in a sandbox of its own, calling the
+  solution's functions over a pipe (engine.rl.rewards.code_runner); the verdict is the
+  harness's.
 
-``tests`` may also be the JSON text of either form. Score: the fraction of tests passed, or
-with ``score="all"`` (reward.code_score=all) 1.0 only when all pass. No fenced block: 0.0.
+Score: the fraction of tests passed, or with ``score="all"`` (reward.code_score=all) 1.0 only
+when all pass. No fenced block: 0.0. A run past the time left is a failed test, never a failed
+call: the item's budget is reward.timeout_s x ``margin``.
 """
 from __future__ import annotations
 
 import json
-import re
 import time
 from typing import Any
 
-from engine.rl.rewards.sandbox import Limits, run_program
+from engine.rl.rewards import plain_data
+from engine.rl.rewards.code_tests import (AssertCalls, AssertScript, CallTest, CodeTest,
+                                          StdinTest, parse_tests)
+from engine.rl.rewards.fences import last_code_block
+from engine.rl.rewards.sandbox import Limits, run_harness, run_program
 
-FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+__all__ = ["CodeReward", "code_reward", "last_code_block", "normalize_output", "SCORE_MODES",
+           "SANDBOX_MODES"]
+
 SCORE_MODES = ("fraction", "all")
 SANDBOX_MODES = ("strict", "relaxed")
-# the call-based harness: reads [args] as JSON on stdin, prints the result as JSON
-CALL_HARNESS = """import json, sys
-sys.path.insert(0, ".")
-sys.setrecursionlimit(100000)
-import solution
-name = {name!r}
-fn = getattr(solution, name, None)
-if fn is None:
-    fn = getattr(solution.Solution(), name)
-args = json.loads(sys.stdin.read())
-print(json.dumps(fn(*args)))
-"""
-
-
-def last_code_block(response: str) -> str | None:
-    """The content of the response's last fenced code block (```python, ```py or bare ```)."""
-    blocks = FENCE.findall(response)
-    return blocks[-1] if blocks else None
 
 
 def normalize_output(text: str) -> str:
@@ -57,35 +46,40 @@ def normalize_output(text: str) -> str:
     return "\n".join(lines)
 
 
-def _tests(fields: dict[str, Any]) -> tuple[str, list]:
-    """(kind, cases) of the row: "stdin" [(input, output)], "call" [(args, expected)] with
-    the function name first, or "assert" [script]. ValueError when the row has none."""
-    tests = fields.get("tests")
-    if isinstance(tests, str):
-        tests = json.loads(tests)
-    spec = tests if isinstance(tests, dict) else fields
-    if spec.get("fn_name"):
-        inputs, outputs = spec["inputs"], spec["outputs"]
-        if len(inputs) != len(outputs):
-            raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
-        return "call", [spec["fn_name"], *zip(inputs, outputs)]
-    if isinstance(tests, dict) and "inputs" in tests:
-        return "stdin", list(zip(tests["inputs"], tests["outputs"]))
-    if isinstance(tests, list) and tests:
-        return "stdin", [(t["input"], t["output"]) for t in tests]
-    if fields.get("test_code"):
-        return "assert", [fields["test_code"]]
-    raise ValueError("the row has no tests: give `tests` [{input, output}], `fn_name` with "
-                     "`inputs` and `outputs`, or `test_code`")
+def call_results(stdout: bytes, count: int) -> list[tuple[bool, Any]] | None:
+    """The first ``count`` answer lines of a ``calls`` run as (returned, value): (True, the
+    decoded result) or (False, the error); None when fewer lines came or one is malformed."""
+    lines = stdout.decode(errors="replace").split("\n")
+    if len(lines) <= count:   # the last answer's line must end with a newline
+        return None
+    out = []
+    for line in lines[:count]:
+        try:
+            answer = json.loads(line)
+            out.append((True, plain_data.decode(answer["ok"])) if "ok" in answer
+                       else (False, answer))
+        except (ValueError, TypeError, KeyError, RecursionError):
+            return None
+    return out
 
 
-def _call_passed(stdout: bytes, expected: Any) -> bool:
+def _json_equal(got: Any, expected: Any) -> bool:
+    """got == expected as JSON values (tuples are lists, dict keys strings), as the public
+    call-based sets compare."""
     try:
-        got = json.loads(stdout.decode(errors="replace").strip().splitlines()[-1])
-    except (ValueError, IndexError):
+        got = json.loads(json.dumps(got))
+    except (TypeError, ValueError, RecursionError):
         return False
     return got == expected or (isinstance(expected, list) and len(expected) == 1
                                and got == expected[0])
+
+
+def _call_passed(ok: bool, value: Any, comparison: str, expected: Any) -> bool:
+    if not ok:
+        return False
+    if comparison == "eq":
+        return value == expected
+    return bool(value) if comparison == "true" else not value
 
 
 class CodeReward:
@@ -107,38 +101,49 @@ class CodeReward:
         self.budget_s = (timeout_s if timeout_s is not None else 30.0) * margin
 
     def __call__(self, prompt: str, response: str, answer: Any = None, **fields: Any) -> float:
+        tests = parse_tests(fields)
         code = last_code_block(response)
         if code is None:
             return 0.0
-        kind, cases = _tests(fields)
         deadline = time.monotonic() + self.budget_s
-        passed, total = 0, len(cases) - (kind == "call")
-        for case in (cases[1:] if kind == "call" else cases):
+        passed = 0
+        for test in tests:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            passed += self._run_one(kind, code, case, cases[0], left)
+            passed += self.passes(test, code, left)
         if self.score == "all":
-            return 1.0 if passed == total else 0.0
-        return passed / total
+            return 1.0 if passed == len(tests) else 0.0
+        return passed / len(tests)
 
-    def _run_one(self, kind: str, code: str, case, fn_name, left: float) -> bool:
-        if kind == "stdin":
-            given, expected = case
-            result = run_program({"solution.py": code}, ["python", "solution.py"],
-                                 str(given).encode(), left, self.limits)
+    def passes(self, test: CodeTest, code: str, left: float) -> bool:
+        """Whether ``code`` passes ``test`` within ``left`` seconds (module docstring)."""
+        files = {"solution.py": code}
+        if isinstance(test, StdinTest):
+            result = run_program(files, "main", test.input.encode(), left, self.limits)
             return result.returncode == 0 and normalize_output(
-                result.stdout.decode(errors="replace")) == normalize_output(str(expected))
-        if kind == "call":
-            args, expected = case
-            result = run_program({"solution.py": code,
-                                  "harness.py": CALL_HARNESS.format(name=fn_name)},
-                                 ["python", "harness.py"], json.dumps(args).encode(), left,
-                                 self.limits)
-            return result.returncode == 0 and _call_passed(result.stdout, expected)
-        result = run_program({"solution.py": code + "\n\n" + case}, ["python", "solution.py"],
-                             b"", left, self.limits)
-        return result.returncode == 0
+                result.stdout.decode(errors="replace")) == normalize_output(test.output)
+        if isinstance(test, AssertScript):
+            result = run_harness(code, test.code, left, self.limits)
+            return result.returncode == 0 and result.stdout == b"pass\n"
+        if isinstance(test, CallTest):
+            calls = [(test.fn_name, list(test.args), {})]
+        else:
+            calls = [(c.fn_name, list(c.args), c.kwargs) for c in test.calls]
+        try:
+            request = json.dumps([[name, plain_data.encode(args), plain_data.encode(kwargs)]
+                                  for name, args, kwargs in calls])
+        except plain_data.NotPlainData:
+            return False   # a literal argument that is not plain data (a complex number)
+        result = run_program(files, "calls", request.encode(), left, self.limits)
+        answers = call_results(result.stdout, len(calls))
+        if answers is None:
+            return False
+        if isinstance(test, CallTest):
+            ok, value = answers[0]
+            return ok and _json_equal(value, test.expected)
+        return all(_call_passed(ok, value, c.comparison, c.expected)
+                   for (ok, value), c in zip(answers, test.calls))
 
 
 code_reward = CodeReward()

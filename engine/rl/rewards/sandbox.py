@@ -1,32 +1,26 @@
-"""Running a model-written program contained (`reward.fn=code`; docs/rewards.md#the-sandbox).
+"""Running model-written code contained (`reward.fn=code`; docs/rewards.md#the-sandbox).
 
-Layers, every one on by default (``probe()`` says which this host can enforce):
+Every run is engine.rl.rewards.code_runner (``python -I -S runner.py SPEC``) in a working
+directory holding the run's files. Layers:
 
-- ``tempdir``: a fresh temporary working directory, removed afterwards;
-- ``empty-env``: the program's environment is empty (no variable of the trainer reaches it);
-- ``session``: a new session and process group, SIGKILLed at the run's timeout;
-- ``rlimits``: CPU seconds, address space, file size, open files (RLIMIT_*);
-- ``processes``: RLIMIT_NPROC, which the kernel enforces only for a non-root uid (so as root
-  the program runs as one of RUN_UIDS);
+- ``workdir``: a fresh working directory with only the run's files, gone afterwards;
+- ``empty-env``: the program's environment is empty;
+- ``session``: a new session and process group, SIGKILLed at the run's deadline;
+- ``rlimits``: CPU seconds, address space, file size, open files and processes, set by the
+  runner before any code of the row or the reply runs (no ``preexec_fn``);
 - ``output-cap``: stdout and stderr read up to ``Limits.output_bytes`` each; past it the
   program is killed;
-- ``netns``: a network namespace of its own (``unshare --net``: only a down loopback);
-- ``pidns``: a PID namespace (``unshare --pid --fork --mount-proc``) whose init
-  (engine.rl.rewards.sandbox_init) ends every process of the program when it exits;
-- ``uid``: a uid of its own (RUN_UIDS, unused by any account; one per concurrent run) instead
-  of the trainer's, so it can neither signal nor read the trainer's processes and files;
-- ``private-tmp``: tmpfs (64 MiB each) over /tmp, /var/tmp and /dev/shm (a mount namespace);
-  the program runs in /tmp/work, a copy of the working directory on that tmpfs, so whatever it
-  writes is bounded and never reaches the host's disk.
+- ``bubblewrap``: the program runs in bwrap (engine.rl.rewards.bwrap): an empty read-only root
+  with only the interpreter and the shared libraries, a private tmpfs /work, every namespace,
+  uid 65534, no capability; RLIMIT_NPROC enforced per run; SIGKILLed with its scorer.
 
 ``reward.code_sandbox=strict`` refuses to start when a layer is missing (``missing_layers``);
-``relaxed`` runs with what the host has and says what is missing.
+``relaxed`` runs without bubblewrap (the program then runs as the trainer's uid in a host
+temporary folder, sees the host's files and network, and a program may outlive a killed
+scorer) and the run header says so.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import fcntl
 import functools
 import json
 import os
@@ -40,17 +34,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SANDBOX_UID = 65534                       # "nobody": the interpreter probe's uid
-# the uids programs run as: one per concurrent run (claimed with a lock file), since
-# RLIMIT_NPROC counts every process of a uid, and a flood in one run must not starve another
-RUN_UIDS = range(1_500_000_000, 1_500_000_256)
-LOCK_DIR = Path(tempfile.gettempdir())
-INIT = str(Path(__file__).with_name("sandbox_init.py"))
-LAYERS = ("tempdir", "empty-env", "session", "rlimits", "processes", "output-cap", "netns",
-          "pidns", "uid", "private-tmp")
-ALWAYS = ("tempdir", "empty-env", "session", "rlimits", "output-cap")
-UNSHARE_FLAGS = ["--net", "--pid", "--fork", "--kill-child", "--mount-proc"]
-PR_SET_PDEATHSIG = 1
+from engine.rl.rewards import bwrap
+
+LAYERS = ("workdir", "empty-env", "session", "rlimits", "output-cap", "bubblewrap")
+RUNNER = Path(__file__).with_name("code_runner.py")
+PLAIN_DATA = Path(__file__).with_name("plain_data.py")
 
 
 @dataclass(frozen=True)
@@ -74,56 +62,26 @@ class RunResult:
 
 
 @functools.lru_cache(maxsize=None)
-def probe() -> dict[str, str | None]:
-    """Every layer of LAYERS -> None where this host enforces it, else why not (cached)."""
-    out: dict[str, str | None] = {name: None for name in LAYERS}
-    root = os.geteuid() == 0
-    if not root:
-        out["uid"] = "the trainer is not root, so it cannot switch the program to another uid"
-        out["processes"] = ("RLIMIT_NPROC counts every process of the trainer's own uid; "
-                            "enforced only with the uid layer")
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        reason = "unshare(1) (util-linux) is not installed"
-        out.update(netns=reason, pidns=reason, **{"private-tmp": reason})
-        return out
-    if root and interpreter() is None:
-        out["uid"] = out["processes"] = (f"no Python interpreter that uid {SANDBOX_UID} may "
-                                         f"run (tried {sys.executable}, /usr/bin/python3)")
-    flags = UNSHARE_FLAGS if root else ["--user", "--map-root-user"] + UNSHARE_FLAGS
-    check = subprocess.run([unshare, *flags, "sh", "-c",
-                            "mount -t tmpfs -o size=1m tmpfs /tmp && test -d /proc/1"],
-                           capture_output=True, text=True, timeout=30)
-    if check.returncode != 0:
-        reason = f"`unshare {' '.join(flags)}` failed: {check.stderr.strip()[:200]}"
-        out.update(netns=reason, pidns=reason, **{"private-tmp": reason})
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def interpreter() -> str | None:
-    """The Python that runs programs: this interpreter, else the first system python3 the
-    sandbox uid can run (a trainer's interpreter under /root is out of its reach); None as
-    root when no candidate runs as that uid (then the uid layer is missing)."""
-    candidates = list(dict.fromkeys([sys.executable, "/usr/bin/python3",
-                                     "/usr/local/bin/python3"]))
-    if os.geteuid() != 0:
-        return sys.executable
-    for path in candidates:
-        try:
-            done = subprocess.run([path, "-I", "-c", "import json"], user=SANDBOX_UID,
-                                  group=SANDBOX_UID, extra_groups=[], env={}, cwd="/",
-                                  capture_output=True, timeout=30)
-        except OSError:
-            continue
-        if done.returncode == 0:
-            return path
-    return None
-
-
 def missing_layers() -> dict[str, str]:
-    """The layers this host cannot enforce, with the reason."""
-    return {name: why for name, why in probe().items() if why is not None}
+    """The layers this host cannot enforce, with the reason (probed once per process: a
+    bwrap run of the interpreter)."""
+    if shutil.which("bwrap") is None:
+        return {"bubblewrap": f"bwrap is not installed: {bwrap.INSTALL_HINT}"}
+    python = bwrap.interpreter()
+    if python is None:
+        return {"bubblewrap": f"no Python interpreter that uid {bwrap.RUN_UID} may run (tried "
+                              f"{sys.executable}, /usr/bin/python3, /usr/local/bin/python3)"}
+    try:
+        done = subprocess.run(bwrap.command(python, {}, ["-I", "-S", "-c", "import json"]),
+                              env={}, cwd="/", capture_output=True, timeout=60,
+                              **bwrap.run_user())
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"bubblewrap": f"bwrap cannot run here: {e}"}
+    if done.returncode != 0:
+        why = done.stderr.decode(errors="replace").strip()[:300]
+        return {"bubblewrap": f"bwrap cannot run here ({why}); {bwrap.INSTALL_HINT}, and "
+                              "allow unprivileged user namespaces"}
+    return {}
 
 
 def describe() -> str:
@@ -131,88 +89,122 @@ def describe() -> str:
     missing = missing_layers()
     active = [name for name in LAYERS if name not in missing]
     text = f"code sandbox layers: {', '.join(active)}"
-    return text + (f"; missing: {', '.join(missing)}" if missing else "")
+    if "bubblewrap" not in missing:
+        python = bwrap.interpreter()
+        text += f" (Python {python.version}, {python.executable})"
+    return text + "".join(f"; missing: {k} ({v})" for k, v in missing.items())
 
 
-def _rlimits(cpu_s: float, limits: Limits, with_nproc: bool) -> dict[str, int]:
-    out = {"RLIMIT_CPU": max(1, int(cpu_s + 0.999)), "RLIMIT_AS": limits.memory_bytes,
-           "RLIMIT_FSIZE": limits.file_bytes, "RLIMIT_NOFILE": limits.open_files,
-           "RLIMIT_CORE": 0}
-    if with_nproc:
-        out["RLIMIT_NPROC"] = limits.processes
-    return out
+def _spec(mode: str, cpu_s: float, limits: Limits, **extra) -> str:
+    rlimits = {"RLIMIT_CPU": max(1, int(cpu_s + 0.999)), "RLIMIT_AS": limits.memory_bytes,
+               "RLIMIT_FSIZE": limits.file_bytes, "RLIMIT_NOFILE": limits.open_files,
+               "RLIMIT_NPROC": limits.processes, "RLIMIT_CORE": 0}
+    return json.dumps({"mode": mode, "rlimits": rlimits, **extra})
 
 
-def _die_with_parent() -> None:   # in the child between fork and exec: SIGKILL if we die
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+class _Started:
+    """One started sandbox: its process (bwrap, or the runner without it) and the host
+    folder to remove afterwards (None with bwrap: its files live in its tmpfs)."""
 
-
-@contextlib.contextmanager
-def claimed_uid():
-    """A uid of RUN_UIDS no other run holds (a non-blocking flock on its lock file)."""
-    for uid in RUN_UIDS:
-        handle = open(LOCK_DIR / f".reward-sandbox-{uid}.lock", "a")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            continue
-        try:
-            yield uid
-        finally:
-            handle.close()
-        return
-    raise RuntimeError(f"all {len(RUN_UIDS)} sandbox uids are in use")
-
-
-def run_program(files: dict[str, str], argv: list[str], stdin: bytes, timeout_s: float,
-                limits: Limits = Limits()) -> RunResult:
-    """Write ``files`` (name -> text) into a fresh working directory and run ``argv`` (relative
-    to it; ``argv[0]`` "python" is this interpreter, isolated: ``-I``) with ``stdin``, inside
-    every layer ``probe()`` found (module docstring); SIGKILL at ``timeout_s`` seconds."""
-    missing = missing_layers()
-    switch_uid = "uid" not in missing
-    workdir = tempfile.mkdtemp(prefix="reward-code-")
-    try:
-        with claimed_uid() if switch_uid else contextlib.nullcontext(None) as uid:
+    def __init__(self, files: dict[str, str], spec: str, pass_fds: tuple[int, ...] = (),
+                 **streams) -> None:
+        files = {"runner.py": RUNNER.read_text(), "plain_data.py": PLAIN_DATA.read_text(),
+                 **files}
+        argv = ["-I", "-S", "runner.py", spec]
+        self.workdir = None
+        common = dict(env={}, start_new_session=True, **streams)
+        if missing_layers():
+            self.workdir = tempfile.mkdtemp(prefix="reward-code-")
             for name, text in files.items():
-                Path(workdir, name).write_text(text)
-            if uid is not None:
-                os.chmod(workdir, 0o700)
-                for path in [workdir, *(str(Path(workdir, n)) for n in files)]:
-                    os.chown(path, uid, uid)
-            python = (interpreter() if switch_uid else None) or sys.executable
-            program = [python, "-I", *argv[1:]] if argv[0] == "python" else list(argv)
-            spec = {"argv": program, "rlimits": _rlimits(timeout_s, limits, switch_uid),
-                    "uid": uid, "private_tmp": "private-tmp" not in missing}
-            command = [sys.executable, "-I", "-S", INIT, json.dumps(spec)]
-            if "pidns" not in missing:
-                flags = UNSHARE_FLAGS if os.geteuid() == 0 else [
-                    "--user", "--map-root-user"] + UNSHARE_FLAGS
-                command = [shutil.which("unshare"), *flags] + command
-            proc = subprocess.Popen(command, cwd=workdir, env={}, stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
-            return _communicate(proc, stdin, timeout_s, limits.output_bytes)
+                Path(self.workdir, name).write_text(text)
+            self.proc = subprocess.Popen([sys.executable, *argv], cwd=self.workdir,
+                                         pass_fds=pass_fds, **common)
+            return
+        fds = {}
+        try:
+            for name, text in files.items():
+                fds[name] = os.memfd_create(name)
+                os.write(fds[name], text.encode())
+                os.lseek(fds[name], 0, os.SEEK_SET)
+            self.proc = subprocess.Popen(
+                bwrap.command(bwrap.interpreter(), fds, argv), cwd="/",
+                pass_fds=(*pass_fds, *fds.values()), **common, **bwrap.run_user())
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def stop(self) -> int | None:
+        """Kill it if it runs, reap it, remove its folder; its exit status (None: killed)."""
+        code = self.proc.poll()
+        if code is None:
+            _kill(self.proc)
+        self.proc.wait()
+        _kill_group(self.proc)   # anything of its group left (without bubblewrap)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return code
+
+
+def run_program(files: dict[str, str], mode: str, stdin: bytes, timeout_s: float,
+                limits: Limits = Limits()) -> RunResult:
+    """Run code_runner in ``mode`` (its docstring) with ``files`` (name -> text) in its working
+    directory and ``stdin``, inside every layer this host has; SIGKILL at ``timeout_s``."""
+    run = _Started(files, _spec(mode, timeout_s, limits), stdin=subprocess.PIPE,
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        return _communicate(run.proc, stdin, timeout_s, limits.output_bytes)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        run.stop()
+
+
+def run_harness(solution: str, test_code: str, timeout_s: float,
+                limits: Limits = Limits()) -> RunResult:
+    """An assert script: the solution served (code_runner ``serve``) in one sandbox, the test
+    code run by the harness (code_runner ``harness``) in another, connected only by two pipes;
+    the result is the harness's run (its stdout carries the verdict)."""
+    to_solution = os.pipe()
+    to_harness = os.pipe()
+    runs = []
+    try:
+        runs.append(_Started({"solution.py": solution}, _spec("serve", timeout_s, limits),
+                             stdin=to_solution[0], stdout=to_harness[1],
+                             stderr=subprocess.DEVNULL))
+        spec = _spec("harness", timeout_s, limits, requests=to_solution[1],
+                     responses=to_harness[0], line_bytes=limits.output_bytes)
+        runs.append(_Started({"test_code.py": test_code}, spec,
+                             pass_fds=(to_solution[1], to_harness[0]),
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE))
+        for fd in (*to_solution, *to_harness):
+            os.close(fd)
+        to_solution = to_harness = ()
+        return _communicate(runs[1].proc, b"", timeout_s, limits.output_bytes)
+    finally:
+        for fd in (*to_solution, *to_harness):
+            os.close(fd)
+        for run in reversed(runs):
+            run.stop()
 
 
 def _communicate(proc: subprocess.Popen, stdin: bytes, timeout_s: float,
                  cap: int) -> RunResult:
-    """Feed stdin, read both streams up to ``cap`` bytes each, kill the process group at the
-    deadline or when a stream passes the cap; always reaps and kills the group."""
+    """Feed stdin, read both streams up to ``cap`` bytes each; stop at the deadline or when a
+    stream passes the cap, else wait for the exit until the deadline."""
     deadline = time.monotonic() + timeout_s
     chunks = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     sel = selectors.DefaultSelector()
     for stream in (proc.stdout, proc.stderr):
         os.set_blocking(stream.fileno(), False)
         sel.register(stream.fileno(), selectors.EVENT_READ)
-    try:
-        proc.stdin.write(stdin)
-        proc.stdin.close()
-    except (BrokenPipeError, OSError):
-        pass
+    if proc.stdin is not None:
+        try:
+            proc.stdin.write(stdin)
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
     timed_out = capped = False
     while sel.get_map():
         left = deadline - time.monotonic()
@@ -238,21 +230,16 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, timeout_s: float,
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-    if proc.poll() is None:
-        _kill(proc)
-    code = proc.wait()
-    _kill_group(proc)   # anything of its group left (without a PID namespace)
-    out, err = (bytes(chunks[s.fileno()][:cap]) for s in (proc.stdout, proc.stderr))
-    proc.stdout.close()
-    proc.stderr.close()
     killed = timed_out or capped
-    return RunResult(None if killed else code, out, err, timed_out, capped)
+    code = None if killed else proc.returncode
+    out, err = (bytes(chunks[s.fileno()][:cap]) for s in (proc.stdout, proc.stderr))
+    return RunResult(code, out, err, timed_out, capped)
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL a running sandbox. With a PID namespace, its init (unshare's child) first, so
-    unshare reaps it (killing unshare first would orphan the init to the host's reaper) and
-    the kernel ends the namespace's other processes; then the process group."""
+    """SIGKILL a running sandbox. With bubblewrap, its PID namespace's init (bwrap's child)
+    first, so that bwrap reaps it after the kernel has ended every process of the namespace
+    (killing bwrap first would leave that to the host's reaper, later); then the group."""
     try:
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     except OSError:
