@@ -1,0 +1,106 @@
+"""`python -m engine.tinker --model HF_DIR` (the console's `megatron-sft-engine tinker`): serve
+the Tinker training API (docs/tinker.md) on one process, base model loaded once, one LoRA
+adapter with its own AdamW state per training model, until SIGTERM or Ctrl-C. Exit 2 for a
+bad flag, --model folder or keys file (one line naming it)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DESCRIPTION = """Serve the Tinker API (the official `tinker` SDK's ServiceClient, TrainingClient
+and SamplingClient) on a Hugging Face checkpoint: many users' LoRA adapters on one base model,
+forward_backward requests of several models batched into one forward and backward, each with
+its own adapter and AdamW state. Single process, CPU or one GPU (docs/tinker.md: what is and is
+not served)."""
+
+EXAMPLES = """examples:
+  {prog} --model runs/x/hf --port 8000 --api-key tml-local
+  then: tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-local")"""
+
+
+def parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
+                                epilog=EXAMPLES.format(prog=prog),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="local HF checkpoint folder (config.json, weights, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the base model's name in get_server_capabilities and "
+                        "create_lora_training_client (default: the folder's name)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the one accepted key (owner 'default'); the SDK requires keys to "
+                        "start with tml-")
+    p.add_argument("--keys-file", default=None, metavar="FILE",
+                   help="accepted keys, one 'KEY OWNER' per line; a key's owner sees only "
+                        "its own models, samplers and checkpoints (default: open, one owner)")
+    p.add_argument("--state-dir", default="tinker_state", metavar="DIR",
+                   help="where save_state / save_weights_for_sampler write (default: "
+                        "./tinker_state); a restarted server with the same folder serves them")
+    p.add_argument("--max-body-mb", type=float, default=64.0, metavar="MB",
+                   help="a request body over this many MiB gets 413 (default: 64)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="a request arriving while N wait for the model gets 429 (default 256)")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0,
+                   help="forward_backward requests queued within this long of the first run "
+                        "as one batch (default: 10)")
+    return p
+
+
+def read_keys(args) -> dict[str, str] | None | str:
+    """{key: owner}, None for open, or a sentence naming what is wrong."""
+    if args.api_key is not None and args.keys_file is not None:
+        return "give --api-key or --keys-file, not both"
+    if args.api_key is not None:
+        return {args.api_key: "default"}
+    if args.keys_file is None:
+        return None
+    keys = {}
+    try:
+        lines = Path(args.keys_file).read_text().splitlines()
+    except OSError as e:
+        return f"--keys-file {args.keys_file!r}: {e.strerror}"
+    for n, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            return f"--keys-file {args.keys_file!r} line {n}: expected 'KEY OWNER'"
+        keys[parts[0]] = parts[1]
+    return keys or f"--keys-file {args.keys_file!r}: no keys"
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m engine.tinker") -> int:
+    args = parser(prog).parse_args(argv)
+    keys = read_keys(args)
+    problems = [m for ok, m in [
+        (Path(args.model, "config.json").is_file(),
+         f"--model {args.model!r}: no config.json (a Hugging Face checkpoint folder)"),
+        (0 <= args.port <= 65535, f"--port {args.port} must be in [0, 65535]"),
+        (args.max_body_mb > 0, f"--max-body-mb {args.max_body_mb} must be > 0"),
+        (args.max_queue >= 1, f"--max-queue {args.max_queue} must be >= 1"),
+        (args.batch_wait_ms >= 0, f"--batch-wait-ms {args.batch_wait_ms} must be >= 0"),
+        (not isinstance(keys, str), keys if isinstance(keys, str) else "")] if not ok]
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    if problems:
+        return 2
+    import uvicorn
+
+    from engine.tinker.routes import build_app
+    from engine.tinker.service import Service
+
+    name = args.served_model_name or Path(args.model).resolve().name
+    service = Service(args.model, name, args.state_dir, batch_wait_s=args.batch_wait_ms / 1e3,
+                      max_queue=args.max_queue)
+    app = build_app(service, keys, int(args.max_body_mb * 2 ** 20))
+    print(f"tinker API for {name!r} on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

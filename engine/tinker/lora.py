@@ -1,0 +1,134 @@
+"""Many users' LoRA adapters on one base model, each batch row taking its own adapter.
+
+`MultiLoraLinear` replaces one `nn.Linear` of the Hugging Face base model. It keeps the base
+linear (frozen) and a dict of adapters by name, each `A [r, in]`, `B [out, r]` with the output
+`base(x) + (alpha / r) * (x_rows A^T) B^T` on the rows that adapter owns. `rows` is set for
+the whole model by `MultiLora.assign(names)` before a forward: `names[b]` is the adapter of
+batch row b (None: the base model alone). Each adapter's product is computed on its own rows
+only (`x[rows]`, a gather), so an adapter's parameters receive gradient from its rows alone and
+two users sharing a batch never mix in the adapter path; the base linear runs once over the
+whole batch (the point of batching).
+
+Targets follow Tinker's LoraConfig: train_attn -> q/k/v/o_proj, train_mlp ->
+gate/up/down_proj, train_unembed -> lm_head. Initialisation as peft's default: A
+kaiming-uniform(a=sqrt(5)) from the adapter's seed, B zero (a new adapter leaves the base
+model's outputs unchanged). Scaling alpha / r with alpha = 32 (LORA_ALPHA)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LORA_ALPHA = 32.0
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """Tinker's LoraConfig as served: rank r >= 1 and which module groups carry adapters."""
+    rank: int
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    seed: int | None = None
+
+    def suffixes(self) -> tuple[str, ...]:
+        return ((ATTN if self.train_attn else ()) + (MLP if self.train_mlp else ())
+                + (UNEMBED if self.train_unembed else ()))
+
+
+class MultiLoraLinear(nn.Module):
+    """A frozen base linear plus per-row adapters (module docstring)."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base = base
+        self.adapters = nn.ModuleDict()
+        self.rows: list[str | None] | None = None   # set by MultiLora.assign
+
+    def add(self, name: str, rank: int, generator: torch.Generator) -> None:
+        a = torch.empty(rank, self.base.in_features, dtype=self.base.weight.dtype)
+        bound = 1.0 / math.sqrt(self.base.in_features)   # kaiming_uniform_(a=sqrt(5)) of A
+        a.uniform_(-bound, bound, generator=generator)
+        b = torch.zeros(self.base.out_features, rank, dtype=self.base.weight.dtype)
+        pair = nn.ParameterDict({"A": nn.Parameter(a), "B": nn.Parameter(b)})
+        self.adapters[name] = pair
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        if not self.rows or not self.adapters:
+            return out
+        groups: dict[str, list[int]] = {}
+        for row, name in enumerate(self.rows):
+            if name is not None and name in self.adapters:
+                groups.setdefault(name, []).append(row)
+        if not groups:
+            return out
+        out = out.clone()
+        for name, rows in groups.items():
+            pair = self.adapters[name]
+            scale = LORA_ALPHA / pair["A"].shape[0]
+            index = torch.tensor(rows, dtype=torch.long)
+            delta = (x[index] @ pair["A"].t()) @ pair["B"].t()
+            out[index] = out[index] + scale * delta
+        return out
+
+
+class MultiLora:
+    """The base model with every target linear wrapped (module docstring). The base weights
+    are frozen; adapters are added, copied (sampler snapshots), exported and removed by
+    name."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.linears: dict[str, MultiLoraLinear] = {}
+        targets = ATTN + MLP + UNEMBED
+        for path, module in list(model.named_modules()):
+            if isinstance(module, nn.Linear) and path.rsplit(".", 1)[-1] in targets:
+                parent_path, _, child = path.rpartition(".")
+                parent = model.get_submodule(parent_path) if parent_path else model
+                wrapped = MultiLoraLinear(module)
+                setattr(parent, child, wrapped)
+                self.linears[path] = wrapped
+        self.specs: dict[str, LoraSpec] = {}
+
+    def add(self, name: str, spec: LoraSpec) -> None:
+        generator = torch.Generator().manual_seed(spec.seed if spec.seed is not None else 0)
+        for path in sorted(self.linears):
+            if path.rsplit(".", 1)[-1] in spec.suffixes():
+                self.linears[path].add(name, spec.rank, generator)
+        self.specs[name] = spec
+
+    def remove(self, name: str) -> None:
+        for linear in self.linears.values():
+            if name in linear.adapters:
+                del linear.adapters[name]
+        self.specs.pop(name, None)
+
+    def parameters(self, name: str) -> list[nn.Parameter]:
+        """The adapter's parameters in a fixed order (sorted module path, A then B)."""
+        return [linear.adapters[name][k] for path, linear in sorted(self.linears.items())
+                if name in linear.adapters for k in ("A", "B")]
+
+    def state(self, name: str) -> dict[str, torch.Tensor]:
+        return {f"{path}.{k}": linear.adapters[name][k].detach().clone()
+                for path, linear in sorted(self.linears.items())
+                if name in linear.adapters for k in ("A", "B")}
+
+    def load(self, name: str, spec: LoraSpec, state: dict[str, torch.Tensor]) -> None:
+        """Add adapter `name` with exactly the tensors of `state` (as `state` wrote them)."""
+        self.add(name, spec)
+        for path, linear in self.linears.items():
+            if name in linear.adapters:
+                for k in ("A", "B"):
+                    linear.adapters[name][k].data.copy_(state[f"{path}.{k}"])
+
+    def assign(self, names: list[str | None] | None) -> None:
+        for linear in self.linears.values():
+            linear.rows = names

@@ -1,0 +1,280 @@
+"""The Tinker service's state and its one worker thread.
+
+`Service` owns the base model (loaded once, float32, from the HF folder, wrapped by
+engine.tinker.lora.MultiLora), the registry of sessions, training models and sampling sessions
+(each with its owner: the API key's owner; another owner's id is answered as unknown, 404),
+the futures and the work queue. Every request that touches the model is queued as work and
+answered with a future id at once; the worker thread runs the queue in arrival order, except
+that forward / forward_backward work items that are queued together (within `batch_wait_s` of
+the first) run as one batch through the base model (engine.tinker.compute.run_losses), each row
+with its own adapter. A model's optimizer state and gradient accumulators belong to its adapter
+alone. The queue is bounded (`QueueFull`, a 429); finished futures are kept until retrieved,
+at most `max_futures` of them (the oldest dropped first), so a client that went away leaves no
+work or unbounded memory behind.
+
+State files (save_state / save_weights_for_sampler) live under `state_dir`: a path
+tinker://MODEL_ID/weights/NAME is the file STATE_DIR/quote(MODEL_ID)/weights/NAME.pt holding the
+owner, the LoRA spec, the adapter tensors, the AdamW state and the step count, so a restarted
+server with the same --state-dir serves them."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import quote
+
+import torch
+
+from engine.tinker.compute import adam_step, prompt_logprobs, run_losses, sample
+from engine.tinker.lora import LoraSpec, MultiLora
+
+
+class NotFound(LookupError):
+    """An id the caller does not own or that does not exist (404; the message names it)."""
+
+
+class BadRequest(ValueError):
+    """A request the service refuses (400; the message names the field)."""
+
+
+class QueueFull(RuntimeError):
+    """The work queue is full (429)."""
+
+
+@dataclasses.dataclass
+class TrainModel:
+    owner: str
+    adapter: str
+    spec: LoraSpec
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+
+
+@dataclasses.dataclass
+class Future:
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: object = None          # a dict (JSON) or bytes (protobuf)
+    error: str | None = None
+
+
+class Service:
+    def __init__(self, model_dir: str, name: str, state_dir: str, batch_wait_s: float = 0.01,
+                 max_queue: int = 256, max_futures: int = 4096, max_context: int | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_dir, self.name, self.state_dir = model_dir, name, Path(state_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+        model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.max_context = max_context or getattr(model.config, "max_position_embeddings", 2048)
+        self.vocab = model.config.vocab_size
+        self.lora = MultiLora(model)
+        self.batch_wait_s, self.max_futures = batch_wait_s, max_futures
+        self.sessions: dict[str, str] = {}
+        self.models: dict[str, TrainModel] = {}
+        self.samplers: dict[str, tuple[str, str | None]] = {}   # id: (owner, adapter)
+        self.futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
+        self.lock = threading.Lock()
+        self.work: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.counter = itertools.count()
+        self.batches: list[int] = []   # rows per forward batch run (for tests and the bench)
+        self.worker = threading.Thread(target=self._run, daemon=True, name="tinker-worker")
+        self.worker.start()
+
+    # -- registry ---------------------------------------------------------------------------
+    def create_session(self, owner: str) -> str:
+        session = f"session-{uuid.uuid4().hex[:12]}"
+        with self.lock:
+            self.sessions[session] = owner
+        return session
+
+    def session(self, owner: str, session_id: str) -> str:
+        if self.sessions.get(session_id) != owner:
+            raise NotFound(f"session_id {session_id!r} is not a session of this API key")
+        return session_id
+
+    def model(self, owner: str, model_id: str) -> TrainModel:
+        m = self.models.get(model_id)
+        if m is None or m.owner != owner:
+            raise NotFound(f"model_id {model_id!r} is not a model of this API key")
+        return m
+
+    def sampler(self, owner: str, sampling_session_id: str) -> str | None:
+        s = self.samplers.get(sampling_session_id)
+        if s is None or s[0] != owner:
+            raise NotFound(f"sampling_session_id {sampling_session_id!r} is not a sampling "
+                           "session of this API key")
+        return s[1]
+
+    def check_base_model(self, base_model: str | None) -> None:
+        if base_model is not None and base_model != self.name:
+            raise BadRequest(f"base_model {base_model!r} is not served; served: {self.name!r}")
+
+    def info(self, owner: str, model_id: str) -> dict:
+        m = self.model(owner, model_id)
+        return {"type": "get_info", "model_id": model_id, "is_lora": True,
+                "lora_rank": m.spec.rank, "model_name": self.name,
+                "model_data": {"arch": type(self.lora.model).__name__, "model_name": self.name,
+                               "tokenizer_id": self.model_dir}}
+
+    # -- futures and the queue -------------------------------------------------------------
+    def submit(self, kind: str, payload: dict) -> str:
+        request_id = f"req-{next(self.counter)}-{uuid.uuid4().hex[:8]}"
+        future = Future()
+        try:
+            self.work.put_nowait((kind, payload, future))
+        except queue.Full:
+            raise QueueFull(f"the work queue holds {self.work.maxsize} requests; retry later") \
+                from None
+        with self.lock:
+            self.futures[request_id] = future
+            while len(self.futures) > self.max_futures:
+                self.futures.popitem(last=False)
+        return request_id
+
+    def future(self, request_id: str) -> Future:
+        with self.lock:
+            f = self.futures.get(request_id)
+        if f is None:
+            raise NotFound(f"request_id {request_id!r} is not a pending or finished request")
+        return f
+
+    def forget(self, request_id: str) -> None:
+        with self.lock:
+            self.futures.pop(request_id, None)
+
+    def _run(self) -> None:
+        while True:
+            first = self.work.get()
+            batch = [first]
+            if first[0] == "forward_backward":
+                time.sleep(self.batch_wait_s)
+                while True:   # take the forward_backward items queued behind it, in order
+                    with self.work.mutex:
+                        head = self.work.queue[0] if self.work.queue else None
+                    if head is None or head[0] != "forward_backward":
+                        break
+                    batch.append(self.work.get_nowait())
+            try:
+                if first[0] == "forward_backward":
+                    self._forward_backward(batch)
+                else:
+                    kind, payload, future = first
+                    future.result = getattr(self, f"_do_{kind}")(**payload)
+                    future.done.set()
+            except (BadRequest, NotFound, ValueError) as e:
+                for _, _, future in batch:
+                    future.error = str(e)
+                    future.done.set()
+            except Exception as e:   # reported to the client as a failed request, never lost
+                for _, _, future in batch:
+                    future.error = f"{type(e).__name__}: {e}"
+                    future.done.set()
+
+    # -- work ------------------------------------------------------------------------------
+    def _forward_backward(self, batch) -> None:
+        from engine.tinker.wire import forward_backward_output
+
+        items = [dict(p, backward=not p["forward_only"]) for _, p, _ in batch]
+        self.batches.append(sum(len(i["data"]) for i in items))
+        results = run_losses(self.lora, items, grad=any(i["backward"] for i in items))
+        for (_, _, future), result in zip(batch, results):
+            future.result = forward_backward_output(result["outputs"], result["metrics"])
+            future.done.set()
+
+    def _do_create_model(self, owner: str, model_id: str, spec: LoraSpec,
+                         state: dict | None = None, path: str | None = None) -> dict:
+        adapter = f"a{next(self.counter)}"
+        if state is None:
+            self.lora.add(adapter, spec)
+        else:
+            self.lora.load(adapter, spec, state["adapter"])
+        optimizer = torch.optim.AdamW(self.lora.parameters(adapter), lr=0.0)
+        model = TrainModel(owner, adapter, spec, optimizer)
+        if state is not None and state.get("optimizer") is not None:
+            optimizer.load_state_dict(state["optimizer"])
+            model.steps = state["steps"]
+        self.models[model_id] = model
+        if path is not None:   # created by load_weights
+            return {"type": "load_weights", "model_id": model_id, "path": path}
+        return {"type": "create_model", "model_id": model_id}
+
+    def _do_optim_step(self, model: TrainModel, adam: dict) -> dict:
+        metrics = adam_step(self.lora.parameters(model.adapter), model.optimizer, adam)
+        model.steps += 1
+        return {"metrics": metrics}
+
+    def path_file(self, path: str) -> Path:
+        if not path.startswith("tinker://"):
+            raise BadRequest(f"path {path!r} must start with tinker://")
+        model_id, _, rest = path[len("tinker://"):].partition("/")
+        kind, _, name = rest.partition("/")
+        if kind not in ("weights", "sampler_weights") or not name or "/" in name \
+                or name in (".", ".."):
+            raise BadRequest(f"path {path!r} is not tinker://MODEL_ID/weights/NAME or "
+                             "tinker://MODEL_ID/sampler_weights/NAME")
+        return self.state_dir / quote(model_id, safe="") / kind / f"{quote(name, safe='')}.pt"
+
+    def _do_save(self, model_id: str, model: TrainModel, kind: str, name: str,
+                 with_optimizer: bool) -> dict:
+        path = f"tinker://{model_id}/{kind}/{name}"
+        file = self.path_file(path)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"owner": model.owner, "spec": dataclasses.asdict(model.spec),
+                    "adapter": self.lora.state(model.adapter), "steps": model.steps,
+                    "optimizer": model.optimizer.state_dict() if with_optimizer else None},
+                   file)
+        return {"path": path, "type": "save_weights" if kind == "weights"
+                else "save_weights_for_sampler"}
+
+    def read_state(self, owner: str, path: str) -> dict:
+        file = self.path_file(path)
+        if not file.is_file():
+            raise NotFound(f"path {path!r}: no such checkpoint")
+        state = torch.load(file, weights_only=True)
+        if state["owner"] != owner:
+            raise NotFound(f"path {path!r}: no such checkpoint")
+        return state
+
+    def _do_load_into(self, model: TrainModel, state: dict, optimizer: bool, path: str) -> dict:
+        spec = LoraSpec(**state["spec"])
+        if spec.suffixes() != model.spec.suffixes() or spec.rank != model.spec.rank:
+            raise BadRequest(f"path {path!r} holds a rank-{spec.rank} adapter of other "
+                             "targets than this model's; create a training client from it")
+        self.lora.remove(model.adapter)
+        self.lora.load(model.adapter, spec, state["adapter"])
+        model.optimizer = torch.optim.AdamW(self.lora.parameters(model.adapter), lr=0.0)
+        if optimizer and state.get("optimizer") is not None:
+            model.optimizer.load_state_dict(state["optimizer"])
+            model.steps = state["steps"]
+        return {"type": "load_weights", "path": path}
+
+    def _do_snapshot(self, owner: str, model: TrainModel, sampling_session_id: str) -> dict:
+        adapter = f"s{next(self.counter)}"
+        self.lora.load(adapter, model.spec, self.lora.state(model.adapter))
+        for p in self.lora.parameters(adapter):
+            p.requires_grad_(False)
+        self.samplers[sampling_session_id] = (owner, adapter)
+        return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id}
+
+    def _do_sampler_from_path(self, owner: str, state: dict, sampling_session_id: str) -> dict:
+        adapter = f"s{next(self.counter)}"
+        self.lora.load(adapter, LoraSpec(**state["spec"]), state["adapter"])
+        for p in self.lora.parameters(adapter):
+            p.requires_grad_(False)
+        self.samplers[sampling_session_id] = (owner, adapter)
+        return {}
+
+    def _do_sample(self, adapter: str | None, prompt: list[int], num_samples: int,
+                   params: dict, want_prompt_logprobs: bool) -> bytes:
+        from engine.tinker.wire import sample_response
+
+        seqs = sample(self.lora, adapter, prompt, num_samples, **params,
+                      decode=lambda ids: self.tokenizer.decode(ids))
+        lps = prompt_logprobs(self.lora, adapter, prompt) if want_prompt_logprobs else None
+        return sample_response(seqs, lps)
