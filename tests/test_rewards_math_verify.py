@@ -75,3 +75,19 @@ def test_math_verify_needs_a_main_thread_for_its_timeouts_and_the_reward_handles
     worker.start()
     worker.join()
     assert out == {"score": 1.0}
+
+
+def test_escaped_dollar_golds_are_currency_not_delimiters():
+    """MATH's currency rows (`\\$5`, `\\$18.90`): the escaped dollar is a sign inside the math,
+    as math-verify reads `$\\$18.90$`; a gold with real `$...$` delimiters is kept as given.
+    (Before: the gold was passed bare, parsed to nothing, and every reply scored 0.)"""
+    cases = {r"\$5": ([r"\boxed{5}", r"\boxed{\$5}", r"so it costs $\$5$."], [r"\boxed{6}",
+                                                                             r"\boxed{\$50}"]),
+             r"\$18.90": ([r"\boxed{18.90}", r"\boxed{\$18.90}", r"\boxed{18.9}"],
+                          [r"\boxed{18.91}", r"\boxed{\$5}"]),
+             r"$\frac{1}{2}$": ([r"\boxed{\frac12}", r"\boxed{0.5}"], [r"\boxed{\$5}"])}
+    for gold, (right, wrong) in cases.items():
+        assert [math_verify_reward("", r, gold) for r in right] == [1.0] * len(right), gold
+        assert [math_verify_reward("", r, gold) for r in wrong] == [0.0] * len(wrong), gold
+    assert gold_text(r"\$5") == r"$\$5$" and gold_text(r"$\$5$") == r"$\$5$"
+    assert gold_text(r"\\$5$") == r"\\$5$"      # an escaped backslash, then a real delimiter

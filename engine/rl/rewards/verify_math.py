@@ -10,25 +10,32 @@ own bound, and reward.timeout_s alone bounds the call.
 """
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 # the row's answer: LaTeX or a plain expression; bare LaTeX ("(0,1]", "\{1,2\}") parses only
-# inside math delimiters, so an answer without any is read as "$answer$"
+# inside math delimiters, so an answer without any is read as "$answer$" (an escaped dollar,
+# "\$5", is a currency sign inside the math, not a delimiter)
 GOLD_EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
 # the response: math-verify's extraction, \boxed{} first (boxed_match_priority=0), as open-r1
 PREDICTION_EXTRACTION = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
-DELIMITERS = ("$", "\\boxed", "\\(", "\\[")
+DELIMITERS = ("\\boxed", "\\(", "\\[")
+# a "$" after an even number of backslashes (none included): a delimiter, not an escaped sign
+DOLLAR_DELIMITER = re.compile(r"(?<!\\)(?:\\\\)*\$")
 TIMEOUT_S = 5  # math-verify's own per-parse and per-comparison bound (its default)
 
 
 def gold_text(answer: str) -> str:
     """The text math-verify parses as the gold answer: ``answer`` itself when it has math
-    delimiters or a ``\\boxed{}``, else ``$answer$``."""
+    delimiters (a ``$`` that is not escaped, ``\\(``, ``\\[``) or a ``\\boxed{}``, else
+    ``$answer$``: MATH's currency answers (``\\$18.90``) parse as math-verify parses
+    ``$\\$18.90$``."""
     answer = str(answer).strip()
-    return answer if any(d in answer for d in DELIMITERS) else f"${answer}$"
+    delimited = DOLLAR_DELIMITER.search(answer) or any(d in answer for d in DELIMITERS)
+    return answer if delimited else f"${answer}$"
 
 
 def math_verify_reward(prompt: str, response: str, answer: str, **fields: Any) -> float:
