@@ -11,6 +11,7 @@
     megatron-sft-engine bench NAME [--quick]
     megatron-sft-engine demo {assets,model,addition-data,rm-data,tools-data,...} ...
     megatron-sft-engine serve --model DIR [--backend hf|vllm] [--port P] ...
+    megatron-sft-engine tinker --model DIR [--port P] [--api-key KEY | --keys-file F] ...
 
 Each subcommand is the module a checkout runs with `python -m` (`engine.sft`, `engine.rl`,
 `engine.dpo`, `engine.rm`, `engine.kto`, `engine.serve`, `tools.convert`, `tools.bench`,
@@ -43,6 +44,8 @@ SUBCOMMANDS = {  # name: (module torchrun runs for --nproc-per-node, or None; on
     "demo": (None, "the CPU demos' tiny models, data and greedy evaluation"),
     "serve": (None, "serve a Hugging Face checkpoint OpenAI-compatibly (/v1; hf or vllm); "
                     "evaluation, LLM judges"),
+    "tinker": (None, "serve the Tinker training API (LoRA adapters of many users on one base "
+                     "model; docs/tinker.md)"),
 }
 
 
@@ -176,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.serve.__main__ import main as serve_main
 
         return serve_main(rest, prog=f"{PROG} serve")
+    if name == "tinker":
+        from engine.tinker.__main__ import main as tinker_main
+
+        return tinker_main(rest, prog=f"{PROG} tinker")
     from tools.demo import main as demo_main
 
     return demo_main(rest)
