@@ -159,3 +159,42 @@ def test_score_responses_timeout_does_not_block():
         assert 0.6 <= elapsed < 4.0  # the hung calls run one after another
     finally:
         release.set()
+
+
+def test_an_unknown_reward_fn_is_refused_before_any_heavy_import(tmp_path):
+    """`reward.fn=nosuch` through the real command line: exit 2, the message names reward.fn and
+    the built-ins, and it comes from the fast check on the composed command line
+    (engine.config.choices, before the imports the full validation and the process groups need:
+    torch is not imported). Before, it was refused only by the full validation, after them. A
+    spec with a colon passes the fast check (the full validation imports it); the fast check's
+    names are the registry's."""
+    import subprocess
+    import sys
+
+    from engine.config.choices import NAMED, NAMED_SOURCES, named_problems
+    from engine.rl.rewards.registry import BUILTIN_REWARDS
+
+    assert NAMED["reward.fn"] == tuple(sorted(BUILTIN_REWARDS))
+    assert NAMED_SOURCES["reward.fn"][0] == "engine.rl.rewards.registry:BUILTIN_REWARDS"
+    message = ("reward.fn='nosuch' is not valid; choose one of code, math, math_verify, none "
+               "or give your own as package.module:function")
+    code = ("import sys\n"
+            "from engine.rl.__main__ import main\n"
+            "rc = main(['reward.fn=nosuch', 'model.hf_path=/nonexistent'])\n"
+            "print('torch imported:', 'torch' in sys.modules)\n"
+            "sys.exit(rc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "torch imported: False" in done.stdout
+    cli = subprocess.run(["megatron-sft-engine", "rl", "reward.fn=nosuch",
+                          "model.hf_path=/nonexistent"], capture_output=True, text=True,
+                         timeout=300)
+    assert cli.returncode == 2 and message in cli.stderr and "Traceback" not in cli.stderr
+
+    def cfg(fn):
+        return type("Cfg", (), {"reward": type("Reward", (), {"fn": fn})})()
+
+    assert named_problems(cfg("math_verify")) == named_problems(cfg("pkg.mod:fn")) == []
+    assert [p.split(";")[0] for p in named_problems(cfg("pkg.mod"))] == [
+        "reward.fn='pkg.mod' is not valid"]

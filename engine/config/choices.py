@@ -4,6 +4,8 @@ without importing torch, megatron-core or transformers.
 The entry points check these keys right after the command line is composed against the
 schema's source (engine.cli.entry_main): `rollout.placement=foo` is refused in the time an
 unknown key is (about 1 s), not after the 20 s of heavy imports the full validation needs.
+So is a NAMED key (`reward.fn`) whose value is neither a built-in name nor a
+"package.module:name" spec (`reward.fn=nosuch`); a spec is imported by the full validation.
 `--help` (engine.config.help) lists the same choices on each key's line.
 
 The code that uses a value keeps its own table (a loss registry, a tuple beside its checks);
@@ -84,6 +86,16 @@ SOURCES = {
     "rollout_correction.rollout_rs": "engine.rl.algo.rollout_correction:RS_OPTIONS",
 }
 
+# keys taking a built-in name or the user's own "package.module:name": the built-in names (a
+# value with a colon is imported and checked by the full validation)
+NAMED: dict[str, tuple[str, ...]] = {
+    "reward.fn": ("code", "math", "math_verify", "none"),
+}
+# key -> (the code's table of the names, what a user's own spec names)
+NAMED_SOURCES = {
+    "reward.fn": ("engine.rl.rewards.registry:BUILTIN_REWARDS", "function"),
+}
+
 _MISSING = object()
 
 
@@ -112,10 +124,27 @@ def lists_choices(key: str, meaning: str) -> bool:
     return all(choice in words for choice in CHOICES.get(key, ()))
 
 
+def named_problems(cfg: Any) -> list[str]:
+    """One sentence per NAMED key of `cfg` (keys it does not have are skipped) whose value is
+    neither a built-in name nor shaped "package.module:name", naming the key, the value and
+    the built-ins."""
+    problems = []
+    for key, names in NAMED.items():
+        value = _value(cfg, key)
+        if value is _MISSING or value in names:
+            continue
+        module, colon, attr = str(value).partition(":")
+        if not (isinstance(value, str) and colon and module and attr):
+            kind = NAMED_SOURCES[key][1]
+            problems.append(f"{key}={value!r} is not valid; choose one of {', '.join(names)} "
+                            f"or give your own as package.module:{kind}")
+    return problems
+
+
 def choice_problems(cfg: Any) -> list[str]:
     """One sentence per choice key of `cfg` (a composed config of any entry point; keys it
     does not have are skipped) whose value is not one of its choices, naming the key, the
-    value and the choices."""
+    value and the choices; then named_problems."""
     problems = []
     for key, choices in CHOICES.items():
         value = _value(cfg, key)
@@ -127,7 +156,7 @@ def choice_problems(cfg: Any) -> list[str]:
             valid = (("null",) if key in NULL_OK else ()) + choices
             problems.append(f"{key}={value!r} is not valid; choose one of "
                             f"{', '.join(valid)}")
-    return problems
+    return problems + named_problems(cfg)
 
 
 def choice_error(cfg: Any) -> str | None:
