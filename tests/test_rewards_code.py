@@ -1,9 +1,12 @@
-"""reward.fn=code: the three test formats on correct and wrong solutions, and every hostile
-program contained by the sandbox (engine.rl.rewards.sandbox) while the next item scores
-normally. The sandbox needs its layers (unshare, root for the uid switch): the hostile tests are
-skipped, naming the missing layers, where the host cannot enforce them."""
+"""reward.fn=code: the fences, the test types, the tagged plain data, the three test formats on
+correct and wrong solutions, and every hostile program contained by the bubblewrap sandbox
+(engine.rl.rewards.sandbox) while the next item scores normally. The sandbox tests are skipped,
+naming why, where the host cannot run bubblewrap. The known cheats:
+tests/test_rewards_code_cheats.py; the sandbox's own boundaries: tests/test_sandbox_bwrap.py."""
 from __future__ import annotations
 
+import json
+import math
 import os
 import socket
 import subprocess
@@ -11,14 +14,18 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-from engine.rl.rewards import load_reward_fn
+from engine.rl.rewards import load_reward_fn, plain_data
 from engine.rl.rewards.code import CodeReward, last_code_block, normalize_output
+from engine.rl.rewards.code_tests import (AssertCalls, AssertScript, Call, CallTest, StdinTest,
+                                          assert_calls, parse_tests)
+from engine.rl.rewards.fences import fenced_blocks
 from engine.rl.rewards.pool import RewardPool
-from engine.rl.rewards.sandbox import RUN_UIDS, missing_layers
+from engine.rl.rewards.sandbox import missing_layers
 
 ADD = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"},
        {"input": "-4 1\n", "output": "-3  \n\n"}]
@@ -33,6 +40,19 @@ def block(code: str) -> str:
     return f"Let me write it.\n```python\n{code}\n```\nDone."
 
 
+def marker_processes(marker: str) -> list[int]:
+    """PIDs of the host's processes whose command line holds ``marker``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    out.append(int(entry.name))
+            except OSError:
+                pass
+    return out
+
+
 def test_block_extraction_and_output_normalisation():
     assert last_code_block("```py\nx=1\n```\ntext\n```python\ny=2\n```") == "y=2\n"
     assert last_code_block("no code") is None
@@ -40,36 +60,143 @@ def test_block_extraction_and_output_normalisation():
     assert normalize_output("3 4") != normalize_output("3  4")
 
 
+@pytest.mark.parametrize("reply, expected", [
+    # the review's two cases: a bash block before the solution (the old pattern paired the
+    # bash block's closing fence with the python opening and gave ''), a bare sample-output
+    # block after it (the old pattern took it as the solution)
+    ("Run it with:\n```bash\npython sol.py < in.txt\n```\nThe code:\n```python\nprint(3)\n"
+     "```\n", "print(3)\n"),
+    ("```python\nprint(3)\n```\nSample output:\n```\n3\n```\n", "print(3)\n"),
+    ("Only a bare block:\n```\nprint(1)\n```\n", "print(1)\n"),
+    ("```Python3 title=x\nprint(1)\n```\n```py\nprint(2)\n```\n```js\nlet x\n```", "print(2)\n"),
+    ("```javascript\nconsole.log(1)\n```\n", None),                  # another language only
+    ("```python\nprint(1)\n", None),                                 # never closed (cut short)
+    ("  ```python\n  def f():\n      return 1\n  ```\n", "def f():\n    return 1\n"),
+    ("````python\n```\nprint('a fence inside')\n````\n", "```\nprint('a fence inside')\n"),
+    ("~~~python\nprint(1)\n~~~\n", "print(1)\n"),
+])
+def test_fences_take_the_last_python_block_else_a_bare_one(reply, expected):
+    assert last_code_block(reply) == expected
+
+
+def test_fenced_blocks_are_line_based():
+    blocks = fenced_blocks("a ```python inline``` b\n```bash\nls\n```\n```\nout\n```")
+    assert [(b.language, b.content) for b in blocks] == [("bash", "ls\n"), ("", "out\n")]
+
+
+def test_tests_have_types():
+    assert parse_tests({"tests": ADD[:1]}) == [StdinTest("1 2\n", "3\n")]
+    assert parse_tests({"tests": json.dumps({"inputs": ["1"], "outputs": ["2"]})}) == [
+        StdinTest("1", "2")]
+    assert parse_tests({"tests": CALL})[1] == CallTest("add", (3, 4), [7])
+    assert parse_tests({"test_code": "assert sq(3) == 9\nassert not odd(x=2)"}) == [
+        AssertCalls((Call("sq", (3,), {}, "eq", 9), Call("odd", (), {"x": 2}, "false")))]
+    script = "x = sq(3)\nassert x == 9"
+    assert parse_tests({"test_code": script}) == [AssertScript(script)]
+    for bad, message in [({}, "no tests"), ({"fn_name": "f", "inputs": [1], "outputs": [1]},
+                                            "must be a list of arguments"),
+                         ({"fn_name": "f", "inputs": [[1]], "outputs": []}, "1 inputs but 0"),
+                         ({"tests": [{"input": "1"}]}, r"tests\[0\]"),
+                         ({"fn_name": "no such", "inputs": [[1]], "outputs": [1]}, "not a Python")]:
+        with pytest.raises(ValueError, match=message):
+            parse_tests(bad)
+
+
+@pytest.mark.parametrize("script, calls", [
+    ("assert f(1, [2, 3]) == (4, {5})", [Call("f", (1, [2, 3]), {}, "eq", (4, {5}))]),
+    ("assert 9 == sq(-3), 'message'\nassert sq(0)", [Call("sq", (-3,), {}, "eq", 9),
+                                                     Call("sq", (0,), {}, "true")]),
+    ('METADATA = {"author": "x"}\n\ndef check(candidate):\n    """doc"""\n'
+     "    assert candidate(2) == 4\n    assert not candidate(0)\n\ncheck(sq)\n",
+     [Call("sq", (2,), {}, "eq", 4), Call("sq", (0,), {}, "false")]),
+    ("from solution import sq\nassert sq(2) == 4", None),         # an import binds the name
+    ("import math\nassert f(2) == 4", [Call("f", (2,), {}, "eq", 4)]),
+    ("assert f(2) != 4", None),
+    ("assert abs(f(2) - 4) < 1e-9", None),
+    ("assert f(x) == 4", None),
+    ("assert f(2) == float('inf')", None),
+    ("for i in range(3):\n    assert f(i) == i", None),
+    ("def check(c):\n    return c(1)\ncheck(f)", None),
+    ("not python (", None),
+])
+def test_assert_scripts_of_calls_are_parsed_and_others_are_not(script, calls):
+    assert assert_calls(script) == (tuple(calls) if calls is not None else None)
+
+
+@pytest.mark.parametrize("value", [
+    None, True, 0, -7, 2 ** 80, 1.5, float("inf"), -float("inf"), "é\n", b"\x00\xff",
+    [1, (2, 3)], (), {1, 2}, frozenset({"a"}), {1: "a", (2, 3): [None], "$tuple": 4},
+    {"nested": [{"deep": ({1.0},)}]},
+])
+def test_plain_data_round_trips_keeping_types(value):
+    back = plain_data.loads(plain_data.dumps(value))
+    assert back == value and type(back) is type(value)
+    assert repr(back) == repr(value)
+
+
+def test_plain_data_refuses_what_is_not_plain():
+    nan = plain_data.loads(plain_data.dumps(float("nan")))
+    assert math.isnan(nan)
+
+    class Int(int):
+        pass
+
+    for value in (Int(3), object(), [1, {2: Int(1)}], 1j, print):
+        with pytest.raises(plain_data.NotPlainData):
+            plain_data.dumps(value)
+    deep = []
+    for _ in range(plain_data.MAX_DEPTH + 5):
+        deep = [deep]
+    with pytest.raises(plain_data.NotPlainData):
+        plain_data.dumps(deep)
+    for text in ('{"a": 1}', '{"$set": [[1]]}', '{"$nope": []}', "NaN", '{"$float": "1e999"}',
+                 '{"$dict": [[1]]}', '{"$dict": [[[1], 2]]}', "[" * 5000 + "]" * 5000,
+                 "9" * 5000):
+        with pytest.raises(ValueError):
+            plain_data.loads(text)
+
+
+@needs_sandbox
 @pytest.mark.parametrize("code, fields, expected", [
     ("a, b = map(int, input().split())\nprint(a + b)", {"tests": ADD}, 1.0),
     ("a, b = map(int, input().split())\nprint(a * b if a == 5 else a + b)", {"tests": ADD},
      2 / 3),
     ("print(int(input().split()[0]))", {"tests": ADD}, 0.0),
+    ("a, b = map(int, input().split())\nprint(a + b)\nraise SystemExit(1)", {"tests": ADD}, 0.0),
     ("def add(a, b):\n    return a + b", CALL, 1.0),
+    ("def add(a, b):\n    return (a + b,)", CALL, 1 / 3),     # [7] is (7,) wrapped, as APPS
     ("class Solution:\n    def add(self, a, b):\n        return a + b", {"tests": CALL}, 1.0),
     ("def add(a, b):\n    return a - b", CALL, 1 / 3),
     ("def sq(x):\n    return x * x", {"test_code": "assert sq(3) == 9\nassert sq(-2) == 4"}, 1.0),
     ("def sq(x):\n    return x + x", {"test_code": "assert sq(3) == 9"}, 0.0),
+    # the assert's own == semantics: a tuple is not a list, a set ignores order
+    ("def f():\n    return (1, 2)", {"test_code": "assert f() == [1, 2]"}, 0.0),
+    ("def f():\n    return {2, 1}", {"test_code": "assert f() == {1, 2}"}, 1.0),
+    ("def f(n, k=0):\n    return {n: k}", {"test_code": "assert f(1, k=2) == {1: 2}"}, 1.0),
+    # scripts the harness runs: solution functions called over the pipe
+    ("def sq(x):\n    return x * x", {"test_code": "vals = [sq(v) for v in range(4)]\n"
+                                                   "assert vals == [0, 1, 4, 9]"}, 1.0),
+    ("def sq(x):\n    return x * x", {"test_code": "def check(candidate):\n"
+                                                   "    assert abs(candidate(0.5) - 0.25) < 1e-9"
+                                                   "\ncheck(sq)"}, 1.0),
+    ("def inv(x):\n    if x == 0:\n        raise ValueError('zero')\n    return 1 / x",
+     {"test_code": "try:\n    inv(0)\n    raise AssertionError\nexcept ValueError:\n    pass"},
+     1.0),
+    ("def sq(x):\n    return x * x", {"test_code": "x = sq(3)\nassert x == 10"}, 0.0),
+    ("class P:\n    pass\ndef make():\n    return P()", {"test_code": "p = make()\nassert p"}, 0.0),
 ])
 def test_formats_score_correct_and_wrong_solutions(code, fields, expected):
     assert load_reward_fn("code")("", block(code), "", **fields) == pytest.approx(expected)
 
 
+@needs_sandbox
 def test_all_or_nothing_and_no_block_and_json_tests():
     partial = block("a, b = map(int, input().split())\nprint(a * b if a == 5 else a + b)")
     assert CodeReward(score="all")("", partial, "", tests=ADD) == 0.0
     assert CodeReward()("", "print(3)", "", tests=ADD) == 0.0    # no fenced block
-    import json   # the JSON text form of the tests
     assert CodeReward()("", NORMAL[0], "", tests=json.dumps(ADD)) == 1.0
     with pytest.raises(ValueError, match="no tests"):
         CodeReward()("", NORMAL[0], "")
-
-
-def _sandbox_uid_processes() -> list[str]:
-    """Processes of any sandbox uid (RUN_UIDS) alive on the host."""
-    out = subprocess.run(["ps", "-eo", "uid=,pid=,cmd="], capture_output=True,
-                         text=True).stdout
-    return [line for line in out.splitlines() if int(line.split()[0]) in RUN_UIDS]
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +227,17 @@ def listener():
 def test_hostile_programs_are_contained_and_the_next_item_scores(tmp_path, listener,
                                                                 monkeypatch):
     """Each hostile program scores 0 (its test fails) and leaves no trace; a normal item
-    after each scores 1. All in the reward's worker pool, as a run scores them."""
+    after each scores 1. All in the reward's worker pool, as a run scores them, with a run
+    time limit of 4 s: the endless loop is a failed test, not a failed call."""
     port, hits = listener
     hits.clear()
     monkeypatch.setenv("TRAINER_SECRET", "hunter2")
     checkpoint = tmp_path / "checkpoints"
     checkpoint.mkdir()
-    os.chmod(tmp_path, 0o755)   # a folder the sandbox uid could at least find
+    os.chmod(tmp_path, 0o755)
+    marker = f"reward-sandbox-{uuid.uuid4().hex}"
+    sleeper = ("os.execv(sys.executable, [sys.executable, '-c', 'import time; "
+               f"time.sleep(600)', {marker!r}])")
     expect_secret = [{"input": "", "output": "hunter2"}]
     hostile = {
         "secret": ("import os\nprint(os.environ.get('TRAINER_SECRET'))", expect_secret),
@@ -114,9 +245,9 @@ def test_hostile_programs_are_contained_and_the_next_item_scores(tmp_path, liste
                   [{"input": "", "output": "ok"}]),
         "network": (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), "
                     "timeout=2)\nprint('ok')", [{"input": "", "output": "ok"}]),
-        "fork flood": ("import os, time\nn = 0\nfor _ in range(2000):\n    try:\n"
-                       "        if os.fork() == 0:\n            time.sleep(600)\n"
-                       "            os._exit(0)\n        n += 1\n    except OSError:\n"
+        "fork flood": ("import os, sys\nn = 0\nfor _ in range(2000):\n    try:\n"
+                       f"        if os.fork() == 0:\n            {sleeper}\n"
+                       "        n += 1\n    except OSError:\n"
                        "        pass\nprint(n)", [{"input": "", "output": "2000"}]),
         "10 GB": ("x = bytearray(10 * 1024 ** 3)\nprint('ok')", [{"input": "", "output": "ok"}]),
         "1 GB out": ("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n"
@@ -135,9 +266,7 @@ def test_hostile_programs_are_contained_and_the_next_item_scores(tmp_path, liste
                   {"prompt": "", "response": NORMAL[0], "answer": "", **NORMAL[1]}]
     pool = RewardPool(CodeReward(timeout_s=4.0), num_workers=2, timeout_s=4.0)
     try:
-        t0 = time.monotonic()
         report = pool.score(items)
-        elapsed = time.monotonic() - t0
     finally:
         pool.close()
     assert report.scores == [0.0, 1.0] * len(hostile), dict(zip(
@@ -145,9 +274,8 @@ def test_hostile_programs_are_contained_and_the_next_item_scores(tmp_path, liste
     assert (report.errors, report.timeouts, report.failures) == (0, 0, 0)
     assert not (checkpoint / "pwned").exists()
     assert hits == []                        # nothing reached the host's loopback listener
-    assert _sandbox_uid_processes() == []    # no forked sleeper outlives its call
-    assert not list(Path(tempfile.gettempdir()).glob("reward-code-*"))   # work dirs removed
-    assert elapsed < 120
+    assert marker_processes(marker) == []    # no forked sleeper outlives its call
+    assert not list(Path(tempfile.gettempdir()).glob("reward-code-*"))   # no host work dirs
 
 
 def test_without_the_sandbox_the_same_programs_escape(tmp_path, listener, monkeypatch):
@@ -166,15 +294,3 @@ def test_without_the_sandbox_the_same_programs_escape(tmp_path, listener, monkey
     while not hits and time.monotonic() < deadline:
         time.sleep(0.05)
     assert hits
-
-
-def test_strict_refuses_a_missing_layer_by_name_and_relaxed_runs(monkeypatch):
-    from engine.rl.config import RewardConfig   # torch: kept out of the workers' import
-    import engine.rl.rewards.settings as settings
-    monkeypatch.setattr(settings, "missing_layers", lambda: {"netns": "unshare failed"})
-    (problem,) = settings.reward_settings_problems(RewardConfig(fn="code"))
-    assert "reward.code_sandbox=strict" in problem and "netns: unshare failed" in problem
-    assert "reward.code_sandbox=relaxed" in problem
-    assert settings.reward_settings_problems(RewardConfig(fn="code",
-                                                          code_sandbox="relaxed")) == []
-    assert settings.reward_settings_problems(RewardConfig(fn="math")) == []
