@@ -251,6 +251,24 @@ def test_prefix_units_keep_groups_together_and_split_by_budget():
     assert sorted(shared_groups(short)) == [[0], [1], [2], [3]]
 
 
+def test_trie_growth_is_the_nodes_the_rows_add():
+    """prefix_tree._Trie.growth (prefix_units' running unit): the nodes inserting several rows
+    would add, rows that continue from the same node merged, the trie unchanged."""
+    from engine.training.prefix_tree import _Trie
+
+    for seed in range(4):
+        rows = random_rows(seed + 40)
+        trie = _Trie()
+        for a in range(0, len(rows), 3):
+            unit = rows[a:a + 3]
+            size = trie.size
+            grow = trie.growth(unit)
+            assert trie.size == size
+            assert grow == tree_tokens(rows[:a + 3]) - tree_tokens(rows[:a])
+            for row in unit:
+                trie.insert(row)
+
+
 def _cfg(**over):
     train = SimpleNamespace(prefix_sharing=True, compile=over.pop("compile", "false"))
     parallel = SimpleNamespace(cp=over.pop("cp", 1), cp_comm_type=over.pop("comm", "a2a"))
@@ -322,3 +340,38 @@ def test_cli_refuses_before_any_process_group(tmp_path):
         and "moe.capacity_factor" in report[0], proc.stderr[-2000:]
     with pytest.raises(AssertionError, match="start torch.distributed"):
         run_main(main, base, env)
+
+
+def _budget_rows():
+    """Rows 0 and 1 share 4 of their 12 tokens (their tree: 20 of 24), row 2 shares nothing
+    (20 tokens): planned by tree tokens, all three fit a 40-token budget (20 + 20), but
+    together they save 4 of 44 tokens (under MIN_SAVING) and run unshared: 44 tokens."""
+    return [[1, 2, 3, 4] + [10 + i] * 8 for i in range(2)] + [[50 + t for t in range(20)]]
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_unshared_fallback_is_replanned_within_the_token_budget(dp):
+    """A micro-batch that falls back to its unshared rows (its tree saves under 10 %) is
+    re-planned by the unshared planner: every micro-batch of every rank runs at most
+    train.max_tokens_per_micro_batch tokens, every rank runs the same count, and every row is
+    planned once. (Before: the three rows ran as one 44-token micro-batch against 40.)"""
+    from engine.training.rank_batch import build_rank_batch
+
+    budget = 40
+    rows = _budget_rows()
+    if dp == 2:   # a second rank's rows: a group that shares well (a tree of 22 of 40 tokens)
+        rows += [[7, 8, 9, 11] * 4 + [20 + i] * 4 for i in range(2)]
+    seqs = seqs_of(rows)
+    cfg = SimpleNamespace(micro_batch_size=1, max_tokens_per_micro_batch=budget,
+                          balance_dp=True, packing=True, prefix_sharing=True)
+    counts, planned = set(), []
+    for rank in range(dp):
+        layout = dict(dp=dp, dp_rank=rank, cp=1, cp_rank=0, tp=1, pp=1, vpp=1, dp_group=None)
+        rb = build_rank_batch(seqs, torch.ones(len(seqs), dtype=torch.float64), cfg,
+                              layout=layout)
+        counts.add(len(rb.micro_batches))
+        planned += rb.positions
+        for mb in rb.micro_batches:
+            run = mb.tree.num_tokens if mb.tree is not None else mb.num_tokens
+            assert run <= budget, (rank, run, rb.plan.ranks)
+    assert len(counts) == 1 and sorted(planned) == list(range(len(rows)))

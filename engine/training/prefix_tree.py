@@ -19,12 +19,18 @@ Contract of `build_prefix_tree(rows)` (T = number of tree nodes = distinct prefi
 - `runs`: the chains between branch points (RunSpan: queries [start, end), keys the spans of
   the run's ancestors then the run itself), the unit of the per-run attention
   (parallel.tree_attention).
+
+One trie (`_Trie`) makes all of them: `build_prefix_tree`'s layout, `tree_tokens`' count and
+the planning's running unit (`prefix_units`: rows sharing a prefix kept in one micro-batch, the
+budget counted in tree tokens; `unshared_within_budget`: a micro-batch that runs unshared,
+`worth_sharing` false, re-planned within the budget by the unshared planner).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
+from engine.training.batching import micro_batches_by_token_budget
 from parallel.tree_attention_split import merge_spans
 
 
@@ -55,22 +61,9 @@ class PrefixTree:
 
 def build_prefix_tree(rows: Sequence[Sequence[int]]) -> PrefixTree:
     """The trie of `rows` in depth-first layout (module docstring for the contract)."""
-    children: list[dict[int, int]] = []     # insertion-order node ids
-    token_of: list[int] = []
-    roots: dict[int, int] = {}
-    paths: list[list[int]] = []
-    for row in rows:
-        level, path = roots, []
-        for tok in row:
-            tok = int(tok)
-            node = level.get(tok)
-            if node is None:
-                node = level[tok] = len(token_of)
-                token_of.append(tok)
-                children.append({})
-            path.append(node)
-            level = children[node]
-        paths.append(path)
+    trie = _Trie()
+    paths = [trie.insert(row) for row in rows]
+    roots, children, token_of = trie.roots, trie.children, trie.keys
     # depth-first order: children in order of first appearance (dict insertion order)
     order: list[int] = []
     stack = list(reversed(list(roots.values())))
@@ -177,17 +170,10 @@ def worth_sharing(tree_size: int, row_tokens: int) -> bool:
 
 def tree_tokens(rows: Sequence[Sequence[int]]) -> int:
     """Nodes of the trie of `rows` (tokens that run through the model when they share)."""
-    roots: dict = {}
-    count = 0
+    trie = _Trie()
     for row in rows:
-        level = roots
-        for tok in row:
-            nxt = level.get(int(tok))
-            if nxt is None:
-                nxt = level[int(tok)] = {}
-                count += 1
-            level = nxt
-    return count
+        trie.insert(row)
+    return trie.size
 
 
 def prefix_units(rows: Sequence[Sequence[int]], max_tokens: int | None,
@@ -209,8 +195,7 @@ def prefix_units(rows: Sequence[Sequence[int]], max_tokens: int | None,
         members = sorted(group, key=lambda g: (list(heads[g]), g))
         current, trie = [], _Trie()
         for g in members:
-            grow = sum(trie.new_nodes(rows[i]) for i in base[g]) if len(base[g]) == 1 else \
-                tree_tokens([rows[i] for i in current + base[g]]) - trie.size
+            grow = trie.growth([rows[i] for i in base[g]])
             if current and max_tokens and trie.size + grow > max_tokens:
                 out.append(current)
                 sizes.append(trie.size)
@@ -223,28 +208,79 @@ def prefix_units(rows: Sequence[Sequence[int]], max_tokens: int | None,
     return out, sizes
 
 
+def unshared_within_budget(ranks: list[list[list[int]]], rows: Sequence[Sequence[int]],
+                           units: Sequence[Sequence[int]] | None,
+                           max_tokens: int) -> list[list[list[int]]]:
+    """A plan made with tree tokens (`ranks[dp_rank][micro_batch]`: indices into `rows`, the
+    trie's rows) in which every micro-batch that runs unshared (its trie saves too little,
+    `worth_sharing`) and holds more than `max_tokens` row tokens is re-planned by the planner
+    of the unshared path (batching.micro_batches_by_token_budget, first-fit decreasing over its
+    `units`' row tokens; `units` null: single rows): its pieces take its place, each within
+    `max_tokens` unless one unit exceeds it alone (as without sharing). Ranks left with fewer
+    micro-batches than the most are topped up with empty ones (dummies, as plan_mini_batch's).
+    A function of its arguments alone, so every rank makes the same plan of the global batch."""
+    base = [list(u) for u in units] if units is not None else [[i] for i in range(len(rows))]
+    unit_of = {i: u for u, members in enumerate(base) for i in members}
+    out = []
+    for micro_batches in ranks:
+        mine = []
+        for mb in micro_batches:
+            total = sum(len(rows[i]) for i in mb)
+            if total <= max_tokens or worth_sharing(tree_tokens([rows[i] for i in mb]), total):
+                mine.append(mb)
+                continue
+            ids = list(dict.fromkeys(unit_of[i] for i in mb))
+            lengths = [sum(len(rows[i]) for i in base[u]) for u in ids]
+            mine += [[i for u in piece for i in base[u]]
+                     for piece in micro_batches_by_token_budget(ids, lengths, max_tokens)]
+        out.append(mine)
+    count = max((len(m) for m in out), default=0)
+    return [m + [[] for _ in range(count - len(m))] for m in out]
+
+
 class _Trie:
-    """A trie of token rows that counts its nodes (prefix_units' running unit)."""
+    """Token rows merged by their prefixes: the one trie of this module (build_prefix_tree's
+    layout, tree_tokens' count and prefix_units' running unit are all made of it). Nodes are
+    numbered in order of creation; `keys[n]` is node n's token, `children[n]` its children
+    {token: node} and `roots` the root nodes, both in order of first appearance (dict order)."""
 
     def __init__(self) -> None:
-        self.root: dict = {}
-        self.size = 0
+        self.roots: dict[int, int] = {}
+        self.children: list[dict[int, int]] = []
+        self.keys: list[int] = []
 
-    def new_nodes(self, row: Sequence[int]) -> int:
-        """Nodes inserting `row` would add."""
-        level, depth = self.root, 0
-        for tok in row:
-            level = level.get(int(tok))
-            if level is None:
-                break
-            depth += 1
-        return len(row) - depth
+    @property
+    def size(self) -> int:
+        """Nodes of the trie (distinct prefixes inserted)."""
+        return len(self.keys)
 
-    def insert(self, row: Sequence[int]) -> None:
-        level = self.root
+    def insert(self, row: Sequence[int]) -> list[int]:
+        """The node of each token of `row`, creating those the trie lacks."""
+        level, path, keys, children = self.roots, [], self.keys, self.children
         for tok in row:
-            nxt = level.get(int(tok))
-            if nxt is None:
-                nxt = level[int(tok)] = {}
-                self.size += 1
-            level = nxt
+            tok = int(tok)
+            node = level.get(tok)
+            if node is None:
+                node = level[tok] = len(keys)
+                keys.append(tok)
+                children.append({})
+            path.append(node)
+            level = children[node]
+        return path
+
+    def growth(self, rows: Sequence[Sequence[int]]) -> int:
+        """Nodes inserting `rows` would add (the trie unchanged): each row's tokens past its
+        longest prefix already in the trie, merged with the other rows' that leave the trie
+        at the same node."""
+        leaving: dict[int, list] = {}   # node a row leaves the trie at (-1: the roots) -> rest
+        for row in rows:
+            level, node, depth = self.roots, -1, 0
+            for tok in row:
+                nxt = level.get(int(tok))
+                if nxt is None:
+                    break
+                node, level, depth = nxt, self.children[nxt], depth + 1
+            if depth < len(row):
+                leaving.setdefault(node, []).append(row[depth:])
+        return sum(len(rest[0]) if len(rest) == 1 else tree_tokens(rest)
+                   for rest in leaving.values())

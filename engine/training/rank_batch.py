@@ -20,7 +20,8 @@ from engine.training.micro_batches import (MicroBatch, SequenceData, build_packe
                                   dummy_sequence, empty_extras)
 from engine.training.mtp import mtp_extras
 from engine.training.plan import MiniBatchPlan, plan_mini_batch
-from engine.training.prefix_tree import prefix_units, tree_tokens, worth_sharing
+from engine.training.prefix_tree import (prefix_units, tree_tokens, unshared_within_budget,
+                                         worth_sharing)
 from engine.training.tree_batch import build_tree_micro_batch, tree_row_length
 from engine.training.tree_routing import trie_rows
 
@@ -85,16 +86,24 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
     `train_cfg.prefix_sharing` (optional attribute): each micro-batch runs its rows as a prefix
     tree (engine.training.tree_batch); the plan keeps rows sharing a prefix in one micro-batch
     (prefix_tree.prefix_units: `micro_batch_size` then counts those groups) and its token
-    budget and DP balance count tree tokens."""
+    budget and DP balance count tree tokens; a micro-batch that runs unshared (its tree saves
+    too little) and exceeds the budget is re-planned by the unshared planner
+    (prefix_tree.unshared_within_budget)."""
     lay = layout or _layout()
     lengths = [len(s.tokens) for s in seqs]
     sharing = bool(getattr(train_cfg, "prefix_sharing", False))
     unit_lengths = None
     trie = trie_rows(seqs) if sharing else None   # tokens, or (token, routing) with replay
+    budget = train_cfg.max_tokens_per_micro_batch
+    given = units
     if sharing:   # rows sharing a prefix in one micro-batch; budgets count tree tokens
-        units, unit_lengths = prefix_units(trie, train_cfg.max_tokens_per_micro_batch, units)
+        units, unit_lengths = prefix_units(trie, budget, units)
     plan = plan_mini_batch(lengths, lay["dp"], train_cfg.balance_dp, train_cfg.micro_batch_size,
-                           train_cfg.max_tokens_per_micro_batch, units, unit_lengths)
+                           budget, units, unit_lengths)
+    if sharing and budget and lay["pp"] == 1:   # (pp > 1: every micro-batch stays a tree)
+        # a micro-batch that runs unshared runs its rows' tokens: re-planned within the budget
+        plan = MiniBatchPlan(unshared_within_budget(plan.ranks, trie, given, budget),
+                             plan.dp_imbalance)
     if lay.get("vpp", 1) > 1 and plan.num_micro_batches % lay["pp"]:
         # megatron's interleaved schedule wants a multiple of pp micro-batches (a remainder
         # below pp is refused): top every rank up with empty, zero-weight micro-batches
