@@ -16,7 +16,10 @@
 #   5. emerging-optimizers 0.3.0 (optim.name=muon, docs/optimizers.md) with --no-deps
 #      --ignore-requires-python: its only release declares Requires-Python >= 3.12 although it runs on
 #      3.11 (engine.training.muon provides typing.override there), and its declared needs, torch
-#      and absl-py, are already installed by step 2.
+#      and absl-py, are already installed by step 2;
+#   6. bubblewrap (`bwrap`), the sandbox of reward.fn=code (docs/rewards.md#the-sandbox): as root
+#      with apt-get, dnf or pacman; skipped when bwrap is already there; otherwise it prints the
+#      command to run (reward.code_sandbox=strict refuses to start without it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,5 +66,25 @@ else
     step "emerging-optimizers 0.3.0 (optim.name=muon): --no-deps --ignore-requires-python, its" \
          "release declares Python >= 3.12 but runs on 3.10/3.11; torch and absl-py are installed"
     "${PIP[@]}" install $QUIET --no-deps --ignore-requires-python emerging-optimizers==0.3.0
+fi
+if command -v bwrap >/dev/null 2>&1; then
+    step "bubblewrap (reward.fn=code's sandbox): already installed ($(command -v bwrap))"
+elif [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    step "bubblewrap (reward.fn=code's sandbox): apt-get install bubblewrap"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap \
+        >/dev/null 2>&1 || {
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq --no-install-recommends bubblewrap; }
+elif [ "$(id -u)" -eq 0 ] && command -v dnf >/dev/null 2>&1; then
+    step "bubblewrap (reward.fn=code's sandbox): dnf install bubblewrap"
+    dnf install -y -q bubblewrap
+elif [ "$(id -u)" -eq 0 ] && command -v pacman >/dev/null 2>&1; then
+    step "bubblewrap (reward.fn=code's sandbox): pacman -S bubblewrap"
+    pacman -S --noconfirm --needed bubblewrap
+else
+    step "bubblewrap (reward.fn=code's sandbox) is not installed and this script cannot install" \
+         "it (not root, or no apt-get/dnf/pacman): run \`sudo apt-get install bubblewrap\`" \
+         "(Debian/Ubuntu), \`sudo dnf install bubblewrap\` (Fedora) or \`sudo pacman -S" \
+         "bubblewrap\` (Arch); without it reward.fn=code needs reward.code_sandbox=relaxed"
 fi
 step "done"
