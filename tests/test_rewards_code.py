@@ -294,3 +294,25 @@ def test_without_the_sandbox_the_same_programs_escape(tmp_path, listener, monkey
     while not hits and time.monotonic() < deadline:
         time.sleep(0.05)
     assert hits
+
+
+def test_a_code_row_without_tests_is_refused_at_start_naming_file_line(qwen3_dir, tmp_path):
+    """engine.rl.collect.prompts.prompt_rows, before the model is built: reward.fn=code refuses
+    the first row whose tests cannot be read, by file:line; other rewards take the rows."""
+    from transformers import AutoTokenizer   # heavy: only this test needs it
+
+    from engine.config.schema import load_config
+    from engine.data.files import DataError
+    from engine.rl.collect.prompts import prompt_rows
+    from engine.rl.config import RLConfig
+
+    path = tmp_path / "code.jsonl"
+    path.write_text(json.dumps({"prompt": "add", "answer": "", "tests": ADD}) + "\n"
+                    + json.dumps({"prompt": "no tests", "answer": ""}) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    args = [f"model.hf_path={qwen3_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
+    code, _ = load_config(RLConfig, args + ["reward.fn=code"])
+    with pytest.raises(DataError, match=f"^{path}:2: reward.fn=code: the row has no tests"):
+        prompt_rows(code, tokenizer, [str(path)])
+    other, _ = load_config(RLConfig, args + ["reward.fn=math"])
+    assert len(prompt_rows(other, tokenizer, [str(path)])[0]) == 2

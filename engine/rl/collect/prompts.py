@@ -11,6 +11,7 @@ from models.hf.io import read_config
 from models.vision.inputs import ImagePrompt
 from models.vision.spec import vision_spec
 from engine.rl.env.tools_env import tool_schemas
+from engine.rl.rewards.code_tests import tests_problem
 
 
 def prompt_rows(cfg, tokenizer, files: list[str], key: str = "data.train_files"
@@ -18,7 +19,8 @@ def prompt_rows(cfg, tokenizer, files: list[str], key: str = "data.train_files"
     """The prompt rows of `files` (the config key `key`) and their rendered ids, rendered once
     per node into the data cache (data.cache_dir, data.num_workers; env.fn=tools: with the tool
     schemas; a model with a vision tower: images processed, ImagePrompts) and fitted to the
-    length limit (`fit_prompt_rows`). Multi-turn environments refuse prompts with images."""
+    length limit (`fit_prompt_rows`). Multi-turn environments refuse prompts with images;
+    reward.fn=code refuses a row whose tests cannot be read (DataError naming file:line)."""
     locations: list[str] = []
     rendered: list[list[int]] = []
     images = image_context(cfg.model.hf_path, vision_spec(read_config(cfg.model.hf_path)))
@@ -32,6 +34,11 @@ def prompt_rows(cfg, tokenizer, files: list[str], key: str = "data.train_files"
             raise DataError(f"{with_images[0]}: the prompt has images, and env.fn="
                             f"{cfg.env.fn} runs multi-turn episodes, which take text prompts "
                             "and observations only (docs/vlm.md)")
+    if cfg.reward.fn == "code":   # checked before any compute: a row without tests
+        for row, loc in zip(rows, locations):
+            problem = tests_problem(row)
+            if problem is not None:
+                raise DataError(f"{loc}: reward.fn=code: {problem}")
     return fit_prompt_rows(rows, locations, tokenizer, cfg, rendered, key=key)
 
 
