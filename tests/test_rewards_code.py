@@ -141,7 +141,7 @@ def test_plain_data_refuses_what_is_not_plain():
     class Int(int):
         pass
 
-    for value in (Int(3), object(), [1, {2: Int(1)}], 1j, print):
+    for value in (Int(3), object(), [1, {2: Int(1)}], 1j, print, (x for x in ())):
         with pytest.raises(plain_data.NotPlainData):
             plain_data.dumps(value)
     deep = []
@@ -183,6 +183,9 @@ def test_plain_data_refuses_what_is_not_plain():
      {"test_code": "try:\n    inv(0)\n    raise AssertionError\nexcept ValueError:\n    pass"},
      1.0),
     ("def sq(x):\n    return x * x", {"test_code": "x = sq(3)\nassert x == 10"}, 0.0),
+    ("def sq(x):\n    return x * x", {"test_code": "x = sq(3)\nassert x == 9\n"
+                                                   "raise SystemExit(0)\nassert False"}, 1.0),
+    ("def sq(x):\n    return x * x", {"test_code": "x = sq(3)\nraise SystemExit(1)"}, 0.0),
     ("class P:\n    pass\ndef make():\n    return P()", {"test_code": "p = make()\nassert p"}, 0.0),
 ])
 def test_formats_score_correct_and_wrong_solutions(code, fields, expected):

@@ -48,13 +48,18 @@ def relaxed(monkeypatch):
 
 @needs_sandbox
 def test_the_root_holds_only_the_interpreter_libraries_devices_and_work():
-    probe = ("import json, os, sys\n"
+    hidden = bwrap.interpreter().hidden
+    probe = ("import ctypes, json, os, sys\n"
              "def can(name):\n    try:\n        __import__(name)\n        return True\n"
              "    except ImportError:\n        return False\n"
+             "def chroot():\n    try:\n        os.chroot('/work')\n        return True\n"
+             "    except OSError:\n        return False\n"
+             "userns = ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0\n"
              "print(json.dumps({'root': sorted(os.listdir('/')), 'dev': sorted(os.listdir('/dev')),"
              " 'work': sorted(os.listdir('.')), 'cwd': os.getcwd(), 'uid': os.getuid(),"
              " 'gid': os.getgid(), 'env': dict(os.environ), 'path': sys.path,"
-             " 'site': [can(m) for m in ('engine', 'torch', 'pytest')]}))")
+             " 'site': [can(m) for m in ('engine', 'torch', 'pytest')], 'chroot': chroot(),"
+             f" 'userns': userns, 'hidden': [os.listdir(p) for p in {list(hidden)!r}]}}))")
     result = sandbox.run_program({"solution.py": probe}, "main", b"", 30)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout)
@@ -68,6 +73,8 @@ def test_the_root_holds_only_the_interpreter_libraries_devices_and_work():
     assert set(seen["env"]) <= {"PWD", "LC_CTYPE"}
     assert set(seen["work"]) == {"solution.py", "runner.py", "plain_data.py"}
     assert seen["site"] == [False, False, False]
+    assert seen["hidden"] == [[] for _ in hidden]     # site-packages folders: empty
+    assert (seen["chroot"], seen["userns"]) == (False, False)   # no capability, no new userns
     assert not [p for p in seen["path"] if "-packages" in p]
 
 

@@ -1,8 +1,9 @@
 """Reward functions and their scoring (docs/rewards.md).
 
 Modules: registry (`reward.fn` names and `package.module:function` specs), math_match (`math`,
-`none`), verify_math (`math_verify`, Hugging Face math-verify), code (`code`: tests run in
-engine.rl.rewards.sandbox), scoring (one call's checks; the in-process thread scorer),
+`none`), verify_math (`math_verify`, Hugging Face math-verify), code (`code`: the reply's
+block (fences) against the row's tests (code_tests), run by code_runner in the bubblewrap
+sandbox (sandbox, bwrap), results crossing as plain_data), scoring (one call's checks; the in-process thread scorer),
 pool (the process pool of `reward.num_workers`, per-item timeouts), worker (one pool process),
 cpus (the default worker count: the CPUs the rank may use), scorer (a collector's scoring).
 
