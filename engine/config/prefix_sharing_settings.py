@@ -88,10 +88,36 @@ def _moe_problems(cfg: Any, key: str) -> list[str]:
     return problems
 
 
-def prefix_sharing_problems(cfg: Any, hf_config: dict) -> list[str]:
+SHARING_CHOICES = ("auto", "true", "false")
+
+
+def sharing_choice(value: Any) -> str | None:
+    """train.prefix_sharing's choice: "auto" (also null), "true" or "false" (booleans and
+    YAML's yes/no read as such); None when `value` is none of them."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    word = str(value).strip().lower()
+    word = {"yes": "true", "on": "true", "no": "false", "off": "false", "null": "auto",
+            "none": "auto"}.get(word, word)
+    return word if word in SHARING_CHOICES else None
+
+
+def sharing_requested(train: Any) -> bool:
+    """train.prefix_sharing is explicitly true (SFT's boolean key or RL's choice)."""
+    return sharing_choice(getattr(train, "prefix_sharing", False)) == "true"
+
+
+def prefix_sharing_problems(cfg: Any, hf_config: dict, force: bool = False) -> list[str]:
     """Every reason train.prefix_sharing=true cannot be exact for this run (module docstring);
-    [] when it is off."""
-    if not getattr(cfg.train, "prefix_sharing", False):
+    [] when it is not explicitly true (RL's `auto` is resolved by
+    engine.config.micro_batch_defaults, which asks with `force`: the reasons sharing would
+    have)."""
+    value = getattr(cfg.train, "prefix_sharing", False)
+    if sharing_choice(value) is None:
+        return [f"train.prefix_sharing={value!r} is not one of {list(SHARING_CHOICES)}"]
+    if not force and not sharing_requested(cfg.train):
         return []
     key = "train.prefix_sharing=true"
     problems = []

@@ -56,6 +56,7 @@ from engine.config.vision_settings import vision_estimate, vision_summary
 from models.estimate.vision import tower_parameters
 from engine.config.lora_settings import lora_problems, lora_spec
 from engine.config.loading import load_config
+from engine.config.micro_batch_defaults import resolved_train
 from engine.config.recipe_validation import estimate_memory, memory_checks, model_config
 from engine.config.schema import ConfigError, layout_problems, parallel_layout, value_problems
 from engine.rl.algo.presets import apply_algorithm_defaults, explicit_keys
@@ -122,7 +123,7 @@ def rl_memory(cfg: RLConfig, hf: dict, world: int, teacher: dict | None = None,
     `teacher` / `rm`: distill.teacher_path's / reward.model.path's HF config (frozen_config),
     None when not counted; `gpus_per_engine`: the placement's (an engine's share of its weights
     per GPU)."""
-    par, train, roll = cfg.parallel, cfg.train, cfg.rollout
+    par, train, roll = cfg.parallel, resolved_train(cfg, hf), cfg.rollout
     layout = parallel_layout(par, world)
     responses = max(train.prompts_per_step * roll.n // train.mini_batches_per_step, 1)
     plan = plan_mini_batch([train.seq_length] * responses, layout.dp, train.balance_dp,
@@ -191,13 +192,14 @@ def disaggregated_memory(cfg: RLConfig, hf: dict, world: int, rm: dict | None = 
     r = cfg.rollout
     a = 2 if cfg.model.dtype == "bfloat16" else 4
     layout = parallel_layout(cfg.parallel, world)
-    responses = max(cfg.train.prompts_per_step * r.n // cfg.train.mini_batches_per_step, 1)
-    plan = plan_mini_batch([cfg.train.seq_length] * responses, layout.dp,
-                           cfg.train.balance_dp, cfg.train.micro_batch_size,
-                           cfg.train.max_tokens_per_micro_batch)
+    train = resolved_train(cfg, hf)
+    responses = max(train.prompts_per_step * r.n // train.mini_batches_per_step, 1)
+    plan = plan_mini_batch([train.seq_length] * responses, layout.dp,
+                           train.balance_dp, train.micro_batch_size,
+                           train.max_tokens_per_micro_batch)
     lora = lora_spec(cfg, hf)
-    mem = estimate_memory(hf, layout, cfg.train, a == 2, cfg.optim.distributed_optimizer,
-                          plan.num_micro_batches, lora, vision_estimate(cfg, cfg.train),
+    mem = estimate_memory(hf, layout, train, a == 2, cfg.optim.distributed_optimizer,
+                          plan.num_micro_batches, lora, vision_estimate(cfg, train),
                           muon=cfg.optim.name == "muon")
     reference = reference_gib(cfg, hf, a, lora)
     engine = stage_parameters(hf, 1, 1).total * a / GIB  # hf backend: the whole model
@@ -228,7 +230,7 @@ def rl_comm(cfg: RLConfig, hf: dict, world: int, engines: int) -> tuple[list[str
     prompts_per_step x n / mini_batches_per_step responses of train.seq_length tokens), plus
     the weight sync: every engine receives the whole model once per RL step (model.dtype, or
     FP8 + scales: engine.generation.engine_memory)."""
-    t, r = cfg.train, cfg.rollout
+    t, r = resolved_train(cfg, hf), cfg.rollout
     layout = parallel_layout(cfg.parallel, world)
     responses = max(t.prompts_per_step * r.n // t.mini_batches_per_step, 1)
     plan = plan_mini_batch([t.seq_length] * responses, layout.dp, t.balance_dp,
