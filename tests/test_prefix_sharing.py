@@ -17,6 +17,9 @@ TOL = 1e-5
 LAYOUTS = ("1,1,1,mbs=1", "2,1,1,sp", "1,2,1", "1,2,1,vpp=2+mbs=1", "1,1,2")
 LORA = "1,1,1,mbs=2+lora+obj=grpo/sft/dpo"   # a LoRA policy (all-linear adapters)
 UNCHUNKED = "2,1,1,sp+unchunked+obj=grpo/sft"   # megatron's logits gathered (TP2 + SP)
+# rows whose one shared micro-batch (40 tree tokens) runs unshared: 44 tokens against a budget
+# of 40 (the harness's fallback_rows)
+FALLBACK = "1,1,1,dyn=40+fallback+obj=sft"
 
 
 def _lines(proc, tag: str) -> list[dict]:
@@ -33,7 +36,8 @@ SPLIT = {"PREFIX_SPLIT_MIN_KEYS": "1"}
 
 @pytest.fixture(scope="module")
 def one_process(pools, qwen3_dir):
-    proc = pools.script(1, CHECK, qwen3_dir, "1,1,1,mbs=2+ctl", LORA, timeout=600, env=SPLIT)
+    proc = pools.script(1, CHECK, qwen3_dir, "1,1,1,mbs=2+ctl", LORA, FALLBACK, timeout=600,
+                        env=SPLIT)
     return _lines(proc, "RESULT"), _lines(proc, "CONTROL")
 
 
@@ -81,9 +85,21 @@ def test_shared_equals_unshared_at_one_process(one_process):
     results, _ = one_process
     assert sorted((r["spec"], r["objective"]) for r in results) == sorted(
         [("1,1,1,mbs=2+ctl", o) for o in ("dpo", "grpo", "ppo", "sft")]
-        + [(LORA, o) for o in ("dpo", "grpo", "sft")])
+        + [(LORA, o) for o in ("dpo", "grpo", "sft")] + [(FALLBACK, "sft")])
     for r in results:
-        _check(r)
+        if r["spec"] != FALLBACK:
+            _check(r)
+
+
+def test_unshared_fallback_replanned_within_budget_equals_unshared(one_process):
+    """A micro-batch that falls back to its unshared rows (its tree saves under 10 %) over the
+    token budget is re-planned by the unshared planner (prefix_tree.unshared_within_budget):
+    2 micro-batches, not one of 44 tokens against 40 (tests/test_prefix_tree.py checks every
+    micro-batch's tokens), and the 3 SFT steps equal the unshared run's."""
+    (r,) = [r for r in one_process[0] if r["spec"] == FALLBACK]
+    assert r["logprob_rel"] < TOL and metric_rel(r) < TOL, r
+    assert r["ratio_off"] == r["ratio_on"] == 1.0 and r["micro_batches_on"] == 2, r
+    assert len(set(r["losses"])) == 3, r
 
 
 def test_negative_controls_are_caught(one_process):

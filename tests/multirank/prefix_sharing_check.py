@@ -8,8 +8,9 @@ train.max_tokens_per_micro_batch N; mbs=N, train.micro_batch_size N; vpp=V, virt
 stages; lora, a LoRA policy (all-linear, rank 4); unchunked, the policy's loss on megatron's
 logits (train.loss_chunk_tokens null: megatron's cross-entropy modifies the gathered logits in
 place); ep=N, expert parallelism (a MoE MODEL_DIR); aux, the router's load-balancing and z
-losses on; ctl, the negative controls; obj=A/B, only these objectives). Per spec, at W ranks
-(DP = W / (tp*pp*cp)), sharing off then on, the same HF weights loaded each time:
+losses on; ctl, the negative controls; obj=A/B, only these objectives; fallback, sft trains
+on rows whose shared micro-batch falls back to unshared rows, fallback_rows). Per spec, at W
+ranks (DP = W / (tp*pp*cp)), sharing off then on, the same HF weights loaded each time:
   grpo: a GRPO batch whose groups share prompts (a row a prefix of another, one duplicated):
         token log-probs, STEPS steps of the full policy loss (dual clip, k3 KL, entropy, IS);
   sft:  STEPS SFT steps on rows sharing a system prompt and agent rows each extending the last;
@@ -91,6 +92,21 @@ def sft_rows(vocab: int):
     return seqs
 
 
+def fallback_rows(vocab: int):
+    """SFT rows the plan puts in one micro-batch of 40 tree tokens that runs unshared (flag
+    `fallback`, with dyn=40): two 12-token rows sharing 4 tokens (a tree of 20) and a 20-token
+    row sharing nothing. Together they save 4 of 44 tokens (under prefix_tree.MIN_SAVING), so
+    the plan re-packs them within the budget (prefix_tree.unshared_within_budget)."""
+    from engine.training.micro_batches import SequenceData
+
+    rng = random.Random(11)
+    prefix = [5 + rng.randrange(vocab - 5) for _ in range(4)]
+    rows = [prefix + [rng.randrange(4, vocab) for _ in range(8)] for _ in range(2)]
+    rows.append([4] + [rng.randrange(4, vocab) for _ in range(19)])
+    return [SequenceData(ids, ids[1:] + [0], [0, 0] + [1] * (len(ids) - 3) + [0])
+            for ids in rows]
+
+
 def _engine(model_dir, hf_config, layout_kw, world, train, sp):
     from tests.multirank.rl_invariance import _is_current, optim_settings
     import torch
@@ -135,7 +151,8 @@ def sft_run(model_dir, hf_config, layout_kw, world, train, sp):
     from engine.training.loss import GlobalLossNormalizer
 
     state = _engine(model_dir, hf_config, layout_kw, world, train, sp)
-    seqs = sft_rows(hf_config["vocab_size"])
+    seqs = (fallback_rows if getattr(train, "fallback", False) else sft_rows)(
+        hf_config["vocab_size"])
     table = compute_token_logprobs(state, seqs, 1.0)
     steps = []
     for _ in range(STEPS):
@@ -256,7 +273,8 @@ def parse_spec(spec: str):
     train = dict(micro_batch_size=int(opts.get("mbs", 1)),
                  max_tokens_per_micro_batch=int(opts["dyn"]) if "dyn" in opts else None,
                  balance_dp=True, packing=True, lora="lora" in flags,
-                 unchunked="unchunked" in flags, aux="aux" in flags)
+                 unchunked="unchunked" in flags, aux="aux" in flags,
+                 fallback="fallback" in flags)
     names = opts.get("obj", "/".join(n for n, _ in OBJECTIVES)).split("/")
     layout = dict(tp=tp, pp=pp, cp=cp, **({"vpp": int(opts["vpp"])} if "vpp" in opts else {}),
                   **({"ep": int(opts["ep"])} if "ep" in opts else {}))
