@@ -143,6 +143,23 @@ def test_failed_twins_tell_sampling_fields_apart():
     assert fingerprint(b) == fingerprint(dataclasses.replace(b, seed=9))
 
 
+def test_a_continued_row_with_fields_is_refused():
+    """Presence, frequency and min_tokens count the reply's tokens; a row continued across
+    calls (first_steps = k > 0: its k earlier reply tokens are at the end of its prompt) would
+    count only this call's, unlike one uninterrupted request, on both backends. No caller
+    combines them (rollout.partial continues rows without fields; `serve` sends fields and
+    never continues): SamplingParams refuses the combination by row, so none can. A continued
+    row without fields and a fresh row with fields stay accepted. Fails on the previous code
+    (accepted)."""
+    from engine.generation.base import SamplingParams
+
+    fields = SamplingFields(frequency_penalty=1.0, min_tokens=3)
+    with pytest.raises(ValueError, match=r"prompts \[1\] continue a reply \(first_steps > 0\)"
+                                         " with sampling fields"):
+        SamplingParams(max_new_tokens=4, first_steps=[2, 2], sampling=[None, fields])
+    SamplingParams(max_new_tokens=4, first_steps=[2, 0], sampling=[None, fields])
+
+
 def test_vllm_request_arguments():
     """The vllm backend's request: the fields as vLLM's keywords, its stop ids (eos dropped
     under ignore_eos), min_tokens at most max_tokens (vLLM refuses a larger one: a request
@@ -159,11 +176,14 @@ def test_vllm_request_arguments():
     built = VLLMParams(**args)
     assert (built.top_k, built.min_p, built.repetition_penalty, built.logit_bias,
             built.min_tokens, built.ignore_eos) == (4, 0.1, 1.2, {5: 1.0}, 10, True)
-    assert stop_ids(built, [3]) == {9}
+    assert stop_ids(built) == {9} and built.stop_token_ids == [9]
     plain = sampling_args(SamplingParams(max_new_tokens=10, seeds=[1]), 0, 1, [3])
     assert plain == sampling_args(SamplingParams(max_new_tokens=10, seeds=[1], sampling=[None]),
                                   0, 1, [3])
-    assert stop_ids(VLLMParams(**plain), [3]) == {3} and "min_tokens" not in plain
+    assert stop_ids(VLLMParams(**plain)) == {3} and "min_tokens" not in plain
+    kept = sampling_args(SamplingParams(max_new_tokens=10, seeds=[1], sampling=[
+        dataclasses.replace(fields, ignore_eos=False)]), 0, 1, [3])
+    assert stop_ids(VLLMParams(**kept)) == {3, 9}   # eos kept: SamplingFields.stop_ids' rule
 
 
 def test_hf_eager_loop_equals_the_step_driver(tmp_path):

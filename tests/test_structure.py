@@ -328,12 +328,12 @@ def test_no_private_names_imported_across_modules():
     assert not found, found
 
 
-MAX_FUNCTION_LEVEL_IMPORTS = 42
+MAX_FUNCTION_LEVEL_IMPORTS = 40
 
 
 def test_function_level_imports_are_few_and_give_their_reason():
     """Imports belong at the top of a module; the exceptions (an optional dependency, a heavy
-    library only one path needs, megatron after the CPU host's import hook) are at most 42 in
+    library only one path needs, megatron after the CPU host's import hook) are at most 40 in
     engine/, models/ and parallel/, each with its reason in a comment on its line (or, for a
     group of imports, on the line above)."""
     found: set[str] = set()

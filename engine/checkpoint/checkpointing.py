@@ -45,7 +45,8 @@ from engine.checkpoint.io import (CheckpointError, iteration_dir, prune, publish
                                   resolve_resume, staging_dir, write_complete_marker)
 from engine.checkpoint.hf_export import ExportExtras, save_hf_export
 from engine.checkpoint.rng import capture_rng, restore_rng
-from engine.checkpoint.schedule import refusal, resume_schedule, schedule_differences
+from engine.checkpoint.schedule import (ResumeMismatchError, refusal, resume_schedule,
+                                        schedule_differences)
 from engine.checkpoint.writer import install as install_writer_queue
 from engine.checkpoint.fault_injection import maybe_crash
 from engine.checkpoint.bucket_padding import optimizer_sharded_state_dict
@@ -58,11 +59,6 @@ FORMAT_VERSION = 1
 # on load); "mem_efficient": gathered over gloo onto DP rank 0's host memory only.
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                      "distrib_optim_fully_reshardable_mem_efficient": True}
-
-
-class ResumeMismatchError(ValueError):
-    """A checkpoint that cannot continue this run (different data stream); the message names
-    the config keys and both values."""
 
 
 @dataclass(frozen=True)

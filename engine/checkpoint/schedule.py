@@ -19,6 +19,13 @@ from __future__ import annotations
 
 SCHEDULE_CHOICES = ("same", "checkpoint", "config")
 
+
+class ResumeMismatchError(ValueError):
+    """A checkpoint that cannot continue this run (a different data stream or, under `same`, a
+    different schedule); the message names the config keys and both values. Defined here, with
+    no torch or megatron import, so the entry points catch it without loading the checkpoint
+    code (engine.checkpoint.checkpointing raises it)."""
+
 # scheduler state key -> (config key, what it is); several state keys can come from one
 # config key (the weight-decay steps follow train.max_steps): a key is named once
 _FIELDS = (

@@ -34,6 +34,7 @@ from engine.config.parallel_settings import (ParallelConfig, overlap_problems,
                                              resolved_overlap_problems)
 from engine.config.tokenizer_settings import remote_code_problems
 from engine.config.logging_settings import LoggingConfig, tracker_problems, tracker_start_problems
+from models.bridge.head_checks import check_hf_config
 from models.families.base import UnsupportedModelError
 from models.families.registry import experts_per_layer, family_of
 from models.hf.io import HFCheckpointError, read_config, training_dir_problems
@@ -75,7 +76,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     global_batch_size: int = 16          # sequences per optimizer step
-    micro_batch_size: int = 1            # sequences per micro-batch (accumulation: the rest)
+    # sequences per micro-batch (accumulation: the rest); with train.prefix_sharing: groups of
+    # rows sharing a prefix, each whole (docs/prefix-sharing.md)
+    micro_batch_size: int = 1
     max_tokens_per_micro_batch: Optional[int] = None  # token budget (replaces micro_batch_size)
     max_steps: int = 10                  # optimizer steps
     seq_length: int = 512                # max tokens per sequence (see data.truncation)
@@ -173,8 +176,7 @@ def read_hf_config(path: str, key: str) -> dict:
     ConfigError read_model_config describes)."""
     try:
         hf_config = read_config(path)
-        from models.hf.config import check_config  # transformers' config classes: a read folder
-        check_config(hf_config)
+        check_hf_config(hf_config)   # transformers' config classes: loaded at the first folder
     except (HFCheckpointError, UnsupportedModelError) as e:
         raise ConfigError(f"{key}={path}: {e}") from None
     return hf_config
@@ -225,7 +227,8 @@ def value_problems(cfg) -> list[str]:
     check_choice(p, cfg.parallel.cp_comm_type, "parallel.cp_comm_type", ("a2a", "p2p", "all_gather"))
     _positive(p, cfg.train.max_steps, "train.max_steps")
     _positive(p, cfg.train.seq_length, "train.seq_length")
-    _positive(p, cfg.train.micro_batch_size, "train.micro_batch_size")
+    _positive(p, cfg.train.micro_batch_size, "train.micro_batch_size",
+              optional=True)   # RL's null: engine.config.micro_batch_defaults
     _positive(p, cfg.train.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch",
               optional=True)
     _positive(p, cfg.train.max_consecutive_nonfinite_steps,

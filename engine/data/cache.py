@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from importlib.metadata import version
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -72,10 +73,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def tokenizer_fingerprint(tokenizer) -> dict:
     """What a rendering depends on in the tokenizer: its serialized model, special tokens and
-    chat template (hashed), and the library versions that tokenize and render."""
-    import tokenizers  # only for a cache key (data workers and --validate stay light)
-    import transformers  # as above
-
+    chat template (hashed), and the library versions that tokenize and render (read from the
+    installed packages' metadata: neither library is imported for a cache key)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     model = (backend.to_str() if backend is not None
              else json.dumps(sorted(tokenizer.get_vocab().items())))
@@ -86,7 +85,7 @@ def tokenizer_fingerprint(tokenizer) -> dict:
             "vocab_size": len(tokenizer),
             "template": hashlib.sha256(chat_template_text(tokenizer).encode()).hexdigest()
             if template else None,
-            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+            "transformers": version("transformers"), "tokenizers": version("tokenizers")}
 
 
 def cache_key(kind: str, paths: Sequence[str], tokenizer, params: dict) -> dict:

@@ -43,18 +43,21 @@ class StoredImage:
 
     def decode(self):
         """The PIL image load_image gave when the cache was built."""
-        from PIL import Image   # Pillow: only rows with images need it
-
         if self.raw:
-            return Image.frombytes("RGB", (self.width, self.height), self.data)
+            return _pillow().frombytes("RGB", (self.width, self.height), self.data)
         return _load(io.BytesIO(self.data))
 
 
-def _load(file):
+def _pillow():
+    """PIL.Image, imported at first use."""
     from PIL import Image   # Pillow: only rows with images need it
-    from transformers.image_utils import load_image as hf_load_image  # same: rows with images
+    return Image
 
-    return hf_load_image(Image.open(file))
+
+def _load(file):
+    from transformers.image_utils import load_image as hf_load_image  # rows with images only
+
+    return hf_load_image(_pillow().open(file))
 
 
 def load_image(ref: Any, where: str, field: str, base_dir: str):

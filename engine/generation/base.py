@@ -63,7 +63,11 @@ class SamplingParams:
         None: neutral; `serve` only): the hf backend applies them by vLLM's formulas
         (engine.generation.processing), the vllm backend hands them to vLLM; they shape the
         draw and the row's stop ids, never the reported log-probs (the contract above: the
-        unshaped logits; vLLM's through engine.generation.vllm.worker.keep_unshaped).
+        unshaped logits; vLLM's through engine.generation.vllm.worker.keep_unshaped). A row
+        may not have both first_steps > 0 and fields (ValueError): presence, frequency and
+        min_tokens count the reply's tokens, and a continued row's earlier ones are in its
+        prompt (rollout.partial continues rows, never with fields; `serve` sends fields and
+        never continues).
     """
 
     max_new_tokens: int
@@ -84,6 +88,14 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.first_steps is not None and min(self.first_steps, default=0) < 0:
             raise ValueError(f"first_steps must be >= 0, got {self.first_steps}")
+        if self.first_steps is not None and self.sampling is not None:
+            both = [i for i, (k, f) in enumerate(zip(self.first_steps, self.sampling))
+                    if k > 0 and f is not None]
+            if both:
+                raise ValueError(
+                    f"prompts {both} continue a reply (first_steps > 0) with sampling fields: "
+                    "their penalties and min_tokens would count only this call's tokens, not the "
+                    "reply's earlier ones in the prompt")
         if self.row_max_new_tokens is not None and not all(
                 1 <= m <= self.max_new_tokens for m in self.row_max_new_tokens):
             raise ValueError(f"row_max_new_tokens must be in [1, max_new_tokens="

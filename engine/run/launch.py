@@ -15,12 +15,14 @@ from typing import Callable
 
 import torch
 
+from engine.checkpoint.schedule import ResumeMismatchError
 from engine.cli import fail, refuse
 from engine.config.schema import (ConfigError, SFTConfig, load_config, parallel_layout,
                                   validate_common)
 from engine.data.files import DataError
 from engine.errors import RunError
 from engine.run.header import Host, run_header
+from models.bridge.errors import CheckpointError
 from models.layers.attention.varlen import flash_capable
 from models.layers.spec import transformer_engine_available
 from parallel.process_groups import init_distributed, setup_model_parallel, shutdown
@@ -82,8 +84,6 @@ def _call(run: str, cfg, hf_config: dict, flags: list[str]) -> int:
     # the run module is imported only now (it builds models; a config error above exits first)
     module_name, function = run.split(":")
     run_fn = getattr(importlib.import_module(module_name), function)
-    # megatron's dist_checkpointing loads only once a run starts (config errors exit first)
-    from engine.checkpoint.checkpointing import CheckpointError, ResumeMismatchError
     try:
         return run_fn(cfg, hf_config, flags)
     except (CheckpointError, ResumeMismatchError) as e:

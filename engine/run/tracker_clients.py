@@ -113,10 +113,12 @@ class MlflowTracker:
 
     def __init__(self, cfg: Any, resume_id: str | None, tag: str) -> None:
         # an optional package (setup.py extra "mlflow", mlflow-skinny): imported only when on
-        from mlflow.tracking import MlflowClient
+        from mlflow import entities, tracking
 
+        self._entities = entities
         ml = cfg.logging.mlflow
-        self.uri, self.client = ml.tracking_uri, MlflowClient(tracking_uri=ml.tracking_uri)
+        self.uri = ml.tracking_uri
+        self.client = tracking.MlflowClient(tracking_uri=ml.tracking_uri)
         if resume_id:
             run = self.client.get_run(resume_id)
             self.client.update_run(resume_id, status="RUNNING")
@@ -132,10 +134,8 @@ class MlflowTracker:
 
     def _log_params(self, config: dict[str, Any], existing: dict[str, str]) -> list[str]:
         """Log the params the run lacks; return the keys whose logged value differs."""
-        from mlflow.entities import Param  # the optional package, as above
-
         params = {key: param_text(value) for key, value in config.items()}
-        new = [Param(k, v) for k, v in params.items() if k not in existing]
+        new = [self._entities.Param(k, v) for k, v in params.items() if k not in existing]
         if new:
             self.client.log_batch(self.run_id, params=new)
         return sorted(k for k, v in params.items() if k in existing and existing[k] != v)
@@ -144,11 +144,9 @@ class MlflowTracker:
         return {"run_id": self.run_id, "tracking_uri": redact_text(self.uri)}
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
-        from mlflow.entities import Metric  # the optional package, as above
-
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[
-            Metric(_BAD_METRIC_CHARS.sub("_", name), value, now, step)
+            self._entities.Metric(_BAD_METRIC_CHARS.sub("_", name), value, now, step)
             for name, value in values.items()])
 
     def close(self, failed: bool) -> None:

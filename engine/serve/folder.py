@@ -52,22 +52,37 @@ def _text_config_value(path: str, key: str) -> int | None:
 
 def checkpoint_dtype(path: str) -> str | None:
     """The dtype the folder's weights are stored in, as transformers' dtype="auto" reads it
-    (`--dtype auto`): config.json's dtype (or torch_dtype, of its text config first), else
-    the first floating-point tensor's in the first *.safetensors file's header; one of DTYPES
-    other than auto, or None when neither says (a pytorch_model*.bin folder without one)."""
+    (`--dtype auto`, so both backends serve the same dtype): config.json's dtype (or
+    torch_dtype, of its text config first), else the dtype of the first floating-point tensor
+    (float32, bfloat16 or float16) by name in the first weights file (the index's first shard
+    by name, else the first *.safetensors by name), as transformers' get_state_dict_dtype over
+    safetensors' sorted keys. Not the header's order: safetensors writes float32 tensors first,
+    so a bfloat16 checkpoint holding one float32 buffer read as float32. One of DTYPES other
+    than auto, or None when nothing says (a pytorch_model*.bin folder without a dtype)."""
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     for scope in (config.get("text_config") or {}, config):
         value = scope.get("dtype") or scope.get("torch_dtype")
         if isinstance(value, str) and value.removeprefix("torch.") in DTYPES[1:]:
             return value.removeprefix("torch.")
-    for weights in sorted(glob.glob(os.path.join(path, "*.safetensors")))[:1]:
+    for weights in _weight_files(path)[:1]:
         with open(weights, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, entry in header.items():
-            if name != "__metadata__" and entry.get("dtype") in SAFETENSORS_DTYPES:
-                return SAFETENSORS_DTYPES[entry["dtype"]]
+        for name in sorted(k for k in header if k != "__metadata__"):
+            if header[name].get("dtype") in SAFETENSORS_DTYPES:
+                return SAFETENSORS_DTYPES[header[name]["dtype"]]
     return None
+
+
+def _weight_files(path: str) -> list[str]:
+    """The folder's safetensors files in transformers' order: the shards its index names,
+    sorted, else every *.safetensors file, sorted."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = set(json.load(f).get("weight_map", {}).values())
+        return [os.path.join(path, name) for name in sorted(shards)]
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
 
 
 def model_context(path: str) -> int | None:

@@ -12,12 +12,10 @@ import signal
 import sys
 import threading
 
-import torch
-
 from engine.errors import RunError
 from engine.generation.hf.stepper import HFStepDriver, step_problem
 from engine.generation.sampling_backend import SamplingBackend, StepBackend
-from engine.generation.vllm.attention import head_dim_problem
+from engine.generation.vllm.attention import head_dim_problem, vllm_on_cpu
 from engine.generation.vllm.stepper import VLLMStepDriver
 from engine.serve.endpoint import REQUEST_LOG, ServeEndpoint, ServeSettings
 from engine.serve.folder import model_vocab
@@ -43,10 +41,10 @@ def serving_backend(backend: str, engine, max_context: int):
 
 
 def backend_problem(backend: str, path: str) -> str | None:
-    """--backend vllm on a CPU host: why vLLM's CPU attention cannot run the folder's model
-    (engine.generation.vllm.attention.head_dim_problem: it would start, then fail every
-    request), checked before vLLM is imported; else None."""
-    if backend != "vllm" or torch.cuda.is_available():
+    """--backend vllm on vLLM's CPU platform (engine.generation.vllm.attention.vllm_on_cpu):
+    why vLLM's CPU attention cannot run the folder's model (head_dim_problem: it would start,
+    then fail every request), checked before vLLM is imported; else None."""
+    if backend != "vllm" or not vllm_on_cpu():
         return None
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         why = head_dim_problem(json.load(f))
@@ -71,6 +69,7 @@ def serve_model(args) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
     settings = ServeSettings(name, args.max_tokens, args.max_context, args.temperature,
                              args.top_p, args.seed, max_choices=args.max_choices,
+                             max_n=args.max_n,
                              max_score_gib=args.max_score_gib,
                              vocab_size=model_vocab(args.model))
     engine, stop = loaded.engine, threading.Event()

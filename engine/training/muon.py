@@ -193,10 +193,9 @@ def build_muon_optimizer(chunks: list, config, layer_wise: bool = False):
     OptimizerConfig `config` (its muon_* fields set: muon_config_kwargs;
     `use_distributed_optimizer` false). `layer_wise`: megatron-core's
     LayerWiseDistributedOptimizer, each data-parallel rank updating whole parameters of its
-    own; its `allgather_params` must follow every update (engine.training.nonfinite does)."""
-    optimizer = muon_module().get_megatron_muon_optimizer(
+    own; its `allgather_params` must follow every update (engine.training.nonfinite does).
+    Its fp32 checkpoints need engine.training.layer_wise.with_fp32_checkpoints, which
+    engine.training.optimizers applies (this module is imported by the config check, which
+    loads no megatron-core optimizer)."""
+    return muon_module().get_megatron_muon_optimizer(
         config, chunks, layer_wise_distributed_optimizer=layer_wise)
-    if layer_wise:   # megatron-core's optimizer package: this module is imported by the
-        from engine.training.layer_wise import with_fp32_checkpoints   # config check, no need
-        optimizer = with_fp32_checkpoints(optimizer)
-    return optimizer

@@ -9,6 +9,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from engine.training.fused_adamw import use_fused
+from engine.training.layer_wise import with_fp32_checkpoints
 from engine.training.muon import (build_muon_optimizer, layer_wise_muon,
                                   megatron_distributed_optimizer, muon_config_kwargs)
 
@@ -27,7 +28,10 @@ def build_optimizer(chunks: list, optim_cfg, dtype: torch.dtype):
     else:
         for key, value in muon_config_kwargs(optim_cfg.muon).items():
             setattr(config, key, value)
-        optimizer = build_muon_optimizer(chunks, config, layer_wise=layer_wise_muon(optim_cfg))
+        layer_wise = layer_wise_muon(optim_cfg)
+        optimizer = build_muon_optimizer(chunks, config, layer_wise=layer_wise)
+        if layer_wise:   # megatron-core's layer-wise optimizer, its fp32 checkpoints fixed
+            optimizer = with_fp32_checkpoints(optimizer)
     use_fused(optimizer, getattr(optim_cfg, "fused", None))   # torch's fused AdamW: optim.fused
     return optimizer
 

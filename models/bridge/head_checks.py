@@ -16,8 +16,9 @@ SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
 
-def _check_config(hf_config: dict) -> None:
-    """models.hf.config.check_config, imported at the first folder checked."""
+def check_hf_config(hf_config: dict) -> None:
+    """models.hf.config.check_config, imported at the first folder checked (the config checks
+    of engine.config.schema and this module's, before transformers is needed)."""
     from models.hf.config import check_config  # transformers: only a configured folder's check
     check_config(hf_config)
 
@@ -29,7 +30,7 @@ def critic_problem(hf_dir: str, policy_dir: str) -> str | None:
     try:
         critic = read_config(hf_dir)
         policy = read_config(policy_dir) if policy_dir else critic
-        _check_config(critic)
+        check_hf_config(critic)
         if SCORE_WEIGHT not in SafetensorsReader(hf_dir):
             return "no score.weight (not a *ForTokenClassification critic with num_labels 1)"
     except (HFCheckpointError, UnsupportedModelError, OSError) as e:
@@ -44,7 +45,7 @@ def reward_model_problem(hf_dir: str) -> str | None:
     supported family with `score.weight` [1, hidden] and no `score.bias`."""
     try:
         config = read_config(hf_dir)
-        _check_config(config)
+        check_hf_config(config)
         reader = SafetensorsReader(hf_dir)
         if SCORE_WEIGHT not in reader:
             return ("no score.weight: not a *ForSequenceClassification checkpoint "

@@ -186,7 +186,7 @@ PATCHES: tuple[Patch, ...] = (
           probes.async_writer_queue, {"engine/checkpoint/writer.py": ("_results_queue",)},
           None, _writer_active),
     Patch("layer_wise_fp32_checkpoints", (f"{probes.LAYER_WISE}.sharded_state_dict",),
-          "engine.training.layer_wise.with_fp32_checkpoints (from engine.training.muon)",
+          "engine.training.layer_wise.with_fp32_checkpoints (from engine.training.optimizers)",
           MUON_RANGE, REFUSE, "megatron's layer-wise optimizer post-processes every chained "
           "optimizer's state as mixed-precision (KeyError 'optimizer' with fp32 ones); an "
           "instance __class__ swap presents the fp32 layout under that key.",

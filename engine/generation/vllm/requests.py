@@ -17,7 +17,8 @@ vLLM's sampling fields (SamplingParams.sampling[i], `serve`): handed to vLLM as 
 (top_k, min_p, the penalties, logit_bias, ignore_eos; min_tokens at most the request's
 max_tokens, which vLLM refuses otherwise: a reply cut there is cut either way), its stop ids
 (SamplingFields.stop_ids: the engine's eos ids unless ignore_eos, and stop_token_ids) as vLLM's
-stop_token_ids; `stop_ids` reads a built request's back (what ends it: finish_reason "stop").
+stop_token_ids; `stop_ids` reads them back from a built request (what ends it: finish_reason
+"stop").
 Such a request's log-probs stay the contract's (the unshaped logits / T: vLLM's processors
 run after engine.generation.vllm.worker.keep_unshaped kept them).
 """
@@ -87,11 +88,11 @@ def sampling_args(params: SamplingParams, i: int, seed: int, eos_token_ids) -> d
     return args
 
 
-def stop_ids(vllm_params, eos_token_ids) -> frozenset[int]:
-    """The ids that end a request built by `sampling_args`: its stop_token_ids, and the
-    engine's eos ids unless it ignores them."""
-    own = frozenset(vllm_params.stop_token_ids or ())
-    return own if vllm_params.ignore_eos else own | frozenset(eos_token_ids)
+def stop_ids(vllm_params) -> frozenset[int]:
+    """The ids that end a request built by `sampling_args`: the stop_token_ids it wrote, which
+    are the whole set (the engine's eos ids; with sampling fields SamplingFields.stop_ids, the
+    one place of the rule: eos unless ignore_eos, and stop_token_ids)."""
+    return frozenset(vllm_params.stop_token_ids or ())
 
 
 def generation(prompt: list[int], completion, eos_token_ids) -> Generation:

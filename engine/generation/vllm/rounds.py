@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from engine.generation.base import Generation, SamplingParams
 from engine.generation.steps import BusySlots, aborted_on_error
+from engine.generation.vllm.library import vllm_module
 from engine.generation.vllm.process import preserved_global_rng
 from engine.generation.vllm.requests import generation, stop_ids
 from engine.generation.vllm.stepper import VLLMStepDriver
@@ -37,12 +38,12 @@ def generate_call(engine, prompts: list[list[int]], params: SamplingParams
     if params.first_steps is not None or params.row_max_new_tokens is not None:
         return stepped_generate(engine, prompts, params)
     sampling = engine.vllm_params(prompts, params)
-    from vllm.inputs import TokensPrompt  # vLLM: the engine's owner imported it already
+    tokens_prompt = vllm_module().TokensPrompt   # the engine's owner imported vLLM already
     with preserved_global_rng():
-        outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+        outputs = engine.llm.generate([tokens_prompt(prompt_token_ids=p) for p in prompts],
                                       sampling, use_tqdm=False,
                                       lora_request=engine.lora_request())
-    return [generation(prompt, out.outputs[0], stop_ids(built, engine.eos_token_ids))
+    return [generation(prompt, out.outputs[0], stop_ids(built))
             for prompt, out, built in zip(prompts, outputs, sampling, strict=True)], None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.generation.scoring import SequenceScores
+from engine.generation.vllm.library import vllm_module
 from engine.generation.vllm.process import preserved_global_rng
 
 
@@ -65,11 +66,10 @@ def prompt_logprob_outputs(llm, sequences: list[list[int]], k: int, lora_request
     tokenizer) over the token-id `sequences`, each with max_tokens=1 and prompt_logprobs=k
     (-1: the full vocabulary), the adapter `lora_request` served (None: the base); the global
     RNG states are left as they were."""
-    from vllm import SamplingParams  # vLLM: imported by the engine's owner only (vllm.backend)
-    from vllm.inputs import TokensPrompt  # vLLM: as above
-    params = SamplingParams(**scoring_args(k))
+    vllm = vllm_module()   # imported by the engine's owner already (library)
+    params = vllm.SamplingParams(**scoring_args(k))
     with preserved_global_rng():
-        return llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params,
+        return llm.generate([vllm.TokensPrompt(prompt_token_ids=s) for s in sequences], params,
                             use_tqdm=False, lora_request=lora_request)
 
 

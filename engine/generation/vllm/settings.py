@@ -9,9 +9,7 @@ import dataclasses
 import importlib
 import importlib.util
 
-import torch
-
-from engine.generation.vllm.attention import head_dim_problem
+from engine.generation.vllm.attention import head_dim_problem, vllm_on_cpu
 from engine.generation.vllm.lora import lora_sync_mode, lora_sync_problems
 from engine.generation.vllm.speculative_settings import (speculative_engine_args,
                                                          speculative_problems)
@@ -112,7 +110,7 @@ def vllm_problems(cfg, hf_config: dict) -> list[str]:
     lora = lora_sync_problems(cfg, hf_config)
     p += lora + speculative_problems(cfg, hf_config,
                                      None if lora else lora_sync_mode(cfg, hf_config))
-    heads = None if torch.cuda.is_available() else head_dim_problem(hf_config)
+    heads = head_dim_problem(hf_config) if vllm_on_cpu() else None
     if heads:
         p.append(f"rollout.backend=vllm on a CPU host: {heads}; use rollout.backend=hf, or a "
                  "model with heads of 32 dims or more (`megatron-sft-engine demo model DIR "

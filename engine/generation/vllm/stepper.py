@@ -48,6 +48,7 @@ from types import SimpleNamespace
 
 from engine.generation.base import SamplingParams
 from engine.generation.steps import MAX_EVENTS, StepOutput
+from engine.generation.vllm.library import vllm_module
 from engine.generation.vllm.process import preserved_global_rng
 from engine.generation.vllm.requests import generation, stop_ids
 from engine.generation.vllm.scoring import prompt_scores, scoring_args, scoring_problem
@@ -129,7 +130,7 @@ class VLLMStepDriver:
         `greedy`: built at temperature 0."""
         vllm_params.output_kind = _output_kind(stream)
         self._add(key, prompt, vllm_params, _Running(
-            list(prompt), greedy, stops=stop_ids(vllm_params, self.engine.eos_token_ids)))
+            list(prompt), greedy, stops=stop_ids(vllm_params)))
 
     def add_scoring(self, key: str, sequence: list[int], top_k: int) -> None:
         """Start scoring one sequence (engine.generation.scoring's contract, as `score`)."""
@@ -143,8 +144,8 @@ class VLLMStepDriver:
 
     @staticmethod
     def _scoring_params(top_k: int):
-        from vllm import SamplingParams as VLLMParams  # vLLM: its owner imported it already
-        return VLLMParams(**scoring_args(top_k), output_kind=_output_kind(False))
+        return vllm_module().SamplingParams(**scoring_args(top_k),
+                                            output_kind=_output_kind(False))
 
     def so_far(self, key: str) -> tuple[list[int], list[float]]:
         """A running streamed request's sampled ids so far and the contract's log-prob of each
@@ -200,5 +201,5 @@ class VLLMStepDriver:
 
 def _output_kind(stream: bool):
     """vLLM's RequestOutputKind: DELTA for a streamed request, FINAL_ONLY otherwise."""
-    from vllm.sampling_params import RequestOutputKind  # vLLM: its owner imported it already
-    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    kinds = vllm_module().sampling_params.RequestOutputKind   # its owner imported vLLM already
+    return kinds.DELTA if stream else kinds.FINAL_ONLY
