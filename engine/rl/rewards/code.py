@@ -128,8 +128,10 @@ class CodeReward:
             return result.returncode == 0 and result.stdout == b"pass\n"
         if isinstance(test, CallTest):
             calls = [(test.fn_name, list(test.args), {})]
-        else:
+        elif isinstance(test, AssertCalls):
             calls = [(c.fn_name, list(c.args), c.kwargs) for c in test.calls]
+        else:
+            raise TypeError(f"not a code test: {test!r}")
         try:
             request = json.dumps([[name, plain_data.encode(args), plain_data.encode(kwargs)]
                                   for name, args, kwargs in calls])

@@ -20,13 +20,15 @@ raise them. Modes:
   each request line ``[name, args, kwargs]`` of stdin with ``{"ok": ...}``, ``{"raise":
   [exception class name, message]}`` or ``{"error": ...}`` until EOF.
 - ``harness`` (keys ``requests``, ``responses``: fd numbers; ``line_bytes``): trusted, in a
-  sandbox of its own: runs ``test_code.py`` with every name the solution serves bound to a
-  proxy that calls it over the pipes and returns the decoded plain-data result (an
-  ``Exception`` subclass of builtins the solution raised is raised again by name, any other
-  failure as SolutionError). Writes ``pass`` to its original stdout when the test code ran to
-  its end (or raised SystemExit with status 0 or None), else ``fail: why``.
+  sandbox of its own: runs ``test_code.py`` with every name the solution serves, except the
+  names of builtins, bound to a proxy (also as attributes of a module ``solution``) that calls
+  it over the pipes and returns the decoded plain-data result (an ``Exception`` subclass of
+  builtins the solution raised is raised again by name, any other failure as SolutionError).
+  Writes ``pass`` to its original stdout when the test code ran to its end (or raised
+  SystemExit with status 0 or None), else ``fail: why``.
 """
 import builtins
+import importlib
 import json
 import os
 import resource
@@ -195,8 +197,8 @@ def main():
     if mode == "main":
         _main_script()
         return 0
-    sys.path.insert(0, os.getcwd())
-    import plain_data
+    sys.path.insert(0, os.getcwd())   # plain_data.py, beside this file in the sandbox
+    plain_data = importlib.import_module("plain_data")
     sys.path.pop(0)
     if mode == "calls":
         _calls(plain_data)
