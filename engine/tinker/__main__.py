@@ -5,6 +5,7 @@ bad flag, --model folder or keys file (one line naming it)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.tinker") -
                       max_queue=args.max_queue)
     app = build_app(service, keys, int(args.max_body_mb * 2 ** 20))
     print(f"tinker API for {name!r} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=os.environ.get("TINKER_LOG_LEVEL", "warning"))
     return 0
 
 

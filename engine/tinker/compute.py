@@ -61,7 +61,7 @@ def run_losses(lora, items: list[dict], grad: bool) -> list[dict]:
                 item_loss = loss if item_loss is None else item_loss + loss
             if item["backward"] and grad:
                 total = item_loss if total is None else total + item_loss
-            results.append({"outputs": outputs, "metrics": {"loss:sum": float(item_loss)}})
+            results.append({"outputs": outputs, "metrics": {"loss:sum": float(item_loss.detach())}})
         if total is not None and total.requires_grad:
             total.backward()
     return results

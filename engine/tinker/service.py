@@ -181,10 +181,12 @@ class Service:
         from engine.tinker.wire import forward_backward_output
 
         items = [dict(p, backward=not p["forward_only"]) for _, p, _ in batch]
-        self.batches.append(sum(len(i["data"]) for i in items))
+        rows = sum(len(i["data"]) for i in items)
+        self.batches.append(rows)
         results = run_losses(self.lora, items, grad=any(i["backward"] for i in items))
         for (_, _, future), result in zip(batch, results):
-            future.result = forward_backward_output(result["outputs"], result["metrics"])
+            metrics = dict(result["metrics"], **{"batch_rows:max": float(rows)})
+            future.result = forward_backward_output(result["outputs"], metrics)
             future.done.set()
 
     def _do_create_model(self, owner: str, model_id: str, spec: LoraSpec,

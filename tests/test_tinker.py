@@ -1,0 +1,321 @@
+"""`megatron-sft-engine tinker` (engine.tinker) driven by the official `tinker` SDK (0.38,
+unmodified) on a tiny locally built Llama (tools.tiny_models.build_eos_model; nothing is
+downloaded), one server process for the module, two API keys of two owners: capabilities, two
+LoRA models, forward_backward with cross_entropy / importance_sampling / ppo, optim_step,
+save_weights_and_get_sampling_client, sample, compute_logprobs, save_state and a fresh client
+resuming with the optimizer (and a restarted server serving the saved state); cross_entropy +
+optim_step equal to an independent reference (transformers + peft LoRA + torch AdamW) over 3
+steps; two models batched together equal the same models trained alone, a third untouched;
+another owner's ids are 404; bad input is a 4xx naming the field."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from tests.launch import free_port  # noqa: E402
+from tools.tiny_models import build_eos_model  # noqa: E402
+
+KEY_A, KEY_B = "tml-owner-a", "tml-owner-b"
+ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01,
+            grad_clip_norm=0.0)
+
+
+def _start(model: str, state: Path, keys: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "tinker", "--model", model,
+                             "--port", str(port), "--keys-file", str(keys), "--state-dir",
+                             str(state), "--max-body-mb", "1", "--batch-wait-ms", "50"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for _ in range(300):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz").status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read())
+        time.sleep(0.1)
+    raise AssertionError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tinker")
+    model = build_eos_model(str(root / "llama"))
+    keys = root / "keys"
+    keys.write_text(f"{KEY_A} alice\n{KEY_B} bob\n")
+    port = free_port()
+    proc = _start(model, root / "state", keys, port)
+    info = dict(url=f"http://127.0.0.1:{port}", model=model, root=root, keys=keys, port=port,
+                proc=proc)
+    yield info
+    info["proc"].terminate()
+    info["proc"].wait(timeout=20)
+
+
+def _client(server, key=KEY_A) -> "tinker.ServiceClient":
+    return tinker.ServiceClient(base_url=server["url"], api_key=key)
+
+
+def _datum(tokens, targets, **inputs) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                       loss_fn_inputs={"target_tokens": targets, **inputs})
+
+
+SFT = [_datum([5, 6, 7, 8, 9], [6, 7, 8, 9, 10], weights=[0, 1, 1, 1, 1]),
+       _datum([11, 12, 13], [12, 13, 14], weights=[1, 1, 1])]
+
+
+def test_sdk_trains_samples_saves_and_resumes(server):
+    sc = _client(server)
+    # the SDK's own response type over a plain GET (tinker.RestClient answers after ~30 s here)
+    caps = types.GetServerCapabilitiesResponse.model_validate(httpx.get(
+        f"{server['url']}/api/v1/get_server_capabilities", headers={"X-API-Key": KEY_A}).json())
+    assert [m.model_name for m in caps.supported_models] == ["llama"]
+    tc = sc.create_lora_training_client(base_model="llama", rank=4, seed=3).result()
+    other = sc.create_lora_training_client(base_model="llama", rank=2, seed=4,
+                                           train_unembed=False).result()
+    assert other.get_info().lora_rank == 2 and tc.model_id != other.model_id
+    losses = []
+    for _ in range(3):
+        out = tc.forward_backward(SFT, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(**ADAM)).result()
+        losses.append(out.metrics["loss:sum"])
+        lp = [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+        # loss:sum is -(weights * logprobs).sum() over the datums, as the SDK documents
+        w = [np.array([0, 1, 1, 1, 1.]), np.ones(3)]
+        assert out.metrics["loss:sum"] == pytest.approx(-sum((a * b).sum() for a, b in
+                                                             zip(lp, w)), rel=1e-6)
+    assert losses[2] < losses[1] < losses[0]
+    # importance_sampling and ppo on the current policy's own log-probs: ratio 1, so the loss
+    # is -sum(advantages) and ppo's clip is inactive
+    fwd = tc.forward(SFT[:1], "cross_entropy").result()
+    old = fwd.loss_fn_outputs[0]["logprobs"].to_numpy().tolist()
+    adv = [0.5, -1.0, 2.0, 0.0, 1.0]
+    rl = [_datum([5, 6, 7, 8, 9], [6, 7, 8, 9, 10], logprobs=old, advantages=adv)]
+    for loss_fn in ("importance_sampling", "ppo"):
+        out = tc.forward_backward(rl, loss_fn).result()
+        assert out.metrics["loss:sum"] == pytest.approx(-sum(adv), rel=1e-5), loss_fn
+    tc.optim_step(types.AdamParams(**ADAM)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    res = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=6, seed=1)).result()
+    assert len(res.sequences) == 2
+    for seq in res.sequences:
+        assert seq.stop_reason in ("stop", "length") and 1 <= len(seq.tokens) <= 6
+        assert len(seq.logprobs) == len(seq.tokens)
+        if seq.stop_reason == "length":
+            assert len(seq.tokens) == 6
+    # compute_logprobs is the exact forward: its log-probs equal forward's on the same tokens
+    full = [5, 6, 7, 8, 9, 10]
+    lps = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+    fwd = tc.forward([_datum(full[:-1], full[1:])], "cross_entropy").result()
+    assert lps[0] is None
+    np.testing.assert_allclose(lps[1:], fwd.loss_fn_outputs[0]["logprobs"].to_numpy(),
+                               rtol=1e-6)
+    # a greedy sample's log-probs are compute_logprobs' of the same continuation
+    greedy = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0,
+                                                            stop=[])).result().sequences[0]
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints([5, 6, 7, *greedy.tokens]))
+    np.testing.assert_allclose(greedy.logprobs, scored.result()[3:], rtol=1e-5)
+    # save_state, then a fresh client resumes with the optimizer: its next step equals the
+    # original client's next step
+    path = tc.save_state("resume").result().path
+    resumed = _client(server).create_training_client_from_state_with_optimizer(path).result()
+    a = tc.forward_backward(SFT, "cross_entropy").result()
+    b = resumed.forward_backward(SFT, "cross_entropy").result()
+    assert a.metrics["loss:sum"] == b.metrics["loss:sum"]
+    ga = tc.optim_step(types.AdamParams(**ADAM)).result().metrics["grad_norm:mean"]
+    gb = resumed.optim_step(types.AdamParams(**ADAM)).result().metrics["grad_norm:mean"]
+    assert ga == gb
+    after = [c.forward(SFT, "cross_entropy").result().metrics["loss:sum"] for c in (tc, resumed)]
+    assert after[0] == after[1]
+    # without the optimizer state (create_training_client_from_state) the next step differs
+    fresh = _client(server).create_training_client_from_state(path).result()
+    fresh.forward_backward(SFT, "cross_entropy").result()
+    fresh.optim_step(types.AdamParams(**ADAM)).result()
+    assert fresh.forward(SFT, "cross_entropy").result().metrics["loss:sum"] != after[0]
+    server["resume_path"], server["resume_loss"] = path, a.metrics["loss:sum"]
+
+
+def _reference_steps(model_dir: str, adapter: dict, steps: int) -> tuple[list, dict]:
+    """The same SFT steps without the service: transformers + peft LoRA (r 4, alpha 32) with
+    the service's initial adapter copied in, torch AdamW with ADAM."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=32, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "lm_head"]))
+    params = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            path = name.replace("base_model.model.", "")
+            module.lora_A["default"].weight.data.copy_(adapter[f"{path}.A"])
+            module.lora_B["default"].weight.data.copy_(adapter[f"{path}.B"])
+            params[f"{path}.A"] = module.lora_A["default"].weight
+            params[f"{path}.B"] = module.lora_B["default"].weight
+    opt = torch.optim.AdamW(list(params.values()), lr=ADAM["learning_rate"],
+                            betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"],
+                            weight_decay=ADAM["weight_decay"])
+    losses = []
+    for _ in range(steps):
+        total = 0
+        for d in SFT:
+            ids = torch.tensor([d.model_input.to_ints()])
+            logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+            t = torch.tensor(d.loss_fn_inputs["target_tokens"].to_numpy())
+            w = torch.tensor(d.loss_fn_inputs["weights"].to_numpy())
+            total = total - (logp.gather(-1, t[:, None])[:, 0] * w).sum()
+        total.backward()
+        losses.append(float(total))
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach() for k, v in params.items()}
+
+
+def _state(server, path: str) -> dict:
+    from urllib.parse import quote
+    model_id, _, rest = path[len("tinker://"):].partition("/")
+    kind, _, name = rest.partition("/")
+    return torch.load(server["root"] / "state" / quote(model_id, safe="") / kind /
+                      f"{quote(name, safe='')}.pt", weights_only=True)
+
+
+def test_cross_entropy_steps_equal_peft_and_torch_adamw(server):
+    tc = _client(server).create_lora_training_client(base_model="llama", rank=4, seed=7).result()
+    start = _state(server, tc.save_state("start").result().path)["adapter"]
+    losses = []
+    for _ in range(3):
+        losses.append(tc.forward_backward(SFT, "cross_entropy").result().metrics["loss:sum"])
+        tc.optim_step(types.AdamParams(**ADAM)).result()
+    end = _state(server, tc.save_state("end").result().path)["adapter"]
+    ref_losses, ref_params = _reference_steps(server["model"], start, 3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k, v in ref_params.items():
+        torch.testing.assert_close(end[k], v, rtol=1e-5, atol=1e-6)
+
+
+def _train(tc, data, steps=2) -> list:
+    out = []
+    for _ in range(steps):
+        r = tc.forward_backward(data, "cross_entropy").result()
+        out.append((r.metrics["loss:sum"], [o["logprobs"].to_numpy() for o in r.loss_fn_outputs]))
+        tc.optim_step(types.AdamParams(**ADAM)).result()
+    return out
+
+
+def test_two_models_batched_equal_each_alone_third_untouched(server):
+    sc = _client(server)
+    data_x, data_y = SFT, [_datum([20, 21, 22, 23, 24, 25, 26], [21, 22, 23, 24, 25, 26, 27])]
+    make = lambda seed: sc.create_lora_training_client(base_model="llama", rank=4,  # noqa
+                                                       seed=seed).result()
+    x, y, z = make(11), make(12), make(13)
+    z_start = _state(server, z.save_state("z0").result().path)["adapter"]
+    together, rows = {}, {}
+
+    def run(name, tc, data):
+        out = []
+        for _ in range(2):
+            r = tc.forward_backward(data, "cross_entropy").result()
+            rows.setdefault(name, []).append(r.metrics["batch_rows:max"])
+            out.append((r.metrics["loss:sum"],
+                        [o["logprobs"].to_numpy() for o in r.loss_fn_outputs]))
+            barrier.wait()
+            tc.optim_step(types.AdamParams(**ADAM)).result()
+            barrier.wait()
+        together[name] = out
+    barrier = threading.Barrier(2)
+    threads = [threading.Thread(target=run, args=a) for a in (("x", x, data_x), ("y", y, data_y))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # the two models' requests ran in one batch (2 + 1 datums) at least once
+    assert max(rows["x"] + rows["y"]) == 3
+    alone = {"x": _train(make(11), data_x), "y": _train(make(12), data_y)}
+    bitwise = True
+    for name in ("x", "y"):
+        for (la, lpa), (lb, lpb) in zip(together[name], alone[name]):
+            assert la == pytest.approx(lb, rel=1e-6)
+            for a, b in zip(lpa, lpb):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+                bitwise &= bool(np.array_equal(a, b))
+    print(f"batched == alone bitwise: {bitwise}")
+    z_end = _state(server, z.save_state("z1").result().path)["adapter"]
+    assert all(torch.equal(z_start[k], z_end[k]) for k in z_start)
+
+
+def test_owners_cannot_reach_each_others_models(server):
+    tc = _client(server, KEY_A).create_lora_training_client(base_model="llama", rank=2).result()
+    path = tc.save_state("mine").result().path
+    headers_b = {"X-API-Key": KEY_B}
+    r = httpx.post(f"{server['url']}/api/v1/get_info", json={"model_id": tc.model_id},
+                   headers=headers_b)
+    assert r.status_code == 404 and "model_id" in r.json()["detail"]
+    r = httpx.post(f"{server['url']}/api/v1/optim_step", headers=headers_b,
+                   json={"model_id": tc.model_id, "adam_params": {"learning_rate": 1.0}})
+    assert r.status_code == 404
+    with pytest.raises(Exception, match="no such checkpoint"):
+        _client(server, KEY_B).create_training_client_from_state(path).result()
+    assert httpx.post(f"{server['url']}/api/v1/get_info", json={"model_id": tc.model_id},
+                      headers={"X-API-Key": "tml-unknown"}).status_code == 401
+
+
+def test_bad_input_is_4xx_naming_the_field(server):
+    url, h = server["url"], {"X-API-Key": KEY_A}
+    tc = _client(server).create_lora_training_client(base_model="llama", rank=2).result()
+    with pytest.raises(Exception, match="loss_fn 'dro' is not served"):
+        tc.forward_backward(SFT, "dro").result()
+    with pytest.raises(Exception, match=r"weights: 2 values for 5 input tokens"):
+        tc.forward_backward([_datum([5, 6, 7, 8, 9], [6, 7, 8, 9, 10], weights=[1, 1])],
+                            "cross_entropy").result()
+    with pytest.raises(Exception, match="loss_fn_inputs lacks advantages"):
+        tc.forward_backward([_datum([5, 6], [6, 7], logprobs=[0.0, 0.0])], "ppo").result()
+    with pytest.raises(Exception, match=r"target_tokens: token ids must be in"):
+        tc.forward_backward([_datum([5, 6], [6, 10 ** 6])], "cross_entropy").result()
+    cases = [("create_model", {"session_id": "nope", "model_seq_id": 0, "base_model": "llama",
+                               "lora_config": {"rank": 2}}, 404, "session_id"),
+             ("get_info", {"model_id": "nope:train:0"}, 404, "model_id"),
+             ("optim_step", {"model_id": tc.model_id, "adam_params": {"beta1": "x"}}, 400,
+              "beta1"),
+             ("optim_step", {"model_id": tc.model_id, "adam_params": {"beta2": 1.5}}, 400,
+              "beta2"),
+             ("get_info", {"modelid": "x"}, 400, "model_id"),
+             ("retrieve_future", {"request_id": "nope"}, 404, "request_id")]
+    for route, body, status, field in cases:
+        r = httpx.post(f"{url}/api/v1/{route}", json=body, headers=h)
+        assert r.status_code == status and field in r.json()["detail"], (route, r.text)
+    r = httpx.post(f"{url}/api/v1/forward_backward", content=b"\xff" * 100, headers={
+        **h, "Content-Type": "application/x-protobuf"})
+    assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["detail"]
+    r = httpx.post(f"{url}/api/v1/get_info", content=b"{" * (2 ** 20 + 1), headers=h)
+    assert r.status_code == 413 and "max-body-mb" in r.json()["detail"]
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    with pytest.raises(Exception, match="max_tokens"):
+        sampler.sample(types.ModelInput.from_ints([5]), 1,
+                       types.SamplingParams(max_tokens=10 ** 6)).result()
+
+
+def test_restarted_server_serves_the_saved_state(server):
+    """Last in the module: the server is restarted with the same --state-dir."""
+    server["proc"].terminate()
+    server["proc"].wait(timeout=20)
+    server["proc"] = _start(server["model"], server["root"] / "state", server["keys"],
+                            server["port"])
+    tc = _client(server).create_training_client_from_state_with_optimizer(
+        server["resume_path"]).result()
+    assert tc.forward_backward(SFT, "cross_entropy").result().metrics["loss:sum"] \
+        == server["resume_loss"]
