@@ -2,7 +2,9 @@
 correct and wrong solutions, and every hostile program contained by the bubblewrap sandbox
 (engine.rl.rewards.sandbox) while the next item scores normally. The sandbox tests are skipped,
 naming why, where the host cannot run bubblewrap. The known cheats:
-tests/test_rewards_code_cheats.py; the sandbox's own boundaries: tests/test_sandbox_bwrap.py."""
+tests/test_rewards_code_cheats.py; the sandbox's own boundaries: tests/test_sandbox_bwrap.py.
+The formats and the cheats are judged outside the solution's process with or without
+bubblewrap, so they run everywhere (without it: reward.code_sandbox=relaxed's runs)."""
 from __future__ import annotations
 
 import json
@@ -156,12 +158,12 @@ def test_plain_data_refuses_what_is_not_plain():
             plain_data.loads(text)
 
 
-@needs_sandbox
 @pytest.mark.parametrize("code, fields, expected", [
     ("a, b = map(int, input().split())\nprint(a + b)", {"tests": ADD}, 1.0),
     ("a, b = map(int, input().split())\nprint(a * b if a == 5 else a + b)", {"tests": ADD},
      2 / 3),
     ("print(int(input().split()[0]))", {"tests": ADD}, 0.0),
+    ("import sys\nsys.exit(0)", {"tests": ADD}, 0.0),                # ends early, prints nothing
     ("a, b = map(int, input().split())\nprint(a + b)\nraise SystemExit(1)", {"tests": ADD}, 0.0),
     ("def add(a, b):\n    return a + b", CALL, 1.0),
     ("def add(a, b):\n    return (a + b,)", CALL, 1 / 3),     # [7] is (7,) wrapped, as APPS
@@ -192,7 +194,6 @@ def test_formats_score_correct_and_wrong_solutions(code, fields, expected):
     assert load_reward_fn("code")("", block(code), "", **fields) == pytest.approx(expected)
 
 
-@needs_sandbox
 def test_all_or_nothing_and_no_block_and_json_tests():
     partial = block("a, b = map(int, input().split())\nprint(a * b if a == 5 else a + b)")
     assert CodeReward(score="all")("", partial, "", tests=ADD) == 0.0

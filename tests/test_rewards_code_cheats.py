@@ -2,17 +2,14 @@
 scored 1.0 when an assert test's verdict was the exit status of the solution followed by the
 test code in one program. Each must score 0 on both paths of an assert script (the calls of a
 plain `assert f(x) == y` script compared in the scorer; any other script run by the harness),
-and the right solution 1. Add a new cheat here when one is found."""
+and the right solution 1, with or without bubblewrap (the verdicts never depend on it). Add a
+new cheat here when one is found."""
 from __future__ import annotations
 
 import pytest
 
 from engine.rl.rewards.code import CodeReward
 from engine.rl.rewards.code_tests import AssertCalls, AssertScript, parse_tests
-from engine.rl.rewards.sandbox import missing_layers
-
-pytestmark = pytest.mark.skipif(bool(missing_layers()),
-                                reason=f"sandbox layers missing: {missing_layers()}")
 
 WRONG = "def sq(x):\n    return x + 1\n"
 RIGHT = "def sq(x):\n    return x * x\n"
