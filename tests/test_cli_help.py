@@ -162,6 +162,18 @@ def test_every_help_line_is_the_keys_own():
         assert [f for f in re.findall(r"--[\w-]+", usage) if f"  {f}" not in flags] == [], entry
 
 
+def test_help_says_what_a_null_timeout_and_a_micro_batch_are():
+    """reward.timeout_s null is no bound (the pool's calls run unbounded, concurrently), not
+    "sequential"; train.micro_batch_size counts groups of rows sharing a prefix under
+    train.prefix_sharing (sft and rl). Fails on the previous comments."""
+    rl = {k: m for k, _, _, m in schema_keys(RLConfig)}
+    sft = {k: m for k, _, _, m in schema_keys(SFTConfig)}
+    assert "null: unbounded" in rl["reward.timeout_s"]
+    assert "sequential" not in rl["reward.timeout_s"]
+    for meaning in (rl["train.micro_batch_size"], sft["train.micro_batch_size"]):
+        assert "with train.prefix_sharing: groups of rows" in meaning, meaning
+
+
 def test_version(capsys):
     from engine.sft.__main__ import main
 

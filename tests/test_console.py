@@ -72,6 +72,49 @@ def test_every_subcommand_has_help(sub, expect, capsys, monkeypatch):
     assert f"megatron-sft-engine {sub}" in out
 
 
+def _help(argv: list[str], capsys, monkeypatch) -> str:
+    monkeypatch.setattr(sys, "argv", ["megatron-sft-engine"])
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:  # argparse's --help
+        code = e.code
+    assert code == 0, argv
+    return capsys.readouterr().out
+
+
+def test_each_help_describes_its_own_options(capsys, monkeypatch):
+    """The new-user walk's help findings (each fails on the previous code): `validate sft
+    --help` prints validate's flags, not sft's keys; `convert --help` shows the console
+    command in its examples (the script's own --help keeps `python tools/convert.py`); every
+    option of every `demo` subcommand (`demo evaluate`'s among them) has a meaning; `serve
+    --help` names the n bound (--max-n) and each of vLLM's sampling fields it takes."""
+    from engine.api.sampling_fields import FIELDS
+    from tools.convert import main as convert_main
+    from tools.demo import build_parser
+
+    for argv in (["validate", "sft", "--help"], ["validate", "--help"]):
+        out = _help(argv, capsys, monkeypatch)
+        assert out.startswith("usage: megatron-sft-engine validate {sft,rl,dpo,rm,kto}")
+        assert "  --world-size N" in out and "  --gpus-per-node G" in out and "  --json" in out
+        assert "train.max_steps" not in out
+    out = _help(["convert", "--help"], capsys, monkeypatch)
+    assert "megatron-sft-engine convert hf-to-mcore --hf-dir H --out C" in out
+    assert "megatron-sft-engine convert --nproc-per-node T*P*D verify" in out
+    assert "tools/convert.py" not in out.replace("tools/convert_reward.py", "")
+    with pytest.raises(SystemExit):
+        convert_main(["--help"])
+    assert "python tools/convert.py mcore-to-hf" in capsys.readouterr().out
+    subparsers = build_parser()._subparsers._group_actions[0].choices
+    silent = [f"{name} {action.dest}" for name, sub in subparsers.items()
+              for action in sub._actions if action.dest != "help" and not action.help]
+    assert silent == [] and len(subparsers) == 8
+    out = _help(["demo", "evaluate", "--help"], capsys, monkeypatch)
+    assert "tokens of each greedy reply, per turn" in out
+    out = " ".join(_help(["serve", "--help"], capsys, monkeypatch).split())
+    assert "--max-n N" in out and "n (at most --max-n)" in out
+    assert [f for f in FIELDS if f not in out] == [] and len(FIELDS) == 9
+
+
 def test_unknown_subcommand_and_bad_nproc_are_refused(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["megatron-sft-engine"])
     assert cli.main(["train"]) == 2

@@ -208,9 +208,16 @@ def test_over_long_prompts_follow_data_truncation(model_dir, tmp_path, capsys):
         f"{path}:2" in capsys.readouterr().out
     with pytest.raises(DataError, match=re.escape(f"{path}:2: the prompt renders to")):
         fit_prompt_rows(rows, locations, tokenizer, _config(limit_args + ["data.truncation=error"]))
-    with pytest.raises(DataError, match="every prompt of data.train_files is longer than"):
+    # nothing fits: the refusal names the lengths it saw, the shortest and longest with their
+    # file:line, and the train.seq_length the shortest needs (here 9 + 1 - 8 = 2 tokens fit)
+    lengths = [len(render_prompt(r["prompt"], tokenizer)) for r in rows]
+    assert lengths[0] == min(lengths) > 2 and lengths[1] == max(lengths)
+    with pytest.raises(DataError) as refused:
         fit_prompt_rows(rows, locations, tokenizer, _config(["rollout.max_new_tokens=8",
                                                              "train.seq_length=9"]))
+    assert str(refused.value).startswith("every prompt of data.train_files is longer than 2 ")
+    assert (f"its 3 prompts render to {lengths[0]} ({path}:1) to {lengths[1]} ({path}:2) "
+            f"tokens; raise train.seq_length to at least {lengths[0] + 7}") in str(refused.value)
 
 
 def test_too_long_prompt_is_a_data_error(model_dir):

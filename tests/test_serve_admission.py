@@ -249,3 +249,68 @@ def test_max_tokens_is_capped_before_the_context_check_and_413_names_its_flag(to
         assert r.status_code == 413
         assert r.json()["error"]["message"].endswith(
             "limit of 2000 bytes (--max-body-mb 0.00190735)"), r.text
+
+
+def test_dtype_auto_reads_the_weights_as_transformers_does(tmp_path):
+    """--dtype auto without a dtype in config.json: the first floating tensor by name, as
+    transformers' get_state_dict_dtype reads safetensors' sorted keys, so vLLM is told the
+    dtype the hf backend loads. A bfloat16 checkpoint holding a float32 buffer (written first
+    in the safetensors header, where float32 tensors come first) is bfloat16; the previous
+    code, reading the header's order, said float32. A sharded folder: its index's first shard
+    by name."""
+    import json as json_
+    import torch
+    from safetensors.torch import save_file
+    from transformers.modeling_utils import get_state_dict_dtype, load_state_dict
+
+    from engine.serve.folder import checkpoint_dtype
+
+    (tmp_path / "config.json").write_text(json_.dumps({"model_type": "llama"}))
+    weights = {"model.embed_tokens.weight": torch.zeros(4, 2, dtype=torch.bfloat16),
+               "model.layers.0.mlp.gate.e_score_correction_bias": torch.zeros(4),
+               "model.norm.weight": torch.zeros(2, dtype=torch.bfloat16)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with open(tmp_path / "model.safetensors", "rb") as f:
+        header = json_.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert next(iter(header)) == "model.layers.0.mlp.gate.e_score_correction_bias"
+    loaded = get_state_dict_dtype(load_state_dict(str(tmp_path / "model.safetensors"),
+                                                  map_location="meta"))
+    assert loaded == torch.bfloat16 and checkpoint_dtype(str(tmp_path)) == "bfloat16"
+    (tmp_path / "model.safetensors").unlink()
+    save_file({"b.weight": torch.zeros(2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file({"a.weight": torch.zeros(2, dtype=torch.float16)},
+              str(tmp_path / "model-00001-of-00002.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json_.dumps({"weight_map": {
+        "b.weight": "model-00002-of-00002.safetensors",
+        "a.weight": "model-00001-of-00002.safetensors"}}))
+    assert checkpoint_dtype(str(tmp_path)) == "float16"
+    (tmp_path / "config.json").write_text(json_.dumps({"model_type": "llama",
+                                                       "torch_dtype": "float32"}))
+    assert checkpoint_dtype(str(tmp_path)) == "float32"     # config.json's dtype wins
+
+
+def test_max_n_is_a_flag_named_in_its_refusal(tok, capsys):
+    """n per request is bounded by --max-n (default 8), not a fixed 8: over HTTP, n=16 on a
+    default endpoint is a 400 (param n) naming --max-n 8, and with max_n 16 (pass@16) it is
+    served with 16 choices; the flag is refused below 1 and above --max-choices (exit 2,
+    naming it). Fails on the previous code (n above 8 was refused whatever the flags)."""
+    body = {"prompt": "w1", "n": 16, "max_tokens": 1}
+    with serving(tok, ScriptedBackend()) as endpoint:
+        r = httpx.post(f"{endpoint.base_url}/completions", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert r.json()["error"]["message"] == "n=16 must be an integer in [1, 8] (--max-n 8)"
+    settings = ServeSettings("tiny", MAX_TOKENS, MAX_CONTEXT, max_n=16)
+    with serving(tok, ScriptedBackend(), settings) as endpoint:
+        r = httpx.post(f"{endpoint.base_url}/completions", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        assert sorted(c["index"] for c in r.json()["choices"]) == list(range(16))
+    parse = serve_cli.parser("serve").parse_args
+    assert parse(["--model", "m"]).max_n == 8
+    assert parse(["--model", "m", "--max-n", "16"]).max_n == 16
+    for argv, problem in ((["--max-n", "0"], "--max-n 0 must be in [1, --max-choices 256]"),
+                          (["--max-n", "300"], "--max-n 300 must be in [1, --max-choices 256]"),
+                          (["--max-n", "5", "--max-choices", "4"],
+                           "--max-n 5 must be in [1, --max-choices 4]")):
+        args = parse(["--model", "m", *argv])
+        serve_cli.fill_defaults(args, {})
+        assert serve_cli.flag_problems(args) == [problem], argv

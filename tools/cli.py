@@ -67,6 +67,33 @@ def usage() -> str:
     return "\n".join(lines) + "\n"
 
 
+VALIDATE_USAGE = (f"usage: {PROG} validate {{sft,rl,dpo,rm,kto}} --config RECIPE.yaml "
+                  "[--world-size N] [--nodes M] [--gpus-per-node G] [--json] [key=value ...]")
+VALIDATE_FLAGS = (
+    ("--config RECIPE.yaml", "the recipe to check (its recipe.nodes and recipe.gpus_per_node "
+                             "give the cluster shape)"),
+    ("--world-size N", "GPUs in all (default: nodes x GPUs per node)"),
+    ("--nodes M", "nodes (default: the recipe's recipe.nodes)"),
+    ("--gpus-per-node G", "GPUs per node (default: the recipe's recipe.gpus_per_node)"),
+    ("--json", "one JSON object (ok, world_size, nodes, summary, warnings, problems, "
+               "memory_gib, communication) instead of text"),
+    ("key=value", "overrides a key of the recipe (`megatron-sft-engine ENTRY --help` lists "
+                  "the keys of each entry point)"))
+
+
+def validate_help() -> str:
+    """`validate --help` (and `validate ENTRY --help`): its usage, meaning and flags."""
+    width = max(len(flag) for flag, _ in VALIDATE_FLAGS)
+    lines = [VALIDATE_USAGE, "", "Checks a recipe's layout arithmetic, memory per GPU and "
+             "communication plan for a cluster shape, without GPUs, weights or processes. Exit "
+             "0 with a summary, 2 with every problem.", "", "flags:"]
+    lines += [f"  {flag:<{width}}  {meaning}" for flag, meaning in VALIDATE_FLAGS]
+    lines += ["", "examples:", f"  {PROG} validate rl --config recipes/rl/qwen3_8b_grpo_h100.yaml "
+              "--nodes 4", f"  {PROG} validate sft --config recipes/sft/qwen3_8b_h100.yaml "
+              "--world-size 16 --json"]
+    return "\n".join(lines)
+
+
 def pop_nproc(argv: list[str]) -> int | None:
     """Remove `--nproc-per-node N` (or `--nproc-per-node=N`, `--nproc_per_node`) from argv;
     return N. Exit 2 on a missing or non-positive value."""
@@ -156,15 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     if name in ENGINES:
         return run_engine(name, rest)
     if name == "validate":
-        usage_line = (f"usage: {PROG} validate {{sft,rl,dpo,rm,kto}} --config RECIPE.yaml [--world-size N] "
-                      "[--nodes M] [--gpus-per-node G] [--json] [key=value ...]")
-        if rest[:1] in (["-h"], ["--help"]):
-            print(f"{usage_line}\n\nChecks a recipe's layout arithmetic, memory per GPU and "
-                  "communication plan for a cluster shape (defaults: recipe.nodes x "
-                  "recipe.gpus_per_node). Exit 0 with a summary, 2 with every problem.")
+        if "-h" in rest or "--help" in rest:   # `validate sft --help` too: validate's flags
+            print(validate_help())
             return 0
         if rest[:1] not in [[e] for e in ENGINES]:
-            print(f"error: {usage_line}", file=sys.stderr)
+            print(f"error: {VALIDATE_USAGE}", file=sys.stderr)
             return 2
         return run_engine(rest[0], [*rest[1:], "--validate"])
     if name == "convert":

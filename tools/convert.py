@@ -1,22 +1,6 @@
-"""Checkpoint conversion between Hugging Face and Megatron-Core distributed checkpoints.
-
-  python tools/convert.py hf-to-mcore --hf-dir H --out C
-  python tools/convert.py hf-to-mcore --hf-dir H --adapter A --out C   (LoRA: base + PEFT adapter)
-      (H may be a reward model: *ForSequenceClassification, num_labels 1, score.weight only)
-  python tools/convert.py mcore-to-hf --ckpt C --out O        (C may be a training iter_* dir
-                                                              or its parent run directory)
-      [--iteration N]             (a run directory: this iteration; default the newest
-                                   complete one, named in the output)
-      [--overwrite]               (replace a non-empty --out: its contents are removed first)
-      [--quantize fp8]            (an FP8 source: re-quantize with its scales; default bf16)
-      [--merge] [--base H]        (LoRA checkpoints: a PEFT adapter, or the merged model)
-      A PPO critic (checkpoint.dir/critic) exports as *ForTokenClassification; a reward model
-      (its own config.json a one-label *ForSequenceClassification: hf-to-mcore of one, or an RM run)
-      as *ForSequenceClassification, and with LoRA as a peft SEQ_CLS adapter (the score head
-      in modules_to_save) or with --merge the merged classifier (tools/convert_reward.py)
-  torchrun --nproc_per_node T*P*D tools/convert.py verify --hf-dir H --ckpt C --tp T --pp P
-      [--ep E]                    (MoE: experts split over E ranks; E divides D = dp)
-      (a reward model: its last-token scores against transformers' sequence classifier)
+"""Checkpoint conversion between Hugging Face and Megatron-Core distributed checkpoints:
+`megatron-sft-engine convert` (or `python tools/convert.py` in a checkout). Its --help prints
+COMMANDS with the command as it was started (`help_text`).
 """
 from __future__ import annotations
 
@@ -29,6 +13,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # what the commands share (tools/convert_verify.py too): one module both import, no circle
 from tools.convert_common import fail, resolve_checkpoint, setup_layout  # noqa: E402
+
+COMMANDS = """\
+  {run} hf-to-mcore --hf-dir H --out C
+  {run} hf-to-mcore --hf-dir H --adapter A --out C   (LoRA: base + PEFT adapter)
+      (H may be a reward model: *ForSequenceClassification, num_labels 1, score.weight only)
+  {run} mcore-to-hf --ckpt C --out O        (C may be a training iter_* dir
+      or its parent run directory)
+      [--iteration N]             (a run directory: this iteration; default the newest
+                                   complete one, named in the output)
+      [--overwrite]               (replace a non-empty --out: its contents are removed first)
+      [--quantize fp8]            (an FP8 source: re-quantize with its scales; default bf16)
+      [--merge] [--base H]        (LoRA checkpoints: a PEFT adapter, or the merged model)
+      A PPO critic (checkpoint.dir/critic) exports as *ForTokenClassification; a reward model
+      (its own config.json a one-label *ForSequenceClassification: hf-to-mcore of one, or an RM run)
+      as *ForSequenceClassification, and with LoRA as a peft SEQ_CLS adapter (the score head
+      in modules_to_save) or with --merge the merged classifier (tools/convert_reward.py)
+  {verify} verify --hf-dir H --ckpt C --tp T --pp P
+      [--ep E]                    (MoE: experts split over E ranks; E divides D = dp)
+      (a reward model: its last-token scores against transformers' sequence classifier)
+"""
+DIRECT = "convert.py"   # main's prog when run as `python tools/convert.py`
+
+
+def help_text(prog: str) -> str:
+    """The description --help prints: COMMANDS as `prog` runs them (the console command
+    `megatron-sft-engine convert`, whose --nproc-per-node starts torchrun's ranks; else the
+    script, `verify` under torchrun)."""
+    if prog == DIRECT:
+        run, verify = "python tools/convert.py", "torchrun --nproc_per_node T*P*D tools/convert.py"
+    else:
+        run, verify = prog, f"{prog} --nproc-per-node T*P*D"
+    return ("Checkpoint conversion between Hugging Face and Megatron-Core distributed "
+            "checkpoints.\n\n" + COMMANDS.format(run=run, verify=verify))
+
 
 ITERATION_HELP = ("--ckpt is a run's checkpoint directory: convert this iteration (default: "
                   "the newest complete one, which is printed)")
@@ -163,8 +181,8 @@ def _reward_calling_convention(out: Path, meta: Path) -> None:
           flush=True)
 
 
-def main(argv=None, prog: str = "convert.py") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+def main(argv=None, prog: str = DIRECT) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=help_text(prog),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     from engine.config.help import version
     parser.add_argument("--version", action="version", version=f"{prog} {version()}")

@@ -251,46 +251,61 @@ def _model_arg(text: str) -> tuple[str, str]:
     return name, path
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split(
-        "\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """`tools.demo`'s parser: every subcommand and option with its meaning."""
+    head, tail = __doc__.split("\n\n", 1)
+    parser = argparse.ArgumentParser(description=head, epilog=tail,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("assets", help="recipes/cpu_demo.sh's model and data")
-    p.add_argument("--out", default="runs/demo_assets")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/demo_assets",
+                   help="folder of the model and the data files (default: runs/demo_assets)")
+    p.add_argument("--seed", type=int, default=0, help="the model's initialization seed")
     p = sub.add_parser("model", help="a tiny random Qwen3 with the word-level tokenizer")
-    p.add_argument("dir")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("dir", help="folder to write the model, its config and tokenizer to")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (default: 64)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
+    p.add_argument("--intermediate", type=int, default=128,
+                   help="MLP intermediate size (default: 128)")
     p.add_argument("--head-dim", type=int, default=DEMO_HEAD_DIM,
                    help="dims of each of the hidden / D heads (vLLM's CPU attention needs 32 "
                    "or more)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initialization seed (default: 0)")
     p.add_argument("--eos-prone", action="store_true",
                    help="replies that end at spread lengths (the partial-rollout tests' model)")
     p.add_argument("--mtp", action="store_true", help="a tiny GLM-4.5 MoE with an MTP layer")
-    p = sub.add_parser("addition-data", help="single-digit addition, SFT and RL rows")
-    p.add_argument("work")
-    p = sub.add_parser("rm-data", help="the reward-model demo's SFT rows, RL prompts and pairs")
-    p.add_argument("work")
-    p = sub.add_parser("tools-data", help="the tools demo's model and multiplication data")
-    p.add_argument("work")
-    p = sub.add_parser("counting-data", help="the image demo's model, pictures and rows")
-    p.add_argument("work")
+    for name, meaning in (("addition-data", "single-digit addition, SFT and RL rows"),
+                          ("rm-data", "the reward-model demo's SFT rows, RL prompts and pairs"),
+                          ("tools-data", "the tools demo's model and multiplication data"),
+                          ("counting-data", "the image demo's model, pictures and rows")):
+        sub.add_parser(name, help=meaning).add_argument(
+            "work", help="folder to write the files to (made when missing)")
     p = sub.add_parser("counting-evaluate", help="greedy counting accuracy of HF models")
-    p.add_argument("--data", required=True)
-    p.add_argument("--model", type=_model_arg, action="append", required=True)
-    p.add_argument("--limit", type=int, default=100)
-    p = sub.add_parser("evaluate", help="greedy accuracy of HF models on RL prompts")
-    p.add_argument("--data", required=True)
+    p.add_argument("--data", required=True, help="the counting demo's RL rows (WORK/rl.jsonl)")
     p.add_argument("--model", type=_model_arg, action="append", required=True,
-                   help="NAME=DIR (repeat to compare)")
-    p.add_argument("--limit", type=int, default=100)
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--tools", action="store_true", help="run the calculator between turns")
-    p.add_argument("--show", type=int, default=3)
+                   help="NAME=DIR: a HF model folder and its name in the output (repeat to "
+                        "compare)")
+    p.add_argument("--limit", type=int, default=100,
+                   help="the first N rows are asked (default: 100)")
+    p = sub.add_parser("evaluate", help="greedy accuracy of HF models on RL prompts")
+    p.add_argument("--data", required=True,
+                   help="RL prompt rows ({\"prompt\", \"answer\"} per line, e.g. WORK/rl.jsonl)")
+    p.add_argument("--model", type=_model_arg, action="append", required=True,
+                   help="NAME=DIR: a HF model folder and its name in the output (repeat to "
+                        "compare)")
+    p.add_argument("--limit", type=int, default=100,
+                   help="the first N prompts are asked (default: 100)")
+    p.add_argument("--max-new-tokens", type=int, default=8,
+                   help="tokens of each greedy reply, per turn (default: 8)")
+    p.add_argument("--tools", action="store_true",
+                   help=f"run the calculator between turns (at most {MAX_TOOL_TURNS} turns)")
+    p.add_argument("--show", type=int, default=3,
+                   help="replies printed per model, the first K prompts' (default: 3)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     from tools.bench.common import quiet_libraries
 

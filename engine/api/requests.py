@@ -86,7 +86,8 @@ class Limits:
     top_p: float                     # rollout.top_p (the default)
     max_turns: int | None = None     # env.max_turns: calls per episode
     fixed_sampling: bool = True      # temperature / top_p must be the run's (training)
-    max_n: int = 8
+    max_n: int = 8                   # n per prompt at most
+    max_n_flag: str = ""             # what sets max_n, named in its 400 (serve: "--max-n")
     max_stop: int = 4
     model: str = "policy"            # the name /v1/models lists
     evaluation: bool = False         # serve: echo, top-k, max_tokens 0, prompt lists, stream
@@ -225,7 +226,8 @@ def _common(body: dict, limits: Limits, allowed: set[str]) -> dict:
             raise bad(f"unsupported parameter {key!r}", key)
     n = body.get("n") if body.get("n") is not None else 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limits.max_n:
-        raise bad(f"n={n!r:.20} must be an integer in [1, {limits.max_n}]", "n")
+        flag = f" ({limits.max_n_flag} {limits.max_n})" if limits.max_n_flag else ""
+        raise bad(f"n={n!r:.20} must be an integer in [1, {limits.max_n}]{flag}", "n")
     temperature, top_p = _sampling(body, limits)
     _response_format(body)
     stream, include_usage = _stream(body, limits)

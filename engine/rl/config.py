@@ -30,7 +30,9 @@ class RLTrainConfig:
     prompts_per_step: int = 8            # prompts per rollout batch (x rollout.n responses)
     mini_batches_per_step: int = 1       # optimizer steps per rollout batch and epoch
     epochs_per_rollout: int = 1          # passes over the rollout batch
-    micro_batch_size: int = 1            # sequences per micro-batch of the updates
+    # sequences per micro-batch of the updates; with train.prefix_sharing: groups of rows
+    # sharing a prefix (a whole GRPO group each; docs/prefix-sharing.md)
+    micro_batch_size: int = 1
     # token budget per micro-batch (replaces micro_batch_size); null: micro_batch_size
     max_tokens_per_micro_batch: Optional[int] = None
     max_steps: int = 10                  # RL steps (rollout batches)
@@ -96,7 +98,9 @@ class RewardConfig:
     # built-in name or "package.module:function"; with reward.model.path or
     # reward.judge.base_url set and reward.fn not given, none (engine.rl.algo.presets)
     fn: str = "math"
-    timeout_s: Optional[float] = 30.0    # per call; null: sequential, no timeout
+    # seconds per call, from its start (a call past it is a failed reward); null: unbounded
+    # (reward.num_workers=0 then calls fn one at a time in the trainer)
+    timeout_s: Optional[float] = 30.0
     # reward.fn's calls run in this many worker processes (engine.rl.rewards.pool); null: the
     # CPUs this rank may use; 0: in the trainer (threads, as timeout_s says)
     num_workers: Optional[int] = None

@@ -10,7 +10,8 @@ import argparse
 import os
 import sys
 
-from engine.serve.admission import DEFAULT_MAX_CHOICES, DEFAULT_MAX_SCORE_GIB
+from engine.api.sampling_fields import FIELDS
+from engine.serve.admission import DEFAULT_MAX_CHOICES, DEFAULT_MAX_N, DEFAULT_MAX_SCORE_GIB
 from engine.serve.batching import DEFAULT_MAX_QUEUE
 from engine.serve.folder import BACKENDS, DTYPES, folder_problem, model_context
 
@@ -25,11 +26,12 @@ On vllm (vLLM in this process) and on hf (transformers, slots of a static KV cac
 join the running batch at the next engine step and `stream: true` sends text as it is
 sampled (an hf model with a vision tower or non-full-attention layers batches concurrent
 requests into one generate call instead, its stream sent after it). A request's temperature,
-top_p, max_tokens (capped at --max-tokens), n, stop, logprobs and tools are honoured; a
-request without `seed` samples with a seed derived from --seed and its arrival number, one
-with `seed` samples the same reply whatever else is served. Every request is logged in one
-line (route, status, tokens, milliseconds; --quiet: none). SIGTERM or Ctrl-C stops it (exit
-0): queued requests get 503."""
+top_p, max_tokens (capped at --max-tokens), n (at most --max-n), stop, logprobs and tools are
+honoured, and so are vLLM's sampling fields ({fields}) with vLLM's ranges and meanings, on both
+backends; a request without `seed` samples with a seed derived from --seed and its arrival
+number, one with `seed` samples the same reply whatever else is served. Every request is
+logged in one line (route, status, tokens, milliseconds; --quiet: none). SIGTERM or Ctrl-C
+stops it (exit 0): queued requests get 503."""
 
 EXAMPLES = """examples:
   {prog} --model runs/x/hf --port 8000
@@ -39,7 +41,8 @@ EXAMPLES = """examples:
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
+    p = argparse.ArgumentParser(prog=prog,
+                                description=DESCRIPTION.format(fields=", ".join(FIELDS)),
                                 epilog=EXAMPLES.format(prog=prog),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, metavar="DIR",
@@ -84,6 +87,10 @@ def parser(prog: str) -> argparse.ArgumentParser:
                    help="a request of more than N choices (prompts x n) gets 400 before it "
                         "is tokenized (code too_many_choices; at most --max-queue; default: "
                         f"{DEFAULT_MAX_CHOICES}, or --max-queue when smaller)")
+    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, metavar="N",
+                   help="a request whose n (choices per prompt) exceeds N gets 400 naming the "
+                        f"flag (default: {DEFAULT_MAX_N}; pass@16 needs 16; at most "
+                        "--max-choices)")
     p.add_argument("--max-score-gib", type=float, default=None, metavar="G",
                    help="a request with log-probs whose prompt plus max_tokens needs more than "
                         "G GiB of float32 log-probs (tokens x vocabulary x 4 bytes) gets 400 "
@@ -119,6 +126,8 @@ def flag_problems(args) -> list[str]:
               (args.max_choices is None or 1 <= args.max_choices <= args.max_queue,
                f"--max-choices {args.max_choices} must be in [1, --max-queue "
                f"{args.max_queue}]"),
+              (args.max_n >= 1 and (args.max_choices is None or args.max_n <= args.max_choices),
+               f"--max-n {args.max_n} must be in [1, --max-choices {args.max_choices}]"),
               (args.max_score_gib is None or args.max_score_gib > 0,
                f"--max-score-gib {args.max_score_gib} must be > 0 (inf: no limit)"),
               (args.max_context is None or args.max_context > args.max_tokens,

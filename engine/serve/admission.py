@@ -25,6 +25,7 @@ GIB = 2 ** 30
 LOGPROB_BYTES = 4            # float32
 DEFAULT_MAX_SCORE_GIB = 4.0  # --max-score-gib on the hf backend (vllm: none)
 DEFAULT_MAX_CHOICES = 256    # --max-choices (at most --max-queue)
+DEFAULT_MAX_N = 8            # --max-n: the most choices (n) per prompt
 
 
 def check_choices(call: Call, max_choices: int) -> int:

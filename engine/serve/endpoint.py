@@ -82,8 +82,8 @@ from engine.api.streaming import chat_chunks, completion_chunks, event_stream
 from engine.api.tokens import TemplateRules
 from engine.errors import RunError
 from engine.generation.sampling_backend import StepBackend
-from engine.serve.admission import (DEFAULT_MAX_CHOICES, DEFAULT_MAX_SCORE_GIB, budget,
-                                    check_choices, check_scoring)
+from engine.serve.admission import (DEFAULT_MAX_CHOICES, DEFAULT_MAX_N, DEFAULT_MAX_SCORE_GIB,
+                                    budget, check_choices, check_scoring)
 from engine.serve.batching import CLIENTS, DEFAULT_MAX_QUEUE, STOPPING, ServeQueue
 from engine.serve.live import LiveStream, results_unless_gone, streams_live
 from engine.serve.tokenizer_routes import add_tokenizer_routes
@@ -105,6 +105,7 @@ class ServeSettings:
     seed: int = 0            # the seeds of requests without one (--seed; module docstring)
     max_logprobs: int = 20   # the most top log-probs a request may ask (vLLM's default cap)
     max_choices: int = DEFAULT_MAX_CHOICES   # prompts x n of one request (--max-choices)
+    max_n: int = DEFAULT_MAX_N               # n of one request (--max-n)
     max_score_gib: float | None = DEFAULT_MAX_SCORE_GIB   # scoring memory (--max-score-gib)
     vocab_size: int | None = None   # the logits' width (None: the tokenizer's length)
 
@@ -157,7 +158,8 @@ class ServeEndpoint:
                              seq_length=settings.max_context - 1,
                              temperature=settings.temperature, top_p=settings.top_p,
                              fixed_sampling=False, model=settings.model_name,
-                             evaluation=True, max_logprobs=settings.max_logprobs)
+                             evaluation=True, max_logprobs=settings.max_logprobs,
+                             max_n=settings.max_n, max_n_flag="--max-n")
         self.max_choices = (settings.max_choices if max_pending is None
                             else min(settings.max_choices, max_pending))
         self.vocab_size = settings.vocab_size or self.rules.vocab_size

@@ -54,11 +54,12 @@ def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg,
     the rows' prompt ids from the data cache (engine.data.datasets.load_prompt_rows `prompt_ids`);
     without it every prompt is rendered here. `key` names the rows' files in messages."""
     limit = cfg.train.seq_length + 1 - cfg.rollout.max_new_tokens
-    kept, kept_ids, dropped = [], [], []
+    kept, kept_ids, dropped, lengths = [], [], [], []
     for i, (row, loc) in enumerate(zip(rows, locations)):
         ids = (rendered[i] if rendered is not None
                else render_prompt(row["prompt"], tokenizer, where=loc))
         n = len(ids)
+        lengths.append((n, loc))
         if n <= limit:
             kept.append(row)
             kept_ids.append(ids)
@@ -77,5 +78,17 @@ def fit_prompt_rows(rows: list[dict], locations: list[str], tokenizer, cfg,
     if not kept:
         raise DataError(f"every prompt of {key} is longer than {limit} tokens "
                         f"(train.seq_length={cfg.train.seq_length} + 1 - rollout.max_new_tokens"
-                        f"={cfg.rollout.max_new_tokens}); raise train.seq_length")
+                        f"={cfg.rollout.max_new_tokens}){_lengths_seen(lengths, cfg)}")
     return kept, kept_ids
+
+
+def _lengths_seen(lengths: list[tuple[int, str]], cfg) -> str:
+    """What fit_prompt_rows' refusal says of the rendered prompts: their count, the shortest
+    and the longest with file:line, and the train.seq_length the shortest needs."""
+    if not lengths:
+        return "; there is no prompt row"
+    (short, first), (long, last) = (min(lengths, key=lambda x: x[0]),
+                                     max(lengths, key=lambda x: x[0]))
+    return (f": its {len(lengths)} prompts render to {short} ({first}) to {long} ({last}) "
+            f"tokens; raise train.seq_length to at least "
+            f"{short + cfg.rollout.max_new_tokens - 1} or lower rollout.max_new_tokens")
