@@ -261,3 +261,13 @@ def test_rewards_quick_scores_equal_and_reports_every_number():
                 "rewards_overlap_wait_ratio", "rewards_after_wait_s", "rewards_pool_startup_s"):
         assert s[key] > 0, key
     assert s["rewards_workers"] == float(len(os.sched_getaffinity(0)))
+
+
+def test_prefix_sharing_goal_is_judged_against_the_spread():
+    """tools.bench prefix_sharing: met when every repeat's speed-up reaches the goal, missed
+    when none does, undecided (None) when the goal lies within the spread."""
+    from tools.bench.prefix_sharing import judge
+
+    assert judge([3.1, 3.4], 3.0) is True and judge([3.0], 3.0) is True
+    assert judge([2.5, 2.9], 3.0) is False
+    assert judge([0.68, 1.02], 0.97) is None and judge([2.9, 3.0, 3.2], 3.0) is None

@@ -122,8 +122,10 @@ def test_shared_equals_unshared_at_every_layout(two_ranks):
 def test_bench_quick_reports_equal_numbers_and_ratios(pools):
     """`python -m tools.bench prefix_sharing --quick` (one rank of the pool): every workload's
     loss, grad norm and log-probs equal between the modes, the token ratios of its workloads
-    (the short one runs unshared: ratio 1); no timing is asserted."""
-    from tools.bench.common import last_json_line
+    (the short one runs unshared: ratio 1), and 2 timed repeats whose median and spread the
+    speed-up and its verdict are (judge); no timing is asserted."""
+    from tools.bench.common import last_json_line, median
+    from tools.bench.prefix_sharing import judge
 
     proc = pools.script(1, "-m", "tools.bench", "prefix_sharing", "--quick", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -134,6 +136,9 @@ def test_bench_quick_reports_equal_numbers_and_ratios(pools):
     for w in work.values():
         assert w["loss_rel"] < 1e-5 and w["grad_norm_rel"] < 1e-5, w
         assert w["logprob_max_abs"] < 1e-4, w
+        ratios = w["speedups"]
+        assert len(ratios) == 2 and w["spread"] == [min(ratios), max(ratios)], w
+        assert w["speedup"] == median(ratios) and w["met"] == judge(ratios, w["goal"]), w
     assert work["grpo"]["ratio"] < 0.3 and work["agent"]["ratio"] < 0.3, work
     assert 0.6 < work["dpo"]["ratio"] < 0.75 and work["short"]["ratio"] == 1.0, work
 

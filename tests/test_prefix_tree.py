@@ -375,3 +375,18 @@ def test_unshared_fallback_is_replanned_within_the_token_budget(dp):
             run = mb.tree.num_tokens if mb.tree is not None else mb.num_tokens
             assert run <= budget, (rank, run, rb.plan.ranks)
     assert len(counts) == 1 and sorted(planned) == list(range(len(rows)))
+
+
+def test_unshared_fallback_keeps_given_units_whole():
+    """unshared_within_budget re-plans over the given units (a DPO pair stays in one
+    micro-batch); a micro-batch within the budget, or one that runs as a tree, is kept."""
+    from engine.training.prefix_tree import unshared_within_budget
+
+    rows = [[1, 2, 3, 4] + [10 + i] * 8 for i in range(2)] + [[50 + t for t in range(20)]]
+    rows += [[90 + t for t in range(6)], [70 + t for t in range(6)]]   # a pair of 12 tokens
+    pieces = unshared_within_budget([[[0, 1, 2, 3, 4]]], rows, [[0], [1], [2], [3, 4]], 40)
+    assert sorted(i for mb in pieces[0] for i in mb) == [0, 1, 2, 3, 4]
+    assert all(sum(len(rows[i]) for i in mb) <= 40 for mb in pieces[0])
+    assert any({3, 4} <= set(mb) for mb in pieces[0]), pieces
+    assert unshared_within_budget([[[0, 1]], [[2]]], rows, None, 20) == [[[0, 1]], [[2]]]
+    assert unshared_within_budget([[[0, 1, 2]], [[]]], rows, None, 44) == [[[0, 1, 2]], [[]]]
