@@ -343,7 +343,10 @@ def rl_invariance(pools, model_dir, moe_dir, tmp_path_factory) -> dict:
                     for r in result_lines(ref.stdout)},
             "results": result_lines(proc.stdout),
             "control": result_lines(proc.stdout, "CONTROL ")[0],
-            "control_cp": result_lines(proc.stdout, "CONTROL_CP ")[0]}
+            "control_cp": result_lines(proc.stdout, "CONTROL_CP ")[0],
+            "onpolicy": result_lines(ref.stdout, "ONPOLICY ")
+            + result_lines(proc.stdout, "ONPOLICY "),
+            "control_old": result_lines(ref.stdout, "CONTROL_OLD ")[0]}
 
 
 def _assert_matches_reference(r: dict) -> None:
@@ -424,6 +427,35 @@ def test_new_losses_estimators_and_corrections_are_layout_invariant(rl_invarianc
         _assert_matches_reference(r)
     control = rl_invariance["control_cp"]
     assert _rel_diff(control["per_shard"], control["reference"]) > 1e-3
+
+
+def test_old_logprobs_from_the_training_forward_equal_the_separate_pass(rl_invariance):
+    """train.old_logprobs=auto on an exactly on-policy step (one mini-batch, one epoch, no
+    rollout correction) takes the old log-probs from the training forward, detached, and skips
+    the separate pass: 3 whole RL steps (log-prob stage with a frozen KL reference, then the
+    update; tests/multirank/rl_old_logprobs.py) at 1 process, DP4, TP2+SP x DP2, PP2 x DP2 and
+    CP2 x DP2 (packing) give the 1-process train.old_logprobs=recompute run's losses, grad
+    norms, metrics (clip fractions 0 on both, rollout/logprob_diff[_max] measured by the
+    training forward) and weights (rel 1e-5). Negative control: the separate pass on perturbed
+    weights (stale old log-probs) changes the losses."""
+    runs = rl_invariance["onpolicy"]
+    (ref,) = [r for r in runs if r.get("reference")]
+    assert ref["world"] == 1
+    for key in ("policy/clipfrac_low", "policy/clipfrac_high"):
+        assert max(ref["metrics"][key]) == 0, key
+    assert min(ref["metrics"]["policy/kl"]) >= 0 and max(ref["metrics"]["policy/kl"]) > 0
+    compared = [r for r in runs if not r.get("reference")]
+    assert sorted((r["world"], r["spec"]) for r in compared) == sorted(
+        [(1, "1,1,1,2")] + [(4, s) for s in RL_SPECS[:4]])
+    for r in compared:
+        where = f"{r['spec']} at {r['world']}"
+        assert r["loss_rel"] <= 1e-5 and r["grad_norm_rel"] <= 1e-5, where
+        assert r["param_rel"] <= 1e-5, where
+        assert max(r["metrics_rel"].values()) <= 1e-5, (where, r["metrics_rel"])
+        for key in ("policy/clipfrac_low", "policy/clipfrac_high"):
+            assert max(r["metrics"][key]) == 0, (where, key)
+    control = rl_invariance["control_old"]
+    assert _rel_diff(control["stale"], control["reference"]) > 1e-3
 
 
 def _rel_diff(a, b) -> float:

@@ -25,6 +25,7 @@ from engine.rl.env.episode_batch import env_template_problem
 from engine.rl.env.tool_schema import load_tools
 from engine.rl.env.tools_env import tool_kwargs_problems
 from engine.rl.judge.checks import judge_problems
+from engine.rl.policy.old_logprobs import old_logprobs_problems
 from engine.rl.policy.reward_model_checks import (reward_key_problems, reward_model_problems,
                                                   vocabulary_problem)
 from engine.rl.rewards.settings import reward_settings_problems
@@ -101,7 +102,8 @@ def rl_problems(cfg: RLConfig) -> list[str]:
           f"reward.timeout_s={cfg.reward.timeout_s} must be > 0 or null")
     p += reward_settings_problems(cfg.reward)   # fn, num_workers, failure_score, code_*
     return (p + reward_key_problems(cfg) + judge_problems(cfg) + env_problems(cfg)
-            + val_problems(cfg) + correction_problems(cfg) + partial_problems(cfg)
+            + val_problems(cfg) + correction_problems(cfg) + old_logprobs_problems(cfg)
+            + partial_problems(cfg)
             + checkpoint_config_problems(cfg))
 
 

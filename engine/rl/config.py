@@ -30,6 +30,10 @@ class RLTrainConfig:
     prompts_per_step: int = 8            # prompts per rollout batch (x rollout.n responses)
     mini_batches_per_step: int = 1       # optimizer steps per rollout batch and epoch
     epochs_per_rollout: int = 1          # passes over the rollout batch
+    # the old (proximal) log-probs: auto (from the training forward where the update is exactly
+    # on-policy, else a separate pass; engine.rl.policy.old_logprobs) | recompute (always the
+    # separate pass)
+    old_logprobs: str = "auto"
     # sequences per micro-batch of the updates; with train.prefix_sharing: groups of rows
     # sharing a prefix (a whole GRPO group each; docs/prefix-sharing.md)
     micro_batch_size: int = 1

@@ -8,8 +8,10 @@ One RL step:
    score, engine.rl.policy.reward_model: every rank runs it through the pool's commands, or on
    a disaggregated run the training ranks when the batch arrives), overlong shaping, group
    advantages; the token lists are broadcast to every rank;
-2. the log-prob stage (engine.rl.policy.logprob_stage): old log-probs, the KL reference's, the
-   critic's values and GAE (PPO), the teacher's (distillation), forward-only in micro-batches;
+2. the log-prob stage (engine.rl.policy.logprob_stage): old log-probs (not where the update is
+   exactly on-policy: the training forward's then, engine.rl.policy.old_logprobs, said in the
+   run header), the KL reference's, the critic's values and GAE (PPO), the teacher's
+   (distillation), forward-only in micro-batches;
 3. epochs_per_rollout x mini_batches_per_step optimizer steps (engine.rl.policy.train_step:
    the critic's, then the policy's, each one TrainEngine.train_batch);
 4. weight sync (engine.rl.policy.weight_sync): each engine's owner assembles the HF tensors
@@ -54,6 +56,7 @@ from engine.rl.disaggregated.world import active_split
 from engine.rl.env.episode_batch import check_env_start
 from engine.rl.judge.collector import make_collector
 from engine.rl.policy.logprob_stage import AuxiliaryModels
+from engine.rl.policy.old_logprobs import old_logprobs_plan
 from engine.rl.policy.reward_model import rescore_batch
 from engine.rl.policy.routing_replay import rollout_engine_kwargs
 from engine.rl.policy.train_step import build_auxiliary, train_on_rollout
@@ -236,6 +239,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
               f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
               f"{pool.placement.describe(torch.cuda.is_available()) if pool else remote.describe()}; policy model: "
               f"{describe_settings(policy.chunks[0].config)}", flush=True)
+        print(f"[rl] {old_logprobs_plan(cfg).describe()}", flush=True)
     validation = RemoteValidation(validation, remote) if remote is not None else validation
     validation.attach(pool, collector)
     try:

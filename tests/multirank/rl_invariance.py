@@ -23,6 +23,9 @@ changes; a layout's cases share its process groups), loads the same HF weights a
      sync_to_rollout: TP gather + pipeline stages sent to rank 0) into a recording engine.
 With W == 1 and the first spec, the results are the reference, saved to REF_FILE; otherwise
 they are compared with it. Rank 0 prints one "RESULT {json}" line per (spec, mode).
+The dense policy's specs also run tests/multirank/rl_old_logprobs.py's cases (old log-probs
+from the training forward vs the separate pass: "ONPOLICY" lines, "CONTROL_OLD" in the
+reference launch).
 Negative control ("CONTROL" line, W > 1): the policy loss of the first mini-batch with the
 classic DDP bug (token-mean over each DP rank's own tokens, averaged over DP ranks).
 
@@ -40,6 +43,8 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tests.multirank.rl_multi_turn import observations_trained, synthetic_multi_turn  # noqa: E402
+from tests.multirank.rl_old_logprobs import (onpolicy_cases, onpolicy_config,  # noqa: E402
+                                             run_onpolicy)
 from tests.multirank.rl_variants import (VARIANTS, SharedEngine, run_variant,  # noqa: E402
                                          variants_for)
 
@@ -363,6 +368,12 @@ def main():
         if key == "":  # the dense policy also runs the loss / estimator / correction variants
             run_variants(spec_dir, spec_config, layout_kw, train, world, "sp" in flags,
                          temperature, table, report)
+            # and old log-probs from the training forward vs the separate pass
+            onpolicy_cases(lambda old_logprobs, stale: run_onpolicy(
+                _setup, spec_dir, spec_config, layout_kw, train, world, "sp" in flags,
+                synthetic_rollout(spec_config["vocab_size"]),
+                onpolicy_config(old_logprobs, SETTINGS, HORIZON), stale),
+                rank, spec, world, making_ref and first_of_model, new_ref, ref)
     cp_spec = next((s for s in specs if parse_spec(s)[0]["cp"] > 1
                     and "mt" not in spec_flags(s)), None)
     if world > 1 and cp_spec is not None:

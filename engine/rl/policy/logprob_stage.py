@@ -2,8 +2,11 @@
 replay begins, the old (proximal) policy's token log-probs with rollout correction
 (engine.rl.algo.rollout_correction) in its two verl modes, and the KL reference's log-probs.
 
-- decoupled (rollout_correction.bypass_mode=false, three policies): the trainer recomputes the
-  old log-probs forward-only (engine.rl.policy.logprobs); IS weights and rejection between old and
+Where the old log-probs come from is decided once per run (engine.rl.policy.old_logprobs):
+- from the training forward (an exactly on-policy step, train.old_logprobs=auto): no pass runs
+  here; the update's loss detaches its own log-probs (engine.rl.policy.update);
+- decoupled (rollout_correction.bypass_mode=false, three policies), wherever the policy may move
+  before a training forward reads them: the trainer recomputes the old log-probs forward-only (engine.rl.policy.logprobs); IS weights and rejection between old and
   rollout log-probs are computed on the WHOLE rollout batch here, before any mini-batch or
   micro-batch split.
 - bypass (two policies): the rollout engine's log-probs ARE the old log-probs; no forward pass
@@ -19,6 +22,7 @@ from engine.rl.algo.distill import apply_distillation
 from engine.rl.algo.rollout_correction import apply_to_batch
 from engine.rl.policy.critic import CriticSettings, attach_gae, compute_token_values
 from engine.rl.policy.logprobs import attach_extra, compute_token_logprobs, logprob_gap
+from engine.rl.policy.old_logprobs import old_logprobs_plan
 from engine.rl.policy.reward_model import RewardModel
 from engine.rl.policy.routing_replay import after_old_logprobs, start_routing_replay
 from engine.training.host_offload import HostOffload
@@ -33,7 +37,11 @@ def attach_old_logprobs(policy, seqs: list[SequenceData], cfg) -> dict[str, floa
     """Set extras "old_logprobs" on every sequence (and, in decoupled mode with correction on,
     "rollout_is_weights" and rejected tokens' loss_mask 0); return the metrics
     (rollout/logprob_diff[_max] and rollout_corr/* in decoupled mode). Collective over the
-    world in decoupled mode (the recompute forward); local in bypass mode."""
+    world in decoupled mode (the recompute forward); local in bypass mode. Sets nothing and
+    returns {} where the old log-probs come from the training forward
+    (old_logprobs_plan(cfg).from_forward)."""
+    if old_logprobs_plan(cfg).from_forward:
+        return {}
     corr = cfg.rollout_correction
     if corr.bypass_mode:
         for s in seqs:
@@ -114,21 +122,31 @@ def logprob_stage(policy, aux: AuxiliaryModels | None, seqs: list[SequenceData],
     adapter (model.lora.init_from) swapped in or its adapters switched off
     (`lora_reference_logprobs`), before routing replay begins (the reference routes on its
     own).
-    Collective over the world (unless bypass mode without reference and replay: local).
-    Returns the metrics, with time/logprob_s the stage's wall time."""
+    Collective over the world (unless bypass mode, or old log-probs from the training forward,
+    without reference and replay: local).
+    Returns the metrics, with time/logprob_s the stage's wall time, time/old_logprob_s step 2's
+    (0.0 where no pass runs) and time/reference_s step 4's (0.0 without a reference)."""
     start = time.perf_counter()
     aux = aux or AuxiliaryModels()
     sampled = [list(s.loss_mask) for s in seqs]  # before rejection zeroes rejected tokens
+    reference_s = 0.0
     if aux.reference_is_base:
+        t0 = time.perf_counter()
         attach_extra(seqs, "ref_logprobs", lora_reference_logprobs(
             policy, seqs, cfg.rollout.temperature, cfg.model.lora.init_from))
+        reference_s = time.perf_counter() - t0
     mode = cfg.moe.routing_replay
     start_routing_replay(policy, mode)
+    t0 = time.perf_counter()
     metrics = attach_old_logprobs(policy, seqs, cfg)
+    metrics["time/old_logprob_s"] = time.perf_counter() - t0
     metrics.update(after_old_logprobs(policy, seqs, mode))
     if aux.reference is not None:
+        t0 = time.perf_counter()
         attach_extra(seqs, "ref_logprobs",
                      compute_token_logprobs(aux.reference, seqs, cfg.rollout.temperature))
+        reference_s = time.perf_counter() - t0
+    metrics["time/reference_s"] = reference_s
     if aux.critic is not None:
         attach_gae(seqs, compute_token_values(aux.critic, seqs), sampled, list(rewards),
                    CriticSettings.from_config(cfg))

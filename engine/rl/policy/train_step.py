@@ -40,7 +40,10 @@ from models.layers.heads.value import attach_value_heads
 UPDATE_MEAN_KEYS = ("policy/loss", "policy/pg_loss", "policy/clipfrac_low",
                     "policy/clipfrac_high", "policy/kl", "policy/entropy", "grad_norm",
                     "train/update_skipped",
-                    "train/prefix_token_ratio")   # tree / unshared tokens (1.0 unshared)
+                    "train/prefix_token_ratio",   # tree / unshared tokens (1.0 unshared)
+                    # old log-probs from the training forward (engine.rl.policy.old_logprobs):
+                    # the rollout-vs-trainer gap, measured by its one update
+                    "rollout/logprob_diff", "rollout/logprob_diff_max")
 CRITIC_KEYS = ("critic/value_loss", "critic/grad_norm", "critic/vpred_mean",
                "critic/values_clipfrac")
 # dump field -> the sequence extra it holds (when the stage computed it)

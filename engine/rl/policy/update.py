@@ -33,8 +33,17 @@ seq-mean-token-mean (w_t = 1/(n_i S), n_i the sequence's trained tokens before b
 rejection): each kept token weighs 1/n_i, i.e. without rejection the mean over sequences of each
 sequence's clipped fraction (verl: still the plain token mean).
 
+Old log-probs from the training forward (`PolicyLossSettings.old_from_forward`, the
+train.old_logprobs=auto path of an exactly on-policy step, engine.rl.policy.old_logprobs):
+old_logp = logp.detach() of this very forward, so r = 1 exactly, both clip fractions are 0 and
+the gradient is the one a separately recomputed old_logp would give (same weights); no
+"old_logprobs" extra is read. The loss function then also measures `rollout/logprob_diff`
+(report sums of |rollout_logp - logp| and of the trained tokens over the mini-batch, which is
+the whole rollout batch) and `rollout/logprob_diff_max` (a maximum, as below), the metrics the
+separate pass would have logged (engine.rl.policy.logprobs.logprob_gap).
+
 `rollout_corr/is_weight_max` (bypass mode with rollout IS, engine.rl.algo.rollout_correction
-max_weight) is a maximum, not a sum: the loss function records it per micro-batch (MAX_KEYS)
+max_weight) and `rollout/logprob_diff_max` are maxima, not sums: the loss function records it per micro-batch (MAX_KEYS)
 and policy_update reduces it with MAX over the micro-batches, the data-parallel group WITH
 context parallelism (each CP rank holds a shard of every sequence; TP ranks hold copies) and
 the pipeline group (only the last stage computes a loss).
@@ -54,6 +63,7 @@ from engine.rl.algo import seq_reduce
 from engine.rl.algo.policy_loss import PolicyLossContext, kl_penalty
 from engine.rl.algo.policy_loss_variants import POLICY_LOSSES, reinforce_loss
 from engine.rl.algo.seq_reduce import SequenceReducer
+from engine.rl.policy.old_logprobs import old_logprobs_plan
 from engine.training.loss import GlobalLossNormalizer, aggregate
 from engine.training.micro_batches import SequenceData
 from engine.training.schedule import LossFn
@@ -66,8 +76,12 @@ REPORT_KEYS = ("policy/loss", "policy/pg_loss", "policy/clipfrac_low", "policy/c
                "policy/kl", "policy/entropy", "policy/response_tokens",
                "policy/_clip_weight")  # sum of w_t k_t: the clip fractions' denominator
 CLIP_KEYS = ("policy/clipfrac_low", "policy/clipfrac_high")
-# Maxima recorded by the loss function (bypass mode with rollout IS), reduced with MAX.
-MAX_KEYS = ("rollout_corr/is_weight_max",)
+IS_MAX_KEY = "rollout_corr/is_weight_max"      # bypass mode with rollout IS
+GAP_MAX_KEY = "rollout/logprob_diff_max"       # old log-probs from the training forward
+# Maxima recorded by the loss function, reduced with MAX.
+MAX_KEYS = (IS_MAX_KEY, GAP_MAX_KEY)
+# Report sums of the rollout-vs-trainer gap (old_from_forward): |difference| and token count.
+GAP_KEYS = ("rollout/_logprob_gap_sum", "rollout/_logprob_gap_tokens")
 
 
 @dataclass
@@ -84,6 +98,7 @@ class PolicyLossSettings:
     tau_pos: float = 1.0                 # sapo
     tau_neg: float = 1.05                # sapo
     bypass: rc.RolloutCorrectionConfig | None = None  # set: bypass mode (in-loss correction)
+    old_from_forward: bool = False       # old_logp = logp.detach() (module docstring)
 
     @classmethod
     def from_config(cls, cfg, vocab_size: int) -> "PolicyLossSettings":
@@ -93,21 +108,25 @@ class PolicyLossSettings:
                    kl_beta=cfg.kl.beta, kl_estimator=cfg.kl.estimator,
                    entropy_coef=cfg.entropy_coef, policy_loss=cfg.policy_loss,
                    tau_pos=cfg.sapo.tau_pos, tau_neg=cfg.sapo.tau_neg,
-                   bypass=corr if corr.bypass_mode else None)
+                   bypass=corr if corr.bypass_mode else None,
+                   old_from_forward=old_logprobs_plan(cfg).from_forward)
 
     def report_keys(self) -> tuple[str, ...]:
-        return REPORT_KEYS + (rc.SUM_KEYS if self.bypass is not None else ())
+        return (REPORT_KEYS + (rc.SUM_KEYS if self.bypass is not None else ())
+                + (GAP_KEYS if self.old_from_forward else ()))
 
     def max_keys(self) -> tuple[str, ...]:
-        return MAX_KEYS if self.bypass is not None and self.bypass.rollout_is else ()
+        return (((IS_MAX_KEY,) if self.bypass is not None and self.bypass.rollout_is else ())
+                + ((GAP_MAX_KEY,) if self.old_from_forward else ()))
 
 
 def _policy_terms(s: PolicyLossSettings, logp, mb, seqs: SequenceReducer, report: dict,
                   maxes: dict):
     """(per-token pg terms, keep mask or None): the registered loss, or in bypass mode verl's
     bypass loss (IS / rejection from the current policy against the rollout log-probs; its
-    metric sums go to `report`, its maxima to `maxes`)."""
-    old = mb.extras["old_logprobs"]
+    metric sums go to `report`, its maxima to `maxes`). With `s.old_from_forward` the old
+    log-probs are this forward's own, detached."""
+    old = logp.detach() if s.old_from_forward else mb.extras["old_logprobs"]
     ctx = PolicyLossContext(mb.loss_mask, seqs, mb.extras.get("rollout_is_weights"))
     if s.bypass is None:
         return POLICY_LOSSES[s.policy_loss](logp, old, mb.extras["advantages"], s, ctx), None
@@ -128,9 +147,32 @@ def _policy_terms(s: PolicyLossSettings, logp, mb, seqs: SequenceReducer, report
     return terms, (keep.to(logp.dtype) if keep is not None else None)
 
 
+def _gap_terms(logp, mb, report: dict, maxes: dict) -> None:
+    """old_from_forward: the report sums GAP_KEYS and the maximum GAP_MAX_KEY of |rollout
+    log-prob - logp| over the micro-batch's trained tokens (a tensor: no host sync)."""
+    mask = mb.loss_mask > 0
+    gap = (mb.extras["rollout_logprobs"].to(logp.dtype) - logp.detach()).abs()
+    gap = torch.where(mask, gap, torch.zeros_like(gap))
+    report[GAP_KEYS[0]] = gap.to(torch.float64).sum()
+    report[GAP_KEYS[1]] = mask.sum()
+    maxes[GAP_MAX_KEY] = torch.where(mask, gap, torch.full_like(gap, float("-inf"))).max()
+
+
+def _keep_max(maxes: dict, key: str, value) -> None:
+    """maxes[key] = the running maximum with `value` (a float, or a 0-d tensor kept on its
+    device until reduce_maxes reads it)."""
+    if key not in maxes:
+        maxes[key] = value
+    elif torch.is_tensor(value) or torch.is_tensor(maxes[key]):
+        maxes[key] = torch.maximum(torch.as_tensor(maxes[key]), torch.as_tensor(value))
+    else:
+        maxes[key] = max(maxes[key], value)
+
+
 def policy_loss_fn(s: PolicyLossSettings, maxes: dict | None = None) -> LossFn:
     """loss_fn(logits [b, s, V/tp], mb) -> (weighted loss sum, report) for TrainEngine.
-    Reads mb.extras "old_logprobs", "advantages", "ref_logprobs" (kl_beta > 0) and
+    Reads mb.extras "advantages", "old_logprobs" (unless s.old_from_forward, which reads
+    "rollout_logprobs" for the gap metrics), "ref_logprobs" (kl_beta > 0) and
     "rollout_is_weights" (decoupled rollout IS). Collective over TP (vocab-parallel log-probs,
     entropy) and over CP (whole-sequence sums, engine.rl.algo.seq_reduce). `maxes` (optional)
     collects the running maximum of each MAX_KEYS entry over the micro-batches it sees."""
@@ -143,9 +185,12 @@ def policy_loss_fn(s: PolicyLossSettings, maxes: dict | None = None) -> LossFn:
         extra: dict = {}
         local_max: dict = {}
         terms, keep = _policy_terms(s, logp, mb, seqs, extra, local_max)
+        if s.old_from_forward:
+            with torch.no_grad():
+                _gap_terms(logp, mb, extra, local_max)
         if maxes is not None:
             for key, value in local_max.items():
-                maxes[key] = max(maxes.get(key, float("-inf")), value)
+                _keep_max(maxes, key, value)
         pg = terms.loss if keep is None else terms.loss * keep
         per_token = pg
         kl = torch.zeros_like(logp)
@@ -190,7 +235,7 @@ def reduce_maxes(maxes: dict, keys: tuple[str, ...]) -> dict[str, float]:
     Keys without a value on any rank are left out."""
     if not keys:
         return {}
-    vec = torch.tensor([maxes.get(k, float("-inf")) for k in keys], dtype=torch.float64)
+    vec = torch.tensor([float(maxes.get(k, float("-inf"))) for k in keys], dtype=torch.float64)
     if ps.model_parallel_is_initialized():
         for group in (ps.get_data_parallel_group(with_context_parallel=True),
                       ps.get_pipeline_model_parallel_group()):
@@ -204,7 +249,8 @@ def policy_update(engine: TrainEngine, seqs: list[SequenceData], loss_cfg,
     """One optimizer step on the mini-batch `seqs` (every rank passes the same list); returns
     the globally reduced weighted sums (REPORT_KEYS; the clip fractions divided by their
     weight, module docstring), grad_norm, lr, train/update_skipped, train/micro_batches and
-    time/update_s; in bypass mode rollout_corr/* (with rollout IS, is_weight_max: a maximum).
+    time/update_s; in bypass mode rollout_corr/* (with rollout IS, is_weight_max: a maximum);
+    with settings.old_from_forward rollout/logprob_diff and rollout/logprob_diff_max.
     A non-finite loss or gradient skips the update (engine.guard counts it; the RL loop raises
     after logging the step)."""
     normalizer = GlobalLossNormalizer(loss_cfg.agg_mode, horizon, loss_cfg.count_empty_sequences,
@@ -218,5 +264,8 @@ def policy_update(engine: TrainEngine, seqs: list[SequenceData], loss_cfg,
         out[key] = out[key] / clip_weight if clip_weight > 0 else 0.0
     if settings.bypass is not None:  # rollout_corr/* of the current policy vs the rollout's
         out.update(rc.metric_means({k: out.pop(k) for k in rc.SUM_KEYS}))
+    if settings.old_from_forward:
+        gap_sum, tokens = (out.pop(k) for k in GAP_KEYS)
+        out["rollout/logprob_diff"] = gap_sum / tokens if tokens > 0 else 0.0
     out.update(reduce_maxes(maxes, settings.max_keys()))
     return out
