@@ -10,6 +10,9 @@ from __future__ import annotations
 def vllm_module():
     """The `vllm` package (imported at the first call, then sys.modules' copy): its top-level
     names (LLM, SamplingParams, TokensPrompt) and the submodules its import loads (platforms,
-    sampling_params)."""
+    sampling_params, imported here: a bare `import vllm` loads neither, and `serve --backend
+    vllm` reaches `platforms` before anything else imported it)."""
     import vllm   # only an engine's owner pays vLLM's import (module docstring)
+    import vllm.platforms  # noqa: F401 - the submodules the backend reaches by attribute
+    import vllm.sampling_params  # noqa: F401
     return vllm
