@@ -40,6 +40,7 @@ import torch
 
 from engine.generation.base import Generation, RolloutEngine, SamplingParams
 from engine.generation.eos import eos_token_ids, folder_tokenizer, no_eos_message
+from engine.generation.hf.group_prefill import shared_prefill, shared_prefill_problem
 from engine.generation.hf.images import load_model, prefill, view_aliases
 from engine.generation.hf.responses import collect_generations, row_limits
 from engine.generation.hf.routing import GateRecorder, assemble
@@ -175,9 +176,13 @@ class HFRolloutEngine(RolloutEngine):
             next_pos, images = positions[:, -1:] + 1, {}
         else:   # M-RoPE positions and the prompts' images
             positions, next_pos, images = prefill(prompts, longest, self.device)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1, **images)
-        cache, logits = getattr(out, self._cache), out.logits[:, -1, :].float()
+        if shared_prefill_problem(self) is None:   # each distinct prompt's forward once
+            logits, cache = shared_prefill(self.model, self._cache, prompts, longest,
+                                           self.device)
+        else:
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                             use_cache=True, logits_to_keep=1, **images)
+            cache, logits = getattr(out, self._cache), out.logits[:, -1, :].float()
         routed = [self._routing.take()] if self._routing is not None else None
 
         sampler = SeededSampler(params, batch, self.device, prompts, self.eos_token_ids)
