@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -38,6 +39,24 @@ def hostile(prompt, response, answer, **fields):
     if response == "nan":
         return float("nan")
     return float(len(response))
+
+
+class LoadsUntil:
+    """A reward whose worker can load it only while `marker` does not exist (as a reward module
+    deleted or broken mid-run); 'crash' kills its worker, anything else scores its length."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __setstate__(self, state: dict) -> None:
+        if os.path.exists(state["marker"]):
+            raise ImportError(f"the reward module is gone ({state['marker']} exists)")
+        self.__dict__.update(state)
+
+    def __call__(self, prompt, response, answer, **fields):
+        if response == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return float(len(response))
 
 
 def items_of(responses, answer="3"):
@@ -152,3 +171,49 @@ def test_the_scorer_submits_as_items_come_and_counts_its_metrics():
     local = BatchScorer(hostile, cfgs[1])
     assert local.pool is None
     assert local.score(items_of(["a", "bb"])).scores == [1.0, 2.0]
+
+
+def _bounded(call, limit_s: float = 90.0):
+    """call() in a helper thread: ("ok", value) or ("raised", exception); fails (instead of
+    hanging the test) when it has not returned within limit_s."""
+    out: list = []
+
+    def run():
+        try:
+            out.append(("ok", call()))
+        except Exception as exc:  # noqa: BLE001 - what the test inspects
+            out.append(("raised", exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert out, f"the call did not return within {limit_s} s (a wait() blocked for ever)"
+    return out[0]
+
+
+def test_a_replacement_worker_that_cannot_start_fails_every_wait_by_name(tmp_path):
+    """A worker dies mid-call and its replacement cannot load the function: the crashed item
+    is recorded, and every wait() on the others raises RuntimeError naming the cause (before:
+    the service thread died of the error and the waiters blocked for ever). So does a later
+    submit or batch. A pool whose first workers cannot load the function refuses at start."""
+    marker = tmp_path / "gone"
+    pool = RewardPool(LoadsUntil(str(marker)), num_workers=1, timeout_s=30.0)
+    try:
+        assert pool.score(items_of(["ab"])).scores == [2.0]
+        marker.write_text("")
+        pool.submit("crash", items_of(["crash"])[0])
+        pool.submit("next", items_of(["abc"])[0])
+        kind, result = _bounded(lambda: pool.wait(["crash", "next"]))
+        assert kind == "raised" and isinstance(result, RuntimeError), result
+        assert "reward scoring stopped" in str(result) and "the reward module is gone" in str(
+            result) and "crash: the worker died" in str(result)
+        (crashed,) = _bounded(lambda: pool.wait(["crash"]))[1]
+        assert crashed.failure == "crash" and crashed.score != crashed.score   # NaN: no score
+        kind, result = _bounded(lambda: pool.score(items_of(["x"])))
+        assert kind == "raised" and "the reward module is gone" in str(result)
+        with pytest.raises(RuntimeError, match="the reward module is gone"):
+            pool.submit("later", items_of(["y"])[0])
+    finally:
+        pool.close()
+    with pytest.raises(RuntimeError, match="reward worker failed to start: .*module is gone"):
+        RewardPool(LoadsUntil(str(marker)), num_workers=1)

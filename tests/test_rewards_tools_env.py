@@ -63,3 +63,22 @@ def test_without_a_scorer_the_answer_is_scored_here(tmp_path):
     env = ToolEnv(row, pool=None, fmt="hermes", reward_fn=answer_reward)
     assert final(env, "The answer is 3.") == 1 / 3 - 0.2
     assert [int(p) for p in pids.read_text().split()] == [os.getpid()]
+
+
+def test_a_failed_final_answer_is_named_and_unscored(tmp_path):
+    """With reward.failure_score null (the default) a crashing final answer's reward call is
+    named in the env's `reward_failure` (its group then leaves the update:
+    tests/test_rewards_failed.py); its step reward 0 is a placeholder nothing trains on. A
+    scored answer leaves it None."""
+    pids = str(tmp_path / "pids")
+    row = {"prompt": ASK, "answer": "3", "level": 2, "pids": pids}
+    scorer = BatchScorer(answer_reward, SimpleNamespace(num_workers=1, timeout_s=10.0,
+                                                         failure_score=None))
+    try:
+        env = ToolEnv(row, pool=None, fmt="hermes", reward_fn=answer_reward, scorer=scorer)
+        assert final(env, "3") == 1 / 3 - 0.2 and env.reward_failure is None
+        crashed = ToolEnv(row, pool=None, fmt="hermes", reward_fn=answer_reward, scorer=scorer)
+        assert final(crashed, "crash") == 0.0
+        assert crashed.reward_failure == "crash: the worker died (exit status 3)"
+    finally:
+        scorer.close()

@@ -108,7 +108,9 @@ class RewardConfig:
     # reward.fn's calls run in this many worker processes (engine.rl.rewards.pool); null: the
     # CPUs this rank may use; 0: in the trainer (threads, as timeout_s says)
     num_workers: Optional[int] = None
-    failure_score: float = 0.0           # an item that raised, crashed or timed out scores this
+    # the score of a call that raised, returned a non-finite value, crashed its worker or ran
+    # past timeout_s; null: no score, the reply's group leaves the update (reward/dropped_groups)
+    failure_score: Optional[float] = None
     code_score: str = "fraction"         # reward.fn=code: fraction of tests passed | all
     code_sandbox: str = "strict"         # reward.fn=code: strict (refuse a missing layer) | relaxed
     model: RewardModelConfig = field(default_factory=RewardModelConfig)

@@ -65,8 +65,10 @@ class DynamicSampler:
     concatenated) or a list (use lists for ragged data such as token id sequences); every value
     has ``len(rewards) = G*n`` rows, group-major. ``rewards`` are the scores the filter looks at
     (DAPO filters on task accuracy; whether the overlong penalty is included is the caller's
-    choice). Groups whose rewards are all equal are dropped; the others are kept in arrival
-    order. Every ``add`` counts as one generation batch.
+    choice). Groups whose rewards are all equal are dropped, and so are the groups ``failed``
+    marks (a reward call failed: they have no rewards to filter on,
+    engine.rl.collect.failed_groups); the others are kept in arrival order. Every ``add``
+    counts as one generation batch.
 
     ``result()`` returns the first ``target_groups`` kept groups (surplus trimmed from the end,
     deterministically) as one batch dict with the same keys. If the budget of
@@ -104,9 +106,11 @@ class DynamicSampler:
         """True while the step is not full and another generation batch is allowed."""
         return not self.is_full() and self.num_gen_batches < self.max_gen_batches
 
-    def add(self, batch: Mapping[str, torch.Tensor | list], rewards: torch.Tensor) -> int:
-        """Filter one generation batch and keep its groups with signal; returns how many groups
-        were kept from it. Raises RuntimeError once ``max_gen_batches`` batches were added."""
+    def add(self, batch: Mapping[str, torch.Tensor | list], rewards: torch.Tensor,
+            failed: torch.Tensor | None = None) -> int:
+        """Filter one generation batch and keep its groups with signal, none of ``failed``
+        (Bool ``[G]``; None: none failed); returns how many groups were kept from it. Raises
+        RuntimeError once ``max_gen_batches`` batches were added."""
         if self.num_gen_batches >= self.max_gen_batches:
             raise RuntimeError(f"DynamicSampler: max_gen_batches={self.max_gen_batches} "
                                "generation batches were already added")
@@ -122,6 +126,11 @@ class DynamicSampler:
                 raise ValueError(f"batch[{key!r}] has {_num_rows(value, key)} rows, rewards "
                                  f"has {num_rows}; need one row per response")
         keep = keep_groups_with_signal(rewards.reshape(-1), self.group_size)
+        if failed is not None:
+            if tuple(failed.shape) != tuple(keep.shape):
+                raise ValueError(f"failed has shape {tuple(failed.shape)}; need one flag per "
+                                 f"group, {tuple(keep.shape)}")
+            keep = keep & ~failed.to(torch.bool)
         self._schema = schema
         self.num_gen_batches += 1
         self.num_groups_generated += keep.numel()

@@ -20,6 +20,13 @@ training ranks add the reward model's score when the batch arrives
 Agent episodes (env.agent): group statistics, dynamic sampling and the advantages count
 EPISODES (groups of rollout.n episodes, each with its trajectories; docs/multi-turn.md).
 
+Failed reward calls (engine.rl.collect.failed_groups): with reward.failure_score null (the
+default), a group holding a reply whose reward.fn call failed leaves the update right after its
+generation batch is scored (before dynamic sampling, which then refills), counted in
+reward/dropped_groups; the reward and length metrics cover the other groups; the dump keeps
+every reply, a failed one with its `error` named and `reward` null. A step left with no group
+trains nothing (train/update_skipped) and says so in the log.
+
 Prompt order: generation batch b (counted over the whole run; dynamic sampling may use several
 per step) takes prompts `global_batch_indices(len(rows), prompts_per_step, b, seed, shuffle)`,
 so the rollout batch never depends on the parallel layout. Responses are group-major:
@@ -38,12 +45,15 @@ from engine.rl.algo.dynamic_sampling import DynamicSampler
 from engine.rl.algo.gae import TOKEN_ESTIMATORS
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.collect.batch import RolloutBatch
+from engine.rl.collect.failed_groups import (dropped_message, failed_groups, kept_rows,
+                                             select_rows)
 from engine.rl.collect.fill import engine_fill, fill_counts
 from engine.rl.collect.rank_scoring import RankScorer, spreads
 from engine.rl.collect.reward_metrics import reward_length_metrics
 from engine.rl.collect.reward_items import reward_item
 from engine.rl.env.episode_batch import EnvRollout, env_metrics
 from engine.rl.env.dump import part_records, write_dump
+from engine.rl.rewards.outcome import ScoreReport
 from engine.rl.rewards.scorer import BatchScorer
 from engine.generation import SamplingParams
 from engine.generation.pool import RolloutPool
@@ -110,22 +120,23 @@ class RolloutCollector:
         engine.rl.collect.validation): one response per prompt over every engine (`prompts`
         group-major in groups of `n`, `rows[i]` the dataset row of prompts[i], params.seeds one
         seed per response), decoded and scored by reward.fn. `gen_batch` names the batch in messages.
-        Returns {"generations", "scores" (list of float), "errors" (reward errors), "stats"
-        (GenerateStats), "gen_s" (generate wall seconds)}."""
+        Returns {"generations", "scores" (list of float; a failed call's reward.failure_score,
+        NaN when that is null), "errors" (reward errors), "failed" (per response its failure,
+        engine.rl.rewards.outcome, None when scored), "stats" (GenerateStats), "gen_s"
+        (generate wall seconds)}."""
         t0 = time.perf_counter()
         gens, stats = self.pool.generate(prompts, params, n, gen_batch)
         gen_s = time.perf_counter() - t0
-        scores, errors = self.score(rows, prompts, [g.response_ids for g in gens])
-        return {"generations": gens, "scores": scores, "errors": errors, "stats": stats,
-                "gen_s": gen_s}
+        report = self.score(rows, prompts, [g.response_ids for g in gens])
+        return {"generations": gens, "scores": report.scores, "errors": report.errors,
+                "failed": report.per_item_failures(), "stats": stats, "gen_s": gen_s}
 
     def score(self, rows: list[dict], prompts: list[list[int]],
-              responses: list[list[int]]) -> tuple[list[float], int]:
+              responses: list[list[int]]) -> ScoreReport:
         """reward.fn of each response (decoded) to its prompt (the row's text, else decoded)
-        and row: (scores, number of reward errors), by self.scorer (engine.rl.rewards.scorer)."""
-        report = self.scorer.score([reward_item(row, prompt, response, self.tokenizer)
-                                    for row, prompt, response in zip(rows, prompts, responses)])
-        return report.scores, report.errors
+        and row: the ScoreReport (scores, failures) of self.scorer (engine.rl.rewards.scorer)."""
+        return self.scorer.score([reward_item(row, prompt, response, self.tokenizer)
+                                  for row, prompt, response in zip(rows, prompts, responses)])
 
     def _generation_batch(self) -> dict:
         """One generation batch: prompts_per_step prompts x n responses in one generate call,
@@ -166,6 +177,7 @@ class RolloutCollector:
                         if gens and gens[0].routed_experts is not None else {}),
                      "rewards": scores_t + penalty, "scores": scores_t},
             "lengths": lengths, "penalty": penalty, "errors": errors, "gen_s": gen_s,
+            "reward_errors": out["failed"],
             "stats": stats, "row_indices": row_indices, "gen_batch": gen_batch,
             "clipped": [g.finish_reason == "length" for g in gens],
         })
@@ -198,15 +210,19 @@ class RolloutCollector:
         sampler = DynamicSampler(group_size, cfg.train.prompts_per_step, cfg.dapo.max_gen_batches,
                                  allow_partial=True) if dynamic else None
         parts, data = self._gather(sampler)
-        # group statistics count episodes (an agent episode may train several trajectories)
-        scores = torch.cat([p["episode_scores"] if "episode_scores" in p else p["data"]["scores"]
-                            for p in parts])
-        lengths = torch.cat([p["lengths"] for p in parts])
+        # group statistics count episodes (an agent episode may train several trajectories);
+        # the groups a failed reward call dropped have no scores to count
+        kept = [kept_rows(p["dropped_groups"], group_size) for p in parts]
+        scores = torch.cat([(p["episode_scores"] if "episode_scores" in p
+                             else p["data"]["scores"])[rows] for p, rows in zip(parts, kept)])
+        lengths = torch.cat([p["lengths"][rows] for p, rows in zip(parts, kept)])
         gen_s = sum(p["gen_s"] for p in parts)
-        clipped = [c for p in parts for c in p["clipped"]]
+        clipped = [p["clipped"][i] for p, rows in zip(parts, kept) for i in rows]
+        dropped = sum(int(p["dropped_groups"].sum()) for p in parts)
         metrics = {
             **reward_length_metrics(scores, lengths, clipped, group_size),
             "reward/errors": float(sum(p["errors"] for p in parts)),
+            "reward/dropped_groups": float(dropped),
             **self.scorer.take_metrics(),   # reward/timeouts, reward/failures, time/reward_s
             "rollout/engines": float(self.pool.num_engines),
             "rollout/generate_calls": sum(p["stats"].calls for p in parts) / self.pool.num_engines,
@@ -248,14 +264,22 @@ class RolloutCollector:
                    len(data["episode_rewards"]) * (len(batch) > 0) if data is not None else 0)
         metrics["train/groups"] = float(trained // group_size)   # agent: episodes count
         metrics["time/rollout_s"] = time.perf_counter() - t0
+        if dropped:
+            first = next(f for p in parts for f in p.get("reward_errors", ()) if f is not None)
+            print(dropped_message(dropped, sum(len(p["dropped_groups"]) for p in parts), first,
+                                  not len(batch)), flush=True)
         return batch
 
     def _gather(self, sampler: DynamicSampler | None) -> tuple[list[dict], dict | None]:
         """The step's generation batches (one without `sampler`; with it, until it needs no
-        more) and the data that trains (None: dynamic sampling kept nothing). Rows carry
-        "dump_row", their record's position in the step's dump; agent episodes are filtered
-        as groups of episodes and their data carries "episode_rewards"."""
+        more) and the data that trains (None: nothing is left to train: dynamic sampling kept
+        nothing, or every group held a failed reward call). Rows carry "dump_row", their
+        record's position in the step's dump; each part gets "dropped_groups" (Bool [G]: the
+        groups a failed reward call drops, engine.rl.collect.failed_groups); agent episodes
+        are filtered as groups of episodes and their data carries "episode_rewards"."""
         parts, dumped = [], 0
+        n = self.cfg.rollout.n
+        drops = self.cfg.reward.failure_score is None
         while True:
             part = self._generation_batch()
             rows = len(part["data"]["response_ids"])
@@ -263,15 +287,22 @@ class RolloutCollector:
             part["data"]["dump_row"] = [dumped + k for k in local]  # the dump's order
             dumped += part.get("records", rows)
             parts.append(part)
+            # agent episodes are scored by the agent function, never by a reward.fn call here
+            episodes = len(part["episode_scores"]) if "episode_scores" in part else rows
+            dropped = part["dropped_groups"] = failed_groups(
+                part.get("reward_errors", [None] * episodes), n, drops)
             if sampler is None:
                 data = part["data"]
                 if "episode_rewards" in part:
                     data["episode_rewards"] = part["episode_rewards"]
+                if dropped.any():
+                    keep = kept_rows(dropped, n)
+                    data = select_rows(data, keep) if keep else None
                 return parts, data
             if "episode_scores" in part:   # agent: groups of EPISODES, by their scores
                 sampler.add(_episode_rows(part), part["episode_scores"])
             else:
-                sampler.add(part["data"], part["data"]["scores"])
+                sampler.add(part["data"], part["data"]["scores"], failed=dropped)
             if not sampler.needs_more():
                 data = sampler.result() if sampler.num_groups_kept else None
                 if data is not None and "episode_scores" in part:

@@ -31,7 +31,9 @@ One step (PartialCollector.collect, rank 0):
 3. a group whose replies are all complete (an end of sequence, or rollout.max_new_tokens
    tokens) is scored (reward.fn, a reward model through the pool, the overlong penalty on its
    total length); with dapo.dynamic_sampling a group whose scores all agree is dropped
-   (rollout/partial_dropped_groups); the others wait, FIFO by group number;
+   (rollout/partial_dropped_groups), and with reward.failure_score null so is a group holding
+   a failed reward.fn call (reward/dropped_groups; engine.rl.collect.partial_scoring); the
+   others wait, FIFO by group number;
 4. the first prompts_per_step waiting groups train (advantages over them, as usual); the rest
    wait for the next step.
 
@@ -55,6 +57,7 @@ import torch
 from engine.data.datasets import global_batch_indices
 from engine.rl.collect.batch import RolloutBatch
 from engine.rl.collect.collector import RolloutCollector
+from engine.rl.collect.failed_groups import dropped_message
 from engine.rl.collect.fill import engine_fill, fill_counts
 from engine.rl.agent.rollout import step_driver
 from engine.rl.collect.partial_checks import groups_in_flight, partial_budget, round_cap
@@ -119,7 +122,8 @@ class PartialCollector(PartialScoring, RolloutCollector):
         budget = partial_budget(rollout)
         cap = round_cap(cfg)
         log = {"calls": 0.0, "retries": 0.0, "restarts": 0.0, "imbalance": 1.0,
-               "fill": [], "tokens": 0, "gen_s": 0.0, "errors": 0, "dropped": 0, "rounds": 0}
+               "fill": [], "tokens": 0, "gen_s": 0.0, "errors": 0, "dropped": 0, "rounds": 0,
+               "failed": []}
         p = cfg.train.prompts_per_step
         self.driver = self.step_driver() if len(self.ready) < p or self.must_finish(version) \
             else None
@@ -131,12 +135,13 @@ class PartialCollector(PartialScoring, RolloutCollector):
         self.settle_scores(log)   # the queued groups' scores (partial_scoring)
         take = cfg.train.prompts_per_step
         trained, self.ready = self.ready[:take], self.ready[take:]
-        batch = self._batch(trained, dump_step)
+        batch = self._batch(trained, dump_step, log["failed"])
         m = batch.metrics
         m.update(span_metrics(trained, version))
         engines = self.pool.num_engines
         m.update({
             "reward/errors": float(log["errors"]), **self.scorer.take_metrics(),
+            "reward/dropped_groups": float(len(log["failed"])),
             "rollout/engine_fill": engine_fill(log["fill"]),
             "rollout/engines": float(engines),
             "rollout/generate_calls": log["calls"] / engines,
@@ -151,6 +156,10 @@ class PartialCollector(PartialScoring, RolloutCollector):
             "rollout/partial_dropped_groups": float(log["dropped"]),
             "train/groups": float(len(trained)),
             "time/rollout_s": time.perf_counter() - t0})
+        if log["failed"]:
+            first = next(e for g in log["failed"] for e in g.errors if e is not None)
+            print(dropped_message(len(log["failed"]), len(log["failed"]) + len(trained), first,
+                                  not trained), flush=True)
         return batch
 
     def _session(self, version: int, log: dict) -> None:
@@ -271,9 +280,11 @@ class PartialCollector(PartialScoring, RolloutCollector):
         if done:
             self.complete_groups(done, log)
 
-    def _batch(self, trained: list[Group], dump_step: int | None) -> RolloutBatch:
+    def _batch(self, trained: list[Group], dump_step: int | None,
+               failed: list[Group]) -> RolloutBatch:
         """The RolloutBatch of the trained groups (group-major), with the reward and length
-        metrics of their replies, and the step's dump of them (token_versions included)."""
+        metrics of their replies, and the step's dump of them (token_versions included), then
+        of the `failed` groups (dropped for a failed reward call)."""
         cfg, n = self.cfg, self.cfg.rollout.n
         replies = [r for g in trained for r in g.replies]
         values = {k: [x for g in trained for x in g.values[k]]
@@ -288,7 +299,7 @@ class PartialCollector(PartialScoring, RolloutCollector):
         if cfg.dapo.overlong_buffer > 0:
             metrics["reward/overlong_penalty_mean"] = (sum(values["penalty"]) / len(replies)
                                                        if replies else 0.0)
-        self._dump_groups(trained, prompts, dump_step)
+        self._dump_groups(trained + failed, dump_step)
         if not trained:
             return RolloutBatch(metrics=metrics)
         rewards = torch.tensor(values["rewards"], dtype=torch.float32)
@@ -299,19 +310,21 @@ class PartialCollector(PartialScoring, RolloutCollector):
                             rewards=rewards.tolist(), scores=values["scores"],
                             dump_rows=list(range(len(replies))))
 
-    def _dump_groups(self, trained: list[Group], prompts: list[list[int]],
-                     dump_step: int | None) -> None:
-        """<rollout_dir>/step_<dump_step>.jsonl: one record per trained reply
-        (engine.rl.env.dump; gen_batch = the group's number // prompts_per_step)."""
+    def _dump_groups(self, groups: list[Group], dump_step: int | None) -> None:
+        """<rollout_dir>/step_<dump_step>.jsonl: one record per reply of `groups` (the trained
+        ones first; engine.rl.env.dump; gen_batch = the group's number // prompts_per_step;
+        error: the reply's failed reward call)."""
         rollout_dir = getattr(self.cfg.logging, "rollout_dir", None)
         if dump_step is None or not rollout_dir:
             return
         p, n, records = self.cfg.train.prompts_per_step, self.cfg.rollout.n, []
-        for gi, g in enumerate(trained):
+        for g in groups:
             rm = g.values.get("rm_scores", [None] * n)
+            errors = g.errors or [None] * n
             for j, r in enumerate(g.replies):
                 records.append(episode_record(
-                    g.row, j, g.number // p, prompts[gi * n + j], r.tokens, [1] * len(r.tokens),
-                    r.logprobs, 1, g.values["scores"][j], g.values["penalty"][j], r.finish,
-                    None, self.tokenizer, rm[j], token_versions=r.versions))
+                    g.row, j, g.number // p, self._prompt_ids(g.row), r.tokens,
+                    [1] * len(r.tokens), r.logprobs, 1, g.values["scores"][j],
+                    g.values["penalty"][j], r.finish, errors[j], self.tokenizer, rm[j],
+                    token_versions=r.versions))
         write_dump(rollout_dir, dump_step, records)

@@ -10,6 +10,13 @@ the replies still being scored after the last one finished (time/reward_wait_s).
 engine pool) it is scored when it completes, as before. Every reply is one reward.fn call
 either way, keyed by its row and tokens: the scores, the queue order and so the training are
 bitwise the same as scoring after generation (`overlap_scoring = False`).
+
+A group holding a reply whose reward.fn call failed leaves the update when reward.failure_score
+is null (engine.rl.collect.failed_groups): it is never queued, or, queued before its scores were
+read, taken out of the queue when they are (`settle_scores`); it goes to log["failed"] (the
+step's dump names its errors; reward/dropped_groups counts it). Under dynamic sampling the
+session or rounds go on until prompts_per_step groups wait, so the step is refilled; without,
+the step trains the groups left.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import torch
 
 from engine.rl.algo.advantages import zero_std_groups
 from engine.rl.algo.overlong import overlong_penalty
+from engine.rl.collect.failed_groups import failed_groups
 from engine.rl.collect.partial_state import Group, Reply
 from engine.rl.collect.reward_items import reward_item
 
@@ -72,7 +80,9 @@ class PartialScoring:
 
     def _value_groups(self, groups: list[Group], log: dict, queue: bool) -> None:
         """Scores (waiting for the pool), the overlong penalty and the reward model's scores
-        of `groups` into their `values`; with `queue`, the kept ones queued by number."""
+        of `groups` into their `values`, failures into their `errors`; with `queue`, the kept
+        ones queued by number; the ones a failed reward call drops (module docstring) to
+        log["failed"], out of the queue."""
         cfg, n = self.cfg, self.cfg.rollout.n
         replies = [r for g in groups for r in g.replies]
         if self.overlap_scoring:
@@ -80,12 +90,13 @@ class PartialScoring:
                 for r in g.replies:
                     self._submit(g, r)
             report = self.scorer.wait([self._reply_key(g, r) for g in groups for r in g.replies])
-            scores, errors = report.scores, report.errors
         else:
-            scores, errors = self.score([self.rows[g.row] for g in groups for _ in range(n)],
-                                        [self._prompt_ids(g.row) for g in groups
-                                         for _ in range(n)], [r.tokens for r in replies])
-        log["errors"] += errors
+            report = self.score([self.rows[g.row] for g in groups for _ in range(n)],
+                                [self._prompt_ids(g.row) for g in groups for _ in range(n)],
+                                [r.tokens for r in replies])
+        scores, failed = report.scores, report.per_item_failures()
+        log["errors"] += report.errors
+        dropped = failed_groups(failed, n, cfg.reward.failure_score is None).tolist()
         scores_t = torch.tensor(scores, dtype=torch.float32)
         penalty = torch.zeros_like(scores_t)
         if cfg.dapo.overlong_buffer > 0:
@@ -104,6 +115,11 @@ class PartialScoring:
             else [True] * len(groups)
         for i, g in enumerate(groups):
             g.values = {k: v[i * n:(i + 1) * n] for k, v in flat.items()}
+            g.errors = failed[i * n:(i + 1) * n]
+            if dropped[i]:
+                log["failed"].append(g)
+                self.ready = [w for w in self.ready if w is not g]
+                continue
             if not queue:
                 continue
             if keep[i]:

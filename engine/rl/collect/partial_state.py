@@ -38,12 +38,14 @@ class Group:
     """The rollout.n replies to one prompt. `number`: the run's group counter (its prompt and
     seeds: generation batch number // prompts_per_step, position number % prompts_per_step);
     `row`: the prompt row; `values`: once complete, per reply "scores", "rewards", "penalty"
-    (and "rm_scores" with a reward model)."""
+    (and "rm_scores" with a reward model); `errors`: once scored, per reply its failed
+    reward.fn call ("<kind>: <detail>", engine.rl.rewards.outcome) or None."""
 
     number: int
     row: int
     replies: list[Reply]
     values: dict[str, list[float]] = field(default_factory=dict)
+    errors: list[str | None] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -67,7 +69,8 @@ def from_plain(items: list[dict]) -> list[Group]:
     """The inverse of to_plain."""
     return [Group(number=int(g["number"]), row=int(g["row"]),
                   replies=[Reply(**r) for r in g["replies"]],
-                  values={k: [float(x) for x in v] for k, v in g["values"].items()})
+                  values={k: [float(x) for x in v] for k, v in g["values"].items()},
+                  errors=list(g.get("errors", [])))
             for g in items]
 
 

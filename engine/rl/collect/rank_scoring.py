@@ -14,7 +14,9 @@ Rank 0 drives the rollout while the other ranks serve their engines
 
 Every item is one call of the same pickled function on the same arguments, in whichever
 worker of whichever rank: the scores, and so the rewards, metrics and dumps, equal rank 0
-scoring alone, bitwise. reward/timeouts and reward/failures count every rank's items;
+scoring alone, bitwise. A failed item's Outcome (its kind and detail) comes back with it, so
+rank 0 decides from the gathered outcomes which groups a failed call drops
+(engine.rl.collect.failed_groups), the same decision on every layout. reward/timeouts and reward/failures count every rank's items;
 time/reward_s sums every rank's scoring work; time/reward_wait_s is what rank 0 waited.
 The judge and the reward model are not reward.fn and keep their own paths.
 """

@@ -12,8 +12,9 @@ use (engine split, retries, restarts); with env.fn, by the same multi-turn episo
 (engine.rl.env.episodes.EpisodeRunner with the collector's environment factory); with env.agent,
 by the same agent function through the run's endpoint (AgentRollout.validation_batch: one
 episode per prompt x sample, the calls' sampling settings val.temperature and rollout.top_p,
-an episode's score its reward, a failed episode 0); rank 0 drives it, the other ranks serve
-their engines
+an episode's score its reward, a failed episode 0); a failed reward.fn call scores 0 here
+(reward.failure_score when set) and counts in val/reward_errors: validation trains nothing, so
+nothing is dropped; rank 0 drives it, the other ranks serve their engines
 (`broadcast_rollout` ends the phase, as for a training rollout). Sampling: val.temperature
 (0: greedy), rollout.top_p, rollout.max_new_tokens. The seeds come from their own stream
 (`val_seeds`: hashed with a "val" tag, a function of (seed, prompt, sample) only, the same at
@@ -121,7 +122,8 @@ def generate_for_validation(collector, rows: list[dict], prompts: list[list[int]
     env = getattr(collector, "env", None)
     if env is None:
         out = collector.generate_scored(rows, prompts, params, n, tag)
-        return {"scores": out["scores"], "lengths": [len(g.response_ids)
+        return {"scores": [0.0 if math.isnan(s) else s for s in out["scores"]],   # a failed call
+                "lengths": [len(g.response_ids)
                                                      for g in out["generations"]],
                 "counts": {"reward_errors": out["errors"]}}
     base = env.runner

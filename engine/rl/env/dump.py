@@ -6,27 +6,35 @@ Fields: prompt_index (the prompt row, 0-based in data order), sample_index (with
 gen_batch, token_ids (the whole trajectory: prompt, sampled turns, observations), loss_mask and
 rollout_logprobs (same length as token_ids; mask 1 exactly on sampled tokens, log-prob 0.0
 elsewhere), turns, reward (the score: reward.fn, or the sum of the env's step rewards; 0 after
-an environment error; plus reward.model.weight x rm_score with a reward model), rm_score (with
+an environment error; plus reward.model.weight x rm_score with a reward model; null when the
+reward.fn call failed and reward.failure_score is null: its group did not train,
+engine.rl.collect.failed_groups), rm_score (with
 reward.model.path only: the reward model's score of token_ids, before the weight; on a
 disaggregated run written by training rank 0 when it scored the batch, `add_model_scores`),
 judge_score (with reward.judge.base_url only: the LLM judge's score of the response, before
 reward.judge.weight; 0 when the judge failed; engine.rl.judge),
-overlong_penalty (dapo.overlong_buffer), finish_reason (stop, length, max_turns, error), error (the environment's error or null), text (token_ids decoded, special
-tokens kept). With rollout.partial (engine.rl.collect.partial) the records are the step's trained
-replies and carry token_versions (same length as token_ids: the policy version, RL steps done,
-whose weights sampled each token; -1 on prompt tokens). With on-policy distillation, teacher_logprobs (same length as token_ids: the
-teacher's log-prob of each sampled token, 0.0 elsewhere; null for an episode the step did not
-train, e.g. a group dynamic sampling dropped), added after the step's log-prob stage.
+overlong_penalty (dapo.overlong_buffer), finish_reason (stop, length, max_turns, error), error
+(the environment's error, else the failed reward.fn call's "<kind>: <detail>": "timeout: timed
+out after 30 s", "crash: the worker died (exit status -9)", "error: ValueError('...')",
+engine.rl.rewards.outcome; also when reward.failure_score scored it; else null), text
+(token_ids decoded, special tokens kept). With rollout.partial (engine.rl.collect.partial) the
+records are the step's trained replies, then the replies of the groups a failed reward call
+dropped that step, and carry token_versions (same length as token_ids: the policy version, RL
+steps done, whose weights sampled each token; -1 on prompt tokens). With on-policy
+distillation, teacher_logprobs (same length as token_ids: the teacher's log-prob of each
+sampled token, 0.0 elsewhere; null for an episode the step did not train, e.g. a group dynamic
+sampling or a failed reward call dropped), added after the step's log-prob stage.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 
 
 def episode_record(prompt_index: int, sample_index: int, gen_batch: int, prompt: list[int],
                    response: list[int], mask: list[int], logprobs: list[float], turns: int,
-                   reward: float, penalty: float, finish_reason: str, error: str | None,
+                   reward: float | None, penalty: float, finish_reason: str, error: str | None,
                    tokenizer, rm_score: float | None = None,
                    judge_score: float | None = None,
                    token_versions: list[int] | None = None) -> dict:
@@ -40,7 +48,8 @@ def episode_record(prompt_index: int, sample_index: int, gen_batch: int, prompt:
             "gen_batch": int(gen_batch), "token_ids": [int(t) for t in ids],
             "loss_mask": [0] * len(prompt) + [int(m) for m in mask],
             "rollout_logprobs": [0.0] * len(prompt) + [float(x) for x in logprobs],
-            "turns": int(turns), "reward": float(reward), **model,
+            "turns": int(turns),
+            "reward": None if reward is None or math.isnan(reward) else float(reward), **model,
             "overlong_penalty": float(penalty),
             "finish_reason": finish_reason, "error": error,
             "text": tokenizer.decode(ids, skip_special_tokens=False)}
@@ -49,19 +58,21 @@ def episode_record(prompt_index: int, sample_index: int, gen_batch: int, prompt:
 def part_records(part: dict, row_indices: list[int], n: int, gen_batch: int,
                  tokenizer) -> list[dict]:
     """The records of one generation batch as RolloutCollector._generation_batch returns it
-    (with "episodes" for multi-turn, else single-turn responses)."""
+    (with "episodes" for multi-turn, else single-turn responses; "reward_errors": per response
+    its failed reward call, or None)."""
     data = part["data"]
     scores, penalty = data["scores"].tolist(), part["penalty"].tolist()
     rm = data["rm_scores"].tolist() if "rm_scores" in data else [None] * len(scores)
     judge = data["judge_scores"].tolist() if "judge_scores" in data else [None] * len(scores)
+    failed = part.get("reward_errors") or [None] * len(scores)
     out = []
     for i, (prompt, response, logprobs) in enumerate(zip(
             data["prompt_ids"], data["response_ids"], data["rollout_logprobs"])):
         if "episodes" in part:
             e = part["episodes"][i]
-            turns, mask, reason, error = e.turns, e.mask, e.finish_reason, e.error
+            turns, mask, reason, error = e.turns, e.mask, e.finish_reason, e.error or failed[i]
         else:
-            turns, mask, error = 1, [1] * len(response), None
+            turns, mask, error = 1, [1] * len(response), failed[i]
             reason = "length" if part["clipped"][i] else "stop"
         out.append(episode_record(row_indices[i], i % n, gen_batch, prompt, response, mask,
                                   logprobs, turns, scores[i], penalty[i], reason, error,

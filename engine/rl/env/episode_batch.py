@@ -6,7 +6,9 @@ metrics of a rollout step.
 scored by `scorer`) and checks once that the
 chat template can place observations. `generation_batch(prompts, rows, row_indices, seeds, b)`
 returns what RolloutCollector._generation_batch returns for single-turn, plus
-"response_masks" in "data", "env" (counts for `env_metrics`) and "episodes".
+"response_masks" in "data", "env" (counts for `env_metrics`) and "episodes"; "reward_errors"
+names each episode's failed reward.fn call (env.fn=tools' final answer, `reward_failure`), whose
+score is NaN with reward.failure_score null (engine.rl.collect.failed_groups drops its group).
 `env_template_problem` / `check_env_start`: whether env.fn can work with the model's chat
 template, checked in validation (engine.rl.checks) and on every rank at start.
 """
@@ -57,7 +59,10 @@ class EnvRollout:
         episodes = [Episode(row_indices[i], i % n, rows[i], seeds[i], list(prompts[i]))
                     for i in range(len(prompts))]
         stats = self.runner.run(episodes, n, gen_batch)
-        scores = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+        failed = [getattr(e.env, "reward_failure", None) for e in episodes]
+        unscored = cfg.reward.failure_score is None
+        scores = torch.tensor([float("nan") if f is not None and unscored else e.reward
+                               for e, f in zip(episodes, failed)], dtype=torch.float32)
         sampled = torch.tensor([sum(e.mask) for e in episodes], dtype=torch.float32)
         penalty = torch.zeros_like(scores)
         if cfg.dapo.overlong_buffer > 0:  # the per-turn budget is what truncates a turn
@@ -69,7 +74,8 @@ class EnvRollout:
                      "rollout_logprobs": [e.logprobs for e in episodes],
                      "response_masks": [e.mask for e in episodes],
                      "rewards": scores + penalty, "scores": scores},
-            "lengths": sampled, "penalty": penalty, "errors": 0, "gen_s": stats.gen_s,
+            "lengths": sampled, "penalty": penalty, "gen_s": stats.gen_s,
+            "errors": sum(f is not None for f in failed), "reward_errors": failed,
             "stats": _merge(stats.generate),
             "clipped": [e.finish_reason == "length" for e in episodes],
             "env": _counts(episodes, stats.env_s), "episodes": episodes,

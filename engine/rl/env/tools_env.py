@@ -11,15 +11,20 @@ Step metrics: tool_calls (calls, malformed ones included) and tool_errors.
 
 That reward is scored through the collector's reward scorer when it passes one (`scorer`:
 engine.rl.rewards.scorer.BatchScorer, rank 0's own pool of reward.num_workers, called from the
-step's thread): the same one call of reward.fn, bounded by reward.timeout_s (a call past it,
-or one that raises, crashes its worker or returns a non-finite score, scores
-reward.failure_score; counted in reward/timeouts and reward/failures). Without a scorer (tests,
-direct use) reward.fn is called here and a raising call fails the step (env/errors).
+step's thread): the same one call of reward.fn, bounded by reward.timeout_s. A call past it,
+or one that raises, crashes its worker or returns a non-finite score, fails (counted in
+reward/errors, reward/timeouts and reward/failures): the env keeps its "<kind>: <detail>" in
+`reward_failure`, which the episode's dump record names; with reward.failure_score null its
+episode's group leaves the update (engine.rl.collect.failed_groups; the step's reward is then
+0, a placeholder nothing trains on), else it scores reward.failure_score. Without a scorer
+(tests, direct use) reward.fn is called here and a raising call fails the step (env/errors).
 
 env.kwargs (all optional): tool_timeout_s (default 10 s; keep it below env.step_timeout_s),
 max_output_chars (default 2000).
 """
 from __future__ import annotations
+
+import math
 
 from engine.data.render import chat_template_text
 from engine.data.tool_calls import FORMATS, detect_format, parse_tool_calls
@@ -62,6 +67,7 @@ class ToolEnv:
     def __init__(self, row: dict, *, pool: ToolPool, fmt: str, reward_fn, scorer=None) -> None:
         self.row, self.pool, self.fmt, self.reward_fn = row, pool, fmt, reward_fn
         self.scorer = scorer
+        self.reward_failure: str | None = None   # the final answer's failed reward call
 
     def step(self, action: str) -> dict:
         parsed = parse_tool_calls(action, self.fmt)
@@ -70,8 +76,13 @@ class ToolEnv:
                      if k not in ("prompt", "answer", "response")}
             item = {**extra, "prompt": _prompt_text(self.row["prompt"]), "response": action,
                     "answer": self.row["answer"]}
-            reward = (self.scorer.score([item]).scores[0] if self.scorer is not None else
-                      float(self.reward_fn(**item)))
+            if self.scorer is None:
+                reward = float(self.reward_fn(**item))
+            else:
+                report = self.scorer.score([item])
+                reward, self.reward_failure = report.scores[0], report.per_item_failures()[0]
+                if math.isnan(reward):   # no score (failure_score null): the group is dropped
+                    reward = 0.0
             return {"observations": [], "reward": reward, "done": True,
                     "metrics": {"tool_calls": 0.0, "tool_errors": 0.0}}
         obs = [{"role": "tool", "content": f"error: {e}"} for e in parsed.errors]

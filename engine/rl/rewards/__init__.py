@@ -4,7 +4,8 @@ Modules: registry (`reward.fn` names and `package.module:function` specs), math_
 `none`), verify_math (`math_verify`, Hugging Face math-verify), code (`code`: the reply's
 block (fences) against the row's tests (code_tests), run by code_runner in the bubblewrap
 sandbox (sandbox, bwrap), results crossing as plain_data), scoring (one call's checks; the in-process thread scorer),
-pool (the process pool of `reward.num_workers`, per-item timeouts), worker (one pool process),
+outcome (an item's Outcome and a batch's ScoreReport: scores and named failures), pool (the
+process pool of `reward.num_workers`, per-item timeouts), worker (one pool process),
 cpus (the default worker count: the CPUs the rank may use), scorer (a collector's scoring).
 
 The contract: ``load_reward_fn(name)`` returns ``fn(prompt, response, answer, **fields) ->

@@ -4,8 +4,11 @@ Each worker is a fresh interpreter (engine.rl.rewards.worker) in a session of it
 once and kept across steps. Each worker gets up to DEPTH calls ahead of its answers; a call's
 clock (`timeout_s`) starts when the one before it was answered. A call past it has its
 worker's process group killed and the worker replaced, as has a worker that dies mid-call (a
-crash, an exit, the OOM killer): the item scores `failure_score`, the worker's later calls go
-back to the queue and the others go on.
+crash, an exit, the OOM killer): the item fails (its Outcome names the kind; it scores
+`failure_score`, NaN when that is None: engine.rl.rewards.outcome), the worker's later calls
+go back to the queue and the others go on. A replacement worker that cannot start (the
+reward module no longer imports, no process can be started) stops the pool: every wait()
+then raises RuntimeError naming the cause, never blocks.
 
 Scores equal serial scoring exactly: every item is one call of the same function on the same
 arguments, in whichever worker.
@@ -27,50 +30,24 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Hashable
 
 from engine.rl.rewards.cpus import default_num_workers
+from engine.rl.rewards.outcome import Outcome, ScoreReport, failed_score
 from engine.rl.rewards.registry import RewardFn, check_picklable
 from engine.rl.rewards.scoring import check_items
+
+__all__ = ["DEPTH", "Outcome", "RewardPool", "STARTUP_TIMEOUT_S", "ScoreReport",
+           "default_num_workers"]
 
 logger = logging.getLogger(__name__)
 
 DEPTH = 2                  # calls sent to a worker ahead of its answers
 STARTUP_TIMEOUT_S = 120.0  # a worker that has not loaded the function by then is an error
 ENGINE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding `engine`
-
-
-@dataclass
-class Outcome:
-    """One item's result: its score, and how it failed (None: scored)."""
-    score: float
-    failure: str | None = None       # "error" (raised / non-finite), "crash", "timeout"
-    detail: str = ""
-    seconds: float = 0.0             # from the call's dispatch to its result
-
-
-@dataclass
-class ScoreReport:
-    """A batch's scores in item order and its failure counts (every failed item also counts
-    in `errors`, the metric reward/errors)."""
-    scores: list[float]
-    errors: int = 0
-    timeouts: int = 0
-    failures: int = 0                # worker crashes
-    details: list[str] = field(default_factory=list)
-    work_s: float = 0.0              # the calls' seconds, summed (time/reward_s)
-
-    @classmethod
-    def of(cls, outcomes: Sequence[Outcome]) -> "ScoreReport":
-        kinds = [o.failure for o in outcomes]
-        return cls([o.score for o in outcomes], errors=sum(k is not None for k in kinds),
-                   timeouts=kinds.count("timeout"), failures=kinds.count("crash"),
-                   details=[o.detail for o in outcomes if o.failure is not None],
-                   work_s=sum(o.seconds for o in outcomes))
 
 
 class _Worker:
@@ -82,10 +59,15 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([ENGINE_ROOT] + [p for p in env.get(
             "PYTHONPATH", "").split(os.pathsep) if p])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.rl.rewards.worker", str(to_child_r),
-             str(from_child_w)], pass_fds=(to_child_r, from_child_w), env=env,
-            start_new_session=True, stdin=subprocess.DEVNULL)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.rl.rewards.worker", str(to_child_r),
+                 str(from_child_w)], pass_fds=(to_child_r, from_child_w), env=env,
+                start_new_session=True, stdin=subprocess.DEVNULL)
+        except OSError:
+            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
+                os.close(fd)
+            raise
         os.close(to_child_r)
         os.close(from_child_w)
         self.inbox = Connection(to_child_w, readable=False)
@@ -115,11 +97,11 @@ class RewardPool:
         num_workers: processes (>= 1); None: default_num_workers().
         timeout_s: per call, from its start; None: unbounded.
         failure_score: the score of an item that raised, returned a non-finite value, crashed
-            its worker or timed out.
+            its worker or timed out; None: NaN (no score; its Outcome names the failure).
     """
 
     def __init__(self, fn: RewardFn, num_workers: int | None = None,
-                 timeout_s: float | None = 30.0, failure_score: float = 0.0) -> None:
+                 timeout_s: float | None = 30.0, failure_score: float | None = None) -> None:
         self.num_workers = default_num_workers() if num_workers is None else num_workers
         if self.num_workers < 1 or (timeout_s is not None and timeout_s <= 0):
             raise ValueError(f"need num_workers >= 1 and timeout_s > 0 or None, got "
@@ -127,6 +109,7 @@ class RewardPool:
         check_picklable(fn, getattr(fn, "__qualname__", type(fn).__name__))
         self.fn_bytes = pickle.dumps(fn)
         self.timeout_s, self.failure_score = timeout_s, failure_score
+        self._failed = failed_score(failure_score)
         t0 = time.perf_counter()
         self.workers = [_Worker(self.fn_bytes) for _ in range(self.num_workers)]
         self.queue: deque[tuple[Hashable, Mapping[str, Any]]] = deque()
@@ -136,9 +119,16 @@ class RewardPool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._closed = False
+        self.broken: str | None = None      # why the pool stopped (a replacement failed)
         # at close, garbage collection or exit: kill the workers, wake the thread to end
         self._closer = weakref.finalize(self, _shut_down, self.workers, self._wake_w)
-        self._await_ready(self.workers)
+        try:
+            self._await_ready(self.workers)
+        except RuntimeError:
+            self._closer()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
         self.startup_s = time.perf_counter() - t0
         # reads results, replaces dead or late workers and dispatches queued items while the
         # caller does other work (generation): the pool makes progress between calls
@@ -148,9 +138,11 @@ class RewardPool:
         self._service.start()
 
     def submit(self, key: Hashable, item: Mapping[str, Any]) -> None:
-        """Queue one item under ``key`` and hand it to an idle worker if there is one."""
+        """Queue one item under ``key`` and hand it to an idle worker if there is one;
+        RuntimeError naming the cause once the pool stopped (module docstring)."""
         check_items([item])
         with self._cond:
+            self._check_running()
             self.queue.append((key, item))
             self._dispatch()
 
@@ -162,10 +154,12 @@ class RewardPool:
 
     def wait(self, keys: Iterable[Hashable]) -> list[Outcome]:
         """The outcomes of ``keys`` in their order (a key may repeat), waiting for the ones
-        still running; they stay until ``forget``."""
+        still running; they stay until ``forget``. RuntimeError naming the cause when the
+        pool stopped before they were scored (module docstring)."""
         keys = list(keys)
         with self._cond:
             while any(k not in self.done for k in keys):
+                self._check_running()
                 self._cond.wait()
             return [self.done[k] for k in keys]
 
@@ -180,6 +174,7 @@ class RewardPool:
         check_items(items)
         keys = [("batch", id(items), i) for i in range(len(items))]
         with self._cond:
+            self._check_running()
             self.queue.extend(zip(keys, items))
             self._dispatch()
         report = ScoreReport.of(self.wait(keys))
@@ -229,7 +224,7 @@ class RewardPool:
         for worker in busy:
             if (worker.tasks and worker in self.workers and self.timeout_s is not None
                     and now - worker.tasks[0][2] >= self.timeout_s):
-                self._replace(worker, Outcome(self.failure_score, "timeout",
+                self._replace(worker, Outcome(self._failed, "timeout",
                                               f"timed out after {self.timeout_s:g} s"))
 
     def _wake(self) -> None:
@@ -248,30 +243,56 @@ class RewardPool:
             kind, _, value = worker.outbox.recv()
         except (EOFError, OSError):
             code = worker.proc.wait()
-            self._replace(worker, Outcome(self.failure_score, "crash",
+            self._replace(worker, Outcome(self._failed, "crash",
                                           f"the worker died (exit status {code})"))
             return
         now = time.monotonic()
         seconds = now - worker.tasks.popleft()[2]
         outcome = (Outcome(float(value), seconds=seconds) if kind == "ok"
-                   else Outcome(self.failure_score, "error", str(value), seconds))
+                   else Outcome(self._failed, "error", str(value), seconds))
         self.done[key] = outcome
         if worker.tasks:
             worker.tasks[0][2] = now
 
     def _replace(self, worker: _Worker, outcome: Outcome) -> None:
         """Record the failed (first) item, queue the worker's later ones again (not started),
-        kill the worker and start a fresh one in its place."""
+        kill the worker and start a fresh one in its place. A fresh one that cannot start
+        stops the pool (`_stop`): the waiters raise instead of waiting for ever."""
         key, _, start = worker.tasks.popleft()
         outcome.seconds = time.monotonic() - start
         self.done[key] = outcome
         self.queue.extendleft((k, item) for k, item, _ in reversed(worker.tasks))
         worker.tasks.clear()
         worker.kill()
-        fresh = _Worker(self.fn_bytes)
+        try:
+            fresh = _Worker(self.fn_bytes)
+        except OSError as exc:   # no process can be started (fork limit, memory)
+            self._stop(f"a replacement reward worker could not be started: {exc!r}")
+            return
         self.workers[self.workers.index(worker)] = fresh
         self.replaced += 1
-        self._await_ready([fresh])
+        try:
+            self._await_ready([fresh])
+        except RuntimeError as exc:
+            self._stop(f"a replacement for a reward worker whose call failed ({outcome.failure}: "
+                       f"{outcome.detail}) did not start: {exc}")
+
+    def _stop(self, reason: str) -> None:
+        """Stop scoring (the caller holds the lock): kill every worker, drop the queue and wake
+        every waiter, whose wait() raises RuntimeError naming `reason`."""
+        self.broken = reason
+        logger.error("reward pool stopped: %s", reason)
+        for w in self.workers:
+            if not w.inbox.closed:
+                w.kill()
+            w.tasks.clear()
+        self.workers.clear()
+        self.queue.clear()
+        self._cond.notify_all()
+
+    def _check_running(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"reward scoring stopped: {self.broken}")
 
     def _dispatch(self) -> None:
         """Queued items to the workers, up to DEPTH unanswered each, so a worker starts its
@@ -279,15 +300,15 @@ class RewardPool:
         lock); wakes the service thread to watch them."""
         sent = False
         for depth in range(1, DEPTH + 1):
-            for worker in self.workers:
-                if self.queue and len(worker.tasks) < depth:
+            for worker in list(self.workers):
+                if self.queue and len(worker.tasks) < depth and worker in self.workers:
                     sent = True
                     key, item = self.queue.popleft()
                     worker.tasks.append([key, item, time.monotonic()])
                     try:
                         worker.inbox.send((key, dict(item)))
                     except (BrokenPipeError, OSError):
-                        self._replace(worker, Outcome(self.failure_score, "crash",
+                        self._replace(worker, Outcome(self._failed, "crash",
                                                       "the worker died before the call"))
         if sent:
             self._wake()
@@ -297,13 +318,14 @@ class RewardPool:
         function."""
         for worker in workers:
             if not worker.outbox.poll(STARTUP_TIMEOUT_S):
+                worker.kill()
                 raise RuntimeError(f"a reward worker did not start within {STARTUP_TIMEOUT_S:g} s")
             try:
                 kind, _, reason = worker.outbox.recv()
             except EOFError:
                 kind, reason = "fatal", f"it exited with status {worker.proc.wait()}"
             if kind != "ready":
-                self.close()
+                worker.kill()
                 raise RuntimeError(f"reward worker failed to start: {reason}")
             worker.ready = True
 

@@ -17,12 +17,13 @@ from typing import Any
 from engine.rl.rewards.pool import RewardPool, ScoreReport
 from engine.rl.rewards.math_match import no_reward
 from engine.rl.rewards.registry import RewardFn
-from engine.rl.rewards.scoring import check_items, score_responses
+from engine.rl.rewards.scoring import check_items, score_in_process
 
 
 class BatchScorer:
     """Scores items with ``fn`` under the settings of ``reward`` (an RL config's `reward`:
-    num_workers, timeout_s, failure_score).
+    num_workers, timeout_s, failure_score; a failed item scores failure_score, or NaN when it
+    is None, and its report names the failure: engine.rl.rewards.outcome).
 
     ``score(items)`` scores a batch; ``submit(key, item)`` / ``wait(keys)`` let items be
     submitted as they are ready (replies finishing while others generate) and collected
@@ -32,7 +33,9 @@ class BatchScorer:
     def __init__(self, fn: RewardFn, reward: Any) -> None:
         # reward.fn=none has nothing to score: no worker processes for it
         self.fn, self.num_workers = fn, 0 if fn is no_reward else reward.num_workers
-        self.timeout_s, self.failure_score = reward.timeout_s, float(reward.failure_score)
+        self.timeout_s = reward.timeout_s
+        self.failure_score = (None if reward.failure_score is None
+                              else float(reward.failure_score))
         self._pool: RewardPool | None = None
         self._held: dict[Hashable, Mapping[str, Any]] = {}   # num_workers=0: scored at wait
         self._lock = threading.Lock()   # the pool's start and the counts, across threads
@@ -104,9 +107,10 @@ class BatchScorer:
 
     def _in_process(self, items: Sequence[Mapping[str, Any]]) -> ScoreReport:
         t0 = time.perf_counter()
-        scores, errors = score_responses(self.fn, items, self.timeout_s,
-                                         failure_score=self.failure_score)
-        return ScoreReport(scores, errors=errors, work_s=time.perf_counter() - t0)
+        report = score_in_process(self.fn, items, self.timeout_s,
+                                  failure_score=self.failure_score)
+        report.work_s = time.perf_counter() - t0
+        return report
 
     def _count(self, report: ScoreReport, waited_s: float) -> None:
         with self._lock:

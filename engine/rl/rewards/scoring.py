@@ -1,6 +1,7 @@
 """Scoring a batch in the calling process: one item through a reward function (the checks
 every path shares), and the thread-based scorer of `reward.num_workers=0` (per-call timeouts,
-no parallelism for pure-Python functions). engine.rl.rewards.pool scores in processes.
+no parallelism for pure-Python functions; `score_in_process`, whose report names each failed
+item as the pool's does). engine.rl.rewards.pool scores in processes.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.rl.rewards.outcome import Outcome, ScoreReport, failed_score
 from engine.rl.rewards.registry import RewardFn
 
 logger = logging.getLogger(__name__)
@@ -40,12 +42,21 @@ def check_items(items: Sequence[Mapping[str, Any]]) -> None:
 
 def score_responses(fn: RewardFn, items: Sequence[Mapping[str, Any]], timeout_s: float | None,
                     max_workers: int = 8, failure_score: float = 0.0) -> tuple[list[float], int]:
+    """``(scores, num_errors)`` of `score_in_process` (its failed items score
+    ``failure_score``)."""
+    report = score_in_process(fn, items, timeout_s, max_workers, failure_score)
+    return report.scores, report.errors
+
+
+def score_in_process(fn: RewardFn, items: Sequence[Mapping[str, Any]], timeout_s: float | None,
+                     max_workers: int = 8, failure_score: float | None = None) -> ScoreReport:
     """Score every item with ``fn(prompt=..., response=..., answer=..., **extra_fields)``.
 
-    Returns ``(scores, num_errors)``, scores in item order. A call that raises, returns
-    something that is not a finite number, or runs longer than ``timeout_s`` seconds (measured
-    from the moment it starts, not from submission) scores ``failure_score`` and counts as an
-    error.
+    Returns the ScoreReport, scores in item order. A call that raises or returns something that
+    is not a finite number (an "error"), or runs longer than ``timeout_s`` seconds (measured
+    from the moment it starts, not from submission; a "timeout") fails: it scores
+    ``failure_score`` (None: NaN, no score), counts as an error and is named in
+    ``report.failed``.
 
     ``timeout_s=None`` calls fn sequentially in the calling thread (no timeout). Otherwise calls
     run on a pool of ``max_workers`` daemon threads. Python cannot kill a thread: a call that
@@ -57,28 +68,31 @@ def score_responses(fn: RewardFn, items: Sequence[Mapping[str, Any]], timeout_s:
     speed up pure-Python reward functions.
     """
     check_items(items)
-    scores = [0.0] * len(items)
-    errors: list[str] = []
+    outcomes: list[Outcome | None] = [None] * len(items)
+    failed = failed_score(failure_score)
     if timeout_s is None:
         for i, item in enumerate(items):
+            t0 = time.monotonic()
             try:
-                scores[i] = call_reward(fn, item)
+                outcomes[i] = Outcome(call_reward(fn, item), seconds=time.monotonic() - t0)
             except Exception as exc:  # a user function may raise anything
-                errors.append(f"items[{i}]: {exc!r}")
+                outcomes[i] = Outcome(failed, "error", repr(exc), time.monotonic() - t0)
     else:
         if timeout_s <= 0 or max_workers < 1:
             raise ValueError(f"need timeout_s > 0 and max_workers >= 1, got {timeout_s}, "
                              f"{max_workers}")
-        _score_with_timeout(fn, items, timeout_s, max_workers, scores, errors)
-    if errors:
-        logger.warning("reward function failed on %d of %d items; first: %s", len(errors),
-                       len(items), errors[0])
-    return scores, len(errors)
+        _score_with_timeout(fn, items, timeout_s, max_workers, outcomes, failed)
+    report = ScoreReport.of(outcomes)
+    if report.errors:
+        first = next(i for i, f in enumerate(report.failed) if f is not None)
+        logger.warning("reward function failed on %d of %d items; first: items[%d]: %s",
+                       report.errors, len(items), first, report.failed[first])
+    return report
 
 
 def _score_with_timeout(fn: RewardFn, items: Sequence[Mapping[str, Any]], timeout_s: float,
-                        max_workers: int, scores: list[float], errors: list[str]) -> None:
-    """Fill ``scores``/``errors`` using daemon workers and per-call deadlines (see caller)."""
+                        max_workers: int, outcomes: list, failed: float) -> None:
+    """Fill ``outcomes`` using daemon workers and per-call deadlines (see caller)."""
     tasks: queue.SimpleQueue = queue.SimpleQueue()   # item index, or None to stop a worker
     results: queue.SimpleQueue = queue.SimpleQueue()  # (index, score or None, error or None)
     started: dict[int, float] = {}  # index -> monotonic start time, while the call runs
@@ -108,7 +122,8 @@ def _score_with_timeout(fn: RewardFn, items: Sequence[Mapping[str, Any]], timeou
         for index, t0 in started.copy().items():
             if index in pending and now - t0 >= timeout_s:
                 pending.discard(index)
-                errors.append(f"items[{index}]: timed out after {timeout_s} s")
+                outcomes[index] = Outcome(failed, "timeout", f"timed out after {timeout_s:g} s",
+                                          now - t0)
                 spawn()  # the hung worker is lost; keep the pool at full strength
                 num_workers += 1
         if not pending:
@@ -121,9 +136,7 @@ def _score_with_timeout(fn: RewardFn, items: Sequence[Mapping[str, Any]], timeou
             continue
         if index in pending:  # else it already timed out
             pending.discard(index)
-            if error is None:
-                scores[index] = score
-            else:
-                errors.append(f"items[{index}]: {error}")
+            outcomes[index] = (Outcome(score) if error is None
+                               else Outcome(failed, "error", error))
     for _ in range(num_workers):
         tasks.put(None)  # one per worker; hung ones read theirs if their call ever returns

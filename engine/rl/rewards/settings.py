@@ -23,7 +23,7 @@ def reward_fn_for(reward: Any) -> RewardFn:
 def reward_settings_problems(reward: Any) -> list[str]:
     """Every problem of the scoring keys, each naming its key and the valid choices: reward.fn
     loads (and pickles when reward.num_workers != 0); num_workers null or >= 0; failure_score
-    finite; code_score and code_sandbox known; with fn=code and code_sandbox=strict, every
+    null or finite; code_score and code_sandbox known; with fn=code and code_sandbox=strict, every
     sandbox layer enforceable here (engine.rl.rewards.sandbox.missing_layers)."""
     p = []
     workers = reward.num_workers
@@ -31,8 +31,9 @@ def reward_settings_problems(reward: Any) -> list[str]:
         p.append(f"reward.num_workers={workers!r} must be null (the CPUs this rank may use), "
                  "0 (score in the trainer) or a positive number of processes")
     score = reward.failure_score
-    if not (isinstance(score, (int, float)) and math.isfinite(score)):
-        p.append(f"reward.failure_score={score!r} must be a finite number")
+    if score is not None and not (isinstance(score, (int, float)) and math.isfinite(score)):
+        p.append(f"reward.failure_score={score!r} must be a finite number or null (a failed "
+                 "call's group leaves the update)")
     if reward.code_score not in SCORE_MODES:
         p.append(f"reward.code_score={reward.code_score!r} is not one of {list(SCORE_MODES)}")
     if reward.code_sandbox not in SANDBOX_MODES:
