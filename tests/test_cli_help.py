@@ -174,6 +174,19 @@ def test_help_says_what_a_null_timeout_and_a_micro_batch_are():
         assert "with train.prefix_sharing: groups of rows" in meaning, meaning
 
 
+def test_rl_docs_name_every_built_in_reward():
+    """docs/rl.md's reward.fn row names every built-in reward (it omitted math_verify and
+    code), each linked to its section of docs/rewards.md where it has one."""
+    from pathlib import Path
+
+    from engine.rl.rewards.registry import BUILTIN_REWARDS
+
+    text = (Path(__file__).parents[1] / "docs" / "rl.md").read_text()
+    (row,) = [line for line in text.splitlines() if line.startswith("| `reward.fn`")]
+    assert [name for name in BUILTIN_REWARDS if f"`{name}`" not in row] == []
+    assert "rewards.md#math_verify" in row and "rewards.md#code" in row
+
+
 def test_version(capsys):
     from engine.sft.__main__ import main
 
