@@ -1,15 +1,18 @@
 """`megatron-sft-engine tinker` (engine.tinker) driven by the official `tinker` SDK (0.38,
-unmodified) on a tiny locally built Llama (tools.tiny_models.build_eos_model; nothing is
-downloaded), one server process for the module, two API keys of two owners: capabilities, two
-LoRA models, forward_backward with cross_entropy / importance_sampling / ppo, optim_step,
+unmodified) on a tiny locally built Llama (tools.tiny_models.build_eos_model: hidden 32, 2
+layers, vocab 200; nothing is downloaded). One in-process server for the module (the service
+and its uvicorn app on a thread, driven over HTTP), two API keys of two owners: capabilities,
+two LoRA models, forward_backward with cross_entropy / importance_sampling / ppo, optim_step,
 save_weights_and_get_sampling_client, sample, compute_logprobs, save_state and a fresh client
-resuming with the optimizer (and a restarted server serving the saved state); cross_entropy +
-optim_step equal to an independent reference (transformers + peft LoRA + torch AdamW) over 3
-steps; two models batched together equal the same models trained alone, a third untouched;
-another owner's ids are 404; bad input is a 4xx naming the field."""
+resuming with the optimizer; cross_entropy + optim_step equal to an independent reference
+(transformers + peft LoRA + torch AdamW) over 3 steps; two models batched together equal the
+same models trained alone, a third untouched; another owner's ids are 404; bad input is a 4xx
+naming the field, and a refusal writes nothing to the server's log; a failing request in a
+batch fails only its own future; the real command (`python -m tools.cli tinker`, a fresh
+process on the same --state-dir) serves the saved state."""
 from __future__ import annotations
 
-import os
+import logging
 import subprocess
 import sys
 import threading
@@ -32,36 +35,52 @@ ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.
             grad_clip_norm=0.0)
 
 
-def _start(model: str, state: Path, keys: Path, port: int) -> subprocess.Popen:
+def _start_command(model: str, state: Path, keys: Path, port: int, log: Path):
+    """The real command in a fresh process; its stdout and stderr go to `log` (a file, never a
+    pipe nobody reads)."""
+    out = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "tinker", "--model", model,
                              "--port", str(port), "--keys-file", str(keys), "--state-dir",
-                             str(state), "--max-body-mb", "1", "--batch-wait-ms", "50"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for _ in range(300):
+                             str(state), "--max-body-mb", "1"],
+                            stdout=out, stderr=subprocess.STDOUT, text=True)
+    out.close()
+    for _ in range(1200):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz").status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read())
+            raise AssertionError(log.read_text())
         time.sleep(0.1)
-    raise AssertionError("server did not start")
+    proc.kill()
+    raise AssertionError(f"server did not start:\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    import uvicorn
+
+    from engine.tinker.routes import build_app
+    from engine.tinker.service import Service
+
     root = tmp_path_factory.mktemp("tinker")
     model = build_eos_model(str(root / "llama"))
     keys = root / "keys"
     keys.write_text(f"{KEY_A} alice\n{KEY_B} bob\n")
+    service = Service(model, "llama", str(root / "state"), batch_wait_s=0.05)
+    app = build_app(service, {KEY_A: "alice", KEY_B: "bob"}, 2 ** 20)
     port = free_port()
-    proc = _start(model, root / "state", keys, port)
-    info = dict(url=f"http://127.0.0.1:{port}", model=model, root=root, keys=keys, port=port,
-                proc=proc)
-    yield info
-    info["proc"].terminate()
-    info["proc"].wait(timeout=20)
+    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    while not web.started:
+        assert thread.is_alive(), "the in-process server stopped"
+        time.sleep(0.02)
+    yield dict(url=f"http://127.0.0.1:{port}", model=model, root=root, keys=keys,
+               service=service)
+    web.should_exit = True
+    thread.join(timeout=20)
 
 
 def _client(server, key=KEY_A) -> "tinker.ServiceClient":
@@ -79,9 +98,8 @@ SFT = [_datum([5, 6, 7, 8, 9], [6, 7, 8, 9, 10], weights=[0, 1, 1, 1, 1]),
 
 def test_sdk_trains_samples_saves_and_resumes(server):
     sc = _client(server)
-    # the SDK's own response type over a plain GET (tinker.RestClient answers after ~30 s here)
-    caps = types.GetServerCapabilitiesResponse.model_validate(httpx.get(
-        f"{server['url']}/api/v1/get_server_capabilities", headers={"X-API-Key": KEY_A}).json())
+    caps = tinker.RestClient(base_url=server["url"], api_key=KEY_A).get_server_capabilities() \
+        .result()
     assert [m.model_name for m in caps.supported_models] == ["llama"]
     tc = sc.create_lora_training_client(base_model="llama", rank=4, seed=3).result()
     other = sc.create_lora_training_client(base_model="llama", rank=2, seed=4,
@@ -146,7 +164,6 @@ def test_sdk_trains_samples_saves_and_resumes(server):
     fresh.forward_backward(SFT, "cross_entropy").result()
     fresh.optim_step(types.AdamParams(**ADAM)).result()
     assert fresh.forward(SFT, "cross_entropy").result().metrics["loss:sum"] != after[0]
-    server["resume_path"], server["resume_loss"] = path, a.metrics["loss:sum"]
 
 
 def _reference_steps(model_dir: str, adapter: dict, steps: int) -> tuple[list, dict]:
@@ -309,13 +326,102 @@ def test_bad_input_is_4xx_naming_the_field(server):
                        types.SamplingParams(max_tokens=10 ** 6)).result()
 
 
-def test_restarted_server_serves_the_saved_state(server):
-    """Last in the module: the server is restarted with the same --state-dir."""
-    server["proc"].terminate()
-    server["proc"].wait(timeout=20)
-    server["proc"] = _start(server["model"], server["root"] / "state", server["keys"],
-                            server["port"])
-    tc = _client(server).create_training_client_from_state_with_optimizer(
-        server["resume_path"]).result()
-    assert tc.forward_backward(SFT, "cross_entropy").result().metrics["loss:sum"] \
-        == server["resume_loss"]
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_refusals_log_nothing_and_the_server_keeps_answering(server):
+    """Regression: every 4xx used to be logged by uvicorn as "Exception in ASGI application"
+    with a ~4 KB traceback (a handler for Exception runs in Starlette's ServerErrorMiddleware,
+    which re-raises); the command whose stderr was an unread pipe hung once 64 KiB of them
+    had filled it. 200 refusals of every kind now log nothing, and the server answers."""
+    url, h = server["url"], {"X-API-Key": KEY_A}
+    records = _Records()
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(records)
+    try:
+        with httpx.Client(timeout=30) as http:
+            for i in range(50):
+                assert http.post(f"{url}/api/v1/get_info", json={"model_id": f"x{i}"},
+                                 headers=h).status_code == 404
+                assert http.post(f"{url}/api/v1/get_info", json={}, headers=h) \
+                    .status_code == 400
+                assert http.post(f"{url}/api/v1/get_info", json={"model_id": "x"},
+                                 headers={"X-API-Key": "tml-nobody"}).status_code == 401
+                assert http.post(f"{url}/api/v1/forward_backward", content=b"\xff", headers={
+                    **h, "Content-Type": "application/x-protobuf"}).status_code == 400
+            assert http.get(f"{url}/api/v1/healthz").status_code == 200
+    finally:
+        logger.removeHandler(records)
+    assert [r.getMessage() for r in records.records] == []
+
+
+def test_a_failing_request_fails_only_its_own_future(server):
+    """Two forward_backward items batched together, one of which fails while running (its
+    target_tokens longer than its tokens, which the routes would refuse; submitted directly):
+    the failing one's future carries the error, the other's is the same result as alone, and
+    the worker goes on serving."""
+    from engine.tinker.service import Service
+    from engine.tinker.wire import Datum
+    from tinker.proto import tinker_public_pb2
+
+    service: Service = server["service"]
+    tc = _client(server).create_lora_training_client(base_model="llama", rank=2).result()
+    adapter = service.models[tc.model_id].adapter
+    good = Datum([5, 6, 7], {"target_tokens": torch.tensor([6, 7, 8])})
+    bad = Datum([5, 6], {"target_tokens": torch.tensor([6, 7, 8])})
+
+    def item(d):
+        return dict(adapter=adapter, loss_fn="cross_entropy", config={}, data=[d],
+                    forward_only=True)
+    ids = [service.submit("forward_backward", item(d)) for d in (good, bad)]
+    futures = [service.future(i) for i in ids]
+    assert all(f.done.wait(60) for f in futures)
+    assert futures[1].error is not None and futures[0].error is None
+    alone = service.future(service.submit("forward_backward", item(good)))
+    assert alone.done.wait(60) and alone.error is None
+    a, b = (tinker_public_pb2.ForwardBackwardOutput() for _ in range(2))
+    a.ParseFromString(futures[0].result)
+    b.ParseFromString(alone.result)
+    assert a.metrics["loss:sum"] == b.metrics["loss:sum"]
+    assert tc.forward(SFT, "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_the_command_restarted_serves_the_saved_state(server):
+    """The real command (`python -m tools.cli tinker`), a fresh process on the module server's
+    --state-dir, serves a state the module server saved: a client resumed from it with the
+    optimizer takes the same next step as the saving client (equal losses after it); refusals
+    write nothing to its log."""
+    tc = _client(server).create_lora_training_client(base_model="llama", rank=2, seed=5) \
+        .result()
+    for _ in range(2):
+        tc.forward_backward(SFT, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(**ADAM)).result()
+    path = tc.save_state("restart").result().path
+    tc.forward_backward(SFT, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(**ADAM)).result()
+    expected = tc.forward(SFT, "cross_entropy").result().metrics["loss:sum"]
+    port, log = free_port(), server["root"] / "command.log"
+    proc = _start_command(server["model"], server["root"] / "state", server["keys"], port, log)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        resumed = tinker.ServiceClient(base_url=url, api_key=KEY_A) \
+            .create_training_client_from_state_with_optimizer(path).result()
+        resumed.forward_backward(SFT, "cross_entropy").result()
+        resumed.optim_step(types.AdamParams(**ADAM)).result()
+        assert resumed.forward(SFT, "cross_entropy").result().metrics["loss:sum"] == expected
+        size = log.stat().st_size
+        for i in range(40):
+            r = httpx.post(f"{url}/api/v1/get_info", json={"model_id": f"x{i}"},
+                           headers={"X-API-Key": KEY_A}, timeout=30)
+            assert r.status_code == 404
+        assert log.stat().st_size == size, log.read_text()[size:][:2000]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -25,6 +25,7 @@ import json
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from engine.tinker.losses import LossError, check_loss
 from engine.tinker.lora import LoraSpec
@@ -88,21 +89,34 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
         except pydantic.ValidationError as e:
             raise BadRequest(_where(e)) from None
 
-    @app.exception_handler(Exception)
-    async def refuse(request: Request, e: Exception):
-        status = {BadRequest: 400, LossError: 400, WireError: 400, Unauthorized: 401,
-                  NotFound: 404, TooLarge: 413, QueueFull: 429}.get(type(e))
-        if status is None:
-            return JSONResponse({"detail": f"internal error: {type(e).__name__}: {e}"}, 500)
-        return JSONResponse({"detail": str(e)}, status)
+    refusals = {BadRequest: 400, LossError: 400, WireError: 400, Unauthorized: 401,
+                NotFound: 404, TooLarge: 413, QueueFull: 429}
 
-    async def wait(event, seconds: float) -> bool:
-        """Wait for a worker's threading.Event on the event loop (no thread held)."""
-        deadline = asyncio.get_running_loop().time() + seconds
-        while not event.is_set():
-            if asyncio.get_running_loop().time() >= deadline:
-                return False
-            await asyncio.sleep(0.005)
+    async def refuse(request: Request, e: Exception):
+        return JSONResponse({"detail": str(e)}, refusals[type(e)])
+
+    # One handler per refusal class: Starlette answers these in its ExceptionMiddleware, and
+    # they are answers, not failures: nothing is logged. (A handler for Exception would run in
+    # ServerErrorMiddleware, which re-raises after answering, so uvicorn wrote a traceback to
+    # stderr for every 4xx; a server whose stderr was a pipe nobody read blocked on that write
+    # once the pipe filled and stopped answering.) Anything else is a 500, logged.
+    for cls in refusals:
+        app.add_exception_handler(cls, refuse)
+
+    async def wait(future, seconds: float) -> bool:
+        """Wait until the worker resolves `future` (True), at most `seconds` (False). The
+        worker thread wakes this coroutine through the loop (call_soon_threadsafe); no thread
+        is held and nothing polls."""
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def wake():
+            loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+        future.on_done(wake)
+        try:
+            await asyncio.wait_for(woken, None if seconds == float("inf") else seconds)
+        except asyncio.TimeoutError:
+            return False
         return True
 
     def future(request_id: str, model_id: str | None = None) -> dict:
@@ -184,8 +198,12 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
         raw = await body(request)
         if PROTO not in request.headers.get("content-type", ""):
             raise BadRequest(f"Content-Type must be {PROTO} (the SDK's ForwardBackwardRequest)")
-        model_id, loss_fn, config, forward_only, data = decode_forward_backward(
-            raw, request.headers.get("content-encoding"))
+        # decoding and checking a body of up to --max-body-mb is CPU work: off the event loop
+        return await run_in_threadpool(checked_forward_backward, owner, raw,
+                                       request.headers.get("content-encoding"))
+
+    def checked_forward_backward(owner: str, raw: bytes, encoding: str | None) -> dict:
+        model_id, loss_fn, config, forward_only, data = decode_forward_backward(raw, encoding)
         model = service.model(owner, model_id)
         for i, d in enumerate(data):
             if len(d.tokens) > service.max_context:
@@ -199,10 +217,9 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
                 field = "model_input" if bad else "loss_fn_inputs.target_tokens"
                 raise BadRequest(f"data[{i}].{field}: token ids must be in [0, {service.vocab})")
         for d in data:
-            filled = check_loss(loss_fn, set(d.inputs), config)
-        config = filled
+            config_filled = check_loss(loss_fn, set(d.inputs), config)
         return future(service.submit("forward_backward", dict(
-            adapter=model.adapter, loss_fn=loss_fn, config=config, data=data,
+            adapter=model.adapter, loss_fn=loss_fn, config=config_filled, data=data,
             forward_only=forward_only)), model_id)
 
     @app.post("/api/v1/optim_step")
@@ -255,7 +272,7 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
     async def load_weights(request: Request):
         owner = owner_of(request)
         req = await parsed(request, types.LoadWeightsRequest)
-        state = service.read_state(owner, req.path)
+        state = await run_in_threadpool(service.read_state, owner, req.path)
         if not req.path.split("/")[-2] == "weights" and req.optimizer:
             raise BadRequest(f"path {req.path!r} holds sampler weights, no optimizer state")
         if req.model_id is not None:
@@ -287,11 +304,11 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
             service.check_base_model(req.base_model)
             service.samplers[sampler_id] = (owner, None)
         else:
-            state = service.read_state(owner, req.model_path)
+            state = await run_in_threadpool(service.read_state, owner, req.model_path)
             rid = service.submit("sampler_from_path", dict(owner=owner, state=state,
                                                           sampling_session_id=sampler_id))
             f = service.future(rid)
-            await wait(f.done, float("inf"))
+            await wait(f, float("inf"))
             service.forget(rid)
             if f.error:
                 raise BadRequest(f.error)
@@ -358,7 +375,7 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
         owner_of(request)
         req = await parsed(request, types.FutureRetrieveRequest)
         f = service.future(req.request_id)
-        if not await wait(f.done, poll_s):
+        if not await wait(f, poll_s):
             return {"type": "try_again", "request_id": req.request_id,
                     "queue_state": "active"}
         service.forget(req.request_id)

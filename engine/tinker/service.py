@@ -46,6 +46,13 @@ class QueueFull(RuntimeError):
     """The work queue is full (429)."""
 
 
+def _message(e: Exception) -> str:
+    """A failed request's error as its future reports it: a refusal's own message, else the
+    exception's type and message."""
+    return str(e) if isinstance(e, (BadRequest, NotFound, ValueError)) else \
+        f"{type(e).__name__}: {e}"
+
+
 @dataclasses.dataclass
 class TrainModel:
     owner: str
@@ -55,11 +62,42 @@ class TrainModel:
     steps: int = 0
 
 
-@dataclasses.dataclass
 class Future:
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    result: object = None          # a dict (JSON) or bytes (protobuf)
-    error: str | None = None
+    """One request's outcome: `resolve(result)` or `fail(error)`, once, from the worker thread.
+    `done` is a threading.Event; `on_done(callback)` runs `callback()` once the future is done
+    (at once if it already is), from whichever thread resolves it: the routes wake their
+    asyncio waiters with it (loop.call_soon_threadsafe), so no event-loop task polls."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.result: object = None     # a dict (JSON) or bytes (protobuf)
+        self.error: str | None = None
+        self._callbacks: list = []
+        self._lock = threading.Lock()
+
+    def resolve(self, result: object) -> None:
+        self.result = result
+        self._finish()
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self.done.is_set():
+                return
+            self.done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def on_done(self, callback) -> None:
+        with self._lock:
+            if not self.done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
 
 
 class Service:
@@ -149,45 +187,62 @@ class Service:
             self.futures.pop(request_id, None)
 
     def _run(self) -> None:
+        """The worker: forever take the next work item (with the forward_backward items queued
+        right behind it, as one batch) and resolve every taken item's future, with its result
+        or with the error that stopped it. Nothing a request does ends this loop."""
         while True:
-            first = self.work.get()
-            batch = [first]
-            if first[0] == "forward_backward":
-                time.sleep(self.batch_wait_s)
-                while True:   # take the forward_backward items queued behind it, in order
-                    with self.work.mutex:
-                        head = self.work.queue[0] if self.work.queue else None
-                    if head is None or head[0] != "forward_backward":
-                        break
-                    batch.append(self.work.get_nowait())
+            batch = [self.work.get()]
             try:
-                if first[0] == "forward_backward":
-                    self._forward_backward(batch)
-                else:
-                    kind, payload, future = first
-                    future.result = getattr(self, f"_do_{kind}")(**payload)
-                    future.done.set()
-            except (BadRequest, NotFound, ValueError) as e:
+                if batch[0][0] == "forward_backward":
+                    time.sleep(self.batch_wait_s)
+                    while True:   # the forward_backward items queued behind it, in order
+                        with self.work.mutex:
+                            head = self.work.queue[0] if self.work.queue else None
+                        if head is None or head[0] != "forward_backward":
+                            break
+                        batch.append(self.work.get_nowait())
+                self._execute(batch)
+            except BaseException as e:   # the worker itself must survive; report, go on
                 for _, _, future in batch:
-                    future.error = str(e)
-                    future.done.set()
-            except Exception as e:   # reported to the client as a failed request, never lost
-                for _, _, future in batch:
-                    future.error = f"{type(e).__name__}: {e}"
-                    future.done.set()
+                    future.fail(f"internal error: {type(e).__name__}: {e}")
+
+    def _execute(self, batch: list) -> None:
+        """Run one work item, or a batch of forward_backward items (`_forward_backward`), and
+        resolve its futures; an error fails the item's future with the message."""
+        if batch[0][0] == "forward_backward":
+            self._forward_backward(batch)
+            return
+        kind, payload, future = batch[0]
+        try:
+            future.resolve(getattr(self, f"_do_{kind}")(**payload))
+        except Exception as e:
+            future.fail(_message(e))
 
     # -- work ------------------------------------------------------------------------------
     def _forward_backward(self, batch) -> None:
+        """One forward and backward over every item of `batch`. If it fails, each item runs
+        again alone (the backward is run_losses' last step, so a failed run added no
+        gradient), so one user's failing request fails only that user's future."""
         from engine.tinker.wire import forward_backward_output
 
         items = [dict(p, backward=not p["forward_only"]) for _, p, _ in batch]
         rows = sum(len(i["data"]) for i in items)
+        try:
+            results = run_losses(self.lora, items, grad=any(i["backward"] for i in items))
+        except Exception as e:
+            if len(batch) > 1:
+                for item in batch:
+                    self._forward_backward([item])
+            else:
+                batch[0][2].fail(_message(e))
+            return
         self.batches.append(rows)
-        results = run_losses(self.lora, items, grad=any(i["backward"] for i in items))
         for (_, _, future), result in zip(batch, results):
-            metrics = dict(result["metrics"], **{"batch_rows:max": float(rows)})
-            future.result = forward_backward_output(result["outputs"], metrics)
-            future.done.set()
+            try:
+                metrics = dict(result["metrics"], **{"batch_rows:max": float(rows)})
+                future.resolve(forward_backward_output(result["outputs"], metrics))
+            except Exception as e:
+                future.fail(_message(e))
 
     def _do_create_model(self, owner: str, model_id: str, spec: LoraSpec,
                          state: dict | None = None, path: str | None = None) -> dict:
