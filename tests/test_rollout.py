@@ -77,6 +77,47 @@ def test_greedy_is_deterministic_and_matches_step_by_step_argmax(engine, referen
         assert diff.abs().max() <= 1e-4
 
 
+def test_greedy_tokens_equal_transformers_generate(engine, reference):
+    """Greedy rows of a GRPO-shaped batch (each prompt 3 times, left padding) are
+    transformers' `model.generate(do_sample=False)` tokens, up to and including eos."""
+    batch = [p for p in PROMPTS for _ in range(3)]
+    longest = max(map(len, batch))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+    with torch.no_grad():
+        theirs = reference.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                    eos_token_id=EOS, pad_token_id=0)[:, longest:]
+    for gen, row in zip(engine.generate(batch, SamplingParams(max_new_tokens=8,
+                                                              temperature=0.0)), theirs):
+        assert gen.response_ids == row.tolist()[:len(gen.response_ids)]
+        assert gen.finish_reason == "length" or gen.response_ids[-1] == EOS
+
+
+def test_repeated_prompts_are_prefilled_once(engine, monkeypatch):
+    """A GRPO batch (each prompt 4 times, lengths 7, 2, 4, 1) prefills each distinct prompt
+    once (engine.generation.hf.group_prefill: 14 prompt tokens, where the left-padded batch
+    forward took 16 x 7 = 112), and its tokens and log-probs are those of the batch forward
+    (log-probs to rounding)."""
+    batch = [p for p in PROMPTS for _ in range(4)]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
+    seen: list[int] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        shared = engine.generate(batch, params)
+    finally:
+        hook.remove()
+    prefill = [shape for shape in seen if shape[-1] > 1 or shape[0] < len(batch)]
+    assert sum(rows * length for rows, length in prefill) == sum(map(len, PROMPTS))
+    import engine.generation.hf.backend as backend
+
+    monkeypatch.setattr(backend, "shared_prefill_problem", lambda _: "the batch forward")
+    batched = engine.generate(batch, params)
+    for a, b in zip(shared, batched):
+        assert a.response_ids == b.response_ids
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-5)
+
+
 def test_stops_per_sequence_at_eos(engine):
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
     full = engine.generate(PROMPTS, params)
