@@ -55,6 +55,14 @@ def marker_processes(marker: str) -> list[int]:
     return out
 
 
+def wait_until_gone(marker: str, bound_s: float = 5.0) -> list[int]:
+    """The processes of ``marker`` still alive once none are, or after ``bound_s`` seconds."""
+    deadline = time.monotonic() + bound_s
+    while marker_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return marker_processes(marker)
+
+
 def test_block_extraction_and_output_normalisation():
     assert last_code_block("```py\nx=1\n```\ntext\n```python\ny=2\n```") == "y=2\n"
     assert last_code_block("no code") is None
@@ -249,8 +257,12 @@ def test_hostile_programs_are_contained_and_the_next_item_scores(tmp_path, liste
                   [{"input": "", "output": "ok"}]),
         "network": (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), "
                     "timeout=2)\nprint('ok')", [{"input": "", "output": "ok"}]),
-        "fork flood": ("import os, sys\nn = 0\nfor _ in range(2000):\n    try:\n"
-                       f"        if os.fork() == 0:\n            {sleeper}\n"
+        # the first 3 sleepers carry the marker in their command line (an exec'd Python), the
+        # others just sleep (cheap on a loaded host); all share one PID namespace
+        "fork flood": ("import os, sys, time\nn = 0\nfor i in range(2000):\n    try:\n"
+                       "        if os.fork() == 0:\n            if i < 3:\n"
+                       f"                {sleeper}\n"
+                       "            time.sleep(600)\n            os._exit(0)\n"
                        "        n += 1\n    except OSError:\n"
                        "        pass\nprint(n)", [{"input": "", "output": "2000"}]),
         "10 GB": ("x = bytearray(10 * 1024 ** 3)\nprint('ok')", [{"input": "", "output": "ok"}]),
@@ -278,7 +290,8 @@ def test_hostile_programs_are_contained_and_the_next_item_scores(tmp_path, liste
     assert (report.errors, report.timeouts, report.failures) == (0, 0, 0)
     assert not (checkpoint / "pwned").exists()
     assert hits == []                        # nothing reached the host's loopback listener
-    assert marker_processes(marker) == []    # no forked sleeper outlives its call
+    # every process of a killed run has SIGKILL when the call returns; the kernel ends them
+    assert wait_until_gone(marker) == []     # no forked sleeper outlives its call
     assert not list(Path(tempfile.gettempdir()).glob("reward-code-*"))   # no host work dirs
 
 

@@ -22,7 +22,7 @@ import engine.rl.rewards.sandbox as sandbox
 from engine.rl.rewards import bwrap
 from engine.rl.rewards.code import CodeReward
 from engine.rl.rewards.pool import RewardPool
-from tests.test_rewards_code import block, marker_processes
+from tests.test_rewards_code import block, marker_processes, wait_until_gone
 
 ENGINE_ROOT = Path(__file__).resolve().parents[1]
 needs_sandbox = pytest.mark.skipif(bool(sandbox.missing_layers()),
@@ -194,10 +194,7 @@ def test_killing_the_scoring_worker_ends_every_program_process():
             time.sleep(0.05)
         assert len(marker_processes(marker)) == 4
         os.kill(pool.workers[0].proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while marker_processes(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker_processes(marker) == []
+        assert wait_until_gone(marker, 5.0) == []
     finally:
         pool.close()
 

@@ -5,7 +5,8 @@ directory holding the run's files. Layers:
 
 - ``workdir``: a fresh working directory with only the run's files, gone afterwards;
 - ``empty-env``: the program's environment is empty;
-- ``session``: a new session and process group, SIGKILLed at the run's deadline;
+- ``session``: a new session and process group, SIGKILLed at the run's deadline (without
+  waiting for the kernel to end its processes: a thread reaps them);
 - ``rlimits``: CPU seconds, address space, file size, open files and processes, set by the
   runner before any code of the row or the reply runs (no ``preexec_fn``);
 - ``output-cap``: stdout and stderr read up to ``Limits.output_bytes`` each; past it the
@@ -30,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ from engine.rl.rewards import bwrap
 LAYERS = ("workdir", "empty-env", "session", "rlimits", "output-cap", "bubblewrap")
 RUNNER = Path(__file__).with_name("code_runner.py")
 PLAIN_DATA = Path(__file__).with_name("plain_data.py")
+REAP_S = 60.0   # a killed bwrap not ended by then is SIGKILLed itself
 
 
 @dataclass(frozen=True)
@@ -134,28 +137,42 @@ class _Started:
                 os.close(fd)
 
     def stop(self) -> int | None:
-        """Kill it if it runs, reap it, remove its folder; its exit status (None: killed)."""
+        """End it: its exit status when it has exited (then reaped, its folder removed), else
+        None: every process of it is SIGKILLed now and reaped by a thread (the kernel's end of
+        a busy PID namespace can take seconds on a loaded host, past the call's budget)."""
         code = self.proc.poll()
         if code is None:
-            _kill(self.proc)
-        self.proc.wait()
-        _kill_group(self.proc)   # anything of its group left (without bubblewrap)
+            _kill(self.proc, bubblewrap=self.workdir is None)
+            threading.Thread(target=self._reap, name="sandbox-reaper", daemon=True).start()
+        else:
+            self._reap()
+        return code
+
+    def _reap(self) -> None:
+        try:
+            self.proc.wait(timeout=REAP_S)
+        except subprocess.TimeoutExpired:   # bwrap did not end with its namespace's init
+            _kill_group(self.proc)
+            self.proc.wait()
+        if self.workdir is not None:   # without bubblewrap: anything of its group left
+            _kill_group(self.proc)
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
-        return code
 
 
 def run_program(files: dict[str, str], mode: str, stdin: bytes, timeout_s: float,
                 limits: Limits = Limits()) -> RunResult:
     """Run code_runner in ``mode`` (its docstring) with ``files`` (name -> text) in its working
-    directory and ``stdin``, inside every layer this host has; SIGKILL at ``timeout_s``."""
+    directory and ``stdin``, inside every layer this host has; SIGKILLed ``timeout_s`` after
+    the call (its start-up included)."""
+    deadline = time.monotonic() + timeout_s   # the start-up counts
     run = _Started(files, _spec(mode, timeout_s, limits), stdin=subprocess.PIPE,
                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        return _communicate(run.proc, stdin, timeout_s, limits.output_bytes)
+        return _communicate(run.proc, stdin, deadline, limits.output_bytes)
     finally:
         run.stop()
 
@@ -165,6 +182,7 @@ def run_harness(solution: str, test_code: str, timeout_s: float,
     """An assert script: the solution served (code_runner ``serve``) in one sandbox, the test
     code run by the harness (code_runner ``harness``) in another, connected only by two pipes;
     the result is the harness's run (its stdout carries the verdict)."""
+    deadline = time.monotonic() + timeout_s   # the start-up counts
     to_solution = os.pipe()
     to_harness = os.pipe()
     runs = []
@@ -181,7 +199,12 @@ def run_harness(solution: str, test_code: str, timeout_s: float,
         for fd in (*to_solution, *to_harness):
             os.close(fd)
         to_solution = to_harness = ()
-        return _communicate(runs[1].proc, b"", timeout_s, limits.output_bytes)
+        result = _communicate(runs[1].proc, b"", deadline, limits.output_bytes)
+        try:   # the harness has ended: the solution reads EOF and exits by itself
+            runs[0].proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        return result
     finally:
         for fd in (*to_solution, *to_harness):
             os.close(fd)
@@ -189,11 +212,10 @@ def run_harness(solution: str, test_code: str, timeout_s: float,
             run.stop()
 
 
-def _communicate(proc: subprocess.Popen, stdin: bytes, timeout_s: float,
+def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float,
                  cap: int) -> RunResult:
-    """Feed stdin, read both streams up to ``cap`` bytes each; stop at the deadline or when a
-    stream passes the cap, else wait for the exit until the deadline."""
-    deadline = time.monotonic() + timeout_s
+    """Feed stdin, read both streams up to ``cap`` bytes each; stop at ``deadline``
+    (time.monotonic) or when a stream passes the cap, else wait for the exit until then."""
     chunks = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     sel = selectors.DefaultSelector()
     for stream in (proc.stdout, proc.stderr):
@@ -236,22 +258,21 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, timeout_s: float,
     return RunResult(code, out, err, timed_out, capped)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL a running sandbox. With bubblewrap, its PID namespace's init (bwrap's child)
-    first, so that bwrap reaps it after the kernel has ended every process of the namespace
-    (killing bwrap first would leave that to the host's reaper, later); then the group."""
+def _kill(proc: subprocess.Popen, bubblewrap: bool) -> None:
+    """SIGKILL a running sandbox without waiting. With bubblewrap, its PID namespace's init
+    (bwrap's child), so that the kernel ends every process of the namespace and bwrap exits
+    after it (SIGKILLing bwrap first would leave the init to the host's reaper); without it,
+    the process group."""
     try:
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     except OSError:
         children = []
-    for child in children:
+    for child in children if bubblewrap else ():
         try:
             os.kill(int(child), signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
+    if not (bubblewrap and children):
         _kill_group(proc)
 
 
