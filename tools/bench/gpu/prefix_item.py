@@ -4,15 +4,16 @@ bench-json, read by tools.bench.gpu.report.read_prefix. On the GPU the shared mo
 run FlexAttention (parallel.tree_attention_flex: the dispatch is by device, fp32 and head dims
 16-256 qualify, as both bench models' 32 and 16); the summary's `attention` says which path
 ran per workload and read_prefix calls a shared workload on CUDA that did not run flex a
-problem. Estimate: not measured on a GPU yet (~120 s guessed: 9 engine builds of the 8-layer
-hidden-256 model, 3 passes of <= 10,000 tokens each way, plus FlexAttention's compile of its
-forward and backward, done once (dynamic shapes) in the bench's warm-up run); smoke 31 s
-measured on the 2-core CPU host (2026-11-28)."""
+problem. Estimate: not measured on a GPU yet (~120 s guessed: 8 engine builds of the 8-layer
+hidden-256 model, 5 runs (a warm-up and 4 timed repeats) of 3 passes of <= 10,000 tokens each
+way, plus FlexAttention's compile of its forward and backward, done once (dynamic shapes) in
+the bench's warm-up run); smoke 39-47 s measured on the 2-core CPU host under load 9.5-11
+(docs/benchmarks.md, "Repeated timing")."""
 from __future__ import annotations
 
 from pathlib import Path
 
-ESTIMATES = (120, 35)   # seconds on a GPU (guessed), of the CPU smoke (measured)
+ESTIMATES = (120, 45)   # seconds on a GPU (guessed), of the CPU smoke (measured)
 
 
 def prefix_sharing_item(work: Path, smoke: bool, item, module):
