@@ -1,15 +1,15 @@
 """`megatron-sft-engine tinker` (engine.tinker) driven by the official `tinker` SDK (0.38,
 unmodified) on a tiny locally built Llama (tools.tiny_models.build_eos_model: hidden 32, 2
-layers, vocab 200; nothing is downloaded). One in-process server for the module (the service
-and its uvicorn app on a thread, driven over HTTP), two API keys of two owners: capabilities,
-two LoRA models, forward_backward with cross_entropy / importance_sampling / ppo, optim_step,
-save_weights_and_get_sampling_client, sample, compute_logprobs, save_state and a fresh client
-resuming with the optimizer; cross_entropy + optim_step equal to an independent reference
-(transformers + peft LoRA + torch AdamW) over 3 steps; two models batched together equal the
-same models trained alone, a third untouched; another owner's ids are 404; bad input is a 4xx
-naming the field, and a refusal writes nothing to the server's log; a failing request in a
-batch fails only its own future; the real command (`python -m tools.cli tinker`, a fresh
-process on the same --state-dir) serves the saved state."""
+layers, vocab 200; nothing is downloaded). One server for the module: the command as
+engine.tinker.__main__.build makes it, run on a thread of this process and driven over HTTP,
+with two API keys of two owners. Covered: capabilities, two LoRA models, forward_backward with
+cross_entropy / importance_sampling / ppo, optim_step, save_weights_and_get_sampling_client,
+sample, compute_logprobs, save_state and a fresh client resuming with the optimizer;
+cross_entropy + optim_step equal to an independent reference (transformers + peft LoRA + torch
+AdamW) over 3 steps; two models batched together equal the same models trained alone, a third
+untouched; another owner's ids are 404; bad input is a 4xx naming the field, and a refusal
+logs nothing; a failing request in a batch fails only its own future; a second server on the
+same --state-dir serves the saved state; the console command refuses a bad flag by name."""
 from __future__ import annotations
 
 import logging
@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -35,52 +34,37 @@ ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.
             grad_clip_norm=0.0)
 
 
-def _start_command(model: str, state: Path, keys: Path, port: int, log: Path):
-    """The real command in a fresh process; its stdout and stderr go to `log` (a file, never a
-    pipe nobody reads)."""
-    out = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "tinker", "--model", model,
-                             "--port", str(port), "--keys-file", str(keys), "--state-dir",
-                             str(state), "--max-body-mb", "1"],
-                            stdout=out, stderr=subprocess.STDOUT, text=True)
-    out.close()
-    for _ in range(1200):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise AssertionError(log.read_text())
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError(f"server did not start:\n{log.read_text()}")
+def _serve(argv: list[str]) -> dict:
+    """The command (`megatron-sft-engine tinker ARGV`) as engine.tinker.__main__.build makes
+    it, run on a thread of this process and driven over HTTP; returns its url, service and a
+    stop()."""
+    from engine.tinker.__main__ import build
+
+    port = free_port()
+    web = build([*argv, "--port", str(port)])
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    while not web.started:
+        assert thread.is_alive(), "the server stopped while starting"
+        time.sleep(0.02)
+
+    def stop():
+        web.should_exit = True
+        thread.join(timeout=30)
+    return dict(url=f"http://127.0.0.1:{port}", service=web.config.app.state.service, stop=stop)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import uvicorn
-
-    from engine.tinker.routes import build_app
-    from engine.tinker.service import Service
-
     root = tmp_path_factory.mktemp("tinker")
     model = build_eos_model(str(root / "llama"))
     keys = root / "keys"
     keys.write_text(f"{KEY_A} alice\n{KEY_B} bob\n")
-    service = Service(model, "llama", str(root / "state"), batch_wait_s=0.05)
-    app = build_app(service, {KEY_A: "alice", KEY_B: "bob"}, 2 ** 20)
-    port = free_port()
-    web = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    while not web.started:
-        assert thread.is_alive(), "the in-process server stopped"
-        time.sleep(0.02)
-    yield dict(url=f"http://127.0.0.1:{port}", model=model, root=root, keys=keys,
-               service=service)
-    web.should_exit = True
-    thread.join(timeout=20)
+    argv = ["--model", model, "--keys-file", str(keys), "--state-dir", str(root / "state"),
+            "--max-body-mb", "1", "--batch-wait-ms", "50"]
+    info = dict(_serve(argv), model=model, root=root, argv=argv)
+    yield info
+    info["stop"]()
 
 
 def _client(server, key=KEY_A) -> "tinker.ServiceClient":
@@ -392,12 +376,11 @@ def test_a_failing_request_fails_only_its_own_future(server):
     assert tc.forward(SFT, "cross_entropy").result().metrics["loss:sum"] > 0
 
 
-@pytest.mark.timeout(300)
-def test_the_command_restarted_serves_the_saved_state(server):
-    """The real command (`python -m tools.cli tinker`), a fresh process on the module server's
-    --state-dir, serves a state the module server saved: a client resumed from it with the
-    optimizer takes the same next step as the saving client (equal losses after it); refusals
-    write nothing to its log."""
+def test_a_restarted_server_serves_the_saved_state(server):
+    """A second server of the command on the same --state-dir (a fresh Service: the base model
+    loaded again, no registry, no adapters; the state directory is all it shares) serves a
+    state the first one saved: a client resumed from it with the optimizer takes the same next
+    step as the saving client (equal losses after it)."""
     tc = _client(server).create_lora_training_client(base_model="llama", rank=2, seed=5) \
         .result()
     for _ in range(2):
@@ -407,21 +390,19 @@ def test_the_command_restarted_serves_the_saved_state(server):
     tc.forward_backward(SFT, "cross_entropy").result()
     tc.optim_step(types.AdamParams(**ADAM)).result()
     expected = tc.forward(SFT, "cross_entropy").result().metrics["loss:sum"]
-    port, log = free_port(), server["root"] / "command.log"
-    proc = _start_command(server["model"], server["root"] / "state", server["keys"], port, log)
+    second = _serve(server["argv"])
     try:
-        url = f"http://127.0.0.1:{port}"
-        resumed = tinker.ServiceClient(base_url=url, api_key=KEY_A) \
+        assert second["service"] is not server["service"] and not second["service"].models
+        resumed = tinker.ServiceClient(base_url=second["url"], api_key=KEY_A) \
             .create_training_client_from_state_with_optimizer(path).result()
         resumed.forward_backward(SFT, "cross_entropy").result()
         resumed.optim_step(types.AdamParams(**ADAM)).result()
         assert resumed.forward(SFT, "cross_entropy").result().metrics["loss:sum"] == expected
-        size = log.stat().st_size
-        for i in range(40):
-            r = httpx.post(f"{url}/api/v1/get_info", json={"model_id": f"x{i}"},
-                           headers={"X-API-Key": KEY_A}, timeout=30)
-            assert r.status_code == 404
-        assert log.stat().st_size == size, log.read_text()[size:][:2000]
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        second["stop"]()
+
+
+def test_the_console_command_refuses_bad_flags_by_name(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tools.cli", "tinker", "--model", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no config.json" in r.stderr and "--model" in r.stderr

@@ -74,7 +74,10 @@ def read_keys(args) -> dict[str, str] | None | str:
     return keys or f"--keys-file {args.keys_file!r}: no keys"
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m engine.tinker") -> int:
+def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
+    """The command's server, not yet running: a uvicorn.Server over the service and its app
+    (the app's `state.service` is the Service), or 2 after printing what is wrong with the
+    flags. `main` runs it; tests run it on a thread (its `should_exit` stops it)."""
     args = parser(prog).parse_args(argv)
     keys = read_keys(args)
     problems = [m for ok, m in [
@@ -99,7 +102,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.tinker") -
                       max_queue=args.max_queue)
     app = build_app(service, keys, int(args.max_body_mb * 2 ** 20))
     print(f"tinker API for {name!r} on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=os.environ.get("TINKER_LOG_LEVEL", "warning"))
+    return uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port,
+        log_level=os.environ.get("TINKER_LOG_LEVEL", "warning")))
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m engine.tinker") -> int:
+    server = build(argv, prog)
+    if isinstance(server, int):
+        return server
+    server.run()
     return 0
 
 

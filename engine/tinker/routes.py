@@ -54,6 +54,7 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
     from tinker import types
 
     app = FastAPI(title="megatron-sft-engine tinker")
+    app.state.service = service
 
     def owner_of(request: Request) -> str:
         if keys is None:
