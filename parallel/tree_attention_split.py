@@ -7,8 +7,8 @@ its ancestors' keys (every one visible: they all precede the run in each of its 
 own keys (causal). Runs with the same ancestors (siblings: a GRPO group's replies, a DPO pair's
 answers) stack their queries into ONE unmasked call over those ancestors' keys; each run's own
 keys are one causal call. No mask is built or read, no key is computed twice, and the large
-calls are the dense kind the CPU kernel runs fastest (a masked call per run ran at about half
-the speed per attended pair).
+calls are the dense kind the CPU kernel runs fastest (measured: docs/benchmarks.md, "Prefix
+sharing").
 
 Merge (the online softmax of flash attention, done once between the parts): with part outputs
 o1, o2 and log-sum-exps l1, l2, l = logaddexp(l1, l2) and o = o1 exp(l1 - l) + o2 exp(l2 - l),
@@ -36,10 +36,9 @@ _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 # causal call, merged) when their ancestors have at least this many keys; below it each run is
 # one call over its keys with a lower-right causal mask (the kernel arithmetic of the run's own
 # unshared row: its forward bitwise equal on the CPU). A row with no set to split runs
-# parallel.tree_attention's per-run path (the split saves little on short prefixes: forward +
-# backward of 2 siblings under a 128-token prefix ran 0.65-0.9x the per-run path's speed, and
-# tools.bench prefix_sharing --quick's DPO pairs (128-token prompts) 7 % slower split; load 3-5,
-# 2026-11-28). tests/test_prefix_sharing.py runs its layouts split (PREFIX_SPLIT_MIN_KEYS)
+# parallel.tree_attention's per-run path (on short prefixes the split is slower: measured in
+# docs/benchmarks.md, "The split tree attention's threshold"). tests/test_prefix_sharing.py
+# runs its layouts split (PREFIX_SPLIT_MIN_KEYS)
 SPLIT_MIN_KEYS = 256
 
 

@@ -1,75 +1,33 @@
-"""Per-step scaling of megatron's MoE router losses, and the MoE metrics of a step.
+"""Per-step scaling of megatron's MoE router losses, and the MoE metrics of a step. What is
+tested and measured (padding, layouts, dummies, depths): docs/moe.md, "Router losses".
 
-Padding: every MoE micro-batch's routers get its padding mask (engine.training.schedule.
-moe_padding_mask), so megatron-core leaves padding positions out of the z-loss, the aux-loss
-scores and expert / token counts (aux_loss, seq_aux_loss, global_aux_loss) and the expert-bias
-counts; `_count` leaves them out of the moe/* loads. A padding position then gets no router-loss
-gradient (without the mask, the z-loss gradient on a pad token reached its all-zero embedding
-row through RMSNorm, ~1/sqrt(eps): grad norm 3057.6 instead of 10.8 for 2 rows padded by one
-position). Not masked by megatron: token dropping (moe.capacity_factor counts capacity over
-every position, padding included) and seq_aux_loss's normalisation of a padded [b, s]
-micro-batch, which divides every row by the rows' mean real length (its own length when the
-rows are equally long or b = 1, as in packing).
+- Padding: each MoE micro-batch's routers get its padding mask (engine.training.schedule.
+  moe_padding_mask), so megatron-core leaves padding out of the z-loss, the aux-loss scores and
+  counts (aux_loss, seq_aux_loss, global_aux_loss) and the expert-bias counts; `_count` leaves
+  it out of the moe/* loads. Not masked by megatron: token dropping (moe.capacity_factor) and
+  seq_aux_loss's normalisation of a padded [b, s] micro-batch (by the rows' mean real length).
+- Scaling: megatron (calculate_per_token_loss=True) attaches each micro-batch's losses times
+  its real token count n_mb and expects the gradients divided by the step's token count; this
+  engine never divides (engine.training.loss), so `RouterLosses.before_step` sets each
+  coefficient to coeff / N, N the step's real tokens over its micro-batches and the DP x CP
+  group (`run_tokens`: a prefix-shared micro-batch's tree tokens), corrected for how the
+  installed megatron-core scales the TP x CP slices of a micro-batch (`coefficients`,
+  `_attaches_times_tp_cp`). A step's router-loss gradient is then coeff x sum_mb n_mb
+  grad(L_mb) / N, the one-process gradient at every TP x CP layout.
+- Dummy micro-batches (engine.training.micro_batches `dummy`) get an all-True padding mask and
+  contribute no loss, gradient, token or moe/* count; their router call has the per-micro-batch
+  aux losses off (megatron's value would be 0/0).
+- Megatron's process-wide router-loss tracker is sized by the first model that records:
+  `before_step` drops entries sized for another model (`_reset_tracker`), so one process may
+  train MoE models of different depths in turn.
 
-Megatron (calculate_per_token_loss=True) attaches each micro-batch's load-balancing loss and
-z-loss times the micro-batch's local real token count n_mb (padding left out) and expects
-finalize_model_grads to divide every gradient by the step's token count. This engine never
-divides (engine.training.loss: the language-model loss is already globally normalised), so
-before each step `RouterLosses.before_step` sets the coefficients to coeff / N, N = the step's
-real tokens summed over micro-batches and the DP x CP group. The router-loss gradient of a step
-is then coeff x sum_mb n_mb grad(L_mb) / N: the token-weighted mean of megatron's per-micro-
-batch losses. The language-model loss and its gradient do not depend on any of this.
-Under tp with sequence parallelism and under cp each rank of the TP x CP group (size g) routes
-a slice of the micro-batch. Megatron-core 0.16-0.18 attaches a slice's aux-loss share times the
-slice's real tokens, which sums to the one-process aux gradient, but divides the z-loss
-coefficient by g while attaching the slice's z-loss mean times the slice's tokens: the z-loss
-gradient came out 1/g of the one-process one (one row, z-loss coefficient 10: grad norm 379.53
-at TP2+SP and CP2 against 758.18). Megatron-core 0.19 multiplies both attached losses by g
-(`_attaches_times_tp_cp`): its z-loss gradient is the one-process one and its aux gradient g
-times it (167.47 against 84.99 with an aux coefficient of 10). `before_step` compensates for
-the release at hand (`coefficients`), so both gradients equal the one-process ones at every
-TP x CP layout (tests/test_moe_sft_cli.py).
-
-Layout invariance (tests/test_sft_invariance.py, tests/test_moe_sft_cli.py): L_mb depends on
-which tokens share a micro-batch (per-micro-batch expert loads), not on padding. So the router
-loss is the same under every ep at the same dp, pp and micro-batch settings, and for padded
-rows against the same rows packed; it changes with dp, micro-batch size, token budget and
-packing through which tokens share a micro-batch (the z-loss, a per-token mean, not even then),
-but not with tp+SP and cp (above). The metrics below are the one-process values at
-TP2+SP and CP2 (step 1 of one row: rel 1e-7).
-
-Prefix sharing (train.prefix_sharing, docs/prefix-sharing.md) is treated like packing: the
-router runs on the tree's tokens, so its losses, their token count N (`run_tokens`: the tree's
-tokens of a shared micro-batch) and the moe/* metrics count a shared token once, not once per
-row that contains it. With both coefficients 0 the step is exact against the unshared rows;
-the metrics (moe/expert_load_max_over_mean) still count the tokens run.
-
-Dummy micro-batches (engine.training.micro_batches `dummy`: a DP rank with fewer micro-batches
-than the others runs fully masked dummy sequences) carry no token of the batch, so they
-contribute nothing: no aux or z-loss and no gradient from either, no token to N, no moe/*
-count, and they are not among the micro-batches the metrics average over. The step is then the
-one-process step (the single-row DP2 run equals one process: tests/test_moe_sft_cli.py).
-The schedule hands a dummy's routers an all-True padding mask
-(engine.training.schedule.moe_padding_mask): megatron then zeroes its z-loss and global
-aux-loss terms (the DP-wide expert counts stay collective), and `RouterLosses` turns the
-per-micro-batch aux losses off for that router call (their megatron value would be 0/0).
-
-Megatron keeps its per-layer router-loss records in one process-wide tracker whose entries it
-sizes by the first model that records (its layer count plus MTP layers) and afterwards only
-zeroes. `before_step` drops the entries sized for another model (`_reset_tracker`), so one
-process can run MoE trainings of different depths one after another (several runs in one Python
-process, as a notebook or the test suite's reused ranks do; a PPO critic must match its
-policy's depth); before, the deeper model's first router call raised IndexError.
-
-Metrics (`metrics()`, after the step; every rank gets the same values): `moe/aux_loss`
-(megatron's tracked value without the coefficient, its TP x CP slices' shares summed, averaged
-over the step's real micro-batches of every DP rank and over MoE layers), `moe/z_loss` (the mean
-over the step's real tokens of megatron's per-token z-loss without the coefficient, averaged over
-MoE layers), `moe/expert_load_max_over_mean` (per layer: the largest
-expert's routed token positions over the mean, from the whole step; averaged over layers) and,
-with moe.capacity_factor set, `moe/dropped_token_fraction` (per layer: the share of the step's
-top-k token-to-expert assignments dropped over capacity; averaged over layers). They cover the
-decoder layers; a trained MTP layer's router (models.layers.mtp) is not counted.
+Metrics (`metrics()`, after the step; the same on every rank; docs/metrics.md): moe/aux_loss
+(megatron's tracked value without the coefficient, TP x CP shares summed, averaged over the
+step's real micro-batches of every DP rank and over MoE layers), moe/z_loss (the mean over the
+step's real tokens, averaged over layers), moe/expert_load_max_over_mean (per layer, the
+busiest expert's routed positions over the mean; averaged over layers) and, with
+moe.capacity_factor, moe/dropped_token_fraction. Decoder layers only: an MTP layer's router is
+not counted.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ An engine's shutdown (vLLM's executor) asks its workers to exit and waits for th
 long before: vLLM's worker_main has run its orderly shutdown (message queues closed, the
 model-parallel groups destroyed), multiprocessing's finalizers, the thread joins and the stream
 flushes. What is left is the interpreter's final garbage collection and module teardown over a
-heap holding torch and vLLM: measured on the 2-core host (load 10-20), a tiny engine's
-shutdown took 8.5-8.7 s (the grace always ran out), 2.3-3.1 s with this exit.
+heap holding torch and vLLM, which outlasted the grace (measured: docs/benchmarks.md, "The
+vLLM CPU worker's exit").
 
 `install` registers an atexit callback, run when the interpreter begins its exit: the other
 atexit callbacks run (as at a normal exit), stdout and stderr are flushed, and the process ends
