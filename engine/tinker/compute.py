@@ -4,8 +4,8 @@ adapter, sampling and prompt log-probs. Runs on the service's worker thread only
 
 `forward_rows(lora, rows)`: rows are (adapter or None, Datum); the token sequences are
 right-padded to the longest (causal attention: a real token never attends to a later pad, so
-padding changes no real position's value beyond kernel rounding) and run through the model in
-one call; returns each row's per-token log-probs log p(target_tokens[t] | tokens[<=t]) [T] in
+padding changes no real position) and run through the model in
+one call (engine.tinker.lora: each row's numbers are bit-identical whatever else is in the batch); returns each row's per-token log-probs log p(target_tokens[t] | tokens[<=t]) [T] in
 float32, differentiable where the row's adapter has gradients."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def forward_rows(lora, rows: list[tuple[str | None, Datum]]) -> list[torch.Tenso
     ids = torch.zeros(len(rows), longest, dtype=torch.long)
     for i, (_, d) in enumerate(rows):
         ids[i, :len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
-    lora.assign([name for name, _ in rows])
+    lora.assign([name for name, _ in rows], [len(d.tokens) for _, d in rows])
     try:
         logits = lora.model(input_ids=ids, use_cache=False).logits.float()
     finally:
@@ -115,7 +115,7 @@ def sample(lora, adapter: str | None, prompt: list[int], num_samples: int, max_t
         ids = torch.zeros(len(live), longest, dtype=torch.long)
         for r, i in enumerate(live):
             ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
-        lora.assign([a for a, _ in rows])
+        lora.assign([a for a, _ in rows], [len(seqs[i]) for i in live])
         try:
             logits = lora.model(input_ids=ids, use_cache=False).logits.float()
         finally:

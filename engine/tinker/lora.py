@@ -2,12 +2,23 @@
 
 `MultiLoraLinear` replaces one `nn.Linear` of the Hugging Face base model. It keeps the base
 linear (frozen) and a dict of adapters by name, each `A [r, in]`, `B [out, r]` with the output
-`base(x) + (alpha / r) * (x_rows A^T) B^T` on the rows that adapter owns. `rows` is set for
-the whole model by `MultiLora.assign(names)` before a forward: `names[b]` is the adapter of
-batch row b (None: the base model alone). Each adapter's product is computed on its own rows
-only (`x[rows]`, a gather), so an adapter's parameters receive gradient from its rows alone and
-two users sharing a batch never mix in the adapter path; the base linear runs once over the
-whole batch (the point of batching).
+`base(x) + (alpha / r) * (x A^T) B^T` on the tokens of the rows that adapter owns. Before a
+forward, `MultiLora.assign(names, lengths)` sets for the whole model the adapter of each batch
+row (`names[b]`; None: the base model alone) and its real length (`lengths[b]`: the tokens
+before the right padding). The base linear runs once over the whole batch (the point of
+batching). Each adapter's product runs on its own rows' real tokens only, gathered in row order
+into one [tokens, in] matrix: its parameters receive gradient from those tokens alone, and the
+product (and its backward) is the same computation whoever else shares the batch and however
+far the batch is padded.
+
+Batch invariance (bitwise). A user's numbers are bit-identical batched with others or alone
+when every kernel computes a row independently of the batch around it. Measured on this
+engine's CPU build (torch 2.x, MKL sgemm, AVX2): a float32 GEMM's row is bit-identical for any
+number of rows M >= 8 (and at any offset), but M < 8 takes another MKL path whose rounding
+differs; so the base linear runs on at least `MIN_GEMM_ROWS` (32) rows (zero rows appended, their
+outputs dropped). Right padding changes no real position (causal attention; RMSNorm, softmax
+and log-softmax are per row). tests/test_tinker.py asserts the bitwise equality; with other
+kernels (another BLAS, GPUs' split-K GEMMs) the equality is to rounding (rel 1e-6).
 
 Targets follow Tinker's LoraConfig: train_attn -> q/k/v/o_proj, train_mlp ->
 gate/up/down_proj, train_unembed -> lm_head. Initialisation as peft's default: A
@@ -25,6 +36,7 @@ LORA_ALPHA = 32.0
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)
+MIN_GEMM_ROWS = 32   # the base GEMM's least rows: 8 measured (module docstring), 32 for margin
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,7 @@ class MultiLoraLinear(nn.Module):
         self.base = base
         self.adapters = nn.ModuleDict()
         self.rows: list[str | None] | None = None   # set by MultiLora.assign
+        self.lengths: list[int] = []
 
     def add(self, name: str, rank: int, generator: torch.Generator) -> None:
         a = torch.empty(rank, self.base.in_features, dtype=self.base.weight.dtype)
@@ -59,7 +72,13 @@ class MultiLoraLinear(nn.Module):
         self.adapters[name] = pair
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] < MIN_GEMM_ROWS:
+            pad = flat.new_zeros(MIN_GEMM_ROWS - flat.shape[0], flat.shape[-1])
+            out = self.base(torch.cat([flat, pad]))[:flat.shape[0]]
+        else:
+            out = self.base(flat)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
         if not self.rows or not self.adapters:
             return out
         groups: dict[str, list[int]] = {}
@@ -72,9 +91,13 @@ class MultiLoraLinear(nn.Module):
         for name, rows in groups.items():
             pair = self.adapters[name]
             scale = LORA_ALPHA / pair["A"].shape[0]
-            index = torch.tensor(rows, dtype=torch.long)
-            delta = (x[index] @ pair["A"].t()) @ pair["B"].t()
-            out[index] = out[index] + scale * delta
+            tokens = torch.cat([x[b, :self.lengths[b]] for b in rows])
+            delta = scale * ((tokens @ pair["A"].t()) @ pair["B"].t())
+            start = 0
+            for b in rows:
+                n = self.lengths[b]
+                out[b, :n] = out[b, :n] + delta[start:start + n]
+                start += n
         return out
 
 
@@ -129,6 +152,11 @@ class MultiLora:
                 for k in ("A", "B"):
                     linear.adapters[name][k].data.copy_(state[f"{path}.{k}"])
 
-    def assign(self, names: list[str | None] | None) -> None:
+    def assign(self, names: list[str | None] | None, lengths: list[int] | None = None) -> None:
+        """Row b of the next forward takes adapter names[b] on its first lengths[b] tokens
+        (None: every row is base only)."""
+        if names is not None and (lengths is None or len(lengths) != len(names)):
+            raise ValueError("assign: one length per row")
         for linear in self.linears.values():
             linear.rows = names
+            linear.lengths = lengths or []
