@@ -269,6 +269,58 @@ def test_two_models_batched_equal_each_alone_bitwise_third_untouched(server):
     assert all(torch.equal(z_start[k], z_end[k]) for k in z_start)
 
 
+def test_cispo_and_dro_equal_their_documented_formulas(server):
+    """cispo and dro off-policy (sampling log-probs shifted from the current ones so that some
+    ratios fall outside cispo's clip range): loss:sum and the adapter's gradients equal the
+    Tinker docs' formulas written here, on the log-probs the service returns and (gradients)
+    through the same forward with autograd."""
+    from engine.tinker.compute import forward_rows
+    from engine.tinker.wire import Datum
+
+    service = server["service"]
+    tc = _client(server).create_lora_training_client(base_model="llama", rank=2, seed=9).result()
+    tc.forward_backward(SFT, "cross_entropy").result()   # a non-zero B: gradients reach A too
+    tc.optim_step(types.AdamParams(**ADAM)).result()
+    tokens, targets = [5, 6, 7, 8, 9], [6, 7, 8, 9, 10]
+    now = tc.forward([_datum(tokens, targets)], "cross_entropy").result() \
+        .loss_fn_outputs[0]["logprobs"].to_numpy().astype(np.float64)
+    old = now + np.array([0.3, -0.4, 0.0, 0.5, -0.1])   # ratios 0.74, 1.49, 1, 0.61, 1.11
+    adv = np.array([1.0, -0.5, 2.0, 0.7, -1.5])
+    params = service.lora.parameters(service.models[tc.model_id].adapter)
+
+    def cispo(lp, xp, low=0.7, high=1.3):
+        coefficient = xp.clip(xp.exp(lp - old_t(xp)), low, high)
+        coefficient = coefficient.detach() if xp is torch else coefficient
+        return -(coefficient * lp * adv_t(xp)).sum()
+
+    def dro(lp, xp, beta=0.3):
+        return -(lp * adv_t(xp) - beta / 2 * (lp - old_t(xp)) ** 2).sum()
+
+    def old_t(xp):
+        return torch.tensor(old, dtype=torch.float32) if xp is torch else old
+
+    def adv_t(xp):
+        return torch.tensor(adv, dtype=torch.float32) if xp is torch else adv
+    for name, formula, config in (
+            ("cispo", cispo, {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}),
+            ("dro", dro, {"beta": 0.3})):
+        out = tc.forward_backward([_datum(tokens, targets, logprobs=old.tolist(),
+                                          advantages=adv.tolist())], name, config).result()
+        lp = out.loss_fn_outputs[0]["logprobs"].to_numpy().astype(np.float64)
+        np.testing.assert_allclose(lp, now, rtol=1e-6)
+        assert out.metrics["loss:sum"] == pytest.approx(float(formula(lp, np)), rel=1e-5), name
+        served = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        with torch.enable_grad():
+            mine = forward_rows(service.lora, [(service.models[tc.model_id].adapter, Datum(
+                tokens, {"target_tokens": torch.tensor(targets)}))])[0]
+            formula(mine, torch).backward()
+        for a, p in zip(served, params):
+            torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
+            p.grad = None
+
+
 def test_owners_cannot_reach_each_others_models(server):
     tc = _client(server, KEY_A).create_lora_training_client(base_model="llama", rank=2).result()
     path = tc.save_state("mine").result().path
@@ -288,8 +340,14 @@ def test_owners_cannot_reach_each_others_models(server):
 def test_bad_input_is_4xx_naming_the_field(server):
     url, h = server["url"], {"X-API-Key": KEY_A}
     tc = _client(server).create_lora_training_client(base_model="llama", rank=2).result()
-    with pytest.raises(Exception, match="loss_fn 'dro' is not served"):
-        tc.forward_backward(SFT, "dro").result()
+    with pytest.raises(Exception, match="loss_fn 'gspo' is not served"):
+        tc.forward_backward(SFT, "gspo").result()
+    rl = [_datum([5, 6], [6, 7], logprobs=[-1.0, -1.0], advantages=[1.0, 1.0])]
+    with pytest.raises(Exception, match="loss_fn_config.beta is required by loss_fn 'dro'"):
+        tc.forward_backward(rl, "dro").result()
+    with pytest.raises(Exception, match="clip_low_threshold 2.0 must be <= clip_high"):
+        tc.forward_backward(rl, "cispo", {"clip_low_threshold": 2.0,
+                                          "clip_high_threshold": 1.0}).result()
     with pytest.raises(Exception, match=r"weights: 2 values for 5 input tokens"):
         tc.forward_backward([_datum([5, 6, 7, 8, 9], [6, 7, 8, 9, 10], weights=[1, 1])],
                             "cross_entropy").result()

@@ -4,9 +4,10 @@ adapter, sampling and prompt log-probs. Runs on the service's worker thread only
 
 `forward_rows(lora, rows)`: rows are (adapter or None, Datum); the token sequences are
 right-padded to the longest (causal attention: a real token never attends to a later pad, so
-padding changes no real position) and run through the model in
-one call (engine.tinker.lora: each row's numbers are bit-identical whatever else is in the batch); returns each row's per-token log-probs log p(target_tokens[t] | tokens[<=t]) [T] in
-float32, differentiable where the row's adapter has gradients."""
+padding changes no real position) and run through the model in one call (engine.tinker.lora:
+a row's numbers are bit-identical whatever else is in the batch); returns each row's
+per-token log-probs log p(target_tokens[t] | tokens[<=t]) [T] in float32, differentiable
+where the row's adapter has gradients."""
 from __future__ import annotations
 
 import torch

@@ -10,9 +10,16 @@ returns the datum's loss, a sum over its tokens, as the Tinker docs define them:
 - ppo: ratio = exp(logprobs - sampling_logprobs);
   -min(ratio * advantages, clip(ratio, clip_low_threshold, clip_high_threshold) * advantages)
   .sum(); the thresholds come from loss_fn_config (defaults 0.8 and 1.2).
+- cispo: -(sg(clip(ratio, clip_low_threshold, clip_high_threshold)) * logprobs * advantages)
+  .sum(): the clipped ratio is a constant coefficient (no gradient through it).
+- dro: -(logprobs * advantages - 0.5 * beta * (logprobs - sampling_logprobs) ** 2).sum().
 
-Other names of the SDK's LossFnType (cispo, dro, gspo, stable_reinforce, custom) are refused by
-name (`LossError`, a 400 naming loss_fn and the served ones)."""
+cispo's thresholds and dro's beta have no default here (the Tinker docs' formulas name them but
+the defaults were not verified), so a request must give them in loss_fn_config; one without is
+refused naming the key. Thresholds need clip_low_threshold <= clip_high_threshold; beta >= 0.
+
+Other names of the SDK's LossFnType (gspo, stable_reinforce, custom) are refused by name
+(`LossError`, a 400 naming loss_fn and the served ones)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -24,13 +31,16 @@ class LossError(ValueError):
     """A request's loss function or its inputs cannot be served; the message names the field."""
 
 
-REQUIRED = {"cross_entropy": ("target_tokens",),
-            "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-            "ppo": ("target_tokens", "logprobs", "advantages")}
+RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+REQUIRED = {"cross_entropy": ("target_tokens",), "importance_sampling": RL_INPUTS,
+            "ppo": RL_INPUTS, "cispo": RL_INPUTS, "dro": RL_INPUTS}
 OPTIONAL = {"cross_entropy": ("weights",), "importance_sampling": ("weights",),
-            "ppo": ("weights",)}
+            "ppo": ("weights",), "cispo": (), "dro": ()}
+# a loss's settings: their defaults, None where the request must give the value
 CONFIG = {"cross_entropy": {}, "importance_sampling": {},
-          "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}}
+          "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+          "cispo": {"clip_low_threshold": None, "clip_high_threshold": None},
+          "dro": {"beta": None}}
 
 
 def cross_entropy(lp: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
@@ -50,8 +60,21 @@ def ppo(lp: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
     return -torch.minimum(ratio * adv, clipped * adv).sum()
 
 
+def cispo(lp: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
+    ratio = torch.exp(lp - inputs["logprobs"])
+    coefficient = torch.clamp(ratio, config["clip_low_threshold"],
+                              config["clip_high_threshold"]).detach()
+    return -(coefficient * lp * inputs["advantages"]).sum()
+
+
+def dro(lp: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
+    penalty = (lp - inputs["logprobs"]) ** 2
+    return -(lp * inputs["advantages"] - 0.5 * config["beta"] * penalty).sum()
+
+
 LOSSES: dict[str, Callable[[torch.Tensor, dict, dict], torch.Tensor]] = {
-    "cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo}
+    "cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo,
+    "cispo": cispo, "dro": dro}
 
 
 def check_loss(name: str, input_keys: set[str], config: dict | None) -> dict:
@@ -74,4 +97,14 @@ def check_loss(name: str, input_keys: set[str], config: dict | None) -> dict:
         if not isinstance(value, (int, float)):
             raise LossError(f"loss_fn_config.{key} must be a number, got {value!r}")
         filled[key] = float(value)
+    missing = [k for k, v in filled.items() if v is None]
+    if missing:
+        raise LossError(f"loss_fn_config.{missing[0]} is required by loss_fn {name!r} (give "
+                        f"{', '.join(k for k in CONFIG[name])}; no default is served)")
+    if "clip_low_threshold" in filled and \
+            not filled["clip_low_threshold"] <= filled["clip_high_threshold"]:
+        raise LossError(f"loss_fn_config.clip_low_threshold {filled['clip_low_threshold']} must "
+                        f"be <= clip_high_threshold {filled['clip_high_threshold']}")
+    if filled.get("beta", 0.0) < 0:
+        raise LossError(f"loss_fn_config.beta {filled['beta']} must be >= 0")
     return filled
