@@ -15,8 +15,9 @@ service refuses (pydantic's location of the bad field, or the loss / shape check
 401, 404 for unknown ids, 413 for a body over `max_body_bytes`, 429 when the work queue is
 full. Refusals are answered by one handler per refusal class and log nothing; any other
 exception is a 500, logged with its traceback. CPU work on a request body (decoding and
-checking a forward_backward, reading a checkpoint) runs off the event loop. Work that fails while running (for example a checkpoint of another shape) resolves its
-future as {"error", "category": "user"}, which the SDK raises as RequestFailedError.
+checking a forward_backward, reading a checkpoint) runs off the event loop. Work that fails
+while running (for example a checkpoint of another shape) resolves its future as
+{"error", "category": "user"}, which the SDK raises as RequestFailedError.
 retrieve_future long-polls: it answers when the work is done or after `poll_s` with
 {"type": "try_again"}."""
 from __future__ import annotations
