@@ -115,7 +115,10 @@ def build_app(service: Service, keys: dict[str, str] | None, max_body_bytes: int
         woken = loop.create_future()
 
         def wake():
-            loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+            try:
+                loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+            except RuntimeError:   # the loop closed (server shut down): nobody waits
+                pass
         future.on_done(wake)
         try:
             await asyncio.wait_for(woken, None if seconds == float("inf") else seconds)
