@@ -57,6 +57,15 @@
     python -m tools.bench serve_load [--quick]  serve on vLLM against vLLM's own OpenAI server:
                                                16 clients, mixed max_tokens, random arrivals;
                                                tokens/s, p50/p99 latency; goal ratio >= 0.9
+    python -m tools.bench generate_vs_hf [--quick] [--threads T]
+                                               the hf backend's generate and step driver
+                                               against transformers' model.generate, same
+                                               model, batch (2 x 8) and lengths; goal >= 1x
+    python -m tools.bench trl      [--quick] [--steps N] [--workloads W,..] [--threads T]
+                                               TRL 1.16's GRPO, SFT and DPO trainers against
+                                               the engine's defaults on the same model, rows
+                                               and sizes, one process each: seconds per step
+                                               and per stage, ratio, spread
     python -m tools.bench all      [--quick] [--plot PNG]
     python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
                                    [--cpu-smoke] [--override ITEM:ARG]
@@ -179,6 +188,12 @@ def run_one(name: str, args) -> BenchResult:
     if name == "rewards":
         from tools.bench.rewards import run_rewards
         return run_rewards(args.quick)
+    if name == "generate_vs_hf":
+        from tools.bench.generate_vs_hf import run_generate_vs_hf
+        return run_generate_vs_hf(args.quick, args.threads)
+    if name == "trl":
+        from tools.bench.trl import run_trl
+        return run_trl(args.quick, args.steps, args.workloads, args.threads)
     raise ValueError(f"unknown benchmark {name!r}")
 
 
@@ -233,6 +248,8 @@ def epilog() -> str:
 
 def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve_vs_vllm"]:  # its own flags (tools/bench/serve_vs_vllm.py)
+        return __import__("tools.bench.serve_vs_vllm", fromlist=["main"]).main(argv[1:])
     if argv[:1] == ["gpu"]:  # its own flags (tools/bench/gpu/cli.py)
         from tools.bench.gpu.cli import main as gpu_main
 
@@ -242,7 +259,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
                                      epilog=epilog())
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
               "data", "loss_head", "partial", "rewards", "serve_steps", "agent_steps",
-              "serve_load", "prefix_sharing", "all")
+              "serve_load", "prefix_sharing", "generate_vs_hf", "trl", "all")
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(public + ("gpu",)) + "}")
     for name in public:
@@ -278,6 +295,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
         if name == "serve_steps":   # tools/bench/serve_steps.py
             p.add_argument("--backend", default="vllm", choices=("hf", "vllm"),
                            help="serve's backend of both paths (hf: HFStepDriver's slot cache)")
+        if name in ("generate_vs_hf", "trl"):
+            p.add_argument("--threads", type=int, default=2,
+                           help="torch threads (trl: OMP_NUM_THREADS of each side's process)")
+        if name == "trl":   # tools/bench/trl.py
+            p.add_argument("--steps", type=int, default=None,
+                           help="optimizer steps per run (default 5; --quick 2); the first "
+                                "is left out of the medians")
+            p.add_argument("--workloads", default=None,
+                           help="comma-separated subset of grpo_shared, grpo_distinct, sft, "
+                                "dpo (default all)")
         if name == "rollout":
             p.add_argument("--engines", default=None,
                            help="also time rollout engine scaling for these engine counts, "

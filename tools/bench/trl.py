@@ -1,0 +1,222 @@
+"""`python -m tools.bench trl [--quick] [--steps N] [--workloads W,..] [--threads T]`: TRL 1.16's
+own trainers and the engine on the same model, rows and sizes, one after the other in one call,
+one process each (docs/benchmarks.md, "Against TRL's trainers").
+
+Workloads (tools/bench/trl_workload.py: a Qwen3-shaped hidden-384, 4-layer fp32 model with a
+character-level chat tokenizer, built locally):
+  grpo_shared    GRPOTrainer: 2 prompts x 8 replies of <= 32 tokens per step, temperature 1,
+                 KL beta 0.01 with a reference model, lr 1e-5; every prompt a 300-character
+                 system prompt and a short question;
+  grpo_distinct  the same on prompts that share nothing (a 110-character question each);
+  sft            SFTTrainer: 8 prompt-completion chat rows per step (the completion trained);
+  dpo            DPOTrainer: 8 preference pairs per step, beta 0.1, a reference model.
+Rows per workload, each a fresh process with OMP_NUM_THREADS=T (default 2), in this order:
+TRL's trainer (tools/bench/trl_side.py: TRL's defaults but for the workload's sizes, fp32,
+`use_cpu` without CUDA; its stages timed by wrapping its methods); on a CUDA host with vLLM
+installed also TRL with `use_vllm=True, vllm_mode="colocate"` (GRPO); the engine with its
+DEFAULTS (tools/bench/trl_engine.py: only the workload's sizes set); and for grpo_shared the
+engine with train.prefix_sharing=true and =false (not in --quick); on a CUDA host with vLLM
+also the engine with rollout.backend=vllm (GRPO).
+
+Reported per row: seconds per optimizer step and per stage (GRPO: generation, log-prob
+stage, update; DPO: the reference's pass and the update) as the median over steps 2..N (the
+first step, warm-up, is left out) with the step's min-max over those steps, and the speedup
+against TRL's row (TRL seconds / the row's seconds, > 1: faster than TRL) of the step and
+of each stage; the host's 1-minute load average before and after each run; the engine's
+run-header lines on what its defaults chose. Summary keys: trl_<workload>_<row>_step_s,
+..._speedup (rows: trl, trl_vllm, engine, engine_prefix_on, engine_prefix_off,
+engine_vllm) and the goals of issue 102 (trl_grpo_shared_speedup >= 2.5, ..._prefix_off
+and grpo_distinct >= 1.1, sft and dpo >= 1.0). --quick: the quick model (hidden 64, 2
+layers), 2 steps, TRL and engine-defaults rows only (a smoke run of both sides, not a
+measurement).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from tools.bench.common import (REPO_ROOT, BenchResult, Table, fmt, median, run_launch,
+                                subprocess_env)
+from tools.bench.trl_engine import engine_command, engine_records, header_lines, read_metrics
+from tools.bench.trl_workload import workdir_files
+
+WORKLOADS = ("grpo_shared", "grpo_distinct", "sft", "dpo")
+STEPS, QUICK_STEPS = 5, 2
+TIMEOUT_S, QUICK_TIMEOUT_S = 1800, 600
+TRAINER = {"grpo_shared": "GRPOTrainer", "grpo_distinct": "GRPOTrainer", "sft": "SFTTrainer",
+           "dpo": "DPOTrainer"}
+STAGES = {"grpo": ("generation_s", "logprob_s", "update_s"), "dpo": ("logprob_s", "update_s"),
+          "sft": ()}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One run: `side` trl | engine, `key` its summary name, `args` (TRL: trl_side flags;
+    engine: hydra overrides)."""
+    workload: str
+    key: str
+    label: str
+    side: str
+    args: tuple[str, ...] = ()
+
+
+@dataclass
+class RunResult:
+    records: list[dict] = field(default_factory=list)
+    load: tuple[float, float] = (0.0, 0.0)
+    wall_s: float = 0.0
+    header: list[str] = field(default_factory=list)
+
+
+def stages_of(workload: str) -> tuple[str, ...]:
+    return STAGES[workload.split("_")[0]]
+
+
+def vllm_rows_possible() -> bool:
+    """TRL's and the engine's vLLM rows need CUDA and an importable vllm."""
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+def plan_rows(workloads: list[str], quick: bool, with_vllm: bool) -> list[Row]:
+    """The rows of the call in run order (module docstring)."""
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad:
+        raise ValueError(f"--workloads: {bad} unknown; valid: {', '.join(WORKLOADS)}")
+    rows = []
+    for w in workloads:
+        grpo = w.startswith("grpo")
+        rows.append(Row(w, "trl", f"TRL {TRAINER[w]}", "trl"))
+        if grpo and with_vllm:
+            rows.append(Row(w, "trl_vllm", f"TRL {TRAINER[w]} + vLLM colocate", "trl",
+                            ("--vllm",)))
+        rows.append(Row(w, "engine", "engine, defaults", "engine"))
+        if w == "grpo_shared" and not quick:
+            for on in ("true", "false"):
+                rows.append(Row(w, f"engine_prefix_{'on' if on == 'true' else 'off'}",
+                                f"engine, train.prefix_sharing={on}", "engine",
+                                (f"train.prefix_sharing={on}",)))
+        if grpo and with_vllm:
+            rows.append(Row(w, "engine_vllm", "engine, rollout.backend=vllm", "engine",
+                            ("rollout.backend=vllm",)))
+    return rows
+
+
+def row_command(row: Row, files: dict[str, str], steps: int, out: str) -> list[str]:
+    """argv of `row`'s run; `out` is its result file (TRL) or log folder (engine)."""
+    if row.side == "trl":
+        return [sys.executable, "-m", "tools.bench.trl_side", row.workload, "--model",
+                files["model"], "--data", files[row.workload], "--steps", str(steps),
+                "--out", out, *row.args]
+    return engine_command(row.workload, files["model"], files[row.workload], steps, out,
+                          row.args)
+
+
+def run_row(row: Row, files: dict[str, str], steps: int, threads: int, work: str,
+            timeout_s: int) -> RunResult:
+    """`row`'s run in a process of its own (OMP_NUM_THREADS=threads): its step records."""
+    import json
+
+    out = os.path.join(work, f"{row.workload}_{row.key}" + (".json" if row.side == "trl"
+                                                            else ""))
+    cmd = row_command(row, files, steps, out)
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    stdout, stderr = run_launch(cmd, subprocess_env(threads), timeout_s,
+                                f"{row.label} ({row.workload})", cwd=str(REPO_ROOT))
+    result = RunResult(load=(load0, os.getloadavg()[0]), wall_s=time.perf_counter() - t0)
+    if row.side == "trl":
+        result.records = json.loads(open(out).read())["steps"]
+    else:
+        result.records = engine_records(row.workload, read_metrics(out))
+        result.header = header_lines(stdout + "\n" + stderr)
+    if len(result.records) != steps:
+        raise RuntimeError(f"{row.label} ({row.workload}): {len(result.records)} step "
+                           f"records, {steps} expected")
+    return result
+
+
+def spread(records: list[dict], key: str) -> tuple[float, float, float]:
+    """(median, min, max) of `key` over steps 2..N (the first step, warm-up, left out)."""
+    values = [r[key] for r in records[1:]]
+    if not values:
+        raise ValueError(f"{len(records)} step(s): nothing left after the warm-up step")
+    return median(values), min(values), max(values)
+
+
+def workload_table(workload: str, rows: list[Row], results: dict[str, RunResult],
+                   threads: int) -> tuple[Table, dict]:
+    """The side-by-side table of one workload and its summary keys."""
+    stages = stages_of(workload)
+    base = results["trl"].records
+    base_step = spread(base, "step_s")[0]
+    base_stage = {s: spread(base, s)[0] for s in stages}
+    table_rows, summary = [], {}
+    for row in rows:
+        res = results[row.key]
+        step, lo, hi = spread(res.records, "step_s")
+        speed = base_step / step
+        prefix = f"trl_{workload}_{row.key}"
+        summary[f"{prefix}_step_s"] = step
+        summary[f"{prefix}_step_range_s"] = [lo, hi]
+        summary[f"{prefix}_speedup"] = speed
+        cells = [row.label, fmt(step, 2), f"{lo:.2f}-{hi:.2f}", f"x{speed:.2f}"]
+        for s in stages:
+            value = spread(res.records, s)[0]
+            summary[f"{prefix}_{s}"] = value
+            cells.append(f"{value:.2f} (x{base_stage[s] / value:.2f})" if value > 0
+                         else fmt(value, 2))
+        cells.append(f"{res.load[0]:.1f}-{res.load[1]:.1f}")
+        table_rows.append(cells)
+    # the engine rows' speedup under the goal's name: trl_<workload>_speedup
+    summary[f"trl_{workload}_speedup"] = summary[f"trl_{workload}_engine_speedup"]
+    if f"trl_{workload}_engine_prefix_off_speedup" in summary:
+        summary[f"trl_{workload}_prefix_off_speedup"] = \
+            summary[f"trl_{workload}_engine_prefix_off_speedup"]
+    names = {"generation_s": "generation s", "logprob_s": "log-prob stage s",
+             "update_s": "update s"}
+    head = (["row", "step s", "step min-max", "speedup"] + [names[s] for s in stages]
+            + ["load"])
+    steps = len(base)
+    notes = [f"medians over steps 2..{steps} of one run per row (the first step is warm-up); "
+             "speedup = TRL's seconds / the row's (> 1: faster than TRL), per stage in "
+             f"brackets; one process per row, OMP_NUM_THREADS={threads}; load: the host's "
+             "1-minute load average when the run started and ended"]
+    headers = sorted({line for r in rows if r.side == "engine"
+                      for line in results[r.key].header})
+    if headers:
+        notes.append("engine header: " + " | ".join(headers))
+    return Table(f"{workload}: TRL {TRAINER[workload]} vs the engine", head, table_rows,
+                 notes), summary
+
+
+def run_trl(quick: bool, steps: int | None = None, workloads: str | None = None,
+            threads: int = 2) -> BenchResult:
+    """Every workload's rows in turn (module docstring)."""
+    steps = steps or (QUICK_STEPS if quick else STEPS)
+    if steps < 2:
+        raise ValueError(f"--steps {steps}: at least 2 (the first step is left out)")
+    names = workloads.split(",") if workloads else list(WORKLOADS)
+    with_vllm = vllm_rows_possible()
+    rows = plan_rows(names, quick, with_vllm)
+    timeout = QUICK_TIMEOUT_S if quick else TIMEOUT_S
+    tables, summary = [], {"trl_steps": steps, "trl_threads": threads, "trl_quick": quick,
+                           "trl_vllm_rows": with_vllm}
+    with tempfile.TemporaryDirectory(prefix="bench_trl_") as work:
+        files = workdir_files(work, quick)
+        for name in names:
+            mine = [r for r in rows if r.workload == name]
+            results = {}
+            for row in mine:
+                print(f"[bench trl] {name}: {row.label} ...", file=sys.stderr, flush=True)
+                results[row.key] = run_row(row, files, steps, threads, work, timeout)
+            table, keys = workload_table(name, mine, results, threads)
+            tables.append(table)
+            summary.update(keys)
+    if not with_vllm:
+        tables[-1].notes.append("no vLLM rows: they need CUDA and an importable vllm")
+    return BenchResult(tables, summary)
