@@ -12,11 +12,12 @@ character-level chat tokenizer, built locally):
   dpo            DPOTrainer: 8 preference pairs per step, beta 0.1, a reference model.
 Rows per workload, each a fresh process with OMP_NUM_THREADS=T (default 2), in this order:
 TRL's trainer (tools/bench/trl_side.py: TRL's defaults but for the workload's sizes, fp32,
-`use_cpu` without CUDA; its stages timed by wrapping its methods); on a CUDA host with vLLM
-installed also TRL with `use_vllm=True, vllm_mode="colocate"` (GRPO); the engine with its
+`use_cpu` without CUDA; its stages timed by wrapping its methods); on a CUDA host with vLLM's
+CUDA build also TRL with `use_vllm=True, vllm_mode="colocate"` (GRPO); the engine with its
 DEFAULTS (tools/bench/trl_engine.py: only the workload's sizes set); and for grpo_shared the
-engine with train.prefix_sharing=true and =false (not in --quick); on a CUDA host with vLLM
-also the engine with rollout.backend=vllm (GRPO).
+engine with train.prefix_sharing=true and =false (not in --quick); on a CUDA host with vLLM's
+CUDA build also the engine with rollout.backend=vllm (GRPO). A run that fails is a row
+"failed: ERROR" (summary "errors", exit status 1) and the other rows still run.
 
 Reported per row: seconds per optimizer step and per stage (GRPO: generation, log-prob
 stage, update; DPO: the reference's pass and the update) as the median over steps 2..N (the
@@ -32,7 +33,6 @@ measurement).
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import tempfile
@@ -77,10 +77,12 @@ def stages_of(workload: str) -> tuple[str, ...]:
 
 
 def vllm_rows_possible() -> bool:
-    """TRL's and the engine's vLLM rows need CUDA and an importable vllm."""
+    """TRL's and the engine's vLLM rows need CUDA and vLLM's CUDA build."""
     import torch
 
-    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+    from tools.bench.gpu.plan import vllm_is_cuda
+
+    return torch.cuda.is_available() and vllm_is_cuda()
 
 
 def plan_rows(workloads: list[str], quick: bool, with_vllm: bool) -> list[Row]:
@@ -148,45 +150,50 @@ def spread(records: list[dict], key: str) -> tuple[float, float, float]:
     return median(values), min(values), max(values)
 
 
-def workload_table(workload: str, rows: list[Row], results: dict[str, RunResult],
+def workload_table(workload: str, rows: list[Row], results: dict[str, RunResult | str],
                    threads: int) -> tuple[Table, dict]:
-    """The side-by-side table of one workload and its summary keys."""
+    """The side-by-side table of one workload and its summary keys; a row whose run failed
+    (its error text in `results`) shows the error, and without TRL's row no speedup."""
     stages = stages_of(workload)
-    base = results["trl"].records
-    base_step = spread(base, "step_s")[0]
-    base_stage = {s: spread(base, s)[0] for s in stages}
+    base = results["trl"].records if isinstance(results.get("trl"), RunResult) else None
+    base_step = spread(base, "step_s")[0] if base else None
+    base_stage = {s: spread(base, s)[0] for s in stages} if base else {}
     table_rows, summary = [], {}
     for row in rows:
         res = results[row.key]
+        if not isinstance(res, RunResult):
+            table_rows.append([row.label, f"failed: {res}"] + [""] * (3 + len(stages)))
+            continue
         step, lo, hi = spread(res.records, "step_s")
-        speed = base_step / step
+        speed = base_step / step if base_step else None
         prefix = f"trl_{workload}_{row.key}"
-        summary[f"{prefix}_step_s"] = step
-        summary[f"{prefix}_step_range_s"] = [lo, hi]
-        summary[f"{prefix}_speedup"] = speed
-        cells = [row.label, fmt(step, 2), f"{lo:.2f}-{hi:.2f}", f"x{speed:.2f}"]
+        summary.update({f"{prefix}_step_s": step, f"{prefix}_step_range_s": [lo, hi],
+                        f"{prefix}_speedup": speed})
+        cells = [row.label, fmt(step, 2), f"{lo:.2f}-{hi:.2f}",
+                 "n/a" if speed is None else f"x{speed:.2f}"]
         for s in stages:
             value = spread(res.records, s)[0]
             summary[f"{prefix}_{s}"] = value
-            cells.append(f"{value:.2f} (x{base_stage[s] / value:.2f})" if value > 0
-                         else fmt(value, 2))
+            cells.append(f"{value:.2f} (x{base_stage[s] / value:.2f})"
+                         if value > 0 and s in base_stage else fmt(value, 2))
         cells.append(f"{res.load[0]:.1f}-{res.load[1]:.1f}")
         table_rows.append(cells)
-    # the engine rows' speedup under the goal's name: trl_<workload>_speedup
-    summary[f"trl_{workload}_speedup"] = summary[f"trl_{workload}_engine_speedup"]
-    if f"trl_{workload}_engine_prefix_off_speedup" in summary:
-        summary[f"trl_{workload}_prefix_off_speedup"] = \
-            summary[f"trl_{workload}_engine_prefix_off_speedup"]
+    # the goals' names: trl_<workload>_speedup (the defaults), trl_<workload>_prefix_off_speedup
+    for key, goal in (("engine", "speedup"), ("engine_prefix_off", "prefix_off_speedup")):
+        if f"trl_{workload}_{key}_speedup" in summary:
+            summary[f"trl_{workload}_{goal}"] = summary[f"trl_{workload}_{key}_speedup"]
     names = {"generation_s": "generation s", "logprob_s": "log-prob stage s",
              "update_s": "update s"}
     head = (["row", "step s", "step min-max", "speedup"] + [names[s] for s in stages]
             + ["load"])
-    steps = len(base)
+    steps = max((len(r.records) for r in results.values() if isinstance(r, RunResult)),
+                default=0)
     notes = [f"medians over steps 2..{steps} of one run per row (the first step is warm-up); "
              "speedup = TRL's seconds / the row's (> 1: faster than TRL), per stage in "
              f"brackets; one process per row, OMP_NUM_THREADS={threads}; load: the host's "
              "1-minute load average when the run started and ended"]
     headers = sorted({line for r in rows if r.side == "engine"
+                      and isinstance(results[r.key], RunResult)
                       for line in results[r.key].header})
     if headers:
         notes.append("engine header: " + " | ".join(headers))
@@ -206,17 +213,24 @@ def run_trl(quick: bool, steps: int | None = None, workloads: str | None = None,
     timeout = QUICK_TIMEOUT_S if quick else TIMEOUT_S
     tables, summary = [], {"trl_steps": steps, "trl_threads": threads, "trl_quick": quick,
                            "trl_vllm_rows": with_vllm}
+    errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as work:
         files = workdir_files(work, quick)
         for name in names:
             mine = [r for r in rows if r.workload == name]
-            results = {}
+            results: dict[str, RunResult | str] = {}
             for row in mine:
                 print(f"[bench trl] {name}: {row.label} ...", file=sys.stderr, flush=True)
-                results[row.key] = run_row(row, files, steps, threads, work, timeout)
+                try:
+                    results[row.key] = run_row(row, files, steps, threads, work, timeout)
+                except Exception as e:  # noqa: BLE001 - recorded; the other rows still run
+                    results[row.key] = f"{type(e).__name__}: {e}".splitlines()[0]
+                    errors[f"{name}/{row.key}"] = results[row.key]
             table, keys = workload_table(name, mine, results, threads)
             tables.append(table)
             summary.update(keys)
     if not with_vllm:
-        tables[-1].notes.append("no vLLM rows: they need CUDA and an importable vllm")
+        tables[-1].notes.append("no vLLM rows: they need CUDA and vLLM's CUDA build")
+    if errors:
+        summary["errors"] = errors
     return BenchResult(tables, summary)

@@ -59,6 +59,12 @@ Not in the default plan (name it in --items):
   ladder         ~165  gpu_sft dense, eager (train.compile=false) and foreach
                        (optim.fused=false): the share of the two switchable step changes
                        (docs/benchmarks.md) in one call
+  trl            ~540  python -m tools.bench trl: TRL 1.16's GRPO (shared and distinct prompts),
+                       SFT and DPO trainers against the engine's defaults on the same model,
+                       rows and sizes (tools/bench/trl.py), plus TRL's vLLM colocate mode and
+                       rollout.backend=vllm where vLLM's CUDA build is installed: seconds per
+                       step and stage, speedups over TRL (gpu/trl_item.py; needs trl;
+                       above the default budget: --items trl --budget-s 600)
   varlen          ~40  tools/bench/gpu/varlen_check.py: packed rows (16,384 tokens, ~50
                        segments) through the core attention's varlen kernel against its
                        per-segment loop, causal / window / GQA / MHA, bf16: max abs

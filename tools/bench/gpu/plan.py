@@ -39,11 +39,13 @@ REQUIREMENTS = {
     "emerging_optimizers": "emerging-optimizers not installed (optim.name=muon; carry its "
                            "wheel: docs/benchmarks.md)",
     "vllm": "vLLM not installed (not importable)",
+    "trl": "trl not installed (the test extra's trl>=1.16,<1.17)",
     "vllm_cuda": "rollout.backend=vllm needs vLLM's CUDA wheel, not carried",
     "sync_transport": "rollout.sync_transport not implemented",
 }
 PACKAGES = {"megatron": "megatron.core", "hydra": "hydra", "transformers": "transformers",
-            "peft": "peft", "vllm": "vllm", "emerging_optimizers": "emerging_optimizers"}
+            "peft": "peft", "vllm": "vllm", "emerging_optimizers": "emerging_optimizers",
+            "trl": "trl"}
 FIELD = re.compile(r"^\s+sync_transport\s*:", re.M)
 
 

@@ -8,7 +8,8 @@ profiles one; the run's tokens per sequence and vocabulary), tools.bench.peer's 
 mode: the same numbers plus the first step's seconds, compile included), tools.bench mfu's
 summary (kind bench: MFU, TFLOP/s, step s of the ~1.1B step), tools.bench spec's summary
 (kind spec: tokens/s both ways, speedup, acceptance, greedy ids equal), varlen_check's
-results (kind varlen: per case the path, max differences, errors, ms each way) or the
+results (kind varlen: per case the path, max differences, errors, ms each way), tools.bench
+trl's summary (kind trl: per workload each row's speedup over TRL, gpu/trl_item) or the
 engine's metrics.jsonl (per step: the keys of
 items.RL_KEYS for GRPO; loss, grad_norm and step time for SFT). It raises (OSError,
 ValueError) when there is nothing to read, and lists under "problems" what makes the item
@@ -26,6 +27,7 @@ import json
 from tools.bench.gpu.items import RL_KEYS, Item
 from tools.bench.gpu.numbers import finite, fmt
 from tools.bench.gpu.packed_report import packed_digest, read_packed
+from tools.bench.gpu.trl_item import read_trl, trl_digest
 from tools.bench.gpu_sft import CASES, DENSE, TINY_DENSE
 
 SFT_CASE_KEYS = ("rc", "step_s", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "finite",
@@ -149,6 +151,8 @@ def read_metrics(item: Item) -> dict:
     """The metrics of `item` (module docstring)."""
     if item.kind == "prefix":
         return read_prefix(item)
+    if item.kind == "trl":
+        return read_trl(item)
     if item.kind == "packed":
         return read_packed(item)
     if item.kind == "varlen":
@@ -304,6 +308,8 @@ def key_numbers(record: dict) -> str:
         return packed_digest(metrics)
     if "varlen_cases" in metrics:
         return varlen_digest(metrics)
+    if "trl" in metrics:   # 'grpo_shared x2.61 (engine_prefix_on x3.10, ...); sft x1.35'
+        return trl_digest(metrics)
     if "prefix_sharing" in metrics:   # 'grpo x3.10 (ratio 0.27; flex); dpo ...'
         return "; ".join(f"{n} x{w['speedup']:.2f} (ratio {w['ratio']:.2f}; "
                          f"{'/'.join(sorted(w.get('attention') or {})) or 'unshared'})"
