@@ -271,3 +271,36 @@ def test_prefix_sharing_goal_is_judged_against_the_spread():
     assert judge([3.1, 3.4], 3.0) is True and judge([3.0], 3.0) is True
     assert judge([2.5, 2.9], 3.0) is False
     assert judge([0.68, 1.02], 0.97) is None and judge([2.9, 3.0, 3.2], 3.0) is None
+
+
+def test_trl_quick_runs_both_sides_with_their_stages(pools):
+    """`trl --quick --workloads grpo_shared,dpo`: TRL's GRPOTrainer and DPOTrainer and the
+    engine's defaults each ran their 2 steps in a process of their own; the tables have both
+    rows and the stage columns, every stage of the timed step is positive."""
+    out, result = _run("trl", "--quick", "--workloads", "grpo_shared,dpo", timeout=1200,
+                       pools=pools)
+    for workload, trainer in (("grpo_shared", "GRPOTrainer"), ("dpo", "DPOTrainer")):
+        table = out.split(f"### {workload}: TRL {trainer} vs the engine")[1].split("###")[0]
+        assert [line.split("|")[1].strip() for line in table.splitlines()
+                if line.startswith("| ") and "row" not in line] == [f"TRL {trainer}",
+                                                                    "engine, defaults"]
+        for side in ("trl", "engine"):
+            assert result[f"trl_{workload}_{side}_step_s"] > 0
+            assert result[f"trl_{workload}_{side}_logprob_s"] > 0
+            assert result[f"trl_{workload}_{side}_update_s"] > 0
+    for side in ("trl", "engine"):
+        assert result[f"trl_grpo_shared_{side}_generation_s"] > 0
+    assert result["trl_grpo_shared_speedup"] == pytest.approx(
+        result["trl_grpo_shared_trl_step_s"] / result["trl_grpo_shared_engine_step_s"])
+    assert "errors" not in result and result["trl_quick"] is True
+
+
+def test_generate_vs_hf_quick_greedy_equal_and_timed(pools):
+    """`generate_vs_hf --quick`: greedy tokens of the engine's generate and step driver equal
+    transformers' (the run raises otherwise) on both prompt sets; every path timed."""
+    out, result = _run("generate_vs_hf", "--quick", "--threads", "1", pools=pools)
+    assert "Generation: the hf backend against transformers' generate" in out
+    for name in ("shared", "distinct"):
+        for path in ("transformers", "engine_generate", "engine_batch_prefill", "step_driver"):
+            assert result[f"generate_{name}_{path}_s"] > 0
+    assert result["generate_shared_prompt_tokens"] > 2 * result["generate_distinct_prompt_tokens"]
