@@ -45,6 +45,7 @@ from engine.rl.algo.dynamic_sampling import DynamicSampler
 from engine.rl.algo.gae import TOKEN_ESTIMATORS
 from engine.rl.algo.overlong import overlong_penalty
 from engine.rl.collect.batch import RolloutBatch
+from engine.rl.collect.episode_rows import episode_rows, trajectory_rows
 from engine.rl.collect.failed_groups import (dropped_message, failed_groups, kept_rows,
                                              select_rows)
 from engine.rl.collect.fill import engine_fill, fill_counts
@@ -212,12 +213,11 @@ class RolloutCollector:
         parts, data = self._gather(sampler)
         # group statistics count episodes (an agent episode may train several trajectories);
         # the groups a failed reward call dropped have no scores to count
-        kept = [kept_rows(p["dropped_groups"], group_size) for p in parts]
-        scores = torch.cat([(p["episode_scores"] if "episode_scores" in p
-                             else p["data"]["scores"])[rows] for p, rows in zip(parts, kept)])
-        lengths = torch.cat([p["lengths"][rows] for p, rows in zip(parts, kept)])
+        kept = [(p, kept_rows(p["dropped_groups"], group_size)) for p in parts]
+        scores = torch.cat([p.get("episode_scores", p["data"]["scores"])[rows] for p, rows in kept])
+        lengths = torch.cat([p["lengths"][rows] for p, rows in kept])
         gen_s = sum(p["gen_s"] for p in parts)
-        clipped = [p["clipped"][i] for p, rows in zip(parts, kept) for i in rows]
+        clipped = [p["clipped"][i] for p, rows in kept for i in rows]
         dropped = sum(int(p["dropped_groups"].sum()) for p in parts)
         metrics = {
             **reward_length_metrics(scores, lengths, clipped, group_size),
@@ -300,13 +300,13 @@ class RolloutCollector:
                     data = select_rows(data, keep) if keep else None
                 return parts, data
             if "episode_scores" in part:   # agent: groups of EPISODES, by their scores
-                sampler.add(_episode_rows(part), part["episode_scores"])
+                sampler.add(episode_rows(part), part["episode_scores"])
             else:
                 sampler.add(part["data"], part["data"]["scores"], failed=dropped)
             if not sampler.needs_more():
                 data = sampler.result() if sampler.num_groups_kept else None
                 if data is not None and "episode_scores" in part:
-                    data = _trajectory_rows(data)
+                    data = trajectory_rows(data)
                 return parts, data
 
     def _advantages(self, data: dict) -> torch.Tensor:
@@ -347,35 +347,3 @@ class RolloutCollector:
                                               part_records)(
             p, p["row_indices"], self.cfg.rollout.n, p["gen_batch"], self.tokenizer)]
         write_dump(rollout_dir, step, records)
-
-
-def _episode_rows(part: dict) -> dict:
-    """An agent generation batch's trajectories as one row per EPISODE (group-major, as
-    dynamic sampling filters them): "trajectories" (each episode's list of its trained
-    trajectories' fields; empty for a failed episode) and "episode_rewards"."""
-    data = part["data"]
-    keys = [k for k in data if k != "episode"]
-    per: list[list[dict]] = [[] for _ in range(len(part["episode_scores"]))]
-    for t, e in enumerate(data["episode"]):
-        per[e].append({k: data[k][t] for k in keys})
-    return {"trajectories": per, "episode_rewards": part["episode_rewards"]}
-
-
-def _trajectory_rows(episodes: dict) -> dict:
-    """The inverse of _episode_rows on the kept episodes: one row per trajectory, "episode"
-    renumbered over the kept episodes, "episode_rewards" theirs."""
-    keys = {k for trajs in episodes["trajectories"] for t in trajs for k in t} | {
-        "prompt_ids", "response_ids", "rollout_logprobs", "response_masks", "rewards",
-        "scores", "dump_row"}
-    data: dict = {k: [] for k in sorted(keys)}
-    data["episode"] = []
-    for e, trajs in enumerate(episodes["trajectories"]):
-        for t in trajs:
-            for k in keys:
-                data[k].append(t[k])
-            data["episode"].append(e)
-    for k in ("rewards", "scores", "rm_scores"):
-        if k in data:
-            data[k] = torch.tensor([float(x) for x in data[k]], dtype=torch.float32)
-    data["episode_rewards"] = episodes["episode_rewards"]
-    return data

@@ -23,22 +23,19 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import signal
-import subprocess
-import sys
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterable, Mapping
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
+from collections.abc import Iterable, Mapping, Sequence
+from multiprocessing.connection import wait
 from typing import Any, Hashable
 
 from engine.rl.rewards.cpus import default_num_workers
 from engine.rl.rewards.outcome import Outcome, ScoreReport, failed_score
 from engine.rl.rewards.registry import RewardFn, check_picklable
 from engine.rl.rewards.scoring import check_items
+from engine.rl.rewards.worker_process import WorkerProcess
 
 __all__ = ["DEPTH", "Outcome", "RewardPool", "STARTUP_TIMEOUT_S", "ScoreReport",
            "default_num_workers"]
@@ -47,46 +44,6 @@ logger = logging.getLogger(__name__)
 
 DEPTH = 2                  # calls sent to a worker ahead of its answers
 STARTUP_TIMEOUT_S = 120.0  # a worker that has not loaded the function by then is an error
-ENGINE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding `engine`
-
-
-class _Worker:
-    """One worker process and its two pipe ends."""
-
-    def __init__(self, fn_bytes: bytes) -> None:
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([ENGINE_ROOT] + [p for p in env.get(
-            "PYTHONPATH", "").split(os.pathsep) if p])
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.rl.rewards.worker", str(to_child_r),
-                 str(from_child_w)], pass_fds=(to_child_r, from_child_w), env=env,
-                start_new_session=True, stdin=subprocess.DEVNULL)
-        except OSError:
-            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
-                os.close(fd)
-            raise
-        os.close(to_child_r)
-        os.close(from_child_w)
-        self.inbox = Connection(to_child_w, readable=False)
-        self.outbox = Connection(from_child_r, writable=False)
-        self.inbox.send((list(sys.path), fn_bytes))
-        self.ready = False
-        # sent and unanswered: [key, item, start time]; only the first has started (its start
-        # is when the one before was answered)
-        self.tasks: deque[list] = deque()
-
-    def kill(self) -> None:
-        """SIGKILL the worker's process group (it and anything it started), reap it."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-        self.inbox.close()
-        self.outbox.close()
 
 
 class RewardPool:
@@ -111,7 +68,7 @@ class RewardPool:
         self.timeout_s, self.failure_score = timeout_s, failure_score
         self._failed = failed_score(failure_score)
         t0 = time.perf_counter()
-        self.workers = [_Worker(self.fn_bytes) for _ in range(self.num_workers)]
+        self.workers = [WorkerProcess(self.fn_bytes) for _ in range(self.num_workers)]
         self.queue: deque[tuple[Hashable, Mapping[str, Any]]] = deque()
         self.done: dict[Hashable, Outcome] = {}
         self.replaced = 0
@@ -195,7 +152,7 @@ class RewardPool:
         self._closer()
         self._service.join()
 
-    def watch(self) -> tuple[list[_Worker], float | None] | None:
+    def watch(self) -> tuple[list[WorkerProcess], float | None] | None:
         """The service thread's next wait: the busy workers and the seconds to the next
         deadline (None: none); None once the pool is closed."""
         with self._cond:
@@ -205,7 +162,7 @@ class RewardPool:
             deadline = self._next_deadline(busy) if busy else None
         return busy, None if deadline is None else max(0.0, deadline - time.monotonic())
 
-    def handle(self, busy: list[_Worker], ready: list) -> None:
+    def handle(self, busy: list[WorkerProcess], ready: list) -> None:
         """After the service thread's wait: results of the `ready` workers, deaths, timeouts;
         then dispatch and notify the waiters."""
         with self._cond:
@@ -218,7 +175,7 @@ class RewardPool:
             self._dispatch()
             self._cond.notify_all()
 
-    def _expire(self, busy: list[_Worker]) -> None:
+    def _expire(self, busy: list[WorkerProcess]) -> None:
         """Replace the workers whose call ran past timeout_s."""
         now = time.monotonic()
         for worker in busy:
@@ -233,10 +190,10 @@ class RewardPool:
         except BlockingIOError:   # already pending
             pass
 
-    def _next_deadline(self, busy: list[_Worker]) -> float | None:
+    def _next_deadline(self, busy: list[WorkerProcess]) -> float | None:
         return None if self.timeout_s is None else min(w.tasks[0][2] for w in busy) + self.timeout_s
 
-    def _receive(self, worker: _Worker) -> None:
+    def _receive(self, worker: WorkerProcess) -> None:
         """The worker's answer to its first task (the next one starts now), or its death."""
         key = worker.tasks[0][0]
         try:
@@ -254,7 +211,7 @@ class RewardPool:
         if worker.tasks:
             worker.tasks[0][2] = now
 
-    def _replace(self, worker: _Worker, outcome: Outcome) -> None:
+    def _replace(self, worker: WorkerProcess, outcome: Outcome) -> None:
         """Record the failed (first) item, queue the worker's later ones again (not started),
         kill the worker and start a fresh one in its place. A fresh one that cannot start
         stops the pool (`_stop`): the waiters raise instead of waiting for ever."""
@@ -265,7 +222,7 @@ class RewardPool:
         worker.tasks.clear()
         worker.kill()
         try:
-            fresh = _Worker(self.fn_bytes)
+            fresh = WorkerProcess(self.fn_bytes)
         except OSError as exc:   # no process can be started (fork limit, memory)
             self._stop(f"a replacement reward worker could not be started: {exc!r}")
             return
@@ -313,7 +270,7 @@ class RewardPool:
         if sent:
             self._wake()
 
-    def _await_ready(self, workers: list[_Worker]) -> None:
+    def _await_ready(self, workers: list[WorkerProcess]) -> None:
         """Wait for each worker's "ready"; RuntimeError with the reason if one cannot load the
         function."""
         for worker in workers:
@@ -330,7 +287,7 @@ class RewardPool:
             worker.ready = True
 
 
-def _shut_down(workers: list[_Worker], wake_w: int) -> None:
+def _shut_down(workers: list[WorkerProcess], wake_w: int) -> None:
     """Kill the workers and wake the service thread (which closes the wake pipe)."""
     for worker in workers:
         if not worker.inbox.closed:
