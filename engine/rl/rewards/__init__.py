@@ -6,6 +6,7 @@ block (fences) against the row's tests (code_tests), run by code_runner in the b
 sandbox (sandbox, bwrap), results crossing as plain_data), scoring (one call's checks; the in-process thread scorer),
 outcome (an item's Outcome and a batch's ScoreReport: scores and named failures), pool (the
 process pool of `reward.num_workers`, per-item timeouts), worker (one pool process),
+worker_process (the pool's handle of one),
 cpus (the default worker count: the CPUs the rank may use), scorer (a collector's scoring).
 
 The contract: ``load_reward_fn(name)`` returns ``fn(prompt, response, answer, **fields) ->
