@@ -106,10 +106,43 @@ def test_validate_names_key_and_choices(model_dir, prompts_file):
              "train.recompute=all": "train.recompute='all' is not valid; choose one of none, "
                                     "selective, full",
              "train.recompute_num_layers=3": "train.recompute_num_layers=3 applies only to "
-                                             "train.recompute=full"}
+                                             "train.recompute=full",
+             "train.old_logprobs=never": "train.old_logprobs='never' is not valid; choose one "
+                                         "of auto, recompute"}
     for override, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate_rl(_config(base + [override]), 1)
+
+
+def test_old_logprobs_source_is_a_function_of_the_config():
+    """The old log-probs come from the training forward exactly where nothing can move the
+    policy before, or read pi_old ahead of, the step's one update; each other case names its
+    reason (the run header's line); recompute with bypass mode is refused by name."""
+    from engine.rl.policy.old_logprobs import old_logprobs_plan, old_logprobs_problems
+
+    plan = old_logprobs_plan(RLConfig())
+    assert plan.from_forward and plan.describe().startswith(
+        "old log-probs: from the training forward (on-policy: one mini-batch, one epoch")
+    for keys, reason in [({"train.old_logprobs": "recompute"}, "train.old_logprobs=recompute"),
+                         ({"train.epochs_per_rollout": 2}, "train.epochs_per_rollout=2"),
+                         ({"train.mini_batches_per_step": 4}, "train.mini_batches_per_step=4"),
+                         ({"rollout_correction.rollout_is": "token"}, "rollout_correction."),
+                         ({"distill.teacher_path": "/t"}, "distill.teacher_path"),
+                         ({"moe.routing_replay": "R2"}, "moe.routing_replay=R2"),
+                         ({"moe.routing_replay": "R3"}, "moe/rollout_replay_mismatch")]:
+        cfg = RLConfig()
+        for key, value in keys.items():
+            group, name = key.split(".")
+            setattr(getattr(cfg, group), name, value)
+        plan = old_logprobs_plan(cfg)
+        assert plan.source == "recompute" and reason in plan.reason, (keys, plan)
+        assert plan.describe().startswith("old log-probs: separate pass because ")
+    cfg = RLConfig()
+    cfg.rollout_correction.bypass_mode = True
+    assert old_logprobs_plan(cfg).source == "rollout" and old_logprobs_problems(cfg) == []
+    cfg.train.old_logprobs = "recompute"
+    (problem,) = old_logprobs_problems(cfg)
+    assert "train.old_logprobs=recompute" in problem and "bypass_mode=true" in problem
 
 
 def test_unknown_algorithm_exits_2_listing_choices(model_dir, prompts_file):
