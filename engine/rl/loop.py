@@ -67,6 +67,7 @@ from engine.generation.sync.quantization import sync_source
 from engine.generation.vllm.lora import lora_engine_kwargs, lora_sync_mode
 from engine.run.run_loop import RunLoop, build_or_resume, resume_side_engines
 from engine.training.nonfinite import NonFiniteGuard
+from engine.config.micro_batch_defaults import resolve_micro_batching
 from engine.training.train_engine import BatchSettings, TrainEngine
 from models.bridge.critic import critic_hf_config
 from models.hf.custom_code import load_tokenizer
@@ -190,6 +191,31 @@ def _collector_state(collector) -> dict:
     return box[0]
 
 
+def _print_header(cfg: RLConfig, num_prompts: int, pool, remote, policy: TrainEngine,
+                  batching_line: str) -> None:
+    """Rank 0's run header: the rollout side, the policy model, where the old log-probs come
+    from (engine.rl.policy.old_logprobs) and the micro-batching chosen
+    (engine.config.micro_batch_defaults)."""
+    where = (pool.placement.describe(torch.cuda.is_available()) if pool
+             else remote.describe())
+    print(f"[rl] {cfg.algorithm}: {num_prompts} prompts, {cfg.train.prompts_per_step} x "
+          f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
+          f"{where}; policy model: {describe_settings(policy.chunks[0].config)}", flush=True)
+    print(f"[rl] {old_logprobs_plan(cfg).describe()}", flush=True)
+    print(f"[rl] {batching_line}", flush=True)
+
+
+def _close_rollout_side(pool, collector) -> None:
+    """The run's end, however it ends: the colocated engine, the tool worker processes, the
+    agent endpoint's server."""
+    if pool is not None and pool.engine is not None:
+        pool.engine.shutdown()
+    if collector is not None and getattr(collector, "env", None) is not None:
+        collector.env.close()
+    if collector is not None and getattr(collector, "agent", None) is not None:
+        collector.agent.close()
+
+
 def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     """The RL run on every rank (process groups and megatron state exist)."""
     rank = dist.get_rank()
@@ -205,7 +231,9 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     def position(done: int) -> DataPosition:
         return DataPosition(done, train.prompts_per_step, len(rows), cfg.seed, cfg.data.shuffle)
 
-    batching = BatchSettings.from_config(train)
+    micro = resolve_micro_batching(cfg, hf_config)   # the defaults sized from the model
+    batching = BatchSettings(micro.micro_batch_size, micro.max_tokens_per_micro_batch,
+                             train.balance_dp, train.packing, micro.prefix_sharing)
     optimizer_steps = train.max_steps * train.mini_batches_per_step * train.epochs_per_rollout
     policy, resumed, extra = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, optimizer_steps, batching, pad_id,
@@ -235,11 +263,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
     aux = build_auxiliary(cfg, hf_config, dtype, batching, pad_id, optimizer_steps)
     _attach_auxiliary(aux, loop, pool, cfg, hf_config, resumed, start)
     if rank == 0:
-        print(f"[rl] {cfg.algorithm}: {len(rows)} prompts, {train.prompts_per_step} x "
-              f"{cfg.rollout.n} responses per step, rollout backend {cfg.rollout.backend}: "
-              f"{pool.placement.describe(torch.cuda.is_available()) if pool else remote.describe()}; policy model: "
-              f"{describe_settings(policy.chunks[0].config)}", flush=True)
-        print(f"[rl] {old_logprobs_plan(cfg).describe()}", flush=True)
+        _print_header(cfg, len(rows), pool, remote, policy, micro.header)
     validation = RemoteValidation(validation, remote) if remote is not None else validation
     validation.attach(pool, collector)
     try:
@@ -260,12 +284,7 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
         if remote is not None:
             remote.close(done[0])
     finally:
-        if pool is not None and pool.engine is not None:
-            pool.engine.shutdown()
-        if collector is not None and getattr(collector, "env", None) is not None:
-            collector.env.close()  # the tool worker processes
-        if collector is not None and getattr(collector, "agent", None) is not None:
-            collector.agent.close()  # the agent endpoint's server
+        _close_rollout_side(pool, collector)
     if rank == 0 and history:
         print(f"[rl] done: {start + len(history)} of {train.max_steps} steps, first reward "
               f"{history[0]['reward/mean']:.4f}, last reward {history[-1]['reward/mean']:.4f}",

@@ -92,10 +92,12 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
         print(f"error: {line}", file=sys.stderr)
     if problems:
         return 2
+    # the server's stack (uvicorn, torch, transformers, the SDK's schema) only once the flags
+    # are good: --help and a refusal answer without it
     import uvicorn
 
-    from engine.tinker.routes import build_app
-    from engine.tinker.service import Service
+    from engine.tinker.routes import build_app   # torch, transformers and the SDK's schema
+    from engine.tinker.service import Service    # (as the line above)
 
     name = args.served_model_name or Path(args.model).resolve().name
     service = Service(args.model, name, args.state_dir, batch_wait_s=args.batch_wait_ms / 1e3,

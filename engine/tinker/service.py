@@ -29,9 +29,11 @@ from pathlib import Path
 from urllib.parse import quote
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.tinker.compute import adam_step, prompt_logprobs, run_losses, sample
 from engine.tinker.lora import LoraSpec, MultiLora
+from engine.tinker.wire import forward_backward_output, sample_response
 
 
 class NotFound(LookupError):
@@ -103,8 +105,6 @@ class Future:
 class Service:
     def __init__(self, model_dir: str, name: str, state_dir: str, batch_wait_s: float = 0.01,
                  max_queue: int = 256, max_futures: int = 4096, max_context: int | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         self.model_dir, self.name, self.state_dir = model_dir, name, Path(state_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
         model.eval()
@@ -223,8 +223,6 @@ class Service:
         """One forward and backward over every item of `batch`. If it fails, each item runs
         again alone (the backward is run_losses' last step, so a failed run added no
         gradient), so one user's failing request fails only that user's future."""
-        from engine.tinker.wire import forward_backward_output
-
         items = [dict(p, backward=not p["forward_only"]) for _, p, _ in batch]
         rows = sum(len(i["data"]) for i in items)
         try:
@@ -329,8 +327,6 @@ class Service:
 
     def _do_sample(self, adapter: str | None, prompt: list[int], num_samples: int,
                    params: dict, want_prompt_logprobs: bool) -> bytes:
-        from engine.tinker.wire import sample_response
-
         seqs = sample(self.lora, adapter, prompt, num_samples, **params,
                       decode=lambda ids: self.tokenizer.decode(ids))
         lps = prompt_logprobs(self.lora, adapter, prompt) if want_prompt_logprobs else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tinker.proto import tinker_public_pb2
 
 
 class WireError(ValueError):
@@ -27,7 +28,6 @@ class Datum:
 
 
 def _pb():
-    from tinker.proto import tinker_public_pb2
     return tinker_public_pb2
 
 
@@ -69,7 +69,7 @@ def _tensor(msg, field: str, length: int) -> torch.Tensor:
 def decode_forward_backward(body: bytes, content_encoding: str | None):
     """(model_id, loss_fn, loss_fn_config dict, forward_only, [Datum]); WireError on bad input."""
     if content_encoding == "zstd":
-        import zstandard
+        import zstandard   # optional: only a zstd-compressed body needs it (the SDK's choice)
         try:
             body = zstandard.ZstdDecompressor().decompress(body)
         except zstandard.ZstdError as e:

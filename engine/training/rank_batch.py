@@ -92,24 +92,8 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
     lay = layout or _layout()
     lengths = [len(s.tokens) for s in seqs]
     sharing = bool(getattr(train_cfg, "prefix_sharing", False))
-    unit_lengths = None
     trie = trie_rows(seqs) if sharing else None   # tokens, or (token, routing) with replay
-    budget = train_cfg.max_tokens_per_micro_batch
-    given = units
-    if sharing:   # rows sharing a prefix in one micro-batch; budgets count tree tokens
-        units, unit_lengths = prefix_units(trie, budget, units)
-    plan = plan_mini_batch(lengths, lay["dp"], train_cfg.balance_dp, train_cfg.micro_batch_size,
-                           budget, units, unit_lengths)
-    if sharing and budget and lay["pp"] == 1:   # (pp > 1: every micro-batch stays a tree)
-        # a micro-batch that runs unshared runs its rows' tokens: re-planned within the budget
-        plan = MiniBatchPlan(unshared_within_budget(plan.ranks, trie, given, budget),
-                             plan.dp_imbalance)
-    if lay.get("vpp", 1) > 1 and plan.num_micro_batches % lay["pp"]:
-        # megatron's interleaved schedule wants a multiple of pp micro-batches (a remainder
-        # below pp is refused): top every rank up with empty, zero-weight micro-batches
-        extra = lay["pp"] - plan.num_micro_batches % lay["pp"]
-        plan = MiniBatchPlan([r + [[] for _ in range(extra)] for r in plan.ranks],
-                             plan.dp_imbalance)
+    plan = _plan(lengths, train_cfg, lay, units, trie)
     mine = plan.ranks[lay["dp_rank"]]
     positions = [i for mb in mine for i in mb]
     counts = torch.tensor([int(sum(seqs[i].loss_mask)) for i in positions], dtype=torch.long)
@@ -154,6 +138,30 @@ def build_rank_batch(seqs: list[SequenceData], normalizer: GlobalLossNormalizer 
                                 for n in trees)
     return RankBatch(micro_batches, plan, positions, weights, total_tokens, padding,
                      sum(trees) if sharing else total_tokens)
+
+
+def _plan(lengths: list[int], train_cfg, lay: dict, units: list[list[int]] | None,
+          trie: list[list[int]] | None) -> MiniBatchPlan:
+    """The mini-batch's plan over DP ranks and micro-batches (the same on every rank): with
+    prefix sharing (`trie` given) rows sharing a prefix stay in one micro-batch, budgets count
+    tree tokens and a micro-batch that runs unshared is re-planned within the budget (pp 1;
+    with pp > 1 every micro-batch stays a tree); with virtual pipeline stages the count is
+    topped up to a multiple of pp."""
+    budget, given, unit_lengths = train_cfg.max_tokens_per_micro_batch, units, None
+    if trie is not None:
+        units, unit_lengths = prefix_units(trie, budget, units)
+    plan = plan_mini_batch(lengths, lay["dp"], train_cfg.balance_dp, train_cfg.micro_batch_size,
+                           budget, units, unit_lengths)
+    if trie is not None and budget and lay["pp"] == 1:
+        plan = MiniBatchPlan(unshared_within_budget(plan.ranks, trie, given, budget),
+                             plan.dp_imbalance)
+    if lay.get("vpp", 1) > 1 and plan.num_micro_batches % lay["pp"]:
+        # megatron's interleaved schedule wants a multiple of pp micro-batches (a remainder
+        # below pp is refused): top every rank up with empty, zero-weight micro-batches
+        extra = lay["pp"] - plan.num_micro_batches % lay["pp"]
+        plan = MiniBatchPlan([r + [[] for _ in range(extra)] for r in plan.ranks],
+                             plan.dp_imbalance)
+    return plan
 
 
 def _tree_sizes(trie: list[list[int]], plan: MiniBatchPlan, fixed_shape: bool) -> list[int]:
