@@ -117,7 +117,7 @@ def servers(tmp_path_factory):
     try:
         on_vllm = load_model(path, "vllm", "float32", 0, MAX_CONTEXT, enforce_eager=True)
         on_hf = load_model(path, "hf", "float32", 0, MAX_CONTEXT)
-        serve_vllm, stop_v = _serve(on_vllm, VLLMStepDriver(on_vllm.engine))
+        serve_vllm, stop_v = _serve(on_vllm, VLLMStepDriver(on_vllm.engine, logprobs=False))
         serve_hf, stop_h = _serve(on_hf, HFStepDriver(on_hf.engine))
         _wait(proc, vllm_url, log)
         yield {"vllm server": vllm_url, "serve vllm": serve_vllm.base_url,

@@ -31,9 +31,10 @@ import pytest
 import torch
 
 from engine.generation.base import SamplingParams
-from engine.generation.sampling_backend import SamplingBackend, StepBackend
-from engine.generation.vllm.stepper import VLLMStepDriver
+from engine.generation.sampling_backend import SamplingBackend
+from engine.generation.vllm.stepper import samples_here
 from engine.serve.endpoint import ServeEndpoint, ServeSettings
+from engine.serve.run import serving_backend
 from tools.tiny_models import build_eos_model
 
 LONG, MAX_TOKENS, MAX_CONTEXT = 240, 1000, 1024
@@ -52,11 +53,12 @@ def served(tmp_path_factory):
                                                         MAX_CONTEXT}))
     # --dtype auto on a float32 folder: float32 (test_dtype_auto_is_the_checkpoints)
     loaded = load_model(path, "vllm", "auto", 0, MAX_CONTEXT, enforce_eager=True)
-    driver = VLLMStepDriver(loaded.engine)
+    backend = serving_backend("vllm", loaded.engine, MAX_CONTEXT)   # what serve runs
+    driver = backend.driver
     endpoint = ServeEndpoint(loaded.tokenizer, ServeSettings("tiny", MAX_TOKENS, MAX_CONTEXT),
                              request_log=None).start()
     stop = threading.Event()
-    owner = threading.Thread(target=endpoint.serve, args=(StepBackend(driver), stop.is_set),
+    owner = threading.Thread(target=endpoint.serve, args=(backend, stop.is_set),
                              daemon=True)
     owner.start()
     yield endpoint, driver, loaded.engine
@@ -309,3 +311,45 @@ def test_dtype_auto_is_the_checkpoints(served):
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
     assert ([g.response_ids for g in engine.generate(prompts, greedy)]
             == [g.response_ids for g in hf.generate(prompts, greedy)])
+
+
+def test_a_serve_step_saves_no_rng_state_and_asks_no_logprobs(served, monkeypatch):
+    """serve's driver (serving_backend: logprobs=False) hands vLLM requests without log-probs
+    and runs its steps without saving and restoring the global RNG states (vLLM samples in
+    its worker process: samples_here is False), and a sampled request still leaves this
+    process's torch, random and numpy states as they were. Replies are unchanged: a seeded
+    request with `logprobs` gets its ids and raw-score log-probs (test above), one without
+    gets its ids. On the previous driver every request asked for log-probs (0) and every
+    step entered preserved_global_rng."""
+    import random
+
+    import numpy as np
+
+    from engine.generation.vllm import stepper
+
+    endpoint, driver, engine = served
+    assert driver.logprobs is False and not samples_here(engine)
+    asked, saves = [], []
+    add_request = driver.llm_engine.add_request
+
+    def recording_add(key, prompt, params, **kwargs):
+        asked.append(params.logprobs)
+        return add_request(key, prompt, params, **kwargs)
+
+    real_rng = stepper.preserved_global_rng
+
+    def counted_rng():
+        saves.append(1)
+        return real_rng()
+
+    monkeypatch.setattr(driver.llm_engine, "add_request", recording_add)
+    monkeypatch.setattr(stepper, "preserved_global_rng", counted_rng)
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    steps = driver.steps
+    reply = httpx.post(f"{endpoint.base_url}/completions", timeout=300, json={
+        "prompt": [41, 51, 60], "max_tokens": 16, "seed": 5, "temperature": 1.0,
+        "return_token_ids": True})
+    assert reply.status_code == 200 and len(reply.json()["choices"][0]["token_ids"]) >= 1
+    assert driver.steps > steps and asked == [None] and saves == []
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    assert np.array_equal(np.random.get_state()[1], before[2])

@@ -166,3 +166,18 @@ def test_a_worker_exits_without_the_interpreters_teardown(tmp_path):
     assert run("plain") == (0, "unflushed", kept | {"teardown"})   # negative control
     # os._exit (the first try) skips the C exit handlers too: vLLM's segments stayed
     assert run("os_exit") == (0, "", {"c_exit"})   # nor the atexit callbacks, nor a flush
+
+
+def test_vllm_module_reaches_the_backends_submodules_in_a_fresh_process():
+    """vllm_module() gives `platforms` and `sampling_params` in a process that imported nothing
+    of vLLM before (a bare `import vllm` loads neither: `serve --backend vllm` died in
+    VLLMRolloutEngine.from_config's _on_cpu on the previous library.py)."""
+    pytest.importorskip("vllm")
+    code = ("from engine.generation.vllm.library import vllm_module\n"
+            "v = vllm_module()\n"
+            "print(v.platforms.current_platform.is_cpu() in (True, False),"
+            " v.sampling_params.RequestOutputKind.DELTA.name)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["True", "DELTA"]

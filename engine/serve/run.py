@@ -31,7 +31,7 @@ def serving_backend(backend: str, engine, max_context: int):
     would take its prompt past the context; score, the raw-logit log-probs of requests with
     logprobs / echo, engine.api.evaluation), said on stdout."""
     if backend == "vllm":
-        return StepBackend(VLLMStepDriver(engine))
+        return StepBackend(VLLMStepDriver(engine, logprobs=False))   # scores: a scoring pass
     problem = step_problem(engine)
     if problem is None:
         return StepBackend(HFStepDriver(engine))

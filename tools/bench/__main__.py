@@ -66,6 +66,9 @@
                                                the engine's defaults on the same model, rows
                                                and sizes, one process each: seconds per step
                                                and per stage, ratio, spread
+    python -m tools.bench serve_vs_vllm [--quick] [--eager] [--repeats N] [--new-tokens N]
+                                               a lone request, serve --backend vllm against
+                                               vLLM's own server, alternating; goal <= 1.2x
     python -m tools.bench all      [--quick] [--plot PNG]
     python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
                                    [--cpu-smoke] [--override ITEM:ARG]

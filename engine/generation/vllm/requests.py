@@ -97,8 +97,9 @@ def stop_ids(vllm_params) -> frozenset[int]:
 
 def generation(prompt: list[int], completion, eos_token_ids) -> Generation:
     """vLLM's CompletionOutput of `prompt` as a Generation: the sampled ids, the contract's
-    log-prob of each (the engine runs the ContractLogprobs sampler), "stop" exactly when the
-    last token is one of `eos_token_ids` (the request's stop ids: `stop_ids`)."""
+    log-prob of each (the engine runs the ContractLogprobs sampler; NaN for each when the
+    request asked for none: the step driver's logprobs=False, vllm.stepper), "stop" exactly
+    when the last token is one of `eos_token_ids` (the request's stop ids: `stop_ids`)."""
     tokens = list(completion.token_ids)
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
@@ -106,6 +107,7 @@ def generation(prompt: list[int], completion, eos_token_ids) -> Generation:
     if (completion.finish_reason == "stop") != stopped:
         raise RuntimeError(f"vLLM finish_reason {completion.finish_reason!r} but the last "
                            f"token is {tokens[-1:]}")
-    logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+    logprobs = [float("nan")] * len(tokens) if completion.logprobs is None else \
+        [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
     return Generation(prompt_ids=list(prompt), response_ids=tokens,
                       response_logprobs=logprobs, finish_reason=completion.finish_reason)

@@ -10,8 +10,24 @@ the stop ids), its finished output is read by the engine's `generation` and a sc
 by engine.generation.vllm.scoring's `prompt_scores`: so a request's tokens and log-probs are
 what `generate` gives it, whatever runs beside it and whenever it arrived (vLLM seeds a
 generator per request; tested against `generate` and alone vs under load in
-tests/test_serve_steps.py). Every `step` runs under `preserved_global_rng` (CPU sampling
-draws from the global torch RNG even with per-request seeds).
+tests/test_serve_steps.py).
+
+Per step, only what the step needs (what a lone `serve` request cost beyond vLLM's own server:
+docs/benchmarks.md, "A lone request: serve against vLLM's server"):
+- The global RNG states: vLLM's CPU sampling draws from the global torch RNG of the process
+  that samples, even with per-request seeds. The backend's engines sample in another process
+  (on CPU the model runs in vLLM's worker process, engine_args' "mp" executor; on GPUs the
+  engine core has a process of its own), so a step leaves this process's RNGs alone (tested);
+  a step runs under `preserved_global_rng` only when vLLM samples in this process
+  (`samples_here`: an in-process engine core whose executor runs the model here). The save
+  and restore cost ~0.2 ms a step on an idle 2-core host (numpy's state most of it), and
+  1.5 ms at load 6: a fifth of a lone request's time there.
+- Log-probs (`logprobs`, default True): each generation carries the contract's log-prob of
+  every sampled token (what rollout trains on). With `logprobs=False` (`serve`, whose reported
+  log-probs all come from a scoring pass, engine.api.evaluation) vLLM is asked for none (its
+  per-token log-prob lists, built in the worker, sent and gathered here, were a quarter of a
+  lone greedy request's time), and a Generation's response_logprobs are NaN, one per token
+  (requests.generation; so_far's too); scoring requests are unchanged.
 
 Keys: the caller's request keys are vLLM's external request ids (unique per driver: a key
 still running is refused). A step's outputs: for each streamed request (`add(stream=True)`)
@@ -42,6 +58,8 @@ server uses one or the other (engine.api.stepping uses the driver only).
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -64,11 +82,27 @@ class _Running:
     logprobs: list = field(default_factory=list)        # and vLLM's log-prob entries
 
 
-class VLLMStepDriver:
-    """The module's driver over `engine` (a VLLMRolloutEngine built in this process)."""
+def samples_here(engine) -> bool:
+    """Whether `engine`'s (a VLLMRolloutEngine) vLLM samples in this process: its engine core
+    is here (the CPU layout) with an executor other than vLLM's MultiprocExecutor, whose
+    workers are processes of their own (module docstring: never with the backend's
+    engine_args)."""
+    _, executor = engine._vllm_parts()
+    if executor is None:          # the engine core runs in a process of its own
+        return False
+    multiproc = importlib.import_module("vllm.v1.executor.multiproc_executor")
+    return not isinstance(executor, multiproc.MultiprocExecutor)
 
-    def __init__(self, engine) -> None:
+
+class VLLMStepDriver:
+    """The module's driver over `engine` (a VLLMRolloutEngine built in this process);
+    `logprobs`: whether generations carry the contract's log-probs (module docstring)."""
+
+    def __init__(self, engine, logprobs: bool = True) -> None:
         self.engine = engine
+        self.logprobs = logprobs
+        self._rng_kept = preserved_global_rng if samples_here(engine) else \
+            contextlib.nullcontext
         self.running: dict[str, _Running] = {}
         self.waiting: dict[str, tuple[list[int], object]] = {}   # CPU: not in vLLM yet
         self.steps = 0
@@ -127,8 +161,11 @@ class VLLMStepDriver:
                   stream: bool = False) -> None:
         """`add` with the request's vLLM SamplingParams already built by the engine's
         `vllm_params` (a whole call's requests built together: engine.generation.vllm.rounds);
-        `greedy`: built at temperature 0."""
+        `greedy`: built at temperature 0. Without `logprobs` (the driver's) the request asks
+        vLLM for none."""
         vllm_params.output_kind = _output_kind(stream)
+        if not self.logprobs:
+            vllm_params.logprobs = None
         self._add(key, prompt, vllm_params, _Running(
             list(prompt), greedy, stops=stop_ids(vllm_params)))
 
@@ -150,10 +187,12 @@ class VLLMStepDriver:
     def so_far(self, key: str) -> tuple[list[int], list[float]]:
         """A running streamed request's sampled ids so far and the contract's log-prob of each
         (what a partial rollout carries when it cuts the request; [] and [] for a key not
-        running)."""
+        running; NaN log-probs from a driver without `logprobs`)."""
         state = self.running.get(key)
         if state is None:
             return [], []
+        if not self.logprobs:
+            return list(state.ids), [float("nan")] * len(state.ids)
         return list(state.ids), [step[token].logprob
                                  for step, token in zip(state.logprobs, state.ids)]
 
@@ -170,7 +209,7 @@ class VLLMStepDriver:
         if not self.running:
             return []
         self._feed()
-        with preserved_global_rng():
+        with self._rng_kept():   # only where vLLM samples in this process (module docstring)
             outputs = self.llm_engine.step()
         self.steps += 1
         out = []
@@ -182,8 +221,9 @@ class VLLMStepDriver:
             if not o.finished or state.ids:     # a delta: gather (module docstring)
                 state.ids += completion.token_ids
                 state.logprobs += completion.logprobs or []
-                completion = SimpleNamespace(token_ids=state.ids, logprobs=state.logprobs,
-                                             finish_reason=completion.finish_reason)
+                completion = SimpleNamespace(
+                    token_ids=state.ids, logprobs=state.logprobs if self.logprobs else None,
+                    finish_reason=completion.finish_reason)
             if not o.finished:
                 out.append(StepOutput(o.request_id, list(state.ids)))
                 continue
@@ -193,7 +233,8 @@ class VLLMStepDriver:
                 done = prompt_scores(state.prompt, o.prompt_logprobs, state.top_k)
                 out.append(StepOutput(o.request_id, [], done))
                 continue
-            self.engine.check_contract(state.greedy)
+            if self.logprobs:     # the contract's sampler carries the log-probs asked
+                self.engine.check_contract(state.greedy)
             done = generation(state.prompt, completion, state.stops)
             out.append(StepOutput(o.request_id, list(done.response_ids), done))
         return out
