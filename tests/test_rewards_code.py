@@ -211,11 +211,9 @@ def test_all_or_nothing_and_no_block_and_json_tests():
         CodeReward()("", NORMAL[0], "")
 
 
-@pytest.fixture(scope="module")
-def listener():
-    """A TCP port listening on the host's loopback; records whether anything connected."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
+def accepting(server: socket.socket, address):
+    """Yield `address` and the list of connections `server` (listening) accepts meanwhile, on
+    a thread; close the server after."""
     server.listen()
     server.settimeout(0.2)
     hits, stop = [], threading.Event()
@@ -229,10 +227,18 @@ def listener():
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    yield server.getsockname()[1], hits
+    yield address, hits
     stop.set()
     thread.join()
     server.close()
+
+
+@pytest.fixture(scope="module")
+def listener():
+    """A TCP port listening on the host's loopback; records whether anything connected."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    yield from accepting(server, server.getsockname()[1])
 
 
 @needs_sandbox

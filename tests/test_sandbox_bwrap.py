@@ -11,7 +11,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -22,7 +21,7 @@ import engine.rl.rewards.sandbox as sandbox
 from engine.rl.rewards import bwrap
 from engine.rl.rewards.code import CodeReward
 from engine.rl.rewards.pool import RewardPool
-from tests.test_rewards_code import block, marker_processes, wait_until_gone
+from tests.test_rewards_code import accepting, block, marker_processes, wait_until_gone
 
 ENGINE_ROOT = Path(__file__).resolve().parents[1]
 needs_sandbox = pytest.mark.skipif(bool(sandbox.missing_layers()),
@@ -111,23 +110,7 @@ def unix_listener(host_folder):
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)
     os.chmod(path, 0o777)
-    server.listen()
-    server.settimeout(0.2)
-    hits, stop = [], threading.Event()
-
-    def accept():
-        while not stop.is_set():
-            try:
-                hits.append(server.accept())
-            except OSError:
-                pass
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield path, hits
-    stop.set()
-    thread.join()
-    server.close()
+    yield from accepting(server, path)
 
 
 def _score(name: str, programs: dict, reward: CodeReward) -> float:
