@@ -295,6 +295,7 @@ def test_cli_generates_once_per_step_and_syncs_weights(pools, model_dir, prompts
         2, "-m", "engine.rl", f"model.hf_path={model_dir}", f"data.train_files=[{prompts_file}]",
         "parallel.tp=2", "rollout.n=4", "rollout.max_new_tokens=8", "train.prompts_per_step=4",
         "train.mini_batches_per_step=2", "train.micro_batch_size=2", "train.max_steps=2",
+        "train.prefix_sharing=false",   # micro_batch_size counts sequences (not groups)
         "train.seq_length=64", "optim.lr=1e-3", "kl.beta=0.05", "entropy_coef=0.001",
         "reward.fn=tests.test_rl_loop:digit_reward", "rollout.check_weight_sync=true",
         f"data.cache_dir={tmp_path / 'cache'}", "data.num_workers=0",
@@ -518,6 +519,7 @@ def test_cli_dapo_on_4_ranks_with_tp2_and_accumulation(pools, model_dir, prompts
         f"data.train_files=[{prompts_file}]", "parallel.tp=2", "rollout.n=4",
         "rollout.max_new_tokens=8", "train.prompts_per_step=4", "train.mini_batches_per_step=1",
         "train.micro_batch_size=2", "train.max_steps=1", "train.seq_length=64", "optim.lr=1e-3",
+        "train.prefix_sharing=false",   # micro_batch_size counts sequences (not groups)
         "dapo.max_gen_batches=3", "reward.fn=tests.test_rl_loop:digit_reward",
         "train.recompute=selective",
         f"logging.dir={log_dir}", "logging.progress_bar=false", timeout=400)

@@ -35,15 +35,20 @@ class RLTrainConfig:
     # separate pass)
     old_logprobs: str = "auto"
     # sequences per micro-batch of the updates; with train.prefix_sharing: groups of rows
-    # sharing a prefix (a whole GRPO group each; docs/prefix-sharing.md)
-    micro_batch_size: int = 1
-    # token budget per micro-batch (replaces micro_batch_size); null: micro_batch_size
+    # sharing a prefix (a whole GRPO group each; docs/prefix-sharing.md). Null (with
+    # max_tokens_per_micro_batch null): a token budget sized from the model and
+    # train.seq_length (engine.config.micro_batch_defaults; the run header says it)
+    micro_batch_size: Optional[int] = None
+    # token budget per micro-batch (replaces micro_batch_size); null: micro_batch_size, or the
+    # default budget when that is null too
     max_tokens_per_micro_batch: Optional[int] = None
     max_steps: int = 10                  # RL steps (rollout batches)
     seq_length: int = 512                # longest prompt + response (tokens) allowed
     balance_dp: bool = True              # split each mini-batch over DP ranks by work (as SFT)
     packing: bool = False                # several sequences per row, no padding (as SFT)
-    prefix_sharing: bool = False         # rows sharing a prefix run it once (as SFT)
+    # rows sharing a prefix run it once (as SFT): auto (null too; on where exact for the model
+    # and settings, else off) | true (refuses what it cannot do exactly) | false
+    prefix_sharing: Optional[str] = "auto"
     exit_interval: Optional[int] = None  # stop after an RL step number divisible by this
     exit_duration_mins: Optional[float] = None  # stop after this much wall time (minutes)
     max_consecutive_nonfinite_steps: int = 3  # skipped (inf/NaN) optimizer steps in a row
