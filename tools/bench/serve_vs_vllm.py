@@ -184,6 +184,8 @@ def report(res: dict, eager: bool, new_tokens: int, load: tuple[float, float]) -
                "pair_ratio_q1": pair["q1"], "pair_ratio_q3": pair["q3"], "verdict": judged,
                "rounds": len(pairs), "new_tokens": new_tokens, "eager": eager,
                "load_avg_1m_start": round(load[0], 2), "load_avg_1m_end": round(load[1], 2),
+               "seconds_vllm": [round(x, 4) for x in sec["vllm"]],
+               "seconds_serve": [round(x, 4) for x in sec["serve"]],
                **{f"{k}_s_{n}": st[k] for n, st in stats.items() for k in ("median", "q1",
                                                                             "q3")}}
     return BenchResult([Table("A lone request: serve against vLLM's own server",
