@@ -109,7 +109,7 @@ GOALS: dict[str, tuple[str, float]] = {
     "loss_head_sft_peak_gb": ("<=", 3.0),    # 8,192-token SFT step, vocab 151,936, chunked
     "async_step_time_ratio": ("<=", 0.6),
     "vllm_over_hf_tokens_per_s": (">=", 4.0),  # backends: same prompts, ~100M params    # step time s=1 / s=0, generation ~ training
-    # trl (issue 102): TRL seconds / engine seconds per step, the engine's defaults
+    # trl: TRL seconds / engine seconds per step, the engine's defaults
     "trl_grpo_shared_speedup": (">=", 2.5),
     "trl_grpo_shared_prefix_off_speedup": (">=", 1.1),   # train.prefix_sharing=false
     "trl_grpo_distinct_speedup": (">=", 1.1),

@@ -26,7 +26,7 @@ against TRL's row (TRL seconds / the row's seconds, > 1: faster than TRL) of the
 of each stage; the host's 1-minute load average before and after each run; the engine's
 run-header lines on what its defaults chose. Summary keys: trl_<workload>_<row>_step_s,
 ..._speedup (rows: trl, trl_vllm, engine, engine_prefix_on, engine_prefix_off,
-engine_vllm) and the goals of issue 102 (trl_grpo_shared_speedup >= 2.5, ..._prefix_off
+engine_vllm) and the goals (docs/benchmarks.md; trl_grpo_shared_speedup >= 2.5, ..._prefix_off
 and grpo_distinct >= 1.1, sft and dpo >= 1.0). --quick: the quick model (hidden 64, 2
 layers), 2 steps, TRL and engine-defaults rows only (a smoke run of both sides, not a
 measurement).
