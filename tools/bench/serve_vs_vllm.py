@@ -1,5 +1,5 @@
 """A lone request: `serve --backend vllm` against vLLM's own OpenAI server, side by side
-(docs/benchmarks.md, "A lone request: serve against vLLM's server"; issue 102, item 4: the
+(docs/benchmarks.md, "A lone request: serve against vLLM's server": the
 goal is serve / vLLM <= GOAL in seconds per request).
 
 Both servers run as processes of their own, one after the other started and then kept up
