@@ -319,9 +319,15 @@ def _tree_writes() -> set[tuple[str, str]]:
     return found
 
 
+# writes the scan sees that never reach megatron-core: the code reward's runner is a script run by
+# a separate interpreter inside the bubblewrap sandbox (engine.rl.rewards.sandbox), with the
+# standard library only; its sys.modules writes install the untrusted solution as a module
+OUTSIDE_MEGATRON = {("engine/rl/rewards/code_runner.py", "sys.modules")}
+
+
 def test_every_assignment_into_megatron_is_a_registry_site():
     declared = {(f, a) for p in mp.PATCHES for f, attrs in p.sites.items() for a in attrs}
-    found = _tree_writes()
+    found = _tree_writes() - OUTSIDE_MEGATRON
     assert found - declared == set(), "assignments into megatron-core outside the registry " \
                                       "(models.build.megatron_patches): add an entry"
     assert declared - found == set(), "registry sites no longer in the tree: update the entry"

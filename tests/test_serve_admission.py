@@ -305,7 +305,10 @@ def test_max_n_is_a_flag_named_in_its_refusal(tok, capsys):
         assert r.status_code == 200, r.text
         assert sorted(c["index"] for c in r.json()["choices"]) == list(range(16))
     parse = serve_cli.parser("serve").parse_args
-    assert parse(["--model", "m"]).max_n == 8
+    for argv, default in ((["--model", "m"], 8), (["--model", "m", "--max-queue", "4"], 4)):
+        args = parse(argv)   # the default never exceeds --max-choices (--max-queue's)
+        serve_cli.fill_defaults(args, {})
+        assert args.max_n == default and serve_cli.flag_problems(args) == [], argv
     assert parse(["--model", "m", "--max-n", "16"]).max_n == 16
     for argv, problem in ((["--max-n", "0"], "--max-n 0 must be in [1, --max-choices 256]"),
                           (["--max-n", "300"], "--max-n 300 must be in [1, --max-choices 256]"),

@@ -87,10 +87,10 @@ def parser(prog: str) -> argparse.ArgumentParser:
                    help="a request of more than N choices (prompts x n) gets 400 before it "
                         "is tokenized (code too_many_choices; at most --max-queue; default: "
                         f"{DEFAULT_MAX_CHOICES}, or --max-queue when smaller)")
-    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, metavar="N",
+    p.add_argument("--max-n", type=int, default=None, metavar="N",
                    help="a request whose n (choices per prompt) exceeds N gets 400 naming the "
-                        f"flag (default: {DEFAULT_MAX_N}; pass@16 needs 16; at most "
-                        "--max-choices)")
+                        f"flag (default: {DEFAULT_MAX_N}, or --max-choices when smaller; "
+                        "pass@16 needs 16; at most --max-choices)")
     p.add_argument("--max-score-gib", type=float, default=None, metavar="G",
                    help="a request with log-probs whose prompt plus max_tokens needs more than "
                         "G GiB of float32 log-probs (tokens x vocabulary x 4 bytes) gets 400 "
@@ -140,7 +140,7 @@ def fill_defaults(args, environ=os.environ) -> None:
     """The defaults that depend on more than the flag: the API key (--api-key, else
     $MEGATRON_SFT_ENGINE_API_KEY when set; an empty one is refused by flag_problems, never read
     as "open"; args.api_key_from names where it came from), --max-score-gib (by backend) and
-    --max-choices (at most --max-queue)."""
+    --max-choices (at most --max-queue) and --max-n (at most --max-choices)."""
     args.api_key_from = "--api-key"
     if args.api_key is None and API_KEY_ENV in environ:
         args.api_key, args.api_key_from = environ[API_KEY_ENV], API_KEY_ENV
@@ -148,6 +148,8 @@ def fill_defaults(args, environ=os.environ) -> None:
         args.max_score_gib = DEFAULT_MAX_SCORE_GIB if args.backend == "hf" else float("inf")
     if args.max_choices is None and args.max_queue >= 1:
         args.max_choices = min(DEFAULT_MAX_CHOICES, args.max_queue)
+    if args.max_n is None:   # the default never exceeds the choices a request may hold
+        args.max_n = min(DEFAULT_MAX_N, args.max_choices or DEFAULT_MAX_N)
 
 
 def settled(args) -> str | None:
