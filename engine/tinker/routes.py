@@ -55,6 +55,10 @@ class Api:
     async def parsed(self, request: Request, model):
         return await parse_body(request, model, self.max_body_bytes)
 
+    async def owned(self, request: Request, model):
+        """(the caller's owner, the body as `model`): the key is checked before the body."""
+        return self.owner(request), await self.parsed(request, model)
+
     future = staticmethod(future_answer)
 
 
@@ -104,8 +108,7 @@ def _session_routes(app: FastAPI, api: "Api") -> None:
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
-        owner = api.owner(request)
-        req = await api.parsed(request, types.SessionHeartbeatRequest)
+        owner, req = await api.owned(request, types.SessionHeartbeatRequest)
         service.session(owner, req.session_id)
         return {"type": "session_heartbeat"}
 
@@ -121,8 +124,7 @@ def _training_routes(app: FastAPI, api: "Api") -> None:
 
     @app.post("/api/v1/create_model")
     async def create_model(request: Request):
-        owner = api.owner(request)
-        req = await api.parsed(request, types.CreateModelRequest)
+        owner, req = await api.owned(request, types.CreateModelRequest)
         service.session(owner, req.session_id)
         service.check_base_model(req.base_model)
         if req.lora_config is None:
@@ -145,8 +147,7 @@ def _training_routes(app: FastAPI, api: "Api") -> None:
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request):
-        owner = api.owner(request)
-        req = await api.parsed(request, types.GetInfoRequest)
+        owner, req = await api.owned(request, types.GetInfoRequest)
         return service.info(owner, req.model_id)
 
     @app.post("/api/v1/forward_backward")
@@ -161,8 +162,7 @@ def _training_routes(app: FastAPI, api: "Api") -> None:
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
-        owner = api.owner(request)
-        req = await api.parsed(request, types.OptimStepRequest)
+        owner, req = await api.owned(request, types.OptimStepRequest)
         model = service.model(owner, req.model_id)
         if not isinstance(req.optim_params, types.AdamParams):
             raise BadRequest("optim_params: only AdamParams are served")
@@ -183,8 +183,7 @@ def _weights_routes(app: FastAPI, api: "Api") -> None:
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request):
-        owner = api.owner(request)
-        req = await api.parsed(request, types.SaveWeightsRequest)
+        owner, req = await api.owned(request, types.SaveWeightsRequest)
         model = service.model(owner, req.model_id)
         name = req.path or f"step-{model.steps}"
         service.path_file(f"tinker://{req.model_id}/weights/{name}")
@@ -194,8 +193,7 @@ def _weights_routes(app: FastAPI, api: "Api") -> None:
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_for_sampler(request: Request):
-        owner = api.owner(request)
-        req = await api.parsed(request, types.SaveWeightsForSamplerRequest)
+        owner, req = await api.owned(request, types.SaveWeightsForSamplerRequest)
         model = service.model(owner, req.model_id)
         if req.path is not None:
             service.path_file(f"tinker://{req.model_id}/sampler_weights/{req.path}")
@@ -212,8 +210,7 @@ def _weights_routes(app: FastAPI, api: "Api") -> None:
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
-        owner = api.owner(request)
-        req = await api.parsed(request, types.LoadWeightsRequest)
+        owner, req = await api.owned(request, types.LoadWeightsRequest)
         state = await run_in_threadpool(service.read_state, owner, req.path)
         if not req.path.split("/")[-2] == "weights" and req.optimizer:
             raise BadRequest(f"path {req.path!r} holds sampler weights, no optimizer state")
@@ -243,8 +240,7 @@ def _sampling_routes(app: FastAPI, api: "Api") -> None:
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request):
-        owner = api.owner(request)
-        req = await api.parsed(request, types.CreateSamplingSessionRequest)
+        owner, req = await api.owned(request, types.CreateSamplingSessionRequest)
         service.session(owner, req.session_id)
         sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
         if req.model_path is None:
@@ -269,8 +265,7 @@ def _sampling_routes(app: FastAPI, api: "Api") -> None:
 
     @app.post("/api/v1/asample")
     async def asample(request: Request):
-        owner = api.owner(request)
-        req = await api.parsed(request, types.SampleRequest)
+        owner, req = await api.owned(request, types.SampleRequest)
         if req.sampling_session_id is not None:
             adapter = service.sampler(owner, req.sampling_session_id)
         elif req.model_path is not None:
