@@ -42,9 +42,8 @@ from dataclasses import dataclass, field
 from tools.bench.common import (REPO_ROOT, BenchResult, Table, fmt, median, run_launch,
                                 subprocess_env)
 from tools.bench.trl_engine import engine_command, engine_records, header_lines, read_metrics
-from tools.bench.trl_workload import workdir_files
+from tools.bench.trl_workload import WORKLOADS, workdir_files
 
-WORKLOADS = ("grpo_shared", "grpo_distinct", "sft", "dpo")
 STEPS, QUICK_STEPS = 5, 2
 TIMEOUT_S, QUICK_TIMEOUT_S = 1800, 600
 TRAINER = {"grpo_shared": "GRPOTrainer", "grpo_distinct": "GRPOTrainer", "sft": "SFTTrainer",

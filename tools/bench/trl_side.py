@@ -29,13 +29,12 @@ import argparse
 import json
 import time
 
-from tools.bench.trl_workload import trl_reward
+from tools.bench.trl_workload import WORKLOADS, trl_reward
 
 GRPO = dict(num_generations=8, per_device_train_batch_size=16, max_completion_length=32,
             temperature=1.0, beta=0.01)
 BATCH = 8               # SFT rows, DPO pairs per step
 LR = 1e-5
-WORKLOADS = ("grpo_shared", "grpo_distinct", "sft", "dpo")
 
 
 class StageTimes:

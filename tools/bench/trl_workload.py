@@ -25,6 +25,7 @@ import json
 import os
 import random
 
+WORKLOADS = ("grpo_shared", "grpo_distinct", "sft", "dpo")   # the bench's, both sides
 MODEL = dict(hidden=384, layers=4, heads=6, kv_heads=2, intermediate=1152, head_dim=64)
 QUICK_MODEL = dict(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, head_dim=32)
 VOCAB = 128          # >= the tokenizer's 101 ids
