@@ -53,7 +53,11 @@ def activation_bytes_per_token(hf_config: dict, bf16: bool, seq_length: int,
 def default_token_budget(hf_config: dict, seq_length: int, bf16: bool,
                          loss_chunk_tokens: int | None = None) -> int:
     """The token budget per micro-batch of the module docstring."""
-    per_token = activation_bytes_per_token(hf_config, bf16, seq_length, loss_chunk_tokens)
+    return _budget(activation_bytes_per_token(hf_config, bf16, seq_length, loss_chunk_tokens),
+                   seq_length)
+
+
+def _budget(per_token: float, seq_length: int) -> int:
     fitting = int(ACTIVATION_BUDGET_GIB * GIB // per_token)
     return max(seq_length, min(fitting, MAX_SEQUENCES * seq_length))
 
@@ -90,10 +94,9 @@ def resolve_micro_batching(cfg: Any, hf_config: dict) -> MicroBatching:
     else:
         bf16 = cfg.model.dtype == "bfloat16"
         size = 1
-        budget = default_token_budget(hf_config, train.seq_length, bf16,
-                                      train.loss_chunk_tokens or None)
         per_token = activation_bytes_per_token(hf_config, bf16, train.seq_length,
                                                train.loss_chunk_tokens or None)
+        budget = _budget(per_token, train.seq_length)
         how = (f"a token budget of {budget} (default: the tokens whose activations, about "
                f"{per_token / 1024:.0f} KiB each, fit in {ACTIVATION_BUDGET_GIB:g} GiB, from "
                f"train.seq_length={train.seq_length} to {MAX_SEQUENCES} x it; set "
