@@ -40,11 +40,17 @@ def _schema(value: Any, key: str) -> tuple:
     return ("list",)
 
 
-def _select(value: torch.Tensor | list, rows: Sequence[int]) -> torch.Tensor | list:
+def select(value: torch.Tensor | list, rows: Sequence[int]) -> torch.Tensor | list:
+    """`value`'s `rows` (a tensor along dim 0, or a list), in that order."""
     if isinstance(value, torch.Tensor):
         return value.index_select(0, torch.as_tensor(rows, dtype=torch.long,
                                                      device=value.device))
     return [value[i] for i in rows]
+
+
+def group_rows(groups: Sequence[int], group_size: int) -> list[int]:
+    """The item rows of `groups` (group-major items), in order."""
+    return [g * group_size + j for g in groups for j in range(group_size)]
 
 
 class DynamicSampler:
@@ -136,9 +142,8 @@ class DynamicSampler:
         self.num_groups_generated += keep.numel()
         kept = [int(g) for g in torch.nonzero(keep).flatten()]
         if kept:
-            group_size = self.group_size
-            rows = [g * group_size + j for g in kept for j in range(group_size)]
-            self._parts.append({k: _select(v, rows) for k, v in batch.items()})
+            rows = group_rows(kept, self.group_size)
+            self._parts.append({k: select(v, rows) for k, v in batch.items()})
             self._kept_groups += len(kept)
         return len(kept)
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.rl.algo.dynamic_sampling import group_rows, select
+
 
 def failed_groups(failed: Sequence[str | None], group_size: int, drops: bool) -> torch.Tensor:
     """Bool ``[G]`` of group-major items (`failed`: per item its failure, None when scored):
@@ -29,15 +31,12 @@ def failed_groups(failed: Sequence[str | None], group_size: int, drops: bool) ->
 
 def kept_rows(dropped: torch.Tensor, group_size: int) -> list[int]:
     """The item rows of the groups not in `dropped` (Bool [G]), in order."""
-    return [g * group_size + j for g in range(len(dropped)) if not dropped[g]
-            for j in range(group_size)]
+    return group_rows([g for g in range(len(dropped)) if not dropped[g]], group_size)
 
 
 def select_rows(data: dict, rows: list[int]) -> dict:
     """`data` (per item: tensors along dim 0, or lists) restricted to `rows`, in that order."""
-    index = torch.tensor(rows, dtype=torch.long)
-    return {k: (v.index_select(0, index) if isinstance(v, torch.Tensor) else [v[i] for i in rows])
-            for k, v in data.items()}
+    return {k: select(v, rows) for k, v in data.items()}
 
 
 def dropped_message(dropped: int, groups: int, first: str | None, skipped: bool) -> str:
