@@ -106,9 +106,12 @@ def test_every_layout_equals_single_process(dpo_runs, world):
         metrics = harness.METRICS + harness.ORPO_METRICS + kto_check.METRICS
         for k in (k for k in dict.fromkeys(metrics) if f"{k}_rel" in r):
             # LoRA: the reference is the starting adapter, so the rewards (beta x log-ratios
-            # of sums near -70) start at 0 and stay small (0.075 at step 2): fp32 rounding of
-            # the sums at tp2+sp (1.3e-6 absolute, logps rel 2e-8) is 1.75e-5 of that scale
-            tol = 1e-4 if "lora" in spec and k.startswith("rewards/") else TOL
+            # of sums near -70) and KTO's kl (the policy's minus the reference's log-prob sums
+            # of mismatched pairs) start at 0 and stay small (0.075 and 0.068 at step 2): fp32
+            # rounding of the sums at tp2+sp (1.3e-6 and 1.5e-6 absolute, logps rel 2e-8) is
+            # 1.75e-5 and 2.2e-5 of those scales (the kl's on AVX2 hosts without AMX)
+            cancels = k.startswith("rewards/") or k == "kl"
+            tol = 1e-4 if "lora" in spec and cancels else TOL
             assert r[f"{k}_rel"] <= tol, (spec, k, r[k])
         # LoRA at tp2 + sp: adapter entries with gradients near Adam's eps amplify the rounding
         # of the differently ordered TP sums into the parameters (measured 3.04e-5 since the

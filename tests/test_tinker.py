@@ -269,11 +269,13 @@ def test_two_models_batched_equal_each_alone_bitwise_third_untouched(server):
     assert all(torch.equal(z_start[k], z_end[k]) for k in z_start)
 
 
-def test_cispo_and_dro_equal_their_documented_formulas(server):
-    """cispo and dro off-policy (sampling log-probs shifted from the current ones so that some
-    ratios fall outside cispo's clip range): loss:sum and the adapter's gradients equal the
-    Tinker docs' formulas written here, on the log-probs the service returns and (gradients)
-    through the same forward with autograd."""
+def test_cispo_dro_and_gspo_equal_their_documented_formulas(server):
+    """cispo, dro and gspo off-policy (sampling log-probs shifted from the current ones so that
+    some ratios fall outside cispo's clip range, and gspo's sequence ratio, 0.875 over the
+    masked tokens, below its lower threshold: its negative-advantage tokens are clipped, the
+    others keep their gradient): loss:sum and the adapter's gradients equal the Tinker docs'
+    formulas written here, on the log-probs the service returns and (gradients) through the
+    same forward with autograd."""
     from engine.tinker.compute import forward_rows
     from engine.tinker.wire import Datum
 
@@ -296,6 +298,14 @@ def test_cispo_and_dro_equal_their_documented_formulas(server):
     def dro(lp, xp, beta=0.3):
         return -(lp * adv_t(xp) - beta / 2 * (lp - old_t(xp)) ** 2).sum()
 
+    mask = np.array([1.0, 1.0, 0.0, 1.0, 0.0])   # log-ratios -0.3, 0.4, -0.5: mean -0.1333
+
+    def gspo(lp, xp, low=0.9, high=1.3):
+        sg = lp.detach() if xp is torch else lp
+        marked = torch.tensor(mask) != 0 if xp is torch else mask != 0
+        ratio = xp.exp((sg - old_t(xp))[marked].mean() + lp - sg)
+        return -xp.minimum(ratio * adv_t(xp), xp.clip(ratio, low, high) * adv_t(xp)).sum()
+
     def old_t(xp):
         return torch.tensor(old, dtype=torch.float32) if xp is torch else old
 
@@ -303,9 +313,12 @@ def test_cispo_and_dro_equal_their_documented_formulas(server):
         return torch.tensor(adv, dtype=torch.float32) if xp is torch else adv
     for name, formula, config in (
             ("cispo", cispo, {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}),
-            ("dro", dro, {"beta": 0.3})):
+            ("dro", dro, {"beta": 0.3}),
+            ("gspo", gspo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.3})):
+        extra = {"sequence_ratio_mask": mask.tolist()} if name == "gspo" else {}
         out = tc.forward_backward([_datum(tokens, targets, logprobs=old.tolist(),
-                                          advantages=adv.tolist())], name, config).result()
+                                          advantages=adv.tolist(), **extra)],
+                                  name, config).result()
         lp = out.loss_fn_outputs[0]["logprobs"].to_numpy().astype(np.float64)
         np.testing.assert_allclose(lp, now, rtol=1e-6)
         assert out.metrics["loss:sum"] == pytest.approx(float(formula(lp, np)), rel=1e-5), name
@@ -340,9 +353,15 @@ def test_owners_cannot_reach_each_others_models(server):
 def test_bad_input_is_4xx_naming_the_field(server):
     url, h = server["url"], {"X-API-Key": KEY_A}
     tc = _client(server).create_lora_training_client(base_model="llama", rank=2).result()
-    with pytest.raises(Exception, match="loss_fn 'gspo' is not served"):
-        tc.forward_backward(SFT, "gspo").result()
+    with pytest.raises(Exception, match="loss_fn 'stable_reinforce' is not served"):
+        tc.forward_backward(SFT, "stable_reinforce").result()
     rl = [_datum([5, 6], [6, 7], logprobs=[-1.0, -1.0], advantages=[1.0, 1.0])]
+    gspo_config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    with pytest.raises(Exception, match="loss_fn_inputs lacks sequence_ratio_mask"):
+        tc.forward_backward(rl, "gspo", gspo_config).result()
+    with pytest.raises(Exception, match=r"data\[0\].loss_fn_inputs.sequence_ratio_mask marks no"):
+        tc.forward_backward([_datum([5, 6], [6, 7], logprobs=[-1.0, -1.0], advantages=[1.0, 1.0],
+                                    sequence_ratio_mask=[0.0, 0.0])], "gspo", gspo_config).result()
     with pytest.raises(Exception, match="loss_fn_config.beta is required by loss_fn 'dro'"):
         tc.forward_backward(rl, "dro").result()
     with pytest.raises(Exception, match="clip_low_threshold 2.0 must be <= clip_high"):

@@ -13,12 +13,19 @@ returns the datum's loss, a sum over its tokens, as the Tinker docs define them:
 - cispo: -(sg(clip(ratio, clip_low_threshold, clip_high_threshold)) * logprobs * advantages)
   .sum(): the clipped ratio is a constant coefficient (no gradient through it).
 - dro: -(logprobs * advantages - 0.5 * beta * (logprobs - sampling_logprobs) ** 2).sum().
+- gspo (GSPO-token, as the Tinker docs define it): the sequence log-ratio
+  r = mean over the tokens `sequence_ratio_mask` marks (!= 0) of sg(logprobs) -
+  sampling_logprobs; each token's ratio s_t = exp(r + logprobs - sg(logprobs)) (the sequence
+  ratio's value, the token's own gradient); then ppo's clipped objective with s_t:
+  -min(s_t * advantages, clip(s_t, clip_low_threshold, clip_high_threshold) * advantages).sum().
 
-cispo's thresholds and dro's beta have no default here (the Tinker docs' formulas name them but
-the defaults were not verified), so a request must give them in loss_fn_config; one without is
-refused naming the key. Thresholds need clip_low_threshold <= clip_high_threshold; beta >= 0.
+cispo's and gspo's thresholds and dro's beta have no default here (the Tinker docs' formulas
+name them but the defaults were not verified), so a request must give them in loss_fn_config;
+one without is refused naming the key. Thresholds need clip_low_threshold <=
+clip_high_threshold; beta >= 0. gspo needs `sequence_ratio_mask` (no default verified either)
+marking at least one token of each datum (`check_values`).
 
-Other names of the SDK's LossFnType (gspo, stable_reinforce, custom) are refused by name
+Other names of the SDK's LossFnType (stable_reinforce, custom) are refused by name
 (`LossError`, a 400 naming loss_fn and the served ones)."""
 from __future__ import annotations
 
@@ -33,14 +40,16 @@ class LossError(ValueError):
 
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 REQUIRED = {"cross_entropy": ("target_tokens",), "importance_sampling": RL_INPUTS,
-            "ppo": RL_INPUTS, "cispo": RL_INPUTS, "dro": RL_INPUTS}
+            "ppo": RL_INPUTS, "cispo": RL_INPUTS, "dro": RL_INPUTS,
+            "gspo": RL_INPUTS + ("sequence_ratio_mask",)}
 OPTIONAL = {"cross_entropy": ("weights",), "importance_sampling": ("weights",),
-            "ppo": ("weights",), "cispo": (), "dro": ()}
+            "ppo": ("weights",), "cispo": (), "dro": (), "gspo": ()}
 # a loss's settings: their defaults, None where the request must give the value
 CONFIG = {"cross_entropy": {}, "importance_sampling": {},
           "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
           "cispo": {"clip_low_threshold": None, "clip_high_threshold": None},
-          "dro": {"beta": None}}
+          "dro": {"beta": None},
+          "gspo": {"clip_low_threshold": None, "clip_high_threshold": None}}
 
 
 def cross_entropy(lp: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
@@ -72,9 +81,26 @@ def dro(lp: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
     return -(lp * inputs["advantages"] - 0.5 * config["beta"] * penalty).sum()
 
 
+def gspo(lp: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
+    in_ratio = inputs["sequence_ratio_mask"] != 0
+    log_ratio = (lp.detach() - inputs["logprobs"])[in_ratio].mean()
+    ratio = torch.exp(log_ratio + lp - lp.detach())
+    adv = inputs["advantages"]
+    clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+    return -torch.minimum(ratio * adv, clipped * adv).sum()
+
+
 LOSSES: dict[str, Callable[[torch.Tensor, dict, dict], torch.Tensor]] = {
     "cross_entropy": cross_entropy, "importance_sampling": importance_sampling, "ppo": ppo,
-    "cispo": cispo, "dro": dro}
+    "cispo": cispo, "dro": dro, "gspo": gspo}
+
+
+def check_values(name: str, inputs: dict) -> None:
+    """The checks of one datum's input values a loss needs (LossError naming the field): gspo's
+    sequence_ratio_mask must mark at least one token (its sequence ratio is a mean over them)."""
+    if name == "gspo" and not bool((inputs["sequence_ratio_mask"] != 0).any()):
+        raise LossError("loss_fn_inputs.sequence_ratio_mask marks no token (loss_fn 'gspo' "
+                        "takes the mean log-ratio over the marked tokens)")
 
 
 def check_loss(name: str, input_keys: set[str], config: dict | None) -> dict:

@@ -4,7 +4,7 @@ context, the loss function's inputs and config) and a SampleRequest (the prompt'
 tokens, the sampling params' ranges, stop tokens and strings)."""
 from __future__ import annotations
 
-from engine.tinker.losses import check_loss
+from engine.tinker.losses import LossError, check_loss, check_values
 from engine.tinker.request_io import future_answer
 from engine.tinker.service import BadRequest, Service
 from engine.tinker.wire import decode_forward_backward
@@ -26,8 +26,12 @@ def checked_forward_backward(service: Service, owner: str, raw: bytes, encoding:
         if bad or bad_targets:
             field = "model_input" if bad else "loss_fn_inputs.target_tokens"
             raise BadRequest(f"data[{i}].{field}: token ids must be in [0, {service.vocab})")
-    for d in data:
+    for i, d in enumerate(data):
         config_filled = check_loss(loss_fn, set(d.inputs), config)
+        try:
+            check_values(loss_fn, d.inputs)
+        except LossError as e:
+            raise LossError(f"data[{i}].{e}") from None
     return future_answer(service.submit("forward_backward", dict(
         adapter=model.adapter, loss_fn=loss_fn, config=config_filled, data=data,
         forward_only=forward_only)), model_id)

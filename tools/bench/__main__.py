@@ -69,6 +69,11 @@
     python -m tools.bench serve_vs_vllm [--quick] [--eager] [--repeats N] [--new-tokens N]
                                                a lone request, serve --backend vllm against
                                                vLLM's own server, alternating; goal <= 1.2x
+    python -m tools.bench tinker   [--quick] [--repeats N] [--models M]
+                                               the Tinker service (engine.tinker): M LoRA
+                                               models' forward_backward calls through the
+                                               official SDK, concurrent (one batch) vs one
+                                               after another; goal ratio <= 0.5
     python -m tools.bench all      [--quick] [--plot PNG]
     python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
                                    [--cpu-smoke] [--override ITEM:ARG]
@@ -220,6 +225,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve_vs_vllm"]:  # its own flags (tools/bench/serve_vs_vllm.py)
         return __import__("tools.bench.serve_vs_vllm", fromlist=["main"]).main(argv[1:])
+    if argv[:1] == ["tinker"]:  # its own flags (tools/bench/tinker_batching.py)
+        return __import__("tools.bench.tinker_batching", fromlist=["main"]).main(argv[1:])
     if argv[:1] == ["gpu"]:  # its own flags (tools/bench/gpu/cli.py)
         from tools.bench.gpu.cli import main as gpu_main
 
@@ -230,8 +237,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
               "data", "loss_head", "partial", "rewards", "serve_steps", "agent_steps",
               "serve_load", "prefix_sharing", "generate_vs_hf", "trl", "all")
+    own_flags = ("serve_vs_vllm", "tinker", "gpu")   # dispatched above, with their own flags
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{" + ",".join(public + ("gpu",)) + "}")
+                                metavar="{" + ",".join(public + own_flags) + "}")
     for name in public:
         p = sub.add_parser(name)
         p.add_argument("--quick", action="store_true", help="CI size (fewer repeats, smaller)")

@@ -24,6 +24,8 @@ GOALS: dict[str, tuple[str, float]] = {
     # generate_vs_hf: transformers' generate seconds / the engine's generate seconds
     "generate_shared_speedup": (">=", 1.0),
     "generate_distinct_speedup": (">=", 1.0),
+    # tinker: four models' concurrent forward_backward seconds / the same calls in turn
+    "tinker_concurrent_over_sequential": ("<=", 0.5),
 }
 
 
