@@ -313,6 +313,8 @@ def test_cispo_dro_and_gspo_equal_their_documented_formulas(server):
         return torch.tensor(adv, dtype=torch.float32) if xp is torch else adv
     for name, formula, config in (
             ("cispo", cispo, {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}),
+            # no loss_fn_config: Tinker's one-sided default (0, 4): no ratio here is clipped
+            ("cispo", lambda lp, xp: cispo(lp, xp, 0.0, 4.0), None),
             ("dro", dro, {"beta": 0.3}),
             ("gspo", gspo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.3})):
         extra = {"sequence_ratio_mask": mask.tolist()} if name == "gspo" else {}

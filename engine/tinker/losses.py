@@ -19,9 +19,10 @@ returns the datum's loss, a sum over its tokens, as the Tinker docs define them:
   ratio's value, the token's own gradient); then ppo's clipped objective with s_t:
   -min(s_t * advantages, clip(s_t, clip_low_threshold, clip_high_threshold) * advantages).sum().
 
-cispo's and gspo's thresholds and dro's beta have no default here (the Tinker docs' formulas
-name them but the defaults were not verified), so a request must give them in loss_fn_config;
-one without is refused naming the key. Thresholds need clip_low_threshold <=
+cispo's thresholds default to 0.0 and 4.0 (a one-sided clip, as tinker-cookbook's tutorial
+202_loss_functions states Tinker's default). gspo's thresholds and dro's beta have no default
+here (the Tinker docs' formulas name them but the defaults were not verified), so a request
+must give them in loss_fn_config; one without is refused naming the key. Thresholds need clip_low_threshold <=
 clip_high_threshold; beta >= 0. gspo needs `sequence_ratio_mask` (no default verified either)
 marking at least one token of each datum (`check_values`).
 
@@ -47,7 +48,7 @@ OPTIONAL = {"cross_entropy": ("weights",), "importance_sampling": ("weights",),
 # a loss's settings: their defaults, None where the request must give the value
 CONFIG = {"cross_entropy": {}, "importance_sampling": {},
           "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-          "cispo": {"clip_low_threshold": None, "clip_high_threshold": None},
+          "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
           "dro": {"beta": None},
           "gspo": {"clip_low_threshold": None, "clip_high_threshold": None}}
 
