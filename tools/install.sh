@@ -17,7 +17,10 @@
 #      --ignore-requires-python: its only release declares Requires-Python >= 3.12 although it runs on
 #      3.11 (engine.training.muon provides typing.override there), and its declared needs, torch
 #      and absl-py, are already installed by step 2;
-#   6. bubblewrap (`bwrap`), the sandbox of reward.fn=code (docs/rewards.md#the-sandbox): as root
+#   6. tinker-cookbook 0.6.1 with --no-deps (tests/test_tinker_cookbook.py): it requires
+#      tml-renderers >= 0.4.1, which the registry does not serve and its sl_loop / rl_loop never
+#      import; the dependencies those loops use come with the test extra (setup.py);
+#   7. bubblewrap (`bwrap`), the sandbox of reward.fn=code (docs/rewards.md#the-sandbox): as root
 #      with apt-get, dnf or pacman; skipped when bwrap is already there; otherwise it prints the
 #      command to run (reward.code_sandbox=strict refuses to start without it).
 set -euo pipefail
@@ -66,6 +69,14 @@ else
     step "emerging-optimizers 0.3.0 (optim.name=muon): --no-deps --ignore-requires-python, its" \
          "release declares Python >= 3.12 but runs on 3.10/3.11; torch and absl-py are installed"
     "${PIP[@]}" install $QUIET --no-deps --ignore-requires-python emerging-optimizers==0.3.0
+fi
+if installed tinker-cookbook 0.6.1; then
+    step "tinker-cookbook 0.6.1: already installed"
+else
+    step "tinker-cookbook 0.6.1 (tests/test_tinker_cookbook.py runs its sl_loop and rl_loop):" \
+         "--no-deps, it requires tml-renderers >= 0.4.1, which the registry does not serve and" \
+         "those loops never import; its other dependencies come with the test extra"
+    "${PIP[@]}" install $QUIET --no-deps tinker-cookbook==0.6.1
 fi
 if command -v bwrap >/dev/null 2>&1; then
     step "bubblewrap (reward.fn=code's sandbox): already installed ($(command -v bwrap))"

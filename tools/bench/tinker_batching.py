@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.bench.common import BenchResult, Table, fmt, median
+from tools.bench.common import BenchResult, Table, fmt, free_port, median
 
 GOAL = 0.5
 MODELS = 4
@@ -48,13 +48,11 @@ KEY = "tml-bench"
 
 
 def quantiles(values: list[float]) -> tuple[float, float]:
-    """The lower and upper quartiles (statistics.quantiles, inclusive; the value for one)."""
-    import statistics
+    """The lower and upper quartiles (linear interpolation, tools.bench.serve_load.quantile)."""
+    from tools.bench.serve_load import quantile
 
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], q[2]
+    ordered = sorted(values)
+    return quantile(ordered, 0.25), quantile(ordered, 0.75)
 
 
 def _start_server(model_dir: str, state_dir: str, port: int) -> subprocess.Popen:
@@ -113,7 +111,6 @@ def run_tinker(quick: bool, repeats: int | None = None, models: int = MODELS) ->
     import tinker
     from tinker import types
 
-    from tests.launch import free_port
     from tools.tiny_models import build_tiny_model
 
     shape = QUICK_MODEL if quick else MODEL
