@@ -87,18 +87,25 @@ class MultiLoraLinear(nn.Module):
                 groups.setdefault(name, []).append(row)
         if not groups:
             return out
-        out = out.clone()
+        # each adapter's rows' real tokens, as positions of the flattened [batch * seq] tokens:
+        # one index_select gathers them and one index_add puts every product back (each
+        # position at most once: out + delta, the same sum alone or batched). Per-row slice
+        # assignments cost a full-size zero gradient per row and linear in backward (quadratic
+        # in the batch: 1.5x slower batched than alone at 16 rows, tools/bench tinker).
+        seq = x.shape[1]
+        flat_x = x.reshape(-1, x.shape[-1])
+        index, deltas = [], []
         for name, rows in groups.items():
             pair = self.adapters[name]
             scale = LORA_ALPHA / pair["A"].shape[0]
-            tokens = torch.cat([x[b, :self.lengths[b]] for b in rows])
-            delta = scale * ((tokens @ pair["A"].t()) @ pair["B"].t())
-            start = 0
-            for b in rows:
-                n = self.lengths[b]
-                out[b, :n] = out[b, :n] + delta[start:start + n]
-                start += n
-        return out
+            positions = torch.cat([torch.arange(b * seq, b * seq + self.lengths[b])
+                                   for b in rows])
+            tokens = flat_x.index_select(0, positions)
+            deltas.append(scale * ((tokens @ pair["A"].t()) @ pair["B"].t()))
+            index.append(positions)
+        flat_out = out.reshape(-1, out.shape[-1]).index_add(0, torch.cat(index),
+                                                            torch.cat(deltas))
+        return flat_out.reshape(out.shape)
 
 
 class MultiLora:
