@@ -9,7 +9,7 @@ The server is `python -m engine.tinker` in a process of its own (the command use
 there uses the host's threads, this process only sends HTTP), on a Qwen3-shaped fp32 model
 with random weights (tools.tiny_models.build_tiny_model: MODEL; `--quick`: QUICK_MODEL), no
 tokenizer downloads. Each call: DATUMS cross_entropy datums of TOKENS tokens (random ids,
-weights 1), LoRA rank RANK on every linear layer. After WARMUP rounds, REPEATS rounds
+weights 1; --datums, --tokens), LoRA rank RANK on every linear layer. After WARMUP rounds, REPEATS rounds
 alternate the order (concurrent first, then sequential first, ...), so a change of the host's
 load meets both alike; optim_step is not timed (it is per model and not batched).
 
@@ -19,7 +19,7 @@ rows of the largest forward batch the service ran in each mode (the `batch_rows:
 of the SDK's answers: MODELS x DATUMS when the concurrent calls ran as one batch, DATUMS one
 after another).
 
-    python -m tools.bench tinker [--quick] [--repeats N] [--models M]
+    python -m tools.bench tinker [--quick] [--repeats N] [--models M] [--datums D] [--tokens T]
 """
 from __future__ import annotations
 
@@ -78,19 +78,20 @@ def _start_server(model_dir: str, state_dir: str, port: int) -> subprocess.Popen
     raise RuntimeError("the tinker server did not answer within 300 s")
 
 
-def _data(seed: int, vocab: int) -> list:
-    """DATUMS cross_entropy datums of TOKENS random ids (targets: the next ids, weights 1)."""
+def _data(seed: int, vocab: int, datums: int, tokens: int) -> list:
+    """`datums` cross_entropy datums of `tokens` random ids (targets: the next ids, weights
+    1)."""
     import random
 
     from tinker import types
 
     rng = random.Random(seed)
     out = []
-    for _ in range(DATUMS):
-        ids = [rng.randrange(4, vocab) for _ in range(TOKENS + 1)]
+    for _ in range(datums):
+        ids = [rng.randrange(4, vocab) for _ in range(tokens + 1)]
         out.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
                                loss_fn_inputs={"target_tokens": ids[1:],
-                                               "weights": [1.0] * TOKENS}))
+                                               "weights": [1.0] * tokens}))
     return out
 
 
@@ -107,7 +108,8 @@ def _round(clients: list, data: list[list], concurrent: bool) -> tuple[float, fl
     return seconds, max(o.metrics["batch_rows:max"] for o in outs)
 
 
-def run_tinker(quick: bool, repeats: int | None = None, models: int = MODELS) -> BenchResult:
+def run_tinker(quick: bool, repeats: int | None = None, models: int = MODELS,
+               datums: int = DATUMS, tokens: int = TOKENS) -> BenchResult:
     import tinker
     from tinker import types
 
@@ -125,7 +127,7 @@ def run_tinker(quick: bool, repeats: int | None = None, models: int = MODELS) ->
             sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY)
             clients = [sc.create_lora_training_client(base_model="model", rank=RANK, seed=i)
                        .result() for i in range(models)]
-            data = [_data(i, shape["vocab_size"]) for i in range(models)]
+            data = [_data(i, shape["vocab_size"], datums, tokens) for i in range(models)]
             for _ in range(WARMUP):
                 _round(clients, data, True)
                 _round(clients, data, False)
@@ -150,7 +152,7 @@ def run_tinker(quick: bool, repeats: int | None = None, models: int = MODELS) ->
     verdict = "met" if hi <= GOAL else "missed" if lo > GOAL else "within the spread"
     table = Table(
         f"Tinker: {models} models' forward_backward, concurrent vs one after another "
-        f"({DATUMS} x {TOKENS} tokens each, LoRA rank {RANK}, hidden {shape['hidden']}, "
+        f"({datums} x {tokens} tokens each, LoRA rank {RANK}, hidden {shape['hidden']}, "
         f"{repeats} rounds)",
         ["mode", "s per round (median)", "quartiles", "largest batch (rows)"],
         [[("concurrent" if c else "one after another"), fmt(median(times[c])),
@@ -178,11 +180,18 @@ def main(argv: list[str], prog: str = "python -m tools.bench tinker") -> int:
     parser.add_argument("--repeats", type=int, default=None, help="rounds (overrides --quick)")
     parser.add_argument("--models", type=int, default=MODELS,
                         help=f"LoRA models sending at once (default {MODELS})")
+    parser.add_argument("--datums", type=int, default=DATUMS,
+                        help=f"datums per forward_backward call (default {DATUMS})")
+    parser.add_argument("--tokens", type=int, default=TOKENS,
+                        help=f"tokens per datum (default {TOKENS})")
     args = parser.parse_args(argv)
+    if args.datums < 1 or not 1 <= args.tokens <= 480:
+        parser.error(f"--datums {args.datums} must be >= 1 and --tokens {args.tokens} in "
+                     "[1, 480] (the model's 512 positions)")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: must be >= 1")
     if args.models < 2:
         parser.error(f"--models {args.models}: must be >= 2")
     quiet_libraries()
-    emit(run_tinker(args.quick, args.repeats, args.models))
+    emit(run_tinker(args.quick, args.repeats, args.models, args.datums, args.tokens))
     return 0
