@@ -1,7 +1,8 @@
 """train.prefix_sharing on KTO, reward models and on-policy distillation (issue 91): sharing on
 against off on the same batches, one process (a pool rank), 3 optimizer steps each: every
 per-token output of the first batch (KTO: the policy's log-probs; reward model: the score
-head's value at every token; distillation: the teacher's log-probs) within 1e-5, the loss, grad
+head's value at every token; distillation: the teacher's log-probs) within rel 1e-5 of the
+table's largest value, the loss, grad
 norm and every logged metric within rel 1e-5 (of that metric's largest size over the steps;
 KTO's rewards and kl: of the log-prob sums they are differences of, `differences`).
 Negative control: the same comparison with a row that also sees its sibling branches is far
@@ -38,12 +39,14 @@ def runs(pools, qwen3_dir, tmp_path_factory):
 
 
 def differences(off: dict, on: dict) -> dict:
-    """Largest |per-token output| difference and largest relative metric difference: relative
+    """Largest per-token output difference relative to the table's largest |value| (fp32
+    rounding scales with the values: the reward model's scores reach 14, its 1.29e-5 largest
+    difference on AVX2 hosts without AMX is rel 9e-7), and largest relative metric difference: relative
     to the metric's largest size over the steps, and for KTO's rewards/* and kl (beta times
     differences of the policy's and the reference's log-prob sums, exactly 0 at step 1 and
     small after it) to the size of those sums (logps/*): their rounding, not the difference's
     size, bounds what two summation orders can agree on."""
-    table = float((on["table"] - off["table"]).abs().max())
+    table = float((on["table"] - off["table"]).abs().max() / off["table"].abs().max())
     scales = {k: max(abs(s[k]) for s in off["steps"]) for k in off["steps"][0]}
     sums = max((v for k, v in scales.items() if k.startswith("logps/")), default=0.0)
     for k in scales:
