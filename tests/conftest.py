@@ -71,7 +71,12 @@ SECOND_TIER = ("tests/test_vllm_speculative.py", "tests/test_preemption.py",
                "tests/test_reward_model_convert.py",
                "tests/test_vllm_failures.py", "tests/test_serve_sampling.py",
                "tests/test_rewards_overlap.py", "tests/test_prefix_sharing.py",
-               "tests/test_rewards_ranks.py", "tests/test_prefix_sharing_compile.py")
+               "tests/test_rewards_ranks.py", "tests/test_prefix_sharing_compile.py",
+               # moved on 2026-11-29: the default tier took 1348-1477 s on 2-core AMD EPYC
+               # hosts without AMX (1.9x the Intel host's times), over its 1200 s budget
+               "tests/test_vllm.py", "tests/test_checkpointing.py", "tests/test_rl_partial.py",
+               "tests/test_moe_sft_cli.py", "tests/test_rl_agent.py", "tests/test_trackers.py",
+               "tests/test_tinker_cookbook.py")
 TIERS = ("default", "second", "all")
 
 
