@@ -48,15 +48,22 @@ def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention per segment of [t, h, d] tensors; segments never see each other.
     `cu_seqlens`: the boundaries, as host ints (no device read) or a tensor.
     `attend`: sinks / sliding window (models.layers.attention.sinks), else plain causal SDPA."""
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])  # value head dim may differ (MLA)
     bounds = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
+    # the segments' outputs concatenated (positions past the last boundary, padding: zeros),
+    # not written into a buffer slice by slice: each slice assignment's backward makes a
+    # full-size zero gradient (16 segments x 4 layers: 0.4 s of a 4.7 s CPU GRPO update)
+    fill = lambda n: q.new_zeros(n, *q.shape[1:-1], v.shape[-1])  # noqa: E731 (MLA: v's dim)
+    parts = [fill(bounds[0])] if bounds and bounds[0] > 0 else []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end <= start:
             continue
         seg = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
         seg_out = causal_attention_bhsd(*seg, scale) if attend is None else attend(*seg, 0)
-        out[start:end] = seg_out[0].transpose(0, 1)
-    return out
+        parts.append(seg_out[0].transpose(0, 1))
+    covered = sum(p.shape[0] for p in parts)
+    if covered < q.shape[0] or not parts:
+        parts.append(fill(q.shape[0] - covered))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 class SDPACoreAttention(MegatronModule):
