@@ -352,9 +352,12 @@ def test_grpo_trains_the_mtp_layer_without_moving_the_policy(pools, glm_dir, tmp
     assert len(runs["on"]) == len(runs["off"]) == 2
     for off, on in zip(runs["off"], runs["on"]):
         assert on["mtp/loss"] > 0 and 0 <= on["mtp/accuracy"] <= 1, on
-        for key in ("reward/mean", "policy/loss", "policy/entropy", "grad_norm",
-                    "response/length_mean"):
+        for key in ("reward/mean", "policy/entropy", "grad_norm", "response/length_mean"):
             assert _rel(on[key], off[key]) < 1e-4, (key, on[key], off[key])
+        # policy/loss: on-policy (old log-probs from the training forward, ratio exactly 1) it is
+        # -mean(advantage), zero up to rounding (-5.2e-8 vs -5.8e-8 on an AVX2 host): judged
+        # against the advantages' scale, 1
+        assert abs(on["policy/loss"] - off["policy/loss"]) < 1e-6, (on, off)
         # the rollout/trainer log-prob gap is fp32 rounding (~1e-6) in both runs: its size is the
         # check; a relative comparison of two rounding residues is not (1.17e-6 vs 9.8e-7 on a
         # host with AMX)

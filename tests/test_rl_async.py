@@ -65,10 +65,21 @@ def _val_metrics(log_dir: Path) -> dict[int, dict]:
             for m in _lines(log_dir) if "val/reward_mean" in m}
 
 
+# policy/loss and policy/pg_loss: whitened advantages times ratios near 1 nearly cancel (about
+# 3e-7 here): their rounding is judged against the terms' size, not the residue's (as
+# tests/test_rl_lora.py: 2e-6 absolute)
+FLOOR = {"policy/loss": 0.2, "policy/pg_loss": 0.2}
+
+
 def _close(a: list[dict], b: list[dict], rel: float = 1e-5) -> bool:
+    """Every SAME metric of every step within `rel` of the larger of the two (FLOOR: at least
+    of that size); the pairs that are not are printed (captured output of a failure)."""
     assert len(a) == len(b) > 0, (len(a), len(b))
-    return all(abs(x[k] - y[k]) <= rel * max(abs(x[k]), abs(y[k]), 1e-8)
-               for x, y in zip(a, b) for k in SAME)
+    far = [(i, k, x[k], y[k]) for i, (x, y) in enumerate(zip(a, b)) for k in SAME
+           if abs(x[k] - y[k]) > rel * max(abs(x[k]), abs(y[k]), FLOOR.get(k, 1e-8))]
+    if far:
+        print("not close (step, key, a, b):", far)
+    return not far
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,12 @@ def test_grpo_with_lora_syncs_merged_weights_and_is_layout_invariant(pools, mode
             for key in KEYS:  # policy/loss: O(1) terms with whitened advantages that nearly
                 # cancel (as in tests/test_rl_ppo.py): its rounding is judged against 1
                 absolute = 2e-6 if key == "policy/loss" else 1e-7
-                assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=absolute), \
+                # TP2 + SP: adapter entries with gradients near Adam's eps turn the rounding of
+                # the differently ordered TP sums into parameter differences after the first
+                # mini-batch (tests/test_dpo.py measured 3.04e-5 in the adapters); step 2's
+                # policy/kl carried 1.09e-5 of it on AVX2 hosts without AMX. Step 1 stays at 1e-5
+                rel = 1e-4 if name == "tp2_sp" and a is not one[0] else 1e-5
+                assert math.isclose(a[key], b[key], rel_tol=rel, abs_tol=absolute), \
                     (name, key, a[key], b[key])
 
 
