@@ -15,6 +15,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +59,45 @@ def median(values: list[float]) -> float:
 def fmt(value: float | None, digits: int = 3) -> str:
     """A float with `digits` decimals, or "n/a" for None."""
     return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated quantile of already sorted values."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, quartiles (linear), min and max of `values` (non-empty)."""
+    s = sorted(values)
+    return {"median": median(s), "q1": quantile(s, 0.25), "q3": quantile(s, 0.75),
+            "min": s[0], "max": s[-1]}
+
+
+def ratio_verdict(pair_ratios: list[float], goal: float) -> str:
+    """An upper-bound goal on a ratio judged against the per-round ratios' spread: "met" when
+    their upper quartile is <= goal, "missed" when the lower one is above it, else "within the
+    spread"."""
+    s = spread(pair_ratios)
+    if s["q3"] <= goal:
+        return "met"
+    if s["q1"] > goal:
+        return "missed"
+    return "within the spread"
+
+
+def timed_post(client, url: str, body: dict) -> tuple[float, dict]:
+    """POST `body` as JSON with `client` (an httpx.Client, or the httpx module for a one-off
+    connection): (seconds from sending to the whole answer, its JSON); a non-200 raises
+    naming the URL."""
+    t0 = time.perf_counter()
+    r = client.post(url, json=body, timeout=600)
+    seconds = time.perf_counter() - t0
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: {r.status_code}: {r.text[:300]}")
+    return seconds, r.json()
 
 
 def emit(result: BenchResult) -> None:

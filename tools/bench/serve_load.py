@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.bench.common import BenchResult, Table, fmt, median
+from tools.bench.common import BenchResult, Table, fmt, median, quantile
 
 CLIENTS, MIN_TOKENS, MAX_TOKENS, SPREAD_S, REPEATS = 16, 8, 256, 2.0, 3
 QUICK = (8, 64, 1)
@@ -75,14 +75,6 @@ async def _round(url: str, jobs: list[dict]) -> dict:
     tokens = sum(n for _, n in done)
     return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall,
             "p50_s": quantile(latencies, 0.5), "p99_s": quantile(latencies, 0.99)}
-
-
-def quantile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated quantile of already sorted values."""
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 def _command(name: str, model: str, port: int) -> list[str]:

@@ -31,7 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 import time
 from pathlib import Path
 
-from tools.bench.common import BenchResult, Table, fmt, median
+from tools.bench.common import BenchResult, Table, fmt, median, timed_post
 
 LONG, SHORT, STREAM, REPEATS, SHORT_AT = 512, 8, 256, 5, 0.25
 QUICK = (128, 64, 1)
@@ -55,15 +55,11 @@ def _serving(endpoint_cls, settings, tokenizer, backend):
 
 
 def _timed_post(url: str, body: dict) -> tuple[float, dict]:
-    """In a client process: (seconds from sending to the answer, its JSON)."""
+    """In a client process (picklable for the pool): common.timed_post on a fresh
+    connection."""
     import httpx
 
-    t0 = time.perf_counter()
-    r = httpx.post(url, json=body, timeout=600)
-    seconds = time.perf_counter() - t0
-    if r.status_code != 200:
-        raise RuntimeError(f"{r.status_code}: {r.text[:300]}")
-    return seconds, r.json()
+    return timed_post(httpx, url, body)
 
 
 def _stream(url: str, tokens: int, seed: int = 0) -> dict:

@@ -33,11 +33,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from tools.bench.common import BenchResult, Table, fmt, median
-from tools.bench.serve_load import KV_BYTES, _wait_up, quantile
+from tools.bench.common import BenchResult, Table, fmt, ratio_verdict, spread, timed_post
+from tools.bench.serve_load import KV_BYTES, _wait_up
 
 HIDDEN, MAX_CONTEXT, NEW_TOKENS, REPEATS, QUICK_REPEATS, WARMUP = 512, 512, 64, 21, 5, 3
 GOAL = 1.2
@@ -70,36 +69,15 @@ def order(round_index: int) -> tuple[str, str]:
     return ("vllm", "serve") if round_index % 2 == 0 else ("serve", "vllm")
 
 
-def spread(values: list[float]) -> dict[str, float]:
-    """Median, quartiles (linear), min and max of `values` (non-empty)."""
-    s = sorted(values)
-    return {"median": median(s), "q1": quantile(s, 0.25), "q3": quantile(s, 0.75),
-            "min": s[0], "max": s[-1]}
-
-
 def verdict(pair_ratios: list[float], goal: float = GOAL) -> str:
     """GOAL judged against the per-round ratios' spread (module docstring)."""
-    s = spread(pair_ratios)
-    if s["q3"] <= goal:
-        return "met"
-    if s["q1"] > goal:
-        return "missed"
-    return "within the spread"
-
-
-def _post(client, url: str, payload: dict) -> tuple[float, dict]:
-    t0 = time.perf_counter()
-    r = client.post(url, json=payload, timeout=600)
-    seconds = time.perf_counter() - t0
-    if r.status_code != 200:
-        raise RuntimeError(f"{url}: {r.status_code}: {r.text[:300]}")
-    return seconds, r.json()
+    return ratio_verdict(pair_ratios, goal)
 
 
 def pick_prompt(client, url: str, new_tokens: int) -> list[int]:
     """The first of PROMPTS whose greedy reply runs `new_tokens` (module docstring)."""
     for prompt in PROMPTS:
-        _, reply = _post(client, url, body(prompt, new_tokens))
+        _, reply = timed_post(client, url, body(prompt, new_tokens))
         if reply["usage"]["completion_tokens"] == new_tokens:
             return prompt
     raise RuntimeError(f"every prompt of PROMPTS ends at eos before {new_tokens} tokens")
@@ -129,17 +107,17 @@ def measure(model: str, eager: bool, repeats: int, new_tokens: int, folder: str)
         with httpx.Client() as client:
             prompt = pick_prompt(client, urls["vllm"], new_tokens)
             payload = body(prompt, new_tokens)
-            texts = {n: _post(client, u, payload)[1]["choices"][0]["text"]
+            texts = {n: timed_post(client, u, payload)[1]["choices"][0]["text"]
                      for n, u in urls.items()}
             if texts["vllm"] != texts["serve"]:
                 raise RuntimeError(f"the servers' greedy replies differ: {texts}")
             for _ in range(WARMUP):
                 for url in urls.values():
-                    _post(client, url, payload)
+                    timed_post(client, url, payload)
             seconds: dict[str, list[float]] = {n: [] for n in urls}
             for i in range(repeats):
                 for name in order(i):
-                    s, reply = _post(client, urls[name], payload)
+                    s, reply = timed_post(client, urls[name], payload)
                     if reply["usage"]["completion_tokens"] != new_tokens:
                         raise RuntimeError(f"{name}: {reply['usage']} (asked {new_tokens})")
                     seconds[name].append(s)

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.bench.common import BenchResult, Table, fmt, free_port, median
+from tools.bench.common import BenchResult, Table, fmt, free_port, median, ratio_verdict, spread
 
 GOAL = 0.5
 MODELS = 4
@@ -45,14 +45,6 @@ MODEL = dict(hidden=384, layers=4, heads=6, kv_heads=2, intermediate=1152, head_
 QUICK_MODEL = dict(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, head_dim=32,
                    vocab_size=256)
 KEY = "tml-bench"
-
-
-def quantiles(values: list[float]) -> tuple[float, float]:
-    """The lower and upper quartiles (linear interpolation, tools.bench.serve_load.quantile)."""
-    from tools.bench.serve_load import quantile
-
-    ordered = sorted(values)
-    return quantile(ordered, 0.25), quantile(ordered, 0.75)
 
 
 def _start_server(model_dir: str, state_dir: str, port: int) -> subprocess.Popen:
@@ -148,15 +140,17 @@ def run_tinker(quick: bool, repeats: int | None = None, models: int = MODELS,
             server.terminate()
             server.wait(timeout=60)
     ratio = median(times[True]) / median(times[False])
-    lo, hi = quantiles(ratios)
-    verdict = "met" if hi <= GOAL else "missed" if lo > GOAL else "within the spread"
+    per_round = spread(ratios)
+    lo, hi = per_round["q1"], per_round["q3"]
+    verdict = ratio_verdict(ratios, GOAL)
+    stats = {c: spread(times[c]) for c in (True, False)}
     table = Table(
         f"Tinker: {models} models' forward_backward, concurrent vs one after another "
         f"({datums} x {tokens} tokens each, LoRA rank {RANK}, hidden {shape['hidden']}, "
         f"{repeats} rounds)",
         ["mode", "s per round (median)", "quartiles", "largest batch (rows)"],
-        [[("concurrent" if c else "one after another"), fmt(median(times[c])),
-          f"{fmt(quantiles(times[c])[0])}-{fmt(quantiles(times[c])[1])}", f"{rows[c]:.0f}"]
+        [[("concurrent" if c else "one after another"), fmt(stats[c]["median"]),
+          f"{fmt(stats[c]['q1'])}-{fmt(stats[c]['q3'])}", f"{rows[c]:.0f}"]
          for c in (True, False)],
         notes=[f"concurrent / one after another: {ratio:.3f} (per-round quartiles "
                f"{lo:.3f}-{hi:.3f}); goal <= {GOAL}: {verdict}"])
