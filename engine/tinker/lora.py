@@ -53,6 +53,28 @@ class LoraSpec:
                 + (UNEMBED if self.train_unembed else ()))
 
 
+class RowPlan:
+    """Which tokens of a batch each adapter owns (MultiLora.assign): row b takes adapter
+    names[b] (None: base only) on its first lengths[b] tokens. `positions(seq)`: per adapter,
+    in the order of its first row, the flat positions (b * seq + t) of its rows' real tokens;
+    computed once per padded length and shared by every wrapped linear of the forward."""
+
+    def __init__(self, names: list[str | None], lengths: list[int]):
+        self.names, self.lengths = names, lengths
+        self._cache: dict[int, list[tuple[str, torch.Tensor]]] = {}
+
+    def positions(self, seq: int) -> list[tuple[str, torch.Tensor]]:
+        if seq not in self._cache:
+            rows: dict[str, list[int]] = {}
+            for b, name in enumerate(self.names):
+                if name is not None:
+                    rows.setdefault(name, []).append(b)
+            self._cache[seq] = [
+                (name, torch.cat([torch.arange(b * seq, b * seq + self.lengths[b]) for b in bs]))
+                for name, bs in rows.items()]
+        return self._cache[seq]
+
+
 class MultiLoraLinear(nn.Module):
     """A frozen base linear plus per-row adapters (module docstring)."""
 
@@ -60,8 +82,7 @@ class MultiLoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.adapters = nn.ModuleDict()
-        self.rows: list[str | None] | None = None   # set by MultiLora.assign
-        self.lengths: list[int] = []
+        self.plan: RowPlan | None = None   # set by MultiLora.assign
 
     def add(self, name: str, rank: int, generator: torch.Generator) -> None:
         a = torch.empty(rank, self.base.in_features, dtype=self.base.weight.dtype)
@@ -79,27 +100,22 @@ class MultiLoraLinear(nn.Module):
         else:
             out = self.base(flat)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
-        if not self.rows or not self.adapters:
-            return out
-        groups: dict[str, list[int]] = {}
-        for row, name in enumerate(self.rows):
-            if name is not None and name in self.adapters:
-                groups.setdefault(name, []).append(row)
+        groups = [(name, positions) for name, positions in
+                  (self.plan.positions(x.shape[1]) if self.plan is not None else [])
+                  if name in self.adapters]
         if not groups:
             return out
-        # each adapter's rows' real tokens, as positions of the flattened [batch * seq] tokens:
-        # one index_select gathers them and one index_add puts every product back (each
-        # position at most once: out + delta, the same sum alone or batched). Per-row slice
-        # assignments cost a full-size zero gradient per row and linear in backward (quadratic
-        # in the batch: 1.5x slower batched than alone at 16 rows, tools/bench tinker).
-        seq = x.shape[1]
+        # each adapter's rows' real tokens, as positions of the flattened [batch * seq] tokens
+        # (RowPlan): one index_select gathers them and one index_add puts every product back
+        # (each position at most once: out + delta, the same sum alone or batched). Per-row
+        # slice assignments cost a full-size zero gradient per row and linear in backward
+        # (quadratic in the batch: 1.5x slower batched than alone at 16 rows, tools/bench
+        # tinker).
         flat_x = x.reshape(-1, x.shape[-1])
         index, deltas = [], []
-        for name, rows in groups.items():
+        for name, positions in groups:
             pair = self.adapters[name]
             scale = LORA_ALPHA / pair["A"].shape[0]
-            positions = torch.cat([torch.arange(b * seq, b * seq + self.lengths[b])
-                                   for b in rows])
             tokens = flat_x.index_select(0, positions)
             deltas.append(scale * ((tokens @ pair["A"].t()) @ pair["B"].t()))
             index.append(positions)
@@ -164,6 +180,6 @@ class MultiLora:
         (None: every row is base only)."""
         if names is not None and (lengths is None or len(lengths) != len(names)):
             raise ValueError("assign: one length per row")
+        plan = RowPlan(names, lengths) if names is not None else None
         for linear in self.linears.values():
-            linear.rows = names
-            linear.lengths = lengths or []
+            linear.plan = plan
