@@ -87,8 +87,10 @@ def _command(name: str, model: str, port: int) -> list[str]:
             "--max-context", str(MAX_CONTEXT), "--max-tokens", str(MAX_TOKENS), "--quiet"]
 
 
-def _wait_up(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 600) -> float:
-    """Seconds until `url`/health answers 200; raises when the server exits or never does."""
+def _wait_up(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 600,
+             health: str = "/health") -> float:
+    """Seconds until `url` + `health` answers 200; raises when the server exits or never
+    does."""
     import httpx
 
     t0 = time.perf_counter()
@@ -97,7 +99,7 @@ def _wait_up(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 600) 
             raise RuntimeError(f"{url}: the server exited ({proc.returncode}); its output: "
                                f"{log.read_text()[-2000:]}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + health, timeout=2).status_code == 200:
                 return time.perf_counter() - t0
         except httpx.HTTPError:
             pass

@@ -49,25 +49,20 @@ KEY = "tml-bench"
 
 def _start_server(model_dir: str, state_dir: str, port: int) -> subprocess.Popen:
     """`python -m engine.tinker` on `model_dir`, waited for until it answers (its stdout and
-    stderr to a log in `state_dir`, printed if it exits first)."""
-    import httpx
+    stderr to a log in `state_dir`, the end of it in the error if it exits first; killed if it
+    never answers)."""
+    from tools.bench.serve_load import _wait_up
 
-    log = open(Path(state_dir) / "server.log", "w")
+    log = Path(state_dir) / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "engine.tinker", "--model", model_dir,
                              "--port", str(port), "--api-key", KEY, "--state-dir", state_dir],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the tinker server exited while starting:\n"
-                               + Path(state_dir, "server.log").read_text()[-3000:])
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=2)
-            return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the tinker server did not answer within 300 s")
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        _wait_up(f"http://127.0.0.1:{port}", proc, log, 300, "/api/v1/healthz")
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
 
 
 def _data(seed: int, vocab: int, datums: int, tokens: int) -> list:
