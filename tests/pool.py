@@ -837,11 +837,17 @@ _ORIGINAL_DESTROY = None
 def _exit_without_ending(code: int = 0):
     """engine.cli.exit_process inside the pool: a script's end, not the process's (raise
     SystemExit after what exit_process does besides os._exit: threads joined, streams
-    flushed)."""
+    flushed). The idle workers of concurrent.futures' thread pools are not waited for: at a real
+    exit threading's exit callbacks stop them, which would shut concurrent.futures down for good
+    in a rank that runs further cases; a pool still referenced (transformers' weight loading)
+    keeps its idle workers alive, and joining them hung a case until its timeout."""
+    import concurrent.futures.thread as futures_thread
     import threading
 
+    gc.collect()   # executors no longer referenced let their idle workers end
     for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
+        if (thread is not threading.current_thread() and not thread.daemon
+                and getattr(thread, "_target", None) is not futures_thread._worker):
             thread.join()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):

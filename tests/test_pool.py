@@ -37,6 +37,23 @@ def test_script_case_exit_code_and_output(pools, tmp_path):
     assert pools.script(2, str(script), "0").returncode == 0
 
 
+def test_a_script_ending_with_a_live_thread_pool_exits_and_the_next_pool_works(pools, tmp_path):
+    """A script that keeps a concurrent.futures thread pool referenced (transformers' weight
+    loading does) ends through exit_process: its idle workers are not joined (the case used to
+    hang until its timeout), and thread pools still work in the next case."""
+    script = tmp_path / "script.py"
+    script.write_text("import concurrent.futures, sys\n"
+                      "from engine.cli import exit_process\n"
+                      "KEPT = concurrent.futures.ThreadPoolExecutor(2)\n"
+                      "if __name__ == '__main__':\n"
+                      "    sys.modules['__kept_pool__'] = KEPT\n"
+                      "    print(sum(KEPT.map(abs, [-1, -2])))\n"
+                      "    exit_process(int(sys.argv[1]))\n")
+    run = pools.script(2, str(script), "0", timeout=60)
+    assert run.returncode == 0 and run.stdout.splitlines() == ["3"]
+    assert pools.script(2, str(script), "4", timeout=60, check=False).returncode == 4
+
+
 def test_megatron_state_is_torn_down_between_cases(pools):
     first = pools.run(2, f"{CHECKS}:megatron_layout", 2, 1)
     second = pools.run(2, f"{CHECKS}:megatron_layout", 1, 2)
