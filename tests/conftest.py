@@ -78,6 +78,41 @@ SECOND_TIER = ("tests/test_vllm_speculative.py", "tests/test_preemption.py",
                "tests/test_moe_sft_cli.py", "tests/test_rl_agent.py", "tests/test_trackers.py",
                "tests/test_tinker_cookbook.py")
 TIERS = ("default", "second", "all")
+# The second tier in shards (TESTS_SHARD=K/N with TESTS_TIER=second: the K-th of N, 1-based):
+# .ci/run runs one shard per commit, chosen from the commit's hash, so that CI stays within
+# its 30 minutes while every file still runs in CI every few commits (docs/development.md,
+# "Suite time"). A file missing from FILE_SECONDS counts as UNMEASURED_S seconds.
+UNMEASURED_S = 60.0
+
+
+def second_tier_shards(n: int, seconds: dict[str, float]) -> list[list[str]]:
+    """SECOND_TIER split into `n` shards of about equal measured seconds: the files longest
+    first (`seconds`, as in FILE_SECONDS; SECOND_TIER's order on ties), each to the shard with
+    the fewest seconds so far (the lowest index on a tie). Deterministic for given inputs."""
+    order = sorted(SECOND_TIER, key=lambda f: -seconds.get(f, UNMEASURED_S))
+    shards: list[list[str]] = [[] for _ in range(n)]
+    totals = [0.0] * n
+    for name in order:
+        k = min(range(n), key=lambda i: (totals[i], i))
+        shards[k].append(name)
+        totals[k] += seconds.get(name, UNMEASURED_S)
+    return shards
+
+
+def shard_of_run(tier: str | None) -> tuple[int, int] | None:
+    """(K, N) from TESTS_SHARD="K/N" (1 <= K <= N), or None when it is unset; refused by name
+    when malformed or given without TESTS_TIER=second."""
+    raw = os.environ.get("TESTS_SHARD")
+    if not raw:
+        return None
+    if tier != "second":
+        raise pytest.UsageError(f"TESTS_SHARD={raw!r}: shards split the second tier only; "
+                                "set TESTS_TIER=second with it")
+    k, _, n = raw.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise pytest.UsageError(f"TESTS_SHARD={raw!r}: expected K/N with 1 <= K <= N "
+                                "(e.g. 2/3)")
+    return int(k), int(n)
 
 
 def tier_of_run(config) -> str | None:
@@ -92,10 +127,17 @@ def tier_of_run(config) -> str | None:
     return tier
 
 
+def pytest_configure(config) -> None:
+    """TESTS_TIER and TESTS_SHARD checked once, before collection: a bad value ends the run
+    with pytest's one-line usage error naming it."""
+    shard_of_run(tier_of_run(config))
+
+
 def pytest_ignore_collect(collection_path, config) -> bool | None:
-    """A tier's run (tier_of_run) does not collect the other tier's files: their modules are
-    not even imported (each xdist worker collects every file it is given: 22 s for all, 15 s
-    for the second tier's alone on the 2-core host)."""
+    """A tier's run (tier_of_run) does not collect the other tier's files, nor, with
+    TESTS_SHARD, the second tier's files outside its shard: their modules are not even imported
+    (each xdist worker collects every file it is given: 22 s for all, 15 s for the second
+    tier's alone on the 2-core host)."""
     tier = tier_of_run(config)
     if tier not in ("default", "second") or not collection_path.name.startswith("test_"):
         return None
@@ -103,7 +145,14 @@ def pytest_ignore_collect(collection_path, config) -> bool | None:
         relative = collection_path.resolve().relative_to(REPO_ROOT).as_posix()
     except ValueError:
         return None
-    return True if (relative in SECOND_TIER) != (tier == "second") else None
+    if (relative in SECOND_TIER) != (tier == "second"):
+        return True
+    shard = shard_of_run(tier)
+    if shard is not None:
+        seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+        if relative not in second_tier_shards(shard[1], seconds)[shard[0] - 1]:
+            return True
+    return None
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
