@@ -1,0 +1,183 @@
+"""The Tinker service against the engine's own LoRA SFT (docs/tinker.md, "Exactness"): on a
+LoRA model of `megatron-sft-engine tinker`, three `forward_backward(cross_entropy)` +
+`optim_step` steps over the same rows equal three steps of `python -m engine.sft` on
+Megatron-Core (one rank of the session's rank pool) started from the service's adapter
+(model.lora.init_from: the service's starting A and B written as a PEFT folder by peft itself):
+per-step loss and gradient norm rel 1e-5 (measured: 7e-8 and 9e-8), every adapter matrix after
+the third step (the engine's checkpoint exported by `tools/convert.py mcore-to-hf`) within
+ADAPTER_TOL = 5e-5 of the adapter's largest value (measured 1.4e-5, on an A matrix: 1.8e-6
+absolute; against each matrix's own largest value the worst is 2e-5). Not 1e-5: B starts at
+zero, so its first update is Adam's lr * g / (|g| + eps), near lr * sign(g), ill-conditioned
+where g is near zero, and A's later updates follow from B; that amplifies the two
+implementations' float rounding (Megatron's fused QKV and gate/up GEMMs against transformers'
+separate ones; eps 1e-2 instead of 1e-4 gave the same 1e-5 scale).
+
+The same step on both sides: the rows of a chat JSONL rendered by the engine's data pipeline
+(engine.data.datasets: tokens, next-token labels, 0/1 loss mask), each one Datum
+(`target_tokens` the labels, `weights` the mask); Tinker's cross_entropy is the sum of the
+weighted token losses, the engine's loss.agg_mode=token-sum; AdamW with the same lr, betas,
+eps and weight decay, a constant learning rate (optim.schedule=constant), no clipping
+(grad_clip_norm 0, optim.clip_grad=0); every row in every step (train.global_batch_size = the
+rows, data.shuffle=false). Negative control: a model of the service trained with its weights
+shifted one token (the classic label-shift bug) is far from the engine's losses and adapters.
+
+Second tier (tests/conftest.py SECOND_TIER): one in-process server, two launches."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from tests.test_tinker import _serve  # noqa: E402
+from tools.tiny_models import build_tiny_model  # noqa: E402
+
+RANK, ALPHA, STEPS, SEQ = 4, 32.0, 3, 64
+ADAPTER_TOL = 5e-5   # of the adapter's largest value (module docstring: measured 1.4e-5)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAM = dict(learning_rate=5e-3, beta1=0.9, beta2=0.95, eps=1e-4, weight_decay=0.01,
+            grad_clip_norm=0.0)
+ROWS = [{"messages": [{"role": "user", "content": f"what is {i} plus {2 * i + 1} ?"},
+                      {"role": "assistant", "content": f"it is {3 * i + 1}, of course"}]}
+        for i in range(4)]
+
+
+def _datums(samples, shift: int = 0) -> list:
+    """One Datum per engine Sample; `shift` moves the weights that many tokens later (the
+    negative control's bug)."""
+    out = []
+    for s in samples:
+        mask = list(s.loss_mask)
+        weights = [0] * shift + mask[:len(mask) - shift] if shift else mask
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(list(s.tokens)),
+                               loss_fn_inputs={"target_tokens": list(s.labels),
+                                               "weights": [float(w) for w in weights]}))
+    return out
+
+
+def _state(root: Path, path: str) -> dict:
+    from urllib.parse import quote
+    model_id, _, rest = path[len("tinker://"):].partition("/")
+    kind, _, name = rest.partition("/")
+    return torch.load(root / "state" / quote(model_id, safe="") / kind /
+                      f"{quote(name, safe='')}.pt", weights_only=True)["adapter"]
+
+
+def _peft_folder(model_dir: str, adapter: dict, out: Path) -> str:
+    """The service's adapter (names "model.layers.0.self_attn.q_proj.A" / ".B") as a PEFT
+    folder that peft itself writes (r RANK, lora_alpha ALPHA, TARGETS)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                      target_modules=TARGETS))
+    copied = 0
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            path = name.replace("base_model.model.", "")
+            with torch.no_grad():
+                module.lora_A["default"].weight.copy_(adapter[f"{path}.A"])
+                module.lora_B["default"].weight.copy_(adapter[f"{path}.B"])
+            copied += 2
+    assert copied == len(adapter), (copied, sorted(adapter)[:4])
+    model.save_pretrained(str(out))
+    return str(out)
+
+
+def _train_on_service(tc, data) -> tuple[list[float], list[float]]:
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        norms.append(tc.optim_step(types.AdamParams(**ADAM)).result().metrics["grad_norm:mean"])
+    return losses, norms
+
+
+def _rel(a, b) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def runs(pools, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from engine.data.datasets import load_sft_dataset
+
+    root = tmp_path_factory.mktemp("tinker_vs_sft")
+    model = build_tiny_model(str(root / "llama"), "llama", hidden=64, layers=2, heads=4,
+                             kv_heads=2, intermediate=128, initializer_range=0.2)
+    data = root / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    samples = [s for s in load_sft_dataset(str(data), AutoTokenizer.from_pretrained(model), SEQ,
+                                           cache_dir=str(root / "cache"), num_workers=0)]
+    assert len(samples) == len(ROWS) and all(sum(s.loss_mask) > 0 for s in samples)
+    server = _serve(["--model", model, "--state-dir", str(root / "state")])
+    try:
+        sc = tinker.ServiceClient(base_url=server["url"], api_key="tml-local")
+        make = lambda: sc.create_lora_training_client(   # noqa: E731
+            base_model="llama", rank=RANK, seed=11, train_unembed=False).result()
+        tc, control = make(), make()
+        start = _state(root, tc.save_state("start").result().path)
+        service = _train_on_service(tc, _datums(samples))
+        end = _state(root, tc.save_state("end").result().path)
+        shifted = _train_on_service(control, _datums(samples, shift=1))
+        shifted_end = _state(root, control.save_state("end").result().path)
+    finally:
+        server["stop"]()
+    adapter = _peft_folder(model, start, root / "start_adapter")
+    ckpt = root / "ckpt"
+    proc = pools.script(
+        1, "-m", "engine.sft", f"model.hf_path={model}", f"data.train_files=[{data}]",
+        f"model.lora.init_from={adapter}", "data.shuffle=false", "data.num_workers=0",
+        f"data.cache_dir={root / 'cache_run'}", f"train.global_batch_size={len(ROWS)}",
+        "train.micro_batch_size=2", f"train.seq_length={SEQ}", f"train.max_steps={STEPS}",
+        "loss.agg_mode=token-sum", f"optim.lr={ADAM['learning_rate']}",
+        "optim.schedule=constant", "optim.clip_grad=0",
+        f"optim.betas=[{ADAM['beta1']},{ADAM['beta2']}]", f"optim.eps={ADAM['eps']}",
+        f"optim.weight_decay={ADAM['weight_decay']}", "logging.progress_bar=false",
+        f"logging.dir={root / 'log'}", f"checkpoint.dir={ckpt}",
+        f"checkpoint.save_interval={STEPS}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (root / "log" / "metrics.jsonl").read_text()
+               .splitlines() if line.strip()]
+    metrics = [m for m in metrics if "loss" in m and "grad_norm" in m]
+    proc = pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt",
+                        str(ckpt / f"iter_{STEPS:07d}"), "--out", str(root / "exported"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from safetensors.torch import load_file
+    exported = load_file(str(root / "exported" / "adapter_model.safetensors"))
+    return dict(service=service, shifted=shifted, start=start, end=end, exported=exported,
+                shifted_end=shifted_end,
+                engine=([m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]))
+
+
+def test_losses_and_grad_norms_equal_the_engines_lora_sft(runs):
+    (losses, norms), (e_losses, e_norms) = runs["service"], runs["engine"]
+    assert len(e_losses) == STEPS and len(set(np.round(losses, 6))) == STEPS   # it trains
+    assert _rel(losses, e_losses) < 1e-5, (losses, e_losses)
+    assert _rel(norms, e_norms) < 1e-5, (norms, e_norms)
+    assert _rel(runs["shifted"][0], e_losses) > 1e-2, (runs["shifted"][0], e_losses)
+
+
+def _adapter_gap(ours: dict, exported: dict, scale: float) -> float:
+    """max |ours - exported| over every matrix, over `scale`."""
+    return max(float((ours[k] - exported[f"base_model.model.{k[:-2]}.lora_{k[-1]}.weight"])
+                     .abs().max()) for k in ours) / scale
+
+
+def test_adapters_after_three_steps_equal_the_engines_export(runs):
+    end, exported = runs["end"], runs["exported"]
+    names = {f"base_model.model.{k[:-2]}.lora_{k[-1]}.weight" for k in end}
+    assert names == set(exported) and len(names) == 2 * 7 * 2, sorted(names ^ set(exported))[:6]
+    assert all(not torch.equal(end[k], runs["start"][k]) for k in end)   # every A and B trained
+    scale = max(float(t.abs().max()) for t in exported.values())
+    gap, control = _adapter_gap(end, exported, scale), _adapter_gap(runs["shifted_end"],
+                                                                    exported, scale)
+    print(f"adapter gap {gap:.3g}, label-shift control {control:.3g}")
+    assert gap < ADAPTER_TOL
+    assert control > 10 * ADAPTER_TOL   # the label-shift bug stands out by far more
