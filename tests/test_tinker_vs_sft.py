@@ -34,7 +34,7 @@ import torch
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests.test_tinker import _serve  # noqa: E402
+from tests.test_tinker import _serve, _state  # noqa: E402
 from tools.tiny_models import build_tiny_model  # noqa: E402
 
 RANK, ALPHA, STEPS, SEQ = 4, 32.0, 3, 64
@@ -60,12 +60,9 @@ def _datums(samples, shift: int = 0) -> list:
     return out
 
 
-def _state(root: Path, path: str) -> dict:
-    from urllib.parse import quote
-    model_id, _, rest = path[len("tinker://"):].partition("/")
-    kind, _, name = rest.partition("/")
-    return torch.load(root / "state" / quote(model_id, safe="") / kind /
-                      f"{quote(name, safe='')}.pt", weights_only=True)["adapter"]
+def _adapter(root: Path, path: str) -> dict:
+    """The adapter of the state the service saved at `path` (tinker://...)."""
+    return _state({"root": root}, path)["adapter"]
 
 
 def _peft_folder(model_dir: str, adapter: dict, out: Path) -> str:
@@ -122,11 +119,11 @@ def runs(pools, tmp_path_factory):
         make = lambda: sc.create_lora_training_client(   # noqa: E731
             base_model="llama", rank=RANK, seed=11, train_unembed=False).result()
         tc, control = make(), make()
-        start = _state(root, tc.save_state("start").result().path)
+        start = _adapter(root, tc.save_state("start").result().path)
         service = _train_on_service(tc, _datums(samples))
-        end = _state(root, tc.save_state("end").result().path)
+        end = _adapter(root, tc.save_state("end").result().path)
         shifted = _train_on_service(control, _datums(samples, shift=1))
-        shifted_end = _state(root, control.save_state("end").result().path)
+        shifted_end = _adapter(root, control.save_state("end").result().path)
     finally:
         server["stop"]()
     adapter = _peft_folder(model, start, root / "start_adapter")
