@@ -1,8 +1,10 @@
 """Preemption and crashes through the command line: SIGTERM / SIGINT during training save a
 checkpoint that resumes, and a rank killed in the middle of a save leaves the run resumable
 from the previous complete checkpoint (the torn save is never published). Real launches
-(torchrun or python: signals, a killed rank, resumes across launches); only the uninterrupted
-reference run uses the session's rank pool (tests/pool.py)."""
+(torchrun or python: signals, a killed rank, a resume across launches); the last resume, which
+only has to finish the run, and the uninterrupted reference run use the session's rank pool
+(tests/pool.py: each a case that starts as a fresh launch would, reading the checkpoint from
+disk)."""
 from __future__ import annotations
 
 import json
@@ -73,8 +75,9 @@ def test_sigterm_saves_a_checkpoint_that_resumes_and_a_rank_killed_during_save_d
        is SIGKILLed inside the save of the next interval step K
        (engine.checkpoint.fault_injection): the job fails, iter K stays an unpublished
        staging directory, `latest` still names N.
-    3. The relaunch resumes from N again and finishes: steps N+1..STEPS equal those of an
-       uninterrupted run, and the staging directory is gone."""
+    3. The relaunch (on the rank pool, saving a third torchrun start) resumes from N again
+       and finishes: steps N+1..STEPS equal those of an uninterrupted run, and the staging
+       directory is gone."""
     run_dir, straight = tmp_path / "run", tmp_path / "straight"
     extra = ["checkpoint.save_interval=2"]
     # a save (step 2) before the signal: it starts the checkpoint writer's queue server, a
@@ -97,7 +100,7 @@ def test_sigterm_saves_a_checkpoint_that_resumes_and_a_rank_killed_during_save_d
     assert read_latest(ckpt) == done and checkpoint_problems(iteration_dir(ckpt, done)) == []
     assert staging_dir(ckpt, killed_at).is_dir() and not iteration_dir(ckpt, killed_at).exists()
 
-    resumed = run_torchrun(2, *_args(assets, run_dir, STEPS, *extra), timeout=300)
+    resumed = pools.script(2, *_args(assets, run_dir, STEPS, *extra), timeout=300)
     assert resumed.returncode == 0
     assert f"resumed from {iteration_dir(ckpt, done)}: {done} steps done" in resumed.stdout
     assert pools.script(2, *_args(assets, straight, STEPS, *extra), timeout=300).returncode == 0
