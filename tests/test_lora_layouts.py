@@ -132,13 +132,14 @@ def lora_run(pools, tmp_path_factory):
                             "--adapter", start, "--out", str(out / folder), split, "2")
         assert proc.returncode == 0, proc.stderr[-3000:]
     layouts = _results(pools.script(2, SCRIPT, dense, moe, adapter, out, env=env))
-    final = out / "ckpt_final" / "iter_0000003"
+    final = out / "ckpt_final" / f"iter_{harness.STEPS:07d}"
+    family_final = f"iter_{harness.FAMILY_STEPS:07d}"   # the families' runs are shorter
     for ckpt, flag, folder in ((final, "", "peft"), (final, "--merge", "merged"),
                                (out / "from_adapter", "", "round_trip"),
                                (out / "moe_from_adapter", "", "moe_round_trip"),
-                               (out / "ckpt_qwen3_moe" / "iter_0000003", "--merge",
+                               (out / "ckpt_qwen3_moe" / family_final, "--merge",
                                 "qwen3_moe_merged"),
-                               *((out / f"ckpt_{name}" / "iter_0000003", "", f"{name}_peft")
+                               *((out / f"ckpt_{name}" / family_final, "", f"{name}_peft")
                                  for name in families)):
         proc = pools.script(1, "tools/convert.py", "mcore-to-hf", "--ckpt", str(ckpt),
                             "--out", str(out / folder), *([flag] if flag else []))
@@ -193,7 +194,8 @@ def test_reference_after_a_lora_start_is_the_starting_adapter(lora_run, run):
     shared-gate adapters at EP2 (tests/multirank/lora_reference_check.py). Negative controls:
     the trained adapter (what a reference rebuilt from the checkpoint would be) and, at
     TP2 + SP, the bare base (adapters off, the reference before issue 67) are far from it.
-    Measured (global batches of 4): ref_gap 0.0 in every run; moved 0.52 (Qwen3.5-MoE) to 5.02;
+    Measured (global batches of 4; the families after 2 steps): ref_gap 0.0 in every run;
+    moved 0.54 (Qwen3.5-MoE) to 4.89;
     base_gap 2.50; the checks' passes about 2 s of the launch in all."""
     r = lora_run["layouts"][run]
     assert r["ref_gap"] == 0.0, r
@@ -219,9 +221,9 @@ def test_negative_control_expert_adapter_on_the_wrong_expert_under_ep(lora_run):
     assert r["loss_rel"] > 1e-3 and r["param_rel"] > 1e-3, r
 
 
-def _peft_loop(base: str, adapter: str):
-    """transformers + peft + torch AdamW on the harness's batches: (losses, grad norms, adapter
-    state dict)."""
+def _peft_loop(base: str, adapter: str, steps: int = harness.STEPS):
+    """transformers + peft + torch AdamW on the harness's first `steps` batches: (losses, grad
+    norms, adapter state dict)."""
     from peft import PeftModel, get_peft_model_state_dict
 
     model = PeftModel.from_pretrained(load_hf_model(base), adapter, is_trainable=True)
@@ -230,7 +232,7 @@ def _peft_loop(base: str, adapter: str):
                             weight_decay=0.0)
     losses, norms = [], []
     vocab = model.config.get_text_config().vocab_size   # a wrapper's text_config holds it
-    for seqs in harness.batches(vocab):
+    for seqs in harness.batches(vocab, steps=steps):
         total = sum(sum(s.loss_mask) for s in seqs)
         loss = 0.0
         for s in seqs:
@@ -329,8 +331,8 @@ def test_family_single_process_equals_peft_and_export_loads(lora_run, family):
     w2, gpt-oss with its attention, experts and router (mlp.router.weight), Qwen3.5-MoE with
     all-linear (gated attention, Gated DeltaNet, shared expert and its sigmoid gate) and the
     experts under per-module rank_pattern / alpha_pattern, Kimi-K2 with all-linear (which peft reads there as the MLA,
-    the dense MLP and the shared experts' MLP): 3 steps equal transformers + peft + AdamW
-    (loss and grad norm 1e-5); the PEFT export names exactly peft's adapters (PARENTS and the
+    the dense MLP and the shared experts' MLP): 2 steps (lora_check.py FAMILY_STEPS) equal
+    transformers + peft + AdamW (loss and grad norm 1e-5); the PEFT export names exactly peft's adapters (PARENTS and the
     experts' nesting), holds peft's trained matrices, keeps the adapter's target_parameters,
     rank_pattern and alpha_pattern, and gives peft's logits when loaded. Negative control: the
     export differs from the adapter it started from."""
@@ -338,7 +340,7 @@ def test_family_single_process_equals_peft_and_export_loads(lora_run, family):
     from safetensors.torch import load_file
 
     base, start_dir = lora_run["families"][family], lora_run["family_adapters"][family]
-    losses, norms, state = _peft_loop(base, start_dir)
+    losses, norms, state = _peft_loop(base, start_dir, harness.FAMILY_STEPS)
     ref = torch.load(lora_run["out"] / "ref.pt")[family]
     rel = lambda a, b: max(abs(x - y) / abs(y) for x, y in zip(a, b))
     assert rel(ref["loss"], losses) < 1e-5, (ref["loss"], losses)

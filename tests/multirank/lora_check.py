@@ -17,7 +17,8 @@ adapter's rank_pattern / alpha_pattern fill model.lora.* as a run from init_from
 
 W == 1: the references. Dense: STEPS LoRA SFT steps (token-mean) from ADAPTER, saving a
 training checkpoint after RESUME_AT steps (OUT/ckpt_resume) and after the last one
-(OUT/ckpt_final); MoE (q/k/v/o + experts, SequentialMLP experts, fresh adapters): STEPS steps.
+(OUT/ckpt_final); MoE (q/k/v/o + experts, SequentialMLP experts, fresh adapters): STEPS steps;
+each family FAMILY_STEPS steps (checkpoint OUT/ckpt_NAME), as are its W == 2 runs.
 Per-step losses and grad norms and the final adapter matrices go to OUT/ref.pt.
 W == 2: the same runs at tp2+sp, pp2, dp2, cp2 (dense) and ep2 (MoE), a resume of
 OUT/ckpt_resume at pp2 finishing the remaining steps, the negative controls "noreduce" (tp2
@@ -41,8 +42,12 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 # GBS 4 (8 until 2026-11-26: the same bounds held, the world-2 launch took 45 s instead of
-# 28 s); 3 steps: tp2+sp_unsummed's loss differs from step 2 on only (test_lora_layouts)
+# 28 s); 3 steps: tp2+sp_unsummed's loss differs from step 2 on only (test_lora_layouts).
+# The families' runs (about 3/4 of the world-2 launch) take 2: their PEFT adapters start with
+# non-zero B, so a wrong layout shows in step 1's loss already, and step 2 is the first to use
+# Adam's moments (3 until 2026-11-29)
 STEPS, RESUME_AT, GBS, LR = 3, 2, 4, 1e-2
+FAMILY_STEPS = 2
 # Adam's eps well above the gradients' rounding noise: with 1e-8, elements whose gradient is
 # ~0 move by +-lr on noise alone (tests/multirank/sft_invariance.py does the same)
 ADAM_EPS = 1e-3
@@ -51,13 +56,14 @@ DENSE_TARGETS = ("all-linear",)
 MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "experts")
 
 
-def batches(vocab: int, seed: int = 0):
-    """STEPS global batches of GBS sequences (lengths 6..24, a trained suffix)."""
+def batches(vocab: int, seed: int = 0, steps: int = STEPS):
+    """`steps` global batches of GBS sequences (lengths 6..24, a trained suffix); the first
+    ones are the same whatever `steps`."""
     from engine.training.micro_batches import SequenceData
 
     rng = random.Random(seed)
     out = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         seqs = []
         for _ in range(GBS):
             n = rng.randint(6, 24)
@@ -167,8 +173,9 @@ def references(dense, moe, adapter, out):
     ref["moe"] = {"loss": losses, "grad_norm": norms, "params": adapter_tensors(engine)}
     for name, model, family_adapter, targets, _ in other_families():
         engine = build(*model, False, family_adapter, targets=targets)
-        losses, norms = train(engine, batches(model[1]["vocab_size"]))
-        save(engine, os.path.join(out, f"ckpt_{name}"), STEPS, model[1], model[0], targets)
+        losses, norms = train(engine, batches(model[1]["vocab_size"], steps=FAMILY_STEPS))
+        save(engine, os.path.join(out, f"ckpt_{name}"), FAMILY_STEPS, model[1], model[0],
+             targets)
         ref[name] = {"loss": losses, "grad_norm": norms, "params": adapter_tensors(engine)}
     torch.save(ref, os.path.join(out, "ref.pt"))
     print("RESULT " + json.dumps({"run": "reference", "dense_loss": ref["dense"]["loss"],
@@ -310,7 +317,7 @@ def layouts(dense, moe, adapter, out, rank, world):
     for family, model, family_adapter, targets, extra in other_families():
         if "single" in extra:   # the reference only (world 1)
             continue
-        family_data = batches(model[1]["vocab_size"])
+        family_data = batches(model[1]["vocab_size"], steps=FAMILY_STEPS)
         for name, layout, overrides, control in (
                 ("tp2+sp", dict(tp=2), {"sequence_parallel": True}, None),
                 ("pp2", dict(pp=2), {}, None), ("ep2", dict(ep=2), {}, None),
