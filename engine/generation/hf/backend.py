@@ -51,6 +51,7 @@ from engine.generation.scoring import SequenceScores, hf_scores
 from models.families.registry import family_of
 from models.formats import fp8 as fp8_blocks
 from models.formats.quantized import QUANT_METHODS, quantization_config
+from parallel import cpu_runtime
 from models.hf.conditional import text_view
 from models.vision.inputs import ImagePrompt
 
@@ -148,8 +149,14 @@ class HFRolloutEngine(RolloutEngine):
                 "not been written since wake(); stream the trainer's weights with "
                 "update_weights / sync_weights before generating")
 
-    @torch.no_grad()
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        # transformers' model alone: the CPU runtime's device mode is pure cost here
+        with cpu_runtime.mode_suspended():
+            return self._generate_eager(prompts, params)
+
+    @torch.no_grad()
+    def _generate_eager(self, prompts: list[list[int]], params: SamplingParams
+                        ) -> list[Generation]:
         self._check_ready("generate")
         for i, prompt in enumerate(prompts):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
