@@ -10,9 +10,8 @@ What it provides on a CPU host:
   megatron's model-parallel RNG tracker forks;
 - a `TorchFunctionMode` (`CudaToCpuMode`) that maps `device="cuda"` arguments, `.cuda()`,
   `.to("cuda")` and `pin_memory=True` to the CPU, and reports CUDA type names from
-  `Tensor.type()` (megatron's optimizer checks them); `mode_suspended()` takes it off around
-  code that never asks for CUDA (the hf rollout backend's generation), where its handler
-  around every torch call is pure cost;
+  `Tensor.type()` (megatron's optimizer checks them); `mode_suspended()` takes it off where
+  its handler around every torch call is pure cost (the hf rollout backend's generation);
 - `torch.distributed` all-gather/reduce-scatter "into tensor" variants that gloo lacks;
   all_to_all_single split sizes given as tensors (megatron's all-to-all MoE token dispatcher)
   turned into the int lists the process group accepts; all_gather / reduce_scatter over
@@ -251,18 +250,12 @@ def _cpu_mode_active() -> bool:
 
 @contextlib.contextmanager
 def mode_suspended():
-    """CudaToCpuMode off for the block and on again after it, for code that never asks for a
-    CUDA device: transformers' own models on the CPU (the hf rollout backend's generation).
-    There the mode's Python handler around every torch call is pure cost, and a decode step is
-    hundreds of small calls: the GRPO bench's rollout of 16 x 32 tokens (tools.bench trl,
-    distinct prompts) took 0.44 s with the mode and 0.33 s without it on the 2-core host. A
-    no-op when the runtime is not installed or the mode is not the innermost active one (the
-    block then runs as it would anyway). Nothing inside may call megatron-core."""
+    """CudaToCpuMode off for the block (or decorated function), back after it: for code that
+    never asks for CUDA, nor calls megatron-core (docs/benchmarks.md: 0.44 s -> 0.33 s for a
+    16 x 32-token hf rollout). A no-op unless the mode is installed and innermost."""
     stack = _get_current_function_mode_stack()
-    if _MODE is None or not stack or stack[-1] is not _MODE:
-        yield
-        return
-    with torch.overrides._pop_mode_temporarily():
+    innermost = _MODE is not None and stack and stack[-1] is _MODE
+    with torch.overrides._pop_mode_temporarily() if innermost else contextlib.nullcontext():
         yield
 
 

@@ -149,14 +149,9 @@ class HFRolloutEngine(RolloutEngine):
                 "not been written since wake(); stream the trainer's weights with "
                 "update_weights / sync_weights before generating")
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        # transformers' model alone: the CPU runtime's device mode is pure cost here
-        with cpu_runtime.mode_suspended():
-            return self._generate_eager(prompts, params)
-
     @torch.no_grad()
-    def _generate_eager(self, prompts: list[list[int]], params: SamplingParams
-                        ) -> list[Generation]:
+    @cpu_runtime.mode_suspended()   # transformers' model alone: the CPU mode is pure cost here
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         self._check_ready("generate")
         for i, prompt in enumerate(prompts):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
