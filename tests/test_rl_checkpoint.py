@@ -26,7 +26,11 @@ from tools.tiny_models import build_tiny_model
 
 STEPS = 4
 RESUME_TOL = 1e-6
-COMPARED = ("reward/mean", "policy/loss", "grad_norm", "policy/kl", "rollout/logprob_diff")
+COMPARED = ("reward/mean", "policy/loss", "grad_norm", "policy/kl")
+# rollout/logprob_diff is itself float rounding (the largest |engine - trainer| log-prob, ~1e-6
+# here): compared absolutely. Relatively it moved 20 % between two runs once on a loaded host
+# (8.98e-7 against 1.12e-6 at step 3) while the sampled tokens, losses and grad norms matched
+LOGPROB_DIFF_ABS = 1e-6
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -118,6 +122,8 @@ def test_grpo_stopped_and_resumed_matches_straight(runs):
     for m in resumed:
         for key in COMPARED:
             assert _rel(m[key], straight[m["step"]][key]) <= RESUME_TOL, (m["step"], key)
+        assert abs(m["rollout/logprob_diff"] - straight[m["step"]]["rollout/logprob_diff"]) \
+            <= LOGPROB_DIFF_ABS, m["step"]
     # the engine generated with the trained weights, the KL reference is the initial policy
     assert all(m["rollout/logprob_diff"] < 1e-3 and m["policy/kl"] > 0 for m in resumed[2:])
     ckpt = runs["root"] / "B" / "ckpt"
