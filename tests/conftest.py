@@ -8,6 +8,7 @@ something.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -49,6 +50,12 @@ def build_arch(out_dir: Path, arch: str, seed: int = 0) -> str:
 # --no-loadscope-reorder: a file's tests stay on one worker, with its module fixtures) take
 # the files, longest first, so that no long file starts last and leaves the other worker idle.
 FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+
+
+@functools.lru_cache(maxsize=1)
+def file_seconds() -> dict[str, float]:
+    """FILE_SECONDS read once per process ({} when the file is missing)."""
+    return json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
 
 
 # The suite's two tiers (docs/development.md, "Suite time"): a run given the whole tests/
@@ -148,11 +155,15 @@ def pytest_ignore_collect(collection_path, config) -> bool | None:
     if (relative in SECOND_TIER) != (tier == "second"):
         return True
     shard = shard_of_run(tier)
-    if shard is not None:
-        seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
-        if relative not in second_tier_shards(shard[1], seconds)[shard[0] - 1]:
-            return True
+    if shard is not None and relative not in _shard_files(*shard):
+        return True
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _shard_files(k: int, n: int) -> frozenset[str]:
+    """The files of shard K of N (computed once per process, not once per collected path)."""
+    return frozenset(second_tier_shards(n, file_seconds())[k - 1])
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
@@ -161,7 +172,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     pytest's order. (The tier's files alone are collected: pytest_ignore_collect.)"""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    seconds = file_seconds()
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
 
 

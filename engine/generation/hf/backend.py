@@ -51,9 +51,9 @@ from engine.generation.scoring import SequenceScores, hf_scores
 from models.families.registry import family_of
 from models.formats import fp8 as fp8_blocks
 from models.formats.quantized import QUANT_METHODS, quantization_config
-from parallel import cpu_runtime
 from models.hf.conditional import text_view
 from models.vision.inputs import ImagePrompt
+from parallel import cpu_runtime
 
 
 def cache_keyword(model) -> str:
