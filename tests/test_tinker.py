@@ -150,24 +150,33 @@ def test_sdk_trains_samples_saves_and_resumes(server):
     assert fresh.forward(SFT, "cross_entropy").result().metrics["loss:sum"] != after[0]
 
 
-def _reference_steps(model_dir: str, adapter: dict, steps: int) -> tuple[list, dict]:
-    """The same SFT steps without the service: transformers + peft LoRA (r 4, alpha 32) with
-    the service's initial adapter copied in, torch AdamW with ADAM."""
+def peft_with_adapter(model_dir: str, adapter: dict, targets: list[str], rank: int = 4,
+                      alpha: float = 32.0):
+    """transformers + peft LoRA (`rank`, `alpha`, `targets`) on `model_dir` with the service's
+    adapter (names "model.layers.0.self_attn.q_proj.A" / ".B") copied in: (the peft model,
+    {service name: its peft parameter}); every service matrix lands in exactly one."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=32, lora_dropout=0.0, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-        "lm_head"]))
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0,
+                                            target_modules=targets))
     params = {}
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and "default" in module.lora_A:
             path = name.replace("base_model.model.", "")
-            module.lora_A["default"].weight.data.copy_(adapter[f"{path}.A"])
-            module.lora_B["default"].weight.data.copy_(adapter[f"{path}.B"])
-            params[f"{path}.A"] = module.lora_A["default"].weight
-            params[f"{path}.B"] = module.lora_B["default"].weight
+            for kind, layer in (("A", module.lora_A), ("B", module.lora_B)):
+                layer["default"].weight.data.copy_(adapter[f"{path}.{kind}"])
+                params[f"{path}.{kind}"] = layer["default"].weight
+    assert sorted(params) == sorted(adapter), sorted(set(params) ^ set(adapter))[:4]
+    return model, params
+
+
+def _reference_steps(model_dir: str, adapter: dict, steps: int) -> tuple[list, dict]:
+    """The same SFT steps without the service: transformers + peft LoRA (r 4, alpha 32) with
+    the service's initial adapter copied in, torch AdamW with ADAM."""
+    model, params = peft_with_adapter(model_dir, adapter, [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"])
     opt = torch.optim.AdamW(list(params.values()), lr=ADAM["learning_rate"],
                             betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"],
                             weight_decay=ADAM["weight_decay"])

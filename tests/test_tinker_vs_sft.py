@@ -34,7 +34,7 @@ import torch
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from tests.test_tinker import _serve, _state  # noqa: E402
+from tests.test_tinker import _serve, _state, peft_with_adapter  # noqa: E402
 from tools.tiny_models import build_tiny_model  # noqa: E402
 
 RANK, ALPHA, STEPS, SEQ = 4, 32.0, 3, 64
@@ -66,23 +66,9 @@ def _adapter(root: Path, path: str) -> dict:
 
 
 def _peft_folder(model_dir: str, adapter: dict, out: Path) -> str:
-    """The service's adapter (names "model.layers.0.self_attn.q_proj.A" / ".B") as a PEFT
-    folder that peft itself writes (r RANK, lora_alpha ALPHA, TARGETS)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                           LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                                      target_modules=TARGETS))
-    copied = 0
-    for name, module in model.named_modules():
-        if hasattr(module, "lora_A") and "default" in module.lora_A:
-            path = name.replace("base_model.model.", "")
-            with torch.no_grad():
-                module.lora_A["default"].weight.copy_(adapter[f"{path}.A"])
-                module.lora_B["default"].weight.copy_(adapter[f"{path}.B"])
-            copied += 2
-    assert copied == len(adapter), (copied, sorted(adapter)[:4])
+    """The service's adapter as a PEFT folder that peft itself writes (r RANK, lora_alpha
+    ALPHA, TARGETS)."""
+    model, _ = peft_with_adapter(model_dir, adapter, TARGETS, RANK, ALPHA)
     model.save_pretrained(str(out))
     return str(out)
 
