@@ -43,14 +43,8 @@ _INSTALLED = False
 _MODE: "CudaToCpuMode | None" = None
 _FAKE_GENERATOR = torch.Generator()
 
-_CPU_TYPE_TO_CUDA = {
-    "torch.FloatTensor": "torch.cuda.FloatTensor",
-    "torch.HalfTensor": "torch.cuda.HalfTensor",
-    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
-    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
-    "torch.LongTensor": "torch.cuda.LongTensor",
-    "torch.IntTensor": "torch.cuda.IntTensor",
-}
+_CPU_TYPE_TO_CUDA = {f"torch.{kind}Tensor": f"torch.cuda.{kind}Tensor"
+                     for kind in ("Float", "Half", "BFloat16", "Double", "Long", "Int")}
 
 
 def cuda_available() -> bool:
@@ -59,15 +53,9 @@ def cuda_available() -> bool:
 
 
 def _to_cpu_device(device):
-    if device is None:
-        return None
-    if isinstance(device, int):
-        return torch.device("cpu")
-    if isinstance(device, str) and device.startswith("cuda"):
-        return torch.device("cpu")
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return torch.device("cpu")
-    return device
+    cuda = isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")) \
+        or (isinstance(device, torch.device) and device.type == "cuda")
+    return torch.device("cpu") if cuda else device
 
 
 # functions whose calls the mode changes (by __name__); every other call without a `device` or
@@ -256,6 +244,15 @@ def mode_suspended():
     stack = _get_current_function_mode_stack()
     innermost = _MODE is not None and stack and stack[-1] is _MODE
     with torch.overrides._pop_mode_temporarily() if innermost else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def on_this_thread():
+    """CudaToCpuMode on this thread too for the block (a mode belongs to the thread that
+    entered it: a server's worker calling megatron-core); a no-op if not installed or on."""
+    needed = _MODE is not None and not _cpu_mode_active()
+    with CudaToCpuMode() if needed else contextlib.nullcontext():
         yield
 
 

@@ -44,7 +44,7 @@ SUBCOMMANDS = {  # name: (module torchrun runs for --nproc-per-node, or None; on
     "demo": (None, "the CPU demos' tiny models, data and greedy evaluation"),
     "serve": (None, "serve a Hugging Face checkpoint OpenAI-compatibly (/v1; hf or vllm); "
                     "evaluation, LLM judges"),
-    "tinker": (None, "serve the Tinker training API (LoRA adapters of many users on one base "
+    "tinker": ("engine.tinker", "serve the Tinker training API (LoRA adapters of many users on one base "
                      "model; docs/tinker.md)"),
 }
 

@@ -1,11 +1,19 @@
 """`python -m engine.tinker --model HF_DIR` (the console's `megatron-sft-engine tinker`): serve
-the Tinker training API (docs/tinker.md) on one process, base model loaded once, one LoRA
-adapter with its own AdamW state per training model, until SIGTERM or Ctrl-C. Exit 2 for a
-bad flag, --model folder or keys file (one line naming it)."""
+the Tinker training API (docs/tinker.md), base model loaded once, one LoRA adapter with its
+own AdamW state per training model, until SIGTERM or Ctrl-C. Exit 2 for a bad flag, override,
+--model folder or keys file (one line naming it).
+
+Backends (`--backend`): `hf`, transformers' model on this one process; `megatron`, the model
+built by Megatron-Core at the parallel.* overrides' layout (engine.tinker.mcore), on every
+rank torchrun started (`--nproc-per-node N` through the console). Rank 0 serves HTTP and
+drives the other ranks in lockstep (engine.tinker.lockstep); they exit when it does (SIGTERM
+or Ctrl-C to rank 0 or to torchrun). `auto` (default): megatron when launched on several
+ranks or given overrides, else hf."""
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -48,6 +56,13 @@ def parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--batch-wait-ms", type=float, default=10.0,
                    help="forward_backward requests queued within this long of the first run "
                         "as one batch (default: 10)")
+    p.add_argument("--backend", choices=("auto", "hf", "megatron"), default="auto",
+                   help="hf: transformers on one process; megatron: Megatron-Core at the "
+                        "parallel.* layout on every rank (auto: megatron when launched on "
+                        "several ranks or given overrides)")
+    p.add_argument("overrides", nargs="*", metavar="parallel.KEY=VALUE",
+                   help="the Megatron backend's layout: parallel.tp=N, "
+                        "parallel.sequence_parallel=true|false (dp: the rest of the ranks)")
     return p
 
 
@@ -80,6 +95,9 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
     flags. `main` runs it; tests run it on a thread (its `should_exit` stops it)."""
     args = parser(prog).parse_args(argv)
     keys = read_keys(args)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    megatron = args.backend == "megatron" or (args.backend == "auto" and (
+        world > 1 or bool(args.overrides)))
     problems = [m for ok, m in [
         (Path(args.model, "config.json").is_file(),
          f"--model {args.model!r}: no config.json (a Hugging Face checkpoint folder)"),
@@ -87,7 +105,18 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
         (args.max_body_mb > 0, f"--max-body-mb {args.max_body_mb} must be > 0"),
         (args.max_queue >= 1, f"--max-queue {args.max_queue} must be >= 1"),
         (args.batch_wait_ms >= 0, f"--batch-wait-ms {args.batch_wait_ms} must be >= 0"),
-        (not isinstance(keys, str), keys if isinstance(keys, str) else "")] if not ok]
+        (not isinstance(keys, str), keys if isinstance(keys, str) else ""),
+        (megatron or world == 1, f"--backend hf runs on one process, launched on {world}"),
+        (megatron or not args.overrides, "--backend hf takes no overrides, got "
+                                         f"{' '.join(args.overrides)}")] if not ok]
+    layout = None
+    if megatron and not problems:
+        from engine.tinker.mcore import LayoutRefused, megatron_layout
+
+        try:
+            layout = megatron_layout(args.overrides, world)
+        except LayoutRefused as e:
+            problems.append(str(e))
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     if problems:
@@ -100,8 +129,13 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
     from engine.tinker.service import Service    # (as the line above)
 
     name = args.served_model_name or Path(args.model).resolve().name
+    backend = None
+    if layout is not None:
+        backend = megatron_backend(args.model, layout)
+        if isinstance(backend, Follower):
+            return backend   # runs the root's calls (main)
     service = Service(args.model, name, args.state_dir, batch_wait_s=args.batch_wait_ms / 1e3,
-                      max_queue=args.max_queue)
+                      max_queue=args.max_queue, backend=backend)
     app = build_app(service, keys, int(args.max_body_mb * 2 ** 20))
     print(f"tinker API for {name!r} on http://{args.host}:{args.port}", flush=True)
     return uvicorn.Server(uvicorn.Config(
@@ -109,11 +143,58 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
         log_level=os.environ.get("TINKER_LOG_LEVEL", "warning")))
 
 
+class Follower:
+    """A rank other than 0 of the Megatron backend: runs rank 0's calls until it stops."""
+
+    def __init__(self, adapters, group):
+        self.adapters, self.group = adapters, group
+
+    def run(self) -> None:
+        from engine.tinker.lockstep import follow
+
+        follow(self.adapters, self.group)
+
+
+def megatron_backend(model_dir: str, layout):
+    """Start the process groups at `layout`, build this rank's model and adapters: rank 0's
+    engine.tinker.lockstep.Lockstep, another rank's Follower."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from engine.tinker.adapters import Adapters
+    from engine.tinker.lockstep import Lockstep, channel
+    from engine.tinker.mcore import MegatronLora
+    from engine.tinker.ranks import MegatronRanks
+    from parallel.process_groups import init_distributed, setup_model_parallel
+
+    init_distributed()
+    setup_model_parallel(layout)
+    lora = MegatronLora(model_dir, layout.sequence_parallel)
+    adapters = Adapters(lora, MegatronRanks(), AutoTokenizer.from_pretrained(model_dir).decode)
+    group = channel()
+    if dist.get_rank() != 0:
+        return Follower(adapters, group)
+    print(f"tinker: Megatron backend, {layout.world_size} ranks: tp {layout.tp} (sequence "
+          f"parallel {'on' if layout.sequence_parallel else 'off'}), dp {layout.dp}",
+          flush=True)
+    return Lockstep(adapters, group)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m engine.tinker") -> int:
     server = build(argv, prog)
     if isinstance(server, int):
         return server
-    server.run()
+    if isinstance(server, Follower):   # SIGINT / SIGTERM reach rank 0, which stops us
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        server.run()
+        return 0
+    try:
+        server.run()
+    finally:
+        stop = getattr(server.config.app.state.service.backend, "stop", None)
+        if stop is not None:
+            stop()
     return 0
 
 

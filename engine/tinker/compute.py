@@ -1,13 +1,16 @@
-"""The model computations of the Tinker service, on the shared base model (engine.tinker.lora):
-one batched forward (and backward) over rows of several adapters, an AdamW step on one
-adapter, sampling and prompt log-probs. Runs on the service's worker thread only.
+"""The model computations of the Tinker service on the shared base model: one batched forward
+(and backward) over rows of several adapters, an AdamW step on one adapter, sampling and
+prompt log-probs. `lora` is either backend's model (engine.tinker.lora.MultiLora:
+transformers, one process; engine.tinker.mcore.MegatronLora: Megatron-Core at a TP / DP
+layout), `ranks` its replicas (engine.tinker.ranks). Runs on the service's worker thread, and
+on every other rank in lockstep with it (engine.tinker.lockstep).
 
 `forward_rows(lora, rows)`: rows are (adapter or None, Datum); the token sequences are
 right-padded to the longest (causal attention: a real token never attends to a later pad, so
 padding changes no real position) and run through the model in one call (engine.tinker.lora:
-a row's numbers are bit-identical whatever else is in the batch); returns each row's
-per-token log-probs log p(target_tokens[t] | tokens[<=t]) [T] in float32, differentiable
-where the row's adapter has gradients."""
+on one process a row's numbers are bit-identical whatever else is in the batch); returns each
+row's per-token log-probs log p(target_tokens[t] | tokens[<=t]) [T] in float32,
+differentiable where the row's adapter has gradients."""
 from __future__ import annotations
 
 import torch
@@ -21,63 +24,83 @@ def forward_rows(lora, rows: list[tuple[str | None, Datum]]) -> list[torch.Tenso
     ids = torch.zeros(len(rows), longest, dtype=torch.long)
     for i, (_, d) in enumerate(rows):
         ids[i, :len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
-    lora.assign([name for name, _ in rows], [len(d.tokens) for _, d in rows])
-    try:
-        logits = lora.model(input_ids=ids, use_cache=False).logits.float()
-    finally:
-        lora.assign(None)
+    logits = lora.logits(ids, [name for name, _ in rows], [len(d.tokens) for _, d in rows])
     logp = torch.log_softmax(logits, dim=-1)
     out = []
     for i, (_, d) in enumerate(rows):
-        targets = d.inputs["target_tokens"].long()
+        targets = d.inputs["target_tokens"].long().to(logp.device)
         out.append(logp[i, :len(d.tokens)].gather(-1, targets[:, None])[:, 0])
     return out
 
 
-def run_losses(lora, items: list[dict], grad: bool) -> list[dict]:
+def run_losses(lora, items: list[dict], grad: bool, ranks) -> list[dict] | None:
     """One forward (and, where an item asks for it, backward) over every datum of every item.
     An item: {"adapter", "loss_fn", "config", "data": [Datum], "backward": bool}. Returns per
-    item {"outputs": [{"logprobs", "elementwise_loss"} numpy], "metrics": {"loss:sum"}}.
-    Gradients add into the adapters' .grad (accumulating until their optim_step)."""
-    rows = [(item["adapter"], d) for item in items for d in item["data"]]
+    item {"outputs": [{"logprobs", "elementwise_loss"} numpy], "metrics": {"loss:sum"}} on
+    the root (None elsewhere). Gradients add into the adapters' .grad (accumulating until
+    their optim_step).
+
+    `ranks` (engine.tinker.ranks) spreads the data over the data-parallel replicas: each
+    replica runs its rows (all of them on one process), the losses are sums, so the replicas'
+    gradients add up to the whole batch's when optim_step sums them. A row whose loss fails
+    on any rank fails the call on every rank before any backward (ranks.agree), so no replica
+    keeps a partial gradient."""
+    rows = [(k, item["adapter"], d) for k, item in enumerate(items) for d in item["data"]]
+    mine = ranks.split([len(d.tokens) for _, _, d in rows])
+    per_row, total, error = {}, None, None
     with torch.enable_grad() if grad else torch.no_grad():
-        logprobs = forward_rows(lora, rows)
-        total = None
-        results, k = [], 0
-        for item in items:
-            loss_fn = LOSSES[item["loss_fn"]]
-            outputs, item_loss = [], None
-            for d in item["data"]:
-                lp = logprobs[k]
-                k += 1
-                inputs = {n: t for n, t in d.inputs.items() if n != "target_tokens"}
-                loss = loss_fn(lp, inputs, item["config"])
-                elementwise = None
+        try:
+            logprobs = forward_rows(lora, [(rows[r][1], rows[r][2]) for r in mine]) \
+                if mine else []
+            for r, lp in zip(mine, logprobs):
+                k, _, d = rows[r]
+                item = items[k]
+                inputs = {n: t.to(lp.device) for n, t in d.inputs.items()
+                          if n != "target_tokens"}
+                loss = LOSSES[item["loss_fn"]](lp, inputs, item["config"])
+                out = {"logprobs": lp.detach().cpu().numpy().copy()}
                 if item["loss_fn"] == "cross_entropy":
                     w = inputs.get("weights")
-                    elementwise = -(lp * w) if w is not None else -lp
-                outputs.append({"logprobs": lp.detach().numpy().copy(),
-                                **({"elementwise_loss": elementwise.detach().numpy().copy()}
-                                   if elementwise is not None else {})})
-                item_loss = loss if item_loss is None else item_loss + loss
-            if item["backward"] and grad:
-                total = item_loss if total is None else total + item_loss
-            results.append({"outputs": outputs, "metrics": {"loss:sum": float(item_loss.detach())}})
+                    out["elementwise_loss"] = (-(lp * w) if w is not None else -lp
+                                               ).detach().cpu().numpy().copy()
+                per_row[r] = (out, float(loss.detach()))
+                if item["backward"] and grad:
+                    total = loss if total is None else total + loss
+        except Exception as e:
+            error = e
+        ranks.agree(error)
         if total is not None and total.requires_grad:
             total.backward()
+    gathered = ranks.gather(per_row)
+    if gathered is None:
+        return None
+    results, r = [], 0
+    for item in items:
+        outputs, loss_sum = [], 0.0
+        for _ in item["data"]:
+            out, loss = gathered[r]
+            outputs.append(out)
+            loss_sum += loss
+            r += 1
+        results.append({"outputs": outputs, "metrics": {"loss:sum": loss_sum}})
     return results
 
 
-def adam_step(params: list[torch.nn.Parameter], optimizer: torch.optim.AdamW, adam: dict) -> dict:
+def adam_step(params: list[torch.nn.Parameter], optimizer: torch.optim.AdamW, adam: dict,
+              ranks) -> dict:
     """One AdamW step of one adapter with this step's AdamParams; clears its gradients.
-    grad_clip_norm > 0 clips the adapter's global gradient norm first. Returns metrics."""
+    The gradients are first summed over the replicas (`ranks.reduce_grads`); grad_clip_norm
+    > 0 scales them by min(1, clip / (norm + 1e-6)) with the adapter's global norm, as
+    torch.nn.utils.clip_grad_norm_ does. Returns metrics: grad_norm:mean, before clipping."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
-                                                 for p in params]))
+    ranks.reduce_grads(params)
+    norm = ranks.grad_norm(params)
     if adam["grad_clip_norm"] > 0:
-        torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"])
+        coef = torch.clamp(adam["grad_clip_norm"] / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.device))
     for group in optimizer.param_groups:
         group.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]),
                      eps=adam["eps"], weight_decay=adam["weight_decay"])
@@ -116,11 +139,7 @@ def sample(lora, adapter: str | None, prompt: list[int], num_samples: int, max_t
         ids = torch.zeros(len(live), longest, dtype=torch.long)
         for r, i in enumerate(live):
             ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
-        lora.assign([a for a, _ in rows], [len(seqs[i]) for i in live])
-        try:
-            logits = lora.model(input_ids=ids, use_cache=False).logits.float()
-        finally:
-            lora.assign(None)
+        logits = lora.logits(ids, [a for a, _ in rows], [len(seqs[i]) for i in live])
         last = torch.stack([logits[r, len(seqs[i]) - 1] for r, i in enumerate(live)])
         if temperature == 0:
             logp = torch.log_softmax(last, -1)

@@ -53,6 +53,26 @@ class LoraSpec:
                 + (UNEMBED if self.train_unembed else ()))
 
 
+def initial_tensors(spec: LoraSpec, shapes: dict[str, tuple[int, int]]
+                    ) -> dict[str, torch.Tensor]:
+    """A new adapter's full tensors {path.A: [r, in], path.B: [out, r]} over the linears
+    `shapes` ({module path: (out, in)}) that `spec` targets, as peft initialises them: A
+    kaiming-uniform(a=sqrt(5)), i.e. uniform in +-1/sqrt(in), drawn from one generator seeded
+    with spec.seed (0 when None) in sorted path order; B zero. Both backends (this module and
+    models.lora.tenants) start a model from these, so a seed gives the same adapter on
+    either, at every layout."""
+    generator = torch.Generator().manual_seed(spec.seed if spec.seed is not None else 0)
+    out = {}
+    for path in sorted(shapes):
+        if path.rsplit(".", 1)[-1] in spec.suffixes():
+            rows, cols = shapes[path]
+            bound = 1.0 / math.sqrt(cols)
+            out[f"{path}.A"] = torch.empty(spec.rank, cols).uniform_(-bound, bound,
+                                                                    generator=generator)
+            out[f"{path}.B"] = torch.zeros(rows, spec.rank)
+    return out
+
+
 class RowPlan:
     """Which tokens of a batch each adapter owns (MultiLora.assign): row b takes adapter
     names[b] (None: base only) on its first lengths[b] tokens. `positions(seq)`: per adapter,
@@ -84,13 +104,11 @@ class MultiLoraLinear(nn.Module):
         self.adapters = nn.ModuleDict()
         self.plan: RowPlan | None = None   # set by MultiLora.assign
 
-    def add(self, name: str, rank: int, generator: torch.Generator) -> None:
-        a = torch.empty(rank, self.base.in_features, dtype=self.base.weight.dtype)
-        bound = 1.0 / math.sqrt(self.base.in_features)   # kaiming_uniform_(a=sqrt(5)) of A
-        a.uniform_(-bound, bound, generator=generator)
-        b = torch.zeros(self.base.out_features, rank, dtype=self.base.weight.dtype)
-        pair = nn.ParameterDict({"A": nn.Parameter(a), "B": nn.Parameter(b)})
-        self.adapters[name] = pair
+    def add(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Adapter `name` with (copies of) A [r, in] and B [out, r]."""
+        dtype = self.base.weight.dtype
+        self.adapters[name] = nn.ParameterDict({"A": nn.Parameter(a.to(dtype).clone()),
+                                                "B": nn.Parameter(b.to(dtype).clone())})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -131,6 +149,9 @@ class MultiLora:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        self.vocab = model.config.vocab_size
+        self.max_context = getattr(model.config, "max_position_embeddings", 2048)
+        self.arch = type(model).__name__
         for p in model.parameters():
             p.requires_grad_(False)
         self.linears: dict[str, MultiLoraLinear] = {}
@@ -144,12 +165,14 @@ class MultiLora:
                 self.linears[path] = wrapped
         self.specs: dict[str, LoraSpec] = {}
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """{module path: (out, in)} of every wrapped linear."""
+        return {path: (linear.base.out_features, linear.base.in_features)
+                for path, linear in self.linears.items()}
+
     def add(self, name: str, spec: LoraSpec) -> None:
-        generator = torch.Generator().manual_seed(spec.seed if spec.seed is not None else 0)
-        for path in sorted(self.linears):
-            if path.rsplit(".", 1)[-1] in spec.suffixes():
-                self.linears[path].add(name, spec.rank, generator)
-        self.specs[name] = spec
+        self.load(name, spec, initial_tensors(spec, self.shapes))
 
     def remove(self, name: str) -> None:
         for linear in self.linears.values():
@@ -162,18 +185,39 @@ class MultiLora:
         return [linear.adapters[name][k] for path, linear in sorted(self.linears.items())
                 if name in linear.adapters for k in ("A", "B")]
 
+    def full(self, name: str, tensors: list[torch.Tensor] | None = None
+             ) -> dict[str, torch.Tensor]:
+        """{path.A / path.B: tensor} of adapter `name` (copies), or of `tensors` (one per
+        `parameters(name)`, e.g. AdamW's moments), keyed the same way."""
+        keys = [f"{path}.{k}" for path, linear in sorted(self.linears.items())
+                if name in linear.adapters for k in ("A", "B")]
+        values = self.parameters(name) if tensors is None else tensors
+        return {key: t.detach().clone() for key, t in zip(keys, values)}
+
     def state(self, name: str) -> dict[str, torch.Tensor]:
-        return {f"{path}.{k}": linear.adapters[name][k].detach().clone()
-                for path, linear in sorted(self.linears.items())
-                if name in linear.adapters for k in ("A", "B")}
+        return self.full(name)
+
+    def shards(self, name: str, full: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors of `full` in `parameters(name)`'s order (one process holds them
+        whole; models.lora.tenants holds TP shards)."""
+        return [full[key].clone() for key in self.full(name)]
+
+    def logits(self, ids: torch.Tensor, names: list[str | None], lengths: list[int]
+               ) -> torch.Tensor:
+        """float32 logits [b, s, vocab] of right-padded `ids` [b, s], row b with adapter
+        names[b] on its first lengths[b] tokens."""
+        self.assign(names, lengths)
+        try:
+            return self.model(input_ids=ids, use_cache=False).logits.float()
+        finally:
+            self.assign(None)
 
     def load(self, name: str, spec: LoraSpec, state: dict[str, torch.Tensor]) -> None:
         """Add adapter `name` with exactly the tensors of `state` (as `state` wrote them)."""
-        self.add(name, spec)
-        for path, linear in self.linears.items():
-            if name in linear.adapters:
-                for k in ("A", "B"):
-                    linear.adapters[name][k].data.copy_(state[f"{path}.{k}"])
+        for path in sorted(self.linears):
+            if path.rsplit(".", 1)[-1] in spec.suffixes():
+                self.linears[path].add(name, state[f"{path}.A"], state[f"{path}.B"])
+        self.specs[name] = spec
 
     def assign(self, names: list[str | None] | None, lengths: list[int] | None = None) -> None:
         """Row b of the next forward takes adapter names[b] on its first lengths[b] tokens

@@ -227,7 +227,7 @@ def _weights_routes(app: FastAPI, api: "Api") -> None:
         if model_id in service.models:
             raise BadRequest(f"model_seq_id {req.model_seq_id}: this session already has it")
         if not req.optimizer:
-            state = dict(state, optimizer=None, steps=0)
+            state = dict(state, adam=None, steps=0)
         return api.future(service.submit("create_model", dict(owner=owner, model_id=model_id,
                                                           spec=LoraSpec(**state["spec"]),
                                                           state=state, path=req.path)),

@@ -31,8 +31,9 @@ from urllib.parse import quote
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.tinker.compute import adam_step, prompt_logprobs, run_losses, sample
+from engine.tinker.adapters import Adapters
 from engine.tinker.lora import LoraSpec, MultiLora
+from engine.tinker.ranks import OneProcess
 from engine.tinker.wire import forward_backward_output, sample_response
 
 
@@ -60,7 +61,6 @@ class TrainModel:
     owner: str
     adapter: str
     spec: LoraSpec
-    optimizer: torch.optim.AdamW
     steps: int = 0
 
 
@@ -104,14 +104,17 @@ class Future:
 
 class Service:
     def __init__(self, model_dir: str, name: str, state_dir: str, batch_wait_s: float = 0.01,
-                 max_queue: int = 256, max_futures: int = 4096, max_context: int | None = None):
+                 max_queue: int = 256, max_futures: int = 4096, max_context: int | None = None,
+                 backend=None):
+        """`backend`: the model's Adapters (engine.tinker.adapters), or on several ranks the
+        root's engine.tinker.lockstep.Lockstep over them; None: the transformers backend on
+        this process (`transformers_backend`)."""
         self.model_dir, self.name, self.state_dir = model_dir, name, Path(state_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-        model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.max_context = max_context or getattr(model.config, "max_position_embeddings", 2048)
-        self.vocab = model.config.vocab_size
-        self.lora = MultiLora(model)
+        self.backend = backend or transformers_backend(model_dir, self.tokenizer)
+        self.lora = self.backend.lora   # the root's model (its vocab, context, architecture)
+        self.max_context = max_context or self.lora.max_context
+        self.vocab = self.lora.vocab
         self.batch_wait_s, self.max_futures = batch_wait_s, max_futures
         self.sessions: dict[str, str] = {}
         self.models: dict[str, TrainModel] = {}
@@ -157,7 +160,7 @@ class Service:
         m = self.model(owner, model_id)
         return {"type": "get_info", "model_id": model_id, "is_lora": True,
                 "lora_rank": m.spec.rank, "model_name": self.name,
-                "model_data": {"arch": type(self.lora.model).__name__, "model_name": self.name,
+                "model_data": {"arch": self.lora.arch, "model_name": self.name,
                                "tokenizer_id": self.model_dir}}
 
     # -- futures and the queue -------------------------------------------------------------
@@ -226,7 +229,7 @@ class Service:
         items = [dict(p, backward=not p["forward_only"]) for _, p, _ in batch]
         rows = sum(len(i["data"]) for i in items)
         try:
-            results = run_losses(self.lora, items, grad=any(i["backward"] for i in items))
+            results = self.backend.run_losses(items, any(i["backward"] for i in items))
         except Exception as e:
             if len(batch) > 1:
                 for item in batch:
@@ -245,14 +248,9 @@ class Service:
     def _do_create_model(self, owner: str, model_id: str, spec: LoraSpec,
                          state: dict | None = None, path: str | None = None) -> dict:
         adapter = f"a{next(self.counter)}"
-        if state is None:
-            self.lora.add(adapter, spec)
-        else:
-            self.lora.load(adapter, spec, state["adapter"])
-        optimizer = torch.optim.AdamW(self.lora.parameters(adapter), lr=0.0)
-        model = TrainModel(owner, adapter, spec, optimizer)
-        if state is not None and state.get("optimizer") is not None:
-            optimizer.load_state_dict(state["optimizer"])
+        self.backend.create(adapter, spec, state)
+        model = TrainModel(owner, adapter, spec)
+        if state is not None and state.get("adam") is not None:
             model.steps = state["steps"]
         self.models[model_id] = model
         if path is not None:   # created by load_weights
@@ -260,7 +258,7 @@ class Service:
         return {"type": "create_model", "model_id": model_id}
 
     def _do_optim_step(self, model: TrainModel, adam: dict) -> dict:
-        metrics = adam_step(self.lora.parameters(model.adapter), model.optimizer, adam)
+        metrics = self.backend.optim_step(model.adapter, adam)
         model.steps += 1
         return {"metrics": metrics}
 
@@ -280,10 +278,10 @@ class Service:
         path = f"tinker://{model_id}/{kind}/{name}"
         file = self.path_file(path)
         file.parent.mkdir(parents=True, exist_ok=True)
+        exported = self.backend.export(model.adapter, with_optimizer)
         torch.save({"owner": model.owner, "spec": dataclasses.asdict(model.spec),
-                    "adapter": self.lora.state(model.adapter), "steps": model.steps,
-                    "optimizer": model.optimizer.state_dict() if with_optimizer else None},
-                   file)
+                    "adapter": exported["adapter"], "adam": exported["adam"],
+                    "steps": model.steps}, file)
         return {"path": path, "type": "save_weights" if kind == "weights"
                 else "save_weights_for_sampler"}
 
@@ -294,40 +292,57 @@ class Service:
         state = torch.load(file, weights_only=True)
         if state["owner"] != owner:
             raise NotFound(f"path {path!r}: no such checkpoint")
-        return state
+        return legacy_optimizer(state)
 
     def _do_load_into(self, model: TrainModel, state: dict, optimizer: bool, path: str) -> dict:
         spec = LoraSpec(**state["spec"])
         if spec.suffixes() != model.spec.suffixes() or spec.rank != model.spec.rank:
             raise BadRequest(f"path {path!r} holds a rank-{spec.rank} adapter of other "
                              "targets than this model's; create a training client from it")
-        self.lora.remove(model.adapter)
-        self.lora.load(model.adapter, spec, state["adapter"])
-        model.optimizer = torch.optim.AdamW(self.lora.parameters(model.adapter), lr=0.0)
-        if optimizer and state.get("optimizer") is not None:
-            model.optimizer.load_state_dict(state["optimizer"])
+        self.backend.remove(model.adapter)
+        self.backend.create(model.adapter, spec, state if optimizer else
+                            {"adapter": state["adapter"]})
+        if optimizer and state.get("adam") is not None:
             model.steps = state["steps"]
         return {"type": "load_weights", "path": path}
 
     def _do_snapshot(self, owner: str, model: TrainModel, sampling_session_id: str) -> dict:
         adapter = f"s{next(self.counter)}"
-        self.lora.load(adapter, model.spec, self.lora.state(model.adapter))
-        for p in self.lora.parameters(adapter):
-            p.requires_grad_(False)
+        self.backend.frozen(adapter, model.spec, source=model.adapter)
         self.samplers[sampling_session_id] = (owner, adapter)
         return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id}
 
     def _do_sampler_from_path(self, owner: str, state: dict, sampling_session_id: str) -> dict:
         adapter = f"s{next(self.counter)}"
-        self.lora.load(adapter, LoraSpec(**state["spec"]), state["adapter"])
-        for p in self.lora.parameters(adapter):
-            p.requires_grad_(False)
+        self.backend.frozen(adapter, LoraSpec(**state["spec"]), state=state)
         self.samplers[sampling_session_id] = (owner, adapter)
         return {}
 
     def _do_sample(self, adapter: str | None, prompt: list[int], num_samples: int,
                    params: dict, want_prompt_logprobs: bool) -> bytes:
-        seqs = sample(self.lora, adapter, prompt, num_samples, **params,
-                      decode=lambda ids: self.tokenizer.decode(ids))
-        lps = prompt_logprobs(self.lora, adapter, prompt) if want_prompt_logprobs else None
+        seqs, lps = self.backend.sample(adapter, prompt, num_samples, params,
+                                        want_prompt_logprobs)
         return sample_response(seqs, lps)
+
+
+def transformers_backend(model_dir: str, tokenizer) -> Adapters:
+    """The one-process backend: the HF model in float32 with engine.tinker.lora's adapters."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.eval()
+    return Adapters(MultiLora(model), OneProcess(), tokenizer.decode)
+
+
+def legacy_optimizer(state: dict) -> dict:
+    """A state file written before the AdamW state became layout-independent (torch's
+    optimizer.state_dict() under "optimizer", parameters in the adapter's key order) in
+    today's form ("adam", engine.tinker.adapters)."""
+    old = state.pop("optimizer", None)
+    if "adam" in state or old is None:
+        state.setdefault("adam", None)
+        return state
+    keys, moments = list(state["adapter"]), old["state"]
+    state["adam"] = None if not moments else {
+        "step": int(moments[0]["step"]),
+        **{k: {key: moments[i][k] for i, key in enumerate(keys)}
+           for k in ("exp_avg", "exp_avg_sq")}}
+    return state

@@ -157,8 +157,11 @@ def _slices(linear_name: str, linear, config, names: tuple, kind: str,
     return [Slice(names[0], in_full, out_full, orders.get(names[0]))]
 
 
-def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozenset,
-            spec: LoraSpec, key: str, config, paths: dict, keys: dict) -> LoraAdapter:
+def new_adapter(parent, name: str, kind: str, fused: list[Slice], targeted: frozenset,
+                spec: LoraSpec, config, keys: dict) -> LoraAdapter:
+    """A LoraAdapter for the linear `name` of `parent` (a site of `_layer_sites`), its
+    matrices zero, attached to nothing (`_attach` initialises and hooks it; the Tinker
+    service's per-user adapters, models.lora.tenants, route batch rows to several)."""
     linear = _linear(parent, name)
     qkv = None
     if name == "linear_qkv":
@@ -166,7 +169,13 @@ def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozense
         groups = config.num_query_groups // tp
         qkv = (groups, config.num_attention_heads // config.num_query_groups,
                config.kv_channels)
-    adapter = LoraAdapter(linear, kind, fused, targeted, spec, qkv, keys)
+    return LoraAdapter(linear, kind, fused, targeted, spec, qkv, keys)
+
+
+def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozenset,
+            spec: LoraSpec, key: str, config, paths: dict, keys: dict) -> LoraAdapter:
+    linear = _linear(parent, name)
+    adapter = new_adapter(parent, name, kind, fused, targeted, spec, config, keys)
     adapter.hf_paths = paths   # {slice: peft's module path in the layer} ({}: experts)
     if adapter.is_expert:   # models.layers.experts.grouped adds it inside its grouped matmuls
         linear.low_rank_factors = adapter.factors
@@ -183,7 +192,7 @@ def _attach(parent, name: str, kind: str, fused: list[Slice], targeted: frozense
     return adapter
 
 
-def _layer_sites(layer, spec: LoraSpec, orders: dict, layers: str,
+def decoder_layer_sites(layer, spec: LoraSpec, orders: dict, layers: str,
                  hf_parents: dict) -> Iterator[tuple]:
     """(parent, linear name, kind, fused slices, targeted names, init key, {slice: HF path in
     the layer}, {slice: peft key}) of every adapter of one decoder layer."""
@@ -235,7 +244,7 @@ def apply_lora(chunks: list, spec: LoraSpec, orders: dict | None = None,
         model = _unwrap(chunk)
         model.requires_grad_(False)
         for layer in model.decoder.layers:
-            for site in list(_layer_sites(layer, spec, orders or {}, layers,
+            for site in list(decoder_layer_sites(layer, spec, orders or {}, layers,
                                           hf_parents or {})):
                 _attach(*site[:5], spec, site[5], layer.config, site[6], site[7])
                 count += 1

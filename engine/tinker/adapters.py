@@ -1,0 +1,79 @@
+"""The users' adapters with their AdamW states on one replica of the Tinker service's model:
+every model operation the service runs (engine.tinker.service), one method each, on either
+backend (`lora`: engine.tinker.lora.MultiLora or engine.tinker.mcore.MegatronLora; `ranks`:
+engine.tinker.ranks). On several ranks the root's calls are mirrored on every other rank
+(engine.tinker.lockstep), so every method takes only plain, picklable arguments and returns
+its result on the root.
+
+A state (save_state, a sampler's weights) is layout- and backend-independent: {"adapter":
+{path.A / path.B: full HF tensor}, "adam": {"step", "exp_avg": {key: tensor}, "exp_avg_sq":
+{key: tensor}} or None}, the moments keyed like the adapter."""
+from __future__ import annotations
+
+import torch
+
+from engine.tinker.compute import adam_step, prompt_logprobs, run_losses, sample
+from engine.tinker.lora import LoraSpec
+
+
+class Adapters:
+    def __init__(self, lora, ranks, decode):
+        """`decode(token ids) -> str`: the tokenizer's, for stop strings."""
+        self.lora, self.ranks, self.decode = lora, ranks, decode
+        self.optimizers: dict[str, torch.optim.AdamW] = {}
+
+    def create(self, adapter: str, spec: LoraSpec, state: dict | None = None) -> None:
+        """A trainable adapter: new (peft's initialisation from spec.seed) or from `state`,
+        with its AdamW state where `state` has one."""
+        if state is None:
+            self.lora.add(adapter, spec)
+        else:
+            self.lora.load(adapter, spec, state["adapter"])
+        params = self.lora.parameters(adapter)
+        optimizer = torch.optim.AdamW(params, lr=0.0)
+        adam = state.get("adam") if state is not None else None
+        if adam is not None:
+            moments = zip(self.lora.shards(adapter, adam["exp_avg"]),
+                          self.lora.shards(adapter, adam["exp_avg_sq"]))
+            for p, (m, v) in zip(params, moments):
+                optimizer.state[p] = {"step": torch.tensor(float(adam["step"])),
+                                      "exp_avg": m.to(p.device), "exp_avg_sq": v.to(p.device)}
+        self.optimizers[adapter] = optimizer
+
+    def frozen(self, adapter: str, spec: LoraSpec, state: dict | None = None,
+               source: str | None = None) -> None:
+        """A sampler's adapter without gradients: `source`'s current weights, or `state`'s."""
+        tensors = self.lora.state(source) if state is None else state["adapter"]
+        self.lora.load(adapter, spec, tensors)
+        for p in self.lora.parameters(adapter):
+            p.requires_grad_(False)
+
+    def remove(self, adapter: str) -> None:
+        self.lora.remove(adapter)
+        self.optimizers.pop(adapter, None)
+
+    def run_losses(self, items: list[dict], grad: bool) -> list[dict] | None:
+        return run_losses(self.lora, items, grad, self.ranks)
+
+    def optim_step(self, adapter: str, adam: dict) -> dict:
+        return adam_step(self.lora.parameters(adapter), self.optimizers[adapter], adam,
+                         self.ranks)
+
+    def export(self, adapter: str, with_optimizer: bool) -> dict:
+        """The adapter's state (module docstring); collective over TP."""
+        out = {"adapter": self.lora.state(adapter), "adam": None}
+        params = self.lora.parameters(adapter)
+        states = [self.optimizers[adapter].state.get(p) for p in params]
+        if with_optimizer and states and all(states):
+            out["adam"] = {"step": int(states[0]["step"]), **{
+                k: self.lora.full(adapter, [s[k] for s in states])
+                for k in ("exp_avg", "exp_avg_sq")}}
+        return out
+
+    @torch.no_grad()
+    def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
+               want_prompt_logprobs: bool) -> tuple[list, list | None]:
+        """Every rank samples the same sequences (the same logits and seed)."""
+        seqs = sample(self.lora, adapter, prompt, num_samples, **params, decode=self.decode)
+        lps = prompt_logprobs(self.lora, adapter, prompt) if want_prompt_logprobs else None
+        return seqs, lps
