@@ -89,6 +89,40 @@ def read_keys(args) -> dict[str, str] | None | str:
     return keys or f"--keys-file {args.keys_file!r}: no keys"
 
 
+SERVED = ("parallel.tp", "parallel.sequence_parallel")
+AT_ONE = ("parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep")
+
+
+def layout_of(overrides: list[str], world: int) -> tuple[int, bool] | str:
+    """(tp, sequence parallel) of the Megatron backend's parallel.* overrides on `world`
+    ranks (dp is the rest), or a sentence naming the bad one. Sequence parallelism is on
+    at tp > 1 unless set; pp, vpp, cp and ep only at 1."""
+    tp, sp = 1, None
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        value = raw.strip().lower()
+        if not sep:
+            return f"{item!r}: overrides are key=value"
+        if key in AT_ONE:
+            if value not in ("1", "null", "none"):
+                return (f"{key}={raw}: the tinker service's Megatron backend runs tensor and "
+                        f"data parallelism only ({', '.join(SERVED)}; dp is the rest)")
+        elif key == "parallel.tp":
+            if not value.isdigit() or int(value) < 1 or world % int(value):
+                return f"parallel.tp={raw} must be a positive divisor of the {world} ranks"
+            tp = int(value)
+        elif key == "parallel.sequence_parallel":
+            if value not in ("true", "false", "null"):
+                return f"parallel.sequence_parallel={raw}: true, false or null"
+            sp = None if value == "null" else value == "true"
+        else:
+            return (f"{key}: not a key of the tinker command; valid: {', '.join(SERVED)}, "
+                    f"and {', '.join(AT_ONE)} at 1")
+    if sp and tp == 1:
+        return "parallel.sequence_parallel=true needs parallel.tp > 1"
+    return tp, tp > 1 if sp is None else sp
+
+
 def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
     """The command's server, not yet running: a uvicorn.Server over the service and its app
     (the app's `state.service` is the Service), or 2 after printing what is wrong with the
@@ -109,14 +143,9 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
         (megatron or world == 1, f"--backend hf runs on one process, launched on {world}"),
         (megatron or not args.overrides, "--backend hf takes no overrides, got "
                                          f"{' '.join(args.overrides)}")] if not ok]
-    layout = None
-    if megatron and not problems:
-        from engine.tinker.mcore import LayoutRefused, megatron_layout
-
-        try:
-            layout = megatron_layout(args.overrides, world)
-        except LayoutRefused as e:
-            problems.append(str(e))
+    layout = layout_of(args.overrides, world) if megatron and not problems else None
+    if isinstance(layout, str):
+        problems.append(layout)
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     if problems:
@@ -125,76 +154,48 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
     # are good: --help and a refusal answer without it
     import uvicorn
 
-    from engine.tinker.routes import build_app   # torch, transformers and the SDK's schema
-    from engine.tinker.service import Service    # (as the line above)
+    from engine.tinker import routes, service   # torch, transformers and the SDK's schema
 
     name = args.served_model_name or Path(args.model).resolve().name
     backend = None
     if layout is not None:
-        backend = megatron_backend(args.model, layout)
+        from engine.tinker.megatron_start import Follower, megatron_backend   # megatron-core
+
+        backend = megatron_backend(args.model, world, *layout)
         if isinstance(backend, Follower):
             return backend   # runs the root's calls (main)
-    service = Service(args.model, name, args.state_dir, batch_wait_s=args.batch_wait_ms / 1e3,
-                      max_queue=args.max_queue, backend=backend)
-    app = build_app(service, keys, int(args.max_body_mb * 2 ** 20))
+    svc = service.Service(args.model, name, args.state_dir,
+                          batch_wait_s=args.batch_wait_ms / 1e3, max_queue=args.max_queue,
+                          backend=backend)
+    app = routes.build_app(svc, keys, int(args.max_body_mb * 2 ** 20))
     print(f"tinker API for {name!r} on http://{args.host}:{args.port}", flush=True)
     return uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port,
         log_level=os.environ.get("TINKER_LOG_LEVEL", "warning")))
 
 
-class Follower:
-    """A rank other than 0 of the Megatron backend: runs rank 0's calls until it stops."""
-
-    def __init__(self, adapters, group):
-        self.adapters, self.group = adapters, group
-
-    def run(self) -> None:
-        from engine.tinker.lockstep import follow
-
-        follow(self.adapters, self.group)
-
-
-def megatron_backend(model_dir: str, layout):
-    """Start the process groups at `layout`, build this rank's model and adapters: rank 0's
-    engine.tinker.lockstep.Lockstep, another rank's Follower."""
-    import torch.distributed as dist
-    from transformers import AutoTokenizer
-
-    from engine.tinker.adapters import Adapters
-    from engine.tinker.lockstep import Lockstep, channel
-    from engine.tinker.mcore import MegatronLora
-    from engine.tinker.ranks import MegatronRanks
-    from parallel.process_groups import init_distributed, setup_model_parallel
-
-    init_distributed()
-    setup_model_parallel(layout)
-    lora = MegatronLora(model_dir, layout.sequence_parallel)
-    adapters = Adapters(lora, MegatronRanks(), AutoTokenizer.from_pretrained(model_dir).decode)
-    group = channel()
-    if dist.get_rank() != 0:
-        return Follower(adapters, group)
-    print(f"tinker: Megatron backend, {layout.world_size} ranks: tp {layout.tp} (sequence "
-          f"parallel {'on' if layout.sequence_parallel else 'off'}), dp {layout.dp}",
-          flush=True)
-    return Lockstep(adapters, group)
-
-
 def main(argv: list[str] | None = None, prog: str = "python -m engine.tinker") -> int:
     server = build(argv, prog)
     if isinstance(server, int):
         return server
-    if isinstance(server, Follower):   # SIGINT / SIGTERM reach rank 0, which stops us
+    if not hasattr(server, "should_exit"):   # a Follower: rank 0 gets SIGINT / SIGTERM
+        # and stops it
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.run()
         return 0
+    stop = getattr(server.config.app.state.service.backend, "stop", None)
+    if stop is None:
+        server.run()
+        return 0
+    # uvicorn re-raises the SIGINT / SIGTERM that stopped it once it is down, under the
+    # handlers it found: these let rank 0 stop the other ranks and exit 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run()
     finally:
-        stop = getattr(server.config.app.state.service.backend, "stop", None)
-        if stop is not None:
-            stop()
+        stop()
     return 0
 
 

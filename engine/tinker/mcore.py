@@ -8,14 +8,11 @@ engine.tinker.lora.MultiLora): adapters added, loaded, removed and exported as f
 tensors, and `logits(ids, names, lengths)` -> float32 [b, s, vocab] on every rank of the
 replica (megatron's vocab-parallel logits gathered over TP, differentiable). Under sequence
 parallelism the sequence is right-padded to a multiple of tp (causal attention: the real
-positions do not change); the padded positions are dropped.
-
-`megatron_layout(overrides, world)` reads the command's parallel.* overrides: parallel.tp and
-parallel.sequence_parallel are served, dp is what is left of the world; pp, vpp, cp and ep
-other than 1 are refused by name (`LayoutRefused`)."""
+positions do not change); the padded positions are dropped."""
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from engine.tinker.lora import LORA_ALPHA, LoraSpec, initial_tensors
@@ -25,50 +22,6 @@ from models.hf.io import SafetensorsReader, read_config
 from models.lora.slices import LoraSpec as MegatronSpec
 from models.lora.tenants import TenantLora
 from parallel import cpu_runtime
-from parallel.layout import ParallelLayout
-
-SERVED = {"parallel.tp": int, "parallel.sequence_parallel": bool}
-REFUSED_ABOVE_ONE = ("parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep")
-
-
-class LayoutRefused(ValueError):
-    """An override the Megatron backend does not serve (the message names it)."""
-
-
-def megatron_layout(overrides: list[str], world: int) -> ParallelLayout:
-    """The ParallelLayout of `overrides` (key=value strings) on `world` ranks."""
-    values = {"parallel.tp": 1, "parallel.sequence_parallel": None}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise LayoutRefused(f"{item!r}: overrides are key=value")
-        if key in REFUSED_ABOVE_ONE:
-            if raw.strip().lower() not in ("1", "null", "none"):
-                raise LayoutRefused(f"{key}={raw}: the tinker service's Megatron backend runs "
-                                    "tensor and data parallelism only (served: "
-                                    f"{', '.join(SERVED)}; dp is the rest of the world)")
-            continue
-        if key not in SERVED:
-            raise LayoutRefused(f"{key}: not a key of the tinker command; served: "
-                                f"{', '.join(SERVED)}, and {', '.join(REFUSED_ABOVE_ONE)} at 1")
-        if SERVED[key] is bool:
-            if raw.lower() not in ("true", "false", "null"):
-                raise LayoutRefused(f"{key}={raw}: true, false or null")
-            values[key] = None if raw.lower() == "null" else raw.lower() == "true"
-        else:
-            try:
-                values[key] = int(raw)
-            except ValueError:
-                raise LayoutRefused(f"{key}={raw}: a positive integer") from None
-    tp = values["parallel.tp"]
-    if tp < 1 or world % tp:
-        raise LayoutRefused(f"parallel.tp={tp} must be >= 1 and divide the {world} ranks")
-    sp = values["parallel.sequence_parallel"]
-    sp = tp > 1 if sp is None else sp
-    if sp and tp == 1:
-        raise LayoutRefused("parallel.sequence_parallel=true needs parallel.tp > 1")
-    return ParallelLayout(world, tp=tp, sequence_parallel=sp)
-
 
 def megatron_spec(spec: LoraSpec) -> MegatronSpec:
     """A Tinker LoraConfig as models.lora's spec: its targets, rank, alpha LORA_ALPHA."""
@@ -79,8 +32,6 @@ class MegatronLora:
     """The base model on this rank with the users' adapters (module docstring)."""
 
     def __init__(self, model_dir: str, sequence_parallel: bool):
-        from megatron.core import parallel_state as ps
-
         hf_config = read_config(model_dir)
         chunks = build_model_chunks(hf_config, sequence_parallel=sequence_parallel)
         load_hf_weights(chunks, SafetensorsReader(model_dir), hf_config)

@@ -1,0 +1,42 @@
+"""Starting the Tinker service's Megatron backend on one rank: the process groups at the
+command's layout, this rank's model and adapters (engine.tinker.mcore), and its part in the
+lockstep (engine.tinker.lockstep): rank 0 gets the Lockstep its service calls, every other
+rank a `Follower` that runs rank 0's calls until it stops."""
+from __future__ import annotations
+
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from engine.tinker.adapters import Adapters
+from engine.tinker.lockstep import Lockstep, channel, follow
+from engine.tinker.mcore import MegatronLora
+from engine.tinker.mcore_ranks import MegatronRanks
+from parallel.layout import ParallelLayout
+from parallel.process_groups import init_distributed, setup_model_parallel
+
+
+class Follower:
+    """A rank other than 0: runs rank 0's calls until it stops (`run`)."""
+
+    def __init__(self, adapters: Adapters, group):
+        self.adapters, self.group = adapters, group
+
+    def run(self) -> None:
+        follow(self.adapters, self.group)
+
+
+def megatron_backend(model_dir: str, world: int, tp: int, sequence_parallel: bool
+                     ) -> Lockstep | Follower:
+    """Collective over the `world` ranks torchrun started: tp x (world / tp) data-parallel
+    replicas of the model in `model_dir`."""
+    init_distributed()
+    layout = ParallelLayout(world, tp=tp, sequence_parallel=sequence_parallel)
+    setup_model_parallel(layout)
+    lora = MegatronLora(model_dir, sequence_parallel)
+    adapters = Adapters(lora, MegatronRanks(), AutoTokenizer.from_pretrained(model_dir).decode)
+    group = channel()
+    if dist.get_rank() != 0:
+        return Follower(adapters, group)
+    print(f"tinker: Megatron backend, {world} ranks: tp {tp} (sequence parallel "
+          f"{'on' if sequence_parallel else 'off'}), dp {layout.dp}", flush=True)
+    return Lockstep(adapters, group)

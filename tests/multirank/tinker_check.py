@@ -1,0 +1,124 @@
+"""The Tinker service's operations (engine.tinker.adapters.Adapters, what its worker runs) on the
+Megatron backend at a pool layout, and the same script on the transformers backend in the test
+process (tests/test_tinker_megatron.py).
+
+`exercise(adapters)`: two LoRA models of different ranks and seeds, their forward_backward
+items batched together (cross_entropy, importance_sampling, ppo rows), three optim_steps each
+(clipping on), then both adapters' states with AdamW's moments and a greedy sample of each.
+Returns a record of plain numbers."""
+from __future__ import annotations
+
+import torch
+
+from engine.tinker.adapters import Adapters
+from engine.tinker.losses import check_loss
+from engine.tinker.lora import LoraSpec
+from engine.tinker.wire import Datum
+
+ADAM = dict(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01,
+            grad_clip_norm=5.0)
+RL_INPUTS = {"target_tokens", "logprobs", "advantages"}
+SPECS = {"a": LoraSpec(rank=4, seed=1), "b": LoraSpec(rank=2, seed=7, train_unembed=False)}
+
+
+def _datum(tokens: list[int], **inputs) -> Datum:
+    targets = tokens[1:] + [tokens[0]]
+    return Datum(tokens, {"target_tokens": torch.tensor(targets),
+                          **{k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items()}})
+
+
+def _items(step: int) -> list[dict]:
+    """Step `step`'s forward_backward items: model a's SFT rows and model b's RL rows."""
+    g = torch.Generator().manual_seed(step)
+
+    def toks(n):
+        return torch.randint(4, 200, (n,), generator=g).tolist()
+
+    def rl(n):
+        return _datum(toks(n), logprobs=(-3 - torch.rand(n, generator=g)).tolist(),
+                      advantages=(torch.randn(n, generator=g)).tolist())
+    sft = [_datum(toks(n), weights=[0.0] * 2 + [1.0] * (n - 2)) for n in (9, 5, 13)]
+    return [
+        {"adapter": "a", "loss_fn": "cross_entropy", "data": sft, "backward": True,
+         "config": check_loss("cross_entropy", {"target_tokens", "weights"}, None)},
+        {"adapter": "b", "loss_fn": "importance_sampling", "data": [rl(7), rl(11)],
+         "backward": True, "config": check_loss("importance_sampling", RL_INPUTS, None)},
+        {"adapter": "b", "loss_fn": "ppo", "data": [rl(6)], "backward": True,
+         "config": check_loss("ppo", RL_INPUTS, None)},
+        {"adapter": None, "loss_fn": "cross_entropy", "data": [_datum(toks(4))],
+         "backward": False, "config": check_loss("cross_entropy", {"target_tokens"}, None)}]
+
+
+def exercise(adapters: Adapters, control=None, reverse: bool = False) -> dict | None:
+    """The script (module docstring) on `adapters`; the record on the root, None elsewhere.
+    `control(adapters)`: applied once the models exist (negative controls). `reverse`: every
+    batch's items and rows in the opposite order (the same sums in another order: the
+    rounding envelope of the states; the record's per-row entries come in that order)."""
+    for name, spec in SPECS.items():
+        adapters.create(name, spec)
+    if control is not None:
+        control(adapters)
+    record = {"losses": [], "logprobs": [], "grad_norms": []}
+    for step in range(3):
+        items = _items(step)
+        if reverse:
+            items = [dict(item, data=item["data"][::-1]) for item in items[::-1]]
+        results = adapters.run_losses(items, True)
+        norms = [adapters.optim_step(name, ADAM)["grad_norm:mean"] for name in SPECS]
+        if results is not None:
+            record["losses"].append([r["metrics"]["loss:sum"] for r in results])
+            record["logprobs"].append([o["logprobs"].tolist() for r in results
+                                       for o in r["outputs"]])
+            record["grad_norms"].append(norms)
+    states = {name: adapters.export(name, True) for name in SPECS}
+    samples = {name: adapters.sample(name, [5, 6, 7, 8], 2, dict(
+        max_tokens=6, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=set(),
+        stop_strings=[]), True) for name in SPECS}
+    if not adapters.ranks.root:
+        return None
+    record["states"] = {name: {"adapter": _numpy(s["adapter"]), "step": s["adam"]["step"],
+                               "exp_avg": _numpy(s["adam"]["exp_avg"]),
+                               "exp_avg_sq": _numpy(s["adam"]["exp_avg_sq"])}
+                        for name, s in states.items()}
+    record["samples"] = {name: ([seq[0] for seq in s[0]], [seq[1] for seq in s[0]], s[1])
+                         for name, s in samples.items()}
+    return record
+
+
+def _numpy(tensors: dict) -> dict:
+    """Tensors as numpy arrays (a pool case's result is pickled to the test process)."""
+    return {k: v.detach().cpu().numpy() for k, v in tensors.items()}
+
+
+def no_tp_reduction(adapters: Adapters) -> None:
+    """Negative control: the adapters' TP reductions off (models.lora.adapters `reduce`)."""
+    for site in adapters.lora.tenants.sites:
+        for adapter in site.adapters.values():
+            adapter.reduce = False
+
+
+def megatron(model_dir: str, tp: int, sequence_parallel: bool, control: str | None = None
+             ) -> dict | None:
+    """`exercise` on the Megatron backend at tp x (world / tp) on this pool's ranks."""
+    import torch.distributed as dist
+
+    from engine.tinker.mcore import MegatronLora
+    from engine.tinker.mcore_ranks import MegatronRanks
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp,
+                                        sequence_parallel=sequence_parallel))
+    adapters = Adapters(MegatronLora(model_dir, sequence_parallel), MegatronRanks(), str)
+    return exercise(adapters, {"tp": no_tp_reduction, "dp": _skip_dp_sum,
+                               None: None}[control])
+
+
+def _skip_dp_sum(adapters: Adapters) -> None:
+    """Negative control: each replica steps on its own rows' gradients (the DP sum dropped,
+    the sequence-parallel TP sum kept)."""
+    from engine.tinker.mcore_ranks import _all_reduce
+
+    ranks = adapters.ranks
+    ranks.reduce_grads = lambda params: _all_reduce(
+        [p.grad for p in params if getattr(p, "sequence_parallel", False)], ranks.tp_group)

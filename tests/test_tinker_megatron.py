@@ -1,0 +1,187 @@
+"""The Tinker service's Megatron backend (engine.tinker.mcore, models.lora.tenants) equals its
+transformers backend, the independent reference of tests/test_tinker.py (itself held to peft):
+the same script of service operations (tests/multirank/tinker_check.py: two LoRA models batched
+together, cross_entropy / importance_sampling / ppo rows, three clipped AdamW steps, their
+exported states with AdamW's moments, greedy samples) on one process, at TP2 with and without
+sequence parallelism and at DP2, held to rel 1e-5, with negative controls (the adapters' TP
+reduction off; the DP gradient sum dropped). And one real launch: `megatron-sft-engine tinker
+--nproc-per-node 2 parallel.tp=2` driven by the official SDK, its state resumed with the
+optimizer by a transformers-backend server (a layout- and backend-independent state), every
+rank's exit code checked (torchrun's)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from engine.tinker.adapters import Adapters  # noqa: E402
+from engine.tinker.lora import MultiLora  # noqa: E402
+from engine.tinker.ranks import OneProcess  # noqa: E402
+from tests.launch import free_port  # noqa: E402
+from tests.multirank import tinker_check  # noqa: E402
+from tests.test_tinker import _serve  # noqa: E402
+from tools.tiny_models import build_eos_model  # noqa: E402
+
+CHECK = "tests.multirank.tinker_check:megatron"
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_eos_model(str(tmp_path_factory.mktemp("tinker_megatron") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    return tinker_check.exercise(Adapters(MultiLora(hf), OneProcess(), str))
+
+
+def _gap(a, b) -> float:
+    """The largest |a - b| over the records' numbers, relative to the largest |b| of each
+    compared quantity; infinite where sampled tokens differ."""
+    if isinstance(b, dict):
+        assert sorted(a) == sorted(b)
+        return max(_gap(a[k], b[k]) for k in b)
+    if isinstance(b, (list, tuple)) and b and isinstance(b[0], int):
+        return 0.0 if list(a) == list(b) else float("inf")
+    if isinstance(b, (list, tuple)) and b and not isinstance(b[0], (int, float)):
+        return max(_gap(x, y) for x, y in zip(a, b, strict=True))
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert x.shape == y.shape
+    finite = np.isfinite(y)
+    if not finite.any():
+        return 0.0
+    assert (np.isfinite(x) == finite).all()
+    return float(np.abs(x - y)[finite].max() / max(np.abs(y[finite]).max(), 1e-12))
+
+
+RUN = ("losses", "logprobs", "grad_norms", "samples")   # per step, and the trained sampler
+
+
+def test_megatron_layouts_equal_the_transformers_backend(pools, model, reference):
+    """Every step's losses, per-token log-probs and gradient norms, and the trained models'
+    greedy samples (tokens, log-probs, prompt log-probs) at rel 1e-5. The exported states
+    (adapters, AdamW's moments) after 3 steps are held to 4x the envelope of one process: the
+    same backend on the same rows in another order (AdamW's update m / sqrt(v) amplifies a
+    gradient's rounding where successive gradients nearly cancel; measured 5e-5 of a matrix's
+    largest value, the layouts 6e-5 to 1.2e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    reordered = tinker_check.exercise(Adapters(MultiLora(hf), OneProcess(), str), reverse=True)
+    envelope = _gap(reordered["states"], reference["states"])
+    assert 0 < envelope < 1e-3, envelope
+    runs = {"one process": pools.run(1, CHECK, model, 1, False)[0],
+            "tp2 + sp": pools.run(2, CHECK, model, 2, True)[0],
+            "tp2": pools.run(2, CHECK, model, 2, False)[0],
+            "dp2": pools.run(2, CHECK, model, 1, False)[0]}
+    gaps = {name: {k: _gap(r[k], reference[k]) for k in RUN + ("states",)}
+            for name, r in runs.items()}
+    assert all(g[k] < TOL for g in gaps.values() for k in RUN), gaps
+    assert all(g["states"] < 4 * envelope for g in gaps.values()), (envelope, gaps)
+    # the records hold what they should: 3 steps of 4 items, both adapters' moments
+    assert len(reference["losses"]) == 3 and len(reference["losses"][0]) == 4
+    assert reference["states"]["a"]["step"] == 3
+    assert "lm_head.A" in reference["states"]["a"]["adapter"]
+    assert "lm_head.A" not in reference["states"]["b"]["adapter"]
+    # negative controls: the adapters' TP reduction off, the DP gradient sum dropped
+    controls = {"tp reduction off": pools.run(2, CHECK, model, 2, True, "tp")[0],
+                "dp sum off": pools.run(2, CHECK, model, 1, False, "dp")[0]}
+    for name, r in controls.items():
+        run = max(_gap(r[k], reference[k]) for k in ("logprobs", "grad_norms"))
+        states = _gap(r["states"], reference["states"])
+        assert run > 1e3 * TOL and states > 40 * envelope, (name, run, states, envelope)
+
+
+def _launch(model: str, port: int, state: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "tinker", "--nproc-per-node", "2", "--model", model,
+         "--port", str(port), "--api-key", "tml-k", "--state-dir", state, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _rank0(proc: subprocess.Popen) -> psutil.Process:
+    """The launched job's rank 0 (torchrun's child whose RANK is 0)."""
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == "0":
+                return child
+        except psutil.Error:
+            continue
+    raise AssertionError("no rank 0 under the launch")
+
+
+def _steps(tc, n: int) -> list[tuple[float, float]]:
+    data = [types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7, 8, 9, 10]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8, 9, 10, 11]}),
+            types.Datum(model_input=types.ModelInput.from_ints([12, 13, 14]),
+                        loss_fn_inputs={"target_tokens": [13, 14, 15]})]
+    adam = types.AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
+    out = []
+    for _ in range(n):
+        loss = tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+        out.append((loss, tc.optim_step(adam).result().metrics["grad_norm:mean"]))
+    return out
+
+
+def test_console_launch_tp2_trains_and_its_state_resumes_on_the_transformers_backend(
+        model, tmp_path):
+    port, state = free_port(), str(tmp_path / "state")
+    proc = _launch(model, port, state, "parallel.tp=2")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                sc = tinker.ServiceClient(base_url=url, api_key="tml-k")
+                sc.get_server_capabilities()
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(1)
+        tc = sc.create_lora_training_client(base_model="llama", rank=4, seed=3).result()
+        before = _steps(tc, 2)
+        path = tc.save_state("two").result().path
+        after = _steps(tc, 1)
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        greedy = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(
+            max_tokens=5, temperature=0.0)).result().sequences[0]
+        _rank0(proc).send_signal(signal.SIGTERM)   # rank 0 stops the others (lockstep)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out   # torchrun's: every rank exited 0
+    assert "Megatron backend, 2 ranks: tp 2 (sequence parallel on), dp 1" in out
+    assert before[1][0] < before[0][0]
+    # the transformers backend on the same --state-dir resumes the TP2 state with AdamW's
+    # moments: its next step is the TP2 server's
+    server = _serve(["--model", model, "--api-key", "tml-k", "--state-dir", state])
+    try:
+        sc = tinker.ServiceClient(base_url=server["url"], api_key="tml-k")
+        resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+        [(loss, norm)] = _steps(resumed, 1)
+        hf_greedy = resumed.save_weights_and_get_sampling_client().result().sample(
+            types.ModelInput.from_ints([5, 6, 7]), 1,
+            types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0]
+    finally:
+        server["stop"]()
+    assert abs(loss - after[0][0]) <= TOL * abs(after[0][0]), (loss, after)
+    assert abs(norm - after[0][1]) <= TOL * abs(after[0][1]), (norm, after)
+    assert hf_greedy.tokens == greedy.tokens
+    np.testing.assert_allclose(hf_greedy.logprobs, greedy.logprobs, rtol=TOL)
