@@ -10,6 +10,7 @@ optimizer by a transformers-backend server (a layout- and backend-independent st
 rank's exit code checked (torchrun's)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -106,12 +107,37 @@ def test_megatron_layouts_equal_the_transformers_backend(pools, model, reference
         assert run > 1e3 * TOL and states > 40 * envelope, (name, run, states, envelope)
 
 
-def _launch(model: str, port: int, state: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tools.cli", "tinker", "--nproc-per-node", "2", "--model", model,
-         "--port", str(port), "--api-key", "tml-k", "--state-dir", state, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+@contextlib.contextmanager
+def launched(model: str, state: str, nproc: int, *extra: str):
+    """`megatron-sft-engine tinker --nproc-per-node NPROC --model MODEL EXTRA` (the console's
+    launch through torchrun, key tml-k) until the block ends; yields {"url", "out"}. At the
+    end rank 0 gets SIGTERM (it stops the other ranks) and torchrun must exit 0: every rank
+    exited 0. "out" then holds the launch's output."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.cli", "tinker", "--nproc-per-node", str(nproc),
+         "--model", model, "--port", str(port), "--api-key", "tml-k", "--state-dir", state,
+         *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    info = {"url": f"http://127.0.0.1:{port}"}
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                tinker.ServiceClient(base_url=info["url"], api_key="tml-k"
+                                     ).get_server_capabilities()
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(1)
+        yield info
+        _rank0(proc).send_signal(signal.SIGTERM)   # rank 0 stops the others (lockstep)
+        info["out"], _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, info.get("out")   # torchrun's: every rank exited 0
 
 
 def _rank0(proc: subprocess.Popen) -> psutil.Process:
@@ -140,20 +166,9 @@ def _steps(tc, n: int) -> list[tuple[float, float]]:
 
 def test_console_launch_tp2_trains_and_its_state_resumes_on_the_transformers_backend(
         model, tmp_path):
-    port, state = free_port(), str(tmp_path / "state")
-    proc = _launch(model, port, state, "parallel.tp=2")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                sc = tinker.ServiceClient(base_url=url, api_key="tml-k")
-                sc.get_server_capabilities()
-                break
-            except Exception:
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(1)
+    state = str(tmp_path / "state")
+    with launched(model, state, 2, "parallel.tp=2") as server:
+        sc = tinker.ServiceClient(base_url=server["url"], api_key="tml-k")
         tc = sc.create_lora_training_client(base_model="llama", rank=4, seed=3).result()
         before = _steps(tc, 2)
         path = tc.save_state("two").result().path
@@ -161,12 +176,7 @@ def test_console_launch_tp2_trains_and_its_state_resumes_on_the_transformers_bac
         sampler = tc.save_weights_and_get_sampling_client().result()
         greedy = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(
             max_tokens=5, temperature=0.0)).result().sequences[0]
-        _rank0(proc).send_signal(signal.SIGTERM)   # rank 0 stops the others (lockstep)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out   # torchrun's: every rank exited 0
+    out = server["out"]
     assert "Megatron backend, 2 ranks: tp 2 (sequence parallel on), dp 1" in out
     assert before[1][0] < before[0][0]
     # the transformers backend on the same --state-dir resumes the TP2 state with AdamW's
