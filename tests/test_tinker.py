@@ -500,6 +500,48 @@ def test_a_restarted_server_serves_the_saved_state(server):
         second["stop"]()
 
 
+class _Recompute:
+    """The service's model without its KV-cache decoder: engine.tinker.compute.sample then
+    recomputes every row in full each step (the Megatron backend's path)."""
+
+    def __init__(self, lora):
+        self.logits = lora.logits
+
+
+def test_kv_cached_sampling_equals_full_recompute(server):
+    """The hf backend samples with transformers' KV cache (MultiLora.decoder: the prompt once,
+    then one token per live row, finished rows dropped from the cache): at temperature 1 with
+    stop tokens (rows finish at different steps) the same tokens, stop reasons and log-probs
+    (rel 1e-5) as recomputing the rows in full each step. Negative control: once a row
+    finishes, the live rows are served from the first cache rows instead of their own (the
+    misaligned cache a wrong row selection leaves)."""
+    from engine.tinker.compute import sample
+
+    service = server["service"]
+    tc = _client(server).create_lora_training_client(base_model="llama", rank=4, seed=2).result()
+    tc.forward_backward(SFT, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(**ADAM)).result()
+    adapter = service.models[tc.model_id].adapter
+    args = dict(max_tokens=12, temperature=1.0, top_k=0, top_p=1.0, seed=4, stop_ids={3, 17},
+                stop_strings=[], decode=str)
+    cached = sample(service.lora, adapter, [5, 6, 7, 8], 8, **args)
+    full = sample(_Recompute(service.lora), adapter, [5, 6, 7, 8], 8, **args)
+    assert [c[0] for c in cached] == [f[0] for f in full]
+    assert [c[2] for c in cached] == [f[2] for f in full]
+    assert {c[2] for c in cached} == {"stop", "length"}   # rows finished at different steps
+    for c, f in zip(cached, full):
+        np.testing.assert_allclose(c[1], f[1], rtol=1e-5)
+
+    class Misaligned:   # the control: the first len(live) cache rows, whichever are live
+        logits = service.lora.logits
+
+        def decoder(self, adapter, seqs):
+            inner = service.lora.decoder(adapter, seqs)
+            return lambda live: inner(list(range(len(live))))
+    wrong = sample(Misaligned(), adapter, [5, 6, 7, 8], 8, **args)
+    assert [c[0] for c in wrong] != [f[0] for f in full]
+
+
 def test_the_console_command_refuses_bad_flags_by_name(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tools.cli", "tinker", "--model", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)

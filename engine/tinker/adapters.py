@@ -61,12 +61,12 @@ class Adapters:
 
     def export(self, adapter: str, with_optimizer: bool) -> dict:
         """The adapter's state (module docstring); collective over TP."""
-        out = {"adapter": self.lora.state(adapter), "adam": None}
+        out = {"adapter": _on_cpu(self.lora.state(adapter)), "adam": None}
         params = self.lora.parameters(adapter)
         states = [self.optimizers[adapter].state.get(p) for p in params]
         if with_optimizer and states and all(states):
             out["adam"] = {"step": int(states[0]["step"]), **{
-                k: self.lora.full(adapter, [s[k] for s in states])
+                k: _on_cpu(self.lora.full(adapter, [s[k] for s in states]))
                 for k in ("exp_avg", "exp_avg_sq")}}
         return out
 
@@ -77,3 +77,8 @@ class Adapters:
         seqs = sample(self.lora, adapter, prompt, num_samples, **params, decode=self.decode)
         lps = prompt_logprobs(self.lora, adapter, prompt) if want_prompt_logprobs else None
         return seqs, lps
+
+
+def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state's tensors in host memory (a state file loads on any host)."""
+    return {k: v.detach().cpu() for k, v in tensors.items()}

@@ -122,25 +122,22 @@ def prompt_logprobs(lora, adapter: str | None, tokens: list[int]) -> list[float]
 def sample(lora, adapter: str | None, prompt: list[int], num_samples: int, max_tokens: int,
            temperature: float, top_k: int, top_p: float, seed: int, stop_ids: set[int],
            stop_strings: list[str], decode) -> list[tuple[list[int], list[float], str]]:
-    """num_samples continuations of `prompt` (one batch, recomputed in full each step: tiny
-    models only). A sequence stops after a stop token (kept) or once its text contains a stop
-    string, reason "stop"; else after max_tokens, "length". logprobs: of each sampled token
-    under the sampled distribution (logits / temperature; temperature 0: greedy, raw
-    log-softmax)."""
+    """num_samples continuations of `prompt`, one batch. A backend with a KV cache
+    (`lora.decoder`: engine.tinker.lora) encodes the prompt once and then one token per row
+    per step; one without (the Megatron backend) recomputes the rows in full each step. A
+    sequence stops after a stop token (kept) or once its text contains a stop string, reason
+    "stop"; else after max_tokens, "length". logprobs: of each sampled token under the
+    sampled distribution (logits / temperature; temperature 0: greedy, raw log-softmax)."""
     generator = torch.Generator().manual_seed(seed)
     seqs = [list(prompt) for _ in range(num_samples)]
     out = [([], [], "length") for _ in range(num_samples)]
     live = list(range(num_samples))
+    next_logits = _next_logits(lora, adapter, seqs)
     for _ in range(max_tokens):
         if not live:
             break
-        rows = [(adapter, Datum(seqs[i], {})) for i in live]
-        longest = max(len(seqs[i]) for i in live)
-        ids = torch.zeros(len(live), longest, dtype=torch.long)
-        for r, i in enumerate(live):
-            ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
-        logits = lora.logits(ids, [a for a, _ in rows], [len(seqs[i]) for i in live])
-        last = torch.stack([logits[r, len(seqs[i]) - 1] for r, i in enumerate(live)])
+        # on the CPU: the sampler's generator is a CPU one (the same draws on every device)
+        last = next_logits(live).float().cpu()
         if temperature == 0:
             logp = torch.log_softmax(last, -1)
             picks = logp.argmax(-1)
@@ -168,3 +165,20 @@ def sample(lora, adapter: str | None, prompt: list[int], num_samples: int, max_t
                 still.append(i)
         live = still
     return out
+
+
+def _next_logits(lora, adapter: str | None, seqs: list[list[int]]):
+    """`next_logits(live)` -> logits [len(live), V] of the next token of the rows `live` of
+    `seqs` (which the caller extends by one token per live row between calls)."""
+    decoder = getattr(lora, "decoder", None)
+    if decoder is not None:
+        return decoder(adapter, seqs)
+
+    def recompute(live: list[int]) -> torch.Tensor:
+        longest = max(len(seqs[i]) for i in live)
+        ids = torch.zeros(len(live), longest, dtype=torch.long)
+        for r, i in enumerate(live):
+            ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
+        logits = lora.logits(ids, [adapter] * len(live), [len(seqs[i]) for i in live])
+        return torch.stack([logits[r, len(seqs[i]) - 1] for r, i in enumerate(live)])
+    return recompute

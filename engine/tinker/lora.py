@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 LORA_ALPHA = 32.0
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -83,14 +84,16 @@ class RowPlan:
         self.names, self.lengths = names, lengths
         self._cache: dict[int, list[tuple[str, torch.Tensor]]] = {}
 
-    def positions(self, seq: int) -> list[tuple[str, torch.Tensor]]:
+    def positions(self, seq: int, device=None) -> list[tuple[str, torch.Tensor]]:
+        """(on `device`: the activations')"""
         if seq not in self._cache:
             rows: dict[str, list[int]] = {}
             for b, name in enumerate(self.names):
                 if name is not None:
                     rows.setdefault(name, []).append(b)
             self._cache[seq] = [
-                (name, torch.cat([torch.arange(b * seq, b * seq + self.lengths[b]) for b in bs]))
+                (name, torch.cat([torch.arange(b * seq, b * seq + self.lengths[b])
+                                  for b in bs]).to(device))
                 for name, bs in rows.items()]
         return self._cache[seq]
 
@@ -106,9 +109,10 @@ class MultiLoraLinear(nn.Module):
 
     def add(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Adapter `name` with (copies of) A [r, in] and B [out, r]."""
-        dtype = self.base.weight.dtype
-        self.adapters[name] = nn.ParameterDict({"A": nn.Parameter(a.to(dtype).clone()),
-                                                "B": nn.Parameter(b.to(dtype).clone())})
+        w = self.base.weight
+        self.adapters[name] = nn.ParameterDict({
+            "A": nn.Parameter(a.to(w.device, w.dtype, copy=True)),
+            "B": nn.Parameter(b.to(w.device, w.dtype, copy=True))})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -119,7 +123,7 @@ class MultiLoraLinear(nn.Module):
             out = self.base(flat)
         out = out.reshape(*x.shape[:-1], out.shape[-1])
         groups = [(name, positions) for name, positions in
-                  (self.plan.positions(x.shape[1]) if self.plan is not None else [])
+                  (self.plan.positions(x.shape[1], x.device) if self.plan is not None else [])
                   if name in self.adapters]
         if not groups:
             return out
@@ -208,7 +212,8 @@ class MultiLora:
         names[b] on its first lengths[b] tokens."""
         self.assign(names, lengths)
         try:
-            return self.model(input_ids=ids, use_cache=False).logits.float()
+            return self.model(input_ids=ids.to(self.model.device),
+                              use_cache=False).logits.float()
         finally:
             self.assign(None)
 
@@ -218,6 +223,36 @@ class MultiLora:
             if path.rsplit(".", 1)[-1] in spec.suffixes():
                 self.linears[path].add(name, state[f"{path}.A"], state[f"{path}.B"])
         self.specs[name] = spec
+
+    def decoder(self, adapter: str | None, seqs: list[list[int]]):
+        """`next_logits(live)` for engine.tinker.compute.sample with transformers' KV cache:
+        the first call encodes the rows' common prompt once (seqs all equal) and repeats its
+        cache for every row; each later call feeds each live row's last token, the cache first
+        cut to the live rows."""
+        state = {"cache": DynamicCache(config=self.model.config), "rows": None}
+        device = self.model.device
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            b, t = ids.shape
+            self.assign([adapter] * b, [t] * b)
+            try:
+                return self.model(input_ids=ids.to(device), past_key_values=state["cache"],
+                                  use_cache=True).logits[:, -1]
+            finally:
+                self.assign(None)
+
+        def next_logits(live: list[int]) -> torch.Tensor:
+            if state["rows"] is None:   # the prompt, once
+                logits = forward(torch.tensor([seqs[live[0]]]))
+                state["cache"].batch_repeat_interleave(len(live))
+                state["rows"] = list(live)
+                return logits.expand(len(live), -1)
+            if live != state["rows"]:
+                keep = [state["rows"].index(i) for i in live]
+                state["cache"].batch_select_indices(torch.tensor(keep, device=device))
+                state["rows"] = list(live)
+            return forward(torch.tensor([[seqs[i][-1]] for i in live]))
+        return next_logits
 
     def assign(self, names: list[str | None] | None, lengths: list[int] | None = None) -> None:
         """Row b of the next forward takes adapter names[b] on its first lengths[b] tokens

@@ -326,9 +326,10 @@ class Service:
 
 
 def transformers_backend(model_dir: str, tokenizer) -> Adapters:
-    """The one-process backend: the HF model in float32 with engine.tinker.lora's adapters."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model.eval()
+    """The one-process backend: the HF model in float32 with engine.tinker.lora's adapters, on
+    the first GPU where there is one (the CPU otherwise)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     return Adapters(MultiLora(model), OneProcess(), tokenizer.decode)
 
 
