@@ -97,6 +97,104 @@ def test_muon_item_runs_the_dense_case_with_muon_and_needs_emerging_optimizers(t
         "docs/benchmarks.md)"
 
 
+def test_tinker_item_runs_both_backends_and_needs_the_sdk(tmp_path):
+    """`tinker` (issue 103): not in the default plan, runnable by name; `python -m tools.bench
+    tinker` through prep bench-json, --backend hf then --backend megatron, each into its own
+    file (the result is the last one's); --cpu-smoke adds --quick; skipped without the SDK."""
+    from tools.bench.gpu.items import ITEMS, SMOKE_ESTIMATE_S
+
+    assert "tinker" not in ORDER and "tinker" in ITEMS
+    for smoke, quick, estimate in ((False, [], 100), (True, ["--quick"], 70)):
+        (item,) = build_items(["tinker"], tmp_path, smoke=smoke)
+        assert [c[1:] for c in item.commands] == [
+            ["-m", "tools.bench.gpu.prep", "bench-json", str(tmp_path / f"tinker_{b}.json"),
+             "tinker", "--backend", b, *quick] for b in ("hf", "megatron")]
+        assert item.kind == "tinker" and item.result == tmp_path / "tinker_megatron.json"
+        assert item.estimate_s == estimate and ("cuda" in item.needs) is not smoke
+        assert {"megatron", "transformers", "tinker"} <= set(item.needs)
+    assert ESTIMATE_S["tinker"] == 100 and SMOKE_ESTIMATE_S["tinker"] == 70
+    assert missing_reason(item.needs, HOST) == \
+        "tinker not installed (the test extra's tinker==0.38.*: the SDK and its schema)"
+    assert missing_reason(item.needs, HOST | {"tinker"}) is None  # negative control
+
+
+def test_tinker_bench_passes_its_backend_to_the_server(tmp_path, monkeypatch):
+    """tools.bench tinker --backend X starts `python -m engine.tinker ... --backend X` (the
+    server's Popen and its wait replaced: nothing starts); an unknown backend exits 2."""
+    from tools.bench import serve_load, tinker_batching
+
+    seen = []
+    monkeypatch.setattr(tinker_batching.subprocess, "Popen",
+                        lambda cmd, **kw: seen.append(cmd) or "proc")
+    monkeypatch.setattr(serve_load, "_wait_up", lambda *a: None)
+    for backend in tinker_batching.BACKENDS:
+        assert tinker_batching._start_server("M", str(tmp_path), 1234, backend) == "proc"
+    assert [c[1:3] + c[-2:] for c in seen] == [["-m", "engine.tinker", "--backend", "hf"],
+                                               ["-m", "engine.tinker", "--backend", "megatron"]]
+    with pytest.raises(SystemExit) as exit_:
+        tinker_batching.main(["--backend", "auto"])
+    assert exit_.value.code == 2
+
+
+def _tinker_summary(backend: str, ratio=0.591, concurrent=16.0) -> dict:
+    """tools.bench tinker's summary as `--quick --backend hf` printed it (2026-11-29)."""
+    return {"tinker_backend": backend, "tinker_batch_rows": {"concurrent": concurrent,
+                                                             "sequential": 4.0},
+            "tinker_concurrent_over_sequential": ratio, "tinker_datums": 4, "tinker_models": 4,
+            "tinker_ratio_quartiles": [0.5933, 0.6567], "tinker_tokens": 128,
+            "tinker_verdict": "missed"}
+
+
+def test_read_tinker_per_backend_problems_and_digest(tmp_path):
+    """read_tinker: each backend's ratio, quartiles, rows and verdict (a missed goal is not a
+    problem); a missing ratio, concurrent rows other than models x datums, a summary of the
+    other backend or a file not written are problems (the runner fails the item on them)."""
+    (item,) = build_items(["tinker"], tmp_path, smoke=True)
+    hf, mg = tmp_path / "tinker_hf.json", tmp_path / "tinker_megatron.json"
+    hf.write_text(json.dumps(_tinker_summary("hf")))
+    mg.write_text(json.dumps(_tinker_summary("megatron", ratio=0.38)))
+    metrics = read_metrics(item)
+    assert metrics["problems"] == []
+    assert {b: m["ratio"] for b, m in metrics["tinker"].items()} == {"hf": 0.591,
+                                                                      "megatron": 0.38}
+    assert metrics["tinker"]["hf"]["batch_rows"] == {"concurrent": 16.0, "sequential": 4.0}
+    assert metrics["tinker"]["hf"]["quartiles"] == [0.5933, 0.6567]
+    record = {"item": "tinker", "status": "ok", "metrics": metrics}
+    assert table([record]).splitlines()[-1] == (
+        "| tinker | ok |  |  | hf 0.591 (quartiles 0.59-0.66, rows 16 vs 4, missed); megatron "
+        "0.380 (quartiles 0.59-0.66, rows 16 vs 4, missed) |")
+    no_ratio = dict(_tinker_summary("megatron"), tinker_concurrent_over_sequential=None)
+    mg.write_text(json.dumps(no_ratio))
+    assert read_metrics(item)["problems"] == ["tinker megatron: no concurrent / sequential ratio"]
+    mg.write_text(json.dumps(_tinker_summary("megatron", concurrent=4.0)))  # not one batch
+    assert read_metrics(item)["problems"] == [
+        "tinker megatron: concurrent batch rows 4.0, not models x datums (4 x 4)"]
+    mg.write_text(json.dumps(_tinker_summary("hf")))
+    assert read_metrics(item)["problems"] == ["tinker megatron: the summary is of backend 'hf'"]
+    mg.unlink()   # the megatron command failed: hf's numbers stay, the missing one is named
+    metrics = read_metrics(item)
+    assert list(metrics["tinker"]) == ["hf"]
+    assert metrics["problems"] == ["tinker megatron: no result (tinker_megatron.json not "
+                                   "written)"]
+
+
+def test_dry_run_plans_the_tinker_item(tmp_path, capsys, monkeypatch):
+    """`gpu --dry-run --items tinker` plans the item with its two commands and writes
+    nothing; without the SDK it is skipped with that reason."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    for have, planned in ((HOST | {"tinker"}, True), (HOST, False)):
+        monkeypatch.setattr(cli, "probe", lambda cuda, have=have: have | {"cuda"})
+        assert bench.main(["gpu", "--dry-run", "--items", "tinker", "--out", str(out),
+                           "--workdir", str(work)]) == 0
+        text = capsys.readouterr().out
+        assert ("1. tinker" in text and "~100 s  at    0 s  run" in text) is planned
+        assert ("| tinker | planned |  | ~100 |" in text) is planned
+        assert ("| tinker | skipped: tinker not installed" in text) is not planned
+        for backend in ("hf", "megatron"):
+            assert f"bench-json {work / f'tinker_{backend}.json'} tinker --backend {backend}" \
+                in text
+    assert not out.exists() and not work.exists()
+
 def test_every_fusion_on_in_the_fused_cases():
     from engine.config.fusion_settings import FUSIONS  # torch is loaded by conftest already
 

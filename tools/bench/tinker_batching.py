@@ -5,8 +5,10 @@ service runs them as one batch through the base model) against the same calls on
 another (each result awaited before the next call). The goal: concurrent / sequential <= GOAL
 in seconds per round.
 
-The server is `python -m engine.tinker` in a process of its own (the command users run; torch
-there uses the host's threads, this process only sends HTTP), on a Qwen3-shaped fp32 model
+The server is `python -m engine.tinker --backend BACKEND` in a process of its own (the command
+users run; torch there uses the host's threads, this process only sends HTTP; `hf`, the
+default: transformers' model, on the first GPU where there is one; `megatron`: the model built
+by Megatron-Core on one rank, on CUDA where there is one), on a Qwen3-shaped fp32 model
 with random weights (tools.tiny_models.build_tiny_model: MODEL; `--quick`: QUICK_MODEL), no
 tokenizer downloads. Each call: DATUMS cross_entropy datums of TOKENS tokens (random ids,
 weights 1; --datums, --tokens), LoRA rank RANK on every linear layer. After WARMUP rounds, REPEATS rounds
@@ -17,9 +19,13 @@ Reported: per mode the median seconds per round and the quartiles, the ratio of 
 and per round the ratio of that round's two timings (whose quartiles are the spread), and the
 rows of the largest forward batch the service ran in each mode (the `batch_rows:max` metric
 of the SDK's answers: MODELS x DATUMS when the concurrent calls ran as one batch, DATUMS one
-after another).
+after another). Summary keys: tinker_concurrent_over_sequential, tinker_ratio_quartiles,
+tinker_batch_rows {concurrent, sequential}, tinker_verdict, tinker_backend, and the workload
+tinker_models, tinker_datums, tinker_tokens (tools/bench/gpu/tinker_item.py checks the rows
+against them).
 
-    python -m tools.bench tinker [--quick] [--repeats N] [--models M] [--datums D] [--tokens T]
+    python -m tools.bench tinker [--quick] [--backend hf|megatron] [--repeats N] [--models M]
+                                 [--datums D] [--tokens T]
 """
 from __future__ import annotations
 
@@ -45,17 +51,19 @@ MODEL = dict(hidden=384, layers=4, heads=6, kv_heads=2, intermediate=1152, head_
 QUICK_MODEL = dict(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, head_dim=32,
                    vocab_size=256)
 KEY = "tml-bench"
+BACKENDS = ("hf", "megatron")   # engine.tinker --backend (its `auto` is hf on one process)
 
 
-def _start_server(model_dir: str, state_dir: str, port: int) -> subprocess.Popen:
-    """`python -m engine.tinker` on `model_dir`, waited for until it answers (its stdout and
-    stderr to a log in `state_dir`, the end of it in the error if it exits first; killed if it
-    never answers)."""
+def _start_server(model_dir: str, state_dir: str, port: int, backend: str) -> subprocess.Popen:
+    """`python -m engine.tinker --backend backend` on `model_dir`, waited for until it answers
+    (its stdout and stderr to a log in `state_dir`, the end of it in the error if it exits
+    first; killed if it never answers)."""
     from tools.bench.serve_load import _wait_up
 
     log = Path(state_dir) / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "engine.tinker", "--model", model_dir,
-                             "--port", str(port), "--api-key", KEY, "--state-dir", state_dir],
+                             "--port", str(port), "--api-key", KEY, "--state-dir", state_dir,
+                             "--backend", backend],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
         _wait_up(f"http://127.0.0.1:{port}", proc, log, 300, "/api/v1/healthz")
@@ -96,7 +104,7 @@ def _round(clients: list, data: list[list], concurrent: bool) -> tuple[float, fl
 
 
 def run_tinker(quick: bool, repeats: int | None = None, models: int = MODELS,
-               datums: int = DATUMS, tokens: int = TOKENS) -> BenchResult:
+               datums: int = DATUMS, tokens: int = TOKENS, backend: str = "hf") -> BenchResult:
     import tinker
     from tinker import types
 
@@ -109,7 +117,7 @@ def run_tinker(quick: bool, repeats: int | None = None, models: int = MODELS,
         state = Path(work, "state")
         state.mkdir()
         port = free_port()
-        server = _start_server(model_dir, str(state), port)
+        server = _start_server(model_dir, str(state), port, backend)
         try:
             sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY)
             clients = [sc.create_lora_training_client(base_model="model", rank=RANK, seed=i)
@@ -140,9 +148,9 @@ def run_tinker(quick: bool, repeats: int | None = None, models: int = MODELS,
     verdict = ratio_verdict(ratios, GOAL)
     stats = {c: spread(times[c]) for c in (True, False)}
     table = Table(
-        f"Tinker: {models} models' forward_backward, concurrent vs one after another "
-        f"({datums} x {tokens} tokens each, LoRA rank {RANK}, hidden {shape['hidden']}, "
-        f"{repeats} rounds)",
+        f"Tinker ({backend} backend): {models} models' forward_backward, concurrent vs one "
+        f"after another ({datums} x {tokens} tokens each, LoRA rank {RANK}, hidden "
+        f"{shape['hidden']}, {repeats} rounds)",
         ["mode", "s per round (median)", "quartiles", "largest batch (rows)"],
         [[("concurrent" if c else "one after another"), fmt(stats[c]["median"]),
           f"{fmt(stats[c]['q1'])}-{fmt(stats[c]['q3'])}", f"{rows[c]:.0f}"]
@@ -153,7 +161,9 @@ def run_tinker(quick: bool, repeats: int | None = None, models: int = MODELS,
                                  "tinker_ratio_quartiles": [lo, hi],
                                  "tinker_batch_rows": {"concurrent": rows[True],
                                                        "sequential": rows[False]},
-                                 "tinker_verdict": verdict})
+                                 "tinker_verdict": verdict, "tinker_backend": backend,
+                                 "tinker_models": models, "tinker_datums": datums,
+                                 "tinker_tokens": tokens})
 
 
 def main(argv: list[str], prog: str = "python -m tools.bench tinker") -> int:
@@ -166,6 +176,8 @@ def main(argv: list[str], prog: str = "python -m tools.bench tinker") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_REPEATS} rounds on a smaller model (a smoke run)")
+    parser.add_argument("--backend", choices=BACKENDS, default="hf",
+                        help="the service's backend (engine.tinker --backend; default hf)")
     parser.add_argument("--repeats", type=int, default=None, help="rounds (overrides --quick)")
     parser.add_argument("--models", type=int, default=MODELS,
                         help=f"LoRA models sending at once (default {MODELS})")
@@ -182,5 +194,6 @@ def main(argv: list[str], prog: str = "python -m tools.bench tinker") -> int:
     if args.models < 2:
         parser.error(f"--models {args.models}: must be >= 2")
     quiet_libraries()
-    emit(run_tinker(args.quick, args.repeats, args.models, args.datums, args.tokens))
+    emit(run_tinker(args.quick, args.repeats, args.models, args.datums, args.tokens,
+                    args.backend))
     return 0

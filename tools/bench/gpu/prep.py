@@ -87,9 +87,11 @@ def spec_json(out: str, spec_args: list[str]) -> int:
 
 def bench_json(out: str, bench: str, bench_args: list[str]) -> int:
     """Run `python -m tools.bench BENCH ARGS...`, echo its stdout, save its last JSON line to
-    `out` (only when it exits 0); its exit status."""
+    `out` (only when it exits 0; an `out` of an earlier call is removed first, so a failed run
+    leaves none); its exit status."""
     from tools.bench.common import last_json_line  # function-level: only this command
 
+    Path(out).unlink(missing_ok=True)
     proc = subprocess.run([sys.executable, "-m", "tools.bench", bench, *bench_args],
                           stdout=subprocess.PIPE, text=True)
     print(proc.stdout, flush=True)

@@ -9,11 +9,12 @@ mode: the same numbers plus the first step's seconds, compile included), tools.b
 summary (kind bench: MFU, TFLOP/s, step s of the ~1.1B step), tools.bench spec's summary
 (kind spec: tokens/s both ways, speedup, acceptance, greedy ids equal), varlen_check's
 results (kind varlen: per case the path, max differences, errors, ms each way), tools.bench
-trl's summary (kind trl: per workload each row's speedup over TRL, gpu/trl_item) or the
-engine's metrics.jsonl (per step: the keys of
-items.RL_KEYS for GRPO; loss, grad_norm and step time for SFT). It raises (OSError,
-ValueError) when there is nothing to read, and lists under "problems" what makes the item
-fail: fewer steps than asked, a missing key, a non-finite number. `key_numbers(record)` is the
+trl's summary (kind trl: per workload each row's speedup over TRL, gpu/trl_item), tools.bench
+tinker's summaries (kind tinker: per backend the concurrent / sequential ratio and batch rows,
+gpu/tinker_item) or the engine's metrics.jsonl (per step: the keys of items.RL_KEYS for GRPO;
+loss, grad_norm and step time for SFT). It raises (OSError, ValueError) when there is nothing
+to read, and lists under "problems" what makes the item fail: fewer steps than asked, a
+missing key, a non-finite number. `key_numbers(record)` is the
 one-line digest of a record for `table(records)` (item | status | s | est. s | key numbers;
 a skipped item's status says why). `engine_peer_ratios(records)`: the engine's tokens/s over
 the peer's, for every sft case against every peer mode, when both items are there (ratios of
@@ -27,6 +28,7 @@ import json
 from tools.bench.gpu.items import RL_KEYS, Item
 from tools.bench.gpu.numbers import finite, fmt
 from tools.bench.gpu.packed_report import packed_digest, read_packed
+from tools.bench.gpu.tinker_item import read_tinker, tinker_digest
 from tools.bench.gpu.trl_item import read_trl, trl_digest
 from tools.bench.gpu_sft import CASES, DENSE, TINY_DENSE
 
@@ -153,6 +155,8 @@ def read_metrics(item: Item) -> dict:
         return read_prefix(item)
     if item.kind == "trl":
         return read_trl(item)
+    if item.kind == "tinker":
+        return read_tinker(item)
     if item.kind == "packed":
         return read_packed(item)
     if item.kind == "varlen":
@@ -310,6 +314,8 @@ def key_numbers(record: dict) -> str:
         return varlen_digest(metrics)
     if "trl" in metrics:   # 'grpo_shared x2.61 (engine_prefix_on x3.10, ...); sft x1.35'
         return trl_digest(metrics)
+    if "tinker" in metrics:   # 'hf 0.412 (quartiles 0.40-0.45, rows 16 vs 4, met); megatron ...'
+        return tinker_digest(metrics)
     if "prefix_sharing" in metrics:   # 'grpo x3.10 (ratio 0.27; flex); dpo ...'
         return "; ".join(f"{n} x{w['speedup']:.2f} (ratio {w['ratio']:.2f}; "
                          f"{'/'.join(sorted(w.get('attention') or {})) or 'unshared'})"
