@@ -10,10 +10,11 @@ model, 3 rounds).
 
 Estimates: not measured on a GPU yet (~100 s guessed: per backend ~10 s to build the model,
 ~20-30 s for the server to start (megatron's build the longer), 12 rounds of 4 calls each way
-of ~50 ms each: ~45 s each); the smoke ~70 s from `python -m tools.bench tinker --quick` measured
-on the 2-core CPU host (2026-11-29, load 1-3: hf 23 s, megatron 36 s and 42 s, its server's
-Megatron-Core build the longer start; the megatron runs' rounds had stalls of 2-5 s, per-round
-ratio quartiles 1.6-13 and 1.0-9.4, not investigated here)."""
+of ~50 ms each: ~45 s each); the smoke 70 s measured on the 2-core CPU host (2026-11-29, load
+1-3: `--cpu-smoke --items tinker` once; `python -m tools.bench tinker --quick` alone: hf 23 s,
+megatron 36 s and 42 s, its server's Megatron-Core build the longer start; the megatron runs'
+rounds had stalls of 2-5 s, per-round ratio quartiles 1.6-13 and 1.0-9.4, not investigated
+here)."""
 from __future__ import annotations
 
 import json
