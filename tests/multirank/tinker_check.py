@@ -122,3 +122,51 @@ def _skip_dp_sum(adapters: Adapters) -> None:
     ranks = adapters.ranks
     ranks.reduce_grads = lambda params: _all_reduce(
         [p.grad for p in params if getattr(p, "sequence_parallel", False)], ranks.tp_group)
+
+
+def isolation(model_dir: str, tp: int, sequence_parallel: bool) -> dict | None:
+    """Model "a" trained 2 steps alone, then (a fresh "a") 2 steps with "b"'s rows batched
+    into every forward_backward, on the Megatron backend at tp x (world / tp); a third model
+    "c" never trained. Returns on the root a's largest relative gap (losses, log-probs, state)
+    between the two runs, whether they are bitwise equal, and whether c is bitwise unchanged."""
+    import torch.distributed as dist
+
+    from engine.tinker.mcore import MegatronLora
+    from engine.tinker.mcore_ranks import MegatronRanks
+    from parallel.layout import ParallelLayout
+    from parallel.process_groups import setup_model_parallel
+
+    setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp,
+                                        sequence_parallel=sequence_parallel))
+    adapters = Adapters(MegatronLora(model_dir, sequence_parallel), MegatronRanks(), str)
+    adapters.create("c", SPECS["a"])
+    c_before = adapters.export("c", False)["adapter"]
+    runs = []
+    for together in (False, True):
+        adapters.create("a", SPECS["a"])
+        adapters.create("b", SPECS["b"])
+        losses, logprobs = [], []
+        for step in range(2):
+            items = _items(step)[:1] + (_items(step)[1:3] if together else [])
+            results = adapters.run_losses(items, True)
+            for name in ("a", "b") if together else ("a",):
+                adapters.optim_step(name, ADAM)
+            if results is not None:
+                losses.append(results[0]["metrics"]["loss:sum"])
+                logprobs.append(torch.cat([torch.as_tensor(o["logprobs"])
+                                           for o in results[0]["outputs"]]))
+        state = adapters.export("a", True)["adapter"]   # collective: every rank
+        runs.append((torch.tensor(losses), torch.cat(logprobs) if logprobs else None, state))
+        adapters.remove("a")
+        adapters.remove("b")
+    c_after = adapters.export("c", False)["adapter"]
+    if not adapters.ranks.root:
+        return None
+    (l0, p0, s0), (l1, p1, s1) = runs
+
+    def rel(x, y):
+        return float((x - y).abs().max() / y.abs().max())
+    return {"run_gap": max(rel(l1, l0), rel(p1, p0)),
+            "state_gap": max(rel(s1[k], s0[k]) for k in s0), "bitwise": bool(torch.equal(l0, l1) and torch.equal(p0, p1)
+                                              and all(torch.equal(s0[k], s1[k]) for k in s0)),
+            "c_untouched": all(torch.equal(c_before[k], c_after[k]) for k in c_before)}
