@@ -1,4 +1,7 @@
-"""RL's micro-batching when the user sets none of it (docs/rl.md#micro-batches-by-default).
+"""Micro-batching when the user sets none of it (docs/rl.md#micro-batches-by-default): RL's
+(`resolve_micro_batching`) and that of SFT, DPO, KTO and reward models
+(`apply_sft_micro_batching`: the same token budget; prefix sharing stays their
+train.prefix_sharing).
 
 Two keys of the RL schema have defaults that depend on the model:
 
@@ -92,17 +95,39 @@ def resolve_micro_batching(cfg: Any, hf_config: dict) -> MicroBatching:
         unit = "groups of rows sharing a prefix" if sharing else "sequences"
         how = f"{size} {unit} each (train.micro_batch_size)"
     else:
-        bf16 = cfg.model.dtype == "bfloat16"
-        size = 1
-        per_token = activation_bytes_per_token(hf_config, bf16, train.seq_length,
-                                               train.loss_chunk_tokens or None)
-        budget = _budget(per_token, train.seq_length)
-        how = (f"a token budget of {budget} (default: the tokens whose activations, about "
-               f"{per_token / 1024:.0f} KiB each, fit in {ACTIVATION_BUDGET_GIB:g} GiB, from "
-               f"train.seq_length={train.seq_length} to {MAX_SEQUENCES} x it; set "
-               "train.micro_batch_size or train.max_tokens_per_micro_batch to choose)")
+        size, (budget, how) = 1, _default_budget(cfg, hf_config)
     return MicroBatching(size, budget, sharing,
                          f"micro-batches: {how}; prefix sharing {why}")
+
+
+def _default_budget(cfg: Any, hf_config: dict) -> tuple[int, str]:
+    """(the default token budget of cfg's model and train.seq_length, the header's words)."""
+    train = cfg.train
+    per_token = activation_bytes_per_token(hf_config, cfg.model.dtype == "bfloat16",
+                                           train.seq_length, train.loss_chunk_tokens or None)
+    budget = _budget(per_token, train.seq_length)
+    return budget, (f"a token budget of {budget} (default: the tokens whose activations, about "
+                    f"{per_token / 1024:.0f} KiB each, fit in {ACTIVATION_BUDGET_GIB:g} GiB, "
+                    f"from train.seq_length={train.seq_length} to {MAX_SEQUENCES} x it; set "
+                    "train.micro_batch_size or train.max_tokens_per_micro_batch to choose)")
+
+
+def apply_sft_micro_batching(cfg: Any, hf_config: dict) -> str:
+    """SFT, DPO, KTO and reward models (SFT's train.* keys): where train.micro_batch_size and
+    train.max_tokens_per_micro_batch are both null (their default), the micro-batches are cut
+    by the default token budget (module docstring). Sets cfg.train's two keys to what the run
+    uses (micro_batch_size 1 beside a budget) and returns the run header's line. Called once
+    per run (engine.run.train_engine_build) or recipe check, before anything reads them."""
+    train = cfg.train
+    if train.max_tokens_per_micro_batch:
+        train.micro_batch_size = train.micro_batch_size or 1
+        return (f"micro-batches: a token budget of {train.max_tokens_per_micro_batch} "
+                "(train.max_tokens_per_micro_batch)")
+    if train.micro_batch_size:
+        return f"micro-batches: {train.micro_batch_size} each (train.micro_batch_size)"
+    budget, how = _default_budget(cfg, hf_config)
+    train.micro_batch_size, train.max_tokens_per_micro_batch = 1, budget
+    return f"micro-batches: {how}"
 
 
 def resolved_train(cfg: Any, hf_config: dict) -> SimpleNamespace:
@@ -116,3 +141,12 @@ def resolved_train(cfg: Any, hf_config: dict) -> SimpleNamespace:
                 max_tokens_per_micro_batch=micro.max_tokens_per_micro_batch,
                 prefix_sharing=micro.prefix_sharing)
     return SimpleNamespace(**keys)
+
+
+def per_micro_batch(train: Any, units: int | None = None) -> str:
+    """How a recipe report words train's micro-batches (resolved, apply_sft_micro_batching):
+    "a token budget of N per micro-batch", or "M per micro-batch" (`units`: M instead of
+    train.micro_batch_size, e.g. pairs where the train view counts sequences)."""
+    if train.max_tokens_per_micro_batch:
+        return f"a token budget of {train.max_tokens_per_micro_batch} per micro-batch"
+    return f"{units if units is not None else train.micro_batch_size} per micro-batch"

@@ -24,6 +24,7 @@ from engine.config.schema import (ConfigError, SFTConfig, data_file_problems, la
                            load_config, parallel_layout, read_model_config, sft_problems,
                            value_problems)
 from engine.config.cli_flags import int_flag, pop_switch
+from engine.config.micro_batch_defaults import apply_sft_micro_batching
 from engine.config.comm_report import comm_section
 from models.estimate import training_memory
 from models.estimate.lora_memory import lora_summary
@@ -112,6 +113,7 @@ def validate_recipe(cfg, world_size: int, nodes: int, beside=None) -> RecipeRepo
     hf = model_config(cfg, problems)
     if hf is None:
         return RecipeReport([], problems, warnings)
+    apply_sft_micro_batching(cfg, hf)   # the micro-batches a run would plan
     layout_issues = (layout_problems(cfg, world_size, hf) + lora_problems(cfg, hf)
                      + recompute_layer_problems(cfg.parallel, cfg.train,
                                                 hf["num_hidden_layers"]))

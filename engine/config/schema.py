@@ -77,8 +77,10 @@ class DataConfig:
 class TrainConfig:
     global_batch_size: int = 16          # sequences per optimizer step
     # sequences per micro-batch (accumulation: the rest); with train.prefix_sharing: groups of
-    # rows sharing a prefix, each whole (docs/prefix-sharing.md)
-    micro_batch_size: int = 1
+    # rows sharing a prefix, each whole (docs/prefix-sharing.md); null with
+    # max_tokens_per_micro_batch null: a token budget sized from the model and seq_length
+    # (engine.config.micro_batch_defaults; the run header says which)
+    micro_batch_size: Optional[int] = None
     max_tokens_per_micro_batch: Optional[int] = None  # token budget (replaces micro_batch_size)
     max_steps: int = 10                  # optimizer steps
     seq_length: int = 512                # max tokens per sequence (see data.truncation)

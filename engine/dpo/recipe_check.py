@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 
 from engine.config.dpo_settings import REFERENCE_FREE, DPOConfig, dpo_problems
+from engine.config.micro_batch_defaults import per_micro_batch
 from engine.config.recipe_validation import (RecipeReport, model_config, validate_main,
                                              validate_recipe)
 from models.estimate.counting import stage_parameters
@@ -39,7 +40,8 @@ def validate_dpo_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     """Every problem and warning of running the DPO recipe `cfg` on `nodes` nodes."""
     sequences = copy.deepcopy(cfg)
     sequences.train.global_batch_size *= 2
-    sequences.train.micro_batch_size *= 2
+    if sequences.train.micro_batch_size:   # pairs -> sequences (null: the default budget)
+        sequences.train.micro_batch_size *= 2
     report = validate_recipe(sequences, world_size, nodes,
                              beside=lambda hf: ("reference", reference_gib(cfg, hf)))
     hf = model_config(cfg, [])
@@ -56,7 +58,8 @@ def validate_dpo_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
             f"{ref:.1f} GiB per GPU (a frozen copy of the weights, forward-only)")
     report.summary[2:2] = [
         f"pairs: {t.global_batch_size} per step ({2 * t.global_batch_size} sequences), "
-        f"{t.micro_batch_size} per micro-batch; loss {cfg.dpo.loss_type}, beta {cfg.dpo.beta}",
+        f"{per_micro_batch(sequences.train, t.micro_batch_size)}; loss {cfg.dpo.loss_type}, "
+        f"beta {cfg.dpo.beta}",
         f"reference: {what}; memory per GPU with it (estimate, GiB): {policy:.1f} + "
         f"{ref:.1f} = {policy + ref:.1f}"]
     report.data["memory_gib"]["reference"] = ref

@@ -15,6 +15,7 @@ micro-batch, below the training pass's peak.
 from __future__ import annotations
 
 from engine.config.kto_settings import KTOConfig, kto_problems
+from engine.config.micro_batch_defaults import per_micro_batch
 from engine.config.recipe_validation import (RecipeReport, model_config, validate_main,
                                              validate_recipe)
 from models.estimate.counting import stage_parameters
@@ -47,7 +48,7 @@ def validate_kto_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
             if cfg.model.lora.rank else
             f"{ref:.1f} GiB per GPU (a frozen copy of the weights, forward-only)")
     report.summary[2:2] = [
-        f"examples: {t.global_batch_size} per step, {t.micro_batch_size} per micro-batch; "
+        f"examples: {t.global_batch_size} per step, {per_micro_batch(t)}; "
         f"kto beta {k.beta}, desirable_weight {k.desirable_weight}, undesirable_weight "
         f"{k.undesirable_weight}",
         f"reference: {what}; memory per GPU with it (estimate, GiB): {policy:.1f} + "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+from engine.config.micro_batch_defaults import per_micro_batch
 from engine.config.recipe_validation import RecipeReport, model_config, validate_main, \
     validate_recipe
 from engine.config.rm_settings import RMConfig, rm_problems
@@ -22,7 +23,8 @@ def validate_rm_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     """Every problem and warning of running the reward-model recipe `cfg` on `nodes` nodes."""
     sequences = copy.deepcopy(cfg)
     sequences.train.global_batch_size *= 2
-    sequences.train.micro_batch_size *= 2
+    if sequences.train.micro_batch_size:   # pairs -> sequences (null: the default budget)
+        sequences.train.micro_batch_size *= 2
     report = validate_recipe(sequences, world_size, nodes)
     hf = model_config(cfg, [])
     if hf is None or not report.summary:
@@ -31,7 +33,7 @@ def validate_rm_recipe(cfg, world_size: int, nodes: int) -> RecipeReport:
     t = cfg.train
     report.summary[2:2] = [
         f"pairs: {t.global_batch_size} per step ({2 * t.global_batch_size} sequences), "
-        f"{t.micro_batch_size} per micro-batch; Bradley-Terry loss on each side's "
+        f"{per_micro_batch(sequences.train, t.micro_batch_size)}; Bradley-Terry loss on each side's "
         "end-of-turn token's score"
         + (f", center_rewards_coefficient {cfg.rm.center_rewards_coefficient}"
            if cfg.rm.center_rewards_coefficient else "")]

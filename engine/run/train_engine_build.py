@@ -12,6 +12,7 @@ from engine.checkpoint.checkpointing import DataPosition
 from engine.config.compile_settings import compile_overrides
 from engine.config.fusion_settings import fusion_overrides
 from engine.config.lora_settings import lora_build_kwargs
+from engine.config.micro_batch_defaults import apply_sft_micro_batching
 from engine.config.model_settings import describe as describe_settings, megatron_overrides
 from engine.config.moe_settings import moe_overrides
 from engine.config.mtp_settings import mtp_training
@@ -31,6 +32,7 @@ def build_train_engine(cfg, hf_config: dict, pad_id: int, position: DataPosition
     continue from). `reader`, `prepare`: as TrainEngine.build's (a reward model's trunk and
     score head); `hidden_states`: the loss functions take hidden states (the chunked head's
     path, train.loss_chunk_tokens or its default), as a score head needs."""
+    micro = apply_sft_micro_batching(cfg, hf_config)   # before anything reads train.*
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     chunk_tokens = cfg.train.loss_chunk_tokens or (DEFAULT_LOSS_CHUNK_TOKENS if hidden_states
                                                    else None)
@@ -46,4 +48,5 @@ def build_train_engine(cfg, hf_config: dict, pad_id: int, position: DataPosition
         position)
     if dist.get_rank() == 0:
         print(f"[{tag}] model: {describe_settings(engine.chunks[0].config)}", flush=True)
+        print(f"[{tag}] {micro}", flush=True)
     return engine, resumed
