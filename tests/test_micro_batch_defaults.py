@@ -1,6 +1,7 @@
-"""RL's micro-batching defaults (engine.config.micro_batch_defaults, issue 102 item 2): the token
-budget sized from the model and train.seq_length, train.prefix_sharing=auto resolved, the keys a
-user sets kept, and the RL schema's refusals. Pure configuration: no process group, no model."""
+"""RL's micro-batching defaults, and the SFT family's (engine.config.micro_batch_defaults, issue
+102 item 2): the token budget sized from the model and train.seq_length, train.prefix_sharing=auto
+resolved, the keys a user sets kept, and the RL schema's refusals. Pure configuration: no process
+group, no model."""
 from __future__ import annotations
 
 import pytest
@@ -87,3 +88,34 @@ def test_an_unknown_choice_is_refused_by_name(value):
     problems = prefix_sharing_problems(_cfg(prefix_sharing=value), SMALL)
     assert problems == [f"train.prefix_sharing={value!r} is not one of "
                         "['auto', 'true', 'false']"]
+
+
+def test_sft_family_defaults_to_the_same_budget_and_keeps_keys_a_user_sets():
+    """SFT, DPO, KTO and reward models (SFT's train.* keys): both keys null by default, resolved
+    once into RL's default budget (micro_batch_size 1 beside it) with the header saying so; a
+    user's micro_batch_size or budget is kept (and the budget gets micro_batch_size 1)."""
+    from engine.config.micro_batch_defaults import apply_sft_micro_batching, per_micro_batch
+    from engine.config.schema import SFTConfig
+
+    def sft(**train):
+        cfg = OmegaConf.to_object(OmegaConf.structured(SFTConfig))
+        for key, value in train.items():
+            setattr(cfg.train, key, value)
+        return cfg
+
+    cfg = sft()
+    assert cfg.train.micro_batch_size is None and cfg.train.max_tokens_per_micro_batch is None
+    header = apply_sft_micro_batching(cfg, SMALL)
+    budget = default_token_budget(SMALL, 512, False, cfg.train.loss_chunk_tokens or None)
+    assert (cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch) == (1, budget)
+    assert header.startswith(f"micro-batches: a token budget of {budget} (default:")
+    assert per_micro_batch(cfg.train) == f"a token budget of {budget} per micro-batch"
+    # a second call (a resumed build) keeps what the first chose
+    assert apply_sft_micro_batching(cfg, SMALL).endswith("(train.max_tokens_per_micro_batch)")
+    cfg = sft(micro_batch_size=4)
+    assert apply_sft_micro_batching(cfg, SMALL) == "micro-batches: 4 each (train.micro_batch_size)"
+    assert (cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch) == (4, None)
+    assert per_micro_batch(cfg.train, 2) == "2 per micro-batch"
+    cfg = sft(max_tokens_per_micro_batch=1000)
+    apply_sft_micro_batching(cfg, SMALL)
+    assert (cfg.train.micro_batch_size, cfg.train.max_tokens_per_micro_batch) == (1, 1000)
