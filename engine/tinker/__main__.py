@@ -20,11 +20,13 @@ from pathlib import Path
 DESCRIPTION = """Serve the Tinker API (the official `tinker` SDK's ServiceClient, TrainingClient
 and SamplingClient) on a Hugging Face checkpoint: many users' LoRA adapters on one base model,
 forward_backward requests of several models batched into one forward and backward, each with
-its own adapter and AdamW state. Single process, CPU or one GPU (docs/tinker.md: what is and is
-not served)."""
+its own adapter and AdamW state. On transformers in one process (CPU or one GPU) or on
+Megatron-Core at a tensor- and data-parallel layout (docs/tinker.md: what is and is not
+served)."""
 
 EXAMPLES = """examples:
   {prog} --model runs/x/hf --port 8000 --api-key tml-local
+  {prog} --nproc-per-node 2 --model runs/x/hf --api-key tml-local parallel.tp=2
   then: tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-local")"""
 
 

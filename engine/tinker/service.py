@@ -1,7 +1,9 @@
 """The Tinker service's state and its one worker thread.
 
-`Service` owns the base model (loaded once, float32, from the HF folder, wrapped by
-engine.tinker.lora.MultiLora), the registry of sessions, training models and sampling sessions
+`Service` owns the base model through its backend (engine.tinker.adapters.Adapters: the
+transformers model of `transformers_backend`, loaded once in float32 and wrapped by
+engine.tinker.lora.MultiLora, or on several ranks engine.tinker.lockstep.Lockstep over the
+Megatron backend's), the registry of sessions, training models and sampling sessions
 (each with its owner: the API key's owner; another owner's id is answered as unknown, 404),
 the futures and the work queue. Every request that touches the model is queued as work and
 answered with a future id at once; the worker thread runs the queue in arrival order, except
