@@ -336,9 +336,8 @@ def transformers_backend(model_dir: str, tokenizer) -> Adapters:
 
 
 def legacy_optimizer(state: dict) -> dict:
-    """A state file written before the AdamW state became layout-independent (torch's
-    optimizer.state_dict() under "optimizer", parameters in the adapter's key order) in
-    today's form ("adam", engine.tinker.adapters)."""
+    """An older state file (torch's optimizer.state_dict() under "optimizer", parameters in
+    the adapter's key order) in today's layout-independent form ("adam", tinker.adapters)."""
     old = state.pop("optimizer", None)
     if "adam" in state or old is None:
         state.setdefault("adam", None)
