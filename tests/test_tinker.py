@@ -546,3 +546,28 @@ def test_the_console_command_refuses_bad_flags_by_name(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tools.cli", "tinker", "--model", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no config.json" in r.stderr and "--model" in r.stderr
+
+
+def test_a_state_file_of_the_earlier_format_loads_with_its_adamw_moments():
+    """State files written before the AdamW state became layout-independent held torch's
+    optimizer.state_dict() (parameters in the adapter's key order); engine.tinker.service
+    .legacy_optimizer reads them as today's {"adam": step, exp_avg, exp_avg_sq by key}, the
+    moments landing on their own keys (negative control: keys in another order do not)."""
+    from engine.tinker.service import legacy_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4, 2))]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    keys = ["model.layers.0.mlp.down_proj.A", "model.layers.0.mlp.down_proj.B"]
+    old = {"adapter": {k: p.detach().clone() for k, p in zip(keys, params)},
+           "optimizer": opt.state_dict(), "steps": 1}
+    state = legacy_optimizer(dict(old))
+    assert "optimizer" not in state and state["adam"]["step"] == 1
+    for k, p in zip(keys, params):
+        assert torch.equal(state["adam"]["exp_avg"][k], opt.state[p]["exp_avg"])
+        assert torch.equal(state["adam"]["exp_avg_sq"][k], opt.state[p]["exp_avg_sq"])
+    swapped = legacy_optimizer({**old, "adapter": dict(reversed(list(old["adapter"].items())))})
+    assert swapped["adam"]["exp_avg"][keys[0]].shape != opt.state[params[0]]["exp_avg"].shape
+    assert legacy_optimizer({"adapter": {}, "adam": None})["adam"] is None
