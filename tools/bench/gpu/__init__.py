@@ -67,7 +67,7 @@ Not in the default plan (name it in --items):
                        above the default budget: --items trl --budget-s 600)
   tinker         ~100  python -m tools.bench tinker --backend hf, then --backend megatron: four
                        LoRA models' forward_backward calls through the tinker SDK, concurrent
-                       (one batch) vs one after another, goal ratio <= 0.5 (issue 103): per
+                       (one batch) vs one after another, goal ratio <= 0.5 (docs/tinker.md): per
                        backend the ratio, its per-round quartiles, the largest batch's rows
                        (16 concurrent; gpu/tinker_item.py; needs the tinker SDK)
   varlen          ~40  tools/bench/gpu/varlen_check.py: packed rows (16,384 tokens, ~50

@@ -59,7 +59,7 @@ ORDER = ("sft", "peer", "mtp", "grpo", "vision", "lora_grpo", "mfu", "loss_head_
 # (tools/bench/gpu_packed.py): `--items sft,packed` puts it beside the fixed-shape sft item
 # trl: `python -m tools.bench trl`, TRL's trainers against the engine's defaults (with TRL's
 # vLLM colocate mode where vLLM's CUDA build is installed): `--items trl`
-# tinker: `python -m tools.bench tinker`, hf then megatron backend (issue 103): `--items tinker`
+# tinker: `python -m tools.bench tinker`, hf then megatron backend (docs/tinker.md): `--items tinker`
 ITEMS = ORDER + ("grpo_hf_eager", "muon", "ladder", "varlen", "packed", "prefix_sharing",
                  "trl", "tinker")
 SMOKE_DEFAULT = ("grpo", "vision")  # what --cpu-smoke runs unless --items says otherwise

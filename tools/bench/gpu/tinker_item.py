@@ -1,6 +1,6 @@
 """The checklist item `tinker` (run only when named: `--items tinker`): `python -m tools.bench
 tinker` (tools/bench/tinker_batching.py: four LoRA models' forward_backward calls through the
-official SDK, concurrent (one batch) vs one after another; goal ratio <= 0.5, issue 103) once
+official SDK, concurrent (one batch) vs one after another; goal ratio <= 0.5, docs/tinker.md) once
 per service backend, `--backend hf` (transformers, on the first GPU) then `--backend megatron`
 (Megatron-Core on one rank, CUDA), each through prep bench-json into a file of its own
 (tinker_<backend>.json), read by `read_tinker`. The item's `result` is the last command's file
