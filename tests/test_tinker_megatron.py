@@ -43,12 +43,17 @@ def model(tmp_path_factory):
     return build_eos_model(str(tmp_path_factory.mktemp("tinker_megatron") / "llama"))
 
 
-@pytest.fixture(scope="module")
-def reference(model):
+def _hf_adapters(model: str) -> Adapters:
+    """The transformers backend's Adapters on `model` (a fresh copy of the weights)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    return tinker_check.exercise(Adapters(MultiLora(hf), OneProcess(), str))
+    return Adapters(MultiLora(hf), OneProcess(), str)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return tinker_check.exercise(_hf_adapters(model))
 
 
 def _gap(a, b) -> float:
@@ -77,10 +82,7 @@ RUN = ("losses", "logprobs", "grad_norms", "samples")   # per step, and the trai
 def envelope(model, reference):
     """The states' rounding envelope of one process: the hf backend on the same rows in
     another order, against `reference` (relative to each quantity's largest value)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    reordered = tinker_check.exercise(Adapters(MultiLora(hf), OneProcess(), str), reverse=True)
+    reordered = tinker_check.exercise(_hf_adapters(model), reverse=True)
     gap = _gap(reordered["states"], reference["states"])
     assert 0 < gap < 1e-3, gap
     return gap

@@ -145,24 +145,29 @@ def test_losses_and_grad_norms_equal_the_engines_lora_sft(runs):
     assert _rel(runs["shifted"][0], e_losses) > 1e-2, (runs["shifted"][0], e_losses)
 
 
+def _peft_key(key: str) -> str:
+    """peft's tensor name of the service's adapter key (path.A -> ...path.lora_A.weight)."""
+    return f"base_model.model.{key[:-2]}.lora_{key[-1]}.weight"
+
+
 def _matrix_gaps(ours: dict, exported: dict) -> dict[str, float]:
     """Per adapter matrix, ||ours - exported|| / ||exported|| (Frobenius)."""
     out = {}
     for k in ours:
-        theirs = exported[f"base_model.model.{k[:-2]}.lora_{k[-1]}.weight"]
+        theirs = exported[_peft_key(k)]
         out[k] = float((ours[k] - theirs).norm() / theirs.norm())
     return out
 
 
 def _adapter_gap(ours: dict, exported: dict, scale: float) -> float:
     """max |ours - exported| over every matrix, over `scale`."""
-    return max(float((ours[k] - exported[f"base_model.model.{k[:-2]}.lora_{k[-1]}.weight"])
+    return max(float((ours[k] - exported[_peft_key(k)])
                      .abs().max()) for k in ours) / scale
 
 
 def test_adapters_after_three_steps_equal_the_engines_export(runs):
     end, exported = runs["end"], runs["exported"]
-    names = {f"base_model.model.{k[:-2]}.lora_{k[-1]}.weight" for k in end}
+    names = {_peft_key(k) for k in end}
     assert names == set(exported) and len(names) == 2 * 7 * 2, sorted(names ^ set(exported))[:6]
     assert all(not torch.equal(end[k], runs["start"][k]) for k in end)   # every A and B trained
     gaps, control = _matrix_gaps(end, exported), _matrix_gaps(runs["shifted_end"], exported)

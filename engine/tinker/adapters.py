@@ -43,7 +43,7 @@ class Adapters:
     def frozen(self, adapter: str, spec: LoraSpec, state: dict | None = None,
                source: str | None = None) -> None:
         """A sampler's adapter without gradients: `source`'s current weights, or `state`'s."""
-        tensors = self.lora.state(source) if state is None else state["adapter"]
+        tensors = self.lora.full(source) if state is None else state["adapter"]
         self.lora.load(adapter, spec, tensors)
         for p in self.lora.parameters(adapter):
             p.requires_grad_(False)
@@ -61,7 +61,7 @@ class Adapters:
 
     def export(self, adapter: str, with_optimizer: bool) -> dict:
         """The adapter's state (module docstring); collective over TP."""
-        out = {"adapter": _on_cpu(self.lora.state(adapter)), "adam": None}
+        out = {"adapter": _on_cpu(self.lora.full(adapter)), "adam": None}
         params = self.lora.parameters(adapter)
         states = [self.optimizers[adapter].state.get(p) for p in params]
         if with_optimizer and states and all(states):

@@ -19,11 +19,16 @@ from engine.tinker.losses import LOSSES
 from engine.tinker.wire import Datum
 
 
+def right_padded(seqs: list[list[int]]) -> torch.Tensor:
+    """int64 [len(seqs), longest]: the token sequences, zeros after each one's end."""
+    ids = torch.zeros(len(seqs), max(len(t) for t in seqs), dtype=torch.long)
+    for i, tokens in enumerate(seqs):
+        ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    return ids
+
+
 def forward_rows(lora, rows: list[tuple[str | None, Datum]]) -> list[torch.Tensor]:
-    longest = max(len(d.tokens) for _, d in rows)
-    ids = torch.zeros(len(rows), longest, dtype=torch.long)
-    for i, (_, d) in enumerate(rows):
-        ids[i, :len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
+    ids = right_padded([d.tokens for _, d in rows])
     logits = lora.logits(ids, [name for name, _ in rows], [len(d.tokens) for _, d in rows])
     logp = torch.log_softmax(logits, dim=-1)
     out = []
@@ -175,10 +180,7 @@ def _next_logits(lora, adapter: str | None, seqs: list[list[int]]):
         return decoder(adapter, seqs)
 
     def recompute(live: list[int]) -> torch.Tensor:
-        longest = max(len(seqs[i]) for i in live)
-        ids = torch.zeros(len(live), longest, dtype=torch.long)
-        for r, i in enumerate(live):
-            ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
+        ids = right_padded([seqs[i] for i in live])
         logits = lora.logits(ids, [adapter] * len(live), [len(seqs[i]) for i in live])
         return torch.stack([logits[r, len(seqs[i]) - 1] for r, i in enumerate(live)])
     return recompute

@@ -184,27 +184,28 @@ class MultiLora:
                 del linear.adapters[name]
         self.specs.pop(name, None)
 
+    def _pairs(self, name: str) -> list[tuple[str, nn.Parameter]]:
+        """(key path.A / path.B, parameter) of adapter `name`: sorted module path, A then B."""
+        return [(f"{path}.{k}", linear.adapters[name][k])
+                for path, linear in sorted(self.linears.items())
+                if name in linear.adapters for k in ("A", "B")]
+
     def parameters(self, name: str) -> list[nn.Parameter]:
         """The adapter's parameters in a fixed order (sorted module path, A then B)."""
-        return [linear.adapters[name][k] for path, linear in sorted(self.linears.items())
-                if name in linear.adapters for k in ("A", "B")]
+        return [p for _, p in self._pairs(name)]
 
     def full(self, name: str, tensors: list[torch.Tensor] | None = None
              ) -> dict[str, torch.Tensor]:
         """{path.A / path.B: tensor} of adapter `name` (copies), or of `tensors` (one per
         `parameters(name)`, e.g. AdamW's moments), keyed the same way."""
-        keys = [f"{path}.{k}" for path, linear in sorted(self.linears.items())
-                if name in linear.adapters for k in ("A", "B")]
-        values = self.parameters(name) if tensors is None else tensors
-        return {key: t.detach().clone() for key, t in zip(keys, values)}
-
-    def state(self, name: str) -> dict[str, torch.Tensor]:
-        return self.full(name)
+        pairs = self._pairs(name)
+        values = [p for _, p in pairs] if tensors is None else tensors
+        return {key: t.detach().clone() for (key, _), t in zip(pairs, values)}
 
     def shards(self, name: str, full: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The tensors of `full` in `parameters(name)`'s order (one process holds them
         whole; models.lora.tenants holds TP shards)."""
-        return [full[key].clone() for key in self.full(name)]
+        return [full[key].clone() for key, _ in self._pairs(name)]
 
     def logits(self, ids: torch.Tensor, names: list[str | None], lengths: list[int]
                ) -> torch.Tensor:

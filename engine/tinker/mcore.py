@@ -62,9 +62,6 @@ class MegatronLora:
     def parameters(self, name: str) -> list[torch.nn.Parameter]:
         return self.tenants.parameters(name)
 
-    def state(self, name: str) -> dict[str, torch.Tensor]:
-        return self.tenants.full(name)
-
     def full(self, name: str, tensors: list[torch.Tensor] | None = None
              ) -> dict[str, torch.Tensor]:
         return self.tenants.full(name, tensors)

@@ -26,16 +26,11 @@ from safetensors.torch import save_file
 from models.lora.adapters import LoraAdapter, LoraSpec
 from models.lora.modes import attach_reference, reference_adapters
 from models.lora.peft_experts import LAYERS, PARENT, PREFIX, export_experts, load_experts
-from models.lora.sites import EXPERT_PARAMS, LoraUnsupportedError, ROUTER_PATH, adapters
+from models.lora.sites import (EXPERT_PARAMS, LoraUnsupportedError, ROUTER_PATH, adapters,
+                               unwrap)
 from models.lora.peft_config import (CONFIG_FILE, WEIGHTS_FILE,  # noqa: F401 (re-exported)
                                      adapter_config_problems, adapter_keys, parameter_targets)
 from models.lora.targets import EXPERT_TARGETS
-
-
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def peft_names(layer: int, path: str, layers: str = LAYERS) -> tuple[str, str]:
@@ -61,7 +56,7 @@ def export_peft_tensors(chunks: list, layers: str = LAYERS) -> Iterator[tuple[st
     Collective over each adapter's TP group and, for experts, the EP group (every rank of the
     stage iterates it together)."""
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         for layer, adapter in _sites(model):
             for sl in adapter.slices:
                 a, b = adapter.full_matrices(sl.name)
@@ -81,7 +76,7 @@ def load_peft_adapter(chunks: list, adapter_dir: str | Path, layers: str = LAYER
         stored = {k: f.get_tensor(k) for k in f.keys()}
     used, filled = set(), 0
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         for layer, adapter in _sites(model):
             for sl in adapter.slices:
                 name_a, name_b = peft_names(layer, adapter.hf_paths[sl.name], layers)

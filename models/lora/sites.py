@@ -78,7 +78,8 @@ class LoraUnsupportedError(ValueError):
     """The model cannot carry the requested adapters exactly (message names the key)."""
 
 
-def _unwrap(chunk):
+def unwrap(chunk):
+    """The GPTModel inside a DDP / Float16Module-wrapped chunk (the chunk itself if bare)."""
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
@@ -241,7 +242,7 @@ def apply_lora(chunks: list, spec: LoraSpec, orders: dict | None = None,
     keys and names. Returns the number of adapters."""
     count = 0
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         model.requires_grad_(False)
         for layer in model.decoder.layers:
             for site in list(decoder_layer_sites(layer, spec, orders or {}, layers,
@@ -254,7 +255,7 @@ def apply_lora(chunks: list, spec: LoraSpec, orders: dict | None = None,
 
 def lora_spec_of(chunks: list) -> LoraSpec | None:
     """The LoraSpec the chunks were built with (None: no adapters)."""
-    return getattr(_unwrap(chunks[0]), "lora_spec", None) if chunks else None
+    return getattr(unwrap(chunks[0]), "lora_spec", None) if chunks else None
 
 
 def adapters(model) -> Iterator[tuple[str, LoraAdapter]]:
@@ -272,7 +273,7 @@ def is_adapter_param(name: str) -> bool:
 def set_reduction(chunks: list, reduce: bool) -> None:
     """Negative controls only: switch the adapters' TP reductions off (models.lora.adapters)."""
     for chunk in chunks:
-        for _, adapter in adapters(_unwrap(chunk)):
+        for _, adapter in adapters(unwrap(chunk)):
             adapter.reduce = reduce
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from models.lora.adapters import LoraAdapter
-from models.lora.sites import LAYERS, decoder_layer_sites, new_adapter
+from models.lora.sites import LAYERS, decoder_layer_sites, new_adapter, unwrap
 from models.lora.slices import LoraSpec, Slice
 from models.lora.targets import ATTENTION, MLP
 
@@ -62,14 +62,18 @@ class TenantSite(nn.Module):
         super().__init__()
         self.make, self.fused, self.paths, self.out_features = make, fused, paths, out_features
         self.adapters = nn.ModuleDict()
-        self.rows: list[tuple[str, torch.Tensor]] = []
+        self.rows: list[tuple[str, torch.Tensor | None]] = []   # TenantLora.assign
         module.register_forward_hook(self.hook)
 
     def hook(self, module, args, output):
         out, bias = output
         x = args[0]
         for name, rows in self.rows:
-            if name in self.adapters:
+            if name not in self.adapters:
+                continue
+            if rows is None:   # one user owns the whole batch: no gather, no scatter
+                out = out + self.adapters[name](x).to(out.dtype)
+            else:
                 delta = self.adapters[name](x.index_select(1, rows))
                 out = out.index_add(1, rows, delta.to(out.dtype))
         return out, bias
@@ -138,9 +142,7 @@ class TenantLora:
     """Per-user adapters on one GPTModel chunk (module docstring)."""
 
     def __init__(self, chunk, vocab_size: int):
-        model = chunk
-        while hasattr(model, "module"):
-            model = model.module
+        model = unwrap(chunk)
         model.requires_grad_(False)
         self.sites: list[TenantSite] = []
         self.shapes: dict[str, tuple[int, int]] = {}   # {HF path: (out, in)}
@@ -214,12 +216,13 @@ class TenantLora:
 
     def assign(self, names: list[str | None] | None, device=None) -> None:
         """Row b of the next forward takes adapter names[b] (None: the base alone); the row
-        indices on `device` (the activations')."""
+        indices on `device` (the activations'), or None where one adapter has every row."""
         rows: dict[str, list[int]] = {}
         for b, name in enumerate(names or []):
             if name is not None:
                 rows.setdefault(name, []).append(b)
-        plan = [(name, torch.tensor(bs, dtype=torch.long, device=device))
+        everyone = len(rows) == 1 and len(next(iter(rows.values()))) == len(names)
+        plan = [(name, None if everyone else torch.tensor(bs, dtype=torch.long, device=device))
                 for name, bs in rows.items()]
         for site in self.sites:
             site.rows = plan

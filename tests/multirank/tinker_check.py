@@ -97,9 +97,9 @@ def no_tp_reduction(adapters: Adapters) -> None:
             adapter.reduce = False
 
 
-def megatron(model_dir: str, tp: int, sequence_parallel: bool, control: str | None = None
-             ) -> dict | None:
-    """`exercise` on the Megatron backend at tp x (world / tp) on this pool's ranks."""
+def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool) -> Adapters:
+    """The Megatron backend's Adapters at tp x (world / tp) on this pool's ranks (the
+    service's operations without its HTTP front)."""
     import torch.distributed as dist
 
     from engine.tinker.mcore import MegatronLora
@@ -109,7 +109,13 @@ def megatron(model_dir: str, tp: int, sequence_parallel: bool, control: str | No
 
     setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp,
                                         sequence_parallel=sequence_parallel))
-    adapters = Adapters(MegatronLora(model_dir, sequence_parallel), MegatronRanks(), str)
+    return Adapters(MegatronLora(model_dir, sequence_parallel), MegatronRanks(), str)
+
+
+def megatron(model_dir: str, tp: int, sequence_parallel: bool, control: str | None = None
+             ) -> dict | None:
+    """`exercise` on the Megatron backend at tp x (world / tp) on this pool's ranks."""
+    adapters = _megatron_adapters(model_dir, tp, sequence_parallel)
     return exercise(adapters, {"tp": no_tp_reduction, "dp": _skip_dp_sum,
                                None: None}[control])
 
@@ -129,16 +135,7 @@ def isolation(model_dir: str, tp: int, sequence_parallel: bool) -> dict | None:
     into every forward_backward, on the Megatron backend at tp x (world / tp); a third model
     "c" never trained. Returns on the root a's largest relative gap (losses, log-probs, state)
     between the two runs, whether they are bitwise equal, and whether c is bitwise unchanged."""
-    import torch.distributed as dist
-
-    from engine.tinker.mcore import MegatronLora
-    from engine.tinker.mcore_ranks import MegatronRanks
-    from parallel.layout import ParallelLayout
-    from parallel.process_groups import setup_model_parallel
-
-    setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp,
-                                        sequence_parallel=sequence_parallel))
-    adapters = Adapters(MegatronLora(model_dir, sequence_parallel), MegatronRanks(), str)
+    adapters = _megatron_adapters(model_dir, tp, sequence_parallel)
     adapters.create("c", SPECS["a"])
     c_before = adapters.export("c", False)["adapter"]
     runs = []

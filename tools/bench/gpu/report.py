@@ -150,24 +150,13 @@ def read_prefix(item: Item) -> dict:
 
 
 def read_metrics(item: Item) -> dict:
-    """The metrics of `item` (module docstring)."""
-    if item.kind == "prefix":
-        return read_prefix(item)
-    if item.kind == "trl":
-        return read_trl(item)
-    if item.kind == "tinker":
-        return read_tinker(item)
-    if item.kind == "packed":
-        return read_packed(item)
-    if item.kind == "varlen":
-        return read_varlen(item)
-    if item.kind == "spec":
-        return read_spec(item)
-    if item.kind == "peer":
-        return read_peer(item)
-    if item.kind == "bench":
-        return read_bench(item)
-    return read_gpu_sft(item) if item.kind in ("sft", "loss_head") else read_steps(item)
+    """The metrics of `item` (module docstring): its kind's reader; the engine's
+    metrics.jsonl (read_steps) for the kinds rl and sft_run."""
+    readers = {"prefix": read_prefix, "trl": read_trl, "tinker": read_tinker,
+               "packed": read_packed, "varlen": read_varlen, "spec": read_spec,
+               "peer": read_peer, "bench": read_bench, "sft": read_gpu_sft,
+               "loss_head": read_gpu_sft}
+    return readers.get(item.kind, read_steps)(item)
 
 
 def profile_digest(profile: dict | None) -> str:
