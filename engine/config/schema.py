@@ -96,6 +96,9 @@ class TrainConfig:
     recompute_num_layers: Optional[int] = None   # full only: layers per group / block (null: 1)
     # tokens per chunk of the loss head (engine.config.model_settings); 0 or null: unchunked
     loss_chunk_tokens: Optional[int] = DEFAULT_LOSS_CHUNK_TOKENS
+    # the last layer's MLP only at positions a loss reads (models.layers.unread_positions):
+    # the same numbers; false runs it everywhere
+    skip_unread_positions: bool = True
     # torch.compile per transformer layer: null (on with CUDA; `auto` is its old spelling) |
     # true | false (engine.config.compile_settings)
     compile: Optional[str] = None

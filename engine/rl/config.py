@@ -59,6 +59,8 @@ class RLTrainConfig:
     # tokens per chunk of the loss head in policy updates and log-prob recomputation (as SFT);
     # 0 or null: unchunked logits
     loss_chunk_tokens: Optional[int] = DEFAULT_LOSS_CHUNK_TOKENS
+    # the last layer's MLP only at positions a loss reads (models.layers.unread_positions)
+    skip_unread_positions: bool = True
     # torch.compile per transformer layer of the policy (and critic) updates: null (on with
     # CUDA; `auto` is its old spelling) | true | false (engine.config.compile_settings)
     compile: Optional[str] = None

@@ -233,7 +233,8 @@ def run(cfg: RLConfig, hf_config: dict, flags: list[str]) -> int:
 
     micro = resolve_micro_batching(cfg, hf_config)   # the defaults sized from the model
     batching = BatchSettings(micro.micro_batch_size, micro.max_tokens_per_micro_batch,
-                             train.balance_dp, train.packing, micro.prefix_sharing)
+                             train.balance_dp, train.packing, micro.prefix_sharing,
+                             train.skip_unread_positions)
     optimizer_steps = train.max_steps * train.mini_batches_per_step * train.epochs_per_rollout
     policy, resumed, extra = build_or_resume(cfg, lambda load: TrainEngine.build(
         hf_config, cfg.optim, dtype, optimizer_steps, batching, pad_id,

@@ -31,6 +31,7 @@ from engine.training.mtp import MTPTraining, add_mtp_loss, begin_forward, end_fo
 from engine.training.tree_batch import unshared_output
 from models.bridge.weights import unwrap
 from models.layers.heads.output import output_weight, returning_hidden_states
+from models.layers.unread_positions import kept_rows, skipping_unread
 from parallel import cpu_runtime
 
 # loss_fn(output [b, s, V/tp] logits or HiddenStates, micro_batch)
@@ -115,16 +116,20 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
                       output_fn: Callable[[torch.Tensor, MicroBatch], None] | None = None,
                       before_forward: Callable[[object, MicroBatch], None] | None = None,
                       loss_chunk_tokens: int | None = DEFAULT_LOSS_CHUNK_TOKENS,
-                      mtp: MTPTraining | None = None, vocab_size: int | None = None
-                      ) -> list[dict[str, torch.Tensor]]:
+                      mtp: MTPTraining | None = None, vocab_size: int | None = None,
+                      skip_unread: bool = False) -> list[dict[str, torch.Tensor]]:
     """Forward (and backward unless `forward_only`) of all micro-batches of this rank.
 
     All micro-batches must share one shape when pp > 1 (the caller pads them). `output_fn`,
     when given, sees each micro-batch's logits on the last stage (forward-only uses: recomputed
     log-probs). Both see a HiddenStates instead of logits when `loss_chunk_tokens` is set (the
     chunked loss head, module docstring). `mtp`: train the MTP layer too (engine.training.mtp:
-    the micro-batches carry its targets; needs the chunked head and `vocab_size`). Returns the
-    per-micro-batch report dicts of the last stage (empty elsewhere).
+    the micro-batches carry its targets; needs the chunked head and `vocab_size`).
+    `skip_unread` (train.skip_unread_positions): the last layer's MLP runs only at the positions
+    of each micro-batch's `loss_mask` (models.layers.unread_positions; not for a prefix tree's
+    micro-batch, nor where that module's `unsupported` names a reason); `loss_fn` and
+    `output_fn` must then read the output only there (elsewhere it is finite and not the
+    model's). Returns the per-micro-batch report dicts of the last stage (empty elsewhere).
     """
     if mtp is not None and not loss_chunk_tokens:
         raise ValueError("the MTP loss runs on the chunked loss head: train.loss_chunk_tokens "
@@ -139,6 +144,7 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
         if before_forward is not None:  # e.g. MoE routing replay targets (engine.training.routing)
             before_forward(model, mb)
         vision = {} if mb.vision is None else {"vision": mb.vision}   # models.vision.model
+        skipping.set_rows(None if mb.tree is not None else kept_rows(mb.loss_mask))
         if mtp is not None and unwrap(model).mtp_process:
             begin_forward(model, mb, mtp)
         tree = mb.tree   # prefix sharing: the model runs the tree (engine.training.tree_batch)
@@ -169,7 +175,7 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
     packed = batches[0].packed_seq_params is not None
     seq_length = shape[1] * cp
     head = (returning_hidden_states(chunks) if loss_chunk_tokens else contextlib.nullcontext())
-    with head:
+    with head, skipping_unread(chunks, skip_unread) as skipping:
         reports = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators,
             model=chunks if vpp > 1 else chunks[0], num_microbatches=len(batches),

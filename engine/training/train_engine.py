@@ -65,12 +65,15 @@ class BatchSettings:
     balance_dp: bool = True
     packing: bool = False
     prefix_sharing: bool = False    # rows run as a prefix tree (engine.training.tree_batch)
+    # the last layer's MLP only where a loss reads (models.layers.unread_positions)
+    skip_unread_positions: bool = True
 
     @classmethod
     def from_config(cls, train_cfg) -> "BatchSettings":
         return cls(train_cfg.micro_batch_size, train_cfg.max_tokens_per_micro_batch,
                    train_cfg.balance_dp, train_cfg.packing,
-                   bool(getattr(train_cfg, "prefix_sharing", False)))
+                   bool(getattr(train_cfg, "prefix_sharing", False)),
+                   bool(getattr(train_cfg, "skip_unread_positions", True)))
 
 
 def finalize_grads(model, num_tokens=None, **kwargs):
@@ -123,6 +126,11 @@ class TrainEngine:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
+
+    @property
+    def skip_unread(self) -> bool:
+        """train.skip_unread_positions (BatchSettings; on where `batching` does not say)."""
+        return bool(getattr(self.batching, "skip_unread_positions", True))
 
     @property
     def sequence_parallel(self) -> bool:
@@ -241,7 +249,8 @@ class TrainEngine:
         reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn,
                                     before_forward=self._routing_hook(seqs),
                                     loss_chunk_tokens=self.loss_chunk_tokens, mtp=self.mtp,
-                                    vocab_size=self.vocab_size)
+                                    vocab_size=self.vocab_size,
+                                    skip_unread=self.skip_unread)
         mtp_keys = list(MTP_REPORT_KEYS) if self.mtp is not None else []
         out = reduce_reports(reports, list(report_keys) + mtp_keys)
         if mtp_keys:
@@ -317,7 +326,8 @@ class TrainEngine:
             reports = run_micro_batches(self.chunks, batch.micro_batches, loss_fn or _no_loss,
                                         forward_only=True, output_fn=output_fn,
                                         before_forward=self._routing_hook(seqs),
-                                        loss_chunk_tokens=self.loss_chunk_tokens)
+                                        loss_chunk_tokens=self.loss_chunk_tokens,
+                                        skip_unread=self.skip_unread)
         release_compile_threads()   # train.compile: a pass may have compiled (no-grad graphs)
         return reduce_reports(reports, list(report_keys))
 

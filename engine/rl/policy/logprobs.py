@@ -14,8 +14,10 @@ from parallel import cpu_runtime
 
 def compute_token_logprobs(engine: TrainEngine, seqs: list[SequenceData],
                            temperature: float) -> torch.Tensor:
-    """log p(labels[t]) at temperature T for every position of every sequence, as a float32
-    CPU tensor [len(seqs), max length] (0 beyond a sequence's end), identical on every rank.
+    """log p(labels[t]) at temperature T at every trained position (loss_mask 1) of every
+    sequence, as a float32 CPU tensor [len(seqs), max length] (0 at every other position: the
+    engine's last layer may skip those, models.layers.unread_positions), identical on every
+    rank.
 
     Forward-only in the engine's micro-batches (memory does not grow with the rollout batch).
     Values are placed by (mini-batch position = mb.seq_ids, position within the sequence =
@@ -29,7 +31,7 @@ def compute_token_logprobs(engine: TrainEngine, seqs: list[SequenceData],
     def output_fn(logits, mb):
         logp = token_logprobs(logits, mb.labels, engine.vocab_size, temperature)
         if writer:
-            valid = mb.seq_ids >= 0
+            valid = (mb.seq_ids >= 0) & (mb.loss_mask > 0)
             table[mb.seq_ids[valid], mb.position_ids[valid]] = logp[valid].to(table.dtype)
 
     engine.forward_only(seqs, output_fn=output_fn)
