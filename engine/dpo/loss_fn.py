@@ -152,4 +152,7 @@ def dpo_loss_fn(batch: PairBatch, vocab_size: int) -> LossFn:
                                                 tokens_r)}
         return loss, reports
 
+    # ORPO's NLL reads every label of the chosen rows, the prompt's too (TRL's ORPOTrainer):
+    # the last layer must run there (engine.training.schedule.run_micro_batches)
+    loss_fn.reads_unmasked_positions = batch.sequence_nll_weights is not None
     return loss_fn

@@ -30,8 +30,10 @@ from engine.training.micro_batches import MicroBatch
 from engine.training.mtp import MTPTraining, add_mtp_loss, begin_forward, end_forward
 from engine.training.tree_batch import unshared_output
 from models.bridge.weights import unwrap
+from models.build.compile_layers import has_compiled_layers
 from models.layers.heads.output import output_weight, returning_hidden_states
 from models.layers.unread_positions import kept_rows, skipping_unread
+from models.layers.unread_positions import unsupported as unread_unsupported
 from parallel import cpu_runtime
 
 # loss_fn(output [b, s, V/tp] logits or HiddenStates, micro_batch)
@@ -127,7 +129,9 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
     the micro-batches carry its targets; needs the chunked head and `vocab_size`).
     `skip_unread` (train.skip_unread_positions): the last layer's MLP runs only at the positions
     of each micro-batch's `loss_mask` (models.layers.unread_positions; not for a prefix tree's
-    micro-batch, nor where that module's `unsupported` names a reason); `loss_fn` and
+    micro-batch, nor with compiled layers, nor where that module's `unsupported` names a
+    reason, nor for a `loss_fn` whose attribute `reads_unmasked_positions` is true: ORPO's);
+    `loss_fn` and
     `output_fn` must then read the output only there (elsewhere it is finite and not the
     model's). Returns the per-micro-batch report dicts of the last stage (empty elsewhere).
     """
@@ -135,6 +139,11 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
         raise ValueError("the MTP loss runs on the chunked loss head: train.loss_chunk_tokens "
                          "must be > 0 with model.mtp.enabled=true")
     device = cpu_runtime.device()
+    skip_unread = (skip_unread and not getattr(loss_fn, "reads_unmasked_positions", False)
+                   and not has_compiled_layers(chunks) and unread_unsupported(chunks) is None)
+    # the rows the last layer keeps, found on the host copy (no device read in the step)
+    kept = {id(mb): kept_rows(mb.loss_mask).to(device) for mb in micro_batches
+            if skip_unread and mb.tree is None}
     batches = [_to_device(mb, device) for mb in micro_batches]
     shape = (batches[0].tokens if batches[0].tree is None else batches[0].tree.tokens).shape
     cp = ps.get_context_parallel_world_size()
@@ -144,7 +153,7 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
         if before_forward is not None:  # e.g. MoE routing replay targets (engine.training.routing)
             before_forward(model, mb)
         vision = {} if mb.vision is None else {"vision": mb.vision}   # models.vision.model
-        skipping.set_rows(None if mb.tree is not None else kept_rows(mb.loss_mask))
+        skipping.set_rows(kept.get(id(mb)))
         if mtp is not None and unwrap(model).mtp_process:
             begin_forward(model, mb, mtp)
         tree = mb.tree   # prefix sharing: the model runs the tree (engine.training.tree_batch)

@@ -22,8 +22,9 @@ into the layer's [s, b, h] input (`kept_rows(loss_mask)`).
 nothing and the caller runs the full layer): Megatron sequence parallelism (the layer's rows
 are split over TP ranks, whose MLP gathers them), an MoE last layer (its router's load-balancing
 loss counts every token), a value head or an MTP layer (both read the final hidden state of
-positions no token loss names), compiled layers (train.compile: a gathered [n, 1, h] input
-would compile graphs of its own), a last layer without megatron's `_forward_mlp`.
+positions no token loss names), a last layer without megatron's `_forward_mlp`. The caller
+also leaves compiled layers (train.compile: a gathered [n, 1, h] input would compile graphs
+of its own; engine.training.schedule) and a prefix tree's micro-batch alone.
 """
 from __future__ import annotations
 
@@ -51,8 +52,6 @@ def _last_layer(chunks: list):
 def unsupported(chunks: list) -> str | None:
     """Why the last layer of `chunks` cannot skip unread positions (module docstring), None
     when it can (or when this rank holds no last stage: nothing to skip)."""
-    from models.build.compile_layers import has_compiled_layers
-
     model = unwrap(chunks[-1])
     if model.config.sequence_parallel:
         return "Megatron sequence parallelism"
@@ -60,8 +59,6 @@ def unsupported(chunks: list) -> str | None:
         return "a value head"
     if getattr(model, "mtp_process", False):
         return "an MTP layer"
-    if has_compiled_layers(chunks):
-        return "compiled layers (train.compile)"
     layer = _last_layer(chunks)
     if layer is None:
         return None
