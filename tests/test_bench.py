@@ -304,3 +304,18 @@ def test_generate_vs_hf_quick_greedy_equal_and_timed(pools):
         for path in ("transformers", "engine_generate", "engine_batch_prefill", "step_driver"):
             assert result[f"generate_{name}_{path}_s"] > 0
     assert result["generate_shared_prompt_tokens"] > 2 * result["generate_distinct_prompt_tokens"]
+
+
+def test_unread_positions_quick_equal_numbers_and_skipped_rows(pools):
+    """tools.bench unread_positions --quick: each workload's loss and grad norm equal with the
+    skip on and off (the same weights), the share of skipped MLP rows is the untrained share of
+    its rows (the prompts), and both modes were timed (no speed asserted: a loaded host)."""
+    out, result = _run("unread_positions", "--quick", pools=pools)
+    assert "| workload      | rows |" in out
+    shares = {name: result[f"unread_{name}"]["skipped_share"]
+              for name in ("grpo_shared", "grpo_distinct", "sft", "dpo")}
+    assert shares["grpo_shared"] > shares["grpo_distinct"] > shares["sft"] > 0.4, shares
+    for name in shares:
+        r = result[f"unread_{name}"]
+        assert r["loss_rel"] < 1e-6 and r["grad_norm_rel"] < 1e-5, (name, r)
+        assert r["on_s"] > 0 and r["off_s"] > 0 and len(r["speedup_quartiles"]) == 2

@@ -74,6 +74,10 @@
                                                models' forward_backward calls through the
                                                official SDK, concurrent (one batch) vs one
                                                after another; goal ratio <= 0.5
+    python -m tools.bench unread_positions [--quick] [--repeats N]
+                                               train.skip_unread_positions on vs off, one
+                                               process, the same batches (GRPO, SFT, DPO
+                                               shapes of `trl`): seconds per train_batch
     python -m tools.bench all      [--quick] [--plot PNG]
     python -m tools.bench gpu      [--items I,..] [--out DIR] [--budget-s S] [--dry-run]
                                    [--cpu-smoke] [--override ITEM:ARG]
@@ -227,6 +231,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
         return __import__("tools.bench.serve_vs_vllm", fromlist=["main"]).main(argv[1:])
     if argv[:1] == ["tinker"]:  # its own flags (tools/bench/tinker_batching.py)
         return __import__("tools.bench.tinker_batching", fromlist=["main"]).main(argv[1:])
+    if argv[:1] == ["unread_positions"]:  # its own flags (tools/bench/unread_positions.py)
+        return __import__("tools.bench.unread_positions", fromlist=["main"]).main(argv[1:])
     if argv[:1] == ["gpu"]:  # its own flags (tools/bench/gpu/cli.py)
         from tools.bench.gpu.cli import main as gpu_main
 
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
               "data", "loss_head", "partial", "rewards", "serve_steps", "agent_steps",
               "serve_load", "prefix_sharing", "generate_vs_hf", "trl", "all")
-    own_flags = ("serve_vs_vllm", "tinker", "gpu")   # dispatched above, with their own flags
+    own_flags = ("serve_vs_vllm", "tinker", "unread_positions", "gpu")   # dispatched above, with their own flags
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(public + own_flags) + "}")
     for name in public:
