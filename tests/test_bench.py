@@ -313,8 +313,10 @@ def test_unread_positions_quick_equal_numbers_and_skipped_rows(pools):
     out, result = _run("unread_positions", "--quick", pools=pools)
     assert "| workload      | rows |" in out
     shares = {name: result[f"unread_{name}"]["skipped_share"]
-              for name in ("grpo_shared", "grpo_distinct", "sft", "dpo")}
+              for name in ("grpo_shared", "grpo_distinct", "sft", "dpo", "grpo_tree")}
     assert shares["grpo_shared"] > shares["grpo_distinct"] > shares["sft"] > 0.4, shares
+    # the tree runs each prompt once: a smaller share of its rows is prompt
+    assert 0.2 < shares["grpo_tree"] < shares["grpo_shared"] - 0.3, shares
     for name in shares:
         r = result[f"unread_{name}"]
         assert r["loss_rel"] < 1e-6 and r["grad_norm_rel"] < 1e-5, (name, r)

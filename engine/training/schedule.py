@@ -113,6 +113,18 @@ def reduce_reports(reports: list[dict[str, torch.Tensor]], keys: list[str]) -> d
     return {k: float(v) for k, v in zip(keys, vec)}
 
 
+def _read_rows(mb: MicroBatch, cp: int) -> torch.Tensor | None:
+    """The rows of the last layer's input that a loss reads (models.layers.unread_positions):
+    the loss mask's positions; of a prefix tree's row, the tree nodes that the trained unshared
+    tokens are gathered from (`tree.gather`, ascending). None (the full layer) for a tree at
+    CP > 1, whose row is sharded in another order than the unshared tokens'."""
+    if mb.tree is None:
+        return kept_rows(mb.loss_mask)
+    if cp > 1:
+        return None
+    return torch.unique(mb.tree.gather[mb.loss_mask.reshape(-1) > 0])
+
+
 def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: LossFn,
                       forward_only: bool = False,
                       output_fn: Callable[[torch.Tensor, MicroBatch], None] | None = None,
@@ -128,25 +140,25 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
     chunked loss head, module docstring). `mtp`: train the MTP layer too (engine.training.mtp:
     the micro-batches carry its targets; needs the chunked head and `vocab_size`).
     `skip_unread` (train.skip_unread_positions): the last layer's MLP runs only at the positions
-    of each micro-batch's `loss_mask` (models.layers.unread_positions; not for a prefix tree's
-    micro-batch, nor with compiled layers, nor where that module's `unsupported` names a
-    reason, nor for a `loss_fn` whose attribute `reads_unmasked_positions` is true: ORPO's);
-    `loss_fn` and
-    `output_fn` must then read the output only there (elsewhere it is finite and not the
+    of each micro-batch's `loss_mask` (models.layers.unread_positions; of a prefix tree's row,
+    the nodes they are gathered from, at CP 1 only). Not with compiled layers, nor where that
+    module's `unsupported` names a reason, nor for a `loss_fn` whose attribute
+    `reads_unmasked_positions` is true (ORPO's). `loss_fn` and `output_fn` must then read the
+    output only there (elsewhere it is finite and not the
     model's). Returns the per-micro-batch report dicts of the last stage (empty elsewhere).
     """
     if mtp is not None and not loss_chunk_tokens:
         raise ValueError("the MTP loss runs on the chunked loss head: train.loss_chunk_tokens "
                          "must be > 0 with model.mtp.enabled=true")
     device = cpu_runtime.device()
+    cp = ps.get_context_parallel_world_size()
     skip_unread = (skip_unread and not getattr(loss_fn, "reads_unmasked_positions", False)
                    and not has_compiled_layers(chunks) and unread_unsupported(chunks) is None)
     # the rows the last layer keeps, found on the host copy (no device read in the step)
-    kept = {id(mb): kept_rows(mb.loss_mask).to(device) for mb in micro_batches
-            if skip_unread and mb.tree is None}
+    kept = {id(mb): rows.to(device) for mb in micro_batches
+            if skip_unread and (rows := _read_rows(mb, cp)) is not None}
     batches = [_to_device(mb, device) for mb in micro_batches]
     shape = (batches[0].tokens if batches[0].tree is None else batches[0].tree.tokens).shape
-    cp = ps.get_context_parallel_world_size()
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)

@@ -5,7 +5,8 @@ builds the tiny model with TrainEngine and runs, once with the last layer skippi
 unread positions and once without, on the same sequences (prompt-then-reply loss masks, and
 one row whose trained tokens sit in its middle, as a multi-turn row's): the loss and entropy
 reports of one forward and backward, every parameter's gradient, and the forward-only
-log-prob table (engine.rl.policy.logprobs: trained positions only). Per case: how many rows the
+log-prob table (engine.rl.policy.logprobs: trained positions only); with prefix sharing, on
+rows sharing prompts (at CP2 a tree runs the full layer). Per case: how many rows the
 last layer's MLP saw in each mode (a hook on its `mlp`), and the negative control: the
 log-prob an *unread* position gets in each mode (the table hides it; a loss that read it
 would see this difference). Under Megatron SP the model runs the full layer (the module's
@@ -29,10 +30,11 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
 from parallel.process_groups import init_distributed, setup_model_parallel, shutdown  # noqa
 
-MODEL_LAYOUTS = [  # (name, layout, sp, packing)
+MODEL_LAYOUTS = [  # (name, layout, sp, packing; "tree": prefix sharing on shared prompts)
     ("dp2", dict(), False, False), ("tp2", dict(tp=2), False, False),
     ("tp2_sp", dict(tp=2), True, False), ("pp2", dict(pp=2), False, False),
-    ("cp2_packed", dict(cp=2), False, True), ("dp2_packed", dict(), False, True)]
+    ("cp2_packed", dict(cp=2), False, True), ("dp2_packed", dict(), False, True),
+    ("dp2_tree", dict(), False, "tree"), ("cp2_tree", dict(cp=2), False, "tree")]
 
 
 def emit(**fields) -> None:
@@ -46,12 +48,21 @@ def world_max(value: float) -> float:
     return float(t)
 
 
-def sequences(vocab: int):
-    """8 prompt-then-reply rows and one row trained in its middle."""
+def sequences(vocab: int, shared: bool = False):
+    """8 prompt-then-reply rows and one row trained in its middle; `shared`: 4 prompts with 3
+    replies each (rows a prefix tree shares) instead."""
     from engine.training.micro_batches import SequenceData
 
     rng = random.Random(5)
     seqs = []
+    if shared:
+        for _ in range(4):
+            prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(10, 16))]
+            for _ in range(3):
+                ids = prompt + [rng.randrange(4, vocab) for _ in range(rng.randint(3, 8))]
+                seqs.append(SequenceData(ids[:-1], ids[1:], [0] * (len(prompt) - 1)
+                                         + [1] * (len(ids) - len(prompt))))
+        return seqs
     for _ in range(8):
         n = rng.randint(12, 28)
         ids = [rng.randrange(4, vocab) for _ in range(n + 1)]
@@ -129,10 +140,13 @@ def case(model_dir: str, layout: dict, sp: bool, packing: bool) -> dict:
     optim = SimpleNamespace(lr=1e-3, min_lr=0.0, warmup_steps=0, weight_decay=0.0, clip_grad=1.0,
                             betas=[0.9, 0.95], eps=1e-8, schedule="constant",
                             distributed_optimizer=True)
-    batching = BatchSettings(micro_batch_size=3, packing=packing)
+    tree = packing == "tree"
+    batching = (BatchSettings(micro_batch_size=1, max_tokens_per_micro_batch=4096,
+                              packing=True, prefix_sharing=True) if tree
+                else BatchSettings(micro_batch_size=3, packing=packing))
     state = TrainEngine.build(hf_config, optim, torch.float32, 1, batching,
                               weights_dir=model_dir, sequence_parallel=sp)
-    seqs = sequences(hf_config["vocab_size"])
+    seqs = sequences(hf_config["vocab_size"], shared=tree)
     full, skip = run(state, seqs, False), run(state, seqs, True)
     grad_rel = max(float((skip["grads"][k] - g).norm() / g.norm().clamp_min(1e-30))
                    for k, g in full["grads"].items())

@@ -8,7 +8,11 @@ reply tokens trained):
   grpo_shared:   16 rows of a 350-token prompt and a 32-token reply;
   grpo_distinct: 16 rows of a 125-token prompt and a 32-token reply;
   sft:           8 rows of a 140-token prompt and a 110-token completion;
-  dpo:           8 pairs of a 140-token prompt and two 70-token replies (16 rows).
+  dpo:           8 pairs of a 140-token prompt and two 70-token replies (16 rows);
+  grpo_tree:     grpo_shared's sizes as its workload has them (a 300-token system prompt and
+                 2 questions, 8 replies each), run with train.prefix_sharing=true (packed; the
+                 engine's default there: each prompt runs once, the skip leaves the tree's
+                 prompt nodes out).
 Each pass is one TrainEngine.train_batch (token-mean cross-entropy on the trained tokens:
 forward, backward, AdamW step) of one engine whose `batching.skip_unread_positions` is
 flipped between passes; the two modes alternate (which goes first alternates by round), so a
@@ -31,7 +35,9 @@ import time
 from tools.bench.common import BenchResult, Table, fmt, median, spread
 
 SHAPES = {"grpo_shared": (16, 350, [32]), "grpo_distinct": (16, 125, [32]),
-          "sft": (8, 140, [110]), "dpo": (8, 140, [70, 70])}   # rows, prompt, reply lengths
+          "sft": (8, 140, [110]), "dpo": (8, 140, [70, 70]),
+          "grpo_tree": (16, 350, [32])}   # rows, prompt, reply lengths
+TREE = "grpo_tree"   # with train.prefix_sharing: a shared system prompt, 2 groups of 8
 REPEATS = 6
 QUICK_REPEATS = 2
 
@@ -45,14 +51,31 @@ def _sequences(name: str, vocab: int, scale: float):
     rng = random.Random(name)
     rows, prompt, replies = SHAPES[name]
     prompt = max(2, int(prompt * scale))
+    system = [rng.randrange(4, vocab) for _ in range(prompt * 6 // 7)]
+    questions = [system + [rng.randrange(4, vocab) for _ in range(prompt - len(system))]
+                 for _ in range(2)]
     seqs = []
-    for _ in range(rows):
-        ids = [rng.randrange(4, vocab) for _ in range(prompt)]
+    for row in range(rows):
+        ids = (questions[row * 2 // rows] if name == TREE
+               else [rng.randrange(4, vocab) for _ in range(prompt)])
         for reply in replies:
             reply = max(2, int(reply * scale))
             full = ids + [rng.randrange(4, vocab) for _ in range(reply + 1)]
             seqs.append(SequenceData(full[:-1], full[1:], [0] * (prompt - 1) + [1] * (reply + 1)))
     return seqs
+
+
+def _tree_nodes(seqs) -> int:
+    """Tokens a prefix tree of `seqs` runs: its distinct prefixes (a trie's nodes)."""
+    root, nodes = {}, 0
+    for s in seqs:
+        node = root
+        for t in s.tokens:
+            if t not in node:
+                node[t] = {}
+                nodes += 1
+            node = node[t]
+    return nodes
 
 
 def _engine(model_dir: str):
@@ -117,6 +140,7 @@ def run_unread_positions(quick: bool, repeats: int | None = None) -> BenchResult
         try:
             for name in SHAPES:
                 seqs = _sequences(name, VOCAB, 0.25 if quick else 1.0)
+                engine.batching.prefix_sharing = engine.batching.packing = name == TREE
                 times = {True: [], False: []}
                 first = {}
                 for k in range(repeats + 1):
@@ -127,7 +151,8 @@ def run_unread_positions(quick: bool, repeats: int | None = None) -> BenchResult
                         else:
                             times[skip].append(seconds)
                 ratios = [off / on for on, off in zip(times[True], times[False])]
-                tokens = sum(len(s.tokens) for s in seqs)
+                tokens = (_tree_nodes(seqs) if name == TREE
+                          else sum(len(s.tokens) for s in seqs))
                 trained = sum(sum(s.loss_mask) for s in seqs)
                 loss_rel = (abs(first[True]["loss"] - first[False]["loss"])
                             / abs(first[False]["loss"]))
