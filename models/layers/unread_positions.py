@@ -75,9 +75,13 @@ def kept_rows(loss_mask: torch.Tensor) -> torch.Tensor:
     return (loss_mask.t().reshape(-1) > 0).nonzero().squeeze(1)
 
 
-def _skipping_forward_mlp(layer, hidden_states, inference_context=None, padding_mask=None):
-    """TransformerLayer._forward_mlp's signature: megatron's own on the rows `layer`'s
-    `_kept_rows` names, the rest of `hidden_states` [s, b, h] passed through."""
+def _skipping_forward_mlp(layer, hidden_states, inference_context=None, padding_mask=None,
+                          **_):
+    """TransformerLayer._forward_mlp's signature (0.16: + padding_mask; 0.19: + packed_seq_params):
+    megatron's own on the rows `layer`'s `_kept_rows` names, the rest of `hidden_states`
+    [s, b, h] passed through. The padding mask and packed-sequence parameters only serve an
+    MoE layer's routing (which never skips: `unsupported`) and describe the whole row, not the
+    gathered one: they are not passed on."""
     keep = layer._kept_rows
     s, b, h = hidden_states.shape
     flat = hidden_states.reshape(s * b, h)
