@@ -24,7 +24,7 @@ are split over TP ranks, whose MLP gathers them), an MoE last layer (its router'
 loss counts every token), a value head or an MTP layer (both read the final hidden state of
 positions no token loss names), a last layer without megatron's `_forward_mlp`. The caller
 also leaves compiled layers (train.compile: a gathered [n, 1, h] input would compile graphs
-of its own; engine.training.schedule) and a prefix tree's micro-batch alone.
+of its own; engine.training.schedule) and a prefix tree's row at CP > 1.
 """
 from __future__ import annotations
 
