@@ -32,8 +32,7 @@ from engine.training.tree_batch import unshared_output
 from models.bridge.weights import unwrap
 from models.build.compile_layers import has_compiled_layers
 from models.layers.heads.output import output_weight, returning_hidden_states
-from models.layers.unread_positions import kept_rows, skipping_unread
-from models.layers.unread_positions import unsupported as unread_unsupported
+from models.layers.unread_positions import kept_rows, skipping_layer, skipping_unread
 from parallel import cpu_runtime
 
 # loss_fn(output [b, s, V/tp] logits or HiddenStates, micro_batch)
@@ -152,11 +151,11 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
                          "must be > 0 with model.mtp.enabled=true")
     device = cpu_runtime.device()
     cp = ps.get_context_parallel_world_size()
-    skip_unread = (skip_unread and not getattr(loss_fn, "reads_unmasked_positions", False)
-                   and not has_compiled_layers(chunks) and unread_unsupported(chunks) is None)
-    # the rows the last layer keeps, found on the host copy (no device read in the step)
+    skip_layer = (skipping_layer(chunks) if skip_unread and not has_compiled_layers(chunks)
+                  and not getattr(loss_fn, "reads_unmasked_positions", False) else None)
+    # the rows it keeps (this rank's last stage only), found on the host copy: no device read
     kept = {id(mb): rows.to(device) for mb in micro_batches
-            if skip_unread and (rows := _read_rows(mb, cp)) is not None}
+            if skip_layer is not None and (rows := _read_rows(mb, cp)) is not None}
     batches = [_to_device(mb, device) for mb in micro_batches]
     shape = (batches[0].tokens if batches[0].tree is None else batches[0].tree.tokens).shape
 
@@ -165,7 +164,7 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
         if before_forward is not None:  # e.g. MoE routing replay targets (engine.training.routing)
             before_forward(model, mb)
         vision = {} if mb.vision is None else {"vision": mb.vision}   # models.vision.model
-        skipping.set_rows(kept.get(id(mb)))
+        rows_of.set_rows(kept.get(id(mb)))
         if mtp is not None and unwrap(model).mtp_process:
             begin_forward(model, mb, mtp)
         tree = mb.tree   # prefix sharing: the model runs the tree (engine.training.tree_batch)
@@ -196,7 +195,7 @@ def run_micro_batches(chunks: list, micro_batches: list[MicroBatch], loss_fn: Lo
     packed = batches[0].packed_seq_params is not None
     seq_length = shape[1] * cp
     head = (returning_hidden_states(chunks) if loss_chunk_tokens else contextlib.nullcontext())
-    with head, skipping_unread(chunks, skip_unread) as skipping:
+    with head, skipping_unread(skip_layer) as rows_of:
         reports = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators,
             model=chunks if vpp > 1 else chunks[0], num_microbatches=len(batches),

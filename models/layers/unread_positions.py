@@ -1,4 +1,4 @@
-"""The last transformer layer's MLP only at the positions a loss reads (`skipping_unread(chunks)`).
+"""The last transformer layer's MLP only at the positions a loss reads (`skipping_unread`).
 
 A causal LM's loss reads the final hidden state of the positions that predict a trained token
 (a micro-batch's `loss_mask`); no later position attends to the last layer's outputs, so its
@@ -6,25 +6,26 @@ MLP at every other position (a prompt, padding, a masked tool output) only makes
 nobody reads. GRPO's rows are mostly prompt (a 350-token prompt and 32-token replies: the MLP
 of one layer in four, 90% of its rows), as are DPO's and SFT's to a lesser degree.
 
-Inside `skipping_unread(chunks)` the last decoder layer of this rank's last-stage chunk runs
-megatron's own `_forward_mlp` (pre-MLP norm, MLP, bias-dropout-add: the same modules, LoRA
-adapters included) on the kept rows gathered into a [n, 1, h] tensor; the result is written
-back into a copy of the layer's [s, b, h] input (`index_copy`, out of place: autograd sends
-the kept rows' gradient through the MLP and the others' straight to the residual). At every
-other position the layer returns its attention block's output (the residual stream before
-the MLP): finite, and not the model's hidden state there; a consumer must read only kept
-positions (the contract of engine.training.schedule.run_micro_batches). Attention, its
-projections and the layers below still run everywhere (the kept positions attend to all).
-`set_rows(keep)` before each micro-batch's forward names them: flat indices t * b + row
-into the layer's [s, b, h] input (`kept_rows(loss_mask)`).
+Inside `skipping_unread(skipping_layer(chunks))` the last decoder layer of this rank's
+last-stage chunk runs megatron's own `_forward_mlp` (pre-MLP norm, MLP, bias-dropout-add: the
+same modules, LoRA adapters included) on the kept rows gathered into a [n, 1, h] tensor; the
+result is written back into a copy of the layer's [s, b, h] input (`index_copy`, out of place:
+autograd sends the kept rows' gradient through the MLP and the others' straight to the
+residual). At every other position the layer returns its attention block's output (the
+residual stream before the MLP): finite, and not the model's hidden state there; a consumer
+must read only kept positions (the contract of engine.training.schedule.run_micro_batches).
+Attention, its projections and the layers below still run everywhere (the kept positions
+attend to all). `set_rows(keep)` before each micro-batch's forward names them: flat indices
+t * b + row into the layer's [s, b, h] input (`kept_rows(loss_mask)`).
 
-`unsupported(chunks)` names why a model cannot skip (then the context manager changes
-nothing and the caller runs the full layer): Megatron sequence parallelism (the layer's rows
-are split over TP ranks, whose MLP gathers them), an MoE last layer (its router's load-balancing
-loss counts every token), a value head or an MTP layer (both read the final hidden state of
-positions no token loss names), a last layer without megatron's `_forward_mlp`. The caller
-also leaves compiled layers (train.compile: a gathered [n, 1, h] input would compile graphs
-of its own; engine.training.schedule) and a prefix tree's row at CP > 1.
+`unsupported(chunks)` names why a model cannot skip (then `skipping_layer` is None, the
+context manager changes nothing and the full layer runs): Megatron sequence parallelism (the
+layer's rows are split over TP ranks, whose MLP gathers them), an MoE last layer (its router's
+load-balancing loss counts every token), a value head or an MTP layer (both read the final
+hidden state of positions no token loss names), a last layer without megatron's
+`_forward_mlp`. The caller also leaves compiled layers (train.compile: a gathered [n, 1, h]
+input would compile graphs of its own; engine.training.schedule) and a prefix tree's row at
+CP > 1.
 """
 from __future__ import annotations
 
@@ -91,6 +92,13 @@ def _skipping_forward_mlp(layer, hidden_states, inference_context=None, padding_
     return make_viewless_tensor(inp=merged, requires_grad=merged.requires_grad, keep_graph=True)
 
 
+def skipping_layer(chunks: list):
+    """The layer that skips unread positions on this rank: the last decoder layer of its
+    last-stage chunk where `unsupported` names no reason; None elsewhere (another stage, or a
+    model that runs the full layer)."""
+    return _last_layer(chunks) if unsupported(chunks) is None else None
+
+
 class Skipping:
     """The handle `skipping_unread` yields: `set_rows(keep)` names the kept rows of the next
     forward (None: every row, the layer as megatron runs it)."""
@@ -109,11 +117,10 @@ class Skipping:
 
 
 @contextlib.contextmanager
-def skipping_unread(chunks: list, enabled: bool = True):
-    """While active, the last layer skips the MLP at rows outside each forward's `set_rows`
-    (module docstring). Yields a `Skipping`; with `enabled` False or an `unsupported` model
-    its `set_rows` does nothing. Restores megatron's `_forward_mlp` on exit."""
-    layer = _last_layer(chunks) if enabled and unsupported(chunks) is None else None
+def skipping_unread(layer):
+    """While active, `layer` (`skipping_layer`'s; None: nothing changes) skips the MLP at rows
+    outside each forward's `set_rows` (module docstring). Yields a `Skipping`. Restores
+    megatron's `_forward_mlp` on exit."""
     try:
         yield Skipping(layer)
     finally:
