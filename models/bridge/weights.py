@@ -32,6 +32,7 @@ from models.layers.biased_experts.fused import fuse_experts, fused_expert_reader
 from models.layers.mtp.mapping import mtp_mapping, shared_copies
 from models.layers.sigmoid_routing.mapping import mapped_buffers
 from models.vision.tower import VISION_PREFIX, tower_tensor_problems
+from parallel.wrappers import unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -67,13 +68,6 @@ _TOP_MAP: dict[str, tuple[str, tuple[str, ...]]] = {
 class _Mapping:
     kind: str
     hf_names: tuple[str, ...]
-
-
-def unwrap(chunk):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _mapping(chunk, name: str, tied: bool, naming: ExpertNaming | None, hf_config: dict

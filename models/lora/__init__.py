@@ -6,5 +6,5 @@ PEFT adapter folders (`peft.py`, `peft_experts.py`). Which families get
 adapters, and how peft reads names on them, is a family's declared `lora`, `lora_targets`,
 `lora_fused` (read by engine.config.lora_settings and engine.config.lora_family).
 
-May import: nothing else in models (torch and megatron only).
+May import: nothing else in models (torch, megatron and parallel only).
 """

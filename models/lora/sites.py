@@ -44,6 +44,7 @@ from models.lora.adapters import ADAPTER_SUFFIX, LoraAdapter
 from models.lora.slices import LoraSpec, Slice, init_full
 from models.lora.targets import (ALL_LINEAR, ATTENTION, EXPERT_PARAMS, GDN, MLP, ROUTER,
                                  SHARED_GATE, TARGET_NAMES, resolve_targets, target_list)
+from parallel.wrappers import unwrap
 
 __all__ = ["ALL_LINEAR", "EXPERT_PARAMS", "TARGET_NAMES", "resolve_targets", "target_list"]
 LAYERS = "model.layers"   # the decoder layers' HF path (conditional generation: another)
@@ -76,13 +77,6 @@ _EXPERT_SITES = (("linear_fc1", "column", EXPERT_PARAMS[:1]),
 
 class LoraUnsupportedError(ValueError):
     """The model cannot carry the requested adapters exactly (message names the key)."""
-
-
-def unwrap(chunk):
-    """The GPTModel inside a DDP / Float16Module-wrapped chunk (the chunk itself if bare)."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def gated_query_order(heads: int, groups: int, d: int) -> tuple:

@@ -26,12 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-
-def unwrap(chunk):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
+from parallel.wrappers import unwrap
 
 
 def output_weight(chunk) -> torch.Tensor:
