@@ -247,3 +247,14 @@ def machine_info() -> dict:
 
 def machine_table(info: dict) -> Table:
     return Table("Machine", ["key", "value"], [[k, str(v)] for k, v in info.items()])
+
+
+def constant_adam(lr: float, distributed: bool = True):
+    """The optim.* keys a bench item's TrainEngine.build takes: AdamW (betas 0.9 / 0.95, eps
+    1e-8, no weight decay), gradient clipping at 1.0, a constant `lr` without warm-up;
+    `distributed`: megatron's distributed optimizer."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(lr=lr, min_lr=0.0, warmup_steps=0, weight_decay=0.0, clip_grad=1.0,
+                           betas=[0.9, 0.95], eps=1e-8, schedule="constant",
+                           distributed_optimizer=distributed)

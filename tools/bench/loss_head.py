@@ -25,7 +25,8 @@ import sys
 import tempfile
 import time
 
-from tools.bench.common import BenchResult, Table, fmt, last_json_line, run_launch, subprocess_env
+from tools.bench.common import (BenchResult, Table, constant_adam, fmt, last_json_line,
+                                run_launch, subprocess_env)
 
 MODEL = dict(vocab_size=151936, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
              head_dim=16, max_position_embeddings=2048)
@@ -53,8 +54,6 @@ def _sequences(tokens: int, vocab: int):
 
 def loss_head_worker(model_dir: str, mode: str, tokens: int, chunk: int) -> None:
     """One measurement in this (fresh) process; prints one JSON line."""
-    from types import SimpleNamespace
-
     import torch
     from megatron.core import parallel_state as ps
 
@@ -68,9 +67,7 @@ def loss_head_worker(model_dir: str, mode: str, tokens: int, chunk: int) -> None
     init_distributed()
     setup_model_parallel(ParallelLayout(1))
     hf_config = read_config(model_dir)
-    optim = SimpleNamespace(lr=1e-4, min_lr=0.0, warmup_steps=0, weight_decay=0.0, clip_grad=1.0,
-                            betas=[0.9, 0.95], eps=1e-8, schedule="constant",
-                            distributed_optimizer=True)
+    optim = constant_adam(1e-4)
     batching = BatchSettings(micro_batch_size=1, max_tokens_per_micro_batch=tokens,
                              packing=True)
     engine = TrainEngine.build(hf_config, optim, torch.float32, 1, batching,

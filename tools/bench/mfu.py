@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from tools.bench.common import BenchResult, Table, fmt, median
+from tools.bench.common import BenchResult, Table, constant_adam, fmt, median
 
 # Qwen3-shaped, ~1.1B parameters (Qwen3-1.7B widths with 16 layers); tied embeddings
 QWEN3_1B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=16,
@@ -115,9 +115,7 @@ def measure_sft_step(hf_config: dict, micro_batches: int, steps: int, warmup: in
 
     world = dist.get_world_size()
     setup_model_parallel(ParallelLayout(world))
-    optim = SimpleNamespace(lr=1e-5, min_lr=0.0, warmup_steps=0, weight_decay=0.0,
-                            clip_grad=1.0, betas=[0.9, 0.95], eps=1e-8, schedule="constant",
-                            distributed_optimizer=True)
+    optim = constant_adam(1e-5)
     train_cfg = SimpleNamespace(micro_batch_size=1, max_tokens_per_micro_batch=SEQ_TOKENS,
                                 balance_dp=True, packing=True)
     state = TrainEngine.build(hf_config, optim, dtype, steps + warmup, train_cfg,

@@ -27,8 +27,8 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-from tools.bench.common import (BenchResult, Table, fmt, free_port, last_json_line, median,
-                          run_launch, subprocess_env)
+from tools.bench.common import (BenchResult, Table, constant_adam, fmt, free_port,
+                                last_json_line, median, run_launch, subprocess_env)
 
 # model of the overhead benchmark (Qwen3-style; head_dim 32, vocab a multiple of 128 so the
 # engine's padded-vocab masking is a no-op and both loops compute the very same loss)
@@ -200,9 +200,7 @@ def overhead_worker(model_dir: str, tp: int, pairs: int, warmup: int) -> None:
     layout = ParallelLayout(world, tp=tp)
     setup_model_parallel(layout)
     hf_config = read_config(model_dir)
-    optim = SimpleNamespace(lr=1e-4, min_lr=0.0, warmup_steps=0, weight_decay=0.0, clip_grad=1.0,
-                            betas=[0.9, 0.95], eps=1e-8, schedule="constant",
-                            distributed_optimizer=True)
+    optim = constant_adam(1e-4)
     steps = 2 * (pairs + warmup)
     train_cfg = SimpleNamespace(micro_batch_size=MICRO_BATCH, max_tokens_per_micro_batch=None,
                                 balance_dp=True, packing=False)

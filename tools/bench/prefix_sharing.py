@@ -44,7 +44,7 @@ import tempfile
 import threading
 import time
 
-from tools.bench.common import BenchResult, Table, fmt, median
+from tools.bench.common import BenchResult, Table, constant_adam, fmt, median
 
 MODEL = dict(vocab_size=4096, hidden=256, layers=8, heads=8, kv_heads=2, intermediate=768,
              head_dim=32, max_position_embeddings=4096)
@@ -123,16 +123,12 @@ def _rss_gb() -> float:
 
 
 def _engine(model_dir: str, sharing: bool):
-    from types import SimpleNamespace
-
     import torch
 
     from engine.training.train_engine import BatchSettings, TrainEngine
     from models.hf.io import read_config
 
-    optim = SimpleNamespace(lr=1e-5, min_lr=0.0, warmup_steps=0, weight_decay=0.0,
-                            clip_grad=1.0, betas=[0.9, 0.95], eps=1e-8, schedule="constant",
-                            distributed_optimizer=True)
+    optim = constant_adam(1e-5)
     batching = BatchSettings(micro_batch_size=1, max_tokens_per_micro_batch=BUDGET,
                              packing=True, prefix_sharing=sharing)
     return TrainEngine.build(read_config(model_dir), optim, torch.float32, 1, batching,

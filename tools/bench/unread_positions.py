@@ -32,7 +32,7 @@ import os
 import tempfile
 import time
 
-from tools.bench.common import BenchResult, Table, fmt, median, spread
+from tools.bench.common import BenchResult, Table, constant_adam, fmt, spread
 
 SHAPES = {"grpo_shared": (16, 350, [32]), "grpo_distinct": (16, 125, [32]),
           "sft": (8, 140, [110]), "dpo": (8, 140, [70, 70]),
@@ -79,16 +79,12 @@ def _tree_nodes(seqs) -> int:
 
 
 def _engine(model_dir: str):
-    from types import SimpleNamespace
-
     import torch
 
     from engine.training.train_engine import BatchSettings, TrainEngine
     from models.hf.io import read_config
 
-    optim = SimpleNamespace(lr=1e-5, min_lr=0.0, warmup_steps=0, weight_decay=0.0,
-                            clip_grad=1.0, betas=[0.9, 0.95], eps=1e-8, schedule="constant",
-                            distributed_optimizer=False)
+    optim = constant_adam(1e-5, distributed=False)
     return TrainEngine.build(read_config(model_dir), optim, torch.float32, 10 ** 6,
                              BatchSettings(micro_batch_size=1, max_tokens_per_micro_batch=8192),
                              weights_dir=model_dir)
