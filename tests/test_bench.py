@@ -301,7 +301,8 @@ def test_generate_vs_hf_quick_greedy_equal_and_timed(pools):
     out, result = _run("generate_vs_hf", "--quick", "--threads", "1", pools=pools)
     assert "Generation: the hf backend against transformers' generate" in out
     for name in ("shared", "distinct"):
-        for path in ("transformers", "engine_generate", "engine_batch_prefill", "step_driver"):
+        for path in ("transformers", "engine_generate", "engine_batch_prefill",
+                     "engine_copied_kv_heads", "step_driver"):
             assert result[f"generate_{name}_{path}_s"] > 0
     assert result["generate_shared_prompt_tokens"] > 2 * result["generate_distinct_prompt_tokens"]
 

@@ -14,6 +14,9 @@ turn after one warm-up call, REPEATS rounds:
 - engine, batch prefill: the same with the whole left-padded batch in one prefill forward
   (the eager loop's path for engines group_prefill does not serve, and its only path before
   2026-11-29): what sharing the prefill saves;
+- engine, copied KV heads: engine generate with transformers' `sdpa` attention, which copies
+  the grouped KV heads on every masked call (the eager loop's attention before
+  engine.generation.hf.gqa_attention): what reading them in place saves;
 - step driver: HFStepDriver (serve's continuous batching): the 16 requests added at once,
   stepped until every one finished.
 No path ignores eos: replies stop at eos or at 32 tokens (the random model rarely samples eos,
@@ -33,7 +36,8 @@ import time
 from tools.bench.common import BenchResult, Table, fmt, median, torch_threads
 
 PROMPTS, N, MAX_NEW, REPEATS = 2, 8, 32, 5
-PATHS = ("transformers", "engine generate", "engine, batch prefill", "step driver")
+PATHS = ("transformers", "engine generate", "engine, batch prefill", "engine, copied KV heads",
+         "step driver")
 
 
 def _batch(tokenizer, rows_file: str) -> list[list[int]]:
@@ -93,6 +97,16 @@ def batch_prefill(engine, batch) -> list[list[int]]:
         backend.shared_prefill_problem = problem
 
 
+def copied_heads(engine, batch) -> list[list[int]]:
+    """engine_generate at temperature 1 on transformers' `sdpa` attention (restored after)."""
+    kept = engine.model.config._attn_implementation
+    engine.model.set_attn_implementation("sdpa")
+    try:
+        return engine_generate(engine, batch, 1.0)
+    finally:
+        engine.model.set_attn_implementation(kept)
+
+
 def driver_generate(engine, batch, temperature: float, seed: int = 0) -> list[list[int]]:
     """HFStepDriver: every row added at once (its own seed), stepped until all finished."""
     from engine.generation.base import SamplingParams
@@ -145,6 +159,7 @@ def compare(model_dir: str, rows_file: str, repeats: int) -> dict:
     calls = {"transformers": lambda: hf_generate(model, batch, pad, 1.0),
              "engine generate": lambda: engine_generate(engine, batch, 1.0),
              "engine, batch prefill": lambda: batch_prefill(engine, batch),
+             "engine, copied KV heads": lambda: copied_heads(engine, batch),
              "step driver": lambda: driver_generate(engine, batch, 1.0)}
     for fn in calls.values():   # warm-up
         fn()
@@ -164,7 +179,7 @@ def summarize(name: str, result: dict) -> tuple[list[list[str]], dict]:
     for path in PATHS:
         wall = [r[0] for r in runs[path]]
         cpu = [r[1] for r in runs[path]]
-        key = path.replace(",", "").replace(" ", "_")
+        key = path.replace(",", "").replace(" ", "_").lower()
         out[f"generate_{name}_{key}_s"] = median(wall)
         out[f"generate_{name}_{key}_cpu_s"] = median(cpu)
         rows.append([name, path, fmt(median(wall)), f"{min(wall):.3f}-{max(wall):.3f}",
