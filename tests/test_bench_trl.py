@@ -176,3 +176,35 @@ def test_gpu_item_trl_command_needs_and_report(tmp_path):
                                    "trl sft/engine: RuntimeError: x"]
     assert key_numbers({"metrics": metrics}) == \
         "grpo_shared x2.60 (engine_prefix_off x1.20); sft n/a"
+
+
+def test_rounds_pool_their_steps_and_show_each_rounds_speedup():
+    """--rounds: a row's steps 2..N of every round pooled into one median; each round's
+    speedup (TRL's median in that round / the row's) in its own column and summary key; a
+    slow spell in one round moves that round's speedup, not the pooled one's ranking."""
+    s = lambda *steps: [{"step_s": x} for x in steps]
+    trl_runs = trl.RunResult(records=s(9.0, 4.0, 4.0), load=(1.0, 1.5))
+    trl_runs.add_round(trl.RunResult(records=s(9.0, 8.0, 8.0), load=(1.5, 3.0)))  # slow spell
+    engine = trl.RunResult(records=s(9.0, 2.0, 2.0), load=(1.0, 1.2))
+    engine.add_round(trl.RunResult(records=s(9.0, 4.0, 4.0), load=(1.2, 2.5)))
+    assert trl_runs.runs() == [s(9.0, 4.0, 4.0), s(9.0, 8.0, 8.0)]
+    assert trl_runs.load == (1.0, 3.0)
+    assert trl.pooled(trl_runs, "step_s") == (6.0, 4.0, 8.0)
+    assert trl.round_speedups(trl_runs, engine) == [2.0, 2.0]
+    table, summary = trl.workload_table(
+        "sft", trl.plan_rows(["sft"], True, False), {"trl": trl_runs, "engine": engine}, 2)
+    assert summary["trl_sft_engine_step_s"] == 3.0
+    assert summary["trl_sft_speedup"] == 2.0
+    assert summary["trl_sft_engine_round_speedups"] == [2.0, 2.0]
+    assert table.headers == ["row", "step s", "step min-max", "speedup", "speedup per round",
+                             "load"]
+    assert table.rows[1][:5] == ["engine, defaults", "3.00", "2.00-4.00", "x2.00",
+                                 "x2.00-2.00"]
+    assert "2 runs per row, interleaved" in table.notes[0]
+    # one round only: no per-round column (the table as before)
+    single, _ = trl.workload_table("sft", trl.plan_rows(["sft"], True, False),
+                                   {"trl": trl.RunResult(records=s(9.0, 4.0)),
+                                    "engine": trl.RunResult(records=s(9.0, 2.0))}, 2)
+    assert single.headers == ["row", "step s", "step min-max", "speedup", "load"]
+    with pytest.raises(ValueError, match="--rounds 0"):
+        trl.run_trl(quick=True, rounds=0)

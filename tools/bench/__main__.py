@@ -61,7 +61,8 @@
                                                the hf backend's generate and step driver
                                                against transformers' model.generate, same
                                                model, batch (2 x 8) and lengths; goal >= 1x
-    python -m tools.bench trl      [--quick] [--steps N] [--workloads W,..] [--threads T]
+    python -m tools.bench trl      [--quick] [--steps N] [--rounds R] [--workloads W,..]
+                                   [--threads T]
                                                TRL 1.16's GRPO, SFT and DPO trainers against
                                                the engine's defaults on the same model, rows
                                                and sizes, one process each: seconds per step
@@ -172,7 +173,7 @@ def run_one(name: str, args) -> BenchResult:
         return run_generate_vs_hf(args.quick, args.threads)
     if name == "trl":
         from tools.bench.trl import run_trl
-        return run_trl(args.quick, args.steps, args.workloads, args.threads)
+        return run_trl(args.quick, args.steps, args.workloads, args.threads, args.rounds)
     raise ValueError(f"unknown benchmark {name!r}")
 
 
@@ -289,6 +290,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
             p.add_argument("--workloads", default=None,
                            help="comma-separated subset of grpo_shared, grpo_distinct, sft, "
                                 "dpo (default all)")
+            p.add_argument("--rounds", type=int, default=1,
+                           help="runs per row, interleaved (every row once, then again); "
+                                "their steps pooled, each round's speedup shown")
         if name == "rollout":
             p.add_argument("--engines", default=None,
                            help="also time rollout engine scaling for these engine counts, "

@@ -1,6 +1,6 @@
-"""`python -m tools.bench trl [--quick] [--steps N] [--workloads W,..] [--threads T]`: TRL 1.16's
-own trainers and the engine on the same model, rows and sizes, one after the other in one call,
-one process each (docs/benchmarks.md, "Against TRL's trainers").
+"""`python -m tools.bench trl [--quick] [--steps N] [--rounds R] [--workloads W,..] [--threads T]`:
+TRL 1.16's own trainers and the engine on the same model, rows and sizes, one after the other in
+one call, one process each (docs/benchmarks.md, "Against TRL's trainers").
 
 Workloads (tools/bench/trl_workload.py: a Qwen3-shaped hidden-384, 4-layer fp32 model with a
 character-level chat tokenizer, built locally):
@@ -18,12 +18,16 @@ DEFAULTS (tools/bench/trl_engine.py: only the workload's sizes set); and for grp
 engine with train.prefix_sharing=true and =false (not in --quick); on a CUDA host with vLLM's
 CUDA build also the engine with rollout.backend=vllm (GRPO). A run that fails is a row
 "failed: ERROR" (summary "errors", exit status 1) and the other rows still run.
+--rounds R (default 1) runs a workload's rows R times, interleaved (every row once, then
+again), so that a slow spell of a shared host falls on every row alike instead of on one.
 
 Reported per row: seconds per optimizer step and per stage (GRPO: generation, log-prob
 stage, update; DPO: the reference's pass and the update) as the median over steps 2..N (the
-first step, warm-up, is left out) with the step's min-max over those steps, and the speedup
-against TRL's row (TRL seconds / the row's seconds, > 1: faster than TRL) of the step and
-of each stage; the host's 1-minute load average before and after each run; the engine's
+first step, warm-up, is left out; with rounds, over every round's steps 2..N pooled) with the
+step's min-max over those steps, and the speedup against TRL's row (TRL seconds / the row's
+seconds, > 1: faster than TRL) of the step and of each stage; with rounds also each round's
+step speedup (TRL's median in that round / the row's: summary ..._round_speedups, the table's
+min-max of them); the host's 1-minute load average before and after each run; the engine's
 run-header lines on what its defaults chose. Summary keys: trl_<workload>_<row>_step_s,
 ..._speedup (rows: trl, trl_vllm, engine, engine_prefix_on, engine_prefix_off,
 engine_vllm) and the goals (docs/benchmarks.md; trl_grpo_shared_speedup >= 2.5, ..._prefix_off
@@ -65,10 +69,23 @@ class Row:
 
 @dataclass
 class RunResult:
+    """One row's runs: `records` the first run's per-step records (step 1 the warm-up),
+    `rounds` every run's (records is rounds[0]; empty: `records` alone), `load` the host's
+    1-minute load average at the first run's start and the last run's end."""
     records: list[dict] = field(default_factory=list)
     load: tuple[float, float] = (0.0, 0.0)
     wall_s: float = 0.0
     header: list[str] = field(default_factory=list)
+    rounds: list[list[dict]] = field(default_factory=list)
+
+    def runs(self) -> list[list[dict]]:
+        return self.rounds or [self.records]
+
+    def add_round(self, other: "RunResult") -> None:
+        """Append `other` (the same row's next run) as a round."""
+        self.rounds = self.runs() + [other.records]
+        self.load = (self.load[0], other.load[1])
+        self.wall_s += other.wall_s
 
 
 def stages_of(workload: str) -> tuple[str, ...]:
@@ -143,10 +160,25 @@ def run_row(row: Row, files: dict[str, str], steps: int, threads: int, work: str
 
 def spread(records: list[dict], key: str) -> tuple[float, float, float]:
     """(median, min, max) of `key` over steps 2..N (the first step, warm-up, left out)."""
-    values = [r[key] for r in records[1:]]
+    return _stats([r[key] for r in records[1:]], len(records))
+
+
+def pooled(result: RunResult, key: str) -> tuple[float, float, float]:
+    """spread() over every round's steps 2..N together."""
+    runs = result.runs()
+    return _stats([r[key] for run in runs for r in run[1:]], sum(map(len, runs)))
+
+
+def _stats(values: list[float], steps: int) -> tuple[float, float, float]:
     if not values:
-        raise ValueError(f"{len(records)} step(s): nothing left after the warm-up step")
+        raise ValueError(f"{steps} step(s): nothing left after the warm-up step")
     return median(values), min(values), max(values)
+
+
+def round_speedups(base: RunResult, result: RunResult) -> list[float]:
+    """Per round k: TRL's median step in round k / the row's (rounds both ran)."""
+    return [spread(b, "step_s")[0] / spread(r, "step_s")[0]
+            for b, r in zip(base.runs(), result.runs())]
 
 
 def workload_table(workload: str, rows: list[Row], results: dict[str, RunResult | str],
@@ -154,24 +186,31 @@ def workload_table(workload: str, rows: list[Row], results: dict[str, RunResult 
     """The side-by-side table of one workload and its summary keys; a row whose run failed
     (its error text in `results`) shows the error, and without TRL's row no speedup."""
     stages = stages_of(workload)
-    base = results["trl"].records if isinstance(results.get("trl"), RunResult) else None
-    base_step = spread(base, "step_s")[0] if base else None
-    base_stage = {s: spread(base, s)[0] for s in stages} if base else {}
+    base = results["trl"] if isinstance(results.get("trl"), RunResult) else None
+    base_step = pooled(base, "step_s")[0] if base else None
+    base_stage = {s: pooled(base, s)[0] for s in stages} if base else {}
+    rounds = max((len(r.runs()) for r in results.values() if isinstance(r, RunResult)),
+                 default=1)
     table_rows, summary = [], {}
     for row in rows:
         res = results[row.key]
         if not isinstance(res, RunResult):
-            table_rows.append([row.label, f"failed: {res}"] + [""] * (3 + len(stages)))
+            table_rows.append([row.label, f"failed: {res}"]
+                              + [""] * (3 + len(stages) + (rounds > 1)))
             continue
-        step, lo, hi = spread(res.records, "step_s")
+        step, lo, hi = pooled(res, "step_s")
         speed = base_step / step if base_step else None
         prefix = f"trl_{workload}_{row.key}"
         summary.update({f"{prefix}_step_s": step, f"{prefix}_step_range_s": [lo, hi],
                         f"{prefix}_speedup": speed})
         cells = [row.label, fmt(step, 2), f"{lo:.2f}-{hi:.2f}",
                  "n/a" if speed is None else f"x{speed:.2f}"]
+        if rounds > 1:
+            per = round_speedups(base, res) if base else []
+            summary[f"{prefix}_round_speedups"] = per
+            cells.append(f"x{min(per):.2f}-{max(per):.2f}" if per else "n/a")
         for s in stages:
-            value = spread(res.records, s)[0]
+            value = pooled(res, s)[0]
             summary[f"{prefix}_{s}"] = value
             cells.append(f"{value:.2f} (x{base_stage[s] / value:.2f})"
                          if value > 0 and s in base_stage else fmt(value, 2))
@@ -183,11 +222,14 @@ def workload_table(workload: str, rows: list[Row], results: dict[str, RunResult 
             summary[f"trl_{workload}_{goal}"] = summary[f"trl_{workload}_{key}_speedup"]
     names = {"generation_s": "generation s", "logprob_s": "log-prob stage s",
              "update_s": "update s"}
-    head = (["row", "step s", "step min-max", "speedup"] + [names[s] for s in stages]
+    head = (["row", "step s", "step min-max", "speedup"]
+            + (["speedup per round"] if rounds > 1 else []) + [names[s] for s in stages]
             + ["load"])
     steps = max((len(r.records) for r in results.values() if isinstance(r, RunResult)),
                 default=0)
-    notes = [f"medians over steps 2..{steps} of one run per row (the first step is warm-up); "
+    runs = "one run per row" if rounds == 1 else \
+        f"{rounds} runs per row, interleaved, their steps pooled"
+    notes = [f"medians over steps 2..{steps} of {runs} (the first step is warm-up); "
              "speedup = TRL's seconds / the row's (> 1: faster than TRL), per stage in "
              f"brackets; one process per row, OMP_NUM_THREADS={threads}; load: the host's "
              "1-minute load average when the run started and ended"]
@@ -201,30 +243,41 @@ def workload_table(workload: str, rows: list[Row], results: dict[str, RunResult 
 
 
 def run_trl(quick: bool, steps: int | None = None, workloads: str | None = None,
-            threads: int = 2) -> BenchResult:
-    """Every workload's rows in turn (module docstring)."""
+            threads: int = 2, rounds: int = 1) -> BenchResult:
+    """Every workload's rows in turn, `rounds` times interleaved (module docstring)."""
     steps = steps or (QUICK_STEPS if quick else STEPS)
     if steps < 2:
         raise ValueError(f"--steps {steps}: at least 2 (the first step is left out)")
+    if rounds < 1:
+        raise ValueError(f"--rounds {rounds}: at least 1")
     names = workloads.split(",") if workloads else list(WORKLOADS)
     with_vllm = vllm_rows_possible()
     rows = plan_rows(names, quick, with_vllm)
     timeout = QUICK_TIMEOUT_S if quick else TIMEOUT_S
     tables, summary = [], {"trl_steps": steps, "trl_threads": threads, "trl_quick": quick,
-                           "trl_vllm_rows": with_vllm}
+                           "trl_vllm_rows": with_vllm, "trl_rounds": rounds}
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as work:
         files = workdir_files(work, quick)
         for name in names:
             mine = [r for r in rows if r.workload == name]
             results: dict[str, RunResult | str] = {}
-            for row in mine:
-                print(f"[bench trl] {name}: {row.label} ...", file=sys.stderr, flush=True)
-                try:
-                    results[row.key] = run_row(row, files, steps, threads, work, timeout)
-                except Exception as e:  # noqa: BLE001 - recorded; the other rows still run
-                    results[row.key] = f"{type(e).__name__}: {e}".splitlines()[0]
-                    errors[f"{name}/{row.key}"] = results[row.key]
+            for k in range(rounds):
+                for row in mine:
+                    if isinstance(results.get(row.key), str):
+                        continue   # failed in an earlier round
+                    print(f"[bench trl] {name}: {row.label} (round {k + 1}/{rounds}) ...",
+                          file=sys.stderr, flush=True)
+                    try:
+                        res = run_row(row, files, steps, threads, work, timeout)
+                    except Exception as e:  # noqa: BLE001 - recorded; the other rows still run
+                        results[row.key] = f"{type(e).__name__}: {e}".splitlines()[0]
+                        errors[f"{name}/{row.key}"] = results[row.key]
+                        continue
+                    if row.key in results:
+                        results[row.key].add_round(res)
+                    else:
+                        results[row.key] = res
             table, keys = workload_table(name, mine, results, threads)
             tables.append(table)
             summary.update(keys)
