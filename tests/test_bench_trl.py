@@ -208,3 +208,18 @@ def test_rounds_pool_their_steps_and_show_each_rounds_speedup():
     assert single.headers == ["row", "step s", "step min-max", "speedup", "load"]
     with pytest.raises(ValueError, match="--rounds 0"):
         trl.run_trl(quick=True, rounds=0)
+
+
+def test_each_round_writes_its_own_log(monkeypatch, tmp_path):
+    """A row's rounds must not share a log folder: the engine appends to metrics.jsonl, so a
+    second round there would read the first round's steps too (caught by the step count)."""
+    seen = []
+    monkeypatch.setattr(trl, "run_launch", lambda cmd, *a, **kw: seen.append(cmd) or ("", ""))
+    monkeypatch.setattr(trl, "read_metrics", lambda out: [{"time/step_s": 1.0}] * 2)
+    monkeypatch.setattr(trl, "engine_records", lambda w, m: [{"step_s": 1.0}] * len(m))
+    row = trl.Row("sft", "engine", "engine, defaults", "engine")
+    files = {"model": "M", "sft": "D"}
+    for k in (0, 1):
+        trl.run_row(row, files, 2, 2, str(tmp_path), 60, k)
+    dirs = [next(a for a in cmd if a.startswith("logging.dir=")) for cmd in seen]
+    assert len(set(dirs)) == 2, dirs

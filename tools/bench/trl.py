@@ -136,12 +136,13 @@ def row_command(row: Row, files: dict[str, str], steps: int, out: str) -> list[s
 
 
 def run_row(row: Row, files: dict[str, str], steps: int, threads: int, work: str,
-            timeout_s: int) -> RunResult:
-    """`row`'s run in a process of its own (OMP_NUM_THREADS=threads): its step records."""
+            timeout_s: int, round_: int = 0) -> RunResult:
+    """`row`'s run number `round_` in a process of its own (OMP_NUM_THREADS=threads), with
+    an output file or log folder of its own: its step records."""
     import json
 
-    out = os.path.join(work, f"{row.workload}_{row.key}" + (".json" if row.side == "trl"
-                                                            else ""))
+    out = os.path.join(work, f"{row.workload}_{row.key}_r{round_}"
+                       + (".json" if row.side == "trl" else ""))
     cmd = row_command(row, files, steps, out)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     stdout, stderr = run_launch(cmd, subprocess_env(threads), timeout_s,
@@ -269,7 +270,7 @@ def run_trl(quick: bool, steps: int | None = None, workloads: str | None = None,
                     print(f"[bench trl] {name}: {row.label} (round {k + 1}/{rounds}) ...",
                           file=sys.stderr, flush=True)
                     try:
-                        res = run_row(row, files, steps, threads, work, timeout)
+                        res = run_row(row, files, steps, threads, work, timeout, k)
                     except Exception as e:  # noqa: BLE001 - recorded; the other rows still run
                         results[row.key] = f"{type(e).__name__}: {e}".splitlines()[0]
                         errors[f"{name}/{row.key}"] = results[row.key]
