@@ -6,9 +6,7 @@ the reported log-probs are exactly those of the sampled tokens (contract in `bas
 are drawn by engine.generation.sampling.SeededSampler: one counter-based uniform per (row seed,
 step), inverse CDF over the row's probabilities, for the whole batch in a few tensor ops.
 
-Attention on a CPU (engine.generation.hf.gqa_attention): a text model that runs transformers'
-`sdpa` with grouped KV heads is switched to an attention that reads the shared heads in place
-under the padding mask instead of copying them on every call (the same outputs, bitwise).
+On a CPU, grouped KV heads are read in place, not copied per call (hf.gqa_attention; bitwise).
 
 Sleep/wake (a real release, as SGLang does): `sleep()` moves every parameter to the meta device,
 freeing its memory; `wake()` allocates uninitialised storage again on the engine's device, and
@@ -44,7 +42,6 @@ import torch
 
 from engine.generation.base import Generation, RolloutEngine, SamplingParams
 from engine.generation.eos import eos_token_ids, folder_tokenizer, no_eos_message
-from engine.generation.hf.gqa_attention import use_cpu_gqa
 from engine.generation.hf.group_prefill import shared_prefill, shared_prefill_problem
 from engine.generation.hf.images import load_model, prefill, view_aliases
 from engine.generation.hf.responses import collect_generations, row_limits
@@ -122,10 +119,7 @@ class HFRolloutEngine(RolloutEngine):
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))
         self.device = torch.device(device)
-        self.model, self.vision = load_model(hf_path, dtype)
-        self.model.to(self.device).eval().requires_grad_(False)
-        if self.vision is None:   # grouped KV heads read in place on a CPU (gqa_attention.py)
-            use_cpu_gqa(self.model)
+        self.model, self.vision = load_model(hf_path, dtype, self.device)
         self._cache = cache_keyword(self.model)
         if dtype is not None:  # a quantized folder loads with mixed dtypes
             for param in self.model.parameters():

@@ -4,7 +4,8 @@ batch whose prompts may hold images.
 
 - `load_model`: a checkpoint with a vision tower (models.vision.spec) loads as
   `AutoModelForImageTextToText` (Qwen3_5ForConditionalGeneration, ...), which takes
-  `pixel_values`; any other as `AutoModelForCausalLM`.
+  `pixel_values`; any other as `AutoModelForCausalLM`, whose grouped KV heads are then read in
+  place on a CPU (engine.generation.hf.gqa_attention).
 - `view_aliases`: such a model names its text weights as stored (`model.language_model.X`,
   models.hf.conditional) while the weight sync streams the names the trainer's view uses
   (`model.X`); both are accepted.
@@ -21,18 +22,25 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+from engine.generation.hf.gqa_attention import use_cpu_gqa
 from models.hf.conditional import TEXT_PREFIX
 from models.hf.io import read_config
 from models.vision.inputs import ImagePrompt
 from models.vision.spec import VisionSpec, vision_spec
 
 
-def load_model(hf_path: str, dtype) -> tuple[torch.nn.Module, VisionSpec | None]:
-    """(transformers model of the folder, its VisionSpec or None)."""
+def load_model(hf_path: str, dtype, device: torch.device
+               ) -> tuple[torch.nn.Module, VisionSpec | None]:
+    """(transformers model of the folder on `device`, in eval mode without gradients, its
+    VisionSpec or None)."""
     spec = vision_spec(read_config(hf_path))
     cls = AutoModelForCausalLM if spec is None else AutoModelForImageTextToText
-    return cls.from_pretrained(hf_path, dtype=dtype if dtype is not None else "auto",
-                               local_files_only=True), spec
+    model = cls.from_pretrained(hf_path, dtype=dtype if dtype is not None else "auto",
+                                local_files_only=True)
+    model.to(device).eval().requires_grad_(False)
+    if spec is None:
+        use_cpu_gqa(model)
+    return model, spec
 
 
 def view_aliases(params: dict, canonical: dict) -> None:
