@@ -28,8 +28,8 @@ import torch
 from engine.training.loss_head import chunked_logprobs_and_hits
 from engine.training.micro_batches import MicroBatch, SequenceData
 from engine.training.settings import MTPTraining  # noqa: F401 (re-exported)
-from models.bridge.weights import unwrap
 from models.layers.heads.output import output_weight
+from parallel.wrappers import unwrap
 
 MTP_EXTRAS = ("mtp_next", "mtp_labels", "mtp_mask", "mtp_weights")
 MTP_REPORT_KEYS = ("mtp/loss", "mtp/correct", "mtp/targets")

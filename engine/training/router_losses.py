@@ -46,8 +46,8 @@ except ImportError:   # 0.16: in the module-level dict get_moe_layer_wise_loggin
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
     get_moe_metrics_tracker = None
 
-from models.bridge.weights import unwrap
 from models.build.megatron_patches import megatron_version
+from parallel.wrappers import unwrap
 
 _TRACKED = {"load_balancing_loss": "moe/aux_loss", "seq_load_balancing_loss": "moe/aux_loss",
             "global_load_balancing_loss": "moe/aux_loss", "z_loss": "moe/z_loss"}

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from engine.training.micro_batches import MicroBatch
-from models.bridge.weights import unwrap
 from models.layers.experts.replay import MODES, attach_slots
+from parallel.wrappers import unwrap
 
 ROUTED_EXPERTS = "routed_experts"
 

@@ -29,11 +29,11 @@ from engine.training.loss_head import DEFAULT_LOSS_CHUNK_TOKENS, HiddenStates
 from engine.training.micro_batches import MicroBatch
 from engine.training.mtp import MTPTraining, add_mtp_loss, begin_forward, end_forward
 from engine.training.tree_batch import unshared_output
-from models.bridge.weights import unwrap
 from models.build.compile_layers import has_compiled_layers
 from models.layers.heads.output import output_weight, returning_hidden_states
 from models.layers.unread_positions import kept_rows, skipping_layer, skipping_unread
 from parallel import cpu_runtime
+from parallel.wrappers import unwrap
 
 # loss_fn(output [b, s, V/tp] logits or HiddenStates, micro_batch)
 #   -> (loss_sum, {name: scalar sum tensor})

@@ -22,7 +22,6 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
 from models.bridge.errors import CheckpointError  # noqa: F401 (re-exported)
-from models.bridge.weights import unwrap
 from models.build.transformer_config import model_shape
 from models.families.mtp import trained_mtp_layers, with_trained_mtp
 from models.families.registry import family_of
@@ -31,6 +30,7 @@ from models.hf.io import copy_tokenizer_files
 from models.hf.passthrough import save_passthrough
 from models.hf.quantized_export import record_source
 from models.lora.sites import is_adapter_param, lora_spec_of
+from parallel.wrappers import unwrap
 
 FORMAT_VERSION = 1
 SOURCE_DIR = "hf_source"       # a checkpoint's own HF config, tokenizer, pass-through tensors

@@ -36,7 +36,7 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from models.layers.heads.output import unwrap
+from parallel.wrappers import unwrap
 
 
 def _last_layer(chunks: list):

@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from models.lora.adapters import LoraAdapter
-from models.lora.sites import LAYERS, decoder_layer_sites, new_adapter, unwrap
+from models.lora.sites import LAYERS, decoder_layer_sites, new_adapter
 from models.lora.slices import LoraSpec, Slice
 from models.lora.targets import ATTENTION, MLP
+from parallel.wrappers import unwrap
 
 TENANT_SUFFIX = "_tenants"   # the users' adapters of linear `linear_qkv`: `linear_qkv_tenants`
 UNEMBED = "lm_head"

@@ -14,10 +14,10 @@ from transformers import AutoConfig
 
 from engine.config.optim_settings import MuonConfig, OptimConfig
 from engine.training.train_engine import BatchSettings, TrainEngine
-from models.layers.heads.output import unwrap
 from models.layers.heads.value import attach_value_heads, seeded_row, value_head
 from parallel.layout import ParallelLayout
 from parallel.process_groups import setup_model_parallel
+from parallel.wrappers import unwrap
 
 HIDDEN = 64
 LR = 1e-2

@@ -24,7 +24,7 @@ def kto_trains_the_mtp_layer(model_dir: str) -> dict:
     from engine.training.mtp import MTPTraining
     from engine.training.nonfinite import NonFiniteGuard
     from engine.training.train_engine import TrainEngine
-    from models.bridge.weights import unwrap
+    from parallel.wrappers import unwrap
     from models.hf.io import read_config
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel

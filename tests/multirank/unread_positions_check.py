@@ -104,7 +104,7 @@ def run(state, seqs, skip: bool) -> dict:
     from engine.training.loss import GlobalLossNormalizer
     from engine.training.rank_batch import build_rank_batch
     from engine.training.schedule import reduce_reports, run_micro_batches
-    from models.layers.heads.output import unwrap
+    from parallel.wrappers import unwrap
 
     state.batching.skip_unread_positions = skip
     rows = []

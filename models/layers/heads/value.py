@@ -35,7 +35,7 @@ from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_regi
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from models.layers.heads.output import unwrap
+from parallel.wrappers import unwrap
 
 
 class ValueHead(torch.nn.Module):
