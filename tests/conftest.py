@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import os
 import sys
 from pathlib import Path
@@ -23,6 +22,8 @@ if str(REPO_ROOT) not in sys.path:
 
 from tests.launch import run_python  # noqa: E402
 from tests.pool import MAX_RANKS, Pools  # noqa: E402
+from tests.tiers import (SECOND_TIER, TIERS, file_seconds, second_tier_shards,  # noqa: E402
+                         shard_of_run)
 from tests.vllm_forkserver import ENV as VLLM_FORKSERVER, VLLM_FILES  # noqa: E402
 from tools.tiny_models import build_tiny_model  # noqa: E402
 
@@ -43,86 +44,6 @@ def build_arch(out_dir: Path, arch: str, seed: int = 0) -> str:
     spec = dict(TINY_SPECS[arch])
     return build_tiny_model(str(out_dir), spec.pop("arch"), hidden=64, layers=4, heads=8,
                             kv_heads=2, seed=seed, initializer_range=INIT_RANGE, **spec)
-
-
-# Measured seconds per test file (tests/file_seconds.json, from a whole run on the 2-core
-# host): the order in which the README's two workers (pytest-xdist, --dist loadfile
-# --no-loadscope-reorder: a file's tests stay on one worker, with its module fixtures) take
-# the files, longest first, so that no long file starts last and leaves the other worker idle.
-FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
-
-
-@functools.lru_cache(maxsize=1)
-def file_seconds() -> dict[str, float]:
-    """FILE_SECONDS read once per process ({} when the file is missing)."""
-    return json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
-
-
-# The suite's two tiers (docs/development.md, "Suite time"): a run given the whole tests/
-# folder runs the default tier, every file but these (the README's command, inside the 20-minute
-# budget); TESTS_TIER=second runs only these, TESTS_TIER=all both (.ci/run runs the default tier,
-# then the second). A file or test named on the command line always runs.
-SECOND_TIER = ("tests/test_vllm_speculative.py", "tests/test_preemption.py",
-               "tests/test_bench.py", "tests/test_data_cache.py", "tests/test_lora_layouts.py",
-               "tests/test_rl_lora.py", "tests/test_rl_checkpoint.py",
-               "tests/test_train_compile.py", "tests/test_compile_stability.py",
-               "tests/test_bench_peer.py",
-               "tests/test_rl_async.py", "tests/test_rl_engines.py",
-               "tests/test_rl_partial_runs.py", "tests/test_rl_partial_vllm.py",
-               "tests/test_rl_partial_async.py",
-               "tests/test_serve_steps.py",
-               "tests/test_agent_steps_vllm.py",
-               "tests/test_hf_stepper_compiled.py",
-               "tests/test_save_hf.py",
-               "tests/test_vlm.py", "tests/test_mtp.py", "tests/test_qwen3_5.py",
-               "tests/test_reward_model_convert.py",
-               "tests/test_vllm_failures.py", "tests/test_serve_sampling.py",
-               "tests/test_rewards_overlap.py", "tests/test_prefix_sharing.py",
-               "tests/test_rewards_ranks.py", "tests/test_prefix_sharing_compile.py",
-               # moved on 2026-11-29: the default tier took 1348-1477 s on 2-core AMD EPYC
-               # hosts without AMX (1.9x the Intel host's times), over its 1200 s budget
-               "tests/test_vllm.py", "tests/test_checkpointing.py", "tests/test_rl_partial.py",
-               "tests/test_moe_sft_cli.py", "tests/test_rl_agent.py", "tests/test_trackers.py",
-               "tests/test_tinker_cookbook.py", "tests/test_tinker_vs_sft.py",
-               "tests/test_tinker_megatron.py",
-               # moved on 2026-11-30: the default tier took 1161 s of its 1200 s here
-               "tests/test_prefix_sharing_mla.py", "tests/test_gpt_oss.py")
-TIERS = ("default", "second", "all")
-# The second tier in shards (TESTS_SHARD=K/N with TESTS_TIER=second: the K-th of N, 1-based):
-# .ci/run runs one shard per commit, chosen from the commit's hash, so that CI stays within
-# its 30 minutes while every file still runs in CI every few commits (docs/development.md,
-# "Suite time"). A file missing from FILE_SECONDS counts as UNMEASURED_S seconds.
-UNMEASURED_S = 60.0
-
-
-def second_tier_shards(n: int, seconds: dict[str, float]) -> list[list[str]]:
-    """SECOND_TIER split into `n` shards of about equal measured seconds: the files longest
-    first (`seconds`, as in FILE_SECONDS; SECOND_TIER's order on ties), each to the shard with
-    the fewest seconds so far (the lowest index on a tie). Deterministic for given inputs."""
-    order = sorted(SECOND_TIER, key=lambda f: -seconds.get(f, UNMEASURED_S))
-    shards: list[list[str]] = [[] for _ in range(n)]
-    totals = [0.0] * n
-    for name in order:
-        k = min(range(n), key=lambda i: (totals[i], i))
-        shards[k].append(name)
-        totals[k] += seconds.get(name, UNMEASURED_S)
-    return shards
-
-
-def shard_of_run(tier: str | None) -> tuple[int, int] | None:
-    """(K, N) from TESTS_SHARD="K/N" (1 <= K <= N), or None when it is unset; refused by name
-    when malformed or given without TESTS_TIER=second."""
-    raw = os.environ.get("TESTS_SHARD")
-    if not raw:
-        return None
-    if tier != "second":
-        raise pytest.UsageError(f"TESTS_SHARD={raw!r}: shards split the second tier only; "
-                                "set TESTS_TIER=second with it")
-    k, _, n = raw.partition("/")
-    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
-        raise pytest.UsageError(f"TESTS_SHARD={raw!r}: expected K/N with 1 <= K <= N "
-                                "(e.g. 2/3)")
-    return int(k), int(n)
 
 
 def tier_of_run(config) -> str | None:

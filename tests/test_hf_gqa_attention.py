@@ -116,3 +116,30 @@ def test_rollout_engine_samples_as_with_sdpa(gqa_dir, repeat_calls):
     ref = [(g.response_ids, g.response_logprobs) for g in engine.generate(prompts, params)]
     assert repeat_calls                               # the reference did copy
     assert got == ref
+
+
+def test_gradients_equal_sdpa_through_a_padded_batch(gqa_dir, repeat_calls):
+    """The Tinker service trains through the switched model (engine.tinker.service): a
+    left-padded batch's loss and every parameter's gradient equal transformers' sdpa's
+    (torch's CPU kernel with the mask: bitwise here; held to rel 1e-6)."""
+    ids, mask = padded_batch()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def loss_and_grads(model):
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        loss = (logits.log_softmax(-1)[..., 7] * mask).sum() / mask.sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model = AutoModelForCausalLM.from_pretrained(gqa_dir)
+    ref_loss, ref = loss_and_grads(model)
+    assert len(repeat_calls) == 2 * 2                 # control: sdpa copied K, V in 2 layers
+    assert gqa_attention.use_cpu_gqa(model)
+    loss, got = loss_and_grads(model)
+    assert len(repeat_calls) == 2 * 2
+    assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=0)
+    for name, grad in got.items():
+        scale = ref[name].abs().max().clamp(min=1e-30)
+        assert (grad - ref[name]).abs().max() <= 1e-6 * scale, name
+    assert any(ref[n].abs().max() > 0 for n in ref if "k_proj" in n)   # keys do get gradients

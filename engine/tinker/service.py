@@ -6,13 +6,13 @@ engine.tinker.lora.MultiLora, or on several ranks engine.tinker.lockstep.Lockste
 Megatron backend's), the registry of sessions, training models and sampling sessions
 (each with its owner: the API key's owner; another owner's id is answered as unknown, 404),
 the futures and the work queue. Every request that touches the model is queued as work and
-answered with a future id at once; the worker thread runs the queue in arrival order, except
-that forward / forward_backward work items that are queued together (within `batch_wait_s` of
-the first) run as one batch through the base model (engine.tinker.compute.run_losses), each row
-with its own adapter. A model's optimizer state and gradient accumulators belong to its adapter
-alone. The queue is bounded (`QueueFull`, a 429); finished futures are kept until retrieved,
-at most `max_futures` of them (the oldest dropped first), so a client that went away leaves no
-work or unbounded memory behind.
+answered with a future id at once; the worker thread runs the queue in arrival order, but
+forward / forward_backward items queued together (within `batch_wait_s` of the first) run as
+one batch through the base model (engine.tinker.compute.run_losses), each row with its own
+adapter. A model's optimizer state and gradient accumulators belong to its adapter alone.
+The queue is bounded (`QueueFull`, a 429); finished futures are kept until retrieved, at most
+`max_futures` of them (the oldest first dropped): a client that went away leaves no work or
+unbounded memory behind.
 
 State files (save_state / save_weights_for_sampler) live under `state_dir`: a path
 tinker://MODEL_ID/weights/NAME is the file STATE_DIR/quote(MODEL_ID)/weights/NAME.pt holding the
@@ -33,6 +33,7 @@ from urllib.parse import quote
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.generation.hf.gqa_attention import use_cpu_gqa
 from engine.tinker.adapters import Adapters
 from engine.tinker.lora import LoraSpec, MultiLora
 from engine.tinker.ranks import OneProcess
@@ -109,8 +110,7 @@ class Service:
                  max_queue: int = 256, max_futures: int = 4096, max_context: int | None = None,
                  backend=None):
         """`backend`: the model's Adapters (engine.tinker.adapters), or on several ranks the
-        root's engine.tinker.lockstep.Lockstep over them; None: the transformers backend on
-        this process (`transformers_backend`)."""
+        root's engine.tinker.lockstep.Lockstep over them; None: `transformers_backend`."""
         self.model_dir, self.name, self.state_dir = model_dir, name, Path(state_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.backend = backend or transformers_backend(model_dir, self.tokenizer)
@@ -329,9 +329,9 @@ class Service:
 
 def transformers_backend(model_dir: str, tokenizer) -> Adapters:
     """The one-process backend: the HF model in float32 with engine.tinker.lora's adapters, on
-    the first GPU where there is one (the CPU otherwise)."""
+    the first GPU where there is one (the CPU otherwise, grouped KV heads read in place)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    use_cpu_gqa(model.to("cuda" if torch.cuda.is_available() else "cpu").eval())
     return Adapters(MultiLora(model), OneProcess(), tokenizer.decode)
 
 
