@@ -5,31 +5,25 @@ the log-prob contract against transformers at T = 0.7, top-p 0.9 (negative contr
 log-probs of T = 1 are far), `score`'s prompt log-probs and top-k against transformers' fp32
 log_softmax (negative control: shifted by one position), per-response seeds independent of
 the batch, finish reasons, a
-sync that changes every parameter (tied Qwen3, Qwen3-MoE) landing exactly (negative control: a
-skipped tensor is refused) in sampling and in the full-vocabulary probe of
+sync that changes every parameter (tied Qwen3; Qwen3-MoE's in the multi-turn run of
+tests/test_vllm_rl.py) landing exactly (negative control: a skipped tensor is refused) in sampling and in the full-vocabulary probe of
 rollout.check_weight_sync; a sync by handle (rollout.sync_transport's default) leaving every
 worker's weights (rl_weight_digest) and the probe or samples bitwise as a file sync of the same
 weights, at TP 2 (the module's engine) and TP 1 (the MoE families); the refusal of a too-long prompt, a killed engine reported dead
-(and, in the one-process GRPO run, restarted from the current weights); env.agent episodes (an
-`openai`-client scaffold) on the module's engine training exactly the ids the client received;
+(and, in the one-process GRPO run of tests/test_vllm_lora_grpo.py, restarted from the current
+weights); env.agent episodes (an `openai`-client scaffold) on the module's engine training
+exactly the ids the client received;
 DeepSeek-V3 (MLA), GLM-4.5 and gpt-oss (whose loader copies the sinks and experts past vLLM's
 reload) sampling and syncing exactly, their layers on CPU_MLA / CPU_ATTN, and CPU_MLA selected for
-an MLA model and its MTP draft on a simulated AMX CPU (vLLM would pick AMX_MLA). GRPO
-through `engine.rl` on the rank pool: LoRA from a non-zero PEFT adapter at one process and
-DP2 x TP2 on two torchrun nodes with an engine on each (rollout/logprob_diff < 1e-5 at every
-step, the first included, the sync check on every engine, and the same training metrics), and one run with
-two-turn episodes on Qwen3-MoE, R2, PPO with a critic, distillation and validation. LoRA
-policies synced as adapters (rollout.vllm.lora_sync=adapter: the one-process run above, the
-asynchronous run) and, in bf16, the adapter sync against the merged one from an adapter the
-merge rounds away (logprob_diff and bytes per sync both ways). Config refusals in-process.
+an MLA model and its MTP draft on a simulated AMX CPU (vLLM would pick AMX_MLA). Config refusals
+in-process. GRPO through `engine.rl` on the vLLM backend: tests/test_vllm_lora_grpo.py and
+tests/test_vllm_rl.py (helpers shared with them: tests/vllm_runs.py).
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,10 +41,9 @@ from tests.deepseek_v3_tiny import build_deepseek_v3
 from tests.glm4_moe_tiny import build_glm4_moe
 from tests.gpt_oss_tiny import build_gpt_oss
 from tests.logprob_reference import max_logprob_diff
-from tools.tiny_models import build_eos_model, build_peft_adapter, build_tiny_model
+from tests.vllm_runs import TINY
+from tools.tiny_models import build_tiny_model
 
-TINY = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, head_dim=32,
-            initializer_range=0.2)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [20, 21]]
 
 
@@ -252,7 +245,8 @@ def test_a_sync_that_changes_every_parameter_lands_exactly(qwen3, qwen3_dir, tmp
     missing one tensor is refused by both instead of serving stale weights, and a full sync
     after it is exact again. Qwen3-MoE (its
     CPU expert kernel must be rebuilt after a sync) is checked end to end by
-    test_multi_turn_moe_episodes_on_vllm_are_exact: a sync before step 1 and after it."""
+    tests/test_vllm_rl.py's test_multi_turn_moe_ppo_distillation_and_validation_on_vllm:
+    a sync before step 1 and after it."""
     model_dir, engine = qwen3_dir, qwen3
     weights = _new_weights(model_dir, tmp_path / "new", 1)
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seeds=[1, 2, 3, 4])
@@ -550,370 +544,12 @@ def test_rollout_vllm_lora_sync_is_chosen_and_refused_by_name():
     assert vllm_problems(_cfg(*lora, "rollout.vllm.lora_sync=merged"), moe) == []
 
 
-def _grpo_keys(model_dir: str, prompts, out, *extra) -> list[str]:
-    """The overrides of a 2-step `engine.rl` run with rollout.backend=vllm (`extra` replaces
-    the defaults of the same key)."""
-    keys = dict(a.split("=", 1) for a in (
-        f"model.hf_path={model_dir}", f"data.train_files=[{prompts}]", "rollout.backend=vllm",
-        "reward.fn=tests.test_rl_loop:digit_reward", "rollout.n=2", "rollout.max_new_tokens=6",
-        "train.prompts_per_step=2", "train.micro_batch_size=1", "train.max_steps=2",
-        "train.seq_length=48", "optim.lr=1e-2", "kl.beta=0.05", "train.mini_batches_per_step=2",
-        f"data.cache_dir={out}/cache", "data.num_workers=0", f"logging.dir={out}/run",
-        "logging.progress_bar=false", *extra))
-    return [f"{k}={v}" for k, v in keys.items()]
-
-
-def _metrics(out) -> list[dict]:
-    with open(f"{out}/run/metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
-def _grpo(pools, nproc: int, model_dir: str, prompts, out, *extra, **pool_kw) -> list[dict]:
-    """`_grpo_keys`'s run on the `nproc`-rank pool (`pool_kw` goes to pools.script); its
-    metrics.jsonl rows."""
-    proc = pools.script(nproc, "-m", "engine.rl", *_grpo_keys(model_dir, prompts, out, *extra),
-                        timeout=500, **pool_kw)
-    assert proc.returncode == 0
-    return _metrics(out)
-
-
-def _grpo_two_nodes_stopped_by_sigterm(model_dir: str, prompts, out, *extra) -> "_Launch":
-    """`_grpo_keys`'s run (2 steps) launched for real as two torchrun nodes of 2 ranks; once
-    step 2's rollout is dumped (logging.rollout_dir: written during step 2, after step 1's
-    stop check; metrics.jsonl's step 1 row is written before that check, and a signal there,
-    seen once on a loaded host, stopped the run after step 1), node 0's torchrun gets SIGTERM
-    (as from a cluster scheduler: it signals its ranks' process groups, vLLM's worker
-    included) during step 2, so every rank finishes
-    the step with its engine (the worker ignores the signal) and exits. Started here and
-    watched by a thread, so the caller can run something else meanwhile (the launch's
-    processes spend much of their time in single-threaded imports): `_Launch.result` waits
-    for the launch, asserts that no rank failed (node 1's torchrun exits 0, node 0's reports
-    the signal it got and no worker's exit code: a rank exiting 1, as every colocated
-    multi-rank vLLM run once did after its last step, fails both) and returns the metrics
-    rows."""
-    import signal
-    import threading
-    import time
-
-    from tests.launch import free_port, start, wait
-
-    port = str(free_port())
-    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
-             str(k), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-             port, "-m", "engine.rl", *_grpo_keys(model_dir, prompts, out, *extra,
-                                                   f"logging.rollout_dir={out}/rollouts")]
-            for k in (0, 1)]
-    procs = [start(cmd) for cmd in cmds]
-    done: dict = {}
-
-    def watch() -> None:
-        step_2, deadline = Path(f"{out}/rollouts/step_2.jsonl"), time.time() + 400
-        while time.time() < deadline and procs[0].poll() is None:
-            if step_2.exists():
-                break
-            time.sleep(0.05)
-        procs[0].send_signal(signal.SIGTERM)
-        done["nodes"] = [wait(p, 400) for p in procs]
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    return _Launch(procs, watcher, done, out)
-
-
-class _Launch:
-    """The two-node launch of `_grpo_two_nodes_stopped_by_sigterm`, under way."""
-
-    def __init__(self, procs, watcher, done: dict, out) -> None:
-        self.procs, self.watcher, self.done, self.out = procs, watcher, done, out
-
-    def kill(self) -> None:
-        """End the launch (the caller failed before waiting for it)."""
-        from tests.launch import _kill_tree
-
-        for proc in self.procs:
-            _kill_tree(proc.pid)
-        self.watcher.join(timeout=60)
-
-    def result(self) -> list[dict]:
-        """Wait for the launch; assert every rank ended well; its metrics rows."""
-        self.watcher.join()
-        node0, node1 = self.done["nodes"]
-        assert "[stop] SIGTERM received: finishing the current step" in node0.stdout, \
-            node0.stdout
-        assert "got signal: 15" in node0.stderr and "exitcode" not in node0.stderr, \
-            node0.stderr
-        assert node1.returncode == 0 and "exitcode" not in node1.stderr, node1.stderr
-        return _metrics(self.out)
-
-
-def _file_bytes(folder, dtype: torch.dtype | None = None) -> float:
-    """Bytes of the tensors of the folder's safetensors file (each in `dtype`; None: as
-    stored)."""
-    from safetensors.torch import load_file
-    name = "adapter_model" if Path(f"{folder}/adapter_model.safetensors").exists() else "model"
-    return float(sum(t.numel() * (t.element_size() if dtype is None else dtype.itemsize)
-                     for t in load_file(f"{folder}/{name}.safetensors").values()))
-
-
-def test_lora_grpo_on_vllm_is_exact_from_step_1_and_layout_invariant(pools, qwen3_dir,
-                                                                       tmp_path):
-    """GRPO with LoRA from a PEFT adapter with non-zero B (model.lora.init_from), a KL term to
-    the base, 2 mini-batches per step (so step 2 samples after a sync): the engine's log-probs
-    equal the trainer's at every step (rollout/logprob_diff < 1e-5), step 1 included (the
-    engine loaded the base; the merged adapter is synced before the first rollout), at
-    one process and at DP2 x TP2 launched for real as two torchrun nodes of 2 ranks, which get
-    one vLLM engine per node by default (owned by ranks 0 and 2, each sampling its share of the
-    prompts, each synced from its own node's ranks), and both layouts log the same training
-    metrics (rel 1e-5). The DP2 x TP2 launch is stopped by SIGTERM during step 2 and every
-    rank still exits 0 (the suite's one real exit of a colocated multi-rank vLLM run).
-    With rollout.check_weight_sync every engine's full-vocabulary probe equals the trainer's
-    log-probs after each step's sync (< 1e-4, the bound of the hf backend's check: the max is
-    over the whole vocabulary, where fp32 errors of tail log-probs reach 1.6e-5), and moved
-    with it. The one-process run's vLLM worker is killed (SIGKILL) at step 2's generate call
-    (tests.flaky_rollout.DyingVLLMEngine): the loop restarts the engine from the current
-    weights and the step's samples and metrics are still those of the DP2 x TP2 run.
-    The one-process run syncs the adapters (rollout.vllm.lora_sync=adapter: vLLM's LoRA serves
-    them on the base it loaded, the restarted engine too), the DP2 x TP2 run the merged
-    weights (auto in fp32): the same samples and metrics both ways, and the bytes per sync
-    are the adapter's tensors against the whole model's."""
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
-                               + "\n" for i in range(8)))
-    adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
-    # optim.eps=1e-4: Adam divides each gradient element by its own size, so an element whose
-    # terms cancel (GRPO's group-centred advantages) turns fp32 reduction-order noise into
-    # O(lr) weight differences between layouts. The KL reference is the starting adapter, so
-    # the KL gradient of the first mini-batch is exactly 0 and lifts no such element (with
-    # kl.beta=0 the commit before the change fails the same way: rel 2.8e-5 at eps 1e-8).
-    lora = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
-            "rollout.check_weight_sync=true", "optim.eps=1e-4")
-    # the two runs at once: the DP2 x TP2 launch (one engine per node) in its own processes,
-    # the one-process run on the pool meanwhile
-    four = _grpo_two_nodes_stopped_by_sigterm(qwen3_dir, prompts, tmp_path / "dp2_tp2", *lora,
-                                              "parallel.tp=2")
-    marker = tmp_path / "engine_died"   # the one-process run's engine is killed at step 2
-    try:
-        one = _grpo(pools, 1, qwen3_dir, prompts, tmp_path / "one", *lora,
-                    "rollout.vllm.lora_sync=adapter",
-                    "rollout.backend=tests.flaky_rollout:DyingVLLMEngine",
-                    "rollout.retry_wait_s=0", rank_env={0: {"DYING_ROLLOUT_MARKER": str(marker),
-                                                             "DYING_ROLLOUT_AT_CALL": "2"}})
-    except BaseException:
-        four.kill()
-        raise
-    four = four.result()
-    assert len(one) == len(four) == 2
-    for a, b in zip(one, four):
-        assert a["rollout/logprob_diff"] < 1e-5 and b["rollout/logprob_diff"] < 1e-5, (a, b)
-        for m in (a, b):   # every engine's probe after each step's sync equals the trainer's
-            assert m["debug/sync_logit_max_diff"] < 1e-4, m   # all V rows, tails included
-            assert m["debug/sync_logit_change"] > 1e-2, m   # ... and the weights did move
-        assert a["reward/mean"] == b["reward/mean"]   # the same samples (per-response seeds)
-        for key in ("policy/loss", "policy/kl", "grad_norm", "response/length_mean"):
-            # policy/loss is what is left of terms that cancel (group-centred advantages): its
-            # size is not the scale of its rounding, so it gets test_rl_ppo's absolute bound too
-            # (step 2 measured 7.6e-7 apart at 0.0328 on a host with AMX, rel 2.3e-5 before
-            # this session's changes as after)
-            absolute = 2e-6 if key == "policy/loss" else 1e-7
-            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=absolute), (key, a, b)
-    assert one[1]["policy/kl"] > 0 and one[0]["grad_norm"] > 0
-    assert [m["rollout/engines"] for m in one + four] == [1.0, 1.0, 2.0, 2.0]
-    # the killed engine was restarted from the current weights and sampled the same responses
-    assert marker.exists() and [m["rollout/restarts"] for m in one] == [0.0, 1.0], one
-    # bytes per sync: the adapter's tensors (fp32) against every tensor of the checkpoint
-    assert {m["rollout/sync_bytes_per_engine"] for m in one} == {_file_bytes(adapter)}, one
-    assert {m["rollout/sync_bytes_per_engine"] for m in four} == {_file_bytes(qwen3_dir)}
-
-
-def _common_direction_model(model_dir: str, out: str) -> str:
-    """`model_dir` (tied embeddings) with one vector added to every embedding row, the same
-    norm as a row: every token's hidden state then shares a direction, as large models'
-    hidden states do (outlier features), so a small update aligned with it adds up over the
-    hidden dimension instead of averaging out. The tied head adds the same logit to every
-    token: the distributions stay a model's."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(model_dir, out)
-    state = load_file(f"{out}/model.safetensors")
-    embed = state["model.embed_tokens.weight"]
-    common = torch.randn(embed.shape[1], generator=torch.Generator().manual_seed(5))
-    state["model.embed_tokens.weight"] = embed + common / common.norm() * embed.norm(dim=1).mean()
-    save_file(state, f"{out}/model.safetensors", metadata={"format": "pt"})
-    return out
-
-
-def _half_ulp_adapter(model_dir: str, out: str, frac: float = 0.45) -> tuple[str, int]:
-    """A PEFT all-linear adapter (rank = the smaller side of the largest projection, alpha =
-    rank) whose B A is, for every weight W, frac x the bf16 spacing below |W| (bf16 of the
-    checkpoint's W) times sign(mean input of the projection) x a random sign per output row:
-    each delta is below half a bf16 ulp of its weight, so the merged bf16 weights ARE the
-    base, while the adapter moves the policy (coherently: aligned with the inputs'
-    direction). Returns (folder, rank)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    means: dict = {}
-    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: means.__setitem__(
-        n, i[0].flatten(0, -2).mean(0))) for n, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        model(torch.randint(4, model.config.vocab_size, (8, 32), generator=gen))
-    for hook in hooks:
-        hook.remove()
-    rank = max(min(m.weight.shape) for n, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
-    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear"))
-    with torch.no_grad():
-        for name, module in peft.named_modules():
-            if not hasattr(module, "base_layer") or not hasattr(module, "lora_A"):
-                continue
-            w = module.base_layer.weight.to(torch.bfloat16).float()
-            spacing = torch.exp2(torch.floor(torch.log2(w.abs() * (1 - 2 ** -10))) - 7)
-            rows = torch.randint(0, 2, (w.shape[0], 1), generator=gen) * 2.0 - 1
-            mean = means[name.removeprefix("base_model.model.")]
-            u, s, vh = torch.linalg.svd(frac * spacing * torch.sign(mean) * rows,
-                                        full_matrices=False)
-            module.lora_A["default"].weight.zero_()[:s.numel()] = s.sqrt()[:, None] * vh
-            module.lora_B["default"].weight.zero_()[:, :s.numel()] = u * s.sqrt()
-    peft.save_pretrained(out)
-    return out, rank
-
-
-def test_lora_in_bf16_adapter_sync_follows_the_trainer_where_merged_lags(pools, qwen3_dir,
-                                                                        tmp_path):
-    """model.dtype=bfloat16, LoRA from an adapter every delta of which is below half a bf16 ulp
-    of its weight (`_half_ulp_adapter`, on `_common_direction_model`): the merged bf16 weights
-    equal the base bitwise, so with rollout.vllm.lora_sync=merged the engine samples from the
-    base while the trainer's policy has moved; with lora_sync=adapter vLLM's LoRA adds the
-    adapter to the base as the trainer does. Step 1's rollout/logprob_diff: adapter at the bf16
-    noise of trainer vs engine (measured 0.021), merged the lag on top (0.081); the bytes per
-    sync are the adapter's tensors in bf16 against every weight of the model in bf16."""
-    from safetensors.torch import load_file
-    model_dir = _common_direction_model(qwen3_dir, str(tmp_path / "common"))
-    adapter, rank = _half_ulp_adapter(model_dir, str(tmp_path / "adapter"))
-    tensors, weights = (load_file(f"{adapter}/adapter_model.safetensors"),
-                        load_file(f"{model_dir}/model.safetensors"))
-    moved = total = 0   # merged bf16 weights that differ from the base's
-    for name, a in tensors.items():
-        if ".lora_A." in name:
-            base = weights[name.removeprefix("base_model.model.").replace(".lora_A", "")]
-            base = base.to(torch.bfloat16)
-            merged = (base.float() + tensors[name.replace("lora_A", "lora_B")] @ a)
-            moved += int((merged.to(torch.bfloat16) != base).sum())
-            total += base.numel()
-    assert moved < 1e-4 * total, (moved, total)   # 2 of 294,912: SVD residue on |W| ~ 1e-6
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
-                               + "\n" for i in range(8)))
-    keys = ("model.dtype=bfloat16", f"model.lora.rank={rank}", f"model.lora.alpha={rank}",
-            f"model.lora.init_from={adapter}", "train.max_steps=1", "rollout.n=4",
-            "rollout.max_new_tokens=10")   # about 80 sampled tokens
-    runs = {mode: _grpo(pools, 1, model_dir, prompts, tmp_path / mode, *keys,
-                        f"rollout.vllm.lora_sync={mode}")[0] for mode in ("adapter", "merged")}
-    diff = {mode: m["rollout/logprob_diff"] for mode, m in runs.items()}
-    assert diff["adapter"] < 0.04 < 0.06 < diff["merged"], diff
-    sync_bytes = {mode: m["rollout/sync_bytes_per_engine"] for mode, m in runs.items()}
-    assert sync_bytes == {"adapter": _file_bytes(adapter, torch.bfloat16),
-                          "merged": _file_bytes(model_dir, torch.bfloat16)}, sync_bytes
-
-
-def test_async_staleness_1_on_vllm_serves_the_version_that_sampled_each_batch(pools, qwen3_dir,
-                                                                             tmp_path):
-    """rollout.placement=disaggregated with rollout.max_staleness=1 (2 training ranks, 1 rollout
-    rank running the vLLM engine), LoRA from a PEFT adapter with non-zero B (synced as the
-    adapter: rollout.vllm.lora_sync=adapter, its buckets kept for restarts), 3 steps, stopped
-    after step 1 (train.exit_interval saves a checkpoint) and resumed by a new run. With
-    rollout.check_behaviour_logprobs the trainer recomputes each batch's log-probs with the
-    policy version that sampled it, and the engine's equal them (< 1e-5): at step 1 (the merged
-    adapter synced before the first rollout) and at step 3, whose batch the resumed run's new
-    engine sampled with the checkpoint's weights. Step 2 trains on the batch the checkpoint
-    carried (sampled by version 0, which it does not hold: no behaviour metric there). The
-    current weights' log-probs (rollout/logprob_diff) differ from step 2 on by the one-version
-    lag, so the check tells the versions apart. DAPO's dynamic sampling (parity reward: about
-    half of the groups agree, so some step needs a second generation batch on the rollout
-    rank) and token-level rollout correction run with it: the IS weight behaviour -> proximal
-    is 1 at step 1 (the same weights) and moves with the one-version lag after."""
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
-                               + "\n" for i in range(8)))
-    adapter = build_peft_adapter(qwen3_dir, str(tmp_path / "adapter"), rank=4, alpha=8)
-    keys = ("model.lora.rank=4", "model.lora.alpha=8", f"model.lora.init_from={adapter}",
-            "rollout.vllm.lora_sync=adapter",   # the adapters go to the rollout rank
-            "rollout.placement=disaggregated", "rollout.num_ranks=1", "rollout.max_staleness=1",
-            "rollout.check_behaviour_logprobs=true", "rollout.peer_timeout_s=300",
-            "train.max_steps=3", "train.mini_batches_per_step=1",
-            "dapo.dynamic_sampling=true", "dapo.max_gen_batches=4",
-            "reward.fn=tests.rl_rewards:parity_reward",
-            "rollout_correction.rollout_is=token",
-            f"checkpoint.dir={tmp_path / 'ckpt'}")
-    metrics = _grpo(pools, 3, qwen3_dir, prompts, tmp_path / "async", *keys,
-                    "train.exit_interval=1", own_world=True)
-    metrics += _grpo(pools, 3, qwen3_dir, prompts, tmp_path / "resumed", *keys, own_world=True)
-    assert [m["step"] for m in metrics] == [1, 2, 3], metrics
-    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0], metrics
-    behaviour = [m.get("rollout/behaviour_logprob_diff") for m in metrics]
-    assert behaviour[1] is None and behaviour[0] < 1e-5 and behaviour[2] < 1e-5, metrics
-    assert metrics[0]["rollout/logprob_diff"] < 1e-5
-    assert all(m["rollout/logprob_diff"] > 1e-3 for m in metrics[1:]), metrics
-    assert max(m["dynamic_sampling/gen_batches"] for m in metrics) > 1, metrics
-    is_mean = [m["rollout_corr/is_weight_mean"] for m in metrics]
-    assert abs(is_mean[0] - 1) < 1e-4 and all(abs(w - 1) > 1e-4 for w in is_mean[1:]), is_mean
-
-
-def test_multi_turn_moe_ppo_distillation_and_validation_on_vllm(pools, tmp_path):
-    """One run on the vLLM backend with what else goes through it: env.fn with two turns on a
-    Qwen3-MoE whose sampled turns end (eos), token in and token out, with R2 routing replay;
-    PPO with a critic
-    (advantage.estimator=gae); on-policy distillation from a dense teacher sharing the
-    tokenizer; validation with pass@k before training and after step 2. The engine's log-probs
-    equal the trainer's at both steps (the expert weights synced after step 1 included),
-    episodes reach their second turn, the critic and the distillation term are live, and the
-    validation metrics are consistent (pass@1 <= pass@2, both logged at steps 0 and 2; an
-    episode passes when it reaches its second turn, env reward 0.25 per turn). The policy is
-    LoRA from a PEFT adapter with non-zero B of the attention and of the fused experts (peft's
-    target_parameters, on grouped experts; it moves the base's log-probs by up to 7): the
-    merged experts reach vLLM before step 1."""
-    # eos_boost 20 and 12 new tokens: most first turns end with eos already at step 1
-    model_dir = build_eos_model(str(tmp_path / "eos_moe"), hidden=128, arch="qwen3_moe",
-                                eos_boost=20.0)
-    teacher = build_eos_model(str(tmp_path / "teacher"), hidden=64, arch="llama")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"what is {i} plus 1 ?", "answer": i + 1})
-                               + "\n" for i in range(8)))
-    adapter = build_peft_adapter(model_dir, str(tmp_path / "adapter"), rank=4, alpha=8,
-                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                 parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-                                 std=0.01)   # small: the turns still end with eos at step 1
-    metrics = _grpo(pools, 1, model_dir, prompts, tmp_path / "env", "kl.beta=0",
-                    f"model.lora.init_from={adapter}",
-                    "env.fn=tests.test_rl_env:CountEnv", "env.max_turns=2",
-                    "rollout.max_new_tokens=12", "train.seq_length=128", "advantage.estimator=gae", "critic.lr=1e-2",
-                    f"distill.teacher_path={teacher}", "distill.coef=0.5",
-                    f"data.val_files=[{prompts}]", "train.val_interval=2", "val.n=2",
-                    "val.temperature=1.0", "val.before_train=true",
-                    "val.pass_threshold=0.5",   # passes: episodes that reach turn 2
-                    "moe.routing_replay=R2")
-    train = [m for m in metrics if "rollout/logprob_diff" in m]
-    val = {m["step"]: m for m in metrics if "val/pass@1" in m}
-    assert [m["step"] for m in train] == [1, 2], metrics
-    assert all(m["rollout/logprob_diff"] < 1e-5 for m in train), train
-    assert train[0]["env/turns_mean"] > 1.0, train   # second turns, from step 1 on
-    assert all(m["critic/value_loss"] > 0 and m["critic/grad_norm"] > 0 for m in train), train
-    assert all(m["distill/reverse_kl"] != 0 for m in train), train
-    assert all(0 <= m["moe/replay_mismatch"] <= 1 for m in train), train   # R2 replayed
-    assert sorted(val) == [0, 2], metrics
-    for m in val.values():
-        assert 0 <= m["val/pass@1"] <= m["val/pass@2"] <= 1, m
-    assert val[0]["val/pass@2"] > 0, val   # not degenerate
-
-
 def test_a_dead_engine_is_reported_dead_and_not_retried(qwen3):
     """The engine's worker survives a SIGTERM (left to its owner). Then its model process killed (last in this module: it kills the module's engine):
     vLLM's executor reports it failed (`is_alive` False), so the rollout pool's retry loop gives up after
     the one failed call instead of retrying, and the loop restarts the engine from the
-    current weights (engine.generation.pool; run on vLLM in the LoRA GRPO test above).
+    current weights (engine.generation.pool; run on vLLM in the LoRA GRPO test of
+    tests/test_vllm_lora_grpo.py).
     Shutting the dead engine down is harmless."""
     import os
     import signal

@@ -53,17 +53,26 @@ SECOND_TIER = ("tests/test_vllm_speculative.py", "tests/test_preemption.py",
                "tests/test_rewards_ranks.py", "tests/test_prefix_sharing_compile.py",
                # moved on 2026-11-29: the default tier took 1348-1477 s on 2-core AMD EPYC
                # hosts without AMX (1.9x the Intel host's times), over its 1200 s budget
-               "tests/test_vllm.py", "tests/test_checkpointing.py", "tests/test_rl_partial.py",
+               "tests/test_vllm.py", "tests/test_vllm_lora_grpo.py", "tests/test_vllm_rl.py",
+               "tests/test_checkpointing.py", "tests/test_rl_partial.py",
                "tests/test_moe_sft_cli.py", "tests/test_rl_agent.py", "tests/test_trackers.py",
                "tests/test_tinker_cookbook.py", "tests/test_tinker_vs_sft.py",
                "tests/test_tinker_megatron.py",
                # moved on 2026-11-30: the default tier took 1161 s of its 1200 s here
-               "tests/test_prefix_sharing_mla.py", "tests/test_gpt_oss.py")
+               "tests/test_prefix_sharing_mla.py", "tests/test_gpt_oss.py",
+               # moved on 2026-11-30 (later): 1146 s of 1200 s here again; ~470 summed s out,
+               # none of them a layout-invariance matrix (the families' logits, conversion
+               # and SFT invariance also run in CI's megatron-core 0.19 subset)
+               "tests/test_rl_validation.py", "tests/test_comm_plan.py",
+               "tests/test_rl_reward_model.py", "tests/test_deepseek_v3.py",
+               "tests/test_rm_cli.py", "tests/test_glm4_moe.py", "tests/test_cli_help.py",
+               "tests/test_prefix_sharing_replay.py", "tests/test_prefix_sharing_sinks.py",
+               "tests/test_rl_recipes.py", "tests/test_moe_convert.py",
+               "tests/test_rl_sync_quantization.py", "tests/test_qwen3_5_conditional.py")
 TIERS = ("default", "second", "all")
-# The second tier in shards (TESTS_SHARD=K/N with TESTS_TIER=second: the K-th of N, 1-based):
-# .ci/run runs one shard per commit, chosen from the commit's hash, so that CI stays within
-# its 30 minutes while every file still runs in CI every few commits (docs/development.md,
-# "Suite time"). A file missing from FILE_SECONDS counts as UNMEASURED_S seconds.
+# The second tier in shards (TESTS_SHARD=K/N with TESTS_TIER=second: the K-th of N, 1-based),
+# to split it over several machines (CI instead runs what fits in its budget: ci_plan below).
+# A file missing from FILE_SECONDS counts as UNMEASURED_S seconds.
 UNMEASURED_S = 60.0
 
 

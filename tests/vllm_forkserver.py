@@ -29,8 +29,8 @@ runs a file of VLLM_FILES (unless it is 0: the suite then spawns every worker). 
 (the pytest process, each pool rank) makes vLLM's executor take `EnvForkServerContext` when its
 context is "spawn" and the variable names a socket. Real launches (tests.launch: torchrun,
 `python -m engine.rl`) do not install it: their engines start vLLM's workers with spawn, as a
-user's run does (tests/test_vllm.py's DP2 x TP2 LoRA launch: two torchrun nodes, one engine
-each, every rank's exit code checked).
+user's run does (tests/test_vllm_lora_grpo.py's DP2 x TP2 LoRA launch: two torchrun nodes, one
+engine each, every rank's exit code checked).
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ SERVER_PRELOAD = ["torch", "transformers", "vllm.v1.worker.cpu_worker", EXECUTOR
                   "engine.generation.vllm.worker"]
 # The test files that start vLLM engines or test the server (a session with one of them
 # starts the server)
-VLLM_FILES = ("tests/test_vllm.py", "tests/test_rl_partial_vllm.py",
+VLLM_FILES = ("tests/test_vllm.py", "tests/test_vllm_lora_grpo.py", "tests/test_vllm_rl.py",
+              "tests/test_rl_partial_vllm.py",
               "tests/test_vllm_speculative.py", "tests/test_vllm_failures.py",
               "tests/test_agent_steps_vllm.py", "tests/test_serve_sampling.py",
               "tests/test_serve_steps.py", "tests/test_reward_model_convert.py",
