@@ -12,10 +12,11 @@ What it provides on a CPU host:
   `.to("cuda")` and `pin_memory=True` to the CPU, and reports CUDA type names from
   `Tensor.type()` (megatron's optimizer checks them); `mode_suspended()` takes it off where
   its handler around every torch call is pure cost (the hf rollout backend's generation);
-- `torch.distributed` all-gather/reduce-scatter "into tensor" variants that gloo lacks;
-  all_to_all_single split sizes given as tensors (megatron's all-to-all MoE token dispatcher)
-  turned into the int lists the process group accepts; all_gather / reduce_scatter over
-  tensors of different sizes (that dispatcher with TP), which gloo refuses.
+- `torch.distributed` calls as megatron makes them on a GPU host, routed by the mode to
+  parallel.cpu_collectives: the "into tensor" variants gloo lacks, all_to_all_single split
+  sizes given as tensors, gathers and reduce-scatters of uneven sizes, and a synchronous
+  all-gather over one rank done on the calling thread (not on gloo's, whose parallel copy
+  started a second OpenMP team that slowed every later parallel region);
 - megatron's jit fuser switched off as its module loads (`skip_megatron_jit_on_cpu`, installed
   by `import parallel`): megatron decorates its fused kernels with `torch.compile` at import,
   which loads TorchDynamo and Inductor (1.5 to 3 s per process); the engine runs with every
@@ -35,9 +36,10 @@ import sys
 import types
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from parallel import cpu_collectives
 
 _INSTALLED = False
 _MODE: "CudaToCpuMode | None" = None
@@ -62,7 +64,10 @@ def _to_cpu_device(device):
 # `pin_memory` keyword goes straight through (the mode sees every torch call of a training step,
 # so the common case must cost one dict lookup)
 _SPECIAL_NAMES = frozenset({"cuda", "pin_memory", "is_pinned", "type", "to", "record_stream",
-                            "all_to_all_single", "all_gather", "reduce_scatter"})
+                            "all_to_all_single", "all_gather", "reduce_scatter",
+                            "all_gather_into_tensor", "all_gather_single", "_all_gather_base"})
+# the gathers into one tensor (torch 2.13 names all_gather_into_tensor all_gather_single)
+_GATHERS_INTO_TENSOR = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base")
 
 
 class CudaToCpuMode(TorchFunctionMode):
@@ -93,58 +98,16 @@ class CudaToCpuMode(TorchFunctionMode):
         if name == "record_stream":
             return None
         if name == "all_to_all_single":
-            args, kwargs = _split_sizes_as_lists(args, kwargs)
-        if name == "all_gather" and _uneven(args[0] if args else kwargs["tensor_list"]):
-            return _uneven_all_gather(*args, **kwargs)
-        if name == "reduce_scatter" and _uneven(args[1] if len(args) > 1
+            args, kwargs = cpu_collectives.split_sizes_as_lists(args, kwargs)
+        if name in _GATHERS_INTO_TENSOR and cpu_collectives.one_rank(*args, **kwargs):
+            return cpu_collectives.gather_on_one_rank(*args, **kwargs)
+        gathered = args[0] if args else kwargs.get("tensor_list")
+        if name == "all_gather" and cpu_collectives.uneven(gathered):
+            return cpu_collectives.uneven_all_gather(*args, **kwargs)
+        if name == "reduce_scatter" and cpu_collectives.uneven(args[1] if len(args) > 1
                                                 else kwargs["input_list"]):
-            return _uneven_reduce_scatter(*args, **kwargs)
+            return cpu_collectives.uneven_reduce_scatter(*args, **kwargs)
         return func(*args, **kwargs)
-
-
-def _uneven(tensors) -> bool:
-    return isinstance(tensors, (list, tuple)) and len({tuple(t.shape) for t in tensors}) > 1
-
-
-def _uneven_all_gather(tensor_list, tensor, group=None, async_op=False):
-    """all_gather into tensors of different first-dimension sizes (gloo requires equal
-    ones; megatron's MoE all-to-all dispatcher gathers a different token count per TP rank):
-    pad every input to the largest size, gather, keep each rank's real rows. Synchronous."""
-    rows = max(t.shape[0] for t in tensor_list)
-    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
-    padded[:tensor.shape[0]] = tensor
-    parts = [torch.empty_like(padded) for _ in tensor_list]
-    dist.all_gather(parts, padded, group=group)
-    for out, part in zip(tensor_list, parts):
-        out.copy_(part[:out.shape[0]])
-    return None
-
-
-def _uneven_reduce_scatter(output, input_list, op=None, group=None, async_op=False):
-    """reduce_scatter of inputs with different first-dimension sizes (sum only): all-reduce
-    the concatenation, keep this rank's slice. Synchronous."""
-    if op not in (None, dist.ReduceOp.SUM):
-        raise NotImplementedError(f"uneven reduce_scatter with op {op} on the CPU host")
-    whole = torch.cat([t.contiguous() for t in input_list], dim=0)
-    dist.all_reduce(whole, group=group)
-    rank = dist.get_rank(group)
-    start = sum(t.shape[0] for t in input_list[:rank])
-    output.copy_(whole[start:start + input_list[rank].shape[0]])
-    return None
-
-
-def _split_sizes_as_lists(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """all_to_all_single's split sizes as int lists: megatron's all-to-all token dispatcher
-    passes them as tensors, which it moves to host numpy arrays only when they are on a GPU;
-    the process group binding accepts sequences of ints only."""
-    def as_list(sizes):
-        return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
-
-    args = tuple(as_list(a) if i in (2, 3) else a for i, a in enumerate(args))
-    for key in ("output_split_sizes", "input_split_sizes"):
-        if key in kwargs:
-            kwargs[key] = as_list(kwargs[key])
-    return args, kwargs
 
 
 class _FakeStream:
