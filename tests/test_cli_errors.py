@@ -263,7 +263,8 @@ def test_truncated_rows_are_counted_in_the_log(case, outcomes):
     # the run header (engine.run.header) resolved for this CPU host, once (rank 0)
     assert proc.stdout.count("[sft] runs: ") == 1
     assert "[sft] runs: optimizer adamw, unfused (optim.fused=null), distributed optimizer; " \
-        "layers eager (train.compile=null); attention torch SDPA over padded rows " \
+        "layers eager (train.compile=null), the last layer's MLP only where a loss reads " \
+        "(train.skip_unread_positions=true); attention torch SDPA over padded rows " \
         "(train.packing=false)\n" in proc.stdout
     assert [int(n) for n in re.findall(r"truncated\W+(\d+)", proc.stdout)] == [4]
     assert [int(n) for n in re.findall(r"dropped\w*\W+(\d+)", proc.stdout)] == [0]

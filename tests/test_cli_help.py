@@ -439,8 +439,8 @@ def test_the_choice_table_is_the_codes():
 
 def test_the_run_header_says_what_runs():
     """The `[sft] runs:` / `[rl] runs:` line (engine.run.header) changes with optim.name=muon,
-    optim.fused=true, train.compile=true, packing and the rollout settings, each resolved for
-    the host (the kernels line read the same for all of them). Each change is compared with
+    optim.fused=true, train.compile=true, packing, train.skip_unread_positions and the rollout
+    settings, each resolved for the host (the kernels line read the same for all of them). Each change is compared with
     every line seen before: a header that ignored a key would repeat one."""
     from engine.run.header import Host, run_header
 
@@ -448,11 +448,12 @@ def test_the_run_header_says_what_runs():
     base = SFTConfig()
     line = run_header(base, cpu)
     assert line == ("optimizer adamw, unfused (optim.fused=null), distributed optimizer; "
-                    "layers eager (train.compile=null); attention torch SDPA over padded rows "
-                    "(train.packing=false)")
+                    "layers eager (train.compile=null), the last layer's MLP only where a loss "
+                    "reads (train.skip_unread_positions=true); attention torch SDPA over padded "
+                    "rows (train.packing=false)")
     seen = {line}
     for key, value in (("optim.name", "muon"), ("optim.fused", True), ("train.compile", "true"),
-                       ("train.packing", True)):
+                       ("train.packing", True), ("train.skip_unread_positions", False)):
         cfg = SFTConfig()
         group, name = key.split(".")
         setattr(getattr(cfg, group), name, value)
@@ -463,6 +464,8 @@ def test_the_run_header_says_what_runs():
         run_header(_with(SFTConfig(), optim__name="muon"), cpu)
     assert "adamw, fused (optim.fused=true)" in run_header(_with(SFTConfig(), optim__fused=True),
                                                            cpu)
+    assert "the last layer's MLP at every position (train.skip_unread_positions=false)" in \
+        run_header(_with(SFTConfig(), train__skip_unread_positions=False), cpu)
     assert "layers compiled (train.compile=true)" in run_header(
         _with(SFTConfig(), train__compile="true"), cpu)
     on_gpu = run_header(_with(SFTConfig(), train__packing=True, model__dtype="bfloat16"), gpu)

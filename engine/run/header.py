@@ -8,7 +8,8 @@ executes once every null / auto key is resolved for the host (engine.run.launch 
   the rest), the AdamW fused or not (optim.fused resolved: null = on with CUDA parameters;
   engine.training.fused_adamw), and the distributed optimizer when on;
 - the layers: compiled or eager (train.compile resolved: null = compiled with CUDA;
-  engine.config.compile_settings);
+  engine.config.compile_settings), and whether the last layer's MLP runs only where a loss
+  reads (train.skip_unread_positions; models.layers.unread_positions);
 - the attention: Transformer Engine's, torch SDPA over padded rows (train.packing=false), or
   for packed rows torch's flash varlen kernel (CUDA, flash-capable, bf16: one call per row;
   models.layers.attention.varlen; learned sinks, MLA and other head dims keep the loop at run
@@ -48,7 +49,10 @@ def optimizer_part(optim: Any, cuda: bool) -> str:
 def layers_part(train: Any, cuda: bool) -> str:
     state = "compiled" if compile_on(train, cuda) else "eager"
     value = "null" if train.compile is None else train.compile
-    return f"layers {state} (train.compile={value})"
+    skip = bool(getattr(train, "skip_unread_positions", True))
+    where = "only where a loss reads" if skip else "at every position"
+    return (f"layers {state} (train.compile={value}), the last layer's MLP {where} "
+            f"(train.skip_unread_positions={str(skip).lower()})")
 
 
 def attention_part(cfg: Any, host: Host) -> str:
