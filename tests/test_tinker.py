@@ -571,3 +571,28 @@ def test_a_state_file_of_the_earlier_format_loads_with_its_adamw_moments():
     swapped = legacy_optimizer({**old, "adapter": dict(reversed(list(old["adapter"].items())))})
     assert swapped["adam"]["exp_avg"][keys[0]].shape != opt.state[params[0]]["exp_avg"].shape
     assert legacy_optimizer({"adapter": {}, "adam": None})["adam"] is None
+
+
+def test_a_follower_rank_says_when_a_call_fails_and_goes_on(monkeypatch, capsys):
+    """engine.tinker.lockstep.follow: a call that raises on a follower is printed on its stderr
+    with the rank and the call (not swallowed), and the follower serves the next call."""
+    from engine.tinker import lockstep
+    messages = [("optim_step", (), {}), ("export", ("m",), {}), (lockstep.STOP, (), {})]
+    ran = []
+
+    def broadcast(box, src, group):
+        box[0] = messages.pop(0)
+
+    class Local:
+        def optim_step(self):
+            raise RuntimeError("out of memory on this rank")
+
+        def export(self, model):
+            ran.append(model)
+
+    monkeypatch.setattr(lockstep.dist, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(lockstep.dist, "get_rank", lambda: 3)
+    lockstep.follow(Local(), group=None)
+    err = capsys.readouterr().err
+    assert "[tinker rank 3] optim_step failed: RuntimeError: out of memory on this rank" in err
+    assert ran == ["m"] and not messages

@@ -7,12 +7,14 @@ gathers to the root) pairs up.
 The channel is a process group of its own (gloo, CPU objects) whose timeout is a year: an
 idle server's followers wait in its broadcast without the training groups' timeout
 (parallel.timeouts) ending them. A call that fails raises on the root, whose future reports
-it; the followers raise the same and go on (compute.run_losses makes a failure on any rank
-fail on all before gradients change). `stop()` ends the followers' loops when the server
+it; the followers raise the same, print it on stderr with their rank, and go on
+(compute.run_losses makes a failure on any rank fail on all before gradients change). `stop()` ends the followers' loops when the server
 exits."""
 from __future__ import annotations
 
+import sys
 import threading
+import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -62,5 +64,8 @@ def follow(local, group) -> None:
             return
         try:
             getattr(local, name)(*args, **kwargs)
-        except Exception:   # the root raised the same and reports it to its caller
-            pass
+        except Exception as error:   # the root raised the same and reports it to its caller;
+            # said here too, so a failure of this rank alone is not silent
+            print(f"[tinker rank {dist.get_rank()}] {name} failed: "
+                  f"{''.join(traceback.format_exception_only(error)).strip()}",
+                  file=sys.stderr, flush=True)
