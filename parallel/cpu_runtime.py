@@ -39,7 +39,8 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from parallel import cpu_collectives
+from parallel.cpu_collectives import (gather_on_one_rank, one_rank, split_sizes_as_lists, uneven,
+                                     uneven_all_gather, uneven_reduce_scatter)
 
 _INSTALLED = False
 _MODE: "CudaToCpuMode | None" = None
@@ -98,15 +99,15 @@ class CudaToCpuMode(TorchFunctionMode):
         if name == "record_stream":
             return None
         if name == "all_to_all_single":
-            args, kwargs = cpu_collectives.split_sizes_as_lists(args, kwargs)
-        if name in _GATHERS_INTO_TENSOR and cpu_collectives.one_rank(*args, **kwargs):
-            return cpu_collectives.gather_on_one_rank(*args, **kwargs)
+            args, kwargs = split_sizes_as_lists(args, kwargs)
+        if name in _GATHERS_INTO_TENSOR and one_rank(*args, **kwargs):
+            return gather_on_one_rank(*args, **kwargs)
         gathered = args[0] if args else kwargs.get("tensor_list")
-        if name == "all_gather" and cpu_collectives.uneven(gathered):
-            return cpu_collectives.uneven_all_gather(*args, **kwargs)
-        if name == "reduce_scatter" and cpu_collectives.uneven(args[1] if len(args) > 1
+        if name == "all_gather" and uneven(gathered):
+            return uneven_all_gather(*args, **kwargs)
+        if name == "reduce_scatter" and uneven(args[1] if len(args) > 1
                                                 else kwargs["input_list"]):
-            return cpu_collectives.uneven_reduce_scatter(*args, **kwargs)
+            return uneven_reduce_scatter(*args, **kwargs)
         return func(*args, **kwargs)
 
 

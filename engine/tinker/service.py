@@ -38,6 +38,7 @@ from engine.tinker.adapters import Adapters
 from engine.tinker.lora import LoraSpec, MultiLora
 from engine.tinker.ranks import OneProcess
 from engine.tinker.wire import forward_backward_output, sample_response
+from parallel.openmp import release_thread_team
 
 
 class NotFound(LookupError):
@@ -115,18 +116,17 @@ class Service:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.backend = backend or transformers_backend(model_dir, self.tokenizer)
         self.lora = self.backend.lora   # the root's model (its vocab, context, architecture)
-        self.max_context = max_context or self.lora.max_context
-        self.vocab = self.lora.vocab
+        self.max_context, self.vocab = max_context or self.lora.max_context, self.lora.vocab
         self.batch_wait_s, self.max_futures = batch_wait_s, max_futures
         self.sessions: dict[str, str] = {}
         self.models: dict[str, TrainModel] = {}
         self.samplers: dict[str, tuple[str, str | None]] = {}   # id: (owner, adapter)
         self.futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
-        self.lock = threading.Lock()
+        self.lock, self.counter = threading.Lock(), itertools.count()
         self.work: queue.Queue = queue.Queue(maxsize=max_queue)
-        self.counter = itertools.count()
         self.batches: list[int] = []   # rows per forward batch run (for tests and the bench)
         self.worker = threading.Thread(target=self._run, daemon=True, name="tinker-worker")
+        release_thread_team()   # the model was built here; the worker computes (parallel.openmp)
         self.worker.start()
 
     # -- registry ---------------------------------------------------------------------------
