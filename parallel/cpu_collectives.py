@@ -15,8 +15,13 @@ import torch.distributed as dist
 def one_rank(output_tensor, input_tensor, group=None, async_op=False) -> bool:
     """A synchronous gather over a group of one rank (megatron's distributed optimizer
     gathers its parameter buckets after every step, over the DP group: one rank in a
-    one-process run)."""
-    return not async_op and dist.get_world_size(group) == 1
+    one-process run). Calls being traced by torch.compile (their group may be a name) and
+    groups given other than as a ProcessGroup go to torch.distributed unchanged."""
+    if async_op or torch.compiler.is_compiling():
+        return False
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        return False
+    return dist.get_world_size(group) == 1
 
 
 def gather_on_one_rank(output_tensor, input_tensor, group=None, async_op=False) -> None:

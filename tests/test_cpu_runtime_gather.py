@@ -71,7 +71,12 @@ def test_one_rank_gathers_start_no_openmp_team_on_gloos_threads():
 
 def test_only_synchronous_gathers_over_one_rank_are_taken(monkeypatch):
     from parallel import cpu_collectives
-    monkeypatch.setattr(cpu_collectives.dist, "get_world_size", lambda group=None: group or 1)
+    monkeypatch.setattr(cpu_collectives.dist, "get_world_size", lambda group=None: 1)
     assert cpu_collectives.one_rank(None, None)
     assert not cpu_collectives.one_rank(None, None, async_op=True)
-    assert not cpu_collectives.one_rank(None, None, group=2)
+    assert not cpu_collectives.one_rank(None, None, group="tp")   # a traced call's group name
+    monkeypatch.setattr(cpu_collectives.dist, "get_world_size", lambda group=None: 2)
+    assert not cpu_collectives.one_rank(None, None)
+    monkeypatch.setattr(cpu_collectives.dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(cpu_collectives.torch.compiler, "is_compiling", lambda: True)
+    assert not cpu_collectives.one_rank(None, None)             # dynamo traces the real call
