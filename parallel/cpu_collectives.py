@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+
 def one_rank(output_tensor, input_tensor, group=None, async_op=False) -> bool:
     """A synchronous gather over a group of one rank (megatron's distributed optimizer
     gathers its parameter buckets after every step, over the DP group: one rank in a

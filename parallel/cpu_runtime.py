@@ -102,8 +102,7 @@ class CudaToCpuMode(TorchFunctionMode):
             args, kwargs = split_sizes_as_lists(args, kwargs)
         if name in _GATHERS_INTO_TENSOR and one_rank(*args, **kwargs):
             return gather_on_one_rank(*args, **kwargs)
-        gathered = args[0] if args else kwargs.get("tensor_list")
-        if name == "all_gather" and uneven(gathered):
+        if name == "all_gather" and uneven(args[0] if args else kwargs["tensor_list"]):
             return uneven_all_gather(*args, **kwargs)
         if name == "reduce_scatter" and uneven(args[1] if len(args) > 1
                                                 else kwargs["input_list"]):

@@ -193,6 +193,15 @@ def run_python(script: str, *args: str, timeout: int = 600) -> subprocess.Comple
     return _run([sys.executable, str(script), *map(str, args)], timeout)
 
 
+def python_json(code: str, *args: str, env: dict | None = None, timeout: int = 600) -> dict:
+    """`python -c code *args` in a fresh process from the repo root (the launches' environment,
+    `env` added); the JSON object it printed on its last stdout line. A non-zero exit fails
+    the test with the end of its stderr."""
+    out = _run([sys.executable, "-c", code, *map(str, args)], timeout, env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def result_lines(stdout: str, prefix: str = "RESULT ") -> list[dict]:
     """The JSON objects of the `prefix {json}` lines a multi-rank script printed, in order."""
     return [json.loads(line[len(prefix):]) for line in stdout.splitlines()

@@ -1,38 +1,34 @@
-"""parallel.cpu_runtime / cpu_collectives: a synchronous all_gather_into_tensor over a group of one rank runs on
-the calling thread (megatron's distributed optimizer gathers its parameter buckets after every
-step over the DP group: one rank in a one-process run). Through gloo the copy ran on gloo's
-worker thread, where ATen's parallel copy started a second OpenMP team for the rest of the
-process; with more OpenMP threads than cores libgomp stops spinning at its barriers and every
-later parallel region of the main thread paid a wake-up (docs/benchmarks.md: a one-process
-GRPO step on 2 threads 1.39-1.59 s -> 0.87-0.91 s).
+"""parallel.cpu_runtime / cpu_collectives: a synchronous all_gather_into_tensor over a group of
+one rank runs on the calling thread (megatron's distributed optimizer gathers its parameter
+buckets after every step over the DP group: one rank in a one-process run). Through gloo the
+copy ran on gloo's worker thread, where ATen's parallel copy started a second OpenMP team for
+the rest of the process; with more OpenMP threads than cores libgomp stops spinning at its
+barriers and every later parallel region of the main thread paid a wake-up (docs/benchmarks.md:
+a one-process GRPO step on 2 threads 1.39-1.59 s -> 0.87-0.91 s).
 
 Checked by events in a fresh process on 2 threads (no clocks): the gathers (megatron's bucket
 onto itself under `_coalescing_manager`, and a plain one) give the right output and start no
 thread; the negative control, the same gathers without the runtime, starts gloo-named OpenMP
-workers. An asynchronous gather, or a group of more than one rank, still goes to the group."""
+workers. An asynchronous gather, a group of more than one rank, a group given by name or a
+call traced by torch.compile still goes to torch.distributed."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.launch import python_json
 
 SCRIPT = textwrap.dedent("""
     import json, os, socket, sys
     import torch, torch.distributed as dist
-    sys.path.insert(0, {root!r})
     from parallel import cpu_runtime
     if sys.argv[1] == "on":
         cpu_runtime.install()
     def threads():
-        return {{t: open(f"/proc/self/task/{{t}}/comm").read().strip()
-                 for t in os.listdir("/proc/self/task")}}
+        return {t: open(f"/proc/self/task/{t}/comm").read().strip()
+                 for t in os.listdir("/proc/self/task")}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -47,17 +43,13 @@ SCRIPT = textwrap.dedent("""
     dist.all_gather_into_tensor(out, other)
     new = sorted(n for t, n in threads().items() if t not in before)
     work = dist.all_gather_into_tensor(torch.empty(8), torch.ones(8), async_op=True)
-    print(json.dumps({{"new_threads": new, "bucket": torch.equal(bucket, saved),
-                      "plain": torch.equal(out, other), "async_work": work is not None}}))
+    print(json.dumps({"new_threads": new, "bucket": torch.equal(bucket, saved),
+                      "plain": torch.equal(out, other), "async_work": work is not None}))
 """)
 
 
 def gathers(mode: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT)), mode],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return python_json(SCRIPT, mode, env={"OMP_NUM_THREADS": "2"})
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")

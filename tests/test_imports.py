@@ -4,25 +4,18 @@ the check catches a broken import cycle (negative control); the config schema an
 and RL `--validate` recipe checks import neither megatron-core nor transformers."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from tests.launch import python_json
 
 TESTS = Path(__file__).resolve().parent
 
 
-def _run(code: str, cwd: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_every_module_imports_first_in_a_fresh_process():
-    result = _run(f"import sys; sys.argv = ['import_each']; sys.path.insert(0, {str(TESTS)!r});"
-                  "import import_each; sys.exit(import_each.main())", TESTS.parent)
+    result = python_json(f"import sys; sys.argv = ['import_each']; "
+                         f"sys.path.insert(0, {str(TESTS)!r}); "
+                         "import import_each; sys.exit(import_each.main())")
     assert result["modules"] >= 200, result  # engine/, models/ and parallel/ were all found
     assert result["failures"] == {}, result["failures"]
 
@@ -57,7 +50,7 @@ def test_config_checks_import_neither_megatron_nor_transformers():
         seen["validate"] = [m for m in heavy if m in sys.modules]
         print(json.dumps(seen))
     """)
-    seen = _run(code, TESTS.parent)
+    seen = python_json(code)
     assert seen == {"schema": [], "codes": [0, 0, 0], "report": 3, "validate": []}, seen
 
 
@@ -85,6 +78,6 @@ def test_a_broken_cycle_fails_its_first_import(tmp_path):
         from import_each import import_each
         print(json.dumps(import_each(["root.quantized", "root.fam", "root.fam.base"])))
     """)
-    failures = _run(code, tmp_path)
+    failures = python_json(code)
     assert list(failures) == ["root.quantized"], failures
     assert "partially initialized module 'root.quantized'" in failures["root.quantized"]

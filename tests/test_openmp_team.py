@@ -6,20 +6,16 @@ after the release, and after a worker thread's own parallel op; the control with
 release keeps the main thread's team beside the worker's."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.launch import python_json
+
 SCRIPT = textwrap.dedent("""
     import json, os, sys, threading
     import torch
-    sys.path.insert(0, {root!r})
     from parallel.openmp import release_thread_team
     count = lambda: len(os.listdir("/proc/self/task"))
     start = count()
@@ -27,22 +23,18 @@ SCRIPT = textwrap.dedent("""
     built = count()
     released = release_thread_team() if sys.argv[1] == "release" else None
     after = count()
-    seen = {{}}
+    seen = {}
     def worker():
         torch.randn(4_000_000).mul_(2)             # this thread's own team: +1 worker
         seen["during"] = count()
     t = threading.Thread(target=worker); t.start(); t.join()
-    print(json.dumps({{"built": built - start, "released": released, "after": after - start,
-                      "worker": seen["during"] - start}}))
+    print(json.dumps({"built": built - start, "released": released, "after": after - start,
+                      "worker": seen["during"] - start}))
 """)
 
 
 def run(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(root=str(ROOT)), mode],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return python_json(SCRIPT, mode, env={"OMP_NUM_THREADS": "2"})
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")

@@ -160,8 +160,8 @@ def ci_plan(argv: list[str] | None = None) -> int:
     files = sorted(SECOND_TIER, key=lambda f: (-seconds.get(f, UNMEASURED_S), f))
     run, deferred = fit_in_budget(files, seconds, args.left_s, speed, args.start)
     print(f"second tier: this host ran the default tier in {args.default_wall_s:.0f} s against "
-          f"{expected:.0f} s by tests/file_seconds.json ({speed:.2f}x); {max(args.left_s, 0):.0f} s "
-          f"left: {len(run)} of {len(files)} files, about "
+          f"{expected:.0f} s by tests/file_seconds.json ({speed:.2f}x); "
+          f"{max(args.left_s, 0):.0f} s left: {len(run)} of {len(files)} files, about "
           f"{estimated_wall(run, seconds) * speed:.0f} s", file=sys.stderr)
     if deferred:
         print("second tier, deferred to later commits: " + ", ".join(

@@ -8,8 +8,8 @@ The channel is a process group of its own (gloo, CPU objects) whose timeout is a
 idle server's followers wait in its broadcast without the training groups' timeout
 (parallel.timeouts) ending them. A call that fails raises on the root, whose future reports
 it; the followers raise the same, print it on stderr with their rank, and go on
-(compute.run_losses makes a failure on any rank fail on all before gradients change). `stop()` ends the followers' loops when the server
-exits."""
+(compute.run_losses makes a failure on any rank fail on all before gradients change). `stop()`
+ends the followers' loops when the server exits."""
 from __future__ import annotations
 
 import sys
