@@ -500,46 +500,96 @@ def test_a_restarted_server_serves_the_saved_state(server):
         second["stop"]()
 
 
-class _Recompute:
-    """The service's model without its KV-cache decoder: engine.tinker.compute.sample then
-    recomputes every row in full each step (the Megatron backend's path)."""
+def _plain_sampling_loop(model, prompt, seeds, max_tokens, temperature, top_k, stop_ids):
+    """Sampling written from the formulas, on a transformers (+ peft) model: every row
+    recomputed in full each step; the draw is the engine's documented one (row b's uniform
+    u(seed_b, step), engine.generation.sampling.uniforms; the first index whose float64
+    cumulative probability after top_k exceeds u times the total); log-probs
+    log_softmax(logits / T) of the drawn token; a row ends after a stop id."""
+    from engine.generation.sampling import uniforms
 
-    def __init__(self, lora):
-        self.logits = lora.logits
+    out = []
+    for seed in seeds:
+        tokens, lps = [], []
+        u = uniforms(torch.tensor([seed]), 0, max_tokens)[0]
+        for step in range(max_tokens):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, -1].float()
+            logp = torch.log_softmax(logits / temperature, -1)
+            probs = logp.exp()
+            probs = torch.where(probs >= probs.topk(top_k).values[-1], probs, 0.0)
+            cdf = probs.double().cumsum(-1)
+            tok = int(torch.searchsorted(cdf, u[step] * cdf[-1], right=True))
+            tokens.append(tok)
+            lps.append(float(logp[tok]))
+            if tok in stop_ids:
+                break
+        out.append((tokens, lps, "stop" if tokens[-1] in stop_ids else "length"))
+    return out
 
 
-def test_kv_cached_sampling_equals_full_recompute(server):
-    """The hf backend samples with transformers' KV cache (MultiLora.decoder: the prompt once,
-    then one token per live row, finished rows dropped from the cache): at temperature 1 with
-    stop tokens (rows finish at different steps) the same tokens, stop reasons and log-probs
-    (rel 1e-5) as recomputing the rows in full each step. Negative control: once a row
-    finishes, the live rows are served from the first cache rows instead of their own (the
-    misaligned cache a wrong row selection leaves)."""
-    from engine.tinker.compute import sample
+def test_sampling_runs_on_the_engine_and_equals_a_plain_loop(server):
+    """A sampler's `sample` is one generate call of the engine's hf generation backend
+    (engine.tinker.sampler; its call count moves) with the adapter on every row. Against an
+    independent loop on transformers + peft with the same adapter (every row recomputed in
+    full, the documented draw): the same tokens and stop reasons at temperature 0.8 with top_k
+    5 and stop ids (rows end at different steps), log-probs rel 1e-5 (or 2e-6 absolute, near
+    zero), and the prompt's log-probs. Negative control: the same loop on the base model (peft's adapter disabled)
+    samples other tokens, so the comparison sees the adapter."""
+    from engine.generation.base import SamplingParams
+    from engine.generation.sampling import row_seeds
+    from engine.tinker.lora import LoraSpec, initial_tensors
 
-    service = server["service"]
-    tc = _client(server).create_lora_training_client(base_model="llama", rank=4, seed=2).result()
-    tc.forward_backward(SFT, "cross_entropy").result()
-    tc.optim_step(types.AdamParams(**ADAM)).result()
-    adapter = service.models[tc.model_id].adapter
-    args = dict(max_tokens=12, temperature=1.0, top_k=0, top_p=1.0, seed=4, stop_ids={3, 17},
-                stop_strings=[], decode=str)
-    cached = sample(service.lora, adapter, [5, 6, 7, 8], 8, **args)
-    full = sample(_Recompute(service.lora), adapter, [5, 6, 7, 8], 8, **args)
-    assert [c[0] for c in cached] == [f[0] for f in full]
-    assert [c[2] for c in cached] == [f[2] for f in full]
-    assert {c[2] for c in cached} == {"stop", "length"}   # rows finished at different steps
-    for c, f in zip(cached, full):
-        np.testing.assert_allclose(c[1], f[1], rtol=1e-5)
+    sampler = server["service"].backend.sampler
+    spec = LoraSpec(rank=4, seed=7)
+    generator = torch.Generator().manual_seed(11)   # an adapter that moves the samples
+    tensors = {k: torch.randn(v.shape, generator=generator) * 0.3
+               for k, v in initial_tensors(spec, sampler.lora.shapes).items()}
+    sampler.load("probe", spec, tensors)
+    prompt, stop_ids = [5, 6, 7, 8], set(range(20, 40))
+    params = dict(max_tokens=10, temperature=0.8, top_k=5, top_p=1.0, seed=4,
+                  stop_ids=stop_ids, stop_strings=[])
+    calls = sampler.engine.num_generate_calls
+    try:
+        seqs, prompt_lps = sampler.sample("probe", prompt, 8, params, True)
+    finally:
+        sampler.lora.remove("probe")
+    assert sampler.engine.num_generate_calls == calls + 1
+    targets = sorted({k.rsplit(".", 2)[-2] for k in tensors})
+    model, _ = peft_with_adapter(server["model"], tensors, targets)
+    seeds = row_seeds(SamplingParams(max_new_tokens=1, seed=4), 8)
+    reference = _plain_sampling_loop(model, prompt, seeds, 10, 0.8, 5, stop_ids)
+    assert [s[0] for s in seqs] == [r[0] for r in reference]
+    assert [s[2] for s in seqs] == [r[2] for r in reference]
+    assert {s[2] for s in seqs} == {"stop", "length"}   # rows ended at different steps
+    for s, r in zip(seqs, reference):   # a row of peaked logits: absolute 8e-7 seen here
+        np.testing.assert_allclose(s[1], r[1], rtol=1e-5, atol=2e-6)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])
+    assert np.isnan(prompt_lps[0])
+    np.testing.assert_allclose(prompt_lps[1:], expected[:, 0].numpy(), rtol=1e-5, atol=2e-6)
+    with model.disable_adapter():
+        base = _plain_sampling_loop(model, prompt, seeds, 10, 0.8, 5, stop_ids)
+    assert [s[0] for s in base] != [r[0] for r in reference]
 
-    class Misaligned:   # the control: the first len(live) cache rows, whichever are live
-        logits = service.lora.logits
 
-        def decoder(self, adapter, seqs):
-            inner = service.lora.decoder(adapter, seqs)
-            return lambda live: inner(list(range(len(live))))
-    wrong = sample(Misaligned(), adapter, [5, 6, 7, 8], 8, **args)
-    assert [c[0] for c in wrong] != [f[0] for f in full]
+def test_a_stop_string_cuts_the_reply_where_it_first_appears():
+    """engine.tinker.sampler.cut_at_stop_string: after the first token whose text so far
+    contains a stop string (reason "stop", log-probs cut with it); a reply without one is
+    unchanged, its reason kept."""
+    from engine.tinker.sampler import cut_at_stop_string
+
+    def decode(tokens):
+        return "".join(chr(ord("a") + t) for t in tokens)
+    tokens, lps = [0, 1, 2, 3, 1, 2], [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
+    assert cut_at_stop_string(tokens, lps, "length", ["bc"], decode) == \
+        ([0, 1, 2], [-1.0, -2.0, -3.0], "stop")
+    assert cut_at_stop_string(tokens, lps, "length", ["zz", "dbc"], decode) == \
+        (tokens, lps, "stop")
+    assert cut_at_stop_string(tokens, lps, "length", ["zz"], decode) == \
+        (tokens, lps, "length")
+    assert cut_at_stop_string(tokens, lps, "stop", [], decode) == (tokens, lps, "stop")
 
 
 def test_the_console_command_refuses_bad_flags_by_name(tmp_path):

@@ -21,7 +21,6 @@ import time
 import numpy as np
 import psutil
 import pytest
-import torch
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
@@ -29,6 +28,7 @@ from tinker import types  # noqa: E402
 from engine.tinker.adapters import Adapters  # noqa: E402
 from engine.tinker.lora import MultiLora  # noqa: E402
 from engine.tinker.ranks import OneProcess  # noqa: E402
+from engine.tinker.sampler import EngineSampler  # noqa: E402
 from tests.launch import free_port  # noqa: E402
 from tests.multirank import tinker_check  # noqa: E402
 from tests.test_tinker import _serve  # noqa: E402
@@ -45,10 +45,8 @@ def model(tmp_path_factory):
 
 def _hf_adapters(model: str) -> Adapters:
     """The transformers backend's Adapters on `model` (a fresh copy of the weights)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    return Adapters(MultiLora(hf), OneProcess(), str)
+    lora = MultiLora.from_folder(model)
+    return Adapters(lora, OneProcess(), EngineSampler(lora, model, str))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@ every model operation the service runs (engine.tinker.service), one method each,
 backend (`lora`: engine.tinker.lora.MultiLora or engine.tinker.mcore.MegatronLora; `ranks`:
 engine.tinker.ranks). On several ranks the root's calls are mirrored on every other rank
 (engine.tinker.lockstep), so every method takes only plain, picklable arguments and returns
-its result on the root.
+its result on the root; `sample` runs on the root alone, on its engine.tinker.sampler (the
+engine's hf generation backend), which holds the samplers' adapters.
 
 A state (save_state, a sampler's weights) is layout- and backend-independent: {"adapter":
 {path.A / path.B: full HF tensor}, "adam": {"step", "exp_avg": {key: tensor}, "exp_avg_sq":
@@ -12,14 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from engine.tinker.compute import adam_step, prompt_logprobs, run_losses, sample
+from engine.tinker.compute import adam_step, run_losses
 from engine.tinker.lora import LoraSpec
 
 
 class Adapters:
-    def __init__(self, lora, ranks, decode):
-        """`decode(token ids) -> str`: the tokenizer's, for stop strings."""
-        self.lora, self.ranks, self.decode = lora, ranks, decode
+    def __init__(self, lora, ranks, sampler):
+        """`sampler`: the root's engine.tinker.sampler.EngineSampler (on the hf backend over
+        `lora` itself), None on the other ranks."""
+        self.lora, self.ranks, self.sampler = lora, ranks, sampler
         self.optimizers: dict[str, torch.optim.AdamW] = {}
 
     def create(self, adapter: str, spec: LoraSpec, state: dict | None = None) -> None:
@@ -42,11 +44,11 @@ class Adapters:
 
     def frozen(self, adapter: str, spec: LoraSpec, state: dict | None = None,
                source: str | None = None) -> None:
-        """A sampler's adapter without gradients: `source`'s current weights, or `state`'s."""
+        """A sampler's adapter on the root's sampler, without gradients: `source`'s current
+        weights (their export is collective over TP), or `state`'s."""
         tensors = self.lora.full(source) if state is None else state["adapter"]
-        self.lora.load(adapter, spec, tensors)
-        for p in self.lora.parameters(adapter):
-            p.requires_grad_(False)
+        if self.sampler is not None:
+            self.sampler.load(adapter, spec, tensors)
 
     def remove(self, adapter: str) -> None:
         self.lora.remove(adapter)
@@ -70,13 +72,10 @@ class Adapters:
                 for k in ("exp_avg", "exp_avg_sq")}}
         return out
 
-    @torch.no_grad()
     def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
                want_prompt_logprobs: bool) -> tuple[list, list | None]:
-        """Every rank samples the same sequences (the same logits and seed)."""
-        seqs = sample(self.lora, adapter, prompt, num_samples, **params, decode=self.decode)
-        lps = prompt_logprobs(self.lora, adapter, prompt) if want_prompt_logprobs else None
-        return seqs, lps
+        """On the root only (engine.tinker.sampler.EngineSampler.sample)."""
+        return self.sampler.sample(adapter, prompt, num_samples, params, want_prompt_logprobs)
 
 
 def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """The model computations of the Tinker service on the shared base model: one batched forward
-(and backward) over rows of several adapters, an AdamW step on one adapter, sampling and
-prompt log-probs. `lora` is either backend's model (engine.tinker.lora.MultiLora:
+(and backward) over rows of several adapters and an AdamW step on one adapter (sampling:
+engine.tinker.sampler). `lora` is either backend's model (engine.tinker.lora.MultiLora:
 transformers, one process; engine.tinker.mcore.MegatronLora: Megatron-Core at a TP / DP
 layout), `ranks` its replicas (engine.tinker.ranks). Runs on the service's worker thread, and
 on every other rank in lockstep with it (engine.tinker.lockstep).
@@ -112,75 +112,3 @@ def adam_step(params: list[torch.nn.Parameter], optimizer: torch.optim.AdamW, ad
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"grad_norm:mean": float(norm)}
-
-
-@torch.no_grad()
-def prompt_logprobs(lora, adapter: str | None, tokens: list[int]) -> list[float]:
-    """log p(tokens[i] | tokens[<i]) for i >= 1; NaN at position 0 (the SDK's None)."""
-    d = Datum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:])}) if len(tokens) > 1 \
-        else None
-    rest = forward_rows(lora, [(adapter, d)])[0].tolist() if d is not None else []
-    return [float("nan")] + rest
-
-
-@torch.no_grad()
-def sample(lora, adapter: str | None, prompt: list[int], num_samples: int, max_tokens: int,
-           temperature: float, top_k: int, top_p: float, seed: int, stop_ids: set[int],
-           stop_strings: list[str], decode) -> list[tuple[list[int], list[float], str]]:
-    """num_samples continuations of `prompt`, one batch. A backend with a KV cache
-    (`lora.decoder`: engine.tinker.lora) encodes the prompt once and then one token per row
-    per step; one without (the Megatron backend) recomputes the rows in full each step. A
-    sequence stops after a stop token (kept) or once its text contains a stop string, reason
-    "stop"; else after max_tokens, "length". logprobs: of each sampled token under the
-    sampled distribution (logits / temperature; temperature 0: greedy, raw log-softmax)."""
-    generator = torch.Generator().manual_seed(seed)
-    seqs = [list(prompt) for _ in range(num_samples)]
-    out = [([], [], "length") for _ in range(num_samples)]
-    live = list(range(num_samples))
-    next_logits = _next_logits(lora, adapter, seqs)
-    for _ in range(max_tokens):
-        if not live:
-            break
-        # on the CPU: the sampler's generator is a CPU one (the same draws on every device)
-        last = next_logits(live).float().cpu()
-        if temperature == 0:
-            logp = torch.log_softmax(last, -1)
-            picks = logp.argmax(-1)
-        else:
-            logp = torch.log_softmax(last / temperature, -1)
-            probs = logp.exp()
-            if top_k > 0:
-                kth = probs.topk(min(top_k, probs.shape[-1]), -1).values[:, -1:]
-                probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
-            if top_p < 1:
-                sorted_p, order = probs.sort(-1, descending=True)
-                keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
-                probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
-            picks = torch.multinomial(probs, 1, generator=generator)[:, 0]
-        still = []
-        for r, i in enumerate(live):
-            tok = int(picks[r])
-            seqs[i].append(tok)
-            out[i][0].append(tok)
-            out[i][1].append(float(logp[r, tok]))
-            text = decode(out[i][0]) if stop_strings else ""
-            if tok in stop_ids or any(s in text for s in stop_strings):
-                out[i] = (out[i][0], out[i][1], "stop")
-            else:
-                still.append(i)
-        live = still
-    return out
-
-
-def _next_logits(lora, adapter: str | None, seqs: list[list[int]]):
-    """`next_logits(live)` -> logits [len(live), V] of the next token of the rows `live` of
-    `seqs` (which the caller extends by one token per live row between calls)."""
-    decoder = getattr(lora, "decoder", None)
-    if decoder is not None:
-        return decoder(adapter, seqs)
-
-    def recompute(live: list[int]) -> torch.Tensor:
-        ids = right_padded([seqs[i] for i in live])
-        logits = lora.logits(ids, [adapter] * len(live), [len(seqs[i]) for i in live])
-        return torch.stack([logits[r, len(seqs[i]) - 1] for r, i in enumerate(live)])
-    return recompute

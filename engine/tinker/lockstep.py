@@ -4,6 +4,9 @@ ranks, which run the same call on their own replica shard, in the same order
 (`follow`), so every collective inside it (TP reductions, the data-parallel gradient sum,
 gathers to the root) pairs up.
 
+Sampling is the one call the root runs alone (on its engine.tinker.sampler); the followers
+wait in the channel meanwhile.
+
 The channel is a process group of its own (gloo, CPU objects) whose timeout is a year: an
 idle server's followers wait in its broadcast without the training groups' timeout
 (parallel.timeouts) ending them. A call that fails raises on the root, whose future reports
@@ -23,7 +26,7 @@ from parallel import cpu_runtime
 
 STOP = "__stop__"
 # what the service calls on its backend (engine.tinker.service)
-CALLS = ("create", "frozen", "remove", "run_losses", "optim_step", "export", "sample")
+CALLS = ("create", "frozen", "remove", "run_losses", "optim_step", "export")
 
 
 def channel():
@@ -48,6 +51,11 @@ class Lockstep:
                 dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.group)
                 return getattr(self.local, name)(*args, **kwargs)
         return call
+
+    def sample(self, *args, **kwargs):
+        """The root alone samples (engine.tinker.adapters.Adapters.sample): not broadcast."""
+        with self.lock:
+            return self.local.sample(*args, **kwargs)
 
     def stop(self) -> None:
         with self.lock:

@@ -26,12 +26,15 @@ kaiming-uniform(a=sqrt(5)) from the adapter's seed, B zero (a new adapter leaves
 model's outputs unchanged). Scaling alpha / r with alpha = 32 (LORA_ALPHA)."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM
+
+from engine.generation.hf.gqa_attention import use_cpu_gqa
 
 LORA_ALPHA = 32.0
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -98,6 +101,17 @@ class RowPlan:
         return self._cache[seq]
 
 
+class AllRows:
+    """One adapter on every token of the batch (MultiLora.every_row): `positions` gives it
+    None, read by MultiLoraLinear as "all positions"."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def positions(self, seq: int, device=None) -> list[tuple[str, None]]:
+        return [(self.name, None)]
+
+
 class MultiLoraLinear(nn.Module):
     """A frozen base linear plus per-row adapters (module docstring)."""
 
@@ -105,7 +119,7 @@ class MultiLoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.adapters = nn.ModuleDict()
-        self.plan: RowPlan | None = None   # set by MultiLora.assign
+        self.plan: RowPlan | AllRows | None = None   # MultiLora.assign / every_row
 
     def add(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Adapter `name` with (copies of) A [r, in] and B [out, r]."""
@@ -127,6 +141,10 @@ class MultiLoraLinear(nn.Module):
                   if name in self.adapters]
         if not groups:
             return out
+        if groups[0][1] is None:   # AllRows: every position
+            pair = self.adapters[groups[0][0]]
+            scale = LORA_ALPHA / pair["A"].shape[0]
+            return out + scale * ((x @ pair["A"].t()) @ pair["B"].t())
         # each adapter's rows' real tokens, as positions of the flattened [batch * seq] tokens
         # (RowPlan): one index_select gathers them and one index_add puts every product back
         # (each position at most once: out + delta, the same sum alone or batched). Per-row
@@ -168,6 +186,15 @@ class MultiLora:
                 setattr(parent, child, wrapped)
                 self.linears[path] = wrapped
         self.specs: dict[str, LoraSpec] = {}
+
+    @classmethod
+    def from_folder(cls, model_dir: str) -> "MultiLora":
+        """The HF folder's model in float32, in eval mode, on the current GPU where there is
+        one (else the CPU, grouped KV heads read in place: engine.generation.hf.gqa_attention),
+        wrapped."""
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        use_cpu_gqa(model.to("cuda" if torch.cuda.is_available() else "cpu").eval())
+        return cls(model)
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
@@ -225,35 +252,19 @@ class MultiLora:
                 self.linears[path].add(name, state[f"{path}.A"], state[f"{path}.B"])
         self.specs[name] = spec
 
-    def decoder(self, adapter: str | None, seqs: list[list[int]]):
-        """`next_logits(live)` for engine.tinker.compute.sample with transformers' KV cache:
-        the first call encodes the rows' common prompt once (seqs all equal) and repeats its
-        cache for every row; each later call feeds each live row's last token, the cache first
-        cut to the live rows."""
-        state = {"cache": DynamicCache(config=self.model.config), "rows": None}
-        device = self.model.device
-
-        def forward(ids: torch.Tensor) -> torch.Tensor:
-            b, t = ids.shape
-            self.assign([adapter] * b, [t] * b)
-            try:
-                return self.model(input_ids=ids.to(device), past_key_values=state["cache"],
-                                  use_cache=True).logits[:, -1]
-            finally:
-                self.assign(None)
-
-        def next_logits(live: list[int]) -> torch.Tensor:
-            if state["rows"] is None:   # the prompt, once
-                logits = forward(torch.tensor([seqs[live[0]]]))
-                state["cache"].batch_repeat_interleave(len(live))
-                state["rows"] = list(live)
-                return logits.expand(len(live), -1)
-            if live != state["rows"]:
-                keep = [state["rows"].index(i) for i in live]
-                state["cache"].batch_select_indices(torch.tensor(keep, device=device))
-                state["rows"] = list(live)
-            return forward(torch.tensor([[seqs[i][-1]] for i in live]))
-        return next_logits
+    @contextlib.contextmanager
+    def every_row(self, adapter: str | None):
+        """Within the block every forward runs adapter `adapter` (None: the base model alone)
+        on every position of every row, whatever the batch's shape: how a generation engine
+        samples one user's adapter (engine.tinker.sampler), padding and prefill batches
+        included (a pad's product is computed and never read)."""
+        plan = AllRows(adapter) if adapter is not None else None
+        for linear in self.linears.values():
+            linear.plan = plan
+        try:
+            yield
+        finally:
+            self.assign(None)
 
     def assign(self, names: list[str | None] | None, lengths: list[int] | None = None) -> None:
         """Row b of the next forward takes adapter names[b] on its first lengths[b] tokens

@@ -1,7 +1,9 @@
 """Starting the Tinker service's Megatron backend on one rank: the process groups at the
 command's layout, this rank's model and adapters (engine.tinker.mcore), and its part in the
 lockstep (engine.tinker.lockstep): rank 0 gets the Lockstep its service calls, every other
-rank a `Follower` that runs rank 0's calls until it stops."""
+rank a `Follower` that runs rank 0's calls until it stops. Rank 0 also loads the HF folder
+as a transformers model for sampling (engine.tinker.sampler): one more copy of the base
+weights on its device."""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -9,8 +11,10 @@ from transformers import AutoTokenizer
 
 from engine.tinker.adapters import Adapters
 from engine.tinker.lockstep import Lockstep, channel, follow
+from engine.tinker.lora import MultiLora
 from engine.tinker.mcore import MegatronLora
 from engine.tinker.mcore_ranks import MegatronRanks
+from engine.tinker.sampler import EngineSampler
 from parallel.layout import ParallelLayout
 from parallel.process_groups import init_distributed, setup_model_parallel
 
@@ -33,9 +37,13 @@ def megatron_backend(model_dir: str, world: int, tp: int, sequence_parallel: boo
     layout = ParallelLayout(world, tp=tp, sequence_parallel=sequence_parallel)
     setup_model_parallel(layout)
     lora = MegatronLora(model_dir, sequence_parallel)
-    adapters = Adapters(lora, MegatronRanks(), AutoTokenizer.from_pretrained(model_dir).decode)
+    root = dist.get_rank() == 0
+    # rank 0 samples on the engine's hf generation backend, a transformers copy of the model
+    sampler = EngineSampler(MultiLora.from_folder(model_dir), model_dir,
+                            AutoTokenizer.from_pretrained(model_dir).decode) if root else None
+    adapters = Adapters(lora, MegatronRanks(), sampler)
     group = channel()
-    if dist.get_rank() != 0:
+    if not root:
         return Follower(adapters, group)
     print(f"tinker: Megatron backend, {world} ranks: tp {tp} (sequence parallel "
           f"{'on' if sequence_parallel else 'off'}), dp {layout.dp}", flush=True)

@@ -31,12 +31,12 @@ from pathlib import Path
 from urllib.parse import quote
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from engine.generation.hf.gqa_attention import use_cpu_gqa
 from engine.tinker.adapters import Adapters
 from engine.tinker.lora import LoraSpec, MultiLora
 from engine.tinker.ranks import OneProcess
+from engine.tinker.sampler import EngineSampler
 from engine.tinker.wire import forward_backward_output, sample_response
 from parallel.openmp import release_thread_team
 
@@ -328,11 +328,11 @@ class Service:
 
 
 def transformers_backend(model_dir: str, tokenizer) -> Adapters:
-    """The one-process backend: the HF model in float32 with engine.tinker.lora's adapters, on
-    the first GPU where there is one (the CPU otherwise, grouped KV heads read in place)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    use_cpu_gqa(model.to("cuda" if torch.cuda.is_available() else "cpu").eval())
-    return Adapters(MultiLora(model), OneProcess(), tokenizer.decode)
+    """The one-process backend: the HF model in float32 with engine.tinker.lora's adapters
+    (MultiLora.from_folder), sampled by the engine's hf generation backend on the same model
+    (engine.tinker.sampler)."""
+    lora = MultiLora.from_folder(model_dir)
+    return Adapters(lora, OneProcess(), EngineSampler(lora, model_dir, tokenizer.decode))
 
 
 def legacy_optimizer(state: dict) -> dict:

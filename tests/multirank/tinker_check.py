@@ -4,15 +4,17 @@ process (tests/test_tinker_megatron.py).
 
 `exercise(adapters)`: two LoRA models of different ranks and seeds, their forward_backward
 items batched together (cross_entropy, importance_sampling, ppo rows), three optim_steps each
-(clipping on), then both adapters' states with AdamW's moments and a greedy sample of each.
-Returns a record of plain numbers."""
+(clipping on), then both adapters' states with AdamW's moments and a greedy sample of each
+(a sampler snapshot of each, sampled on the root's engine.tinker.sampler). Returns a record
+of plain numbers."""
 from __future__ import annotations
 
 import torch
 
 from engine.tinker.adapters import Adapters
 from engine.tinker.losses import check_loss
-from engine.tinker.lora import LoraSpec
+from engine.tinker.lora import LoraSpec, MultiLora
+from engine.tinker.sampler import EngineSampler
 from engine.tinker.wire import Datum
 
 ADAM = dict(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01,
@@ -71,11 +73,13 @@ def exercise(adapters: Adapters, control=None, reverse: bool = False) -> dict | 
                                        for o in r["outputs"]])
             record["grad_norms"].append(norms)
     states = {name: adapters.export(name, True) for name in SPECS}
-    samples = {name: adapters.sample(name, [5, 6, 7, 8], 2, dict(
-        max_tokens=6, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=set(),
-        stop_strings=[]), True) for name in SPECS}
+    for name, spec in SPECS.items():   # sampler snapshots: exported on every rank
+        adapters.frozen(f"sampler {name}", spec, source=name)
     if not adapters.ranks.root:
         return None
+    samples = {name: adapters.sample(f"sampler {name}", [5, 6, 7, 8], 2, dict(
+        max_tokens=6, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=set(),
+        stop_strings=[]), True) for name in SPECS}
     record["states"] = {name: {"adapter": _numpy(s["adapter"]), "step": s["adam"]["step"],
                                "exp_avg": _numpy(s["adam"]["exp_avg"]),
                                "exp_avg_sq": _numpy(s["adam"]["exp_avg_sq"])}
@@ -109,7 +113,9 @@ def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool) -> Adap
 
     setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp,
                                         sequence_parallel=sequence_parallel))
-    return Adapters(MegatronLora(model_dir, sequence_parallel), MegatronRanks(), str)
+    sampler = EngineSampler(MultiLora.from_folder(model_dir), model_dir, str) \
+        if dist.get_rank() == 0 else None   # as engine.tinker.megatron_start
+    return Adapters(MegatronLora(model_dir, sequence_parallel), MegatronRanks(), sampler)
 
 
 def megatron(model_dir: str, tp: int, sequence_parallel: bool, control: str | None = None

@@ -80,6 +80,11 @@ class HFRolloutEngine(RolloutEngine):
             models.hf.custom_code.load_tokenizer); the model is always transformers' own class.
         static_cache, compile: rollout.hf.* (from_config passes them; None: by device,
             hf.static_decode.static_decoder); default False: the eager loop.
+        model: a text model already loaded from `hf_path`, placed on `device` and in eval
+            mode, to generate with instead of loading one (the Tinker service shares its
+            multi-LoRA model, engine.tinker.sampler; `dtype` is then not applied, and
+            `device` defaults to the model's).
+            `update_weights` writes by the names this model's parameters have.
     Attributes:
         model: the transformers model (read it to inspect weights or compute reference logits).
         eos_token_ids: generation stops per sequence at any of these (config, generation
@@ -110,18 +115,22 @@ class HFRolloutEngine(RolloutEngine):
 
     def __init__(self, hf_path: str, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, trust_remote_code: bool = False,
-                 static_cache: bool | None = False, compile: bool | None = False) -> None:
+                 static_cache: bool | None = False, compile: bool | None = False,
+                 model: torch.nn.Module | None = None) -> None:
         super().__init__()
         if not os.path.isfile(os.path.join(hf_path, "config.json")):
             raise ValueError(f"rollout hf_path={hf_path!r} is not a local HF model directory "
                              "(config.json missing); nothing is downloaded")
-        if device is None:
+        if device is None and model is not None:
+            device = next(model.parameters()).device
+        elif device is None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))
         self.device = torch.device(device)
-        self.model, self.vision = load_model(hf_path, dtype, self.device)
+        self.model, self.vision = load_model(hf_path, dtype, self.device) if model is None \
+            else (model, None)
         self._cache = cache_keyword(self.model)
-        if dtype is not None:  # a quantized folder loads with mixed dtypes
+        if dtype is not None and model is None:  # a quantized folder loads with mixed dtypes
             for param in self.model.parameters():
                 if param.is_floating_point() and param.dtype != dtype:
                     param.data = param.data.to(dtype)

@@ -1,0 +1,87 @@
+"""The Tinker service's sampling on the engine's hf generation backend
+(engine.generation.hf.backend.HFRolloutEngine) with the sampling session's adapter.
+
+`EngineSampler` holds an HFRolloutEngine around a transformers model whose linears carry the
+users' adapters (engine.tinker.lora.MultiLora). On the hf backend that is the service's own
+training model (one copy of the weights); on the Megatron backend rank 0 loads the same HF
+folder once more for it and receives each sampler's adapter as the full HF tensors the
+Megatron model exports (engine.tinker.adapters). A `sample` request runs one engine
+`generate` of `num_samples` copies of the prompt with the adapter on every row
+(MultiLora.every_row), so it gets the engine's machinery: the prompt prefilled once for all
+copies (engine.generation.hf.group_prefill), the KV cache, grouped KV heads read in place on
+a CPU, and its sampler (engine.generation.sampling: row i's draws are a function of the
+request's seed, i and the step only).
+
+Tinker's SamplingParams as the engine reads them:
+- max_tokens -> max_new_tokens; temperature (0: greedy), top_p as given;
+- top_k (-1 or 0: off) and the stop token ids -> vLLM's fields (engine.api.sampling_fields:
+  top_k after the temperature, before top_p; the reply ends after a stop id, kept, reason
+  "stop"). The end-of-sequence ids end a reply only as the request's stop ids say
+  (ignore_eos): a request without `stop` is given the tokenizer's eos id
+  (engine.tinker.request_checks), one with `stop` ends only there, as Tinker does;
+- stop strings: each reply is cut after its first token whose text so far contains one
+  (reason "stop"). A row's draws do not depend on its later tokens, so the cut reply is the
+  one sampling would have stopped; the rows decode on to max_tokens first (the engine has no
+  stop strings), the cost of a request that sets them;
+- the reported log-probs follow engine.generation.base's contract: log_softmax(logits / T) of
+  the sampled token (T = 1 when greedy), before top-k / top-p, as Tinker reports them.
+
+`compute_logprobs` (the request's prompt_logprobs) is the engine's `score` of the prompt
+under the same adapter (temperature 1), NaN for the first token (the SDK's None)."""
+from __future__ import annotations
+
+from engine.api.sampling_fields import SamplingFields
+from engine.generation.base import SamplingParams
+from engine.generation.hf.backend import HFRolloutEngine
+from engine.tinker.lora import LoraSpec, MultiLora
+
+
+def engine_params(params: dict, num_samples: int) -> SamplingParams:
+    """The engine's SamplingParams for engine.tinker.request_checks' checked `params`
+    (max_tokens, temperature, top_k, top_p, seed, stop_ids; stop strings are cut after)."""
+    fields = SamplingFields(top_k=max(int(params["top_k"]), 0), ignore_eos=True,
+                            stop_token_ids=tuple(sorted(params["stop_ids"])))
+    return SamplingParams(max_new_tokens=params["max_tokens"],
+                          temperature=params["temperature"], top_p=params["top_p"],
+                          seed=params["seed"], sampling=[fields] * num_samples)
+
+
+def cut_at_stop_string(tokens: list[int], logprobs: list[float], reason: str,
+                       stop_strings: list[str], decode) -> tuple[list[int], list[float], str]:
+    """The reply cut after its first token whose decoded text so far contains one of
+    `stop_strings` (reason "stop"); unchanged when none occurs."""
+    if not stop_strings or not any(s in decode(tokens) for s in stop_strings):
+        return tokens, logprobs, reason
+    for k in range(1, len(tokens) + 1):
+        if any(s in decode(tokens[:k]) for s in stop_strings):
+            return tokens[:k], logprobs[:k], "stop"
+    return tokens, logprobs, reason   # a text that appears only decoded whole
+
+
+class EngineSampler:
+    """Samplers' adapters on a MultiLora model and the engine that samples it (module
+    docstring). `decode(token ids) -> str`: the tokenizer's, for stop strings."""
+
+    def __init__(self, lora: MultiLora, model_dir: str, decode):
+        self.lora, self.decode = lora, decode
+        self.engine = HFRolloutEngine(model_dir, model=lora.model)
+
+    def load(self, adapter: str, spec: LoraSpec, tensors: dict) -> None:
+        """Sampler adapter `adapter`: exactly `tensors` ({path.A / path.B: full HF tensor}),
+        without gradients."""
+        self.lora.load(adapter, spec, tensors)
+        for p in self.lora.parameters(adapter):
+            p.requires_grad_(False)
+
+    def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
+               want_prompt_logprobs: bool) -> tuple[list, list | None]:
+        """([(tokens, logprobs, stop reason)] * num_samples, the prompt's log-probs or None)
+        under adapter `adapter` (None: the base model)."""
+        with self.lora.every_row(adapter):
+            generations = self.engine.generate([list(prompt)] * num_samples,
+                                               engine_params(params, num_samples))
+            scored = self.engine.score([list(prompt)])[0].logprobs \
+                if want_prompt_logprobs else None
+        seqs = [cut_at_stop_string(g.response_ids, g.response_logprobs, g.finish_reason,
+                                   params["stop_strings"], self.decode) for g in generations]
+        return seqs, ([float("nan")] + scored if scored is not None else None)
