@@ -14,12 +14,12 @@ freeing its memory; `wake()` allocates uninitialised storage again on the engine
 Small buffers (rotary frequencies) are kept through sleep. The RL loop's order is therefore:
 sleep -> train -> wake -> sync_weights -> generate.
 
-FP8 sync (rollout.sync_quantization=fp8, a checkpoint published in FP8): transformers loads the
-folder dequantized (on CPU), and `update_weights` takes each float8 weight together with its
-`weight_scale_inv` from the same bucket and writes fp8 x scale in fp32 (models.formats.fp8, the
-blocks of the folder's quantization_config: exactly what the trainer loads from the
-checkpoint), so the engine holds dequant(quant(W)). A float8 weight whose scale is missing, or
-a scale without its weight, is refused instead of being cast unscaled.
+FP8 sync (rollout.sync_quantization=fp8, a checkpoint published in FP8; hf.fp8_sync):
+transformers loads the folder dequantized (on CPU), and `update_weights` takes each float8
+weight together with its `weight_scale_inv` from the same bucket and writes fp8 x scale in fp32
+(models.formats.fp8, the blocks of the folder's quantization_config: exactly what the trainer
+loads from the checkpoint), so the engine holds dequant(quant(W)). A float8 weight whose scale
+is missing, or a scale without its weight, is refused instead of being cast unscaled.
 
 Images (a checkpoint with a vision tower, engine.generation.hf.images): the conditional-
 generation model is loaded, prompts may be ImagePrompts, and the prefill passes their pixels and
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 from typing import Iterable
 
@@ -42,6 +41,7 @@ import torch
 
 from engine.generation.base import Generation, RolloutEngine, SamplingParams
 from engine.generation.eos import eos_token_ids, folder_tokenizer, no_eos_message
+from engine.generation.hf.fp8_sync import dequantized, fp8_config
 from engine.generation.hf.group_prefill import shared_prefill, shared_prefill_problem
 from engine.generation.hf.images import load_model, prefill, view_aliases
 from engine.generation.hf.responses import collect_generations, row_limits
@@ -51,8 +51,6 @@ from engine.generation.hf.targets import checkpoint_targets
 from engine.generation.sampling import SeededSampler
 from engine.generation.scoring import SequenceScores, hf_scores
 from models.families.registry import family_of
-from models.formats import fp8 as fp8_blocks
-from models.formats.quantized import QUANT_METHODS, quantization_config
 from models.hf.conditional import text_view
 from models.vision.inputs import ImagePrompt
 from parallel import cpu_runtime
@@ -63,8 +61,6 @@ def cache_keyword(model) -> str:
     (which warns on the old name and removes it in 5.40), `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters \
         else "past_key_values"
-
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -249,7 +245,8 @@ class HFRolloutEngine(RolloutEngine):
         if self.is_asleep:
             raise RuntimeError("update_weights: the rollout engine is asleep; call wake() first")
         family, config = self._family
-        bucket = [(n, t) for n, t in self._dequantized(list(named_tensors))
+        bucket = [(n, t) for n, t in dequantized(list(named_tensors), self.device,
+                                                 lambda: self._fp8_config)
                   if n in self._params or not family.passthrough(config, n)]
         for name, tensor in bucket:
             param = self._params.get(name)
@@ -265,49 +262,17 @@ class HFRolloutEngine(RolloutEngine):
             self._stale.discard(self._canonical[name])
 
     @functools.cached_property
+    def _fp8_config(self) -> dict:
+        """The folder's fp8 quantization_config, read once (hf.fp8_sync.fp8_config)."""
+        return fp8_config(self.hf_path)
+
+    @functools.cached_property
     def _family(self):
         """(the model family, its config dict) of the served model (models.families); a
         conditional-generation wrapper's text view (models.hf.conditional), whose family
         declares the pass-through names (Qwen3.5's mtp.*)."""
         config = text_view(self.model.config.to_dict())
         return family_of(config), config
-
-    def _dequantized(self, bucket: list[tuple[str, torch.Tensor]]
-                     ) -> list[tuple[str, torch.Tensor]]:
-        """The bucket with every float8 weight replaced by fp8 x its scale (fp32) and the
-        scales removed; a float8 weight without its scale in the bucket, or a scale without its
-        weight, is refused (module docstring)."""
-        suffix = fp8_blocks.SCALE_SUFFIX
-        scales = {n: t for n, t in bucket if n.endswith(suffix)}
-        out = []
-        for name, tensor in bucket:
-            if name.endswith(suffix):
-                continue
-            if tensor.dtype in _FLOAT8:
-                scale = scales.pop(name + suffix, None)
-                if scale is None:
-                    raise ValueError(f"update_weights: {name!r} arrived as {tensor.dtype} "
-                                     f"without {name + suffix!r} in the same bucket; refusing "
-                                     "to cast an FP8 weight unscaled")
-                tensor = QUANT_METHODS["fp8"].dequantize(
-                    name, [tensor.to(self.device), scale.to(self.device)], self._fp8_config)
-            out.append((name, tensor))
-        if scales:
-            raise ValueError(f"update_weights: {sorted(scales)[0]!r} arrived without its float8 "
-                             "weight in the same bucket")
-        return out
-
-    @functools.cached_property
-    def _fp8_config(self) -> dict:
-        """The folder's fp8 quantization_config (config.json, read once: the blocks the
-        trainer loaded the checkpoint with)."""
-        with open(os.path.join(self.hf_path, "config.json")) as f:
-            qcfg = quantization_config(json.load(f)) or {}
-        if qcfg.get("quant_method") != "fp8" or not qcfg.get("weight_block_size"):
-            raise ValueError(f"update_weights: FP8 weights arrived, but {self.hf_path} is not "
-                             "an FP8 checkpoint (config.json has no fp8 quantization_config with "
-                             "weight_block_size); use rollout.sync_quantization=null")
-        return qcfg
 
     def _index_parameters(self) -> None:
         """checkpoint name -> tensor to write (tied aliases included, fused experts as views)
