@@ -592,6 +592,33 @@ def test_a_stop_string_cuts_the_reply_where_it_first_appears():
     assert cut_at_stop_string(tokens, lps, "stop", [], decode) == (tokens, lps, "stop")
 
 
+def test_a_mixture_of_experts_model_refuses_train_mlp_by_name(tmp_path):
+    """transformers' experts are fused 3D parameters, not nn.Linear layers, so no adapter of
+    the hf backend reaches them: on a Qwen3-MoE model create_model with train_mlp (the SDK's
+    default) is a 400 naming lora_config.train_mlp, where it would otherwise train attention
+    alone unannounced; with train_mlp=False the model trains. Control: the dense model's
+    MultiLora wraps gate/up/down_proj and serves train_mlp."""
+    from engine.tinker.lora import MultiLora
+    from tools.tiny_models import build_tiny_model
+
+    moe = build_tiny_model(str(tmp_path / "moe"), arch="qwen3_moe", num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32)
+    served = _serve(["--model", moe, "--api-key", KEY_A, "--state-dir", str(tmp_path / "s")])
+    try:
+        sc = tinker.ServiceClient(base_url=served["url"], api_key=KEY_A)
+        with pytest.raises(Exception, match="lora_config.train_mlp: .*mixture-of-experts"):
+            sc.create_lora_training_client(base_model="moe", rank=2).result()
+        tc = sc.create_lora_training_client(base_model="moe", rank=2, train_mlp=False).result()
+        out = tc.forward_backward(SFT, "cross_entropy").result()
+        assert np.isfinite(out.metrics["loss:sum"])
+        wrapped = {p.rsplit(".", 1)[-1] for p in served["service"].lora.linears}
+        assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "lm_head"}
+    finally:
+        served["stop"]()
+    dense = MultiLora.from_folder(build_eos_model(str(tmp_path / "dense")))
+    assert dense.unadapted_mlp is None and "model.layers.0.mlp.gate_proj" in dense.linears
+
+
 def test_the_console_command_refuses_bad_flags_by_name(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tools.cli", "tinker", "--model", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)

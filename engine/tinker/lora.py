@@ -21,7 +21,9 @@ and log-softmax are per row). tests/test_tinker.py asserts the bitwise equality;
 kernels (another BLAS, GPUs' split-K GEMMs) the equality is to rounding (rel 1e-6).
 
 Targets follow Tinker's LoraConfig: train_attn -> q/k/v/o_proj, train_mlp ->
-gate/up/down_proj, train_unembed -> lm_head. Initialisation as peft's default: A
+gate/up/down_proj, train_unembed -> lm_head. A model with mixture-of-experts MLPs (any
+parameter named with "expert") cannot serve train_mlp: its experts are not nn.Linear layers
+(`unadapted_mlp` says so; the service refuses the key). Initialisation as peft's default: A
 kaiming-uniform(a=sqrt(5)) from the adapter's seed, B zero (a new adapter leaves the base
 model's outputs unchanged). Scaling alpha / r with alpha = 32 (LORA_ALPHA)."""
 from __future__ import annotations
@@ -186,6 +188,12 @@ class MultiLora:
                 setattr(parent, child, wrapped)
                 self.linears[path] = wrapped
         self.specs: dict[str, LoraSpec] = {}
+        experts = [n for n, _ in model.named_parameters() if "expert" in n]
+        # why train_mlp cannot be served (None: it can): transformers' experts are not
+        # nn.Linear layers (fused 3D parameters), so no adapter would reach them
+        self.unadapted_mlp = None if not experts else (
+            f"{self.arch} has mixture-of-experts MLPs ({experts[0]}, ...), whose experts this "
+            "backend's adapters do not reach")
 
     @classmethod
     def from_folder(cls, model_dir: str) -> "MultiLora":

@@ -43,6 +43,7 @@ class MegatronLora:
         self.arch = f"megatron {hf_config.get('architectures', ['GPTModel'])[0]}"
         self.tenants = TenantLora(self.model, self.vocab)
         self.specs: dict[str, LoraSpec] = {}
+        self.unadapted_mlp = None   # MoE models are refused by TenantLora
 
     @property
     def shapes(self) -> dict[str, tuple[int, int]]:
