@@ -625,6 +625,33 @@ def test_the_console_command_refuses_bad_flags_by_name(tmp_path):
     assert r.returncode == 2 and "no config.json" in r.stderr and "--model" in r.stderr
 
 
+def test_the_megatron_layout_overrides_are_checked_before_any_process_starts():
+    """engine.tinker.__main__.layout_of: parallel.tp / parallel.cp / sequence_parallel to
+    (tp, cp, sequence parallel), checked by parallel.layout against the world and the model's
+    heads; pp, vpp and ep other than 1 and unknown keys refused by name."""
+    from engine.tinker.__main__ import layout_of
+
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2}
+    assert layout_of([], 2, heads) == (1, 1, False)
+    assert layout_of(["parallel.tp=2"], 2, heads) == (2, 1, True)
+    assert layout_of(["parallel.tp=2", "parallel.cp=2"], 8, heads) == (2, 2, True)
+    assert layout_of(["parallel.cp=2", "parallel.sequence_parallel=false"], 2, heads) == \
+        (1, 2, False)
+    for overrides, world, needle in [
+            (["parallel.pp=2"], 2, "parallel.pp=2: the tinker service's Megatron backend runs "
+                                   "tensor, context and data parallelism only"),
+            (["parallel.ep=2"], 2, "parallel.ep=2"),
+            (["parallel.cp=3"], 4, "world size 4 is not divisible by parallel.tp x "
+                                   "parallel.pp x parallel.cp"),
+            (["parallel.cp=8"], 8, "num_attention_heads=4 is not divisible by parallel.tp x "
+                                   "parallel.cp"),
+            (["parallel.cp=0"], 2, "parallel.cp=0 must be a positive integer"),
+            (["parallel.sequence_parallel=true"], 2, "sequence_parallel=true needs "
+                                                     "parallel.tp > 1"),
+            (["model.dtype=bf16"], 1, "model.dtype: not a key of the tinker command")]:
+        assert needle in layout_of(overrides, world, heads), (overrides, needle)
+
+
 def test_a_state_file_of_the_earlier_format_loads_with_its_adamw_moments():
     """State files written before the AdamW state became layout-independent held torch's
     optimizer.state_dict() (parameters in the adapter's key order); engine.tinker.service

@@ -96,7 +96,9 @@ def test_megatron_layouts_equal_the_transformers_backend(pools, model, reference
     runs = {"one process": pools.run(1, CHECK, model, 1, False)[0],
             "tp2 + sp": pools.run(2, CHECK, model, 2, True)[0],
             "tp2": pools.run(2, CHECK, model, 2, False)[0],
-            "dp2": pools.run(2, CHECK, model, 1, False)[0]}
+            "dp2": pools.run(2, CHECK, model, 1, False)[0],
+            "cp2": pools.run(2, CHECK, model, 1, False, None, 2)[0],
+            "tp2 + sp x cp2": pools.run(4, CHECK, model, 2, True, None, 2)[0]}
     gaps = {name: {k: _gap(r[k], reference[k]) for k in RUN + ("states",)}
             for name, r in runs.items()}
     assert all(g[k] < TOL for g in gaps.values() for k in RUN), gaps
@@ -108,7 +110,8 @@ def test_megatron_layouts_equal_the_transformers_backend(pools, model, reference
     assert "lm_head.A" not in reference["states"]["b"]["adapter"]
     # negative controls: the adapters' TP reduction off, the DP gradient sum dropped
     controls = {"tp reduction off": pools.run(2, CHECK, model, 2, True, "tp")[0],
-                "dp sum off": pools.run(2, CHECK, model, 1, False, "dp")[0]}
+                "dp sum off": pools.run(2, CHECK, model, 1, False, "dp")[0],
+                "cp sum off": pools.run(2, CHECK, model, 1, False, "cp", 2)[0]}
     for name, r in controls.items():
         run = max(_gap(r[k], reference[k]) for k in ("logprobs", "grad_norms"))
         states = _gap(r["states"], reference["states"])

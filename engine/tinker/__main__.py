@@ -12,6 +12,7 @@ ranks or given overrides, else hf."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -21,12 +22,13 @@ DESCRIPTION = """Serve the Tinker API (the official `tinker` SDK's ServiceClient
 and SamplingClient) on a Hugging Face checkpoint: many users' LoRA adapters on one base model,
 forward_backward requests of several models batched into one forward and backward, each with
 its own adapter and AdamW state. On transformers in one process (CPU or one GPU) or on
-Megatron-Core at a tensor- and data-parallel layout (docs/tinker.md: what is and is not
-served)."""
+Megatron-Core at a tensor-, context- and data-parallel layout (docs/tinker.md: what is and
+is not served)."""
 
 EXAMPLES = """examples:
   {prog} --model runs/x/hf --port 8000 --api-key tml-local
   {prog} --nproc-per-node 2 --model runs/x/hf --api-key tml-local parallel.tp=2
+  {prog} --nproc-per-node 4 --model runs/x/hf --api-key tml-local parallel.tp=2 parallel.cp=2
   then: tinker.ServiceClient(base_url="http://127.0.0.1:8000", api_key="tml-local")"""
 
 
@@ -63,8 +65,9 @@ def parser(prog: str) -> argparse.ArgumentParser:
                         "parallel.* layout on every rank (auto: megatron when launched on "
                         "several ranks or given overrides)")
     p.add_argument("overrides", nargs="*", metavar="parallel.KEY=VALUE",
-                   help="the Megatron backend's layout: parallel.tp=N, "
-                        "parallel.sequence_parallel=true|false (dp: the rest of the ranks)")
+                   help="the Megatron backend's layout: parallel.tp=N, parallel.cp=N "
+                        "(Ulysses context parallelism), parallel.sequence_parallel="
+                        "true|false (dp: the rest of the ranks)")
     return p
 
 
@@ -91,15 +94,16 @@ def read_keys(args) -> dict[str, str] | None | str:
     return keys or f"--keys-file {args.keys_file!r}: no keys"
 
 
-SERVED = ("parallel.tp", "parallel.sequence_parallel")
-AT_ONE = ("parallel.pp", "parallel.vpp", "parallel.cp", "parallel.ep")
+SERVED = ("parallel.tp", "parallel.cp", "parallel.sequence_parallel")
+AT_ONE = ("parallel.pp", "parallel.vpp", "parallel.ep")
 
 
-def layout_of(overrides: list[str], world: int) -> tuple[int, bool] | str:
-    """(tp, sequence parallel) of the Megatron backend's parallel.* overrides on `world`
-    ranks (dp is the rest), or a sentence naming the bad one. Sequence parallelism is on
-    at tp > 1 unless set; pp, vpp, cp and ep only at 1."""
-    tp, sp = 1, None
+def layout_of(overrides: list[str], world: int, hf_config: dict) -> tuple[int, int, bool] | str:
+    """(tp, cp, sequence parallel) of the Megatron backend's parallel.* overrides on `world`
+    ranks (dp is the rest), or a sentence naming the bad one (parallel.layout's checks against
+    the model's heads included). Sequence parallelism is on at tp > 1 unless set; pp, vpp
+    and ep only at 1."""
+    sizes, sp = {"parallel.tp": 1, "parallel.cp": 1}, None
     for item in overrides:
         key, sep, raw = item.partition("=")
         value = raw.strip().lower()
@@ -107,12 +111,13 @@ def layout_of(overrides: list[str], world: int) -> tuple[int, bool] | str:
             return f"{item!r}: overrides are key=value"
         if key in AT_ONE:
             if value not in ("1", "null", "none"):
-                return (f"{key}={raw}: the tinker service's Megatron backend runs tensor and "
-                        f"data parallelism only ({', '.join(SERVED)}; dp is the rest)")
-        elif key == "parallel.tp":
-            if not value.isdigit() or int(value) < 1 or world % int(value):
-                return f"parallel.tp={raw} must be a positive divisor of the {world} ranks"
-            tp = int(value)
+                return (f"{key}={raw}: the tinker service's Megatron backend runs tensor, "
+                        f"context and data parallelism only ({', '.join(SERVED)}; dp is the "
+                        "rest)")
+        elif key in sizes:
+            if not value.isdigit() or int(value) < 1:
+                return f"{key}={raw} must be a positive integer"
+            sizes[key] = int(value)
         elif key == "parallel.sequence_parallel":
             if value not in ("true", "false", "null"):
                 return f"parallel.sequence_parallel={raw}: true, false or null"
@@ -120,9 +125,13 @@ def layout_of(overrides: list[str], world: int) -> tuple[int, bool] | str:
         else:
             return (f"{key}: not a key of the tinker command; valid: {', '.join(SERVED)}, "
                     f"and {', '.join(AT_ONE)} at 1")
-    if sp and tp == 1:
-        return "parallel.sequence_parallel=true needs parallel.tp > 1"
-    return tp, tp > 1 if sp is None else sp
+    from parallel.layout import ParallelLayout   # (the parallel package imports torch)
+
+    tp, cp = sizes["parallel.tp"], sizes["parallel.cp"]
+    layout = ParallelLayout(world, tp=tp, cp=cp, sequence_parallel=tp > 1 if sp is None else sp)
+    problems = layout.problems(num_heads=hf_config.get("num_attention_heads"),
+                               num_kv_heads=hf_config.get("num_key_value_heads"))
+    return problems[0] if problems else (tp, cp, layout.sequence_parallel)
 
 
 def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
@@ -145,7 +154,8 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
         (megatron or world == 1, f"--backend hf runs on one process, launched on {world}"),
         (megatron or not args.overrides, "--backend hf takes no overrides, got "
                                          f"{' '.join(args.overrides)}")] if not ok]
-    layout = layout_of(args.overrides, world) if megatron and not problems else None
+    layout = layout_of(args.overrides, world, json.loads(
+        Path(args.model, "config.json").read_text())) if megatron and not problems else None
     if isinstance(layout, str):
         problems.append(layout)
     for line in problems:

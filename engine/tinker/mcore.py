@@ -1,17 +1,23 @@
 """The Tinker service's Megatron backend: the base model built by Megatron-Core at this
-process's layout (tensor parallelism with or without sequence parallelism, data-parallel
-replicas), every user's adapter a models.lora.tenants adapter (the engine's own LoRA on
-megatron's TP-sharded linears), each batch row taking its own.
+process's layout (tensor parallelism with or without sequence parallelism, Ulysses context
+parallelism, data-parallel replicas), every user's adapter a models.lora.tenants adapter (the
+engine's own LoRA on megatron's TP-sharded linears), each batch row taking its own.
 
 `MegatronLora` answers what engine.tinker.compute asks of a backend's model (the interface of
 engine.tinker.lora.MultiLora): adapters added, loaded, removed and exported as full HF
 tensors, and `logits(ids, names, lengths)` -> float32 [b, s, vocab] on every rank of the
-replica (megatron's vocab-parallel logits gathered over TP, differentiable). Under sequence
-parallelism the sequence is right-padded to a multiple of tp (causal attention: the real
-positions do not change); the padded positions are dropped."""
+replica, differentiable. The sequence is right-padded to a multiple of 2 x cp (with context
+parallelism) times tp (with sequence parallelism); causal attention: the real positions do
+not change, and the padded ones are dropped. With context parallelism each CP rank runs its
+zigzag shard of every row (parallel.zigzag; the attention's all-to-all sees the whole
+sequence, parallel.ulysses) and the vocab-gathered logits are gathered over CP
+(`gather_replicated`: every CP rank then computes the same losses, so the backward keeps
+each rank's own part of the gradient, unsummed); the adapters' gradients, each CP rank's
+from its own tokens, are summed over the CP group (engine.tinker.mcore_ranks)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -21,7 +27,7 @@ from models.build.factory import build_model_chunks
 from models.hf.io import SafetensorsReader, read_config
 from models.lora.slices import LoraSpec as MegatronSpec
 from models.lora.tenants import TenantLora
-from parallel import cpu_runtime
+from parallel import cpu_runtime, zigzag
 
 def megatron_spec(spec: LoraSpec) -> MegatronSpec:
     """A Tinker LoraConfig as models.lora's spec: its targets, rank, alpha LORA_ALPHA."""
@@ -37,6 +43,8 @@ class MegatronLora:
         load_hf_weights(chunks, SafetensorsReader(model_dir), hf_config)
         self.model = chunks[0]
         self.tp = ps.get_tensor_model_parallel_world_size()
+        self.cp, self.cp_rank = ps.get_context_parallel_world_size(), \
+            ps.get_context_parallel_rank()
         self.sequence_parallel = sequence_parallel
         self.vocab = int(hf_config["vocab_size"])
         self.max_context = int(hf_config.get("max_position_embeddings", 2048))
@@ -74,14 +82,44 @@ class MegatronLora:
                ) -> torch.Tensor:
         dev = cpu_runtime.device()
         b, real = ids.shape
-        s = -(-real // self.tp) * self.tp if self.sequence_parallel else real
+        step = (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sequence_parallel else 1)
+        s = -(-real // step) * step
         tokens = torch.zeros(b, s, dtype=torch.long, device=dev)
         tokens[:, :real] = ids.to(dev)
         positions = torch.arange(s, device=dev).unsqueeze(0).expand(b, -1)
+        if self.cp > 1:   # this rank's zigzag shard of every row (parallel.zigzag)
+            tokens, positions = (zigzag.shard(x, [s], self.cp, self.cp_rank)
+                                 for x in (tokens, positions))
         self.tenants.assign(names, dev)
         try:
             local = self.model(tokens, positions, None)
         finally:
             self.tenants.assign(None, dev)
         full = gather_from_tensor_model_parallel_region(local)
+        if self.cp > 1:
+            full = gather_replicated(full, ps.get_context_parallel_group()).index_select(
+                1, zigzag.gathered_to_natural([s], self.cp).to(full.device))
         return full[:, :real, :self.vocab].float()
+
+
+class _GatherReplicated(torch.autograd.Function):
+    """All-gather of [b, s / n, ...] shards along dim 1 over `group`, in group-rank order,
+    where every rank of the group computes the same function of the result: the backward
+    keeps this rank's part of the (equal) gradient, unsummed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.width = group, x.shape[1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        return grad[:, rank * ctx.width:(rank + 1) * ctx.width], None
+
+
+def gather_replicated(x: torch.Tensor, group) -> torch.Tensor:
+    """`_GatherReplicated`: the CP ranks' logits shards, whole on each CP rank."""
+    return _GatherReplicated.apply(x, group)

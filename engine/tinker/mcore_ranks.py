@@ -1,7 +1,8 @@
 """The Megatron backend's replicas (engine.tinker.ranks: what a backend's ranks answer): rows
-split over the data-parallel replicas, gradients summed over them (and, for matrices computed
-from a sequence shard, over TP), the adapter's norm counted once per TP shard, results
-gathered to rank 0. Every method is collective over the whole world."""
+split over the data-parallel replicas, gradients summed over them, over the context-parallel
+ranks of a replica (each computed its own tokens' part) and, for matrices computed from a
+sequence shard, over TP; the adapter's norm counted once per TP shard, results gathered to
+rank 0. Every method is collective over the whole world."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,7 @@ from engine.tinker.ranks import RankFailed
 
 
 class MegatronRanks:
-    """megatron parallel_state's TP and DP groups (pp = cp = 1)."""
+    """megatron parallel_state's TP, CP and DP groups (pp = 1)."""
 
     def __init__(self):
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), \
@@ -20,6 +21,8 @@ class MegatronRanks:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), \
             ps.get_data_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.cp_group, self.cp_rank = ps.get_context_parallel_group(), \
+            ps.get_context_parallel_rank()
         self.root = dist.get_rank() == 0
 
     def split(self, lengths: list[int]) -> list[int]:
@@ -46,8 +49,9 @@ class MegatronRanks:
 
     def gather(self, per_row: dict) -> list | None:
         """Every replica's {row: result} as one list in row order, on the root (None on the
-        other ranks); the TP ranks of a replica hold the same results, its first sends them."""
-        if self.tp_rank != 0:
+        other ranks); the TP and CP ranks of a replica hold the same results, its first sends
+        them."""
+        if self.tp_rank != 0 or self.cp_rank != 0:
             return None
         parts = [None] * self.dp_size if self.root else None
         dist.gather_object(per_row, parts, dst=0, group=self.dp_group)
@@ -58,6 +62,7 @@ class MegatronRanks:
 
     def reduce_grads(self, params: list[torch.Tensor]) -> None:
         _all_reduce([p.grad for p in params], self.dp_group)
+        _all_reduce([p.grad for p in params], self.cp_group)
         _all_reduce([p.grad for p in params if getattr(p, "sequence_parallel", False)],
                     self.tp_group)
 

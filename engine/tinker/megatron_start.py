@@ -29,12 +29,13 @@ class Follower:
         follow(self.adapters, self.group)
 
 
-def megatron_backend(model_dir: str, world: int, tp: int, sequence_parallel: bool
+def megatron_backend(model_dir: str, world: int, tp: int, cp: int, sequence_parallel: bool
                      ) -> Lockstep | Follower:
-    """Collective over the `world` ranks torchrun started: tp x (world / tp) data-parallel
-    replicas of the model in `model_dir`."""
+    """Collective over the `world` ranks torchrun started: (world / (tp x cp)) data-parallel
+    replicas of the model in `model_dir`, each over tp x cp ranks (Ulysses context
+    parallelism over cp)."""
     init_distributed()
-    layout = ParallelLayout(world, tp=tp, sequence_parallel=sequence_parallel)
+    layout = ParallelLayout(world, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
     setup_model_parallel(layout)
     lora = MegatronLora(model_dir, sequence_parallel)
     root = dist.get_rank() == 0
@@ -46,5 +47,5 @@ def megatron_backend(model_dir: str, world: int, tp: int, sequence_parallel: boo
     if not root:
         return Follower(adapters, group)
     print(f"tinker: Megatron backend, {world} ranks: tp {tp} (sequence parallel "
-          f"{'on' if sequence_parallel else 'off'}), dp {layout.dp}", flush=True)
+          f"{'on' if sequence_parallel else 'off'}), cp {cp}, dp {layout.dp}", flush=True)
     return Lockstep(adapters, group)

@@ -226,9 +226,6 @@ def _weights_routes(app: FastAPI, api: "Api") -> None:
             raise BadRequest("load_weights: give model_id, or session_id and model_seq_id")
         service.session(owner, req.session_id)
         service.check_base_model(req.base_model)
-        if c.train_mlp and service.lora.unadapted_mlp is not None:
-            raise BadRequest(f"lora_config.train_mlp: {service.lora.unadapted_mlp}; create the "
-                             "model with train_mlp=False")
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         if model_id in service.models:
             raise BadRequest(f"model_seq_id {req.model_seq_id}: this session already has it")

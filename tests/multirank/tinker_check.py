@@ -101,9 +101,10 @@ def no_tp_reduction(adapters: Adapters) -> None:
             adapter.reduce = False
 
 
-def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool) -> Adapters:
-    """The Megatron backend's Adapters at tp x (world / tp) on this pool's ranks (the
-    service's operations without its HTTP front)."""
+def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool, cp: int = 1
+                       ) -> Adapters:
+    """The Megatron backend's Adapters at tp x cp x (world / (tp x cp)) on this pool's ranks
+    (the service's operations without its HTTP front)."""
     import torch.distributed as dist
 
     from engine.tinker.mcore import MegatronLora
@@ -111,18 +112,19 @@ def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool) -> Adap
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 
-    setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp,
+    setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp, cp=cp,
                                         sequence_parallel=sequence_parallel))
     sampler = EngineSampler(MultiLora.from_folder(model_dir), model_dir, str) \
         if dist.get_rank() == 0 else None   # as engine.tinker.megatron_start
     return Adapters(MegatronLora(model_dir, sequence_parallel), MegatronRanks(), sampler)
 
 
-def megatron(model_dir: str, tp: int, sequence_parallel: bool, control: str | None = None
-             ) -> dict | None:
-    """`exercise` on the Megatron backend at tp x (world / tp) on this pool's ranks."""
-    adapters = _megatron_adapters(model_dir, tp, sequence_parallel)
-    return exercise(adapters, {"tp": no_tp_reduction, "dp": _skip_dp_sum,
+def megatron(model_dir: str, tp: int, sequence_parallel: bool, control: str | None = None,
+             cp: int = 1) -> dict | None:
+    """`exercise` on the Megatron backend at tp x cp x (world / (tp x cp)) on this pool's
+    ranks; `control`: a negative control's name (tp, dp, cp)."""
+    adapters = _megatron_adapters(model_dir, tp, sequence_parallel, cp)
+    return exercise(adapters, {"tp": no_tp_reduction, "dp": _skip_dp_sum, "cp": _skip_cp_sum,
                                None: None}[control])
 
 
@@ -134,6 +136,15 @@ def _skip_dp_sum(adapters: Adapters) -> None:
     ranks = adapters.ranks
     ranks.reduce_grads = lambda params: _all_reduce(
         [p.grad for p in params if getattr(p, "sequence_parallel", False)], ranks.tp_group)
+
+
+def _skip_cp_sum(adapters: Adapters) -> None:
+    """Negative control: each CP rank steps on its own tokens' gradients (the CP sum
+    dropped, the DP sum kept)."""
+    from engine.tinker.mcore_ranks import _all_reduce
+
+    ranks = adapters.ranks
+    ranks.reduce_grads = lambda params: _all_reduce([p.grad for p in params], ranks.dp_group)
 
 
 def isolation(model_dir: str, tp: int, sequence_parallel: bool) -> dict | None:
