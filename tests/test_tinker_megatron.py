@@ -205,7 +205,7 @@ def test_console_launch_tp2_trains_and_its_state_resumes_on_the_transformers_bac
         greedy = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(
             max_tokens=5, temperature=0.0)).result().sequences[0]
     out = server["out"]
-    assert "Megatron backend, 2 ranks: tp 2 (sequence parallel on), dp 1" in out
+    assert "Megatron backend, 2 ranks: tp 2 (sequence parallel on), cp 1, dp 1" in out
     assert before[1][0] < before[0][0]
     # the transformers backend on the same --state-dir resumes the TP2 state with AdamW's
     # moments: its next step is the TP2 server's
