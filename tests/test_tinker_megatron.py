@@ -129,7 +129,8 @@ def test_megatron_isolation_batched_equals_alone(pools, model, envelope):
     check = "tests.multirank.tinker_check:isolation"
     results = {"one rank": pools.run(1, check, model, 1, False)[0],
                "tp2 + sp": pools.run(2, check, model, 2, True)[0],
-               "dp2": pools.run(2, check, model, 1, False)[0]}
+               "dp2": pools.run(2, check, model, 1, False)[0],
+               "cp2": pools.run(2, check, model, 1, False, 2)[0]}
     for name, r in results.items():
         assert r["run_gap"] < 1e-6 and r["state_gap"] < 4 * envelope, (name, r, envelope)
         assert r["c_untouched"], name

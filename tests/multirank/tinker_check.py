@@ -147,12 +147,13 @@ def _skip_cp_sum(adapters: Adapters) -> None:
     ranks.reduce_grads = lambda params: _all_reduce([p.grad for p in params], ranks.dp_group)
 
 
-def isolation(model_dir: str, tp: int, sequence_parallel: bool) -> dict | None:
+def isolation(model_dir: str, tp: int, sequence_parallel: bool, cp: int = 1) -> dict | None:
     """Model "a" trained 2 steps alone, then (a fresh "a") 2 steps with "b"'s rows batched
-    into every forward_backward, on the Megatron backend at tp x (world / tp); a third model
-    "c" never trained. Returns on the root a's largest relative gap (losses, log-probs, state)
-    between the two runs, whether they are bitwise equal, and whether c is bitwise unchanged."""
-    adapters = _megatron_adapters(model_dir, tp, sequence_parallel)
+    into every forward_backward, on the Megatron backend at tp x cp x (world / (tp x cp)); a
+    third model "c" never trained. Returns on the root a's largest relative gap (losses,
+    log-probs, state) between the two runs, whether they are bitwise equal, and whether c is
+    bitwise unchanged."""
+    adapters = _megatron_adapters(model_dir, tp, sequence_parallel, cp)
     adapters.create("c", SPECS["a"])
     c_before = adapters.export("c", False)["adapter"]
     runs = []
@@ -181,6 +182,7 @@ def isolation(model_dir: str, tp: int, sequence_parallel: bool) -> dict | None:
     def rel(x, y):
         return float((x - y).abs().max() / y.abs().max())
     return {"run_gap": max(rel(l1, l0), rel(p1, p0)),
-            "state_gap": max(rel(s1[k], s0[k]) for k in s0), "bitwise": bool(torch.equal(l0, l1) and torch.equal(p0, p1)
-                                              and all(torch.equal(s0[k], s1[k]) for k in s0)),
+            "state_gap": max(rel(s1[k], s0[k]) for k in s0),
+            "bitwise": bool(torch.equal(l0, l1) and torch.equal(p0, p1)
+                            and all(torch.equal(s0[k], s1[k]) for k in s0)),
             "c_untouched": all(torch.equal(c_before[k], c_after[k]) for k in c_before)}
