@@ -57,7 +57,7 @@ SECOND_TIER = ("tests/test_vllm_speculative.py", "tests/test_preemption.py",
                "tests/test_checkpointing.py", "tests/test_rl_partial.py",
                "tests/test_moe_sft_cli.py", "tests/test_rl_agent.py", "tests/test_trackers.py",
                "tests/test_tinker_cookbook.py", "tests/test_tinker_vs_sft.py",
-               "tests/test_tinker_megatron.py",
+               "tests/test_tinker_megatron.py", "tests/test_tinker_vllm.py",
                # moved on 2026-11-30: the default tier took 1161 s of its 1200 s here
                "tests/test_prefix_sharing_mla.py", "tests/test_gpt_oss.py",
                # moved on 2026-11-30 (later): 1146 s of 1200 s here again; ~470 summed s out,

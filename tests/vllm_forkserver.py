@@ -57,7 +57,7 @@ VLLM_FILES = ("tests/test_vllm.py", "tests/test_vllm_lora_grpo.py", "tests/test_
               "tests/test_agent_steps_vllm.py", "tests/test_serve_sampling.py",
               "tests/test_serve_steps.py", "tests/test_reward_model_convert.py",
               "tests/test_vllm_head_dim.py", "tests/test_vllm_attention.py",
-              "tests/test_vllm_forkserver.py")
+              "tests/test_vllm_forkserver.py", "tests/test_tinker_vllm.py")
 
 
 def start_server(env: dict[str, str]) -> str:

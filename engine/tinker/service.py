@@ -34,9 +34,10 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.tinker.adapters import Adapters
+from engine.tinker.legacy_state import legacy_optimizer
 from engine.tinker.lora import LoraSpec, MultiLora
 from engine.tinker.ranks import OneProcess
-from engine.tinker.sampler import EngineSampler
+from engine.tinker.samplers import SamplerSettings, make_sampler
 from engine.tinker.wire import forward_backward_output, sample_response
 from parallel.openmp import release_thread_team
 
@@ -109,12 +110,16 @@ class Future:
 class Service:
     def __init__(self, model_dir: str, name: str, state_dir: str, batch_wait_s: float = 0.01,
                  max_queue: int = 256, max_futures: int = 4096, max_context: int | None = None,
-                 backend=None):
+                 backend=None, sampler: SamplerSettings = SamplerSettings()):
         """`backend`: the model's Adapters (engine.tinker.adapters), or on several ranks the
-        root's engine.tinker.lockstep.Lockstep over them; None: `transformers_backend`."""
+        root's engine.tinker.lockstep.Lockstep over them; None: `transformers_backend` with
+        `sampler`'s sampler."""
         self.model_dir, self.name, self.state_dir = model_dir, name, Path(state_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.backend = backend or transformers_backend(model_dir, self.tokenizer)
+        self.backend = backend or transformers_backend(model_dir, self.tokenizer, sampler)
+        # the root's sampler (engine.tinker.sampler) and the largest LoRA rank it serves
+        self.sample_engine = getattr(self.backend, "local", self.backend).sampler
+        self.max_rank = self.sample_engine.max_rank
         self.lora = self.backend.lora   # the root's model (its vocab, context, architecture)
         self.max_context, self.vocab = max_context or self.lora.max_context, self.lora.vocab
         self.batch_wait_s, self.max_futures = batch_wait_s, max_futures
@@ -327,24 +332,9 @@ class Service:
         return sample_response(seqs, lps)
 
 
-def transformers_backend(model_dir: str, tokenizer) -> Adapters:
+def transformers_backend(model_dir: str, tokenizer, sampler: SamplerSettings) -> Adapters:
     """The one-process backend: the HF model in float32 with engine.tinker.lora's adapters
     (MultiLora.from_folder), sampled by the engine's hf generation backend on the same model
-    (engine.tinker.sampler)."""
+    or by vLLM (engine.tinker.samplers.make_sampler)."""
     lora = MultiLora.from_folder(model_dir)
-    return Adapters(lora, OneProcess(), EngineSampler(lora, model_dir, tokenizer.decode))
-
-
-def legacy_optimizer(state: dict) -> dict:
-    """An older state file (torch's optimizer.state_dict() under "optimizer", parameters in
-    the adapter's key order) in today's layout-independent form ("adam", tinker.adapters)."""
-    old = state.pop("optimizer", None)
-    if "adam" in state or old is None:
-        state.setdefault("adam", None)
-        return state
-    keys, moments = list(state["adapter"]), old["state"]
-    state["adam"] = None if not moments else {
-        "step": int(moments[0]["step"]),
-        **{k: {key: moments[i][k] for i, key in enumerate(keys)}
-           for k in ("exp_avg", "exp_avg_sq")}}
-    return state
+    return Adapters(lora, OneProcess(), make_sampler(sampler, model_dir, tokenizer.decode, lora))

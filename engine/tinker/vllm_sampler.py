@@ -1,0 +1,99 @@
+"""The Tinker service's sampling on vLLM's multi-LoRA (`--sampler vllm`): the engine's vllm
+generation backend (engine.generation.vllm.backend.VLLMRolloutEngine, with its log-prob
+contract and per-row seeds) loads the base model once with vLLM's LoRA on, and every sampling
+session's adapter is a LoRARequest of its own, so vLLM batches the sessions' requests and keeps
+up to `max_loras` adapters on the device at once (more in host memory, the rest reloaded from
+their folders as needed).
+
+A sampler's adapter ({path.A / path.B: full HF tensor}, engine.tinker.adapters) is written once
+as a peft folder (models.lora.peft.write_peft_adapter: rank, alpha 32, its targets, lm_head
+included) under `folder`, and kept there while the server runs (vLLM reloads an evicted adapter
+from it). Tinker's SamplingParams and stop strings are read as on the hf sampler
+(engine.tinker.sampler.engine_params / cut_at_stop_string); the prompt's log-probs are vLLM's
+prompt log-probs under the same adapter (the engine's `score`).
+
+Served where vLLM's LoRA is (engine.generation.vllm.lora): the dense GQA families (Llama,
+Qwen2, Qwen3); other models are refused at start (`problem`), and a rank above
+`max_lora_rank` when the model is created (engine.tinker.routes)."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+from vllm.lora.request import LoRARequest
+
+from engine.config.rollout_settings import VLLMConfig
+from engine.generation.vllm.backend import VLLMRolloutEngine
+from engine.generation.vllm.settings import engine_args
+from engine.tinker.lora import LORA_ALPHA, LoraSpec
+from engine.tinker.sampler import cut_at_stop_string, engine_params
+from models.lora.peft import write_peft_adapter
+from models.lora.slices import LoraSpec as PeftSpec
+
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{path.A / path.B: tensor} in peft's names ({PEFT_PREFIX}path.lora_A.weight, ...)."""
+    return {f"{PEFT_PREFIX}{key[:-2]}.lora_{key[-1]}.weight": t.detach().float().cpu()
+            for key, t in tensors.items()}
+
+
+class TenantEngine(VLLMRolloutEngine):
+    """A vLLM engine whose calls carry the LoRARequest `serving` (None: the base model)."""
+
+    serving = None
+
+    def lora_request(self):
+        return self.serving
+
+
+class VllmSampler:
+    """Samplers' adapters as vLLM LoRARequests (module docstring). `decode(token ids) -> str`:
+    the tokenizer's, for stop strings."""
+
+    def __init__(self, model_dir: str, decode, folder: str, max_loras: int,
+                 max_lora_rank: int, gpu_memory_utilization: float = 0.5):
+        self.model_dir, self.decode, self.folder = model_dir, decode, Path(folder)
+        self.max_rank = max_lora_rank
+        on_cpu = not torch.cuda.is_available()
+        kwargs = engine_args(VLLMConfig(gpu_memory_utilization=gpu_memory_utilization), 1,
+                             on_cpu)
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=max_loras,
+                      max_cpu_loras=4 * max_loras)
+        self.engine = TenantEngine(model_dir, dtype="float32", seed=0, **kwargs)
+        self.requests: dict[str, object] = {}
+        self.ids = itertools.count(1)
+
+    def load(self, adapter: str, spec: LoraSpec, tensors: dict) -> None:
+        """Sampler adapter `adapter`: `tensors` written as a peft folder, served as a new
+        LoRARequest."""
+        if spec.rank > self.max_rank:
+            raise ValueError(f"a rank-{spec.rank} adapter is above {self.max_rank}, the largest "
+                             "this server's vLLM sampler serves (--sampler-max-lora-rank)")
+        folder = self.folder / adapter
+        write_peft_adapter(peft_tensors(tensors), PeftSpec(
+            rank=spec.rank, alpha=LORA_ALPHA, targets=frozenset(spec.suffixes())),
+            self.model_dir, folder)
+        self.requests[adapter] = LoRARequest(adapter, next(self.ids), str(folder))
+
+    def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
+               want_prompt_logprobs: bool) -> tuple[list, list | None]:
+        """As engine.tinker.sampler.EngineSampler.sample, on vLLM with the adapter's
+        LoRARequest."""
+        self.engine.serving = self.requests[adapter] if adapter is not None else None
+        try:
+            generations = self.engine.generate([list(prompt)] * num_samples,
+                                               engine_params(params, num_samples))
+            scored = self.engine.score([list(prompt)])[0].logprobs \
+                if want_prompt_logprobs else None
+        finally:
+            self.engine.serving = None
+        seqs = [cut_at_stop_string(g.response_ids, g.response_logprobs, g.finish_reason,
+                                   params["stop_strings"], self.decode) for g in generations]
+        return seqs, ([float("nan")] + scored if scored is not None else None)
+
+    def shutdown(self) -> None:
+        """Stop vLLM's processes (the command calls it once its server is down)."""
+        self.engine.shutdown()
