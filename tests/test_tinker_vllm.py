@@ -106,3 +106,14 @@ def test_the_vllm_sampler_refuses_what_it_cannot_serve_by_flag(tmp_path, capsys)
            "'qwen3_moe'" in err
     assert "--sampler-max-lora-rank 12 is not one of vLLM's" in err
     assert torch.cuda.is_available() or "--sampler hf" in err
+
+
+def test_the_sampling_bench_times_both_samplers():
+    """python -m tools.bench tinker_sampling --quick: both samplers' servers start, sample
+    (one session; four at once) and report their medians."""
+    from tools.bench.tinker_sampling import run_tinker_sampling
+
+    summary = run_tinker_sampling(True, ("hf", "vllm"), 1).summary["tinker_sampling"]
+    assert sorted(summary) == ["hf", "vllm"]
+    for times in summary.values():
+        assert 0 < times["one_session_s"] and 0 < times["all_sessions_s"]

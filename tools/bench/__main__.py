@@ -75,6 +75,10 @@
                                                models' forward_backward calls through the
                                                official SDK, concurrent (one batch) vs one
                                                after another; goal ratio <= 0.5
+    python -m tools.bench tinker_sampling [--quick] [--samplers hf,vllm]
+                                               the Tinker service's sampling, --sampler hf
+                                               vs vllm: one session, and four sessions'
+                                               requests in flight at once
     python -m tools.bench unread_positions [--quick] [--repeats N]
                                                train.skip_unread_positions on vs off, one
                                                process, the same batches (GRPO, SFT, DPO
@@ -232,6 +236,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
         return __import__("tools.bench.serve_vs_vllm", fromlist=["main"]).main(argv[1:])
     if argv[:1] == ["tinker"]:  # its own flags (tools/bench/tinker_batching.py)
         return __import__("tools.bench.tinker_batching", fromlist=["main"]).main(argv[1:])
+    if argv[:1] == ["tinker_sampling"]:  # its own flags (tools/bench/tinker_sampling.py)
+        return __import__("tools.bench.tinker_sampling", fromlist=["main"]).main(argv[1:])
     if argv[:1] == ["unread_positions"]:  # its own flags (tools/bench/unread_positions.py)
         return __import__("tools.bench.unread_positions", fromlist=["main"]).main(argv[1:])
     if argv[:1] == ["gpu"]:  # its own flags (tools/bench/gpu/cli.py)
@@ -244,7 +250,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tools.bench") -> 
     public = ("overhead", "balance", "rollout", "backends", "sync", "spec", "async", "mfu",
               "data", "loss_head", "partial", "rewards", "serve_steps", "agent_steps",
               "serve_load", "prefix_sharing", "generate_vs_hf", "trl", "all")
-    own_flags = ("serve_vs_vllm", "tinker", "unread_positions", "gpu")   # dispatched above, with their own flags
+    own_flags = ("serve_vs_vllm", "tinker", "tinker_sampling", "unread_positions",
+                 "gpu")   # dispatched above, with their own flags
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(public + own_flags) + "}")
     for name in public:

@@ -54,16 +54,17 @@ KEY = "tml-bench"
 BACKENDS = ("hf", "megatron")   # engine.tinker --backend (its `auto` is hf on one process)
 
 
-def _start_server(model_dir: str, state_dir: str, port: int, backend: str) -> subprocess.Popen:
-    """`python -m engine.tinker --backend backend` on `model_dir`, waited for until it answers
-    (its stdout and stderr to a log in `state_dir`, the end of it in the error if it exits
-    first; killed if it never answers)."""
+def _start_server(model_dir: str, state_dir: str, port: int, backend: str,
+                  extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`python -m engine.tinker EXTRA --backend backend` on `model_dir`, waited for until it
+    answers (its stdout and stderr to a log in `state_dir`, the end of it in the error if it
+    exits first; killed if it never answers)."""
     from tools.bench.serve_load import _wait_up
 
     log = Path(state_dir) / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "engine.tinker", "--model", model_dir,
                              "--port", str(port), "--api-key", KEY, "--state-dir", state_dir,
-                             "--backend", backend],
+                             *extra, "--backend", backend],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
         _wait_up(f"http://127.0.0.1:{port}", proc, log, 300, "/api/v1/healthz")
