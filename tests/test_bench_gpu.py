@@ -276,7 +276,7 @@ def test_megatron_sft_engine_bench_gpu(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["megatron-sft-engine"])  # tools.cli sets argv[0]
     with pytest.raises(SystemExit) as exit_:
         console.main(["bench", "--help"])
-    assert exit_.value.code == 0 and ",all,serve_vs_vllm,tinker,unread_positions,gpu}" in capsys.readouterr().out
+    assert exit_.value.code == 0 and ",all,serve_vs_vllm,tinker,tinker_sampling,unread_positions,gpu}" in capsys.readouterr().out
     assert console.main(["bench", "gpu", "--dry-run", "--items", "vision", "--out",
                          str(tmp_path / "o"), "--workdir", str(tmp_path)]) == 0
     text = capsys.readouterr().out
