@@ -145,8 +145,9 @@ def layout_of(overrides: list[str], world: int, hf_config: dict) -> tuple[int, i
     return problems[0] if problems else (tp, cp, layout.sequence_parallel)
 
 
-def vllm_sampler_problems(args) -> list[str]:
-    """Why `--sampler vllm` cannot serve this model, one sentence each naming the flag."""
+def vllm_sampler_problems(args, hf_config: dict) -> list[str]:
+    """Why `--sampler vllm` cannot serve this model (its config.json `hf_config`), one sentence
+    each naming the flag."""
     from engine.generation.vllm.lora import VLLM_LORA_RANKS   # torch: after the flags parse
     from models.families.registry import FAMILIES   # torch: after the flags parse
 
@@ -159,7 +160,7 @@ def vllm_sampler_problems(args) -> list[str]:
                    f"vLLM's: {', '.join(map(str, VLLM_LORA_RANKS))}")
     if args.sampler_max_loras < 1:
         out.append(f"--sampler-max-loras {args.sampler_max_loras} must be >= 1")
-    model_type = json.loads(Path(args.model, "config.json").read_text()).get("model_type")
+    model_type = hf_config.get("model_type")
     served = sorted(name for name, family in FAMILIES.items() if family.vllm_lora_targets)
     if model_type not in served:
         out.append(f"--sampler vllm: vLLM's LoRA has run here on {', '.join(served)}, not "
@@ -187,10 +188,11 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
         (megatron or world == 1, f"--backend hf runs on one process, launched on {world}"),
         (megatron or not args.overrides, "--backend hf takes no overrides, got "
                                          f"{' '.join(args.overrides)}")] if not ok]
+    hf_config = json.loads(Path(args.model, "config.json").read_text()) if not problems \
+        else None
     if args.sampler == "vllm" and not problems:
-        problems += vllm_sampler_problems(args)
-    layout = layout_of(args.overrides, world, json.loads(
-        Path(args.model, "config.json").read_text())) if megatron and not problems else None
+        problems += vllm_sampler_problems(args, hf_config)
+    layout = layout_of(args.overrides, world, hf_config) if megatron and not problems else None
     if isinstance(layout, str):
         problems.append(layout)
     for line in problems:

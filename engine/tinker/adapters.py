@@ -3,8 +3,8 @@ every model operation the service runs (engine.tinker.service), one method each,
 backend (`lora`: engine.tinker.lora.MultiLora or engine.tinker.mcore.MegatronLora; `ranks`:
 engine.tinker.ranks). On several ranks the root's calls are mirrored on every other rank
 (engine.tinker.lockstep), so every method takes only plain, picklable arguments and returns
-its result on the root; `sample` runs on the root alone, on its engine.tinker.sampler (the
-engine's hf generation backend), which holds the samplers' adapters.
+its result on the root; `sample` runs on the root alone, on its sampler (engine.tinker
+.samplers: the engine's hf or vllm generation backend), which holds the samplers' adapters.
 
 A state (save_state, a sampler's weights) is layout- and backend-independent: {"adapter":
 {path.A / path.B: full HF tensor}, "adam": {"step", "exp_avg": {key: tensor}, "exp_avg_sq":
@@ -19,8 +19,8 @@ from engine.tinker.lora import LoraSpec
 
 class Adapters:
     def __init__(self, lora, ranks, sampler):
-        """`sampler`: the root's engine.tinker.sampler.EngineSampler (on the hf backend over
-        `lora` itself), None on the other ranks."""
+        """`sampler`: the root's sampler (engine.tinker.samplers.make_sampler: the hf
+        sampler, on the hf backend over `lora` itself, or vLLM's), None on the other ranks."""
         self.lora, self.ranks, self.sampler = lora, ranks, sampler
         self.optimizers: dict[str, torch.optim.AdamW] = {}
 
@@ -74,7 +74,7 @@ class Adapters:
 
     def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
                want_prompt_logprobs: bool) -> tuple[list, list | None]:
-        """On the root only (engine.tinker.sampler.EngineSampler.sample)."""
+        """On the root only (its sampler's `sample`)."""
         return self.sampler.sample(adapter, prompt, num_samples, params, want_prompt_logprobs)
 
 

@@ -40,6 +40,7 @@ class Lockstep:
 
     def __init__(self, local, group):
         self.local, self.group, self.lora = local, group, local.lora
+        self.sampler = local.sampler   # the root's (sampling is not broadcast: `sample`)
         self.lock = threading.Lock()   # the worker's calls and stop() from the main thread
 
     def __getattr__(self, name: str):

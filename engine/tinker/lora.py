@@ -266,19 +266,20 @@ class MultiLora:
         on every position of every row, whatever the batch's shape: how a generation engine
         samples one user's adapter (engine.tinker.sampler), padding and prefill batches
         included (a pad's product is computed and never read)."""
-        plan = AllRows(adapter) if adapter is not None else None
-        for linear in self.linears.values():
-            linear.plan = plan
+        self._plan(AllRows(adapter) if adapter is not None else None)
         try:
             yield
         finally:
-            self.assign(None)
+            self._plan(None)
 
     def assign(self, names: list[str | None] | None, lengths: list[int] | None = None) -> None:
         """Row b of the next forward takes adapter names[b] on its first lengths[b] tokens
         (None: every row is base only)."""
         if names is not None and (lengths is None or len(lengths) != len(names)):
             raise ValueError("assign: one length per row")
-        plan = RowPlan(names, lengths) if names is not None else None
+        self._plan(RowPlan(names, lengths) if names is not None else None)
+
+    def _plan(self, plan: RowPlan | AllRows | None) -> None:
+        """Every wrapped linear's plan for the next forwards."""
         for linear in self.linears.values():
             linear.plan = plan

@@ -10,16 +10,17 @@ replica, differentiable. The sequence is right-padded to a multiple of 2 x cp (w
 parallelism) times tp (with sequence parallelism); causal attention: the real positions do
 not change, and the padded ones are dropped. With context parallelism each CP rank runs its
 zigzag shard of every row (parallel.zigzag; the attention's all-to-all sees the whole
-sequence, parallel.ulysses) and the vocab-gathered logits are gathered over CP
-(`gather_replicated`: every CP rank then computes the same losses, so the backward keeps
-each rank's own part of the gradient, unsummed); the adapters' gradients, each CP rank's
-from its own tokens, are summed over the CP group (engine.tinker.mcore_ranks)."""
+sequence, parallel.ulysses) and the vocab-gathered logits are gathered over CP (megatron's
+sequence gather with tensor_parallel_output_grad=False: every CP rank then computes the same
+losses, so the backward keeps each rank's own part of the gradient, unsummed); the adapters'
+gradients, each CP rank's from its own tokens, are summed over the CP group
+(engine.tinker.mcore_ranks)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                                    gather_from_tensor_model_parallel_region)
 
 from engine.tinker.lora import LORA_ALPHA, LoraSpec, initial_tensors
 from models.bridge.weights import load_hf_weights
@@ -96,30 +97,9 @@ class MegatronLora:
         finally:
             self.tenants.assign(None, dev)
         full = gather_from_tensor_model_parallel_region(local)
-        if self.cp > 1:
-            full = gather_replicated(full, ps.get_context_parallel_group()).index_select(
+        if self.cp > 1:   # every CP rank computes the same losses: the backward splits
+            full = gather_from_sequence_parallel_region(
+                full.transpose(0, 1).contiguous(), tensor_parallel_output_grad=False,
+                group=ps.get_context_parallel_group()).transpose(0, 1).index_select(
                 1, zigzag.gathered_to_natural([s], self.cp).to(full.device))
         return full[:, :real, :self.vocab].float()
-
-
-class _GatherReplicated(torch.autograd.Function):
-    """All-gather of [b, s / n, ...] shards along dim 1 over `group`, in group-rank order,
-    where every rank of the group computes the same function of the result: the backward
-    keeps this rank's part of the (equal) gradient, unsummed."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group, ctx.width = group, x.shape[1]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rank = dist.get_rank(ctx.group)
-        return grad[:, rank * ctx.width:(rank + 1) * ctx.width], None
-
-
-def gather_replicated(x: torch.Tensor, group) -> torch.Tensor:
-    """`_GatherReplicated`: the CP ranks' logits shards, whole on each CP rank."""
-    return _GatherReplicated.apply(x, group)

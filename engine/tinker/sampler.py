@@ -61,6 +61,20 @@ def cut_at_stop_string(tokens: list[int], logprobs: list[float], reason: str,
     return tokens, logprobs, reason   # a text that appears only decoded whole
 
 
+def sample_on(engine, prompt: list[int], num_samples: int, params: dict,
+              want_prompt_logprobs: bool, decode) -> tuple[list, list | None]:
+    """([(tokens, logprobs, stop reason)] * num_samples, the prompt's log-probs or None) from a
+    generation engine (engine.generation.base.RolloutEngine) already serving the session's
+    adapter: one generate call of `num_samples` copies of the prompt, stop strings cut after,
+    the prompt scored by the engine (NaN first, the SDK's None)."""
+    generations = engine.generate([list(prompt)] * num_samples,
+                                  engine_params(params, num_samples))
+    scored = engine.score([list(prompt)])[0].logprobs if want_prompt_logprobs else None
+    seqs = [cut_at_stop_string(g.response_ids, g.response_logprobs, g.finish_reason,
+                               params["stop_strings"], decode) for g in generations]
+    return seqs, ([float("nan")] + scored if scored is not None else None)
+
+
 class EngineSampler:
     """Samplers' adapters on a MultiLora model and the engine that samples it (module
     docstring). `decode(token ids) -> str`: the tokenizer's, for stop strings."""
@@ -83,13 +97,7 @@ class EngineSampler:
 
     def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
                want_prompt_logprobs: bool) -> tuple[list, list | None]:
-        """([(tokens, logprobs, stop reason)] * num_samples, the prompt's log-probs or None)
-        under adapter `adapter` (None: the base model)."""
+        """`sample_on` this engine under adapter `adapter` (None: the base model)."""
         with self.lora.every_row(adapter):
-            generations = self.engine.generate([list(prompt)] * num_samples,
-                                               engine_params(params, num_samples))
-            scored = self.engine.score([list(prompt)])[0].logprobs \
-                if want_prompt_logprobs else None
-        seqs = [cut_at_stop_string(g.response_ids, g.response_logprobs, g.finish_reason,
-                                   params["stop_strings"], self.decode) for g in generations]
-        return seqs, ([float("nan")] + scored if scored is not None else None)
+            return sample_on(self.engine, prompt, num_samples, params, want_prompt_logprobs,
+                             self.decode)

@@ -118,7 +118,7 @@ class Service:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.backend = backend or transformers_backend(model_dir, self.tokenizer, sampler)
         # the root's sampler (engine.tinker.sampler) and the largest LoRA rank it serves
-        self.sample_engine = getattr(self.backend, "local", self.backend).sampler
+        self.sample_engine = self.backend.sampler
         self.max_rank = self.sample_engine.max_rank
         self.lora = self.backend.lora   # the root's model (its vocab, context, architecture)
         self.max_context, self.vocab = max_context or self.lora.max_context, self.lora.vocab

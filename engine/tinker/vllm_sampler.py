@@ -8,9 +8,9 @@ their folders as needed).
 A sampler's adapter ({path.A / path.B: full HF tensor}, engine.tinker.adapters) is written once
 as a peft folder (models.lora.peft.write_peft_adapter: rank, alpha 32, its targets, lm_head
 included) under `folder`, and kept there while the server runs (vLLM reloads an evicted adapter
-from it). Tinker's SamplingParams and stop strings are read as on the hf sampler
-(engine.tinker.sampler.engine_params / cut_at_stop_string); the prompt's log-probs are vLLM's
-prompt log-probs under the same adapter (the engine's `score`).
+from it). A sample request is engine.tinker.sampler.sample_on this engine, as on the hf
+sampler: the same reading of Tinker's SamplingParams and stop strings; the prompt's log-probs
+are vLLM's prompt log-probs under the same adapter (the engine's `score`).
 
 Served where vLLM's LoRA is (engine.generation.vllm.lora): the dense GQA families (Llama,
 Qwen2, Qwen3); other models are refused at start (`problem`), and a rank above
@@ -27,7 +27,7 @@ from engine.config.rollout_settings import VLLMConfig
 from engine.generation.vllm.backend import VLLMRolloutEngine
 from engine.generation.vllm.settings import engine_args
 from engine.tinker.lora import LORA_ALPHA, LoraSpec
-from engine.tinker.sampler import cut_at_stop_string, engine_params
+from engine.tinker.sampler import sample_on
 from models.lora.peft import write_peft_adapter
 from models.lora.slices import LoraSpec as PeftSpec
 
@@ -80,19 +80,13 @@ class VllmSampler:
 
     def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
                want_prompt_logprobs: bool) -> tuple[list, list | None]:
-        """As engine.tinker.sampler.EngineSampler.sample, on vLLM with the adapter's
-        LoRARequest."""
+        """engine.tinker.sampler.sample_on vLLM with the adapter's LoRARequest."""
         self.engine.serving = self.requests[adapter] if adapter is not None else None
         try:
-            generations = self.engine.generate([list(prompt)] * num_samples,
-                                               engine_params(params, num_samples))
-            scored = self.engine.score([list(prompt)])[0].logprobs \
-                if want_prompt_logprobs else None
+            return sample_on(self.engine, prompt, num_samples, params, want_prompt_logprobs,
+                             self.decode)
         finally:
             self.engine.serving = None
-        seqs = [cut_at_stop_string(g.response_ids, g.response_logprobs, g.finish_reason,
-                                   params["stop_strings"], self.decode) for g in generations]
-        return seqs, ([float("nan")] + scored if scored is not None else None)
 
     def shutdown(self) -> None:
         """Stop vLLM's processes (the command calls it once its server is down)."""
