@@ -626,20 +626,26 @@ def test_the_console_command_refuses_bad_flags_by_name(tmp_path):
 
 
 def test_the_megatron_layout_overrides_are_checked_before_any_process_starts():
-    """engine.tinker.__main__.layout_of: parallel.tp / parallel.cp / sequence_parallel to
-    (tp, cp, sequence parallel), checked by parallel.layout against the world and the model's
-    heads; pp, vpp and ep other than 1 and unknown keys refused by name."""
+    """engine.tinker.__main__.layout_of: parallel.tp / parallel.pp / parallel.cp /
+    sequence_parallel to a ParallelLayout, checked by parallel.layout against the world and
+    the model's layers and heads; vpp and ep other than 1 and unknown keys refused by name."""
     from engine.tinker.__main__ import layout_of
+    from parallel.layout import ParallelLayout
 
-    heads = {"num_attention_heads": 4, "num_key_value_heads": 2}
-    assert layout_of([], 2, heads) == (1, 1, False)
-    assert layout_of(["parallel.tp=2"], 2, heads) == (2, 1, True)
-    assert layout_of(["parallel.tp=2", "parallel.cp=2"], 8, heads) == (2, 2, True)
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    assert layout_of([], 2, heads) == ParallelLayout(2)
+    assert layout_of(["parallel.tp=2"], 2, heads) == \
+        ParallelLayout(2, tp=2, sequence_parallel=True)
+    assert layout_of(["parallel.tp=2", "parallel.cp=2"], 8, heads) == \
+        ParallelLayout(8, tp=2, cp=2, sequence_parallel=True)
     assert layout_of(["parallel.cp=2", "parallel.sequence_parallel=false"], 2, heads) == \
-        (1, 2, False)
+        ParallelLayout(2, cp=2)
+    assert layout_of(["parallel.pp=2", "parallel.tp=2"], 8, heads) == \
+        ParallelLayout(8, tp=2, pp=2, sequence_parallel=True)
     for overrides, world, needle in [
-            (["parallel.pp=2"], 2, "parallel.pp=2: the tinker service's Megatron backend runs "
-                                   "tensor, context and data parallelism only"),
+            (["parallel.vpp=2"], 2, "parallel.vpp=2: the tinker service's Megatron backend "
+                                    "runs tensor, pipeline, context and data parallelism only"),
+            (["parallel.pp=4"], 4, "num_hidden_layers=2 is not divisible by parallel.pp"),
             (["parallel.ep=2"], 2, "parallel.ep=2"),
             (["parallel.cp=3"], 4, "world size 4 is not divisible by parallel.tp x "
                                    "parallel.pp x parallel.cp"),

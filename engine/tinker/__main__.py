@@ -105,16 +105,16 @@ def read_keys(args) -> dict[str, str] | None | str:
     return keys or f"--keys-file {args.keys_file!r}: no keys"
 
 
-SERVED = ("parallel.tp", "parallel.cp", "parallel.sequence_parallel")
-AT_ONE = ("parallel.pp", "parallel.vpp", "parallel.ep")
+SERVED = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.sequence_parallel")
+AT_ONE = ("parallel.vpp", "parallel.ep")
 
 
-def layout_of(overrides: list[str], world: int, hf_config: dict) -> tuple[int, int, bool] | str:
-    """(tp, cp, sequence parallel) of the Megatron backend's parallel.* overrides on `world`
-    ranks (dp is the rest), or a sentence naming the bad one (parallel.layout's checks against
-    the model's heads included). Sequence parallelism is on at tp > 1 unless set; pp, vpp
-    and ep only at 1."""
-    sizes, sp = {"parallel.tp": 1, "parallel.cp": 1}, None
+def layout_of(overrides: list[str], world: int, hf_config: dict):
+    """The Megatron backend's parallel.layout.ParallelLayout of its parallel.* overrides on
+    `world` ranks (dp is the rest), or a sentence naming the bad one (parallel.layout's checks
+    against the model's layers and heads included). Sequence parallelism is on at tp > 1
+    unless set; vpp and ep only at 1."""
+    sizes, sp = {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1}, None
     for item in overrides:
         key, sep, raw = item.partition("=")
         value = raw.strip().lower()
@@ -123,8 +123,8 @@ def layout_of(overrides: list[str], world: int, hf_config: dict) -> tuple[int, i
         if key in AT_ONE:
             if value not in ("1", "null", "none"):
                 return (f"{key}={raw}: the tinker service's Megatron backend runs tensor, "
-                        f"context and data parallelism only ({', '.join(SERVED)}; dp is the "
-                        "rest)")
+                        f"pipeline, context and data parallelism only ({', '.join(SERVED)}; "
+                        "dp is the rest)")
         elif key in sizes:
             if not value.isdigit() or int(value) < 1:
                 return f"{key}={raw} must be a positive integer"
@@ -138,11 +138,13 @@ def layout_of(overrides: list[str], world: int, hf_config: dict) -> tuple[int, i
                     f"and {', '.join(AT_ONE)} at 1")
     from parallel.layout import ParallelLayout   # (the parallel package imports torch)
 
-    tp, cp = sizes["parallel.tp"], sizes["parallel.cp"]
-    layout = ParallelLayout(world, tp=tp, cp=cp, sequence_parallel=tp > 1 if sp is None else sp)
-    problems = layout.problems(num_heads=hf_config.get("num_attention_heads"),
+    tp, pp, cp = sizes["parallel.tp"], sizes["parallel.pp"], sizes["parallel.cp"]
+    layout = ParallelLayout(world, tp=tp, pp=pp, cp=cp,
+                            sequence_parallel=tp > 1 if sp is None else sp)
+    problems = layout.problems(num_layers=hf_config.get("num_hidden_layers"),
+                               num_heads=hf_config.get("num_attention_heads"),
                                num_kv_heads=hf_config.get("num_key_value_heads"))
-    return problems[0] if problems else (tp, cp, layout.sequence_parallel)
+    return problems[0] if problems else layout
 
 
 def vllm_sampler_problems(args, hf_config: dict) -> list[str]:
@@ -213,7 +215,7 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
     if layout is not None:
         from engine.tinker.megatron_start import Follower, megatron_backend   # megatron-core
 
-        backend = megatron_backend(args.model, world, *layout, sampler)
+        backend = megatron_backend(args.model, layout, sampler)
         if isinstance(backend, Follower):
             return backend   # runs the root's calls (main)
     svc = service.Service(args.model, name, args.state_dir,

@@ -30,6 +30,8 @@ def right_padded(seqs: list[list[int]]) -> torch.Tensor:
 def forward_rows(lora, rows: list[tuple[str | None, Datum]]) -> list[torch.Tensor]:
     ids = right_padded([d.tokens for _, d in rows])
     logits = lora.logits(ids, [name for name, _ in rows], [len(d.tokens) for _, d in rows])
+    if logits is None:   # a pipeline stage before the last (engine.tinker.mcore)
+        return []
     logp = torch.log_softmax(logits, dim=-1)
     out = []
     for i, (_, d) in enumerate(rows):
@@ -49,9 +51,12 @@ def run_losses(lora, items: list[dict], grad: bool, ranks) -> list[dict] | None:
     replica runs its rows (all of them on one process), the losses are sums, so the replicas'
     gradients add up to the whole batch's when optim_step sums them. A row whose loss fails
     on any rank fails the call on every rank before any backward (ranks.agree), so no replica
-    keeps a partial gradient."""
+    keeps a partial gradient. With pipeline stages only the last holds log-probs and losses;
+    every stage runs `lora.backward` (engine.tinker.mcore)."""
     rows = [(k, item["adapter"], d) for k, item in enumerate(items) for d in item["data"]]
     mine = ranks.split([len(d.tokens) for _, _, d in rows])
+    # the same on every pipeline stage of a replica, which all take part in the backward
+    backward = grad and any(items[rows[r][0]]["backward"] for r in mine)
     per_row, total, error = {}, None, None
     with torch.enable_grad() if grad else torch.no_grad():
         try:
@@ -74,8 +79,8 @@ def run_losses(lora, items: list[dict], grad: bool, ranks) -> list[dict] | None:
         except Exception as e:
             error = e
         ranks.agree(error)
-        if total is not None and total.requires_grad:
-            total.backward()
+        if backward:
+            lora.backward(total)
     gathered = ranks.gather(per_row)
     if gathered is None:
         return None

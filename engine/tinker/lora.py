@@ -253,6 +253,12 @@ class MultiLora:
         finally:
             self.assign(None)
 
+    @staticmethod
+    def backward(loss: torch.Tensor | None) -> None:
+        """The backward of the last `logits` call from `loss`, where it has gradients."""
+        if loss is not None and loss.requires_grad:
+            loss.backward()
+
     def load(self, name: str, spec: LoraSpec, state: dict[str, torch.Tensor]) -> None:
         """Add adapter `name` with exactly the tensors of `state` (as `state` wrote them)."""
         for path in sorted(self.linears):

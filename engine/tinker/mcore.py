@@ -1,7 +1,8 @@
 """The Tinker service's Megatron backend: the base model built by Megatron-Core at this
-process's layout (tensor parallelism with or without sequence parallelism, Ulysses context
-parallelism, data-parallel replicas), every user's adapter a models.lora.tenants adapter (the
-engine's own LoRA on megatron's TP-sharded linears), each batch row taking its own.
+process's layout (tensor parallelism with or without sequence parallelism, pipeline stages,
+Ulysses context parallelism, data-parallel replicas), every user's adapter a
+models.lora.tenants adapter (the engine's own LoRA on megatron's TP-sharded linears) on the
+layers of this rank's stage, each batch row taking its own.
 
 `MegatronLora` answers what engine.tinker.compute asks of a backend's model (the interface of
 engine.tinker.lora.MultiLora): adapters added, loaded, removed and exported as full HF
@@ -14,10 +15,21 @@ sequence, parallel.ulysses) and the vocab-gathered logits are gathered over CP (
 sequence gather with tensor_parallel_output_grad=False: every CP rank then computes the same
 losses, so the backward keeps each rank's own part of the gradient, unsummed); the adapters'
 gradients, each CP rank's from its own tokens, are summed over the CP group
-(engine.tinker.mcore_ranks)."""
+(engine.tinker.mcore_ranks).
+
+With pipeline parallelism the batch is one micro-batch passed stage to stage (point-to-point
+over parallel_state's PP neighbours): each stage other than the first receives the previous
+stage's hidden states [s / cp (/ tp under SP), b, hidden] (pipeline_dtype), runs its layers
+and sends its own on; `logits` returns the logits on the last stage and None on the others.
+`backward(loss)` then runs the stages in reverse: the last from the loss, every other from
+the gradient of its output that the next stage sends back (each stage the gradient of its
+received input). The stages split the model's memory; one micro-batch per call, they do not
+overlap. Exports (`full`) and the adapters' shapes are gathered over the PP group, so a state
+and a seed's initial adapter are the whole model's at every layout."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                     gather_from_tensor_model_parallel_region)
@@ -29,6 +41,7 @@ from models.hf.io import SafetensorsReader, read_config
 from models.lora.slices import LoraSpec as MegatronSpec
 from models.lora.tenants import TenantLora
 from parallel import cpu_runtime, zigzag
+from parallel.wrappers import unwrap
 
 def megatron_spec(spec: LoraSpec) -> MegatronSpec:
     """A Tinker LoraConfig as models.lora's spec: its targets, rank, alpha LORA_ALPHA."""
@@ -47,16 +60,17 @@ class MegatronLora:
         self.cp, self.cp_rank = ps.get_context_parallel_world_size(), \
             ps.get_context_parallel_rank()
         self.sequence_parallel = sequence_parallel
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.pipe: tuple | None = None   # this stage's (input, output) of the last forward
         self.vocab = int(hf_config["vocab_size"])
         self.max_context = int(hf_config.get("max_position_embeddings", 2048))
         self.arch = f"megatron {hf_config.get('architectures', ['GPTModel'])[0]}"
         self.tenants = TenantLora(self.model, self.vocab)
+        self.shapes = {k: v for part in _over_pp(self.tenants.shapes, self.pp_group)
+                       for k, v in part.items()}   # {HF path: (out, in)}, the whole model's
         self.specs: dict[str, LoraSpec] = {}
         self.unadapted_mlp = None   # MoE models are refused by TenantLora
-
-    @property
-    def shapes(self) -> dict[str, tuple[int, int]]:
-        return self.tenants.shapes
 
     def add(self, name: str, spec: LoraSpec) -> None:
         self.load(name, spec, initial_tensors(spec, self.shapes))
@@ -74,7 +88,13 @@ class MegatronLora:
 
     def full(self, name: str, tensors: list[torch.Tensor] | None = None
              ) -> dict[str, torch.Tensor]:
-        return self.tenants.full(name, tensors)
+        """Adapter `name`'s full HF tensors (or `tensors`', models.lora.tenants) over every
+        stage; collective over TP and PP."""
+        mine = self.tenants.full(name, tensors)
+        if self.pp_group.size() == 1:
+            return mine
+        mine = {k: v.detach().cpu() for k, v in mine.items()}
+        return {k: v for part in _over_pp(mine, self.pp_group) for k, v in part.items()}
 
     def shards(self, name: str, full: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return self.tenants.shards(name, full)
@@ -91,11 +111,23 @@ class MegatronLora:
         if self.cp > 1:   # this rank's zigzag shard of every row (parallel.zigzag)
             tokens, positions = (zigzag.shard(x, [s], self.cp, self.cp_rank)
                                  for x in (tokens, positions))
+        received = None
+        if not self.first:   # the previous stage's hidden states of this rank's positions
+            shape = (tokens.shape[1] // (self.tp if self.sequence_parallel else 1), b,
+                     self.model.config.hidden_size)
+            received = torch.empty(shape, dtype=self.model.config.pipeline_dtype, device=dev)
+            dist.recv(received, ps.get_pipeline_model_parallel_prev_rank())
+            received.requires_grad_(torch.is_grad_enabled())
+            unwrap(self.model).set_input_tensor(received)
         self.tenants.assign(names, dev)
         try:
             local = self.model(tokens, positions, None)
         finally:
             self.tenants.assign(None, dev)
+        self.pipe = (received, local) if torch.is_grad_enabled() else None
+        if not self.last:
+            dist.send(local.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            return None
         full = gather_from_tensor_model_parallel_region(local)
         if self.cp > 1:   # every CP rank computes the same losses: the backward splits
             full = gather_from_sequence_parallel_region(
@@ -103,3 +135,30 @@ class MegatronLora:
                 group=ps.get_context_parallel_group()).transpose(0, 1).index_select(
                 1, zigzag.gathered_to_natural([s], self.cp).to(full.device))
         return full[:, :real, :self.vocab].float()
+
+    def backward(self, loss: torch.Tensor | None) -> None:
+        """The backward of the last `logits` call on every stage of this replica (module
+        docstring); `loss`: the last stage's (None elsewhere)."""
+        pipe, self.pipe = self.pipe, None
+        if self.last:
+            if loss is not None and loss.requires_grad:
+                loss.backward()
+        else:
+            received, output = pipe
+            grad = torch.empty_like(output)
+            dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
+            if output.requires_grad:
+                torch.autograd.backward(output, grad)
+        if not self.first:
+            received = pipe[0]
+            grad = received.grad if received.grad is not None else torch.zeros_like(received)
+            dist.send(grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+
+
+def _over_pp(part: dict, group) -> list[dict]:
+    """Every pipeline stage's `part`, in stage order (all_gather_object over `group`)."""
+    if group.size() == 1:
+        return [part]
+    parts = [None] * group.size()
+    dist.all_gather_object(parts, part, group=group)
+    return parts

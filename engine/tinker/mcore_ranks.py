@@ -1,8 +1,9 @@
 """The Megatron backend's replicas (engine.tinker.ranks: what a backend's ranks answer): rows
 split over the data-parallel replicas, gradients summed over them, over the context-parallel
 ranks of a replica (each computed its own tokens' part) and, for matrices computed from a
-sequence shard, over TP; the adapter's norm counted once per TP shard, results gathered to
-rank 0. Every method is collective over the whole world."""
+sequence shard, over TP; the adapter's norm counted once per TP shard and summed over the
+pipeline stages (each holds its own layers' adapters), results gathered to rank 0 from the
+last stage (the only one with results). Every method is collective over the whole world."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,7 @@ from engine.tinker.ranks import RankFailed
 
 
 class MegatronRanks:
-    """megatron parallel_state's TP, CP and DP groups (pp = 1)."""
+    """megatron parallel_state's TP, PP, CP and DP groups."""
 
     def __init__(self):
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), \
@@ -23,6 +24,8 @@ class MegatronRanks:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.cp_group, self.cp_rank = ps.get_context_parallel_group(), \
             ps.get_context_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.sends = self.tp_rank == 0 and self.cp_rank == 0 and ps.is_pipeline_last_stage()
         self.root = dist.get_rank() == 0
 
     def split(self, lengths: list[int]) -> list[int]:
@@ -49,12 +52,10 @@ class MegatronRanks:
 
     def gather(self, per_row: dict) -> list | None:
         """Every replica's {row: result} as one list in row order, on the root (None on the
-        other ranks); the TP and CP ranks of a replica hold the same results, its first sends
-        them."""
-        if self.tp_rank != 0 or self.cp_rank != 0:
-            return None
-        parts = [None] * self.dp_size if self.root else None
-        dist.gather_object(per_row, parts, dst=0, group=self.dp_group)
+        other ranks); the TP and CP ranks of a replica's last stage hold the same results,
+        the first of them sends them."""
+        parts = [None] * dist.get_world_size() if self.root else None
+        dist.gather_object(per_row if self.sends else {}, parts, dst=0)
         if not self.root:
             return None
         merged = {r: v for part in parts for r, v in part.items()}
@@ -71,7 +72,9 @@ class MegatronRanks:
         whole = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
         split_squares = _squares(split)
         dist.all_reduce(split_squares, group=self.tp_group)
-        return (split_squares + _squares(whole)).sqrt()
+        squares = split_squares + _squares(whole)
+        dist.all_reduce(squares, group=self.pp_group)
+        return squares.sqrt()
 
 
 def _squares(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -28,15 +28,14 @@ class Follower:
         follow(self.adapters, self.group)
 
 
-def megatron_backend(model_dir: str, world: int, tp: int, cp: int, sequence_parallel: bool,
+def megatron_backend(model_dir: str, layout: ParallelLayout,
                      settings: SamplerSettings = SamplerSettings()) -> Lockstep | Follower:
-    """Collective over the `world` ranks torchrun started: (world / (tp x cp)) data-parallel
-    replicas of the model in `model_dir`, each over tp x cp ranks (Ulysses context
-    parallelism over cp)."""
+    """Collective over the `layout.world_size` ranks torchrun started: layout.dp
+    data-parallel replicas of the model in `model_dir`, each over tp x pp x cp ranks (Ulysses
+    context parallelism over cp)."""
     init_distributed()
-    layout = ParallelLayout(world, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
     setup_model_parallel(layout)
-    lora = MegatronLora(model_dir, sequence_parallel)
+    lora = MegatronLora(model_dir, layout.sequence_parallel)
     root = dist.get_rank() == 0
     # rank 0 samples: on the engine's hf generation backend over a transformers copy of the
     # model, or on vLLM (engine.tinker.samplers.make_sampler)
@@ -46,6 +45,7 @@ def megatron_backend(model_dir: str, world: int, tp: int, cp: int, sequence_para
     group = channel()
     if not root:
         return Follower(adapters, group)
-    print(f"tinker: Megatron backend, {world} ranks: tp {tp} (sequence parallel "
-          f"{'on' if sequence_parallel else 'off'}), cp {cp}, dp {layout.dp}", flush=True)
+    print(f"tinker: Megatron backend, {layout.world_size} ranks: tp {layout.tp} (sequence "
+          f"parallel {'on' if layout.sequence_parallel else 'off'}), pp {layout.pp}, "
+          f"cp {layout.cp}, dp {layout.dp}", flush=True)
     return Lockstep(adapters, group)

@@ -18,7 +18,8 @@ and `{path}.B` [out, r]. The paths are transformers' module paths
 in the service's transformers backend (engine.tinker.lora). `full` / `shards` convert any
 per-parameter tensors (AdamW's moments) the same way.
 
-Served: dense decoder models on one pipeline stage, without context or expert parallelism
+On a pipeline stage the sites are that stage's layers' (their HF paths keep the global layer
+numbers) and, on the last, lm_head's. Served: dense decoder models without expert parallelism
 (`TenantUnsupportedError` names what is not)."""
 from __future__ import annotations
 
@@ -165,6 +166,11 @@ class TenantLora:
                     return new_adapter(parent, name, kind, fused, targeted, spec, config, keys)
                 self._site(parent, name, make, fused, keys,
                            {sl.name: sl.out_features for sl in fused})
+        if model.post_process:
+            self._unembed(model, vocab_size)
+
+    def _unembed(self, model, vocab_size: int) -> None:
+        """The output layer's site (the last pipeline stage's)."""
         linear = _OutputLinear(model)
         tp = linear.tp_group.size()
         fused = [Slice(UNEMBED, linear.weight.shape[1], linear.weight.shape[0] * tp)]

@@ -101,10 +101,10 @@ def no_tp_reduction(adapters: Adapters) -> None:
             adapter.reduce = False
 
 
-def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool, cp: int = 1
-                       ) -> Adapters:
-    """The Megatron backend's Adapters at tp x cp x (world / (tp x cp)) on this pool's ranks
-    (the service's operations without its HTTP front)."""
+def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool, cp: int = 1,
+                       pp: int = 1) -> Adapters:
+    """The Megatron backend's Adapters at tp x pp x cp x (world / (tp x pp x cp)) on this
+    pool's ranks (the service's operations without its HTTP front)."""
     import torch.distributed as dist
 
     from engine.tinker.mcore import MegatronLora
@@ -112,7 +112,7 @@ def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool, cp: int
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 
-    setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp, cp=cp,
+    setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp, pp=pp, cp=cp,
                                         sequence_parallel=sequence_parallel))
     sampler = EngineSampler(MultiLora.from_folder(model_dir), model_dir, str) \
         if dist.get_rank() == 0 else None   # as engine.tinker.megatron_start
@@ -120,12 +120,12 @@ def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool, cp: int
 
 
 def megatron(model_dir: str, tp: int, sequence_parallel: bool, control: str | None = None,
-             cp: int = 1) -> dict | None:
-    """`exercise` on the Megatron backend at tp x cp x (world / (tp x cp)) on this pool's
-    ranks; `control`: a negative control's name (tp, dp, cp)."""
-    adapters = _megatron_adapters(model_dir, tp, sequence_parallel, cp)
+             cp: int = 1, pp: int = 1) -> dict | None:
+    """`exercise` on the Megatron backend at tp x pp x cp x (world / (tp x pp x cp)) on this
+    pool's ranks; `control`: a negative control's name (tp, dp, cp, pp)."""
+    adapters = _megatron_adapters(model_dir, tp, sequence_parallel, cp, pp)
     return exercise(adapters, {"tp": no_tp_reduction, "dp": _skip_dp_sum, "cp": _skip_cp_sum,
-                               None: None}[control])
+                               "pp": _skip_pp_norm_sum, None: None}[control])
 
 
 def _skip_dp_sum(adapters: Adapters) -> None:
@@ -147,13 +147,32 @@ def _skip_cp_sum(adapters: Adapters) -> None:
     ranks.reduce_grads = lambda params: _all_reduce([p.grad for p in params], ranks.dp_group)
 
 
-def isolation(model_dir: str, tp: int, sequence_parallel: bool, cp: int = 1) -> dict | None:
+def _skip_pp_norm_sum(adapters: Adapters) -> None:
+    """Negative control: each pipeline stage clips with its own layers' gradient norm (the
+    norm's sum over PP dropped)."""
+    import torch.distributed as dist
+
+    from engine.tinker.mcore_ranks import _squares
+
+    ranks = adapters.ranks
+
+    def stage_norm(params):
+        split = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
+        whole = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
+        squares = _squares(split)
+        dist.all_reduce(squares, group=ranks.tp_group)
+        return (squares + _squares(whole)).sqrt()
+    ranks.grad_norm = stage_norm
+
+
+def isolation(model_dir: str, tp: int, sequence_parallel: bool, cp: int = 1, pp: int = 1
+              ) -> dict | None:
     """Model "a" trained 2 steps alone, then (a fresh "a") 2 steps with "b"'s rows batched
-    into every forward_backward, on the Megatron backend at tp x cp x (world / (tp x cp)); a
+    into every forward_backward, on the Megatron backend at tp x pp x cp x (the rest); a
     third model "c" never trained. Returns on the root a's largest relative gap (losses,
     log-probs, state) between the two runs, whether they are bitwise equal, and whether c is
     bitwise unchanged."""
-    adapters = _megatron_adapters(model_dir, tp, sequence_parallel, cp)
+    adapters = _megatron_adapters(model_dir, tp, sequence_parallel, cp, pp)
     adapters.create("c", SPECS["a"])
     c_before = adapters.export("c", False)["adapter"]
     runs = []
