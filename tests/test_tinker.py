@@ -627,8 +627,9 @@ def test_the_console_command_refuses_bad_flags_by_name(tmp_path):
 
 def test_the_megatron_layout_overrides_are_checked_before_any_process_starts():
     """engine.tinker.__main__.layout_of: parallel.tp / parallel.pp / parallel.cp /
-    sequence_parallel to a ParallelLayout, checked by parallel.layout against the world and
-    the model's layers and heads; vpp and ep other than 1 and unknown keys refused by name."""
+    parallel.ep / sequence_parallel to a ParallelLayout, checked by parallel.layout against
+    the world and the model's layers, heads and experts; vpp other than 1 and unknown keys
+    refused by name."""
     from engine.tinker.__main__ import layout_of
     from parallel.layout import ParallelLayout
 
@@ -642,11 +643,14 @@ def test_the_megatron_layout_overrides_are_checked_before_any_process_starts():
         ParallelLayout(2, cp=2)
     assert layout_of(["parallel.pp=2", "parallel.tp=2"], 8, heads) == \
         ParallelLayout(8, tp=2, pp=2, sequence_parallel=True)
+    moe = dict(heads, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2)
+    assert layout_of(["parallel.ep=2"], 2, moe) == ParallelLayout(2, ep=2)
     for overrides, world, needle in [
+            (["parallel.ep=2"], 2, "parallel.ep=2 needs a mixture-of-experts model"),
             (["parallel.vpp=2"], 2, "parallel.vpp=2: the tinker service's Megatron backend "
-                                    "runs tensor, pipeline, context and data parallelism only"),
+                                    "runs tensor, pipeline, context, expert and data "
+                                    "parallelism only"),
             (["parallel.pp=4"], 4, "num_hidden_layers=2 is not divisible by parallel.pp"),
-            (["parallel.ep=2"], 2, "parallel.ep=2"),
             (["parallel.cp=3"], 4, "world size 4 is not divisible by parallel.tp x "
                                    "parallel.pp x parallel.cp"),
             (["parallel.cp=8"], 8, "num_attention_heads=4 is not divisible by parallel.tp x "

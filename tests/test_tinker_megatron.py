@@ -36,6 +36,7 @@ from tests.test_tinker import _serve  # noqa: E402
 from tools.tiny_models import build_eos_model  # noqa: E402
 
 CHECK = "tests.multirank.tinker_check:megatron"
+FEW = "tests.multirank.tinker_check:megatron_few_rows"
 TOL = 1e-5
 
 
@@ -143,6 +144,41 @@ def test_megatron_isolation_batched_equals_alone(pools, model, envelope):
         assert r["c_untouched"], name
 
 
+def test_megatron_moe_models_equal_the_transformers_backend(pools, tmp_path_factory):
+    """A Qwen3-MoE model (attention and lm_head adapters: neither backend adapts experts, so
+    train_mlp is refused on both) at one rank, EP2, TP2 + SP x EP2 and PP2 x EP2 equals the
+    hf backend as the dense layouts do (rel 1e-5; states 4x the envelope). Under expert
+    parallelism the experts' all-to-alls are collective over the replicas, so every replica
+    runs every call (engine.tinker.compute `every_replica`): batches of fewer rows than
+    replicas, a forward-only call and a replica without a backward row run at EP2 and equal
+    the hf backend (states: the first AdamW steps from one row, m / sqrt(v) near +-1 where a
+    gradient is near zero, held to 1e-4; measured 1.6e-5 at one rank too). Control: the DP
+    gradient sum dropped at EP2."""
+    moe = build_eos_model(str(tmp_path_factory.mktemp("tinker_moe") / "qwen3_moe"),
+                          arch="qwen3_moe")
+    specs = tinker_check.MOE_SPECS
+    reference = tinker_check.exercise(_hf_adapters(moe), specs=specs)
+    envelope = _gap(tinker_check.exercise(_hf_adapters(moe), specs=specs, reverse=True)[
+        "states"], reference["states"])
+    assert 0 < envelope < 1e-3, envelope
+    runs = {"one rank": pools.run(1, CHECK, moe, 1, False, specs=specs)[0],
+            "ep2": pools.run(2, CHECK, moe, 1, False, ep=2, specs=specs)[0],
+            "tp2 + sp x ep2": pools.run(4, CHECK, moe, 2, True, ep=2, specs=specs)[0],
+            "pp2 x ep2": pools.run(4, CHECK, moe, 1, False, pp=2, ep=2, specs=specs)[0]}
+    gaps = {name: {k: _gap(r[k], reference[k]) for k in RUN + ("states",)}
+            for name, r in runs.items()}
+    assert all(g[k] < TOL for g in gaps.values() for k in RUN), gaps
+    assert all(g["states"] < 4 * envelope for g in gaps.values()), (envelope, gaps)
+    few = tinker_check.few_rows(_hf_adapters(moe), specs)
+    got = pools.run(2, FEW, moe, 1, False, ep=2, specs=specs)[0]
+    assert max(_gap(got[k], few[k]) for k in ("losses", "logprobs", "grad_norms")) < TOL
+    assert _gap(got["states"], few["states"]) < 1e-4
+    assert len(few["losses"]) == 3 and len(few["grad_norms"]) == 2
+    assert "mixture-of-experts" in got["unadapted_mlp"]
+    control = pools.run(2, CHECK, moe, 1, False, "dp", ep=2, specs=specs)[0]
+    assert max(_gap(control[k], reference[k]) for k in ("logprobs", "grad_norms")) > 1e3 * TOL
+
+
 @contextlib.contextmanager
 def launched(model: str, state: str, nproc: int, *extra: str):
     """`megatron-sft-engine tinker --nproc-per-node NPROC --model MODEL EXTRA` (the console's
@@ -213,7 +249,7 @@ def test_console_launch_tp2_trains_and_its_state_resumes_on_the_transformers_bac
         greedy = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(
             max_tokens=5, temperature=0.0)).result().sequences[0]
     out = server["out"]
-    assert "Megatron backend, 2 ranks: tp 2 (sequence parallel on), pp 1, cp 1, dp 1" in out
+    assert "Megatron backend, 2 ranks: tp 2 (sequence parallel on), pp 1, cp 1, ep 1, dp 1" in out
     assert before[1][0] < before[0][0]
     # the transformers backend on the same --state-dir resumes the TP2 state with AdamW's
     # moments: its next step is the TP2 server's

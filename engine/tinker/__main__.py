@@ -105,16 +105,17 @@ def read_keys(args) -> dict[str, str] | None | str:
     return keys or f"--keys-file {args.keys_file!r}: no keys"
 
 
-SERVED = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.sequence_parallel")
-AT_ONE = ("parallel.vpp", "parallel.ep")
+SERVED = ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
+          "parallel.sequence_parallel")
+AT_ONE = ("parallel.vpp",)
 
 
 def layout_of(overrides: list[str], world: int, hf_config: dict):
     """The Megatron backend's parallel.layout.ParallelLayout of its parallel.* overrides on
     `world` ranks (dp is the rest), or a sentence naming the bad one (parallel.layout's checks
-    against the model's layers and heads included). Sequence parallelism is on at tp > 1
-    unless set; vpp and ep only at 1."""
-    sizes, sp = {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1}, None
+    against the model's layers, heads and experts and its family's included). Sequence
+    parallelism is on at tp > 1 unless set; vpp only at 1."""
+    sizes, sp = {"parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1}, None
     for item in overrides:
         key, sep, raw = item.partition("=")
         value = raw.strip().lower()
@@ -123,8 +124,8 @@ def layout_of(overrides: list[str], world: int, hf_config: dict):
         if key in AT_ONE:
             if value not in ("1", "null", "none"):
                 return (f"{key}={raw}: the tinker service's Megatron backend runs tensor, "
-                        f"pipeline, context and data parallelism only ({', '.join(SERVED)}; "
-                        "dp is the rest)")
+                        f"pipeline, context, expert and data parallelism only "
+                        f"({', '.join(SERVED)}; dp is the rest)")
         elif key in sizes:
             if not value.isdigit() or int(value) < 1:
                 return f"{key}={raw} must be a positive integer"
@@ -136,14 +137,18 @@ def layout_of(overrides: list[str], world: int, hf_config: dict):
         else:
             return (f"{key}: not a key of the tinker command; valid: {', '.join(SERVED)}, "
                     f"and {', '.join(AT_ONE)} at 1")
-    from parallel.layout import ParallelLayout   # (the parallel package imports torch)
+    from models.families.registry import FAMILIES, experts_per_layer   # (torch)
+    from parallel.layout import ParallelLayout   # (torch)
 
-    tp, pp, cp = sizes["parallel.tp"], sizes["parallel.pp"], sizes["parallel.cp"]
-    layout = ParallelLayout(world, tp=tp, pp=pp, cp=cp,
+    tp, pp, cp, ep = (sizes[f"parallel.{k}"] for k in ("tp", "pp", "cp", "ep"))
+    layout = ParallelLayout(world, tp=tp, pp=pp, cp=cp, ep=ep,
                             sequence_parallel=tp > 1 if sp is None else sp)
     problems = layout.problems(num_layers=hf_config.get("num_hidden_layers"),
                                num_heads=hf_config.get("num_attention_heads"),
-                               num_kv_heads=hf_config.get("num_key_value_heads"))
+                               num_kv_heads=hf_config.get("num_key_value_heads"),
+                               num_experts=experts_per_layer(hf_config))
+    family = FAMILIES.get(hf_config.get("model_type"))   # (unknown: refused by the build)
+    problems += family.layout_problems(hf_config, tp, cp) if family else []
     return problems[0] if problems else layout
 
 

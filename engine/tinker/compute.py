@@ -19,6 +19,9 @@ from engine.tinker.losses import LOSSES
 from engine.tinker.wire import Datum
 
 
+IDLE_ROW = Datum([0], {"target_tokens": torch.tensor([0])})   # results never read
+
+
 def right_padded(seqs: list[list[int]]) -> torch.Tensor:
     """int64 [len(seqs), longest]: the token sequences, zeros after each one's end."""
     ids = torch.zeros(len(seqs), max(len(t) for t in seqs), dtype=torch.long)
@@ -52,16 +55,25 @@ def run_losses(lora, items: list[dict], grad: bool, ranks) -> list[dict] | None:
     gradients add up to the whole batch's when optim_step sums them. A row whose loss fails
     on any rank fails the call on every rank before any backward (ranks.agree), so no replica
     keeps a partial gradient. With pipeline stages only the last holds log-probs and losses;
-    every stage runs `lora.backward` (engine.tinker.mcore)."""
+    every stage runs `lora.backward` (engine.tinker.mcore). A model whose `every_replica` is
+    true (engine.tinker.mcore under expert parallelism: the experts' all-to-alls are
+    collective over replicas) runs a forward on every replica, one IDLE_ROW where it has no
+    rows, and a backward on every replica when any replica has one to run, of a zero loss
+    where it has none of its own."""
     rows = [(k, item["adapter"], d) for k, item in enumerate(items) for d in item["data"]]
     mine = ranks.split([len(d.tokens) for _, _, d in rows])
-    # the same on every pipeline stage of a replica, which all take part in the backward
-    backward = grad and any(items[rows[r][0]]["backward"] for r in mine)
+    every = getattr(lora, "every_replica", False)
+    # the same on every pipeline stage of a replica (all take part in the backward), and on
+    # every replica where they all must (`every`)
+    backward = grad and any(items[rows[r][0]]["backward"]
+                            for r in (range(len(rows)) if every else mine))
     per_row, total, error = {}, None, None
     with torch.enable_grad() if grad else torch.no_grad():
         try:
-            logprobs = forward_rows(lora, [(rows[r][1], rows[r][2]) for r in mine]) \
-                if mine else []
+            batch = [(rows[r][1], rows[r][2]) for r in mine]
+            if every and not batch:   # a replica without rows still takes its part
+                batch = [(None, IDLE_ROW)]
+            logprobs = forward_rows(lora, batch) if batch else []
             for r, lp in zip(mine, logprobs):
                 k, _, d = rows[r]
                 item = items[k]
@@ -76,6 +88,8 @@ def run_losses(lora, items: list[dict], grad: bool, ranks) -> list[dict] | None:
                 per_row[r] = (out, float(loss.detach()))
                 if item["backward"] and grad:
                     total = loss if total is None else total + loss
+            if backward and total is None and logprobs:   # `every`: zero gradients
+                total = torch.stack([lp.sum() for lp in logprobs]).sum() * 0.0
         except Exception as e:
             error = e
         ranks.agree(error)

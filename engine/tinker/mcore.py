@@ -1,6 +1,6 @@
 """The Tinker service's Megatron backend: the base model built by Megatron-Core at this
 process's layout (tensor parallelism with or without sequence parallelism, pipeline stages,
-Ulysses context parallelism, data-parallel replicas), every user's adapter a
+Ulysses context parallelism, expert parallelism, data-parallel replicas), every user's adapter a
 models.lora.tenants adapter (the engine's own LoRA on megatron's TP-sharded linears) on the
 layers of this rank's stage, each batch row taking its own.
 
@@ -25,7 +25,15 @@ and sends its own on; `logits` returns the logits on the last stage and None on 
 the gradient of its output that the next stage sends back (each stage the gradient of its
 received input). The stages split the model's memory; one micro-batch per call, they do not
 overlap. Exports (`full`) and the adapters' shapes are gathered over the PP group, so a state
-and a seed's initial adapter are the whole model's at every layout."""
+and a seed's initial adapter are the whole model's at every layout.
+
+A MoE model's experts take no adapter (models.lora.tenants; `unadapted_mlp` says why the
+service refuses train_mlp) and may be spread over expert-parallel ranks (megatron's EP
+group, carved from the data-parallel replicas): their token all-to-alls are then collective
+over replicas that hold different rows, so every replica runs every call's forward and
+backward (`every_replica`, engine.tinker.compute) and the embedding's output takes a
+gradient, so that every MoE layer's backward all-to-all runs on every rank whatever the
+adapters of its rows."""
 from __future__ import annotations
 
 import torch
@@ -63,14 +71,24 @@ class MegatronLora:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.pipe: tuple | None = None   # this stage's (input, output) of the last forward
+        # under expert parallelism every replica of an EP group runs every call's forward and
+        # backward (the experts' all-to-alls are collective; engine.tinker.compute), with
+        # gradients through every layer whatever its rows' adapters
+        self.every_replica = ps.get_expert_model_parallel_world_size() > 1
         self.vocab = int(hf_config["vocab_size"])
         self.max_context = int(hf_config.get("max_position_embeddings", 2048))
         self.arch = f"megatron {hf_config.get('architectures', ['GPTModel'])[0]}"
         self.tenants = TenantLora(self.model, self.vocab)
+        if self.every_replica and self.first:
+            unwrap(self.model).embedding.register_forward_hook(_needs_grad)
         self.shapes = {k: v for part in _over_pp(self.tenants.shapes, self.pp_group)
                        for k, v in part.items()}   # {HF path: (out, in)}, the whole model's
         self.specs: dict[str, LoraSpec] = {}
-        self.unadapted_mlp = None   # MoE models are refused by TenantLora
+        # why train_mlp cannot be served (None: it can): models.lora.tenants adapts no MoE MLP
+        moe = any(part["moe"] for part in _over_pp({"moe": self.tenants.moe}, self.pp_group))
+        self.unadapted_mlp = None if not moe else (
+            f"{self.arch} has mixture-of-experts MLPs, whose experts this backend's adapters "
+            "do not reach")
 
     def add(self, name: str, spec: LoraSpec) -> None:
         self.load(name, spec, initial_tensors(spec, self.shapes))
@@ -153,6 +171,12 @@ class MegatronLora:
             received = pipe[0]
             grad = received.grad if received.grad is not None else torch.zeros_like(received)
             dist.send(grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+
+
+def _needs_grad(module, args, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output as a tensor that takes a gradient (with grad enabled): every
+    MoE layer's all-to-all then runs in the backward on every rank."""
+    return output.requires_grad_() if torch.is_grad_enabled() else output
 
 
 def _over_pp(part: dict, group) -> list[dict]:

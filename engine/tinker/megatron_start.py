@@ -32,7 +32,7 @@ def megatron_backend(model_dir: str, layout: ParallelLayout,
                      settings: SamplerSettings = SamplerSettings()) -> Lockstep | Follower:
     """Collective over the `layout.world_size` ranks torchrun started: layout.dp
     data-parallel replicas of the model in `model_dir`, each over tp x pp x cp ranks (Ulysses
-    context parallelism over cp)."""
+    context parallelism over cp; a MoE model's experts over ep of the replicas)."""
     init_distributed()
     setup_model_parallel(layout)
     lora = MegatronLora(model_dir, layout.sequence_parallel)
@@ -47,5 +47,5 @@ def megatron_backend(model_dir: str, layout: ParallelLayout,
         return Follower(adapters, group)
     print(f"tinker: Megatron backend, {layout.world_size} ranks: tp {layout.tp} (sequence "
           f"parallel {'on' if layout.sequence_parallel else 'off'}), pp {layout.pp}, "
-          f"cp {layout.cp}, dp {layout.dp}", flush=True)
+          f"cp {layout.cp}, ep {layout.ep}, dp {layout.dp}", flush=True)
     return Lockstep(adapters, group)

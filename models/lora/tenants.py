@@ -19,8 +19,10 @@ in the service's transformers backend (engine.tinker.lora). `full` / `shards` co
 per-parameter tensors (AdamW's moments) the same way.
 
 On a pipeline stage the sites are that stage's layers' (their HF paths keep the global layer
-numbers) and, on the last, lm_head's. Served: dense decoder models without expert parallelism
-(`TenantUnsupportedError` names what is not)."""
+numbers) and, on the last, lm_head's. A MoE layer's MLP takes no adapter (`moe` says a model
+has one): its experts see the tokens permuted by the router's dispatch, where the row -> user
+map does not reach; its attention does. Other linears than these are refused
+(`TenantUnsupportedError` names them)."""
 from __future__ import annotations
 
 import torch
@@ -149,12 +151,13 @@ class TenantLora:
         self.sites: list[TenantSite] = []
         self.shapes: dict[str, tuple[int, int]] = {}   # {HF path: (out, in)}
         every = LoraSpec(rank=1, alpha=1.0, targets=frozenset(ATTENTION + MLP))
+        attention = LoraSpec(rank=1, alpha=1.0, targets=frozenset(ATTENTION))
+        self.moe = False   # a layer has MoE experts: its MLP takes no adapter
         for layer in model.decoder.layers:
-            if getattr(getattr(layer, "mlp", None), "experts", None) is not None:
-                raise TenantUnsupportedError("the Megatron backend serves dense models; this "
-                                             "one has MoE experts")
+            moe = getattr(getattr(layer, "mlp", None), "experts", None) is not None
+            self.moe |= moe
             for parent, name, kind, fused, _, _, _, keys in decoder_layer_sites(
-                    layer, every, {}, LAYERS, {}):
+                    layer, attention if moe else every, {}, LAYERS, {}):
                 if name not in DENSE_SITES:
                     raise TenantUnsupportedError(
                         f"the Megatron backend adapts {', '.join(DENSE_SITES)}; this model "

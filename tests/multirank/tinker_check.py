@@ -21,6 +21,9 @@ ADAM = dict(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.
             grad_clip_norm=5.0)
 RL_INPUTS = {"target_tokens", "logprobs", "advantages"}
 SPECS = {"a": LoraSpec(rank=4, seed=1), "b": LoraSpec(rank=2, seed=7, train_unembed=False)}
+# a MoE model's (neither backend adapts its experts: train_mlp is refused)
+MOE_SPECS = {"a": LoraSpec(rank=4, seed=1, train_mlp=False),
+             "b": LoraSpec(rank=2, seed=7, train_mlp=False, train_unembed=False)}
 
 
 def _datum(tokens: list[int], **inputs) -> Datum:
@@ -51,12 +54,14 @@ def _items(step: int) -> list[dict]:
          "backward": False, "config": check_loss("cross_entropy", {"target_tokens"}, None)}]
 
 
-def exercise(adapters: Adapters, control=None, reverse: bool = False) -> dict | None:
+def exercise(adapters: Adapters, control=None, reverse: bool = False, specs: dict = SPECS
+             ) -> dict | None:
     """The script (module docstring) on `adapters`; the record on the root, None elsewhere.
     `control(adapters)`: applied once the models exist (negative controls). `reverse`: every
     batch's items and rows in the opposite order (the same sums in another order: the
-    rounding envelope of the states; the record's per-row entries come in that order)."""
-    for name, spec in SPECS.items():
+    rounding envelope of the states; the record's per-row entries come in that order).
+    `specs`: the two models' LoraSpecs (SPECS, or MOE_SPECS on a MoE model)."""
+    for name, spec in specs.items():
         adapters.create(name, spec)
     if control is not None:
         control(adapters)
@@ -66,20 +71,20 @@ def exercise(adapters: Adapters, control=None, reverse: bool = False) -> dict | 
         if reverse:
             items = [dict(item, data=item["data"][::-1]) for item in items[::-1]]
         results = adapters.run_losses(items, True)
-        norms = [adapters.optim_step(name, ADAM)["grad_norm:mean"] for name in SPECS]
+        norms = [adapters.optim_step(name, ADAM)["grad_norm:mean"] for name in specs]
         if results is not None:
             record["losses"].append([r["metrics"]["loss:sum"] for r in results])
             record["logprobs"].append([o["logprobs"].tolist() for r in results
                                        for o in r["outputs"]])
             record["grad_norms"].append(norms)
-    states = {name: adapters.export(name, True) for name in SPECS}
-    for name, spec in SPECS.items():   # sampler snapshots: exported on every rank
+    states = {name: adapters.export(name, True) for name in specs}
+    for name, spec in specs.items():   # sampler snapshots: exported on every rank
         adapters.frozen(f"sampler {name}", spec, source=name)
     if not adapters.ranks.root:
         return None
     samples = {name: adapters.sample(f"sampler {name}", [5, 6, 7, 8], 2, dict(
         max_tokens=6, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=set(),
-        stop_strings=[]), True) for name in SPECS}
+        stop_strings=[]), True) for name in specs}
     record["states"] = {name: {"adapter": _numpy(s["adapter"]), "step": s["adam"]["step"],
                                "exp_avg": _numpy(s["adam"]["exp_avg"]),
                                "exp_avg_sq": _numpy(s["adam"]["exp_avg_sq"])}
@@ -102,7 +107,7 @@ def no_tp_reduction(adapters: Adapters) -> None:
 
 
 def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool, cp: int = 1,
-                       pp: int = 1) -> Adapters:
+                       pp: int = 1, ep: int = 1) -> Adapters:
     """The Megatron backend's Adapters at tp x pp x cp x (world / (tp x pp x cp)) on this
     pool's ranks (the service's operations without its HTTP front)."""
     import torch.distributed as dist
@@ -112,7 +117,7 @@ def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool, cp: int
     from parallel.layout import ParallelLayout
     from parallel.process_groups import setup_model_parallel
 
-    setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp, pp=pp, cp=cp,
+    setup_model_parallel(ParallelLayout(dist.get_world_size(), tp=tp, pp=pp, cp=cp, ep=ep,
                                         sequence_parallel=sequence_parallel))
     sampler = EngineSampler(MultiLora.from_folder(model_dir), model_dir, str) \
         if dist.get_rank() == 0 else None   # as engine.tinker.megatron_start
@@ -120,12 +125,12 @@ def _megatron_adapters(model_dir: str, tp: int, sequence_parallel: bool, cp: int
 
 
 def megatron(model_dir: str, tp: int, sequence_parallel: bool, control: str | None = None,
-             cp: int = 1, pp: int = 1) -> dict | None:
+             cp: int = 1, pp: int = 1, ep: int = 1, specs: dict = SPECS) -> dict | None:
     """`exercise` on the Megatron backend at tp x pp x cp x (world / (tp x pp x cp)) on this
-    pool's ranks; `control`: a negative control's name (tp, dp, cp, pp)."""
-    adapters = _megatron_adapters(model_dir, tp, sequence_parallel, cp, pp)
+    pool's ranks (experts over ep); `control`: a negative control's name (tp, dp, cp, pp)."""
+    adapters = _megatron_adapters(model_dir, tp, sequence_parallel, cp, pp, ep)
     return exercise(adapters, {"tp": no_tp_reduction, "dp": _skip_dp_sum, "cp": _skip_cp_sum,
-                               "pp": _skip_pp_norm_sum, None: None}[control])
+                               "pp": _skip_pp_norm_sum, None: None}[control], specs=specs)
 
 
 def _skip_dp_sum(adapters: Adapters) -> None:
@@ -163,6 +168,41 @@ def _skip_pp_norm_sum(adapters: Adapters) -> None:
         dist.all_reduce(squares, group=ranks.tp_group)
         return (squares + _squares(whole)).sqrt()
     ranks.grad_norm = stage_norm
+
+
+def few_rows(adapters: Adapters, specs: dict = SPECS) -> dict | None:
+    """Batches with fewer rows than replicas or without a backward on some: model a's one
+    cross_entropy row; a forward-only call; a's row with the base model's forward-only row;
+    an optim_step after each call with a backward. Returns on the root the losses,
+    log-probs and grad norms, and a's state."""
+    adapters.create("a", specs["a"])
+    one = _items(0)[0]
+    one = dict(one, data=one["data"][:1])
+    base = _items(0)[3]
+    record = {"losses": [], "logprobs": [], "grad_norms": []}
+    for items, grad in (([one], True), ([base], False), ([one, base], True)):
+        results = adapters.run_losses(items, grad)
+        if grad:
+            record["grad_norms"].append(adapters.optim_step("a", ADAM)["grad_norm:mean"])
+        if results is not None:
+            record["losses"].append([r["metrics"]["loss:sum"] for r in results])
+            record["logprobs"].append([o["logprobs"].tolist() for r in results
+                                       for o in r["outputs"]])
+    state = adapters.export("a", True)
+    if not adapters.ranks.root:
+        return None
+    record["states"] = {"a": {"adapter": _numpy(state["adapter"]),
+                              "exp_avg": _numpy(state["adam"]["exp_avg"])}}
+    return record
+
+
+def megatron_few_rows(model_dir: str, tp: int, sequence_parallel: bool, cp: int = 1,
+                      pp: int = 1, ep: int = 1, specs: dict = SPECS) -> dict | None:
+    """`few_rows` on the Megatron backend at this layout (experts over ep), with the
+    backend's `unadapted_mlp` (why train_mlp is refused) in the record."""
+    adapters = _megatron_adapters(model_dir, tp, sequence_parallel, cp, pp, ep)
+    record = few_rows(adapters, specs)
+    return None if record is None else dict(record, unadapted_mlp=adapters.lora.unadapted_mlp)
 
 
 def isolation(model_dir: str, tp: int, sequence_parallel: bool, cp: int = 1, pp: int = 1
