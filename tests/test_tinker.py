@@ -619,6 +619,56 @@ def test_a_mixture_of_experts_model_refuses_train_mlp_by_name(tmp_path):
     assert dense.unadapted_mlp is None and "model.layers.0.mlp.gate_proj" in dense.linears
 
 
+def test_the_sampler_holds_at_most_max_samplers_adapters(tmp_path):
+    """--max-samplers 2: a third sampling session releases the least recently used one's
+    adapter from the sampler (engine.tinker.sampling_sessions). A released snapshot answers
+    an error naming --max-samplers; a released session made from a saved path loads its file
+    again and samples exactly as before (tokens and log-probs equal). The sampler never holds
+    more than 2 sampling adapters although 4 sessions were made (without the release it
+    would hold 4)."""
+    served = _serve(["--model", build_eos_model(str(tmp_path / "llama")), "--api-key", KEY_A,
+                     "--state-dir", str(tmp_path / "s"), "--max-samplers", "2"])
+    service = served["service"]
+
+    def held() -> int:   # sampling adapters on the sampler's model (training ones are a...)
+        return sum(name.startswith("s") for name in service.lora.specs)
+
+    def greedy(client) -> tuple[list, list]:
+        seq = client.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(
+            max_tokens=5, temperature=0.0)).result().sequences[0]
+        return seq.tokens, seq.logprobs
+
+    def step():
+        tc.forward_backward(SFT, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    try:
+        sc = tinker.ServiceClient(base_url=served["url"], api_key=KEY_A)
+        tc = sc.create_lora_training_client(base_model="llama", rank=4).result()
+        step()
+        first = tc.save_weights_and_get_sampling_client().result()
+        greedy(first)
+        path = tc.save_weights_for_sampler("kept").result().path
+        from_path = sc.create_sampling_client(model_path=path)
+        before = greedy(from_path)
+        step()
+        second = tc.save_weights_and_get_sampling_client().result()   # releases `first`
+        greedy(second)
+        assert held() == 2
+        with pytest.raises(Exception, match="released.*--max-samplers"):
+            greedy(first)
+        step()
+        third = tc.save_weights_and_get_sampling_client().result()   # releases `from_path`
+        sessions = list(service.samplers.by_id.values())   # in least recently used order
+        assert held() == 2 and [s.path is not None for s in sessions] == [False, True, False,
+                                                                          False]
+        assert [s.released for s in sessions] == [True, True, False, False]
+        assert greedy(from_path) == before   # loaded again from its file
+        assert held() == 2 and sessions[2].released and not sessions[1].released
+        assert greedy(third)[0]
+    finally:
+        served["stop"]()
+
+
 def test_the_console_command_refuses_bad_flags_by_name(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tools.cli", "tinker", "--model", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)

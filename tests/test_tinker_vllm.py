@@ -5,6 +5,8 @@ peft in tests/test_tinker.py) on the same adapters: two models of different rank
 (one with lm_head), sampled concurrently. Second tier (vLLM's start)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -91,6 +93,18 @@ def test_vllm_sampling_equals_the_hf_sampler_on_each_adapter(server):
         np.testing.assert_allclose(seq.logprobs, scored[len(PROMPT):], rtol=1e-4, atol=1e-5)
     with pytest.raises(Exception, match="lora_config.rank 16 is above 8"):
         sc.create_lora_training_client(base_model="llama", rank=16).result()
+    # a released sampler adapter (engine.tinker.sampling_sessions, --max-samplers) leaves
+    # vLLM's LoRA caches and its peft folder is deleted; the other session samples as before
+    engine = service.sample_engine
+    # a's session, the most recently used (its draws were scored last)
+    adapter = [s.adapter for s in service.samplers.by_id.values() if s.adapter][-1]
+    request = engine.requests[adapter]
+    assert request.lora_int_id in engine.engine.llm.llm_engine.list_loras()
+    service.backend.release(adapter)
+    assert adapter not in engine.requests and not Path(request.lora_path).exists()
+    assert request.lora_int_id not in engine.engine.llm.llm_engine.list_loras()
+    assert samplers["b"].sample(prompt, 1, greedy).result().sequences[0].tokens == \
+        replies["b"].tokens
 
 
 def test_the_vllm_sampler_refuses_what_it_cannot_serve_by_flag(tmp_path, capsys):

@@ -58,6 +58,10 @@ def parser(prog: str) -> argparse.ArgumentParser:
                    help="a request body over this many MiB gets 413 (default: 64)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="a request arriving while N wait for the model gets 429 (default 256)")
+    p.add_argument("--max-samplers", type=int, default=32, metavar="N",
+                   help="sampling sessions whose adapters the sampler holds at once; one more "
+                        "releases the least recently used (one made from a saved path loads "
+                        "again when it samples; a snapshot's is gone) (default 32)")
     p.add_argument("--batch-wait-ms", type=float, default=10.0,
                    help="forward_backward requests queued within this long of the first run "
                         "as one batch (default: 10)")
@@ -190,6 +194,7 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
         (0 <= args.port <= 65535, f"--port {args.port} must be in [0, 65535]"),
         (args.max_body_mb > 0, f"--max-body-mb {args.max_body_mb} must be > 0"),
         (args.max_queue >= 1, f"--max-queue {args.max_queue} must be >= 1"),
+        (args.max_samplers >= 1, f"--max-samplers {args.max_samplers} must be >= 1"),
         (args.batch_wait_ms >= 0, f"--batch-wait-ms {args.batch_wait_ms} must be >= 0"),
         (not isinstance(keys, str), keys if isinstance(keys, str) else ""),
         (megatron or world == 1, f"--backend hf runs on one process, launched on {world}"),
@@ -225,6 +230,7 @@ def build(argv: list[str] | None = None, prog: str = "python -m engine.tinker"):
             return backend   # runs the root's calls (main)
     svc = service.Service(args.model, name, args.state_dir,
                           batch_wait_s=args.batch_wait_ms / 1e3, max_queue=args.max_queue,
+                          max_samplers=args.max_samplers,
                           backend=backend, sampler=sampler)
     app = routes.build_app(svc, keys, int(args.max_body_mb * 2 ** 20))
     print(f"tinker API for {name!r} on http://{args.host}:{args.port}", flush=True)

@@ -50,6 +50,11 @@ class Adapters:
         if self.sampler is not None:
             self.sampler.load(adapter, spec, tensors)
 
+    def release(self, adapter: str) -> None:
+        """On the root only: the sampler drops a sampler's adapter (its memory freed)."""
+        if self.sampler is not None:
+            self.sampler.unload(adapter)
+
     def remove(self, adapter: str) -> None:
         self.lora.remove(adapter)
         self.optimizers.pop(adapter, None)

@@ -4,8 +4,8 @@ ranks, which run the same call on their own replica shard, in the same order
 (`follow`), so every collective inside it (TP reductions, the data-parallel gradient sum,
 gathers to the root) pairs up.
 
-Sampling is the one call the root runs alone (on its engine.tinker.sampler); the followers
-wait in the channel meanwhile.
+Sampling and releasing a sampler's adapter are the calls the root runs alone (on its
+engine.tinker.sampler: ROOT_ONLY); the followers wait in the channel meanwhile.
 
 The channel is a process group of its own (gloo, CPU objects) whose timeout is a year: an
 idle server's followers wait in its broadcast without the training groups' timeout
@@ -27,6 +27,7 @@ from parallel import cpu_runtime
 STOP = "__stop__"
 # what the service calls on its backend (engine.tinker.service)
 CALLS = ("create", "frozen", "remove", "run_losses", "optim_step", "export")
+ROOT_ONLY = ("sample", "release")   # on the root's sampler alone: not broadcast
 
 
 def channel():
@@ -36,27 +37,25 @@ def channel():
 
 class Lockstep:
     """The root's handle on every replica: `lockstep.<call>(...)` broadcasts the call, then
-    runs it on the root's own Adapters and returns its result."""
+    runs it on the root's own Adapters and returns its result (a ROOT_ONLY call: only the
+    latter)."""
 
     def __init__(self, local, group):
         self.local, self.group, self.lora = local, group, local.lora
-        self.sampler = local.sampler   # the root's (sampling is not broadcast: `sample`)
+        self.sampler = local.sampler   # the root's (its calls are not broadcast: ROOT_ONLY)
         self.lock = threading.Lock()   # the worker's calls and stop() from the main thread
 
     def __getattr__(self, name: str):
-        if name not in CALLS:
+        if name not in CALLS + ROOT_ONLY:
             raise AttributeError(name)
 
         def call(*args, **kwargs):
             with self.lock, cpu_runtime.on_this_thread():   # the service's worker thread
-                dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.group)
+                if name in CALLS:
+                    dist.broadcast_object_list([(name, args, kwargs)], src=0,
+                                               group=self.group)
                 return getattr(self.local, name)(*args, **kwargs)
         return call
-
-    def sample(self, *args, **kwargs):
-        """The root alone samples (engine.tinker.adapters.Adapters.sample): not broadcast."""
-        with self.lock:
-            return self.local.sample(*args, **kwargs)
 
     def stop(self) -> None:
         with self.lock:

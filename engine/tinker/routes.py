@@ -32,6 +32,7 @@ from engine.tinker.request_checks import checked_forward_backward, sample_reques
 from engine.tinker.request_io import (future_answer, install_refusals, parse_body, read_body,
                                       wait_for)
 from engine.tinker.request_io import owner_of as request_owner
+from engine.tinker.sampling_sessions import SamplingSession
 from engine.tinker.service import BadRequest, Service
 
 PROTO = "application/x-protobuf"
@@ -251,11 +252,11 @@ def _sampling_routes(app: FastAPI, api: "Api") -> None:
         sampler_id = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
         if req.model_path is None:
             service.check_base_model(req.base_model)
-            service.samplers[sampler_id] = (owner, None)
+            service.samplers.add(sampler_id, SamplingSession(owner, None))
         else:
             state = await run_in_threadpool(service.read_state, owner, req.model_path)
-            rid = service.submit("sampler_from_path", dict(owner=owner, state=state,
-                                                          sampling_session_id=sampler_id))
+            rid = service.submit("sampler_from_path", dict(
+                owner=owner, state=state, sampling_session_id=sampler_id, path=req.model_path))
             f = service.future(rid)
             await wait_for(f, float("inf"))
             service.forget(rid)
@@ -273,15 +274,15 @@ def _sampling_routes(app: FastAPI, api: "Api") -> None:
     async def asample(request: Request):
         owner, req = await api.owned(request, types.SampleRequest)
         if req.sampling_session_id is not None:
-            adapter = service.sampler(owner, req.sampling_session_id)
+            service.sampler(owner, req.sampling_session_id)
         elif req.model_path is not None:
             raise BadRequest("model_path: create a sampling session for it first")
         else:
             service.check_base_model(req.base_model)
-            adapter = None
         prompt, params = sample_request(service, req)
         request_id = service.submit("sample", dict(
-            adapter=adapter, prompt=prompt, num_samples=req.num_samples, params=params,
+            session=req.sampling_session_id, prompt=prompt, num_samples=req.num_samples,
+            params=params,
             want_prompt_logprobs=bool(req.prompt_logprobs)))
         return {**api.future(request_id),
                 "sample_sequence_ids": [f"{request_id}:{i}" for i in range(req.num_samples)]}

@@ -92,6 +92,10 @@ class EngineSampler:
         for p in self.lora.parameters(adapter):
             p.requires_grad_(False)
 
+    def unload(self, adapter: str) -> None:
+        """Drop sampler adapter `adapter` (load's)."""
+        self.lora.remove(adapter)
+
     def shutdown(self) -> None:
         """Nothing to stop (the model is the process's own)."""
 

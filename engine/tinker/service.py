@@ -34,10 +34,12 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.tinker.adapters import Adapters
+from engine.tinker.futures import Future
 from engine.tinker.legacy_state import legacy_optimizer
 from engine.tinker.lora import LoraSpec, MultiLora
 from engine.tinker.ranks import OneProcess
 from engine.tinker.samplers import SamplerSettings, make_sampler
+from engine.tinker.sampling_sessions import SamplingSession, SamplingSessions
 from engine.tinker.wire import forward_backward_output, sample_response
 from parallel.openmp import release_thread_team
 
@@ -69,51 +71,15 @@ class TrainModel:
     steps: int = 0
 
 
-class Future:
-    """One request's outcome: `resolve(result)` or `fail(error)`, once, from the worker thread.
-    `done` is a threading.Event; `on_done(callback)` runs `callback()` once the future is done
-    (at once if it already is), from whichever thread resolves it: the routes wake their
-    asyncio waiters with it (loop.call_soon_threadsafe), so no event-loop task polls."""
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.result: object = None     # a dict (JSON) or bytes (protobuf)
-        self.error: str | None = None
-        self._callbacks: list = []
-        self._lock = threading.Lock()
-
-    def resolve(self, result: object) -> None:
-        self.result = result
-        self._finish()
-
-    def fail(self, error: str) -> None:
-        self.error = error
-        self._finish()
-
-    def _finish(self) -> None:
-        with self._lock:
-            if self.done.is_set():
-                return
-            self.done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback()
-
-    def on_done(self, callback) -> None:
-        with self._lock:
-            if not self.done.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
-
-
 class Service:
     def __init__(self, model_dir: str, name: str, state_dir: str, batch_wait_s: float = 0.01,
                  max_queue: int = 256, max_futures: int = 4096, max_context: int | None = None,
-                 backend=None, sampler: SamplerSettings = SamplerSettings()):
+                 backend=None, sampler: SamplerSettings = SamplerSettings(),
+                 max_samplers: int = 32):
         """`backend`: the model's Adapters (engine.tinker.adapters), or on several ranks the
         root's engine.tinker.lockstep.Lockstep over them; None: `transformers_backend` with
-        `sampler`'s sampler."""
+        `sampler`'s sampler. `max_samplers`: sampling sessions whose adapters the sampler
+        holds at once (engine.tinker.sampling_sessions)."""
         self.model_dir, self.name, self.state_dir = model_dir, name, Path(state_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.backend = backend or transformers_backend(model_dir, self.tokenizer, sampler)
@@ -125,7 +91,7 @@ class Service:
         self.batch_wait_s, self.max_futures = batch_wait_s, max_futures
         self.sessions: dict[str, str] = {}
         self.models: dict[str, TrainModel] = {}
-        self.samplers: dict[str, tuple[str, str | None]] = {}   # id: (owner, adapter)
+        self.samplers = SamplingSessions(max_samplers)
         self.futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self.lock, self.counter = threading.Lock(), itertools.count()
         self.work: queue.Queue = queue.Queue(maxsize=max_queue)
@@ -152,12 +118,12 @@ class Service:
             raise NotFound(f"model_id {model_id!r} is not a model of this API key")
         return m
 
-    def sampler(self, owner: str, sampling_session_id: str) -> str | None:
+    def sampler(self, owner: str, sampling_session_id: str) -> SamplingSession:
         s = self.samplers.get(sampling_session_id)
-        if s is None or s[0] != owner:
+        if s is None or s.owner != owner:
             raise NotFound(f"sampling_session_id {sampling_session_id!r} is not a sampling "
                            "session of this API key")
-        return s[1]
+        return s
 
     def check_base_model(self, base_model: str | None) -> None:
         if base_model is not None and base_model != self.name:
@@ -316,20 +282,44 @@ class Service:
     def _do_snapshot(self, owner: str, model: TrainModel, sampling_session_id: str) -> dict:
         adapter = f"s{next(self.counter)}"
         self.backend.frozen(adapter, model.spec, source=model.adapter)
-        self.samplers[sampling_session_id] = (owner, adapter)
+        self._release(self.samplers.add(sampling_session_id, SamplingSession(owner, adapter)))
         return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id}
 
-    def _do_sampler_from_path(self, owner: str, state: dict, sampling_session_id: str) -> dict:
+    def _do_sampler_from_path(self, owner: str, state: dict, sampling_session_id: str,
+                              path: str) -> dict:
         adapter = f"s{next(self.counter)}"
         self.backend.frozen(adapter, LoraSpec(**state["spec"]), state=state)
-        self.samplers[sampling_session_id] = (owner, adapter)
+        self._release(self.samplers.add(sampling_session_id,
+                                        SamplingSession(owner, adapter, path)))
         return {}
 
-    def _do_sample(self, adapter: str | None, prompt: list[int], num_samples: int,
+    def _do_sample(self, session: str | None, prompt: list[int], num_samples: int,
                    params: dict, want_prompt_logprobs: bool) -> bytes:
+        """`session`: the sampling session's id (None: the base model). A released session
+        made from a path loads its weights again (engine.tinker.sampling_sessions)."""
+        adapter = None
+        if session is not None:
+            s = self.samplers.get(session)
+            if s.released and s.path is None:
+                raise NotFound(
+                    f"sampling_session_id {session!r}: its weights were released, the server "
+                    f"holding the {self.samplers.limit} most recently used sampling sessions' "
+                    "weights (--max-samplers); save_weights_for_sampler with a name keeps "
+                    "them at a path, which loads again when needed")
+            reload = None
+            if s.released:
+                state = self.read_state(s.owner, s.path)
+                reload = f"s{next(self.counter)}"
+                self.backend.frozen(reload, LoraSpec(**state["spec"]), state=state)
+            self._release(self.samplers.used(session, reload))
+            adapter = s.adapter
         seqs, lps = self.backend.sample(adapter, prompt, num_samples, params,
                                         want_prompt_logprobs)
         return sample_response(seqs, lps)
+
+    def _release(self, adapters: list[str]) -> None:
+        for adapter in adapters:
+            self.backend.release(adapter)
 
 
 def transformers_backend(model_dir: str, tokenizer, sampler: SamplerSettings) -> Adapters:

@@ -18,6 +18,7 @@ Qwen2, Qwen3); other models are refused at start (`problem`), and a rank above
 from __future__ import annotations
 
 import itertools
+import shutil
 from pathlib import Path
 
 import torch
@@ -77,6 +78,13 @@ class VllmSampler:
             rank=spec.rank, alpha=LORA_ALPHA, targets=frozenset(spec.suffixes())),
             self.model_dir, folder)
         self.requests[adapter] = LoRARequest(adapter, next(self.ids), str(folder))
+
+    def unload(self, adapter: str) -> None:
+        """Drop sampler adapter `adapter`: out of vLLM's LoRA caches, its folder deleted."""
+        request = self.requests.pop(adapter)
+        if getattr(self.engine, "llm", None) is not None:   # (started: it has sampled)
+            self.engine.llm.llm_engine.remove_lora(request.lora_int_id)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
 
     def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
                want_prompt_logprobs: bool) -> tuple[list, list | None]:
