@@ -551,7 +551,8 @@ def test_sampling_runs_on_the_engine_and_equals_a_plain_loop(server):
                   stop_ids=stop_ids, stop_strings=[])
     calls = sampler.engine.num_generate_calls
     try:
-        seqs, prompt_lps = sampler.sample("probe", prompt, 8, params, True)
+        (seqs, prompt_lps), = sampler.sample("probe", [dict(
+            prompt=prompt, num_samples=8, params=params, want_prompt_logprobs=True)])
     finally:
         sampler.lora.remove("probe")
     assert sampler.engine.num_generate_calls == calls + 1
@@ -572,6 +573,53 @@ def test_sampling_runs_on_the_engine_and_equals_a_plain_loop(server):
     with model.disable_adapter():
         base = _plain_sampling_loop(model, prompt, seeds, 10, 0.8, 5, stop_ids)
     assert [s[0] for s in base] != [r[0] for r in reference]
+
+
+def test_sample_requests_in_flight_together_run_as_one_generate_call_each_as_alone(server):
+    """Four sample requests of one sampling session (other prompts, num_samples, max_tokens,
+    seeds; one with prompt log-probs) sent together run as one generate call of all their
+    rows (the service's sample_batches), and each request's replies equal those it gets sent
+    alone: the same tokens and stop reasons, log-probs within rounding (the rows' decode
+    attention spans the call's longest prompt). Control: the same merged rows seeded by their
+    position in the call (the classic bug: one seed for the call) draw other tokens."""
+    from engine.generation.base import SamplingParams
+
+    service = server["service"]
+    tc = _client(server).create_lora_training_client(base_model="llama", rank=4).result()
+    tc.forward_backward(SFT, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    asks = [([5, 6, 7], 2, 6, 1), ([8, 9, 10, 11, 12], 3, 4, 2), ([13, 14], 1, 8, 3),
+            ([15, 16, 17, 18], 2, 5, 4)]
+
+    def send(k):
+        prompt, n, max_tokens, seed = asks[k]
+        return sampler.sample(types.ModelInput.from_ints(prompt), n, types.SamplingParams(
+            max_tokens=max_tokens, seed=seed, stop=[]), include_prompt_logprobs=k == 1)
+    alone = [send(k).result() for k in range(len(asks))]
+    calls = len(service.sample_batches)
+    wait, service.batch_wait_s = service.batch_wait_s, 1.0   # all four queued behind the first
+    try:
+        together = [f.result() for f in [send(k) for k in range(len(asks))]]
+    finally:
+        service.batch_wait_s = wait
+    assert service.sample_batches[calls:] == [8]   # 2 + 3 + 1 + 2 rows, one generate call
+    for a, t in zip(alone, together):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in t.sequences]
+        assert [s.stop_reason for s in a.sequences] == [s.stop_reason for s in t.sequences]
+        for sa, st in zip(a.sequences, t.sequences):
+            np.testing.assert_allclose(st.logprobs, sa.logprobs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(together[1].prompt_logprobs[1:], alone[1].prompt_logprobs[1:],
+                               rtol=1e-5, atol=1e-6)
+    assert together[0].prompt_logprobs is None
+    # control: one seed for the whole call, rows seeded by their position in it
+    engine = service.sample_engine
+    adapter = list(service.samplers.by_id.values())[-1].adapter   # the most recently used
+    prompts = [p for p, n, _, _ in asks for _ in range(n)]
+    with engine.lora.every_row(adapter):
+        wrong = engine.engine.generate(prompts, SamplingParams(max_new_tokens=8, seed=1))
+    merged = [s.tokens for t in together for s in t.sequences]
+    assert sum(w.response_ids[:len(m)] != m for w, m in zip(wrong, merged)) >= 4
 
 
 def test_a_stop_string_cuts_the_reply_where_it_first_appears():

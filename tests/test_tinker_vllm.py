@@ -77,7 +77,8 @@ def test_vllm_sampling_equals_the_hf_sampler_on_each_adapter(server):
                   stop_strings=[])
     for k, v in specs.items():
         hf.load(k, LoraSpec(**v), tensors[k])
-        (ref,), ref_prompt = hf.sample(k, PROMPT, 1, params, True)
+        ((ref,), ref_prompt), = hf.sample(k, [dict(prompt=PROMPT, num_samples=1, params=params,
+                                                   want_prompt_logprobs=True)])
         assert replies[k].tokens == ref[0], k
         np.testing.assert_allclose(replies[k].logprobs, ref[1], rtol=1e-4, atol=1e-5)
         lps = samplers[k].compute_logprobs(prompt).result()
@@ -124,10 +125,13 @@ def test_the_vllm_sampler_refuses_what_it_cannot_serve_by_flag(tmp_path, capsys)
 
 def test_the_sampling_bench_times_both_samplers():
     """python -m tools.bench tinker_sampling --quick: both samplers' servers start, sample
-    (one session; four at once) and report their medians."""
+    (one session; four at once; four requests of one session one after another and at once)
+    and report their medians."""
     from tools.bench.tinker_sampling import run_tinker_sampling
 
     summary = run_tinker_sampling(True, ("hf", "vllm"), 1).summary["tinker_sampling"]
     assert sorted(summary) == ["hf", "vllm"]
     for times in summary.values():
-        assert 0 < times["one_session_s"] and 0 < times["all_sessions_s"]
+        assert sorted(times) == ["all_sessions_s", "one_session_s", "requests_sequential_s",
+                                 "requests_together_s"]
+        assert all(t > 0 for t in times.values())

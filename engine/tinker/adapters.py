@@ -77,10 +77,10 @@ class Adapters:
                 for k in ("exp_avg", "exp_avg_sq")}}
         return out
 
-    def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
-               want_prompt_logprobs: bool) -> tuple[list, list | None]:
-        """On the root only (its sampler's `sample`)."""
-        return self.sampler.sample(adapter, prompt, num_samples, params, want_prompt_logprobs)
+    def sample(self, adapter: str | None, requests: list[dict]) -> list[tuple[list, list | None]]:
+        """On the root only (its sampler's `sample`: engine.tinker.sampler.sample_on's
+        requests, one generate call)."""
+        return self.sampler.sample(adapter, requests)
 
 
 def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

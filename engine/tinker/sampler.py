@@ -36,6 +36,7 @@ from __future__ import annotations
 from engine.api.sampling_fields import SamplingFields
 from engine.generation.base import SamplingParams
 from engine.generation.hf.backend import HFRolloutEngine
+from engine.generation.sampling import row_seeds
 from engine.tinker.lora import LoraSpec, MultiLora
 
 
@@ -61,18 +62,43 @@ def cut_at_stop_string(tokens: list[int], logprobs: list[float], reason: str,
     return tokens, logprobs, reason   # a text that appears only decoded whole
 
 
-def sample_on(engine, prompt: list[int], num_samples: int, params: dict,
-              want_prompt_logprobs: bool, decode) -> tuple[list, list | None]:
-    """([(tokens, logprobs, stop reason)] * num_samples, the prompt's log-probs or None) from a
-    generation engine (engine.generation.base.RolloutEngine) already serving the session's
-    adapter: one generate call of `num_samples` copies of the prompt, stop strings cut after,
-    the prompt scored by the engine (NaN first, the SDK's None)."""
-    generations = engine.generate([list(prompt)] * num_samples,
-                                  engine_params(params, num_samples))
-    scored = engine.score([list(prompt)])[0].logprobs if want_prompt_logprobs else None
-    seqs = [cut_at_stop_string(g.response_ids, g.response_logprobs, g.finish_reason,
-                               params["stop_strings"], decode) for g in generations]
-    return seqs, ([float("nan")] + scored if scored is not None else None)
+def one_call(a: dict, b: dict) -> bool:
+    """Whether sample requests' checked params `a` and `b` can share a generate call (the
+    engine's temperature and top_p are per call; everything else is per row)."""
+    return (a["temperature"], a["top_p"]) == (b["temperature"], b["top_p"])
+
+
+def sample_on(engine, requests: list[dict], decode) -> list[tuple[list, list | None]]:
+    """Per request ([(tokens, logprobs, stop reason)] * num_samples, the prompt's log-probs or
+    None) from a generation engine (engine.generation.base.RolloutEngine) already serving the
+    session's adapter. A request: {"prompt", "num_samples", "params" (checked),
+    "want_prompt_logprobs"}; all of one `one_call` kind. One generate call covers every
+    request's num_samples copies of its prompt, each row with the seed, token bound and
+    fields it has alone (row_seeds of the request alone: a request's draws do not depend on
+    the others in the call); stop strings cut after; the wanted prompts scored by the engine
+    in one call (NaN first, the SDK's None)."""
+    prompts, seeds, limits, fields = [], [], [], []
+    for r in requests:
+        alone = engine_params(r["params"], r["num_samples"])
+        prompts += [list(r["prompt"])] * r["num_samples"]
+        seeds += row_seeds(alone, r["num_samples"])
+        limits += [alone.max_new_tokens] * r["num_samples"]
+        fields += alone.sampling
+    first, longest = requests[0]["params"], max(limits)
+    generations = engine.generate(prompts, SamplingParams(
+        max_new_tokens=longest, temperature=first["temperature"], top_p=first["top_p"],
+        seeds=seeds, row_max_new_tokens=limits if min(limits) < longest else None,
+        sampling=fields))
+    wanted = [list(r["prompt"]) for r in requests if r["want_prompt_logprobs"]]
+    scored = iter(engine.score(wanted) if wanted else [])
+    out, k = [], 0
+    for r in requests:
+        rows, k = generations[k:k + r["num_samples"]], k + r["num_samples"]
+        seqs = [cut_at_stop_string(g.response_ids, g.response_logprobs, g.finish_reason,
+                                   r["params"]["stop_strings"], decode) for g in rows]
+        out.append((seqs, [float("nan")] + next(scored).logprobs
+                    if r["want_prompt_logprobs"] else None))
+    return out
 
 
 class EngineSampler:
@@ -99,9 +125,7 @@ class EngineSampler:
     def shutdown(self) -> None:
         """Nothing to stop (the model is the process's own)."""
 
-    def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
-               want_prompt_logprobs: bool) -> tuple[list, list | None]:
+    def sample(self, adapter: str | None, requests: list[dict]) -> list[tuple[list, list | None]]:
         """`sample_on` this engine under adapter `adapter` (None: the base model)."""
         with self.lora.every_row(adapter):
-            return sample_on(self.engine, prompt, num_samples, params, want_prompt_logprobs,
-                             self.decode)
+            return sample_on(self.engine, requests, self.decode)

@@ -8,13 +8,15 @@ forever they would fill the device. So the sampler holds at most `limit` session
 (a tinker:// path) is loaded again from its file when it samples next; a released snapshot
 (no path: the SDK's ephemeral weights) answers that it was released, naming the flag and
 how to keep weights (save them with a name). Sessions of the base model hold no adapter and
-are never released. Thread-safe: the routes look sessions up, the worker loads, samples and
-releases."""
+are never released. Thread-safe: the routes look sessions up and add the base model's; the
+worker loads (`load`), finds a session's adapter to sample (`adapter_of`) and releases."""
 from __future__ import annotations
 
 import collections
 import dataclasses
 import threading
+
+from engine.tinker.lora import LoraSpec
 
 
 @dataclasses.dataclass
@@ -25,12 +27,54 @@ class SamplingSession:
     released: bool = False
 
 
+class Released(ValueError):
+    """A snapshot's sampling session whose adapter was released (the message says why)."""
+
+
 class SamplingSessions:
-    def __init__(self, limit: int):
-        """`limit` >= 1: the most sessions whose adapters the sampler holds at once."""
-        self.limit = limit
+    def __init__(self, limit: int, backend, read_state, new_name):
+        """`limit` >= 1: the most sessions whose adapters the sampler holds at once;
+        `backend`: the service's Adapters (or Lockstep): `frozen` loads an adapter on the
+        sampler, `release` drops it; `read_state(owner, path)`: a saved state's dict;
+        `new_name()`: a fresh adapter name."""
+        self.limit, self.backend = limit, backend
+        self.read_state, self.new_name = read_state, new_name
         self.lock = threading.Lock()
         self.by_id: collections.OrderedDict[str, SamplingSession] = collections.OrderedDict()
+
+    def load(self, session_id: str, owner: str, spec, source: str | None = None,
+             state: dict | None = None, path: str | None = None) -> None:
+        """Session `session_id` of `owner` with a new sampler adapter of LoraSpec `spec`:
+        training adapter `source`'s current weights (a snapshot) or `state`'s, read from
+        `path`; the least recently used others beyond the limit released."""
+        adapter = self.new_name()
+        self.backend.frozen(adapter, spec, state=state, source=source)
+        self._release(self.add(session_id, SamplingSession(owner, adapter, path)))
+
+    def adapter_of(self, session_id: str | None) -> str | None:
+        """The sampler adapter to sample session `session_id` with (None: the base model),
+        loaded again from its path if it was released (Released: a snapshot's); the session
+        becomes the most recently used."""
+        if session_id is None:
+            return None
+        session = self.get(session_id)
+        if session.released and session.path is None:
+            raise Released(
+                f"sampling_session_id {session_id!r}: its weights were released, the server "
+                f"holding the {self.limit} most recently used sampling sessions' weights "
+                "(--max-samplers); save_weights_for_sampler with a name keeps them at a path, "
+                "which loads again when needed")
+        reload = None
+        if session.released:
+            state = self.read_state(session.owner, session.path)
+            reload = self.new_name()
+            self.backend.frozen(reload, LoraSpec(**state["spec"]), state=state)
+        self._release(self.used(session_id, reload))
+        return session.adapter
+
+    def _release(self, adapters: list[str]) -> None:
+        for adapter in adapters:
+            self.backend.release(adapter)
 
     def get(self, session_id: str) -> SamplingSession | None:
         with self.lock:

@@ -9,7 +9,10 @@ the futures and the work queue. Every request that touches the model is queued a
 answered with a future id at once; the worker thread runs the queue in arrival order, but
 forward / forward_backward items queued together (within `batch_wait_s` of the first) run as
 one batch through the base model (engine.tinker.compute.run_losses), each row with its own
-adapter. A model's optimizer state and gradient accumulators belong to its adapter alone.
+adapter; likewise sample requests of one sampling session (with one temperature and top_p)
+queued together run as one generate call of the sampler (engine.tinker.sampler.sample_on,
+each request's rows seeded as alone), up to MAX_SAMPLE_ROWS rows. A model's optimizer state
+and gradient accumulators belong to its adapter alone.
 The queue is bounded (`QueueFull`, a 429); finished futures are kept until retrieved, at most
 `max_futures` of them (the oldest first dropped): a client that went away leaves no work or
 unbounded memory behind.
@@ -38,6 +41,7 @@ from engine.tinker.futures import Future
 from engine.tinker.legacy_state import legacy_optimizer
 from engine.tinker.lora import LoraSpec, MultiLora
 from engine.tinker.ranks import OneProcess
+from engine.tinker.sampler import one_call
 from engine.tinker.samplers import SamplerSettings, make_sampler
 from engine.tinker.sampling_sessions import SamplingSession, SamplingSessions
 from engine.tinker.wire import forward_backward_output, sample_response
@@ -71,6 +75,23 @@ class TrainModel:
     steps: int = 0
 
 
+MAX_SAMPLE_ROWS = 512   # rows of one generate call that sample requests join
+
+
+def _joins(batch: list, item: tuple) -> bool:
+    """Whether queued work `item` runs in one call with `batch` (kind, payload, future)
+    items: forward_backward with forward_backward; a sample request with sample requests of
+    the same sampling session and engine.tinker.sampler.one_call params, up to
+    MAX_SAMPLE_ROWS rows."""
+    (kind, first, _), (other, payload, _) = batch[0], item
+    if kind != other:
+        return False
+    return kind == "forward_backward" or (
+        payload["session"] == first["session"] and one_call(payload["params"], first["params"])
+        and sum(p["num_samples"] for _, p, _ in batch) + payload["num_samples"]
+        <= MAX_SAMPLE_ROWS)
+
+
 class Service:
     def __init__(self, model_dir: str, name: str, state_dir: str, batch_wait_s: float = 0.01,
                  max_queue: int = 256, max_futures: int = 4096, max_context: int | None = None,
@@ -91,11 +112,13 @@ class Service:
         self.batch_wait_s, self.max_futures = batch_wait_s, max_futures
         self.sessions: dict[str, str] = {}
         self.models: dict[str, TrainModel] = {}
-        self.samplers = SamplingSessions(max_samplers)
+        self.samplers = SamplingSessions(max_samplers, self.backend, self.read_state,
+                                         lambda: f"s{next(self.counter)}")
         self.futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self.lock, self.counter = threading.Lock(), itertools.count()
         self.work: queue.Queue = queue.Queue(maxsize=max_queue)
         self.batches: list[int] = []   # rows per forward batch run (for tests and the bench)
+        self.sample_batches: list[int] = []   # rows per generate call (likewise)
         self.worker = threading.Thread(target=self._run, daemon=True, name="tinker-worker")
         release_thread_team()   # the model was built here; the worker computes (parallel.openmp)
         self.worker.start()
@@ -169,12 +192,12 @@ class Service:
         while True:
             batch = [self.work.get()]
             try:
-                if batch[0][0] == "forward_backward":
+                if batch[0][0] in ("forward_backward", "sample"):
                     time.sleep(self.batch_wait_s)
-                    while True:   # the forward_backward items queued behind it, in order
+                    while True:   # the items queued behind it that join it, in order
                         with self.work.mutex:
                             head = self.work.queue[0] if self.work.queue else None
-                        if head is None or head[0] != "forward_backward":
+                        if head is None or not _joins(batch, head):
                             break
                         batch.append(self.work.get_nowait())
                 self._execute(batch)
@@ -185,8 +208,8 @@ class Service:
     def _execute(self, batch: list) -> None:
         """Run one work item, or a batch of forward_backward items (`_forward_backward`), and
         resolve its futures; an error fails the item's future with the message."""
-        if batch[0][0] == "forward_backward":
-            self._forward_backward(batch)
+        if batch[0][0] in ("forward_backward", "sample"):
+            getattr(self, f"_{batch[0][0]}")(batch)
             return
         kind, payload, future = batch[0]
         try:
@@ -280,46 +303,33 @@ class Service:
         return {"type": "load_weights", "path": path}
 
     def _do_snapshot(self, owner: str, model: TrainModel, sampling_session_id: str) -> dict:
-        adapter = f"s{next(self.counter)}"
-        self.backend.frozen(adapter, model.spec, source=model.adapter)
-        self._release(self.samplers.add(sampling_session_id, SamplingSession(owner, adapter)))
+        self.samplers.load(sampling_session_id, owner, model.spec, source=model.adapter)
         return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_session_id}
 
     def _do_sampler_from_path(self, owner: str, state: dict, sampling_session_id: str,
                               path: str) -> dict:
-        adapter = f"s{next(self.counter)}"
-        self.backend.frozen(adapter, LoraSpec(**state["spec"]), state=state)
-        self._release(self.samplers.add(sampling_session_id,
-                                        SamplingSession(owner, adapter, path)))
+        self.samplers.load(sampling_session_id, owner, LoraSpec(**state["spec"]), state=state,
+                           path=path)
         return {}
 
-    def _do_sample(self, session: str | None, prompt: list[int], num_samples: int,
-                   params: dict, want_prompt_logprobs: bool) -> bytes:
-        """`session`: the sampling session's id (None: the base model). A released session
-        made from a path loads its weights again (engine.tinker.sampling_sessions)."""
-        adapter = None
-        if session is not None:
-            s = self.samplers.get(session)
-            if s.released and s.path is None:
-                raise NotFound(
-                    f"sampling_session_id {session!r}: its weights were released, the server "
-                    f"holding the {self.samplers.limit} most recently used sampling sessions' "
-                    "weights (--max-samplers); save_weights_for_sampler with a name keeps "
-                    "them at a path, which loads again when needed")
-            reload = None
-            if s.released:
-                state = self.read_state(s.owner, s.path)
-                reload = f"s{next(self.counter)}"
-                self.backend.frozen(reload, LoraSpec(**state["spec"]), state=state)
-            self._release(self.samplers.used(session, reload))
-            adapter = s.adapter
-        seqs, lps = self.backend.sample(adapter, prompt, num_samples, params,
-                                        want_prompt_logprobs)
-        return sample_response(seqs, lps)
-
-    def _release(self, adapters: list[str]) -> None:
-        for adapter in adapters:
-            self.backend.release(adapter)
+    def _sample(self, batch) -> None:
+        """One generate call for every sample request of `batch` (one sampling session, one
+        temperature and top_p: `_joins`; engine.tinker.sampler.sample_on). If it fails, each
+        request runs again alone, so one request's failure fails only its own future."""
+        try:
+            adapter = self.samplers.adapter_of(batch[0][1]["session"])
+            results = self.backend.sample(adapter, [
+                {k: v for k, v in p.items() if k != "session"} for _, p, _ in batch])
+        except Exception as e:
+            if len(batch) > 1:
+                for item in batch:
+                    self._sample([item])
+            else:
+                batch[0][2].fail(_message(e))
+            return
+        self.sample_batches.append(sum(p["num_samples"] for _, p, _ in batch))
+        for (_, _, future), (seqs, lps) in zip(batch, results):
+            future.resolve(sample_response(seqs, lps))
 
 
 def transformers_backend(model_dir: str, tokenizer, sampler: SamplerSettings) -> Adapters:

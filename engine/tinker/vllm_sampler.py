@@ -86,13 +86,11 @@ class VllmSampler:
             self.engine.llm.llm_engine.remove_lora(request.lora_int_id)
         shutil.rmtree(request.lora_path, ignore_errors=True)
 
-    def sample(self, adapter: str | None, prompt: list[int], num_samples: int, params: dict,
-               want_prompt_logprobs: bool) -> tuple[list, list | None]:
+    def sample(self, adapter: str | None, requests: list[dict]) -> list[tuple[list, list | None]]:
         """engine.tinker.sampler.sample_on vLLM with the adapter's LoRARequest."""
         self.engine.serving = self.requests[adapter] if adapter is not None else None
         try:
-            return sample_on(self.engine, prompt, num_samples, params, want_prompt_logprobs,
-                             self.decode)
+            return sample_on(self.engine, requests, self.decode)
         finally:
             self.engine.serving = None
 

@@ -5,8 +5,10 @@ session), both servers started one after the other by this script on the same mo
 MODELS LoRA models (rank RANK on every linear and lm_head) of the official `tinker` SDK are each
 saved for sampling; a round times (a) one session's `sample` of SAMPLES continuations of
 NEW_TOKENS tokens after a PROMPT-token prompt, (b) the MODELS sessions' samples in flight at
-once (vLLM batches them; the hf sampler runs them one after another). The median over REPEATS
-rounds after one warm-up. The model: tools.bench.tinker_batching's (a Qwen3-shaped fp32 model,
+once (vLLM batches them; the hf sampler runs them one after another), (c) MODELS requests of
+one session (other prompts, as an RL loop sends a step's prompts) one after another and
+(d) the same in flight at once (the service runs them as one generate call: engine.tinker
+.service's sample batching). The median over REPEATS rounds after one warm-up. The model: tools.bench.tinker_batching's (a Qwen3-shaped fp32 model,
 hidden 384; `--quick`: its small one).
 
     python -m tools.bench tinker_sampling [--quick] [--samplers hf,vllm] [--repeats N]
@@ -40,19 +42,30 @@ def _rounds(url: str, vocab: int, repeats: int, new_tokens: int) -> dict[str, li
                 .save_weights_and_get_sampling_client().result() for i in range(MODELS)]
     rng = random.Random(0)
     prompt = types.ModelInput.from_ints([rng.randrange(4, vocab) for _ in range(PROMPT)])
-    times = {"one": [], "all": []}
+    prompts = [types.ModelInput.from_ints([rng.randrange(4, vocab) for _ in range(PROMPT)])
+               for _ in range(MODELS)]
+    times = {"one": [], "all": [], "requests_sequential": [], "requests_together": []}
     for r in range(repeats + 1):   # round 0: the warm-up
         params = types.SamplingParams(max_tokens=new_tokens, seed=r, stop=[])
+        got = {}
         start = time.perf_counter()
         sessions[0].sample(prompt, SAMPLES, params).result()
-        one = time.perf_counter() - start
+        got["one"] = time.perf_counter() - start
         start = time.perf_counter()
-        futures = [s.sample(prompt, SAMPLES, params) for s in sessions]
-        for f in futures:
+        for f in [s.sample(prompt, SAMPLES, params) for s in sessions]:
             f.result()
+        got["all"] = time.perf_counter() - start
+        start = time.perf_counter()
+        for p in prompts:
+            sessions[0].sample(p, SAMPLES, params).result()
+        got["requests_sequential"] = time.perf_counter() - start
+        start = time.perf_counter()
+        for f in [sessions[0].sample(p, SAMPLES, params) for p in prompts]:
+            f.result()
+        got["requests_together"] = time.perf_counter() - start
         if r:
-            times["one"].append(one)
-            times["all"].append(time.perf_counter() - start)
+            for k, v in got.items():
+                times[k].append(v)
     return times
 
 
@@ -79,10 +92,16 @@ def run_tinker_sampling(quick: bool, samplers: tuple[str, ...], repeats: int) ->
     table = Table(
         f"Tinker sampling: {SAMPLES} x {new_tokens} tokens after a {PROMPT}-token prompt per "
         f"session, LoRA rank {RANK}, hidden {shape['hidden']}, median of {repeats} rounds",
-        ["sampler", "one session (s)", f"{MODELS} sessions at once (s)"],
-        [[s, fmt(median(t["one"])), fmt(median(t["all"]))] for s, t in results.items()])
+        ["sampler", "one session (s)", f"{MODELS} sessions at once (s)",
+         f"{MODELS} requests of one session, one after another (s)",
+         "the same at once (s)"],
+        [[s, *(fmt(median(t[k])) for k in ("one", "all", "requests_sequential",
+                                            "requests_together"))]
+         for s, t in results.items()])
     return BenchResult([table], {"tinker_sampling": {
-        s: {"one_session_s": median(t["one"]), "all_sessions_s": median(t["all"])}
+        s: {"one_session_s": median(t["one"]), "all_sessions_s": median(t["all"]),
+            "requests_sequential_s": median(t["requests_sequential"]),
+            "requests_together_s": median(t["requests_together"])}
         for s, t in results.items()}})
 
 
