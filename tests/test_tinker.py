@@ -551,8 +551,9 @@ def test_sampling_runs_on_the_engine_and_equals_a_plain_loop(server):
                   stop_ids=stop_ids, stop_strings=[])
     calls = sampler.engine.num_generate_calls
     try:
-        (seqs, prompt_lps), = sampler.sample("probe", [dict(
-            prompt=prompt, num_samples=8, params=params, want_prompt_logprobs=True)])
+        (seqs, prompt_lps), = sampler.sample([dict(
+            adapter="probe", prompt=prompt, num_samples=8, params=params,
+            want_prompt_logprobs=True)])
     finally:
         sampler.lora.remove("probe")
     assert sampler.engine.num_generate_calls == calls + 1
@@ -620,6 +621,52 @@ def test_sample_requests_in_flight_together_run_as_one_generate_call_each_as_alo
         wrong = engine.engine.generate(prompts, SamplingParams(max_new_tokens=8, seed=1))
     merged = [s.tokens for t in together for s in t.sequences]
     assert sum(w.response_ids[:len(m)] != m for w, m in zip(wrong, merged)) >= 4
+
+
+def test_several_sessions_sample_requests_share_one_generate_call(server, monkeypatch):
+    """Sample requests of two trained models' sessions and the base model's, sent together,
+    run as one generate call with each row on its own session's adapter (MultiLora.per_row;
+    the prefill one batch forward: HFRolloutEngine.rows_differ), and each request's replies
+    equal those it gets alone: the same tokens, log-probs within rounding (the batch
+    prefill's padding against the shared prefill alone). Control: every row on the first
+    request's adapter (the per-row plan dropped) changes the other sessions' replies."""
+    service = server["service"]
+    sc = _client(server)
+    sessions = []
+    for seed in (3, 4):
+        tc = sc.create_lora_training_client(base_model="llama", rank=4, seed=seed).result()
+        tc.forward_backward(SFT, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=0.1)).result()
+        sessions.append(tc.save_weights_and_get_sampling_client().result())
+    sessions.append(sc.create_sampling_client(base_model="llama"))
+    asks = [(sessions[0], [5, 6, 7], 2, 1), (sessions[1], [8, 9, 10, 11], 2, 2),
+            (sessions[2], [12, 13], 1, 3), (sessions[1], [14, 15, 16], 1, 4)]
+
+    def send(k):
+        client, prompt, n, seed = asks[k]
+        return client.sample(types.ModelInput.from_ints(prompt), n, types.SamplingParams(
+            max_tokens=6, seed=seed, stop=[]), include_prompt_logprobs=k == 1)
+
+    def together():
+        calls = len(service.sample_batches)
+        wait, service.batch_wait_s = service.batch_wait_s, 1.0
+        try:
+            out = [f.result() for f in [send(k) for k in range(len(asks))]]
+        finally:
+            service.batch_wait_s = wait
+        assert service.sample_batches[calls:] == [6]   # 2 + 2 + 1 + 1 rows, one call
+        return out
+    alone = [send(k).result() for k in range(len(asks))]
+    for a, t in zip(alone, together()):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in t.sequences]
+        for sa, st in zip(a.sequences, t.sequences):
+            np.testing.assert_allclose(st.logprobs, sa.logprobs, rtol=1e-5, atol=1e-6)
+    sampler = service.sample_engine
+    monkeypatch.setattr(sampler, "rows_of", lambda names: sampler.lora.every_row(names[0]))
+    wrong = together()
+    assert [s.tokens for s in wrong[0].sequences] == [s.tokens for s in alone[0].sequences]
+    assert sum([s.tokens for s in w.sequences] != [s.tokens for s in a.sequences]
+               for w, a in zip(wrong[1:], alone[1:])) >= 2
 
 
 def test_a_stop_string_cuts_the_reply_where_it_first_appears():

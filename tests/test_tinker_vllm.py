@@ -77,8 +77,8 @@ def test_vllm_sampling_equals_the_hf_sampler_on_each_adapter(server):
                   stop_strings=[])
     for k, v in specs.items():
         hf.load(k, LoraSpec(**v), tensors[k])
-        ((ref,), ref_prompt), = hf.sample(k, [dict(prompt=PROMPT, num_samples=1, params=params,
-                                                   want_prompt_logprobs=True)])
+        ((ref,), ref_prompt), = hf.sample([dict(adapter=k, prompt=PROMPT, num_samples=1,
+                                                params=params, want_prompt_logprobs=True)])
         assert replies[k].tokens == ref[0], k
         np.testing.assert_allclose(replies[k].logprobs, ref[1], rtol=1e-4, atol=1e-5)
         lps = samplers[k].compute_logprobs(prompt).result()

@@ -77,10 +77,10 @@ class Adapters:
                 for k in ("exp_avg", "exp_avg_sq")}}
         return out
 
-    def sample(self, adapter: str | None, requests: list[dict]) -> list[tuple[list, list | None]]:
+    def sample(self, requests: list[dict]) -> list[tuple[list, list | None]]:
         """On the root only (its sampler's `sample`: engine.tinker.sampler.sample_on's
-        requests, one generate call)."""
-        return self.sampler.sample(adapter, requests)
+        requests, each with its adapter)."""
+        return self.sampler.sample(requests)
 
 
 def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -81,11 +81,12 @@ def initial_tensors(spec: LoraSpec, shapes: dict[str, tuple[int, int]]
 
 class RowPlan:
     """Which tokens of a batch each adapter owns (MultiLora.assign): row b takes adapter
-    names[b] (None: base only) on its first lengths[b] tokens. `positions(seq)`: per adapter,
-    in the order of its first row, the flat positions (b * seq + t) of its rows' real tokens;
-    computed once per padded length and shared by every wrapped linear of the forward."""
+    names[b] (None: base only) on its first lengths[b] tokens (lengths None: all of them, as
+    MultiLora.per_row plans generation). `positions(seq)`: per adapter, in the order of its
+    first row, the flat positions (b * seq + t) of its rows' real tokens; computed once per
+    padded length and shared by every wrapped linear of the forward."""
 
-    def __init__(self, names: list[str | None], lengths: list[int]):
+    def __init__(self, names: list[str | None], lengths: list[int] | None):
         self.names, self.lengths = names, lengths
         self._cache: dict[int, list[tuple[str, torch.Tensor]]] = {}
 
@@ -97,8 +98,8 @@ class RowPlan:
                 if name is not None:
                     rows.setdefault(name, []).append(b)
             self._cache[seq] = [
-                (name, torch.cat([torch.arange(b * seq, b * seq + self.lengths[b])
-                                  for b in bs]).to(device))
+                (name, torch.cat([torch.arange(b * seq, b * seq + (
+                    seq if self.lengths is None else self.lengths[b])) for b in bs]).to(device))
                 for name, bs in rows.items()]
         return self._cache[seq]
 
@@ -273,6 +274,18 @@ class MultiLora:
         samples one user's adapter (engine.tinker.sampler), padding and prefill batches
         included (a pad's product is computed and never read)."""
         self._plan(AllRows(adapter) if adapter is not None else None)
+        try:
+            yield
+        finally:
+            self._plan(None)
+
+    @contextlib.contextmanager
+    def per_row(self, names: list[str | None]):
+        """Within the block every forward runs row b with adapter names[b] (None: the base
+        model) on all its positions: how a generation engine samples several users' adapters
+        in one batch (engine.tinker.sampler; the batch's rows stay in place through decoding,
+        and pads' products are computed and never read)."""
+        self._plan(RowPlan(names, None))
         try:
             yield
         finally:

@@ -33,6 +33,8 @@ under the same adapter (temperature 1), NaN for the first token (the SDK's None)
 vLLM LoRARequest (engine.tinker.vllm_sampler); engine.tinker.samplers builds either."""
 from __future__ import annotations
 
+import contextlib
+
 from engine.api.sampling_fields import SamplingFields
 from engine.generation.base import SamplingParams
 from engine.generation.hf.backend import HFRolloutEngine
@@ -68,29 +70,33 @@ def one_call(a: dict, b: dict) -> bool:
     return (a["temperature"], a["top_p"]) == (b["temperature"], b["top_p"])
 
 
-def sample_on(engine, requests: list[dict], decode) -> list[tuple[list, list | None]]:
+def sample_on(engine, requests: list[dict], decode, rows_of) -> list[tuple[list, list | None]]:
     """Per request ([(tokens, logprobs, stop reason)] * num_samples, the prompt's log-probs or
-    None) from a generation engine (engine.generation.base.RolloutEngine) already serving the
-    session's adapter. A request: {"prompt", "num_samples", "params" (checked),
-    "want_prompt_logprobs"}; all of one `one_call` kind. One generate call covers every
-    request's num_samples copies of its prompt, each row with the seed, token bound and
-    fields it has alone (row_seeds of the request alone: a request's draws do not depend on
-    the others in the call); stop strings cut after; the wanted prompts scored by the engine
-    in one call (NaN first, the SDK's None)."""
-    prompts, seeds, limits, fields = [], [], [], []
+    None) from a generation engine (engine.generation.base.RolloutEngine). A request:
+    {"adapter", "prompt", "num_samples", "params" (checked), "want_prompt_logprobs"}; all of
+    one `one_call` kind. `rows_of(names)`: a context in which the engine's batch row b runs
+    adapter names[b] (None: the base model). One generate call covers every request's
+    num_samples copies of its prompt, each row with the seed, token bound and fields it has
+    alone (row_seeds of the request alone: a request's draws do not depend on the others in
+    the call); stop strings cut after; the wanted prompts scored by the engine in one call
+    (NaN first, the SDK's None)."""
+    prompts, names, seeds, limits, fields = [], [], [], [], []
     for r in requests:
         alone = engine_params(r["params"], r["num_samples"])
         prompts += [list(r["prompt"])] * r["num_samples"]
+        names += [r["adapter"]] * r["num_samples"]
         seeds += row_seeds(alone, r["num_samples"])
         limits += [alone.max_new_tokens] * r["num_samples"]
         fields += alone.sampling
     first, longest = requests[0]["params"], max(limits)
-    generations = engine.generate(prompts, SamplingParams(
-        max_new_tokens=longest, temperature=first["temperature"], top_p=first["top_p"],
-        seeds=seeds, row_max_new_tokens=limits if min(limits) < longest else None,
-        sampling=fields))
-    wanted = [list(r["prompt"]) for r in requests if r["want_prompt_logprobs"]]
-    scored = iter(engine.score(wanted) if wanted else [])
+    with rows_of(names):
+        generations = engine.generate(prompts, SamplingParams(
+            max_new_tokens=longest, temperature=first["temperature"], top_p=first["top_p"],
+            seeds=seeds, row_max_new_tokens=limits if min(limits) < longest else None,
+            sampling=fields))
+    wanted = [r for r in requests if r["want_prompt_logprobs"]]
+    with rows_of([r["adapter"] for r in wanted]):
+        scored = iter(engine.score([list(r["prompt"]) for r in wanted]) if wanted else [])
     out, k = [], 0
     for r in requests:
         rows, k = generations[k:k + r["num_samples"]], k + r["num_samples"]
@@ -125,7 +131,22 @@ class EngineSampler:
     def shutdown(self) -> None:
         """Nothing to stop (the model is the process's own)."""
 
-    def sample(self, adapter: str | None, requests: list[dict]) -> list[tuple[list, list | None]]:
-        """`sample_on` this engine under adapter `adapter` (None: the base model)."""
-        with self.lora.every_row(adapter):
-            return sample_on(self.engine, requests, self.decode)
+    def sample(self, requests: list[dict]) -> list[tuple[list, list | None]]:
+        """`sample_on` this engine, each request with its adapter (None: the base model)."""
+        return sample_on(self.engine, requests, self.decode, self.rows_of)
+
+    @contextlib.contextmanager
+    def rows_of(self, names: list[str | None]):
+        """Row b runs adapter names[b]: one adapter on every row (MultiLora.every_row, the
+        engine's shared prefill kept), else per row (MultiLora.per_row; the prefill one batch
+        forward: HFRolloutEngine.rows_differ)."""
+        if len(set(names)) <= 1:
+            with self.lora.every_row(names[0] if names else None):
+                yield
+            return
+        self.engine.rows_differ = True
+        try:
+            with self.lora.per_row(names):
+                yield
+        finally:
+            self.engine.rows_differ = False

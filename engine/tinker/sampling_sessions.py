@@ -51,6 +51,17 @@ class SamplingSessions:
         self.backend.frozen(adapter, spec, state=state, source=source)
         self._release(self.add(session_id, SamplingSession(owner, adapter, path)))
 
+    def adapters_of(self, session_ids: list[str | None]) -> dict:
+        """{session: `adapter_of` it} for the sessions of one generate call (at most `limit`
+        of them): all become the most recently used first, so loading one again never
+        releases another of the call."""
+        with self.lock:
+            for session_id in session_ids:
+                session = self.by_id.get(session_id)
+                if session is not None and not (session.released and session.path is None):
+                    self.by_id.move_to_end(session_id)
+        return {session_id: self.adapter_of(session_id) for session_id in session_ids}
+
     def adapter_of(self, session_id: str | None) -> str | None:
         """The sampler adapter to sample session `session_id` with (None: the base model),
         loaded again from its path if it was released (Released: a snapshot's); the session

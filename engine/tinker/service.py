@@ -9,9 +9,10 @@ the futures and the work queue. Every request that touches the model is queued a
 answered with a future id at once; the worker thread runs the queue in arrival order, but
 forward / forward_backward items queued together (within `batch_wait_s` of the first) run as
 one batch through the base model (engine.tinker.compute.run_losses), each row with its own
-adapter; likewise sample requests of one sampling session (with one temperature and top_p)
-queued together run as one generate call of the sampler (engine.tinker.sampler.sample_on,
-each request's rows seeded as alone), up to MAX_SAMPLE_ROWS rows. A model's optimizer state
+adapter; likewise sample requests (with one temperature and top_p) queued together run as
+one generate call of the sampler, each row with its sampling session's adapter
+(engine.tinker.sampler.sample_on, each request's rows seeded as alone), up to
+MAX_SAMPLE_ROWS rows. A model's optimizer state
 and gradient accumulators belong to its adapter alone.
 The queue is bounded (`QueueFull`, a 429); finished futures are kept until retrieved, at most
 `max_futures` of them (the oldest first dropped): a client that went away leaves no work or
@@ -78,18 +79,20 @@ class TrainModel:
 MAX_SAMPLE_ROWS = 512   # rows of one generate call that sample requests join
 
 
-def _joins(batch: list, item: tuple) -> bool:
+def _joins(batch: list, item: tuple, max_sessions: int) -> bool:
     """Whether queued work `item` runs in one call with `batch` (kind, payload, future)
     items: forward_backward with forward_backward; a sample request with sample requests of
-    the same sampling session and engine.tinker.sampler.one_call params, up to
-    MAX_SAMPLE_ROWS rows."""
+    engine.tinker.sampler.one_call params, up to MAX_SAMPLE_ROWS rows and `max_sessions`
+    sampling sessions (all of whose adapters the sampler then holds at once)."""
     (kind, first, _), (other, payload, _) = batch[0], item
     if kind != other:
         return False
-    return kind == "forward_backward" or (
-        payload["session"] == first["session"] and one_call(payload["params"], first["params"])
-        and sum(p["num_samples"] for _, p, _ in batch) + payload["num_samples"]
-        <= MAX_SAMPLE_ROWS)
+    if kind == "forward_backward":
+        return True
+    sessions = {p["session"] for _, p, _ in batch} | {payload["session"]}
+    return one_call(payload["params"], first["params"]) and len(sessions) <= max_sessions \
+        and sum(p["num_samples"] for _, p, _ in batch) + payload["num_samples"] \
+        <= MAX_SAMPLE_ROWS
 
 
 class Service:
@@ -197,7 +200,7 @@ class Service:
                     while True:   # the items queued behind it that join it, in order
                         with self.work.mutex:
                             head = self.work.queue[0] if self.work.queue else None
-                        if head is None or not _joins(batch, head):
+                        if head is None or not _joins(batch, head, self.samplers.limit):
                             break
                         batch.append(self.work.get_nowait())
                 self._execute(batch)
@@ -313,13 +316,16 @@ class Service:
         return {}
 
     def _sample(self, batch) -> None:
-        """One generate call for every sample request of `batch` (one sampling session, one
-        temperature and top_p: `_joins`; engine.tinker.sampler.sample_on). If it fails, each
-        request runs again alone, so one request's failure fails only its own future."""
+        """One generate call for every sample request of `batch` (one temperature and top_p,
+        each row with its session's adapter: `_joins`; engine.tinker.sampler.sample_on). If
+        it fails, each request runs again alone, so one request's failure fails only its own
+        future."""
         try:
-            adapter = self.samplers.adapter_of(batch[0][1]["session"])
-            results = self.backend.sample(adapter, [
-                {k: v for k, v in p.items() if k != "session"} for _, p, _ in batch])
+            adapters = self.samplers.adapters_of(list(dict.fromkeys(
+                p["session"] for _, p, _ in batch)))
+            results = self.backend.sample([
+                {**{k: v for k, v in p.items() if k != "session"},
+                 "adapter": adapters[p["session"]]} for _, p, _ in batch])
         except Exception as e:
             if len(batch) > 1:
                 for item in batch:

@@ -17,6 +17,7 @@ Qwen2, Qwen3); other models are refused at start (`problem`), and a rank above
 `max_lora_rank` when the model is created (engine.tinker.routes)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import shutil
 from pathlib import Path
@@ -86,11 +87,23 @@ class VllmSampler:
             self.engine.llm.llm_engine.remove_lora(request.lora_int_id)
         shutil.rmtree(request.lora_path, ignore_errors=True)
 
-    def sample(self, adapter: str | None, requests: list[dict]) -> list[tuple[list, list | None]]:
-        """engine.tinker.sampler.sample_on vLLM with the adapter's LoRARequest."""
-        self.engine.serving = self.requests[adapter] if adapter is not None else None
+    def sample(self, requests: list[dict]) -> list[tuple[list, list | None]]:
+        """engine.tinker.sampler.sample_on vLLM, one call per adapter of `requests` (each
+        call serves one LoRARequest), the results in the requests' order."""
+        out: list = [None] * len(requests)
+        for adapter in dict.fromkeys(r["adapter"] for r in requests):
+            mine = [k for k, r in enumerate(requests) if r["adapter"] == adapter]
+            for k, result in zip(mine, sample_on(self.engine, [requests[k] for k in mine],
+                                                 self.decode, self.rows_of)):
+                out[k] = result
+        return out
+
+    @contextlib.contextmanager
+    def rows_of(self, names: list[str | None]):
+        """Every row runs adapter names[0] (`sample` calls with one adapter)."""
+        self.engine.serving = self.requests[names[0]] if names and names[0] else None
         try:
-            return sample_on(self.engine, requests, self.decode)
+            yield
         finally:
             self.engine.serving = None
 

@@ -82,8 +82,8 @@ def exercise(adapters: Adapters, control=None, reverse: bool = False, specs: dic
         adapters.frozen(f"sampler {name}", spec, source=name)
     if not adapters.ranks.root:
         return None
-    samples = {name: adapters.sample(f"sampler {name}", [dict(
-        prompt=[5, 6, 7, 8], num_samples=2, want_prompt_logprobs=True, params=dict(
+    samples = {name: adapters.sample([dict(
+        adapter=f"sampler {name}", prompt=[5, 6, 7, 8], num_samples=2, want_prompt_logprobs=True, params=dict(
             max_tokens=6, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=set(),
             stop_strings=[]))])[0] for name in specs}
     record["states"] = {name: {"adapter": _numpy(s["adapter"]), "step": s["adam"]["step"],

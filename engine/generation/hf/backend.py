@@ -94,6 +94,9 @@ class HFRolloutEngine(RolloutEngine):
     supports_images = True         # with a vision tower (engine.generation.hf.images)
     sync_quantizations = ("fp8",)  # float8 weights + scales dequantized on arrival (above)
     _routing: GateRecorder | None = None  # R3: the MoE gates' choices (enable_routed_experts)
+    # rows run different weights (the Tinker sampler's per-row LoRA adapters): the prefill is
+    # one batch forward, never engine.generation.hf.group_prefill's one per distinct prompt
+    rows_differ: bool = False
 
     @classmethod
     def routed_experts_problem(cls) -> str | None:

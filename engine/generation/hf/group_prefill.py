@@ -16,7 +16,8 @@ unless a draw falls within that rounding of a boundary (tests/test_hf_rollout.py
 
 `shared_prefill_problem` says which engines keep the batch forward: a vision tower (image
 prompts and M-RoPE positions), routed-expert recording (R3 records the prefill's gates per
-row) and layers other than full attention (a sliding-window or linear-attention layer keeps
+row), rows with different weights (`rows_differ`: the same prompt is not the same forward)
+and layers other than full attention (a sliding-window or linear-attention layer keeps
 other state than whole key/value rows).
 """
 from __future__ import annotations
@@ -34,6 +35,8 @@ def shared_prefill_problem(engine) -> str | None:
         return "a vision tower (image prompts and M-RoPE positions)"
     if engine._routing is not None:
         return "routed experts are recorded per row (R3)"
+    if engine.rows_differ:
+        return "rows run different weights (per-row LoRA adapters)"
     return static_problem(engine.model)
 
 
