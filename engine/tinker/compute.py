@@ -43,6 +43,28 @@ def forward_rows(lora, rows: list[tuple[str | None, Datum]]) -> list[torch.Tenso
     return out
 
 
+def _row_losses(items: list[dict], rows: list[tuple], mine: list[int],
+                logprobs: list[torch.Tensor], grad: bool, per_row: dict) -> torch.Tensor | None:
+    """The losses of rows `mine` (indices into `rows`, with their log-probs `logprobs`; none
+    on a pipeline stage before the last): each row's (outputs, loss) into `per_row`;
+    returns the sum of the losses of rows whose item has a backward (None: none)."""
+    total = None
+    for r, lp in zip(mine, logprobs):
+        k, _, d = rows[r]
+        item = items[k]
+        inputs = {n: t.to(lp.device) for n, t in d.inputs.items() if n != "target_tokens"}
+        loss = LOSSES[item["loss_fn"]](lp, inputs, item["config"])
+        out = {"logprobs": lp.detach().cpu().numpy().copy()}
+        if item["loss_fn"] == "cross_entropy":
+            w = inputs.get("weights")
+            out["elementwise_loss"] = (-(lp * w) if w is not None else -lp
+                                       ).detach().cpu().numpy().copy()
+        per_row[r] = (out, float(loss.detach()))
+        if item["backward"] and grad:
+            total = loss if total is None else total + loss
+    return total
+
+
 def run_losses(lora, items: list[dict], grad: bool, ranks) -> list[dict] | None:
     """One forward (and, where an item asks for it, backward) over every datum of every item.
     An item: {"adapter", "loss_fn", "config", "data": [Datum], "backward": bool}. Returns per
@@ -54,12 +76,14 @@ def run_losses(lora, items: list[dict], grad: bool, ranks) -> list[dict] | None:
     replica runs its rows (all of them on one process), the losses are sums, so the replicas'
     gradients add up to the whole batch's when optim_step sums them. A row whose loss fails
     on any rank fails the call on every rank before any backward (ranks.agree), so no replica
-    keeps a partial gradient. With pipeline stages only the last holds log-probs and losses;
-    every stage runs `lora.backward` (engine.tinker.mcore). A model whose `every_replica` is
-    true (engine.tinker.mcore under expert parallelism: the experts' all-to-alls are
-    collective over replicas) runs a forward on every replica, one IDLE_ROW where it has no
-    rows, and a backward on every replica when any replica has one to run, of a zero loss
-    where it has none of its own."""
+    keeps a partial gradient. The rows run in `lora.micro_batches` (one, except on pipeline
+    stages, where micro-batches keep every stage busy: engine.tinker.mcore); all their
+    forwards, then the agreement, then their backwards in reverse order (`lora.backward` per
+    micro-batch, on every stage; only the last stage holds log-probs and losses). A model
+    whose `every_replica` is true (engine.tinker.mcore under expert parallelism: the
+    experts' all-to-alls are collective over replicas) runs a forward on every replica, one
+    IDLE_ROW where it has no rows, and a backward on every replica when any replica has one
+    to run, of a zero loss where it has none of its own."""
     rows = [(k, item["adapter"], d) for k, item in enumerate(items) for d in item["data"]]
     mine = ranks.split([len(d.tokens) for _, _, d in rows])
     every = getattr(lora, "every_replica", False)
@@ -67,34 +91,27 @@ def run_losses(lora, items: list[dict], grad: bool, ranks) -> list[dict] | None:
     # every replica where they all must (`every`)
     backward = grad and any(items[rows[r][0]]["backward"]
                             for r in (range(len(rows)) if every else mine))
-    per_row, total, error = {}, None, None
+    batch = [(rows[r][1], rows[r][2]) for r in mine]
+    if every and not batch:   # a replica without rows still takes its part
+        batch = [(None, IDLE_ROW)]
+    per_row, totals, error = {}, [], None
     with torch.enable_grad() if grad else torch.no_grad():
-        try:
-            batch = [(rows[r][1], rows[r][2]) for r in mine]
-            if every and not batch:   # a replica without rows still takes its part
-                batch = [(None, IDLE_ROW)]
-            logprobs = forward_rows(lora, batch) if batch else []
-            for r, lp in zip(mine, logprobs):
-                k, _, d = rows[r]
-                item = items[k]
-                inputs = {n: t.to(lp.device) for n, t in d.inputs.items()
-                          if n != "target_tokens"}
-                loss = LOSSES[item["loss_fn"]](lp, inputs, item["config"])
-                out = {"logprobs": lp.detach().cpu().numpy().copy()}
-                if item["loss_fn"] == "cross_entropy":
-                    w = inputs.get("weights")
-                    out["elementwise_loss"] = (-(lp * w) if w is not None else -lp
-                                               ).detach().cpu().numpy().copy()
-                per_row[r] = (out, float(loss.detach()))
-                if item["backward"] and grad:
-                    total = loss if total is None else total + loss
-            if backward and total is None and logprobs:   # `every`: zero gradients
-                total = torch.stack([lp.sum() for lp in logprobs]).sum() * 0.0
-        except Exception as e:
-            error = e
+        # every micro-batch's forward runs on every stage even after a row's loss failed,
+        # so the stages' sends and receives stay paired
+        for lo, hi in lora.micro_batches(len(batch)):
+            try:
+                logprobs = forward_rows(lora, batch[lo:hi])
+                total = None if error is not None else _row_losses(
+                    items, rows, mine[lo:hi], logprobs, grad, per_row)
+                if backward and total is None and logprobs:   # `every`: zero gradients
+                    total = torch.stack([lp.sum() for lp in logprobs]).sum() * 0.0
+                totals.append(total)
+            except Exception as e:
+                error = error or e
         ranks.agree(error)
         if backward:
-            lora.backward(total)
+            for total in reversed(totals):   # the stages' backwards in the same order
+                lora.backward(total)
     gathered = ranks.gather(per_row)
     if gathered is None:
         return None

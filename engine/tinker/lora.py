@@ -255,6 +255,11 @@ class MultiLora:
             self.assign(None)
 
     @staticmethod
+    def micro_batches(rows: int) -> list[tuple[int, int]]:
+        """The batch's rows in one piece (engine.tinker.compute.run_losses)."""
+        return [(0, rows)] if rows else []
+
+    @staticmethod
     def backward(loss: torch.Tensor | None) -> None:
         """The backward of the last `logits` call from `loss`, where it has gradients."""
         if loss is not None and loss.requires_grad:

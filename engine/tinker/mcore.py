@@ -17,14 +17,16 @@ losses, so the backward keeps each rank's own part of the gradient, unsummed); t
 gradients, each CP rank's from its own tokens, are summed over the CP group
 (engine.tinker.mcore_ranks).
 
-With pipeline parallelism the batch is one micro-batch passed stage to stage (point-to-point
-over parallel_state's PP neighbours): each stage other than the first receives the previous
-stage's hidden states [s / cp (/ tp under SP), b, hidden] (pipeline_dtype), runs its layers
-and sends its own on; `logits` returns the logits on the last stage and None on the others.
-`backward(loss)` then runs the stages in reverse: the last from the loss, every other from
-the gradient of its output that the next stage sends back (each stage the gradient of its
-received input). The stages split the model's memory; one micro-batch per call, they do not
-overlap. Exports (`full`) and the adapters' shapes are gathered over the PP group, so a state
+With pipeline parallelism the batch's rows pass the stages in micro-batches
+(`micro_batches`: MICRO_BATCHES_PER_STAGE per stage), point-to-point over parallel_state's
+PP neighbours: each stage other than the first receives the previous stage's hidden states
+[s / cp (/ tp under SP), b, hidden] (pipeline_dtype), runs its layers and sends its own on
+without waiting for the receiver (isend), so stage k runs micro-batch j + 1 while stage
+k + 1 runs j; `logits` returns the logits on the last stage and None on the others. Once
+every micro-batch's forward has run (engine.tinker.compute), `backward(loss)` per
+micro-batch, the latest first, runs the stages in reverse: the last from the loss, every
+other from the gradient of its output that the next stage sends back (each stage sending the
+gradient of its received input), pipelined the same way (GPipe's schedule). Exports (`full`) and the adapters' shapes are gathered over the PP group, so a state
 and a seed's initial adapter are the whole model's at every layout.
 
 A MoE model's experts take no adapter (models.lora.tenants; `unadapted_mlp` says why the
@@ -51,6 +53,8 @@ from models.lora.tenants import TenantLora
 from parallel import cpu_runtime, zigzag
 from parallel.wrappers import unwrap
 
+MICRO_BATCHES_PER_STAGE = 2   # a pipelined call's micro-batches per pipeline stage
+
 def megatron_spec(spec: LoraSpec) -> MegatronSpec:
     """A Tinker LoraConfig as models.lora's spec: its targets, rank, alpha LORA_ALPHA."""
     return MegatronSpec(rank=spec.rank, alpha=LORA_ALPHA, targets=frozenset(spec.suffixes()))
@@ -70,7 +74,9 @@ class MegatronLora:
         self.sequence_parallel = sequence_parallel
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        self.pipe: tuple | None = None   # this stage's (input, output) of the last forward
+        self.pp = self.pp_group.size()
+        self.pipes: list[tuple] = []   # (input, output) of each forward awaiting its backward
+        self.sends: list[tuple] = []   # (work, tensor) of this stage's sends in flight
         # under expert parallelism every replica of an EP group runs every call's forward and
         # backward (the experts' all-to-alls are collective; engine.tinker.compute), with
         # gradients through every layer whatever its rows' adapters
@@ -142,9 +148,10 @@ class MegatronLora:
             local = self.model(tokens, positions, None)
         finally:
             self.tenants.assign(None, dev)
-        self.pipe = (received, local) if torch.is_grad_enabled() else None
+        if torch.is_grad_enabled():
+            self.pipes.append((received, local))
         if not self.last:
-            dist.send(local.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            self._send(local.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
             return None
         full = gather_from_tensor_model_parallel_region(local)
         if self.cp > 1:   # every CP rank computes the same losses: the backward splits
@@ -154,10 +161,30 @@ class MegatronLora:
                 1, zigzag.gathered_to_natural([s], self.cp).to(full.device))
         return full[:, :real, :self.vocab].float()
 
+    def micro_batches(self, rows: int) -> list[tuple[int, int]]:
+        """(first, end) row ranges of a call's `rows` (engine.tinker.compute.run_losses): on
+        pipeline stages without expert parallelism min(rows, MICRO_BATCHES_PER_STAGE x pp)
+        contiguous pieces of as equal row counts as can be, so that every stage works while
+        the others do (the forwards' and backwards' sends do not wait for their receivers);
+        one piece otherwise. The previous call's sends are complete first."""
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []
+        if not rows:
+            return []
+        m = 1 if self.pp == 1 or self.every_replica else \
+            min(rows, MICRO_BATCHES_PER_STAGE * self.pp)
+        bounds = [rows * i // m for i in range(m + 1)]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def _send(self, tensor: torch.Tensor, rank: int) -> None:
+        self.sends.append((dist.isend(tensor, rank), tensor))
+
     def backward(self, loss: torch.Tensor | None) -> None:
-        """The backward of the last `logits` call on every stage of this replica (module
-        docstring); `loss`: the last stage's (None elsewhere)."""
-        pipe, self.pipe = self.pipe, None
+        """The backward of the latest `logits` call whose backward has not run, on every
+        stage of this replica (module docstring); `loss`: the last stage's (None
+        elsewhere)."""
+        pipe = self.pipes.pop()
         if self.last:
             if loss is not None and loss.requires_grad:
                 loss.backward()
@@ -170,7 +197,7 @@ class MegatronLora:
         if not self.first:
             received = pipe[0]
             grad = received.grad if received.grad is not None else torch.zeros_like(received)
-            dist.send(grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+            self._send(grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
 
 
 def _needs_grad(module, args, output: torch.Tensor) -> torch.Tensor:
