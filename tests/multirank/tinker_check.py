@@ -174,13 +174,24 @@ def _skip_pp_norm_sum(adapters: Adapters) -> None:
 def few_rows(adapters: Adapters, specs: dict = SPECS) -> dict | None:
     """Batches with fewer rows than replicas or without a backward on some: model a's one
     cross_entropy row; a forward-only call; a's row with the base model's forward-only row;
-    an optim_step after each call with a backward. Returns on the root the losses,
-    log-probs and grad norms, and a's state."""
+    an optim_step after each call with a backward; first, a call whose first row's loss fails
+    (advantages one longer than its tokens): it raises on every rank and changes no
+    gradient, and the calls after it run as they would have (on pipeline stages its later
+    micro-batches still pass every stage). Returns on the
+    root the losses, log-probs and grad norms, whether the failing call raised, and a's
+    state."""
     adapters.create("a", specs["a"])
     one = _items(0)[0]
     one = dict(one, data=one["data"][:1])
     base = _items(0)[3]
-    record = {"losses": [], "logprobs": [], "grad_norms": []}
+    bad = dict(_items(0)[1], adapter="a")
+    bad = dict(bad, data=[_datum(list(range(5, 12)), logprobs=[-1.0] * 7,
+                                 advantages=[1.0] * 8)])
+    record = {"losses": [], "logprobs": [], "grad_norms": [], "raised": False}
+    try:
+        adapters.run_losses([bad, one, dict(one, data=one["data"] * 3)], True)
+    except Exception:
+        record["raised"] = True
     for items, grad in (([one], True), ([base], False), ([one, base], True)):
         results = adapters.run_losses(items, grad)
         if grad:
