@@ -11,9 +11,9 @@ forward / forward_backward items queued together (within `batch_wait_s` of the f
 one batch through the base model (engine.tinker.compute.run_losses), each row with its own
 adapter; likewise sample requests (with one temperature and top_p) queued together run as
 one generate call of the sampler, each row with its sampling session's adapter
-(engine.tinker.sampler.sample_on, each request's rows seeded as alone), up to
-MAX_SAMPLE_ROWS rows. A model's optimizer state
-and gradient accumulators belong to its adapter alone.
+(engine.tinker.sampler.sample_on, each request's rows seeded as alone; which requests join:
+engine.tinker.batching). A model's optimizer state and gradient accumulators belong to its
+adapter alone.
 The queue is bounded (`QueueFull`, a 429); finished futures are kept until retrieved, at most
 `max_futures` of them (the oldest first dropped): a client that went away leaves no work or
 unbounded memory behind.
@@ -42,7 +42,7 @@ from engine.tinker.futures import Future
 from engine.tinker.legacy_state import legacy_optimizer
 from engine.tinker.lora import LoraSpec, MultiLora
 from engine.tinker.ranks import OneProcess
-from engine.tinker.sampler import one_call
+from engine.tinker.batching import joins
 from engine.tinker.samplers import SamplerSettings, make_sampler
 from engine.tinker.sampling_sessions import SamplingSession, SamplingSessions
 from engine.tinker.wire import forward_backward_output, sample_response
@@ -74,25 +74,6 @@ class TrainModel:
     adapter: str
     spec: LoraSpec
     steps: int = 0
-
-
-MAX_SAMPLE_ROWS = 512   # rows of one generate call that sample requests join
-
-
-def _joins(batch: list, item: tuple, max_sessions: int) -> bool:
-    """Whether queued work `item` runs in one call with `batch` (kind, payload, future)
-    items: forward_backward with forward_backward; a sample request with sample requests of
-    engine.tinker.sampler.one_call params, up to MAX_SAMPLE_ROWS rows and `max_sessions`
-    sampling sessions (all of whose adapters the sampler then holds at once)."""
-    (kind, first, _), (other, payload, _) = batch[0], item
-    if kind != other:
-        return False
-    if kind == "forward_backward":
-        return True
-    sessions = {p["session"] for _, p, _ in batch} | {payload["session"]}
-    return one_call(payload["params"], first["params"]) and len(sessions) <= max_sessions \
-        and sum(p["num_samples"] for _, p, _ in batch) + payload["num_samples"] \
-        <= MAX_SAMPLE_ROWS
 
 
 class Service:
@@ -200,7 +181,7 @@ class Service:
                     while True:   # the items queued behind it that join it, in order
                         with self.work.mutex:
                             head = self.work.queue[0] if self.work.queue else None
-                        if head is None or not _joins(batch, head, self.samplers.limit):
+                        if head is None or not joins(batch, head, self.samplers.limit):
                             break
                         batch.append(self.work.get_nowait())
                 self._execute(batch)
@@ -227,14 +208,9 @@ class Service:
         gradient), so one user's failing request fails only that user's future."""
         items = [dict(p, backward=not p["forward_only"]) for _, p, _ in batch]
         rows = sum(len(i["data"]) for i in items)
-        try:
-            results = self.backend.run_losses(items, any(i["backward"] for i in items))
-        except Exception as e:
-            if len(batch) > 1:
-                for item in batch:
-                    self._forward_backward([item])
-            else:
-                batch[0][2].fail(_message(e))
+        results = self._or_each_alone(batch, self._forward_backward, lambda: (
+            self.backend.run_losses(items, any(i["backward"] for i in items))))
+        if results is None:
             return
         self.batches.append(rows)
         for (_, _, future), result in zip(batch, results):
@@ -243,6 +219,21 @@ class Service:
                 future.resolve(forward_backward_output(result["outputs"], metrics))
             except Exception as e:
                 future.fail(_message(e))
+
+    @staticmethod
+    def _or_each_alone(batch: list, again, run):
+        """run()'s results; if it raises, None, and each item of a batch of several runs
+        again alone (`again([item])`), a single item's future failing with the error: one
+        request's failure fails only its own future."""
+        try:
+            return run()
+        except Exception as e:
+            if len(batch) > 1:
+                for item in batch:
+                    again([item])
+            else:
+                batch[0][2].fail(_message(e))
+            return None
 
     def _do_create_model(self, owner: str, model_id: str, spec: LoraSpec,
                          state: dict | None = None, path: str | None = None) -> dict:
@@ -317,21 +308,17 @@ class Service:
 
     def _sample(self, batch) -> None:
         """One generate call for every sample request of `batch` (one temperature and top_p,
-        each row with its session's adapter: `_joins`; engine.tinker.sampler.sample_on). If
+        each row with its session's adapter: engine.tinker.batching; engine.tinker.sampler.sample_on). If
         it fails, each request runs again alone, so one request's failure fails only its own
         future."""
-        try:
+        def run():
             adapters = self.samplers.adapters_of(list(dict.fromkeys(
                 p["session"] for _, p, _ in batch)))
-            results = self.backend.sample([
+            return self.backend.sample([
                 {**{k: v for k, v in p.items() if k != "session"},
                  "adapter": adapters[p["session"]]} for _, p, _ in batch])
-        except Exception as e:
-            if len(batch) > 1:
-                for item in batch:
-                    self._sample([item])
-            else:
-                batch[0][2].fail(_message(e))
+        results = self._or_each_alone(batch, self._sample, run)
+        if results is None:
             return
         self.sample_batches.append(sum(p["num_samples"] for _, p, _ in batch))
         for (_, _, future), (seqs, lps) in zip(batch, results):

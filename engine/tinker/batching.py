@@ -1,0 +1,24 @@
+"""Which of the Tinker service's queued requests run together in one call of the model: the
+worker takes the first queued request and then those right behind it that `joins` admits
+(engine.tinker.service)."""
+from __future__ import annotations
+
+from engine.tinker.sampler import one_call
+
+MAX_SAMPLE_ROWS = 512   # rows of one generate call that sample requests join
+
+
+def joins(batch: list, item: tuple, max_sessions: int) -> bool:
+    """Whether queued work `item` runs in one call with `batch` (kind, payload, future)
+    items: forward_backward with forward_backward; a sample request with sample requests of
+    engine.tinker.sampler.one_call params, up to MAX_SAMPLE_ROWS rows and `max_sessions`
+    sampling sessions (all of whose adapters the sampler then holds at once)."""
+    (kind, first, _), (other, payload, _) = batch[0], item
+    if kind != other:
+        return False
+    if kind == "forward_backward":
+        return True
+    sessions = {p["session"] for _, p, _ in batch} | {payload["session"]}
+    return one_call(payload["params"], first["params"]) and len(sessions) <= max_sessions \
+        and sum(p["num_samples"] for _, p, _ in batch) + payload["num_samples"] \
+        <= MAX_SAMPLE_ROWS
