@@ -86,7 +86,7 @@ def run_losses(lora, items: list[dict], grad: bool, ranks) -> list[dict] | None:
     to run, of a zero loss where it has none of its own."""
     rows = [(k, item["adapter"], d) for k, item in enumerate(items) for d in item["data"]]
     mine = ranks.split([len(d.tokens) for _, _, d in rows])
-    every = getattr(lora, "every_replica", False)
+    every = lora.every_replica
     # the same on every pipeline stage of a replica (all take part in the backward), and on
     # every replica where they all must (`every`)
     backward = grad and any(items[rows[r][0]]["backward"]

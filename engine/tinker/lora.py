@@ -254,6 +254,8 @@ class MultiLora:
         finally:
             self.assign(None)
 
+    every_replica = False   # one process (engine.tinker.compute.run_losses)
+
     @staticmethod
     def micro_batches(rows: int) -> list[tuple[int, int]]:
         """The batch's rows in one piece (engine.tinker.compute.run_losses)."""

@@ -26,8 +26,9 @@ k + 1 runs j; `logits` returns the logits on the last stage and None on the othe
 every micro-batch's forward has run (engine.tinker.compute), `backward(loss)` per
 micro-batch, the latest first, runs the stages in reverse: the last from the loss, every
 other from the gradient of its output that the next stage sends back (each stage sending the
-gradient of its received input), pipelined the same way (GPipe's schedule). Exports (`full`) and the adapters' shapes are gathered over the PP group, so a state
-and a seed's initial adapter are the whole model's at every layout.
+gradient of its received input), pipelined the same way (GPipe's schedule). Exports
+(`full`) and the adapters' shapes are gathered over the PP group, so a state and a seed's
+initial adapter are the whole model's at every layout.
 
 A MoE model's experts take no adapter (models.lora.tenants; `unadapted_mlp` says why the
 service refuses train_mlp) and may be spread over expert-parallel ranks (megatron's EP
@@ -54,6 +55,7 @@ from parallel import cpu_runtime, zigzag
 from parallel.wrappers import unwrap
 
 MICRO_BATCHES_PER_STAGE = 2   # a pipelined call's micro-batches per pipeline stage
+
 
 def megatron_spec(spec: LoraSpec) -> MegatronSpec:
     """A Tinker LoraConfig as models.lora's spec: its targets, rank, alpha LORA_ALPHA."""
@@ -166,10 +168,12 @@ class MegatronLora:
         pipeline stages without expert parallelism min(rows, MICRO_BATCHES_PER_STAGE x pp)
         contiguous pieces of as equal row counts as can be, so that every stage works while
         the others do (the forwards' and backwards' sends do not wait for their receivers);
-        one piece otherwise. The previous call's sends are complete first."""
+        one piece otherwise. Called at the start of each call: the previous call's sends are
+        complete first, and forwards it kept without a backward (a replica with no backward
+        row, a call that failed) are dropped."""
         for work, _ in self.sends:
             work.wait()
-        self.sends = []
+        self.sends, self.pipes = [], []
         if not rows:
             return []
         m = 1 if self.pp == 1 or self.every_replica else \
