@@ -604,7 +604,7 @@ def test_sample_requests_in_flight_together_run_as_one_generate_call_each_as_alo
         together = [f.result() for f in [send(k) for k in range(len(asks))]]
     finally:
         service.batch_wait_s = wait
-    assert service.sample_batches[calls:] == [8]   # 2 + 3 + 1 + 2 rows, one generate call
+    assert list(service.sample_batches)[calls:] == [8]   # 2 + 3 + 1 + 2 rows, one generate call
     for a, t in zip(alone, together):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in t.sequences]
         assert [s.stop_reason for s in a.sequences] == [s.stop_reason for s in t.sequences]
@@ -654,7 +654,7 @@ def test_several_sessions_sample_requests_share_one_generate_call(server, monkey
             out = [f.result() for f in [send(k) for k in range(len(asks))]]
         finally:
             service.batch_wait_s = wait
-        assert service.sample_batches[calls:] == [6]   # 2 + 2 + 1 + 1 rows, one call
+        assert list(service.sample_batches)[calls:] == [6]   # 2 + 2 + 1 + 1 rows, one call
         return out
     alone = [send(k).result() for k in range(len(asks))]
     for a, t in zip(alone, together()):

@@ -101,8 +101,8 @@ class Service:
         self.futures: collections.OrderedDict[str, Future] = collections.OrderedDict()
         self.lock, self.counter = threading.Lock(), itertools.count()
         self.work: queue.Queue = queue.Queue(maxsize=max_queue)
-        self.batches: list[int] = []   # rows per forward batch run (for tests and the bench)
-        self.sample_batches: list[int] = []   # rows per generate call (likewise)
+        # rows of the latest generate calls (tests); bounded, as everything a long run keeps
+        self.sample_batches: collections.deque[int] = collections.deque(maxlen=1024)
         self.worker = threading.Thread(target=self._run, daemon=True, name="tinker-worker")
         release_thread_team()   # the model was built here; the worker computes (parallel.openmp)
         self.worker.start()
@@ -212,7 +212,6 @@ class Service:
             self.backend.run_losses(items, any(i["backward"] for i in items))))
         if results is None:
             return
-        self.batches.append(rows)
         for (_, _, future), result in zip(batch, results):
             try:
                 metrics = dict(result["metrics"], **{"batch_rows:max": float(rows)})
