@@ -117,7 +117,7 @@ class MegatronLora:
         """Adapter `name`'s full HF tensors (or `tensors`', models.lora.tenants) over every
         stage; collective over TP and PP."""
         mine = self.tenants.full(name, tensors)
-        if self.pp_group.size() == 1:
+        if self.pp == 1:
             return mine
         mine = {k: v.detach().cpu() for k, v in mine.items()}
         return {k: v for part in _over_pp(mine, self.pp_group) for k, v in part.items()}

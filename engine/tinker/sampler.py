@@ -64,18 +64,13 @@ def cut_at_stop_string(tokens: list[int], logprobs: list[float], reason: str,
     return tokens, logprobs, reason   # a text that appears only decoded whole
 
 
-def one_call(a: dict, b: dict) -> bool:
-    """Whether sample requests' checked params `a` and `b` can share a generate call (the
-    engine's temperature and top_p are per call; everything else is per row)."""
-    return (a["temperature"], a["top_p"]) == (b["temperature"], b["top_p"])
-
-
 def sample_on(engine, requests: list[dict], decode, rows_of) -> list[tuple[list, list | None]]:
     """Per request ([(tokens, logprobs, stop reason)] * num_samples, the prompt's log-probs or
     None) from a generation engine (engine.generation.base.RolloutEngine). A request:
-    {"adapter", "prompt", "num_samples", "params" (checked), "want_prompt_logprobs"}; all of
-    one `one_call` kind. `rows_of(names)`: a context in which the engine's batch row b runs
-    adapter names[b] (None: the base model). One generate call covers every request's
+    {"adapter", "prompt", "num_samples", "params" (checked), "want_prompt_logprobs"}, all
+    with one temperature and top_p (engine.tinker.batching.one_call). `rows_of(names)`: a
+    context in which the engine's batch row b runs adapter names[b] (None: the base model).
+    One generate call covers every request's
     num_samples copies of its prompt, each row with the seed, token bound and fields it has
     alone (row_seeds of the request alone: a request's draws do not depend on the others in
     the call); stop strings cut after; the wanted prompts scored by the engine in one call

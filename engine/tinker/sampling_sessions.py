@@ -26,6 +26,11 @@ class SamplingSession:
     path: str | None = None   # the sampler weights it was made from (reloaded after a release)
     released: bool = False
 
+    @property
+    def gone(self) -> bool:
+        """Released with nothing to load it again from (a snapshot's)."""
+        return self.released and self.path is None
+
 
 class Released(ValueError):
     """A snapshot's sampling session whose adapter was released (the message says why)."""
@@ -58,7 +63,7 @@ class SamplingSessions:
         with self.lock:
             for session_id in session_ids:
                 session = self.by_id.get(session_id)
-                if session is not None and not (session.released and session.path is None):
+                if session is not None and not session.gone:
                     self.by_id.move_to_end(session_id)
         return {session_id: self.adapter_of(session_id) for session_id in session_ids}
 
@@ -69,7 +74,7 @@ class SamplingSessions:
         if session_id is None:
             return None
         session = self.get(session_id)
-        if session.released and session.path is None:
+        if session.gone:
             raise Released(
                 f"sampling_session_id {session_id!r}: its weights were released, the server "
                 f"holding the {self.limit} most recently used sampling sessions' weights "

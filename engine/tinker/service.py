@@ -306,10 +306,9 @@ class Service:
         return {}
 
     def _sample(self, batch) -> None:
-        """One generate call for every sample request of `batch` (one temperature and top_p,
-        each row with its session's adapter: engine.tinker.batching; engine.tinker.sampler.sample_on). If
-        it fails, each request runs again alone, so one request's failure fails only its own
-        future."""
+        """One generate call for every sample request of `batch` (engine.tinker.batching; each
+        row with its session's adapter: engine.tinker.sampler.sample_on). If it fails, each
+        request runs again alone, so one request's failure fails only its own future."""
         def run():
             adapters = self.samplers.adapters_of(list(dict.fromkeys(
                 p["session"] for _, p, _ in batch)))

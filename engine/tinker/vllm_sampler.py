@@ -83,8 +83,7 @@ class VllmSampler:
     def unload(self, adapter: str) -> None:
         """Drop sampler adapter `adapter`: out of vLLM's LoRA caches, its folder deleted."""
         request = self.requests.pop(adapter)
-        if getattr(self.engine, "llm", None) is not None:   # (started: it has sampled)
-            self.engine.llm.llm_engine.remove_lora(request.lora_int_id)
+        self.engine.llm.llm_engine.remove_lora(request.lora_int_id)
         shutil.rmtree(request.lora_path, ignore_errors=True)
 
     def sample(self, requests: list[dict]) -> list[tuple[list, list | None]]:

@@ -82,10 +82,11 @@ def exercise(adapters: Adapters, control=None, reverse: bool = False, specs: dic
         adapters.frozen(f"sampler {name}", spec, source=name)
     if not adapters.ranks.root:
         return None
+    greedy = dict(max_tokens=6, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=set(),
+                  stop_strings=[])
     samples = {name: adapters.sample([dict(
-        adapter=f"sampler {name}", prompt=[5, 6, 7, 8], num_samples=2, want_prompt_logprobs=True, params=dict(
-            max_tokens=6, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=set(),
-            stop_strings=[]))])[0] for name in specs}
+        adapter=f"sampler {name}", prompt=[5, 6, 7, 8], num_samples=2,
+        want_prompt_logprobs=True, params=greedy)])[0] for name in specs}
     record["states"] = {name: {"adapter": _numpy(s["adapter"]), "step": s["adam"]["step"],
                                "exp_avg": _numpy(s["adam"]["exp_avg"]),
                                "exp_avg_sq": _numpy(s["adam"]["exp_avg_sq"])}
@@ -155,20 +156,11 @@ def _skip_cp_sum(adapters: Adapters) -> None:
 
 def _skip_pp_norm_sum(adapters: Adapters) -> None:
     """Negative control: each pipeline stage clips with its own layers' gradient norm (the
-    norm's sum over PP dropped)."""
+    norm's sum over PP taken over this rank alone)."""
     import torch.distributed as dist
 
-    from engine.tinker.mcore_ranks import _squares
-
-    ranks = adapters.ranks
-
-    def stage_norm(params):
-        split = [p.grad for p in params if getattr(p, "tensor_model_parallel", False)]
-        whole = [p.grad for p in params if not getattr(p, "tensor_model_parallel", False)]
-        squares = _squares(split)
-        dist.all_reduce(squares, group=ranks.tp_group)
-        return (squares + _squares(whole)).sqrt()
-    ranks.grad_norm = stage_norm
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]   # collective
+    adapters.ranks.pp_group = alone[dist.get_rank()]
 
 
 def few_rows(adapters: Adapters, specs: dict = SPECS) -> dict | None:
